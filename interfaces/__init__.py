@@ -1,0 +1,35 @@
+"""kvkit's protocols and the value types they exchange (``kvkit.interfaces``)."""
+
+from kvkit.interfaces.allocator import BlockAllocator
+from kvkit.interfaces.callbacks import OffloadCallback
+from kvkit.interfaces.copy import CopyBackend, Region
+from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.store import RequestView, StorePolicy
+from kvkit.interfaces.types import (
+    BlockHash,
+    BlockId,
+    Direction,
+    GroupKind,
+    KVCacheSpec,
+    KVGroupSpec,
+    TransferPlan,
+    TransferResult,
+)
+
+__all__ = [
+    "BlockAllocator",
+    "BlockHash",
+    "BlockId",
+    "CopyBackend",
+    "Direction",
+    "EvictionPolicy",
+    "GroupKind",
+    "KVCacheSpec",
+    "KVGroupSpec",
+    "OffloadCallback",
+    "Region",
+    "RequestView",
+    "StorePolicy",
+    "TransferPlan",
+    "TransferResult",
+]

@@ -1,0 +1,35 @@
+"""``OffloadCallback``: hooks for every offload event (Lightning style)."""
+
+from __future__ import annotations
+
+from kvkit.interfaces.types import BlockHash, BlockId, Direction
+
+__all__ = ["OffloadCallback"]
+
+
+class OffloadCallback:
+    """Override any hook to observe a stack; every hook is a no-op here.
+
+    Callbacks observe; they are never needed for correctness, and an exception
+    raised inside one propagates to the caller (a bug in the observer is not
+    silently swallowed).
+    """
+
+    def on_lookup(self, request_id: str, gpu_hit_tokens: int, cpu_hit_tokens: int) -> None:
+        """A lookup found ``cpu_hit_tokens`` on the CPU tier beyond the GPU hit."""
+
+    def on_transfer_submitted(self, transfer_id: int, direction: Direction, num_blocks: int) -> None:
+        """A store or load of ``num_blocks`` blocks entered the step plan."""
+
+    def on_transfer_completed(self, transfer_id: int, direction: Direction, num_blocks: int,
+                              ok: bool) -> None:
+        """A transfer completed on every worker (``ok`` is ``False`` if any failed or it was abandoned)."""
+
+    def on_evict(self, tier: str, block: BlockId, block_hash: BlockHash) -> None:
+        """``tier`` (``"gpu"`` or ``"cpu"``) evicted ``block`` holding ``block_hash``."""
+
+    def on_request_finished(self, request_id: str, aborted: bool) -> None:
+        """A request finished or was aborted; its per-request state is being released."""
+
+    def on_reset(self, dropped_blocks: int) -> None:
+        """The CPU tier was emptied after draining in-flight transfers."""

@@ -1,0 +1,63 @@
+"""The ``StorePolicy`` protocol: which GPU blocks are copied to the CPU tier, and when."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+from kvkit.interfaces.types import BlockHash
+
+__all__ = ["RequestView", "StorePolicy"]
+
+
+@runtime_checkable
+class RequestView(Protocol):
+    """What a store policy may read about one request (read-only)."""
+
+    @property
+    def request_id(self) -> str:
+        """The engine's request id."""
+        ...
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]:
+        """Chained hashes of the request's full blocks so far, in order."""
+        ...
+
+    @property
+    def num_confirmed_blocks(self) -> int:
+        """Full blocks whose KV the engine confirmed computed (safe to store)."""
+        ...
+
+
+@runtime_checkable
+class StorePolicy(Protocol):
+    """Decides which confirmed GPU blocks go to the CPU tier. Decides, never acts.
+
+    The manager asks the policy, filters its answer, and builds the copies. The
+    policy names blocks by their index in the request (``0`` is the first
+    block of the prompt).
+
+    Invariants (kept by the manager whatever a policy answers):
+        * Only confirmed blocks (index ``< num_confirmed_blocks``) are stored.
+        * A hash already on the CPU tier, or with a store in flight, is not
+          stored again (deduplication across requests and steps).
+        * Indices are re-derived from the request each time, never from a
+          cursor cached across CPU evictions: a block evicted from the CPU
+          tier while still on the GPU can be stored again.
+    """
+
+    def on_computed(self, request: RequestView, start: int, stop: int) -> Iterable[int]:
+        """Blocks ``[start, stop)`` of ``request`` were just confirmed; return indices to store now."""
+        ...
+
+    def on_finished(self, request: RequestView) -> Iterable[int]:
+        """``request`` finished; return indices to store before its GPU blocks are released."""
+        ...
+
+    def writeback_target(self, gpu_free: int, gpu_blocks: int) -> int:
+        """How many of the GPU pool's next eviction candidates to keep stored ahead.
+
+        Write-back (lazy) policies return a watermark; the others return 0.
+        """
+        ...

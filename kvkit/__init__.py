@@ -1,0 +1,43 @@
+"""kvkit: compose, drive, explore and prove CPU offload tiers for paged KV caches.
+
+``import kvkit`` never imports CuPy or touches CUDA; backends load lazily
+through the registry.
+"""
+
+from kvkit import errors
+from kvkit.interfaces import (
+    BlockAllocator,
+    BlockHash,
+    BlockId,
+    CopyBackend,
+    Direction,
+    EvictionPolicy,
+    GroupKind,
+    KVCacheSpec,
+    KVGroupSpec,
+    OffloadCallback,
+    Region,
+    StorePolicy,
+    TransferPlan,
+    TransferResult,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockAllocator",
+    "BlockHash",
+    "BlockId",
+    "CopyBackend",
+    "Direction",
+    "EvictionPolicy",
+    "GroupKind",
+    "KVCacheSpec",
+    "KVGroupSpec",
+    "OffloadCallback",
+    "Region",
+    "StorePolicy",
+    "TransferPlan",
+    "TransferResult",
+    "errors",
+]

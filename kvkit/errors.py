@@ -1,0 +1,84 @@
+"""Every error kvkit raises on purpose.
+
+Each error subclasses :class:`KVKitError` *and* the built-in exception a caller
+would naturally catch (``ValueError``, ``KeyError``, ``RuntimeError``...), so
+``except ValueError`` keeps working around kvkit code. Messages quote the bad
+value. ``assert`` is reserved for kvkit's own bugs.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "ConfigError",
+    "KVKitError",
+    "OutOfBlocksError",
+    "PlanError",
+    "RefcountError",
+    "RequestStateError",
+    "SpecMismatchError",
+    "TraceFormatError",
+    "UnknownBlockError",
+    "UnknownRequestError",
+]
+
+
+class KVKitError(Exception):
+    """Base class of every error kvkit raises on purpose."""
+
+
+class OutOfBlocksError(KVKitError, MemoryError):
+    """An allocation could not be satisfied; the pool is unchanged."""
+
+
+class RefcountError(KVKitError, ValueError):
+    """A reference count would go negative, or a free block was referenced."""
+
+
+class UnknownBlockError(KVKitError, IndexError):
+    """A block id outside ``[0, num_blocks)``."""
+
+
+class UnknownRequestError(KVKitError, KeyError):
+    """A request id the manager does not know (never added, or already gone)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class RequestStateError(KVKitError, RuntimeError):
+    """A call that is not valid in the request's current state (e.g. a second finish)."""
+
+
+class ConfigError(KVKitError, ValueError):
+    """A stack configuration is invalid; the message lists every problem found."""
+
+    def __init__(self, problems: list[str] | str) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = f"{len(self.problems)} configuration problems:\n" + "\n".join(
+                f"  - {p}" for p in self.problems
+            )
+        super().__init__(message)
+
+
+class SpecMismatchError(KVKitError, ValueError):
+    """A tensor's shape, dtype or device disagrees with the ``KVCacheSpec``."""
+
+
+class PlanError(KVKitError, ValueError):
+    """A transfer plan is malformed: ids out of range, lengths differ, unknown region."""
+
+
+class BackendUnavailableError(KVKitError, RuntimeError):
+    """A registered component cannot run on this machine (missing library or device)."""
+
+
+class TraceFormatError(KVKitError, ValueError):
+    """A trace line is malformed; the message names the file, line and field."""
+
+    def __init__(self, path: str, line: int, field: str, problem: str) -> None:
+        self.path, self.line, self.field = path, line, field
+        super().__init__(f"{path}:{line}: field {field!r}: {problem}")
