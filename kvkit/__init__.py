@@ -5,6 +5,7 @@ through the registry.
 """
 
 from kvkit import errors
+from kvkit.config import StackConfig, parse_bytes
 from kvkit.interfaces import (
     BlockAllocator,
     BlockHash,
@@ -36,8 +37,10 @@ __all__ = [
     "KVGroupSpec",
     "OffloadCallback",
     "Region",
+    "StackConfig",
     "StorePolicy",
     "TransferPlan",
     "TransferResult",
     "errors",
+    "parse_bytes",
 ]

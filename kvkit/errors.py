@@ -11,9 +11,12 @@ from __future__ import annotations
 __all__ = [
     "BackendUnavailableError",
     "ConfigError",
+    "DeviceError",
+    "HashInputError",
     "KVKitError",
     "OutOfBlocksError",
     "PlanError",
+    "PoolUsageError",
     "RefcountError",
     "RequestStateError",
     "SpecMismatchError",
@@ -37,6 +40,14 @@ class RefcountError(KVKitError, ValueError):
 
 class UnknownBlockError(KVKitError, IndexError):
     """A block id outside ``[0, num_blocks)``."""
+
+
+class PoolUsageError(KVKitError, ValueError):
+    """A pool call that cannot apply: negative count, unequal lengths, a block committed twice."""
+
+
+class HashInputError(KVKitError, ValueError):
+    """Tokens, block size, salt or algorithm given to the block hasher are malformed."""
 
 
 class UnknownRequestError(KVKitError, KeyError):
@@ -74,6 +85,10 @@ class PlanError(KVKitError, ValueError):
 
 class BackendUnavailableError(KVKitError, RuntimeError):
     """A registered component cannot run on this machine (missing library or device)."""
+
+
+class DeviceError(KVKitError, RuntimeError):
+    """A CUDA driver call failed at run time; the message names the call and the error code."""
 
 
 class TraceFormatError(KVKitError, ValueError):

@@ -1,0 +1,135 @@
+"""What the GPU copy backends share: registration checks, side streams, ordering, handles.
+
+A subclass only says how one validated plan is launched on a stream
+(:meth:`GPUCopy._launch`); this base validates it first (so a bad plan
+launches nothing), orders it after ``after``, and tracks its completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+from typing_extensions import override
+
+from kvkit.backends.copy._driver import driver
+from kvkit.backends.copy._inflight import InFlight
+from kvkit.backends.copy._planner import Planner
+from kvkit.errors import PlanError, SpecMismatchError
+from kvkit.interfaces.copy import Region
+from kvkit.interfaces.types import Direction, TransferPlan
+
+__all__ = ["GPUCopy"]
+
+
+@attrs.define(eq=False)
+class GPUCopy:
+    """Base of the CUDA copy backends: stores and loads each on their own low-priority stream.
+
+    Invariants:
+        * Nothing is issued on the legacy default stream; a store reads its
+          source only after ``after`` completed.
+        * A plan is validated against the registration before anything is
+          launched; every handle is reported by :meth:`poll` exactly once, in
+          submission order.
+    """
+
+    _planner: Planner | None = attrs.field(default=None, init=False)
+    _device: torch.device | None = attrs.field(default=None, init=False)
+    _context: int = attrs.field(default=0, init=False)
+    _streams: dict[Direction, torch.cuda.Stream] = attrs.field(factory=dict, init=False)
+    _inflight: InFlight = attrs.field(factory=InFlight, init=False)
+
+    def stream(self, direction: Direction) -> torch.cuda.Stream | None:
+        """The stream copies in ``direction`` run on (``None`` before :meth:`register`)."""
+        return self._streams.get(Direction(direction))
+
+    @property
+    def planner(self) -> Planner | None:
+        """The planner of the current registration."""
+        return self._planner
+
+    @override
+    def register(self, regions: Sequence[Region]) -> None:
+        """Register the regions plans copy; replaces any earlier registration.
+
+        Raises:
+            SpecMismatchError: duplicate names, GPU tiers not on one CUDA
+                device, or a CPU tier that is not page-locked host memory.
+        """
+        devices = {r.gpu.device for r in regions}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            raise SpecMismatchError(
+                f"GPU tiers must all be on one CUDA device, got {sorted(map(str, devices))}")
+        device = devices.pop()
+        lib = driver()
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device).synchronize()  # makes the primary context current here
+            self._context = lib.current_context()
+
+            def host_address(ptr: int) -> int:
+                address = lib.device_address(ptr)
+                if address is None:
+                    name = next(r.name for r in regions if r.cpu.data_ptr() == ptr)
+                    raise SpecMismatchError(
+                        f"region {name!r}: CPU tier at {ptr:#x} is not page-locked; allocate it with "
+                        f"pin_memory=True or register it with cudaHostRegister")
+                return address
+
+            self._planner = Planner.of(regions, host_address=host_address)
+            if self._device != device:
+                least = torch.cuda.Stream.priority_range()[0]  # copies yield to the model's kernels
+                self._streams = {d: torch.cuda.Stream(device, priority=least) for d in Direction}
+                self._device = device
+            self._registered(regions)
+
+    def _registered(self, regions: Sequence[Region]) -> None:
+        """Hook: per-registration state of a subclass (called with the device current)."""
+
+    @override
+    def submit(self, plan: TransferPlan, *, after: Any = None) -> int:
+        """Validate ``plan``, order it after ``after`` and launch it; returns its handle.
+
+        Raises:
+            PlanError: nothing registered, unknown group, ids out of range or
+                repeated destination ids; nothing was launched.
+        """
+        if self._planner is None:
+            raise PlanError("no regions registered; call register() before submit()")
+        self._planner.validate(plan)
+        stream = self._streams[plan.direction]
+        with torch.cuda.device(self._device):
+            if after is not None:
+                stream.wait_event(after)
+            keep_alive = self._launch(plan, stream) if len(plan) else None
+            event = torch.cuda.Event()
+            event.record(stream)
+        return self._inflight.issue(event, keep_alive)
+
+    def _launch(self, plan: TransferPlan, stream: torch.cuda.Stream) -> Any:
+        """Enqueue every copy of validated, non-empty ``plan`` on ``stream``.
+
+        Returns what must stay alive until the copy completed.
+        """
+        raise NotImplementedError
+
+    @override
+    def poll(self) -> list[int]:
+        """Handles completed since the last call, in submission order (non-blocking)."""
+        return self._inflight.poll()
+
+    @override
+    def wait(self, handle: int) -> None:
+        """Block until ``handle`` and every earlier handle completed.
+
+        Raises:
+            PlanError: ``handle`` was never issued.
+        """
+        self._inflight.wait(handle)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if handle bookkeeping is inconsistent."""
+        self._inflight.check_invariants()
+        assert (self._planner is None) == (self._device is None) or self._device is not None

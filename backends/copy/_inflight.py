@@ -1,0 +1,65 @@
+"""FIFO bookkeeping of submitted copies: handles, completion events, buffers kept alive."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import attrs
+
+from kvkit.errors import PlanError
+
+__all__ = ["InFlight"]
+
+
+@attrs.define(eq=False)
+class InFlight:
+    """Handles ``0, 1, 2...`` in submission order, each with the event that marks its completion.
+
+    Invariants:
+        * :meth:`poll` reports every handle exactly once, in submission order,
+          and only once its event and every earlier one completed.
+        * What :meth:`issue` was asked to keep alive is released only after
+          its event completed (the device may still read it before).
+    """
+
+    _pending: collections.deque[tuple[int, Any, Any]] = attrs.field(factory=collections.deque, init=False)
+    _done: list[int] = attrs.field(factory=list, init=False)
+    _next: int = attrs.field(default=0, init=False)
+
+    def issue(self, event: Any, keep_alive: Any = None) -> int:
+        """A new handle that completes with ``event`` (a recorded ``torch.cuda.Event``)."""
+        handle = self._next
+        self._next += 1
+        self._pending.append((handle, event, keep_alive))
+        return handle
+
+    def poll(self) -> list[int]:
+        """Handles completed since the last call, in order (non-blocking)."""
+        while self._pending and self._pending[0][1].query():
+            self._done.append(self._pending.popleft()[0])
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, handle: int) -> None:
+        """Block until ``handle`` and every earlier handle completed.
+
+        Raises:
+            PlanError: ``handle`` was never issued.
+        """
+        if not 0 <= handle < self._next:
+            raise PlanError(f"unknown copy handle {handle!r}; issued 0..{self._next - 1}")
+        while self._pending and self._pending[0][0] <= handle:
+            pending = self._pending.popleft()
+            pending[1].synchronize()
+            self._done.append(pending[0])
+
+    def __len__(self) -> int:
+        """Handles not yet completed (as far as this object knows)."""
+        return len(self._pending)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if handle bookkeeping is inconsistent."""
+        order = self._done + [p[0] for p in self._pending]
+        assert order == sorted(set(order)), order
+        assert all(h < self._next for h in order), (order, self._next)

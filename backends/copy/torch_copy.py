@@ -1,0 +1,268 @@
+"""``TorchCopy``: the portable reference copy backend, built on torch indexing ops.
+
+Each plan costs a handful of torch ops per region (a gather, a copy, a
+scatter) whatever its length: index tensors are built once per plan, and a
+run of consecutive ids is sliced instead of gathered. On CUDA every op runs on
+one low-priority side stream; with both tiers in host memory (CI's stand-in
+for a GPU) the copy runs synchronously inside :meth:`TorchCopy.submit`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from typing_extensions import override
+
+from kvkit.errors import PlanError, SpecMismatchError
+from kvkit.interfaces.copy import Region
+from kvkit.interfaces.types import Direction, TransferPlan
+
+__all__ = ["TorchCopy"]
+
+# Widest first: moving int64 words instead of bytes makes index kernels ~8x cheaper.
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _as_rows(t: torch.Tensor, word: torch.dtype) -> torch.Tensor | None:
+    """``t`` as ``[num_blocks, words]`` of ``word``, or ``None`` if misaligned for it."""
+    rows = (t.unsqueeze(1) if t.dim() == 1 else t).flatten(1).view(torch.uint8)
+    k = word.itemsize
+    if rows.shape[1] % k or rows.stride(0) % k or rows.data_ptr() % k:
+        return None
+    return rows.view(word)
+
+
+@attrs.frozen(eq=False)
+class _Rows:
+    """One region's tiers as 2-D row tensors of the same word type and width."""
+
+    gpu: torch.Tensor
+    cpu: torch.Tensor
+
+    @classmethod
+    def of(cls, region: Region) -> _Rows:
+        for word in _WORDS:
+            gpu, cpu = _as_rows(region.gpu, word), _as_rows(region.cpu, word)
+            if gpu is not None and cpu is not None:
+                return cls(gpu, cpu)
+        raise AssertionError(f"uint8 rows always fit: region {region.name!r}")
+
+
+@attrs.define(eq=False)
+class _Pending:
+    """A launched CUDA copy: its completion event and the host scatters left to do."""
+
+    handle: int
+    event: torch.cuda.Event
+    # (destination rows, destination ids, pinned staging rows): scattered on the
+    # host once the event shows the device-to-host copy landed.
+    scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # Host buffers the device reads asynchronously; freed only after the event.
+    keep_alive: list[torch.Tensor]
+
+
+def _run_start(ids: np.ndarray) -> int | None:
+    """First id if ``ids`` are consecutive ascending (one slice), else ``None``."""
+    if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and (len(ids) == 1 or bool((np.diff(ids) == 1).all())):
+        return int(ids[0])
+    return None
+
+
+@attrs.define(eq=False)
+class TorchCopy:
+    """Copies block pieces with torch gathers and scatters; works on CPU tensors too.
+
+    Invariants:
+        * Handles are issued 0, 1, 2...; each is reported by :meth:`poll`
+          exactly once, in order (one stream runs every copy, FIFO).
+        * On CUDA nothing runs on the legacy default stream; a copy reads its
+          source only after ``after`` (a ``torch.cuda.Event``) completed.
+        * A rejected plan writes nothing.
+    """
+
+    _rows: dict[int, list[_Rows]] = attrs.field(factory=dict, init=False)
+    _limits: dict[int, tuple[int, int]] = attrs.field(factory=dict, init=False)
+    _stream: torch.cuda.Stream | None = attrs.field(default=None, init=False)
+    _pending: collections.deque[_Pending] = attrs.field(factory=collections.deque, init=False)
+    _done: list[int] = attrs.field(factory=list, init=False)
+    _next_handle: int = attrs.field(default=0, init=False)
+    _scratch: torch.Tensor = attrs.field(factory=lambda: torch.empty(0, dtype=torch.uint8), init=False)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Always: torch runs everywhere kvkit does."""
+        return True
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The side stream copies run on (``None`` when both tiers are host memory)."""
+        return self._stream
+
+    @override
+    def register(self, regions: Sequence[Region]) -> None:
+        """Register the regions plans copy; replaces any earlier registration.
+
+        Raises:
+            SpecMismatchError: duplicate names, GPU-tier tensors on several
+                devices, or a CPU-tier tensor not in host memory.
+        """
+        names = [r.name for r in regions]
+        if len(set(names)) != len(names):
+            raise SpecMismatchError(f"region names must be unique, got {names!r}")
+        devices = {r.gpu.device for r in regions}
+        if len(devices) > 1:
+            raise SpecMismatchError(f"GPU-tier tensors span several devices: {sorted(map(str, devices))}")
+        for r in regions:
+            if r.cpu.device.type != "cpu":
+                raise SpecMismatchError(f"region {r.name!r}: CPU tier is on {r.cpu.device}, not host memory")
+        rows: dict[int, list[_Rows]] = {}
+        limits: dict[int, tuple[int, int]] = {}
+        for r in regions:
+            rows.setdefault(r.group, []).append(_Rows.of(r))
+            gpu_max, cpu_max = limits.get(r.group, (r.gpu.shape[0], r.cpu.shape[0]))
+            limits[r.group] = (min(gpu_max, r.gpu.shape[0]), min(cpu_max, r.cpu.shape[0]))
+        device = devices.pop() if devices else torch.device("cpu")
+        if device.type == "cuda":
+            # Copies yield to the model's kernels: least priority of the device's range.
+            self._stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
+        else:
+            self._stream = None
+        self._rows, self._limits = rows, limits
+
+    def _validate(self, plan: TransferPlan) -> None:
+        if plan.group not in self._rows:
+            raise PlanError(f"no region registered for group {plan.group}; "
+                            f"registered groups: {sorted(self._rows)}")
+        gpu_limit, cpu_limit = self._limits[plan.group]
+        store = plan.direction is Direction.STORE
+        gpu_ids, cpu_ids = (plan.src, plan.dst) if store else (plan.dst, plan.src)
+        for tier, ids, limit in (("GPU", gpu_ids, gpu_limit), ("CPU", cpu_ids, cpu_limit)):
+            bad = ids[ids >= limit]
+            if len(bad):
+                raise PlanError(f"{tier} block ids out of range [0, {limit}) in group {plan.group}: "
+                                f"{bad[:8].tolist()!r}")
+        if len(np.unique(plan.dst)) != len(plan.dst):
+            values, counts = np.unique(plan.dst, return_counts=True)
+            raise PlanError(f"destination ids repeat (result would be undefined): "
+                            f"{values[counts > 1][:8].tolist()!r}")
+
+    @override
+    def submit(self, plan: TransferPlan, *, after: Any = None) -> int:
+        """Validate ``plan`` and start copying it; returns its handle.
+
+        Raises:
+            PlanError: unknown group, ids out of range or repeated destination
+                ids; nothing was launched or written.
+        """
+        self._validate(plan)
+        handle = self._next_handle
+        if self._stream is None:
+            self._launch(plan, [], [])
+            self._done.append(handle)
+        else:
+            scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            keep_alive: list[torch.Tensor] = []
+            with torch.cuda.stream(self._stream):
+                if after is not None:
+                    self._stream.wait_event(after)
+                self._launch(plan, scatters, keep_alive)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self._pending.append(_Pending(handle, event, scatters, keep_alive))
+        self._next_handle += 1
+        return handle
+
+    def _launch(self, plan: TransferPlan, scatters: list, keep_alive: list) -> None:
+        """Issue every region's copy on the current stream (host work runs now)."""
+        n = len(plan)
+        rows = self._rows[plan.group]
+        if n == 0:
+            return
+        store = plan.direction is Direction.STORE
+        src_dev = (rows[0].gpu if store else rows[0].cpu).device
+        dst_dev = (rows[0].cpu if store else rows[0].gpu).device
+        src_run, dst_run = _run_start(plan.src), _run_start(plan.dst)
+        src_idx = None if src_run is not None else torch.tensor(plan.src).to(src_dev, non_blocking=True)
+        dst_idx = None if dst_run is not None else torch.tensor(plan.dst).to(dst_dev, non_blocking=True)
+        for r in rows:
+            src, dst = (r.gpu, r.cpu) if store else (r.cpu, r.gpu)
+            dst_part = None if dst_run is None else dst[dst_run:dst_run + n]
+            # 1. The source rows: a slice when consecutive, else one gather.
+            if src_run is not None:
+                x = src[src_run:src_run + n]
+            elif dst_part is not None and src.device == dst.device:
+                torch.index_select(src, 0, src_idx, out=dst_part)  # gathered straight into place
+                continue
+            elif src.device.type == "cpu":
+                pinned = dst.device.type == "cuda"
+                x = self._host_rows(n, src, pinned=pinned)
+                torch.index_select(src, 0, src_idx, out=x)
+                if pinned:
+                    keep_alive.append(x)
+            else:
+                x = src.index_select(0, src_idx)
+            # 2. Into place: a slice when consecutive, else one scatter.
+            if dst_part is not None:
+                dst_part.copy_(x, non_blocking=True)
+            elif x.device == dst.device:
+                dst.index_copy_(0, dst_idx, x)
+            elif dst.device.type == "cpu":
+                # Device-to-host into pinned staging; the host scatter waits for the event.
+                staging = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                staging.copy_(x, non_blocking=True)
+                scatters.append((dst, dst_idx, staging))
+            else:
+                dst.index_copy_(0, dst_idx, x.to(dst.device, non_blocking=True))
+
+    def _host_rows(self, n: int, like: torch.Tensor, *, pinned: bool) -> torch.Tensor:
+        """``[n, like.shape[1]]`` host rows to gather into.
+
+        Pinned (torch's caching host allocator) when an H2D copy reads them
+        asynchronously; otherwise a reused scratch buffer, consumed before the
+        next call (fresh large allocations cost more in page faults than the copy).
+        """
+        shape, nbytes = (n, like.shape[1]), n * like.shape[1] * like.element_size()
+        if pinned:
+            return torch.empty(shape, dtype=like.dtype, pin_memory=True)
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes].view(like.dtype).view(shape)
+
+    def _complete(self, pending: _Pending) -> None:
+        for dst, idx, staging in pending.scatters:
+            dst.index_copy_(0, idx, staging)
+        self._done.append(pending.handle)
+
+    @override
+    def poll(self) -> list[int]:
+        """Handles completed since the last call, in submission order (non-blocking)."""
+        while self._pending and self._pending[0].event.query():
+            self._complete(self._pending.popleft())
+        done, self._done = self._done, []
+        return done
+
+    @override
+    def wait(self, handle: int) -> None:
+        """Block until ``handle`` and every earlier handle completed.
+
+        Raises:
+            PlanError: ``handle`` was never issued.
+        """
+        if not 0 <= handle < self._next_handle:
+            raise PlanError(f"unknown copy handle {handle!r}; issued 0..{self._next_handle - 1}")
+        while self._pending and self._pending[0].handle <= handle:
+            pending = self._pending.popleft()
+            pending.event.synchronize()
+            self._complete(pending)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if handle bookkeeping is inconsistent."""
+        order = self._done + [p.handle for p in self._pending]
+        assert order == sorted(set(order)), order
+        assert all(h < self._next_handle for h in order), (order, self._next_handle)
+        assert self._stream is not None or not self._pending, "host-only copies are synchronous"

@@ -1,0 +1,1 @@
+"""Built-in eviction policies: each decides which cached block a pool reclaims next."""

@@ -1,0 +1,37 @@
+"""Helpers shared by the built-in eviction policies (private)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from itertools import islice
+
+from kvkit.errors import PoolUsageError
+from kvkit.interfaces.types import BlockId
+
+__all__ = ["already_tracked", "check_count", "not_tracked", "take_evictable"]
+
+
+def check_count(n: int) -> None:
+    """Reject a victim count that is not a non-negative int."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise PoolUsageError(f"select_victims needs a non-negative int n, got {n!r}")
+
+
+def already_tracked(policy: object, block: BlockId) -> PoolUsageError:
+    """The error for inserting a block ``policy`` already tracks."""
+    return PoolUsageError(f"block {block!r} is already tracked by {type(policy).__name__}")
+
+
+def not_tracked(policy: object, block: BlockId) -> PoolUsageError:
+    """The error for a call naming a block ``policy`` does not track."""
+    return PoolUsageError(f"block {block!r} is not tracked by {type(policy).__name__}")
+
+
+def take_evictable(candidates: Iterable[BlockId], n: int,
+                   is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
+    """The first ``n`` evictable blocks of ``candidates`` in order, or ``None`` if fewer exist.
+
+    Consumes ``candidates`` lazily, so the cost is the blocks skipped plus ``n``.
+    """
+    victims = list(islice(filter(is_evictable, candidates), n))
+    return victims if len(victims) == n else None

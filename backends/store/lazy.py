@@ -1,0 +1,53 @@
+"""Write-back: store only the GPU pool's next eviction candidates, kept ahead by a watermark."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+from typing_extensions import override
+
+from kvkit.errors import ConfigError
+from kvkit.interfaces.store import RequestView, StorePolicy
+
+__all__ = ["LazyStore"]
+
+
+def _check_watermark(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not 0.0 < value <= 1.0):
+        raise ConfigError(f"watermark must be a number in (0, 1], got {value!r}")
+
+
+@attrs.define
+class LazyStore(StorePolicy):
+    """Stores nothing on progress; keeps the next GPU eviction candidates stored.
+
+    Each step the manager asks the GPU pool for its next
+    ``ceil(watermark * gpu_blocks)`` eviction candidates and stores those the
+    CPU tier does not hold yet, so a block is usually on the CPU before the
+    GPU pool reclaims it. Needs the manager to own the GPU pool (``gpu=``).
+
+    Args:
+        watermark: fraction of the GPU pool, in ``(0, 1]``, kept stored ahead
+            of eviction.
+
+    Invariants: progress and finish answers are empty; the target is in
+    ``[1, gpu_blocks]`` for a non-empty pool.
+    """
+
+    watermark: float = attrs.field(default=0.25, validator=_check_watermark)
+
+    @override
+    def on_computed(self, request: RequestView, start: int, stop: int) -> tuple[int, ...]:
+        return ()
+
+    @override
+    def on_finished(self, request: RequestView) -> tuple[int, ...]:
+        # A finished request's blocks become GPU eviction candidates; the
+        # write-back pass stores them when they near the eviction front.
+        return ()
+
+    @override
+    def writeback_target(self, gpu_free: int, gpu_blocks: int) -> int:
+        return math.ceil(self.watermark * gpu_blocks)

@@ -1,0 +1,215 @@
+"""BlockPool + LRUPolicy against a minimal OrderedDict LRU cache on the same operations.
+
+A seeded generator writes a trace of request starts and finishes before any
+timing. Each start looks up the request's hash chain, pins the hits (incref,
+touch), allocates blocks for the misses (evicting under pressure) and commits
+them; each finish releases every block. Both caches replay the same trace;
+an operation is one call (lookup, incref, touch, allocate, commit, decref).
+
+    python benchmarks/bench_pool.py [--ops N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from kvkit.backends.allocator import BlockPool
+
+CALLS_PER_START = 5  # lookup, incref, touch, allocate, commit
+CALLS_PER_FINISH = 1  # decref
+
+
+class MinimalLRUCache:
+    """The least code that does the same logical work: no validation, no policy object.
+
+    Unreferenced cached blocks sit in one OrderedDict in release order (the
+    next victim first); referenced blocks leave it.
+    """
+
+    __slots__ = ("free", "refs", "hash_of", "index", "lru", "evictions")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.refs = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.index: dict[int, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.evictions = 0
+
+    def lookup(self, hashes):
+        get, found = self.index.get, []
+        for h in hashes:
+            b = get(h)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def incref(self, blocks):
+        refs, lru = self.refs, self.lru
+        for b in blocks:
+            if not refs[b]:
+                del lru[b]
+            refs[b] += 1
+
+    def touch(self, blocks):
+        lru = self.lru
+        for b in blocks:
+            if b in lru:
+                lru.move_to_end(b)
+
+    def allocate(self, n):
+        free, refs = self.free, self.refs
+        take = min(n, len(free))
+        blocks = free[len(free) - take:]
+        del free[len(free) - take:]
+        if take < n:
+            popitem, hash_of, index = self.lru.popitem, self.hash_of, self.index
+            for _ in range(n - take):
+                b = popitem(last=False)[0]
+                del index[hash_of[b]]
+                hash_of[b] = None
+                blocks.append(b)
+            self.evictions += n - take
+        for b in blocks:
+            refs[b] = 1
+        return blocks
+
+    def commit(self, blocks, hashes):
+        index, hash_of = self.index, self.hash_of
+        for b, h in zip(blocks, hashes):
+            if h not in index:
+                index[h] = b
+                hash_of[b] = h
+
+    def decref(self, blocks):
+        refs, hash_of, lru, free = self.refs, self.hash_of, self.lru, self.free
+        for b in blocks:
+            r = refs[b] - 1
+            refs[b] = r
+            if not r:
+                if hash_of[b] is None:
+                    free.append(b)
+                else:
+                    lru[b] = None
+
+
+def make_trace(num_ops: int, seed: int, *, num_docs: int = 400, doc_blocks: int = 64,
+               max_tail: int = 16, concurrency: int = 16) -> list[tuple[int, list[int] | None]]:
+    """Request starts ``(rid, chain)`` and finishes ``(rid, None)`` worth ``num_ops`` calls.
+
+    Chains share prefixes of Zipf-popular documents and end in fresh blocks, so
+    the pool sees prefix hits, partial hits and steady eviction pressure.
+    """
+    rng = np.random.default_rng(seed)
+    doc_hashes = rng.integers(1, 2**62, size=(num_docs, doc_blocks)).tolist()
+    popularity = 1.0 / np.arange(1, num_docs + 1) ** 0.8
+    popularity /= popularity.sum()
+    next_fresh, next_rid, ops = 2**62, 0, 0
+    trace: list[tuple[int, list[int] | None]] = []
+    active: list[int] = []
+    while ops < num_ops:
+        if active and (len(active) >= concurrency or rng.random() < 0.5):
+            rid = active.pop(int(rng.integers(len(active))))
+            trace.append((rid, None))
+            ops += CALLS_PER_FINISH
+            continue
+        doc = int(rng.choice(num_docs, p=popularity))
+        prefix = int(rng.integers(1, doc_blocks + 1))
+        tail = int(rng.integers(0, max_tail + 1))
+        chain = doc_hashes[doc][:prefix] + list(range(next_fresh, next_fresh + tail))
+        next_fresh += tail
+        trace.append((next_rid, chain))
+        active.append(next_rid)
+        next_rid += 1
+        ops += CALLS_PER_START
+    return trace
+
+
+def replay(cache, trace) -> tuple[float, int, int]:
+    """Run ``trace`` on ``cache``; return (seconds, calls, hit blocks)."""
+    lookup, incref, touch = cache.lookup, cache.incref, cache.touch
+    allocate, commit, decref = cache.allocate, cache.commit, cache.decref
+    held: dict[int, list[int]] = {}
+    calls = hit_blocks = 0
+    start = time.perf_counter()
+    for rid, chain in trace:
+        if chain is None:
+            decref(held.pop(rid))
+            calls += 1
+            continue
+        hits = lookup(chain)
+        incref(hits)
+        touch(hits)
+        num_hits = len(hits)
+        new = allocate(len(chain) - num_hits)
+        commit(new, chain[num_hits:])
+        held[rid] = hits + new
+        hit_blocks += num_hits
+        calls += CALLS_PER_START
+    seconds = time.perf_counter() - start
+    for blocks in held.values():
+        decref(blocks)
+    return seconds, calls, hit_blocks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", type=int, default=1_000_000, help="pool calls to replay")
+    parser.add_argument("--blocks", type=int, default=4096, help="pool capacity in blocks")
+    parser.add_argument("--repeat", type=int, default=3, help="runs each; the fastest counts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+
+    trace = make_trace(args.ops, args.seed)
+    pool_runs, cache_runs = [], []
+    for _ in range(args.repeat):  # interleaved, so drift hits both alike
+        pool_runs.append(replay(BlockPool(args.blocks), trace))
+        cache_runs.append(replay(MinimalLRUCache(args.blocks), trace))
+
+    # One untimed run per side to count evictions and check the pool's invariants.
+    evictions = []
+    pool = BlockPool(args.blocks)
+    pool.add_evict_listener(lambda block, block_hash: evictions.append(block))
+    replay(pool, trace)
+    pool.check_invariants()
+    assert pool.num_free == args.blocks
+    cache = MinimalLRUCache(args.blocks)
+    replay(cache, trace)
+
+    pool_s, calls, pool_hits = min(pool_runs)
+    cache_s, _, cache_hits = min(cache_runs)
+    blocks = sum(len(chain) for _, chain in trace if chain is not None)
+    result = {
+        "ops": calls,
+        "requests": sum(1 for _, chain in trace if chain is not None),
+        "blocks_requested": blocks,
+        "pool_blocks": args.blocks,
+        "pool_s": round(pool_s, 4),
+        "cache_s": round(cache_s, 4),
+        "ratio": round(pool_s / cache_s, 3),
+        "pool_us_per_op": round(pool_s / calls * 1e6, 3),
+        "cache_us_per_op": round(cache_s / calls * 1e6, 3),
+        "pool_hit_rate": round(pool_hits / blocks, 4),
+        "cache_hit_rate": round(cache_hits / blocks, 4),
+        "pool_evictions": len(evictions),
+        "cache_evictions": cache.evictions,
+        "python": platform.python_version(),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        print(f"{key:>18}: {value}")
+    print(f"{'target':>18}: ratio <= 3.0 -> {'met' if result['ratio'] <= 3.0 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

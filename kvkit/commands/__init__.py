@@ -1,0 +1,1 @@
+"""The ``kvkit`` subcommands, one module each, imported only when run (see ``kvkit.cli``)."""

@@ -1,0 +1,302 @@
+"""``StackConfig``: every slot of an offload stack, validated all at once.
+
+A slot takes a registered name or an instance. Construction checks every slot
+and raises *one* :class:`~kvkit.errors.ConfigError` listing each problem (the
+bad value quoted, the valid names, a hint), so a user fixes a config in one
+round instead of one error at a time. :meth:`StackConfig.resolve` turns the
+names into components; building pools, manager and engine is the stack's job.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import numbers
+import re
+from collections.abc import Callable, Mapping
+from fractions import Fraction
+from typing import Any
+
+import attrs
+
+from kvkit.errors import ConfigError
+from kvkit.hashing import HASH_ALGORITHMS
+from kvkit.interfaces import (
+    BlockAllocator,
+    CopyBackend,
+    EvictionPolicy,
+    KVCacheSpec,
+    OffloadCallback,
+    StorePolicy,
+)
+from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry, did_you_mean
+
+__all__ = ["DEVICES", "Components", "StackConfig", "parse_bytes"]
+
+DEVICES = ("cpu", "cuda")
+"""Where the GPU tier lives; ``"cpu"`` is the stand-in CI and notebooks use."""
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
+
+# Slots a registry instantiates, and which registry; "allocator" is a factory slot.
+_INSTANCE_SLOTS: dict[str, Registry[Any]] = {
+    "eviction": EVICTION, "gpu_eviction": EVICTION, "store": STORE, "copy": COPY,
+}
+_OPTION_SLOTS = (*_INSTANCE_SLOTS, "allocator")
+
+
+def parse_bytes(text: str | int) -> int:
+    """Bytes in ``text``: an int, or a number with an optional unit (``"8GiB"``, ``"512MB"``, ``"1.5 GiB"``).
+
+    Units are case-insensitive; ``KB``/``MB``/``GB``/``TB`` are powers of 1000,
+    ``KiB``/``MiB``/``GiB``/``TiB`` powers of 1024. Fractions of a byte round down.
+
+    Raises:
+        ConfigError: ``text`` is not a non-negative size.
+    """
+    if isinstance(text, numbers.Integral) and not isinstance(text, bool):
+        if text < 0:
+            raise ConfigError(f"byte size must be non-negative, got {text!r}")
+        return int(text)
+    match = _SIZE.fullmatch(text) if isinstance(text, str) else None
+    if match is None or match[2].lower() not in _UNITS:
+        raise ConfigError(
+            f"cannot parse byte size {text!r}; expected an int or a number with a unit "
+            f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB' or '1.5 GiB'")
+    return int(Fraction(match[1]) * _UNITS[match[2].lower()])
+
+
+def _default_device() -> str:
+    import torch  # deferred: `import kvkit` must not import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _int_problem(slot: str, value: object, minimum: int) -> str | None:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum:
+        return None
+    return f"{slot}={value!r}: must be an int >= {minimum}"
+
+
+@attrs.frozen
+class Components:
+    """The instantiated parts of one stack (``StackConfig.resolve()``).
+
+    Attributes:
+        gpu_eviction: the GPU pool's policy.
+        cpu_eviction: the CPU pool's policy (never the same object as ``gpu_eviction``).
+        store: decides which GPU blocks go to the CPU tier.
+        copy: moves the bytes (regions not registered yet).
+        allocator: ``allocator(num_blocks=..., policy=...)`` builds one pool per tier,
+            checked against ``BlockAllocator``; the config's allocator options are bound.
+        gpu_blocks: GPU pool size in blocks.
+        cpu_blocks: CPU pool size in blocks (``cpu_bytes`` already converted).
+        callbacks: observers, in call order.
+    """
+
+    gpu_eviction: EvictionPolicy
+    cpu_eviction: EvictionPolicy
+    store: StorePolicy
+    copy: CopyBackend
+    allocator: Callable[..., BlockAllocator]
+    gpu_blocks: int
+    cpu_blocks: int
+    callbacks: tuple[OffloadCallback, ...]
+
+
+@attrs.frozen(kw_only=True)
+class StackConfig:
+    """Every slot of an offload stack; construction validates all of them.
+
+    Attributes:
+        kv: shape of the KV cache (required).
+        gpu_blocks: GPU pool size in blocks (required, >= 1).
+        cpu_blocks: CPU pool size in blocks; give this or ``cpu_bytes``.
+        cpu_bytes: CPU pool size in bytes (int or ``"8GiB"``); must hold a block.
+        eviction: the CPU tier's eviction policy (name or instance).
+        gpu_eviction: the GPU tier's eviction policy (name or a *different* instance).
+        store: store policy (name or instance).
+        copy: copy backend (name or instance).
+        allocator: block pool (name, or a factory ``(num_blocks=..., policy=...) -> BlockAllocator``).
+        callbacks: ``OffloadCallback`` instances.
+        world_size: workers that must all finish a copy before it counts (>= 1).
+        device: ``"cuda"`` (default where available) or ``"cpu"``.
+        hash_algorithm: one of :data:`kvkit.hashing.HASH_ALGORITHMS`.
+        options: per-slot constructor kwargs for named slots, e.g. ``{"store": {"k": 2}}``.
+
+    Invariants: a constructed config has no problems; instances given in slots
+    are used as-is by :meth:`resolve`, so resolve a config once per stack.
+
+    Raises:
+        ConfigError: on construction, listing every problem found.
+    """
+
+    kv: KVCacheSpec | None = None
+    gpu_blocks: int | None = None
+    cpu_blocks: int | None = None
+    cpu_bytes: int | str | None = None
+    eviction: str | EvictionPolicy = "lru"
+    gpu_eviction: str | EvictionPolicy = "lru"
+    store: str | StorePolicy = "eager"
+    copy: str | CopyBackend = "torch"
+    allocator: str | Callable[..., BlockAllocator] = "pool"
+    callbacks: list[OffloadCallback] | tuple[OffloadCallback, ...] = ()
+    world_size: int = 1
+    device: str = attrs.field(factory=_default_device)
+    hash_algorithm: str = "sha256"
+    options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        problems = [
+            *self._shape_problems(),
+            *self._capacity_problems(),
+            *self._options_problems(),
+            *self._component_problems(),
+            *self._callback_problems(),
+            *self._runtime_problems(),
+        ]
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """CPU pool size in blocks, from ``cpu_blocks`` or ``cpu_bytes``."""
+        if self.cpu_blocks is not None:
+            return int(self.cpu_blocks)
+        return self.kv.blocks_for(parse_bytes(self.cpu_bytes))
+
+    def resolve(self) -> Components:
+        """Instantiate the named components with their ``options``.
+
+        Raises:
+            BackendUnavailableError: a backend stopped being available since validation.
+        """
+        return Components(
+            gpu_eviction=self._create("gpu_eviction"),
+            cpu_eviction=self._create("eviction"),
+            store=self._create("store"),
+            copy=self._create("copy"),
+            allocator=functools.partial(
+                ALLOCATOR.build,
+                ALLOCATOR.load(self.allocator) if isinstance(self.allocator, str) else self.allocator,
+                slot="allocator", **self._options("allocator")),
+            gpu_blocks=int(self.gpu_blocks),
+            cpu_blocks=self.num_cpu_blocks,
+            callbacks=tuple(self.callbacks),
+        )
+
+    def _create(self, slot: str) -> Any:
+        return _INSTANCE_SLOTS[slot].create(getattr(self, slot), slot=slot, **self._options(slot))
+
+    def _options(self, slot: str) -> dict[str, Any]:
+        return dict(self.options.get(slot, {}))
+
+    def _shape_problems(self) -> list[str]:
+        problems = []
+        if not isinstance(self.kv, KVCacheSpec):
+            problems.append(f"kv={self.kv!r}: required, a KVCacheSpec(num_layers=..., block_size=..., "
+                            f"num_kv_heads=..., head_dim=...)")
+        if (problem := _int_problem("gpu_blocks", self.gpu_blocks, 1)) is not None:
+            problems.append(problem + " (required)" if self.gpu_blocks is None else problem)
+        return problems
+
+    def _capacity_problems(self) -> list[str]:
+        if (self.cpu_blocks is None) == (self.cpu_bytes is None):
+            got = ("neither" if self.cpu_blocks is None
+                   else f"both cpu_blocks={self.cpu_blocks!r} and cpu_bytes={self.cpu_bytes!r}")
+            return [f"give exactly one of cpu_blocks or cpu_bytes, got {got}; hint: cpu_bytes='8GiB'"]
+        if self.cpu_blocks is not None:
+            problem = _int_problem("cpu_blocks", self.cpu_blocks, 1)
+            return [problem] if problem else []
+        try:
+            num_bytes = parse_bytes(self.cpu_bytes)
+        except ConfigError as exc:
+            return [f"cpu_bytes={self.cpu_bytes!r}: {exc}"]
+        if isinstance(self.kv, KVCacheSpec) and self.kv.blocks_for(num_bytes) < 1:
+            return [f"cpu_bytes={self.cpu_bytes!r} ({num_bytes} bytes) holds no block: one block of "
+                    f"this kv spec takes {self.kv.bytes_per_block} bytes"]
+        return []
+
+    def _options_problems(self) -> list[str]:
+        if not isinstance(self.options, Mapping):
+            return [f"options={self.options!r}: must be a dict of slot -> kwargs, e.g. {{'store': {{'k': 2}}}}"]
+        problems = []
+        for slot, kwargs in self.options.items():
+            if slot not in _OPTION_SLOTS:
+                problems.append(f"options[{slot!r}]: unknown slot; valid: {', '.join(_OPTION_SLOTS)}"
+                                f"{did_you_mean(str(slot), list(_OPTION_SLOTS))}")
+            elif not isinstance(kwargs, Mapping):
+                problems.append(f"options[{slot!r}]={kwargs!r}: must be a dict of keyword arguments")
+            elif kwargs and not isinstance(getattr(self, slot), str) and slot != "allocator":
+                problems.append(f"options[{slot!r}]={dict(kwargs)!r}: {slot} is an instance, not a name; "
+                                f"hint: pass these to its constructor")
+        return problems
+
+    def _component_problems(self) -> list[str]:
+        problems = []
+        options = self.options if isinstance(self.options, Mapping) else {}
+        for slot, registry in _INSTANCE_SLOTS.items():
+            spec = getattr(self, slot)
+            problem = registry.check(spec, slot=slot)
+            kwargs = options.get(slot)
+            if problem is None and isinstance(spec, str) and isinstance(kwargs, Mapping):
+                problem = registry.check_options(spec, kwargs, slot=slot)
+            if problem is not None:
+                problems.append(problem)
+        if not isinstance(self.eviction, str) and self.eviction is self.gpu_eviction:
+            problems.append(f"eviction and gpu_eviction are the same {type(self.eviction).__qualname__} "
+                            f"instance; each pool needs its own policy: pass two instances or names")
+        problems.extend(self._allocator_problems(options.get("allocator")))
+        return problems
+
+    def _allocator_problems(self, kwargs: object) -> list[str]:
+        spec = self.allocator
+        # A class is a factory; isinstance(cls, BlockAllocator) would wrongly match it.
+        is_factory = isinstance(spec, type) or (callable(spec) and not isinstance(spec, BlockAllocator))
+        if isinstance(spec, str) or is_factory:
+            problem = ALLOCATOR.check(spec, slot="allocator") if isinstance(spec, str) else None
+            if problem is None and isinstance(kwargs, Mapping):
+                problem = ALLOCATOR.check_options(spec, kwargs, slot="allocator", partial=True)
+            return [problem] if problem else []
+        expected = f"one of {', '.join(ALLOCATOR.names())} or a factory (num_blocks=..., policy=...) -> BlockAllocator"
+        if isinstance(spec, BlockAllocator):
+            return [f"allocator={spec!r}: got a pool instance, expected {expected}; "
+                    f"each tier builds its own pool"]
+        return [f"allocator={spec!r}: {type(spec).__qualname__} is not callable; expected {expected}"]
+
+    def _callback_problems(self) -> list[str]:
+        if not isinstance(self.callbacks, (list, tuple)):
+            hint = "; hint: wrap it in a list" if isinstance(self.callbacks, OffloadCallback) else ""
+            return [f"callbacks={self.callbacks!r}: must be a list of OffloadCallback instances{hint}"]
+        problems = []
+        for i, callback in enumerate(self.callbacks):
+            if isinstance(callback, type) and issubclass(callback, OffloadCallback):
+                problems.append(f"callbacks[{i}]={callback.__qualname__}: got a class; "
+                                f"hint: pass an instance, e.g. {callback.__qualname__}()")
+            elif not isinstance(callback, OffloadCallback):
+                problems.append(f"callbacks[{i}]={callback!r}: {type(callback).__qualname__} is not "
+                                f"an OffloadCallback; hint: subclass kvkit.OffloadCallback")
+        return problems
+
+    def _runtime_problems(self) -> list[str]:
+        problems = []
+        if (problem := _int_problem("world_size", self.world_size, 1)) is not None:
+            problems.append(problem)
+        if self.device not in DEVICES:
+            problems.append(f"device={self.device!r}: unknown device; valid: {', '.join(DEVICES)}"
+                            f"{did_you_mean(str(self.device), list(DEVICES))}")
+        elif self.device == "cuda" and _default_device() != "cuda":
+            problems.append("device='cuda': CUDA is not available on this machine; hint: device='cpu'")
+        if self.hash_algorithm not in HASH_ALGORITHMS:
+            problems.append(f"hash_algorithm={self.hash_algorithm!r}: unknown; valid: "
+                            f"{', '.join(HASH_ALGORITHMS)}"
+                            f"{did_you_mean(str(self.hash_algorithm), list(HASH_ALGORITHMS))}")
+        elif self.hash_algorithm == "xxh3" and importlib.util.find_spec("xxhash") is None:
+            problems.append("hash_algorithm='xxh3': needs the xxhash package; "
+                            "hint: pip install 'kvkit[fast-hash]'")
+        return problems

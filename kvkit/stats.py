@@ -1,0 +1,121 @@
+"""Offload statistics: counters that can only grow.
+
+Every figure is a :class:`Counter` whose :meth:`Counter.add` rejects negative
+amounts, so no code path can drive a statistic below zero (the resumed-request
+hit counter that went negative in the field cannot happen here). Rates and
+ratios are derived from the counters, never stored.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["Counter", "OffloadStats"]
+
+
+@attrs.define
+class Counter:
+    """A running total that only grows.
+
+    Invariants: ``value >= 0`` and never decreases.
+    """
+
+    value: int | float = 0
+
+    def add(self, amount: int | float = 1) -> None:
+        """Add ``amount`` (``>= 0``).
+
+        Raises:
+            ValueError: ``amount`` is negative or NaN; the counter is unchanged.
+        """
+        if not amount >= 0:  # also rejects NaN
+            raise ValueError(f"a counter only grows; got add({amount!r})")
+        self.value += amount
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+
+def _counter() -> Counter:
+    return attrs.field(factory=Counter)
+
+
+@attrs.define
+class OffloadStats:
+    """What an :class:`~kvkit.manager.OffloadManager` did, as non-negative counters.
+
+    Hits are counted when the engine commits to them (``on_allocated``), so a
+    lookup repeated before allocation is not counted twice.
+
+    Attributes:
+        lookups: calls to ``lookup``.
+        scheduled_requests: allocations after a lookup (a resumed request counts again).
+        query_tokens: tokens of those requests when they were scheduled.
+        hit_tokens_gpu: tokens the engine found in its own GPU prefix cache.
+        hit_tokens_cpu: tokens the engine accepted from the CPU tier.
+        blocks_stored / bytes_stored: blocks that became findable on the CPU tier,
+            and the bytes their copies moved (every group).
+        blocks_loaded / bytes_loaded: CPU blocks loaded back, and the bytes moved.
+        stores_deduplicated: store candidates dropped because the CPU tier held
+            the hash or a store of it was in flight.
+        stores_dropped: store candidates dropped because the CPU tier had no
+            free block (the engine is never failed for it).
+        evictions_gpu / evictions_cpu: blocks each tier's pool evicted.
+        transfers_submitted / transfers_completed: transfers (one plan each)
+            entering a step plan / completing on every worker.
+        transfers_failed: transfers some worker reported ``ok=False``.
+        transfers_abandoned: transfers in flight at a ``reset`` (never committed).
+        loads_failed: requests told to recompute because their load failed or
+            was abandoned.
+        unknown_completions: results naming a transfer id the manager does not
+            know (or a worker rank outside ``[0, world_size)``); ignored.
+        duplicate_completions: a second result for a transfer from one worker; ignored.
+        transfer_seconds / transfer_bytes: copy time and bytes the workers reported.
+        resets: times the CPU tier was emptied.
+    """
+
+    lookups: Counter = _counter()
+    scheduled_requests: Counter = _counter()
+    query_tokens: Counter = _counter()
+    hit_tokens_gpu: Counter = _counter()
+    hit_tokens_cpu: Counter = _counter()
+    blocks_stored: Counter = _counter()
+    bytes_stored: Counter = _counter()
+    blocks_loaded: Counter = _counter()
+    bytes_loaded: Counter = _counter()
+    stores_deduplicated: Counter = _counter()
+    stores_dropped: Counter = _counter()
+    evictions_gpu: Counter = _counter()
+    evictions_cpu: Counter = _counter()
+    transfers_submitted: Counter = _counter()
+    transfers_completed: Counter = _counter()
+    transfers_failed: Counter = _counter()
+    transfers_abandoned: Counter = _counter()
+    loads_failed: Counter = _counter()
+    unknown_completions: Counter = _counter()
+    duplicate_completions: Counter = _counter()
+    transfer_seconds: Counter = _counter()
+    transfer_bytes: Counter = _counter()
+    resets: Counter = _counter()
+
+    @property
+    def cpu_hit_rate(self) -> float:
+        """Fraction of scheduled tokens served by the CPU tier (0 before any request)."""
+        q = self.query_tokens.value
+        return self.hit_tokens_cpu.value / q if q else 0.0
+
+    @property
+    def gpu_hit_rate(self) -> float:
+        """Fraction of scheduled tokens served by the GPU prefix cache (0 before any request)."""
+        q = self.query_tokens.value
+        return self.hit_tokens_gpu.value / q if q else 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Every counter's value by name, plus the derived hit rates."""
+        out = {f.name: getattr(self, f.name).value for f in attrs.fields(type(self))}
+        out["cpu_hit_rate"] = self.cpu_hit_rate
+        out["gpu_hit_rate"] = self.gpu_hit_rate
+        return out

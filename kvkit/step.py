@@ -1,0 +1,55 @@
+"""What the manager hands the engine each step: the transfers to run, and what finished."""
+
+from __future__ import annotations
+
+import attrs
+
+from kvkit.interfaces.types import TransferPlan
+
+__all__ = ["CompletionReport", "StepPlan"]
+
+
+@attrs.frozen
+class StepPlan:
+    """The transfers of one scheduler step, for every worker to run.
+
+    Attributes:
+        loads: ``(transfer_id, plan)`` pairs, CPU -> GPU, at most one per KV
+            group. A load must finish before the compute that reads its blocks.
+        stores: ``(transfer_id, plan)`` pairs, GPU -> CPU, at most one per KV
+            group. A store must run after the compute that wrote its sources
+            (confirmed in an earlier step) and before anything overwrites them.
+
+    Invariants: transfer ids are unique and increase across steps (and resets).
+    """
+
+    loads: tuple[tuple[int, TransferPlan], ...] = ()
+    stores: tuple[tuple[int, TransferPlan], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.stores)
+
+    def __iter__(self):
+        """Every ``(transfer_id, plan)`` pair, loads first."""
+        yield from self.loads
+        yield from self.stores
+
+
+@attrs.frozen
+class CompletionReport:
+    """Requests whose transfers finished in one ``apply_completions`` call.
+
+    Attributes:
+        loaded: requests whose CPU hit is now on their GPU blocks (compute may
+            read it).
+        load_failed: requests whose load failed or was abandoned by a reset:
+            their CPU-hit tokens are invalid and must be recomputed from the
+            GPU-hit boundary.
+        released: ended requests (finished, aborted, or a preempted
+            incarnation) for which ``finish``/``abort``/``preempt`` returned
+            ``True``: the engine may now free their GPU blocks.
+    """
+
+    loaded: frozenset[str] = frozenset()
+    load_failed: frozenset[str] = frozenset()
+    released: frozenset[str] = frozenset()

@@ -1,0 +1,349 @@
+"""``AllocatorContract``: the Hypothesis state machine every ``BlockAllocator`` must pass.
+
+Join it in three lines::
+
+    class MyPoolContract(AllocatorContract):
+        def make_allocator(self, num_blocks):
+            return MyPool(num_blocks)
+
+    TestMyPool = MyPoolContract.TestCase
+
+Each step runs one operation on the allocator and on a trivial model (a
+``Counter`` of references, a ``dict`` from ready block to hash and its inverse,
+the prefix index) and compares the two. Evictions are the policy's choice, so
+the model learns them from the allocator's evict listener and checks that
+each was allowed. Failing calls must raise the documented error and change
+nothing. Checks raise ``AssertionError`` explicitly, so they survive ``-O``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from numbers import Integral
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvkit.errors import OutOfBlocksError, RefcountError, UnknownBlockError
+from kvkit.interfaces.allocator import BlockAllocator
+from kvkit.interfaces.types import BlockHash, BlockId
+
+__all__ = ["AllocatorContract"]
+
+# A small universe of hashes, so commits collide (duplicates) and lookups hit.
+HASHES: tuple[BlockHash, ...] = tuple(
+    BlockHash(h) for h in (0, 1, 2, 3, 5, 8, 2**64 + 13, 2**128 - 1)
+)
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+class AllocatorContract(RuleBasedStateMachine):
+    """Model-based contract of :class:`~kvkit.interfaces.allocator.BlockAllocator`.
+
+    Subclasses implement :meth:`make_allocator`; ``max_blocks`` bounds the
+    pool sizes tried (small pools reach eviction and exhaustion quickly).
+    """
+
+    max_blocks = 8
+
+    def make_allocator(self, num_blocks: int) -> BlockAllocator:
+        """A fresh, empty allocator of ``num_blocks`` slots under test."""
+        raise NotImplementedError("subclass AllocatorContract and implement make_allocator")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: BlockAllocator | None = None
+        self.num_blocks = 0
+        self.refs: Counter[BlockId] = Counter()  # references held per block (no zero entries)
+        self.hash_of: dict[BlockId, BlockHash] = {}  # ready block -> hash
+        self.index: dict[BlockHash, BlockId] = {}  # hash -> ready block
+        self.evicted: list[tuple[BlockId, BlockHash]] = []  # from the evict listener
+
+    # -- model queries ---------------------------------------------------------
+
+    def _empty(self) -> list[BlockId]:
+        return [b for b in range(self.num_blocks) if not self.refs[b] and b not in self.hash_of]
+
+    def _evictable(self) -> list[BlockId]:
+        return [b for b in self.hash_of if not self.refs[b]]
+
+    def _not_ready_referenced(self) -> list[BlockId]:
+        return [b for b in sorted(self.refs) if b not in self.hash_of]
+
+    def _references(self) -> list[BlockId]:
+        return sorted(self.refs.elements())
+
+    def _bad_ids(self) -> st.SearchStrategy[int]:
+        return st.sampled_from([-1, self.num_blocks, self.num_blocks + 7])
+
+    def _snapshot(self) -> tuple:
+        pool = self.pool
+        blocks = range(self.num_blocks)
+        return (
+            pool.num_free,
+            tuple(pool.refcount(b) for b in blocks),
+            tuple(pool.block_hash(b) for b in blocks),
+            tuple(tuple(pool.lookup([h])) for h in HASHES),
+        )
+
+    def _fails_atomically(self, errors: type[BaseException] | tuple, call: Callable[[], object],
+                          what: str) -> None:
+        """``call`` must raise one of ``errors`` and leave the allocator unchanged."""
+        before = self._snapshot()
+        try:
+            call()
+        except errors:
+            pass
+        else:
+            raise AssertionError(f"{what} should raise {errors!r} but returned")
+        after = self._snapshot()
+        _expect(after == before, f"{what} raised but changed the allocator: {before} -> {after}")
+        _expect(not self.evicted, f"{what} raised but evicted {self.evicted}")
+
+    # -- setup -----------------------------------------------------------------
+
+    @initialize(data=st.data())
+    def create(self, data: st.DataObject) -> None:
+        """Build an empty allocator of a random small size and listen to its evictions."""
+        self.num_blocks = data.draw(st.integers(1, self.max_blocks), label="num_blocks")
+        self.pool = self.make_allocator(self.num_blocks)
+        _expect(isinstance(self.pool, BlockAllocator),
+                f"{self.pool!r} does not implement BlockAllocator")
+        self.pool.add_evict_listener(lambda block, block_hash: self.evicted.append(
+            (block, block_hash)))
+
+    # -- allocation ------------------------------------------------------------
+
+    @rule(data=st.data())
+    def allocate(self, data: st.DataObject) -> None:
+        """Allocate up to capacity + 2 blocks; beyond what is free it must fail atomically."""
+        empty, evictable = self._empty(), self._evictable()
+        n = data.draw(st.integers(1, self.num_blocks + 2), label="n")
+        if n > len(empty) + len(evictable):
+            self._fails_atomically(OutOfBlocksError, lambda: self.pool.allocate(n),
+                                   f"allocate({n}) with {len(empty) + len(evictable)} free")
+            return
+        blocks = self.pool.allocate(n)
+        _expect(len(blocks) == n and len(set(blocks)) == n,
+                f"allocate({n}) returned {blocks!r}: wrong length or duplicates")
+        for b in blocks:
+            _expect(isinstance(b, Integral) and 0 <= b < self.num_blocks,
+                    f"allocate({n}) returned id {b!r} outside [0, {self.num_blocks})")
+            _expect(not self.refs[b],
+                    f"allocate({n}) handed out block {b} that holds {self.refs[b]} references")
+            _expect(b in empty or b in evictable,
+                    f"allocate({n}) handed out block {b}, which was neither empty nor evictable")
+        evicted = dict(self.evicted)
+        self.evicted.clear()
+        _expect(len(evicted) == max(0, n - len(empty)),
+                f"allocate({n}) with {len(empty)} empty blocks evicted {sorted(evicted)}; "
+                "empty blocks must go first, and only as many evictions as needed")
+        _expect(set(evicted) == set(blocks) & set(evictable),
+                f"allocate({n}) evicted {sorted(evicted)} but handed out {blocks!r}")
+        for b, h in evicted.items():
+            _expect(h == self.hash_of[b],
+                    f"evict listener reported block {b} with hash {h!r}, it had {self.hash_of[b]!r}")
+            del self.index[self.hash_of.pop(b)]
+        for b in blocks:
+            self.refs[b] = 1
+
+    def _allocate_invalid(self, data: st.DataObject) -> None:
+        """A negative count is a ValueError and changes nothing."""
+        n = data.draw(st.sampled_from([-1, -5]))
+        self._fails_atomically(ValueError, lambda: self.pool.allocate(n), f"allocate({n})")
+
+    # -- references ------------------------------------------------------------
+
+    @precondition(lambda self: self.refs or self.hash_of)
+    @rule(data=st.data())
+    def incref(self, data: st.DataObject) -> None:
+        """Add references to referenced or ready blocks (repeats allowed)."""
+        live = sorted(set(self.refs) | set(self.hash_of))
+        blocks = data.draw(st.lists(st.sampled_from(live), max_size=6), label="blocks")
+        self.pool.incref(blocks)
+        self.refs.update(blocks)
+
+    def _incref_invalid(self, data: st.DataObject) -> None:
+        """An empty or out-of-range block fails the whole incref, changing nothing."""
+        live = sorted(set(self.refs) | set(self.hash_of))
+        blocks = data.draw(st.lists(st.sampled_from(live), max_size=4) if live else st.just([]))
+        empty = self._empty()
+        if empty and data.draw(st.booleans()):
+            bad, error = data.draw(st.sampled_from(empty)), RefcountError
+        else:
+            bad, error = data.draw(self._bad_ids()), UnknownBlockError
+        blocks.insert(data.draw(st.integers(0, len(blocks))), bad)
+        self._fails_atomically(error, lambda: self.pool.incref(blocks), f"incref({blocks!r})")
+
+    @precondition(lambda self: self.refs)
+    @rule(data=st.data())
+    def decref(self, data: st.DataObject) -> None:
+        """Drop some of the references held (each at most as often as it is held)."""
+        references = data.draw(st.permutations(self._references()), label="order")
+        blocks = references[: data.draw(st.integers(0, len(references)), label="count")]
+        self.pool.decref(blocks)
+        self._drop(blocks)
+
+    @precondition(lambda self: self.refs)
+    @rule(data=st.data())
+    def decref_one(self, data: st.DataObject) -> None:
+        """Drop one reference of one block (a shared block must survive while others hold it)."""
+        block = data.draw(st.sampled_from(sorted(self.refs)), label="block")
+        self.pool.decref([block])
+        self._drop([block])
+
+    @precondition(lambda self: self.refs)
+    @rule()
+    def release_all(self) -> None:
+        """Drop every reference in one call (makes reset legal)."""
+        blocks = self._references()
+        self.pool.decref(blocks)
+        self._drop(blocks)
+
+    def _drop(self, blocks: list[BlockId]) -> None:
+        self.refs.subtract(blocks)
+        self.refs = +self.refs  # drop zero entries: not-ready ones are empty again
+        _expect(not self.evicted, f"decref({blocks!r}) evicted {self.evicted}")
+
+    def _decref_invalid(self, data: st.DataObject) -> None:
+        """A reference too many or an out-of-range id fails the whole decref, changing nothing."""
+        references = data.draw(st.permutations(self._references()))
+        blocks = references[: data.draw(st.integers(0, len(references)))]
+        if data.draw(st.booleans()):
+            # One more release of some block than the call can take.
+            block = data.draw(st.integers(0, self.num_blocks - 1))
+            blocks += [block] * (self.refs[block] - blocks.count(block) + 1)
+            error = RefcountError
+        else:
+            blocks.insert(data.draw(st.integers(0, len(blocks))), data.draw(self._bad_ids()))
+            error = UnknownBlockError
+        self._fails_atomically(error, lambda: self.pool.decref(blocks), f"decref({blocks!r})")
+
+    # -- prefix index ----------------------------------------------------------
+
+    @precondition(lambda self: self._not_ready_referenced())
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        """Make referenced, not-ready blocks ready; a hash already indexed keeps its block."""
+        blocks = data.draw(st.lists(st.sampled_from(self._not_ready_referenced()), min_size=1,
+                                    unique=True), label="blocks")
+        hashes = data.draw(st.lists(st.sampled_from(HASHES), min_size=len(blocks),
+                                    max_size=len(blocks)), label="hashes")
+        parents = [None, *hashes[:-1]] if data.draw(st.booleans(), label="parents") else None
+        result = self.pool.commit(blocks, hashes, parents)
+        expected = []
+        for b, h in zip(blocks, hashes):
+            expected.append(h not in self.index)
+            if expected[-1]:
+                self.index[h] = b
+                self.hash_of[b] = h
+        _expect(list(result) == expected,
+                f"commit({blocks!r}, {hashes!r}) returned {result!r}, expected {expected!r}")
+
+    def _reset_invalid(self, data: st.DataObject) -> None:
+        """Reset is refused while any block is referenced, and changes nothing."""
+        if self.refs:
+            self._fails_atomically(RefcountError, self.pool.reset,
+                                   f"reset() with references {dict(self.refs)}")
+
+    def _commit_invalid(self, data: st.DataObject) -> None:
+        """Committing a ready, unreferenced or unknown block, or unequal lengths, changes nothing."""
+        blocks = data.draw(st.lists(st.sampled_from(self._not_ready_referenced()), unique=True,
+                                    max_size=3) if self._not_ready_referenced() else st.just([]))
+        choices = ["unknown", "lengths"]
+        if self.hash_of:
+            choices.append("ready")
+        if self._empty():
+            choices.append("unreferenced")
+        kind = data.draw(st.sampled_from(choices), label="kind")
+        error: type[BaseException] = ValueError
+        if kind == "unknown":
+            blocks.append(data.draw(self._bad_ids()))
+            error = UnknownBlockError
+        elif kind == "ready":
+            blocks.append(data.draw(st.sampled_from(sorted(self.hash_of))))
+        elif kind == "unreferenced":
+            blocks.append(data.draw(st.sampled_from(self._empty())))
+            error = RefcountError
+        hashes = list(HASHES[: len(blocks) + (kind == "lengths")])
+        self._fails_atomically(error, lambda: self.pool.commit(blocks, hashes),
+                               f"commit({blocks!r}, {hashes!r}) [{kind}]")
+
+    @rule(data=st.data())
+    def invalid_call(self, data: st.DataObject) -> None:
+        """A call with bad arguments raises the documented error and changes nothing."""
+        # One rule for all of them, so valid operations keep most of the steps.
+        check = data.draw(st.sampled_from([
+            self._allocate_invalid, self._incref_invalid, self._decref_invalid,
+            self._commit_invalid, self._reset_invalid,
+        ]))
+        check(data)
+
+    @rule(chain=st.lists(st.sampled_from(HASHES), max_size=6))
+    def lookup(self, chain: list[BlockHash]) -> None:
+        """Lookup returns the blocks of the longest ready prefix and changes nothing."""
+        expected = []
+        for h in chain:
+            if h not in self.index:
+                break
+            expected.append(self.index[h])
+        before = self._snapshot()
+        found = self.pool.lookup(chain)
+        _expect(list(found) == expected, f"lookup({chain!r}) = {found!r}, expected {expected!r}")
+        _expect(self._snapshot() == before, f"lookup({chain!r}) changed the allocator")
+
+    @precondition(lambda self: self.hash_of)
+    @rule(data=st.data())
+    def touch(self, data: st.DataObject) -> None:
+        """Touching ready blocks changes no refcount, hash or index entry."""
+        blocks = data.draw(st.lists(st.sampled_from(sorted(self.hash_of)), max_size=4))
+        before = self._snapshot()
+        self.pool.touch(blocks)
+        _expect(self._snapshot() == before, f"touch({blocks!r}) changed the allocator")
+
+    # -- lifecycle -------------------------------------------------------------
+
+    # Only with something cached: a reset wipes the state the other rules built up.
+    @precondition(lambda self: self.hash_of and not self.refs)
+    @rule()
+    def reset(self) -> None:
+        """Reset drops every cached block and reports how many."""
+        dropped = self.pool.reset()
+        _expect(dropped == len(self.hash_of),
+                f"reset() returned {dropped}, {len(self.hash_of)} blocks were cached")
+        for b, h in self.evicted:  # listeners may, but need not, hear of reset drops
+            _expect(self.hash_of.get(b) == h, f"reset reported ({b}, {h!r}), which was not cached")
+        self.evicted.clear()
+        self.hash_of.clear()
+        self.index.clear()
+
+    # -- after every step ------------------------------------------------------
+
+    @invariant()
+    def matches_model(self) -> None:
+        """Refcounts, hashes, free count and the index equal the model's."""
+        pool = self.pool
+        if pool is None:
+            return
+        pool.check_invariants()
+        _expect(not self.evicted, f"evictions outside allocate: {self.evicted}")
+        _expect(pool.num_blocks == self.num_blocks,
+                f"num_blocks changed: {pool.num_blocks} != {self.num_blocks}")
+        for b in range(self.num_blocks):
+            _expect(pool.refcount(b) == self.refs[b],
+                    f"block {b}: refcount {pool.refcount(b)}, model {self.refs[b]}")
+            _expect(pool.block_hash(b) == self.hash_of.get(b),
+                    f"block {b}: hash {pool.block_hash(b)!r}, model {self.hash_of.get(b)!r}")
+        free = len(self._empty()) + len(self._evictable())
+        _expect(pool.num_free == free,
+                f"num_free {pool.num_free}, model {free} (empty + ready with refcount 0)")
+        for h in HASHES:
+            expected = [self.index[h]] if h in self.index else []
+            found = pool.lookup([h])
+            _expect(list(found) == expected,
+                    f"index: lookup([{h!r}]) = {found!r}, model {expected!r}")

@@ -1,0 +1,227 @@
+"""The eviction-policy contract on every built-in policy, and proof that it catches bugs."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import precondition, rule, run_state_machine_as_test
+
+from kvkit.backends.eviction.arc import ARCPolicy
+from kvkit.backends.eviction.fifo import FIFOPolicy
+from kvkit.backends.eviction.lfu import LFUPolicy
+from kvkit.backends.eviction.lru import LRUPolicy
+from kvkit.backends.eviction.opt import OptimalPolicy
+from kvkit.backends.eviction.s3fifo import S3FIFOPolicy
+from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.testing import EvictionPolicyContract, FIFOContract, LRUContract
+
+# --- every built-in joins the contract in three lines ------------------------
+
+
+class LRUPolicyContract(LRUContract):
+    def make_policy(self):
+        return LRUPolicy()
+
+
+TestLRU = LRUPolicyContract.TestCase
+
+
+class FIFOPolicyContract(FIFOContract):
+    def make_policy(self):
+        return FIFOPolicy()
+
+
+TestFIFO = FIFOPolicyContract.TestCase
+
+
+class LFUPolicyContract(EvictionPolicyContract):
+    def make_policy(self):
+        return LFUPolicy()
+
+
+TestLFU = LFUPolicyContract.TestCase
+
+
+class ARCPolicyContract(EvictionPolicyContract):
+    def make_policy(self):
+        return ARCPolicy()
+
+
+TestARC = ARCPolicyContract.TestCase
+
+
+class FixedARCPolicyContract(EvictionPolicyContract):
+    def make_policy(self):
+        return ARCPolicy(capacity=6)  # smaller than the modelled pool: ghosts stay tight
+
+
+TestFixedARC = FixedARCPolicyContract.TestCase
+
+
+class S3FIFOPolicyContract(EvictionPolicyContract):
+    def make_policy(self):
+        return S3FIFOPolicy(small_ratio=0.25)  # a small queue of 3 in a pool of 12
+
+
+TestS3FIFO = S3FIFOPolicyContract.TestCase
+
+
+class OptimalPolicyContract(EvictionPolicyContract):
+    """OPT's future is a fixed random string over the contract's hashes, observed by a rule."""
+
+    references = [EvictionPolicyContract.hash_for(k)
+                  for k in random.Random(0).choices(range(EvictionPolicyContract.hash_space), k=200)]
+
+    def make_policy(self):
+        return OptimalPolicy(self.references)
+
+    @precondition(lambda self: self.policy.clock < len(self.references))
+    @rule()
+    def observe(self) -> None:
+        """Advance every policy's clock past the next reference."""
+        block_hash = self.references[self.policy.clock]
+        for policy in self.policies():
+            policy.observe(block_hash)
+
+
+TestOptimal = OptimalPolicyContract.TestCase
+
+
+# --- deliberately broken policies --------------------------------------------
+
+
+class _RecencyList:
+    """A minimal correct LRU on one OrderedDict; the broken variants override one decision."""
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[BlockId, None] = OrderedDict()
+
+    def on_insert(self, block: BlockId, block_hash: BlockHash, parent: BlockHash | None) -> None:
+        self.order[block] = None
+
+    def on_access(self, block: BlockId) -> None:
+        self.order.move_to_end(block)
+
+    def on_remove(self, block: BlockId) -> None:
+        del self.order[block]
+
+    def select_victims(self, n: int, is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
+        victims = [b for b in self.order if is_evictable(b)][:n]
+        return victims if len(victims) == n else None
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def check_invariants(self) -> None:
+        pass
+
+
+class _EvictsPinned(_RecencyList):
+    """Counts evictable blocks correctly but returns the coldest blocks, pinned or not."""
+
+    def select_victims(self, n, is_evictable):
+        if sum(map(is_evictable, self.order)) < n:
+            return None
+        return list(self.order)[:n]
+
+
+class _EvictsMostRecent(_RecencyList):
+    """A correct policy, but MRU: the hottest evictable blocks go first."""
+
+    def select_victims(self, n, is_evictable):
+        victims = [b for b in reversed(self.order) if is_evictable(b)][:n]
+        return victims if len(victims) == n else None
+
+
+class _GivesUpAtPinned(_RecencyList):
+    """Scans from the cold end but stops at the first pinned block instead of skipping it."""
+
+    def select_victims(self, n, is_evictable):
+        victims = []
+        for block in self.order:
+            if len(victims) == n:
+                break
+            if not is_evictable(block):
+                return None
+            victims.append(block)
+        return victims if len(victims) == n else None
+
+
+class _MutatesOnFailure(_RecencyList):
+    """Pops candidates off the cold end and, on failure, puts them back at the hot end."""
+
+    def select_victims(self, n, is_evictable):
+        taken = []
+        for block in list(self.order):
+            if len(taken) == n:
+                break
+            if is_evictable(block):
+                del self.order[block]
+                taken.append(block)
+        if len(taken) < n:
+            self.order.update(dict.fromkeys(taken))
+            return None
+        self.order.update(dict.fromkeys(taken))  # victims stay tracked until removed
+        for block in taken:
+            self.order.move_to_end(block, last=False)
+        return taken
+
+
+def _contract_for(policy_type: type, base: type = EvictionPolicyContract) -> type:
+    class Contract(base):
+        def make_policy(self):
+            return policy_type()
+
+    Contract.__name__ = f"{policy_type.__name__.strip('_')}Contract"
+    return Contract
+
+
+# Deterministic (derandomize) so a bug found once is found every run; no
+# shrinking, since only the failure matters here, not its minimal form.
+_HUNT = settings(max_examples=300, stateful_step_count=40, deadline=None, database=None,
+                 derandomize=True, report_multiple_bugs=False, phases=[Phase.generate],
+                 suppress_health_check=list(HealthCheck))
+
+
+def _hunt(contract: type) -> None:
+    run_state_machine_as_test(contract, settings=_HUNT)
+
+
+def test_catches_a_pinned_victim():
+    """A policy that returns a pinned block as a victim fails the contract."""
+    with pytest.raises(AssertionError, match="is pinned"):
+        _hunt(_contract_for(_EvictsPinned))
+
+
+def test_catches_mru_posing_as_lru():
+    """MRU satisfies the generic contract but fails the exact LRU order check."""
+    run_state_machine_as_test(_contract_for(_EvictsMostRecent))
+    with pytest.raises(AssertionError, match="reference order"):
+        _hunt(_contract_for(_EvictsMostRecent, LRUContract))
+
+
+def test_catches_giving_up_while_victims_exist():
+    """A policy that returns None although enough blocks are evictable fails the contract."""
+    with pytest.raises(AssertionError, match="returned None, yet"):
+        _hunt(_contract_for(_GivesUpAtPinned))
+
+
+def test_catches_a_failed_selection_that_mutates():
+    """A policy whose failed select_victims reorders its state fails the contract."""
+    with pytest.raises(AssertionError, match="changed state"):
+        _hunt(_contract_for(_MutatesOnFailure))
+
+
+def test_exact_order_contracts_accept_the_reference_policies():
+    """The LRU and FIFO order checks accept the minimal reference implementations they model."""
+
+    class _Fifo(_RecencyList):
+        def on_access(self, block: BlockId) -> None:
+            pass
+
+    run_state_machine_as_test(_contract_for(_RecencyList, LRUContract))
+    run_state_machine_as_test(_contract_for(_Fifo, FIFOContract))

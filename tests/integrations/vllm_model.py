@@ -1,0 +1,116 @@
+"""Builds a tiny, deterministic Llama checkpoint that vLLM can load offline.
+
+Helper for the vLLM integration tests, not a test module. Tests in this folder
+import it as ``from vllm_model import build_tiny_llama``: the folder has no
+``__init__.py``, so pytest's default ``prepend`` import mode puts it on
+``sys.path`` when it collects a test file here.
+
+The checkpoint is a byte-level BPE tokenizer trained on generated text and a
+2-layer ``LlamaForCausalLM`` with seeded random weights, saved with
+``save_pretrained``. Same arguments give byte-identical files. The shapes fit
+vLLM's CPU attention backend (head size 32; it needs block sizes that are
+multiples of 32). Building takes about a second.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+__all__ = [
+    "HEAD_DIM",
+    "HIDDEN_SIZE",
+    "NUM_KV_HEADS",
+    "NUM_LAYERS",
+    "build_tiny_llama",
+]
+
+NUM_LAYERS = 2
+HIDDEN_SIZE = 128
+HEAD_DIM = 32
+NUM_HEADS = HIDDEN_SIZE // HEAD_DIM
+# Fewer KV heads than query heads (GQA) so a test can tell the two apart in
+# the KV cache layout.
+NUM_KV_HEADS = 2
+
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "qu", "ph", "ox")
+_SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
+
+
+def _corpus(rng: random.Random, num_lines: int) -> list[str]:
+    """Pseudo-words with punctuation, so BPE learns word and space merges."""
+    lines = []
+    for _ in range(num_lines):
+        words = (
+            "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4)))
+            for _ in range(rng.randint(4, 16))
+        )
+        lines.append(" ".join(words) + rng.choice(".,?!"))
+    return lines
+
+
+def _train_tokenizer(seed: int, vocab_size: int):
+    # Imported here so this module imports without vLLM's extra dependencies.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(_SPECIAL_TOKENS),
+        # The full byte alphabet keeps every string encodable, so detokenized
+        # output of the random model always round-trips.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(seed), 2000), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def build_tiny_llama(
+    path: Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 4096,
+    initializer_range: float = 0.2,
+) -> Path:
+    """Writes tokenizer, config and float32 weights to ``path`` and returns it.
+
+    ``initializer_range`` is ten times Llama's default: larger weights give
+    peaked logits, so greedy decoding is stable against rounding differences
+    between compute paths (full prefill versus a prefix-cache hit).
+    The global torch RNG state is left unchanged.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(seed, vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=2 * HIDDEN_SIZE,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

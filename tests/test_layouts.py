@@ -1,0 +1,163 @@
+"""Tests for kvkit.layouts: shapes, regions, piece bytes and validation errors."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvkit.errors import ConfigError, SpecMismatchError
+from kvkit.interfaces import KVCacheSpec, KVGroupSpec
+from kvkit.layouts import (
+    LAYOUTS,
+    allocate_kv,
+    kv_nbytes,
+    kv_shape,
+    kv_views,
+    regions_for,
+    torch_dtype,
+    validate_kv,
+)
+from kvkit.testing.kvdata import spec_layouts
+
+SPEC = KVCacheSpec(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+
+EXPECTED_SHAPES = {
+    "per-layer": [(2, 5, 4, 2, 8)] * 3,
+    "blocks-first": [(5, 2, 4, 2, 8)] * 3,
+    "cross-layer": [(5, 3, 2, 4, 2, 8)],
+    "vllm-cpu": [(5, 2, 4, 16)] * 3,
+}
+
+EXPECTED_REGIONS = {
+    "per-layer": (["layer0.k", "layer0.v", "layer1.k", "layer1.v", "layer2.k", "layer2.v"],
+                  SPEC.bytes_per_layer_block),
+    "blocks-first": (["layer0", "layer1", "layer2"], 2 * SPEC.bytes_per_layer_block),
+    "cross-layer": (["kv"], SPEC.bytes_per_block),
+    "vllm-cpu": (["layer0", "layer1", "layer2"], 2 * SPEC.bytes_per_layer_block),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shapes(layout):
+    """Each layout has the documented tensor shapes, dtype and byte total."""
+    assert kv_shape(SPEC, layout, 5) == EXPECTED_SHAPES[layout]
+    tensors = allocate_kv(SPEC, layout, 5)
+    assert [tuple(t.shape) for t in tensors] == EXPECTED_SHAPES[layout]
+    assert all(t.dtype == torch.bfloat16 for t in tensors)
+    assert sum(t.numel() * t.element_size() for t in tensors) == kv_nbytes(SPEC, layout, 5) == 5 * SPEC.bytes_per_block
+    assert validate_kv(SPEC, layout, tensors) == 5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_regions(layout):
+    """Regions have the documented names and piece bytes, and pair both tiers' block counts."""
+    regions = regions_for(SPEC, layout, allocate_kv(SPEC, layout, 5), allocate_kv(SPEC, layout, 7))
+    names, piece = EXPECTED_REGIONS[layout]
+    assert [r.name for r in regions] == names
+    assert all(r.piece_bytes == piece for r in regions)
+    assert sum(r.piece_bytes for r in regions) == SPEC.bytes_per_block
+    assert all(r.gpu.shape[0] == 5 and r.cpu.shape[0] == 7 for r in regions)
+
+
+def test_per_layer_regions_are_k_and_v_halves():
+    """The per-layer K region views index 0 of the layer tensor and V index 1."""
+    gpu = allocate_kv(SPEC, "per-layer", 5)
+    regions = regions_for(SPEC, "per-layer", gpu, allocate_kv(SPEC, "per-layer", 2))
+    assert regions[2].gpu.data_ptr() == gpu[1][0].data_ptr()
+    assert regions[3].gpu.data_ptr() == gpu[1][1].data_ptr()
+
+
+@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay != "cross-layer"])
+def test_region_groups_follow_spec(layout):
+    """Each region carries the group of its layer."""
+    spec = KVCacheSpec(3, 4, 2, 8, groups=[KVGroupSpec([1]), KVGroupSpec([0, 2], "sliding_window", 8)])
+    regions = regions_for(spec, layout, allocate_kv(spec, layout, 2), allocate_kv(spec, layout, 2))
+    by_layer = {r.name.split(".")[0]: r.group for r in regions}
+    assert by_layer == {"layer0": 1, "layer1": 0, "layer2": 1}
+
+
+def test_cross_layer_rejects_several_groups():
+    """A cross-layer piece spans every layer, so a multi-group spec is refused."""
+    spec = KVCacheSpec(2, 4, 2, 8, groups=[KVGroupSpec([0]), KVGroupSpec([1])])
+    with pytest.raises(ConfigError, match="single KV group"):
+        kv_shape(spec, "cross-layer", 3)
+
+
+def test_unknown_layout_lists_valid_names():
+    """An unknown layout name is quoted next to the valid ones."""
+    with pytest.raises(ConfigError, match=r"'nhd'.*per-layer"):
+        kv_shape(SPEC, "nhd", 3)
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"])
+def test_torch_dtype_matches_spec_size(name):
+    """Every spec dtype maps to a torch dtype of the spec's element size."""
+    spec = KVCacheSpec(1, 1, 1, 1, dtype=name)
+    assert torch_dtype(spec).itemsize == spec.dtype_bytes
+
+
+@given(spec_layouts(), st.integers(1, 4))
+def test_views_tile_buffer(spec_layout, num_blocks):
+    """Every region piece of every block covers the carved buffer exactly once."""
+    spec, layout = spec_layout
+    buf = torch.empty(kv_nbytes(spec, layout, num_blocks), dtype=torch.uint8)
+    views = kv_views(spec, layout, num_blocks, buf)
+    assert validate_kv(spec, layout, views) == num_blocks
+    regions = regions_for(spec, layout, views, views)
+    spans = sorted((r.cpu[b].data_ptr(), r.piece_bytes) for r in regions for b in range(num_blocks))
+    cursor = buf.data_ptr()
+    for start, size in spans:
+        assert start == cursor
+        cursor += size
+    assert cursor == buf.data_ptr() + buf.numel()
+    assert all(r.stride_bytes("cpu") == r.piece_bytes for r in regions)
+
+
+def test_views_reject_wrong_buffer():
+    """A buffer of the wrong size is refused, quoting the size needed."""
+    need = kv_nbytes(SPEC, "per-layer", 2)
+    with pytest.raises(SpecMismatchError, match=str(need)):
+        kv_views(SPEC, "per-layer", 2, torch.empty(need + 1, dtype=torch.uint8))
+
+
+def _wrong_count(ts):
+    return ts + ts[:1]
+
+
+def _wrong_shape(ts):
+    return [ts[0][..., :-1].contiguous()] + ts[1:]
+
+
+def _wrong_dtype(ts):
+    return ts[:-1] + [ts[-1].float()]
+
+
+def _non_contiguous(ts):
+    t = ts[0]
+    dims = list(reversed(range(t.dim())))
+    return [t.new_empty(t.shape[::-1]).permute(*dims)] + ts[1:]
+
+
+def _other_device(ts):
+    return ts[:-1] + [ts[-1].to("meta")]
+
+
+MUTATIONS = [
+    (_wrong_count, r"needs \d+ tensor\(s\) for 3 layers, got \d+"),
+    (_wrong_shape, r"shape \(.*\), layout .* expects \("),
+    (_wrong_dtype, r"dtype torch.float32, spec says 'bfloat16'"),
+    (_non_contiguous, r"not contiguous: shape .* strides"),
+    (_other_device, r"tensor \d+ is on meta, tensor 0 on cpu"),
+]
+
+
+@pytest.mark.parametrize(("layout", "mutate", "pattern"), [
+    (layout, mutate, pattern) for layout in LAYOUTS for mutate, pattern in MUTATIONS
+    # one cross-layer tensor cannot disagree with itself on device
+    if not (layout == "cross-layer" and mutate is _other_device)
+])
+def test_validate_errors_quote_values(layout, mutate, pattern):
+    """validate_kv refuses bad tensors with a message quoting what disagrees."""
+    bad = mutate(allocate_kv(SPEC, layout, 5))
+    with pytest.raises(SpecMismatchError, match=pattern):
+        validate_kv(SPEC, layout, bad)

@@ -1,0 +1,72 @@
+"""Packaging: the wheel carries every subpackage; import hygiene of ``kvkit``."""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# source folder -> its import path inside the wheel (setuptools package-dir)
+SOURCE_DIRS = {"kvkit": "kvkit", "interfaces": "kvkit/interfaces", "backends": "kvkit/backends"}
+
+
+def source_packages() -> set[str]:
+    """Wheel paths of every folder with an ``__init__.py`` under the mapped source folders."""
+    found = set()
+    for folder, target in SOURCE_DIRS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            if "__pycache__" not in init.parts:
+                relative = init.parent.relative_to(ROOT / folder).as_posix()
+                found.add(target if relative == "." else f"{target}/{relative}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def wheel_names(tmp_path_factory) -> set[str]:
+    """File names inside a wheel built from a copy of the source tree (the checkout stays clean)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".*", "build", "dist", "*.egg-info", "__pycache__", "notebooks", "out"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp / "dist")],
+        check=True, capture_output=True, text=True, cwd=tmp)
+    (wheel,) = (tmp / "dist").glob("kvkit-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        return set(zf.namelist())
+
+
+def test_wheel_contains_every_subpackage(wheel_names):
+    """Every source folder with an __init__.py ships in the wheel at its kvkit.* path, plus py.typed."""
+    missing = sorted(p for p in source_packages() if f"{p}/__init__.py" not in wheel_names)
+    assert not missing, f"add these to [tool.setuptools] packages in pyproject.toml: {missing}"
+    assert {"kvkit/py.typed", "kvkit/interfaces/__init__.py", "kvkit/backends/__init__.py"} <= wheel_names
+
+
+def test_wheel_declares_console_script(wheel_names):
+    """The wheel's entry points declare the `kvkit` console script."""
+    assert any(n.endswith(".dist-info/entry_points.txt") for n in wheel_names)
+
+
+@pytest.mark.parametrize("name", ["interfaces", "backends"])
+def test_bare_source_folders_are_not_importable(name):
+    """The source folders are only reachable as kvkit.* (no second copy of the modules)."""
+    assert importlib.util.find_spec(name) is None
+
+
+def test_import_kvkit_touches_neither_cupy_nor_cuda():
+    """A fresh `import kvkit` imports no CuPy and does not initialise CUDA."""
+    code = (
+        "import json, sys, kvkit\n"
+        "torch = sys.modules.get('torch')\n"
+        "print(json.dumps({'cupy': sorted(m for m in sys.modules if m.split('.')[0] == 'cupy'),\n"
+        "                  'cuda': bool(torch is not None and torch.cuda.is_initialized())}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert json.loads(out.stdout) == {"cupy": [], "cuda": False}
