@@ -197,6 +197,8 @@ def main() -> None:
         "ratio": round(pool_s / cache_s, 3),
         "pool_us_per_op": round(pool_s / calls * 1e6, 3),
         "cache_us_per_op": round(cache_s / calls * 1e6, 3),
+        "pool_ns_per_block": round(pool_s / blocks * 1e9, 1),
+        "cache_ns_per_block": round(cache_s / blocks * 1e9, 1),
         "pool_hit_rate": round(pool_hits / blocks, 4),
         "cache_hit_rate": round(cache_hits / blocks, 4),
         "pool_evictions": len(evictions),

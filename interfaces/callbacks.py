@@ -31,5 +31,8 @@ class OffloadCallback:
     def on_request_finished(self, request_id: str, aborted: bool) -> None:
         """A request finished or was aborted; its per-request state is being released."""
 
+    def on_request_preempted(self, request_id: str) -> None:
+        """A running request was preempted; it waits to be looked up again."""
+
     def on_reset(self, dropped_blocks: int) -> None:
         """The CPU tier was emptied after draining in-flight transfers."""

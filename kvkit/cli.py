@@ -24,6 +24,7 @@ from kvkit.errors import ConfigError, KVKitError
 __all__ = ["COMMANDS", "KVKitUsageError", "kvkit_errors", "list_command", "main"]
 
 COMMANDS: dict[str, str] = {
+    "bench": "kvkit.bench_transfer:bench_group",
     "list": "kvkit.cli:list_command",
     "policies": "kvkit.commands.policies:policies_command",
 }

@@ -735,8 +735,14 @@ class OffloadManager:
         self._unpin(r)
         self._dirty.pop(rid, None)
         if r.store_queue:
-            held = self.gpu is not None
-            entries = self._resolve(r, r.store_queue, held)
+            # Drop what the CPU tier already holds now: a long request's flush
+            # would otherwise hold GPU references on blocks that are never copied.
+            held, hashes, inflight, lookup = (self.gpu is not None, r.block_hashes,
+                                              self._inflight_hashes, self.cpu.lookup)
+            needed = [i for i in r.store_queue
+                      if hashes[i] not in inflight and not lookup((hashes[i],))]
+            self.stats.stores_deduplicated.add(len(r.store_queue) - len(needed))
+            entries = self._resolve(r, needed, held)
             r.store_queue = []
             if held:
                 self.gpu.incref([g for e in entries for g in e[2]])

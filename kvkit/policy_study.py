@@ -10,8 +10,9 @@ Hit semantics (those of an engine's prefix cache, one request at a time):
   request gets a fresh block (evicting through the policy) and is committed
   under its hash with its chain parent, and all references are dropped: each
   block is in the cache after the request, as after an engine computed it. A
-  block past the first miss that was still cached keeps its old slot (the
-  pool's commit deduplicates, as an engine's prefix cache does).
+  block past the first miss that is still cached stays where it is, untouched
+  (the pool's commit keeps the first block of a hash, as an engine's prefix
+  cache does), unless the allocation just evicted it.
 * Requests run one after another, never concurrently, so a request can use the
   whole pool. One larger than the pool caches only its first ``capacity`` blocks.
 
@@ -198,7 +199,7 @@ def study(requests: Sequence[TraceRequest], capacities: Iterable[int],
     if not capacities:
         raise ConfigError("a policy study needs at least one capacity, got none")
     names = list(dict.fromkeys(default_policies() if policies is None else policies))
-    problems = [p for p in map(EVICTION.check, names) if p is not None]
+    problems = [p for p in (EVICTION.check(n, slot="policy") for n in names) if p is not None]
     if problems:
         raise ConfigError(problems)
     names = [n for n in names if n != OPT] + [OPT]

@@ -125,7 +125,7 @@ def read_trace(path: str | os.PathLike[str], *, block_tokens: int = DEFAULT_BLOC
     Raises:
         ConfigError: ``block_tokens`` or ``limit`` is invalid (at the call).
         TraceFormatError: a line is malformed; names the file, line and field.
-        OSError: the file cannot be read.
+        OSError: the file cannot be opened (raised on the first ``next``).
     """
     _check_block_tokens(block_tokens)
     if limit is not None and (type(limit) is not int or limit < 0):

@@ -232,7 +232,11 @@ class TransferEngine:
         self._ids_in_flight.add(transfer_id)
 
     def poll(self) -> list[TransferResult]:
-        """Results of transfers that completed since the last call (non-blocking)."""
+        """Results of transfers that completed since the last call (non-blocking).
+
+        ``seconds`` runs from :meth:`submit` to the poll that saw the copy
+        done, so it includes queueing behind earlier copies and poll latency.
+        """
         try:
             handles = self.copy.poll()
         except Exception as exc:

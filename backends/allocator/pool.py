@@ -35,6 +35,18 @@ def _check_count(what: str, n: object) -> int:
     return n
 
 
+def _as_list(values: object, what: str) -> list | tuple:
+    """``values`` as a list or tuple, safe to iterate twice; numpy arrays become Python ints."""
+    if values.__class__ is list or values.__class__ is tuple:
+        return values
+    if isinstance(values, np.ndarray):
+        return values.tolist()
+    try:
+        return list(values)
+    except TypeError:
+        raise PoolUsageError(f"{what} must be a sequence, got {values!r}") from None
+
+
 @attrs.define(eq=False)
 class BlockPool(BlockAllocator):
     """A pool of ``num_blocks`` slots with refcounts, a prefix index and pluggable eviction.
@@ -191,6 +203,7 @@ class BlockPool(BlockAllocator):
 
     @override
     def incref(self, blocks: Sequence[BlockId]) -> None:
+        blocks = _as_list(blocks, "blocks")
         ref, hashes = self._ref, self._hash
         try:
             for b in blocks:
@@ -210,8 +223,7 @@ class BlockPool(BlockAllocator):
 
     @override
     def decref(self, blocks: Sequence[BlockId]) -> None:
-        if isinstance(blocks, np.ndarray):
-            blocks = blocks.tolist()  # freed ids go back on the empty stack as Python ints
+        blocks = _as_list(blocks, "blocks")
         ref = self._ref
         zeroed = []
         done = 0
@@ -251,14 +263,15 @@ class BlockPool(BlockAllocator):
     @override
     def commit(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
                parents: Sequence[BlockHash | None] | None = None) -> list[bool]:
+        blocks, hashes = _as_list(blocks, "blocks"), _as_list(hashes, "hashes")
+        if parents is not None:
+            parents = _as_list(parents, "parents")
         n = len(blocks)
         if len(hashes) != n or (parents is not None and len(parents) != n):
             raise PoolUsageError(
                 f"commit needs equal lengths, got {n} blocks, {len(hashes)} hashes"
                 + ("" if parents is None else f", {len(parents)} parents")
             )
-        if isinstance(blocks, np.ndarray):
-            blocks = blocks.tolist()  # store Python ints in the index
         ref, block_hash = self._ref, self._hash
         try:
             for b, h in zip(blocks, hashes):
@@ -296,16 +309,20 @@ class BlockPool(BlockAllocator):
     def lookup(self, hashes: Sequence[BlockHash]) -> list[BlockId]:
         get = self._index.get
         found = []
-        for h in hashes:
-            b = get(h)
-            if b is None:
-                break
-            found.append(b)
+        try:
+            for h in hashes:
+                b = get(h)
+                if b is None:
+                    break
+                found.append(b)
+        except TypeError:  # not iterable, or an unhashable element
+            raise PoolUsageError(f"lookup needs a sequence of hashes, got {hashes!r}") from None
         return found
 
     @override
     def touch(self, blocks: Sequence[BlockId]) -> None:
         """Tell the eviction policy each ready block was hit, in order; others are skipped."""
+        blocks = _as_list(blocks, "blocks")
         ref = self._ref
         try:
             for b in blocks:

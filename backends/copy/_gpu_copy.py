@@ -132,4 +132,4 @@ class GPUCopy:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if handle bookkeeping is inconsistent."""
         self._inflight.check_invariants()
-        assert (self._planner is None) == (self._device is None) or self._device is not None
+        assert self._planner is None or set(self._streams) == set(Direction), self._streams

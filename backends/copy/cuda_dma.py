@@ -10,6 +10,7 @@ copy per block spanning every region (``cuMemcpy3DBatchAsync``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from kvkit.backends.copy import _driver
 from kvkit.backends.copy._gpu_copy import GPUCopy
 from kvkit.backends.copy._planner import Strided
-from kvkit.errors import BackendUnavailableError
+from kvkit.errors import BackendUnavailableError, DeviceError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
 
@@ -48,6 +49,7 @@ class CudaDMACopy(GPUCopy):
     strided: bool = True
     prefer_overlap: bool = False
     _attributes: dict[Direction, np.ndarray] = attrs.field(factory=dict, init=False)
+    _strided_error: str | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         problem = _driver.driver_problem(batch=True)
@@ -76,11 +78,16 @@ class CudaDMACopy(GPUCopy):
         lib = _driver.driver()
         lib.ensure_context(self._context)
         assert self._planner is not None
-        strided = self._planner.strided(plan) if self.strided else None
+        strided = self._planner.strided(plan) if self.strided and self._strided_error is None else None
         if strided is not None:
             ops = self._ops(strided, plan.direction)
-            lib.memcpy_3d_batch(ops, stream.cuda_stream)
-            return ops
+            try:
+                lib.memcpy_3d_batch(ops, stream.cuda_stream)
+                return ops
+            except DeviceError as exc:  # the call enqueued nothing: fall back to 1-D copies for good
+                self._strided_error = str(exc)
+                warnings.warn(f"cuda-dma: 2-D batched copies refused ({exc}); using 1-D copies",
+                              RuntimeWarning, stacklevel=4)
         desc = self._planner.descriptors(plan)
         lib.memcpy_batch(desc.dst, desc.src, desc.size, self._attributes[plan.direction], stream.cuda_stream)
         return desc

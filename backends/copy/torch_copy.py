@@ -19,7 +19,7 @@ import torch
 from typing_extensions import override
 
 from kvkit.errors import PlanError, SpecMismatchError
-from kvkit.interfaces.copy import Region
+from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, TransferPlan
 
 __all__ = ["TorchCopy"]
@@ -74,7 +74,7 @@ def _run_start(ids: np.ndarray) -> int | None:
 
 
 @attrs.define(eq=False)
-class TorchCopy:
+class TorchCopy(CopyBackend):
     """Copies block pieces with torch gathers and scatters; works on CPU tensors too.
 
     Invariants:
@@ -94,6 +94,7 @@ class TorchCopy:
     _scratch: torch.Tensor = attrs.field(factory=lambda: torch.empty(0, dtype=torch.uint8), init=False)
 
     @classmethod
+    @override
     def is_available(cls) -> bool:
         """Always: torch runs everywhere kvkit does."""
         return True

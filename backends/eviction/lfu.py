@@ -92,7 +92,8 @@ class LFUPolicy(EvictionPolicy):
             assert all(self._freq[b] == f for b in self._buckets[f]), f"bucket {f} holds a stranger"
             walked.append(f)
             below = f
-        assert sorted(self._buckets) == walked, f"unlinked buckets: {set(self._buckets) - set(walked)}"
+        assert sorted(self._buckets) == walked, \
+            f"unlinked buckets: {set(self._buckets) - set(walked)}"
         assert set(self._higher) == set(self._lower) == set(walked), "stale links"
         assert sum(map(len, self._buckets.values())) == len(self._freq), "block in no bucket"
 

@@ -162,10 +162,12 @@ class S3FIFOPolicy(EvictionPolicy):
     @override
     def check_invariants(self) -> None:
         assert not self._small.keys() & self._main.keys(), "a block is in both S and M"
-        assert self._freq.keys() == self._small.keys() | self._main.keys(), "frequency table drifted"
+        assert self._freq.keys() == self._small.keys() | self._main.keys(), \
+            "frequency table drifted from the queues"
         assert all(0 <= f <= _MAX_FREQ for f in self._freq.values()), "frequency out of [0, 3]"
         tracked = set(self._small.values()) | set(self._main.values())
-        assert not tracked & self._ghost.keys(), f"ghost holds tracked hashes {tracked & self._ghost.keys()}"
+        assert not tracked & self._ghost.keys(), \
+            f"ghost holds tracked hashes {tracked & self._ghost.keys()}"
         assert len(self._ghost) <= self._ghost_limit(), "ghost queue over its limit"
         assert self._high_water >= len(self), "high-water mark below the tracked count"
 

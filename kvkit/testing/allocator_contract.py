@@ -122,12 +122,17 @@ class AllocatorContract(RuleBasedStateMachine):
     @rule(data=st.data())
     def allocate(self, data: st.DataObject) -> None:
         """Allocate up to capacity + 2 blocks; beyond what is free it must fail atomically."""
-        empty, evictable = self._empty(), self._evictable()
         n = data.draw(st.integers(1, self.num_blocks + 2), label="n")
-        if n > len(empty) + len(evictable):
+        free = len(self._empty()) + len(self._evictable())
+        if n > free:
             self._fails_atomically(OutOfBlocksError, lambda: self.pool.allocate(n),
-                                   f"allocate({n}) with {len(empty) + len(evictable)} free")
-            return
+                                   f"allocate({n}) with {free} free")
+        else:
+            self._allocate(n)
+
+    def _allocate(self, n: int) -> list[BlockId]:
+        """Allocate ``n`` free blocks and check the choice, the evictions and the model."""
+        empty, evictable = self._empty(), self._evictable()
         blocks = self.pool.allocate(n)
         _expect(len(blocks) == n and len(set(blocks)) == n,
                 f"allocate({n}) returned {blocks!r}: wrong length or duplicates")
@@ -147,10 +152,11 @@ class AllocatorContract(RuleBasedStateMachine):
                 f"allocate({n}) evicted {sorted(evicted)} but handed out {blocks!r}")
         for b, h in evicted.items():
             _expect(h == self.hash_of[b],
-                    f"evict listener reported block {b} with hash {h!r}, it had {self.hash_of[b]!r}")
+                    f"evict listener reported block {b} with {h!r}, it had {self.hash_of[b]!r}")
             del self.index[self.hash_of.pop(b)]
         for b in blocks:
             self.refs[b] = 1
+        return blocks
 
     def _allocate_invalid(self, data: st.DataObject) -> None:
         """A negative count is a ValueError and changes nothing."""
@@ -186,26 +192,27 @@ class AllocatorContract(RuleBasedStateMachine):
         """Drop some of the references held (each at most as often as it is held)."""
         references = data.draw(st.permutations(self._references()), label="order")
         blocks = references[: data.draw(st.integers(0, len(references)), label="count")]
-        self.pool.decref(blocks)
-        self._drop(blocks)
+        self._decref(blocks)
 
     @precondition(lambda self: self.refs)
     @rule(data=st.data())
-    def decref_one(self, data: st.DataObject) -> None:
-        """Drop one reference of one block (a shared block must survive while others hold it)."""
+    def share(self, data: st.DataObject) -> None:
+        """Pin a referenced block and drop the pin: the other references keep it intact."""
         block = data.draw(st.sampled_from(sorted(self.refs)), label="block")
+        self.pool.incref([block])
+        _expect(self.pool.refcount(block) == self.refs[block] + 1,
+                f"incref([{block}]) left refcount {self.pool.refcount(block)}")
         self.pool.decref([block])
-        self._drop([block])
 
     @precondition(lambda self: self.refs)
     @rule()
     def release_all(self) -> None:
         """Drop every reference in one call (makes reset legal)."""
         blocks = self._references()
-        self.pool.decref(blocks)
-        self._drop(blocks)
+        self._decref(blocks)
 
-    def _drop(self, blocks: list[BlockId]) -> None:
+    def _decref(self, blocks: list[BlockId]) -> None:
+        self.pool.decref(blocks)
         self.refs.subtract(blocks)
         self.refs = +self.refs  # drop zero entries: not-ready ones are empty again
         _expect(not self.evicted, f"decref({blocks!r}) evicted {self.evicted}")
@@ -232,6 +239,10 @@ class AllocatorContract(RuleBasedStateMachine):
         """Make referenced, not-ready blocks ready; a hash already indexed keeps its block."""
         blocks = data.draw(st.lists(st.sampled_from(self._not_ready_referenced()), min_size=1,
                                     unique=True), label="blocks")
+        self._commit(data, blocks)
+
+    def _commit(self, data: st.DataObject, blocks: list[BlockId]) -> None:
+        """Commit ``blocks`` under hashes drawn from the small universe, with or without parents."""
         hashes = data.draw(st.lists(st.sampled_from(HASHES), min_size=len(blocks),
                                     max_size=len(blocks)), label="hashes")
         parents = [None, *hashes[:-1]] if data.draw(st.booleans(), label="parents") else None
@@ -245,6 +256,15 @@ class AllocatorContract(RuleBasedStateMachine):
         _expect(list(result) == expected,
                 f"commit({blocks!r}, {hashes!r}) returned {result!r}, expected {expected!r}")
 
+    @precondition(lambda self: self._empty() or self._evictable())
+    @rule(data=st.data())
+    def request(self, data: st.DataObject) -> None:
+        """A request's whole life in one step: allocate, commit, release (caches its blocks)."""
+        free = len(self._empty()) + len(self._evictable())
+        blocks = self._allocate(data.draw(st.integers(1, free), label="n"))
+        self._commit(data, blocks)
+        self._decref(blocks)
+
     def _reset_invalid(self, data: st.DataObject) -> None:
         """Reset is refused while any block is referenced, and changes nothing."""
         if self.refs:
@@ -252,7 +272,7 @@ class AllocatorContract(RuleBasedStateMachine):
                                    f"reset() with references {dict(self.refs)}")
 
     def _commit_invalid(self, data: st.DataObject) -> None:
-        """Committing a ready, unreferenced or unknown block, or unequal lengths, changes nothing."""
+        """Committing a ready, unreferenced or unknown block, or unequal lengths, fails."""
         blocks = data.draw(st.lists(st.sampled_from(self._not_ready_referenced()), unique=True,
                                     max_size=3) if self._not_ready_referenced() else st.just([]))
         choices = ["unknown", "lengths"]

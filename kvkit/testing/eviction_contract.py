@@ -35,13 +35,14 @@ def _hash(k: int) -> BlockHash:
 class EvictionPolicyContract(RuleBasedStateMachine):
     """Drives a policy the way a pool does and checks it against a trivial model.
 
-    The model is the set of tracked blocks (with hashes, insertion order and
-    recency) and the set of pinned ones; ``is_evictable`` is "tracked and not
-    pinned". Rules insert chains of blocks (each block's parent is the hash
-    before it; a hash keeps its parent for the whole run, as content hashes
-    do), access, pin, unpin and remove blocks, and select victims, which are
-    then removed as a pool would. Block ids and hashes come from small
-    spaces, so ids are reused for other content and evicted hashes return.
+    The model is the set of tracked blocks (with hashes, insertion order,
+    recency and use counts) and the set of pinned ones; ``is_evictable`` is
+    "tracked and not pinned". Rules insert chains of blocks (each block's
+    parent is the hash before it; a hash keeps its parent for the whole run,
+    as content hashes do), access, pin, unpin and remove blocks, and select
+    victims, which are then removed as a pool would. Block ids and hashes
+    come from small spaces, so ids are reused for other content and evicted
+    hashes return.
 
     Checked after every step, for every policy:
 
@@ -74,6 +75,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         self.twin: EvictionPolicy | None = None
         self.tracked: OrderedDict[BlockId, BlockHash] = OrderedDict()  # insertion order
         self.recency: OrderedDict[BlockId, None] = OrderedDict()  # least recent first
+        self.uses: dict[BlockId, int] = {}  # 1 for the insert plus 1 per hit
         self.pinned: set[BlockId] = set()
         self.parents: dict[BlockHash, BlockHash | None] = {}
 
@@ -89,7 +91,9 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """Tracked blocks in the exact order the policy claims to evict them, or ``None``.
 
         When not ``None``, every successful selection must return the first
-        ``n`` evictable blocks of this order (as a set).
+        ``n`` evictable blocks of this order (as a set). Build it from the
+        model: ``self.tracked`` (insertion order), ``self.recency`` (least
+        recent first), ``self.uses`` (1 per insert and hit).
         """
         return None
 
@@ -121,6 +125,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
                 policy.on_insert(block_id, block_hash, parent_hash)
             self.tracked[block_id] = block_hash
             self.recency[block_id] = None
+            self.uses[block_id] = 1
             previous = block_hash
 
     @precondition(lambda self: self.tracked)
@@ -131,6 +136,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         for policy in self.policies():
             policy.on_access(block)
         self.recency.move_to_end(block)
+        self.uses[block] += 1
 
     @precondition(lambda self: len(self.pinned) < len(self.tracked))
     @rule(pick=_PICK)
@@ -172,12 +178,15 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         victims = self.policy.select_victims(n, self.is_evictable)
         assert victims is not None, \
             f"select_victims({n}) returned None, yet blocks {available} are evictable"
-        assert isinstance(victims, list), f"select_victims returned {type(victims).__name__}, not list"
+        assert isinstance(victims, list), \
+            f"select_victims returned a {type(victims).__name__}, not a list"
         assert len(victims) == n, f"select_victims({n}) returned {len(victims)} victims: {victims}"
         assert len(set(victims)) == n, f"select_victims({n}) repeated a victim: {victims}"
         for victim in victims:
-            assert victim in self.tracked, f"victim {victim!r} is not tracked (tracked: {list(self.tracked)})"
-            assert victim not in self.pinned, f"victim {victim!r} is pinned (pinned: {sorted(self.pinned)})"
+            assert victim in self.tracked, \
+                f"victim {victim!r} is not tracked (tracked: {list(self.tracked)})"
+            assert victim not in self.pinned, \
+                f"victim {victim!r} is pinned (pinned: {sorted(self.pinned)})"
         order = self.reference_order()
         if order is not None:
             expected = [b for b in order if b not in self.pinned][:n]
@@ -187,7 +196,8 @@ class EvictionPolicyContract(RuleBasedStateMachine):
             twin_victims = self.twin.select_victims(n, self.is_evictable)
             assert twin_victims == victims, (
                 f"select_victims({n}) chose {victims}, but a twin that never saw the failed "
-                f"selections chose {twin_victims}: a select_victims that returned None changed state")
+                f"selections chose {twin_victims}: a select_victims that returned None "
+                f"changed state")
         for victim in victims:
             self._forget(victim)
 
@@ -218,7 +228,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
     def _forget(self, block: BlockId) -> None:
         for policy in self.policies():
             policy.on_remove(block)
-        del self.tracked[block], self.recency[block]
+        del self.tracked[block], self.recency[block], self.uses[block]
         self.pinned.discard(block)
 
     @staticmethod

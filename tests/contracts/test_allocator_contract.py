@@ -39,7 +39,7 @@ class KeepsEvictedInIndex(BlockPool):
 
     def __attrs_post_init__(self):
         super().__attrs_post_init__()
-        self.add_evict_listener(lambda block, block_hash: self._index.__setitem__(block_hash, block))
+        self.add_evict_listener(lambda block, block_hash: self._index.update({block_hash: block}))
 
     def check_invariants(self):
         pass
@@ -58,7 +58,7 @@ class PartialAllocate(BlockPool):
 
 
 FIND_BUGS = settings(
-    max_examples=300, stateful_step_count=30, deadline=None, database=None, derandomize=True,
+    max_examples=500, stateful_step_count=30, deadline=None, database=None, derandomize=True,
     phases=[Phase.generate], suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
 )
 

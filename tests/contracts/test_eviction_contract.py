@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -42,6 +42,10 @@ class LFUPolicyContract(EvictionPolicyContract):
     def make_policy(self):
         return LFUPolicy()
 
+    def reference_order(self):
+        """Fewest uses first; the stable sort keeps least recent first among equals."""
+        return sorted(self.recency, key=self.uses.__getitem__)
+
 
 TestLFU = LFUPolicyContract.TestCase
 
@@ -73,8 +77,8 @@ TestS3FIFO = S3FIFOPolicyContract.TestCase
 class OptimalPolicyContract(EvictionPolicyContract):
     """OPT's future is a fixed random string over the contract's hashes, observed by a rule."""
 
-    references = [EvictionPolicyContract.hash_for(k)
-                  for k in random.Random(0).choices(range(EvictionPolicyContract.hash_space), k=200)]
+    references = [EvictionPolicyContract.hash_for(k) for k in
+                  random.Random(0).choices(range(EvictionPolicyContract.hash_space), k=200)]
 
     def make_policy(self):
         return OptimalPolicy(self.references)
@@ -109,7 +113,8 @@ class _RecencyList:
     def on_remove(self, block: BlockId) -> None:
         del self.order[block]
 
-    def select_victims(self, n: int, is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
+    def select_victims(self, n: int,
+                       is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         victims = [b for b in self.order if is_evictable(b)][:n]
         return victims if len(victims) == n else None
 

@@ -1,0 +1,421 @@
+"""Unit tests of BlockPool: states, eviction through the policy, errors and atomicity."""
+
+import numpy as np
+import pytest
+
+from kvkit.backends.allocator import BlockPool
+from kvkit.backends.eviction.lru import LRUPolicy
+from kvkit.errors import (
+    ConfigError,
+    OutOfBlocksError,
+    PoolUsageError,
+    RefcountError,
+    UnknownBlockError,
+)
+from kvkit.interfaces import BlockAllocator
+
+
+def state(pool):
+    """Everything observable about ``pool``, for atomicity checks."""
+    n = pool.num_blocks
+    return (
+        pool.num_free, pool.num_empty, pool.num_evictable, pool.num_cached,
+        [pool.refcount(b) for b in range(n)], [pool.block_hash(b) for b in range(n)],
+        list(pool.policy),
+    )
+
+
+def cached_pool(num_blocks, hashes):
+    """A pool whose first ``len(hashes)`` blocks are ready, unreferenced, in LRU order 0, 1, ..."""
+    pool = BlockPool(num_blocks)
+    blocks = pool.allocate(len(hashes))
+    assert pool.commit(blocks, hashes) == [True] * len(hashes)
+    pool.decref(blocks)
+    return pool
+
+
+class RecordingLRU(LRUPolicy):
+    """LRU that also records every notification it receives."""
+
+    calls: list
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_insert(self, block, block_hash, parent):
+        self.calls.append(("insert", block, block_hash, parent))
+        super().on_insert(block, block_hash, parent)
+
+    def on_access(self, block):
+        self.calls.append(("access", block))
+        super().on_access(block)
+
+    def on_remove(self, block):
+        self.calls.append(("remove", block))
+        super().on_remove(block)
+
+
+# -- construction -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8", None])
+def test_bad_capacity_is_a_config_error_quoting_it(bad):
+    """A capacity that is not a positive int raises ConfigError quoting it."""
+    with pytest.raises(ConfigError, match=f"num_blocks must be a positive int, got {bad!r}"):
+        BlockPool(bad)
+
+
+def test_eviction_must_be_an_empty_policy():
+    """A non-policy, or a policy already tracking blocks, is rejected at construction."""
+    with pytest.raises(ConfigError, match="eviction must be an EvictionPolicy, got 'lru'"):
+        BlockPool(4, eviction="lru")
+    used = LRUPolicy()
+    used.on_insert(0, 1, None)
+    with pytest.raises(ConfigError, match="already tracks 1 blocks"):
+        BlockPool(4, eviction=used)
+
+
+def test_defaults_and_protocol():
+    """A new pool is all empty, uses LRU by default and implements BlockAllocator."""
+    pool = BlockPool(5)
+    assert isinstance(pool, BlockAllocator)
+    assert isinstance(pool.policy, LRUPolicy)
+    assert (pool.num_blocks, pool.num_free, pool.num_empty, pool.num_evictable) == (5, 5, 5, 0)
+    pool.check_invariants()
+    with pytest.raises(AttributeError):
+        pool.num_blocks = 6
+
+
+# -- allocation and runs --------------------------------------------------------
+
+
+def test_allocation_hands_out_ascending_runs():
+    """Fresh ids come out ascending, and blocks released in order come back in order."""
+    pool = BlockPool(10)
+    first, second = pool.allocate(4), pool.allocate(3)
+    assert (first, second) == ([0, 1, 2, 3], [4, 5, 6])
+    pool.decref(first)
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    assert pool.allocate(0) == []
+    assert all(pool.refcount(b) == 1 and not pool.is_ready(b) for b in range(7))
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, "2", True, None])
+def test_bad_allocation_count_quotes_it(bad):
+    """A count that is not a non-negative int raises PoolUsageError (a ValueError) quoting it."""
+    pool = BlockPool(4)
+    with pytest.raises(PoolUsageError, match=f"got {bad!r}") as info:
+        pool.allocate(bad)
+    assert isinstance(info.value, ValueError)
+    assert pool.num_empty == 4
+
+
+def test_out_of_blocks_is_atomic_and_quotes_counts():
+    """Asking for more than empty + evictable fails, names the counts and changes nothing."""
+    pool = cached_pool(6, [10, 11])
+    pool.allocate(3)
+    before = state(pool)
+    message = r"cannot allocate 4 blocks: 3 free \(1 empty, 2 evictable\) of 6"
+    with pytest.raises(OutOfBlocksError, match=message):
+        pool.allocate(4)
+    assert state(pool) == before
+
+
+def test_allocation_takes_empty_blocks_before_evicting():
+    """Empty blocks go first; only the shortfall is evicted, coldest first, then sorted."""
+    pool = cached_pool(6, [10, 11, 12, 13])
+    pool.touch([0])  # LRU order is now 1, 2, 3, 0
+    evicted = []
+    pool.add_evict_listener(lambda block, block_hash: evicted.append((block, block_hash)))
+    assert pool.allocate(4) == [4, 5, 1, 2]
+    assert evicted == [(1, 11), (2, 12)]
+    assert pool.lookup([10]) == [0] and pool.lookup([11]) == [] and pool.lookup([12]) == []
+    assert pool.block_hash(1) is None and pool.refcount(1) == 1
+    assert list(pool.policy) == [3, 0]
+    pool.check_invariants()
+
+
+def test_referenced_ready_blocks_are_never_evicted():
+    """A ready block with references is skipped by eviction, however cold it is."""
+    pool = cached_pool(3, [10, 11, 12])
+    pool.incref([0])
+    assert pool.num_free == 2
+    assert sorted(pool.allocate(2)) == [1, 2]
+    assert pool.lookup([10]) == [0]
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(1)
+
+
+def test_listeners_see_a_consistent_pool():
+    """Evict listeners run after allocate finished: the victim is referenced and hashless."""
+    pool = cached_pool(2, [10, 11])
+    seen = []
+    pool.add_evict_listener(
+        lambda block, block_hash: seen.append((block, block_hash, pool.refcount(block),
+                                               pool.block_hash(block), pool.lookup([block_hash])))
+    )
+    pool.allocate(1)
+    assert seen == [(0, 10, 1, None, [])]
+    with pytest.raises(PoolUsageError, match="must be callable, got 3"):
+        pool.add_evict_listener(3)
+
+
+class WrongVictims(LRUPolicy):
+    """A broken policy that always offers block 0, evictable or not."""
+
+    def select_victims(self, n, is_evictable):
+        return [0] * n
+
+
+def test_a_policy_offering_a_referenced_block_is_caught_before_any_change():
+    """The pool refuses a victim that is not evictable and changes nothing."""
+    pool = BlockPool(2, eviction=WrongVictims())
+    blocks = pool.allocate(2)
+    pool.commit(blocks, [10, 11])
+    pool.decref([1])
+    before = state(pool)
+    with pytest.raises(AssertionError, match="non-evictable"):
+        pool.allocate(1)
+    assert state(pool) == before
+
+
+# -- references ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, 4, 99, "x", 1.5, None])
+@pytest.mark.parametrize("method", ["incref", "decref", "touch", "commit"])
+def test_unknown_ids_quote_the_id_and_change_nothing(method, bad):
+    """An out-of-range or non-int id raises UnknownBlockError quoting it; nothing changes."""
+    pool = BlockPool(4)
+    pool.allocate(2)
+    before = state(pool)
+    args = ([1, bad], [10, 11]) if method == "commit" else ([1, bad],)
+    with pytest.raises(UnknownBlockError, match=f"block id {bad!r} is out of range"):
+        getattr(pool, method)(*args)
+    assert state(pool) == before
+    for getter in (pool.refcount, pool.block_hash, pool.is_ready):
+        with pytest.raises(UnknownBlockError, match=f"block id {bad!r}"):
+            getter(bad)
+
+
+def test_incref_of_an_empty_block_is_refused_atomically():
+    """Referencing an empty block raises RefcountError quoting it, even after valid ids."""
+    pool = cached_pool(4, [10])
+    pool.allocate(1)
+    before = state(pool)
+    with pytest.raises(RefcountError, match="cannot incref empty block 3"):
+        pool.incref([0, 1, 3])
+    assert state(pool) == before
+
+
+def test_incref_takes_an_evictable_block_out_of_the_free_count():
+    """An evictable block stops being evictable when referenced, and returns when released."""
+    pool = cached_pool(3, [10])
+    pool.incref([0, 0])
+    assert (pool.refcount(0), pool.num_evictable, pool.num_free) == (2, 0, 2)
+    pool.decref([0, 0])
+    assert (pool.refcount(0), pool.num_evictable, pool.num_free) == (0, 1, 3)
+    pool.check_invariants()
+
+
+def test_decref_below_zero_rolls_back():
+    """A decref that drops one block below zero (even via repeats) undoes the rest."""
+    pool = BlockPool(4)
+    pool.allocate(2)
+    pool.incref([1])
+    before = state(pool)
+    with pytest.raises(RefcountError, match="cannot decref block 0: refcount would go below 0"):
+        pool.decref([1, 0, 0])
+    assert state(pool) == before
+    with pytest.raises(RefcountError, match="block 2"):
+        pool.decref([2])
+    assert state(pool) == before
+
+
+def test_decref_to_zero_empties_not_ready_and_caches_ready_blocks():
+    """At refcount 0 a not-ready block is empty again and a ready block becomes evictable."""
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.commit([blocks[0]], [10])
+    pool.decref(blocks)
+    assert (pool.num_empty, pool.num_evictable, pool.num_cached) == (3, 1, 1)
+    assert pool.is_ready(0) and not pool.is_ready(1)
+    pool.check_invariants()
+
+
+def test_numpy_ids_are_accepted_and_stored_as_ints():
+    """Ids from a numpy array work everywhere and never leak into the index as numpy ints."""
+    pool = BlockPool(4)
+    blocks = np.asarray(pool.allocate(2))
+    pool.incref(blocks)
+    pool.commit(blocks, [10, 11])
+    assert all(type(b) is int for b in pool.lookup([10, 11]))
+    pool.touch(blocks)
+    pool.decref(blocks)
+    pool.decref(blocks)
+    assert pool.num_evictable == 2
+    pool.check_invariants()
+
+
+# -- commit, lookup, touch ---------------------------------------------------------
+
+
+def test_commit_keeps_the_first_block_of_a_duplicate_hash():
+    """A hash already indexed keeps its block; the duplicate stays not ready and later empties."""
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    assert pool.commit([a], [10]) == [True]
+    assert pool.commit([b, c], [10, 11]) == [False, True]
+    assert pool.lookup([10, 11]) == [a, c]
+    assert not pool.is_ready(b) and pool.block_hash(b) is None
+    pool.decref([b])
+    assert pool.num_empty == 2
+    pool.check_invariants()
+
+
+def test_commit_within_one_call_repeating_a_hash():
+    """Two blocks committed under one hash in the same call: the first wins."""
+    pool = BlockPool(2)
+    assert pool.commit(pool.allocate(2), [7, 7]) == [True, False]
+
+
+def test_commit_notifies_the_policy_with_parents():
+    """Each newly ready block reaches the policy with its hash and chain parent."""
+    policy = RecordingLRU()
+    pool = BlockPool(4, eviction=policy)
+    blocks = pool.allocate(3)
+    pool.commit(blocks, [10, 11, 10], [None, 10, 11])
+    assert policy.calls == [("insert", 0, 10, None), ("insert", 1, 11, 10)]
+
+
+@pytest.mark.parametrize(("blocks", "hashes", "parents", "error", "message"), [
+    ([0, 1], [10], None, PoolUsageError, "equal lengths, got 2 blocks, 1 hashes"),
+    ([0], [10], [None, 3], PoolUsageError, "got 1 blocks, 1 hashes, 2 parents"),
+    ([0, 0], [10, 11], None, PoolUsageError, r"names a block twice: \[0, 0\]"),
+    ([0, 4], [10, 11], None, RefcountError, "cannot commit unreferenced block 4"),
+    ([0, 1], [10, "11"], None, PoolUsageError, "block hashes must be ints, got '11'"),
+    ([0], [None], None, PoolUsageError, "block hashes must be ints, got None"),
+    ([0], [10], [1.5], PoolUsageError, "parent hashes must be ints or None, got 1.5"),
+    ([1, 3], [10, 11], None, PoolUsageError, "block 3 is already ready"),
+])
+def test_bad_commits_quote_the_value_and_change_nothing(blocks, hashes, parents, error, message):
+    """Every malformed commit raises the typed error quoting the culprit; nothing changes."""
+    pool = BlockPool(5)
+    pool.allocate(2)
+    ready = pool.allocate(2)
+    pool.commit([ready[1]], [99])
+    before = state(pool)
+    with pytest.raises(error, match=message):
+        pool.commit(blocks, hashes, parents)
+    assert state(pool) == before
+
+
+def test_lookup_returns_the_longest_ready_prefix_and_is_pure():
+    """Lookup stops at the first missing hash and changes neither refcounts nor LRU order."""
+    pool = cached_pool(5, [10, 11, 12])
+    pool.allocate(1)
+    before = state(pool)
+    assert pool.lookup([10, 11, 12, 13]) == [0, 1, 2]
+    assert pool.lookup([10, 99, 12]) == [0]
+    assert pool.lookup([11]) == [1]
+    assert pool.lookup([]) == []
+    assert state(pool) == before
+
+
+def test_touch_refreshes_ready_blocks_in_order_and_skips_others():
+    """Touch moves ready blocks to the hot end in the order given; not-ready ones are skipped."""
+    policy = RecordingLRU()
+    pool = BlockPool(5, eviction=policy)
+    blocks = pool.allocate(4)
+    pool.commit(blocks[:3], [10, 11, 12])
+    policy.calls.clear()
+    pool.touch([1, 3, 0])
+    assert policy.calls == [("access", 1), ("access", 0)]
+    assert list(pool.policy) == [2, 1, 0]
+
+
+def test_eviction_candidates_preview_without_evicting():
+    """Candidates are the next victims in order, at most the evictable ones; nothing changes."""
+    pool = cached_pool(6, [10, 11, 12, 13])
+    pool.incref([1])
+    before = state(pool)
+    assert pool.eviction_candidates(2) == [0, 2]
+    assert pool.eviction_candidates(10) == [0, 2, 3]
+    assert pool.eviction_candidates(0) == []
+    assert state(pool) == before
+    with pytest.raises(PoolUsageError, match="got -1"):
+        pool.eviction_candidates(-1)
+
+
+# -- reset and invariants ---------------------------------------------------------------
+
+
+def test_reset_is_refused_while_referenced():
+    """Reset with references raises RefcountError naming them and changes nothing."""
+    pool = cached_pool(4, [10])
+    pool.allocate(2)
+    before = state(pool)
+    with pytest.raises(RefcountError, match=r"2 blocks still referenced, e.g. \[1, 2\]"):
+        pool.reset()
+    assert state(pool) == before
+
+
+def test_reset_forgets_everything_and_tells_only_the_policy():
+    """Reset drops cached blocks, empties the policy, skips listeners and restarts ids at 0."""
+    policy = RecordingLRU()
+    pool = BlockPool(4, eviction=policy)
+    blocks = pool.allocate(3)
+    pool.commit(blocks[:2], [10, 11])
+    pool.decref(list(reversed(blocks)))
+    evicted = []
+    pool.add_evict_listener(lambda block, block_hash: evicted.append(block))
+    policy.calls.clear()
+    assert pool.reset() == 2
+    assert sorted(policy.calls) == [("remove", 0), ("remove", 1)] and evicted == []
+    assert (pool.num_empty, pool.num_cached, len(policy)) == (4, 0, 0)
+    assert pool.lookup([10]) == []
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize(("corrupt", "message"), [
+    (lambda pool: pool._empty.append(1), "twice"),
+    (lambda pool: pool._ref.__setitem__(3, 1), "empty stack"),
+    (lambda pool: setattr(pool, "_num_evictable", 5), r"\(1, 5\)"),
+    (lambda pool: pool._index.__setitem__(77, 0), "indexed"),
+    (lambda pool: pool._hash.__setitem__(0, 12), "carries 12"),
+    (lambda pool: pool.policy.on_remove(0), "policy tracks 0 blocks, 1 are ready"),
+])
+def test_check_invariants_detects_corruption(corrupt, message):
+    """Each kind of internal corruption makes check_invariants raise AssertionError."""
+    pool = cached_pool(4, [10])
+    pool.check_invariants()
+    corrupt(pool)
+    with pytest.raises(AssertionError, match=message):
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize("method", ["incref", "decref", "touch", "commit", "lookup"])
+def test_a_non_sequence_argument_is_a_typed_error(method):
+    """Passing a bare int where a sequence belongs raises PoolUsageError quoting it."""
+    pool = BlockPool(4)
+    pool.allocate(2)
+    before = state(pool)
+    args = (3, [10]) if method == "commit" else (3,)
+    with pytest.raises(PoolUsageError, match="got 3"):
+        getattr(pool, method)(*args)
+    assert state(pool) == before
+
+
+def test_generators_and_ranges_are_accepted():
+    """Any iterable of ids works, even though the pool walks it twice (validate, then act)."""
+    pool = BlockPool(4)
+    pool.allocate(3)
+    pool.incref(b for b in range(3))
+    pool.commit(range(3), (h for h in (10, 11, 12)))
+    pool.decref(range(3))
+    assert pool.lookup(iter([10, 11, 12])) == [0, 1, 2]
+    assert [pool.refcount(b) for b in range(3)] == [1, 1, 1]
+    pool.check_invariants()

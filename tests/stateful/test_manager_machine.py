@@ -1,0 +1,633 @@
+"""Model-based test of ``OffloadManager`` driven by a fake engine and fake workers.
+
+The machine owns real GPU and CPU ``BlockPool``s and a fake engine: requests
+with shared prefixes and cache salts, GPU prefix hits, lookups, partial
+acceptance, chunked prefill, decode, finish, abort, preemption and resets at
+random moments. Each of ``WORLD`` workers keeps a "content" value per GPU and
+CPU block (the hash whose KV the block holds): compute writes it, a worker
+copies it when it *executes* a plan (any time between ``build_step`` and its
+report), and results reach the manager late, out of order, duplicated and per
+worker. After every rule the DESIGN §4 invariants that apply at this level are
+checked against the model; the planted-bug tests at the end prove the checks
+catch each DESIGN §5 failure mode without the manager's own self-check.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import attrs
+import pytest
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvkit.backends.allocator import BlockPool
+from kvkit.backends.store import EagerStore, LazyStore, NeverStore, SelectiveStore
+from kvkit.errors import KVKitError, OutOfBlocksError
+from kvkit.hashing import hash_blocks
+from kvkit.interfaces import Direction, KVCacheSpec, TransferResult
+from kvkit.manager import OffloadManager
+
+BS = 4  # tokens per block
+NUM_GPU, NUM_CPU = 12, 12
+WORLD = 2  # workers (tensor-parallel ranks)
+MAX_TOKENS = 8 * BS  # prompt plus decode, per request
+MAX_LIVE = 5
+SALTS = ("a", "b")
+BASE = [[f * 1000 + t for t in range(MAX_TOKENS)] for f in range(3)]  # shared prefixes
+
+
+@attrs.define(eq=False)
+class EngineRequest:
+    """The fake engine's view of one request."""
+
+    rid: str
+    salt: str
+    tokens: list[int]
+    hashes: list[int] = attrs.field(factory=list)
+    running: bool = False
+    inc: int = 0  # incarnation: bumped by preemption
+    looked_up: bool = False
+    hit_blocks: list[int] = attrs.field(factory=list)  # GPU hit held from lookup to allocation
+    hit_n: int = 0  # GPU-hit blocks at allocation: the first CPU-hit position
+    pins: list[int] = attrs.field(factory=list)  # CPU blocks the manager must hold for it
+    load_pending: bool = False  # accepted, not yet in a plan
+    revoked: bool = False  # a reset withdrew the offered hit
+    awaiting_load: bool = False
+    accepted: int = 0  # CPU-hit blocks accepted
+    table: list[int] = attrs.field(factory=list)
+    computed: int = 0  # tokens whose KV is on the GPU
+    confirmed: int = 0  # blocks reported confirmed to the manager
+    committed: int = 0  # blocks offered to the GPU prefix cache
+    epoch: int = 0
+
+    def add_tokens(self, tokens: list[int]) -> list[int]:
+        """Append tokens; returns the hashes of blocks they completed."""
+        self.tokens += tokens
+        new = []
+        while (len(self.hashes) + 1) * BS <= len(self.tokens):
+            i = len(self.hashes)
+            parent = self.hashes[-1] if self.hashes else None
+            (h,) = hash_blocks(self.tokens[i * BS:(i + 1) * BS], BS, parent=parent,
+                               extra_keys=(self.salt,))
+            self.hashes.append(h)
+            new.append(h)
+        return new
+
+    @property
+    def pin_start(self) -> int:
+        """Position of the first pinned CPU block in the request."""
+        return self.hit_n if self.running else len(self.hit_blocks)
+
+
+@attrs.define(eq=False)
+class ModelTransfer:
+    """One planned transfer as the fake workers see it."""
+
+    tid: int
+    direction: Direction
+    src: list[int]
+    dst: list[int]
+    hashes: list[int]  # store: the hash each source held at plan time
+    loads: list[tuple[str, int]]  # load: (request id, incarnation) served
+    executed: set[int] = attrs.field(factory=set)
+    reported: set[int] = attrs.field(factory=set)
+    delivered: set[int] = attrs.field(factory=set)
+    ok: bool = True
+    abandoned: bool = False
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Drives an ``OffloadManager`` (GPU pool given, two workers) against a model."""
+
+    manager_cls = OffloadManager
+    check_manager = True  # also run the manager's own check_invariants()
+    write_through = True  # eager: every confirmed block must be stored (or on CPU)
+
+    @staticmethod
+    def make_store():
+        return EagerStore()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=1, head_dim=2)
+        self.gpu, self.cpu = BlockPool(NUM_GPU), BlockPool(NUM_CPU)
+        self.store = self.make_store()
+        self.mgr = self.manager_cls(self.spec, self.cpu, self.store, gpu=self.gpu,
+                                    world_size=WORLD)
+        self.gpu_content: list[dict] = [{} for _ in range(WORLD)]
+        self.cpu_content: list[dict] = [{} for _ in range(WORLD)]
+        self.store_epoch: dict[int, int] = {}  # CPU block -> epoch of the store that filled it
+        self.reqs: dict[str, EngineRequest] = {}
+        self.next_rid = 0
+        self.next_token = 100_000
+        self.epoch = 0
+        self.draining = False
+        self.transfers: dict[int, ModelTransfer] = {}
+        self.outbox: list[TransferResult] = []
+        self.pending_fail: set[str] = set()
+        self.must_store: set[int] = set()
+        self.evicted_in_build: set[int] = set()
+        self.cpu.add_evict_listener(lambda b, h: self.evicted_in_build.add(h))
+
+    # -- helpers -------------------------------------------------------------
+
+    def _pick(self, i: int, pred) -> EngineRequest | None:
+        live = [r for r in self.reqs.values() if pred(r)]
+        return live[i % len(live)] if live else None
+
+    def _write(self, block: int, value: object) -> None:
+        for w in range(WORLD):
+            self.gpu_content[w][block] = value
+
+    def _check_kv(self, r: EngineRequest, first: int, stop: int) -> None:
+        """The GPU blocks at positions ``[first, stop)`` hold the request's KV on every worker."""
+        for p in range(first, stop):
+            for w in range(WORLD):
+                got = self.gpu_content[w].get(r.table[p])
+                assert got == r.hashes[p], (
+                    f"{r.rid} block {p} (GPU {r.table[p]}) on worker {w} holds {got!r}, "
+                    f"expected {r.hashes[p]!r}")
+
+    def _engine_free(self, r: EngineRequest) -> None:
+        held = r.table if r.running else r.hit_blocks
+        if held:
+            self.gpu.decref(held)
+        r.table, r.hit_blocks, r.pins, r.running = [], [], [], False
+        r.looked_up = r.load_pending = r.awaiting_load = False
+        self.pending_fail.discard(r.rid)
+
+    def _compute(self, r: EngineRequest, upto: int) -> None:
+        """Write the KV of tokens ``[computed, upto)`` (the forward pass)."""
+        self._check_kv(r, 0, min(r.computed // BS, len(r.hashes)))
+        for p in range(r.computed // BS, -(-upto // BS)):
+            full = (p + 1) * BS <= upto and p < len(r.hashes)
+            self._write(r.table[p], r.hashes[p] if full else ("partial", r.rid, upto))
+        r.computed = upto
+
+    def _confirm(self, r: EngineRequest) -> None:
+        """Mirror the manager's confirmed range; eager must store all of it."""
+        stop = min(r.computed // BS, len(r.hashes))
+        if self.write_through and r.epoch == self.epoch:
+            self.must_store.update(r.hashes[r.confirmed:stop])
+        r.confirmed = max(r.confirmed, stop)
+
+    def _commit_gpu(self, r: EngineRequest) -> None:
+        """Offer fully computed blocks to the engine's GPU prefix cache."""
+        stop = min(r.computed // BS, len(r.hashes))
+        for p in range(r.committed, stop):
+            b = r.table[p]
+            if not self.gpu.is_ready(b):
+                self.gpu.commit([b], [r.hashes[p]])
+        r.committed = max(r.committed, stop)
+
+    def _execute(self, t: ModelTransfer, w: int) -> None:
+        """Worker ``w`` runs the copy now, reading the sources as they are now."""
+        if t.direction is Direction.STORE:
+            src, dst = self.gpu_content[w], self.cpu_content[w]
+        else:
+            src, dst = self.cpu_content[w], self.gpu_content[w]
+        for s, d in zip(t.src, t.dst):
+            dst[d] = src.get(s)
+        t.executed.add(w)
+
+    def _inflight_store_hashes(self) -> set[int]:
+        return {h for t in self.transfers.values()
+                if t.direction is Direction.STORE and not t.abandoned for h in t.hashes}
+
+    # -- requests ------------------------------------------------------------
+
+    @initialize(prompts=st.lists(st.tuples(st.integers(0, len(BASE) - 1), st.sampled_from(SALTS),
+                                           st.integers(1, 6 * BS + 2)), min_size=1, max_size=3))
+    def start(self, prompts: list[tuple[int, str, int]]) -> None:
+        for family, salt, n_tokens in prompts:
+            self.add(family, salt, n_tokens)
+
+    @precondition(lambda self: len(self.reqs) < MAX_LIVE)
+    @rule(family=st.integers(0, len(BASE) - 1), salt=st.sampled_from(SALTS),
+          n_tokens=st.integers(1, 6 * BS + 2))
+    def add(self, family: int, salt: str, n_tokens: int) -> None:
+        rid = f"r{self.next_rid}"
+        self.next_rid += 1
+        r = EngineRequest(rid, salt, [])
+        r.add_tokens(BASE[family][:n_tokens])
+        self.mgr.add_request(rid, r.hashes, n_tokens)
+        self.reqs[rid] = r
+
+    @precondition(lambda self: any(not r.running for r in self.reqs.values()))
+    @rule(i=st.integers(0, 50))
+    def lookup(self, i: int) -> None:
+        self._lookup(self._pick(i, lambda r: not r.running))
+
+    def _lookup(self, r: EngineRequest) -> None:
+        if r.hit_blocks:
+            self.gpu.decref(r.hit_blocks)
+        ntok = len(r.tokens)
+        cap = (ntok - 1) // BS
+        r.hit_blocks = self.gpu.lookup(r.hashes[:cap])
+        self.gpu.incref(r.hit_blocks)  # the engine holds its GPU hit until it allocates
+        hit = len(r.hit_blocks)
+        stop = min(cap, len(r.hashes))
+        expected = [] if self.draining else self.cpu.lookup(r.hashes[hit:stop])
+        got = self.mgr.lookup(r.rid, hit * BS, num_tokens=ntok)
+        # Hit semantics (invariant 8): the contiguous CPU run from the GPU-hit boundary, capped.
+        assert got == len(expected) * BS, (r.rid, got, expected)
+        for b in expected:
+            assert self.store_epoch.get(b) == self.epoch, f"hit on CPU block {b} stored before a reset"
+        r.pins, r.looked_up, r.revoked = expected, True, False
+
+    @precondition(lambda self: any(r.looked_up and not r.running for r in self.reqs.values()))
+    @rule(i=st.integers(0, 50), accept=st.integers(0, 8))
+    def allocate(self, i: int, accept: int) -> None:
+        self._allocate(self._pick(i, lambda r: r.looked_up and not r.running), accept)
+
+    def _allocate(self, r: EngineRequest, accept: int) -> None:
+        offered = len(r.pins) if not r.revoked else r.accepted
+        a = min(accept, offered)
+        try:
+            new = self.gpu.allocate(-(-len(r.tokens) // BS) - len(r.hit_blocks))
+        except OutOfBlocksError:
+            return  # stays waiting, hit still pinned
+        hit = r.hit_n = len(r.hit_blocks)
+        r.table, r.hit_blocks = r.hit_blocks + new, []
+        self.mgr.on_allocated(r.rid, [r.table], a * BS)
+        r.running, r.looked_up = True, False
+        r.accepted, r.computed, r.confirmed, r.committed = a, hit * BS, 0, hit
+        r.epoch = self.epoch
+        r.pins = r.pins[:a]
+        r.load_pending = bool(r.pins)
+        r.awaiting_load = a > 0
+        if r.revoked and a:
+            self.pending_fail.add(r.rid)
+
+    @precondition(lambda self: any(r.running and not r.awaiting_load for r in self.reqs.values()))
+    @rule(i=st.integers(0, 50), chunk=st.integers(1, 3 * BS))
+    def compute(self, i: int, chunk: int) -> None:
+        r = self._pick(i, lambda r: r.running and not r.awaiting_load)
+        self._step_request(r, chunk)
+
+    def _step_request(self, r: EngineRequest, chunk: int) -> None:
+        """One engine step for ``r``: prefill a chunk, or decode one token."""
+        if r.computed < len(r.tokens):
+            self._compute(r, min(len(r.tokens), r.computed + chunk))
+            self.mgr.on_computed(r.rid, r.computed)
+            self._confirm(r)
+            self._commit_gpu(r)
+        if r.computed == len(r.tokens) and len(r.tokens) < MAX_TOKENS:
+            if len(r.tokens) % BS == 0:  # the next token needs a block
+                try:
+                    (b,) = self.gpu.allocate(1)
+                except OutOfBlocksError:
+                    return
+                r.table.append(b)
+                self.mgr.append_blocks(r.rid, [[b]])
+            self.next_token += 1
+            new = r.add_tokens([self.next_token])
+            if new:
+                self.mgr.extend(r.rid, new, num_tokens=len(r.tokens))
+
+    @precondition(lambda self: self.reqs)
+    @rule(i=st.integers(0, 50), with_progress=st.booleans())
+    def finish(self, i: int, with_progress: bool) -> None:
+        r = self._pick(i, lambda r: True)
+        if with_progress and r.running and not r.awaiting_load and r.computed < len(r.tokens):
+            self._compute(r, len(r.tokens))  # the last step and the finish in one call
+            self.mgr.finish(r.rid, num_computed_tokens=r.computed)
+        else:
+            self.mgr.finish(r.rid)
+        if r.running:
+            self._confirm(r)
+            if self.write_through and r.epoch == self.epoch:
+                self.must_store.update(r.hashes[:r.confirmed])  # the flush
+        self._engine_free(r)
+        del self.reqs[r.rid]
+
+    @precondition(lambda self: self.reqs)
+    @rule(i=st.integers(0, 50))
+    def abort(self, i: int) -> None:
+        r = self._pick(i, lambda r: True)
+        self.mgr.abort(r.rid)
+        self._engine_free(r)
+        del self.reqs[r.rid]
+
+    @precondition(lambda self: any(r.running for r in self.reqs.values()))
+    @rule(i=st.integers(0, 50))
+    def preempt(self, i: int) -> None:
+        r = self._pick(i, lambda r: r.running)
+        assert self.mgr.preempt(r.rid) is False  # the manager holds its own GPU refs
+        self._engine_free(r)
+        r.inc += 1
+        r.computed = r.confirmed = r.committed = r.accepted = 0
+
+    # -- steps and workers ---------------------------------------------------
+
+    @rule()
+    def build_step(self) -> None:
+        was_draining = self.draining
+        dropped = self.mgr.stats.stores_dropped.value
+        expect_wb = set()
+        target = self.store.writeback_target(self.gpu.num_free, NUM_GPU)
+        if target and not was_draining:
+            expect_wb = {self.gpu.block_hash(b) for b in self.gpu.eviction_candidates(target)}
+        expected_loads: Counter = Counter()
+        loading = []
+        for r in self.reqs.values():
+            if r.load_pending:
+                start = r.hit_n
+                # Placement (invariant 7): CPU hit i -> GPU block at position (GPU hit + i).
+                expected_loads.update(zip(r.pins, r.table[start:start + len(r.pins)]))
+                loading.append(r)
+        self.evicted_in_build.clear()
+        plan = self.mgr.build_step()
+        got_loads = Counter(pair for _, p in plan.loads for pair in zip(p.src.tolist(), p.dst.tolist()))
+        assert got_loads == expected_loads, (got_loads, expected_loads)
+        for r in loading:
+            r.load_pending = False
+        if plan.loads:
+            ((tid, p),) = plan.loads
+            self.transfers[tid] = ModelTransfer(tid, Direction.LOAD, p.src.tolist(), p.dst.tolist(),
+                                                [], [(r.rid, r.inc) for r in loading])
+            for r in loading:
+                r.pins = []  # the references moved to the transfer
+        inflight = self._inflight_store_hashes()
+        store_srcs = {s for t in self.transfers.values() if t.direction is Direction.STORE
+                      and not t.abandoned for s in t.src}
+        assert not (plan.stores and was_draining), "a store was planned while draining"
+        for tid, p in plan.stores:
+            src, dst = p.src.tolist(), p.dst.tolist()
+            hashes = []
+            for s, d in zip(src, dst):
+                values = {self.gpu_content[w].get(s) for w in range(WORLD)}
+                assert len(values) == 1 and isinstance(next(iter(values)), int), (
+                    f"store of GPU block {s} whose KV is not confirmed: {values!r}")  # invariant 9
+                h = values.pop()
+                # No double store (invariant 6).
+                assert h not in inflight and s not in store_srcs, f"hash {h} / GPU block {s} stored twice"
+                assert not self.cpu.lookup([h]), f"hash {h} stored while on the CPU tier"
+                assert self.cpu.block_hash(d) is None and self.cpu.refcount(d) == 1, d
+                inflight.add(h)
+                store_srcs.add(s)
+                hashes.append(h)
+                self.store_epoch[d] = self.epoch
+            self.transfers[tid] = ModelTransfer(tid, Direction.STORE, src, dst, hashes, [])
+        # Write-through (and write-back) completeness: nothing owed is silently skipped.
+        if not was_draining and self.mgr.stats.stores_dropped.value == dropped:
+            ready_or_moving = inflight | self.evicted_in_build
+            owed = (self.must_store | expect_wb) - {h for h in self.must_store | expect_wb
+                                                   if self.cpu.lookup([h])}
+            missing = owed - ready_or_moving
+            assert not missing, f"blocks owed to the CPU tier were not stored: {missing}"
+        if not was_draining:
+            self.must_store.clear()
+
+    @precondition(lambda self: any(len(t.executed | t.reported) < WORLD
+                                   for t in self.transfers.values()))
+    @rule(data=st.data())
+    def worker_execute(self, data) -> None:
+        choices = [(t, w) for t in self.transfers.values() for w in range(WORLD)
+                   if w not in t.executed and w not in t.reported]
+        t, w = data.draw(st.sampled_from(choices))
+        self._execute(t, w)
+
+    @precondition(lambda self: any(len(t.reported) < WORLD for t in self.transfers.values()))
+    @rule(data=st.data(), ok=st.integers(0, 7))
+    def worker_report(self, data, ok: int) -> None:
+        choices = [(t, w) for t in self.transfers.values() for w in range(WORLD)
+                   if w not in t.reported]
+        t, w = data.draw(st.sampled_from(choices))
+        self._report(t, w, ok > 0)
+
+    def _report(self, t: ModelTransfer, w: int, ok: bool) -> None:
+        if ok and w not in t.executed:
+            self._execute(t, w)
+        if not ok:  # a failed copy may leave anything at its destination
+            dst = self.cpu_content[w] if t.direction is Direction.STORE else self.gpu_content[w]
+            for d in t.dst:
+                dst[d] = ("garbage", t.tid)
+        t.reported.add(w)
+        self.outbox.append(TransferResult(t.tid, worker=w, ok=ok))
+
+    @precondition(lambda self: self.outbox)
+    @rule(data=st.data())
+    def deliver(self, data) -> None:
+        order = data.draw(st.permutations(range(len(self.outbox))))
+        n = data.draw(st.integers(1, len(order)))
+        picked = [self.outbox[i] for i in order[:n]]
+        self.outbox = [self.outbox[i] for i in order[n:]]
+        extras = data.draw(st.lists(st.sampled_from(["dup", "unknown", "bad_worker"]), max_size=2))
+        self._deliver(picked, extras)
+
+    def _deliver(self, picked: list[TransferResult], extras: list[str]) -> None:
+        sent = list(picked)
+        for kind in extras:
+            if kind == "unknown":
+                sent.append(TransferResult(self.mgr.next_transfer_id + 1000))
+            elif kind == "bad_worker":
+                sent.append(TransferResult(picked[0].transfer_id, worker=WORLD))
+            else:
+                sent.append(picked[0])
+        ignored, completed = 0, []
+        for res in sent:
+            t = self.transfers.get(res.transfer_id)
+            if t is None or not 0 <= res.worker < WORLD or res.worker in t.delivered:
+                ignored += 1
+                continue
+            t.delivered.add(res.worker)
+            t.ok = t.ok and res.ok
+            if len(t.delivered) == WORLD:
+                del self.transfers[t.tid]
+                completed.append(t)
+        stats = self.mgr.stats
+        before = stats.unknown_completions.value + stats.duplicate_completions.value
+        report = self.mgr.apply_completions(sent)
+        after = stats.unknown_completions.value + stats.duplicate_completions.value
+        assert after - before == ignored, (after - before, ignored)
+        loaded, failed = set(), set(self.pending_fail)
+        self.pending_fail.clear()
+        for t in completed:
+            ok = t.ok and not t.abandoned
+            if t.direction is Direction.STORE:
+                for d, h in zip(t.dst, t.hashes):
+                    # Readiness (invariant 5): findable iff the copy succeeded everywhere.
+                    assert self.cpu.block_hash(d) == (h if ok else None), (d, h, ok)
+            for rid, inc in t.loads:
+                r = self.reqs.get(rid)
+                if r is not None and r.inc == inc and r.running:
+                    (loaded if ok else failed).add(rid)
+        assert report.loaded == loaded and report.load_failed == failed, (report, loaded, failed)
+        assert not report.released, report  # with a GPU pool the engine never waits
+        for rid in loaded:
+            r = self.reqs[rid]
+            start = r.hit_n
+            self._check_kv(r, start, start + r.accepted)  # data integrity (invariant 12)
+            r.computed = (start + r.accepted) * BS
+            r.awaiting_load = False
+        for rid in failed:
+            r = self.reqs[rid]
+            r.computed = r.hit_n * BS  # recompute what the load should have brought
+            r.awaiting_load = False
+        if self.draining and not any(t.abandoned for t in self.transfers.values()):
+            self.draining = False
+            assert self.mgr.drained and self.cpu.num_cached == 0, "drained but the CPU tier is not empty"
+
+    @rule(chunk=st.integers(1, 3 * BS), report=st.integers(0, 2))
+    def tick(self, chunk: int, report: int) -> None:
+        """A whole engine step: schedule, compute every request, plan, then workers catch up.
+
+        ``report``: 0 leaves the copies for later rules, 1 reports them, 2 also delivers.
+        """
+        for r in [r for r in self.reqs.values() if not r.running]:
+            self._lookup(r)
+            self._allocate(r, MAX_TOKENS)
+        for r in list(self.reqs.values()):
+            if r.running and not r.awaiting_load:
+                self._step_request(r, chunk)
+        self.build_step()
+        if report:
+            for t in list(self.transfers.values()):
+                for w in range(WORLD):
+                    if w not in t.reported:
+                        self._report(t, w, True)
+        if report == 2:
+            picked, self.outbox = self.outbox, []
+            if picked:
+                self._deliver(picked, [])
+
+    @precondition(lambda self: self.transfers or self.cpu.num_cached)
+    @rule()
+    def reset(self) -> None:
+        emptied = self.mgr.reset()
+        self.epoch += 1
+        self.must_store.clear()
+        for t in self.transfers.values():
+            t.abandoned = True
+        for r in self.reqs.values():
+            if r.load_pending:
+                self.pending_fail.add(r.rid)
+                r.load_pending = False
+            elif r.pins and not r.running:
+                r.revoked = True
+                r.accepted = len(r.pins)  # the engine may still accept what it was offered
+            r.pins = []
+        self.draining = bool(self.transfers)
+        assert emptied == (not self.draining) == self.mgr.drained
+        if emptied:
+            assert self.cpu.num_cached == 0
+
+    # -- invariants ----------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        if self.check_manager:
+            self.mgr.check_invariants()
+        else:
+            self.cpu.check_invariants()
+            self.gpu.check_invariants()
+        # Refcount conservation and pinning (invariants 1, 2), from the model alone on the CPU.
+        cpu_refs: Counter = Counter()
+        for r in self.reqs.values():
+            cpu_refs.update(r.pins)
+        gpu_moving: Counter = Counter()
+        for t in self.transfers.values():
+            cpu_refs.update(t.dst if t.direction is Direction.STORE else t.src)
+            gpu_moving.update(t.src if t.direction is Direction.STORE else t.dst)
+        for b in range(NUM_CPU):
+            assert self.cpu.refcount(b) == cpu_refs[b], (
+                f"CPU block {b}: refcount {self.cpu.refcount(b)} != model {cpu_refs[b]}")
+        engine: Counter = Counter()
+        for r in self.reqs.values():
+            engine.update(r.table if r.running else r.hit_blocks)
+        held = self.mgr.gpu_refs_held()
+        for b in range(NUM_GPU):
+            assert self.gpu.refcount(b) == engine[b] + held[b], (b, engine[b], held[b])
+            assert held[b] >= gpu_moving[b], f"GPU block {b} moves without a manager reference"
+        # Data integrity (12) and readiness (5) of everything findable.
+        for b in range(NUM_CPU):
+            h = self.cpu.block_hash(b)
+            if h is not None:
+                assert all(self.cpu_content[w].get(b) == h for w in range(WORLD)), (b, h)
+                assert self.draining or self.store_epoch.get(b) == self.epoch, (
+                    f"CPU block {b} stored before a reset is still findable")
+        for b in range(NUM_GPU):
+            h = self.gpu.block_hash(b)
+            if h is not None:
+                assert all(self.gpu_content[w].get(b) == h for w in range(WORLD)), (b, h)
+        # Pins name the request's own blocks (hit semantics, isolation).
+        by_salt: dict[str, set] = {s: set() for s in SALTS}
+        for r in self.reqs.values():
+            for i, b in enumerate(r.pins):
+                assert self.cpu.block_hash(b) == r.hashes[r.pin_start + i], (r.rid, i, b)
+            by_salt[r.salt].update(r.table if r.running else r.hit_blocks)
+        assert not (by_salt["a"] & by_salt["b"]), "requests with different salts share a block"
+
+    def teardown(self) -> None:
+        for r in list(self.reqs.values()):
+            self.mgr.finish(r.rid)
+            self._engine_free(r)
+        self.reqs.clear()
+        self.must_store.clear()
+        for _ in range(4):
+            self.build_step()
+            for t in list(self.transfers.values()):
+                for w in range(WORLD):
+                    if w not in t.reported:
+                        self._report(t, w, True)
+            picked, self.outbox = self.outbox, []
+            if picked:
+                self._deliver(picked, [])
+        # Lifecycle (11) and conservation (1): nothing pinned, nothing leaks, reset succeeds.
+        assert self.mgr.num_requests == 0 and self.mgr.num_in_flight == 0
+        assert all(self.cpu.refcount(b) == 0 for b in range(NUM_CPU))
+        assert all(self.gpu.refcount(b) == 0 for b in range(NUM_GPU))
+        assert self.mgr.reset() is True and self.cpu.num_cached == 0
+        self.mgr.check_invariants()
+
+
+TestManagerEager = ManagerMachine.TestCase
+
+
+class SelectiveMachine(ManagerMachine):
+    """The same model with ``SelectiveStore(k=2)`` (no write-through promise)."""
+
+    write_through = False
+
+    @staticmethod
+    def make_store():
+        return SelectiveStore(k=2)
+
+
+class LazyMachine(ManagerMachine):
+    """The same model with write-back: the GPU's next eviction candidates must be stored."""
+
+    write_through = False
+
+    @staticmethod
+    def make_store():
+        return LazyStore(watermark=0.25)
+
+
+class NeverMachine(ManagerMachine):
+    """The same model with ``NeverStore``: nothing is ever stored, so no hit is ever served."""
+
+    write_through = False
+
+    @staticmethod
+    def make_store():
+        return NeverStore()
+
+    @invariant()
+    def nothing_stored(self) -> None:
+        assert self.cpu.num_cached == 0 and not self.mgr.stats.blocks_stored.value
+
+
+TestManagerSelective = SelectiveMachine.TestCase
+TestManagerLazy = LazyMachine.TestCase
+TestManagerNever = NeverMachine.TestCase
