@@ -6,6 +6,8 @@ through the registry.
 
 from kvkit import errors
 from kvkit.config import StackConfig, parse_bytes
+from kvkit.manager import OffloadManager
+from kvkit.stack import OffloadStack, build
 from kvkit.interfaces import (
     BlockAllocator,
     BlockHash,
@@ -37,7 +39,10 @@ __all__ = [
     "KVGroupSpec",
     "OffloadCallback",
     "Region",
+    "OffloadManager",
+    "OffloadStack",
     "StackConfig",
+    "build",
     "StorePolicy",
     "TransferPlan",
     "TransferResult",

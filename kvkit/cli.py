@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "bench": "kvkit.bench_transfer:bench_group",
     "list": "kvkit.cli:list_command",
     "policies": "kvkit.commands.policies:policies_command",
+    "simulate": "kvkit.commands.simulate:simulate_command",
 }
 """Subcommand name -> ``"module:attr"`` of its click command (imported on use)."""
 

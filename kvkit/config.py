@@ -91,8 +91,9 @@ class Components:
         gpu_eviction: the GPU pool's policy.
         cpu_eviction: the CPU pool's policy (never the same object as ``gpu_eviction``).
         store: decides which GPU blocks go to the CPU tier.
-        copy: moves the bytes (regions not registered yet).
-        allocator: ``allocator(num_blocks=..., policy=...)`` builds one pool per tier,
+        copy: moves the bytes (regions not registered yet); ``None`` for a
+            scheduler-only stack.
+        allocator: ``allocator(num_blocks=..., eviction=...)`` builds one pool per tier,
             checked against ``BlockAllocator``; the config's allocator options are bound.
         gpu_blocks: GPU pool size in blocks.
         cpu_blocks: CPU pool size in blocks (``cpu_bytes`` already converted).
@@ -102,7 +103,7 @@ class Components:
     gpu_eviction: EvictionPolicy
     cpu_eviction: EvictionPolicy
     store: StorePolicy
-    copy: CopyBackend
+    copy: CopyBackend | None
     allocator: Callable[..., BlockAllocator]
     gpu_blocks: int
     cpu_blocks: int
@@ -121,8 +122,9 @@ class StackConfig:
         eviction: the CPU tier's eviction policy (name or instance).
         gpu_eviction: the GPU tier's eviction policy (name or a *different* instance).
         store: store policy (name or instance).
-        copy: copy backend (name or instance).
-        allocator: block pool (name, or a factory ``(num_blocks=..., policy=...) -> BlockAllocator``).
+        copy: copy backend (name or instance), or ``None`` for a scheduler-only
+            stack that moves no bytes (simulation; imports no copy backend).
+        allocator: block pool (name, or a factory ``(num_blocks=..., eviction=...) -> BlockAllocator``).
         callbacks: ``OffloadCallback`` instances.
         world_size: workers that must all finish a copy before it counts (>= 1).
         device: ``"cuda"`` (default where available) or ``"cpu"``.
@@ -143,7 +145,7 @@ class StackConfig:
     eviction: str | EvictionPolicy = "lru"
     gpu_eviction: str | EvictionPolicy = "lru"
     store: str | StorePolicy = "eager"
-    copy: str | CopyBackend = "torch"
+    copy: str | CopyBackend | None = "torch"
     allocator: str | Callable[..., BlockAllocator] = "pool"
     callbacks: list[OffloadCallback] | tuple[OffloadCallback, ...] = ()
     world_size: int = 1
@@ -180,7 +182,7 @@ class StackConfig:
             gpu_eviction=self._create("gpu_eviction"),
             cpu_eviction=self._create("eviction"),
             store=self._create("store"),
-            copy=self._create("copy"),
+            copy=None if self.copy is None else self._create("copy"),
             allocator=functools.partial(
                 ALLOCATOR.build,
                 ALLOCATOR.load(self.allocator) if isinstance(self.allocator, str) else self.allocator,
@@ -242,6 +244,8 @@ class StackConfig:
         options = self.options if isinstance(self.options, Mapping) else {}
         for slot, registry in _INSTANCE_SLOTS.items():
             spec = getattr(self, slot)
+            if spec is None and slot == "copy":  # scheduler-only
+                continue
             problem = registry.check(spec, slot=slot)
             kwargs = options.get(slot)
             if problem is None and isinstance(spec, str) and isinstance(kwargs, Mapping):
@@ -263,7 +267,7 @@ class StackConfig:
             if problem is None and isinstance(kwargs, Mapping):
                 problem = ALLOCATOR.check_options(spec, kwargs, slot="allocator", partial=True)
             return [problem] if problem else []
-        expected = f"one of {', '.join(ALLOCATOR.names())} or a factory (num_blocks=..., policy=...) -> BlockAllocator"
+        expected = f"one of {', '.join(ALLOCATOR.names())} or a factory (num_blocks=..., eviction=...) -> BlockAllocator"
         if isinstance(spec, BlockAllocator):
             return [f"allocator={spec!r}: got a pool instance, expected {expected}; "
                     f"each tier builds its own pool"]

@@ -544,6 +544,8 @@ class OffloadManager:
                 self._complete(batch)
         if self._draining and not self._transfers:
             self._empty_cpu()
+        elif self._detached and not self._draining:
+            self._prune_detached()
         report = CompletionReport(frozenset(self._loaded), frozenset(self._load_failed),
                                   frozenset(self._released))
         self._loaded.clear()
@@ -582,8 +584,7 @@ class OffloadManager:
             r.store_queue = []
         self._dirty.clear()
         detached, self._detached = self._detached, []
-        if self.gpu is not None:
-            self.gpu.decref([g for _, _, ids, _, held in detached if held for g in ids])
+        self._unhold(detached)
         for entry in detached:
             self._drop_hold(entry[3])
         self._draining = True
@@ -734,14 +735,18 @@ class OffloadManager:
         rid = r.request_id
         self._unpin(r)
         self._dirty.pop(rid, None)
+        self._loaded.discard(rid)  # the engine no longer waits on this incarnation's load
+        self._load_failed.discard(rid)
         if r.store_queue:
-            # Drop what the CPU tier already holds now: a long request's flush
-            # would otherwise hold GPU references on blocks that are never copied.
-            held, hashes, inflight, lookup = (self.gpu is not None, r.block_hashes,
-                                              self._inflight_hashes, self.cpu.lookup)
-            needed = [i for i in r.store_queue
-                      if hashes[i] not in inflight and not lookup((hashes[i],))]
-            self.stats.stores_deduplicated.add(len(r.store_queue) - len(needed))
+            # Drop what the CPU tier holds now (only a store's allocation evicts, so
+            # it is still there at the next build): a long request's flush would
+            # otherwise hold GPU references on blocks that are never copied. Stores
+            # in flight are deduplicated at build time, once their outcome is known;
+            # while a reset drains, the CPU tier's contents are doomed.
+            held, hashes, lookup = self.gpu is not None, r.block_hashes, self.cpu.lookup
+            queue = list(dict.fromkeys(r.store_queue))  # the flush repeats queued blocks
+            needed = queue if self._draining else [i for i in queue if not lookup((hashes[i],))]
+            self.stats.stores_deduplicated.add(len(queue) - len(needed))
             entries = self._resolve(r, needed, held)
             r.store_queue = []
             if held:
@@ -829,10 +834,8 @@ class OffloadManager:
             del chosen[free:]
         cpu_blocks = self.cpu.allocate(len(chosen)) if chosen else []
         gpu = self.gpu
+        self._unhold(skipped)
         if gpu is not None:
-            unheld = [g for c in skipped if c[4] for g in c[2]]
-            if unheld:
-                gpu.decref(unheld)
             fresh = [g for c in chosen if not c[4] for g in c[2]]
             if fresh:
                 gpu.incref(fresh)
@@ -849,6 +852,28 @@ class OffloadManager:
                       [b for row in src for b in row] if gpu is not None else [], owners,
                       hashes=[c[0] for c in chosen], parents=[c[1] for c in chosen])
         return self._open(batch, src, [cpu_blocks for _ in groups])
+
+    def _unhold(self, entries: list[_Resolved]) -> None:
+        """Drop the GPU references held for store candidates that will not be copied."""
+        held = [g for e in entries if e[4] for g in e[2]]
+        if held:
+            self.gpu.decref(held)
+
+    def _prune_detached(self) -> None:
+        """Drop ended requests' queued stores whose hash reached the CPU tier meanwhile.
+
+        Releases their GPU blocks (and a delayed free) now rather than at the next step.
+        """
+        lookup = self.cpu.lookup
+        keep, gone = [], []
+        for e in self._detached:
+            (gone if lookup((e[0],)) else keep).append(e)
+        if gone:
+            self._detached = keep
+            self.stats.stores_deduplicated.add(len(gone))
+            self._unhold(gone)
+            for e in gone:
+                self._drop_hold(e[3])
 
     def _writeback_candidates(self) -> list[_Resolved]:
         """The GPU pool's next eviction candidates, as store candidates (write-back)."""

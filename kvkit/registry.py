@@ -307,6 +307,8 @@ EVICTION: Registry[EvictionPolicy] = Registry("eviction", EvictionPolicy, "evict
     "lfu": "kvkit.backends.eviction.lfu:LFUPolicy",
     "arc": "kvkit.backends.eviction.arc:ARCPolicy",
     "s3fifo": "kvkit.backends.eviction.s3fifo:S3FIFOPolicy",
+    "prefix-lru": "kvkit.backends.eviction.prefix_lru:PrefixLRUPolicy",
+    "hit-density": "kvkit.backends.eviction.hit_density:HitDensityPolicy",
     "opt": "kvkit.backends.eviction.opt:OptimalPolicy",
 })
 STORE: Registry[StorePolicy] = Registry("store", StorePolicy, "store policy", builtins={

@@ -139,8 +139,13 @@ def _stream(path: str, block_tokens: int, limit: int | None) -> Iterator[TraceRe
         return
     count = 0
     previous_ms: float = 0
-    with open(path, encoding="utf-8") as f:
-        for line, text in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded per line, so a bad byte is reported at its line
+        for line, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFormatError(path, line, "<line>",
+                                       f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
             if not text.strip():
                 continue
             request = _parse(path, line, text, block_tokens, previous_ms)

@@ -56,7 +56,7 @@ class OffCopy(FakeCopy):
 @attrs.define
 class FakePool:
     num_blocks: int
-    policy: object
+    eviction: object
     tag: str = ""
     num_free: int = 0
     def allocate(self, n): return []
@@ -111,7 +111,7 @@ def test_valid_config_resolves_to_components():
     assert parts.gpu_eviction is not parts.cpu_eviction
     assert isinstance(parts.store, StorePolicy) and parts.store.k == 3
     assert isinstance(parts.copy, CopyBackend)
-    pool = parts.allocator(num_blocks=parts.cpu_blocks, policy=parts.cpu_eviction)
+    pool = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
     assert isinstance(pool, BlockAllocator) and pool.tag == "t" and pool.num_blocks == 32
     assert (parts.gpu_blocks, parts.cpu_blocks, parts.callbacks) == (8, 32, ())
 
@@ -124,10 +124,10 @@ def test_instances_and_factories_are_used_as_given():
     parts = config.resolve()
     assert (parts.gpu_eviction, parts.cpu_eviction, parts.store, parts.copy) == (gpu, cpu, store, copy)
     assert parts.callbacks == (callback,)
-    assert isinstance(parts.allocator(num_blocks=4, policy=gpu), FakePool)
+    assert isinstance(parts.allocator(num_blocks=4, eviction=gpu), FakePool)
     bad_factory = StackConfig(**good(allocator=lambda **kw: object())).resolve().allocator
     with pytest.raises(ConfigError, match="allocator: .* built a object, which is not a BlockAllocator"):
-        bad_factory(num_blocks=4, policy=gpu)
+        bad_factory(num_blocks=4, eviction=gpu)
 
 
 def test_cpu_bytes_become_blocks():

@@ -80,8 +80,8 @@ class GPUCopy:
 
             self._planner = Planner.of(regions, host_address=host_address)
             if self._device != device:
-                least = torch.cuda.Stream.priority_range()[0]  # copies yield to the model's kernels
-                self._streams = {d: torch.cuda.Stream(device, priority=least) for d in Direction}
+                # Priority 0 is CUDA's least: copy kernels yield to the model's pending blocks.
+                self._streams = {d: torch.cuda.Stream(device, priority=0) for d in Direction}
                 self._device = device
             self._registered(regions)
 

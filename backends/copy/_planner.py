@@ -55,20 +55,6 @@ class Descriptors:
         """Bytes the copies move together."""
         return int(self.size.sum())
 
-    def split(self, cap: int) -> Descriptors:
-        """The same copies cut into pieces of at most ``cap`` bytes (order kept)."""
-        size = self.size.view(np.int64)
-        parts = (size + cap - 1) // cap
-        if len(size) == 0 or parts.max() <= 1:
-            return self
-        owner = np.repeat(np.arange(len(size)), parts)
-        first = np.repeat(np.cumsum(parts) - parts, parts)
-        offset = (np.arange(len(owner)) - first) * cap
-        return Descriptors(
-            _u64(self.src.view(np.int64)[owner] + offset),
-            _u64(self.dst.view(np.int64)[owner] + offset),
-            _u64(np.minimum(cap, size[owner] - offset)))
-
 
 @attrs.frozen(eq=False)
 class Strided:
@@ -189,6 +175,11 @@ class Planner:
     def region_names(self, group: int) -> tuple[str, ...]:
         """Names of ``group``'s regions, in descriptor order."""
         return self._groups[group].names
+
+    def region_table(self, group: int) -> np.ndarray:
+        """``[regions, 5]`` int64 rows: GPU base, CPU base, GPU stride, CPU stride, piece bytes."""
+        g = self._groups[group]
+        return np.ascontiguousarray(np.stack([g.base[GPU], g.base[CPU], g.stride[GPU], g.stride[CPU], g.piece], 1))
 
     def validate(self, plan: TransferPlan) -> None:
         """Check ``plan`` against the registration.

@@ -1,16 +1,24 @@
 """``AutoCopy``: routes each plan to the copy engines or to the copy kernel by its piece sizes.
 
-The rule (measured on an H200, PCIe Gen5; BENCHMARKS.md, "GPU copy backends"):
-the copy engines (``cuda-dma``) take no SM from the model and reach the PCIe
-limit once each engine operation moves enough bytes, while for small pieces
-their fixed cost per operation caps them far below it; the copy kernel
-(``cupy-batch``) reaches the limit for any piece size but occupies
-``sm_budget`` SMs. So a plan goes to the engines when its mean bytes per
-engine operation (after coalescing runs, or per 2-D copy when the regions are
-evenly spaced) reach ``dma_min_bytes``, else to the kernel. With
-``kernel_share`` > 0, plans of small pieces are split instead: the kernel
-moves that share of the blocks on its few SMs while the engines move the rest,
-both at once.
+The rule, from measurements on an H200 (PCIe Gen5, Llama-3-8B shapes;
+BENCHMARKS.md, "GPU copy backends"):
+
+1. Mean bytes per engine operation (after coalescing runs of consecutive
+   blocks) of at least ``dma_min_bytes`` (256 KiB; cross-layer blocks are
+   2 MiB, a run of 8 per-layer pieces 256 KiB): the copy engines
+   (``cuda-dma``). They reach the PCIe limit (54-55 GB/s per direction,
+   96 GB/s both ways) and take no SM.
+2. Smaller pieces: the copy kernel (``cupy-batch``, 2 SMs, bulk copies), for
+   stores and loads alike. On 32 KiB pieces it moved 50-52 GB/s per direction
+   and slowed a concurrent GEMM 1.03-1.06x; the engines moved 33-52 GB/s
+   depending on the machine and direction, spent ~0.4-1.1 us of host time per
+   piece, and, with loads on the engines while the kernel stored, both
+   directions together fell to 54 GB/s (kernel both ways: 65 GB/s).
+   ``small_loads="dma"`` sends small loads to the engines anyway (no SM).
+
+With ``kernel_share`` > 0, kernel-bound plans are split instead: that share of
+the blocks goes to the kernel, the rest to the engines, both at once (more
+bytes per second when both directions run, but a GEMM beside it slowed 1.6x).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from typing_extensions import override
 from kvkit.backends.copy._planner import Planner
 from kvkit.errors import BackendUnavailableError, ConfigError, PlanError
 from kvkit.interfaces.copy import Region
-from kvkit.interfaces.types import TransferPlan
+from kvkit.interfaces.types import Direction, TransferPlan
 
 __all__ = ["AutoCopy"]
 
@@ -34,6 +42,11 @@ __all__ = ["AutoCopy"]
 def _share(inst: object, attribute: attrs.Attribute, value: float) -> None:
     if not 0.0 <= value < 1.0:
         raise ConfigError(f"auto: kernel_share must be in [0, 1), got {value!r}")
+
+
+def _small_loads(inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in ("dma", "kernel"):
+        raise ConfigError(f"auto: small_loads must be 'dma' or 'kernel', got {value!r}")
 
 
 @attrs.define(eq=False)
@@ -44,10 +57,10 @@ class AutoCopy:
         sm_budget: SMs the copy kernel may take (``cupy-batch``'s setting).
         dma_min_bytes: mean bytes per engine operation from which a plan goes
             to the copy engines.
-        kernel_share: if > 0, a plan of small pieces is split: this share of
-            its blocks goes to the kernel, the rest to the engines, at once.
-        strided: let the engines copy one block across all evenly spaced
-            regions as one 2-D operation (``cuda-dma``'s setting).
+        small_loads: where loads of smaller pieces go: ``"dma"`` or ``"kernel"``.
+        kernel_share: if > 0, a kernel-bound plan is split: this share of its
+            blocks goes to the kernel, the rest to the engines, at once.
+        strided: ``cuda-dma``'s setting (2-D copies across evenly spaced regions).
         dma: the engine backend (default: a ``CudaDMACopy`` if available).
         kernel: the kernel backend (default: a ``CupyBatchCopy`` if available).
 
@@ -60,10 +73,11 @@ class AutoCopy:
         BackendUnavailableError: neither inner backend can run here.
     """
 
-    sm_budget: int = 8
+    sm_budget: int = 2
     dma_min_bytes: int = 256 << 10
+    small_loads: str = attrs.field(default="kernel", validator=_small_loads)
     kernel_share: float = attrs.field(default=0.0, validator=_share)
-    strided: bool = True
+    strided: bool = False
     dma: Any = None
     kernel: Any = None
     _planner: Planner | None = attrs.field(default=None, init=False)
@@ -118,6 +132,8 @@ class AutoCopy:
         strided = self._planner.strided(plan) if self.strided else None
         ops, nbytes = (len(strided), strided.nbytes) if strided is not None else self._planner.count(plan)
         if ops == 0 or nbytes / ops >= self.dma_min_bytes:
+            return "dma"
+        if plan.direction is Direction.LOAD and self.small_loads == "dma":
             return "dma"
         return "split" if self.kernel_share > 0 and len(plan) > 1 else "kernel"
 

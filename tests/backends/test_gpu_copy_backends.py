@@ -14,7 +14,7 @@ from kvkit.backends.copy._driver import ATTRS_DTYPE, BATCH_OP_DTYPE
 from kvkit.backends.copy._inflight import InFlight
 from kvkit.backends.copy.auto import AutoCopy
 from kvkit.errors import BackendUnavailableError, ConfigError, PlanError
-from kvkit.interfaces import CopyBackend, KVCacheSpec, TransferPlan
+from kvkit.interfaces import CopyBackend, Direction, KVCacheSpec, TransferPlan
 from kvkit.layouts import allocate_kv, regions_for
 from kvkit.registry import COPY
 from kvkit.testing.kvdata import fill_random, plans, reference_copy, spec_layouts, tensor_bytes
@@ -42,7 +42,8 @@ def test_gpu_backends_are_cleanly_unavailable_without_a_gpu(name):
         COPY.load(name)()
 
 
-@pytest.mark.parametrize("options", [{"sm_budget": 0}, {"threads": 48}, {"threads": 2048}, {"unroll": -1}])
+@pytest.mark.parametrize("options", [{"sm_budget": 0}, {"threads": 48}, {"threads": 2048}, {"unroll": -1},
+                                     {"method": "tma"}, {"stage_bytes": 100}, {"stages": 40}])
 def test_cupy_batch_rejects_bad_settings(options):
     """Out-of-range kernel settings are ConfigErrors quoting the value, on any machine."""
     from kvkit.backends.copy.cupy_batch import CupyBatchCopy
@@ -88,26 +89,31 @@ def test_inflight_reports_each_handle_once_in_order():
         inflight.wait(3)
 
 
-def _auto_on_host(share):
+def _auto_on_host(share, small_loads="kernel"):
     """AutoCopy routing between two host-memory backends standing in for the engines and the kernel."""
-    return AutoCopy(dma=TorchCopy(), kernel=TorchCopy(), kernel_share=share, dma_min_bytes=1 << 40)
+    return AutoCopy(dma=TorchCopy(), kernel=TorchCopy(), kernel_share=share, dma_min_bytes=1 << 40,
+                    small_loads=small_loads)
 
 
-@given(st.data(), spec_layouts(), st.integers(1, 6), st.integers(1, 6), st.sampled_from([0.0, 0.3, 0.7]))
-def test_auto_moves_exactly_the_reference_bytes(data, spec_layout, num_gpu, num_cpu, share):
+@given(st.data(), spec_layouts(), st.integers(1, 6), st.integers(1, 6), st.sampled_from([0.0, 0.3, 0.7]),
+       st.sampled_from(["dma", "kernel"]))
+def test_auto_moves_exactly_the_reference_bytes(data, spec_layout, num_gpu, num_cpu, share, small_loads):
     """Routed or split between two backends, every plan writes the reference's bytes, handles in order."""
     spec, layout = spec_layout
     gpu, cpu = allocate_kv(spec, layout, num_gpu), allocate_kv(spec, layout, num_cpu)
     fill_random(gpu + cpu, data.draw(st.integers(0, 9)))
     regions = regions_for(spec, layout, gpu, cpu)
-    auto = _auto_on_host(share)
+    auto = _auto_on_host(share, small_loads)
     assert isinstance(auto, CopyBackend)
     auto.register(regions)
     plan_list = data.draw(st.lists(plans(len(spec.groups), num_gpu, num_cpu), min_size=1, max_size=3))
     for plan in plan_list:
         before = {id(t): tensor_bytes(t) for t in gpu + cpu}
         expected = {id(dst): tensor_bytes(want) for dst, want in reference_copy(regions, plan)}
-        want = "dma" if not len(plan) else "split" if share and len(plan) > 1 else "kernel"
+        if not len(plan) or (plan.direction is Direction.LOAD and small_loads == "dma"):
+            want = "dma"
+        else:
+            want = "split" if share and len(plan) > 1 else "kernel"
         assert auto.choose(plan) == want
         auto.submit(plan)
         for t in gpu + cpu:
@@ -140,7 +146,8 @@ def test_auto_validates_the_whole_plan_before_launching_a_part():
     assert auto.poll() == [] and auto.dma.poll() == [] and auto.kernel.poll() == []
 
 
-def test_auto_rejects_a_share_outside_zero_to_one():
-    """kernel_share must be in [0, 1)."""
-    with pytest.raises(ConfigError, match="1.5"):
-        AutoCopy(dma=TorchCopy(), kernel_share=1.5)
+@pytest.mark.parametrize("options", [{"kernel_share": 1.5}, {"small_loads": "cpu"}])
+def test_auto_rejects_bad_settings(options):
+    """kernel_share outside [0, 1) and unknown small_loads targets are ConfigErrors."""
+    with pytest.raises(ConfigError, match=repr(next(iter(options.values())))):
+        AutoCopy(dma=TorchCopy(), **options)

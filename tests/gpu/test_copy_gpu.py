@@ -16,11 +16,15 @@ pytestmark = pytest.mark.gpu
 
 BACKENDS = {
     "cuda-dma": lambda: COPY.create("cuda-dma"),
-    "cuda-dma-1d": lambda: COPY.create("cuda-dma", strided=False),
-    "cupy-batch": lambda: COPY.create("cupy-batch", sm_budget=2),
-    "cupy-batch-small": lambda: COPY.create("cupy-batch", sm_budget=1, threads=64, unroll=2, chunk_bytes=48),
+    "cuda-dma-2d": lambda: COPY.create("cuda-dma", strided=True, prefer_overlap=False),
+    "cupy-batch": lambda: COPY.create("cupy-batch"),
+    "cupy-batch-vector": lambda: COPY.create("cupy-batch", method="vector", sm_budget=3),
+    "cupy-batch-tiny-vector": lambda: COPY.create("cupy-batch", method="vector", sm_budget=1, threads=64,
+                                                  unroll=2, chunk_bytes=48),
+    "cupy-batch-tiny-bulk": lambda: COPY.create("cupy-batch", method="bulk", sm_budget=2, threads=64, stages=2,
+                                                stage_bytes=48),
     "auto": lambda: COPY.create("auto"),
-    "auto-split": lambda: COPY.create("auto", kernel_share=0.5, dma_min_bytes=1 << 40),
+    "auto-split": lambda: COPY.create("auto", kernel_share=0.5, dma_min_bytes=1 << 40, small_loads="kernel"),
 }
 
 
@@ -108,14 +112,14 @@ def test_stores_and_loads_at_once_complete_in_submission_order(name):
     for p in plan_list:
         for r in regions:
             src, dst = (r.gpu, r.cpu) if p.direction is Direction.STORE else (r.cpu, r.gpu)
-            expected.append((dst, p.dst, src[torch.as_tensor(p.src, device=src.device)].cpu()))
+            expected.append((dst, p.dst, src[torch.tensor(p.src, device=src.device)].cpu()))
     handles = [backend.submit(p) for p in plan_list]
     seen = []
     while len(seen) < len(handles):
         seen += backend.poll()
     assert seen == handles
     for dst, ids, want in expected:
-        assert torch.equal(dst[torch.as_tensor(ids, device=dst.device)].cpu().view(torch.uint8),
+        assert torch.equal(dst[torch.tensor(ids, device=dst.device)].cpu().view(torch.uint8),
                            want.view(torch.uint8))
 
 

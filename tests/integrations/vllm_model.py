@@ -1,9 +1,13 @@
 """Builds a tiny, deterministic Llama checkpoint that vLLM can load offline.
 
-Helper for the vLLM integration tests, not a test module. Tests in this folder
-import it as ``from vllm_model import build_tiny_llama``: the folder has no
-``__init__.py``, so pytest's default ``prepend`` import mode puts it on
-``sys.path`` when it collects a test file here.
+Helper for the vLLM integration tests, not a test module. The suite runs with
+``--import-mode=importlib``, which puts no test folder on ``sys.path``, so a
+bare ``import vllm_model`` fails unless something adds this folder: either
+``pythonpath = ["tests/integrations"]`` in ``[tool.pytest.ini_options]``, or a
+``conftest.py`` here that loads this file with
+``importlib.util.spec_from_file_location`` and exposes a fixture.
+It imports only the standard library at module level, so it can be imported
+where vLLM and transformers are missing.
 
 The checkpoint is a byte-level BPE tokenizer trained on generated text and a
 2-layer ``LlamaForCausalLM`` with seeded random weights, saved with
@@ -20,6 +24,7 @@ from pathlib import Path
 __all__ = [
     "HEAD_DIM",
     "HIDDEN_SIZE",
+    "NUM_HEADS",
     "NUM_KV_HEADS",
     "NUM_LAYERS",
     "build_tiny_llama",

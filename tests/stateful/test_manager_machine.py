@@ -14,6 +14,7 @@ catch each DESIGN §5 failure mode without the manager's own self-check.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import attrs
@@ -37,7 +38,7 @@ from kvkit.interfaces import Direction, KVCacheSpec, TransferResult
 from kvkit.manager import OffloadManager
 
 BS = 4  # tokens per block
-NUM_GPU, NUM_CPU = 12, 12
+NUM_GPU, NUM_CPU = 12, 8
 WORLD = 2  # workers (tensor-parallel ranks)
 MAX_TOKENS = 8 * BS  # prompt plus decode, per request
 MAX_LIVE = 5
@@ -68,6 +69,7 @@ class EngineRequest:
     confirmed: int = 0  # blocks reported confirmed to the manager
     committed: int = 0  # blocks offered to the GPU prefix cache
     epoch: int = 0
+    gpu_cache: bool = True  # the engine offers its blocks to the GPU prefix cache
 
     def add_tokens(self, tokens: list[int]) -> list[int]:
         """Append tokens; returns the hashes of blocks they completed."""
@@ -183,7 +185,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def _commit_gpu(self, r: EngineRequest) -> None:
         """Offer fully computed blocks to the engine's GPU prefix cache."""
         stop = min(r.computed // BS, len(r.hashes))
-        for p in range(r.committed, stop):
+        for p in range(r.committed, stop if r.gpu_cache else r.committed):
             b = r.table[p]
             if not self.gpu.is_ready(b):
                 self.gpu.commit([b], [r.hashes[p]])
@@ -206,21 +208,49 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- requests ------------------------------------------------------------
 
     @initialize(prompts=st.lists(st.tuples(st.integers(0, len(BASE) - 1), st.sampled_from(SALTS),
-                                           st.integers(1, 6 * BS + 2)), min_size=1, max_size=3))
-    def start(self, prompts: list[tuple[int, str, int]]) -> None:
-        for family, salt, n_tokens in prompts:
-            self.add(family, salt, n_tokens)
+                                           st.integers(1, 6 * BS + 2), st.booleans()),
+                                 min_size=1, max_size=3),
+                turns=st.integers(0, 3))
+    def start(self, prompts: list[tuple[int, str, int, bool]], turns: int) -> None:
+        """Add a few requests, then run ``turns`` conversation turns to fill the tiers.
+
+        A turn is one whole engine step, then the oldest request finishes and its
+        follow-up (the whole conversation so far plus a new question) arrives.
+        """
+        for family, salt, n_tokens, gpu_cache in prompts:
+            self.add(family, salt, n_tokens, gpu_cache)
+        for _ in range(turns):
+            self.tick(2 * BS, 2)
+            if self.reqs:
+                r = next(iter(self.reqs.values()))
+                self.finish(0, True)
+                room = 6 * BS + 2 - len(r.tokens)
+                if room > 0:
+                    self._add(r.tokens + [t + 500 for t in BASE[0][:min(room, BS + 1)]],
+                              r.salt, r.gpu_cache)
 
     @precondition(lambda self: len(self.reqs) < MAX_LIVE)
     @rule(family=st.integers(0, len(BASE) - 1), salt=st.sampled_from(SALTS),
-          n_tokens=st.integers(1, 6 * BS + 2))
-    def add(self, family: int, salt: str, n_tokens: int) -> None:
+          n_tokens=st.integers(1, 6 * BS + 2), gpu_cache=st.booleans())
+    def add(self, family: int, salt: str, n_tokens: int, gpu_cache: bool) -> None:
+        self._add(BASE[family][:n_tokens], salt, gpu_cache)
+
+    def _add(self, tokens: list[int], salt: str, gpu_cache: bool) -> None:
         rid = f"r{self.next_rid}"
         self.next_rid += 1
-        r = EngineRequest(rid, salt, [])
-        r.add_tokens(BASE[family][:n_tokens])
-        self.mgr.add_request(rid, r.hashes, n_tokens)
+        r = EngineRequest(rid, salt, [], gpu_cache=gpu_cache)
+        r.add_tokens(tokens)
+        self.mgr.add_request(rid, r.hashes, len(tokens))
         self.reqs[rid] = r
+
+    @precondition(lambda self: self.gpu.num_free)
+    @rule(n=st.integers(1, NUM_GPU))
+    def gpu_pressure(self, n: int) -> None:
+        """Other work takes and overwrites free GPU blocks (evicting cached prefixes)."""
+        blocks = self.gpu.allocate(min(n, self.gpu.num_free))
+        for b in blocks:
+            self._write(b, ("other", b))
+        self.gpu.decref(blocks)
 
     @precondition(lambda self: any(not r.running for r in self.reqs.values()))
     @rule(i=st.integers(0, 50))
@@ -301,10 +331,10 @@ class ManagerMachine(RuleBasedStateMachine):
         if with_progress and r.running and not r.awaiting_load and r.computed < len(r.tokens):
             self._compute(r, len(r.tokens))  # the last step and the finish in one call
             self.mgr.finish(r.rid, num_computed_tokens=r.computed)
+            self._confirm(r)
         else:
             self.mgr.finish(r.rid)
         if r.running:
-            self._confirm(r)
             if self.write_through and r.epoch == self.epoch:
                 self.must_store.update(r.hashes[:r.confirmed])  # the flush
         self._engine_free(r)
@@ -478,11 +508,12 @@ class ManagerMachine(RuleBasedStateMachine):
             self.draining = False
             assert self.mgr.drained and self.cpu.num_cached == 0, "drained but the CPU tier is not empty"
 
-    @rule(chunk=st.integers(1, 3 * BS), report=st.integers(0, 2))
-    def tick(self, chunk: int, report: int) -> None:
+    @rule(chunk=st.integers(1, 3 * BS), report=st.integers(0, 2), fail=st.integers(0, 5))
+    def tick(self, chunk: int, report: int, fail: int = 1) -> None:
         """A whole engine step: schedule, compute every request, plan, then workers catch up.
 
-        ``report``: 0 leaves the copies for later rules, 1 reports them, 2 also delivers.
+        ``report``: 0 leaves the copies for later rules, 1 reports them, 2 also
+        delivers. ``fail == 0``: the last worker's copy of the oldest transfer fails.
         """
         for r in [r for r in self.reqs.values() if not r.running]:
             self._lookup(r)
@@ -492,10 +523,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 self._step_request(r, chunk)
         self.build_step()
         if report:
-            for t in list(self.transfers.values()):
+            for k, t in enumerate(list(self.transfers.values())):
                 for w in range(WORLD):
                     if w not in t.reported:
-                        self._report(t, w, True)
+                        self._report(t, w, bool(fail or k or w < WORLD - 1))
         if report == 2:
             picked, self.outbox = self.outbox, []
             if picked:
@@ -520,7 +551,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.draining = bool(self.transfers)
         assert emptied == (not self.draining) == self.mgr.drained
         if emptied:
-            assert self.cpu.num_cached == 0
+            assert self.cpu.num_cached == 0, "reset left blocks findable on the CPU tier"
 
     # -- invariants ----------------------------------------------------------
 
@@ -569,6 +600,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert not (by_salt["a"] & by_salt["b"]), "requests with different salts share a block"
 
     def teardown(self) -> None:
+        if sys.exc_info()[0] is not None:
+            return  # a step already failed; report that failure, not a teardown symptom
         for r in list(self.reqs.values()):
             self.mgr.finish(r.rid)
             self._engine_free(r)
@@ -584,10 +617,11 @@ class ManagerMachine(RuleBasedStateMachine):
             if picked:
                 self._deliver(picked, [])
         # Lifecycle (11) and conservation (1): nothing pinned, nothing leaks, reset succeeds.
-        assert self.mgr.num_requests == 0 and self.mgr.num_in_flight == 0
+        assert self.mgr.num_requests == 0 and self.mgr.num_in_flight == 0, "state left behind"
         assert all(self.cpu.refcount(b) == 0 for b in range(NUM_CPU))
         assert all(self.gpu.refcount(b) == 0 for b in range(NUM_GPU))
-        assert self.mgr.reset() is True and self.cpu.num_cached == 0
+        assert self.mgr.reset() is True, "reset after a full drain did not empty the CPU tier"
+        assert self.cpu.num_cached == 0, "reset left blocks findable on the CPU tier"
         self.mgr.check_invariants()
 
 
@@ -631,3 +665,112 @@ class NeverMachine(ManagerMachine):
 TestManagerSelective = SelectiveMachine.TestCase
 TestManagerLazy = LazyMachine.TestCase
 TestManagerNever = NeverMachine.TestCase
+
+
+# -- planted bugs: the machine must catch each DESIGN §5 failure mode ---------
+#
+# Each plant is a small OffloadManager subclass with one field bug. The machine
+# runs with the manager's own check_invariants() off, so only the model's checks
+# can catch it. Generation stops at the first failure and nothing is shrunk, so
+# a caught bug costs a fraction of a second.
+
+_FIND_BUG = settings(max_examples=1000, phases=[Phase.generate], database=None,
+                     deadline=None, report_multiple_bugs=False)
+
+
+class _LookupWithoutPin(OffloadManager):
+    """vLLM #39702: the CPU hit is found at lookup but not held until allocation."""
+
+    def lookup(self, request_id, gpu_hit_tokens, **kw):
+        n = super().lookup(request_id, gpu_hit_tokens, **kw)
+        r = self._requests[request_id]
+        if r.pinned:
+            self.cpu.decref(r.pinned)
+            self._late[request_id] = r.pinned
+            r.pinned = []
+        return n
+
+    def on_allocated(self, request_id, gpu_block_ids, accepted_tokens=0):
+        r = self._requests.get(request_id)
+        late = self._late.pop(request_id, [])
+        if r is not None and late:
+            self.cpu.incref(late)  # pinned only now: the block may be gone or reused
+            r.pinned = late
+        super().on_allocated(request_id, gpu_block_ids, accepted_tokens)
+
+    def __attrs_post_init__(self):
+        super().__attrs_post_init__()
+        self._late = {}
+
+
+class _StoresUnconfirmed(OffloadManager):
+    """vLLM #45704 at this level: blocks are stored before their KV is confirmed written."""
+
+    def _queue(self, r, indices):
+        super()._queue(r, indices)
+        r.store_queue.extend(range(r.num_confirmed_blocks, len(r.block_hashes)))
+        if r.store_queue:
+            self._dirty[r.request_id] = r
+
+
+class _NoFlushOnFinish(OffloadManager):
+    """vLLM #41704: a request finishing in the step its last block completes loses that block."""
+
+    def finish(self, request_id, num_computed_tokens=None):
+        r = self._live(request_id)
+        r.store_queue = []
+        delay = self._end(r)
+        return delay
+
+
+class _StaleCursor(OffloadManager):
+    """The store cursor starts at the GPU-hit boundary, so evicted prefix blocks are never re-stored."""
+
+    def on_allocated(self, request_id, gpu_block_ids, accepted_tokens=0):
+        r = self._requests.get(request_id)
+        first = r is not None and r.gpu_hit_blocks is not None and not r.block_table
+        super().on_allocated(request_id, gpu_block_ids, accepted_tokens)
+        if first:
+            r.num_confirmed_blocks = r.gpu_hit_blocks
+
+
+class _ResetKeepsHits(OffloadManager):
+    """vLLM #57727: reset drains but the CPU tier keeps serving what it held."""
+
+    def _empty_cpu(self):
+        self._draining = False
+
+
+class _BlindSet(set):
+    def __contains__(self, item):
+        return False
+
+
+class _DoubleStore(OffloadManager):
+    """Deduplication ignores stores in flight, so one hash is copied twice."""
+
+    def __attrs_post_init__(self):
+        super().__attrs_post_init__()
+        self._inflight_hashes = _BlindSet()
+
+
+class _StoreSourceNotHeld(OffloadManager):
+    """A store's GPU source is not held, so the engine may reuse it before the copy runs."""
+
+    def _open(self, batch, src, dst):
+        if batch.direction is Direction.STORE and batch.gpu_blocks:
+            self.gpu.decref(batch.gpu_blocks)
+            batch.gpu_blocks = []
+        return super()._open(batch, src, dst)
+
+
+@pytest.mark.parametrize("plant", [_LookupWithoutPin, _StoresUnconfirmed, _NoFlushOnFinish,
+                                   _StaleCursor, _ResetKeepsHits, _DoubleStore,
+                                   _StoreSourceNotHeld],
+                         ids=lambda c: c.__name__.strip("_"))
+def test_machine_catches_planted_bug(plant):
+    """The model's checks alone (no manager self-check) catch each planted failure mode."""
+    machine = type(f"Buggy{plant.__name__}", (ManagerMachine,),
+                   {"manager_cls": plant, "check_manager": False})
+    with pytest.raises((AssertionError, KVKitError)):
+        run_state_machine_as_test(machine, settings=_FIND_BUG)

@@ -1,0 +1,172 @@
+"""An online estimate of how many hits a cached block still earns per unit of space (private).
+
+Time is counted in block references (one tick per insert or hit a policy
+sees), and a block's *age* is the ticks since its last insert or hit. Blocks
+fall into a few classes; per class the model keeps two histograms over
+log-spaced age buckets:
+
+* *reuses*: ages at which blocks of the class were referenced again (a hit,
+  or a re-insert of an evicted hash, which would have been a hit had the
+  block stayed);
+* *ends*: ages at which a block's history stopped without a reuse (its ghost
+  was forgotten), so its reuse time is only known to exceed that age.
+
+Blocks still cached or remembered are censored too, at their current age.
+From these the model estimates, per class, the hazard of reuse at each age
+(Kaplan-Meier, which is unbiased under censoring) and from it the *hit
+density* of a block of age ``a``:
+
+    density(a) = max over T >= a of  E[hits in (a, T]] / E[block-ticks spent in (a, T]]
+
+that is, the best rate of hits per unit of cache space-time the block can
+still earn if kept until some later age ``T``. Evicting the block of lowest
+density maximises hits for the space (the Lagrangian argument behind LHD,
+Beckmann et al., NSDI'18); the maximum over ``T`` looks past ages where a
+block is unlikely to be reused yet (a user still reading the reply) to the
+ages where it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+__all__ = ["HitDensityModel"]
+
+
+def _positive_int(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    assert type(value) is int and value > 0, f"{attribute.name} must be a positive int, got {value!r}"
+
+
+@attrs.define(eq=False)
+class HitDensityModel:
+    """Per-class reuse histograms over age, and the hit-density table derived from them.
+
+    Args:
+        classes: number of block classes (rows of every table).
+        per_octave: age buckets per doubling of age (bucket ``b`` starts at
+            age ``2 ** (b / per_octave) - 1``).
+        min_samples: a class with fewer observations (reuses, ends and
+            censored blocks) than this borrows the density of all classes pooled.
+
+    Invariants: the histograms are finite and non-negative; the table, once
+    computed, has one row per class and one column per bucket, all finite
+    and non-negative.
+    """
+
+    classes: int = attrs.field(validator=_positive_int)
+    per_octave: int = attrs.field(default=4, validator=_positive_int)
+    min_samples: int = attrs.field(default=32, validator=_positive_int)
+    _edges: np.ndarray = attrs.field(init=False, repr=False)
+    _reuses: np.ndarray = attrs.field(init=False, repr=False)
+    _ends: np.ndarray = attrs.field(init=False, repr=False)
+    _table: np.ndarray | None = attrs.field(init=False, default=None, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        buckets = 40 * self.per_octave  # ages up to 2**40 ticks
+        self._edges = 2.0 ** (np.arange(buckets + 1) / self.per_octave) - 1
+        self._reuses = np.zeros((self.classes, buckets))
+        self._ends = np.zeros((self.classes, buckets))
+
+    @property
+    def buckets(self) -> int:
+        """Number of age buckets."""
+        return self._reuses.shape[1]
+
+    @property
+    def edges(self) -> np.ndarray:
+        """Lower age of each bucket, and the upper age of the last (``buckets + 1`` values)."""
+        return self._edges
+
+    @property
+    def reuses(self) -> np.ndarray:
+        """Reuses observed per (class, bucket), decayed by past refreshes (read-only view)."""
+        view = self._reuses.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Histories ended unreused per (class, bucket), decayed likewise (read-only view)."""
+        view = self._ends.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def table(self) -> np.ndarray | None:
+        """``density[class, bucket]`` from the last :meth:`refresh`, or ``None`` before it."""
+        return self._table
+
+    def bucket(self, age: int) -> int:
+        """The age bucket of ``age`` (ticks, ``>= 0``)."""
+        return min(self.buckets - 1, int(self.per_octave * math.log2(age + 1)))
+
+    def record_reuse(self, cls: int, age: int) -> None:
+        """A block of class ``cls`` was referenced again at ``age``."""
+        self._reuses[cls, self.bucket(age)] += 1
+
+    def record_end(self, cls: int, age: int) -> None:
+        """A block of class ``cls`` left the model unreused at ``age`` (censored)."""
+        self._ends[cls, self.bucket(age)] += 1
+
+    def density(self, cls: int, age: int) -> float:
+        """Hit density of a class-``cls`` block of age ``age`` (0 before the first refresh)."""
+        if self._table is None:
+            return 0.0
+        return float(self._table[cls, self.bucket(age)])
+
+    def refresh(self, classes: np.ndarray, ages: np.ndarray, keep: float) -> None:
+        """Recompute the table, counting the given live blocks as censored at their ages.
+
+        Args:
+            classes, ages: parallel int arrays, one entry per block still
+                cached or remembered (not yet reused, not yet ended).
+            keep: factor in ``(0, 1]`` applied to the histograms afterwards,
+                so older observations weigh less in later refreshes.
+        """
+        assert 0 < keep <= 1, keep
+        live = np.zeros_like(self._ends)
+        if len(ages):
+            b = np.minimum(self.buckets - 1,
+                           (self.per_octave * np.log2(ages.astype(np.float64) + 1)).astype(np.int64))
+            np.add.at(live, (classes.astype(np.int64), b), 1)
+        reuses = self._reuses
+        events = reuses + self._ends + live
+        table = self._densities(reuses, events)
+        sparse = events.sum(axis=1) < self.min_samples
+        if sparse.any():
+            table[sparse] = self._densities(reuses.sum(axis=0, keepdims=True),
+                                            events.sum(axis=0, keepdims=True))[0]
+        self._table = table
+        self._reuses *= keep
+        self._ends *= keep
+
+    def _densities(self, reuses: np.ndarray, events: np.ndarray) -> np.ndarray:
+        """Hit density per (row, bucket) from reuse and all-event histograms."""
+        at_risk = np.cumsum(events[:, ::-1], axis=1)[:, ::-1]
+        hazard = np.divide(reuses, at_risk, out=np.zeros_like(reuses), where=at_risk > 0)
+        survive = np.cumprod(np.concatenate(
+            [np.ones((len(reuses), 1)), 1 - hazard[:, :-1]], axis=1), axis=1)
+        hits = survive * hazard
+        space = survive * np.diff(self._edges) * (at_risk > 0)
+        zero = np.zeros((len(reuses), 1))
+        cum_hits = np.concatenate([zero, np.cumsum(hits, axis=1)], axis=1)
+        cum_space = np.concatenate([zero, np.cumsum(space, axis=1)], axis=1)
+        # ratio[r, a, t]: hits over space in buckets a..t (t >= a); the best t per a.
+        num = cum_hits[:, None, 1:] - cum_hits[:, :-1, None]
+        den = cum_space[:, None, 1:] - cum_space[:, :-1, None]
+        upper = np.triu(np.ones((self.buckets, self.buckets), dtype=bool))
+        ratio = np.divide(num, den, out=np.zeros_like(num), where=upper & (den > 0))
+        best = ratio.max(axis=2)
+        best[space <= 0] = 0.0  # no block was ever seen alive at this age: nothing to expect
+        return best
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if a histogram or the table is negative or not finite."""
+        for name, array in (("reuses", self._reuses), ("ends", self._ends)):
+            assert np.isfinite(array).all() and (array >= 0).all(), f"bad {name} histogram"
+        if self._table is not None:
+            assert self._table.shape == self._reuses.shape, "table shape drifted"
+            assert np.isfinite(self._table).all() and (self._table >= 0).all(), "bad density table"

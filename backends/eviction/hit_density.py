@@ -1,0 +1,268 @@
+"""Prefix-aware hit-density eviction: keep the blocks that earn the most hits for their space."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import attrs
+import numpy as np
+from typing_extensions import override
+
+from kvkit.backends.eviction._chains import ChainIndex
+from kvkit.backends.eviction._common import check_count, not_tracked
+from kvkit.backends.eviction._density import HitDensityModel
+from kvkit.errors import ConfigError
+from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.types import BlockHash, BlockId
+
+__all__ = ["HitDensityPolicy"]
+
+_MAX_USES = 3  # reuse counts 0, 1, 2 and "3 or more", as S3-FIFO's two bits
+_CLASSES = 2 * (_MAX_USES + 1)
+_MIN_REFRESH = 64  # ticks between two refreshes while the pool is still tiny
+
+
+def _capacity(inst: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (type(value) is not int or value <= 0):
+        raise ConfigError(f"hit-density capacity must be a positive int or None, got {value!r}")
+
+
+def _ghost_span(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) not in (int, float) or not 1 <= value < float("inf"):
+        raise ConfigError(f"hit-density ghost_span must be a finite number >= 1, got {value!r}")
+
+
+def block_class(uses: int, was_parent: bool) -> int:
+    """The class of a block hit ``uses`` times whose hash has (``True``) or never had a cached child."""
+    return 2 * min(uses, _MAX_USES) + was_parent
+
+
+@attrs.define
+class HitDensityPolicy(EvictionPolicy):
+    """Evicts the block expected to earn the fewest hits per unit of cache space, leaves first.
+
+    Why: on multi-turn chat traces most blocks are never referenced again
+    (single-turn chats, the partial last block of every prompt), and the
+    blocks that are come back only after the user's think time, much later
+    than a recency list keeps them. The offline optimum wins by dropping the
+    first kind at once and holding the second for as long as needed. This
+    policy learns online which blocks look like which, from what a pool
+    knows when it evicts:
+
+    * **Class** of a block: its reuse count (0, 1, 2, 3+: a turn of a
+      conversation that already came back is likelier to come back again,
+      and shared heads such as system prompts are hit constantly) and
+      whether its hash ever had a cached child (the last block of a prompt
+      never does, and it is almost never reused, since the next turn's block
+      at that position holds more tokens). The reuse count survives eviction
+      through the ghost, so a conversation that returns keeps its history.
+    * **Age**: ticks (block references) since its last insert or hit.
+    * **Hit density** of a (class, age): the hits a block still earns per
+      unit of space-time if kept to its best horizon, estimated from reuse
+      and eviction statistics by :class:`~kvkit.backends.eviction._density.HitDensityModel`
+      and refreshed about once per pool's worth of references.
+
+    The statistics are uncensored by a *ghost*: the hashes of recently
+    evicted blocks with their last access, class and reuse count. When an
+    evicted hash is inserted again, that is a reuse the cache missed, at a
+    known age; without it the policy would only ever see reuses younger than
+    its own eviction age and could never learn that keeping a class longer
+    pays. The ghost covers the last ``ghost_span`` pools' worth of evictions
+    (a hash and three ints each, far smaller than a KV block).
+
+    Selection: each class keeps its blocks in the order they entered it
+    (insert, hit, or first child), so its two ends hold its oldest and its
+    youngest blocks; densities are roughly monotone in age on either side of
+    their peak, so these ends are the candidates, and the one of lowest
+    density (ties: least recently used) becomes the *root* of the next
+    eviction. Evicting a young block is an admission decision: the blocks of
+    a class not worth their space leave right after their request. Then two
+    prefix rules, shared with :class:`~kvkit.backends.eviction.prefix_lru.PrefixLRUPolicy`:
+    orphans (tracked blocks whose parent hash is not tracked, which cannot
+    hit) go before everything, and a root's subtree goes deepest first, so
+    no victim leaves an evictable descendant behind. Until the first refresh
+    every density is 0 and the order is plain LRU.
+
+    Args:
+        capacity: blocks in the pool, which sizes the ghost and the refresh
+            period. ``None`` learns it as the most blocks ever tracked at once.
+        ghost_span: how many pools' worth of evictions the ghost covers; it
+            bounds the longest reuse the policy can learn to wait for.
+
+    Invariants:
+        * Each tracked block sits in exactly one class list, the one of its
+          reuse count and parenthood; a block with a cached child is a parent.
+        * The ghost holds only hashes of untracked blocks, evicted within
+          the last ``ghost_span * capacity`` evictions, oldest first.
+        * The chain index's and the density model's invariants.
+    """
+
+    capacity: int | None = attrs.field(default=None, validator=_capacity)
+    ghost_span: float = attrs.field(default=8.0, validator=_ghost_span)
+    _chains: ChainIndex = attrs.field(init=False, factory=ChainIndex)
+    _lists: list[OrderedDict[BlockId, None]] = attrs.field(
+        init=False, factory=lambda: [OrderedDict() for _ in range(_CLASSES)])
+    _class: dict[BlockId, int] = attrs.field(init=False, factory=dict)
+    _uses: dict[BlockId, int] = attrs.field(init=False, factory=dict)
+    _last: dict[BlockId, int] = attrs.field(init=False, factory=dict)
+    # hash -> (eviction number, last access tick, class, uses), oldest eviction first
+    _ghost: OrderedDict[BlockHash, tuple[int, int, int, int]] = attrs.field(
+        init=False, factory=OrderedDict)
+    _model: HitDensityModel = attrs.field(init=False, factory=lambda: HitDensityModel(_CLASSES))
+    _clock: int = attrs.field(init=False, default=0)
+    _evictions: int = attrs.field(init=False, default=0)
+    _high_water: int = attrs.field(init=False, default=0)
+    _next_refresh: int = attrs.field(init=False, default=_MIN_REFRESH)
+
+    @property
+    def model(self) -> HitDensityModel:
+        """The learned hit-density model (read it; the policy updates it)."""
+        return self._model
+
+    @property
+    def size(self) -> int:
+        """The pool size the policy assumes: ``capacity``, or the most blocks tracked so far."""
+        return self.capacity or self._high_water
+
+    @property
+    def num_ghosts(self) -> int:
+        """Evicted hashes the ghost remembers."""
+        return len(self._ghost)
+
+    def class_of(self, block: BlockId) -> int:
+        """The class of a tracked block (see :func:`block_class`)."""
+        return self._class[block]
+
+    def density_of(self, block: BlockId) -> float:
+        """The current hit density of a tracked block (0 before the first refresh)."""
+        return self._model.density(self._class[block], self._clock - self._last[block])
+
+    # -- notifications ---------------------------------------------------------
+
+    @override
+    def on_insert(self, block: BlockId, block_hash: BlockHash,
+                  parent: BlockHash | None) -> None:
+        parent_block = self._chains.add(self, block, block_hash, parent)
+        self._clock += 1
+        uses = 0
+        ghost = self._ghost.pop(block_hash, None)
+        if ghost is not None:  # a reuse the cache missed: learn from it, keep the history
+            _, last, cls, ghost_uses = ghost
+            self._model.record_reuse(cls, self._clock - last)
+            uses = ghost_uses + 1
+        self._uses[block] = uses
+        self._last[block] = self._clock
+        self._enter(block, block_class(uses, self._chains.has_children(block)))
+        if parent_block is not None and not self._class[parent_block] & 1:
+            self._enter(parent_block, self._class[parent_block] | 1)
+        self._high_water = max(self._high_water, len(self._class))
+        self._maybe_refresh()
+
+    @override
+    def on_access(self, block: BlockId) -> None:
+        cls = self._class.get(block)
+        if cls is None:
+            raise not_tracked(self, block)
+        self._clock += 1
+        self._model.record_reuse(cls, self._clock - self._last[block])
+        self._uses[block] += 1
+        self._last[block] = self._clock
+        self._enter(block, block_class(self._uses[block], bool(cls & 1)))
+        self._maybe_refresh()
+
+    @override
+    def on_remove(self, block: BlockId) -> None:
+        block_hash = self._chains.remove(self, block)
+        cls = self._class.pop(block)
+        del self._lists[cls][block]
+        last, uses = self._last.pop(block), self._uses.pop(block)
+        self._evictions += 1
+        self._ghost[block_hash] = (self._evictions, last, cls, uses)
+        horizon = self._evictions - self.ghost_span * max(self.size, 1)
+        while self._ghost:
+            ghost_hash, (evicted, last, cls, _) = next(iter(self._ghost.items()))
+            if evicted > horizon:
+                break
+            del self._ghost[ghost_hash]  # forgotten unreused: censored at its age
+            self._model.record_end(cls, self._clock - last)
+
+    # -- decisions -------------------------------------------------------------
+
+    @override
+    def select_victims(self, n: int,
+                       is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
+        check_count(n)
+        chosen: dict[BlockId, None] = {}
+        while len(chosen) < n:
+            root = self._next_root(is_evictable, chosen)
+            if root is None:
+                return None
+            self._chains.collect(root, is_evictable, chosen, n)
+        return list(chosen)
+
+    def _next_root(self, is_evictable: Callable[[BlockId], bool],
+                   chosen: dict[BlockId, None]) -> BlockId | None:
+        """The evictable orphan orphaned longest ago, else the end block of lowest density."""
+        def usable(block: BlockId) -> bool:
+            return block not in chosen and is_evictable(block)
+
+        orphan = next(filter(usable, self._chains.orphans()), None)
+        if orphan is not None:
+            return orphan
+        best: tuple[float, int, BlockId] | None = None
+        for blocks in self._lists:
+            for end in (iter(blocks), reversed(blocks)):
+                block = next(filter(usable, end), None)
+                if block is None:
+                    break  # neither end has one: the class has no usable block
+                key = (self.density_of(block), self._last[block], block)
+                if best is None or key < best:
+                    best = key
+        return None if best is None else best[2]
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def _enter(self, block: BlockId, cls: int) -> None:
+        """Put ``block`` at the young end of class ``cls``'s list."""
+        old = self._class.get(block)
+        if old is not None:
+            del self._lists[old][block]
+        self._class[block] = cls
+        self._lists[cls][block] = None
+
+    def _maybe_refresh(self) -> None:
+        if self._clock < self._next_refresh:
+            return
+        self._next_refresh = self._clock + max(self.size, _MIN_REFRESH)
+        now, n_tracked, n_ghosts = self._clock, len(self._class), len(self._ghost)
+        classes = np.fromiter(
+            (*self._class.values(), *(g[2] for g in self._ghost.values())),
+            dtype=np.int64, count=n_tracked + n_ghosts)
+        ages = now - np.fromiter(
+            (*self._last.values(), *(g[1] for g in self._ghost.values())),
+            dtype=np.int64, count=n_tracked + n_ghosts)
+        self._model.refresh(classes, ages, keep=1 - 1 / self.ghost_span)
+
+    @override
+    def __len__(self) -> int:
+        return len(self._class)
+
+    @override
+    def check_invariants(self) -> None:
+        assert len(self._chains) == len(self._class) == len(self._uses) == len(self._last), \
+            "per-block maps differ in size"
+        assert sum(map(len, self._lists)) == len(self._class), "class lists lost a block"
+        for cls, blocks in enumerate(self._lists):
+            for block in blocks:
+                assert self._class[block] == cls, f"block {block} is listed in class {cls}"
+                assert cls >> 1 == min(self._uses[block], _MAX_USES), f"block {block} reuse class"
+                assert cls & 1 or not self._chains.has_children(block), \
+                    f"block {block} has a child but is not classed a parent"
+                assert self._last[block] <= self._clock, f"block {block} accessed in the future"
+        evicted = [g[0] for g in self._ghost.values()]
+        assert evicted == sorted(evicted), "ghost is not in eviction order"
+        for ghost_hash in self._ghost:
+            assert not self._chains.has_hash(ghost_hash), f"ghost {ghost_hash} is tracked"
+        self._chains.check_invariants()
+        self._model.check_invariants()

@@ -1,0 +1,133 @@
+"""``OffloadStack`` and ``build()``: a working offload tier from names or instances."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvkit.config import StackConfig
+from kvkit.errors import ConfigError
+from kvkit.interfaces import BlockAllocator, OffloadCallback
+from kvkit.manager import OffloadManager
+from kvkit.registry import COPY
+from kvkit.stats import OffloadStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvkit.transfer_engine import TransferEngine
+
+__all__ = ["OffloadStack", "build"]
+
+
+@attrs.define(eq=False)
+class OffloadStack:
+    """Every part of one offload tier, wired together.
+
+    Attributes:
+        config: the validated configuration it was built from.
+        gpu: the GPU tier's block pool (the engine's prefix cache).
+        cpu: the CPU tier's block pool.
+        manager: the scheduler side (lookups, step plans, completions).
+        workers: one ``TransferEngine`` per worker rank when the stack moves
+            real bytes; empty for a scheduler-only stack (simulation), whose
+            transfers complete as soon as they are planned.
+
+    Invariants: the CPU pool and every worker's CPU mirror hold the same
+    number of blocks (one source of truth: ``config``).
+    """
+
+    config: StackConfig
+    gpu: BlockAllocator
+    cpu: BlockAllocator
+    manager: OffloadManager
+    workers: list[TransferEngine] = attrs.field(factory=list)
+
+    @property
+    def stats(self) -> OffloadStats:
+        """The manager's counters."""
+        return self.manager.stats
+
+    @property
+    def callbacks(self) -> tuple[OffloadCallback, ...]:
+        """Observers, in call order."""
+        return self.manager.callbacks
+
+    @property
+    def moves_bytes(self) -> bool:
+        """Whether transfers copy real bytes (``workers`` registered a KV cache)."""
+        return bool(self.workers)
+
+    def check_invariants(self) -> None:
+        """Assert the invariants of every part (pools, manager, workers)."""
+        self.manager.check_invariants()
+        for worker in self.workers:
+            assert worker.num_cpu_blocks == self.cpu.num_blocks, (worker.num_cpu_blocks, self.cpu.num_blocks)
+            worker.check_invariants()
+
+    def close(self) -> None:
+        """Drain and release every worker (unpins the CPU mirrors)."""
+        for worker in self.workers:
+            worker.close()
+
+
+def build(config: StackConfig | None = None, /, *, layout: str | None = None,
+          kv_tensors: Sequence[torch.Tensor] | None = None, **slots: Any) -> OffloadStack:
+    """Build a stack from a ``StackConfig`` or from its slots as keywords.
+
+    Example::
+
+        stack = kvkit.build(kv=spec, gpu_blocks=1024, cpu_bytes="8GiB",
+                            eviction="lru", store="eager", copy="torch",
+                            layout="per-layer")
+
+    Args:
+        config: a ready configuration; or pass its slots as keywords instead.
+        layout: allocate a KV cache of ``gpu_blocks`` blocks in this layout on
+            ``config.device`` for each of ``world_size`` workers (simulation,
+            tests, examples).
+        kv_tensors: the engine's own KV tensors in ``layout`` (one worker).
+        **slots: ``StackConfig`` fields (``kv``, ``gpu_blocks``, ``cpu_bytes``...).
+
+    Without ``layout`` and ``kv_tensors`` the stack is scheduler-only (then
+    ``copy=None`` skips building a copy backend).
+
+    Raises:
+        ConfigError: every invalid slot at once, quoting the values.
+    """
+    if config is None:
+        config = StackConfig(**slots)
+    elif slots:
+        raise ConfigError(f"pass a StackConfig or keyword slots, not both; got extra slots {sorted(slots)!r}")
+    if kv_tensors is not None and (layout is None or config.world_size != 1):
+        raise ConfigError(
+            f"kv_tensors needs layout=... and world_size=1 (each worker registers its own), "
+            f"got layout={layout!r}, world_size={config.world_size!r}")
+    if layout is not None and config.copy is None:
+        raise ConfigError(f"layout={layout!r} moves bytes and needs a copy backend, got copy=None "
+                          f"(scheduler-only); hint: copy='torch'")
+    parts = config.resolve()
+    gpu = parts.allocator(num_blocks=parts.gpu_blocks, eviction=parts.gpu_eviction)
+    cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
+    manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
+                             callbacks=parts.callbacks)
+    stack = OffloadStack(config, gpu, cpu, manager)
+    if layout is not None:
+        from kvkit.transfer_engine import TransferEngine  # torch only when bytes move
+
+        if config.world_size > 1 and not isinstance(config.copy, str):
+            raise ConfigError(
+                f"world_size={config.world_size} needs copy given by name (each worker builds its "
+                f"own backend), got the instance {config.copy!r}")
+        for rank in range(config.world_size):
+            copy = parts.copy if rank == 0 else COPY.create(config.copy, slot="copy",
+                                                             **config.options.get("copy", {}))
+            worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank)
+            if kv_tensors is not None:
+                worker.register_kv(kv_tensors, layout)
+            else:
+                worker.allocate_kv(parts.gpu_blocks, layout, config.device)
+            stack.workers.append(worker)
+    return stack

@@ -1,0 +1,48 @@
+"""The eviction-policy contract on the prefix-aware policies (prefix LRU, hit density)."""
+
+from __future__ import annotations
+
+from kvkit.backends.eviction.hit_density import HitDensityPolicy
+from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
+from kvkit.testing import EvictionPolicyContract
+
+
+class PrefixLRUPolicyContract(EvictionPolicyContract):
+    def make_policy(self):
+        return PrefixLRUPolicy()
+
+
+TestPrefixLRU = PrefixLRUPolicyContract.TestCase
+
+
+class HitDensityPolicyContract(EvictionPolicyContract):
+    def make_policy(self):
+        return HitDensityPolicy()
+
+
+TestHitDensity = HitDensityPolicyContract.TestCase
+
+
+def _trained(policy: HitDensityPolicy) -> HitDensityPolicy:
+    """``policy`` after a warm-up over the contract's own hashes, tracking nothing again."""
+    hashes = [EvictionPolicyContract.hash_for(k) for k in range(EvictionPolicyContract.hash_space)]
+    for round_ in range(12):
+        chain = hashes[round_ % 3: round_ % 3 + 6]
+        for block, (parent, block_hash) in enumerate(zip([None, *chain], chain)):
+            policy.on_insert(block, block_hash, parent)
+        for block in range(round_ % 4):
+            policy.on_access(block)
+        for block in reversed(range(len(chain))):
+            policy.on_remove(block)
+    assert policy.model.table is not None and len(policy) == 0
+    return policy
+
+
+class LearningHitDensityPolicyContract(EvictionPolicyContract):
+    """A trained policy with a small assumed pool, so densities decide and keep being refreshed."""
+
+    def make_policy(self):
+        return _trained(HitDensityPolicy(capacity=4, ghost_span=2))
+
+
+TestLearningHitDensity = LearningHitDensityPolicyContract.TestCase

@@ -1,0 +1,55 @@
+"""Every notebook in ``notebooks/`` is committed without outputs, runs on the CPU, and writes its plots.
+
+Notebooks save their plots as PNG files in ``$KVKIT_PLOT_DIR`` (default: the
+working directory); each runs here in its own temporary directory.
+"""
+
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_there_are_notebooks():
+    """The notebooks folder holds at least the quickstart, offload study and component tour."""
+    assert {"quickstart", "offload_study", "component_tour"} <= {p.stem for p in NOTEBOOKS}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_committed_without_outputs(path):
+    """No code cell carries outputs or an execution count (strip them before committing)."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_and_writes_its_plots(path, tmp_path, monkeypatch):
+    """The notebook executes without error and every PNG it writes is a real, non-blank image."""
+    import nbformat
+    import numpy as np
+    from matplotlib.image import imread
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("KVKIT_PLOT_DIR", str(tmp_path))
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=240, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    pngs = sorted(tmp_path.rglob("*.png"))
+    assert pngs, f"{path.name} wrote no PNG plot"
+    for png in pngs:
+        data = png.read_bytes()
+        assert data[:8] == _PNG and len(data) > 5_000, png.name
+        pixels = imread(png)
+        assert np.ptp(pixels[..., :3]) > 0, f"{png.name} is blank"
+    shown = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
+             if "image/png" in o.get("data", {})]
+    assert len(shown) >= len(pngs), "every saved plot is also shown"

@@ -1,0 +1,138 @@
+"""Tests of ``kvkit.build`` and the reference engine loop on CPU tensors."""
+
+import pytest
+
+import kvkit
+from kvkit.engine_loop import ReferenceEngine
+from kvkit.errors import ConfigError, RequestStateError, UnknownRequestError
+from kvkit.hashing import hash_blocks
+from kvkit.interfaces import OffloadCallback
+
+SPEC = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16")
+
+
+class Recorder(OffloadCallback):
+    """Counts every hook call by name."""
+
+    def __init__(self):
+        self.calls = {}
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            calls = object.__getattribute__(self, "calls")
+            return lambda *a, **k: calls.__setitem__(name, calls.get(name, 0) + 1)
+        return object.__getattribute__(self, name)
+
+
+def conversation(engine, turns, *, thrash=True):
+    """Run a multi-turn conversation; returns (gpu_hit, cpu_hit) tokens per turn."""
+    prefix, hits = list(range(30)), []
+    for turn in range(turns):
+        tokens = prefix + [1000 + 10 * turn + i for i in range(5)]
+        engine.add_request(f"t{turn}", hash_blocks(tokens, SPEC.block_size), len(tokens))
+        req = engine.step().scheduled[0]
+        hits.append((req.gpu_hit_tokens, req.cpu_hit_tokens))
+        engine.finish(f"t{turn}")
+        engine.step()
+        if thrash:  # push the conversation out of the small GPU tier
+            junk = hash_blocks([5000 + 100 * turn + i for i in range(44)], SPEC.block_size)
+            engine.add_request(f"j{turn}", junk, 44)
+            engine.step()
+            engine.finish(f"j{turn}")
+            engine.step()
+        prefix = tokens
+    return hits
+
+
+@pytest.mark.parametrize("layout", [None, "per-layer", "blocks-first", "cross-layer", "vllm-cpu"])
+def test_built_stack_serves_earlier_turns_from_the_cpu_tier(layout):
+    """Once the GPU tier forgot a conversation, its next turn hits the CPU tier, with intact bytes."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout=layout, device="cpu")
+    engine = ReferenceEngine(stack)
+    hits = conversation(engine, 4)
+    assert hits[0] == (0, 0)
+    assert all(cpu > 0 and gpu == 0 for gpu, cpu in hits[1:]), hits
+    engine.drain()
+    stack.check_invariants()
+    assert engine.integrity_errors == 0
+    assert engine.leaked_blocks() == 0
+    assert stack.moves_bytes == (layout is not None)
+
+
+def test_corrupted_cpu_tier_is_detected():
+    """Bytes changed in the CPU mirror show up as integrity errors when loaded."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", device="cpu")
+    engine = ReferenceEngine(stack)
+    conversation(engine, 1)
+    engine.drain()
+    for t in stack.workers[0].cpu_kv:
+        t.add_(1)
+    conversation_hits = conversation(engine, 2)
+    assert conversation_hits[0][1] > 0
+    assert engine.integrity_errors > 0
+
+
+def test_without_offload_nothing_is_served_from_cpu():
+    """With the `never` store policy the CPU tier stays empty, so later turns recompute."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, store="never")
+    hits = conversation(ReferenceEngine(stack), 3)
+    assert all(cpu == 0 for _, cpu in hits)
+
+
+def test_gpu_prefix_cache_hits_when_the_conversation_stays_resident():
+    """A roomy GPU tier serves the shared prefix itself; the CPU tier adds nothing."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=64, cpu_blocks=64)
+    hits = conversation(ReferenceEngine(stack), 3, thrash=False)
+    assert hits[1][0] > 0 and hits[1][1] == 0
+
+
+def test_callbacks_see_every_event():
+    """Lookups, transfers, evictions and finishes reach the callbacks."""
+    rec = Recorder()
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=8, callbacks=[rec])
+    conversation(ReferenceEngine(stack), 4)
+    for hook in ("on_lookup", "on_transfer_submitted", "on_transfer_completed", "on_evict",
+                 "on_request_finished"):
+        assert rec.calls.get(hook, 0) > 0, (hook, rec.calls)
+
+
+def test_build_accepts_instances_and_reports_every_bad_slot_at_once():
+    """Names and instances mix; bad slots all appear in one ConfigError quoting them."""
+    from kvkit.backends.eviction.fifo import FIFOPolicy
+    from kvkit.backends.store.eager import EagerStore
+
+    stack = kvkit.build(kv=SPEC, gpu_blocks=8, cpu_bytes=SPEC.bytes_per_block * 5,
+                        eviction=FIFOPolicy(), store=EagerStore())
+    assert stack.cpu.num_blocks == 5
+    with pytest.raises(ConfigError) as err:
+        kvkit.build(kv=SPEC, gpu_blocks=0, cpu_blocks=8, eviction="lruu", store=object())
+    text = str(err.value)
+    assert "gpu_blocks" in text and "'lruu'" in text and "store" in text
+
+
+def test_build_rejects_mixed_config_and_slots_and_bad_kv_usage():
+    """A config plus keyword slots, or kv_tensors without a layout, is a ConfigError."""
+    config = kvkit.StackConfig(kv=SPEC, gpu_blocks=8, cpu_blocks=8)
+    with pytest.raises(ConfigError, match="not both"):
+        kvkit.build(config, gpu_blocks=4)
+    with pytest.raises(ConfigError, match="kv_tensors needs layout"):
+        kvkit.build(config, kv_tensors=[])
+
+
+def test_engine_errors_are_typed():
+    """Unknown ids, duplicates and preempting a waiting request raise typed errors quoting the id."""
+    engine = ReferenceEngine(kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=8))
+    engine.add_request("a", [], 3)
+    with pytest.raises(RequestStateError, match="'a'"):
+        engine.add_request("a", [], 3)
+    with pytest.raises(RequestStateError, match="'a'"):
+        engine.preempt("a")
+    with pytest.raises(UnknownRequestError, match="'zz'"):
+        engine.finish("zz")
+
+
+def test_request_larger_than_the_gpu_pool_is_rejected():
+    """A prompt that can never fit the GPU pool is an OutOfBlocksError quoting it, not a stall."""
+    engine = ReferenceEngine(kvkit.build(kv=SPEC, gpu_blocks=4, cpu_blocks=8))
+    with pytest.raises(kvkit.errors.OutOfBlocksError, match="'big'.*17 tokens"):
+        engine.add_request("big", [], 17)
