@@ -245,16 +245,19 @@ class OffloadManager:
             UnknownRequestError / RequestStateError: unknown or ended id, or a
                 token count below the blocks' tokens.
         """
-        r = self._live(request_id)
-        r.block_hashes.extend(new_hashes)
-        full = len(r.block_hashes) * self.spec.block_size
+        r = self._requests.get(request_id) or self._live(request_id)
+        hashes = r.block_hashes
+        num_blocks = len(hashes) + len(new_hashes)
+        full = num_blocks * self.spec.block_size
         if num_tokens is not None:
             if not _is_count(num_tokens) or num_tokens < full:
                 raise RequestStateError(
                     f"request {request_id!r}: num_tokens={num_tokens!r} is below its "
-                    f"{len(r.block_hashes)} full blocks ({full} tokens)")
-            r.num_tokens = max(r.num_tokens, num_tokens)
-        r.num_tokens = max(r.num_tokens, full)
+                    f"{num_blocks} full blocks ({full} tokens)")
+            full = max(full, num_tokens)
+        hashes.extend(new_hashes)
+        if full > r.num_tokens:
+            r.num_tokens = full
         if r.state is _RUNNING:
             self._confirm(r)
 
@@ -266,8 +269,10 @@ class OffloadManager:
         GPU-hit boundary, capped so at least one of the request's tokens is
         recomputed. Its blocks are pinned (one CPU reference each) until the
         engine allocates (:meth:`on_allocated`), the request ends, or a later
-        lookup replaces this one, so nothing can evict them in between. While
-        a reset drains, every lookup answers 0.
+        lookup replaces this one, so nothing can evict them in between. The
+        lookup records no use: the blocks the engine accepts are touched (for
+        the CPU eviction policy) at :meth:`on_allocated`. While a reset
+        drains, every lookup answers 0.
 
         Args:
             request_id: a waiting request.
@@ -305,7 +310,6 @@ class OffloadManager:
             blocks = self.cpu.lookup(r.block_hashes[start:stop])
             if blocks:
                 self.cpu.incref(blocks)
-                self.cpu.touch(blocks)
         r.gpu_hit_blocks = start
         r.offered_blocks = len(blocks)
         r.pinned = blocks
@@ -363,6 +367,8 @@ class OffloadManager:
         keep, drop = r.pinned[:n], r.pinned[n:]
         if drop:
             self.cpu.decref(drop)
+        if keep:
+            self.cpu.touch(keep)  # a use, for the CPU eviction policy: only what is loaded
         if r.revoked and n:
             self._report_load_failed(r)
         r.pinned = keep
@@ -385,7 +391,7 @@ class OffloadManager:
             UnknownRequestError / RequestStateError: unknown, ended or not
                 running id, or not one sequence per group.
         """
-        r = self._live(request_id)
+        r = self._requests.get(request_id) or self._live(request_id)
         if r.state is not _RUNNING:
             raise RequestStateError(f"request {request_id!r} is {r.state.value}; append_blocks needs a running request")
         if len(new_block_ids) != len(r.block_table):
@@ -406,11 +412,12 @@ class OffloadManager:
             UnknownRequestError / RequestStateError: unknown, ended or not
                 running id; a count that decreases or exceeds the block table.
         """
-        r = self._live(request_id)
+        r = self._requests.get(request_id) or self._live(request_id)
         if r.state is not _RUNNING:
             raise RequestStateError(f"request {request_id!r} is {r.state.value}; on_computed needs a running request")
-        capacity = min(map(len, r.block_table)) * self.spec.block_size
-        if (not _is_count(num_computed_tokens) or num_computed_tokens < r.num_computed_tokens
+        table = r.block_table
+        capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * self.spec.block_size
+        if (num_computed_tokens.__class__ is not int or num_computed_tokens < r.num_computed_tokens
                 or num_computed_tokens > capacity):
             raise RequestStateError(
                 f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r} must be in "
@@ -696,9 +703,14 @@ class OffloadManager:
                     f"[{first}, {stop}) for its CPU hit, got {row[first:stop]!r}")
 
     def _confirm(self, r: Request) -> None:
-        start, stop = r.confirm(self.spec.block_size)
-        if stop > start and r.epoch == self._epoch:
-            self._queue(r, self.store.on_computed(r, start, stop))
+        """Re-derive the confirmed blocks; hand the newly confirmed range to the store policy."""
+        computed, hashed = r.num_computed_tokens // self.spec.block_size, len(r.block_hashes)
+        stop = computed if computed < hashed else hashed
+        start = r.num_confirmed_blocks
+        if stop > start:
+            r.num_confirmed_blocks = stop
+            if r.epoch == self._epoch:
+                self._queue(r, self.store.on_computed(r, start, stop))
 
     def _queue(self, r: Request, indices: Iterable[int]) -> None:
         """Queue the policy's choice, keeping only confirmed blocks (invariant 9)."""

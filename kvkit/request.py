@@ -73,14 +73,6 @@ class Request:
     holds: int = 0
     delay_free: bool = False
 
-    def confirm(self, block_size: int) -> tuple[int, int]:
-        """Re-derive the confirmed blocks; returns the newly confirmed range ``[start, stop)``."""
-        start = self.num_confirmed_blocks
-        stop = min(self.num_computed_tokens // block_size, len(self.block_hashes))
-        if stop > start:
-            self.num_confirmed_blocks = stop
-        return start, stop
-
     def successor(self) -> Request:
         """A fresh waiting incarnation with the same id, hashes and tokens (after a preemption)."""
         return Request(self.request_id, self.block_hashes,

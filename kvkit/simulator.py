@@ -15,7 +15,9 @@ Time model (every figure configurable in :class:`CostModel`):
   blocks released (they stay cached, evictable, on the GPU tier).
 * If the GPU pool still cannot hold the request, the earliest-ending running
   requests finish one by one, and the start time moves to each one's end
-  (queueing), until it fits.
+  (queueing), until it fits. A finished request's blocks are free once the
+  stores its finish flushed are copied, one engine step later; that step
+  takes no modelled time.
 * Its prefill takes ``computed_tokens / prefill_tokens_per_s`` plus
   ``loaded_bytes / (pcie_gb_per_s * 1e9)`` (loads are not overlapped with
   compute: a pessimistic bound for offload) plus ``overhead_ms``. Hit tokens
@@ -34,8 +36,9 @@ stack moves real bytes of a tiny spec with the same block size through the
 block against the bytes that were computed for it.
 
 Memory stays flat on long traces: requests are consumed one at a time, the
-pools are fixed size, ended requests leave no state; the only per-request
-record kept is one float (its modelled TTFT, for percentiles and plots).
+pools are fixed size, ended requests leave no state (the manager remembers a
+bounded number of ended ids); the only per-request record kept is one float
+(its modelled TTFT, for percentiles and plots).
 """
 
 from __future__ import annotations

@@ -1,0 +1,50 @@
+"""``kvkit bench transfer`` on the CPU path: torch on host tensors, every copy checked."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvkit.cli import main
+
+SMALL = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4", "--pool-blocks", "24"]
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+
+
+@needs_no_cuda
+@pytest.mark.parametrize("layout", ["per-layer", "blocks-first", "cross-layer"])
+@pytest.mark.parametrize(("ids", "direction"), [("random", "d2h"), ("consecutive", "h2d"), ("random", "both")])
+def test_cpu_run_times_torch_and_checks_every_copy(layout, ids, direction):
+    """Without a GPU the benchmark runs torch on host tensors and reports verified GB/s."""
+    result = CliRunner().invoke(main, ["bench", "transfer", "--layout", layout, "--blocks", "5", "--ids", ids,
+                                       "--direction", direction, "--repeat", "2", "--json", *SMALL])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["device"] == "cpu" and report["ceiling_gbps"] > 0
+    (row,) = report["results"]
+    assert row["backend"] == "torch" and row["verified"] and row["gbps"] > 0
+    assert row["directions"] == (["store", "load"] if direction == "both" else
+                                 ["store" if direction == "d2h" else "load"])
+
+
+@needs_no_cuda
+@pytest.mark.parametrize(("args", "message"), [
+    (["--with-gemm"], "needs a CUDA GPU"),
+    (["--backend", "cupy-batch"], "nothing to run on cpu"),
+    (["--blocks", "20", "--direction", "both"], "pool of at least 40 blocks"),
+    (["--set", "sm_budget"], "KEY=VALUE"),
+])
+def test_bad_requests_are_one_line_errors(args, message):
+    """Impossible requests exit 2 with a one-line kvkit error."""
+    result = CliRunner().invoke(main, ["bench", "transfer", "--blocks", "4", *SMALL, *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_table_output_names_the_ceiling():
+    """The default output is a table with the backend's GB/s next to the measured ceiling."""
+    result = CliRunner().invoke(main, ["bench", "transfer", "--backend", "torch", "--blocks", "3", *SMALL])
+    assert result.exit_code == 0, result.output
+    assert "ceiling" in result.output and "torch" in result.output
