@@ -48,7 +48,11 @@ class StorePolicy(Protocol):
     """
 
     def on_computed(self, request: RequestView, start: int, stop: int) -> Iterable[int]:
-        """Blocks ``[start, stop)`` of ``request`` were just confirmed; return indices to store now."""
+        """Blocks ``[start, stop)`` of ``request`` were just confirmed; return indices to store now.
+
+        ``start`` is 0 at a request's first confirmation (its GPU prefix hits
+        included) and again after every preemption.
+        """
         ...
 
     def on_finished(self, request: RequestView) -> Iterable[int]:

@@ -8,8 +8,10 @@ The simulator, the tests and the examples reuse it. Per :meth:`ReferenceEngine.s
    manager's CPU lookup (pinned), then GPU allocation, then ``on_allocated``;
 3. run the manager's step plan on every worker, and wait for this step's
    loads (compute reads them);
-4. "compute" the scheduled prefills: write each block's KV as a deterministic
-   function of its hash, check every loaded block's bytes, publish the full
+4. compute the scheduled prefills through the engine's :class:`PrefillCompute`
+   (by default :class:`SyntheticCompute`: write each block's KV as a
+   deterministic function of its hash and check every loaded block's bytes;
+   ``kvkit.integrations.hf`` runs a real model instead), publish the full
    blocks in the GPU prefix cache, and confirm progress to the manager.
 
 Requests are prefill-only: the caller decides when one finishes (the
@@ -21,15 +23,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import attrs
+from typing_extensions import override
 
-from kvkit.errors import OutOfBlocksError, RequestStateError, UnknownRequestError
+from kvkit.errors import ConfigError, OutOfBlocksError, RequestStateError, UnknownRequestError
 from kvkit.interfaces import BlockHash, BlockId, Direction, TransferResult
 from kvkit.stack import OffloadStack
 from kvkit.step import StepPlan
 
-__all__ = ["EngineRequest", "ReferenceEngine", "StepReport"]
+__all__ = ["EngineRequest", "PrefillCompute", "ReferenceEngine", "StepReport", "SyntheticCompute"]
 
 
 @attrs.define(eq=False)
@@ -66,19 +70,87 @@ class StepReport:
     integrity_errors: int = 0
 
 
+@runtime_checkable
+class PrefillCompute(Protocol):
+    """The forward pass of a :class:`ReferenceEngine`: writes the KV a scheduled prefill recomputes.
+
+    Invariants the engine keeps for it: :meth:`prefill` runs once per scheduled
+    request and step, after the step's loads landed (blocks before
+    ``first_block`` of every group hold the reused KV: GPU hits, then loaded
+    CPU hits) and before the engine publishes the request's full blocks and
+    confirms them to the manager, so only what it wrote can be stored.
+    """
+
+    def prefill(self, engine: ReferenceEngine, request: EngineRequest, first_block: int) -> int:
+        """Write the KV of ``request``'s blocks ``first_block..`` into its GPU blocks (``request.table``).
+
+        Returns:
+            Reused blocks found with wrong bytes (0 when it checks none).
+        """
+        ...
+
+
+@attrs.define(eq=False)
+class SyntheticCompute(PrefillCompute):
+    """Writes each block's KV as a deterministic function of its content and checks loaded blocks.
+
+    The stand-in for a model in tests and the simulator: a reused block whose
+    bytes differ from what was written for its hash counts as an integrity error.
+    """
+
+    @override
+    def prefill(self, engine: ReferenceEngine, request: EngineRequest, first_block: int) -> int:
+        """Check blocks from the GPU-hit boundary to ``first_block``, then write the rest."""
+        bs = engine.stack.config.kv.block_size
+        errors = self._verify(engine, request, request.gpu_hit_tokens // bs, first_block)
+        self._write(engine, request, first_block)
+        return errors
+
+    @staticmethod
+    def _write(engine: ReferenceEngine, req: EngineRequest, first: int) -> None:
+        """Write the KV of blocks ``first..`` (the recomputed ones) on every worker."""
+        for g, row in enumerate(req.table):
+            blocks = row[first:]
+            keys = [_key(req, i) for i in range(first, first + len(blocks))]
+            for worker in engine.stack.workers:
+                _fill(worker, g, blocks, keys)
+
+    @staticmethod
+    def _verify(engine: ReferenceEngine, req: EngineRequest, start: int, stop: int) -> int:
+        """Count loaded blocks ``start..stop`` whose bytes differ from what was written for them."""
+        errors = 0
+        kv = engine.stack.config.kv
+        for g, row in enumerate(req.table):
+            lo = max(start, stop - kv.groups[g].blocks_needed(stop * kv.block_size, kv.block_size))
+            blocks = row[lo:stop]
+            keys = [_key(req, i) for i in range(lo, stop)]
+            for worker in engine.stack.workers:
+                errors += _mismatches(worker, g, blocks, keys)
+        return errors
+
+
+def _check_compute(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, PrefillCompute):
+        raise ConfigError(f"compute must implement PrefillCompute (a prefill method), got {value!r}")
+
+
 @attrs.define(eq=False)
 class ReferenceEngine:
     """Drives ``stack`` like an engine's scheduler and workers (see the module docstring).
 
     Args:
-        stack: the offload stack; with workers it moves and verifies real bytes.
+        stack: the offload stack; with workers it moves real bytes.
+        compute: writes the recomputed KV of each scheduled prefill (only
+            with workers); the default writes and verifies synthetic bytes.
 
     Invariants: a request holds exactly one GPU reference on each block of
-    its table while running; every loaded block's bytes are checked.
+    its table while running; with the default compute every loaded block's
+    bytes are checked.
     """
 
     stack: OffloadStack
     integrity_errors: int = 0
+    compute: PrefillCompute = attrs.field(factory=SyntheticCompute, kw_only=True, validator=_check_compute)
     _waiting: deque[EngineRequest] = attrs.field(factory=deque, init=False)
     _requests: dict[str, EngineRequest] = attrs.field(factory=dict, init=False)
 
@@ -227,36 +299,14 @@ class ReferenceEngine:
         for req in scheduled:
             if req.request_id in failed:  # the CPU hit never arrived: recompute it
                 req.cpu_hit_tokens = 0
-            first = (req.gpu_hit_tokens + req.cpu_hit_tokens) // bs
             if stack.workers:
-                errors += self._verify(req, req.gpu_hit_tokens // bs, first)
-                self._write(req, first)
+                errors += self.compute.prefill(self, req, (req.gpu_hit_tokens + req.cpu_hit_tokens) // bs)
             if len(stack.config.kv.groups) == 1:  # publish the new full blocks on the GPU tier
                 lo, hi = req.gpu_hit_tokens // bs, req.num_tokens // bs
                 parents = [req.block_hashes[i - 1] if i else None for i in range(lo, hi)]
                 stack.gpu.commit(req.table[0][lo:hi], req.block_hashes[lo:hi], parents)
             stack.manager.on_computed(req.request_id, req.num_tokens)
         self.integrity_errors += errors
-        return errors
-
-    def _write(self, req: EngineRequest, first: int) -> None:
-        """Write the KV of blocks ``first..`` (the recomputed ones) on every worker."""
-        for g, row in enumerate(req.table):
-            blocks = row[first:]
-            keys = [_key(req, i) for i in range(first, first + len(blocks))]
-            for worker in self.stack.workers:
-                _fill(worker, g, blocks, keys)
-
-    def _verify(self, req: EngineRequest, start: int, stop: int) -> int:
-        """Count loaded blocks ``start..stop`` whose bytes differ from what was written for them."""
-        errors = 0
-        kv = self.stack.config.kv
-        for g, row in enumerate(req.table):
-            lo = max(start, stop - kv.groups[g].blocks_needed(stop * kv.block_size, kv.block_size))
-            blocks = row[lo:stop]
-            keys = [_key(req, i) for i in range(lo, stop)]
-            for worker in self.stack.workers:
-                errors += _mismatches(worker, g, blocks, keys)
         return errors
 
 

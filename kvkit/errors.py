@@ -23,6 +23,7 @@ __all__ = [
     "TraceFormatError",
     "UnknownBlockError",
     "UnknownRequestError",
+    "UnsupportedModelError",
 ]
 
 
@@ -97,3 +98,7 @@ class TraceFormatError(KVKitError, ValueError):
     def __init__(self, path: str, line: int, field: str, problem: str) -> None:
         self.path, self.line, self.field = path, line, field
         super().__init__(f"{path}:{line}: field {field!r}: {problem}")
+
+
+class UnsupportedModelError(KVKitError, TypeError):
+    """A model whose KV cache kvkit cannot hold (its family, attention kind or library version)."""

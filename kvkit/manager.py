@@ -25,11 +25,13 @@ GPU blocks and the delayed free:
     while the transfer is in flight (and on the sources of stores still
     queued when a request ends), so the engine frees a finished, aborted or
     preempted request's blocks at once and ``finish``/``abort``/``preempt``
-    return ``False``. Without ``gpu`` (external engines such as vLLM) they
-    return ``True`` when queued or in-flight transfers still touch the
-    request's GPU blocks: the engine keeps them until a
+    return ``False``. Without ``gpu`` (external engines such as vLLM)
+    ``finish``/``abort`` return ``True`` when queued or in-flight transfers
+    still touch the request's GPU blocks: the engine keeps them until a
     :class:`~kvkit.step.CompletionReport` lists the id in ``released`` (the
-    connector's ``request_finished -> True`` / ``get_finished`` handshake).
+    connector's ``request_finished -> True`` / ``get_finished`` handshake);
+    ``preempt`` returns ``True`` when transfers in flight touch them, and the
+    workers must finish those before the blocks are reused.
 
 Reset:
     :meth:`reset` abandons every transfer in flight (stores will never
@@ -292,14 +294,16 @@ class OffloadManager:
         if r.state is not _WAITING:
             raise RequestStateError(f"request {request_id!r} is {r.state.value}; lookup needs a waiting request")
         bs = self.spec.block_size
+        ntok = r.num_tokens
         if num_tokens is not None:
             if not _is_count(num_tokens):
                 raise RequestStateError(f"request {request_id!r}: bad num_tokens={num_tokens!r}")
-            r.num_tokens = max(r.num_tokens, num_tokens)
-        if not _is_count(gpu_hit_tokens) or gpu_hit_tokens % bs or gpu_hit_tokens > r.num_tokens:
+            ntok = max(ntok, num_tokens)
+        if not _is_count(gpu_hit_tokens) or gpu_hit_tokens % bs or gpu_hit_tokens > ntok:
             raise RequestStateError(
                 f"request {request_id!r}: gpu_hit_tokens={gpu_hit_tokens!r} must be a multiple of "
-                f"block_size={bs} in [0, {r.num_tokens}]")
+                f"block_size={bs} in [0, {ntok}]")
+        r.num_tokens = ntok
         self._unpin(r)
         r.revoked = False
         self.stats.lookups.add()
@@ -478,9 +482,14 @@ class OffloadManager:
         normally (stores commit) or are forgotten (loads: their GPU blocks
         no longer belong to the request, so nothing is reported).
 
+        Without ``gpu`` the stores it had queued are dropped (its blocks go
+        now) and no release is reported for the old incarnation.
+
         Returns:
-            ``True`` if the engine must keep the freed blocks from reuse until a
-            report lists the id in ``released`` (never with ``gpu``).
+            ``True`` if transfers in flight still read or write the freed
+            blocks: the engine's workers must finish them before the blocks
+            are reused (vLLM's ``handle_preemptions``). Never with ``gpu``,
+            whose references keep the blocks.
 
         Raises:
             UnknownRequestError / RequestStateError: unknown, ended or not running id.
@@ -743,12 +752,18 @@ class OffloadManager:
         return out
 
     def _end(self, r: Request, preempted: bool = False) -> bool:
-        """End an incarnation: release pins, detach queued stores, decide the delayed free."""
+        """End an incarnation: release pins, detach queued stores, decide the delayed free.
+
+        Returns whether transfers (queued or in flight) still touch its GPU
+        blocks while the manager holds no GPU reference on them.
+        """
         rid = r.request_id
         self._unpin(r)
         self._dirty.pop(rid, None)
         self._loaded.discard(rid)  # the engine no longer waits on this incarnation's load
         self._load_failed.discard(rid)
+        if preempted and self.gpu is None:
+            r.store_queue = []  # its blocks are freed now: only what is in flight may read them
         if r.store_queue:
             # Drop what the CPU tier holds now (only a store's allocation evicts, so
             # it is still there at the next build): a long request's flush would
@@ -757,7 +772,11 @@ class OffloadManager:
             # while a reset drains, the CPU tier's contents are doomed.
             held, hashes, lookup = self.gpu is not None, r.block_hashes, self.cpu.lookup
             queue = list(dict.fromkeys(r.store_queue))  # the flush repeats queued blocks
-            needed = queue if self._draining else [i for i in queue if not lookup((hashes[i],))]
+            if self._draining:
+                needed = queue
+            else:  # one prefix lookup settles the (usually stored) head of a flush
+                ready = len(lookup(hashes[:r.num_confirmed_blocks]))
+                needed = [i for i in queue if i >= ready and not lookup((hashes[i],))]
             self.stats.stores_deduplicated.add(len(queue) - len(needed))
             entries = self._resolve(r, needed, held)
             r.store_queue = []
@@ -767,13 +786,14 @@ class OffloadManager:
             r.holds += len(entries)
         del self._requests[rid]
         r.state = _ENDED
-        r.delay_free = self.gpu is None and r.holds > 0
+        touched = self.gpu is None and r.holds > 0
         if not preempted:
-            if r.delay_free:
+            r.delay_free = touched
+            if touched:
                 self._ended[rid] = r
             else:
                 self._remember_ended(rid)
-        return r.delay_free
+        return touched
 
     def _remember_ended(self, rid: str) -> None:
         self._recently_ended[rid] = None

@@ -45,9 +45,8 @@ class CompletionReport:
         load_failed: requests whose load failed or was abandoned by a reset:
             their CPU-hit tokens are invalid and must be recomputed from the
             GPU-hit boundary.
-        released: ended requests (finished, aborted, or a preempted
-            incarnation) for which ``finish``/``abort``/``preempt`` returned
-            ``True``: the engine may now free their GPU blocks.
+        released: finished or aborted requests for which ``finish``/``abort``
+            returned ``True``: the engine may now free their GPU blocks.
     """
 
     loaded: frozenset[str] = frozenset()

@@ -103,7 +103,7 @@ def test_offload_beats_no_offload_on_the_default_workload():
 
 def test_verify_checks_real_bytes_without_errors():
     """With verify, real bytes move through the torch backend and every loaded block matches."""
-    workload = SyntheticWorkload(num_conversations=40, seed=3)
+    workload = SyntheticWorkload(num_conversations=10, seed=3)
     r = simulate(generate(workload), SimConfig(gpu_blocks=600, cpu_blocks=2000, verify=True))
     assert r.blocks_loaded > 0
     assert r.integrity_errors == 0 and r.leaked_blocks == 0
@@ -126,7 +126,7 @@ def test_verify_detects_a_corrupted_cpu_tier():
     poison = _PoisonCPUTier()
     sim = Simulator(SimConfig(gpu_blocks=600, cpu_blocks=2000, verify=True, callbacks=[poison]))
     poison.workers = sim.stack.workers
-    for request in generate(SyntheticWorkload(num_conversations=40, seed=3)):
+    for request in generate(SyntheticWorkload(num_conversations=10, seed=3)):
         sim.feed(request)
     r = sim.close()
     assert r.blocks_loaded > 0
@@ -201,3 +201,25 @@ def test_result_as_dict_is_json_ready():
             "evictions_cpu", "leaked_blocks", "integrity_errors", "ttft_model_ms", "config"} <= set(d)
     assert set(d["ttft_model_ms"]) >= {"p50", "p90", "p99"}
     assert d["config"]["gpu_blocks"] == SimConfig().gpu_blocks
+
+
+def test_scheduler_only_simulation_imports_no_torch():
+    """Without verify the stack has no copy backend (copy=None), so simulating never imports torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvkit.simulator import SimConfig, simulate; "
+            "from kvkit.synthetic import SyntheticWorkload, generate; "
+            "simulate(generate(SyntheticWorkload(num_conversations=3)), SimConfig()); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_copy_none_cannot_move_bytes():
+    """A scheduler-only stack (copy=None) refuses a KV layout, naming the fix."""
+    from kvkit.stack import build
+
+    config = SimConfig().stack_config()
+    assert config.copy is None
+    with pytest.raises(ConfigError, match="copy='torch'"):
+        build(config, layout="per-layer")

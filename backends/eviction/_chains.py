@@ -136,12 +136,12 @@ class ChainIndex:
             if expanded:
                 if block not in chosen and is_evictable(block):
                     chosen[block] = None
-                continue
-            if block in seen:
-                continue
-            seen.add(block)
-            stack.append((block, True))
-            stack.extend((c, False) for c in reversed(children.get(hashes[block], {})))
+            elif block not in seen:
+                seen.add(block)
+                stack.append((block, True))
+                below = children.get(hashes[block])
+                if below:
+                    stack += [(c, False) for c in reversed(below)]
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the maps disagree."""

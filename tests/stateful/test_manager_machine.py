@@ -113,6 +113,7 @@ class ManagerMachine(RuleBasedStateMachine):
     manager_cls = OffloadManager
     check_manager = True  # also run the manager's own check_invariants()
     write_through = True  # eager: every confirmed block must be stored (or on CPU)
+    own_gpu = True  # the manager gets the GPU pool (else: an external engine, delayed free)
 
     @staticmethod
     def make_store():
@@ -123,8 +124,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=1, head_dim=2)
         self.gpu, self.cpu = BlockPool(NUM_GPU), BlockPool(NUM_CPU)
         self.store = self.make_store()
-        self.mgr = self.manager_cls(self.spec, self.cpu, self.store, gpu=self.gpu,
-                                    world_size=WORLD)
+        self.mgr = self.manager_cls(self.spec, self.cpu, self.store,
+                                    gpu=self.gpu if self.own_gpu else None, world_size=WORLD)
+        self.delayed: dict[str, list[int]] = {}  # finished ids whose blocks the engine keeps
         self.gpu_content: list[dict] = [{} for _ in range(WORLD)]
         self.cpu_content: list[dict] = [{} for _ in range(WORLD)]
         self.store_epoch: dict[int, int] = {}  # CPU block -> epoch of the store that filled it
@@ -159,9 +161,18 @@ class ManagerMachine(RuleBasedStateMachine):
                     f"{r.rid} block {p} (GPU {r.table[p]}) on worker {w} holds {got!r}, "
                     f"expected {r.hashes[p]!r}")
 
-    def _engine_free(self, r: EngineRequest) -> None:
+    def _engine_free(self, r: EngineRequest, delay: bool, preempted: bool = False) -> None:
+        """The engine gives up the request's GPU blocks, now or (delayed free) once released."""
         held = r.table if r.running else r.hit_blocks
-        if held:
+        assert not (delay and self.own_gpu), "the manager holds its own GPU refs: never delay"
+        if delay and preempted:  # the workers finish what touches the blocks first
+            for t in self.transfers.values():
+                for w in range(WORLD):
+                    if w not in t.executed and w not in t.reported:
+                        self._execute(t, w)
+        if delay and not preempted:
+            self.delayed[r.rid] = held
+        elif held:
             self.gpu.decref(held)
         r.table, r.hit_blocks, r.pins, r.running = [], [], [], False
         r.looked_up = r.load_pending = r.awaiting_load = False
@@ -185,10 +196,10 @@ class ManagerMachine(RuleBasedStateMachine):
     def _commit_gpu(self, r: EngineRequest) -> None:
         """Offer fully computed blocks to the engine's GPU prefix cache."""
         stop = min(r.computed // BS, len(r.hashes))
-        for p in range(r.committed, stop if r.gpu_cache else r.committed):
-            b = r.table[p]
-            if not self.gpu.is_ready(b):
-                self.gpu.commit([b], [r.hashes[p]])
+        if r.gpu_cache:
+            for p in range(r.committed, stop):
+                if not self.gpu.is_ready(r.table[p]):
+                    self.gpu.commit([r.table[p]], [r.hashes[p]])
         r.committed = max(r.committed, stop)
 
     def _execute(self, t: ModelTransfer, w: int) -> None:
@@ -330,30 +341,28 @@ class ManagerMachine(RuleBasedStateMachine):
         r = self._pick(i, lambda r: True)
         if with_progress and r.running and not r.awaiting_load and r.computed < len(r.tokens):
             self._compute(r, len(r.tokens))  # the last step and the finish in one call
-            self.mgr.finish(r.rid, num_computed_tokens=r.computed)
+            delay = self.mgr.finish(r.rid, num_computed_tokens=r.computed)
             self._confirm(r)
         else:
-            self.mgr.finish(r.rid)
+            delay = self.mgr.finish(r.rid)
         if r.running:
             if self.write_through and r.epoch == self.epoch:
                 self.must_store.update(r.hashes[:r.confirmed])  # the flush
-        self._engine_free(r)
+        self._engine_free(r, delay)
         del self.reqs[r.rid]
 
     @precondition(lambda self: self.reqs)
     @rule(i=st.integers(0, 50))
     def abort(self, i: int) -> None:
         r = self._pick(i, lambda r: True)
-        self.mgr.abort(r.rid)
-        self._engine_free(r)
+        self._engine_free(r, self.mgr.abort(r.rid))
         del self.reqs[r.rid]
 
     @precondition(lambda self: any(r.running for r in self.reqs.values()))
     @rule(i=st.integers(0, 50))
     def preempt(self, i: int) -> None:
         r = self._pick(i, lambda r: r.running)
-        assert self.mgr.preempt(r.rid) is False  # the manager holds its own GPU refs
-        self._engine_free(r)
+        self._engine_free(r, self.mgr.preempt(r.rid), preempted=True)
         r.inc += 1
         r.computed = r.confirmed = r.committed = r.accepted = 0
 
@@ -493,7 +502,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 if r is not None and r.inc == inc and r.running:
                     (loaded if ok else failed).add(rid)
         assert report.loaded == loaded and report.load_failed == failed, (report, loaded, failed)
-        assert not report.released, report  # with a GPU pool the engine never waits
+        assert report.released <= self.delayed.keys(), (report.released, self.delayed)
+        for rid in report.released:
+            self.gpu.decref(self.delayed.pop(rid))
         for rid in loaded:
             r = self.reqs[rid]
             start = r.hit_n
@@ -576,10 +587,18 @@ class ManagerMachine(RuleBasedStateMachine):
         engine: Counter = Counter()
         for r in self.reqs.values():
             engine.update(r.table if r.running else r.hit_blocks)
+        for blocks in self.delayed.values():
+            engine.update(blocks)
         held = self.mgr.gpu_refs_held()
         for b in range(NUM_GPU):
             assert self.gpu.refcount(b) == engine[b] + held[b], (b, engine[b], held[b])
-            assert held[b] >= gpu_moving[b], f"GPU block {b} moves without a manager reference"
+            if self.own_gpu:
+                assert held[b] >= gpu_moving[b], f"GPU block {b} moves without a manager reference"
+        for t in self.transfers.values():  # in-flight pinning (invariant 2): nobody reuses these
+            if len(t.executed | t.reported) < WORLD:
+                gpu_side = t.src if t.direction is Direction.STORE else t.dst
+                assert all(self.gpu.refcount(b) for b in gpu_side), (
+                    f"transfer {t.tid} still to run on a GPU block the engine may reuse")
         # Data integrity (12) and readiness (5) of everything findable.
         for b in range(NUM_CPU):
             h = self.cpu.block_hash(b)
@@ -603,8 +622,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if sys.exc_info()[0] is not None:
             return  # a step already failed; report that failure, not a teardown symptom
         for r in list(self.reqs.values()):
-            self.mgr.finish(r.rid)
-            self._engine_free(r)
+            self._engine_free(r, self.mgr.finish(r.rid))
         self.reqs.clear()
         self.must_store.clear()
         for _ in range(4):
@@ -618,6 +636,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 self._deliver(picked, [])
         # Lifecycle (11) and conservation (1): nothing pinned, nothing leaks, reset succeeds.
         assert self.mgr.num_requests == 0 and self.mgr.num_in_flight == 0, "state left behind"
+        assert not self.delayed, f"never released: {sorted(self.delayed)}"
         assert all(self.cpu.refcount(b) == 0 for b in range(NUM_CPU))
         assert all(self.gpu.refcount(b) == 0 for b in range(NUM_GPU))
         assert self.mgr.reset() is True, "reset after a full drain did not empty the CPU tier"
@@ -662,7 +681,14 @@ class NeverMachine(ManagerMachine):
         assert self.cpu.num_cached == 0 and not self.mgr.stats.blocks_stored.value
 
 
+class ExternalEngineMachine(ManagerMachine):
+    """The same model as an external engine (no GPU pool given): finish and abort delay the free."""
+
+    own_gpu = False
+
+
 TestManagerSelective = SelectiveMachine.TestCase
+TestManagerExternalEngine = ExternalEngineMachine.TestCase
 TestManagerLazy = LazyMachine.TestCase
 TestManagerNever = NeverMachine.TestCase
 
@@ -764,13 +790,22 @@ class _StoreSourceNotHeld(OffloadManager):
         return super()._open(batch, src, dst)
 
 
-@pytest.mark.parametrize("plant", [_LookupWithoutPin, _StoresUnconfirmed, _NoFlushOnFinish,
-                                   _StaleCursor, _ResetKeepsHits, _DoubleStore,
-                                   _StoreSourceNotHeld],
-                         ids=lambda c: c.__name__.strip("_"))
-def test_machine_catches_planted_bug(plant):
+class _NoDelayedFree(OffloadManager):
+    """An external engine is told it may free a finished request's blocks while stores read them."""
+
+    def finish(self, request_id, num_computed_tokens=None):
+        super().finish(request_id, num_computed_tokens)
+        return False
+
+
+@pytest.mark.parametrize("base, plant", [
+    (ManagerMachine, _LookupWithoutPin), (ManagerMachine, _StoresUnconfirmed),
+    (ManagerMachine, _NoFlushOnFinish), (ManagerMachine, _StaleCursor),
+    (ManagerMachine, _ResetKeepsHits), (ManagerMachine, _DoubleStore),
+    (ManagerMachine, _StoreSourceNotHeld), (ExternalEngineMachine, _NoDelayedFree),
+], ids=lambda c: c.__name__.strip("_"))
+def test_machine_catches_planted_bug(base, plant):
     """The model's checks alone (no manager self-check) catch each planted failure mode."""
-    machine = type(f"Buggy{plant.__name__}", (ManagerMachine,),
-                   {"manager_cls": plant, "check_manager": False})
+    machine = type(f"Buggy{plant.__name__}", (base,), {"manager_cls": plant, "check_manager": False})
     with pytest.raises((AssertionError, KVKitError)):
         run_state_machine_as_test(machine, settings=_FIND_BUG)

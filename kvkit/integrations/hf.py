@@ -1,0 +1,543 @@
+"""Multi-turn generation with a Hugging Face causal LM whose prefix KV lives in kvkit blocks.
+
+:class:`OffloadedLM` wraps a ``transformers`` causal LM and an
+:class:`~kvkit.OffloadStack` and drives both through kvkit's
+:class:`~kvkit.engine_loop.ReferenceEngine`, replacing its synthetic compute
+with the model. One :meth:`OffloadedLM.generate` call is one request:
+
+1. hash the prompt's full blocks; the engine finds the longest cached prefix
+   on the GPU tier, then continues it from the CPU tier (pinned, loaded);
+2. the reused blocks become the model's own cache object (a ``DynamicCache``
+   of the installed ``transformers``: full-attention layers get the whole
+   prefix, sliding-window layers the blocks inside their window);
+3. the model runs on the new tokens only; their KV, as the model handed it to
+   its cache, is written into the request's GPU blocks, which the engine then
+   publishes and the store policy sends to the CPU tier;
+4. greedy decoding continues on the model's cache object. Decoded tokens are
+   not written to blocks: the next turn's prompt holds them, so that turn
+   computes and stores them with its new tokens.
+
+Example::
+
+    lm = OffloadedLM.build(model, gpu_blocks=256, cpu_bytes="4GiB")
+    chat = lm.conversation()
+    turn = chat.send(user_token_ids, max_new_tokens=32)
+    turn.gpu_hit_tokens, turn.cpu_hit_tokens, turn.computed_tokens, turn.ttft_s
+
+Supported: decoder-only families in :data:`SUPPORTED_FAMILIES` whose cache
+layers are plain full-attention or sliding-window layers, on CPU or CUDA,
+batch size 1, ``transformers >= 4.56`` (layered caches). Anything else raises
+:class:`~kvkit.errors.UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+from typing_extensions import override
+
+from kvkit.config import StackConfig
+from kvkit.engine_loop import EngineRequest, PrefillCompute, ReferenceEngine
+from kvkit.errors import BackendUnavailableError, ConfigError, OutOfBlocksError, UnsupportedModelError
+from kvkit.hashing import hash_blocks
+from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
+from kvkit.layouts import allocate_kv
+from kvkit.stack import OffloadStack, build
+
+try:
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+except ImportError as exc:  # transformers missing, or older than the layered cache API (4.56)
+    raise BackendUnavailableError(
+        "kvkit.integrations.hf needs transformers>=4.56 (layered DynamicCache); "
+        "install it with: pip install 'kvkit[hf]'") from exc
+
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "Conversation",
+    "Generation",
+    "OffloadedLM",
+    "generate_without_offload",
+    "kv_spec_from_config",
+]
+
+SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+"""``config.model_type`` values whose attention and cache kvkit was tested against."""
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_spec_from_config(config: Any, *, block_size: int = 16, dtype: object = None) -> KVCacheSpec:
+    """The ``KVCacheSpec`` of a model built from ``config``, with one KV group per attention kind.
+
+    The layer kinds come from the cache ``transformers`` itself builds for the
+    config: full-attention layers form one group, sliding-window layers one
+    group per window size.
+
+    Args:
+        config: a ``transformers`` model config (``PretrainedConfig``).
+        block_size: tokens per kvkit block.
+        dtype: KV element type (a ``torch.dtype`` or its name); default the
+            config's dtype, else float32.
+
+    Raises:
+        UnsupportedModelError: a family outside :data:`SUPPORTED_FAMILIES`, or
+            a cache layer that is neither full attention nor a sliding window.
+        ConfigError: a bad block size or dtype.
+    """
+    text = _text_config(config)
+    family = getattr(text, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise UnsupportedModelError(
+            f"model family {family!r} is not supported by kvkit.integrations.hf; supported: "
+            f"{list(SUPPORTED_FAMILIES)} (decoder-only, full or sliding-window attention)")
+    num_layers = int(text.num_hidden_layers)
+    layers = DynamicCache(config=config).layers
+    if len(layers) != num_layers:
+        raise UnsupportedModelError(
+            f"{family!r} config builds {len(layers)} cache layers for {num_layers} hidden layers "
+            f"(shared or missing KV); kvkit needs one cache layer per layer")
+    full: list[int] = []
+    sliding: dict[int, list[int]] = {}
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer:
+            full.append(i)
+        elif type(layer) is DynamicSlidingWindowLayer:
+            sliding.setdefault(int(layer.sliding_window), []).append(i)
+        else:
+            raise UnsupportedModelError(
+                f"layer {i} of {family!r} uses a {type(layer).__name__} cache; kvkit holds only "
+                f"DynamicLayer (full attention) and DynamicSlidingWindowLayer")
+    groups = [KVGroupSpec(full)] if full else []
+    # HF's window W covers the query itself; the group's window covers the W tokens attended.
+    groups += [KVGroupSpec(ls, kind=GroupKind.SLIDING_WINDOW, window=w) for w, ls in sorted(sliding.items())]
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    if dtype is None:
+        dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
+    return KVCacheSpec(num_layers=num_layers, block_size=block_size, num_kv_heads=kv_heads,
+                       head_dim=head_dim, dtype=_dtype_name(dtype), groups=groups)
+
+
+@attrs.frozen
+class Generation:
+    """One greedy generation and where its prompt's KV came from.
+
+    Attributes:
+        tokens: generated token ids (ends at a stop token, if one came).
+        prompt_tokens: prompt length.
+        gpu_hit_tokens: prompt tokens reused from the GPU tier.
+        cpu_hit_tokens: prompt tokens loaded from the CPU tier.
+        ttft_s: seconds from the call to the first token on the host.
+        load_s: seconds from the call until the reused KV was usable on the
+            model's device (hashing, lookup, allocation, CPU->GPU copies).
+        restore_s: seconds turning the reused blocks into the model's cache object.
+        prefill_s: seconds of the forward pass over the computed tokens,
+            writing their KV into blocks and picking the first token.
+        decode_s: seconds decoding the remaining tokens.
+        logits: ``[len(tokens), vocab]`` float32 logits on the CPU, one row per
+            generated token, if asked for.
+
+    Invariants: ``ttft_s == load_s + restore_s + prefill_s`` (device
+    synchronised at each boundary); hits are block-aligned and leave at least
+    one prompt token to compute.
+    """
+
+    tokens: tuple[int, ...]
+    prompt_tokens: int
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    ttft_s: float = 0.0
+    load_s: float = 0.0
+    restore_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    logits: torch.Tensor | None = attrs.field(default=None, repr=False)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the model computed (the rest was reused)."""
+        return self.prompt_tokens - self.gpu_hit_tokens - self.cpu_hit_tokens
+
+
+def _forward_kwargs(model: Any) -> tuple[str, dict[str, int]]:
+    """The cache argument's name and the last-logits-only argument of ``model.forward``.
+
+    ``transformers`` renamed ``past_key_values`` to ``cache`` in 5.x, and
+    ``num_logits_to_keep`` to ``logits_to_keep`` in 4.50.
+    """
+    params = inspect.signature(model.forward).parameters
+    cache_name = "cache" if "cache" in params else "past_key_values"
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return cache_name, {name: 1}
+    return cache_name, {}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _RecordingCache(DynamicCache):
+    """A ``DynamicCache`` that also keeps the new KV each layer receives while ``recorded`` is a dict.
+
+    A sliding-window layer keeps only its window, so the new tokens' KV is
+    taken where the model hands it over, before any layer trims it.
+    """
+
+    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @override
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.recorded is not None:
+            self.recorded[layer_idx] = (key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def _stop_set(model: Any, stop_tokens: Sequence[int] | None) -> frozenset[int]:
+    if stop_tokens is None:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        stop_tokens = () if eos is None else [eos] if isinstance(eos, int) else eos
+    return frozenset(int(t) for t in stop_tokens)
+
+
+def _decode(model: Any, cache: DynamicCache, first_logits: torch.Tensor, max_new_tokens: int,
+            stop: frozenset[int], keep_logits: bool) -> tuple[list[int], torch.Tensor | None]:
+    """Greedy decoding from the prompt's last logits, extending ``cache`` in place."""
+    cache_name, _ = _forward_kwargs(model)
+    logits = first_logits
+    tokens: list[int] = []
+    kept: list[torch.Tensor] = []
+    while True:
+        if keep_logits:
+            kept.append(logits.float().cpu())
+        tokens.append(int(torch.argmax(logits)))
+        if len(tokens) == max_new_tokens or tokens[-1] in stop:
+            break
+        step = torch.tensor([[tokens[-1]]], device=logits.device)
+        logits = model(input_ids=step, **{cache_name: cache}, use_cache=True).logits[0, -1]
+    return tokens, torch.stack(kept) if keep_logits else None
+
+
+def _token_list(tokens: object) -> list[int]:
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1:
+            raise ConfigError(f"token ids must be 1-D (batch size 1), got shape {tuple(tokens.shape)}")
+        tokens = tokens.tolist()
+    try:
+        ids = [int(t) for t in tokens]  # type: ignore[union-attr]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"token ids must be a sequence of ints, got {tokens!r}") from exc
+    if not ids:
+        raise ConfigError("a prompt needs at least one token, got none")
+    return ids
+
+
+def _check_new_tokens(max_new_tokens: object) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+
+
+def generate_without_offload(model: Any, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int = 16, *,
+                             keep_logits: bool = False,
+                             stop_tokens: Sequence[int] | None = None) -> Generation:
+    """Greedy generation that prefills the whole prompt: the recompute baseline, timed the same way.
+
+    Same decoding loop as :meth:`OffloadedLM.generate`, from an empty cache.
+    """
+    ids = _token_list(tokens)
+    _check_new_tokens(max_new_tokens)
+    cache_name, last_only = _forward_kwargs(model)
+    device = model.device
+    with torch.no_grad():
+        start = time.perf_counter()
+        cache = DynamicCache(config=model.config)
+        prompt = torch.tensor([ids], device=device)
+        first = model(input_ids=prompt, **{cache_name: cache}, use_cache=True, **last_only).logits[0, -1]
+        _sync(device)
+        ttft = time.perf_counter() - start
+        out, logits = _decode(model, cache, first, max_new_tokens, _stop_set(model, stop_tokens), keep_logits)
+        decode = time.perf_counter() - start - ttft
+    return Generation(tuple(out), len(ids), ttft_s=ttft, prefill_s=ttft, decode_s=decode, logits=logits)
+
+
+def _planes(tensors: Sequence[torch.Tensor], layout: str, spec: KVCacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, K and V of every block as ``[num_blocks, block_size, heads, head_dim]`` views."""
+    if layout == "per-layer":
+        return [(t[0], t[1]) for t in tensors]
+    if layout == "blocks-first":
+        return [(t[:, 0], t[:, 1]) for t in tensors]
+    if layout == "cross-layer":
+        return [(tensors[0][:, i, 0], tensors[0][:, i, 1]) for i in range(spec.num_layers)]
+    if layout == "vllm-cpu":  # [blocks, heads, block_size, 2 * head_dim]: K then V per token row
+        d = spec.head_dim
+        return [(t[..., :d].transpose(1, 2), t[..., d:].transpose(1, 2)) for t in tensors]
+    raise ConfigError(f"unknown KV layout {layout!r}")
+
+
+@attrs.define(eq=False)
+class _Job:
+    """A request's prompt on the model's device and what its prefill left for decoding."""
+
+    tokens: torch.Tensor
+    cache: _RecordingCache | None = None
+    logits: torch.Tensor | None = None
+    loaded_at: float = 0.0
+    restored_at: float = 0.0
+
+
+@attrs.define(eq=False)
+class _ModelPrefill(PrefillCompute):
+    """The reference engine's compute: restores the reused blocks into a model cache, runs the model.
+
+    Invariants: reads only blocks the engine says hold reused KV (before
+    ``first_block``, and for a sliding-window group only those inside its
+    window); writes every recomputed block of every group.
+    """
+
+    model: Any
+    spec: KVCacheSpec
+    planes: list[tuple[torch.Tensor, torch.Tensor]]
+    jobs: dict[str, _Job] = attrs.field(factory=dict)
+
+    @override
+    def prefill(self, engine: ReferenceEngine, request: EngineRequest, first_block: int) -> int:
+        """Run the model over tokens ``first_block * block_size..`` on the restored prefix."""
+        job = self.jobs[request.request_id]
+        device = job.tokens.device
+        _sync(device)  # the loads were drained; nothing else may still write the blocks read below
+        job.loaded_at = time.perf_counter()
+        cache = self._restore(request, first_block)
+        _sync(device)
+        job.restored_at = time.perf_counter()
+        cache_name, last_only = _forward_kwargs(self.model)
+        start = first_block * self.spec.block_size
+        cache.recorded = {}
+        out = self.model(input_ids=job.tokens[None, start:], **{cache_name: cache}, use_cache=True, **last_only)
+        self._write_back(request, first_block, cache.recorded)
+        cache.recorded = None
+        job.cache, job.logits = cache, out.logits[0, -1]
+        return 0  # a model cannot check bytes; the logits comparison in the tests does
+
+    def _restore(self, req: EngineRequest, first: int) -> _RecordingCache:
+        """A fresh model cache holding the KV of the request's first ``first`` blocks."""
+        cache = _RecordingCache(config=self.model.config)
+        if not first:
+            return cache
+        bs = self.spec.block_size
+        prefix = first * bs
+        device = self.planes[0][0].device
+        for g, group in enumerate(self.spec.groups):
+            lo = first - group.blocks_needed(prefix, bs)
+            ids = torch.tensor(req.table[g][lo:first], device=device)
+            for layer in group.layers:
+                k, v = (p.index_select(0, ids).flatten(0, 1).transpose(0, 1).unsqueeze(0)
+                        for p in self.planes[layer])
+                cache.update(k, v, layer)
+                if group.kind is GroupKind.SLIDING_WINDOW:
+                    # It got the window's blocks only; it must count (and position) the whole prefix.
+                    cache.layers[layer].cumulative_length = prefix
+        return cache
+
+    def _write_back(self, req: EngineRequest, first: int,
+                    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write the new tokens' KV (as the model cached it) into blocks ``first..`` of every group."""
+        if len(recorded) != self.spec.num_layers:
+            raise UnsupportedModelError(
+                f"the model updated {len(recorded)} of {self.spec.num_layers} cache layers; "
+                f"kvkit needs every layer to cache its own KV")
+        bs = self.spec.block_size
+        device = self.planes[0][0].device
+        for g, group in enumerate(self.spec.groups):
+            ids = torch.tensor(req.table[g][first:], device=device)
+            for layer in group.layers:
+                for plane, new in zip(self.planes[layer], recorded[layer], strict=True):
+                    rows = new[0].transpose(0, 1)  # [tokens, heads, head_dim]
+                    padded = rows.new_zeros((len(ids) * bs, *rows.shape[1:]))
+                    padded[:len(rows)] = rows
+                    plane.index_copy_(0, ids, padded.view(len(ids), bs, *rows.shape[1:]))
+
+
+@attrs.define(eq=False)
+class OffloadedLM:
+    """A causal LM whose prompts reuse prefix KV from the GPU and CPU tiers of ``stack``.
+
+    Args:
+        model: a ``transformers`` causal LM of a family in :data:`SUPPORTED_FAMILIES`.
+        stack: a stack with one worker whose KV tensors sit on the model's
+            device, shaped by :func:`kv_spec_from_config` for this model (any
+            block size); :meth:`build` makes one.
+        cache_salt: mixed into every block hash, so stacks shared between
+            models never mix their blocks.
+
+    Invariants: one request at a time (batch size 1); after each call the
+    prompt's full blocks are in the GPU tier's prefix cache and their stores
+    to the CPU tier are submitted.
+
+    Raises:
+        UnsupportedModelError: see :func:`kv_spec_from_config`.
+        SpecMismatchError / ConfigError: the stack does not fit the model.
+    """
+
+    model: Any
+    stack: OffloadStack
+    cache_salt: tuple = attrs.field(default=(), kw_only=True)
+    engine: ReferenceEngine = attrs.field(init=False)
+    _compute: _ModelPrefill = attrs.field(init=False)
+    _ids: itertools.count = attrs.field(init=False, factory=itertools.count)
+
+    def __attrs_post_init__(self) -> None:
+        spec = self.stack.config.kv
+        expected = kv_spec_from_config(self.model.config, block_size=spec.block_size, dtype=self.model.dtype)
+        if spec != expected:
+            raise ConfigError(f"the stack's KV spec {spec!r} does not fit the model, which needs {expected!r}")
+        if len(self.stack.workers) != 1 or self.stack.workers[0].layout is None:
+            raise ConfigError(f"the stack needs exactly one worker with a registered KV cache, got "
+                              f"{len(self.stack.workers)} worker(s); hint: OffloadedLM.build(model, ...)")
+        worker = self.stack.workers[0]
+        device = worker.gpu_kv[0].device
+        if device != self.model.device:
+            raise ConfigError(f"the stack's KV cache is on {device}, the model on {self.model.device}")
+        self._compute = _ModelPrefill(self.model, spec, _planes(worker.gpu_kv, worker.layout, spec))
+        self.engine = ReferenceEngine(self.stack, compute=self._compute)
+
+    @classmethod
+    def build(cls, model: Any, *, gpu_blocks: int, block_size: int = 16, layout: str = "per-layer",
+              cache_salt: tuple = (), **slots: Any) -> OffloadedLM:
+        """Build a stack for ``model`` (KV cache of ``gpu_blocks`` blocks on its device) and wrap it.
+
+        Args:
+            model: the causal LM.
+            gpu_blocks: GPU-tier blocks; a prompt needs ``ceil(len / block_size)``
+                per KV group.
+            block_size: tokens per block.
+            layout: the KV cache layout (see :mod:`kvkit.layouts`).
+            cache_salt: see the class.
+            **slots: the rest of :class:`~kvkit.StackConfig` (``cpu_blocks`` or
+                ``cpu_bytes``, ``eviction``, ``store``, ``copy``...); ``device``
+                is the model's.
+
+        Raises:
+            ConfigError: every bad slot at once.
+            UnsupportedModelError: see :func:`kv_spec_from_config`.
+        """
+        device = slots.pop("device", model.device.type)
+        if device != model.device.type:
+            raise ConfigError(f"device={device!r}: the KV cache lives on the model's device, {model.device}")
+        spec = kv_spec_from_config(model.config, block_size=block_size, dtype=model.dtype)
+        config = StackConfig(kv=spec, gpu_blocks=gpu_blocks, device=device, **slots)
+        kv = allocate_kv(spec, layout, gpu_blocks, model.device)
+        return cls(model, build(config, layout=layout, kv_tensors=kv), cache_salt=cache_salt)
+
+    def generate(self, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int = 16, *,
+                 keep_logits: bool = False, stop_tokens: Sequence[int] | None = None) -> Generation:
+        """Greedy generation that reuses the longest cached prefix of ``tokens`` and caches the prompt.
+
+        Args:
+            tokens: the prompt's token ids (1-D).
+            max_new_tokens: tokens to generate at most.
+            keep_logits: return each generated token's logits.
+            stop_tokens: stop after any of these; default the model's
+                ``generation_config.eos_token_id`` (``()`` never stops early).
+
+        Raises:
+            ConfigError: empty prompt or bad ``max_new_tokens``.
+            OutOfBlocksError: the prompt needs more blocks than the GPU tier has.
+        """
+        ids = _token_list(tokens)
+        _check_new_tokens(max_new_tokens)
+        stop = _stop_set(self.model, stop_tokens)
+        spec, engine = self.stack.config.kv, self.engine
+        rid = f"hf-{next(self._ids)}"
+        with torch.no_grad():
+            start = time.perf_counter()
+            hashes = hash_blocks(ids, spec.block_size, extra_keys=self.cache_salt,
+                                 algorithm=self.stack.config.hash_algorithm)
+            job = _Job(torch.tensor(ids, device=self.model.device))
+            engine.add_request(rid, hashes, len(ids))
+            self._compute.jobs[rid] = job
+            try:
+                req = self._prefill(rid)
+                _sync(job.tokens.device)
+                ttft = time.perf_counter() - start
+                out, logits = _decode(self.model, job.cache, job.logits, max_new_tokens, stop, keep_logits)
+                decode = time.perf_counter() - start - ttft
+            except BaseException:
+                engine.abort(rid)  # waiting or running: its blocks go back, nothing of it is stored
+                raise
+            finally:
+                del self._compute.jobs[rid]
+            engine.finish(rid)
+            engine.step()  # plan and submit this prompt's stores now (they overlap what comes next)
+        return Generation(tuple(out), len(ids), req.gpu_hit_tokens, req.cpu_hit_tokens, ttft_s=ttft,
+                          load_s=job.loaded_at - start, restore_s=job.restored_at - job.loaded_at,
+                          prefill_s=start + ttft - job.restored_at, decode_s=decode, logits=logits)
+
+    def _prefill(self, rid: str) -> EngineRequest:
+        """Step the engine until ``rid`` ran its prefill (a pool still held by stores drains first)."""
+        for attempt in range(2):
+            for req in self.engine.step().scheduled:
+                if req.request_id == rid:
+                    return req
+            self.engine.drain()
+        raise OutOfBlocksError(f"request {rid!r} could not be scheduled: the GPU tier stays full "
+                               f"({self.stack.gpu.num_free} free of {self.stack.gpu.num_blocks})")
+
+    def conversation(self) -> Conversation:
+        """A new multi-turn conversation on this model and stack."""
+        return Conversation(self)
+
+    def clear_gpu_cache(self) -> int:
+        """Wait for transfers in flight, then forget every block the GPU tier caches.
+
+        The next turns find their prefixes on the CPU tier only (benchmarks,
+        demonstrations). Returns how many cached blocks were dropped.
+        """
+        self.engine.drain()
+        return self.stack.gpu.reset()
+
+    def close(self) -> None:
+        """Drain and release the stack's workers (unpins the CPU mirror)."""
+        self.engine.drain()
+        self.stack.close()
+
+
+@attrs.define(eq=False)
+class Conversation:
+    """A chat: each turn's prompt is the history, then the new tokens; the reply joins the history.
+
+    Attributes:
+        lm: the offloaded model.
+        history: every token so far (prompts and replies).
+        turns: each turn's :class:`Generation`.
+    """
+
+    lm: OffloadedLM
+    history: list[int] = attrs.field(factory=list)
+    turns: list[Generation] = attrs.field(factory=list)
+
+    def send(self, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int = 16, *,
+             keep_logits: bool = False, stop_tokens: Sequence[int] | None = None) -> Generation:
+        """Append ``tokens`` to the history, generate a reply, append it; returns the turn."""
+        prompt = self.history + _token_list(tokens)
+        turn = self.lm.generate(prompt, max_new_tokens, keep_logits=keep_logits, stop_tokens=stop_tokens)
+        self.history = prompt + list(turn.tokens)
+        self.turns.append(turn)
+        return turn
+

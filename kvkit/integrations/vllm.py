@@ -1,0 +1,311 @@
+"""kvkit as a vLLM KV connector (vLLM's V1 connector API, tested with vLLM 0.32).
+
+vLLM loads it by module path::
+
+    from vllm.config import KVTransferConfig
+
+    KVTransferConfig(
+        kv_connector="KVKitConnector",
+        kv_connector_module_path="kvkit.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes": "16GiB", "eviction": "lru",
+                                   "store": "eager", "copy": "torch"},
+    )
+
+vLLM builds two instances: one in the scheduler (role ``SCHEDULER``), which
+drives kvkit's :class:`~kvkit.OffloadManager`, and one per worker (role
+``WORKER``), which drives a :class:`~kvkit.transfer_engine.TransferEngine`
+on that worker's KV tensors. They may live in different processes: each
+step's plan travels to the workers inside :class:`KVKitMetadata`, and the
+workers' results come back inside :class:`KVKitWorkerMetadata`. Both sides
+derive the CPU tier's size from the same ``kv_connector_extra_config`` (see
+:func:`~kvkit.integrations._vllm_settings.parse_extra_config`).
+
+Hits are synchronous: a CPU hit is loaded before the forward pass that reads
+it. A finished request whose last blocks are still being stored keeps its
+GPU blocks (``request_finished -> True``) until the stores completed. Every
+finished request's ``RequestOutput.kv_transfer_params`` holds
+``{"kvkit_loaded_tokens": n, "kvkit_reloaded_tokens": m}``: the prompt tokens
+kvkit loaded when vLLM first scheduled it (counted in ``num_cached_tokens``)
+and when it resumed it after preemptions.
+
+Supported: one KV cache group (vLLM's hybrid allocator is turned off), tensor
+parallelism, the layouts vLLM uses on CPU (``[nb, H, bs, 2*D]`` per layer)
+and on CUDA (``[2, nb, bs, H, D]`` K/V split, ``[nb, 2, bs, H, D]`` blocks
+first); not pipeline parallelism, MLA or permuted (HND) caches.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.request import RequestStatus
+
+from kvkit.errors import ConfigError
+from kvkit.integrations._vllm_scheduler import (
+    LOADED_TOKENS_KEY,
+    RELOADED_TOKENS_KEY,
+    SchedulerSide,
+    StepOrder,
+)
+from kvkit.integrations._vllm_settings import (
+    EXTRA_KEYS,
+    ConnectorSettings,
+    kv_spec_from_vllm,
+    parse_extra_config,
+)
+from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide
+from kvkit.interfaces import TransferResult
+from kvkit.manager import OffloadManager
+from kvkit.stats import OffloadStats
+from kvkit.transfer_engine import TransferEngine
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "EXTRA_KEYS",
+    "LOADED_TOKENS_KEY",
+    "RELOADED_TOKENS_KEY",
+    "VLLM_LAYOUTS",
+    "ConnectorSettings",
+    "KVKitConnector",
+    "KVKitMetadata",
+    "KVKitWorkerMetadata",
+    "connector_settings",
+]
+
+_ABORTED = frozenset({RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
+                      RequestStatus.FINISHED_IGNORED})
+
+
+@attrs.frozen
+class KVKitMetadata(KVConnectorMetadata):
+    """One step's orders, scheduler -> every worker (pickled in multiprocess mode).
+
+    Attributes:
+        order: the plan, the releases and the barrier flag.
+        num_cpu_blocks: the scheduler's CPU pool size; a worker whose mirror
+            differs refuses to run (one source of truth).
+    """
+
+    order: StepOrder
+    num_cpu_blocks: int
+
+
+@attrs.frozen
+class KVKitWorkerMetadata(KVConnectorWorkerMetadata):
+    """Transfer results, workers -> scheduler; vLLM concatenates the workers' with ``aggregate``."""
+
+    results: tuple[TransferResult, ...] = ()
+
+    @override
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVKitWorkerMetadata:
+        assert isinstance(other, KVKitWorkerMetadata), type(other)
+        return KVKitWorkerMetadata(self.results + other.results)
+
+
+def _device() -> str:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        return "cuda"
+    if current_platform.is_cpu():
+        return "cpu"
+    raise ConfigError(f"kvkit's vLLM connector runs on the CPU and CUDA platforms, got "
+                      f"{current_platform.device_name!r}")
+
+
+def connector_settings(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ConnectorSettings:
+    """The validated settings both connector sides build from vLLM's configs.
+
+    Raises:
+        ConfigError: every problem of ``kv_connector_extra_config`` at once, or
+            an unsupported setup (pipeline parallelism, hybrid or MLA models).
+    """
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise ConfigError(f"kvkit's vLLM connector does not support pipeline parallelism, got "
+                          f"pipeline_parallel_size={parallel.pipeline_parallel_size!r}")
+    return parse_extra_config(
+        vllm_config.kv_transfer_config.kv_connector_extra_config,
+        kv=kv_spec_from_vllm(kv_cache_config), gpu_blocks=max(1, kv_cache_config.num_blocks),
+        world_size=parallel.tensor_parallel_size, device=_device())
+
+
+def _worker_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except AssertionError:  # no parallel group (single process without init)
+        return 0
+
+
+class KVKitConnector(KVConnectorBase_V1):
+    """kvkit's CPU offload tier as a vLLM KV connector (both roles; see the module docstring).
+
+    Attributes (for inspection, e.g. in tests):
+        settings: the validated configuration.
+        scheduler_side / worker_side: the role's driver (``None`` for the other role).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ConfigError("KVKitConnector needs vLLM's kv_cache_config, got None")
+        self.settings = connector_settings(vllm_config, kv_cache_config)
+        parts = self.settings.stack.resolve()
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
+            manager = OffloadManager(self.settings.stack.kv, cpu, parts.store, world_size=
+                                     self.settings.stack.world_size, null_block=0)
+            self.scheduler_side = SchedulerSide(manager)
+        else:
+            engine = TransferEngine(self.settings.stack.kv, parts.copy, num_cpu_blocks=parts.cpu_blocks,
+                                    worker=_worker_rank())
+            layers = [name for g in kv_cache_config.kv_cache_groups for name in g.layer_names]
+            self.worker_side = WorkerSide(engine, layers, self.settings.layout)
+
+    # -- inspection -------------------------------------------------------------------
+
+    @property
+    def manager(self) -> OffloadManager:
+        """The scheduler side's offload manager."""
+        return self._scheduler().manager
+
+    @property
+    def stats(self) -> OffloadStats:
+        """The offload manager's counters (scheduler side)."""
+        return self.manager.stats
+
+    @property
+    def transfer_engine(self) -> TransferEngine:
+        """The worker side's transfer engine (KV tensors and CPU mirror)."""
+        return self._worker().engine
+
+    @property
+    @override
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a later miss, never an error
+
+    # -- worker side ------------------------------------------------------------------
+
+    @override
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register(kv_caches)
+
+    @override
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker().before_forward(self._order(kv_connector_metadata))
+
+    @override
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker().load(self._order(self._get_connector_metadata()))
+
+    @override
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    @override
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # stores copy confirmed blocks at the next step, not this step's layers
+
+    @override
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        self._worker().after_forward(None if meta is None else self._order(meta))
+
+    @override
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        meta = self._connector_metadata
+        order = None if meta is None else self._order(meta)
+        return self._worker().finished_sending(finished_req_ids, order), None
+
+    @override
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_load_errors()
+
+    @override
+    def build_connector_worker_meta(self) -> KVKitWorkerMetadata | None:
+        results = self._worker().take_results()
+        return KVKitWorkerMetadata(results) if results else None
+
+    @override
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    @override
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._scheduler().matched_tokens(request, num_computed_tokens), False
+
+    @override
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._scheduler().allocated(request, blocks.get_block_ids(), num_external_tokens)
+
+    @override
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVKitMetadata:
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        new_blocks = [(rid, ids) for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True)
+                      if ids is not None and rid not in resumed]
+        order = self._scheduler().build(preempted=scheduler_output.preempted_req_ids or (),
+                                        new_blocks=new_blocks,
+                                        scheduled=scheduler_output.num_scheduled_tokens)
+        return KVKitMetadata(order, self.settings.num_cpu_blocks)
+
+    @override
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        results = meta.results if isinstance(meta, KVKitWorkerMetadata) else ()
+        self._scheduler().completed(results)
+
+    @override
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().finished(request, aborted=request.status in _ABORTED)
+
+    @override
+    def reset_cache(self) -> bool:
+        return self._scheduler().reset()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _scheduler(self) -> SchedulerSide:
+        assert self.scheduler_side is not None, "a scheduler-side call on the worker connector"
+        return self.scheduler_side
+
+    def _worker(self) -> WorkerSide:
+        assert self.worker_side is not None, "a worker-side call on the scheduler connector"
+        return self.worker_side
+
+    def _order(self, meta: KVConnectorMetadata) -> StepOrder:
+        assert isinstance(meta, KVKitMetadata), type(meta)
+        if meta.num_cpu_blocks != self.transfer_engine.num_cpu_blocks:
+            raise ConfigError(
+                f"the scheduler's CPU tier has {meta.num_cpu_blocks} blocks, this worker's mirror "
+                f"{self.transfer_engine.num_cpu_blocks}: both must come from the same "
+                f"kv_connector_extra_config")
+        return meta.order
