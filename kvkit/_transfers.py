@@ -113,9 +113,6 @@ class TransferTable:
     def __len__(self) -> int:
         return len(self._live)
 
-    def __contains__(self, transfer_id: int) -> bool:
-        return transfer_id in self._live
-
     @property
     def next_id(self) -> int:
         """The id the next transfer will get."""

@@ -292,7 +292,8 @@ class OffloadManager:
         """
         r = self._live(request_id)
         if r.state is not _WAITING:
-            raise RequestStateError(f"request {request_id!r} is {r.state.value}; lookup needs a waiting request")
+            raise RequestStateError(
+                f"request {request_id!r} is {r.state.value}; lookup needs a waiting request")
         bs = self.spec.block_size
         ntok = r.num_tokens
         if num_tokens is not None:
@@ -355,6 +356,8 @@ class OffloadManager:
                 raise RequestStateError(
                     f"request {request_id!r} is already running; accepted_tokens="
                     f"{accepted_tokens!r} must be 0")
+            if r.load_pending:  # the load not yet planned reads the new table
+                self._check_load_targets(r, table, len(r.pinned))
             r.block_table = table
             return
         if r.gpu_hit_blocks is None:
@@ -397,7 +400,8 @@ class OffloadManager:
         """
         r = self._requests.get(request_id) or self._live(request_id)
         if r.state is not _RUNNING:
-            raise RequestStateError(f"request {request_id!r} is {r.state.value}; append_blocks needs a running request")
+            raise RequestStateError(
+                f"request {request_id!r} is {r.state.value}; append_blocks needs a running request")
         if len(new_block_ids) != len(r.block_table):
             raise RequestStateError(
                 f"request {request_id!r}: need one block list per group ({len(r.block_table)}), "
@@ -418,7 +422,8 @@ class OffloadManager:
         """
         r = self._requests.get(request_id) or self._live(request_id)
         if r.state is not _RUNNING:
-            raise RequestStateError(f"request {request_id!r} is {r.state.value}; on_computed needs a running request")
+            raise RequestStateError(
+                f"request {request_id!r} is {r.state.value}; on_computed needs a running request")
         table = r.block_table
         capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * self.spec.block_size
         if (num_computed_tokens.__class__ is not int or num_computed_tokens < r.num_computed_tokens
@@ -496,7 +501,8 @@ class OffloadManager:
         """
         r = self._live(request_id)
         if r.state is not _RUNNING:
-            raise RequestStateError(f"request {request_id!r} is {r.state.value}; only a running request can be preempted")
+            raise RequestStateError(
+                f"request {request_id!r} is {r.state.value}; only a running request can be preempted")
         delay = self._end(r, preempted=True)
         self._requests[request_id] = r.successor()
         for cb in self.callbacks:

@@ -13,6 +13,7 @@ from kvkit.interfaces import (
     KVCacheSpec,
     KVGroupSpec,
     OffloadCallback,
+    RequestView,
     TransferResult,
 )
 from kvkit.manager import OffloadManager
@@ -451,6 +452,31 @@ def test_without_a_gpu_pool_queued_stores_delay_the_free_too():
     plan = mgr.build_step()
     assert plan.stores[0][1].src.tolist() == [5, 6]
     assert mgr.apply_completions(results(plan)).released == {"a"}
+
+
+def test_without_a_gpu_pool_preempt_says_whether_copies_still_run():
+    """Preempting for an external engine drops queued stores and reports in-flight ones, no release."""
+    mgr = make(own_gpu=False)
+    mgr.add_request("a", hashes(1, 2), 9)
+    mgr.lookup("a", 0)
+    mgr.on_allocated("a", [[5, 6, 7]])
+    mgr.on_computed("a", 4)
+    plan = mgr.build_step()  # block 0 in flight
+    mgr.on_computed("a", 8)  # block 1 queued
+    assert mgr.preempt("a") is True
+    assert not mgr.build_step()  # the queued store went with the blocks
+    assert not mgr.apply_completions(results(plan)).released
+    mgr.lookup("a", 0)
+    mgr.on_allocated("a", [[1, 2, 3]])
+    assert mgr.preempt("a") is False
+    mgr.check_invariants()
+
+
+def test_request_state_is_a_request_view():
+    """The manager hands its per-request records to store policies as ``RequestView``s."""
+    mgr = make()
+    mgr.add_request("a", hashes(1, 2), 9)
+    assert isinstance(mgr.request("a"), RequestView)
 
 
 def test_with_a_gpu_pool_finish_holds_the_queued_sources():

@@ -16,7 +16,7 @@ from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
-__all__ = ["HitDensityPolicy"]
+__all__ = ["HitDensityPolicy", "block_class"]
 
 _MAX_USES = 3  # reuse counts 0, 1, 2 and "3 or more", as S3-FIFO's two bits
 _CLASSES = 2 * (_MAX_USES + 1)
@@ -194,16 +194,21 @@ class HitDensityPolicy(EvictionPolicy):
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
         chosen: dict[BlockId, None] = {}
+        ends: dict[tuple[int, bool], tuple[float, int, BlockId] | None] = {}
         while len(chosen) < n:
-            root = self._next_root(is_evictable, chosen)
+            root = self._next_root(is_evictable, chosen, ends)
             if root is None:
                 return None
             self._chains.collect(root, is_evictable, chosen, n)
         return list(chosen)
 
-    def _next_root(self, is_evictable: Callable[[BlockId], bool],
-                   chosen: dict[BlockId, None]) -> BlockId | None:
-        """The evictable orphan orphaned longest ago, else the end block of lowest density."""
+    def _next_root(self, is_evictable: Callable[[BlockId], bool], chosen: dict[BlockId, None],
+                   ends: dict[tuple[int, bool], tuple[float, int, BlockId] | None]) -> BlockId | None:
+        """The evictable orphan orphaned longest ago, else the class-list end of lowest density.
+
+        ``ends`` caches each list end's (density, last access, block) across the
+        rounds of one selection; an entry is recomputed once its block is chosen.
+        """
         def usable(block: BlockId) -> bool:
             return block not in chosen and is_evictable(block)
 
@@ -211,13 +216,14 @@ class HitDensityPolicy(EvictionPolicy):
         if orphan is not None:
             return orphan
         best: tuple[float, int, BlockId] | None = None
-        for blocks in self._lists:
-            for end in (iter(blocks), reversed(blocks)):
-                block = next(filter(usable, end), None)
-                if block is None:
-                    break  # neither end has one: the class has no usable block
-                key = (self.density_of(block), self._last[block], block)
-                if best is None or key < best:
+        for cls, blocks in enumerate(self._lists):
+            for young in (False, True):
+                key = ends.get((cls, young), ())
+                if key == () or key is not None and key[2] in chosen:
+                    block = next(filter(usable, reversed(blocks) if young else iter(blocks)), None)
+                    key = None if block is None else (self.density_of(block), self._last[block], block)
+                    ends[cls, young] = key
+                if key is not None and (best is None or key < best):
                     best = key
         return None if best is None else best[2]
 

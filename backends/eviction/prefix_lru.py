@@ -32,13 +32,15 @@ class PrefixLRUPolicy(EvictionPolicy):
       block is the *root* of the next eviction, and its subtree of tracked
       blocks goes deepest first: every victim's evictable descendants are
       victims too, chosen before it. Under prefix hits a descendant is never
-      used more recently than its ancestor, so this is LRU with ties (the
-      blocks of one request) broken towards the deeper block, not a new order.
+      used more recently than its ancestor, so the subtree holds nothing
+      newer than its root: close to LRU, with the blocks of one request
+      evicted deepest first instead of head first.
 
-    On multi-turn traces this changes little (plain LRU already evicts whole
-    chains in a row); it is the baseline prefix-aware policy and a building
-    block whose rules :class:`~kvkit.backends.eviction.hit_density.HitDensityPolicy`
-    shares.
+    It pays where chains are long against the pool (long system prompts,
+    agent sessions), where plain LRU evicts a chain from its head and keeps
+    its stranded tail; on short chat chains LRU already evicts whole chains
+    in a row and the gain is small. Its rules are shared by
+    :class:`~kvkit.backends.eviction.hit_density.HitDensityPolicy`.
 
     Invariants:
         * The recency list holds exactly the tracked blocks.

@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 
 from kvkit.errors import HashInputError
+from kvkit.integrations._vllm_settings import ConnectorSettings
 from kvkit.interfaces import BlockHash, TransferResult
 from kvkit.manager import OffloadManager
 from kvkit.request import RequestState
@@ -116,6 +117,14 @@ class SchedulerSide:
     _release: list[str] = attrs.field(init=False, factory=list)
     _barrier: bool = attrs.field(init=False, default=False)
     _step: int = attrs.field(init=False, default=0)
+
+    @classmethod
+    def from_settings(cls, settings: ConnectorSettings) -> SchedulerSide:
+        """A manager over a CPU pool of ``settings.num_cpu_blocks`` blocks (no copy backend here)."""
+        parts = attrs.evolve(settings.stack, copy=None).resolve()
+        cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
+        return cls(OffloadManager(settings.stack.kv, cpu, parts.store,
+                                  world_size=settings.stack.world_size, null_block=0))
 
     @property
     def idle(self) -> bool:

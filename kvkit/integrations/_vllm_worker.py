@@ -26,6 +26,7 @@ import torch
 
 from kvkit.errors import ConfigError, SpecMismatchError
 from kvkit.integrations._vllm_scheduler import StepOrder
+from kvkit.integrations._vllm_settings import ConnectorSettings
 from kvkit.interfaces import KVCacheSpec, TransferResult
 from kvkit.layouts import validate_kv
 from kvkit.transfer_engine import TransferEngine
@@ -90,6 +91,15 @@ class WorkerSide:
     _load_errors: set[int] = attrs.field(init=False, factory=set)
     _finished: dict[str, None] = attrs.field(init=False, factory=dict)
     _to_release: list[str] = attrs.field(init=False, factory=list)
+
+    @classmethod
+    def from_settings(cls, settings: ConnectorSettings, layer_names: Sequence[str],
+                      rank: int = 0) -> WorkerSide:
+        """A transfer engine with the configured copy backend and a mirror of ``num_cpu_blocks``."""
+        parts = settings.stack.resolve()
+        engine = TransferEngine(settings.stack.kv, parts.copy, num_cpu_blocks=parts.cpu_blocks,
+                                worker=rank)
+        return cls(engine, layer_names, settings.layout)
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> str:
         """Adopt vLLM's KV tensors (one per layer); returns the layout used.

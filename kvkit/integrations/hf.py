@@ -128,7 +128,7 @@ def kv_spec_from_config(config: Any, *, block_size: int = 16, dtype: object = No
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     if dtype is None:
-        dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
+        dtype = getattr(text, "dtype", None) or torch.float32
     return KVCacheSpec(num_layers=num_layers, block_size=block_size, num_kv_heads=kv_heads,
                        head_dim=head_dim, dtype=_dtype_name(dtype), groups=groups)
 

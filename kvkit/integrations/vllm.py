@@ -171,19 +171,13 @@ class KVKitConnector(KVConnectorBase_V1):
         if kv_cache_config is None:
             raise ConfigError("KVKitConnector needs vLLM's kv_cache_config, got None")
         self.settings = connector_settings(vllm_config, kv_cache_config)
-        parts = self.settings.stack.resolve()
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
-            cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
-            manager = OffloadManager(self.settings.stack.kv, cpu, parts.store, world_size=
-                                     self.settings.stack.world_size, null_block=0)
-            self.scheduler_side = SchedulerSide(manager)
+            self.scheduler_side = SchedulerSide.from_settings(self.settings)
         else:
-            engine = TransferEngine(self.settings.stack.kv, parts.copy, num_cpu_blocks=parts.cpu_blocks,
-                                    worker=_worker_rank())
             layers = [name for g in kv_cache_config.kv_cache_groups for name in g.layer_names]
-            self.worker_side = WorkerSide(engine, layers, self.settings.layout)
+            self.worker_side = WorkerSide.from_settings(self.settings, layers, _worker_rank())
 
     # -- inspection -------------------------------------------------------------------
 

@@ -90,7 +90,8 @@ ops = st.lists(st.one_of(
 ), max_size=40)
 
 
-def drive(policy: EvictionPolicy, script: list[tuple], check: Callable[[Forest, int, list[int]], None]) -> None:
+def drive(policy: EvictionPolicy, script: list[tuple],
+          check: Callable[[Forest, int, list[int]], None]) -> None:
     """Run ``script`` on ``policy``; ``check(forest, n, victims)`` sees every successful selection."""
     f = Forest(policy)
     fresh = iter(range(1_000_000, 2_000_000))
@@ -154,7 +155,7 @@ def test_a_victim_never_leaves_an_evictable_descendant_behind(make, script):
 @pytest.mark.parametrize("make", POLICIES)
 @given(script=ops)
 def test_orphans_go_first(make, script):
-    """While an evictable orphan (parent hash not cached) exists, its subtree goes before anything else."""
+    """While an evictable orphan (parent hash not cached) exists, its subtree goes first."""
     drive(make(), script, _orphans_first)
 
 
@@ -181,7 +182,7 @@ def _requests(*chains: tuple[int, ...]) -> list[TraceRequest]:
 
 
 def test_prefix_lru_keeps_the_head_of_a_chain_plain_lru_drops():
-    """When a chain no longer fits, prefix LRU keeps its head (which still hits); LRU keeps its useless tail."""
+    """When a chain no longer fits, prefix LRU keeps its head (it hits); LRU keeps its dead tail."""
     trace = _requests((1, 2, 3, 4), (5, 6), (1, 2, 3, 4))
     assert replay(trace, 4, LRUPolicy()).hits == 0  # LRU evicted 1 and 2: 3 and 4 are stranded
     assert replay(trace, 4, PrefixLRUPolicy(), check_invariants=True).hits == 2
@@ -252,7 +253,7 @@ def _train(policy: HitDensityPolicy, rounds: int) -> int:
 
 
 def test_hit_density_learns_to_evict_a_fresh_one_off_before_an_older_reused_block():
-    """After learning that unhit blocks never return, it evicts one before an older hit block (LRU would not)."""
+    """Having learnt that unhit blocks never return, it evicts one before an older hit block."""
     policy = HitDensityPolicy(capacity=16)
     block = _train(policy, 40)
     policy.on_insert(block, 7, None)

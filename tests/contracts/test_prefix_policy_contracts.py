@@ -28,7 +28,7 @@ def _trained(policy: HitDensityPolicy) -> HitDensityPolicy:
     hashes = [EvictionPolicyContract.hash_for(k) for k in range(EvictionPolicyContract.hash_space)]
     for round_ in range(12):
         chain = hashes[round_ % 3: round_ % 3 + 6]
-        for block, (parent, block_hash) in enumerate(zip([None, *chain], chain)):
+        for block, (parent, block_hash) in enumerate(zip([None, *chain[:-1]], chain, strict=True)):
             policy.on_insert(block, block_hash, parent)
         for block in range(round_ % 4):
             policy.on_access(block)

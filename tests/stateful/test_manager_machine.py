@@ -10,6 +10,11 @@ report), and results reach the manager late, out of order, duplicated and per
 worker. After every rule the DESIGN §4 invariants that apply at this level are
 checked against the model; the planted-bug tests at the end prove the checks
 catch each DESIGN §5 failure mode without the manager's own self-check.
+
+Variants: the eager machine (the manager holds GPU references), the same as an
+external engine (no GPU pool: finish/abort delay the free until released, and
+a preemption makes the workers finish what touches the freed blocks), and
+selective, lazy (write-back) and never store policies.
 """
 
 from __future__ import annotations
@@ -138,7 +143,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.transfers: dict[int, ModelTransfer] = {}
         self.outbox: list[TransferResult] = []
         self.pending_fail: set[str] = set()
-        self.must_store: set[int] = set()
+        self.must_store: dict[int, set[str]] = {}  # hash owed to the CPU tier -> owing requests
         self.evicted_in_build: set[int] = set()
         self.cpu.add_evict_listener(lambda b, h: self.evicted_in_build.add(h))
 
@@ -190,8 +195,12 @@ class ManagerMachine(RuleBasedStateMachine):
         """Mirror the manager's confirmed range; eager must store all of it."""
         stop = min(r.computed // BS, len(r.hashes))
         if self.write_through and r.epoch == self.epoch:
-            self.must_store.update(r.hashes[r.confirmed:stop])
+            self._owe(r, r.hashes[r.confirmed:stop])
         r.confirmed = max(r.confirmed, stop)
+
+    def _owe(self, r: EngineRequest, hashes: list[int]) -> None:
+        for h in hashes:
+            self.must_store.setdefault(h, set()).add(r.rid)
 
     def _commit_gpu(self, r: EngineRequest) -> None:
         """Offer fully computed blocks to the engine's GPU prefix cache."""
@@ -345,9 +354,8 @@ class ManagerMachine(RuleBasedStateMachine):
             self._confirm(r)
         else:
             delay = self.mgr.finish(r.rid)
-        if r.running:
-            if self.write_through and r.epoch == self.epoch:
-                self.must_store.update(r.hashes[:r.confirmed])  # the flush
+        if r.running and self.write_through and r.epoch == self.epoch:
+            self._owe(r, r.hashes[:r.confirmed])  # the flush
         self._engine_free(r, delay)
         del self.reqs[r.rid]
 
@@ -363,6 +371,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def preempt(self, i: int) -> None:
         r = self._pick(i, lambda r: r.running)
         self._engine_free(r, self.mgr.preempt(r.rid), preempted=True)
+        if not self.own_gpu:  # its queued stores went with its blocks
+            for h, owners in list(self.must_store.items()):
+                owners.discard(r.rid)
+                if not owners:
+                    del self.must_store[h]
         r.inc += 1
         r.computed = r.confirmed = r.committed = r.accepted = 0
 
@@ -398,7 +411,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 r.pins = []  # the references moved to the transfer
         inflight = self._inflight_store_hashes()
         store_srcs = {s for t in self.transfers.values() if t.direction is Direction.STORE
-                      and not t.abandoned for s in t.src}
+                      and not t.abandoned and len(t.executed | t.reported) < WORLD for s in t.src}
         assert not (plan.stores and was_draining), "a store was planned while draining"
         for tid, p in plan.stores:
             src, dst = p.src.tolist(), p.dst.tolist()
@@ -420,8 +433,7 @@ class ManagerMachine(RuleBasedStateMachine):
         # Write-through (and write-back) completeness: nothing owed is silently skipped.
         if not was_draining and self.mgr.stats.stores_dropped.value == dropped:
             ready_or_moving = inflight | self.evicted_in_build
-            owed = (self.must_store | expect_wb) - {h for h in self.must_store | expect_wb
-                                                   if self.cpu.lookup([h])}
+            owed = {h for h in self.must_store.keys() | expect_wb if not self.cpu.lookup([h])}
             missing = owed - ready_or_moving
             assert not missing, f"blocks owed to the CPU tier were not stored: {missing}"
         if not was_draining:
@@ -538,10 +550,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 for w in range(WORLD):
                     if w not in t.reported:
                         self._report(t, w, bool(fail or k or w < WORLD - 1))
-        if report == 2:
+        if report == 2:  # the engine applies completions every step, even with none new
             picked, self.outbox = self.outbox, []
-            if picked:
-                self._deliver(picked, [])
+            self._deliver(picked, [])
 
     @precondition(lambda self: self.transfers or self.cpu.num_cached)
     @rule()
@@ -632,8 +643,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     if w not in t.reported:
                         self._report(t, w, True)
             picked, self.outbox = self.outbox, []
-            if picked:
-                self._deliver(picked, [])
+            self._deliver(picked, [])
         # Lifecycle (11) and conservation (1): nothing pinned, nothing leaks, reset succeeds.
         assert self.mgr.num_requests == 0 and self.mgr.num_in_flight == 0, "state left behind"
         assert not self.delayed, f"never released: {sorted(self.delayed)}"

@@ -1,0 +1,251 @@
+"""The Hugging Face integration: multi-turn generation on kvkit's tiers gives the model's own answers.
+
+Models are small, randomly initialised from a config (no downloads), float32
+on the CPU, with weights 10x the default init scale so that logits span about
++-6 and depend strongly on every cached key (at the default scale attention is
+nearly uniform and a wrong block barely shows). The reference is
+``model.generate`` (greedy) on the whole conversation, which recomputes every
+prompt from scratch.
+
+Logit tolerance: kvkit changes *how* the prompt's KV is computed, not what.
+Without kvkit the prompt is one prefill; with it, the prefix's KV comes from
+blocks written by earlier prefills of other lengths and only the suffix's
+queries run. Different matrix shapes make BLAS and SDPA accumulate in another
+order, so float32 round-off differs: the largest difference seen here is
+about 1.2e-5 (2e-6 of the logit range). ``TOL = 5e-4`` allows 40x that for
+other CPUs and BLAS builds, and is still ~500x below what one wrong block
+does (a corrupted key block moves logits by ~0.2;
+:func:`test_a_corrupted_cpu_block_changes_the_logits` checks the comparison
+catches it). In bfloat16 on a GPU round-off is ~1e-2 relative (BENCHMARKS.md).
+"""
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import hypothesis.strategies as st  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+
+from kvkit.errors import ConfigError, KVKitError, OutOfBlocksError, UnsupportedModelError  # noqa: E402
+from kvkit.integrations.hf import (  # noqa: E402
+    OffloadedLM,
+    generate_without_offload,
+    kv_spec_from_config,
+)
+from kvkit.interfaces import GroupKind  # noqa: E402
+
+TOL = 5e-4
+VOCAB = 512
+_SHAPES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+               initializer_range=0.2)
+
+
+def _model(family: str, **overrides):
+    """A seeded, randomly initialised float32 causal LM of ``family``."""
+    configs = {
+        "llama": (transformers.LlamaConfig, {}),
+        # Hybrid: layers 0-1 full attention, 2-3 a 24-token sliding window (two KV groups).
+        "qwen2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=24, max_window_layers=2)),
+        # Every layer a 24-token sliding window (one sliding KV group).
+        "mistral": (transformers.MistralConfig, dict(sliding_window=24)),
+    }
+    cls, extra = configs[family]
+    torch.manual_seed(0)
+    config = cls(**{**_SHAPES, **extra, **overrides})
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    """One model per family, built once for the module."""
+    return {f: _model(f) for f in ("llama", "qwen2", "mistral")}
+
+
+def _user_turns(n: int, length: int = 23, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _messages(users: int, turns: int) -> list[list[int]]:
+    """Per turn and user: a 100-token first message (a system prompt, say), then 23-token ones."""
+    return _user_turns(users, 100) + _user_turns(users * (turns - 1), 23, seed=2)
+
+
+def _reference(model, prompt, max_new_tokens):
+    """Greedy tokens and per-token logits of ``model.generate`` on the whole prompt."""
+    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in out.logits]).float().cpu()
+
+
+def _chat(lm, model, users: int = 3, turns: int = 5, max_new_tokens: int = 6):
+    """Interleave ``users`` conversations for ``turns`` turns; check each turn against generate."""
+    chats = [lm.conversation() for _ in range(users)]
+    messages = _messages(users, turns)
+    worst = 0.0
+    for t in range(turns):
+        for u, chat in enumerate(chats):
+            prompt = chat.history + messages[t * users + u]
+            turn = chat.send(messages[t * users + u], max_new_tokens, keep_logits=True)
+            tokens, logits = _reference(model, prompt, max_new_tokens)
+            assert list(turn.tokens) == tokens, (t, u)
+            worst = max(worst, float((turn.logits - logits).abs().max()))
+    assert worst <= TOL, worst
+    lm.engine.drain()
+    lm.stack.check_invariants()
+    assert lm.engine.leaked_blocks() == 0
+    return chats
+
+
+def test_llama_turns_restored_from_the_cpu_tier_match_generate(models):
+    """Five turns of three users on a GPU tier of one conversation: later turns load from CPU, same answers."""
+    model = models["llama"]
+    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
+    chats = _chat(lm, model)
+    for chat in chats:
+        assert chat.turns[0].cpu_hit_tokens == chat.turns[0].gpu_hit_tokens == 0
+        assert all(turn.cpu_hit_tokens > 0 for turn in chat.turns[1:]), [t.cpu_hit_tokens for t in chat.turns]
+        assert all(turn.computed_tokens < turn.prompt_tokens for turn in chat.turns[1:])
+    assert lm.stack.stats.hit_tokens_cpu.value > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_sliding_window_models_match_generate(models, family):
+    """Hybrid (full + sliding) and all-sliding models reuse cached prefixes longer than their window."""
+    model = models[family]
+    spec = kv_spec_from_config(model.config, block_size=8, dtype=model.dtype)
+    assert any(g.kind is GroupKind.SLIDING_WINDOW and g.window == 24 for g in spec.groups)
+    lm = OffloadedLM.build(model, gpu_blocks=28 * len(spec.groups), block_size=8, cpu_blocks=200)
+    chats = _chat(lm, model)
+    assert all(t.gpu_hit_tokens + t.cpu_hit_tokens > 24 for c in chats for t in c.turns[2:])
+    assert lm.stack.stats.hit_tokens_cpu.value > 0
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "blocks-first", "cross-layer", "vllm-cpu"])
+def test_every_kv_layout_gives_the_same_answers(models, layout):
+    """The model reads and writes blocks correctly in every kvkit layout."""
+    model = models["llama"]
+    lm = OffloadedLM.build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, layout=layout)
+    chats = _chat(lm, model, turns=3, max_new_tokens=3)
+    assert chats[0].turns[-1].cpu_hit_tokens > 0
+
+
+def test_the_gpu_tier_alone_gives_the_same_answers(models):
+    """With a GPU tier holding every conversation and the `never` store policy, hits are GPU-only."""
+    model = models["llama"]
+    lm = OffloadedLM.build(model, gpu_blocks=100, block_size=8, cpu_blocks=200, store="never")
+    chats = _chat(lm, model, turns=3)
+    assert all(t.cpu_hit_tokens == 0 for c in chats for t in c.turns)
+    assert all(t.gpu_hit_tokens > 0 for c in chats for t in c.turns[1:])
+
+
+def test_a_corrupted_cpu_block_changes_the_logits(models):
+    """The tolerance is meaningful: one wrong restored block moves the logits far beyond TOL."""
+    model = models["llama"]
+    lm = OffloadedLM.build(model, gpu_blocks=20, block_size=8, cpu_blocks=200)
+    chat = lm.conversation()
+    first, second = _user_turns(2)
+    chat.send(first, 4)
+    lm.clear_gpu_cache()  # drains the stores, then forgets the GPU copies
+    lm.stack.workers[0].cpu_kv[1][0].add_(0.5)  # the K of layer 1 in every CPU block
+    prompt = chat.history + second
+    turn = chat.send(second, 4, keep_logits=True)
+    assert turn.cpu_hit_tokens > 0 and turn.gpu_hit_tokens == 0
+    _, logits = _reference(model, prompt, 4)
+    assert float((turn.logits[0] - logits[0]).abs().max()) > 100 * TOL
+
+
+@settings(max_examples=min(settings.default.max_examples, 50))  # ~0.25 s an example
+@given(family=st.sampled_from(["llama", "qwen2"]), block_size=st.sampled_from([1, 3, 8, 16]),
+       lengths=st.lists(st.integers(1, 30), min_size=2, max_size=4), max_new_tokens=st.integers(1, 4),
+       slack=st.integers(0, 8), clear=st.booleans())
+def test_any_conversation_matches_full_recompute(models, family, block_size, lengths, max_new_tokens, slack,
+                                                 clear):
+    """For any turn lengths, block size and GPU pool size, tokens and logits equal a full recompute."""
+    model = models[family]
+    groups = len(kv_spec_from_config(model.config).groups)
+    longest = sum(lengths) + max_new_tokens * (len(lengths) - 1)
+    gpu_blocks = (-(-longest // block_size) + slack) * groups
+    lm = OffloadedLM.build(model, gpu_blocks=gpu_blocks, block_size=block_size, cpu_blocks=4 * gpu_blocks)
+    chat = lm.conversation()
+    g = torch.Generator().manual_seed(sum(lengths))
+    for n in lengths:
+        message = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        prompt = chat.history + message
+        turn = chat.send(message, max_new_tokens, keep_logits=True, stop_tokens=())
+        ref = generate_without_offload(model, prompt, max_new_tokens, keep_logits=True, stop_tokens=())
+        assert turn.tokens == ref.tokens
+        assert float((turn.logits - ref.logits).abs().max()) <= TOL
+        assert turn.computed_tokens >= 1 and (turn.gpu_hit_tokens + turn.cpu_hit_tokens) % block_size == 0
+        if clear:
+            lm.clear_gpu_cache()
+    lm.engine.drain()
+    lm.stack.check_invariants()
+    assert lm.engine.leaked_blocks() == 0
+
+
+def test_kv_spec_follows_the_config():
+    """Layers, KV heads, head size, dtype and attention groups come from the model config."""
+    config = transformers.Qwen2Config(**{**_SHAPES, "num_hidden_layers": 6, "head_dim": 32},
+                                      use_sliding_window=True, sliding_window=64, max_window_layers=4)
+    spec = kv_spec_from_config(config, block_size=32, dtype=torch.bfloat16)
+    assert (spec.num_layers, spec.block_size, spec.num_kv_heads, spec.dtype) == (6, 32, 2, "bfloat16")
+    assert spec.head_dim == 32
+    assert [(g.layers, g.kind, g.window) for g in spec.groups] == [
+        ((0, 1, 2, 3), GroupKind.FULL, None), ((4, 5), GroupKind.SLIDING_WINDOW, 64)]
+    llama = kv_spec_from_config(transformers.LlamaConfig(**_SHAPES))
+    assert llama.head_dim == 16 and len(llama.groups) == 1 and llama.dtype == "float32"
+
+
+def test_an_unsupported_family_raises_a_typed_error():
+    """A model family kvkit does not hold raises UnsupportedModelError naming it and the supported ones."""
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    with pytest.raises(UnsupportedModelError, match="'gpt2'.*llama"):
+        kv_spec_from_config(config)
+    assert issubclass(UnsupportedModelError, KVKitError) and issubclass(UnsupportedModelError, TypeError)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError):
+        OffloadedLM.build(model, gpu_blocks=8, cpu_blocks=8)
+
+
+def test_a_stack_that_does_not_fit_the_model_is_refused(models):
+    """A stack shaped for another model, or built without a KV cache, raises ConfigError."""
+    import kvkit
+
+    model = models["llama"]
+    other = kv_spec_from_config(models["qwen2"].config, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="does not fit"):
+        OffloadedLM(model, kvkit.build(kv=other, gpu_blocks=8, cpu_blocks=8, layout="per-layer", device="cpu"))
+    spec = kv_spec_from_config(model.config, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="one worker"):
+        OffloadedLM(model, kvkit.build(kv=spec, gpu_blocks=8, cpu_blocks=8, device="cpu"))
+    with pytest.raises(ConfigError, match="device='cuda'"):
+        OffloadedLM.build(model, gpu_blocks=8, cpu_blocks=8, device="cuda")
+
+
+def test_bad_requests_raise_and_leave_the_stack_clean(models):
+    """Empty prompts, bad lengths and prompts larger than the GPU tier raise typed errors, leaking nothing."""
+    lm = OffloadedLM.build(models["llama"], gpu_blocks=4, block_size=4, cpu_blocks=16)
+    with pytest.raises(ConfigError, match="at least one token"):
+        lm.generate([], 2)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        lm.generate([5, 6], 0)
+    with pytest.raises(OutOfBlocksError, match="more than the whole GPU pool"):
+        lm.generate(list(range(3, 40)), 2)
+    assert lm.generate([5, 6, 7], 2, stop_tokens=()).tokens
+    lm.engine.drain()
+    lm.stack.check_invariants()
+    assert lm.engine.leaked_blocks() == 0 and lm.engine.num_waiting == 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_turns_restored_from_the_cpu_tier_match_generate():
+    """The same conversation check with the model and the GPU tier on a CUDA device (float32)."""
+    model = _model("llama").to("cuda")
+    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
+    chats = _chat(lm, model)
+    assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
+    lm.close()
