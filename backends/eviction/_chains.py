@@ -99,17 +99,9 @@ class ChainIndex:
         """Whether some tracked block carries ``block_hash``."""
         return block_hash in self._block_of
 
-    def hash_of(self, block: BlockId) -> BlockHash:
-        """The hash ``block`` was tracked under."""
-        return self._hash[block]
-
     def has_children(self, block: BlockId) -> bool:
         """Whether some tracked block names ``block``'s hash as its parent."""
         return self._hash[block] in self._children
-
-    def is_orphan(self, block: BlockId) -> bool:
-        """Whether ``block`` has a parent hash that is not tracked (it cannot hit now)."""
-        return block in self._orphans
 
     def orphans(self) -> Iterator[BlockId]:
         """Orphans, in the order they became orphans."""
