@@ -40,15 +40,14 @@ class ConnectorSettings:
             scheduler's CPU pool and every worker's CPU mirror.
         layout: ``"auto"`` (detected from vLLM's KV tensors) or a name in
             :data:`kvkit.layouts.LAYOUTS`.
+        num_cpu_blocks: ``stack.num_cpu_blocks``, computed once.
     """
 
     stack: StackConfig
     layout: str = "auto"
-
-    @property
-    def num_cpu_blocks(self) -> int:
-        """Blocks of the CPU tier (the one figure both sides must agree on)."""
-        return self.stack.num_cpu_blocks
+    num_cpu_blocks: int = attrs.field(
+        init=False, default=attrs.Factory(lambda self: self.stack.num_cpu_blocks, takes_self=True))
+    """Blocks of the CPU tier (the one figure both sides must agree on)."""
 
 
 def kv_spec_from_vllm(kv_cache_config: Any) -> KVCacheSpec:
