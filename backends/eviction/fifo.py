@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 from typing_extensions import override
@@ -57,6 +57,10 @@ class FIFOPolicy(EvictionPolicy):
     @override
     def __len__(self) -> int:
         return len(self._queue)
+
+    def __iter__(self) -> Iterator[BlockId]:
+        """Tracked blocks from the next victim to the last."""
+        return iter(self._queue)
 
     @override
     def check_invariants(self) -> None:
