@@ -31,6 +31,7 @@ the step's stores (sources confirmed in earlier steps) before it too.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -103,16 +104,16 @@ class SchedulerSide:
             frees) and ``null_block=0``.
 
     Invariants:
-        * ``requests`` holds exactly the requests the manager has live.
+        * The requests tracked are exactly those the manager has live.
         * An id enters ``finished_sending`` only if ``request_finished``
           returned ``True`` for it, and exactly once.
     """
 
     manager: OffloadManager
-    num_preemptions: int = 0
+    num_preemptions: int = attrs.field(init=False, default=0)
     _requests: dict[str, Any] = attrs.field(init=False, factory=dict)
     _loaded_tokens: dict[str, list[int]] = attrs.field(init=False, factory=dict)  # [first, resumed]
-    _scheduled: list[str] = attrs.field(init=False, factory=list)
+    _scheduled: deque[list[str]] = attrs.field(init=False, factory=deque)  # per step built, not yet run
     _awaiting: set[str] = attrs.field(init=False, factory=set)
     _release: list[str] = attrs.field(init=False, factory=list)
     _barrier: bool = attrs.field(init=False, default=False)
@@ -174,14 +175,17 @@ class SchedulerSide:
         self._step += 1
         order = StepOrder(self._step, self.manager.build_step(), tuple(self._release), self._barrier)
         self._release, self._barrier = [], False
-        self._scheduled = list(scheduled)
+        self._scheduled.append(list(scheduled))
         return order
 
     def completed(self, results: Iterable[TransferResult]) -> None:
-        """The step ran: confirm its requests' progress and apply the workers' results."""
-        for rid in self._scheduled:
+        """The oldest step built ran: confirm its requests' progress, apply the workers' results.
+
+        vLLM reports steps in the order it scheduled them (with async
+        scheduling the next step is built before this one is reported).
+        """
+        for rid in self._scheduled.popleft() if self._scheduled else ():
             self._confirm(rid)
-        self._scheduled = []
         report = self.manager.apply_completions(results)
         for rid in report.released:
             if rid in self._awaiting:  # not a preempted incarnation: vLLM freed those already

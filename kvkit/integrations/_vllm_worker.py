@@ -139,9 +139,11 @@ class WorkerSide:
             self._collect(self.engine.drain())
 
     def after_forward(self, order: StepOrder | None) -> None:
-        """Submit anything a no-forward step skipped; collect finished copies."""
+        """Submit stores a step skipped (none do in vLLM 0.32); collect finished copies."""
         if order is not None:
-            self.load(order)
+            self.before_forward(order)
+            assert not order.plan.loads or order.step == self._loaded_step, (
+                f"step {order.step}: vLLM ran the forward pass before start_load_kv loaded its hits")
         self._collect(self.engine.poll())
 
     def finished_sending(self, finished_req_ids: Iterable[str], order: StepOrder | None) -> set[str] | None:

