@@ -154,10 +154,10 @@ class Direction(enum.Enum):
 def _id_array(value: object) -> np.ndarray:
     arr = np.asarray(value)
     if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        arr = np.zeros(0, dtype=np.int64)  # [] has no int dtype; still read-only below
+    elif arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise PlanError(f"block ids must be a 1-D array of ints, got {value!r}")
-    if (arr < 0).any():
+    elif (arr < 0).any():
         raise PlanError(f"block ids must be non-negative, got {arr[arr < 0][:8].tolist()!r}")
     arr = arr.astype(np.int64, copy=True)
     arr.setflags(write=False)

@@ -434,6 +434,15 @@ class Simulator:
         counts["gpu"] += gpu
         counts["cpu"] += cpu
 
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the stack or the simulator's own bookkeeping is inconsistent."""
+        if not self._closed:
+            self.stack.check_invariants()
+        assert all(end >= self._clock_ms for end, _, _ in self._running), "a running request ended in the past"
+        counts = self._counts
+        assert counts["gpu"] + counts["cpu"] <= counts["prompt_tokens"], counts
+        assert len(self._running) <= len(self._ttft), (len(self._running), len(self._ttft))
+
     def close(self) -> SimResult:
         """Finish every running request, drain the stack and report.
 

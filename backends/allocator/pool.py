@@ -181,7 +181,7 @@ class BlockPool(BlockAllocator):
 
     def _evict(self, victims: list[BlockId], need: int) -> list[tuple[BlockId, BlockHash]]:
         """Drop ``victims`` from the index and the policy; sorts them to coalesce runs."""
-        ref, hashes, is_evictable = self._ref, self._hash, self._is_evictable
+        hashes, is_evictable = self._hash, self._is_evictable
         # A policy bug here would break invariant 10, so check before changing anything.
         assert len(victims) == need and len(set(victims)) == need, (
             f"policy returned {victims!r} for {need} victims"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -21,23 +22,42 @@ class InFlight:
           and only once its event and every earlier one completed.
         * What :meth:`issue` was asked to keep alive is released only after
           its event completed (the device may still read it before).
+        * A handle's ``then`` runs once, after its event completed and before
+          the handle is reported.
     """
 
-    _pending: collections.deque[tuple[int, Any, Any]] = attrs.field(factory=collections.deque, init=False)
+    # (handle, event or None, keep_alive, then)
+    _pending: collections.deque[tuple[int, Any, Any, Callable[[], object] | None]] = attrs.field(
+        factory=collections.deque, init=False)
     _done: list[int] = attrs.field(factory=list, init=False)
     _next: int = attrs.field(default=0, init=False)
 
-    def issue(self, event: Any, keep_alive: Any = None) -> int:
-        """A new handle that completes with ``event`` (a recorded ``torch.cuda.Event``)."""
+    def issue(self, event: Any = None, keep_alive: Any = None,
+              then: Callable[[], object] | None = None) -> int:
+        """A new handle that completes with ``event``.
+
+        Args:
+            event: a recorded ``torch.cuda.Event``; ``None`` if the work already finished.
+            keep_alive: what the device may still read until ``event`` completed.
+            then: host work that runs once ``event`` completed, before the handle is reported.
+        """
         handle = self._next
         self._next += 1
-        self._pending.append((handle, event, keep_alive))
+        self._pending.append((handle, event, keep_alive, then))
+        if event is None and len(self._pending) == 1:
+            self._retire(self._pending.popleft())  # nothing earlier to wait for
         return handle
+
+    def _retire(self, entry: tuple[int, Any, Any, Callable[[], object] | None]) -> None:
+        handle, _, _, then = entry
+        if then is not None:
+            then()
+        self._done.append(handle)
 
     def poll(self) -> list[int]:
         """Handles completed since the last call, in order (non-blocking)."""
-        while self._pending and self._pending[0][1].query():
-            self._done.append(self._pending.popleft()[0])
+        while self._pending and (self._pending[0][1] is None or self._pending[0][1].query()):
+            self._retire(self._pending.popleft())
         done, self._done = self._done, []
         return done
 
@@ -50,9 +70,10 @@ class InFlight:
         if not 0 <= handle < self._next:
             raise PlanError(f"unknown copy handle {handle!r}; issued 0..{self._next - 1}")
         while self._pending and self._pending[0][0] <= handle:
-            pending = self._pending.popleft()
-            pending[1].synchronize()
-            self._done.append(pending[0])
+            entry = self._pending.popleft()
+            if entry[1] is not None:
+                entry[1].synchronize()
+            self._retire(entry)
 
     def __len__(self) -> int:
         """Handles not yet completed (as far as this object knows)."""

@@ -23,14 +23,13 @@ bytes per second when both directions run, but a GEMM beside it slowed 1.6x).
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 from typing_extensions import override
 
+from kvkit.backends.copy._inflight import InFlight
 from kvkit.backends.copy._planner import Planner
 from kvkit.errors import BackendUnavailableError, ConfigError, PlanError
 from kvkit.interfaces.copy import Region
@@ -47,6 +46,24 @@ def _share(inst: object, attribute: attrs.Attribute, value: float) -> None:
 def _small_loads(inst: object, attribute: attrs.Attribute, value: str) -> None:
     if value not in ("dma", "kernel"):
         raise ConfigError(f"auto: small_loads must be 'dma' or 'kernel', got {value!r}")
+
+
+@attrs.frozen(eq=False)
+class _Parts:
+    """One handle's inner copies ``(backend index, inner handle)``, as an event :class:`InFlight` waits on."""
+
+    parts: list[tuple[int, int]]
+    backends: list[Any]
+    seen: list[int]  # shared with AutoCopy: per backend, the highest handle known complete
+
+    def query(self) -> bool:
+        return all(h <= self.seen[i] for i, h in self.parts)
+
+    def synchronize(self) -> None:
+        for i, h in self.parts:
+            if h > self.seen[i]:
+                self.backends[i].wait(h)
+                self.seen[i] = h
 
 
 @attrs.define(eq=False)
@@ -82,11 +99,8 @@ class AutoCopy:
     kernel: Any = None
     _planner: Planner | None = attrs.field(default=None, init=False)
     _backends: list[Any] = attrs.field(factory=list, init=False)
-    _pending: collections.deque[tuple[int, list[tuple[int, int]]]] = attrs.field(
-        factory=collections.deque, init=False)
     _seen: list[int] = attrs.field(factory=list, init=False)  # per backend: highest completed handle
-    _done: list[int] = attrs.field(factory=list, init=False)
-    _next: int = attrs.field(default=0, init=False)
+    _inflight: InFlight = attrs.field(factory=InFlight, init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.dma is None and self.kernel is None:
@@ -157,13 +171,7 @@ class AutoCopy:
         for backend, src, dst in parts:
             part = plan if len(parts) == 1 else TransferPlan(src, dst, plan.direction, plan.group)
             inner.append((self._backends.index(backend), backend.submit(part, after=after)))
-        handle = self._next
-        self._next += 1
-        self._pending.append((handle, inner))
-        return handle
-
-    def _complete(self, parts: list[tuple[int, int]]) -> bool:
-        return all(h <= self._seen[i] for i, h in parts)
+        return self._inflight.issue(_Parts(inner, self._backends, self._seen))
 
     @override
     def poll(self) -> list[int]:
@@ -172,10 +180,7 @@ class AutoCopy:
             done = b.poll()
             if done:
                 self._seen[i] = max(self._seen[i], max(done))
-        while self._pending and self._complete(self._pending[0][1]):
-            self._done.append(self._pending.popleft()[0])
-        done, self._done = self._done, []
-        return done
+        return self._inflight.poll()
 
     @override
     def wait(self, handle: int) -> None:
@@ -184,22 +189,10 @@ class AutoCopy:
         Raises:
             PlanError: ``handle`` was never issued.
         """
-        if not 0 <= handle < self._next:
-            raise PlanError(f"unknown copy handle {handle!r}; issued 0..{self._next - 1}")
-        while self._pending and self._pending[0][0] <= handle:
-            h, parts = self._pending.popleft()
-            for i, inner in parts:
-                if inner > self._seen[i]:
-                    self._backends[i].wait(inner)
-                    self._seen[i] = inner
-            self._done.append(h)
+        self._inflight.wait(handle)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if handle bookkeeping is inconsistent."""
-        order = self._done + [h for h, _ in self._pending]
-        assert order == sorted(set(order)), order
-        assert all(h < self._next for h in order), (order, self._next)
-        for i in range(len(self._backends)):
-            assert np.all(np.diff([h for _, parts in self._pending for j, h in parts if j == i]) > 0)
+        self._inflight.check_invariants()
         for b in self._backends:
             b.check_invariants()

@@ -9,7 +9,7 @@ for a GPU) the copy runs synchronously inside :meth:`TorchCopy.submit`.
 
 from __future__ import annotations
 
-import collections
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +18,9 @@ import numpy as np
 import torch
 from typing_extensions import override
 
-from kvkit.errors import PlanError, SpecMismatchError
+from kvkit.backends.copy._inflight import InFlight
+from kvkit.backends.copy._planner import Planner
+from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, TransferPlan
 
@@ -53,17 +55,10 @@ class _Rows:
         raise AssertionError(f"uint8 rows always fit: region {region.name!r}")
 
 
-@attrs.define(eq=False)
-class _Pending:
-    """A launched CUDA copy: its completion event and the host scatters left to do."""
-
-    handle: int
-    event: torch.cuda.Event
-    # (destination rows, destination ids, pinned staging rows): scattered on the
-    # host once the event shows the device-to-host copy landed.
-    scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    # Host buffers the device reads asynchronously; freed only after the event.
-    keep_alive: list[torch.Tensor]
+def _scatter(scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Host scatters of staged device-to-host copies: ``(destination rows, ids, staging rows)``."""
+    for dst, idx, staging in scatters:
+        dst.index_copy_(0, idx, staging)
 
 
 def _run_start(ids: np.ndarray) -> int | None:
@@ -86,11 +81,9 @@ class TorchCopy(CopyBackend):
     """
 
     _rows: dict[int, list[_Rows]] = attrs.field(factory=dict, init=False)
-    _limits: dict[int, tuple[int, int]] = attrs.field(factory=dict, init=False)
+    _planner: Planner = attrs.field(factory=Planner, init=False)  # validates plans only
     _stream: torch.cuda.Stream | None = attrs.field(default=None, init=False)
-    _pending: collections.deque[_Pending] = attrs.field(factory=collections.deque, init=False)
-    _done: list[int] = attrs.field(factory=list, init=False)
-    _next_handle: int = attrs.field(default=0, init=False)
+    _inflight: InFlight = attrs.field(factory=InFlight, init=False)
     _scratch: torch.Tensor = attrs.field(factory=lambda: torch.empty(0, dtype=torch.uint8), init=False)
 
     @classmethod
@@ -112,45 +105,20 @@ class TorchCopy(CopyBackend):
             SpecMismatchError: duplicate names, GPU-tier tensors on several
                 devices, or a CPU-tier tensor not in host memory.
         """
-        names = [r.name for r in regions]
-        if len(set(names)) != len(names):
-            raise SpecMismatchError(f"region names must be unique, got {names!r}")
+        planner = Planner.of(regions)
         devices = {r.gpu.device for r in regions}
         if len(devices) > 1:
             raise SpecMismatchError(f"GPU-tier tensors span several devices: {sorted(map(str, devices))}")
-        for r in regions:
-            if r.cpu.device.type != "cpu":
-                raise SpecMismatchError(f"region {r.name!r}: CPU tier is on {r.cpu.device}, not host memory")
         rows: dict[int, list[_Rows]] = {}
-        limits: dict[int, tuple[int, int]] = {}
         for r in regions:
             rows.setdefault(r.group, []).append(_Rows.of(r))
-            gpu_max, cpu_max = limits.get(r.group, (r.gpu.shape[0], r.cpu.shape[0]))
-            limits[r.group] = (min(gpu_max, r.gpu.shape[0]), min(cpu_max, r.cpu.shape[0]))
         device = devices.pop() if devices else torch.device("cpu")
         if device.type == "cuda":
             # Copies yield to the model's kernels: least priority of the device's range.
             self._stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
         else:
             self._stream = None
-        self._rows, self._limits = rows, limits
-
-    def _validate(self, plan: TransferPlan) -> None:
-        if plan.group not in self._rows:
-            raise PlanError(f"no region registered for group {plan.group}; "
-                            f"registered groups: {sorted(self._rows)}")
-        gpu_limit, cpu_limit = self._limits[plan.group]
-        store = plan.direction is Direction.STORE
-        gpu_ids, cpu_ids = (plan.src, plan.dst) if store else (plan.dst, plan.src)
-        for tier, ids, limit in (("GPU", gpu_ids, gpu_limit), ("CPU", cpu_ids, cpu_limit)):
-            bad = ids[ids >= limit]
-            if len(bad):
-                raise PlanError(f"{tier} block ids out of range [0, {limit}) in group {plan.group}: "
-                                f"{bad[:8].tolist()!r}")
-        if len(np.unique(plan.dst)) != len(plan.dst):
-            values, counts = np.unique(plan.dst, return_counts=True)
-            raise PlanError(f"destination ids repeat (result would be undefined): "
-                            f"{values[counts > 1][:8].tolist()!r}")
+        self._rows, self._planner = rows, planner
 
     @override
     def submit(self, plan: TransferPlan, *, after: Any = None) -> int:
@@ -160,23 +128,21 @@ class TorchCopy(CopyBackend):
             PlanError: unknown group, ids out of range or repeated destination
                 ids; nothing was launched or written.
         """
-        self._validate(plan)
-        handle = self._next_handle
+        self._planner.validate(plan)
         if self._stream is None:
             self._launch(plan, [], [])
-            self._done.append(handle)
-        else:
-            scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-            keep_alive: list[torch.Tensor] = []
-            with torch.cuda.stream(self._stream):
-                if after is not None:
-                    self._stream.wait_event(after)
-                self._launch(plan, scatters, keep_alive)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            self._pending.append(_Pending(handle, event, scatters, keep_alive))
-        self._next_handle += 1
-        return handle
+            return self._inflight.issue()
+        # (destination rows, ids, pinned staging rows): scattered on the host
+        # once the event shows the device-to-host copy landed.
+        scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        keep_alive: list[torch.Tensor] = []  # host buffers the device reads asynchronously
+        with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            self._launch(plan, scatters, keep_alive)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return self._inflight.issue(event, keep_alive, functools.partial(_scatter, scatters))
 
     def _launch(self, plan: TransferPlan, scatters: list, keep_alive: list) -> None:
         """Issue every region's copy on the current stream (host work runs now)."""
@@ -234,18 +200,10 @@ class TorchCopy(CopyBackend):
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes].view(like.dtype).view(shape)
 
-    def _complete(self, pending: _Pending) -> None:
-        for dst, idx, staging in pending.scatters:
-            dst.index_copy_(0, idx, staging)
-        self._done.append(pending.handle)
-
     @override
     def poll(self) -> list[int]:
         """Handles completed since the last call, in submission order (non-blocking)."""
-        while self._pending and self._pending[0].event.query():
-            self._complete(self._pending.popleft())
-        done, self._done = self._done, []
-        return done
+        return self._inflight.poll()
 
     @override
     def wait(self, handle: int) -> None:
@@ -254,16 +212,9 @@ class TorchCopy(CopyBackend):
         Raises:
             PlanError: ``handle`` was never issued.
         """
-        if not 0 <= handle < self._next_handle:
-            raise PlanError(f"unknown copy handle {handle!r}; issued 0..{self._next_handle - 1}")
-        while self._pending and self._pending[0].handle <= handle:
-            pending = self._pending.popleft()
-            pending.event.synchronize()
-            self._complete(pending)
+        self._inflight.wait(handle)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if handle bookkeeping is inconsistent."""
-        order = self._done + [p.handle for p in self._pending]
-        assert order == sorted(set(order)), order
-        assert all(h < self._next_handle for h in order), (order, self._next_handle)
-        assert self._stream is not None or not self._pending, "host-only copies are synchronous"
+        self._inflight.check_invariants()
+        assert self._stream is not None or not len(self._inflight), "host-only copies are synchronous"

@@ -13,8 +13,7 @@ from collections.abc import Callable, Iterator
 
 import attrs
 
-from kvkit.backends.eviction._common import already_tracked, not_tracked
-from kvkit.errors import PoolUsageError
+from kvkit.backends.eviction._common import already_tracked, hash_already_tracked, not_tracked
 from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["ChainIndex"]
@@ -54,9 +53,7 @@ class ChainIndex:
         if block in self._hash:
             raise already_tracked(owner, block)
         if block_hash in self._block_of:
-            raise PoolUsageError(
-                f"hash {block_hash!r} of block {block!r} is already tracked by block "
-                f"{self._block_of[block_hash]!r} in {type(owner).__name__}")
+            raise hash_already_tracked(owner, block, block_hash, self._block_of[block_hash])
         self._hash[block] = block_hash
         self._parent[block] = parent
         self._block_of[block_hash] = block

@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterable
 from itertools import islice
 
 from kvkit.errors import PoolUsageError
-from kvkit.interfaces.types import BlockId
+from kvkit.interfaces.types import BlockHash, BlockId
 
-__all__ = ["already_tracked", "check_count", "not_tracked", "take_evictable"]
+__all__ = ["already_tracked", "check_count", "hash_already_tracked", "not_tracked", "take_evictable"]
 
 
 def check_count(n: int) -> None:
@@ -20,6 +20,13 @@ def check_count(n: int) -> None:
 def already_tracked(policy: object, block: BlockId) -> PoolUsageError:
     """The error for inserting a block ``policy`` already tracks."""
     return PoolUsageError(f"block {block!r} is already tracked by {type(policy).__name__}")
+
+
+def hash_already_tracked(policy: object, block: BlockId, block_hash: BlockHash,
+                         holder: BlockId) -> PoolUsageError:
+    """The error for inserting ``block`` under a hash ``policy`` already tracks for ``holder``."""
+    return PoolUsageError(f"hash {block_hash!r} of block {block!r} is already tracked by block "
+                          f"{holder!r} in {type(policy).__name__}")
 
 
 def not_tracked(policy: object, block: BlockId) -> PoolUsageError:

@@ -12,7 +12,7 @@ import attrs
 import numpy as np
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import already_tracked, check_count, not_tracked
+from kvkit.backends.eviction._common import already_tracked, check_count, hash_already_tracked, not_tracked
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
@@ -125,9 +125,7 @@ class OptimalPolicy(EvictionPolicy):
         if block in self._hash_of:
             raise already_tracked(self, block)
         if block_hash in self._block_of:
-            raise PoolUsageError(
-                f"hash {block_hash!r} of block {block!r} is already tracked "
-                f"by block {self._block_of[block_hash]!r}")
+            raise hash_already_tracked(self, block, block_hash, self._block_of[block_hash])
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
         self._prioritise(block, self.next_use(block_hash))

@@ -7,8 +7,8 @@ import math
 import attrs
 from typing_extensions import override
 
+from kvkit.backends.store.never import NeverStore
 from kvkit.errors import ConfigError
-from kvkit.interfaces.store import RequestView, StorePolicy
 
 __all__ = ["LazyStore"]
 
@@ -20,13 +20,16 @@ def _check_watermark(inst: object, attribute: attrs.Attribute, value: object) ->
 
 
 @attrs.define
-class LazyStore(StorePolicy):
+class LazyStore(NeverStore):
     """Stores nothing on progress; keeps the next GPU eviction candidates stored.
 
     Each step the manager asks the GPU pool for its next
     ``ceil(watermark * gpu_blocks)`` eviction candidates and stores those the
     CPU tier does not hold yet, so a block is usually on the CPU before the
-    GPU pool reclaims it. Needs the manager to own the GPU pool (``gpu=``).
+    GPU pool reclaims it. A finished request's blocks become eviction
+    candidates, so this pass also stores them; progress and finish answers
+    stay :class:`NeverStore`'s (empty). Needs the manager to own the GPU pool
+    (``gpu=``).
 
     Args:
         watermark: fraction of the GPU pool, in ``(0, 1]``, kept stored ahead
@@ -37,16 +40,6 @@ class LazyStore(StorePolicy):
     """
 
     watermark: float = attrs.field(default=0.25, validator=_check_watermark)
-
-    @override
-    def on_computed(self, request: RequestView, start: int, stop: int) -> tuple[int, ...]:
-        return ()
-
-    @override
-    def on_finished(self, request: RequestView) -> tuple[int, ...]:
-        # A finished request's blocks become GPU eviction candidates; the
-        # write-back pass stores them when they near the eviction front.
-        return ()
 
     @override
     def writeback_target(self, gpu_free: int, gpu_blocks: int) -> int:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import operator
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -241,8 +242,8 @@ def _token_list(tokens: object) -> list[int]:
             raise ConfigError(f"token ids must be 1-D (batch size 1), got shape {tuple(tokens.shape)}")
         tokens = tokens.tolist()
     try:
-        ids = [int(t) for t in tokens]  # type: ignore[union-attr]
-    except (TypeError, ValueError) as exc:
+        ids = [operator.index(t) for t in tokens]  # type: ignore[union-attr]
+    except TypeError as exc:
         raise ConfigError(f"token ids must be a sequence of ints, got {tokens!r}") from exc
     if not ids:
         raise ConfigError("a prompt needs at least one token, got none")
@@ -277,7 +278,8 @@ def generate_without_offload(model: Any, tokens: Sequence[int] | torch.Tensor, m
     return Generation(tuple(out), len(ids), ttft_s=ttft, prefill_s=ttft, decode_s=decode, logits=logits)
 
 
-def _planes(tensors: Sequence[torch.Tensor], layout: str, spec: KVCacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _planes(tensors: Sequence[torch.Tensor], layout: str,
+            spec: KVCacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, K and V of every block as ``[num_blocks, block_size, heads, head_dim]`` views."""
     if layout == "per-layer":
         return [(t[0], t[1]) for t in tensors]
@@ -288,7 +290,7 @@ def _planes(tensors: Sequence[torch.Tensor], layout: str, spec: KVCacheSpec) -> 
     if layout == "vllm-cpu":  # [blocks, heads, block_size, 2 * head_dim]: K then V per token row
         d = spec.head_dim
         return [(t[..., :d].transpose(1, 2), t[..., d:].transpose(1, 2)) for t in tensors]
-    raise ConfigError(f"unknown KV layout {layout!r}")
+    raise UnsupportedModelError(f"kvkit.integrations.hf cannot read KV layout {layout!r}")
 
 
 @attrs.define(eq=False)
@@ -321,7 +323,7 @@ class _ModelPrefill(PrefillCompute):
         """Run the model over tokens ``first_block * block_size..`` on the restored prefix."""
         job = self.jobs[request.request_id]
         device = job.tokens.device
-        _sync(device)  # the loads were drained; nothing else may still write the blocks read below
+        _sync(device)  # phase times: the loads landed, the device is idle
         job.loaded_at = time.perf_counter()
         cache = self._restore(request, first_block)
         _sync(device)
@@ -392,7 +394,7 @@ class OffloadedLM:
 
     Raises:
         UnsupportedModelError: see :func:`kv_spec_from_config`.
-        SpecMismatchError / ConfigError: the stack does not fit the model.
+        ConfigError: the stack does not fit the model (spec, workers, device).
     """
 
     model: Any
@@ -512,6 +514,12 @@ class OffloadedLM:
         self.engine.drain()
         return self.stack.gpu.reset()
 
+    def check_invariants(self) -> None:
+        """Assert the stack's invariants and that no request is left in the engine between calls."""
+        self.stack.check_invariants()
+        assert not self._compute.jobs, sorted(self._compute.jobs)
+        assert not self.engine.running and not self.engine.num_waiting
+
     def close(self) -> None:
         """Drain and release the stack's workers (unpins the CPU mirror)."""
         self.engine.drain()
@@ -540,4 +548,12 @@ class Conversation:
         self.history = prompt + list(turn.tokens)
         self.turns.append(turn)
         return turn
+
+    def check_invariants(self) -> None:
+        """Assert the history is the last turn's prompt followed by its reply."""
+        if self.turns:
+            last = self.turns[-1]
+            assert len(self.history) == last.prompt_tokens + len(last.tokens), (len(self.history), last)
+        else:
+            assert not self.history
 

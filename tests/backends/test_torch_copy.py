@@ -28,7 +28,7 @@ def _snapshot(tensors):
 
 def _check_plan_copies_exactly(data, spec_layout, num_gpu, num_cpu, device):
     spec, layout = spec_layout
-    backend, regions, tensors = _setup(spec, layout, num_gpu, num_cpu, device, data.draw(st.integers(0, 9)))
+    backend, regions, _ = _setup(spec, layout, num_gpu, num_cpu, device, data.draw(st.integers(0, 9)))
     plan_list = data.draw(st.lists(plans(len(spec.groups), num_gpu, num_cpu), min_size=1, max_size=3))
     views = [v for r in regions for v in (r.gpu, r.cpu)]  # together they cover every tensor
     for plan in plan_list:

@@ -23,23 +23,19 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-import hypothesis.strategies as st  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
+import hypothesis.strategies as st
+import torch
+from hypothesis import given, settings
 
-from kvkit.errors import ConfigError, KVKitError, OutOfBlocksError, UnsupportedModelError  # noqa: E402
-from kvkit.integrations.hf import (  # noqa: E402
-    OffloadedLM,
-    generate_without_offload,
-    kv_spec_from_config,
-)
-from kvkit.interfaces import GroupKind  # noqa: E402
+from kvkit.errors import ConfigError, KVKitError, OutOfBlocksError, UnsupportedModelError
+from kvkit.integrations.hf import OffloadedLM, generate_without_offload, kv_spec_from_config
+from kvkit.interfaces import GroupKind
 
 TOL = 5e-4
 VOCAB = 512
-_SHAPES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-               initializer_range=0.2)
+_SHAPES = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+           "initializer_range": 0.2}
 
 
 def _model(family: str, **overrides):
@@ -47,9 +43,10 @@ def _model(family: str, **overrides):
     configs = {
         "llama": (transformers.LlamaConfig, {}),
         # Hybrid: layers 0-1 full attention, 2-3 a 24-token sliding window (two KV groups).
-        "qwen2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=24, max_window_layers=2)),
+        "qwen2": (transformers.Qwen2Config,
+                  {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 2}),
         # Every layer a 24-token sliding window (one sliding KV group).
-        "mistral": (transformers.MistralConfig, dict(sliding_window=24)),
+        "mistral": (transformers.MistralConfig, {"sliding_window": 24}),
     }
     cls, extra = configs[family]
     torch.manual_seed(0)
@@ -94,7 +91,9 @@ def _chat(lm, model, users: int = 3, turns: int = 5, max_new_tokens: int = 6):
             worst = max(worst, float((turn.logits - logits).abs().max()))
     assert worst <= TOL, worst
     lm.engine.drain()
-    lm.stack.check_invariants()
+    lm.check_invariants()
+    for chat in chats:
+        chat.check_invariants()
     assert lm.engine.leaked_blocks() == 0
     return chats
 
@@ -157,7 +156,8 @@ def test_a_corrupted_cpu_block_changes_the_logits(models):
     assert float((turn.logits[0] - logits[0]).abs().max()) > 100 * TOL
 
 
-@settings(max_examples=min(settings.default.max_examples, 50))  # ~0.25 s an example
+# Each example runs up to 8 generations; 50 keep the ci profile near 10 s on 2 cores.
+@settings(max_examples=min(settings.default.max_examples, 50))
 @given(family=st.sampled_from(["llama", "qwen2"]), block_size=st.sampled_from([1, 3, 8, 16]),
        lengths=st.lists(st.integers(1, 30), min_size=2, max_size=4), max_new_tokens=st.integers(1, 4),
        slack=st.integers(0, 8), clear=st.booleans())
@@ -182,7 +182,8 @@ def test_any_conversation_matches_full_recompute(models, family, block_size, len
         if clear:
             lm.clear_gpu_cache()
     lm.engine.drain()
-    lm.stack.check_invariants()
+    lm.check_invariants()
+    chat.check_invariants()
     assert lm.engine.leaked_blocks() == 0
 
 
@@ -235,9 +236,11 @@ def test_bad_requests_raise_and_leave_the_stack_clean(models):
         lm.generate([5, 6], 0)
     with pytest.raises(OutOfBlocksError, match="more than the whole GPU pool"):
         lm.generate(list(range(3, 40)), 2)
+    with pytest.raises(ConfigError, match="sequence of ints"):
+        lm.generate([5, 6.5], 2)
     assert lm.generate([5, 6, 7], 2, stop_tokens=()).tokens
     lm.engine.drain()
-    lm.stack.check_invariants()
+    lm.check_invariants()
     assert lm.engine.leaked_blocks() == 0 and lm.engine.num_waiting == 0
 
 

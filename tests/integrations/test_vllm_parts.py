@@ -158,6 +158,16 @@ def _step(sched, worker, *, scheduled=(), preempted=(), finished=()):
     return order, sent
 
 
+def _prefilled(sched, worker, name, num_tokens, blocks):
+    """A new request looked up, allocated ``blocks`` and run through one forward pass."""
+    request = vllm_request(name, num_tokens)
+    sched.matched_tokens(request, 0)
+    sched.allocated(request, [blocks], 0)
+    _step(sched, worker, scheduled=[name])
+    request.num_computed_tokens = request.num_tokens
+    return request
+
+
 def _blocks(worker, ids):
     return [worker.engine.read_block("gpu", b) for b in ids]
 
@@ -201,11 +211,7 @@ def test_a_finished_prefix_is_stored_released_and_loaded_into_the_next_request(l
 def test_preemption_sets_a_barrier_and_a_resumed_request_reloads():
     """A preempted request is looked up afresh; its reload counts apart from the first hit."""
     sched, worker = _sides()
-    a = vllm_request("a", 2 * BS + 1)
-    sched.matched_tokens(a, 0)
-    sched.allocated(a, [[1, 2, 3]], 0)
-    _step(sched, worker, scheduled=["a"])
-    a.num_computed_tokens = a.num_tokens
+    a = _prefilled(sched, worker, "a", 2 * BS + 1, [1, 2, 3])
     _step(sched, worker, scheduled=["a"])  # confirms both full blocks
     order, _ = _step(sched, worker)  # stores them
     assert not order.barrier
@@ -224,11 +230,7 @@ def test_preemption_sets_a_barrier_and_a_resumed_request_reloads():
 def test_after_reset_nothing_is_served():
     """``reset_cache`` empties the tier: a request with a stored prefix gets no hit."""
     sched, worker = _sides()
-    a = vllm_request("a", 2 * BS + 1)
-    sched.matched_tokens(a, 0)
-    sched.allocated(a, [[1, 2, 3]], 0)
-    _step(sched, worker, scheduled=["a"])
-    a.num_computed_tokens = a.num_tokens
+    a = _prefilled(sched, worker, "a", 2 * BS + 1, [1, 2, 3])
     sched.finished(a, aborted=False)
     for _ in range(3):
         _step(sched, worker, finished=["a"])
