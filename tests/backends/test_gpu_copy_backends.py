@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from kvkit.backends.copy import TorchCopy
 from kvkit.backends.copy._driver import ATTRS_DTYPE, BATCH_OP_DTYPE
-from kvkit.backends.copy._inflight import InFlight
 from kvkit.backends.copy.auto import AutoCopy
 from kvkit.errors import BackendUnavailableError, ConfigError, PlanError
 from kvkit.interfaces import CopyBackend, Direction, KVCacheSpec, TransferPlan
@@ -60,33 +59,6 @@ def test_driver_records_match_the_cuda_headers():
     assert [BATCH_OP_DTYPE.fields[f][1] for f in ("src", "dst", "width", "order", "flags")] == [0, 40, 80, 104, 108]
     operand = BATCH_OP_DTYPE.fields["src"][0]
     assert [operand.fields[f][1] for f in ("type", "ptr", "row", "layer", "loc")] == [0, 8, 16, 24, 32]
-
-
-class _Event:
-    def __init__(self, done=False):
-        self.done = done
-
-    def query(self):
-        return self.done
-
-    def synchronize(self):
-        self.done = True
-
-
-def test_inflight_reports_each_handle_once_in_order():
-    """A later copy finishing first is held back until every earlier one finished."""
-    events = [_Event(), _Event(), _Event()]
-    inflight = InFlight()
-    assert [inflight.issue(e) for e in events] == [0, 1, 2]
-    events[1].done = True
-    assert inflight.poll() == []
-    events[0].done = True
-    assert inflight.poll() == [0, 1]
-    inflight.wait(2)
-    assert inflight.poll() == [2] and inflight.poll() == []
-    inflight.check_invariants()
-    with pytest.raises(PlanError, match="unknown copy handle 3"):
-        inflight.wait(3)
 
 
 def _auto_on_host(share, small_loads="kernel"):

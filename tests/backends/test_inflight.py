@@ -1,0 +1,66 @@
+"""``InFlight``: every handle reported once, in order, after its event and its host work."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvkit.backends.copy._inflight import InFlight
+from kvkit.errors import PlanError
+
+
+class _Event:
+    """A stand-in for ``torch.cuda.Event`` whose completion the test decides."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_inflight_reports_each_handle_once_in_order():
+    """A later copy finishing first is held back until every earlier one finished."""
+    events = [_Event(), _Event(), _Event()]
+    inflight = InFlight()
+    assert [inflight.issue(e) for e in events] == [0, 1, 2]
+    events[1].done = True
+    assert inflight.poll() == []
+    events[0].done = True
+    assert inflight.poll() == [0, 1]
+    inflight.wait(2)
+    assert inflight.poll() == [2] and inflight.poll() == []
+    inflight.check_invariants()
+    with pytest.raises(PlanError, match="unknown copy handle 3"):
+        inflight.wait(3)
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=8), st.data())
+def test_then_runs_once_before_its_handle_and_order_holds(already_done, data):
+    """Handles (some issued already finished) are reported in order, each after its ``then`` ran once."""
+    inflight, ran, reported = InFlight(), [], []
+    events = [None if done else _Event() for done in already_done]
+    for i, event in enumerate(events):
+        assert inflight.issue(event, then=lambda i=i: ran.append(i)) == i
+    for i in data.draw(st.permutations(range(len(events)))):
+        if events[i] is not None:
+            events[i].done = True
+        got = inflight.poll()
+        assert all(h in ran for h in got), (got, ran)
+        reported += got
+        inflight.check_invariants()
+    inflight.wait(len(events) - 1)
+    reported += inflight.poll()
+    assert reported == ran == list(range(len(events)))
+
+
+def test_a_finished_handle_waits_behind_an_earlier_one():
+    """An already-finished handle issued behind a pending one is not reported before it."""
+    inflight, first = InFlight(), _Event()
+    inflight.issue(first)
+    inflight.issue(None)
+    assert inflight.poll() == []
+    first.done = True
+    assert inflight.poll() == [0, 1]
