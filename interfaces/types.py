@@ -189,6 +189,11 @@ class TransferPlan:
         return len(self.src)
 
 
+def _non_negative(inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise PlanError(f"{type(inst).__name__}.{attribute.name} must be a non-negative number, got {value!r}")
+
+
 @attrs.frozen
 class TransferResult:
     """A finished transfer as one worker reports it.
@@ -201,8 +206,8 @@ class TransferResult:
         num_bytes: bytes the worker moved.
     """
 
-    transfer_id: int
-    worker: int = 0
+    transfer_id: int = attrs.field(validator=_non_negative)
+    worker: int = attrs.field(default=0, validator=_non_negative)
     ok: bool = True
-    seconds: float = 0.0
-    num_bytes: int = 0
+    seconds: float = attrs.field(default=0.0, validator=_non_negative)
+    num_bytes: int = attrs.field(default=0, validator=_non_negative)

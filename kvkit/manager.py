@@ -550,8 +550,8 @@ class OffloadManager:
             if outcome is Outcome.DUPLICATE:
                 stats.duplicate_completions.add()
                 continue
-            stats.transfer_seconds.add(max(0.0, res.seconds))
-            stats.transfer_bytes.add(max(0, res.num_bytes))
+            stats.transfer_seconds.add(res.seconds)
+            stats.transfer_bytes.add(res.num_bytes)
             if outcome is Outcome.PENDING:
                 continue
             batch = t.batch

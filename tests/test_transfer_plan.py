@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvkit.errors import PlanError
-from kvkit.interfaces import TransferPlan
+from kvkit.interfaces import TransferPlan, TransferResult
 
 ids = st.lists(st.integers(0, 2**40), max_size=20)
 
@@ -29,3 +29,12 @@ def test_negative_ids_are_plan_errors_quoting_them(bad):
     """A negative block id is refused, quoted in the message."""
     with pytest.raises(PlanError, match=rf"non-negative, got \[{bad[0]}"):
         TransferPlan(bad, [0] * len(bad), "load")
+
+
+@pytest.mark.parametrize("field", ["transfer_id", "worker", "seconds", "num_bytes"])
+@pytest.mark.parametrize("bad", [-1, float("nan"), "3"])
+def test_a_result_with_a_negative_or_non_numeric_field_is_a_plan_error(field, bad):
+    """A worker result with a negative, NaN or non-numeric count raises PlanError quoting it."""
+    kwargs = {"transfer_id": 0, field: bad}
+    with pytest.raises(PlanError, match=f"{field} must be a non-negative number, got {bad!r}"):
+        TransferResult(**kwargs)
