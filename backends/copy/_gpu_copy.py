@@ -15,7 +15,7 @@ import torch
 from typing_extensions import override
 
 from kvkit.backends.copy._driver import driver
-from kvkit.backends.copy._inflight import InFlight
+from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy._planner import Planner
 from kvkit.errors import PlanError, SpecMismatchError
 from kvkit.interfaces.copy import Region
@@ -25,7 +25,7 @@ __all__ = ["GPUCopy"]
 
 
 @attrs.define(eq=False)
-class GPUCopy:
+class GPUCopy(HandleQueue):
     """Base of the CUDA copy backends: stores and loads each on their own low-priority stream.
 
     Invariants:
@@ -114,20 +114,6 @@ class GPUCopy:
         Returns what must stay alive until the copy completed.
         """
         raise NotImplementedError
-
-    @override
-    def poll(self) -> list[int]:
-        """Handles completed since the last call, in submission order (non-blocking)."""
-        return self._inflight.poll()
-
-    @override
-    def wait(self, handle: int) -> None:
-        """Block until ``handle`` and every earlier handle completed.
-
-        Raises:
-            PlanError: ``handle`` was never issued.
-        """
-        self._inflight.wait(handle)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if handle bookkeeping is inconsistent."""

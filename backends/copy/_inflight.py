@@ -10,7 +10,7 @@ import attrs
 
 from kvkit.errors import PlanError
 
-__all__ = ["InFlight"]
+__all__ = ["HandleQueue", "InFlight"]
 
 
 @attrs.define(eq=False)
@@ -84,3 +84,22 @@ class InFlight:
         order = self._done + [p[0] for p in self._pending]
         assert order == sorted(set(order)), order
         assert all(h < self._next for h in order), (order, self._next)
+
+
+class HandleQueue:
+    """``poll`` and ``wait`` of a copy backend, answered by its ``_inflight`` queue."""
+
+    __slots__ = ()
+    _inflight: InFlight
+
+    def poll(self) -> list[int]:
+        """Handles completed since the last call, in submission order (non-blocking)."""
+        return self._inflight.poll()
+
+    def wait(self, handle: int) -> None:
+        """Block until ``handle`` and every earlier handle completed.
+
+        Raises:
+            PlanError: ``handle`` was never issued.
+        """
+        self._inflight.wait(handle)

@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.copy._inflight import InFlight
+from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy._planner import Planner
 from kvkit.errors import BackendUnavailableError, ConfigError, PlanError
 from kvkit.interfaces.copy import Region
@@ -67,7 +67,7 @@ class _Parts:
 
 
 @attrs.define(eq=False)
-class AutoCopy:
+class AutoCopy(HandleQueue):
     """Chooses ``cuda-dma`` or ``cupy-batch`` per plan (or splits it between them).
 
     Args:
@@ -180,16 +180,7 @@ class AutoCopy:
             done = b.poll()
             if done:
                 self._seen[i] = max(self._seen[i], max(done))
-        return self._inflight.poll()
-
-    @override
-    def wait(self, handle: int) -> None:
-        """Block until ``handle`` and every earlier handle completed.
-
-        Raises:
-            PlanError: ``handle`` was never issued.
-        """
-        self._inflight.wait(handle)
+        return super().poll()
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if handle bookkeeping is inconsistent."""

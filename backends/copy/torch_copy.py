@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from typing_extensions import override
 
-from kvkit.backends.copy._inflight import InFlight
+from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy._planner import Planner
 from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
@@ -69,7 +69,7 @@ def _run_start(ids: np.ndarray) -> int | None:
 
 
 @attrs.define(eq=False)
-class TorchCopy(CopyBackend):
+class TorchCopy(HandleQueue, CopyBackend):
     """Copies block pieces with torch gathers and scatters; works on CPU tensors too.
 
     Invariants:
@@ -199,20 +199,6 @@ class TorchCopy(CopyBackend):
         if self._scratch.numel() < nbytes:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes].view(like.dtype).view(shape)
-
-    @override
-    def poll(self) -> list[int]:
-        """Handles completed since the last call, in submission order (non-blocking)."""
-        return self._inflight.poll()
-
-    @override
-    def wait(self, handle: int) -> None:
-        """Block until ``handle`` and every earlier handle completed.
-
-        Raises:
-            PlanError: ``handle`` was never issued.
-        """
-        self._inflight.wait(handle)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if handle bookkeeping is inconsistent."""
