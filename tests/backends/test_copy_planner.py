@@ -109,8 +109,9 @@ def test_consecutive_ids_coalesce_to_one_descriptor_per_region(layout, buffer):
     strided = planner.strided(plan)
     if buffer and len(regions) > 1:
         assert strided is not None and len(strided) == 1 and strided.height == len(regions)
-    else:
+    elif len(regions) == 1:
         assert strided is None
+    # Separate tensors form a 2-D copy only if the allocator happened to space them evenly.
 
 
 def test_per_layer_regions_carved_from_one_buffer_are_evenly_spaced():
