@@ -135,7 +135,14 @@ class Registry(Generic[T]):
             ok = probe()
         except Exception as exc:  # third-party probes may fail any way
             return f"{_describe(loaded)}.is_available() raised {type(exc).__name__}: {exc}"
-        return None if ok else f"{_describe(loaded)}.is_available() returned False"
+        if ok:
+            return None
+        reason = getattr(loaded, "unavailable_reason", None)  # optional: say why, not just "no"
+        try:
+            why = reason() if callable(reason) else None
+        except Exception:  # noqa: BLE001 - a probe must not crash a listing
+            why = None
+        return f"{_describe(loaded)}: {why}" if why else f"{_describe(loaded)}.is_available() returned False"
 
     def available(self, name: str) -> bool:
         """Whether ``name`` is registered, imports, and its ``is_available()`` holds. Never raises."""

@@ -29,6 +29,10 @@ POLICY_SOURCE = textwrap.dedent('''
         @classmethod
         def is_available(cls): return False
 
+    class Explained(Unavailable):
+        @staticmethod
+        def unavailable_reason(): return "no frobnicator on this machine"
+
     class BrokenProbe(FakePolicy):
         @classmethod
         def is_available(cls): raise OSError("driver exploded")
@@ -177,12 +181,14 @@ def test_availability_reasons(fresh, fake_module):
     fresh.register("no_attr", f"{fake_module}:Nope")
     fresh.register("off", f"{fake_module}:Unavailable")
     fresh.register("probe", f"{fake_module}:BrokenProbe")
+    fresh.register("explained", f"{fake_module}:Explained")
     fresh.register("constant", f"{fake_module}:NOT_CALLABLE")
     assert fresh.available("ok") and fresh.why_unavailable("ok") is None
     assert "ModuleNotFoundError" in fresh.why_unavailable("missing")
     assert "AttributeError" in fresh.why_unavailable("no_attr")
     assert "is_available() returned False" in fresh.why_unavailable("off")
     assert "driver exploded" in fresh.why_unavailable("probe")
+    assert fresh.why_unavailable("explained").endswith(": no frobnicator on this machine")
     assert "not a class or factory" in fresh.why_unavailable("constant")
     assert not fresh.available("unregistered")
     with pytest.raises(BackendUnavailableError, match="'missing'"):

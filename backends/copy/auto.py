@@ -124,6 +124,15 @@ class AutoCopy(HandleQueue):
 
         return CudaDMACopy.is_available() or CupyBatchCopy.is_available()
 
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why neither GPU backend can run here (``kvkit list`` shows it), or ``None``."""
+        from kvkit.backends.copy.cuda_dma import CudaDMACopy
+        from kvkit.backends.copy.cupy_batch import CupyBatchCopy
+
+        reasons = [CudaDMACopy.unavailable_reason(), CupyBatchCopy.unavailable_reason()]
+        return None if None in reasons else f"cuda-dma: {reasons[0]}; cupy-batch: {reasons[1]}"
+
     @property
     def planner(self) -> Planner | None:
         """The planner of the current registration (used to choose, and to validate first)."""

@@ -63,7 +63,14 @@ class CudaDMACopy(GPUCopy):
     @classmethod
     def is_available(cls) -> bool:
         """A CUDA device and a driver with batched copies (12.8+) are present."""
-        return torch.cuda.is_available() and _driver.driver_problem(batch=True) is None
+        return cls.unavailable_reason() is None
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why this backend cannot run here (``kvkit list`` shows it), or ``None``."""
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        return _driver.driver_problem(batch=True)
 
     def _registered(self, regions: Sequence[Region]) -> None:
         flags = _driver.FLAG_PREFER_OVERLAP if self.prefer_overlap else 0

@@ -240,13 +240,14 @@ class CupyBatchCopy(GPUCopy):
                     f"{self.stages!r} x stage_bytes={self.stage_bytes!r}), more than {_SMEM_LIMIT}; lower "
                     f"threads, stages or stage_bytes")
         if not self.is_available():
-            raise BackendUnavailableError(f"cupy-batch: {self._problem()}")
+            raise BackendUnavailableError(f"cupy-batch: {self.unavailable_reason()}")
 
     def _bulk_smem(self, threads: int) -> int:
         return threads // 32 * self.stages * (self.stage_bytes + 8)
 
     @staticmethod
-    def _problem() -> str | None:
+    def unavailable_reason() -> str | None:
+        """Why this backend cannot run here (``kvkit list`` shows it), or ``None``."""
         if importlib.util.find_spec("cupy") is None:
             return "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
         if not torch.cuda.is_available():
@@ -256,7 +257,7 @@ class CupyBatchCopy(GPUCopy):
     @classmethod
     def is_available(cls) -> bool:
         """CuPy imports, a CUDA device and its driver are present."""
-        return cls._problem() is None
+        return cls.unavailable_reason() is None
 
     def _registered(self, regions: Sequence[Region]) -> None:
         import cupy
