@@ -106,6 +106,7 @@ class ModelTransfer:
     hashes: list[int]  # store: the hash each source held at plan time
     loads: list[tuple[str, int]]  # load: (request id, incarnation) served
     executed: set[int] = attrs.field(factory=set)
+    written: dict[int, dict[int, int]] = attrs.field(factory=dict)  # worker -> {dst: write serial}
     reported: set[int] = attrs.field(factory=set)
     delivered: set[int] = attrs.field(factory=set)
     ok: bool = True
@@ -134,6 +135,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.delayed: dict[str, list[int]] = {}  # finished ids whose blocks the engine keeps
         self.gpu_content: list[dict] = [{} for _ in range(WORLD)]
         self.cpu_content: list[dict] = [{} for _ in range(WORLD)]
+        # Every write to a block's content gets a serial: a copy that fails after it ran
+        # leaves garbage only where nothing wrote since (a block the engine reused after
+        # the workers finished the copy holds its new owner's KV).
+        self.serial: dict[tuple[int, int], int] = {}  # (id of the content dict, block) -> serial
+        self.next_serial = 0
         self.store_epoch: dict[int, int] = {}  # CPU block -> epoch of the store that filled it
         self.reqs: dict[str, EngineRequest] = {}
         self.next_rid = 0
@@ -153,9 +159,15 @@ class ManagerMachine(RuleBasedStateMachine):
         live = [r for r in self.reqs.values() if pred(r)]
         return live[i % len(live)] if live else None
 
+    def _put(self, content: dict, block: int, value: object) -> int:
+        content[block] = value
+        self.next_serial += 1
+        self.serial[(id(content), block)] = self.next_serial
+        return self.next_serial
+
     def _write(self, block: int, value: object) -> None:
         for w in range(WORLD):
-            self.gpu_content[w][block] = value
+            self._put(self.gpu_content[w], block, value)
 
     def _check_kv(self, r: EngineRequest, first: int, stop: int) -> None:
         """The GPU blocks at positions ``[first, stop)`` hold the request's KV on every worker."""
@@ -217,8 +229,7 @@ class ManagerMachine(RuleBasedStateMachine):
             src, dst = self.gpu_content[w], self.cpu_content[w]
         else:
             src, dst = self.cpu_content[w], self.gpu_content[w]
-        for s, d in zip(t.src, t.dst):
-            dst[d] = src.get(s)
+        t.written[w] = {d: self._put(dst, d, src.get(s)) for s, d in zip(t.src, t.dst)}
         t.executed.add(w)
 
     def _inflight_store_hashes(self) -> set[int]:
@@ -459,10 +470,12 @@ class ManagerMachine(RuleBasedStateMachine):
     def _report(self, t: ModelTransfer, w: int, ok: bool) -> None:
         if ok and w not in t.executed:
             self._execute(t, w)
-        if not ok:  # a failed copy may leave anything at its destination
+        if not ok:  # a failed copy may leave anything at its destination (when it ran)
             dst = self.cpu_content[w] if t.direction is Direction.STORE else self.gpu_content[w]
+            written = t.written.get(w, {})
             for d in t.dst:
-                dst[d] = ("garbage", t.tid)
+                if d not in written or self.serial.get((id(dst), d)) == written[d]:
+                    self._put(dst, d, ("garbage", t.tid))
         t.reported.add(w)
         self.outbox.append(TransferResult(t.tid, worker=w, ok=ok))
 
