@@ -17,7 +17,22 @@ from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, KVGroupSpec, TransferPlan
 from kvkit.layouts import LAYOUTS
 
-__all__ = ["fill_random", "kv_specs", "plans", "reference_copy", "spec_layouts", "tensor_bytes"]
+__all__ = ["BAD_PLANS", "TWO_GROUPS", "fill_random", "kv_specs", "plans", "reference_copy", "spec_layouts",
+           "tensor_bytes"]
+
+TWO_GROUPS = KVCacheSpec(num_layers=2, block_size=2, num_kv_heads=1, head_dim=4, dtype="float16",
+                         groups=[KVGroupSpec([0]), KVGroupSpec([1])])
+"""A two-group spec for plan validation: :data:`BAD_PLANS` assume 4 GPU and 3 CPU blocks."""
+
+BAD_PLANS = [
+    (TransferPlan([0, 4, 9], [0, 1, 2], "store"), r"GPU block ids out of range \[0, 4\) in group 0: \[4, 9\]"),
+    (TransferPlan([0, 1], [3, 7], "store"), r"CPU block ids out of range \[0, 3\) in group 0: \[3, 7\]"),
+    (TransferPlan([5, 0], [0, 1], "load"), r"CPU block ids out of range \[0, 3\) in group 0: \[5\]"),
+    (TransferPlan([0, 1], [1, 8], "load"), r"GPU block ids out of range \[0, 4\) in group 0: \[8\]"),
+    (TransferPlan([0, 1], [2, 2], "store"), r"destination ids repeat .*: \[2\]"),
+    (TransferPlan([0], [0], "store", group=2), r"no region registered for group 2; registered groups: \[0, 1\]"),
+]
+"""Plans every copy backend must reject with a ``PlanError`` matching the pattern, before launching."""
 
 _DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "int8", "uint8")
 

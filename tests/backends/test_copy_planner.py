@@ -10,9 +10,17 @@ from hypothesis import strategies as st
 
 from kvkit.backends.copy._planner import Descriptors, Planner, runs
 from kvkit.errors import PlanError, SpecMismatchError
-from kvkit.interfaces import KVCacheSpec, KVGroupSpec, Region, TransferPlan
+from kvkit.interfaces import KVCacheSpec, Region, TransferPlan
 from kvkit.layouts import allocate_kv, kv_nbytes, kv_views, regions_for
-from kvkit.testing.kvdata import fill_random, plans, reference_copy, spec_layouts, tensor_bytes
+from kvkit.testing.kvdata import (
+    BAD_PLANS,
+    TWO_GROUPS,
+    fill_random,
+    plans,
+    reference_copy,
+    spec_layouts,
+    tensor_bytes,
+)
 
 
 def _caches(spec, layout, num_gpu, num_cpu, buffer):
@@ -137,18 +145,10 @@ def test_runs_are_maximal_runs_of_both_ids_stepping_by_one(a, b):
     assert lengths.sum() == n and (lengths > 0).all()
 
 
-SPEC = KVCacheSpec(num_layers=2, block_size=2, num_kv_heads=1, head_dim=4, dtype="float16",
-                   groups=[KVGroupSpec([0]), KVGroupSpec([1])])
+SPEC = TWO_GROUPS
 
 
-@pytest.mark.parametrize(("plan", "pattern"), [
-    (TransferPlan([0, 4, 9], [0, 1, 2], "store"), r"GPU block ids out of range \[0, 4\) in group 0: \[4, 9\]"),
-    (TransferPlan([0, 1], [3, 7], "store"), r"CPU block ids out of range \[0, 3\) in group 0: \[3, 7\]"),
-    (TransferPlan([5, 0], [0, 1], "load"), r"CPU block ids out of range \[0, 3\) in group 0: \[5\]"),
-    (TransferPlan([0, 1], [1, 8], "load"), r"GPU block ids out of range \[0, 4\) in group 0: \[8\]"),
-    (TransferPlan([0, 1, 2], [2, 0, 2], "store"), r"destination ids repeat .*: \[2\]"),
-    (TransferPlan([0], [0], "store", group=2), r"no region registered for group 2; registered groups: \[0, 1\]"),
-])
+@pytest.mark.parametrize(("plan", "pattern"), BAD_PLANS)
 def test_bad_plans_raise_plan_errors_quoting_the_values(plan, pattern):
     """Out-of-range ids, repeated destinations and unregistered groups are PlanErrors."""
     gpu, cpu = allocate_kv(SPEC, "per-layer", 4), allocate_kv(SPEC, "per-layer", 3)

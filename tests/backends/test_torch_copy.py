@@ -8,9 +8,17 @@ from hypothesis import strategies as st
 
 from kvkit.backends.copy import TorchCopy
 from kvkit.errors import PlanError, SpecMismatchError
-from kvkit.interfaces import CopyBackend, KVCacheSpec, KVGroupSpec, Region, TransferPlan
+from kvkit.interfaces import CopyBackend, Region, TransferPlan
 from kvkit.layouts import LAYOUTS, allocate_kv, regions_for
-from kvkit.testing.kvdata import fill_random, plans, reference_copy, spec_layouts, tensor_bytes
+from kvkit.testing.kvdata import (
+    BAD_PLANS,
+    TWO_GROUPS,
+    fill_random,
+    plans,
+    reference_copy,
+    spec_layouts,
+    tensor_bytes,
+)
 
 
 def _setup(spec, layout, num_gpu, num_cpu, device="cpu", seed=0):
@@ -55,18 +63,10 @@ def test_random_plans_move_exactly_the_right_bytes_cuda(data, spec_layout, num_g
     _check_plan_copies_exactly(data, spec_layout, num_gpu, num_cpu, "cuda")
 
 
-SPEC = KVCacheSpec(num_layers=2, block_size=2, num_kv_heads=1, head_dim=4, dtype="float16",
-                   groups=[KVGroupSpec([0]), KVGroupSpec([1])])
+SPEC = TWO_GROUPS
 
 
-@pytest.mark.parametrize(("plan", "pattern"), [
-    (TransferPlan([0, 4, 9], [0, 1, 2], "store"), r"GPU block ids out of range \[0, 4\) in group 0: \[4, 9\]"),
-    (TransferPlan([0, 1], [3, 7], "store"), r"CPU block ids out of range \[0, 3\) in group 0: \[3, 7\]"),
-    (TransferPlan([5, 0], [0, 1], "load"), r"CPU block ids out of range \[0, 3\) in group 0: \[5\]"),
-    (TransferPlan([0, 1], [1, 8], "load"), r"GPU block ids out of range \[0, 4\) in group 0: \[8\]"),
-    (TransferPlan([0, 1], [2, 2], "store"), r"destination ids repeat .*: \[2\]"),
-    (TransferPlan([0], [0], "store", group=2), r"no region registered for group 2; registered groups: \[0, 1\]"),
-])
+@pytest.mark.parametrize(("plan", "pattern"), BAD_PLANS)
 @pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay != "cross-layer"])
 def test_bad_plan_raises_before_writing(plan, pattern, layout):
     """A bad plan raises PlanError quoting the bad ids, and no tensor changes."""
