@@ -55,10 +55,24 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import attrs
-import numpy as np
 
-from kvkit._transfers import Batch, Outcome, TransferTable
-from kvkit.errors import ConfigError, RequestStateError, UnknownRequestError
+from kvkit import _hits, _store_plan
+from kvkit._batches import abandon, completed_batches, plans, settle
+from kvkit._ended import EndedRequests
+from kvkit._input_checks import (
+    accepted_blocks,
+    check_lookup,
+    check_parts,
+    check_prompt,
+    check_table,
+    check_world_size,
+    is_count,
+    writes_back,
+    wrong_state,
+)
+from kvkit._manager_invariants import check_in_flight, check_live
+from kvkit._transfers import Batch, TransferTable
+from kvkit.errors import RequestStateError, UnknownRequestError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.store import StorePolicy
@@ -66,7 +80,6 @@ from kvkit.interfaces.types import (
     BlockHash,
     BlockId,
     Direction,
-    GroupKind,
     KVCacheSpec,
     TransferPlan,
     TransferResult,
@@ -78,19 +91,6 @@ from kvkit.step import CompletionReport, StepPlan
 __all__ = ["OffloadManager"]
 
 _WAITING, _RUNNING, _ENDED = RequestState.WAITING, RequestState.RUNNING, RequestState.ENDED
-_REMEMBER_ENDED = 1 << 16  # ended ids remembered to tell "already finished" from "unknown"
-
-# A store resolved to GPU blocks: (hash, parent hash, GPU id per group, owner, GPU refs held).
-_Resolved = tuple[BlockHash, "BlockHash | None", tuple[int, ...], "Request | None", bool]
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_world_size(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"world_size must be a positive int, got {value!r}")
 
 
 @attrs.define(eq=False)
@@ -128,16 +128,15 @@ class OffloadManager:
     cpu: BlockAllocator
     store: StorePolicy
     gpu: BlockAllocator | None = attrs.field(default=None, kw_only=True)
-    world_size: int = attrs.field(default=1, kw_only=True, validator=_check_world_size)
+    world_size: int = attrs.field(default=1, kw_only=True, validator=check_world_size)
     callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
     stats: OffloadStats = attrs.field(factory=OffloadStats, kw_only=True)
     null_block: int = attrs.field(default=-1, kw_only=True)
 
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)
-    _ended: dict[str, Request] = attrs.field(init=False, factory=dict)  # delayed free pending
-    _recently_ended: dict[str, None] = attrs.field(init=False, factory=dict)
+    _ended: EndedRequests = attrs.field(init=False, factory=EndedRequests)
     _dirty: dict[str, Request] = attrs.field(init=False, factory=dict)  # queued stores or load
-    _detached: list[_Resolved] = attrs.field(init=False, factory=list)
+    _detached: list[_store_plan.StoreCandidate] = attrs.field(init=False, factory=list)
     _inflight_hashes: set[BlockHash] = attrs.field(init=False, factory=set)
     _transfers: TransferTable = attrs.field(init=False)
     _epoch: int = attrs.field(init=False, default=0)
@@ -146,35 +145,10 @@ class OffloadManager:
     _group_bytes: list[int] = attrs.field(init=False)
     _loaded: set[str] = attrs.field(init=False, factory=set)
     _load_failed: set[str] = attrs.field(init=False, factory=set)
-    _released: set[str] = attrs.field(init=False, factory=set)
 
     def __attrs_post_init__(self) -> None:
-        problems = []
-        if not isinstance(self.spec, KVCacheSpec):
-            problems.append(f"spec must be a KVCacheSpec, got {self.spec!r}")
-        for name, pool in (("cpu", self.cpu), ("gpu", self.gpu)):
-            if (pool is not None or name == "cpu") and not isinstance(pool, BlockAllocator):
-                problems.append(f"{name} must be a BlockAllocator, got {pool!r}")
-        if not isinstance(self.store, StorePolicy):
-            problems.append(f"store must be a StorePolicy, got {self.store!r}")
-        bad = [c for c in self.callbacks if not isinstance(c, OffloadCallback)]
-        if bad:
-            problems.append(f"callbacks must be OffloadCallback instances, got {bad!r}")
-        if isinstance(self.null_block, bool) or not isinstance(self.null_block, int):
-            problems.append(f"null_block must be an int, got {self.null_block!r}")
-        if problems:
-            raise ConfigError(problems)
-        gpu_blocks = self.gpu.num_blocks if self.gpu is not None else 1
-        self._writeback = self.store.writeback_target(0, gpu_blocks) > 0
-        if self._writeback:
-            if self.gpu is None or not hasattr(self.gpu, "eviction_candidates"):
-                raise ConfigError(
-                    f"store policy {self.store!r} writes back GPU eviction candidates: pass a "
-                    f"gpu= pool with eviction_candidates(n), got gpu={self.gpu!r}")
-            if len(self.spec.groups) != 1:
-                raise ConfigError(
-                    f"store policy {self.store!r} writes back single GPU blocks, which needs a "
-                    f"spec with one KV group, got {len(self.spec.groups)} groups")
+        check_parts(self.spec, self.cpu, self.gpu, self.store, self.callbacks, self.null_block)
+        self._writeback = writes_back(self.spec, self.store, self.gpu)
         self._transfers = TransferTable(self.world_size)
         self._group_bytes = [2 * len(g.layers) * self.spec.bytes_per_layer_block
                              for g in self.spec.groups]
@@ -226,15 +200,11 @@ class OffloadManager:
         Raises:
             RequestStateError: the id is live, or the counts disagree.
         """
-        if request_id in self._requests or request_id in self._ended:
+        if request_id in self._requests or self._ended.is_parked(request_id):
             raise RequestStateError(f"request {request_id!r} is already live")
         hashes = list(block_hashes)
-        bs = self.spec.block_size
-        if not _is_count(num_prompt_tokens) or len(hashes) > num_prompt_tokens // bs:
-            raise RequestStateError(
-                f"request {request_id!r}: {len(hashes)} full-block hashes need at least "
-                f"{len(hashes) * bs} prompt tokens, got num_prompt_tokens={num_prompt_tokens!r}")
-        self._recently_ended.pop(request_id, None)
+        check_prompt(request_id, hashes, num_prompt_tokens, self.spec.block_size)
+        self._ended.revive(request_id)
         self._requests[request_id] = Request(request_id, hashes, num_prompt_tokens)
 
     def extend(self, request_id: str, new_hashes: Sequence[BlockHash],
@@ -252,7 +222,7 @@ class OffloadManager:
         num_blocks = len(hashes) + len(new_hashes)
         full = num_blocks * self.spec.block_size
         if num_tokens is not None:
-            if not _is_count(num_tokens) or num_tokens < full:
+            if not is_count(num_tokens) or num_tokens < full:
                 raise RequestStateError(
                     f"request {request_id!r}: num_tokens={num_tokens!r} is below its "
                     f"{num_blocks} full blocks ({full} tokens)")
@@ -291,30 +261,16 @@ class OffloadManager:
                 id, or a hit that is not block aligned or exceeds the request.
         """
         r = self._live(request_id)
-        if r.state is not _WAITING:
-            raise RequestStateError(
-                f"request {request_id!r} is {r.state.value}; lookup needs a waiting request")
         bs = self.spec.block_size
-        ntok = r.num_tokens
-        if num_tokens is not None:
-            if not _is_count(num_tokens):
-                raise RequestStateError(f"request {request_id!r}: bad num_tokens={num_tokens!r}")
-            ntok = max(ntok, num_tokens)
-        if not _is_count(gpu_hit_tokens) or gpu_hit_tokens % bs or gpu_hit_tokens > ntok:
-            raise RequestStateError(
-                f"request {request_id!r}: gpu_hit_tokens={gpu_hit_tokens!r} must be a multiple of "
-                f"block_size={bs} in [0, {ntok}]")
-        r.num_tokens = ntok
-        self._unpin(r)
+        r.num_tokens = check_lookup(r, gpu_hit_tokens, num_tokens, bs)
+        _hits.unpin(self.cpu, r)
         r.revoked = False
         self.stats.lookups.add()
         start = gpu_hit_tokens // bs
         stop = min((r.num_tokens - 1) // bs, len(r.block_hashes))
         blocks: list[BlockId] = []
         if stop > start and not self._draining:
-            blocks = self.cpu.lookup(r.block_hashes[start:stop])
-            if blocks:
-                self.cpu.incref(blocks)
+            blocks = _hits.pin(self.cpu, r.block_hashes[start:stop])
         r.gpu_hit_blocks = start
         r.offered_blocks = len(blocks)
         r.pinned = blocks
@@ -350,37 +306,24 @@ class OffloadManager:
                 is missing or null, or more tokens accepted than offered.
         """
         r = self._live(request_id)
-        table = self._check_table(request_id, gpu_block_ids)
+        table = check_table(request_id, gpu_block_ids, len(self.spec.groups))
         if r.state is _RUNNING:
             if accepted_tokens != 0:
                 raise RequestStateError(
                     f"request {request_id!r} is already running; accepted_tokens="
                     f"{accepted_tokens!r} must be 0")
             if r.load_pending:  # the load not yet planned reads the new table
-                self._check_load_targets(r, table, len(r.pinned))
+                _hits.check_load_targets(self.spec, self.null_block, r, table, len(r.pinned))
             r.block_table = table
             return
-        if r.gpu_hit_blocks is None:
-            raise RequestStateError(f"request {request_id!r}: on_allocated before lookup")
         bs = self.spec.block_size
-        if (not _is_count(accepted_tokens) or accepted_tokens % bs
-                or accepted_tokens > r.offered_blocks * bs):
-            raise RequestStateError(
-                f"request {request_id!r}: accepted_tokens={accepted_tokens!r} must be a multiple of "
-                f"{bs} in [0, {r.offered_blocks * bs}] (the offered hit)")
-        n = accepted_tokens // bs
+        n = accepted_blocks(r, accepted_tokens, bs)
         if not r.revoked:
-            self._check_load_targets(r, table, n)
-        keep, drop = r.pinned[:n], r.pinned[n:]
-        if drop:
-            self.cpu.decref(drop)
-        if keep:
-            self.cpu.touch(keep)  # a use, for the CPU eviction policy: only what is loaded
+            _hits.check_load_targets(self.spec, self.null_block, r, table, n)
+        _hits.accept(self.cpu, r, n)
         if r.revoked and n:
             self._report_load_failed(r)
-        r.pinned = keep
-        r.load_pending = bool(keep)
-        if keep:
+        if r.load_pending:
             self._dirty[request_id] = r
         r.block_table = table
         r.state = _RUNNING
@@ -389,7 +332,7 @@ class OffloadManager:
         s.scheduled_requests.add()
         s.query_tokens.add(r.num_tokens)
         s.hit_tokens_gpu.add(r.gpu_hit_blocks * bs)
-        s.hit_tokens_cpu.add(len(keep) * bs)
+        s.hit_tokens_cpu.add(len(r.pinned) * bs)
 
     def append_blocks(self, request_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
         """Blocks appended to a running request's table, one sequence per KV group (O(new)).
@@ -400,8 +343,7 @@ class OffloadManager:
         """
         r = self._requests.get(request_id) or self._live(request_id)
         if r.state is not _RUNNING:
-            raise RequestStateError(
-                f"request {request_id!r} is {r.state.value}; append_blocks needs a running request")
+            raise wrong_state(r, "append_blocks needs a running request")
         if len(new_block_ids) != len(r.block_table):
             raise RequestStateError(
                 f"request {request_id!r}: need one block list per group ({len(r.block_table)}), "
@@ -422,8 +364,7 @@ class OffloadManager:
         """
         r = self._requests.get(request_id) or self._live(request_id)
         if r.state is not _RUNNING:
-            raise RequestStateError(
-                f"request {request_id!r} is {r.state.value}; on_computed needs a running request")
+            raise wrong_state(r, "on_computed needs a running request")
         table = r.block_table
         capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * self.spec.block_size
         if (num_computed_tokens.__class__ is not int or num_computed_tokens < r.num_computed_tokens
@@ -501,8 +442,7 @@ class OffloadManager:
         """
         r = self._live(request_id)
         if r.state is not _RUNNING:
-            raise RequestStateError(
-                f"request {request_id!r} is {r.state.value}; only a running request can be preempted")
+            raise wrong_state(r, "only a running request can be preempted")
         delay = self._end(r, preempted=True)
         self._requests[request_id] = r.successor()
         for cb in self.callbacks:
@@ -541,38 +481,16 @@ class OffloadManager:
             GPU blocks the engine may free now (including those that became
             free since the last call for other reasons).
         """
-        stats, callbacks = self.stats, self.callbacks
-        for res in results:
-            outcome, t = self._transfers.report(res)
-            if outcome is Outcome.UNKNOWN:
-                stats.unknown_completions.add()
-                continue
-            if outcome is Outcome.DUPLICATE:
-                stats.duplicate_completions.add()
-                continue
-            stats.transfer_seconds.add(res.seconds)
-            stats.transfer_bytes.add(res.num_bytes)
-            if outcome is Outcome.PENDING:
-                continue
-            batch = t.batch
-            stats.transfers_completed.add()
-            if not t.ok:
-                stats.transfers_failed.add()
-                batch.ok = False
-            for cb in callbacks:
-                cb.on_transfer_completed(t.transfer_id, batch.direction, t.num_blocks,
-                                         t.ok and not batch.abandoned)
-            if not batch.pending:
-                self._complete(batch)
+        for batch in completed_batches(results, self._transfers, self.stats, self.callbacks):
+            self._complete(batch)
         if self._draining and not self._transfers:
             self._empty_cpu()
         elif self._detached and not self._draining:
             self._prune_detached()
         report = CompletionReport(frozenset(self._loaded), frozenset(self._load_failed),
-                                  frozenset(self._released))
+                                  self._ended.take_released())
         self._loaded.clear()
         self._load_failed.clear()
-        self._released.clear()
         return report
 
     def reset(self) -> bool:
@@ -590,25 +508,20 @@ class OffloadManager:
             ``True`` if the CPU tier was emptied now (nothing was in flight).
         """
         self._epoch += 1
-        abandoned = 0
-        for batch in self._transfers.batches():
-            if not batch.abandoned:
-                batch.abandoned = True
-                abandoned += batch.pending
-        self.stats.transfers_abandoned.add(abandoned)
+        self.stats.transfers_abandoned.add(abandon(self._transfers.batches()))
         self._inflight_hashes.clear()
         for r in self._requests.values():
             if r.load_pending:
                 self._report_load_failed(r)
             elif r.pinned:
                 r.revoked = True
-            self._unpin(r)
+            _hits.unpin(self.cpu, r)
             r.store_queue = []
         self._dirty.clear()
         detached, self._detached = self._detached, []
-        self._unhold(detached)
+        _store_plan.unhold(self.gpu, detached)
         for entry in detached:
-            self._drop_hold(entry[3])
+            self._ended.drop_hold(entry[3])
         self._draining = True
         if not self._transfers:
             self._empty_cpu()
@@ -639,7 +552,7 @@ class OffloadManager:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the manager or its pools are inconsistent."""
-        cpu, bs = self.cpu, self.spec.block_size
+        cpu = self.cpu
         cpu.check_invariants()
         if self.gpu is not None:
             self.gpu.check_invariants()
@@ -650,37 +563,14 @@ class OffloadManager:
         if self.gpu is not None:
             for b, n in self.gpu_refs_held().items():
                 assert self.gpu.refcount(b) >= n, f"GPU block {b}: refcount < {n} manager refs"
-        batches = self._transfers.batches()
-        holds: Counter[int] = Counter()
-        inflight: list[BlockHash] = []
-        for batch in batches:
-            assert batch.pending > 0, "a batch in the table has no pending transfer"
-            for r in batch.requests:
-                holds[id(r)] += 1
-            if batch.direction is Direction.STORE:
-                assert all(cpu.block_hash(b) is None for b in batch.cpu_blocks), (
-                    "an in-flight store's CPU block is findable before completion")
-                if not batch.abandoned:
-                    inflight += batch.hashes
-            else:
-                assert all(cpu.block_hash(b) is not None for b in batch.cpu_blocks), (
-                    "an in-flight load's source is not ready")
-            assert not self._draining or batch.abandoned, "a transfer was planned during a drain"
-        assert len(inflight) == len(set(inflight)), "a hash has two stores in flight"
-        assert set(inflight) == self._inflight_hashes, "in-flight hash set != uncommitted stores"
+        holds = check_in_flight(self._transfers.batches(), cpu, self._draining,
+                                self._inflight_hashes)
         for entry in self._detached:
             holds[id(entry[3])] += 1
-        for rid, r in self._requests.items():
-            assert r.request_id == rid and r.state is not _ENDED, (rid, r.state)
-            assert r.num_confirmed_blocks == min(r.num_computed_tokens // bs,
-                                                 len(r.block_hashes)), rid
-            assert all(0 <= i < r.num_confirmed_blocks for i in r.store_queue), rid
-            assert not r.store_queue or rid in self._dirty, f"{rid}: queued stores not dirty"
-            assert not r.pinned or r.state is _WAITING or r.load_pending, rid
-            assert all(cpu.block_hash(b) is not None for b in r.pinned), f"{rid}: pin not ready"
-            assert r.holds == holds[id(r)], f"{rid}: holds {r.holds} != {holds[id(r)]}"
-        for rid, r in self._ended.items():
-            assert r.state is _ENDED and r.delay_free and r.holds == holds[id(r)] > 0, rid
+        check_live(self._requests, self._dirty, cpu, self.spec.block_size, holds)
+        self._ended.check_invariants()
+        for r in self._ended.parked():
+            assert r.holds == holds[id(r)], f"{r.request_id}: holds {r.holds} != {holds[id(r)]}"
 
     # -- internals -----------------------------------------------------------
 
@@ -688,34 +578,9 @@ class OffloadManager:
         r = self._requests.get(request_id)
         if r is not None:
             return r
-        if request_id in self._ended or request_id in self._recently_ended:
+        if request_id in self._ended:
             raise RequestStateError(f"request {request_id!r} already finished or aborted")
         raise UnknownRequestError(f"unknown request id {request_id!r}")
-
-    def _check_table(self, request_id: str, table: Sequence[Sequence[int]]) -> list[list[int]]:
-        if len(table) != len(self.spec.groups):
-            raise RequestStateError(
-                f"request {request_id!r}: need one block list per KV group "
-                f"({len(self.spec.groups)}), got {len(table)}")
-        return [list(row) for row in table]
-
-    def _load_span(self, g: int, start: int, stop: int) -> int:
-        """First block position of ``[start, stop)`` that group ``g`` must load."""
-        group = self.spec.groups[g]
-        if group.kind is GroupKind.FULL:
-            return start
-        bs = self.spec.block_size
-        return max(start, stop - group.blocks_needed(stop * bs, bs))
-
-    def _check_load_targets(self, r: Request, table: list[list[int]], n: int) -> None:
-        start, stop = r.gpu_hit_blocks, r.gpu_hit_blocks + n
-        for g, row in enumerate(table):
-            first = self._load_span(g, start, stop)
-            targets = row[first:stop]
-            if len(targets) != stop - first or self.null_block in targets:
-                raise RequestStateError(
-                    f"request {r.request_id!r}: group {g} needs GPU blocks at positions "
-                    f"[{first}, {stop}) for its CPU hit, got {row[first:stop]!r}")
 
     def _confirm(self, r: Request) -> None:
         """Re-derive the confirmed blocks; hand the newly confirmed range to the store policy."""
@@ -737,25 +602,9 @@ class OffloadManager:
         if r.store_queue:
             self._dirty[r.request_id] = r
 
-    def _unpin(self, r: Request) -> None:
-        if r.pinned:
-            self.cpu.decref(r.pinned)
-            r.pinned = []
-        r.load_pending = False
-
     def _report_load_failed(self, r: Request) -> None:
         self._load_failed.add(r.request_id)
         self.stats.loads_failed.add()
-
-    def _resolve(self, r: Request, indices: Iterable[int], held: bool) -> list[_Resolved]:
-        """Map block indices to (hash, parent, GPU ids per group); drop those a group lacks."""
-        hashes, table, null = r.block_hashes, r.block_table, self.null_block
-        out = []
-        for i in indices:
-            ids = tuple(row[i] for row in table)
-            if null not in ids:
-                out.append((hashes[i], hashes[i - 1] if i else None, ids, r, held))
-        return out
 
     def _end(self, r: Request, preempted: bool = False) -> bool:
         """End an incarnation: release pins, detach queued stores, decide the delayed free.
@@ -764,174 +613,59 @@ class OffloadManager:
         blocks while the manager holds no GPU reference on them.
         """
         rid = r.request_id
-        self._unpin(r)
+        _hits.unpin(self.cpu, r)
         self._dirty.pop(rid, None)
         self._loaded.discard(rid)  # the engine no longer waits on this incarnation's load
         self._load_failed.discard(rid)
         if preempted and self.gpu is None:
             r.store_queue = []  # its blocks are freed now: only what is in flight may read them
         if r.store_queue:
-            # Drop what the CPU tier holds now (only a store's allocation evicts, so
-            # it is still there at the next build): a long request's flush would
-            # otherwise hold GPU references on blocks that are never copied. Stores
-            # in flight are deduplicated at build time, once their outcome is known;
-            # while a reset drains, the CPU tier's contents are doomed.
-            held, hashes, lookup = self.gpu is not None, r.block_hashes, self.cpu.lookup
-            queue = list(dict.fromkeys(r.store_queue))  # the flush repeats queued blocks
-            if self._draining:
-                needed = queue
-            else:  # one prefix lookup settles the (usually stored) head of a flush
-                ready = len(lookup(hashes[:r.num_confirmed_blocks]))
-                needed = [i for i in queue if i >= ready and not lookup((hashes[i],))]
-            self.stats.stores_deduplicated.add(len(queue) - len(needed))
-            entries = self._resolve(r, needed, held)
-            r.store_queue = []
-            if held:
-                self.gpu.incref([g for e in entries for g in e[2]])
+            entries = _store_plan.detach(r, self.cpu, self.gpu, self.stats, self._draining,
+                                         self.null_block)
             self._detached += entries
             r.holds += len(entries)
         del self._requests[rid]
         r.state = _ENDED
         touched = self.gpu is None and r.holds > 0
         if not preempted:
-            r.delay_free = touched
-            if touched:
-                self._ended[rid] = r
-            else:
-                self._remember_ended(rid)
+            self._ended.end(r, touched)
         return touched
-
-    def _remember_ended(self, rid: str) -> None:
-        self._recently_ended[rid] = None
-        if len(self._recently_ended) > _REMEMBER_ENDED:
-            del self._recently_ended[next(iter(self._recently_ended))]
-
-    def _drop_hold(self, r: Request | None) -> None:
-        if r is None:
-            return
-        r.holds -= 1
-        if not r.holds and r.state is _ENDED and r.delay_free:
-            rid = r.request_id
-            self._released.add(rid)
-            if self._ended.get(rid) is r:
-                del self._ended[rid]
-                self._remember_ended(rid)
 
     def _plan_loads(self) -> list[tuple[int, TransferPlan]]:
         reqs = [r for r in self._dirty.values() if r.load_pending]
-        if not reqs:
-            return []
-        groups = range(len(self.spec.groups))
-        src: list[list[BlockId]] = [[] for _ in groups]
-        dst: list[list[int]] = [[] for _ in groups]
-        cpu_blocks: list[BlockId] = []
-        for r in reqs:
-            blocks, start = r.pinned, r.gpu_hit_blocks
-            stop = start + len(blocks)
-            for g in groups:
-                first = self._load_span(g, start, stop)
-                src[g] += blocks[first - start:]
-                dst[g] += r.block_table[g][first:stop]
-            cpu_blocks += blocks
-            r.pinned = []  # the pins move to the batch
-            r.load_pending = False
-            r.holds += 1
-        gpu_blocks = [b for row in dst for b in row] if self.gpu is not None else []
-        if gpu_blocks:
-            self.gpu.incref(gpu_blocks)
-        batch = Batch(Direction.LOAD, cpu_blocks, gpu_blocks, reqs)
-        return self._open(batch, src, dst)
+        return self._open(*_hits.plan_loads(reqs, self.spec, self.gpu)) if reqs else []
 
     def _plan_stores(self) -> list[tuple[int, TransferPlan]]:
         if self._draining:
             return []
         detached, self._detached = self._detached, []
         cands = list(detached)
+        null = self.null_block
         for r in self._dirty.values():
             if r.store_queue:
-                cands += self._resolve(r, r.store_queue, False)
+                cands += _store_plan.resolve(r, r.store_queue, False, null)
                 r.store_queue = []
         if self._writeback:
-            cands += self._writeback_candidates()
-        # Deduplicate against the CPU tier, stores in flight and this step (invariant 6).
-        inflight, cpu_lookup = self._inflight_hashes, self.cpu.lookup
-        chosen, skipped = [], []
-        for c in cands:
-            if c[0] in inflight or cpu_lookup((c[0],)):
-                skipped.append(c)
-            else:
-                inflight.add(c[0])
-                chosen.append(c)
-        self.stats.stores_deduplicated.add(len(skipped))
-        free = self.cpu.num_free
-        if len(chosen) > free:  # store fewer, never fail the engine
-            for c in chosen[free:]:
-                inflight.discard(c[0])
-            skipped += chosen[free:]
-            self.stats.stores_dropped.add(len(chosen) - free)
-            del chosen[free:]
-        cpu_blocks = self.cpu.allocate(len(chosen)) if chosen else []
-        gpu = self.gpu
-        self._unhold(skipped)
-        if gpu is not None:
-            fresh = [g for c in chosen if not c[4] for g in c[2]]
-            if fresh:
-                gpu.incref(fresh)
-        owners = list({id(c[3]): c[3] for c in chosen if c[3] is not None}.values())
-        for r in owners:
-            r.holds += 1
+            cands += _store_plan.writeback_candidates(self.gpu, self.store)
+        planned = _store_plan.choose(cands, self._inflight_hashes, self.cpu, self.gpu, self.stats,
+                                     len(self.spec.groups))
         for c in detached:  # after the batch's hold, so an owner is released only when done
-            self._drop_hold(c[3])
-        if not chosen:
-            return []
-        groups = range(len(self.spec.groups))
-        src = [[c[2][g] for c in chosen] for g in groups]
-        batch = Batch(Direction.STORE, cpu_blocks,
-                      [b for row in src for b in row] if gpu is not None else [], owners,
-                      hashes=[c[0] for c in chosen], parents=[c[1] for c in chosen])
-        return self._open(batch, src, [cpu_blocks for _ in groups])
-
-    def _unhold(self, entries: list[_Resolved]) -> None:
-        """Drop the GPU references held for store candidates that will not be copied."""
-        held = [g for e in entries if e[4] for g in e[2]]
-        if held:
-            self.gpu.decref(held)
+            self._ended.drop_hold(c[3])
+        return self._open(*planned) if planned else []
 
     def _prune_detached(self) -> None:
         """Drop ended requests' queued stores whose hash reached the CPU tier meanwhile.
 
         Releases their GPU blocks (and a delayed free) now rather than at the next step.
         """
-        lookup = self.cpu.lookup
-        keep, gone = [], []
-        for e in self._detached:
-            (gone if lookup((e[0],)) else keep).append(e)
-        if gone:
-            self._detached = keep
-            self.stats.stores_deduplicated.add(len(gone))
-            self._unhold(gone)
-            for e in gone:
-                self._drop_hold(e[3])
-
-    def _writeback_candidates(self) -> list[_Resolved]:
-        """The GPU pool's next eviction candidates, as store candidates (write-back)."""
-        gpu = self.gpu
-        target = self.store.writeback_target(gpu.num_free, gpu.num_blocks)
-        block_hash = gpu.block_hash
-        return [(block_hash(b), None, (b,), None, False)
-                for b in gpu.eviction_candidates(target)] if target > 0 else []
+        self._detached, gone = _store_plan.landed(self._detached, self.cpu, self.gpu, self.stats)
+        for e in gone:
+            self._ended.drop_hold(e[3])
 
     def _open(self, batch: Batch, src: list[list[int]],
               dst: list[list[int]]) -> list[tuple[int, TransferPlan]]:
         """Turn per-group id lists into plans (empty groups skipped) and track them."""
-        plans = []
-        for g, (s, d) in enumerate(zip(src, dst)):
-            if s:
-                plans.append(TransferPlan(np.array(s, dtype=np.int64),
-                                          np.array(d, dtype=np.int64), batch.direction, g))
-                batch.num_bytes += len(s) * self._group_bytes[g]
-        assert plans, "a batch with blocks must copy at least one group"
-        out = self._transfers.open(batch, plans)
+        out = self._transfers.open(batch, plans(batch, src, dst, self._group_bytes))
         self.stats.transfers_submitted.add(len(out))
         for cb in self.callbacks:
             for tid, plan in out:
@@ -940,30 +674,16 @@ class OffloadManager:
 
     def _complete(self, batch: Batch) -> None:
         """Every transfer of ``batch`` completed: commit or discard, release references."""
-        ok = batch.ok and not batch.abandoned
-        cpu, stats = self.cpu, self.stats
-        if batch.direction is Direction.STORE:
-            if not batch.abandoned:
-                self._inflight_hashes.difference_update(batch.hashes)
-            if ok:
-                stats.blocks_stored.add(sum(cpu.commit(batch.cpu_blocks, batch.hashes,
-                                                       batch.parents)))
-                stats.bytes_stored.add(batch.num_bytes)
-        else:
-            if ok:
-                stats.blocks_loaded.add(len(batch.cpu_blocks))
-                stats.bytes_loaded.add(batch.num_bytes)
+        ok = settle(batch, self.cpu, self.gpu, self.stats, self._inflight_hashes)
+        if batch.direction is Direction.LOAD:
             for r in batch.requests:
                 if r.state is _RUNNING:  # a preempted or ended incarnation no longer cares
                     if ok:
                         self._loaded.add(r.request_id)
                     else:
                         self._report_load_failed(r)
-        cpu.decref(batch.cpu_blocks)  # a committed block becomes evictable, a discarded one empty
-        if batch.gpu_blocks:
-            self.gpu.decref(batch.gpu_blocks)
         for r in batch.requests:
-            self._drop_hold(r)
+            self._ended.drop_hold(r)
 
     def _empty_cpu(self) -> None:
         dropped = self.cpu.reset()
