@@ -18,7 +18,7 @@ from kvkit.errors import (
     UnknownBlockError,
 )
 from kvkit.interfaces.allocator import BlockAllocator, EvictListener
-from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.eviction import EvictionPolicy, pin_hooks
 from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["BlockPool"]
@@ -62,11 +62,16 @@ class BlockPool(BlockAllocator):
         num_blocks: slots in the pool (fixed).
         eviction: policy that picks victims among evictable blocks; default
             a fresh :class:`~kvkit.backends.eviction.lru.LRUPolicy`. It must
-            track no blocks yet.
+            track no blocks yet. If it has the optional pin hooks (see
+            :class:`~kvkit.interfaces.eviction.EvictionPolicy`), the pool
+            calls ``on_pin`` when a ready block's refcount goes 0 -> 1 and
+            right after committing a block (always referenced then), and
+            ``on_unpin`` when a ready block's refcount goes 1 -> 0.
 
     Invariants: those of :class:`~kvkit.interfaces.allocator.BlockAllocator`;
     the policy tracks exactly the ready blocks; ``num_evictable`` counts
-    ready blocks with refcount 0.
+    ready blocks with refcount 0; with pin hooks, the policy's pinned blocks
+    are exactly the ready blocks with references.
     """
 
     num_blocks: int = attrs.field(validator=_check_capacity, on_setattr=attrs.setters.frozen)
@@ -79,6 +84,9 @@ class BlockPool(BlockAllocator):
     _num_evictable: int = attrs.field(init=False, repr=False, default=0)
     _listeners: list[EvictListener] = attrs.field(init=False, repr=False, factory=list)
     _is_evictable: Callable[[BlockId], bool] = attrs.field(init=False, repr=False)
+    # The policy's pin hooks, or None: resolved once, so a policy without them costs nothing.
+    _on_pin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
+    _on_unpin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self._policy is None:
@@ -89,6 +97,9 @@ class BlockPool(BlockAllocator):
             raise ConfigError(
                 f"eviction policy {self._policy!r} already tracks {len(self._policy)} blocks"
             )
+        hooks = pin_hooks(self._policy)
+        if hooks is not None:
+            self._on_pin, self._on_unpin = hooks
         n = self.num_blocks
         self._ref = [0] * n
         self._hash = [None] * n
@@ -213,11 +224,13 @@ class BlockPool(BlockAllocator):
                     raise RefcountError(f"cannot incref empty block {b!r} (no content)")
         except (IndexError, TypeError):
             raise self._unknown(b) from None
-        pinned = 0
+        pinned, on_pin = 0, self._on_pin
         for b in blocks:
             r = ref[b]
             if not r:
                 pinned += 1  # was evictable (validated: not empty)
+                if on_pin is not None:
+                    on_pin(b)
             ref[b] = r + 1
         self._num_evictable -= pinned
 
@@ -244,10 +257,12 @@ class BlockPool(BlockAllocator):
             if isinstance(exc, RefcountError):
                 raise
             raise self._unknown(b) from None
-        hashes, freed = self._hash, []
+        hashes, freed, on_unpin = self._hash, [], self._on_unpin
         for b in zeroed:
             if hashes[b] is None:
                 freed.append(b)  # not ready: partial content is worthless
+            elif on_unpin is not None:
+                on_unpin(b)
         self._num_evictable += len(zeroed) - len(freed)
         if freed:
             freed.reverse()  # released in order -> handed out again in order
@@ -294,12 +309,15 @@ class BlockPool(BlockAllocator):
                 if p is not None and p.__class__ is not int:
                     raise PoolUsageError(f"parent hashes must be ints or None, got {p!r}")
         setdefault, on_insert = self._index.setdefault, self._policy.on_insert
+        on_pin = self._on_pin
         result = []
         for b, h, p in zip(blocks, hashes, parents):
             # The block is not ready, so it can only already sit under h if we just put it there.
             if setdefault(h, b) == b:
                 block_hash[b] = h
                 on_insert(b, h, p)
+                if on_pin is not None:
+                    on_pin(b)  # committed blocks are referenced: in use from the start
                 result.append(True)
             else:
                 result.append(False)  # the first block keeps the hash; this one stays not ready

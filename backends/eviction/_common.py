@@ -8,7 +8,14 @@ from itertools import islice
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.types import BlockHash, BlockId
 
-__all__ = ["already_tracked", "check_count", "hash_already_tracked", "not_tracked", "take_evictable"]
+__all__ = [
+    "already_tracked",
+    "check_count",
+    "hash_already_tracked",
+    "not_tracked",
+    "pin_mismatch",
+    "take_evictable",
+]
 
 
 def check_count(n: int) -> None:
@@ -32,6 +39,13 @@ def hash_already_tracked(policy: object, block: BlockId, block_hash: BlockHash,
 def not_tracked(policy: object, block: BlockId) -> PoolUsageError:
     """The error for a call naming a block ``policy`` does not track."""
     return PoolUsageError(f"block {block!r} is not tracked by {type(policy).__name__}")
+
+
+def pin_mismatch(policy: object, block: BlockId, pinned: bool) -> PoolUsageError:
+    """The error for pinning a block ``policy`` holds pinned, or unpinning one it holds unpinned."""
+    call, state = ("on_pin", "already pinned") if pinned else ("on_unpin", "not pinned")
+    return PoolUsageError(
+        f"{call}({block!r}): block {block!r} is {state} in {type(policy).__name__}")
 
 
 def take_evictable(candidates: Iterable[BlockId], n: int,

@@ -13,6 +13,7 @@ from kvkit.backends.eviction._common import (
     already_tracked,
     check_count,
     not_tracked,
+    pin_mismatch,
     take_evictable,
 )
 from kvkit.errors import ConfigError
@@ -52,10 +53,18 @@ class S3FIFOPolicy(EvictionPolicy):
     Promotions and reinsertions happen only inside a successful
     :meth:`select_victims` (it first checks that ``n`` evictable blocks
     exist, and changes nothing otherwise). A block that may not be evicted
-    now (pinned) or is already chosen is rotated to its queue's new end,
-    like a block in use. ``G`` holds hashes, as block ids are reused, and at
-    most ``c - small target`` of them (the paper sizes it like ``M``); it
-    forgets the oldest first.
+    now or is already chosen is rotated to its queue's new end, like a block
+    in use. ``G`` holds hashes, as block ids are reused, and at most
+    ``c - small target`` of them (the paper sizes it like ``M``); it forgets
+    the oldest first.
+
+    Pinned blocks: with the pin hooks (a pool calls them), a block in use
+    leaves its queue's order on :meth:`on_pin` and is set aside, keeping its
+    frequency and its queue, so selections never scan it; it still counts
+    towards its queue's size, and hits still raise its frequency. On
+    :meth:`on_unpin` it re-enters at its queue's new end, as a block just
+    used (where a scan would have rotated it). A driver that never pins
+    gets the scanning behaviour above.
 
     Args:
         capacity: ``c``, blocks the cache holds (the pool's size). ``None``
@@ -64,8 +73,9 @@ class S3FIFOPolicy(EvictionPolicy):
         small_ratio: target share of ``S`` (0.1 in the paper).
 
     Invariants:
-        * ``S`` and ``M`` hold exactly the tracked blocks, disjointly; every
-          tracked block has a frequency in ``[0, 3]``.
+        * ``S``, ``M`` and the pinned blocks set aside from each hold exactly
+          the tracked blocks, disjointly; every tracked block has a frequency
+          in ``[0, 3]``.
         * ``G`` holds no tracked block's hash and at most its limit of entries.
     """
 
@@ -74,6 +84,9 @@ class S3FIFOPolicy(EvictionPolicy):
     _small: OrderedDict[BlockId, BlockHash] = attrs.field(factory=OrderedDict, init=False)
     _main: OrderedDict[BlockId, BlockHash] = attrs.field(factory=OrderedDict, init=False)
     _freq: dict[BlockId, int] = attrs.field(factory=dict, init=False)
+    # Pinned blocks set aside from S and from M (block -> hash), in pin order.
+    _pinned_small: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False)
+    _pinned_main: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False)
     _ghost: OrderedDict[BlockHash, None] = attrs.field(factory=OrderedDict, init=False)
     _high_water: int = attrs.field(default=0, init=False)
 
@@ -84,13 +97,18 @@ class S3FIFOPolicy(EvictionPolicy):
 
     @property
     def small(self) -> tuple[BlockId, ...]:
-        """Blocks of the small queue, oldest first."""
+        """Blocks of the small queue, oldest first (pinned ones set aside excluded)."""
         return tuple(self._small)
 
     @property
     def main(self) -> tuple[BlockId, ...]:
-        """Blocks of the main queue, oldest first."""
+        """Blocks of the main queue, oldest first (pinned ones set aside excluded)."""
         return tuple(self._main)
+
+    @property
+    def pinned(self) -> tuple[BlockId, ...]:
+        """Blocks set aside by :meth:`on_pin`, those of the small queue first, each in pin order."""
+        return (*self._pinned_small, *self._pinned_main)
 
     @property
     def ghost(self) -> tuple[BlockHash, ...]:
@@ -121,12 +139,43 @@ class S3FIFOPolicy(EvictionPolicy):
     def on_remove(self, block: BlockId) -> None:
         if self._freq.pop(block, None) is None:
             raise not_tracked(self, block)
-        if block in self._small:
-            self._ghost[self._small.pop(block)] = None
+        block_hash = self._small.pop(block, None)
+        if block_hash is None:
+            block_hash = self._pinned_small.pop(block, None)
+        if block_hash is not None:
+            self._ghost[block_hash] = None
             while len(self._ghost) > self._ghost_limit():
                 self._ghost.popitem(last=False)
-        else:
-            del self._main[block]
+        elif self._main.pop(block, None) is None:
+            del self._pinned_main[block]
+
+    def on_pin(self, block: BlockId) -> None:
+        """Set a tracked block in use aside, keeping its queue and frequency."""
+        block_hash = self._small.pop(block, None)
+        if block_hash is not None:
+            self._pinned_small[block] = block_hash
+            return
+        block_hash = self._main.pop(block, None)
+        if block_hash is not None:
+            self._pinned_main[block] = block_hash
+            return
+        if block in self._freq:
+            raise pin_mismatch(self, block, pinned=True)
+        raise not_tracked(self, block)
+
+    def on_unpin(self, block: BlockId) -> None:
+        """Put a pinned block back at its queue's new end, as a block just used."""
+        block_hash = self._pinned_small.pop(block, None)
+        if block_hash is not None:
+            self._small[block] = block_hash
+            return
+        block_hash = self._pinned_main.pop(block, None)
+        if block_hash is not None:
+            self._main[block] = block_hash
+            return
+        if block in self._freq:
+            raise pin_mismatch(self, block, pinned=False)
+        raise not_tracked(self, block)
 
     @override
     def select_victims(self, n: int,
@@ -140,7 +189,7 @@ class S3FIFOPolicy(EvictionPolicy):
         while len(victims) < n:
             # Small first while it holds its share; a pass over S can move its
             # last candidates into M, hence M is tried again after it.
-            if len(self._small) - chosen_small >= self._small_target():
+            if len(self._small) + len(self._pinned_small) - chosen_small >= self._small_target():
                 steps = (self._evict_small, self._evict_main)
             else:
                 steps = (self._evict_main, self._evict_small, self._evict_main)
@@ -161,11 +210,12 @@ class S3FIFOPolicy(EvictionPolicy):
 
     @override
     def check_invariants(self) -> None:
-        assert not self._small.keys() & self._main.keys(), "a block is in both S and M"
-        assert self._freq.keys() == self._small.keys() | self._main.keys(), \
-            "frequency table drifted from the queues"
+        parts = (self._small, self._main, self._pinned_small, self._pinned_main)
+        assert sum(map(len, parts)) == len(self._freq) and self._freq.keys() == \
+            self._small.keys() | self._main.keys() | self._pinned_small.keys() | \
+            self._pinned_main.keys(), "S, M and the pinned blocks do not split the tracked blocks"
         assert all(0 <= f <= _MAX_FREQ for f in self._freq.values()), "frequency out of [0, 3]"
-        tracked = set(self._small.values()) | set(self._main.values())
+        tracked = {h for part in parts for h in part.values()}
         assert not tracked & self._ghost.keys(), \
             f"ghost holds tracked hashes {tracked & self._ghost.keys()}"
         assert len(self._ghost) <= self._ghost_limit(), "ghost queue over its limit"

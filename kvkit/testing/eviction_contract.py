@@ -7,7 +7,9 @@ Three lines make a pytest test class of it::
     TestMyPolicy = MyPolicyContract.TestCase
 
 A policy claiming LRU or FIFO order joins :class:`LRUContract` or
-:class:`FIFOContract` instead, which also check the exact victims.
+:class:`FIFOContract` instead, which also check the exact victims. A policy
+with the optional pin hooks is driven through them; set ``drive_pin_hooks =
+False`` in a second class to prove it also works for drivers that never pin.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable, Iterable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.eviction import EvictionPolicy, pin_hooks
 from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["EvictionPolicyContract", "FIFOContract", "LRUContract"]
@@ -39,10 +41,13 @@ class EvictionPolicyContract(RuleBasedStateMachine):
     recency and use counts) and the set of pinned ones; ``is_evictable`` is
     "tracked and not pinned". Rules insert chains of blocks (each block's
     parent is the hash before it; a hash keeps its parent for the whole run,
-    as content hashes do), access, pin, unpin and remove blocks, and select
-    victims, which are then removed as a pool would. Block ids and hashes
-    come from small spaces, so ids are reused for other content and evicted
-    hashes return.
+    as content hashes do), access, pin, unpin and remove blocks (pinned or
+    not), and select victims, which are then removed as a pool would. Block
+    ids and hashes come from small spaces, so ids are reused for other
+    content and evicted hashes return. If the policy has the optional pin
+    hooks (and :attr:`drive_pin_hooks` is true), pinning and unpinning call
+    ``on_pin`` and ``on_unpin``; otherwise the policy learns of pins only
+    through ``is_evictable``.
 
     Checked after every step, for every policy:
 
@@ -57,6 +62,9 @@ class EvictionPolicyContract(RuleBasedStateMachine):
       just after; and the pre-call clone lives on as a *twin* that receives
       every later call except failed selections, and must choose the same
       victims as the policy ever after.
+    * A pinned block is never a victim (with or without hooks), and a block
+      just unpinned is eligible again: selecting every evictable block (on a
+      clone) returns it too.
 
     The policy must be deterministic (seed any randomness in
     :meth:`make_policy`) and copyable by :meth:`clone_policy`.
@@ -66,6 +74,8 @@ class EvictionPolicyContract(RuleBasedStateMachine):
     """Most blocks tracked at once (the pool size being modelled)."""
     hash_space = 24
     """Distinct hashes in play; more than ``max_blocks``, so hashes leave and return."""
+    drive_pin_hooks = True
+    """Whether pin and unpin call the policy's pin hooks, if it has them (``False``: never)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,6 +88,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         self.uses: dict[BlockId, int] = {}  # 1 for the insert plus 1 per hit
         self.pinned: set[BlockId] = set()
         self.parents: dict[BlockHash, BlockHash | None] = {}
+        self.hooks = self.drive_pin_hooks and pin_hooks(self.policy) is not None
 
     def make_policy(self) -> EvictionPolicy:
         """Return a fresh policy under test (override this)."""
@@ -142,13 +153,32 @@ class EvictionPolicyContract(RuleBasedStateMachine):
     @rule(pick=_PICK)
     def pin(self, pick: int) -> None:
         """Reference an evictable block, so it may not be evicted."""
-        self.pinned.add(self._pick(self.tracked.keys() - self.pinned, pick))
+        block = self._pick(self.tracked.keys() - self.pinned, pick)
+        if self.hooks:
+            for policy in self.policies():
+                policy.on_pin(block)
+        self.pinned.add(block)
 
     @precondition(lambda self: self.pinned)
     @rule(pick=_PICK)
     def unpin(self, pick: int) -> None:
-        """Drop the reference on a pinned block."""
-        self.pinned.discard(self._pick(self.pinned, pick))
+        """Drop the reference on a pinned block; it must be selectable again."""
+        block = self._pick(self.pinned, pick)
+        if self.hooks:
+            for policy in self.policies():
+                policy.on_unpin(block)
+        self.pinned.discard(block)
+        available = [b for b in self.tracked if b not in self.pinned]
+        victims = self.clone_policy(self.policy).select_victims(len(available), self.is_evictable)
+        assert victims is not None and block in victims, (
+            f"after unpinning block {block!r}, selecting all {len(available)} evictable blocks "
+            f"{available} returned {victims}: the unpinned block was lost")
+
+    @precondition(lambda self: self.pinned)
+    @rule(pick=_PICK)
+    def remove_pinned(self, pick: int) -> None:
+        """Remove a pinned block (``on_remove`` may follow ``on_pin`` without ``on_unpin``)."""
+        self._forget(self._pick(self.pinned, pick))
 
     @precondition(lambda self: len(self.pinned) < len(self.tracked))
     @rule(pick=_PICK)
@@ -214,6 +244,10 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """Clones of ``before`` and ``after`` evict every block in the same order."""
         left = set(self.tracked)
         first, second = self.clone_policy(before), self.clone_policy(after)
+        if self.hooks:  # pinned blocks may be set aside: release them to drain everything
+            for block in sorted(self.pinned):
+                first.on_unpin(block)
+                second.on_unpin(block)
         while left:
             a = first.select_victims(1, left.__contains__)
             b = second.select_victims(1, left.__contains__)

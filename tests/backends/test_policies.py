@@ -271,6 +271,109 @@ def test_s3fifo_skips_pinned_blocks():
     assert len(policy) == 3
 
 
+def test_s3fifo_sets_pinned_blocks_aside():
+    """Pinned blocks are never shown to is_evictable and return at their queue's new end."""
+    policy = S3FIFOPolicy(capacity=10)
+    _fill(policy, range(5))
+    policy.on_access(1)
+    policy.on_pin(1)
+    policy.on_pin(2)
+    asked = []
+    assert _evict(policy, 1, lambda b: asked.append(b) or True) == [0]
+    assert 1 not in asked and 2 not in asked
+    assert policy.pinned == (1, 2) and policy.small == (3, 4)
+    policy.on_unpin(1)
+    assert policy.small == (3, 4, 1)
+    assert _evict(policy, 2) == [3, 4]
+    # 1 kept its hit while pinned: promoted to main on the way, evicted from there
+    assert _evict(policy, 1) == [1] and _h(1) not in policy.ghost
+    assert policy.select_victims(1, _all) is None  # only 2 is left, pinned
+    policy.on_remove(2)  # a pinned block may be removed: it leaves its hash in the ghost
+    assert policy.pinned == () and _h(2) in policy.ghost
+
+
+def test_s3fifo_pin_misuse_raises_pool_usage_error():
+    """Pinning an untracked or pinned block, or unpinning an unpinned one, quotes the block."""
+    policy = S3FIFOPolicy()
+    policy.on_insert(3, _h(3), None)
+    with pytest.raises(PoolUsageError, match="block 7 is not tracked"):
+        policy.on_pin(7)
+    with pytest.raises(PoolUsageError, match=r"on_unpin\(3\): block 3 is not pinned"):
+        policy.on_unpin(3)
+    policy.on_pin(3)
+    with pytest.raises(PoolUsageError, match=r"on_pin\(3\): block 3 is already pinned"):
+        policy.on_pin(3)
+    with pytest.raises(PoolUsageError, match="block 7 is not tracked"):
+        policy.on_unpin(7)
+    assert policy.pinned == (3,) and len(policy) == 1
+    policy.check_invariants()
+
+
+_S3_OPS = st.lists(st.tuples(st.sampled_from(["insert", "insert", "access", "pin", "pin", "unpin",
+                                              "remove", "select", "select"]),
+                             st.integers(0, 63)), max_size=60)
+
+
+@given(_S3_OPS)
+def test_s3fifo_parking_keeps_queue_and_frequency(ops):
+    """A pinned block is never scanned, and returns to the end of its own queue with its hits."""
+    policy = S3FIFOPolicy(capacity=8, small_ratio=0.25)
+    _fill(policy, range(8))
+    for b in range(4):
+        policy.on_access(b)
+    _evict(policy, 4)  # warm up: hit blocks promoted to main, the rest into the ghost
+    tracked = {b: _h(b) for b in (*policy.small, *policy.main)}
+    pinned = {}  # block -> (queue, frequency) expected when it is unpinned
+    asked = []  # blocks the current selection asked about
+
+    def queue_of(block):
+        return "S" if block in policy.small else "M" if block in policy.main else None
+
+    def is_evictable(block):
+        asked.append(block)
+        return block not in pinned
+
+    for op, x in ops:
+        candidates = sorted({"insert": set(range(8)) - tracked.keys(),
+                             "pin": tracked.keys() - pinned.keys(),
+                             "unpin": pinned.keys()}.get(op, tracked))
+        b = candidates[x % len(candidates)] if candidates else None
+        if op == "insert" and b is not None:
+            # ten hashes for eight blocks, so evicted hashes return (ghost hits fill main)
+            taken = set(tracked.values())
+            tracked[b] = next(_h(k % 10) for k in range(x, x + 10) if _h(k % 10) not in taken)
+            policy.on_insert(b, tracked[b], None)
+        elif op == "access" and b is not None:
+            policy.on_access(b)
+            if b in pinned:
+                queue, freq = pinned[b]
+                pinned[b] = queue, min(freq + 1, 3)
+        elif op == "pin" and b is not None:
+            pinned[b] = queue_of(b), policy._freq[b]
+            policy.on_pin(b)
+            assert queue_of(b) is None and b in policy.pinned
+        elif op == "unpin" and b is not None:
+            queue, freq = pinned.pop(b)
+            policy.on_unpin(b)
+            assert (policy.small if queue == "S" else policy.main)[-1] == b, (b, queue)
+            assert policy._freq[b] == freq, (b, policy._freq[b], freq)
+        elif op == "remove" and b is not None:
+            policy.on_remove(b)
+            del tracked[b]
+            pinned.pop(b, None)
+        elif op == "select":
+            asked.clear()
+            victims = policy.select_victims(1 + x % 3, is_evictable)
+            scanned = set(asked) & pinned.keys()
+            assert not scanned, f"selection scanned pinned blocks {scanned}"
+            for victim in victims or ():
+                assert victim in tracked and victim not in pinned, victim
+                policy.on_remove(victim)
+                del tracked[victim]
+        assert len(policy) == len(tracked) and set(policy.pinned) == pinned.keys()
+        policy.check_invariants()
+
+
 # --- OPT ---------------------------------------------------------------------
 
 

@@ -27,7 +27,12 @@ def state(pool):
 
 def cached_pool(num_blocks, hashes):
     """A pool whose first ``len(hashes)`` blocks are ready, unreferenced, in LRU order 0, 1, ..."""
-    pool = BlockPool(num_blocks)
+    return cached_pool_with(LRUPolicy(), hashes, num_blocks)
+
+
+def cached_pool_with(policy, hashes, num_blocks=4):
+    """A pool run by ``policy`` whose first ``len(hashes)`` blocks are ready and unreferenced."""
+    pool = BlockPool(num_blocks, eviction=policy)
     blocks = pool.allocate(len(hashes))
     assert pool.commit(blocks, hashes) == [True] * len(hashes)
     pool.decref(blocks)
@@ -56,6 +61,16 @@ class RecordingLRU(LRUPolicy):
         super().on_remove(block)
 
 
+class RecordingPinLRU(RecordingLRU):
+    """RecordingLRU with the optional pin hooks, recorded too."""
+
+    def on_pin(self, block):
+        self.calls.append(("pin", block))
+
+    def on_unpin(self, block):
+        self.calls.append(("unpin", block))
+
+
 # -- construction -------------------------------------------------------------
 
 
@@ -74,6 +89,18 @@ def test_eviction_must_be_an_empty_policy():
     used.on_insert(0, 1, None)
     with pytest.raises(ConfigError, match="already tracks 1 blocks"):
         BlockPool(4, eviction=used)
+
+
+@pytest.mark.parametrize(("hooks", "message"), [
+    ({"on_pin": lambda self, block: None}, "on_unpin=None"),
+    ({"on_unpin": lambda self, block: None}, "on_pin=None"),
+    ({"on_pin": 3, "on_unpin": lambda self, block: None}, "on_pin=3"),
+])
+def test_half_a_pair_of_pin_hooks_is_a_config_error(hooks, message):
+    """A policy with one pin hook, or a hook that is not callable, is rejected quoting it."""
+    policy = type("HalfHooked", (LRUPolicy,), hooks)()
+    with pytest.raises(ConfigError, match=f"HalfHooked needs both pin hooks.*{message}"):
+        BlockPool(4, eviction=policy)
 
 
 def test_defaults_and_protocol():
@@ -310,6 +337,51 @@ def test_bad_commits_quote_the_value_and_change_nothing(blocks, hashes, parents,
     with pytest.raises(error, match=message):
         pool.commit(blocks, hashes, parents)
     assert state(pool) == before
+
+
+def test_pin_hooks_hear_every_refcount_transition_of_a_ready_block():
+    """on_pin at 0 -> 1 and after commit, on_unpin at 1 -> 0, and at no other refcount change."""
+    policy = RecordingPinLRU()
+    pool = BlockPool(4, eviction=policy)
+    a, b, c = pool.allocate(3)
+    assert policy.calls == []  # allocated blocks are not ready: not tracked, not pinned
+    pool.commit([a, b], [10, 11])
+    assert policy.calls == [("insert", a, 10, None), ("pin", a),
+                            ("insert", b, 11, None), ("pin", b)]
+    policy.calls.clear()
+    pool.incref([a, a])  # 1 -> 3: already pinned
+    pool.decref([a, b, c])  # a 3 -> 2; b 1 -> 0; c is not ready: it empties
+    assert policy.calls == [("unpin", b)]
+    policy.calls.clear()
+    pool.incref([b, b])  # 0 -> 2 in one call: one pin
+    pool.decref([b, a, a, b])  # a 2 -> 0, b 2 -> 0: each unpinned once, in the order they hit 0
+    assert policy.calls == [("pin", b), ("unpin", a), ("unpin", b)]
+    policy.calls.clear()
+    pool.allocate(4)  # evicts a and b, both unpinned: removal only
+    assert sorted(policy.calls) == [("remove", a), ("remove", b)]
+    pool.check_invariants()
+
+
+def test_a_failed_call_tells_the_pin_hooks_nothing():
+    """A rejected incref or decref changes no refcount, so no hook is called."""
+    policy = RecordingPinLRU()
+    pool = cached_pool_with(policy, [10, 11])
+    pool.allocate(1)
+    policy.calls.clear()
+    with pytest.raises(RefcountError):
+        pool.incref([0, 3])  # 3 is empty
+    with pytest.raises(RefcountError):
+        pool.decref([2, 0])  # 0 is unreferenced
+    assert policy.calls == []
+
+
+def test_a_subclass_can_opt_out_of_its_parents_pin_hooks():
+    """Hooks set to None are absent: the pool never calls them, the policy skips pinned blocks."""
+    policy = type("Hookless", (RecordingPinLRU,), {"on_pin": None, "on_unpin": None})()
+    pool = cached_pool_with(policy, [10, 11])
+    pool.incref([0])
+    assert pool.allocate(3) == [2, 3, 1]
+    assert not any(call[0] in ("pin", "unpin") for call in policy.calls)
 
 
 def test_lookup_returns_the_longest_ready_prefix_and_is_pure():

@@ -2,10 +2,12 @@
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from kvkit.backends.allocator import BlockPool
 from kvkit.backends.eviction.lru import LRUPolicy
+from kvkit.backends.eviction.s3fifo import S3FIFOPolicy
+from kvkit.errors import PoolUsageError
 from kvkit.testing import AllocatorContract
 
 
@@ -15,6 +17,27 @@ class BlockPoolContract(AllocatorContract):
 
 
 TestBlockPool = BlockPoolContract.TestCase
+
+
+class PinnedBlockPoolContract(AllocatorContract):
+    """The pool with S3-FIFO, which sets pinned blocks aside: its pins must mirror the refcounts."""
+
+    def make_allocator(self, num_blocks):
+        return BlockPool(num_blocks, eviction=S3FIFOPolicy())
+
+    @invariant()
+    def policy_pins_exactly_the_referenced_ready_blocks(self):
+        """The pool called on_pin and on_unpin at exactly the refcount transitions."""
+        if self.pool is None:
+            return
+        pool = self.pool
+        held = {b for b in range(self.num_blocks) if pool.refcount(b) and pool.is_ready(b)}
+        pinned = set(pool.policy.pinned)
+        assert pinned == held, \
+            f"policy holds {sorted(pinned)} pinned, referenced ready: {sorted(held)}"
+
+
+TestPinnedBlockPool = PinnedBlockPoolContract.TestCase
 
 
 # -- deliberately broken allocators: each must fail the contract ---------------------------
@@ -57,6 +80,20 @@ class PartialAllocate(BlockPool):
         pass
 
 
+class SkipsPinOnCommit(BlockPool):
+    """Commits without telling the policy that the committed blocks are in use."""
+
+    def commit(self, blocks, hashes, parents=None):
+        hook, self._on_pin = self._on_pin, None
+        try:
+            return super().commit(blocks, hashes, parents)
+        finally:
+            self._on_pin = hook
+
+    def check_invariants(self):
+        pass
+
+
 FIND_BUGS = settings(
     max_examples=500, stateful_step_count=30, deadline=None, database=None, derandomize=True,
     phases=[Phase.generate], suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
@@ -86,3 +123,16 @@ def test_contract_needs_make_allocator():
     """The bare contract refuses to run without an allocator factory."""
     with pytest.raises(NotImplementedError, match="make_allocator"):
         run_state_machine_as_test(AllocatorContract, settings=FIND_BUGS)
+
+
+def test_contract_catches_a_pool_that_skips_a_pin():
+    """A pool that forgets on_pin after commit puts the policy's pins out of step with refcounts."""
+
+    class Contract(PinnedBlockPoolContract):
+        def make_allocator(self, num_blocks):
+            return SkipsPinOnCommit(num_blocks, eviction=S3FIFOPolicy())
+
+    # Either the invariant sees it, or S3-FIFO refuses the unpin of a block it never saw pinned.
+    symptom = "pinned, referenced ready|not pinned"
+    with pytest.raises((AssertionError, PoolUsageError), match=symptom):
+        run_state_machine_as_test(Contract, settings=FIND_BUGS)

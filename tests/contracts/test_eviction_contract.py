@@ -74,6 +74,13 @@ class S3FIFOPolicyContract(EvictionPolicyContract):
 TestS3FIFO = S3FIFOPolicyContract.TestCase
 
 
+class S3FIFOWithoutPinHooksContract(S3FIFOPolicyContract):
+    drive_pin_hooks = False  # a driver that never pins: S3-FIFO must skip pinned blocks itself
+
+
+TestS3FIFOWithoutPinHooks = S3FIFOWithoutPinHooksContract.TestCase
+
+
 class OptimalPolicyContract(EvictionPolicyContract):
     """OPT's future is a fixed random string over the contract's hashes, observed by a rule."""
 
@@ -176,10 +183,61 @@ class _MutatesOnFailure(_RecencyList):
         return taken
 
 
-def _contract_for(policy_type: type, base: type = EvictionPolicyContract) -> type:
+class _SetsPinsAside(_RecencyList):
+    """A correct policy with pin hooks: pinned blocks leave the order and return at its hot end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aside: dict[BlockId, None] = {}
+
+    def on_pin(self, block: BlockId) -> None:
+        del self.order[block]
+        self.aside[block] = None
+
+    def on_unpin(self, block: BlockId) -> None:
+        del self.aside[block]
+        self.order[block] = None
+
+    def on_access(self, block: BlockId) -> None:
+        if block in self.order:
+            self.order.move_to_end(block)
+
+    def on_remove(self, block: BlockId) -> None:
+        if self.aside.pop(block, False) is False:
+            del self.order[block]
+
+    def __len__(self) -> int:
+        return len(self.order) + len(self.aside)
+
+
+class _LosesUnpinned(_SetsPinsAside):
+    """Counts an unpinned block but never puts it back where selection looks."""
+
+    def on_unpin(self, block: BlockId) -> None:
+        del self.aside[block]
+        self.aside[-1 - block] = None  # still counted, never selectable
+
+    def on_remove(self, block: BlockId) -> None:
+        if self.aside.pop(block, False) is False and self.aside.pop(-1 - block, False) is False:
+            del self.order[block]
+
+
+class _TrustsThePins(_SetsPinsAside):
+    """Relies on the hooks alone: picks the coldest blocks of its order without asking."""
+
+    def select_victims(self, n, is_evictable):
+        if sum(map(is_evictable, self.order)) < n:
+            return None
+        return list(self.order)[:n]
+
+
+def _contract_for(policy_type: type, base: type = EvictionPolicyContract,
+                  drive_pin_hooks: bool = True) -> type:
     class Contract(base):
         def make_policy(self):
             return policy_type()
+
+    Contract.drive_pin_hooks = drive_pin_hooks
 
     Contract.__name__ = f"{policy_type.__name__.strip('_')}Contract"
     return Contract
@@ -230,3 +288,23 @@ def test_exact_order_contracts_accept_the_reference_policies():
 
     run_state_machine_as_test(_contract_for(_RecencyList, LRUContract))
     run_state_machine_as_test(_contract_for(_Fifo, FIFOContract))
+
+
+def test_pin_hooks_are_driven_and_checked():
+    """A policy that sets pinned blocks aside passes with and without its hooks driven."""
+    run_state_machine_as_test(_contract_for(_SetsPinsAside))
+    run_state_machine_as_test(_contract_for(_SetsPinsAside, drive_pin_hooks=False))
+
+
+def test_catches_a_block_lost_on_unpin():
+    """A policy whose on_unpin loses the block (it is never selectable again) fails."""
+    symptom = "block was lost|draining chose None|returned None, yet"
+    with pytest.raises(AssertionError, match=symptom):
+        _hunt(_contract_for(_LosesUnpinned))
+
+
+def test_catches_a_policy_that_needs_its_pin_hooks():
+    """Ignoring is_evictable passes while hooks are driven, fails for a driver that never pins."""
+    run_state_machine_as_test(_contract_for(_TrustsThePins))
+    with pytest.raises(AssertionError, match="is pinned"):
+        _hunt(_contract_for(_TrustsThePins, drive_pin_hooks=False))
