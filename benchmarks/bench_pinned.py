@@ -15,7 +15,7 @@ pinned blocks by scanning, as every policy did before the hooks). Times are the
 whole replay and the time inside ``allocate`` (where victims are selected), each
 as a ratio to LRU's in the same run.
 
-    python benchmarks/bench_pinned.py [--ops N] [--pinned 0.9] [--policies lru,s3fifo] [--json]
+    python benchmarks/bench_pinned.py [--requests N] [--pinned 0.9] [--policies lru,s3fifo] [--json]
 """
 
 from __future__ import annotations

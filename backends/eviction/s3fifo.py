@@ -23,6 +23,7 @@ from kvkit.interfaces.types import BlockHash, BlockId
 __all__ = ["S3FIFOPolicy"]
 
 _MAX_FREQ = 3  # two bits per block, as in the paper
+_ABSENT = object()
 
 
 def _capacity(inst: object, attribute: attrs.Attribute, value: int | None) -> None:
@@ -151,30 +152,21 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def on_pin(self, block: BlockId) -> None:
         """Set a tracked block in use aside, keeping its queue and frequency."""
-        block_hash = self._small.pop(block, None)
-        if block_hash is not None:
-            self._pinned_small[block] = block_hash
-            return
-        block_hash = self._main.pop(block, None)
-        if block_hash is not None:
-            self._pinned_main[block] = block_hash
-            return
-        if block in self._freq:
-            raise pin_mismatch(self, block, pinned=True)
-        raise not_tracked(self, block)
+        self._move(block, ((self._small, self._pinned_small), (self._main, self._pinned_main)), pinned=True)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a pinned block back at its queue's new end, as a block just used."""
-        block_hash = self._pinned_small.pop(block, None)
-        if block_hash is not None:
-            self._small[block] = block_hash
-            return
-        block_hash = self._pinned_main.pop(block, None)
-        if block_hash is not None:
-            self._main[block] = block_hash
-            return
+        self._move(block, ((self._pinned_small, self._small), (self._pinned_main, self._main)), pinned=False)
+
+    def _move(self, block: BlockId, moves: tuple[tuple[dict, dict], ...], *, pinned: bool) -> None:
+        """Move ``block`` from the first ``(source, target)`` pair's source holding it to its target."""
+        for source, target in moves:
+            block_hash = source.pop(block, _ABSENT)
+            if block_hash is not _ABSENT:
+                target[block] = block_hash
+                return
         if block in self._freq:
-            raise pin_mismatch(self, block, pinned=False)
+            raise pin_mismatch(self, block, pinned=pinned)
         raise not_tracked(self, block)
 
     @override
