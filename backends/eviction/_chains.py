@@ -9,7 +9,7 @@ orphans first and to evict a block's cached descendants before the block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 
 import attrs
 
@@ -108,14 +108,15 @@ class ChainIndex:
         return len(self._hash)
 
     def collect(self, root: BlockId, is_evictable: Callable[[BlockId], bool],
-                chosen: dict[BlockId, None], n: int) -> None:
+                chosen: dict[BlockId, None], n: int, parked: Container[BlockId] = ()) -> None:
         """Add ``root``'s subtree to ``chosen``, descendants before ancestors, until ``n`` are chosen.
 
         Walks the tracked blocks below ``root`` depth first and appends each
         evictable, not yet chosen block after all of its descendants (post
         order), so a chosen block's evictable descendants are always chosen
         before it. Blocks that may not be evicted are skipped, their subtrees
-        are not.
+        are not. Blocks in ``parked`` (set aside by a policy's pin hooks) are
+        not evictable and are skipped without asking ``is_evictable``.
         """
         children, hashes = self._children, self._hash
         stack: list[tuple[BlockId, bool]] = [(root, False)]
@@ -123,7 +124,7 @@ class ChainIndex:
         while stack and len(chosen) < n:
             block, expanded = stack.pop()
             if expanded:
-                if block not in chosen and is_evictable(block):
+                if block not in chosen and block not in parked and is_evictable(block):
                     chosen[block] = None
             elif block not in seen:
                 seen.add(block)

@@ -12,10 +12,13 @@ __all__ = [
     "already_tracked",
     "check_count",
     "hash_already_tracked",
+    "move_pinned",
     "not_tracked",
     "pin_mismatch",
     "take_evictable",
 ]
+
+_ABSENT = object()
 
 
 def check_count(n: int) -> None:
@@ -46,6 +49,27 @@ def pin_mismatch(policy: object, block: BlockId, pinned: bool) -> PoolUsageError
     call, state = ("on_pin", "already pinned") if pinned else ("on_unpin", "not pinned")
     return PoolUsageError(
         f"{call}({block!r}): block {block!r} is {state} in {type(policy).__name__}")
+
+
+def move_pinned(policy: object, block: BlockId, moves: Iterable[tuple[dict, dict]], *, pinned: bool) -> None:
+    """Move ``block`` and its value from the first ``(source, target)`` source holding it to its target.
+
+    The one step of every policy's ``on_pin`` (``pinned=True``: sources are the
+    evictable containers) and ``on_unpin`` (the reverse).
+
+    Raises:
+        PoolUsageError: ``block`` already sits in a target (pinned twice, or
+            unpinned while not pinned), or in no container at all.
+    """
+    moves = tuple(moves)
+    for source, target in moves:
+        value = source.pop(block, _ABSENT)
+        if value is not _ABSENT:
+            target[block] = value
+            return
+    if any(block in target for _, target in moves):
+        raise pin_mismatch(policy, block, pinned=pinned)
+    raise not_tracked(policy, block)
 
 
 def take_evictable(candidates: Iterable[BlockId], n: int,

@@ -10,7 +10,7 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.eviction._chains import ChainIndex
-from kvkit.backends.eviction._common import check_count, not_tracked
+from kvkit.backends.eviction._common import check_count, move_pinned, not_tracked
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
@@ -42,13 +42,28 @@ class PrefixLRUPolicy(EvictionPolicy):
     in a row and the gain is small. Its rules are shared by
     :class:`~kvkit.backends.eviction.hit_density.HitDensityPolicy`.
 
+    Pinned blocks: with the pin hooks (a pool calls them), a block in use
+    leaves the recency list on :meth:`on_pin` and is *parked*, so selections
+    never scan it or ask ``is_evictable`` about it; it stays in the chain
+    index (its children are no orphans, and the walk below a root passes
+    through it to its evictable descendants). On :meth:`on_unpin` it
+    re-enters at the recent end, as a block just used. A driver that never
+    pins gets the scanning behaviour above.
+
     Invariants:
-        * The recency list holds exactly the tracked blocks.
+        * The recency list and the parked blocks split the tracked blocks.
         * The chain index's invariants (children by parent hash, orphans).
     """
 
     _order: OrderedDict[BlockId, None] = attrs.field(init=False, factory=OrderedDict)
+    # Pinned blocks set aside from the recency list (on_pin), in pin order.
+    _parked: dict[BlockId, None] = attrs.field(init=False, factory=dict)
     _chains: ChainIndex = attrs.field(init=False, factory=ChainIndex)
+
+    @property
+    def pinned(self) -> tuple[BlockId, ...]:
+        """Blocks parked by :meth:`on_pin`, in pin order."""
+        return tuple(self._parked)
 
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
@@ -61,34 +76,46 @@ class PrefixLRUPolicy(EvictionPolicy):
         try:
             self._order.move_to_end(block)
         except KeyError:
-            raise not_tracked(self, block) from None
+            if block not in self._parked:  # a parked block re-enters as just used anyway
+                raise not_tracked(self, block) from None
 
     @override
     def on_remove(self, block: BlockId) -> None:
         self._chains.remove(self, block)
-        del self._order[block]
+        if self._parked.pop(block, False) is False:
+            del self._order[block]
+
+    def on_pin(self, block: BlockId) -> None:
+        """Park a tracked block in use: out of the recency list, still in the chain index."""
+        move_pinned(self, block, ((self._order, self._parked),), pinned=True)
+
+    def on_unpin(self, block: BlockId) -> None:
+        """Put a parked block back at the recent end, as a block just used."""
+        move_pinned(self, block, ((self._parked, self._order),), pinned=False)
 
     @override
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
         chosen: dict[BlockId, None] = {}
+        parked = self._parked
         roots = (b for source in (self._chains.orphans(), self._order) for b in source)
         for root in roots:
             if len(chosen) == n:
                 break
-            if root not in chosen and is_evictable(root):
-                self._chains.collect(root, is_evictable, chosen, n)
+            if root not in chosen and root not in parked and is_evictable(root):
+                self._chains.collect(root, is_evictable, chosen, n, parked)
         return list(chosen) if len(chosen) == n else None
 
     @override
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._parked)
 
     @override
     def check_invariants(self) -> None:
-        assert len(self._chains) == len(self._order), "recency list and chain index differ"
-        for block in self._order:
+        assert len(self._chains) == len(self), "recency list, parked blocks and chain index differ"
+        assert self._parked.keys().isdisjoint(self._order), "a parked block is in the recency list"
+        for block in (*self._order, *self._parked):
             assert operator.index(block) >= 0, f"negative tracked block {block!r}"
             assert self._chains.tracks(block), f"block {block} is not in the chain index"
         self._chains.check_invariants()

@@ -13,7 +13,7 @@ from kvkit.backends.eviction._common import (
     already_tracked,
     check_count,
     not_tracked,
-    pin_mismatch,
+    move_pinned,
     take_evictable,
 )
 from kvkit.errors import ConfigError
@@ -23,7 +23,6 @@ from kvkit.interfaces.types import BlockHash, BlockId
 __all__ = ["S3FIFOPolicy"]
 
 _MAX_FREQ = 3  # two bits per block, as in the paper
-_ABSENT = object()
 
 
 def _capacity(inst: object, attribute: attrs.Attribute, value: int | None) -> None:
@@ -152,22 +151,11 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def on_pin(self, block: BlockId) -> None:
         """Set a tracked block in use aside, keeping its queue and frequency."""
-        self._move(block, ((self._small, self._pinned_small), (self._main, self._pinned_main)), pinned=True)
+        move_pinned(self, block, ((self._small, self._pinned_small), (self._main, self._pinned_main)), pinned=True)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a pinned block back at its queue's new end, as a block just used."""
-        self._move(block, ((self._pinned_small, self._small), (self._pinned_main, self._main)), pinned=False)
-
-    def _move(self, block: BlockId, moves: tuple[tuple[dict, dict], ...], *, pinned: bool) -> None:
-        """Move ``block`` from the first ``(source, target)`` pair's source holding it to its target."""
-        for source, target in moves:
-            block_hash = source.pop(block, _ABSENT)
-            if block_hash is not _ABSENT:
-                target[block] = block_hash
-                return
-        if block in self._freq:
-            raise pin_mismatch(self, block, pinned=pinned)
-        raise not_tracked(self, block)
+        move_pinned(self, block, ((self._pinned_small, self._small), (self._pinned_main, self._main)), pinned=False)
 
     @override
     def select_victims(self, n: int,

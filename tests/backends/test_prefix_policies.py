@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -19,18 +20,22 @@ from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.policy_study import replay
 from kvkit.traces import TraceRequest
 
-POLICIES = [PrefixLRUPolicy, HitDensityPolicy, lambda: HitDensityPolicy(capacity=4, ghost_span=1)]
+HIT_DENSITY = [HitDensityPolicy, lambda: HitDensityPolicy(capacity=4, ghost_span=1)]
+POLICIES = [PrefixLRUPolicy, *HIT_DENSITY]
 
 
 class Forest:
     """A pool's view of a policy: tracked blocks with chain parents, pins and recency.
 
     Block ids are never reused; hashes are, when an evicted hash is inserted
-    again under its old parent (as content hashes are).
+    again under its old parent (as content hashes are). With ``hooks`` pins
+    call the policy's pin hooks, and the policy must never ask about a pinned
+    block (:meth:`ask`).
     """
 
-    def __init__(self, policy: EvictionPolicy) -> None:
+    def __init__(self, policy: EvictionPolicy, hooks: bool = False) -> None:
         self.policy = policy
+        self.hooks = hooks
         self.hash_of: dict[int, int] = {}  # tracked block -> hash
         self.parent_of_hash: dict[int, int | None] = {}  # every hash ever inserted
         self.pinned: set[int] = set()
@@ -57,6 +62,22 @@ class Forest:
 
     def is_evictable(self, block: int) -> bool:
         return block in self.hash_of and block not in self.pinned
+
+    def ask(self, block: int) -> bool:
+        """``is_evictable`` as the policy sees it: with hooks, pinned blocks are off limits."""
+        assert not (self.hooks and block in self.pinned), f"asked about parked block {block}"
+        return self.is_evictable(block)
+
+    def pin(self, block: int) -> None:
+        if block not in self.pinned:
+            if self.hooks:
+                self.policy.on_pin(block)
+            self.pinned.add(block)
+
+    def unpin(self, block: int) -> None:
+        if self.hooks:
+            self.policy.on_unpin(block)
+        self.pinned.remove(block)
 
     def orphans(self) -> list[int]:
         return [b for b, h in self.hash_of.items()
@@ -91,9 +112,9 @@ ops = st.lists(st.one_of(
 
 
 def drive(policy: EvictionPolicy, script: list[tuple],
-          check: Callable[[Forest, int, list[int]], None]) -> None:
+          check: Callable[[Forest, int, list[int]], None], hooks: bool = False) -> None:
     """Run ``script`` on ``policy``; ``check(forest, n, victims)`` sees every successful selection."""
-    f = Forest(policy)
+    f = Forest(policy, hooks)
     fresh = iter(range(1_000_000, 2_000_000))
     for op, *args in script:
         tracked = sorted(f.hash_of)
@@ -111,19 +132,20 @@ def drive(policy: EvictionPolicy, script: list[tuple],
                 f.insert(h, f.parent_of_hash[h])
         elif op == "select":
             n = min(args[0], sum(map(f.is_evictable, tracked)))
-            victims = policy.select_victims(n, f.is_evictable)
+            victims = policy.select_victims(n, f.ask)
             assert victims is not None and len(set(victims)) == n
             check(f, n, victims)
             for v in victims:
                 f.remove(v)
+        elif op == "unpin":
+            if f.pinned:
+                f.unpin(sorted(f.pinned)[args[0] % len(f.pinned)])
         elif tracked:
             block = tracked[args[0] % len(tracked)]
             if op == "access":
                 f.access(block)
             elif op == "pin":
-                f.pinned.add(block)
-            elif op == "unpin":
-                f.pinned.discard(block)
+                f.pin(block)
             elif block not in f.pinned:  # remove, as a reset would: may leave orphans
                 f.remove(block)
         policy.check_invariants()
@@ -145,18 +167,21 @@ def _orphans_first(f: Forest, n: int, victims: list[int]) -> None:
     assert set(victims[:k]) <= first, f"victims {victims[:k]} taken before orphan subtrees {first}"
 
 
+@pytest.mark.parametrize("hooks", [False, True])
 @pytest.mark.parametrize("make", POLICIES)
 @given(script=ops)
-def test_a_victim_never_leaves_an_evictable_descendant_behind(make, script):
+def test_a_victim_never_leaves_an_evictable_descendant_behind(make, hooks, script):
     """Every evictable descendant of a victim is a victim too, chosen before it."""
-    drive(make(), script, _leaves_first)
+    drive(make(), script, _leaves_first, hooks)
 
 
+@pytest.mark.parametrize("hooks", [False, True])
 @pytest.mark.parametrize("make", POLICIES)
 @given(script=ops)
-def test_orphans_go_first(make, script):
+@example(script=[("chain", "orphan", 0, 1), ("chain", "root", 0, 1), ("pin", 0), ("select", 1)])
+def test_orphans_go_first(make, hooks, script):
     """While an evictable orphan (parent hash not cached) exists, its subtree goes first."""
-    drive(make(), script, _orphans_first)
+    drive(make(), script, _orphans_first, hooks)
 
 
 def _lru_root(f: Forest, n: int, victims: list[int]) -> None:
@@ -266,6 +291,70 @@ def test_hit_density_learns_to_evict_a_fresh_one_off_before_an_older_reused_bloc
     lru.on_access(block)
     lru.on_insert(block + 1, 8, None)
     assert lru.select_victims(1, lambda b: True) == [block]
+
+
+class _ParkingWitness:
+    """A hit-density policy driven with pin hooks, beside a twin that never hears of pins.
+
+    Forwards every call to both (selections and hooks to the policy only) and
+    checks that parking keeps a block's counters: every tracked block has the
+    twin's class (reuse count and parenthood, however many hits or children
+    it got while parked) and density (age and learned model), a parked block
+    sits in no class list, and an unpinned one is back at the young end of
+    its class's list.
+    """
+
+    def __init__(self, policy: HitDensityPolicy) -> None:
+        self.policy, self.twin = policy, copy.deepcopy(policy)
+        self.tracked: set[int] = set()
+
+    def on_insert(self, block: int, block_hash: int, parent: int | None) -> None:
+        self.policy.on_insert(block, block_hash, parent)
+        self.twin.on_insert(block, block_hash, parent)
+        self.tracked.add(block)
+
+    def on_access(self, block: int) -> None:
+        self.policy.on_access(block)
+        self.twin.on_access(block)
+
+    def on_remove(self, block: int) -> None:
+        self.policy.on_remove(block)
+        self.twin.on_remove(block)
+        self.tracked.discard(block)
+
+    def on_pin(self, block: int) -> None:
+        self.policy.on_pin(block)
+        assert block in self.policy.pinned
+
+    def on_unpin(self, block: int) -> None:
+        policy = self.policy
+        policy.on_unpin(block)
+        cls = policy.class_of(block)
+        assert policy.class_blocks(cls)[-1] == block, f"unpinned {block} not young in class {cls}"
+
+    def select_victims(self, n: int, is_evictable: Callable[[int], bool]) -> list[int] | None:
+        return self.policy.select_victims(n, is_evictable)
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def check_invariants(self) -> None:
+        policy = self.policy
+        policy.check_invariants()
+        self.twin.check_invariants()
+        listed = {b for cls in range(block_class(3, True) + 1) for b in policy.class_blocks(cls)}
+        assert listed.isdisjoint(policy.pinned), f"listed parked {listed & set(policy.pinned)}"
+        for block in self.tracked:
+            mine = policy.class_of(block), policy.density_of(block)
+            twins = self.twin.class_of(block), self.twin.density_of(block)
+            assert mine == twins, f"block {block} has (class, density) {mine}, its twin {twins}"
+
+
+@pytest.mark.parametrize("make", HIT_DENSITY)
+@given(script=ops)
+def test_hit_density_parks_a_pinned_block_and_returns_it_to_its_class(make, script):
+    """A parked block is never asked about, keeps its hookless twin's class, and returns young."""
+    drive(_ParkingWitness(make()), script, lambda f, n, victims: None, hooks=True)
 
 
 def test_a_ghost_hit_keeps_the_reuse_count():

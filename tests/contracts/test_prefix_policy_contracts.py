@@ -15,12 +15,26 @@ class PrefixLRUPolicyContract(EvictionPolicyContract):
 TestPrefixLRU = PrefixLRUPolicyContract.TestCase
 
 
+class PrefixLRUWithoutPinHooksContract(PrefixLRUPolicyContract):
+    drive_pin_hooks = False  # a driver that never pins: prefix LRU must skip pinned blocks itself
+
+
+TestPrefixLRUWithoutPinHooks = PrefixLRUWithoutPinHooksContract.TestCase
+
+
 class HitDensityPolicyContract(EvictionPolicyContract):
     def make_policy(self):
         return HitDensityPolicy()
 
 
 TestHitDensity = HitDensityPolicyContract.TestCase
+
+
+class HitDensityWithoutPinHooksContract(HitDensityPolicyContract):
+    drive_pin_hooks = False  # a driver that never pins: hit density must skip pinned blocks itself
+
+
+TestHitDensityWithoutPinHooks = HitDensityWithoutPinHooksContract.TestCase
 
 
 def _trained(policy: HitDensityPolicy) -> HitDensityPolicy:
@@ -46,3 +60,10 @@ class LearningHitDensityPolicyContract(EvictionPolicyContract):
 
 
 TestLearningHitDensity = LearningHitDensityPolicyContract.TestCase
+
+
+class LearningHitDensityWithoutPinHooksContract(LearningHitDensityPolicyContract):
+    drive_pin_hooks = False
+
+
+TestLearningHitDensityWithoutPinHooks = LearningHitDensityWithoutPinHooksContract.TestCase
