@@ -26,7 +26,7 @@ import click
 import numpy as np
 import torch
 
-from kvkit.errors import ConfigError
+from kvkit.errors import ConfigError, SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, TransferPlan
 from kvkit.layouts import allocate_kv, kv_nbytes, kv_views, regions_for
@@ -67,8 +67,8 @@ class Rig:
 
     @classmethod
     def allocate(cls, spec: KVCacheSpec, layout: str, num_blocks: int, device: torch.device,
-                 alloc: str = "buffer", seed: int = 0) -> Rig:
-        """Allocate and fill both tiers (``device`` is where the GPU tier lives)."""
+                 alloc: str = "buffer", seed: int = 0, cpu_layout: str | None = None) -> Rig:
+        """Allocate and fill both tiers: the GPU tier on ``device``, the CPU tier in ``cpu_layout`` (default ``layout``)."""
         gen = torch.Generator(device=device).manual_seed(seed)
         nbytes = kv_nbytes(spec, layout, num_blocks)
         if alloc == "buffer":
@@ -85,8 +85,9 @@ class Rig:
         for start in range(0, nbytes, step):  # random bytes made on the device, independent of the GPU tier's
             part = cpu_buf[start:start + step]
             part.copy_(torch.empty(len(part), dtype=torch.uint8, device=device).random_(0, 256, generator=gen))
-        cpu = kv_views(spec, layout, num_blocks, cpu_buf)
-        return cls(spec, layout, num_blocks, device, regions_for(spec, layout, gpu, cpu), [*keep, cpu_buf])
+        cpu = kv_views(spec, cpu_layout or layout, num_blocks, cpu_buf)
+        regions = regions_for(spec, layout, gpu, cpu, cpu_layout=cpu_layout)
+        return cls(spec, layout, num_blocks, device, regions, [*keep, cpu_buf])
 
     @property
     def block_bytes(self) -> int:
@@ -355,7 +356,8 @@ def _print_table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     ceiling = report["ceiling_gbps"]
-    table = Table(title=f"{report['layout']}, {report['blocks']} blocks ({report['ids']} ids), "
+    layouts = report["layout"] + ("" if report["cpu_layout"] == report["layout"] else f" -> {report['cpu_layout']}")
+    table = Table(title=f"{layouts}, {report['blocks']} blocks ({report['ids']} ids), "
                         f"{report['direction']}, {report['block_bytes'] // 1024} KiB/block, "
                         f"piece {report['piece_bytes'] // 1024} KiB; ceiling {ceiling:.1f} GB/s")
     columns = ["backend", "GB/s", "% ceiling", "submit ms", "descriptors", "ok"]
@@ -371,20 +373,28 @@ def _print_table(report: dict[str, Any]) -> None:
             row += [f"{r['gemm_ms']:.3f} ({r['gemm_ms_alone']:.3f})", f"{r['gemm_slowdown']:.3f}x",
                     f"{r['copy_gbps_during_gemm']:.1f}"]
         table.add_row(*row)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for label, why in report["skipped"].items():
+        console.print(f"skipped {label}: {why}")
 
 
 def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-layer", blocks: int = 256,
                  ids: str = "random", direction: str = "d2h", with_gemm: bool = False,
                  pool_blocks: int | None = None, repeat: int = 10, alloc: str = "buffer",
-                 options: dict[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
-    """Everything ``kvkit bench transfer`` measures, as a JSON-able report."""
+                 options: dict[str, Any] | None = None, seed: int = 0,
+                 cpu_layout: str | None = None) -> dict[str, Any]:
+    """Everything ``kvkit bench transfer`` measures, as a JSON-able report.
+
+    With ``backend="all"``, a backend that refuses the rig's regions (``staged``
+    without a cross-layer CPU tier) is listed under ``"skipped"`` with its reason.
+    """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if with_gemm and device.type != "cuda":
         raise ConfigError("--with-gemm needs a CUDA GPU")
     n_dirs = len(_DIRECTIONS[direction])
     pool = pool_blocks or max(2048 if device.type == "cuda" else 64, 2 * blocks * n_dirs)
-    rig = Rig.allocate(spec, layout, pool, device, alloc=alloc, seed=seed)
+    rig = Rig.allocate(spec, layout, pool, device, alloc=alloc, seed=seed, cpu_layout=cpu_layout)
     plans = make_plans(rig, blocks, ids, direction, seed=seed)
     ceiling = measure_ceiling(rig)
     gemm = _Gemm.make(device) if with_gemm else None
@@ -393,19 +403,25 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
         probe = gemm_alone(gemm, 10)
         gemm_count = max(20, int(0.3e3 / probe))  # a ~0.3 s window
         alone = gemm_alone(gemm, gemm_count)
-    results = []
+    results, skipped = [], {}
     for label, factory in _backends(backend, device, options or {}):
         instance = factory()
-        instance.register(rig.regions)
+        try:
+            instance.register(rig.regions)
+        except SpecMismatchError as exc:
+            if backend != "all":
+                raise
+            skipped[label] = str(exc)
+            continue
         results.append(bench_backend(rig, label, instance, plans, repeat=repeat, gemm=gemm,
                                      gemm_count=gemm_count, gemm_alone_ms=alone))
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "layout": layout, "alloc": alloc, "blocks": blocks, "ids": ids, "direction": direction,
+        "layout": layout, "cpu_layout": cpu_layout or layout, "alloc": alloc, "blocks": blocks, "ids": ids, "direction": direction,
         "pool_blocks": pool, "block_bytes": rig.block_bytes,
         "piece_bytes": rig.regions[0].piece_bytes, "regions": len(rig.regions),
         "ceiling_gbps": ceiling["both" if direction == "both" else direction],
-        "ceilings_gbps": ceiling, "gemm_ms_alone": alone, "results": results,
+        "ceilings_gbps": ceiling, "gemm_ms_alone": alone, "results": results, "skipped": skipped,
     }
 
 
@@ -418,6 +434,8 @@ def bench_group() -> None:
 @click.option("--backend", default="all", show_default=True, help="A copy backend name, or 'all' available here.")
 @click.option("--layout", type=click.Choice(["per-layer", "blocks-first", "cross-layer"]), default="per-layer",
               show_default=True)
+@click.option("--cpu-layout", type=click.Choice(["per-layer", "blocks-first", "cross-layer"]), default=None,
+              help="The CPU tier's layout [default: --layout]; the staged backend needs cross-layer.")
 @click.option("--blocks", type=click.IntRange(1), default=256, show_default=True, help="Blocks per plan.")
 @click.option("--ids", type=click.Choice(["random", "consecutive"]), default="random", show_default=True)
 @click.option("--direction", type=click.Choice(list(_DIRECTIONS)), default="d2h", show_default=True,
@@ -437,13 +455,13 @@ def bench_group() -> None:
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--seed", default=0, show_default=True)
-def transfer_command(backend: str, layout: str, blocks: int, ids: str, direction: str, with_gemm: bool,
+def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: int, ids: str, direction: str, with_gemm: bool,
                      as_json: bool, pool_blocks: int | None, repeat: int, alloc: str, settings: tuple[str, ...],
                      layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, seed: int) -> None:
     """Copy-backend GB/s on a KV cache (Llama-3-8B shapes by default), each copy checked."""
     spec = KVCacheSpec(num_layers=layers, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                        dtype=dtype)
-    report = run_transfer(spec, backend=backend, layout=layout, blocks=blocks, ids=ids, direction=direction,
+    report = run_transfer(spec, backend=backend, layout=layout, cpu_layout=cpu_layout, blocks=blocks, ids=ids, direction=direction,
                           with_gemm=with_gemm, pool_blocks=pool_blocks, repeat=repeat, alloc=alloc,
                           options=_parse_options(settings), seed=seed)
     if as_json:

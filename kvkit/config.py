@@ -129,6 +129,9 @@ class StackConfig:
         world_size: workers that must all finish a copy before it counts (>= 1).
         device: ``"cuda"`` (default where available) or ``"cpu"``.
         hash_algorithm: one of :data:`kvkit.hashing.HASH_ALGORITHMS`.
+        cpu_layout: layout of every worker's CPU mirror, a name in
+            :data:`kvkit.layouts.LAYOUTS`; ``None`` (default) mirrors the GPU
+            tier's layout (``build(layout=...)``). Only a stack that moves bytes has one.
         options: per-slot constructor kwargs for named slots, e.g. ``{"store": {"k": 2}}``.
 
     Invariants: a constructed config has no problems; instances given in slots
@@ -151,6 +154,7 @@ class StackConfig:
     world_size: int = 1
     device: str = attrs.field(factory=_default_device)
     hash_algorithm: str = "sha256"
+    cpu_layout: str | None = None
     options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
@@ -161,6 +165,7 @@ class StackConfig:
             *self._component_problems(),
             *self._callback_problems(),
             *self._runtime_problems(),
+            *self._layout_problems(),
         ]
         if problems:
             raise ConfigError(problems)
@@ -304,3 +309,18 @@ class StackConfig:
             problems.append("hash_algorithm='xxh3': needs the xxhash package; "
                             "hint: pip install 'kvkit[fast-hash]'")
         return problems
+
+    def _layout_problems(self) -> list[str]:
+        if self.cpu_layout is None:
+            return []
+        from kvkit.layouts import LAYOUTS, check_layouts  # deferred: imports torch
+
+        if self.cpu_layout not in LAYOUTS:
+            return [f"cpu_layout={self.cpu_layout!r}: unknown KV layout; valid: {', '.join(LAYOUTS)}"
+                    f"{did_you_mean(str(self.cpu_layout), list(LAYOUTS))}"]
+        if isinstance(self.kv, KVCacheSpec):
+            try:
+                check_layouts(self.kv, self.cpu_layout)
+            except ConfigError as exc:
+                return [f"cpu_layout={self.cpu_layout!r}: {exc}"]
+        return []

@@ -19,8 +19,21 @@ A layout fixes how an engine's paged KV cache sits in tensors, and so which
     (each token row holds the head's K then its V). One region per layer,
     ``layer{i}``; a piece is one block of that layer.
 
-The CPU mirror of a cache uses the same layout with its own block count, so
-both tiers' pieces have equal size and dtype.
+The CPU mirror of a cache has its own block count and, by default, the GPU
+tier's layout. It may use another one (``cpu_layout``): the regions then pair
+the largest piece both layouts hold contiguously per block, so both tiers'
+pieces still have equal shape and dtype. Per-layer holds a layer's K or V
+half, blocks-first one layer's K and V, cross-layer the whole block, so
+
+* per-layer with blocks-first or cross-layer pairs halves: ``layer{i}.k`` and
+  ``layer{i}.v`` (the K half of block ``b`` is ``t[b, 0]`` in blocks-first,
+  ``t[b, i, 0]`` in cross-layer: contiguous, but strided across blocks);
+* blocks-first with cross-layer pairs layers: ``layer{i}``;
+* ``"vllm-cpu"`` (pieces ``[H, block_size, 2*D]``) pairs only with itself.
+
+A cross-layer CPU tier lets a copy backend move each CPU block as one
+``bytes_per_block`` piece (e.g. staged through GPU memory) while the engine
+keeps its per-layer cache.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from kvkit.interfaces.types import KVCacheSpec
 __all__ = [
     "LAYOUTS",
     "allocate_kv",
+    "check_layouts",
     "kv_nbytes",
     "kv_shape",
     "kv_views",
@@ -168,23 +182,73 @@ def validate_kv(spec: KVCacheSpec, layout: str, tensors: Sequence[torch.Tensor])
     return num_blocks
 
 
+# How much of a block one contiguous piece of a layout holds, finest first.
+_HALF, _LAYER, _BLOCK = 0, 1, 2
+_PIECE = {"per-layer": _HALF, "blocks-first": _LAYER, "vllm-cpu": _LAYER, "cross-layer": _BLOCK}
+
+
+def _shared_piece(spec: KVCacheSpec, layout: str, cpu_layout: str) -> int:
+    """The largest piece both tiers hold contiguously per block (``_HALF``, ``_LAYER`` or ``_BLOCK``)."""
+    _check_layout(spec, layout)
+    _check_layout(spec, cpu_layout)
+    if layout != cpu_layout and "vllm-cpu" in (layout, cpu_layout):
+        raise ConfigError(
+            f"layout 'vllm-cpu' (pieces [H, block_size, 2*D]) pairs only with itself, got GPU layout "
+            f"{layout!r} with CPU layout {cpu_layout!r}")
+    return min(_PIECE[layout], _PIECE[cpu_layout])
+
+
+def check_layouts(spec: KVCacheSpec, layout: str, cpu_layout: str | None = None) -> None:
+    """Check a GPU tier in ``layout`` can pair with a CPU tier in ``cpu_layout`` (default: ``layout``).
+
+    Raises:
+        ConfigError: an unknown layout, cross-layer with several KV groups, or
+            ``"vllm-cpu"`` paired with another layout.
+    """
+    _shared_piece(spec, layout, layout if cpu_layout is None else cpu_layout)
+
+
+def _layer_piece(layout: str, tensors: Sequence[torch.Tensor], layer: int) -> torch.Tensor:
+    """``[num_blocks, ...]`` view of one layer's K and V (blocks-first, cross-layer, vllm-cpu)."""
+    return tensors[0][:, layer] if layout == "cross-layer" else tensors[layer]
+
+
+def _half_piece(layout: str, tensors: Sequence[torch.Tensor], layer: int, half: int) -> torch.Tensor:
+    """``[num_blocks, block_size, H, D]`` view of one layer's K (``half`` 0) or V (1)."""
+    if layout == "per-layer":
+        return tensors[layer][half]
+    return _layer_piece(layout, tensors, layer)[:, half]
+
+
 def regions_for(spec: KVCacheSpec, layout: str, gpu_tensors: Sequence[torch.Tensor],
-                cpu_tensors: Sequence[torch.Tensor]) -> list[Region]:
-    """The copy regions pairing each tier's tensors in ``layout``, grouped by ``spec.groups``.
+                cpu_tensors: Sequence[torch.Tensor], *, cpu_layout: str | None = None) -> list[Region]:
+    """The copy regions pairing GPU ``layout`` with CPU ``cpu_layout``, grouped by ``spec.groups``.
+
+    ``cpu_layout=None`` means ``layout``. Each region pairs the largest piece
+    both layouts hold contiguously per block (see the module docstring), in
+    layer order, K before V.
 
     Both lists must be valid caches (checked with :func:`validate_kv`); their
     block counts may differ.
+
+    Raises:
+        ConfigError: as :func:`check_layouts`.
+        SpecMismatchError: as :func:`validate_kv`.
     """
+    cpu_layout = layout if cpu_layout is None else cpu_layout
+    piece = _shared_piece(spec, layout, cpu_layout)
     validate_kv(spec, layout, gpu_tensors)
-    validate_kv(spec, layout, cpu_tensors)
-    if layout == "cross-layer":
+    validate_kv(spec, cpu_layout, cpu_tensors)
+    if piece == _BLOCK:
         return [Region("kv", gpu_tensors[0], cpu_tensors[0], group=0)]
     group_of = {layer: g for g, group in enumerate(spec.groups) for layer in group.layers}
     regions = []
-    for i, (g, c) in enumerate(zip(gpu_tensors, cpu_tensors, strict=True)):
-        if layout == "per-layer":
-            regions.append(Region(f"layer{i}.k", g[0], c[0], group=group_of[i]))
-            regions.append(Region(f"layer{i}.v", g[1], c[1], group=group_of[i]))
+    for i in range(spec.num_layers):
+        if piece == _LAYER:
+            regions.append(Region(f"layer{i}", _layer_piece(layout, gpu_tensors, i),
+                                  _layer_piece(cpu_layout, cpu_tensors, i), group=group_of[i]))
         else:
-            regions.append(Region(f"layer{i}", g, c, group=group_of[i]))
+            regions += [Region(f"layer{i}.{name}", _half_piece(layout, gpu_tensors, i, half),
+                               _half_piece(cpu_layout, cpu_tensors, i, half), group=group_of[i])
+                        for half, name in enumerate("kv")]
     return regions

@@ -329,6 +329,7 @@ COPY: Registry[CopyBackend] = Registry("copy", CopyBackend, "copy backend", buil
     "cuda-dma": "kvkit.backends.copy.cuda_dma:CudaDMACopy",
     "cupy-batch": "kvkit.backends.copy.cupy_batch:CupyBatchCopy",
     "auto": "kvkit.backends.copy.auto:AutoCopy",
+    "staged": "kvkit.backends.copy.staged:StagedCopy",
 })
 ALLOCATOR: Registry[BlockAllocator] = Registry("allocator", BlockAllocator, "block allocator", builtins={
     "pool": "kvkit.backends.allocator.pool:BlockPool",

@@ -92,7 +92,9 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
         **slots: ``StackConfig`` fields (``kv``, ``gpu_blocks``, ``cpu_bytes``...).
 
     Without ``layout`` and ``kv_tensors`` the stack is scheduler-only (then
-    ``copy=None`` skips building a copy backend).
+    ``copy=None`` skips building a copy backend). ``layout`` describes the
+    engine's tensors, so it is an argument here; the CPU mirrors' layout is
+    kvkit's own choice, so it is a slot: ``config.cpu_layout`` (default: ``layout``).
 
     Raises:
         ConfigError: every invalid slot at once, quoting the values.
@@ -108,6 +110,13 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     if layout is not None and config.copy is None:
         raise ConfigError(f"layout={layout!r} moves bytes and needs a copy backend, got copy=None "
                           f"(scheduler-only); hint: copy='torch'")
+    if layout is None and config.cpu_layout is not None:
+        raise ConfigError(f"cpu_layout={config.cpu_layout!r} lays out the workers' CPU mirrors, but "
+                          f"without layout=... the stack is scheduler-only and has none")
+    if layout is not None:
+        from kvkit.layouts import check_layouts  # torch only when bytes move
+
+        check_layouts(config.kv, layout, config.cpu_layout)  # before any pool or mirror exists
     parts = config.resolve()
     gpu = parts.allocator(num_blocks=parts.gpu_blocks, eviction=parts.gpu_eviction)
     cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
@@ -126,8 +135,8 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
                                                              **config.options.get("copy", {}))
             worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank)
             if kv_tensors is not None:
-                worker.register_kv(kv_tensors, layout)
+                worker.register_kv(kv_tensors, layout, cpu_layout=config.cpu_layout)
             else:
-                worker.allocate_kv(parts.gpu_blocks, layout, config.device)
+                worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
             stack.workers.append(worker)
     return stack

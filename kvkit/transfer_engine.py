@@ -21,7 +21,7 @@ import torch
 from kvkit.errors import ConfigError, PlanError, UnknownBlockError
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import KVCacheSpec, TransferPlan, TransferResult
-from kvkit.layouts import allocate_kv, kv_nbytes, kv_views, regions_for, validate_kv
+from kvkit.layouts import allocate_kv, check_layouts, kv_nbytes, kv_views, regions_for, validate_kv
 
 __all__ = ["TransferEngine"]
 
@@ -109,6 +109,7 @@ class TransferEngine:
     num_cpu_blocks: int = attrs.field(kw_only=True)
     worker: int = attrs.field(default=0, kw_only=True)
     _layout: str | None = attrs.field(default=None, init=False)
+    _cpu_layout: str | None = attrs.field(default=None, init=False)
     _gpu_kv: list[torch.Tensor] = attrs.field(factory=list, init=False)
     _cpu_kv: list[torch.Tensor] = attrs.field(factory=list, init=False)
     _mirror: torch.Tensor | None = attrs.field(default=None, init=False)
@@ -129,27 +130,34 @@ class TransferEngine:
 
     # -- registration -----------------------------------------------------------------
 
-    def register_kv(self, tensors: Sequence[torch.Tensor], layout: str) -> None:
+    def register_kv(self, tensors: Sequence[torch.Tensor], layout: str, *,
+                    cpu_layout: str | None = None) -> None:
         """Adopt the engine's KV ``tensors`` in ``layout``, build the CPU mirror, register regions.
 
+        The mirror is laid out in ``cpu_layout`` (default: ``layout``); see
+        :func:`kvkit.layouts.regions_for` for which layouts pair.
+
         Raises:
-            ConfigError: KV already registered, or an unknown layout.
+            ConfigError: KV already registered, an unknown layout, or layouts
+                that do not pair (checked before the mirror is allocated).
             SpecMismatchError: the tensors disagree with ``spec`` (see ``validate_kv``).
         """
         if self._layout is not None:
             raise ConfigError(f"KV cache already registered (layout {self._layout!r}); close() first")
+        cpu_layout = layout if cpu_layout is None else cpu_layout
+        check_layouts(self.spec, layout, cpu_layout)
         tensors = list(tensors)
         validate_kv(self.spec, layout, tensors)
-        mirror = torch.empty(kv_nbytes(self.spec, layout, self.num_cpu_blocks), dtype=torch.uint8)
-        cpu_kv = kv_views(self.spec, layout, self.num_cpu_blocks, mirror)
-        regions = regions_for(self.spec, layout, tensors, cpu_kv)
+        mirror = torch.empty(kv_nbytes(self.spec, cpu_layout, self.num_cpu_blocks), dtype=torch.uint8)
+        cpu_kv = kv_views(self.spec, cpu_layout, self.num_cpu_blocks, mirror)
+        regions = regions_for(self.spec, layout, tensors, cpu_kv, cpu_layout=cpu_layout)
         pinned = _register_host(mirror) if tensors[0].device.type == "cuda" else []
         try:
             self.copy.register(regions)
         except BaseException:
             _unregister_host(pinned)
             raise
-        self._layout, self._gpu_kv, self._cpu_kv = layout, tensors, cpu_kv
+        self._layout, self._cpu_layout, self._gpu_kv, self._cpu_kv = layout, cpu_layout, tensors, cpu_kv
         self._mirror, self._pinned_chunks, self._regions = mirror, pinned, regions
         if pinned:
             self._unpin = weakref.finalize(self, _unregister_host, pinned)
@@ -158,17 +166,26 @@ class TransferEngine:
         for r in regions:
             self._group_block_bytes[r.group] = self._group_block_bytes.get(r.group, 0) + r.piece_bytes
 
-    def allocate_kv(self, num_gpu_blocks: int, layout: str,
-                    device: torch.device | str = "cpu") -> list[torch.Tensor]:
-        """Allocate a GPU-tier cache (uninitialised) on ``device`` and register it (simulator use)."""
+    def allocate_kv(self, num_gpu_blocks: int, layout: str, device: torch.device | str = "cpu", *,
+                    cpu_layout: str | None = None) -> list[torch.Tensor]:
+        """Allocate a GPU-tier cache (uninitialised) on ``device`` and register it (simulator use).
+
+        ``cpu_layout`` as in :meth:`register_kv`.
+        """
+        check_layouts(self.spec, layout, cpu_layout)  # before allocating the GPU tier
         tensors = allocate_kv(self.spec, layout, num_gpu_blocks, device)
-        self.register_kv(tensors, layout)
+        self.register_kv(tensors, layout, cpu_layout=cpu_layout)
         return tensors
 
     @property
     def layout(self) -> str | None:
-        """The registered layout, or ``None`` before :meth:`register_kv`."""
+        """The registered GPU tier's layout, or ``None`` before :meth:`register_kv`."""
         return self._layout
+
+    @property
+    def cpu_layout(self) -> str | None:
+        """The CPU mirror's layout (``layout`` unless registered otherwise), or ``None`` before registration."""
+        return self._cpu_layout
 
     @property
     def gpu_kv(self) -> list[torch.Tensor]:
@@ -177,7 +194,7 @@ class TransferEngine:
 
     @property
     def cpu_kv(self) -> list[torch.Tensor]:
-        """The CPU mirror's tensors: views into one host buffer, same layout as ``gpu_kv``."""
+        """The CPU mirror's tensors: views into one host buffer, in :attr:`cpu_layout`."""
         return list(self._cpu_kv)
 
     @property
@@ -312,7 +329,7 @@ class TransferEngine:
         results = self.drain() if self._layout is not None else []
         if self._unpin is not None:
             self._unpin()  # after the drain: no copy touches the mirror any more
-        self._layout, self._gpu_kv, self._cpu_kv, self._regions = None, [], [], []
+        self._layout, self._cpu_layout, self._gpu_kv, self._cpu_kv, self._regions = None, None, [], [], []
         self._mirror, self._pinned_chunks, self._unpin, self._group_block_bytes = None, [], None, {}
         return results
 
@@ -320,7 +337,9 @@ class TransferEngine:
         """Raise ``AssertionError`` if the mirror or the in-flight bookkeeping is inconsistent."""
         if self._layout is None:
             assert not self._in_flight and self._mirror is None and not self._pinned_chunks
+            assert self._cpu_layout is None
             return
+        assert self._cpu_layout is not None
         assert self._mirror is not None
         assert self._mirror.numel() == self.num_cpu_blocks * self.spec.bytes_per_block
         base = self._mirror.untyped_storage().data_ptr()

@@ -13,6 +13,7 @@ from kvkit.interfaces import (
     CopyBackend,
     EvictionPolicy,
     KVCacheSpec,
+    KVGroupSpec,
     OffloadCallback,
     StorePolicy,
 )
@@ -153,6 +154,7 @@ BAD = {
     "device": ("gpu", "device='gpu'"),
     "hash_algorithm": ("md5", "hash_algorithm='md5'"),
     "options": ({"stroe": {}}, "options['stroe']"),
+    "cpu_layout": ("nhd", "cpu_layout='nhd'"),
 }
 
 
@@ -263,6 +265,16 @@ def test_device_problems():
     assert "did you mean 'cuda'?" in problems_of(device="cude")[0]
     cuda = problems_of(device="cuda")
     assert cuda == [] if torch.cuda.is_available() else "CUDA is not available" in cuda[0]
+
+
+def test_cpu_layout_problems():
+    """cpu_layout must name a layout that can hold the kv spec; None (the default) mirrors the GPU tier."""
+    assert StackConfig(**good()).cpu_layout is None
+    assert StackConfig(**good(cpu_layout="cross-layer")).cpu_layout == "cross-layer"
+    assert "did you mean 'cross-layer'?" in problems_of(cpu_layout="cross-layr")[0]
+    two_groups = KVCacheSpec(2, 16, 2, 64, groups=[KVGroupSpec([0]), KVGroupSpec([1])])
+    (problem,) = problems_of(kv=two_groups, cpu_layout="cross-layer")
+    assert "cpu_layout='cross-layer'" in problem and "single KV group" in problem
 
 
 def test_default_device_matches_machine():

@@ -10,6 +10,7 @@ from kvkit.interfaces import KVCacheSpec, KVGroupSpec
 from kvkit.layouts import (
     LAYOUTS,
     allocate_kv,
+    check_layouts,
     kv_nbytes,
     kv_shape,
     kv_views,
@@ -17,7 +18,7 @@ from kvkit.layouts import (
     torch_dtype,
     validate_kv,
 )
-from kvkit.testing.kvdata import spec_layouts
+from kvkit.testing.kvdata import TWO_GROUPS, spec_layouts
 
 SPEC = KVCacheSpec(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 
@@ -65,6 +66,95 @@ def test_per_layer_regions_are_k_and_v_halves():
     regions = regions_for(SPEC, "per-layer", gpu, allocate_kv(SPEC, "per-layer", 2))
     assert regions[2].gpu.data_ptr() == gpu[1][0].data_ptr()
     assert regions[3].gpu.data_ptr() == gpu[1][1].data_ptr()
+
+
+HALVES = [f"layer{i}.{kv}" for i in range(3) for kv in "kv"]
+LAYERS = ["layer0", "layer1", "layer2"]
+LB = SPEC.bytes_per_layer_block
+
+# (gpu layout, cpu layout) -> region names, piece bytes, GPU and CPU block stride bytes
+EXPECTED_MIXED = {
+    ("per-layer", "blocks-first"): (HALVES, LB, LB, 2 * LB),
+    ("per-layer", "cross-layer"): (HALVES, LB, LB, SPEC.bytes_per_block),
+    ("blocks-first", "per-layer"): (HALVES, LB, 2 * LB, LB),
+    ("blocks-first", "cross-layer"): (LAYERS, 2 * LB, 2 * LB, SPEC.bytes_per_block),
+    ("cross-layer", "per-layer"): (HALVES, LB, SPEC.bytes_per_block, LB),
+    ("cross-layer", "blocks-first"): (LAYERS, 2 * LB, SPEC.bytes_per_block, 2 * LB),
+}
+
+
+@pytest.mark.parametrize(("layout", "cpu_layout"), sorted(EXPECTED_MIXED))
+def test_mixed_regions(layout, cpu_layout):
+    """Different tier layouts pair their largest common piece, strided as each layout lays it out."""
+    gpu, cpu = allocate_kv(SPEC, layout, 5), allocate_kv(SPEC, cpu_layout, 7)
+    regions = regions_for(SPEC, layout, gpu, cpu, cpu_layout=cpu_layout)
+    names, piece, gpu_stride, cpu_stride = EXPECTED_MIXED[layout, cpu_layout]
+    assert [r.name for r in regions] == names
+    assert all(r.piece_bytes == piece and r.gpu.shape[0] == 5 and r.cpu.shape[0] == 7 for r in regions)
+    assert all(r.stride_bytes("gpu") == gpu_stride and r.stride_bytes("cpu") == cpu_stride for r in regions)
+    assert sum(r.piece_bytes for r in regions) == SPEC.bytes_per_block
+
+
+def test_cross_layer_cpu_pieces_sit_at_layer_offsets():
+    """Against a cross-layer CPU tier, layer i's V of CPU block b starts (2i + 1) layer blocks into block b."""
+    cpu = allocate_kv(SPEC, "cross-layer", 4)
+    regions = regions_for(SPEC, "per-layer", allocate_kv(SPEC, "per-layer", 2), cpu, cpu_layout="cross-layer")
+    base = cpu[0].data_ptr()
+    for r in regions:
+        layer, half = int(r.name[5]), "kv".index(r.name[-1])
+        assert r.cpu[3].data_ptr() == base + 3 * SPEC.bytes_per_block + (2 * layer + half) * LB
+
+
+def _views(regions):
+    return [(r.name, r.group, t.data_ptr(), t.shape, t.stride()) for r in regions for t in (r.gpu, r.cpu)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cpu_layout_none_is_the_same_layout(layout):
+    """cpu_layout=None and cpu_layout=layout give the same regions as before, view for view."""
+    gpu, cpu = allocate_kv(SPEC, layout, 5), allocate_kv(SPEC, layout, 7)
+    default = regions_for(SPEC, layout, gpu, cpu)
+    explicit = regions_for(SPEC, layout, gpu, cpu, cpu_layout=layout)
+    assert _views(default) == _views(explicit)
+
+
+@pytest.mark.parametrize(("layout", "cpu_layout"), [
+    (lay, "vllm-cpu") for lay in LAYOUTS if lay != "vllm-cpu"] + [("vllm-cpu", lay) for lay in LAYOUTS if lay != "vllm-cpu"])
+def test_vllm_cpu_pairs_only_with_itself(layout, cpu_layout):
+    """vllm-cpu pieces are [H, block_size, 2*D], so mixing it with another layout names both layouts."""
+    pattern = f"'vllm-cpu'.*GPU layout '{layout}' with CPU layout '{cpu_layout}'"
+    with pytest.raises(ConfigError, match=pattern):
+        check_layouts(SPEC, layout, cpu_layout)
+    with pytest.raises(ConfigError, match=pattern):
+        regions_for(SPEC, layout, allocate_kv(SPEC, layout, 2), allocate_kv(SPEC, cpu_layout, 2),
+                    cpu_layout=cpu_layout)
+
+
+def test_unknown_cpu_layout_is_quoted():
+    """An unknown CPU layout is quoted next to the valid names."""
+    with pytest.raises(ConfigError, match=r"'nhd'.*per-layer"):
+        check_layouts(SPEC, "per-layer", "nhd")
+    with pytest.raises(ConfigError, match=r"'nhd'.*per-layer"):
+        regions_for(SPEC, "per-layer", allocate_kv(SPEC, "per-layer", 2), allocate_kv(SPEC, "per-layer", 2),
+                    cpu_layout="nhd")
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "blocks-first"])
+def test_cross_layer_cpu_needs_one_group(layout):
+    """A cross-layer CPU tier spans every layer per block, so a two-group spec is refused."""
+    with pytest.raises(ConfigError, match="single KV group.*2 groups"):
+        check_layouts(TWO_GROUPS, layout, "cross-layer")
+    with pytest.raises(ConfigError, match="single KV group"):
+        check_layouts(TWO_GROUPS, "cross-layer", layout)
+    check_layouts(TWO_GROUPS, layout, "per-layer")
+
+
+@pytest.mark.parametrize(("layout", "cpu_layout"), [("per-layer", "blocks-first"), ("blocks-first", "per-layer")])
+def test_mixed_region_groups_follow_spec(layout, cpu_layout):
+    """Mixed-layout regions carry the group of their layer."""
+    regions = regions_for(TWO_GROUPS, layout, allocate_kv(TWO_GROUPS, layout, 2),
+                          allocate_kv(TWO_GROUPS, cpu_layout, 3), cpu_layout=cpu_layout)
+    assert [(r.name, r.group) for r in regions] == [("layer0.k", 0), ("layer0.v", 0), ("layer1.k", 1), ("layer1.v", 1)]
 
 
 @pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay != "cross-layer"])

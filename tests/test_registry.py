@@ -63,6 +63,7 @@ BUILTINS = {
         "cuda-dma": "kvkit.backends.copy.cuda_dma:CudaDMACopy",
         "cupy-batch": "kvkit.backends.copy.cupy_batch:CupyBatchCopy",
         "auto": "kvkit.backends.copy.auto:AutoCopy",
+        "staged": "kvkit.backends.copy.staged:StagedCopy",
     },
     "allocator": {"pool": "kvkit.backends.allocator.pool:BlockPool"},
 }

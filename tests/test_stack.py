@@ -59,6 +59,30 @@ def test_built_stack_serves_earlier_turns_from_the_cpu_tier(layout):
     assert stack.moves_bytes == (layout is not None)
 
 
+@pytest.mark.parametrize(("layout", "cpu_layout"), [
+    ("per-layer", "cross-layer"), ("blocks-first", "cross-layer"), ("cross-layer", "per-layer"),
+    ("per-layer", "blocks-first")])
+def test_cpu_tier_in_another_layout_serves_intact_bytes(layout, cpu_layout):
+    """A CPU mirror laid out unlike the GPU tier (cpu_layout slot) still serves later turns byte for byte."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout=layout, cpu_layout=cpu_layout, device="cpu")
+    [worker] = stack.workers
+    assert (worker.layout, worker.cpu_layout) == (layout, cpu_layout)
+    engine = ReferenceEngine(stack)
+    hits = conversation(engine, 4)
+    assert all(cpu > 0 and gpu == 0 for gpu, cpu in hits[1:]), hits
+    engine.drain()
+    stack.check_invariants()
+    assert engine.integrity_errors == 0 and engine.leaked_blocks() == 0
+
+
+def test_build_refuses_cpu_layouts_that_cannot_apply():
+    """cpu_layout without a layout, or paired with vllm-cpu, is a ConfigError naming the layouts."""
+    with pytest.raises(ConfigError, match="cpu_layout='cross-layer'.*scheduler-only"):
+        kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=8, cpu_layout="cross-layer", device="cpu")
+    with pytest.raises(ConfigError, match="GPU layout 'vllm-cpu' with CPU layout 'per-layer'"):
+        kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=8, layout="vllm-cpu", cpu_layout="per-layer", device="cpu")
+
+
 def test_corrupted_cpu_tier_is_detected():
     """Bytes changed in the CPU mirror show up as integrity errors when loaded."""
     stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", device="cpu")

@@ -1,5 +1,6 @@
 """Tests for the TransferEngine: mirror size, round trips, results and failures."""
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -9,16 +10,16 @@ from hypothesis import strategies as st
 from kvkit.backends.copy import TorchCopy
 from kvkit.errors import ConfigError, PlanError, SpecMismatchError, UnknownBlockError
 from kvkit.interfaces import Direction, KVCacheSpec, TransferPlan, TransferResult
-from kvkit.layouts import LAYOUTS, allocate_kv, kv_nbytes
-from kvkit.testing.kvdata import fill_random, spec_layouts
+from kvkit.layouts import LAYOUTS, allocate_kv, kv_nbytes, kv_shape, validate_kv
+from kvkit.testing.kvdata import TWO_GROUPS, fill_random, kv_specs, plans, spec_layouts, tensor_bytes
 from kvkit.transfer_engine import TransferEngine
 
 SPEC = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 
 
-def _engine(layout="per-layer", num_gpu=6, num_cpu=5, device="cpu", spec=SPEC, worker=0):
+def _engine(layout="per-layer", num_gpu=6, num_cpu=5, device="cpu", spec=SPEC, worker=0, cpu_layout=None):
     engine = TransferEngine(spec, TorchCopy(), num_cpu_blocks=num_cpu, worker=worker)
-    gpu = engine.allocate_kv(num_gpu, layout, device)
+    gpu = engine.allocate_kv(num_gpu, layout, device, cpu_layout=cpu_layout)
     fill_random(gpu, seed=1)
     return engine
 
@@ -54,6 +55,117 @@ def test_store_then_load_round_trips(spec_layout, num_gpu, num_cpu, seed):
     _round_trip(_engine(layout, num_gpu, num_cpu, spec=spec), np.random.default_rng(seed))
 
 
+@st.composite
+def layout_pairs(draw):
+    """A spec with a GPU and a CPU layout that pair (vllm-cpu only with itself, cross-layer for one group)."""
+    spec = draw(kv_specs())
+    if draw(st.booleans()):  # kv_specs splits layers into groups; cross-layer needs one
+        spec = attrs.evolve(spec, groups=())
+    valid = [lay for lay in LAYOUTS if lay != "cross-layer" or len(spec.groups) == 1]
+    pairs = [(g, c) for g in valid for c in valid if g == c or "vllm-cpu" not in (g, c)]
+    return spec, *draw(st.sampled_from(pairs))
+
+
+def _half(layout, tensors, layer, half, block):
+    """Bytes of one block's K (``half`` 0) or V (1) of ``layer``, ``[block_size, H, D]``, by the layout's definition."""
+    if layout == "per-layer":
+        t = tensors[layer][half, block]
+    elif layout == "blocks-first":
+        t = tensors[layer][block, half]
+    elif layout == "cross-layer":
+        t = tensors[0][block, layer, half]
+    else:  # vllm-cpu: [H, block_size, 2 * D], each token row K then V
+        d = tensors[layer].shape[-1] // 2
+        t = tensors[layer][block, :, :, half * d:(half + 1) * d].transpose(0, 1)
+    return tensor_bytes(t)
+
+
+def _halves(spec, layout, tensors):
+    """``_half`` of every (layer, half, block) of one tier."""
+    num_blocks = validate_kv(spec, layout, tensors)
+    return {(i, h, b): _half(layout, tensors, i, h, b)
+            for i in range(spec.num_layers) for h in (0, 1) for b in range(num_blocks)}
+
+
+@given(layout_pairs(), st.integers(1, 5), st.integers(1, 5), st.integers(0, 2**32 - 1))
+def test_mixed_layouts_round_trip(spec_pair, num_gpu, num_cpu, seed):
+    """Stores to a CPU mirror in another layout and loads back round-trip every byte, every allowed pair."""
+    spec, layout, cpu_layout = spec_pair
+    engine = TransferEngine(spec, TorchCopy(), num_cpu_blocks=num_cpu)
+    fill_random(engine.allocate_kv(num_gpu, layout, cpu_layout=cpu_layout), seed=1)
+    assert (engine.layout, engine.cpu_layout) == (layout, cpu_layout)
+    assert [t.shape for t in engine.cpu_kv] == [torch.Size(s) for s in kv_shape(spec, cpu_layout, num_cpu)]
+    _round_trip(engine, np.random.default_rng(seed))
+
+
+@given(layout_pairs(), st.data())
+def test_copies_move_each_layers_k_and_v_between_layouts(spec_pair, data):
+    """After any plan, each destination block holds its source's K and V of every layer of the plan's group, nothing else changes."""
+    spec, layout, cpu_layout = spec_pair
+    num_gpu, num_cpu = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4))
+    engine = TransferEngine(spec, TorchCopy(), num_cpu_blocks=num_cpu)
+    fill_random(engine.allocate_kv(num_gpu, layout, cpu_layout=cpu_layout), seed=1)
+    fill_random(engine.cpu_kv, seed=2)
+    plan = data.draw(plans(len(spec.groups), num_gpu, num_cpu).filter(len))
+    tiers = {"gpu": (layout, engine.gpu_kv), "cpu": (cpu_layout, engine.cpu_kv)}
+    src, dst = ("gpu", "cpu") if plan.direction is Direction.STORE else ("cpu", "gpu")
+    before, want = _halves(spec, *tiers[src]), _halves(spec, *tiers[dst])
+    for layer in spec.groups[plan.group].layers:
+        for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True):
+            for h in (0, 1):
+                want[layer, h, d] = before[layer, h, s]
+    engine.submit(1, plan)
+    assert [r.ok for r in engine.drain()] == [True]
+    got = _halves(spec, *tiers[dst])
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+@given(kv_specs().filter(lambda spec: len(spec.groups) == 1), st.sampled_from(["per-layer", "blocks-first"]),
+       st.integers(0, 2**32 - 1))
+def test_cross_layer_cpu_block_holds_every_layer_in_order(spec, layout, seed):
+    """A stored block of a cross-layer CPU tier is layer 0's K, V, layer 1's K, V... of its GPU block, back to back."""
+    rng = np.random.default_rng(seed)
+    engine = TransferEngine(spec, TorchCopy(), num_cpu_blocks=5)
+    gpu = engine.allocate_kv(4, layout, cpu_layout="cross-layer")
+    fill_random(gpu, seed=seed)
+    n = int(rng.integers(1, 5))
+    src, dst = rng.permutation(4)[:n], rng.permutation(5)[:n]
+    engine.submit(1, TransferPlan(src, dst, Direction.STORE))
+    assert [r.ok for r in engine.drain()] == [True]
+    flat, lb = tensor_bytes(engine.cpu_kv[0]), spec.bytes_per_layer_block
+    assert flat.numel() == 5 * spec.bytes_per_block == engine.mirror_nbytes
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        for i in range(spec.num_layers):
+            for h in (0, 1):
+                k_or_v = gpu[i][h, s] if layout == "per-layer" else gpu[i][s, h]
+                at = d * spec.bytes_per_block + (2 * i + h) * lb
+                assert torch.equal(flat[at:at + lb], tensor_bytes(k_or_v))
+
+
+@pytest.mark.parametrize(("layout", "cpu_layout", "pattern"), [
+    ("per-layer", "vllm-cpu", "GPU layout 'per-layer' with CPU layout 'vllm-cpu'"),
+    ("vllm-cpu", "blocks-first", "GPU layout 'vllm-cpu' with CPU layout 'blocks-first'"),
+    ("per-layer", "nhd", "unknown KV layout 'nhd'"),
+])
+def test_bad_cpu_layout_is_refused_before_the_mirror(layout, cpu_layout, pattern):
+    """Layouts that do not pair are refused by register_kv and allocate_kv before any mirror exists."""
+    engine = TransferEngine(SPEC, TorchCopy(), num_cpu_blocks=2)
+    with pytest.raises(ConfigError, match=pattern):
+        engine.register_kv(allocate_kv(SPEC, layout, 3), layout, cpu_layout=cpu_layout)
+    with pytest.raises(ConfigError, match=pattern):
+        engine.allocate_kv(3, layout, cpu_layout=cpu_layout)
+    assert engine.layout is None and engine.cpu_layout is None and engine.mirror_nbytes == 0
+    engine.check_invariants()
+
+
+def test_cross_layer_cpu_with_two_groups_is_refused():
+    """A cross-layer CPU mirror spans every layer, so a two-group cache cannot use one."""
+    engine = TransferEngine(TWO_GROUPS, TorchCopy(), num_cpu_blocks=2)
+    with pytest.raises(ConfigError, match="single KV group"):
+        engine.allocate_kv(3, "per-layer", cpu_layout="cross-layer")
+    assert engine.mirror_nbytes == 0
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mirror_is_exact_size(layout):
     """The mirror is one host buffer of exactly num_cpu_blocks blocks, unpinned on CPU."""
@@ -62,7 +174,7 @@ def test_mirror_is_exact_size(layout):
     assert sum(t.numel() * t.element_size() for t in engine.cpu_kv) == engine.mirror_nbytes
     assert all(r.cpu.shape[0] == 7 and r.gpu.shape[0] == 3 for r in engine.regions)
     assert not engine.mirror_pinned
-    assert engine.layout == layout
+    assert engine.layout == engine.cpu_layout == layout
     engine.check_invariants()
 
 
@@ -205,6 +317,21 @@ def test_cuda_round_trip(layout):
     """Stores and loads between a CUDA cache and the pinned mirror round-trip every layout."""
     spec = KVCacheSpec(num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")
     engine = _engine(layout, num_gpu=32, num_cpu=24, device="cuda", spec=spec)
+    for seed in range(4):
+        _round_trip(engine, np.random.default_rng(seed))
+    engine.close()
+
+
+MIXED = [(g, c) for g in LAYOUTS for c in LAYOUTS if g != c and "vllm-cpu" not in (g, c)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("layout", "cpu_layout"), MIXED)
+def test_cuda_round_trip_between_layouts(layout, cpu_layout):
+    """Stores and loads between a CUDA cache and a pinned mirror in another layout round-trip."""
+    spec = KVCacheSpec(num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+    engine = _engine(layout, num_gpu=32, num_cpu=24, device="cuda", spec=spec, cpu_layout=cpu_layout)
+    assert engine.mirror_pinned
     for seed in range(4):
         _round_trip(engine, np.random.default_rng(seed))
     engine.close()

@@ -8,7 +8,7 @@ launches nothing), orders it after ``after``, and tracks its completion.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -16,8 +16,8 @@ from typing_extensions import override
 
 from kvkit.backends.copy._driver import driver
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
-from kvkit.backends.copy._planner import Planner
-from kvkit.errors import PlanError, SpecMismatchError
+from kvkit.backends.copy._planner import Planner, registered
+from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
 
@@ -36,6 +36,7 @@ class GPUCopy(HandleQueue):
           submission order.
     """
 
+    _cpu_tier_device: ClassVar[str] = "cpu"  # "cuda" for a GPU staging buffer in the CPU tier's place
     _planner: Planner | None = attrs.field(default=None, init=False)
     _device: torch.device | None = attrs.field(default=None, init=False)
     _context: int = attrs.field(default=0, init=False)
@@ -78,7 +79,7 @@ class GPUCopy(HandleQueue):
                         f"pin_memory=True or register it with cudaHostRegister")
                 return address
 
-            self._planner = Planner.of(regions, host_address=host_address)
+            self._planner = Planner.of(regions, host_address=host_address, cpu_device=self._cpu_tier_device)
             if self._device != device:
                 # Priority 0 is CUDA's least: copy kernels yield to the model's pending blocks.
                 self._streams = {d: torch.cuda.Stream(device, priority=0) for d in Direction}
@@ -96,9 +97,7 @@ class GPUCopy(HandleQueue):
             PlanError: nothing registered, unknown group, ids out of range or
                 repeated destination ids; nothing was launched.
         """
-        if self._planner is None:
-            raise PlanError("no regions registered; call register() before submit()")
-        self._planner.validate(plan)
+        registered(self._planner, plan)
         stream = self._streams[plan.direction]
         with torch.cuda.device(self._device):
             if after is not None:

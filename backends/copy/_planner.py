@@ -5,8 +5,9 @@ block. The planner expands pairs x regions into ``(source, destination,
 bytes)`` descriptors without a per-block Python loop, and *coalesces*: a run
 of pairs whose source and destination ids both step by one becomes a single
 descriptor in every region whose pieces sit back to back on both tiers (stride
-== piece bytes). That holds for every kvkit layout: per-layer (each K/V half
-is ``[num_blocks, ...]``), blocks-first and cross-layer.
+== piece bytes). That holds whenever both tiers use the same kvkit layout
+(per-layer: each K/V half is ``[num_blocks, ...]``; blocks-first; cross-layer),
+not for a per-layer region against a cross-layer CPU tier (checked per region).
 
 When the regions of a group are evenly spaced on both tiers (per-layer and
 blocks-first caches carved out of one buffer, as :func:`kvkit.layouts.kv_views`
@@ -26,7 +27,7 @@ from kvkit.errors import PlanError, SpecMismatchError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
 
-__all__ = ["CPU", "GPU", "Descriptors", "Planner", "Strided", "runs"]
+__all__ = ["CPU", "GPU", "Descriptors", "Planner", "Strided", "registered", "runs"]
 
 GPU, CPU = 0, 1
 """Tier indices into the planner's per-tier arrays."""
@@ -144,22 +145,24 @@ class Planner:
 
     @classmethod
     def of(cls, regions: Sequence[Region], *,
-           host_address: Callable[[int], int] | None = None) -> Planner:
+           host_address: Callable[[int], int] | None = None, cpu_device: str = "cpu") -> Planner:
         """A planner over ``regions``.
 
         Args:
             regions: the registered regions; names unique, CPU tiers in host memory.
             host_address: maps a CPU-tier ``data_ptr()`` to the address copies
                 use (the device's view of page-locked memory); identity if ``None``.
+            cpu_device: the device type the CPU tiers must be on; ``"cuda"``
+                only for a staging buffer standing in for the CPU tier.
 
         Raises:
-            SpecMismatchError: duplicate region names, or a CPU tier not in host memory.
+            SpecMismatchError: duplicate region names, or a CPU tier not on ``cpu_device``.
         """
         names = [r.name for r in regions]
         if len(set(names)) != len(names):
             raise SpecMismatchError(f"region names must be unique, got {names!r}")
         for r in regions:
-            if r.cpu.device.type != "cpu":
+            if r.cpu.device.type != cpu_device:
                 raise SpecMismatchError(f"region {r.name!r}: CPU tier is on {r.cpu.device}, not host memory")
         by_group: dict[int, list[Region]] = {}
         for r in regions:
@@ -265,3 +268,15 @@ class Planner:
         return Strided(_u64(group.base[s, 0] + src * group.stride[s, 0]),
                        _u64(group.base[d, 0] + dst * group.stride[d, 0]),
                        _u64(width), len(group.piece), src_pitch, dst_pitch)
+
+
+def registered(planner: Planner | None, plan: TransferPlan) -> Planner:
+    """``planner`` once ``plan`` passed its :meth:`Planner.validate`: what every backend checks first.
+
+    Raises:
+        PlanError: nothing registered yet (``planner`` is ``None``), or as :meth:`Planner.validate`.
+    """
+    if planner is None:
+        raise PlanError("no regions registered; call register() before submit()")
+    planner.validate(plan)
+    return planner

@@ -30,8 +30,8 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
-from kvkit.backends.copy._planner import Planner
-from kvkit.errors import BackendUnavailableError, ConfigError, PlanError
+from kvkit.backends.copy._planner import Planner, registered
+from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
 
@@ -167,9 +167,7 @@ class AutoCopy(HandleQueue):
         Raises:
             PlanError: as the inner backends; nothing was launched.
         """
-        if self._planner is None:
-            raise PlanError("no regions registered; call register() before submit()")
-        self._planner.validate(plan)
+        registered(self._planner, plan)
         where = self.choose(plan)
         if where == "split":
             k = max(1, min(len(plan) - 1, round(len(plan) * self.kernel_share)))

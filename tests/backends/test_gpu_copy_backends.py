@@ -24,7 +24,7 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the
 def test_importing_backends_loads_neither_cupy_nor_the_driver():
     """Importing kvkit and the GPU backend modules imports no CuPy and opens no libcuda."""
     code = ("import sys, kvkit, kvkit.backends.copy.cuda_dma, kvkit.backends.copy.cupy_batch, "
-            "kvkit.backends.copy.auto\n"
+            "kvkit.backends.copy.auto, kvkit.backends.copy.staged\n"
             "from kvkit.backends.copy import _driver\n"
             "assert 'cupy' not in sys.modules, 'cupy imported'\n"
             "assert _driver.driver.cache_info().currsize == 0, 'driver loaded'\n")
@@ -32,7 +32,7 @@ def test_importing_backends_loads_neither_cupy_nor_the_driver():
 
 
 @needs_no_cuda
-@pytest.mark.parametrize("name", ["cuda-dma", "cupy-batch", "auto"])
+@pytest.mark.parametrize("name", ["cuda-dma", "cupy-batch", "auto", "staged"])
 def test_gpu_backends_are_cleanly_unavailable_without_a_gpu(name):
     """On a CPU-only machine the GPU backends report unavailable and refuse to build, typed."""
     assert not COPY.load(name).is_available()
@@ -49,6 +49,16 @@ def test_cupy_batch_rejects_bad_settings(options):
 
     with pytest.raises(ConfigError, match=repr(next(iter(options.values())))):
         CupyBatchCopy(**options)
+
+
+@pytest.mark.parametrize("options", [{"chunk_blocks": 0}, {"slots": -1}, {"sm_budget": 0}, {"slots": 1.5},
+                                     {"chunk_blocks": True}])
+def test_staged_rejects_bad_settings(options):
+    """Staging settings that are not positive ints are ConfigErrors quoting the value, on any machine."""
+    from kvkit.backends.copy.staged import StagedCopy
+
+    with pytest.raises(ConfigError, match=repr(next(iter(options.values())))):
+        StagedCopy(**options)
 
 
 def test_driver_records_match_the_cuda_headers():

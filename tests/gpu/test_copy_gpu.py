@@ -71,14 +71,17 @@ def test_backend_agrees_with_torch_byte_for_byte(name, data, spec_layout, num_gp
     backend.check_invariants()
 
 
-@pytest.mark.parametrize("name", sorted(BACKENDS))
-@pytest.mark.parametrize("layout", ["per-layer", "cross-layer"])
-def test_store_right_after_a_kernel_never_copies_stale_data(name, layout):
+@pytest.mark.parametrize(("name", "layout", "cpu_layout"),
+                         [(n, lay, lay) for n in sorted(BACKENDS) for lay in ("per-layer", "cross-layer")]
+                         + [("staged", "per-layer", "cross-layer")])
+def test_store_right_after_a_kernel_never_copies_stale_data(name, layout, cpu_layout):
     """A store ordered ``after`` the kernel writing its source copies the new bytes, not the old."""
     spec = KVCacheSpec(num_layers=4, block_size=16, num_kv_heads=8, head_dim=128)
-    gpu, cpu = _setup(spec, layout, 64, 64, buffer=True, seed=3)
-    regions = regions_for(spec, layout, gpu, cpu)
-    backend = BACKENDS[name]()
+    gpu, cpu = _gpu_cache(spec, layout, 64, buffer=True), _pinned_cache(spec, cpu_layout, 64)
+    fill_random(gpu + cpu, 3)
+    regions = regions_for(spec, layout, gpu, cpu, cpu_layout=cpu_layout)
+    # staged: 2-block chunks through one slot, so the slot is reused within the plan
+    backend = BACKENDS[name]() if name in BACKENDS else COPY.create(name, chunk_blocks=2, slots=1)
     backend.register(regions)
     src, dst = np.array([5, 9, 10, 11, 40]), np.array([1, 2, 3, 30, 7])
     compute = torch.cuda.Stream()
@@ -94,13 +97,15 @@ def test_store_right_after_a_kernel_never_copies_stale_data(name, layout):
             assert (r.cpu[torch.as_tensor(dst)] == value).all(), (name, r.name, value)
 
 
-@pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_stores_and_loads_at_once_complete_in_submission_order(name):
+@pytest.mark.parametrize(("name", "cpu_layout"), [(n, "per-layer") for n in sorted(BACKENDS)]
+                         + [("staged", "cross-layer")])
+def test_stores_and_loads_at_once_complete_in_submission_order(name, cpu_layout):
     """Interleaved stores and loads (two streams) are reported once each, in order, with the right bytes."""
     spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=8, head_dim=128)
-    gpu, cpu = _setup(spec, "per-layer", 128, 128, buffer=False, seed=4)
-    regions = regions_for(spec, "per-layer", gpu, cpu)
-    backend = BACKENDS[name]()
+    gpu, cpu = _gpu_cache(spec, "per-layer", 128, buffer=False), _pinned_cache(spec, cpu_layout, 128)
+    fill_random(gpu + cpu, 4)
+    regions = regions_for(spec, "per-layer", gpu, cpu, cpu_layout=cpu_layout)
+    backend = BACKENDS[name]() if name in BACKENDS else COPY.create(name, chunk_blocks=4, slots=2)
     backend.register(regions)
     rng = np.random.default_rng(0)
     g, c = rng.permutation(128), rng.permutation(128)
@@ -127,15 +132,17 @@ SPEC = KVCacheSpec(num_layers=2, block_size=2, num_kv_heads=1, head_dim=8, dtype
                    groups=[KVGroupSpec([0]), KVGroupSpec([1])])
 
 
-@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize(("name", "cpu_layout"), [(n, "per-layer") for n in sorted(BACKENDS)]
+                         + [("staged", "blocks-first")])  # staged needs whole CPU blocks
 @pytest.mark.parametrize(("plan", "pattern"), BAD_PLANS)
-def test_bad_plans_raise_before_anything_is_launched(name, plan, pattern):
+def test_bad_plans_raise_before_anything_is_launched(name, cpu_layout, plan, pattern):
     """Bad ids and unregistered groups raise PlanError; no byte changes and no handle is issued."""
-    gpu, cpu = _setup(SPEC, "per-layer", 4, 3, buffer=True, seed=5)
-    backend = BACKENDS[name]()
+    gpu, cpu = _gpu_cache(SPEC, "per-layer", 4, buffer=True), _pinned_cache(SPEC, cpu_layout, 3)
+    fill_random(gpu + cpu, 5)
+    backend = BACKENDS[name]() if name in BACKENDS else COPY.create(name)
     with pytest.raises(PlanError, match="register"):
         backend.submit(TransferPlan([0], [0], "store"))
-    backend.register(regions_for(SPEC, "per-layer", gpu, cpu))
+    backend.register(regions_for(SPEC, "per-layer", gpu, cpu, cpu_layout=cpu_layout))
     before = [tensor_bytes(t) for t in gpu + cpu]
     with pytest.raises(PlanError, match=pattern):
         backend.submit(plan)
