@@ -106,7 +106,8 @@ class StagedCopy(HandleQueue):
 
     Invariants:
         * A store reads its GPU source only after ``after``; a slot is written
-          only after the copy that last read it completed.
+          only after the copy that last read it completed; slots outlive every
+          copy that uses them, even across a new :meth:`register`.
         * A plan is validated in full before anything is launched; handles are
           reported by :meth:`poll` exactly once, in submission order.
 
@@ -123,6 +124,7 @@ class StagedCopy(HandleQueue):
     _dma: Any = attrs.field(default=None, init=False)
     _planner: Planner | None = attrs.field(default=None, init=False)
     _rings: dict[tuple[int, Direction], _Ring] = attrs.field(factory=dict, init=False)
+    _staging: list[torch.Tensor] = attrs.field(factory=list, init=False)
     _device: torch.device | None = attrs.field(default=None, init=False)
     _inflight: InFlight = attrs.field(factory=InFlight, init=False)
 
@@ -170,7 +172,8 @@ class StagedCopy(HandleQueue):
                 rings[group, d] = _Ring([None] * self.slots)
         self._kernel.register(staging_regions)
         self._dma.register(block_regions)
-        self._planner, self._rings = planner, rings
+        # Copies still in flight keep their registration's slots alive (see submit).
+        self._planner, self._rings, self._staging = planner, rings, [r.gpu for r in block_regions]
         self._device = regions[0].gpu.device
 
     @override
@@ -203,7 +206,7 @@ class StagedCopy(HandleQueue):
                 done = torch.cuda.Event()
                 done.record(second.stream(plan.direction))
                 ring.free[slot] = done
-        return self._inflight.issue(done)
+        return self._inflight.issue(done, keep_alive=self._staging)
 
     @override
     def poll(self) -> list[int]:

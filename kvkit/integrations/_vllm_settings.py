@@ -22,7 +22,7 @@ from kvkit.registry import STORE, did_you_mean
 __all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "parse_extra_config"]
 
 EXTRA_KEYS: tuple[str, ...] = (
-    "cpu_bytes", "cpu_blocks", "eviction", "store", "copy", "allocator", "options", "layout",
+    "cpu_bytes", "cpu_blocks", "eviction", "store", "copy", "allocator", "options", "layout", "cpu_layout",
 )
 """Keys ``kv_connector_extra_config`` may hold (see :func:`parse_extra_config`)."""
 
@@ -96,6 +96,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       ``kvkit list`` shows them;
     * ``options``: per-slot constructor kwargs, e.g. ``{"store": {"k": 2}}``;
     * ``layout``: ``"auto"`` (default) or a kvkit layout name.
+    * ``cpu_layout``: the CPU tier's layout (default: vLLM's), e.g.
+      ``"cross-layer"`` for the ``staged`` copy backend.
 
     Raises:
         ConfigError: one error listing every problem (unknown keys, names
@@ -123,7 +125,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     try:
         stack = StackConfig(
             kv=kv, gpu_blocks=gpu_blocks, cpu_bytes=extra.get("cpu_bytes"),
-            cpu_blocks=extra.get("cpu_blocks"), world_size=world_size, device=device,
+            cpu_blocks=extra.get("cpu_blocks"), cpu_layout=extra.get("cpu_layout"), world_size=world_size,
+            device=device,
             options=extra.get("options", {}),
             **{slot: name if isinstance(name, str) else _DEFAULTS[slot] for slot, name in names.items()})
     except ConfigError as exc:

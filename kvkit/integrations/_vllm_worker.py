@@ -75,6 +75,7 @@ class WorkerSide:
             configured number of blocks).
         layer_names: vLLM's attention layer names, in KV-group order.
         layout: ``"auto"`` or the kvkit layout of vLLM's KV tensors.
+        cpu_layout: the CPU mirror's layout (``None``: the same as vLLM's).
 
     Invariants: every transfer of a step is submitted exactly once; every
     result is handed to the scheduler exactly once.
@@ -83,6 +84,7 @@ class WorkerSide:
     engine: TransferEngine
     layer_names: list[str] = attrs.field(converter=list)
     layout: str = "auto"
+    cpu_layout: str | None = None
     _stored_step: int = attrs.field(init=False, default=0)
     _loaded_step: int = attrs.field(init=False, default=0)
     _released_step: int = attrs.field(init=False, default=0)
@@ -99,13 +101,14 @@ class WorkerSide:
         parts = settings.stack.resolve()
         engine = TransferEngine(settings.stack.kv, parts.copy, num_cpu_blocks=parts.cpu_blocks,
                                 worker=rank)
-        return cls(engine, layer_names, settings.layout)
+        return cls(engine, layer_names, settings.layout, settings.stack.cpu_layout)
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> str:
         """Adopt vLLM's KV tensors (one per layer); returns the layout used.
 
         Raises:
-            SpecMismatchError / ConfigError: missing layers, or tensors that fit no layout.
+            SpecMismatchError / ConfigError: missing layers, tensors that fit no layout, or a
+                ``cpu_layout`` that cannot pair with theirs (``vllm-cpu`` pairs only with itself).
         """
         missing = [name for name in self.layer_names if name not in kv_caches]
         if missing:
@@ -113,7 +116,7 @@ class WorkerSide:
                                     f"got {sorted(kv_caches)!r}")
         tensors = [kv_caches[name] for name in self.layer_names]
         layout = detect_layout(self.engine.spec, tensors) if self.layout == "auto" else self.layout
-        self.engine.register_kv(tensors, layout)
+        self.engine.register_kv(tensors, layout, cpu_layout=self.cpu_layout)
         return layout
 
     def before_forward(self, order: StepOrder) -> None:

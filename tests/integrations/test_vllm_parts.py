@@ -172,14 +172,16 @@ def _blocks(worker, ids):
     return [worker.engine.read_block("gpu", b) for b in ids]
 
 
-@pytest.mark.parametrize("layout, device", [
-    ("vllm-cpu", "cpu"),
-    pytest.param("per-layer", "cuda", marks=pytest.mark.gpu),
-    pytest.param("blocks-first", "cuda", marks=pytest.mark.gpu),
+@pytest.mark.parametrize("layout, device, extra", [
+    ("vllm-cpu", "cpu", {}),
+    pytest.param("per-layer", "cuda", {}, marks=pytest.mark.gpu),
+    pytest.param("blocks-first", "cuda", {}, marks=pytest.mark.gpu),
+    pytest.param("per-layer", "cuda", {"cpu_layout": "cross-layer"}, marks=pytest.mark.gpu),
+    pytest.param("per-layer", "cuda", {"cpu_layout": "cross-layer", "copy": "staged"}, marks=pytest.mark.gpu),
 ])
-def test_a_finished_prefix_is_stored_released_and_loaded_into_the_next_request(layout, device):
+def test_a_finished_prefix_is_stored_released_and_loaded_into_the_next_request(layout, device, extra):
     """Stores run after confirmation, the delayed free ends via finished_sending, a hit loads the bytes."""
-    sched, worker = _sides(layout, device)
+    sched, worker = _sides(layout, device, **extra)
     a = vllm_request("a", 3 * BS + 1)
     assert sched.matched_tokens(a, 0) == 0
     sched.allocated(a, [[1, 2, 3, 4]], 0)
@@ -206,6 +208,14 @@ def test_a_finished_prefix_is_stored_released_and_loaded_into_the_next_request(l
     sched.check_invariants()
     worker.check_invariants()
     assert sched.idle
+
+
+def test_a_cpu_layout_that_cannot_pair_is_refused():
+    """An unknown ``cpu_layout`` fails in the settings; one vLLM's CPU tensors cannot pair with, at register."""
+    with pytest.raises(ConfigError, match="'rows'"):
+        settings(cpu_layout="rows")
+    with pytest.raises(ConfigError, match="vllm-cpu"):
+        _sides("vllm-cpu", "cpu", cpu_layout="cross-layer")
 
 
 def test_preemption_sets_a_barrier_and_a_resumed_request_reloads():
