@@ -50,10 +50,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 @attrs.define(eq=False)
 class Rig:
-    """A KV cache on both tiers in one layout, filled with random bytes, and its regions.
+    """A KV cache on both tiers, filled with random bytes, and its regions.
 
-    The CPU tier is one page-locked buffer carved with ``kv_views`` (as the
-    transfer engine allocates its mirror). The GPU tier is one buffer too
+    The CPU tier is one page-locked buffer carved with ``kv_views`` in the
+    GPU tier's layout or another one (as the transfer engine allocates its mirror). The GPU tier is one buffer too
     (``alloc="buffer"``: regions evenly spaced) or one tensor per layer
     (``alloc="tensors"``, as most engines allocate).
     """
@@ -68,7 +68,7 @@ class Rig:
     @classmethod
     def allocate(cls, spec: KVCacheSpec, layout: str, num_blocks: int, device: torch.device,
                  alloc: str = "buffer", seed: int = 0, cpu_layout: str | None = None) -> Rig:
-        """Allocate and fill both tiers: the GPU tier on ``device``, the CPU tier in ``cpu_layout`` (default ``layout``)."""
+        """Allocate and fill both tiers: the GPU one on ``device``, the CPU one in ``cpu_layout`` or ``layout``."""
         gen = torch.Generator(device=device).manual_seed(seed)
         nbytes = kv_nbytes(spec, layout, num_blocks)
         if alloc == "buffer":
@@ -417,7 +417,8 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
                                      gemm_count=gemm_count, gemm_alone_ms=alone))
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "layout": layout, "cpu_layout": cpu_layout or layout, "alloc": alloc, "blocks": blocks, "ids": ids, "direction": direction,
+        "layout": layout, "cpu_layout": cpu_layout or layout, "alloc": alloc, "blocks": blocks, "ids": ids,
+        "direction": direction,
         "pool_blocks": pool, "block_bytes": rig.block_bytes,
         "piece_bytes": rig.regions[0].piece_bytes, "regions": len(rig.regions),
         "ceiling_gbps": ceiling["both" if direction == "both" else direction],
@@ -455,14 +456,14 @@ def bench_group() -> None:
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--seed", default=0, show_default=True)
-def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: int, ids: str, direction: str, with_gemm: bool,
-                     as_json: bool, pool_blocks: int | None, repeat: int, alloc: str, settings: tuple[str, ...],
+def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: int, ids: str, direction: str,
+                     with_gemm: bool, as_json: bool, pool_blocks: int | None, repeat: int, alloc: str, settings: tuple[str, ...],
                      layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, seed: int) -> None:
     """Copy-backend GB/s on a KV cache (Llama-3-8B shapes by default), each copy checked."""
     spec = KVCacheSpec(num_layers=layers, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                        dtype=dtype)
-    report = run_transfer(spec, backend=backend, layout=layout, cpu_layout=cpu_layout, blocks=blocks, ids=ids, direction=direction,
-                          with_gemm=with_gemm, pool_blocks=pool_blocks, repeat=repeat, alloc=alloc,
+    report = run_transfer(spec, backend=backend, layout=layout, cpu_layout=cpu_layout, blocks=blocks, ids=ids,
+                          direction=direction, with_gemm=with_gemm, pool_blocks=pool_blocks, repeat=repeat, alloc=alloc,
                           options=_parse_options(settings), seed=seed)
     if as_json:
         click.echo(json.dumps(report, indent=2))

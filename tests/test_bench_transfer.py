@@ -30,6 +30,19 @@ def test_cpu_run_times_torch_and_checks_every_copy(layout, ids, direction):
 
 
 @needs_no_cuda
+def test_a_cpu_tier_in_another_layout_is_timed_and_checked():
+    """``--cpu-layout`` lays the CPU tier out apart from the GPU tier; every copy is still verified."""
+    result = CliRunner().invoke(main, ["bench", "transfer", "--layout", "per-layer", "--cpu-layout", "cross-layer",
+                                       "--blocks", "5", "--direction", "both", "--repeat", "2", "--json", *SMALL])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert (report["layout"], report["cpu_layout"]) == ("per-layer", "cross-layer")
+    assert report["regions"] == 4 and report["skipped"] == {}  # layer{i}.k / .v for 2 layers
+    (row,) = report["results"]
+    assert row["verified"] and row["gbps"] > 0
+
+
+@needs_no_cuda
 @pytest.mark.parametrize(("args", "message"), [
     (["--with-gemm"], "needs a CUDA GPU"),
     (["--backend", "cupy-batch"], "nothing to run on cpu"),

@@ -166,7 +166,8 @@ class StagedCopy(HandleQueue):
                                     device=rs[0].gpu.device)
                 for r in rs:
                     offset = r.cpu.data_ptr() - base
-                    piece = stage[:, offset:offset + r.piece_bytes].view(r.gpu.dtype).unflatten(1, r.gpu.shape[1:])
+                    piece = stage[:, offset:offset + r.piece_bytes].view(r.gpu.dtype)
+                    piece = piece.unflatten(1, r.gpu.shape[1:])
                     staging_regions.append(Region(f"{r.name}.{d.value}", r.gpu, piece, group=inner))
                 block_regions.append(Region(f"group{group}.{d.value}", stage, cpu_blocks_view, group=inner))
                 rings[group, d] = _Ring([None] * self.slots)

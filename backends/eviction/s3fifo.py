@@ -12,8 +12,8 @@ from typing_extensions import override
 from kvkit.backends.eviction._common import (
     already_tracked,
     check_count,
-    not_tracked,
     move_pinned,
+    not_tracked,
     take_evictable,
 )
 from kvkit.errors import ConfigError
@@ -151,11 +151,13 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def on_pin(self, block: BlockId) -> None:
         """Set a tracked block in use aside, keeping its queue and frequency."""
-        move_pinned(self, block, ((self._small, self._pinned_small), (self._main, self._pinned_main)), pinned=True)
+        sides = ((self._small, self._pinned_small), (self._main, self._pinned_main))
+        move_pinned(self, block, sides, pinned=True)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a pinned block back at its queue's new end, as a block just used."""
-        move_pinned(self, block, ((self._pinned_small, self._small), (self._pinned_main, self._main)), pinned=False)
+        sides = ((self._pinned_small, self._small), (self._pinned_main, self._main))
+        move_pinned(self, block, sides, pinned=False)
 
     @override
     def select_victims(self, n: int,
