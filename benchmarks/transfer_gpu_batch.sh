@@ -7,8 +7,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, cupy, numpy; print(torch.__version__, cupy.__version__, numpy.__version__)"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout ${TEST_TIMEOUT:-100} $(command -v pytest || echo python3 -m pytest) -p no:cacheprovider tests/gpu \
-    tests/backends/test_copy_planner.py tests/backends/test_gpu_copy_backends.py tests/backends/test_torch_copy.py \
+  timeout ${TEST_TIMEOUT:-100} $(command -v pytest || echo python3 -m pytest) -p no:cacheprovider tests/backends/copy \
     -q --maxfail=8 2>&1 | tee $OUT/pytest_gpu.log | tail -12
 fi
 for item in ${SECTIONS:-main:170}; do

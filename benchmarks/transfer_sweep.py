@@ -3,7 +3,7 @@
 Usage: ``python benchmarks/transfer_sweep.py main --out DIR`` (per-layer layout,
 GPU tier in one buffer). The first sweep (BENCHMARKS.md) also had sections for
 cross-layer and for kernel variants since folded into the backends' defaults.
-Each configuration is timed and checked by :func:`kvkit.bench_transfer.bench_backend`.
+Each configuration is timed and checked by :func:`kvkit.sim.transfer_bench.bench_backend`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from kvkit.backends.copy import TorchCopy
 from kvkit.backends.copy.auto import AutoCopy
 from kvkit.backends.copy.cuda_dma import CudaDMACopy
 from kvkit.backends.copy.cupy_batch import CupyBatchCopy
-from kvkit.bench_transfer import Rig, _Gemm, bench_backend, gemm_alone, make_plans, measure_ceiling
 from kvkit.interfaces import KVCacheSpec
+from kvkit.sim.transfer_bench import Rig, _Gemm, bench_backend, gemm_alone, make_plans, measure_ceiling
 
 SPEC = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 

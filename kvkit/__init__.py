@@ -6,8 +6,6 @@ through the registry.
 
 from kvkit import errors
 from kvkit.config import StackConfig, parse_bytes
-from kvkit.manager import OffloadManager
-from kvkit.stack import OffloadStack, build
 from kvkit.interfaces import (
     BlockAllocator,
     BlockHash,
@@ -24,6 +22,8 @@ from kvkit.interfaces import (
     TransferPlan,
     TransferResult,
 )
+from kvkit.manager import OffloadManager
+from kvkit.stack import OffloadStack, build
 
 __version__ = "0.1.0"
 

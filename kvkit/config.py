@@ -130,7 +130,7 @@ class StackConfig:
         device: ``"cuda"`` (default where available) or ``"cpu"``.
         hash_algorithm: one of :data:`kvkit.hashing.HASH_ALGORITHMS`.
         cpu_layout: layout of every worker's CPU mirror, a name in
-            :data:`kvkit.layouts.LAYOUTS`; ``None`` (default) mirrors the GPU
+            :data:`kvkit.worker.layouts.LAYOUTS`; ``None`` (default) mirrors the GPU
             tier's layout (``build(layout=...)``). Only a stack that moves bytes has one.
         options: per-slot constructor kwargs for named slots, e.g. ``{"store": {"k": 2}}``.
 
@@ -313,7 +313,7 @@ class StackConfig:
     def _layout_problems(self) -> list[str]:
         if self.cpu_layout is None:
             return []
-        from kvkit.layouts import LAYOUTS, check_layouts  # deferred: imports torch
+        from kvkit.worker.layouts import LAYOUTS, check_layouts  # deferred: imports torch
 
         if self.cpu_layout not in LAYOUTS:
             return [f"cpu_layout={self.cpu_layout!r}: unknown KV layout; valid: {', '.join(LAYOUTS)}"

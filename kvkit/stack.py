@@ -17,7 +17,7 @@ from kvkit.stats import OffloadStats
 if TYPE_CHECKING:
     import torch
 
-    from kvkit.transfer_engine import TransferEngine
+    from kvkit.worker.engine import TransferEngine
 
 __all__ = ["OffloadStack", "build"]
 
@@ -114,7 +114,7 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
         raise ConfigError(f"cpu_layout={config.cpu_layout!r} lays out the workers' CPU mirrors, but "
                           f"without layout=... the stack is scheduler-only and has none")
     if layout is not None:
-        from kvkit.layouts import check_layouts  # torch only when bytes move
+        from kvkit.worker.layouts import check_layouts  # torch only when bytes move
 
         check_layouts(config.kv, layout, config.cpu_layout)  # before any pool or mirror exists
     parts = config.resolve()
@@ -124,7 +124,7 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
                              callbacks=parts.callbacks)
     stack = OffloadStack(config, gpu, cpu, manager)
     if layout is not None:
-        from kvkit.transfer_engine import TransferEngine  # torch only when bytes move
+        from kvkit.worker.engine import TransferEngine  # torch only when bytes move
 
         if config.world_size > 1 and not isinstance(config.copy, str):
             raise ConfigError(

@@ -3,10 +3,10 @@
 import pytest
 
 import kvkit
-from kvkit.engine_loop import ReferenceEngine
 from kvkit.errors import ConfigError, RequestStateError, UnknownRequestError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import OffloadCallback
+from kvkit.sim.engine_loop import ReferenceEngine
 
 SPEC = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16")
 

@@ -10,7 +10,7 @@ descriptor in every region whose pieces sit back to back on both tiers (stride
 not for a per-layer region against a cross-layer CPU tier (checked per region).
 
 When the regions of a group are evenly spaced on both tiers (per-layer and
-blocks-first caches carved out of one buffer, as :func:`kvkit.layouts.kv_views`
+blocks-first caches carved out of one buffer, as :func:`kvkit.worker.layouts.kv_views`
 does), :meth:`Planner.strided` goes further: one block's pieces in every
 region form one 2-D copy (``height`` rows, ``pitch`` apart), which the copy
 engine runs as a single operation.

@@ -41,8 +41,8 @@ from kvkit.errors import HashInputError
 from kvkit.integrations._vllm_settings import ConnectorSettings
 from kvkit.interfaces import BlockHash, TransferResult
 from kvkit.manager import OffloadManager
-from kvkit.request import RequestState
-from kvkit.step import StepPlan
+from kvkit.manager.requests import RequestState
+from kvkit.manager.step import StepPlan
 
 __all__ = ["LOADED_TOKENS_KEY", "RELOADED_TOKENS_KEY", "SchedulerSide", "StepOrder", "block_hash"]
 

@@ -16,8 +16,8 @@ import attrs
 from kvkit.config import StackConfig
 from kvkit.errors import ConfigError
 from kvkit.interfaces import KVCacheSpec
-from kvkit.layouts import LAYOUTS
 from kvkit.registry import STORE, did_you_mean
+from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "parse_extra_config"]
 
@@ -39,7 +39,7 @@ class ConnectorSettings:
             component names); ``stack.num_cpu_blocks`` sizes both the
             scheduler's CPU pool and every worker's CPU mirror.
         layout: ``"auto"`` (detected from vLLM's KV tensors) or a name in
-            :data:`kvkit.layouts.LAYOUTS`.
+            :data:`kvkit.worker.layouts.LAYOUTS`.
         num_cpu_blocks: ``stack.num_cpu_blocks``, computed once.
     """
 

@@ -28,8 +28,8 @@ from kvkit.errors import ConfigError, SpecMismatchError
 from kvkit.integrations._vllm_scheduler import StepOrder
 from kvkit.integrations._vllm_settings import ConnectorSettings
 from kvkit.interfaces import KVCacheSpec, TransferResult
-from kvkit.layouts import validate_kv
-from kvkit.transfer_engine import TransferEngine
+from kvkit.worker.engine import TransferEngine
+from kvkit.worker.layouts import validate_kv
 
 __all__ = ["VLLM_LAYOUTS", "WorkerSide", "detect_layout"]
 

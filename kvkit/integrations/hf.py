@@ -2,7 +2,7 @@
 
 :class:`OffloadedLM` wraps a ``transformers`` causal LM and an
 :class:`~kvkit.OffloadStack` and drives both through kvkit's
-:class:`~kvkit.engine_loop.ReferenceEngine`, replacing its synthetic compute
+:class:`~kvkit.sim.engine_loop.ReferenceEngine`, replacing its synthetic compute
 with the model. One :meth:`OffloadedLM.generate` call is one request:
 
 1. hash the prompt's full blocks; the engine finds the longest cached prefix
@@ -44,12 +44,12 @@ import torch
 from typing_extensions import override
 
 from kvkit.config import StackConfig
-from kvkit.engine_loop import EngineRequest, PrefillCompute, ReferenceEngine
 from kvkit.errors import BackendUnavailableError, ConfigError, OutOfBlocksError, UnsupportedModelError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
-from kvkit.layouts import allocate_kv
+from kvkit.sim.engine_loop import EngineRequest, PrefillCompute, ReferenceEngine
 from kvkit.stack import OffloadStack, build
+from kvkit.worker.layouts import allocate_kv
 
 try:
     from transformers import DynamicCache
@@ -429,7 +429,7 @@ class OffloadedLM:
             gpu_blocks: GPU-tier blocks; a prompt needs ``ceil(len / block_size)``
                 per KV group.
             block_size: tokens per block.
-            layout: the KV cache layout (see :mod:`kvkit.layouts`).
+            layout: the KV cache layout (see :mod:`kvkit.worker.layouts`).
             cache_salt: see the class.
             **slots: the rest of :class:`~kvkit.StackConfig` (``cpu_blocks`` or
                 ``cpu_bytes``, ``eviction``, ``store``, ``copy``...); ``device``

@@ -14,7 +14,7 @@ vLLM loads it by module path::
 
 vLLM builds two instances: one in the scheduler (role ``SCHEDULER``), which
 drives kvkit's :class:`~kvkit.OffloadManager`, and one per worker (role
-``WORKER``), which drives a :class:`~kvkit.transfer_engine.TransferEngine`
+``WORKER``), which drives a :class:`~kvkit.worker.engine.TransferEngine`
 on that worker's KV tensors. They may live in different processes: each
 step's plan travels to the workers inside :class:`KVKitMetadata`, and the
 workers' results come back inside :class:`KVKitWorkerMetadata`. Both sides
@@ -66,7 +66,7 @@ from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide
 from kvkit.interfaces import TransferResult
 from kvkit.manager import OffloadManager
 from kvkit.stats import OffloadStats
-from kvkit.transfer_engine import TransferEngine
+from kvkit.worker.engine import TransferEngine
 
 if TYPE_CHECKING:
     import torch

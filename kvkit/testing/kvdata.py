@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, KVGroupSpec, TransferPlan
-from kvkit.layouts import LAYOUTS
+from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["BAD_PLANS", "TWO_GROUPS", "fill_random", "kv_specs", "plans", "reference_copy", "spec_layouts",
            "tensor_bytes"]

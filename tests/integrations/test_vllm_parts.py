@@ -23,7 +23,7 @@ from kvkit.integrations._vllm_scheduler import (
 from kvkit.integrations._vllm_settings import kv_spec_from_vllm, parse_extra_config
 from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide, detect_layout
 from kvkit.interfaces import KVCacheSpec
-from kvkit.layouts import allocate_kv
+from kvkit.worker.layouts import allocate_kv
 
 BS = 4
 SPEC = KVCacheSpec(num_layers=2, block_size=BS, num_kv_heads=2, head_dim=8, dtype="float32")

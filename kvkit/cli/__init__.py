@@ -1,0 +1,100 @@
+"""The ``kvkit`` command line.
+
+Subcommands are looked up by name in :data:`COMMANDS` and imported only when
+run, so ``kvkit --help`` and ``kvkit list`` stay fast and never pull in the
+torch-heavy modules behind other commands. kvkit errors reach the user as one
+line on stderr and exit code 2, never a traceback (:func:`kvkit_errors`).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvkit.errors import ConfigError, KVKitError
+
+__all__ = ["COMMANDS", "KVKitUsageError", "kvkit_errors", "main"]
+
+COMMANDS: dict[str, str] = {
+    "bench": "kvkit.cli.bench:bench_group",
+    "list": "kvkit.cli.list:list_command",
+    "policies": "kvkit.cli.policies:policies_command",
+    "simulate": "kvkit.cli.simulate:simulate_command",
+}
+"""Subcommand name -> ``"module:attr"`` of its click command (imported on use)."""
+
+
+class KVKitUsageError(click.ClickException):
+    """A kvkit error shown as ``Error: <one line>`` on stderr, exit code 2."""
+
+    exit_code = 2
+
+
+def _one_line(exc: KVKitError) -> str:
+    if isinstance(exc, ConfigError) and len(exc.problems) > 1:
+        return f"{len(exc.problems)} configuration problems: " + "; ".join(exc.problems)
+    return " ".join(str(exc).split())
+
+
+@contextlib.contextmanager
+def kvkit_errors() -> Iterator[None]:
+    """Turn a :class:`~kvkit.errors.KVKitError` raised inside into :class:`KVKitUsageError`.
+
+    ``main`` wraps every subcommand in it; use it directly only to run a
+    command object outside ``main``.
+    """
+    try:
+        yield
+    except KVKitError as exc:
+        raise KVKitUsageError(_one_line(exc)) from exc
+
+
+def _first_doc_line(target: str) -> str:
+    """First docstring line of ``target``'s function, read from source without importing it."""
+    module, _, attr = target.partition(":")
+    try:
+        spec = importlib.util.find_spec(module)
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    except (ImportError, AttributeError, TypeError, OSError, SyntaxError, ValueError):
+        return ""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == attr:
+            return (ast.get_docstring(node) or "").strip().partition("\n")[0]
+    return ""
+
+
+class _LazyGroup(click.Group):
+    """A group whose subcommands come from :data:`COMMANDS`, imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module, _, attr = target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Listing help must not import the commands; read their docstrings instead.
+        rows = [(name, _first_doc_line(COMMANDS[name])) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with kvkit_errors():
+            return super().invoke(ctx)
+
+
+@click.group(cls=_LazyGroup)
+@click.version_option(package_name="kvkit")
+def main() -> None:
+    """Compose, drive, explore and prove CPU offload tiers for paged KV caches."""

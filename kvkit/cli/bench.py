@@ -1,0 +1,109 @@
+"""``kvkit bench``: measured copy-backend throughput (the library half is :mod:`kvkit.sim.transfer_bench`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from kvkit.errors import ConfigError
+from kvkit.interfaces.types import KVCacheSpec
+from kvkit.sim.transfer_bench import DIRECTIONS, run_transfer
+
+__all__ = ["bench_group", "transfer_command"]
+
+
+@click.group("bench")
+def bench_group() -> None:
+    """Benchmarks: copy backends (transfer)."""
+
+
+@bench_group.command("transfer")
+@click.option("--backend", default="all", show_default=True, help="A copy backend name, or 'all' available here.")
+@click.option("--layout", type=click.Choice(["per-layer", "blocks-first", "cross-layer"]), default="per-layer",
+              show_default=True)
+@click.option("--cpu-layout", type=click.Choice(["per-layer", "blocks-first", "cross-layer"]), default=None,
+              help="The CPU tier's layout [default: --layout]; the staged backend needs cross-layer.")
+@click.option("--blocks", type=click.IntRange(1), default=256, show_default=True, help="Blocks per plan.")
+@click.option("--ids", type=click.Choice(["random", "consecutive"]), default="random", show_default=True)
+@click.option("--direction", type=click.Choice(list(DIRECTIONS)), default="d2h", show_default=True,
+              help="d2h stores, h2d loads, both: a store and a load plan at once.")
+@click.option("--with-gemm", is_flag=True, help="Also measure the slowdown of concurrent bf16 8192^3 GEMMs.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of a table.")
+@click.option("--pool-blocks", type=click.IntRange(1), default=None,
+              help="Blocks per tier [default: 2048 on GPU, 64 on CPU, or enough for the plans].")
+@click.option("--repeat", type=click.IntRange(1), default=10, show_default=True, help="Copies per timing.")
+@click.option("--alloc", type=click.Choice(["buffer", "tensors"]), default="buffer", show_default=True,
+              help="GPU tier as one buffer (regions evenly spaced) or one tensor per layer.")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Backend option, e.g. --set sm_budget=4 (repeatable).")
+@click.option("--layers", default=32, show_default=True)
+@click.option("--kv-heads", default=8, show_default=True)
+@click.option("--head-dim", default=128, show_default=True)
+@click.option("--block-size", default=16, show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: int, ids: str, direction: str,
+                     with_gemm: bool, as_json: bool, pool_blocks: int | None, repeat: int, alloc: str, settings: tuple[str, ...],
+                     layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, seed: int) -> None:
+    """Copy-backend GB/s on a KV cache (Llama-3-8B shapes by default), each copy checked."""
+    spec = KVCacheSpec(num_layers=layers, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
+                       dtype=dtype)
+    report = run_transfer(spec, backend=backend, layout=layout, cpu_layout=cpu_layout, blocks=blocks, ids=ids,
+                          direction=direction, with_gemm=with_gemm, pool_blocks=pool_blocks, repeat=repeat, alloc=alloc,
+                          options=_parse_options(settings), seed=seed)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        _print_table(report)
+    if not all(r["verified"] for r in report["results"]):
+        raise click.ClickException("a copy moved wrong bytes (see the 'ok' column)")
+
+
+def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set takes KEY=VALUE, got {pair!r}")
+        value: Any = raw
+        for convert in (int, float):
+            try:
+                value = convert(raw)
+                break
+            except ValueError:
+                continue
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        options[key] = value
+    return options
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ceiling = report["ceiling_gbps"]
+    layouts = report["layout"] + ("" if report["cpu_layout"] == report["layout"] else f" -> {report['cpu_layout']}")
+    table = Table(title=f"{layouts}, {report['blocks']} blocks ({report['ids']} ids), "
+                        f"{report['direction']}, {report['block_bytes'] // 1024} KiB/block, "
+                        f"piece {report['piece_bytes'] // 1024} KiB; ceiling {ceiling:.1f} GB/s")
+    columns = ["backend", "GB/s", "% ceiling", "submit ms", "descriptors", "ok"]
+    gemm = any("gemm_slowdown" in r for r in report["results"])
+    if gemm:
+        columns += ["GEMM ms (alone)", "slowdown", "copy GB/s in GEMM"]
+    for c in columns:
+        table.add_column(c)
+    for r in report["results"]:
+        row = [r["backend"], f"{r['gbps']:.1f}", f"{100 * r['gbps'] / ceiling:.0f}%", f"{r['submit_ms']:.3f}",
+               str(r.get("descriptors", "-")), "yes" if r["verified"] else "[red]NO[/]"]
+        if gemm:
+            row += [f"{r['gemm_ms']:.3f} ({r['gemm_ms_alone']:.3f})", f"{r['gemm_slowdown']:.3f}x",
+                    f"{r['copy_gbps_during_gemm']:.1f}"]
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    for label, why in report["skipped"].items():
+        console.print(f"skipped {label}: {why}")

@@ -1,0 +1,290 @@
+"""``kvkit simulate``: replay a trace through a real offload stack, with and without offload."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import click
+
+from kvkit.sim.simulator import (
+    DEFAULT_CPU_BLOCKS,
+    DEFAULT_GPU_BLOCKS,
+    CostModel,
+    SimConfig,
+    SimResult,
+    simulate,
+)
+from kvkit.sim.traces import DEFAULT_BLOCK_TOKENS, TraceRequest, read_trace
+
+__all__ = ["figure", "save_plot", "simulate_command"]
+
+_SYNTHETIC_BLOCK_TOKENS = 16
+_DEFAULTS = CostModel()
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.UsageError("--plot needs matplotlib: pip install 'kvkit[plot]'") from None
+
+
+@click.command("simulate")
+@click.option("--trace", "trace_path", default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Mooncake JSONL trace [default: the built-in synthetic multi-turn chat workload].")
+@click.option("--gpu-blocks", default=DEFAULT_GPU_BLOCKS, show_default=True, type=click.IntRange(min=1),
+              help="GPU tier size in blocks.")
+@click.option("--cpu-blocks", default=None, type=click.IntRange(min=1),
+              help=f"CPU tier size in blocks [default: {DEFAULT_CPU_BLOCKS}].")
+@click.option("--cpu-bytes", default=None,
+              help="CPU tier size in bytes of model KV instead, e.g. 64GiB.")
+@click.option("--block-tokens", default=None, type=click.IntRange(min=1),
+              help=f"Tokens per block [default: {_SYNTHETIC_BLOCK_TOKENS} for the synthetic workload, "
+                   f"{DEFAULT_BLOCK_TOKENS} (Mooncake) for --trace].")
+@click.option("--eviction", default="lru", show_default=True, help="CPU tier eviction policy.")
+@click.option("--gpu-eviction", default="lru", show_default=True, help="GPU tier eviction policy.")
+@click.option("--store", default="eager", show_default=True, help="Store policy.")
+@click.option("--verify", is_flag=True,
+              help="Move real bytes (torch backend, CPU tensors) and check every loaded block.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic workload.")
+@click.option("--limit", default=None, type=click.IntRange(min=0), help="Replay only the first N requests.")
+@click.option("--prefill-tokens-per-s", default=_DEFAULTS.prefill_tokens_per_s, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Cost model: prefill speed.")
+@click.option("--pcie-gbps", default=_DEFAULTS.pcie_gb_per_s, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Cost model: CPU->GPU load GB/s.")
+@click.option("--decode-ms-per-token", default=_DEFAULTS.decode_ms_per_token, show_default=True,
+              type=click.FloatRange(min=0), help="Cost model: time per generated token.")
+@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never').")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--plot", "plot_path", default=None,
+              type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload.")
+def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int | None,
+                     cpu_bytes: str | None, block_tokens: int | None, eviction: str,
+                     gpu_eviction: str, store: str, verify: bool, seed: int, limit: int | None,
+                     prefill_tokens_per_s: float, pcie_gbps: float, decode_ms_per_token: float,
+                     no_baseline: bool, as_json: bool, plot_path: Path | None) -> None:
+    """Replay a trace through a real offload stack and model time to first token.
+
+    Every request goes through the reference engine loop, both block pools,
+    the offload manager and the chosen policies; a cost model (prefill
+    tokens/s, PCIe GB/s, decode ms/token) turns computed and loaded tokens
+    into a modelled TTFT. The same trace is replayed without offload to
+    compare. See kvkit.sim.simulator for the time model.
+    """
+    if plot_path is not None:
+        _require_matplotlib()
+    if cpu_blocks is not None and cpu_bytes is not None:
+        raise click.UsageError("give --cpu-blocks or --cpu-bytes, not both")
+    if block_tokens is None:
+        block_tokens = DEFAULT_BLOCK_TOKENS if trace_path is not None else _SYNTHETIC_BLOCK_TOKENS
+    config = SimConfig(
+        gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, cpu_bytes=cpu_bytes, block_tokens=block_tokens,
+        eviction=eviction, gpu_eviction=gpu_eviction, store=store, verify=verify,
+        cost=CostModel(prefill_tokens_per_s=prefill_tokens_per_s, pcie_gb_per_s=pcie_gbps,
+                       decode_ms_per_token=decode_ms_per_token))
+    config.stack_config()  # every bad slot is reported before any work
+    workload = _Workload(trace_path, block_tokens, seed, limit)
+    start = time.perf_counter()
+    runs = [("offload", config)]
+    if not no_baseline and store != "never":
+        runs.append(("no offload", attrs.evolve(config, store="never", verify=False)))
+    results = []
+    with _progress(enabled=not as_json, total=workload.size()) as progress:
+        for label, cfg in runs:
+            results.append(simulate(workload.requests(), cfg, progress=progress(label)))
+    offload, baseline = results[0], (results[1] if len(results) > 1 else None)
+    wall = time.perf_counter() - start
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    if plot_path is not None:
+        save_plot(offload, plot_path, baseline=baseline, title=workload.describe())
+    if as_json:
+        report = offload.as_dict()
+        report["config"].update(workload.as_dict())
+        if baseline is not None:
+            report["baseline"] = {k: v for k, v in baseline.as_dict().items() if k != "config"}
+        report["wall_s"] = round(wall, 3)
+        report["peak_rss_mib"] = round(peak_rss_mib, 1)
+        click.echo(json.dumps(report, indent=2))
+        return
+    _print_report(offload, baseline, workload, wall, peak_rss_mib)
+    if plot_path is not None:
+        click.echo(f"plot written to {plot_path}")
+
+
+@attrs.frozen
+class _Workload:
+    """The requests to replay: a trace file (read again for each run) or the synthetic workload."""
+
+    path: Path | None
+    block_tokens: int
+    seed: int
+    limit: int | None
+
+    def requests(self) -> Iterable[TraceRequest]:
+        if self.path is not None:
+            return read_trace(self.path, block_tokens=self.block_tokens, limit=self.limit)
+        from itertools import islice
+
+        from kvkit.sim.synthetic import SyntheticWorkload, generate
+
+        return islice(generate(SyntheticWorkload(seed=self.seed, block_tokens=self.block_tokens)),
+                      self.limit)
+
+    def size(self) -> int | None:
+        """Requests in the workload, if cheap to know (a line count of the file)."""
+        if self.path is None:
+            return None
+        with open(self.path, "rb") as f:
+            lines = sum(1 for line in f if line.strip())
+        return lines if self.limit is None else min(lines, self.limit)
+
+    def describe(self) -> str:
+        if self.path is not None:
+            return self.path.name
+        return f"synthetic multi-turn chat (seed {self.seed})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"trace": str(self.path) if self.path is not None else "synthetic",
+                "seed": None if self.path is not None else self.seed, "limit": self.limit}
+
+
+@contextlib.contextmanager
+def _progress(*, enabled: bool, total: int | None) -> Iterator[Callable[[str], Callable[[int, int], None]]]:
+    """A transient progress bar on stderr (only on a terminal), one task per run."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               MofNCompleteColumn(), TextColumn("{task.fields[refs]} block refs"), TimeElapsedColumn()]
+    with Progress(*columns, console=Console(stderr=True), transient=True,
+                  disable=not (enabled and sys.stderr.isatty())) as bar:
+        def start(label: str) -> Callable[[int, int], None]:
+            task = bar.add_task(f"replaying ({label})", total=total, refs="0")
+            return lambda n, refs: bar.update(task, completed=n, refs=f"{refs:,}")
+
+        yield start
+
+
+def _share(part: float, whole: float) -> str:
+    return f" ({part / whole:.1%})" if whole else ""
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:,.1f} GiB"
+
+
+def _rows(r: SimResult) -> list[tuple[str, str]]:
+    ttft = r.ttft_percentiles()
+    rows = [
+        ("requests", f"{r.requests:,}"),
+        ("prompt tokens", f"{r.prompt_tokens:,}"),
+        ("hit tokens, GPU tier", f"{r.hit_tokens_gpu:,}{_share(r.hit_tokens_gpu, r.prompt_tokens)}"),
+        ("hit tokens, CPU tier", f"{r.hit_tokens_cpu:,}{_share(r.hit_tokens_cpu, r.prompt_tokens)}"),
+        ("computed tokens", f"{r.computed_tokens:,}{_share(r.computed_tokens, r.prompt_tokens)}"),
+        ("blocks stored / loaded", f"{r.blocks_stored:,} / {r.blocks_loaded:,}"),
+        ("bytes stored / loaded", f"{_gib(r.bytes_stored)} / {_gib(r.bytes_loaded)}"),
+        ("evictions GPU / CPU", f"{r.evictions_gpu:,} / {r.evictions_cpu:,}"),
+        *((f"modelled TTFT {q}", f"{v:,.1f} ms") for q, v in ttft.items()),
+        ("modelled TTFT mean", f"{r.ttft_mean_ms:,.1f} ms"),
+        ("queued for GPU blocks", f"{r.queued_requests:,}"),
+        ("leaked blocks", str(r.leaked_blocks)),
+        ("block refs / s", f"{r.block_refs_per_s:,.0f}"),
+    ]
+    if r.skipped_requests:
+        rows.insert(1, ("skipped (larger than the GPU pool)", f"{r.skipped_requests:,}"))
+    if r.integrity_errors is not None:
+        rows.append(("integrity errors (--verify)", str(r.integrity_errors)))
+    return rows
+
+
+def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Workload,
+                  wall: float, peak_rss_mib: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = offload.config
+    title = (f"{workload.describe()}: GPU {c.gpu_blocks:,} blocks, CPU {c.num_cpu_blocks:,} blocks "
+             f"of {c.block_tokens} tokens; eviction {c.as_dict()['eviction']}, "
+             f"store {c.as_dict()['store']}")
+    table = Table(title=title)
+    table.add_column("")
+    table.add_column("offload", justify="right")
+    if baseline is not None:
+        table.add_column("no offload", justify="right")
+    base = dict(_rows(baseline)) if baseline is not None else {}
+    for name, value in _rows(offload):
+        table.add_row(name, value, *([base.get(name, "")] if baseline is not None else []))
+    console = Console()
+    console.print(table)
+    cost = c.cost
+    console.print(f"cost model: {cost.prefill_tokens_per_s:,.0f} prefill tokens/s, "
+                  f"{cost.pcie_gb_per_s:g} GB/s PCIe, {cost.decode_ms_per_token:g} ms/token decode; "
+                  f"bytes of {c.model.name} ({c.spec.bytes_per_block / 2**20:g} MiB a block)")
+    if baseline is not None:
+        with_, without = offload.ttft_percentiles(), baseline.ttft_percentiles()
+        ratios = ", ".join(f"{q} {with_[q]:,.1f} vs {without[q]:,.1f} ms" for q in ("p50", "p90"))
+        console.print(f"offload served {offload.hit_tokens_cpu:,} prompt tokens from the CPU tier; "
+                      f"modelled TTFT with vs without offload: {ratios}")
+    console.print(f"total {wall:.1f} s, peak memory {peak_rss_mib:,.0f} MiB")
+
+
+def figure(offload: SimResult, baseline: SimResult | None = None, *, title: str = ""):
+    """A matplotlib ``Figure``: modelled TTFT CDF, and prompt tokens by tier, per run."""
+    # Figure + Agg canvas, not pyplot: no global state, no display needed.
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import PercentFormatter
+
+    runs = [("offload", offload)] + ([("no offload", baseline)] if baseline is not None else [])
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    cdf, tiers = fig.subplots(1, 2, width_ratios=[3, 2])
+    for label, r in runs:
+        ttft = np.sort(np.frombuffer(r.ttft_ms, dtype=np.float64))
+        if len(ttft):
+            cdf.plot(np.maximum(ttft, 1e-3), np.arange(1, len(ttft) + 1) / len(ttft), label=label)
+    cdf.set_xscale("log")
+    cdf.set_xlabel("modelled time to first token (ms)")
+    cdf.set_ylabel("requests")
+    cdf.yaxis.set_major_formatter(PercentFormatter(1.0))
+    cdf.grid(True, alpha=0.3)
+    cdf.legend()
+    cdf.set_title("TTFT CDF")
+    names = [label for label, _ in runs]
+    bottom = np.zeros(len(runs))
+    for part, color in (("hit_tokens_gpu", "tab:green"), ("hit_tokens_cpu", "tab:blue"),
+                        ("computed_tokens", "tab:gray")):
+        share = np.array([getattr(r, part) / r.prompt_tokens if r.prompt_tokens else 0.0 for _, r in runs])
+        tiers.bar(names, share, bottom=bottom, color=color, label=part.replace("_", " "))
+        bottom += share
+    tiers.yaxis.set_major_formatter(PercentFormatter(1.0))
+    tiers.set_ylabel("prompt tokens")
+    tiers.legend(loc="lower left", bbox_to_anchor=(1.0, 0.0))
+    tiers.set_title("where prompt tokens came from")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def save_plot(offload: SimResult, path: str | Path, *, baseline: SimResult | None = None,
+              title: str = "") -> None:
+    """Write :func:`figure` as a PNG to ``path``."""
+    figure(offload, baseline, title=title).savefig(path, dpi=120)

@@ -1,1 +1,0 @@
-"""The ``kvkit`` subcommands, one module each, imported only when run (see ``kvkit.cli``)."""

@@ -1,0 +1,712 @@
+"""``OffloadManager``: the scheduler side of a CPU offload tier (no tensors).
+
+The manager sits in an engine's scheduler loop. Per request it finds CPU hits
+beyond the GPU prefix hit and pins them at lookup, pairs them with the GPU
+blocks the engine allocated, asks the store policy what to store, builds one
+step plan of loads and stores, and applies the workers' completions: a stored
+CPU block becomes findable only when its copy finished on every worker, and
+every reference it takes is released exactly once.
+
+One scheduler step, as an engine drives it::
+
+    mgr.add_request(rid, block_hashes, num_prompt_tokens)   # on arrival
+    extra = mgr.lookup(rid, gpu_hit_tokens)                 # when scheduling it
+    mgr.on_allocated(rid, block_table, accepted_tokens)     # after allocating
+    mgr.append_blocks(rid, new_block_ids)                   # a running request grew
+    plan = mgr.build_step()                                 # -> workers
+    mgr.on_computed(rid, num_computed_tokens)               # after the forward pass
+    mgr.extend(rid, new_block_hashes)                       # decode filled blocks
+    report = mgr.apply_completions(worker_results)          # loaded / released
+    mgr.finish(rid)  /  mgr.abort(rid)  /  mgr.preempt(rid)
+
+GPU blocks and the delayed free:
+    With ``gpu`` (kvkit's reference engine, the simulator) the manager takes
+    its own GPU-pool reference on every store source and load destination
+    while the transfer is in flight (and on the sources of stores still
+    queued when a request ends), so the engine frees a finished, aborted or
+    preempted request's blocks at once and ``finish``/``abort``/``preempt``
+    return ``False``. Without ``gpu`` (external engines such as vLLM)
+    ``finish``/``abort`` return ``True`` when queued or in-flight transfers
+    still touch the request's GPU blocks: the engine keeps them until a
+    :class:`~kvkit.manager.step.CompletionReport` lists the id in ``released`` (the
+    connector's ``request_finished -> True`` / ``get_finished`` handshake);
+    ``preempt`` returns ``True`` when transfers in flight touch them, and the
+    workers must finish those before the blocks are reused.
+
+Reset:
+    :meth:`reset` abandons every transfer in flight (stores will never
+    commit; loads are reported failed), releases every lookup pin and queued
+    transfer, and from that moment serves no hit. The CPU pool itself is
+    emptied as soon as the abandoned transfers' completions have arrived
+    (:attr:`drained`); until then no store is planned either. Requests that
+    computed KV before the reset never store it afterwards.
+
+Hashes:
+    Block hashes come from the engine (``kvkit.hashing`` or its own) and must
+    be the ones it uses for its GPU prefix cache; a request's hash ``i`` names
+    the KV of its tokens ``[0, (i + 1) * block_size)``. A CPU block holds every
+    KV group's piece of one hash; a block is stored only when every group
+    still has it on the GPU (a sliding-window group may have dropped it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from kvkit.errors import RequestStateError, UnknownRequestError
+from kvkit.interfaces.allocator import BlockAllocator
+from kvkit.interfaces.callbacks import OffloadCallback
+from kvkit.interfaces.store import StorePolicy
+from kvkit.interfaces.types import (
+    BlockHash,
+    BlockId,
+    Direction,
+    KVCacheSpec,
+    TransferPlan,
+    TransferResult,
+)
+from kvkit.manager import hits as _hits
+from kvkit.manager import stores as _store_plan
+from kvkit.manager.ended import EndedRequests
+from kvkit.manager.requests import (
+    Request,
+    RequestState,
+    accepted_blocks,
+    check_live,
+    check_lookup,
+    check_parts,
+    check_prompt,
+    check_table,
+    check_world_size,
+    is_count,
+    writes_back,
+    wrong_state,
+)
+from kvkit.manager.step import CompletionReport, StepPlan
+from kvkit.manager.transfers import (
+    Batch,
+    TransferTable,
+    abandon,
+    check_in_flight,
+    completed_batches,
+    plans,
+    settle,
+)
+from kvkit.stats import OffloadStats
+
+__all__ = ["OffloadManager"]
+
+_WAITING, _RUNNING, _ENDED = RequestState.WAITING, RequestState.RUNNING, RequestState.ENDED
+
+
+@attrs.define(eq=False)
+class OffloadManager:
+    """Drives one CPU offload tier from an engine's scheduler loop.
+
+    Args:
+        spec: the KV cache shape (block size, groups, bytes per block).
+        cpu: the CPU tier's block pool (its size is the single source of truth
+            for the CPU mirror the workers allocate).
+        store: the store policy.
+        gpu: the engine's GPU block pool, when it is a ``BlockAllocator``
+            (reference engine, simulator): enables GPU reference holding and
+            write-back stores. ``None`` for external engines.
+        world_size: workers that must each report a transfer before it completes.
+        callbacks: observers; every hook is called at its event.
+        stats: counters to add to (a fresh :class:`OffloadStats` by default).
+        null_block: the id that marks a missing block in the engine's block
+            tables (``-1``; vLLM's null block is ``0``).
+
+    Invariants (DESIGN §4; :meth:`check_invariants` asserts them):
+        * CPU refcount of every block == lookup pins + in-flight transfer
+          references held by the manager; with ``gpu``, the manager's GPU
+          references are exactly those of in-flight and queued transfers.
+        * A stored block is findable only after its copy completed on every
+          worker; failed or abandoned stores never become findable.
+        * No hash is stored while it is on the CPU tier or in flight.
+        * Loads write CPU hit ``i`` to the GPU block at position
+          ``gpu_hit_blocks + i``; only confirmed blocks are stored.
+        * Per step: work is O(requests touched + blocks planned), never
+          O(all blocks of all requests).
+    """
+
+    spec: KVCacheSpec
+    cpu: BlockAllocator
+    store: StorePolicy
+    gpu: BlockAllocator | None = attrs.field(default=None, kw_only=True)
+    world_size: int = attrs.field(default=1, kw_only=True, validator=check_world_size)
+    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
+    stats: OffloadStats = attrs.field(factory=OffloadStats, kw_only=True)
+    null_block: int = attrs.field(default=-1, kw_only=True)
+
+    _requests: dict[str, Request] = attrs.field(init=False, factory=dict)
+    _ended: EndedRequests = attrs.field(init=False, factory=EndedRequests)
+    _dirty: dict[str, Request] = attrs.field(init=False, factory=dict)  # queued stores or load
+    _detached: list[_store_plan.StoreCandidate] = attrs.field(init=False, factory=list)
+    _inflight_hashes: set[BlockHash] = attrs.field(init=False, factory=set)
+    _transfers: TransferTable = attrs.field(init=False)
+    _epoch: int = attrs.field(init=False, default=0)
+    _draining: bool = attrs.field(init=False, default=False)
+    _writeback: bool = attrs.field(init=False, default=False)
+    _group_bytes: list[int] = attrs.field(init=False)
+    _loaded: set[str] = attrs.field(init=False, factory=set)
+    _load_failed: set[str] = attrs.field(init=False, factory=set)
+
+    def __attrs_post_init__(self) -> None:
+        check_parts(self.spec, self.cpu, self.gpu, self.store, self.callbacks, self.null_block)
+        self._writeback = writes_back(self.spec, self.store, self.gpu)
+        self._transfers = TransferTable(self.world_size)
+        self._group_bytes = [2 * len(g.layers) * self.spec.bytes_per_layer_block
+                             for g in self.spec.groups]
+        self.cpu.add_evict_listener(self._on_cpu_evict)
+        if self.gpu is not None:
+            self.gpu.add_evict_listener(self._on_gpu_evict)
+
+    # -- public state --------------------------------------------------------
+
+    @property
+    def drained(self) -> bool:
+        """No transfer abandoned by a reset is still in flight (the CPU tier was emptied)."""
+        return not self._draining
+
+    @property
+    def num_requests(self) -> int:
+        """Live requests (added, not ended)."""
+        return len(self._requests)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Transfers planned and not yet completed on every worker."""
+        return len(self._transfers)
+
+    @property
+    def next_transfer_id(self) -> int:
+        """The id the next planned transfer gets (ids only increase)."""
+        return self._transfers.next_id
+
+    def request(self, request_id: str) -> Request:
+        """The live state of ``request_id`` (read it, do not change it).
+
+        Raises:
+            UnknownRequestError / RequestStateError: unknown, or already ended.
+        """
+        return self._live(request_id)
+
+    # -- request life --------------------------------------------------------
+
+    def add_request(self, request_id: str, block_hashes: Sequence[BlockHash],
+                    num_prompt_tokens: int) -> None:
+        """Start tracking a request.
+
+        Args:
+            request_id: the engine's id; must not be live.
+            block_hashes: chained hashes of the prompt's full blocks.
+            num_prompt_tokens: prompt length in tokens.
+
+        Raises:
+            RequestStateError: the id is live, or the counts disagree.
+        """
+        if request_id in self._requests or self._ended.is_parked(request_id):
+            raise RequestStateError(f"request {request_id!r} is already live")
+        hashes = list(block_hashes)
+        check_prompt(request_id, hashes, num_prompt_tokens, self.spec.block_size)
+        self._ended.revive(request_id)
+        self._requests[request_id] = Request(request_id, hashes, num_prompt_tokens)
+
+    def extend(self, request_id: str, new_hashes: Sequence[BlockHash],
+               num_tokens: int | None = None) -> None:
+        """Append the hashes of blocks that became full (decode), and optionally the token count.
+
+        Blocks already computed become confirmed now.
+
+        Raises:
+            UnknownRequestError / RequestStateError: unknown or ended id, or a
+                token count below the blocks' tokens.
+        """
+        r = self._requests.get(request_id) or self._live(request_id)
+        hashes = r.block_hashes
+        num_blocks = len(hashes) + len(new_hashes)
+        full = num_blocks * self.spec.block_size
+        if num_tokens is not None:
+            if not is_count(num_tokens) or num_tokens < full:
+                raise RequestStateError(
+                    f"request {request_id!r}: num_tokens={num_tokens!r} is below its "
+                    f"{num_blocks} full blocks ({full} tokens)")
+            full = max(full, num_tokens)
+        hashes.extend(new_hashes)
+        if full > r.num_tokens:
+            r.num_tokens = full
+        if r.state is _RUNNING:
+            self._confirm(r)
+
+    def lookup(self, request_id: str, gpu_hit_tokens: int, *,
+               num_tokens: int | None = None) -> int:
+        """Tokens available on the CPU tier right after the GPU hit; pins them.
+
+        The hit is the longest run of CPU-ready blocks starting exactly at the
+        GPU-hit boundary, capped so at least one of the request's tokens is
+        recomputed. Its blocks are pinned (one CPU reference each) until the
+        engine allocates (:meth:`on_allocated`), the request ends, or a later
+        lookup replaces this one, so nothing can evict them in between. The
+        lookup records no use: the blocks the engine accepts are touched (for
+        the CPU eviction policy) at :meth:`on_allocated`. While a reset
+        drains, every lookup answers 0.
+
+        Args:
+            request_id: a waiting request.
+            gpu_hit_tokens: tokens the engine's GPU prefix cache holds, a
+                multiple of ``block_size``.
+            num_tokens: the request's current length if the manager's view
+                is stale (default: prompt, confirmed or hashed tokens).
+
+        Returns:
+            Extra tokens, a multiple of ``block_size``.
+
+        Raises:
+            UnknownRequestError / RequestStateError: unknown, ended or running
+                id, or a hit that is not block aligned or exceeds the request.
+        """
+        r = self._live(request_id)
+        bs = self.spec.block_size
+        r.num_tokens = check_lookup(r, gpu_hit_tokens, num_tokens, bs)
+        _hits.unpin(self.cpu, r)
+        r.revoked = False
+        self.stats.lookups.add()
+        start = gpu_hit_tokens // bs
+        stop = min((r.num_tokens - 1) // bs, len(r.block_hashes))
+        blocks: list[BlockId] = []
+        if stop > start and not self._draining:
+            blocks = _hits.pin(self.cpu, r.block_hashes[start:stop])
+        r.gpu_hit_blocks = start
+        r.offered_blocks = len(blocks)
+        r.pinned = blocks
+        for cb in self.callbacks:
+            cb.on_lookup(request_id, gpu_hit_tokens, len(blocks) * bs)
+        return len(blocks) * bs
+
+    def on_allocated(self, request_id: str, gpu_block_ids: Sequence[Sequence[int]],
+                     accepted_tokens: int = 0) -> None:
+        """The engine allocated GPU blocks; plan the load of the accepted CPU hit.
+
+        First call after :meth:`lookup` (waiting request): ``accepted_tokens``
+        (a block-aligned prefix of the offered hit; the rest is unpinned now)
+        are loaded into the GPU blocks at positions ``gpu_hit_blocks + i`` of
+        each group (for a sliding-window group only the positions inside the
+        window before the hit end; the others may be ``null_block``). The load
+        enters the next :meth:`build_step`. If a reset revoked the hit, the
+        request is reported in ``load_failed`` instead.
+
+        Later calls (running request) replace the block table, e.g. when the
+        engine dropped blocks; ``accepted_tokens`` must then be 0. To add
+        blocks, :meth:`append_blocks` is cheaper.
+
+        Args:
+            request_id: the request.
+            gpu_block_ids: the request's whole block table, one sequence of
+                GPU block ids per KV group.
+            accepted_tokens: CPU-hit tokens the engine uses.
+
+        Raises:
+            UnknownRequestError / RequestStateError: unknown or ended id, no
+                lookup first, a table of the wrong shape, a hit position that
+                is missing or null, or more tokens accepted than offered.
+        """
+        r = self._live(request_id)
+        table = check_table(request_id, gpu_block_ids, len(self.spec.groups))
+        if r.state is _RUNNING:
+            if accepted_tokens != 0:
+                raise RequestStateError(
+                    f"request {request_id!r} is already running; accepted_tokens="
+                    f"{accepted_tokens!r} must be 0")
+            if r.load_pending:  # the load not yet planned reads the new table
+                _hits.check_load_targets(self.spec, self.null_block, r, table, len(r.pinned))
+            r.block_table = table
+            return
+        bs = self.spec.block_size
+        n = accepted_blocks(r, accepted_tokens, bs)
+        if not r.revoked:
+            _hits.check_load_targets(self.spec, self.null_block, r, table, n)
+        _hits.accept(self.cpu, r, n)
+        if r.revoked and n:
+            self._report_load_failed(r)
+        if r.load_pending:
+            self._dirty[request_id] = r
+        r.block_table = table
+        r.state = _RUNNING
+        r.epoch = self._epoch
+        s = self.stats
+        s.scheduled_requests.add()
+        s.query_tokens.add(r.num_tokens)
+        s.hit_tokens_gpu.add(r.gpu_hit_blocks * bs)
+        s.hit_tokens_cpu.add(len(r.pinned) * bs)
+
+    def append_blocks(self, request_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
+        """Blocks appended to a running request's table, one sequence per KV group (O(new)).
+
+        Raises:
+            UnknownRequestError / RequestStateError: unknown, ended or not
+                running id, or not one sequence per group.
+        """
+        r = self._requests.get(request_id) or self._live(request_id)
+        if r.state is not _RUNNING:
+            raise wrong_state(r, "append_blocks needs a running request")
+        if len(new_block_ids) != len(r.block_table):
+            raise RequestStateError(
+                f"request {request_id!r}: need one block list per group ({len(r.block_table)}), "
+                f"got {len(new_block_ids)}")
+        for row, new in zip(r.block_table, new_block_ids):
+            row.extend(new)
+
+    def on_computed(self, request_id: str, num_computed_tokens: int) -> None:
+        """The KV of the request's first ``num_computed_tokens`` tokens is written (confirmed).
+
+        Only confirmed blocks are ever stored: call this after the forward
+        pass that wrote them completed (or was ordered before any store of
+        them). Newly confirmed full blocks go to the store policy.
+
+        Raises:
+            UnknownRequestError / RequestStateError: unknown, ended or not
+                running id; a count that decreases or exceeds the block table.
+        """
+        r = self._requests.get(request_id) or self._live(request_id)
+        if r.state is not _RUNNING:
+            raise wrong_state(r, "on_computed needs a running request")
+        table = r.block_table
+        capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * self.spec.block_size
+        if (num_computed_tokens.__class__ is not int or num_computed_tokens < r.num_computed_tokens
+                or num_computed_tokens > capacity):
+            raise RequestStateError(
+                f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r} must be in "
+                f"[{r.num_computed_tokens}, {capacity}] (never decreases, within the block table)")
+        r.num_computed_tokens = num_computed_tokens
+        if num_computed_tokens > r.num_tokens:
+            r.num_tokens = num_computed_tokens
+        self._confirm(r)
+
+    def finish(self, request_id: str, num_computed_tokens: int | None = None) -> bool:
+        """The request finished; flush its stores (policy ``on_finished``) and end it.
+
+        Args:
+            request_id: a live request.
+            num_computed_tokens: its final confirmed progress, if not yet
+                reported (the last step's blocks are then flushed too).
+
+        Returns:
+            ``True`` if the engine must keep the request's GPU blocks until a
+            report lists it in ``released`` (never with ``gpu``).
+
+        Raises:
+            UnknownRequestError: unknown id.
+            RequestStateError: already finished or aborted.
+        """
+        r = self._live(request_id)
+        if num_computed_tokens is not None:
+            self.on_computed(request_id, num_computed_tokens)
+        if r.state is _RUNNING and r.epoch == self._epoch:
+            self._queue(r, self.store.on_finished(r))
+        delay = self._end(r)
+        for cb in self.callbacks:
+            cb.on_request_finished(request_id, False)
+        return delay
+
+    def abort(self, request_id: str) -> bool:
+        """The request was aborted: end it without the finish flush.
+
+        Stores already chosen still run (their data is confirmed). Returns
+        what :meth:`finish` returns.
+
+        Raises:
+            UnknownRequestError: unknown id.
+            RequestStateError: already finished or aborted.
+        """
+        r = self._live(request_id)
+        delay = self._end(r)
+        for cb in self.callbacks:
+            cb.on_request_finished(request_id, True)
+        return delay
+
+    def preempt(self, request_id: str) -> bool:
+        """The engine preempted a running request and frees its GPU blocks.
+
+        The request stays live as a fresh waiting incarnation (same id and
+        hashes, nothing computed); the engine looks it up again when it
+        resumes it. Transfers in flight for the old incarnation complete
+        normally (stores commit) or are forgotten (loads: their GPU blocks
+        no longer belong to the request, so nothing is reported).
+
+        Without ``gpu`` the stores it had queued are dropped (its blocks go
+        now) and no release is reported for the old incarnation.
+
+        Returns:
+            ``True`` if transfers in flight still read or write the freed
+            blocks: the engine's workers must finish them before the blocks
+            are reused (vLLM's ``handle_preemptions``). Never with ``gpu``,
+            whose references keep the blocks.
+
+        Raises:
+            UnknownRequestError / RequestStateError: unknown, ended or not running id.
+        """
+        r = self._live(request_id)
+        if r.state is not _RUNNING:
+            raise wrong_state(r, "only a running request can be preempted")
+        delay = self._end(r, preempted=True)
+        self._requests[request_id] = r.successor()
+        for cb in self.callbacks:
+            cb.on_request_preempted(request_id)
+        return delay
+
+    # -- steps ---------------------------------------------------------------
+
+    def build_step(self) -> StepPlan:
+        """Plan this step's loads and stores (one plan per direction and group).
+
+        Loads carry the hits accepted since the last step. Stores carry the
+        blocks the policy chose (and, for write-back policies, the GPU pool's
+        next eviction candidates), minus hashes the CPU tier holds or has in
+        flight; their CPU blocks are allocated now, not ready and not
+        findable. If the CPU pool cannot free enough blocks, fewer are stored
+        (counted in ``stats.stores_dropped``); the engine is never failed.
+        """
+        loads = self._plan_loads()
+        stores = self._plan_stores()
+        dirty = self._dirty
+        self._dirty = {rid: r for rid, r in dirty.items() if r.store_queue} if self._draining else {}
+        return StepPlan(tuple(loads), tuple(stores))
+
+    def apply_completions(self, results: Iterable[TransferResult]) -> CompletionReport:
+        """Apply worker results; a transfer completes when all ``world_size`` workers reported it.
+
+        A completed store commits its CPU blocks (findable from now), a
+        failed or abandoned one discards them; a completed load releases its
+        CPU pins. GPU references held for a transfer are dropped. Results for
+        unknown transfer ids (or worker ranks) and repeated results from one
+        worker are counted in ``stats`` and otherwise ignored.
+
+        Returns:
+            Requests whose loads finished or failed, and ended requests whose
+            GPU blocks the engine may free now (including those that became
+            free since the last call for other reasons).
+        """
+        for batch in completed_batches(results, self._transfers, self.stats, self.callbacks):
+            self._complete(batch)
+        if self._draining and not self._transfers:
+            self._empty_cpu()
+        elif self._detached and not self._draining:
+            self._prune_detached()
+        report = CompletionReport(frozenset(self._loaded), frozenset(self._load_failed),
+                                  self._ended.take_released())
+        self._loaded.clear()
+        self._load_failed.clear()
+        return report
+
+    def reset(self) -> bool:
+        """Empty the CPU tier, even with transfers in flight.
+
+        From this call on no lookup serves a hit. Every transfer in flight is
+        abandoned (a store never commits, a load is reported in
+        ``load_failed``), every lookup pin and queued transfer is released,
+        and requests allocated before the reset never store. The CPU pool is
+        reset once the abandoned transfers' completions have all arrived
+        (:meth:`apply_completions`); until then no store is planned.
+        Transfer ids keep increasing.
+
+        Returns:
+            ``True`` if the CPU tier was emptied now (nothing was in flight).
+        """
+        self._epoch += 1
+        self.stats.transfers_abandoned.add(abandon(self._transfers.batches()))
+        self._inflight_hashes.clear()
+        for r in self._requests.values():
+            if r.load_pending:
+                self._report_load_failed(r)
+            elif r.pinned:
+                r.revoked = True
+            _hits.unpin(self.cpu, r)
+            r.store_queue = []
+        self._dirty.clear()
+        detached, self._detached = self._detached, []
+        _store_plan.unhold(self.gpu, detached)
+        for entry in detached:
+            self._ended.drop_hold(entry[3])
+        self._draining = True
+        if not self._transfers:
+            self._empty_cpu()
+        return not self._draining
+
+    # -- invariants ----------------------------------------------------------
+
+    def cpu_refs_held(self) -> Counter[BlockId]:
+        """References the manager holds on CPU blocks: lookup pins and in-flight transfers."""
+        held: Counter[BlockId] = Counter()
+        for r in self._requests.values():
+            held.update(r.pinned)
+        for batch in self._transfers.batches():
+            held.update(batch.cpu_blocks)
+        return held
+
+    def gpu_refs_held(self) -> Counter[BlockId]:
+        """References the manager holds on GPU blocks (empty without ``gpu``)."""
+        held: Counter[BlockId] = Counter()
+        if self.gpu is None:
+            return held
+        for batch in self._transfers.batches():
+            held.update(batch.gpu_blocks)
+        for _, _, ids, _, was_held in self._detached:
+            if was_held:
+                held.update(ids)
+        return held
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the manager or its pools are inconsistent."""
+        cpu = self.cpu
+        cpu.check_invariants()
+        if self.gpu is not None:
+            self.gpu.check_invariants()
+        held = self.cpu_refs_held()
+        for b in range(cpu.num_blocks):
+            assert cpu.refcount(b) == held[b], (
+                f"CPU block {b}: refcount {cpu.refcount(b)} != manager refs {held[b]}")
+        if self.gpu is not None:
+            for b, n in self.gpu_refs_held().items():
+                assert self.gpu.refcount(b) >= n, f"GPU block {b}: refcount < {n} manager refs"
+        holds = check_in_flight(self._transfers.batches(), cpu, self._draining,
+                                self._inflight_hashes)
+        for entry in self._detached:
+            holds[id(entry[3])] += 1
+        check_live(self._requests, self._dirty, cpu, self.spec.block_size, holds)
+        self._ended.check_invariants()
+        for r in self._ended.parked():
+            assert r.holds == holds[id(r)], f"{r.request_id}: holds {r.holds} != {holds[id(r)]}"
+
+    # -- internals -----------------------------------------------------------
+
+    def _live(self, request_id: str) -> Request:
+        r = self._requests.get(request_id)
+        if r is not None:
+            return r
+        if request_id in self._ended:
+            raise RequestStateError(f"request {request_id!r} already finished or aborted")
+        raise UnknownRequestError(f"unknown request id {request_id!r}")
+
+    def _confirm(self, r: Request) -> None:
+        """Re-derive the confirmed blocks; hand the newly confirmed range to the store policy."""
+        computed, hashed = r.num_computed_tokens // self.spec.block_size, len(r.block_hashes)
+        stop = computed if computed < hashed else hashed
+        start = r.num_confirmed_blocks
+        if stop > start:
+            r.num_confirmed_blocks = stop
+            if r.epoch == self._epoch:
+                self._queue(r, self.store.on_computed(r, start, stop))
+
+    def _queue(self, r: Request, indices: Iterable[int]) -> None:
+        """Queue the policy's choice, keeping only confirmed blocks (invariant 9)."""
+        confirmed = r.num_confirmed_blocks
+        if isinstance(indices, range) and indices.step == 1:
+            r.store_queue.extend(range(max(indices.start, 0), min(indices.stop, confirmed)))
+        else:
+            r.store_queue.extend(i for i in indices if 0 <= i < confirmed)
+        if r.store_queue:
+            self._dirty[r.request_id] = r
+
+    def _report_load_failed(self, r: Request) -> None:
+        self._load_failed.add(r.request_id)
+        self.stats.loads_failed.add()
+
+    def _end(self, r: Request, preempted: bool = False) -> bool:
+        """End an incarnation: release pins, detach queued stores, decide the delayed free.
+
+        Returns whether transfers (queued or in flight) still touch its GPU
+        blocks while the manager holds no GPU reference on them.
+        """
+        rid = r.request_id
+        _hits.unpin(self.cpu, r)
+        self._dirty.pop(rid, None)
+        self._loaded.discard(rid)  # the engine no longer waits on this incarnation's load
+        self._load_failed.discard(rid)
+        if preempted and self.gpu is None:
+            r.store_queue = []  # its blocks are freed now: only what is in flight may read them
+        if r.store_queue:
+            entries = _store_plan.detach(r, self.cpu, self.gpu, self.stats, self._draining,
+                                         self.null_block)
+            self._detached += entries
+            r.holds += len(entries)
+        del self._requests[rid]
+        r.state = _ENDED
+        touched = self.gpu is None and r.holds > 0
+        if not preempted:
+            self._ended.end(r, touched)
+        return touched
+
+    def _plan_loads(self) -> list[tuple[int, TransferPlan]]:
+        reqs = [r for r in self._dirty.values() if r.load_pending]
+        return self._open(*_hits.plan_loads(reqs, self.spec, self.gpu)) if reqs else []
+
+    def _plan_stores(self) -> list[tuple[int, TransferPlan]]:
+        if self._draining:
+            return []
+        detached, self._detached = self._detached, []
+        cands = list(detached)
+        null = self.null_block
+        for r in self._dirty.values():
+            if r.store_queue:
+                cands += _store_plan.resolve(r, r.store_queue, False, null)
+                r.store_queue = []
+        if self._writeback:
+            cands += _store_plan.writeback_candidates(self.gpu, self.store)
+        planned = _store_plan.choose(cands, self._inflight_hashes, self.cpu, self.gpu, self.stats,
+                                     len(self.spec.groups))
+        for c in detached:  # after the batch's hold, so an owner is released only when done
+            self._ended.drop_hold(c[3])
+        return self._open(*planned) if planned else []
+
+    def _prune_detached(self) -> None:
+        """Drop ended requests' queued stores whose hash reached the CPU tier meanwhile.
+
+        Releases their GPU blocks (and a delayed free) now rather than at the next step.
+        """
+        self._detached, gone = _store_plan.landed(self._detached, self.cpu, self.gpu, self.stats)
+        for e in gone:
+            self._ended.drop_hold(e[3])
+
+    def _open(self, batch: Batch, src: list[list[int]],
+              dst: list[list[int]]) -> list[tuple[int, TransferPlan]]:
+        """Turn per-group id lists into plans (empty groups skipped) and track them."""
+        out = self._transfers.open(batch, plans(batch, src, dst, self._group_bytes))
+        self.stats.transfers_submitted.add(len(out))
+        for cb in self.callbacks:
+            for tid, plan in out:
+                cb.on_transfer_submitted(tid, batch.direction, len(plan))
+        return out
+
+    def _complete(self, batch: Batch) -> None:
+        """Every transfer of ``batch`` completed: commit or discard, release references."""
+        ok = settle(batch, self.cpu, self.gpu, self.stats, self._inflight_hashes)
+        if batch.direction is Direction.LOAD:
+            for r in batch.requests:
+                if r.state is _RUNNING:  # a preempted or ended incarnation no longer cares
+                    if ok:
+                        self._loaded.add(r.request_id)
+                    else:
+                        self._report_load_failed(r)
+        for r in batch.requests:
+            self._ended.drop_hold(r)
+
+    def _empty_cpu(self) -> None:
+        dropped = self.cpu.reset()
+        self._draining = False
+        self.stats.resets.add()
+        for cb in self.callbacks:
+            cb.on_reset(dropped)
+
+    def _on_cpu_evict(self, block: BlockId, block_hash: BlockHash) -> None:
+        self.stats.evictions_cpu.add()
+        for cb in self.callbacks:
+            cb.on_evict("cpu", block, block_hash)
+
+    def _on_gpu_evict(self, block: BlockId, block_hash: BlockHash) -> None:
+        self.stats.evictions_gpu.add()
+        for cb in self.callbacks:
+            cb.on_evict("gpu", block, block_hash)

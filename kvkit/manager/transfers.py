@@ -1,0 +1,237 @@
+"""In-flight transfers: per-worker completion counting and the batches they belong to."""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+import attrs
+import numpy as np
+
+from kvkit.interfaces.allocator import BlockAllocator
+from kvkit.interfaces.callbacks import OffloadCallback
+from kvkit.interfaces.types import BlockHash, BlockId, Direction, TransferPlan, TransferResult
+from kvkit.manager.requests import Request
+from kvkit.stats import OffloadStats
+
+__all__ = ["Batch", "Outcome", "Transfer", "TransferTable", "abandon", "check_in_flight", "completed_batches", "plans", "settle"]
+
+
+@attrs.define(eq=False)
+class Batch:
+    """One step's transfers in one direction, across KV groups.
+
+    The CPU blocks of a batch are shared by its per-group plans (a CPU block
+    holds every group's piece), so the batch commits or releases only when
+    all its transfers completed.
+
+    Attributes:
+        direction: store or load.
+        cpu_blocks: store destinations (allocated, not ready) or load sources
+            (pinned); the batch owns one reference on each.
+        gpu_blocks: GPU blocks the manager holds one reference on (empty
+            without a GPU pool).
+        hashes / parents: what each store destination commits as.
+        requests: incarnations whose GPU blocks the batch reads or writes.
+        num_bytes: bytes its plans move, summed over groups.
+        pending: transfers not yet completed on every worker.
+        ok: no transfer failed.
+        abandoned: a reset came while it was in flight; it never commits.
+    """
+
+    direction: Direction
+    cpu_blocks: list[BlockId]
+    gpu_blocks: list[BlockId]
+    requests: list[Request]
+    hashes: list[BlockHash] = attrs.field(factory=list)
+    parents: list[BlockHash | None] = attrs.field(factory=list)
+    num_bytes: int = 0
+    pending: int = 0
+    ok: bool = True
+    abandoned: bool = False
+
+
+@attrs.define(eq=False)
+class Transfer:
+    """One plan in flight: which workers reported it, and whether all succeeded."""
+
+    transfer_id: int
+    batch: Batch
+    num_blocks: int
+    reported: int = 0  # bitmask of worker ranks
+    ok: bool = True
+
+
+class Outcome(enum.Enum):
+    """What one worker's result did to the table."""
+
+    UNKNOWN = "unknown"  # no such transfer in flight, or a bad worker rank
+    DUPLICATE = "duplicate"  # this worker already reported it
+    PENDING = "pending"  # counted; other workers still owe a result
+    DONE = "done"  # every worker reported: the transfer left the table
+
+
+@attrs.define
+class TransferTable:
+    """Transfers in flight, keyed by id; ids only ever increase (never reused, even across resets).
+
+    Invariants: a transfer completes exactly once, when all ``world_size``
+    workers reported it; ``batch.pending`` counts its transfers still here.
+    """
+
+    world_size: int
+    _next_id: int = 0
+    _live: dict[int, Transfer] = attrs.field(factory=dict)
+
+    def open(self, batch: Batch, plans: list[TransferPlan]) -> list[tuple[int, TransferPlan]]:
+        """Give each plan of ``batch`` a fresh id and track it until it completes."""
+        out = []
+        for plan in plans:
+            tid = self._next_id
+            self._next_id += 1
+            self._live[tid] = Transfer(tid, batch, len(plan))
+            out.append((tid, plan))
+        batch.pending += len(plans)
+        return out
+
+    def report(self, result: TransferResult) -> tuple[Outcome, Transfer | None]:
+        """Count one worker's result; the transfer leaves the table when it is ``DONE``."""
+        t = self._live.get(result.transfer_id)
+        worker = result.worker
+        if t is None or not isinstance(worker, int) or not 0 <= worker < self.world_size:
+            return Outcome.UNKNOWN, None
+        bit = 1 << worker
+        if t.reported & bit:
+            return Outcome.DUPLICATE, t
+        t.reported |= bit
+        t.ok = t.ok and bool(result.ok)
+        if t.reported != (1 << self.world_size) - 1:
+            return Outcome.PENDING, t
+        del self._live[result.transfer_id]
+        t.batch.pending -= 1
+        return Outcome.DONE, t
+
+    def batches(self) -> list[Batch]:
+        """Distinct batches with a transfer in flight."""
+        return list({id(t.batch): t.batch for t in self._live.values()}.values())
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @property
+    def next_id(self) -> int:
+        """The id the next transfer will get."""
+        return self._next_id
+
+
+def plans(batch: Batch, src: list[list[int]], dst: list[list[int]],
+          group_bytes: list[int]) -> list[TransferPlan]:
+    """Turn per-group id lists into plans (empty groups skipped); count their bytes in ``batch``."""
+    out = []
+    for g, (s, d) in enumerate(zip(src, dst)):
+        if s:
+            out.append(TransferPlan(np.array(s, dtype=np.int64),
+                                    np.array(d, dtype=np.int64), batch.direction, g))
+            batch.num_bytes += len(s) * group_bytes[g]
+    assert out, "a batch with blocks must copy at least one group"
+    return out
+
+
+def abandon(batches: Iterable[Batch]) -> int:
+    """Mark ``batches`` abandoned by a reset (they never commit).
+
+    Returns:
+        Transfers in flight of the batches not abandoned before.
+    """
+    abandoned = 0
+    for batch in batches:
+        if not batch.abandoned:
+            batch.abandoned = True
+            abandoned += batch.pending
+    return abandoned
+
+
+def completed_batches(results: Iterable[TransferResult], table: TransferTable,
+                      stats: OffloadStats,
+                      callbacks: tuple[OffloadCallback, ...]) -> Iterator[Batch]:
+    """Count each result in ``table``; yield each batch as its last transfer completes.
+
+    Results for unknown transfer ids (or worker ranks) and repeated results
+    from one worker are counted in ``stats`` and otherwise ignored.
+    """
+    for res in results:
+        outcome, t = table.report(res)
+        if outcome is Outcome.UNKNOWN:
+            stats.unknown_completions.add()
+            continue
+        if outcome is Outcome.DUPLICATE:
+            stats.duplicate_completions.add()
+            continue
+        stats.transfer_seconds.add(res.seconds)
+        stats.transfer_bytes.add(res.num_bytes)
+        if outcome is Outcome.PENDING:
+            continue
+        batch = t.batch
+        stats.transfers_completed.add()
+        if not t.ok:
+            stats.transfers_failed.add()
+            batch.ok = False
+        for cb in callbacks:
+            cb.on_transfer_completed(t.transfer_id, batch.direction, t.num_blocks,
+                                     t.ok and not batch.abandoned)
+        if not batch.pending:
+            yield batch
+
+
+def settle(batch: Batch, cpu: BlockAllocator, gpu: BlockAllocator | None,
+           stats: OffloadStats, inflight: set[BlockHash]) -> bool:
+    """Commit or discard a completed batch's CPU blocks and drop its pool references.
+
+    A store not abandoned leaves ``inflight``.
+
+    Returns:
+        Whether the batch succeeded: no transfer failed and no reset abandoned it.
+    """
+    ok = batch.ok and not batch.abandoned
+    if batch.direction is Direction.STORE:
+        if not batch.abandoned:
+            inflight.difference_update(batch.hashes)
+        if ok:
+            stats.blocks_stored.add(sum(cpu.commit(batch.cpu_blocks, batch.hashes,
+                                                   batch.parents)))
+            stats.bytes_stored.add(batch.num_bytes)
+    elif ok:
+        stats.blocks_loaded.add(len(batch.cpu_blocks))
+        stats.bytes_loaded.add(batch.num_bytes)
+    cpu.decref(batch.cpu_blocks)  # a committed block becomes evictable, a discarded one empty
+    if batch.gpu_blocks:
+        gpu.decref(batch.gpu_blocks)
+    return ok
+
+
+def check_in_flight(batches: list[Batch], cpu: BlockAllocator, draining: bool,
+                    inflight_hashes: set[BlockHash]) -> Counter[int]:
+    """Check the batches in flight against the CPU pool and the in-flight hash set.
+
+    Returns:
+        How many batches hold each request incarnation, keyed by ``id()``.
+    """
+    holds: Counter[int] = Counter()
+    inflight: list[BlockHash] = []
+    for batch in batches:
+        assert batch.pending > 0, "a batch in the table has no pending transfer"
+        for r in batch.requests:
+            holds[id(r)] += 1
+        if batch.direction is Direction.STORE:
+            assert all(cpu.block_hash(b) is None for b in batch.cpu_blocks), (
+                "an in-flight store's CPU block is findable before completion")
+            if not batch.abandoned:
+                inflight += batch.hashes
+        else:
+            assert all(cpu.block_hash(b) is not None for b in batch.cpu_blocks), (
+                "an in-flight load's source is not ready")
+        assert not draining or batch.abandoned, "a transfer was planned during a drain"
+    assert len(inflight) == len(set(inflight)), "a hash has two stores in flight"
+    assert set(inflight) == inflight_hashes, "in-flight hash set != uncommitted stores"
+    return holds

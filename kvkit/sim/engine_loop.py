@@ -1,0 +1,366 @@
+"""A small reference engine loop that drives an ``OffloadStack`` the way a real engine does.
+
+The simulator, the tests and the examples reuse it. Per :meth:`ReferenceEngine.step`:
+
+1. apply the workers' completions (stores become findable, loads land),
+   as again at the end of the step;
+2. schedule waiting requests in arrival order: GPU prefix hit, then the
+   manager's CPU lookup (pinned), then GPU allocation, then ``on_allocated``;
+3. run the manager's step plan on every worker, and wait for this step's
+   loads (compute reads them);
+4. compute the scheduled prefills through the engine's :class:`PrefillCompute`
+   (by default :class:`SyntheticCompute`: write each block's KV as a
+   deterministic function of its hash and check every loaded block's bytes;
+   ``kvkit.integrations.hf`` runs a real model instead), publish the full
+   blocks in the GPU prefix cache, and confirm progress to the manager.
+
+Requests are prefill-only: the caller decides when one finishes (the
+simulator models decode time). With more than one KV group the GPU prefix
+cache is off (hits come from the CPU tier only), which keeps the loop small.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+from typing_extensions import override
+
+from kvkit.errors import ConfigError, OutOfBlocksError, RequestStateError, UnknownRequestError
+from kvkit.interfaces import BlockHash, BlockId, Direction, TransferResult
+from kvkit.manager.step import StepPlan
+from kvkit.stack import OffloadStack
+
+__all__ = ["EngineRequest", "PrefillCompute", "ReferenceEngine", "StepReport", "SyntheticCompute"]
+
+
+@attrs.define(eq=False)
+class EngineRequest:
+    """The engine's side of one request.
+
+    Attributes:
+        request_id: unique id.
+        block_hashes: chained hashes of the prompt's full blocks.
+        num_tokens: prompt length in tokens.
+        table: GPU block ids, one list per KV group (empty while waiting).
+        gpu_hit_tokens: tokens served by the GPU prefix cache.
+        cpu_hit_tokens: tokens loaded from the CPU tier.
+    """
+
+    request_id: str
+    block_hashes: list[BlockHash]
+    num_tokens: int
+    table: list[list[BlockId]] = attrs.field(factory=list)
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+
+    @property
+    def running(self) -> bool:
+        """Whether the request holds GPU blocks."""
+        return bool(self.table)
+
+
+@attrs.frozen
+class StepReport:
+    """What one step did: requests it prefilled and data errors it found."""
+
+    scheduled: tuple[EngineRequest, ...] = ()
+    integrity_errors: int = 0
+
+
+@runtime_checkable
+class PrefillCompute(Protocol):
+    """The forward pass of a :class:`ReferenceEngine`: writes the KV a scheduled prefill recomputes.
+
+    Invariants the engine keeps for it: :meth:`prefill` runs once per scheduled
+    request and step, after the step's loads landed (blocks before
+    ``first_block`` of every group hold the reused KV: GPU hits, then loaded
+    CPU hits) and before the engine publishes the request's full blocks and
+    confirms them to the manager, so only what it wrote can be stored.
+    """
+
+    def prefill(self, engine: ReferenceEngine, request: EngineRequest, first_block: int) -> int:
+        """Write the KV of ``request``'s blocks ``first_block..`` into its GPU blocks (``request.table``).
+
+        Returns:
+            Reused blocks found with wrong bytes (0 when it checks none).
+        """
+        ...
+
+
+@attrs.define(eq=False)
+class SyntheticCompute(PrefillCompute):
+    """Writes each block's KV as a deterministic function of its content and checks loaded blocks.
+
+    The stand-in for a model in tests and the simulator: a reused block whose
+    bytes differ from what was written for its hash counts as an integrity error.
+    """
+
+    @override
+    def prefill(self, engine: ReferenceEngine, request: EngineRequest, first_block: int) -> int:
+        """Check blocks from the GPU-hit boundary to ``first_block``, then write the rest."""
+        bs = engine.stack.config.kv.block_size
+        errors = self._verify(engine, request, request.gpu_hit_tokens // bs, first_block)
+        self._write(engine, request, first_block)
+        return errors
+
+    @staticmethod
+    def _write(engine: ReferenceEngine, req: EngineRequest, first: int) -> None:
+        """Write the KV of blocks ``first..`` (the recomputed ones) on every worker."""
+        for g, row in enumerate(req.table):
+            blocks = row[first:]
+            keys = [_key(req, i) for i in range(first, first + len(blocks))]
+            for worker in engine.stack.workers:
+                _fill(worker, g, blocks, keys)
+
+    @staticmethod
+    def _verify(engine: ReferenceEngine, req: EngineRequest, start: int, stop: int) -> int:
+        """Count loaded blocks ``start..stop`` whose bytes differ from what was written for them."""
+        errors = 0
+        kv = engine.stack.config.kv
+        for g, row in enumerate(req.table):
+            lo = max(start, stop - kv.groups[g].blocks_needed(stop * kv.block_size, kv.block_size))
+            blocks = row[lo:stop]
+            keys = [_key(req, i) for i in range(lo, stop)]
+            for worker in engine.stack.workers:
+                errors += _mismatches(worker, g, blocks, keys)
+        return errors
+
+
+def _check_compute(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, PrefillCompute):
+        raise ConfigError(f"compute must implement PrefillCompute (a prefill method), got {value!r}")
+
+
+@attrs.define(eq=False)
+class ReferenceEngine:
+    """Drives ``stack`` like an engine's scheduler and workers (see the module docstring).
+
+    Args:
+        stack: the offload stack; with workers it moves real bytes.
+        compute: writes the recomputed KV of each scheduled prefill (only
+            with workers); the default writes and verifies synthetic bytes.
+
+    Invariants: a request holds exactly one GPU reference on each block of
+    its table while running; with the default compute every loaded block's
+    bytes are checked.
+    """
+
+    stack: OffloadStack
+    integrity_errors: int = 0
+    compute: PrefillCompute = attrs.field(factory=SyntheticCompute, kw_only=True, validator=_check_compute)
+    _waiting: deque[EngineRequest] = attrs.field(factory=deque, init=False)
+    _requests: dict[str, EngineRequest] = attrs.field(factory=dict, init=False)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> list[EngineRequest]:
+        """Requests that hold GPU blocks."""
+        return [r for r in self._requests.values() if r.running]
+
+    def add_request(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Queue a prefill of ``num_tokens`` tokens whose full blocks hash to ``block_hashes``."""
+        if request_id in self._requests:
+            raise RequestStateError(f"request {request_id!r} is already in the engine")
+        kv = self.stack.config.kv
+        need = -(-num_tokens // kv.block_size) * len(kv.groups)
+        if need > self.stack.gpu.num_blocks:
+            raise OutOfBlocksError(
+                f"request {request_id!r} needs {need} GPU blocks ({num_tokens} tokens), more than "
+                f"the whole GPU pool of {self.stack.gpu.num_blocks}")
+        self.stack.manager.add_request(request_id, block_hashes, num_tokens)
+        req = EngineRequest(request_id, list(block_hashes), num_tokens)
+        self._requests[request_id] = req
+        self._waiting.append(req)
+
+    def step(self) -> StepReport:
+        """Run one engine step (see the module docstring)."""
+        self._apply(self._poll())
+        scheduled = self._schedule()
+        plan = self.stack.manager.build_step()
+        self._submit(plan)
+        errors = self._compute(scheduled, plan)
+        self._apply(self._poll())  # copies that already finished count from now on
+        return StepReport(tuple(scheduled), errors)
+
+    def finish(self, request_id: str) -> None:
+        """The request is done: flush its stores, release its GPU blocks."""
+        req = self._take(request_id)
+        self.stack.manager.finish(request_id)
+        self._release(req)
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request, waiting or running, without the finish flush."""
+        req = self._take(request_id)
+        self.stack.manager.abort(request_id)
+        self._release(req)
+
+    def preempt(self, request_id: str) -> None:
+        """Free a running request's GPU blocks and put it back at the head of the queue."""
+        req = self._requests.get(request_id)
+        if req is None or not req.running:
+            raise RequestStateError(f"request {request_id!r} is not running; only a running request can be preempted")
+        self.stack.manager.preempt(request_id)
+        self._release(req)
+        req.gpu_hit_tokens = req.cpu_hit_tokens = 0
+        self._waiting.appendleft(req)
+
+    def reset_cpu_tier(self) -> None:
+        """Empty the CPU tier now, even with transfers in flight (no hit is served after this)."""
+        self.stack.manager.reset()
+
+    def drain(self) -> None:
+        """Wait for every transfer in flight and apply the results."""
+        results = [r for w in self.stack.workers for r in w.drain()]
+        self._apply(results)
+
+    def leaked_blocks(self) -> int:
+        """Blocks still referenced in either pool although no request runs and nothing is in flight."""
+        gpu, cpu = self.stack.gpu, self.stack.cpu
+        held = sum(1 for b in range(gpu.num_blocks) if gpu.refcount(b))
+        held += sum(1 for b in range(cpu.num_blocks) if cpu.refcount(b))
+        return held - sum(sum(map(len, r.table)) for r in self.running)
+
+    # -- internals ------------------------------------------------------------
+
+    def _take(self, request_id: str) -> EngineRequest:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        if not req.running:
+            self._waiting.remove(req)
+        return req
+
+    def _release(self, req: EngineRequest) -> None:
+        for row in req.table:
+            self.stack.gpu.decref(row)
+        req.table = []
+
+    def _schedule(self) -> list[EngineRequest]:
+        """Admit waiting requests in order until the GPU pool is full."""
+        scheduled = []
+        while self._waiting:
+            req = self._waiting[0]
+            if not self._admit(req):
+                break
+            self._waiting.popleft()
+            scheduled.append(req)
+        return scheduled
+
+    def _admit(self, req: EngineRequest) -> bool:
+        stack, bs = self.stack, self.stack.config.kv.block_size
+        groups = len(stack.config.kv.groups)
+        hit: list[BlockId] = []
+        if groups == 1:  # at least one token is always recomputed
+            hit = stack.gpu.lookup(req.block_hashes[: (req.num_tokens - 1) // bs])
+        stack.gpu.incref(hit)  # held before anything below can evict it
+        total = -(-req.num_tokens // bs)
+        need = total - len(hit)
+        if stack.gpu.num_free < need + (groups - 1) * total:
+            stack.gpu.decref(hit)  # refused before the CPU lookup pins (and touches) anything
+            return False
+        cpu_tokens = stack.manager.lookup(req.request_id, len(hit) * bs)
+        new = stack.gpu.allocate(need + (groups - 1) * total)
+        stack.gpu.touch(hit)
+        table = [hit + new[:need]]
+        table += [new[need + g * total: need + (g + 1) * total] for g in range(groups - 1)]
+        req.table = table
+        req.gpu_hit_tokens, req.cpu_hit_tokens = len(hit) * bs, cpu_tokens
+        stack.manager.on_allocated(req.request_id, table, cpu_tokens)
+        return True
+
+    def _submit(self, plan: StepPlan) -> None:
+        for tid, p in plan:
+            for worker in self.stack.workers:
+                worker.submit(tid, p)
+
+    def _poll(self) -> list[TransferResult]:
+        return [r for w in self.stack.workers for r in w.poll()]
+
+    def _apply(self, results: list[TransferResult]) -> frozenset[str]:
+        """Hand results to the manager; returns requests whose load failed (to recompute)."""
+        return self.stack.manager.apply_completions(results).load_failed
+
+    def _compute(self, scheduled: list[EngineRequest], plan: StepPlan) -> int:
+        stack, bs = self.stack, self.stack.config.kv.block_size
+        failed: frozenset[str] = frozenset()
+        if plan.loads:  # compute reads the loaded blocks: wait for them
+            failed = self._apply([r for w in stack.workers for r in w.drain()] if stack.workers
+                                 else _instant(plan, stack))
+        if not stack.workers and plan.stores:
+            self._apply(_instant(plan, stack, Direction.STORE))
+        errors = 0
+        for req in scheduled:
+            if req.request_id in failed:  # the CPU hit never arrived: recompute it
+                req.cpu_hit_tokens = 0
+            if stack.workers:
+                errors += self.compute.prefill(self, req, (req.gpu_hit_tokens + req.cpu_hit_tokens) // bs)
+            if len(stack.config.kv.groups) == 1:  # publish the new full blocks on the GPU tier
+                lo, hi = req.gpu_hit_tokens // bs, req.num_tokens // bs
+                parents = [req.block_hashes[i - 1] if i else None for i in range(lo, hi)]
+                stack.gpu.commit(req.table[0][lo:hi], req.block_hashes[lo:hi], parents)
+            stack.manager.on_computed(req.request_id, req.num_tokens)
+        self.integrity_errors += errors
+        return errors
+
+
+def _key(req: EngineRequest, index: int) -> int:
+    """The content key of block ``index``: its hash (a partial last block is unique to the request)."""
+    if index < len(req.block_hashes):
+        return int(req.block_hashes[index])
+    return hash((req.request_id, index))
+
+
+def _pattern(keys: Sequence[int], region: int, piece_bytes: int):
+    """Deterministic bytes ``[len(keys), piece_bytes]`` for blocks with content ``keys``."""
+    import torch
+
+    k = torch.tensor([key % (1 << 61) for key in keys], dtype=torch.int64)
+    pos = torch.arange(piece_bytes, dtype=torch.int64)
+    mixed = k[:, None] * 0x9E3779B1 + pos[None, :] * 0x85EBCA77 + region * 0xC2B2AE3D
+    return ((mixed ^ (mixed >> 29)) & 0xFF).to(torch.uint8)
+
+
+def _group_regions(worker, group: int):
+    return [(i, r) for i, r in enumerate(worker.regions) if r.group == group]
+
+
+def _fill(worker, group: int, blocks: Sequence[int], keys: Sequence[int]) -> None:
+    import torch
+
+    if not blocks:
+        return
+    idx = torch.tensor(list(blocks), dtype=torch.int64)
+    for i, region in _group_regions(worker, group):
+        view = region.gpu.view(region.gpu.shape[0], -1).view(torch.uint8)
+        view[idx.to(view.device)] = _pattern(keys, i, region.piece_bytes).to(view.device)
+
+
+def _mismatches(worker, group: int, blocks: Sequence[int], keys: Sequence[int]) -> int:
+    import torch
+
+    if not blocks:
+        return 0
+    idx = torch.tensor(list(blocks), dtype=torch.int64)
+    bad = torch.zeros(len(blocks), dtype=torch.bool)
+    for i, region in _group_regions(worker, group):
+        view = region.gpu.view(region.gpu.shape[0], -1).view(torch.uint8)
+        got = view[idx.to(view.device)].cpu()
+        bad |= (got != _pattern(keys, i, region.piece_bytes)).any(dim=1)
+    return int(bad.sum())
+
+
+def _instant(plan: StepPlan, stack: OffloadStack,
+             direction: Direction = Direction.LOAD) -> list[TransferResult]:
+    """Results of a scheduler-only stack: every transfer completes on every worker at once."""
+    kv = stack.config.kv
+    return [TransferResult(tid, rank, num_bytes=len(p) * 2 * len(kv.groups[p.group].layers)
+                           * kv.bytes_per_layer_block)
+            for tid, p in (plan.loads if direction is Direction.LOAD else plan.stores)
+            for rank in range(stack.config.world_size)]

@@ -1,0 +1,229 @@
+"""Replay a trace through the real ``BlockPool`` to compare eviction policies.
+
+Hit semantics (those of an engine's prefix cache, one request at a time):
+
+* A request references its blocks in order; a block *hits* only while every
+  earlier block of the request hit too (the longest cached prefix, as
+  :meth:`~kvkit.interfaces.allocator.BlockAllocator.lookup` finds it).
+  ``hit_ratio`` is hit block references over all block references.
+* After the lookup, the hits are pinned and touched, every other block of the
+  request gets a fresh block (evicting through the policy) and is committed
+  under its hash with its chain parent, and all references are dropped: each
+  block is in the cache after the request, as after an engine computed it. A
+  block past the first miss that is still cached stays where it is, untouched
+  (the pool's commit keeps the first block of a hash, as an engine's prefix
+  cache does), unless the allocation just evicted it.
+* Requests run one after another, never concurrently, so a request can use the
+  whole pool. One larger than the pool caches only its first ``capacity`` blocks.
+
+The offline optimum (``"opt"``) is built from the trace's reference string and
+its clock advanced once per block reference, before the lookup.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+from kvkit.backends.allocator.pool import BlockPool
+from kvkit.errors import ConfigError
+from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.registry import EVICTION
+from kvkit.sim.traces import TraceRequest
+
+__all__ = ["OPT", "HitStats", "PolicyStudy", "default_policies", "replay", "study"]
+
+OPT = "opt"
+"""Registry name of the offline optimum, the yardstick of every study."""
+
+
+@attrs.frozen
+class HitStats:
+    """Hits of one policy at one capacity over one trace.
+
+    Attributes:
+        policy: the policy's registry name (or class name for an instance).
+        capacity: blocks in the pool.
+        hits: block references that hit (prefix-aware).
+        references: all block references of the trace.
+        seconds: wall time of the replay.
+
+    Invariants: ``0 <= hits <= references``.
+    """
+
+    policy: str
+    capacity: int
+    hits: int
+    references: int
+    seconds: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        assert 0 <= self.hits <= self.references, (self.hits, self.references)
+
+    @property
+    def hit_ratio(self) -> float:
+        """Hit block references over all block references (0 for an empty trace)."""
+        return self.hits / self.references if self.references else 0.0
+
+
+def _check_capacity(capacity: object) -> int:
+    if type(capacity) is not int or capacity <= 0:
+        raise ConfigError(f"capacity must be a positive int (blocks), got {capacity!r}")
+    return capacity
+
+
+def _make_policy(name: str, requests: Sequence[TraceRequest]) -> EvictionPolicy:
+    if name == OPT:
+        return EVICTION.create(OPT, slot="policy",
+                               references=[h for r in requests for h in r.hash_ids])
+    return EVICTION.create(name, slot="policy")
+
+
+def replay(requests: Sequence[TraceRequest], capacity: int,
+           policy: str | EvictionPolicy = "lru", *, check_invariants: bool = False) -> HitStats:
+    """Replay ``requests`` through a ``BlockPool`` of ``capacity`` blocks; count prefix hits.
+
+    Args:
+        requests: the trace, in time order.
+        capacity: blocks in the pool.
+        policy: a registered eviction policy name, or a fresh instance that
+            tracks no blocks. An instance with an ``observe(hash)`` method
+            (the offline optimum) is told every block reference before its lookup.
+        check_invariants: check the pool and policy after every request (slow; tests).
+
+    Raises:
+        ConfigError: unknown policy name or bad capacity.
+    """
+    _check_capacity(capacity)
+    name = policy if isinstance(policy, str) else type(policy).__name__
+    instance = _make_policy(policy, requests) if isinstance(policy, str) else policy
+    pool = BlockPool(capacity, eviction=instance)
+    observe: Callable[[int], None] | None = getattr(instance, "observe", None)
+    lookup, incref, touch = pool.lookup, pool.incref, pool.touch
+    allocate, commit, decref = pool.allocate, pool.commit, pool.decref
+    hits = references = 0
+    start = time.perf_counter()
+    for request in requests:
+        hashes = request.hash_ids
+        if observe is not None:
+            for h in hashes:
+                observe(h)
+        hit = lookup(hashes)
+        n_hit = len(hit)
+        incref(hit)
+        touch(hit)
+        stop = min(len(hashes), capacity)  # hits are cached, so n_hit <= stop
+        if stop > n_hit:
+            new = allocate(stop - n_hit)
+            parents = hashes[n_hit - 1:stop - 1] if n_hit else (None, *hashes[:stop - 1])
+            commit(new, hashes[n_hit:stop], parents)
+            decref(new)
+        decref(hit)
+        hits += n_hit
+        references += len(hashes)
+        if check_invariants:
+            pool.check_invariants()
+    return HitStats(name, capacity, hits, references, time.perf_counter() - start)
+
+
+def default_policies() -> list[str]:
+    """Every registered eviction policy, the offline optimum last."""
+    return [n for n in EVICTION.names() if n != OPT] + [OPT]
+
+
+@attrs.frozen
+class PolicyStudy:
+    """Hit ratios of several policies at several capacities over one trace.
+
+    Invariants: one :class:`HitStats` per (policy, capacity) pair, the
+    optimum's included.
+    """
+
+    policies: tuple[str, ...]
+    capacities: tuple[int, ...]
+    stats: dict[tuple[str, int], HitStats]
+
+    def hit_ratio(self, policy: str, capacity: int) -> float:
+        """``policy``'s hit ratio at ``capacity``."""
+        return self.stats[policy, capacity].hit_ratio
+
+    def of_opt(self, policy: str, capacity: int) -> float | None:
+        """``policy``'s hit ratio as a share of the optimum's (``None`` if the optimum hits nothing)."""
+        best = self.hit_ratio(OPT, capacity)
+        return self.hit_ratio(policy, capacity) / best if best else None
+
+    def results(self) -> dict[str, dict[str, dict[str, float | None]]]:
+        """``{"<capacity>": {"<policy>": {"hit_ratio": h, "of_opt": s}}}`` (JSON-ready)."""
+        return {
+            str(c): {p: {"hit_ratio": self.hit_ratio(p, c), "of_opt": self.of_opt(p, c)}
+                     for p in self.policies}
+            for c in self.capacities
+        }
+
+
+_worker_requests: Sequence[TraceRequest] = ()
+
+
+def _init_worker(requests: Sequence[TraceRequest]) -> None:
+    global _worker_requests
+    _worker_requests = requests
+
+
+def _replay_in_worker(policy: str, capacity: int) -> HitStats:
+    return replay(_worker_requests, capacity, policy)
+
+
+def study(requests: Sequence[TraceRequest], capacities: Iterable[int],
+          policies: Iterable[str] | None = None, *, jobs: int | None = None,
+          on_result: Callable[[HitStats], None] | None = None) -> PolicyStudy:
+    """Replay ``requests`` for every (policy, capacity) pair, in parallel processes.
+
+    Args:
+        requests: the trace, in time order.
+        capacities: pool sizes in blocks.
+        policies: registered eviction policy names (default: all of them);
+            the optimum is always added, since every ratio is shared against it.
+        jobs: worker processes (default: one per CPU, at most one per pair);
+            ``1`` replays in this process. Each worker receives the trace once.
+        on_result: called in this process as each replay finishes.
+
+    Raises:
+        ConfigError: an unknown policy, a bad capacity or ``jobs``; raised
+            before any replay starts.
+    """
+    capacities = tuple(dict.fromkeys(_check_capacity(c) for c in capacities))
+    if not capacities:
+        raise ConfigError("a policy study needs at least one capacity, got none")
+    names = list(dict.fromkeys(default_policies() if policies is None else policies))
+    problems = [p for p in (EVICTION.check(n, slot="policy") for n in names) if p is not None]
+    if problems:
+        raise ConfigError(problems)
+    names = [n for n in names if n != OPT] + [OPT]
+    # The optimum is usually the slowest replay, and big pools are slower: start those first.
+    pairs = sorted(((p, c) for p in names for c in capacities),
+                   key=lambda pc: (pc[0] != OPT, -pc[1]))
+    if jobs is None:
+        jobs = min(os.cpu_count() or 1, len(pairs))
+    if type(jobs) is not int or jobs <= 0:
+        raise ConfigError(f"jobs must be a positive int, got {jobs!r}")
+    stats: dict[tuple[str, int], HitStats] = {}
+
+    def record(s: HitStats) -> None:
+        stats[s.policy, s.capacity] = s
+        if on_result is not None:
+            on_result(s)
+
+    if jobs == 1:
+        for p, c in pairs:
+            record(replay(requests, c, p))
+    else:
+        with concurrent.futures.ProcessPoolExecutor(
+                jobs, initializer=_init_worker, initargs=(requests,)) as pool:
+            futures = [pool.submit(_replay_in_worker, p, c) for p, c in pairs]
+            for future in concurrent.futures.as_completed(futures):
+                record(future.result())
+    return PolicyStudy(tuple(names), capacities, stats)

@@ -1,0 +1,536 @@
+"""Trace-driven simulation: replay requests through a real offload stack under a time model.
+
+Every request of the trace goes through kvkit's own parts: the
+:class:`~kvkit.sim.engine_loop.ReferenceEngine` loop, the GPU and CPU
+:class:`~kvkit.backends.allocator.pool.BlockPool` tiers, the
+:class:`~kvkit.manager.OffloadManager` and the configured eviction and store
+policies. Only the clock is modelled.
+
+Time model (every figure configurable in :class:`CostModel`):
+
+* A request arrives at its trace timestamp and is admitted in arrival order
+  (FIFO): it starts at ``max(arrival, start of the request before it)``.
+* Before it starts, every running request whose modelled end is at or before
+  the start time finishes (in end order): its stores are flushed and its GPU
+  blocks released (they stay cached, evictable, on the GPU tier).
+* If the GPU pool still cannot hold the request, the earliest-ending running
+  requests finish one by one, and the start time moves to each one's end
+  (queueing), until it fits. A finished request's blocks are free once the
+  stores its finish flushed are copied, one engine step later; that step
+  takes no modelled time.
+* Its prefill takes ``computed_tokens / prefill_tokens_per_s`` plus
+  ``loaded_bytes / (pcie_gb_per_s * 1e9)`` (loads are not overlapped with
+  compute: a pessimistic bound for offload) plus ``overhead_ms``. Hit tokens
+  on the GPU tier cost nothing. Prefills of different requests do not contend
+  with one another; requests interact only through GPU memory.
+* Modelled time to first token = queueing wait + prefill time.
+* It then decodes ``output_length`` tokens at ``decode_ms_per_token`` each
+  and ends, holding its GPU blocks until then. Decoded tokens are not cached.
+
+A request needing more blocks than the whole GPU pool can never run: it is
+skipped and counted in :attr:`SimResult.skipped_requests` (not in any other
+figure). Byte figures use a model shape (default Llama-3-8B: 32 layers, 8 KV
+heads, head dim 128, bf16), whatever the stack moves: with ``verify=True`` the
+stack moves real bytes of a tiny spec with the same block size through the
+``torch`` copy backend on CPU tensors, and the engine checks every loaded
+block against the bytes that were computed for it.
+
+Memory stays flat on long traces: requests are consumed one at a time, the
+pools are fixed size, ended requests leave no state (the manager remembers a
+bounded number of ended ids); the only per-request record kept is one float
+(its modelled TTFT, for percentiles and plots).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+import time
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import attrs
+
+from kvkit.config import StackConfig, parse_bytes
+from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
+from kvkit.interfaces import EvictionPolicy, KVCacheSpec, OffloadCallback, StorePolicy
+from kvkit.sim.engine_loop import ReferenceEngine
+from kvkit.sim.traces import TraceRequest
+from kvkit.stack import OffloadStack, build
+
+__all__ = [
+    "DEFAULT_CPU_BLOCKS",
+    "DEFAULT_GPU_BLOCKS",
+    "LLAMA_3_8B",
+    "CostModel",
+    "ModelShape",
+    "SimConfig",
+    "SimResult",
+    "Simulator",
+    "simulate",
+]
+
+DEFAULT_GPU_BLOCKS = 4096
+"""GPU tier size of the default configuration (64Ki tokens at 16-token blocks)."""
+
+DEFAULT_CPU_BLOCKS = 32768
+"""CPU tier size of the default configuration (8x the GPU tier)."""
+
+_PROGRESS_EVERY = 256  # requests between progress reports
+
+
+def _positive_number(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{attribute.name} must be a positive finite number, got {value!r}")
+
+
+def _non_negative_number(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+def _positive_int(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) is not int or value <= 0:
+        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ModelShape:
+    """The KV shape of a model, without the block size (the trace decides that).
+
+    Attributes:
+        name: shown in reports.
+        num_layers / num_kv_heads / head_dim / dtype: as in ``KVCacheSpec``.
+    """
+
+    name: str
+    num_layers: int = attrs.field(validator=_positive_int)
+    num_kv_heads: int = attrs.field(validator=_positive_int)
+    head_dim: int = attrs.field(validator=_positive_int)
+    dtype: str = "bfloat16"
+
+    def spec(self, block_tokens: int) -> KVCacheSpec:
+        """This shape as a ``KVCacheSpec`` of ``block_tokens``-token blocks."""
+        return KVCacheSpec(num_layers=self.num_layers, block_size=block_tokens,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype)
+
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token across every layer, K and V."""
+        return self.spec(1).bytes_per_block
+
+
+LLAMA_3_8B = ModelShape(name="llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128)
+"""Llama-3-8B: 128 KiB of KV per token in bf16."""
+
+_VERIFY_SHAPE = ModelShape(name="verify", num_layers=1, num_kv_heads=1, head_dim=8, dtype="uint8")
+# A tiny cache whose bytes --verify really moves; block size comes from the trace.
+
+
+@attrs.frozen(kw_only=True)
+class CostModel:
+    """Prices of the time model (see the module docstring).
+
+    Attributes:
+        prefill_tokens_per_s: prompt tokens one request's prefill computes per
+            second (default: Llama-3-8B on one H200-class GPU).
+        pcie_gb_per_s: CPU -> GPU load bandwidth, 10**9 bytes per second
+            (default: batched DMA of 32 KiB pieces, measured on this project's
+            H200, DESIGN §6).
+        decode_ms_per_token: time per generated token; sets how long a
+            request holds its GPU blocks.
+        overhead_ms: fixed cost added to every request's time to first token.
+    """
+
+    prefill_tokens_per_s: float = attrs.field(default=20_000.0, validator=_positive_number)
+    pcie_gb_per_s: float = attrs.field(default=25.0, validator=_positive_number)
+    decode_ms_per_token: float = attrs.field(default=10.0, validator=_non_negative_number)
+    overhead_ms: float = attrs.field(default=0.0, validator=_non_negative_number)
+
+    def prefill_ms(self, computed_tokens: int, loaded_bytes: int) -> float:
+        """Modelled prefill time: compute, then load (not overlapped), plus the overhead."""
+        return (computed_tokens * 1e3 / self.prefill_tokens_per_s
+                + loaded_bytes * 1e-6 / self.pcie_gb_per_s + self.overhead_ms)
+
+
+@attrs.frozen(kw_only=True)
+class SimConfig:
+    """One simulation: stack slots, sizes, time model and byte model.
+
+    Attributes:
+        gpu_blocks: GPU tier size in blocks (small, so offload matters).
+        cpu_blocks: CPU tier size in blocks; or give ``cpu_bytes`` (default:
+            :data:`DEFAULT_CPU_BLOCKS` when neither is given).
+        cpu_bytes: CPU tier size in bytes of ``model`` KV (``"64GiB"``).
+        block_tokens: tokens per block; must match the trace's ``hash_ids``.
+        eviction / gpu_eviction: CPU and GPU tier eviction policies (names or
+            distinct instances; an instance serves one simulation only).
+        store: store policy (name or instance); ``"never"`` is the no-offload baseline.
+        options: per-slot constructor kwargs for named slots (``{"store": {"k": 2}}``).
+        callbacks: ``OffloadCallback`` observers given to the stack.
+        verify: move real bytes (tiny spec, ``torch`` backend, CPU tensors)
+            and check every loaded block.
+        cost: the time model's prices.
+        model: the model shape bytes are counted for.
+    """
+
+    gpu_blocks: int = attrs.field(default=DEFAULT_GPU_BLOCKS, validator=_positive_int)
+    cpu_blocks: int | None = None
+    cpu_bytes: int | str | None = None
+    block_tokens: int = attrs.field(default=16, validator=_positive_int)
+    eviction: str | EvictionPolicy = "lru"
+    gpu_eviction: str | EvictionPolicy = "lru"
+    store: str | StorePolicy = "eager"
+    options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), converter=tuple)
+    verify: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    cost: CostModel = attrs.field(factory=CostModel, validator=attrs.validators.instance_of(CostModel))
+    model: ModelShape = attrs.field(default=LLAMA_3_8B, validator=attrs.validators.instance_of(ModelShape))
+
+    def __attrs_post_init__(self) -> None:
+        if self.cpu_blocks is not None and self.cpu_bytes is not None:
+            raise ConfigError(f"give cpu_blocks or cpu_bytes, not both; got cpu_blocks="
+                              f"{self.cpu_blocks!r} and cpu_bytes={self.cpu_bytes!r}")
+        if self.cpu_blocks is not None:
+            _positive_int(self, attrs.fields(SimConfig).cpu_blocks, self.cpu_blocks)
+        if self.cpu_bytes is not None and self.num_cpu_blocks < 1:
+            raise ConfigError(f"cpu_bytes={self.cpu_bytes!r} holds no block: one block of "
+                              f"{self.model.name} takes {self.spec.bytes_per_block} bytes")
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        """The byte-accounting spec: ``model`` at ``block_tokens``."""
+        return self.model.spec(self.block_tokens)
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """CPU tier size in blocks, from ``cpu_blocks``, ``cpu_bytes`` or the default."""
+        if self.cpu_bytes is not None:
+            return self.spec.blocks_for(parse_bytes(self.cpu_bytes))
+        return DEFAULT_CPU_BLOCKS if self.cpu_blocks is None else self.cpu_blocks
+
+    def stack_config(self) -> StackConfig:
+        """The ``StackConfig`` the simulation builds (tiny spec when verifying).
+
+        Raises:
+            ConfigError: a slot is invalid (every problem at once).
+        """
+        kv = _VERIFY_SHAPE.spec(self.block_tokens) if self.verify else self.spec
+        return StackConfig(kv=kv, gpu_blocks=self.gpu_blocks, cpu_blocks=self.num_cpu_blocks,
+                           eviction=self.eviction, gpu_eviction=self.gpu_eviction, store=self.store,
+                           copy="torch" if self.verify else None, device="cpu", callbacks=self.callbacks,
+                           options=self.options)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The configuration as JSON-ready values (instances by class name)."""
+        def name(slot: object) -> str:
+            return slot if isinstance(slot, str) else type(slot).__name__
+
+        return {
+            "gpu_blocks": self.gpu_blocks,
+            "cpu_blocks": self.num_cpu_blocks,
+            "block_tokens": self.block_tokens,
+            "eviction": name(self.eviction),
+            "gpu_eviction": name(self.gpu_eviction),
+            "store": name(self.store),
+            "options": {k: dict(v) for k, v in self.options.items()},
+            "verify": self.verify,
+            "model": attrs.asdict(self.model),
+            "block_bytes": self.spec.bytes_per_block,
+            "cost": attrs.asdict(self.cost),
+        }
+
+
+@attrs.frozen(kw_only=True)
+class SimResult:
+    """What one simulation measured. Token and byte figures cover simulated requests only.
+
+    Attributes:
+        config: the configuration simulated.
+        requests: requests simulated.
+        skipped_requests: requests larger than the whole GPU pool (never run).
+        queued_requests: requests that waited for GPU blocks.
+        prompt_tokens: prompt tokens of the simulated requests.
+        block_references: prompt blocks of the simulated requests (the last,
+            partial block included, as the trace counts them).
+        hit_tokens_gpu / hit_tokens_cpu: prompt tokens served by each tier.
+        computed_tokens: prompt tokens recomputed (the rest of ``prompt_tokens``).
+        blocks_stored / blocks_loaded: blocks that became findable on the CPU
+            tier / were loaded back; ``bytes_*`` the same in ``config.model`` bytes.
+        evictions_gpu / evictions_cpu: blocks each tier's pool evicted.
+        leaked_blocks: blocks still referenced after the final drain (must be 0).
+        integrity_errors: loaded blocks whose bytes differed from what was
+            stored (``None`` unless ``config.verify``).
+        ttft_ms: modelled time to first token of each simulated request, in order.
+        seconds: wall time of the simulation.
+        stats: the manager's counters (``OffloadStats.as_dict()``).
+    """
+
+    config: SimConfig
+    requests: int
+    skipped_requests: int
+    queued_requests: int
+    prompt_tokens: int
+    block_references: int
+    hit_tokens_gpu: int
+    hit_tokens_cpu: int
+    computed_tokens: int
+    blocks_stored: int
+    blocks_loaded: int
+    evictions_gpu: int
+    evictions_cpu: int
+    leaked_blocks: int
+    integrity_errors: int | None
+    ttft_ms: array
+    seconds: float
+    stats: dict[str, int | float]
+
+    @property
+    def bytes_stored(self) -> int:
+        """Bytes of KV stored to the CPU tier (``config.model``)."""
+        return self.blocks_stored * self.config.spec.bytes_per_block
+
+    @property
+    def bytes_loaded(self) -> int:
+        """Bytes of KV loaded back from the CPU tier (``config.model``)."""
+        return self.blocks_loaded * self.config.spec.bytes_per_block
+
+    @property
+    def block_refs_per_s(self) -> float:
+        """Simulation speed: block references replayed per wall-clock second."""
+        return self.block_references / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def ttft_mean_ms(self) -> float:
+        """Mean modelled TTFT in ms (0 with no request)."""
+        return sum(self.ttft_ms) / len(self.ttft_ms) if self.ttft_ms else 0.0
+
+    def ttft_percentiles(self, qs: Iterable[float] = (50, 90, 99)) -> dict[str, float]:
+        """``{"p50": ..., ...}``: percentiles of the modelled TTFT in ms (0 with no request)."""
+        import numpy as np
+
+        ttft = np.frombuffer(self.ttft_ms, dtype=np.float64) if len(self.ttft_ms) else np.zeros(1)
+        return {f"p{q:g}": round(float(np.percentile(ttft, q)), 3) for q in qs}
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every figure as JSON-ready values (the TTFT list summarised as percentiles)."""
+        ttft = self.ttft_percentiles()
+        ttft["mean"] = round(self.ttft_mean_ms, 3)
+        return {
+            "requests": self.requests,
+            "skipped_requests": self.skipped_requests,
+            "queued_requests": self.queued_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "block_references": self.block_references,
+            "hit_tokens_gpu": self.hit_tokens_gpu,
+            "hit_tokens_cpu": self.hit_tokens_cpu,
+            "computed_tokens": self.computed_tokens,
+            "blocks_stored": self.blocks_stored,
+            "blocks_loaded": self.blocks_loaded,
+            "bytes_stored": self.bytes_stored,
+            "bytes_loaded": self.bytes_loaded,
+            "evictions_gpu": self.evictions_gpu,
+            "evictions_cpu": self.evictions_cpu,
+            "leaked_blocks": self.leaked_blocks,
+            "integrity_errors": self.integrity_errors,
+            "ttft_model_ms": ttft,
+            "seconds": round(self.seconds, 3),
+            "block_refs_per_s": round(self.block_refs_per_s),
+            "config": self.config.as_dict(),
+        }
+
+
+@attrs.define(eq=False)
+class Simulator:
+    """Replays requests one at a time through a stack built from ``config``.
+
+    Feed requests in arrival order with :meth:`feed`, then :meth:`close` once
+    to finish every request, drain the stack and get the :class:`SimResult`.
+    :func:`simulate` does both.
+
+    Invariants: the clock never goes back; a running request holds its GPU
+    blocks until its modelled end; after :meth:`close` no block is held.
+    """
+
+    config: SimConfig
+    stack: OffloadStack = attrs.field(init=False)
+    engine: ReferenceEngine = attrs.field(init=False)
+    _running: list[tuple[float, int, str]] = attrs.field(init=False, factory=list)  # end-time heap
+    _clock_ms: float = attrs.field(init=False, default=0.0)
+    _last_arrival_ms: float = attrs.field(init=False, default=0.0)
+    _block_bytes: int = attrs.field(init=False)
+    _ttft: array = attrs.field(init=False, factory=lambda: array("d"))
+    _counts: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(
+        ("skipped", "queued", "prompt_tokens", "block_references", "gpu", "cpu"), 0))
+    _started: float = attrs.field(init=False, factory=time.perf_counter)
+    _closed: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.config, SimConfig):
+            raise ConfigError(f"config must be a SimConfig, got {self.config!r}")
+        self.stack = build(self.config.stack_config(), layout="per-layer" if self.config.verify else None)
+        self.engine = ReferenceEngine(self.stack)
+        self._block_bytes = self.config.spec.bytes_per_block
+
+    @property
+    def requests(self) -> int:
+        """Requests fed so far and simulated (skipped ones excluded)."""
+        return len(self._ttft)
+
+    def feed(self, request: TraceRequest) -> None:
+        """Simulate one request (arrivals must not go back in time).
+
+        Raises:
+            TraceFormatError: the request's ``hash_ids`` do not fit
+                ``config.block_tokens``, or it arrives before the previous one.
+            RequestStateError: :meth:`close` was called.
+        """
+        if self._closed:
+            raise RequestStateError("the simulation is closed; build a new Simulator")
+        bt, counts = self.config.block_tokens, self._counts
+        n = request.input_length
+        if len(request.hash_ids) != -(-n // bt):
+            raise TraceFormatError("<trace>", request.line, "hash_ids",
+                                   f"has {len(request.hash_ids)} ids but input_length={n} needs "
+                                   f"{-(-n // bt)} blocks of {bt} tokens")
+        if request.timestamp_ms < self._last_arrival_ms:
+            raise TraceFormatError("<trace>", request.line, "timestamp",
+                                   f"decreases: {request.timestamp_ms!r} after {self._last_arrival_ms!r}")
+        self._last_arrival_ms = request.timestamp_ms
+        if len(request.hash_ids) > self.config.gpu_blocks:
+            counts["skipped"] += 1
+            return
+        engine, running = self.engine, self._running
+        rid = str(len(self._ttft))
+        start = max(request.timestamp_ms, self._clock_ms)
+        while running and running[0][0] <= start:
+            engine.finish(heapq.heappop(running)[2])
+        engine.add_request(rid, request.hash_ids[: n // bt], n)
+        retried = False
+        while not (report := engine.step()).scheduled:
+            # Stores flushed by finished requests hold GPU blocks until the step that
+            # copies them, which was this one: the blocks are free now (no time passes).
+            if not retried:
+                retried = True
+                continue
+            assert running, f"request {rid} fits the GPU pool but was not admitted"
+            end, _, done = heapq.heappop(running)  # queue: the earliest-ending request makes room
+            start = max(start, end)
+            engine.finish(done)
+            retried = False
+        if start > request.timestamp_ms:
+            counts["queued"] += 1
+        self._clock_ms = start
+        req = report.scheduled[0]
+        gpu, cpu = req.gpu_hit_tokens, req.cpu_hit_tokens
+        prefill = self.config.cost.prefill_ms(n - gpu - cpu, cpu // bt * self._block_bytes)
+        first_token = start + prefill
+        self._ttft.append(first_token - request.timestamp_ms)
+        end = first_token + request.output_length * self.config.cost.decode_ms_per_token
+        heapq.heappush(running, (end, len(self._ttft), rid))
+        counts["prompt_tokens"] += n
+        counts["block_references"] += len(request.hash_ids)
+        counts["gpu"] += gpu
+        counts["cpu"] += cpu
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the stack or the simulator's own bookkeeping is inconsistent."""
+        if not self._closed:
+            self.stack.check_invariants()
+        assert all(end >= self._clock_ms for end, _, _ in self._running), "a running request ended in the past"
+        counts = self._counts
+        assert counts["gpu"] + counts["cpu"] <= counts["prompt_tokens"], counts
+        assert len(self._running) <= len(self._ttft), (len(self._running), len(self._ttft))
+
+    def close(self) -> SimResult:
+        """Finish every running request, drain the stack and report.
+
+        Raises:
+            RequestStateError: called twice.
+        """
+        if self._closed:
+            raise RequestStateError("the simulation is already closed")
+        self._closed = True
+        engine, running = self.engine, self._running
+        while running:
+            engine.finish(heapq.heappop(running)[2])
+        engine.step()  # plans the stores the last finishes flushed
+        engine.drain()
+        leaked = engine.leaked_blocks()
+        self.stack.check_invariants()
+        self.stack.close()
+        stats, counts = self.stack.stats, self._counts
+        return SimResult(
+            config=self.config,
+            requests=len(self._ttft),
+            skipped_requests=counts["skipped"],
+            queued_requests=counts["queued"],
+            prompt_tokens=counts["prompt_tokens"],
+            block_references=counts["block_references"],
+            hit_tokens_gpu=counts["gpu"],
+            hit_tokens_cpu=counts["cpu"],
+            computed_tokens=counts["prompt_tokens"] - counts["gpu"] - counts["cpu"],
+            blocks_stored=int(stats.blocks_stored),
+            blocks_loaded=int(stats.blocks_loaded),
+            evictions_gpu=int(stats.evictions_gpu),
+            evictions_cpu=int(stats.evictions_cpu),
+            leaked_blocks=leaked,
+            integrity_errors=engine.integrity_errors if self.config.verify else None,
+            ttft_ms=self._ttft,
+            seconds=time.perf_counter() - self._started,
+            stats=stats.as_dict(),
+        )
+
+
+def simulate(requests: Iterable[TraceRequest], config: SimConfig | None = None, *,
+             progress: Callable[[int, int], None] | None = None) -> SimResult:
+    """Replay ``requests`` (arrival order) through a stack built from ``config``; see the module docstring.
+
+    Streams: ``requests`` may be a lazy reader such as
+    :func:`~kvkit.sim.traces.read_trace` of any length.
+
+    Args:
+        requests: trace requests in arrival order.
+        config: the simulation (default :class:`SimConfig()`).
+        progress: called as ``progress(requests_read, block_references_read)``
+            every few hundred requests and once at the end.
+
+    Raises:
+        ConfigError: invalid configuration.
+        TraceFormatError: a malformed request (from the reader, or hash ids
+            that do not fit ``config.block_tokens``).
+    """
+    sim = Simulator(config if config is not None else SimConfig())
+    read = refs = 0
+    with _single_threaded_torch(sim.config.verify):
+        try:
+            for request in requests:
+                sim.feed(request)
+                read += 1
+                refs += len(request.hash_ids)
+                if progress is not None and not read % _PROGRESS_EVERY:
+                    progress(read, refs)
+        except BaseException:
+            sim.stack.close()
+            raise
+        if progress is not None:
+            progress(read, refs)
+        return sim.close()
+
+
+@contextlib.contextmanager
+def _single_threaded_torch(enabled: bool) -> Iterator[None]:
+    """Run torch ops on one thread: --verify's tensors are tiny, and idle intra-op
+    threads spin-waiting on a busy machine made it 4x slower."""
+    if not enabled:
+        yield
+        return
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,417 @@
+"""The rules the prefix-aware policies claim: leaves up, orphans first, LRU roots, learned density."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from kvkit.backends.eviction._density import HitDensityModel
+from kvkit.backends.eviction.hit_density import HitDensityPolicy, block_class
+from kvkit.backends.eviction.lru import LRUPolicy
+from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
+from kvkit.errors import ConfigError, PoolUsageError
+from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.sim.policy_study import replay
+from kvkit.sim.traces import TraceRequest
+
+HIT_DENSITY = [HitDensityPolicy, lambda: HitDensityPolicy(capacity=4, ghost_span=1)]
+POLICIES = [PrefixLRUPolicy, *HIT_DENSITY]
+
+
+class Forest:
+    """A pool's view of a policy: tracked blocks with chain parents, pins and recency.
+
+    Block ids are never reused; hashes are, when an evicted hash is inserted
+    again under its old parent (as content hashes are). With ``hooks`` pins
+    call the policy's pin hooks, and the policy must never ask about a pinned
+    block (:meth:`ask`).
+    """
+
+    def __init__(self, policy: EvictionPolicy, hooks: bool = False) -> None:
+        self.policy = policy
+        self.hooks = hooks
+        self.hash_of: dict[int, int] = {}  # tracked block -> hash
+        self.parent_of_hash: dict[int, int | None] = {}  # every hash ever inserted
+        self.pinned: set[int] = set()
+        self.recency: dict[int, int] = {}  # tracked block -> tick of last insert or access
+        self.gone: list[int] = []  # evicted hashes, which may come back
+        self.tick = 0
+        self.next_block = 0
+
+    def block_of(self, h: int) -> int | None:
+        return next((b for b, bh in self.hash_of.items() if bh == h), None)
+
+    def children(self, block: int) -> list[int]:
+        h = self.hash_of[block]
+        return [b for b, bh in self.hash_of.items() if self.parent_of_hash[bh] == h]
+
+    def subtree(self, block: int) -> set[int]:
+        out, todo = set(), [block]
+        while todo:
+            b = todo.pop()
+            if b not in out:
+                out.add(b)
+                todo += self.children(b)
+        return out
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self.hash_of and block not in self.pinned
+
+    def ask(self, block: int) -> bool:
+        """``is_evictable`` as the policy sees it: with hooks, pinned blocks are off limits."""
+        assert not (self.hooks and block in self.pinned), f"asked about parked block {block}"
+        return self.is_evictable(block)
+
+    def pin(self, block: int) -> None:
+        if block not in self.pinned:
+            if self.hooks:
+                self.policy.on_pin(block)
+            self.pinned.add(block)
+
+    def unpin(self, block: int) -> None:
+        if self.hooks:
+            self.policy.on_unpin(block)
+        self.pinned.remove(block)
+
+    def orphans(self) -> list[int]:
+        return [b for b, h in self.hash_of.items()
+                if self.parent_of_hash[h] is not None and self.block_of(self.parent_of_hash[h]) is None]
+
+    def insert(self, h: int, parent: int | None) -> None:
+        block, self.next_block = self.next_block, self.next_block + 1
+        self.parent_of_hash.setdefault(h, parent)
+        self.tick += 1
+        self.policy.on_insert(block, h, self.parent_of_hash[h])
+        self.hash_of[block], self.recency[block] = h, self.tick
+
+    def access(self, block: int) -> None:
+        self.tick += 1
+        self.policy.on_access(block)
+        self.recency[block] = self.tick
+
+    def remove(self, block: int) -> None:
+        self.policy.on_remove(block)
+        self.gone.append(self.hash_of.pop(block))
+        del self.recency[block]
+        self.pinned.discard(block)
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("chain"), st.sampled_from(["root", "orphan", "under"]), st.integers(0, 40),
+              st.integers(1, 4)),
+    st.tuples(st.just("again"), st.integers(0, 40)),
+    st.tuples(st.sampled_from(["access", "pin", "unpin", "remove"]), st.integers(0, 40)),
+    st.tuples(st.just("select"), st.integers(1, 6)),
+), max_size=40)
+
+
+def drive(policy: EvictionPolicy, script: list[tuple],
+          check: Callable[[Forest, int, list[int]], None], hooks: bool = False) -> None:
+    """Run ``script`` on ``policy``; ``check(forest, n, victims)`` sees every successful selection."""
+    f = Forest(policy, hooks)
+    fresh = iter(range(1_000_000, 2_000_000))
+    for op, *args in script:
+        tracked = sorted(f.hash_of)
+        if op == "chain":  # a new chain: a new root, under a lost parent, or under a tracked block
+            kind, pick, length = args
+            parent = (f.hash_of[tracked[pick % len(tracked)]] if kind == "under" and tracked
+                      else next(fresh) if kind == "orphan" else None)
+            for _ in range(length):
+                h = next(fresh)
+                f.insert(h, parent)
+                parent = h
+        elif op == "again" and f.gone:  # an evicted hash returns, under its first parent
+            h = f.gone.pop(args[0] % len(f.gone))
+            if f.block_of(h) is None:
+                f.insert(h, f.parent_of_hash[h])
+        elif op == "select":
+            n = min(args[0], sum(map(f.is_evictable, tracked)))
+            victims = policy.select_victims(n, f.ask)
+            assert victims is not None and len(set(victims)) == n
+            check(f, n, victims)
+            for v in victims:
+                f.remove(v)
+        elif op == "unpin":
+            if f.pinned:
+                f.unpin(sorted(f.pinned)[args[0] % len(f.pinned)])
+        elif tracked:
+            block = tracked[args[0] % len(tracked)]
+            if op == "access":
+                f.access(block)
+            elif op == "pin":
+                f.pin(block)
+            elif block not in f.pinned:  # remove, as a reset would: may leave orphans
+                f.remove(block)
+        policy.check_invariants()
+
+
+def _leaves_first(f: Forest, n: int, victims: list[int]) -> None:
+    for i, v in enumerate(victims):
+        for d in f.subtree(v) - {v}:
+            if f.is_evictable(d):
+                assert d in victims[:i], f"victim {v} chosen before its evictable descendant {d}"
+
+
+def _orphans_first(f: Forest, n: int, victims: list[int]) -> None:
+    first = set()
+    for o in f.orphans():
+        if f.is_evictable(o):
+            first |= {b for b in f.subtree(o) if f.is_evictable(b)}
+    k = min(n, len(first))
+    assert set(victims[:k]) <= first, f"victims {victims[:k]} taken before orphan subtrees {first}"
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+@pytest.mark.parametrize("make", POLICIES)
+@given(script=ops)
+def test_a_victim_never_leaves_an_evictable_descendant_behind(make, hooks, script):
+    """Every evictable descendant of a victim is a victim too, chosen before it."""
+    drive(make(), script, _leaves_first, hooks)
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+@pytest.mark.parametrize("make", POLICIES)
+@given(script=ops)
+@example(script=[("chain", "orphan", 0, 1), ("chain", "root", 0, 1), ("pin", 0), ("select", 1)])
+def test_orphans_go_first(make, hooks, script):
+    """While an evictable orphan (parent hash not cached) exists, its subtree goes first."""
+    drive(make(), script, _orphans_first, hooks)
+
+
+def _lru_root(f: Forest, n: int, victims: list[int]) -> None:
+    if not n or any(map(f.is_evictable, f.orphans())):
+        return
+    root = min((b for b in f.hash_of if f.is_evictable(b)), key=f.recency.__getitem__)
+    below = {b for b in f.subtree(root) if f.is_evictable(b)}
+    if n <= len(below):
+        assert set(victims) <= below, f"{victims} not all in the LRU block {root}'s subtree {below}"
+    else:
+        assert below <= set(victims), f"LRU block {root}'s subtree {below} not all in {victims}"
+
+
+@given(script=ops)
+@example(script=[("chain", "root", 0, 2), ("chain", "root", 0, 1), ("select", 1)])
+def test_prefix_lru_evicts_the_least_recently_used_chain_first(script):
+    """Without orphans, prefix LRU's victims come from the least recently used block's subtree first."""
+    drive(PrefixLRUPolicy(), script, _lru_root)
+
+
+def _requests(*chains: tuple[int, ...]) -> list[TraceRequest]:
+    return [TraceRequest(i, 16 * len(c), 1, c, i + 1) for i, c in enumerate(chains)]
+
+
+def test_prefix_lru_keeps_the_head_of_a_chain_plain_lru_drops():
+    """When a chain no longer fits, prefix LRU keeps its head (it hits); LRU keeps its dead tail."""
+    trace = _requests((1, 2, 3, 4), (5, 6), (1, 2, 3, 4))
+    assert replay(trace, 4, LRUPolicy()).hits == 0  # LRU evicted 1 and 2: 3 and 4 are stranded
+    assert replay(trace, 4, PrefixLRUPolicy(), check_invariants=True).hits == 2
+
+
+# -- hit density ---------------------------------------------------------------
+
+
+def test_density_of_a_class_never_reused_is_zero():
+    """A class whose blocks all ended unreused has density 0 at every age."""
+    model = HitDensityModel(2, min_samples=1)
+    for age in range(0, 5000, 50):
+        model.record_end(0, age)
+        model.record_reuse(1, age)
+    model.refresh(np.zeros(0, np.int64), np.zeros(0, np.int64), keep=1.0)
+    assert model.density(0, 10) == 0.0 and model.density(1, 10) > 0
+
+
+@given(st.integers(1, 60), st.integers(0, 12), st.integers(1, 8))
+def test_density_matches_a_hand_computed_reuse_window(never, reused, window_octaves):
+    """Blocks reused at one age R, the others never: density before R is p / E[space until R]."""
+    per_octave = 1
+    model = HitDensityModel(1, per_octave=per_octave, min_samples=1)
+    reuse_age = 2 ** window_octaves  # bucket start: 2**b - 1 with b = window_octaves * per_octave
+    reuse_bucket = model.bucket(reuse_age)
+    for _ in range(reused):
+        model.record_reuse(0, reuse_age)
+    for _ in range(never):
+        model.record_end(0, 2 ** 20)  # long after R
+    model.refresh(np.zeros(0, np.int64), np.zeros(0, np.int64), keep=1.0)
+    edges = model.edges
+    p = reused / (reused + never)
+    # From age 0: every block is alive until bucket R, p of them end there (hit), the rest live on;
+    # the best horizon is bucket R itself: hits p over space sum(widths of buckets 0..R).
+    expected = p / (edges[reuse_bucket + 1] - edges[0]) if reused else 0.0
+    assert math.isclose(model.density(0, 0), expected, rel_tol=1e-9)
+    assert model.density(0, 2 ** 21) == 0.0  # past every reuse: nothing left to earn
+
+
+def test_density_looks_past_a_dead_zone():
+    """A block too young to be reused yet is still worth its space if reuses come later."""
+    model = HitDensityModel(1, min_samples=1)
+    for _ in range(50):
+        model.record_reuse(0, 4000)  # users come back after a think time of ~4000 ticks
+        model.record_end(0, 100_000)
+    model.refresh(np.zeros(0, np.int64), np.zeros(0, np.int64), keep=1.0)
+    young, ripe, stale = (model.density(0, a) for a in (0, 3000, 10_000))
+    assert ripe > young > 0 and stale == 0
+
+
+def _train(policy: HitDensityPolicy, rounds: int) -> int:
+    """Blocks hit once come back ~100 ticks later; blocks never hit never come back."""
+    block = 0
+    for r in range(rounds):
+        base = 10 * r
+        policy.on_insert(block, base, None)          # will be hit, evicted, and re-inserted
+        policy.on_insert(block + 1, base + 1, None)  # never hit, never back
+        policy.on_access(block)
+        policy.on_remove(block)
+        policy.on_remove(block + 1)
+        for k in range(100):  # filler: 100 ticks of unrelated one-off blocks
+            policy.on_insert(block + 2, 10**9 + 200 * r + k, None)
+            policy.on_remove(block + 2)
+        policy.on_insert(block + 3, base, None)      # the hit block returns (a ghost hit)
+        policy.on_remove(block + 3)
+        block += 4
+    return block
+
+
+def test_hit_density_learns_to_evict_a_fresh_one_off_before_an_older_reused_block():
+    """Having learnt that unhit blocks never return, it evicts one before an older hit block."""
+    policy = HitDensityPolicy(capacity=16)
+    block = _train(policy, 40)
+    policy.on_insert(block, 7, None)
+    policy.on_access(block)  # hit once: this class comes back
+    policy.on_insert(block + 1, 8, None)  # newer, never hit
+    assert policy.density_of(block) > policy.density_of(block + 1)
+    assert policy.select_victims(1, lambda b: True) == [block + 1]
+    lru = LRUPolicy()
+    lru.on_insert(block, 7, None)
+    lru.on_access(block)
+    lru.on_insert(block + 1, 8, None)
+    assert lru.select_victims(1, lambda b: True) == [block]
+
+
+class _ParkingWitness:
+    """A hit-density policy driven with pin hooks, beside a twin that never hears of pins.
+
+    Forwards every call to both (selections and hooks to the policy only) and
+    checks that parking keeps a block's counters: every tracked block has the
+    twin's class (reuse count and parenthood, however many hits or children
+    it got while parked) and density (age and learned model), a parked block
+    sits in no class list, and an unpinned one is back at the young end of
+    its class's list.
+    """
+
+    def __init__(self, policy: HitDensityPolicy) -> None:
+        self.policy, self.twin = policy, copy.deepcopy(policy)
+        self.tracked: set[int] = set()
+
+    def on_insert(self, block: int, block_hash: int, parent: int | None) -> None:
+        self.policy.on_insert(block, block_hash, parent)
+        self.twin.on_insert(block, block_hash, parent)
+        self.tracked.add(block)
+
+    def on_access(self, block: int) -> None:
+        self.policy.on_access(block)
+        self.twin.on_access(block)
+
+    def on_remove(self, block: int) -> None:
+        self.policy.on_remove(block)
+        self.twin.on_remove(block)
+        self.tracked.discard(block)
+
+    def on_pin(self, block: int) -> None:
+        self.policy.on_pin(block)
+        assert block in self.policy.pinned
+
+    def on_unpin(self, block: int) -> None:
+        policy = self.policy
+        policy.on_unpin(block)
+        cls = policy.class_of(block)
+        assert policy.class_blocks(cls)[-1] == block, f"unpinned {block} not young in class {cls}"
+
+    def select_victims(self, n: int, is_evictable: Callable[[int], bool]) -> list[int] | None:
+        return self.policy.select_victims(n, is_evictable)
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def check_invariants(self) -> None:
+        policy = self.policy
+        policy.check_invariants()
+        self.twin.check_invariants()
+        listed = {b for cls in range(block_class(3, True) + 1) for b in policy.class_blocks(cls)}
+        assert listed.isdisjoint(policy.pinned), f"listed parked {listed & set(policy.pinned)}"
+        for block in self.tracked:
+            mine = policy.class_of(block), policy.density_of(block)
+            twins = self.twin.class_of(block), self.twin.density_of(block)
+            assert mine == twins, f"block {block} has (class, density) {mine}, its twin {twins}"
+
+
+@pytest.mark.parametrize("make", HIT_DENSITY)
+@given(script=ops)
+def test_hit_density_parks_a_pinned_block_and_returns_it_to_its_class(make, script):
+    """A parked block is never asked about, keeps its hookless twin's class, and returns young."""
+    drive(_ParkingWitness(make()), script, lambda f, n, victims: None, hooks=True)
+
+
+def test_a_ghost_hit_keeps_the_reuse_count():
+    """An evicted hash inserted again is in the class of its old reuse count plus one."""
+    policy = HitDensityPolicy(capacity=4)
+    policy.on_insert(0, 42, None)
+    policy.on_access(0)
+    policy.on_remove(0)
+    policy.on_insert(9, 7, None)  # ticks pass
+    policy.on_insert(1, 42, None)
+    assert policy.class_of(1) == block_class(2, False)
+    learned = policy.model.reuses[block_class(1, False)]
+    assert learned[policy.model.bucket(2)] == 1 and learned.sum() == 1  # the missed reuse, at age 2
+    policy.check_invariants()
+
+
+def test_the_ghost_is_bounded_by_its_span():
+    """The ghost remembers at most ``ghost_span`` pools' worth of evictions."""
+    policy = HitDensityPolicy(capacity=3, ghost_span=2)
+    for b in range(50):
+        policy.on_insert(b, 1000 + b, None)
+        policy.on_remove(b)
+    assert policy.num_ghosts == 6
+    policy.check_invariants()
+
+
+def test_a_first_child_makes_its_parent_a_parent_class():
+    """A block moves to the parent class when its first child is inserted, and stays there."""
+    policy = HitDensityPolicy()
+    policy.on_insert(0, 100, None)
+    assert policy.class_of(0) == block_class(0, False)
+    policy.on_insert(1, 101, 100)
+    policy.on_remove(1)
+    assert policy.class_of(0) == block_class(0, True)
+
+
+@pytest.mark.parametrize("kwargs", [{"capacity": 0}, {"capacity": 2.5}, {"ghost_span": 0.5},
+                                    {"ghost_span": float("inf")}, {"ghost_span": "8"}])
+def test_bad_hit_density_settings_are_config_errors(kwargs):
+    """Bad constructor values raise ConfigError quoting the value."""
+    with pytest.raises(ConfigError, match=repr(next(iter(kwargs.values())))):
+        HitDensityPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("make", POLICIES)
+def test_misuse_raises_pool_usage_error(make):
+    """Double inserts, a second block under a tracked hash and unknown blocks are usage errors."""
+    policy = make()
+    policy.on_insert(0, 100, None)
+    with pytest.raises(PoolUsageError, match="already tracked"):
+        policy.on_insert(0, 101, None)
+    with pytest.raises(PoolUsageError, match="already tracked"):
+        policy.on_insert(1, 100, None)
+    with pytest.raises(PoolUsageError, match="not tracked"):
+        policy.on_access(7)
+    with pytest.raises(PoolUsageError, match="not tracked"):
+        policy.on_remove(7)
+    with pytest.raises(PoolUsageError, match="non-negative int"):
+        policy.select_victims(-1, lambda b: True)
+    policy.check_invariants()

@@ -1,0 +1,158 @@
+"""Tests for the policy study: trace replay through the real pool, and ``kvkit policies``."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvkit.cli as cli
+from kvkit.backends.eviction.lru import LRUPolicy
+from kvkit.errors import ConfigError
+from kvkit.sim.policy_study import OPT, default_policies, replay, study
+from kvkit.sim.synthetic import SyntheticWorkload, generate
+from kvkit.sim.traces import TraceRequest, write_trace
+
+small_workloads = st.builds(
+    SyntheticWorkload,
+    seed=st.integers(0, 2**32),
+    num_conversations=st.integers(1, 12),
+    block_tokens=st.just(16),
+    num_system_prompts=st.integers(1, 3),
+    system_prompt_tokens=st.just((0, 160)),
+    max_turns=st.integers(1, 6),
+    user_tokens_mean=st.floats(8, 80),
+    output_tokens_mean=st.floats(8, 80),
+    think_time_mean_s=st.floats(0.1, 60),
+)
+
+
+def _trace(*chains: tuple[int, ...]) -> list[TraceRequest]:
+    return [TraceRequest(i, 16 * len(c), 1, c, i + 1) for i, c in enumerate(chains)]
+
+
+def test_hits_count_only_the_cached_prefix():
+    """A block hits only while every earlier block of its request hit."""
+    trace = _trace((0, 1, 2), (0, 1, 3), (9, 1, 2))
+    stats = replay(trace, 100, "lru", check_invariants=True)
+    # request 2 hits 0 and 1; request 3 hits nothing: 1 and 2 are cached but 9 is not
+    assert (stats.hits, stats.references) == (2, 9)
+    assert stats.hit_ratio == pytest.approx(2 / 9)
+
+
+def test_misses_are_cached_after_their_request():
+    """Every block of a request is in the pool afterwards, so a repeat hits in full."""
+    stats = replay(_trace((5, 6, 7), (5, 6, 7)), 3, "fifo", check_invariants=True)
+    assert (stats.hits, stats.references) == (3, 6)
+
+
+def test_request_larger_than_the_pool_caches_its_first_blocks():
+    """A request longer than the pool caches only its first `capacity` blocks and raises nothing."""
+    stats = replay(_trace((0, 1, 2, 3, 4), (0, 1, 2, 3, 4)), 2, "lru", check_invariants=True)
+    assert stats.hits == 2
+
+
+@given(small_workloads, st.sampled_from(default_policies()))
+def test_unbounded_pool_hits_every_repeat(workload, policy):
+    """With room for every block, each policy hits exactly the repeated block references."""
+    trace = list(generate(workload))
+    distinct = len({b for r in trace for b in r.hash_ids})
+    stats = replay(trace, distinct + 1, policy)
+    assert stats.hits == stats.references - distinct
+
+
+@given(small_workloads, st.integers(4, 120))
+def test_optimum_beats_every_policy(workload, capacity):
+    """The offline optimum's hit ratio is at least every other policy's, at any capacity."""
+    trace = list(generate(workload))
+    ratios = {p: replay(trace, capacity, p, check_invariants=True).hits for p in default_policies()}
+    assert all(ratios[OPT] >= h for h in ratios.values()), ratios
+
+
+def test_replay_accepts_a_policy_instance():
+    """An instance is used as given and reported under its class name."""
+    stats = replay(_trace((0, 1), (0, 1)), 4, LRUPolicy())
+    assert (stats.policy, stats.hits) == ("LRUPolicy", 2)
+
+
+@pytest.mark.parametrize("capacity", [0, -5, 2.5, True])
+def test_bad_capacity_is_a_config_error(capacity):
+    """A capacity that is not a positive int raises ConfigError quoting it."""
+    with pytest.raises(ConfigError, match="capacity"):
+        replay(_trace((0,)), capacity)
+
+
+def test_study_rejects_unknown_policies_before_replaying():
+    """Unknown policy names raise one ConfigError listing the valid names."""
+    with pytest.raises(ConfigError, match="valid: .*lru"):
+        study(_trace((0,)), [4], ["lru", "belady-ish"], jobs=1)
+
+
+def test_study_shares_against_the_optimum_in_parallel_and_serially():
+    """Results hold every policy (the optimum added) at every capacity, the same with 1 or 2 workers."""
+    trace = list(generate(SyntheticWorkload(num_conversations=15, seed=3)))
+    serial = study(trace, [40, 160], ["lru", "arc"], jobs=1)
+    parallel = study(trace, [40, 160], ["lru", "arc"], jobs=2)
+    assert serial.policies == ("lru", "arc", OPT)
+    results = serial.results()
+    assert results == parallel.results()
+    assert set(results) == {"40", "160"}
+    for per_policy in results.values():
+        assert per_policy[OPT]["of_opt"] == 1.0
+        for entry in per_policy.values():
+            assert set(entry) == {"hit_ratio", "of_opt"}
+            assert 0 <= entry["of_opt"] <= 1
+            assert entry["of_opt"] == pytest.approx(entry["hit_ratio"] / per_policy[OPT]["hit_ratio"])
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    """A small synthetic trace at 16-token blocks, written as JSONL."""
+    path = tmp_path / "synthetic.jsonl"
+    write_trace(path, generate(SyntheticWorkload(num_conversations=12, seed=7)))
+    return path
+
+
+def _run(*args):
+    return CliRunner().invoke(cli.main, ["policies", *map(str, args)], terminal_width=200)
+
+
+def test_cli_json_schema(trace_file):
+    """`kvkit policies --json` prints the trace and {capacity: {policy: {hit_ratio, of_opt}}}."""
+    result = _run("--trace", trace_file, "--block-tokens", 16, "--capacities", "30,300",
+                  "--policies", "lru,s3fifo", "--jobs", 1, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["trace"] == str(trace_file)
+    assert report["block_tokens"] == 16
+    assert set(report["results"]) == {"30", "300"}
+    for per_policy in report["results"].values():
+        assert set(per_policy) == {"lru", "s3fifo", OPT}
+        assert per_policy[OPT] == {"hit_ratio": per_policy[OPT]["hit_ratio"], "of_opt": 1.0}
+
+
+def test_cli_table_and_plot(trace_file, tmp_path):
+    """Without --json a table names every policy, and --plot writes a PNG."""
+    plot = tmp_path / "hits.png"
+    result = _run("--trace", trace_file, "--block-tokens", 16, "--capacities", "50",
+                  "--jobs", 1, "--plot", plot)
+    assert result.exit_code == 0, result.output
+    assert all(p in result.stdout for p in default_policies())
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--capacities", "10,x"], "positive block counts"),
+    (["--capacities", "0"], "positive block counts"),
+    (["--policies", "lru,nope"], "policy='nope': unknown eviction policy"),
+    (["--block-tokens", "512"], "field 'hash_ids'"),  # the file uses 16-token blocks
+])
+def test_cli_bad_input_is_one_line_error(trace_file, args, message):
+    """Bad options or a trace at the wrong block size exit 2 with a one-line error, no traceback."""
+    defaults = {"--block-tokens": "16", "--jobs": "1"}
+    defaults.update(dict(zip(args[::2], args[1::2])))
+    result = _run("--trace", trace_file, *[x for kv in defaults.items() for x in kv])
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.output

@@ -1,0 +1,225 @@
+"""Tests for the trace-driven simulator: accounting, the time model, --verify, and streaming."""
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
+from kvkit.interfaces import Direction, OffloadCallback
+from kvkit.sim.simulator import LLAMA_3_8B, CostModel, SimConfig, Simulator, simulate
+from kvkit.sim.synthetic import SyntheticWorkload, generate
+from kvkit.sim.traces import TraceRequest
+
+small_workloads = st.builds(
+    SyntheticWorkload,
+    seed=st.integers(0, 2**16),
+    num_conversations=st.integers(1, 12),
+    block_tokens=st.sampled_from([4, 16]),
+    conversations_per_s=st.floats(0.5, 20),
+    num_system_prompts=st.integers(1, 3),
+    system_prompt_tokens=st.tuples(st.integers(0, 100), st.integers(0, 100)).map(sorted),
+    max_turns=st.integers(1, 5),
+    user_tokens_mean=st.floats(1, 100),
+    output_tokens_mean=st.floats(1, 100),
+    think_time_mean_s=st.floats(0.1, 10),
+    max_context_tokens=st.integers(202, 800),
+)
+
+
+def _config(workload, **kw):
+    return SimConfig(block_tokens=workload.block_tokens, **kw)
+
+
+@given(small_workloads, st.integers(8, 120), st.integers(1, 200),
+       st.sampled_from(["eager", "lazy", "selective", "never"]),
+       st.sampled_from(["lru", "fifo", "arc", "s3fifo"]))
+def test_accounting_adds_up_and_nothing_leaks(workload, gpu_blocks, cpu_blocks, store, eviction):
+    """Every prompt token is a GPU hit, a CPU hit or computed; every CPU hit is a loaded block; no block leaks."""
+    trace = list(generate(workload))
+    config = _config(workload, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, store=store,
+                     eviction=eviction)
+    r = simulate(trace, config)
+    bt = workload.block_tokens
+    fits = [t for t in trace if math.ceil(t.input_length / bt) <= gpu_blocks]
+    assert r.leaked_blocks == 0
+    assert r.requests == len(fits) == len(r.ttft_ms)
+    assert r.skipped_requests == len(trace) - len(fits)
+    assert r.prompt_tokens == sum(t.input_length for t in fits)
+    assert r.block_references == sum(len(t.hash_ids) for t in fits)
+    assert r.hit_tokens_gpu + r.hit_tokens_cpu + r.computed_tokens == r.prompt_tokens
+    assert r.computed_tokens >= sum(1 for t in fits if t.input_length)  # one token is always recomputed
+    assert r.hit_tokens_cpu == r.blocks_loaded * bt
+    assert (r.stats["hit_tokens_gpu"], r.stats["hit_tokens_cpu"]) == (r.hit_tokens_gpu, r.hit_tokens_cpu)
+    assert r.bytes_loaded == r.blocks_loaded * LLAMA_3_8B.spec(bt).bytes_per_block
+    assert min(r.ttft_ms, default=0) >= 0
+    if store == "never":
+        assert r.hit_tokens_cpu == r.blocks_stored == r.evictions_cpu == 0
+
+
+def test_time_model_by_hand():
+    """TTFT is queueing wait plus compute and load time; a request larger than the GPU pool is skipped."""
+    cost = CostModel(prefill_tokens_per_s=1000, decode_ms_per_token=1.0)
+    config = SimConfig(gpu_blocks=4, cpu_blocks=8, block_tokens=4, cost=cost)
+    trace = [
+        TraceRequest(0, 0, 3, (), 1),  # no prompt: TTFT 0, ends at 3 ms
+        TraceRequest(0, 16, 10, (1, 2, 3, 4), 2),  # fills the GPU pool: 16 ms prefill, ends at 26
+        TraceRequest(0, 16, 10, (1, 2, 3, 5), 3),  # waits until 26, then 3 GPU-hit blocks + 4 tokens
+        TraceRequest(0, 20, 1, (1, 2, 3, 4, 9), 4),  # 5 blocks > 4: skipped
+        TraceRequest(100, 9, 1, (1, 2, 7), 5),  # 2 GPU-hit blocks, 1 token computed
+    ]
+    r = simulate(trace, config)
+    assert list(r.ttft_ms) == [0.0, 16.0, 30.0, 1.0]
+    assert (r.requests, r.skipped_requests, r.queued_requests) == (4, 1, 1)
+    assert (r.hit_tokens_gpu, r.computed_tokens) == (20, 21)
+
+
+def test_cpu_hits_cost_load_time_not_compute_time():
+    """A prefix evicted from the GPU tier comes back from the CPU tier at PCIe speed."""
+    cost = CostModel(prefill_tokens_per_s=1000, pcie_gb_per_s=1.0, decode_ms_per_token=0.0)
+    config = SimConfig(gpu_blocks=5, cpu_blocks=16, block_tokens=4, cost=cost)
+    trace = [TraceRequest(0, 16, 1, (1, 2, 3, 4), 1),
+             TraceRequest(100, 20, 1, (5, 6, 7, 8, 10), 2),  # evicts the first from the GPU tier
+             TraceRequest(200, 17, 1, (1, 2, 3, 4, 9), 3)]  # 4 blocks from the CPU tier, 1 token computed
+    r = simulate(trace, config)
+    load_ms = 4 * config.spec.bytes_per_block / 1e9 * 1e3
+    assert r.hit_tokens_cpu == 16 and r.blocks_loaded == 4
+    assert r.ttft_ms[2] == pytest.approx(1.0 + load_ms)
+
+
+def test_offload_beats_no_offload_on_the_default_workload():
+    """The built-in workload gets CPU hits, and a lower modelled TTFT than the same run with store 'never'."""
+    trace = list(generate())
+    offload = simulate(trace, SimConfig())
+    baseline = simulate(trace, SimConfig(store="never"))
+    assert offload.hit_tokens_cpu > 0 and baseline.hit_tokens_cpu == 0
+    assert offload.computed_tokens < baseline.computed_tokens
+    for q, ms in offload.ttft_percentiles().items():
+        assert ms <= baseline.ttft_percentiles()[q], q
+    assert sum(offload.ttft_ms) < sum(baseline.ttft_ms)
+    assert offload.leaked_blocks == baseline.leaked_blocks == 0
+
+
+def test_verify_checks_real_bytes_without_errors():
+    """With verify, real bytes move through the torch backend and every loaded block matches."""
+    workload = SyntheticWorkload(num_conversations=10, seed=3)
+    r = simulate(generate(workload), SimConfig(gpu_blocks=600, cpu_blocks=2000, verify=True))
+    assert r.blocks_loaded > 0
+    assert r.integrity_errors == 0 and r.leaked_blocks == 0
+
+
+class _PoisonCPUTier(OffloadCallback):
+    """Overwrites every worker's CPU mirror after each completed store (a corrupted CPU tier)."""
+
+    workers = ()
+
+    def on_transfer_completed(self, transfer_id, direction, num_blocks, ok):
+        if direction is Direction.STORE:
+            for worker in self.workers:
+                for tensor in worker.cpu_kv:
+                    tensor.view(-1).view(dtype=tensor.dtype).fill_(0x5A)
+
+
+def test_verify_detects_a_corrupted_cpu_tier():
+    """Poisoning the CPU mirror mid-run makes the loaded blocks' bytes mismatch: integrity_errors > 0."""
+    poison = _PoisonCPUTier()
+    sim = Simulator(SimConfig(gpu_blocks=600, cpu_blocks=2000, verify=True, callbacks=[poison]))
+    poison.workers = sim.stack.workers
+    for request in generate(SyntheticWorkload(num_conversations=10, seed=3)):
+        sim.feed(request)
+    r = sim.close()
+    assert r.blocks_loaded > 0
+    assert r.integrity_errors > 0
+    assert r.leaked_blocks == 0
+
+
+def test_no_state_outlives_a_request():
+    """While streaming, the manager tracks exactly the running requests (ended ones leave nothing)."""
+    sim = Simulator(SimConfig(gpu_blocks=300, cpu_blocks=1000))
+    most = 0
+    for request in generate(SyntheticWorkload(num_conversations=60, seed=1)):
+        sim.feed(request)
+        running = len(sim.engine.running)
+        assert sim.stack.manager.num_requests == running
+        assert sim.engine.num_waiting == 0
+        most = max(most, running)
+    assert most > 1  # the check saw concurrent requests
+    assert sim.close().leaked_blocks == 0
+
+
+def test_progress_reports_the_final_counts():
+    """The progress callback's last call carries every request and block reference read."""
+    calls = []
+    trace = list(generate(SyntheticWorkload(num_conversations=80)))
+    simulate(trace, SimConfig(), progress=lambda n, refs: calls.append((n, refs)))
+    assert calls[-1] == (len(trace), sum(len(t.hash_ids) for t in trace))
+    assert len(calls) >= 2
+
+
+@pytest.mark.parametrize(("request_", "field"), [
+    (TraceRequest(10, 20, 1, (1,), 7), "hash_ids"),  # 20 tokens of 16-token blocks need 2 ids
+    (TraceRequest(10, 16, 1, (1, 2), 7), "hash_ids"),
+    (TraceRequest(5, 16, 1, (1,), 7), "timestamp"),  # before the previous arrival
+])
+def test_feed_rejects_requests_that_do_not_fit(request_, field):
+    """Hash ids that do not match the block size, or an arrival back in time, raise TraceFormatError."""
+    sim = Simulator(SimConfig())
+    sim.feed(TraceRequest(6, 1, 1, (0,), 1))
+    with pytest.raises(TraceFormatError) as info:
+        sim.feed(request_)
+    assert info.value.line == 7 and info.value.field == field
+    sim.close()
+    with pytest.raises(RequestStateError):
+        sim.feed(TraceRequest(0, 1, 1, (0,), 8))
+
+
+def test_config_validation():
+    """Bad sizes and costs raise ConfigError quoting the value; cpu_bytes converts to model blocks."""
+    with pytest.raises(ConfigError, match="not both"):
+        SimConfig(cpu_blocks=10, cpu_bytes="1GiB")
+    with pytest.raises(ConfigError, match="holds no block"):
+        SimConfig(cpu_bytes="1MiB")
+    with pytest.raises(ConfigError, match="-1"):
+        SimConfig(gpu_blocks=-1)
+    with pytest.raises(ConfigError, match="nan"):
+        CostModel(pcie_gb_per_s=float("nan"))
+    assert SimConfig(cpu_bytes="1GiB", block_tokens=16).num_cpu_blocks == 2**30 // (16 * 2**17)
+    with pytest.raises(ConfigError, match="bogus") as info:
+        Simulator(SimConfig(eviction="bogus", store="nope"))
+    assert len(info.value.problems) == 2
+
+
+def test_result_as_dict_is_json_ready():
+    """``as_dict`` has every reported figure, TTFT percentiles and the configuration."""
+    import json
+
+    r = simulate(generate(SyntheticWorkload(num_conversations=5)), SimConfig())
+    d = json.loads(json.dumps(r.as_dict()))
+    assert {"requests", "prompt_tokens", "hit_tokens_gpu", "hit_tokens_cpu", "computed_tokens",
+            "blocks_stored", "blocks_loaded", "bytes_stored", "bytes_loaded", "evictions_gpu",
+            "evictions_cpu", "leaked_blocks", "integrity_errors", "ttft_model_ms", "config"} <= set(d)
+    assert set(d["ttft_model_ms"]) >= {"p50", "p90", "p99"}
+    assert d["config"]["gpu_blocks"] == SimConfig().gpu_blocks
+
+
+def test_scheduler_only_simulation_imports_no_torch():
+    """Without verify the stack has no copy backend (copy=None), so simulating never imports torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvkit.sim.simulator import SimConfig, simulate; "
+            "from kvkit.sim.synthetic import SyntheticWorkload, generate; "
+            "simulate(generate(SyntheticWorkload(num_conversations=3)), SimConfig()); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_copy_none_cannot_move_bytes():
+    """A scheduler-only stack (copy=None) refuses a KV layout, naming the fix."""
+    from kvkit.stack import build
+
+    config = SimConfig().stack_config()
+    assert config.copy is None
+    with pytest.raises(ConfigError, match="copy='torch'"):
+        build(config, layout="per-layer")
