@@ -68,9 +68,9 @@ from kvkit.interfaces.types import (
     TransferPlan,
     TransferResult,
 )
-from kvkit.manager import hits as _hits
-from kvkit.manager import stores as _store_plan
 from kvkit.manager.ended import EndedRequests
+from kvkit.manager.events import Events
+from kvkit.manager.hits import CpuHits
 from kvkit.manager.requests import (
     Request,
     RequestState,
@@ -86,15 +86,8 @@ from kvkit.manager.requests import (
     wrong_state,
 )
 from kvkit.manager.step import CompletionReport, StepPlan
-from kvkit.manager.transfers import (
-    Batch,
-    TransferTable,
-    abandon,
-    check_in_flight,
-    completed_batches,
-    plans,
-    settle,
-)
+from kvkit.manager.stores import StorePlanner
+from kvkit.manager.transfers import Batch, TransferTable
 from kvkit.stats import OffloadStats
 
 __all__ = ["OffloadManager"]
@@ -107,7 +100,7 @@ class OffloadManager:
     """Drives one CPU offload tier from an engine's scheduler loop.
 
     Args:
-        spec: the KV cache shape (block size, groups, bytes per block).
+        kv: the KV cache shape (block size, groups, bytes per block).
         cpu: the CPU tier's block pool (its size is the single source of truth
             for the CPU mirror the workers allocate).
         store: the store policy.
@@ -133,7 +126,7 @@ class OffloadManager:
           O(all blocks of all requests).
     """
 
-    spec: KVCacheSpec
+    kv: KVCacheSpec
     cpu: BlockAllocator
     store: StorePolicy
     gpu: BlockAllocator | None = attrs.field(default=None, kw_only=True)
@@ -145,22 +138,26 @@ class OffloadManager:
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)
     _ended: EndedRequests = attrs.field(init=False, factory=EndedRequests)
     _dirty: dict[str, Request] = attrs.field(init=False, factory=dict)  # queued stores or load
-    _detached: list[_store_plan.StoreCandidate] = attrs.field(init=False, factory=list)
-    _inflight_hashes: set[BlockHash] = attrs.field(init=False, factory=set)
+    _events: Events = attrs.field(init=False)
+    _hits: CpuHits = attrs.field(init=False)
+    _stores: StorePlanner = attrs.field(init=False)
     _transfers: TransferTable = attrs.field(init=False)
     _epoch: int = attrs.field(init=False, default=0)
     _draining: bool = attrs.field(init=False, default=False)
-    _writeback: bool = attrs.field(init=False, default=False)
     _group_bytes: list[int] = attrs.field(init=False)
     _loaded: set[str] = attrs.field(init=False, factory=set)
     _load_failed: set[str] = attrs.field(init=False, factory=set)
 
     def __attrs_post_init__(self) -> None:
-        check_parts(self.spec, self.cpu, self.gpu, self.store, self.callbacks, self.null_block)
-        self._writeback = writes_back(self.spec, self.store, self.gpu)
+        check_parts(self.kv, self.cpu, self.gpu, self.store, self.callbacks, self.null_block)
+        self._events = Events(self.callbacks)
+        self._hits = CpuHits(self.kv, self.cpu, self.gpu, self.null_block)
+        self._stores = StorePlanner(self.cpu, self.gpu, self.store, self.stats, self._ended,
+                                    self.null_block, len(self.kv.groups),
+                                    writes_back(self.kv, self.store, self.gpu))
         self._transfers = TransferTable(self.world_size)
-        self._group_bytes = [2 * len(g.layers) * self.spec.bytes_per_layer_block
-                             for g in self.spec.groups]
+        self._group_bytes = [2 * len(g.layers) * self.kv.bytes_per_layer_block
+                             for g in self.kv.groups]
         self.cpu.add_evict_listener(self._on_cpu_evict)
         if self.gpu is not None:
             self.gpu.add_evict_listener(self._on_gpu_evict)
@@ -212,7 +209,7 @@ class OffloadManager:
         if request_id in self._requests or self._ended.is_parked(request_id):
             raise RequestStateError(f"request {request_id!r} is already live")
         hashes = list(block_hashes)
-        check_prompt(request_id, hashes, num_prompt_tokens, self.spec.block_size)
+        check_prompt(request_id, hashes, num_prompt_tokens, self.kv.block_size)
         self._ended.revive(request_id)
         self._requests[request_id] = Request(request_id, hashes, num_prompt_tokens)
 
@@ -229,7 +226,7 @@ class OffloadManager:
         r = self._requests.get(request_id) or self._live(request_id)
         hashes = r.block_hashes
         num_blocks = len(hashes) + len(new_hashes)
-        full = num_blocks * self.spec.block_size
+        full = num_blocks * self.kv.block_size
         if num_tokens is not None:
             if not is_count(num_tokens) or num_tokens < full:
                 raise RequestStateError(
@@ -270,22 +267,17 @@ class OffloadManager:
                 id, or a hit that is not block aligned or exceeds the request.
         """
         r = self._live(request_id)
-        bs = self.spec.block_size
+        bs = self.kv.block_size
         r.num_tokens = check_lookup(r, gpu_hit_tokens, num_tokens, bs)
-        _hits.unpin(self.cpu, r)
+        self._hits.unpin(r)
         r.revoked = False
         self.stats.lookups.add()
         start = gpu_hit_tokens // bs
         stop = min((r.num_tokens - 1) // bs, len(r.block_hashes))
-        blocks: list[BlockId] = []
-        if stop > start and not self._draining:
-            blocks = _hits.pin(self.cpu, r.block_hashes[start:stop])
         r.gpu_hit_blocks = start
-        r.offered_blocks = len(blocks)
-        r.pinned = blocks
-        for cb in self.callbacks:
-            cb.on_lookup(request_id, gpu_hit_tokens, len(blocks) * bs)
-        return len(blocks) * bs
+        hit = self._hits.pin(r, r.block_hashes[start:stop] if not self._draining else ()) * bs
+        self._events.emit("on_lookup", request_id, gpu_hit_tokens, hit)
+        return hit
 
     def on_allocated(self, request_id: str, gpu_block_ids: Sequence[Sequence[int]],
                      accepted_tokens: int = 0) -> None:
@@ -315,21 +307,21 @@ class OffloadManager:
                 is missing or null, or more tokens accepted than offered.
         """
         r = self._live(request_id)
-        table = check_table(request_id, gpu_block_ids, len(self.spec.groups))
+        table = check_table(request_id, gpu_block_ids, len(self.kv.groups))
         if r.state is _RUNNING:
             if accepted_tokens != 0:
                 raise RequestStateError(
                     f"request {request_id!r} is already running; accepted_tokens="
                     f"{accepted_tokens!r} must be 0")
             if r.load_pending:  # the load not yet planned reads the new table
-                _hits.check_load_targets(self.spec, self.null_block, r, table, len(r.pinned))
+                self._hits.check_targets(r, table, len(r.pinned))
             r.block_table = table
             return
-        bs = self.spec.block_size
+        bs = self.kv.block_size
         n = accepted_blocks(r, accepted_tokens, bs)
         if not r.revoked:
-            _hits.check_load_targets(self.spec, self.null_block, r, table, n)
-        _hits.accept(self.cpu, r, n)
+            self._hits.check_targets(r, table, n)
+        self._hits.accept(r, n)
         if r.revoked and n:
             self._report_load_failed(r)
         if r.load_pending:
@@ -375,7 +367,7 @@ class OffloadManager:
         if r.state is not _RUNNING:
             raise wrong_state(r, "on_computed needs a running request")
         table = r.block_table
-        capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * self.spec.block_size
+        capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * self.kv.block_size
         if (num_computed_tokens.__class__ is not int or num_computed_tokens < r.num_computed_tokens
                 or num_computed_tokens > capacity):
             raise RequestStateError(
@@ -408,8 +400,7 @@ class OffloadManager:
         if r.state is _RUNNING and r.epoch == self._epoch:
             self._queue(r, self.store.on_finished(r))
         delay = self._end(r)
-        for cb in self.callbacks:
-            cb.on_request_finished(request_id, False)
+        self._events.emit("on_request_finished", request_id, False)
         return delay
 
     def abort(self, request_id: str) -> bool:
@@ -424,8 +415,7 @@ class OffloadManager:
         """
         r = self._live(request_id)
         delay = self._end(r)
-        for cb in self.callbacks:
-            cb.on_request_finished(request_id, True)
+        self._events.emit("on_request_finished", request_id, True)
         return delay
 
     def preempt(self, request_id: str) -> bool:
@@ -454,8 +444,7 @@ class OffloadManager:
             raise wrong_state(r, "only a running request can be preempted")
         delay = self._end(r, preempted=True)
         self._requests[request_id] = r.successor()
-        for cb in self.callbacks:
-            cb.on_request_preempted(request_id)
+        self._events.emit("on_request_preempted", request_id)
         return delay
 
     # -- steps ---------------------------------------------------------------
@@ -490,12 +479,12 @@ class OffloadManager:
             GPU blocks the engine may free now (including those that became
             free since the last call for other reasons).
         """
-        for batch in completed_batches(results, self._transfers, self.stats, self.callbacks):
+        for batch in self._transfers.completed(results, self.stats, self._events):
             self._complete(batch)
         if self._draining and not self._transfers:
             self._empty_cpu()
-        elif self._detached and not self._draining:
-            self._prune_detached()
+        elif not self._draining:
+            self._stores.prune()
         report = CompletionReport(frozenset(self._loaded), frozenset(self._load_failed),
                                   self._ended.take_released())
         self._loaded.clear()
@@ -517,20 +506,16 @@ class OffloadManager:
             ``True`` if the CPU tier was emptied now (nothing was in flight).
         """
         self._epoch += 1
-        self.stats.transfers_abandoned.add(abandon(self._transfers.batches()))
-        self._inflight_hashes.clear()
+        self.stats.transfers_abandoned.add(self._transfers.abandon_all())
         for r in self._requests.values():
             if r.load_pending:
                 self._report_load_failed(r)
             elif r.pinned:
                 r.revoked = True
-            _hits.unpin(self.cpu, r)
+            self._hits.unpin(r)
             r.store_queue = []
         self._dirty.clear()
-        detached, self._detached = self._detached, []
-        _store_plan.unhold(self.gpu, detached)
-        for entry in detached:
-            self._ended.drop_hold(entry[3])
+        self._stores.reset()
         self._draining = True
         if not self._transfers:
             self._empty_cpu()
@@ -540,11 +525,9 @@ class OffloadManager:
 
     def cpu_refs_held(self) -> Counter[BlockId]:
         """References the manager holds on CPU blocks: lookup pins and in-flight transfers."""
-        held: Counter[BlockId] = Counter()
+        held = self._transfers.cpu_refs()
         for r in self._requests.values():
             held.update(r.pinned)
-        for batch in self._transfers.batches():
-            held.update(batch.cpu_blocks)
         return held
 
     def gpu_refs_held(self) -> Counter[BlockId]:
@@ -554,9 +537,7 @@ class OffloadManager:
             return held
         for batch in self._transfers.batches():
             held.update(batch.gpu_blocks)
-        for _, _, ids, _, was_held in self._detached:
-            if was_held:
-                held.update(ids)
+        held.update(self._stores.gpu_refs())
         return held
 
     def check_invariants(self) -> None:
@@ -572,11 +553,9 @@ class OffloadManager:
         if self.gpu is not None:
             for b, n in self.gpu_refs_held().items():
                 assert self.gpu.refcount(b) >= n, f"GPU block {b}: refcount < {n} manager refs"
-        holds = check_in_flight(self._transfers.batches(), cpu, self._draining,
-                                self._inflight_hashes)
-        for entry in self._detached:
-            holds[id(entry[3])] += 1
-        check_live(self._requests, self._dirty, cpu, self.spec.block_size, holds)
+        holds, inflight = self._transfers.check_invariants(cpu, self._draining)
+        self._stores.check_invariants(inflight, holds)
+        check_live(self._requests, self._dirty, cpu, self.kv.block_size, holds)
         self._ended.check_invariants()
         for r in self._ended.parked():
             assert r.holds == holds[id(r)], f"{r.request_id}: holds {r.holds} != {holds[id(r)]}"
@@ -593,7 +572,7 @@ class OffloadManager:
 
     def _confirm(self, r: Request) -> None:
         """Re-derive the confirmed blocks; hand the newly confirmed range to the store policy."""
-        computed, hashed = r.num_computed_tokens // self.spec.block_size, len(r.block_hashes)
+        computed, hashed = r.num_computed_tokens // self.kv.block_size, len(r.block_hashes)
         stop = computed if computed < hashed else hashed
         start = r.num_confirmed_blocks
         if stop > start:
@@ -622,17 +601,14 @@ class OffloadManager:
         blocks while the manager holds no GPU reference on them.
         """
         rid = r.request_id
-        _hits.unpin(self.cpu, r)
+        self._hits.unpin(r)
         self._dirty.pop(rid, None)
         self._loaded.discard(rid)  # the engine no longer waits on this incarnation's load
         self._load_failed.discard(rid)
         if preempted and self.gpu is None:
             r.store_queue = []  # its blocks are freed now: only what is in flight may read them
         if r.store_queue:
-            entries = _store_plan.detach(r, self.cpu, self.gpu, self.stats, self._draining,
-                                         self.null_block)
-            self._detached += entries
-            r.holds += len(entries)
+            self._stores.detach(r, self._draining)
         del self._requests[rid]
         r.state = _ENDED
         touched = self.gpu is None and r.holds > 0
@@ -642,49 +618,29 @@ class OffloadManager:
 
     def _plan_loads(self) -> list[tuple[int, TransferPlan]]:
         reqs = [r for r in self._dirty.values() if r.load_pending]
-        return self._open(*_hits.plan_loads(reqs, self.spec, self.gpu)) if reqs else []
+        return self._open(*self._hits.plan(reqs)) if reqs else []
 
     def _plan_stores(self) -> list[tuple[int, TransferPlan]]:
         if self._draining:
             return []
-        detached, self._detached = self._detached, []
-        cands = list(detached)
-        null = self.null_block
-        for r in self._dirty.values():
-            if r.store_queue:
-                cands += _store_plan.resolve(r, r.store_queue, False, null)
-                r.store_queue = []
-        if self._writeback:
-            cands += _store_plan.writeback_candidates(self.gpu, self.store)
-        planned = _store_plan.choose(cands, self._inflight_hashes, self.cpu, self.gpu, self.stats,
-                                     len(self.spec.groups))
-        for c in detached:  # after the batch's hold, so an owner is released only when done
-            self._ended.drop_hold(c[3])
+        planned = self._stores.plan(self._dirty.values())
         return self._open(*planned) if planned else []
-
-    def _prune_detached(self) -> None:
-        """Drop ended requests' queued stores whose hash reached the CPU tier meanwhile.
-
-        Releases their GPU blocks (and a delayed free) now rather than at the next step.
-        """
-        self._detached, gone = _store_plan.landed(self._detached, self.cpu, self.gpu, self.stats)
-        for e in gone:
-            self._ended.drop_hold(e[3])
 
     def _open(self, batch: Batch, src: list[list[int]],
               dst: list[list[int]]) -> list[tuple[int, TransferPlan]]:
         """Turn per-group id lists into plans (empty groups skipped) and track them."""
-        out = self._transfers.open(batch, plans(batch, src, dst, self._group_bytes))
+        out = self._transfers.open(batch, batch.plans(src, dst, self._group_bytes))
         self.stats.transfers_submitted.add(len(out))
-        for cb in self.callbacks:
-            for tid, plan in out:
-                cb.on_transfer_submitted(tid, batch.direction, len(plan))
+        for tid, plan in out:
+            self._events.emit("on_transfer_submitted", tid, batch.direction, len(plan))
         return out
 
     def _complete(self, batch: Batch) -> None:
         """Every transfer of ``batch`` completed: commit or discard, release references."""
-        ok = settle(batch, self.cpu, self.gpu, self.stats, self._inflight_hashes)
-        if batch.direction is Direction.LOAD:
+        ok = batch.settle(self.cpu, self.gpu, self.stats)
+        if batch.direction is Direction.STORE:
+            self._stores.settled(batch)
+        else:
             for r in batch.requests:
                 if r.state is _RUNNING:  # a preempted or ended incarnation no longer cares
                     if ok:
@@ -698,15 +654,12 @@ class OffloadManager:
         dropped = self.cpu.reset()
         self._draining = False
         self.stats.resets.add()
-        for cb in self.callbacks:
-            cb.on_reset(dropped)
+        self._events.emit("on_reset", dropped)
 
     def _on_cpu_evict(self, block: BlockId, block_hash: BlockHash) -> None:
         self.stats.evictions_cpu.add()
-        for cb in self.callbacks:
-            cb.on_evict("cpu", block, block_hash)
+        self._events.emit("on_evict", "cpu", block, block_hash)
 
     def _on_gpu_evict(self, block: BlockId, block_hash: BlockHash) -> None:
         self.stats.evictions_gpu.add()
-        for cb in self.callbacks:
-            cb.on_evict("gpu", block, block_hash)
+        self._events.emit("on_evict", "gpu", block, block_hash)

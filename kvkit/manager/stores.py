@@ -1,149 +1,238 @@
-"""Store candidates: queued block indices resolved to GPU blocks, and each step's choice of copies.
+"""Store planning: which confirmed GPU blocks go to the CPU tier at each step.
 
-A candidate is ``(hash, parent hash, GPU id per KV group, owner, held)``: the
-owner is the request incarnation whose GPU blocks it reads (``None`` for a
-write-back candidate); ``held`` says the manager already holds one GPU
-reference on each of its ids (stores detached from an ended request, with a
-GPU pool).
+The planner turns the store policy's choices (block indices queued on live
+requests), the stores that outlive an ended request (*detached*), and, for
+write-back policies, the GPU pool's next eviction candidates into
+:class:`StoreCandidate` records, and picks the ones to copy.
 
-Invariants: a candidate is chosen only if neither the CPU tier, nor a store in
-flight, nor an earlier candidate of the same step has its hash (DESIGN §4,
-invariant 6); at most ``cpu.num_free`` are chosen; the GPU references held for
-a candidate pass to its batch or are dropped, exactly once.
+Invariants (DESIGN §4, invariants 6 and 9): a candidate is chosen only if
+neither the CPU tier, nor a store in flight, nor an earlier candidate of the
+same step has its hash; at most ``cpu.num_free`` are chosen; the GPU
+references held for a candidate pass to its batch or are dropped, exactly
+once; ``inflight`` is exactly the hashes of the stores in flight that may
+still commit.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
+from typing import NamedTuple
+
+import attrs
 
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.store import StorePolicy
 from kvkit.interfaces.types import BlockHash, BlockId, Direction
+from kvkit.manager.ended import EndedRequests
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
 from kvkit.stats import OffloadStats
 
-__all__ = ["StoreCandidate", "choose", "detach", "landed", "resolve", "unhold",
-           "writeback_candidates"]
-
-StoreCandidate = tuple[BlockHash, "BlockHash | None", tuple[int, ...], "Request | None", bool]
+__all__ = ["StoreCandidate", "StorePlanner"]
 
 
-def resolve(r: Request, indices: Iterable[int], held: bool,
-            null_block: int) -> list[StoreCandidate]:
-    """Map block indices to (hash, parent, GPU ids per group); drop those a group lacks."""
-    hashes, table, null = r.block_hashes, r.block_table, null_block
-    out = []
-    for i in indices:
-        ids = tuple(row[i] for row in table)
-        if null not in ids:
-            out.append((hashes[i], hashes[i - 1] if i else None, ids, r, held))
-    return out
+class StoreCandidate(NamedTuple):
+    """One block that may be stored.
 
-
-def detach(r: Request, cpu: BlockAllocator, gpu: BlockAllocator | None, stats: OffloadStats,
-           draining: bool, null_block: int) -> list[StoreCandidate]:
-    """Empty the store queue of ending ``r`` into candidates that outlive it.
-
-    With ``gpu`` one GPU reference is taken on every source, so the engine may
-    free the request's blocks at once.
+    Attributes:
+        block_hash: what the CPU copy commits as.
+        parent: the hash of the block before it in its request (``None`` for
+            the first block and for write-back candidates).
+        gpu_ids: the source GPU block of each KV group.
+        owner: the request incarnation whose GPU blocks it reads (``None`` for
+            a write-back candidate); the owner holds each batch it joins once.
+        held: the manager already holds one GPU reference on each of
+            ``gpu_ids`` (stores detached from an ended request, with a GPU pool).
     """
-    # Drop what the CPU tier holds now (only a store's allocation evicts, so
-    # it is still there at the next build): a long request's flush would
-    # otherwise hold GPU references on blocks that are never copied. Stores
-    # in flight are deduplicated at build time, once their outcome is known;
-    # while a reset drains, the CPU tier's contents are doomed.
-    held, hashes, lookup = gpu is not None, r.block_hashes, cpu.lookup
-    queue = list(dict.fromkeys(r.store_queue))  # the flush repeats queued blocks
-    if draining:
-        needed = queue
-    else:  # one prefix lookup settles the (usually stored) head of a flush
-        ready = len(lookup(hashes[:r.num_confirmed_blocks]))
-        needed = [i for i in queue if i >= ready and not lookup((hashes[i],))]
-    stats.stores_deduplicated.add(len(queue) - len(needed))
-    entries = resolve(r, needed, held, null_block)
-    r.store_queue = []
-    if held:
-        gpu.incref([g for e in entries for g in e[2]])
-    return entries
+
+    block_hash: BlockHash
+    parent: BlockHash | None
+    gpu_ids: tuple[int, ...]
+    owner: Request | None
+    held: bool
 
 
-def writeback_candidates(gpu: BlockAllocator, store: StorePolicy) -> list[StoreCandidate]:
-    """The GPU pool's next eviction candidates, as many as ``store`` asks for (write-back)."""
-    target = store.writeback_target(gpu.num_free, gpu.num_blocks)
-    block_hash = gpu.block_hash
-    return [(block_hash(b), None, (b,), None, False)
-            for b in gpu.eviction_candidates(target)] if target > 0 else []
+@attrs.define(eq=False)
+class StorePlanner:
+    """Owns the detached stores and the hashes in flight; plans each step's store batch.
 
-
-def unhold(gpu: BlockAllocator | None, entries: list[StoreCandidate]) -> None:
-    """Drop the GPU references held for store candidates that will not be copied."""
-    held = [g for e in entries if e[4] for g in e[2]]
-    if held:
-        gpu.decref(held)
-
-
-def landed(entries: list[StoreCandidate], cpu: BlockAllocator, gpu: BlockAllocator | None,
-           stats: OffloadStats) -> tuple[list[StoreCandidate], list[StoreCandidate]]:
-    """Split ``entries`` into ``(keep, gone)``: gone ones' hashes reached the CPU tier meanwhile.
-
-    The GPU references held for the gone ones are dropped.
+    Args:
+        cpu / gpu: the tiers' pools (``gpu`` is ``None`` for external engines).
+        policy: the store policy (its write-back target is read here).
+        stats: counters to add to.
+        ended: ended incarnations; a detached store's owner is released through it.
+        null_block: the engine's id for a missing block (a group that lacks a
+            block makes its candidate unstorable).
+        num_groups: KV groups; a CPU block holds every group's piece.
+        writeback: ``policy`` writes back GPU eviction candidates.
     """
-    lookup = cpu.lookup
-    keep, gone = [], []
-    for e in entries:
-        (gone if lookup((e[0],)) else keep).append(e)
-    if gone:
-        stats.stores_deduplicated.add(len(gone))
-        unhold(gpu, gone)
-    return keep, gone
 
+    cpu: BlockAllocator
+    gpu: BlockAllocator | None
+    policy: StorePolicy
+    stats: OffloadStats
+    ended: EndedRequests
+    null_block: int
+    num_groups: int
+    writeback: bool = False
+    _detached: list[StoreCandidate] = attrs.field(init=False, factory=list)
+    _inflight: set[BlockHash] = attrs.field(init=False, factory=set)
 
-def choose(cands: list[StoreCandidate], inflight: set[BlockHash], cpu: BlockAllocator,
-           gpu: BlockAllocator | None, stats: OffloadStats, num_groups: int,
-           ) -> tuple[Batch, list[list[int]], list[list[BlockId]]] | None:
-    """Pick the candidates to copy and allocate their CPU blocks (not ready, not findable).
+    def detach(self, r: Request, draining: bool) -> None:
+        """Empty the store queue of ending ``r`` into candidates that outlive it.
 
-    Chosen hashes join ``inflight``. If the CPU pool cannot free enough
-    blocks, fewer are stored (``stats.stores_dropped``); the engine is never
-    failed. Skipped candidates drop their held GPU references; with ``gpu``,
-    chosen ones not yet held take one; each owner holds the batch once.
+        With ``gpu`` one GPU reference is taken on every source, so the engine
+        may free the request's blocks at once. ``r`` holds each detached store.
+        """
+        # Drop what the CPU tier holds now (only a store's allocation evicts, so
+        # it is still there at the next build): a long request's flush would
+        # otherwise hold GPU references on blocks that are never copied. Stores
+        # in flight are deduplicated at build time, once their outcome is known;
+        # while a reset drains, the CPU tier's contents are doomed.
+        held, hashes, lookup = self.gpu is not None, r.block_hashes, self.cpu.lookup
+        queue = list(dict.fromkeys(r.store_queue))  # the flush repeats queued blocks
+        if draining:
+            needed = queue
+        else:  # one prefix lookup settles the (usually stored) head of a flush
+            ready = len(lookup(hashes[:r.num_confirmed_blocks]))
+            needed = [i for i in queue if i >= ready and not lookup((hashes[i],))]
+        self.stats.stores_deduplicated.add(len(queue) - len(needed))
+        entries = self._resolve(r, needed, held)
+        r.store_queue = []
+        if held:
+            self.gpu.incref([g for e in entries for g in e.gpu_ids])
+        self._detached += entries
+        r.holds += len(entries)
 
-    Returns:
-        The store batch and its per-group ``(src, dst)`` ids, or ``None`` if
-        nothing is copied.
-    """
-    # Deduplicate against the CPU tier, stores in flight and this step (invariant 6).
-    cpu_lookup = cpu.lookup
-    chosen, skipped = [], []
-    for c in cands:
-        if c[0] in inflight or cpu_lookup((c[0],)):
-            skipped.append(c)
-        else:
-            inflight.add(c[0])
-            chosen.append(c)
-    stats.stores_deduplicated.add(len(skipped))
-    free = cpu.num_free
-    if len(chosen) > free:  # store fewer, never fail the engine
-        for c in chosen[free:]:
-            inflight.discard(c[0])
-        skipped += chosen[free:]
-        stats.stores_dropped.add(len(chosen) - free)
-        del chosen[free:]
-    cpu_blocks = cpu.allocate(len(chosen)) if chosen else []
-    unhold(gpu, skipped)
-    if gpu is not None:
-        fresh = [g for c in chosen if not c[4] for g in c[2]]
-        if fresh:
-            gpu.incref(fresh)
-    owners = list({id(c[3]): c[3] for c in chosen if c[3] is not None}.values())
-    for r in owners:
-        r.holds += 1
-    if not chosen:
-        return None
-    groups = range(num_groups)
-    src = [[c[2][g] for c in chosen] for g in groups]
-    batch = Batch(Direction.STORE, cpu_blocks,
-                  [b for row in src for b in row] if gpu is not None else [], owners,
-                  hashes=[c[0] for c in chosen], parents=[c[1] for c in chosen])
-    return batch, src, [cpu_blocks for _ in groups]
+    def plan(self, queued: Iterable[Request]) -> tuple[Batch, list[list[int]], list[list[BlockId]]] | None:
+        """This step's store batch: detached stores, the queues of ``queued``, write-back candidates.
+
+        Chosen hashes join the in-flight set and their CPU blocks are allocated
+        (not ready, not findable). If the CPU pool cannot free enough blocks,
+        fewer are stored (``stats.stores_dropped``); the engine is never
+        failed. Every queue read is emptied.
+
+        Returns:
+            The batch and its per-group ``(src, dst)`` ids, or ``None`` if
+            nothing is copied.
+        """
+        detached, self._detached = self._detached, []
+        cands = list(detached)
+        for r in queued:
+            if r.store_queue:
+                cands += self._resolve(r, r.store_queue, False)
+                r.store_queue = []
+        if self.writeback:
+            cands += self._writeback_candidates()
+        planned = self._choose(cands)
+        for c in detached:  # after the batch's hold, so an owner is released only when done
+            self.ended.drop_hold(c.owner)
+        return planned
+
+    def prune(self) -> None:
+        """Drop detached stores whose hash reached the CPU tier meanwhile.
+
+        Releases their GPU blocks (and a delayed free) now rather than at the next step.
+        """
+        if not self._detached:
+            return
+        lookup = self.cpu.lookup
+        keep, gone = [], []
+        for e in self._detached:
+            (gone if lookup((e.block_hash,)) else keep).append(e)
+        self._detached = keep
+        if gone:
+            self.stats.stores_deduplicated.add(len(gone))
+            self._release(gone)
+
+    def settled(self, batch: Batch) -> None:
+        """A store batch completed: its hashes are no longer in flight (unless a reset cleared them)."""
+        if not batch.abandoned:
+            self._inflight.difference_update(batch.hashes)
+
+    def reset(self) -> None:
+        """Forget the in-flight hashes and release every detached store (a reset abandons them)."""
+        self._inflight.clear()
+        detached, self._detached = self._detached, []
+        self._release(detached)
+
+    def gpu_refs(self) -> Counter[BlockId]:
+        """GPU references held for detached stores."""
+        held: Counter[BlockId] = Counter()
+        for e in self._detached:
+            if e.held:
+                held.update(e.gpu_ids)
+        return held
+
+    def check_invariants(self, inflight: list[BlockHash], holds: Counter[int]) -> None:
+        """Check the in-flight set against ``inflight`` (the stores in flight); count owners' holds."""
+        assert set(inflight) == self._inflight, "in-flight hash set != uncommitted stores"
+        for e in self._detached:
+            holds[id(e.owner)] += 1
+
+    def _resolve(self, r: Request, indices: Iterable[int], held: bool) -> list[StoreCandidate]:
+        """Map block indices to candidates; drop those a group lacks (the null block)."""
+        hashes, table, null = r.block_hashes, r.block_table, self.null_block
+        out = []
+        for i in indices:
+            ids = tuple(row[i] for row in table)
+            if null not in ids:
+                out.append(StoreCandidate(hashes[i], hashes[i - 1] if i else None, ids, r, held))
+        return out
+
+    def _writeback_candidates(self) -> list[StoreCandidate]:
+        """The GPU pool's next eviction candidates, as many as the policy asks for."""
+        gpu = self.gpu
+        target = self.policy.writeback_target(gpu.num_free, gpu.num_blocks)
+        block_hash = gpu.block_hash
+        return [StoreCandidate(block_hash(b), None, (b,), None, False)
+                for b in gpu.eviction_candidates(target)] if target > 0 else []
+
+    def _release(self, entries: list[StoreCandidate]) -> None:
+        """Drop the GPU references held for candidates that will not be copied, and their owners' holds."""
+        self._unhold(entries)
+        for e in entries:
+            self.ended.drop_hold(e.owner)
+
+    def _unhold(self, entries: list[StoreCandidate]) -> None:
+        held = [g for e in entries if e.held for g in e.gpu_ids]
+        if held:
+            self.gpu.decref(held)
+
+    def _choose(self, cands: list[StoreCandidate]) -> tuple[Batch, list[list[int]], list[list[BlockId]]] | None:
+        """Pick the candidates to copy and allocate their CPU blocks; skipped ones drop their GPU holds."""
+        cpu, gpu, inflight, stats = self.cpu, self.gpu, self._inflight, self.stats
+        cpu_lookup = cpu.lookup
+        chosen, skipped = [], []
+        for c in cands:  # deduplicate against the CPU tier, stores in flight and this step
+            if c.block_hash in inflight or cpu_lookup((c.block_hash,)):
+                skipped.append(c)
+            else:
+                inflight.add(c.block_hash)
+                chosen.append(c)
+        stats.stores_deduplicated.add(len(skipped))
+        free = cpu.num_free
+        if len(chosen) > free:  # store fewer, never fail the engine
+            for c in chosen[free:]:
+                inflight.discard(c.block_hash)
+            skipped += chosen[free:]
+            stats.stores_dropped.add(len(chosen) - free)
+            del chosen[free:]
+        cpu_blocks = cpu.allocate(len(chosen)) if chosen else []
+        self._unhold(skipped)
+        if gpu is not None:
+            fresh = [g for c in chosen if not c.held for g in c.gpu_ids]
+            if fresh:
+                gpu.incref(fresh)
+        owners = list({id(c.owner): c.owner for c in chosen if c.owner is not None}.values())
+        for r in owners:
+            r.holds += 1
+        if not chosen:
+            return None
+        groups = range(self.num_groups)
+        src = [[c.gpu_ids[g] for c in chosen] for g in groups]
+        batch = Batch(Direction.STORE, cpu_blocks,
+                      [b for row in src for b in row] if gpu is not None else [], owners,
+                      hashes=[c.block_hash for c in chosen], parents=[c.parent for c in chosen])
+        return batch, src, [cpu_blocks for _ in groups]

@@ -1,4 +1,16 @@
-"""In-flight transfers: per-worker completion counting and the batches they belong to."""
+"""Transfers in flight: the batches they belong to, per-worker completion counting, settling.
+
+A *batch* is one step's copies in one direction, across KV groups; each of its
+per-group plans is one *transfer* with its own id. The table counts every
+worker's result and hands a batch back once its last transfer completed on
+every worker.
+
+Invariants: transfer ids only increase (never reused, even across resets); a
+transfer completes exactly once, when all ``world_size`` workers reported it;
+a batch is settled exactly once, after its last transfer completed; a store
+commits (becomes findable) only if no transfer of it failed and no reset
+abandoned it, and is discarded otherwise.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +22,12 @@ import attrs
 import numpy as np
 
 from kvkit.interfaces.allocator import BlockAllocator
-from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.types import BlockHash, BlockId, Direction, TransferPlan, TransferResult
+from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.stats import OffloadStats
 
-__all__ = ["Batch", "Outcome", "Transfer", "TransferTable", "abandon", "check_in_flight", "completed_batches", "plans", "settle"]
+__all__ = ["Batch", "Outcome", "Transfer", "TransferTable"]
 
 
 @attrs.define(eq=False)
@@ -32,8 +44,9 @@ class Batch:
             (pinned); the batch owns one reference on each.
         gpu_blocks: GPU blocks the manager holds one reference on (empty
             without a GPU pool).
+        requests: incarnations whose GPU blocks the batch reads or writes;
+            each holds the batch once.
         hashes / parents: what each store destination commits as.
-        requests: incarnations whose GPU blocks the batch reads or writes.
         num_bytes: bytes its plans move, summed over groups.
         pending: transfers not yet completed on every worker.
         ok: no transfer failed.
@@ -50,6 +63,37 @@ class Batch:
     pending: int = 0
     ok: bool = True
     abandoned: bool = False
+
+    def plans(self, src: list[list[int]], dst: list[list[int]],
+              group_bytes: list[int]) -> list[TransferPlan]:
+        """Per-group id lists as plans (empty groups skipped); their bytes count in ``num_bytes``."""
+        out = []
+        for g, (s, d) in enumerate(zip(src, dst)):
+            if s:
+                out.append(TransferPlan(np.array(s, dtype=np.int64),
+                                        np.array(d, dtype=np.int64), self.direction, g))
+                self.num_bytes += len(s) * group_bytes[g]
+        assert out, "a batch with blocks must copy at least one group"
+        return out
+
+    def settle(self, cpu: BlockAllocator, gpu: BlockAllocator | None, stats: OffloadStats) -> bool:
+        """Commit or discard the CPU blocks and drop the batch's pool references (once, when done).
+
+        Returns:
+            Whether the batch succeeded: no transfer failed and no reset abandoned it.
+        """
+        ok = self.ok and not self.abandoned
+        if self.direction is Direction.STORE:
+            if ok:
+                stats.blocks_stored.add(sum(cpu.commit(self.cpu_blocks, self.hashes, self.parents)))
+                stats.bytes_stored.add(self.num_bytes)
+        elif ok:
+            stats.blocks_loaded.add(len(self.cpu_blocks))
+            stats.bytes_loaded.add(self.num_bytes)
+        cpu.decref(self.cpu_blocks)  # a committed block becomes evictable, a discarded one empty
+        if self.gpu_blocks:
+            gpu.decref(self.gpu_blocks)
+        return ok
 
 
 @attrs.define(eq=False)
@@ -74,15 +118,19 @@ class Outcome(enum.Enum):
 
 @attrs.define
 class TransferTable:
-    """Transfers in flight, keyed by id; ids only ever increase (never reused, even across resets).
-
-    Invariants: a transfer completes exactly once, when all ``world_size``
-    workers reported it; ``batch.pending`` counts its transfers still here.
-    """
+    """Transfers in flight, keyed by id, and the completion counting of every worker's results."""
 
     world_size: int
     _next_id: int = 0
     _live: dict[int, Transfer] = attrs.field(factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @property
+    def next_id(self) -> int:
+        """The id the next transfer will get."""
+        return self._next_id
 
     def open(self, batch: Batch, plans: list[TransferPlan]) -> list[tuple[int, TransferPlan]]:
         """Give each plan of ``batch`` a fresh id and track it until it completes."""
@@ -112,126 +160,80 @@ class TransferTable:
         t.batch.pending -= 1
         return Outcome.DONE, t
 
+    def completed(self, results: Iterable[TransferResult], stats: OffloadStats,
+                  events: Events) -> Iterator[Batch]:
+        """Count each result; yield each batch as its last transfer completes on every worker.
+
+        Results for unknown transfer ids (or worker ranks) and repeated results
+        from one worker are counted in ``stats`` and otherwise ignored.
+        """
+        for res in results:
+            outcome, t = self.report(res)
+            if outcome is Outcome.UNKNOWN:
+                stats.unknown_completions.add()
+                continue
+            if outcome is Outcome.DUPLICATE:
+                stats.duplicate_completions.add()
+                continue
+            stats.transfer_seconds.add(res.seconds)
+            stats.transfer_bytes.add(res.num_bytes)
+            if outcome is Outcome.PENDING:
+                continue
+            batch = t.batch
+            stats.transfers_completed.add()
+            if not t.ok:
+                stats.transfers_failed.add()
+                batch.ok = False
+            events.emit("on_transfer_completed", t.transfer_id, batch.direction, t.num_blocks,
+                        t.ok and not batch.abandoned)
+            if not batch.pending:
+                yield batch
+
+    def abandon_all(self) -> int:
+        """Mark every batch in flight abandoned by a reset (it never commits).
+
+        Returns:
+            Transfers in flight of the batches not abandoned before.
+        """
+        abandoned = 0
+        for batch in self.batches():
+            if not batch.abandoned:
+                batch.abandoned = True
+                abandoned += batch.pending
+        return abandoned
+
     def batches(self) -> list[Batch]:
         """Distinct batches with a transfer in flight."""
         return list({id(t.batch): t.batch for t in self._live.values()}.values())
 
-    def __len__(self) -> int:
-        return len(self._live)
+    def cpu_refs(self) -> Counter[BlockId]:
+        """CPU references the batches in flight hold."""
+        held: Counter[BlockId] = Counter()
+        for batch in self.batches():
+            held.update(batch.cpu_blocks)
+        return held
 
-    @property
-    def next_id(self) -> int:
-        """The id the next transfer will get."""
-        return self._next_id
+    def check_invariants(self, cpu: BlockAllocator, draining: bool) -> tuple[Counter[int], list[BlockHash]]:
+        """Check the batches in flight against the CPU pool; raise ``AssertionError`` on a kvkit bug.
 
-
-def plans(batch: Batch, src: list[list[int]], dst: list[list[int]],
-          group_bytes: list[int]) -> list[TransferPlan]:
-    """Turn per-group id lists into plans (empty groups skipped); count their bytes in ``batch``."""
-    out = []
-    for g, (s, d) in enumerate(zip(src, dst)):
-        if s:
-            out.append(TransferPlan(np.array(s, dtype=np.int64),
-                                    np.array(d, dtype=np.int64), batch.direction, g))
-            batch.num_bytes += len(s) * group_bytes[g]
-    assert out, "a batch with blocks must copy at least one group"
-    return out
-
-
-def abandon(batches: Iterable[Batch]) -> int:
-    """Mark ``batches`` abandoned by a reset (they never commit).
-
-    Returns:
-        Transfers in flight of the batches not abandoned before.
-    """
-    abandoned = 0
-    for batch in batches:
-        if not batch.abandoned:
-            batch.abandoned = True
-            abandoned += batch.pending
-    return abandoned
-
-
-def completed_batches(results: Iterable[TransferResult], table: TransferTable,
-                      stats: OffloadStats,
-                      callbacks: tuple[OffloadCallback, ...]) -> Iterator[Batch]:
-    """Count each result in ``table``; yield each batch as its last transfer completes.
-
-    Results for unknown transfer ids (or worker ranks) and repeated results
-    from one worker are counted in ``stats`` and otherwise ignored.
-    """
-    for res in results:
-        outcome, t = table.report(res)
-        if outcome is Outcome.UNKNOWN:
-            stats.unknown_completions.add()
-            continue
-        if outcome is Outcome.DUPLICATE:
-            stats.duplicate_completions.add()
-            continue
-        stats.transfer_seconds.add(res.seconds)
-        stats.transfer_bytes.add(res.num_bytes)
-        if outcome is Outcome.PENDING:
-            continue
-        batch = t.batch
-        stats.transfers_completed.add()
-        if not t.ok:
-            stats.transfers_failed.add()
-            batch.ok = False
-        for cb in callbacks:
-            cb.on_transfer_completed(t.transfer_id, batch.direction, t.num_blocks,
-                                     t.ok and not batch.abandoned)
-        if not batch.pending:
-            yield batch
-
-
-def settle(batch: Batch, cpu: BlockAllocator, gpu: BlockAllocator | None,
-           stats: OffloadStats, inflight: set[BlockHash]) -> bool:
-    """Commit or discard a completed batch's CPU blocks and drop its pool references.
-
-    A store not abandoned leaves ``inflight``.
-
-    Returns:
-        Whether the batch succeeded: no transfer failed and no reset abandoned it.
-    """
-    ok = batch.ok and not batch.abandoned
-    if batch.direction is Direction.STORE:
-        if not batch.abandoned:
-            inflight.difference_update(batch.hashes)
-        if ok:
-            stats.blocks_stored.add(sum(cpu.commit(batch.cpu_blocks, batch.hashes,
-                                                   batch.parents)))
-            stats.bytes_stored.add(batch.num_bytes)
-    elif ok:
-        stats.blocks_loaded.add(len(batch.cpu_blocks))
-        stats.bytes_loaded.add(batch.num_bytes)
-    cpu.decref(batch.cpu_blocks)  # a committed block becomes evictable, a discarded one empty
-    if batch.gpu_blocks:
-        gpu.decref(batch.gpu_blocks)
-    return ok
-
-
-def check_in_flight(batches: list[Batch], cpu: BlockAllocator, draining: bool,
-                    inflight_hashes: set[BlockHash]) -> Counter[int]:
-    """Check the batches in flight against the CPU pool and the in-flight hash set.
-
-    Returns:
-        How many batches hold each request incarnation, keyed by ``id()``.
-    """
-    holds: Counter[int] = Counter()
-    inflight: list[BlockHash] = []
-    for batch in batches:
-        assert batch.pending > 0, "a batch in the table has no pending transfer"
-        for r in batch.requests:
-            holds[id(r)] += 1
-        if batch.direction is Direction.STORE:
-            assert all(cpu.block_hash(b) is None for b in batch.cpu_blocks), (
-                "an in-flight store's CPU block is findable before completion")
-            if not batch.abandoned:
-                inflight += batch.hashes
-        else:
-            assert all(cpu.block_hash(b) is not None for b in batch.cpu_blocks), (
-                "an in-flight load's source is not ready")
-        assert not draining or batch.abandoned, "a transfer was planned during a drain"
-    assert len(inflight) == len(set(inflight)), "a hash has two stores in flight"
-    assert set(inflight) == inflight_hashes, "in-flight hash set != uncommitted stores"
-    return holds
+        Returns:
+            How many batches hold each request incarnation (keyed by ``id()``),
+            and the hashes of the stores in flight that may still commit.
+        """
+        holds: Counter[int] = Counter()
+        inflight: list[BlockHash] = []
+        for batch in self.batches():
+            assert batch.pending > 0, "a batch in the table has no pending transfer"
+            for r in batch.requests:
+                holds[id(r)] += 1
+            if batch.direction is Direction.STORE:
+                assert all(cpu.block_hash(b) is None for b in batch.cpu_blocks), (
+                    "an in-flight store's CPU block is findable before completion")
+                if not batch.abandoned:
+                    inflight += batch.hashes
+            else:
+                assert all(cpu.block_hash(b) is not None for b in batch.cpu_blocks), (
+                    "an in-flight load's source is not ready")
+            assert not draining or batch.abandoned, "a transfer was planned during a drain"
+        assert len(inflight) == len(set(inflight)), "a hash has two stores in flight"
+        return holds, inflight

@@ -800,7 +800,7 @@ class _DoubleStore(OffloadManager):
 
     def __attrs_post_init__(self):
         super().__attrs_post_init__()
-        self._inflight_hashes = _BlindSet()
+        self._stores._inflight = _BlindSet()
 
 
 class _StoreSourceNotHeld(OffloadManager):
