@@ -98,7 +98,7 @@ class StorePlanner:
             ready = len(lookup(hashes[:r.num_confirmed_blocks]))
             needed = [i for i in queue if i >= ready and not lookup((hashes[i],))]
         self.stats.stores_deduplicated.add(len(queue) - len(needed))
-        entries = self._resolve(r, needed, held)
+        entries = self._resolve(((r, needed),), held)
         r.store_queue = []
         if held:
             self.gpu.incref([g for e in entries for g in e.gpu_ids])
@@ -118,11 +118,10 @@ class StorePlanner:
             nothing is copied.
         """
         detached, self._detached = self._detached, []
-        cands = list(detached)
+        queued = [r for r in queued if r.store_queue]
+        cands = detached + self._resolve([(r, r.store_queue) for r in queued], False)
         for r in queued:
-            if r.store_queue:
-                cands += self._resolve(r, r.store_queue, False)
-                r.store_queue = []
+            r.store_queue = []
         if self.writeback:
             cands += self._writeback_candidates()
         planned = self._choose(cands)
@@ -171,14 +170,18 @@ class StorePlanner:
         for e in self._detached:
             holds[id(e.owner)] += 1
 
-    def _resolve(self, r: Request, indices: Iterable[int], held: bool) -> list[StoreCandidate]:
-        """Map block indices to candidates; drop those a group lacks (the null block)."""
-        hashes, table, null = r.block_hashes, r.block_table, self.null_block
-        out = []
-        for i in indices:
-            ids = tuple(row[i] for row in table)
-            if null not in ids:
-                out.append(StoreCandidate(hashes[i], hashes[i - 1] if i else None, ids, r, held))
+    def _resolve(self, queues: Iterable[tuple[Request, Iterable[int]]], held: bool) -> list[StoreCandidate]:
+        """Map each request's block indices to candidates; drop those a group lacks (the null block)."""
+        null, make = self.null_block, tuple.__new__  # skips NamedTuple's Python-level __new__
+        out: list[StoreCandidate] = []
+        append = out.append
+        for r, indices in queues:  # one call per step: the per-request cost is the hot path
+            hashes, rows = r.block_hashes, r.block_table
+            row = rows[0] if len(rows) == 1 else None
+            for i in indices:
+                ids = (row[i],) if row is not None else tuple([group[i] for group in rows])
+                if null not in ids:
+                    append(make(StoreCandidate, (hashes[i], hashes[i - 1] if i else None, ids, r, held)))
         return out
 
     def _writeback_candidates(self) -> list[StoreCandidate]:
