@@ -44,9 +44,8 @@ from typing import Any
 import torch
 import transformers
 
-from kvkit.hashing import hash_blocks
+from kvkit import COPY, hash_blocks
 from kvkit.integrations.hf import OffloadedLM, generate_without_offload
-from kvkit.registry import COPY
 
 LLAMA3_8B = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
              "head_dim": 128, "intermediate_size": 14336, "vocab_size": 128256}

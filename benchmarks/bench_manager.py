@@ -26,21 +26,23 @@ import platform
 import statistics
 import time
 
-from kvkit.backends.allocator import BlockPool
-from kvkit.backends.store import EagerStore
-from kvkit.interfaces import KVCacheSpec, TransferResult
-from kvkit.manager import OffloadManager
+from kvkit import ALLOCATOR, EVICTION, STORE, BlockAllocator, KVCacheSpec, OffloadManager, TransferResult
 
 BS = 16
 SPEC = KVCacheSpec(num_layers=32, block_size=BS, num_kv_heads=8, head_dim=128)
 
 
+def lru_pool(num_blocks: int) -> BlockAllocator:
+    """kvkit's block pool with the LRU policy (a stack's default)."""
+    return ALLOCATOR.create("pool", num_blocks=num_blocks, eviction=EVICTION.create("lru"))
+
+
 def bench_step(num_requests: int, steps: int, warmup: int, prompt_blocks: int = 4) -> dict:
     """Median and p90 manager time per step with ``num_requests`` requests adding a block each."""
     total = num_requests * (prompt_blocks + warmup + steps + 1)
-    gpu = BlockPool(total + 16)
-    cpu = BlockPool(max(1024, total // 2))  # smaller than all stored: steady eviction
-    mgr = OffloadManager(SPEC, cpu, EagerStore(), gpu=gpu)
+    gpu = lru_pool(total + 16)
+    cpu = lru_pool(max(1024, total // 2))  # smaller than all stored: steady eviction
+    mgr = OffloadManager(SPEC, cpu, STORE.create("eager"), gpu=gpu)
     next_hash = 1
     tables = {}
     for i in range(num_requests):
@@ -88,9 +90,9 @@ def bench_step(num_requests: int, steps: int, warmup: int, prompt_blocks: int = 
 
 def bench_lookup(num_blocks: int, repeat: int) -> dict:
     """Median time of one lookup over ``num_blocks`` hashes: a full CPU hit and a miss."""
-    gpu = BlockPool(2 * num_blocks + 8)
-    cpu = BlockPool(num_blocks + 8)
-    mgr = OffloadManager(SPEC, cpu, EagerStore(), gpu=gpu)
+    gpu = lru_pool(2 * num_blocks + 8)
+    cpu = lru_pool(num_blocks + 8)
+    mgr = OffloadManager(SPEC, cpu, STORE.create("eager"), gpu=gpu)
     hashes = list(range(1, num_blocks + 1))
     ntok = num_blocks * BS
     mgr.add_request("seed", hashes, ntok)

@@ -28,9 +28,7 @@ from collections import Counter
 
 import numpy as np
 
-from kvkit.backends.allocator import BlockPool
-from kvkit.interfaces.eviction import EvictionPolicy
-from kvkit.registry import EVICTION
+from kvkit import ALLOCATOR, EVICTION, BlockAllocator, EvictionPolicy, PinAwarePolicy
 
 
 def make_trace(num_requests: int, seed: int, *, num_blocks: int, pinned: float,
@@ -68,7 +66,7 @@ def make_trace(num_requests: int, seed: int, *, num_blocks: int, pinned: float,
     return trace
 
 
-def replay(pool: BlockPool, trace) -> tuple[float, float, int, int, int]:
+def replay(pool: BlockAllocator, trace) -> tuple[float, float, int, int, int]:
     """Run ``trace`` on ``pool``; return (seconds, seconds in allocate, calls, hits, evictions)."""
     lookup, incref, touch = pool.lookup, pool.incref, pool.touch
     allocate, commit, decref = pool.allocate, pool.commit, pool.decref
@@ -104,7 +102,7 @@ def replay(pool: BlockPool, trace) -> tuple[float, float, int, int, int]:
 def variants(name: str) -> list[tuple[str, type[EvictionPolicy]]]:
     """``(label, policy class)`` for ``name``: with its pin hooks, and without if it has them."""
     cls = EVICTION.load(name)
-    if getattr(cls, "on_pin", None) is None:
+    if not issubclass(cls, PinAwarePolicy):
         return [(name, cls)]
     hookless = type(f"Hookless{cls.__name__}", (cls,), {"on_pin": None, "on_unpin": None})
     return [(f"{name} (no hooks)", hookless), (name, cls)]
@@ -131,7 +129,7 @@ def main() -> None:
     best: dict[str, tuple[float, float, int, int, int]] = {}
     for _ in range(args.repeat):  # interleaved, so drift hits all alike
         for label, cls in runs:
-            result = replay(BlockPool(args.blocks, eviction=cls()), trace)
+            result = replay(ALLOCATOR.create("pool", num_blocks=args.blocks, eviction=cls()), trace)
             if label not in best or result[0] < best[label][0]:
                 best[label] = result
     lru_s, lru_alloc = best["lru"][0], best["lru"][1]

@@ -19,10 +19,15 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvkit.backends.allocator import BlockPool
+from kvkit import ALLOCATOR, EVICTION, BlockAllocator
 
 CALLS_PER_START = 5  # lookup, incref, touch, allocate, commit
 CALLS_PER_FINISH = 1  # decref
+
+
+def lru_pool(num_blocks: int) -> BlockAllocator:
+    """kvkit's block pool with the LRU policy, the pool under test."""
+    return ALLOCATOR.create("pool", num_blocks=num_blocks, eviction=EVICTION.create("lru"))
 
 
 class MinimalLRUCache:
@@ -171,12 +176,12 @@ def main() -> None:
     trace = make_trace(args.ops, args.seed)
     pool_runs, cache_runs = [], []
     for _ in range(args.repeat):  # interleaved, so drift hits both alike
-        pool_runs.append(replay(BlockPool(args.blocks), trace))
+        pool_runs.append(replay(lru_pool(args.blocks), trace))
         cache_runs.append(replay(MinimalLRUCache(args.blocks), trace))
 
     # One untimed run per side to count evictions and check the pool's invariants.
     evictions = []
-    pool = BlockPool(args.blocks)
+    pool = lru_pool(args.blocks)
     pool.add_evict_listener(lambda block, block_hash: evictions.append(block))
     replay(pool, trace)
     pool.check_invariants()

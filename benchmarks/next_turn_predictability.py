@@ -31,7 +31,7 @@ from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import KFold, cross_val_predict
 
-from kvkit.sim.traces import read_trace
+from kvkit import read_trace
 
 FEATURES = ("turn", "prompt_tokens", "output_tokens", "new_tokens", "last_gap_s",
             "mean_gap_s", "conversation_age_s", "arrivals_last_60s", "prompt_blocks")

@@ -3,7 +3,7 @@
 Usage: ``python benchmarks/transfer_sweep.py main --out DIR`` (per-layer layout,
 GPU tier in one buffer). The first sweep (BENCHMARKS.md) also had sections for
 cross-layer and for kernel variants since folded into the backends' defaults.
-Each configuration is timed and checked by :func:`kvkit.sim.transfer_bench.bench_backend`.
+Each configuration is timed and checked by :func:`kvkit.bench_backend`.
 """
 
 from __future__ import annotations
@@ -17,40 +17,36 @@ from pathlib import Path
 
 import torch
 
-from kvkit.backends.copy import TorchCopy
-from kvkit.backends.copy.auto import AutoCopy
-from kvkit.backends.copy.cuda_dma import CudaDMACopy
-from kvkit.backends.copy.cupy_batch import CupyBatchCopy
-from kvkit.interfaces import KVCacheSpec
-from kvkit.sim.transfer_bench import Rig, _Gemm, bench_backend, gemm_alone, make_plans, measure_ceiling
+from kvkit import COPY, GemmLoad, KVCacheSpec, Rig, bench_backend, gemm_alone, make_plans, measure_ceiling
 
 SPEC = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
 VARIANTS = {
-    "torch": TorchCopy,
-    "dma": CudaDMACopy,
-    "dma-nooverlap": lambda: CudaDMACopy(prefer_overlap=False),
-    "dma2d": lambda: CudaDMACopy(strided=True),
-    **{f"bulk{n}": (lambda n=n: CupyBatchCopy(sm_budget=n)) for n in (1, 2, 3, 4, 8)},
-    "bulk2-w12": lambda: CupyBatchCopy(sm_budget=2, threads=384, stages=2),
-    "bulk2-w6s4": lambda: CupyBatchCopy(sm_budget=2, threads=192, stages=4),
-    "bulk2-w4-16k": lambda: CupyBatchCopy(sm_budget=2, threads=128, stages=3, stage_bytes=16 << 10),
-    **{f"vec{n}": (lambda n=n: CupyBatchCopy(sm_budget=n, method="vector")) for n in (1, 2, 4, 8, 16)},
-    "auto": AutoCopy,
-    **{f"split-{s}": (lambda s=s: AutoCopy(kernel_share=s)) for s in (0.3, 0.5, 0.6)},
+    "torch": lambda: COPY.create("torch"),
+    "dma": lambda: COPY.create("cuda-dma"),
+    "dma-nooverlap": lambda: COPY.create("cuda-dma", prefer_overlap=False),
+    "dma2d": lambda: COPY.create("cuda-dma", strided=True),
+    **{f"bulk{n}": (lambda n=n: COPY.create("cupy-batch", sm_budget=n)) for n in (1, 2, 3, 4, 8)},
+    "bulk2-w12": lambda: COPY.create("cupy-batch", sm_budget=2, threads=384, stages=2),
+    "bulk2-w6s4": lambda: COPY.create("cupy-batch", sm_budget=2, threads=192, stages=4),
+    "bulk2-w4-16k": lambda: COPY.create("cupy-batch", sm_budget=2, threads=128, stages=3, stage_bytes=16 << 10),
+    **{f"vec{n}": (lambda n=n: COPY.create("cupy-batch", sm_budget=n, method="vector"))
+       for n in (1, 2, 4, 8, 16)},
+    "auto": lambda: COPY.create("auto"),
+    **{f"split-{s}": (lambda s=s: COPY.create("auto", kernel_share=s)) for s in (0.3, 0.5, 0.6)},
 }
 
 # (layout, alloc, [(blocks, ids, direction, gemm, variants)])
 SECTIONS = {
     "main": ("per-layer", "buffer", [
-        (256, "random", "d2h", True, ["bulk1", "bulk2", "bulk3", "bulk4", "bulk2-w12", "bulk2-w6s4", "bulk2-w4-16k",
+        (256, "random", "store", True, ["bulk1", "bulk2", "bulk3", "bulk4", "bulk2-w12", "bulk2-w6s4", "bulk2-w4-16k",
                                      "vec2", "auto", "split-0.3", "split-0.5", "split-0.6"]),
-        (256, "random", "h2d", True, ["bulk2", "bulk3", "bulk4", "dma", "auto"]),
-        (16, "random", "d2h", False, ["bulk2", "bulk4", "dma", "auto"]),
-        (16, "random", "h2d", False, ["bulk2", "bulk4", "dma", "auto"]),
+        (256, "random", "load", True, ["bulk2", "bulk3", "bulk4", "dma", "auto"]),
+        (16, "random", "store", False, ["bulk2", "bulk4", "dma", "auto"]),
+        (16, "random", "load", False, ["bulk2", "bulk4", "dma", "auto"]),
         (256, "random", "both", False, ["auto", "bulk2", "bulk4", "dma", "split-0.5"]),
-        (1024, "random", "d2h", False, ["bulk2", "vec2", "auto"]),
-        (1024, "random", "h2d", False, ["dma", "dma2d"]),
+        (1024, "random", "store", False, ["bulk2", "vec2", "auto"]),
+        (1024, "random", "load", False, ["dma", "dma2d"]),
     ]),
 }
 
@@ -76,7 +72,7 @@ def main() -> None:
     rig = Rig.allocate(SPEC, layout, 2048, device, alloc=alloc)
     ceiling = measure_ceiling(rig)
     print(f"{args.section}: rig {time.perf_counter() - t_start:.1f} s, ceiling {ceiling}", flush=True)
-    gemm = _Gemm.make(device)
+    gemm = GemmLoad.make(device)
     probe = gemm_alone(gemm, 10)
     count = max(20, int(300 / probe))
     alone = gemm_alone(gemm, count)

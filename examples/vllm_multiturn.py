@@ -44,7 +44,7 @@ class Turn:
 
 
 def make_llm(model: str, *, kvkit: bool = True, gpu_blocks: int = 10, block_size: int = 32,
-             max_model_len: int = 256, cpu_bytes: str = "4MiB", eviction: str = "lru",
+             max_model_len: int = 256, cpu_bytes: str = "4MiB", cpu_eviction: str = "lru",
              store: str = "eager", copy: str = "torch", dtype: str = "float32", seed: int = 0,
              max_num_seqs: int = 8) -> Any:
     """A vLLM engine whose KV pool holds ``gpu_blocks`` blocks, with kvkit's connector if ``kvkit``."""
@@ -56,7 +56,7 @@ def make_llm(model: str, *, kvkit: bool = True, gpu_blocks: int = 10, block_size
         extra["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVKitConnector", kv_connector_module_path="kvkit.integrations.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes": cpu_bytes, "eviction": eviction,
+            kv_connector_extra_config={"cpu_bytes": cpu_bytes, "cpu_eviction": cpu_eviction,
                                        "store": store, "copy": copy})
     return LLM(model=model, tokenizer=model, dtype=dtype, block_size=block_size, seed=seed,
                enable_prefix_caching=True, enforce_eager=True, max_model_len=max_model_len,
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--cpu-bytes", default="4MiB", help="kvkit's CPU tier per worker")
-    ap.add_argument("--eviction", default="lru")
+    ap.add_argument("--cpu-eviction", default="lru")
     ap.add_argument("--store", default="eager")
     ap.add_argument("--copy", default="torch")
     ap.add_argument("--dtype", default="float32")
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = make_llm(args.model, kvkit=not args.no_kvkit, gpu_blocks=args.gpu_blocks,
                    block_size=args.block_size, max_model_len=args.max_model_len,
-                   cpu_bytes=args.cpu_bytes, eviction=args.eviction, store=args.store,
+                   cpu_bytes=args.cpu_bytes, cpu_eviction=args.cpu_eviction, store=args.store,
                    copy=args.copy, dtype=args.dtype)
     messages = user_messages(llm.get_tokenizer(), args.conversations, args.turns, args.words)
     turns = serve(llm, messages, args.max_tokens)

@@ -2,6 +2,14 @@
 
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
+from kvkit.interfaces.capabilities import (
+    EvictionOrder,
+    ExplainsUnavailability,
+    PinAwarePolicy,
+    PrefillCompute,
+    ReportsAvailability,
+    SelfChecking,
+)
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.store import RequestView, StorePolicy
@@ -12,6 +20,7 @@ from kvkit.interfaces.types import (
     GroupKind,
     KVCacheSpec,
     KVGroupSpec,
+    Tier,
     TransferPlan,
     TransferResult,
 )
@@ -22,14 +31,21 @@ __all__ = [
     "BlockId",
     "CopyBackend",
     "Direction",
+    "EvictionOrder",
     "EvictionPolicy",
+    "ExplainsUnavailability",
     "GroupKind",
     "KVCacheSpec",
     "KVGroupSpec",
     "OffloadCallback",
+    "PinAwarePolicy",
+    "PrefillCompute",
     "Region",
+    "ReportsAvailability",
     "RequestView",
+    "SelfChecking",
     "StorePolicy",
+    "Tier",
     "TransferPlan",
     "TransferResult",
 ]

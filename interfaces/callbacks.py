@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvkit.interfaces.types import BlockHash, BlockId, Direction
+from kvkit.interfaces.types import BlockHash, BlockId, Direction, Tier
 
 __all__ = ["OffloadCallback"]
 
@@ -25,8 +25,8 @@ class OffloadCallback:
                               ok: bool) -> None:
         """A transfer completed on every worker (``ok`` is ``False`` if any failed or it was abandoned)."""
 
-    def on_evict(self, tier: str, block: BlockId, block_hash: BlockHash) -> None:
-        """``tier`` (``"gpu"`` or ``"cpu"``) evicted ``block`` holding ``block_hash``."""
+    def on_evict(self, tier: Tier, block: BlockId, block_hash: BlockHash) -> None:
+        """``tier`` evicted ``block`` holding ``block_hash`` (a str enum: ``tier == "cpu"`` works)."""
 
     def on_request_finished(self, request_id: str, aborted: bool) -> None:
         """A request finished or was aborted; its per-request state is being released."""

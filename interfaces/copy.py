@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import attrs
 
 from kvkit.errors import SpecMismatchError
-from kvkit.interfaces.types import TransferPlan
+from kvkit.interfaces.types import Tier, TransferPlan
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +39,7 @@ class Region:
     group: int = 0
 
     def __attrs_post_init__(self) -> None:
-        for tier, t in (("gpu", self.gpu), ("cpu", self.cpu)):
+        for tier, t in ((Tier.GPU, self.gpu), (Tier.CPU, self.cpu)):
             if t.dim() < 1 or t.shape[0] == 0:
                 raise SpecMismatchError(f"region {self.name!r}: {tier} tensor has no blocks: shape {tuple(t.shape)}")
             if not t[0].is_contiguous():
@@ -54,9 +54,9 @@ class Region:
         """Bytes of one block's piece."""
         return self.gpu[0].numel() * self.gpu.element_size()
 
-    def stride_bytes(self, tier: str) -> int:
-        """Bytes between consecutive blocks of ``tier`` (``"gpu"`` or ``"cpu"``)."""
-        t = self.gpu if tier == "gpu" else self.cpu
+    def stride_bytes(self, tier: Tier) -> int:
+        """Bytes between consecutive blocks of ``tier`` (a :class:`Tier` or its value)."""
+        t = self.gpu if tier == Tier.GPU else self.cpu
         return t.stride(0) * t.element_size()
 
 

@@ -45,6 +45,16 @@ class StorePolicy(Protocol):
         * Indices are re-derived from the request each time, never from a
           cursor cached across CPU evictions: a block evicted from the CPU
           tier while still on the GPU can be stored again.
+
+    What a policy promises (``kvkit.testing.StorePolicyContract`` checks it):
+        * ``on_computed`` answers ints in ``[start, stop)``; ``on_finished``
+          answers ints below ``num_confirmed_blocks``; repeats are allowed
+          (the manager drops them).
+        * ``writeback_target`` answers an int in ``[0, gpu_blocks]``, the same
+          for the same arguments. The manager asks ``writeback_target(0,
+          gpu_blocks)`` once, when it is built: a policy that answers 0 there
+          is never asked again (it does not write back).
+        * The policy never changes the ``RequestView`` it is handed.
     """
 
     def on_computed(self, request: RequestView, start: int, stop: int) -> Iterable[int]:
@@ -62,6 +72,8 @@ class StorePolicy(Protocol):
     def writeback_target(self, gpu_free: int, gpu_blocks: int) -> int:
         """How many of the GPU pool's next eviction candidates to keep stored ahead.
 
-        Write-back (lazy) policies return a watermark; the others return 0.
+        Write-back (lazy) policies return a watermark, which needs a GPU pool
+        that is an :class:`~kvkit.interfaces.capabilities.EvictionOrder`
+        (checked once, when the manager is built); the others return 0.
         """
         ...

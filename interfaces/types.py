@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 
 from kvkit.errors import ConfigError, PlanError
+from kvkit.validate import at_least, is_int, real_in
 
 __all__ = [
     "BlockHash",
@@ -21,6 +22,7 @@ __all__ = [
     "GroupKind",
     "KVCacheSpec",
     "KVGroupSpec",
+    "Tier",
     "TransferPlan",
     "TransferResult",
 ]
@@ -49,11 +51,6 @@ class GroupKind(enum.Enum):
     SLIDING_WINDOW = "sliding_window"
 
 
-def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
-
-
 @attrs.frozen
 class KVGroupSpec:
     """One KV cache group: layers that share a block table and an attention kind.
@@ -72,7 +69,7 @@ class KVGroupSpec:
         if not self.layers:
             raise ConfigError("a KV group needs at least one layer, got layers=()")
         if self.kind is GroupKind.SLIDING_WINDOW:
-            if not isinstance(self.window, int) or self.window <= 0:
+            if not is_int(self.window, 1):
                 raise ConfigError(
                     f"a sliding-window group needs a positive window, got window={self.window!r}"
                 )
@@ -106,10 +103,10 @@ class KVCacheSpec:
     Invariants: every layer belongs to exactly one group.
     """
 
-    num_layers: int = attrs.field(validator=_positive)
-    block_size: int = attrs.field(validator=_positive)
-    num_kv_heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)
+    num_layers: int = attrs.field(validator=at_least(1))
+    block_size: int = attrs.field(validator=at_least(1))
+    num_kv_heads: int = attrs.field(validator=at_least(1))
+    head_dim: int = attrs.field(validator=at_least(1))
     dtype: str = "bfloat16"
     groups: tuple[KVGroupSpec, ...] = attrs.field(converter=tuple, default=())
 
@@ -142,6 +139,18 @@ class KVCacheSpec:
     def blocks_for(self, num_bytes: int) -> int:
         """Whole blocks that fit in ``num_bytes``."""
         return num_bytes // self.bytes_per_block
+
+
+class Tier(enum.StrEnum):
+    """A tier of the offload hierarchy: the engine's GPU pool or kvkit's CPU pool.
+
+    A ``str`` enum, so a member equals, hashes and formats as its value:
+    code that compares a tier with ``"cpu"`` or prints it keeps working, and
+    ``Tier("gpu")`` turns a caller's string into a member.
+    """
+
+    GPU = "gpu"
+    CPU = "cpu"
 
 
 class Direction(enum.Enum):
@@ -189,11 +198,6 @@ class TransferPlan:
         return len(self.src)
 
 
-def _non_negative(inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise PlanError(f"{type(inst).__name__}.{attribute.name} must be a non-negative number, got {value!r}")
-
-
 @attrs.frozen
 class TransferResult:
     """A finished transfer as one worker reports it.
@@ -206,8 +210,8 @@ class TransferResult:
         num_bytes: bytes the worker moved.
     """
 
-    transfer_id: int = attrs.field(validator=_non_negative)
-    worker: int = attrs.field(default=0, validator=_non_negative)
+    transfer_id: int = attrs.field(validator=at_least(0, label="TransferResult.", error=PlanError))
+    worker: int = attrs.field(default=0, validator=at_least(0, label="TransferResult.", error=PlanError))
     ok: bool = True
-    seconds: float = attrs.field(default=0.0, validator=_non_negative)
-    num_bytes: int = attrs.field(default=0, validator=_non_negative)
+    seconds: float = attrs.field(default=0.0, validator=real_in(low=0, label="TransferResult.", error=PlanError))
+    num_bytes: int = attrs.field(default=0, validator=at_least(0, label="TransferResult.", error=PlanError))

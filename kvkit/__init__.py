@@ -1,51 +1,245 @@
 """kvkit: compose, drive, explore and prove CPU offload tiers for paged KV caches.
 
-``import kvkit`` never imports CuPy or touches CUDA; backends load lazily
-through the registry.
+This module is the public facade: every name a user needs, resolved on first
+use (PEP 562), so ``import kvkit`` stays cheap and never imports torch or CuPy,
+touches CUDA, or loads the manager or the registry. Backends load lazily by
+name through the registries (``kvkit.EVICTION.create("lru")``); in-process
+components join them with :func:`register`. Besides this facade, only
+``kvkit.testing`` (contract suites) and ``kvkit.integrations.*`` (engines and
+model libraries) are public; every other module path may move.
+
+Invariants:
+    * ``__all__`` is sorted and holds exactly ``errors`` and the keys of
+      ``_LAZY``; each resolves, and the ``TYPE_CHECKING`` imports name the
+      same targets (a test checks all three).
+    * A resolved name is cached in the module's globals, so ``__getattr__``
+      runs at most once per name.
 """
 
-from kvkit import errors
-from kvkit.config import StackConfig, parse_bytes
-from kvkit.interfaces import (
-    BlockAllocator,
-    BlockHash,
-    BlockId,
-    CopyBackend,
-    Direction,
-    EvictionPolicy,
-    GroupKind,
-    KVCacheSpec,
-    KVGroupSpec,
-    OffloadCallback,
-    Region,
-    StorePolicy,
-    TransferPlan,
-    TransferResult,
-)
-from kvkit.manager import OffloadManager
-from kvkit.stack import OffloadStack, build
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvkit import _moved, errors
 
 __version__ = "0.1.0"
 
+_LAZY: dict[str, str] = {
+    # compose: builder, configuration, stack, registries
+    "build": "kvkit.stack:build",
+    "OffloadStack": "kvkit.stack:OffloadStack",
+    "StackConfig": "kvkit.config:StackConfig",
+    "DEFAULTS": "kvkit.config:DEFAULTS",
+    "parse_bytes": "kvkit.config:parse_bytes",
+    "register": "kvkit.registry:register",
+    "REGISTRIES": "kvkit.registry:REGISTRIES",
+    "ALLOCATOR": "kvkit.registry:ALLOCATOR",
+    "COPY": "kvkit.registry:COPY",
+    "EVICTION": "kvkit.registry:EVICTION",
+    "STORE": "kvkit.registry:STORE",
+    # drive: scheduler side, worker side, hashing, stats
+    "OffloadManager": "kvkit.manager:OffloadManager",
+    "StepPlan": "kvkit.manager:StepPlan",
+    "CompletionReport": "kvkit.manager:CompletionReport",
+    "TransferEngine": "kvkit.worker.engine:TransferEngine",
+    "hash_blocks": "kvkit.hashing:hash_blocks",
+    "BlockHasher": "kvkit.hashing:BlockHasher",
+    "OffloadStats": "kvkit.stats:OffloadStats",
+    # protocols and the value types they exchange
+    "BlockAllocator": "kvkit.interfaces:BlockAllocator",
+    "BlockHash": "kvkit.interfaces:BlockHash",
+    "BlockId": "kvkit.interfaces:BlockId",
+    "CopyBackend": "kvkit.interfaces:CopyBackend",
+    "Direction": "kvkit.interfaces:Direction",
+    "EvictionPolicy": "kvkit.interfaces:EvictionPolicy",
+    "GroupKind": "kvkit.interfaces:GroupKind",
+    "KVCacheSpec": "kvkit.interfaces:KVCacheSpec",
+    "KVGroupSpec": "kvkit.interfaces:KVGroupSpec",
+    "OffloadCallback": "kvkit.interfaces:OffloadCallback",
+    "Region": "kvkit.interfaces:Region",
+    "RequestView": "kvkit.interfaces:RequestView",
+    "StorePolicy": "kvkit.interfaces:StorePolicy",
+    "TransferPlan": "kvkit.interfaces:TransferPlan",
+    "TransferResult": "kvkit.interfaces:TransferResult",
+    "Tier": "kvkit.interfaces:Tier",
+    # optional capabilities a component may have beyond its protocol
+    "EvictionOrder": "kvkit.interfaces:EvictionOrder",
+    "ExplainsUnavailability": "kvkit.interfaces:ExplainsUnavailability",
+    "PinAwarePolicy": "kvkit.interfaces:PinAwarePolicy",
+    "PrefillCompute": "kvkit.interfaces:PrefillCompute",
+    "ReportsAvailability": "kvkit.interfaces:ReportsAvailability",
+    "SelfChecking": "kvkit.interfaces:SelfChecking",
+    # explore: reference engine loop, simulator, workloads, traces
+    "ReferenceEngine": "kvkit.sim.engine_loop:ReferenceEngine",
+    "EngineRequest": "kvkit.sim.engine_loop:EngineRequest",
+    "StepReport": "kvkit.sim.engine_loop:StepReport",
+    "SyntheticCompute": "kvkit.sim.engine_loop:SyntheticCompute",
+    "simulate": "kvkit.sim.simulator:simulate",
+    "Simulator": "kvkit.sim.simulator:Simulator",
+    "SimConfig": "kvkit.sim.simulator:SimConfig",
+    "SimResult": "kvkit.sim.simulator:SimResult",
+    "CostModel": "kvkit.sim.simulator:CostModel",
+    "ModelShape": "kvkit.sim.simulator:ModelShape",
+    "SyntheticWorkload": "kvkit.sim.synthetic:SyntheticWorkload",
+    "generate": "kvkit.sim.synthetic:generate",
+    "TraceRequest": "kvkit.sim.traces:TraceRequest",
+    "read_trace": "kvkit.sim.traces:read_trace",
+    "write_trace": "kvkit.sim.traces:write_trace",
+    # explore: eviction policies replayed on traces
+    "OPT": "kvkit.sim.policy_study:OPT",
+    "HitStats": "kvkit.sim.policy_study:HitStats",
+    "PolicyStudy": "kvkit.sim.policy_study:PolicyStudy",
+    "default_policies": "kvkit.sim.policy_study:default_policies",
+    "replay": "kvkit.sim.policy_study:replay",
+    "study": "kvkit.sim.policy_study:study",
+    "block_class": "kvkit.backends.eviction.hit_density:block_class",
+    # explore: copy-backend throughput (the library half of `kvkit bench transfer`)
+    "Rig": "kvkit.sim.transfer_bench:Rig",
+    "GemmLoad": "kvkit.sim.transfer_bench:GemmLoad",
+    "bench_backend": "kvkit.sim.transfer_bench:bench_backend",
+    "gemm_alone": "kvkit.sim.transfer_bench:gemm_alone",
+    "make_plans": "kvkit.sim.transfer_bench:make_plans",
+    "measure_ceiling": "kvkit.sim.transfer_bench:measure_ceiling",
+    "run_transfer": "kvkit.sim.transfer_bench:run_transfer",
+}
+"""Public name -> ``"module:attribute"`` it resolves to on first use."""
+
 __all__ = [
+    "ALLOCATOR",
     "BlockAllocator",
     "BlockHash",
+    "BlockHasher",
     "BlockId",
+    "COPY",
+    "CompletionReport",
     "CopyBackend",
+    "CostModel",
+    "DEFAULTS",
     "Direction",
+    "EVICTION",
+    "EngineRequest",
+    "EvictionOrder",
     "EvictionPolicy",
+    "ExplainsUnavailability",
+    "GemmLoad",
     "GroupKind",
+    "HitStats",
     "KVCacheSpec",
     "KVGroupSpec",
+    "ModelShape",
+    "OPT",
     "OffloadCallback",
-    "Region",
     "OffloadManager",
     "OffloadStack",
+    "OffloadStats",
+    "PinAwarePolicy",
+    "PolicyStudy",
+    "PrefillCompute",
+    "REGISTRIES",
+    "ReferenceEngine",
+    "Region",
+    "ReportsAvailability",
+    "RequestView",
+    "Rig",
+    "STORE",
+    "SelfChecking",
+    "SimConfig",
+    "SimResult",
+    "Simulator",
     "StackConfig",
-    "build",
+    "StepPlan",
+    "StepReport",
     "StorePolicy",
+    "SyntheticCompute",
+    "SyntheticWorkload",
+    "Tier",
+    "TraceRequest",
+    "TransferEngine",
     "TransferPlan",
     "TransferResult",
+    "bench_backend",
+    "block_class",
+    "build",
+    "default_policies",
     "errors",
+    "gemm_alone",
+    "generate",
+    "hash_blocks",
+    "make_plans",
+    "measure_ceiling",
     "parse_bytes",
+    "read_trace",
+    "register",
+    "replay",
+    "run_transfer",
+    "simulate",
+    "study",
+    "write_trace",
 ]
+
+if TYPE_CHECKING:  # what __getattr__ returns, spelled out for type checkers and IDEs
+    from kvkit.backends.eviction.hit_density import block_class
+    from kvkit.config import DEFAULTS, StackConfig, parse_bytes
+    from kvkit.hashing import BlockHasher, hash_blocks
+    from kvkit.interfaces import (
+        BlockAllocator,
+        BlockHash,
+        BlockId,
+        CopyBackend,
+        Direction,
+        EvictionOrder,
+        EvictionPolicy,
+        ExplainsUnavailability,
+        GroupKind,
+        KVCacheSpec,
+        KVGroupSpec,
+        OffloadCallback,
+        PinAwarePolicy,
+        PrefillCompute,
+        Region,
+        ReportsAvailability,
+        RequestView,
+        SelfChecking,
+        StorePolicy,
+        Tier,
+        TransferPlan,
+        TransferResult,
+    )
+    from kvkit.manager import CompletionReport, OffloadManager, StepPlan
+    from kvkit.registry import ALLOCATOR, COPY, EVICTION, REGISTRIES, STORE, register
+    from kvkit.sim.engine_loop import EngineRequest, ReferenceEngine, StepReport, SyntheticCompute
+    from kvkit.sim.policy_study import OPT, HitStats, PolicyStudy, default_policies, replay, study
+    from kvkit.sim.simulator import CostModel, ModelShape, SimConfig, SimResult, Simulator, simulate
+    from kvkit.sim.synthetic import SyntheticWorkload, generate
+    from kvkit.sim.traces import TraceRequest, read_trace, write_trace
+    from kvkit.sim.transfer_bench import (
+        GemmLoad,
+        Rig,
+        bench_backend,
+        gemm_alone,
+        make_plans,
+        measure_ceiling,
+        run_transfer,
+    )
+    from kvkit.stack import OffloadStack, build
+    from kvkit.stats import OffloadStats
+    from kvkit.worker.engine import TransferEngine
+
+_moved.install()  # old module paths (kvkit.simulator, ...) import for one more release, with a warning
+
+
+def __getattr__(name: str) -> Any:
+    """Import the target of a public name on first use and cache it in this module."""
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'kvkit' has no attribute {name!r}")
+    module, _, attr = target.partition(":")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """Module globals and every public name, resolved or not."""
+    return sorted({*globals(), *_LAZY})

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import numbers
 import re
 from collections.abc import Callable, Mapping
 from fractions import Fraction
@@ -19,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from kvkit._renamed import renamed_keywords
 from kvkit.errors import ConfigError
 from kvkit.hashing import HASH_ALGORITHMS
 from kvkit.interfaces import (
@@ -30,8 +30,9 @@ from kvkit.interfaces import (
     StorePolicy,
 )
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry, did_you_mean
+from kvkit.validate import int_problem, is_int
 
-__all__ = ["DEVICES", "Components", "StackConfig", "parse_bytes"]
+__all__ = ["DEFAULTS", "DEVICES", "Components", "Defaults", "StackConfig", "parse_bytes"]
 
 DEVICES = ("cpu", "cuda")
 """Where the GPU tier lives; ``"cpu"`` is the stand-in CI and notebooks use."""
@@ -45,9 +46,40 @@ _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
 
 # Slots a registry instantiates, and which registry; "allocator" is a factory slot.
 _INSTANCE_SLOTS: dict[str, Registry[Any]] = {
-    "eviction": EVICTION, "gpu_eviction": EVICTION, "store": STORE, "copy": COPY,
+    "cpu_eviction": EVICTION, "gpu_eviction": EVICTION, "store": STORE, "copy": COPY,
 }
 _OPTION_SLOTS = (*_INSTANCE_SLOTS, "allocator")
+
+
+@attrs.frozen(kw_only=True)
+class Defaults:
+    """kvkit's defaults, in one record: the config, simulator, CLI and vLLM connector read them here.
+
+    Attributes:
+        cpu_eviction / gpu_eviction / store / copy / allocator: registered
+            names of the stack's slots.
+        hash_algorithm: one of :data:`kvkit.hashing.HASH_ALGORITHMS`.
+        world_size: workers per stack.
+        block_size: tokens per block where the engine does not decide it
+            (simulator, synthetic workload, benchmarks, Hugging Face models).
+        gpu_blocks: GPU tier size of a simulation (64Ki tokens at 16-token blocks).
+        cpu_blocks: CPU tier size of a simulation (8x the GPU tier).
+    """
+
+    cpu_eviction: str = "lru"
+    gpu_eviction: str = "lru"
+    store: str = "eager"
+    copy: str = "torch"
+    allocator: str = "pool"
+    hash_algorithm: str = "sha256"
+    world_size: int = 1
+    block_size: int = 16
+    gpu_blocks: int = 4096
+    cpu_blocks: int = 32768
+
+
+DEFAULTS = Defaults()
+"""kvkit's defaults (see :class:`Defaults`)."""
 
 
 def parse_bytes(text: str | int) -> int:
@@ -59,7 +91,7 @@ def parse_bytes(text: str | int) -> int:
     Raises:
         ConfigError: ``text`` is not a non-negative size.
     """
-    if isinstance(text, numbers.Integral) and not isinstance(text, bool):
+    if is_int(text):
         if text < 0:
             raise ConfigError(f"byte size must be non-negative, got {text!r}")
         return int(text)
@@ -75,12 +107,6 @@ def _default_device() -> str:
     import torch  # deferred: `import kvkit` must not import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _int_problem(slot: str, value: object, minimum: int) -> str | None:
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum:
-        return None
-    return f"{slot}={value!r}: must be an int >= {minimum}"
 
 
 @attrs.frozen
@@ -110,6 +136,7 @@ class Components:
     callbacks: tuple[OffloadCallback, ...]
 
 
+@renamed_keywords(eviction="cpu_eviction")
 @attrs.frozen(kw_only=True)
 class StackConfig:
     """Every slot of an offload stack; construction validates all of them.
@@ -119,7 +146,8 @@ class StackConfig:
         gpu_blocks: GPU pool size in blocks (required, >= 1).
         cpu_blocks: CPU pool size in blocks; give this or ``cpu_bytes``.
         cpu_bytes: CPU pool size in bytes (int or ``"8GiB"``); must hold a block.
-        eviction: the CPU tier's eviction policy (name or instance).
+        cpu_eviction: the CPU tier's eviction policy (name or instance);
+            ``eviction=`` is its deprecated old name (warns; one release).
         gpu_eviction: the GPU tier's eviction policy (name or a *different* instance).
         store: store policy (name or instance).
         copy: copy backend (name or instance), or ``None`` for a scheduler-only
@@ -134,6 +162,8 @@ class StackConfig:
             tier's layout (``build(layout=...)``). Only a stack that moves bytes has one.
         options: per-slot constructor kwargs for named slots, e.g. ``{"store": {"k": 2}}``.
 
+    Defaults come from :data:`DEFAULTS`.
+
     Invariants: a constructed config has no problems; instances given in slots
     are used as-is by :meth:`resolve`, so resolve a config once per stack.
 
@@ -145,15 +175,15 @@ class StackConfig:
     gpu_blocks: int | None = None
     cpu_blocks: int | None = None
     cpu_bytes: int | str | None = None
-    eviction: str | EvictionPolicy = "lru"
-    gpu_eviction: str | EvictionPolicy = "lru"
-    store: str | StorePolicy = "eager"
-    copy: str | CopyBackend | None = "torch"
-    allocator: str | Callable[..., BlockAllocator] = "pool"
+    cpu_eviction: str | EvictionPolicy = DEFAULTS.cpu_eviction
+    gpu_eviction: str | EvictionPolicy = DEFAULTS.gpu_eviction
+    store: str | StorePolicy = DEFAULTS.store
+    copy: str | CopyBackend | None = DEFAULTS.copy
+    allocator: str | Callable[..., BlockAllocator] = DEFAULTS.allocator
     callbacks: list[OffloadCallback] | tuple[OffloadCallback, ...] = ()
-    world_size: int = 1
+    world_size: int = DEFAULTS.world_size
     device: str = attrs.field(factory=_default_device)
-    hash_algorithm: str = "sha256"
+    hash_algorithm: str = DEFAULTS.hash_algorithm
     cpu_layout: str | None = None
     options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
 
@@ -185,7 +215,7 @@ class StackConfig:
         """
         return Components(
             gpu_eviction=self._create("gpu_eviction"),
-            cpu_eviction=self._create("eviction"),
+            cpu_eviction=self._create("cpu_eviction"),
             store=self._create("store"),
             copy=None if self.copy is None else self._create("copy"),
             allocator=functools.partial(
@@ -208,7 +238,7 @@ class StackConfig:
         if not isinstance(self.kv, KVCacheSpec):
             problems.append(f"kv={self.kv!r}: required, a KVCacheSpec(num_layers=..., block_size=..., "
                             f"num_kv_heads=..., head_dim=...)")
-        if (problem := _int_problem("gpu_blocks", self.gpu_blocks, 1)) is not None:
+        if (problem := int_problem("gpu_blocks", self.gpu_blocks, 1)) is not None:
             problems.append(problem + " (required)" if self.gpu_blocks is None else problem)
         return problems
 
@@ -218,7 +248,7 @@ class StackConfig:
                    else f"both cpu_blocks={self.cpu_blocks!r} and cpu_bytes={self.cpu_bytes!r}")
             return [f"give exactly one of cpu_blocks or cpu_bytes, got {got}; hint: cpu_bytes='8GiB'"]
         if self.cpu_blocks is not None:
-            problem = _int_problem("cpu_blocks", self.cpu_blocks, 1)
+            problem = int_problem("cpu_blocks", self.cpu_blocks, 1)
             return [problem] if problem else []
         try:
             num_bytes = parse_bytes(self.cpu_bytes)
@@ -257,9 +287,10 @@ class StackConfig:
                 problem = registry.check_options(spec, kwargs, slot=slot)
             if problem is not None:
                 problems.append(problem)
-        if not isinstance(self.eviction, str) and self.eviction is self.gpu_eviction:
-            problems.append(f"eviction and gpu_eviction are the same {type(self.eviction).__qualname__} "
-                            f"instance; each pool needs its own policy: pass two instances or names")
+        if not isinstance(self.cpu_eviction, str) and self.cpu_eviction is self.gpu_eviction:
+            problems.append(f"cpu_eviction and gpu_eviction are the same "
+                            f"{type(self.cpu_eviction).__qualname__} instance; each pool needs its own "
+                            f"policy: pass two instances or names")
         problems.extend(self._allocator_problems(options.get("allocator")))
         return problems
 
@@ -294,7 +325,7 @@ class StackConfig:
 
     def _runtime_problems(self) -> list[str]:
         problems = []
-        if (problem := _int_problem("world_size", self.world_size, 1)) is not None:
+        if (problem := int_problem("world_size", self.world_size, 1)) is not None:
             problems.append(problem)
         if self.device not in DEVICES:
             problems.append(f"device={self.device!r}: unknown device; valid: {', '.join(DEVICES)}"

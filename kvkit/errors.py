@@ -21,6 +21,7 @@ __all__ = [
     "RequestStateError",
     "SpecMismatchError",
     "TraceFormatError",
+    "TransferTimeoutError",
     "UnknownBlockError",
     "UnknownRequestError",
     "UnsupportedModelError",
@@ -98,6 +99,18 @@ class TraceFormatError(KVKitError, ValueError):
     def __init__(self, path: str, line: int, field: str, problem: str) -> None:
         self.path, self.line, self.field = path, line, field
         super().__init__(f"{path}:{line}: field {field!r}: {problem}")
+
+
+class TransferTimeoutError(KVKitError, TimeoutError):
+    """Transfers did not complete within a wait's timeout; they stay in flight, nothing was freed.
+
+    Attributes:
+        pending: the transfer ids still in flight when the wait gave up.
+    """
+
+    def __init__(self, message: str, pending: tuple[int, ...] = ()) -> None:
+        self.pending = pending
+        super().__init__(message)
 
 
 class UnsupportedModelError(KVKitError, TypeError):

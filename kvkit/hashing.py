@@ -28,6 +28,7 @@ import numpy as np
 
 from kvkit.errors import BackendUnavailableError, HashInputError
 from kvkit.interfaces.types import BlockHash
+from kvkit.validate import at_least, is_int
 
 __all__ = ["HASH_ALGORITHMS", "BlockHasher", "hash_blocks"]
 
@@ -118,16 +119,11 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
 def _chain_start(parent: object) -> bytes:
     if parent is None:
         return _ROOT
-    if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**128:
+    if not (is_int(parent, 0) and parent < 2**128):
         raise HashInputError(
             f"parent must be a BlockHash (an int in [0, 2**128)) or None, got {parent!r}"
         )
-    return _CHAINED + parent.to_bytes(_DIGEST_BYTES, "little")
-
-
-def _check_block_size(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise HashInputError(f"block_size must be a positive int, got {value!r}")
+    return _CHAINED + int(parent).to_bytes(_DIGEST_BYTES, "little")
 
 
 @attrs.define
@@ -143,7 +139,7 @@ class BlockHasher:
     len(hashes) * block_size + pending``.
     """
 
-    block_size: int = attrs.field(validator=_check_block_size, on_setattr=attrs.setters.frozen)
+    block_size: int = attrs.field(validator=at_least(1, error=HashInputError), on_setattr=attrs.setters.frozen)
     extra_keys: tuple = attrs.field(default=(), kw_only=True, on_setattr=attrs.setters.frozen)
     algorithm: str = attrs.field(default="sha256", kw_only=True, on_setattr=attrs.setters.frozen)
     parent: BlockHash | None = attrs.field(default=None, kw_only=True,

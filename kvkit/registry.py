@@ -25,7 +25,14 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from kvkit.errors import BackendUnavailableError, ConfigError
-from kvkit.interfaces import BlockAllocator, CopyBackend, EvictionPolicy, StorePolicy
+from kvkit.interfaces import (
+    BlockAllocator,
+    CopyBackend,
+    EvictionPolicy,
+    ExplainsUnavailability,
+    ReportsAvailability,
+    StorePolicy,
+)
 
 __all__ = [
     "ALLOCATOR",
@@ -37,6 +44,7 @@ __all__ = [
     "Registry",
     "did_you_mean",
     "entry_point_problems",
+    "register",
 ]
 
 ENTRY_POINT_GROUP = "kvkit.backends"
@@ -128,20 +136,22 @@ class Registry(Generic[T]):
             return f"{type(exc).__name__}: {exc}"
         if loaded is None:
             return reason
-        probe = getattr(loaded, "is_available", None)
-        if probe is None:
+        # Optional capabilities of the loaded class itself (a runtime protocol's
+        # isinstance on a class object checks the class's attributes).
+        if not isinstance(loaded, ReportsAvailability):
             return None
         try:
-            ok = probe()
+            ok = loaded.is_available()
         except Exception as exc:  # third-party probes may fail any way
             return f"{_describe(loaded)}.is_available() raised {type(exc).__name__}: {exc}"
         if ok:
             return None
-        reason = getattr(loaded, "unavailable_reason", None)  # optional: say why, not just "no"
-        try:
-            why = reason() if callable(reason) else None
-        except Exception:  # noqa: BLE001 - a probe must not crash a listing
-            why = None
+        why = None  # say why, not just "no", when the class can
+        if isinstance(loaded, ExplainsUnavailability):
+            try:
+                why = loaded.unavailable_reason()
+            except Exception:  # noqa: BLE001 - a probe must not crash a listing
+                why = None
         return f"{_describe(loaded)}: {why}" if why else f"{_describe(loaded)}.is_available() returned False"
 
     def available(self, name: str) -> bool:
@@ -337,6 +347,25 @@ ALLOCATOR: Registry[BlockAllocator] = Registry("allocator", BlockAllocator, "blo
 
 REGISTRIES: dict[str, Registry[Any]] = {r.kind: r for r in (EVICTION, STORE, COPY, ALLOCATOR)}
 """Every extension point by kind, in display order."""
+
+
+def register(kind: str, name: str, target: Target, *, override: bool = False) -> None:
+    """Map ``name`` to ``target`` in the registry of ``kind`` (``kvkit.register``).
+
+    ``target`` is a class, a factory or a lazy ``"module:Class"`` string, as
+    for :meth:`Registry.register`; the name is usable in every slot of that
+    kind from then on, in this process.
+
+    Raises:
+        ConfigError: ``kind`` is not one of :data:`REGISTRIES` (the message
+            lists them), or the registry refuses the name or target.
+    """
+    registry = REGISTRIES.get(kind) if isinstance(kind, str) else None
+    if registry is None:
+        valid = list(REGISTRIES)
+        hint = did_you_mean(kind, valid) if isinstance(kind, str) else ""
+        raise ConfigError(f"unknown registry kind {kind!r}; valid: {', '.join(valid)}{hint}")
+    registry.register(name, target, override=override)
 
 
 def entry_point_problems() -> list[str]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvkit._renamed import renamed_keywords
 from kvkit.config import StackConfig
 from kvkit.errors import ConfigError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
@@ -73,6 +74,7 @@ class OffloadStack:
             worker.close()
 
 
+@renamed_keywords(eviction="cpu_eviction")
 def build(config: StackConfig | None = None, /, *, layout: str | None = None,
           kv_tensors: Sequence[torch.Tensor] | None = None, **slots: Any) -> OffloadStack:
     """Build a stack from a ``StackConfig`` or from its slots as keywords.
@@ -80,7 +82,7 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     Example::
 
         stack = kvkit.build(kv=spec, gpu_blocks=1024, cpu_bytes="8GiB",
-                            eviction="lru", store="eager", copy="torch",
+                            cpu_eviction="lru", store="eager", copy="torch",
                             layout="per-layer")
 
     Args:

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvkit.config import Components, StackConfig, parse_bytes
+from kvkit.config import DEFAULTS, Components, StackConfig, parse_bytes
 from kvkit.errors import ConfigError
 from kvkit.interfaces import (
     BlockAllocator,
@@ -18,17 +18,13 @@ from kvkit.interfaces import (
     StorePolicy,
 )
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE
+from kvkit.testing.doubles import InertPolicy
 
 KV = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="float16")
 
 
-class FakeEviction:
-    def on_insert(self, block, block_hash, parent): pass
-    def on_access(self, block): pass
-    def on_remove(self, block): pass
-    def select_victims(self, n, is_evictable): return None
-    def __len__(self): return 0
-    def check_invariants(self): pass
+class FakeEviction(InertPolicy):
+    pass
 
 
 class FakeStore:
@@ -88,7 +84,7 @@ def fake_names(monkeypatch):
 
 def good(**overrides):
     """Keyword arguments of a valid config, with ``overrides`` applied."""
-    kwargs = dict(kv=KV, gpu_blocks=8, cpu_blocks=32, eviction="t-evict", gpu_eviction="t-evict",
+    kwargs = dict(kv=KV, gpu_blocks=8, cpu_blocks=32, cpu_eviction="t-evict", gpu_eviction="t-evict",
                   store="t-store", copy="t-copy", allocator="t-pool", device="cpu")
     kwargs.update(overrides)
     return kwargs
@@ -120,7 +116,7 @@ def test_valid_config_resolves_to_components():
 def test_instances_and_factories_are_used_as_given():
     """Instance slots are passed through unchanged and a factory allocator is called and checked."""
     gpu, cpu, store, copy, callback = FakeEviction(), FakeEviction(), FakeStore(), FakeCopy(), OffloadCallback()
-    config = StackConfig(**good(gpu_eviction=gpu, eviction=cpu, store=store, copy=copy,
+    config = StackConfig(**good(gpu_eviction=gpu, cpu_eviction=cpu, store=store, copy=copy,
                                 allocator=FakePool, callbacks=[callback]))
     parts = config.resolve()
     assert (parts.gpu_eviction, parts.cpu_eviction, parts.store, parts.copy) == (gpu, cpu, store, copy)
@@ -129,6 +125,31 @@ def test_instances_and_factories_are_used_as_given():
     bad_factory = StackConfig(**good(allocator=lambda **kw: object())).resolve().allocator
     with pytest.raises(ConfigError, match="allocator: .* built a object, which is not a BlockAllocator"):
         bad_factory(num_blocks=4, eviction=gpu)
+
+
+def test_old_eviction_keyword_still_works_and_warns():
+    """``eviction=`` (renamed ``cpu_eviction``) sets the CPU tier's policy for one release, with a warning."""
+    with pytest.warns(DeprecationWarning, match=r"StackConfig\(eviction=\.\.\.\) is deprecated; use cpu_") as rec:
+        config = StackConfig(**{k: v for k, v in good().items() if k != "cpu_eviction"}, eviction="t-evict")
+    assert rec[0].filename == __file__  # points at the caller
+    assert config.cpu_eviction == "t-evict"
+    with pytest.warns(DeprecationWarning, match=r"StackConfig\.eviction is deprecated"):
+        assert config.eviction == "t-evict"
+    with pytest.warns(DeprecationWarning):
+        assert StackConfig(**good(eviction="t-evict")).cpu_eviction == "t-evict"  # equal values agree
+
+
+def test_old_and_new_eviction_keywords_that_disagree_are_a_config_error():
+    """``eviction=`` and ``cpu_eviction=`` with different values is a ConfigError quoting both."""
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="eviction='lru'.*cpu_eviction='t-evict'"):
+        StackConfig(**good(eviction="lru"))
+
+
+def test_field_defaults_come_from_the_one_defaults_record():
+    """Every defaulted slot of StackConfig reads DEFAULTS."""
+    fields = attrs.fields_dict(StackConfig)
+    for name in ("cpu_eviction", "gpu_eviction", "store", "copy", "allocator", "world_size", "hash_algorithm"):
+        assert fields[name].default == getattr(DEFAULTS, name), name
 
 
 def test_cpu_bytes_become_blocks():
@@ -144,7 +165,7 @@ BAD = {
     "kv": ("8 layers", "kv='8 layers'"),
     "gpu_blocks": (0, "gpu_blocks=0"),
     "cpu_blocks": (-3, "cpu_blocks=-3"),
-    "eviction": ("lur", "eviction='lur'"),
+    "cpu_eviction": ("lur", "cpu_eviction='lur'"),
     "gpu_eviction": (FakeStore(), "gpu_eviction=<"),
     "store": ("eagre", "store='eagre'"),
     "copy": ("t-off", "copy='t-off'"),
@@ -170,7 +191,7 @@ def test_every_bad_slot_is_reported_once_in_one_error(broken):
 def test_message_lists_valid_names_and_hints():
     """The error message quotes each bad value, lists valid names and suggests a close match."""
     with pytest.raises(ConfigError) as info:
-        StackConfig(**good(eviction="lur", store="eagre", gpu_blocks=-1))
+        StackConfig(**good(cpu_eviction="lur", store="eagre", gpu_blocks=-1))
     message = str(info.value)
     assert message.startswith("3 configuration problems:")
     assert "did you mean 'lru'?" in message and "did you mean 'eager'?" in message
@@ -180,8 +201,8 @@ def test_message_lists_valid_names_and_hints():
 
 def test_wrong_kind_of_object_in_slot():
     """A component of the wrong protocol is rejected, naming slot, type and expected protocol."""
-    (problem,) = problems_of(eviction=FakeStore())
-    assert "eviction=" in problem and "FakeStore is not a EvictionPolicy" in problem
+    (problem,) = problems_of(cpu_eviction=FakeStore())
+    assert "cpu_eviction=" in problem and "FakeStore is not a EvictionPolicy" in problem
     (problem,) = problems_of(copy=FakeEviction())
     assert "copy=" in problem and "FakeEviction is not a CopyBackend" in problem
     (problem,) = problems_of(store=FakeStore)
@@ -225,7 +246,7 @@ def test_cpu_capacity_below_one_block():
 def test_same_policy_instance_for_both_tiers():
     """One policy object cannot serve both pools."""
     shared = FakeEviction()
-    (problem,) = problems_of(eviction=shared, gpu_eviction=shared)
+    (problem,) = problems_of(cpu_eviction=shared, gpu_eviction=shared)
     assert "same FakeEviction instance" in problem
 
 

@@ -141,9 +141,9 @@ def test_bad_tokens_quote_the_value(tokens, message):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"block_size": 0}, "block_size must be a positive int, got 0"),
-    ({"block_size": 2.0}, "block_size must be a positive int, got 2.0"),
-    ({"block_size": True}, "block_size must be a positive int, got True"),
+    ({"block_size": 0}, "block_size=0: must be an int >= 1"),
+    ({"block_size": 2.0}, "block_size=2.0: must be an int >= 1"),
+    ({"block_size": True}, "block_size=True: must be an int >= 1"),
     ({"extra_keys": "salt"}, "extra_keys must be a tuple, got 'salt'"),
     ({"extra_keys": (1.5,)}, "got 1.5"),
     ({"extra_keys": (None,)}, "got None"),

@@ -70,3 +70,43 @@ def test_import_kvkit_touches_neither_cupy_nor_cuda():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert json.loads(out.stdout) == {"cupy": [], "cuda": False}
+
+
+def _fresh_modules(code: str) -> dict:
+    """The JSON that ``code`` prints, run in a fresh interpreter at the repository root."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout)
+
+
+def test_import_kvkit_loads_neither_torch_nor_the_manager_nor_the_registry():
+    """The facade resolves names on first use: a bare `import kvkit` loads none of the heavy parts."""
+    heavy = ["torch", "kvkit.manager", "kvkit.registry", "kvkit.config", "kvkit.stack"]
+    loaded = _fresh_modules(f"import json, sys, kvkit\nprint(json.dumps([m for m in {heavy!r} if m in sys.modules]))")
+    assert loaded == []
+
+
+def backend_modules() -> list[str]:
+    """Import paths of every module under ``backends/`` (``kvkit.backends.*``)."""
+    names = []
+    for path in sorted((ROOT / "backends").rglob("*.py")):
+        parts = ["kvkit", "backends", *path.relative_to(ROOT / "backends").with_suffix("").parts]
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_interfaces_and_backends_never_import_the_composition_layer():
+    """Importing the interfaces and every backend module, one by one, loads no manager, registry, config or stack."""
+    modules = ["kvkit.interfaces.types", "kvkit.interfaces", *backend_modules()]
+    code = (
+        "import importlib, json, sys\n"
+        "above = ('kvkit.manager', 'kvkit.registry', 'kvkit.config', 'kvkit.stack')\n"
+        "leaks = {}\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    found = sorted(m for m in sys.modules if m.startswith(above))\n"
+        "    if found:\n"
+        "        leaks[name] = found\n"
+        "        break\n"
+        "print(json.dumps(leaks))\n"
+    )
+    assert _fresh_modules(code) == {}, "arrows point one way: interfaces <- backends <- kvkit (DESIGN.md §2)"

@@ -11,19 +11,15 @@ from hypothesis import strategies as st
 
 import kvkit.registry as registry_module
 from kvkit.errors import BackendUnavailableError, ConfigError
-from kvkit.interfaces import EvictionPolicy
+from kvkit.interfaces import EvictionPolicy, ExplainsUnavailability, ReportsAvailability
 from kvkit.registry import ALLOCATOR, COPY, ENTRY_POINT_GROUP, EVICTION, STORE, Registry
 
 POLICY_SOURCE = textwrap.dedent('''
-    class FakePolicy:
+    from kvkit.testing.doubles import InertPolicy
+
+    class FakePolicy(InertPolicy):
         def __init__(self, capacity=0):
             self.capacity = capacity
-        def on_insert(self, block, block_hash, parent): pass
-        def on_access(self, block): pass
-        def on_remove(self, block): pass
-        def select_victims(self, n, is_evictable): return None
-        def __len__(self): return 0
-        def check_invariants(self): pass
 
     class Unavailable(FakePolicy):
         @classmethod
@@ -197,6 +193,23 @@ def test_availability_reasons(fresh, fake_module):
     with pytest.raises(BackendUnavailableError, match="'off'.*returned False"):
         fresh.create("off")
     fresh.check_invariants()
+
+
+def test_availability_capabilities_are_read_off_the_class(fresh, fake_module):
+    """The registry probes a class through ReportsAvailability / ExplainsUnavailability; None opts out."""
+    fresh.register("explained", f"{fake_module}:Explained")
+    explained = fresh.load("explained")
+    module = sys.modules[fake_module]
+    assert isinstance(explained, ExplainsUnavailability) and isinstance(explained, ReportsAvailability)
+    assert isinstance(module.Unavailable, ReportsAvailability)
+    assert not isinstance(module.Unavailable, ExplainsUnavailability)
+    assert not isinstance(module.FakePolicy, ReportsAvailability)
+    silent = type("Silent", (module.Explained,), {"unavailable_reason": None})
+    assert not isinstance(silent, ExplainsUnavailability)
+    fresh.register("silent", silent)
+    assert fresh.why_unavailable("silent").endswith("Silent.is_available() returned False")
+    for name in ("cuda-dma", "cupy-batch", "auto", "staged"):
+        assert isinstance(COPY.load(name), ExplainsUnavailability), name
 
 
 def test_failed_import_is_retried(fresh, fake_module, tmp_path):

@@ -126,12 +126,22 @@ def test_build_accepts_instances_and_reports_every_bad_slot_at_once():
     from kvkit.backends.store.eager import EagerStore
 
     stack = kvkit.build(kv=SPEC, gpu_blocks=8, cpu_bytes=SPEC.bytes_per_block * 5,
-                        eviction=FIFOPolicy(), store=EagerStore())
+                        cpu_eviction=FIFOPolicy(), store=EagerStore())
     assert stack.cpu.num_blocks == 5
     with pytest.raises(ConfigError) as err:
-        kvkit.build(kv=SPEC, gpu_blocks=0, cpu_blocks=8, eviction="lruu", store=object())
+        kvkit.build(kv=SPEC, gpu_blocks=0, cpu_blocks=8, cpu_eviction="lruu", store=object())
     text = str(err.value)
     assert "gpu_blocks" in text and "'lruu'" in text and "store" in text
+
+
+def test_build_takes_the_old_eviction_keyword_with_a_warning():
+    """``build(eviction=...)`` still sets the CPU tier's policy for one release; the warning names the caller."""
+    with pytest.warns(DeprecationWarning, match="use cpu_eviction") as rec:
+        stack = kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=8, eviction="fifo", device="cpu")
+    assert rec[0].filename == __file__
+    assert stack.config.cpu_eviction == "fifo" and type(stack.cpu.policy).__name__ == "FIFOPolicy"
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="disagree"):
+        kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=8, eviction="fifo", cpu_eviction="lru", device="cpu")
 
 
 def test_build_rejects_mixed_config_and_slots_and_bad_kv_usage():

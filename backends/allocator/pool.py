@@ -9,7 +9,6 @@ import attrs
 import numpy as np
 from typing_extensions import override
 
-from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import (
     ConfigError,
     OutOfBlocksError,
@@ -17,22 +16,17 @@ from kvkit.errors import (
     RefcountError,
     UnknownBlockError,
 )
-from kvkit.interfaces.allocator import BlockAllocator, EvictListener
-from kvkit.interfaces.eviction import EvictionPolicy, pin_hooks
+from kvkit.interfaces.allocator import EvictListener
+from kvkit.interfaces.capabilities import EvictionOrder, pin_hooks
+from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import at_least, check_int
 
 __all__ = ["BlockPool"]
 
 
-def _check_capacity(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"num_blocks must be a positive int, got {value!r}")
-
-
 def _check_count(what: str, n: object) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise PoolUsageError(f"{what} needs a non-negative int count, got {n!r}")
-    return n
+    return check_int(f"{what}: n", n, 0, error=PoolUsageError)
 
 
 def _as_list(values: object, what: str) -> list | tuple:
@@ -48,7 +42,7 @@ def _as_list(values: object, what: str) -> list | tuple:
 
 
 @attrs.define(eq=False)
-class BlockPool(BlockAllocator):
+class BlockPool(EvictionOrder):
     """A pool of ``num_blocks`` slots with refcounts, a prefix index and pluggable eviction.
 
     Per-block state is two flat lists indexed by block id (refcount, hash); the
@@ -60,21 +54,28 @@ class BlockPool(BlockAllocator):
 
     Args:
         num_blocks: slots in the pool (fixed).
-        eviction: policy that picks victims among evictable blocks; default
-            a fresh :class:`~kvkit.backends.eviction.lru.LRUPolicy`. It must
-            track no blocks yet. If it has the optional pin hooks (see
-            :class:`~kvkit.interfaces.eviction.EvictionPolicy`), the pool
-            calls ``on_pin`` when a ready block's refcount goes 0 -> 1 and
-            right after committing a block (always referenced then), and
-            ``on_unpin`` when a ready block's refcount goes 1 -> 0.
+        eviction: policy that picks victims among evictable blocks (required:
+            the pool has no default; ``kvkit.build`` chooses one from
+            ``StackConfig.cpu_eviction``). It must track no blocks yet. If it is a
+            :class:`~kvkit.interfaces.capabilities.PinAwarePolicy` when the
+            pool is built, the pool calls ``on_pin`` when a ready block's
+            refcount goes 0 -> 1 and right after committing a block (always
+            referenced then), and ``on_unpin`` when a ready block's refcount
+            goes 1 -> 0.
 
-    Invariants: those of :class:`~kvkit.interfaces.allocator.BlockAllocator`;
+    Raises:
+        ConfigError: ``num_blocks`` is not a positive int; ``eviction`` is
+            missing, not an ``EvictionPolicy``, already tracks blocks, or has
+            half a pair of pin hooks.
+
+    Invariants: those of :class:`~kvkit.interfaces.allocator.BlockAllocator`
+    and :class:`~kvkit.interfaces.capabilities.EvictionOrder`;
     the policy tracks exactly the ready blocks; ``num_evictable`` counts
     ready blocks with refcount 0; with pin hooks, the policy's pinned blocks
     are exactly the ready blocks with references.
     """
 
-    num_blocks: int = attrs.field(validator=_check_capacity, on_setattr=attrs.setters.frozen)
+    num_blocks: int = attrs.field(validator=at_least(1), on_setattr=attrs.setters.frozen)
     _policy: EvictionPolicy = attrs.field(default=None, alias="eviction", repr=False,
                                           on_setattr=attrs.setters.frozen)
     _ref: list[int] = attrs.field(init=False, repr=False)
@@ -84,16 +85,19 @@ class BlockPool(BlockAllocator):
     _num_evictable: int = attrs.field(init=False, repr=False, default=0)
     _listeners: list[EvictListener] = attrs.field(init=False, repr=False, factory=list)
     _is_evictable: Callable[[BlockId], bool] = attrs.field(init=False, repr=False)
-    # The policy's pin hooks, or None: resolved once, so a policy without them costs nothing.
+    # The policy's pin hooks, or None: decided once, so a policy without them costs nothing.
     _on_pin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
     _on_unpin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self._policy is None:
-            object.__setattr__(self, "_policy", LRUPolicy())
-        elif not isinstance(self._policy, EvictionPolicy):
+            raise ConfigError(
+                "BlockPool needs an eviction policy, got eviction=None; hint: pass one, e.g. "
+                "eviction=LRUPolicy() from kvkit.backends.eviction.lru (kvkit.build chooses it "
+                "from StackConfig.cpu_eviction / gpu_eviction)")
+        if not isinstance(self._policy, EvictionPolicy):
             raise ConfigError(f"eviction must be an EvictionPolicy, got {self._policy!r}")
-        elif len(self._policy):
+        if len(self._policy):
             raise ConfigError(
                 f"eviction policy {self._policy!r} already tracks {len(self._policy)} blocks"
             )
@@ -368,6 +372,7 @@ class BlockPool(BlockAllocator):
         self._check_id(block)
         return self._hash[block] is not None
 
+    @override
     def eviction_candidates(self, n: int) -> list[BlockId]:
         """The next up-to-``n`` blocks the policy would evict now, next victim first.
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvkit.errors import PlanError, SpecMismatchError
 from kvkit.interfaces.copy import Region
-from kvkit.interfaces.types import Direction, TransferPlan
+from kvkit.interfaces.types import Direction, Tier, TransferPlan
 
 __all__ = ["CPU", "GPU", "Descriptors", "Planner", "Strided", "registered", "runs"]
 
@@ -106,8 +106,8 @@ class _Group:
     def of(cls, regions: Sequence[Region], host_address: Callable[[int], int]) -> _Group:
         base = np.array([[r.gpu.data_ptr() for r in regions],
                          [host_address(r.cpu.data_ptr()) for r in regions]], dtype=np.int64)
-        stride = np.array([[r.stride_bytes("gpu") for r in regions],
-                           [r.stride_bytes("cpu") for r in regions]], dtype=np.int64)
+        stride = np.array([[r.stride_bytes(Tier.GPU) for r in regions],
+                           [r.stride_bytes(Tier.CPU) for r in regions]], dtype=np.int64)
         piece = np.array([r.piece_bytes for r in regions], dtype=np.int64)
         limit = (min(r.gpu.shape[0] for r in regions), min(r.cpu.shape[0] for r in regions))
         packed = (stride == piece[None, :]).all(axis=0)

@@ -34,13 +34,9 @@ from kvkit.backends.copy._planner import Planner, registered
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
+from kvkit.validate import real_in
 
 __all__ = ["AutoCopy"]
-
-
-def _share(inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if not 0.0 <= value < 1.0:
-        raise ConfigError(f"auto: kernel_share must be in [0, 1), got {value!r}")
 
 
 def _small_loads(inst: object, attribute: attrs.Attribute, value: str) -> None:
@@ -93,7 +89,7 @@ class AutoCopy(HandleQueue):
     sm_budget: int = 2
     dma_min_bytes: int = 256 << 10
     small_loads: str = attrs.field(default="kernel", validator=_small_loads)
-    kernel_share: float = attrs.field(default=0.0, validator=_share)
+    kernel_share: float = attrs.field(default=0.0, validator=real_in(low=0, high=1, high_open=True, label="auto: "))
     strided: bool = False
     dma: Any = None
     kernel: Any = None

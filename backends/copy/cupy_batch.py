@@ -42,6 +42,7 @@ from kvkit.backends.copy._gpu_copy import GPUCopy
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
+from kvkit.validate import at_least, check_int
 
 __all__ = ["CupyBatchCopy"]
 
@@ -163,22 +164,19 @@ kvkit_batch_copy(const long long* __restrict__ regions, const int nregions, cons
 
 _SMEM_LIMIT = 227 << 10  # dynamic shared memory one block may opt into on sm_90
 
-
-def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"cupy-batch: {attribute.name} must be a positive int, got {value!r}")
+_positive = at_least(1, label="cupy-batch: ")
 
 
 def _threads(inst: object, attribute: attrs.Attribute, value: int | None) -> None:
     if value is None:
         return
-    _positive(inst, attribute, value)
+    check_int(f"cupy-batch: {attribute.name}", value, 1)
     if value % 32 or value > 1024:
         raise ConfigError(f"cupy-batch: threads must be a multiple of 32 up to 1024, got {value!r}")
 
 
 def _sixteen(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    _positive(inst, attribute, value)
+    check_int(f"cupy-batch: {attribute.name}", value, 1)
     if value % 16:
         raise ConfigError(f"cupy-batch: {attribute.name} must be a multiple of 16, got {value!r}")
 

@@ -32,16 +32,15 @@ from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy._planner import Planner, registered
 from kvkit.backends.copy.cuda_dma import CudaDMACopy
 from kvkit.backends.copy.cupy_batch import CupyBatchCopy
-from kvkit.errors import BackendUnavailableError, ConfigError, SpecMismatchError
+from kvkit.errors import BackendUnavailableError, SpecMismatchError
 from kvkit.interfaces.copy import Region
-from kvkit.interfaces.types import Direction, TransferPlan
+from kvkit.interfaces.types import Direction, Tier, TransferPlan
+from kvkit.validate import at_least
 
 __all__ = ["StagedCopy"]
 
 
-def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"staged: {attribute.name} must be a positive int, got {value!r}")
+_positive = at_least(1, label="staged: ")
 
 
 class _StagingKernel(CupyBatchCopy):
@@ -72,10 +71,10 @@ def _block_span(group: Sequence[Region]) -> tuple[int, int, int]:
     """
     regions = sorted(group, key=lambda r: r.cpu.data_ptr())
     base = regions[0].cpu.data_ptr()
-    stride = regions[0].stride_bytes("cpu")
+    stride = regions[0].stride_bytes(Tier.CPU)
     offset = 0
     for r in regions:
-        if (r.cpu.data_ptr() - base != offset or r.stride_bytes("cpu") != stride
+        if (r.cpu.data_ptr() - base != offset or r.stride_bytes(Tier.CPU) != stride
                 or r.cpu.untyped_storage().data_ptr() != regions[0].cpu.untyped_storage().data_ptr()):
             break
         offset += r.piece_bytes

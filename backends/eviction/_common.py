@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from itertools import islice
 
+import attrs
+
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import check_int
 
 __all__ = [
+    "LearnsCapacity",
     "already_tracked",
     "check_count",
     "hash_already_tracked",
@@ -21,10 +25,52 @@ __all__ = [
 _ABSENT = object()
 
 
+def _capacity(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None:
+        check_int(f"{type(inst).__name__}.{attribute.name}", value, 1)
+
+
+@attrs.define
+class LearnsCapacity:
+    """Base of the policies that size their state by the pool: ARC, S3-FIFO, hit density.
+
+    The ``EvictionPolicy`` protocol does not tell a policy its pool's size, so
+    such a policy takes it as ``capacity`` or learns it as the most blocks it
+    ever tracked at once, which reaches the pool's size once the pool has
+    filled. On each insert a subclass reports how many blocks it tracks with
+    the new one (:meth:`_learn`); it reads the size in use as :attr:`c`.
+
+    Args:
+        capacity: the pool's size in blocks, or ``None`` to learn it.
+
+    Raises:
+        ConfigError: ``capacity`` is neither ``None`` nor an int >= 1 (quoted).
+
+    Invariants: the learned mark never decreases and is at least the blocks
+    tracked now (:meth:`_check_capacity`); ``c`` is ``capacity`` when given.
+    """
+
+    capacity: int | None = attrs.field(default=None, validator=_capacity)
+    _high_water: int = attrs.field(default=0, init=False)
+
+    @property
+    def c(self) -> int:
+        """Capacity in use: the one given, else the most blocks tracked at once."""
+        return self.capacity if self.capacity is not None else self._high_water
+
+    def _learn(self, tracked: int) -> None:
+        """Note that the policy tracks ``tracked`` blocks now."""
+        if tracked > self._high_water:
+            self._high_water = tracked
+
+    def _check_capacity(self) -> None:
+        """The invariant above, for the subclass's ``check_invariants``."""
+        assert self._high_water >= len(self), "high-water mark below the tracked count"
+
+
 def check_count(n: int) -> None:
     """Reject a victim count that is not a non-negative int."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise PoolUsageError(f"select_victims needs a non-negative int n, got {n!r}")
+    check_int("select_victims: n", n, 0, error=PoolUsageError)
 
 
 def already_tracked(policy: object, block: BlockId) -> PoolUsageError:

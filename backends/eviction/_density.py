@@ -33,11 +33,12 @@ import math
 import attrs
 import numpy as np
 
+from kvkit.validate import at_least
+
 __all__ = ["HitDensityModel"]
 
 
-def _positive_int(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    assert type(value) is int and value > 0, f"{attribute.name} must be a positive int, got {value!r}"
+_positive_int = at_least(1)
 
 
 @attrs.define(eq=False)

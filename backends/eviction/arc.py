@@ -8,21 +8,15 @@ from collections.abc import Callable
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import already_tracked, check_count, not_tracked
-from kvkit.errors import ConfigError
+from kvkit.backends.eviction._common import LearnsCapacity, already_tracked, check_count, not_tracked
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["ARCPolicy"]
 
 
-def _capacity(inst: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ConfigError(f"ARC capacity must be a positive int or None, got {value!r}")
-
-
 @attrs.define
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(LearnsCapacity, EvictionPolicy):
     """ARC: balances a recency list ``T1`` and a frequency list ``T2`` with ghost feedback.
 
     A block enters ``T1`` (seen once) and moves to ``T2`` on its first hit.
@@ -42,8 +36,7 @@ class ARCPolicy(EvictionPolicy):
 
     Args:
         capacity: ``c``, blocks the cache holds (the pool's size). ``None``
-            learns it as the most blocks ever tracked at once, which reaches
-            the pool's size once the pool has filled.
+            learns it (:class:`~kvkit.backends.eviction._common.LearnsCapacity`).
 
     Precondition: at most one tracked block per hash (a pool's prefix index
     guarantees it).
@@ -55,30 +48,23 @@ class ARCPolicy(EvictionPolicy):
           is non-empty.
     """
 
-    capacity: int | None = attrs.field(default=None, validator=_capacity)
     _t1: OrderedDict[BlockId, BlockHash] = attrs.field(factory=OrderedDict, init=False)
     _t2: OrderedDict[BlockId, BlockHash] = attrs.field(factory=OrderedDict, init=False)
     _b1: OrderedDict[BlockHash, None] = attrs.field(factory=OrderedDict, init=False)
     _b2: OrderedDict[BlockHash, None] = attrs.field(factory=OrderedDict, init=False)
     _p: float = attrs.field(default=0.0, init=False)
-    _high_water: int = attrs.field(default=0, init=False)
 
     @property
     def p(self) -> float:
         """Target size of ``T1``, adapted on ghost hits, in ``[0, c]``."""
         return self._p
 
-    @property
-    def c(self) -> int:
-        """Capacity in use: the one given, else the most blocks tracked at once."""
-        return self.capacity if self.capacity is not None else self._high_water
-
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
         if block in self._t1 or block in self._t2:
             raise already_tracked(self, block)
-        self._high_water = max(self._high_water, len(self) + 1)
+        self._learn(len(self) + 1)
         if block_hash in self._b1:
             self._p = min(self.c, self._p + max(1.0, len(self._b2) / len(self._b1)))
             del self._b1[block_hash]
@@ -144,7 +130,7 @@ class ARCPolicy(EvictionPolicy):
         ghosts = self._b1.keys() | self._b2.keys()
         assert not tracked & ghosts, f"ghosts hold tracked hashes {tracked & ghosts}"
         assert 0 <= self._p <= c, f"p={self._p} outside [0, {c}]"
-        assert self._high_water >= len(self), "high-water mark below the tracked count"
+        self._check_capacity()
         assert not self._b1 or len(self._t1) + len(self._b1) <= c, "|T1| + |B1| > c"
         assert not ghosts or len(self) + len(ghosts) <= 2 * c, "|T1| + |T2| + |B1| + |B2| > 2c"
 

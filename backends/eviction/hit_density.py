@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -10,11 +11,11 @@ import numpy as np
 from typing_extensions import override
 
 from kvkit.backends.eviction._chains import ChainIndex
-from kvkit.backends.eviction._common import check_count, move_pinned, not_tracked
+from kvkit.backends.eviction._common import LearnsCapacity, check_count, move_pinned, not_tracked
 from kvkit.backends.eviction._density import HitDensityModel
-from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import real_in
 
 __all__ = ["HitDensityPolicy", "block_class"]
 
@@ -23,23 +24,13 @@ _CLASSES = 2 * (_MAX_USES + 1)
 _MIN_REFRESH = 64  # ticks between two refreshes while the pool is still tiny
 
 
-def _capacity(inst: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and (type(value) is not int or value <= 0):
-        raise ConfigError(f"hit-density capacity must be a positive int or None, got {value!r}")
-
-
-def _ghost_span(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) not in (int, float) or not 1 <= value < float("inf"):
-        raise ConfigError(f"hit-density ghost_span must be a finite number >= 1, got {value!r}")
-
-
 def block_class(uses: int, was_parent: bool) -> int:
     """The class of a block hit ``uses`` times whose hash has (``True``) or never had a cached child."""
     return 2 * min(uses, _MAX_USES) + was_parent
 
 
 @attrs.define
-class HitDensityPolicy(EvictionPolicy):
+class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     """Evicts the block expected to earn the fewest hits per unit of cache space, leaves first.
 
     Why: on multi-turn chat traces most blocks are never referenced again
@@ -99,7 +90,7 @@ class HitDensityPolicy(EvictionPolicy):
 
     Args:
         capacity: blocks in the pool, which sizes the ghost and the refresh
-            period. ``None`` learns it as the most blocks ever tracked at once.
+            period. ``None`` learns it (:class:`~kvkit.backends.eviction._common.LearnsCapacity`).
         ghost_span: how many pools' worth of evictions the ghost covers; it
             bounds the longest reuse the policy can learn to wait for.
 
@@ -112,8 +103,7 @@ class HitDensityPolicy(EvictionPolicy):
         * The chain index's and the density model's invariants.
     """
 
-    capacity: int | None = attrs.field(default=None, validator=_capacity)
-    ghost_span: float = attrs.field(default=8.0, validator=_ghost_span)
+    ghost_span: float = attrs.field(default=8.0, validator=real_in(low=1, high=math.inf, high_open=True, label="HitDensityPolicy."))
     _chains: ChainIndex = attrs.field(init=False, factory=ChainIndex)
     _lists: list[OrderedDict[BlockId, None]] = attrs.field(
         init=False, factory=lambda: [OrderedDict() for _ in range(_CLASSES)])
@@ -128,18 +118,12 @@ class HitDensityPolicy(EvictionPolicy):
     _model: HitDensityModel = attrs.field(init=False, factory=lambda: HitDensityModel(_CLASSES))
     _clock: int = attrs.field(init=False, default=0)
     _evictions: int = attrs.field(init=False, default=0)
-    _high_water: int = attrs.field(init=False, default=0)
     _next_refresh: int = attrs.field(init=False, default=_MIN_REFRESH)
 
     @property
     def model(self) -> HitDensityModel:
         """The learned hit-density model (read it; the policy updates it)."""
         return self._model
-
-    @property
-    def size(self) -> int:
-        """The pool size the policy assumes: ``capacity``, or the most blocks tracked so far."""
-        return self.capacity or self._high_water
 
     @property
     def num_ghosts(self) -> int:
@@ -181,7 +165,7 @@ class HitDensityPolicy(EvictionPolicy):
         self._enter(block, block_class(uses, self._chains.has_children(block)))
         if parent_block is not None and not self._class[parent_block] & 1:
             self._enter(parent_block, self._class[parent_block] | 1)
-        self._high_water = max(self._high_water, len(self._class))
+        self._learn(len(self._class))
         self._maybe_refresh()
 
     @override
@@ -205,7 +189,7 @@ class HitDensityPolicy(EvictionPolicy):
         last, uses = self._last.pop(block), self._uses.pop(block)
         self._evictions += 1
         self._ghost[block_hash] = (self._evictions, last, cls, uses)
-        horizon = self._evictions - self.ghost_span * max(self.size, 1)
+        horizon = self._evictions - self.ghost_span * max(self.c, 1)
         while self._ghost:
             ghost_hash, (evicted, last, cls, _) = next(iter(self._ghost.items()))
             if evicted > horizon:
@@ -284,7 +268,7 @@ class HitDensityPolicy(EvictionPolicy):
     def _maybe_refresh(self) -> None:
         if self._clock < self._next_refresh:
             return
-        self._next_refresh = self._clock + max(self.size, _MIN_REFRESH)
+        self._next_refresh = self._clock + max(self.c, _MIN_REFRESH)
         now, n_tracked, n_ghosts = self._clock, len(self._class), len(self._ghost)
         classes = np.fromiter(
             (*self._class.values(), *(g[2] for g in self._ghost.values())),
@@ -317,5 +301,6 @@ class HitDensityPolicy(EvictionPolicy):
         assert evicted == sorted(evicted), "ghost is not in eviction order"
         for ghost_hash in self._ghost:
             assert not self._chains.has_hash(ghost_hash), f"ghost {ghost_hash} is tracked"
+        self._check_capacity()
         self._chains.check_invariants()
         self._model.check_invariants()

@@ -10,33 +10,24 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.eviction._common import (
+    LearnsCapacity,
     already_tracked,
     check_count,
     move_pinned,
     not_tracked,
     take_evictable,
 )
-from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import real_in
 
 __all__ = ["S3FIFOPolicy"]
 
 _MAX_FREQ = 3  # two bits per block, as in the paper
 
 
-def _capacity(inst: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ConfigError(f"S3-FIFO capacity must be a positive int or None, got {value!r}")
-
-
-def _ratio(inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1:
-        raise ConfigError(f"S3-FIFO small_ratio must lie strictly between 0 and 1, got {value!r}")
-
-
 @attrs.define
-class S3FIFOPolicy(EvictionPolicy):
+class S3FIFOPolicy(LearnsCapacity, EvictionPolicy):
     """S3-FIFO: new blocks are probationary; only reused ones earn a place in main.
 
     A new block enters the small queue ``S``, or the main queue ``M`` if its
@@ -68,8 +59,7 @@ class S3FIFOPolicy(EvictionPolicy):
 
     Args:
         capacity: ``c``, blocks the cache holds (the pool's size). ``None``
-            learns it as the most blocks ever tracked at once, which reaches
-            the pool's size once the pool has filled.
+            learns it (:class:`~kvkit.backends.eviction._common.LearnsCapacity`).
         small_ratio: target share of ``S`` (0.1 in the paper).
 
     Invariants:
@@ -79,8 +69,7 @@ class S3FIFOPolicy(EvictionPolicy):
         * ``G`` holds no tracked block's hash and at most its limit of entries.
     """
 
-    capacity: int | None = attrs.field(default=None, validator=_capacity)
-    small_ratio: float = attrs.field(default=0.1, validator=_ratio)
+    small_ratio: float = attrs.field(default=0.1, validator=real_in(low=0, high=1, low_open=True, high_open=True, label="S3FIFOPolicy."))
     _small: OrderedDict[BlockId, BlockHash] = attrs.field(factory=OrderedDict, init=False)
     _main: OrderedDict[BlockId, BlockHash] = attrs.field(factory=OrderedDict, init=False)
     _freq: dict[BlockId, int] = attrs.field(factory=dict, init=False)
@@ -88,12 +77,6 @@ class S3FIFOPolicy(EvictionPolicy):
     _pinned_small: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False)
     _pinned_main: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False)
     _ghost: OrderedDict[BlockHash, None] = attrs.field(factory=OrderedDict, init=False)
-    _high_water: int = attrs.field(default=0, init=False)
-
-    @property
-    def c(self) -> int:
-        """Capacity in use: the one given, else the most blocks tracked at once."""
-        return self.capacity if self.capacity is not None else self._high_water
 
     @property
     def small(self) -> tuple[BlockId, ...]:
@@ -120,7 +103,7 @@ class S3FIFOPolicy(EvictionPolicy):
                   parent: BlockHash | None) -> None:
         if block in self._freq:
             raise already_tracked(self, block)
-        self._high_water = max(self._high_water, len(self) + 1)
+        self._learn(len(self) + 1)
         if block_hash in self._ghost:
             del self._ghost[block_hash]
             self._main[block] = block_hash
@@ -201,7 +184,7 @@ class S3FIFOPolicy(EvictionPolicy):
         assert not tracked & self._ghost.keys(), \
             f"ghost holds tracked hashes {tracked & self._ghost.keys()}"
         assert len(self._ghost) <= self._ghost_limit(), "ghost queue over its limit"
-        assert self._high_water >= len(self), "high-water mark below the tracked count"
+        self._check_capacity()
 
     def _small_target(self) -> int:
         return max(1, round(self.small_ratio * self.c))

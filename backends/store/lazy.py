@@ -8,15 +8,9 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.store.never import NeverStore
-from kvkit.errors import ConfigError
+from kvkit.validate import real_in
 
 __all__ = ["LazyStore"]
-
-
-def _check_watermark(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not 0.0 < value <= 1.0):
-        raise ConfigError(f"watermark must be a number in (0, 1], got {value!r}")
 
 
 @attrs.define
@@ -39,7 +33,7 @@ class LazyStore(NeverStore):
     ``[1, gpu_blocks]`` for a non-empty pool.
     """
 
-    watermark: float = attrs.field(default=0.25, validator=_check_watermark)
+    watermark: float = attrs.field(default=0.25, validator=real_in(low=0, low_open=True, high=1))
 
     @override
     def writeback_target(self, gpu_free: int, gpu_blocks: int) -> int:

@@ -7,16 +7,11 @@ from itertools import islice
 import attrs
 from typing_extensions import override
 
-from kvkit.errors import ConfigError
 from kvkit.interfaces.store import RequestView, StorePolicy
 from kvkit.interfaces.types import BlockHash
+from kvkit.validate import at_least
 
 __all__ = ["SelectiveStore"]
-
-
-def _check_positive(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
 
 
 @attrs.define
@@ -39,8 +34,8 @@ class SelectiveStore(StorePolicy):
     at most ``max_tracked`` hashes are tracked.
     """
 
-    k: int = attrs.field(default=2, validator=_check_positive)
-    max_tracked: int = attrs.field(default=1 << 20, validator=_check_positive)
+    k: int = attrs.field(default=2, validator=at_least(1))
+    max_tracked: int = attrs.field(default=1 << 20, validator=at_least(1))
     # hash -> [distinct requests seen, last request id]; insertion order = age.
     _seen: dict[BlockHash, list] = attrs.field(init=False, factory=dict, repr=False)
 

@@ -8,9 +8,13 @@ from typing import Any
 
 import click
 
+from kvkit.cli import RenamedChoice
+from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.types import KVCacheSpec
-from kvkit.sim.transfer_bench import DIRECTIONS, run_transfer
+from kvkit.sim.simulator import LLAMA_3_8B
+from kvkit.sim.transfer_bench import DIRECTIONS, RENAMED_DIRECTIONS, run_transfer
+from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["bench_group", "transfer_command"]
 
@@ -21,15 +25,15 @@ def bench_group() -> None:
 
 
 @bench_group.command("transfer")
-@click.option("--backend", default="all", show_default=True, help="A copy backend name, or 'all' available here.")
-@click.option("--layout", type=click.Choice(["per-layer", "blocks-first", "cross-layer"]), default="per-layer",
-              show_default=True)
-@click.option("--cpu-layout", type=click.Choice(["per-layer", "blocks-first", "cross-layer"]), default=None,
+@click.option("--backend", default="all", show_default=True,
+              help="A copy backend name (see kvkit list), or 'all' available here; checked before any work.")
+@click.option("--layout", type=click.Choice(list(LAYOUTS)), default="per-layer", show_default=True)
+@click.option("--cpu-layout", type=click.Choice(list(LAYOUTS)), default=None,
               help="The CPU tier's layout [default: --layout]; the staged backend needs cross-layer.")
 @click.option("--blocks", type=click.IntRange(1), default=256, show_default=True, help="Blocks per plan.")
 @click.option("--ids", type=click.Choice(["random", "consecutive"]), default="random", show_default=True)
-@click.option("--direction", type=click.Choice(list(DIRECTIONS)), default="d2h", show_default=True,
-              help="d2h stores, h2d loads, both: a store and a load plan at once.")
+@click.option("--direction", type=RenamedChoice(list(DIRECTIONS), RENAMED_DIRECTIONS), default="store",
+              show_default=True, help="store: GPU -> CPU, load: CPU -> GPU, both: a store and a load plan at once.")
 @click.option("--with-gemm", is_flag=True, help="Also measure the slowdown of concurrent bf16 8192^3 GEMMs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of a table.")
 @click.option("--pool-blocks", type=click.IntRange(1), default=None,
@@ -39,11 +43,11 @@ def bench_group() -> None:
               help="GPU tier as one buffer (regions evenly spaced) or one tensor per layer.")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Backend option, e.g. --set sm_budget=4 (repeatable).")
-@click.option("--layers", default=32, show_default=True)
-@click.option("--kv-heads", default=8, show_default=True)
-@click.option("--head-dim", default=128, show_default=True)
-@click.option("--block-size", default=16, show_default=True)
-@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--layers", default=LLAMA_3_8B.num_layers, show_default=True)
+@click.option("--kv-heads", default=LLAMA_3_8B.num_kv_heads, show_default=True)
+@click.option("--head-dim", default=LLAMA_3_8B.head_dim, show_default=True)
+@click.option("--block-size", default=DEFAULTS.block_size, show_default=True)
+@click.option("--dtype", default=LLAMA_3_8B.dtype, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: int, ids: str, direction: str,
                      with_gemm: bool, as_json: bool, pool_blocks: int | None, repeat: int, alloc: str, settings: tuple[str, ...],

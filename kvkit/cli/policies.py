@@ -11,8 +11,9 @@ from pathlib import Path
 
 import click
 
+from kvkit.cli import renamed_flag
 from kvkit.sim.policy_study import OPT, HitStats, PolicyStudy, study
-from kvkit.sim.traces import DEFAULT_BLOCK_TOKENS, read_trace
+from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, read_trace
 
 __all__ = ["policies_command", "save_plot"]
 
@@ -46,7 +47,7 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 @click.option("--policies", "policy_list", default=None,
               help="Eviction policies, comma-separated [default: every registered one; "
                    "the optimum 'opt' is always added].")
-@click.option("--block-tokens", default=DEFAULT_BLOCK_TOKENS, show_default=True,
+@click.option("--block-size", default=MOONCAKE_BLOCK_SIZE, show_default=True,
               type=click.IntRange(min=1), help="Tokens per block of the trace's hash_ids.")
 @click.option("--limit", type=click.IntRange(min=0), default=None,
               help="Replay only the first N requests.")
@@ -56,20 +57,22 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 @click.option("--plot", "plot_path", default=None,
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG of hit ratio against capacity per policy.")
+@renamed_flag("--block-tokens", "--block-size", type=click.IntRange(min=1))  # hidden and warning, one release
 def policies_command(trace_path: Path, capacities: list[int], policy_list: str | None,
-                     block_tokens: int, limit: int | None, jobs: int | None, as_json: bool,
+                     block_size: int, limit: int | None, jobs: int | None, as_json: bool,
                      plot_path: Path | None) -> None:
     """Compare eviction policies' prefix hit ratios on a trace, as shares of the optimum.
 
     Replays the trace through the real block pool once per policy and
     capacity, in parallel. A block hits only while every earlier block of its
-    request hit; every block is cached after its request.
+    request hit; every block is cached after its request. The JSON report's
+    "block_tokens" repeats "block_size" for one release.
     """
     if plot_path is not None:
         _require_matplotlib()
     policies = _split(policy_list, "policy names")
     start = time.perf_counter()
-    requests = list(read_trace(trace_path, block_tokens=block_tokens, limit=limit))
+    requests = list(read_trace(trace_path, block_size=block_size, limit=limit))
     with _progress(enabled=not as_json) as on_result:
         result = study(requests, capacities, policies, jobs=jobs, on_result=on_result)
     seconds = time.perf_counter() - start
@@ -79,7 +82,8 @@ def policies_command(trace_path: Path, capacities: list[int], policy_list: str |
     if as_json:
         click.echo(json.dumps({
             "trace": str(trace_path),
-            "block_tokens": block_tokens,
+            "block_size": block_size,
+            "block_tokens": block_size,  # deprecated duplicate of block_size, kept one release
             "requests": len(requests),
             "block_references": references,
             "seconds": round(seconds, 3),
@@ -87,7 +91,7 @@ def policies_command(trace_path: Path, capacities: list[int], policy_list: str |
         }, indent=2))
     else:
         _print_table(result, f"{trace_path.name}: {len(requests)} requests, {references} block "
-                             f"references of {block_tokens} tokens, {seconds:.1f} s")
+                             f"references of {block_size} tokens, {seconds:.1f} s")
     if plot_path is not None and not as_json:
         click.echo(f"plot written to {plot_path}")
 

@@ -14,20 +14,14 @@ from typing import Any
 import attrs
 import click
 
-from kvkit.sim.simulator import (
-    DEFAULT_CPU_BLOCKS,
-    DEFAULT_GPU_BLOCKS,
-    CostModel,
-    SimConfig,
-    SimResult,
-    simulate,
-)
-from kvkit.sim.traces import DEFAULT_BLOCK_TOKENS, TraceRequest, read_trace
+from kvkit.cli import renamed_flag
+from kvkit.config import DEFAULTS
+from kvkit.sim.simulator import CostModel, SimConfig, SimResult, simulate
+from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
 
 __all__ = ["figure", "save_plot", "simulate_command"]
 
-_SYNTHETIC_BLOCK_TOKENS = 16
-_DEFAULTS = CostModel()
+_COST = CostModel()  # the cost model's defaults have one home: CostModel
 
 
 def _require_matplotlib() -> None:
@@ -41,35 +35,38 @@ def _require_matplotlib() -> None:
 @click.option("--trace", "trace_path", default=None,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Mooncake JSONL trace [default: the built-in synthetic multi-turn chat workload].")
-@click.option("--gpu-blocks", default=DEFAULT_GPU_BLOCKS, show_default=True, type=click.IntRange(min=1),
+@click.option("--gpu-blocks", default=DEFAULTS.gpu_blocks, show_default=True, type=click.IntRange(min=1),
               help="GPU tier size in blocks.")
 @click.option("--cpu-blocks", default=None, type=click.IntRange(min=1),
-              help=f"CPU tier size in blocks [default: {DEFAULT_CPU_BLOCKS}].")
+              help=f"CPU tier size in blocks [default: {DEFAULTS.cpu_blocks}].")
 @click.option("--cpu-bytes", default=None,
               help="CPU tier size in bytes of model KV instead, e.g. 64GiB.")
-@click.option("--block-tokens", default=None, type=click.IntRange(min=1),
-              help=f"Tokens per block [default: {_SYNTHETIC_BLOCK_TOKENS} for the synthetic workload, "
-                   f"{DEFAULT_BLOCK_TOKENS} (Mooncake) for --trace].")
-@click.option("--eviction", default="lru", show_default=True, help="CPU tier eviction policy.")
-@click.option("--gpu-eviction", default="lru", show_default=True, help="GPU tier eviction policy.")
-@click.option("--store", default="eager", show_default=True, help="Store policy.")
+@click.option("--block-size", default=None, type=click.IntRange(min=1),
+              help=f"Tokens per block [default: {DEFAULTS.block_size} for the synthetic workload, "
+                   f"{MOONCAKE_BLOCK_SIZE} (Mooncake) for --trace].")
+@click.option("--cpu-eviction", default=DEFAULTS.cpu_eviction, show_default=True, help="CPU tier eviction policy.")
+@click.option("--gpu-eviction", default=DEFAULTS.gpu_eviction, show_default=True, help="GPU tier eviction policy.")
+@click.option("--store", default=DEFAULTS.store, show_default=True, help="Store policy.")
 @click.option("--verify", is_flag=True,
               help="Move real bytes (torch backend, CPU tensors) and check every loaded block.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic workload.")
 @click.option("--limit", default=None, type=click.IntRange(min=0), help="Replay only the first N requests.")
-@click.option("--prefill-tokens-per-s", default=_DEFAULTS.prefill_tokens_per_s, show_default=True,
+@click.option("--prefill-tokens-per-s", default=_COST.prefill_tokens_per_s, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Cost model: prefill speed.")
-@click.option("--pcie-gbps", default=_DEFAULTS.pcie_gb_per_s, show_default=True,
+@click.option("--pcie-gbps", default=_COST.pcie_gbps, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Cost model: CPU->GPU load GB/s.")
-@click.option("--decode-ms-per-token", default=_DEFAULTS.decode_ms_per_token, show_default=True,
+@click.option("--decode-ms-per-token", default=_COST.decode_ms_per_token, show_default=True,
               type=click.FloatRange(min=0), help="Cost model: time per generated token.")
 @click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never').")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--plot", "plot_path", default=None,
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload.")
+# Old names, hidden and warning, for one release:
+@renamed_flag("--block-tokens", "--block-size", type=click.IntRange(min=1))
+@renamed_flag("--eviction", "--cpu-eviction")
 def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int | None,
-                     cpu_bytes: str | None, block_tokens: int | None, eviction: str,
+                     cpu_bytes: str | None, block_size: int | None, cpu_eviction: str,
                      gpu_eviction: str, store: str, verify: bool, seed: int, limit: int | None,
                      prefill_tokens_per_s: float, pcie_gbps: float, decode_ms_per_token: float,
                      no_baseline: bool, as_json: bool, plot_path: Path | None) -> None:
@@ -85,15 +82,15 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
         _require_matplotlib()
     if cpu_blocks is not None and cpu_bytes is not None:
         raise click.UsageError("give --cpu-blocks or --cpu-bytes, not both")
-    if block_tokens is None:
-        block_tokens = DEFAULT_BLOCK_TOKENS if trace_path is not None else _SYNTHETIC_BLOCK_TOKENS
+    if block_size is None:
+        block_size = MOONCAKE_BLOCK_SIZE if trace_path is not None else DEFAULTS.block_size
     config = SimConfig(
-        gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, cpu_bytes=cpu_bytes, block_tokens=block_tokens,
-        eviction=eviction, gpu_eviction=gpu_eviction, store=store, verify=verify,
-        cost=CostModel(prefill_tokens_per_s=prefill_tokens_per_s, pcie_gb_per_s=pcie_gbps,
+        gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, cpu_bytes=cpu_bytes, block_size=block_size,
+        cpu_eviction=cpu_eviction, gpu_eviction=gpu_eviction, store=store, verify=verify,
+        cost=CostModel(prefill_tokens_per_s=prefill_tokens_per_s, pcie_gbps=pcie_gbps,
                        decode_ms_per_token=decode_ms_per_token))
     config.stack_config()  # every bad slot is reported before any work
-    workload = _Workload(trace_path, block_tokens, seed, limit)
+    workload = _Workload(trace_path, block_size, seed, limit)
     start = time.perf_counter()
     runs = [("offload", config)]
     if not no_baseline and store != "never":
@@ -126,18 +123,18 @@ class _Workload:
     """The requests to replay: a trace file (read again for each run) or the synthetic workload."""
 
     path: Path | None
-    block_tokens: int
+    block_size: int
     seed: int
     limit: int | None
 
     def requests(self) -> Iterable[TraceRequest]:
         if self.path is not None:
-            return read_trace(self.path, block_tokens=self.block_tokens, limit=self.limit)
+            return read_trace(self.path, block_size=self.block_size, limit=self.limit)
         from itertools import islice
 
         from kvkit.sim.synthetic import SyntheticWorkload, generate
 
-        return islice(generate(SyntheticWorkload(seed=self.seed, block_tokens=self.block_tokens)),
+        return islice(generate(SyntheticWorkload(seed=self.seed, block_size=self.block_size)),
                       self.limit)
 
     def size(self) -> int | None:
@@ -221,7 +218,7 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
 
     c = offload.config
     title = (f"{workload.describe()}: GPU {c.gpu_blocks:,} blocks, CPU {c.num_cpu_blocks:,} blocks "
-             f"of {c.block_tokens} tokens; eviction {c.as_dict()['eviction']}, "
+             f"of {c.block_size} tokens; eviction {c.as_dict()['cpu_eviction']}, "
              f"store {c.as_dict()['store']}")
     table = Table(title=title)
     table.add_column("")
@@ -235,7 +232,7 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
     console.print(table)
     cost = c.cost
     console.print(f"cost model: {cost.prefill_tokens_per_s:,.0f} prefill tokens/s, "
-                  f"{cost.pcie_gb_per_s:g} GB/s PCIe, {cost.decode_ms_per_token:g} ms/token decode; "
+                  f"{cost.pcie_gbps:g} GB/s PCIe, {cost.decode_ms_per_token:g} ms/token decode; "
                   f"bytes of {c.model.name} ({c.spec.bytes_per_block / 2**20:g} MiB a block)")
     if baseline is not None:
         with_, without = offload.ttft_percentiles(), baseline.ttft_percentiles()

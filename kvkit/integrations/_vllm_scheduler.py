@@ -43,6 +43,7 @@ from kvkit.interfaces import BlockHash, TransferResult
 from kvkit.manager import OffloadManager
 from kvkit.manager.requests import RequestState
 from kvkit.manager.step import StepPlan
+from kvkit.validate import is_int
 
 __all__ = ["LOADED_TOKENS_KEY", "RELOADED_TOKENS_KEY", "SchedulerSide", "StepOrder", "block_hash"]
 
@@ -66,8 +67,8 @@ def block_hash(value: object) -> BlockHash:
     """
     if isinstance(value, (bytes, bytearray)):
         return BlockHash(int.from_bytes(value, "big"))
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return BlockHash(value)
+    if is_int(value, 0):
+        return BlockHash(int(value))
     raise HashInputError(f"vLLM block hash must be bytes or a non-negative int, got {value!r}")
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import attrs
 
-from kvkit.config import StackConfig
+from kvkit._renamed import rename_keywords
+from kvkit.config import DEFAULTS, StackConfig
 from kvkit.errors import ConfigError
 from kvkit.interfaces import KVCacheSpec
 from kvkit.registry import STORE, did_you_mean
@@ -22,12 +23,12 @@ from kvkit.worker.layouts import LAYOUTS
 __all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "parse_extra_config"]
 
 EXTRA_KEYS: tuple[str, ...] = (
-    "cpu_bytes", "cpu_blocks", "eviction", "store", "copy", "allocator", "options", "layout", "cpu_layout",
+    "cpu_bytes", "cpu_blocks", "cpu_eviction", "store", "copy", "allocator", "options", "layout", "cpu_layout",
 )
 """Keys ``kv_connector_extra_config`` may hold (see :func:`parse_extra_config`)."""
 
-_NAMED_SLOTS = ("eviction", "store", "copy", "allocator")
-_DEFAULTS = {"eviction": "lru", "store": "eager", "copy": "torch", "allocator": "pool"}
+_NAMED_SLOTS = ("cpu_eviction", "store", "copy", "allocator")
+_RENAMED_KEYS = {"eviction": "cpu_eviction"}  # old key -> new key; the old one warns (one release)
 
 
 @attrs.frozen
@@ -91,9 +92,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
 
     * ``cpu_bytes`` (``"8GiB"`` or an int; per worker) or ``cpu_blocks``:
       the CPU tier's size, exactly one of them;
-    * ``eviction`` (default ``"lru"``), ``store`` (``"eager"``), ``copy``
-      (``"torch"``), ``allocator`` (``"pool"``): registered names, as
-      ``kvkit list`` shows them;
+    * ``cpu_eviction``, ``store``, ``copy``, ``allocator``: registered names,
+      as ``kvkit list`` shows them (defaults: :data:`kvkit.config.DEFAULTS`:
+      ``lru``, ``eager``, ``torch``, ``pool``); the old key ``eviction``
+      still works for one release and warns;
     * ``options``: per-slot constructor kwargs, e.g. ``{"store": {"k": 2}}``;
     * ``layout``: ``"auto"`` (default) or a kvkit layout name.
     * ``cpu_layout``: the CPU tier's layout (default: vLLM's), e.g.
@@ -107,11 +109,15 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     """
     extra = dict(extra or {})
     problems: list[str] = []
+    try:
+        rename_keywords(extra, _RENAMED_KEYS, where="kv_connector_extra_config")
+    except ConfigError as exc:  # both keys, different values: one more problem to list
+        problems += exc.problems
     for key in extra:
         if key not in EXTRA_KEYS:
             problems.append(f"kv_connector_extra_config[{key!r}]: unknown key; valid: "
                             f"{', '.join(EXTRA_KEYS)}{did_you_mean(str(key), list(EXTRA_KEYS))}")
-    names = {slot: extra.get(slot, default) for slot, default in _DEFAULTS.items()}
+    names = {slot: extra.get(slot, getattr(DEFAULTS, slot)) for slot in _NAMED_SLOTS}
     for slot, name in names.items():
         if not isinstance(name, str):
             problems.append(
@@ -128,7 +134,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
             cpu_blocks=extra.get("cpu_blocks"), cpu_layout=extra.get("cpu_layout"), world_size=world_size,
             device=device,
             options=extra.get("options", {}),
-            **{slot: name if isinstance(name, str) else _DEFAULTS[slot] for slot, name in names.items()})
+            **{slot: name if isinstance(name, str) else getattr(DEFAULTS, slot) for slot, name in names.items()})
     except ConfigError as exc:
         problems += exc.problems
     if stack is not None and _writes_back(stack):

@@ -43,12 +43,14 @@ import attrs
 import torch
 from typing_extensions import override
 
-from kvkit.config import StackConfig
+from kvkit._renamed import renamed_keywords
+from kvkit.config import DEFAULTS, StackConfig
 from kvkit.errors import BackendUnavailableError, ConfigError, OutOfBlocksError, UnsupportedModelError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.sim.engine_loop import EngineRequest, PrefillCompute, ReferenceEngine
 from kvkit.stack import OffloadStack, build
+from kvkit.validate import check_int
 from kvkit.worker.layouts import allocate_kv
 
 try:
@@ -81,7 +83,7 @@ def _dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def kv_spec_from_config(config: Any, *, block_size: int = 16, dtype: object = None) -> KVCacheSpec:
+def kv_spec_from_config(config: Any, *, block_size: int = DEFAULTS.block_size, dtype: object = None) -> KVCacheSpec:
     """The ``KVCacheSpec`` of a model built from ``config``, with one KV group per attention kind.
 
     The layer kinds come from the cache ``transformers`` itself builds for the
@@ -251,8 +253,7 @@ def _token_list(tokens: object) -> list[int]:
 
 
 def _check_new_tokens(max_new_tokens: object) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 1)
 
 
 def generate_without_offload(model: Any, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int = 16, *,
@@ -420,7 +421,8 @@ class OffloadedLM:
         self.engine = ReferenceEngine(self.stack, compute=self._compute)
 
     @classmethod
-    def build(cls, model: Any, *, gpu_blocks: int, block_size: int = 16, layout: str = "per-layer",
+    @renamed_keywords(eviction="cpu_eviction")
+    def build(cls, model: Any, *, gpu_blocks: int, block_size: int = DEFAULTS.block_size, layout: str = "per-layer",
               cache_salt: tuple = (), **slots: Any) -> OffloadedLM:
         """Build a stack for ``model`` (KV cache of ``gpu_blocks`` blocks on its device) and wrap it.
 
@@ -432,7 +434,7 @@ class OffloadedLM:
             layout: the KV cache layout (see :mod:`kvkit.worker.layouts`).
             cache_salt: see the class.
             **slots: the rest of :class:`~kvkit.StackConfig` (``cpu_blocks`` or
-                ``cpu_bytes``, ``eviction``, ``store``, ``copy``...); ``device``
+                ``cpu_bytes``, ``cpu_eviction``, ``store``, ``copy``...); ``device``
                 is the model's.
 
         Raises:

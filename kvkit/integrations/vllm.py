@@ -8,7 +8,7 @@ vLLM loads it by module path::
         kv_connector="KVKitConnector",
         kv_connector_module_path="kvkit.integrations.vllm",
         kv_role="kv_both",
-        kv_connector_extra_config={"cpu_bytes": "16GiB", "eviction": "lru",
+        kv_connector_extra_config={"cpu_bytes": "16GiB", "cpu_eviction": "lru",
                                    "store": "eager", "copy": "torch"},
     )
 

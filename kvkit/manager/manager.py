@@ -56,15 +56,17 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from kvkit.errors import RequestStateError, UnknownRequestError
+from kvkit.errors import ConfigError, RequestStateError, UnknownRequestError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
+from kvkit.interfaces.capabilities import EvictionOrder
 from kvkit.interfaces.store import StorePolicy
 from kvkit.interfaces.types import (
     BlockHash,
     BlockId,
     Direction,
     KVCacheSpec,
+    Tier,
     TransferPlan,
     TransferResult,
 )
@@ -77,18 +79,16 @@ from kvkit.manager.requests import (
     accepted_blocks,
     check_live,
     check_lookup,
-    check_parts,
     check_prompt,
     check_table,
-    check_world_size,
     is_count,
-    writes_back,
     wrong_state,
 )
 from kvkit.manager.step import CompletionReport, StepPlan
 from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
 from kvkit.stats import OffloadStats
+from kvkit.validate import at_least, int_problem
 
 __all__ = ["OffloadManager"]
 
@@ -130,7 +130,7 @@ class OffloadManager:
     cpu: BlockAllocator
     store: StorePolicy
     gpu: BlockAllocator | None = attrs.field(default=None, kw_only=True)
-    world_size: int = attrs.field(default=1, kw_only=True, validator=check_world_size)
+    world_size: int = attrs.field(default=1, kw_only=True, validator=at_least(1))
     callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
     stats: OffloadStats = attrs.field(factory=OffloadStats, kw_only=True)
     null_block: int = attrs.field(default=-1, kw_only=True)
@@ -149,12 +149,12 @@ class OffloadManager:
     _load_failed: set[str] = attrs.field(init=False, factory=set)
 
     def __attrs_post_init__(self) -> None:
-        check_parts(self.kv, self.cpu, self.gpu, self.store, self.callbacks, self.null_block)
+        _check_parts(self.kv, self.cpu, self.gpu, self.store, self.callbacks, self.null_block)
         self._events = Events(self.callbacks)
         self._hits = CpuHits(self.kv, self.cpu, self.gpu, self.null_block)
         self._stores = StorePlanner(self.cpu, self.gpu, self.store, self.stats, self._ended,
                                     self.null_block, len(self.kv.groups),
-                                    writes_back(self.kv, self.store, self.gpu))
+                                    _writes_back(self.kv, self.store, self.gpu))
         self._transfers = TransferTable(self.world_size)
         self._group_bytes = [2 * len(g.layers) * self.kv.bytes_per_layer_block
                              for g in self.kv.groups]
@@ -658,8 +658,49 @@ class OffloadManager:
 
     def _on_cpu_evict(self, block: BlockId, block_hash: BlockHash) -> None:
         self.stats.evictions_cpu.add()
-        self._events.emit("on_evict", "cpu", block, block_hash)
+        self._events.emit("on_evict", Tier.CPU, block, block_hash)
 
     def _on_gpu_evict(self, block: BlockId, block_hash: BlockHash) -> None:
         self.stats.evictions_gpu.add()
-        self._events.emit("on_evict", "gpu", block, block_hash)
+        self._events.emit("on_evict", Tier.GPU, block, block_hash)
+
+
+def _check_parts(spec: object, cpu: object, gpu: object, store: object,
+                callbacks: Sequence[object], null_block: object) -> None:
+    """Raise one ``ConfigError`` naming every part of the wrong type."""
+    problems = []
+    if not isinstance(spec, KVCacheSpec):
+        problems.append(f"spec must be a KVCacheSpec, got {spec!r}")
+    for name, pool in (("cpu", cpu), ("gpu", gpu)):
+        if (pool is not None or name == "cpu") and not isinstance(pool, BlockAllocator):
+            problems.append(f"{name} must be a BlockAllocator, got {pool!r}")
+    if not isinstance(store, StorePolicy):
+        problems.append(f"store must be a StorePolicy, got {store!r}")
+    bad = [c for c in callbacks if not isinstance(c, OffloadCallback)]
+    if bad:
+        problems.append(f"callbacks must be OffloadCallback instances, got {bad!r}")
+    if (problem := int_problem("null_block", null_block)) is not None:
+        problems.append(problem)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _writes_back(spec: KVCacheSpec, store: StorePolicy, gpu: BlockAllocator | None) -> bool:
+    """Whether ``store`` writes back GPU eviction candidates.
+
+    Raises:
+        ConfigError: it does, but ``gpu`` is not an
+            :class:`~kvkit.interfaces.capabilities.EvictionOrder` (a pool with
+            ``eviction_candidates``) or ``spec`` has more than one KV group.
+    """
+    if store.writeback_target(0, gpu.num_blocks if gpu is not None else 1) <= 0:
+        return False
+    if not isinstance(gpu, EvictionOrder):
+        raise ConfigError(
+            f"store policy {store!r} writes back GPU eviction candidates: pass a "
+            f"gpu= pool with eviction_candidates(n), got gpu={gpu!r}")
+    if len(spec.groups) != 1:
+        raise ConfigError(
+            f"store policy {store!r} writes back single GPU blocks, which needs a "
+            f"spec with one KV group, got {len(spec.groups)} groups")
+    return True

@@ -8,13 +8,22 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvkit.errors import ConfigError, RequestStateError
+from kvkit.errors import RequestStateError
 from kvkit.interfaces.allocator import BlockAllocator
-from kvkit.interfaces.callbacks import OffloadCallback
-from kvkit.interfaces.store import StorePolicy
-from kvkit.interfaces.types import BlockHash, BlockId, KVCacheSpec
+from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import is_int
 
-__all__ = ["Request", "RequestState", "accepted_blocks", "check_live", "check_lookup", "check_parts", "check_prompt", "check_table", "check_world_size", "is_count", "writes_back", "wrong_state"]
+__all__ = [
+    "Request",
+    "RequestState",
+    "accepted_blocks",
+    "check_live",
+    "check_lookup",
+    "check_prompt",
+    "check_table",
+    "is_count",
+    "wrong_state",
+]
 
 
 class RequestState(enum.Enum):
@@ -87,53 +96,7 @@ class Request:
 
 def is_count(value: object) -> bool:
     """``value`` is an ``int >= 0`` (a ``bool`` is not)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def check_world_size(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    """attrs validator: ``world_size`` is a positive int."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"world_size must be a positive int, got {value!r}")
-
-
-def check_parts(spec: object, cpu: object, gpu: object, store: object,
-                callbacks: Sequence[object], null_block: object) -> None:
-    """Raise one ``ConfigError`` naming every part of the wrong type."""
-    problems = []
-    if not isinstance(spec, KVCacheSpec):
-        problems.append(f"spec must be a KVCacheSpec, got {spec!r}")
-    for name, pool in (("cpu", cpu), ("gpu", gpu)):
-        if (pool is not None or name == "cpu") and not isinstance(pool, BlockAllocator):
-            problems.append(f"{name} must be a BlockAllocator, got {pool!r}")
-    if not isinstance(store, StorePolicy):
-        problems.append(f"store must be a StorePolicy, got {store!r}")
-    bad = [c for c in callbacks if not isinstance(c, OffloadCallback)]
-    if bad:
-        problems.append(f"callbacks must be OffloadCallback instances, got {bad!r}")
-    if isinstance(null_block, bool) or not isinstance(null_block, int):
-        problems.append(f"null_block must be an int, got {null_block!r}")
-    if problems:
-        raise ConfigError(problems)
-
-
-def writes_back(spec: KVCacheSpec, store: StorePolicy, gpu: BlockAllocator | None) -> bool:
-    """Whether ``store`` writes back GPU eviction candidates.
-
-    Raises:
-        ConfigError: it does, but ``gpu`` has no ``eviction_candidates`` or
-            ``spec`` has more than one KV group.
-    """
-    if store.writeback_target(0, gpu.num_blocks if gpu is not None else 1) <= 0:
-        return False
-    if gpu is None or not hasattr(gpu, "eviction_candidates"):
-        raise ConfigError(
-            f"store policy {store!r} writes back GPU eviction candidates: pass a "
-            f"gpu= pool with eviction_candidates(n), got gpu={gpu!r}")
-    if len(spec.groups) != 1:
-        raise ConfigError(
-            f"store policy {store!r} writes back single GPU blocks, which needs a "
-            f"spec with one KV group, got {len(spec.groups)} groups")
-    return True
+    return is_int(value, 0)
 
 
 def wrong_state(r: Request, needs: str) -> RequestStateError:

@@ -8,7 +8,8 @@ The simulator, the tests and the examples reuse it. Per :meth:`ReferenceEngine.s
    manager's CPU lookup (pinned), then GPU allocation, then ``on_allocated``;
 3. run the manager's step plan on every worker, and wait for this step's
    loads (compute reads them);
-4. compute the scheduled prefills through the engine's :class:`PrefillCompute`
+4. compute the scheduled prefills through the engine's
+   :class:`~kvkit.interfaces.PrefillCompute`
    (by default :class:`SyntheticCompute`: write each block's KV as a
    deterministic function of its hash and check every loaded block's bytes;
    ``kvkit.integrations.hf`` runs a real model instead), publish the full
@@ -23,13 +24,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
 import attrs
 from typing_extensions import override
 
 from kvkit.errors import ConfigError, OutOfBlocksError, RequestStateError, UnknownRequestError
-from kvkit.interfaces import BlockHash, BlockId, Direction, TransferResult
+from kvkit.interfaces import BlockHash, BlockId, Direction, PrefillCompute, TransferResult
 from kvkit.manager.step import StepPlan
 from kvkit.stack import OffloadStack
 
@@ -68,26 +68,6 @@ class StepReport:
 
     scheduled: tuple[EngineRequest, ...] = ()
     integrity_errors: int = 0
-
-
-@runtime_checkable
-class PrefillCompute(Protocol):
-    """The forward pass of a :class:`ReferenceEngine`: writes the KV a scheduled prefill recomputes.
-
-    Invariants the engine keeps for it: :meth:`prefill` runs once per scheduled
-    request and step, after the step's loads landed (blocks before
-    ``first_block`` of every group hold the reused KV: GPU hits, then loaded
-    CPU hits) and before the engine publishes the request's full blocks and
-    confirms them to the manager, so only what it wrote can be stored.
-    """
-
-    def prefill(self, engine: ReferenceEngine, request: EngineRequest, first_block: int) -> int:
-        """Write the KV of ``request``'s blocks ``first_block..`` into its GPU blocks (``request.table``).
-
-        Returns:
-            Reused blocks found with wrong bytes (0 when it checks none).
-        """
-        ...
 
 
 @attrs.define(eq=False)

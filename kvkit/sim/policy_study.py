@@ -30,10 +30,12 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from kvkit.backends.allocator.pool import BlockPool
+from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.registry import EVICTION
 from kvkit.sim.traces import TraceRequest
+from kvkit.validate import check_int
 
 __all__ = ["OPT", "HitStats", "PolicyStudy", "default_policies", "replay", "study"]
 
@@ -70,12 +72,6 @@ class HitStats:
         return self.hits / self.references if self.references else 0.0
 
 
-def _check_capacity(capacity: object) -> int:
-    if type(capacity) is not int or capacity <= 0:
-        raise ConfigError(f"capacity must be a positive int (blocks), got {capacity!r}")
-    return capacity
-
-
 def _make_policy(name: str, requests: Sequence[TraceRequest]) -> EvictionPolicy:
     if name == OPT:
         return EVICTION.create(OPT, slot="policy",
@@ -84,7 +80,7 @@ def _make_policy(name: str, requests: Sequence[TraceRequest]) -> EvictionPolicy:
 
 
 def replay(requests: Sequence[TraceRequest], capacity: int,
-           policy: str | EvictionPolicy = "lru", *, check_invariants: bool = False) -> HitStats:
+           policy: str | EvictionPolicy = DEFAULTS.cpu_eviction, *, check_invariants: bool = False) -> HitStats:
     """Replay ``requests`` through a ``BlockPool`` of ``capacity`` blocks; count prefix hits.
 
     Args:
@@ -98,7 +94,7 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
     Raises:
         ConfigError: unknown policy name or bad capacity.
     """
-    _check_capacity(capacity)
+    capacity = check_int("capacity", capacity, 1)
     name = policy if isinstance(policy, str) else type(policy).__name__
     instance = _make_policy(policy, requests) if isinstance(policy, str) else policy
     pool = BlockPool(capacity, eviction=instance)
@@ -195,7 +191,7 @@ def study(requests: Sequence[TraceRequest], capacities: Iterable[int],
         ConfigError: an unknown policy, a bad capacity or ``jobs``; raised
             before any replay starts.
     """
-    capacities = tuple(dict.fromkeys(_check_capacity(c) for c in capacities))
+    capacities = tuple(dict.fromkeys(check_int("capacity", c, 1) for c in capacities))
     if not capacities:
         raise ConfigError("a policy study needs at least one capacity, got none")
     names = list(dict.fromkeys(default_policies() if policies is None else policies))
@@ -208,8 +204,7 @@ def study(requests: Sequence[TraceRequest], capacities: Iterable[int],
                    key=lambda pc: (pc[0] != OPT, -pc[1]))
     if jobs is None:
         jobs = min(os.cpu_count() or 1, len(pairs))
-    if type(jobs) is not int or jobs <= 0:
-        raise ConfigError(f"jobs must be a positive int, got {jobs!r}")
+    check_int("jobs", jobs, 1)
     stats: dict[tuple[str, int], HitStats] = {}
 
     def record(s: HitStats) -> None:

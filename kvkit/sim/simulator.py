@@ -19,7 +19,7 @@ Time model (every figure configurable in :class:`CostModel`):
   stores its finish flushed are copied, one engine step later; that step
   takes no modelled time.
 * Its prefill takes ``computed_tokens / prefill_tokens_per_s`` plus
-  ``loaded_bytes / (pcie_gb_per_s * 1e9)`` (loads are not overlapped with
+  ``loaded_bytes / (pcie_gbps * 1e9)`` (loads are not overlapped with
   compute: a pessimistic bound for offload) plus ``overhead_ms``. Hit tokens
   on the GPU tier cost nothing. Prefills of different requests do not contend
   with one another; requests interact only through GPU memory.
@@ -53,16 +53,16 @@ from typing import Any
 
 import attrs
 
-from kvkit.config import StackConfig, parse_bytes
+from kvkit._renamed import renamed_keywords
+from kvkit.config import DEFAULTS, StackConfig, parse_bytes
 from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
 from kvkit.interfaces import EvictionPolicy, KVCacheSpec, OffloadCallback, StorePolicy
 from kvkit.sim.engine_loop import ReferenceEngine
 from kvkit.sim.traces import TraceRequest
 from kvkit.stack import OffloadStack, build
+from kvkit.validate import at_least, optional_at_least, real_in
 
 __all__ = [
-    "DEFAULT_CPU_BLOCKS",
-    "DEFAULT_GPU_BLOCKS",
     "LLAMA_3_8B",
     "CostModel",
     "ModelShape",
@@ -72,28 +72,11 @@ __all__ = [
     "simulate",
 ]
 
-DEFAULT_GPU_BLOCKS = 4096
-"""GPU tier size of the default configuration (64Ki tokens at 16-token blocks)."""
-
-DEFAULT_CPU_BLOCKS = 32768
-"""CPU tier size of the default configuration (8x the GPU tier)."""
-
 _PROGRESS_EVERY = 256  # requests between progress reports
+_VERIFY_COPY = "torch"  # --verify's backend: the one that runs with both tiers in host memory
 
-
-def _positive_number(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{attribute.name} must be a positive finite number, got {value!r}")
-
-
-def _non_negative_number(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
-
-
-def _positive_int(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not int or value <= 0:
-        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+_positive = real_in(low=0, low_open=True, high=math.inf, high_open=True)  # finite and > 0
+_non_negative = real_in(low=0, high=math.inf, high_open=True)  # finite and >= 0
 
 
 @attrs.frozen(kw_only=True)
@@ -106,14 +89,14 @@ class ModelShape:
     """
 
     name: str
-    num_layers: int = attrs.field(validator=_positive_int)
-    num_kv_heads: int = attrs.field(validator=_positive_int)
-    head_dim: int = attrs.field(validator=_positive_int)
+    num_layers: int = attrs.field(validator=at_least(1))
+    num_kv_heads: int = attrs.field(validator=at_least(1))
+    head_dim: int = attrs.field(validator=at_least(1))
     dtype: str = "bfloat16"
 
-    def spec(self, block_tokens: int) -> KVCacheSpec:
-        """This shape as a ``KVCacheSpec`` of ``block_tokens``-token blocks."""
-        return KVCacheSpec(num_layers=self.num_layers, block_size=block_tokens,
+    def spec(self, block_size: int) -> KVCacheSpec:
+        """This shape as a ``KVCacheSpec`` of ``block_size``-token blocks."""
+        return KVCacheSpec(num_layers=self.num_layers, block_size=block_size,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype)
 
     def bytes_per_token(self) -> int:
@@ -128,43 +111,48 @@ _VERIFY_SHAPE = ModelShape(name="verify", num_layers=1, num_kv_heads=1, head_dim
 # A tiny cache whose bytes --verify really moves; block size comes from the trace.
 
 
+@renamed_keywords(pcie_gb_per_s="pcie_gbps")
 @attrs.frozen(kw_only=True)
 class CostModel:
-    """Prices of the time model (see the module docstring).
+    """Prices of the time model (see the module docstring); the one home of their defaults.
 
     Attributes:
         prefill_tokens_per_s: prompt tokens one request's prefill computes per
             second (default: Llama-3-8B on one H200-class GPU).
-        pcie_gb_per_s: CPU -> GPU load bandwidth, 10**9 bytes per second
+        pcie_gbps: CPU -> GPU load bandwidth, 10**9 bytes per second
             (default: batched DMA of 32 KiB pieces, measured on this project's
-            H200, DESIGN §6).
+            H200, DESIGN §6); ``pcie_gb_per_s=`` is its deprecated old name.
         decode_ms_per_token: time per generated token; sets how long a
             request holds its GPU blocks.
         overhead_ms: fixed cost added to every request's time to first token.
     """
 
-    prefill_tokens_per_s: float = attrs.field(default=20_000.0, validator=_positive_number)
-    pcie_gb_per_s: float = attrs.field(default=25.0, validator=_positive_number)
-    decode_ms_per_token: float = attrs.field(default=10.0, validator=_non_negative_number)
-    overhead_ms: float = attrs.field(default=0.0, validator=_non_negative_number)
+    prefill_tokens_per_s: float = attrs.field(default=20_000.0, validator=_positive)
+    pcie_gbps: float = attrs.field(default=25.0, validator=_positive)
+    decode_ms_per_token: float = attrs.field(default=10.0, validator=_non_negative)
+    overhead_ms: float = attrs.field(default=0.0, validator=_non_negative)
 
     def prefill_ms(self, computed_tokens: int, loaded_bytes: int) -> float:
         """Modelled prefill time: compute, then load (not overlapped), plus the overhead."""
         return (computed_tokens * 1e3 / self.prefill_tokens_per_s
-                + loaded_bytes * 1e-6 / self.pcie_gb_per_s + self.overhead_ms)
+                + loaded_bytes * 1e-6 / self.pcie_gbps + self.overhead_ms)
 
 
+@renamed_keywords(block_tokens="block_size", eviction="cpu_eviction")
 @attrs.frozen(kw_only=True)
 class SimConfig:
     """One simulation: stack slots, sizes, time model and byte model.
 
+    Defaults come from :data:`kvkit.config.DEFAULTS`; ``block_tokens=`` and
+    ``eviction=`` are deprecated old names of ``block_size`` and ``cpu_eviction``.
+
     Attributes:
         gpu_blocks: GPU tier size in blocks (small, so offload matters).
         cpu_blocks: CPU tier size in blocks; or give ``cpu_bytes`` (default:
-            :data:`DEFAULT_CPU_BLOCKS` when neither is given).
+            ``DEFAULTS.cpu_blocks`` when neither is given).
         cpu_bytes: CPU tier size in bytes of ``model`` KV (``"64GiB"``).
-        block_tokens: tokens per block; must match the trace's ``hash_ids``.
-        eviction / gpu_eviction: CPU and GPU tier eviction policies (names or
+        block_size: tokens per block; must match the trace's ``hash_ids``.
+        cpu_eviction / gpu_eviction: CPU and GPU tier eviction policies (names or
             distinct instances; an instance serves one simulation only).
         store: store policy (name or instance); ``"never"`` is the no-offload baseline.
         options: per-slot constructor kwargs for named slots (``{"store": {"k": 2}}``).
@@ -175,13 +163,13 @@ class SimConfig:
         model: the model shape bytes are counted for.
     """
 
-    gpu_blocks: int = attrs.field(default=DEFAULT_GPU_BLOCKS, validator=_positive_int)
-    cpu_blocks: int | None = None
+    gpu_blocks: int = attrs.field(default=DEFAULTS.gpu_blocks, validator=at_least(1))
+    cpu_blocks: int | None = attrs.field(default=None, validator=optional_at_least(1))
     cpu_bytes: int | str | None = None
-    block_tokens: int = attrs.field(default=16, validator=_positive_int)
-    eviction: str | EvictionPolicy = "lru"
-    gpu_eviction: str | EvictionPolicy = "lru"
-    store: str | StorePolicy = "eager"
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=at_least(1))
+    cpu_eviction: str | EvictionPolicy = DEFAULTS.cpu_eviction
+    gpu_eviction: str | EvictionPolicy = DEFAULTS.gpu_eviction
+    store: str | StorePolicy = DEFAULTS.store
     options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), converter=tuple)
     verify: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
@@ -192,23 +180,21 @@ class SimConfig:
         if self.cpu_blocks is not None and self.cpu_bytes is not None:
             raise ConfigError(f"give cpu_blocks or cpu_bytes, not both; got cpu_blocks="
                               f"{self.cpu_blocks!r} and cpu_bytes={self.cpu_bytes!r}")
-        if self.cpu_blocks is not None:
-            _positive_int(self, attrs.fields(SimConfig).cpu_blocks, self.cpu_blocks)
         if self.cpu_bytes is not None and self.num_cpu_blocks < 1:
             raise ConfigError(f"cpu_bytes={self.cpu_bytes!r} holds no block: one block of "
                               f"{self.model.name} takes {self.spec.bytes_per_block} bytes")
 
     @property
     def spec(self) -> KVCacheSpec:
-        """The byte-accounting spec: ``model`` at ``block_tokens``."""
-        return self.model.spec(self.block_tokens)
+        """The byte-accounting spec: ``model`` at ``block_size``."""
+        return self.model.spec(self.block_size)
 
     @property
     def num_cpu_blocks(self) -> int:
         """CPU tier size in blocks, from ``cpu_blocks``, ``cpu_bytes`` or the default."""
         if self.cpu_bytes is not None:
             return self.spec.blocks_for(parse_bytes(self.cpu_bytes))
-        return DEFAULT_CPU_BLOCKS if self.cpu_blocks is None else self.cpu_blocks
+        return DEFAULTS.cpu_blocks if self.cpu_blocks is None else self.cpu_blocks
 
     def stack_config(self) -> StackConfig:
         """The ``StackConfig`` the simulation builds (tiny spec when verifying).
@@ -216,10 +202,10 @@ class SimConfig:
         Raises:
             ConfigError: a slot is invalid (every problem at once).
         """
-        kv = _VERIFY_SHAPE.spec(self.block_tokens) if self.verify else self.spec
+        kv = _VERIFY_SHAPE.spec(self.block_size) if self.verify else self.spec
         return StackConfig(kv=kv, gpu_blocks=self.gpu_blocks, cpu_blocks=self.num_cpu_blocks,
-                           eviction=self.eviction, gpu_eviction=self.gpu_eviction, store=self.store,
-                           copy="torch" if self.verify else None, device="cpu", callbacks=self.callbacks,
+                           cpu_eviction=self.cpu_eviction, gpu_eviction=self.gpu_eviction, store=self.store,
+                           copy=_VERIFY_COPY if self.verify else None, device="cpu", callbacks=self.callbacks,
                            options=self.options)
 
     def as_dict(self) -> dict[str, Any]:
@@ -230,8 +216,8 @@ class SimConfig:
         return {
             "gpu_blocks": self.gpu_blocks,
             "cpu_blocks": self.num_cpu_blocks,
-            "block_tokens": self.block_tokens,
-            "eviction": name(self.eviction),
+            "block_size": self.block_size,
+            "cpu_eviction": name(self.cpu_eviction),
             "gpu_eviction": name(self.gpu_eviction),
             "store": name(self.store),
             "options": {k: dict(v) for k, v in self.options.items()},
@@ -383,12 +369,12 @@ class Simulator:
 
         Raises:
             TraceFormatError: the request's ``hash_ids`` do not fit
-                ``config.block_tokens``, or it arrives before the previous one.
+                ``config.block_size``, or it arrives before the previous one.
             RequestStateError: :meth:`close` was called.
         """
         if self._closed:
             raise RequestStateError("the simulation is closed; build a new Simulator")
-        bt, counts = self.config.block_tokens, self._counts
+        bt, counts = self.config.block_size, self._counts
         n = request.input_length
         if len(request.hash_ids) != -(-n // bt):
             raise TraceFormatError("<trace>", request.line, "hash_ids",
@@ -499,7 +485,7 @@ def simulate(requests: Iterable[TraceRequest], config: SimConfig | None = None, 
     Raises:
         ConfigError: invalid configuration.
         TraceFormatError: a malformed request (from the reader, or hash ids
-            that do not fit ``config.block_tokens``).
+            that do not fit ``config.block_size``).
     """
     sim = Simulator(config if config is not None else SimConfig())
     read = refs = 0

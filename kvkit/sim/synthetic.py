@@ -17,7 +17,7 @@ The model:
   exceed ``max_context_tokens``; its first turn is clipped to fit instead.
 
 Hash ids follow the Mooncake convention exactly: one id per block of
-``block_tokens`` tokens (the last, partial block included), equal ids at equal
+``block_size`` tokens (the last, partial block included), equal ids at equal
 positions mean equal prefixes, a block whose content was not seen before gets
 a fresh id, and ids are numbered in order of first appearance in the trace. A
 partial block gets a fresh id, since its content differs from the full block
@@ -26,7 +26,7 @@ the next turn has at that position.
 The default size (350 conversations: about 1,500 requests and 250,000 to
 350,000 block references at 16-token blocks, over about 14 simulated minutes)
 keeps a full simulation well within a minute on two cores. Larger
-``block_tokens`` give proportionally fewer block references.
+``block_size`` give proportionally fewer block references.
 """
 
 from __future__ import annotations
@@ -38,27 +38,20 @@ from collections.abc import Iterator
 
 import attrs
 
+from kvkit._renamed import renamed_keywords
+from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.sim.traces import TraceRequest
+from kvkit.validate import at_least, is_int, real_in
 
 __all__ = ["SyntheticWorkload", "generate"]
 
-
-def _positive_int(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not int or value <= 0:
-        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
-
-
-def _positive_float(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{attribute.name} must be a positive finite number, got {value!r}")
+_positive_int = at_least(1)
+_positive_float = real_in(low=0, low_open=True, high=math.inf, high_open=True)  # finite and > 0
+_skew = real_in(low=0, high=math.inf, high_open=True)  # finite and >= 0
 
 
-def _skew(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
-
-
+@renamed_keywords(block_tokens="block_size")
 @attrs.frozen
 class SyntheticWorkload:
     """Parameters of a synthetic multi-turn workload; the same values give the same trace.
@@ -66,7 +59,8 @@ class SyntheticWorkload:
     Attributes:
         seed: seeds the generator; the only source of randomness.
         num_conversations: conversations in the trace.
-        block_tokens: tokens per block the ``hash_ids`` are cut at.
+        block_size: tokens per block the ``hash_ids`` are cut at (``block_tokens=``
+            is its deprecated old name).
         conversations_per_s: Poisson arrival rate of new conversations.
         num_system_prompts: distinct shared system prompts.
         system_prompt_tokens: ``(low, high)`` bounds of a system prompt's
@@ -83,7 +77,7 @@ class SyntheticWorkload:
 
     seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
     num_conversations: int = attrs.field(default=350, validator=_positive_int)
-    block_tokens: int = attrs.field(default=16, validator=_positive_int)
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     conversations_per_s: float = attrs.field(default=1.0, validator=_positive_float)
     num_system_prompts: int = attrs.field(default=8, validator=_positive_int)
     system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=tuple)
@@ -98,7 +92,7 @@ class SyntheticWorkload:
 
     @system_prompt_tokens.validator
     def _check_system_prompt_tokens(self, attribute: attrs.Attribute, value: tuple) -> None:
-        if (len(value) != 2 or any(type(v) is not int for v in value)
+        if (len(value) != 2 or not all(is_int(v) for v in value)
                 or not 0 <= value[0] <= value[1]):
             raise ConfigError(f"system_prompt_tokens must be (low, high) ints with "
                               f"0 <= low <= high, got {value!r}")
@@ -167,7 +161,7 @@ def generate(workload: SyntheticWorkload | None = None) -> Iterator[TraceRequest
     would put them in a file.
     """
     w = workload if workload is not None else SyntheticWorkload()
-    b = w.block_tokens
+    b = w.block_size
     system_lengths, turns = _draw(w)
     fresh = itertools.count()
     # Ids of each system prompt's full blocks, given on the prompt's first use.

@@ -8,10 +8,10 @@ One JSON object a line::
   a finite float, ``>= 0``). Timestamps never *decrease*; equal timestamps are
   allowed because real traces have many (several requests arrive at ``t=0``).
 * ``input_length`` / ``output_length``: prompt and generated tokens (ints ``>= 0``).
-* ``hash_ids``: the prompt's blocks of ``block_tokens`` tokens as ints ``>= 0``,
+* ``hash_ids``: the prompt's blocks of ``block_size`` tokens as ints ``>= 0``,
   prefix-chained (equal ids at equal positions mean equal prefixes); the last,
   possibly partial, block has an id too, so there are exactly
-  ``ceil(input_length / block_tokens)`` of them.
+  ``ceil(input_length / block_size)`` of them.
 
 Extra fields are allowed and ignored (not kept). Blank lines are skipped; line
 numbers count every physical line, so errors point at the right line.
@@ -26,12 +26,14 @@ from collections.abc import Iterable, Iterator
 
 import attrs
 
-from kvkit.errors import ConfigError, TraceFormatError
+from kvkit._renamed import renamed_keywords
+from kvkit.errors import TraceFormatError
+from kvkit.validate import check_int, is_int
 
-__all__ = ["DEFAULT_BLOCK_TOKENS", "TraceRequest", "read_trace", "write_trace"]
+__all__ = ["MOONCAKE_BLOCK_SIZE", "TraceRequest", "read_trace", "write_trace"]
 
-DEFAULT_BLOCK_TOKENS = 512
-"""Tokens per block of the published Mooncake traces."""
+MOONCAKE_BLOCK_SIZE = 512
+"""Tokens per block of the published Mooncake traces (the default of :func:`read_trace`)."""
 
 
 @attrs.frozen(slots=True)
@@ -54,17 +56,7 @@ class TraceRequest:
     line: int
 
 
-def _check_block_tokens(block_tokens: int) -> None:
-    if type(block_tokens) is not int or block_tokens <= 0:
-        raise ConfigError(f"block_tokens must be a positive int, got {block_tokens!r}")
-
-
-def _is_length(value: object) -> bool:
-    # bool is an int subclass; a trace with `true` as a length is malformed.
-    return type(value) is int and value >= 0
-
-
-def _parse(path: str, line: int, text: str, block_tokens: int,
+def _parse(path: str, line: int, text: str, block_size: int,
            previous_ms: float) -> TraceRequest:
     """Parse and validate one non-blank line."""
     try:
@@ -85,10 +77,10 @@ def _parse(path: str, line: int, text: str, block_tokens: int,
         raise TraceFormatError(path, line, "timestamp",
                                f"decreases: {stamp!r} after {previous_ms!r}")
     input_length = record["input_length"]
-    if not _is_length(input_length):
+    if not is_int(input_length, 0):  # refuses a JSON `true`, which Python reads as an int
         raise TraceFormatError(path, line, "input_length", f"expected an int >= 0, got {input_length!r}")
     output_length = record["output_length"]
-    if not _is_length(output_length):
+    if not is_int(output_length, 0):
         raise TraceFormatError(path, line, "output_length",
                                f"expected an int >= 0, got {output_length!r}")
 
@@ -100,17 +92,18 @@ def _parse(path: str, line: int, text: str, block_tokens: int,
         raise TraceFormatError(path, line, "hash_ids", f"expected ints, got {bad!r}")
     if ids and min(ids) < 0:
         raise TraceFormatError(path, line, "hash_ids", f"expected ids >= 0, got {min(ids)!r}")
-    expected = -(-input_length // block_tokens)
+    expected = -(-input_length // block_size)
     if len(ids) != expected:
         raise TraceFormatError(
             path, line, "hash_ids",
             f"has {len(ids)} ids but input_length={input_length} needs {expected} "
-            f"blocks of {block_tokens} tokens",
+            f"blocks of {block_size} tokens",
         )
     return TraceRequest(stamp, input_length, output_length, tuple(ids), line)
 
 
-def read_trace(path: str | os.PathLike[str], *, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+@renamed_keywords(block_tokens="block_size")
+def read_trace(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK_SIZE,
                limit: int | None = None) -> Iterator[TraceRequest]:
     """Stream the requests of a Mooncake JSONL trace, one line at a time.
 
@@ -119,22 +112,23 @@ def read_trace(path: str | os.PathLike[str], *, block_tokens: int = DEFAULT_BLOC
 
     Args:
         path: the JSONL file.
-        block_tokens: tokens per block the trace's ``hash_ids`` were cut at.
+        block_size: tokens per block the trace's ``hash_ids`` were cut at
+            (``block_tokens=`` is its deprecated old name).
         limit: stop after this many requests (``None``: read to the end).
 
     Raises:
-        ConfigError: ``block_tokens`` or ``limit`` is invalid (at the call).
+        ConfigError: ``block_size`` or ``limit`` is invalid (at the call).
         TraceFormatError: a line is malformed; names the file, line and field.
         OSError: the file cannot be opened (raised on the first ``next``).
     """
-    _check_block_tokens(block_tokens)
-    if limit is not None and (type(limit) is not int or limit < 0):
-        raise ConfigError(f"limit must be None or an int >= 0, got {limit!r}")
+    check_int("block_size", block_size, 1)
+    if limit is not None:
+        check_int("limit", limit, 0)
     # Validate arguments eagerly; only the file reading is lazy.
-    return _stream(os.fspath(path), block_tokens, limit)
+    return _stream(os.fspath(path), block_size, limit)
 
 
-def _stream(path: str, block_tokens: int, limit: int | None) -> Iterator[TraceRequest]:
+def _stream(path: str, block_size: int, limit: int | None) -> Iterator[TraceRequest]:
     if limit == 0:
         return
     count = 0
@@ -148,7 +142,7 @@ def _stream(path: str, block_tokens: int, limit: int | None) -> Iterator[TraceRe
                                        f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
             if not text.strip():
                 continue
-            request = _parse(path, line, text, block_tokens, previous_ms)
+            request = _parse(path, line, text, block_size, previous_ms)
             previous_ms = request.timestamp_ms
             yield request
             count += 1

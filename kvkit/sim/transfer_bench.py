@@ -24,17 +24,41 @@ import attrs
 import numpy as np
 import torch
 
+from kvkit._renamed import warn_renamed
 from kvkit.errors import ConfigError, SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, TransferPlan
+from kvkit.registry import COPY, did_you_mean
 from kvkit.worker.layouts import allocate_kv, kv_nbytes, kv_views, regions_for
 
-__all__ = ["DIRECTIONS", "Rig", "bench_backend", "gemm_alone", "make_plans", "measure_ceiling",
-           "run_transfer"]
+__all__ = ["DIRECTIONS", "RENAMED_DIRECTIONS", "GemmLoad", "Rig", "bench_backend", "gemm_alone", "make_plans",
+           "measure_ceiling", "run_transfer"]
 
 _POISON = 0xA5
 _GEMM_N = 8192
-DIRECTIONS = {"d2h": (Direction.STORE,), "h2d": (Direction.LOAD,), "both": (Direction.STORE, Direction.LOAD)}
+DIRECTIONS = {Direction.STORE.value: (Direction.STORE,), Direction.LOAD.value: (Direction.LOAD,),
+              "both": (Direction.STORE, Direction.LOAD)}
+"""Direction names -> the plans they time: ``store`` (GPU -> CPU), ``load`` (CPU -> GPU), or both at once."""
+
+RENAMED_DIRECTIONS = {"d2h": Direction.STORE.value, "h2d": Direction.LOAD.value}
+"""Old direction names, accepted for one release with a warning."""
+
+
+def _direction(direction: str) -> str:
+    """``direction`` as a name in :data:`DIRECTIONS`; an old name warns at the caller's caller.
+
+    Raises:
+        ConfigError: not a direction name.
+    """
+    if direction in RENAMED_DIRECTIONS:
+        new = RENAMED_DIRECTIONS[direction]
+        warn_renamed(f"direction={direction!r}", f"direction={new!r}", stacklevel=3)
+        return new
+    if direction not in DIRECTIONS:
+        valid = list(DIRECTIONS)
+        raise ConfigError(f"direction={direction!r}: unknown; valid: {', '.join(valid)}"
+                          f"{did_you_mean(str(direction), valid)}")
+    return direction
 
 
 def _gbps(nbytes: float, seconds: float) -> float:
@@ -115,7 +139,7 @@ def make_plans(rig: Rig, blocks: int, ids: str, direction: str, seed: int = 0) -
     Raises:
         ConfigError: the pool is too small for the plans.
     """
-    dirs = DIRECTIONS[direction]
+    dirs = DIRECTIONS[_direction(direction)]
     need = blocks * len(dirs)
     if need > rig.num_blocks:
         raise ConfigError(f"--blocks {blocks} x {len(dirs)} direction(s) needs a pool of at least {need} "
@@ -141,7 +165,8 @@ def _sync(device: torch.device) -> None:
 def measure_ceiling(rig: Rig, nbytes: int = 1 << 30, trials: int = 5) -> dict[str, float]:
     """GB/s of one large copy between the rig's page-locked CPU buffer and its GPU buffer.
 
-    ``d2h`` and ``h2d`` alone, and ``both`` at once (sum of the two directions).
+    Keyed like :data:`DIRECTIONS`: ``store`` (device to host) and ``load``
+    alone, and ``both`` at once (sum of the two directions).
     """
     cpu_buf = rig.keep[-1]
     nbytes = min(nbytes, cpu_buf.numel() // 2)
@@ -156,11 +181,10 @@ def measure_ceiling(rig: Rig, nbytes: int = 1 << 30, trials: int = 5) -> dict[st
             t0 = time.perf_counter()
             dev.copy_(host)
             times.append(time.perf_counter() - t0)
-        out["d2h"] = out["h2d"] = _gbps(nbytes, statistics.median(times[1:]))
-        out["both"] = out["d2h"]
+        out["store"] = out["load"] = out["both"] = _gbps(nbytes, statistics.median(times[1:]))
         return out
     streams = [torch.cuda.Stream(rig.device), torch.cuda.Stream(rig.device)]
-    jobs = {"d2h": [(host, dev)], "h2d": [(dev, host)], "both": [(host, dev), (dev2, host2)]}
+    jobs = {"store": [(host, dev)], "load": [(dev, host)], "both": [(host, dev), (dev2, host2)]}  # (dst, src)
     for name, pairs in jobs.items():
         times = []
         for _ in range(trials + 1):
@@ -176,7 +200,7 @@ def measure_ceiling(rig: Rig, nbytes: int = 1 << 30, trials: int = 5) -> dict[st
 
 
 @attrs.define(eq=False)
-class _Gemm:
+class GemmLoad:
     """bf16 matrix products on their own stream."""
 
     a: torch.Tensor
@@ -184,7 +208,8 @@ class _Gemm:
     stream: torch.cuda.Stream
 
     @classmethod
-    def make(cls, device: torch.device) -> _Gemm:
+    def make(cls, device: torch.device) -> GemmLoad:
+        """Seeded bf16 operands on the CUDA ``device`` and a stream of their own."""
         gen = torch.Generator(device=device).manual_seed(1)
         a = torch.randn(_GEMM_N, _GEMM_N, device=device, dtype=torch.bfloat16, generator=gen)
         b = torch.randn(_GEMM_N, _GEMM_N, device=device, dtype=torch.bfloat16, generator=gen)
@@ -204,14 +229,14 @@ class _Gemm:
         return start.elapsed_time(end) / count, t0, time.perf_counter()
 
 
-def gemm_alone(gemm: _Gemm, count: int, trials: int = 3) -> float:
+def gemm_alone(gemm: GemmLoad, count: int, trials: int = 3) -> float:
     """Median ms per product of ``count`` products with nothing else running."""
     gemm.run(5)
     return statistics.median(gemm.run(count)[0] for _ in range(trials))
 
 
 def _copy_during_gemm(backend: CopyBackend, plans: Sequence[TransferPlan], nbytes: Sequence[int],
-                      gemm: _Gemm, count: int) -> dict[str, Any]:
+                      gemm: GemmLoad, count: int) -> dict[str, Any]:
     """GEMM ms per product while a thread keeps ``plans`` copying, and the copy rate meanwhile."""
     stop, first = threading.Event(), threading.Event()
     done: list[tuple[float, int]] = []  # (host time completion was seen, bytes)
@@ -255,7 +280,7 @@ def _copy_during_gemm(backend: CopyBackend, plans: Sequence[TransferPlan], nbyte
 
 
 def bench_backend(rig: Rig, label: str, backend: CopyBackend, plans: Sequence[TransferPlan], *,
-                  repeat: int = 10, trials: int = 3, gemm: _Gemm | None = None, gemm_count: int = 0,
+                  repeat: int = 10, trials: int = 3, gemm: GemmLoad | None = None, gemm_count: int = 0,
                   gemm_alone_ms: float | None = None) -> dict[str, Any]:
     """Time ``plans`` on ``backend`` (already registered with ``rig.regions``) and check every copy."""
     nbytes = [len(p) * rig.block_bytes for p in plans]
@@ -313,8 +338,17 @@ def bench_backend(rig: Rig, label: str, backend: CopyBackend, plans: Sequence[Tr
 
 
 def _backends(name: str, device: torch.device, options: dict[str, Any]) -> list[tuple[str, Callable[[], CopyBackend]]]:
-    from kvkit.registry import COPY
+    """The backends ``name`` selects on ``device``, each as (label, factory); builds nothing.
 
+    Raises:
+        ConfigError: ``name`` is neither ``"all"`` nor a registered copy backend
+            (the valid names and the closest one are listed), nothing selected
+            runs on ``device``, or ``options`` do not fit a named backend.
+    """
+    valid = ["all", *COPY.names()]
+    if name not in valid:
+        raise ConfigError(f"--backend {name!r}: unknown copy backend; valid: {', '.join(valid)}"
+                          f"{did_you_mean(str(name), valid)}")
     names = [n for n in COPY.names() if COPY.available(n)] if name == "all" else [name]
     out = []
     for n in names:
@@ -331,7 +365,7 @@ def _backends(name: str, device: torch.device, options: dict[str, Any]) -> list[
 
 
 def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-layer", blocks: int = 256,
-                 ids: str = "random", direction: str = "d2h", with_gemm: bool = False,
+                 ids: str = "random", direction: str = "store", with_gemm: bool = False,
                  pool_blocks: int | None = None, repeat: int = 10, alloc: str = "buffer",
                  options: dict[str, Any] | None = None, seed: int = 0,
                  cpu_layout: str | None = None) -> dict[str, Any]:
@@ -339,8 +373,16 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
 
     With ``backend="all"``, a backend that refuses the rig's regions (``staged``
     without a cross-layer CPU tier) is listed under ``"skipped"`` with its reason.
+    ``direction`` is a name in :data:`DIRECTIONS` (``d2h``/``h2d`` still work
+    for one release and warn).
+
+    Raises:
+        ConfigError: a bad backend name, direction or option, checked before
+            anything is allocated or measured.
     """
+    direction = _direction(direction)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backends = _backends(backend, device, options or {})  # a typo fails here, before any work
     if with_gemm and device.type != "cuda":
         raise ConfigError("--with-gemm needs a CUDA GPU")
     n_dirs = len(DIRECTIONS[direction])
@@ -348,14 +390,14 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
     rig = Rig.allocate(spec, layout, pool, device, alloc=alloc, seed=seed, cpu_layout=cpu_layout)
     plans = make_plans(rig, blocks, ids, direction, seed=seed)
     ceiling = measure_ceiling(rig)
-    gemm = _Gemm.make(device) if with_gemm else None
+    gemm = GemmLoad.make(device) if with_gemm else None
     gemm_count, alone = 0, None
     if gemm is not None:
         probe = gemm_alone(gemm, 10)
         gemm_count = max(20, int(0.3e3 / probe))  # a ~0.3 s window
         alone = gemm_alone(gemm, gemm_count)
     results, skipped = [], {}
-    for label, factory in _backends(backend, device, options or {}):
+    for label, factory in backends:
         instance = factory()
         try:
             instance.register(rig.regions)
@@ -372,6 +414,6 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
         "direction": direction,
         "pool_blocks": pool, "block_bytes": rig.block_bytes,
         "piece_bytes": rig.regions[0].piece_bytes, "regions": len(rig.regions),
-        "ceiling_gbps": ceiling["both" if direction == "both" else direction],
+        "ceiling_gbps": ceiling[direction],
         "ceilings_gbps": ceiling, "gemm_ms_alone": alone, "results": results, "skipped": skipped,
     }

@@ -1,6 +1,9 @@
 """Contract suites that any implementation of kvkit's protocols joins in three lines."""
 
 from kvkit.testing.allocator_contract import AllocatorContract
+from kvkit.testing.copy_contract import CopyBackendContract
 from kvkit.testing.eviction_contract import EvictionPolicyContract, FIFOContract, LRUContract
+from kvkit.testing.store_contract import StorePolicyContract
 
-__all__ = ["AllocatorContract", "EvictionPolicyContract", "FIFOContract", "LRUContract"]
+__all__ = ["AllocatorContract", "CopyBackendContract", "EvictionPolicyContract", "FIFOContract", "LRUContract",
+           "StorePolicyContract"]

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvkit.interfaces.eviction import EvictionPolicy, pin_hooks
+from kvkit.interfaces.capabilities import pin_hooks
+from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["EvictionPolicyContract", "FIFOContract", "LRUContract"]

@@ -13,12 +13,13 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
+from kvkit.errors import ConfigError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, KVGroupSpec, TransferPlan
-from kvkit.worker.layouts import LAYOUTS
+from kvkit.worker.layouts import LAYOUTS, check_layouts
 
-__all__ = ["BAD_PLANS", "TWO_GROUPS", "fill_random", "kv_specs", "plans", "reference_copy", "spec_layouts",
-           "tensor_bytes"]
+__all__ = ["BAD_PLANS", "TWO_GROUPS", "fill_random", "kv_specs", "pairable_layouts", "plans", "reference_copy",
+           "spec_layouts", "tensor_bytes"]
 
 TWO_GROUPS = KVCacheSpec(num_layers=2, block_size=2, num_kv_heads=1, head_dim=4, dtype="float16",
                          groups=[KVGroupSpec([0]), KVGroupSpec([1])])
@@ -37,11 +38,24 @@ BAD_PLANS = [
 _DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "int8", "uint8")
 
 
+def pairable_layouts(spec: KVCacheSpec) -> list[tuple[str, str]]:
+    """Every ``(GPU layout, CPU layout)`` pair that can hold ``spec``, as :func:`check_layouts` decides."""
+    pairs = []
+    for gpu in LAYOUTS:
+        for cpu in LAYOUTS:
+            try:
+                check_layouts(spec, gpu, cpu)
+            except ConfigError:
+                continue
+            pairs.append((gpu, cpu))
+    return pairs
+
+
 @st.composite
-def kv_specs(draw: st.DrawFn, max_layers: int = 3) -> KVCacheSpec:
-    """Small specs of any dtype whose layers are split at random into one to three groups."""
+def kv_specs(draw: st.DrawFn, max_layers: int = 3, max_groups: int = 3) -> KVCacheSpec:
+    """Small specs of any dtype whose layers are split at random into one to ``max_groups`` groups."""
     num_layers = draw(st.integers(1, max_layers))
-    group_of = draw(st.lists(st.integers(0, 2), min_size=num_layers, max_size=num_layers))
+    group_of = draw(st.lists(st.integers(0, max_groups - 1), min_size=num_layers, max_size=num_layers))
     groups = [KVGroupSpec([i for i in range(num_layers) if group_of[i] == g])
               for g in sorted(set(group_of))]
     return KVCacheSpec(num_layers=num_layers, block_size=draw(st.integers(1, 4)),
@@ -53,8 +67,7 @@ def kv_specs(draw: st.DrawFn, max_layers: int = 3) -> KVCacheSpec:
 def spec_layouts(draw: st.DrawFn) -> tuple[KVCacheSpec, str]:
     """A spec with a layout that can hold it (cross-layer only for single-group specs)."""
     spec = draw(kv_specs())
-    valid = [lay for lay in LAYOUTS if lay != "cross-layer" or len(spec.groups) == 1]
-    return spec, draw(st.sampled_from(valid))
+    return spec, draw(st.sampled_from([gpu for gpu, cpu in pairable_layouts(spec) if gpu == cpu]))
 
 
 def _ids(draw: st.DrawFn, n: int, limit: int, *, unique: bool) -> np.ndarray:
@@ -79,8 +92,11 @@ def plans(draw: st.DrawFn, num_groups: int, num_gpu_blocks: int, num_cpu_blocks:
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat uint8 tensor on the host (exact comparison, NaNs included)."""
-    return t.detach().contiguous().view(torch.uint8).flatten().cpu()
+    """A copy of ``t``'s bytes as a flat uint8 tensor on the host (exact comparison, NaNs included).
+
+    Always a copy, never a view of ``t``: a snapshot taken before a copy must not change with it.
+    """
+    return t.detach().contiguous().view(torch.uint8).flatten().to("cpu", copy=True)
 
 
 def fill_random(tensors: Sequence[torch.Tensor], seed: int) -> None:

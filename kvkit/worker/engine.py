@@ -13,14 +13,16 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 
 from kvkit.errors import ConfigError, PlanError, UnknownBlockError
+from kvkit.interfaces.capabilities import SelfChecking
 from kvkit.interfaces.copy import CopyBackend, Region
-from kvkit.interfaces.types import KVCacheSpec, TransferPlan, TransferResult
+from kvkit.interfaces.types import KVCacheSpec, Tier, TransferPlan, TransferResult
+from kvkit.validate import check_int
 from kvkit.worker.layouts import allocate_kv, check_layouts, kv_nbytes, kv_views, regions_for, validate_kv
 
 __all__ = ["TransferEngine"]
@@ -89,7 +91,9 @@ class TransferEngine:
 
     Args:
         spec: the cache shape (one source of truth with the scheduler side).
-        copy: the copy backend that moves the bytes.
+        copy: the copy backend that moves the bytes (fixed; if it is
+            :class:`~kvkit.interfaces.capabilities.SelfChecking`, :meth:`check_invariants`
+            checks it too).
         num_cpu_blocks: blocks in the CPU mirror (exactly; the scheduler's CPU pool size).
         worker: this worker's rank, stamped on every result.
 
@@ -105,7 +109,7 @@ class TransferEngine:
     """
 
     spec: KVCacheSpec
-    copy: CopyBackend
+    copy: CopyBackend = attrs.field(on_setattr=attrs.setters.frozen)
     num_cpu_blocks: int = attrs.field(kw_only=True)
     worker: int = attrs.field(default=0, kw_only=True)
     _layout: str | None = attrs.field(default=None, init=False)
@@ -121,12 +125,15 @@ class TransferEngine:
     _in_flight: dict[int, _InFlight] = attrs.field(factory=dict, init=False)  # by backend handle
     _ids_in_flight: set[int] = attrs.field(factory=set, init=False)
     _failed: list[TransferResult] = attrs.field(factory=list, init=False)
+    # The backend's own check, or None: decided once, as the backend is fixed.
+    _check_copy: Callable[[], None] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.copy, CopyBackend):
             raise ConfigError(f"copy must implement CopyBackend, got {type(self.copy).__name__}")
-        if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks <= 0:
-            raise ConfigError(f"num_cpu_blocks must be a positive int, got {self.num_cpu_blocks!r}")
+        if isinstance(self.copy, SelfChecking):
+            self._check_copy = self.copy.check_invariants
+        check_int("num_cpu_blocks", self.num_cpu_blocks, 1)
 
     # -- registration -----------------------------------------------------------------
 
@@ -296,8 +303,10 @@ class TransferEngine:
 
     # -- inspection -------------------------------------------------------------------
 
-    def block_pieces(self, tier: str, block: int, group: int | None = None) -> list[torch.Tensor]:
+    def block_pieces(self, tier: Tier, block: int, group: int | None = None) -> list[torch.Tensor]:
         """Views of ``block``'s piece in every region (of ``group``, if given), in region order.
+
+        ``tier`` is a :class:`~kvkit.interfaces.Tier` or its value (``"gpu"``, ``"cpu"``).
 
         Raises:
             ConfigError: no KV registered, or ``tier`` not ``"gpu"``/``"cpu"``.
@@ -305,16 +314,16 @@ class TransferEngine:
         """
         if self._layout is None:
             raise ConfigError("no KV cache registered")
-        if tier not in ("gpu", "cpu"):
+        if tier not in (Tier.GPU, Tier.CPU):
             raise ConfigError(f"tier must be 'gpu' or 'cpu', got {tier!r}")
         regions = [r for r in self._regions if group is None or r.group == group]
-        tensors = [r.gpu if tier == "gpu" else r.cpu for r in regions]
+        tensors = [r.gpu if tier == Tier.GPU else r.cpu for r in regions]
         limit = min(t.shape[0] for t in tensors)
         if not 0 <= block < limit:
             raise UnknownBlockError(f"{tier} block {block!r} out of range [0, {limit})")
         return [t[block] for t in tensors]
 
-    def read_block(self, tier: str, block: int, group: int | None = None) -> bytes:
+    def read_block(self, tier: Tier, block: int, group: int | None = None) -> bytes:
         """The bytes of ``block`` on ``tier``: every region's piece, concatenated in region order."""
         pieces = self.block_pieces(tier, block, group)
         return b"".join(p.contiguous().view(torch.uint8).cpu().numpy().tobytes() for p in pieces)
@@ -346,6 +355,5 @@ class TransferEngine:
         assert all(t.untyped_storage().data_ptr() == base for t in self._cpu_kv), "mirror views escaped"
         assert all(job.num_bytes >= 0 for job in self._in_flight.values())
         assert self._ids_in_flight == {job.transfer_id for job in self._in_flight.values()}
-        check = getattr(self.copy, "check_invariants", None)
-        if check is not None:
-            check()
+        if self._check_copy is not None:
+            self._check_copy()

@@ -6,6 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 import kvkit.cli as cli
+from kvkit.config import DEFAULTS
+from kvkit.sim.simulator import CostModel
 from kvkit.sim.synthetic import SyntheticWorkload, generate
 from kvkit.sim.traces import write_trace
 
@@ -45,21 +47,22 @@ def test_default_run_shows_that_offload_helps():
     assert report["ttft_model_ms"]["p50"] < baseline["ttft_model_ms"]["p50"]
     assert report["ttft_model_ms"]["mean"] < baseline["ttft_model_ms"]["mean"]
     config = report["config"]
-    assert (config["trace"], config["seed"], config["block_tokens"]) == ("synthetic", 0, 16)
+    assert (config["trace"], config["seed"], config["block_size"]) == ("synthetic", 0, 16)
+    assert "block_tokens" not in config and "eviction" not in config  # JSON speaks the new names only
     assert config["store"] == "eager" and config["cpu_blocks"] > 0
 
 
 def test_trace_flags_reach_the_configuration(trace_file):
     """Sizes, policies and cost flags given on the command line are the ones simulated and reported."""
-    result = _run("--trace", trace_file, "--block-tokens", 16, "--gpu-blocks", 300, "--cpu-bytes", "1GiB",
-                  "--eviction", "s3fifo", "--gpu-eviction", "fifo", "--store", "lazy", "--seed", 9,
+    result = _run("--trace", trace_file, "--block-size", 16, "--gpu-blocks", 300, "--cpu-bytes", "1GiB",
+                  "--cpu-eviction", "s3fifo", "--gpu-eviction", "fifo", "--store", "lazy", "--seed", 9,
                   "--pcie-gbps", 50, "--prefill-tokens-per-s", 9000, "--no-baseline", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     config = report["config"]
     assert config["gpu_blocks"] == 300 and config["cpu_blocks"] == 2**30 // (16 * 2**17)
-    assert (config["eviction"], config["gpu_eviction"], config["store"]) == ("s3fifo", "fifo", "lazy")
-    assert config["cost"]["pcie_gb_per_s"] == 50 and config["cost"]["prefill_tokens_per_s"] == 9000
+    assert (config["cpu_eviction"], config["gpu_eviction"], config["store"]) == ("s3fifo", "fifo", "lazy")
+    assert config["cost"]["pcie_gbps"] == 50 and config["cost"]["prefill_tokens_per_s"] == 9000
     assert config["trace"] == str(trace_file)
     assert "baseline" not in report
     lines = sum(1 for line in trace_file.read_text().splitlines() if line.strip())
@@ -68,7 +71,7 @@ def test_trace_flags_reach_the_configuration(trace_file):
 
 def test_verify_reports_zero_integrity_errors(trace_file):
     """--verify moves real bytes and finds every loaded block intact."""
-    result = _run("--trace", trace_file, "--block-tokens", 16, "--gpu-blocks", 300, "--cpu-blocks", 3000,
+    result = _run("--trace", trace_file, "--block-size", 16, "--gpu-blocks", 300, "--cpu-blocks", 3000,
                   "--verify", "--json", "--no-baseline")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -79,7 +82,7 @@ def test_verify_reports_zero_integrity_errors(trace_file):
 def test_table_and_plot(trace_file, tmp_path):
     """Without --json a table compares both runs, and --plot writes a non-empty PNG."""
     plot = tmp_path / "sim.png"
-    result = _run("--trace", trace_file, "--block-tokens", 16, "--gpu-blocks", 300, "--plot", plot)
+    result = _run("--trace", trace_file, "--block-size", 16, "--gpu-blocks", 300, "--plot", plot)
     assert result.exit_code == 0, result.output
     for text in ("offload", "no offload", "hit tokens, CPU tier", "modelled TTFT p99", "leaked blocks"):
         assert text in result.stdout
@@ -112,7 +115,7 @@ def test_malformed_trace_is_one_line_error(tmp_path, case):
     line, message = _MALFORMED[case]
     path = tmp_path / "bad.jsonl"
     path.write_text(f"{_GOOD}\n\n{line}\n{_GOOD}\n")
-    result = _run("--trace", path, "--block-tokens", 16)
+    result = _run("--trace", path, "--block-size", 16)
     assert result.exit_code == 2, result.output
     assert f"{path}:3:" in result.stderr and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -123,13 +126,13 @@ def test_non_utf8_trace_is_one_line_error(tmp_path):
     """Bytes that are not UTF-8 are reported at their line, not as a decoding traceback."""
     path = tmp_path / "binary.jsonl"
     path.write_bytes(_GOOD.encode() + b"\n\xff\xfe\x00\n")
-    result = _run("--trace", path, "--block-tokens", 16)
+    result = _run("--trace", path, "--block-size", 16)
     assert result.exit_code == 2
     assert f"{path}:2:" in result.stderr and "not UTF-8" in result.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--eviction", "bogus", "--store", "nope"], "valid: "),
+    (["--cpu-eviction", "bogus", "--store", "nope"], "valid: "),
     (["--cpu-blocks", 10, "--cpu-bytes", "1GiB"], "not both"),
     (["--cpu-bytes", "12XB"], "cannot parse byte size '12XB'"),
     (["--gpu-blocks", 0], "--gpu-blocks"),
@@ -140,3 +143,37 @@ def test_bad_options_are_one_line_errors(args, message):
     assert result.exit_code == 2
     assert message in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_defaults_come_from_the_one_defaults_record():
+    """The simulate flags' defaults are the config's DEFAULTS and the cost model's own defaults."""
+    defaults = {p.name: p.default for p in cli.main.get_command(None, "simulate").params}
+    assert (defaults["gpu_blocks"], defaults["cpu_eviction"], defaults["gpu_eviction"], defaults["store"]) == (
+        DEFAULTS.gpu_blocks, DEFAULTS.cpu_eviction, DEFAULTS.gpu_eviction, DEFAULTS.store)
+    cost = CostModel()
+    assert (defaults["pcie_gbps"], defaults["prefill_tokens_per_s"], defaults["decode_ms_per_token"]) == (
+        cost.pcie_gbps, cost.prefill_tokens_per_s, cost.decode_ms_per_token)
+
+
+@pytest.mark.parametrize(("old", "new", "value", "key"), [
+    ("--block-tokens", "--block-size", "16", "block_size"),
+    ("--eviction", "--cpu-eviction", "fifo", "cpu_eviction"),
+])
+def test_old_flags_still_work_warn_once_and_hide_from_help(trace_file, old, new, value, key):
+    """A renamed flag works for one release: one warning line on stderr, its value used, absent from --help."""
+    result = _run("--trace", trace_file, "--block-size", 16, old, value, "--gpu-blocks", 300, "--limit", 20,
+                  "--no-baseline", "--json")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [f"warning: {old} is deprecated; use {new}"]
+    assert str(json.loads(result.stdout)["config"][key]) == value
+    help_text = _run("--help").stdout
+    assert new in help_text and f"{old} " not in help_text and f"{old}\n" not in help_text
+
+
+@pytest.mark.parametrize("args", [["--block-tokens", 16, "--block-size", 32],
+                                  ["--eviction", "fifo", "--cpu-eviction", "lru"]])
+def test_old_and_new_flag_with_different_values_is_an_error(args):
+    """Giving a renamed flag and its new name with different values exits 2 naming both."""
+    result = _run(*args, "--limit", 5)
+    assert result.exit_code == 2, result.output
+    assert "disagree" in result.stderr and "Traceback" not in result.output

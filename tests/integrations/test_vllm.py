@@ -231,7 +231,7 @@ def test_preemption_completes_with_identical_tokens_and_nothing_held(tiny_llama,
 
 def test_bad_extra_config_fails_the_engine_with_every_problem(tiny_llama):
     """A bad ``kv_connector_extra_config`` stops the engine with one error listing each problem."""
-    with pytest.raises(ConfigError) as info, engine(tiny_llama, cpu_bytes="lots", eviction="lruu",
+    with pytest.raises(ConfigError) as info, engine(tiny_llama, cpu_bytes="lots", cpu_eviction="lruu",
                                                     store="lazy"):
         pass
     text = str(info.value)

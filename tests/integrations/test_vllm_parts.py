@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given
 
+from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError, HashInputError, SpecMismatchError
 from kvkit.integrations._vllm_scheduler import (
     LOADED_TOKENS_KEY,
@@ -60,9 +61,19 @@ def test_every_problem_of_the_extra_config_is_reported_at_once():
         settings(cpu_blocks=0, evictoin="lru", store="eagre", copy=object(), layout="rows")
     text = str(info.value)
     assert len(info.value.problems) == 5, text
-    for needle in ("'evictoin'", "did you mean 'eviction'", "'eagre'", "'rows'", "cpu_blocks=0",
+    for needle in ("'evictoin'", "did you mean 'cpu_eviction'", "'eagre'", "'rows'", "cpu_blocks=0",
                    "registered name"):
         assert needle in text
+
+
+def test_the_old_eviction_key_still_works_and_warns():
+    """``eviction`` (renamed ``cpu_eviction``) still picks the CPU tier's policy for one release, with a warning."""
+    with pytest.warns(DeprecationWarning, match=r"kv_connector_extra_config\(eviction=\.\.\.\) is deprecated; use cpu_eviction"):
+        s = settings(eviction="fifo")
+    assert s.stack.cpu_eviction == "fifo"
+    assert settings().stack.cpu_eviction == DEFAULTS.cpu_eviction == "lru"
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="disagree"):
+        settings(eviction="fifo", cpu_eviction="lru")
 
 
 def test_a_write_back_store_policy_is_refused():

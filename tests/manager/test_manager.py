@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvkit.backends.allocator import BlockPool
+from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore, LazyStore, NeverStore
 from kvkit.errors import ConfigError, RequestStateError, UnknownRequestError
 from kvkit.interfaces import (
@@ -28,8 +29,9 @@ HYBRID = KVCacheSpec(num_layers=2, block_size=BS, num_kv_heads=1, head_dim=2,
 
 
 def make(store=None, *, cpu=8, gpu=16, world=1, spec=SPEC, own_gpu=True, **kw) -> OffloadManager:
-    return OffloadManager(spec, BlockPool(cpu), store or EagerStore(),
-                          gpu=BlockPool(gpu) if own_gpu else None, world_size=world, **kw)
+    return OffloadManager(spec, BlockPool(cpu, eviction=LRUPolicy()), store or EagerStore(),
+                          gpu=BlockPool(gpu, eviction=LRUPolicy()) if own_gpu else None,
+                          world_size=world, **kw)
 
 
 def results(plan: StepPlan, ok: bool = True, workers: int = 1) -> list[TransferResult]:
@@ -81,9 +83,9 @@ def test_components_are_checked_at_build():
     with pytest.raises(ConfigError, match="cpu must be a BlockAllocator"):
         OffloadManager(SPEC, object(), EagerStore())
     with pytest.raises(ConfigError, match="gpu must be a BlockAllocator"):
-        OffloadManager(SPEC, BlockPool(4), EagerStore(), gpu=object())
+        OffloadManager(SPEC, BlockPool(4, eviction=LRUPolicy()), EagerStore(), gpu=object())
     with pytest.raises(ConfigError, match="store must be a StorePolicy"):
-        OffloadManager(SPEC, BlockPool(4), object())
+        OffloadManager(SPEC, BlockPool(4, eviction=LRUPolicy()), object())
 
 
 def test_write_back_needs_a_gpu_pool_and_one_group():
@@ -98,7 +100,7 @@ def test_cpu_capacity_below_one_block_is_a_config_error():
     """A CPU tier too small for one block fails where it is sized (the pool), not in the manager."""
     assert SPEC.blocks_for(SPEC.bytes_per_block - 1) == 0
     with pytest.raises(ConfigError, match="num_blocks"):
-        BlockPool(SPEC.blocks_for(SPEC.bytes_per_block - 1))
+        BlockPool(SPEC.blocks_for(SPEC.bytes_per_block - 1), eviction=LRUPolicy())
 
 
 # -- typed errors --------------------------------------------------------------

@@ -36,6 +36,7 @@ from hypothesis.stateful import (
 )
 
 from kvkit.backends.allocator import BlockPool
+from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore, LazyStore, NeverStore, SelectiveStore
 from kvkit.errors import KVKitError, OutOfBlocksError
 from kvkit.hashing import hash_blocks
@@ -128,7 +129,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=1, head_dim=2)
-        self.gpu, self.cpu = BlockPool(NUM_GPU), BlockPool(NUM_CPU)
+        self.gpu = BlockPool(NUM_GPU, eviction=LRUPolicy())
+        self.cpu = BlockPool(NUM_CPU, eviction=LRUPolicy())
         self.store = self.make_store()
         self.mgr = self.manager_cls(self.spec, self.cpu, self.store,
                                     gpu=self.gpu if self.own_gpu else None, world_size=WORLD)

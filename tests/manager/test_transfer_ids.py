@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvkit.backends.allocator import BlockPool
+from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore
 from kvkit.interfaces import KVCacheSpec, TransferResult
 from kvkit.manager import OffloadManager
@@ -30,7 +31,8 @@ _ops = st.lists(st.tuples(st.sampled_from(_OPS), st.integers(0, 2**16)), min_siz
 
 def _run(ops: list[tuple[str, int]], manager_cls: type[OffloadManager] = OffloadManager) -> None:
     """Drive a manager through ``ops``, then drain it; fail if an id repeats or completes twice."""
-    mgr = manager_cls(SPEC, BlockPool(8), EagerStore(), gpu=BlockPool(64))
+    mgr = manager_cls(SPEC, BlockPool(8, eviction=LRUPolicy()), EagerStore(),
+                      gpu=BlockPool(64, eviction=LRUPolicy()))
     issued: set[int] = set()
     outstanding: list[int] = []
     completed: list[int] = []

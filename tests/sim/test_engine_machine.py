@@ -30,7 +30,7 @@ class EngineMachine(RuleBasedStateMachine):
     def setup(self, store, eviction, hybrid, world_size):
         spec = HYBRID if hybrid and store != "lazy" else SPEC
         self.stack = kvkit.build(kv=spec, gpu_blocks=12 * len(spec.groups), cpu_blocks=12, store=store,
-                                 eviction=eviction, layout="per-layer", device="cpu",
+                                 cpu_eviction=eviction, layout="per-layer", device="cpu",
                                  world_size=world_size)
         self.engine = ReferenceEngine(self.stack)
         self.next_id = 0

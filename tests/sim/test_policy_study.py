@@ -18,7 +18,7 @@ small_workloads = st.builds(
     SyntheticWorkload,
     seed=st.integers(0, 2**32),
     num_conversations=st.integers(1, 12),
-    block_tokens=st.just(16),
+    block_size=st.just(16),
     num_system_prompts=st.integers(1, 3),
     system_prompt_tokens=st.just((0, 160)),
     max_turns=st.integers(1, 6),
@@ -120,12 +120,12 @@ def _run(*args):
 
 def test_cli_json_schema(trace_file):
     """`kvkit policies --json` prints the trace and {capacity: {policy: {hit_ratio, of_opt}}}."""
-    result = _run("--trace", trace_file, "--block-tokens", 16, "--capacities", "30,300",
+    result = _run("--trace", trace_file, "--block-size", 16, "--capacities", "30,300",
                   "--policies", "lru,s3fifo", "--jobs", 1, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["trace"] == str(trace_file)
-    assert report["block_tokens"] == 16
+    assert report["block_size"] == report["block_tokens"] == 16  # block_tokens: deprecated duplicate
     assert set(report["results"]) == {"30", "300"}
     for per_policy in report["results"].values():
         assert set(per_policy) == {"lru", "s3fifo", OPT}
@@ -135,7 +135,7 @@ def test_cli_json_schema(trace_file):
 def test_cli_table_and_plot(trace_file, tmp_path):
     """Without --json a table names every policy, and --plot writes a PNG."""
     plot = tmp_path / "hits.png"
-    result = _run("--trace", trace_file, "--block-tokens", 16, "--capacities", "50",
+    result = _run("--trace", trace_file, "--block-size", 16, "--capacities", "50",
                   "--jobs", 1, "--plot", plot)
     assert result.exit_code == 0, result.output
     assert all(p in result.stdout for p in default_policies())
@@ -146,13 +146,26 @@ def test_cli_table_and_plot(trace_file, tmp_path):
     (["--capacities", "10,x"], "positive block counts"),
     (["--capacities", "0"], "positive block counts"),
     (["--policies", "lru,nope"], "policy='nope': unknown eviction policy"),
-    (["--block-tokens", "512"], "field 'hash_ids'"),  # the file uses 16-token blocks
+    (["--block-size", "512"], "field 'hash_ids'"),  # the file uses 16-token blocks
 ])
 def test_cli_bad_input_is_one_line_error(trace_file, args, message):
     """Bad options or a trace at the wrong block size exit 2 with a one-line error, no traceback."""
-    defaults = {"--block-tokens": "16", "--jobs": "1"}
+    defaults = {"--block-size": "16", "--jobs": "1"}
     defaults.update(dict(zip(args[::2], args[1::2])))
     result = _run("--trace", trace_file, *[x for kv in defaults.items() for x in kv])
     assert result.exit_code == 2
     assert message in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_cli_old_block_tokens_flag_still_works_and_warns(trace_file):
+    """--block-tokens (renamed --block-size) works for one release, with one warning line, hidden from --help."""
+    result = _run("--trace", trace_file, "--block-tokens", 16, "--capacities", "30", "--policies", "lru",
+                  "--jobs", 1, "--json")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == ["warning: --block-tokens is deprecated; use --block-size"]
+    assert json.loads(result.stdout)["block_size"] == 16
+    help_text = _run("--help").stdout
+    assert "--block-size" in help_text and "--block-tokens" not in help_text
+    result = _run("--trace", trace_file, "--block-tokens", 16, "--block-size", 512, "--jobs", 1)
+    assert result.exit_code == 2 and "disagree" in result.stderr

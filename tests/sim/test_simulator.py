@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
 from kvkit.interfaces import Direction, OffloadCallback
 from kvkit.sim.simulator import LLAMA_3_8B, CostModel, SimConfig, Simulator, simulate
@@ -16,7 +17,7 @@ small_workloads = st.builds(
     SyntheticWorkload,
     seed=st.integers(0, 2**16),
     num_conversations=st.integers(1, 12),
-    block_tokens=st.sampled_from([4, 16]),
+    block_size=st.sampled_from([4, 16]),
     conversations_per_s=st.floats(0.5, 20),
     num_system_prompts=st.integers(1, 3),
     system_prompt_tokens=st.tuples(st.integers(0, 100), st.integers(0, 100)).map(sorted),
@@ -29,7 +30,7 @@ small_workloads = st.builds(
 
 
 def _config(workload, **kw):
-    return SimConfig(block_tokens=workload.block_tokens, **kw)
+    return SimConfig(block_size=workload.block_size, **kw)
 
 
 @given(small_workloads, st.integers(8, 120), st.integers(1, 200),
@@ -39,9 +40,9 @@ def test_accounting_adds_up_and_nothing_leaks(workload, gpu_blocks, cpu_blocks, 
     """Every prompt token is a GPU hit, a CPU hit or computed; every CPU hit is a loaded block; no block leaks."""
     trace = list(generate(workload))
     config = _config(workload, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, store=store,
-                     eviction=eviction)
+                     cpu_eviction=eviction)
     r = simulate(trace, config)
-    bt = workload.block_tokens
+    bt = workload.block_size
     fits = [t for t in trace if math.ceil(t.input_length / bt) <= gpu_blocks]
     assert r.leaked_blocks == 0
     assert r.requests == len(fits) == len(r.ttft_ms)
@@ -61,7 +62,7 @@ def test_accounting_adds_up_and_nothing_leaks(workload, gpu_blocks, cpu_blocks, 
 def test_time_model_by_hand():
     """TTFT is queueing wait plus compute and load time; a request larger than the GPU pool is skipped."""
     cost = CostModel(prefill_tokens_per_s=1000, decode_ms_per_token=1.0)
-    config = SimConfig(gpu_blocks=4, cpu_blocks=8, block_tokens=4, cost=cost)
+    config = SimConfig(gpu_blocks=4, cpu_blocks=8, block_size=4, cost=cost)
     trace = [
         TraceRequest(0, 0, 3, (), 1),  # no prompt: TTFT 0, ends at 3 ms
         TraceRequest(0, 16, 10, (1, 2, 3, 4), 2),  # fills the GPU pool: 16 ms prefill, ends at 26
@@ -77,8 +78,8 @@ def test_time_model_by_hand():
 
 def test_cpu_hits_cost_load_time_not_compute_time():
     """A prefix evicted from the GPU tier comes back from the CPU tier at PCIe speed."""
-    cost = CostModel(prefill_tokens_per_s=1000, pcie_gb_per_s=1.0, decode_ms_per_token=0.0)
-    config = SimConfig(gpu_blocks=5, cpu_blocks=16, block_tokens=4, cost=cost)
+    cost = CostModel(prefill_tokens_per_s=1000, pcie_gbps=1.0, decode_ms_per_token=0.0)
+    config = SimConfig(gpu_blocks=5, cpu_blocks=16, block_size=4, cost=cost)
     trace = [TraceRequest(0, 16, 1, (1, 2, 3, 4), 1),
              TraceRequest(100, 20, 1, (5, 6, 7, 8, 10), 2),  # evicts the first from the GPU tier
              TraceRequest(200, 17, 1, (1, 2, 3, 4, 9), 3)]  # 4 blocks from the CPU tier, 1 token computed
@@ -183,10 +184,10 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="-1"):
         SimConfig(gpu_blocks=-1)
     with pytest.raises(ConfigError, match="nan"):
-        CostModel(pcie_gb_per_s=float("nan"))
-    assert SimConfig(cpu_bytes="1GiB", block_tokens=16).num_cpu_blocks == 2**30 // (16 * 2**17)
+        CostModel(pcie_gbps=float("nan"))
+    assert SimConfig(cpu_bytes="1GiB", block_size=16).num_cpu_blocks == 2**30 // (16 * 2**17)
     with pytest.raises(ConfigError, match="bogus") as info:
-        Simulator(SimConfig(eviction="bogus", store="nope"))
+        Simulator(SimConfig(cpu_eviction="bogus", store="nope"))
     assert len(info.value.problems) == 2
 
 
@@ -223,3 +224,33 @@ def test_copy_none_cannot_move_bytes():
     assert config.copy is None
     with pytest.raises(ConfigError, match="copy='torch'"):
         build(config, layout="per-layer")
+
+
+@pytest.mark.parametrize(("cls", "old", "new", "value"), [
+    (SimConfig, "block_tokens", "block_size", 32),
+    (SimConfig, "eviction", "cpu_eviction", "fifo"),
+    (CostModel, "pcie_gb_per_s", "pcie_gbps", 50.0),
+])
+def test_old_keywords_still_work_and_warn(cls, old, new, value):
+    """A renamed keyword works for one release, warning at the caller; so does reading the old attribute."""
+    with pytest.warns(DeprecationWarning, match=f"{cls.__name__}\\({old}=...\\) is deprecated; use {new}") as rec:
+        made = cls(**{old: value})
+    assert rec[0].filename == __file__
+    assert getattr(made, new) == value
+    with pytest.warns(DeprecationWarning, match=f"{cls.__name__}.{old} is deprecated"):
+        assert getattr(made, old) == value
+    other = "lru" if isinstance(value, str) else value + 1
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=f"{old}=.*{new}=.*disagree"):
+        cls(**{old: value, new: other})
+
+
+def test_defaults_come_from_the_one_defaults_record():
+    """A default SimConfig uses the config's DEFAULTS, and its JSON speaks the new names only."""
+    config = SimConfig()
+    assert (config.gpu_blocks, config.num_cpu_blocks, config.block_size) == (
+        DEFAULTS.gpu_blocks, DEFAULTS.cpu_blocks, DEFAULTS.block_size)
+    assert (config.cpu_eviction, config.gpu_eviction, config.store) == (
+        DEFAULTS.cpu_eviction, DEFAULTS.gpu_eviction, DEFAULTS.store)
+    d = config.as_dict()
+    assert {"block_size", "cpu_eviction", "gpu_eviction"} <= set(d) and "pcie_gbps" in d["cost"]
+    assert not {"block_tokens", "eviction"} & set(d) and "pcie_gb_per_s" not in d["cost"]

@@ -17,7 +17,7 @@ workloads = st.builds(
     SyntheticWorkload,
     seed=st.integers(0, 2**32),
     num_conversations=st.integers(1, 25),
-    block_tokens=st.sampled_from([1, 4, 16, 64]),
+    block_size=st.sampled_from([1, 4, 16, 64]),
     num_system_prompts=st.integers(1, 4),
     system_prompt_tokens=st.tuples(st.integers(0, 200), st.integers(0, 200)).map(sorted),
     system_prompt_skew=st.floats(0, 3),
@@ -29,16 +29,16 @@ workloads = st.builds(
 )
 
 
-def _check_prefix_chains(requests, block_tokens):
+def _check_prefix_chains(requests, block_size):
     """Assert Mooncake's id rules: one id per block; an id always has one position, parent and fill."""
     where = {}
     next_new = 0
     for r in requests:
-        assert len(r.hash_ids) == math.ceil(r.input_length / block_tokens)
+        assert len(r.hash_ids) == math.ceil(r.input_length / block_size)
         for pos, block in enumerate(r.hash_ids):
             parent = r.hash_ids[pos - 1] if pos else None
             # a partial last block is other content than the full block at its place
-            tokens = min(r.input_length, (pos + 1) * block_tokens)
+            tokens = min(r.input_length, (pos + 1) * block_size)
             assert where.setdefault(block, (pos, parent, tokens)) == (pos, parent, tokens)
             # ids are numbered in order of first appearance
             assert block <= next_new
@@ -48,7 +48,7 @@ def _check_prefix_chains(requests, block_tokens):
 @given(workloads)
 def test_chains_are_prefix_consistent(workload):
     """Every id sits at one position after one parent, one id per block, numbered as first seen."""
-    _check_prefix_chains(list(generate(workload)), workload.block_tokens)
+    _check_prefix_chains(list(generate(workload)), workload.block_size)
 
 
 @given(workloads)
@@ -64,13 +64,13 @@ def test_round_trips_through_write_and_read(workload):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "synthetic.jsonl"
         write_trace(path, requests)
-        assert list(read_trace(path, block_tokens=workload.block_tokens)) == requests
+        assert list(read_trace(path, block_size=workload.block_size)) == requests
 
 
 @given(workloads)
 def test_later_turns_extend_earlier_chains(workload):
     """Requests sharing a block past every system prompt are turns of one chat, each extending the last."""
-    b = workload.block_tokens
+    b = workload.block_size
     private = workload.system_prompt_tokens[1] // b + 1  # first block no system prompt fills
     by_block = defaultdict(list)
     for r in generate(workload):
@@ -94,7 +94,7 @@ def test_shape_follows_the_workload(workload):
     assert all(0 < r.input_length and r.input_length + r.output_length
                <= workload.max_context_tokens for r in requests)
     low = workload.system_prompt_tokens[0]
-    if low >= workload.block_tokens:
+    if low >= workload.block_size:
         assert len({r.hash_ids[0] for r in requests}) <= workload.num_system_prompts
 
 
@@ -115,7 +115,7 @@ def test_default_size_suits_a_quick_simulation():
 
 @pytest.mark.parametrize("kwargs", [
     {"num_conversations": 0},
-    {"block_tokens": -16},
+    {"block_size": -16},
     {"conversations_per_s": 0.0},
     {"conversations_per_s": math.inf},
     {"system_prompt_tokens": (10, 5)},
@@ -130,3 +130,13 @@ def test_bad_parameters_raise_config_error(kwargs):
     """Invalid workload parameters raise ConfigError quoting the value."""
     with pytest.raises(ConfigError):
         SyntheticWorkload(**kwargs)
+
+
+def test_old_block_tokens_keyword_still_works_and_warns():
+    """``SyntheticWorkload(block_tokens=...)`` (renamed ``block_size``) works for one release, with a warning."""
+    with pytest.warns(DeprecationWarning, match="use block_size"):
+        workload = SyntheticWorkload(num_conversations=2, block_tokens=8)
+    assert workload.block_size == 8
+    assert list(generate(workload)) == list(generate(SyntheticWorkload(num_conversations=2, block_size=8)))
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="disagree"):
+        SyntheticWorkload(block_tokens=8, block_size=16)

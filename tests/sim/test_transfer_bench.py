@@ -1,12 +1,19 @@
 """``kvkit bench transfer`` on the CPU path: torch on host tensors, every copy checked."""
 
 import json
+import time
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from kvkit.cli import main
+from kvkit.cli.bench import transfer_command
+from kvkit.errors import ConfigError
+from kvkit.interfaces.types import KVCacheSpec
+from kvkit.registry import COPY
+from kvkit.sim import transfer_bench
+from kvkit.worker.layouts import LAYOUTS
 
 SMALL = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4", "--pool-blocks", "24"]
 
@@ -15,7 +22,7 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the
 
 @needs_no_cuda
 @pytest.mark.parametrize("layout", ["per-layer", "blocks-first", "cross-layer"])
-@pytest.mark.parametrize(("ids", "direction"), [("random", "d2h"), ("consecutive", "h2d"), ("random", "both")])
+@pytest.mark.parametrize(("ids", "direction"), [("random", "store"), ("consecutive", "load"), ("random", "both")])
 def test_cpu_run_times_torch_and_checks_every_copy(layout, ids, direction):
     """Without a GPU the benchmark runs torch on host tensors and reports verified GB/s."""
     result = CliRunner().invoke(main, ["bench", "transfer", "--layout", layout, "--blocks", "5", "--ids", ids,
@@ -23,10 +30,10 @@ def test_cpu_run_times_torch_and_checks_every_copy(layout, ids, direction):
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["device"] == "cpu" and report["ceiling_gbps"] > 0
+    assert report["direction"] == direction and set(report["ceilings_gbps"]) == {"store", "load", "both"}
     (row,) = report["results"]
     assert row["backend"] == "torch" and row["verified"] and row["gbps"] > 0
-    assert row["directions"] == (["store", "load"] if direction == "both" else
-                                 ["store" if direction == "d2h" else "load"])
+    assert row["directions"] == (["store", "load"] if direction == "both" else [direction])
 
 
 @needs_no_cuda
@@ -61,3 +68,63 @@ def test_table_output_names_the_ceiling():
     result = CliRunner().invoke(main, ["bench", "transfer", "--backend", "torch", "--blocks", "3", *SMALL])
     assert result.exit_code == 0, result.output
     assert "ceiling" in result.output and "torch" in result.output
+
+
+def test_layout_choices_are_the_registered_layouts():
+    """--layout and --cpu-layout offer exactly kvkit.worker.layouts.LAYOUTS (vllm-cpu included)."""
+    params = {p.name: p for p in transfer_command.params}
+    assert tuple(params["layout"].type.choices) == tuple(LAYOUTS) == tuple(params["cpu_layout"].type.choices)
+    assert "vllm-cpu" in LAYOUTS
+
+
+@needs_no_cuda
+def test_the_vllm_cpu_layout_is_timed_and_checked():
+    """The layout the bench used to leave out runs like the others."""
+    result = CliRunner().invoke(main, ["bench", "transfer", "--layout", "vllm-cpu", "--blocks", "5", "--repeat", "2",
+                                       "--json", *SMALL])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["results"]
+    assert row["verified"]
+
+
+def test_a_backend_typo_fails_fast_naming_the_valid_backends(monkeypatch):
+    """--backend typo exits 2 at once, before allocating or measuring, listing 'all' and every copy backend."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("measured before the backend name was checked")
+
+    monkeypatch.setattr(transfer_bench.Rig, "allocate", must_not_run)
+    monkeypatch.setattr(transfer_bench, "measure_ceiling", must_not_run)
+    start = time.perf_counter()
+    result = CliRunner().invoke(main, ["bench", "transfer", "--backend", "cupy-bach", *SMALL])
+    assert time.perf_counter() - start < 2
+    assert result.exit_code == 2, result.output
+    assert "--backend 'cupy-bach': unknown copy backend" in result.stderr
+    assert all(name in result.stderr for name in ["all", *COPY.names()])
+    assert "did you mean 'cupy-batch'?" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@needs_no_cuda
+@pytest.mark.parametrize(("old", "new"), sorted(transfer_bench.RENAMED_DIRECTIONS.items()))
+def test_old_direction_names_still_work_and_warn(old, new):
+    """--direction d2h/h2d work for one release: one warning line, and the report says store/load."""
+    result = CliRunner().invoke(main, ["bench", "transfer", "--direction", old, "--blocks", "3", "--repeat", "2",
+                                       "--json", *SMALL])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [f"warning: --direction {old} is deprecated; use --direction {new}"]
+    report = json.loads(result.stdout)
+    assert report["direction"] == new and report["results"][0]["directions"] == [new]
+    help_text = CliRunner().invoke(main, ["bench", "transfer", "--help"]).stdout
+    assert "[store|load|both]" in help_text and old not in help_text
+
+
+@needs_no_cuda
+def test_old_direction_names_warn_in_python_too():
+    """run_transfer(direction="d2h") warns with a DeprecationWarning at the caller; a bad name is a ConfigError."""
+    spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=16)
+    with pytest.warns(DeprecationWarning, match="direction='d2h' is deprecated; use direction='store'") as rec:
+        report = transfer_bench.run_transfer(spec, backend="torch", blocks=3, direction="d2h", pool_blocks=24,
+                                             repeat=2)
+    assert rec[0].filename == __file__ and report["direction"] == "store"
+    with pytest.raises(ConfigError, match="direction='sideways'"):
+        transfer_bench.run_transfer(spec, direction="sideways")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvkit.backends.copy import TorchCopy
 from kvkit.errors import ConfigError, PlanError, SpecMismatchError, UnknownBlockError
-from kvkit.interfaces import Direction, KVCacheSpec, TransferPlan, TransferResult
+from kvkit.interfaces import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
 from kvkit.testing.kvdata import TWO_GROUPS, fill_random, kv_specs, plans, spec_layouts, tensor_bytes
 from kvkit.worker.engine import TransferEngine
 from kvkit.worker.layouts import LAYOUTS, allocate_kv, kv_nbytes, kv_shape, validate_kv
@@ -230,6 +230,29 @@ def test_copy_must_be_a_backend():
     """A copy object that is not a CopyBackend is refused at construction."""
     with pytest.raises(ConfigError, match="CopyBackend, got str"):
         TransferEngine(SPEC, "torch", num_cpu_blocks=2)
+
+
+def test_the_backends_self_check_is_decided_at_construction():
+    """A SelfChecking backend is checked by the engine's check_invariants; one without it is skipped; copy is fixed."""
+    checks = []
+    counted = type("Counted", (TorchCopy,), {"check_invariants": lambda self: checks.append(self)})()
+    engine = TransferEngine(SPEC, counted, num_cpu_blocks=2)
+    engine.allocate_kv(2, "blocks-first")
+    engine.check_invariants()
+    assert checks == [counted]
+    unchecked = TransferEngine(SPEC, type("Unchecked", (TorchCopy,), {"check_invariants": None})(),
+                               num_cpu_blocks=2)
+    unchecked.allocate_kv(2, "blocks-first")
+    unchecked.check_invariants()
+    with pytest.raises(attrs.exceptions.FrozenAttributeError):
+        engine.copy = TorchCopy()
+
+
+def test_blocks_are_read_by_tier_member_or_value():
+    """read_block takes a Tier or its string value alike."""
+    engine = _engine()
+    assert engine.read_block(Tier.GPU, 1) == engine.read_block("gpu", 1)
+    assert engine.read_block(Tier.CPU, 1) == engine.read_block("cpu", 1)
 
 
 def test_plan_errors_propagate():

@@ -103,7 +103,7 @@ FIND_BUGS = settings(
 def contract_for(pool_class):
     class Contract(AllocatorContract):
         def make_allocator(self, num_blocks):
-            return pool_class(num_blocks)
+            return pool_class(num_blocks, eviction=LRUPolicy())
 
     return Contract
 

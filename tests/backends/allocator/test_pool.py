@@ -1,5 +1,7 @@
 """Unit tests of BlockPool: states, eviction through the policy, errors and atomicity."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from kvkit.errors import (
     RefcountError,
     UnknownBlockError,
 )
-from kvkit.interfaces import BlockAllocator
+from kvkit.interfaces import BlockAllocator, EvictionOrder, PinAwarePolicy
 
 
 def state(pool):
@@ -23,6 +25,11 @@ def state(pool):
         [pool.refcount(b) for b in range(n)], [pool.block_hash(b) for b in range(n)],
         list(pool.policy),
     )
+
+
+def lru_pool(num_blocks):
+    """A fresh pool run by a fresh LRU policy."""
+    return BlockPool(num_blocks, eviction=LRUPolicy())
 
 
 def cached_pool(num_blocks, hashes):
@@ -77,12 +84,15 @@ class RecordingPinLRU(RecordingLRU):
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8", None])
 def test_bad_capacity_is_a_config_error_quoting_it(bad):
     """A capacity that is not a positive int raises ConfigError quoting it."""
-    with pytest.raises(ConfigError, match=f"num_blocks must be a positive int, got {bad!r}"):
-        BlockPool(bad)
+    with pytest.raises(ConfigError, match=re.escape(f"num_blocks={bad!r}: must be an int >= 1")):
+        BlockPool(bad, eviction=LRUPolicy())
 
 
 def test_eviction_must_be_an_empty_policy():
-    """A non-policy, or a policy already tracking blocks, is rejected at construction."""
+    """A missing policy, a non-policy, or a policy already tracking blocks, is rejected at construction."""
+    for missing in ({}, {"eviction": None}):
+        with pytest.raises(ConfigError, match="needs an eviction policy, got eviction=None; hint: .*LRUPolicy"):
+            BlockPool(4, **missing)
     with pytest.raises(ConfigError, match="eviction must be an EvictionPolicy, got 'lru'"):
         BlockPool(4, eviction="lru")
     used = LRUPolicy()
@@ -104,10 +114,11 @@ def test_half_a_pair_of_pin_hooks_is_a_config_error(hooks, message):
 
 
 def test_defaults_and_protocol():
-    """A new pool is all empty, uses LRU by default and implements BlockAllocator."""
-    pool = BlockPool(5)
-    assert isinstance(pool, BlockAllocator)
-    assert isinstance(pool.policy, LRUPolicy)
+    """A new pool is all empty, consults the policy it was given and implements EvictionOrder."""
+    policy = LRUPolicy()
+    pool = BlockPool(5, eviction=policy)
+    assert isinstance(pool, BlockAllocator) and isinstance(pool, EvictionOrder)
+    assert pool.policy is policy
     assert (pool.num_blocks, pool.num_free, pool.num_empty, pool.num_evictable) == (5, 5, 5, 0)
     pool.check_invariants()
     with pytest.raises(AttributeError):
@@ -119,7 +130,7 @@ def test_defaults_and_protocol():
 
 def test_allocation_hands_out_ascending_runs():
     """Fresh ids come out ascending, and blocks released in order come back in order."""
-    pool = BlockPool(10)
+    pool = lru_pool(10)
     first, second = pool.allocate(4), pool.allocate(3)
     assert (first, second) == ([0, 1, 2, 3], [4, 5, 6])
     pool.decref(first)
@@ -132,8 +143,8 @@ def test_allocation_hands_out_ascending_runs():
 @pytest.mark.parametrize("bad", [-1, 1.0, "2", True, None])
 def test_bad_allocation_count_quotes_it(bad):
     """A count that is not a non-negative int raises PoolUsageError (a ValueError) quoting it."""
-    pool = BlockPool(4)
-    with pytest.raises(PoolUsageError, match=f"got {bad!r}") as info:
+    pool = lru_pool(4)
+    with pytest.raises(PoolUsageError, match=re.escape(f"n={bad!r}: must be an int >= 0")) as info:
         pool.allocate(bad)
     assert isinstance(info.value, ValueError)
     assert pool.num_empty == 4
@@ -215,7 +226,7 @@ def test_a_policy_offering_a_referenced_block_is_caught_before_any_change():
 @pytest.mark.parametrize("method", ["incref", "decref", "touch", "commit"])
 def test_unknown_ids_quote_the_id_and_change_nothing(method, bad):
     """An out-of-range or non-int id raises UnknownBlockError quoting it; nothing changes."""
-    pool = BlockPool(4)
+    pool = lru_pool(4)
     pool.allocate(2)
     before = state(pool)
     args = ([1, bad], [10, 11]) if method == "commit" else ([1, bad],)
@@ -249,7 +260,7 @@ def test_incref_takes_an_evictable_block_out_of_the_free_count():
 
 def test_decref_below_zero_rolls_back():
     """A decref that drops one block below zero (even via repeats) undoes the rest."""
-    pool = BlockPool(4)
+    pool = lru_pool(4)
     pool.allocate(2)
     pool.incref([1])
     before = state(pool)
@@ -263,7 +274,7 @@ def test_decref_below_zero_rolls_back():
 
 def test_decref_to_zero_empties_not_ready_and_caches_ready_blocks():
     """At refcount 0 a not-ready block is empty again and a ready block becomes evictable."""
-    pool = BlockPool(4)
+    pool = lru_pool(4)
     blocks = pool.allocate(2)
     pool.commit([blocks[0]], [10])
     pool.decref(blocks)
@@ -274,7 +285,7 @@ def test_decref_to_zero_empties_not_ready_and_caches_ready_blocks():
 
 def test_numpy_ids_are_accepted_and_stored_as_ints():
     """Ids from a numpy array work everywhere and never leak into the index as numpy ints."""
-    pool = BlockPool(4)
+    pool = lru_pool(4)
     blocks = np.asarray(pool.allocate(2))
     pool.incref(blocks)
     pool.commit(blocks, [10, 11])
@@ -291,7 +302,7 @@ def test_numpy_ids_are_accepted_and_stored_as_ints():
 
 def test_commit_keeps_the_first_block_of_a_duplicate_hash():
     """A hash already indexed keeps its block; the duplicate stays not ready and later empties."""
-    pool = BlockPool(4)
+    pool = lru_pool(4)
     a, b, c = pool.allocate(3)
     assert pool.commit([a], [10]) == [True]
     assert pool.commit([b, c], [10, 11]) == [False, True]
@@ -304,7 +315,7 @@ def test_commit_keeps_the_first_block_of_a_duplicate_hash():
 
 def test_commit_within_one_call_repeating_a_hash():
     """Two blocks committed under one hash in the same call: the first wins."""
-    pool = BlockPool(2)
+    pool = lru_pool(2)
     assert pool.commit(pool.allocate(2), [7, 7]) == [True, False]
 
 
@@ -329,7 +340,7 @@ def test_commit_notifies_the_policy_with_parents():
 ])
 def test_bad_commits_quote_the_value_and_change_nothing(blocks, hashes, parents, error, message):
     """Every malformed commit raises the typed error quoting the culprit; nothing changes."""
-    pool = BlockPool(5)
+    pool = lru_pool(5)
     pool.allocate(2)
     ready = pool.allocate(2)
     pool.commit([ready[1]], [99])
@@ -384,6 +395,19 @@ def test_a_subclass_can_opt_out_of_its_parents_pin_hooks():
     assert not any(call[0] in ("pin", "unpin") for call in policy.calls)
 
 
+def test_pin_hooks_are_decided_once_when_the_pool_adopts_the_policy():
+    """Only a PinAwarePolicy at construction hears pins; hooks added to the object later are never called."""
+    assert isinstance(RecordingPinLRU(), PinAwarePolicy) and not isinstance(RecordingLRU(), PinAwarePolicy)
+    policy = RecordingLRU()
+    pool = cached_pool_with(policy, [10, 11])
+    policy.on_pin = policy.on_unpin = lambda block: policy.calls.append(("late hook", block))
+    assert isinstance(policy, PinAwarePolicy)  # it is one now, but the pool already decided
+    policy.calls.clear()
+    pool.incref([0])
+    pool.decref([0])
+    assert policy.calls == []
+
+
 def test_lookup_returns_the_longest_ready_prefix_and_is_pure():
     """Lookup stops at the first missing hash and changes neither refcounts nor LRU order."""
     pool = cached_pool(5, [10, 11, 12])
@@ -417,7 +441,7 @@ def test_eviction_candidates_preview_without_evicting():
     assert pool.eviction_candidates(10) == [0, 2, 3]
     assert pool.eviction_candidates(0) == []
     assert state(pool) == before
-    with pytest.raises(PoolUsageError, match="got -1"):
+    with pytest.raises(PoolUsageError, match="n=-1: must be an int >= 0"):
         pool.eviction_candidates(-1)
 
 
@@ -472,7 +496,7 @@ def test_check_invariants_detects_corruption(corrupt, message):
 @pytest.mark.parametrize("method", ["incref", "decref", "touch", "commit", "lookup"])
 def test_a_non_sequence_argument_is_a_typed_error(method):
     """Passing a bare int where a sequence belongs raises PoolUsageError quoting it."""
-    pool = BlockPool(4)
+    pool = lru_pool(4)
     pool.allocate(2)
     before = state(pool)
     args = (3, [10]) if method == "commit" else (3,)
@@ -483,7 +507,7 @@ def test_a_non_sequence_argument_is_a_typed_error(method):
 
 def test_generators_and_ranges_are_accepted():
     """Any iterable of ids works, even though the pool walks it twice (validate, then act)."""
-    pool = BlockPool(4)
+    pool = lru_pool(4)
     pool.allocate(3)
     pool.incref(b for b in range(3))
     pool.commit(range(3), (h for h in (10, 11, 12)))

@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvkit.backends.eviction._common import LearnsCapacity
 from kvkit.backends.eviction.arc import ARCPolicy
 from kvkit.backends.eviction.fifo import FIFOPolicy
+from kvkit.backends.eviction.hit_density import HitDensityPolicy
 from kvkit.backends.eviction.lfu import LFUPolicy
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.opt import OptimalPolicy
@@ -227,6 +229,21 @@ def test_arc_learns_capacity_from_the_high_water_mark():
     _evict(policy, 4)
     policy.on_insert(9, _h(9), None)
     assert policy.c == 6
+
+
+@pytest.mark.parametrize("make", [ARCPolicy, S3FIFOPolicy, HitDensityPolicy])
+def test_adaptive_policies_size_themselves_through_one_helper(make):
+    """ARC, S3-FIFO and hit density learn the high-water mark, or keep the capacity given."""
+    learned, fixed = make(), make(capacity=3)
+    assert isinstance(learned, LearnsCapacity) and (learned.c, fixed.c) == (0, 3)
+    for policy in (learned, fixed):
+        _fill(policy, range(5))
+        _evict(policy, 4)
+        policy.on_insert(9, _h(9), None)
+        policy.check_invariants()
+    assert (learned.c, fixed.c) == (5, 3)
+    with pytest.raises(ConfigError, match=rf"{make.__name__}\.capacity=0: must be an int >= 1"):
+        make(capacity=0)
 
 
 # --- S3-FIFO -----------------------------------------------------------------

@@ -412,6 +412,6 @@ def test_misuse_raises_pool_usage_error(make):
         policy.on_access(7)
     with pytest.raises(PoolUsageError, match="not tracked"):
         policy.on_remove(7)
-    with pytest.raises(PoolUsageError, match="non-negative int"):
+    with pytest.raises(PoolUsageError, match="n=-1: must be an int >= 0"):
         policy.select_victims(-1, lambda b: True)
     policy.check_invariants()

@@ -1,0 +1,177 @@
+"""Optional capabilities: protocols a component may satisfy beyond its main one.
+
+Each is runtime-checkable and checked *once*, where a component is adopted (a
+pool's constructor, a registry's probe, the transfer engine's construction,
+the manager's build), never by ``getattr`` at a call site. None carries
+default behaviour: a component defines the members or lacks the capability.
+A method member set to ``None`` counts as absent (``isinstance`` refuses it),
+so a subclass can opt out of a capability its parent has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from kvkit.errors import ConfigError
+from kvkit.interfaces.allocator import BlockAllocator
+from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.types import BlockId
+
+__all__ = [
+    "EvictionOrder",
+    "ExplainsUnavailability",
+    "PinAwarePolicy",
+    "PrefillCompute",
+    "ReportsAvailability",
+    "SelfChecking",
+    "pin_hooks",
+]
+
+
+@runtime_checkable
+class PinAwarePolicy(EvictionPolicy, Protocol):
+    """An eviction policy that also hears when its blocks come into and go out of use.
+
+    A driver (a pool) that finds this capability reports every such
+    transition, so the policy can set in-use blocks aside instead of
+    skipping them in every :meth:`~EvictionPolicy.select_victims`.
+
+    Invariants:
+        * Between ``on_pin(b)`` and the next ``on_unpin(b)`` or
+          :meth:`~EvictionPolicy.on_remove` (either may follow),
+          ``is_evictable(b)`` is false; after ``on_unpin(b)`` it may be true
+          again and ``b`` must be selectable again. ``on_access`` may arrive
+          in between (a hit on a block in use).
+        * A driver calls ``on_pin`` only on an unpinned tracked block and
+          ``on_unpin`` only on a pinned one (the built-in policies raise
+          ``PoolUsageError`` otherwise); a removed block is no longer pinned.
+        * The converse does not hold: a driver may call no hooks at all, so
+          ``select_victims`` still honours ``is_evictable`` for every block
+          and returns only evictable ones.
+        * A driver decides once, when it adopts the policy (:func:`pin_hooks`),
+          whether to call the hooks; hooks added to the object later are not used.
+    """
+
+    def on_pin(self, block: BlockId) -> None:
+        """A tracked block came into use: its first reference was taken (refcount 0 -> 1).
+
+        A block inserted while referenced (a pool commits every block that way)
+        gets ``on_pin`` right after :meth:`~EvictionPolicy.on_insert`.
+        """
+        ...
+
+    def on_unpin(self, block: BlockId) -> None:
+        """A pinned block's last reference went (refcount 1 -> 0)."""
+        ...
+
+
+def pin_hooks(policy: EvictionPolicy) -> tuple[Callable[[BlockId], None], Callable[[BlockId], None]] | None:
+    """``policy``'s bound ``(on_pin, on_unpin)`` if it is a :class:`PinAwarePolicy`, else ``None``.
+
+    Call it once, when adopting the policy.
+
+    Raises:
+        ConfigError: ``policy`` defines one hook without the other, or a hook
+            that is not callable (half a capability is a mistake, not an opt-out).
+    """
+    if isinstance(policy, PinAwarePolicy) and callable(policy.on_pin) and callable(policy.on_unpin):
+        return policy.on_pin, policy.on_unpin
+    # Not the capability: only say why when it looks like an attempt at it.
+    on_pin, on_unpin = getattr(policy, "on_pin", None), getattr(policy, "on_unpin", None)
+    if on_pin is None and on_unpin is None:
+        return None
+    raise ConfigError(
+        f"eviction policy {type(policy).__name__} needs both pin hooks callable or neither, "
+        f"got on_pin={on_pin!r}, on_unpin={on_unpin!r}"
+    )
+
+
+@runtime_checkable
+class EvictionOrder(BlockAllocator, Protocol):
+    """A pool that can preview its eviction order; write-back store policies need one.
+
+    Invariants:
+        * ``eviction_candidates(n)`` returns ``min(n, evictable blocks)``
+          distinct evictable blocks, the next victim first: those
+          :meth:`~BlockAllocator.allocate` would evict next, in that order.
+        * It evicts nothing and changes no refcount, hash or index entry (a
+          policy whose selection updates internal state, such as CLOCK bits,
+          updates it as a real selection would).
+        * A count that is not a non-negative int raises ``PoolUsageError``.
+    """
+
+    def eviction_candidates(self, n: int) -> list[BlockId]:
+        """The next up-to-``n`` blocks the policy would evict now, next victim first."""
+        ...
+
+
+@runtime_checkable
+class ReportsAvailability(Protocol):
+    """A component class (or factory) that can tell whether it runs on this machine.
+
+    A registry checks the loaded class itself, so ``is_available`` is a
+    ``classmethod`` or ``staticmethod``; a component without it is available
+    wherever it imports.
+
+    Invariants: ``is_available()`` builds nothing and is safe to call from a
+    listing; a registry treats an exception from it as "unavailable".
+    """
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether the component's libraries and devices are present here."""
+        ...
+
+
+@runtime_checkable
+class ExplainsUnavailability(ReportsAvailability, Protocol):
+    """A component class that also says *why* it cannot run here (``kvkit list`` shows it).
+
+    Invariants: ``unavailable_reason()`` is ``None`` exactly when
+    ``is_available()`` is true, else a one-line reason; like
+    ``is_available`` it is a ``classmethod`` or ``staticmethod``.
+    """
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why the component cannot run on this machine, or ``None`` if it can."""
+        ...
+
+
+@runtime_checkable
+class SelfChecking(Protocol):
+    """A component that can verify its own internal state (tests, notebooks, its owner's checks).
+
+    Invariants: ``check_invariants()`` changes nothing; it raises
+    ``AssertionError`` when the state is inconsistent and returns ``None``
+    otherwise. It may be slow: never on a hot path.
+    """
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if internal state is inconsistent."""
+        ...
+
+
+@runtime_checkable
+class PrefillCompute(Protocol):
+    """The forward pass of the reference engine loop: writes the KV a scheduled prefill recomputes.
+
+    The engine is a :class:`kvkit.sim.engine_loop.ReferenceEngine` and the
+    request one of its ``EngineRequest`` s (annotated loosely: interfaces
+    import nothing of the layers above them).
+
+    Invariants the engine keeps for it: :meth:`prefill` runs once per scheduled
+    request and step, after the step's loads landed (blocks before
+    ``first_block`` of every group hold the reused KV: GPU hits, then loaded
+    CPU hits) and before the engine publishes the request's full blocks and
+    confirms them to the manager, so only what it wrote can be stored.
+    """
+
+    def prefill(self, engine: Any, request: Any, first_block: int) -> int:
+        """Write the KV of ``request``'s blocks ``first_block..`` into its GPU blocks (``request.table``).
+
+        Returns:
+            Reused blocks found with wrong bytes (0 when it checks none).
+        """
+        ...

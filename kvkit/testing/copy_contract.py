@@ -1,0 +1,267 @@
+"""``CopyBackendContract``: the tests every ``CopyBackend`` must pass, built-in or your own.
+
+Join it in three lines (pytest collects the subclass)::
+
+    class TestMyCopy(CopyBackendContract):
+        device = "cuda"  # the GPU tier's device; "cpu" (the default) runs anywhere
+        def make_backend(self): return MyCopy()
+
+The contract allocates small caches in every ``(GPU layout, CPU layout)``
+pair kvkit knows, fills them with random bytes and checks:
+
+* random plans (both directions, any group, runs and scattered ids, repeated
+  sources) leave every tensor of both tiers byte-identical to the torch
+  reference backend run on clones, and to a block-by-block copy: each
+  destination block holds its source block, and nothing else changes;
+* every plan of :data:`~kvkit.testing.kvdata.BAD_PLANS`, and a plan before
+  any ``register``, raises ``PlanError`` from ``submit`` (matching the
+  listed message) and no byte of either tier moves, nor is a handle issued;
+* handles come back from ``poll`` in submission order, each once;
+  ``check_invariants()`` passes if the backend is
+  :class:`~kvkit.interfaces.capabilities.SelfChecking`.
+
+A pair whose probe registration (two layers, one group; for the bad plans
+:data:`~kvkit.testing.kvdata.TWO_GROUPS`) raises ``SpecMismatchError`` is
+skipped, but at least one pair must be accepted. With ``device = "cuda"``
+the CPU tier is page-locked, the tests carry the ``gpu`` mark and skip
+without a CUDA device. The checks are public functions
+(:func:`check_plans`, :func:`check_bad_plans`), so a test can run them on
+an example of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvkit.backends.copy.torch_copy import TorchCopy
+from kvkit.errors import PlanError, SpecMismatchError
+from kvkit.interfaces.capabilities import SelfChecking
+from kvkit.interfaces.copy import CopyBackend, Region
+from kvkit.interfaces.types import KVCacheSpec, Tier, TransferPlan
+from kvkit.testing.kvdata import (
+    BAD_PLANS,
+    TWO_GROUPS,
+    fill_random,
+    kv_specs,
+    pairable_layouts,
+    plans,
+    reference_copy,
+    tensor_bytes,
+)
+from kvkit.worker.layouts import allocate_kv, kv_nbytes, kv_views, regions_for
+
+__all__ = ["CopyBackendContract", "allocate_tiers", "check_bad_plans", "check_plans"]
+
+Layouts = tuple[str, str]
+"""``(GPU layout, CPU layout)``."""
+
+_PROBE = KVCacheSpec(num_layers=2, block_size=2, num_kv_heads=1, head_dim=4, dtype="float16")
+_PAIRS = pairable_layouts(_PROBE)
+_TWO_GROUP_PAIRS = pairable_layouts(TWO_GROUPS)
+_BAD_PLAN_BLOCKS = (4, 3)  # the GPU and CPU block counts BAD_PLANS assume
+
+
+def _pair_id(layouts: Layouts) -> str:
+    return "{}->{}".format(*layouts)
+
+
+def _regions(spec: KVCacheSpec, layouts: Layouts, gpu: list[torch.Tensor], cpu: list[torch.Tensor]) -> list[Region]:
+    return regions_for(spec, layouts[0], gpu, cpu, cpu_layout=layouts[1])
+
+
+def allocate_tiers(spec: KVCacheSpec, layouts: Layouts, num_gpu: int, num_cpu: int, device: str,
+                   seed: int, *, one_buffer: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Both tiers' cache tensors, filled with random bytes from ``seed``.
+
+    The GPU tier lives on ``device``, carved out of one buffer (``one_buffer``)
+    or in a tensor per layer; the CPU tier is one host buffer, page-locked
+    when ``device`` is ``"cuda"`` (the GPU backends read it directly).
+    """
+    gpu_layout, cpu_layout = layouts
+    if one_buffer:
+        buffer = torch.empty(kv_nbytes(spec, gpu_layout, num_gpu), dtype=torch.uint8, device=device)
+        gpu = kv_views(spec, gpu_layout, num_gpu, buffer)
+    else:
+        gpu = allocate_kv(spec, gpu_layout, num_gpu, device)
+    host = torch.empty(kv_nbytes(spec, cpu_layout, num_cpu), dtype=torch.uint8, pin_memory=device == "cuda")
+    cpu = kv_views(spec, cpu_layout, num_cpu, host)
+    fill_random(gpu + cpu, seed)
+    return gpu, cpu
+
+
+def _synchronize(tensors: Sequence[torch.Tensor]) -> None:
+    """Wait for every stream of the device, so a stray launch shows in the bytes."""
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+
+
+def check_plans(backend: CopyBackend, spec: KVCacheSpec, layouts: Layouts, gpu: list[torch.Tensor],
+                cpu: list[torch.Tensor], plan_list: Sequence[TransferPlan]) -> None:
+    """Run ``plan_list`` on ``backend`` (registered on ``gpu`` and ``cpu``), one plan at a time.
+
+    After each ``wait``, every tensor must equal the torch reference
+    backend's on clones that ran the same plans, and every region must equal
+    :func:`~kvkit.testing.kvdata.reference_copy`'s block-by-block result
+    (destination blocks hold their sources; all other bytes are unchanged).
+    Finally ``poll`` must report every handle once, in order.
+
+    Raises:
+        AssertionError: naming the plan and what differs.
+    """
+    ref_gpu, ref_cpu = [t.clone() for t in gpu], [t.clone() for t in cpu]
+    reference = TorchCopy()
+    reference.register(_regions(spec, layouts, ref_gpu, ref_cpu))
+    regions = _regions(spec, layouts, gpu, cpu)
+    views = [(r, tier, v) for r in regions for tier, v in ((Tier.GPU, r.gpu), (Tier.CPU, r.cpu))]  # every byte
+    tiers = ((Tier.GPU, gpu, ref_gpu), (Tier.CPU, cpu, ref_cpu))
+    handles = []
+    for plan in plan_list:
+        before = {id(v): tensor_bytes(v) for _, _, v in views}
+        expected = {id(dst): tensor_bytes(want) for dst, want in reference_copy(regions, plan)}
+        handles.append(backend.submit(plan))
+        backend.wait(handles[-1])
+        reference.wait(reference.submit(plan))
+        for tier, mine, theirs in tiers:
+            for i, (t, ref) in enumerate(zip(mine, theirs, strict=True)):
+                assert torch.equal(tensor_bytes(t), tensor_bytes(ref)), (
+                    f"{layouts}: after {plan}, {tier} tensor {i} differs from the torch reference's")
+        for region, tier, v in views:
+            assert torch.equal(tensor_bytes(v), expected.get(id(v), before[id(v)])), (
+                f"{layouts}: after {plan}, the {tier} tier of region {region.name!r} "
+                + ("differs from the block-by-block copy (destination blocks hold their sources, no other "
+                   "block changes)" if id(v) in expected else "changed, though the plan does not write it"))
+    reported = backend.poll()
+    assert reported == handles, f"poll reported {reported} after waiting for handles {handles}"
+    if isinstance(backend, SelfChecking):
+        backend.check_invariants()
+
+
+def check_bad_plans(backend: CopyBackend, gpu: list[torch.Tensor], cpu: list[torch.Tensor]) -> None:
+    """Every plan of ``BAD_PLANS`` must raise a matching ``PlanError`` and move no byte.
+
+    ``backend`` is registered on :data:`~kvkit.testing.kvdata.TWO_GROUPS`
+    tiers of 4 GPU and 3 CPU blocks. Afterwards ``poll`` must report nothing.
+
+    Raises:
+        AssertionError: a plan was accepted, refused with another message,
+            or moved bytes before it was refused.
+    """
+    tensors = gpu + cpu
+    for plan, pattern in BAD_PLANS:
+        before = [tensor_bytes(t) for t in tensors]
+        try:
+            backend.submit(plan)
+        except PlanError as e:
+            assert re.search(pattern, str(e)), f"{plan} was refused with {str(e)!r}, not matching {pattern!r}"
+        else:
+            raise AssertionError(f"submit accepted the bad plan {plan}; expected a PlanError matching {pattern!r}")
+        _synchronize(tensors)
+        moved = [i for i, (b, t) in enumerate(zip(before, tensors, strict=True))
+                 if not torch.equal(b, tensor_bytes(t))]
+        assert not moved, f"refusing {plan} moved bytes of tensors {moved} (GPU tier first)"
+    reported = backend.poll()
+    assert reported == [], f"refused plans issued handles: poll reported {reported}"
+
+
+class CopyBackendContract:
+    """The contract as a pytest test class: subclass it and override :meth:`make_backend`.
+
+    Attributes:
+        device: ``"cpu"`` (the GPU tier in host memory, CI's stand-in) or
+            ``"cuda"``.
+        max_blocks: most blocks per tier in the random caches.
+        hypothesis_settings: settings for the random tests (``None``: the
+            loaded profile).
+    """
+
+    device: ClassVar[str] = "cpu"
+    max_blocks: ClassVar[int] = 6
+    hypothesis_settings: ClassVar[settings | None] = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.device == "cuda":  # deselectable with -m "not gpu", like kvkit's own GPU tests
+            marks = cls.__dict__.get("pytestmark", [])
+            cls.pytestmark = [*(marks if isinstance(marks, list) else [marks]), pytest.mark.gpu]
+
+    def make_backend(self) -> CopyBackend:
+        """A fresh, unregistered backend under test (override this)."""
+        raise NotImplementedError("subclass CopyBackendContract and override make_backend()")
+
+    def _require_device(self) -> None:
+        if self.device == "cuda" and not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+
+    def _refusal(self, backend: CopyBackend, spec: KVCacheSpec, layouts: Layouts, gpu: list[torch.Tensor],
+                 cpu: list[torch.Tensor]) -> str | None:
+        """Register ``backend`` on ``gpu`` and ``cpu``; why it refused them, or ``None``."""
+        try:
+            backend.register(_regions(spec, layouts, gpu, cpu))
+        except SpecMismatchError as e:
+            return f"the backend refuses {_pair_id(layouts)}: {e}"
+        return None
+
+    def _probe(self, layouts: Layouts) -> str | None:
+        """Why a fresh backend refuses small one-group tiers in ``layouts``, or ``None``."""
+        gpu, cpu = allocate_tiers(_PROBE, layouts, 4, 3, self.device, seed=0)
+        return self._refusal(self.make_backend(), _PROBE, layouts, gpu, cpu)
+
+    def _run(self, test: Callable[[], None]) -> None:
+        """Run a ``@given`` test built for this call (one Hypothesis test per test instance)."""
+        (test if self.hypothesis_settings is None else self.hypothesis_settings(test))()
+
+    def test_is_a_copy_backend(self) -> None:
+        """The backend implements the ``CopyBackend`` protocol."""
+        self._require_device()
+        backend = self.make_backend()
+        assert isinstance(backend, CopyBackend), f"{type(backend).__name__} does not implement CopyBackend"
+
+    def test_accepts_a_layout_pair(self) -> None:
+        """At least one GPU/CPU layout pair registers (the others' tests skip)."""
+        self._require_device()
+        refusals = [self._probe(p) for p in _PAIRS]
+        assert None in refusals, f"every layout pair is refused: {refusals}"
+
+    @pytest.mark.parametrize("layouts", _PAIRS, ids=_pair_id)
+    def test_random_plans_match_the_references(self, layouts: Layouts) -> None:
+        """Random plans leave both tiers exactly as the torch reference and a block-by-block copy do."""
+        self._require_device()
+        refusal = self._probe(layouts)
+        if refusal is not None:
+            pytest.skip(refusal)
+        blocks = st.integers(1, self.max_blocks)
+
+        @given(spec=kv_specs(max_groups=1 if "cross-layer" in layouts else 3), num_gpu=blocks, num_cpu=blocks,
+               one_buffer=st.booleans(), seed=st.integers(0, 99), data=st.data())
+        def random_plans(spec, num_gpu, num_cpu, one_buffer, seed, data):
+            gpu, cpu = allocate_tiers(spec, layouts, num_gpu, num_cpu, self.device, seed, one_buffer=one_buffer)
+            backend = self.make_backend()
+            backend.register(_regions(spec, layouts, gpu, cpu))  # accepted like the probe: must not refuse
+            plan_list = data.draw(st.lists(plans(len(spec.groups), num_gpu, num_cpu), min_size=1, max_size=3))
+            check_plans(backend, spec, layouts, gpu, cpu, plan_list)
+
+        self._run(random_plans)
+
+    @pytest.mark.parametrize("layouts", _TWO_GROUP_PAIRS, ids=_pair_id)
+    def test_bad_plans_are_refused_before_any_byte_moves(self, layouts: Layouts) -> None:
+        """Every plan of ``BAD_PLANS`` raises ``PlanError`` and leaves both tiers untouched."""
+        self._require_device()
+        gpu, cpu = allocate_tiers(TWO_GROUPS, layouts, *_BAD_PLAN_BLOCKS, self.device, seed=5)
+        backend = self.make_backend()
+        refusal = self._refusal(backend, TWO_GROUPS, layouts, gpu, cpu)
+        if refusal is not None:
+            pytest.skip(refusal)
+        check_bad_plans(backend, gpu, cpu)
+
+    def test_submit_before_register_is_refused(self) -> None:
+        """A plan submitted before any ``register`` raises ``PlanError``."""
+        self._require_device()
+        with pytest.raises(PlanError):
+            self.make_backend().submit(TransferPlan([0], [0], "store"))

@@ -1,0 +1,35 @@
+"""Minimal stand-ins for tests: components that satisfy a protocol and do nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvkit.interfaces.types import BlockHash, BlockId
+
+__all__ = ["InertPolicy"]
+
+
+class InertPolicy:
+    """An ``EvictionPolicy`` that tracks nothing and never chooses a victim.
+
+    For tests of what holds components (registries, configs), not of eviction.
+    """
+
+    def on_insert(self, block: BlockId, block_hash: BlockHash, parent: BlockHash | None) -> None:
+        """Ignored."""
+
+    def on_access(self, block: BlockId) -> None:
+        """Ignored."""
+
+    def on_remove(self, block: BlockId) -> None:
+        """Ignored."""
+
+    def select_victims(self, n: int, is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
+        """Never evicts."""
+        return None
+
+    def __len__(self) -> int:
+        return 0
+
+    def check_invariants(self) -> None:
+        """Nothing to check."""
