@@ -4,11 +4,14 @@ from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import (
     EvictionOrder,
+    EvictionWindow,
     ExplainsUnavailability,
     PinAwarePolicy,
     PrefillCompute,
     ReportsAvailability,
+    SelectivePins,
     SelfChecking,
+    WindowedPolicy,
 )
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.eviction import EvictionPolicy
@@ -33,6 +36,7 @@ __all__ = [
     "Direction",
     "EvictionOrder",
     "EvictionPolicy",
+    "EvictionWindow",
     "ExplainsUnavailability",
     "GroupKind",
     "KVCacheSpec",
@@ -43,9 +47,11 @@ __all__ = [
     "Region",
     "ReportsAvailability",
     "RequestView",
+    "SelectivePins",
     "SelfChecking",
     "StorePolicy",
     "Tier",
     "TransferPlan",
     "TransferResult",
+    "WindowedPolicy",
 ]

@@ -35,6 +35,12 @@ class BlockAllocator(Protocol):
         * A referenced block (refcount > 0) is never evicted or reallocated.
         * Failing calls change nothing (atomic).
         * Each operation costs O(1) per block it touches (plus the policy's work).
+
+    Caller input: block ids are ints in ``[0, num_blocks)`` (a NumPy integer
+    is taken as the int it holds; ``bool`` is no id: ``True`` is not block 1),
+    else ``UnknownBlockError`` quoting the value; hashes and parents are ints
+    likewise, else ``PoolUsageError``; sequences may be lists, tuples, NumPy
+    arrays or any iterable. A refused call changes nothing.
     """
 
     @property
@@ -120,11 +126,22 @@ class BlockAllocator(Protocol):
         """Call ``listener(block, hash)`` after every eviction."""
         ...
 
-    def reset(self) -> int:
-        """Forget every cached block; returns how many were dropped.
+    def reset(self, *, force: bool = False) -> int:
+        """Forget every cached block; returns how many ready blocks were dropped.
+
+        Every ready block leaves the prefix index and loses its hash (it is
+        never found again) and the eviction policy is told it left; every
+        unreferenced block is empty afterwards.
+
+        Args:
+            force: reset even while blocks are referenced (transfers that
+                never complete): a referenced ready block keeps its references
+                and becomes empty only when the last one is dropped (as a
+                not-ready block does); referenced not-ready blocks are untouched.
 
         Raises:
-            RefcountError: some block is still referenced; nothing changed.
+            RefcountError: without ``force``, some block is still referenced; nothing changed.
+            PoolUsageError: ``force`` is not a bool.
         """
         ...
 

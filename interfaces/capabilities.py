@@ -10,7 +10,7 @@ so a subclass can opt out of a capability its parent has.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Protocol, runtime_checkable
 
 from kvkit.errors import ConfigError
@@ -20,11 +20,14 @@ from kvkit.interfaces.types import BlockId
 
 __all__ = [
     "EvictionOrder",
+    "EvictionWindow",
     "ExplainsUnavailability",
     "PinAwarePolicy",
     "PrefillCompute",
     "ReportsAvailability",
+    "SelectivePins",
     "SelfChecking",
+    "WindowedPolicy",
     "pin_hooks",
 ]
 
@@ -66,6 +69,36 @@ class PinAwarePolicy(EvictionPolicy, Protocol):
         ...
 
 
+@runtime_checkable
+class SelectivePins(PinAwarePolicy, Protocol):
+    """A pin-aware policy that needs to hear the pins of only some blocks: those in ``pin_watch``.
+
+    A driver that finds the capability calls ``attach(is_evictable)`` once,
+    when it adopts the policy, with the predicate it passes to
+    :meth:`~EvictionPolicy.select_victims` (true exactly for tracked blocks
+    not in use), and from then on calls ``on_pin`` and ``on_unpin`` only for
+    blocks in ``pin_watch`` at the time of the call. The policy learns every
+    other block's use from the predicate when it meets the block, so blocks
+    pinned and released unseen cost no call.
+
+    Invariants:
+        * ``pin_watch`` is a set the policy keeps up to date; a driver only reads it.
+        * An attached policy accepts ``on_pin`` for a block it already found in
+          use (it may meet a block first, e.g. while it is being committed).
+        * Driven with every pin reported, attached or not, it behaves as a
+          :class:`PinAwarePolicy`.
+    """
+
+    @property
+    def pin_watch(self) -> Collection[BlockId]:
+        """The blocks whose pins and releases the policy must hear."""
+        ...
+
+    def attach(self, is_evictable: Callable[[BlockId], bool]) -> None:
+        """From now on the driver reports only the pins of ``pin_watch``; ``is_evictable`` tells the rest."""
+        ...
+
+
 def pin_hooks(policy: EvictionPolicy) -> tuple[Callable[[BlockId], None], Callable[[BlockId], None]] | None:
     """``policy``'s bound ``(on_pin, on_unpin)`` if it is a :class:`PinAwarePolicy`, else ``None``.
 
@@ -103,6 +136,65 @@ class EvictionOrder(BlockAllocator, Protocol):
 
     def eviction_candidates(self, n: int) -> list[BlockId]:
         """The next up-to-``n`` blocks the policy would evict now, next victim first."""
+        ...
+
+
+@runtime_checkable
+class EvictionWindow(EvictionOrder, Protocol):
+    """A pool that follows its next eviction candidates as they change; write-back reads it incrementally.
+
+    Invariants:
+        * ``eviction_window(n)`` returns the blocks among ``eviction_candidates(n)``
+          now (as a set) that were not among them at the previous call with
+          the same ``n`` (all of them at the first call, or when ``n``
+          changed), each once, the earliest to join first; repeated calls with
+          nothing changed in between return ``[]``.
+        * ``in_eviction_window(b)`` tells whether ``b`` is among the candidates
+          of the latest ``eviction_window`` call, as they are now (valid until
+          the pool changes).
+        * Neither evicts anything or changes a refcount, hash or index entry;
+          a count that is not a non-negative int raises ``PoolUsageError``.
+        * With a policy whose selection changes its state (S3-FIFO), "the
+          candidates now" are those of the selection the call itself makes.
+    """
+
+    def eviction_window(self, n: int) -> list[BlockId]:
+        """The blocks that joined the next ``n`` eviction candidates since the previous call."""
+        ...
+
+    def in_eviction_window(self, block: BlockId) -> bool:
+        """Whether ``block`` is one of the next ``n`` eviction candidates (``n`` of the latest window call)."""
+        ...
+
+
+@runtime_checkable
+class WindowedPolicy(PinAwarePolicy, Protocol):
+    """A pin-aware policy that tracks its next ``n`` victims itself, so its pool's window costs O(change).
+
+    The window is the first ``n`` blocks :meth:`~EvictionPolicy.select_victims`
+    would return if every unpinned tracked block were evictable (as it is
+    under a pool that calls the pin hooks). A pool uses the capability only
+    together with the hooks.
+
+    Invariants:
+        * After ``watch(n)`` and until the next ``watch``, ``in_window(b)`` is
+          true exactly for the blocks of that window, after every notification.
+        * ``entered()`` returns, and forgets, the blocks that joined the window
+          since the previous ``entered()`` (or ``watch``) and are still in it,
+          each once; together with the blocks in it at the previous call they
+          make up the whole window.
+    """
+
+    def watch(self, n: int) -> None:
+        """Track the first ``n`` victims from now on (``0``: stop)."""
+        ...
+
+    def entered(self) -> list[BlockId]:
+        """The blocks that joined the window since the previous call and are still in it."""
+        ...
+
+    def in_window(self, block: BlockId) -> bool:
+        """Whether ``block`` is in the window now."""
         ...
 
 

@@ -28,10 +28,15 @@ class EvictionPolicy(Protocol):
           then calls :meth:`on_remove` for each.
         * Ghost/history state (ARC, S3-FIFO) never holds tracked blocks.
 
-    Optional capability: a policy that also defines ``on_pin`` and
-    ``on_unpin`` is a :class:`~kvkit.interfaces.capabilities.PinAwarePolicy`
-    (the hooks and their contract are there); a pool finds it once, when it
-    adopts the policy.
+    Optional capabilities (their contracts are in
+    :mod:`kvkit.interfaces.capabilities`; a pool finds them once, when it
+    adopts the policy): ``on_pin`` and ``on_unpin`` make a
+    :class:`~kvkit.interfaces.capabilities.PinAwarePolicy`, which sets blocks
+    in use aside instead of skipping them in every selection (every built-in
+    policy is one, so a selection costs O(victims), not O(blocks in use));
+    :class:`~kvkit.interfaces.capabilities.SelectivePins` needs only the pins
+    of the blocks it watches; :class:`~kvkit.interfaces.capabilities.WindowedPolicy`
+    follows its next ``n`` victims for write-back.
     """
 
     def on_insert(self, block: BlockId, block_hash: BlockHash,

@@ -1,19 +1,26 @@
 """Value types exchanged through kvkit's protocols.
 
-All are immutable (``attrs.frozen``) and validated on construction, so a bad
-value is rejected where it is made, not deep inside a pool or a copy.
+All are immutable (``attrs.frozen``) and validate every field on construction,
+so a bad value is rejected where it is made, not deep inside a pool or a copy:
+a field of the wrong type or range raises :class:`~kvkit.errors.ConfigError`
+(specs) or :class:`~kvkit.errors.PlanError` (plans, results) quoting the value,
+never a bare ``TypeError``/``ValueError``. Ints are exact (``bool`` is refused,
+NumPy integers become ``int``); enum fields take a member or its value.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+from collections import Counter
+from collections.abc import Sequence
 from typing import NewType
 
 import attrs
 import numpy as np
 
 from kvkit.errors import ConfigError, PlanError
-from kvkit.validate import at_least, is_int, real_in
+from kvkit.validate import check_bool, check_enum, check_int, check_real, checked, quote
 
 __all__ = [
     "BlockHash",
@@ -22,6 +29,7 @@ __all__ = [
     "GroupKind",
     "KVCacheSpec",
     "KVGroupSpec",
+    "MAX_LAYERS",
     "Tier",
     "TransferPlan",
     "TransferResult",
@@ -33,6 +41,13 @@ BlockId = NewType("BlockId", int)
 BlockHash = NewType("BlockHash", int)
 """Chained content hash of a block: equal hashes mean equal token prefixes."""
 
+MAX_LAYERS = 2**16
+"""Most layers a :class:`KVCacheSpec` describes (real models have a few hundred at most):
+a bound, so a junk ``num_layers`` is refused instead of building a huge layer tuple."""
+
+_INT64_LIMIT = 2**63  # byte sizes and block ids travel in int64 descriptor arrays
+_MAX_PLAN_IDS = 2**32  # more than any pool has blocks; refused before numpy allocates (or overcommits) for it
+
 _DTYPE_BYTES = {
     "float32": 4,
     "float16": 2,
@@ -42,6 +57,42 @@ _DTYPE_BYTES = {
     "int8": 1,
     "uint8": 1,
 }
+
+
+def _is_sequence(value: object) -> bool:
+    """A list, tuple, range or 1-D array: not a string (its characters are no elements here)."""
+    if isinstance(value, np.ndarray):
+        return value.ndim == 1
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+
+
+def _layers(value: object) -> tuple[int, ...]:
+    """``KVGroupSpec.layers`` as a tuple of distinct ints >= 0 (at least one)."""
+    if not _is_sequence(value):
+        raise ConfigError(f"KVGroupSpec.layers={quote(value)}: must be a sequence of layer indices (ints >= 0)")
+    if not 1 <= len(value) <= MAX_LAYERS:
+        raise ConfigError(f"KVGroupSpec.layers: a KV group needs 1 to {MAX_LAYERS} layers, got {len(value)}")
+    layers = tuple(value)
+    if not all(layer.__class__ is int and layer >= 0 for layer in layers):  # else quote the first bad one
+        layers = tuple(check_int(f"KVGroupSpec.layers[{i}]", layer, 0) for i, layer in enumerate(layers))
+    if len(set(layers)) != len(layers):
+        repeated = sorted(layer for layer, n in Counter(layers).items() if n > 1)
+        raise ConfigError(f"KVGroupSpec.layers={quote(layers)}: layers repeat: {quote(repeated)}")
+    return layers
+
+
+def _dtype(value: object) -> str:
+    """``KVCacheSpec.dtype``: one of the element type names kvkit knows the size of."""
+    if not isinstance(value, str) or value not in _DTYPE_BYTES:
+        raise ConfigError(f"KVCacheSpec.dtype={quote(value)}: unknown dtype; valid: {sorted(_DTYPE_BYTES)}")
+    return str(value)
+
+
+def _groups(value: object) -> tuple[KVGroupSpec, ...]:
+    """``KVCacheSpec.groups`` as a tuple of :class:`KVGroupSpec` (coverage is checked by the spec)."""
+    if not _is_sequence(value) or not all(isinstance(g, KVGroupSpec) for g in value):
+        raise ConfigError(f"KVCacheSpec.groups={quote(value)}: must be a sequence of KVGroupSpec")
+    return tuple(value)
 
 
 class GroupKind(enum.Enum):
@@ -61,18 +112,16 @@ class KVGroupSpec:
         window: tokens a sliding-window layer attends to (``None`` for full).
     """
 
-    layers: tuple[int, ...] = attrs.field(converter=tuple)
-    kind: GroupKind = attrs.field(default=GroupKind.FULL, converter=GroupKind)
-    window: int | None = None
+    layers: tuple[int, ...] = attrs.field(converter=_layers)
+    kind: GroupKind = attrs.field(default=GroupKind.FULL,
+                                  converter=checked(check_enum, cls=GroupKind, label="KVGroupSpec."))
+    window: int | None = attrs.field(default=None, converter=checked(check_int, minimum=1, optional=True,
+                                                                     label="KVGroupSpec."))
 
     def __attrs_post_init__(self) -> None:
-        if not self.layers:
-            raise ConfigError("a KV group needs at least one layer, got layers=()")
         if self.kind is GroupKind.SLIDING_WINDOW:
-            if not is_int(self.window, 1):
-                raise ConfigError(
-                    f"a sliding-window group needs a positive window, got window={self.window!r}"
-                )
+            if self.window is None:
+                raise ConfigError("a sliding-window group needs a positive window, got window=None")
         elif self.window is not None:
             raise ConfigError(f"a full-attention group takes no window, got window={self.window!r}")
 
@@ -100,25 +149,29 @@ class KVCacheSpec:
         dtype: element type name (``"bfloat16"``, ``"float16"``, ``"float32"``...).
         groups: KV groups; default is one full-attention group of every layer.
 
-    Invariants: every layer belongs to exactly one group.
+    Invariants: every layer belongs to exactly one group; ``1 <= num_layers <=``
+    :data:`MAX_LAYERS`; :attr:`bytes_per_block` fits an int64.
     """
 
-    num_layers: int = attrs.field(validator=at_least(1))
-    block_size: int = attrs.field(validator=at_least(1))
-    num_kv_heads: int = attrs.field(validator=at_least(1))
-    head_dim: int = attrs.field(validator=at_least(1))
-    dtype: str = "bfloat16"
-    groups: tuple[KVGroupSpec, ...] = attrs.field(converter=tuple, default=())
+    num_layers: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))
+    block_size: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))
+    num_kv_heads: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))
+    head_dim: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))
+    dtype: str = attrs.field(default="bfloat16", converter=_dtype)
+    groups: tuple[KVGroupSpec, ...] = attrs.field(converter=_groups, default=())
 
     def __attrs_post_init__(self) -> None:
-        if self.dtype not in _DTYPE_BYTES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; valid: {sorted(_DTYPE_BYTES)}")
+        if self.num_layers > MAX_LAYERS:
+            raise ConfigError(f"KVCacheSpec.num_layers={self.num_layers!r}: must be at most {MAX_LAYERS}")
+        if self.bytes_per_block >= _INT64_LIMIT:
+            raise ConfigError(f"a block of {self.bytes_per_block} bytes does not fit an int64 "
+                              f"(num_layers, block_size, num_kv_heads, head_dim are too large)")
         if not self.groups:
             object.__setattr__(self, "groups", (KVGroupSpec(tuple(range(self.num_layers))),))
         seen = sorted(layer for g in self.groups for layer in g.layers)
         if seen != list(range(self.num_layers)):
             raise ConfigError(
-                f"groups must cover layers 0..{self.num_layers - 1} exactly once, got {seen!r}"
+                f"groups must cover layers 0..{self.num_layers - 1} exactly once, got {quote(seen)}"
             )
 
     @property
@@ -160,14 +213,28 @@ class Direction(enum.Enum):
     LOAD = "load"  # CPU -> GPU (host to device)
 
 
-def _id_array(value: object) -> np.ndarray:
-    arr = np.asarray(value)
+def _id_array(value: object, field: attrs.Attribute) -> np.ndarray:
+    """``TransferPlan.src``/``dst`` as a read-only copy: a 1-D int64 array of ids in ``[0, 2**63)``."""
+    name = f"TransferPlan.{field.name}"
+    try:
+        size = len(value)  # type: ignore[arg-type]
+    except TypeError:  # no length (a scalar, a 0-d array): numpy makes it 0-d, refused below
+        size = 0
+    if size > _MAX_PLAN_IDS:
+        raise PlanError(f"{name}: {size} block ids (from {quote(value)}) are more than any pool has; "
+                        f"at most {_MAX_PLAN_IDS}")
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError, RecursionError, MemoryError):  # ragged, too deep, a CUDA tensor...
+        arr = None
+    if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise PlanError(f"{name}: block ids must be a 1-D array of ints, got {quote(value)}")
     if arr.size == 0:
         arr = np.zeros(0, dtype=np.int64)  # [] has no int dtype; still read-only below
-    elif arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise PlanError(f"block ids must be a 1-D array of ints, got {value!r}")
     elif (arr < 0).any():
-        raise PlanError(f"block ids must be non-negative, got {arr[arr < 0][:8].tolist()!r}")
+        raise PlanError(f"{name}: block ids must be non-negative, got {arr[arr < 0][:8].tolist()!r}")
+    elif arr.dtype == np.uint64 and arr.max() >= _INT64_LIMIT:  # would wrap to negative int64
+        raise PlanError(f"{name}: block ids must be below 2**63, got {int(arr.max())}")
     arr = arr.astype(np.int64, copy=True)
     arr.setflags(write=False)
     return arr
@@ -180,13 +247,17 @@ class TransferPlan:
     ``src[i]`` is copied onto ``dst[i]``. For a store, ``src`` are GPU block ids
     and ``dst`` CPU block ids; for a load the reverse.
 
-    Invariants: ``len(src) == len(dst)``; ids are non-negative int64 (read-only).
+    Invariants: ``len(src) == len(dst)``; ids are non-negative int64 (read-only);
+    ``direction`` is a :class:`Direction` (given as a member or ``"store"``/``"load"``);
+    ``group`` is an int >= 0.
     """
 
-    src: np.ndarray = attrs.field(converter=_id_array)
-    dst: np.ndarray = attrs.field(converter=_id_array)
-    direction: Direction = attrs.field(converter=Direction)
-    group: int = 0
+    src: np.ndarray = attrs.field(converter=attrs.Converter(_id_array, takes_field=True))
+    dst: np.ndarray = attrs.field(converter=attrs.Converter(_id_array, takes_field=True))
+    direction: Direction = attrs.field(converter=checked(check_enum, cls=Direction, label="TransferPlan.",
+                                                         error=PlanError))
+    group: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="TransferPlan.",
+                                                          error=PlanError))
 
     def __attrs_post_init__(self) -> None:
         if len(self.src) != len(self.dst):
@@ -203,15 +274,21 @@ class TransferResult:
     """A finished transfer as one worker reports it.
 
     Attributes:
-        transfer_id: the id the manager gave the transfer.
-        worker: the reporting worker's rank.
+        transfer_id: the id the manager gave the transfer (an int >= 0).
+        worker: the reporting worker's rank (an int >= 0).
         ok: ``False`` if the copy failed; the manager then discards its blocks.
-        seconds: wall time the copy took on that worker, if measured.
-        num_bytes: bytes the worker moved.
+            A real ``bool`` (a NumPy bool is converted): ``"False"`` or ``0``
+            would read as success or failure by accident, so they are refused.
+        seconds: wall time the copy took on that worker, if measured (finite, >= 0).
+        num_bytes: bytes the worker moved (an int >= 0).
     """
 
-    transfer_id: int = attrs.field(validator=at_least(0, label="TransferResult.", error=PlanError))
-    worker: int = attrs.field(default=0, validator=at_least(0, label="TransferResult.", error=PlanError))
-    ok: bool = True
-    seconds: float = attrs.field(default=0.0, validator=real_in(low=0, label="TransferResult.", error=PlanError))
-    num_bytes: int = attrs.field(default=0, validator=at_least(0, label="TransferResult.", error=PlanError))
+    transfer_id: int = attrs.field(converter=checked(check_int, minimum=0, label="TransferResult.",
+                                                     error=PlanError))
+    worker: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="TransferResult.",
+                                                           error=PlanError))
+    ok: bool = attrs.field(default=True, converter=checked(check_bool, label="TransferResult.", error=PlanError))
+    seconds: float = attrs.field(default=0.0, converter=checked(check_real, low=0, high=math.inf, high_open=True,
+                                                                label="TransferResult.", error=PlanError))
+    num_bytes: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="TransferResult.",
+                                                              error=PlanError))

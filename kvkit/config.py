@@ -30,7 +30,9 @@ from kvkit.interfaces import (
     StorePolicy,
 )
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry, did_you_mean
-from kvkit.validate import int_problem, is_int
+from kvkit.validate import check_real, int_problem, is_int
+from kvkit.worker import WAIT_TIMEOUT_S
+from kvkit.worker.memory import BOOKKEEPING_BYTES_PER_BLOCK, check_fits
 
 __all__ = ["DEFAULTS", "DEVICES", "Components", "Defaults", "StackConfig", "parse_bytes"]
 
@@ -64,6 +66,7 @@ class Defaults:
             (simulator, synthetic workload, benchmarks, Hugging Face models).
         gpu_blocks: GPU tier size of a simulation (64Ki tokens at 16-token blocks).
         cpu_blocks: CPU tier size of a simulation (8x the GPU tier).
+        wait_timeout_s: seconds a worker's ``drain``/``close`` wait at most.
     """
 
     cpu_eviction: str = "lru"
@@ -76,6 +79,7 @@ class Defaults:
     block_size: int = 16
     gpu_blocks: int = 4096
     cpu_blocks: int = 32768
+    wait_timeout_s: float = WAIT_TIMEOUT_S
 
 
 DEFAULTS = Defaults()
@@ -160,6 +164,8 @@ class StackConfig:
         cpu_layout: layout of every worker's CPU mirror, a name in
             :data:`kvkit.worker.layouts.LAYOUTS`; ``None`` (default) mirrors the GPU
             tier's layout (``build(layout=...)``). Only a stack that moves bytes has one.
+        wait_timeout_s: how long each worker's ``drain()`` and ``close()`` wait
+            at most by default, in seconds (> 0; ``math.inf`` waits forever).
         options: per-slot constructor kwargs for named slots, e.g. ``{"store": {"k": 2}}``.
 
     Defaults come from :data:`DEFAULTS`.
@@ -185,6 +191,7 @@ class StackConfig:
     device: str = attrs.field(factory=_default_device)
     hash_algorithm: str = DEFAULTS.hash_algorithm
     cpu_layout: str | None = None
+    wait_timeout_s: float = DEFAULTS.wait_timeout_s
     options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
@@ -207,12 +214,21 @@ class StackConfig:
             return int(self.cpu_blocks)
         return self.kv.blocks_for(parse_bytes(self.cpu_bytes))
 
+    def pool_bytes(self) -> dict[str, int]:
+        """Host bytes the two pools' bookkeeping needs (what -> bytes): it is O(blocks), before any use."""
+        given = "" if self.cpu_bytes is None else f" from cpu_bytes={self.cpu_bytes!r}"
+        return {f"pool bookkeeping of gpu_blocks={self.gpu_blocks} + cpu_blocks={self.num_cpu_blocks}{given}":
+                (int(self.gpu_blocks) + self.num_cpu_blocks) * BOOKKEEPING_BYTES_PER_BLOCK}
+
     def resolve(self) -> Components:
         """Instantiate the named components with their ``options``.
 
         Raises:
+            InsufficientMemoryError: the pools' bookkeeping (:meth:`pool_bytes`)
+                does not fit in host memory (checked first).
             BackendUnavailableError: a backend stopped being available since validation.
         """
+        check_fits("cpu", self.pool_bytes())
         return Components(
             gpu_eviction=self._create("gpu_eviction"),
             cpu_eviction=self._create("cpu_eviction"),
@@ -339,6 +355,10 @@ class StackConfig:
         elif self.hash_algorithm == "xxh3" and importlib.util.find_spec("xxhash") is None:
             problems.append("hash_algorithm='xxh3': needs the xxhash package; "
                             "hint: pip install 'kvkit[fast-hash]'")
+        try:
+            check_real("wait_timeout_s", self.wait_timeout_s, low=0, low_open=True)
+        except ConfigError as exc:
+            problems.append(f"{exc}; hint: math.inf waits forever")
         return problems
 
     def _layout_problems(self) -> list[str]:

@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "DeviceError",
     "HashInputError",
+    "InsufficientMemoryError",
     "KVKitError",
     "OutOfBlocksError",
     "PlanError",
@@ -20,6 +21,7 @@ __all__ = [
     "RefcountError",
     "RequestStateError",
     "SpecMismatchError",
+    "TraceFileError",
     "TraceFormatError",
     "TransferTimeoutError",
     "UnknownBlockError",
@@ -77,6 +79,13 @@ class ConfigError(KVKitError, ValueError):
         super().__init__(message)
 
 
+class InsufficientMemoryError(ConfigError, MemoryError):
+    """A size this machine cannot allocate (host or device memory); raised before allocating anything.
+
+    The message names the size in bytes, what needs it, and the bytes available.
+    """
+
+
 class SpecMismatchError(KVKitError, ValueError):
     """A tensor's shape, dtype or device disagrees with the ``KVCacheSpec``."""
 
@@ -99,6 +108,14 @@ class TraceFormatError(KVKitError, ValueError):
     def __init__(self, path: str, line: int, field: str, problem: str) -> None:
         self.path, self.line, self.field = path, line, field
         super().__init__(f"{path}:{line}: field {field!r}: {problem}")
+
+
+class TraceFileError(KVKitError, OSError):
+    """A trace file cannot be opened or read (missing, a directory, no permission); the message names it."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {problem}")
 
 
 class TransferTimeoutError(KVKitError, TimeoutError):

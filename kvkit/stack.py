@@ -9,11 +9,12 @@ import attrs
 
 from kvkit._renamed import renamed_keywords
 from kvkit.config import StackConfig
-from kvkit.errors import ConfigError
+from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.registry import COPY
 from kvkit.stats import OffloadStats
+from kvkit.worker.memory import check_fits
 
 if TYPE_CHECKING:
     import torch
@@ -68,10 +69,26 @@ class OffloadStack:
             assert worker.num_cpu_blocks == self.cpu.num_blocks, (worker.num_cpu_blocks, self.cpu.num_blocks)
             worker.check_invariants()
 
-    def close(self) -> None:
-        """Drain and release every worker (unpins the CPU mirrors)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Drain and release every worker (unpins the CPU mirrors); the manager applies the last results.
+
+        ``timeout`` bounds each worker's wait (default: its ``wait_timeout_s``).
+
+        Raises:
+            TransferTimeoutError: a worker still had transfers in flight at its
+                deadline (``pending``: their ids, of every such worker). Those
+                workers keep their mirrors and transfers (see
+                ``TransferEngine.close``); the others are closed. Call again later.
+        """
+        timeouts = []
         for worker in self.workers:
-            worker.close()
+            try:
+                self.manager.apply_completions(worker.close(timeout))
+            except TransferTimeoutError as exc:
+                timeouts.append(exc)
+        if timeouts:
+            pending = tuple(sorted({tid for exc in timeouts for tid in exc.pending}))
+            raise TransferTimeoutError("; ".join(map(str, timeouts)), pending)
 
 
 @renamed_keywords(eviction="cpu_eviction")
@@ -90,7 +107,10 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
         layout: allocate a KV cache of ``gpu_blocks`` blocks in this layout on
             ``config.device`` for each of ``world_size`` workers (simulation,
             tests, examples).
-        kv_tensors: the engine's own KV tensors in ``layout`` (one worker).
+        kv_tensors: the engine's own KV tensors in ``layout`` (one worker), a
+            list holding at least ``gpu_blocks`` blocks (block ids the GPU pool
+            never hands out are never copied), as
+            :func:`~kvkit.worker.layouts.validate_kv` checks.
         **slots: ``StackConfig`` fields (``kv``, ``gpu_blocks``, ``cpu_bytes``...).
 
     Without ``layout`` and ``kv_tensors`` the stack is scheduler-only (then
@@ -98,8 +118,14 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     engine's tensors, so it is an argument here; the CPU mirrors' layout is
     kvkit's own choice, so it is a slot: ``config.cpu_layout`` (default: ``layout``).
 
+    Everything is checked before any pool, mirror or tensor is allocated, so
+    a refused build allocates nothing.
+
     Raises:
         ConfigError: every invalid slot at once, quoting the values.
+        SpecMismatchError: ``kv_tensors`` disagree with ``kv``, ``layout`` or ``gpu_blocks``.
+        InsufficientMemoryError: the pools' bookkeeping, the CPU mirrors and
+            the allocated GPU tiers do not fit in free host (or device) memory.
     """
     if config is None:
         config = StackConfig(**slots)
@@ -116,9 +142,12 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
         raise ConfigError(f"cpu_layout={config.cpu_layout!r} lays out the workers' CPU mirrors, but "
                           f"without layout=... the stack is scheduler-only and has none")
     if layout is not None:
-        from kvkit.worker.layouts import check_layouts  # torch only when bytes move
+        from kvkit.worker.layouts import check_layouts, validate_kv  # torch only when bytes move
 
         check_layouts(config.kv, layout, config.cpu_layout)  # before any pool or mirror exists
+        if kv_tensors is not None:
+            validate_kv(config.kv, layout, kv_tensors, min_blocks=config.gpu_blocks)
+    _check_memory(config, layout, allocate_gpu=kv_tensors is None)
     parts = config.resolve()
     gpu = parts.allocator(num_blocks=parts.gpu_blocks, eviction=parts.gpu_eviction)
     cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
@@ -135,10 +164,26 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
         for rank in range(config.world_size):
             copy = parts.copy if rank == 0 else COPY.create(config.copy, slot="copy",
                                                              **config.options.get("copy", {}))
-            worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank)
+            worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank,
+                                    wait_timeout_s=config.wait_timeout_s)
             if kv_tensors is not None:
                 worker.register_kv(kv_tensors, layout, cpu_layout=config.cpu_layout)
             else:
                 worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
             stack.workers.append(worker)
     return stack
+
+
+def _check_memory(config: StackConfig, layout: str | None, *, allocate_gpu: bool) -> None:
+    """Refuse a stack whose pools, mirrors and allocated GPU tiers do not fit this machine now."""
+    host = config.pool_bytes()
+    if layout is not None:
+        n, block = config.world_size, config.kv.bytes_per_block
+        host[f"{n} CPU mirror(s) of {config.num_cpu_blocks} blocks"] = n * config.num_cpu_blocks * block
+        if allocate_gpu:
+            gpu = {f"{n} GPU tier(s) of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
+            if config.device == "cpu":
+                host |= gpu
+            else:
+                check_fits(config.device, gpu)
+    check_fits("cpu", host)

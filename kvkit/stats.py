@@ -75,6 +75,12 @@ class OffloadStats:
         duplicate_completions: a second result for a transfer from one worker; ignored.
         transfer_seconds / transfer_bytes: copy time and bytes the workers reported.
         resets: times the CPU tier was emptied.
+        forced_resets: resets that did not wait for transfers in flight
+            (``reset(force=True)``); their blocks stay quarantined until they report.
+        callback_errors: exceptions callbacks raised (each swallowed and reported
+            once per callback and hook as a ``RuntimeWarning``).
+        store_policy_errors: store-policy calls that raised or answered
+            something other than int block indices (treated as "store nothing").
     """
 
     lookups: Counter = _counter()
@@ -100,6 +106,9 @@ class OffloadStats:
     transfer_seconds: Counter = _counter()
     transfer_bytes: Counter = _counter()
     resets: Counter = _counter()
+    forced_resets: Counter = _counter()
+    callback_errors: Counter = _counter()
+    store_policy_errors: Counter = _counter()
 
     @property
     def cpu_hit_rate(self) -> float:

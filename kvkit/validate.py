@@ -5,8 +5,9 @@ Two shapes serve every caller:
 * predicates and ``*_problem`` functions return ``None`` or a message, for code
   that collects every problem before raising once (``StackConfig``);
 * ``check_*`` functions raise a typed :mod:`kvkit.errors` error that quotes the
-  value, and :func:`at_least` / :func:`optional_at_least` / :func:`real_in`
-  build ``attrs`` validators from them.
+  value (through :func:`quote`, which never fails), and :func:`at_least` /
+  :func:`optional_at_least` / :func:`real_in` build ``attrs`` validators from
+  them, :func:`checked` an ``attrs`` converter (which also stores the converted value).
 
 An "int" is an exact integer: ``bool`` is refused (``True`` is not block 1);
 NumPy integers are integers (``numbers.Integral``) and are converted to ``int``
@@ -15,23 +16,43 @@ by the ``check_*`` functions that return a value.
 
 from __future__ import annotations
 
+import enum
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+import attrs
+import numpy as np
 
 from kvkit.errors import ConfigError
 
 __all__ = [
     "at_least",
+    "check_bool",
+    "check_enum",
     "check_int",
     "check_real",
+    "checked",
     "int_problem",
     "is_int",
     "optional_at_least",
+    "quote",
     "real_in",
 ]
 
 _Validator = Callable[[Any, Any, Any], None]
+_E = TypeVar("_E", bound=enum.Enum)
+_QUOTE_CHARS = 200
+
+
+def quote(value: object) -> str:
+    """``repr(value)`` for a message, cut to 200 characters; never raises (a message must not fail)."""
+    try:
+        text = repr(value)
+    except Exception:  # a hostile __repr__, or an int past sys.get_int_max_str_digits()
+        size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
+        text = f"<{type(value).__name__}{size}>"
+    return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
 
 
 def is_int(value: object, minimum: int | None = None) -> bool:
@@ -47,7 +68,7 @@ def int_problem(name: str, value: object, minimum: int | None = None) -> str | N
     if is_int(value, minimum):
         return None
     bound = "" if minimum is None else f" >= {minimum}"
-    return f"{name}={value!r}: must be an int{bound}"
+    return f"{name}={quote(value)}: must be an int{bound}"
 
 
 def check_int(name: str, value: object, minimum: int | None = None, *,
@@ -70,12 +91,51 @@ def check_real(name: str, value: object, *, low: float | None = None, high: floa
         ok = value > low if low_open else value >= low
     if ok and high is not None:
         ok = value < high if high_open else value <= high
-    if not ok:
-        lo = "" if low is None else f"{'(' if low_open else '['}{low}"
-        hi = "" if high is None else f"{high}{')' if high_open else ']'}"
-        where = f" in {lo or '(-inf'}, {hi or 'inf)'}" if (lo or hi) else ""
-        raise error(f"{name}={value!r}: must be a number{where}")
-    return float(value)
+    if ok:
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond any float, e.g. 10**400
+            pass
+    lo = "" if low is None else f"{'(' if low_open else '['}{low}"
+    hi = "" if high is None else f"{high}{')' if high_open else ']'}"
+    where = f" in {lo or '(-inf'}, {hi or 'inf)'}" if (lo or hi) else ""
+    raise error(f"{name}={quote(value)}: must be a number{where}")
+
+
+def check_bool(name: str, value: object, *, error: type[Exception] = ConfigError) -> bool:
+    """``value`` as a ``bool`` (a NumPy bool too), or ``error`` quoting it: ``"False"`` and ``0`` are not bools."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise error(f"{name}={quote(value)}: must be a bool (True or False)")
+
+
+def check_enum(name: str, value: object, cls: type[_E], *, error: type[Exception] = ConfigError) -> _E:
+    """The member of ``cls`` that ``value`` is or names by value, or ``error`` listing the valid values."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):  # only strings name members: an unhashable value must not reach the lookup
+        member = cls._value2member_map_.get(value)
+        if member is not None:
+            return member  # type: ignore[return-value]
+    raise error(f"{name}={quote(value)}: must be one of {[m.value for m in cls]} (or a {cls.__name__})")
+
+
+def checked(check: Callable[..., Any], *, label: str = "", optional: bool = False,
+            **options: Any) -> attrs.Converter:
+    """An ``attrs`` converter: the field becomes ``check(label + name, value, **options)``.
+
+    ``check`` is a ``check_*`` function, so the field holds the converted value
+    (a NumPy integer becomes an ``int``); ``optional`` lets ``None`` through.
+    """
+
+    def convert(value: object, field: attrs.Attribute) -> Any:
+        if optional and value is None:
+            return None
+        return check(f"{label}{field.name}", value, **options)
+
+    return attrs.Converter(convert, takes_field=True)
 
 
 def at_least(minimum: int, *, label: str = "", error: type[Exception] = ConfigError) -> _Validator:

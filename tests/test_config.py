@@ -1,13 +1,17 @@
 """StackConfig validation (every problem in one ConfigError), resolve, and parse_bytes."""
 
+import math
+import re
+
 import attrs
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvkit.config import DEFAULTS, Components, StackConfig, parse_bytes
-from kvkit.errors import ConfigError
+from kvkit.errors import ConfigError, InsufficientMemoryError
 from kvkit.interfaces import (
     BlockAllocator,
     CopyBackend,
@@ -148,7 +152,8 @@ def test_old_and_new_eviction_keywords_that_disagree_are_a_config_error():
 def test_field_defaults_come_from_the_one_defaults_record():
     """Every defaulted slot of StackConfig reads DEFAULTS."""
     fields = attrs.fields_dict(StackConfig)
-    for name in ("cpu_eviction", "gpu_eviction", "store", "copy", "allocator", "world_size", "hash_algorithm"):
+    for name in ("cpu_eviction", "gpu_eviction", "store", "copy", "allocator", "world_size", "hash_algorithm",
+                 "wait_timeout_s"):
         assert fields[name].default == getattr(DEFAULTS, name), name
 
 
@@ -286,6 +291,26 @@ def test_device_problems():
     assert "did you mean 'cuda'?" in problems_of(device="cude")[0]
     cuda = problems_of(device="cuda")
     assert cuda == [] if torch.cuda.is_available() else "CUDA is not available" in cuda[0]
+
+
+@pytest.mark.parametrize("timeout", [0, -1.5, math.nan, "60", True, None, [60]])
+def test_wait_timeout_problems(timeout):
+    """wait_timeout_s must be a number > 0 (math.inf waits forever); a bad one is quoted with a hint."""
+    (problem,) = problems_of(wait_timeout_s=timeout)
+    assert f"wait_timeout_s={timeout!r}: must be a number in (0" in problem and "math.inf" in problem
+    assert problems_of(wait_timeout_s=math.inf) == [] and problems_of(wait_timeout_s=np.float32(0.5)) == []
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (dict(gpu_blocks=10**12), "pool bookkeeping of gpu_blocks=1000000000000 + cpu_blocks=32"),
+    (dict(cpu_blocks=None, cpu_bytes="1000TiB"), "cpu_blocks=67108864000 from cpu_bytes='1000TiB'"),
+    (dict(cpu_blocks=10**11), "cpu_blocks=100000000000"),
+])
+def test_resolve_refuses_pools_the_host_cannot_hold(overrides, needle):
+    """resolve() refuses pools whose O(blocks) bookkeeping exceeds host memory, before building anything."""
+    config = StackConfig(**good(allocator=lambda **kw: pytest.fail("a pool was built"), **overrides))
+    with pytest.raises(InsufficientMemoryError, match=re.escape(needle)):
+        config.resolve()
 
 
 def test_cpu_layout_problems():

@@ -1,5 +1,8 @@
 """Tests of ``kvkit.build`` and the reference engine loop on CPU tensors."""
 
+import re
+import time
+
 import pytest
 
 import kvkit
@@ -7,6 +10,7 @@ from kvkit.errors import ConfigError, RequestStateError, UnknownRequestError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import OffloadCallback
 from kvkit.sim.engine_loop import ReferenceEngine
+from kvkit.worker.layouts import allocate_kv
 
 SPEC = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16")
 
@@ -170,3 +174,70 @@ def test_request_larger_than_the_gpu_pool_is_rejected():
     engine = ReferenceEngine(kvkit.build(kv=SPEC, gpu_blocks=4, cpu_blocks=8))
     with pytest.raises(kvkit.errors.OutOfBlocksError, match="'big'.*17 tokens"):
         engine.add_request("big", [], 17)
+
+
+def _spy_allocator(built):
+    """An allocator factory that records every pool it builds (the built-in pool underneath)."""
+    from kvkit.backends.allocator.pool import BlockPool
+
+    def factory(**kwargs):
+        built.append(kwargs["num_blocks"])
+        return BlockPool(**kwargs)
+
+    return factory
+
+
+@pytest.mark.parametrize(("make", "pattern"), [
+    (lambda: allocate_kv(SPEC, "per-layer", 15), r"cache holds 15 blocks .*needs at least 16"),
+    (lambda: [t.numpy() for t in allocate_kv(SPEC, "per-layer", 16)], r"tensor 0 must be a torch.Tensor, got ndarray"),
+    (lambda: [t.to("meta") for t in allocate_kv(SPEC, "per-layer", 16)], r"no plain memory.*device meta"),
+    (lambda: [allocate_kv(SPEC, "per-layer", 16)[0]] * 2, r"tensors 0 and 1 overlap in memory"),
+    (lambda: allocate_kv(SPEC, "per-layer", 16)[0], r"hint: wrap one tensor in a list"),
+])
+def test_build_refuses_bad_kv_tensors_before_building_anything(make, pattern):
+    """kv_tensors that cannot serve gpu_blocks (too few blocks, not tensors, meta, aliasing) build nothing."""
+    built = []
+    with pytest.raises(kvkit.errors.SpecMismatchError, match=pattern):
+        kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=8, layout="per-layer", kv_tensors=make(), device="cpu",
+                    allocator=_spy_allocator(built))
+    assert built == []
+
+
+def test_kv_tensors_with_more_blocks_than_the_pool_serve_it():
+    """A cache larger than gpu_blocks is accepted: the pool never hands out the extra block ids."""
+    tensors = allocate_kv(SPEC, "per-layer", 20)
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", kv_tensors=tensors, device="cpu")
+    engine = ReferenceEngine(stack)
+    hits = conversation(engine, 3)
+    assert all(cpu > 0 for _, cpu in hits[1:]) and engine.integrity_errors == 0
+    assert stack.workers[0].gpu_kv[0] is tensors[0]
+
+
+@pytest.mark.parametrize(("slots", "needle"), [
+    (dict(gpu_blocks=10**12, cpu_blocks=8), "gpu_blocks=1000000000000"),
+    (dict(gpu_blocks=8, cpu_bytes="1000TiB"), "from cpu_bytes='1000TiB'"),
+    (dict(gpu_blocks=8, cpu_bytes="1000TiB", layout="per-layer"), "CPU mirror(s) of 4294967296000 blocks"),
+    (dict(gpu_blocks=10**11, cpu_blocks=8, layout="blocks-first"), "GPU tier(s) of gpu_blocks=100000000000"),
+])
+def test_build_refuses_sizes_no_machine_holds_before_allocating(slots, needle):
+    """Pools, mirrors or GPU tiers beyond host memory: InsufficientMemoryError naming the size; nothing built."""
+    built = []
+    start = time.monotonic()
+    with pytest.raises(kvkit.errors.InsufficientMemoryError, match=re.escape(needle)) as err:
+        kvkit.build(kv=SPEC, device="cpu", allocator=_spy_allocator(built), **slots)
+    assert isinstance(err.value, MemoryError) and "nothing was allocated" in str(err.value)
+    assert built == [] and time.monotonic() - start < 5
+
+
+def test_build_adds_up_every_workers_mirror(monkeypatch):
+    """Each mirror fits alone, four do not: the stack is refused before its first worker allocates."""
+    from kvkit.worker import memory
+
+    per_worker = 64 * SPEC.bytes_per_block + 8 * SPEC.bytes_per_block
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2 * per_worker + 72 * 100)
+    kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=64, layout="per-layer", device="cpu", world_size=2)
+    built = []
+    with pytest.raises(kvkit.errors.InsufficientMemoryError, match=r"4 CPU mirror\(s\) of 64 blocks"):
+        kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=64, layout="per-layer", device="cpu", world_size=4,
+                    allocator=_spy_allocator(built))
+    assert built == []

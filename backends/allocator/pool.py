@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Collection, Sequence
 from itertools import repeat
 
 import attrs
@@ -11,18 +12,29 @@ from typing_extensions import override
 
 from kvkit.errors import (
     ConfigError,
+    InsufficientMemoryError,
     OutOfBlocksError,
     PoolUsageError,
     RefcountError,
     UnknownBlockError,
 )
 from kvkit.interfaces.allocator import EvictListener
-from kvkit.interfaces.capabilities import EvictionOrder, pin_hooks
+from kvkit.interfaces.capabilities import EvictionWindow, SelectivePins, WindowedPolicy, pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import at_least, check_int
+from kvkit.validate import check_bool, check_int, checked, is_int, quote
 
 __all__ = ["BlockPool"]
+
+_BYTES_PER_BLOCK = 56  # refcount and hash slots, the empty stack's slot and its id object
+
+
+def _physical_bytes() -> int | None:
+    """This machine's physical memory in bytes (``None`` where unknown): no pool can need more."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _check_count(what: str, n: object) -> int:
@@ -38,11 +50,24 @@ def _as_list(values: object, what: str) -> list | tuple:
     try:
         return list(values)
     except TypeError:
-        raise PoolUsageError(f"{what} must be a sequence, got {values!r}") from None
+        raise PoolUsageError(f"{what} must be a sequence, got {quote(values)}") from None
+    except (MemoryError, OverflowError):  # e.g. range(10**15): no pool call takes that many
+        raise PoolUsageError(f"{what} is too long to hold, got {quote(values)}") from None
 
 
-@attrs.define(eq=False)
-class BlockPool(EvictionOrder):
+def _hash(value: object, rule: str) -> int:
+    """A block hash given as ``value``: an int (a NumPy integer is converted); ``bool`` is no hash."""
+    if value.__class__ is int:
+        return value
+    if is_int(value):
+        return int(value)
+    raise PoolUsageError(f"{rule}, got {quote(value)}")
+
+
+# No on_setattr hooks: attrs would route every attribute write through a Python __setattr__,
+# several times slower, and the pool writes its counters on every call.
+@attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)
+class BlockPool(EvictionWindow):
     """A pool of ``num_blocks`` slots with refcounts, a prefix index and pluggable eviction.
 
     Per-block state is two flat lists indexed by block id (refcount, hash); the
@@ -51,6 +76,12 @@ class BlockPool(EvictionOrder):
     hand out ascending runs of consecutive ids. Every call validates all its
     arguments before it changes anything, and costs O(1) per block plus the
     eviction policy's work.
+
+    Caller input: block ids are ints in ``[0, num_blocks)`` (a NumPy integer
+    is converted; ``bool`` is refused: ``True`` is not block 1), else
+    :class:`~kvkit.errors.UnknownBlockError`; hashes and parents are ints
+    likewise, else :class:`~kvkit.errors.PoolUsageError`; a refused call
+    changes nothing.
 
     Args:
         num_blocks: slots in the pool (fixed).
@@ -61,23 +92,36 @@ class BlockPool(EvictionOrder):
             pool is built, the pool calls ``on_pin`` when a ready block's
             refcount goes 0 -> 1 and right after committing a block (always
             referenced then), and ``on_unpin`` when a ready block's refcount
-            goes 1 -> 0.
+            goes 1 -> 0. If it is also a
+            :class:`~kvkit.interfaces.capabilities.SelectivePins` (LRU, FIFO,
+            LFU, ARC), the pool attaches its ``is_evictable`` and calls the
+            hooks only for blocks in the policy's ``pin_watch``: a block
+            pinned and released that the policy never met costs no call.
 
     Raises:
         ConfigError: ``num_blocks`` is not a positive int; ``eviction`` is
             missing, not an ``EvictionPolicy``, already tracks blocks, or has
             half a pair of pin hooks.
+        InsufficientMemoryError: the per-block state of ``num_blocks`` slots
+            (about 56 bytes a block) exceeds this machine's physical memory
+            (checked before allocating), or its allocation fails; nothing is kept.
+
+    Write-back windows (:meth:`eviction_window`): a policy that is a
+    :class:`~kvkit.interfaces.capabilities.WindowedPolicy` (and has the pin
+    hooks) tracks them itself in O(change); for any other the pool takes the
+    candidates again when something changed since the previous call and
+    reports the difference.
 
     Invariants: those of :class:`~kvkit.interfaces.allocator.BlockAllocator`
-    and :class:`~kvkit.interfaces.capabilities.EvictionOrder`;
+    and :class:`~kvkit.interfaces.capabilities.EvictionWindow`;
     the policy tracks exactly the ready blocks; ``num_evictable`` counts
     ready blocks with refcount 0; with pin hooks, the policy's pinned blocks
-    are exactly the ready blocks with references.
+    are exactly the ready blocks with references (with selective pins: those
+    among its ``pin_watch``).
     """
 
-    num_blocks: int = attrs.field(validator=at_least(1), on_setattr=attrs.setters.frozen)
-    _policy: EvictionPolicy = attrs.field(default=None, alias="eviction", repr=False,
-                                          on_setattr=attrs.setters.frozen)
+    _num_blocks: int = attrs.field(alias="num_blocks", converter=checked(check_int, minimum=1))
+    _policy: EvictionPolicy = attrs.field(default=None, alias="eviction", repr=False)
     _ref: list[int] = attrs.field(init=False, repr=False)
     _hash: list[BlockHash | None] = attrs.field(init=False, repr=False)
     _index: dict[BlockHash, BlockId] = attrs.field(init=False, repr=False, factory=dict)
@@ -88,6 +132,14 @@ class BlockPool(EvictionOrder):
     # The policy's pin hooks, or None: decided once, so a policy without them costs nothing.
     _on_pin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
     _on_unpin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
+    # A SelectivePins policy's pin_watch: only pins of blocks in it are reported (None: all are).
+    _pin_watch: Collection[BlockId] | None = attrs.field(init=False, repr=False, default=None)
+    # Write-back windows: the policy when it tracks them, else the last window taken and when.
+    _windowed: WindowedPolicy | None = attrs.field(init=False, repr=False, default=None)
+    _version: int = attrs.field(init=False, repr=False, default=0)  # bumped by each call that may reorder
+    _window_n: int = attrs.field(init=False, repr=False, default=-1)
+    _window_version: int = attrs.field(init=False, repr=False, default=-1)
+    _window: dict[BlockId, BlockHash] = attrs.field(init=False, repr=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if self._policy is None:
@@ -104,18 +156,38 @@ class BlockPool(EvictionOrder):
         hooks = pin_hooks(self._policy)
         if hooks is not None:
             self._on_pin, self._on_unpin = hooks
-        n = self.num_blocks
-        self._ref = [0] * n
-        self._hash = [None] * n
-        self._empty = list(range(n - 1, -1, -1))
+            if isinstance(self._policy, WindowedPolicy):
+                self._windowed = self._policy
+        n = self._num_blocks
+        need, physical = n * _BYTES_PER_BLOCK, _physical_bytes()
+        if physical is not None and need > physical:  # refused before allocating anything
+            raise InsufficientMemoryError(
+                f"BlockPool(num_blocks={n}): its per-block state needs about {need} bytes of host "
+                f"memory, more than this machine has ({physical} bytes); nothing was allocated")
+        try:
+            self._ref = [0] * n
+            self._hash = [None] * n
+            self._empty = list(range(n - 1, -1, -1))
+        except (MemoryError, OverflowError):
+            raise InsufficientMemoryError(
+                f"BlockPool(num_blocks={n}): cannot allocate its per-block state, about "
+                f"{n * _BYTES_PER_BLOCK} bytes of host memory; nothing was kept") from None
         ref, hashes = self._ref, self._hash  # the lists are only ever mutated in place
 
         def is_evictable(block: BlockId) -> bool:
             return not ref[block] and hashes[block] is not None
 
         self._is_evictable = is_evictable
+        if hooks is not None and isinstance(self._policy, SelectivePins):
+            self._policy.attach(is_evictable)
+            self._pin_watch = self._policy.pin_watch
 
     # -- sizes ---------------------------------------------------------------
+
+    @property
+    @override
+    def num_blocks(self) -> int:
+        return self._num_blocks
 
     @property
     @override
@@ -145,15 +217,22 @@ class BlockPool(EvictionOrder):
     # -- errors --------------------------------------------------------------
 
     def _unknown(self, block: object) -> UnknownBlockError:
-        return UnknownBlockError(f"block id {block!r} is out of range [0, {self.num_blocks})")
+        kind = "" if is_int(block) else " (block ids are ints; bool is not one)"
+        return UnknownBlockError(f"block id {quote(block)} is out of range [0, {self._num_blocks}){kind}")
 
-    def _check_id(self, block: BlockId) -> None:
-        try:
-            if block < 0:
-                raise IndexError
-            self._ref[block]
-        except (IndexError, TypeError):
-            raise self._unknown(block) from None
+    def _id(self, block: object) -> int:
+        """``block`` as an int id in range (a NumPy integer is converted), else ``UnknownBlockError``."""
+        if block.__class__ is not int:
+            if not is_int(block):
+                raise self._unknown(block)
+            block = int(block)
+        if not 0 <= block < self._num_blocks:
+            raise self._unknown(block)
+        return block
+
+    def _ids(self, blocks: list | tuple) -> list:
+        """Every id of ``blocks`` checked and converted (the slow path: some id is not a plain int in range)."""
+        return [self._id(b) for b in blocks]
 
     # -- allocation ----------------------------------------------------------
 
@@ -175,7 +254,7 @@ class BlockPool(EvictionOrder):
         if need > self._num_evictable:
             raise OutOfBlocksError(
                 f"cannot allocate {n} blocks: {self.num_free} free ({num_empty} empty, "
-                f"{self._num_evictable} evictable) of {self.num_blocks}"
+                f"{self._num_evictable} evictable) of {self._num_blocks}"
             )
         victims = self._policy.select_victims(need, self._is_evictable)
         if victims is None:
@@ -184,6 +263,7 @@ class BlockPool(EvictionOrder):
                 f"found fewer than {need} evictable of {self._num_evictable}"
             )
         evicted = self._evict(victims, need)
+        self._version += 1
         blocks = empty[::-1]
         empty.clear()
         blocks += victims
@@ -222,21 +302,24 @@ class BlockPool(EvictionOrder):
         ref, hashes = self._ref, self._hash
         try:
             for b in blocks:
-                if b < 0:
+                if b.__class__ is not int or b < 0:
                     raise IndexError
-                if not ref[b] and hashes[b] is None:
+                if not ref[b] and hashes[b] is None:  # ref[b]: IndexError past the end
                     raise RefcountError(f"cannot incref empty block {b!r} (no content)")
-        except (IndexError, TypeError):
-            raise self._unknown(b) from None
-        pinned, on_pin = 0, self._on_pin
+        except IndexError:
+            return self.incref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
+        pinned, on_pin, watch = 0, self._on_pin, self._pin_watch
         for b in blocks:
             r = ref[b]
             if not r:
                 pinned += 1  # was evictable (validated: not empty)
-                if on_pin is not None:
+                if on_pin is not None and (watch is None or b in watch):
                     on_pin(b)
             ref[b] = r + 1
-        self._num_evictable -= pinned
+        if pinned:
+            self._num_evictable -= pinned
+            self._version += 1
+        return None
 
     @override
     def decref(self, blocks: Sequence[BlockId]) -> None:
@@ -246,36 +329,37 @@ class BlockPool(EvictionOrder):
         done = 0
         try:
             for b in blocks:
-                if b < 0:
+                if b.__class__ is not int or b < 0:
                     raise IndexError
-                r = ref[b]
+                r = ref[b]  # IndexError past the end
                 if not r:
                     raise RefcountError(f"cannot decref block {b!r}: refcount would go below 0")
                 ref[b] = r - 1
                 if r == 1:
                     zeroed.append(b)
                 done += 1
-        except (IndexError, TypeError, RefcountError) as exc:
+        except (IndexError, RefcountError) as exc:
             for b_done in blocks[:done]:  # roll back: failing calls change nothing
                 ref[b_done] += 1
             if isinstance(exc, RefcountError):
                 raise
-            raise self._unknown(b) from None
-        hashes, freed, on_unpin = self._hash, [], self._on_unpin
+            return self.decref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
+        hashes, freed, on_unpin, watch = self._hash, [], self._on_unpin, self._pin_watch
         for b in zeroed:
             if hashes[b] is None:
-                freed.append(b)  # not ready: partial content is worthless
-            elif on_unpin is not None:
+                freed.append(b)  # not ready (or dropped by a forced reset): its content is worthless
+            elif on_unpin is not None and (watch is None or b in watch):
                 on_unpin(b)
         self._num_evictable += len(zeroed) - len(freed)
+        self._version += 1
         if freed:
             freed.reverse()  # released in order -> handed out again in order
             self._empty += freed
+        return None
 
     @override
     def refcount(self, block: BlockId) -> int:
-        self._check_id(block)
-        return self._ref[block]
+        return self._ref[self._id(block)]
 
     # -- prefix index --------------------------------------------------------
 
@@ -285,92 +369,94 @@ class BlockPool(EvictionOrder):
         blocks, hashes = _as_list(blocks, "blocks"), _as_list(hashes, "hashes")
         if parents is not None:
             parents = _as_list(parents, "parents")
-        n = len(blocks)
-        if len(hashes) != n or (parents is not None and len(parents) != n):
+        count = len(blocks)
+        if len(hashes) != count or (parents is not None and len(parents) != count):
             raise PoolUsageError(
-                f"commit needs equal lengths, got {n} blocks, {len(hashes)} hashes"
+                f"commit needs equal lengths, got {count} blocks, {len(hashes)} hashes"
                 + ("" if parents is None else f", {len(parents)} parents")
             )
         ref, block_hash = self._ref, self._hash
         try:
             for b, h in zip(blocks, hashes):
-                if b < 0:
+                if b.__class__ is not int or b < 0 or h.__class__ is not int:
                     raise IndexError
-                if not ref[b]:
+                if not ref[b]:  # ref[b]: IndexError past the end
                     raise RefcountError(f"cannot commit unreferenced block {b!r}")
                 if block_hash[b] is not None:
-                    raise PoolUsageError(f"block {b!r} is already ready (hash {block_hash[b]!r})")
-                if h.__class__ is not int:
-                    raise PoolUsageError(f"block hashes must be ints, got {h!r}")
-        except (IndexError, TypeError):
-            raise self._unknown(b) from None
-        if n > 1 and len(set(blocks)) != n:
-            raise PoolUsageError(f"commit names a block twice: {list(blocks)!r}")
+                    raise PoolUsageError(f"block {b!r} is already ready (hash {quote(block_hash[b])})")
+        except IndexError:  # an id or hash to convert, or to refuse quoting it
+            return self.commit(self._ids(blocks), [_hash(h, "block hashes must be ints") for h in hashes],
+                               parents)
+        if count > 1 and len(set(blocks)) != count:
+            raise PoolUsageError(f"commit names a block twice: {quote(list(blocks))}")
         if parents is None:
             parents = repeat(None)
-        else:
-            for p in parents:
-                if p is not None and p.__class__ is not int:
-                    raise PoolUsageError(f"parent hashes must be ints or None, got {p!r}")
+        elif not all(p is None or p.__class__ is int for p in parents):
+            parents = [None if p is None else _hash(p, "parent hashes must be ints or None") for p in parents]
         setdefault, on_insert = self._index.setdefault, self._policy.on_insert
-        on_pin = self._on_pin
+        on_pin, watch = self._on_pin, self._pin_watch
         result = []
         for b, h, p in zip(blocks, hashes, parents):
             # The block is not ready, so it can only already sit under h if we just put it there.
             if setdefault(h, b) == b:
                 block_hash[b] = h
                 on_insert(b, h, p)
-                if on_pin is not None:
+                if on_pin is not None and (watch is None or b in watch):
                     on_pin(b)  # committed blocks are referenced: in use from the start
                 result.append(True)
             else:
                 result.append(False)  # the first block keeps the hash; this one stays not ready
+        self._version += 1  # a policy may order by inserts (hit density's clock)
         return result
 
     @override
     def lookup(self, hashes: Sequence[BlockHash]) -> list[BlockId]:
+        """Blocks of the longest ready prefix of ``hashes``; pure.
+
+        Every hash it reads (the prefix found and the first miss) must be an
+        int (a NumPy integer is converted), else ``PoolUsageError``: hashes past
+        the first miss are not read.
+        """
         get = self._index.get
         found = []
         try:
             for h in hashes:
-                b = get(h)
+                b = get(h if h.__class__ is int else _hash(h, "lookup hashes must be ints"))
                 if b is None:
                     break
                 found.append(b)
-        except TypeError:  # not iterable, or an unhashable element
-            raise PoolUsageError(f"lookup needs a sequence of hashes, got {hashes!r}") from None
+        except TypeError:  # not iterable
+            raise PoolUsageError(f"lookup needs a sequence of hashes, got {quote(hashes)}") from None
         return found
 
     @override
     def touch(self, blocks: Sequence[BlockId]) -> None:
         """Tell the eviction policy each ready block was hit, in order; others are skipped."""
         blocks = _as_list(blocks, "blocks")
-        ref = self._ref
-        try:
-            for b in blocks:
-                if b < 0:
-                    raise IndexError
-                ref[b]
-        except (IndexError, TypeError):
-            raise self._unknown(b) from None
+        n = self._num_blocks
+        for b in blocks:
+            if b.__class__ is not int or not 0 <= b < n:
+                blocks = self._ids(blocks)
+                break
         hashes, on_access = self._hash, self._policy.on_access
         for b in blocks:
             if hashes[b] is not None:
                 on_access(b)
+        self._version += 1
 
     @override
     def block_hash(self, block: BlockId) -> BlockHash | None:
-        self._check_id(block)
-        return self._hash[block]
+        if block.__class__ is int and 0 <= block < self._num_blocks:  # the hot path: write-back asks per block
+            return self._hash[block]
+        return self._hash[self._id(block)]
 
     def is_ready(self, block: BlockId) -> bool:
         """Whether ``block`` is ready (has a hash and is findable).
 
         Raises:
-            UnknownBlockError: ``block`` is out of range.
+            UnknownBlockError: ``block`` is not an id of this pool.
         """
-        self._check_id(block)
-        return self._hash[block] is not None
+        return self._hash[self._id(block)] is not None
 
     @override
     def eviction_candidates(self, n: int) -> list[BlockId]:
@@ -389,6 +475,47 @@ class BlockPool(EvictionOrder):
         assert victims is not None, f"policy found < {k} of {self._num_evictable} evictable"
         return victims
 
+    @override
+    def eviction_window(self, n: int) -> list[BlockId]:
+        """The blocks that joined the next ``n`` eviction candidates since the previous call.
+
+        O(change) with a :class:`~kvkit.interfaces.capabilities.WindowedPolicy`;
+        otherwise ``[]`` at once when nothing changed since the previous call
+        with this ``n``, else O(n) (the candidates taken again, the difference
+        reported in eviction order).
+
+        Raises:
+            PoolUsageError: ``n`` is not a non-negative int.
+        """
+        n = _check_count("eviction_window", n)
+        if self._windowed is not None:
+            self._windowed.watch(n)
+            entered = self._windowed.entered()
+            if n == self._window_n:
+                return entered
+            self._window_n = n
+            return self.eviction_candidates(n)
+        if n == self._window_n and self._version == self._window_version:
+            return []
+        candidates = self.eviction_candidates(n)
+        previous = self._window if n == self._window_n else {}
+        hashes = self._hash
+        self._window = {b: hashes[b] for b in candidates}  # a block evicted and committed again is new
+        self._window_n, self._window_version = n, self._version
+        return [b for b in candidates if previous.get(b) != hashes[b]]
+
+    @override
+    def in_eviction_window(self, block: BlockId) -> bool:
+        """Whether ``block`` is one of the next ``n`` candidates, ``n`` of the latest :meth:`eviction_window`.
+
+        Raises:
+            UnknownBlockError: ``block`` is not an id of this pool.
+        """
+        block = self._id(block)
+        if self._windowed is not None:
+            return self._windowed.in_window(block)
+        return block in self._window
+
     # -- lifecycle -----------------------------------------------------------
 
     @override
@@ -403,35 +530,47 @@ class BlockPool(EvictionOrder):
         self._listeners.append(listener)
 
     @override
-    def reset(self) -> int:
+    def reset(self, *, force: bool = False) -> int:
         """Forget every cached block (the policy is told; evict listeners are not).
+
+        Args:
+            force: also while blocks are referenced: every ready block leaves
+                the index and loses its hash at once (never findable again);
+                a referenced one keeps its references and becomes empty when
+                the last goes (as a not-ready block does), an unreferenced one
+                is empty now. Not-ready blocks are untouched.
 
         Returns:
             How many ready blocks were dropped.
 
         Raises:
-            RefcountError: some block is still referenced; nothing changed.
+            RefcountError: without ``force``, some block is still referenced; nothing changed.
+            PoolUsageError: ``force`` is not a bool.
         """
-        ref = self._ref
-        if any(ref):
+        force = check_bool("reset: force", force, error=PoolUsageError)
+        ref, hashes, index = self._ref, self._hash, self._index
+        if not force and any(ref):
             held = [b for b, r in enumerate(ref) if r]
             raise RefcountError(
-                f"cannot reset: {len(held)} blocks still referenced, e.g. {held[:8]!r}"
+                f"cannot reset: {len(held)} blocks still referenced, e.g. {held[:8]!r}; "
+                f"hint: reset(force=True) drops them when released"
             )
-        dropped = len(self._index)
+        dropped = len(index)
         on_remove = self._policy.on_remove
-        for b in self._index.values():
-            on_remove(b)
-        self._index.clear()
-        n = self.num_blocks
-        self._hash[:] = [None] * n
-        self._empty[:] = range(n - 1, -1, -1)
+        for b in index.values():
+            hashes[b] = None
+            on_remove(b)  # a pin-aware policy forgets a pinned block too: it is no longer tracked
+        index.clear()
+        # Empty: every unreferenced block (the referenced ones follow when released).
+        self._empty[:] = [b for b in range(self._num_blocks - 1, -1, -1) if not ref[b]] if force \
+            else range(self._num_blocks - 1, -1, -1)
         self._num_evictable = 0
+        self._version += 1
         return dropped
 
     @override
     def check_invariants(self) -> None:
-        n, ref, hashes, index = self.num_blocks, self._ref, self._hash, self._index
+        n, ref, hashes, index = self._num_blocks, self._ref, self._hash, self._index
         assert len(ref) == len(hashes) == n, (len(ref), len(hashes), n)
         assert min(ref) >= 0, f"negative refcount at block {ref.index(min(ref))}"
         empty = set(self._empty)

@@ -33,7 +33,7 @@ class GPUCopy(HandleQueue):
           source only after ``after`` completed.
         * A plan is validated against the registration before anything is
           launched; every handle is reported by :meth:`poll` exactly once, in
-          submission order.
+          submission order; a ``submit`` that raises leaves nothing running.
     """
 
     _cpu_tier_device: ClassVar[str] = "cpu"  # "cuda" for a GPU staging buffer in the CPU tier's place
@@ -102,7 +102,11 @@ class GPUCopy(HandleQueue):
         with torch.cuda.device(self._device):
             if after is not None:
                 stream.wait_event(after)
-            keep_alive = self._launch(plan, stream) if len(plan) else None
+            try:
+                keep_alive = self._launch(plan, stream) if len(plan) else None
+            except Exception:
+                stream.synchronize()  # a raising submit leaves nothing running (part of a launch may have been queued)
+                raise
             event = torch.cuda.Event()
             event.record(stream)
         return self._inflight.issue(event, keep_alive)

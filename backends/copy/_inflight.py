@@ -24,6 +24,10 @@ class InFlight:
           its event completed (the device may still read it before).
         * A handle's ``then`` runs once, after its event completed and before
           the handle is reported.
+        * An error raised by an event's ``query``/``synchronize`` leaves its
+          handle pending (retried by the next call); one raised by ``then``
+          propagates once, and the handle is reported by the next call (the
+          host work ran, nothing of it still runs).
     """
 
     # (handle, event or None, keep_alive, then)
@@ -50,9 +54,11 @@ class InFlight:
 
     def _retire(self, entry: tuple[int, Any, Any, Callable[[], object] | None]) -> None:
         handle, _, _, then = entry
-        if then is not None:
-            then()
-        self._done.append(handle)
+        try:
+            if then is not None:
+                then()
+        finally:  # a failed ``then`` ran (and raises): nothing of it still runs, so the handle is done
+            self._done.append(handle)
 
     def poll(self) -> list[int]:
         """Handles completed since the last call, in order (non-blocking)."""
@@ -70,10 +76,9 @@ class InFlight:
         if not 0 <= handle < self._next:
             raise PlanError(f"unknown copy handle {handle!r}; issued 0..{self._next - 1}")
         while self._pending and self._pending[0][0] <= handle:
-            entry = self._pending.popleft()
-            if entry[1] is not None:
-                entry[1].synchronize()
-            self._retire(entry)
+            if self._pending[0][1] is not None:
+                self._pending[0][1].synchronize()  # if this raises, the handle stays pending
+            self._retire(self._pending.popleft())
 
     def __len__(self) -> int:
         """Handles not yet completed (as far as this object knows)."""

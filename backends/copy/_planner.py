@@ -26,6 +26,7 @@ import numpy as np
 from kvkit.errors import PlanError, SpecMismatchError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, Tier, TransferPlan
+from kvkit.validate import quote
 
 __all__ = ["CPU", "GPU", "Descriptors", "Planner", "Strided", "registered", "runs"]
 
@@ -188,10 +189,12 @@ class Planner:
         """Check ``plan`` against the registration.
 
         Raises:
-            PlanError: no region registered for its group, ids out of range
+            PlanError: not a ``TransferPlan``, no region registered for its group, ids out of range
                 for a tier, or repeated destination ids (their result would
                 depend on copy order).
         """
+        if not isinstance(plan, TransferPlan):
+            raise PlanError(f"plan must be a TransferPlan, got {type(plan).__name__} {quote(plan)}")
         group = self._groups.get(plan.group)
         if group is None:
             raise PlanError(f"no region registered for group {plan.group}; registered groups: {self.groups}")

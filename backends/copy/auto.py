@@ -80,7 +80,8 @@ class AutoCopy(HandleQueue):
     Invariants:
         * Handles are reported by :meth:`poll` exactly once, in submission
           order, once every part of the plan completed.
-        * A plan is validated in full before any part of it is launched.
+        * A plan is validated in full before any part of it is launched; a
+          ``submit`` that raises leaves no part of it running.
 
     Raises:
         BackendUnavailableError: neither inner backend can run here.
@@ -170,10 +171,14 @@ class AutoCopy(HandleQueue):
             parts = [(self.kernel, plan.src[:k], plan.dst[:k]), (self.dma, plan.src[k:], plan.dst[k:])]
         else:
             parts = [(self.dma if where == "dma" else self.kernel, plan.src, plan.dst)]
-        inner = []
+        inner: list[tuple[int, int]] = []
         for backend, src, dst in parts:
             part = plan if len(parts) == 1 else TransferPlan(src, dst, plan.direction, plan.group)
-            inner.append((self._backends.index(backend), backend.submit(part, after=after)))
+            try:
+                inner.append((self._backends.index(backend), backend.submit(part, after=after)))
+            except Exception:
+                _Parts(inner, self._backends, self._seen).synchronize()  # a raising submit leaves nothing running
+                raise
         return self._inflight.issue(_Parts(inner, self._backends, self._seen))
 
     @override

@@ -108,7 +108,8 @@ class StagedCopy(HandleQueue):
           only after the copy that last read it completed; slots outlive every
           copy that uses them, even across a new :meth:`register`.
         * A plan is validated in full before anything is launched; handles are
-          reported by :meth:`poll` exactly once, in submission order.
+          reported by :meth:`poll` exactly once, in submission order; a
+          ``submit`` that raises leaves nothing running.
 
     Raises:
         ConfigError: a setting out of range.
@@ -192,21 +193,32 @@ class StagedCopy(HandleQueue):
         with torch.cuda.device(self._device):
             if after is not None:
                 first.stream(plan.direction).wait_event(after)
-            for start in range(0, len(plan), self.chunk_blocks):
-                src = plan.src[start:start + self.chunk_blocks]
-                dst = plan.dst[start:start + self.chunk_blocks]
-                slot, free = ring.take()
-                staged = np.arange(slot * self.chunk_blocks, slot * self.chunk_blocks + len(src))
-                if free is not None:
-                    first.stream(plan.direction).wait_event(free)
-                first.submit(TransferPlan(src, staged, plan.direction, inner))
-                ready = torch.cuda.Event()
-                ready.record(first.stream(plan.direction))
-                second.submit(TransferPlan(staged, dst, plan.direction, inner), after=ready)
-                done = torch.cuda.Event()
-                done.record(second.stream(plan.direction))
-                ring.free[slot] = done
+            try:
+                done = self._chunks(plan, ring, inner, first, second)
+            except Exception:
+                for backend in (first, second):  # a raising submit leaves nothing running
+                    backend.stream(plan.direction).synchronize()
+                raise
         return self._inflight.issue(done, keep_alive=self._staging)
+
+    def _chunks(self, plan: TransferPlan, ring: _Ring, inner: int, first: Any, second: Any) -> Any:
+        """Enqueue ``plan`` chunk by chunk through ``ring``'s slots; returns the event after the last chunk."""
+        done = None
+        for start in range(0, len(plan), self.chunk_blocks):
+            src = plan.src[start:start + self.chunk_blocks]
+            dst = plan.dst[start:start + self.chunk_blocks]
+            slot, free = ring.take()
+            staged = np.arange(slot * self.chunk_blocks, slot * self.chunk_blocks + len(src))
+            if free is not None:
+                first.stream(plan.direction).wait_event(free)
+            first.submit(TransferPlan(src, staged, plan.direction, inner))
+            ready = torch.cuda.Event()
+            ready.record(first.stream(plan.direction))
+            second.submit(TransferPlan(staged, dst, plan.direction, inner), after=ready)
+            done = torch.cuda.Event()
+            done.record(second.stream(plan.direction))
+            ring.free[slot] = done
+        return done
 
     @override
     def poll(self) -> list[int]:

@@ -77,7 +77,7 @@ class TorchCopy(HandleQueue, CopyBackend):
           exactly once, in order (one stream runs every copy, FIFO).
         * On CUDA nothing runs on the legacy default stream; a copy reads its
           source only after ``after`` (a ``torch.cuda.Event``) completed.
-        * A rejected plan writes nothing.
+        * A rejected plan writes nothing; a ``submit`` that raises leaves nothing running.
     """
 
     _rows: dict[int, list[_Rows]] = attrs.field(factory=dict, init=False)
@@ -139,7 +139,11 @@ class TorchCopy(HandleQueue, CopyBackend):
         with torch.cuda.stream(self._stream):
             if after is not None:
                 self._stream.wait_event(after)
-            self._launch(plan, scatters, keep_alive)
+            try:
+                self._launch(plan, scatters, keep_alive)
+            except Exception:
+                self._stream.synchronize()  # a raising submit leaves nothing running (some regions were queued)
+                raise
             event = torch.cuda.Event()
             event.record(self._stream)
         return self._inflight.issue(event, keep_alive, functools.partial(_scatter, scatters))

@@ -8,7 +8,13 @@ from collections.abc import Callable
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import LearnsCapacity, already_tracked, check_count, not_tracked
+from kvkit.backends.eviction._common import (
+    LearnsCapacity,
+    already_tracked,
+    check_count,
+    not_tracked,
+)
+from kvkit.backends.eviction._queue import ParkingQueue
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
@@ -34,6 +40,13 @@ class ARCPolicy(LearnsCapacity, EvictionPolicy):
     are bounded as in the paper, ``|T1| + |B1| <= c`` and
     ``|T1| + |T2| + |B1| + |B2| <= 2c``, by dropping their oldest entries.
 
+    Pinned blocks: with the pin hooks (a pool calls them), a block in use
+    keeps its place in ``T1`` or ``T2`` (a hit still moves it) and counts
+    towards its list's size, and is skipped by at most one selection, which
+    sets it aside; released, it is evicted exactly where it would have been
+    had it never been in use (:class:`~kvkit.backends.eviction._queue.ParkingQueue`),
+    so a selection costs O(victims) amortised however many blocks are in use.
+
     Args:
         capacity: ``c``, blocks the cache holds (the pool's size). ``None``
             learns it (:class:`~kvkit.backends.eviction._common.LearnsCapacity`).
@@ -48,11 +61,27 @@ class ARCPolicy(LearnsCapacity, EvictionPolicy):
           is non-empty.
     """
 
-    _t1: OrderedDict[BlockId, BlockHash] = attrs.field(factory=OrderedDict, init=False)
-    _t2: OrderedDict[BlockId, BlockHash] = attrs.field(factory=OrderedDict, init=False)
+    _t1: ParkingQueue = attrs.field(init=False)
+    _t2: ParkingQueue = attrs.field(init=False)
+    _hash_of: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False)
+    _in_t1: set[BlockId] = attrs.field(factory=set, init=False)  # which list holds a block, in one lookup
     _b1: OrderedDict[BlockHash, None] = attrs.field(factory=OrderedDict, init=False)
     _b2: OrderedDict[BlockHash, None] = attrs.field(factory=OrderedDict, init=False)
     _p: float = attrs.field(default=0.0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        watch: set[BlockId] = set()  # shared: the policy's pin_watch (SelectivePins)
+        self._t1, self._t2 = ParkingQueue.of(self, watch), ParkingQueue.of(self, watch)
+
+    @property
+    def pin_watch(self) -> set[BlockId]:
+        """The blocks whose pins an attached pool reports (those ``T1`` and ``T2`` watch)."""
+        return self._t1.pin_watch
+
+    def attach(self, is_evictable: Callable[[BlockId], bool]) -> None:
+        """A pool reports only the pins of :attr:`pin_watch` from now on; ``is_evictable`` tells the rest."""
+        self._t1.attach(is_evictable)
+        self._t2.attach(is_evictable)
 
     @property
     def p(self) -> float:
@@ -62,71 +91,97 @@ class ARCPolicy(LearnsCapacity, EvictionPolicy):
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
-        if block in self._t1 or block in self._t2:
+        if block in self._hash_of:
             raise already_tracked(self, block)
-        self._learn(len(self) + 1)
+        self._learn(len(self._hash_of) + 1)
+        self._hash_of[block] = block_hash
         if block_hash in self._b1:
             self._p = min(self.c, self._p + max(1.0, len(self._b2) / len(self._b1)))
             del self._b1[block_hash]
-            self._t2[block] = block_hash
+            self._t2.add(block)
         elif block_hash in self._b2:
             self._p = max(0.0, self._p - max(1.0, len(self._b1) / len(self._b2)))
             del self._b2[block_hash]
-            self._t2[block] = block_hash
+            self._t2.add(block)
         else:
-            self._t1[block] = block_hash
+            self._t1.add(block)
+            self._in_t1.add(block)
         self._trim_ghosts()
 
     @override
     def on_access(self, block: BlockId) -> None:
-        if block in self._t1:
-            self._t2[block] = self._t1.pop(block)
-        elif block in self._t2:
-            self._t2.move_to_end(block)
+        if block in self._in_t1:
+            self._in_t1.remove(block)
+            self._t2.add(block, self._t1.remove(block))
+        elif block in self._hash_of:
+            self._t2.touch(block)
         else:
             raise not_tracked(self, block)
 
     @override
     def on_remove(self, block: BlockId) -> None:
-        if block in self._t1:
-            self._b1[self._t1.pop(block)] = None
-        elif block in self._t2:
-            self._b2[self._t2.pop(block)] = None
-        else:
+        block_hash = self._hash_of.pop(block, None)
+        if block_hash is None:
             raise not_tracked(self, block)
+        if block in self._in_t1:
+            self._in_t1.remove(block)
+            self._t1.remove(block)
+            self._b1[block_hash] = None
+        else:
+            self._t2.remove(block)
+            self._b2[block_hash] = None
         self._trim_ghosts()
+
+    def on_pin(self, block: BlockId) -> None:
+        """A tracked block came into use: it keeps its place in its list and is skipped from now on."""
+        self._list_of(block).pin(block)
+
+    def on_unpin(self, block: BlockId) -> None:
+        """A pinned block was released: selectable again at its place."""
+        self._list_of(block).unpin(block)
+
+    @property
+    def pinned(self) -> frozenset[BlockId]:
+        """Blocks between :meth:`on_pin` and :meth:`on_unpin` (or removal)."""
+        return frozenset(self._t1.pinned | self._t2.pinned)
 
     @override
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
-        recent = filter(is_evictable, self._t1)
-        frequent = filter(is_evictable, self._t2)
-        next_recent, next_frequent = next(recent, None), next(frequent, None)
+        # The merge takes at most n from each list, so their first n evictable blocks suffice.
+        recent, frequent = self._t1.first(n, is_evictable), self._t2.first(n, is_evictable)
+        if len(recent) + len(frequent) < n:
+            return None
         t1_left = len(self._t1)  # |T1| once the victims chosen so far are gone
-        victims = []
+        victims: list[BlockId] = []
+        r = f = 0
         while len(victims) < n:
-            if next_recent is not None and (t1_left > self._p or next_frequent is None):
-                victims.append(next_recent)
+            if r < len(recent) and (t1_left > self._p or f == len(frequent)):
+                victims.append(recent[r])
+                r += 1
                 t1_left -= 1
-                next_recent = next(recent, None)
-            elif next_frequent is not None:
-                victims.append(next_frequent)
-                next_frequent = next(frequent, None)
             else:
-                return None
+                victims.append(frequent[f])
+                f += 1
         return victims
 
     @override
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return len(self._hash_of)
 
     @override
     def check_invariants(self) -> None:
         c = self.c
-        assert not self._t1.keys() & self._t2.keys(), "a block is in both T1 and T2"
+        t1, t2 = set(self._t1.in_order()), set(self._t2.in_order())
+        assert not t1 & t2, "a block is in both T1 and T2"
+        assert t1 | t2 == self._hash_of.keys(), "T1 and T2 do not hold exactly the tracked blocks"
+        assert t1 == self._in_t1, "the T1 membership set drifted"
+        self._t1.check_invariants()
+        self._t2.check_invariants()
+        assert self.pin_watch == self._t1.watched() | self._t2.watched(), "pin watch set drifted"
         assert not self._b1.keys() & self._b2.keys(), "a hash is in both B1 and B2"
-        tracked = set(self._t1.values()) | set(self._t2.values())
+        tracked = set(self._hash_of.values())
         ghosts = self._b1.keys() | self._b2.keys()
         assert not tracked & ghosts, f"ghosts hold tracked hashes {tracked & ghosts}"
         assert 0 <= self._p <= c, f"p={self._p} outside [0, {c}]"
@@ -134,9 +189,18 @@ class ARCPolicy(LearnsCapacity, EvictionPolicy):
         assert not self._b1 or len(self._t1) + len(self._b1) <= c, "|T1| + |B1| > c"
         assert not ghosts or len(self) + len(ghosts) <= 2 * c, "|T1| + |T2| + |B1| + |B2| > 2c"
 
+    def _list_of(self, block: BlockId) -> ParkingQueue:
+        if block in self._in_t1:
+            return self._t1
+        if block in self._hash_of:
+            return self._t2
+        raise not_tracked(self, block)
+
     def _trim_ghosts(self) -> None:
-        c = self.c
-        while self._b1 and len(self._t1) + len(self._b1) > c:
-            self._b1.popitem(last=False)
-        while len(self) + len(self._b1) + len(self._b2) > 2 * c and (self._b1 or self._b2):
-            (self._b2 or self._b1).popitem(last=False)
+        c, b1, b2 = self.c, self._b1, self._b2
+        t1 = len(self._t1)  # the tracked lists do not change here: count them once
+        while b1 and t1 + len(b1) > c:
+            b1.popitem(last=False)
+        tracked = t1 + len(self._t2)
+        while tracked + len(b1) + len(b2) > 2 * c and (b1 or b2):
+            (b2 or b1).popitem(last=False)

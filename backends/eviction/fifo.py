@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import (
-    already_tracked,
-    check_count,
-    not_tracked,
-    take_evictable,
-)
+from kvkit.backends.eviction._common import already_tracked, check_count, not_tracked
+from kvkit.backends.eviction._queue import ParkingQueue
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
@@ -21,47 +16,50 @@ __all__ = ["FIFOPolicy"]
 
 
 @attrs.define
-class FIFOPolicy(EvictionPolicy):
+class FIFOPolicy(ParkingQueue, EvictionPolicy):
     """Evicts in insertion order; hits change nothing.
 
-    Invariants: ``_queue`` holds exactly the tracked blocks, oldest insertion first.
+    The policy is one :class:`~kvkit.backends.eviction._queue.ParkingQueue`,
+    whose pin hooks it exposes: a block in use keeps its place in the queue
+    and is skipped by at most one selection, which sets it aside; released,
+    it is evicted exactly where it would have been had it never been in use
+    (its place is its insertion), so the victims, and a trace's hits, are
+    those of a driver that never pins. A selection costs O(victims) amortised
+    however many blocks are in use; a driver that never pins gets the same
+    victims by scanning (``is_evictable``).
+
+    Invariants: the queue holds exactly the tracked blocks, in insertion order.
     """
 
-    _queue: OrderedDict[BlockId, None] = attrs.field(factory=OrderedDict, init=False)
+    # The queue's own methods are the hooks: one call per notification on the hot path.
+    on_pin = ParkingQueue.pin
+    on_unpin = ParkingQueue.unpin
+    on_remove = ParkingQueue.remove
 
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
-        if block in self._queue:
+        main = self._main
+        if block in main or block in self._win or block in self._parked or block in self._back_stamp:
             raise already_tracked(self, block)
-        self._queue[block] = None
+        if self._count < self._size:
+            self.add(block)  # it may join the watched window
+        else:  # as add(block), one call less per commit
+            self._clock = stamp = self._clock + 1
+            main[block] = stamp
 
     @override
     def on_access(self, block: BlockId) -> None:
-        if block not in self._queue:
+        if block not in self:
             raise not_tracked(self, block)
-
-    @override
-    def on_remove(self, block: BlockId) -> None:
-        try:
-            del self._queue[block]
-        except KeyError:
-            raise not_tracked(self, block) from None
 
     @override
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
-        return take_evictable(self._queue, n, is_evictable)
-
-    @override
-    def __len__(self) -> int:
-        return len(self._queue)
+        victims = self.first(n, is_evictable)
+        return victims if len(victims) == n else None
 
     def __iter__(self) -> Iterator[BlockId]:
-        """Tracked blocks from the next victim to the last."""
-        return iter(self._queue)
-
-    @override
-    def check_invariants(self) -> None:
-        """Nothing to check: one ordered dict is the whole state."""
+        """Tracked blocks, pinned ones included, from the next victim to the last (unpinned)."""
+        return iter(self.in_order())

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from itertools import chain
 
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import (
-    already_tracked,
-    check_count,
-    not_tracked,
-    take_evictable,
-)
+from kvkit.backends.eviction._common import already_tracked, check_count, not_tracked
+from kvkit.backends.eviction._queue import ParkingQueue
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
@@ -31,6 +25,13 @@ class LFUPolicy(EvictionPolicy):
     ascending frequency (a hit moves a block from bucket ``f`` to ``f + 1``,
     which is created right after ``f``), so every update is O(1).
 
+    Pinned blocks: with the pin hooks (a pool calls them), a block in use
+    keeps its place in its bucket (a hit still moves it up one) and is
+    skipped by at most one selection, which sets it aside; released, it is
+    evicted exactly where its count and last use put it, as for a driver that
+    never pins (:class:`~kvkit.backends.eviction._queue.ParkingQueue`). A
+    selection costs O(victims + buckets) amortised, however many blocks are in use.
+
     Invariants:
         * ``_freq[b] == f`` iff ``b`` is in ``_buckets[f]``; no bucket is empty.
         * Walking ``_higher`` from ``_lowest`` visits every bucket once, in
@@ -38,10 +39,24 @@ class LFUPolicy(EvictionPolicy):
     """
 
     _freq: dict[BlockId, int] = attrs.field(factory=dict, init=False)
-    _buckets: dict[int, OrderedDict[BlockId, None]] = attrs.field(factory=dict, init=False)
+    _buckets: dict[int, ParkingQueue] = attrs.field(factory=dict, init=False)
     _higher: dict[int, int | None] = attrs.field(factory=dict, init=False)
     _lower: dict[int, int | None] = attrs.field(factory=dict, init=False)
     _lowest: int | None = attrs.field(default=None, init=False)
+    # Shared by every bucket: the pins a pool must report (SelectivePins), and its attached predicate.
+    _watch: set[BlockId] = attrs.field(factory=set, init=False, repr=False)
+    _alive: Callable[[BlockId], bool] | None = attrs.field(default=None, init=False, repr=False, eq=False)
+
+    @property
+    def pin_watch(self) -> set[BlockId]:
+        """The blocks whose pins an attached pool reports (those its buckets watch)."""
+        return self._watch
+
+    def attach(self, is_evictable: Callable[[BlockId], bool]) -> None:
+        """A pool reports only the pins of :attr:`pin_watch` from now on; ``is_evictable`` tells the rest."""
+        self._alive = is_evictable
+        for bucket in self._buckets.values():
+            bucket.attach(is_evictable)
 
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
@@ -51,7 +66,7 @@ class LFUPolicy(EvictionPolicy):
         if 1 not in self._buckets:
             self._add_bucket(1, below=None)  # 1 is the least possible frequency
         self._freq[block] = 1
-        self._buckets[1][block] = None
+        self._buckets[1].add(block)
 
     @override
     def on_access(self, block: BlockId) -> None:
@@ -60,9 +75,8 @@ class LFUPolicy(EvictionPolicy):
             raise not_tracked(self, block)
         if f + 1 not in self._buckets:
             self._add_bucket(f + 1, below=f)
-        self._buckets[f + 1][block] = None
+        self._buckets[f + 1].add(block, self._drop_from_bucket(block, f))
         self._freq[block] = f + 1
-        self._drop_from_bucket(block, f)
 
     @override
     def on_remove(self, block: BlockId) -> None:
@@ -71,12 +85,29 @@ class LFUPolicy(EvictionPolicy):
             raise not_tracked(self, block)
         self._drop_from_bucket(block, f)
 
+    def on_pin(self, block: BlockId) -> None:
+        """A tracked block came into use: it keeps its place in its bucket and is skipped from now on."""
+        self._bucket_of(block).pin(block)
+
+    def on_unpin(self, block: BlockId) -> None:
+        """A pinned block was released: selectable again at its place."""
+        self._bucket_of(block).unpin(block)
+
     @override
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
-        ordered = chain.from_iterable(self._buckets[f] for f in self._ascending())
-        return take_evictable(ordered, n, is_evictable)
+        victims: list[BlockId] = []
+        for f in self._ascending():
+            if len(victims) == n:
+                break
+            victims += self._buckets[f].first(n - len(victims), is_evictable)
+        return victims if len(victims) == n else None
+
+    @property
+    def pinned(self) -> frozenset[BlockId]:
+        """Blocks between :meth:`on_pin` and :meth:`on_unpin` (or removal)."""
+        return frozenset(b for bucket in self._buckets.values() for b in bucket.pinned)
 
     @override
     def __len__(self) -> int:
@@ -88,13 +119,17 @@ class LFUPolicy(EvictionPolicy):
         for f in self._ascending():
             assert below is None or below < f, f"frequencies out of order: {below} then {f}"
             assert self._lower.get(f, -1) == below, f"bucket {f} does not link down to {below}"
-            assert self._buckets[f], f"bucket {f} is empty"
-            assert all(self._freq[b] == f for b in self._buckets[f]), f"bucket {f} holds a stranger"
+            assert len(self._buckets[f]), f"bucket {f} is empty"
+            assert all(self._freq[b] == f for b in self._buckets[f].in_order()), \
+                f"bucket {f} holds a stranger"
+            self._buckets[f].check_invariants()
             walked.append(f)
             below = f
         assert sorted(self._buckets) == walked, \
             f"unlinked buckets: {set(self._buckets) - set(walked)}"
         assert set(self._higher) == set(self._lower) == set(walked), "stale links"
+        watched = set().union(*(bucket.watched() for bucket in self._buckets.values()))
+        assert self._watch == watched, "pin watch set drifted from the buckets'"
         assert sum(map(len, self._buckets.values())) == len(self._freq), "block in no bucket"
 
     def _ascending(self) -> Iterator[int]:
@@ -105,7 +140,7 @@ class LFUPolicy(EvictionPolicy):
 
     def _add_bucket(self, f: int, below: int | None) -> None:
         above = self._lowest if below is None else self._higher[below]
-        self._buckets[f] = OrderedDict()
+        self._buckets[f] = ParkingQueue.of(self, self._watch, self._alive)
         self._lower[f], self._higher[f] = below, above
         if below is None:
             self._lowest = f
@@ -114,11 +149,18 @@ class LFUPolicy(EvictionPolicy):
         if above is not None:
             self._lower[above] = f
 
-    def _drop_from_bucket(self, block: BlockId, f: int) -> None:
+    def _bucket_of(self, block: BlockId) -> ParkingQueue:
+        f = self._freq.get(block)
+        if f is None:
+            raise not_tracked(self, block)
+        return self._buckets[f]
+
+    def _drop_from_bucket(self, block: BlockId, f: int) -> bool:
+        """Take ``block`` out of bucket ``f`` (unlinking the bucket if it empties); return its pin."""
         bucket = self._buckets[f]
-        del bucket[block]
-        if bucket:
-            return
+        pinned = bucket.remove(block)
+        if len(bucket):
+            return pinned
         below, above = self._lower.pop(f), self._higher.pop(f)
         del self._buckets[f]
         if below is None:
@@ -127,3 +169,4 @@ class LFUPolicy(EvictionPolicy):
             self._higher[below] = above
         if above is not None:
             self._lower[above] = below
+        return pinned

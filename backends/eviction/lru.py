@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import attrs
-from typing_extensions import override
 
-from kvkit.backends.eviction._common import not_tracked
+from kvkit.backends.eviction._queue import ParkingQueue
 from kvkit.backends.eviction.fifo import FIFOPolicy
-from kvkit.interfaces.types import BlockId
 
 __all__ = ["LRUPolicy"]
 
@@ -17,16 +15,14 @@ class LRUPolicy(FIFOPolicy):
     """Evicts the evictable block whose last insert or hit is oldest.
 
     FIFO's queue with one decision changed: a hit moves the block to the hot
-    end. Referenced blocks stay tracked in place and are skipped when victims
-    are chosen.
+    end (pinned or not). A block in use keeps the place of its last insert or
+    hit and is skipped by at most one selection (FIFO's pin hooks); released,
+    it is evicted where its last use puts it, exactly as if it had never been
+    pinned. Hits are what make a block recent, not its release: a pool
+    touches the blocks a request hits when it pins them.
 
-    Invariants: every tracked block appears exactly once; selection changes
-    nothing (the order only moves on insert, access and remove).
+    Invariants: every tracked block appears exactly once, in order of its
+    last insert or hit; selection changes no order.
     """
 
-    @override
-    def on_access(self, block: BlockId) -> None:
-        try:
-            self._queue.move_to_end(block)
-        except KeyError:
-            raise not_tracked(self, block) from None
+    on_access = ParkingQueue.touch

@@ -12,7 +12,13 @@ import attrs
 import numpy as np
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import already_tracked, check_count, hash_already_tracked, not_tracked
+from kvkit.backends.eviction._common import (
+    already_tracked,
+    check_count,
+    hash_already_tracked,
+    not_tracked,
+    pin_mismatch,
+)
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
@@ -42,13 +48,20 @@ class OptimalPolicy(EvictionPolicy):
     tracked block has one live entry (matching its sequence number); stale
     entries are skipped and the heap is rebuilt when they outnumber live ones.
 
+    Pinned blocks: with the pin hooks (a pool calls them), a selection that
+    pops the entry of a block in use sets the entry aside instead of pushing
+    it back, and :meth:`on_unpin` pushes it back, so a selection costs
+    O(victims log n) amortised however many blocks are in use; the victims
+    are those of a driver that never pins.
+
     Precondition: at most one tracked block per hash (a pool's prefix index
     guarantees it); inserting a second block under a tracked hash raises.
 
     Invariants:
-        * Every tracked block has exactly one live heap entry, keyed by its
-          next use, which is at or after the clock and equal to the first
-          occurrence of its hash from the clock on.
+        * Every tracked block has exactly one live entry, in the heap or (a
+          pinned block's) set aside, keyed by its next use, which is at or
+          after the clock and equal to the first occurrence of its hash from
+          the clock on.
         * ``_hash_of`` and ``_block_of`` are inverse maps of the tracked blocks.
     """
 
@@ -64,6 +77,9 @@ class OptimalPolicy(EvictionPolicy):
     _next_use: dict[BlockId, int] = attrs.field(factory=dict, init=False, repr=False)
     _live: dict[BlockId, int] = attrs.field(factory=dict, init=False, repr=False)
     _heap: list[tuple[int, int, BlockId]] = attrs.field(factory=list, init=False, repr=False)
+    _pinned: set[BlockId] = attrs.field(factory=set, init=False, repr=False)
+    # Live entries of pinned blocks that a selection popped: pushed back on unpin.
+    _aside: dict[BlockId, tuple[int, int, BlockId]] = attrs.field(factory=dict, init=False, repr=False)
     _seq: int = attrs.field(default=0, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -141,19 +157,49 @@ class OptimalPolicy(EvictionPolicy):
         if block_hash is None:
             raise not_tracked(self, block)
         del self._block_of[block_hash], self._next_use[block], self._live[block]
+        self._pinned.discard(block)
+        self._aside.pop(block, None)
         if len(self._heap) > 2 * len(self._live) + 64:
             self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
             heapq.heapify(self._heap)
+
+    def on_pin(self, block: BlockId) -> None:
+        """A tracked block came into use: a selection that meets its entry sets it aside."""
+        if block not in self._hash_of:
+            raise not_tracked(self, block)
+        if block in self._pinned:
+            raise pin_mismatch(self, block, pinned=True)
+        self._pinned.add(block)
+
+    def on_unpin(self, block: BlockId) -> None:
+        """A pinned block was released: its entry goes back into the heap if it was set aside."""
+        if block not in self._hash_of:
+            raise not_tracked(self, block)
+        if block not in self._pinned:
+            raise pin_mismatch(self, block, pinned=False)
+        self._pinned.remove(block)
+        entry = self._aside.pop(block, None)
+        if entry is not None:
+            heapq.heappush(self._heap, entry)
+
+    @property
+    def pinned(self) -> frozenset[BlockId]:
+        """Blocks between :meth:`on_pin` and :meth:`on_unpin` (or removal)."""
+        return frozenset(self._pinned)
 
     @override
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
         popped, victims = [], []
+        pinned, aside = self._pinned, self._aside
         while self._heap and len(victims) < n:
             entry = heapq.heappop(self._heap)
             if self._live.get(entry[2]) != entry[1]:
                 continue  # stale: dropping it changes no decision
+            if entry[2] in pinned:
+                aside[entry[2]] = entry  # not selectable until released: out of later walks
+                continue
             popped.append(entry)
             if is_evictable(entry[2]):
                 victims.append(entry[2])
@@ -173,7 +219,9 @@ class OptimalPolicy(EvictionPolicy):
             "hash map and block map disagree"
         assert self._live.keys() == self._next_use.keys() == self._hash_of.keys(), \
             "heap bookkeeping drifted from the tracked blocks"
-        live = [e for e in self._heap if self._live.get(e[2]) == e[1]]
+        assert self._pinned <= self._hash_of.keys(), "a pinned block is not tracked"
+        assert self._aside.keys() <= self._pinned, "an entry is set aside for a block not in use"
+        live = [e for e in (*self._heap, *self._aside.values()) if self._live.get(e[2]) == e[1]]
         assert sorted(e[2] for e in live) == sorted(self._live), "not one live entry per block"
         for neg_use, _, block in live:
             expected = self.next_use(self._hash_of[block])
@@ -182,6 +230,7 @@ class OptimalPolicy(EvictionPolicy):
             assert expected >= self._clock, f"block {block} next use {expected} is past"
 
     def _prioritise(self, block: BlockId, use: int) -> None:
+        self._aside.pop(block, None)  # the entry set aside is stale from now on
         self._seq += 1
         self._next_use[block] = use
         self._live[block] = self._seq

@@ -40,7 +40,7 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 
 @click.command("policies")
 @click.option("--trace", "trace_path", required=True,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
               help="Mooncake JSONL trace to replay.")
 @click.option("--capacities", default="1000,4000,16000", show_default=True,
               callback=_capacities, help="Pool sizes in blocks, comma-separated.")
@@ -49,7 +49,7 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
                    "the optimum 'opt' is always added].")
 @click.option("--block-size", default=MOONCAKE_BLOCK_SIZE, show_default=True,
               type=click.IntRange(min=1), help="Tokens per block of the trace's hash_ids.")
-@click.option("--limit", type=click.IntRange(min=0), default=None,
+@click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Replay only the first N requests.")
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
               help="Worker processes [default: one per CPU].")

@@ -33,7 +33,7 @@ def _require_matplotlib() -> None:
 
 @click.command("simulate")
 @click.option("--trace", "trace_path", default=None,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
               help="Mooncake JSONL trace [default: the built-in synthetic multi-turn chat workload].")
 @click.option("--gpu-blocks", default=DEFAULTS.gpu_blocks, show_default=True, type=click.IntRange(min=1),
               help="GPU tier size in blocks.")
@@ -50,7 +50,7 @@ def _require_matplotlib() -> None:
 @click.option("--verify", is_flag=True,
               help="Move real bytes (torch backend, CPU tensors) and check every loaded block.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic workload.")
-@click.option("--limit", default=None, type=click.IntRange(min=0), help="Replay only the first N requests.")
+@click.option("--limit", default=None, type=click.IntRange(min=1), help="Replay only the first N requests.")
 @click.option("--prefill-tokens-per-s", default=_COST.prefill_tokens_per_s, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Cost model: prefill speed.")
 @click.option("--pcie-gbps", default=_COST.pcie_gbps, show_default=True,
@@ -138,12 +138,10 @@ class _Workload:
                       self.limit)
 
     def size(self) -> int | None:
-        """Requests in the workload, if cheap to know (a line count of the file)."""
+        """Requests in a trace (read and checked once, so a bad file fails before any run); synthetic: unknown."""
         if self.path is None:
             return None
-        with open(self.path, "rb") as f:
-            lines = sum(1 for line in f if line.strip())
-        return lines if self.limit is None else min(lines, self.limit)
+        return sum(1 for _ in self.requests())
 
     def describe(self) -> str:
         if self.path is not None:

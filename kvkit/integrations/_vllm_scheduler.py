@@ -1,51 +1,64 @@
 """The scheduler side of kvkit's vLLM connector: vLLM's scheduler calls mapped onto ``OffloadManager``.
 
 vLLM-free: vLLM's ``Request`` objects are read by attribute (``request_id``,
-``block_hashes``, ``num_tokens``, ``num_computed_tokens``,
-``num_in_flight_tokens``). The mapping, per vLLM call:
+``block_hashes``, ``num_tokens``, ``num_computed_tokens``, ``num_preemptions``)
+and its GPU pool through :class:`~kvkit.integrations._vllm_gpu_pool.VllmGpuPool`.
+The mapping, per vLLM call:
 
 ========================================  =====================================================
 vLLM (scheduler process)                  kvkit
 ========================================  =====================================================
+``bind_kv_cache_manager(m)``              the manager is built, holding GPU references in
+                                          ``m.block_pool``
 ``get_num_new_matched_tokens(req, n)``    ``add_request`` (first time) or ``extend``; a request
                                           the manager still runs was preempted: ``preempt``;
                                           then ``lookup(n)`` (pins, replaces an earlier pin)
 ``update_state_after_alloc(req, b, k)``   ``on_allocated(table, k)``: the rest of the hit is
-                                          unpinned, the load enters the next plan
+                                          unpinned, the load enters the next plan (with
+                                          asynchronous loads vLLM calls it again, ``k = 0``,
+                                          once the load landed: the table is replaced)
 ``build_connector_meta(out)``             ``preempt`` (``preempted_req_ids``),
-                                          ``append_blocks`` (new blocks of running requests),
-                                          ``build_step`` -> metadata for every worker
-``update_connector_output(out)``          ``extend`` + ``on_computed`` for the requests of the
-                                          step just run, ``apply_completions`` (workers'
-                                          results); ``released`` -> ``finished_sending`` next step
-``request_finished(req, blocks)``         ``finish`` (flush) or ``abort``; ``True`` delays the
-                                          free until the flush's stores completed
+                                          ``append_blocks`` (new blocks of running requests;
+                                          with a sliding window the table vLLM holds now,
+                                          whose freed blocks are null and may come back),
+                                          ``extend`` + ``on_computed`` with the tokens each
+                                          request holds once this step ran, ``build_step``
+                                          -> metadata for every worker
+``update_connector_output(out)``          ``apply_completions`` (the workers' results)
+``request_finished_all_groups(req, b)``   the table as vLLM leaves it (blocks out of a window
+                                          are null), then ``finish`` (flush) or ``abort``
 ``reset_cache()``                         ``reset``
 ========================================  =====================================================
 
-vLLM frees a preempted request's blocks at once and may hand them to another
-request in the same step, so every step that preempted carries a barrier: the
-workers finish every copy in flight before that step's forward pass, and run
-the step's stores (sources confirmed in earlier steps) before it too.
+Stores belong to the step that computes their blocks: the plan built for a
+step stores what that step's forward pass writes, and the workers submit its
+stores after that forward pass, so no later callback (vLLM skips
+``update_connector_output`` on idle steps) can delay them. The manager holds
+a GPU reference on every block a transfer reads or writes until every worker
+reported it, so vLLM frees finished, preempted and out-of-window blocks at
+once (``request_finished`` is always ``False``) and never reuses one a copy
+still touches.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from kvkit.errors import HashInputError
 from kvkit.integrations._vllm_settings import ConnectorSettings
-from kvkit.interfaces import BlockHash, TransferResult
+from kvkit.interfaces import BlockAllocator, BlockHash, BlockId, Direction, GroupKind, Tier, TransferResult
+from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.manager.requests import RequestState
 from kvkit.manager.step import StepPlan
+from kvkit.stats import OffloadStats
 from kvkit.validate import is_int
 
-__all__ = ["LOADED_TOKENS_KEY", "RELOADED_TOKENS_KEY", "SchedulerSide", "StepOrder", "block_hash"]
+__all__ = ["COUNTERS", "GAUGES", "LOADED_TOKENS_KEY", "RELOADED_TOKENS_KEY", "CpuTierEvents", "SchedulerSide",
+           "StepOrder", "block_hash"]
 
 LOADED_TOKENS_KEY = "kvkit_loaded_tokens"
 """Key, in a finished request's ``kv_transfer_params``, of the prompt tokens kvkit loaded
@@ -53,6 +66,12 @@ when vLLM first scheduled it (part of ``RequestOutput.num_cached_tokens``)."""
 RELOADED_TOKENS_KEY = "kvkit_reloaded_tokens"
 """Key of the tokens kvkit loaded when vLLM resumed the request after preemptions."""
 
+GAUGES: tuple[str, ...] = ("gpu_blocks_held", "cpu_blocks_pinned", "transfers_in_flight")
+"""State :meth:`SchedulerSide.stats_delta` reports beside the counters' increments: GPU block
+references kvkit holds, CPU references (lookup pins and transfers), transfers in flight."""
+
+COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(OffloadStats))
+"""The :class:`~kvkit.stats.OffloadStats` counters :meth:`SchedulerSide.stats_delta` reports increases of."""
 _RUNNING = RequestState.RUNNING
 
 
@@ -78,22 +97,83 @@ class StepOrder:
 
     Attributes:
         step: increases by one per ``build_connector_meta``.
-        plan: the step's loads and stores.
-        release: finished requests whose delayed free is over: report them
-            in ``finished_sending``.
-        barrier: a request was preempted since the last step: finish every
-            copy in flight before this step's forward pass overwrites a freed block.
+        plan: the step's loads (before its forward pass, or while it runs
+            with asynchronous loads) and stores (after it).
+        receiving: requests waiting for this step's loads (vLLM's
+            ``WAITING_FOR_REMOTE_KVS``): each worker reports them in
+            ``finished_recving`` once every load of the step completed there.
+            Empty with synchronous loads.
     """
 
     step: int
     plan: StepPlan
-    release: tuple[str, ...] = ()
-    barrier: bool = False
+    receiving: tuple[str, ...] = ()
 
 
-def _done_tokens(request: Any) -> int:
-    """Tokens whose KV a finished forward pass wrote (async scheduling runs ahead)."""
-    return max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+@attrs.define(eq=False)
+class CpuTierEvents(OffloadCallback):
+    """Hashes stored to and removed from the CPU tier since the last :meth:`take`, in order.
+
+    A step's store batch counts once every transfer of it completed on every
+    worker without failure: then its CPU blocks hold the hashes they
+    committed (a duplicate that lost to an equal hash holds none). Removed:
+    every eviction, and every stored hash at a reset.
+
+    Invariants: a hash is reported stored only once its copy is findable, and
+    removed only after it was stored; runs keep the order things happened in.
+    """
+
+    _batches: dict[int, list] = attrs.field(init=False, factory=dict)  # first tid -> [tids left, cpu ids, ok]
+    _batch_of: dict[int, int] = attrs.field(init=False, factory=dict)  # tid -> first tid of its batch
+    _landed: list[list[BlockId]] = attrs.field(init=False, factory=list)  # committed, hashes not read yet
+    _runs: list[tuple[bool, list[BlockHash]]] = attrs.field(init=False, factory=list)  # (stored?, hashes)
+
+    def planned(self, stores: Sequence[tuple[int, Any]]) -> None:
+        """A step's store plans (one per group, the same CPU blocks): one batch to watch."""
+        if stores:
+            first = stores[0][0]
+            self._batches[first] = [{tid for tid, _ in stores}, stores[0][1].dst.tolist(), True]
+            self._batch_of.update((tid, first) for tid, _ in stores)
+
+    def on_transfer_completed(self, transfer_id: int, direction: Direction, num_blocks: int, ok: bool) -> None:
+        first = self._batch_of.pop(transfer_id, None)
+        if direction is not Direction.STORE or first is None:
+            return
+        batch = self._batches[first]
+        batch[0].discard(transfer_id)
+        batch[2] = batch[2] and ok
+        if not batch[0]:
+            del self._batches[first]
+            if batch[2]:
+                self._landed.append(batch[1])
+
+    def on_evict(self, tier: Tier, block: BlockId, block_hash: BlockHash) -> None:
+        if tier is Tier.CPU:
+            self._add(False, [block_hash])
+
+    def read(self, cpu: BlockAllocator) -> None:
+        """Turn the batches that landed into the hashes their CPU blocks committed (call after completions)."""
+        for blocks in self._landed:
+            self._add(True, [h for h in map(cpu.block_hash, blocks) if h is not None])
+        self._landed.clear()
+
+    def cleared(self, cpu: BlockAllocator) -> None:
+        """A reset empties ``cpu``: everything it holds is removed (call before the reset)."""
+        self.read(cpu)
+        self._add(False, [h for h in map(cpu.block_hash, range(cpu.num_blocks)) if h is not None])
+
+    def take(self) -> list[tuple[bool, list[BlockHash]]]:
+        """Runs of ``(stored, hashes)`` (``stored`` is ``False`` for removals) since the last call."""
+        runs, self._runs = self._runs, []
+        return runs
+
+    def _add(self, stored: bool, hashes: list[BlockHash]) -> None:
+        if not hashes:
+            return
+        if self._runs and self._runs[-1][0] is stored:
+            self._runs[-1][1].extend(hashes)
+        else:
+            self._runs.append((stored, hashes))
 
 
 @attrs.define(eq=False)
@@ -101,38 +181,62 @@ class SchedulerSide:
     """Drives an ``OffloadManager`` from vLLM's scheduler-side connector calls.
 
     Args:
-        manager: built with ``gpu=None`` (vLLM owns the GPU pool: delayed
-            frees) and ``null_block=0``.
+        manager: built over vLLM's GPU pool (``gpu=``, references on every
+            transfer's GPU blocks) with ``null_block=0``.
+        tables: vLLM's current block table of a request, one list per KV
+            group (``KVCacheManager.get_block_ids``); read when a request with
+            a sliding-window group grows, because vLLM frees that group's
+            blocks outside the window (null in its table) and may hand one
+            back to the same request.
+        events: the CPU tier's store and removal log (one of the manager's
+            callbacks), or ``None`` when vLLM publishes no KV events.
+        async_load: hits load while other requests run: a request with a hit
+            waits in vLLM (``WAITING_FOR_REMOTE_KVS``) until the workers report
+            it in ``finished_recving``.
 
     Invariants:
         * The requests tracked are exactly those the manager has live.
-        * An id enters ``finished_sending`` only if ``request_finished``
-          returned ``True`` for it, and exactly once.
+        * Every request's confirmed tokens are those its last scheduled step
+          computes, minus speculative tokens (which vLLM may reject).
     """
 
     manager: OffloadManager
+    tables: Callable[[str], Sequence[Sequence[int]]]
+    events: CpuTierEvents | None = None
+    async_load: bool = False
     num_preemptions: int = attrs.field(init=False, default=0)
+    _receiving: list[str] = attrs.field(init=False, factory=list)  # async loads allocated since the last build
+    _reported: dict[str, float] = attrs.field(init=False, factory=dict)
+    _windowed: bool = attrs.field(init=False, default=attrs.Factory(
+        lambda self: any(g.kind is GroupKind.SLIDING_WINDOW for g in self.manager.kv.groups), takes_self=True))
     _requests: dict[str, Any] = attrs.field(init=False, factory=dict)
     _loaded_tokens: dict[str, list[int]] = attrs.field(init=False, factory=dict)  # [first, resumed]
-    _scheduled: deque[list[str]] = attrs.field(init=False, factory=deque)  # per step built, not yet run
-    _awaiting: set[str] = attrs.field(init=False, factory=set)
-    _release: list[str] = attrs.field(init=False, factory=list)
-    _barrier: bool = attrs.field(init=False, default=False)
+    _flush_pending: bool = attrs.field(init=False, default=False)  # a request ended since the last build
     _step: int = attrs.field(init=False, default=0)
 
     @classmethod
-    def from_settings(cls, settings: ConnectorSettings) -> SchedulerSide:
-        """A manager over a CPU pool of ``settings.num_cpu_blocks`` blocks (no copy backend here)."""
+    def from_settings(cls, settings: ConnectorSettings, gpu: BlockAllocator,
+                      tables: Callable[[str], Sequence[Sequence[int]]], *, events: bool = False) -> SchedulerSide:
+        """A manager over ``gpu`` and a CPU pool of ``settings.num_cpu_blocks`` blocks (no copy backend here).
+
+        With ``events`` the CPU tier's stores and removals are logged for :meth:`take_events`.
+        """
         parts = attrs.evolve(settings.stack, copy=None).resolve()
         cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
-        return cls(OffloadManager(settings.stack.kv, cpu, parts.store,
-                                  world_size=settings.stack.world_size, null_block=0))
+        log = CpuTierEvents() if events else None
+        manager = OffloadManager(settings.stack.kv, cpu, parts.store, gpu=gpu, world_size=settings.stack.world_size,
+                                 null_block=0, callbacks=(log,) if log is not None else ())
+        return cls(manager, tables, log, settings.async_load)
 
     @property
     def idle(self) -> bool:
-        """No request tracked, no transfer in flight, no delayed free pending."""
-        return not (self._requests or self._awaiting or self._release
-                    or self.manager.num_in_flight or self.manager.num_requests)
+        """No request tracked, no transfer in flight or still to plan."""
+        return not (self._requests or self.busy or self.manager.num_requests)
+
+    @property
+    def busy(self) -> bool:
+        """Transfers are in flight or an ended request's flush is still to plan: vLLM must keep stepping."""
+        return self._flush_pending or self.manager.num_in_flight > 0
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """CPU-tier tokens right after vLLM's own prefix hit (pinned until allocation)."""
@@ -156,63 +260,94 @@ class SchedulerSide:
             return
         self.manager.on_allocated(rid, [list(row) for row in block_ids], num_external_tokens)
         self._loaded_tokens[rid][getattr(request, "num_preemptions", 0) > 0] += num_external_tokens
+        if self.async_load and num_external_tokens:
+            self._receiving.append(rid)
 
     def build(self, *, preempted: Iterable[str], new_blocks: Iterable[tuple[str, Sequence[Sequence[int]]]],
-              scheduled: Iterable[str]) -> StepOrder:
-        """Plan one step.
+              scheduled: Mapping[str, int], speculative: Mapping[str, Sequence[int]] | None = None) -> StepOrder:
+        """Plan one step: its loads, and the stores of every block it completes.
 
         Args:
             preempted: ids vLLM preempted since the last step.
             new_blocks: ``(id, blocks per group)`` appended to running (not
                 resumed) requests.
-            scheduled: ids this step computes tokens for.
+            scheduled: tokens this step computes, per request id (vLLM's
+                ``num_scheduled_tokens``; ``num_computed_tokens`` is not advanced yet).
+            speculative: draft tokens among them, per id; never confirmed.
         """
         for rid in preempted:
             if rid in self._requests and self.manager.request(rid).state is _RUNNING:
                 self._preempt(rid)
         for rid, blocks in new_blocks:
             if rid in self._requests and self.manager.request(rid).state is _RUNNING:
-                self.manager.append_blocks(rid, blocks)
+                if self._windowed:
+                    self.manager.on_allocated(rid, [list(row) for row in self.tables(rid)])
+                else:
+                    self.manager.append_blocks(rid, blocks)
+        drafts = speculative or {}
+        for rid, n in scheduled.items():
+            request = self._requests.get(rid)
+            if request is None or self.manager.request(rid).state is not _RUNNING:
+                continue
+            self._sync(request)
+            done = request.num_computed_tokens + n - len(drafts.get(rid, ()))
+            if done > self.manager.request(rid).num_computed_tokens:
+                self.manager.on_computed(rid, done)
         self._step += 1
-        order = StepOrder(self._step, self.manager.build_step(), tuple(self._release), self._barrier)
-        self._release, self._barrier = [], False
-        self._scheduled.append(list(scheduled))
+        self._flush_pending = False  # build_step plans every detached store
+        order = StepOrder(self._step, self.manager.build_step(), tuple(self._receiving))
+        self._receiving.clear()  # their loads are this step's (allocation and build share one schedule call)
+        if self.events is not None:
+            self.events.planned(order.plan.stores)
         return order
 
     def completed(self, results: Iterable[TransferResult]) -> None:
-        """The oldest step built ran: confirm its requests' progress, apply the workers' results.
+        """Apply the workers' transfer results (GPU and CPU references of finished copies drop)."""
+        self.manager.apply_completions(results)
+        if self.events is not None:
+            self.events.read(self.manager.cpu)
 
-        vLLM reports steps in the order it scheduled them (with async
-        scheduling the next step is built before this one is reported).
+    def stats_delta(self) -> dict[str, float]:
+        """Each counter's increase since the last call (those that moved) and, if any moved, :data:`GAUGES`."""
+        now = self.manager.stats.as_dict()
+        delta = {k: now[k] - self._reported.get(k, 0) for k in COUNTERS if now[k] != self._reported.get(k, 0)}
+        self._reported = now
+        if delta:
+            m = self.manager
+            delta |= {"gpu_blocks_held": sum(m.gpu_refs_held().values()),
+                      "cpu_blocks_pinned": sum(m.cpu_refs_held().values()), "transfers_in_flight": m.num_in_flight}
+        return delta
+
+    def take_events(self) -> list[tuple[bool, list[BlockHash]]]:
+        """Runs of hashes stored to (``True``) and removed from the CPU tier since the last call."""
+        return self.events.take() if self.events is not None else []
+
+    def finished(self, request: Any, block_ids: Sequence[Sequence[int]], *,
+                 aborted: bool) -> tuple[bool, dict[str, int] | None]:
+        """The request ended; returns (``False``: vLLM frees its blocks now, kv_transfer_params).
+
+        ``block_ids`` is its table as vLLM leaves it: blocks vLLM already
+        freed (out of a sliding window) are null there, so the flush never
+        reads them.
         """
-        for rid in self._scheduled.popleft() if self._scheduled else ():
-            self._confirm(rid)
-        report = self.manager.apply_completions(results)
-        for rid in report.released:
-            if rid in self._awaiting:  # not a preempted incarnation: vLLM freed those already
-                self._awaiting.discard(rid)
-                self._release.append(rid)
-
-    def finished(self, request: Any, *, aborted: bool) -> tuple[bool, dict[str, int] | None]:
-        """The request ended; returns (keep its blocks until released, kv_transfer_params)."""
         rid = request.request_id
         if rid not in self._requests:
             return False, None
-        self._sync(request)
         r = self.manager.request(rid)
-        if aborted:
-            delay = self.manager.abort(rid)
-        else:
-            done = max(_done_tokens(request), r.num_computed_tokens) if r.state is _RUNNING else None
-            delay = self.manager.finish(rid, done)
+        if r.state is _RUNNING:  # vLLM's rows may stop at its computed tokens: keep the rest of ours
+            self.manager.on_allocated(rid, [list(v) + own[len(v):] for v, own in zip(block_ids, r.block_table)])
+        self._sync(request)
+        delay = self.manager.abort(rid) if aborted else self.manager.finish(rid)
+        assert not delay, "with vLLM's GPU pool the manager never delays a free"
         del self._requests[rid]
-        if delay:
-            self._awaiting.add(rid)
+        self._flush_pending = True
         first, resumed = self._loaded_tokens.pop(rid)
-        return delay, {LOADED_TOKENS_KEY: first, RELOADED_TOKENS_KEY: resumed}
+        return False, {LOADED_TOKENS_KEY: first, RELOADED_TOKENS_KEY: resumed}
 
     def reset(self) -> bool:
         """Empty the CPU tier (after in-flight copies drain); serves no hit from now on."""
+        if self.events is not None:
+            self.events.cleared(self.manager.cpu)
         self.manager.reset()
         return True
 
@@ -224,12 +359,10 @@ class SchedulerSide:
         for rid in self._requests:
             self.manager.request(rid)  # raises if the manager does not have it live
         assert self._loaded_tokens.keys() == self._requests.keys()
-        assert not self._awaiting & set(self._requests), "a live request awaits its release"
 
     def _preempt(self, rid: str) -> None:
         self.manager.preempt(rid)
         self.num_preemptions += 1
-        self._barrier = True
 
     def _sync(self, request: Any) -> None:
         """Tell the manager about blocks that became full and the request's length."""
@@ -237,12 +370,3 @@ class SchedulerSide:
         hashes = request.block_hashes
         self.manager.extend(request.request_id, [block_hash(h) for h in hashes[known:]],
                             request.num_tokens)
-
-    def _confirm(self, rid: str) -> None:
-        request = self._requests.get(rid)
-        if request is None or self.manager.request(rid).state is not _RUNNING:
-            return  # finished, or preempted meanwhile
-        self._sync(request)
-        done = _done_tokens(request)
-        if done > self.manager.request(rid).num_computed_tokens:
-            self.manager.on_computed(rid, done)

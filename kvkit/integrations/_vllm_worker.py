@@ -2,23 +2,26 @@
 
 vLLM-free. Per step, in vLLM's call order:
 
-1. ``handle_preemptions`` (first thing, every step, before anything can
-   overwrite a block): submit the step's stores, whose sources were confirmed
-   in earlier steps; on a barrier, wait for every copy in flight.
-2. ``start_load_kv`` (before the forward pass when the step has sync loads):
-   submit the loads and wait for them; failed loads become vLLM's
-   ``invalid_block_ids``.
-3. ``wait_for_save``: collect finished copies (``poll``).
-4. ``get_finished``: report released requests as ``finished_sending``.
-5. ``build_connector_worker_meta``: hand this step's results to the scheduler.
+1. ``start_load_kv`` (before the forward pass when the step has sync loads,
+   after it is launched otherwise): submit the loads; synchronous ones are
+   waited for, asynchronous ones land while later steps run and their
+   requests are reported in ``finished_recving`` (``get_finished``) once
+   every load of their step completed; failed loads become vLLM's
+   ``invalid_block_ids`` no later than that.
+2. ``wait_for_save`` (after the forward pass, every step, also without
+   one): submit the step's stores, ordered after the compute that wrote
+   their sources, and collect finished copies (``poll``).
+3. ``build_connector_worker_meta``: hand this step's results to the scheduler.
 
 Each step is identified by :attr:`StepOrder.step`, so a call repeated or
-skipped by vLLM (no-forward steps) neither repeats nor loses a submission.
+skipped by vLLM neither repeats nor loses a submission. No copy needs a
+barrier: the scheduler side holds a GPU reference on every block a copy
+touches until the copy is reported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -27,18 +30,15 @@ import torch
 from kvkit.errors import ConfigError, SpecMismatchError
 from kvkit.integrations._vllm_scheduler import StepOrder
 from kvkit.integrations._vllm_settings import ConnectorSettings
-from kvkit.interfaces import KVCacheSpec, TransferResult
+from kvkit.interfaces import KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
 from kvkit.worker.engine import TransferEngine
 from kvkit.worker.layouts import validate_kv
 
-__all__ = ["VLLM_LAYOUTS", "WorkerSide", "detect_layout"]
+__all__ = ["VLLM_LAYOUTS", "WorkerSide", "detect_layout", "group_spec"]
 
 VLLM_LAYOUTS: tuple[str, ...] = ("vllm-cpu", "per-layer", "blocks-first")
 """The layouts vLLM's attention backends use, per layer: CPU ``[nb, H, bs, 2*D]``;
 FlashAttention ``[2, nb, bs, H, D]`` (K/V split); FlashInfer ``[nb, 2, bs, H, D]``."""
-
-_REMEMBER_FINISHED = 1 << 16  # finished ids remembered until vLLM may expect them back
-
 
 def detect_layout(spec: KVCacheSpec, tensors: Sequence[torch.Tensor]) -> str:
     """The one layout of :data:`VLLM_LAYOUTS` that ``tensors`` hold for ``spec``.
@@ -66,105 +66,121 @@ def detect_layout(spec: KVCacheSpec, tensors: Sequence[torch.Tensor]) -> str:
     return fits[0]
 
 
+def group_spec(spec: KVCacheSpec, group: int) -> KVCacheSpec:
+    """The shape of KV group ``group``'s layers alone (one group of all its layers)."""
+    g = spec.groups[group]
+    return attrs.evolve(spec, num_layers=len(g.layers),
+                        groups=(KVGroupSpec(range(len(g.layers)), g.kind, g.window),))
+
+
 @attrs.define(eq=False)
 class WorkerSide:
-    """Runs each step's transfers on one vLLM worker.
+    """Runs each step's transfers on one vLLM worker: one transfer engine per KV group.
+
+    vLLM's hybrid allocator overlays its KV groups on one buffer (a block id
+    belongs to one group at a time), so the layers of different groups may
+    share memory; each group gets its own engine and CPU mirror, and CPU block
+    ``c`` is block ``c`` of every group's mirror (it holds every group's piece).
 
     Args:
-        engine: this worker's transfer engine (its CPU mirror has the
-            configured number of blocks).
-        layer_names: vLLM's attention layer names, in KV-group order.
+        engines: one per KV group, each with a mirror of the configured
+            number of blocks.
+        layer_names: vLLM's attention layer names, per KV group.
         layout: ``"auto"`` or the kvkit layout of vLLM's KV tensors.
-        cpu_layout: the CPU mirror's layout (``None``: the same as vLLM's).
+        cpu_layout: the CPU mirrors' layout (``None``: the same as vLLM's).
 
-    Invariants: every transfer of a step is submitted exactly once; every
-    result is handed to the scheduler exactly once.
+    Invariants: every transfer of a step is submitted exactly once, to the
+    engine of its group; every result is handed to the scheduler exactly once.
     """
 
-    engine: TransferEngine
-    layer_names: list[str] = attrs.field(converter=list)
+    engines: tuple[TransferEngine, ...] = attrs.field(converter=tuple)
+    layer_names: tuple[tuple[str, ...], ...] = attrs.field(
+        converter=lambda groups: tuple(tuple(names) for names in groups))
     layout: str = "auto"
     cpu_layout: str | None = None
     _stored_step: int = attrs.field(init=False, default=0)
     _loaded_step: int = attrs.field(init=False, default=0)
-    _released_step: int = attrs.field(init=False, default=0)
     _results: list[TransferResult] = attrs.field(init=False, factory=list)
     _load_targets: dict[int, np.ndarray] = attrs.field(init=False, factory=dict)
     _load_errors: set[int] = attrs.field(init=False, factory=set)
-    _finished: dict[str, None] = attrs.field(init=False, factory=dict)
-    _to_release: list[str] = attrs.field(init=False, factory=list)
+    _receiving: list[tuple[set[int], tuple[str, ...]]] = attrs.field(init=False, factory=list)  # (tids, ids)
+    _received: set[str] = attrs.field(init=False, factory=set)
 
     @classmethod
-    def from_settings(cls, settings: ConnectorSettings, layer_names: Sequence[str],
+    def from_settings(cls, settings: ConnectorSettings, layer_names: Sequence[Sequence[str]],
                       rank: int = 0) -> WorkerSide:
-        """A transfer engine with the configured copy backend and a mirror of ``num_cpu_blocks``."""
-        parts = settings.stack.resolve()
-        engine = TransferEngine(settings.stack.kv, parts.copy, num_cpu_blocks=parts.cpu_blocks,
-                                worker=rank)
-        return cls(engine, layer_names, settings.layout, settings.stack.cpu_layout)
+        """Per KV group, a transfer engine with the configured copy backend and a mirror of ``num_cpu_blocks``."""
+        stack = settings.stack
+        engines = [TransferEngine(group_spec(stack.kv, g), stack.resolve().copy,
+                                  num_cpu_blocks=settings.num_cpu_blocks, worker=rank)
+                   for g in range(len(stack.kv.groups))]
+        return cls(engines, layer_names, settings.layout, stack.cpu_layout)
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Blocks of each group's CPU mirror (the scheduler's CPU pool size)."""
+        return self.engines[0].num_cpu_blocks
+
+    @property
+    def num_in_flight(self) -> int:
+        """Transfers submitted and not yet reported, over every group's engine."""
+        return sum(e.num_in_flight for e in self.engines)
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> str:
-        """Adopt vLLM's KV tensors (one per layer); returns the layout used.
+        """Adopt vLLM's KV tensors (one per layer, groups may overlay); returns the layout used.
 
         Raises:
             SpecMismatchError / ConfigError: missing layers, tensors that fit no layout, or a
                 ``cpu_layout`` that cannot pair with theirs (``vllm-cpu`` pairs only with itself).
         """
-        missing = [name for name in self.layer_names if name not in kv_caches]
+        missing = [name for names in self.layer_names for name in names if name not in kv_caches]
         if missing:
             raise SpecMismatchError(f"vLLM registered no KV tensor for layers {missing!r}; "
                                     f"got {sorted(kv_caches)!r}")
-        tensors = [kv_caches[name] for name in self.layer_names]
-        layout = detect_layout(self.engine.spec, tensors) if self.layout == "auto" else self.layout
-        self.engine.register_kv(tensors, layout, cpu_layout=self.cpu_layout)
-        return layout
-
-    def before_forward(self, order: StepOrder) -> None:
-        """Submit the step's stores (once); on a barrier, finish every copy in flight."""
-        if order.step == self._stored_step:
-            return
-        self._stored_step = order.step
-        for tid, plan in order.plan.stores:
-            self.engine.submit(tid, plan)
-        if order.barrier:
-            self._collect(self.engine.drain())
+        layouts = set()
+        for engine, names in zip(self.engines, self.layer_names, strict=True):
+            tensors = [kv_caches[name] for name in names]
+            layout = detect_layout(engine.spec, tensors) if self.layout == "auto" else self.layout
+            engine.register_kv(tensors, layout, cpu_layout=self.cpu_layout)
+            layouts.add(layout)
+        assert len(layouts) == 1, f"vLLM's KV groups came in different layouts {sorted(layouts)}"
+        return layouts.pop()
 
     def load(self, order: StepOrder) -> None:
-        """Run the step's loads (once) and wait for them: the forward pass reads them."""
-        self.before_forward(order)
+        """Start the step's loads (once); synchronous ones are waited for: the forward pass reads them.
+
+        Asynchronous loads (``order.receiving``) are only submitted, ordered
+        after the compute queued so far; their requests are received once
+        every load of the step completed.
+        """
         if order.step == self._loaded_step:
             return
         self._loaded_step = order.step
         for tid, plan in order.plan.loads:
             self._load_targets[tid] = plan.dst
-            self.engine.submit(tid, plan)
-        if order.plan.loads:
-            self._collect(self.engine.drain())
+            self._submit(tid, plan)
+        if order.receiving:
+            self._receiving.append(({tid for tid, _ in order.plan.loads}, order.receiving))
+            self._poll()
+        elif order.plan.loads:
+            for engine in self.engines:
+                self._collect(engine.drain())
+
+    def take_received(self) -> set[str] | None:
+        """Requests whose asynchronous loads all completed here since the last call (polled now)."""
+        self._poll()
+        received, self._received = self._received, set()
+        return received or None
 
     def after_forward(self, order: StepOrder | None) -> None:
-        """Submit stores a step skipped (none do in vLLM 0.32); collect finished copies."""
-        if order is not None:
-            self.before_forward(order)
+        """Submit the step's stores (once), after the compute that wrote them; collect finished copies."""
+        if order is not None and order.step != self._stored_step:
             assert not order.plan.loads or order.step == self._loaded_step, (
                 f"step {order.step}: vLLM ran the forward pass before start_load_kv loaded its hits")
-        self._collect(self.engine.poll())
-
-    def finished_sending(self, finished_req_ids: Iterable[str], order: StepOrder | None) -> set[str] | None:
-        """Released requests vLLM has told this worker about (this call or earlier)."""
-        for rid in finished_req_ids:
-            self._finished[rid] = None
-        if len(self._finished) > _REMEMBER_FINISHED:
-            for rid in list(self._finished)[: len(self._finished) - _REMEMBER_FINISHED]:
-                del self._finished[rid]
-        if order is not None and order.step != self._released_step:
-            self._released_step = order.step
-            self._to_release += order.release
-        ready = {rid for rid in self._to_release if rid in self._finished}
-        if ready:
-            self._to_release = [rid for rid in self._to_release if rid not in ready]
-            for rid in ready:
-                del self._finished[rid]
-        return ready or None
+            self._stored_step = order.step
+            for tid, plan in order.plan.stores:
+                self._submit(tid, plan)
+        self._poll()
 
     def take_load_errors(self) -> set[int]:
         """GPU block ids whose load failed since the last call."""
@@ -173,18 +189,29 @@ class WorkerSide:
 
     def take_results(self) -> tuple[TransferResult, ...]:
         """Every result since the last call (polled now too)."""
-        self._collect(self.engine.poll())
+        self._poll()
         results, self._results = tuple(self._results), []
         return results
 
     def close(self) -> None:
-        """Drain and release the CPU mirror."""
-        self._collect(self.engine.close())
+        """Drain and release the CPU mirrors."""
+        for engine in self.engines:
+            self._collect(engine.close())
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if the transfer engine is inconsistent."""
-        self.engine.check_invariants()
-        assert len(self._load_targets) <= self.engine.num_in_flight, "a load target outlived its copy"
+        """Raise ``AssertionError`` if a transfer engine is inconsistent."""
+        for engine in self.engines:
+            engine.check_invariants()
+        assert len(self._load_targets) <= self.num_in_flight, "a load target outlived its copy"
+        assert all(tids for tids, _ in self._receiving), "a received step was not reported"
+
+    def _submit(self, tid: int, plan: TransferPlan) -> None:
+        """Plan ``tid`` on its group's engine (where the group is the engine's only one, 0)."""
+        self.engines[plan.group].submit(tid, attrs.evolve(plan, group=0))
+
+    def _poll(self) -> None:
+        for engine in self.engines:
+            self._collect(engine.poll())
 
     def _collect(self, results: list[TransferResult]) -> None:
         for res in results:
@@ -192,3 +219,9 @@ class WorkerSide:
             if targets is not None and not res.ok:
                 self._load_errors.update(int(b) for b in targets)
         self._results += results
+        if self._receiving and results:
+            done = {res.transfer_id for res in results}
+            for tids, _ in self._receiving:
+                tids -= done
+            self._received.update(rid for tids, ids in self._receiving if not tids for rid in ids)
+            self._receiving = [entry for entry in self._receiving if entry[0]]

@@ -24,6 +24,11 @@ Example::
     turn = chat.send(user_token_ids, max_new_tokens=32)
     turn.gpu_hit_tokens, turn.cpu_hit_tokens, turn.computed_tokens, turn.ttft_s
 
+Blocks are keyed by the model's identity (:func:`model_fingerprint`: its
+config, dtype and a fingerprint of its weights, or a name the user gives), so
+two models on one stack never reuse each other's KV, while the same model
+wrapped twice does.
+
 Supported: decoder-only families in :data:`SUPPORTED_FAMILIES` whose cache
 layers are plain full-attention or sliding-window layers, on CPU or CUDA,
 batch size 1, ``transformers >= 4.56`` (layered caches). Anything else raises
@@ -32,8 +37,10 @@ batch size 1, ``transformers >= 4.56`` (layered caches). Anything else raises
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
+import json
 import operator
 import time
 from collections.abc import Sequence
@@ -46,11 +53,11 @@ from typing_extensions import override
 from kvkit._renamed import renamed_keywords
 from kvkit.config import DEFAULTS, StackConfig
 from kvkit.errors import BackendUnavailableError, ConfigError, OutOfBlocksError, UnsupportedModelError
-from kvkit.hashing import hash_blocks
+from kvkit.hashing import BlockHasher, hash_blocks
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.sim.engine_loop import EngineRequest, PrefillCompute, ReferenceEngine
 from kvkit.stack import OffloadStack, build
-from kvkit.validate import check_int
+from kvkit.validate import check_int, quote
 from kvkit.worker.layouts import allocate_kv
 
 try:
@@ -68,6 +75,7 @@ __all__ = [
     "OffloadedLM",
     "generate_without_offload",
     "kv_spec_from_config",
+    "model_fingerprint",
 ]
 
 SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -134,6 +142,63 @@ def kv_spec_from_config(config: Any, *, block_size: int = DEFAULTS.block_size, d
         dtype = getattr(text, "dtype", None) or torch.float32
     return KVCacheSpec(num_layers=num_layers, block_size=block_size, num_kv_heads=kv_heads,
                        head_dim=head_dim, dtype=_dtype_name(dtype), groups=groups)
+
+
+_SAMPLES_PER_TENSOR = 64
+_NOT_IDENTITY = ("_name_or_path",)  # where the config was loaded from, not what the model is
+
+
+def model_fingerprint(model: Any, *, model_name: str | None = None) -> str:
+    """A hex SHA-256 digest of what makes ``model``'s KV mean what it means; kvkit salts its blocks with it.
+
+    It digests the config (``config.to_dict()`` without the path it was loaded
+    from), the dtype, and either ``model_name`` or a fingerprint of the weights: for
+    every parameter its name, shape, dtype and the bytes of 64 evenly spaced
+    elements (one small gather per tensor; the weights are not read whole).
+    Equal models (the same object, a copy, the same checkpoint loaded twice)
+    get equal digests; another config, dtype or set of weights gets another.
+
+    The weights fingerprint samples: a fine-tune that changed only a few rows
+    of a tensor may keep its base model's digest. Give ``model_name`` (a model
+    id and revision, say) to be sure, or to skip the sampling. The name
+    replaces the weights: two models given one name and config are treated as
+    one, and share KV; keeping names distinct is the caller's responsibility.
+
+    Raises:
+        ConfigError: ``model_name`` is not a non-empty str, or a parameter has
+            no data to sample (the meta device) and no ``model_name`` was given.
+    """
+    _check_model_name(model_name)
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _NOT_IDENTITY}
+    digest = hashlib.sha256(b"kvkit-hf-model-v1")
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(f"\0dtype={_dtype_name(model.dtype)}\0".encode())
+    if model_name is not None:
+        digest.update(b"name\0" + model_name.encode("utf-8", "surrogatepass"))
+        return digest.hexdigest()
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if param.device.type == "meta":
+                raise ConfigError(f"parameter {pname!r} is on the meta device, so its weights cannot be "
+                                  f"fingerprinted; pass model_name= to name the model")
+            flat = param.detach().reshape(-1)
+            count = min(flat.numel(), _SAMPLES_PER_TENSOR)
+            # Exact integer positions: the same tensor gives the same sample on every device.
+            where = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
+            sample = flat.index_select(0, where).view(torch.uint8).cpu().numpy().tobytes()
+            digest.update(f"\0{pname}\0{tuple(param.shape)}\0{param.dtype}\0".encode() + sample)
+    return digest.hexdigest()
+
+
+def _check_model_name(model_name: object) -> None:
+    if model_name is not None and (not isinstance(model_name, str) or not model_name):
+        raise ConfigError(f"model_name={quote(model_name)}: must be a non-empty str (or None: fingerprint the weights)")
+
+
+def _check_identity(model_name: object, cache_salt: object) -> None:
+    """Refuse a bad ``model_name`` or ``cache_salt`` now, before a stack is built or a prompt hashed."""
+    _check_model_name(model_name)
+    BlockHasher(1, extra_keys=cache_salt)  # encodes the salt once: a bad key raises HashInputError
 
 
 @attrs.frozen
@@ -386,8 +451,16 @@ class OffloadedLM:
         stack: a stack with one worker whose KV tensors sit on the model's
             device, shaped by :func:`kv_spec_from_config` for this model (any
             block size); :meth:`build` makes one.
-        cache_salt: mixed into every block hash, so stacks shared between
-            models never mix their blocks.
+        cache_salt: mixed into every block hash besides the model's identity,
+            e.g. to keep tenants of one model apart (a tuple of str, int, bytes or tuples).
+        model_name: the model's identity instead of its weights fingerprint
+            (see :func:`model_fingerprint`); models given one name (and config)
+            share KV, so it must name one set of weights.
+
+    Attributes:
+        model_id: :func:`model_fingerprint` of the model, mixed into every block
+            hash: two models on one stack never reuse each other's blocks,
+            the same model wrapped twice does.
 
     Invariants: one request at a time (batch size 1); after each call the
     prompt's full blocks are in the GPU tier's prefix cache and their stores
@@ -395,12 +468,16 @@ class OffloadedLM:
 
     Raises:
         UnsupportedModelError: see :func:`kv_spec_from_config`.
-        ConfigError: the stack does not fit the model (spec, workers, device).
+        ConfigError: the stack does not fit the model (spec, workers, device),
+            or a bad ``model_name``.
+        HashInputError: a bad ``cache_salt``.
     """
 
     model: Any
     stack: OffloadStack
     cache_salt: tuple = attrs.field(default=(), kw_only=True)
+    model_name: str | None = attrs.field(default=None, kw_only=True)
+    model_id: str = attrs.field(init=False)
     engine: ReferenceEngine = attrs.field(init=False)
     _compute: _ModelPrefill = attrs.field(init=False)
     _ids: itertools.count = attrs.field(init=False, factory=itertools.count)
@@ -417,13 +494,15 @@ class OffloadedLM:
         device = worker.gpu_kv[0].device
         if device != self.model.device:
             raise ConfigError(f"the stack's KV cache is on {device}, the model on {self.model.device}")
+        _check_identity(self.model_name, self.cache_salt)
+        self.model_id = model_fingerprint(self.model, model_name=self.model_name)
         self._compute = _ModelPrefill(self.model, spec, _planes(worker.gpu_kv, worker.layout, spec))
         self.engine = ReferenceEngine(self.stack, compute=self._compute)
 
     @classmethod
     @renamed_keywords(eviction="cpu_eviction")
     def build(cls, model: Any, *, gpu_blocks: int, block_size: int = DEFAULTS.block_size, layout: str = "per-layer",
-              cache_salt: tuple = (), **slots: Any) -> OffloadedLM:
+              cache_salt: tuple = (), model_name: str | None = None, **slots: Any) -> OffloadedLM:
         """Build a stack for ``model`` (KV cache of ``gpu_blocks`` blocks on its device) and wrap it.
 
         Args:
@@ -433,21 +512,24 @@ class OffloadedLM:
             block_size: tokens per block.
             layout: the KV cache layout (see :mod:`kvkit.worker.layouts`).
             cache_salt: see the class.
+            model_name: see the class.
             **slots: the rest of :class:`~kvkit.StackConfig` (``cpu_blocks`` or
                 ``cpu_bytes``, ``cpu_eviction``, ``store``, ``copy``...); ``device``
                 is the model's.
 
         Raises:
-            ConfigError: every bad slot at once.
+            ConfigError: every bad slot at once, or a bad ``model_name`` (before anything is built).
+            HashInputError: a bad ``cache_salt`` (before anything is built).
             UnsupportedModelError: see :func:`kv_spec_from_config`.
         """
+        _check_identity(model_name, cache_salt)
         device = slots.pop("device", model.device.type)
         if device != model.device.type:
             raise ConfigError(f"device={device!r}: the KV cache lives on the model's device, {model.device}")
         spec = kv_spec_from_config(model.config, block_size=block_size, dtype=model.dtype)
         config = StackConfig(kv=spec, gpu_blocks=gpu_blocks, device=device, **slots)
         kv = allocate_kv(spec, layout, gpu_blocks, model.device)
-        return cls(model, build(config, layout=layout, kv_tensors=kv), cache_salt=cache_salt)
+        return cls(model, build(config, layout=layout, kv_tensors=kv), cache_salt=cache_salt, model_name=model_name)
 
     def generate(self, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int = 16, *,
                  keep_logits: bool = False, stop_tokens: Sequence[int] | None = None) -> Generation:
@@ -471,7 +553,7 @@ class OffloadedLM:
         rid = f"hf-{next(self._ids)}"
         with torch.no_grad():
             start = time.perf_counter()
-            hashes = hash_blocks(ids, spec.block_size, extra_keys=self.cache_salt,
+            hashes = hash_blocks(ids, spec.block_size, extra_keys=self._salt,
                                  algorithm=self.stack.config.hash_algorithm)
             job = _Job(torch.tensor(ids, device=self.model.device))
             engine.add_request(rid, hashes, len(ids))
@@ -492,6 +574,11 @@ class OffloadedLM:
         return Generation(tuple(out), len(ids), req.gpu_hit_tokens, req.cpu_hit_tokens, ttft_s=ttft,
                           load_s=job.loaded_at - start, restore_s=job.restored_at - job.loaded_at,
                           prefill_s=start + ttft - job.restored_at, decode_s=decode, logits=logits)
+
+    @property
+    def _salt(self) -> tuple:
+        """The block hashes' extra keys: the model's identity, then the user's salt."""
+        return (self.model_id, self.cache_salt)
 
     def _prefill(self, rid: str) -> EngineRequest:
         """Step the engine until ``rid`` ran its prefill (a pool still held by stores drains first)."""

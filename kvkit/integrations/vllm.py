@@ -1,4 +1,4 @@
-"""kvkit as a vLLM KV connector (vLLM's V1 connector API, tested with vLLM 0.32).
+"""kvkit as a vLLM KV connector (vLLM's V1 connector API; vLLM :data:`SUPPORTED_VLLM`, tested with 0.32.0).
 
 vLLM loads it by module path::
 
@@ -13,26 +13,36 @@ vLLM loads it by module path::
     )
 
 vLLM builds two instances: one in the scheduler (role ``SCHEDULER``), which
-drives kvkit's :class:`~kvkit.OffloadManager`, and one per worker (role
-``WORKER``), which drives a :class:`~kvkit.worker.engine.TransferEngine`
-on that worker's KV tensors. They may live in different processes: each
-step's plan travels to the workers inside :class:`KVKitMetadata`, and the
-workers' results come back inside :class:`KVKitWorkerMetadata`. Both sides
-derive the CPU tier's size from the same ``kv_connector_extra_config`` (see
+drives kvkit's :class:`~kvkit.OffloadManager` over vLLM's GPU block pool
+(``bind_kv_cache_manager``), and one per worker (role ``WORKER``), which drives
+a :class:`~kvkit.worker.engine.TransferEngine` on that worker's KV tensors.
+They may live in different processes: each step's plan travels to the
+workers inside :class:`KVKitMetadata`, and the workers' results come back
+inside :class:`KVKitWorkerMetadata`. Both sides derive the CPU tier's size
+from the same ``kv_connector_extra_config`` (see
 :func:`~kvkit.integrations._vllm_settings.parse_extra_config`).
 
-Hits are synchronous: a CPU hit is loaded before the forward pass that reads
-it. A finished request whose last blocks are still being stored keeps its
-GPU blocks (``request_finished -> True``) until the stores completed. Every
-finished request's ``RequestOutput.kv_transfer_params`` holds
+A CPU hit is loaded before the forward pass that reads it, or, with
+``"async_load": true``, through vLLM's asynchronous-load path: the request
+waits (``WAITING_FOR_REMOTE_KVS``) while other requests run, and the workers
+report it in ``finished_recving`` once its loads landed. A step's stores
+copy the blocks that step's forward pass completes, right after it. The
+manager holds a GPU reference on every block a copy touches, so vLLM frees a
+finished request's blocks at once (``request_finished -> False``). kvkit's
+counters reach vLLM's connector stats and Prometheus (``vllm:kvkit_*``), and
+its CPU tier vLLM's KV events (:mod:`~kvkit.integrations._vllm_metrics`).
+Every finished request's
+``RequestOutput.kv_transfer_params`` holds
 ``{"kvkit_loaded_tokens": n, "kvkit_reloaded_tokens": m}``: the prompt tokens
 kvkit loaded when vLLM first scheduled it (counted in ``num_cached_tokens``)
 and when it resumed it after preemptions.
 
-Supported: one KV cache group (vLLM's hybrid allocator is turned off), tensor
-parallelism, the layouts vLLM uses on CPU (``[nb, H, bs, 2*D]`` per layer)
-and on CUDA (``[2, nb, bs, H, D]`` K/V split, ``[nb, 2, bs, H, D]`` blocks
-first); not pipeline parallelism, MLA or permuted (HND) caches.
+Supported: vLLM's hybrid allocator (``SupportsHMA``) with full-attention and
+sliding-window groups (a CPU block holds every group's piece; a hit loads
+only the blocks inside each window), tensor parallelism, the layouts vLLM
+uses on CPU (``[nb, H, bs, 2*D]`` per layer) and on CUDA
+(``[2, nb, bs, H, D]`` K/V split, ``[nb, 2, bs, H, D]`` blocks first); not
+pipeline parallelism, MLA, Mamba or permuted (HND) caches.
 """
 
 from __future__ import annotations
@@ -41,15 +51,25 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 from typing_extensions import override
+
+from kvkit.integrations._vllm_version import SUPPORTED_VLLM, check_vllm_version
+
+check_vllm_version()  # before vLLM's internals, which move between releases
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from kvkit.errors import ConfigError
+from kvkit.integrations._vllm_gpu_pool import VllmGpuPool
+from kvkit.integrations._vllm_metrics import KVKitPromMetrics, KVKitStats, cpu_tier_events
 from kvkit.integrations._vllm_scheduler import (
     LOADED_TOKENS_KEY,
     RELOADED_TOKENS_KEY,
@@ -71,8 +91,9 @@ from kvkit.worker.engine import TransferEngine
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -80,6 +101,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXTRA_KEYS",
+    "SUPPORTED_VLLM",
+    "KVKitPromMetrics",
+    "KVKitStats",
     "LOADED_TOKENS_KEY",
     "RELOADED_TOKENS_KEY",
     "VLLM_LAYOUTS",
@@ -87,6 +111,7 @@ __all__ = [
     "KVKitConnector",
     "KVKitMetadata",
     "KVKitWorkerMetadata",
+    "check_vllm_version",
     "connector_settings",
 ]
 
@@ -136,7 +161,7 @@ def connector_settings(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
 
     Raises:
         ConfigError: every problem of ``kv_connector_extra_config`` at once, or
-            an unsupported setup (pipeline parallelism, hybrid or MLA models).
+            an unsupported setup (pipeline parallelism, MLA or Mamba layers).
     """
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
@@ -157,13 +182,16 @@ def _worker_rank() -> int:
         return 0
 
 
-class KVKitConnector(KVConnectorBase_V1):
+class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
     """kvkit's CPU offload tier as a vLLM KV connector (both roles; see the module docstring).
 
     Attributes (for inspection, e.g. in tests):
         settings: the validated configuration.
-        scheduler_side / worker_side: the role's driver (``None`` for the other role).
+        scheduler_side / worker_side: the role's driver (``None`` for the other
+            role; the scheduler side from ``bind_kv_cache_manager`` on).
     """
+
+    _cache_hit_source = CacheHitSource.HOST  # vLLM counts kvkit's hits as host-memory hits
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -173,10 +201,8 @@ class KVKitConnector(KVConnectorBase_V1):
         self.settings = connector_settings(vllm_config, kv_cache_config)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
-        if role is KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide.from_settings(self.settings)
-        else:
-            layers = [name for g in kv_cache_config.kv_cache_groups for name in g.layer_names]
+        if role is KVConnectorRole.WORKER:
+            layers = [g.layer_names for g in kv_cache_config.kv_cache_groups]
             self.worker_side = WorkerSide.from_settings(self.settings, layers, _worker_rank())
 
     # -- inspection -------------------------------------------------------------------
@@ -192,9 +218,9 @@ class KVKitConnector(KVConnectorBase_V1):
         return self.manager.stats
 
     @property
-    def transfer_engine(self) -> TransferEngine:
-        """The worker side's transfer engine (KV tensors and CPU mirror)."""
-        return self._worker().engine
+    def transfer_engines(self) -> tuple[TransferEngine, ...]:
+        """The worker side's transfer engines, one per KV group (KV tensors and CPU mirror)."""
+        return self._worker().engines
 
     @property
     @override
@@ -208,10 +234,6 @@ class KVKitConnector(KVConnectorBase_V1):
         self._worker().register(kv_caches)
 
     @override
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self._worker().before_forward(self._order(kv_connector_metadata))
-
-    @override
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker().load(self._order(self._get_connector_metadata()))
 
@@ -222,7 +244,7 @@ class KVKitConnector(KVConnectorBase_V1):
     @override
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return  # stores copy confirmed blocks at the next step, not this step's layers
+        return  # wait_for_save stores the step's completed blocks, every layer at once
 
     @override
     def wait_for_save(self) -> None:
@@ -231,9 +253,7 @@ class KVKitConnector(KVConnectorBase_V1):
 
     @override
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        meta = self._connector_metadata
-        order = None if meta is None else self._order(meta)
-        return self._worker().finished_sending(finished_req_ids, order), None
+        return None, self._worker().take_received()
 
     @override
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -252,8 +272,49 @@ class KVKitConnector(KVConnectorBase_V1):
     # -- scheduler side ---------------------------------------------------------------
 
     @override
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        events = self._vllm_config.kv_events_config
+        algo = self._vllm_config.cache_config.prefix_caching_hash_algo
+        self._hash_bytes = len(get_hash_fn_by_name(algo)(b""))  # vLLM's block hashes are digests of this size
+        self.scheduler_side = SchedulerSide.from_settings(
+            self.settings, VllmGpuPool(kv_cache_manager.block_pool), kv_cache_manager.get_block_ids,
+            events=events is not None and events.enable_kv_cache_events)
+
+    @override
+    def get_kv_connector_stats(self) -> KVKitStats | None:
+        if self.scheduler_side is None:  # the workers report through the scheduler side's counters
+            return None
+        delta = self.scheduler_side.stats_delta()
+        return KVKitStats(data=delta) if delta else None
+
+    @classmethod
+    @override
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVKitStats:
+        return KVKitStats(data=dict(data or {}))
+
+    @classmethod
+    @override
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVKitPromMetrics:
+        return KVKitPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @override
+    def take_events(self) -> list[KVCacheEvent]:
+        runs = self._scheduler().take_events()
+        if not runs:
+            return []
+        return cpu_tier_events(runs, block_size=self.settings.stack.kv.block_size, hash_bytes=self._hash_bytes)
+
+    @override
+    def has_pending_push_work(self) -> bool:
+        # Copies and their references in vLLM's pool are released on engine steps: keep it stepping.
+        return self.scheduler_side is not None and self.scheduler_side.busy
+
+    @override
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        return self._scheduler().matched_tokens(request, num_computed_tokens), False
+        hit = self._scheduler().matched_tokens(request, num_computed_tokens)
+        return hit, hit > 0 and self.settings.async_load
 
     @override
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -268,7 +329,8 @@ class KVKitConnector(KVConnectorBase_V1):
                       if ids is not None and rid not in resumed]
         order = self._scheduler().build(preempted=scheduler_output.preempted_req_ids or (),
                                         new_blocks=new_blocks,
-                                        scheduled=scheduler_output.num_scheduled_tokens)
+                                        scheduled=scheduler_output.num_scheduled_tokens,
+                                        speculative=scheduler_output.scheduled_spec_decode_tokens)
         return KVKitMetadata(order, self.settings.num_cpu_blocks)
 
     @override
@@ -279,7 +341,12 @@ class KVKitConnector(KVConnectorBase_V1):
 
     @override
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler().finished(request, aborted=request.status in _ABORTED)
+        return self._scheduler().finished(request, [block_ids], aborted=request.status in _ABORTED)
+
+    @override
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().finished(request, block_ids, aborted=request.status in _ABORTED)
 
     @override
     def reset_cache(self) -> bool:
@@ -288,7 +355,8 @@ class KVKitConnector(KVConnectorBase_V1):
     # -- internals --------------------------------------------------------------------
 
     def _scheduler(self) -> SchedulerSide:
-        assert self.scheduler_side is not None, "a scheduler-side call on the worker connector"
+        assert self.scheduler_side is not None, (
+            "a scheduler-side call on the worker connector, or before bind_kv_cache_manager")
         return self.scheduler_side
 
     def _worker(self) -> WorkerSide:
@@ -297,9 +365,9 @@ class KVKitConnector(KVConnectorBase_V1):
 
     def _order(self, meta: KVConnectorMetadata) -> StepOrder:
         assert isinstance(meta, KVKitMetadata), type(meta)
-        if meta.num_cpu_blocks != self.transfer_engine.num_cpu_blocks:
+        if meta.num_cpu_blocks != self._worker().num_cpu_blocks:
             raise ConfigError(
                 f"the scheduler's CPU tier has {meta.num_cpu_blocks} blocks, this worker's mirror "
-                f"{self.transfer_engine.num_cpu_blocks}: both must come from the same "
+                f"{self._worker().num_cpu_blocks}: both must come from the same "
                 f"kv_connector_extra_config")
         return meta.order

@@ -56,7 +56,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from kvkit.errors import ConfigError, RequestStateError, UnknownRequestError
+from kvkit.errors import ConfigError, PlanError, RequestStateError, UnknownRequestError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import EvictionOrder
@@ -77,18 +77,20 @@ from kvkit.manager.requests import (
     Request,
     RequestState,
     accepted_blocks,
+    as_count,
+    check_hashes,
     check_live,
     check_lookup,
     check_prompt,
-    check_table,
-    is_count,
+    check_request_id,
+    check_rows,
     wrong_state,
 )
 from kvkit.manager.step import CompletionReport, StepPlan
 from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
 from kvkit.stats import OffloadStats
-from kvkit.validate import at_least, int_problem
+from kvkit.validate import at_least, int_problem, optional_at_least
 
 __all__ = ["OffloadManager"]
 
@@ -112,6 +114,9 @@ class OffloadManager:
         stats: counters to add to (a fresh :class:`OffloadStats` by default).
         null_block: the id that marks a missing block in the engine's block
             tables (``-1``; vLLM's null block is ``0``).
+        num_gpu_blocks: the engine's GPU pool size, so block ids are checked
+            against it (default: ``gpu.num_blocks``; unchecked above when
+            neither is known).
 
     Invariants (DESIGN §4; :meth:`check_invariants` asserts them):
         * CPU refcount of every block == lookup pins + in-flight transfer
@@ -134,6 +139,7 @@ class OffloadManager:
     callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
     stats: OffloadStats = attrs.field(factory=OffloadStats, kw_only=True)
     null_block: int = attrs.field(default=-1, kw_only=True)
+    num_gpu_blocks: int | None = attrs.field(default=None, kw_only=True, validator=optional_at_least(1))
 
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)
     _ended: EndedRequests = attrs.field(init=False, factory=EndedRequests)
@@ -150,7 +156,9 @@ class OffloadManager:
 
     def __attrs_post_init__(self) -> None:
         _check_parts(self.kv, self.cpu, self.gpu, self.store, self.callbacks, self.null_block)
-        self._events = Events(self.callbacks)
+        if self.num_gpu_blocks is None and self.gpu is not None:
+            self.num_gpu_blocks = self.gpu.num_blocks
+        self._events = Events(self.callbacks, self.stats.callback_errors)
         self._hits = CpuHits(self.kv, self.cpu, self.gpu, self.null_block)
         self._stores = StorePlanner(self.cpu, self.gpu, self.store, self.stats, self._ended,
                                     self.null_block, len(self.kv.groups),
@@ -204,14 +212,17 @@ class OffloadManager:
             num_prompt_tokens: prompt length in tokens.
 
         Raises:
+            UnknownRequestError: the id is not a ``str``.
+            HashInputError: a hash is not an int (NumPy integers are converted).
             RequestStateError: the id is live, or the counts disagree.
         """
+        check_request_id(request_id)
         if request_id in self._requests or self._ended.is_parked(request_id):
             raise RequestStateError(f"request {request_id!r} is already live")
-        hashes = list(block_hashes)
-        check_prompt(request_id, hashes, num_prompt_tokens, self.kv.block_size)
+        hashes = check_hashes(request_id, block_hashes)
+        n = check_prompt(request_id, hashes, num_prompt_tokens, self.kv.block_size)
         self._ended.revive(request_id)
-        self._requests[request_id] = Request(request_id, hashes, num_prompt_tokens)
+        self._requests[request_id] = Request(request_id, hashes, n)
 
     def extend(self, request_id: str, new_hashes: Sequence[BlockHash],
                num_tokens: int | None = None) -> None:
@@ -222,17 +233,20 @@ class OffloadManager:
         Raises:
             UnknownRequestError / RequestStateError: unknown or ended id, or a
                 token count below the blocks' tokens.
+            HashInputError: a hash is not an int.
         """
-        r = self._requests.get(request_id) or self._live(request_id)
+        r = (self._requests.get(request_id) if request_id.__class__ is str else None) or self._live(request_id)
+        new_hashes = check_hashes(request_id, new_hashes, "new_hashes")
         hashes = r.block_hashes
         num_blocks = len(hashes) + len(new_hashes)
         full = num_blocks * self.kv.block_size
         if num_tokens is not None:
-            if not is_count(num_tokens) or num_tokens < full:
+            n = as_count(num_tokens)
+            if n is None or n < full:
                 raise RequestStateError(
                     f"request {request_id!r}: num_tokens={num_tokens!r} is below its "
                     f"{num_blocks} full blocks ({full} tokens)")
-            full = max(full, num_tokens)
+            full = max(full, n)
         hashes.extend(new_hashes)
         if full > r.num_tokens:
             r.num_tokens = full
@@ -268,7 +282,7 @@ class OffloadManager:
         """
         r = self._live(request_id)
         bs = self.kv.block_size
-        r.num_tokens = check_lookup(r, gpu_hit_tokens, num_tokens, bs)
+        gpu_hit_tokens, r.num_tokens = check_lookup(r, gpu_hit_tokens, num_tokens, bs)
         self._hits.unpin(r)
         r.revoked = False
         self.stats.lookups.add()
@@ -307,15 +321,21 @@ class OffloadManager:
                 is missing or null, or more tokens accepted than offered.
         """
         r = self._live(request_id)
-        table = check_table(request_id, gpu_block_ids, len(self.kv.groups))
+        table = check_rows(request_id, gpu_block_ids, len(self.kv.groups), self.num_gpu_blocks,
+                           self.null_block)
         if r.state is _RUNNING:
             if accepted_tokens != 0:
                 raise RequestStateError(
                     f"request {request_id!r} is already running; accepted_tokens="
                     f"{accepted_tokens!r} must be 0")
+            needed = -(-r.num_computed_tokens // self.kv.block_size)
+            if min(map(len, table)) < needed:  # its computed KV, and every queued store, stay in it
+                raise RequestStateError(
+                    f"request {request_id!r}: a replaced block table needs at least {needed} blocks per "
+                    f"group (its {r.num_computed_tokens} computed tokens), got {[len(t) for t in table]}")
             if r.load_pending:  # the load not yet planned reads the new table
                 self._hits.check_targets(r, table, len(r.pinned))
-            r.block_table = table
+            self._set_table(r, table)
             return
         bs = self.kv.block_size
         n = accepted_blocks(r, accepted_tokens, bs)
@@ -326,7 +346,7 @@ class OffloadManager:
             self._report_load_failed(r)
         if r.load_pending:
             self._dirty[request_id] = r
-        r.block_table = table
+        self._set_table(r, table)
         r.state = _RUNNING
         r.epoch = self._epoch
         s = self.stats
@@ -340,17 +360,26 @@ class OffloadManager:
 
         Raises:
             UnknownRequestError / RequestStateError: unknown, ended or not
-                running id, or not one sequence per group.
+                running id, not one sequence per group, or an id that is not an
+                int in range or is already in the request's table.
         """
-        r = self._requests.get(request_id) or self._live(request_id)
+        r = (self._requests.get(request_id) if request_id.__class__ is str else None) or self._live(request_id)
         if r.state is not _RUNNING:
             raise wrong_state(r, "append_blocks needs a running request")
-        if len(new_block_ids) != len(r.block_table):
-            raise RequestStateError(
-                f"request {request_id!r}: need one block list per group ({len(r.block_table)}), "
-                f"got {len(new_block_ids)}")
-        for row, new in zip(r.block_table, new_block_ids):
+        taken, limit = r.block_ids, self.num_gpu_blocks
+        rows = new_block_ids
+        if len(rows) == 1 and len(rows[0]) == 1 and len(r.block_table) == 1:  # one decode block: O(1)
+            b = rows[0][0]
+            if (b.__class__ is int and b not in taken and 0 <= b != self.null_block
+                    and (limit is None or b < limit)):
+                r.block_table[0].append(b)
+                taken.add(b)
+                return
+        rows = check_rows(request_id, rows, len(r.block_table), limit, self.null_block, taken,
+                          "appended blocks")
+        for row, new in zip(r.block_table, rows):
             row.extend(new)
+        taken.update(b for new in rows for b in new if b != self.null_block)
 
     def on_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """The KV of the request's first ``num_computed_tokens`` tokens is written (confirmed).
@@ -363,19 +392,19 @@ class OffloadManager:
             UnknownRequestError / RequestStateError: unknown, ended or not
                 running id; a count that decreases or exceeds the block table.
         """
-        r = self._requests.get(request_id) or self._live(request_id)
+        r = (self._requests.get(request_id) if request_id.__class__ is str else None) or self._live(request_id)
         if r.state is not _RUNNING:
             raise wrong_state(r, "on_computed needs a running request")
         table = r.block_table
         capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * self.kv.block_size
-        if (num_computed_tokens.__class__ is not int or num_computed_tokens < r.num_computed_tokens
-                or num_computed_tokens > capacity):
+        n = num_computed_tokens if num_computed_tokens.__class__ is int else as_count(num_computed_tokens)
+        if n is None or n < r.num_computed_tokens or n > capacity:
             raise RequestStateError(
                 f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r} must be in "
                 f"[{r.num_computed_tokens}, {capacity}] (never decreases, within the block table)")
-        r.num_computed_tokens = num_computed_tokens
-        if num_computed_tokens > r.num_tokens:
-            r.num_tokens = num_computed_tokens
+        r.num_computed_tokens = n
+        if n > r.num_tokens:
+            r.num_tokens = n
         self._confirm(r)
 
     def finish(self, request_id: str, num_computed_tokens: int | None = None) -> bool:
@@ -398,7 +427,7 @@ class OffloadManager:
         if num_computed_tokens is not None:
             self.on_computed(request_id, num_computed_tokens)
         if r.state is _RUNNING and r.epoch == self._epoch:
-            self._queue(r, self.store.on_finished(r))
+            self._queue(r, self._ask("on_finished", r))
         delay = self._end(r)
         self._events.emit("on_request_finished", request_id, False)
         return delay
@@ -478,7 +507,12 @@ class OffloadManager:
             Requests whose loads finished or failed, and ended requests whose
             GPU blocks the engine may free now (including those that became
             free since the last call for other reasons).
+
+        Raises:
+            PlanError: ``results`` is not an iterable of ``TransferResult``
+                (checked before any result is applied).
         """
+        results = _check_results(results)
         for batch in self._transfers.completed(results, self.stats, self._events):
             self._complete(batch)
         if self._draining and not self._transfers:
@@ -491,20 +525,32 @@ class OffloadManager:
         self._load_failed.clear()
         return report
 
-    def reset(self) -> bool:
+    def reset(self, *, force: bool = False) -> bool:
         """Empty the CPU tier, even with transfers in flight.
 
         From this call on no lookup serves a hit. Every transfer in flight is
         abandoned (a store never commits, a load is reported in
-        ``load_failed``), every lookup pin and queued transfer is released,
-        and requests allocated before the reset never store. The CPU pool is
-        reset once the abandoned transfers' completions have all arrived
-        (:meth:`apply_completions`); until then no store is planned.
-        Transfer ids keep increasing.
+        ``load_failed`` when it completes), every lookup pin and queued
+        transfer is released, and requests allocated before the reset never
+        store. The CPU pool is reset once the abandoned transfers'
+        completions have all arrived (:meth:`apply_completions`); until then
+        no store is planned. Transfer ids keep increasing.
+
+        Args:
+            force: do not wait for the abandoned transfers (a copy that never
+                completes): the CPU tier is emptied now, except the blocks
+                they still reference, which stay quarantined (never findable,
+                never reused) until their completions arrive; stores and
+                hits resume at once (``stats.forced_resets``).
 
         Returns:
-            ``True`` if the CPU tier was emptied now (nothing was in flight).
+            ``True`` if the CPU tier was emptied now (nothing was in flight, or ``force``).
+
+        Raises:
+            ConfigError: ``force`` is not a bool.
         """
+        if force.__class__ is not bool:
+            raise ConfigError(f"reset(force={force!r}): force must be a bool")
         self._epoch += 1
         self.stats.transfers_abandoned.add(self._transfers.abandon_all())
         for r in self._requests.values():
@@ -519,6 +565,9 @@ class OffloadManager:
         self._draining = True
         if not self._transfers:
             self._empty_cpu()
+        elif force:
+            self.stats.forced_resets.add()
+            self._empty_cpu(force=True)
         return not self._draining
 
     # -- invariants ----------------------------------------------------------
@@ -563,12 +612,17 @@ class OffloadManager:
     # -- internals -----------------------------------------------------------
 
     def _live(self, request_id: str) -> Request:
-        r = self._requests.get(request_id)
+        r = self._requests.get(check_request_id(request_id))
         if r is not None:
             return r
         if request_id in self._ended:
             raise RequestStateError(f"request {request_id!r} already finished or aborted")
         raise UnknownRequestError(f"unknown request id {request_id!r}")
+
+    def _set_table(self, r: Request, table: list[list[int]]) -> None:
+        r.block_table = table
+        null = self.null_block
+        r.block_ids = {b for row in table for b in row if b != null}
 
     def _confirm(self, r: Request) -> None:
         """Re-derive the confirmed blocks; hand the newly confirmed range to the store policy."""
@@ -578,12 +632,26 @@ class OffloadManager:
         if stop > start:
             r.num_confirmed_blocks = stop
             if r.epoch == self._epoch:
-                self._queue(r, self.store.on_computed(r, start, stop))
+                self._queue(r, self._ask("on_computed", r, start, stop))
+
+    def _ask(self, hook: str, *args: object) -> Iterable[int]:
+        """The store policy's answer; one that raises or is not int indices means "store nothing"."""
+        try:
+            answer = getattr(self.store, hook)(*args)
+            if answer.__class__ is range:
+                return answer
+            out = list(answer)
+            if not set(map(type, out)) <= {int}:
+                raise TypeError(f"block indices must be ints, got {out[:8]!r}")
+            return out
+        except Exception as exc:  # noqa: BLE001 - a policy's bug must not wedge the manager
+            self._events.contain(self.store, hook, exc, self.stats.store_policy_errors, "store_policy_errors")
+            return ()
 
     def _queue(self, r: Request, indices: Iterable[int]) -> None:
         """Queue the policy's choice, keeping only confirmed blocks (invariant 9)."""
         confirmed = r.num_confirmed_blocks
-        if isinstance(indices, range) and indices.step == 1:
+        if indices.__class__ is range and indices.step == 1:
             r.store_queue.extend(range(max(indices.start, 0), min(indices.stop, confirmed)))
         else:
             r.store_queue.extend(i for i in indices if 0 <= i < confirmed)
@@ -650,8 +718,8 @@ class OffloadManager:
         for r in batch.requests:
             self._ended.drop_hold(r)
 
-    def _empty_cpu(self) -> None:
-        dropped = self.cpu.reset()
+    def _empty_cpu(self, force: bool = False) -> None:
+        dropped = self.cpu.reset(force=True) if force else self.cpu.reset()
         self._draining = False
         self.stats.resets.add()
         self._events.emit("on_reset", dropped)
@@ -704,3 +772,15 @@ def _writes_back(spec: KVCacheSpec, store: StorePolicy, gpu: BlockAllocator | No
             f"store policy {store!r} writes back single GPU blocks, which needs a "
             f"spec with one KV group, got {len(spec.groups)} groups")
     return True
+
+
+def _check_results(results: object) -> list[TransferResult]:
+    """``results`` as a list, every item a ``TransferResult``; a ``PlanError`` quoting the first that is not."""
+    if isinstance(results, (str, bytes)) or not isinstance(results, Iterable):
+        raise PlanError(f"apply_completions needs an iterable of TransferResult, got {results!r}")
+    out = list(results)
+    for i, res in enumerate(out):
+        if not isinstance(res, TransferResult):
+            raise PlanError(f"apply_completions: results[{i}]={res!r} is not a TransferResult "
+                            f"(nothing was applied)")
+    return out

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable
+from itertools import chain
 
 import attrs
 
-from kvkit.errors import RequestStateError
+from kvkit.errors import HashInputError, RequestStateError, UnknownRequestError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import is_int
@@ -17,13 +18,17 @@ __all__ = [
     "Request",
     "RequestState",
     "accepted_blocks",
+    "as_count",
+    "check_hashes",
     "check_live",
     "check_lookup",
     "check_prompt",
-    "check_table",
-    "is_count",
+    "check_request_id",
+    "check_rows",
     "wrong_state",
 ]
+
+_INT = frozenset({int})
 
 
 class RequestState(enum.Enum):
@@ -61,6 +66,7 @@ class Request:
         load_pending: ``pinned`` is an accepted hit waiting for ``build_step``.
         revoked: a reset withdrew the offered hit before allocation.
         block_table: the engine's GPU block ids, one list per KV group.
+        block_ids: the real (non-null) ids of ``block_table``; each appears once.
         store_queue: block indices the store policy chose, not yet planned.
         holds: in-flight batches and detached stores that read or write this
             incarnation's GPU blocks.
@@ -84,6 +90,7 @@ class Request:
     load_pending: bool = False
     revoked: bool = False
     block_table: list[list[int]] = attrs.field(factory=list)
+    block_ids: set[int] = attrs.field(factory=set)
     store_queue: list[int] = attrs.field(factory=list)
     holds: int = 0
     delay_free: bool = False
@@ -94,9 +101,19 @@ class Request:
                        max(self.num_tokens, self.num_computed_tokens))
 
 
-def is_count(value: object) -> bool:
-    """``value`` is an ``int >= 0`` (a ``bool`` is not)."""
-    return is_int(value, 0)
+def as_count(value: object) -> int | None:
+    """``value`` as an ``int`` if it is an integer >= 0 (NumPy integers converted; ``bool`` is not), else ``None``."""
+    if value.__class__ is int:
+        return value if value >= 0 else None
+    return int(value) if is_int(value, 0) else None
+
+
+def check_request_id(request_id: object) -> str:
+    """``request_id`` if it is a ``str``; an ``UnknownRequestError`` quoting it otherwise."""
+    if request_id.__class__ is not str and not isinstance(request_id, str):
+        raise UnknownRequestError(f"request id must be a str, got {request_id!r} "
+                                  f"({type(request_id).__name__})")
+    return request_id
 
 
 def wrong_state(r: Request, needs: str) -> RequestStateError:
@@ -104,41 +121,114 @@ def wrong_state(r: Request, needs: str) -> RequestStateError:
     return RequestStateError(f"request {r.request_id!r} is {r.state.value}; {needs}")
 
 
+def check_hashes(request_id: str, hashes: object, what: str = "block_hashes") -> list[BlockHash]:
+    """``hashes`` as a new list of ``int`` block hashes (NumPy integers converted).
+
+    Raises:
+        HashInputError: not an iterable of integers (``bool``, ``str``, floats,
+            ``None``... are refused), quoting the first bad element.
+    """
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+        raise HashInputError(f"request {request_id!r}: {what} must be a sequence of int hashes, "
+                             f"got {hashes!r}")
+    out = list(hashes)
+    if set(map(type, out)) <= _INT:  # the common case, checked at C speed
+        return out
+    for i, h in enumerate(out):
+        if h.__class__ is not int:
+            if not is_int(h):
+                raise HashInputError(f"request {request_id!r}: {what}[{i}]={h!r} is not an int "
+                                     f"block hash ({type(h).__name__})")
+            out[i] = int(h)
+    return out
+
+
 def check_prompt(request_id: str, hashes: list[BlockHash], num_prompt_tokens: object,
-                 block_size: int) -> None:
-    """The prompt holds at least the tokens of its full-block hashes."""
-    bs = block_size
-    if not is_count(num_prompt_tokens) or len(hashes) > num_prompt_tokens // bs:
+                 block_size: int) -> int:
+    """The prompt's token count, after checking it holds the tokens of its full-block hashes."""
+    bs, n = block_size, as_count(num_prompt_tokens)
+    if n is None or len(hashes) > n // bs:
         raise RequestStateError(
             f"request {request_id!r}: {len(hashes)} full-block hashes need at least "
             f"{len(hashes) * bs} prompt tokens, got num_prompt_tokens={num_prompt_tokens!r}")
+    return n
 
 
-def check_lookup(r: Request, gpu_hit_tokens: object, num_tokens: object, block_size: int) -> int:
-    """The request's length for a lookup of waiting ``r``, after checking the GPU hit against it."""
+def check_lookup(r: Request, gpu_hit_tokens: object, num_tokens: object,
+                 block_size: int) -> tuple[int, int]:
+    """``(gpu_hit_tokens, request length)`` for a lookup of waiting ``r``, both checked."""
     request_id, bs = r.request_id, block_size
     if r.state is not RequestState.WAITING:
         raise wrong_state(r, "lookup needs a waiting request")
     ntok = r.num_tokens
     if num_tokens is not None:
-        if not is_count(num_tokens):
-            raise RequestStateError(f"request {request_id!r}: bad num_tokens={num_tokens!r}")
-        ntok = max(ntok, num_tokens)
-    if not is_count(gpu_hit_tokens) or gpu_hit_tokens % bs or gpu_hit_tokens > ntok:
+        n = as_count(num_tokens)
+        if n is None:
+            raise RequestStateError(f"request {request_id!r}: num_tokens={num_tokens!r} must be an "
+                                    f"int >= 0")
+        ntok = max(ntok, n)
+    hit = as_count(gpu_hit_tokens)
+    if hit is None or hit % bs or hit > ntok:
         raise RequestStateError(
             f"request {request_id!r}: gpu_hit_tokens={gpu_hit_tokens!r} must be a multiple of "
             f"block_size={bs} in [0, {ntok}]")
-    return ntok
+    return hit, ntok
 
 
-def check_table(request_id: str, table: Sequence[Sequence[int]],
-                num_groups: int) -> list[list[int]]:
-    """A copy of the engine's block table, one list per KV group."""
-    if len(table) != num_groups:
+def check_rows(request_id: str, rows: object, num_groups: int, num_blocks: int | None,
+               null_block: int, taken: set[int] | None = None, what: str = "block table") -> list[list[int]]:
+    """``rows`` (one sequence of GPU block ids per KV group) as fresh lists of ``int``.
+
+    Every id is an integer (NumPy integers converted; ``bool`` refused) in
+    ``[0, num_blocks)`` (``>= 0`` when the pool size is unknown) or the
+    engine's ``null_block``; no real block appears twice, nor in ``taken``
+    (the request's blocks so far).
+
+    Raises:
+        RequestStateError: a bad shape or id, quoting it; nothing is changed.
+    """
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
+        raise RequestStateError(f"request {request_id!r}: {what} must hold one sequence of GPU block ids "
+                                f"per KV group, got {rows!r}")
+    rows = list(rows)
+    if len(rows) != num_groups:
         raise RequestStateError(
-            f"request {request_id!r}: need one block list per KV group "
-            f"({num_groups}), got {len(table)}")
-    return [list(row) for row in table]
+            f"request {request_id!r}: need one block list per KV group ({num_groups}) in the {what}, "
+            f"got {len(rows)}")
+    out = []
+    for g, row in enumerate(rows):
+        if isinstance(row, (str, bytes)) or not isinstance(row, Iterable):
+            raise RequestStateError(f"request {request_id!r}: {what} group {g} must be a sequence of "
+                                    f"GPU block ids, got {row!r}")
+        ids = list(row)
+        if not set(map(type, ids)) <= _INT:
+            ids = [_block_id(request_id, what, g, i, b) for i, b in enumerate(ids)]
+        out.append(ids)
+    flat = list(chain.from_iterable(out))
+    if not flat:
+        return out
+    low, high, null = min(flat), max(flat), null_block
+    if (low < 0 and low != null) or (num_blocks is not None and high >= num_blocks and high != null):
+        bad = next(b for b in flat if b != null and (b < 0 or (num_blocks is not None and b >= num_blocks)))
+        limit = "" if num_blocks is None else f" < {num_blocks}"
+        raise RequestStateError(f"request {request_id!r}: GPU block id {bad!r} in the {what} is out of "
+                                f"range (0 <= id{limit}, or null_block={null})")
+    nulls = flat.count(null)
+    distinct = set(flat)
+    clash = bool(taken) and not distinct.isdisjoint(taken)  # ``taken`` never holds the null block
+    if clash or len(distinct) - (1 if nulls else 0) != len(flat) - nulls:
+        seen = set(taken or ()) - {null}
+        dup = next(b for b in flat if b != null and (b in seen or seen.add(b)))
+        raise RequestStateError(f"request {request_id!r}: GPU block id {dup!r} appears twice in the "
+                                f"request's block table")
+    return out
+
+
+def _block_id(request_id: str, what: str, g: int, i: int, b: object) -> int:
+    if not is_int(b):
+        raise RequestStateError(f"request {request_id!r}: {what} group {g} position {i}: GPU block id "
+                                f"{b!r} is not an int ({type(b).__name__})")
+    return int(b)
 
 
 def accepted_blocks(r: Request, accepted_tokens: object, block_size: int) -> int:
@@ -146,12 +236,12 @@ def accepted_blocks(r: Request, accepted_tokens: object, block_size: int) -> int
     request_id, bs = r.request_id, block_size
     if r.gpu_hit_blocks is None:
         raise RequestStateError(f"request {request_id!r}: on_allocated before lookup")
-    if (not is_count(accepted_tokens) or accepted_tokens % bs
-            or accepted_tokens > r.offered_blocks * bs):
+    n = as_count(accepted_tokens)
+    if n is None or n % bs or n > r.offered_blocks * bs:
         raise RequestStateError(
             f"request {request_id!r}: accepted_tokens={accepted_tokens!r} must be a multiple of "
             f"{bs} in [0, {r.offered_blocks * bs}] (the offered hit)")
-    return accepted_tokens // bs
+    return n // bs
 
 
 def check_live(requests: dict[str, Request], dirty: dict[str, Request], cpu: BlockAllocator,

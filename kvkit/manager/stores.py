@@ -22,6 +22,7 @@ from typing import NamedTuple
 import attrs
 
 from kvkit.interfaces.allocator import BlockAllocator
+from kvkit.interfaces.capabilities import EvictionWindow
 from kvkit.interfaces.store import StorePolicy
 from kvkit.interfaces.types import BlockHash, BlockId, Direction
 from kvkit.manager.ended import EndedRequests
@@ -66,6 +67,14 @@ class StorePlanner:
             block makes its candidate unstorable).
         num_groups: KV groups; a CPU block holds every group's piece.
         writeback: ``policy`` writes back GPU eviction candidates.
+
+    Write-back with an :class:`~kvkit.interfaces.capabilities.EvictionWindow`
+    GPU pool is incremental: each step offers only the blocks that joined the
+    window (``gpu.eviction_window``) and those whose cover was lost (their
+    hash left the CPU tier, their store failed, or it was dropped for want of
+    CPU space); after a reset it offers the whole window once. A plain
+    :class:`~kvkit.interfaces.capabilities.EvictionOrder` pool has its whole
+    window offered every step.
     """
 
     cpu: BlockAllocator
@@ -78,6 +87,20 @@ class StorePlanner:
     writeback: bool = False
     _detached: list[StoreCandidate] = attrs.field(init=False, factory=list)
     _inflight: set[BlockHash] = attrs.field(init=False, factory=set)
+    # Incremental write-back (an EvictionWindow GPU pool): what the last pass offered, hashes of
+    # window blocks in flight or on the CPU tier (hash -> GPU block), and blocks to offer again.
+    _wb_incremental: bool = attrs.field(init=False, default=False)
+    _wb_full: bool = attrs.field(init=False, default=True)
+    _wb_offered: list[StoreCandidate] = attrs.field(init=False, factory=list)
+    _wb_flying: dict[BlockHash, BlockId] = attrs.field(init=False, factory=dict)
+    _wb_covered: dict[BlockHash, BlockId] = attrs.field(init=False, factory=dict)
+    _wb_recheck: dict[BlockId, None] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if self.writeback and isinstance(self.gpu, EvictionWindow):
+            self._wb_incremental = True
+            self.cpu.add_evict_listener(self._wb_cpu_evicted)
+            self.gpu.add_evict_listener(self._wb_gpu_evicted)
 
     def detach(self, r: Request, draining: bool) -> None:
         """Empty the store queue of ending ``r`` into candidates that outlive it.
@@ -149,10 +172,14 @@ class StorePlanner:
         """A store batch completed: its hashes are no longer in flight (unless a reset cleared them)."""
         if not batch.abandoned:
             self._inflight.difference_update(batch.hashes)
+            if self._wb_flying:  # write-back copies among them: covered now, or owed again
+                self._wb_settled(batch)
 
     def reset(self) -> None:
         """Forget the in-flight hashes and release every detached store (a reset abandons them)."""
         self._inflight.clear()
+        self._wb_full = True  # the CPU tier is emptied: the whole window is owed again
+        self._wb_offered, self._wb_flying, self._wb_covered, self._wb_recheck = [], {}, {}, {}
         detached, self._detached = self._detached, []
         self._release(detached)
 
@@ -185,12 +212,67 @@ class StorePlanner:
         return out
 
     def _writeback_candidates(self) -> list[StoreCandidate]:
-        """The GPU pool's next eviction candidates, as many as the policy asks for."""
+        """The GPU pool's next eviction candidates (as many as the policy asks for) that may lack a CPU copy.
+
+        Incremental (an ``EvictionWindow`` pool): the blocks that joined the
+        window since the last pass, and the window blocks whose cover was lost;
+        every window block is then on the CPU tier or in flight, or offered.
+        """
         gpu = self.gpu
         target = self.policy.writeback_target(gpu.num_free, gpu.num_blocks)
-        block_hash = gpu.block_hash
-        return [StoreCandidate(block_hash(b), None, (b,), None, False)
-                for b in gpu.eviction_candidates(target)] if target > 0 else []
+        if not self._wb_incremental:
+            blocks = gpu.eviction_candidates(target) if target > 0 else []
+        else:
+            entered = gpu.eviction_window(target)  # every pass, so the pool's window keeps step
+            self._wb_learn()
+            if self._wb_full:
+                self._wb_full = False
+                blocks = gpu.eviction_candidates(target)
+            else:
+                in_window = gpu.in_eviction_window
+                blocks = list(dict.fromkeys(entered + [b for b in self._wb_recheck if in_window(b)]))
+            self._wb_recheck = {}
+        block_hash, make = gpu.block_hash, tuple.__new__  # as in _resolve: no Python-level __new__
+        offered = [make(StoreCandidate, (block_hash(b), None, (b,), None, False)) for b in blocks]
+        if self._wb_incremental:
+            self._wb_offered = offered
+        return offered
+
+    def _wb_settled(self, batch: Batch) -> None:
+        """Write-back copies of ``batch`` landed (their blocks are covered) or failed (owed again)."""
+        flying, covered, recheck = self._wb_flying, self._wb_covered, self._wb_recheck
+        for h in batch.hashes:
+            b = flying.pop(h, None)
+            if b is None:
+                continue
+            if batch.ok:
+                covered[h] = b
+            else:
+                recheck[b] = None
+
+    def _wb_learn(self) -> None:
+        """Sort the last pass's offers: in flight, covered by the CPU tier, or to offer again (dropped)."""
+        inflight, lookup = self._inflight, self.cpu.lookup
+        flying, covered, recheck = self._wb_flying, self._wb_covered, self._wb_recheck
+        for c in self._wb_offered:  # chosen or in flight elsewhere, on the CPU tier, or dropped (no room)
+            b = c.gpu_ids[0]
+            if c.block_hash in inflight:
+                flying[c.block_hash] = b
+            elif lookup((c.block_hash,)):
+                covered[c.block_hash] = b
+            else:
+                recheck[b] = None
+        self._wb_offered = []
+
+    def _wb_cpu_evicted(self, block: BlockId, block_hash: BlockHash) -> None:
+        """A CPU eviction: a window block covered by that hash is owed again."""
+        gpu_block = self._wb_covered.pop(block_hash, None)
+        if gpu_block is not None:
+            self._wb_recheck[gpu_block] = None
+
+    def _wb_gpu_evicted(self, block: BlockId, block_hash: BlockHash) -> None:
+        """A GPU eviction: the block holds other content from now on, its cover is moot."""
+        self._wb_covered.pop(block_hash, None)
 
     def _release(self, entries: list[StoreCandidate]) -> None:
         """Drop the GPU references held for candidates that will not be copied, and their owners' holds."""

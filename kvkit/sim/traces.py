@@ -14,7 +14,17 @@ One JSON object a line::
   ``ceil(input_length / block_size)`` of them.
 
 Extra fields are allowed and ignored (not kept). Blank lines are skipped; line
-numbers count every physical line, so errors point at the right line.
+numbers count every physical line, so errors point at the right line. Every
+int is below ``2**63`` (block ids and counts travel as int64).
+
+Reading is bounded: a line longer than :data:`MAX_LINE_BYTES` is an error as
+soon as that many bytes were read (``/dev/zero`` or a binary file cannot
+exhaust memory), a line whose arrays and objects nest deeper than
+:data:`MAX_NESTING` is an error before it is parsed (the parser recurses per
+level), and so is a file with no request at all. Each is one
+:class:`~kvkit.errors.TraceFormatError` naming the file and line; a file that
+cannot be opened or read (missing, a directory, no permission) is one
+:class:`~kvkit.errors.TraceFileError`.
 """
 
 from __future__ import annotations
@@ -22,18 +32,45 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Iterator
 
 import attrs
+import numpy as np
 
 from kvkit._renamed import renamed_keywords
-from kvkit.errors import TraceFormatError
-from kvkit.validate import check_int, is_int
+from kvkit.errors import ConfigError, TraceFileError, TraceFormatError
+from kvkit.validate import check_int, is_int, quote
 
-__all__ = ["MOONCAKE_BLOCK_SIZE", "TraceRequest", "read_trace", "write_trace"]
+__all__ = ["MAX_LINE_BYTES", "MAX_NESTING", "MOONCAKE_BLOCK_SIZE", "TraceRequest", "read_trace", "write_trace"]
 
 MOONCAKE_BLOCK_SIZE = 512
 """Tokens per block of the published Mooncake traces (the default of :func:`read_trace`)."""
+
+MAX_LINE_BYTES = 16 * 2**20
+"""Longest trace line :func:`read_trace` accepts, in bytes (16 MiB, newline excluded).
+
+A Mooncake line is a few KiB; 16 MiB holds the ids of a million-token prompt at
+16-token blocks, and bounds what one line can make the reader buffer.
+"""
+
+MAX_NESTING = 32
+"""Deepest nesting of JSON arrays and objects a trace line may have (a record nests 2 deep).
+
+Checked before parsing, so a line of 100,000 brackets is one error on every
+Python version, never a ``RecursionError`` (or a parse that depends on the stack).
+"""
+
+_INT_LIMIT = 2**63
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # brackets inside strings do not nest
+_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+
+
+def _nesting(raw: bytes) -> int:
+    """Deepest nesting of arrays and objects in one JSON line (vectorised: lines can be 16 MiB)."""
+    chars = np.frombuffer(_JSON_STRING.sub(b'""', raw), np.uint8)
+    steps = np.isin(chars, _OPEN).astype(np.int64) - np.isin(chars, _CLOSE)
+    return int(np.cumsum(steps).max(initial=0))
 
 
 @attrs.frozen(slots=True)
@@ -70,28 +107,31 @@ def _parse(path: str, line: int, text: str, block_size: int,
             raise TraceFormatError(path, line, name, "missing")
 
     stamp = record["timestamp"]
-    if type(stamp) not in (int, float) or not math.isfinite(stamp) or stamp < 0:
+    if type(stamp) not in (int, float) or not math.isfinite(stamp) or not 0 <= stamp < _INT_LIMIT:
         raise TraceFormatError(path, line, "timestamp",
-                               f"expected a finite number >= 0 (ms), got {stamp!r}")
+                               f"expected a finite number >= 0 (ms), got {quote(stamp)}")
     if stamp < previous_ms:
         raise TraceFormatError(path, line, "timestamp",
                                f"decreases: {stamp!r} after {previous_ms!r}")
     input_length = record["input_length"]
-    if not is_int(input_length, 0):  # refuses a JSON `true`, which Python reads as an int
-        raise TraceFormatError(path, line, "input_length", f"expected an int >= 0, got {input_length!r}")
+    if not is_int(input_length, 0) or input_length >= _INT_LIMIT:  # is_int refuses a JSON `true`
+        raise TraceFormatError(path, line, "input_length",
+                               f"expected an int in [0, 2**63), got {quote(input_length)}")
     output_length = record["output_length"]
-    if not is_int(output_length, 0):
+    if not is_int(output_length, 0) or output_length >= _INT_LIMIT:
         raise TraceFormatError(path, line, "output_length",
-                               f"expected an int >= 0, got {output_length!r}")
+                               f"expected an int in [0, 2**63), got {quote(output_length)}")
 
     ids = record["hash_ids"]
     if type(ids) is not list:
-        raise TraceFormatError(path, line, "hash_ids", f"expected a list of ints, got {ids!r}")
+        raise TraceFormatError(path, line, "hash_ids", f"expected a list of ints, got {quote(ids)}")
     if not all(type(x) is int for x in ids):
         bad = next(x for x in ids if type(x) is not int)
-        raise TraceFormatError(path, line, "hash_ids", f"expected ints, got {bad!r}")
+        raise TraceFormatError(path, line, "hash_ids", f"expected ints, got {quote(bad)}")
     if ids and min(ids) < 0:
-        raise TraceFormatError(path, line, "hash_ids", f"expected ids >= 0, got {min(ids)!r}")
+        raise TraceFormatError(path, line, "hash_ids", f"expected ids >= 0, got {quote(min(ids))}")
+    if ids and max(ids) >= _INT_LIMIT:
+        raise TraceFormatError(path, line, "hash_ids", f"expected ids below 2**63, got {quote(max(ids))}")
     expected = -(-input_length // block_size)
     if len(ids) != expected:
         raise TraceFormatError(
@@ -117,37 +157,73 @@ def read_trace(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK
         limit: stop after this many requests (``None``: read to the end).
 
     Raises:
-        ConfigError: ``block_size`` or ``limit`` is invalid (at the call).
-        TraceFormatError: a line is malformed; names the file, line and field.
-        OSError: the file cannot be opened (raised on the first ``next``).
+        ConfigError: ``path``, ``block_size`` or ``limit`` is invalid (at the call).
+        TraceFormatError: a line is malformed, longer than :data:`MAX_LINE_BYTES`
+            or nested deeper than :data:`MAX_NESTING`, or the file holds no
+            request; names the file and line (and the field).
+        TraceFileError: the file cannot be opened or read (an ``OSError``;
+            raised on the first ``next``).
     """
     check_int("block_size", block_size, 1)
     if limit is not None:
         check_int("limit", limit, 0)
     # Validate arguments eagerly; only the file reading is lazy.
-    return _stream(os.fspath(path), block_size, limit)
+    return _stream(_path(path), block_size, limit)
+
+
+def _path(path: object) -> str:
+    """``path`` as a ``str``, or ``ConfigError`` (``open`` would raise a bare ``TypeError``/``ValueError``)."""
+    try:
+        name = os.fsdecode(path)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"path={quote(path)}: must be a str or an os.PathLike") from None
+    if "\x00" in name:
+        raise ConfigError(f"path={name!r}: contains a NUL character")
+    return name
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of every physical line, each read with the length cap."""
+    try:
+        with open(path, "rb") as f:  # decoded per line, so a bad byte is reported at its line
+            line = 0
+            while raw := f.readline(MAX_LINE_BYTES + 1):  # never buffers more than the cap
+                line += 1
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    raise TraceFormatError(path, line, "<line>",
+                                           f"longer than MAX_LINE_BYTES ({MAX_LINE_BYTES} bytes): "
+                                           f"not a JSONL trace? starts {raw[:16]!r}")
+                yield line, raw
+    except OSError as exc:
+        raise TraceFileError(path, f"cannot read the trace: {exc.strerror or exc}") from exc
 
 
 def _stream(path: str, block_size: int, limit: int | None) -> Iterator[TraceRequest]:
     if limit == 0:
         return
-    count = 0
+    count = line = 0
     previous_ms: float = 0
-    with open(path, "rb") as f:  # decoded per line, so a bad byte is reported at its line
-        for line, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise TraceFormatError(path, line, "<line>",
-                                       f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-            if not text.strip():
-                continue
-            request = _parse(path, line, text, block_size, previous_ms)
-            previous_ms = request.timestamp_ms
-            yield request
-            count += 1
-            if count == limit:
-                return
+    for line, raw in _lines(path):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TraceFormatError(path, line, "<line>",
+                                   f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if not text.strip():
+            continue
+        # Counting brackets is cheap; only a line with many of them is scanned for its depth.
+        if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and (depth := _nesting(raw)) > MAX_NESTING:
+            raise TraceFormatError(path, line, "<line>", f"nested {depth} deep, more than MAX_NESTING "
+                                   f"({MAX_NESTING}; a record nests 2 deep): {text[:40]!r}")
+        request = _parse(path, line, text, block_size, previous_ms)
+        previous_ms = request.timestamp_ms
+        yield request
+        count += 1
+        if count == limit:
+            return
+    if count == 0:  # an empty trace would "replay" into a report of zeros
+        what = f"{line} blank lines" if line else "no lines"
+        raise TraceFormatError(path, line, "<file>", f"no requests: the file has {what}")
 
 
 def write_trace(path: str | os.PathLike[str], requests: Iterable[TraceRequest]) -> int:
@@ -155,16 +231,31 @@ def write_trace(path: str | os.PathLike[str], requests: Iterable[TraceRequest]) 
 
     The ``line`` of each request is not written: reading the file back numbers
     the requests by their line in it.
+
+    Raises:
+        ConfigError: ``path`` is invalid, or an item is not a :class:`TraceRequest`
+            of JSON-serialisable fields (the requests before it are written).
+        TraceFileError: the file cannot be opened or written (an ``OSError``).
     """
+    name = _path(path)
+    try:
+        items = iter(requests)
+    except TypeError:
+        raise ConfigError(f"requests={quote(requests)}: must be an iterable of TraceRequest") from None
     count = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for r in requests:
-            f.write(json.dumps({
-                "timestamp": r.timestamp_ms,
-                "input_length": r.input_length,
-                "output_length": r.output_length,
-                "hash_ids": list(r.hash_ids),
-            }))
-            f.write("\n")
-            count += 1
+    try:
+        with open(name, "w", encoding="utf-8") as f:  # opened only once the arguments passed
+            for r in items:
+                if not isinstance(r, TraceRequest):
+                    raise ConfigError(f"requests[{count}]={quote(r)}: must be a TraceRequest")
+                try:
+                    text = json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                                       "output_length": r.output_length, "hash_ids": list(r.hash_ids)})
+                except (TypeError, ValueError):
+                    raise ConfigError(f"requests[{count}]={quote(r)}: fields are not JSON numbers") from None
+                f.write(text)
+                f.write("\n")
+                count += 1
+    except OSError as exc:
+        raise TraceFileError(name, f"cannot write the trace: {exc.strerror or exc}") from exc
     return count

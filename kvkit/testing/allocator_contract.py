@@ -13,7 +13,11 @@ Each step runs one operation on the allocator and on a trivial model (a
 the prefix index) and compares the two. Evictions are the policy's choice, so
 the model learns them from the allocator's evict listener and checks that
 each was allowed. Failing calls must raise the documented error and change
-nothing. Checks raise ``AssertionError`` explicitly, so they survive ``-O``.
+nothing: out-of-range ids, ids that are no ints (``True``, ``1.0``, ``"1"``),
+hashes that are no ints, references the pool cannot take. NumPy integers
+are accepted as the ints they hold. ``reset(force=True)`` drops every cached
+block while some are referenced; those empty when released. Checks raise
+``AssertionError`` explicitly, so they survive ``-O``.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from collections import Counter
 from collections.abc import Callable
 from numbers import Integral
 
+import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvkit.errors import OutOfBlocksError, RefcountError, UnknownBlockError
+from kvkit.errors import KVKitError, OutOfBlocksError, PoolUsageError, RefcountError, UnknownBlockError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.types import BlockHash, BlockId
 
@@ -78,8 +83,10 @@ class AllocatorContract(RuleBasedStateMachine):
     def _references(self) -> list[BlockId]:
         return sorted(self.refs.elements())
 
-    def _bad_ids(self) -> st.SearchStrategy[int]:
-        return st.sampled_from([-1, self.num_blocks, self.num_blocks + 7])
+    def _bad_ids(self) -> st.SearchStrategy[object]:
+        """Ids the pool must refuse: out of range, or no int at all (``True`` is not block 1)."""
+        return st.sampled_from([-1, self.num_blocks, self.num_blocks + 7, 2**70, True, False,
+                                np.bool_(True), 1.0, "1", None, (1,)])
 
     def _snapshot(self) -> tuple:
         pool = self.pool
@@ -99,6 +106,8 @@ class AllocatorContract(RuleBasedStateMachine):
             call()
         except errors:
             pass
+        except Exception as exc:  # a raw TypeError, IndexError...: bad input must get a kvkit error
+            raise AssertionError(f"{what} should raise {errors!r} but raised {exc!r}") from exc
         else:
             raise AssertionError(f"{what} should raise {errors!r} but returned")
         after = self._snapshot()
@@ -171,7 +180,7 @@ class AllocatorContract(RuleBasedStateMachine):
         """Add references to referenced or ready blocks (repeats allowed)."""
         live = sorted(set(self.refs) | set(self.hash_of))
         blocks = data.draw(st.lists(st.sampled_from(live), max_size=6), label="blocks")
-        self.pool.incref(blocks)
+        self.pool.incref(self._maybe_numpy(data, blocks))
         self.refs.update(blocks)
 
     def _incref_invalid(self, data: st.DataObject) -> None:
@@ -210,6 +219,13 @@ class AllocatorContract(RuleBasedStateMachine):
         """Drop every reference in one call (makes reset legal)."""
         blocks = self._references()
         self._decref(blocks)
+
+    def _maybe_numpy(self, data: st.DataObject, blocks: list[BlockId]) -> object:
+        """``blocks`` as given, as a NumPy array, or as a list of NumPy integers (all valid ids)."""
+        form = data.draw(st.sampled_from(["list", "array", "scalars"]), label="id form")
+        if form == "array":
+            return np.asarray(blocks, dtype=np.int64)
+        return [np.int32(b) for b in blocks] if form == "scalars" else blocks
 
     def _decref(self, blocks: list[BlockId]) -> None:
         self.pool.decref(blocks)
@@ -294,15 +310,45 @@ class AllocatorContract(RuleBasedStateMachine):
         self._fails_atomically(error, lambda: self.pool.commit(blocks, hashes),
                                f"commit({blocks!r}, {hashes!r}) [{kind}]")
 
+    def _hashes_invalid(self, data: st.DataObject) -> None:
+        """A hash that is no int (``True`` is not hash 1) fails commit and lookup, changing nothing."""
+        bad = data.draw(st.sampled_from([True, np.bool_(False), 1.0, "1", None, b"1", [1]]), label="bad hash")
+        where = data.draw(st.sampled_from(["commit", "parent", "lookup"] if bad is not None
+                                          else ["commit", "lookup"]), label="where")  # None: no parent
+        chain = [*data.draw(st.lists(st.sampled_from(HASHES), max_size=2)), bad]
+        if where == "lookup":
+            if all(h in self.index for h in chain[:-1]):  # only the hashes read are checked
+                self._fails_atomically(PoolUsageError, lambda: self.pool.lookup(chain),
+                                       f"lookup({chain!r})")
+            return
+        blocks = self._not_ready_referenced()[:len(chain)]
+        if len(blocks) < len(chain):
+            return
+        hashes, parents = (chain, None) if where == "commit" else (list(HASHES[:len(chain)]), chain)
+        self._fails_atomically(PoolUsageError, lambda: self.pool.commit(blocks, hashes, parents),
+                               f"commit({blocks!r}, {hashes!r}, {parents!r})")
+
     @rule(data=st.data())
     def invalid_call(self, data: st.DataObject) -> None:
         """A call with bad arguments raises the documented error and changes nothing."""
         # One rule for all of them, so valid operations keep most of the steps.
         check = data.draw(st.sampled_from([
             self._allocate_invalid, self._incref_invalid, self._decref_invalid,
-            self._commit_invalid, self._reset_invalid,
+            self._commit_invalid, self._reset_invalid, self._hashes_invalid, self._getter_invalid,
         ]))
         check(data)
+
+    def _getter_invalid(self, data: st.DataObject) -> None:
+        """refcount, block_hash, touch, allocate and reset refuse what is no id, count or flag."""
+        bad = data.draw(self._bad_ids(), label="bad id")
+        call = data.draw(st.sampled_from(["refcount", "block_hash", "touch"]), label="call")
+        args = ([bad],) if call == "touch" else (bad,)
+        self._fails_atomically(UnknownBlockError, lambda: getattr(self.pool, call)(*args),
+                               f"{call}{args!r}")
+        count = data.draw(st.sampled_from([True, 1.5, "2", None]), label="bad count")
+        self._fails_atomically(KVKitError, lambda: self.pool.allocate(count), f"allocate({count!r})")
+        flag = data.draw(st.sampled_from([1, "yes", None]), label="bad force")
+        self._fails_atomically(KVKitError, lambda: self.pool.reset(force=flag), f"reset(force={flag!r})")
 
     @rule(chain=st.lists(st.sampled_from(HASHES), max_size=6))
     def lookup(self, chain: list[BlockHash]) -> None:
@@ -340,6 +386,17 @@ class AllocatorContract(RuleBasedStateMachine):
             _expect(self.hash_of.get(b) == h, f"reset reported ({b}, {h!r}), which was not cached")
         self.evicted.clear()
         self.hash_of.clear()
+        self.index.clear()
+
+    @precondition(lambda self: self.hash_of or self.refs)
+    @rule()
+    def force_reset(self) -> None:
+        """A forced reset drops every cached block, referenced or not; the referenced keep their references."""
+        dropped = self.pool.reset(force=True)
+        _expect(dropped == len(self.hash_of),
+                f"reset(force=True) returned {dropped}, {len(self.hash_of)} blocks were cached")
+        self.evicted.clear()  # listeners may, but need not, hear of reset drops
+        self.hash_of.clear()  # referenced ones are not ready now: they empty when released
         self.index.clear()
 
     # -- after every step ------------------------------------------------------

@@ -18,12 +18,28 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from kvkit.errors import ConfigError, PlanError, UnknownBlockError
+from kvkit.errors import (
+    ConfigError,
+    InsufficientMemoryError,
+    PlanError,
+    TransferTimeoutError,
+    UnknownBlockError,
+)
 from kvkit.interfaces.capabilities import SelfChecking
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import KVCacheSpec, Tier, TransferPlan, TransferResult
-from kvkit.validate import check_int
-from kvkit.worker.layouts import allocate_kv, check_layouts, kv_nbytes, kv_views, regions_for, validate_kv
+from kvkit.validate import check_int, check_real, checked, is_int, quote
+from kvkit.worker import WAIT_TIMEOUT_S
+from kvkit.worker.layouts import (
+    allocate_kv,
+    check_layouts,
+    kv_device,
+    kv_nbytes,
+    kv_views,
+    regions_for,
+    validate_kv,
+)
+from kvkit.worker.memory import check_fits
 
 __all__ = ["TransferEngine"]
 
@@ -83,6 +99,17 @@ class _InFlight:
     transfer_id: int
     started: float
     num_bytes: int
+    in_doubt: bool = False  # the backend failed while this copy was in flight
+
+
+_FIRST_PAUSE_S, _MAX_PAUSE_S = 20e-6, 1e-3
+"""A bounded wait polls the backend, sleeping 20 us, 40 us... at most 1 ms between polls."""
+
+
+def _spec(value: object) -> KVCacheSpec:
+    if not isinstance(value, KVCacheSpec):
+        raise ConfigError(f"spec={quote(value)}: must be a KVCacheSpec")
+    return value
 
 
 @attrs.define(eq=False)
@@ -96,6 +123,8 @@ class TransferEngine:
             checks it too).
         num_cpu_blocks: blocks in the CPU mirror (exactly; the scheduler's CPU pool size).
         worker: this worker's rank, stamped on every result.
+        wait_timeout_s: how long :meth:`drain` and :meth:`close` wait by default,
+            in seconds (> 0; ``math.inf`` waits forever).
 
     Invariants:
         * The mirror holds exactly ``num_cpu_blocks`` blocks: one host buffer
@@ -106,12 +135,26 @@ class TransferEngine:
         * Every submitted transfer id is reported by :meth:`poll` (or
           :meth:`drain`) exactly once; a failed copy is ``ok=False``, never an
           exception from :meth:`poll`.
+        * No write after release: a transfer is reported only once the backend
+          confirmed it finished (its handle came back from ``poll``) or never
+          started (its ``submit`` raised). When the backend fails (``poll``
+          raises), every transfer in flight is *in doubt*: it stays in flight,
+          so the scheduler keeps its blocks reserved, and is reported
+          ``ok=False`` once a later poll confirms it finished. A backend that
+          never recovers keeps them in flight forever; waits time out.
+        * Every wait is bounded (``wait_timeout_s`` unless given); a wait that
+          times out raises :class:`~kvkit.errors.TransferTimeoutError` and
+          leaves every transfer in flight and every buffer in place.
+        * A refused call (a typed :mod:`kvkit.errors` error quoting the value)
+          changes nothing.
     """
 
-    spec: KVCacheSpec
+    spec: KVCacheSpec = attrs.field(converter=_spec)
     copy: CopyBackend = attrs.field(on_setattr=attrs.setters.frozen)
-    num_cpu_blocks: int = attrs.field(kw_only=True)
-    worker: int = attrs.field(default=0, kw_only=True)
+    num_cpu_blocks: int = attrs.field(kw_only=True, converter=checked(check_int, minimum=1))
+    worker: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))
+    wait_timeout_s: float = attrs.field(default=WAIT_TIMEOUT_S, kw_only=True,
+                                        converter=checked(check_real, low=0, low_open=True))
     _layout: str | None = attrs.field(default=None, init=False)
     _cpu_layout: str | None = attrs.field(default=None, init=False)
     _gpu_kv: list[torch.Tensor] = attrs.field(factory=list, init=False)
@@ -122,18 +165,20 @@ class TransferEngine:
     _unpin: weakref.finalize | None = attrs.field(default=None, init=False)
     _regions: list[Region] = attrs.field(factory=list, init=False)
     _group_block_bytes: dict[int, int] = attrs.field(factory=dict, init=False)
-    _in_flight: dict[int, _InFlight] = attrs.field(factory=dict, init=False)  # by backend handle
-    _ids_in_flight: set[int] = attrs.field(factory=set, init=False)
-    _failed: list[TransferResult] = attrs.field(factory=list, init=False)
+    _in_flight: dict[int, _InFlight] = attrs.field(factory=dict, init=False)  # by backend handle, in order
+    _ready: list[TransferResult] = attrs.field(factory=list, init=False)  # for the next poll or drain
+    _unreported: set[int] = attrs.field(factory=set, init=False)  # ids submitted, not yet handed out
     # The backend's own check, or None: decided once, as the backend is fixed.
     _check_copy: Callable[[], None] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
+        if isinstance(self.copy, type):  # a class passes the protocol's isinstance check, then fails on use
+            raise ConfigError(f"copy must be a CopyBackend instance, got the class {self.copy.__name__}; "
+                              f"hint: pass an instance, e.g. {self.copy.__name__}()")
         if not isinstance(self.copy, CopyBackend):
             raise ConfigError(f"copy must implement CopyBackend, got {type(self.copy).__name__}")
         if isinstance(self.copy, SelfChecking):
             self._check_copy = self.copy.check_invariants
-        check_int("num_cpu_blocks", self.num_cpu_blocks, 1)
 
     # -- registration -----------------------------------------------------------------
 
@@ -143,19 +188,25 @@ class TransferEngine:
 
         The mirror is laid out in ``cpu_layout`` (default: ``layout``); see
         :func:`kvkit.worker.layouts.regions_for` for which layouts pair.
+        Everything is checked before the mirror is allocated.
 
         Raises:
-            ConfigError: KV already registered, an unknown layout, or layouts
-                that do not pair (checked before the mirror is allocated).
+            ConfigError: KV already registered, an unknown layout, or layouts that do not pair.
             SpecMismatchError: the tensors disagree with ``spec`` (see ``validate_kv``).
+            InsufficientMemoryError: the mirror does not fit in host memory.
         """
-        if self._layout is not None:
-            raise ConfigError(f"KV cache already registered (layout {self._layout!r}); close() first")
+        self._check_unregistered()
         cpu_layout = layout if cpu_layout is None else cpu_layout
         check_layouts(self.spec, layout, cpu_layout)
-        tensors = list(tensors)
         validate_kv(self.spec, layout, tensors)
-        mirror = torch.empty(kv_nbytes(self.spec, cpu_layout, self.num_cpu_blocks), dtype=torch.uint8)
+        tensors = list(tensors)
+        need = self._mirror_need(cpu_layout)
+        check_fits("cpu", need)
+        try:
+            mirror = torch.empty(sum(need.values()), dtype=torch.uint8)
+        except RuntimeError as exc:  # the allocator refused after all (overcommit limits)
+            raise InsufficientMemoryError(f"cannot allocate the CPU mirror ({sum(need.values())} bytes): "
+                                          f"{exc}") from None
         cpu_kv = kv_views(self.spec, cpu_layout, self.num_cpu_blocks, mirror)
         regions = regions_for(self.spec, layout, tensors, cpu_kv, cpu_layout=cpu_layout)
         pinned = _register_host(mirror) if tensors[0].device.type == "cuda" else []
@@ -177,12 +228,37 @@ class TransferEngine:
                     cpu_layout: str | None = None) -> list[torch.Tensor]:
         """Allocate a GPU-tier cache (uninitialised) on ``device`` and register it (simulator use).
 
-        ``cpu_layout`` as in :meth:`register_kv`.
+        ``cpu_layout`` as in :meth:`register_kv`. Both the cache and the mirror
+        are checked against free memory before either is allocated.
+
+        Raises:
+            ConfigError: as :meth:`register_kv`, ``num_gpu_blocks`` not an int
+                >= 1, or a bad ``device`` (see :func:`~kvkit.worker.layouts.kv_device`).
+            InsufficientMemoryError: the cache or the mirror does not fit.
         """
-        check_layouts(self.spec, layout, cpu_layout)  # before allocating the GPU tier
+        self._check_unregistered()
+        num_gpu_blocks = check_int("num_gpu_blocks", num_gpu_blocks, 1)
+        device = kv_device(device)
+        check_layouts(self.spec, layout, cpu_layout)
+        gpu = {f"GPU tier of num_gpu_blocks={num_gpu_blocks} ({layout})":
+               kv_nbytes(self.spec, layout, num_gpu_blocks)}
+        mirror = self._mirror_need(layout if cpu_layout is None else cpu_layout)
+        if device.type == "cpu":
+            check_fits(device, gpu | mirror)
+        else:
+            check_fits(device, gpu)
+            check_fits("cpu", mirror)
         tensors = allocate_kv(self.spec, layout, num_gpu_blocks, device)
         self.register_kv(tensors, layout, cpu_layout=cpu_layout)
         return tensors
+
+    def _check_unregistered(self) -> None:
+        if self._layout is not None:
+            raise ConfigError(f"KV cache already registered (layout {self._layout!r}); close() first")
+
+    def _mirror_need(self, cpu_layout: str) -> dict[str, int]:
+        return {f"CPU mirror of num_cpu_blocks={self.num_cpu_blocks} ({cpu_layout})":
+                kv_nbytes(self.spec, cpu_layout, self.num_cpu_blocks)}
 
     @property
     def layout(self) -> str | None:
@@ -224,82 +300,149 @@ class TransferEngine:
     def submit(self, transfer_id: int, plan: TransferPlan) -> None:
         """Start ``plan`` as transfer ``transfer_id``, ordered after the compute queued so far.
 
-        A copy failure is reported later as ``TransferResult(ok=False)``.
+        A copy that fails to launch is reported by the next :meth:`poll` as
+        ``TransferResult(ok=False)``.
 
         Raises:
             ConfigError: no KV cache registered yet.
-            PlanError: ``transfer_id`` is already in flight, or the backend
-                rejected the plan (nothing was launched).
+            PlanError: ``transfer_id`` is not an int >= 0 or is not reported yet,
+                ``plan`` is not a ``TransferPlan`` of a registered group, or the
+                backend rejected the plan; nothing was launched.
         """
         if self._layout is None:
             raise ConfigError("no KV cache registered: call register_kv() or allocate_kv() first")
-        if transfer_id in self._ids_in_flight:
-            raise PlanError(f"transfer id {transfer_id!r} is already in flight")
-        after = None
-        if self._gpu_kv[0].device.type == "cuda":
-            # A store must not read blocks the queued kernels are still writing;
-            # a load must not overwrite blocks queued kernels still read. One
-            # event on the compute stream covers both.
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self._gpu_kv[0].device))
+        transfer_id = check_int("transfer_id", transfer_id, 0, error=PlanError)
+        if transfer_id in self._unreported:
+            raise PlanError(f"transfer id {transfer_id!r} is already in flight (not reported yet)")
+        if not isinstance(plan, TransferPlan):
+            raise PlanError(f"plan must be a TransferPlan, got {type(plan).__name__} {quote(plan)}")
+        group_bytes = self._group_block_bytes.get(plan.group)
+        if group_bytes is None:
+            raise PlanError(f"plan group {plan.group!r} has no registered region; groups: "
+                            f"{sorted(self._group_block_bytes)}")
         started = time.perf_counter()
         try:
-            handle = self.copy.submit(plan, after=after)
+            handle = self.copy.submit(plan, after=self._compute_done())
         except PlanError:
             raise
-        except Exception as exc:  # a failed copy is a result, not a crash of the step loop
+        except Exception as exc:  # launched nothing (the backend contract): a failed result, not a crash
             warnings.warn(f"transfer {transfer_id} failed to launch: {exc!r}", RuntimeWarning, stacklevel=2)
-            self._failed.append(TransferResult(transfer_id, self.worker, ok=False))
-            return
-        num_bytes = len(plan) * self._group_block_bytes.get(plan.group, 0)
-        self._in_flight[handle] = _InFlight(transfer_id, started, num_bytes)
-        self._ids_in_flight.add(transfer_id)
+            self._ready.append(TransferResult(transfer_id, self.worker, ok=False))
+        else:
+            job = _InFlight(transfer_id, started, len(plan) * group_bytes)
+            if not is_int(handle) or handle in self._in_flight:
+                # The backend broke its contract: its copy may run, but no poll can ever confirm this
+                # handle, so the transfer stays in flight, in doubt, under a key no poll returns.
+                warnings.warn(f"copy backend returned the handle {quote(handle)} for transfer {transfer_id}, not a "
+                              f"new int: it stays in flight, in doubt", RuntimeWarning, stacklevel=2)
+                handle, job.in_doubt = ("unconfirmable", transfer_id), True
+            self._in_flight[handle] = job
+        self._unreported.add(transfer_id)
+
+    def _compute_done(self) -> torch.cuda.Event | None:
+        """An event after the compute queued so far (CUDA), which the copy waits for."""
+        if self._gpu_kv[0].device.type != "cuda":
+            return None
+        # A store must not read blocks the queued kernels are still writing; a load
+        # must not overwrite blocks queued kernels still read. One event covers both.
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._gpu_kv[0].device))
+        return event
 
     def poll(self) -> list[TransferResult]:
-        """Results of transfers that completed since the last call (non-blocking).
+        """Results of transfers confirmed finished since the last call (non-blocking).
 
         ``seconds`` runs from :meth:`submit` to the poll that saw the copy
         done, so it includes queueing behind earlier copies and poll latency.
+        If the backend's ``poll`` raises, the transfers in flight become in
+        doubt (one warning) and stay in flight; see the class invariants.
         """
+        self._collect()
+        return self._hand_out()
+
+    def drain(self, timeout: float | None = None) -> list[TransferResult]:
+        """Wait until every transfer in flight is confirmed finished; return every result not yet reported.
+
+        Waits by polling the backend (its own ``wait`` may block forever) for
+        at most ``timeout`` seconds (default :attr:`wait_timeout_s`; ``math.inf``
+        waits forever).
+
+        Raises:
+            ConfigError: ``timeout`` is not a number >= 0 (nothing changed).
+            TransferTimeoutError: transfers still in flight at the deadline
+                (``pending``: their ids, in submission order). Nothing is
+                released: they stay in flight, and the results collected
+                meanwhile are reported by the next poll or drain.
+        """
+        limit = self._timeout(timeout)
+        deadline, pause = time.monotonic() + limit, _FIRST_PAUSE_S
+        self._collect()
+        while self._in_flight:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._timed_out(limit)
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _MAX_PAUSE_S)
+            self._collect()
+        return self._hand_out()
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self.wait_timeout_s if timeout is None else check_real("timeout", timeout, low=0)
+
+    def _timed_out(self, limit: float) -> TransferTimeoutError:
+        pending = tuple(job.transfer_id for job in self._in_flight.values())
+        doubt = self.num_in_doubt
+        why = f" ({doubt} in doubt since the copy backend failed)" if doubt else ""
+        return TransferTimeoutError(
+            f"worker {self.worker}: {len(pending)} transfer(s) still in flight after {limit} s{why}: "
+            f"{quote(list(pending))}; they stay in flight and nothing was released", pending)
+
+    def _collect(self) -> None:
+        """Move the transfers the backend confirms finished to the results to hand out."""
+        if not self._in_flight:
+            return
         try:
-            handles = self.copy.poll()
-        except Exception as exc:
-            return self._fail_all(exc)
-        return self._results(handles)
-
-    def drain(self) -> list[TransferResult]:
-        """Wait for every transfer in flight; return every result not yet reported."""
-        if self._in_flight:
-            try:
-                self.copy.wait(next(reversed(self._in_flight)))  # the last submitted
-            except Exception as exc:
-                return self._fail_all(exc)
-        return self.poll()
-
-    def _results(self, handles: list[int]) -> list[TransferResult]:
+            handles = list(self.copy.poll())
+            known = [h for h in handles if h in self._in_flight]  # handles of other copies are ignored
+        except Exception as exc:  # the backend cannot tell what finished: nothing is confirmed
+            self._suspect(exc)
+            return
         now = time.perf_counter()
-        results, self._failed = self._failed, []
-        for handle in handles:
+        for handle in known:
             job = self._in_flight.pop(handle, None)
-            if job is not None:  # handles of transfers already failed by _fail_all are dropped
-                self._ids_in_flight.discard(job.transfer_id)
-                results.append(TransferResult(job.transfer_id, self.worker, ok=True,
-                                              seconds=now - job.started, num_bytes=job.num_bytes))
-        return results
+            if job is None:  # reported twice in one poll
+                continue
+            if job.in_doubt:
+                self._ready.append(TransferResult(job.transfer_id, self.worker, ok=False))
+            else:
+                self._ready.append(TransferResult(job.transfer_id, self.worker, ok=True,
+                                                  seconds=now - job.started, num_bytes=job.num_bytes))
 
-    def _fail_all(self, exc: Exception) -> list[TransferResult]:
-        warnings.warn(f"copy backend failed; failing {len(self._in_flight)} transfer(s) in flight: "
-                      f"{exc!r}", RuntimeWarning, stacklevel=3)
-        results, self._failed = self._failed, []
-        results += [TransferResult(job.transfer_id, self.worker, ok=False) for job in self._in_flight.values()]
-        self._in_flight.clear()
-        self._ids_in_flight.clear()
+    def _suspect(self, exc: Exception) -> None:
+        """The backend failed: every transfer in flight is in doubt until a later poll confirms it finished."""
+        fresh = [job for job in self._in_flight.values() if not job.in_doubt]
+        for job in fresh:
+            job.in_doubt = True
+        if fresh:  # once per transfer, however often a broken backend raises
+            warnings.warn(
+                f"copy backend failed: {exc!r}; {len(fresh)} transfer(s) in flight are in doubt "
+                f"{quote([job.transfer_id for job in fresh])}: each is reported failed once the backend "
+                f"confirms it finished, and its blocks stay reserved until then", RuntimeWarning, stacklevel=4)
+
+    def _hand_out(self) -> list[TransferResult]:
+        results, self._ready = self._ready, []
+        self._unreported.difference_update(r.transfer_id for r in results)
         return results
 
     @property
     def num_in_flight(self) -> int:
         """Transfers submitted and not yet reported."""
-        return len(self._in_flight) + len(self._failed)
+        return len(self._unreported)
+
+    @property
+    def num_in_doubt(self) -> int:
+        """Transfers in flight when the backend failed, not yet confirmed finished."""
+        return sum(job.in_doubt for job in self._in_flight.values())
 
     # -- inspection -------------------------------------------------------------------
 
@@ -309,19 +452,23 @@ class TransferEngine:
         ``tier`` is a :class:`~kvkit.interfaces.Tier` or its value (``"gpu"``, ``"cpu"``).
 
         Raises:
-            ConfigError: no KV registered, or ``tier`` not ``"gpu"``/``"cpu"``.
-            UnknownBlockError: ``block`` is out of range for that tier.
+            ConfigError: no KV registered, ``tier`` not ``"gpu"``/``"cpu"``, or
+                ``group`` not a registered KV group.
+            UnknownBlockError: ``block`` is not an int in range for that tier.
         """
         if self._layout is None:
             raise ConfigError("no KV cache registered")
         if tier not in (Tier.GPU, Tier.CPU):
-            raise ConfigError(f"tier must be 'gpu' or 'cpu', got {tier!r}")
+            raise ConfigError(f"tier must be 'gpu' or 'cpu', got {quote(tier)}")
+        if group is not None and not (is_int(group) and group in self._group_block_bytes):
+            raise ConfigError(f"group={quote(group)}: not a registered KV group; groups: "
+                              f"{sorted(self._group_block_bytes)}")
         regions = [r for r in self._regions if group is None or r.group == group]
         tensors = [r.gpu if tier == Tier.GPU else r.cpu for r in regions]
         limit = min(t.shape[0] for t in tensors)
-        if not 0 <= block < limit:
-            raise UnknownBlockError(f"{tier} block {block!r} out of range [0, {limit})")
-        return [t[block] for t in tensors]
+        if not is_int(block) or not 0 <= block < limit:
+            raise UnknownBlockError(f"{tier} block {quote(block)} out of range [0, {limit})")
+        return [t[int(block)] for t in tensors]
 
     def read_block(self, tier: Tier, block: int, group: int | None = None) -> bytes:
         """The bytes of ``block`` on ``tier``: every region's piece, concatenated in region order."""
@@ -330,12 +477,19 @@ class TransferEngine:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def close(self) -> list[TransferResult]:
-        """Drain, unregister the mirror and forget the KV cache; returns the last results.
+    def close(self, timeout: float | None = None) -> list[TransferResult]:
+        """Drain (as :meth:`drain`), unregister the mirror and forget the KV cache; returns the last results.
 
         Idempotent; the engine can register a cache again afterwards.
+
+        Raises:
+            ConfigError: ``timeout`` is not a number >= 0.
+            TransferTimeoutError: as :meth:`drain`. Then nothing is released: the
+                mirror stays allocated, page-locked and registered with the
+                backend, and the KV cache stays registered, since a copy may
+                still write them; call ``close()`` again once the copies finished.
         """
-        results = self.drain() if self._layout is not None else []
+        results = self.drain(timeout)
         if self._unpin is not None:
             self._unpin()  # after the drain: no copy touches the mirror any more
         self._layout, self._cpu_layout, self._gpu_kv, self._cpu_kv, self._regions = None, None, [], [], []
@@ -344,8 +498,11 @@ class TransferEngine:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the mirror or the in-flight bookkeeping is inconsistent."""
+        unreported = [job.transfer_id for job in self._in_flight.values()] + [r.transfer_id for r in self._ready]
+        assert len(set(unreported)) == len(unreported), f"a transfer id is pending twice: {unreported}"
+        assert set(unreported) == self._unreported, (unreported, self._unreported)
         if self._layout is None:
-            assert not self._in_flight and self._mirror is None and not self._pinned_chunks
+            assert not self._unreported and self._mirror is None and not self._pinned_chunks
             assert self._cpu_layout is None
             return
         assert self._cpu_layout is not None
@@ -354,6 +511,5 @@ class TransferEngine:
         base = self._mirror.untyped_storage().data_ptr()
         assert all(t.untyped_storage().data_ptr() == base for t in self._cpu_kv), "mirror views escaped"
         assert all(job.num_bytes >= 0 for job in self._in_flight.values())
-        assert self._ids_in_flight == {job.transfer_id for job in self._in_flight.values()}
         if self._check_copy is not None:
             self._check_copy()

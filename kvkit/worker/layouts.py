@@ -41,16 +41,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from kvkit.errors import ConfigError, SpecMismatchError
+from kvkit.errors import ConfigError, InsufficientMemoryError, SpecMismatchError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import KVCacheSpec
+from kvkit.validate import check_int, quote
+from kvkit.worker.memory import check_fits
 
 __all__ = [
     "LAYOUTS",
     "allocate_kv",
     "check_layouts",
+    "kv_device",
     "kv_nbytes",
     "kv_shape",
     "kv_views",
@@ -61,6 +65,9 @@ __all__ = [
 
 LAYOUTS: tuple[str, ...] = ("per-layer", "blocks-first", "cross-layer", "vllm-cpu")
 """Every layout name kvkit knows."""
+
+_DEVICE_TYPES = ("cpu", "cuda")
+"""Where a KV cache may live (the GPU tier's stand-in on CPU, or a CUDA device)."""
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -115,11 +122,47 @@ def kv_nbytes(spec: KVCacheSpec, layout: str, num_blocks: int) -> int:
     return num_blocks * spec.bytes_per_block
 
 
+def kv_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` a KV cache can live on: the host or an available CUDA device.
+
+    Raises:
+        ConfigError: not a device, another device type (``"meta"``, ``"mps"``...),
+            or a CUDA device this machine does not have.
+    """
+    try:
+        d = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"device={quote(device)}: not a torch device ({exc})") from None
+    if d.type not in _DEVICE_TYPES:
+        raise ConfigError(f"device={quote(device)}: a KV cache lives on {' or '.join(_DEVICE_TYPES)}, not {d.type!r}")
+    if d.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (d.index or 0) >= count:
+            raise ConfigError(f"device={quote(device)}: this machine has {count} CUDA device(s)")
+    return d
+
+
 def allocate_kv(spec: KVCacheSpec, layout: str, num_blocks: int,
                 device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """Fresh, uninitialised cache tensors of ``num_blocks`` blocks on ``device``."""
+    """Fresh, uninitialised cache tensors of ``num_blocks`` blocks on ``device``.
+
+    Raises:
+        ConfigError: ``num_blocks`` not an int >= 1, a bad ``device`` (see
+            :func:`kv_device`) or ``layout`` (see :func:`kv_shape`).
+        InsufficientMemoryError: the cache does not fit the device's free memory
+            (checked before allocating).
+    """
+    num_blocks = check_int("num_blocks", num_blocks, 1)
+    device = kv_device(device)
+    shapes = kv_shape(spec, layout, num_blocks)
+    nbytes = num_blocks * spec.bytes_per_block
+    check_fits(device, {f"KV cache of {num_blocks} blocks ({layout})": nbytes})
     dtype = torch_dtype(spec)
-    return [torch.empty(s, dtype=dtype, device=device) for s in kv_shape(spec, layout, num_blocks)]
+    try:
+        return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
+    except RuntimeError as exc:  # the allocator refused after all (fragmentation, overcommit limits)
+        raise InsufficientMemoryError(
+            f"cannot allocate a KV cache of {num_blocks} blocks ({nbytes} bytes) on {device}: {exc}") from None
 
 
 def kv_views(spec: KVCacheSpec, layout: str, num_blocks: int,
@@ -146,16 +189,31 @@ def kv_views(spec: KVCacheSpec, layout: str, num_blocks: int,
     return views
 
 
-def validate_kv(spec: KVCacheSpec, layout: str, tensors: Sequence[torch.Tensor]) -> int:
+def validate_kv(spec: KVCacheSpec, layout: str, tensors: Sequence[torch.Tensor], *,
+                min_blocks: int = 1) -> int:
     """Check ``tensors`` hold a cache in ``layout`` for ``spec``; return its block count.
+
+    Invariants of a valid cache: a list or tuple of strided ``torch.Tensor`` s
+    with memory (not meta), all on one CPU or CUDA device, each of the layout's
+    shape for ``spec`` and its dtype, contiguous, holding at least
+    ``min_blocks`` blocks, and no two overlapping in memory (a copy into one
+    would change another).
 
     Raises:
         ConfigError: unknown layout (or cross-layer with several groups).
-        SpecMismatchError: wrong number of tensors, or a tensor with the wrong
-            shape or dtype, on another device than the first, or not
-            contiguous; the message quotes the values that disagree.
+        SpecMismatchError: any of the above fails; the message quotes the
+            values that disagree.
     """
-    tensors = list(tensors)
+    _check_layout(spec, layout)
+    if not isinstance(tensors, (list, tuple)):
+        hint = "; hint: wrap one tensor in a list" if isinstance(tensors, torch.Tensor) else ""
+        raise SpecMismatchError(f"KV tensors must be a list of torch.Tensor, got {_what(tensors)}{hint}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise SpecMismatchError(f"tensor {i} must be a torch.Tensor, got {_what(t)}")
+        if t.layout != torch.strided or t.device.type not in _DEVICE_TYPES:
+            raise SpecMismatchError(f"tensor {i} holds no plain memory on {' or '.join(_DEVICE_TYPES)}: "
+                                    f"layout {t.layout}, device {t.device}")
     expected_count = len(kv_shape(spec, layout, 1))
     if len(tensors) != expected_count:
         raise SpecMismatchError(
@@ -177,9 +235,28 @@ def validate_kv(spec: KVCacheSpec, layout: str, tensors: Sequence[torch.Tensor])
             raise SpecMismatchError(f"tensor {i} is on {t.device}, tensor 0 on {first.device}")
         if not t.is_contiguous():
             raise SpecMismatchError(f"tensor {i} is not contiguous: shape {tuple(t.shape)} strides {t.stride()}")
-    if num_blocks == 0:
-        raise SpecMismatchError(f"cache has no blocks: shape {tuple(first.shape)}")
+    if num_blocks < max(min_blocks, 1):
+        raise SpecMismatchError(f"cache holds {num_blocks} blocks (shape {tuple(first.shape)}), needs at least "
+                                f"{max(min_blocks, 1)}")
+    _check_disjoint(tensors)
     return num_blocks
+
+
+def _what(value: object) -> str:
+    """A short quote of ``value``: an array by type, shape and dtype, not by its elements."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"{type(value).__name__} {quote(value)}"
+
+
+def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:
+    """Raise if two (contiguous) tensors share a byte of memory."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors))
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            a, b = sorted((i, j))
+            raise SpecMismatchError(f"tensors {a} and {b} overlap in memory (at {start:#x}); each layer "
+                                    f"needs its own memory")
 
 
 # How much of a block one contiguous piece of a layout holds, finest first.

@@ -17,8 +17,24 @@ def _load(name: str, path: Path):
     return module
 
 
+def _build(kind: str, tmp_path_factory) -> Path:
+    builder = _load("vllm_model", Path(__file__).with_name("vllm_model.py"))
+    return getattr(builder, f"build_tiny_{kind}")(tmp_path_factory.mktemp(f"tiny-{kind}"))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A tiny, deterministic Llama checkpoint vLLM loads offline (built once per session)."""
-    builder = _load("vllm_model", Path(__file__).with_name("vllm_model.py"))
-    return builder.build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return _build("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory) -> Path:
+    """A tiny Mistral with a 64-token sliding window on every layer (vLLM: one sliding-window group)."""
+    return _build("mistral", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    """A tiny Gemma-3 alternating sliding-window and full-attention layers (vLLM: one group of each)."""
+    return _build("gemma3", tmp_path_factory)

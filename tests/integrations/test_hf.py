@@ -23,12 +23,14 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
+import copy
+
 import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
-from kvkit.errors import ConfigError, KVKitError, OutOfBlocksError, UnsupportedModelError
-from kvkit.integrations.hf import OffloadedLM, generate_without_offload, kv_spec_from_config
+from kvkit.errors import ConfigError, HashInputError, KVKitError, OutOfBlocksError, UnsupportedModelError
+from kvkit.integrations.hf import OffloadedLM, generate_without_offload, kv_spec_from_config, model_fingerprint
 from kvkit.interfaces import GroupKind
 
 TOL = 5e-4
@@ -38,7 +40,7 @@ _SHAPES = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "nu
            "initializer_range": 0.2}
 
 
-def _model(family: str, **overrides):
+def _model(family: str, seed: int = 0, **overrides):
     """A seeded, randomly initialised float32 causal LM of ``family``."""
     configs = {
         "llama": (transformers.LlamaConfig, {}),
@@ -49,7 +51,7 @@ def _model(family: str, **overrides):
         "mistral": (transformers.MistralConfig, {"sliding_window": 24}),
     }
     cls, extra = configs[family]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = cls(**{**_SHAPES, **extra, **overrides})
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
@@ -249,6 +251,111 @@ def test_bad_requests_raise_and_leave_the_stack_clean(models):
     lm.engine.drain()
     lm.check_invariants()
     assert lm.engine.leaked_blocks() == 0 and lm.engine.num_waiting == 0
+
+
+# --- two models on one stack: keyed by the model's identity ---------------------------------------------------
+
+
+def _reused(turn) -> int:
+    return turn.gpu_hit_tokens + turn.cpu_hit_tokens
+
+
+def _check_clean(*lms) -> None:
+    for lm in lms:
+        lm.engine.drain()
+        lm.check_invariants()
+        assert lm.engine.leaked_blocks() == 0
+
+
+def test_two_models_on_one_stack_never_reuse_each_others_kv(models):
+    """Another model's blocks, on the GPU or the CPU tier, are never a hit: its answers are its own."""
+    first, second = models["llama"], _model("llama", seed=1)
+    lm = OffloadedLM.build(first, gpu_blocks=40, block_size=4, cpu_blocks=200)
+    other = OffloadedLM(second, lm.stack)
+    assert other.model_id != lm.model_id
+    prompts = _user_turns(2, 37)
+    assert [_reused(lm.generate(p, 3)) for p in prompts] == [0, 0]
+    for i, prompt in enumerate(prompts):  # the first model's blocks on both tiers, then on the CPU tier only
+        if i:
+            lm.clear_gpu_cache()
+        turn = other.generate(prompt, 3, keep_logits=True, stop_tokens=())
+        ref = generate_without_offload(second, prompt, 3, keep_logits=True, stop_tokens=())
+        assert _reused(turn) == 0 and turn.tokens == ref.tokens
+        assert float((turn.logits - ref.logits).abs().max()) <= TOL
+    assert _reused(lm.generate(prompts[1] + [3], 3)) == 36  # the first model's own blocks still serve it
+    _check_clean(lm, other)
+
+
+def test_the_same_model_wrapped_twice_reuses_its_kv(models):
+    """The same model object, or a copy of it, on one stack finds the blocks the first one cached."""
+    model = models["llama"]
+    lm = OffloadedLM.build(model, gpu_blocks=40, block_size=4, cpu_blocks=200)
+    prompt = _user_turns(1, 37)[0]
+    lm.generate(prompt, 3)
+    for twin in (model, copy.deepcopy(model)):
+        again = OffloadedLM(twin, lm.stack)
+        assert again.model_id == lm.model_id
+        turn = again.generate(prompt + [7], 3, keep_logits=True, stop_tokens=())
+        ref = generate_without_offload(model, prompt + [7], 3, keep_logits=True, stop_tokens=())
+        assert _reused(turn) == 36 and turn.tokens == ref.tokens
+        assert float((turn.logits - ref.logits).abs().max()) <= TOL
+        _check_clean(lm, again)
+
+
+def test_one_user_given_name_makes_two_models_share_kv(models):
+    """``model_name`` replaces the weights fingerprint: equal names share blocks (the caller's responsibility)."""
+    first, second = models["llama"], _model("llama", seed=1)
+    lm = OffloadedLM.build(first, gpu_blocks=40, block_size=4, cpu_blocks=200, model_name="tiny-llama@r1")
+    prompt = _user_turns(1, 37)[0]
+    lm.generate(prompt, 3)
+    shared = OffloadedLM(second, lm.stack, model_name="tiny-llama@r1")
+    apart = OffloadedLM(second, lm.stack, model_name="tiny-llama@r2")
+    assert shared.model_id == lm.model_id != apart.model_id
+    assert _reused(shared.generate(prompt + [3], 2)) == 36
+    assert _reused(apart.generate(prompt + [4], 2)) == 0
+    _check_clean(lm, shared, apart)
+
+
+def test_the_fingerprint_follows_config_dtype_and_weights(models):
+    """Equal models digest equally; a changed sampled weight, config value or dtype changes the digest."""
+    model = models["llama"]
+    base = model_fingerprint(model)
+    twin = copy.deepcopy(model)
+    assert model_fingerprint(twin) == base and len(base) == 64
+    with torch.no_grad():
+        twin.model.layers[2].self_attn.k_proj.weight[0, 0] += 1.0  # the first element is always sampled
+    assert model_fingerprint(twin) != base
+    other_config = _model("llama", rope_theta=5000.0)
+    assert model_fingerprint(other_config) != base
+    assert model_fingerprint(copy.deepcopy(model).to(torch.float16)) != base
+    named = model_fingerprint(model, model_name="m")
+    assert named == model_fingerprint(_model("llama", seed=1), model_name="m") != base
+    assert named != model_fingerprint(model, model_name="n")
+
+
+def test_a_model_without_weights_in_memory_needs_a_name():
+    """Weights on the meta device cannot be fingerprinted: ConfigError, unless a name identifies the model."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_SHAPES))
+    with pytest.raises(ConfigError, match="meta device.*model_name="):
+        model_fingerprint(model)
+    assert len(model_fingerprint(model, model_name="llama-on-meta")) == 64
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"model_name": ""}, ConfigError, "model_name='': must be a non-empty str"),
+    ({"model_name": 7}, ConfigError, "model_name=7"),
+    ({"cache_salt": [1]}, HashInputError, "extra_keys must be a tuple, got \\[1\\]"),
+    ({"cache_salt": (True,)}, HashInputError, "got True"),
+])
+def test_a_bad_name_or_salt_is_refused_at_construction(models, kwargs, error, message):
+    """A bad model_name or cache_salt raises its typed error when the wrapper is made, not at the first turn."""
+    lm = OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=4, cpu_blocks=16)
+    with pytest.raises(error, match=message):
+        OffloadedLM(models["llama"], lm.stack, **kwargs)
+    with pytest.raises(error, match=message):
+        OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=4, cpu_blocks=16, **kwargs)
+    assert lm.generate([5, 6, 7], 1).tokens  # the stack serves the next call
 
 
 @pytest.mark.gpu

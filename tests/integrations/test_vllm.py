@@ -15,8 +15,15 @@ multiprocess mode.
 import importlib.util
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +35,7 @@ import torch
 
 from kvkit.errors import ConfigError
 from kvkit.integrations.vllm import KVKitConnector
+from kvkit.interfaces import GroupKind
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +90,20 @@ def connectors(llm) -> tuple[KVKitConnector, KVKitConnector]:
     return core.scheduler.get_kv_connector(), get_kv_transfer_group()
 
 
+def record_orders(llm) -> list:
+    """Every step's ``(num_scheduled_tokens, StepOrder)`` from now on, as the scheduler side builds them."""
+    sched, _ = connectors(llm)
+    build, orders = sched.build_connector_meta, []
+
+    def recording(scheduler_output):
+        meta = build(scheduler_output)
+        orders.append((dict(scheduler_output.num_scheduled_tokens), meta.order))
+        return meta
+
+    sched.build_connector_meta = recording
+    return orders
+
+
 def settle(llm) -> None:
     """Step the engine until no request (nor a delayed free) is left."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -132,13 +154,13 @@ def assert_nothing_held(llm) -> None:
     assert sched.scheduler_side.idle
     cpu = sched.manager.cpu
     assert [b for b in range(cpu.num_blocks) if cpu.refcount(b)] == []
-    assert worker.transfer_engine.num_in_flight == 0
+    assert worker.worker_side.num_in_flight == 0
     pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but vLLM's null block
 
 
-def run_reference(model, workload):
-    with engine(model, kvkit=False) as llm:
+def run_reference(model, workload, **kwargs):
+    with engine(model, kvkit=False, **kwargs) as llm:
         return ex.serve(llm, messages_for(llm, workload), workload["max_tokens"])
 
 
@@ -210,7 +232,7 @@ def test_noise_planted_in_stored_blocks_changes_the_output(tiny_llama, reference
         assert stored
         index = torch.tensor(stored)
         generator = torch.Generator().manual_seed(0)
-        for layer in worker.transfer_engine.cpu_kv:  # the CPU mirror, vLLM's CPU layout
+        for layer in worker.transfer_engines[0].cpu_kv:  # the CPU mirror, vLLM's CPU layout
             noise = torch.randn(layer[index].shape, generator=generator, dtype=layer.dtype)
             layer[index] = noise * 4
         noisy = replay(llm, last_turn_prompts(messages, reference), MULTI_TURN["max_tokens"])
@@ -231,12 +253,85 @@ def test_preemption_completes_with_identical_tokens_and_nothing_held(tiny_llama,
 
 def test_bad_extra_config_fails_the_engine_with_every_problem(tiny_llama):
     """A bad ``kv_connector_extra_config`` stops the engine with one error listing each problem."""
-    with pytest.raises(ConfigError) as info, engine(tiny_llama, cpu_bytes="lots", cpu_eviction="lruu",
-                                                    store="lazy"):
+    bad = {"cpu_bytes": "lots", "cpu_eviction": "lruu", "store": "lazy", "lazy_offload": False}
+    with pytest.raises(ConfigError) as info, engine(tiny_llama, extra_config=bad):
         pass
     text = str(info.value)
     assert "'lots'" in text and "'lruu'" in text and "did you mean 'lru'" in text
-    assert len(info.value.problems) == 2  # a bad capacity and a bad name; 'lazy' is checked once both are valid
+    assert "lazy_offload=False contradicts store='lazy'" in text
+    assert len(info.value.problems) == 3
+
+
+def test_lazy_mode_writes_back_vllms_eviction_candidates_with_identical_tokens(tiny_llama, reference, capsys):
+    """Write-back through vLLM's GPU pool: fewer bytes stored than eager on the same run, same tokens, hits."""
+    rows = {}
+    for store in ("eager", "lazy"):
+        with engine(tiny_llama, store=store) as llm:
+            turns = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
+            assert [t.outputs for t in turns] == [t.outputs for t in reference]
+            assert all(t.kvkit_loaded_tokens > 0 for t in turns[1:])
+            sched, _ = connectors(llm)
+            rows[store] = (sched.stats.bytes_stored.value, sched.stats.blocks_stored.value,
+                           sum(t.kvkit_loaded_tokens for t in turns))
+            assert_nothing_held(llm)
+    with capsys.disabled():
+        print("\nstore  bytes stored  blocks  kvkit tokens")
+        for store, (num_bytes, blocks, tokens) in rows.items():
+            print(f"{store:5} {num_bytes:13} {blocks:7} {tokens:13}")
+    assert 0 < rows["lazy"][0] < rows["eager"][0]
+
+
+def test_async_loads_let_other_requests_run_while_a_hit_lands(tiny_llama, reference):
+    """With async_load a request waits for its CPU hit while another decodes, and the tokens stay the same."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # 24 blocks: a hit request (8 blocks) and the decoding one fit together
+    with engine(tiny_llama, gpu_blocks=24, extra_config={"cpu_bytes": "4MiB", "async_load": True}) as llm:
+        messages = messages_for(llm, MULTI_TURN)
+        turns = ex.serve(llm, messages, MULTI_TURN["max_tokens"])
+        assert [t.outputs for t in turns] == [t.outputs for t in reference]
+        reset_prefix_cache(llm, connector=False)  # the last turns' prefixes are on kvkit's CPU tier only
+        orders = record_orders(llm)
+        long_prompt = ex.user_messages(llm.get_tokenizer(), 1, 1, 20, seed=9)[0][0]
+        prompts = [long_prompt] + last_turn_prompts(messages, reference)
+        params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] + [
+            SamplingParams(temperature=0.0, max_tokens=MULTI_TURN["max_tokens"], ignore_eos=True)] * 4
+        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        assert [list(r.outputs[0].token_ids) for r in results[1:]] == reference[-1].outputs
+        assert all(r.kv_transfer_params["kvkit_loaded_tokens"] > 0 for r in results[1:])
+        loading = [(scheduled, order) for scheduled, order in orders if order.receiving]
+        assert loading and all(order.plan.loads for _, order in loading)
+        for scheduled, order in loading:  # a waiting request computes nothing in its load's step ...
+            assert not scheduled.keys() & set(order.receiving)
+        assert any(scheduled for scheduled, _ in loading)  # ... while another request's forward pass runs
+        assert_nothing_held(llm)
+
+
+def test_the_seeds_config_keys_serve_with_identical_tokens(tiny_llama, reference):
+    """SimpleCPUOffloadConnector's keys (total bytes over the world, per rank, lazy_offload) size and run kvkit."""
+    seed = {"cpu_bytes_to_use": "4MiB", "cpu_bytes_to_use_per_rank": "4MiB", "lazy_offload": False}
+    with engine(tiny_llama, extra_config=seed) as llm:
+        sched, _ = connectors(llm)
+        assert sched.settings.num_cpu_blocks == sched.manager.kv.blocks_for(4 << 20)
+        turns = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
+        assert [t.outputs for t in turns] == [t.outputs for t in reference]
+        assert all(t.kvkit_loaded_tokens > 0 for t in turns[1:])
+
+
+def test_a_vllm_outside_the_supported_range_is_refused_by_name():
+    """Importing the connector under another vLLM release fails at once, naming the version and the range."""
+    from kvkit.integrations.vllm import SUPPORTED_VLLM, check_vllm_version
+
+    check_vllm_version(vllm.__version__)
+    for version in ("0.31.2", "0.33.0", "not-a-version"):
+        with pytest.raises(ConfigError, match=f"found vLLM {version!r}"):
+            check_vllm_version(version)
+    code = "import vllm; vllm.__version__ = '0.40.1'; import kvkit.integrations.vllm"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=_CLEAN_ENV, check=False)
+    assert proc.returncode != 0
+    assert f"supports vLLM {SUPPORTED_VLLM}, found vLLM '0.40.1'" in proc.stderr
 
 
 @pytest.mark.timeout(300)
@@ -255,3 +350,207 @@ def test_multiprocess_mode_matches_the_in_process_reference(tiny_llama, referenc
     assert [t["outputs"] for t in turns] == [t.outputs for t in reference]
     assert turns[0]["kvkit_loaded_tokens"] == 0
     assert all(t["kvkit_loaded_tokens"] > 0 for t in turns[1:])
+
+
+# vLLM's hybrid allocator shares one pool between Gemma-3's two groups: 20 blocks hold no more
+# than 10 do for one group (the pool must fit one 256-token request in both groups).
+WINDOWED = [("tiny_mistral", 10), ("tiny_gemma3", 20)]
+
+
+@pytest.mark.parametrize("model, gpu_blocks", WINDOWED, ids=["mistral", "gemma3"])
+def test_sliding_window_groups_get_cpu_hits_with_identical_tokens(model, gpu_blocks, request):
+    """One sliding-window group, and full + sliding-window groups: every group loads, windows only their tail."""
+    path = request.getfixturevalue(model)
+    reference = run_reference(path, MULTI_TURN, gpu_blocks=gpu_blocks)
+    with engine(path, gpu_blocks=gpu_blocks) as llm:
+        orders = record_orders(llm)
+        turns = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
+        assert [t.outputs for t in turns] == [t.outputs for t in reference]
+        assert all(t.kvkit_loaded_tokens > 0 for t in turns[1:])
+        sched, _ = connectors(llm)
+        groups = sched.manager.kv.groups
+        hit_blocks = sched.stats.hit_tokens_cpu.value // sched.manager.kv.block_size
+        loaded = Counter()
+        for _, order in orders:
+            for _, plan in order.plan.loads:
+                loaded[plan.group] += len(plan)
+        for g, group in enumerate(groups):
+            if group.kind is GroupKind.FULL:
+                assert loaded[g] == hit_blocks
+            else:  # only the blocks inside the window before each hit's end
+                assert 0 < loaded[g] < hit_blocks
+        assert {g.kind for g in groups} == ({GroupKind.SLIDING_WINDOW} if model == "tiny_mistral"
+                                             else {GroupKind.SLIDING_WINDOW, GroupKind.FULL})
+        assert_nothing_held(llm)
+
+
+def test_stores_come_at_the_step_that_computes_their_blocks_even_after_idle_steps(tiny_llama):
+    """vLLM skips update_connector_output on idle steps; the next request's stores still come on time."""
+    with engine(tiny_llama) as llm:
+        sched, _ = connectors(llm)
+        orders = record_orders(llm)
+        update, updates = sched.update_connector_output, []
+        sched.update_connector_output = lambda out: (updates.append(out), update(out))
+        prompts = [ex.user_messages(llm.get_tokenizer(), 1, 1, 40, seed=s)[0][0] for s in (1, 2, 3)]
+        for prompt in prompts:  # each alone, then idle steps (no forward pass, empty connector output)
+            replay(llm, [prompt], 4)
+            settle(llm)
+        assert len(updates) < len(orders)  # vLLM skipped callbacks
+        first_steps = []
+        for i, (scheduled, order) in enumerate(orders):
+            if scheduled and not any(scheduled.keys() & s for s, _ in orders[:i]):
+                first_steps.append(order)
+        assert len(first_steps) == len(prompts)
+        for prompt, order in zip(prompts, first_steps):  # the prefill's step stores the prompt's full blocks
+            assert sum(len(p) for _, p in order.plan.stores) == len(prompt) // 32
+        assert_nothing_held(llm)
+
+
+def test_kv_events_report_blocks_stored_to_and_removed_from_the_cpu_tier(tiny_llama, tmp_path):
+    """vLLM publishes BlockStored/BlockRemoved (medium CPU) for kvkit's stores, evictions and reset."""
+    import msgspec
+    import zmq
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import KVEventBatch
+
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        with engine(tiny_llama, cpu_bytes="512KiB", kv_events_config=config) as llm:  # 16 CPU blocks: evictions
+            sub.connect(endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+            time.sleep(0.3)  # the subscription reaches the publisher
+            messages = messages_for(llm, MULTI_TURN)
+            ex.serve(llm, messages, MULTI_TURN["max_tokens"])
+            settle(llm)
+            reset_prefix_cache(llm, connector=True)
+            replay(llm, [messages[0][0][:20]], 1)  # a step after the reset publishes its removals
+            sched, _ = connectors(llm)
+            stats = sched.stats
+            decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+            gpu_stored, cpu = set(), Counter()
+            cpu_held: set = set()
+            while sub.poll(500):
+                _, _, payload = sub.recv_multipart()
+                for event in decoder.decode(payload).events:
+                    if getattr(event, "medium", None) == "GPU" and type(event).__name__ == "BlockStored":
+                        gpu_stored.update(event.block_hashes)
+                    elif getattr(event, "medium", None) == "CPU":
+                        kind = type(event).__name__
+                        cpu[kind] += len(event.block_hashes)
+                        if kind == "BlockStored":
+                            assert set(event.block_hashes) <= gpu_stored  # the CPU tier holds vLLM's own hashes
+                            cpu_held.update(event.block_hashes)
+                        else:
+                            assert set(event.block_hashes) <= cpu_held  # removed only what was stored
+                            cpu_held.difference_update(event.block_hashes)
+        assert cpu["BlockStored"] == stats.blocks_stored.value > 0
+        assert stats.evictions_cpu.value > 0
+        assert cpu["BlockRemoved"] == cpu["BlockStored"]  # evictions, then the reset removed the rest
+        assert not cpu_held
+    finally:
+        sub.close(linger=0)
+        context.term()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 60) -> str:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def _metrics(base: str) -> dict[str, float]:
+    """Every sample of ``/metrics`` summed over labels, by name (``vllm:kvkit_*`` among them)."""
+    out: Counter = Counter()
+    for line in _http(f"{base}/metrics").splitlines():
+        if match := re.match(r"^([a-zA-Z_:][\w:]*)(?:\{[^}]*\})? ([-+0-9.eE]+|NaN)$", line):
+            out[match[1]] += float(match[2])
+    return out
+
+
+def _idle_metrics(base: str) -> dict[str, float]:
+    """``/metrics`` once no request runs or waits and kvkit holds nothing (gauges at 0)."""
+    for _ in range(100):
+        m = _metrics(base)
+        if (m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
+                and m["vllm:kvkit_transfers_in_flight"] == 0 and m["vllm:kvkit_gpu_blocks_held"] == 0):
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"the server never went idle: {dict(m)}")
+
+
+@pytest.mark.timeout(600)
+def test_openai_server_exposes_kvkit_metrics_and_a_1000_request_soak_holds_nothing(tiny_llama, tmp_path):
+    """One --kv-transfer-config line on the OpenAI server: vllm:kvkit_* on /metrics, no growth in held blocks."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    kv_config = {"kv_connector": "KVKitConnector", "kv_connector_module_path": "kvkit.integrations.vllm",
+                 "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": "1MiB"}}
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_llama),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", "32",
+            "--max-model-len", "256", "--num-gpu-blocks-override", "10", "--kv-cache-memory-bytes",
+            str(10 << 20), "--enforce-eager", "--enable-prefix-caching", "--max-num-seqs", "8",
+            "--kv-transfer-config", json.dumps(kv_config)]
+    def prefix(p):
+        return [(7 * p + 3 * i) % 400 + 10 for i in range(96)]
+
+    # Eight three-block prefixes shared by 4 requests in 5, every fifth prefix unique: through a
+    # 10-block GPU pool and a 32-block CPU tier, hits on the shared ones and evictions of the others.
+    prompts = [prefix(1000 + i if i % 5 == 0 else i % 8) + [i % 397 + 3, i % 389 + 5] for i in range(1000)]
+    with engine(tiny_llama, kvkit=False) as llm:  # the first 40 without the connector
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:40]],
+                               SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+        reference = [r.outputs[0].text for r in results]
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(args, env=_CLEAN_ENV, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                              start_new_session=True)
+    try:
+        for _ in range(600):
+            try:
+                _http(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+                time.sleep(0.5)
+        model = json.loads(_http(f"{base}/v1/models"))["data"][0]["id"]
+
+        def complete(prompt):
+            body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+            return json.loads(_http(f"{base}/v1/completions", body))["choices"][0]["text"]
+
+        with ThreadPoolExecutor(8) as pool:
+            first = list(pool.map(complete, prompts[:500]))
+            half = _idle_metrics(base)
+            second = list(pool.map(complete, prompts[500:]))
+            again = list(pool.map(complete, prompts[:40]))
+        end = _idle_metrics(base)
+        assert first[:40] == again == reference  # whether kvkit served their prefix or not
+        assert end["vllm:kvkit_hit_tokens_cpu_total"] > half["vllm:kvkit_hit_tokens_cpu_total"] > 0
+        for name in ("blocks_stored", "bytes_loaded", "evictions_cpu", "transfer_bytes"):
+            assert end[f"vllm:kvkit_{name}_total"] > 0, name
+        assert "vllm:kvkit_transfer_gbps" in end
+        assert end["vllm:kvkit_transfers_failed_total"] == end["vllm:kvkit_loads_failed_total"] == 0
+        for m in (half, end):  # nothing held once idle, after 500 and after 1,040 requests
+            assert m["vllm:kvkit_gpu_blocks_held"] == m["vllm:kvkit_cpu_blocks_pinned"] == 0
+            assert m["vllm:kv_cache_usage_perc"] == 0
+        assert len(first) + len(second) == 1000
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(30)
+        log.close()

@@ -1,40 +1,103 @@
 """The vLLM connector's parts without vLLM: settings, layouts, and both sides driven by hand.
 
 The scheduler side reads vLLM's requests by attribute, so plain namespaces
-stand in for them; the worker side runs on real tensors in vLLM's CPU layout
-(and, on a GPU, in the CUDA layouts vLLM's attention backends use). The
-end-to-end tests with a real vLLM are in ``test_vllm.py``.
+stand in for them, and vLLM's GPU block pool is :class:`FakeBlockPool` (the
+attributes and the reference semantics ``VllmGpuPool`` relies on); the worker
+side runs on real tensors in vLLM's CPU layout (and, on a GPU, in the CUDA
+layouts vLLM's attention backends use, with KV groups overlaid on one buffer
+as vLLM's hybrid allocator does). The end-to-end tests with a real vLLM are
+in ``test_vllm.py``.
 """
 
 from types import SimpleNamespace
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given
 
 from kvkit.config import DEFAULTS
-from kvkit.errors import ConfigError, HashInputError, SpecMismatchError
+from kvkit.errors import ConfigError, HashInputError, PoolUsageError, RefcountError, SpecMismatchError
+from kvkit.integrations._vllm_gpu_pool import VllmGpuPool
 from kvkit.integrations._vllm_scheduler import (
     LOADED_TOKENS_KEY,
     RELOADED_TOKENS_KEY,
     SchedulerSide,
     block_hash,
 )
-from kvkit.integrations._vllm_settings import kv_spec_from_vllm, parse_extra_config
-from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide, detect_layout
-from kvkit.interfaces import KVCacheSpec
+from kvkit.integrations._vllm_settings import kv_spec_from_vllm, kvkit_window, parse_extra_config
+from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide, detect_layout, group_spec
+from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.worker.layouts import allocate_kv
 
 BS = 4
 SPEC = KVCacheSpec(num_layers=2, block_size=BS, num_kv_heads=2, head_dim=8, dtype="float32")
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 NUM_GPU_BLOCKS = 12
+# Layer 0 in a sliding-window group of 3 blocks' tokens (vLLM keeps 3 blocks), layer 1 full attention.
+HYBRID = KVCacheSpec(num_layers=2, block_size=BS, num_kv_heads=2, head_dim=8, dtype="float32",
+                     groups=[KVGroupSpec([0], GroupKind.SLIDING_WINDOW, window=2 * BS), KVGroupSpec([1])])
+# Both layers in that sliding-window group (a Mistral).
+WINDOWED = attrs.evolve(HYBRID, groups=[KVGroupSpec([0, 1], GroupKind.SLIDING_WINDOW, window=2 * BS)])
 
 
-def settings(**extra):
+def settings(kv=SPEC, **extra):
     extra.setdefault("cpu_blocks", 8)
-    return parse_extra_config(extra, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=1, device="cpu")
+    return parse_extra_config(extra, kv=kv, gpu_blocks=NUM_GPU_BLOCKS, world_size=1, device="cpu")
+
+
+class FakeBlockPool:
+    """vLLM's GPU ``BlockPool`` as far as the connector reads it: blocks, a free queue, touch and free.
+
+    Block 0 is the null block (vLLM does not count its references). The free
+    queue starts in id order; ``free_blocks`` appends a cached block at the
+    tail (evicted last) and puts an uncached one at the head, as vLLM does.
+    """
+
+    def __init__(self, num_blocks=NUM_GPU_BLOCKS):
+        self.num_gpu_blocks = num_blocks
+        self.blocks = [SimpleNamespace(block_id=i, ref_cnt=0, block_hash=None, is_null=i == 0)
+                       for i in range(num_blocks)]
+        self.queue = self.blocks[1:]
+        self.free_block_queue = self
+
+    def iter_blocks_after(self, cursor):
+        assert cursor is None
+        return iter(list(self.queue))
+
+    def get_num_free_blocks(self):
+        return len(self.queue)
+
+    def touch(self, blocks):
+        for b in blocks:
+            if b.ref_cnt == 0 and not b.is_null:
+                self.queue.remove(b)
+            b.ref_cnt += 1
+
+    def free_blocks(self, blocks):
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0 and not b.is_null:
+                (self.queue.append if b.block_hash is not None else lambda b: self.queue.insert(0, b))(b)
+
+    def allocate(self, ids):
+        """vLLM hands blocks ``ids`` to a request."""
+        for i in ids:
+            self.queue.remove(self.blocks[i])
+            self.blocks[i].ref_cnt = 1
+        return list(ids)
+
+    def free(self, ids):
+        """vLLM frees a request's blocks (null entries skipped), tail first."""
+        self.free_blocks([self.blocks[i] for i in reversed(ids) if i])
+
+    def cache(self, i, digest):
+        """vLLM's prefix cache stamps block ``i`` (its key: the digest and a 4-byte group id)."""
+        self.blocks[i].block_hash = digest + bytes(4)
+
+    def refs(self, ids):
+        return [self.blocks[i].ref_cnt for i in ids]
 
 
 def vllm_request(rid, num_tokens, prefix=b""):
@@ -51,8 +114,9 @@ def test_cpu_bytes_size_the_tier_in_blocks_of_the_kv_spec():
     """``cpu_bytes`` becomes whole blocks of the spec: the one figure both sides use."""
     s = settings(cpu_blocks=None, cpu_bytes=10 * SPEC.bytes_per_block + 1)
     assert s.num_cpu_blocks == 10
-    assert SchedulerSide.from_settings(s).manager.cpu.num_blocks == 10
-    assert WorkerSide.from_settings(s, LAYERS).engine.num_cpu_blocks == 10
+    pool = VllmGpuPool(FakeBlockPool())
+    assert SchedulerSide.from_settings(s, pool, tables=None).manager.cpu.num_blocks == 10
+    assert WorkerSide.from_settings(s, [LAYERS]).num_cpu_blocks == 10
 
 
 def test_every_problem_of_the_extra_config_is_reported_at_once():
@@ -76,10 +140,49 @@ def test_the_old_eviction_key_still_works_and_warns():
         settings(eviction="fifo", cpu_eviction="lru")
 
 
-def test_a_write_back_store_policy_is_refused():
-    """``store="lazy"`` needs the GPU pool's eviction order, which vLLM does not expose."""
+def test_a_write_back_store_policy_needs_one_kv_group():
+    """``store="lazy"`` writes back single GPU blocks: fine with one KV group, refused with several."""
+    assert settings(store="lazy").stack.store == "lazy"
     with pytest.raises(ConfigError, match="write-back"):
-        settings(store="lazy")
+        settings(kv=HYBRID, store="lazy")
+
+
+@pytest.mark.parametrize("extra, per_worker", [
+    ({"cpu_bytes_to_use": 8 * SPEC.bytes_per_block}, 4),  # the seed's total, over 2 workers
+    ({"cpu_bytes_to_use_per_rank": 4 * SPEC.bytes_per_block}, 4),
+    ({"cpu_bytes_to_use": 8 * SPEC.bytes_per_block, "cpu_bytes_to_use_per_rank": 4 * SPEC.bytes_per_block,
+      "cpu_bytes": 4 * SPEC.bytes_per_block}, 4),  # all three agree
+])
+def test_the_seeds_capacity_keys_size_each_worker(extra, per_worker):
+    """``cpu_bytes_to_use`` is the total over the world, ``cpu_bytes_to_use_per_rank`` per rank."""
+    s = parse_extra_config(extra, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=2, device="cpu")
+    assert s.num_cpu_blocks == per_worker
+
+
+@pytest.mark.parametrize("extra, needles", [
+    ({"cpu_bytes_to_use": "8MiB", "cpu_bytes_to_use_per_rank": "8MiB"}, ["disagree", "total over 2 workers"]),
+    ({"cpu_bytes": "1MiB", "cpu_bytes_to_use": "8MiB"}, ["disagree", "'1MiB'", "'8MiB'"]),
+    ({"cpu_blocks": 4, "cpu_bytes_to_use": "8MiB"}, ["cpu_blocks=4", "give cpu_blocks or bytes"]),
+    ({"cpu_bytes_to_use": "lots"}, ["'lots'"]),
+    ({"cpu_blocks": 4, "lazy_offload": True, "store": "eager"}, ["lazy_offload=True contradicts store='eager'"]),
+    ({"cpu_blocks": 4, "lazy_offload": False, "store": "lazy"}, ["lazy_offload=False contradicts store='lazy'"]),
+    ({"cpu_blocks": 4, "lazy_offload": "yes"}, ["'yes'", "true or false"]),
+    ({"cpu_blocks": 4, "async_load": 1}, ["async_load", "true or false"]),
+])
+def test_contradicting_or_bad_seed_keys_are_refused(extra, needles):
+    """Capacity keys that disagree, cpu_blocks beside bytes, and lazy_offload against store: one problem each."""
+    with pytest.raises(ConfigError) as info:
+        parse_extra_config(extra, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=2, device="cpu")
+    assert len(info.value.problems) == 1, info.value.problems
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_lazy_offload_picks_the_write_back_store():
+    """``lazy_offload: true`` is ``store="lazy"``; ``false`` keeps the default (or the given) policy."""
+    assert settings(lazy_offload=True).stack.store == "lazy"
+    assert settings(lazy_offload=False).stack.store == DEFAULTS.store
+    assert settings(lazy_offload=False, store="selective").stack.store == "selective"
 
 
 def test_the_capacity_is_required():
@@ -88,28 +191,56 @@ def test_the_capacity_is_required():
         settings(cpu_blocks=None)
 
 
-def _kv_cache_config(*specs):
-    groups = [SimpleNamespace(layer_names=LAYERS, kv_cache_spec=s) for s in specs]
+def _attention(name="FullAttentionSpec", block_size=BS, **fields):
+    """A stand-in for a vLLM KV cache spec: its class name says the kind (as vLLM's classes do)."""
+    fields = {"num_kv_heads": 2, "head_size": 8, "head_size_v": 8, "dtype": torch.float32} | fields
+    return type(name, (SimpleNamespace,), {})(block_size=block_size, **fields)
+
+
+def _kv_cache_config(*specs, layers=(LAYERS,)):
+    groups = [SimpleNamespace(layer_names=names, kv_cache_spec=s) for s, names in zip(specs, layers, strict=True)]
     return SimpleNamespace(kv_cache_groups=groups, num_blocks=NUM_GPU_BLOCKS)
 
 
 def test_kv_spec_is_read_from_vllms_kv_cache_config():
     """One attention group gives layers, block size, heads, head size and dtype."""
-    attn = SimpleNamespace(block_size=BS, num_kv_heads=2, head_size=8, head_size_v=8, dtype=torch.float32)
-    assert kv_spec_from_vllm(_kv_cache_config(attn)) == SPEC
+    assert kv_spec_from_vllm(_kv_cache_config(_attention())) == SPEC
+
+
+def test_hybrid_groups_become_kvkit_groups_with_vllms_windows():
+    """A sliding-window group and a full group: layers numbered group after group, the window vLLM keeps."""
+    config = _kv_cache_config(_attention("SlidingWindowSpec", sliding_window=3 * BS), _attention(),
+                              layers=(LAYERS[:1], LAYERS[1:]))
+    assert kv_spec_from_vllm(config) == HYBRID
+    assert HYBRID.groups[0].blocks_needed(10 * BS, BS) == 3  # the blocks holding tokens [T - 3*BS + 1, T)
+
+
+@given(st.integers(2, 600), st.sampled_from([1, 4, 16, 32]), st.integers(1, 60))
+def test_kvkit_window_loads_exactly_the_blocks_vllm_keeps(window, block_size, stop):
+    """At any block-aligned hit end T, kvkit loads the blocks vLLM keeps: those of tokens [T - window + 1, T)."""
+    if window <= block_size + 1:
+        with pytest.raises(ConfigError, match="one block"):
+            kvkit_window(window, block_size)
+        return
+    group = KVGroupSpec([0], GroupKind.SLIDING_WINDOW, kvkit_window(window, block_size))
+    end = stop * block_size
+    first_kept = max(0, end - window + 1) // block_size  # vLLM nulls the blocks before it
+    assert group.blocks_needed(end, block_size) == stop - first_kept
 
 
 @pytest.mark.parametrize("specs, match", [
-    ((), "exactly one KV cache group"),
-    ((SimpleNamespace(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32),) * 2,
-     "exactly one KV cache group"),
-    ((SimpleNamespace(block_size=BS, num_kv_heads=1, head_size=576, head_size_v=0,
-                      dtype=torch.bfloat16),), "equal head size"),
+    ((), "at least one KV cache group"),
+    ((_attention(head_size=576, head_size_v=0, dtype=torch.bfloat16),), "equal size"),
+    ((_attention("MLAAttentionSpec", head_size_v=None),), "MLAAttentionSpec"),
+    ((_attention("MambaSpec"),), "MambaSpec"),
+    ((_attention(), _attention(num_kv_heads=4)), "one block size, KV head count"),
+    ((_attention("SlidingWindowSpec", sliding_window=BS),), "one block per window"),
 ])
 def test_unsupported_kv_cache_configs_are_refused(specs, match):
-    """Hybrid (several groups) and MLA-like (no separate V) caches raise ConfigError."""
+    """MLA, Mamba, groups of different shapes and one-block windows raise ConfigError."""
+    layers = [LAYERS[i:i + 1] for i in range(len(specs))] if len(specs) > 1 else [LAYERS] * len(specs)
     with pytest.raises(ConfigError, match=match):
-        kv_spec_from_vllm(_kv_cache_config(*specs))
+        kv_spec_from_vllm(_kv_cache_config(*specs, layers=layers))
 
 
 # -- hashes and layouts ---------------------------------------------------------------------
@@ -144,43 +275,114 @@ def test_two_block_caches_are_ambiguous_and_wrong_shapes_are_refused():
         detect_layout(SPEC, [torch.empty(5, BS, 2, 8)] * 2)
 
 
+# -- vLLM's GPU pool ----------------------------------------------------------------------
+
+
+def test_gpu_references_are_vllms_touch_and_free():
+    """incref keeps a block out of vLLM's free queue, decref puts it back; empty and null blocks are refused."""
+    fake = FakeBlockPool()
+    pool = VllmGpuPool(fake)
+    fake.allocate([1, 2])
+    fake.cache(1, b"h1")
+    fake.free([1, 2])  # 1 is cached and free, 2 empty
+    assert pool.num_free == NUM_GPU_BLOCKS - 1 and pool.block_hash(1) == block_hash(b"h1")
+    pool.incref([1])  # a cached free block (write-back) leaves the free queue
+    assert pool.num_free == NUM_GPU_BLOCKS - 2 and pool.refcount(1) == 1
+    for bad in ([2], [0]):
+        with pytest.raises(RefcountError):
+            pool.incref(bad)
+    pool.decref([1])
+    with pytest.raises(RefcountError):
+        pool.decref([1])
+    assert pool.num_free == NUM_GPU_BLOCKS - 1
+    pool.check_invariants()
+    for call in (lambda: pool.allocate(1), lambda: pool.lookup([1]), lambda: pool.touch([1]),
+                 lambda: pool.commit([1], [1]), pool.reset):
+        with pytest.raises(PoolUsageError):
+            call()
+
+
+def test_eviction_candidates_are_the_cached_blocks_vllm_hands_out_next():
+    """The next n free-queue entries, cached ones only, in vLLM's eviction order."""
+    fake = FakeBlockPool()
+    pool = VllmGpuPool(fake)
+    fake.allocate([3, 4, 5])
+    for i in (3, 5):
+        fake.cache(i, bytes([i]))
+    fake.free([3, 4, 5])  # 4 (uncached) goes to the head; 5 then 3 join the tail
+    assert pool.eviction_candidates(3) == []  # 4, 1, 2: no cached block among the next three
+    assert pool.eviction_candidates(NUM_GPU_BLOCKS) == [5, 3]
+
+
 # -- both sides, by hand --------------------------------------------------------------------
 
 
-def _sides(layout="vllm-cpu", device="cpu", **extra):
-    s = settings(**extra)
-    sched = SchedulerSide.from_settings(s)
-    worker = WorkerSide.from_settings(s, LAYERS)
-    kv = allocate_kv(SPEC, layout, NUM_GPU_BLOCKS, device)
-    for t in kv:
-        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(7)).to(device))
-    worker.register(dict(zip(LAYERS, kv)))
-    return sched, worker
+def _sides(layout="vllm-cpu", device="cpu", kv=SPEC, overlay=False, **extra):
+    """Both sides over a fake vLLM pool and real tensors; with ``overlay`` every group's layers share memory."""
+    s = settings(kv=kv, **extra)
+    fake = FakeBlockPool()
+    tables = {}
+    sched = SchedulerSide.from_settings(s, VllmGpuPool(fake), tables=tables.__getitem__)
+    names = [[LAYERS[i] for i in g.layers] for g in kv.groups]
+    worker = WorkerSide.from_settings(s, names)
+    generator = torch.Generator().manual_seed(7)
+    shared = None
+    caches = {}
+    for g, group_names in enumerate(names):
+        if shared is None or not overlay:
+            shared = allocate_kv(group_spec(kv, g), layout, NUM_GPU_BLOCKS, device)
+            for t in shared:
+                t.copy_(torch.randn(t.shape, generator=generator).to(device))
+        caches |= dict(zip(group_names, shared))
+    worker.register(caches)
+    return SimpleNamespace(sched=sched, worker=worker, pool=fake, tables=tables, device=device)
 
 
-def _step(sched, worker, *, scheduled=(), preempted=(), finished=()):
-    """One engine step: plan, run on the worker (stores, loads), report back."""
-    order = sched.build(preempted=preempted, new_blocks=(), scheduled=scheduled)
-    worker.before_forward(order)
-    worker.load(order)
-    worker.after_forward(order)
-    sent = worker.finished_sending(finished, order)
-    sched.completed(worker.take_results())
-    return order, sent
+def _step(sides, scheduled=(), new_blocks=(), preempted=()):
+    """One engine step: plan (before vLLM advances the ``(request, tokens)`` scheduled), loads, forward, stores."""
+    order = sides.sched.build(preempted=preempted, new_blocks=new_blocks,
+                              scheduled={r.request_id: n for r, n in scheduled})
+    for r, n in scheduled:
+        r.num_computed_tokens += n
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    if sides.device == "cuda":
+        torch.cuda.synchronize()  # the step's stores are done: the next poll reports them
+    sides.sched.completed(sides.worker.take_results())
+    return order
 
 
-def _prefilled(sched, worker, name, num_tokens, blocks):
-    """A new request looked up, allocated ``blocks`` and run through one forward pass."""
-    request = vllm_request(name, num_tokens)
-    sched.matched_tokens(request, 0)
-    sched.allocated(request, [blocks], 0)
-    _step(sched, worker, scheduled=[name])
-    request.num_computed_tokens = request.num_tokens
+def _admit(sides, name, num_tokens, blocks, hit=0, prefix=b""):
+    """A new request looked up and allocated ``blocks`` (one list per group), ``hit`` tokens accepted."""
+    request = vllm_request(name, num_tokens, prefix)
+    assert sides.sched.matched_tokens(request, 0) >= hit
+    for row in blocks:
+        sides.pool.allocate([b for b in row if b])
+    sides.tables[name] = blocks
+    sides.sched.allocated(request, blocks, hit)
+    request.num_computed_tokens = hit
     return request
 
 
-def _blocks(worker, ids):
-    return [worker.engine.read_block("gpu", b) for b in ids]
+def _finish(sides, request, blocks, aborted=False):
+    """vLLM finishes ``request`` (its table ``blocks``) and frees its blocks at once."""
+    keep, params = sides.sched.finished(request, blocks, aborted=aborted)
+    assert keep is False
+    for row in blocks:
+        sides.pool.free(row)
+    return params
+
+
+def _blocks(sides, ids, group=0):
+    return [sides.worker.engines[group].read_block("gpu", b) for b in ids]
+
+
+def _assert_idle(sides):
+    _step(sides)  # plans any flush
+    sides.sched.check_invariants()
+    sides.worker.check_invariants()
+    assert sides.sched.idle and sides.worker.num_in_flight == 0
+    assert sides.pool.get_num_free_blocks() == NUM_GPU_BLOCKS - 1  # kvkit holds no GPU block
 
 
 @pytest.mark.parametrize("layout, device, extra", [
@@ -190,35 +392,164 @@ def _blocks(worker, ids):
     pytest.param("per-layer", "cuda", {"cpu_layout": "cross-layer"}, marks=pytest.mark.gpu),
     pytest.param("per-layer", "cuda", {"cpu_layout": "cross-layer", "copy": "staged"}, marks=pytest.mark.gpu),
 ])
-def test_a_finished_prefix_is_stored_released_and_loaded_into_the_next_request(layout, device, extra):
-    """Stores run after confirmation, the delayed free ends via finished_sending, a hit loads the bytes."""
-    sched, worker = _sides(layout, device, **extra)
-    a = vllm_request("a", 3 * BS + 1)
-    assert sched.matched_tokens(a, 0) == 0
-    sched.allocated(a, [[1, 2, 3, 4]], 0)
-    _step(sched, worker, scheduled=["a"])
-    a.num_computed_tokens = a.num_tokens  # the forward pass wrote every prompt token
-    stored = _blocks(worker, [1, 2, 3])
-    keep, params = sched.finished(a, aborted=False)  # the flush is not planned yet: keep the blocks
-    assert keep and params == {LOADED_TOKENS_KEY: 0, RELOADED_TOKENS_KEY: 0}
-    order, sent = _step(sched, worker, finished=["a"])
-    assert [len(p) for _, p in order.plan.stores] == [3] and sent is None
-    order, sent = _step(sched, worker)
-    assert order.release == ("a",) and sent == {"a"}
+def test_a_prefix_is_stored_in_the_step_that_computes_it_and_loaded_into_the_next_request(layout, device, extra):
+    """The prefill's own step stores its full blocks (after its forward pass); a later hit loads the bytes."""
+    sides = _sides(layout, device, **extra)
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    order = _step(sides, [(a, a.num_tokens)])
+    assert [p.src.tolist() for _, p in order.plan.stores] == [[1, 2, 3]]
+    stored = _blocks(sides, [1, 2, 3])
+    assert _finish(sides, a, [[1, 2, 3, 4]]) == {LOADED_TOKENS_KEY: 0, RELOADED_TOKENS_KEY: 0}
 
-    b = vllm_request("b", 3 * BS + 2)
-    assert sched.matched_tokens(b, 0) == 3 * BS  # capped so one token is recomputed
-    sched.allocated(b, [[7, 5, 9, 10]], 3 * BS)
-    order, _ = _step(sched, worker, scheduled=["b"])
+    b = _admit(sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)  # capped: one token recomputed
+    order = _step(sides, [(b, 2)])
     assert [p.dst.tolist() for _, p in order.plan.loads] == [[7, 5, 9]]
-    assert _blocks(worker, [7, 5, 9]) == stored
-    assert worker.take_load_errors() == set()
-    b.num_computed_tokens = b.num_tokens
-    assert sched.finished(b, aborted=True)[1][LOADED_TOKENS_KEY] == 3 * BS
-    _step(sched, worker, finished=["b"])
-    sched.check_invariants()
-    worker.check_invariants()
-    assert sched.idle
+    assert _blocks(sides, [7, 5, 9]) == stored
+    assert sides.worker.take_load_errors() == set()
+    assert _finish(sides, b, [[7, 5, 9, 10]], aborted=True)[LOADED_TOKENS_KEY] == 3 * BS
+    _assert_idle(sides)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["per-layer", "blocks-first"])
+def test_a_store_waits_for_the_forward_pass_that_writes_its_block(layout):
+    """The step's stores are submitted right after a forward pass still running on the GPU: they copy its result."""
+    sides = _sides(layout, "cuda")
+    a = _admit(sides, "a", 2 * BS + 1, [[1, 2, 3]])
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"a": a.num_tokens})
+    engine = sides.worker.engines[0]
+    torch.cuda._sleep(200_000_000)  # the "forward pass": a long kernel, then the writes of blocks 1 and 2
+    for t in engine.gpu_kv:
+        (t[:, 1:3] if layout == "per-layer" else t[1:3]).fill_(7.0)
+    sides.worker.load(order)
+    sides.worker.after_forward(order)  # submits the stores while the kernel still runs
+    torch.cuda.synchronize()
+    sides.sched.completed(sides.worker.take_results())
+    stored = [c for _, p in order.plan.stores for c in p.dst.tolist()]
+    assert len(stored) == 2
+    assert all(bool((piece == 7.0).all()) for c in stored for piece in engine.block_pieces("cpu", c))
+
+
+def test_a_store_source_stays_referenced_until_its_copy_is_reported():
+    """vLLM frees a finished request's blocks at once; kvkit's reference keeps them until the results come."""
+    sides = _sides()
+    a = _admit(sides, "a", 2 * BS + 1, [[1, 2, 3]])
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"a": a.num_tokens})
+    assert sides.pool.refs([1, 2, 3]) == [2, 2, 1]  # the request's and the planned store's
+    assert sides.sched.busy
+    _finish(sides, a, [[1, 2, 3]])  # the flush holds them too, until the next build drops its duplicates
+    assert min(sides.pool.refs([1, 2])) >= 1 and sides.pool.get_num_free_blocks() == NUM_GPU_BLOCKS - 3
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    sides.sched.completed(sides.worker.take_results())
+    _assert_idle(sides)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_overlaid_groups_store_and_load_each_groups_blocks(device):
+    """Full + sliding-window groups on one shared buffer: each group's blocks go to its own CPU piece."""
+    layout = "vllm-cpu" if device == "cpu" else "per-layer"
+    sides = _sides(layout, device, kv=HYBRID, overlay=True)
+    assert sides.worker.engines[0].gpu_kv[0].data_ptr() == sides.worker.engines[1].gpu_kv[0].data_ptr()
+    window, full = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    a = _admit(sides, "a", 4 * BS + 1, [window, full])
+    order = _step(sides, [(a, a.num_tokens)])
+    assert sorted((p.group, p.src.tolist()) for _, p in order.plan.stores) == [(0, [1, 2, 3, 4]), (1, [6, 7, 8, 9])]
+    stored = (_blocks(sides, [2, 3, 4], 0), _blocks(sides, [6, 7, 8, 9], 1))
+    sides.pool.free([1])  # vLLM frees the block before the window (null in its table from now)
+    _finish(sides, a, [[0] + window[1:], full])
+
+    b = _admit(sides, "b", 4 * BS + 1, [[0, 7, 1, 2, 11], [3, 4, 5, 10, 6]], hit=4 * BS)
+    order = _step(sides, [(b, 1)])  # the window's group loads its last 3 hit blocks only
+    assert sorted((p.group, p.dst.tolist()) for _, p in order.plan.loads) == [(0, [7, 1, 2]), (1, [3, 4, 5, 10])]
+    assert (_blocks(sides, [7, 1, 2], 0), _blocks(sides, [3, 4, 5, 10], 1)) == stored
+    _finish(sides, b, [[0, 7, 1, 2, 11], [3, 4, 5, 10, 6]])
+    _assert_idle(sides)
+
+
+def test_a_block_vllm_freed_out_of_the_window_may_come_back_to_the_same_request():
+    """vLLM frees blocks before the window and may append one again: kvkit reads its live table."""
+    sides = _sides(kv=WINDOWED)
+    a = _admit(sides, "a", 4 * BS, [[1, 2, 3, 4]])
+    _step(sides, [(a, 4 * BS - 1)])
+    sides.pool.free([1])
+    sides.pool.allocate([1])  # vLLM freed position 0 (out of the window) and hands block 1 back
+    sides.tables["a"] = [[0, 2, 3, 4, 1]]
+    a.num_tokens += BS
+    a.block_hashes.append(bytes([9]) * 32)
+    _step(sides, [(a, 1)], new_blocks=[("a", [[1]])])
+    _finish(sides, a, [[0, 2, 3, 4, 1]])
+    _assert_idle(sides)
+
+
+def test_the_finish_flush_reads_no_block_vllm_freed_out_of_the_window():
+    """Blocks dropped for lack of CPU room are flushed at the finish, except those vLLM nulled."""
+    sides = _sides(kv=WINDOWED, cpu_blocks=2)
+    a = _admit(sides, "a", 6 * BS + 1, [[1, 2, 3, 4, 5, 6, 7]])
+    order = _step(sides, [(a, a.num_tokens)])
+    assert sum(len(p) for _, p in order.plan.stores) == 2  # the CPU tier holds two blocks
+    assert sides.sched.manager.stats.stores_dropped.value == 4
+    table = [[0, 0, 0, 0, 5, 6, 7]]  # vLLM freed the blocks before the window
+    sides.pool.free([1, 2, 3, 4])
+    sides.pool.allocate([1, 2])  # and gave two of them to another request
+    _finish(sides, a, table)
+    order = _step(sides)
+    assert {b for _, p in order.plan.stores for b in p.src.tolist()} == {5, 6}
+    sides.pool.free([1, 2])
+    _assert_idle(sides)
+
+
+@pytest.mark.parametrize("layout, device", [("vllm-cpu", "cpu"), pytest.param("per-layer", "cuda", marks=pytest.mark.gpu)])
+def test_lazy_stores_the_blocks_vllm_evicts_next_and_serves_them(layout, device):
+    """Write-back: nothing stored on progress; vLLM's next eviction candidates are stored, then hit."""
+    sides = _sides(layout, device, store="lazy", options={"store": {"watermark": 1.0}})
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    order = _step(sides, [(a, a.num_tokens)])
+    assert not order.plan.stores
+    for i, h in enumerate(a.block_hashes):
+        sides.pool.cache(i + 1, h)  # vLLM's prefix cache holds the prompt's full blocks
+    _finish(sides, a, [[1, 2, 3, 4]])  # freed, cached: 3, 2, 1 join the free queue's tail
+    order = _step(sides)
+    assert [p.src.tolist() for _, p in order.plan.stores] == [[3, 2, 1]]
+    assert sides.pool.get_num_free_blocks() == NUM_GPU_BLOCKS - 1  # the references dropped with the results
+    b = _admit(sides, "b", 3 * BS + 1, [[5, 6, 7, 8]], hit=3 * BS)
+    order = _step(sides, [(b, 1)])
+    assert [p.dst.tolist() for _, p in order.plan.loads] == [[5, 6, 7]]
+    assert _blocks(sides, [5, 6, 7]) == _blocks(sides, [1, 2, 3])
+    _finish(sides, b, [[5, 6, 7, 8]])
+    sides.sched.check_invariants()
+
+
+@pytest.mark.parametrize("layout, device", [
+    ("vllm-cpu", "cpu"),
+    pytest.param("per-layer", "cuda", marks=pytest.mark.gpu),
+    pytest.param("blocks-first", "cuda", marks=pytest.mark.gpu),
+])
+def test_an_async_load_is_received_once_it_landed_while_the_step_ran_without_it(layout, device):
+    """With async_load the hit's request computes nothing in its load's step and is received once loaded."""
+    sides = _sides(layout, device, async_load=True)
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    _step(sides, [(a, a.num_tokens)])
+    stored = _blocks(sides, [1, 2, 3])
+    _finish(sides, a, [[1, 2, 3, 4]])
+    b = _admit(sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)  # vLLM: WAITING_FOR_REMOTE_KVS
+    c = _admit(sides, "c", BS + 1, [[11, 6]])  # another request runs meanwhile
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"c": c.num_tokens})
+    assert order.receiving == ("b",) and [p.dst.tolist() for _, p in order.plan.loads] == [[7, 5, 9]]
+    assert sides.pool.refs([7, 5, 9]) == [2, 2, 2]  # the destinations stay kvkit's until the load is reported
+    c.num_computed_tokens = c.num_tokens
+    sides.worker.load(order)  # after the forward pass was launched
+    sides.worker.after_forward(order)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert sides.worker.take_received() == {"b"} and sides.worker.take_received() is None
+    assert _blocks(sides, [7, 5, 9]) == stored and sides.worker.take_load_errors() == set()
+    sides.sched.completed(sides.worker.take_results())
+    sides.sched.allocated(b, [[7, 5, 9, 10]], 0)  # vLLM admits it again once received
+    _step(sides, [(b, 2), (c, 1)])
+    _finish(sides, b, [[7, 5, 9, 10]])
+    _finish(sides, c, [[11, 6]])
+    _assert_idle(sides)
 
 
 def test_a_cpu_layout_that_cannot_pair_is_refused():
@@ -229,36 +560,33 @@ def test_a_cpu_layout_that_cannot_pair_is_refused():
         _sides("vllm-cpu", "cpu", cpu_layout="cross-layer")
 
 
-def test_preemption_sets_a_barrier_and_a_resumed_request_reloads():
+def test_preemption_frees_at_once_and_a_resumed_request_reloads():
     """A preempted request is looked up afresh; its reload counts apart from the first hit."""
-    sched, worker = _sides()
-    a = _prefilled(sched, worker, "a", 2 * BS + 1, [1, 2, 3])
-    _step(sched, worker, scheduled=["a"])  # confirms both full blocks
-    order, _ = _step(sched, worker)  # stores them
-    assert not order.barrier
+    sides = _sides()
+    a = _admit(sides, "a", 2 * BS + 1, [[1, 2, 3]])
+    _step(sides, [(a, a.num_tokens)])
+    sides.pool.free([1, 2, 3])  # vLLM preempts it and frees its blocks
     a.num_computed_tokens, a.num_preemptions = 0, 1
-    order, _ = _step(sched, worker, preempted=["a"])
-    assert order.barrier and sched.num_preemptions == 1
-    assert sched.matched_tokens(a, 0) == 2 * BS
-    sched.allocated(a, [[4, 5, 6]], 2 * BS)
-    _step(sched, worker, scheduled=["a"])
-    a.num_computed_tokens = a.num_tokens
-    _, params = sched.finished(a, aborted=False)
-    assert params == {LOADED_TOKENS_KEY: 0, RELOADED_TOKENS_KEY: 2 * BS}
-    sched.check_invariants()
+    _step(sides, preempted=["a"])
+    assert sides.sched.num_preemptions == 1
+    assert sides.sched.matched_tokens(a, 0) == 2 * BS
+    sides.pool.allocate([4, 5, 6])
+    sides.sched.allocated(a, [[4, 5, 6]], 2 * BS)
+    a.num_computed_tokens = 2 * BS
+    _step(sides, [(a, 1)])
+    assert _finish(sides, a, [[4, 5, 6]]) == {LOADED_TOKENS_KEY: 0, RELOADED_TOKENS_KEY: 2 * BS}
+    _assert_idle(sides)
 
 
 def test_after_reset_nothing_is_served():
     """``reset_cache`` empties the tier: a request with a stored prefix gets no hit."""
-    sched, worker = _sides()
-    a = _prefilled(sched, worker, "a", 2 * BS + 1, [1, 2, 3])
-    sched.finished(a, aborted=False)
-    for _ in range(3):
-        _step(sched, worker, finished=["a"])
-    assert sched.matched_tokens(vllm_request("b", 2 * BS + 1), 0) == 2 * BS
-    assert sched.reset()
-    assert sched.matched_tokens(vllm_request("c", 2 * BS + 1), 0) == 0
-
+    sides = _sides()
+    a = _admit(sides, "a", 2 * BS + 1, [[1, 2, 3]])
+    _step(sides, [(a, a.num_tokens)])
+    _finish(sides, a, [[1, 2, 3]])
+    assert sides.sched.matched_tokens(vllm_request("b", 2 * BS + 1), 0) == 2 * BS
+    assert sides.sched.reset()
+    assert sides.sched.matched_tokens(vllm_request("c", 2 * BS + 1), 0) == 0
 
 
 def test_ci_follows_the_readme_recipe_for_vllm_on_the_cpu():

@@ -9,11 +9,15 @@ bare ``import vllm_model`` fails unless something adds this folder: either
 It imports only the standard library at module level, so it can be imported
 where vLLM and transformers are missing.
 
-The checkpoint is a byte-level BPE tokenizer trained on generated text and a
-2-layer ``LlamaForCausalLM`` with seeded random weights, saved with
-``save_pretrained``. Same arguments give byte-identical files. The shapes fit
-vLLM's CPU attention backend (head size 32; it needs block sizes that are
-multiples of 32). Building takes about a second.
+Each checkpoint is a byte-level BPE tokenizer trained on generated text and a
+2-layer model with seeded random weights, saved with ``save_pretrained``:
+``LlamaForCausalLM`` (full attention), ``MistralForCausalLM`` with a sliding
+window on every layer (vLLM: one ``SlidingWindowSpec`` KV group) and
+``Gemma3ForCausalLM`` alternating sliding-window and full-attention layers
+(vLLM's hybrid allocator: one group of each kind). Same arguments give
+byte-identical files. The shapes fit vLLM's CPU attention backend (head size
+32; it needs block sizes that are multiples of 32). Building takes about a
+second.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ __all__ = [
     "NUM_HEADS",
     "NUM_KV_HEADS",
     "NUM_LAYERS",
+    "SLIDING_WINDOW",
+    "build_tiny_gemma3",
     "build_tiny_llama",
+    "build_tiny_mistral",
 ]
 
 NUM_LAYERS = 2
@@ -37,6 +44,8 @@ NUM_HEADS = HIDDEN_SIZE // HEAD_DIM
 # Fewer KV heads than query heads (GQA) so a test can tell the two apart in
 # the KV cache layout.
 NUM_KV_HEADS = 2
+# Two blocks of 32 tokens: a window vLLM keeps in 2 blocks, much shorter than the prompts.
+SLIDING_WINDOW = 64
 
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "qu", "ph", "ox")
 _SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
@@ -76,6 +85,30 @@ def _train_tokenizer(seed: int, vocab_size: int):
     )
 
 
+def _common(tokenizer, max_position_embeddings: int, initializer_range: float) -> dict:
+    return dict(
+        vocab_size=len(tokenizer), hidden_size=HIDDEN_SIZE, intermediate_size=2 * HIDDEN_SIZE,
+        num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+        max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32",
+    )
+
+
+def _save(path: Path, seed: int, tokenizer, model_cls, config) -> Path:
+    import torch
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def build_tiny_llama(
     path: Path,
     *,
@@ -91,31 +124,29 @@ def build_tiny_llama(
     between compute paths (full prefill versus a prefix-cache hit).
     The global torch RNG state is left unchanged.
     """
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(seed, vocab_size)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=2 * HIDDEN_SIZE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=max_position_embeddings,
-        initializer_range=initializer_range,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    config = LlamaConfig(**_common(tokenizer, max_position_embeddings, initializer_range))
+    return _save(path, seed, tokenizer, LlamaForCausalLM, config)
+
+
+def build_tiny_mistral(path: Path, *, seed: int = 0, vocab_size: int = 512,
+                       sliding_window: int = SLIDING_WINDOW, initializer_range: float = 0.2) -> Path:
+    """A Mistral whose every layer attends to the last ``sliding_window`` tokens (as :func:`build_tiny_llama`)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tokenizer = _train_tokenizer(seed, vocab_size)
+    config = MistralConfig(**_common(tokenizer, 4096, initializer_range), sliding_window=sliding_window)
+    return _save(path, seed, tokenizer, MistralForCausalLM, config)
+
+
+def build_tiny_gemma3(path: Path, *, seed: int = 0, vocab_size: int = 512,
+                      sliding_window: int = SLIDING_WINDOW, initializer_range: float = 0.2) -> Path:
+    """A Gemma-3 text model: layer 0 sliding-window, layer 1 full attention (as :func:`build_tiny_llama`)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = _train_tokenizer(seed, vocab_size)
+    config = Gemma3TextConfig(**_common(tokenizer, 4096, initializer_range), sliding_window=sliding_window,
+                              layer_types=["sliding_attention", "full_attention"])
+    return _save(path, seed, tokenizer, Gemma3ForCausalLM, config)

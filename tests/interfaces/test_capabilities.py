@@ -35,8 +35,9 @@ class _HooksOnly:
 
 def test_pin_aware_policy_needs_both_hooks_on_an_eviction_policy():
     """Policies with both hooks are PinAwarePolicy; plain policies, opt-outs and bare hooks are not."""
-    assert isinstance(S3FIFOPolicy(), PinAwarePolicy)
-    assert not isinstance(LRUPolicy(), PinAwarePolicy) and isinstance(LRUPolicy(), EvictionPolicy)
+    assert isinstance(S3FIFOPolicy(), PinAwarePolicy) and isinstance(LRUPolicy(), PinAwarePolicy)
+    plain = type("Plain", (LRUPolicy,), {"on_pin": None, "on_unpin": None})()
+    assert not isinstance(plain, PinAwarePolicy) and isinstance(plain, EvictionPolicy)
     assert not isinstance(_HooksOnly(), PinAwarePolicy)
     opted_out = type("OptedOut", (S3FIFOPolicy,), {"on_pin": None, "on_unpin": None})()
     assert not isinstance(opted_out, PinAwarePolicy)
@@ -46,8 +47,8 @@ def test_pin_hooks_binds_the_pair_or_refuses_half_of_it():
     """pin_hooks returns the bound pair of a PinAwarePolicy, None without hooks, ConfigError for half."""
     policy = S3FIFOPolicy()
     assert pin_hooks(policy) == (policy.on_pin, policy.on_unpin)
-    assert pin_hooks(LRUPolicy()) is None
-    half = type("Half", (LRUPolicy,), {"on_pin": lambda self, block: None})()
+    assert pin_hooks(type("Plain", (LRUPolicy,), {"on_pin": None, "on_unpin": None})()) is None
+    half = type("Half", (LRUPolicy,), {"on_pin": lambda self, block: None, "on_unpin": None})()
     with pytest.raises(ConfigError, match="Half needs both pin hooks.*on_unpin=None"):
         pin_hooks(half)
 

@@ -174,7 +174,7 @@ def test_allocation_violations_are_state_errors():
         mgr.on_computed("b", 4)
     with pytest.raises(RequestStateError, match="num_computed_tokens=20"):
         mgr.on_computed("b", 20)  # beyond the block table
-    with pytest.raises(RequestStateError, match="one block list per group"):
+    with pytest.raises(RequestStateError, match="one block list per KV group"):
         mgr.append_blocks("b", [[1], [2]])
     mgr.check_invariants()
 

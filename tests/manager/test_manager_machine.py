@@ -40,8 +40,9 @@ from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore, LazyStore, NeverStore, SelectiveStore
 from kvkit.errors import KVKitError, OutOfBlocksError
 from kvkit.hashing import hash_blocks
-from kvkit.interfaces import Direction, KVCacheSpec, TransferResult
+from kvkit.interfaces import Direction, KVCacheSpec, OffloadCallback, TransferResult
 from kvkit.manager import OffloadManager
+from kvkit.testing.hostile import BAD_CALLS, snapshot
 
 BS = 4  # tokens per block
 NUM_GPU, NUM_CPU = 12, 8
@@ -126,6 +127,10 @@ class ManagerMachine(RuleBasedStateMachine):
     def make_store():
         return EagerStore()
 
+    @staticmethod
+    def make_callbacks():
+        return ()
+
     def __init__(self) -> None:
         super().__init__()
         self.spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=1, head_dim=2)
@@ -133,7 +138,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.cpu = BlockPool(NUM_CPU, eviction=LRUPolicy())
         self.store = self.make_store()
         self.mgr = self.manager_cls(self.spec, self.cpu, self.store,
-                                    gpu=self.gpu if self.own_gpu else None, world_size=WORLD)
+                                    gpu=self.gpu if self.own_gpu else None, world_size=WORLD,
+                                    num_gpu_blocks=NUM_GPU, callbacks=self.make_callbacks())
         self.delayed: dict[str, list[int]] = {}  # finished ids whose blocks the engine keeps
         self.gpu_content: list[dict] = [{} for _ in range(WORLD)]
         self.cpu_content: list[dict] = [{} for _ in range(WORLD)]
@@ -570,9 +576,10 @@ class ManagerMachine(RuleBasedStateMachine):
             self._deliver(picked, [])
 
     @precondition(lambda self: self.transfers or self.cpu.num_cached)
-    @rule()
-    def reset(self) -> None:
-        emptied = self.mgr.reset()
+    @rule(force=st.booleans())
+    def reset(self, force: bool = False) -> None:
+        """A reset; ``force``: do not wait for the copies in flight (their blocks stay quarantined)."""
+        emptied = self.mgr.reset(force=force)
         self.epoch += 1
         self.must_store.clear()
         for t in self.transfers.values():
@@ -585,10 +592,30 @@ class ManagerMachine(RuleBasedStateMachine):
                 r.revoked = True
                 r.accepted = len(r.pins)  # the engine may still accept what it was offered
             r.pins = []
-        self.draining = bool(self.transfers)
+        self.draining = bool(self.transfers) and not force
         assert emptied == (not self.draining) == self.mgr.drained
         if emptied:
             assert self.cpu.num_cached == 0, "reset left blocks findable on the CPU tier"
+
+    @rule(data=st.data())
+    def refused_bad_call(self, data) -> None:
+        """A buggy engine's call between valid ones raises a kvkit error and changes nothing."""
+        roles = {
+            "waiting": [r.rid for r in self.reqs.values() if r.looked_up and not r.running],
+            "running": [r.rid for r in self.reqs.values()
+                        if r.running and self.mgr.request(r.rid).num_computed_tokens > BS],
+        }
+        usable = sorted(k for k, (needs, _) in BAD_CALLS.items() if all(roles[n] for n in needs))
+        name = data.draw(st.sampled_from(usable), label="bad call")
+        w, r = (data.draw(st.sampled_from(roles[k] or ["-"]), label=k) for k in ("waiting", "running"))
+        before = snapshot(self.mgr)
+        try:
+            BAD_CALLS[name][1](self.mgr, w, r)
+        except KVKitError:
+            pass
+        else:
+            raise AssertionError(f"the bad call {name!r} was accepted")
+        assert snapshot(self.mgr) == before, f"{name} changed the manager's state"
 
     # -- invariants ----------------------------------------------------------
 
@@ -712,10 +739,35 @@ class ExternalEngineMachine(ManagerMachine):
     own_gpu = False
 
 
+class _RaisesEverywhere(OffloadCallback):
+    """Raises from every hook; the manager must contain it."""
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            def hook(*args):
+                raise RuntimeError(f"callback bug in {name}")
+            return hook
+        return super().__getattribute__(name)
+
+
+class RaisingCallbackMachine(ManagerMachine):
+    """The eager machine with a callback that raises in every hook: the model must not notice."""
+
+    @staticmethod
+    def make_callbacks():
+        return (_RaisesEverywhere(),)
+
+    def teardown(self) -> None:
+        stats = self.mgr.stats  # every lookup's event raised, and was contained
+        assert stats.callback_errors.value >= stats.lookups.value
+        super().teardown()
+
+
 TestManagerSelective = SelectiveMachine.TestCase
 TestManagerExternalEngine = ExternalEngineMachine.TestCase
 TestManagerLazy = LazyMachine.TestCase
 TestManagerNever = NeverMachine.TestCase
+TestManagerRaisingCallback = RaisingCallbackMachine.TestCase
 
 
 # -- planted bugs: the machine must catch each DESIGN §5 failure mode ---------
@@ -823,14 +875,39 @@ class _NoDelayedFree(OffloadManager):
         return False
 
 
+class _AppendUnchecked(OffloadManager):
+    """Appended block ids are trusted: one already in the table corrupts a later store."""
+
+    def append_blocks(self, request_id, new_block_ids):
+        r = self.request(request_id)
+        for row, new in zip(r.block_table, new_block_ids):
+            row.extend(new)
+
+
+class _PropagatingCallbacks(OffloadManager):
+    """A raising callback's exception escapes mid-call, after part of the state changed."""
+
+    def __attrs_post_init__(self):
+        super().__attrs_post_init__()
+        callbacks = self.callbacks
+
+        class Loud(type(self._events)):
+            def emit(self, hook, *args):
+                for cb in callbacks:
+                    getattr(cb, hook)(*args)
+
+        self._events = Loud(callbacks, self.stats.callback_errors)
+
+
 @pytest.mark.parametrize("base, plant", [
     (ManagerMachine, _LookupWithoutPin), (ManagerMachine, _StoresUnconfirmed),
     (ManagerMachine, _NoFlushOnFinish), (ManagerMachine, _StaleCursor),
     (ManagerMachine, _ResetKeepsHits), (ManagerMachine, _DoubleStore),
     (ManagerMachine, _StoreSourceNotHeld), (ExternalEngineMachine, _NoDelayedFree),
+    (ManagerMachine, _AppendUnchecked), (RaisingCallbackMachine, _PropagatingCallbacks),
 ], ids=lambda c: c.__name__.strip("_"))
 def test_machine_catches_planted_bug(base, plant):
     """The model's checks alone (no manager self-check) catch each planted failure mode."""
     machine = type(f"Buggy{plant.__name__}", (base,), {"manager_cls": plant, "check_manager": False})
-    with pytest.raises((AssertionError, KVKitError)):
+    with pytest.raises((AssertionError, KVKitError, RuntimeError)):  # RuntimeError: an escaped callback bug
         run_state_machine_as_test(machine, settings=_FIND_BUG)

@@ -2,15 +2,17 @@
 
 import json
 import math
+import os
 import tempfile
+import tracemalloc
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvkit.errors import ConfigError, TraceFormatError
-from kvkit.sim.traces import TraceRequest, read_trace, write_trace
+from kvkit.errors import ConfigError, KVKitError, TraceFileError, TraceFormatError
+from kvkit.sim.traces import MAX_LINE_BYTES, MAX_NESTING, TraceRequest, read_trace, write_trace
 
 SHARED_TRACE = (Path(__file__).resolve().parents[3]
                 / "shared/traces/mooncake_conversation_part1.jsonl")
@@ -137,6 +139,146 @@ def test_bad_arguments_raise_config_error_at_call(tmp_path, kwargs):
         read_trace(tmp_path / "does-not-exist.jsonl", **kwargs)
 
 
+@pytest.mark.parametrize(("path", "message"), [(5, "path=5: must be a str or an os.PathLike"),
+                                               (None, "path=None"), ("a\x00b", "contains a NUL")])
+def test_a_path_that_is_no_path_is_a_config_error_at_call(path, message):
+    """A path of the wrong type or with a NUL raises ConfigError at the call, not a bare TypeError/ValueError."""
+    with pytest.raises(ConfigError, match=message):
+        read_trace(path)
+    with pytest.raises(ConfigError, match=message):
+        write_trace(path, [])
+
+
+# --- bad input files: each is one error naming the file (and line), read with bounded memory -------------------
+
+
+def _write_bytes(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(data)
+    return path
+
+
+def _format_error(path: object) -> TraceFormatError:
+    with pytest.raises(TraceFormatError) as info:
+        list(read_trace(path))
+    return info.value
+
+
+@pytest.mark.parametrize("data", [b"", b"\n", b"  \n\t\n\n", b"\r\n"])
+def test_a_trace_without_requests_is_an_error_naming_the_file(tmp_path, data):
+    """An empty or blank file is one TraceFormatError naming the file, not a replay of nothing."""
+    path = _write_bytes(tmp_path, data)
+    err = _format_error(path)
+    assert (err.path, err.field, err.line) == (str(path), "<file>", data.count(b"\n"))
+    assert "no requests" in str(err)
+
+
+@pytest.mark.parametrize(("data", "line"), [
+    (b"[" * 100_000, 1),
+    (GOOD[0].encode() + b"\n" + b'{"x": ' * 50_000 + b"1" + b"}" * 50_000 + b"\n", 2),
+    (GOOD[0].encode() + b"\n" + b"[" * 5_000 + b"]" * 5_000, 2),
+])
+def test_deeply_nested_lines_are_one_error_at_their_line(tmp_path, data, line):
+    """JSON nested deeper than MAX_NESTING is a TraceFormatError at its line, never a RecursionError."""
+    path = _write_bytes(tmp_path, data)
+    err = _format_error(path)
+    assert (err.line, err.field) == (line, "<line>") and f"more than MAX_NESTING ({MAX_NESTING}" in str(err)
+
+
+def test_nesting_up_to_the_cap_parses_and_brackets_in_strings_do_not_count(tmp_path):
+    """An extra field nested MAX_NESTING deep (record included) is read; brackets inside strings never nest."""
+    deep = "[" * (MAX_NESTING - 1) + "]" * (MAX_NESTING - 1)
+    strings = json.dumps("[{" * 5000 + '\\"')
+    path = _write(tmp_path, [GOOD[0][:-1] + f', "deep": {deep}, "s": {strings}}}',
+                             GOOD[1][:-1] + f', "deeper": [{deep}]}}'])
+    it = read_trace(path)
+    assert next(it).hash_ids == (0, 1)
+    with pytest.raises(TraceFormatError, match=f"nested {MAX_NESTING + 1} deep") as info:
+        next(it)
+    assert info.value.line == 2
+
+
+def test_a_deeply_nested_hash_id_is_quoted_briefly(tmp_path):
+    """A nested hash id within the cap is refused with a short quote of it."""
+    deep = "[" * 20 + "]" * 20
+    path = _write_bytes(tmp_path, f'{{"timestamp": 0, "input_length": 1, "output_length": 1, '
+                                  f'"hash_ids": [{deep}]}}'.encode())
+    err = _format_error(path)
+    assert err.field == "hash_ids" and "expected ints, got [[[[" in str(err)
+
+
+def test_a_line_over_the_cap_is_an_error_without_reading_further(tmp_path):
+    """A line longer than MAX_LINE_BYTES raises at its line; a line of exactly the cap is parsed normally."""
+    padded = GOOD[0][:-1] + ", " + '"pad": "' + "x" * (MAX_LINE_BYTES - len(GOOD[0]) - 11) + '"}'
+    assert len(padded) == MAX_LINE_BYTES
+    path = _write_bytes(tmp_path, (padded + "\n" + padded + "x\n").encode())
+    it = read_trace(path)
+    assert next(it).hash_ids == (0, 1)
+    with pytest.raises(TraceFormatError, match=f"longer than MAX_LINE_BYTES \\({MAX_LINE_BYTES} bytes\\)") as info:
+        next(it)
+    assert info.value.line == 2
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
+def test_an_endless_line_is_an_error_not_a_memory_error():
+    """``/dev/zero`` is one endless line: the cap ends the read with a TraceFormatError at line 1."""
+    tracemalloc.start()
+    try:
+        err = _format_error("/dev/zero")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (err.path, err.line) == ("/dev/zero", 1) and "longer than MAX_LINE_BYTES" in str(err)
+    assert peak < 3 * MAX_LINE_BYTES, peak
+
+
+@pytest.mark.parametrize(("data", "problem"), [
+    (bytes(range(255, -1, -1)) * 8, "not UTF-8"),
+    (b"\x7fELF\x02\x01\x01" + b"\x00" * 64, "not valid JSON"),
+    (b"\x00" * 1000, "not valid JSON"),
+    (GOOD[0].encode() + b"\n\xff\xfe\n", "not UTF-8"),
+])
+def test_binary_and_non_utf8_files_are_one_format_error(tmp_path, data, problem):
+    """A binary or non-UTF-8 file is a TraceFormatError at the first line that is no JSON text."""
+    err = _format_error(_write_bytes(tmp_path, data))
+    assert problem in str(err) and err.field == "<line>"
+
+
+@pytest.mark.parametrize("field", ["input_length", "output_length", "hash_ids", "timestamp"])
+def test_ints_beyond_int64_are_refused(tmp_path, field):
+    """Counts, ids and timestamps of 2**63 or more are refused: they travel as int64 later."""
+    value = [0, 2**63] if field == "hash_ids" else 2**63
+    err = _format_error(_write_bytes(tmp_path, _line(**{field: value}).encode()))
+    assert err.field == field
+
+
+def test_missing_files_and_directories_are_trace_file_errors(tmp_path):
+    """A missing file or a directory raises TraceFileError (an OSError and a KVKitError) naming the path."""
+    for path in (tmp_path / "missing.jsonl", tmp_path):
+        with pytest.raises(TraceFileError, match=f"^{tmp_path}.*: cannot read the trace: ") as info:
+            list(read_trace(path))
+        assert isinstance(info.value, OSError) and isinstance(info.value, KVKitError)
+        assert info.value.path == str(path) and isinstance(info.value.__cause__, OSError)
+    with pytest.raises(TraceFileError, match="cannot write the trace: "):
+        write_trace(tmp_path, [])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file")
+def test_an_unreadable_file_is_a_trace_file_error(tmp_path):
+    """A file without read permission raises TraceFileError naming it."""
+    path = _write(tmp_path, GOOD)
+    path.chmod(0)
+    with pytest.raises(TraceFileError, match="Permission denied"):
+        list(read_trace(path))
+
+
+@pytest.mark.parametrize("requests", [5, [1], [TraceRequest(0, 1, 1, (object(),), 1)]])
+def test_write_trace_refuses_what_is_no_trace_request(tmp_path, requests):
+    """Items that are not TraceRequests of JSON numbers raise ConfigError, not a bare TypeError."""
+    with pytest.raises(ConfigError, match="must be a|not JSON numbers"):
+        write_trace(tmp_path / "out.jsonl", requests)
+
+
 _requests = st.lists(
     st.tuples(st.integers(0, 10_000), st.integers(0, 5000), st.integers(0, 5000),
               st.integers(0, 2**40)),
@@ -150,10 +292,14 @@ _requests = st.lists(
 
 @given(_requests)
 def test_write_then_read_round_trips(requests):
-    """Writing requests and reading them back gives the same requests, numbered by line."""
+    """Writing requests and reading them back gives the same requests, numbered by line (none: an error)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "t.jsonl"
         assert write_trace(path, requests) == len(requests)
+        if not requests:
+            with pytest.raises(TraceFormatError, match="no requests"):
+                list(read_trace(path))
+            return
         assert list(read_trace(path)) == requests
 
 

@@ -308,16 +308,19 @@ def test_failed_launch_is_a_failed_result(failing, monkeypatch):
     assert failing.poll() == []
 
 
-def test_failed_poll_fails_everything_in_flight(failing, monkeypatch):
-    """If the backend fails while polling, every transfer in flight is reported ok=False once."""
+def test_failed_poll_keeps_transfers_in_doubt_until_the_backend_confirms_them(failing, monkeypatch):
+    """A failing poll reports nothing: both transfers stay in flight, in doubt, then come back ok=False once each."""
     failing.submit(1, TransferPlan([0], [0], "store"))
     failing.submit(2, TransferPlan([1], [1], "load"))
     monkeypatch.setattr(_Failing, "fail_poll", True)
-    with pytest.warns(RuntimeWarning, match="failing 2 transfer"):
-        results = failing.poll()
-    assert sorted((r.transfer_id, r.ok) for r in results) == [(1, False), (2, False)]
+    with pytest.warns(RuntimeWarning, match=r"2 transfer\(s\) in flight are in doubt \[1, 2\]"):
+        assert failing.poll() == []
+    assert (failing.num_in_flight, failing.num_in_doubt) == (2, 2)
+    failing.check_invariants()
     monkeypatch.setattr(_Failing, "fail_poll", False)
-    assert failing.poll() == [] and failing.num_in_flight == 0
+    assert sorted((r.transfer_id, r.ok) for r in failing.poll()) == [(1, False), (2, False)]
+    assert failing.poll() == [] and failing.num_in_flight == 0 == failing.num_in_doubt
+    failing.check_invariants()
 
 
 def test_block_access_errors():

@@ -237,7 +237,7 @@ MUTATIONS = [
     (_wrong_shape, r"shape \(.*\), layout .* expects \("),
     (_wrong_dtype, r"dtype torch.float32, spec says 'bfloat16'"),
     (_non_contiguous, r"not contiguous: shape .* strides"),
-    (_other_device, r"tensor \d+ is on meta, tensor 0 on cpu"),
+    (_other_device, r"tensor \d+ holds no plain memory on cpu or cuda: layout torch.strided, device meta"),
 ]
 
 

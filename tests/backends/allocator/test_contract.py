@@ -2,9 +2,11 @@
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import invariant, run_state_machine_as_test
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
 from kvkit.backends.allocator import BlockPool
+from kvkit.backends.eviction.lfu import LFUPolicy
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.s3fifo import S3FIFOPolicy
 from kvkit.errors import PoolUsageError
@@ -72,7 +74,7 @@ class PartialAllocate(BlockPool):
     """Takes the empty blocks it can before failing an allocation that is too large."""
 
     def allocate(self, n):
-        if n > self.num_free:
+        if n.__class__ is int and n > self.num_free:
             super().allocate(self.num_empty)
         return super().allocate(n)
 
@@ -136,3 +138,60 @@ def test_contract_catches_a_pool_that_skips_a_pin():
     symptom = "pinned, referenced ready|not pinned"
     with pytest.raises((AssertionError, PoolUsageError), match=symptom):
         run_state_machine_as_test(Contract, settings=FIND_BUGS)
+
+
+class LRUBlockPoolContract(BlockPoolContract):
+    """The pool with LRU, which hears only the pins of the blocks it watches (SelectivePins)."""
+
+    @invariant()
+    def known_pins_are_referenced_ready_blocks(self):
+        """Every block LRU believes pinned is referenced and ready; every watched block is tracked."""
+        if self.pool is None:
+            return
+        pool = self.pool
+        held = {b for b in range(self.num_blocks) if pool.refcount(b) and pool.is_ready(b)}
+        assert pool.policy.pinned <= held, f"LRU holds {sorted(pool.policy.pinned)} pinned, held: {held}"
+        assert set(pool.policy.pin_watch) <= {b for b in range(self.num_blocks) if pool.is_ready(b)}
+
+
+TestLRUBlockPool = LRUBlockPoolContract.TestCase
+
+
+def _windowed(contract):
+    """``contract`` plus a rule that follows the pool's eviction window and checks it against the candidates."""
+
+    class Windowed(contract):
+        window_n = None
+        window = frozenset()
+
+        @rule(data=st.data())
+        def follow_window(self, data):
+            """eviction_window reports exactly the candidates that joined since the previous call."""
+            if self.pool is None:
+                return
+            n = data.draw(st.integers(0, self.num_blocks), label="window n") \
+                if self.window_n is None or data.draw(st.booleans(), label="resize") else self.window_n
+            entered = self.pool.eviction_window(n)
+            current = set(self.pool.eviction_candidates(n))
+            previous = self.window if n == self.window_n else frozenset()
+            assert set(entered) <= current, f"eviction_window({n}) = {entered}, candidates {current}"
+            assert current <= previous | set(entered), (
+                f"candidates {sorted(current)} joined unreported: previous {sorted(previous)}, "
+                f"entered {entered}")
+            for b in range(self.num_blocks):
+                assert self.pool.in_eviction_window(b) == (b in current), f"in_eviction_window({b})"
+            self.window_n, self.window = n, frozenset(current)
+
+    Windowed.__name__ = f"Windowed{contract.__name__}"
+    return Windowed
+
+
+TestWindowedLRUPool = _windowed(LRUBlockPoolContract).TestCase  # LRU tracks the window itself
+
+
+class _LFUPoolContract(AllocatorContract):
+    def make_allocator(self, num_blocks):
+        return BlockPool(num_blocks, eviction=LFUPolicy())
+
+
+TestWindowedLFUPool = _windowed(_LFUPoolContract).TestCase  # the pool's fallback: candidates again, diffed

@@ -47,9 +47,10 @@ def cached_pool_with(policy, hashes, num_blocks=4):
 
 
 class RecordingLRU(LRUPolicy):
-    """LRU that also records every notification it receives."""
+    """LRU without its pin hooks (opted out) that also records every notification it receives."""
 
     calls: list
+    on_pin = on_unpin = None
 
     def __init__(self):
         super().__init__()
@@ -69,7 +70,9 @@ class RecordingLRU(LRUPolicy):
 
 
 class RecordingPinLRU(RecordingLRU):
-    """RecordingLRU with the optional pin hooks, recorded too."""
+    """RecordingLRU with the optional pin hooks, recorded too; it hears every pin (no SelectivePins)."""
+
+    attach = None
 
     def on_pin(self, block):
         self.calls.append(("pin", block))
@@ -102,12 +105,12 @@ def test_eviction_must_be_an_empty_policy():
 
 
 @pytest.mark.parametrize(("hooks", "message"), [
-    ({"on_pin": lambda self, block: None}, "on_unpin=None"),
-    ({"on_unpin": lambda self, block: None}, "on_pin=None"),
-    ({"on_pin": 3, "on_unpin": lambda self, block: None}, "on_pin=3"),
+    ({"on_pin": lambda self, block: None, "on_unpin": None}, "on_unpin=None"),
+    ({"on_pin": None, "on_unpin": lambda self, block: None}, "on_pin=None"),
+    ({"on_pin": 3}, "on_pin=3"),
 ])
 def test_half_a_pair_of_pin_hooks_is_a_config_error(hooks, message):
-    """A policy with one pin hook, or a hook that is not callable, is rejected quoting it."""
+    """A policy left with one pin hook, or a hook that is not callable, is rejected quoting it."""
     policy = type("HalfHooked", (LRUPolicy,), hooks)()
     with pytest.raises(ConfigError, match=f"HalfHooked needs both pin hooks.*{message}"):
         BlockPool(4, eviction=policy)

@@ -10,12 +10,16 @@ from kvkit.backends.copy.auto import AutoCopy
 from kvkit.errors import PlanError
 from kvkit.interfaces import TransferPlan
 from kvkit.registry import COPY
-from kvkit.testing import CopyBackendContract
+from kvkit.testing import CopyBackendContract, ThreadedCopy
 
 
 class TestTorch(CopyBackendContract):
     def make_backend(self):
         return TorchCopy()
+
+
+class TestThreaded(CopyBackendContract):
+    def make_backend(self): return ThreadedCopy(threads=2)
 
 
 class TestTorchCuda(CopyBackendContract):

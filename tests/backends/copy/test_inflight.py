@@ -64,3 +64,39 @@ def test_a_finished_handle_waits_behind_an_earlier_one():
     assert inflight.poll() == []
     first.done = True
     assert inflight.poll() == [0, 1]
+
+
+class _Broken(_Event):
+    """An event whose query and synchronize raise, as after a device error."""
+
+    def query(self):
+        raise RuntimeError("device lost")
+
+    def synchronize(self):
+        raise RuntimeError("device lost")
+
+
+def test_an_event_that_raises_leaves_its_handle_pending():
+    """poll and wait propagate an event's error and keep its handle (reported once the event answers)."""
+    inflight, event = InFlight(), _Broken()
+    inflight.issue(event)
+    for call in (inflight.poll, lambda: inflight.wait(0)):
+        with pytest.raises(RuntimeError, match="device lost"):
+            call()
+        assert len(inflight) == 1
+    event.__class__ = _Event
+    event.done = True
+    assert inflight.poll() == [0]
+    inflight.check_invariants()
+
+
+def test_a_raising_then_still_reports_its_handle():
+    """A ``then`` that raises propagates once; its handle (the host work ran) comes back from the next poll, once."""
+    inflight, event = InFlight(), _Event()
+    inflight.issue(event, then=lambda: 1 / 0)
+    inflight.issue(None)
+    event.done = True
+    with pytest.raises(ZeroDivisionError):
+        inflight.poll()
+    assert inflight.poll() == [0, 1] and inflight.poll() == []
+    inflight.check_invariants()

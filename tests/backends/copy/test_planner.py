@@ -157,6 +157,14 @@ def test_bad_plans_raise_plan_errors_quoting_the_values(plan, pattern):
         Planner.of(regions_for(SPEC, "per-layer", gpu, cpu)).validate(plan)
 
 
+@pytest.mark.parametrize("plan", [None, "store", {"src": [0], "dst": [0]}, (np.array([0]), np.array([0]))])
+def test_a_plan_that_is_not_a_transfer_plan_is_a_plan_error(plan):
+    """Anything but a TransferPlan is refused with a PlanError naming its type, never an AttributeError."""
+    gpu, cpu = allocate_kv(SPEC, "per-layer", 4), allocate_kv(SPEC, "per-layer", 3)
+    with pytest.raises(PlanError, match=f"plan must be a TransferPlan, got {type(plan).__name__}"):
+        Planner.of(regions_for(SPEC, "per-layer", gpu, cpu)).validate(plan)
+
+
 def test_duplicate_region_names_are_rejected():
     """Two regions with one name make descriptors ambiguous: SpecMismatchError."""
     t = torch.zeros(2, 4)
