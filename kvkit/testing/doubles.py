@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.types import BlockHash, BlockId
 
-__all__ = ["InertPolicy"]
+__all__ = ["InertPolicy", "RaisingCallback"]
 
 
 class InertPolicy:
@@ -33,3 +34,17 @@ class InertPolicy:
 
     def check_invariants(self) -> None:
         """Nothing to check."""
+
+
+class RaisingCallback(OffloadCallback):
+    """An ``OffloadCallback`` whose every hook raises ``RuntimeError("callback bug in <hook>")``.
+
+    A manager must contain it: nothing it does may change.
+    """
+
+    def __getattribute__(self, name: str):
+        if name.startswith("on_"):
+            def hook(*args: object) -> None:
+                raise RuntimeError(f"callback bug in {name}")
+            return hook
+        return super().__getattribute__(name)

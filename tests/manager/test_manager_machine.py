@@ -40,8 +40,9 @@ from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore, LazyStore, NeverStore, SelectiveStore
 from kvkit.errors import KVKitError, OutOfBlocksError
 from kvkit.hashing import hash_blocks
-from kvkit.interfaces import Direction, KVCacheSpec, OffloadCallback, TransferResult
+from kvkit.interfaces import Direction, KVCacheSpec, TransferResult
 from kvkit.manager import OffloadManager
+from kvkit.testing.doubles import RaisingCallback
 from kvkit.testing.hostile import BAD_CALLS, snapshot
 
 BS = 4  # tokens per block
@@ -739,23 +740,12 @@ class ExternalEngineMachine(ManagerMachine):
     own_gpu = False
 
 
-class _RaisesEverywhere(OffloadCallback):
-    """Raises from every hook; the manager must contain it."""
-
-    def __getattribute__(self, name):
-        if name.startswith("on_"):
-            def hook(*args):
-                raise RuntimeError(f"callback bug in {name}")
-            return hook
-        return super().__getattribute__(name)
-
-
 class RaisingCallbackMachine(ManagerMachine):
     """The eager machine with a callback that raises in every hook: the model must not notice."""
 
     @staticmethod
     def make_callbacks():
-        return (_RaisesEverywhere(),)
+        return (RaisingCallback(),)
 
     def teardown(self) -> None:
         stats = self.mgr.stats  # every lookup's event raised, and was contained
