@@ -110,7 +110,7 @@ def as_count(value: object) -> int | None:
 
 def check_request_id(request_id: object) -> str:
     """``request_id`` if it is a ``str``; an ``UnknownRequestError`` quoting it otherwise."""
-    if request_id.__class__ is not str and not isinstance(request_id, str):
+    if not isinstance(request_id, str):
         raise UnknownRequestError(f"request id must be a str, got {request_id!r} "
                                   f"({type(request_id).__name__})")
     return request_id
