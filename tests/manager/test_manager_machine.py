@@ -830,7 +830,7 @@ class _StaleCursor(OffloadManager):
 class _ResetKeepsHits(OffloadManager):
     """vLLM #57727: reset drains but the CPU tier keeps serving what it held."""
 
-    def _empty_cpu(self):
+    def _empty_cpu(self, force=False):
         self._draining = False
 
 
