@@ -15,6 +15,8 @@ A randomly initialised Hugging Face Llama model (Llama-3-8B shapes by default:
    ``load`` (hash, lookup, allocation, CPU->GPU copy, until the blocks are
    usable), ``restore`` (blocks -> cache object), ``prefill`` (new tokens,
    their KV into blocks, first token);
+   then the same follow-up again **pipelined** (``lm.engine.layered``): each
+   layer's load overlaps the forward pass of the layers before it;
 3. **gpu hit**: the same follow-up with the prefix still in the GPU tier;
 4. **recompute**: ``generate_without_offload`` on the same follow-up prompt
    (one prefill of ``C + new`` tokens from an empty cache).
@@ -92,14 +94,16 @@ def bench_context(lm: OffloadedLM, model: Any, context: int, new: int, repeats: 
     ctx = _tokens(context, vocab, seed)
     first = lm.generate(ctx, 1, stop_tokens=())
     lm.engine.drain()
-    restores, hits = [], []
+    restores, pipelined, hits = [], [], []
     for rep in range(repeats):
-        follow = ctx + _tokens(new, vocab, seed + 1 + rep)
-        lm.clear_gpu_cache()
-        restores.append(lm.generate(follow, 1, keep_logits=True, stop_tokens=()))
+        # Whole, then layered, each on new tokens of its own (a repeat would hit the first one's stored blocks).
+        for layered, runs, salt in ((False, restores, 1), (True, pipelined, 501)):
+            lm.engine.layered = layered
+            lm.clear_gpu_cache()
+            runs.append(lm.generate(ctx + _tokens(new, vocab, seed + salt + rep), 1, keep_logits=True, stop_tokens=()))
         hits.append(lm.generate(ctx + _tokens(new, vocab, seed + 1000 + rep), 1, stop_tokens=()))
         lm.engine.drain()
-    assert all(r.cpu_hit_tokens == context and r.gpu_hit_tokens == 0 for r in restores), restores
+    assert all(r.cpu_hit_tokens == context and r.gpu_hit_tokens == 0 for r in restores + pipelined), restores
     assert all(h.gpu_hit_tokens == context for h in hits), hits
     start = time.perf_counter()
     hash_blocks(ctx + _tokens(new, vocab, seed), lm.stack.config.kv.block_size)
@@ -112,7 +116,8 @@ def bench_context(lm: OffloadedLM, model: Any, context: int, new: int, repeats: 
         "restore_restore_s": _median(restores, "restore_s"), "restore_prefill_s": _median(restores, "prefill_s"),
         "hash_s": hash_s, "loaded_bytes": kv_bytes, "load_gbps": kv_bytes / load / 1e9,
         "gpu_hit_ttft_s": _median(hits, "ttft_s"), "restore_runs_s": [r.ttft_s for r in restores],
-        "_restores": restores,
+        "pipelined_ttft_s": _median(pipelined, "ttft_s"), "pipelined_runs_s": [r.ttft_s for r in pipelined],
+        "_restores": restores, "_pipelined": pipelined,
     }
 
 
@@ -156,11 +161,15 @@ def main() -> None:
                                "torch": torch.__version__, "transformers": transformers.__version__,
                                "dtype": args.dtype, "block_size": bs, "layout": args.layout, "runs": []}
     recompute: dict[int, tuple[float, torch.Tensor, torch.Tensor]] = {}
+    piped_refs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the pipelined follow-up's one-shot and chunked
     for c in contexts:
         ctx, fresh = _tokens(c, model.config.vocab_size, c), _tokens(new, model.config.vocab_size, c + 1)
         runs = [generate_without_offload(model, ctx + fresh, 1, keep_logits=True, stop_tokens=())
                 for _ in range(reps)]
         recompute[c] = (_median(runs, "ttft_s"), runs[0].logits[0], chunked_logits(model, ctx, fresh))
+        other = _tokens(new, model.config.vocab_size, c + 501)
+        piped_refs[c] = (generate_without_offload(model, ctx + other, 1, keep_logits=True, stop_tokens=()).logits[0],
+                         chunked_logits(model, ctx, other))
         print(f"recompute {c + new} tokens: {recompute[c][0] * 1e3:.1f} ms; one-shot vs chunked prefill "
               f"without kvkit: max |dlogit| {float((recompute[c][1] - recompute[c][2]).abs().max()):.3g}")
     for copy in copies:
@@ -169,9 +178,10 @@ def main() -> None:
         pinned = lm.stack.workers[0].mirror_pinned
         for c in contexts:
             r = bench_context(lm, model, c, new, reps, seed=c)
-            restores = r.pop("_restores")
+            restores, layered = r.pop("_restores"), r.pop("_pipelined")
             ttft, one_shot, chunked = recompute[c]
             got = restores[0].logits[0]  # the same follow-up tokens as the recompute runs
+            piped = layered[0].logits[0]
             r.update(copy=copy, mirror_pinned=pinned, recompute_ttft_s=ttft,
                      speedup=ttft / r["restore_ttft_s"],
                      transfer_share=r["restore_load_s"] / r["restore_ttft_s"],
@@ -179,7 +189,11 @@ def main() -> None:
                      first_logits_max_abs_diff=float((got - one_shot).abs().max()),
                      first_logits_vs_chunked_max_abs_diff=float((got - chunked).abs().max()),
                      one_shot_vs_chunked_max_abs_diff=float((one_shot - chunked).abs().max()),
-                     first_logits_scale=float(one_shot.abs().max()))
+                     first_logits_scale=float(one_shot.abs().max()),
+                     pipelined_speedup=ttft / r["pipelined_ttft_s"],
+                     pipelined_vs_gpu_hit=r["pipelined_ttft_s"] / r["gpu_hit_ttft_s"],
+                     pipelined_first_token_equal=int(piped.argmax()) == int(piped_refs[c][0].argmax()),
+                     pipelined_vs_chunked_max_abs_diff=float((piped - piped_refs[c][1]).abs().max()))
             results["runs"].append(r)
             print(f"copy={copy:6s} context {c:6d}: restore {r['restore_ttft_s'] * 1e3:7.1f} ms "
                   f"(load {r['restore_load_s'] * 1e3:.1f} = {r['transfer_share']:.0%}, {r['load_gbps']:.1f} GB/s; "
@@ -187,6 +201,10 @@ def main() -> None:
                   f"vs recompute {ttft * 1e3:7.1f} ms -> {r['speedup']:.1f}x; GPU hit {r['gpu_hit_ttft_s'] * 1e3:.1f} ms; "
                   f"first token equal {r['first_token_equal']}, max |dlogit| {r['first_logits_max_abs_diff']:.3g} "
                   f"of {r['first_logits_scale']:.3g} (vs chunked: {r['first_logits_vs_chunked_max_abs_diff']:.3g})")
+            print(f"copy={copy:6s} context {c:6d}: pipelined {r['pipelined_ttft_s'] * 1e3:7.1f} ms -> "
+                  f"{r['pipelined_speedup']:.1f}x recompute, {r['pipelined_vs_gpu_hit']:.2f}x GPU hit; first token "
+                  f"equal {r['pipelined_first_token_equal']}, vs chunked max |dlogit| "
+                  f"{r['pipelined_vs_chunked_max_abs_diff']:.3g}")
         lm.close()
     print(f"total {time.perf_counter() - started:.1f} s")
     if args.json:

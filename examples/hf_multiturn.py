@@ -11,10 +11,14 @@ with a full recompute, and checks the answer against ``model.generate`` on
 the whole history::
 
     python examples/hf_multiturn.py                 # CPU, about half a minute
+    python examples/hf_multiturn.py --sample        # sampling through model.generate
     python examples/hf_multiturn.py --device cuda   # the same on a GPU
 
-It ends with ``identical: True`` when every generated token equals
-``model.generate``'s, and prints the largest logit difference.
+With ``--sample`` each reply is sampled (temperature 0.8, top-p 0.9) by
+``model.generate`` on the restored cache, under one seed per turn, and
+checked against ``model.generate`` alone on the same seed. It ends with
+``identical: True`` when every generated token equals ``model.generate``'s,
+and prints the largest logit difference.
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ def main() -> None:
     parser.add_argument("--message-tokens", type=int, default=48, help="each later message")
     parser.add_argument("--reply-tokens", type=int, default=12)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--sample", action="store_true", help="sample the replies through model.generate")
     args = parser.parse_args()
+    decoding = {"do_sample": True, "temperature": 0.8, "top_p": 0.9} if args.sample else {"do_sample": False}
+    sampling = transformers.GenerationConfig(**decoding) if args.sample else None  # None: kvkit's greedy loop
 
     model = build_model(args.device)
     vocab = model.config.vocab_size
@@ -70,9 +77,13 @@ def main() -> None:
             n = args.system_tokens if turn == 0 else args.message_tokens
             message = torch.randint(3, vocab, (n,), generator=g).tolist()
             prompt = chat.history + message
-            result = chat.send(message, args.reply_tokens, keep_logits=True)  # stops at EOS, as generate does
+            seed = 1000 * turn + user
+            torch.manual_seed(seed)  # the same seed for kvkit and for generate
+            # Stops at EOS, as generate does.
+            result = chat.send(message, args.reply_tokens, keep_logits=True, generation_config=sampling)
             recompute = generate_without_offload(model, prompt, 1)  # time to first token without kvkit
-            reference = model.generate(torch.tensor([prompt], device=model.device), do_sample=False,
+            torch.manual_seed(seed)
+            reference = model.generate(torch.tensor([prompt], device=model.device), **decoding,
                                        max_new_tokens=args.reply_tokens, output_logits=True,
                                        return_dict_in_generate=True)
             ref_tokens = reference.sequences[0, len(prompt):].tolist()

@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--copy", default="torch")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-kvkit", action="store_true", help="run without the connector")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="workers, one shard each (on CPU set VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1')")
     ap.add_argument("--in-process", action="store_true", help="no engine subprocesses")
     ap.add_argument("--json", metavar="PATH", help="also write the turns as JSON to PATH")
     args = ap.parse_args(argv)
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = make_llm(args.model, kvkit=not args.no_kvkit, gpu_blocks=args.gpu_blocks,
                    block_size=args.block_size, max_model_len=args.max_model_len,
                    cpu_bytes=args.cpu_bytes, cpu_eviction=args.cpu_eviction, store=args.store,
-                   copy=args.copy, dtype=args.dtype)
+                   copy=args.copy, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     messages = user_messages(llm.get_tokenizer(), args.conversations, args.turns, args.words)
     turns = serve(llm, messages, args.max_tokens)
     print_table(turns)

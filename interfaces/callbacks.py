@@ -36,3 +36,15 @@ class OffloadCallback:
 
     def on_reset(self, dropped_blocks: int) -> None:
         """The CPU tier was emptied after draining in-flight transfers."""
+
+    def on_shared_hit(self, request_id: str, shared_hit_tokens: int) -> None:
+        """The engine accepted ``shared_hit_tokens`` from the shared tier (they are fetched, then loaded)."""
+
+    def on_shared_fetch(self, num_blocks: int, ok: bool) -> None:
+        """A fetch of ``num_blocks`` shared-tier blocks into CPU blocks settled (``ok``: landed on every worker)."""
+
+    def on_shared_put(self, num_blocks: int, ok: bool) -> None:
+        """A put of ``num_blocks`` CPU blocks into the shared tier settled (``ok``: landed on every worker)."""
+
+    def on_shared_state(self, available: bool, reason: str) -> None:
+        """The shared tier turned off (a failure; it backs off) or came back on (a probe succeeded)."""

@@ -22,6 +22,7 @@ __all__ = [
     "EvictionOrder",
     "EvictionWindow",
     "ExplainsUnavailability",
+    "LayeredCopy",
     "PinAwarePolicy",
     "PrefillCompute",
     "ReportsAvailability",
@@ -246,6 +247,34 @@ class SelfChecking(Protocol):
 
 
 @runtime_checkable
+class LayeredCopy(Protocol):
+    """A copy backend that runs a plan in stages of regions and marks each stage's completion on the device.
+
+    What layer-wise pipelining needs: a load whose first layers are readable
+    while later ones still copy, a store whose layer ``i`` reads only after
+    the kernel that wrote layer ``i``.
+
+    Invariants (kvkit's ``CopyBackendContract`` checks them):
+        * ``stages`` are consecutive, non-empty ``range`` s that cover the
+          plan's group's regions (indices in registration order) exactly;
+          anything else raises ``PlanError`` and launches nothing.
+        * ``after`` is one event (waited for before the first stage) or a
+          sequence with one event (or ``None``) per stage, waited for before
+          that stage: a stage never reads its source before its event.
+        * The answer is one handle for the whole plan (reported by ``poll``
+          exactly once, as ``submit``'s) and, per stage, a tuple of device
+          events that complete once that stage and every earlier one landed;
+          an empty tuple means the stage already landed. A consumer makes its
+          stream wait for them (no host synchronisation) before it reads.
+        * A raising call leaves nothing of the plan running, as ``submit``.
+    """
+
+    def submit_stages(self, plan: Any, stages: Any, *, after: Any = None) -> tuple[int, list[tuple[Any, ...]]]:
+        """Launch ``plan`` stage by stage; answer its handle and each stage's completion events."""
+        ...
+
+
+@runtime_checkable
 class PrefillCompute(Protocol):
     """The forward pass of the reference engine loop: writes the KV a scheduled prefill recomputes.
 
@@ -257,7 +286,10 @@ class PrefillCompute(Protocol):
     request and step, after the step's loads landed (blocks before
     ``first_block`` of every group hold the reused KV: GPU hits, then loaded
     CPU hits) and before the engine publishes the request's full blocks and
-    confirms them to the manager, so only what it wrote can be stored.
+    confirms them to the manager, so only what it wrote can be stored. With a
+    ``layered`` engine the loads may still run: the compute calls
+    ``engine.wait_layer(layer)`` before it reads a layer's reused blocks, and a
+    request whose load then fails is computed again without its CPU hit.
     """
 
     def prefill(self, engine: Any, request: Any, first_block: int) -> int:

@@ -148,9 +148,13 @@ class KVCacheSpec:
         head_dim: elements per head.
         dtype: element type name (``"bfloat16"``, ``"float16"``, ``"float32"``...).
         groups: KV groups; default is one full-attention group of every layer.
+        latent: each layer caches one latent vector of ``head_dim`` elements
+            per token (MLA: DeepSeek-V2/V3's compressed KV and rope key), not a
+            K and a V; such a cache has a single KV head.
 
     Invariants: every layer belongs to exactly one group; ``1 <= num_layers <=``
-    :data:`MAX_LAYERS`; :attr:`bytes_per_block` fits an int64.
+    :data:`MAX_LAYERS`; :attr:`bytes_per_block` fits an int64; a latent cache
+    has ``num_kv_heads == 1``.
     """
 
     num_layers: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))
@@ -159,8 +163,12 @@ class KVCacheSpec:
     head_dim: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))
     dtype: str = attrs.field(default="bfloat16", converter=_dtype)
     groups: tuple[KVGroupSpec, ...] = attrs.field(converter=_groups, default=())
+    latent: bool = attrs.field(default=False, converter=checked(check_bool, label="KVCacheSpec."))
 
     def __attrs_post_init__(self) -> None:
+        if self.latent and self.num_kv_heads != 1:
+            raise ConfigError(f"KVCacheSpec.num_kv_heads={self.num_kv_heads!r}: a latent (MLA) cache holds one "
+                              f"vector per token, so num_kv_heads must be 1")
         if self.num_layers > MAX_LAYERS:
             raise ConfigError(f"KVCacheSpec.num_layers={self.num_layers!r}: must be at most {MAX_LAYERS}")
         if self.bytes_per_block >= _INT64_LIMIT:
@@ -180,14 +188,19 @@ class KVCacheSpec:
         return _DTYPE_BYTES[self.dtype]
 
     @property
+    def kv_parts(self) -> int:
+        """Vectors a layer caches per token and KV head: 2 (a K and a V) or 1 (the :attr:`latent`)."""
+        return 1 if self.latent else 2
+
+    @property
     def bytes_per_layer_block(self) -> int:
-        """Bytes of K *or* V of one block in one layer (one per-layer region piece)."""
+        """Bytes of K *or* V (or the latent) of one block in one layer (one per-layer region piece)."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across every layer, K and V together."""
-        return 2 * self.num_layers * self.bytes_per_layer_block
+        """Bytes of one block across every layer, K and V together (or the latent)."""
+        return self.kv_parts * self.num_layers * self.bytes_per_layer_block
 
     def blocks_for(self, num_bytes: int) -> int:
         """Whole blocks that fit in ``num_bytes``."""

@@ -38,10 +38,13 @@ _LAZY: dict[str, str] = {
     "COPY": "kvkit.registry:COPY",
     "EVICTION": "kvkit.registry:EVICTION",
     "STORE": "kvkit.registry:STORE",
+    "SHARED": "kvkit.registry:SHARED",
+    "open_block_store": "kvkit.blockstores:open_block_store",
     # drive: scheduler side, worker side, hashing, stats
     "OffloadManager": "kvkit.manager:OffloadManager",
     "StepPlan": "kvkit.manager:StepPlan",
     "CompletionReport": "kvkit.manager:CompletionReport",
+    "SharedTierSpec": "kvkit.manager.shared:SharedTierSpec",
     "TransferEngine": "kvkit.worker.engine:TransferEngine",
     "hash_blocks": "kvkit.hashing:hash_blocks",
     "BlockHasher": "kvkit.hashing:BlockHasher",
@@ -73,12 +76,18 @@ _LAZY: dict[str, str] = {
     "SelectivePins": "kvkit.interfaces:SelectivePins",
     "SelfChecking": "kvkit.interfaces:SelfChecking",
     "WindowedPolicy": "kvkit.interfaces:WindowedPolicy",
+    "HintAwarePolicy": "kvkit.interfaces.hints:HintAwarePolicy",
+    # what a request may tell the CPU tier's policy (OffloadManager.add_request(hints=...))
+    "WorkloadHints": "kvkit.interfaces.hints:WorkloadHints",
     # explore: reference engine loop, simulator, workloads, traces
     "ReferenceEngine": "kvkit.sim.engine_loop:ReferenceEngine",
     "EngineRequest": "kvkit.sim.engine_loop:EngineRequest",
     "StepReport": "kvkit.sim.engine_loop:StepReport",
     "SyntheticCompute": "kvkit.sim.engine_loop:SyntheticCompute",
     "simulate": "kvkit.sim.simulator:simulate",
+    "simulate_fleet": "kvkit.sim.fleet:simulate_fleet",
+    "compare_fleets": "kvkit.sim.fleet:compare_fleets",
+    "FleetResult": "kvkit.sim.fleet:FleetResult",
     "Simulator": "kvkit.sim.simulator:Simulator",
     "SimConfig": "kvkit.sim.simulator:SimConfig",
     "SimResult": "kvkit.sim.simulator:SimResult",
@@ -86,6 +95,9 @@ _LAZY: dict[str, str] = {
     "ModelShape": "kvkit.sim.simulator:ModelShape",
     "SyntheticWorkload": "kvkit.sim.synthetic:SyntheticWorkload",
     "generate": "kvkit.sim.synthetic:generate",
+    "SHAPES": "kvkit.sim.synthetic:SHAPES",
+    "shape": "kvkit.sim.synthetic:shape",
+    "BUILTIN_TRACES": "kvkit.sim.traces:BUILTIN_TRACES",
     "TraceRequest": "kvkit.sim.traces:TraceRequest",
     "read_trace": "kvkit.sim.traces:read_trace",
     "write_trace": "kvkit.sim.traces:write_trace",
@@ -95,6 +107,7 @@ _LAZY: dict[str, str] = {
     "PolicyStudy": "kvkit.sim.policy_study:PolicyStudy",
     "default_policies": "kvkit.sim.policy_study:default_policies",
     "replay": "kvkit.sim.policy_study:replay",
+    "TraceClock": "kvkit.sim.policy_study:TraceClock",
     "study": "kvkit.sim.policy_study:study",
     "block_class": "kvkit.backends.eviction.hit_density:block_class",
     # explore: copy-backend throughput (the library half of `kvkit bench transfer`)
@@ -110,6 +123,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "ALLOCATOR",
+    "BUILTIN_TRACES",
     "BlockAllocator",
     "BlockHash",
     "BlockHasher",
@@ -126,8 +140,10 @@ __all__ = [
     "EvictionPolicy",
     "EvictionWindow",
     "ExplainsUnavailability",
+    "FleetResult",
     "GemmLoad",
     "GroupKind",
+    "HintAwarePolicy",
     "HitStats",
     "KVCacheSpec",
     "KVGroupSpec",
@@ -146,9 +162,12 @@ __all__ = [
     "ReportsAvailability",
     "RequestView",
     "Rig",
+    "SHAPES",
+    "SHARED",
     "STORE",
     "SelectivePins",
     "SelfChecking",
+    "SharedTierSpec",
     "SimConfig",
     "SimResult",
     "Simulator",
@@ -159,14 +178,17 @@ __all__ = [
     "SyntheticCompute",
     "SyntheticWorkload",
     "Tier",
+    "TraceClock",
     "TraceRequest",
     "TransferEngine",
     "TransferPlan",
     "TransferResult",
     "WindowedPolicy",
+    "WorkloadHints",
     "bench_backend",
     "block_class",
     "build",
+    "compare_fleets",
     "default_policies",
     "errors",
     "gemm_alone",
@@ -174,18 +196,22 @@ __all__ = [
     "hash_blocks",
     "make_plans",
     "measure_ceiling",
+    "open_block_store",
     "parse_bytes",
     "read_trace",
     "register",
     "replay",
     "run_transfer",
+    "shape",
     "simulate",
+    "simulate_fleet",
     "study",
     "write_trace",
 ]
 
 if TYPE_CHECKING:  # what __getattr__ returns, spelled out for type checkers and IDEs
     from kvkit.backends.eviction.hit_density import block_class
+    from kvkit.blockstores import open_block_store
     from kvkit.config import DEFAULTS, StackConfig, parse_bytes
     from kvkit.hashing import BlockHasher, hash_blocks
     from kvkit.interfaces import (
@@ -215,13 +241,16 @@ if TYPE_CHECKING:  # what __getattr__ returns, spelled out for type checkers and
         TransferResult,
         WindowedPolicy,
     )
+    from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
     from kvkit.manager import CompletionReport, OffloadManager, StepPlan
-    from kvkit.registry import ALLOCATOR, COPY, EVICTION, REGISTRIES, STORE, register
+    from kvkit.manager.shared import SharedTierSpec
+    from kvkit.registry import ALLOCATOR, COPY, EVICTION, REGISTRIES, SHARED, STORE, register
     from kvkit.sim.engine_loop import EngineRequest, ReferenceEngine, StepReport, SyntheticCompute
-    from kvkit.sim.policy_study import OPT, HitStats, PolicyStudy, default_policies, replay, study
+    from kvkit.sim.fleet import FleetResult, compare_fleets, simulate_fleet
+    from kvkit.sim.policy_study import OPT, HitStats, PolicyStudy, TraceClock, default_policies, replay, study
     from kvkit.sim.simulator import CostModel, ModelShape, SimConfig, SimResult, Simulator, simulate
-    from kvkit.sim.synthetic import SyntheticWorkload, generate
-    from kvkit.sim.traces import TraceRequest, read_trace, write_trace
+    from kvkit.sim.synthetic import SHAPES, SyntheticWorkload, generate, shape
+    from kvkit.sim.traces import BUILTIN_TRACES, TraceRequest, read_trace, write_trace
     from kvkit.sim.transfer_bench import (
         GemmLoad,
         Rig,

@@ -29,6 +29,7 @@ from kvkit.interfaces import (
     OffloadCallback,
     StorePolicy,
 )
+from kvkit.interfaces.blockstore import BlockStore
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry, did_you_mean
 from kvkit.validate import check_real, int_problem, is_int
 from kvkit.worker import WAIT_TIMEOUT_S
@@ -167,6 +168,18 @@ class StackConfig:
         wait_timeout_s: how long each worker's ``drain()`` and ``close()`` wait
             at most by default, in seconds (> 0; ``math.inf`` waits forever).
         options: per-slot constructor kwargs for named slots, e.g. ``{"store": {"k": 2}}``.
+        shared: the shared (third) tier behind the CPU tier: a URL
+            (``"memory://"``, ``"file:///path"``, ``"valkey://host:6379/0"``) or a
+            :class:`~kvkit.interfaces.blockstore.BlockStore` instance; ``None``
+            (default) for two tiers. See :mod:`kvkit.manager.shared`.
+        shared_write: ``"write-through"`` (put what a CPU store committed) or
+            ``"write-back"`` (put the CPU tier's next eviction candidates).
+        shared_model: the model identity (name and revision or fingerprint) in
+            the shared tier's namespace: instances that share a store share
+            blocks only under the same identity, spec, layout and world size.
+        shared_secret: HMAC secret (bytes) every instance of a deployment shares, or ``None``.
+        shared_backoff_s: seconds the shared tier stays off after a failure
+            before a probe (doubling on each failed probe, at most 60x).
 
     Defaults come from :data:`DEFAULTS`.
 
@@ -193,6 +206,11 @@ class StackConfig:
     cpu_layout: str | None = None
     wait_timeout_s: float = DEFAULTS.wait_timeout_s
     options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    shared: str | BlockStore | None = None
+    shared_write: str = "write-through"
+    shared_model: str = "unnamed-model"
+    shared_secret: bytes | None = None
+    shared_backoff_s: float = 1.0
 
     def __attrs_post_init__(self) -> None:
         problems = [
@@ -203,6 +221,7 @@ class StackConfig:
             *self._callback_problems(),
             *self._runtime_problems(),
             *self._layout_problems(),
+            *self._shared_problems(),
         ]
         if problems:
             raise ConfigError(problems)
@@ -359,6 +378,29 @@ class StackConfig:
             check_real("wait_timeout_s", self.wait_timeout_s, low=0, low_open=True)
         except ConfigError as exc:
             problems.append(f"{exc}; hint: math.inf waits forever")
+        return problems
+
+    def _shared_problems(self) -> list[str]:
+        from kvkit.manager.shared import SHARED_WRITES
+
+        problems = []
+        shared = self.shared
+        if shared is not None and not (isinstance(shared, str) and "://" in shared) and (
+                isinstance(shared, type) or not isinstance(shared, BlockStore)):
+            problems.append(f"shared={shared!r}: must be None, a BlockStore instance or a URL such as "
+                            f"'memory://', 'file:///path' or 'valkey://host:6379/0'")
+        if self.shared_write not in SHARED_WRITES:
+            problems.append(f"shared_write={self.shared_write!r}: unknown; valid: {', '.join(SHARED_WRITES)}"
+                            f"{did_you_mean(str(self.shared_write), list(SHARED_WRITES))}")
+        if not isinstance(self.shared_model, str) or not self.shared_model:
+            problems.append(f"shared_model={self.shared_model!r}: must be a non-empty str (the model's name "
+                            f"and revision, part of the shared tier's namespace)")
+        if self.shared_secret is not None and not (isinstance(self.shared_secret, bytes) and self.shared_secret):
+            problems.append(f"shared_secret={self.shared_secret!r}: must be None or non-empty bytes")
+        try:
+            check_real("shared_backoff_s", self.shared_backoff_s, low=0, low_open=True)
+        except ConfigError as exc:
+            problems.append(str(exc))
         return problems
 
     def _layout_problems(self) -> list[str]:

@@ -33,6 +33,7 @@ from kvkit.interfaces import (
     ReportsAvailability,
     StorePolicy,
 )
+from kvkit.interfaces.blockstore import BlockStore
 
 __all__ = [
     "ALLOCATOR",
@@ -40,6 +41,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "EVICTION",
     "REGISTRIES",
+    "SHARED",
     "STORE",
     "Registry",
     "did_you_mean",
@@ -326,6 +328,8 @@ EVICTION: Registry[EvictionPolicy] = Registry("eviction", EvictionPolicy, "evict
     "s3fifo": "kvkit.backends.eviction.s3fifo:S3FIFOPolicy",
     "prefix-lru": "kvkit.backends.eviction.prefix_lru:PrefixLRUPolicy",
     "hit-density": "kvkit.backends.eviction.hit_density:HitDensityPolicy",
+    "adaptive": "kvkit.backends.eviction.adaptive:AdaptivePolicy",
+    "hinted": "kvkit.backends.eviction.hinted:HintedPolicy",
     "opt": "kvkit.backends.eviction.opt:OptimalPolicy",
 })
 STORE: Registry[StorePolicy] = Registry("store", StorePolicy, "store policy", builtins={
@@ -345,7 +349,13 @@ ALLOCATOR: Registry[BlockAllocator] = Registry("allocator", BlockAllocator, "blo
     "pool": "kvkit.backends.allocator.pool:BlockPool",
 })
 
-REGISTRIES: dict[str, Registry[Any]] = {r.kind: r for r in (EVICTION, STORE, COPY, ALLOCATOR)}
+SHARED: Registry[BlockStore] = Registry("shared", BlockStore, "block store", builtins={
+    "memory": "kvkit.backends.shared.memory:MemoryStore",
+    "disk": "kvkit.backends.shared.disk:DiskStore",
+    "valkey": "kvkit.backends.shared.valkey:ValkeyStore",
+})
+
+REGISTRIES: dict[str, Registry[Any]] = {r.kind: r for r in (EVICTION, STORE, COPY, ALLOCATOR, SHARED)}
 """Every extension point by kind, in display order."""
 
 

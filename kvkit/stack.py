@@ -19,7 +19,9 @@ from kvkit.worker.memory import check_fits
 if TYPE_CHECKING:
     import torch
 
+    from kvkit.interfaces.blockstore import BlockStore
     from kvkit.worker.engine import TransferEngine
+    from kvkit.worker.shared import SharedTierWorker
 
 __all__ = ["OffloadStack", "build"]
 
@@ -36,6 +38,10 @@ class OffloadStack:
         workers: one ``TransferEngine`` per worker rank when the stack moves
             real bytes; empty for a scheduler-only stack (simulation), whose
             transfers complete as soon as they are planned.
+        shared_workers: with a shared tier, one ``SharedTierWorker`` per rank:
+            it runs that rank's whole step plan (fetches, then its engine's
+            copies, then puts) and reports every result; empty otherwise.
+        shared_store: the shared tier's store (``None`` without one).
 
     Invariants: the CPU pool and every worker's CPU mirror hold the same
     number of blocks (one source of truth: ``config``).
@@ -46,6 +52,9 @@ class OffloadStack:
     cpu: BlockAllocator
     manager: OffloadManager
     workers: list[TransferEngine] = attrs.field(factory=list)
+    shared_workers: list[SharedTierWorker] = attrs.field(factory=list)
+    shared_store: BlockStore | None = None
+    owns_shared_store: bool = False
 
     @property
     def stats(self) -> OffloadStats:
@@ -58,6 +67,13 @@ class OffloadStack:
         return self.manager.callbacks
 
     @property
+    def shared_counts(self) -> dict[str, int]:
+        """What the workers found in the shared tier, summed over ranks: missing and invalid values
+        (each a failed fetch, never loaded) and transport errors."""
+        names = ("missing_values", "invalid_values", "transport_errors")
+        return {n: sum(getattr(w, n) for w in self.shared_workers) for n in names}
+
+    @property
     def moves_bytes(self) -> bool:
         """Whether transfers copy real bytes (``workers`` registered a KV cache)."""
         return bool(self.workers)
@@ -68,6 +84,8 @@ class OffloadStack:
         for worker in self.workers:
             assert worker.num_cpu_blocks == self.cpu.num_blocks, (worker.num_cpu_blocks, self.cpu.num_blocks)
             worker.check_invariants()
+        for shared in self.shared_workers:
+            shared.check_invariants()
 
     def close(self, timeout: float | None = None) -> None:
         """Drain and release every worker (unpins the CPU mirrors); the manager applies the last results.
@@ -81,6 +99,13 @@ class OffloadStack:
                 ``TransferEngine.close``); the others are closed. Call again later.
         """
         timeouts = []
+        for shared in self.shared_workers:  # the store's tickets first: their CPU blocks stay referenced
+            try:
+                self.manager.apply_completions(shared.drain(timeout))
+            except TransferTimeoutError as exc:
+                timeouts.append(exc)
+        if not timeouts and self.owns_shared_store:
+            self.shared_store.close()
         for worker in self.workers:
             try:
                 self.manager.apply_completions(worker.close(timeout))
@@ -151,9 +176,20 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     parts = config.resolve()
     gpu = parts.allocator(num_blocks=parts.gpu_blocks, eviction=parts.gpu_eviction)
     cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
+    shared, clients, store, owned = None, [], None, False
+    if config.shared is not None:
+        from kvkit.manager.shared import SharedTierSpec
+        from kvkit.shared_tier import FormatCodec, open_shared, shared_clients
+
+        store, owned = open_shared(config.shared)
+        clients = shared_clients(store, config.world_size + 1)  # the scheduler's, then one per rank
+        codec = FormatCodec.for_stack(config.kv, config.world_size, model=config.shared_model,
+                                      layout=config.cpu_layout or layout or "none", secret=config.shared_secret)
+        shared = SharedTierSpec(store=clients[0], codec=codec, write=config.shared_write,
+                                backoff_s=config.shared_backoff_s, max_backoff_s=60 * config.shared_backoff_s)
     manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
-                             callbacks=parts.callbacks)
-    stack = OffloadStack(config, gpu, cpu, manager)
+                             callbacks=parts.callbacks, shared=shared)
+    stack = OffloadStack(config, gpu, cpu, manager, shared_store=store, owns_shared_store=owned)
     if layout is not None:
         from kvkit.worker.engine import TransferEngine  # torch only when bytes move
 
@@ -171,6 +207,13 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
             else:
                 worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
             stack.workers.append(worker)
+    if shared is not None:
+        from kvkit.worker.shared import SharedTierWorker
+
+        engines = stack.workers or [None] * config.world_size
+        stack.shared_workers = [SharedTierWorker(config.kv, client, shared.codec, engine, rank=rank,
+                                                 wait_timeout_s=config.wait_timeout_s)
+                                for rank, (client, engine) in enumerate(zip(clients[1:], engines))]
     return stack
 
 

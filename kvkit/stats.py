@@ -81,6 +81,20 @@ class OffloadStats:
             once per callback and hook as a ``RuntimeWarning``).
         store_policy_errors: store-policy calls that raised or answered
             something other than int block indices (treated as "store nothing").
+        hit_tokens_shared: tokens the engine accepted from the shared tier
+            (fetched into CPU blocks, then loaded like a CPU hit).
+        blocks_fetched / bytes_fetched: shared-tier blocks that landed in CPU
+            blocks on every worker, and the bytes per worker.
+        fetches_failed: blocks of fetches that failed on some worker (a key
+            gone, a value that failed its checks, a sick server): their
+            requests recompute.
+        blocks_put / bytes_put: CPU blocks every worker put into the shared
+            tier, and the bytes per worker.
+        puts_failed: blocks of puts that failed on some worker.
+        puts_skipped: blocks not put because the shared tier was off (backing off).
+        shared_outages: times the shared tier was turned off after a failure.
+        shared_probes / shared_recoveries: probes sent to a suspect or
+            backed-off server, and the times it came back on.
     """
 
     lookups: Counter = _counter()
@@ -109,6 +123,17 @@ class OffloadStats:
     forced_resets: Counter = _counter()
     callback_errors: Counter = _counter()
     store_policy_errors: Counter = _counter()
+    hit_tokens_shared: Counter = _counter()
+    blocks_fetched: Counter = _counter()
+    bytes_fetched: Counter = _counter()
+    fetches_failed: Counter = _counter()
+    blocks_put: Counter = _counter()
+    bytes_put: Counter = _counter()
+    puts_failed: Counter = _counter()
+    puts_skipped: Counter = _counter()
+    shared_outages: Counter = _counter()
+    shared_probes: Counter = _counter()
+    shared_recoveries: Counter = _counter()
 
     @property
     def cpu_hit_rate(self) -> float:
@@ -122,9 +147,16 @@ class OffloadStats:
         q = self.query_tokens.value
         return self.hit_tokens_gpu.value / q if q else 0.0
 
+    @property
+    def shared_hit_rate(self) -> float:
+        """Fraction of scheduled tokens served by the shared tier (0 before any request)."""
+        q = self.query_tokens.value
+        return self.hit_tokens_shared.value / q if q else 0.0
+
     def as_dict(self) -> dict[str, int | float]:
         """Every counter's value by name, plus the derived hit rates."""
         out = {f.name: getattr(self, f.name).value for f in attrs.fields(type(self))}
         out["cpu_hit_rate"] = self.cpu_hit_rate
         out["gpu_hit_rate"] = self.gpu_hit_rate
+        out["shared_hit_rate"] = self.shared_hit_rate
         return out

@@ -17,7 +17,7 @@ ALLOWED = {
 }
 
 # The manager's parts, in data-flow order: each imports only parts before it (nothing climbs back).
-MANAGER_ORDER = ["requests", "ended", "events", "step", "transfers", "hits", "stores", "manager"]
+MANAGER_ORDER = ["requests", "ended", "events", "step", "transfers", "hits", "stores", "shared", "manager"]
 
 
 def _module_name(path: Path) -> str:

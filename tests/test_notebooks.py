@@ -29,6 +29,13 @@ def test_notebook_is_committed_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_needs_no_files_beside_the_checkout(path):
+    """No notebook reads a trace from outside the package (the built-in trace ships with kvkit)."""
+    text = path.read_text()
+    assert "shared/traces" not in text and '"shared"' not in text and ".jsonl" not in text
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -40,6 +47,8 @@ def test_notebook_runs_and_writes_its_plots(path, tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
     monkeypatch.setenv("KVKIT_PLOT_DIR", str(tmp_path))
+    for knob in ("KVKIT_FULL", "KVKIT_TRACE"):  # the quick default run, on the built-in trace
+        monkeypatch.delenv(knob, raising=False)
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=240, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()

@@ -49,6 +49,14 @@ def test_wheel_contains_every_subpackage(wheel_names):
     assert {"kvkit/py.typed", "kvkit/interfaces/__init__.py", "kvkit/backends/__init__.py"} <= wheel_names
 
 
+def test_wheel_ships_the_builtin_traces(wheel_names):
+    """Every built-in trace and its licence note are package data of the wheel, not only files of the checkout."""
+    from kvkit.sim.traces import BUILTIN_TRACES
+
+    assert {f"kvkit/sim/data/{name}" for name in BUILTIN_TRACES.values()} <= wheel_names
+    assert "kvkit/sim/data/NOTICE.md" in wheel_names
+
+
 def test_wheel_declares_console_script(wheel_names):
     """The wheel's entry points declare the `kvkit` console script."""
     assert any(n.endswith(".dist-info/entry_points.txt") for n in wheel_names)

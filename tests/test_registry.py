@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import kvkit.registry as registry_module
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces import EvictionPolicy, ExplainsUnavailability, ReportsAvailability
-from kvkit.registry import ALLOCATOR, COPY, ENTRY_POINT_GROUP, EVICTION, STORE, Registry
+from kvkit.registry import COPY, ENTRY_POINT_GROUP, EVICTION, STORE, Registry
 
 POLICY_SOURCE = textwrap.dedent('''
     from kvkit.testing.doubles import InertPolicy
@@ -62,6 +62,11 @@ BUILTINS = {
         "staged": "kvkit.backends.copy.staged:StagedCopy",
     },
     "allocator": {"pool": "kvkit.backends.allocator.pool:BlockPool"},
+    "shared": {
+        "memory": "kvkit.backends.shared.memory:MemoryStore",
+        "disk": "kvkit.backends.shared.disk:DiskStore",
+        "valkey": "kvkit.backends.shared.valkey:ValkeyStore",
+    },
 }
 
 
@@ -95,12 +100,12 @@ def fresh(monkeypatch):
 
 def test_builtin_names_and_targets():
     """Every built-in name maps to its documented lazy target."""
-    for reg in (EVICTION, STORE, COPY, ALLOCATOR):
+    for reg in registry_module.REGISTRIES.values():
         for name, target in BUILTINS[reg.kind].items():
             assert name in reg.names()
             assert reg.target(name) == target
         reg.check_invariants()
-    assert list(registry_module.REGISTRIES) == ["eviction", "store", "copy", "allocator"]
+    assert list(registry_module.REGISTRIES) == ["eviction", "store", "copy", "allocator", "shared"]
 
 
 def test_lazy_target_not_imported_until_used(fresh, fake_module):

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from kvkit.backends.copy._driver import driver
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
-from kvkit.backends.copy._planner import Planner, registered
+from kvkit.backends.copy._planner import Planner, registered, stage_waits
 from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
@@ -97,24 +97,50 @@ class GPUCopy(HandleQueue):
             PlanError: nothing registered, unknown group, ids out of range or
                 repeated destination ids; nothing was launched.
         """
-        registered(self._planner, plan)
+        planner = registered(self._planner, plan)
+        return self._start(plan, [range(len(planner.region_names(plan.group)))], [after])[0]
+
+    def submit_stages(self, plan: TransferPlan, stages: Sequence[range], *,
+                      after: Any = None) -> tuple[int, list[tuple[Any, ...]]]:
+        """:class:`~kvkit.interfaces.capabilities.LayeredCopy`: ``plan`` stage by stage, one event per stage.
+
+        Raises:
+            PlanError: as :meth:`submit`, or stages that do not partition the
+                group's regions, or an ``after`` list of another length; nothing was launched.
+        """
+        stages = registered(self._planner, plan).stages(plan, stages)
+        return self._start(plan, stages, stage_waits(after, len(stages)))
+
+    def _start(self, plan: TransferPlan, stages: list[range], waits: list[Any]) -> tuple[int, list[tuple[Any, ...]]]:
         stream = self._streams[plan.direction]
+        events: list[tuple[Any, ...]] = []
+        keep_alive: list[Any] = []
         with torch.cuda.device(self._device):
-            if after is not None:
-                stream.wait_event(after)
             try:
-                keep_alive = self._launch(plan, stream) if len(plan) else None
+                prepared = self._prepare(plan, stream) if len(plan) else None
+                keep_alive.append(prepared)
+                for stage, wait in zip(stages, waits):
+                    if wait is not None:
+                        stream.wait_event(wait)
+                    if len(plan):
+                        keep_alive.append(self._launch(plan, stream, stage, prepared))
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    events.append((event,))
             except Exception:
                 stream.synchronize()  # a raising submit leaves nothing running (part of a launch may have been queued)
                 raise
-            event = torch.cuda.Event()
-            event.record(stream)
-        return self._inflight.issue(event, keep_alive)
+        return self._inflight.issue(events[-1][0], keep_alive), events
 
-    def _launch(self, plan: TransferPlan, stream: torch.cuda.Stream) -> Any:
-        """Enqueue every copy of validated, non-empty ``plan`` on ``stream``.
+    def _prepare(self, plan: TransferPlan, stream: torch.cuda.Stream) -> Any:
+        """Hook: what every stage of validated, non-empty ``plan`` shares (kept alive until it completed)."""
+        return None
 
-        Returns what must stay alive until the copy completed.
+    def _launch(self, plan: TransferPlan, stream: torch.cuda.Stream, regions: range, prepared: Any) -> Any:
+        """Enqueue every copy of validated, non-empty ``plan`` in the group's ``regions`` on ``stream``.
+
+        ``prepared`` is what :meth:`_prepare` answered for the plan. Returns
+        what must stay alive until the copy completed.
         """
         raise NotImplementedError
 

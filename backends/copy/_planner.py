@@ -19,6 +19,7 @@ engine runs as a single operation.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -111,13 +112,23 @@ class _Group:
                            [r.stride_bytes(Tier.CPU) for r in regions]], dtype=np.int64)
         piece = np.array([r.piece_bytes for r in regions], dtype=np.int64)
         limit = (min(r.gpu.shape[0] for r in regions), min(r.cpu.shape[0] for r in regions))
+        return cls.of_arrays(tuple(r.name for r in regions), base, stride, piece, limit)
+
+    @classmethod
+    def of_arrays(cls, names: tuple[str, ...], base: np.ndarray, stride: np.ndarray, piece: np.ndarray,
+                  limit: tuple[int, int]) -> _Group:
         packed = (stride == piece[None, :]).all(axis=0)
         pitch = None
-        if len(regions) >= 2 and (piece == piece[0]).all() and (stride == stride[:, :1]).all():
+        if len(names) >= 2 and (piece == piece[0]).all() and (stride == stride[:, :1]).all():
             steps = np.diff(base, axis=1)
             if (steps == steps[:, :1]).all() and (steps[:, 0] >= piece[0]).all():
                 pitch = (int(steps[GPU, 0]), int(steps[CPU, 0]))
-        return cls(tuple(r.name for r in regions), base, stride, piece, limit, packed, pitch)
+        return cls(names, base, stride, piece, limit, packed, pitch)
+
+    def part(self, regions: range) -> _Group:
+        """The regions ``regions`` (indices in registration order) as a group of their own."""
+        r = slice(regions.start, regions.stop)
+        return _Group.of_arrays(self.names[r], self.base[:, r], self.stride[:, r], self.piece[r], self.limit)
 
 
 def _tiers(direction: Direction) -> tuple[int, int]:
@@ -143,6 +154,7 @@ class Planner:
     """
 
     _groups: dict[int, _Group] = attrs.field(factory=dict)
+    _parts: dict[tuple[int, int, int], _Group] = attrs.field(factory=dict, init=False)  # (group, start, stop)
 
     @classmethod
     def of(cls, regions: Sequence[Region], *,
@@ -212,6 +224,36 @@ class Planner:
                 raise PlanError(f"destination ids repeat (result would be undefined): "
                                 f"{np.unique(repeated)[:8].tolist()!r}")
 
+    def stages(self, plan: TransferPlan, stages: Sequence[range]) -> list[range]:
+        """``stages`` checked against ``plan``'s group (``plan`` must have passed :meth:`validate`).
+
+        Raises:
+            PlanError: the stages are not consecutive non-empty ``range`` s (step 1)
+                covering the group's regions ``0..R`` exactly.
+        """
+        total = len(self._groups[plan.group].names)
+        checked: list[range] = []
+        for stage in stages if isinstance(stages, (list, tuple)) else ():
+            at = checked[-1].stop if checked else 0
+            if not isinstance(stage, range) or stage.step != 1 or stage.start != at or stage.stop <= at:
+                break
+            checked.append(stage)
+        else:
+            if checked and checked[-1].stop == total:
+                return checked
+        raise PlanError(f"stages must be consecutive non-empty ranges covering regions 0..{total} of "
+                        f"group {plan.group} exactly, got {quote(stages)}")
+
+    def _group(self, group: int, regions: range | None) -> _Group:
+        whole = self._groups[group]
+        if regions is None or (regions.start == 0 and regions.stop == len(whole.names)):
+            return whole
+        key = (group, regions.start, regions.stop)
+        part = self._parts.get(key)
+        if part is None:
+            part = self._parts[key] = whole.part(regions)
+        return part
+
     def count(self, plan: TransferPlan, *, coalesce: bool = True) -> tuple[int, int]:
         """``(descriptors, bytes)`` that :meth:`descriptors` would produce, without building them."""
         group = self._groups[plan.group]
@@ -220,12 +262,12 @@ class Planner:
         packed = int(group.packed.sum())
         return packed * nruns + (len(group.piece) - packed) * n, n * int(group.piece.sum())
 
-    def descriptors(self, plan: TransferPlan, *, coalesce: bool = True) -> Descriptors:
-        """Every byte copy of ``plan``, region-major; runs merged where pieces are packed.
+    def descriptors(self, plan: TransferPlan, *, coalesce: bool = True, regions: range | None = None) -> Descriptors:
+        """Every byte copy of ``plan`` (in ``regions`` only, if given), region-major; runs merged where packed.
 
-        ``plan`` must have passed :meth:`validate`.
+        ``plan`` must have passed :meth:`validate`, ``regions`` :meth:`stages`.
         """
-        group = self._groups[plan.group]
+        group = self._group(plan.group, regions)
         s, d = _tiers(plan.direction)
         src, dst = plan.src, plan.dst
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -249,12 +291,12 @@ class Planner:
         size = blocks[None, :] * group.piece[mask, None]
         return src_addr.ravel(), dst_addr.ravel(), size.ravel()
 
-    def strided(self, plan: TransferPlan, *, coalesce: bool = True) -> Strided | None:
-        """``plan`` as 2-D copies spanning every region, or ``None`` if the regions are not evenly spaced.
+    def strided(self, plan: TransferPlan, *, coalesce: bool = True, regions: range | None = None) -> Strided | None:
+        """``plan`` as 2-D copies spanning every region (of ``regions``), or ``None`` if not evenly spaced.
 
-        ``plan`` must have passed :meth:`validate`.
+        ``plan`` must have passed :meth:`validate`, ``regions`` :meth:`stages`.
         """
-        group = self._groups[plan.group]
+        group = self._group(plan.group, regions)
         if group.pitch is None:
             return None
         s, d = _tiers(plan.direction)
@@ -271,6 +313,19 @@ class Planner:
         return Strided(_u64(group.base[s, 0] + src * group.stride[s, 0]),
                        _u64(group.base[d, 0] + dst * group.stride[d, 0]),
                        _u64(width), len(group.piece), src_pitch, dst_pitch)
+
+
+def stage_waits(after: Any, num_stages: int) -> list[Any]:
+    """``after`` as one entry per stage: a single event (or ``None``) gates the first stage only.
+
+    Raises:
+        PlanError: a list or tuple ``after`` whose length is not ``num_stages``.
+    """
+    if isinstance(after, (list, tuple)):
+        if len(after) != num_stages:
+            raise PlanError(f"after has {len(after)} events for {num_stages} stages")
+        return list(after)
+    return [after] + [None] * (num_stages - 1)
 
 
 def registered(planner: Planner | None, plan: TransferPlan) -> Planner:

@@ -30,7 +30,7 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
-from kvkit.backends.copy._planner import Planner, registered
+from kvkit.backends.copy._planner import Planner, registered, stage_waits
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
@@ -165,6 +165,23 @@ class AutoCopy(HandleQueue):
             PlanError: as the inner backends; nothing was launched.
         """
         registered(self._planner, plan)
+        return self._start(plan, lambda backend, part: (backend.submit(part, after=after), []))[0]
+
+    def submit_stages(self, plan: TransferPlan, stages: Sequence[range], *,
+                      after: Any = None) -> tuple[int, list[tuple[Any, ...]]]:
+        """:class:`~kvkit.interfaces.capabilities.LayeredCopy` through the inner backends' own (both must have it).
+
+        A split plan's stage completes once both backends' parts of it did.
+
+        Raises:
+            PlanError: as :meth:`submit`, or as the inner backends' ``submit_stages``; nothing was launched.
+        """
+        stages = registered(self._planner, plan).stages(plan, stages)
+        stage_waits(after, len(stages))  # a bad ``after`` fails before any part launches
+        return self._start(plan, lambda backend, part: backend.submit_stages(part, stages, after=after))
+
+    def _start(self, plan: TransferPlan, launch: Any) -> tuple[int, list[tuple[Any, ...]]]:
+        """Launch ``plan``'s part(s) with ``launch(backend, part) -> (handle, stage events)``."""
         where = self.choose(plan)
         if where == "split":
             k = max(1, min(len(plan) - 1, round(len(plan) * self.kernel_share)))
@@ -172,14 +189,17 @@ class AutoCopy(HandleQueue):
         else:
             parts = [(self.dma if where == "dma" else self.kernel, plan.src, plan.dst)]
         inner: list[tuple[int, int]] = []
+        events: list[tuple[Any, ...]] = []
         for backend, src, dst in parts:
             part = plan if len(parts) == 1 else TransferPlan(src, dst, plan.direction, plan.group)
             try:
-                inner.append((self._backends.index(backend), backend.submit(part, after=after)))
+                handle, stage_events = launch(backend, part)
             except Exception:
                 _Parts(inner, self._backends, self._seen).synchronize()  # a raising submit leaves nothing running
                 raise
-        return self._inflight.issue(_Parts(inner, self._backends, self._seen))
+            inner.append((self._backends.index(backend), handle))
+            events = [a + b for a, b in zip(events, stage_events)] if events else list(stage_events)
+        return self._inflight.issue(_Parts(inner, self._backends, self._seen)), events
 
     @override
     def poll(self) -> list[int]:

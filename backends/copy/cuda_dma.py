@@ -85,11 +85,12 @@ class CudaDMACopy(GPUCopy):
             a["flags"] = flags
             self._attributes[direction] = a
 
-    def _launch(self, plan: TransferPlan, stream: torch.cuda.Stream) -> Any:
+    def _launch(self, plan: TransferPlan, stream: torch.cuda.Stream, regions: range, prepared: Any) -> Any:
         lib = _driver.driver()
         lib.ensure_context(self._context)
         assert self._planner is not None
-        strided = self._planner.strided(plan) if self.strided and self._strided_error is None else None
+        strided = (self._planner.strided(plan, regions=regions)
+                   if self.strided and self._strided_error is None else None)
         if strided is not None:
             ops = self._ops(strided, plan.direction)
             try:
@@ -99,7 +100,7 @@ class CudaDMACopy(GPUCopy):
                 self._strided_error = str(exc)
                 warnings.warn(f"cuda-dma: 2-D batched copies refused ({exc}); using 1-D copies",
                               RuntimeWarning, stacklevel=4)
-        desc = self._planner.descriptors(plan)
+        desc = self._planner.descriptors(plan, regions=regions)
         lib.memcpy_batch(desc.dst, desc.src, desc.size, self._attributes[plan.direction], stream.cuda_stream)
         return desc
 

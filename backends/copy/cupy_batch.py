@@ -300,21 +300,24 @@ class CupyBatchCopy(GPUCopy):
                 function.max_dynamic_shared_size_bytes = smem
             self._kernels[name] = _Kernel(function, threads, chunk, smem)
 
-    def _launch(self, plan: TransferPlan, stream: torch.cuda.Stream) -> Any:
-        regions, nregions, chunks, bulk = self._tables[plan.group]
-        kernel = self._kernels["bulk" if bulk else "vector"]
-        n = len(plan)
-        pinned = torch.empty((n, 2), dtype=torch.int64, pin_memory=True)
+    def _prepare(self, plan: TransferPlan, stream: torch.cuda.Stream) -> Any:
+        """The plan's ``(src, dst)`` pairs on the device, shared by every stage."""
+        pinned = torch.empty((len(plan), 2), dtype=torch.int64, pin_memory=True)
         pairs = pinned.numpy()
         pairs[:, 0] = plan.src
         pairs[:, 1] = plan.dst
         with torch.cuda.stream(stream):
             # Pinned source: the caching host allocator keeps it until this copy ran.
-            rows = pinned.to(self._device, non_blocking=True)
+            return pinned.to(self._device, non_blocking=True)
+
+    def _launch(self, plan: TransferPlan, stream: torch.cuda.Stream, regions: range, prepared: Any) -> Any:
+        table, _, chunks, bulk = self._tables[plan.group]
+        kernel = self._kernels["bulk" if bulk else "vector"]
+        n, nregions = len(plan), len(regions)
         items = n * chunks * nregions
         grid = min(self.sm_budget, -(-items // (kernel.threads // 32)))
-        args = (np.uint64(regions.data_ptr()), np.int32(nregions), np.uint64(rows.data_ptr()), np.int64(n),
-                np.int32(chunks), np.int64(kernel.chunk), np.int32(plan.direction is Direction.STORE))
+        args = (np.uint64(table[regions.start].data_ptr()), np.int32(nregions), np.uint64(prepared.data_ptr()),
+                np.int64(n), np.int32(chunks), np.int64(kernel.chunk), np.int32(plan.direction is Direction.STORE))
         kernel.function((grid,), (kernel.threads,), args, stream=self._cupy_streams[plan.direction],
                         shared_mem=kernel.smem)
-        return rows
+        return None

@@ -19,7 +19,7 @@ import torch
 from typing_extensions import override
 
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
-from kvkit.backends.copy._planner import Planner
+from kvkit.backends.copy._planner import Planner, stage_waits
 from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, TransferPlan
@@ -129,29 +129,50 @@ class TorchCopy(HandleQueue, CopyBackend):
                 ids; nothing was launched or written.
         """
         self._planner.validate(plan)
+        return self._start(plan, [range(len(self._planner.region_names(plan.group)))], [after])[0]
+
+    def submit_stages(self, plan: TransferPlan, stages: Sequence[range], *,
+                      after: Any = None) -> tuple[int, list[tuple[Any, ...]]]:
+        """:class:`~kvkit.interfaces.capabilities.LayeredCopy`: ``plan`` stage by stage, one event per stage.
+
+        With both tiers in host memory every stage has landed on return (no events).
+
+        Raises:
+            PlanError: as :meth:`submit`, or stages that do not partition the
+                group's regions, or an ``after`` list of another length; nothing was launched.
+        """
+        self._planner.validate(plan)
+        stages = self._planner.stages(plan, stages)
+        return self._start(plan, stages, stage_waits(after, len(stages)))
+
+    def _start(self, plan: TransferPlan, stages: list[range], waits: list[Any]) -> tuple[int, list[tuple[Any, ...]]]:
         if self._stream is None:
-            self._launch(plan, [], [])
-            return self._inflight.issue()
+            for stage in stages:
+                self._launch(plan, stage, [], [])
+            return self._inflight.issue(), [() for _ in stages]
         # (destination rows, ids, pinned staging rows): scattered on the host
         # once the event shows the device-to-host copy landed.
         scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         keep_alive: list[torch.Tensor] = []  # host buffers the device reads asynchronously
+        events: list[tuple[Any, ...]] = []
         with torch.cuda.stream(self._stream):
-            if after is not None:
-                self._stream.wait_event(after)
             try:
-                self._launch(plan, scatters, keep_alive)
+                for stage, wait in zip(stages, waits):
+                    if wait is not None:
+                        self._stream.wait_event(wait)
+                    self._launch(plan, stage, scatters, keep_alive)
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    events.append((event,))
             except Exception:
                 self._stream.synchronize()  # a raising submit leaves nothing running (some regions were queued)
                 raise
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return self._inflight.issue(event, keep_alive, functools.partial(_scatter, scatters))
+        return self._inflight.issue(events[-1][0], keep_alive, functools.partial(_scatter, scatters)), events
 
-    def _launch(self, plan: TransferPlan, scatters: list, keep_alive: list) -> None:
-        """Issue every region's copy on the current stream (host work runs now)."""
+    def _launch(self, plan: TransferPlan, regions: range, scatters: list, keep_alive: list) -> None:
+        """Issue the copy of every region in ``regions`` of the plan's group on the current stream (host work now)."""
         n = len(plan)
-        rows = self._rows[plan.group]
+        rows = self._rows[plan.group][regions.start:regions.stop]
         if n == 0:
             return
         store = plan.direction is Direction.STORE

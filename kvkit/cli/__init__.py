@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,7 +28,7 @@ from typing_extensions import override
 
 from kvkit.errors import ConfigError, KVKitError
 
-__all__ = ["COMMANDS", "KVKitUsageError", "RenamedChoice", "kvkit_errors", "main", "renamed_flag"]
+__all__ = ["COMMANDS", "KVKitUsageError", "RenamedChoice", "check_plot_path", "kvkit_errors", "main", "renamed_flag"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -115,6 +116,26 @@ class RenamedChoice(click.Choice):
             _warn_renamed(f"{flag} {value}".strip(), f"{flag} {self.renamed[value]}".strip())
             value = self.renamed[value]
         return super().convert(value, param, ctx)
+
+
+def check_plot_path(path: Path | None) -> None:
+    """Fail before any work if a ``--plot`` PNG could not be written at the end (``None``: no plot).
+
+    Raises:
+        click.UsageError: matplotlib is not installed.
+        ConfigError: the PNG's folder does not exist or is not writable.
+    """
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.UsageError("--plot needs matplotlib: pip install 'kvkit[plot]'") from None
+    folder = path.parent
+    if not folder.is_dir():
+        raise ConfigError(f"--plot {str(path)!r}: no folder {str(folder)!r}; create it or give another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--plot {str(path)!r}: the folder {str(folder)!r} is not writable")
 
 
 def _first_doc_line(target: str) -> str:

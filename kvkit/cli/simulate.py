@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import resource
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import click
 
-from kvkit.cli import renamed_flag
+from kvkit.cli import check_plot_path, renamed_flag
+from kvkit.cli._fleet import run_fleets
+from kvkit.cli._progress import Progress, progress
 from kvkit.config import DEFAULTS
+from kvkit.sim.fleet import ROUTERS
 from kvkit.sim.simulator import CostModel, SimConfig, SimResult, simulate
+from kvkit.sim.synthetic import SHAPES, shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
 
 __all__ = ["figure", "save_plot", "simulate_command"]
@@ -24,17 +26,11 @@ __all__ = ["figure", "save_plot", "simulate_command"]
 _COST = CostModel()  # the cost model's defaults have one home: CostModel
 
 
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise click.UsageError("--plot needs matplotlib: pip install 'kvkit[plot]'") from None
-
-
 @click.command("simulate")
 @click.option("--trace", "trace_path", default=None,
               type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
-              help="Mooncake JSONL trace [default: the built-in synthetic multi-turn chat workload].")
+              help="Mooncake JSONL(.gz) trace, or a built-in one by name: mooncake-conversation "
+                   "[default: the synthetic multi-turn chat workload].")
 @click.option("--gpu-blocks", default=DEFAULTS.gpu_blocks, show_default=True, type=click.IntRange(min=1),
               help="GPU tier size in blocks.")
 @click.option("--cpu-blocks", default=None, type=click.IntRange(min=1),
@@ -50,6 +46,8 @@ def _require_matplotlib() -> None:
 @click.option("--verify", is_flag=True,
               help="Move real bytes (torch backend, CPU tensors) and check every loaded block.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic workload.")
+@click.option("--shape", "shape_name", default=None, type=click.Choice(sorted(SHAPES)),
+              help="Synthetic workload shape instead of --trace [default: chat].")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="Replay only the first N requests.")
 @click.option("--prefill-tokens-per-s", default=_COST.prefill_tokens_per_s, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Cost model: prefill speed.")
@@ -58,6 +56,16 @@ def _require_matplotlib() -> None:
 @click.option("--decode-ms-per-token", default=_COST.decode_ms_per_token, show_default=True,
               type=click.FloatRange(min=0), help="Cost model: time per generated token.")
 @click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never').")
+@click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Engine instances behind a router; above 1 compares isolated instances with "
+                   "instances sharing a third tier.")
+@click.option("--router", default="round-robin", show_default=True, type=click.Choice(ROUTERS),
+              help="How --instances share the requests.")
+@click.option("--shared", "shared_url", default=None,
+              help="The shared tier's store URL (e.g. valkey://127.0.0.1:6379/0) [default with "
+                   "--instances: an in-process store].")
+@click.option("--shared-gbps", default=_COST.shared_gbps, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Cost model: shared tier -> CPU fetch GB/s.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--plot", "plot_path", default=None,
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
@@ -67,9 +75,10 @@ def _require_matplotlib() -> None:
 @renamed_flag("--eviction", "--cpu-eviction")
 def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int | None,
                      cpu_bytes: str | None, block_size: int | None, cpu_eviction: str,
-                     gpu_eviction: str, store: str, verify: bool, seed: int, limit: int | None,
-                     prefill_tokens_per_s: float, pcie_gbps: float, decode_ms_per_token: float,
-                     no_baseline: bool, as_json: bool, plot_path: Path | None) -> None:
+                     gpu_eviction: str, store: str, verify: bool, seed: int, shape_name: str | None,
+                     limit: int | None, prefill_tokens_per_s: float, pcie_gbps: float, decode_ms_per_token: float,
+                     no_baseline: bool, instances: int, router: str, shared_url: str | None,
+                     shared_gbps: float, as_json: bool, plot_path: Path | None) -> None:
     """Replay a trace through a real offload stack and model time to first token.
 
     Every request goes through the reference engine loop, both block pools,
@@ -78,27 +87,34 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
     into a modelled TTFT. The same trace is replayed without offload to
     compare. See kvkit.sim.simulator for the time model.
     """
-    if plot_path is not None:
-        _require_matplotlib()
+    check_plot_path(plot_path)
     if cpu_blocks is not None and cpu_bytes is not None:
         raise click.UsageError("give --cpu-blocks or --cpu-bytes, not both")
+    if trace_path is not None and shape_name is not None:
+        raise click.UsageError("give --trace or --shape, not both")
     if block_size is None:
         block_size = MOONCAKE_BLOCK_SIZE if trace_path is not None else DEFAULTS.block_size
     config = SimConfig(
         gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, cpu_bytes=cpu_bytes, block_size=block_size,
         cpu_eviction=cpu_eviction, gpu_eviction=gpu_eviction, store=store, verify=verify,
         cost=CostModel(prefill_tokens_per_s=prefill_tokens_per_s, pcie_gbps=pcie_gbps,
-                       decode_ms_per_token=decode_ms_per_token))
+                       decode_ms_per_token=decode_ms_per_token, shared_gbps=shared_gbps))
     config.stack_config()  # every bad slot is reported before any work
-    workload = _Workload(trace_path, block_size, seed, limit)
+    workload = _Workload(trace_path, block_size, seed, limit, shape_name or "chat")
+    if instances > 1 or shared_url is not None:
+        run_fleets(workload, config, instances=instances, router=router, shared_url=shared_url, as_json=as_json)
+        return
     start = time.perf_counter()
     runs = [("offload", config)]
     if not no_baseline and store != "never":
         runs.append(("no offload", attrs.evolve(config, store="never", verify=False)))
     results = []
-    with _progress(enabled=not as_json, total=workload.size()) as progress:
+    with progress() as bar:
+        total = workload.size(bar)
         for label, cfg in runs:
-            results.append(simulate(workload.requests(), cfg, progress=progress(label)))
+            task = bar.task(f"replaying ({label})", total)
+            results.append(simulate(workload.requests(), cfg, progress=lambda n, refs, task=task: bar.update(
+                task, completed=n, note=f"requests, {refs:,} block refs")))
     offload, baseline = results[0], (results[1] if len(results) > 1 else None)
     wall = time.perf_counter() - start
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -120,61 +136,35 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
 
 @attrs.frozen
 class _Workload:
-    """The requests to replay: a trace file (read again for each run) or the synthetic workload."""
+    """The requests to replay: a trace file (read again for each run) or a synthetic workload shape."""
 
     path: Path | None
     block_size: int
     seed: int
     limit: int | None
+    shape: str = "chat"
 
     def requests(self) -> Iterable[TraceRequest]:
         if self.path is not None:
             return read_trace(self.path, block_size=self.block_size, limit=self.limit)
         from itertools import islice
 
-        from kvkit.sim.synthetic import SyntheticWorkload, generate
+        return islice(shape(self.shape, seed=self.seed, block_size=self.block_size).requests(), self.limit)
 
-        return islice(generate(SyntheticWorkload(seed=self.seed, block_size=self.block_size)),
-                      self.limit)
-
-    def size(self) -> int | None:
-        """Requests in a trace (read and checked once, so a bad file fails before any run); synthetic: unknown."""
-        if self.path is None:
-            return None
-        return sum(1 for _ in self.requests())
+    def size(self, bar: Progress) -> int:
+        """Requests to replay, read (and checked: a bad trace fails before any run) on a line of ``bar``."""
+        what = "generating" if self.path is None else "reading"
+        return sum(1 for _ in bar.track(self.requests(), f"{what} {self.describe()}"))
 
     def describe(self) -> str:
         if self.path is not None:
             return self.path.name
-        return f"synthetic multi-turn chat (seed {self.seed})"
+        return f"synthetic {self.shape} (seed {self.seed})"
 
     def as_dict(self) -> dict[str, Any]:
         return {"trace": str(self.path) if self.path is not None else "synthetic",
-                "seed": None if self.path is not None else self.seed, "limit": self.limit}
-
-
-@contextlib.contextmanager
-def _progress(*, enabled: bool, total: int | None) -> Iterator[Callable[[str], Callable[[int, int], None]]]:
-    """A transient progress bar on stderr (only on a terminal), one task per run."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
-    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-               MofNCompleteColumn(), TextColumn("{task.fields[refs]} block refs"), TimeElapsedColumn()]
-    with Progress(*columns, console=Console(stderr=True), transient=True,
-                  disable=not (enabled and sys.stderr.isatty())) as bar:
-        def start(label: str) -> Callable[[int, int], None]:
-            task = bar.add_task(f"replaying ({label})", total=total, refs="0")
-            return lambda n, refs: bar.update(task, completed=n, refs=f"{refs:,}")
-
-        yield start
+                "seed": None if self.path is not None else self.seed, "limit": self.limit,
+                "shape": None if self.path is not None else self.shape}
 
 
 def _share(part: float, whole: float) -> str:

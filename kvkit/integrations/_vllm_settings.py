@@ -24,7 +24,8 @@ __all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window
 
 EXTRA_KEYS: tuple[str, ...] = (
     "cpu_bytes", "cpu_blocks", "cpu_eviction", "store", "copy", "allocator", "options", "layout", "cpu_layout",
-    "async_load", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload",
+    "async_load", "layerwise", "shared", "shared_url", "shared_write", "shared_model",
+    "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload",
 )
 """Keys ``kv_connector_extra_config`` may hold (see :func:`parse_extra_config`); the last three are
 those of vLLM's ``SimpleCPUOffloadConnector``, with its meaning."""
@@ -48,19 +49,27 @@ class ConnectorSettings:
             :data:`kvkit.worker.layouts.LAYOUTS`.
         async_load: a CPU hit is loaded while other requests run (vLLM's
             asynchronous-load path), not before the forward pass that reads it.
+        layerwise: loads and stores run layer by layer: a layer's forward waits
+            (on the device) only for its own blocks, a layer's stores start once
+            its KV is written.
         num_cpu_blocks: ``stack.num_cpu_blocks``, computed once.
     """
 
     stack: StackConfig
     layout: str = "auto"
     async_load: bool = False
+    layerwise: bool = True
     num_cpu_blocks: int = attrs.field(
         init=False, default=attrs.Factory(lambda self: self.stack.num_cpu_blocks, takes_self=True))
     """Blocks of the CPU tier (the one figure both sides must agree on)."""
 
 
-_KINDS = {"FullAttentionSpec": GroupKind.FULL, "SlidingWindowSpec": GroupKind.SLIDING_WINDOW}
-"""vLLM KV cache spec classes (by exact name: subclasses such as MLA's are refused) -> group kind."""
+_KINDS = {"FullAttentionSpec": GroupKind.FULL, "SlidingWindowSpec": GroupKind.SLIDING_WINDOW,
+          "MLAAttentionSpec": GroupKind.FULL}
+"""vLLM KV cache spec classes (by exact name: other subclasses are refused) -> group kind."""
+
+_LATENT = "MLAAttentionSpec"
+"""The spec of MLA layers: one latent vector of ``head_size`` per token (``head_size_v=0``), no K and V."""
 
 
 def kv_spec_from_vllm(kv_cache_config: Any) -> KVCacheSpec:
@@ -70,15 +79,19 @@ def kv_spec_from_vllm(kv_cache_config: Any) -> KVCacheSpec:
     group after group, as the worker registers them) and ``kv_cache_spec``
     (``block_size``, ``num_kv_heads``, ``head_size``, ``head_size_v``, ``dtype``,
     and a sliding window's ``sliding_window`` and ``extra_retained_tokens``).
+    MLA layers (``MLAAttentionSpec``: full attention over one latent of
+    ``head_size`` per token, ``head_size_v=0``) give a
+    :attr:`~kvkit.interfaces.KVCacheSpec.latent` spec.
     A sliding-window group gets the kvkit window whose blocks are exactly
     those vLLM keeps for the next token (:func:`kvkit_window`), so a hit loads
     every block vLLM's attention reads and none it replaced by its null block.
 
     Raises:
-        ConfigError: no groups; a group that is neither full attention nor a
-            sliding window (MLA, Mamba, chunked local...), has K and V of
-            different sizes, or differs from the others in block size, heads,
-            head size or dtype; a window vLLM keeps in one block.
+        ConfigError: no groups; a group that is neither full attention, a
+            sliding window nor MLA (Mamba, chunked local...), has K and V of
+            different sizes (or an MLA latent with a V), or differs from the
+            others in block size, heads, head size, dtype or cache kind (latent
+            or K/V); a window vLLM keeps in one block.
     """
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups:
@@ -89,12 +102,14 @@ def kv_spec_from_vllm(kv_cache_config: Any) -> KVCacheSpec:
         spec = group.kv_cache_spec
         name = type(spec).__name__
         head_size = getattr(spec, "head_size", None)
-        if name not in _KINDS or getattr(spec, "head_size_v", head_size) != head_size:
+        latent = name == _LATENT
+        if name not in _KINDS or getattr(spec, "head_size_v", head_size) != (0 if latent else head_size):
             raise ConfigError(
                 f"kvkit's vLLM connector serves full-attention and sliding-window layers with K and V of "
-                f"equal size; KV cache group {g} is {name}(head_size={head_size!r}, "
-                f"head_size_v={getattr(spec, 'head_size_v', None)!r})")
-        shapes.add((spec.block_size, spec.num_kv_heads, head_size, str(spec.dtype).removeprefix("torch.")))
+                f"equal size, and MLA layers of one latent (head_size_v=0); KV cache group {g} is "
+                f"{name}(head_size={head_size!r}, head_size_v={getattr(spec, 'head_size_v', None)!r})")
+        shapes.add((spec.block_size, spec.num_kv_heads, head_size, str(spec.dtype).removeprefix("torch."),
+                    latent))
         layers = range(first, first + len(group.layer_names))
         first += len(layers)
         if _KINDS[name] is GroupKind.FULL:
@@ -104,11 +119,11 @@ def kv_spec_from_vllm(kv_cache_config: Any) -> KVCacheSpec:
                                   spec.block_size)
             kv_groups.append(KVGroupSpec(layers, GroupKind.SLIDING_WINDOW, window))
     if len(shapes) != 1:
-        raise ConfigError(f"kvkit's vLLM connector needs one block size, KV head count, head size and dtype "
-                          f"across KV cache groups, got {sorted(shapes)!r}")
-    ((block_size, num_kv_heads, head_dim, dtype),) = shapes
+        raise ConfigError(f"kvkit's vLLM connector needs one block size, KV head count, head size, dtype and "
+                          f"cache kind (MLA latent or K/V) across KV cache groups, got {sorted(shapes)!r}")
+    ((block_size, num_kv_heads, head_dim, dtype, latent),) = shapes
     return KVCacheSpec(num_layers=first, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       dtype=dtype, groups=kv_groups)
+                       dtype=dtype, groups=kv_groups, latent=latent)
 
 
 def kvkit_window(vllm_window: int, block_size: int) -> int:
@@ -150,10 +165,17 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       ``False`` any other store policy; a ``store`` that contradicts it is refused;
     * ``async_load`` (a bool, default ``False``): load CPU hits while other
       requests run, through vLLM's asynchronous-load path;
+    * ``layerwise`` (a bool, default ``True``): per-layer loads and stores
+      (``wait_for_layer_load`` waits for one layer, ``save_kv_layer`` lets that
+      layer's stores start); ``False`` loads everything before the forward pass;
     * ``options``: per-slot constructor kwargs, e.g. ``{"store": {"k": 2}}``;
     * ``layout``: ``"auto"`` (default) or a kvkit layout name.
     * ``cpu_layout``: the CPU tier's layout (default: vLLM's), e.g.
       ``"cross-layer"`` for the ``staged`` copy backend.
+    * ``shared`` (or ``shared_url``), ``shared_write``, ``shared_model``: the
+      shared tier, as :class:`~kvkit.StackConfig` takes them (a URL string).
+      They are validated, then refused: the connector does not run the shared
+      tier yet (kvkit's engine loop, simulator and Hugging Face integration do).
 
     Raises:
         ConfigError: one error listing every problem (unknown keys, names
@@ -183,9 +205,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         names["store"] = "lazy"
     capacity, wrong = _capacity(extra, world_size)
     problems += wrong
-    async_load = extra.get("async_load", False)
-    if not isinstance(async_load, bool):
-        problems.append(f"kv_connector_extra_config['async_load']={async_load!r}: must be true or false")
+    async_load, layerwise = extra.get("async_load", False), extra.get("layerwise", True)
+    for key, value in (("async_load", async_load), ("layerwise", layerwise)):
+        if not isinstance(value, bool):
+            problems.append(f"kv_connector_extra_config[{key!r}]={value!r}: must be true or false")
     for slot, name in names.items():
         if not isinstance(name, str):
             problems.append(
@@ -195,12 +218,22 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     if layout != "auto" and layout not in LAYOUTS:
         problems.append(f"kv_connector_extra_config['layout']={layout!r}: valid: auto, "
                         f"{', '.join(LAYOUTS)}{did_you_mean(str(layout), list(LAYOUTS))}")
+    shared = {key: extra[key] for key in ("shared_write", "shared_model") if key in extra}
+    if "shared" in extra and "shared_url" in extra and extra["shared"] != extra["shared_url"]:
+        problems.append(f"kv_connector_extra_config: shared={extra['shared']!r} and shared_url="
+                        f"{extra['shared_url']!r} disagree; give one")
+    url = extra.get("shared", extra.get("shared_url"))
+    if url is not None:
+        shared["shared"] = url
+        if not isinstance(url, str):
+            problems.append(f"kv_connector_extra_config['shared']={url!r}: must be a URL string (the config "
+                            f"crosses process boundaries)")
     stack = None
     try:
         stack = StackConfig(
             kv=kv, gpu_blocks=gpu_blocks, **capacity, cpu_layout=extra.get("cpu_layout"), world_size=world_size,
             device=device,
-            options=extra.get("options", {}),
+            options=extra.get("options", {}), **shared,
             **{slot: name if isinstance(name, str) else getattr(DEFAULTS, slot) for slot, name in names.items()})
     except ConfigError as exc:
         problems += exc.problems
@@ -208,9 +241,13 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         problems.append(
             f"store={stack.store!r}: a write-back policy stores single GPU blocks, and this model has "
             f"{len(kv.groups)} KV cache groups; use eager, selective or never")
+    if not problems and stack.shared is not None:
+        problems.append(f"kv_connector_extra_config['shared']={stack.shared!r}: valid, but kvkit's vLLM connector "
+                        f"does not run the shared tier yet; remove the key (kvkit's own engine loop, "
+                        f"`kvkit simulate` and OffloadedLM do)")
     if problems:
         raise ConfigError(problems)
-    return ConnectorSettings(stack, layout, async_load)
+    return ConnectorSettings(stack, layout, async_load, layerwise)
 
 
 def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any], list[str]]:

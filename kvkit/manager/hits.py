@@ -52,21 +52,25 @@ class CpuHits:
         return len(blocks)
 
     def unpin(self, r: Request) -> None:
-        """Release ``r``'s pins; it has no load pending afterwards."""
+        """Release ``r``'s pins and the blocks reserved for its shared-tier fetch; no load is pending afterwards."""
         if r.pinned:
             self.cpu.decref(r.pinned)
             r.pinned = []
+        if r.fetch:
+            self.cpu.decref(r.fetch)  # never committed: the blocks are empty again
+            r.fetch = []
         r.load_pending = False
 
     def accept(self, r: Request, n: int) -> None:
-        """Keep the first ``n`` blocks of ``r``'s offered hit pinned for its load; unpin the rest."""
+        """Keep the first ``n`` blocks of ``r``'s offered hit (CPU pins, then fetch blocks); release the rest."""
         keep, drop = r.pinned[:n], r.pinned[n:]
-        if drop:
-            self.cpu.decref(drop)
+        fetch, unfetch = r.fetch[:n - len(keep)], r.fetch[n - len(keep):]
+        if drop or unfetch:
+            self.cpu.decref(drop + unfetch)
         if keep:
             self.cpu.touch(keep)  # a use, for the CPU eviction policy: only what is loaded
-        r.pinned = keep
-        r.load_pending = bool(keep)
+        r.pinned, r.fetch = keep, fetch
+        r.load_pending = bool(keep or fetch)
 
     def check_targets(self, r: Request, table: list[list[int]], n: int) -> None:
         """Raise ``RequestStateError`` unless ``table`` has a real GPU block at each position ``r`` loads."""

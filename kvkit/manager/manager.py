@@ -52,7 +52,7 @@ Hashes:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -60,6 +60,8 @@ from kvkit.errors import ConfigError, PlanError, RequestStateError, UnknownReque
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import EvictionOrder
+from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
+from kvkit.interfaces.sharedtier import SharedPlan
 from kvkit.interfaces.store import StorePolicy
 from kvkit.interfaces.types import (
     BlockHash,
@@ -86,6 +88,7 @@ from kvkit.manager.requests import (
     check_rows,
     wrong_state,
 )
+from kvkit.manager.shared import SharedTier, SharedTierSpec
 from kvkit.manager.step import CompletionReport, StepPlan
 from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
@@ -117,6 +120,10 @@ class OffloadManager:
         num_gpu_blocks: the engine's GPU pool size, so block ids are checked
             against it (default: ``gpu.num_blocks``; unchecked above when
             neither is known).
+        shared: a third tier behind the CPU tier (see
+            :mod:`kvkit.manager.shared`): lookups continue there after the CPU
+            hit, its hits are fetched into CPU blocks and loaded as CPU hits,
+            and CPU blocks are put there (write-through or write-back).
 
     Invariants (DESIGN §4; :meth:`check_invariants` asserts them):
         * CPU refcount of every block == lookup pins + in-flight transfer
@@ -125,6 +132,9 @@ class OffloadManager:
         * A stored block is findable only after its copy completed on every
           worker; failed or abandoned stores never become findable.
         * No hash is stored while it is on the CPU tier or in flight.
+        * Shared tier: a block is offered only if every worker's key exists;
+          a fetched block is findable only once every worker's fetch landed
+          and stays referenced until its load completed.
         * Loads write CPU hit ``i`` to the GPU block at position
           ``gpu_hit_blocks + i``; only confirmed blocks are stored.
         * Per step: work is O(requests touched + blocks planned), never
@@ -140,6 +150,7 @@ class OffloadManager:
     stats: OffloadStats = attrs.field(factory=OffloadStats, kw_only=True)
     null_block: int = attrs.field(default=-1, kw_only=True)
     num_gpu_blocks: int | None = attrs.field(default=None, kw_only=True, validator=optional_at_least(1))
+    shared: SharedTierSpec | None = attrs.field(default=None, kw_only=True)
 
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)
     _ended: EndedRequests = attrs.field(init=False, factory=EndedRequests)
@@ -148,11 +159,14 @@ class OffloadManager:
     _hits: CpuHits = attrs.field(init=False)
     _stores: StorePlanner = attrs.field(init=False)
     _transfers: TransferTable = attrs.field(init=False)
+    _shared: SharedTier | None = attrs.field(init=False, default=None)
     _epoch: int = attrs.field(init=False, default=0)
     _draining: bool = attrs.field(init=False, default=False)
     _group_bytes: list[int] = attrs.field(init=False)
     _loaded: set[str] = attrs.field(init=False, factory=set)
     _load_failed: set[str] = attrs.field(init=False, factory=set)
+    # The CPU policy's on_hints if it is a HintAwarePolicy (found once, here), else None.
+    _hint_sink: Callable[[Sequence[BlockHash], WorkloadHints], None] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         _check_parts(self.kv, self.cpu, self.gpu, self.store, self.callbacks, self.null_block)
@@ -164,9 +178,17 @@ class OffloadManager:
                                     self.null_block, len(self.kv.groups),
                                     _writes_back(self.kv, self.store, self.gpu))
         self._transfers = TransferTable(self.world_size)
-        self._group_bytes = [2 * len(g.layers) * self.kv.bytes_per_layer_block
+        self._group_bytes = [self.kv.kv_parts * len(g.layers) * self.kv.bytes_per_layer_block
                              for g in self.kv.groups]
+        if self.shared is not None:
+            if not isinstance(self.shared, SharedTierSpec):
+                raise ConfigError(f"shared must be a SharedTierSpec or None, got {self.shared!r}")
+            self._shared = SharedTier(self.shared, self.cpu, self.world_size, self.stats, self._events,
+                                      self.kv.bytes_per_block)
         self.cpu.add_evict_listener(self._on_cpu_evict)
+        policy = getattr(self.cpu, "policy", None)
+        if isinstance(policy, HintAwarePolicy):
+            self._hint_sink = policy.on_hints
         if self.gpu is not None:
             self.gpu.add_evict_listener(self._on_gpu_evict)
 
@@ -176,6 +198,11 @@ class OffloadManager:
     def drained(self) -> bool:
         """No transfer abandoned by a reset is still in flight (the CPU tier was emptied)."""
         return not self._draining
+
+    @property
+    def shared_status(self) -> str | None:
+        """The shared tier's state in one line (``"on"``, ``"off (...)"``), or ``None`` without one."""
+        return None if self._shared is None else self._shared.status
 
     @property
     def num_requests(self) -> int:
@@ -203,26 +230,35 @@ class OffloadManager:
     # -- request life --------------------------------------------------------
 
     def add_request(self, request_id: str, block_hashes: Sequence[BlockHash],
-                    num_prompt_tokens: int) -> None:
+                    num_prompt_tokens: int, hints: WorkloadHints | None = None) -> None:
         """Start tracking a request.
 
         Args:
             request_id: the engine's id; must not be live.
             block_hashes: chained hashes of the prompt's full blocks.
             num_prompt_tokens: prompt length in tokens.
+            hints: what the caller knows of the request's future (priority,
+                retention, session, kind); passed with the hashes to the CPU
+                tier's policy if it is a :class:`~kvkit.interfaces.hints.HintAwarePolicy`,
+                else ignored.
 
         Raises:
             UnknownRequestError: the id is not a ``str``.
             HashInputError: a hash is not an int (NumPy integers are converted).
             RequestStateError: the id is live, or the counts disagree.
+            ConfigError: ``hints`` is neither ``None`` nor a ``WorkloadHints``.
         """
         check_request_id(request_id)
+        if hints is not None and not isinstance(hints, WorkloadHints):
+            raise ConfigError(f"hints must be a WorkloadHints or None, got {hints!r}")
         if request_id in self._requests or self._ended.is_parked(request_id):
             raise RequestStateError(f"request {request_id!r} is already live")
         hashes = check_hashes(request_id, block_hashes)
         n = check_prompt(request_id, hashes, num_prompt_tokens, self.kv.block_size)
         self._ended.revive(request_id)
         self._requests[request_id] = Request(request_id, hashes, n)
+        if hints is not None and self._hint_sink is not None:
+            self._hint_sink(hashes, hints)
 
     def extend(self, request_id: str, new_hashes: Sequence[BlockHash],
                num_tokens: int | None = None) -> None:
@@ -255,11 +291,13 @@ class OffloadManager:
 
     def lookup(self, request_id: str, gpu_hit_tokens: int, *,
                num_tokens: int | None = None) -> int:
-        """Tokens available on the CPU tier right after the GPU hit; pins them.
+        """Tokens available on the CPU (and shared) tier right after the GPU hit; pins them.
 
         The hit is the longest run of CPU-ready blocks starting exactly at the
-        GPU-hit boundary, capped so at least one of the request's tokens is
-        recomputed. Its blocks are pinned (one CPU reference each) until the
+        GPU-hit boundary, then (with a shared tier) the leading run of the
+        next blocks whose every worker's key the shared store holds, capped so
+        at least one of the request's tokens is recomputed. Shared hits get
+        CPU blocks now (not ready) and are fetched in the step that loads them. Its blocks are pinned (one CPU reference each) until the
         engine allocates (:meth:`on_allocated`), the request ends, or a later
         lookup replaces this one, so nothing can evict them in between. The
         lookup records no use: the blocks the engine accepts are touched (for
@@ -289,9 +327,14 @@ class OffloadManager:
         start = gpu_hit_tokens // bs
         stop = min((r.num_tokens - 1) // bs, len(r.block_hashes))
         r.gpu_hit_blocks = start
-        hit = self._hits.pin(r, r.block_hashes[start:stop] if not self._draining else ()) * bs
-        self._events.emit("on_lookup", request_id, gpu_hit_tokens, hit)
-        return hit
+        hit = self._hits.pin(r, r.block_hashes[start:stop] if not self._draining else ())
+        if self._shared is not None and not self._draining and start + hit < stop:
+            first = start + hit
+            self._shared.reserve(r, first, self._shared.find(r.block_hashes[first:stop]))
+            hit += len(r.fetch)
+            r.offered_blocks = hit
+        self._events.emit("on_lookup", request_id, gpu_hit_tokens, hit * bs)
+        return hit * bs
 
     def on_allocated(self, request_id: str, gpu_block_ids: Sequence[Sequence[int]],
                      accepted_tokens: int = 0) -> None:
@@ -334,7 +377,7 @@ class OffloadManager:
                     f"request {request_id!r}: a replaced block table needs at least {needed} blocks per "
                     f"group (its {r.num_computed_tokens} computed tokens), got {[len(t) for t in table]}")
             if r.load_pending:  # the load not yet planned reads the new table
-                self._hits.check_targets(r, table, len(r.pinned))
+                self._hits.check_targets(r, table, len(r.pinned) + len(r.fetch))
             self._set_table(r, table)
             return
         bs = self.kv.block_size
@@ -354,6 +397,9 @@ class OffloadManager:
         s.query_tokens.add(r.num_tokens)
         s.hit_tokens_gpu.add(r.gpu_hit_blocks * bs)
         s.hit_tokens_cpu.add(len(r.pinned) * bs)
+        if r.fetch:
+            s.hit_tokens_shared.add(len(r.fetch) * bs)
+            self._events.emit("on_shared_hit", request_id, len(r.fetch) * bs)
 
     def append_blocks(self, request_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
         """Blocks appended to a running request's table, one sequence per KV group (O(new)).
@@ -488,11 +534,14 @@ class OffloadManager:
         findable. If the CPU pool cannot free enough blocks, fewer are stored
         (counted in ``stats.stores_dropped``); the engine is never failed.
         """
-        loads = self._plan_loads()
+        if self._shared is not None:
+            self._shared.tick()
+        fetches, loads = self._plan_loads()
         stores = self._plan_stores()
+        puts = self._plan_puts()
         dirty = self._dirty
         self._dirty = {rid: r for rid, r in dirty.items() if r.store_queue} if self._draining else {}
-        return StepPlan(tuple(loads), tuple(stores))
+        return StepPlan(tuple(loads), tuple(stores), tuple(fetches), tuple(puts))
 
     def apply_completions(self, results: Iterable[TransferResult]) -> CompletionReport:
         """Apply worker results; a transfer completes when all ``world_size`` workers reported it.
@@ -562,6 +611,8 @@ class OffloadManager:
             r.store_queue = []
         self._dirty.clear()
         self._stores.reset()
+        if self._shared is not None:
+            self._shared.reset()
         self._draining = True
         if not self._transfers:
             self._empty_cpu()
@@ -577,6 +628,7 @@ class OffloadManager:
         held = self._transfers.cpu_refs()
         for r in self._requests.values():
             held.update(r.pinned)
+            held.update(r.fetch)
         return held
 
     def gpu_refs_held(self) -> Counter[BlockId]:
@@ -604,6 +656,8 @@ class OffloadManager:
                 assert self.gpu.refcount(b) >= n, f"GPU block {b}: refcount < {n} manager refs"
         holds, inflight = self._transfers.check_invariants(cpu, self._draining)
         self._stores.check_invariants(inflight, holds)
+        if self._shared is not None:
+            self._shared.check_invariants(self._transfers.batches())
         check_live(self._requests, self._dirty, cpu, self.kv.block_size, holds)
         self._ended.check_invariants()
         for r in self._ended.parked():
@@ -684,9 +738,30 @@ class OffloadManager:
             self._ended.end(r, touched)
         return touched
 
-    def _plan_loads(self) -> list[tuple[int, TransferPlan]]:
+    def _plan_loads(self) -> tuple[list[tuple[int, SharedPlan]], list[tuple[int, TransferPlan]]]:
+        """The fetch of the accepted shared hits (if any) and the load of every accepted hit."""
         reqs = [r for r in self._dirty.values() if r.load_pending]
-        return self._open(*self._hits.plan(reqs)) if reqs else []
+        if not reqs:
+            return [], []
+        fetches: list[tuple[int, SharedPlan]] = []
+        fetched: list[BlockId] = []
+        if self._shared is not None and (planned := self._shared.plan_fetches(reqs)) is not None:
+            fetches = self._open_shared(*planned)
+            fetched = planned[0].cpu_blocks
+        batch, src, dst = self._hits.plan(reqs)
+        batch.fetched = fetched
+        return fetches, self._open(batch, src, dst)
+
+    def _plan_puts(self) -> list[tuple[int, SharedPlan]]:
+        if self._shared is None or self._draining:
+            return []
+        planned = self._shared.plan_puts()
+        return self._open_shared(*planned) if planned else []
+
+    def _open_shared(self, batch: Batch, plan: SharedPlan) -> list[tuple[int, SharedPlan]]:
+        out = self._transfers.open(batch, [plan])
+        self.stats.transfers_submitted.add()
+        return out
 
     def _plan_stores(self) -> list[tuple[int, TransferPlan]]:
         if self._draining:
@@ -706,8 +781,12 @@ class OffloadManager:
     def _complete(self, batch: Batch) -> None:
         """Every transfer of ``batch`` completed: commit or discard, release references."""
         ok = batch.settle(self.cpu, self.gpu, self.stats)
-        if batch.direction is Direction.STORE:
+        if batch.shared:
+            self._shared.settled(batch, ok)
+        elif batch.direction is Direction.STORE:
             self._stores.settled(batch)
+            if ok and self._shared is not None:
+                self._shared.written(batch.committed)
         else:
             for r in batch.requests:
                 if r.state is _RUNNING:  # a preempted or ended incarnation no longer cares

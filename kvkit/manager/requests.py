@@ -63,7 +63,10 @@ class Request:
         offered_blocks: CPU blocks the last lookup offered.
         pinned: CPU blocks this request holds one reference on: the offered
             hit before allocation, the accepted hit until its load is planned.
-        load_pending: ``pinned`` is an accepted hit waiting for ``build_step``.
+        fetch: CPU blocks allocated (one reference each, not ready) for the
+            shared-tier hit right after ``pinned``, from lookup until the
+            fetch is planned; ``fetch_start`` is the position of the first.
+        load_pending: ``pinned`` (and ``fetch``) is an accepted hit waiting for ``build_step``.
         revoked: a reset withdrew the offered hit before allocation.
         block_table: the engine's GPU block ids, one list per KV group.
         block_ids: the real (non-null) ids of ``block_table``; each appears once.
@@ -74,7 +77,7 @@ class Request:
 
     Invariants: ``num_confirmed_blocks == min(num_computed_tokens // block_size,
     len(block_hashes))``; every queued index is below it; ``pinned`` is empty
-    unless the request is waiting with a lookup or has a load pending.
+    unless the request is waiting with a lookup or has a load pending; so is ``fetch``.
     """
 
     request_id: str
@@ -87,6 +90,8 @@ class Request:
     gpu_hit_blocks: int | None = None
     offered_blocks: int = 0
     pinned: list[BlockId] = attrs.field(factory=list)
+    fetch: list[BlockId] = attrs.field(factory=list)
+    fetch_start: int = 0
     load_pending: bool = False
     revoked: bool = False
     block_table: list[list[int]] = attrs.field(factory=list)
@@ -256,4 +261,6 @@ def check_live(requests: dict[str, Request], dirty: dict[str, Request], cpu: Blo
         assert not r.store_queue or rid in dirty, f"{rid}: queued stores not dirty"
         assert not r.pinned or r.state is RequestState.WAITING or r.load_pending, rid
         assert all(cpu.block_hash(b) is not None for b in r.pinned), f"{rid}: pin not ready"
+        assert not r.fetch or r.state is RequestState.WAITING or r.load_pending, rid
+        assert all(cpu.block_hash(b) is None for b in r.fetch), f"{rid}: a block to fetch is findable"
         assert r.holds == holds[id(r)], f"{rid}: holds {r.holds} != {holds[id(r)]}"

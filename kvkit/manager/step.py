@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from kvkit.interfaces.sharedtier import SharedPlan
 from kvkit.interfaces.types import TransferPlan
 
 __all__ = ["CompletionReport", "StepPlan"]
@@ -19,18 +20,25 @@ class StepPlan:
         stores: ``(transfer_id, plan)`` pairs, GPU -> CPU, at most one per KV
             group. A store must run after the compute that wrote its sources
             (confirmed in an earlier step) and before anything overwrites them.
+        fetches: ``(transfer_id, SharedPlan)`` pairs, shared tier -> CPU (at
+            most one). Each worker runs them *before* this step's loads, which
+            read the fetched blocks, and reports a load that reads a block its
+            fetch failed as failed.
+        puts: ``(transfer_id, SharedPlan)`` pairs, CPU -> shared tier (at most one).
 
     Invariants: transfer ids are unique and increase across steps (and resets).
     """
 
     loads: tuple[tuple[int, TransferPlan], ...] = ()
     stores: tuple[tuple[int, TransferPlan], ...] = ()
+    fetches: tuple[tuple[int, SharedPlan], ...] = ()
+    puts: tuple[tuple[int, SharedPlan], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.stores)
+        return bool(self.loads or self.stores or self.fetches or self.puts)
 
     def __iter__(self):
-        """Every ``(transfer_id, plan)`` pair, loads first."""
+        """Every copy ``(transfer_id, plan)`` pair, loads first (shared-tier transfers are not copies)."""
         yield from self.loads
         yield from self.stores
 

@@ -51,6 +51,13 @@ class Batch:
         pending: transfers not yet completed on every worker.
         ok: no transfer failed.
         abandoned: a reset came while it was in flight; it never commits.
+        shared: a shared-tier transfer (one :class:`~kvkit.interfaces.SharedPlan`):
+            ``LOAD`` fetches from the store into ``cpu_blocks`` (allocated, not
+            ready; committed when every worker's fetch landed), ``STORE`` puts
+            ready ``cpu_blocks`` into the store.
+        fetched: a load's sources that a fetch of the same step fills (not
+            ready until that fetch commits).
+        committed: hashes that became findable when it settled.
     """
 
     direction: Direction
@@ -63,6 +70,9 @@ class Batch:
     pending: int = 0
     ok: bool = True
     abandoned: bool = False
+    shared: bool = False
+    fetched: list[BlockId] = attrs.field(factory=list)
+    committed: list[BlockHash] = attrs.field(factory=list)
 
     def plans(self, src: list[list[int]], dst: list[list[int]],
               group_bytes: list[int]) -> list[TransferPlan]:
@@ -79,21 +89,37 @@ class Batch:
     def settle(self, cpu: BlockAllocator, gpu: BlockAllocator | None, stats: OffloadStats) -> bool:
         """Commit or discard the CPU blocks and drop the batch's pool references (once, when done).
 
+        A store to the CPU tier and a fetch from the shared tier commit their
+        CPU blocks (``committed``: the hashes that became findable; a hash the
+        CPU tier already holds stays with its first block).
+
         Returns:
             Whether the batch succeeded: no transfer failed and no reset abandoned it.
         """
         ok = self.ok and not self.abandoned
-        if self.direction is Direction.STORE:
-            if ok:
-                stats.blocks_stored.add(sum(cpu.commit(self.cpu_blocks, self.hashes, self.parents)))
-                stats.bytes_stored.add(self.num_bytes)
-        elif ok:
-            stats.blocks_loaded.add(len(self.cpu_blocks))
-            stats.bytes_loaded.add(self.num_bytes)
+        if ok:
+            count = len(self.cpu_blocks)
+            if (self.direction is Direction.STORE) is not self.shared:  # a CPU store or a fetch commits
+                landed = cpu.commit(self.cpu_blocks, self.hashes, self.parents)
+                self.committed = [h for h, c in zip(self.hashes, landed) if c]
+                if not self.shared:
+                    count = len(self.committed)  # a store that lost to an equal hash stored nothing
+            blocks, moved = _COUNTERS[self.direction, self.shared]
+            getattr(stats, blocks).add(count)
+            getattr(stats, moved).add(self.num_bytes)
         cpu.decref(self.cpu_blocks)  # a committed block becomes evictable, a discarded one empty
         if self.gpu_blocks:
             gpu.decref(self.gpu_blocks)
         return ok
+
+
+_COUNTERS = {
+    (Direction.STORE, False): ("blocks_stored", "bytes_stored"),
+    (Direction.LOAD, False): ("blocks_loaded", "bytes_loaded"),
+    (Direction.LOAD, True): ("blocks_fetched", "bytes_fetched"),
+    (Direction.STORE, True): ("blocks_put", "bytes_put"),
+}
+"""The stats counters (blocks, bytes) a settled batch adds to, by direction and tier."""
 
 
 @attrs.define(eq=False)
@@ -184,8 +210,9 @@ class TransferTable:
             if not t.ok:
                 stats.transfers_failed.add()
                 batch.ok = False
-            events.emit("on_transfer_completed", t.transfer_id, batch.direction, t.num_blocks,
-                        t.ok and not batch.abandoned)
+            if not batch.shared:  # a shared-tier batch reports when it settles
+                events.emit("on_transfer_completed", t.transfer_id, batch.direction, t.num_blocks,
+                            t.ok and not batch.abandoned)
             if not batch.pending:
                 yield batch
 
@@ -226,13 +253,19 @@ class TransferTable:
             assert batch.pending > 0, "a batch in the table has no pending transfer"
             for r in batch.requests:
                 holds[id(r)] += 1
-            if batch.direction is Direction.STORE:
+            if batch.shared:
+                if not batch.abandoned:  # a fetch is findable only once it landed; a put reads ready blocks
+                    ready = [cpu.block_hash(b) is not None for b in batch.cpu_blocks]
+                    assert all(ready) if batch.direction is Direction.STORE else not any(ready), (
+                        f"a shared-tier {batch.direction.value}'s CPU blocks have the wrong readiness")
+            elif batch.direction is Direction.STORE:
                 assert all(cpu.block_hash(b) is None for b in batch.cpu_blocks), (
                     "an in-flight store's CPU block is findable before completion")
                 if not batch.abandoned:
                     inflight += batch.hashes
             elif not batch.abandoned:  # a forced reset unhashes what abandoned loads still read
-                assert all(cpu.block_hash(b) is not None for b in batch.cpu_blocks), (
+                fetched = set(batch.fetched)
+                assert all(cpu.block_hash(b) is not None for b in batch.cpu_blocks if b not in fetched), (
                     "an in-flight load's source is not ready")
             assert not draining or batch.abandoned, "a transfer was planned during a drain"
         assert len(inflight) == len(set(inflight)), "a hash has two stores in flight"

@@ -7,7 +7,8 @@ The simulator, the tests and the examples reuse it. Per :meth:`ReferenceEngine.s
 2. schedule waiting requests in arrival order: GPU prefix hit, then the
    manager's CPU lookup (pinned), then GPU allocation, then ``on_allocated``;
 3. run the manager's step plan on every worker, and wait for this step's
-   loads (compute reads them);
+   loads (compute reads them; with ``layered`` compute waits for each layer
+   instead, and the loads' results are awaited after it);
 4. compute the scheduled prefills through the engine's
    :class:`~kvkit.interfaces.PrefillCompute`
    (by default :class:`SyntheticCompute`: write each block's KV as a
@@ -104,6 +105,8 @@ class SyntheticCompute(PrefillCompute):
             lo = max(start, stop - kv.groups[g].blocks_needed(stop * kv.block_size, kv.block_size))
             blocks = row[lo:stop]
             keys = [_key(req, i) for i in range(lo, stop)]
+            for layer in kv.groups[g].layers:  # layered loads: read each layer once it landed
+                engine.wait_layer(layer)
             for worker in engine.stack.workers:
                 errors += _mismatches(worker, g, blocks, keys)
         return errors
@@ -122,15 +125,23 @@ class ReferenceEngine:
         stack: the offload stack; with workers it moves real bytes.
         compute: writes the recomputed KV of each scheduled prefill (only
             with workers); the default writes and verifies synthetic bytes.
+        layered: the step's loads run layer by layer and compute starts
+            before they landed: the compute calls :meth:`wait_layer` before it
+            reads a layer's reused blocks. The loads' results are awaited after
+            compute, before anything is published or confirmed; a request whose
+            load failed is computed again without its CPU hit.
 
     Invariants: a request holds exactly one GPU reference on each block of
     its table while running; with the default compute every loaded block's
-    bytes are checked.
+    bytes are checked; no block is published or confirmed computed before
+    the loads it was computed from landed.
     """
 
     stack: OffloadStack
     integrity_errors: int = 0
     compute: PrefillCompute = attrs.field(factory=SyntheticCompute, kw_only=True, validator=_check_compute)
+    layered: bool = attrs.field(default=False, kw_only=True, validator=attrs.validators.instance_of(bool))
+    _step_loads: set[int] = attrs.field(factory=set, init=False)  # layered loads compute may still wait for
     _waiting: deque[EngineRequest] = attrs.field(factory=deque, init=False)
     _requests: dict[str, EngineRequest] = attrs.field(factory=dict, init=False)
 
@@ -195,10 +206,15 @@ class ReferenceEngine:
         """Empty the CPU tier now, even with transfers in flight (no hit is served after this)."""
         self.stack.manager.reset()
 
+    def wait_layer(self, layer: int) -> None:
+        """Before compute reads ``layer``'s reused blocks: this step's loads of it landed (on the device if it can)."""
+        if self._step_loads:
+            for worker in self.stack.workers:
+                worker.wait_layer(layer, transfers=self._step_loads)
+
     def drain(self) -> None:
         """Wait for every transfer in flight and apply the results."""
-        results = [r for w in self.stack.workers for r in w.drain()]
-        self._apply(results)
+        self._apply(self._drain())
 
     def leaked_blocks(self) -> int:
         """Blocks still referenced in either pool although no request runs and nothing is in flight."""
@@ -256,12 +272,19 @@ class ReferenceEngine:
         return True
 
     def _submit(self, plan: StepPlan) -> None:
+        if self.stack.shared_workers:  # each rank runs its fetches, copies and puts in order
+            for shared in self.stack.shared_workers:
+                shared.submit(plan)
+            return
         for tid, p in plan:
             for worker in self.stack.workers:
-                worker.submit(tid, p)
+                worker.submit(tid, p, layered=self.layered and p.direction is Direction.LOAD)
 
     def _poll(self) -> list[TransferResult]:
-        return [r for w in self.stack.workers for r in w.poll()]
+        return [r for w in (self.stack.shared_workers or self.stack.workers) for r in w.poll()]
+
+    def _drain(self) -> list[TransferResult]:
+        return [r for w in (self.stack.shared_workers or self.stack.workers) for r in w.drain()]
 
     def _apply(self, results: list[TransferResult]) -> frozenset[str]:
         """Hand results to the manager; returns requests whose load failed (to recompute)."""
@@ -270,17 +293,31 @@ class ReferenceEngine:
     def _compute(self, scheduled: list[EngineRequest], plan: StepPlan) -> int:
         stack, bs = self.stack, self.stack.config.kv.block_size
         failed: frozenset[str] = frozenset()
-        if plan.loads:  # compute reads the loaded blocks: wait for them
-            failed = self._apply([r for w in stack.workers for r in w.drain()] if stack.workers
+        layered = self.layered and bool(plan.loads) and bool(stack.workers) and not stack.shared_workers
+        if layered:  # compute waits per layer; the results come after it
+            self._step_loads = {tid for tid, _ in plan.loads}
+        elif plan.loads:  # compute reads the loaded blocks: wait for them
+            failed = self._apply(self._drain() if stack.workers or stack.shared_workers
                                  else _instant(plan, stack))
-        if not stack.workers and plan.stores:
+        if not stack.workers and not stack.shared_workers and plan.stores:
             self._apply(_instant(plan, stack, Direction.STORE))
-        errors = 0
+        found: dict[str, int] = {}  # integrity errors per request
+        if stack.workers:
+            for req in scheduled:
+                if req.request_id in failed:  # the CPU hit never arrived: recompute it
+                    req.cpu_hit_tokens = 0
+                found[req.request_id] = self.compute.prefill(self, req, (req.gpu_hit_tokens + req.cpu_hit_tokens) // bs)
+        if layered:
+            for worker in stack.workers:
+                worker.wait(self._step_loads)
+            self._step_loads = set()
+            failed = self._apply(self._poll())
+            for req in scheduled:
+                if req.request_id in failed:  # computed on a load that failed: discard it, compute without the hit
+                    req.cpu_hit_tokens = 0
+                    found[req.request_id] = self.compute.prefill(self, req, req.gpu_hit_tokens // bs)
+        errors = sum(found.values())
         for req in scheduled:
-            if req.request_id in failed:  # the CPU hit never arrived: recompute it
-                req.cpu_hit_tokens = 0
-            if stack.workers:
-                errors += self.compute.prefill(self, req, (req.gpu_hit_tokens + req.cpu_hit_tokens) // bs)
             if len(stack.config.kv.groups) == 1:  # publish the new full blocks on the GPU tier
                 lo, hi = req.gpu_hit_tokens // bs, req.num_tokens // bs
                 parents = [req.block_hashes[i - 1] if i else None for i in range(lo, hi)]
@@ -340,7 +377,7 @@ def _instant(plan: StepPlan, stack: OffloadStack,
              direction: Direction = Direction.LOAD) -> list[TransferResult]:
     """Results of a scheduler-only stack: every transfer completes on every worker at once."""
     kv = stack.config.kv
-    return [TransferResult(tid, rank, num_bytes=len(p) * 2 * len(kv.groups[p.group].layers)
+    return [TransferResult(tid, rank, num_bytes=len(p) * kv.kv_parts * len(kv.groups[p.group].layers)
                            * kv.bytes_per_layer_block)
             for tid, p in (plan.loads if direction is Direction.LOAD else plan.stores)
             for rank in range(stack.config.world_size)]

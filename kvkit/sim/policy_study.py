@@ -33,11 +33,12 @@ from kvkit.backends.allocator.pool import BlockPool
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
 from kvkit.registry import EVICTION
 from kvkit.sim.traces import TraceRequest
 from kvkit.validate import check_int
 
-__all__ = ["OPT", "HitStats", "PolicyStudy", "default_policies", "replay", "study"]
+__all__ = ["OPT", "HitStats", "PolicyStudy", "TraceClock", "check_study", "default_policies", "replay", "study"]
 
 OPT = "opt"
 """Registry name of the offline optimum, the yardstick of every study."""
@@ -80,7 +81,8 @@ def _make_policy(name: str, requests: Sequence[TraceRequest]) -> EvictionPolicy:
 
 
 def replay(requests: Sequence[TraceRequest], capacity: int,
-           policy: str | EvictionPolicy = DEFAULTS.cpu_eviction, *, check_invariants: bool = False) -> HitStats:
+           policy: str | EvictionPolicy = DEFAULTS.cpu_eviction, *, check_invariants: bool = False,
+           hints: Sequence[WorkloadHints | None] | None = None, clock: TraceClock | None = None) -> HitStats:
     """Replay ``requests`` through a ``BlockPool`` of ``capacity`` blocks; count prefix hits.
 
     Args:
@@ -90,9 +92,14 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
             tracks no blocks. An instance with an ``observe(hash)`` method
             (the offline optimum) is told every block reference before its lookup.
         check_invariants: check the pool and policy after every request (slow; tests).
+        hints: one per request (or ``None``), told with its hashes to a
+            :class:`~kvkit.interfaces.hints.HintAwarePolicy` before its lookup,
+            as :meth:`~kvkit.manager.manager.OffloadManager.add_request` does.
+        clock: set to each request's timestamp (seconds) before its lookup;
+            a policy that reads time (retention hints) is built with it.
 
     Raises:
-        ConfigError: unknown policy name or bad capacity.
+        ConfigError: unknown policy name or bad capacity, or ``hints`` not one per request.
     """
     capacity = check_int("capacity", capacity, 1)
     name = policy if isinstance(policy, str) else type(policy).__name__
@@ -103,8 +110,15 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
     allocate, commit, decref = pool.allocate, pool.commit, pool.decref
     hits = references = 0
     start = time.perf_counter()
-    for request in requests:
+    if hints is not None and len(hints) != len(requests):
+        raise ConfigError(f"hints must be one per request: {len(hints)} for {len(requests)} requests")
+    hear = instance.on_hints if hints is not None and isinstance(instance, HintAwarePolicy) else None
+    for i, request in enumerate(requests):
         hashes = request.hash_ids
+        if clock is not None:
+            clock.now = request.timestamp_ms / 1000
+        if hear is not None and hints[i] is not None:
+            hear(hashes, hints[i])
         if observe is not None:
             for h in hashes:
                 observe(h)
@@ -124,6 +138,16 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
         if check_invariants:
             pool.check_invariants()
     return HitStats(name, capacity, hits, references, time.perf_counter() - start)
+
+
+@attrs.define
+class TraceClock:
+    """Trace time in seconds (what :func:`replay` last set); call it for the time."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def default_policies() -> list[str]:
@@ -173,6 +197,23 @@ def _replay_in_worker(policy: str, capacity: int) -> HitStats:
     return replay(_worker_requests, capacity, policy)
 
 
+def check_study(capacities: Iterable[int],
+                policies: Iterable[str] | None = None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The policies (the optimum last) and capacities, duplicates dropped, that :func:`study` replays.
+
+    Raises:
+        ConfigError: an unknown policy or a bad capacity (every bad policy at once).
+    """
+    capacities = tuple(dict.fromkeys(check_int("capacity", c, 1) for c in capacities))
+    if not capacities:
+        raise ConfigError("a policy study needs at least one capacity, got none")
+    names = list(dict.fromkeys(default_policies() if policies is None else policies))
+    problems = [p for p in (EVICTION.check(n, slot="policy") for n in names) if p is not None]
+    if problems:
+        raise ConfigError(problems)
+    return (*(n for n in names if n != OPT), OPT), capacities
+
+
 def study(requests: Sequence[TraceRequest], capacities: Iterable[int],
           policies: Iterable[str] | None = None, *, jobs: int | None = None,
           on_result: Callable[[HitStats], None] | None = None) -> PolicyStudy:
@@ -191,14 +232,7 @@ def study(requests: Sequence[TraceRequest], capacities: Iterable[int],
         ConfigError: an unknown policy, a bad capacity or ``jobs``; raised
             before any replay starts.
     """
-    capacities = tuple(dict.fromkeys(check_int("capacity", c, 1) for c in capacities))
-    if not capacities:
-        raise ConfigError("a policy study needs at least one capacity, got none")
-    names = list(dict.fromkeys(default_policies() if policies is None else policies))
-    problems = [p for p in (EVICTION.check(n, slot="policy") for n in names) if p is not None]
-    if problems:
-        raise ConfigError(problems)
-    names = [n for n in names if n != OPT] + [OPT]
+    names, capacities = check_study(capacities, policies)
     # The optimum is usually the slowest replay, and big pools are slower: start those first.
     pairs = sorted(((p, c) for p in names for c in capacities),
                    key=lambda pc: (pc[0] != OPT, -pc[1]))
@@ -221,4 +255,4 @@ def study(requests: Sequence[TraceRequest], capacities: Iterable[int],
             futures = [pool.submit(_replay_in_worker, p, c) for p, c in pairs]
             for future in concurrent.futures.as_completed(futures):
                 record(future.result())
-    return PolicyStudy(tuple(names), capacities, stats)
+    return PolicyStudy(names, capacities, stats)

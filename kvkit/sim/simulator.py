@@ -23,6 +23,8 @@ Time model (every figure configurable in :class:`CostModel`):
   compute: a pessimistic bound for offload) plus ``overhead_ms``. Hit tokens
   on the GPU tier cost nothing. Prefills of different requests do not contend
   with one another; requests interact only through GPU memory.
+  A hit from the shared tier also pays its fetch into the CPU tier first:
+  ``fetched_bytes / (shared_gbps * 1e9)``.
 * Modelled time to first token = queueing wait + prefill time.
 * It then decodes ``output_length`` tokens at ``decode_ms_per_token`` each
   and ends, holding its GPU blocks until then. Decoded tokens are not cached.
@@ -125,17 +127,21 @@ class CostModel:
         decode_ms_per_token: time per generated token; sets how long a
             request holds its GPU blocks.
         overhead_ms: fixed cost added to every request's time to first token.
+        shared_gbps: shared tier -> CPU fetch bandwidth, 10**9 bytes per second
+            (default: one Valkey connection over loopback on this project's
+            2-core VM, DESIGN §8).
     """
 
     prefill_tokens_per_s: float = attrs.field(default=20_000.0, validator=_positive)
     pcie_gbps: float = attrs.field(default=25.0, validator=_positive)
     decode_ms_per_token: float = attrs.field(default=10.0, validator=_non_negative)
     overhead_ms: float = attrs.field(default=0.0, validator=_non_negative)
+    shared_gbps: float = attrs.field(default=2.0, validator=_positive)
 
-    def prefill_ms(self, computed_tokens: int, loaded_bytes: int) -> float:
-        """Modelled prefill time: compute, then load (not overlapped), plus the overhead."""
-        return (computed_tokens * 1e3 / self.prefill_tokens_per_s
-                + loaded_bytes * 1e-6 / self.pcie_gbps + self.overhead_ms)
+    def prefill_ms(self, computed_tokens: int, loaded_bytes: int, fetched_bytes: int = 0) -> float:
+        """Modelled prefill time: fetch from the shared tier, compute, then load (not overlapped), plus the overhead."""
+        return (computed_tokens * 1e3 / self.prefill_tokens_per_s + loaded_bytes * 1e-6 / self.pcie_gbps
+                + fetched_bytes * 1e-6 / self.shared_gbps + self.overhead_ms)
 
 
 @renamed_keywords(block_tokens="block_size", eviction="cpu_eviction")
@@ -161,6 +167,9 @@ class SimConfig:
             and check every loaded block.
         cost: the time model's prices.
         model: the model shape bytes are counted for.
+        shared: a shared (third) tier for the stack, as ``StackConfig.shared``
+            (a ``BlockStore`` instance several simulators share, or a URL).
+        shared_write: ``StackConfig.shared_write``.
     """
 
     gpu_blocks: int = attrs.field(default=DEFAULTS.gpu_blocks, validator=at_least(1))
@@ -175,6 +184,8 @@ class SimConfig:
     verify: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     cost: CostModel = attrs.field(factory=CostModel, validator=attrs.validators.instance_of(CostModel))
     model: ModelShape = attrs.field(default=LLAMA_3_8B, validator=attrs.validators.instance_of(ModelShape))
+    shared: Any = None
+    shared_write: str = "write-through"
 
     def __attrs_post_init__(self) -> None:
         if self.cpu_blocks is not None and self.cpu_bytes is not None:
@@ -206,7 +217,7 @@ class SimConfig:
         return StackConfig(kv=kv, gpu_blocks=self.gpu_blocks, cpu_blocks=self.num_cpu_blocks,
                            cpu_eviction=self.cpu_eviction, gpu_eviction=self.gpu_eviction, store=self.store,
                            copy=_VERIFY_COPY if self.verify else None, device="cpu", callbacks=self.callbacks,
-                           options=self.options)
+                           options=self.options, shared=self.shared, shared_write=self.shared_write)
 
     def as_dict(self) -> dict[str, Any]:
         """The configuration as JSON-ready values (instances by class name)."""
@@ -223,6 +234,9 @@ class SimConfig:
             "options": {k: dict(v) for k, v in self.options.items()},
             "verify": self.verify,
             "model": attrs.asdict(self.model),
+            "shared": None if self.shared is None else (self.shared if isinstance(self.shared, str)
+                                                        else type(self.shared).__name__),
+            "shared_write": self.shared_write,
             "block_bytes": self.spec.bytes_per_block,
             "cost": attrs.asdict(self.cost),
         }
@@ -240,7 +254,9 @@ class SimResult:
         prompt_tokens: prompt tokens of the simulated requests.
         block_references: prompt blocks of the simulated requests (the last,
             partial block included, as the trace counts them).
-        hit_tokens_gpu / hit_tokens_cpu: prompt tokens served by each tier.
+        hit_tokens_gpu / hit_tokens_cpu / hit_tokens_shared: prompt tokens
+            served by each tier (a shared hit is fetched into the CPU tier and
+            loaded from there; it counts here, not as a CPU hit).
         computed_tokens: prompt tokens recomputed (the rest of ``prompt_tokens``).
         blocks_stored / blocks_loaded: blocks that became findable on the CPU
             tier / were loaded back; ``bytes_*`` the same in ``config.model`` bytes.
@@ -271,6 +287,7 @@ class SimResult:
     ttft_ms: array
     seconds: float
     stats: dict[str, int | float]
+    hit_tokens_shared: int = 0
 
     @property
     def bytes_stored(self) -> int:
@@ -311,6 +328,7 @@ class SimResult:
             "block_references": self.block_references,
             "hit_tokens_gpu": self.hit_tokens_gpu,
             "hit_tokens_cpu": self.hit_tokens_cpu,
+            "hit_tokens_shared": self.hit_tokens_shared,
             "computed_tokens": self.computed_tokens,
             "blocks_stored": self.blocks_stored,
             "blocks_loaded": self.blocks_loaded,
@@ -348,7 +366,7 @@ class Simulator:
     _block_bytes: int = attrs.field(init=False)
     _ttft: array = attrs.field(init=False, factory=lambda: array("d"))
     _counts: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(
-        ("skipped", "queued", "prompt_tokens", "block_references", "gpu", "cpu"), 0))
+        ("skipped", "queued", "prompt_tokens", "block_references", "gpu", "cpu", "shared"), 0))
     _started: float = attrs.field(init=False, factory=time.perf_counter)
     _closed: bool = attrs.field(init=False, default=False)
 
@@ -393,6 +411,7 @@ class Simulator:
         while running and running[0][0] <= start:
             engine.finish(heapq.heappop(running)[2])
         engine.add_request(rid, request.hash_ids[: n // bt], n)
+        shared_before = self.stack.stats.hit_tokens_shared.value
         retried = False
         while not (report := engine.step()).scheduled:
             # Stores flushed by finished requests hold GPU blocks until the step that
@@ -410,7 +429,10 @@ class Simulator:
         self._clock_ms = start
         req = report.scheduled[0]
         gpu, cpu = req.gpu_hit_tokens, req.cpu_hit_tokens
-        prefill = self.config.cost.prefill_ms(n - gpu - cpu, cpu // bt * self._block_bytes)
+        shared = min(cpu, int(self.stack.stats.hit_tokens_shared.value - shared_before))  # 0 if its fetch failed
+        cpu -= shared
+        prefill = self.config.cost.prefill_ms(n - gpu - cpu - shared, (cpu + shared) // bt * self._block_bytes,
+                                              shared // bt * self._block_bytes)
         first_token = start + prefill
         self._ttft.append(first_token - request.timestamp_ms)
         end = first_token + request.output_length * self.config.cost.decode_ms_per_token
@@ -419,6 +441,7 @@ class Simulator:
         counts["block_references"] += len(request.hash_ids)
         counts["gpu"] += gpu
         counts["cpu"] += cpu
+        counts["shared"] += shared
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the stack or the simulator's own bookkeeping is inconsistent."""
@@ -426,7 +449,7 @@ class Simulator:
             self.stack.check_invariants()
         assert all(end >= self._clock_ms for end, _, _ in self._running), "a running request ended in the past"
         counts = self._counts
-        assert counts["gpu"] + counts["cpu"] <= counts["prompt_tokens"], counts
+        assert counts["gpu"] + counts["cpu"] + counts["shared"] <= counts["prompt_tokens"], counts
         assert len(self._running) <= len(self._ttft), (len(self._running), len(self._ttft))
 
     def close(self) -> SimResult:
@@ -456,7 +479,7 @@ class Simulator:
             block_references=counts["block_references"],
             hit_tokens_gpu=counts["gpu"],
             hit_tokens_cpu=counts["cpu"],
-            computed_tokens=counts["prompt_tokens"] - counts["gpu"] - counts["cpu"],
+            computed_tokens=counts["prompt_tokens"] - counts["gpu"] - counts["cpu"] - counts["shared"],
             blocks_stored=int(stats.blocks_stored),
             blocks_loaded=int(stats.blocks_loaded),
             evictions_gpu=int(stats.evictions_gpu),
@@ -466,6 +489,7 @@ class Simulator:
             ttft_ms=self._ttft,
             seconds=time.perf_counter() - self._started,
             stats=stats.as_dict(),
+            hit_tokens_shared=counts["shared"],
         )
 
 

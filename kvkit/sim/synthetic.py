@@ -1,6 +1,35 @@
-"""A seeded synthetic multi-turn chat workload, as Mooncake-style trace requests.
+"""Seeded synthetic workloads of several shapes, as Mooncake-style trace requests.
 
-The model:
+Shapes (:data:`SHAPES`, selectable by name: ``kvkit simulate --shape``,
+``kvkit policies --shape``), each a frozen parameter object whose
+``requests()`` yields the trace:
+
+* ``chat`` (:class:`SyntheticWorkload`): multi-turn conversations, described below.
+* ``agent`` (:class:`AgentWorkload`): agent tool loops. Each session opens
+  with one of a few long shared system prompts (tool descriptions), then a
+  task; every step appends the model's tool call and the tool's result and
+  comes back after a short tool latency. Recency wins: a session's chain is
+  reused seconds later, then never again.
+* ``rag`` (:class:`RagWorkload`): retrieval-augmented questions. A shared
+  instruction, then ``docs_per_request`` documents drawn from a corpus with a
+  Zipf popularity (most relevant first), then the question; some questions get
+  a follow-up on the same documents. Frequency wins: popular documents recur
+  at every distance.
+* ``mixed`` (:class:`MixedWorkload`): chat sessions among one-shot batch
+  jobs, each request with workload hints (session, kind, retention or a low
+  priority) for hint-aware policies (:meth:`MixedWorkload.hinted`).
+* ``few-shot`` (:class:`FewShotWorkload`): one of many few-shot templates
+  (instructions plus worked examples) with a Zipf popularity that is reshuffled
+  every ``drift_every`` requests, then a short input. Popularity is stable
+  for a while, then shifts: frequency must also forget.
+
+Every shape but ``chat`` builds prompts from *segments* (a system prompt, a
+document, a step): its ``hash_ids`` cut the concatenated segments into
+blocks, and two blocks share an id exactly when they hold the same segment
+pieces after the same prefix (a partial last block included), numbered in
+order of first appearance.
+
+The ``chat`` model:
 
 * Conversations arrive as a Poisson process (``conversations_per_s``).
 * Each opens with one of ``num_system_prompts`` shared system prompts, chosen
@@ -34,17 +63,19 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
+from typing import ClassVar, Protocol
 
 import attrs
 
 from kvkit._renamed import renamed_keywords
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
+from kvkit.interfaces.hints import WorkloadHints
 from kvkit.sim.traces import TraceRequest
 from kvkit.validate import at_least, is_int, real_in
 
-__all__ = ["SyntheticWorkload", "generate"]
+__all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]
 
 _positive_int = at_least(1)
 _positive_float = real_in(low=0, low_open=True, high=math.inf, high_open=True)  # finite and > 0
@@ -73,7 +104,10 @@ class SyntheticWorkload:
         length_sigma: log-normal shape of message and reply lengths.
         think_time_mean_s: mean gap between a conversation's turns, seconds.
         max_context_tokens: most tokens of prompt plus reply in one turn.
+        name: the shape's name in :data:`SHAPES`.
     """
+
+    name: ClassVar[str] = "chat"
 
     seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
     num_conversations: int = attrs.field(default=350, validator=_positive_int)
@@ -104,6 +138,10 @@ class SyntheticWorkload:
                 f"max_context_tokens={self.max_context_tokens} leaves no room after a "
                 f"system prompt of up to {self.system_prompt_tokens[1]} tokens"
             )
+
+    def requests(self) -> Iterator[TraceRequest]:
+        """This workload's requests, in time order (as :func:`generate`)."""
+        return generate(self)
 
 
 @attrs.frozen
@@ -182,3 +220,329 @@ def generate(workload: SyntheticWorkload | None = None) -> Iterator[TraceRequest
         if t.input_length % b:
             ids.append(next(fresh))
         yield TraceRequest(t.timestamp_ms, t.input_length, t.output_length, tuple(ids), line)
+
+
+# -- segment-built shapes ------------------------------------------------------
+
+_Segment = tuple[Hashable, int]  # (content key, tokens)
+
+
+@attrs.define
+class _BlockIds:
+    """Hash ids of prompts made of segments: equal pieces after equal prefixes share an id.
+
+    Invariants: ids are dense, numbered in order of first appearance.
+    """
+
+    block_size: int
+    _ids: dict[tuple[int | None, tuple[tuple[Hashable, int, int], ...]], int] = attrs.field(factory=dict)
+
+    def of(self, segments: Sequence[_Segment]) -> tuple[int, ...]:
+        """The ``hash_ids`` of the concatenation of ``segments``, a partial last block included."""
+        ids, b = self._ids, self.block_size
+        out: list[int] = []
+        parent: int | None = None
+        piece: list[tuple[Hashable, int, int]] = []
+        filled = 0
+        for key, tokens in segments:
+            offset = 0
+            while offset < tokens:
+                take = min(b - filled, tokens - offset)
+                piece.append((key, offset, offset + take))
+                offset += take
+                filled += take
+                if filled == b:
+                    parent = ids.setdefault((parent, tuple(piece)), len(ids))
+                    out.append(parent)
+                    piece, filled = [], 0
+        if piece:
+            out.append(ids.setdefault((parent, tuple(piece)), len(ids)))
+        return tuple(out)
+
+
+def _zipf_weights(n: int, skew: float) -> list[float]:
+    """Cumulative Zipf weights of ranks ``0..n-1`` (rank ``i`` weighs ``1 / (i + 1) ** skew``)."""
+    return list(itertools.accumulate(1 / (i + 1) ** skew for i in range(n)))
+
+
+def _trace(block_size: int, prompts: list[tuple[float, list[_Segment], int]]) -> Iterator[TraceRequest]:
+    """Requests from ``(arrival s, segments, output tokens)``, in time order (stable)."""
+    prompts.sort(key=lambda p: p[0])
+    ids = _BlockIds(block_size)
+    for line, (at_s, segments, output) in enumerate(prompts, start=1):
+        yield TraceRequest(round(at_s * 1000), sum(n for _, n in segments), output, ids.of(segments), line)
+
+
+def _check_range(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+    if (len(value) != 2 or not all(is_int(v) for v in value) or not 1 <= value[0] <= value[1]):
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be (low, high) ints with "
+                          f"1 <= low <= high, got {value!r}")
+
+
+
+@attrs.frozen
+class AgentWorkload:
+    """Agent tool loops: a long shared system prompt, a task, then tool calls and results.
+
+    Attributes:
+        seed: the only source of randomness.
+        num_sessions: agent sessions in the trace.
+        block_size: tokens per block.
+        sessions_per_s: Poisson arrival rate of sessions.
+        num_system_prompts: distinct shared system prompts (Zipf-popular, skew 1).
+        system_prompt_tokens: ``(low, high)`` length of a system prompt.
+        task_tokens_mean: mean tokens of a session's task (log-normal).
+        steps_mean: mean steps of a session (geometric, at least 1).
+        call_tokens_mean: mean tokens of a tool call the model emits.
+        result_tokens_mean: mean tokens of a tool result.
+        tool_latency_mean_s: mean gap between two steps (exponential).
+    """
+
+    name: ClassVar[str] = "agent"
+    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    num_sessions: int = attrs.field(default=120, validator=_positive_int)
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
+    sessions_per_s: float = attrs.field(default=0.25, validator=_positive_float)
+    num_system_prompts: int = attrs.field(default=4, validator=_positive_int)
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=tuple,
+                                                        validator=_check_range)
+    task_tokens_mean: float = attrs.field(default=300.0, validator=_positive_float)
+    steps_mean: float = attrs.field(default=6.0, validator=real_in(low=1, high=math.inf, high_open=True))
+    call_tokens_mean: float = attrs.field(default=80.0, validator=_positive_float)
+    result_tokens_mean: float = attrs.field(default=400.0, validator=_positive_float)
+    tool_latency_mean_s: float = attrs.field(default=4.0, validator=_positive_float)
+
+    def requests(self) -> Iterator[TraceRequest]:
+        """This workload's requests, in time order."""
+        rng = random.Random(self.seed)
+        systems = [rng.randint(*self.system_prompt_tokens) for _ in range(self.num_system_prompts)]
+        weights = _zipf_weights(self.num_system_prompts, 1.0)
+        prompts: list[tuple[float, list[_Segment], int]] = []
+        at_s = 0.0
+        for session in range(self.num_sessions):
+            at_s += rng.expovariate(self.sessions_per_s)
+            system = rng.choices(range(self.num_system_prompts), cum_weights=weights)[0]
+            segments: list[_Segment] = [(("system", system), systems[system]),
+                                        (("task", session), _lognormal_tokens(rng, self.task_tokens_mean, 1.0))]
+            step_s = at_s
+            for step in itertools.count():
+                call = _lognormal_tokens(rng, self.call_tokens_mean, 0.5)
+                prompts.append((step_s, list(segments), call))
+                if rng.random() < 1 / self.steps_mean:
+                    break
+                segments.append((("call", session, step), call))
+                segments.append((("result", session, step),
+                                 _lognormal_tokens(rng, self.result_tokens_mean, 1.0)))
+                step_s += call / 50 + rng.expovariate(1 / self.tool_latency_mean_s)
+        return _trace(self.block_size, prompts)
+
+
+@attrs.frozen
+class RagWorkload:
+    """Retrieval-augmented questions over a corpus whose documents have a Zipf popularity.
+
+    Attributes:
+        seed: the only source of randomness.
+        num_requests: first questions in the trace (follow-ups come on top).
+        block_size: tokens per block.
+        requests_per_s: Poisson arrival rate of first questions.
+        num_documents: documents in the corpus.
+        document_tokens: ``(low, high)`` length of a document.
+        document_skew: Zipf exponent of document popularity (0: uniform).
+        docs_per_request: distinct documents retrieved per question, most popular first.
+        instruction_tokens: tokens of the one shared instruction.
+        question_tokens_mean: mean tokens of a question (log-normal).
+        follow_up_probability: chance a question gets one more on the same documents.
+        follow_up_gap_mean_s: mean delay of a follow-up (exponential).
+    """
+
+    name: ClassVar[str] = "rag"
+    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    num_requests: int = attrs.field(default=1400, validator=_positive_int)
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
+    requests_per_s: float = attrs.field(default=2.0, validator=_positive_float)
+    num_documents: int = attrs.field(default=3000, validator=_positive_int)
+    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=tuple,
+                                                   validator=_check_range)
+    document_skew: float = attrs.field(default=0.9, validator=_skew)
+    docs_per_request: int = attrs.field(default=3, validator=_positive_int)
+    instruction_tokens: int = attrs.field(default=400, validator=at_least(0))
+    question_tokens_mean: float = attrs.field(default=60.0, validator=_positive_float)
+    follow_up_probability: float = attrs.field(default=0.3, validator=real_in(low=0, high=1))
+    follow_up_gap_mean_s: float = attrs.field(default=30.0, validator=_positive_float)
+
+    def __attrs_post_init__(self) -> None:
+        if self.docs_per_request > self.num_documents:
+            raise ConfigError(f"docs_per_request={self.docs_per_request} exceeds "
+                              f"num_documents={self.num_documents}")
+
+    def requests(self) -> Iterator[TraceRequest]:
+        """This workload's requests, in time order."""
+        rng = random.Random(self.seed)
+        lengths = [rng.randint(*self.document_tokens) for _ in range(self.num_documents)]
+        weights = _zipf_weights(self.num_documents, self.document_skew)
+        prompts: list[tuple[float, list[_Segment], int]] = []
+        at_s = 0.0
+        for question in range(self.num_requests):
+            at_s += rng.expovariate(self.requests_per_s)
+            docs: set[int] = set()
+            while len(docs) < self.docs_per_request:
+                docs.add(rng.choices(range(self.num_documents), cum_weights=weights)[0])
+            context: list[_Segment] = [("instruction", self.instruction_tokens)]
+            context += [(("doc", d), lengths[d]) for d in sorted(docs)]  # rank order: popular first
+            ask_s = at_s
+            for turn in itertools.count():
+                context.append((("question", question, turn),
+                                _lognormal_tokens(rng, self.question_tokens_mean, 0.7)))
+                answer = _lognormal_tokens(rng, 200.0, 0.7)
+                prompts.append((ask_s, list(context), answer))
+                if rng.random() >= self.follow_up_probability:
+                    break
+                context.append((("answer", question, turn), answer))
+                ask_s += rng.expovariate(1 / self.follow_up_gap_mean_s)
+        return _trace(self.block_size, prompts)
+
+
+@attrs.frozen
+class FewShotWorkload:
+    """Few-shot templates with a Zipf popularity that shifts, each followed by a short input.
+
+    Attributes:
+        seed: the only source of randomness.
+        num_requests: requests in the trace.
+        block_size: tokens per block.
+        requests_per_s: Poisson arrival rate.
+        num_templates: distinct templates.
+        template_tokens: ``(low, high)`` length of a template.
+        template_skew: Zipf exponent of template popularity.
+        drift_every: requests between two reshuffles of the popularity ranks.
+        input_tokens_mean: mean tokens of a request's own input (log-normal).
+    """
+
+    name: ClassVar[str] = "few-shot"
+    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    num_requests: int = attrs.field(default=2400, validator=_positive_int)
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
+    requests_per_s: float = attrs.field(default=8.0, validator=_positive_float)
+    num_templates: int = attrs.field(default=400, validator=_positive_int)
+    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=tuple,
+                                                   validator=_check_range)
+    template_skew: float = attrs.field(default=1.0, validator=_skew)
+    drift_every: int = attrs.field(default=800, validator=_positive_int)
+    input_tokens_mean: float = attrs.field(default=150.0, validator=_positive_float)
+
+    def requests(self) -> Iterator[TraceRequest]:
+        """This workload's requests, in time order."""
+        rng = random.Random(self.seed)
+        lengths = [rng.randint(*self.template_tokens) for _ in range(self.num_templates)]
+        weights = _zipf_weights(self.num_templates, self.template_skew)
+        ranks = list(range(self.num_templates))  # ranks[i]: the template of popularity rank i
+        prompts: list[tuple[float, list[_Segment], int]] = []
+        at_s = 0.0
+        for request in range(self.num_requests):
+            if request and request % self.drift_every == 0:
+                rng.shuffle(ranks)
+            at_s += rng.expovariate(self.requests_per_s)
+            template = ranks[rng.choices(range(self.num_templates), cum_weights=weights)[0]]
+            prompts.append((at_s, [(("template", template), lengths[template]),
+                                   (("input", request), _lognormal_tokens(rng, self.input_tokens_mean, 0.7))],
+                            _lognormal_tokens(rng, 100.0, 0.7)))
+        return _trace(self.block_size, prompts)
+
+
+@attrs.frozen
+class MixedWorkload:
+    """Chat sessions among one-shot batch jobs, each request with its :class:`WorkloadHints`.
+
+    Chat sessions (kind ``"chat"``) open with one shared system prompt and
+    come back after exponential think times for a geometric number of turns;
+    batch jobs (kind ``"batch"``) are long prompts never seen again, arriving
+    as a Poisson process over the same span. :meth:`hinted` gives each
+    request what a caller would know: a chat turn carries its session and a
+    retention of ``retention_s`` (as hosted prompt caches keep a prefix for
+    minutes), a batch job ``priority=-1``.
+
+    Attributes:
+        seed: the only source of randomness.
+        num_sessions: chat sessions.
+        block_size: tokens per block.
+        sessions_per_s: Poisson arrival rate of sessions.
+        turns_mean: mean turns of a session (geometric, at least 1).
+        think_time_mean_s: mean gap between two turns.
+        batch_per_s: Poisson arrival rate of batch jobs.
+        batch_tokens: ``(low, high)`` length of a batch prompt.
+        system_prompt_tokens: tokens of the chat system prompt.
+        retention_s: the chat turns' retention hint.
+    """
+
+    name: ClassVar[str] = "mixed"
+    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    num_sessions: int = attrs.field(default=200, validator=_positive_int)
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
+    sessions_per_s: float = attrs.field(default=0.5, validator=_positive_float)
+    turns_mean: float = attrs.field(default=4.0, validator=real_in(low=1, high=math.inf, high_open=True))
+    think_time_mean_s: float = attrs.field(default=60.0, validator=_positive_float)
+    batch_per_s: float = attrs.field(default=0.5, validator=_positive_float)
+    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=tuple, validator=_check_range)
+    system_prompt_tokens: int = attrs.field(default=1000, validator=at_least(0))
+    retention_s: float = attrs.field(default=300.0, validator=_positive_float)
+
+    def hinted(self) -> tuple[list[TraceRequest], list[WorkloadHints]]:
+        """The requests in time order and, one per request, its hints."""
+        rng = random.Random(self.seed)
+        prompts: list[tuple[float, list[_Segment], int, WorkloadHints]] = []
+        at_s = 0.0
+        for session in range(self.num_sessions):
+            at_s += rng.expovariate(self.sessions_per_s)
+            hints = WorkloadHints(ttl_s=self.retention_s, session=f"s{session}", kind="chat")
+            context: list[_Segment] = [("system", self.system_prompt_tokens)]
+            turn_s = at_s
+            for turn in itertools.count():
+                context.append((("user", session, turn), _lognormal_tokens(rng, 200.0, 1.0)))
+                output = _lognormal_tokens(rng, 250.0, 1.0)
+                prompts.append((turn_s, list(context), output, hints))
+                if rng.random() < 1 / self.turns_mean:
+                    break
+                context.append((("reply", session, turn), output))
+                turn_s += rng.expovariate(1 / self.think_time_mean_s)
+        batch = WorkloadHints(priority=-1, kind="batch")
+        at_s, end_s = 0.0, max(p[0] for p in prompts)
+        for job in itertools.count():
+            at_s += rng.expovariate(self.batch_per_s)
+            if at_s > end_s:
+                break
+            prompts.append((at_s, [(("batch", job), rng.randint(*self.batch_tokens))], 50, batch))
+        prompts.sort(key=lambda p: p[0])
+        ids = _BlockIds(self.block_size)
+        requests = [TraceRequest(round(at * 1000), sum(n for _, n in segments), output, ids.of(segments), line)
+                    for line, (at, segments, output, _) in enumerate(prompts, start=1)]
+        return requests, [p[3] for p in prompts]
+
+    def requests(self) -> Iterator[TraceRequest]:
+        """This workload's requests, in time order (without their hints)."""
+        return iter(self.hinted()[0])
+
+
+class Shape(Protocol):
+    """A workload shape: frozen parameters whose ``requests()`` yields a trace."""
+
+    name: ClassVar[str]
+
+    def requests(self) -> Iterator[TraceRequest]: ...
+
+
+SHAPES: dict[str, type] = {cls.name: cls for cls in (SyntheticWorkload, AgentWorkload, RagWorkload, FewShotWorkload,
+                                                   MixedWorkload)}
+"""Every synthetic workload shape by name; each class takes ``seed=`` and ``block_size=``."""
+
+
+def shape(name: str, *, seed: int = 0, block_size: int = DEFAULTS.block_size) -> Shape:
+    """The workload of shape ``name`` with its default parameters, seeded.
+
+    Raises:
+        ConfigError: ``name`` is not a shape (the valid names are listed).
+    """
+    cls = SHAPES.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown workload shape {name!r}; valid shapes: {', '.join(SHAPES)}")
+    return cls(seed=seed, block_size=block_size)

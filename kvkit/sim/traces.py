@@ -15,7 +15,12 @@ One JSON object a line::
 
 Extra fields are allowed and ignored (not kept). Blank lines are skipped; line
 numbers count every physical line, so errors point at the right line. Every
-int is below ``2**63`` (block ids and counts travel as int64).
+int is below ``2**63`` (block ids and counts travel as int64). A file whose
+name ends in ``.gz`` is read through gzip.
+
+Built-in traces (:data:`BUILTIN_TRACES`) ship as package data and are read by
+name wherever a path is taken: ``read_trace("mooncake-conversation")`` (a file
+of that name is read as ``./mooncake-conversation``).
 
 Reading is bounded: a line longer than :data:`MAX_LINE_BYTES` is an error as
 soon as that many bytes were read (``/dev/zero`` or a binary file cannot
@@ -29,20 +34,34 @@ cannot be opened or read (missing, a directory, no permission) is one
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
 import re
+import zlib
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import attrs
 import numpy as np
 
 from kvkit._renamed import renamed_keywords
 from kvkit.errors import ConfigError, TraceFileError, TraceFormatError
+from kvkit.registry import did_you_mean
 from kvkit.validate import check_int, is_int, quote
 
-__all__ = ["MAX_LINE_BYTES", "MAX_NESTING", "MOONCAKE_BLOCK_SIZE", "TraceRequest", "read_trace", "write_trace"]
+__all__ = ["BUILTIN_TRACES", "MAX_LINE_BYTES", "MAX_NESTING", "MOONCAKE_BLOCK_SIZE", "TraceRequest", "read_trace",
+           "trace_path", "write_trace"]
+
+BUILTIN_TRACES = {"mooncake-conversation": "mooncake_conversation.jsonl.gz"}
+"""Built-in trace name -> its file in ``kvkit/sim/data`` (origin and licence: ``NOTICE.md`` there).
+
+``mooncake-conversation``: the first 6,000 requests of the Mooncake (FAST '25)
+conversation trace, Apache-2.0; 512-token blocks (:data:`MOONCAKE_BLOCK_SIZE`).
+"""
+
+_DATA = Path(__file__).resolve().with_name("data")
 
 MOONCAKE_BLOCK_SIZE = 512
 """Tokens per block of the published Mooncake traces (the default of :func:`read_trace`)."""
@@ -98,8 +117,9 @@ def _parse(path: str, line: int, text: str, block_size: int,
     """Parse and validate one non-blank line."""
     try:
         record = json.loads(text)
-    except ValueError as exc:
-        raise TraceFormatError(path, line, "<line>", f"not valid JSON ({exc}): {text[:80]!r}") from None
+    except ValueError as exc:  # the column only: JSON's own "line 1" would sit beside the file's line
+        why = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise TraceFormatError(path, line, "<line>", f"not valid JSON ({why}): {text[:80]!r}") from None
     if not isinstance(record, dict):
         raise TraceFormatError(path, line, "<line>", f"expected a JSON object, got {text[:80]!r}")
     for name in ("timestamp", "input_length", "output_length", "hash_ids"):
@@ -151,7 +171,8 @@ def read_trace(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK
     reaches it, after every request before it was yielded.
 
     Args:
-        path: the JSONL file.
+        path: the JSONL file (gzip-compressed if its name ends in ``.gz``), or
+            the name of a built-in trace (:data:`BUILTIN_TRACES`).
         block_size: tokens per block the trace's ``hash_ids`` were cut at
             (``block_tokens=`` is its deprecated old name).
         limit: stop after this many requests (``None``: read to the end).
@@ -168,7 +189,7 @@ def read_trace(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK
     if limit is not None:
         check_int("limit", limit, 0)
     # Validate arguments eagerly; only the file reading is lazy.
-    return _stream(_path(path), block_size, limit)
+    return _stream(trace_path(path), block_size, limit)
 
 
 def _path(path: object) -> str:
@@ -182,10 +203,28 @@ def _path(path: object) -> str:
     return name
 
 
+def trace_path(trace: str | os.PathLike[str]) -> str:
+    """The file a trace argument names: a built-in trace's packaged file, else ``trace`` itself.
+
+    Raises:
+        ConfigError: ``trace`` is not a str or an os.PathLike, or holds a NUL.
+    """
+    name = _path(trace)
+    builtin = BUILTIN_TRACES.get(name)
+    return str(_DATA / builtin) if builtin is not None else name
+
+
+def _missing_hint(path: str) -> str:
+    """What to say when ``path`` does not exist: the built-in names (a bare word may have meant one)."""
+    names = list(BUILTIN_TRACES)
+    return f"; built-in traces: {', '.join(names)}{did_you_mean(os.path.basename(path), names)}"
+
+
 def _lines(path: str) -> Iterator[tuple[int, bytes]]:
     """``(line number, raw line)`` of every physical line, each read with the length cap."""
+    opener = gzip.open if path.endswith(".gz") else open
     try:
-        with open(path, "rb") as f:  # decoded per line, so a bad byte is reported at its line
+        with opener(path, "rb") as f:  # decoded per line, so a bad byte is reported at its line
             line = 0
             while raw := f.readline(MAX_LINE_BYTES + 1):  # never buffers more than the cap
                 line += 1
@@ -194,8 +233,10 @@ def _lines(path: str) -> Iterator[tuple[int, bytes]]:
                                            f"longer than MAX_LINE_BYTES ({MAX_LINE_BYTES} bytes): "
                                            f"not a JSONL trace? starts {raw[:16]!r}")
                 yield line, raw
-    except OSError as exc:
-        raise TraceFileError(path, f"cannot read the trace: {exc.strerror or exc}") from exc
+    except FileNotFoundError as exc:
+        raise TraceFileError(path, f"cannot read the trace: {exc.strerror}{_missing_hint(path)}") from exc
+    except (OSError, EOFError, zlib.error) as exc:  # gzip: a bad header is an OSError, bad data the others
+        raise TraceFileError(path, f"cannot read the trace: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
 def _stream(path: str, block_size: int, limit: int | None) -> Iterator[TraceRequest]:
@@ -209,6 +250,7 @@ def _stream(path: str, block_size: int, limit: int | None) -> Iterator[TraceRequ
         except UnicodeDecodeError as exc:
             raise TraceFormatError(path, line, "<line>",
                                    f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        text = text.rstrip("\r\n")  # one physical line, so a parse error is at a column of it
         if not text.strip():
             continue
         # Counting brackets is cheap; only a line with many of them is scanned for its depth.

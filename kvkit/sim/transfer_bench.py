@@ -26,10 +26,13 @@ import torch
 
 from kvkit._renamed import warn_renamed
 from kvkit.errors import ConfigError, SpecMismatchError
+from kvkit.interfaces.capabilities import LayeredCopy
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, TransferPlan
 from kvkit.registry import COPY, did_you_mean
-from kvkit.worker.layouts import allocate_kv, kv_nbytes, kv_views, regions_for
+from kvkit.worker.engine import layer_stages
+from kvkit.worker.layouts import allocate_kv, check_layouts, kv_nbytes, kv_views, regions_for
+from kvkit.worker.memory import check_fits
 
 __all__ = ["DIRECTIONS", "RENAMED_DIRECTIONS", "GemmLoad", "Rig", "bench_backend", "gemm_alone", "make_plans",
            "measure_ceiling", "run_transfer"]
@@ -90,9 +93,20 @@ class Rig:
     @classmethod
     def allocate(cls, spec: KVCacheSpec, layout: str, num_blocks: int, device: torch.device,
                  alloc: str = "buffer", seed: int = 0, cpu_layout: str | None = None) -> Rig:
-        """Allocate and fill both tiers: the GPU one on ``device``, the CPU one in ``cpu_layout`` or ``layout``."""
-        gen = torch.Generator(device=device).manual_seed(seed)
+        """Allocate and fill both tiers: the GPU one on ``device``, the CPU one in ``cpu_layout`` or ``layout``.
+
+        Raises:
+            ConfigError: the layouts do not pair (checked before anything is allocated).
+            InsufficientMemoryError: a tier does not fit (checked before anything is allocated).
+        """
+        check_layouts(spec, layout, cpu_layout)
         nbytes = kv_nbytes(spec, layout, num_blocks)
+        if device.type == "cuda":
+            check_fits(device, {"GPU tier": nbytes})
+            check_fits("cpu", {"CPU tier": nbytes})
+        else:
+            check_fits(device, {"GPU tier (host memory here)": nbytes, "CPU tier": nbytes})
+        gen = torch.Generator(device=device).manual_seed(seed)
         if alloc == "buffer":
             gpu_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             gpu = kv_views(spec, layout, num_blocks, gpu_buf)
@@ -133,6 +147,15 @@ class Rig:
         return True
 
 
+def _check_pool(blocks: int, directions: int, pool: int) -> int:
+    """Blocks the plans need of a pool of ``pool`` blocks; ``ConfigError`` if it is smaller."""
+    need = blocks * directions
+    if need > pool:
+        raise ConfigError(f"--blocks {blocks} x {directions} direction(s) needs a pool of at least {need} "
+                          f"blocks, got --pool-blocks {pool}")
+    return need
+
+
 def make_plans(rig: Rig, blocks: int, ids: str, direction: str, seed: int = 0) -> list[TransferPlan]:
     """One plan per direction of ``direction``; a store and a load never touch the same blocks.
 
@@ -140,10 +163,7 @@ def make_plans(rig: Rig, blocks: int, ids: str, direction: str, seed: int = 0) -
         ConfigError: the pool is too small for the plans.
     """
     dirs = DIRECTIONS[_direction(direction)]
-    need = blocks * len(dirs)
-    if need > rig.num_blocks:
-        raise ConfigError(f"--blocks {blocks} x {len(dirs)} direction(s) needs a pool of at least {need} "
-                          f"blocks, got --pool-blocks {rig.num_blocks}")
+    need = _check_pool(blocks, len(dirs), rig.num_blocks)
     rng = np.random.default_rng(seed)
     if ids == "random":
         gpu_ids, cpu_ids = rng.choice(rig.num_blocks, need, replace=False), rng.choice(rig.num_blocks, need, replace=False)
@@ -320,6 +340,8 @@ def bench_backend(rig: Rig, label: str, backend: CopyBackend, plans: Sequence[Tr
         "submit_ms": statistics.median(submit_s) * 1e3,
         "verified": ok,
     }
+    if isinstance(backend, LayeredCopy):
+        result.update(_layered(rig, backend, plans[0], repeat, trials))
     planner = getattr(backend, "planner", None)
     if planner is not None:
         result["descriptors"] = planner.count(plans[0])[0]
@@ -337,6 +359,38 @@ def bench_backend(rig: Rig, label: str, backend: CopyBackend, plans: Sequence[Tr
     return result
 
 
+def _layered(rig: Rig, backend: LayeredCopy, plan: TransferPlan, repeat: int, trials: int) -> dict[str, Any]:
+    """The cost of per-layer stages: ``plan`` in one stage a layer against ``plan`` whole, timed alternately."""
+    stages = [regions for regions, _ in layer_stages(rig.spec, rig.regions, 1)[plan.group]]
+    runs = {"whole": lambda: backend.submit(plan), "layered": lambda: backend.submit_stages(plan, stages)[0]}
+    submit_s: list[float] = []
+    times: dict[str, list[float]] = {"whole": [], "layered": []}
+    backend.wait(runs["layered"]())  # warm-up
+    for _ in range(5):
+        _sync(rig.device)
+        t0 = time.perf_counter()
+        handle = runs["layered"]()
+        submit_s.append(time.perf_counter() - t0)
+        backend.wait(handle)
+    ok = True
+    for _ in range(trials):
+        for mode, run in runs.items():
+            rig.poison(plan)
+            _sync(rig.device)
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                handle = run()
+            backend.wait(handle)
+            _sync(rig.device)
+            times[mode].append(time.perf_counter() - t0)
+            ok = ok and rig.verify(plan)
+    backend.poll()
+    whole, layered = (statistics.median(times[m]) for m in ("whole", "layered"))
+    return {"layered_stages": len(stages), "layered_submit_ms": statistics.median(submit_s) * 1e3,
+            "layered_gbps": _gbps(len(plan) * rig.block_bytes, layered / repeat),
+            "layered_vs_whole": whole / layered, "layered_verified": ok}
+
+
 def _backends(name: str, device: torch.device, options: dict[str, Any]) -> list[tuple[str, Callable[[], CopyBackend]]]:
     """The backends ``name`` selects on ``device``, each as (label, factory); builds nothing.
 
@@ -349,18 +403,24 @@ def _backends(name: str, device: torch.device, options: dict[str, Any]) -> list[
     if name not in valid:
         raise ConfigError(f"--backend {name!r}: unknown copy backend; valid: {', '.join(valid)}"
                           f"{did_you_mean(str(name), valid)}")
+    if name != "all" and (problem := COPY.check(name, slot="--backend")) is not None:
+        raise ConfigError(problem)  # registered but not available here: the reason, and what is
     names = [n for n in COPY.names() if COPY.available(n)] if name == "all" else [name]
-    out = []
+    names = [n for n in names if device.type == "cuda" or n == "torch"]  # only torch runs on host memory alone
+    if not names:
+        raise ConfigError(f"--backend {name!r}: nothing to run on {device.type}; hint: on a CPU-only machine "
+                          f"use --backend torch")
+    out, used = [], set()
     for n in names:
-        if device.type != "cuda" and n != "torch":
-            continue  # only torch runs with both tiers in host memory
         accepted = {k: v for k, v in options.items() if COPY.check_options(n, {k: v}, partial=True) is None}
-        if name != "all" and accepted != options:
-            raise ConfigError(f"--set {options!r}: backend {n!r} takes only {sorted(accepted)} of these")
+        used |= set(accepted)
         label = n + "".join(f" {k}={v}" for k, v in accepted.items())
         out.append((label, lambda n=n, kw=accepted: COPY.create(n, **kw)))
-    if not out:
-        raise ConfigError(f"--backend {name!r}: nothing to run on {device.type}; on a CPU-only machine use torch")
+    unused = sorted(set(options) - used)
+    if unused:
+        raise ConfigError(f"--set {', '.join(map(repr, unused))}: no option of "
+                          f"{' or '.join(repr(n) for n in names)}; see each backend's constructor "
+                          f"(kvkit list shows where it lives)")
     return out
 
 
@@ -368,13 +428,18 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
                  ids: str = "random", direction: str = "store", with_gemm: bool = False,
                  pool_blocks: int | None = None, repeat: int = 10, alloc: str = "buffer",
                  options: dict[str, Any] | None = None, seed: int = 0,
-                 cpu_layout: str | None = None) -> dict[str, Any]:
+                 cpu_layout: str | None = None, on_step: Callable[[str, int, int], None] | None = None,
+                 on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Everything ``kvkit bench transfer`` measures, as a JSON-able report.
 
     With ``backend="all"``, a backend that refuses the rig's regions (``staged``
     without a cross-layer CPU tier) is listed under ``"skipped"`` with its reason.
     ``direction`` is a name in :data:`DIRECTIONS` (``d2h``/``h2d`` still work
     for one release and warn).
+
+    ``on_step(what, done, total)`` is called as each step starts (allocating,
+    the ceiling, the GEMM baseline, each backend) and once at the end
+    (``done == total``); ``on_result`` with each backend's result as it finishes.
 
     Raises:
         ConfigError: a bad backend name, direction or option, checked before
@@ -387,17 +452,24 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
         raise ConfigError("--with-gemm needs a CUDA GPU")
     n_dirs = len(DIRECTIONS[direction])
     pool = pool_blocks or max(2048 if device.type == "cuda" else 64, 2 * blocks * n_dirs)
+    _check_pool(blocks, n_dirs, pool)  # before the (slow) allocation
+    total = 2 + with_gemm + len(backends)
+    step = on_step or (lambda what, done, total: None)
+    step(f"allocating {pool:,} blocks per tier", 0, total)
     rig = Rig.allocate(spec, layout, pool, device, alloc=alloc, seed=seed, cpu_layout=cpu_layout)
     plans = make_plans(rig, blocks, ids, direction, seed=seed)
+    step("measuring the ceiling (one large pinned copy)", 1, total)
     ceiling = measure_ceiling(rig)
     gemm = GemmLoad.make(device) if with_gemm else None
     gemm_count, alone = 0, None
     if gemm is not None:
+        step("timing GEMMs alone", 2, total)
         probe = gemm_alone(gemm, 10)
         gemm_count = max(20, int(0.3e3 / probe))  # a ~0.3 s window
         alone = gemm_alone(gemm, gemm_count)
     results, skipped = [], {}
-    for label, factory in backends:
+    for i, (label, factory) in enumerate(backends):
+        step(label, total - len(backends) + i, total)
         instance = factory()
         try:
             instance.register(rig.regions)
@@ -408,6 +480,9 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
             continue
         results.append(bench_backend(rig, label, instance, plans, repeat=repeat, gemm=gemm,
                                      gemm_count=gemm_count, gemm_alone_ms=alone))
+        if on_result is not None:
+            on_result(results[-1])
+    step("done", total, total)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "layout": layout, "cpu_layout": cpu_layout or layout, "alloc": alloc, "blocks": blocks, "ids": ids,

@@ -16,6 +16,10 @@ pair kvkit knows, fills them with random bytes and checks:
 * every plan of :data:`~kvkit.testing.kvdata.BAD_PLANS`, and a plan before
   any ``register``, raises ``PlanError`` from ``submit`` (matching the
   listed message) and no byte of either tier moves, nor is a handle issued;
+* a :class:`~kvkit.interfaces.capabilities.LayeredCopy` backend runs random
+  plans in random stages to the same bytes, each load stage's regions
+  hold their sources once that stage's events completed, and stages that do
+  not partition the group's regions are refused like bad plans;
 * handles come back from ``poll`` in submission order, each once;
   ``check_invariants()`` passes if the backend is
   :class:`~kvkit.interfaces.capabilities.SelfChecking`.
@@ -42,9 +46,9 @@ from hypothesis import strategies as st
 
 from kvkit.backends.copy.torch_copy import TorchCopy
 from kvkit.errors import PlanError, SpecMismatchError
-from kvkit.interfaces.capabilities import SelfChecking
+from kvkit.interfaces.capabilities import LayeredCopy, SelfChecking
 from kvkit.interfaces.copy import CopyBackend, Region
-from kvkit.interfaces.types import KVCacheSpec, Tier, TransferPlan
+from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan
 from kvkit.testing.kvdata import (
     BAD_PLANS,
     TWO_GROUPS,
@@ -57,7 +61,7 @@ from kvkit.testing.kvdata import (
 )
 from kvkit.worker.layouts import allocate_kv, kv_nbytes, kv_views, regions_for
 
-__all__ = ["CopyBackendContract", "allocate_tiers", "check_bad_plans", "check_plans"]
+__all__ = ["CopyBackendContract", "allocate_tiers", "check_bad_plans", "check_bad_stages", "check_plans", "check_stages"]
 
 Layouts = tuple[str, str]
 """``(GPU layout, CPU layout)``."""
@@ -170,6 +174,68 @@ def check_bad_plans(backend: CopyBackend, gpu: list[torch.Tensor], cpu: list[tor
     assert reported == [], f"refused plans issued handles: poll reported {reported}"
 
 
+def check_stages(backend: LayeredCopy, regions: Sequence[Region], plan: TransferPlan,
+                 stages: Sequence[range]) -> None:
+    """Run ``plan`` through ``submit_stages`` (``backend`` registered on ``regions``) and check each stage.
+
+    A load's stage ``k`` must have written its regions' destination blocks
+    once its events (and so every earlier stage's) completed; afterwards the
+    whole plan must match :func:`~kvkit.testing.kvdata.reference_copy` and
+    ``poll`` report the one handle.
+
+    Raises:
+        AssertionError: naming the stage or region that differs.
+    """
+    expected = reference_copy(regions, plan)
+    handle, events = backend.submit_stages(plan, stages)
+    assert len(events) == len(stages), f"{len(events)} event tuples for {len(stages)} stages"
+    for k, stage in enumerate(stages):
+        for event in events[k]:
+            event.synchronize()
+        if plan.direction is Direction.LOAD:
+            for i in range(stage.stop):
+                dst, want = expected[i]
+                assert torch.equal(tensor_bytes(dst), tensor_bytes(want)), (
+                    f"after {plan} in stages {stages}: region {i} not written when stage {k}'s events completed")
+    backend.wait(handle)
+    for i, (dst, want) in enumerate(expected):
+        assert torch.equal(tensor_bytes(dst), tensor_bytes(want)), f"after {plan} in stages {stages}: region {i} differs"
+    reported = backend.poll()
+    assert reported == [handle], f"poll reported {reported} for the one handle {handle} of a staged plan"
+
+
+def check_bad_stages(backend: LayeredCopy, tensors: Sequence[torch.Tensor], plan: TransferPlan,
+                     num_regions: int) -> None:
+    """Stages that do not partition ``plan``'s ``num_regions`` regions, or a wrong ``after``, raise ``PlanError``.
+
+    No byte may move and no handle be issued.
+    """
+    r = num_regions
+    bad = [([], None), ([range(0, r + 1)], None), ([range(1, r)], None), ([range(0, 0), range(0, r)], None),
+           ([range(0, r, 2)], None), (list(range(r)), None), ("all", None), ([range(0, r)], [None, None])]
+    for stages, after in bad:
+        before = [tensor_bytes(t) for t in tensors]
+        try:
+            backend.submit_stages(plan, stages, after=after)
+        except PlanError:
+            pass
+        else:
+            raise AssertionError(f"submit_stages accepted stages {stages!r} (after={after!r}) "
+                                 f"for {num_regions} regions")
+        _synchronize(tensors)
+        assert all(torch.equal(b, tensor_bytes(t)) for b, t in zip(before, tensors, strict=True)), (
+            f"refusing stages {stages!r} moved bytes")
+    reported = backend.poll()
+    assert reported == [], f"refused stages issued handles: poll reported {reported}"
+
+
+def _cut(draw: st.DrawFn, num_regions: int) -> list[range]:
+    cuts = sorted(draw(st.sets(st.integers(1, max(1, num_regions - 1)), max_size=num_regions - 1))
+                  if num_regions > 1 else set())
+    bounds = [0, *cuts, num_regions]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 class CopyBackendContract:
     """The contract as a pytest test class: subclass it and override :meth:`make_backend`.
 
@@ -259,6 +325,42 @@ class CopyBackendContract:
         if refusal is not None:
             pytest.skip(refusal)
         check_bad_plans(backend, gpu, cpu)
+
+    @pytest.mark.parametrize("layouts", _PAIRS, ids=_pair_id)
+    def test_layered_plans_land_stage_by_stage(self, layouts: Layouts) -> None:
+        """A ``LayeredCopy`` backend copies random plans in random stages exactly, each load stage by its events."""
+        self._require_device()
+        if not isinstance(self.make_backend(), LayeredCopy):
+            pytest.skip("not a LayeredCopy backend")
+        refusal = self._probe(layouts)
+        if refusal is not None:
+            pytest.skip(refusal)
+        blocks = st.integers(1, self.max_blocks)
+
+        @given(spec=kv_specs(max_groups=1 if "cross-layer" in layouts else 3), num_gpu=blocks, num_cpu=blocks,
+               seed=st.integers(0, 99), data=st.data())
+        def layered(spec, num_gpu, num_cpu, seed, data):
+            gpu, cpu = allocate_tiers(spec, layouts, num_gpu, num_cpu, self.device, seed)
+            backend = self.make_backend()
+            regions = _regions(spec, layouts, gpu, cpu)
+            backend.register(regions)
+            plan = data.draw(plans(len(spec.groups), num_gpu, num_cpu))
+            stages = data.draw(st.composite(_cut)(sum(r.group == plan.group for r in regions)))
+            check_stages(backend, regions, plan, stages)
+
+        self._run(layered)
+
+    def test_bad_stages_are_refused_before_any_byte_moves(self) -> None:
+        """A ``LayeredCopy`` backend refuses stages that do not partition the regions, moving nothing."""
+        self._require_device()
+        backend = self.make_backend()
+        if not isinstance(backend, LayeredCopy):
+            pytest.skip("not a LayeredCopy backend")
+        layouts = next(p for p in _PAIRS if self._probe(p) is None)
+        gpu, cpu = allocate_tiers(_PROBE, layouts, 4, 3, self.device, seed=7)
+        regions = _regions(_PROBE, layouts, gpu, cpu)
+        backend.register(regions)
+        check_bad_stages(backend, gpu + cpu, TransferPlan([0, 1], [2, 0], "load"), len(regions))
 
     def test_submit_before_register_is_refused(self) -> None:
         """A plan submitted before any ``register`` raises ``PlanError``."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import attrs
+
+from kvkit.interfaces.blockstore import BlockStore, StoreResult
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.types import BlockHash, BlockId
 
-__all__ = ["InertPolicy", "RaisingCallback"]
+__all__ = ["FailingStore", "InertPolicy", "RaisingCallback"]
 
 
 class InertPolicy:
@@ -48,3 +51,43 @@ class RaisingCallback(OffloadCallback):
                 raise RuntimeError(f"callback bug in {name}")
             return hook
         return super().__getattribute__(name)
+
+
+@attrs.define(eq=False)
+class FailingStore:
+    """A ``BlockStore`` in front of another that a test can take down and bring back.
+
+    While ``down`` is ``True`` every ``put``/``get`` is reported failed with a
+    ``"transport:"`` error and ``contains`` answers 0, as a stopped or
+    unreachable server looks through a real client; otherwise every call goes
+    to ``inner``. Tickets of both kinds come from one counter.
+    """
+
+    inner: BlockStore
+    down: bool = False
+    _failed: list[StoreResult] = attrs.field(factory=list, init=False)
+    _next: int = attrs.field(default=1 << 40, init=False)  # never collides with the inner store's tickets
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        return 0 if self.down else self.inner.contains(keys)
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
+        return self._fail(keys) if self.down else self.inner.put(keys, values)
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
+        return self._fail(keys) if self.down else self.inner.get(keys, buffers)
+
+    def poll(self, timeout: float = 0.0) -> list[StoreResult]:
+        failed, self._failed = self._failed, []
+        return failed + self.inner.poll(timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def check_invariants(self) -> None:
+        self.inner.check_invariants()
+
+    def _fail(self, keys: Sequence[bytes]) -> int:
+        ticket, self._next = self._next, self._next + 1
+        self._failed.append(StoreResult(ticket, range(len(keys)), "transport: connection refused (FailingStore)"))
+        return ticket

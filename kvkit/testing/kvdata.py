@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 import torch
 from hypothesis import strategies as st
@@ -65,8 +66,10 @@ def kv_specs(draw: st.DrawFn, max_layers: int = 3, max_groups: int = 3) -> KVCac
 
 @st.composite
 def spec_layouts(draw: st.DrawFn) -> tuple[KVCacheSpec, str]:
-    """A spec with a layout that can hold it (cross-layer only for single-group specs)."""
+    """A spec with a layout that can hold it (cross-layer only for single-group specs; some latent, MLA's)."""
     spec = draw(kv_specs())
+    if draw(st.booleans()):
+        spec = attrs.evolve(spec, num_kv_heads=1, latent=True)
     return spec, draw(st.sampled_from([gpu for gpu, cpu in pairable_layouts(spec) if gpu == cpu]))
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -25,9 +27,9 @@ from kvkit.errors import (
     TransferTimeoutError,
     UnknownBlockError,
 )
-from kvkit.interfaces.capabilities import SelfChecking
+from kvkit.interfaces.capabilities import LayeredCopy, SelfChecking
 from kvkit.interfaces.copy import CopyBackend, Region
-from kvkit.interfaces.types import KVCacheSpec, Tier, TransferPlan, TransferResult
+from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
 from kvkit.validate import check_int, check_real, checked, is_int, quote
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.layouts import (
@@ -41,7 +43,7 @@ from kvkit.worker.layouts import (
 )
 from kvkit.worker.memory import check_fits
 
-__all__ = ["TransferEngine"]
+__all__ = ["TransferEngine", "layer_stages"]
 
 _REGISTER_CHUNK = 64 << 30
 """cudaHostRegister fails on single ranges above 64 GiB on some systems."""
@@ -100,10 +102,53 @@ class _InFlight:
     started: float
     num_bytes: int
     in_doubt: bool = False  # the backend failed while this copy was in flight
+    # A layered load: per layer, the device events after which that layer's blocks are written
+    # (an empty tuple: already written); None for a load whose layers a reader must wait for whole.
+    layers: dict[int, tuple[Any, ...]] | None = None
+    load: bool = False
 
 
 _FIRST_PAUSE_S, _MAX_PAUSE_S = 20e-6, 1e-3
 """A bounded wait polls the backend, sleeping 20 us, 40 us... at most 1 ms between polls."""
+
+
+_LAYER_NAME = re.compile(r"layer(\d+)(\.[kv])?")
+"""Region names of :func:`~kvkit.worker.layouts.regions_for` that hold one layer (``layer3``, ``layer3.k``)."""
+
+
+def layer_stages(spec: KVCacheSpec, regions: Sequence[Region],
+               layers_per_stage: int) -> dict[int, list[tuple[range, tuple[int, ...]]]]:
+    """Each group's stages for layered copies: runs of regions holding ``layers_per_stage`` layers, in order.
+
+    A region that holds every layer of its group (cross-layer on both tiers: one
+    piece per block) is one stage for all of them: such a load cannot pipeline.
+    """
+    by_group: dict[int, list[tuple[int, ...]]] = {}
+    for r in regions:
+        match = _LAYER_NAME.fullmatch(r.name)
+        by_group.setdefault(r.group, []).append(
+            (int(match.group(1)),) if match else tuple(spec.groups[r.group].layers))
+    stages: dict[int, list[tuple[range, tuple[int, ...]]]] = {}
+    for group, held in by_group.items():
+        out: list[tuple[range, tuple[int, ...]]] = []
+        start = 0
+        for i in range(1, len(held) + 1):
+            layers = tuple(dict.fromkeys(layer for h in held[start:i] for layer in h))
+            if i == len(held) or (held[i] != held[i - 1] and len(layers) >= layers_per_stage):
+                out.append((range(start, i), layers))
+                start = i
+        stages[group] = out
+    return stages
+
+
+def _written_after(written: Mapping[int, Any], layers: tuple[int, ...], fallback: Any) -> Any:
+    """The event a store stage waits for: the last of its layers' ``written`` events, if every layer has one.
+
+    Events of one compute stream complete in order, so the last layer's covers the others.
+    """
+    if all(layer in written for layer in layers):
+        return written[max(layers)]
+    return fallback
 
 
 def _spec(value: object) -> KVCacheSpec:
@@ -155,6 +200,7 @@ class TransferEngine:
     worker: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))
     wait_timeout_s: float = attrs.field(default=WAIT_TIMEOUT_S, kw_only=True,
                                         converter=checked(check_real, low=0, low_open=True))
+    layers_per_stage: int = attrs.field(default=1, kw_only=True, converter=checked(check_int, minimum=1))
     _layout: str | None = attrs.field(default=None, init=False)
     _cpu_layout: str | None = attrs.field(default=None, init=False)
     _gpu_kv: list[torch.Tensor] = attrs.field(factory=list, init=False)
@@ -165,6 +211,8 @@ class TransferEngine:
     _unpin: weakref.finalize | None = attrs.field(default=None, init=False)
     _regions: list[Region] = attrs.field(factory=list, init=False)
     _group_block_bytes: dict[int, int] = attrs.field(factory=dict, init=False)
+    # Per group: its stages in region order, each (regions, the layers they hold).
+    _stages: dict[int, list[tuple[range, tuple[int, ...]]]] = attrs.field(factory=dict, init=False)
     _in_flight: dict[int, _InFlight] = attrs.field(factory=dict, init=False)  # by backend handle, in order
     _ready: list[TransferResult] = attrs.field(factory=list, init=False)  # for the next poll or drain
     _unreported: set[int] = attrs.field(factory=set, init=False)  # ids submitted, not yet handed out
@@ -223,6 +271,7 @@ class TransferEngine:
         self._group_block_bytes = {}
         for r in regions:
             self._group_block_bytes[r.group] = self._group_block_bytes.get(r.group, 0) + r.piece_bytes
+        self._stages = layer_stages(self.spec, regions, self.layers_per_stage)
 
     def allocate_kv(self, num_gpu_blocks: int, layout: str, device: torch.device | str = "cpu", *,
                     cpu_layout: str | None = None) -> list[torch.Tensor]:
@@ -297,8 +346,18 @@ class TransferEngine:
 
     # -- transfers --------------------------------------------------------------------
 
-    def submit(self, transfer_id: int, plan: TransferPlan) -> None:
+    def submit(self, transfer_id: int, plan: TransferPlan, *, layered: bool = False,
+               written: Mapping[int, Any] | None = None) -> None:
         """Start ``plan`` as transfer ``transfer_id``, ordered after the compute queued so far.
+
+        With ``layered`` and a :class:`~kvkit.interfaces.capabilities.LayeredCopy`
+        backend the copy runs layer by layer (``layers_per_stage`` layers a
+        stage): a load's layer is readable, through :meth:`wait_layer`, as soon
+        as it landed; a store's layer waits only for ``written[layer]`` (an
+        event the caller recorded after the kernel that wrote it; a layer
+        without one waits for all compute queued so far). Either way the
+        transfer is reported once, as a whole. A backend without the capability
+        copies the plan whole, and :meth:`wait_layer` waits for all of it.
 
         A copy that fails to launch is reported by the next :meth:`poll` as
         ``TransferResult(ok=False)``.
@@ -321,15 +380,25 @@ class TransferEngine:
             raise PlanError(f"plan group {plan.group!r} has no registered region; groups: "
                             f"{sorted(self._group_block_bytes)}")
         started = time.perf_counter()
+        load, layers = plan.direction is Direction.LOAD, None
         try:
-            handle = self.copy.submit(plan, after=self._compute_done())
+            done = self._compute_done()
+            if layered and isinstance(self.copy, LayeredCopy):
+                stages = self._stages[plan.group]
+                waits = ([done] + [None] * (len(stages) - 1) if written is None
+                         else [_written_after(written, held, done) for _, held in stages])
+                handle, events = self.copy.submit_stages(plan, [regions for regions, _ in stages], after=waits)
+                if load:
+                    layers = {layer: tuple(ev) for (_, held), ev in zip(stages, events) for layer in held}
+            else:
+                handle = self.copy.submit(plan, after=done)
         except PlanError:
             raise
         except Exception as exc:  # launched nothing (the backend contract): a failed result, not a crash
             warnings.warn(f"transfer {transfer_id} failed to launch: {exc!r}", RuntimeWarning, stacklevel=2)
             self._ready.append(TransferResult(transfer_id, self.worker, ok=False))
         else:
-            job = _InFlight(transfer_id, started, len(plan) * group_bytes)
+            job = _InFlight(transfer_id, started, len(plan) * group_bytes, layers=layers, load=load)
             if not is_int(handle) or handle in self._in_flight:
                 # The backend broke its contract: its copy may run, but no poll can ever confirm this
                 # handle, so the transfer stays in flight, in doubt, under a key no poll returns.
@@ -374,17 +443,69 @@ class TransferEngine:
                 released: they stay in flight, and the results collected
                 meanwhile are reported by the next poll or drain.
         """
+        self._wait_until(lambda: not self._in_flight, self._timeout(timeout))
+        return self._hand_out()
+
+    def wait_layer(self, layer: int, stream: Any = None, timeout: float | None = None, *,
+                   transfers: Collection[int] | None = None) -> None:
+        """Make ``stream`` read ``layer``'s blocks only after every load in flight (of ``transfers``) wrote them.
+
+        A layered load (see :meth:`submit`) costs no host wait: ``stream``
+        (default: the current CUDA stream) waits on the device for that
+        layer's events. Any other load in flight is waited for whole, on the
+        host, for at most ``timeout`` seconds (default :attr:`wait_timeout_s`).
+        ``transfers`` limits the wait to those transfer ids (loads that other
+        requests' compute does not read, e.g. asynchronous ones, need not
+        hold it up). Results stay for :meth:`poll`.
+
+        Raises:
+            ConfigError: ``layer`` is not a layer of the spec, or ``timeout`` is not a number >= 0.
+            TransferTimeoutError: as :meth:`drain`, for the loads waited for whole.
+        """
+        layer = check_int("layer", layer, 0)
+        if layer >= self.spec.num_layers:
+            raise ConfigError(f"layer={quote(layer)}: the spec has layers 0..{self.spec.num_layers - 1}")
         limit = self._timeout(timeout)
+        self._collect()
+        whole: set[int] = set()
+        for job in self._in_flight.values():
+            if not job.load or (transfers is not None and job.transfer_id not in transfers):
+                continue
+            if job.layers is None:
+                whole.add(job.transfer_id)
+                continue
+            events = job.layers.get(layer, ())
+            if events and stream is None:
+                stream = torch.cuda.current_stream(self._gpu_kv[0].device)
+            for event in events:
+                stream.wait_event(event)
+        if whole:
+            self.wait(whole, limit)
+
+    def wait(self, transfers: Collection[int], timeout: float | None = None) -> None:
+        """Block until every transfer of ``transfers`` in flight is confirmed finished; results stay for poll.
+
+        Waits as :meth:`drain` (by polling, at most ``timeout`` seconds), for those transfers only.
+
+        Raises:
+            ConfigError: ``timeout`` is not a number >= 0.
+            TransferTimeoutError: as :meth:`drain`.
+        """
+        wanted = set(transfers)
+        self._wait_until(lambda: wanted.isdisjoint(j.transfer_id for j in self._in_flight.values()),
+                         self._timeout(timeout))
+
+    def _wait_until(self, done: Callable[[], bool], limit: float) -> None:
+        """Poll the backend until ``done()``, sleeping 20 us doubling to 1 ms; at most ``limit`` seconds."""
         deadline, pause = time.monotonic() + limit, _FIRST_PAUSE_S
         self._collect()
-        while self._in_flight:
+        while not done():
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._timed_out(limit)
             time.sleep(min(pause, left))
             pause = min(2 * pause, _MAX_PAUSE_S)
             self._collect()
-        return self._hand_out()
 
     def _timeout(self, timeout: float | None) -> float:
         return self.wait_timeout_s if timeout is None else check_real("timeout", timeout, low=0)

@@ -18,6 +18,12 @@ A layout fixes how an engine's paged KV cache sits in tensors, and so which
     vLLM's CPU attention backend: per layer ``[num_blocks, H, block_size, 2*D]``
     (each token row holds the head's K then its V). One region per layer,
     ``layer{i}``; a piece is one block of that layer.
+``"latent"``
+    MLA's single latent vector per token (a :attr:`~kvkit.interfaces.KVCacheSpec.latent`
+    spec, one KV head): per layer ``[num_blocks, block_size, head_dim]``, as vLLM's
+    MLA backends keep it on CPU and CUDA. One region per layer, ``layer{i}``; a
+    piece is one block of that layer. The only layout of a latent spec, and a
+    latent spec's only layout.
 
 The CPU mirror of a cache has its own block count and, by default, the GPU
 tier's layout. It may use another one (``cpu_layout``): the regions then pair
@@ -29,7 +35,7 @@ half, blocks-first one layer's K and V, cross-layer the whole block, so
   ``layer{i}.v`` (the K half of block ``b`` is ``t[b, 0]`` in blocks-first,
   ``t[b, i, 0]`` in cross-layer: contiguous, but strided across blocks);
 * blocks-first with cross-layer pairs layers: ``layer{i}``;
-* ``"vllm-cpu"`` (pieces ``[H, block_size, 2*D]``) pairs only with itself.
+* ``"vllm-cpu"`` (pieces ``[H, block_size, 2*D]``) and ``"latent"`` pair only with themselves.
 
 A cross-layer CPU tier lets a copy backend move each CPU block as one
 ``bytes_per_block`` piece (e.g. staged through GPU memory) while the engine
@@ -58,13 +64,16 @@ __all__ = [
     "kv_nbytes",
     "kv_shape",
     "kv_views",
+    "layouts_for",
     "regions_for",
     "torch_dtype",
     "validate_kv",
 ]
 
-LAYOUTS: tuple[str, ...] = ("per-layer", "blocks-first", "cross-layer", "vllm-cpu")
+LAYOUTS: tuple[str, ...] = ("per-layer", "blocks-first", "cross-layer", "vllm-cpu", "latent")
 """Every layout name kvkit knows."""
+
+_LATENT = "latent"
 
 _DEVICE_TYPES = ("cpu", "cuda")
 """Where a KV cache may live (the GPU tier's stand-in on CPU, or a CUDA device)."""
@@ -85,9 +94,18 @@ def torch_dtype(spec: KVCacheSpec) -> torch.dtype:
     return _TORCH_DTYPES[spec.dtype]
 
 
+def layouts_for(spec: KVCacheSpec) -> tuple[str, ...]:
+    """The layouts that can hold ``spec``: ``"latent"`` alone for a latent (MLA) spec, every other one else."""
+    return (_LATENT,) if spec.latent else tuple(layout for layout in LAYOUTS if layout != _LATENT)
+
+
 def _check_layout(spec: KVCacheSpec, layout: str) -> None:
     if layout not in LAYOUTS:
         raise ConfigError(f"unknown KV layout {layout!r}; valid: {list(LAYOUTS)}")
+    if layout not in layouts_for(spec):
+        what = ("a latent (MLA) cache has one vector per token, no K and V" if spec.latent
+                else "layout 'latent' holds one MLA vector per token, this cache a K and a V (latent=False)")
+        raise ConfigError(f"layout {layout!r} cannot hold this KV cache: {what}; valid: {list(layouts_for(spec))}")
     if layout == "cross-layer" and len(spec.groups) > 1:
         raise ConfigError(
             f"layout 'cross-layer' needs a single KV group (one piece spans every layer), "
@@ -102,7 +120,8 @@ def kv_shape(spec: KVCacheSpec, layout: str, num_blocks: int) -> list[tuple[int,
     """Shapes of the tensors holding a cache of ``num_blocks`` blocks in ``layout``.
 
     Raises:
-        ConfigError: unknown layout, or cross-layer with several KV groups.
+        ConfigError: unknown layout, cross-layer with several KV groups, or a
+            layout that cannot hold ``spec`` (see :func:`layouts_for`).
     """
     _check_layout(spec, layout)
     b, h, d = spec.block_size, spec.num_kv_heads, spec.head_dim
@@ -112,6 +131,7 @@ def kv_shape(spec: KVCacheSpec, layout: str, num_blocks: int) -> list[tuple[int,
         "per-layer": (2, num_blocks, b, h, d),
         "blocks-first": (num_blocks, 2, b, h, d),
         "vllm-cpu": (num_blocks, h, b, 2 * d),
+        _LATENT: (num_blocks, b, d),
     }[layout]
     return [per_layer] * spec.num_layers
 
@@ -200,7 +220,8 @@ def validate_kv(spec: KVCacheSpec, layout: str, tensors: Sequence[torch.Tensor],
     would change another).
 
     Raises:
-        ConfigError: unknown layout (or cross-layer with several groups).
+        ConfigError: unknown layout (or cross-layer with several groups, or one that
+            cannot hold ``spec``).
         SpecMismatchError: any of the above fails; the message quotes the
             values that disagree.
     """
@@ -261,11 +282,14 @@ def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:
 
 # How much of a block one contiguous piece of a layout holds, finest first.
 _HALF, _LAYER, _BLOCK = 0, 1, 2
-_PIECE = {"per-layer": _HALF, "blocks-first": _LAYER, "vllm-cpu": _LAYER, "cross-layer": _BLOCK}
+_PIECE = {"per-layer": _HALF, "blocks-first": _LAYER, "vllm-cpu": _LAYER, _LATENT: _LAYER, "cross-layer": _BLOCK}
 
 
 def _shared_piece(spec: KVCacheSpec, layout: str, cpu_layout: str) -> int:
-    """The largest piece both tiers hold contiguously per block (``_HALF``, ``_LAYER`` or ``_BLOCK``)."""
+    """The largest piece both tiers hold contiguously per block (``_HALF``, ``_LAYER`` or ``_BLOCK``).
+
+    A latent spec has one layout (checked by ``_check_layout``), so ``"latent"`` pairs only with itself.
+    """
     _check_layout(spec, layout)
     _check_layout(spec, cpu_layout)
     if layout != cpu_layout and "vllm-cpu" in (layout, cpu_layout):
@@ -279,14 +303,15 @@ def check_layouts(spec: KVCacheSpec, layout: str, cpu_layout: str | None = None)
     """Check a GPU tier in ``layout`` can pair with a CPU tier in ``cpu_layout`` (default: ``layout``).
 
     Raises:
-        ConfigError: an unknown layout, cross-layer with several KV groups, or
-            ``"vllm-cpu"`` paired with another layout.
+        ConfigError: an unknown layout, cross-layer with several KV groups,
+            ``"vllm-cpu"`` paired with another layout, or a layout that cannot
+            hold ``spec`` (see :func:`layouts_for`).
     """
     _shared_piece(spec, layout, layout if cpu_layout is None else cpu_layout)
 
 
 def _layer_piece(layout: str, tensors: Sequence[torch.Tensor], layer: int) -> torch.Tensor:
-    """``[num_blocks, ...]`` view of one layer's K and V (blocks-first, cross-layer, vllm-cpu)."""
+    """``[num_blocks, ...]`` view of one layer's K and V, or its latent (blocks-first, cross-layer, vllm-cpu, latent)."""
     return tensors[0][:, layer] if layout == "cross-layer" else tensors[layer]
 
 

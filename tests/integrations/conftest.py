@@ -38,3 +38,9 @@ def tiny_mistral(tmp_path_factory) -> Path:
 def tiny_gemma3(tmp_path_factory) -> Path:
     """A tiny Gemma-3 alternating sliding-window and full-attention layers (vLLM: one group of each)."""
     return _build("gemma3", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory) -> Path:
+    """A tiny bfloat16 DeepSeek-V3 with multi-head latent attention (vLLM: one MLA group)."""
+    return _build("deepseek", tmp_path_factory)

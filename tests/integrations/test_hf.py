@@ -28,6 +28,7 @@ import copy
 import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
+from packaging.version import Version
 
 from kvkit.errors import ConfigError, HashInputError, KVKitError, OutOfBlocksError, UnsupportedModelError
 from kvkit.integrations.hf import OffloadedLM, generate_without_offload, kv_spec_from_config, model_fingerprint
@@ -79,15 +80,16 @@ def _reference(model, prompt, max_new_tokens):
     return out.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in out.logits]).float().cpu()
 
 
-def _chat(lm, model, users: int = 3, turns: int = 5, max_new_tokens: int = 6):
-    """Interleave ``users`` conversations for ``turns`` turns; check each turn against generate."""
+def _chat(lm, model, users: int = 3, turns: int = 5, max_new_tokens: int = 6, generation_config=None):
+    """Interleave ``users`` conversations for ``turns`` turns; check each turn against greedy generate."""
     chats = [lm.conversation() for _ in range(users)]
     messages = _messages(users, turns)
     worst = 0.0
     for t in range(turns):
         for u, chat in enumerate(chats):
             prompt = chat.history + messages[t * users + u]
-            turn = chat.send(messages[t * users + u], max_new_tokens, keep_logits=True)
+            turn = chat.send(messages[t * users + u], max_new_tokens, keep_logits=True,
+                             generation_config=generation_config)
             tokens, logits = _reference(model, prompt, max_new_tokens)
             assert list(turn.tokens) == tokens, (t, u)
             worst = max(worst, float((turn.logits - logits).abs().max()))
@@ -122,6 +124,32 @@ def test_sliding_window_models_match_generate(models, family):
     chats = _chat(lm, model)
     assert all(t.gpu_hit_tokens + t.cpu_hit_tokens > 24 for c in chats for t in c.turns[2:])
     assert lm.stack.stats.hit_tokens_cpu.value > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_pipelined_restores_match_generate(models, family):
+    """Layer-by-layer restores (each layer restored as the forward pass reaches it) give generate's answers."""
+    model = models[family]
+    spec = kv_spec_from_config(model.config, block_size=8, dtype=model.dtype)
+    lm = OffloadedLM.build(model, gpu_blocks=28 * len(spec.groups), block_size=8, cpu_blocks=200, pipelined=True)
+    assert lm.engine.layered
+    chats = _chat(lm, model, turns=3)
+    assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
+
+
+def test_pipelined_beam_search_repeats_each_late_layer_like_the_others(models):
+    """Beams expand the cache before later layers are restored: those are repeated per beam too."""
+    model = models["llama"]
+    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200, pipelined=True)
+    chats = _sampled_chat(lm, model, transformers.GenerationConfig(num_beams=3), turns=3, max_new_tokens=4)
+    assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
+
+
+def test_pipelined_is_off_on_cpu_by_default_and_checked(models):
+    """Pipelining defaults to CUDA only; ``pipelined`` must be a bool or None."""
+    assert not OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=8, cpu_blocks=8).engine.layered
+    with pytest.raises(TypeError):
+        OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=8, cpu_blocks=8, pipelined="yes")
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "blocks-first", "cross-layer", "vllm-cpu"])
@@ -358,11 +386,217 @@ def test_a_bad_name_or_salt_is_refused_at_construction(models, kwargs, error, me
     assert lm.generate([5, 6, 7], 1).tokens  # the stack serves the next call
 
 
+# --- decoding through model.generate with a GenerationConfig ----------------------------------------------------
+
+SAMPLING = transformers.GenerationConfig(do_sample=True, temperature=1.5, top_p=0.9, top_k=0)
+
+
+def _tokenizer():
+    """A byte-level BPE tokenizer of VOCAB tokens, trained here on random ASCII (no download)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    g = torch.Generator().manual_seed(3)
+    letters = "abcdefghijklmnop "
+    text = ["".join(letters[i] for i in torch.randint(len(letters), (2000,), generator=g)) for _ in range(20)]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(text, vocab_size=VOCAB, min_frequency=1, show_progress=False)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    assert len(tokenizer) == VOCAB
+    return tokenizer
+
+
+def _with(config, **changes):
+    """A copy of ``config`` with ``changes``."""
+    config = copy.deepcopy(config)
+    config.update(**changes)
+    return config
+
+
+def _sampled_chat(lm, model, config, *, users: int = 3, turns: int = 4, max_new_tokens: int = 6):
+    """Interleaved chats decoded by ``generate`` under ``config``; each turn equals ``model.generate`` on one seed."""
+    chats = [lm.conversation() for _ in range(users)]
+    messages = _messages(users, turns)
+    for t in range(turns):
+        for u, chat in enumerate(chats):
+            message, seed = messages[t * users + u], 1000 * t + u
+            prompt = torch.tensor([chat.history + message], device=model.device)
+            torch.manual_seed(seed)
+            turn = chat.send(message, max_new_tokens, generation_config=config)
+            torch.manual_seed(seed)
+            ref = model.generate(prompt, generation_config=_with(config, max_new_tokens=max_new_tokens))
+            assert list(turn.tokens) == ref[0, prompt.shape[1]:].tolist(), (t, u)
+    _check_clean(lm)
+    return chats
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sampled_turns_restored_from_the_cpu_tier_match_generate_on_the_same_seed(models, family):
+    """Sampling (temperature, top-p) through kvkit gives model.generate's tokens for the seed, CPU hits included."""
+    model = models[family]
+    groups = len(kv_spec_from_config(model.config).groups)
+    lm = OffloadedLM.build(model, gpu_blocks=28 * groups, block_size=8, cpu_blocks=200)
+    chats = _sampled_chat(lm, model, SAMPLING)
+    last = chats[0].turns[-1]
+    greedy, _ = _reference(model, chats[0].history[:last.prompt_tokens], len(last.tokens))
+    assert list(last.tokens) != greedy  # the config really sampled
+    for chat in chats:
+        assert all(turn.cpu_hit_tokens > 0 for turn in chat.turns[1:]), [t.cpu_hit_tokens for t in chat.turns]
+        assert all(turn.computed_tokens < turn.prompt_tokens for turn in chat.turns[1:])
+
+
+@pytest.mark.parametrize(("family", "config"), [
+    ("llama", transformers.GenerationConfig(num_beams=3)),
+    ("mistral", transformers.GenerationConfig(num_beams=3)),
+    ("llama", transformers.GenerationConfig(num_beams=2, do_sample=True, temperature=1.5, length_penalty=0.5)),
+], ids=["llama-beam-search", "mistral-beam-search", "llama-beam-sample"])
+def test_beam_search_on_the_restored_cache_matches_generate(models, family, config):
+    """Beams expand and reorder the restored cache (full and sliding-window layers) as generate's own."""
+    model = models[family]
+    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
+    chats = _sampled_chat(lm, model, config, turns=3, max_new_tokens=4)
+    assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
+
+
+@pytest.mark.parametrize("config", [
+    transformers.GenerationConfig(do_sample=False),
+    pytest.param(transformers.GenerationConfig(do_sample=False, prefill_chunk_size=5),
+                 marks=pytest.mark.skipif(Version(transformers.__version__) < Version("5.21"),
+                                          reason="chunked prefill continues a cache from transformers 5.21")),
+], ids=["greedy", "chunked-prefill"])
+def test_greedy_through_generate_equals_the_greedy_loop(models, config):
+    """Greedy ``generate`` on the restored cache gives the loop's tokens, logits and hits; what it stored serves later turns."""
+    model = models["qwen2"]
+    loop, through = (OffloadedLM.build(model, gpu_blocks=56, block_size=8, cpu_blocks=200) for _ in range(2))
+    chats = (loop.conversation(), through.conversation())
+    for message in _messages(1, 4):
+        a = chats[0].send(message, 5, keep_logits=True)
+        b = chats[1].send(message, 5, keep_logits=True, generation_config=config)
+        assert a.tokens == b.tokens and (a.gpu_hit_tokens, a.cpu_hit_tokens) == (b.gpu_hit_tokens, b.cpu_hit_tokens)
+        assert float((a.logits - b.logits).abs().max()) <= TOL
+        assert b.ttft_s == pytest.approx(b.load_s + b.restore_s + b.prefill_s)
+        loop.clear_gpu_cache()  # the next turn restores what each stored, from the CPU tier
+        through.clear_gpu_cache()
+    assert all(turn.cpu_hit_tokens > 0 for turn in chats[1].turns[1:])
+    _check_clean(loop, through)
+
+
+def test_greedy_through_generate_matches_generate_over_a_conversation(models):
+    """The conversation check of the greedy loop, decoded by generate: tokens and logits equal generate's."""
+    model = models["llama"]
+    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
+    chats = _chat(lm, model, turns=3, generation_config=transformers.GenerationConfig(do_sample=False))
+    assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
+
+
+def test_stop_strings_stop_generation(models):
+    """A stop string (which needs the tokenizer) ends the reply where model.generate's ends."""
+    model, tokenizer = models["llama"], _tokenizer()
+    lm = OffloadedLM.build(model, gpu_blocks=40, block_size=8, cpu_blocks=200)
+    chat = lm.conversation()
+    first, second = _user_turns(2)
+    chat.send(first, 4)
+    prompt = chat.history + second
+    free, _ = _reference(model, prompt, 12)
+    at = next(i for i in range(1, 12) if tokenizer.decode(free[i]).strip().isalpha())  # a printable token
+    stop = tokenizer.decode(free[at])
+    config = transformers.GenerationConfig(stop_strings=[stop], max_new_tokens=12)
+    turn = chat.send(second, generation_config=config, tokenizer=tokenizer)
+    ref = model.generate(torch.tensor([prompt]), generation_config=config, tokenizer=tokenizer)
+    assert list(turn.tokens) == ref[0, len(prompt):].tolist()
+    assert len(turn.tokens) <= at + 1 < 12 and tokenizer.decode(list(turn.tokens)).endswith(stop)
+    assert turn.gpu_hit_tokens + turn.cpu_hit_tokens > 0
+    _check_clean(lm)
+
+
+def _state(lm, chat):
+    """What a refused call must not change: counters, both pools, the engine, the history and torch's RNG."""
+    gpu, cpu = lm.stack.gpu, lm.stack.cpu
+    return (lm.stack.stats.as_dict(), gpu.num_free, cpu.num_free, [gpu.refcount(b) for b in range(gpu.num_blocks)],
+            lm.engine.num_waiting, list(chat.history), len(chat.turns), torch.random.get_rng_state())
+
+
+GC = transformers.GenerationConfig
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"generation_config": GC(do_sample=True, temperature=0.0)}, "generate refuses.*temperature"),
+    ({"generation_config": GC(do_sample=True, top_k=-1)}, "generate refuses.*top_k"),
+    ({"generation_config": GC(num_beams=0)}, "num_beams=0: must be an int >= 1"),
+    ({"generation_config": GC(num_beams=2, num_return_sequences=2)}, "num_return_sequences=2: a turn has one reply"),
+    ({"generation_config": GC(num_beams=4, num_beam_groups=2, diversity_penalty=1.0)},
+     "'group_beam_search' decoding; kvkit runs \\['greedy_search', 'sample', 'beam_search', 'beam_sample'\\]"),
+    ({"generation_config": GC(num_beams=2, force_words_ids=[[5]])}, "'constrained_beam_search' decoding"),
+    ({"generation_config": GC(prompt_lookup_num_tokens=3)}, "'assisted_generation' decoding"),
+    ({"generation_config": GC(cache_implementation="static")}, "cache_implementation='static'.*must be None"),
+    ({"generation_config": GC(use_cache=False)}, "use_cache=False"),
+    ({"generation_config": GC(num_beams=2), "keep_logits": True}, "keep_logits=True with num_beams=2"),
+    ({"generation_config": GC(stop_strings=["ab"])}, "stop_strings=\\['ab'\\] need the model's tokenizer"),
+    ({"generation_config": GC(use_cache=False, num_beams=2, num_return_sequences=2)}, "2 configuration problems"),
+    ({"generation_config": {"do_sample": True}}, "must be a transformers.GenerationConfig"),
+    ({"generation_config": GC(do_sample=True), "stop_tokens": ()}, "stop_tokens=\\(\\) with a generation_config"),
+    ({"tokenizer": object()}, "tokenizer= serves the stop_strings"),
+    ({"generation_config": GC(do_sample=True), "max_new_tokens": 0}, "max_new_tokens"),
+])
+def test_a_generation_config_kvkit_cannot_run_is_refused_and_changes_nothing(models, kwargs, message):
+    """Bad or unsupported decoding settings raise ConfigError before the stack, the history or the RNG moves."""
+    lm = OffloadedLM.build(models["llama"], gpu_blocks=20, block_size=8, cpu_blocks=200)
+    chat = lm.conversation()
+    first, second = _user_turns(2)
+    chat.send(first, 3)
+    lm.clear_gpu_cache()  # the next turn's prefix is on the CPU tier only
+    before = _state(lm, chat)
+    with pytest.raises(ConfigError, match=message):
+        chat.send(second, **{"max_new_tokens": 3, **kwargs})
+    after = _state(lm, chat)
+    assert before[:-1] == after[:-1] and torch.equal(before[-1], after[-1])
+    turn = chat.send(second, 3, generation_config=SAMPLING)
+    assert turn.cpu_hit_tokens == len(first) // 8 * 8 and turn.gpu_hit_tokens == 0  # still served from the CPU tier
+    _check_clean(lm)
+
+
+def test_chunked_prefill_is_refused_where_transformers_restarts_the_prompt(models, monkeypatch):
+    """Before transformers 5.21 a chunked prefill ignores the restored cache's length: ConfigError, naming both."""
+    lm = OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=4, cpu_blocks=16)
+    monkeypatch.setattr(transformers, "__version__", "5.20.0")
+    with pytest.raises(ConfigError, match="prefill_chunk_size=5 needs transformers>=5.21.*installed: 5.20.0"):
+        lm.generate([5, 6, 7], 2, generation_config=GC(prefill_chunk_size=5))
+    _check_clean(lm)
+
 @pytest.mark.gpu
-def test_on_cuda_turns_restored_from_the_cpu_tier_match_generate():
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "whole"])
+def test_on_cuda_turns_restored_from_the_cpu_tier_match_generate(pipelined):
     """The same conversation check with the model and the GPU tier on a CUDA device (float32)."""
     model = _model("llama").to("cuda")
-    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
+    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200, pipelined=pipelined)
+    assert lm.engine.layered is pipelined
     chats = _chat(lm, model)
     assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
     lm.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_sampled_turns_match_generate_on_the_same_seed():
+    """Sampling through generate with the model and the GPU tier on CUDA: generate's tokens for each seed."""
+    model = _model("llama").to("cuda")
+    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
+    chats = _sampled_chat(lm, model, SAMPLING)
+    assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
+    lm.close()
+
+
+def test_a_second_instance_restores_a_prefix_from_the_shared_tier(models):
+    """Two stacks sharing one store: the second answers from KV the first computed, as generate does."""
+    from kvkit.backends.shared.memory import MemoryStore
+
+    model, store = models["llama"], MemoryStore()
+    first = OffloadedLM.build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store)
+    second = OffloadedLM.build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store)
+    prompt = _user_turns(1, 37)[0]
+    first.generate(prompt, 3)
+    first.engine.step()  # the puts of the stores its finish flushed
+    first.engine.drain()
+    turn = second.generate(prompt + [7], 3, keep_logits=True, stop_tokens=())
+    ref = generate_without_offload(model, prompt + [7], 3, keep_logits=True, stop_tokens=())
+    assert second.stack.stats.hit_tokens_shared.value == 36 and turn.tokens == ref.tokens
+    assert float((turn.logits - ref.logits).abs().max()) <= TOL
+    _check_clean(second, second)

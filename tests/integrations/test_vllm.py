@@ -384,6 +384,48 @@ def test_sliding_window_groups_get_cpu_hits_with_identical_tokens(model, gpu_blo
         assert_nothing_held(llm)
 
 
+# vLLM's reference CPU MLA backend turns prefix caching off; its AMX one (chosen where AMX is) keeps it.
+needs_amx = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                               reason="vLLM's CPU MLA backend keeps prefix caching on AMX hosts only")
+# AMX MLA runs bfloat16 only; one request at a time, so no batch or preemption differs between the runs.
+MLA_ENGINE = {"dtype": "bfloat16", "max_num_seqs": 1}
+
+
+@needs_amx
+def test_mla_latents_are_served_from_the_cpu_tier_with_the_tokens_of_vllms_own_hits(tiny_deepseek):
+    """MLA's single latent per layer: later turns load it from kvkit and generate what vLLM's own prefix hits do.
+
+    vLLM 0.32's AMX MLA backend generates other tokens after a prefix hit than after a full prefill
+    (a 192-token hit changes the first token), so the reference is vLLM without kvkit in a pool that
+    keeps every turn: it hits the same prefixes in its GPU cache that kvkit serves here from the CPU.
+    """
+    reference = run_reference(tiny_deepseek, MULTI_TURN, gpu_blocks=64, **MLA_ENGINE)
+    assert all(t.vllm_cached_tokens > 0 for t in reference[1:])
+    with engine(tiny_deepseek, **MLA_ENGINE) as llm:
+        sched, worker = connectors(llm)
+        assert sched.manager.kv.latent and sched.manager.kv.head_dim == 576
+        (mla,) = worker.transfer_engines
+        assert mla.layout == "latent" and [r.name for r in mla.regions] == ["layer0", "layer1"]
+        turns = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
+        assert [t.outputs for t in turns] == [t.outputs for t in reference]
+        assert all(t.kvkit_loaded_tokens > 0 for t in turns[1:])
+        for mine, theirs in zip(turns, reference):  # the same prefixes hit, from kvkit's CPU tier and vLLM's GPU
+            assert mine.vllm_cached_tokens + mine.kvkit_loaded_tokens == theirs.vllm_cached_tokens
+        assert sched.stats.bytes_loaded.value == sched.stats.blocks_loaded.value * mla.spec.bytes_per_block
+        assert_nothing_held(llm)
+
+
+def test_pipeline_parallelism_is_refused_with_the_reason():
+    """pipeline_parallel_size > 1 fails before anything is built, saying why and what to use instead."""
+    from types import SimpleNamespace
+
+    from kvkit.integrations.vllm import connector_settings
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1))
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2: each stage's workers hold only their layers"):
+        connector_settings(config, SimpleNamespace(kv_cache_groups=[]))
+
+
 def test_stores_come_at_the_step_that_computes_their_blocks_even_after_idle_steps(tiny_llama):
     """vLLM skips update_connector_output on idle steps; the next request's stores still come on time."""
     with engine(tiny_llama) as llm:
@@ -493,7 +535,8 @@ def test_openai_server_exposes_kvkit_metrics_and_a_1000_request_soak_holds_nothi
     """One --kv-transfer-config line on the OpenAI server: vllm:kvkit_* on /metrics, no growth in held blocks."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    kv_config = {"kv_connector": "KVKitConnector", "kv_connector_module_path": "kvkit.integrations.vllm",
+    # The name alone: kvkit's vllm.general_plugins entry point registers it in the server's processes.
+    kv_config = {"kv_connector": "KVKitConnector",
                  "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": "1MiB"}}
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_llama),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", "32",

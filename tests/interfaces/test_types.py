@@ -233,3 +233,15 @@ def test_numpy_scalars_become_python_values_and_enums_take_values_or_members():
     plan = TransferPlan(np.array([1], np.uint8), (2,), np.str_("load"), group=np.int16(1))
     assert plan.direction is Direction.LOAD and type(plan.group) is int and plan.src.dtype == np.int64
     assert TransferPlan([0], [1], Direction.STORE).direction is Direction.STORE
+
+
+def test_a_latent_spec_caches_one_vector_per_token_and_layer():
+    """An MLA (latent) block is half a K/V block of the same head size, and a latent spec has one KV head."""
+    kv = KVCacheSpec(num_layers=3, block_size=16, num_kv_heads=1, head_dim=576, dtype="bfloat16")
+    latent = KVCacheSpec(num_layers=3, block_size=16, num_kv_heads=1, head_dim=576, dtype="bfloat16", latent=True)
+    assert (kv.kv_parts, latent.kv_parts) == (2, 1)
+    assert latent.bytes_per_block == 3 * 16 * 576 * 2 == kv.bytes_per_block // 2
+    with pytest.raises(ConfigError, match="num_kv_heads=8: a latent"):
+        KVCacheSpec(num_layers=3, block_size=16, num_kv_heads=8, head_dim=576, latent=True)
+    with pytest.raises(ConfigError, match="latent='yes'"):
+        KVCacheSpec(num_layers=3, block_size=16, num_kv_heads=1, head_dim=576, latent="yes")

@@ -37,12 +37,15 @@ from hypothesis.stateful import (
 
 from kvkit.backends.allocator import BlockPool
 from kvkit.backends.eviction.lru import LRUPolicy
+from kvkit.backends.shared.memory import MemoryStore
 from kvkit.backends.store import EagerStore, LazyStore, NeverStore, SelectiveStore
 from kvkit.errors import KVKitError, OutOfBlocksError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import Direction, KVCacheSpec, TransferResult
 from kvkit.manager import OffloadManager
-from kvkit.testing.doubles import RaisingCallback
+from kvkit.manager.shared import SharedTier, SharedTierSpec
+from kvkit.shared_tier import shared_clients
+from kvkit.testing.doubles import FailingStore, RaisingCallback
 from kvkit.testing.hostile import BAD_CALLS, snapshot
 
 BS = 4  # tokens per block
@@ -760,6 +763,330 @@ TestManagerNever = NeverMachine.TestCase
 TestManagerRaisingCallback = RaisingCallbackMachine.TestCase
 
 
+# -- the third tier: two instances sharing one store --------------------------
+#
+# Two managers (instances) with their own GPU and CPU pools share one store
+# (a MemoryStore behind a FailingStore). Each of WORLD fake workers per
+# instance runs its step plans in order (fetches, copies, puts) at any time,
+# keeping a content value per GPU and CPU block; results reach the manager
+# late and per worker. The server drops keys and goes down at random. Checked
+# after every rule: a shared hit is offered only where every rank's key
+# exists; a fetched block stays referenced until its load ran on every
+# worker; a load reported done put the right content on every worker's GPU
+# blocks (a vanished, foreign or failed value makes the request recompute).
+
+SBS, S_GPU, S_CPU = 4, 16, 6
+S_FAMILIES = [[f * 1000 + t for t in range(6 * SBS)] for f in range(3)]
+
+
+class _Keys:
+    """The machine's codec: keys only (the fake workers frame values themselves)."""
+
+    header_bytes = 0
+
+    def key(self, block_hash, rank):
+        return b"%d:%d" % (block_hash, rank)
+
+    def seal(self, header, block_hash, rank, payload):
+        pass
+
+    def check(self, header, block_hash, rank, payload):
+        return True
+
+
+@attrs.define(eq=False)
+class _SharedReq:
+    rid: str
+    tokens: list[int]
+    hashes: list[int]
+    table: list[int] = attrs.field(factory=list)
+    accepted: int = 0  # blocks loaded from the CPU/shared tiers
+    awaiting: bool = False
+    computed: bool = False
+
+
+@attrs.define(eq=False)
+class _Instance:
+    mgr: OffloadManager
+    gpu: BlockPool
+    cpu: BlockPool
+    clients: list  # one store client per worker
+    queues: list[list]  # per worker: (kind, tid, plan, step) not yet run
+    outbox: list = attrs.field(factory=list)
+    reqs: dict = attrs.field(factory=dict)
+    gpu_content: list[dict] = attrs.field(factory=lambda: [{} for _ in range(WORLD)])
+    cpu_content: list[dict] = attrs.field(factory=lambda: [{} for _ in range(WORLD)])
+    failed: dict = attrs.field(factory=dict)  # (worker, step) -> CPU blocks whose fetch failed
+    step: int = 0
+
+
+class SharedTierMachine(RuleBasedStateMachine):
+    """Drives two managers sharing one store (write-through) against a content model."""
+
+    manager_cls = OffloadManager
+    check_manager = True
+    write = "write-through"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spec = KVCacheSpec(num_layers=1, block_size=SBS, num_kv_heads=1, head_dim=2)
+        self.server = MemoryStore()
+        self.store = FailingStore(self.server)
+        self.keys = _Keys()
+        self.now = 0.0
+        self.next_rid = 0
+        self.insts = [self._instance() for _ in range(2)]
+
+    def _instance(self) -> _Instance:
+        gpu, cpu = BlockPool(S_GPU, eviction=LRUPolicy()), BlockPool(S_CPU, eviction=LRUPolicy())
+        clients = shared_clients(self.store, 1 + WORLD)
+        shared = SharedTierSpec(store=clients[0], codec=self.keys, write=self.write, backoff_s=1.0,
+                                clock=lambda: self.now)
+        mgr = self.manager_cls(self.spec, cpu, EagerStore(), gpu=gpu, world_size=WORLD, shared=shared)
+        return _Instance(mgr, gpu, cpu, clients[1:], [[] for _ in range(WORLD)])
+
+    def _pick(self, inst: _Instance, i: int, pred) -> _SharedReq | None:
+        live = [r for r in inst.reqs.values() if pred(r)]
+        return live[i % len(live)] if live else None
+
+    @rule(k=st.integers(0, 1), family=st.integers(0, len(S_FAMILIES) - 1), n=st.integers(SBS + 1, 6 * SBS),
+          salt=st.sampled_from(SALTS))
+    def add(self, k: int, family: int, n: int, salt: str) -> None:
+        inst = self.insts[k]
+        if len(inst.reqs) >= 4:
+            return
+        tokens = S_FAMILIES[family][:n]
+        hashes = hash_blocks(tokens, SBS, extra_keys=(salt,))
+        rid = f"s{self.next_rid}"
+        self.next_rid += 1
+        inst.mgr.add_request(rid, hashes, n)
+        inst.reqs[rid] = _SharedReq(rid, tokens, hashes)
+
+    @rule(k=st.integers(0, 1), i=st.integers(0, 50), accept=st.integers(0, 8))
+    def schedule(self, k: int, i: int, accept: int) -> None:
+        inst = self.insts[k]
+        r = self._pick(inst, i, lambda r: not r.table)
+        if r is not None:
+            self._schedule(inst, r, accept)
+
+    def _schedule(self, inst: _Instance, r: _SharedReq, accept: int) -> None:
+        hit = inst.mgr.lookup(r.rid, 0) // SBS
+        view = inst.mgr.request(r.rid)
+        for h in r.hashes[view.fetch_start:view.fetch_start + len(view.fetch)]:
+            for w in range(WORLD):  # nothing is findable before every rank's put landed
+                assert self.server.contains([self.keys.key(h, w)]) == 1, f"shared hit without rank {w}'s key"
+        need = -(-len(r.tokens) // SBS)
+        if inst.gpu.num_free < need:
+            return
+        r.table = inst.gpu.allocate(need)
+        r.accepted = min(hit, accept)
+        inst.mgr.on_allocated(r.rid, [r.table], r.accepted * SBS)
+        r.awaiting = r.accepted > 0
+
+    @rule(k=st.integers(0, 1), i=st.integers(0, 50))
+    def compute(self, k: int, i: int) -> None:
+        inst = self.insts[k]
+        r = self._pick(inst, i, lambda r: r.table and not r.awaiting and not r.computed)
+        if r is not None:
+            self._compute(inst, r)
+
+    def _compute(self, inst: _Instance, r: _SharedReq) -> None:
+        for w in range(WORLD):
+            for pos in range(r.accepted, len(r.table)):
+                inst.gpu_content[w][r.table[pos]] = r.hashes[pos] if pos < len(r.hashes) else ("partial", r.rid)
+        inst.mgr.on_computed(r.rid, len(r.tokens))
+        r.computed = True
+
+    @rule(k=st.integers(0, 1), i=st.integers(0, 50))
+    def finish(self, k: int, i: int) -> None:
+        inst = self.insts[k]
+        r = self._pick(inst, i, lambda r: True)
+        if r is None:
+            return
+        inst.mgr.finish(r.rid)
+        if r.table:
+            inst.gpu.decref(r.table)
+        del inst.reqs[r.rid]
+
+    @rule(k=st.integers(0, 1))
+    def build_step(self, k: int) -> None:
+        inst = self.insts[k]
+        plan = inst.mgr.build_step()
+        inst.step += 1
+        items = ([("fetch", tid, p) for tid, p in plan.fetches] + [("copy", tid, p) for tid, p in plan]
+                 + [("put", tid, p) for tid, p in plan.puts])
+        for q in inst.queues:
+            q.extend((kind, tid, p, inst.step) for kind, tid, p in items)
+
+    @rule(k=st.integers(0, 1), w=st.integers(0, WORLD - 1), n=st.integers(1, 4))
+    def run(self, k: int, w: int, n: int) -> None:
+        inst = self.insts[k]
+        for _ in range(n):
+            if inst.queues[w]:
+                self._run(inst, w, *inst.queues[w].pop(0))
+
+    def _run(self, inst: _Instance, w: int, kind: str, tid: int, plan, step: int) -> None:
+        cpu, gpu, client = inst.cpu_content[w], inst.gpu_content[w], inst.clients[w]
+        ok = True
+        if kind == "fetch":
+            bufs = [bytearray(16) for _ in plan.blocks]
+            ticket = client.get([self.keys.key(h, w) for h in plan.hashes], [[memoryview(b)] for b in bufs])
+            (res,) = [res for res in client.poll() if res.ticket == ticket]
+            failed = set()
+            for i, (b, h) in enumerate(zip(plan.blocks, plan.hashes)):
+                got = int.from_bytes(bufs[i], "little") if i not in res.failed else None
+                cpu[b] = got
+                if got != h:
+                    failed.add(b)
+            inst.failed[w, step] = failed
+            ok = not failed
+        elif kind == "put":
+            values = [[memoryview(int(cpu.get(b) or 0).to_bytes(16, "little"))] for b in plan.blocks]
+            ticket = client.put([self.keys.key(h, w) for h in plan.hashes], values)
+            (res,) = [res for res in client.poll() if res.ticket == ticket]
+            ok = res.ok
+        elif plan.direction is Direction.LOAD:
+            for s, d in zip(plan.src.tolist(), plan.dst.tolist()):
+                gpu[d] = cpu.get(s)
+            ok = not inst.failed.get((w, step), set()) & set(plan.src.tolist())
+        else:
+            for s, d in zip(plan.src.tolist(), plan.dst.tolist()):
+                cpu[d] = gpu.get(s)
+        inst.outbox.append(TransferResult(tid, w, ok=ok))
+
+    @rule(k=st.integers(0, 1), data=st.data())
+    def deliver(self, k: int, data) -> None:
+        inst = self.insts[k]
+        if not inst.outbox:
+            return
+        picked = data.draw(st.lists(st.sampled_from(range(len(inst.outbox))), unique=True, max_size=6))
+        results = [inst.outbox[i] for i in sorted(picked)]
+        inst.outbox = [res for i, res in enumerate(inst.outbox) if i not in set(picked)]
+        self._apply(inst, results)
+
+    def _apply(self, inst: _Instance, results: list[TransferResult]) -> None:
+        report = inst.mgr.apply_completions(results)
+        for rid in report.loaded:  # integrity: the loaded blocks hold their hashes on every worker
+            r = inst.reqs[rid]
+            for w in range(WORLD):
+                got = [inst.gpu_content[w].get(b) for b in r.table[:r.accepted]]
+                assert got == r.hashes[:r.accepted], f"{rid}: worker {w} loaded {got}, not its blocks"
+            r.awaiting = False
+        for rid in report.load_failed:
+            if rid in inst.reqs:
+                inst.reqs[rid].accepted, inst.reqs[rid].awaiting = 0, False  # recompute
+
+    @rule(k=st.integers(0, 1), lag=st.integers(-1, WORLD - 1))
+    def tick(self, k: int, lag: int) -> None:
+        """A whole step: plan, every worker runs everything (worker ``lag`` only its first item), results arrive."""
+        inst = self.insts[k]
+        self.build_step(k)
+        for w in range(WORLD):
+            for _ in range(1 if w == lag else len(inst.queues[w])):
+                if inst.queues[w]:
+                    self._run(inst, w, *inst.queues[w].pop(0))
+        results, inst.outbox = inst.outbox, []
+        self._apply(inst, results)
+
+    @rule(k=st.integers(0, 1), family=st.integers(0, len(S_FAMILIES) - 1), n=st.integers(SBS + 1, 6 * SBS),
+          accept=st.integers(0, 8), vanish=st.booleans(), lag=st.integers(-1, WORLD - 1))
+    def serve(self, k: int, family: int, n: int, accept: int, vanish: bool, lag: int) -> None:
+        """A request arrives, is scheduled with the hit it accepts, computes and finishes over three ticks.
+
+        With ``vanish`` the server drops the last key of its shared hit between lookup and fetch.
+        """
+        inst = self.insts[k]
+        self.add(k, family, n, SALTS[0])
+        r = inst.reqs.get(f"s{self.next_rid - 1}")
+        if r is None or r.table:
+            return
+        self._schedule(inst, r, accept)
+        if vanish and r.accepted > 0:
+            self.server.drop(self.keys.key(r.hashes[r.accepted - 1], WORLD - 1))
+        self.tick(k, lag)
+        if r.awaiting:  # a lagging worker has not loaded yet: later rules go on
+            return
+        if r.table:
+            self._compute(inst, r)
+            inst.mgr.finish(r.rid)
+            inst.gpu.decref(r.table)
+            del inst.reqs[r.rid]
+        self.tick(k, -1)  # stores
+        self.tick(k, -1)  # puts
+
+    @rule(k=st.integers(0, 1), force=st.booleans())
+    def reset(self, k: int, force: bool) -> None:
+        """An instance empties its CPU tier with fetches, loads and puts in flight (the shared tier keeps its keys)."""
+        inst = self.insts[k]
+        inst.mgr.reset(force=force)
+        for r in inst.reqs.values():
+            if not r.table:
+                r.accepted = 0
+
+    @rule(i=st.integers(0, 50))
+    def server_drops(self, i: int) -> None:
+        held = list(self.server._values)
+        if held:
+            self.server.drop(held[i % len(held)])
+
+    @rule(down=st.booleans())
+    def server_state(self, down: bool) -> None:
+        self.store.down = down
+
+    @rule(seconds=st.sampled_from([0.5, 2.0, 100.0]))
+    def time_passes(self, seconds: float) -> None:
+        """The clock moves on; both instances plan twice (a back-off's probe goes out and is answered)."""
+        self.now += seconds
+        for k in range(len(self.insts)):
+            self.build_step(k)
+            self.build_step(k)
+
+    @invariant()
+    def consistent(self) -> None:
+        for inst in self.insts:
+            for q in inst.queues:  # a fetched block is held until every worker ran its load
+                for kind, _tid, plan, _step in q:
+                    if kind == "copy" and plan.direction is Direction.LOAD:
+                        assert all(inst.cpu.refcount(b) > 0 for b in plan.src.tolist()), (
+                            "a load's CPU source was released before the load ran")
+            if self.check_manager:
+                inst.mgr.check_invariants()
+                assert inst.mgr.shared_status is not None
+            self.server.check_invariants()
+
+    def teardown(self) -> None:
+        if sys.exc_info()[0] is not None:
+            return
+        self.store.down = False
+        for inst in self.insts:
+            for rid in list(inst.reqs):
+                r = inst.reqs.pop(rid)
+                inst.mgr.finish(rid)
+                if r.table:
+                    inst.gpu.decref(r.table)
+            for _ in range(3):
+                self.build_step(self.insts.index(inst))
+                for w in range(WORLD):
+                    while inst.queues[w]:
+                        self._run(inst, w, *inst.queues[w].pop(0))
+                results, inst.outbox = inst.outbox, []
+                self._apply(inst, results)
+            assert inst.mgr.num_in_flight == 0 and inst.mgr.num_requests == 0, "state left behind"
+            assert all(inst.cpu.refcount(b) == 0 for b in range(S_CPU)), "a CPU block leaked"
+            assert all(inst.gpu.refcount(b) == 0 for b in range(S_GPU)), "a GPU block leaked"
+            inst.mgr.check_invariants()
+
+
+class SharedWriteBackMachine(SharedTierMachine):
+    """The same with write-back: the CPU tier's next eviction candidates go to the shared tier."""
+
+    write = "write-back"
+
+
+TestSharedTier = SharedTierMachine.TestCase
+TestSharedTierWriteBack = SharedWriteBackMachine.TestCase
+
+
 # -- planted bugs: the machine must catch each DESIGN §5 failure mode ---------
 #
 # Each plant is a small OffloadManager subclass with one field bug. The machine
@@ -889,12 +1216,42 @@ class _PropagatingCallbacks(OffloadManager):
         self._events = Loud(callbacks, self.stats.callback_errors)
 
 
+class _OneRankShared(SharedTier):
+    def find(self, hashes):
+        keys = [self.spec.codec.key(h, 0) for h in hashes]
+        return self.spec.store.contains(keys) if self.available else 0
+
+
+class _SharedHitOneRank(OffloadManager):
+    """A shared hit is offered when rank 0's key exists, before every rank's put landed."""
+
+    def __attrs_post_init__(self):
+        super().__attrs_post_init__()
+        self._shared = _OneRankShared(self.shared, self.cpu, self.world_size, self.stats, self._events,
+                                      self.kv.bytes_per_block)
+
+
+class _FetchedBlockNotHeld(OffloadManager):
+    """A load does not hold the blocks a fetch fills, so they may be evicted once the fetch commits."""
+
+    def _plan_loads(self):
+        fetches, loads = super()._plan_loads()
+        for batch in self._transfers.batches():
+            if batch.direction is Direction.LOAD and not batch.shared and batch.fetched:
+                fetched = set(batch.fetched)
+                self.cpu.decref(batch.fetched)
+                batch.cpu_blocks = [b for b in batch.cpu_blocks if b not in fetched]
+                batch.fetched = []
+        return fetches, loads
+
+
 @pytest.mark.parametrize("base, plant", [
     (ManagerMachine, _LookupWithoutPin), (ManagerMachine, _StoresUnconfirmed),
     (ManagerMachine, _NoFlushOnFinish), (ManagerMachine, _StaleCursor),
     (ManagerMachine, _ResetKeepsHits), (ManagerMachine, _DoubleStore),
     (ManagerMachine, _StoreSourceNotHeld), (ExternalEngineMachine, _NoDelayedFree),
     (ManagerMachine, _AppendUnchecked), (RaisingCallbackMachine, _PropagatingCallbacks),
+    (SharedTierMachine, _SharedHitOneRank), (SharedTierMachine, _FetchedBlockNotHeld),
 ], ids=lambda c: c.__name__.strip("_"))
 def test_machine_catches_planted_bug(base, plant):
     """The model's checks alone (no manager self-check) catch each planted failure mode."""

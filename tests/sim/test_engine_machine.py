@@ -5,9 +5,11 @@ from hypothesis import target
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvkit
+from kvkit.backends.shared.memory import MemoryStore
 from kvkit.errors import OutOfBlocksError
 from kvkit.hashing import hash_blocks
 from kvkit.sim.engine_loop import ReferenceEngine
+from kvkit.testing.doubles import FailingStore
 
 SPEC = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=4, dtype="float16")
 HYBRID = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=4, dtype="float16",
@@ -21,17 +23,23 @@ class EngineMachine(RuleBasedStateMachine):
 
     After every step: every loaded block's bytes equal what the engine wrote for
     its content, and every component's invariants hold. At teardown, once all
-    requests end and transfers drain, nothing is pinned or leaked.
+    requests end and transfers drain, nothing is pinned or leaked. With a
+    shared tier, its server drops keys and goes down at random: a fetched
+    block's bytes are checked like any loaded block's.
     """
 
     @initialize(store=st.sampled_from(["eager", "lazy", "selective"]),
                 eviction=st.sampled_from(["lru", "arc", "s3fifo"]),
-                hybrid=st.booleans(), world_size=st.integers(1, 2))
-    def setup(self, store, eviction, hybrid, world_size):
+                hybrid=st.booleans(), world_size=st.integers(1, 2),
+                shared=st.sampled_from([None, "write-through", "write-back"]))
+    def setup(self, store, eviction, hybrid, world_size, shared):
         spec = HYBRID if hybrid and store != "lazy" else SPEC
+        self.server = MemoryStore() if shared else None
+        self.shared = FailingStore(self.server) if shared else None
         self.stack = kvkit.build(kv=spec, gpu_blocks=12 * len(spec.groups), cpu_blocks=12, store=store,
                                  cpu_eviction=eviction, layout="per-layer", device="cpu",
-                                 world_size=world_size)
+                                 world_size=world_size, shared=self.shared, shared_write=shared or "write-through",
+                                 shared_backoff_s=1e-3)
         self.engine = ReferenceEngine(self.stack)
         self.next_id = 0
 
@@ -95,6 +103,20 @@ class EngineMachine(RuleBasedStateMachine):
     def reset(self):
         self.engine.reset_cpu_tier()
 
+    @precondition(lambda self: self.server is not None)
+    @rule(i=st.integers(0, 99))
+    def server_drops(self, i):
+        """The shared tier's server evicts a key of its own accord."""
+        held = list(self.server._values)
+        if held:
+            self.server.drop(held[i % len(held)])
+
+    @precondition(lambda self: self.shared is not None)
+    @rule(down=st.booleans())
+    def server_state(self, down):
+        """The shared tier's server stops answering, or comes back."""
+        self.shared.down = down
+
     @invariant()
     def bytes_and_invariants_hold(self):
         assert self.engine.integrity_errors == 0
@@ -102,6 +124,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def teardown(self):
         target(float(self.stack.stats.blocks_loaded), label="blocks loaded from the CPU tier")
+        if self.shared is not None:
+            self.shared.down = False
         for req in list(self.engine.running):
             self.engine.finish(req.request_id)
         while self.engine.num_waiting:

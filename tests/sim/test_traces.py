@@ -12,7 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvkit.errors import ConfigError, KVKitError, TraceFileError, TraceFormatError
-from kvkit.sim.traces import MAX_LINE_BYTES, MAX_NESTING, TraceRequest, read_trace, write_trace
+from kvkit.sim.traces import (
+    BUILTIN_TRACES,
+    MAX_LINE_BYTES,
+    MAX_NESTING,
+    TraceRequest,
+    read_trace,
+    trace_path,
+    write_trace,
+)
 
 SHARED_TRACE = (Path(__file__).resolve().parents[3]
                 / "shared/traces/mooncake_conversation_part1.jsonl")
@@ -311,3 +319,78 @@ def test_reads_the_shared_mooncake_trace():
     assert requests[0].hash_ids[0] == 0
     assert sum(len(r.hash_ids) for r in requests) == 152_537
     assert all(a.timestamp_ms <= b.timestamp_ms for a, b in zip(requests, requests[1:]))
+
+
+# sha256 of the shared file the built-in trace was made from (kvkit/sim/data/NOTICE.md repeats it)
+_BUILTIN_SHA256 = "68ce4e4b4bed6c423efce345f1e575af03d80327f05611395eedaa1065a46427"
+
+
+def test_the_builtin_trace_is_the_published_lines_byte_for_byte():
+    """The packaged mooncake-conversation file decompresses to exactly the shared trace's bytes (its sha256)."""
+    import gzip
+    import hashlib
+
+    data = gzip.decompress(Path(trace_path("mooncake-conversation")).read_bytes())
+    assert hashlib.sha256(data).hexdigest() == _BUILTIN_SHA256
+    assert _BUILTIN_SHA256 in (Path(trace_path("mooncake-conversation")).parent / "NOTICE.md").read_text()
+
+
+def test_the_builtin_trace_reads_by_name():
+    """read_trace("mooncake-conversation") yields its 6,000 requests at 512-token blocks, numbered by line."""
+    requests = list(read_trace("mooncake-conversation"))
+    assert len(requests) == 6000 and sum(len(r.hash_ids) for r in requests) == 152_537
+    assert [r.line for r in requests[:3]] == [1, 2, 3]
+    assert set(BUILTIN_TRACES) == {"mooncake-conversation"}
+
+
+@pytest.mark.skipif(not SHARED_TRACE.exists(), reason=f"shared trace not found at {SHARED_TRACE}")
+def test_the_builtin_trace_equals_the_shared_file():
+    """Reading the built-in trace gives the same requests as reading the file it was made from."""
+    assert list(read_trace("mooncake-conversation")) == list(read_trace(SHARED_TRACE))
+
+
+def test_a_plain_path_is_never_taken_for_a_builtin_name(tmp_path, monkeypatch):
+    """A path that spells a built-in name with a folder (./mooncake-conversation) reads that file."""
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path, GOOD).rename(tmp_path / "mooncake-conversation")
+    assert len(list(read_trace("./mooncake-conversation", block_size=512))) == 2
+
+
+def test_a_gzip_file_reads_like_the_plain_one(tmp_path):
+    """A trace file whose name ends in .gz is decompressed on the fly; its errors still name the line."""
+    import gzip
+
+    plain = _write(tmp_path, GOOD)
+    packed = tmp_path / "trace.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert list(read_trace(packed, block_size=512)) == list(read_trace(plain, block_size=512))
+    packed.write_bytes(gzip.compress(plain.read_bytes() + b"garbage\n"))
+    with pytest.raises(TraceFormatError, match=r"trace\.jsonl\.gz:3: field '<line>': not valid JSON"):
+        list(read_trace(packed, block_size=512))
+
+
+@pytest.mark.parametrize("data", [b"not gzip at all\n", b"\x1f\x8b\x08\x00" + b"\x00" * 6 + b"\xff" * 40])
+def test_a_broken_gzip_file_is_one_trace_file_error(tmp_path, data):
+    """A .gz trace that is not gzip, or whose data is corrupt, is a TraceFileError naming it."""
+    path = tmp_path / "bad.jsonl.gz"
+    path.write_bytes(data)
+    with pytest.raises(TraceFileError, match=r"bad\.jsonl\.gz: cannot read the trace"):
+        list(read_trace(path))
+
+
+def test_a_missing_file_lists_the_builtin_traces(tmp_path):
+    """A trace that does not exist says which built-in names there are, and the closest one."""
+    with pytest.raises(TraceFileError, match="built-in traces: mooncake-conversation; did you mean "
+                                             "'mooncake-conversation'"):
+        list(read_trace("mooncake-conversaton"))
+
+
+@pytest.mark.parametrize("bad, column", [("[1, 2", 6), ('{"timestamp": 0,', 17), ("{} x", 4)])
+def test_bad_json_names_the_file_line_and_a_column_only(tmp_path, bad, column):
+    """A malformed line shows the file's line and JSON's reason with its column, never JSON's own line."""
+    path = _write(tmp_path, [GOOD[0], bad])
+    with pytest.raises(TraceFormatError) as info:
+        list(read_trace(path, block_size=512))
+    message = str(info.value)
+    assert message.startswith(f"{path}:2: field '<line>': not valid JSON (")
+    assert f"at column {column})" in message and "line 1" not in message and "line 2" not in message

@@ -34,6 +34,9 @@ def test_cpu_run_times_torch_and_checks_every_copy(layout, ids, direction):
     (row,) = report["results"]
     assert row["backend"] == "torch" and row["verified"] and row["gbps"] > 0
     assert row["directions"] == (["store", "load"] if direction == "both" else [direction])
+    # torch is a LayeredCopy: the same plan in one stage a layer, checked, against the whole plan.
+    stages = 1 if layout == "cross-layer" else 2
+    assert row["layered_stages"] == stages and row["layered_verified"] and row["layered_vs_whole"] > 0
 
 
 @needs_no_cuda
@@ -52,7 +55,7 @@ def test_a_cpu_tier_in_another_layout_is_timed_and_checked():
 @needs_no_cuda
 @pytest.mark.parametrize(("args", "message"), [
     (["--with-gemm"], "needs a CUDA GPU"),
-    (["--backend", "cupy-batch"], "nothing to run on cpu"),
+    (["--backend", "cupy-batch"], "copy backend not available on this machine"),
     (["--blocks", "20", "--direction", "both"], "pool of at least 40 blocks"),
     (["--set", "sm_budget"], "KEY=VALUE"),
 ])

@@ -12,9 +12,11 @@ from kvkit.errors import ConfigError, PlanError, SpecMismatchError, UnknownBlock
 from kvkit.interfaces import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
 from kvkit.testing.kvdata import TWO_GROUPS, fill_random, kv_specs, plans, spec_layouts, tensor_bytes
 from kvkit.worker.engine import TransferEngine
-from kvkit.worker.layouts import LAYOUTS, allocate_kv, kv_nbytes, kv_shape, validate_kv
+from kvkit.worker.layouts import LAYOUTS, allocate_kv, kv_nbytes, kv_shape, layouts_for, validate_kv
 
 SPEC = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+LATENT = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="bfloat16", latent=True)
+KV_LAYOUTS = layouts_for(SPEC)  # every layout but MLA's latent one
 
 
 def _engine(layout="per-layer", num_gpu=6, num_cpu=5, device="cpu", spec=SPEC, worker=0, cpu_layout=None):
@@ -61,7 +63,7 @@ def layout_pairs(draw):
     spec = draw(kv_specs())
     if draw(st.booleans()):  # kv_specs splits layers into groups; cross-layer needs one
         spec = attrs.evolve(spec, groups=())
-    valid = [lay for lay in LAYOUTS if lay != "cross-layer" or len(spec.groups) == 1]
+    valid = [lay for lay in layouts_for(spec) if lay != "cross-layer" or len(spec.groups) == 1]
     pairs = [(g, c) for g in valid for c in valid if g == c or "vllm-cpu" not in (g, c)]
     return spec, *draw(st.sampled_from(pairs))
 
@@ -169,8 +171,9 @@ def test_cross_layer_cpu_with_two_groups_is_refused():
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mirror_is_exact_size(layout):
     """The mirror is one host buffer of exactly num_cpu_blocks blocks, unpinned on CPU."""
-    engine = _engine(layout, num_gpu=3, num_cpu=7)
-    assert engine.mirror_nbytes == 7 * SPEC.bytes_per_block == kv_nbytes(SPEC, layout, 7)
+    spec = LATENT if layout == "latent" else SPEC
+    engine = _engine(layout, num_gpu=3, num_cpu=7, spec=spec)
+    assert engine.mirror_nbytes == 7 * spec.bytes_per_block == kv_nbytes(spec, layout, 7)
     assert sum(t.numel() * t.element_size() for t in engine.cpu_kv) == engine.mirror_nbytes
     assert all(r.cpu.shape[0] == 7 and r.gpu.shape[0] == 3 for r in engine.regions)
     assert not engine.mirror_pinned
@@ -340,15 +343,17 @@ def test_block_access_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_round_trip(layout):
-    """Stores and loads between a CUDA cache and the pinned mirror round-trip every layout."""
+    """Stores and loads between a CUDA cache and the pinned mirror round-trip every layout (MLA's 576-wide latent)."""
     spec = KVCacheSpec(num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+    if layout == "latent":
+        spec = attrs.evolve(spec, num_kv_heads=1, head_dim=576, latent=True)
     engine = _engine(layout, num_gpu=32, num_cpu=24, device="cuda", spec=spec)
     for seed in range(4):
         _round_trip(engine, np.random.default_rng(seed))
     engine.close()
 
 
-MIXED = [(g, c) for g in LAYOUTS for c in LAYOUTS if g != c and "vllm-cpu" not in (g, c)]
+MIXED = [(g, c) for g in KV_LAYOUTS for c in KV_LAYOUTS if g != c and "vllm-cpu" not in (g, c)]
 
 
 @pytest.mark.gpu

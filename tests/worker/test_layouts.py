@@ -15,18 +15,26 @@ from kvkit.worker.layouts import (
     kv_nbytes,
     kv_shape,
     kv_views,
+    layouts_for,
     regions_for,
     torch_dtype,
     validate_kv,
 )
 
 SPEC = KVCacheSpec(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+LATENT = KVCacheSpec(num_layers=3, block_size=4, num_kv_heads=1, head_dim=8, dtype="bfloat16", latent=True)
+KV_LAYOUTS = layouts_for(SPEC)  # every layout but MLA's latent one
+
+
+def _spec(layout):
+    return LATENT if layout == "latent" else SPEC
 
 EXPECTED_SHAPES = {
     "per-layer": [(2, 5, 4, 2, 8)] * 3,
     "blocks-first": [(5, 2, 4, 2, 8)] * 3,
     "cross-layer": [(5, 3, 2, 4, 2, 8)],
     "vllm-cpu": [(5, 2, 4, 16)] * 3,
+    "latent": [(5, 4, 8)] * 3,
 }
 
 EXPECTED_REGIONS = {
@@ -35,28 +43,31 @@ EXPECTED_REGIONS = {
     "blocks-first": (["layer0", "layer1", "layer2"], 2 * SPEC.bytes_per_layer_block),
     "cross-layer": (["kv"], SPEC.bytes_per_block),
     "vllm-cpu": (["layer0", "layer1", "layer2"], 2 * SPEC.bytes_per_layer_block),
+    "latent": (["layer0", "layer1", "layer2"], LATENT.bytes_per_layer_block),
 }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_shapes(layout):
     """Each layout has the documented tensor shapes, dtype and byte total."""
-    assert kv_shape(SPEC, layout, 5) == EXPECTED_SHAPES[layout]
-    tensors = allocate_kv(SPEC, layout, 5)
+    spec = _spec(layout)
+    assert kv_shape(spec, layout, 5) == EXPECTED_SHAPES[layout]
+    tensors = allocate_kv(spec, layout, 5)
     assert [tuple(t.shape) for t in tensors] == EXPECTED_SHAPES[layout]
     assert all(t.dtype == torch.bfloat16 for t in tensors)
-    assert sum(t.numel() * t.element_size() for t in tensors) == kv_nbytes(SPEC, layout, 5) == 5 * SPEC.bytes_per_block
-    assert validate_kv(SPEC, layout, tensors) == 5
+    assert sum(t.numel() * t.element_size() for t in tensors) == kv_nbytes(spec, layout, 5) == 5 * spec.bytes_per_block
+    assert validate_kv(spec, layout, tensors) == 5
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_regions(layout):
     """Regions have the documented names and piece bytes, and pair both tiers' block counts."""
-    regions = regions_for(SPEC, layout, allocate_kv(SPEC, layout, 5), allocate_kv(SPEC, layout, 7))
+    spec = _spec(layout)
+    regions = regions_for(spec, layout, allocate_kv(spec, layout, 5), allocate_kv(spec, layout, 7))
     names, piece = EXPECTED_REGIONS[layout]
     assert [r.name for r in regions] == names
     assert all(r.piece_bytes == piece for r in regions)
-    assert sum(r.piece_bytes for r in regions) == SPEC.bytes_per_block
+    assert sum(r.piece_bytes for r in regions) == spec.bytes_per_block
     assert all(r.gpu.shape[0] == 5 and r.cpu.shape[0] == 7 for r in regions)
 
 
@@ -112,14 +123,15 @@ def _views(regions):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cpu_layout_none_is_the_same_layout(layout):
     """cpu_layout=None and cpu_layout=layout give the same regions as before, view for view."""
-    gpu, cpu = allocate_kv(SPEC, layout, 5), allocate_kv(SPEC, layout, 7)
-    default = regions_for(SPEC, layout, gpu, cpu)
-    explicit = regions_for(SPEC, layout, gpu, cpu, cpu_layout=layout)
+    spec = _spec(layout)
+    gpu, cpu = allocate_kv(spec, layout, 5), allocate_kv(spec, layout, 7)
+    default = regions_for(spec, layout, gpu, cpu)
+    explicit = regions_for(spec, layout, gpu, cpu, cpu_layout=layout)
     assert _views(default) == _views(explicit)
 
 
 @pytest.mark.parametrize(("layout", "cpu_layout"), [
-    (lay, "vllm-cpu") for lay in LAYOUTS if lay != "vllm-cpu"] + [("vllm-cpu", lay) for lay in LAYOUTS if lay != "vllm-cpu"])
+    (lay, "vllm-cpu") for lay in KV_LAYOUTS if lay != "vllm-cpu"] + [("vllm-cpu", lay) for lay in KV_LAYOUTS if lay != "vllm-cpu"])
 def test_vllm_cpu_pairs_only_with_itself(layout, cpu_layout):
     """vllm-cpu pieces are [H, block_size, 2*D], so mixing it with another layout names both layouts."""
     pattern = f"'vllm-cpu'.*GPU layout '{layout}' with CPU layout '{cpu_layout}'"
@@ -157,13 +169,25 @@ def test_mixed_region_groups_follow_spec(layout, cpu_layout):
     assert [(r.name, r.group) for r in regions] == [("layer0.k", 0), ("layer0.v", 0), ("layer1.k", 1), ("layer1.v", 1)]
 
 
-@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay != "cross-layer"])
+@pytest.mark.parametrize("layout", [lay for lay in KV_LAYOUTS if lay != "cross-layer"])
 def test_region_groups_follow_spec(layout):
     """Each region carries the group of its layer."""
     spec = KVCacheSpec(3, 4, 2, 8, groups=[KVGroupSpec([1]), KVGroupSpec([0, 2], "sliding_window", 8)])
     regions = regions_for(spec, layout, allocate_kv(spec, layout, 2), allocate_kv(spec, layout, 2))
     by_layer = {r.name.split(".")[0]: r.group for r in regions}
     assert by_layer == {"layer0": 1, "layer1": 0, "layer2": 1}
+
+
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
+def test_a_latent_cache_has_only_the_latent_layout(layout):
+    """MLA's latent has no K and V: every other layout refuses it, and the latent layout refuses K/V caches."""
+    assert layouts_for(LATENT) == ("latent",)
+    with pytest.raises(ConfigError, match=rf"layout '{layout}' cannot hold .* no K and V; valid: \['latent'\]"):
+        check_layouts(LATENT, layout)
+    with pytest.raises(ConfigError, match=r"layout 'latent' cannot hold .*latent=False"):
+        check_layouts(SPEC, "latent", layout)
+    with pytest.raises(ConfigError, match="num_kv_heads must be 1"):
+        KVCacheSpec(num_layers=1, block_size=4, num_kv_heads=2, head_dim=8, latent=True)
 
 
 def test_cross_layer_rejects_several_groups():
@@ -248,6 +272,7 @@ MUTATIONS = [
 ])
 def test_validate_errors_quote_values(layout, mutate, pattern):
     """validate_kv refuses bad tensors with a message quoting what disagrees."""
-    bad = mutate(allocate_kv(SPEC, layout, 5))
+    spec = _spec(layout)
+    bad = mutate(allocate_kv(spec, layout, 5))
     with pytest.raises(SpecMismatchError, match=pattern):
-        validate_kv(SPEC, layout, bad)
+        validate_kv(spec, layout, bad)

@@ -108,3 +108,38 @@ def test_contract_needs_make_backend():
     """The bare contract refuses to run without a backend factory."""
     with pytest.raises(NotImplementedError, match="make_backend"):
         CopyBackendContract().test_submit_before_register_is_refused()
+
+
+class FirstStageOnly(TorchCopy):
+    """Copies only the first stage's regions of a staged plan."""
+
+    @override
+    def submit_stages(self, plan, stages, *, after=None):
+        self._planner.validate(plan)
+        stages = self._planner.stages(plan, stages)
+        self._launch(plan, stages[0], [], [])
+        return self._inflight.issue(), [() for _ in stages]
+
+
+class TrustsStages(TorchCopy):
+    """Takes any stages: a range past the regions is silently cut, a gap skips regions."""
+
+    @override
+    def submit_stages(self, plan, stages, *, after=None):
+        self._planner.validate(plan)
+        for stage in stages if isinstance(stages, list) else []:
+            if isinstance(stage, range):
+                self._launch(plan, stage, [], [])
+        return self._inflight.issue(), [() for _ in stages]
+
+
+def test_contract_catches_a_staged_copy_that_drops_stages():
+    """Copying only the first stage of a staged plan leaves later regions unwritten."""
+    with pytest.raises(AssertionError, match="region .* (differs|not written)"):
+        _contract(FirstStageOnly).test_layered_plans_land_stage_by_stage(("per-layer", "per-layer"))
+
+
+def test_contract_catches_unchecked_stages():
+    """A backend that trusts malformed stages fails the bad-stage check."""
+    with pytest.raises(AssertionError, match="accepted stages"):
+        _contract(TrustsStages).test_bad_stages_are_refused_before_any_byte_moves()

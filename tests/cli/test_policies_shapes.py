@@ -1,0 +1,79 @@
+"""`kvkit policies --shape` / `--baselines libcachesim` and `kvkit simulate --shape`."""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvkit import cli
+
+
+def _policies(*args: str):
+    return CliRunner().invoke(cli.main, ["policies", "--capacities", "200", "--policies", "lru", "--limit", "40",
+                                         "--json", *args])
+
+
+def test_a_shape_replays_by_name_with_its_block_size() -> None:
+    """--shape picks a synthetic workload; its blocks default to kvkit's block size; JSON names it."""
+    result = _policies("--shape", "agent")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["trace"] == "synthetic:agent" and report["block_size"] == 16
+    assert set(report["results"]["200"]) == {"lru", "opt"}
+    assert "baselines" not in report
+
+
+def test_trace_or_shape_exactly_one() -> None:
+    """Neither or both is a usage error."""
+    assert "give --trace or --shape" in _policies().output
+    both = _policies("--shape", "rag", "--trace", "mooncake-conversation")
+    assert both.exit_code == 2 and "one of them" in both.output
+
+
+def test_unknown_shape_lists_the_choices() -> None:
+    """A bad shape name is refused by the option, listing the valid ones."""
+    result = _policies("--shape", "chatt")
+    assert result.exit_code == 2 and "few-shot" in result.output
+
+
+def test_libcachesim_baselines_sit_beside_kvkit_results_labelled_plain() -> None:
+    """--baselines adds libCacheSim's plain counts under their own key; kvkit's results keep their shape."""
+    pytest.importorskip("libcachesim")
+    result = _policies("--shape", "chat", "--baselines", "libcachesim")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert set(report["results"]["200"]) == {"lru", "opt"}
+    baselines = report["baselines"]["libcachesim"]
+    assert baselines["counting"] == "plain"
+    assert {"lcs:LRU", "lcs:Belady"} <= set(baselines["results"]["200"])
+    table = CliRunner().invoke(cli.main, ["policies", "--shape", "chat", "--capacities", "200", "--policies",
+                                          "lru", "--limit", "40", "--baselines", "libcachesim"])
+    assert "PLAIN" in table.output and "lcs:LIRS" in table.output
+
+
+def test_missing_libcachesim_is_a_usage_error_before_any_work(monkeypatch) -> None:
+    """Without the extra the command says how to install it."""
+    real = builtins.__import__
+
+    def no_libcachesim(name, *args, **kwargs):
+        if name == "libcachesim":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_libcachesim)
+    result = _policies("--shape", "chat", "--baselines", "libcachesim")
+    assert result.exit_code == 2 and "kvkit[libcachesim]" in result.output
+
+
+def test_simulate_takes_a_shape() -> None:
+    """kvkit simulate --shape replays that shape and reports it."""
+    result = CliRunner().invoke(cli.main, ["simulate", "--shape", "few-shot", "--limit", "30", "--no-baseline",
+                                           "--json"])
+    assert result.exit_code == 0, result.output
+    config = json.loads(result.output)["config"]
+    assert config["shape"] == "few-shot"
+    both = CliRunner().invoke(cli.main, ["simulate", "--shape", "rag", "--trace", "mooncake-conversation"])
+    assert both.exit_code == 2 and "not both" in both.output

@@ -1,0 +1,73 @@
+"""Long ``kvkit`` commands show progress on stderr when it is a terminal (also with ``--json``), never on a pipe."""
+
+import fcntl
+import json
+import os
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+
+_KVKIT = [sys.executable, "-c", "from kvkit.cli import main; main()"]
+_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+COMMANDS = {
+    "simulate": (["simulate", "--limit", "300", "--json"], ["replaying (offload)", "of 300 requests"]),
+    "policies": (["policies", "--trace", "mooncake-conversation", "--limit", "300", "--capacities", "50,100",
+                  "--policies", "lru", "--json"], ["reading mooncake-conversation", "of 4 replays"]),
+    "bench transfer": (["bench", "transfer", "--layers", "2", "--blocks", "4", "--pool-blocks", "8", "--repeat",
+                        "1", "--json"], ["of 3 steps", "torch: ", "GB/s, verified"]),
+}
+
+
+def _run_on_a_terminal(args: list[str], timeout: float = 240) -> tuple[str, str]:
+    """``kvkit args`` with stderr on a pseudo-terminal: (stdout, everything drawn on the terminal)."""
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "200"}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen([*_KVKIT, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=follower, env=env)
+    os.close(follower)
+    drawn, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 0.1)
+        if ready:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the command exited and closed the terminal
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(leader)
+    stdout = proc.communicate(timeout=timeout)[0].decode()
+    assert proc.returncode == 0, (stdout, drawn[-2000:])
+    return stdout, _ESCAPES.sub("", drawn.decode(errors="replace"))
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_progress_is_drawn_on_a_terminal_even_with_json(name):
+    """On a terminal stderr shows what runs, N of M, the time elapsed; stdout still holds only the JSON."""
+    args, expected = COMMANDS[name]
+    stdout, drawn = _run_on_a_terminal(args)
+    json.loads(stdout)
+    for text in [*expected, " elapsed"]:
+        assert text in drawn, (text, drawn[-3000:])
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_progress_is_silent_on_a_pipe(name):
+    """With stderr on a pipe the command writes nothing to it, and the same JSON to stdout."""
+    args, _ = COMMANDS[name]
+    result = subprocess.run([*_KVKIT, *args], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    json.loads(result.stdout)

@@ -1,0 +1,58 @@
+"""libCacheSim baselines: plain and prefix counting, agreement with kvkit's LRU, clear errors."""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+
+from kvkit.errors import BackendUnavailableError, ConfigError
+from kvkit.sim.baselines import libcachesim_study
+from kvkit.sim.policy_study import replay
+from kvkit.sim.synthetic import SyntheticWorkload
+from kvkit.sim.traces import TraceRequest
+
+pytest.importorskip("libcachesim")
+
+REQUESTS = list(SyntheticWorkload(num_conversations=80, block_size=64).requests())
+
+
+def test_prefix_lru_agrees_with_kvkit_lru_on_chains() -> None:
+    """On chat chains LRU never keeps a child without its parent: both countings equal kvkit's replay."""
+    plain, prefix = (libcachesim_study(REQUESTS, [150], ["LRU"], prefix=p)[0] for p in (False, True))
+    assert plain.hits == prefix.hits == replay(REQUESTS, 150, "lru").hits
+    assert plain.policy == "lcs:LRU"
+
+
+def test_plain_counting_counts_blocks_cached_after_a_miss() -> None:
+    """A cached block after its request's first miss is a plain hit, never a prefix hit."""
+    requests = [TraceRequest(0, 32, 1, (1, 2), 1), TraceRequest(1, 16, 1, (3,), 2),
+                TraceRequest(2, 32, 1, (4, 2), 3)]
+    plain, prefix = (libcachesim_study(requests, [8], ["LRU"], prefix=p)[0] for p in (False, True))
+    assert (plain.hits, prefix.hits) == (1, 0)
+
+
+def test_belady_bounds_every_baseline() -> None:
+    """libCacheSim's offline optimum hits at least as often as each online baseline."""
+    stats = {s.policy: s.hits for s in libcachesim_study(REQUESTS, [150])}
+    assert stats["lcs:Belady"] == max(stats.values())
+
+
+def test_unknown_baseline_is_refused_before_any_replay() -> None:
+    """A name that is not a libCacheSim cache is quoted, with the valid names."""
+    with pytest.raises(ConfigError, match=r"'Nope'.*LRU, ARC"):
+        libcachesim_study(REQUESTS, [10], ["LRU", "Nope"])
+
+
+def test_missing_package_is_a_clear_error(monkeypatch) -> None:
+    """Without the extra the study says which package and extra to install."""
+    real = builtins.__import__
+
+    def no_libcachesim(name, *args, **kwargs):
+        if name == "libcachesim":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_libcachesim)
+    with pytest.raises(BackendUnavailableError, match=r"kvkit\[libcachesim\]"):
+        libcachesim_study(REQUESTS, [10])
