@@ -138,6 +138,20 @@ def checked(check: Callable[..., Any], *, label: str = "", optional: bool = Fals
     return attrs.Converter(convert, takes_field=True)
 
 
+def implements(protocol: type, *, label: str = "", what: str | None = None) -> _Validator:
+    """An ``attrs`` validator: the field is an instance of ``protocol`` (a class or runtime protocol).
+
+    Raises ``ConfigError`` quoting the value; ``what`` says what is expected
+    (default: ``"a <protocol's name>"``), ``label`` prefixes the field's name.
+    """
+
+    def validate(inst: object, attribute: Any, value: object) -> None:
+        if not isinstance(value, protocol):
+            raise ConfigError(f"{label}{attribute.name}={quote(value)}: must be {what or 'a ' + protocol.__name__}")
+
+    return validate
+
+
 def at_least(minimum: int, *, label: str = "", error: type[Exception] = ConfigError) -> _Validator:
     """An ``attrs`` validator: the field is an int >= ``minimum``; ``label`` prefixes the name."""
 

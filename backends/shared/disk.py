@@ -17,7 +17,7 @@ from kvkit.backends.shared._common import TicketBox, check_call, check_keys, fla
 from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import check_bool, check_int, checked, quote
+from kvkit.validate import check_bool, check_int, checked, implements, quote
 
 __all__ = ["DiskStore"]
 
@@ -29,12 +29,6 @@ def _path(value: object) -> Path:
     if not isinstance(value, str | os.PathLike) or not str(value):
         raise ConfigError(f"DiskStore.path={quote(value)}: must be a directory path")
     return Path(value)
-
-
-def _policy(value: object) -> EvictionPolicy:
-    if not isinstance(value, EvictionPolicy):
-        raise ConfigError(f"DiskStore.eviction={quote(value)}: must be an EvictionPolicy instance")
-    return value
 
 
 @attrs.define(eq=False)
@@ -57,7 +51,7 @@ class DiskStore:
 
     path: Path = attrs.field(converter=_path)
     capacity_bytes: int = attrs.field(converter=checked(check_int, minimum=1, label="DiskStore."))
-    eviction: EvictionPolicy = attrs.field(factory=LRUPolicy, converter=_policy)
+    eviction: EvictionPolicy = attrs.field(factory=LRUPolicy, validator=implements(EvictionPolicy, label="DiskStore.", what="an EvictionPolicy instance"))
     threads: int = attrs.field(default=2, converter=checked(check_int, minimum=1, label="DiskStore."))
     fsync: bool = attrs.field(default=False, converter=checked(check_bool, label="DiskStore."))
     """Flush each file to the device before renaming it (survives power loss, costs a sync per value)."""

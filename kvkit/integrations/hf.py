@@ -67,7 +67,7 @@ from kvkit.hashing import BlockHasher, hash_blocks
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.sim.engine_loop import EngineRequest, PrefillCompute, ReferenceEngine
 from kvkit.stack import OffloadStack, build
-from kvkit.validate import check_int, is_int, quote
+from kvkit.validate import check_bool, check_int, checked, is_int, quote
 from kvkit.worker.layouts import allocate_kv
 
 try:
@@ -717,8 +717,7 @@ class OffloadedLM:
     stack: OffloadStack
     cache_salt: tuple = attrs.field(default=(), kw_only=True)
     model_name: str | None = attrs.field(default=None, kw_only=True)
-    pipelined: bool | None = attrs.field(default=None, kw_only=True,
-                                         validator=attrs.validators.optional(attrs.validators.instance_of(bool)))
+    pipelined: bool | None = attrs.field(default=None, kw_only=True, converter=checked(check_bool, optional=True))
     model_id: str = attrs.field(init=False)
     engine: ReferenceEngine = attrs.field(init=False)
     _compute: _ModelPrefill = attrs.field(init=False)

@@ -29,10 +29,11 @@ from collections.abc import Sequence
 import attrs
 from typing_extensions import override
 
-from kvkit.errors import ConfigError, OutOfBlocksError, RequestStateError, UnknownRequestError
+from kvkit.errors import OutOfBlocksError, RequestStateError, UnknownRequestError
 from kvkit.interfaces import BlockHash, BlockId, Direction, PrefillCompute, TransferResult
 from kvkit.manager.step import StepPlan
 from kvkit.stack import OffloadStack
+from kvkit.validate import check_bool, checked, implements
 
 __all__ = ["EngineRequest", "PrefillCompute", "ReferenceEngine", "StepReport", "SyntheticCompute"]
 
@@ -112,11 +113,6 @@ class SyntheticCompute(PrefillCompute):
         return errors
 
 
-def _check_compute(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, PrefillCompute):
-        raise ConfigError(f"compute must implement PrefillCompute (a prefill method), got {value!r}")
-
-
 @attrs.define(eq=False)
 class ReferenceEngine:
     """Drives ``stack`` like an engine's scheduler and workers (see the module docstring).
@@ -139,8 +135,8 @@ class ReferenceEngine:
 
     stack: OffloadStack
     integrity_errors: int = 0
-    compute: PrefillCompute = attrs.field(factory=SyntheticCompute, kw_only=True, validator=_check_compute)
-    layered: bool = attrs.field(default=False, kw_only=True, validator=attrs.validators.instance_of(bool))
+    compute: PrefillCompute = attrs.field(factory=SyntheticCompute, kw_only=True, validator=implements(PrefillCompute, what="a PrefillCompute (with a prefill method)"))
+    layered: bool = attrs.field(default=False, kw_only=True, converter=checked(check_bool), on_setattr=attrs.setters.convert)
     _step_loads: set[int] = attrs.field(factory=set, init=False)  # layered loads compute may still wait for
     _waiting: deque[EngineRequest] = attrs.field(factory=deque, init=False)
     _requests: dict[str, EngineRequest] = attrs.field(factory=dict, init=False)

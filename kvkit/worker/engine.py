@@ -30,7 +30,7 @@ from kvkit.errors import (
 from kvkit.interfaces.capabilities import LayeredCopy, SelfChecking
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
-from kvkit.validate import check_int, check_real, checked, is_int, quote
+from kvkit.validate import check_int, check_real, checked, implements, is_int, quote
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.layouts import (
     allocate_kv,
@@ -151,12 +151,6 @@ def _written_after(written: Mapping[int, Any], layers: tuple[int, ...], fallback
     return fallback
 
 
-def _spec(value: object) -> KVCacheSpec:
-    if not isinstance(value, KVCacheSpec):
-        raise ConfigError(f"spec={quote(value)}: must be a KVCacheSpec")
-    return value
-
-
 @attrs.define(eq=False)
 class TransferEngine:
     """Runs a worker's transfers: registers its KV cache, keeps the CPU mirror, reports results.
@@ -194,7 +188,7 @@ class TransferEngine:
           changes nothing.
     """
 
-    spec: KVCacheSpec = attrs.field(converter=_spec)
+    spec: KVCacheSpec = attrs.field(validator=implements(KVCacheSpec))
     copy: CopyBackend = attrs.field(on_setattr=attrs.setters.frozen)
     num_cpu_blocks: int = attrs.field(kw_only=True, converter=checked(check_int, minimum=1))
     worker: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))

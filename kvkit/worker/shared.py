@@ -20,7 +20,7 @@ from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces.blockstore import BlockStore, StoreResult
 from kvkit.interfaces.sharedtier import BlockCodec, SharedPlan
 from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
-from kvkit.validate import check_int, check_real, checked, quote
+from kvkit.validate import check_int, check_real, checked, implements, quote
 from kvkit.worker import WAIT_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -41,11 +41,6 @@ class _Pending:
 def _check_store(inst: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, BlockStore):
         raise ConfigError(f"store={quote(value)}: must implement BlockStore")
-
-
-def _check_codec(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, BlockCodec):
-        raise ConfigError(f"codec={quote(value)}: must implement BlockCodec")
 
 
 @attrs.define(eq=False)
@@ -71,7 +66,7 @@ class SharedTierWorker:
 
     spec: KVCacheSpec
     store: BlockStore = attrs.field(validator=_check_store)
-    codec: BlockCodec = attrs.field(validator=_check_codec)
+    codec: BlockCodec = attrs.field(validator=implements(BlockCodec))
     engine: TransferEngine | None = None
     rank: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))
     wait_timeout_s: float = attrs.field(default=WAIT_TIMEOUT_S, kw_only=True,

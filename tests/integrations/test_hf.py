@@ -148,7 +148,7 @@ def test_pipelined_beam_search_repeats_each_late_layer_like_the_others(models):
 def test_pipelined_is_off_on_cpu_by_default_and_checked(models):
     """Pipelining defaults to CUDA only; ``pipelined`` must be a bool or None."""
     assert not OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=8, cpu_blocks=8).engine.layered
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigError, match="pipelined='yes'"):
         OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=8, cpu_blocks=8, pipelined="yes")
 
 

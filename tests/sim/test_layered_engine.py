@@ -5,6 +5,7 @@ import threading
 import pytest
 
 import kvkit
+from kvkit.errors import ConfigError
 from kvkit.hashing import hash_blocks
 from kvkit.sim.engine_loop import ReferenceEngine, SyntheticCompute
 from kvkit.testing import ThreadedCopy
@@ -58,7 +59,7 @@ def test_the_check_fails_when_compute_does_not_wait():
 def test_layered_must_be_a_bool():
     """``layered`` is a real bool."""
     stack = kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=16, layout="per-layer", device="cpu")
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigError, match="layered='yes'"):
         ReferenceEngine(stack, layered="yes")
 
 
