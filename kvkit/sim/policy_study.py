@@ -150,9 +150,13 @@ class TraceClock:
         return self.now
 
 
+HINTED = "hinted"
+"""Registry name of the hint-aware policy: without hints it replays exactly as its base."""
+
+
 def default_policies() -> list[str]:
-    """Every registered eviction policy, the offline optimum last."""
-    return [n for n in EVICTION.names() if n != OPT] + [OPT]
+    """Every registered eviction policy but ``hinted`` (its base's twin on a trace), the optimum last."""
+    return [n for n in EVICTION.names() if n not in (OPT, HINTED)] + [OPT]
 
 
 @attrs.frozen

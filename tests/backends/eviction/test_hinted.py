@@ -146,3 +146,13 @@ def test_hints_must_be_one_per_request() -> None:
     requests, hints = MixedWorkload(num_sessions=5, block_size=64).hinted()
     with pytest.raises(ConfigError, match="one per request"):
         replay(requests, 100, "lru", hints=hints[:-1])
+
+
+def test_studies_leave_out_hinted_unless_asked() -> None:
+    """Without hints ``hinted`` is its base's twin, so a default study does not replay it; by name it runs."""
+    from kvkit.sim.policy_study import default_policies, study
+
+    assert "hinted" not in default_policies() and "adaptive" in default_policies()
+    requests = MixedWorkload(num_sessions=5, block_size=64).requests()
+    result = study(list(requests), [50], ["hinted", "lru"], jobs=1)
+    assert result.hit_ratio("hinted", 50) >= 0
