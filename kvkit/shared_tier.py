@@ -11,17 +11,22 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from kvkit.backends.shared.memory import MemoryStore
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces import BlockHash, KVCacheSpec
+
+if TYPE_CHECKING:
+    from kvkit.config import StackConfig
+    from kvkit.manager.shared import SharedTierSpec
 from kvkit.interfaces.blockformat import HEADER_SIZE, Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.interfaces.blockstore import BlockStore, StoreResult
 from kvkit.validate import quote
 
-__all__ = ["FormatCodec", "StoreClient", "open_shared", "shared_clients"]
+__all__ = ["FormatCodec", "SharedConnection", "StoreClient", "connect_shared", "open_shared", "shared_clients"]
 
 _MEMORY: dict[str, MemoryStore] = {}
 _MEMORY_LOCK = threading.Lock()
@@ -173,10 +178,60 @@ class FormatCodec:
         return codec
 
     def key(self, block_hash: BlockHash, rank: int) -> bytes:
-        return block_key(self.namespace, block_hash, rank)
+        return block_key(self.namespace, _fold(block_hash), rank)
 
     def seal(self, header: memoryview, block_hash: BlockHash, rank: int, payload: Sequence[memoryview]) -> None:
-        header[:] = encode_header(self.namespace, block_hash, rank, payload, secret=self.secret)
+        header[:] = encode_header(self.namespace, _fold(block_hash), rank, payload, secret=self.secret)
 
     def check(self, header: memoryview, block_hash: BlockHash, rank: int, payload: Sequence[memoryview]) -> bool:
-        return check_value(self.namespace, block_hash, rank, header, payload, secret=self.secret) is ValueStatus.OK
+        return check_value(self.namespace, _fold(block_hash), rank, header, payload,
+                           secret=self.secret) is ValueStatus.OK
+
+
+_HASH_MASK = (1 << 128) - 1
+
+
+def _fold(block_hash: BlockHash) -> BlockHash:
+    """The value format's 128-bit block hash: wider hashes (vLLM's SHA-256 digests) keep their low 128 bits.
+
+    Any 128 bits of a cryptographic digest are as collision-resistant as the
+    format's field allows; kvkit's own hashes already fit and are unchanged.
+    """
+    return BlockHash(block_hash & _HASH_MASK) if block_hash > _HASH_MASK else block_hash
+
+
+@attrs.frozen
+class SharedConnection:
+    """One process's connection to the shared tier of a :class:`~kvkit.config.StackConfig`.
+
+    Attributes:
+        spec: the scheduler's view (its client, the codec, write mode, back-off).
+        clients: one more client per worker rank this process runs.
+        store: the store every client shares.
+        owned: whether this process opened ``store`` (and must close it).
+    """
+
+    spec: SharedTierSpec
+    clients: list[StoreClient]
+    store: BlockStore
+    owned: bool
+
+
+def connect_shared(config: StackConfig, *, layout: str, workers: int) -> SharedConnection:
+    """Open ``config.shared`` and build its codec: the one path of every stack, kvkit's own and vLLM's.
+
+    ``layout`` is the CPU payload layout the namespace names; ``workers`` how
+    many worker ranks of ``config.world_size`` this process runs (each gets a client).
+
+    Raises:
+        ConfigError / BackendUnavailableError: as :func:`open_shared` and :meth:`FormatCodec.for_stack`.
+    """
+    from kvkit.manager.shared import SharedTierSpec
+
+    store, owned = open_shared(config.shared)
+    clients = shared_clients(store, workers + 1)  # the scheduler's, then one per rank
+    codec = FormatCodec.for_stack(config.kv, config.world_size, model=config.shared_model, layout=layout,
+                                  secret=config.shared_secret)
+    spec = SharedTierSpec(store=clients[0], codec=codec, write=config.shared_write,
+                          backoff_s=config.shared_backoff_s, max_backoff_s=60 * config.shared_backoff_s)
+    return SharedConnection(spec, clients[1:], store, owned)

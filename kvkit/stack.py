@@ -176,20 +176,16 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     parts = config.resolve()
     gpu = parts.allocator(num_blocks=parts.gpu_blocks, eviction=parts.gpu_eviction)
     cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
-    shared, clients, store, owned = None, [], None, False
+    conn = None
     if config.shared is not None:
-        from kvkit.manager.shared import SharedTierSpec
-        from kvkit.shared_tier import FormatCodec, open_shared, shared_clients
+        from kvkit.shared_tier import connect_shared
 
-        store, owned = open_shared(config.shared)
-        clients = shared_clients(store, config.world_size + 1)  # the scheduler's, then one per rank
-        codec = FormatCodec.for_stack(config.kv, config.world_size, model=config.shared_model,
-                                      layout=config.cpu_layout or layout or "none", secret=config.shared_secret)
-        shared = SharedTierSpec(store=clients[0], codec=codec, write=config.shared_write,
-                                backoff_s=config.shared_backoff_s, max_backoff_s=60 * config.shared_backoff_s)
+        conn = connect_shared(config, layout=config.cpu_layout or layout or "none", workers=config.world_size)
+    shared = None if conn is None else conn.spec
     manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
                              callbacks=parts.callbacks, shared=shared)
-    stack = OffloadStack(config, gpu, cpu, manager, shared_store=store, owns_shared_store=owned)
+    stack = OffloadStack(config, gpu, cpu, manager, shared_store=None if conn is None else conn.store,
+                         owns_shared_store=conn is not None and conn.owned)
     if layout is not None:
         from kvkit.worker.engine import TransferEngine  # torch only when bytes move
 
@@ -207,13 +203,13 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
             else:
                 worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
             stack.workers.append(worker)
-    if shared is not None:
+    if conn is not None:
         from kvkit.worker.shared import SharedTierWorker
 
         engines = stack.workers or [None] * config.world_size
-        stack.shared_workers = [SharedTierWorker(config.kv, client, shared.codec, engine, rank=rank,
+        stack.shared_workers = [SharedTierWorker(config.kv, client, conn.spec.codec, engine, rank=rank,
                                                  wait_timeout_s=config.wait_timeout_s)
-                                for rank, (client, engine) in enumerate(zip(clients[1:], engines))]
+                                for rank, (client, engine) in enumerate(zip(conn.clients, engines))]
     return stack
 
 

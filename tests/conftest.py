@@ -1,5 +1,6 @@
-"""Shared test configuration: Hypothesis profiles and the GPU marker."""
+"""Shared test configuration: Hypothesis profiles, the GPU marker and shared fixtures."""
 
+import builtins
 import os
 
 import pytest
@@ -32,3 +33,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def without_libcachesim(monkeypatch):
+    """``import libcachesim`` fails, as without the ``libcachesim`` extra."""
+    real = builtins.__import__
+
+    def no_libcachesim(name, *args, **kwargs):
+        if name == "libcachesim":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_libcachesim)

@@ -313,3 +313,46 @@ def test_a_real_server_that_dies_or_stalls_never_fails_a_request(real_server, fa
     serve(engine, "after", [8000 + t for t in range(40)])
     assert stack.stats.blocks_put.value > put and engine.integrity_errors == 0
     stack.close()
+
+
+class _Held:
+    """A store in front of another whose answers stay held back until ``release``."""
+
+    def __init__(self, inner):
+        self.inner, self.held, self.holding = inner, [], True
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def poll(self, timeout=0.0):
+        self.held += self.inner.poll(0.0)
+        if self.holding:
+            return []
+        out, self.held = self.held, []
+        return out
+
+    def release(self):
+        self.holding = False
+
+
+def test_a_fetch_the_store_answers_too_late_fails_without_raising_and_is_reported_failed():
+    """A fetch past wait_timeout_s fails all its blocks at once; the late answer is reported failed, never ok."""
+    from kvkit.interfaces import Direction
+    from kvkit.interfaces.sharedtier import SharedPlan
+    from kvkit.shared_tier import FormatCodec
+    from kvkit.worker.shared import SharedTierWorker
+
+    codec = FormatCodec.for_stack(SPEC, 1, model="m", layout="none")
+    store = _Held(MemoryStore())
+    store.release()
+    worker = SharedTierWorker(SPEC, store, codec, wait_timeout_s=0.05)
+    worker.put([(1, SharedPlan(Direction.STORE, [3], [HASHES[0]]))])
+    assert [r.ok for r in worker.take_store_results()] == [True]
+    store.holding = True
+    start = time.monotonic()
+    assert worker.fetch([(2, SharedPlan(Direction.LOAD, [5], [HASHES[0]]))]) == {5}
+    assert time.monotonic() - start < 1.0
+    assert worker.take_store_results() == []  # still in flight
+    store.release()
+    assert [(r.transfer_id, r.ok) for r in worker.take_store_results()] == [(2, False)]
+    worker.check_invariants()

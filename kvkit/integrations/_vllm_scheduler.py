@@ -54,6 +54,7 @@ from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.manager.requests import RequestState
 from kvkit.manager.step import StepPlan
+from kvkit.shared_tier import SharedConnection, connect_shared
 from kvkit.stats import OffloadStats
 from kvkit.validate import is_int
 
@@ -193,6 +194,8 @@ class SchedulerSide:
         async_load: hits load while other requests run: a request with a hit
             waits in vLLM (``WAITING_FOR_REMOTE_KVS``) until the workers report
             it in ``finished_recving``.
+        shared: the shared tier's connection (the manager's ``shared`` spec
+            is its ``spec``), or ``None`` without one; :meth:`close` closes it.
 
     Invariants:
         * The requests tracked are exactly those the manager has live.
@@ -204,6 +207,7 @@ class SchedulerSide:
     tables: Callable[[str], Sequence[Sequence[int]]]
     events: CpuTierEvents | None = None
     async_load: bool = False
+    shared: SharedConnection | None = None
     num_preemptions: int = attrs.field(init=False, default=0)
     _receiving: list[str] = attrs.field(init=False, factory=list)  # async loads allocated since the last build
     _reported: dict[str, float] = attrs.field(init=False, factory=dict)
@@ -220,13 +224,18 @@ class SchedulerSide:
         """A manager over ``gpu`` and a CPU pool of ``settings.num_cpu_blocks`` blocks (no copy backend here).
 
         With ``events`` the CPU tier's stores and removals are logged for :meth:`take_events`.
+        With a shared tier the manager looks up GPU -> CPU -> shared (every
+        rank's key, one ``contains``) and plans fetches into CPU blocks and puts.
         """
-        parts = attrs.evolve(settings.stack, copy=None).resolve()
+        stack = settings.stack
+        parts = attrs.evolve(stack, copy=None).resolve()
         cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
         log = CpuTierEvents() if events else None
-        manager = OffloadManager(settings.stack.kv, cpu, parts.store, gpu=gpu, world_size=settings.stack.world_size,
-                                 null_block=0, callbacks=(log,) if log is not None else ())
-        return cls(manager, tables, log, settings.async_load)
+        conn = None if stack.shared is None else connect_shared(stack, layout=settings.shared_layout, workers=0)
+        manager = OffloadManager(stack.kv, cpu, parts.store, gpu=gpu, world_size=stack.world_size,
+                                 null_block=0, callbacks=(log,) if log is not None else (),
+                                 shared=None if conn is None else conn.spec)
+        return cls(manager, tables, log, settings.async_load, conn)
 
     @property
     def idle(self) -> bool:
@@ -350,6 +359,11 @@ class SchedulerSide:
             self.events.cleared(self.manager.cpu)
         self.manager.reset()
         return True
+
+    def close(self) -> None:
+        """Close the shared store if this side opened it (vLLM's ``shutdown``)."""
+        if self.shared is not None and self.shared.owned:
+            self.shared.store.close()
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if this side or its manager is inconsistent."""

@@ -20,7 +20,8 @@ from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.registry import STORE, did_you_mean
 from kvkit.worker.layouts import LAYOUTS
 
-__all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window", "parse_extra_config"]
+__all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window", "parse_extra_config",
+           "shared_layout"]
 
 EXTRA_KEYS: tuple[str, ...] = (
     "cpu_bytes", "cpu_blocks", "cpu_eviction", "store", "copy", "allocator", "options", "layout", "cpu_layout",
@@ -53,6 +54,8 @@ class ConnectorSettings:
             (on the device) only for its own blocks, a layer's stores start once
             its KV is written.
         num_cpu_blocks: ``stack.num_cpu_blocks``, computed once.
+        shared_layout: with a shared tier, the CPU payload layout its
+            namespace names (:func:`shared_layout`); ``None`` without one.
     """
 
     stack: StackConfig
@@ -62,6 +65,32 @@ class ConnectorSettings:
     num_cpu_blocks: int = attrs.field(
         init=False, default=attrs.Factory(lambda self: self.stack.num_cpu_blocks, takes_self=True))
     """Blocks of the CPU tier (the one figure both sides must agree on)."""
+    shared_layout: str | None = attrs.field(
+        init=False, default=attrs.Factory(lambda self: shared_layout(self.stack, self.layout), takes_self=True))
+
+
+def shared_layout(stack: StackConfig, layout: str) -> str | None:
+    """The CPU payload layout the shared tier's namespace names, from what the scheduler knows too.
+
+    The namespace must be the same on the scheduler (which derives keys for
+    ``contains``) and on every worker, but vLLM's KV layout is detected on the
+    worker. So it is a deterministic function of the settings both sides
+    share: ``cpu_layout`` if given, else ``layout`` if not ``"auto"``, else
+    the layout vLLM's default attention backend of that device and cache kind
+    uses (``latent`` for MLA, ``vllm-cpu`` on CPU, FlashAttention's
+    ``per-layer`` on CUDA). Each worker checks, once its KV is registered,
+    that its CPU mirror is in this layout and refuses to start otherwise
+    (:meth:`~kvkit.integrations._vllm_worker.WorkerSide.register`).
+    """
+    if stack.shared is None:
+        return None
+    if stack.cpu_layout is not None:
+        return stack.cpu_layout
+    if layout != "auto":
+        return layout
+    if stack.kv.latent:
+        return "latent"
+    return "vllm-cpu" if stack.device == "cpu" else "per-layer"
 
 
 _KINDS = {"FullAttentionSpec": GroupKind.FULL, "SlidingWindowSpec": GroupKind.SLIDING_WINDOW,
@@ -147,7 +176,7 @@ def kvkit_window(vllm_window: int, block_size: int) -> int:
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_blocks: int,
-                       world_size: int, device: str) -> ConnectorSettings:
+                       world_size: int, device: str, model: str | None = None) -> ConnectorSettings:
     """Validate ``kv_connector_extra_config`` and turn it into settings.
 
     Keys (all but the capacity optional):
@@ -173,9 +202,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     * ``cpu_layout``: the CPU tier's layout (default: vLLM's), e.g.
       ``"cross-layer"`` for the ``staged`` copy backend.
     * ``shared`` (or ``shared_url``), ``shared_write``, ``shared_model``: the
-      shared tier, as :class:`~kvkit.StackConfig` takes them (a URL string).
-      They are validated, then refused: the connector does not run the shared
-      tier yet (kvkit's engine loop, simulator and Hugging Face integration do).
+      shared tier, as :class:`~kvkit.StackConfig` takes them (a URL string);
+      ``shared_model`` defaults to ``model`` (vLLM's model and revision).
 
     Raises:
         ConfigError: one error listing every problem (unknown keys, names
@@ -228,6 +256,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         if not isinstance(url, str):
             problems.append(f"kv_connector_extra_config['shared']={url!r}: must be a URL string (the config "
                             f"crosses process boundaries)")
+        if model is not None:
+            shared.setdefault("shared_model", model)
     stack = None
     try:
         stack = StackConfig(
@@ -241,10 +271,6 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         problems.append(
             f"store={stack.store!r}: a write-back policy stores single GPU blocks, and this model has "
             f"{len(kv.groups)} KV cache groups; use eager, selective or never")
-    if not problems and stack.shared is not None:
-        problems.append(f"kv_connector_extra_config['shared']={stack.shared!r}: valid, but kvkit's vLLM connector "
-                        f"does not run the shared tier yet; remove the key (kvkit's own engine loop, "
-                        f"`kvkit simulate` and OffloadedLM do)")
     if problems:
         raise ConfigError(problems)
     return ConnectorSettings(stack, layout, async_load, layerwise)

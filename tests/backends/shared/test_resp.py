@@ -48,3 +48,24 @@ def test_replies_of_every_kind(valkey_server):
         assert conn.small_ints(2) == [1, 0]
     finally:
         conn.close()
+
+
+def test_send_resumes_partial_writes_and_splits_past_iov_max(valkey_server):
+    """A tiny send buffer forces partial ``sendmsg`` writes and 3,000 buffers exceed IOV_MAX; every byte arrives in order."""
+    import socket
+
+    conn = _Conn(("127.0.0.1", valkey_server.port), ConnectOptions(5.0, 5.0))
+    try:
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        value = bytes(range(256)) * 4096  # 1 MiB, sent as three views, one of them empty
+        view = memoryview(value)
+        conn.send([b"*3\r\n$3\r\nSET\r\n$4\r\nr:pw\r\n$%d\r\n" % len(value), view[:1000], view[1000:1000], view[1000:],
+                   b"\r\n"])
+        assert conn.reply() == b"OK"
+        pieces = [b"*2\r\n", b"$6\r\n", b"EXISTS\r\n", b"$4\r\n", b"r:pw\r\n"] * 600  # 600 commands, 3,000 buffers
+        conn.send(pieces)
+        assert [conn.reply() for _ in range(600)] == [1] * 600
+        conn.send([command(b"GET", b"r:pw")])
+        assert conn.reply() == value
+    finally:
+        conn.close()
