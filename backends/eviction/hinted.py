@@ -72,6 +72,8 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
     # retained block -> (priority, deadline); evictable ones also in _order (lazy heap)
     _kept: dict[BlockId, tuple[int, float]] = attrs.field(factory=dict, init=False)
     _order: list[tuple[int, float, int, BlockId]] = attrs.field(factory=list, init=False)
+    # listed retained block -> the seq of its one valid _order entry (any other entry of it is stale)
+    _listed: dict[BlockId, int] = attrs.field(factory=dict, init=False)
     _expiry: list[tuple[float, int, BlockId]] = attrs.field(factory=list, init=False)
     _seq: int = attrs.field(default=0, init=False)
 
@@ -122,6 +124,7 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
         self._hints.pop(block, None)
         self._low.pop(block, None)
         self._kept.pop(block, None)
+        self._listed.pop(block, None)
         self._in_use.discard(block)
         del self._hash[block]
 
@@ -132,6 +135,7 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
         if block in self._in_use:
             raise pin_mismatch(self, block, pinned=True)
         self._in_use.add(block)
+        self._listed.pop(block, None)  # parked: its entry goes stale; release lists it anew
         if self._low.pop(block, False) is None or block in self._kept:
             return  # already held in the base
         self._policy.on_pin(block)  # type: ignore[attr-defined]
@@ -165,9 +169,11 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
             if block not in self._in_use:
                 self._low[block] = None
             self._kept.pop(block, None)
+            self._listed.pop(block, None)
             return
         if hints.priority == 0 and hints.ttl_s is None:
             self._kept.pop(block, None)
+            self._listed.pop(block, None)
             if held and block not in self._in_use:
                 self._policy.on_unpin(block)  # type: ignore[attr-defined]
             return
@@ -184,6 +190,7 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
     def _list_kept(self, block: BlockId) -> None:
         priority, deadline = self._kept[block]
         self._seq += 1
+        self._listed[block] = self._seq
         heapq.heappush(self._order, (priority, deadline, self._seq, block))
 
     def _expire(self) -> None:
@@ -195,6 +202,7 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
             if entry is None or entry[1] != deadline:
                 continue  # removed, renewed or made ordinary since
             del kept[block]
+            self._listed.pop(block, None)
             if block not in self._in_use:
                 self._policy.on_unpin(block)  # type: ignore[attr-defined]
 
@@ -222,16 +230,14 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
 
     def _kept_in_order(self, n: int, is_evictable: Callable[[BlockId], bool]) -> list[BlockId]:
         """Up to ``n`` evictable retained blocks, lowest priority then earliest deadline (stale entries dropped)."""
-        order, kept, found = self._order, self._kept, []
+        order, listed, found = self._order, self._listed, []
         fresh: list[tuple[int, float, int, BlockId]] = []
-        seen: set[BlockId] = set()
         while order and len(found) < n:
             entry = heapq.heappop(order)
-            priority, deadline, _, block = entry
-            if kept.get(block) != (priority, deadline) or block in self._in_use or block in seen:
-                continue  # stale: removed, renewed, expired, in use (listed again on release) or listed twice
-            seen.add(block)
+            if listed.get(entry[3]) != entry[2]:
+                continue  # stale (removed, renewed, expired or parked since): dropping it changes nothing
             fresh.append(entry)
+            block = entry[3]
             if is_evictable(block):
                 found.append(block)
         for entry in fresh:  # still retained until the pool removes them
@@ -250,5 +256,6 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
         for block in self._low:
             assert self._hints[block].priority < 0, f"block {block} is listed low-priority without the hint"
         assert self._in_use <= self._hash.keys() and self._kept.keys() <= self._hash.keys(), "untracked state"
+        assert self._listed.keys() == self._kept.keys() - self._in_use, "a retained block is listed iff not in use"
         self._policy.check_invariants()
         self._check_capacity()

@@ -156,3 +156,21 @@ def test_studies_leave_out_hinted_unless_asked() -> None:
     requests = MixedWorkload(num_sessions=5, block_size=64).requests()
     result = study(list(requests), [50], ["hinted", "lru"], jobs=1)
     assert result.hit_ratio("hinted", 50) >= 0
+
+
+def test_a_failed_selection_while_a_retained_block_is_in_use_keeps_the_release_order() -> None:
+    """Found by the CI profile: a select_victims that fails must not reorder retained blocks parked in use."""
+
+    def run(fail_while_pinned: bool) -> list:
+        policy = HintedPolicy(base=LRUPolicy, clock=TraceClock())
+        policy.on_hints([10, 11], WorkloadHints(priority=1))
+        policy.on_insert(0, 10, None)
+        policy.on_insert(1, 11, 10)
+        policy.on_pin(0)
+        if fail_while_pinned:  # two victims asked, one evictable (block 0 is in use): refused
+            assert policy.select_victims(2, lambda b: b != 0) is None
+        policy.on_unpin(0)
+        policy.check_invariants()
+        return policy.select_victims(1, lambda b: True)
+
+    assert run(True) == run(False)
