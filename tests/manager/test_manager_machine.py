@@ -19,6 +19,7 @@ selective, lazy (write-back) and never store policies.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections import Counter
 
@@ -1245,6 +1246,23 @@ class _FetchedBlockNotHeld(OffloadManager):
         return fetches, loads
 
 
+def _check_plant_signatures(plant: type) -> None:
+    """A plant's overrides take what the real methods take: a call the machine makes must reach the bug.
+
+    Session 3's CI failed when Hypothesis first reached ``reset(force=True)``
+    on a plant whose ``_empty_cpu`` lacked ``force``: a ``TypeError``, not the bug.
+    """
+    for name, method in vars(plant).items():
+        real = getattr(plant.__mro__[1], name, None)
+        if not callable(method) or real is None or name.startswith("__"):
+            continue
+        mine = inspect.signature(method).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in mine.values()):
+            continue
+        assert list(mine) == list(inspect.signature(real).parameters), (
+            f"{plant.__name__}.{name}{inspect.signature(method)} differs from {inspect.signature(real)}")
+
+
 @pytest.mark.parametrize("base, plant", [
     (ManagerMachine, _LookupWithoutPin), (ManagerMachine, _StoresUnconfirmed),
     (ManagerMachine, _NoFlushOnFinish), (ManagerMachine, _StaleCursor),
@@ -1255,6 +1273,7 @@ class _FetchedBlockNotHeld(OffloadManager):
 ], ids=lambda c: c.__name__.strip("_"))
 def test_machine_catches_planted_bug(base, plant):
     """The model's checks alone (no manager self-check) catch each planted failure mode."""
+    _check_plant_signatures(plant)
     machine = type(f"Buggy{plant.__name__}", (base,), {"manager_cls": plant, "check_manager": False})
     with pytest.raises((AssertionError, KVKitError, RuntimeError)):  # RuntimeError: an escaped callback bug
         run_state_machine_as_test(machine, settings=_FIND_BUG)
