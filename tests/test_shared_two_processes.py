@@ -8,9 +8,8 @@ import textwrap
 
 import pytest
 
-from kvkit.errors import BackendUnavailableError
 from kvkit.registry import SHARED
-from kvkit.testing.servers import LocalCluster, LocalServer, server_binary
+from kvkit.testing.servers import LocalCluster, LocalServer, server_binary_or_skip
 
 _ENGINE = textwrap.dedent("""
     import json, sys
@@ -56,10 +55,7 @@ def shared_url(request, tmp_path):
             pytest.skip("no disk block store in this installation")
         yield f"file://{tmp_path / 'kv'}?capacity_bytes=64MiB"
         return
-    try:
-        binary = server_binary()
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
+    binary = server_binary_or_skip()
     with (LocalServer(binary) if request.param == "valkey" else LocalCluster(binary=binary)) as server:
         yield server.url
 

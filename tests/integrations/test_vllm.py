@@ -325,14 +325,9 @@ def shared_url(kind, tmp_path):
     if kind == "file":
         yield f"file://{tmp_path}/kv?capacity_bytes=64MiB"
         return
-    from kvkit.errors import BackendUnavailableError
-    from kvkit.testing.servers import LocalServer, server_binary
+    from kvkit.testing.servers import LocalServer, server_binary_or_skip
 
-    try:
-        binary = server_binary()
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
-    with LocalServer(binary) as server:
+    with LocalServer(server_binary_or_skip()) as server:
         yield server.url
 
 

@@ -4,35 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from kvkit.errors import BackendUnavailableError
-from kvkit.testing.servers import LocalCluster, LocalServer, server_binary
-
-
-def _binary() -> str:
-    try:
-        return server_binary()
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
+from kvkit.testing.servers import LocalCluster, LocalServer, server_binary, server_binary_or_skip
 
 
 @pytest.fixture(scope="session")
 def valkey_server():
     """A standalone server shared by the tests that only read and write keys (each flushes first)."""
-    with LocalServer(_binary()) as server:
+    with LocalServer(server_binary_or_skip()) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def valkey_cluster():
     """A 3-node Cluster (slots split evenly, no replicas)."""
-    with LocalCluster(binary=_binary()) as cluster:
+    with LocalCluster(binary=server_binary_or_skip()) as cluster:
         yield cluster
 
 
 @pytest.fixture
 def own_server():
     """A standalone server of this test's own, to kill, pause or restart."""
-    server = LocalServer(_binary())
+    server = LocalServer(server_binary_or_skip())
     server.start()
     yield server
     server.stop()
