@@ -147,8 +147,9 @@ class TorchCopy(HandleQueue, CopyBackend):
 
     def _start(self, plan: TransferPlan, stages: list[range], waits: list[Any]) -> tuple[int, list[tuple[Any, ...]]]:
         if self._stream is None:
+            index = self._index(plan)  # built once per plan, however many stages
             for stage in stages:
-                self._launch(plan, stage, [], [])
+                self._launch(plan, stage, index, [], [])
             return self._inflight.issue(), [() for _ in stages]
         # (destination rows, ids, pinned staging rows): scattered on the host
         # once the event shows the device-to-host copy landed.
@@ -157,10 +158,11 @@ class TorchCopy(HandleQueue, CopyBackend):
         events: list[tuple[Any, ...]] = []
         with torch.cuda.stream(self._stream):
             try:
+                index = self._index(plan)  # on the copy stream, which reads it
                 for stage, wait in zip(stages, waits):
                     if wait is not None:
                         self._stream.wait_event(wait)
-                    self._launch(plan, stage, scatters, keep_alive)
+                    self._launch(plan, stage, index, scatters, keep_alive)
                     event = torch.cuda.Event()
                     event.record(self._stream)
                     events.append((event,))
@@ -169,18 +171,27 @@ class TorchCopy(HandleQueue, CopyBackend):
                 raise
         return self._inflight.issue(events[-1][0], keep_alive, functools.partial(_scatter, scatters)), events
 
-    def _launch(self, plan: TransferPlan, regions: range, scatters: list, keep_alive: list) -> None:
-        """Issue the copy of every region in ``regions`` of the plan's group on the current stream (host work now)."""
-        n = len(plan)
-        rows = self._rows[plan.group][regions.start:regions.stop]
-        if n == 0:
-            return
+    def _index(self, plan: TransferPlan) -> tuple[int | None, int | None, torch.Tensor | None, torch.Tensor | None]:
+        """Where the plan's source and destination blocks are: the first of a run, else an index on their device."""
+        rows = self._rows[plan.group]
+        if not plan or not rows:
+            return None, None, None, None
         store = plan.direction is Direction.STORE
         src_dev = (rows[0].gpu if store else rows[0].cpu).device
         dst_dev = (rows[0].cpu if store else rows[0].gpu).device
         src_run, dst_run = _run_start(plan.src), _run_start(plan.dst)
         src_idx = None if src_run is not None else torch.tensor(plan.src).to(src_dev, non_blocking=True)
         dst_idx = None if dst_run is not None else torch.tensor(plan.dst).to(dst_dev, non_blocking=True)
+        return src_run, dst_run, src_idx, dst_idx
+
+    def _launch(self, plan: TransferPlan, regions: range, index: tuple, scatters: list, keep_alive: list) -> None:
+        """Issue the copy of every region in ``regions`` of the plan's group on the current stream (host work now)."""
+        n = len(plan)
+        rows = self._rows[plan.group][regions.start:regions.stop]
+        if n == 0:
+            return
+        store = plan.direction is Direction.STORE
+        src_run, dst_run, src_idx, dst_idx = index
         for r in rows:
             src, dst = (r.gpu, r.cpu) if store else (r.cpu, r.gpu)
             dst_part = None if dst_run is None else dst[dst_run:dst_run + n]

@@ -229,9 +229,11 @@ class Generation:
             allocation, CPU->GPU copies).
         restore_s: seconds turning the reused blocks into the model's cache object.
         prefill_s: seconds from the restored cache to the first token: the
-            forward pass over the computed tokens and writing their KV into
-            blocks (through ``generate``: its setup and choosing the first token too).
-        decode_s: seconds decoding the remaining tokens.
+            forward pass over the computed tokens (through ``generate``: its
+            setup and choosing the first token too).
+        decode_s: seconds after the first token: writing the computed
+            tokens' KV into blocks (queued behind the first token, which does
+            not need it), then decoding the remaining tokens.
         logits: ``[len(tokens), vocab]`` float32 logits on the CPU, one row per
             generated token (the model's, before any sampling processor), if asked for.
 
@@ -611,10 +613,11 @@ class _ModelPrefill(PrefillCompute):
         cache.recorded = {}
 
         def prefilled() -> None:  # the prompt's forward passes are over: every layer holds its KV
-            self._write_back(request, first_block, cache.recorded or {})
-            cache.recorded = None
             _sync(device)
             job.first_token_at = time.perf_counter()
+            # Queued after the first token, before any decode step and before the prompt's stores are planned.
+            self._write_back(request, first_block, cache.recorded or {})
+            cache.recorded = None
 
         job.output = job.decoder.run(self.model, cache, job.tokens, first_block * self.spec.block_size, prefilled)
         _sync(device)
@@ -661,7 +664,11 @@ class _ModelPrefill(PrefillCompute):
 
     def _write_back(self, req: EngineRequest, first: int,
                     recorded: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Write the new tokens' KV (as the model cached it) into blocks ``first..`` of every group."""
+        """Write the new tokens' KV (as the model cached it) into blocks ``first..`` of every group.
+
+        One scatter per layer and plane; slots past the last token keep whatever they held
+        (no hash covers a partial block, so nothing reads them).
+        """
         if len(recorded) != self.spec.num_layers:
             raise UnsupportedModelError(
                 f"the model updated {len(recorded)} of {self.spec.num_layers} cache layers; "
@@ -669,14 +676,15 @@ class _ModelPrefill(PrefillCompute):
         bs = self.spec.block_size
         device = self.planes[0][0].device
         for g, group in enumerate(self.spec.groups):
-            ids = torch.tensor(req.table[g][first:], device=device)
+            tokens = sum(k.shape[-2] for k, _ in recorded[group.layers[0]])
+            slots = torch.arange(first * bs, first * bs + tokens, device=device)
+            table = torch.tensor(req.table[g][first:], device=device)
+            where = (table[slots // bs - first], slots % bs)  # (block, offset) of each new token
             for layer in group.layers:
                 for plane, pieces in zip(self.planes[layer], zip(*recorded[layer], strict=True), strict=True):
                     # Row 0: beam search runs the prompt once per beam, every row the same.
-                    rows = torch.cat(pieces, dim=-2)[0].transpose(0, 1)  # [tokens, heads, head_dim]
-                    padded = rows.new_zeros((len(ids) * bs, *rows.shape[1:]))
-                    padded[:len(rows)] = rows
-                    plane.index_copy_(0, ids, padded.view(len(ids), bs, *rows.shape[1:]))
+                    rows = (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2))[0].transpose(0, 1)
+                    plane.index_put_(where, rows)
 
 
 @attrs.define(eq=False)

@@ -460,8 +460,7 @@ class TransferEngine:
         if layer >= self.spec.num_layers:
             raise ConfigError(f"layer={quote(layer)}: the spec has layers 0..{self.spec.num_layers - 1}")
         limit = self._timeout(timeout)
-        self._collect()
-        whole: set[int] = set()
+        whole: set[int] = set()  # (a finished load still listed costs a no-op device wait, or a quick host one)
         for job in self._in_flight.values():
             if not job.load or (transfers is not None and job.transfer_id not in transfers):
                 continue

@@ -117,7 +117,7 @@ class FirstStageOnly(TorchCopy):
     def submit_stages(self, plan, stages, *, after=None):
         self._planner.validate(plan)
         stages = self._planner.stages(plan, stages)
-        self._launch(plan, stages[0], [], [])
+        self._launch(plan, stages[0], self._index(plan), [], [])
         return self._inflight.issue(), [() for _ in stages]
 
 
