@@ -70,7 +70,7 @@ class Defaults:
         wait_timeout_s: seconds a worker's ``drain``/``close`` wait at most.
     """
 
-    cpu_eviction: str = "lru"
+    cpu_eviction: str = "hit-density"
     gpu_eviction: str = "lru"
     store: str = "eager"
     copy: str = "torch"

@@ -38,8 +38,9 @@ class Hooks(OffloadCallback):
 
 
 def instance(shared, *, world_size=2, write="write-through", callbacks=(), backoff=1.0, cpu_blocks=16):
+    # LRU: write-back puts the CPU tier's next victims, and these tests count on them being its oldest blocks.
     stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=cpu_blocks, copy="torch", device="cpu",
-                        layout="per-layer", shared=shared, world_size=world_size, shared_write=write,
+                        cpu_eviction="lru", layout="per-layer", shared=shared, world_size=world_size, shared_write=write,
                         callbacks=list(callbacks), shared_backoff_s=backoff)
     return stack, ReferenceEngine(stack)
 

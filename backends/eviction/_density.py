@@ -118,21 +118,25 @@ class HitDensityModel:
             return 0.0
         return float(self._table[cls, self.bucket(age)])
 
-    def refresh(self, classes: np.ndarray, ages: np.ndarray, keep: float) -> None:
+    def refresh(self, classes: np.ndarray, ages: np.ndarray, keep: float,
+                weights: np.ndarray | None = None) -> None:
         """Recompute the table, counting the given live blocks as censored at their ages.
 
         Args:
             classes, ages: parallel int arrays, one entry per block still
-                cached or remembered (not yet reused, not yet ended).
+                cached or remembered (not yet reused, not yet ended), or per
+                block of a sample of them.
             keep: factor in ``(0, 1]`` applied to the histograms afterwards,
                 so older observations weigh less in later refreshes.
+            weights: how many blocks each entry stands for (default 1 each).
         """
         assert 0 < keep <= 1, keep
         live = np.zeros_like(self._ends)
         if len(ages):
             b = np.minimum(self.buckets - 1,
                            (self.per_octave * np.log2(ages.astype(np.float64) + 1)).astype(np.int64))
-            np.add.at(live, (classes.astype(np.int64), b), 1)
+            flat = classes.astype(np.int64) * self.buckets + b
+            live += np.bincount(flat, weights=weights, minlength=live.size).reshape(live.shape)
         reuses = self._reuses
         events = reuses + self._ends + live
         table = self._densities(reuses, events)

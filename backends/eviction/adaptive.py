@@ -36,13 +36,13 @@ class Shadow:
     blocks would do with the expert, request by request: a *request* is a run
     of references each of whose chain parent is the reference before it (a
     reference that does not continue the run starts the next one). The
-    longest prefix of the request that is cached hits and is touched; the
-    rest is allocated, evicting by the expert with the hits set aside, and
-    the hashes not cached are inserted, in order (cached ones after the first
+    longest prefix of the request that is cached hits and is touched; then
+    each later hash not cached is inserted, in order, one at a time, evicting
+    by the expert whenever the shadow is full (cached ones after the first
     miss stay untouched). These are the rules of
-    :func:`kvkit.sim.policy_study.replay`, so a shadow fed a whole trace
-    scores the expert's own replay. A run is replayed when the next one
-    starts (or at :meth:`flush`): scores lag one request.
+    :func:`kvkit.sim.policy_study.replay` with its default per-block stores,
+    so a shadow fed a whole trace scores the expert's own replay. A run is
+    replayed when the next one starts (or at :meth:`flush`): scores lag one request.
 
     Invariants: the expert tracks exactly the cached hashes, under private
     ids; at most ``capacity`` of them after each replayed request.
@@ -76,20 +76,15 @@ class Shadow:
             if block_hash not in id_of:
                 break
             hits += 1
-        hit_ids = {id_of[h] for h in run[:hits]}
-        for block in hit_ids:
-            expert.on_access(block)
-        stop = min(len(run), capacity)  # a run longer than the pool caches only its first blocks
-        excess = len(id_of) + stop - hits - capacity
-        if excess > 0:
-            victims = expert.select_victims(min(excess, len(id_of) - len(hit_ids)),
-                                            lambda b: b not in hit_ids)
-            for victim in victims or ():
-                expert.on_remove(victim)
-                del id_of[self._hash_of.pop(victim)]
+        for block_hash in run[:hits]:
+            expert.on_access(id_of[block_hash])
         parent = run[hits - 1] if hits else self._run_parent
-        for block_hash in run[hits:stop]:
+        for block_hash in run[hits:]:
             if block_hash not in id_of:
+                if len(id_of) >= capacity:
+                    for victim in expert.select_victims(len(id_of) - capacity + 1, _any) or ():
+                        expert.on_remove(victim)
+                        del id_of[self._hash_of.pop(victim)]
                 block = BlockId(self._next_id)
                 self._next_id += 1
                 id_of[block_hash] = block
@@ -108,6 +103,10 @@ class Shadow:
         for block_hash, block in self._id_of.items():
             assert self._hash_of[block] == block_hash, f"shadow id {block} maps back wrongly"
         self.expert.check_invariants()
+
+
+def _any(block: BlockId) -> bool:
+    return True
 
 
 def _experts_check(inst: object, attribute: attrs.Attribute, value: Sequence) -> None:

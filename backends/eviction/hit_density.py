@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 import numpy as np
 from typing_extensions import override
 
+from kvkit.backends.eviction._census import Census
 from kvkit.backends.eviction._chains import ChainIndex
 from kvkit.backends.eviction._common import LearnsCapacity, check_count, move_pinned, not_tracked
 from kvkit.backends.eviction._density import HitDensityModel
@@ -22,6 +23,7 @@ __all__ = ["HitDensityPolicy", "block_class"]
 _MAX_USES = 3  # reuse counts 0, 1, 2 and "3 or more", as S3-FIFO's two bits
 _CLASSES = 2 * (_MAX_USES + 1)
 _MIN_REFRESH = 64  # ticks between two refreshes while the pool is still tiny
+_CENSUS_LIMIT = 1 << 18  # entries a refresh reads at most per census (beyond: an evenly strided sample)
 
 
 def block_class(uses: int, was_parent: bool) -> int:
@@ -112,9 +114,13 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _parked: dict[BlockId, None] = attrs.field(init=False, factory=dict)
     _uses: dict[BlockId, int] = attrs.field(init=False, factory=dict)
     _last: dict[BlockId, int] = attrs.field(init=False, factory=dict)
-    # hash -> (eviction number, last access tick, class, uses), oldest eviction first
-    _ghost: OrderedDict[BlockHash, tuple[int, int, int, int]] = attrs.field(
+    # hash -> (eviction number, last access tick, class, uses, census slot), oldest eviction first
+    _ghost: OrderedDict[BlockHash, tuple[int, int, int, int, int]] = attrs.field(
         init=False, factory=OrderedDict)
+    # (class, last access) of every tracked block and of every ghost, read by each refresh
+    _census: Census = attrs.field(init=False, factory=Census)
+    _ghost_census: Census = attrs.field(init=False, factory=Census)
+    _slot: dict[BlockId, int] = attrs.field(init=False, factory=dict)
     _model: HitDensityModel = attrs.field(init=False, factory=lambda: HitDensityModel(_CLASSES))
     _clock: int = attrs.field(init=False, default=0)
     _evictions: int = attrs.field(init=False, default=0)
@@ -157,11 +163,13 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         uses = 0
         ghost = self._ghost.pop(block_hash, None)
         if ghost is not None:  # a reuse the cache missed: learn from it, keep the history
-            _, last, cls, ghost_uses = ghost
+            _, last, cls, ghost_uses, slot = ghost
+            self._ghost_census.drop(slot)
             self._model.record_reuse(cls, self._clock - last)
             uses = ghost_uses + 1
         self._uses[block] = uses
         self._last[block] = self._clock
+        self._slot[block] = self._census.add(0, self._clock)
         self._enter(block, block_class(uses, self._chains.has_children(block)))
         if parent_block is not None and not self._class[parent_block] & 1:
             self._enter(parent_block, self._class[parent_block] | 1)
@@ -177,6 +185,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._model.record_reuse(cls, self._clock - self._last[block])
         self._uses[block] += 1
         self._last[block] = self._clock
+        self._census.set_last(self._slot[block], self._clock)
         self._enter(block, block_class(self._uses[block], bool(cls & 1)))
         self._maybe_refresh()
 
@@ -187,14 +196,16 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         if self._parked.pop(block, False) is False:
             del self._lists[cls][block]
         last, uses = self._last.pop(block), self._uses.pop(block)
+        self._census.drop(self._slot.pop(block))
         self._evictions += 1
-        self._ghost[block_hash] = (self._evictions, last, cls, uses)
+        self._ghost[block_hash] = (self._evictions, last, cls, uses, self._ghost_census.add(cls, last))
         horizon = self._evictions - self.ghost_span * max(self.c, 1)
         while self._ghost:
-            ghost_hash, (evicted, last, cls, _) = next(iter(self._ghost.items()))
+            ghost_hash, (evicted, last, cls, _, slot) = next(iter(self._ghost.items()))
             if evicted > horizon:
                 break
             del self._ghost[ghost_hash]  # forgotten unreused: censored at its age
+            self._ghost_census.drop(slot)
             self._model.record_end(cls, self._clock - last)
 
     def on_pin(self, block: BlockId) -> None:
@@ -218,40 +229,38 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
         chosen: dict[BlockId, None] = {}
-        ends: dict[tuple[int, bool], tuple[float, int, BlockId] | None] = {}
-        while len(chosen) < n:
-            root = self._next_root(is_evictable, chosen, ends)
-            if root is None:
-                return None
-            self._chains.collect(root, is_evictable, chosen, n, self._parked)
-        return list(chosen)
-
-    def _next_root(self, is_evictable: Callable[[BlockId], bool], chosen: dict[BlockId, None],
-                   ends: dict[tuple[int, bool], tuple[float, int, BlockId] | None]) -> BlockId | None:
-        """The evictable orphan orphaned longest ago, else the class-list end of lowest density.
-
-        ``ends`` caches each list end's (density, last access, block) across the
-        rounds of one selection; an entry is recomputed once its block is chosen.
-        """
         parked = self._parked
 
         def usable(block: BlockId) -> bool:
             return block not in chosen and block not in parked and is_evictable(block)
 
-        orphan = next(filter(usable, self._chains.orphans()), None)
-        if orphan is not None:
-            return orphan
-        best: tuple[float, int, BlockId] | None = None
-        for cls, blocks in enumerate(self._lists):
-            for young in (False, True):
-                key = ends.get((cls, young), ())
-                if key == () or key is not None and key[2] in chosen:
-                    block = next(filter(usable, reversed(blocks) if young else iter(blocks)), None)
-                    key = None if block is None else (self.density_of(block), self._last[block], block)
-                    ends[cls, young] = key
-                if key is not None and (best is None or key < best):
-                    best = key
-        return None if best is None else best[2]
+        # One cursor per candidate stream (the orphans, then both ends of every class list),
+        # kept across the rounds of this selection: nothing a round skips can become usable
+        # later in it, so each stream is walked at most once and a selection costs O(n + skipped).
+        orphans = filter(usable, self._chains.orphans())
+        ends = [filter(usable, reversed(blocks) if young else iter(blocks))
+                for blocks in self._lists for young in (False, True)]
+        heads: list[tuple[float, int, BlockId] | None] = [self._head(end) for end in ends]
+        orphan = next(orphans, None)
+        while len(chosen) < n:
+            if orphan is not None:
+                root, orphan = orphan, None
+            else:
+                live = [i for i, head in enumerate(heads) if head is not None]
+                if not live:
+                    return None
+                root = heads[min(live, key=heads.__getitem__)][2]  # type: ignore[index]
+            self._chains.collect(root, is_evictable, chosen, n, parked)
+            orphan = orphan if orphan is not None and orphan not in chosen else next(orphans, None)
+            for i, head in enumerate(heads):
+                if head is not None and head[2] in chosen:
+                    heads[i] = self._head(ends[i])
+        return list(chosen)
+
+    def _head(self, stream: Iterator[BlockId]) -> tuple[float, int, BlockId] | None:
+        """The next usable block of a candidate stream as ``(density, last access, block)``, or ``None``."""
+        block = next(stream, None)
+        return None if block is None else (self.density_of(block), self._last[block], block)
 
     # -- bookkeeping -----------------------------------------------------------
 
@@ -259,6 +268,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         """Put ``block`` at the young end of class ``cls``'s list (if parked: only its class)."""
         old = self._class.get(block)
         self._class[block] = cls
+        self._census.set_class(self._slot[block], cls)
         if block in self._parked:
             return  # it enters its (new) class's list on on_unpin
         if old is not None:
@@ -266,17 +276,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._lists[cls][block] = None
 
     def _maybe_refresh(self) -> None:
+        """About once per pool's worth of ticks: recompute the densities (bounded work, see :mod:`._census`)."""
         if self._clock < self._next_refresh:
             return
         self._next_refresh = self._clock + max(self.c, _MIN_REFRESH)
-        now, n_tracked, n_ghosts = self._clock, len(self._class), len(self._ghost)
-        classes = np.fromiter(
-            (*self._class.values(), *(g[2] for g in self._ghost.values())),
-            dtype=np.int64, count=n_tracked + n_ghosts)
-        ages = now - np.fromiter(
-            (*self._last.values(), *(g[1] for g in self._ghost.values())),
-            dtype=np.int64, count=n_tracked + n_ghosts)
-        self._model.refresh(classes, ages, keep=1 - 1 / self.ghost_span)
+        (t_cls, t_last, t_w), (g_cls, g_last, g_w) = (
+            census.sample(_CENSUS_LIMIT) for census in (self._census, self._ghost_census))
+        weights = np.concatenate([np.full(len(t_cls), t_w), np.full(len(g_cls), g_w)])
+        self._model.refresh(np.concatenate([t_cls, g_cls]), self._clock - np.concatenate([t_last, g_last]),
+                            keep=1 - 1 / self.ghost_span, weights=weights)
 
     @override
     def __len__(self) -> int:
@@ -297,6 +305,14 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             assert cls & 1 or not self._chains.has_children(block), \
                 f"block {block} has a child but is not classed a parent"
             assert self._last[block] <= self._clock, f"block {block} accessed in the future"
+        assert len(self._slot) == len(self._census) == len(self._class), "census of tracked blocks drifted"
+        for block, slot in self._slot.items():
+            assert self._census.get(slot) == (self._class[block], self._last[block]), f"census of block {block}"
+        assert len(self._ghost_census) == len(self._ghost), "census of ghosts drifted"
+        for ghost_hash, (_, last, cls, _, slot) in self._ghost.items():
+            assert self._ghost_census.get(slot) == (cls, last), f"census of ghost {ghost_hash}"
+        self._census.check_invariants()
+        self._ghost_census.check_invariants()
         evicted = [g[0] for g in self._ghost.values()]
         assert evicted == sorted(evicted), "ghost is not in eviction order"
         for ghost_hash in self._ghost:

@@ -13,7 +13,7 @@ from kvkit.cli import check_plot_path, renamed_flag
 from kvkit.cli._progress import progress
 from kvkit.config import DEFAULTS
 from kvkit.sim.baselines import libcachesim_study
-from kvkit.sim.policy_study import OPT, HitStats, PolicyStudy, check_study, study
+from kvkit.sim.policy_study import OPT, STORES, HitStats, PolicyStudy, check_study, study
 from kvkit.sim.synthetic import SHAPES, shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, read_trace
 
@@ -51,6 +51,10 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
               help="Also run libCacheSim's classic policies on the same blocks, counted plainly "
                    "(a hit whenever a block is cached, not only in a hit prefix); needs the "
                    "libcachesim extra.")
+@click.option("--stores", type=click.Choice(STORES), default=STORES[0], show_default=True,
+              help="How a request's missing blocks enter the pool: one at a time after its hits "
+                   "were released (an offload tier's stores; libCacheSim's rules), or all at once "
+                   "beside its pinned hits (an engine's prefix cache).")
 @click.option("--capacities", default="1000,4000,16000", show_default=True,
               callback=_capacities, help="Pool sizes in blocks, comma-separated.")
 @click.option("--policies", "policy_list", default=None,
@@ -68,15 +72,15 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
               help="Write a PNG of hit ratio against capacity per policy.")
 @renamed_flag("--block-tokens", "--block-size", type=click.IntRange(min=1))  # hidden and warning, one release
 def policies_command(trace_path: Path | None, shape_name: str | None, baselines: str | None,
-                     capacities: list[int], policy_list: str | None,
+                     stores: str, capacities: list[int], policy_list: str | None,
                      block_size: int, limit: int | None, jobs: int | None, as_json: bool,
                      plot_path: Path | None) -> None:
     """Compare eviction policies' prefix hit ratios on a trace, as shares of the optimum.
 
     Replays the trace through the real block pool once per policy and
     capacity, in parallel. A block hits only while every earlier block of its
-    request hit; every block is cached after its request. The JSON report's
-    "block_tokens" repeats "block_size" for one release.
+    request hit; every block is stored after its request (--stores says how).
+    The JSON report's "block_tokens" repeats "block_size" for one release.
     """
     check_plot_path(plot_path)
     if (trace_path is None) == (shape_name is None):
@@ -94,7 +98,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, baselines:
     with progress() as bar:
         requests = list(bar.track(source, f"reading {label}"))
         task = bar.task("replaying", len(names) * len(capacities))
-        result = study(requests, capacities, names, jobs=jobs, on_result=lambda stats: bar.update(
+        result = study(requests, capacities, names, stores=stores, jobs=jobs, on_result=lambda stats: bar.update(
             task, advance=1, note=f"replays, last {stats.policy} @ {stats.capacity:,} blocks"))
     plain = None if baselines is None else libcachesim_study(requests, capacities)
     seconds = time.perf_counter() - start
@@ -108,6 +112,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, baselines:
             "block_tokens": block_size,  # deprecated duplicate of block_size, kept one release
             "requests": len(requests),
             "block_references": references,
+            "stores": stores,
             "seconds": round(seconds, 3),
             "results": result.results(),
             **({} if plain is None else {"baselines": {"libcachesim": {
@@ -117,7 +122,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, baselines:
         }, indent=2))
     else:
         _print_table(result, f"{label}: {len(requests):,} requests, {references:,} block "
-                             f"references of {block_size:,} tokens, {seconds:.1f} s")
+                             f"references of {block_size:,} tokens, {stores} stores, {seconds:.1f} s")
         if plain is not None:
             _print_baselines(plain, result.capacities)
     if plot_path is not None and not as_json:

@@ -1,20 +1,30 @@
 """Replay a trace through the real ``BlockPool`` to compare eviction policies.
 
-Hit semantics (those of an engine's prefix cache, one request at a time):
+Hit semantics (an offload tier's, one request at a time):
 
 * A request references its blocks in order; a block *hits* only while every
   earlier block of the request hit too (the longest cached prefix, as
   :meth:`~kvkit.interfaces.allocator.BlockAllocator.lookup` finds it).
   ``hit_ratio`` is hit block references over all block references.
-* After the lookup, the hits are pinned and touched, every other block of the
-  request gets a fresh block (evicting through the policy) and is committed
-  under its hash with its chain parent, and all references are dropped: each
-  block is in the cache after the request, as after an engine computed it. A
-  block past the first miss that is still cached stays where it is, untouched
-  (the pool's commit keeps the first block of a hash, as an engine's prefix
-  cache does), unless the allocation just evicted it.
-* Requests run one after another, never concurrently, so a request can use the
-  whole pool. One larger than the pool caches only its first ``capacity`` blocks.
+* ``stores="per-block"`` (the default, a CPU tier's view): the hits are
+  pinned, touched and released (their load is over before the request's
+  stores begin); then every later block the tier does not hold is stored, in
+  order, one block at a time: each gets a fresh block (evicting through the
+  policy; any block not in use may go, the request's own hits and its earlier
+  stored blocks included) and is committed under its hash with its chain
+  parent. A block past the first miss that is still cached stays where it is,
+  untouched (nothing needs storing). These are the rules of a classic cache
+  simulator fed the request's blocks as objects (libCacheSim counting prefix
+  hits: :func:`kvkit.sim.baselines.libcachesim_study` with ``prefix=True``),
+  so the same rule scores the same in both, and ``"opt"`` equals Belady.
+* ``stores="per-request"`` (an engine's prefix cache, which must hold a
+  request's whole prompt while it runs): the hits stay pinned while every
+  other block of the request gets a fresh block at once, so none of the
+  request's blocks can evict another; a block past the first miss that is
+  still cached stays where it is unless that allocation evicted it. A request
+  larger than the pool caches only its first ``capacity`` blocks.
+* Either way all references are dropped after the request, and requests run
+  one after another, never concurrently.
 
 The offline optimum (``"opt"``) is built from the trace's reference string and
 its clock advanced once per block reference, before the lookup.
@@ -38,10 +48,14 @@ from kvkit.registry import EVICTION
 from kvkit.sim.traces import TraceRequest
 from kvkit.validate import check_int
 
-__all__ = ["OPT", "HitStats", "PolicyStudy", "TraceClock", "check_study", "default_policies", "replay", "study"]
+__all__ = ["OPT", "STORES", "HitStats", "PolicyStudy", "TraceClock", "check_stores", "check_study",
+           "default_policies", "replay", "study"]
 
 OPT = "opt"
 """Registry name of the offline optimum, the yardstick of every study."""
+
+STORES = ("per-block", "per-request")
+"""How a replay stores a request's missing blocks (see the module docstring); the first is the default."""
 
 
 @attrs.frozen
@@ -80,8 +94,20 @@ def _make_policy(name: str, requests: Sequence[TraceRequest]) -> EvictionPolicy:
     return EVICTION.create(name, slot="policy")
 
 
+def check_stores(stores: object) -> str:
+    """``stores`` if it is one of :data:`STORES`.
+
+    Raises:
+        ConfigError: anything else, quoted.
+    """
+    if stores not in STORES:
+        raise ConfigError(f"stores must be one of {', '.join(STORES)}, got {stores!r}")
+    return stores  # type: ignore[return-value]
+
+
 def replay(requests: Sequence[TraceRequest], capacity: int,
-           policy: str | EvictionPolicy = DEFAULTS.cpu_eviction, *, check_invariants: bool = False,
+           policy: str | EvictionPolicy = DEFAULTS.cpu_eviction, *, stores: str = STORES[0],
+           check_invariants: bool = False,
            hints: Sequence[WorkloadHints | None] | None = None, clock: TraceClock | None = None) -> HitStats:
     """Replay ``requests`` through a ``BlockPool`` of ``capacity`` blocks; count prefix hits.
 
@@ -91,6 +117,7 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
         policy: a registered eviction policy name, or a fresh instance that
             tracks no blocks. An instance with an ``observe(hash)`` method
             (the offline optimum) is told every block reference before its lookup.
+        stores: ``"per-block"`` or ``"per-request"`` (see the module docstring).
         check_invariants: check the pool and policy after every request (slow; tests).
         hints: one per request (or ``None``), told with its hashes to a
             :class:`~kvkit.interfaces.hints.HintAwarePolicy` before its lookup,
@@ -99,9 +126,10 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
             a policy that reads time (retention hints) is built with it.
 
     Raises:
-        ConfigError: unknown policy name or bad capacity, or ``hints`` not one per request.
+        ConfigError: unknown policy name, bad capacity or ``stores``, or ``hints`` not one per request.
     """
     capacity = check_int("capacity", capacity, 1)
+    per_block = check_stores(stores) == STORES[0]
     name = policy if isinstance(policy, str) else type(policy).__name__
     instance = _make_policy(policy, requests) if isinstance(policy, str) else policy
     pool = BlockPool(capacity, eviction=instance)
@@ -126,13 +154,21 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
         n_hit = len(hit)
         incref(hit)
         touch(hit)
-        stop = min(len(hashes), capacity)  # hits are cached, so n_hit <= stop
-        if stop > n_hit:
-            new = allocate(stop - n_hit)
-            parents = hashes[n_hit - 1:stop - 1] if n_hit else (None, *hashes[:stop - 1])
-            commit(new, hashes[n_hit:stop], parents)
-            decref(new)
-        decref(hit)
+        if per_block:
+            decref(hit)
+            for i in range(n_hit, len(hashes)):
+                if not lookup(hashes[i:i + 1]):  # a block the tier still holds needs no store
+                    new = allocate(1)
+                    commit(new, hashes[i:i + 1], (hashes[i - 1] if i else None,))
+                    decref(new)
+        else:
+            stop = min(len(hashes), capacity)  # hits are cached, so n_hit <= stop
+            if stop > n_hit:
+                new = allocate(stop - n_hit)
+                parents = hashes[n_hit - 1:stop - 1] if n_hit else (None, *hashes[:stop - 1])
+                commit(new, hashes[n_hit:stop], parents)
+                decref(new)
+            decref(hit)
         hits += n_hit
         references += len(hashes)
         if check_invariants:
@@ -197,8 +233,8 @@ def _init_worker(requests: Sequence[TraceRequest]) -> None:
     _worker_requests = requests
 
 
-def _replay_in_worker(policy: str, capacity: int) -> HitStats:
-    return replay(_worker_requests, capacity, policy)
+def _replay_in_worker(policy: str, capacity: int, stores: str) -> HitStats:
+    return replay(_worker_requests, capacity, policy, stores=stores)
 
 
 def check_study(capacities: Iterable[int],
@@ -219,7 +255,7 @@ def check_study(capacities: Iterable[int],
 
 
 def study(requests: Sequence[TraceRequest], capacities: Iterable[int],
-          policies: Iterable[str] | None = None, *, jobs: int | None = None,
+          policies: Iterable[str] | None = None, *, stores: str = STORES[0], jobs: int | None = None,
           on_result: Callable[[HitStats], None] | None = None) -> PolicyStudy:
     """Replay ``requests`` for every (policy, capacity) pair, in parallel processes.
 
@@ -228,15 +264,17 @@ def study(requests: Sequence[TraceRequest], capacities: Iterable[int],
         capacities: pool sizes in blocks.
         policies: registered eviction policy names (default: all of them);
             the optimum is always added, since every ratio is shared against it.
+        stores: how each replay stores a request's missing blocks (:data:`STORES`).
         jobs: worker processes (default: one per CPU, at most one per pair);
             ``1`` replays in this process. Each worker receives the trace once.
         on_result: called in this process as each replay finishes.
 
     Raises:
-        ConfigError: an unknown policy, a bad capacity or ``jobs``; raised
-            before any replay starts.
+        ConfigError: an unknown policy, a bad capacity, ``stores`` or ``jobs``;
+            raised before any replay starts.
     """
     names, capacities = check_study(capacities, policies)
+    check_stores(stores)
     # The optimum is usually the slowest replay, and big pools are slower: start those first.
     pairs = sorted(((p, c) for p in names for c in capacities),
                    key=lambda pc: (pc[0] != OPT, -pc[1]))
@@ -252,11 +290,11 @@ def study(requests: Sequence[TraceRequest], capacities: Iterable[int],
 
     if jobs == 1:
         for p, c in pairs:
-            record(replay(requests, c, p))
+            record(replay(requests, c, p, stores=stores))
     else:
         with concurrent.futures.ProcessPoolExecutor(
                 jobs, initializer=_init_worker, initargs=(requests,)) as pool:
-            futures = [pool.submit(_replay_in_worker, p, c) for p, c in pairs]
+            futures = [pool.submit(_replay_in_worker, p, c, stores) for p, c in pairs]
             for future in concurrent.futures.as_completed(futures):
                 record(future.result())
     return PolicyStudy(names, capacities, stats)

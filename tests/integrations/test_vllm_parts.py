@@ -137,7 +137,7 @@ def test_the_old_eviction_key_still_works_and_warns():
     with pytest.warns(DeprecationWarning, match=r"kv_connector_extra_config\(eviction=\.\.\.\) is deprecated; use cpu_eviction"):
         s = settings(eviction="fifo")
     assert s.stack.cpu_eviction == "fifo"
-    assert settings().stack.cpu_eviction == DEFAULTS.cpu_eviction == "lru"
+    assert settings().stack.cpu_eviction == DEFAULTS.cpu_eviction == "hit-density"
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="disagree"):
         settings(eviction="fifo", cpu_eviction="lru")
 

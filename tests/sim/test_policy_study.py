@@ -47,10 +47,42 @@ def test_misses_are_cached_after_their_request():
     assert (stats.hits, stats.references) == (3, 6)
 
 
-def test_request_larger_than_the_pool_caches_its_first_blocks():
-    """A request longer than the pool caches only its first `capacity` blocks and raises nothing."""
-    stats = replay(_trace((0, 1, 2, 3, 4), (0, 1, 2, 3, 4)), 2, "lru", check_invariants=True)
+def test_request_larger_than_the_pool_caches_its_first_blocks_per_request():
+    """Stored per request, one longer than the pool caches only its first `capacity` blocks, raising nothing."""
+    stats = replay(_trace((0, 1, 2, 3, 4), (0, 1, 2, 3, 4)), 2, "lru", stores="per-request", check_invariants=True)
     assert stats.hits == 2
+
+
+@pytest.mark.parametrize(("policy", "hits"), [("lru", 0), (OPT, 1)])
+def test_per_block_stores_let_a_request_evict_its_own_blocks(policy, hits):
+    """Stored block by block, a long request's later blocks may push out its earlier ones.
+
+    LRU keeps the last two (orphans: nothing hits); the optimum keeps block 0
+    (each later block must enter, so it replaces the one before it).
+    """
+    stats = replay(_trace((0, 1, 2, 3, 4), (0, 1, 2, 3, 4)), 2, policy, check_invariants=True)
+    assert stats.hits == hits
+
+
+def test_per_block_stores_release_the_hits_first():
+    """Per block, a request's hits are released before its stores, so the stores may evict them.
+
+    Pool of 2: the second request hits block 0, then stores 5 and 6. Per request,
+    0 stays pinned beside one new block (the pool can hold only one); per block
+    LRU evicts 0's neighbour 1 for 5, then 0 for 6.
+    """
+    trace = _trace((0, 1), (0, 5, 6), (0, 1))
+    assert replay(trace, 2, "lru", check_invariants=True).hits == 1
+    assert replay(trace, 2, "lru", stores="per-request", check_invariants=True).hits == 2
+
+
+@pytest.mark.parametrize("stores", ["per-bloc", None, 1])
+def test_bad_stores_is_a_config_error(stores):
+    """An unknown ``stores`` raises ConfigError quoting it, before any replay."""
+    with pytest.raises(ConfigError, match=f"stores must be one of per-block, per-request, got {stores!r}"):
+        replay(_trace((0,)), 4, stores=stores)
+    with pytest.raises(ConfigError, match="stores must be"):
+        study(_trace((0,)), [4], ["lru"], stores=stores, jobs=1)
 
 
 @given(small_workloads, st.sampled_from(default_policies()))
@@ -62,11 +94,11 @@ def test_unbounded_pool_hits_every_repeat(workload, policy):
     assert stats.hits == stats.references - distinct
 
 
-@given(small_workloads, st.integers(4, 120))
-def test_optimum_beats_every_policy(workload, capacity):
-    """The offline optimum's hit ratio is at least every other policy's, at any capacity."""
+@given(small_workloads, st.integers(4, 120), st.sampled_from(["per-block", "per-request"]))
+def test_optimum_beats_every_policy(workload, capacity, stores):
+    """The offline optimum's hit ratio is at least every other policy's, at any capacity, either way of storing."""
     trace = list(generate(workload))
-    ratios = {p: replay(trace, capacity, p, check_invariants=True).hits for p in default_policies()}
+    ratios = {p: replay(trace, capacity, p, stores=stores, check_invariants=True).hits for p in default_policies()}
     assert all(ratios[OPT] >= h for h in ratios.values()), ratios
 
 
@@ -126,10 +158,21 @@ def test_cli_json_schema(trace_file):
     report = json.loads(result.stdout)
     assert report["trace"] == str(trace_file)
     assert report["block_size"] == report["block_tokens"] == 16  # block_tokens: deprecated duplicate
+    assert report["stores"] == "per-block"
     assert set(report["results"]) == {"30", "300"}
     for per_policy in report["results"].values():
         assert set(per_policy) == {"lru", "s3fifo", OPT}
         assert per_policy[OPT] == {"hit_ratio": per_policy[OPT]["hit_ratio"], "of_opt": 1.0}
+
+
+def test_cli_stores_choose_the_replay(trace_file):
+    """--stores per-request replays as an engine's prefix cache: the JSON says so and its ratios are replay()'s."""
+    args = ("--trace", trace_file, "--block-size", 16, "--capacities", "30", "--policies", "lru", "--jobs", 1, "--json")
+    reports = {stores: json.loads(_run(*args, "--stores", stores).stdout) for stores in ("per-block", "per-request")}
+    requests = list(generate(SyntheticWorkload(num_conversations=12, seed=7)))
+    for stores, report in reports.items():
+        assert report["stores"] == stores
+        assert report["results"]["30"]["lru"]["hit_ratio"] == replay(requests, 30, "lru", stores=stores).hit_ratio
 
 
 def test_cli_table_and_plot(trace_file, tmp_path):
@@ -147,6 +190,7 @@ def test_cli_table_and_plot(trace_file, tmp_path):
     (["--capacities", "0"], "positive block counts"),
     (["--policies", "lru,nope"], "policy='nope': unknown eviction policy"),
     (["--block-size", "512"], "field 'hash_ids'"),  # the file uses 16-token blocks
+    (["--stores", "per-blok"], "'per-blok' is not one of 'per-block', 'per-request'"),
 ])
 def test_cli_bad_input_is_one_line_error(trace_file, args, message):
     """Bad options or a trace at the wrong block size exit 2 with a one-line error, no traceback."""
