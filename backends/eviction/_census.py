@@ -33,6 +33,7 @@ class Census:
     _last: array = attrs.field(init=False, factory=lambda: array("q"))
     _live: bytearray = attrs.field(init=False, factory=bytearray)
     _free: list[int] = attrs.field(init=False, factory=list)
+    _samples: int = attrs.field(init=False, default=0)  # rotates a strided sample's first entry
 
     def add(self, cls: int, last: int) -> int:
         """A slot holding ``(cls, last)``."""
@@ -62,13 +63,18 @@ class Census:
     def sample(self, limit: int) -> tuple[np.ndarray, np.ndarray, float]:
         """``(classes, lasts, weight)``: every live entry, or an evenly strided ``<= limit`` of them.
 
+        Successive strided samples start at successive offsets, so an entry
+        pattern that repeats with the stride is not always missed.
+
         ``weight`` is live entries over entries returned (1 when all are), so
         weighted counts estimate the whole census.
         """
         live = np.flatnonzero(np.frombuffer(self._live, dtype=np.uint8))
         if not len(live):
             return np.zeros(0, np.int64), np.zeros(0, np.int64), 1.0
-        picked = live[::math.ceil(len(live) / limit)]
+        stride = math.ceil(len(live) / limit)
+        self._samples += 1
+        picked = live[self._samples % stride::stride]  # a different offset each time: no fixed aliasing
         cls = np.frombuffer(self._cls, dtype=np.int64)[picked]
         last = np.frombuffer(self._last, dtype=np.int64)[picked]
         return cls, last, len(live) / len(picked)

@@ -102,6 +102,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
           with a cached child is a parent.
         * The ghost holds only hashes of untracked blocks, evicted within
           the last ``ghost_span * capacity`` evictions, oldest first.
+        * The two censuses hold exactly the (class, last access) of every
+          tracked block and of every ghost; a refresh reads at most
+          ``2**18`` entries of each (a strided, reweighted sample beyond).
         * The chain index's and the density model's invariants.
     """
 
