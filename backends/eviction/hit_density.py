@@ -242,7 +242,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         # later in it, so each stream is walked at most once and a selection costs O(n + skipped).
         orphans = filter(usable, self._chains.orphans())
         ends = [filter(usable, reversed(blocks) if young else iter(blocks))
-                for blocks in self._lists for young in (False, True)]
+                for blocks in self._lists if blocks for young in (False, True)]
         heads: list[tuple[float, int, BlockId] | None] = [self._head(end) for end in ends]
         orphan = next(orphans, None)
         while len(chosen) < n:
