@@ -13,6 +13,7 @@ from kvkit.validate import check_int
 
 __all__ = [
     "LearnsCapacity",
+    "any_block",
     "already_tracked",
     "check_count",
     "hash_already_tracked",
@@ -126,3 +127,8 @@ def take_evictable(candidates: Iterable[BlockId], n: int,
     """
     victims = list(islice(filter(is_evictable, candidates), n))
     return victims if len(victims) == n else None
+
+
+def any_block(block: BlockId) -> bool:
+    """The ``is_evictable`` of a caller that holds no block in use: every block may go."""
+    return True

@@ -37,7 +37,7 @@ from itertools import chain, islice
 import attrs
 from sortedcontainers import SortedList
 
-from kvkit.backends.eviction._common import not_tracked, pin_mismatch
+from kvkit.backends.eviction._common import any_block, not_tracked, pin_mismatch
 from kvkit.interfaces.types import BlockId
 
 __all__ = ["ParkingQueue"]
@@ -320,7 +320,7 @@ class ParkingQueue:
         """The blocks that joined the window since the last call and are still in it, in joining order."""
         entered, self._entered = self._entered, []
         if len(entered) > 4 * self._size + 64:  # joined and left many times: the window itself is shorter
-            return self.first(self._size, _always)
+            return self.first(self._size, any_block)
         return [b for b in dict.fromkeys(entered) if self.in_window(b)]
 
     def _joined(self, block: BlockId) -> None:
@@ -441,7 +441,3 @@ class ParkingQueue:
         if stamp == self._back_max:
             self._back_max = self._back[-1] if self._back_stamp else 0
         return stamp
-
-
-def _always(block: BlockId) -> bool:
-    return True

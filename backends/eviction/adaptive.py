@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import LearnsCapacity, check_count, not_tracked
+from kvkit.backends.eviction._common import LearnsCapacity, any_block, check_count, not_tracked
 from kvkit.backends.eviction.arc import ARCPolicy
 from kvkit.backends.eviction.hit_density import HitDensityPolicy
 from kvkit.backends.eviction.lfu import LFUPolicy
@@ -82,7 +82,7 @@ class Shadow:
         for block_hash in run[hits:]:
             if block_hash not in id_of:
                 if len(id_of) >= capacity:
-                    for victim in expert.select_victims(len(id_of) - capacity + 1, _any) or ():
+                    for victim in expert.select_victims(len(id_of) - capacity + 1, any_block) or ():
                         expert.on_remove(victim)
                         del id_of[self._hash_of.pop(victim)]
                 block = BlockId(self._next_id)
@@ -103,10 +103,6 @@ class Shadow:
         for block_hash, block in self._id_of.items():
             assert self._hash_of[block] == block_hash, f"shadow id {block} maps back wrongly"
         self.expert.check_invariants()
-
-
-def _any(block: BlockId) -> bool:
-    return True
 
 
 def _experts_check(inst: object, attribute: attrs.Attribute, value: Sequence) -> None:

@@ -244,17 +244,14 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         ends = [filter(usable, reversed(blocks) if young else iter(blocks))
                 for blocks in self._lists if blocks for young in (False, True)]
         heads: list[tuple[float, int, BlockId] | None] = [self._head(end) for end in ends]
-        orphan = next(orphans, None)
         while len(chosen) < n:
-            if orphan is not None:
-                root, orphan = orphan, None
-            else:
+            root = next(orphans, None)
+            if root is None:
                 live = [i for i, head in enumerate(heads) if head is not None]
                 if not live:
                     return None
                 root = heads[min(live, key=heads.__getitem__)][2]  # type: ignore[index]
             self._chains.collect(root, is_evictable, chosen, n, parked)
-            orphan = orphan if orphan is not None and orphan not in chosen else next(orphans, None)
             for i, head in enumerate(heads):
                 if head is not None and head[2] in chosen:
                     heads[i] = self._head(ends[i])

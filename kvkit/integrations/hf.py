@@ -676,10 +676,9 @@ class _ModelPrefill(PrefillCompute):
         bs = self.spec.block_size
         device = self.planes[0][0].device
         for g, group in enumerate(self.spec.groups):
-            tokens = sum(k.shape[-2] for k, _ in recorded[group.layers[0]])
-            slots = torch.arange(first * bs, first * bs + tokens, device=device)
+            new = torch.arange(sum(k.shape[-2] for k, _ in recorded[group.layers[0]]), device=device)
             table = torch.tensor(req.table[g][first:], device=device)
-            where = (table[slots // bs - first], slots % bs)  # (block, offset) of each new token
+            where = (table[new // bs], new % bs)  # (block, offset) of each new token
             for layer in group.layers:
                 for plane, pieces in zip(self.planes[layer], zip(*recorded[layer], strict=True), strict=True):
                     # Row 0: beam search runs the prompt once per beam, every row the same.

@@ -16,7 +16,8 @@ Hit semantics (an offload tier's, one request at a time):
   untouched (nothing needs storing). These are the rules of a classic cache
   simulator fed the request's blocks as objects (libCacheSim counting prefix
   hits: :func:`kvkit.sim.baselines.libcachesim_study` with ``prefix=True``),
-  so the same rule scores the same in both, and ``"opt"`` equals Belady.
+  so the same rule scores the same in both, and ``"opt"`` hits at least as
+  often as Belady (it also knows the next use of a block left untouched).
 * ``stores="per-request"`` (an engine's prefix cache, which must hold a
   request's whole prompt while it runs): the hits stay pinned while every
   other block of the request gets a fresh block at once, so none of the
