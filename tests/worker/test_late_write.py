@@ -113,21 +113,26 @@ def test_the_planted_fail_all_at_once_is_caught():
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["ok", "hold", "fail"])), min_size=1, max_size=8))
 def test_conversations_with_failing_polls_and_late_copies_load_only_true_bytes(turns):
-    """Held copies and failing polls, mixed: no copy touches blocks one in flight writes; no loaded byte is wrong."""
+    """Held copies and failing polls, mixed: no copy touches blocks one in flight writes; no loaded byte is wrong.
+
+    A turn's fault hits the step that submits its stores. Its prefill step runs
+    fault-free: the step waits for its loads before computing, so a load held
+    for good or behind polls that keep failing can only end in the (correct)
+    TransferTimeoutError.
+    """
     backend = ThreadedCopy()
     stack, engine = _stack(TransferEngine, backend, gpu_blocks=24, cpu_blocks=12)
     gates = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for i, (conversation, fault) in enumerate(turns):
-            if fault == "hold":
-                gates.append(backend.hold())
-            else:
-                backend.gate = None
-            backend.poll_error = RuntimeError("device lost") if fault == "fail" else None
+            backend.gate = backend.poll_error = None
             tokens = list(range(100 * conversation, 100 * conversation + 9 + 4 * i))
             engine.add_request(f"r{i}", hash_blocks(tokens, SPEC.block_size), len(tokens))
             engine.step()
+            if fault == "hold":
+                gates.append(backend.hold())
+            backend.poll_error = RuntimeError("device lost") if fault == "fail" else None
             engine.finish(f"r{i}")
             engine.step()
             stack.check_invariants()
