@@ -45,8 +45,10 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
               type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
               help="Mooncake JSONL(.gz) trace to replay, or a built-in one by name: mooncake-conversation.")
 @click.option("--shape", "shape_name", default=None, type=click.Choice(sorted(SHAPES)),
-              help="Replay a synthetic workload shape instead of --trace (seed 0; blocks of "
+              help="Replay a synthetic workload shape instead of --trace (blocks of "
                    f"{DEFAULTS.block_size} tokens unless --block-size is given).")
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seed of the --shape workload (another seed draws another trace of the same shape).")
 @click.option("--baselines", type=click.Choice(["libcachesim"]), default=None,
               help="Also run libCacheSim's classic policies on the same blocks, counted plainly "
                    "(a hit whenever a block is cached, not only in a hit prefix); needs the "
@@ -71,7 +73,7 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG of hit ratio against capacity per policy.")
 @renamed_flag("--block-tokens", "--block-size", type=click.IntRange(min=1))  # hidden and warning, one release
-def policies_command(trace_path: Path | None, shape_name: str | None, baselines: str | None,
+def policies_command(trace_path: Path | None, shape_name: str | None, seed: int, baselines: str | None,
                      stores: str, capacities: list[int], policy_list: str | None,
                      block_size: int, limit: int | None, jobs: int | None, as_json: bool,
                      plot_path: Path | None) -> None:
@@ -85,15 +87,17 @@ def policies_command(trace_path: Path | None, shape_name: str | None, baselines:
     check_plot_path(plot_path)
     if (trace_path is None) == (shape_name is None):
         raise click.UsageError("give --trace or --shape (one of them)")
+    ctx = click.get_current_context()
+    if trace_path is not None and ctx.get_parameter_source("seed") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError(f"--seed {seed} seeds a --shape workload; a --trace replays as it is")
     if baselines is not None:
         _require_libcachesim()
     names, capacities = check_study(capacities, _split(policy_list, "policy names"))  # before any work
-    if shape_name is not None and click.get_current_context().get_parameter_source(
-            "block_size") is click.core.ParameterSource.DEFAULT:
+    if shape_name is not None and ctx.get_parameter_source("block_size") is click.core.ParameterSource.DEFAULT:
         block_size = DEFAULTS.block_size
     source = (read_trace(trace_path, block_size=block_size, limit=limit) if trace_path is not None
-              else itertools.islice(shape(shape_name, block_size=block_size).requests(), limit))
-    label = trace_path.name if trace_path is not None else f"synthetic {shape_name}"
+              else itertools.islice(shape(shape_name, seed=seed, block_size=block_size).requests(), limit))
+    label = trace_path.name if trace_path is not None else f"synthetic {shape_name} (seed {seed})"
     start = time.perf_counter()
     with progress() as bar:
         requests = list(bar.track(source, f"reading {label}"))
@@ -108,6 +112,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, baselines:
     if as_json:
         click.echo(json.dumps({
             "trace": str(trace_path) if trace_path is not None else f"synthetic:{shape_name}",
+            "seed": None if shape_name is None else seed,
             "block_size": block_size,
             "block_tokens": block_size,  # deprecated duplicate of block_size, kept one release
             "requests": len(requests),

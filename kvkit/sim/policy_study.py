@@ -157,10 +157,10 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
         touch(hit)
         if per_block:
             decref(hit)
-            for i in range(n_hit, len(hashes)):
-                if not lookup(hashes[i:i + 1]):  # a block the tier still holds needs no store
+            for at in range(n_hit, len(hashes)):
+                if not lookup(hashes[at:at + 1]):  # a block the tier still holds needs no store
                     new = allocate(1)
-                    commit(new, hashes[i:i + 1], (hashes[i - 1] if i else None,))
+                    commit(new, hashes[at:at + 1], (hashes[at - 1] if at else None,))
                     decref(new)
         else:
             stop = min(len(hashes), capacity)  # hits are cached, so n_hit <= stop

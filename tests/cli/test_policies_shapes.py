@@ -20,7 +20,7 @@ def test_a_shape_replays_by_name_with_its_block_size() -> None:
     result = _policies("--shape", "agent")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert report["trace"] == "synthetic:agent" and report["block_size"] == 16
+    assert report["trace"] == "synthetic:agent" and report["block_size"] == 16 and report["seed"] == 0
     assert set(report["results"]["200"]) == {"lru", "opt"}
     assert "baselines" not in report
 
@@ -30,6 +30,16 @@ def test_trace_or_shape_exactly_one() -> None:
     assert "give --trace or --shape" in _policies().output
     both = _policies("--shape", "rag", "--trace", "mooncake-conversation")
     assert both.exit_code == 2 and "one of them" in both.output
+
+
+def test_seed_draws_another_trace_of_the_shape() -> None:
+    """--seed reseeds the --shape workload (JSON records it); with --trace it is a usage error."""
+    runs = {seed: json.loads(_policies("--shape", "few-shot", "--seed", str(seed)).output) for seed in (0, 1)}
+    assert [runs[s]["seed"] for s in (0, 1)] == [0, 1]
+    assert runs[0]["block_references"] != runs[1]["block_references"]
+    assert json.loads(_policies("--trace", "mooncake-conversation").output)["seed"] is None
+    refused = _policies("--trace", "mooncake-conversation", "--seed", "3")
+    assert refused.exit_code == 2 and "--seed 3" in refused.output
 
 
 def test_unknown_shape_lists_the_choices() -> None:
