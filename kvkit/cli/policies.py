@@ -53,6 +53,9 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
               help="Also run libCacheSim's classic policies on the same blocks, counted plainly "
                    "(a hit whenever a block is cached, not only in a hit prefix); needs the "
                    "libcachesim extra.")
+@click.option("--counting", type=click.Choice(["plain", "prefix"]), default="plain", show_default=True,
+              help="How --baselines count hits: plainly (a cached block hits wherever it sits in its "
+                   "request), or as kvkit counts (only in a request's leading run of hits).")
 @click.option("--stores", type=click.Choice(STORES), default=STORES[0], show_default=True,
               help="How a request's missing blocks enter the pool: one at a time after its hits "
                    "were released (an offload tier's stores; libCacheSim's rules), or all at once "
@@ -74,7 +77,7 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
               help="Write a PNG of hit ratio against capacity per policy.")
 @renamed_flag("--block-tokens", "--block-size", type=click.IntRange(min=1))  # hidden and warning, one release
 def policies_command(trace_path: Path | None, shape_name: str | None, seed: int, baselines: str | None,
-                     stores: str, capacities: list[int], policy_list: str | None,
+                     counting: str, stores: str, capacities: list[int], policy_list: str | None,
                      block_size: int, limit: int | None, jobs: int | None, as_json: bool,
                      plot_path: Path | None) -> None:
     """Compare eviction policies' prefix hit ratios on a trace, as shares of the optimum.
@@ -92,6 +95,8 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
         raise click.UsageError(f"--seed {seed} seeds a --shape workload; a --trace replays as it is")
     if baselines is not None:
         _require_libcachesim()
+    elif ctx.get_parameter_source("counting") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError(f"--counting {counting} says how --baselines count; give --baselines libcachesim")
     names, capacities = check_study(capacities, _split(policy_list, "policy names"))  # before any work
     if shape_name is not None and ctx.get_parameter_source("block_size") is click.core.ParameterSource.DEFAULT:
         block_size = DEFAULTS.block_size
@@ -104,7 +109,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
         task = bar.task("replaying", len(names) * len(capacities))
         result = study(requests, capacities, names, stores=stores, jobs=jobs, on_result=lambda stats: bar.update(
             task, advance=1, note=f"replays, last {stats.policy} @ {stats.capacity:,} blocks"))
-    plain = None if baselines is None else libcachesim_study(requests, capacities)
+    plain = None if baselines is None else libcachesim_study(requests, capacities, prefix=counting == "prefix")
     seconds = time.perf_counter() - start
     if plot_path is not None:
         save_plot(result, plot_path, title=label)
@@ -121,7 +126,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
             "seconds": round(seconds, 3),
             "results": result.results(),
             **({} if plain is None else {"baselines": {"libcachesim": {
-                "counting": "plain", "results": {
+                "counting": counting, "results": {
                     str(c): {s.policy: {"hit_ratio": s.hit_ratio} for s in plain if s.capacity == c}
                     for c in result.capacities}}}}),
         }, indent=2))
@@ -129,7 +134,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
         _print_table(result, f"{label}: {len(requests):,} requests, {references:,} block "
                              f"references of {block_size:,} tokens, {stores} stores, {seconds:.1f} s")
         if plain is not None:
-            _print_baselines(plain, result.capacities)
+            _print_baselines(plain, result.capacities, counting)
     if plot_path is not None and not as_json:
         click.echo(f"plot written to {plot_path}")
 
@@ -159,15 +164,17 @@ def _require_libcachesim() -> None:
         raise click.UsageError("--baselines libcachesim needs libCacheSim: pip install 'kvkit[libcachesim]'") from None
 
 
-def _print_baselines(plain: list[HitStats], capacities: tuple[int, ...]) -> None:
+def _print_baselines(plain: list[HitStats], capacities: tuple[int, ...], counting: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="libCacheSim, PLAIN block counting (a hit whenever the block is cached, "
-                        "not only in a hit prefix): not comparable row for row with kvkit's")
+                        "not only in a hit prefix): not comparable row for row with kvkit's"
+                  if counting == "plain" else
+                  "libCacheSim, PREFIX counting (hits only in a request's leading run of hits, as kvkit counts)")
     table.add_column("baseline")
     for c in capacities:
-        table.add_column(f"{c:,} blocks\nplain hit", justify="right")
+        table.add_column(f"{c:,} blocks\n{counting} hit", justify="right")
     ratios = {(s.policy, s.capacity): s.hit_ratio for s in plain}
     rows = list(dict.fromkeys(s.policy for s in plain))
     for p in rows:

@@ -63,6 +63,23 @@ def test_libcachesim_baselines_sit_beside_kvkit_results_labelled_plain() -> None
     assert "PLAIN" in table.output and "lcs:LIRS" in table.output
 
 
+def test_prefix_counting_scores_the_baselines_as_kvkit_counts() -> None:
+    """--counting prefix counts libCacheSim's hits only in a hit prefix: its LRU equals kvkit's, others move."""
+    pytest.importorskip("libcachesim")
+    runs = {c: json.loads(_policies("--shape", "few-shot", "--baselines", "libcachesim", "--counting", c).output)
+            for c in ("plain", "prefix")}
+    plain, prefix = (runs[c]["baselines"]["libcachesim"] for c in ("plain", "prefix"))
+    assert (plain["counting"], prefix["counting"]) == ("plain", "prefix")
+    assert prefix["results"]["200"]["lcs:LRU"]["hit_ratio"] == runs["prefix"]["results"]["200"]["lru"]["hit_ratio"]
+    assert any(prefix["results"]["200"][n]["hit_ratio"] != plain["results"]["200"][n]["hit_ratio"]
+               for n in prefix["results"]["200"])
+    table = CliRunner().invoke(cli.main, ["policies", "--shape", "chat", "--capacities", "200", "--policies", "lru",
+                                          "--limit", "40", "--baselines", "libcachesim", "--counting", "prefix"])
+    assert "PREFIX counting" in table.output and "PLAIN" not in table.output
+    alone = _policies("--shape", "chat", "--counting", "prefix")
+    assert alone.exit_code == 2 and "--baselines libcachesim" in alone.output
+
+
 def test_missing_libcachesim_is_a_usage_error_before_any_work(without_libcachesim) -> None:
     """Without the extra the command says how to install it."""
     result = _policies("--shape", "chat", "--baselines", "libcachesim")
