@@ -74,8 +74,12 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     prefix rules, shared with :class:`~kvkit.backends.eviction.prefix_lru.PrefixLRUPolicy`:
     orphans (tracked blocks whose parent hash is not tracked, which cannot
     hit) go before everything, and a root's subtree goes deepest first, so
-    no victim leaves an evictable descendant behind. Until the first refresh
-    every density is 0 and the order is plain LRU.
+    no victim leaves an evictable descendant behind. A walk from the last
+    walk's root goes on where that one stopped when this provably chooses
+    what a fresh walk would (:meth:`~kvkit.backends.eviction._chains.ChainIndex.collect`),
+    so evicting a long chain a victim per selection costs O(1) per victim,
+    not the chain's depth. Until the first refresh every density is 0 and
+    the order is plain LRU.
 
     Pinned blocks: with the pin hooks (a pool calls them), a block in use
     leaves its class list on :meth:`on_pin` and is *parked*, keeping its

@@ -34,7 +34,10 @@ class PrefixLRUPolicy(EvictionPolicy):
       victims too, chosen before it. Under prefix hits a descendant is never
       used more recently than its ancestor, so the subtree holds nothing
       newer than its root: close to LRU, with the blocks of one request
-      evicted deepest first instead of head first.
+      evicted deepest first instead of head first. A walk from the last
+      walk's root goes on where that one stopped when this provably
+      chooses what a fresh walk would (:meth:`~kvkit.backends.eviction._chains.ChainIndex.collect`),
+      so evicting a chain a victim per selection costs O(1) per victim.
 
     It pays where chains are long against the pool (long system prompts,
     agent sessions), where plain LRU evicts a chain from its head and keeps
