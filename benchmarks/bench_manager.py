@@ -15,7 +15,8 @@ Lookup: a waiting request with a prompt of ``B`` blocks of 16 tokens whose
 prefix is on the CPU tier; one ``lookup`` (finds, pins and touches the hit),
 for a full hit and for a miss. The pins are released untimed.
 
-    python benchmarks/bench_manager.py [--requests 64,128,256,512] [--blocks 512,2048,8192] [--json]
+    python benchmarks/bench_manager.py [--requests 64,128,256,512] [--blocks 512,2048,8192]
+        [--cpu-eviction lru,hit-density] [--json]
 """
 
 from __future__ import annotations
@@ -32,16 +33,17 @@ BS = 16
 SPEC = KVCacheSpec(num_layers=32, block_size=BS, num_kv_heads=8, head_dim=128)
 
 
-def lru_pool(num_blocks: int) -> BlockAllocator:
-    """kvkit's block pool with the LRU policy (a stack's default)."""
-    return ALLOCATOR.create("pool", num_blocks=num_blocks, eviction=EVICTION.create("lru"))
+def pool(num_blocks: int, eviction: str = "lru") -> BlockAllocator:
+    """kvkit's block pool with the named eviction policy (LRU: the GPU tier's default)."""
+    return ALLOCATOR.create("pool", num_blocks=num_blocks, eviction=EVICTION.create(eviction))
 
 
-def bench_step(num_requests: int, steps: int, warmup: int, prompt_blocks: int = 4) -> dict:
+def bench_step(num_requests: int, steps: int, warmup: int, prompt_blocks: int = 4,
+               cpu_eviction: str = "lru") -> dict:
     """Median and p90 manager time per step with ``num_requests`` requests adding a block each."""
     total = num_requests * (prompt_blocks + warmup + steps + 1)
-    gpu = lru_pool(total + 16)
-    cpu = lru_pool(max(1024, total // 2))  # smaller than all stored: steady eviction
+    gpu = pool(total + 16)
+    cpu = pool(max(1024, total // 2), cpu_eviction)  # smaller than all stored: steady eviction
     mgr = OffloadManager(SPEC, cpu, STORE.create("eager"), gpu=gpu)
     next_hash = 1
     tables = {}
@@ -78,6 +80,7 @@ def bench_step(num_requests: int, steps: int, warmup: int, prompt_blocks: int = 
     stats = mgr.stats
     return {
         "requests": num_requests,
+        "cpu_eviction": cpu_eviction,
         "steps": steps,
         "median_ms": round(statistics.median(times) * 1e3, 3),
         "p90_ms": round(sorted(times)[int(0.9 * len(times))] * 1e3, 3),
@@ -90,8 +93,8 @@ def bench_step(num_requests: int, steps: int, warmup: int, prompt_blocks: int = 
 
 def bench_lookup(num_blocks: int, repeat: int) -> dict:
     """Median time of one lookup over ``num_blocks`` hashes: a full CPU hit and a miss."""
-    gpu = lru_pool(2 * num_blocks + 8)
-    cpu = lru_pool(num_blocks + 8)
+    gpu = pool(2 * num_blocks + 8)
+    cpu = pool(num_blocks + 8)
     mgr = OffloadManager(SPEC, cpu, STORE.create("eager"), gpu=gpu)
     hashes = list(range(1, num_blocks + 1))
     ntok = num_blocks * BS
@@ -122,12 +125,15 @@ def main() -> None:
     parser.add_argument("--requests", default="64,128,256,512", help="running requests per step run")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--cpu-eviction", default="lru",
+                        help="CPU pool's eviction policies for the step runs, comma-separated (one run each)")
     parser.add_argument("--blocks", default="512,1024,2048,4096,8192", help="prompt blocks per lookup run")
     parser.add_argument("--repeat", type=int, default=50, help="lookups per case")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     result = {
-        "step": [bench_step(int(n), args.steps, args.warmup) for n in args.requests.split(",")],
+        "step": [bench_step(int(n), args.steps, args.warmup, cpu_eviction=policy)
+                 for policy in args.cpu_eviction.split(",") for n in args.requests.split(",")],
         "lookup": [bench_lookup(int(b), args.repeat) for b in args.blocks.split(",")],
         "python": platform.python_version(),
     }
