@@ -17,14 +17,13 @@ import argparse
 import concurrent.futures
 
 import kvkit
-from kvkit.sim.baselines import libcachesim_study
 
 
 def _hits(job: tuple[str, int, int, int, str]) -> tuple[tuple[str, int], tuple[int, int]]:
     shape, seed, capacity, end, rule = job
     requests = list(kvkit.shape(shape, seed=seed).requests())[:end]
     if rule.startswith("lcs:"):
-        stats = libcachesim_study(requests, (capacity,), (rule[4:],), prefix=True)[0]
+        stats = kvkit.libcachesim_study(requests, (capacity,), (rule[4:],), prefix=True)[0]
     else:
         stats = kvkit.replay(requests, capacity, rule)
     return (rule, end), (stats.hits, stats.references)
