@@ -18,10 +18,16 @@ import concurrent.futures
 
 import kvkit
 
+_requests: list = []  # the trace, set once per worker process by _init
 
-def _hits(job: tuple[str, int, int, int, str]) -> tuple[tuple[str, int], tuple[int, int]]:
-    shape, seed, capacity, end, rule = job
-    requests = list(kvkit.shape(shape, seed=seed).requests())[:end]
+
+def _init(requests: list) -> None:
+    _requests[:] = requests
+
+
+def _hits(job: tuple[int, int, str]) -> tuple[tuple[str, int], tuple[int, int]]:
+    capacity, end, rule = job
+    requests = _requests[:end]
     if rule.startswith("lcs:"):
         stats = kvkit.libcachesim_study(requests, (capacity,), (rule[4:],), prefix=True)[0]
     else:
@@ -39,11 +45,12 @@ def main() -> None:
     parser.add_argument("--baselines", default="LIRS,S3FIFO")
     parser.add_argument("--jobs", type=int, default=None)
     args = parser.parse_args()
-    total = sum(1 for _ in kvkit.shape(args.shape, seed=args.seed).requests())
+    requests = list(kvkit.shape(args.shape, seed=args.seed).requests())
+    total = len(requests)
     ends = [*range(args.window, total, args.window), total]
     rules = [*args.policies.split(","), *(f"lcs:{b}" for b in args.baselines.split(",") if b)]
-    jobs = [(args.shape, args.seed, args.capacity, end, rule) for rule in rules for end in ends]
-    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+    jobs = [(args.capacity, end, rule) for rule in rules for end in ends]
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, initializer=_init, initargs=(requests,)) as pool:
         cumulative = dict(pool.map(_hits, jobs))
     print(f"{args.shape} (seed {args.seed}), {total:,} requests, {args.capacity:,} blocks: "
           f"prefix hit ratio per window of {args.window} requests")

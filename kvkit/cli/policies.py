@@ -50,9 +50,9 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seed of the --shape workload (another seed draws another trace of the same shape).")
 @click.option("--baselines", type=click.Choice(["libcachesim"]), default=None,
-              help="Also run libCacheSim's classic policies on the same blocks, counted plainly "
-                   "(a hit whenever a block is cached, not only in a hit prefix); needs the "
-                   "libcachesim extra.")
+              help="Also run libCacheSim's classic policies on the same blocks, counted as "
+                   "--counting says (plainly by default: a hit whenever a block is cached, not only "
+                   "in a hit prefix); needs the libcachesim extra.")
 @click.option("--counting", type=click.Choice(["plain", "prefix"]), default="plain", show_default=True,
               help="How --baselines count hits: plainly (a cached block hits wherever it sits in its "
                    "request), or as kvkit counts (only in a request's leading run of hits).")
@@ -109,7 +109,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
         task = bar.task("replaying", len(names) * len(capacities))
         result = study(requests, capacities, names, stores=stores, jobs=jobs, on_result=lambda stats: bar.update(
             task, advance=1, note=f"replays, last {stats.policy} @ {stats.capacity:,} blocks"))
-    plain = None if baselines is None else libcachesim_study(requests, capacities, prefix=counting == "prefix")
+    baseline_stats = None if baselines is None else libcachesim_study(requests, capacities, prefix=counting == "prefix")
     seconds = time.perf_counter() - start
     if plot_path is not None:
         save_plot(result, plot_path, title=label)
@@ -125,16 +125,16 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
             "stores": stores,
             "seconds": round(seconds, 3),
             "results": result.results(),
-            **({} if plain is None else {"baselines": {"libcachesim": {
+            **({} if baseline_stats is None else {"baselines": {"libcachesim": {
                 "counting": counting, "results": {
-                    str(c): {s.policy: {"hit_ratio": s.hit_ratio} for s in plain if s.capacity == c}
+                    str(c): {s.policy: {"hit_ratio": s.hit_ratio} for s in baseline_stats if s.capacity == c}
                     for c in result.capacities}}}}),
         }, indent=2))
     else:
         _print_table(result, f"{label}: {len(requests):,} requests, {references:,} block "
                              f"references of {block_size:,} tokens, {stores} stores, {seconds:.1f} s")
-        if plain is not None:
-            _print_baselines(plain, result.capacities, counting)
+        if baseline_stats is not None:
+            _print_baselines(baseline_stats, result.capacities, counting)
     if plot_path is not None and not as_json:
         click.echo(f"plot written to {plot_path}")
 
@@ -164,7 +164,7 @@ def _require_libcachesim() -> None:
         raise click.UsageError("--baselines libcachesim needs libCacheSim: pip install 'kvkit[libcachesim]'") from None
 
 
-def _print_baselines(plain: list[HitStats], capacities: tuple[int, ...], counting: str) -> None:
+def _print_baselines(stats: list[HitStats], capacities: tuple[int, ...], counting: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -175,8 +175,8 @@ def _print_baselines(plain: list[HitStats], capacities: tuple[int, ...], countin
     table.add_column("baseline")
     for c in capacities:
         table.add_column(f"{c:,} blocks\n{counting} hit", justify="right")
-    ratios = {(s.policy, s.capacity): s.hit_ratio for s in plain}
-    rows = list(dict.fromkeys(s.policy for s in plain))
+    ratios = {(s.policy, s.capacity): s.hit_ratio for s in stats}
+    rows = list(dict.fromkeys(s.policy for s in stats))
     for p in rows:
         table.add_row(p, *(f"{ratios[p, c]:6.1%}" for c in capacities))
     Console().print(table)
