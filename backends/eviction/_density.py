@@ -28,8 +28,6 @@ ages where it is.
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import numpy as np
 
@@ -64,9 +62,12 @@ class HitDensityModel:
     _reuses: np.ndarray = attrs.field(init=False, repr=False)
     _ends: np.ndarray = attrs.field(init=False, repr=False)
     _table: np.ndarray | None = attrs.field(init=False, default=None, repr=False)
+    _rows: list[list[float]] | None = attrs.field(init=False, default=None, repr=False)  # _table, as lists
+    _last_bucket: int = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         buckets = 40 * self.per_octave  # ages up to 2**40 ticks
+        self._last_bucket = buckets - 1
         self._edges = 2.0 ** (np.arange(buckets + 1) / self.per_octave) - 1
         self._reuses = np.zeros((self.classes, buckets))
         self._ends = np.zeros((self.classes, buckets))
@@ -101,8 +102,19 @@ class HitDensityModel:
         return self._table
 
     def bucket(self, age: int) -> int:
-        """The age bucket of ``age`` (ticks, ``>= 0``)."""
-        return min(self.buckets - 1, int(self.per_octave * math.log2(age + 1)))
+        """The age bucket of ``age`` (ticks, ``>= 0``).
+
+        ``floor(per_octave * log2(age + 1))`` computed exactly on integers: the
+        largest ``b`` with ``2 ** b <= (age + 1) ** per_octave`` (then capped),
+        the same bucket as :meth:`buckets_of`'s floating-point one at every age.
+        """
+        b = ((age + 1) ** self.per_octave).bit_length() - 1
+        return b if b < self._last_bucket else self._last_bucket
+
+    def buckets_of(self, ages: np.ndarray) -> np.ndarray:
+        """:meth:`bucket` of each age of an int array, in floating point (equal at every age)."""
+        return np.minimum(self.buckets - 1,
+                          (self.per_octave * np.log2(ages.astype(np.float64) + 1)).astype(np.int64))
 
     def record_reuse(self, cls: int, age: int) -> None:
         """A block of class ``cls`` was referenced again at ``age``."""
@@ -114,9 +126,11 @@ class HitDensityModel:
 
     def density(self, cls: int, age: int) -> float:
         """Hit density of a class-``cls`` block of age ``age`` (0 before the first refresh)."""
-        if self._table is None:
+        rows = self._rows
+        if rows is None:
             return 0.0
-        return float(self._table[cls, self.bucket(age)])
+        b = ((age + 1) ** self.per_octave).bit_length() - 1  # self.bucket(age), inlined: the hot path
+        return rows[cls][b if b < self._last_bucket else self._last_bucket]
 
     def refresh(self, classes: np.ndarray, ages: np.ndarray, keep: float,
                 weights: np.ndarray | None = None) -> None:
@@ -133,9 +147,7 @@ class HitDensityModel:
         assert 0 < keep <= 1, keep
         live = np.zeros_like(self._ends)
         if len(ages):
-            b = np.minimum(self.buckets - 1,
-                           (self.per_octave * np.log2(ages.astype(np.float64) + 1)).astype(np.int64))
-            flat = classes.astype(np.int64) * self.buckets + b
+            flat = classes.astype(np.int64) * self.buckets + self.buckets_of(ages)
             live += np.bincount(flat, weights=weights, minlength=live.size).reshape(live.shape)
         reuses = self._reuses
         events = reuses + self._ends + live
@@ -145,6 +157,7 @@ class HitDensityModel:
             table[sparse] = self._densities(reuses.sum(axis=0, keepdims=True),
                                             events.sum(axis=0, keepdims=True))[0]
         self._table = table
+        self._rows = table.tolist()
         self._reuses *= keep
         self._ends *= keep
 

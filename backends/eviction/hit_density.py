@@ -264,7 +264,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def _head(self, stream: Iterator[BlockId]) -> tuple[float, int, BlockId] | None:
         """The next usable block of a candidate stream as ``(density, last access, block)``, or ``None``."""
         block = next(stream, None)
-        return None if block is None else (self.density_of(block), self._last[block], block)
+        if block is None:
+            return None
+        last = self._last[block]
+        return self._model.density(self._class[block], self._clock - last), last, block
 
     # -- bookkeeping -----------------------------------------------------------
 

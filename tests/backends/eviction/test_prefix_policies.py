@@ -226,6 +226,20 @@ def test_density_of_a_class_never_reused_is_zero():
     assert model.density(0, 10) == 0.0 and model.density(1, 10) > 0
 
 
+@given(st.integers(1, 6), st.one_of(st.integers(0, 2 ** 44), st.sampled_from(
+    [2 ** k + d for k in range(45) for d in (-2, -1, 0, 1) if 2 ** k + d >= 0])))
+def test_bucket_is_the_exact_log_bucket_the_refresh_uses(per_octave, age):
+    """An age's bucket is floor(per_octave * log2(age + 1)), capped, and the one a refresh files it in."""
+    model = HitDensityModel(1, per_octave=per_octave, min_samples=1)
+    exact = max(b for b in range(per_octave * 45 + 1) if 2 ** b <= (age + 1) ** per_octave)
+    assert model.bucket(age) == min(exact, model.buckets - 1)
+    assert model.buckets_of(np.array([age]))[0] == model.bucket(age)
+    model.record_reuse(0, age)
+    model.refresh(np.zeros(0, np.int64), np.zeros(0, np.int64), keep=1.0)
+    assert list(np.flatnonzero(model.reuses[0])) == [model.bucket(age)]
+    assert model.density(0, age) == model.table[0, model.bucket(age)]
+
+
 @given(st.integers(1, 60), st.integers(0, 12), st.integers(1, 8))
 def test_density_matches_a_hand_computed_reuse_window(never, reused, window_octaves):
     """Blocks reused at one age R, the others never: density before R is p / E[space until R]."""
