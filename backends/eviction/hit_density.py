@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from kvkit.backends.eviction._census import Census
 from kvkit.backends.eviction._chains import ChainIndex
-from kvkit.backends.eviction._common import LearnsCapacity, check_count, move_pinned, not_tracked
+from kvkit.backends.eviction._common import LearnsCapacity, check_count, not_tracked, pin_mismatch
 from kvkit.backends.eviction._density import HitDensityModel
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
@@ -166,35 +166,39 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
         parent_block = self._chains.add(self, block, block_hash, parent)
-        self._clock += 1
+        self._clock = clock = self._clock + 1
         uses = 0
         ghost = self._ghost.pop(block_hash, None)
         if ghost is not None:  # a reuse the cache missed: learn from it, keep the history
             _, last, cls, ghost_uses, slot = ghost
             self._ghost_census.drop(slot)
-            self._model.record_reuse(cls, self._clock - last)
+            self._model.record_reuse(cls, clock - last)
             uses = ghost_uses + 1
+        cls = block_class(uses, self._chains.has_children(block))
         self._uses[block] = uses
-        self._last[block] = self._clock
-        self._slot[block] = self._census.add(0, self._clock)
-        self._enter(block, block_class(uses, self._chains.has_children(block)))
+        self._last[block] = clock
+        self._slot[block] = self._census.add(cls, clock)
+        self._class[block] = cls
+        self._lists[cls][block] = None  # never parked yet: a pool pins a block after committing it
         if parent_block is not None and not self._class[parent_block] & 1:
             self._enter(parent_block, self._class[parent_block] | 1)
         self._learn(len(self._class))
-        self._maybe_refresh()
+        if clock >= self._next_refresh:
+            self._refresh()
 
     @override
     def on_access(self, block: BlockId) -> None:
         cls = self._class.get(block)
         if cls is None:
             raise not_tracked(self, block)
-        self._clock += 1
-        self._model.record_reuse(cls, self._clock - self._last[block])
-        self._uses[block] += 1
-        self._last[block] = self._clock
-        self._census.set_last(self._slot[block], self._clock)
-        self._enter(block, block_class(self._uses[block], bool(cls & 1)))
-        self._maybe_refresh()
+        self._clock = clock = self._clock + 1
+        self._model.record_reuse(cls, clock - self._last[block])
+        self._uses[block] = uses = self._uses[block] + 1
+        self._last[block] = clock
+        self._census.set_last(self._slot[block], clock)
+        self._enter(block, block_class(uses, bool(cls & 1)))
+        if clock >= self._next_refresh:
+            self._refresh()
 
     @override
     def on_remove(self, block: BlockId) -> None:
@@ -204,9 +208,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             del self._lists[cls][block]
         last, uses = self._last.pop(block), self._uses.pop(block)
         self._census.drop(self._slot.pop(block))
-        self._evictions += 1
-        self._ghost[block_hash] = (self._evictions, last, cls, uses, self._ghost_census.add(cls, last))
-        horizon = self._evictions - self.ghost_span * max(self.c, 1)
+        self._evictions = evictions = self._evictions + 1
+        self._ghost[block_hash] = (evictions, last, cls, uses, self._ghost_census.add(cls, last))
+        horizon = evictions - self.ghost_span * max(self.c, 1)
         while self._ghost:
             ghost_hash, (evicted, last, cls, _, slot) = next(iter(self._ghost.items()))
             if evicted > horizon:
@@ -217,11 +221,16 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def on_pin(self, block: BlockId) -> None:
         """Park a tracked block in use: out of its class list, keeping its class and counters."""
-        move_pinned(self, block, ((self._class_list(block), self._parked),), pinned=True)
+        if self._class_list(block).pop(block, False) is False:  # tracked, not listed: parked already
+            raise pin_mismatch(self, block, pinned=True)
+        self._parked[block] = None
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at its class's young end; its age still counts from its last use."""
-        move_pinned(self, block, ((self._parked, self._class_list(block)),), pinned=False)
+        blocks = self._class_list(block)
+        if self._parked.pop(block, False) is False:
+            raise pin_mismatch(self, block, pinned=False)
+        blocks[block] = None
 
     def _class_list(self, block: BlockId) -> OrderedDict[BlockId, None]:
         cls = self._class.get(block)
@@ -282,10 +291,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             del self._lists[old][block]
         self._lists[cls][block] = None
 
-    def _maybe_refresh(self) -> None:
-        """About once per pool's worth of ticks: recompute the densities (bounded work, see :mod:`._census`)."""
-        if self._clock < self._next_refresh:
-            return
+    def _refresh(self) -> None:
+        """Recompute the densities (bounded work, see :mod:`._census`); due about once per pool's worth of ticks."""
         self._next_refresh = self._clock + max(self.c, _MIN_REFRESH)
         (t_cls, t_last, t_w), (g_cls, g_last, g_w) = (
             census.sample(_CENSUS_LIMIT) for census in (self._census, self._ghost_census))
