@@ -19,7 +19,10 @@ density* of a block of age ``a``:
     density(a) = max over T >= a of  E[hits in (a, T]] / E[block-ticks spent in (a, T]]
 
 that is, the best rate of hits per unit of cache space-time the block can
-still earn if kept until some later age ``T``. Evicting the block of lowest
+still earn if kept until some later age ``T``. An age older than any block of
+the class was seen at keeps the density of the oldest age seen (the first
+refreshes of a trace see only young ages), and classes can be ordered so that
+one is never valued below another it dominates (``monotone``). Evicting the block of lowest
 density maximises hits for the space (the Lagrangian argument behind LHD,
 Beckmann et al., NSDI'18); the maximum over ``T`` looks past ages where a
 block is unlikely to be reused yet (a user still reading the reply) to the
@@ -31,7 +34,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from kvkit.validate import at_least
+from kvkit.errors import ConfigError
+from kvkit.validate import at_least, is_int, quote
 
 __all__ = ["HitDensityModel"]
 
@@ -49,15 +53,21 @@ class HitDensityModel:
             age ``2 ** (b / per_octave) - 1``).
         min_samples: a class with fewer observations (reuses, ends and
             censored blocks) than this borrows the density of all classes pooled.
+        monotone: chains of classes, each listed from least to most valuable
+            by construction (say, by reuse count): after each refresh every
+            class's row is raised to the maximum of the rows before it in its
+            chain, so a class never looks worth less than one it dominates at
+            the same age.
 
     Invariants: the histograms are finite and non-negative; the table, once
     computed, has one row per class and one column per bucket, all finite
-    and non-negative.
+    and non-negative, and non-decreasing along every ``monotone`` chain.
     """
 
     classes: int = attrs.field(validator=_positive_int)
     per_octave: int = attrs.field(default=4, validator=_positive_int)
     min_samples: int = attrs.field(default=32, validator=_positive_int)
+    monotone: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=lambda v: tuple(map(tuple, v)))
     _edges: np.ndarray = attrs.field(init=False, repr=False)
     _reuses: np.ndarray = attrs.field(init=False, repr=False)
     _ends: np.ndarray = attrs.field(init=False, repr=False)
@@ -66,6 +76,11 @@ class HitDensityModel:
     _last_bucket: int = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        bad = [c for chain in self.monotone for c in chain
+               if not is_int(c) or not 0 <= c < self.classes]
+        if bad:
+            raise ConfigError(f"HitDensityModel.monotone names classes outside 0..{self.classes - 1}: "
+                              f"{quote(bad)} in {quote(self.monotone)}")
         buckets = 40 * self.per_octave  # ages up to 2**40 ticks
         self._last_bucket = buckets - 1
         self._edges = 2.0 ** (np.arange(buckets + 1) / self.per_octave) - 1
@@ -156,6 +171,8 @@ class HitDensityModel:
         if sparse.any():
             table[sparse] = self._densities(reuses.sum(axis=0, keepdims=True),
                                             events.sum(axis=0, keepdims=True))[0]
+        for chain in self.monotone:
+            table[list(chain)] = np.maximum.accumulate(table[list(chain)], axis=0)
         self._table = table
         self._rows = table.tolist()
         self._reuses *= keep
@@ -178,8 +195,13 @@ class HitDensityModel:
         upper = np.triu(np.ones((self.buckets, self.buckets), dtype=bool))
         ratio = np.divide(num, den, out=np.zeros_like(num), where=upper & (den > 0))
         best = ratio.max(axis=2)
-        best[space <= 0] = 0.0  # no block was ever seen alive at this age: nothing to expect
-        return best
+        best[space <= 0] = 0.0  # no block survives to this age: nothing to expect
+        # Ages no block was seen at (at-risk counts fall with age, so these end each row) keep
+        # the density of the oldest age seen: no evidence yet, not evidence of nothing.
+        seen = at_risk > 0
+        oldest = seen.sum(axis=1) - 1
+        held = np.take_along_axis(best, np.maximum(oldest, 0)[:, None], axis=1)
+        return np.where(seen | (oldest < 0)[:, None], best, held)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if a histogram or the table is negative or not finite."""
@@ -188,3 +210,5 @@ class HitDensityModel:
         if self._table is not None:
             assert self._table.shape == self._reuses.shape, "table shape drifted"
             assert np.isfinite(self._table).all() and (self._table >= 0).all(), "bad density table"
+            for chain in self.monotone:
+                assert (np.diff(self._table[list(chain)], axis=0) >= 0).all(), f"table not monotone along {chain}"

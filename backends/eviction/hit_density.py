@@ -31,6 +31,10 @@ def block_class(uses: int, was_parent: bool) -> int:
     return 2 * min(uses, _MAX_USES) + was_parent
 
 
+# Per parenthood, the classes by reuse count: a block reused more is never valued below one reused less.
+_BY_USES = tuple(tuple(block_class(uses, parent) for uses in range(_MAX_USES + 1)) for parent in (False, True))
+
+
 @attrs.define
 class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     """Evicts the block expected to earn the fewest hits per unit of cache space, leaves first.
@@ -50,11 +54,29 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
       never does, and it is almost never reused, since the next turn's block
       at that position holds more tokens). The reuse count survives eviction
       through the ghost, so a conversation that returns keeps its history.
+      A hash back from the ghost within one *turnover* (the ticks the pool
+      takes to replace a pool's worth of blocks, c times the recent mean gap
+      between removals) counts one use more: an LRU cache of this size would
+      still have held it, so the eviction was the policy's own misjudgement,
+      and without the extra use a template that became popular would have
+      to miss a third time before it reached the class worth keeping (as
+      ARC's and S3-FIFO's ghost hits, and LIRS's short reuse distances,
+      promote on the second sighting).
     * **Age**: ticks (block references) since its last insert or hit.
     * **Hit density** of a (class, age): the hits a block still earns per
       unit of space-time if kept to its best horizon, estimated from reuse
       and eviction statistics by :class:`~kvkit.backends.eviction._density.HitDensityModel`
-      and refreshed about once per pool's worth of references.
+      and refreshed about once per pool's worth of references. At each age
+      a class is valued at least as high as every class of fewer reuses and
+      the same parenthood (if blocks differ in how often they are wanted, a
+      block seen more often is the likelier to be wanted again). A class's
+      estimate averages over its blocks, and the average can invert that
+      order: on few-shot templates whose popularity shifts, the top class
+      mixed templates wanted every few requests with stale and lukewarm
+      ones, its density at 2-4 pools of age fell below the 2-use class's,
+      and the policy evicted the templates it had seen most often to keep
+      ones seen twice. The order (+8.6 points summed over 48 workload
+      points, BENCHMARKS.md) forbids that.
 
     The statistics are uncensored by a *ghost*: the hashes of recently
     evicted blocks with their last access, class and reuse count. When an
@@ -128,9 +150,13 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _census: Census = attrs.field(init=False, factory=Census)
     _ghost_census: Census = attrs.field(init=False, factory=Census)
     _slot: dict[BlockId, int] = attrs.field(init=False, factory=dict)
-    _model: HitDensityModel = attrs.field(init=False, factory=lambda: HitDensityModel(_CLASSES))
+    _model: HitDensityModel = attrs.field(init=False, factory=lambda: HitDensityModel(_CLASSES, monotone=_BY_USES))
     _clock: int = attrs.field(init=False, default=0)
     _evictions: int = attrs.field(init=False, default=0)
+    # Ticks the pool takes to replace a pool's worth of blocks: c times the mean gap between removals,
+    # averaged over about the last c of them (0 before the first).
+    _turnover: float = attrs.field(init=False, default=0.0)
+    _last_removal: int = attrs.field(init=False, default=0)
     _next_refresh: int = attrs.field(init=False, default=_MIN_REFRESH)
 
     @property
@@ -173,7 +199,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             _, last, cls, ghost_uses, slot = ghost
             self._ghost_census.drop(slot)
             self._model.record_reuse(cls, clock - last)
-            uses = ghost_uses + 1
+            uses = ghost_uses + 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
         cls = block_class(uses, self._chains.has_children(block))
         self._uses[block] = uses
         self._last[block] = clock
@@ -209,6 +235,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         last, uses = self._last.pop(block), self._uses.pop(block)
         self._census.drop(self._slot.pop(block))
         self._evictions = evictions = self._evictions + 1
+        gap, self._last_removal, c = self._clock - self._last_removal, self._clock, max(self.c, 1)
+        self._turnover += (gap * c - self._turnover) / c if self._turnover else gap * c
         self._ghost[block_hash] = (evictions, last, cls, uses, self._ghost_census.add(cls, last))
         horizon = evictions - self.ghost_span * max(self.c, 1)
         while self._ghost:

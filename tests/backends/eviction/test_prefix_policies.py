@@ -261,6 +261,57 @@ def test_density_matches_a_hand_computed_reuse_window(never, reused, window_octa
     assert model.density(0, 2 ** 21) == 0.0  # past every reuse: nothing left to earn
 
 
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20_000), st.booleans()), min_size=1, max_size=300))
+def test_density_never_ranks_a_class_below_one_it_dominates(events):
+    """With a monotone chain, each class's density is at least the ones before it, at every age."""
+    chain = (0, 1, 2, 3)
+    model, free = HitDensityModel(4, min_samples=1, monotone=(chain,)), HitDensityModel(4, min_samples=1)
+    for cls, age, reused in events:
+        for m in (model, free):
+            (m.record_reuse if reused else m.record_end)(cls, age)
+    for m in (model, free):
+        m.refresh(np.zeros(0, np.int64), np.zeros(0, np.int64), keep=1.0)
+        m.check_invariants()
+    assert (np.diff(model.table, axis=0) >= 0).all()
+    assert (model.table == np.maximum.accumulate(free.table, axis=0)).all()  # the least such raise
+
+
+def test_density_at_an_age_never_seen_keeps_the_oldest_seen():
+    """Before any block of a class grew old, old ages keep the density of the oldest age seen, not 0."""
+    model = HitDensityModel(1, min_samples=1)
+    for _ in range(50):
+        model.record_reuse(0, 3000)  # reused as old as any block has been seen so far
+    model.refresh(np.zeros(10, np.int64), np.full(10, 3000), keep=1.0)  # ten alive, 3000 old
+    oldest = model.density(0, 3000)
+    assert oldest > 0
+    assert model.density(0, 10**6) == oldest  # no block was seen at 10**6 ticks yet
+    assert model.density(0, 10**6) == model.table[0, -1]
+
+
+def test_a_monotone_chain_outside_the_classes_is_refused():
+    """A chain naming a class the model lacks (or a non-int) is a ConfigError quoting it."""
+    with pytest.raises(ConfigError, match=r"\[5\] in \(\(0, 5\), \(1, 2\)\)"):
+        HitDensityModel(4, monotone=((0, 5), (1, 2)))
+    with pytest.raises(ConfigError, match="True"):
+        HitDensityModel(4, monotone=((0, True),))
+
+
+def test_a_hash_back_within_a_turnover_counts_one_use_more():
+    """Re-inserted sooner than the pool's turnover: ghost uses + 2; later: ghost uses + 1."""
+    policy = HitDensityPolicy(capacity=2)
+    policy.on_insert(0, 1, None)   # tick 1
+    policy.on_insert(1, 2, None)   # tick 2
+    policy.on_remove(0)            # first removal, 2 ticks in: turnover 2 * c = 4 ticks
+    policy.on_insert(2, 1, None)   # tick 3: hash 1 back 2 ticks after its last use (< 4)
+    assert policy.class_of(2) == block_class(2, False)
+    policy.on_remove(1)            # 1 tick after the last removal: turnover (4 + 2) / 2 = 3
+    for block, block_hash in ((3, 3), (4, 4), (5, 5)):
+        policy.on_insert(block, block_hash, None)  # ticks 4-6
+    policy.on_insert(6, 2, None)   # tick 7: hash 2 back 5 ticks after its last use (>= 3)
+    assert policy.class_of(6) == block_class(1, False)
+    policy.check_invariants()
+
+
 def test_density_looks_past_a_dead_zone():
     """A block too young to be reused yet is still worth its space if reuses come later."""
     model = HitDensityModel(1, min_samples=1)
@@ -372,16 +423,17 @@ def test_hit_density_parks_a_pinned_block_and_returns_it_to_its_class(make, scri
 
 
 def test_a_ghost_hit_keeps_the_reuse_count():
-    """An evicted hash inserted again is in the class of its old reuse count plus one."""
+    """An evicted hash inserted again (after a turnover) is in the class of its old reuse count plus one."""
     policy = HitDensityPolicy(capacity=4)
     policy.on_insert(0, 42, None)
     policy.on_access(0)
-    policy.on_remove(0)
-    policy.on_insert(9, 7, None)  # ticks pass
-    policy.on_insert(1, 42, None)
+    policy.on_remove(0)  # at tick 2: a turnover of 2 * 4 = 8 ticks
+    for block in range(10, 20):
+        policy.on_insert(block, block, None)  # ticks 3-12 pass
+    policy.on_insert(1, 42, None)  # tick 13, 11 ticks after its last use
     assert policy.class_of(1) == block_class(2, False)
     learned = policy.model.reuses[block_class(1, False)]
-    assert learned[policy.model.bucket(2)] == 1 and learned.sum() == 1  # the missed reuse, at age 2
+    assert learned[policy.model.bucket(11)] == 1 and learned.sum() == 1  # the missed reuse, at age 11
     policy.check_invariants()
 
 
