@@ -75,8 +75,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
       mixed templates wanted every few requests with stale and lukewarm
       ones, its density at 2-4 pools of age fell below the 2-use class's,
       and the policy evicted the templates it had seen most often to keep
-      ones seen twice. The order (+8.6 points summed over 48 workload
-      points, BENCHMARKS.md) forbids that.
+      ones seen twice. The order rules that out (alone, +6.0 points summed
+      over 48 workload points; BENCHMARKS.md).
 
     The statistics are uncensored by a *ghost*: the hashes of recently
     evicted blocks with their last access, class and reuse count. When an
