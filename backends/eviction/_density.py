@@ -43,6 +43,15 @@ __all__ = ["HitDensityModel"]
 _positive_int = at_least(1)
 
 
+def _as_chains(value: object) -> tuple[tuple[object, ...], ...]:
+    """``value`` as a tuple of tuples (the ``monotone`` chains), or a ConfigError quoting it."""
+    try:
+        return tuple(tuple(chain) for chain in value)  # type: ignore[union-attr]
+    except TypeError:
+        raise ConfigError(f"HitDensityModel.monotone must be chains (sequences) of class numbers, "
+                          f"got {quote(value)}") from None
+
+
 @attrs.define(eq=False)
 class HitDensityModel:
     """Per-class reuse histograms over age, and the hit-density table derived from them.
@@ -67,7 +76,7 @@ class HitDensityModel:
     classes: int = attrs.field(validator=_positive_int)
     per_octave: int = attrs.field(default=4, validator=_positive_int)
     min_samples: int = attrs.field(default=32, validator=_positive_int)
-    monotone: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=lambda v: tuple(map(tuple, v)))
+    monotone: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_as_chains)
     _edges: np.ndarray = attrs.field(init=False, repr=False)
     _reuses: np.ndarray = attrs.field(init=False, repr=False)
     _ends: np.ndarray = attrs.field(init=False, repr=False)

@@ -238,7 +238,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         gap, self._last_removal, c = self._clock - self._last_removal, self._clock, max(self.c, 1)
         self._turnover += (gap * c - self._turnover) / c if self._turnover else gap * c
         self._ghost[block_hash] = (evictions, last, cls, uses, self._ghost_census.add(cls, last))
-        horizon = evictions - self.ghost_span * max(self.c, 1)
+        horizon = evictions - self.ghost_span * c
         while self._ghost:
             ghost_hash, (evicted, last, cls, _, slot) = next(iter(self._ghost.items()))
             if evicted > horizon:

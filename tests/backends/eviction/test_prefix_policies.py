@@ -294,6 +294,10 @@ def test_a_monotone_chain_outside_the_classes_is_refused():
         HitDensityModel(4, monotone=((0, 5), (1, 2)))
     with pytest.raises(ConfigError, match="True"):
         HitDensityModel(4, monotone=((0, True),))
+    with pytest.raises(ConfigError, match="got 5"):
+        HitDensityModel(4, monotone=5)
+    with pytest.raises(ConfigError, match=r"got \(1, 2\)"):
+        HitDensityModel(4, monotone=(1, 2))
 
 
 def test_a_hash_back_within_a_turnover_counts_one_use_more():
