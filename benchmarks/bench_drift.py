@@ -3,7 +3,8 @@
     python benchmarks/bench_drift.py [--shape few-shot] [--seed 0] [--capacity 4000] [--window 200]
         [--policies hit-density,s3fifo,arc] [--baselines LIRS,S3FIFO]
 
-Each column is one rule's prefix hit ratio over the requests of each window. kvkit's rules
+``--shape`` may move generator parameters (``few-shot@num_templates=1200``, as :func:`kvkit.shape`
+reads them). Each column is one rule's prefix hit ratio over the requests of each window. kvkit's rules
 replay as ``kvkit policies`` does (per-block stores); libCacheSim's (``--baselines``, needs the
 libcachesim extra; empty for none) are counted as kvkit counts (prefix hits, not plain).
 A window's hits are those of the first ``k`` requests minus those of the first ``k - window``

@@ -60,6 +60,7 @@ keeps a full simulation well within a minute on two cores. Larger
 
 from __future__ import annotations
 
+import ast
 import itertools
 import math
 import random
@@ -537,12 +538,34 @@ SHAPES: dict[str, type] = {cls.name: cls for cls in (SyntheticWorkload, AgentWor
 
 
 def shape(name: str, *, seed: int = 0, block_size: int = DEFAULTS.block_size) -> Shape:
-    """The workload of shape ``name`` with its default parameters, seeded.
+    """The workload of shape ``name``, seeded, with its default parameters or moved ones.
+
+    ``name`` is a shape's name, optionally followed by ``@`` and
+    ``field=value`` pairs separated by ``;`` that replace fields of its class
+    (values are Python literals): ``shape("few-shot@num_templates=1200;drift_every=400")``
+    is ``FewShotWorkload(seed=0, num_templates=1200, drift_every=400)``.
 
     Raises:
-        ConfigError: ``name`` is not a shape (the valid names are listed).
+        ConfigError: ``name`` is not a shape (the valid names are listed), or a
+            pair is malformed, names no field of the shape, or has a value the
+            shape refuses; each quotes what it got.
     """
-    cls = SHAPES.get(name)
+    base, _, moved = name.partition("@")
+    cls = SHAPES.get(base)
     if cls is None:
-        raise ConfigError(f"unknown workload shape {name!r}; valid shapes: {', '.join(SHAPES)}")
-    return cls(seed=seed, block_size=block_size)
+        raise ConfigError(f"unknown workload shape {base!r} in {name!r}; valid shapes: {', '.join(SHAPES)}")
+    fields = {f.name for f in attrs.fields(cls)} - {"seed", "block_size"}
+    params: dict[str, object] = {}
+    for pair in filter(None, moved.split(";")):
+        key, eq, text = (part.strip() for part in pair.partition("="))
+        if not eq or key not in fields:
+            raise ConfigError(f"{pair!r} in {name!r} is not FIELD=VALUE for a field of {base}; "
+                              f"its fields: {', '.join(sorted(fields))}")
+        try:
+            params[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ConfigError(f"value {text!r} of {key!r} in {name!r} is not a Python literal") from None
+    try:
+        return cls(seed=seed, block_size=block_size, **params)
+    except (TypeError, ValueError) as exc:  # an attrs converter or type check on a moved value
+        raise ConfigError(f"{name!r}: {exc}") from None

@@ -64,6 +64,33 @@ def test_unknown_shape_lists_the_valid_ones() -> None:
         shape("chatt")
 
 
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_a_shape_name_can_move_parameters(name: str) -> None:
+    """``shape("name@field=value;...")`` is the shape's class with those fields, same seed and block size."""
+    cls = SHAPES[name]
+    field = {"chat": "num_conversations", "agent": "num_sessions", "rag": "num_requests",
+             "few-shot": "num_requests", "mixed": "num_sessions"}[name]
+    moved = shape(f"{name}@ {field} = 7 ;", seed=5, block_size=64)
+    assert moved == cls(seed=5, block_size=64, **{field: 7})
+    assert list(moved.requests()) == list(cls(seed=5, block_size=64, **{field: 7}).requests())
+    assert shape(f"{name}@", seed=5) == shape(name, seed=5) == cls(seed=5)
+
+
+@pytest.mark.parametrize(("name", "quoted"), [
+    ("few-shot@nope=1", r"'nope=1' in 'few-shot@nope=1'.*drift_every"),  # no such field
+    ("few-shot@num_templates", r"'num_templates'.*FIELD=VALUE"),  # no value
+    ("few-shot@seed=3", r"'seed=3'"),  # seed and block_size are the keywords'
+    ("few-shot@num_templates=abc", r"'abc' of 'num_templates'.*literal"),
+    ("few-shot@num_templates=0", r"'few-shot@num_templates=0'.*num_templates"),  # the shape's validator
+    ("few-shot@template_tokens=5", r"'few-shot@template_tokens=5'"),  # the shape's converter
+    ("chatt@max_turns=3", r"'chatt'.*chat, agent"),
+])
+def test_bad_moved_parameters_are_config_errors_quoting_them(name: str, quoted: str) -> None:
+    """Every malformed or refused pair is a ConfigError quoting it, never a TypeError."""
+    with pytest.raises(ConfigError, match=quoted):
+        shape(name)
+
+
 @pytest.mark.parametrize(("cls", "kwargs"), [
     (AgentWorkload, {"system_prompt_tokens": (10, 5)}),
     (AgentWorkload, {"steps_mean": 0.5}),
