@@ -20,9 +20,12 @@ density* of a block of age ``a``:
 
 that is, the best rate of hits per unit of cache space-time the block can
 still earn if kept until some later age ``T``. An age older than any block of
-the class was seen at keeps the density of the oldest age seen (the first
-refreshes of a trace see only young ages), and classes can be ordered so that
-one is never valued below another it dominates (``monotone``). Evicting the block of lowest
+the class was seen at has no evidence either way (the first refreshes of a
+trace see only young ages): it starts from the density of the oldest age seen
+and halves with every doubling of age past it, as the expected reuse rate of
+a block not reused for age ``a`` falls like ``1 / a`` when the class's blocks
+have Gamma-distributed rates. Classes can be ordered so that one is never
+valued below another it dominates (``monotone``). Evicting the block of lowest
 density maximises hits for the space (the Lagrangian argument behind LHD,
 Beckmann et al., NSDI'18); the maximum over ``T`` looks past ages where a
 block is unlikely to be reused yet (a user still reading the reply) to the
@@ -205,12 +208,13 @@ class HitDensityModel:
         ratio = np.divide(num, den, out=np.zeros_like(num), where=upper & (den > 0))
         best = ratio.max(axis=2)
         best[space <= 0] = 0.0  # no block survives to this age: nothing to expect
-        # Ages no block was seen at (at-risk counts fall with age, so these end each row) keep
-        # the density of the oldest age seen: no evidence yet, not evidence of nothing.
+        # Ages no block was seen at (at-risk counts fall with age, so these end each row): no
+        # evidence yet, not evidence of nothing. The oldest seen age's density, halved per octave past it.
         seen = at_risk > 0
-        oldest = seen.sum(axis=1) - 1
-        held = np.take_along_axis(best, np.maximum(oldest, 0)[:, None], axis=1)
-        return np.where(seen | (oldest < 0)[:, None], best, held)
+        oldest = np.maximum(seen.sum(axis=1, keepdims=True) - 1, 0)
+        past = np.arange(self.buckets)[None, :] - oldest  # buckets past the oldest seen one
+        faded = np.take_along_axis(best, oldest, axis=1) * 2.0 ** (-past / self.per_octave)
+        return np.where(seen | ~seen.any(axis=1, keepdims=True), best, faded)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if a histogram or the table is negative or not finite."""

@@ -276,16 +276,34 @@ def test_density_never_ranks_a_class_below_one_it_dominates(events):
     assert (model.table == np.maximum.accumulate(free.table, axis=0)).all()  # the least such raise
 
 
-def test_density_at_an_age_never_seen_keeps_the_oldest_seen():
-    """Before any block of a class grew old, old ages keep the density of the oldest age seen, not 0."""
+def test_density_at_an_age_never_seen_fades_from_the_oldest_seen():
+    """Before any block of a class grew old, old ages start from the oldest seen age's density, not 0,
+    and halve with every doubling of age past it."""
     model = HitDensityModel(1, min_samples=1)
     for _ in range(50):
         model.record_reuse(0, 3000)  # reused as old as any block has been seen so far
     model.refresh(np.zeros(10, np.int64), np.full(10, 3000), keep=1.0)  # ten alive, 3000 old
     oldest = model.density(0, 3000)
     assert oldest > 0
-    assert model.density(0, 10**6) == oldest  # no block was seen at 10**6 ticks yet
-    assert model.density(0, 10**6) == model.table[0, -1]
+    last = model.bucket(3000)
+    for age in (2**20 - 1, 2**22 - 1, 2**30 - 1):  # no block was seen this old yet
+        assert math.isclose(model.density(0, age), oldest * 2 ** (-(model.bucket(age) - last) / 4))
+    assert math.isclose(model.density(0, 2**21 - 1), model.density(0, 2**20 - 1) / 2)
+
+
+@given(st.lists(st.tuples(st.integers(0, 50_000), st.booleans()), min_size=1, max_size=200),
+       st.lists(st.integers(0, 50_000), max_size=20))
+def test_unseen_ages_fade_geometrically_from_the_oldest_seen(events, alive):
+    """Past the oldest age any block reached, a row falls by 2 ** (-1 / per_octave) per bucket."""
+    model = HitDensityModel(1, min_samples=1)
+    for age, reused in events:
+        (model.record_reuse if reused else model.record_end)(0, age)
+    model.refresh(np.zeros(len(alive), np.int64), np.array(alive, np.int64), keep=1.0)
+    model.check_invariants()
+    last = max(model.bucket(age) for age in [*alive, *(a for a, _ in events)])
+    row = model.table[0]
+    expected = row[last] * 2.0 ** (-np.arange(1, model.buckets - last) / model.per_octave)
+    assert np.allclose(row[last + 1:], expected, rtol=1e-12, atol=0)
 
 
 def test_a_monotone_chain_outside_the_classes_is_refused():
