@@ -74,7 +74,7 @@ from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.hints import WorkloadHints
 from kvkit.sim.traces import TraceRequest
-from kvkit.validate import at_least, is_int, real_in
+from kvkit.validate import at_least, is_int, quote, real_in
 
 __all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]
 
@@ -550,22 +550,24 @@ def shape(name: str, *, seed: int = 0, block_size: int = DEFAULTS.block_size) ->
             pair is malformed, names no field of the shape, or has a value the
             shape refuses; each quotes what it got.
     """
+    if not isinstance(name, str):
+        raise ConfigError(f"a workload shape is named by a string, got {quote(name)}")
     base, _, moved = name.partition("@")
     cls = SHAPES.get(base)
     if cls is None:
-        raise ConfigError(f"unknown workload shape {base!r} in {name!r}; valid shapes: {', '.join(SHAPES)}")
+        raise ConfigError(f"unknown workload shape {quote(base)} in {quote(name)}; valid shapes: {', '.join(SHAPES)}")
     fields = {f.name for f in attrs.fields(cls)} - {"seed", "block_size"}
     params: dict[str, object] = {}
     for pair in filter(None, moved.split(";")):
         key, eq, text = (part.strip() for part in pair.partition("="))
-        if not eq or key not in fields:
-            raise ConfigError(f"{pair!r} in {name!r} is not FIELD=VALUE for a field of {base}; "
-                              f"its fields: {', '.join(sorted(fields))}")
+        if not eq or key not in fields or key in params:
+            problem = "names a field twice" if key in params else f"is not FIELD=VALUE for a field of {base}"
+            raise ConfigError(f"{quote(pair)} in {quote(name)} {problem}; its fields: {', '.join(sorted(fields))}")
         try:
             params[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            raise ConfigError(f"value {text!r} of {key!r} in {name!r} is not a Python literal") from None
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            raise ConfigError(f"value {quote(text)} of {key!r} in {quote(name)} is not a Python literal") from None
     try:
         return cls(seed=seed, block_size=block_size, **params)
-    except (TypeError, ValueError) as exc:  # an attrs converter or type check on a moved value
-        raise ConfigError(f"{name!r}: {exc}") from None
+    except (TypeError, ValueError) as exc:  # the shape's validators, converters and type checks
+        raise ConfigError(f"{quote(name)}: {exc}") from None

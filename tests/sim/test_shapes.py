@@ -84,11 +84,14 @@ def test_a_shape_name_can_move_parameters(name: str) -> None:
     ("few-shot@num_templates=0", r"'few-shot@num_templates=0'.*num_templates"),  # the shape's validator
     ("few-shot@template_tokens=5", r"'few-shot@template_tokens=5'"),  # the shape's converter
     ("chatt@max_turns=3", r"'chatt'.*chat, agent"),
+    ("few-shot@num_templates=5;num_templates=6", r"'num_templates=6'.*twice"),
+    ("rag@document_skew={[]: 1}", r"'\{\[\]: 1\}' of 'document_skew'.*literal"),
+    (None, "string, got None"),
 ])
-def test_bad_moved_parameters_are_config_errors_quoting_them(name: str, quoted: str) -> None:
+def test_bad_moved_parameters_are_config_errors_quoting_them(name: object, quoted: str) -> None:
     """Every malformed or refused pair is a ConfigError quoting it, never a TypeError."""
     with pytest.raises(ConfigError, match=quoted):
-        shape(name)
+        shape(name)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), [
