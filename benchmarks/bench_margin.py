@@ -1,7 +1,7 @@
 """Issue 18's condition on any set of workloads: a policy against the best other rule, point by point.
 
     python benchmarks/bench_margin.py [--policy hit-density] [--workloads chat,agent,rag,few-shot,mixed]
-        [--seeds 3,4,5] [--capacities 1000,4000,16000] [--others lru,fifo,lfu,arc,s3fifo,prefix-lru]
+        [--seeds 3,4,5] [--capacities 1000,4000,16000] [--others lru,arc,...]
         [--baselines ARC,S3FIFO,...] [--jobs N]
 
 A workload is a shape name, optionally with generator parameters moved from their defaults:
@@ -23,6 +23,10 @@ import kvkit
 _TOLERANCE = 0.5  # points
 
 
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(filter(None, text.split(",")))
+
+
 def _point(job: tuple[str, int, int, str, tuple[str, ...], tuple[str, ...]]) -> tuple[tuple[str, int, int], dict]:
     workload, seed, capacity, policy, others, baselines = job
     requests = list(kvkit.shape(workload, seed=seed).requests())
@@ -38,15 +42,17 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(kvkit.SHAPES))
     parser.add_argument("--seeds", default="3,4,5")
     parser.add_argument("--capacities", default="1000,4000,16000")
-    parser.add_argument("--others", default="lru,fifo,lfu,arc,s3fifo,prefix-lru")
-    parser.add_argument("--baselines", default="LRU,ARC,S3FIFO,LIRS,WTinyLFU,LFU,TwoQ,Sieve,Cacheus,LeCaR,LHD",
+    parser.add_argument("--others", default=None,
+                        help="kvkit rules [default: every registered one but the policy, adaptive and opt]")
+    parser.add_argument("--baselines", default=",".join(p for p in kvkit.LIBCACHESIM_POLICIES if p != "Belady"),
                         help="libCacheSim policies (needs the libcachesim extra; empty for none)")
     parser.add_argument("--jobs", type=int, default=None)
     args = parser.parse_args()
-    split = lambda text: tuple(filter(None, text.split(",")))  # noqa: E731
-    others, baselines = split(args.others), split(args.baselines)
+    others = tuple(p for p in kvkit.default_policies() if p not in (args.policy, "adaptive", kvkit.OPT)) \
+        if args.others is None else _split(args.others)
+    baselines = _split(args.baselines)
     jobs = [(w, int(seed), int(c), args.policy, others, baselines)
-            for w in split(args.workloads) for seed in split(args.seeds) for c in split(args.capacities)]
+            for w in _split(args.workloads) for seed in _split(args.seeds) for c in _split(args.capacities)]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         points = dict(pool.map(_point, jobs))
     print(f"{'workload':<36} {'seed':>4} {'blocks':>7} {args.policy:>12} {'best other':<24} {'margin':>7}")

@@ -109,6 +109,7 @@ _LAZY: dict[str, str] = {
     "replay": "kvkit.sim.policy_study:replay",
     "TraceClock": "kvkit.sim.policy_study:TraceClock",
     "libcachesim_study": "kvkit.sim.baselines:libcachesim_study",
+    "LIBCACHESIM_POLICIES": "kvkit.sim.baselines:LIBCACHESIM_POLICIES",
     "study": "kvkit.sim.policy_study:study",
     "block_class": "kvkit.backends.eviction.hit_density:block_class",
     # explore: copy-backend throughput (the library half of `kvkit bench transfer`)
@@ -148,6 +149,7 @@ __all__ = [
     "HitStats",
     "KVCacheSpec",
     "KVGroupSpec",
+    "LIBCACHESIM_POLICIES",
     "ModelShape",
     "OPT",
     "OffloadCallback",
@@ -247,7 +249,7 @@ if TYPE_CHECKING:  # what __getattr__ returns, spelled out for type checkers and
     from kvkit.manager import CompletionReport, OffloadManager, StepPlan
     from kvkit.manager.shared import SharedTierSpec
     from kvkit.registry import ALLOCATOR, COPY, EVICTION, REGISTRIES, SHARED, STORE, register
-    from kvkit.sim.baselines import libcachesim_study
+    from kvkit.sim.baselines import LIBCACHESIM_POLICIES, libcachesim_study
     from kvkit.sim.engine_loop import EngineRequest, ReferenceEngine, StepReport, SyntheticCompute
     from kvkit.sim.fleet import FleetResult, compare_fleets, simulate_fleet
     from kvkit.sim.policy_study import OPT, HitStats, PolicyStudy, TraceClock, default_policies, replay, study

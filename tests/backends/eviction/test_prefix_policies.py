@@ -287,7 +287,7 @@ def test_density_at_an_age_never_seen_fades_from_the_oldest_seen():
     assert oldest > 0
     last = model.bucket(3000)
     for age in (2**20 - 1, 2**22 - 1, 2**30 - 1):  # no block was seen this old yet
-        assert math.isclose(model.density(0, age), oldest * 2 ** (-(model.bucket(age) - last) / 4))
+        assert math.isclose(model.density(0, age), oldest * 2 ** (-(model.bucket(age) - last) / model.per_octave))
     assert math.isclose(model.density(0, 2**21 - 1), model.density(0, 2**20 - 1) / 2)
 
 
