@@ -167,11 +167,12 @@ class HitDensityModel:
             classes, ages: parallel int arrays, one entry per block still
                 cached or remembered (not yet reused, not yet ended), or per
                 block of a sample of them.
-            keep: factor in ``(0, 1]`` applied to the histograms afterwards,
-                so older observations weigh less in later refreshes.
+            keep: factor in ``[0, 1]`` applied to the histograms afterwards,
+                so older observations weigh less in later refreshes (0: the
+                next refresh sees only what happens until then).
             weights: how many blocks each entry stands for (default 1 each).
         """
-        assert 0 < keep <= 1, keep
+        assert 0 <= keep <= 1, keep
         live = np.zeros_like(self._ends)
         if len(ages):
             flat = classes.astype(np.int64) * self.buckets + self.buckets_of(ages)

@@ -23,6 +23,7 @@ __all__ = ["HitDensityPolicy", "block_class"]
 _MAX_USES = 3  # reuse counts 0, 1, 2 and "3 or more", as S3-FIFO's two bits
 _CLASSES = 2 * (_MAX_USES + 1)
 _MIN_REFRESH = 64  # ticks between two refreshes while the pool is still tiny
+_MIN_MEMORY = 4096  # ticks of history the model weighs at least, once the pool's size is known
 _CENSUS_LIMIT = 1 << 18  # entries a refresh reads at most per census (beyond: an evenly strided sample)
 
 
@@ -66,7 +67,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     * **Hit density** of a (class, age): the hits a block still earns per
       unit of space-time if kept to its best horizon, estimated from reuse
       and eviction statistics by :class:`~kvkit.backends.eviction._density.HitDensityModel`
-      and refreshed about once per pool's worth of references. At each age
+      and refreshed about once per pool's worth of references. Each refresh
+      weighs past observations by ``1 - 1 / ghost_span``, so the model
+      remembers about ``ghost_span`` pools' worth of references, but never
+      fewer than 4,096 once the pool's size is known (given, or learned at
+      the first eviction): a pool of a few hundred blocks would otherwise
+      estimate 8 classes' reuse curves from a thousand or so events, and
+      sampling noise, not the workload, would rank them (at 100-500 blocks
+      the floor gained 8.9 points summed over 33 workload points, and met
+      all 33 within 0.5 of the best rule, against 30; BENCHMARKS.md). At each age
       a class is valued at least as high as every class of fewer reuses and
       the same parenthood (if blocks differ in how often they are wanted, a
       block seen more often is the likelier to be wanted again). A class's
@@ -321,12 +330,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def _refresh(self) -> None:
         """Recompute the densities (bounded work, see :mod:`._census`); due about once per pool's worth of ticks."""
-        self._next_refresh = self._clock + max(self.c, _MIN_REFRESH)
+        period = max(self.c, _MIN_REFRESH)
+        self._next_refresh = self._clock + period
         (t_cls, t_last, t_w), (g_cls, g_last, g_w) = (
             census.sample(_CENSUS_LIMIT) for census in (self._census, self._ghost_census))
         weights = np.concatenate([np.full(len(t_cls), t_w), np.full(len(g_cls), g_w)])
+        sized = self.capacity is not None or self._evictions > 0  # a learned size is final once the pool evicts
+        span = max(self.ghost_span, _MIN_MEMORY / period) if sized else self.ghost_span
         self._model.refresh(np.concatenate([t_cls, g_cls]), self._clock - np.concatenate([t_last, g_last]),
-                            keep=1 - 1 / self.ghost_span, weights=weights)
+                            keep=1 - 1 / span, weights=weights)
 
     @override
     def __len__(self) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.eviction._density import HitDensityModel
@@ -466,6 +466,37 @@ def test_the_ghost_is_bounded_by_its_span():
         policy.on_insert(b, 1000 + b, None)
         policy.on_remove(b)
     assert policy.num_ghosts == 6
+    policy.check_invariants()
+
+
+@settings(max_examples=12)
+@given(st.integers(1, 2500), st.booleans(), st.sampled_from([1.0, 2.5, 8.0, 64.0]))
+@example(100, True, 8.0)
+@example(100, False, 8.0)
+def test_the_model_remembers_ghost_span_pools_but_never_fewer_than_4096_ticks(capacity, given_size, ghost_span):
+    """Each refresh keeps ``1 - 1 / span`` of the reuse histograms, ``span = ghost_span`` refreshes while
+    a learned size may still grow, and at least enough to span 4,096 ticks once the size is known."""
+    policy = HitDensityPolicy(capacity=capacity if given_size else None, ghost_span=ghost_span)
+    policy.on_insert(0, 0, None)
+    for _ in range(5):
+        policy.on_access(0)  # 5 reuses, all before the first refresh (tick 64)
+    fifo, ratios, mass, sized = [0], [], policy.model.reuses.sum(), given_size
+    for block in range(1, 4 * max(capacity, 64) + 70):
+        if len(fifo) >= capacity:
+            policy.on_remove(fifo.pop(0))  # as a pool evicts to make room: fresh hashes never come back
+            sized = True
+        policy.on_insert(block, 10**6 + block, None)
+        fifo.append(block)
+        if policy.model.reuses.sum() != mass:  # a refresh: the only thing that changes the mass now
+            period = max(policy.c, 64)
+            span = max(ghost_span, 4096 / period) if sized else ghost_span
+            ratios.append((policy.model.reuses.sum() / mass, 1 - 1 / span))
+            mass = policy.model.reuses.sum()
+            if not mass:
+                break  # a span of one refresh forgets everything (ghost_span=1 before the size is known)
+    assert len(ratios) >= 3 or ratios[-1] == (0, 0)
+    for got, want in ratios:
+        assert math.isclose(got, want, rel_tol=1e-9), ratios
     policy.check_invariants()
 
 
