@@ -2,7 +2,7 @@
 
     python benchmarks/bench_margin.py [--policy hit-density] [--workloads chat,agent,rag,few-shot,mixed]
         [--seeds 3,4,5] [--capacities 1000,4000,16000] [--others lru,arc,...]
-        [--baselines ARC,S3FIFO,...] [--jobs N]
+        [--baselines ARC,S3FIFO,...] [--block-size 16] [--jobs N]
 
 A workload is a shape name, optionally with generator parameters moved from their defaults:
 ``few-shot@drift_every=400`` or ``rag@document_skew=1.2;docs_per_request=6`` (as
@@ -11,6 +11,8 @@ its *margin* is the policy's prefix hit ratio minus (the best of the ``--others`
 the libCacheSim ``--baselines``, all counted by prefix, minus 0.5 points). The condition holds
 where every margin is >= 0. Rules built on the policy (``adaptive``, ``hinted``) and the offline
 optima are not among the others by default. kvkit's rules replay as ``kvkit policies`` does.
+``--block-size`` draws the shapes in blocks of that many tokens (an engine's block size): the same
+prompts in fewer, larger blocks, so pools of a given size hold more of them.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ def _split(text: str) -> tuple[str, ...]:
     return tuple(filter(None, text.split(",")))
 
 
-def _point(job: tuple[str, int, int, str, tuple[str, ...], tuple[str, ...]]) -> tuple[tuple[str, int, int], dict]:
-    workload, seed, capacity, policy, others, baselines = job
-    requests = list(kvkit.shape(workload, seed=seed).requests())
+def _point(job: tuple[str, int, int, int, str, tuple[str, ...], tuple[str, ...]]) -> tuple[tuple[str, int, int], dict]:
+    workload, seed, block_size, capacity, policy, others, baselines = job
+    requests = list(kvkit.shape(workload, seed=seed, block_size=block_size).requests())
     ratios = {rule: kvkit.replay(requests, capacity, rule).hit_ratio for rule in (policy, *others)}
     if baselines:
         ratios |= {s.policy: s.hit_ratio for s in kvkit.libcachesim_study(requests, (capacity,), baselines, prefix=True)}
@@ -46,12 +48,18 @@ def main() -> None:
                         help="kvkit rules [default: every registered one but the policy, adaptive and opt]")
     parser.add_argument("--baselines", default=",".join(p for p in kvkit.LIBCACHESIM_POLICIES if p != "Belady"),
                         help="libCacheSim policies (needs the libcachesim extra; empty for none)")
+    parser.add_argument("--block-size", type=int, default=kvkit.DEFAULTS.block_size, help="tokens per block")
     parser.add_argument("--jobs", type=int, default=None)
     args = parser.parse_args()
     others = tuple(p for p in kvkit.default_policies() if p not in (args.policy, "adaptive", kvkit.OPT)) \
         if args.others is None else _split(args.others)
     baselines = _split(args.baselines)
-    jobs = [(w, int(seed), int(c), args.policy, others, baselines)
+    try:  # a bad workload name, field or block size fails here, quoted, not inside a worker
+        for workload in _split(args.workloads):
+            kvkit.shape(workload, block_size=args.block_size)
+    except kvkit.errors.ConfigError as error:
+        parser.error(str(error))
+    jobs = [(w, int(seed), args.block_size, int(c), args.policy, others, baselines)
             for w in _split(args.workloads) for seed in _split(args.seeds) for c in _split(args.capacities)]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         points = dict(pool.map(_point, jobs))
