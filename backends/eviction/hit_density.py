@@ -18,22 +18,27 @@ from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import real_in
 
-__all__ = ["HitDensityPolicy", "block_class"]
+__all__ = ["LEAF", "PARENT", "TIP", "HitDensityPolicy", "block_class"]
 
+LEAF, PARENT, TIP = 0, 1, 2
+"""A block's *kind*: its hash never had a cached child; it had one; it is the block stored last,
+which the next store may still continue (the only tip at any time)."""
+_KINDS = 3
 _MAX_USES = 3  # reuse counts 0, 1, 2 and "3 or more", as S3-FIFO's two bits
-_CLASSES = 2 * (_MAX_USES + 1)
+_CLASSES = _KINDS * (_MAX_USES + 1)
 _MIN_REFRESH = 64  # ticks between two refreshes while the pool is still tiny
 _MIN_MEMORY = 4096  # ticks of history the model weighs at least, once the pool's size is known
 _CENSUS_LIMIT = 1 << 18  # entries a refresh reads at most per census (beyond: an evenly strided sample)
 
 
-def block_class(uses: int, was_parent: bool) -> int:
-    """The class of a block hit ``uses`` times whose hash has (``True``) or never had a cached child."""
-    return 2 * min(uses, _MAX_USES) + was_parent
+def block_class(uses: int, kind: int) -> int:
+    """The class of a block hit ``uses`` times, of kind ``LEAF``, ``PARENT`` or ``TIP`` (``False`` and
+    ``True`` read as leaf and parent)."""
+    return _KINDS * min(uses, _MAX_USES) + kind
 
 
-# Per parenthood, the classes by reuse count: a block reused more is never valued below one reused less.
-_BY_USES = tuple(tuple(block_class(uses, parent) for uses in range(_MAX_USES + 1)) for parent in (False, True))
+# Per kind, the classes by reuse count: a block reused more is never valued below one reused less.
+_BY_USES = tuple(tuple(block_class(uses, kind) for uses in range(_MAX_USES + 1)) for kind in (LEAF, PARENT, TIP))
 
 
 @attrs.define
@@ -50,10 +55,19 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     * **Class** of a block: its reuse count (0, 1, 2, 3+: a turn of a
       conversation that already came back is likelier to come back again,
-      and shared heads such as system prompts are hit constantly) and
-      whether its hash ever had a cached child (the last block of a prompt
-      never does, and it is almost never reused, since the next turn's block
-      at that position holds more tokens). The reuse count survives eviction
+      and shared heads such as system prompts are hit constantly) and its
+      kind: a *parent* if its hash ever had a cached child, a *leaf* if not
+      (the last block of a prompt never does, and it is almost never reused,
+      since the next turn's block at that position holds more tokens), and
+      the *tip* while it is the block stored last, until the next store shows
+      which of the two it is. A tip is what a selection during a prompt's
+      stores weighs against the cache: valued as a leaf, it made the policy
+      evict each new block as the next one arrived, on evidence about prompt
+      ends rather than about new prompts (after a large pool first filled on
+      a short RAG trace, 8 points behind LRU for 200 requests). The tip
+      classes learn from the tips evicted (their ghosts' returns), so they
+      price admitting a new chain; without that evidence yet they borrow the
+      pooled density. The reuse count survives eviction
       through the ghost, so a conversation that returns keeps its history.
       A hash back from the ghost within one *turnover* (the ticks the pool
       takes to replace a pool's worth of blocks, c times the recent mean gap
@@ -72,12 +86,12 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
       remembers about ``ghost_span`` pools' worth of references, but never
       fewer than 4,096 once the pool's size is known (given, or learned at
       the first eviction): a pool of a few hundred blocks would otherwise
-      estimate 8 classes' reuse curves from a thousand or so events, and
+      estimate 12 classes' reuse curves from a thousand or so events, and
       sampling noise, not the workload, would rank them (at 100-500 blocks
       the floor gained 8.9 points summed over 33 workload points, and met
       all 33 within 0.5 of the best rule, against 30; BENCHMARKS.md). At each age
       a class is valued at least as high as every class of fewer reuses and
-      the same parenthood (if blocks differ in how often they are wanted, a
+      the same kind (if blocks differ in how often they are wanted, a
       block seen more often is the likelier to be wanted again). A class's
       estimate averages over its blocks, and the average can invert that
       order: on few-shot templates whose popularity shifts, the top class
@@ -133,8 +147,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     Invariants:
         * Each tracked block sits in exactly one class list or is parked,
-          and its class is that of its reuse count and parenthood; a block
-          with a cached child is a parent.
+          and its class is that of its reuse count and kind; a block with a
+          cached child is a parent, and the tip is the block stored last, if
+          it is still tracked and the next store has not come.
         * The ghost holds only hashes of untracked blocks, evicted within
           the last ``ghost_span * capacity`` evictions, oldest first.
         * The two censuses hold exactly the (class, last access) of every
@@ -160,6 +175,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _ghost_census: Census = attrs.field(init=False, factory=Census)
     _slot: dict[BlockId, int] = attrs.field(init=False, factory=dict)
     _model: HitDensityModel = attrs.field(init=False, factory=lambda: HitDensityModel(_CLASSES, monotone=_BY_USES))
+    _tip: BlockId | None = attrs.field(init=False, default=None)
     _clock: int = attrs.field(init=False, default=0)
     _evictions: int = attrs.field(init=False, default=0)
     # Ticks the pool takes to replace a pool's worth of blocks: c times the mean gap between removals,
@@ -201,6 +217,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
         parent_block = self._chains.add(self, block, block_hash, parent)
+        self._settle_tip()
         self._clock = clock = self._clock + 1
         uses = 0
         ghost = self._ghost.pop(block_hash, None)
@@ -209,14 +226,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._ghost_census.drop(slot)
             self._model.record_reuse(cls, clock - last)
             uses = ghost_uses + 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
-        cls = block_class(uses, self._chains.has_children(block))
+        cls = block_class(uses, PARENT if self._chains.has_children(block) else TIP)
+        self._tip = block if cls % _KINDS == TIP else None
         self._uses[block] = uses
         self._last[block] = clock
         self._slot[block] = self._census.add(cls, clock)
         self._class[block] = cls
         self._lists[cls][block] = None  # never parked yet: a pool pins a block after committing it
-        if parent_block is not None and not self._class[parent_block] & 1:
-            self._enter(parent_block, self._class[parent_block] | 1)
+        if parent_block is not None and self._class[parent_block] % _KINDS != PARENT:
+            self._enter(parent_block, self._class[parent_block] // _KINDS * _KINDS + PARENT)
         self._learn(len(self._class))
         if clock >= self._next_refresh:
             self._refresh()
@@ -231,13 +249,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._uses[block] = uses = self._uses[block] + 1
         self._last[block] = clock
         self._census.set_last(self._slot[block], clock)
-        self._enter(block, block_class(uses, bool(cls & 1)))
+        self._enter(block, block_class(uses, cls % _KINDS))
         if clock >= self._next_refresh:
             self._refresh()
 
     @override
     def on_remove(self, block: BlockId) -> None:
         block_hash = self._chains.remove(self, block)
+        if block == self._tip:
+            self._tip = None
         cls = self._class.pop(block)
         if self._parked.pop(block, False) is False:
             del self._lists[cls][block]
@@ -317,6 +337,12 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     # -- bookkeeping -----------------------------------------------------------
 
+    def _settle_tip(self) -> None:
+        """The block stored before this store is a tip no more: a parent if this store continued it, else a leaf."""
+        tip, self._tip = self._tip, None
+        if tip is not None:
+            self._enter(tip, self._class[tip] - TIP + (PARENT if self._chains.has_children(tip) else LEAF))
+
     def _enter(self, block: BlockId, cls: int) -> None:
         """Put ``block`` at the young end of class ``cls``'s list (if parked: only its class)."""
         old = self._class.get(block)
@@ -355,9 +381,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 assert self._class[block] == cls, f"block {block} is listed in class {cls}"
                 assert block not in self._parked, f"parked block {block} is listed in class {cls}"
         for block, cls in self._class.items():
-            assert cls >> 1 == min(self._uses[block], _MAX_USES), f"block {block} reuse class"
-            assert cls & 1 or not self._chains.has_children(block), \
+            assert cls // _KINDS == min(self._uses[block], _MAX_USES), f"block {block} reuse class"
+            assert cls % _KINDS == PARENT or not self._chains.has_children(block), \
                 f"block {block} has a child but is not classed a parent"
+            assert (cls % _KINDS == TIP) == (block == self._tip), f"block {block} tip kind"
             assert self._last[block] <= self._clock, f"block {block} accessed in the future"
         assert len(self._slot) == len(self._census) == len(self._class), "census of tracked blocks drifted"
         for block, slot in self._slot.items():

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.eviction._density import HitDensityModel
-from kvkit.backends.eviction.hit_density import HitDensityPolicy, block_class
+from kvkit.backends.eviction.hit_density import LEAF, PARENT, TIP, HitDensityPolicy, block_class
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
 from kvkit.errors import ConfigError, PoolUsageError
@@ -325,12 +325,12 @@ def test_a_hash_back_within_a_turnover_counts_one_use_more():
     policy.on_insert(1, 2, None)   # tick 2
     policy.on_remove(0)            # first removal, 2 ticks in: turnover 2 * c = 4 ticks
     policy.on_insert(2, 1, None)   # tick 3: hash 1 back 2 ticks after its last use (< 4)
-    assert policy.class_of(2) == block_class(2, False)
+    assert policy.class_of(2) == block_class(2, TIP)
     policy.on_remove(1)            # 1 tick after the last removal: turnover (4 + 2) / 2 = 3
     for block, block_hash in ((3, 3), (4, 4), (5, 5)):
         policy.on_insert(block, block_hash, None)  # ticks 4-6
     policy.on_insert(6, 2, None)   # tick 7: hash 2 back 5 ticks after its last use (>= 3)
-    assert policy.class_of(6) == block_class(1, False)
+    assert policy.class_of(6) == block_class(1, TIP)
     policy.check_invariants()
 
 
@@ -429,7 +429,7 @@ class _ParkingWitness:
         policy = self.policy
         policy.check_invariants()
         self.twin.check_invariants()
-        listed = {b for cls in range(block_class(3, True) + 1) for b in policy.class_blocks(cls)}
+        listed = {b for cls in range(block_class(3, TIP) + 1) for b in policy.class_blocks(cls)}
         assert listed.isdisjoint(policy.pinned), f"listed parked {listed & set(policy.pinned)}"
         for block in self.tracked:
             mine = policy.class_of(block), policy.density_of(block)
@@ -453,8 +453,8 @@ def test_a_ghost_hit_keeps_the_reuse_count():
     for block in range(10, 20):
         policy.on_insert(block, block, None)  # ticks 3-12 pass
     policy.on_insert(1, 42, None)  # tick 13, 11 ticks after its last use
-    assert policy.class_of(1) == block_class(2, False)
-    learned = policy.model.reuses[block_class(1, False)]
+    assert policy.class_of(1) == block_class(2, TIP)
+    learned = policy.model.reuses[block_class(1, TIP)]
     assert learned[policy.model.bucket(11)] == 1 and learned.sum() == 1  # the missed reuse, at age 11
     policy.check_invariants()
 
@@ -504,10 +504,26 @@ def test_a_first_child_makes_its_parent_a_parent_class():
     """A block moves to the parent class when its first child is inserted, and stays there."""
     policy = HitDensityPolicy()
     policy.on_insert(0, 100, None)
-    assert policy.class_of(0) == block_class(0, False)
+    assert policy.class_of(0) == block_class(0, TIP)
     policy.on_insert(1, 101, 100)
     policy.on_remove(1)
-    assert policy.class_of(0) == block_class(0, True)
+    assert policy.class_of(0) == block_class(0, PARENT)
+
+
+def test_the_block_stored_last_is_the_tip_until_the_next_store_shows_its_kind():
+    """The last stored block is a tip; a store that continues it makes it a parent, any other a leaf."""
+    policy = HitDensityPolicy()
+    policy.on_insert(0, 100, None)
+    policy.on_insert(1, 101, 100)  # continues 0
+    assert (policy.class_of(0), policy.class_of(1)) == (block_class(0, PARENT), block_class(0, TIP))
+    policy.on_access(1)  # a hit keeps the kind
+    assert policy.class_of(1) == block_class(1, TIP)
+    policy.on_insert(2, 200, None)  # another prompt: 1 was that prompt's end
+    assert (policy.class_of(1), policy.class_of(2)) == (block_class(1, LEAF), block_class(0, TIP))
+    policy.on_remove(2)  # an evicted tip leaves no tip behind
+    policy.on_insert(3, 300, None)
+    assert policy.class_of(3) == block_class(0, TIP)
+    policy.check_invariants()
 
 
 @pytest.mark.parametrize("kwargs", [{"capacity": 0}, {"capacity": 2.5}, {"ghost_span": 0.5},
