@@ -234,7 +234,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._class[block] = cls
         self._lists[cls][block] = None  # never parked yet: a pool pins a block after committing it
         if parent_block is not None and self._class[parent_block] % _KINDS != PARENT:
-            self._enter(parent_block, self._class[parent_block] // _KINDS * _KINDS + PARENT)
+            self._enter(parent_block, block_class(self._uses[parent_block], PARENT))
         self._learn(len(self._class))
         if clock >= self._next_refresh:
             self._refresh()
@@ -341,7 +341,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         """The block stored before this store is a tip no more: a parent if this store continued it, else a leaf."""
         tip, self._tip = self._tip, None
         if tip is not None:
-            self._enter(tip, self._class[tip] - TIP + (PARENT if self._chains.has_children(tip) else LEAF))
+            self._enter(tip, block_class(self._uses[tip], PARENT if self._chains.has_children(tip) else LEAF))
 
     def _enter(self, block: BlockId, cls: int) -> None:
         """Put ``block`` at the young end of class ``cls``'s list (if parked: only its class)."""
