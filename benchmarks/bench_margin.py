@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import re
 
 import kvkit
 
@@ -26,7 +27,9 @@ _TOLERANCE = 0.5  # points
 
 
 def _split(text: str) -> tuple[str, ...]:
-    return tuple(filter(None, text.split(",")))
+    """The comma-separated items of ``text``; a comma inside brackets, as in a tuple-valued field
+    (``rag@document_tokens=(2000,12000)``), belongs to its item."""
+    return tuple(filter(None, re.split(r",(?![^()\[\]]*[)\]])", text)))
 
 
 def _point(job: tuple[str, int, int, int, str, tuple[str, ...], tuple[str, ...]]) -> tuple[tuple[str, int, int], dict]:

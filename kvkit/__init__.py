@@ -112,6 +112,7 @@ _LAZY: dict[str, str] = {
     "LIBCACHESIM_POLICIES": "kvkit.sim.baselines:LIBCACHESIM_POLICIES",
     "study": "kvkit.sim.policy_study:study",
     "block_class": "kvkit.backends.eviction.hit_density:block_class",
+    "REUSE_LEVELS": "kvkit.backends.eviction.hit_density:REUSE_LEVELS",
     # explore: copy-backend throughput (the library half of `kvkit bench transfer`)
     "Rig": "kvkit.sim.transfer_bench:Rig",
     "GemmLoad": "kvkit.sim.transfer_bench:GemmLoad",
@@ -160,6 +161,7 @@ __all__ = [
     "PolicyStudy",
     "PrefillCompute",
     "REGISTRIES",
+    "REUSE_LEVELS",
     "ReferenceEngine",
     "Region",
     "ReportsAvailability",
@@ -214,7 +216,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what __getattr__ returns, spelled out for type checkers and IDEs
-    from kvkit.backends.eviction.hit_density import block_class
+    from kvkit.backends.eviction.hit_density import REUSE_LEVELS, block_class
     from kvkit.blockstores import open_block_store
     from kvkit.config import DEFAULTS, StackConfig, parse_bytes
     from kvkit.hashing import BlockHasher, hash_blocks

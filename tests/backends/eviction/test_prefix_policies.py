@@ -12,7 +12,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.eviction._density import HitDensityModel
-from kvkit.backends.eviction.hit_density import LEAF, PARENT, TIP, HitDensityPolicy, block_class
+from kvkit.backends.eviction.hit_density import (
+    LEAF,
+    PARENT,
+    REUSE_LEVELS,
+    TIP,
+    HitDensityPolicy,
+    block_class,
+    reuse_level,
+)
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
 from kvkit.errors import ConfigError, PoolUsageError
@@ -429,7 +437,7 @@ class _ParkingWitness:
         policy = self.policy
         policy.check_invariants()
         self.twin.check_invariants()
-        listed = {b for cls in range(block_class(3, TIP) + 1) for b in policy.class_blocks(cls)}
+        listed = {b for cls in range(block_class(REUSE_LEVELS[-1], TIP) + 1) for b in policy.class_blocks(cls)}
         assert listed.isdisjoint(policy.pinned), f"listed parked {listed & set(policy.pinned)}"
         for block in self.tracked:
             mine = policy.class_of(block), policy.density_of(block)
@@ -508,6 +516,42 @@ def test_a_first_child_makes_its_parent_a_parent_class():
     policy.on_insert(1, 101, 100)
     policy.on_remove(1)
     assert policy.class_of(0) == block_class(0, PARENT)
+
+
+def test_reuse_levels_are_counts_to_three_then_powers_of_two():
+    """Counts 0-3 are a level each, then 4-7, 8-15 and 16+; a level never falls as the count grows."""
+    assert [reuse_level(uses) for uses in (0, 1, 2, 3, 4, 7, 8, 15, 16, 10**6)] == [0, 1, 2, 3, 4, 4, 5, 5, 6, 6]
+    levels = [reuse_level(uses) for uses in range(64)]
+    assert levels == sorted(levels) and set(levels) == set(range(len(REUSE_LEVELS)))
+    classes = {block_class(uses, kind) for uses in range(64) for kind in (LEAF, PARENT, TIP)}
+    assert classes == set(range(3 * len(REUSE_LEVELS)))
+
+
+@given(hits=st.integers(min_value=0, max_value=40))
+def test_a_block_hit_k_times_is_in_the_class_of_k_uses(hits):
+    """Every hit moves a block to the class of its new count, past the fourth level too."""
+    policy = HitDensityPolicy()
+    policy.on_insert(0, 100, None)
+    policy.on_insert(1, 200, None)  # 0 is a leaf now
+    for _ in range(hits):
+        policy.on_access(0)
+    assert policy.class_of(0) == block_class(hits, LEAF)
+    assert 0 in policy.class_blocks(block_class(hits, LEAF))
+    policy.check_invariants()
+
+
+def test_under_stable_popularity_a_block_hit_16_times_outranks_one_hit_4_times():
+    """On a Zipf stream of one-block prompts the model learns that the 16+ level comes back sooner
+    than the 4-7 level at the same age: how often a block was wanted ranks it past its third use."""
+    rng = np.random.default_rng(0)
+    popularity = 1 / np.arange(1, 401)
+    stream = rng.choice(400, size=20_000, p=popularity / popularity.sum())
+    requests = [TraceRequest(timestamp_ms=i, input_length=16, output_length=1, hash_ids=(int(h),), line=i + 1)
+                for i, h in enumerate(stream)]
+    policy = HitDensityPolicy(capacity=50)
+    replay(requests, 50, policy)
+    for age in (10, 50):
+        assert policy.model.density(block_class(16, LEAF), age) > 2 * policy.model.density(block_class(4, LEAF), age)
 
 
 def test_the_block_stored_last_is_the_tip_until_the_next_store_shows_its_kind():
