@@ -25,7 +25,12 @@ trace see only young ages): it starts from the density of the oldest age seen
 and halves with every doubling of age past it, as the expected reuse rate of
 a block not reused for age ``a`` falls like ``1 / a`` when the class's blocks
 have Gamma-distributed rates. Classes can be ordered so that one is never
-valued below another it dominates (``monotone``). Evicting the block of lowest
+valued below another it dominates (``monotone``): at each age the chain's
+densities are fitted by weighted isotonic regression, each class weighted by
+its blocks observed alive at that age, so an order the evidence barely
+contradicts is restored where that evidence is thin, and evidence that the
+"better" class really is worse there pulls the fit down rather than being
+overruled. Evicting the block of lowest
 density maximises hits for the space (the Lagrangian argument behind LHD,
 Beckmann et al., NSDI'18); the maximum over ``T`` looks past ages where a
 block is unlikely to be reused yet (a user still reading the reply) to the
@@ -40,7 +45,7 @@ import numpy as np
 from kvkit.errors import ConfigError
 from kvkit.validate import at_least, is_int, quote
 
-__all__ = ["HitDensityModel"]
+__all__ = ["HitDensityModel", "isotonic"]
 
 
 _positive_int = at_least(1)
@@ -55,6 +60,36 @@ def _as_chains(value: object) -> tuple[tuple[object, ...], ...]:
                           f"got {quote(value)}") from None
 
 
+def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Column by column, the non-decreasing (down the rows) fit of ``values`` of least weighted squared error.
+
+    Each row weighs its weight plus ``1e-9`` of its column's total (or 1 in a column of all-zero
+    weights): a row without evidence keeps its own value where the order allows, and otherwise takes
+    the value of the run it joins. The fit at row ``i`` is the max over ``j <= i`` of the min over
+    ``k >= i`` of the weighted mean of rows ``j..k`` (the min-max form of isotonic regression, exact,
+    O(rows**3) per column; the chains here have a handful of rows).
+
+    Args:
+        values, weights: arrays of one shape ``(rows, columns)``; weights non-negative.
+    """
+    rows = len(values)
+    total = weights.sum(axis=0, keepdims=True)
+    weights = weights + 1e-9 * np.where(total > 0, total, 1.0)
+    # means[j, k]: the weighted mean of rows j..k where j <= k, +inf elsewhere (no min picks it);
+    # summed from row j on, not as differences of running sums, which would round a light row away.
+    means = np.full((rows, *values.shape), np.inf)
+    for j in range(rows):
+        means[j, j:] = np.cumsum(values[j:] * weights[j:], axis=0) / np.cumsum(weights[j:], axis=0)
+    lows = np.minimum.accumulate(means[:, ::-1], axis=1)[:, ::-1]  # lows[j, i]: min over k >= i
+    lows[~np.triu(np.ones((rows, rows), dtype=bool))] = -np.inf
+    return lows.max(axis=0)  # max over j <= i
+
+
+def _at_risk(events: np.ndarray) -> np.ndarray:
+    """Per (row, bucket): the events at that bucket or later (blocks observed alive at its age)."""
+    return np.cumsum(events[:, ::-1], axis=1)[:, ::-1]
+
+
 @attrs.define(eq=False)
 class HitDensityModel:
     """Per-class reuse histograms over age, and the hit-density table derived from them.
@@ -66,10 +101,12 @@ class HitDensityModel:
         min_samples: a class with fewer observations (reuses, ends and
             censored blocks) than this borrows the density of all classes pooled.
         monotone: chains of classes, each listed from least to most valuable
-            by construction (say, by reuse count): after each refresh every
-            class's row is raised to the maximum of the rows before it in its
-            chain, so a class never looks worth less than one it dominates at
-            the same age.
+            by construction (say, by reuse count): after each refresh, at
+            every age, the chain's densities are replaced by their isotonic
+            (non-decreasing) fit weighted by each class's blocks at risk at
+            that age (:func:`isotonic`), so a class never looks worth less
+            than one it dominates at the same age, and the order costs as
+            little of the evidence as it can.
 
     Invariants: the histograms are finite and non-negative; the table, once
     computed, has one row per class and one column per bucket, all finite
@@ -184,8 +221,11 @@ class HitDensityModel:
         if sparse.any():
             table[sparse] = self._densities(reuses.sum(axis=0, keepdims=True),
                                             events.sum(axis=0, keepdims=True))[0]
-        for chain in self.monotone:
-            table[list(chain)] = np.maximum.accumulate(table[list(chain)], axis=0)
+        if self.monotone:
+            at_risk = _at_risk(events)
+            for rows in map(list, self.monotone):
+                if len(rows) > 1:  # a chain of one class has no order to restore
+                    table[rows] = isotonic(table[rows], at_risk[rows])
         self._table = table
         self._rows = table.tolist()
         self._reuses *= keep
@@ -193,7 +233,7 @@ class HitDensityModel:
 
     def _densities(self, reuses: np.ndarray, events: np.ndarray) -> np.ndarray:
         """Hit density per (row, bucket) from reuse and all-event histograms."""
-        at_risk = np.cumsum(events[:, ::-1], axis=1)[:, ::-1]
+        at_risk = _at_risk(events)
         hazard = np.divide(reuses, at_risk, out=np.zeros_like(reuses), where=at_risk > 0)
         survive = np.cumprod(np.concatenate(
             [np.ones((len(reuses), 1)), 1 - hazard[:, :-1]], axis=1), axis=1)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvkit.backends.eviction._density import HitDensityModel
+from kvkit.backends.eviction._density import HitDensityModel, isotonic
 from kvkit.backends.eviction.hit_density import (
     LEAF,
     PARENT,
@@ -269,19 +269,75 @@ def test_density_matches_a_hand_computed_reuse_window(never, reused, window_octa
     assert model.density(0, 2 ** 21) == 0.0  # past every reuse: nothing left to earn
 
 
+def _pooled_fit(values: list[float], weights: list[float]) -> list[float]:
+    """Pool adjacent violators: the weighted non-decreasing fit of one column (positive weights), built
+    independently of :func:`isotonic`'s min-max form."""
+    pools: list[list[float]] = []  # [value, weight, rows]
+    for value, weight in zip(values, weights, strict=True):
+        pools.append([value, weight, 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            (v2, w2, n2), (v1, w1, n1) = pools.pop(), pools[-1]
+            pools[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return [value for value, _, rows in pools for _ in range(rows)]
+
+
+_cells = st.floats(0, 1e3, allow_nan=False)
+
+
+@given(st.integers(1, 7).flatmap(lambda rows: st.tuples(
+    st.lists(st.lists(_cells, min_size=rows, max_size=rows), min_size=1, max_size=5),
+    st.lists(st.lists(st.sampled_from([0.0, 0.5, 1.0, 7.0, 1e3]), min_size=rows, max_size=rows),
+             min_size=5, max_size=5))))
+def test_isotonic_is_the_weighted_least_squares_monotone_fit(case):
+    """Each column's fit is non-decreasing and equals pool-adjacent-violators' with the same weights
+    (each plus 1e-9 of its column's total, or 1e-9 where all are zero)."""
+    columns, weight_columns = case
+    values = np.array(columns).T
+    weights = np.array(weight_columns[:len(columns)]).T
+    fit = isotonic(values, weights)
+    assert (np.diff(fit, axis=0) >= 0).all()
+    for c in range(values.shape[1]):
+        w = weights[:, c] + 1e-9 * (weights[:, c].sum() or 1.0)
+        assert np.allclose(fit[:, c], _pooled_fit(values[:, c].tolist(), w.tolist()), rtol=1e-9, atol=1e-9)
+
+
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20_000), st.booleans()), min_size=1, max_size=300))
 def test_density_never_ranks_a_class_below_one_it_dominates(events):
-    """With a monotone chain, each class's density is at least the ones before it, at every age."""
+    """With a monotone chain, each class's density is at least the ones before it, at every age: the
+    fit of the unordered densities weighted by each class's blocks at risk at that age."""
     chain = (0, 1, 2, 3)
     model, free = HitDensityModel(4, min_samples=1, monotone=(chain,)), HitDensityModel(4, min_samples=1)
     for cls, age, reused in events:
         for m in (model, free):
             (m.record_reuse if reused else m.record_end)(cls, age)
+    at_risk = np.cumsum((free.reuses + free.ends)[:, ::-1], axis=1)[:, ::-1]
     for m in (model, free):
         m.refresh(np.zeros(0, np.int64), np.zeros(0, np.int64), keep=1.0)
         m.check_invariants()
     assert (np.diff(model.table, axis=0) >= 0).all()
-    assert (model.table == np.maximum.accumulate(free.table, axis=0)).all()  # the least such raise
+    assert np.allclose(model.table, isotonic(free.table, at_risk), rtol=1e-12, atol=0)
+
+
+def test_the_order_weighs_each_class_by_its_evidence():
+    """Many blocks of the dominating class that never came back pull the pair's fit down to near their
+    own density; a thinly observed dominating class is raised to near the other's."""
+    def fitted(low_blocks: int, high_blocks: int) -> tuple[float, float, float, float]:
+        model, free = (HitDensityModel(2, min_samples=1, monotone=chains) for chains in (((0, 1),), ()))
+        for m in (model, free):
+            for _ in range(low_blocks):
+                m.record_reuse(0, 1000)  # the lower class: every block back at age 1000
+            for i in range(high_blocks):
+                (m.record_reuse if i % 10 == 0 else m.record_end)(1, 1000 if i % 10 == 0 else 2**20)
+            m.refresh(np.zeros(0, np.int64), np.zeros(0, np.int64), keep=1.0)
+        return free.density(0, 0), free.density(1, 0), model.density(0, 0), model.density(1, 0)
+
+    low, high, fit_low, fit_high = fitted(10, 1000)
+    assert high < low  # the evidence inverts the order here
+    assert fit_low == fit_high  # pooled into one value...
+    assert high <= fit_high < high + 0.05 * (low - high)  # ... near the well-observed class's density
+    low, high, fit_low, fit_high = fitted(1000, 10)
+    assert high < low and fit_low == fit_high
+    assert low - 0.05 * (low - high) < fit_high <= low  # a thin class follows the well-observed one
 
 
 def test_density_at_an_age_never_seen_fades_from_the_oldest_seen():
