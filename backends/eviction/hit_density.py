@@ -119,7 +119,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
       they no longer come back, that evidence lowers the fit instead of
       being overruled by a thinly observed lower level (241 of 250
       workload points within 0.5 of the best rule, against 237 with the
-      raise, +7.3 points summed; BENCHMARKS.md).
+      raise, +6.9 points summed; BENCHMARKS.md).
 
     The statistics are uncensored by a *ghost*: the hashes of recently
     evicted blocks with their last access, class and reuse count. When an
