@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import LearnsCapacity, any_block, check_count, not_tracked
+from kvkit.backends.eviction._common import LearnsCapacity, any_block, check_count, define_policy, not_tracked
 from kvkit.backends.eviction.arc import ARCPolicy
 from kvkit.backends.eviction.hit_density import HitDensityPolicy
 from kvkit.backends.eviction.lfu import LFUPolicy
@@ -111,7 +111,7 @@ def _experts_check(inst: object, attribute: attrs.Attribute, value: Sequence) ->
                           f"factories, got {value!r}")
 
 
-@attrs.define
+@define_policy
 class AdaptivePolicy(LearnsCapacity, EvictionPolicy):
     """Evicts by the expert whose shadow cache is significantly winning on the recent stream.
 

@@ -12,6 +12,7 @@ from kvkit.backends.eviction._common import (
     LearnsCapacity,
     already_tracked,
     check_count,
+    define_policy,
     not_tracked,
 )
 from kvkit.backends.eviction._queue import ParkingQueue
@@ -21,7 +22,7 @@ from kvkit.interfaces.types import BlockHash, BlockId
 __all__ = ["ARCPolicy"]
 
 
-@attrs.define
+@define_policy
 class ARCPolicy(LearnsCapacity, EvictionPolicy):
     """ARC: balances a recency list ``T1`` and a frequency list ``T2`` with ghost feedback.
 

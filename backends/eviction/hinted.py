@@ -12,7 +12,7 @@ from itertools import islice
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import LearnsCapacity, check_count, not_tracked, pin_mismatch
+from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
 from kvkit.backends.eviction.adaptive import AdaptivePolicy
 from kvkit.errors import ConfigError
 from kvkit.interfaces.capabilities import pin_hooks
@@ -30,7 +30,7 @@ def _base_check(inst: object, attribute: attrs.Attribute, value: object) -> None
         raise ConfigError(f"HintedPolicy.base must be a policy factory (a class), got {value!r}")
 
 
-@attrs.define
+@define_policy
 class HintedPolicy(LearnsCapacity, HintAwarePolicy):
     """Evicts hinted low-priority blocks first and retained blocks last; the base policy orders the rest.
 

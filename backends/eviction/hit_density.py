@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from kvkit.backends.eviction._census import Census
 from kvkit.backends.eviction._chains import ChainIndex
-from kvkit.backends.eviction._common import LearnsCapacity, check_count, not_tracked, pin_mismatch
+from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
 from kvkit.backends.eviction._density import HitDensityModel
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
@@ -50,7 +50,7 @@ def block_class(uses: int, kind: int) -> int:
 _BY_USES = tuple(tuple(block_class(uses, kind) for uses in REUSE_LEVELS) for kind in (LEAF, PARENT, TIP))
 
 
-@attrs.define
+@define_policy
 class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     """Evicts the block expected to earn the fewest hits per unit of cache space, leaves first.
 

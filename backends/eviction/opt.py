@@ -15,6 +15,7 @@ from typing_extensions import override
 from kvkit.backends.eviction._common import (
     already_tracked,
     check_count,
+    define_policy,
     hash_already_tracked,
     not_tracked,
     pin_mismatch,
@@ -26,7 +27,7 @@ from kvkit.interfaces.types import BlockHash, BlockId
 __all__ = ["OptimalPolicy"]
 
 
-@attrs.define(eq=False)
+@define_policy(eq=False)
 class OptimalPolicy(EvictionPolicy):
     """Belady's MIN: the evictable block used again furthest in the future goes first.
 

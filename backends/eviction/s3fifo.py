@@ -13,6 +13,7 @@ from kvkit.backends.eviction._common import (
     LearnsCapacity,
     already_tracked,
     check_count,
+    define_policy,
     move_pinned,
     not_tracked,
     take_evictable,
@@ -26,7 +27,7 @@ __all__ = ["S3FIFOPolicy"]
 _MAX_FREQ = 3  # two bits per block, as in the paper
 
 
-@attrs.define
+@define_policy
 class S3FIFOPolicy(LearnsCapacity, EvictionPolicy):
     """S3-FIFO: new blocks are probationary; only reused ones earn a place in main.
 

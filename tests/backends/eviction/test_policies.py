@@ -19,6 +19,7 @@ from kvkit.backends.eviction.opt import OptimalPolicy
 from kvkit.backends.eviction.s3fifo import S3FIFOPolicy
 from kvkit.errors import ConfigError, PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.registry import EVICTION
 
 
 def _all(block: int) -> bool:
@@ -244,6 +245,14 @@ def test_adaptive_policies_size_themselves_through_one_helper(make):
     assert (learned.c, fixed.c) == (5, 3)
     with pytest.raises(ConfigError, match=rf"{make.__name__}\.capacity=0: must be an int >= 1"):
         make(capacity=0)
+
+
+@pytest.mark.parametrize("name", sorted(EVICTION.names()))
+def test_registered_policies_write_attributes_without_hooks(name):
+    """No policy routes its per-reference attribute writes through attrs' validating ``__setattr__``
+    (define_policy); its arguments are still validated when it is built."""
+    policy = EVICTION.create(name, slot="policy", **({"references": ()} if name == "opt" else {}))
+    assert type(policy).__setattr__ is object.__setattr__, f"{type(policy).__name__} has a setattr hook"
 
 
 # --- S3-FIFO -----------------------------------------------------------------
