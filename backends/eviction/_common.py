@@ -14,10 +14,10 @@ from kvkit.validate import check_int
 
 __all__ = [
     "LearnsCapacity",
-    "any_block",
-    "define_policy",
     "already_tracked",
+    "any_block",
     "check_count",
+    "define_policy",
     "hash_already_tracked",
     "move_pinned",
     "not_tracked",

@@ -250,7 +250,7 @@ def test_adaptive_policies_size_themselves_through_one_helper(make):
 @pytest.mark.parametrize("name", sorted(EVICTION.names()))
 def test_registered_policies_write_attributes_without_hooks(name):
     """No policy routes its per-reference attribute writes through attrs' validating ``__setattr__``
-    (define_policy); its arguments are still validated when it is built."""
+    (define_policy); validation at construction is tested per policy above."""
     policy = EVICTION.create(name, slot="policy", **({"references": ()} if name == "opt" else {}))
     assert type(policy).__setattr__ is object.__setattr__, f"{type(policy).__name__} has a setattr hook"
 
