@@ -13,8 +13,7 @@ log-spaced age buckets:
 
 Blocks still cached or remembered are censored too, at their current age.
 From these the model estimates, per class, the hazard of reuse at each age
-(Kaplan-Meier, which is unbiased under censoring) and from it the *hit
-density* of a block of age ``a``:
+(Kaplan-Meier) and from it the *hit density* of a block of age ``a``:
 
     density(a) = max over T >= a of  E[hits in (a, T]] / E[block-ticks spent in (a, T]]
 
@@ -35,6 +34,17 @@ density maximises hits for the space (the Lagrangian argument behind LHD,
 Beckmann et al., NSDI'18); the maximum over ``T`` looks past ages where a
 block is unlikely to be reused yet (a user still reading the reply) to the
 ages where it is.
+
+The histograms are sums decayed over the model's memory, but the censored
+blocks are the census of the moment, at full weight, so the fit leans on the
+blocks waiting now: a class whose old blocks pile up unreused (templates
+after a popularity shift, sessions that ended) loses value at once, before
+the decayed events say so. The price is calibration: in most classes the
+next pool's worth of references brings 1.1-1.7x the reuses that a refresh's
+hazards predict (chat and few-shot at 4,000 blocks). Fitted to decayed
+exposures instead (the blocks that entered each age bucket), the hazards are
+calibrated to 0.8-1.2x, and the policy meets fewer workload points of issue
+18 (BENCHMARKS.md, thirteenth session).
 """
 
 from __future__ import annotations
