@@ -136,6 +136,10 @@ class ChainIndex:
         """Whether some tracked block carries ``block_hash``."""
         return block_hash in self._block_of
 
+    def links(self, block: BlockId) -> tuple[BlockHash, BlockHash | None]:
+        """A tracked block's hash and its parent hash (``None`` at the head of a chain)."""
+        return self._hash[block], self._parent[block]
+
     def has_children(self, block: BlockId) -> bool:
         """Whether some tracked block names ``block``'s hash as its parent."""
         return self._hash[block] in self._children

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kvkit.backends.eviction import hit_density
 from kvkit.backends.eviction._density import HitDensityModel, isotonic
+from kvkit.backends.eviction._shift import ShiftTest
 from kvkit.backends.eviction.hit_density import (
     LEAF,
     PARENT,
@@ -110,13 +112,14 @@ class Forest:
         self.pinned.discard(block)
 
 
-ops = st.lists(st.one_of(
+op = st.one_of(
     st.tuples(st.just("chain"), st.sampled_from(["root", "orphan", "under"]), st.integers(0, 40),
               st.integers(1, 4)),
     st.tuples(st.just("again"), st.integers(0, 40)),
     st.tuples(st.sampled_from(["access", "pin", "unpin", "remove"]), st.integers(0, 40)),
     st.tuples(st.just("select"), st.integers(1, 6)),
-), max_size=40)
+)
+ops = st.lists(op, max_size=40)
 
 
 def drive(policy: EvictionPolicy, script: list[tuple],
@@ -508,6 +511,20 @@ def test_hit_density_parks_a_pinned_block_and_returns_it_to_its_class(make, scri
     drive(_ParkingWitness(make()), script, lambda f, n, victims: None, hooks=True)
 
 
+@pytest.mark.parametrize("hooks", [False, True])
+@given(script=st.lists(op, min_size=60, max_size=200))
+@settings(max_examples=60, deadline=None)
+def test_restarting_every_count_keeps_every_invariant(hooks, script):
+    """With a refresh every 8 ticks and a shift test that fires at nearly every one (alpha 0.999, one
+    run of history), the counts of tracked blocks, parked blocks, the tip and the ghosts restart again
+    and again while victims still come leaves first and the invariants hold after every step."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hit_density, "_MIN_REFRESH", 8)
+        policy = HitDensityPolicy(capacity=4, ghost_span=1)
+        policy._shift = ShiftTest(len(REUSE_LEVELS), alpha=0.999, min_runs=1)
+        drive(policy, script, _leaves_first, hooks)
+
+
 def test_a_ghost_hit_keeps_the_reuse_count():
     """An evicted hash inserted again (after a turnover) is in the class of its old reuse count plus one."""
     policy = HitDensityPolicy(capacity=4)
@@ -627,7 +644,8 @@ def test_the_block_stored_last_is_the_tip_until_the_next_store_shows_its_kind():
 
 
 @pytest.mark.parametrize("kwargs", [{"capacity": 0}, {"capacity": 2.5}, {"ghost_span": 0.5},
-                                    {"ghost_span": float("inf")}, {"ghost_span": "8"}])
+                                    {"ghost_span": float("inf")}, {"ghost_span": "8"},
+                                    {"shift_alpha": 1.0}, {"shift_alpha": -0.01}])
 def test_bad_hit_density_settings_are_config_errors(kwargs):
     """Bad constructor values raise ConfigError quoting the value."""
     with pytest.raises(ConfigError, match=repr(next(iter(kwargs.values())))):
