@@ -146,10 +146,11 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     against -0.80; +7.4 points summed; BENCHMARKS.md).
 
     Selection: each class keeps its blocks in the order they entered it
-    (insert, hit, first child, or a restart of the counts), so its two ends hold its oldest and its
-    youngest blocks; densities are roughly monotone in age on either side of
-    their peak, so these ends are the candidates, and the one of lowest
-    density (ties: least recently used) becomes the *root* of the next
+    (insert, hit, first child, or a restart of the counts), so its two ends
+    hold its oldest and its youngest blocks; densities are roughly monotone
+    in age on either side of their peak, so these ends are the candidates,
+    and the one of lowest density (ties: least recently used) becomes the
+    *root* of the next
     eviction. Evicting a young block is an admission decision: the blocks of
     a class not worth their space leave right after their request. Then two
     prefix rules, shared with :class:`~kvkit.backends.eviction.prefix_lru.PrefixLRUPolicy`:
