@@ -19,6 +19,21 @@ sum to a level no higher than observed (:func:`lower_tail`). The histogram
 carries one pseudo-run per level (Laplace's rule of succession), so a level
 not seen lately is unlikely rather than impossible, and a single run at a
 rare level does not make a window significant.
+
+A shift rarely shows in one window: the windows after a change point fall
+short of significance one by one, and if each joined the history it would
+train the reference it is tested against. So a window whose levels sit below
+the history's median (pooled p < 1/2) starts or extends an *excursion*: it is
+held out, the next window is tested pooled with it against the history from
+before the excursion, and the held windows join the history only when the
+pool no longer looks low, when the excursion grows as long as the history's
+memory (``1 / (1 - keep)`` windows), or when it is declared a shift. Testing
+one excursion again and again would inflate the false alarms (optional
+stopping), so its ``k``-th test spends ``alpha * 6 / (pi**2 * k**2)``: these sum
+to ``alpha``, so by the union bound an excursion on a stationary stream is
+declared a shift with probability at most ``alpha``, as a single window was.
+The pool grows with each window while the thresholds shrink only as
+``1 / k**2``, so a real shift's p-value, falling geometrically, still crosses.
 """
 
 from __future__ import annotations
@@ -64,7 +79,9 @@ class ShiftTest:
         min_runs: decayed runs of history needed before a window is tested.
 
     Invariants: the history is finite and non-negative, one entry per level;
-    the window's counts are non-negative integers, one per level.
+    the window's counts are non-negative integers, one per level; an
+    excursion's pool is the sum of its held windows and its decayed pool a sum
+    of them weighted at most 1 each (both empty outside an excursion).
     """
 
     levels: int = attrs.field(validator=at_least(1))
@@ -72,10 +89,16 @@ class ShiftTest:
     min_runs: int = attrs.field(default=32, validator=at_least(1))
     _history: np.ndarray = attrs.field(init=False)
     _window: list[int] = attrs.field(init=False)
+    # The excursion: how many windows it holds, their sum, their sum as the history would decay it,
+    # and the factor the history decays by meanwhile (the product of the windows' ``keep``).
+    _held: int = attrs.field(init=False, default=0)
+    _scale: float = attrs.field(init=False, default=1.0)
+    _pool: np.ndarray = attrs.field(init=False)
+    _decayed: np.ndarray = attrs.field(init=False)
     _shifts: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        self._history = np.zeros(self.levels)
+        self._history, self._pool, self._decayed = (np.zeros(self.levels) for _ in range(3))
         self._window = [0] * self.levels
 
     @property
@@ -83,30 +106,55 @@ class ShiftTest:
         """How many windows were declared shifts so far."""
         return self._shifts
 
+    @property
+    def in_excursion(self) -> bool:
+        """Whether windows are held out of the history (their pooled levels look low, not yet significantly)."""
+        return self._held > 0
+
     def note(self, level: int) -> None:
         """One reuse run of the current window, starting at a block of reuse level ``level``."""
         self._window[level] += 1
 
     def check(self, keep: float) -> bool:
-        """End the window: ``True`` (and the history forgotten) if its levels are significantly low.
+        """End the window: ``True`` (and the history forgotten) if the excursion's levels are significantly low.
 
-        Otherwise the window joins the history, which is first scaled by ``keep`` (the
-        caller's memory, as its other statistics decay).
+        The window is pooled with the held ones and tested against the history at the
+        excursion's spent level. Significant: a shift, the history and the pool are forgotten.
+        Below the median (p < 1/2) and shorter than the memory: the pool is held. Otherwise the
+        held windows, in order, join the history, which is first scaled by ``keep`` per window
+        (the caller's memory, as its other statistics decay).
         """
-        window, self._window = self._window, [0] * self.levels
-        runs = sum(window)
+        window = np.asarray(self._window, dtype=np.float64)
+        self._window = [0] * self.levels
+        self._held += 1
+        self._pool += window
+        self._decayed = self._decayed * keep + window
+        self._scale *= keep
+        runs = int(self._pool.sum())
         history = self._history
         if runs and history.sum() >= self.min_runs:
             q = (history + 1) / (history.sum() + self.levels)
-            if lower_tail(q, runs, sum(k * count for k, count in enumerate(window))) < self.alpha:
+            p = lower_tail(q, runs, int(np.dot(np.arange(self.levels), self._pool)))
+            if p < self.alpha * 6 / (np.pi * self._held) ** 2:
                 self._history = np.zeros(self.levels)
+                self._end_excursion()
                 self._shifts += 1
                 return True
-        self._history = history * keep + np.asarray(window, dtype=np.float64)
+            if p < 0.5 and self._held * (1 - keep) < 1:
+                return False
+        self._history = history * self._scale + self._decayed
+        self._end_excursion()
         return False
 
+    def _end_excursion(self) -> None:
+        self._held, self._scale = 0, 1.0
+        self._pool, self._decayed = np.zeros(self.levels), np.zeros(self.levels)
+
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if the history or the window is malformed."""
-        assert self._history.shape == (self.levels,), "history has the wrong shape"
-        assert np.isfinite(self._history).all() and (self._history >= 0).all(), "bad history"
+        """Raise ``AssertionError`` if the history, the window or the excursion is malformed."""
+        for counts in (self._history, self._pool, self._decayed):
+            assert counts.shape == (self.levels,), "history or pool has the wrong shape"
+            assert np.isfinite(counts).all() and (counts >= 0).all(), "bad history or pool"
         assert len(self._window) == self.levels and min(self._window) >= 0, "bad window"
+        assert (self._held > 0 or not self._pool.any()) and (self._pool == np.round(self._pool)).all(), "bad pool"
+        assert (self._decayed <= self._pool + 1e-9).all(), "decayed pool above the pool"

@@ -137,13 +137,18 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     level worth keeping (where LIRS and ARC keep it after two). At each
     refresh a :class:`~kvkit.backends.eviction._shift.ShiftTest` asks whether
     the window's reuse runs (one per reused prefix) started at levels
-    significantly lower than earlier windows' did, at ``shift_alpha``; if so,
-    every tracked block and ghost restarts its count at 0, keeping its kind,
-    age and class lists' order by last use, and the model's histograms stay.
-    On workloads whose reused prefixes start with a shared system prompt the
-    test has nothing to see and never fires (244 of 250 workload points
-    within 0.5 of the best rule, against 241 without it; worst -0.57
-    against -0.80; +7.4 points summed; BENCHMARKS.md).
+    significantly lower than earlier windows' did, at ``shift_alpha``; windows
+    that look low but not yet significantly so are pooled with the next one
+    (an *excursion*, see :mod:`._shift`, whose repeated tests spend
+    ``shift_alpha`` between them). On a shift every tracked block and
+    ghost restarts its count at its reuses since the change point (the start
+    of the excursion, or of the window): what the new era already showed is
+    kept, what the old one counted is dropped. Kind, age and the class lists'
+    order by last use stay, and so do the model's histograms. On workloads
+    whose reused prefixes start with a shared system prompt the test has
+    nothing to see and never fires (246 of 250 workload points within 0.5 of
+    the best rule, against 241 without it and 244 with restarts at 0 and no
+    pooling; worst -0.50; BENCHMARKS.md).
 
     Selection: each class keeps its blocks in the order they entered it
     (insert, hit, first child, or a restart of the counts), so its two ends
@@ -194,6 +199,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         * The two censuses hold exactly the (class, last access) of every
           tracked block and of every ghost; a refresh reads at most
           ``2**18`` entries of each (a strided, reweighted sample beyond).
+        * A block's or ghost's reuses since the last refresh that held no
+          excursion (the change point a restart keeps) never exceed its count.
         * The chain index's, the density model's and the shift test's invariants.
     """
 
@@ -207,6 +214,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     # Pinned blocks set aside from their class lists (on_pin), in pin order.
     _parked: dict[BlockId, None] = attrs.field(init=False, factory=dict)
     _uses: dict[BlockId, int] = attrs.field(init=False, factory=dict)
+    # Reuses since the change point a restart would keep (absent: none), of tracked blocks and of ghosts.
+    _recent: dict[BlockId, int] = attrs.field(init=False, factory=dict)
+    _ghost_recent: dict[BlockHash, int] = attrs.field(init=False, factory=dict)
     _last: dict[BlockId, int] = attrs.field(init=False, factory=dict)
     # hash -> (eviction number, last access tick, class, uses, census slot), oldest eviction first
     _ghost: OrderedDict[BlockHash, tuple[int, int, int, int, int]] = attrs.field(
@@ -277,7 +287,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._ghost_census.drop(slot)
             self._model.record_reuse(cls, clock - last)
             self._note_reuse(cls, block_hash, parent)
-            uses = ghost_uses + 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
+            gained = 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
+            uses = ghost_uses + gained
+            self._recent[block] = self._ghost_recent.pop(block_hash, 0) + gained
         cls = block_class(uses, PARENT if self._chains.has_children(block) else TIP)
         self._tip = block if cls % _KINDS == TIP else None
         self._uses[block] = uses
@@ -300,6 +312,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._model.record_reuse(cls, clock - self._last[block])
         self._note_reuse(cls, *self._chains.links(block))
         self._uses[block] = uses = self._uses[block] + 1
+        self._recent[block] = self._recent.get(block, 0) + 1
         self._last[block] = clock
         self._census.set_last(self._slot[block], clock)
         self._enter(block, block_class(uses, cls % _KINDS))
@@ -315,6 +328,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         if self._parked.pop(block, False) is False:
             del self._lists[cls][block]
         last, uses = self._last.pop(block), self._uses.pop(block)
+        recent = self._recent.pop(block, 0)
+        if recent:
+            self._ghost_recent[block_hash] = recent
         self._census.drop(self._slot.pop(block))
         self._evictions = evictions = self._evictions + 1
         gap, self._last_removal, c = self._clock - self._last_removal, self._clock, max(self.c, 1)
@@ -326,6 +342,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             if evicted > horizon:
                 break
             del self._ghost[ghost_hash]  # forgotten unreused: censored at its age
+            self._ghost_recent.pop(ghost_hash, None)
             self._ghost_census.drop(slot)
             self._model.record_end(cls, self._clock - last)
 
@@ -396,23 +413,24 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._shift.note(cls // _KINDS)
         self._reused = block_hash
 
-    def _forget_counts(self) -> None:
-        """Every tracked block and ghost counts its reuses afresh: level 0, kind and age kept.
+    def _restart_counts(self) -> None:
+        """Every tracked block and ghost counts only its reuses since the change point; kind and age kept.
 
         The class lists are rebuilt oldest last use first, as if every block had
-        just entered its level-0 class in the order it was last used.
+        just entered its new class in the order it was last used.
         """
         for blocks in self._lists:
             blocks.clear()
         for block in sorted(self._class, key=self._last.__getitem__):
-            cls = block_class(0, self._class[block] % _KINDS)
-            self._uses[block] = 0
+            self._uses[block] = uses = self._recent.get(block, 0)
+            cls = block_class(uses, self._class[block] % _KINDS)
             self._class[block] = cls
             self._census.set_class(self._slot[block], cls)
             if block not in self._parked:
                 self._lists[cls][block] = None
         for block_hash, (evicted, last, cls, _, slot) in self._ghost.items():
-            self._ghost[block_hash] = (evicted, last, cls, 0, slot)  # its class: what its return teaches
+            # its class stays: what its return teaches
+            self._ghost[block_hash] = (evicted, last, cls, self._ghost_recent.get(block_hash, 0), slot)
 
     def _settle_tip(self) -> None:
         """The block stored before this store is a tip no more: a parent if this store continued it, else a leaf."""
@@ -438,7 +456,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         sized = self.capacity is not None or self._evictions > 0  # a learned size is final once the pool evicts
         keep = 1 - 1 / (max(self.ghost_span, _MIN_MEMORY / period) if sized else self.ghost_span)
         if self._shift.check(keep):
-            self._forget_counts()
+            self._restart_counts()
+        if not self._shift.in_excursion:  # the next change point a restart would keep: now
+            self._recent.clear()
+            self._ghost_recent.clear()
         (t_cls, t_last, t_w), (g_cls, g_last, g_w) = (
             census.sample(_CENSUS_LIMIT) for census in (self._census, self._ghost_census))
         weights = np.concatenate([np.full(len(t_cls), t_w), np.full(len(g_cls), g_w)])
@@ -461,6 +482,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 assert block not in self._parked, f"parked block {block} is listed in class {cls}"
         for block, cls in self._class.items():
             assert cls // _KINDS == reuse_level(self._uses[block]), f"block {block} reuse class"
+            assert 0 <= self._recent.get(block, 0) <= self._uses[block], f"block {block} recent reuses"
             assert cls % _KINDS == PARENT or not self._chains.has_children(block), \
                 f"block {block} has a child but is not classed a parent"
             assert (cls % _KINDS == TIP) == (block == self._tip), f"block {block} tip kind"
@@ -471,6 +493,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         assert len(self._ghost_census) == len(self._ghost), "census of ghosts drifted"
         for ghost_hash, (_, last, cls, _, slot) in self._ghost.items():
             assert self._ghost_census.get(slot) == (cls, last), f"census of ghost {ghost_hash}"
+        for ghost_hash, recent in self._ghost_recent.items():
+            assert 0 < recent <= self._ghost[ghost_hash][3], f"ghost {ghost_hash} recent reuses"
         self._census.check_invariants()
         self._ghost_census.check_invariants()
         self._shift.check_invariants()

@@ -525,25 +525,32 @@ def test_restarting_every_count_keeps_every_invariant(hooks, script):
         drive(policy, script, _leaves_first, hooks)
 
 
-def test_a_restart_sets_every_count_to_zero_and_keeps_kinds_and_order():
-    """After a declared shift every count is 0 (tracked, parked and ghosts alike), kinds stay, and each
-    class list runs oldest last use first."""
+def test_a_restart_keeps_only_the_reuses_since_the_change_point_and_keeps_kinds_and_order():
+    """After a declared shift every count is its reuses since the last refresh outside an excursion (tracked,
+    parked and ghosts alike), kinds stay, and each class list runs oldest last use first."""
     policy = HitDensityPolicy(capacity=8)
-    for block in range(5):
+    for block in range(6):
         policy.on_insert(block, 100 + block, None)
-    for block, hits in ((1, 5), (2, 3), (3, 1), (4, 6)):
+    for block, hits in ((1, 5), (2, 3), (3, 1), (4, 6), (5, 2)):
         for _ in range(hits):
             policy.on_access(block)
-    policy.on_access(1)  # 1 is now used after 3
+    policy._refresh()  # no excursion (too little history to test): the change point a restart keeps
+    for block, hits in ((1, 1), (3, 2), (5, 1)):
+        for _ in range(hits):
+            policy.on_access(block)
     policy.on_pin(2)
-    policy.on_remove(4)  # a ghost with 6 uses
-    policy._forget_counts()
-    assert [policy._uses[b] for b in range(4)] == [0, 0, 0, 0]
-    assert policy.class_blocks(block_class(0, LEAF)) == (0, 3, 1) and policy.pinned == (2,)
+    policy.on_remove(4)  # a ghost with 6 uses, none since the change point
+    policy.on_remove(5)  # a ghost with 3 uses, 1 since
+    policy._restart_counts()
+    assert [policy._uses[b] for b in range(4)] == [0, 1, 0, 2]
+    assert policy.class_blocks(block_class(0, LEAF)) == (0,) and policy.pinned == (2,)
+    assert policy.class_blocks(block_class(1, LEAF)) == (1,) and policy.class_blocks(block_class(2, LEAF)) == (3,)
     assert policy.class_of(2) == block_class(0, LEAF)
     policy.check_invariants()
-    policy.on_insert(5, 104, None)  # the ghost returns: 0 uses, plus this reuse, plus the turnover's
-    assert policy.class_of(5) == block_class(2, TIP)
+    policy.on_insert(6, 104, None)  # a ghost returns: 0 uses, plus this reuse, plus the turnover's
+    policy.on_insert(7, 105, None)  # 1 use, plus 2
+    assert policy.class_of(6) == block_class(2, LEAF) and policy.class_of(7) == block_class(3, TIP)
+    policy.check_invariants()
 
 
 def test_a_ghost_hit_keeps_the_reuse_count():

@@ -74,6 +74,62 @@ def test_one_run_at_a_rare_level_is_not_a_shift():
     assert not test.check(keep=7 / 8)
 
 
+def _settled(keep: float = 7 / 8) -> ShiftTest:
+    """A test whose history is 40 windows of 20 runs, half at the top level and half one below."""
+    test = ShiftTest(LEVELS)
+    for _ in range(40):
+        for level in [LEVELS - 1] * 10 + [LEVELS - 2] * 10:
+            test.note(level)
+        assert not test.check(keep)
+    return test
+
+
+def _note(test: ShiftTest, levels: list[int]) -> None:
+    for level in levels:
+        test.note(level)
+
+
+# A window a little low: alone p ~ 1e-2 (no shift at alpha = 1e-3), two pooled ~ 5e-4, three ~ 3e-5.
+_LOW = [LEVELS - 4] * 2 + [LEVELS - 2] * 17 + [LEVELS - 1]
+
+
+def test_low_windows_short_of_significance_are_pooled_until_they_are_a_shift():
+    """Each low window alone is not a shift; held out of the history and pooled, the third is, at the
+    excursion's third spent level (alpha * 6 / (9 pi^2))."""
+    alone = _settled()
+    _note(alone, _LOW)
+    assert not alone.check(keep=7 / 8) and alone.in_excursion
+    test = _settled()
+    for fired in (False, False, True):
+        _note(test, _LOW)
+        assert test.check(keep=7 / 8) is fired
+        test.check_invariants()
+    assert test.shifts == 1 and not test.in_excursion
+
+
+def test_a_window_that_no_longer_looks_low_releases_the_held_ones_into_the_history():
+    """A held low window, then one at the top: both join the history in order (each scaling it by keep)."""
+    test = _settled()
+    before = test._history.copy()
+    _note(test, _LOW)
+    assert not test.check(keep=7 / 8) and test.in_excursion
+    _note(test, [LEVELS - 1] * 20)
+    assert not test.check(keep=7 / 8) and not test.in_excursion
+    low = np.bincount(_LOW, minlength=LEVELS)
+    np.testing.assert_allclose(test._history, (before * 7 / 8 + low) * 7 / 8 + np.eye(LEVELS)[-1] * 20)
+    test.check_invariants()
+
+
+def test_an_excursion_is_no_longer_than_the_history_s_memory():
+    """At keep = 1/2 the history remembers about 2 windows, so two held windows are released even though
+    their pool still looks low and is not yet significant."""
+    test = _settled()
+    _note(test, _LOW)
+    assert not test.check(keep=1 / 2) and test.in_excursion
+    _note(test, _LOW)
+    assert not test.check(keep=1 / 2) and not test.in_excursion and test.shifts == 0
+
+
 def test_alpha_zero_never_declares_a_shift():
     rng = np.random.default_rng(1)
     test = ShiftTest(LEVELS, alpha=0)
