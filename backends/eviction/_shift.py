@@ -66,12 +66,13 @@ def lower_tail(q: np.ndarray, n: int, total: int) -> float:
 
 @attrs.define(eq=False)
 class ShiftTest:
-    """A one-sided test, once per window, that a window's reuse runs sit lower in the count ranking than before.
+    """A one-sided test, once per window, that recent reuse runs sit lower in the count ranking than before.
 
     Feed it :meth:`note` per run (its first block's reuse level) and call
-    :meth:`check` at the end of each window: it says whether the window's
-    levels are significant at ``alpha`` against the decayed history, and when
-    they are it forgets that history (the counts it was drawn from restart).
+    :meth:`check` at the end of each window: it says whether the excursion's
+    pooled levels are significant, at its ``k``-th test's share of ``alpha``,
+    against the decayed history, and when they are it forgets that history
+    (the counts it was drawn from restart).
 
     Args:
         levels: number of reuse levels (samples are ``0 .. levels - 1``).
