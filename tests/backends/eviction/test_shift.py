@@ -74,19 +74,18 @@ def test_one_run_at_a_rare_level_is_not_a_shift():
     assert not test.check(keep=7 / 8)
 
 
-def _settled(keep: float = 7 / 8) -> ShiftTest:
-    """A test whose history is 40 windows of 20 runs, half at the top level and half one below."""
-    test = ShiftTest(LEVELS)
-    for _ in range(40):
-        for level in [LEVELS - 1] * 10 + [LEVELS - 2] * 10:
-            test.note(level)
-        assert not test.check(keep)
-    return test
-
-
 def _note(test: ShiftTest, levels: list[int]) -> None:
     for level in levels:
         test.note(level)
+
+
+def _settled() -> ShiftTest:
+    """A test whose history is 40 windows of 20 runs, half at the top level and half one below."""
+    test = ShiftTest(LEVELS)
+    for _ in range(40):
+        _note(test, [LEVELS - 1] * 10 + [LEVELS - 2] * 10)
+        assert not test.check(keep=7 / 8)
+    return test
 
 
 # A window a little low: alone p ~ 1e-2 (no shift at alpha = 1e-3), two pooled ~ 5e-4, three ~ 3e-5.
