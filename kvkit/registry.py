@@ -326,6 +326,7 @@ EVICTION: Registry[EvictionPolicy] = Registry("eviction", EvictionPolicy, "evict
     "lfu": "kvkit.backends.eviction.lfu:LFUPolicy",
     "arc": "kvkit.backends.eviction.arc:ARCPolicy",
     "s3fifo": "kvkit.backends.eviction.s3fifo:S3FIFOPolicy",
+    "lirs": "kvkit.backends.eviction.lirs:LIRSPolicy",
     "prefix-lru": "kvkit.backends.eviction.prefix_lru:PrefixLRUPolicy",
     "hit-density": "kvkit.backends.eviction.hit_density:HitDensityPolicy",
     "adaptive": "kvkit.backends.eviction.adaptive:AdaptivePolicy",

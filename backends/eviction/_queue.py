@@ -40,7 +40,7 @@ from sortedcontainers import SortedList
 from kvkit.backends.eviction._common import any_block, not_tracked, pin_mismatch
 from kvkit.interfaces.types import BlockId
 
-__all__ = ["ParkingQueue"]
+__all__ = ["ParkingQueue", "QueuedPins"]
 
 
 @attrs.define
@@ -441,3 +441,63 @@ class ParkingQueue:
         if stamp == self._back_max:
             self._back_max = self._back[-1] if self._back_stamp else 0
         return stamp
+
+
+@attrs.define(slots=False, on_setattr=attrs.setters.NO_OP)  # unslotted: it mixes with slotted bases
+class QueuedPins:
+    """The pin hooks and :class:`~kvkit.interfaces.capabilities.SelectivePins` of a policy whose
+    every block sits in one of its :class:`ParkingQueue` s (ARC, LFU, LIRS).
+
+    A subclass makes its queues with :meth:`_new_queue`, so they share one watch
+    set (the policy's :attr:`pin_watch`) and the attached predicate, names the
+    queue holding a block (:meth:`_queue_of`, raising ``PoolUsageError`` for an
+    untracked one) and lists its queues (:meth:`_queues`).
+
+    Invariant: :attr:`pin_watch` is the union of the queues' watched blocks
+    (:meth:`_check_pins`).
+    """
+
+    _watch: set[BlockId] = attrs.field(factory=set, init=False, repr=False)
+    _alive: Callable[[BlockId], bool] | None = attrs.field(default=None, init=False, repr=False, eq=False)
+
+    def _queue_of(self, block: BlockId) -> ParkingQueue:
+        raise NotImplementedError
+
+    def _queues(self) -> Iterator[ParkingQueue]:
+        raise NotImplementedError
+
+    def _new_queue(self) -> ParkingQueue:
+        """An empty queue of this policy's, sharing its watch set and attached predicate."""
+        return ParkingQueue.of(self, self._watch, self._alive)
+
+    @property
+    def pin_watch(self) -> set[BlockId]:
+        """The blocks whose pins an attached pool reports (those its queues watch)."""
+        return self._watch
+
+    def attach(self, is_evictable: Callable[[BlockId], bool]) -> None:
+        """A pool reports only the pins of :attr:`pin_watch` from now on; ``is_evictable`` tells the rest."""
+        self._alive = is_evictable
+        for queue in self._queues():
+            queue.attach(is_evictable)
+
+    def on_pin(self, block: BlockId) -> None:
+        """A tracked block came into use: it keeps its place in its queue and is skipped from now on."""
+        self._queue_of(block).pin(block)
+
+    def on_unpin(self, block: BlockId) -> None:
+        """A pinned block was released: selectable again at its place."""
+        self._queue_of(block).unpin(block)
+
+    @property
+    def pinned(self) -> frozenset[BlockId]:
+        """Blocks between :meth:`on_pin` and :meth:`on_unpin` (or removal)."""
+        return frozenset(b for queue in self._queues() for b in queue.pinned)
+
+    def _check_pins(self) -> None:
+        """Every queue's invariants, and the shared watch set's."""
+        watched: set[BlockId] = set()
+        for queue in self._queues():
+            queue.check_invariants()
+            watched |= queue.watched()
+        assert self._watch == watched, "pin watch set drifted"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 from typing_extensions import override
@@ -15,7 +15,7 @@ from kvkit.backends.eviction._common import (
     define_policy,
     not_tracked,
 )
-from kvkit.backends.eviction._queue import ParkingQueue
+from kvkit.backends.eviction._queue import ParkingQueue, QueuedPins
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
@@ -23,7 +23,7 @@ __all__ = ["ARCPolicy"]
 
 
 @define_policy
-class ARCPolicy(LearnsCapacity, EvictionPolicy):
+class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     """ARC: balances a recency list ``T1`` and a frequency list ``T2`` with ghost feedback.
 
     A block enters ``T1`` (seen once) and moves to ``T2`` on its first hit.
@@ -71,18 +71,7 @@ class ARCPolicy(LearnsCapacity, EvictionPolicy):
     _p: float = attrs.field(default=0.0, init=False)
 
     def __attrs_post_init__(self) -> None:
-        watch: set[BlockId] = set()  # shared: the policy's pin_watch (SelectivePins)
-        self._t1, self._t2 = ParkingQueue.of(self, watch), ParkingQueue.of(self, watch)
-
-    @property
-    def pin_watch(self) -> set[BlockId]:
-        """The blocks whose pins an attached pool reports (those ``T1`` and ``T2`` watch)."""
-        return self._t1.pin_watch
-
-    def attach(self, is_evictable: Callable[[BlockId], bool]) -> None:
-        """A pool reports only the pins of :attr:`pin_watch` from now on; ``is_evictable`` tells the rest."""
-        self._t1.attach(is_evictable)
-        self._t2.attach(is_evictable)
+        self._t1, self._t2 = self._new_queue(), self._new_queue()
 
     @property
     def p(self) -> float:
@@ -133,19 +122,6 @@ class ARCPolicy(LearnsCapacity, EvictionPolicy):
             self._b2[block_hash] = None
         self._trim_ghosts()
 
-    def on_pin(self, block: BlockId) -> None:
-        """A tracked block came into use: it keeps its place in its list and is skipped from now on."""
-        self._list_of(block).pin(block)
-
-    def on_unpin(self, block: BlockId) -> None:
-        """A pinned block was released: selectable again at its place."""
-        self._list_of(block).unpin(block)
-
-    @property
-    def pinned(self) -> frozenset[BlockId]:
-        """Blocks between :meth:`on_pin` and :meth:`on_unpin` (or removal)."""
-        return frozenset(self._t1.pinned | self._t2.pinned)
-
     @override
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
@@ -178,9 +154,7 @@ class ARCPolicy(LearnsCapacity, EvictionPolicy):
         assert not t1 & t2, "a block is in both T1 and T2"
         assert t1 | t2 == self._hash_of.keys(), "T1 and T2 do not hold exactly the tracked blocks"
         assert t1 == self._in_t1, "the T1 membership set drifted"
-        self._t1.check_invariants()
-        self._t2.check_invariants()
-        assert self.pin_watch == self._t1.watched() | self._t2.watched(), "pin watch set drifted"
+        self._check_pins()
         assert not self._b1.keys() & self._b2.keys(), "a hash is in both B1 and B2"
         tracked = set(self._hash_of.values())
         ghosts = self._b1.keys() | self._b2.keys()
@@ -190,12 +164,15 @@ class ARCPolicy(LearnsCapacity, EvictionPolicy):
         assert not self._b1 or len(self._t1) + len(self._b1) <= c, "|T1| + |B1| > c"
         assert not ghosts or len(self) + len(ghosts) <= 2 * c, "|T1| + |T2| + |B1| + |B2| > 2c"
 
-    def _list_of(self, block: BlockId) -> ParkingQueue:
+    def _queue_of(self, block: BlockId) -> ParkingQueue:
         if block in self._in_t1:
             return self._t1
         if block in self._hash_of:
             return self._t2
         raise not_tracked(self, block)
+
+    def _queues(self) -> Iterator[ParkingQueue]:
+        return iter((self._t1, self._t2))
 
     def _trim_ghosts(self) -> None:
         c, b1, b2 = self.c, self._b1, self._b2

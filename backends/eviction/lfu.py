@@ -8,7 +8,7 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.eviction._common import already_tracked, check_count, not_tracked
-from kvkit.backends.eviction._queue import ParkingQueue
+from kvkit.backends.eviction._queue import ParkingQueue, QueuedPins
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
@@ -16,7 +16,7 @@ __all__ = ["LFUPolicy"]
 
 
 @attrs.define
-class LFUPolicy(EvictionPolicy):
+class LFUPolicy(QueuedPins, EvictionPolicy):
     """Evicts the least frequently used block; ties go to the least recently used.
 
     A block's frequency is 1 on insert plus one per hit; it is forgotten on
@@ -43,20 +43,6 @@ class LFUPolicy(EvictionPolicy):
     _higher: dict[int, int | None] = attrs.field(factory=dict, init=False)
     _lower: dict[int, int | None] = attrs.field(factory=dict, init=False)
     _lowest: int | None = attrs.field(default=None, init=False)
-    # Shared by every bucket: the pins a pool must report (SelectivePins), and its attached predicate.
-    _watch: set[BlockId] = attrs.field(factory=set, init=False, repr=False)
-    _alive: Callable[[BlockId], bool] | None = attrs.field(default=None, init=False, repr=False, eq=False)
-
-    @property
-    def pin_watch(self) -> set[BlockId]:
-        """The blocks whose pins an attached pool reports (those its buckets watch)."""
-        return self._watch
-
-    def attach(self, is_evictable: Callable[[BlockId], bool]) -> None:
-        """A pool reports only the pins of :attr:`pin_watch` from now on; ``is_evictable`` tells the rest."""
-        self._alive = is_evictable
-        for bucket in self._buckets.values():
-            bucket.attach(is_evictable)
 
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
@@ -85,14 +71,6 @@ class LFUPolicy(EvictionPolicy):
             raise not_tracked(self, block)
         self._drop_from_bucket(block, f)
 
-    def on_pin(self, block: BlockId) -> None:
-        """A tracked block came into use: it keeps its place in its bucket and is skipped from now on."""
-        self._bucket_of(block).pin(block)
-
-    def on_unpin(self, block: BlockId) -> None:
-        """A pinned block was released: selectable again at its place."""
-        self._bucket_of(block).unpin(block)
-
     @override
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
@@ -103,11 +81,6 @@ class LFUPolicy(EvictionPolicy):
                 break
             victims += self._buckets[f].first(n - len(victims), is_evictable)
         return victims if len(victims) == n else None
-
-    @property
-    def pinned(self) -> frozenset[BlockId]:
-        """Blocks between :meth:`on_pin` and :meth:`on_unpin` (or removal)."""
-        return frozenset(b for bucket in self._buckets.values() for b in bucket.pinned)
 
     @override
     def __len__(self) -> int:
@@ -122,14 +95,12 @@ class LFUPolicy(EvictionPolicy):
             assert len(self._buckets[f]), f"bucket {f} is empty"
             assert all(self._freq[b] == f for b in self._buckets[f].in_order()), \
                 f"bucket {f} holds a stranger"
-            self._buckets[f].check_invariants()
             walked.append(f)
             below = f
         assert sorted(self._buckets) == walked, \
             f"unlinked buckets: {set(self._buckets) - set(walked)}"
         assert set(self._higher) == set(self._lower) == set(walked), "stale links"
-        watched = set().union(*(bucket.watched() for bucket in self._buckets.values()))
-        assert self._watch == watched, "pin watch set drifted from the buckets'"
+        self._check_pins()
         assert sum(map(len, self._buckets.values())) == len(self._freq), "block in no bucket"
 
     def _ascending(self) -> Iterator[int]:
@@ -140,7 +111,7 @@ class LFUPolicy(EvictionPolicy):
 
     def _add_bucket(self, f: int, below: int | None) -> None:
         above = self._lowest if below is None else self._higher[below]
-        self._buckets[f] = ParkingQueue.of(self, self._watch, self._alive)
+        self._buckets[f] = self._new_queue()
         self._lower[f], self._higher[f] = below, above
         if below is None:
             self._lowest = f
@@ -149,11 +120,14 @@ class LFUPolicy(EvictionPolicy):
         if above is not None:
             self._lower[above] = f
 
-    def _bucket_of(self, block: BlockId) -> ParkingQueue:
+    def _queue_of(self, block: BlockId) -> ParkingQueue:
         f = self._freq.get(block)
         if f is None:
             raise not_tracked(self, block)
         return self._buckets[f]
+
+    def _queues(self) -> Iterator[ParkingQueue]:
+        return iter(self._buckets.values())
 
     def _drop_from_bucket(self, block: BlockId, f: int) -> bool:
         """Take ``block`` out of bucket ``f`` (unlinking the bucket if it empties); return its pin."""

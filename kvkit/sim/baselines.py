@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -50,9 +50,12 @@ def _next_uses(keys: np.ndarray) -> np.ndarray:
     return nxt
 
 
-def libcachesim_study(requests: Sequence[TraceRequest], capacities: Iterable[int],
+def libcachesim_study(requests: Iterable[TraceRequest], capacities: Iterable[int],
                       policies: Iterable[str] = LIBCACHESIM_POLICIES, *, prefix: bool = False) -> list[HitStats]:
     """Hit counts of libCacheSim's ``policies`` at every capacity, plain unless ``prefix``.
+
+    ``requests`` may be any iterable, :func:`~kvkit.sim.traces.read_trace`'s
+    iterator included (read once).
 
     Each :class:`~kvkit.sim.policy_study.HitStats` names its policy
     ``lcs:<name>``; plain ``hits`` count every reference of a cached block,
@@ -74,6 +77,7 @@ def libcachesim_study(requests: Sequence[TraceRequest], capacities: Iterable[int
            or not issubclass(getattr(libcachesim, n), libcachesim.CacheBase)]
     if bad or not names:
         raise ConfigError(f"not libCacheSim caches: {bad!r}; valid: {', '.join(LIBCACHESIM_POLICIES)}")
+    requests = tuple(requests)
     keys = np.fromiter((h for r in requests for h in r.hash_ids), dtype=np.int64)
     pairs = list(zip(keys.tolist(), _next_uses(keys).tolist(), strict=True))
     # Where each request starts in the reference string (prefix counting restarts there).

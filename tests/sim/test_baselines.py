@@ -41,6 +41,25 @@ def test_per_block_replay_is_libcachesim_prefix_counting(kvkit, lcs, capacity) -
         assert ours.hits == theirs.hits
 
 
+@pytest.mark.parametrize("capacity", [20, 60, 150, 1000])
+def test_kvkit_lirs_scores_as_libcachesim_lirs(capacity) -> None:
+    """kvkit's LIRS learns the pool's size, libCacheSim's is told it: its provisional LIR blocks
+    stand for the first HIR ones, so the two agree. Not to the block: on a hit to a resident HIR
+    block outside the stack libCacheSim also demotes an LIR block and evicts one, which the
+    paper does not and a policy driven by a pool cannot (11 hits of 47,846 references at 150)."""
+    requests = list(SyntheticWorkload(num_conversations=60, block_size=16, seed=3).requests())
+    ours = replay(requests, capacity, "lirs")
+    theirs = libcachesim_study(requests, [capacity], ["LIRS"], prefix=True)[0]
+    assert abs(ours.hits - theirs.hits) <= ours.references / 1000
+
+
+def test_an_iterator_of_requests_is_read_once() -> None:
+    """A trace read lazily (``read_trace``'s iterator) scores as the same requests in a list."""
+    listed = libcachesim_study(REQUESTS, [60], ["LRU", "ARC"], prefix=True)
+    streamed = libcachesim_study(iter(REQUESTS), [60], ["LRU", "ARC"], prefix=True)
+    assert [(s.policy, s.hits, s.references) for s in streamed] == [(s.policy, s.hits, s.references) for s in listed]
+
+
 def test_plain_counting_counts_blocks_cached_after_a_miss() -> None:
     """A cached block after its request's first miss is a plain hit, never a prefix hit."""
     requests = [TraceRequest(0, 32, 1, (1, 2), 1), TraceRequest(1, 16, 1, (3,), 2),

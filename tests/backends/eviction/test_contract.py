@@ -13,6 +13,7 @@ from hypothesis.stateful import precondition, rule, run_state_machine_as_test
 from kvkit.backends.eviction.arc import ARCPolicy
 from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.backends.eviction.lfu import LFUPolicy
+from kvkit.backends.eviction.lirs import LIRSPolicy
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.opt import OptimalPolicy
 from kvkit.backends.eviction.s3fifo import S3FIFOPolicy
@@ -64,6 +65,29 @@ class FixedARCPolicyContract(EvictionPolicyContract):
 
 
 TestFixedARC = FixedARCPolicyContract.TestCase
+
+
+class LIRSPolicyContract(EvictionPolicyContract):
+    def make_policy(self):
+        return LIRSPolicy(hir_ratio=0.25)  # an HIR share of 3 in a pool of 12
+
+
+TestLIRS = LIRSPolicyContract.TestCase
+
+
+class FixedLIRSPolicyContract(EvictionPolicyContract):
+    def make_policy(self):
+        return LIRSPolicy(capacity=5, hir_ratio=0.4)  # smaller than the modelled pool: S stays tight
+
+
+TestFixedLIRS = FixedLIRSPolicyContract.TestCase
+
+
+class LIRSWithoutPinHooksContract(LIRSPolicyContract):
+    drive_pin_hooks = False  # a driver that never pins: LIRS must skip pinned blocks itself
+
+
+TestLIRSWithoutPinHooks = LIRSWithoutPinHooksContract.TestCase
 
 
 class S3FIFOPolicyContract(EvictionPolicyContract):

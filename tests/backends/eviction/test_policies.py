@@ -1,4 +1,4 @@
-"""Characteristic behaviour of each built-in eviction policy (FIFO, LFU, ARC, S3-FIFO, OPT)."""
+"""Characteristic behaviour of each built-in eviction policy (FIFO, LFU, ARC, S3-FIFO, OPT; LIRS in test_lirs)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvkit.backends.eviction.arc import ARCPolicy
 from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.backends.eviction.hit_density import HitDensityPolicy
 from kvkit.backends.eviction.lfu import LFUPolicy
+from kvkit.backends.eviction.lirs import LIRSPolicy
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.opt import OptimalPolicy
 from kvkit.backends.eviction.s3fifo import S3FIFOPolicy
@@ -89,7 +90,7 @@ def _optimum(refs: Sequence[int], capacity: int) -> int:
     return best(0, frozenset())
 
 
-_MINE = [FIFOPolicy, LFUPolicy, ARCPolicy, S3FIFOPolicy, lambda: OptimalPolicy([])]
+_MINE = [FIFOPolicy, LFUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, lambda: OptimalPolicy([])]
 
 
 # --- misuse ------------------------------------------------------------------
@@ -114,8 +115,8 @@ def test_misuse_raises_pool_usage_error(make):
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
 def test_bad_capacity_is_a_config_error(bad):
-    """ARC and S3-FIFO reject a capacity that is not a positive int, quoting it."""
-    for make in (ARCPolicy, S3FIFOPolicy):
+    """ARC, S3-FIFO and LIRS reject a capacity that is not a positive int, quoting it."""
+    for make in (ARCPolicy, S3FIFOPolicy, LIRSPolicy):
         with pytest.raises(ConfigError, match=repr(bad).replace(".", r"\.")):
             make(capacity=bad)
 
