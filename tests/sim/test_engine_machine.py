@@ -29,7 +29,7 @@ class EngineMachine(RuleBasedStateMachine):
     """
 
     @initialize(store=st.sampled_from(["eager", "lazy", "selective"]),
-                eviction=st.sampled_from(["lru", "arc", "s3fifo"]),
+                eviction=st.sampled_from(["lru", "arc", "s3fifo", "lirs"]),
                 hybrid=st.booleans(), world_size=st.integers(1, 2),
                 shared=st.sampled_from([None, "write-through", "write-back"]))
     def setup(self, store, eviction, hybrid, world_size, shared):

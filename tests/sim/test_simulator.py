@@ -35,7 +35,7 @@ def _config(workload, **kw):
 
 @given(small_workloads, st.integers(8, 120), st.integers(1, 200),
        st.sampled_from(["eager", "lazy", "selective", "never"]),
-       st.sampled_from(["lru", "fifo", "arc", "s3fifo"]))
+       st.sampled_from(["lru", "fifo", "arc", "s3fifo", "lirs"]))
 def test_accounting_adds_up_and_nothing_leaks(workload, gpu_blocks, cpu_blocks, store, eviction):
     """Every prompt token is a GPU hit, a CPU hit or computed; every CPU hit is a loaded block; no block leaks."""
     trace = list(generate(workload))
