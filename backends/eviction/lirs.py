@@ -31,7 +31,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     A block is *LIR* (low IRR: kept) or *HIR* (high IRR: on probation). The
     recency stack ``S`` (hashes, least recent first) holds every LIR block,
     the HIR blocks referenced since the least recent LIR block, and *ghosts*:
-    hashes of HIR blocks that left the pool while in ``S``. The queue ``Q``
+    hashes of blocks that left the pool while in ``S``. The queue ``Q``
     holds the resident HIR blocks; victims come from its old end, and only
     when it has too few evictable blocks from the LIR blocks, least recent
     first. ``S`` is *pruned*: its bottom is always an LIR block, so a hash in
@@ -44,8 +44,9 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
       enters as LIR.
     * A hit on an HIR block still in ``S`` makes it LIR; a hit on one not in
       ``S`` moves it to ``Q``'s young end. Either way it goes to ``S``'s top.
-    * Whenever more than ``c - h`` blocks are LIR, the bottom one is demoted
-      to ``Q``'s young end and leaves ``S`` (then ``S`` is pruned).
+    * Whenever more than ``c - h`` blocks are LIR (provisional ones aside, below),
+      the bottom one is demoted to ``Q``'s young end and leaves ``S`` (then
+      ``S`` is pruned).
     * A block the pool removes leaves a ghost if its hash is in ``S``. Ghosts
       are bounded as in libCacheSim: ``S`` holds at most ``2c`` entries while
       it holds a ghost, the ghosts that left first going first.
@@ -74,7 +75,8 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
 
     Invariants:
         * The LIR and HIR lists hold exactly the tracked blocks, disjointly; at
-          most ``c - h`` are LIR besides the provisional ones.
+          most ``c - h`` are LIR besides the provisional ones, which are LIR
+          and exist only while the capacity is learned.
         * ``S`` holds every LIR block's hash; its bottom is an LIR block's;
           its other entries are resident HIR blocks' hashes or ghosts. Ghosts
           are exactly the entries of ``S`` no tracked block has.
