@@ -1,6 +1,6 @@
 """An ordered queue of blocks that sets pinned blocks aside without moving them (private).
 
-FIFO, LRU, LFU (one queue per frequency) and ARC (``T1``, ``T2``) keep their
+FIFO, LRU, LFU (one queue per frequency), ARC (``T1``, ``T2``) and LIRS (LIR, HIR) keep their
 blocks in the order they entered a queue. A block in use (pinned) must not
 be evicted, yet when it is released it must be evicted exactly where it would
 have been had it never been pinned: its place is the moment it entered. Left
@@ -63,8 +63,8 @@ class ParkingQueue:
     (reported), or, once a pool attached its predicate (``_alive``), if that
     predicate is false for it (a block of ``_main`` whose use went
     unreported). FIFO and LRU *are* such a queue (its methods are their
-    hooks, one call each on the hot path); LFU and ARC hold several, made by
-    :meth:`of`. Misuse raises ``PoolUsageError`` naming the policy.
+    hooks, one call each on the hot path); LFU, ARC and LIRS hold several, made by
+    :meth:`of` through :class:`QueuedPins`. Misuse raises ``PoolUsageError`` naming the policy.
 
     Watching ``n`` (:meth:`watch`): the region is every block with a stamp
     up to ``_edge``, and holds ``_count == min(n, evictable blocks)``
