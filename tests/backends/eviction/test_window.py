@@ -187,11 +187,12 @@ def _every_policy():
     from kvkit.backends.eviction.arc import ARCPolicy
     from kvkit.backends.eviction.hit_density import HitDensityPolicy
     from kvkit.backends.eviction.lfu import LFUPolicy
+    from kvkit.backends.eviction.lirs import LIRSPolicy
     from kvkit.backends.eviction.opt import OptimalPolicy
     from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
     from kvkit.backends.eviction.s3fifo import S3FIFOPolicy
 
-    return [FIFOPolicy, LRUPolicy, LFUPolicy, ARCPolicy, S3FIFOPolicy, PrefixLRUPolicy, HitDensityPolicy,
+    return [FIFOPolicy, LRUPolicy, LFUPolicy, ARCPolicy, S3FIFOPolicy, LIRSPolicy, PrefixLRUPolicy, HitDensityPolicy,
             lambda: OptimalPolicy([])]
 
 
