@@ -123,11 +123,15 @@ def main() -> None:
                 kvkit.shape(workload, block_size=args.block_size)
     except (kvkit.errors.ConfigError, kvkit.errors.TraceFileError, kvkit.errors.TraceFormatError) as error:
         parser.error(str(error))
+    try:  # a path that cannot be written fails now, not after an hour of replays
+        out = open(args.json, "w") if args.json else None  # closed once written, below
+    except OSError as error:
+        parser.error(f"--json {args.json!r}: {error.strerror}")
     jobs = [(*point, args.policy, others, baselines) for point in grid]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(_point, jobs))
-    if args.json:
-        with open(args.json, "w") as out:
+    if out is not None:
+        with out:
             json.dump({"policy": args.policy, "tolerance": _TOLERANCE, "points": results}, out, indent=1)
     print(f"{'set':<3} {'workload':<36} {'seed':>4} {'blocks':>7} {args.policy:>12} {'best other':<24} {'margin':>7}")
     margins: dict[str, list[float]] = {}

@@ -54,3 +54,12 @@ def test_a_trace_workload_is_one_point_per_capacity(tmp_path):
     assert [(p["workload"].startswith("trace:"), p["seed"]) for p in points] == [(True, 0), (False, 0), (False, 1)]
     assert all(set(p["hit_ratio"]) == {"hit-density", "lru"} for p in points)
     assert "met" in run.stdout.splitlines()[-1]
+
+
+def test_an_unwritable_json_path_is_refused_before_any_replay(tmp_path):
+    """``--json`` into a missing directory is a usage error quoting the path, before the replays start."""
+    bad = tmp_path / "no" / "such.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "chat@num_conversations=12", "--seeds", "0",
+                          "--capacities", "10", "--others", "lru", "--baselines", "", "--json", str(bad)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and repr(str(bad)) in run.stderr and "set workload" not in run.stdout

@@ -132,16 +132,14 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         block_hash = self._hash_of.get(block)
         if block_hash is None:
             raise not_tracked(self, block)
-        if block in self._lir:
-            self._lir.touch(block)
-            self._to_top(block_hash)
-        elif block_hash in self._stack:
+        promoted = block not in self._lir and block_hash in self._stack
+        if promoted:
             self._lir.add(block, self._hir.remove(block))
-            self._to_top(block_hash)
-            self._balance()
         else:
-            self._hir.touch(block)
-            self._to_top(block_hash)
+            (self._lir if block in self._lir else self._hir).touch(block)
+        self._to_top(block_hash)
+        if promoted:
+            self._balance()
 
     @override
     def on_remove(self, block: BlockId) -> None:
