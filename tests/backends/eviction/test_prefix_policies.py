@@ -386,18 +386,46 @@ def test_a_monotone_chain_outside_the_classes_is_refused():
 
 
 def test_a_hash_back_within_a_turnover_counts_one_use_more():
-    """Re-inserted sooner than the pool's turnover: ghost uses + 2; later: ghost uses + 1."""
-    policy = HitDensityPolicy(capacity=2)
-    policy.on_insert(0, 1, None)   # tick 1
-    policy.on_insert(1, 2, None)   # tick 2
-    policy.on_remove(0)            # first removal, 2 ticks in: turnover 2 * c = 4 ticks
-    policy.on_insert(2, 1, None)   # tick 3: hash 1 back 2 ticks after its last use (< 4)
-    assert policy.class_of(2) == block_class(2, TIP)
-    policy.on_remove(1)            # 1 tick after the last removal: turnover (4 + 2) / 2 = 3
-    for block, block_hash in ((3, 3), (4, 4), (5, 5)):
-        policy.on_insert(block, block_hash, None)  # ticks 4-6
-    policy.on_insert(6, 2, None)   # tick 7: hash 2 back 5 ticks after its last use (>= 3)
-    assert policy.class_of(6) == block_class(1, TIP)
+    """Back sooner than the pool's turnover: ghost uses + 2; later, or before any gap was measured: + 1."""
+    policy = HitDensityPolicy(capacity=4)
+    for block in range(4):
+        policy.on_insert(block, 100 + block, None)  # ticks 1-4: the fill
+    policy.on_remove(0)              # tick 4: the first removal only starts the clock
+    policy.on_insert(4, 100, None)   # tick 5: hash 100 back, no turnover measured yet: + 1
+    assert policy.class_of(4) == block_class(1, TIP)
+    policy.on_remove(1)              # tick 5, 1 tick after the first removal: turnover 4 * 1 = 4
+    policy.on_insert(5, 105, None)   # tick 6
+    policy.on_remove(5)              # tick 6: turnover (4 + 4) / 2 = 4
+    policy.on_insert(6, 105, None)   # tick 7: hash 105 back 1 tick after its last use (< 4): + 2
+    assert policy.class_of(6) == block_class(2, TIP)
+    policy.on_remove(2)              # tick 7
+    policy.on_insert(7, 101, None)   # tick 8: hash 101 back 6 ticks after its last use (>= 4): + 1
+    assert policy.class_of(7) == block_class(1, TIP)
+    policy.check_invariants()
+
+
+@given(capacity=st.integers(2, 6), fill_hits=st.integers(0, 300),
+       gaps=st.lists(st.integers(0, 5), min_size=1, max_size=20))
+def test_the_turnover_is_c_times_the_mean_gap_between_removals(capacity, fill_hits, gaps):
+    """The turnover is ``c`` times the mean gap between removals (the first ``c`` gaps averaged alike,
+    then each new one weighing ``1 / c``), whatever the pool did before its first removal: a fill
+    that took long, or was hit often, is not a gap (it used to count as one, times ``c``)."""
+    policy = HitDensityPolicy(capacity=capacity)
+    for block in range(capacity):
+        policy.on_insert(block, block, None)
+    for _ in range(fill_hits):
+        policy.on_access(0)
+    next_block = capacity
+    policy.on_remove(capacity - 1)  # the first removal
+    expected = 0.0
+    for n, gap in enumerate(gaps, start=1):
+        for _ in range(gap):  # ticks between two removals: hits on block 0
+            policy.on_access(0)
+        policy.on_insert(next_block, next_block, None)  # refill, then evict it: one more tick
+        policy.on_remove(next_block)
+        next_block += 1
+        expected += ((gap + 1) * capacity - expected) / min(n, capacity)
+        assert policy._turnover == pytest.approx(expected)
     policy.check_invariants()
 
 
@@ -547,18 +575,20 @@ def test_a_restart_keeps_only_the_reuses_since_the_change_point_and_keeps_kinds_
     assert policy.class_blocks(block_class(1, LEAF)) == (1,) and policy.class_blocks(block_class(2, LEAF)) == (3,)
     assert policy.class_of(2) == block_class(0, LEAF)
     policy.check_invariants()
-    policy.on_insert(6, 104, None)  # a ghost returns: 0 uses, plus this reuse, plus the turnover's
-    policy.on_insert(7, 105, None)  # 1 use, plus 2
-    assert policy.class_of(6) == block_class(2, LEAF) and policy.class_of(7) == block_class(3, TIP)
+    # the ghosts return: their uses since the change point plus this reuse (no turnover measured yet,
+    # the two removals came at one tick, so no extra use)
+    policy.on_insert(6, 104, None)  # 0 uses, plus 1
+    policy.on_insert(7, 105, None)  # 1 use, plus 1
+    assert policy.class_of(6) == block_class(1, LEAF) and policy.class_of(7) == block_class(2, TIP)
     policy.check_invariants()
 
 
 def test_a_ghost_hit_keeps_the_reuse_count():
-    """An evicted hash inserted again (after a turnover) is in the class of its old reuse count plus one."""
+    """An evicted hash inserted again (no sooner than a turnover) is in the class of its old reuse count plus one."""
     policy = HitDensityPolicy(capacity=4)
     policy.on_insert(0, 42, None)
     policy.on_access(0)
-    policy.on_remove(0)  # at tick 2: a turnover of 2 * 4 = 8 ticks
+    policy.on_remove(0)  # at tick 2, the first removal: no turnover measured yet, so no extra use
     for block in range(10, 20):
         policy.on_insert(block, block, None)  # ticks 3-12 pass
     policy.on_insert(1, 42, None)  # tick 13, 11 ticks after its last use
