@@ -575,8 +575,8 @@ def test_a_restart_keeps_only_the_reuses_since_the_change_point_and_keeps_kinds_
     assert policy.class_blocks(block_class(1, LEAF)) == (1,) and policy.class_blocks(block_class(2, LEAF)) == (3,)
     assert policy.class_of(2) == block_class(0, LEAF)
     policy.check_invariants()
-    # the ghosts return: their uses since the change point plus this reuse (no turnover measured yet,
-    # the two removals came at one tick, so no extra use)
+    # the ghosts return: their uses since the change point plus this reuse (the two removals came at
+    # one tick: a turnover of 0, so no extra use)
     policy.on_insert(6, 104, None)  # 0 uses, plus 1
     policy.on_insert(7, 105, None)  # 1 use, plus 1
     assert policy.class_of(6) == block_class(1, LEAF) and policy.class_of(7) == block_class(2, TIP)
