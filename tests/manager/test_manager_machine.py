@@ -1095,7 +1095,7 @@ TestSharedTierWriteBack = SharedWriteBackMachine.TestCase
 # can catch it. Generation stops at the first failure and nothing is shrunk, so
 # a caught bug costs a fraction of a second.
 
-_FIND_BUG = settings(max_examples=1000, phases=[Phase.generate], database=None,
+_FIND_BUG = settings(max_examples=1000, phases=[Phase.generate], database=None, derandomize=True,
                      deadline=None, report_multiple_bugs=False)
 
 

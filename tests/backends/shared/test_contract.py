@@ -120,7 +120,7 @@ TestValkeyCluster.settings = _FEWER
 
 # --- planted bugs: each check can fail ----------------------------------------
 
-_FIND_BUG = settings(max_examples=300, phases=[Phase.generate], database=None, deadline=None,
+_FIND_BUG = settings(max_examples=300, phases=[Phase.generate], database=None, deadline=None, derandomize=True,
                      report_multiple_bugs=False)
 
 
