@@ -84,14 +84,11 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
       pooled density. The reuse count survives eviction
       through the ghost, so a conversation that returns keeps its history.
       A hash back from the ghost within one *turnover* (the ticks the pool
-      takes to replace a pool's worth of blocks, c times the recent mean gap
-      between removals, from the first removal on: the fill before it is no
-      gap, and counted as one it made every return earn the bonus for
-      several pools' worth of evictions; measured so, 249 of the 250 workload
-      points of BENCHMARKS.md are met, against 246) counts one use more: an
-      LRU cache of this size would still have held it, so the eviction was
-      the policy's own misjudgement,
-      and without the extra use a template that became popular would have
+      takes to replace a pool's worth of blocks: c times the recent mean gap
+      between removals, counted from the first removal on, since the fill
+      before it is no gap) counts one use more: an LRU cache of this size
+      would still have held it, so the eviction was the policy's own
+      misjudgement, and without the extra use a template that became popular would have
       to miss a third time before it reached the class worth keeping (as
       ARC's and S3-FIFO's ghost hits, and LIRS's short reuse distances,
       promote on the second sighting).
