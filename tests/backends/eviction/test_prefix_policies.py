@@ -272,6 +272,48 @@ def test_density_matches_a_hand_computed_reuse_window(never, reused, window_octa
     assert model.density(0, 2 ** 21) == 0.0  # past every reuse: nothing left to earn
 
 
+def _density_by_definition(reuses: list[float], events: list[float], widths: list[float]) -> list[float]:
+    """One class's density per bucket from its own definition, term by term: Kaplan-Meier survival,
+    then at each age the best ratio of expected hits to expected space over every later horizon."""
+    n = len(reuses)
+    at_risk = [sum(events[b:]) for b in range(n)]
+    alive, hits, space = 1.0, [], []
+    for b in range(n):
+        hazard = reuses[b] / at_risk[b] if at_risk[b] > 0 else 0.0
+        hits.append(alive * hazard)
+        space.append(alive * widths[b] if at_risk[b] > 0 else 0.0)
+        alive *= 1 - hazard
+    best = []
+    for a in range(n):
+        ratios = [sum(hits[a:t + 1]) / sum(space[a:t + 1]) for t in range(a, n) if sum(space[a:t + 1]) > 0]
+        best.append(max(ratios, default=0.0) if space[a] > 0 else 0.0)
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2 ** 24), st.booleans()), min_size=1, max_size=120),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2 ** 24)), max_size=20))
+def test_density_table_is_its_definition_at_every_seen_age(events, alive):
+    """At every age some block of its class reached, a class's density is the best hits-per-space
+    ratio over every later horizon (the model searches only the ages some class reached)."""
+    model = HitDensityModel(4, per_octave=2, min_samples=1)
+    for cls, age, reused in events:
+        (model.record_reuse if reused else model.record_end)(cls, age)
+    reuses, ends = model.reuses.copy(), model.ends.copy()
+    live = np.zeros_like(ends)
+    for cls, age in alive:
+        live[cls, model.bucket(age)] += 1
+    model.refresh(np.array([c for c, _ in alive], np.int64), np.array([a for _, a in alive], np.int64), keep=1.0)
+    widths = list(np.diff(model.edges))
+    for cls in range(4):
+        if not (reuses[cls] + ends[cls] + live[cls]).any():
+            continue
+        seen = int(np.flatnonzero(reuses[cls] + ends[cls] + live[cls]).max()) + 1
+        expected = _density_by_definition(list(reuses[cls][:seen]),
+                                          list((reuses[cls] + ends[cls] + live[cls])[:seen]), widths[:seen])
+        assert np.allclose(model.table[cls, :seen], expected, rtol=1e-9, atol=0), cls
+
+
 def _pooled_fit(values: list[float], weights: list[float]) -> list[float]:
     """Pool adjacent violators: the weighted non-decreasing fit of one column (positive weights), built
     independently of :func:`isotonic`'s min-max form."""
