@@ -109,6 +109,8 @@ def main() -> None:
     others = tuple(p for p in kvkit.default_policies() if p not in (args.policy, "adaptive", kvkit.OPT)) \
         if args.others is None else _split(args.others)
     baselines = _split(args.baselines)
+    if not others and not baselines:
+        parser.error(f"--others {args.others!r} and --baselines {args.baselines!r} leave no rule to compare against")
     try:  # a bad set, workload name, field or block size fails here, quoted, not inside a worker
         if args.sets is not None:
             grid = points(_split(args.sets))

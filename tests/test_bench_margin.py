@@ -63,3 +63,11 @@ def test_an_unwritable_json_path_is_refused_before_any_replay(tmp_path):
                           "--capacities", "10", "--others", "lru", "--baselines", "", "--json", str(bad)],
                          capture_output=True, text=True)
     assert run.returncode == 2 and repr(str(bad)) in run.stderr and "set workload" not in run.stdout
+
+
+def test_no_rule_to_compare_against_is_refused_before_any_replay():
+    """Empty ``--others`` and ``--baselines`` leave no margin to take: a usage error quoting both, no replay."""
+    run = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "chat@num_conversations=12", "--seeds", "0",
+                          "--capacities", "10", "--others", "", "--baselines", ""], capture_output=True, text=True)
+    assert run.returncode == 2 and "--others ''" in run.stderr and "--baselines ''" in run.stderr
+    assert "set workload" not in run.stdout
