@@ -28,7 +28,8 @@ from typing_extensions import override
 
 from kvkit.errors import ConfigError, KVKitError
 
-__all__ = ["COMMANDS", "KVKitUsageError", "RenamedChoice", "check_plot_path", "kvkit_errors", "main", "renamed_flag"]
+__all__ = ["COMMANDS", "KVKitUsageError", "RenamedChoice", "check_plot_path", "kvkit_errors", "main", "renamed_flag",
+           "shape_option"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -136,6 +137,27 @@ def check_plot_path(path: Path | None) -> None:
         raise ConfigError(f"--plot {str(path)!r}: no folder {str(folder)!r}; create it or give another path")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"--plot {str(path)!r}: the folder {str(folder)!r} is not writable")
+
+
+def shape_option(help: str) -> Callable[[F], F]:
+    """``--shape NAME[@FIELD=VALUE;...]``: a synthetic workload shape, as :func:`kvkit.shape` reads it.
+
+    The value is checked while the options are parsed, so a bad name, field or
+    value is a usage error quoting it before any work; the command gets the string.
+    """
+    from kvkit.sim.synthetic import SHAPES, shape  # the commands that take --shape import it anyway
+
+    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                shape(value)
+            except ConfigError as exc:
+                raise click.BadParameter(_one_line(exc), ctx, param) from None
+        return value
+
+    return click.option("--shape", "shape_name", default=None, metavar="NAME[@FIELD=VALUE;...]", callback=check,
+                        help=f"{help} One of {', '.join(SHAPES)}; '@' moves fields of its generator, "
+                             "as in few-shot@num_templates=1200;drift_every=400.")
 
 
 def _first_doc_line(target: str) -> str:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import click
 
-from kvkit.cli import check_plot_path, renamed_flag
+from kvkit.cli import check_plot_path, renamed_flag, shape_option
 from kvkit.cli._progress import progress
 from kvkit.config import DEFAULTS
 from kvkit.sim.baselines import libcachesim_study
 from kvkit.sim.policy_study import OPT, STORES, HitStats, PolicyStudy, check_study, study
-from kvkit.sim.synthetic import SHAPES, shape
+from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, read_trace
 
 __all__ = ["policies_command", "save_plot"]
@@ -44,9 +44,8 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 @click.option("--trace", "trace_path", default=None,
               type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
               help="Mooncake JSONL(.gz) trace to replay, or a built-in one by name: mooncake-conversation.")
-@click.option("--shape", "shape_name", default=None, type=click.Choice(sorted(SHAPES)),
-              help="Replay a synthetic workload shape instead of --trace (blocks of "
-                   f"{DEFAULTS.block_size} tokens unless --block-size is given).")
+@shape_option(f"Replay a synthetic workload shape instead of --trace (blocks of {DEFAULTS.block_size} tokens "
+              "unless --block-size is given).")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seed of the --shape workload (another seed draws another trace of the same shape).")
 @click.option("--baselines", type=click.Choice(["libcachesim"]), default=None,

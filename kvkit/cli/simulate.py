@@ -12,13 +12,13 @@ from typing import Any
 import attrs
 import click
 
-from kvkit.cli import check_plot_path, renamed_flag
+from kvkit.cli import check_plot_path, renamed_flag, shape_option
 from kvkit.cli._fleet import run_fleets
 from kvkit.cli._progress import Progress, progress
 from kvkit.config import DEFAULTS
 from kvkit.sim.fleet import ROUTERS
 from kvkit.sim.simulator import CostModel, SimConfig, SimResult, simulate
-from kvkit.sim.synthetic import SHAPES, shape
+from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
 
 __all__ = ["figure", "save_plot", "simulate_command"]
@@ -46,8 +46,7 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
 @click.option("--verify", is_flag=True,
               help="Move real bytes (torch backend, CPU tensors) and check every loaded block.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic workload.")
-@click.option("--shape", "shape_name", default=None, type=click.Choice(sorted(SHAPES)),
-              help="Synthetic workload shape instead of --trace [default: chat].")
+@shape_option("Synthetic workload shape instead of --trace [default: chat].")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="Replay only the first N requests.")
 @click.option("--prefill-tokens-per-s", default=_COST.prefill_tokens_per_s, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Cost model: prefill speed.")

@@ -95,3 +95,19 @@ def test_simulate_takes_a_shape() -> None:
     assert config["shape"] == "few-shot"
     both = CliRunner().invoke(cli.main, ["simulate", "--shape", "rag", "--trace", "mooncake-conversation"])
     assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_a_shape_takes_moved_fields_as_kvkit_shape_reads_them() -> None:
+    """--shape NAME@FIELD=VALUE;... replays that generator (JSON names it); a bad field or value is refused, quoted."""
+    moved = json.loads(_policies("--shape", "few-shot@num_templates=3;drift_every=10").output)
+    plain = json.loads(_policies("--shape", "few-shot").output)
+    assert moved["trace"] == "synthetic:few-shot@num_templates=3;drift_every=10"
+    assert moved["block_references"] != plain["block_references"]
+    for bad, quoted in (("few-shot@drift_evry=10", "'drift_evry=10'"), ("rag@document_skew=-1", "document_skew=-1"),
+                        ("chat@num_conversations=x", "'x'")):
+        for command in (["policies", "--capacities", "200"], ["simulate", "--limit", "5"]):
+            result = CliRunner().invoke(cli.main, [*command, "--shape", bad])
+            assert result.exit_code == 2 and quoted in result.output and "Traceback" not in result.output, bad
+    config = json.loads(CliRunner().invoke(cli.main, ["simulate", "--shape", "agent@num_system_prompts=2", "--limit",
+                                                      "20", "--no-baseline", "--json"]).output)["config"]
+    assert config["shape"] == "agent@num_system_prompts=2"
