@@ -154,7 +154,7 @@ class AdaptivePolicy(LearnsCapacity, EvictionPolicy):
 
     Costs: each notification is forwarded to ``2 * len(experts)`` policies,
     each O(1) amortised, so the policy keeps the protocol's costs with a
-    constant factor (about 5x hit density's time per reference); selections
+    constant factor (about 3.5x hit density's time per reference); selections
     are one expert's (atomic: a ``None`` from the leader changes nothing);
     pinned blocks are set aside by every mirror.
 
