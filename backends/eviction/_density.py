@@ -245,15 +245,16 @@ class HitDensityModel:
         """Hit density per (row, bucket) from reuse and all-event histograms."""
         at_risk = _at_risk(events)
         seen = at_risk > 0  # at-risk counts fall with age: each row's seen ages are a leading run
+        ages_seen = seen.sum(axis=1, keepdims=True)
         # Past the oldest age any row saw, no bucket adds hits or space, so no horizon there beats
         # one before it: the O(buckets**2) search below runs over the seen ages only.
-        k = int(seen.sum(axis=1).max())
-        reuses, at_risk = reuses[:, :k], at_risk[:, :k]
-        hazard = np.divide(reuses, at_risk, out=np.zeros_like(reuses), where=at_risk > 0)
+        k = int(ages_seen.max())
+        reuses, at_risk, alive = reuses[:, :k], at_risk[:, :k], seen[:, :k]
+        hazard = np.divide(reuses, at_risk, out=np.zeros_like(reuses), where=alive)
         survive = np.cumprod(np.concatenate(
             [np.ones((len(reuses), 1)), 1 - hazard[:, :-1]], axis=1), axis=1)
         hits = survive * hazard
-        space = survive * np.diff(self._edges[:k + 1]) * (at_risk > 0)
+        space = survive * np.diff(self._edges[:k + 1]) * alive
         zero = np.zeros((len(reuses), 1))
         cum_hits = np.concatenate([zero, np.cumsum(hits, axis=1)], axis=1)
         cum_space = np.concatenate([zero, np.cumsum(space, axis=1)], axis=1)
@@ -267,7 +268,7 @@ class HitDensityModel:
         best[:, :k][space <= 0] = 0.0  # no block survives to this age: nothing to expect
         # Ages no block was seen at (they end each row): no evidence yet, not evidence of
         # nothing. The oldest seen age's density, halved per octave past it.
-        oldest = np.maximum(seen.sum(axis=1, keepdims=True) - 1, 0)
+        oldest = np.maximum(ages_seen - 1, 0)
         past = np.arange(self.buckets)[None, :] - oldest  # buckets past the oldest seen one
         faded = np.take_along_axis(best, oldest, axis=1) * 2.0 ** (-past / self.per_octave)
         return np.where(seen | ~seen.any(axis=1, keepdims=True), best, faded)
