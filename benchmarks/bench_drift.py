@@ -30,7 +30,7 @@ def _hits(job: tuple[int, int, str]) -> tuple[tuple[str, int], tuple[int, int]]:
     capacity, end, rule = job
     requests = _requests[:end]
     if rule.startswith("lcs:"):
-        stats = kvkit.libcachesim_study(requests, (capacity,), (rule[4:],), prefix=True)[0]
+        stats = kvkit.sim.libcachesim_study(requests, (capacity,), (rule[4:],), prefix=True)[0]
     else:
         stats = kvkit.replay(requests, capacity, rule)
     return (rule, end), (stats.hits, stats.references)

@@ -38,15 +38,15 @@ _SIZES = (1000, 4000, 16000)
 _SHARED = f"{_TRACE}mooncake-conversation"
 SETS: dict[str, tuple[tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], int], ...]] = {
     # name: grids of (workloads, seeds, capacities, block size)
-    "T": (((_SHARED,), (0,), _SIZES, 0), (kvkit.SHAPES, (0, 1, 2), _SIZES, 16)),  # a trace: its own blocks
-    "A": ((kvkit.SHAPES, (3, 4, 5), _SIZES, 16),),
+    "T": (((_SHARED,), (0,), _SIZES, 0), (kvkit.sim.SHAPES, (0, 1, 2), _SIZES, 16)),  # a trace: its own blocks
+    "A": ((kvkit.sim.SHAPES, (3, 4, 5), _SIZES, 16),),
     "B": ((("few-shot@drift_every=400", "few-shot@template_skew=0.8", "few-shot@template_skew=1.3",
             "few-shot@num_templates=1200", "rag@document_skew=0.6", "rag@document_skew=1.2",
             "rag@docs_per_request=6", "agent@num_system_prompts=16", "agent@tool_latency_mean_s=12.0",
             "chat@think_time_mean_s=120.0", "chat@num_system_prompts=32", "mixed@think_time_mean_s=120.0"),
            (0,), _SIZES, 16),),
-    "S": (((_SHARED,), (0,), (100, 250, 500), 0), (kvkit.SHAPES, (0, 1), (100, 250, 500), 16)),
-    "L": ((kvkit.SHAPES, (0, 1), (100, 250, 500, 1000), 512), (kvkit.SHAPES, (0, 1), (250, 1000, 4000), 128)),
+    "S": (((_SHARED,), (0,), (100, 250, 500), 0), (kvkit.sim.SHAPES, (0, 1), (100, 250, 500), 16)),
+    "L": ((kvkit.sim.SHAPES, (0, 1), (100, 250, 500, 1000), 512), (kvkit.sim.SHAPES, (0, 1), (250, 1000, 4000), 128)),
     "X": ((("rag@docs_per_request=1;num_requests=8000;num_documents=3000;document_tokens=(2000,12000);"
             "instruction_tokens=0;follow_up_probability=0.2",
             "few-shot@drift_every=100000;num_requests=12000;num_templates=2000;template_tokens=(2000,16000)",
@@ -86,7 +86,7 @@ def _point(job: tuple[str, str, int, int, int, str, tuple[str, ...], tuple[str, 
     requests = _requests(workload, seed, block_size)
     ratios = {rule: kvkit.replay(requests, capacity, rule).hit_ratio for rule in (policy, *others)}
     if baselines:
-        ratios |= {s.policy: s.hit_ratio for s in kvkit.libcachesim_study(requests, (capacity,), baselines, prefix=True)}
+        ratios |= {s.policy: s.hit_ratio for s in kvkit.sim.libcachesim_study(requests, (capacity,), baselines, prefix=True)}
     return {"set": group, "workload": workload, "seed": seed, "block_size": block_size, "capacity": capacity,
             "hit_ratio": {rule: 100 * ratio for rule, ratio in ratios.items()}}
 
@@ -95,18 +95,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="hit-density")
     parser.add_argument("--sets", default=None, help=f"named grids instead of the four options below: {','.join(SETS)}")
-    parser.add_argument("--workloads", default=",".join(kvkit.SHAPES))
+    parser.add_argument("--workloads", default=",".join(kvkit.sim.SHAPES))
     parser.add_argument("--seeds", default="3,4,5")
     parser.add_argument("--capacities", default="1000,4000,16000")
-    parser.add_argument("--block-size", type=int, default=kvkit.DEFAULTS.block_size, help="tokens per block")
+    parser.add_argument("--block-size", type=int, default=kvkit.config.DEFAULTS.block_size, help="tokens per block")
     parser.add_argument("--others", default=None,
                         help="kvkit rules [default: every registered one but the policy, adaptive and opt]")
-    parser.add_argument("--baselines", default=",".join(p for p in kvkit.LIBCACHESIM_POLICIES if p != "Belady"),
+    parser.add_argument("--baselines", default=",".join(p for p in kvkit.sim.LIBCACHESIM_POLICIES if p != "Belady"),
                         help="libCacheSim policies (needs the libcachesim extra; empty for none)")
     parser.add_argument("--jobs", type=int, default=None)
     parser.add_argument("--json", default=None, help="write every point's hit ratios to this file")
     args = parser.parse_args()
-    others = tuple(p for p in kvkit.default_policies() if p not in (args.policy, "adaptive", kvkit.OPT)) \
+    others = tuple(p for p in kvkit.sim.default_policies() if p not in (args.policy, "adaptive", kvkit.sim.OPT)) \
         if args.others is None else _split(args.others)
     baselines = _split(args.baselines)
     if not others and not baselines:

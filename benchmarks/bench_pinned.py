@@ -28,7 +28,8 @@ from collections import Counter
 
 import numpy as np
 
-from kvkit import ALLOCATOR, EVICTION, BlockAllocator, EvictionPolicy, PinAwarePolicy
+from kvkit import ALLOCATOR, EVICTION, BlockAllocator, EvictionPolicy
+from kvkit.interfaces import PinAwarePolicy
 
 
 def make_trace(num_requests: int, seed: int, *, num_blocks: int, pinned: float,

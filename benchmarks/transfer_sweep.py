@@ -3,7 +3,7 @@
 Usage: ``python benchmarks/transfer_sweep.py main --out DIR`` (per-layer layout,
 GPU tier in one buffer). The first sweep (BENCHMARKS.md) also had sections for
 cross-layer and for kernel variants since folded into the backends' defaults.
-Each configuration is timed and checked by :func:`kvkit.bench_backend`.
+Each configuration is timed and checked by :func:`kvkit.bench.transfer.bench_backend`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from kvkit import COPY, GemmLoad, KVCacheSpec, Rig, bench_backend, gemm_alone, make_plans, measure_ceiling
+from kvkit import COPY, KVCacheSpec
+from kvkit.bench.transfer import GemmLoad, Rig, bench_backend, gemm_alone, make_plans, measure_ceiling
 
 SPEC = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 

@@ -278,7 +278,7 @@ class LayeredCopy(Protocol):
 class PrefillCompute(Protocol):
     """The forward pass of the reference engine loop: writes the KV a scheduled prefill recomputes.
 
-    The engine is a :class:`kvkit.sim.engine_loop.ReferenceEngine` and the
+    The engine is a :class:`kvkit.reference.engine.ReferenceEngine` and the
     request one of its ``EngineRequest`` s (annotated loosely: interfaces
     import nothing of the layers above them).
 

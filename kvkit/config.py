@@ -18,7 +18,6 @@ from typing import Any
 
 import attrs
 
-from kvkit._renamed import renamed_keywords
 from kvkit.errors import ConfigError
 from kvkit.hashing import HASH_ALGORITHMS
 from kvkit.interfaces import (
@@ -29,7 +28,7 @@ from kvkit.interfaces import (
     OffloadCallback,
     StorePolicy,
 )
-from kvkit.interfaces.blockstore import BlockStore
+from kvkit.interfaces.shared import SHARED_WRITES, BlockStore
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry, did_you_mean
 from kvkit.validate import check_real, int_problem, is_int
 from kvkit.worker import WAIT_TIMEOUT_S
@@ -141,7 +140,6 @@ class Components:
     callbacks: tuple[OffloadCallback, ...]
 
 
-@renamed_keywords(eviction="cpu_eviction")
 @attrs.frozen(kw_only=True)
 class StackConfig:
     """Every slot of an offload stack; construction validates all of them.
@@ -170,8 +168,8 @@ class StackConfig:
         options: per-slot constructor kwargs for named slots, e.g. ``{"store": {"k": 2}}``.
         shared: the shared (third) tier behind the CPU tier: a URL
             (``"memory://"``, ``"file:///path"``, ``"valkey://host:6379/0"``) or a
-            :class:`~kvkit.interfaces.blockstore.BlockStore` instance; ``None``
-            (default) for two tiers. See :mod:`kvkit.manager.shared`.
+            :class:`~kvkit.interfaces.shared.BlockStore` instance; ``None``
+            (default) for two tiers. See :mod:`kvkit.shared.scheduler`.
         shared_write: ``"write-through"`` (put what a CPU store committed) or
             ``"write-back"`` (put the CPU tier's next eviction candidates).
         shared_model: the model identity (name and revision or fingerprint) in
@@ -381,7 +379,6 @@ class StackConfig:
         return problems
 
     def _shared_problems(self) -> list[str]:
-        from kvkit.manager.shared import SHARED_WRITES
 
         problems = []
         shared = self.shared

@@ -33,7 +33,7 @@ from kvkit.interfaces import (
     ReportsAvailability,
     StorePolicy,
 )
-from kvkit.interfaces.blockstore import BlockStore
+from kvkit.interfaces.shared import BlockStore
 
 __all__ = [
     "ALLOCATOR",
@@ -351,9 +351,9 @@ ALLOCATOR: Registry[BlockAllocator] = Registry("allocator", BlockAllocator, "blo
 })
 
 SHARED: Registry[BlockStore] = Registry("shared", BlockStore, "block store", builtins={
-    "memory": "kvkit.backends.shared.memory:MemoryStore",
-    "disk": "kvkit.backends.shared.disk:DiskStore",
-    "valkey": "kvkit.backends.shared.valkey:ValkeyStore",
+    "memory": "kvkit.backends.blockstore.memory:MemoryStore",
+    "disk": "kvkit.backends.blockstore.disk:DiskStore",
+    "valkey": "kvkit.backends.blockstore.valkey:ValkeyStore",
 })
 
 REGISTRIES: dict[str, Registry[Any]] = {r.kind: r for r in (EVICTION, STORE, COPY, ALLOCATOR, SHARED)}

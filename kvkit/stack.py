@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvkit._renamed import renamed_keywords
 from kvkit.config import StackConfig
 from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
@@ -19,9 +18,9 @@ from kvkit.worker.memory import check_fits
 if TYPE_CHECKING:
     import torch
 
-    from kvkit.interfaces.blockstore import BlockStore
+    from kvkit.interfaces.shared import BlockStore
     from kvkit.worker.engine import TransferEngine
-    from kvkit.worker.shared import SharedTierWorker
+    from kvkit.shared.worker import SharedTierWorker
 
 __all__ = ["OffloadStack", "build"]
 
@@ -116,7 +115,6 @@ class OffloadStack:
             raise TransferTimeoutError("; ".join(map(str, timeouts)), pending)
 
 
-@renamed_keywords(eviction="cpu_eviction")
 def build(config: StackConfig | None = None, /, *, layout: str | None = None,
           kv_tensors: Sequence[torch.Tensor] | None = None, **slots: Any) -> OffloadStack:
     """Build a stack from a ``StackConfig`` or from its slots as keywords.
@@ -178,7 +176,7 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
     conn = None
     if config.shared is not None:
-        from kvkit.shared_tier import connect_shared
+        from kvkit.shared.client import connect_shared
 
         conn = connect_shared(config, layout=config.cpu_layout or layout or "none", workers=config.world_size)
     shared = None if conn is None else conn.spec
@@ -204,7 +202,7 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
                 worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
             stack.workers.append(worker)
     if conn is not None:
-        from kvkit.worker.shared import SharedTierWorker
+        from kvkit.shared.worker import SharedTierWorker
 
         engines = stack.workers or [None] * config.world_size
         stack.shared_workers = [SharedTierWorker(config.kv, client, conn.spec.codec, engine, rank=rank,

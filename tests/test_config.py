@@ -131,24 +131,6 @@ def test_instances_and_factories_are_used_as_given():
         bad_factory(num_blocks=4, eviction=gpu)
 
 
-def test_old_eviction_keyword_still_works_and_warns():
-    """``eviction=`` (renamed ``cpu_eviction``) sets the CPU tier's policy for one release, with a warning."""
-    with pytest.warns(DeprecationWarning, match=r"StackConfig\(eviction=\.\.\.\) is deprecated; use cpu_") as rec:
-        config = StackConfig(**{k: v for k, v in good().items() if k != "cpu_eviction"}, eviction="t-evict")
-    assert rec[0].filename == __file__  # points at the caller
-    assert config.cpu_eviction == "t-evict"
-    with pytest.warns(DeprecationWarning, match=r"StackConfig\.eviction is deprecated"):
-        assert config.eviction == "t-evict"
-    with pytest.warns(DeprecationWarning):
-        assert StackConfig(**good(eviction="t-evict")).cpu_eviction == "t-evict"  # equal values agree
-
-
-def test_old_and_new_eviction_keywords_that_disagree_are_a_config_error():
-    """``eviction=`` and ``cpu_eviction=`` with different values is a ConfigError quoting both."""
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="eviction='lru'.*cpu_eviction='t-evict'"):
-        StackConfig(**good(eviction="lru"))
-
-
 def test_field_defaults_come_from_the_one_defaults_record():
     """Every defaulted slot of StackConfig reads DEFAULTS."""
     fields = attrs.fields_dict(StackConfig)

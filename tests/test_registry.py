@@ -63,9 +63,9 @@ BUILTINS = {
     },
     "allocator": {"pool": "kvkit.backends.allocator.pool:BlockPool"},
     "shared": {
-        "memory": "kvkit.backends.shared.memory:MemoryStore",
-        "disk": "kvkit.backends.shared.disk:DiskStore",
-        "valkey": "kvkit.backends.shared.valkey:ValkeyStore",
+        "memory": "kvkit.backends.blockstore.memory:MemoryStore",
+        "disk": "kvkit.backends.blockstore.disk:DiskStore",
+        "valkey": "kvkit.backends.blockstore.valkey:ValkeyStore",
     },
 }
 

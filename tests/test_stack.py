@@ -9,7 +9,7 @@ import kvkit
 from kvkit.errors import ConfigError, RequestStateError, UnknownRequestError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import OffloadCallback
-from kvkit.sim.engine_loop import ReferenceEngine
+from kvkit.reference.engine import ReferenceEngine
 from kvkit.worker.layouts import allocate_kv
 
 SPEC = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16")
@@ -136,16 +136,6 @@ def test_build_accepts_instances_and_reports_every_bad_slot_at_once():
         kvkit.build(kv=SPEC, gpu_blocks=0, cpu_blocks=8, cpu_eviction="lruu", store=object())
     text = str(err.value)
     assert "gpu_blocks" in text and "'lruu'" in text and "store" in text
-
-
-def test_build_takes_the_old_eviction_keyword_with_a_warning():
-    """``build(eviction=...)`` still sets the CPU tier's policy for one release; the warning names the caller."""
-    with pytest.warns(DeprecationWarning, match="use cpu_eviction") as rec:
-        stack = kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=8, eviction="fifo", device="cpu")
-    assert rec[0].filename == __file__
-    assert stack.config.cpu_eviction == "fifo" and type(stack.cpu.policy).__name__ == "FIFOPolicy"
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="disagree"):
-        kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=8, eviction="fifo", cpu_eviction="lru", device="cpu")
 
 
 def test_build_rejects_mixed_config_and_slots_and_bad_kv_usage():

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from kvkit.backends.copy._driver import driver
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
-from kvkit.backends.copy._planner import Planner, registered, stage_waits
+from kvkit.backends.copy.planner import Planner, registered, stage_waits
 from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan

@@ -30,7 +30,7 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
-from kvkit.backends.copy._planner import Planner, registered, stage_waits
+from kvkit.backends.copy.planner import Planner, registered, stage_waits
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan

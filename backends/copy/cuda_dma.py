@@ -20,7 +20,7 @@ import torch
 
 from kvkit.backends.copy import _driver
 from kvkit.backends.copy._gpu_copy import GPUCopy
-from kvkit.backends.copy._planner import Strided
+from kvkit.backends.copy.planner import Strided
 from kvkit.errors import BackendUnavailableError, DeviceError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan

@@ -4,32 +4,24 @@ Subcommands are looked up by name in :data:`COMMANDS` and imported only when
 run, so ``kvkit --help`` and ``kvkit list`` stay fast and never pull in the
 torch-heavy modules behind other commands. kvkit errors reach the user as one
 line on stderr and exit code 2, never a traceback (:func:`kvkit_errors`).
-
-A renamed flag or value keeps its old spelling for one release
-(:func:`renamed_flag`, :class:`RenamedChoice`): hidden from ``--help``, it
-prints one ``warning: OLD is deprecated; use NEW`` line on stderr.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import functools
 import importlib
 import importlib.util
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-from click.core import ParameterSource
-from typing_extensions import override
 
 from kvkit.errors import ConfigError, KVKitError
 
-__all__ = ["COMMANDS", "KVKitUsageError", "RenamedChoice", "check_plot_path", "kvkit_errors", "main", "renamed_flag",
-           "shape_option"]
+__all__ = ["COMMANDS", "KVKitUsageError", "check_plot_path", "kvkit_errors", "main", "shape_option"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,58 +57,6 @@ def kvkit_errors() -> Iterator[None]:
         yield
     except KVKitError as exc:
         raise KVKitUsageError(_one_line(exc)) from exc
-
-
-def _warn_renamed(old: str, new: str) -> None:
-    click.echo(f"warning: {old} is deprecated; use {new}", err=True)
-
-
-def renamed_flag(old: str, new: str, **option: Any) -> Callable[[F], F]:
-    """Keep flag ``old`` for one release as a hidden alias of ``new``: it warns and sets ``new``'s value.
-
-    Apply it to the command function below ``@click.command``, above the
-    options; ``option`` holds ``click.option`` settings of the old flag (its
-    ``type``). Giving both flags with different values is a ``ConfigError``.
-    """
-    target = new.lstrip("-").replace("-", "_")
-    hidden = "renamed_" + old.lstrip("-").replace("-", "_")
-
-    def decorate(command: F) -> F:
-        @functools.wraps(command)
-        def run(**params: Any) -> Any:
-            value = params.pop(hidden)
-            if value is not None:
-                _warn_renamed(old, new)
-                given = click.get_current_context().get_parameter_source(target)
-                if given not in (ParameterSource.DEFAULT, None) and params[target] != value:
-                    raise ConfigError(f"{old} {value!r} (deprecated) and {new} {params[target]!r} disagree; "
-                                      f"give only {new}")
-                params[target] = value
-            return command(**params)
-
-        return click.option(old, hidden, hidden=True, default=None, **option)(run)  # type: ignore[return-value]
-
-    return decorate
-
-
-class RenamedChoice(click.Choice):
-    """A ``click.Choice`` that still takes old spellings of its values for one release, with a warning.
-
-    ``--help`` lists only ``choices``; an old value from ``renamed`` (old -> new)
-    prints one warning line and converts to its new value.
-    """
-
-    def __init__(self, choices: Sequence[str], renamed: Mapping[str, str]) -> None:
-        super().__init__(choices)
-        self.renamed = dict(renamed)
-
-    @override
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if value in self.renamed:
-            flag = param.opts[0] if param is not None else ""
-            _warn_renamed(f"{flag} {value}".strip(), f"{flag} {self.renamed[value]}".strip())
-            value = self.renamed[value]
-        return super().convert(value, param, ctx)
 
 
 def check_plot_path(path: Path | None) -> None:

@@ -17,7 +17,7 @@ __all__ = ["run_fleets"]
 def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str, shared_url: str | None,
                as_json: bool) -> None:
     """Replay ``workload`` through ``instances`` isolated instances, then as many sharing a tier; report both."""
-    from kvkit.shared_tier import open_shared
+    from kvkit.shared.client import open_shared
 
     store, owned = open_shared(shared_url) if shared_url is not None else (None, False)
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""``kvkit bench``: measured copy-backend throughput (the library half is :mod:`kvkit.sim.transfer_bench`)."""
+"""``kvkit bench``: measured copy-backend throughput (the library half is :mod:`kvkit.bench.transfer`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ from typing import Any
 
 import click
 
-from kvkit.cli import RenamedChoice
 from kvkit.cli._progress import progress
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.types import KVCacheSpec
 from kvkit.sim.simulator import LLAMA_3_8B
-from kvkit.sim.transfer_bench import DIRECTIONS, RENAMED_DIRECTIONS, run_transfer
+from kvkit.bench.transfer import DIRECTIONS, run_transfer
 from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["bench_group", "transfer_command"]
@@ -33,7 +32,7 @@ def bench_group() -> None:
               help="The CPU tier's layout [default: --layout]; the staged backend needs cross-layer.")
 @click.option("--blocks", type=click.IntRange(1), default=256, show_default=True, help="Blocks per plan.")
 @click.option("--ids", type=click.Choice(["random", "consecutive"]), default="random", show_default=True)
-@click.option("--direction", type=RenamedChoice(list(DIRECTIONS), RENAMED_DIRECTIONS), default="store",
+@click.option("--direction", type=click.Choice(list(DIRECTIONS)), default="store",
               show_default=True, help="store: GPU -> CPU, load: CPU -> GPU, both: a store and a load plan at once.")
 @click.option("--with-gemm", is_flag=True, help="Also measure the slowdown of concurrent bf16 8192^3 GEMMs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of a table.")
@@ -137,7 +136,7 @@ def _print_table(report: dict[str, Any]) -> None:
 def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys: int, repeat: int,
                    as_json: bool) -> None:
     """Measure a block store against the server's own benchmark tool and a client-library pipeline."""
-    from kvkit.sim.shared_bench import run_shared_bench
+    from kvkit.bench.shared import run_shared_bench
 
     report = run_shared_bench(url, sizes=sizes, batch_bytes=batch_mib << 20, contains_keys=keys, repeat=repeat)
     if as_json:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from kvkit.cli import check_plot_path, renamed_flag, shape_option
+from kvkit.cli import check_plot_path, shape_option
 from kvkit.cli._progress import progress
 from kvkit.config import DEFAULTS
 from kvkit.sim.baselines import libcachesim_study
@@ -74,7 +74,6 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 @click.option("--plot", "plot_path", default=None,
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG of hit ratio against capacity per policy.")
-@renamed_flag("--block-tokens", "--block-size", type=click.IntRange(min=1))  # hidden and warning, one release
 def policies_command(trace_path: Path | None, shape_name: str | None, seed: int, baselines: str | None,
                      counting: str, stores: str, capacities: list[int], policy_list: str | None,
                      block_size: int, limit: int | None, jobs: int | None, as_json: bool,
@@ -84,7 +83,6 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
     Replays the trace through the real block pool once per policy and
     capacity, in parallel. A block hits only while every earlier block of its
     request hit; every block is stored after its request (--stores says how).
-    The JSON report's "block_tokens" repeats "block_size" for one release.
     """
     check_plot_path(plot_path)
     if (trace_path is None) == (shape_name is None):
@@ -118,7 +116,6 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
             "trace": str(trace_path) if trace_path is not None else f"synthetic:{shape_name}",
             "seed": None if shape_name is None else seed,
             "block_size": block_size,
-            "block_tokens": block_size,  # deprecated duplicate of block_size, kept one release
             "requests": len(requests),
             "block_references": references,
             "stores": stores,

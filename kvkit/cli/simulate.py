@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import click
 
-from kvkit.cli import check_plot_path, renamed_flag, shape_option
+from kvkit.cli import check_plot_path, shape_option
 from kvkit.cli._fleet import run_fleets
 from kvkit.cli._progress import Progress, progress
 from kvkit.config import DEFAULTS
@@ -70,8 +70,6 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload.")
 # Old names, hidden and warning, for one release:
-@renamed_flag("--block-tokens", "--block-size", type=click.IntRange(min=1))
-@renamed_flag("--eviction", "--cpu-eviction")
 def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int | None,
                      cpu_bytes: str | None, block_size: int | None, cpu_eviction: str,
                      gpu_eviction: str, store: str, verify: bool, seed: int, shape_name: str | None,

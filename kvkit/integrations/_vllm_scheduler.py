@@ -54,7 +54,7 @@ from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.manager.requests import RequestState
 from kvkit.manager.step import StepPlan
-from kvkit.shared_tier import SharedConnection, connect_shared
+from kvkit.shared.client import SharedConnection, connect_shared
 from kvkit.stats import OffloadStats
 from kvkit.validate import is_int
 

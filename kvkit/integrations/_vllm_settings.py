@@ -13,7 +13,6 @@ from typing import Any
 
 import attrs
 
-from kvkit._renamed import rename_keywords
 from kvkit.config import DEFAULTS, StackConfig, parse_bytes
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
@@ -35,7 +34,6 @@ _BYTE_KEYS = ("cpu_bytes", "cpu_bytes_to_use_per_rank", "cpu_bytes_to_use")
 """Keys that size the CPU tier in bytes: per worker (kvkit's), per rank, and in total over every rank."""
 
 _NAMED_SLOTS = ("cpu_eviction", "store", "copy", "allocator")
-_RENAMED_KEYS = {"eviction": "cpu_eviction"}  # old key -> new key; the old one warns (one release)
 
 
 @attrs.frozen
@@ -214,10 +212,6 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     """
     extra = dict(extra or {})
     problems: list[str] = []
-    try:
-        rename_keywords(extra, _RENAMED_KEYS, where="kv_connector_extra_config")
-    except ConfigError as exc:  # both keys, different values: one more problem to list
-        problems += exc.problems
     for key in extra:
         if key not in EXTRA_KEYS:
             problems.append(f"kv_connector_extra_config[{key!r}]: unknown key; valid: "

@@ -41,11 +41,11 @@ from kvkit.errors import ConfigError, SpecMismatchError, TransferTimeoutError
 from kvkit.integrations._vllm_scheduler import StepOrder
 from kvkit.integrations._vllm_settings import ConnectorSettings
 from kvkit.interfaces import KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
-from kvkit.interfaces.blockstore import BlockStore
-from kvkit.shared_tier import connect_shared
+from kvkit.interfaces.shared import BlockStore
+from kvkit.shared.client import connect_shared
 from kvkit.worker.engine import TransferEngine
 from kvkit.worker.layouts import layouts_for, validate_kv
-from kvkit.worker.shared import SharedTierWorker
+from kvkit.shared.worker import SharedTierWorker
 
 __all__ = ["VLLM_LAYOUTS", "WorkerSide", "detect_layout", "group_spec"]
 

@@ -61,7 +61,7 @@ from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import EvictionOrder
 from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
-from kvkit.interfaces.sharedtier import SharedPlan
+from kvkit.interfaces.shared import SharedPlan
 from kvkit.interfaces.store import StorePolicy
 from kvkit.interfaces.types import (
     BlockHash,
@@ -88,7 +88,7 @@ from kvkit.manager.requests import (
     check_rows,
     wrong_state,
 )
-from kvkit.manager.shared import SharedTier, SharedTierSpec
+from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.manager.step import CompletionReport, StepPlan
 from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
@@ -121,7 +121,7 @@ class OffloadManager:
             against it (default: ``gpu.num_blocks``; unchecked above when
             neither is known).
         shared: a third tier behind the CPU tier (see
-            :mod:`kvkit.manager.shared`): lookups continue there after the CPU
+            :mod:`kvkit.shared.scheduler`): lookups continue there after the CPU
             hit, its hits are fetched into CPU blocks and loaded as CPU hits,
             and CPU blocks are put there (write-through or write-back).
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvkit.interfaces.sharedtier import SharedPlan
+from kvkit.interfaces.shared import SharedPlan
 from kvkit.interfaces.types import TransferPlan
 
 __all__ = ["CompletionReport", "StepPlan"]

@@ -133,12 +133,12 @@ def compare_fleets(requests: Callable[[], Iterable[TraceRequest]], config: SimCo
         requests: called once per run, each time a fresh iterable of the trace.
         config: the instances' configuration (its ``shared`` is replaced).
         shared: the store the second run shares (default: a fresh in-process
-            :class:`~kvkit.backends.shared.memory.MemoryStore`), or a URL.
+            :class:`~kvkit.backends.blockstore.memory.MemoryStore`), or a URL.
 
     Returns:
         ``(isolated, sharing)``.
     """
-    from kvkit.backends.shared.memory import MemoryStore
+    from kvkit.backends.blockstore.memory import MemoryStore
 
     isolated = simulate_fleet(requests(), attrs.evolve(config, shared=None), instances=instances, router=router)
     store = MemoryStore() if shared is None else shared

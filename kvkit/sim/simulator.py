@@ -1,7 +1,7 @@
 """Trace-driven simulation: replay requests through a real offload stack under a time model.
 
 Every request of the trace goes through kvkit's own parts: the
-:class:`~kvkit.sim.engine_loop.ReferenceEngine` loop, the GPU and CPU
+:class:`~kvkit.reference.engine.ReferenceEngine` loop, the GPU and CPU
 :class:`~kvkit.backends.allocator.pool.BlockPool` tiers, the
 :class:`~kvkit.manager.OffloadManager` and the configured eviction and store
 policies. Only the clock is modelled.
@@ -55,11 +55,10 @@ from typing import Any
 
 import attrs
 
-from kvkit._renamed import renamed_keywords
 from kvkit.config import DEFAULTS, StackConfig, parse_bytes
 from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
 from kvkit.interfaces import EvictionPolicy, KVCacheSpec, OffloadCallback, StorePolicy
-from kvkit.sim.engine_loop import ReferenceEngine
+from kvkit.reference.engine import ReferenceEngine
 from kvkit.sim.traces import TraceRequest
 from kvkit.stack import OffloadStack, build
 from kvkit.validate import at_least, optional_at_least, real_in
@@ -113,7 +112,6 @@ _VERIFY_SHAPE = ModelShape(name="verify", num_layers=1, num_kv_heads=1, head_dim
 # A tiny cache whose bytes --verify really moves; block size comes from the trace.
 
 
-@renamed_keywords(pcie_gb_per_s="pcie_gbps")
 @attrs.frozen(kw_only=True)
 class CostModel:
     """Prices of the time model (see the module docstring); the one home of their defaults.
@@ -123,7 +121,7 @@ class CostModel:
             second (default: Llama-3-8B on one H200-class GPU).
         pcie_gbps: CPU -> GPU load bandwidth, 10**9 bytes per second
             (default: batched DMA of 32 KiB pieces, measured on this project's
-            H200, DESIGN §6); ``pcie_gb_per_s=`` is its deprecated old name.
+            H200).
         decode_ms_per_token: time per generated token; sets how long a
             request holds its GPU blocks.
         overhead_ms: fixed cost added to every request's time to first token.
@@ -144,13 +142,11 @@ class CostModel:
                 + fetched_bytes * 1e-6 / self.shared_gbps + self.overhead_ms)
 
 
-@renamed_keywords(block_tokens="block_size", eviction="cpu_eviction")
 @attrs.frozen(kw_only=True)
 class SimConfig:
     """One simulation: stack slots, sizes, time model and byte model.
 
-    Defaults come from :data:`kvkit.config.DEFAULTS`; ``block_tokens=`` and
-    ``eviction=`` are deprecated old names of ``block_size`` and ``cpu_eviction``.
+    Defaults come from :data:`kvkit.config.DEFAULTS`.
 
     Attributes:
         gpu_blocks: GPU tier size in blocks (small, so offload matters).

@@ -69,7 +69,6 @@ from typing import ClassVar, Protocol
 
 import attrs
 
-from kvkit._renamed import renamed_keywords
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.hints import WorkloadHints
@@ -83,7 +82,6 @@ _positive_float = real_in(low=0, low_open=True, high=math.inf, high_open=True)  
 _skew = real_in(low=0, high=math.inf, high_open=True)  # finite and >= 0
 
 
-@renamed_keywords(block_tokens="block_size")
 @attrs.frozen
 class SyntheticWorkload:
     """Parameters of a synthetic multi-turn workload; the same values give the same trace.
@@ -91,8 +89,7 @@ class SyntheticWorkload:
     Attributes:
         seed: seeds the generator; the only source of randomness.
         num_conversations: conversations in the trace.
-        block_size: tokens per block the ``hash_ids`` are cut at (``block_tokens=``
-            is its deprecated old name).
+        block_size: tokens per block the ``hash_ids`` are cut at.
         conversations_per_s: Poisson arrival rate of new conversations.
         num_system_prompts: distinct shared system prompts.
         system_prompt_tokens: ``(low, high)`` bounds of a system prompt's

@@ -46,7 +46,6 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from kvkit._renamed import renamed_keywords
 from kvkit.errors import ConfigError, TraceFileError, TraceFormatError
 from kvkit.registry import did_you_mean
 from kvkit.validate import check_int, is_int, quote
@@ -162,7 +161,6 @@ def _parse(path: str, line: int, text: str, block_size: int,
     return TraceRequest(stamp, input_length, output_length, tuple(ids), line)
 
 
-@renamed_keywords(block_tokens="block_size")
 def read_trace(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK_SIZE,
                limit: int | None = None) -> Iterator[TraceRequest]:
     """Stream the requests of a Mooncake JSONL trace, one line at a time.
@@ -173,8 +171,7 @@ def read_trace(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK
     Args:
         path: the JSONL file (gzip-compressed if its name ends in ``.gz``), or
             the name of a built-in trace (:data:`BUILTIN_TRACES`).
-        block_size: tokens per block the trace's ``hash_ids`` were cut at
-            (``block_tokens=`` is its deprecated old name).
+        block_size: tokens per block the trace's ``hash_ids`` were cut at.
         limit: stop after this many requests (``None``: read to the end).
 
     Raises:

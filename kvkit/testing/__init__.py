@@ -1,11 +1,22 @@
-"""Contract suites that any implementation of kvkit's protocols joins in three lines, and test stand-ins."""
+"""Contract suites that any implementation of kvkit's protocols joins in three lines, and test stand-ins.
 
-from kvkit.testing.allocator_contract import AllocatorContract
-from kvkit.testing.blockstore_contract import BlockStoreContract
-from kvkit.testing.copy_contract import CopyBackendContract
-from kvkit.testing.eviction_contract import EvictionPolicyContract, FIFOContract, LRUContract
-from kvkit.testing.store_contract import StorePolicyContract
-from kvkit.testing.threaded import ThreadedCopy
+Each suite loads only what its protocol needs: the eviction, allocator, store
+policy and block-store contracts import no torch; the copy contract and
+:class:`ThreadedCopy` do.
+"""
 
-__all__ = ["AllocatorContract", "BlockStoreContract", "CopyBackendContract", "EvictionPolicyContract",
-           "FIFOContract", "LRUContract", "StorePolicyContract", "ThreadedCopy"]
+from kvkit._lazy import lazy_exports
+
+_EXPORTS = {
+    "AllocatorContract": "kvkit.testing.allocator_contract:AllocatorContract",
+    "BlockStoreContract": "kvkit.testing.blockstore_contract:BlockStoreContract",
+    "CopyBackendContract": "kvkit.testing.copy_contract:CopyBackendContract",
+    "EvictionPolicyContract": "kvkit.testing.eviction_contract:EvictionPolicyContract",
+    "FIFOContract": "kvkit.testing.eviction_contract:FIFOContract",
+    "LRUContract": "kvkit.testing.eviction_contract:LRUContract",
+    "StorePolicyContract": "kvkit.testing.store_contract:StorePolicyContract",
+    "ThreadedCopy": "kvkit.testing.threaded:ThreadedCopy",
+}
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

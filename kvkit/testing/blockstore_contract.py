@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvkit.errors import ConfigError, KVKitError
-from kvkit.interfaces.blockstore import BlockStore, StoreResult
+from kvkit.interfaces.shared import BlockStore, StoreResult
 
 __all__ = ["BlockStoreContract"]
 

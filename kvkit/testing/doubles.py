@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from kvkit.interfaces.blockstore import BlockStore, StoreResult
+from kvkit.interfaces.shared import BlockStore, StoreResult
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.types import BlockHash, BlockId
 

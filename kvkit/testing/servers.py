@@ -19,7 +19,7 @@ from pathlib import Path
 
 import attrs
 
-from kvkit.backends.shared._resp import ConnectOptions, _Conn
+from kvkit.backends.blockstore.resp import ConnectOptions, Connection
 from kvkit.errors import BackendUnavailableError
 
 __all__ = ["LocalCluster", "LocalServer", "free_port", "server_binary", "server_binary_or_skip"]
@@ -73,7 +73,7 @@ def free_port() -> int:
 
 
 def _call(port: int, *args: bytes, password: str | None = None, timeout: float = 1.0) -> object:
-    conn = _Conn(("127.0.0.1", port), ConnectOptions(timeout, timeout, password=password))
+    conn = Connection(("127.0.0.1", port), ConnectOptions(timeout, timeout, password=password))
     try:
         return conn.call(*args)
     finally:

@@ -26,7 +26,7 @@ import attrs
 import torch
 from typing_extensions import override
 
-from kvkit.backends.copy._planner import Planner, registered
+from kvkit.backends.copy.planner import Planner, registered
 from kvkit.errors import PlanError, SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, TransferPlan

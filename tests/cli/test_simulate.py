@@ -155,25 +155,3 @@ def test_defaults_come_from_the_one_defaults_record():
         cost.pcie_gbps, cost.prefill_tokens_per_s, cost.decode_ms_per_token)
 
 
-@pytest.mark.parametrize(("old", "new", "value", "key"), [
-    ("--block-tokens", "--block-size", "16", "block_size"),
-    ("--eviction", "--cpu-eviction", "fifo", "cpu_eviction"),
-])
-def test_old_flags_still_work_warn_once_and_hide_from_help(trace_file, old, new, value, key):
-    """A renamed flag works for one release: one warning line on stderr, its value used, absent from --help."""
-    result = _run("--trace", trace_file, "--block-size", 16, old, value, "--gpu-blocks", 300, "--limit", 20,
-                  "--no-baseline", "--json")
-    assert result.exit_code == 0, result.output
-    assert result.stderr.splitlines() == [f"warning: {old} is deprecated; use {new}"]
-    assert str(json.loads(result.stdout)["config"][key]) == value
-    help_text = _run("--help").stdout
-    assert new in help_text and f"{old} " not in help_text and f"{old}\n" not in help_text
-
-
-@pytest.mark.parametrize("args", [["--block-tokens", 16, "--block-size", 32],
-                                  ["--eviction", "fifo", "--cpu-eviction", "lru"]])
-def test_old_and_new_flag_with_different_values_is_an_error(args):
-    """Giving a renamed flag and its new name with different values exits 2 naming both."""
-    result = _run(*args, "--limit", 5)
-    assert result.exit_code == 2, result.output
-    assert "disagree" in result.stderr and "Traceback" not in result.output

@@ -257,13 +257,6 @@ def test_a_stack_that_does_not_fit_the_model_is_refused(models):
         OffloadedLM.build(model, gpu_blocks=8, cpu_blocks=8, device="cuda")
 
 
-def test_build_takes_the_old_eviction_keyword_with_a_warning(models):
-    """``OffloadedLM.build(eviction=...)`` (renamed ``cpu_eviction``) still works for one release, and warns."""
-    with pytest.warns(DeprecationWarning, match=r"OffloadedLM.build\(eviction=\.\.\.\) is deprecated") as rec:
-        lm = OffloadedLM.build(models["llama"], gpu_blocks=4, block_size=4, cpu_blocks=16, eviction="fifo")
-    assert rec[0].filename == __file__ and lm.stack.config.cpu_eviction == "fifo"
-
-
 def test_bad_requests_raise_and_leave_the_stack_clean(models):
     """Empty prompts, bad lengths and prompts larger than the GPU tier raise typed errors, leaking nothing."""
     lm = OffloadedLM.build(models["llama"], gpu_blocks=4, block_size=4, cpu_blocks=16)
@@ -586,7 +579,7 @@ def test_on_cuda_sampled_turns_match_generate_on_the_same_seed():
 
 def test_a_second_instance_restores_a_prefix_from_the_shared_tier(models):
     """Two stacks sharing one store: the second answers from KV the first computed, as generate does."""
-    from kvkit.backends.shared.memory import MemoryStore
+    from kvkit.backends.blockstore.memory import MemoryStore
 
     model, store = models["llama"], MemoryStore()
     first = OffloadedLM.build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store)

@@ -132,16 +132,6 @@ def test_every_problem_of_the_extra_config_is_reported_at_once():
         assert needle in text
 
 
-def test_the_old_eviction_key_still_works_and_warns():
-    """``eviction`` (renamed ``cpu_eviction``) still picks the CPU tier's policy for one release, with a warning."""
-    with pytest.warns(DeprecationWarning, match=r"kv_connector_extra_config\(eviction=\.\.\.\) is deprecated; use cpu_eviction"):
-        s = settings(eviction="fifo")
-    assert s.stack.cpu_eviction == "fifo"
-    assert settings().stack.cpu_eviction == DEFAULTS.cpu_eviction == "hit-density"
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="disagree"):
-        settings(eviction="fifo", cpu_eviction="lru")
-
-
 def test_a_write_back_store_policy_needs_one_kv_group():
     """``store="lazy"`` writes back single GPU blocks: fine with one KV group, refused with several."""
     assert settings(store="lazy").stack.store == "lazy"

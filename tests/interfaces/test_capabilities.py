@@ -2,7 +2,7 @@
 
 import pytest
 
-import kvkit.sim.engine_loop as engine_loop
+import kvkit.reference.engine as engine_loop
 from kvkit.backends.allocator import BlockPool
 from kvkit.backends.copy import TorchCopy
 from kvkit.backends.copy.cuda_dma import CudaDMACopy

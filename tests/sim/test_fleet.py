@@ -35,7 +35,7 @@ def test_a_shared_tier_serves_what_isolated_instances_recompute(router):
 
 def test_verified_bytes_through_a_shared_tier():
     """With --verify the fleet moves real bytes through the shared tier and every loaded block checks."""
-    from kvkit.backends.shared.memory import MemoryStore
+    from kvkit.backends.blockstore.memory import MemoryStore
 
     config = SimConfig(gpu_blocks=256, cpu_blocks=512, verify=True, shared=MemoryStore())
     fleet = simulate_fleet(islice(workload(), 120), config, instances=2)

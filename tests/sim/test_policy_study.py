@@ -157,7 +157,7 @@ def test_cli_json_schema(trace_file):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["trace"] == str(trace_file)
-    assert report["block_size"] == report["block_tokens"] == 16  # block_tokens: deprecated duplicate
+    assert report["block_size"] == 16 and "block_tokens" not in report
     assert report["stores"] == "per-block"
     assert set(report["results"]) == {"30", "300"}
     for per_policy in report["results"].values():
@@ -202,14 +202,3 @@ def test_cli_bad_input_is_one_line_error(trace_file, args, message):
     assert "Traceback" not in result.output
 
 
-def test_cli_old_block_tokens_flag_still_works_and_warns(trace_file):
-    """--block-tokens (renamed --block-size) works for one release, with one warning line, hidden from --help."""
-    result = _run("--trace", trace_file, "--block-tokens", 16, "--capacities", "30", "--policies", "lru",
-                  "--jobs", 1, "--json")
-    assert result.exit_code == 0, result.output
-    assert result.stderr.splitlines() == ["warning: --block-tokens is deprecated; use --block-size"]
-    assert json.loads(result.stdout)["block_size"] == 16
-    help_text = _run("--help").stdout
-    assert "--block-size" in help_text and "--block-tokens" not in help_text
-    result = _run("--trace", trace_file, "--block-tokens", 16, "--block-size", 512, "--jobs", 1)
-    assert result.exit_code == 2 and "disagree" in result.stderr

@@ -226,24 +226,6 @@ def test_copy_none_cannot_move_bytes():
         build(config, layout="per-layer")
 
 
-@pytest.mark.parametrize(("cls", "old", "new", "value"), [
-    (SimConfig, "block_tokens", "block_size", 32),
-    (SimConfig, "eviction", "cpu_eviction", "fifo"),
-    (CostModel, "pcie_gb_per_s", "pcie_gbps", 50.0),
-])
-def test_old_keywords_still_work_and_warn(cls, old, new, value):
-    """A renamed keyword works for one release, warning at the caller; so does reading the old attribute."""
-    with pytest.warns(DeprecationWarning, match=f"{cls.__name__}\\({old}=...\\) is deprecated; use {new}") as rec:
-        made = cls(**{old: value})
-    assert rec[0].filename == __file__
-    assert getattr(made, new) == value
-    with pytest.warns(DeprecationWarning, match=f"{cls.__name__}.{old} is deprecated"):
-        assert getattr(made, old) == value
-    other = "lru" if isinstance(value, str) else value + 1
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=f"{old}=.*{new}=.*disagree"):
-        cls(**{old: value, new: other})
-
-
 def test_defaults_come_from_the_one_defaults_record():
     """A default SimConfig uses the config's DEFAULTS, and its JSON speaks the new names only."""
     config = SimConfig()

@@ -132,11 +132,3 @@ def test_bad_parameters_raise_config_error(kwargs):
         SyntheticWorkload(**kwargs)
 
 
-def test_old_block_tokens_keyword_still_works_and_warns():
-    """``SyntheticWorkload(block_tokens=...)`` (renamed ``block_size``) works for one release, with a warning."""
-    with pytest.warns(DeprecationWarning, match="use block_size"):
-        workload = SyntheticWorkload(num_conversations=2, block_tokens=8)
-    assert workload.block_size == 8
-    assert list(generate(workload)) == list(generate(SyntheticWorkload(num_conversations=2, block_size=8)))
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="disagree"):
-        SyntheticWorkload(block_tokens=8, block_size=16)

@@ -129,16 +129,6 @@ def test_block_size_sets_expected_id_count(tmp_path):
         list(read_trace(path))
 
 
-def test_old_block_tokens_keyword_still_works_and_warns(tmp_path):
-    """``read_trace(block_tokens=...)`` (renamed ``block_size``) works for one release, warning at the caller."""
-    path = _write(tmp_path, [_line(input_length=33, hash_ids=[0, 1, 2])])
-    with pytest.warns(DeprecationWarning, match=r"read_trace\(block_tokens=\.\.\.\) is deprecated") as rec:
-        requests = list(read_trace(path, block_tokens=16))
-    assert rec[0].filename == __file__ and requests[0].hash_ids == (0, 1, 2)
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="disagree"):
-        read_trace(path, block_tokens=16, block_size=512)
-
-
 @pytest.mark.parametrize("kwargs", [{"block_size": 0}, {"block_size": 1.5},
                                     {"limit": -1}, {"limit": 2.0}])
 def test_bad_arguments_raise_config_error_at_call(tmp_path, kwargs):

@@ -10,7 +10,7 @@ import kvkit
 from kvkit.errors import TransferTimeoutError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import Direction, TransferPlan, TransferResult
-from kvkit.sim.engine_loop import ReferenceEngine
+from kvkit.reference.engine import ReferenceEngine
 from kvkit.testing import ThreadedCopy
 from kvkit.testing.kvdata import fill_random
 from kvkit.worker.engine import TransferEngine

@@ -9,7 +9,7 @@ import kvkit
 from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import TransferPlan
-from kvkit.sim.engine_loop import ReferenceEngine
+from kvkit.reference.engine import ReferenceEngine
 from kvkit.testing import ThreadedCopy
 from kvkit.testing.kvdata import fill_random
 from kvkit.worker import WAIT_TIMEOUT_S

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvkit.backends.copy._planner import Descriptors, Planner, runs
+from kvkit.backends.copy.planner import Descriptors, Planner, runs
 from kvkit.errors import PlanError, SpecMismatchError
 from kvkit.interfaces import KVCacheSpec, Region, TransferPlan
 from kvkit.testing.kvdata import (

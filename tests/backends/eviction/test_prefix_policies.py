@@ -12,8 +12,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.eviction import hit_density
-from kvkit.backends.eviction._density import HitDensityModel, isotonic
-from kvkit.backends.eviction._shift import ShiftTest
+from kvkit.backends.eviction.hit_density.density import HitDensityModel, isotonic
+from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.backends.eviction.hit_density import (
     LEAF,
     PARENT,
@@ -933,7 +933,7 @@ def test_evicting_a_chain_a_victim_at_a_time_walks_it_once(make):
 
 def test_census_counts_every_entry_or_an_unbiased_stride():
     """A census returns all live entries up to its limit, else a strided sample weighted to their number."""
-    from kvkit.backends.eviction._census import Census
+    from kvkit.backends.eviction.hit_density.census import Census
 
     census = Census()
     slots = [census.add(c % 4, 100 + c) for c in range(1000)]

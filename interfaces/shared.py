@@ -1,0 +1,187 @@
+"""The shared tier's protocols and the values they exchange.
+
+``BlockStore`` is a store of block values keyed by block identity (the third
+tier, shared by every instance of a deployment); ``StoreResult`` is what one of
+its calls reports. ``BlockCodec`` names the keys and frames the values;
+``SharedPlan`` is one fetch or put a step asks the workers to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from kvkit.errors import PlanError
+from kvkit.interfaces.types import BlockHash, Direction
+from kvkit.validate import check_enum, check_int, checked
+
+__all__ = ["SHARED_WRITES", "BlockCodec", "BlockStore", "SharedPlan", "StoreResult"]
+
+SHARED_WRITES = ("write-through", "write-back")
+"""When CPU blocks go to the shared tier: after a CPU store committed them, or ahead of their CPU eviction."""
+
+
+@attrs.frozen
+class StoreResult:
+    """One finished ``put`` or ``get`` as ``BlockStore.poll`` reports it.
+
+    Attributes:
+        ticket: the id ``put``/``get`` answered (an int >= 0).
+        failed: indices (into that call's ``keys``) of the keys that did not
+            complete: a ``get`` whose key is missing, whose value's length is
+            not the destination's, or whose transport failed; a ``put`` that
+            did not land. Sorted, no repeats; empty means all landed.
+        error: a one-line reason when anything failed (``""`` otherwise); a
+            transport failure (timeout, refused connection) starts with
+            ``"transport:"`` so a caller can tell a sick server from a miss.
+    """
+
+    ticket: int = attrs.field(converter=checked(check_int, minimum=0, label="StoreResult.", error=PlanError))
+    failed: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(sorted(set(v))))
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """``True`` when every key of the call completed."""
+        return not self.failed
+
+    @property
+    def transport_failed(self) -> bool:
+        """``True`` when the failure was the server or the link, not a missing or bad value."""
+        return self.error.startswith("transport:")
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """A store of immutable values, one per block key, shared by many engine instances.
+
+    Keys are ``bytes`` (kvkit derives them from the namespace, the block hash
+    and the worker rank); values are gathered from and scattered into
+    caller-owned buffers (``memoryview``-able, typically pinned CPU blocks), so
+    a backend can move bytes without copying them through Python objects. A
+    value is the concatenation of its buffers; kvkit puts a fixed header in the
+    first buffer and the payload in the rest, and checks both on every read:
+    the store itself need not understand them.
+
+    The store is a cache, not a source of truth: it may drop any key at any
+    time, and a key is written with the same bytes by whoever writes it, so
+    concurrent writers are idempotent.
+
+    Invariants (``kvkit.testing.BlockStoreContract`` checks them; those about
+    a failing medium need one, and kvkit's Valkey fault tests provide it):
+        * ``contains`` answers the length of the leading run of present keys,
+          in one round trip to the medium; it never raises for a sick
+          server (it answers ``0``).
+        * ``put``/``get`` never block on the medium: they queue the work and
+          answer a fresh ticket (never reused); every ticket is reported by
+          ``poll`` exactly once, failed or not. No call waits on the medium
+          longer than the backend's request timeout without progress; once
+          the medium failed, queued work fails at once (``"transport: ..."``)
+          until the backend's retry interval has passed.
+        * Until its ticket is reported the caller must not touch the buffers
+          of a ``put`` (the store may still read them) or of a ``get`` (the
+          store may still write them); after it, the store never touches them.
+        * A ``get`` fills a key's buffers only with a value of exactly their
+          total length; any other key is reported failed (buffers undefined).
+        * A key whose ``put`` was reported landed is readable until the store
+          drops it; nothing is readable before its ``put`` landed.
+        * ``close`` reports every outstanding ticket by the next ``poll``
+          (failed, unless it completed first), releases connections and
+          files, and is idempotent; ``contains``/``put``/``get`` after it
+          raise ``KVKitError``. Malformed calls (keys not non-empty
+          ``bytes``, buffer lists not one per key) raise ``ConfigError``.
+    """
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        """Count the leading keys that are present (stop at the first absent one)."""
+        ...
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
+        """Queue writing ``values[i]`` (its buffers concatenated) under ``keys[i]``; answer the ticket."""
+        ...
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
+        """Queue reading ``keys[i]`` into ``buffers[i]`` (scattered in order); answer the ticket."""
+        ...
+
+    def poll(self, timeout: float = 0.0) -> list[StoreResult]:
+        """Report finished tickets, waiting up to ``timeout`` seconds for the first one."""
+        ...
+
+    def close(self) -> None:
+        """Fail outstanding work, release every resource; idempotent."""
+        ...
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the store's own bookkeeping is inconsistent."""
+        ...
+
+
+
+def _ints(value: object) -> tuple[int, ...]:
+    out = tuple(value)  # type: ignore[arg-type]
+    if not all(v.__class__ is int for v in out):
+        raise PlanError(f"SharedPlan: block ids and hashes must be ints, got {list(out)[:8]!r}")
+    return out
+
+
+@attrs.frozen
+class SharedPlan:
+    """One shared-tier transfer, for every worker to run on its own shard.
+
+    ``direction`` is :attr:`Direction.LOAD` for a *fetch* (the store's values
+    into CPU blocks ``blocks``, which are allocated and not ready) and
+    :attr:`Direction.STORE` for a *put* (ready CPU blocks into the store).
+    ``hashes[i]`` names the content of ``blocks[i]``; each worker derives its
+    keys from them and its rank.
+
+    Invariants: ``len(blocks) == len(hashes) >= 1``; every id and hash is an int.
+    """
+
+    direction: Direction = attrs.field(converter=checked(check_enum, cls=Direction, label="SharedPlan.",
+                                                         error=PlanError))
+    blocks: tuple[int, ...] = attrs.field(converter=_ints)
+    hashes: tuple[BlockHash, ...] = attrs.field(converter=_ints)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.blocks or len(self.blocks) != len(self.hashes):
+            raise PlanError(f"SharedPlan needs as many hashes as blocks (at least one), got "
+                            f"{len(self.blocks)} blocks and {len(self.hashes)} hashes")
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+@runtime_checkable
+class BlockCodec(Protocol):
+    """Names and frames the values a :class:`~kvkit.interfaces.shared.BlockStore` holds.
+
+    The one seam between the shared-tier lifecycle (which keys exist, which
+    bytes go where) and the value format (header, checksum, namespace): the
+    scheduler side derives keys for ``contains``, each worker frames what it
+    puts and checks what it gets. A value is ``header + payload``, the header
+    exactly ``header_bytes`` long.
+
+    Invariants:
+        * ``key`` is a pure function of ``(namespace, block_hash, rank)``: two
+          codecs of one namespace agree, two namespaces never share a key.
+        * ``check`` is ``True`` only for a header ``seal`` wrote for the same
+          ``block_hash``, ``rank`` and payload bytes; anything else (corrupted,
+          truncated, foreign) is ``False``, never an exception.
+    """
+
+    header_bytes: int
+
+    def key(self, block_hash: BlockHash, rank: int) -> bytes:
+        """The store key of ``rank``'s shard of the block ``block_hash``."""
+        ...
+
+    def seal(self, header: memoryview, block_hash: BlockHash, rank: int, payload: Sequence[memoryview]) -> None:
+        """Write the header of ``payload`` (``rank``'s shard of ``block_hash``) into ``header``."""
+        ...
+
+    def check(self, header: memoryview, block_hash: BlockHash, rank: int, payload: Sequence[memoryview]) -> bool:
+        """Whether ``header`` and ``payload``, as read back, are a valid value of that shard."""
+        ...

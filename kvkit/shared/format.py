@@ -1,0 +1,199 @@
+"""The value format of the shared tier: namespace, key derivation, a fixed header, optional HMAC.
+
+A value stored under :func:`block_key` is ``header + payload``. The header is
+:data:`HEADER_SIZE` bytes, little-endian::
+
+    magic "KVKB" | format version u16 | flags u16 | namespace digest 16 B |
+    block hash 16 B | worker rank u32 | payload length u64 |
+    xxh3-128 of the payload 16 B | HMAC-SHA256 32 B (zeros without a secret)
+
+The HMAC (flag bit 0) covers the key, the header with its MAC field zeroed,
+and the payload, so a value replayed under another key fails. Never pickle:
+the payload is raw block bytes. :func:`check_value` answers a
+:class:`ValueStatus`; anything but ``OK`` is a miss the caller counts and never
+loads.
+
+Invariants (``tests/shared/test_format.py``):
+    * A value :func:`encode_header` built checks ``OK`` under the same
+      namespace, hash, rank, key and secret.
+    * Any single flipped bit of header or payload, any truncation, another
+      namespace, hash, rank or key, a missing, extra or wrong secret: not ``OK``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import struct
+from collections.abc import Sequence
+
+import attrs
+
+from kvkit.errors import BackendUnavailableError, ConfigError
+from kvkit.interfaces.types import KVCacheSpec
+from kvkit.validate import check_int, checked, quote
+
+__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "Namespace", "ValueStatus", "block_key", "check_value",
+           "encode_header"]
+
+FORMAT_VERSION = 1
+"""Bumped whenever header, key or namespace encoding changes; part of every key and digest."""
+
+_MAGIC = b"KVKB"
+_HMAC_FLAG = 1
+_LAYOUT = struct.Struct("<4sHH16s16sIQ16s32s")
+_MAC_AT = _LAYOUT.size - 32
+HEADER_SIZE = _LAYOUT.size
+"""Bytes of the fixed header that precedes every payload (100)."""
+
+_Buffers = Sequence[memoryview | bytes | bytearray]
+
+
+class ValueStatus(enum.Enum):
+    """What :func:`check_value` found; everything but ``OK`` is a counted miss."""
+
+    OK = "ok"
+    TRUNCATED = "truncated"
+    """Header shorter than :data:`HEADER_SIZE`, or payload length not the header's."""
+    FOREIGN = "foreign"
+    """Another format, version, namespace, block hash or rank (or HMAC use differs)."""
+    CORRUPT = "corrupt"
+    """The payload's checksum does not match."""
+    TAMPERED = "tampered"
+    """The HMAC does not verify (wrong secret, altered bytes, or replayed under another key)."""
+
+
+def _spec_record(spec: KVCacheSpec) -> dict[str, object]:
+    return attrs.asdict(spec, value_serializer=lambda _i, _a, v: v.value if isinstance(v, enum.Enum) else v)
+
+
+def _text(name: str, *, allow_empty: bool = False):
+    def convert(value: object) -> str:
+        if not isinstance(value, str) or not (value or allow_empty):
+            raise ConfigError(f"Namespace.{name}={quote(value)}: must be a {'' if allow_empty else 'non-empty '}string")
+        return value
+    return convert
+
+
+def _spec(value: object) -> KVCacheSpec:
+    if not isinstance(value, KVCacheSpec):
+        raise ConfigError(f"Namespace.spec={quote(value)}: must be a KVCacheSpec")
+    return value
+
+
+@attrs.frozen
+class Namespace:
+    """Everything that gives KV bytes their meaning; two namespaces never share a key.
+
+    Attributes:
+        model: model identity (a name, or a path's canonical name).
+        revision: the weights' revision or fingerprint (``""`` if unknown).
+        spec: block size, layers, heads, head dim, dtype and KV groups.
+        layout: how a rank's payload is laid out (a kvkit layout name).
+        tp_size: tensor-parallel ranks sharing each block (each stores its shard).
+
+    Cache salts need no field: they are mixed into the block hashes, which are
+    part of every key.
+    """
+
+    model: str = attrs.field(converter=_text("model"))
+    spec: KVCacheSpec = attrs.field(converter=_spec)
+    layout: str = attrs.field(default="cross-layer", converter=_text("layout"))
+    revision: str = attrs.field(default="", converter=_text("revision", allow_empty=True))
+    tp_size: int = attrs.field(default=1, converter=checked(check_int, minimum=1, label="Namespace."))
+    digest: bytes = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        record = {"format": FORMAT_VERSION, "model": self.model, "revision": self.revision,
+                  "layout": self.layout, "tp_size": self.tp_size, "spec": _spec_record(self.spec)}
+        canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+        object.__setattr__(self, "digest", hashlib.sha256(canonical).digest()[:16])
+
+
+def block_key(namespace: Namespace, block_hash: int, rank: int) -> bytes:
+    """The store key of ``rank``'s shard of block ``block_hash`` (ASCII, about 90 bytes, no hash tag)."""
+    _check_hash_rank(namespace, block_hash, rank)
+    return b"kvkit:v%d:%s:%032x:r%d" % (FORMAT_VERSION, namespace.digest.hex().encode(), block_hash, rank)
+
+
+def encode_header(namespace: Namespace, block_hash: int, rank: int, payload: _Buffers, *,
+                  secret: bytes | None = None) -> bytes:
+    """The header to store before ``payload`` (its buffers in order) under ``block_key(...)``."""
+    _check_hash_rank(namespace, block_hash, rank)
+    views = _views(payload)
+    header = _pack(namespace, block_hash, rank, views, secret, _checksum(views))
+    if secret is None:
+        return header
+    return header[:_MAC_AT] + _mac(secret, block_key(namespace, block_hash, rank), header, views)
+
+
+def check_value(namespace: Namespace, block_hash: int, rank: int, header: bytes | memoryview | bytearray,
+                payload: _Buffers, *, secret: bytes | None = None) -> ValueStatus:
+    """Check a value read under ``block_key(namespace, block_hash, rank)``; never raises for bad bytes."""
+    _check_hash_rank(namespace, block_hash, rank)
+    head = bytes(memoryview(header).cast("B")[:HEADER_SIZE])
+    views = _views(payload)
+    if len(head) < HEADER_SIZE:
+        return ValueStatus.TRUNCATED
+    magic, version, flags, digest, hash_bytes, got_rank, length, checksum, mac = _LAYOUT.unpack(head)
+    if magic != _MAGIC or version != FORMAT_VERSION:
+        return ValueStatus.FOREIGN
+    if flags != (_HMAC_FLAG if secret is not None else 0) or (secret is None and any(mac)):
+        return ValueStatus.FOREIGN
+    if digest != namespace.digest or hash_bytes != block_hash.to_bytes(16, "little") or got_rank != rank:
+        return ValueStatus.FOREIGN
+    if length != sum(v.nbytes for v in views):
+        return ValueStatus.TRUNCATED
+    if checksum != _checksum(views):
+        return ValueStatus.CORRUPT
+    if secret is not None:
+        expected = _mac(secret, block_key(namespace, block_hash, rank), head, views)
+        if not hmac.compare_digest(mac, expected):
+            return ValueStatus.TAMPERED
+    return ValueStatus.OK
+
+
+def _pack(namespace: Namespace, block_hash: int, rank: int, views: list[memoryview], secret: bytes | None,
+          checksum: bytes) -> bytes:
+    return _LAYOUT.pack(_MAGIC, FORMAT_VERSION, _HMAC_FLAG if secret is not None else 0, namespace.digest,
+                        block_hash.to_bytes(16, "little"), rank, sum(v.nbytes for v in views), checksum,
+                        bytes(32))
+
+
+def _mac(secret: bytes, key: bytes, header: bytes, views: list[memoryview]) -> bytes:
+    if not isinstance(secret, bytes) or not secret:
+        raise ConfigError(f"secret={quote(secret)}: must be non-empty bytes")
+    mac = hmac.new(secret, key, hashlib.sha256)
+    mac.update(header[:_MAC_AT] + bytes(32))
+    for view in views:
+        mac.update(view)
+    return mac.digest()
+
+
+def _checksum(views: list[memoryview]) -> bytes:
+    try:
+        import xxhash
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "the shared-tier value format needs xxhash; hint: pip install 'kvkit[shared]'") from exc
+    hasher = xxhash.xxh3_128()
+    for view in views:
+        hasher.update(view)
+    return hasher.digest()
+
+
+def _views(payload: _Buffers) -> list[memoryview]:
+    return [memoryview(p).cast("B") for p in payload]
+
+
+def _check_hash_rank(namespace: Namespace, block_hash: int, rank: int) -> None:
+    if not isinstance(namespace, Namespace):
+        raise ConfigError(f"namespace={quote(namespace)}: must be a Namespace")
+    check_int("block_hash", block_hash, minimum=0)
+    if block_hash >= 1 << 128:
+        raise ConfigError(f"block_hash={quote(block_hash)}: must fit 128 bits")
+    check_int("rank", rank, minimum=0)
+    if rank >= namespace.tp_size:
+        raise ConfigError(f"rank={quote(rank)}: must be below the namespace's tp_size={namespace.tp_size}")

@@ -1,0 +1,336 @@
+"""The shared tier (third tier) on the scheduler side: shared hits, fetches, puts, and the tier's health.
+
+A *shared hit* is the leading run of blocks right after the CPU hit whose key
+exists for every worker rank (each worker puts and fetches its own shard),
+asked in one ``contains`` round trip. Its CPU blocks are allocated at lookup
+(one reference each, not ready), fetched by every worker in the step that
+loads them, and committed (findable on the CPU tier) only once every worker's
+fetch landed. Puts go CPU -> shared: ``write-through`` puts what a CPU store
+committed, ``write-back`` puts the CPU pool's next eviction candidates ahead
+of their eviction.
+
+Failure is normal. A failed fetch or put makes the tier *suspect*: a probe (a
+tiny put through the scheduler's own client) is sent, and a probe that fails
+with a transport error turns the tier off for a back-off interval (doubling
+up to a cap), loudly: ``stats.shared_outages``, one ``RuntimeWarning`` per
+outage, ``on_shared_state``. While it is off, lookups find nothing there and
+nothing is put; when the interval is over, another probe decides. No request
+waits on it: a failed fetch makes its request recompute, as a failed load does.
+
+Invariants: a hash is offered only if every rank's key was present at its
+lookup; a fetched block is findable only after every worker's fetch landed,
+and stays referenced until its load completed; no hash has two puts in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+from kvkit.errors import ConfigError
+from kvkit.interfaces.allocator import BlockAllocator
+from kvkit.interfaces.capabilities import EvictionOrder
+from kvkit.interfaces.shared import SHARED_WRITES, BlockCodec, BlockStore, SharedPlan
+from kvkit.interfaces.types import BlockHash, BlockId, Direction
+from kvkit.manager.events import Events
+from kvkit.manager.requests import Request
+from kvkit.manager.transfers import Batch
+from kvkit.stats import OffloadStats
+from kvkit.validate import check_real, checked, quote
+
+__all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
+
+PROBE_KEY = b"kvkit:probe"
+"""The key a probe writes: no block key looks like it."""
+
+
+def _instance_of(cls: type) -> Callable[[object, attrs.Attribute, object], None]:
+    def check(inst: object, attribute: attrs.Attribute, value: object) -> None:
+        if isinstance(value, type) or not isinstance(value, cls):
+            raise ConfigError(f"SharedTierSpec.{attribute.name}={quote(value)}: must be a {cls.__name__} instance")
+    return check
+
+
+def _write(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value not in SHARED_WRITES:
+        raise ConfigError(f"shared_write={quote(value)}: unknown; valid: {', '.join(SHARED_WRITES)}")
+
+
+def _writeback_blocks(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (value.__class__ is not int or value < 1):
+        raise ConfigError(f"SharedTierSpec.writeback_blocks={quote(value)}: must be an int >= 1 or None")
+
+
+@attrs.frozen(kw_only=True)
+class SharedTierSpec:
+    """How a manager uses a shared tier.
+
+    Attributes:
+        store: the scheduler's client of the shared store (``contains`` and probes).
+        codec: turns (block hash, rank) into keys, identically on every worker.
+        write: one of :data:`SHARED_WRITES`.
+        writeback_blocks: with ``write-back``, how many of the CPU pool's next
+            eviction candidates are kept put (default: a quarter of the pool).
+        backoff_s / max_backoff_s: the first back-off interval after a failure,
+            and its cap (each failed retry doubles it).
+        clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    store: BlockStore = attrs.field(validator=_instance_of(BlockStore))
+    codec: BlockCodec = attrs.field(validator=_instance_of(BlockCodec))
+    write: str = attrs.field(default="write-through", validator=_write)
+    writeback_blocks: int | None = attrs.field(default=None, validator=_writeback_blocks)
+    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True,
+                                                                  label="SharedTierSpec."))
+    max_backoff_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True,
+                                                                       label="SharedTierSpec."))
+    clock: Callable[[], float] = time.monotonic
+
+
+class SharedState(enum.Enum):
+    """The shared tier's health as the scheduler sees it."""
+
+    ON = "on"  # serving
+    SUSPECT = "suspect"  # serving; a failure was seen and a probe is out
+    OFF = "off"  # backing off: no lookups, no puts
+    RETRY = "retry"  # off; the probe that ends the back-off is out
+
+
+@attrs.define(eq=False)
+class SharedTier:
+    """Finds shared hits, plans fetches and puts, and tracks the shared tier's health.
+
+    Args:
+        spec: the store, codec, write mode and back-off.
+        cpu: the CPU tier's pool (the staging area of every fetch and put).
+        world_size: workers, each with its own shard (key) of every block.
+        stats / events: the manager's counters and callback dispatcher.
+        block_bytes: bytes one worker moves per block.
+    """
+
+    spec: SharedTierSpec
+    cpu: BlockAllocator
+    world_size: int
+    stats: OffloadStats
+    events: Events
+    block_bytes: int
+    _state: SharedState = attrs.field(init=False, default=SharedState.ON)
+    _interval: float = attrs.field(init=False, default=0.0)
+    _until: float = attrs.field(init=False, default=0.0)
+    _probe: int | None = attrs.field(init=False, default=None)
+    _reason: str = attrs.field(init=False, default="")
+    _queued: dict[BlockHash, None] = attrs.field(init=False, factory=dict)  # write-through, in order
+    _flying: set[BlockHash] = attrs.field(init=False, factory=set)  # puts in flight
+    _known: OrderedDict[BlockHash, None] = attrs.field(init=False, factory=OrderedDict)  # put or fetched
+    _known_cap: int = attrs.field(init=False, default=0)
+    _writeback: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self._interval = self.spec.backoff_s
+        self._known_cap = 4 * self.cpu.num_blocks
+        if self.spec.write == "write-back":
+            if not isinstance(self.cpu, EvictionOrder):
+                raise ConfigError(f"shared_write='write-back' puts the CPU pool's next eviction candidates: "
+                                  f"the CPU pool must have eviction_candidates(n), got {self.cpu!r}")
+            self._writeback = self.spec.writeback_blocks or max(1, self.cpu.num_blocks // 4)
+
+    # -- health ---------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """Whether lookups and puts use the tier now."""
+        return self._state in (SharedState.ON, SharedState.SUSPECT)
+
+    @property
+    def status(self) -> str:
+        """One line for status output: the state, and while off the reason and the time to the next probe."""
+        if self._state is SharedState.OFF:
+            wait = max(0.0, self._until - self.spec.clock())
+            return f"off (backing off {self._interval:g} s, next probe in {wait:.1f} s): {self._reason}"
+        if self._state is SharedState.RETRY:
+            return f"off (probing): {self._reason}"
+        return self._state.value
+
+    def tick(self) -> None:
+        """Once per step: read the probe's answer, or send the probe that ends a back-off."""
+        if self._probe is not None:
+            for res in self._poll():
+                if res.ticket == self._probe:
+                    self._probe = None
+                    if res.transport_failed:
+                        self._turn_off(res.error)
+                    else:
+                        self._turn_on()
+        elif self._state is SharedState.OFF and self.spec.clock() >= self._until:
+            self._state = SharedState.RETRY
+            self._send_probe()
+
+    def suspect(self, reason: str) -> None:
+        """A shared transfer failed: probe the server (the tier keeps serving until the probe fails)."""
+        if self._state is SharedState.ON:
+            self._state, self._reason = SharedState.SUSPECT, reason
+            self._send_probe()
+
+    def _send_probe(self) -> None:
+        self.stats.shared_probes.add()
+        try:
+            self._probe = self.spec.store.put([PROBE_KEY], [[memoryview(b"1")]])
+        except Exception as exc:  # noqa: BLE001 - a sick client is a failed probe, never a failed step
+            self._probe = None
+            self._turn_off(f"transport: probe raised {exc!r}")
+
+    def _poll(self) -> list:
+        try:
+            return self.spec.store.poll(0.0)
+        except Exception as exc:  # noqa: BLE001 - as above
+            self._probe = None
+            self._turn_off(f"transport: poll raised {exc!r}")
+            return []
+
+    def _turn_off(self, reason: str) -> None:
+        if self._state in (SharedState.ON, SharedState.SUSPECT):  # a new outage: say so once
+            self._interval = self.spec.backoff_s
+            self.stats.shared_outages.add()
+            warnings.warn(f"kvkit shared tier is off for {self._interval:g} s (then probed again, backing off "
+                          f"up to {self.spec.max_backoff_s:g} s): {reason}; requests are served from the GPU "
+                          f"and CPU tiers meanwhile", RuntimeWarning, stacklevel=2)
+            self.events.emit("on_shared_state", False, reason)
+        else:  # a failed retry: wait longer
+            self._interval = min(self.spec.max_backoff_s, 2 * self._interval)
+        self._state, self._reason = SharedState.OFF, reason
+        self._until = self.spec.clock() + self._interval
+
+    def _turn_on(self) -> None:
+        if self._state is SharedState.RETRY:
+            self.stats.shared_recoveries.add()
+            self.events.emit("on_shared_state", True, "probe succeeded")
+        self._state, self._reason, self._interval = SharedState.ON, "", self.spec.backoff_s
+
+    # -- hits and fetches -------------------------------------------------------
+
+    def find(self, hashes: Sequence[BlockHash]) -> int:
+        """Length of the leading run of ``hashes`` whose key exists for every rank (one round trip)."""
+        if not hashes or not self.available:
+            return 0
+        key, ranks = self.spec.codec.key, range(self.world_size)
+        keys = [key(h, rank) for h in hashes for rank in ranks]
+        try:
+            n = self.spec.store.contains(keys)
+        except Exception as exc:  # noqa: BLE001 - the protocol says it answers 0; a buggy one must not wedge us
+            self.suspect(f"transport: contains raised {exc!r}")
+            return 0
+        return min(len(hashes), n // self.world_size) if n.__class__ is int and n > 0 else 0
+
+    def reserve(self, r: Request, start: int, n: int) -> None:
+        """Allocate CPU blocks (one reference each, not ready) for the ``n`` shared hits of ``r`` at ``start``."""
+        n = min(n, self.cpu.num_free)
+        r.fetch = self.cpu.allocate(n) if n else []
+        r.fetch_start = start
+
+    def plan_fetches(self, reqs: Iterable[Request]) -> tuple[Batch, SharedPlan] | None:
+        """One fetch batch for the accepted shared hits of ``reqs``.
+
+        Each request's reservation moves to the batch, and the request pins
+        the same blocks once more for its load (``pinned`` grows by them), so
+        a block is referenced until both its fetch and its load completed.
+        """
+        blocks: list[BlockId] = []
+        hashes: list[BlockHash] = []
+        parents: list[BlockHash | None] = []
+        for r in reqs:
+            if not r.fetch:
+                continue
+            start, stop = r.fetch_start, r.fetch_start + len(r.fetch)
+            hashes += r.block_hashes[start:stop]
+            parents += [r.block_hashes[i - 1] if i else None for i in range(start, stop)]
+            blocks += r.fetch
+            self.cpu.incref(r.fetch)
+            r.pinned = r.pinned + r.fetch
+            r.fetch = []
+        if not blocks:
+            return None
+        batch = Batch(Direction.LOAD, blocks, [], [], hashes=hashes, parents=parents,
+                      num_bytes=len(blocks) * self.block_bytes, shared=True)
+        return batch, SharedPlan(Direction.LOAD, blocks, hashes)
+
+    # -- puts -----------------------------------------------------------------
+
+    def written(self, hashes: Iterable[BlockHash]) -> None:
+        """A CPU store committed ``hashes``: queue them for the shared tier (write-through)."""
+        if self.spec.write == "write-through":
+            self._queued.update(dict.fromkeys(hashes))
+
+    def plan_puts(self) -> tuple[Batch, SharedPlan] | None:
+        """This step's put batch: queued hashes (write-through) or the CPU pool's next victims (write-back).
+
+        Skips hashes in flight, put or fetched before, or gone from the CPU
+        tier; while the tier is off nothing is put (``stats.puts_skipped``).
+        """
+        queued, self._queued = self._queued, {}
+        cands = list(queued)
+        if self._writeback:
+            block_hash = self.cpu.block_hash
+            cands += [block_hash(b) for b in self.cpu.eviction_candidates(self._writeback)]
+        flying, known, lookup = self._flying, self._known, self.cpu.lookup
+        hashes, blocks = [], []
+        for h in dict.fromkeys(cands):
+            if h is None or h in flying or h in known:
+                continue
+            found = lookup((h,))
+            if found:
+                hashes.append(h)
+                blocks.append(found[0])
+        if not hashes:
+            return None
+        if not self.available:
+            self.stats.puts_skipped.add(len(hashes))
+            return None
+        self.cpu.incref(blocks)
+        flying.update(hashes)
+        batch = Batch(Direction.STORE, blocks, [], [], hashes=hashes,
+                      num_bytes=len(blocks) * self.block_bytes, shared=True)
+        return batch, SharedPlan(Direction.STORE, blocks, hashes)
+
+    # -- completion, reset, checks --------------------------------------------
+
+    def settled(self, batch: Batch, ok: bool) -> None:
+        """A shared batch completed on every worker (``ok``: it landed and no reset abandoned it)."""
+        put = batch.direction is Direction.STORE
+        if put and not batch.abandoned:  # an abandoned one's hashes were forgotten by the reset
+            self._flying.difference_update(batch.hashes)
+        if ok:
+            self._remember(batch.hashes)
+        elif not batch.abandoned:
+            (self.stats.puts_failed if put else self.stats.fetches_failed).add(len(batch.hashes))
+            for h in batch.hashes:
+                self._known.pop(h, None)
+            self.suspect(f"a shared-tier {'put' if put else 'fetch'} of {len(batch.hashes)} blocks failed")
+        self.events.emit("on_shared_put" if put else "on_shared_fetch", len(batch.hashes), ok)
+
+    def reset(self) -> None:
+        """Forget queued puts and puts in flight (a reset abandons them)."""
+        self._queued.clear()
+        self._flying.clear()
+
+    def check_invariants(self, batches: Iterable[Batch]) -> None:
+        """Check the puts in flight against the batches in flight."""
+        flying: list[BlockHash] = []
+        for b in batches:
+            if b.shared and b.direction is Direction.STORE and not b.abandoned:
+                flying += b.hashes
+        assert len(flying) == len(set(flying)), "a hash has two shared puts in flight"
+        assert set(flying) == self._flying, "shared in-flight set != uncommitted puts"
+        assert len(self._known) <= self._known_cap, "the known-hash memory outgrew its cap"
+
+    def _remember(self, hashes: Iterable[BlockHash]) -> None:
+        known = self._known
+        for h in hashes:
+            known[h] = None
+            known.move_to_end(h)
+        while len(known) > self._known_cap:
+            known.popitem(last=False)

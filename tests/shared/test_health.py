@@ -1,0 +1,105 @@
+"""The shared tier's health on the scheduler side: suspect, off, exponential back-off, probes, recovery."""
+
+import warnings
+
+import pytest
+
+from kvkit.backends.allocator import BlockPool
+from kvkit.backends.eviction.lru import LRUPolicy
+from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.backends.store import EagerStore
+from kvkit.errors import ConfigError
+from kvkit.interfaces import KVCacheSpec
+from kvkit.manager import OffloadManager
+from kvkit.shared.scheduler import SharedTierSpec
+from kvkit.shared.client import FormatCodec
+from kvkit.testing.doubles import FailingStore
+
+SPEC = KVCacheSpec(num_layers=1, block_size=4, num_kv_heads=1, head_dim=2)
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def manager(store, clock, **kw):
+    codec = FormatCodec.for_stack(SPEC, 1, model="m", layout="none")
+    spec = SharedTierSpec(store=store, codec=codec, clock=clock, backoff_s=1.0, max_backoff_s=4.0, **kw)
+    return OffloadManager(SPEC, BlockPool(8, eviction=LRUPolicy()), EagerStore(),
+                          gpu=BlockPool(8, eviction=LRUPolicy()), shared=spec)
+
+
+def test_back_off_doubles_up_to_its_cap_and_resets_on_recovery():
+    """Off after a failed probe; each failed retry doubles the wait (1, 2, 4, 4 s); a good probe turns it on."""
+    store, clock = FailingStore(MemoryStore(), down=True), Clock()
+    mgr = manager(store, clock)
+    shared = mgr._shared
+    with pytest.warns(RuntimeWarning, match="shared tier is off for 1 s"):
+        shared.suspect("a put failed")
+        mgr.build_step()  # reads the probe's answer
+    assert not shared.available and "backing off 1 s" in mgr.shared_status
+    waits = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per outage, not per retry
+        for _ in range(4):
+            clock.now += 10
+            mgr.build_step()  # the retry probe goes out
+            assert mgr.shared_status.startswith("off (probing)")
+            mgr.build_step()  # and fails
+            waits.append(shared._interval)
+    assert waits == [2.0, 4.0, 4.0, 4.0]
+    assert mgr.stats.shared_outages.value == 1 and mgr.stats.shared_probes.value == 5
+    store.down = False
+    clock.now += 10
+    mgr.build_step()
+    mgr.build_step()
+    assert shared.available and mgr.shared_status == "on" and mgr.stats.shared_recoveries.value == 1
+    assert shared._interval == 1.0
+    mgr.check_invariants()
+
+
+def test_a_failure_that_is_not_the_transport_keeps_the_tier_on():
+    """A probe that lands (the server is fine; a key was simply gone) leaves the tier on, no warning."""
+    mgr = manager(MemoryStore(), Clock())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mgr._shared.suspect("a fetch failed")
+        assert mgr.shared_status == "suspect" and mgr._shared.available
+        mgr.build_step()
+    assert mgr.shared_status == "on" and mgr.stats.shared_outages.value == 0
+
+
+def test_while_off_nothing_is_looked_up_there():
+    """An off tier answers no hit without asking the store."""
+    class Counting(MemoryStore):
+        calls = 0
+
+        def contains(self, keys):
+            Counting.calls += 1
+            return super().contains(keys)
+
+    store, clock = FailingStore(Counting(), down=True), Clock()
+    mgr = manager(store, clock)
+    with pytest.warns(RuntimeWarning):
+        mgr._shared.suspect("x")
+        mgr.build_step()
+    mgr.add_request("r", [1, 2, 3], 13)
+    assert mgr.lookup("r", 0) == 0 and Counting.calls == 0
+
+
+@pytest.mark.parametrize("kwargs, quoted", [({"write": "write-around"}, "write-around"),
+                                            ({"writeback_blocks": 0}, "writeback_blocks=0"),
+                                            ({"backoff_s": -1}, "backoff_s")])
+def test_a_bad_spec_is_refused(kwargs, quoted):
+    """SharedTierSpec quotes a bad field."""
+    with pytest.raises(ConfigError, match=quoted):
+        SharedTierSpec(store=MemoryStore(), codec=FormatCodec.for_stack(SPEC, 1, model="m", layout="none"), **kwargs)
+
+
+def test_a_store_class_is_not_a_store():
+    """Passing the class instead of an instance is refused, quoting it."""
+    with pytest.raises(ConfigError, match="MemoryStore"):
+        SharedTierSpec(store=MemoryStore, codec=FormatCodec.for_stack(SPEC, 1, model="m", layout="none"))

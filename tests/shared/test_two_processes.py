@@ -1,0 +1,70 @@
+"""Two engine processes sharing one store (disk, Valkey, a Valkey Cluster): the second reuses, byte-identical,
+a prefix the first computed."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvkit.registry import SHARED
+from kvkit.testing.servers import LocalCluster, LocalServer, server_binary_or_skip
+
+_ENGINE = textwrap.dedent("""
+    import json, sys
+    import kvkit
+    from kvkit.hashing import hash_blocks
+    from kvkit.interfaces import Tier
+    from kvkit.reference.engine import ReferenceEngine
+
+    url, role, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    spec = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    stack = kvkit.build(kv=spec, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", layout="per-layer",
+                        world_size=2, shared=url, shared_model="two-process-test")
+    engine = ReferenceEngine(stack)
+    tokens = list(range(100, 140))  # 10 blocks; a hit is at most 9 (one token is recomputed)
+    engine.add_request(role, hash_blocks(tokens, 4), len(tokens))
+    req = engine.step().scheduled[0]
+    prefix = {str(rank): [w.read_block(Tier.GPU, b).hex() for b in req.table[0][:9]]
+              for rank, w in enumerate(stack.workers)}
+    engine.finish(role)
+    for _ in range(3):
+        engine.step()
+    engine.drain()
+    stack.check_invariants()
+    stack.close()
+    json.dump({"hit": req.cpu_hit_tokens, "shared": stack.stats.hit_tokens_shared.value,
+               "put": stack.stats.blocks_put.value, "errors": engine.integrity_errors,
+               "invalid": sum(w.invalid_values for w in stack.shared_workers), "prefix": prefix}, open(out, "w"))
+""")
+
+
+def _engine(url: str, role: str, out) -> dict:
+    done = subprocess.run([sys.executable, "-c", _ENGINE, url, role, str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(params=["file", "valkey", "valkey-cluster"])
+def shared_url(request, tmp_path):
+    """A store both processes reach: a directory, a real Valkey server, a real 3-node Cluster."""
+    if request.param == "file":
+        if "disk" not in SHARED.names():
+            pytest.skip("no disk block store in this installation")
+        yield f"file://{tmp_path / 'kv'}?capacity_bytes=64MiB"
+        return
+    binary = server_binary_or_skip()
+    with (LocalServer(binary) if request.param == "valkey" else LocalCluster(binary=binary)) as server:
+        yield server.url
+
+
+def test_a_second_process_reuses_the_first_ones_prefix(shared_url, tmp_path):
+    """Process 1 computes and puts; process 2 (a fresh interpreter) fetches, loads and checks every byte."""
+    url = shared_url
+    first = _engine(url, "first", tmp_path / "first.json")
+    assert first["hit"] == 0 and first["put"] == 10 and first["errors"] == 0
+    second = _engine(url, "second", tmp_path / "second.json")
+    assert second["hit"] == second["shared"] == 36 and second["errors"] == 0 and second["invalid"] == 0
+    assert second["prefix"] == first["prefix"], "the loaded prefix differs from the bytes the first process computed"
