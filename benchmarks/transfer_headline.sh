@@ -27,18 +27,18 @@ PY
     echo "  FAILED rc=$?"; tail -5 /tmp/err.txt
   fi
 }
-run --backend all --layout per-layer --blocks 256 --ids random --direction d2h --with-gemm
-run --backend all --layout per-layer --blocks 256 --ids random --direction h2d --with-gemm
+run --backend all --layout per-layer --blocks 256 --ids random --direction store --with-gemm
+run --backend all --layout per-layer --blocks 256 --ids random --direction load --with-gemm
 run --backend all --layout per-layer --blocks 256 --ids random --direction both
-run --backend all --layout per-layer --blocks 16 --ids random --direction d2h
-run --backend all --layout per-layer --blocks 16 --ids random --direction h2d
-run --backend cuda-dma --layout per-layer --blocks 256 --ids consecutive --direction d2h
-run --backend cuda-dma --layout per-layer --blocks 256 --ids consecutive --direction h2d
-run --backend all --layout cross-layer --blocks 256 --ids random --direction d2h --with-gemm
-run --backend all --layout cross-layer --blocks 256 --ids random --direction h2d --with-gemm
+run --backend all --layout per-layer --blocks 16 --ids random --direction store
+run --backend all --layout per-layer --blocks 16 --ids random --direction load
+run --backend cuda-dma --layout per-layer --blocks 256 --ids consecutive --direction store
+run --backend cuda-dma --layout per-layer --blocks 256 --ids consecutive --direction load
+run --backend all --layout cross-layer --blocks 256 --ids random --direction store --with-gemm
+run --backend all --layout cross-layer --blocks 256 --ids random --direction load --with-gemm
 run --backend all --layout cross-layer --blocks 256 --ids random --direction both
-run --backend all --layout blocks-first --blocks 256 --ids random --direction d2h
-run --backend all --layout blocks-first --blocks 256 --ids random --direction h2d
-run --backend all --layout per-layer --blocks 1024 --ids random --direction d2h
-run --backend cuda-dma --layout per-layer --blocks 1024 --ids random --direction h2d
-run --backend cuda-dma --layout per-layer --alloc tensors --blocks 256 --ids random --direction d2h
+run --backend all --layout blocks-first --blocks 256 --ids random --direction store
+run --backend all --layout blocks-first --blocks 256 --ids random --direction load
+run --backend all --layout per-layer --blocks 1024 --ids random --direction store
+run --backend cuda-dma --layout per-layer --blocks 1024 --ids random --direction load
+run --backend cuda-dma --layout per-layer --alloc tensors --blocks 256 --ids random --direction store
