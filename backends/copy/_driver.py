@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
 from kvkit.errors import BackendUnavailableError, DeviceError
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 __all__ = [
     "BATCH_OP_DTYPE",
@@ -66,8 +70,8 @@ class Driver:
 
     lib: ctypes.CDLL
     version: int
-    _batch: ctypes._CFuncPtr | None  # None: driver older than 12.8
-    _batch3d: ctypes._CFuncPtr | None
+    _batch: CFuncPtr | None  # None: driver older than 12.8
+    _batch3d: CFuncPtr | None
     _with_fail_idx: bool
 
     @classmethod

@@ -74,6 +74,7 @@ class CudaDMACopy(GPUCopy):
 
     def _registered(self, regions: Sequence[Region]) -> None:
         flags = _driver.FLAG_PREFER_OVERLAP if self.prefer_overlap else 0
+        assert self._device is not None, "register sets the device before this hook"
         device = self._device.index or 0
         self._attributes = {}
         for direction in Direction:

@@ -33,7 +33,7 @@ from kvkit.backends.copy.planner import Planner, registered
 from kvkit.backends.copy.cuda_dma import CudaDMACopy
 from kvkit.backends.copy.cupy_batch import CupyBatchCopy
 from kvkit.errors import BackendUnavailableError, SpecMismatchError
-from kvkit.interfaces.copy import Region
+from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, Tier, TransferPlan
 from kvkit.validate import at_least
 
@@ -94,7 +94,7 @@ def _bytes_at(like: torch.Tensor, address: int, rows: int, row_bytes: int) -> to
 
 
 @attrs.define(eq=False)
-class StagedCopy(HandleQueue):
+class StagedCopy(HandleQueue, CopyBackend):
     """Copies whole CPU blocks with the copy engines, staging them on the GPU in chunks.
 
     Args:

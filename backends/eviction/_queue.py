@@ -31,7 +31,7 @@ hook call at all.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from itertools import chain, islice
 
 import attrs
@@ -271,7 +271,7 @@ class ParkingQueue:
         finally:
             walk.close()
 
-    def walk(self, is_evictable: Callable[[BlockId], bool]) -> Iterator[BlockId]:
+    def walk(self, is_evictable: Callable[[BlockId], bool]) -> Generator[BlockId, None, None]:
         """Yield the unpinned blocks with ``is_evictable`` true, oldest first.
 
         The queue must not change while the walk is open; pinned blocks it met

@@ -192,7 +192,8 @@ class OptimalPolicy(EvictionPolicy):
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
-        popped, victims = [], []
+        popped: list[tuple[int, int, BlockId]] = []
+        victims: list[BlockId] = []
         pinned, aside = self._pinned, self._aside
         while self._heap and len(victims) < n:
             entry = heapq.heappop(self._heap)

@@ -156,7 +156,8 @@ class S3FIFOPolicy(LearnsCapacity, EvictionPolicy):
             # Small first while it holds its share; a pass over S can move its
             # last candidates into M, hence M is tried again after it.
             if len(self._small) + len(self._pinned_small) - chosen_small >= self._small_target():
-                steps = (self._evict_small, self._evict_main)
+                steps: tuple[Callable[[Callable[[BlockId], bool], set[BlockId]], BlockId | None], ...] = (
+                    self._evict_small, self._evict_main)
             else:
                 steps = (self._evict_main, self._evict_small, self._evict_main)
             victim = None

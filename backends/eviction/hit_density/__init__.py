@@ -389,10 +389,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         while len(chosen) < n:
             root = next(orphans, None)
             if root is None:
-                live = [i for i, head in enumerate(heads) if head is not None]
+                live = [head for head in heads if head is not None]
                 if not live:
                     return None
-                root = heads[min(live, key=heads.__getitem__)][2]  # type: ignore[index]
+                root = min(live)[2]
             self._chains.collect(root, is_evictable, chosen, n, parked)
             for i, head in enumerate(heads):
                 if head is not None and head[2] in chosen:

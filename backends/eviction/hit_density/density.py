@@ -49,6 +49,8 @@ calibrated to 0.8-1.2x, and the policy meets fewer workload points of issue
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import numpy as np
 
@@ -61,10 +63,10 @@ __all__ = ["HitDensityModel", "isotonic"]
 _positive_int = at_least(1)
 
 
-def _as_chains(value: object) -> tuple[tuple[object, ...], ...]:
+def _as_chains(value: Any) -> tuple[tuple[object, ...], ...]:
     """``value`` as a tuple of tuples (the ``monotone`` chains), or a ConfigError quoting it."""
     try:
-        return tuple(tuple(chain) for chain in value)  # type: ignore[union-attr]
+        return tuple(tuple(chain) for chain in value)
     except TypeError:
         raise ConfigError(f"HitDensityModel.monotone must be chains (sequences) of class numbers, "
                           f"got {quote(value)}") from None
