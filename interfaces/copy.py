@@ -51,7 +51,7 @@ class Region:
     name: str = attrs.field(converter=_name)
     gpu: torch.Tensor
     cpu: torch.Tensor
-    group: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="Region."))
+    group: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="Region."))  # type: ignore[misc]
 
     def __attrs_post_init__(self) -> None:
         # A caller with tensors has loaded torch; importing it here would load it for kvkit.
