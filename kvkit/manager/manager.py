@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import attrs
 
@@ -382,6 +383,7 @@ class OffloadManager:
             return
         bs = self.kv.block_size
         n = accepted_blocks(r, accepted_tokens, bs)
+        assert r.gpu_hit_blocks is not None  # accepted_blocks refuses a request never looked up
         if not r.revoked:
             self._hits.check_targets(r, table, n)
         self._hits.accept(r, n)
@@ -418,8 +420,8 @@ class OffloadManager:
             b = rows[0][0]
             if (b.__class__ is int and b not in taken and 0 <= b != self.null_block
                     and (limit is None or b < limit)):
-                r.block_table[0].append(b)
-                taken.add(b)
+                r.block_table[0].append(cast(BlockId, b))
+                taken.add(cast(BlockId, b))
                 return
         rows = check_rows(request_id, rows, len(r.block_table), limit, self.null_block, taken,
                           "appended blocks")
@@ -648,7 +650,7 @@ class OffloadManager:
         if self.gpu is not None:
             self.gpu.check_invariants()
         held = self.cpu_refs_held()
-        for b in range(cpu.num_blocks):
+        for b in map(BlockId, range(cpu.num_blocks)):
             assert cpu.refcount(b) == held[b], (
                 f"CPU block {b}: refcount {cpu.refcount(b)} != manager refs {held[b]}")
         if self.gpu is not None:
@@ -673,7 +675,7 @@ class OffloadManager:
             raise RequestStateError(f"request {request_id!r} already finished or aborted")
         raise UnknownRequestError(f"unknown request id {request_id!r}")
 
-    def _set_table(self, r: Request, table: list[list[int]]) -> None:
+    def _set_table(self, r: Request, table: list[list[BlockId]]) -> None:
         r.block_table = table
         null = self.null_block
         r.block_ids = {b for row in table for b in row if b != null}
@@ -769,8 +771,8 @@ class OffloadManager:
         planned = self._stores.plan(self._dirty.values())
         return self._open(*planned) if planned else []
 
-    def _open(self, batch: Batch, src: list[list[int]],
-              dst: list[list[int]]) -> list[tuple[int, TransferPlan]]:
+    def _open(self, batch: Batch, src: Sequence[Sequence[int]],
+              dst: Sequence[Sequence[int]]) -> list[tuple[int, TransferPlan]]:
         """Turn per-group id lists into plans (empty groups skipped) and track them."""
         out = self._transfers.open(batch, batch.plans(src, dst, self._group_bytes))
         self.stats.transfers_submitted.add(len(out))
@@ -782,6 +784,7 @@ class OffloadManager:
         """Every transfer of ``batch`` completed: commit or discard, release references."""
         ok = batch.settle(self.cpu, self.gpu, self.stats)
         if batch.shared:
+            assert self._shared is not None, "a shared-tier batch needs the shared tier"
             self._shared.settled(batch, ok)
         elif batch.direction is Direction.STORE:
             self._stores.settled(batch)

@@ -142,7 +142,7 @@ def kv_nbytes(spec: KVCacheSpec, layout: str, num_blocks: int) -> int:
     return num_blocks * spec.bytes_per_block
 
 
-def kv_device(device: object) -> torch.device:
+def kv_device(device: str | int | torch.device) -> torch.device:
     """``device`` as a ``torch.device`` a KV cache can live on: the host or an available CUDA device.
 
     Raises:
