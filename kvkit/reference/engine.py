@@ -215,8 +215,8 @@ class ReferenceEngine:
     def leaked_blocks(self) -> int:
         """Blocks still referenced in either pool although no request runs and nothing is in flight."""
         gpu, cpu = self.stack.gpu, self.stack.cpu
-        held = sum(1 for b in range(gpu.num_blocks) if gpu.refcount(b))
-        held += sum(1 for b in range(cpu.num_blocks) if cpu.refcount(b))
+        held = sum(1 for b in map(BlockId, range(gpu.num_blocks)) if gpu.refcount(b))
+        held += sum(1 for b in map(BlockId, range(cpu.num_blocks)) if cpu.refcount(b))
         return held - sum(sum(map(len, r.table)) for r in self.running)
 
     # -- internals ------------------------------------------------------------

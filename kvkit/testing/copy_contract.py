@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol, cast
 
 import pytest
 import torch
@@ -65,6 +65,10 @@ __all__ = ["CopyBackendContract", "allocate_tiers", "check_bad_plans", "check_ba
 
 Layouts = tuple[str, str]
 """``(GPU layout, CPU layout)``."""
+
+
+class _Layered(CopyBackend, LayeredCopy, Protocol):
+    """A copy backend that is also a ``LayeredCopy``: what the stage checks drive."""
 
 _PROBE = KVCacheSpec(num_layers=2, block_size=2, num_kv_heads=1, head_dim=4, dtype="float16")
 _PAIRS = pairable_layouts(_PROBE)
@@ -174,7 +178,7 @@ def check_bad_plans(backend: CopyBackend, gpu: list[torch.Tensor], cpu: list[tor
     assert reported == [], f"refused plans issued handles: poll reported {reported}"
 
 
-def check_stages(backend: LayeredCopy, regions: Sequence[Region], plan: TransferPlan,
+def check_stages(backend: _Layered, regions: Sequence[Region], plan: TransferPlan,
                  stages: Sequence[range]) -> None:
     """Run ``plan`` through ``submit_stages`` (``backend`` registered on ``regions``) and check each stage.
 
@@ -204,7 +208,7 @@ def check_stages(backend: LayeredCopy, regions: Sequence[Region], plan: Transfer
     assert reported == [handle], f"poll reported {reported} for the one handle {handle} of a staged plan"
 
 
-def check_bad_stages(backend: LayeredCopy, tensors: Sequence[torch.Tensor], plan: TransferPlan,
+def check_bad_stages(backend: _Layered, tensors: Sequence[torch.Tensor], plan: TransferPlan,
                      num_regions: int) -> None:
     """Stages that do not partition ``plan``'s ``num_regions`` regions, or a wrong ``after``, raise ``PlanError``.
 
@@ -248,6 +252,7 @@ class CopyBackendContract:
     """
 
     device: ClassVar[str] = "cpu"
+    pytestmark: ClassVar[list[Any]]  # a subclass's marks (``gpu`` added for a CUDA backend)
     max_blocks: ClassVar[int] = 6
     hypothesis_settings: ClassVar[settings | None] = None
 
@@ -346,7 +351,7 @@ class CopyBackendContract:
             backend.register(regions)
             plan = data.draw(plans(len(spec.groups), num_gpu, num_cpu))
             stages = data.draw(st.composite(_cut)(sum(r.group == plan.group for r in regions)))
-            check_stages(backend, regions, plan, stages)
+            check_stages(cast(_Layered, backend), regions, plan, stages)  # the test skipped any other
 
         self._run(layered)
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import TypeGuard, cast
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvkit.interfaces.capabilities import SelectivePins, pin_hooks
+from kvkit.interfaces.capabilities import PinAwarePolicy, SelectivePins, pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
@@ -97,7 +98,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         self.hooks = self.drive_pin_hooks and pin_hooks(self.policy) is not None
         self.selective = self.hooks and self.selective_pins and isinstance(self.policy, SelectivePins)
         if self.selective:  # a plain function: clones share it (deepcopy keeps functions)
-            self.policy.attach(lambda block: self.is_evictable(block))
+            cast(SelectivePins, self.policy).attach(lambda block: self.is_evictable(block))
 
     def make_policy(self) -> EvictionPolicy:
         """Return a fresh policy under test (override this)."""
@@ -130,9 +131,9 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """The model's predicate: tracked and not pinned."""
         return block in self.tracked and block not in self.pinned
 
-    def hears_pins_of(self, policy: EvictionPolicy, block: BlockId) -> bool:
+    def hears_pins_of(self, policy: EvictionPolicy, block: BlockId) -> TypeGuard[PinAwarePolicy]:
         """Whether a pool would report ``block``'s pin or release to ``policy`` now."""
-        return self.hooks and (not self.selective or block in policy.pin_watch)
+        return self.hooks and (not self.selective or block in cast(SelectivePins, policy).pin_watch)
 
     @precondition(lambda self: len(self.tracked) < self.max_blocks)
     @rule(block=_PICK, k=_PICK, parent=st.none() | _PICK, length=st.integers(1, 3))

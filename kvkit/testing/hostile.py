@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import attrs
 
-from kvkit.interfaces.types import TransferResult
+from kvkit.interfaces.types import BlockId, TransferResult
 from kvkit.manager import OffloadManager
+
+if TYPE_CHECKING:
+    from kvkit.backends.allocator.pool import BlockPool
 
 __all__ = ["BAD_CALLS", "snapshot"]
 
@@ -26,15 +30,16 @@ def snapshot(mgr: OffloadManager) -> tuple:
     reqs = {rid: copy.deepcopy(attrs.asdict(mgr.request(rid), recurse=False)) for rid in list(mgr._requests)}
     gpu = mgr.gpu
     return (reqs, mgr.cpu_refs_held(), mgr.gpu_refs_held(), mgr.stats.as_dict(), mgr.num_in_flight,
-            mgr.next_transfer_id, [mgr.cpu.refcount(b) for b in range(mgr.cpu.num_blocks)],
-            None if gpu is None else [gpu.refcount(b) for b in range(gpu.num_blocks)], mgr.cpu.num_cached)
+            mgr.next_transfer_id, [mgr.cpu.refcount(b) for b in map(BlockId, range(mgr.cpu.num_blocks))],
+            None if gpu is None else [gpu.refcount(b) for b in map(BlockId, range(gpu.num_blocks))],
+            cast("BlockPool", mgr.cpu).num_cached)
 
 
 def _n(m: OffloadManager) -> int:
     return m.num_gpu_blocks or 1 << 20
 
 
-def _short_table(m: OffloadManager, rid: str) -> list[list[int]]:
+def _short_table(m: OffloadManager, rid: str) -> list[list[BlockId]]:
     """``rid``'s table cut one block short of its computed tokens."""
     r = m.request(rid)
     keep = -(-r.num_computed_tokens // m.kv.block_size) - 1
