@@ -20,7 +20,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from importlib import metadata
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import attrs
 
@@ -73,7 +73,9 @@ def _describe(target: Target) -> str:
 
 
 def _is_lazy_target(value: object) -> bool:
-    module, sep, attr = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if not isinstance(value, str):
+        return False
+    module, sep, attr = value.partition(":")
     return bool(sep and module and attr and " " not in value)
 
 
@@ -90,7 +92,7 @@ class Registry(Generic[T]):
     """
 
     kind: str
-    protocol: type[T]
+    protocol: type  # a Protocol class, which mypy never accepts as a type[T]
     label: str
     _targets: dict[str, Target] = attrs.field(factory=dict, alias="builtins")
     _loaded: dict[str, Callable[..., Any]] = attrs.field(factory=dict, init=False)
@@ -242,7 +244,7 @@ class Registry(Generic[T]):
             raise ConfigError(
                 f"{slot or self.kind}: {_describe(factory)} built a {type(product).__qualname__}, "
                 f"which is not a {self.protocol.__name__}")
-        return product
+        return cast(T, product)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if a cached class has no registered name."""

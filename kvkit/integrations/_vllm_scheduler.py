@@ -161,7 +161,7 @@ class CpuTierEvents(OffloadCallback):
     def cleared(self, cpu: BlockAllocator) -> None:
         """A reset empties ``cpu``: everything it holds is removed (call before the reset)."""
         self.read(cpu)
-        self._add(False, [h for h in map(cpu.block_hash, range(cpu.num_blocks)) if h is not None])
+        self._add(False, [h for h in map(cpu.block_hash, map(BlockId, range(cpu.num_blocks))) if h is not None])
 
     def take(self) -> list[tuple[bool, list[BlockHash]]]:
         """Runs of ``(stored, hashes)`` (``stored`` is ``False`` for removals) since the last call."""
@@ -344,7 +344,7 @@ class SchedulerSide:
             return False, None
         r = self.manager.request(rid)
         if r.state is _RUNNING:  # vLLM's rows may stop at its computed tokens: keep the rest of ours
-            self.manager.on_allocated(rid, [list(v) + own[len(v):] for v, own in zip(block_ids, r.block_table)])
+            self.manager.on_allocated(rid, [[*v, *own[len(v):]] for v, own in zip(block_ids, r.block_table)])
         self._sync(request)
         delay = self.manager.abort(rid) if aborted else self.manager.finish(rid)
         assert not delay, "with vLLM's GPU pool the manager never delays a free"

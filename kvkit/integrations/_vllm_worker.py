@@ -30,7 +30,7 @@ touches until the copy is reported.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -95,6 +95,11 @@ def group_spec(spec: KVCacheSpec, group: int) -> KVCacheSpec:
                         groups=(KVGroupSpec(range(len(g.layers)), g.kind, g.window),))
 
 
+def _engines(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
+    """``WorkerSide.engines`` as a tuple (a named converter: mypy's ``attrs`` plugin reads its type)."""
+    return tuple(engines)
+
+
 @attrs.define(eq=False)
 class WorkerSide:
     """Runs each step's transfers on one vLLM worker: one transfer engine per KV group.
@@ -120,7 +125,7 @@ class WorkerSide:
     failed without running; every result is handed to the scheduler exactly once.
     """
 
-    engines: tuple[TransferEngine, ...] = attrs.field(converter=tuple)
+    engines: tuple[TransferEngine, ...] = attrs.field(converter=_engines)
     layer_names: tuple[tuple[str, ...], ...] = attrs.field(
         converter=lambda groups: tuple(tuple(names) for names in groups))
     layout: str = "auto"

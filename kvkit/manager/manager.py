@@ -101,6 +101,11 @@ __all__ = ["OffloadManager"]
 _WAITING, _RUNNING, _ENDED = RequestState.WAITING, RequestState.RUNNING, RequestState.ENDED
 
 
+def _callbacks(callbacks: Iterable[OffloadCallback]) -> tuple[OffloadCallback, ...]:
+    """``OffloadManager.callbacks`` as a tuple (a named converter: mypy's ``attrs`` plugin reads its type)."""
+    return tuple(callbacks)
+
+
 @attrs.define(eq=False)
 class OffloadManager:
     """Drives one CPU offload tier from an engine's scheduler loop.
@@ -147,7 +152,7 @@ class OffloadManager:
     store: StorePolicy
     gpu: BlockAllocator | None = attrs.field(default=None, kw_only=True)
     world_size: int = attrs.field(default=1, kw_only=True, validator=at_least(1))
-    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
+    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=_callbacks)
     stats: OffloadStats = attrs.field(factory=OffloadStats, kw_only=True)
     null_block: int = attrs.field(default=-1, kw_only=True)
     num_gpu_blocks: int | None = attrs.field(default=None, kw_only=True, validator=optional_at_least(1))
