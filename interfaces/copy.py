@@ -65,7 +65,8 @@ class Region:
             if t.dim() < 1 or t.shape[0] == 0 or t[0].numel() == 0:
                 raise SpecMismatchError(f"region {self.name!r}: {tier} tensor has no blocks: shape {tuple(t.shape)}")
             if not t[0].is_contiguous():
-                raise SpecMismatchError(f"region {self.name!r}: {tier} block piece is not contiguous (strides {t.stride()})")
+                raise SpecMismatchError(f"region {self.name!r}: {tier} block piece is not contiguous "
+                                        f"(strides {t.stride()})")
             if t.shape[0] > 1 and t.stride(0) < t[0].numel():
                 raise SpecMismatchError(f"region {self.name!r}: {tier} blocks overlap: block stride {t.stride(0)} "
                                         f"elements < piece of {t[0].numel()}")

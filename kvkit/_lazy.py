@@ -22,7 +22,7 @@ __all__ = ["lazy_exports"]
 def lazy_exports(package: str, targets: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``, resolving each name of ``targets`` on first use."""
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str) -> Any:  # noqa: N807 - the package's module __getattr__
         target = targets.get(name)
         if target is not None:
             module, _, attr = target.partition(":")
@@ -34,7 +34,7 @@ def lazy_exports(package: str, targets: Mapping[str, str]) -> tuple[Callable[[st
         vars(sys.modules[package])[name] = value
         return value
 
-    def __dir__() -> list[str]:
+    def __dir__() -> list[str]:  # noqa: N807 - the package's module __dir__
         return sorted({*vars(sys.modules[package]), *targets})
 
     return __getattr__, __dir__

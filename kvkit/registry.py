@@ -136,7 +136,7 @@ class Registry(Generic[T]):
         try:
             self._known(name)
             loaded, reason = self._resolve(name)
-        except Exception as exc:  # a probe must not crash a listing
+        except Exception as exc:  # noqa: BLE001 - a probe must not crash a listing
             return f"{type(exc).__name__}: {exc}"
         if loaded is None:
             return reason
@@ -146,7 +146,7 @@ class Registry(Generic[T]):
             return None
         try:
             ok = loaded.is_available()
-        except Exception as exc:  # third-party probes may fail any way
+        except Exception as exc:  # noqa: BLE001 - third-party probes may fail any way
             return f"{_describe(loaded)}.is_available() raised {type(exc).__name__}: {exc}"
         if ok:
             return None
@@ -268,7 +268,7 @@ class Registry(Generic[T]):
         if isinstance(target, str):
             try:
                 target = _import(target)
-            except Exception as exc:  # any import failure means "unavailable"
+            except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable"
                 return None, f"import failed: {type(exc).__name__}: {exc}"
             if not callable(target):
                 return None, f"{self._targets[name]} is a {type(target).__name__}, not a class or factory"
@@ -318,7 +318,7 @@ def _entry_points() -> tuple[list[metadata.EntryPoint], str | None]:
     """Entries of the ``kvkit.backends`` group; a broken environment is a problem, not a crash."""
     try:
         return list(metadata.entry_points(group=ENTRY_POINT_GROUP)), None
-    except Exception as exc:  # broken metadata of an unrelated package
+    except Exception as exc:  # noqa: BLE001 - broken metadata of an unrelated package
         return [], f"cannot read entry points of group {ENTRY_POINT_GROUP!r}: {type(exc).__name__}: {exc}"
 
 

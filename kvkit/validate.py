@@ -49,7 +49,7 @@ def quote(value: object) -> str:
     """``repr(value)`` for a message, cut to 200 characters; never raises (a message must not fail)."""
     try:
         text = repr(value)
-    except Exception:  # a hostile __repr__, or an int past sys.get_int_max_str_digits()
+    except Exception:  # noqa: BLE001 - a hostile __repr__, or an int past sys.get_int_max_str_digits()
         size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
         text = f"<{type(value).__name__}{size}>"
     return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
@@ -57,9 +57,9 @@ def quote(value: object) -> str:
 
 def is_int(value: object, minimum: int | None = None) -> TypeGuard[int | numbers.Integral]:
     """``value`` is an integer (not a ``bool``), at least ``minimum`` when given."""
-    if value.__class__ is not int:  # the common case first: the ABC check costs ~10x more
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            return False
+    # the common case first: the ABC check costs ~10x more
+    if value.__class__ is not int and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+        return False
     return minimum is None or not value < minimum  # typeshed's Integral orders only by < and <=
 
 

@@ -131,7 +131,8 @@ class Driver:
     def memcpy_3d_batch(self, ops: np.ndarray, stream: int) -> None:
         """Enqueue every ``BATCH_OP_DTYPE`` record of ``ops``: one driver call."""
         n = len(ops)
-        assert self._batch3d is not None and stream != 0 and n and ops.dtype == BATCH_OP_DTYPE and ops.flags.c_contiguous
+        assert (self._batch3d is not None and stream != 0 and n and ops.dtype == BATCH_OP_DTYPE
+                and ops.flags.c_contiguous)
         if self._with_fail_idx:
             fail = ctypes.c_size_t(0)
             res = self._batch3d(n, ops.ctypes.data, ctypes.addressof(fail), 0, stream)

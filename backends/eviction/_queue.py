@@ -348,7 +348,7 @@ class ParkingQueue:
             block, stamp = main.popitem(last=False)
             self._edge = stamp
             self._watch.add(block)
-            if block in self._pinned or self._alive is not None and not self._alive(block):
+            if block in self._pinned or (self._alive is not None and not self._alive(block)):
                 self._pinned.discard(block)
                 self._parked[block] = stamp  # out of every later walk
             else:

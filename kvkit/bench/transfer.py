@@ -158,7 +158,8 @@ def make_plans(rig: Rig, blocks: int, ids: str, direction: str, seed: int = 0) -
     need = _check_pool(blocks, len(dirs), rig.num_blocks)
     rng = np.random.default_rng(seed)
     if ids == "random":
-        gpu_ids, cpu_ids = rng.choice(rig.num_blocks, need, replace=False), rng.choice(rig.num_blocks, need, replace=False)
+        gpu_ids = rng.choice(rig.num_blocks, need, replace=False)
+        cpu_ids = rng.choice(rig.num_blocks, need, replace=False)
     else:
         gpu_ids = rng.integers(0, rig.num_blocks - need + 1) + np.arange(need)
         cpu_ids = rng.integers(0, rig.num_blocks - need + 1) + np.arange(need)

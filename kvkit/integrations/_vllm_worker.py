@@ -30,6 +30,7 @@ touches until the copy is reported.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -303,10 +304,8 @@ class WorkerSide:
     def close(self) -> None:
         """Drain the shared store's tickets (bounded), then the copies; release the CPU mirrors and the store."""
         if self.shared is not None:
-            try:
+            with contextlib.suppress(TransferTimeoutError):  # a dead store: its buffers are dropped with the mirrors
                 self._collect(self.shared.drain())
-            except TransferTimeoutError:  # a dead store: its buffers are dropped with the mirrors below
-                pass
             if self.shared_store is not None:
                 self.shared_store.close()
         for engine in self.engines:

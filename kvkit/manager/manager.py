@@ -303,7 +303,8 @@ class OffloadManager:
         GPU-hit boundary, then (with a shared tier) the leading run of the
         next blocks whose every worker's key the shared store holds, capped so
         at least one of the request's tokens is recomputed. Shared hits get
-        CPU blocks now (not ready) and are fetched in the step that loads them. Its blocks are pinned (one CPU reference each) until the
+        CPU blocks now (not ready) and are fetched in the step that loads
+        them. Its blocks are pinned (one CPU reference each) until the
         engine allocates (:meth:`on_allocated`), the request ends, or a later
         lookup replaces this one, so nothing can evict them in between. The
         lookup records no use: the blocks the engine accepts are touched (for

@@ -35,6 +35,7 @@ an example of its own.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol, cast
@@ -61,7 +62,9 @@ from kvkit.testing.kvdata import (
 )
 from kvkit.worker.layouts import allocate_kv, kv_nbytes, kv_views, regions_for
 
-__all__ = ["CopyBackendContract", "allocate_tiers", "check_bad_plans", "check_bad_stages", "check_plans", "check_stages"]
+__all__ = [
+    "CopyBackendContract", "allocate_tiers", "check_bad_plans", "check_bad_stages", "check_plans", "check_stages",
+]
 
 Layouts = tuple[str, str]
 """``(GPU layout, CPU layout)``."""
@@ -167,7 +170,8 @@ def check_bad_plans(backend: CopyBackend, gpu: list[torch.Tensor], cpu: list[tor
         try:
             backend.submit(plan)
         except PlanError as e:
-            assert re.search(pattern, str(e)), f"{plan} was refused with {str(e)!r}, not matching {pattern!r}"
+            if not re.search(pattern, str(e)):
+                raise AssertionError(f"{plan} was refused with {str(e)!r}, not matching {pattern!r}") from e
         else:
             raise AssertionError(f"submit accepted the bad plan {plan}; expected a PlanError matching {pattern!r}")
         _synchronize(tensors)
@@ -203,7 +207,8 @@ def check_stages(backend: _Layered, regions: Sequence[Region], plan: TransferPla
                     f"after {plan} in stages {stages}: region {i} not written when stage {k}'s events completed")
     backend.wait(handle)
     for i, (dst, want) in enumerate(expected):
-        assert torch.equal(tensor_bytes(dst), tensor_bytes(want)), f"after {plan} in stages {stages}: region {i} differs"
+        assert torch.equal(tensor_bytes(dst), tensor_bytes(want)), (
+            f"after {plan} in stages {stages}: region {i} differs")
     reported = backend.poll()
     assert reported == [handle], f"poll reported {reported} for the one handle {handle} of a staged plan"
 
@@ -215,8 +220,8 @@ def check_bad_stages(backend: _Layered, tensors: Sequence[torch.Tensor], plan: T
     No byte may move and no handle be issued.
     """
     r = num_regions
-    bad = [([], None), ([range(0, r + 1)], None), ([range(1, r)], None), ([range(0, 0), range(0, r)], None),
-           ([range(0, r, 2)], None), (list(range(r)), None), ("all", None), ([range(0, r)], [None, None])]
+    bad = [([], None), ([range(r + 1)], None), ([range(1, r)], None), ([range(0), range(r)], None),
+           ([range(0, r, 2)], None), (list(range(r)), None), ("all", None), ([range(r)], [None, None])]
     for stages, after in bad:
         before = [tensor_bytes(t) for t in tensors]
         try:
@@ -237,7 +242,7 @@ def _cut(draw: st.DrawFn, num_regions: int) -> list[range]:
     cuts = sorted(draw(st.sets(st.integers(1, max(1, num_regions - 1)), max_size=num_regions - 1))
                   if num_regions > 1 else set())
     bounds = [0, *cuts, num_regions]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 class CopyBackendContract:

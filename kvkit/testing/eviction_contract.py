@@ -144,7 +144,8 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         for _ in range(min(length, self.max_blocks - len(self.tracked))):
             block_id = BlockId(self._first_free(block, self.max_blocks, self.tracked.__contains__))
             in_use = set(self.tracked.values())
-            block_hash = _hash(self._first_free(k, self.hash_space, lambda x: _hash(x) in in_use))
+            block_hash = _hash(self._first_free(k, self.hash_space,
+                                                lambda x: _hash(x) in in_use))  # noqa: B023 - used at once
             parent_hash = self.parents.setdefault(block_hash, previous)
             for policy in self.policies():
                 policy.on_insert(block_id, block_hash, parent_hash)

@@ -388,7 +388,7 @@ class TransferEngine:
                 handle = self.copy.submit(plan, after=done)
         except PlanError:
             raise
-        except Exception as exc:  # launched nothing (the backend contract): a failed result, not a crash
+        except Exception as exc:  # noqa: BLE001 - launched nothing (the backend contract): a failed result, not a crash
             warnings.warn(f"transfer {transfer_id} failed to launch: {exc!r}", RuntimeWarning, stacklevel=2)
             self._ready.append(TransferResult(transfer_id, self.worker, ok=False))
         else:
@@ -519,7 +519,7 @@ class TransferEngine:
         try:
             handles = list(self.copy.poll())
             known = [h for h in handles if h in self._in_flight]  # handles of other copies are ignored
-        except Exception as exc:  # the backend cannot tell what finished: nothing is confirmed
+        except Exception as exc:  # noqa: BLE001 - the backend cannot tell what finished: nothing is confirmed
             self._suspect(exc)
             return
         now = time.perf_counter()

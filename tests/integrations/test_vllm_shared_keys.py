@@ -14,7 +14,7 @@ def _parse(model=None, **extra):
                               model=model)
 
 
-@pytest.mark.parametrize("extra, needles", [
+@pytest.mark.parametrize(("extra", "needles"), [
     ({"shared": 7}, ["shared']=7", "URL string"]),
     ({"shared": "memory://", "shared_write": "write-around"}, ["write-around", "write-through"]),
     ({"shared": "memory://", "shared_url": "memory://other"}, ["disagree"]),

@@ -196,7 +196,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         * The chain index's, the density model's and the shift test's invariants.
     """
 
-    ghost_span: float = attrs.field(default=8.0, validator=real_in(low=1, high=math.inf, high_open=True, label="HitDensityPolicy."))
+    ghost_span: float = attrs.field(default=8.0, validator=real_in(low=1, high=math.inf, high_open=True,
+                                                                   label="HitDensityPolicy."))
     shift_alpha: float = attrs.field(default=1e-3, validator=real_in(low=0, high=1, high_open=True,
                                                                      label="HitDensityPolicy."))
     _chains: ChainIndex = attrs.field(init=False, factory=ChainIndex)

@@ -148,7 +148,7 @@ class _Generate:
         return out.sequences[0, len(prompt):].tolist(), logits
 
 
-class _SetupPassed(Exception):  # noqa: N818 (a signal, not an error)
+class _SetupPassed(Exception):  # noqa: N818 - a signal, not an error
     """Raised at ``generate``'s first forward by :func:`_check_with_generate`: its own checks passed."""
 
 
