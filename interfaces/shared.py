@@ -190,7 +190,10 @@ class BlockCodec(Protocol):
           truncated, foreign) is ``False``, never an exception.
     """
 
-    header_bytes: int
+    @property
+    def header_bytes(self) -> int:
+        """Length of every header ``seal`` writes."""
+        ...
 
     def key(self, block_hash: BlockHash, rank: int) -> bytes:
         """The store key of ``rank``'s shard of the block ``block_hash``."""

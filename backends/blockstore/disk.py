@@ -53,13 +53,14 @@ class DiskStore:
     """
 
     path: Path = attrs.field(converter=_path)
-    capacity_bytes: int = attrs.field(converter=checked(check_int, minimum=1, label="DiskStore."))
-    eviction: EvictionPolicy = attrs.field(factory=LRUPolicy, validator=implements(EvictionPolicy, label="DiskStore.", what="an EvictionPolicy instance"))
-    threads: int = attrs.field(default=2, converter=checked(check_int, minimum=1, label="DiskStore."))
-    fsync: bool = attrs.field(default=False, converter=checked(check_bool, label="DiskStore."))
+    capacity_bytes: int = attrs.field(converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
+    eviction: EvictionPolicy = attrs.field(factory=LRUPolicy, validator=implements(
+        EvictionPolicy, label="DiskStore.", what="an EvictionPolicy instance"))
+    threads: int = attrs.field(default=2, converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
+    fsync: bool = attrs.field(default=False, converter=checked(check_bool, label="DiskStore."))  # type: ignore[misc]
     """Flush each file to the device before renaming it (survives power loss, costs a sync per value)."""
     max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
-                                   converter=checked(check_int, minimum=1, label="DiskStore."))
+                                   converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
     used_bytes: int = attrs.field(default=0, init=False)
     closed: bool = attrs.field(default=False, init=False)
     _index: dict[str, tuple[BlockId, int]] = attrs.field(factory=dict, init=False)  # name -> (id, size)
@@ -145,7 +146,7 @@ class DiskStore:
                 if problem:
                     failed.append(i)
                     errors.add(problem)
-        except Exception as exc:  # a ticket is reported whatever happens
+        except Exception as exc:  # noqa: BLE001 - a ticket is reported whatever happens
             failed, errors = list(range(len(keys))), {f"{type(exc).__name__}: {exc}"}
         self._tickets.report(ticket, failed, "; ".join(sorted(errors)))
 

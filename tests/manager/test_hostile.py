@@ -172,7 +172,7 @@ class Flaky(EagerStore):
 def test_a_raising_or_junk_store_policy_stores_nothing_and_breaks_nothing():
     """The policy's failures are counted; the request lives on; nothing leaks; the next lookup is consistent."""
     m = make(store=Flaky())
-    with pytest.warns(RuntimeWarning, match="policy bug"):  # noqa: PT031 - whichever call meets the bug warns
+    with pytest.warns(RuntimeWarning, match="policy bug"):
         m.add_request("a", [1, 2], 8)
         m.lookup("a", 0)
         table = m.gpu.allocate(2)

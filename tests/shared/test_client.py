@@ -40,8 +40,8 @@ class Hooks(OffloadCallback):
 def instance(shared, *, world_size=2, write="write-through", callbacks=(), backoff=1.0, cpu_blocks=16):
     # LRU: write-back puts the CPU tier's next victims, and these tests count on them being its oldest blocks.
     stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=cpu_blocks, copy="torch", device="cpu",
-                        cpu_eviction="lru", layout="per-layer", shared=shared, world_size=world_size, shared_write=write,
-                        callbacks=list(callbacks), shared_backoff_s=backoff)
+                        cpu_eviction="lru", layout="per-layer", shared=shared, world_size=world_size,
+                        shared_write=write, callbacks=list(callbacks), shared_backoff_s=backoff)
     return stack, ReferenceEngine(stack)
 
 
@@ -175,8 +175,8 @@ def test_hooks_see_hits_fetches_and_puts():
 def test_memory_urls_share_one_store_per_name():
     """``memory://NAME`` stacks of one process share a store; another name does not."""
     _, ea = instance("memory://test-urls")
-    b, eb = instance("memory://test-urls")
-    c, ec = instance("memory://other-name")
+    _, eb = instance("memory://test-urls")
+    _, ec = instance("memory://other-name")
     serve(ea, "a1")
     assert serve(eb, "b1").cpu_hit_tokens == 36
     assert serve(ec, "c1").cpu_hit_tokens == 0
@@ -203,7 +203,7 @@ def test_different_models_never_share_blocks():
     assert serve(ReferenceEngine(other), "b1").cpu_hit_tokens == 0
 
 
-@pytest.mark.parametrize("slots, quoted", [
+@pytest.mark.parametrize(("slots", "quoted"), [
     ({"shared": 42}, "shared=42"),
     ({"shared": "no-scheme"}, "shared='no-scheme'"),
     ({"shared": "memory://", "shared_write": "write-sideways"}, "write-sideways"),

@@ -112,7 +112,7 @@ def test_a_file_deleted_behind_its_back_is_a_clean_miss(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(("kwargs", "match"), [
     ({"path": "", "capacity_bytes": 1}, "path"),
     ({"path": "x", "capacity_bytes": 0}, "capacity_bytes"),
     ({"path": "x", "capacity_bytes": 1, "eviction": "lru"}, "EvictionPolicy"),
