@@ -6,7 +6,8 @@ URL forms (``redis`` may replace ``valkey`` in every scheme):
 * ``valkeys://...`` - the same over TLS (options ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_verify``);
 * ``valkey+cluster://[[user]:password@]host:port[,host:port...]`` (``valkeys+cluster://`` with TLS) -
   a Cluster, found from any of the nodes listed;
-* ``file:///path/to/dir`` - a local directory (option ``capacity_bytes``, required: ``"50GiB"``);
+* ``file:///path/to/dir`` - a local directory (option ``capacity_bytes``, required: ``"50GiB"``; ``file_mode``,
+  octal, ``600`` by default);
 * ``memory://`` - an in-process store (option ``capacity_bytes``);
 * ``<name>://...`` - a third-party store registered as ``<name>`` (``kvkit.register("shared", ...)``),
   built with ``url=`` and the options.
@@ -120,6 +121,9 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"block store URL {url!r}: expected file:///absolute/path (a local directory)")
     if "capacity_bytes" not in options:
         raise ConfigError(f"block store URL {url!r}: a disk store needs capacity_bytes (e.g. '50GiB')")
+    raw = dict(parse_qsl(parsed.query, keep_blank_values=True)).get("file_mode")
+    if raw is not None:  # octal text: "640" must not become the decimal number 640
+        options = {**options, "file_mode": raw}
     return {"path": unquote(parsed.path), **_sizes(options)}
 
 
