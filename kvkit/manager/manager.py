@@ -88,10 +88,10 @@ from kvkit.manager.requests import (
     check_rows,
     wrong_state,
 )
-from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.manager.step import CompletionReport, StepPlan
 from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
+from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.stats import OffloadStats
 from kvkit.validate import at_least, int_problem, optional_at_least
 

@@ -22,8 +22,8 @@ from kvkit.interfaces import BlockHash, KVCacheSpec
 if TYPE_CHECKING:
     from kvkit.config import StackConfig
     from kvkit.shared.scheduler import SharedTierSpec
-from kvkit.shared.format import HEADER_SIZE, Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.interfaces.shared import BlockStore, StoreResult
+from kvkit.shared.format import HEADER_SIZE, Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.validate import quote
 
 __all__ = ["FormatCodec", "SharedConnection", "StoreClient", "connect_shared", "open_shared", "shared_clients"]

@@ -37,15 +37,15 @@ from hypothesis.stateful import (
 )
 
 from kvkit.backends.allocator import BlockPool
-from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore, LazyStore, NeverStore, SelectiveStore
 from kvkit.errors import KVKitError, OutOfBlocksError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import Direction, KVCacheSpec, TransferResult
 from kvkit.manager import OffloadManager
-from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.shared.client import shared_clients
+from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.testing.doubles import FailingStore, RaisingCallback
 from kvkit.testing.hostile import BAD_CALLS, snapshot
 

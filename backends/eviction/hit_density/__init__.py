@@ -11,9 +11,9 @@ import attrs
 import numpy as np
 from typing_extensions import override
 
-from kvkit.backends.eviction.hit_density.census import Census
 from kvkit.backends.eviction._chains import ChainIndex
 from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
+from kvkit.backends.eviction.hit_density.census import Census
 from kvkit.backends.eviction.hit_density.density import HitDensityModel
 from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.interfaces.eviction import EvictionPolicy
