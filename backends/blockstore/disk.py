@@ -11,16 +11,17 @@ import secrets
 import stat
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
 
-from kvkit.backends.blockstore._common import TicketBox, check_call, check_keys, flat_views
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.shared import StoreResult
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import check_bool, check_int, checked, implements, quote
 
@@ -103,7 +104,9 @@ class DiskStore:
     buffers; a value missing, not a regular file, or unreadable is a failed
     key (a miss), never an exception. Files another process adds are adopted
     when ``contains`` or ``get`` finds them; the capacity holds per process.
-    Work runs on a pool of ``threads`` threads.
+    Work runs on a pool of ``threads`` threads. At most ``max_waiting``
+    finished results wait for the polls naming their tickets (one more
+    abandons the oldest).
 
     Permissions. Value and temporary files get ``file_mode`` (``0o600`` by
     default) and the directories the store creates (``path`` when it does not
@@ -124,6 +127,8 @@ class DiskStore:
     """Flush each file to the device before renaming it (survives power loss, costs a sync per value)."""
     file_mode: int = attrs.field(default=0o600, converter=_mode)
     """Permission bits of value files (``0o640`` lets the group read); directories add search bits."""
+    max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
+                                   converter=checked(check_int, minimum=1, label="DiskStore."))
     used_bytes: int = attrs.field(default=0, init=False)
     closed: bool = attrs.field(default=False, init=False)
     _index: dict[str, tuple[BlockId, int]] = attrs.field(factory=dict, init=False)  # name -> (id, size)
@@ -135,7 +140,8 @@ class DiskStore:
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _counts: Counter = attrs.field(factory=Counter, init=False)
     _counts_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
-    _tickets: TicketBox = attrs.field(factory=TicketBox, init=False)
+    _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
+        lambda self: TicketBox(self.max_waiting), takes_self=True))
     _pool: ThreadPoolExecutor = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -176,8 +182,8 @@ class DiskStore:
         self._pool.submit(self._run, ticket, self._read, list(keys), [flat_views(b) for b in buffers])
         return ticket
 
-    def poll(self, timeout: float = 0.0) -> list:
-        return self._tickets.poll(timeout)
+    def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
+        return self._tickets.poll(tickets, timeout)
 
     def drop(self, key: bytes) -> bool:
         """Delete ``key``'s file as an outside eviction would; answer whether it was indexed."""
@@ -202,6 +208,7 @@ class DiskStore:
             assert len(self.eviction) == len(self._index) == len(self._names), "policy and index disagree"
             assert all(self._names[block] == name for name, (block, _) in self._index.items()), "id map drifted"
             self.eviction.check_invariants()
+        self._tickets.check_invariants()
 
     # --- opening -------------------------------------------------------------
 

@@ -23,15 +23,15 @@ from kvkit.shared.urls import open_block_store
 
 def _put(store, keys, size):
     ticket = store.put(keys, [[memoryview(bytes([i % 251]) * size)] for i, _ in enumerate(keys)])
-    (result,) = store.poll(5.0)
+    (result,) = store.poll([ticket], 5.0)
     assert result.ticket == ticket
     return result
 
 
 def _get(store, keys, size):
     buffers = [bytearray(size) for _ in keys]
-    store.get(keys, [[memoryview(b)[:3], memoryview(b)[3:]] for b in buffers])
-    (result,) = store.poll(5.0)
+    ticket = store.get(keys, [[memoryview(b)[:3], memoryview(b)[3:]] for b in buffers])
+    (result,) = store.poll([ticket], 5.0)
     return result, buffers
 
 
@@ -154,7 +154,7 @@ def test_a_value_survives_a_real_process_restart(tmp_path):
     """One Python process writes and exits; a second one (a fresh interpreter) reads the bytes back."""
     write = ("import sys; from kvkit.backends.blockstore.disk import DiskStore\n"
              "s = DiskStore(sys.argv[1], 1 << 20); t = s.put([b'k'], [[memoryview(b'\\x07' * 999)]])\n"
-             "assert [r.ticket for r in s.poll(5.0) if r.ok] == [t]; s.close()\n")
+             "assert [r.ticket for r in s.poll([t], 5.0) if r.ok] == [t]; s.close()\n")
     subprocess.run([sys.executable, "-c", write, str(tmp_path)], check=True, timeout=60)
     store = DiskStore(tmp_path, 1 << 20)
     result, (buffer,) = _get(store, [b"k"], 999)
@@ -560,13 +560,12 @@ deadline = time.monotonic() + seconds
 while time.monotonic() < deadline:
     keys = [b"w%d" % (i + j) for j in range(4)]
     i += 4
-    store.put(keys, [[value]] * 4)
-    for result in store.poll(10.0):
+    ticket = store.put(keys, [[value]] * 4)
+    for result in store.poll([ticket], 10.0):
         failed += len(result.failed)
         errors.update([result.error] if result.failed else [])
     puts += 4
-    store.get(keys[:1], [[memoryview(bytearray(size))]])
-    store.poll(10.0)
+    store.poll([store.get(keys[:1], [[memoryview(bytearray(size))]])], 10.0)
 store.check_invariants()
 store.close()
 print(json.dumps({"puts": puts, "failed": failed, "errors": sorted(errors)}), flush=True)
