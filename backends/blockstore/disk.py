@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -554,10 +555,8 @@ def _same_file(path: str, held: os.stat_result) -> bool:
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already gone, or the file system refuses: the next opener reaps it
         os.unlink(path)
-    except OSError:  # already gone, or the file system refuses: the next opener reaps it
-        pass
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:
