@@ -72,6 +72,7 @@ import attrs
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.hints import WorkloadHints
+from kvkit.registry import did_you_mean
 from kvkit.sim.traces import TraceRequest
 from kvkit.validate import at_least, is_int, quote, real_in
 
@@ -552,14 +553,17 @@ def shape(name: str, *, seed: int = 0, block_size: int = DEFAULTS.block_size) ->
     base, _, moved = name.partition("@")
     cls = SHAPES.get(base)
     if cls is None:
-        raise ConfigError(f"unknown workload shape {quote(base)} in {quote(name)}; valid shapes: {', '.join(SHAPES)}")
+        raise ConfigError(f"unknown workload shape {quote(base)} in {quote(name)}; valid shapes: {', '.join(SHAPES)}"
+                          f"{did_you_mean(base, list(SHAPES))}")
     fields = {f.name for f in attrs.fields(cls)} - {"seed", "block_size"}
     params: dict[str, object] = {}
     for pair in filter(None, moved.split(";")):
         key, eq, text = (part.strip() for part in pair.partition("="))
         if not eq or key not in fields or key in params:
             problem = "names a field twice" if key in params else f"is not FIELD=VALUE for a field of {base}"
-            raise ConfigError(f"{quote(pair)} in {quote(name)} {problem}; its fields: {', '.join(sorted(fields))}")
+            hint = "" if key in params else did_you_mean(key, sorted(fields))
+            raise ConfigError(f"{quote(pair)} in {quote(name)} {problem}; its fields: {', '.join(sorted(fields))}"
+                              f"{hint}")
         try:
             params[key] = ast.literal_eval(text)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):

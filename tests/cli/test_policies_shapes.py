@@ -48,6 +48,15 @@ def test_unknown_shape_lists_the_choices() -> None:
     assert result.exit_code == 2 and "few-shot" in result.output
 
 
+@pytest.mark.parametrize("command", ["policies", "simulate"])
+@pytest.mark.parametrize("value, suggestion", [("chta", "did you mean 'chat'?"),
+                                               ("few-shot@num_tmplates=3", "did you mean 'num_templates'?")])
+def test_a_mistyped_shape_or_field_gets_the_closest_name(command, value, suggestion) -> None:
+    """`--shape chta` suggests 'chat'; a mistyped field after '@' suggests the field."""
+    result = CliRunner().invoke(cli.main, [command, "--shape", value])
+    assert result.exit_code == 2 and suggestion in result.output, result.output
+
+
 def test_libcachesim_baselines_sit_beside_kvkit_results_labelled_plain() -> None:
     """--baselines adds libCacheSim's plain counts under their own key; kvkit's results keep their shape."""
     pytest.importorskip("libcachesim")
