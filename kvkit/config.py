@@ -30,7 +30,7 @@ from kvkit.interfaces import (
 )
 from kvkit.interfaces.shared import SHARED_WRITES, BlockStore
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry, did_you_mean
-from kvkit.validate import check_real, int_problem, is_int, quote
+from kvkit.validate import check_real, int_problem, is_int, plural, quote
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.memory import BOOKKEEPING_BYTES_PER_BLOCK, check_fits
 
@@ -296,7 +296,7 @@ class StackConfig:
         except ConfigError as exc:
             return [f"cpu_bytes={self.cpu_bytes!r}: {exc}"]
         if isinstance(self.kv, KVCacheSpec) and self.kv.blocks_for(num_bytes) < 1:
-            return [f"cpu_bytes={self.cpu_bytes!r} ({num_bytes} bytes) holds no block: one block of "
+            return [f"cpu_bytes={self.cpu_bytes!r} ({plural(num_bytes, 'byte')}) holds no block: one block of "
                     f"this kv spec takes {self.kv.bytes_per_block} bytes"]
         return []
 

@@ -13,14 +13,15 @@ from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.registry import COPY
 from kvkit.stats import OffloadStats
+from kvkit.validate import plural
 from kvkit.worker.memory import check_fits
 
 if TYPE_CHECKING:
     import torch
 
     from kvkit.interfaces.shared import BlockStore
-    from kvkit.worker.engine import TransferEngine
     from kvkit.shared.worker import SharedTierWorker
+    from kvkit.worker.engine import TransferEngine
 
 __all__ = ["OffloadStack", "build"]
 
@@ -216,9 +217,9 @@ def _check_memory(config: StackConfig, layout: str | None, *, allocate_gpu: bool
     host = config.pool_bytes()
     if layout is not None:
         n, block = config.world_size, config.kv.bytes_per_block
-        host[f"{n} CPU mirror(s) of {config.num_cpu_blocks} blocks"] = n * config.num_cpu_blocks * block
+        host[f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"] = n * config.num_cpu_blocks * block
         if allocate_gpu:
-            gpu = {f"{n} GPU tier(s) of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
+            gpu = {f"{plural(n, 'GPU tier')} of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
             if config.device == "cpu":
                 host |= gpu
             else:

@@ -206,8 +206,8 @@ def test_kv_tensors_with_more_blocks_than_the_pool_serve_it():
 @pytest.mark.parametrize(("slots", "needle"), [
     (dict(gpu_blocks=10**12, cpu_blocks=8), "gpu_blocks=1000000000000"),
     (dict(gpu_blocks=8, cpu_bytes="1000TiB"), "from cpu_bytes='1000TiB'"),
-    (dict(gpu_blocks=8, cpu_bytes="1000TiB", layout="per-layer"), "CPU mirror(s) of 4294967296000 blocks"),
-    (dict(gpu_blocks=10**11, cpu_blocks=8, layout="blocks-first"), "GPU tier(s) of gpu_blocks=100000000000"),
+    (dict(gpu_blocks=8, cpu_bytes="1000TiB", layout="per-layer"), "1 CPU mirror of 4294967296000 blocks"),
+    (dict(gpu_blocks=10**11, cpu_blocks=8, layout="blocks-first"), "1 GPU tier of gpu_blocks=100000000000"),
 ])
 def test_build_refuses_sizes_no_machine_holds_before_allocating(slots, needle):
     """Pools, mirrors or GPU tiers beyond host memory: InsufficientMemoryError naming the size; nothing built."""

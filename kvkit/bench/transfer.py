@@ -29,6 +29,7 @@ from kvkit.interfaces.capabilities import LayeredCopy
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, TransferPlan
 from kvkit.registry import COPY, did_you_mean
+from kvkit.validate import plural
 from kvkit.worker.engine import layer_stages
 from kvkit.worker.layouts import allocate_kv, check_layouts, kv_nbytes, kv_views, regions_for
 from kvkit.worker.memory import check_fits
@@ -142,8 +143,8 @@ def _check_pool(blocks: int, directions: int, pool: int) -> int:
     """Blocks the plans need of a pool of ``pool`` blocks; ``ConfigError`` if it is smaller."""
     need = blocks * directions
     if need > pool:
-        raise ConfigError(f"--blocks {blocks} x {directions} direction(s) needs a pool of at least {need} "
-                          f"blocks, got --pool-blocks {pool}")
+        raise ConfigError(f"--blocks {blocks} x {plural(directions, 'direction')} needs a pool of at least "
+                          f"{plural(need, 'block')}, got --pool-blocks {pool}")
     return need
 
 
@@ -446,7 +447,7 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
     _check_pool(blocks, n_dirs, pool)  # before the (slow) allocation
     total = 2 + with_gemm + len(backends)
     step = on_step or (lambda what, done, total: None)
-    step(f"allocating {pool:,} blocks per tier", 0, total)
+    step(f"allocating {plural(pool, 'block', grouped=True)} per tier", 0, total)
     rig = Rig.allocate(spec, layout, pool, device, alloc=alloc, seed=seed, cpu_layout=cpu_layout)
     plans = make_plans(rig, blocks, ids, direction, seed=seed)
     step("measuring the ceiling (one large pinned copy)", 1, total)

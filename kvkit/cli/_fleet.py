@@ -10,6 +10,7 @@ import click
 
 from kvkit.sim.fleet import FleetResult, compare_fleets
 from kvkit.sim.simulator import SimConfig
+from kvkit.validate import plural
 
 __all__ = ["run_fleets"]
 
@@ -66,8 +67,9 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
     from rich.table import Table
 
     n = len(isolated.instances)
-    table = Table(title=f"{what}: {n} instances ({isolated.router}), each GPU {config.gpu_blocks:,} + "
-                        f"CPU {config.num_cpu_blocks:,} blocks of {config.block_size} tokens")
+    table = Table(title=f"{what}: {plural(n, 'instance')} ({isolated.router}), each GPU {config.gpu_blocks:,} + "
+                        f"CPU {plural(config.num_cpu_blocks, 'block', grouped=True)} of "
+                        f"{plural(config.block_size, 'token')}")
     table.add_column("")
     table.add_column("isolated", justify="right")
     table.add_column(f"shared tier ({shared_url or 'in-process'})", justify="right")
@@ -77,7 +79,7 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
     console = Console()
     console.print(table)
     a, b = isolated.ttft_summary(), sharing.ttft_summary()
-    console.print(f"the shared tier served {sharing.total('hit_tokens_shared'):,} prompt tokens the isolated "
+    console.print(f"the shared tier served {plural(sharing.total('hit_tokens_shared'), 'prompt token', grouped=True)} the isolated "
                   f"instances recomputed; modelled TTFT mean {b['mean']:,.1f} vs {a['mean']:,.1f} ms, p90 "
                   f"{b['p90']:,.1f} vs {a['p90']:,.1f} ms (fetch {config.cost.shared_gbps:g} GB/s, prefill "
                   f"{config.cost.prefill_tokens_per_s:,.0f} tokens/s); total {wall:.1f} s")

@@ -8,12 +8,13 @@ from typing import Any
 
 import click
 
+from kvkit.bench.transfer import DIRECTIONS, run_transfer
 from kvkit.cli._progress import progress
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.types import KVCacheSpec
 from kvkit.sim.simulator import LLAMA_3_8B
-from kvkit.bench.transfer import DIRECTIONS, run_transfer
+from kvkit.validate import plural
 from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["bench_group", "transfer_command"]
@@ -98,7 +99,7 @@ def _print_table(report: dict[str, Any]) -> None:
 
     ceiling = report["ceiling_gbps"]
     layouts = report["layout"] + ("" if report["cpu_layout"] == report["layout"] else f" -> {report['cpu_layout']}")
-    table = Table(title=f"{layouts}, {report['blocks']} blocks ({report['ids']} ids), "
+    table = Table(title=f"{layouts}, {plural(report['blocks'], 'block')} ({report['ids']} ids), "
                         f"{report['direction']}, {report['block_bytes'] // 1024} KiB/block, "
                         f"piece {report['piece_bytes'] // 1024} KiB; ceiling {ceiling:.1f} GB/s")
     columns = ["backend", "GB/s", "% ceiling", "submit ms", "descriptors", "ok",
@@ -157,4 +158,4 @@ def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys
     console.print(table)
     c = report["contains"]
     library = f", library pipeline {c['library_pipeline_ms']:.2f} ms" if "library_pipeline_ms" in c else ""
-    console.print(f"contains of {c['keys']} keys: {c['store_ms']:.2f} ms{library}")
+    console.print(f"contains of {plural(c['keys'], 'key')}: {c['store_ms']:.2f} ms{library}")

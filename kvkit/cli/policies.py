@@ -16,6 +16,7 @@ from kvkit.sim.baselines import libcachesim_study
 from kvkit.sim.policy_study import OPT, STORES, HitStats, PolicyStudy, check_study, study
 from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, read_trace
+from kvkit.validate import plural
 
 __all__ = ["policies_command", "save_plot"]
 
@@ -105,7 +106,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
         requests = list(bar.track(source, f"reading {label}"))
         task = bar.task("replaying", len(names) * len(capacities))
         result = study(requests, capacities, names, stores=stores, jobs=jobs, on_result=lambda stats: bar.update(
-            task, advance=1, note=f"replays, last {stats.policy} @ {stats.capacity:,} blocks"))
+            task, advance=1, note=f"replays, last {stats.policy} @ {plural(stats.capacity, 'block', grouped=True)}"))
     baseline_stats = None if baselines is None else libcachesim_study(requests, capacities, prefix=counting == "prefix")
     seconds = time.perf_counter() - start
     if plot_path is not None:
@@ -127,8 +128,9 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
                     for c in result.capacities}}}}),
         }, indent=2))
     else:
-        _print_table(result, f"{label}: {len(requests):,} requests, {references:,} block "
-                             f"references of {block_size:,} tokens, {stores} stores, {seconds:.1f} s")
+        _print_table(result, f"{label}: {plural(len(requests), 'request', grouped=True)}, "
+                             f"{plural(references, 'block reference', grouped=True)} of "
+                             f"{plural(block_size, 'token', grouped=True)}, {stores} stores, {seconds:.1f} s")
         if baseline_stats is not None:
             _print_baselines(baseline_stats, result.capacities, counting)
     if plot_path is not None and not as_json:
@@ -142,7 +144,7 @@ def _print_table(result: PolicyStudy, title: str) -> None:
     table = Table(title=title)
     table.add_column("policy")
     for c in result.capacities:
-        table.add_column(f"{c:,} blocks\nhit (of opt)", justify="right")
+        table.add_column(f"{plural(c, 'block', grouped=True)}\nhit (of opt)", justify="right")
     for i, p in enumerate(result.policies):
         cells = []
         for c in result.capacities:
@@ -170,7 +172,7 @@ def _print_baselines(stats: list[HitStats], capacities: tuple[int, ...], countin
                   "libCacheSim, PREFIX counting (hits only in a request's leading run of hits, as kvkit counts)")
     table.add_column("baseline")
     for c in capacities:
-        table.add_column(f"{c:,} blocks\n{counting} hit", justify="right")
+        table.add_column(f"{plural(c, 'block', grouped=True)}\n{counting} hit", justify="right")
     ratios = {(s.policy, s.capacity): s.hit_ratio for s in stats}
     rows = list(dict.fromkeys(s.policy for s in stats))
     for p in rows:

@@ -20,8 +20,9 @@ from kvkit.sim.fleet import ROUTERS
 from kvkit.sim.simulator import CostModel, SimConfig, SimResult, simulate
 from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
+from kvkit.validate import plural
 
-__all__ = ["figure", "save_plot", "simulate_command"]
+__all__ = ["describe_run", "figure", "save_plot", "simulate_command"]
 
 _COST = CostModel()  # the cost model's defaults have one home: CostModel
 
@@ -111,7 +112,7 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
         for label, cfg in runs:
             task = bar.task(f"replaying ({label})", total)
             results.append(simulate(workload.requests(), cfg, progress=lambda n, refs, task=task: bar.update(
-                task, completed=n, note=f"requests, {refs:,} block refs")))
+                task, completed=n, note=f"requests, {plural(refs, 'block ref', grouped=True)}")))
     offload, baseline = results[0], (results[1] if len(results) > 1 else None)
     wall = time.perf_counter() - start
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -202,10 +203,7 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
     from rich.table import Table
 
     c = offload.config
-    title = (f"{workload.describe()}: GPU {c.gpu_blocks:,} blocks, CPU {c.num_cpu_blocks:,} blocks "
-             f"of {c.block_size} tokens; eviction {c.as_dict()['cpu_eviction']}, "
-             f"store {c.as_dict()['store']}")
-    table = Table(title=title)
+    table = Table(title=describe_run(workload.describe(), c))
     table.add_column("")
     table.add_column("offload", justify="right")
     if baseline is not None:
@@ -222,9 +220,17 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
     if baseline is not None:
         with_, without = offload.ttft_percentiles(), baseline.ttft_percentiles()
         ratios = ", ".join(f"{q} {with_[q]:,.1f} vs {without[q]:,.1f} ms" for q in ("p50", "p90"))
-        console.print(f"offload served {offload.hit_tokens_cpu:,} prompt tokens from the CPU tier; "
+        console.print(f"offload served {plural(offload.hit_tokens_cpu, 'prompt token', grouped=True)} from the CPU tier; "
                       f"modelled TTFT with vs without offload: {ratios}")
     console.print(f"total {wall:.1f} s, peak memory {peak_rss_mib:,.0f} MiB")
+
+
+def describe_run(what: str, config: SimConfig) -> str:
+    """``what`` (the trace or shape) with the run's tier sizes and policies: the title of its table and plot."""
+    names = config.as_dict()
+    return (f"{what}: GPU {plural(config.gpu_blocks, 'block', grouped=True)}, CPU "
+            f"{plural(config.num_cpu_blocks, 'block', grouped=True)} of {plural(config.block_size, 'token')}; "
+            f"eviction {names['cpu_eviction']} (GPU {names['gpu_eviction']}), store {names['store']}")
 
 
 def figure(offload: SimResult, baseline: SimResult | None = None, *, title: str = ""):

@@ -74,7 +74,7 @@ from kvkit.errors import ConfigError
 from kvkit.interfaces.hints import WorkloadHints
 from kvkit.registry import did_you_mean
 from kvkit.sim.traces import TraceRequest
-from kvkit.validate import at_least, is_int, quote, real_in
+from kvkit.validate import at_least, is_int, plural, quote, real_in
 
 __all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]
 
@@ -135,7 +135,7 @@ class SyntheticWorkload:
         if self.max_context_tokens < self.system_prompt_tokens[1] + 2:
             raise ConfigError(
                 f"max_context_tokens={self.max_context_tokens} leaves no room after a "
-                f"system prompt of up to {self.system_prompt_tokens[1]} tokens"
+                f"system prompt of up to {plural(self.system_prompt_tokens[1], 'token')}"
             )
 
     def requests(self) -> Iterator[TraceRequest]:

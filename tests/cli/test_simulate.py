@@ -105,7 +105,7 @@ _MALFORMED = {
     "float hash id": ('{"timestamp": 1, "input_length": 20, "output_length": 5, "hash_ids": [1, 2.5]}',
                       "expected ints, got 2.5"),
     "wrong number of hash ids": ('{"timestamp": 1, "input_length": 20, "output_length": 5, "hash_ids": [1]}',
-                                 "has 1 ids"),
+                                 "has 1 id but"),
 }
 
 
@@ -134,7 +134,7 @@ def test_non_utf8_trace_is_one_line_error(tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["--cpu-eviction", "bogus", "--store", "nope"], "valid: "),
     (["--cpu-blocks", 10, "--cpu-bytes", "1GiB"], "not both"),
-    (["--cpu-bytes", "12XB"], "cannot parse byte size '12XB'"),
+    (["--cpu-bytes", "12XB"], "byte size '12XB': unknown unit 'XB'"),
     (["--gpu-blocks", 0], "--gpu-blocks"),
 ])
 def test_bad_options_are_one_line_errors(args, message):
