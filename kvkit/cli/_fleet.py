@@ -63,21 +63,21 @@ def _rows(f: FleetResult) -> dict[str, str]:
 
 def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimConfig, shared_url: str | None,
            wall: float) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvkit.cli._tables import print_table
 
     n = len(isolated.instances)
     table = Table(title=f"{what}: {plural(n, 'instance')} ({isolated.router}), each GPU {config.gpu_blocks:,} + "
                         f"CPU {plural(config.num_cpu_blocks, 'block', grouped=True)} of "
                         f"{plural(config.block_size, 'token')}")
-    table.add_column("")
-    table.add_column("isolated", justify="right")
-    table.add_column(f"shared tier ({shared_url or 'in-process'})", justify="right")
+    table.add_column("", no_wrap=True)
+    table.add_column("isolated", justify="right", no_wrap=True)
+    table.add_column(f"shared tier ({shared_url or 'in-process'})", justify="right", no_wrap=True)
     shared = _rows(sharing)
     for name, value in _rows(isolated).items():
         table.add_row(name, value, shared[name])
-    console = Console()
-    console.print(table)
+    console = print_table(table)
     a, b = isolated.ttft_summary(), sharing.ttft_summary()
     console.print(f"the shared tier served {plural(sharing.total('hit_tokens_shared'), 'prompt token', grouped=True)} the isolated "
                   f"instances recomputed; modelled TTFT mean {b['mean']:,.1f} vs {a['mean']:,.1f} ms, p90 "

@@ -94,8 +94,9 @@ def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _print_table(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvkit.cli._tables import print_table
 
     ceiling = report["ceiling_gbps"]
     layouts = report["layout"] + ("" if report["cpu_layout"] == report["layout"] else f" -> {report['cpu_layout']}")
@@ -108,7 +109,7 @@ def _print_table(report: dict[str, Any]) -> None:
     if gemm:
         columns += ["GEMM ms (alone)", "slowdown", "copy GB/s in GEMM"]
     for c in columns:
-        table.add_column(c)
+        table.add_column(c, no_wrap=True)
     for r in report["results"]:
         row = [r["backend"], f"{r['gbps']:.1f}", f"{100 * r['gbps'] / ceiling:.0f}%", f"{r['submit_ms']:.3f}",
                str(r.get("descriptors", "-")), "yes" if r["verified"] and r.get("layered_verified", True) else "[red]NO[/]",
@@ -118,8 +119,7 @@ def _print_table(report: dict[str, Any]) -> None:
             row += [f"{r['gemm_ms']:.3f} ({r['gemm_ms_alone']:.3f})", f"{r['gemm_slowdown']:.3f}x",
                     f"{r['copy_gbps_during_gemm']:.1f}"]
         table.add_row(*row)
-    console = Console()
-    console.print(table)
+    console = print_table(table)
     for label, why in report["skipped"].items():
         console.print(f"skipped {label}: {why}")
 
@@ -143,19 +143,19 @@ def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from kvkit.cli._tables import print_table
 
     table = Table(title=f"block store {report['url']}, GB/s (median of {repeat})")
     for column in ("value bytes", "values", "put", "get", "put (hot)", "get (hot)", "library put", "library get",
                    "server tool set", "server tool get"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=True)
     for size, r in report["sizes"].items():
         table.add_row(size, str(r["values"]), *(f"{r[k]:.2f}" if k in r else "-" for k in (
             "put_GBps", "get_GBps", "put_hot_GBps", "get_hot_GBps", "library_put_GBps", "library_get_GBps",
             "server_tool_set_GBps", "server_tool_get_GBps")))
-    console = Console()
-    console.print(table)
+    console = print_table(table)
     c = report["contains"]
     library = f", library pipeline {c['library_pipeline_ms']:.2f} ms" if "library_pipeline_ms" in c else ""
     console.print(f"contains of {plural(c['keys'], 'key')}: {c['store_ms']:.2f} ms{library}")

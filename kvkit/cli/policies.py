@@ -138,13 +138,14 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
 
 
 def _print_table(result: PolicyStudy, title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvkit.cli._tables import print_table
+
     table = Table(title=title)
-    table.add_column("policy")
+    table.add_column("policy", no_wrap=True)
     for c in result.capacities:
-        table.add_column(f"{plural(c, 'block', grouped=True)}\nhit (of opt)", justify="right")
+        table.add_column(f"{plural(c, 'block', grouped=True)}\nhit (of opt)", justify="right", no_wrap=True)
     for i, p in enumerate(result.policies):
         cells = []
         for c in result.capacities:
@@ -152,7 +153,7 @@ def _print_table(result: PolicyStudy, title: str) -> None:
             cells.append(f"{result.hit_ratio(p, c):6.1%}"
                          + ("" if share is None else f" ({share:4.0%})"))
         table.add_row(p, *cells, end_section=i == len(result.policies) - 2)  # rule above opt
-    Console().print(table)
+    print_table(table)
 
 
 def _require_libcachesim() -> None:
@@ -163,21 +164,22 @@ def _require_libcachesim() -> None:
 
 
 def _print_baselines(stats: list[HitStats], capacities: tuple[int, ...], counting: str) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvkit.cli._tables import print_table
 
     table = Table(title="libCacheSim, PLAIN block counting (a hit whenever the block is cached, "
                         "not only in a hit prefix): not comparable row for row with kvkit's"
                   if counting == "plain" else
                   "libCacheSim, PREFIX counting (hits only in a request's leading run of hits, as kvkit counts)")
-    table.add_column("baseline")
+    table.add_column("baseline", no_wrap=True)
     for c in capacities:
-        table.add_column(f"{plural(c, 'block', grouped=True)}\n{counting} hit", justify="right")
+        table.add_column(f"{plural(c, 'block', grouped=True)}\n{counting} hit", justify="right", no_wrap=True)
     ratios = {(s.policy, s.capacity): s.hit_ratio for s in stats}
     rows = list(dict.fromkeys(s.policy for s in stats))
     for p in rows:
         table.add_row(p, *(f"{ratios[p, c]:6.1%}" for c in capacities))
-    Console().print(table)
+    print_table(table)
 
 
 def save_plot(result: PolicyStudy, path: str | Path, *, title: str = "") -> None:

@@ -199,20 +199,20 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
 
 def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Workload,
                   wall: float, peak_rss_mib: float) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvkit.cli._tables import print_table
 
     c = offload.config
     table = Table(title=describe_run(workload.describe(), c))
-    table.add_column("")
-    table.add_column("offload", justify="right")
+    table.add_column("", no_wrap=True)
+    table.add_column("offload", justify="right", no_wrap=True)
     if baseline is not None:
-        table.add_column("no offload", justify="right")
+        table.add_column("no offload", justify="right", no_wrap=True)
     base = dict(_rows(baseline)) if baseline is not None else {}
     for name, value in _rows(offload):
         table.add_row(name, value, *([base.get(name, "")] if baseline is not None else []))
-    console = Console()
-    console.print(table)
+    console = print_table(table)
     cost = c.cost
     console.print(f"cost model: {cost.prefill_tokens_per_s:,.0f} prefill tokens/s, "
                   f"{cost.pcie_gbps:g} GB/s PCIe, {cost.decode_ms_per_token:g} ms/token decode; "

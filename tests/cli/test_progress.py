@@ -1,6 +1,7 @@
 """Long ``kvkit`` commands show progress on stderr when it is a terminal (also with ``--json``), never on a pipe."""
 
 import fcntl
+import io
 import json
 import os
 import re
@@ -71,3 +72,43 @@ def test_progress_is_silent_on_a_pipe(name):
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     json.loads(result.stdout)
+
+
+def _drawn(bar, console) -> str:
+    for renderable in bar.get_renderables():
+        console.print(renderable)
+    return console.export_text()
+
+
+@pytest.mark.parametrize("width", [200, 80, 40])
+def test_no_name_or_number_is_cut_at_any_width(width):
+    """A line too wide for the terminal drops the bar and wraps at spaces; names and numbers stay whole."""
+    from rich.console import Console
+
+    from kvkit.cli._progress import _bar
+
+    console = Console(width=width, force_terminal=True, color_system=None, record=True, file=io.StringIO())
+    bar = _bar(console, shown=True)
+    bar.update(bar.add_task("replaying (offload)", total=262144), completed=131072,
+               note="requests, 12,345,678 block refs")
+    bar.update(bar.add_task("reading mooncake-conversation"), completed=1200)
+    drawn = _drawn(bar, console)
+    assert "…" not in drawn and max(map(len, drawn.splitlines())) <= width
+    for whole in ("replaying (offload)", "reading mooncake-conversation", "131,072", "262,144", "12,345,678"):
+        assert whole in drawn, (whole, drawn)
+
+
+def test_a_finished_line_stops_its_clock():
+    """Once done, a line shows the time its work took, however long the command goes on."""
+    from rich.console import Console
+
+    from kvkit.cli._progress import _bar, _Times
+
+    clock = [0.0]
+    bar = _bar(Console(file=io.StringIO()), shown=True)
+    bar.get_time = lambda: clock[0]
+    task = bar.add_task("reading", total=3)
+    clock[0] = 5.0
+    bar.update(task, completed=3)
+    clock[0] = 100.0
+    assert _Times().render(bar.tasks[0]).plain == "0:00:05 elapsed"
