@@ -18,7 +18,10 @@ from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, read_trace
 from kvkit.validate import plural
 
-__all__ = ["policies_command", "save_plot"]
+__all__ = ["DEFAULT_TRACE", "policies_command", "save_plot"]
+
+DEFAULT_TRACE = "mooncake-conversation"
+"""What ``kvkit policies`` replays without ``--trace`` or ``--shape``: the built-in Mooncake trace."""
 
 
 def _split(value: str | None, what: str) -> list[str] | None:
@@ -44,7 +47,8 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 @click.command("policies")
 @click.option("--trace", "trace_path", default=None,
               type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
-              help="Mooncake JSONL(.gz) trace to replay, or a built-in one by name: mooncake-conversation.")
+              help=f"Mooncake JSONL(.gz) trace to replay, or a built-in one by name [default without --shape: "
+                   f"the built-in {DEFAULT_TRACE}].")
 @shape_option(f"Replay a synthetic workload shape instead of --trace (blocks of {DEFAULTS.block_size} tokens "
               "unless --block-size is given).")
 @click.option("--seed", default=0, show_default=True, type=int,
@@ -81,13 +85,16 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
                      plot_path: Path | None) -> None:
     """Compare eviction policies' prefix hit ratios on a trace, as shares of the optimum.
 
-    Replays the trace through the real block pool once per policy and
+    Replays the trace (without --trace or --shape: the built-in
+    mooncake-conversation) through the real block pool once per policy and
     capacity, in parallel. A block hits only while every earlier block of its
     request hit; every block is stored after its request (--stores says how).
     """
     check_plot_path(plot_path)
-    if (trace_path is None) == (shape_name is None):
-        raise click.UsageError("give --trace or --shape (one of them)")
+    if trace_path is not None and shape_name is not None:
+        raise click.UsageError("give --trace or --shape, not both")
+    if trace_path is None and shape_name is None:
+        trace_path = Path(DEFAULT_TRACE)  # a first run needs no file: the packaged trace
     ctx = click.get_current_context()
     if trace_path is not None and ctx.get_parameter_source("seed") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError(f"--seed {seed} seeds a --shape workload; a --trace replays as it is")
