@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -16,8 +17,11 @@ __all__ = ["run_fleets"]
 
 
 def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str, shared_url: str | None,
-               as_json: bool) -> None:
-    """Replay ``workload`` through ``instances`` isolated instances, then as many sharing a tier; report both."""
+               as_json: bool, plot_path: Path | None = None) -> None:
+    """Replay ``workload`` through ``instances`` isolated instances, then as many sharing a tier; report both.
+
+    With ``plot_path``, also write :func:`~kvkit.cli.plots.fleet_figure` there as a PNG.
+    """
     from kvkit.shared.client import open_shared
 
     store, owned = open_shared(shared_url) if shared_url is not None else (None, False)
@@ -29,6 +33,13 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
         if owned:
             store.close()
     wall = time.perf_counter() - start
+    if plot_path is not None:
+        from kvkit.cli.plots import fleet_figure, save
+        from kvkit.cli.simulate import describe_run  # imported here: simulate imports this module
+
+        title = (f"{plural(len(isolated.instances), 'instance')} ({isolated.router}), each "
+                 f"{describe_run(workload.describe(), config)}; shared tier {shared_url or 'in-process'}")
+        save(fleet_figure(isolated, sharing, title=title), plot_path)
     if as_json:
         report = {"isolated": isolated.as_dict(), "shared": sharing.as_dict(),
                   "shared_url": shared_url or "in-process", "config": config.as_dict() | workload.as_dict(),
@@ -36,6 +47,8 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
         click.echo(json.dumps(report, indent=2, default=str))
         return
     _print(isolated, sharing, workload.describe(), config, shared_url, wall)
+    if plot_path is not None:
+        click.echo(f"plot written to {plot_path}")
 
 
 def _rows(f: FleetResult) -> dict[str, str]:

@@ -18,7 +18,7 @@ from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, read_trace
 from kvkit.validate import plural
 
-__all__ = ["DEFAULT_TRACE", "policies_command", "save_plot"]
+__all__ = ["DEFAULT_TRACE", "policies_command"]
 
 DEFAULT_TRACE = "mooncake-conversation"
 """What ``kvkit policies`` replays without ``--trace`` or ``--shape``: the built-in Mooncake trace."""
@@ -117,7 +117,9 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
     baseline_stats = None if baselines is None else libcachesim_study(requests, capacities, prefix=counting == "prefix")
     seconds = time.perf_counter() - start
     if plot_path is not None:
-        save_plot(result, plot_path, title=label)
+        from kvkit.cli.plots import policy_figure, save
+
+        save(policy_figure(result, title=_plot_title(result, label, len(requests), block_size, stores)), plot_path)
     references = next(iter(result.stats.values())).references
     if as_json:
         click.echo(json.dumps({
@@ -189,26 +191,9 @@ def _print_baselines(stats: list[HitStats], capacities: tuple[int, ...], countin
     print_table(table)
 
 
-def save_plot(result: PolicyStudy, path: str | Path, *, title: str = "") -> None:
-    """Write a PNG of each policy's hit ratio against capacity (the optimum dashed)."""
-    # Figure + Agg canvas, not pyplot: no global state, no display needed.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import PercentFormatter
-
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    xs = list(result.capacities)
-    for p in result.policies:
-        style = {"color": "black", "linestyle": "--"} if p == OPT else {}
-        ax.plot(xs, [result.hit_ratio(p, c) for c in xs], marker="o", label=p, **style)
-    if len(xs) > 1 and max(xs) / min(xs) >= 10:
-        ax.set_xscale("log")
-    ax.set_xlabel("pool capacity (blocks)")
-    ax.set_ylabel("prefix hit ratio")
-    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-    ax.set_title(title or "eviction policies")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.savefig(path, dpi=120)
+def _plot_title(result: PolicyStudy, label: str, requests: int, block_size: int, stores: str) -> str:
+    """The run a plot shows: the trace or shape, the policies and the capacities."""
+    policies = ", ".join(p for p in result.policies if p != OPT)
+    capacities = ", ".join(f"{c:,}" for c in result.capacities)
+    return (f"{label}: {plural(requests, 'request', grouped=True)}, blocks of {plural(block_size, 'token')}, "
+            f"{stores} stores\n{policies} against {OPT}, at {capacities} blocks")

@@ -22,7 +22,7 @@ from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
 from kvkit.validate import plural
 
-__all__ = ["describe_run", "figure", "save_plot", "simulate_command"]
+__all__ = ["describe_run", "simulate_command"]
 
 _COST = CostModel()  # the cost model's defaults have one home: CostModel
 
@@ -55,7 +55,7 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
               type=click.FloatRange(min=0, min_open=True), help="Cost model: CPU->GPU load GB/s.")
 @click.option("--decode-ms-per-token", default=_COST.decode_ms_per_token, show_default=True,
               type=click.FloatRange(min=0), help="Cost model: time per generated token.")
-@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never').")
+@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never'); not with --instances or --shared.")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
               help="Engine instances behind a router; above 1 compares isolated instances with "
                    "instances sharing a third tier.")
@@ -69,8 +69,8 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--plot", "plot_path", default=None,
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload.")
-# Old names, hidden and warning, for one release:
+              help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload "
+                   "(with --instances: isolated instances against instances sharing a tier).")
 def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int | None,
                      cpu_bytes: str | None, block_size: int | None, cpu_eviction: str,
                      gpu_eviction: str, store: str, verify: bool, seed: int, shape_name: str | None,
@@ -90,6 +90,9 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
         raise click.UsageError("give --cpu-blocks or --cpu-bytes, not both")
     if trace_path is not None and shape_name is not None:
         raise click.UsageError("give --trace or --shape, not both")
+    if no_baseline and (instances > 1 or shared_url is not None):
+        raise click.UsageError("--no-baseline skips the run without offload, which --instances and --shared do not "
+                               "make: they compare isolated instances with instances sharing a tier")
     if block_size is None:
         block_size = MOONCAKE_BLOCK_SIZE if trace_path is not None else DEFAULTS.block_size
     config = SimConfig(
@@ -100,7 +103,8 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
     config.stack_config()  # every bad slot is reported before any work
     workload = _Workload(trace_path, block_size, seed, limit, shape_name or "chat")
     if instances > 1 or shared_url is not None:
-        run_fleets(workload, config, instances=instances, router=router, shared_url=shared_url, as_json=as_json)
+        run_fleets(workload, config, instances=instances, router=router, shared_url=shared_url, as_json=as_json,
+                   plot_path=plot_path)
         return
     start = time.perf_counter()
     runs = [("offload", config)]
@@ -117,7 +121,9 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
     wall = time.perf_counter() - start
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     if plot_path is not None:
-        save_plot(offload, plot_path, baseline=baseline, title=workload.describe())
+        from kvkit.cli.plots import save, sim_figure
+
+        save(sim_figure(offload, baseline, title=describe_run(workload.describe(), offload.config)), plot_path)
     if as_json:
         report = offload.as_dict()
         report["config"].update(workload.as_dict())
@@ -231,48 +237,3 @@ def describe_run(what: str, config: SimConfig) -> str:
     return (f"{what}: GPU {plural(config.gpu_blocks, 'block', grouped=True)}, CPU "
             f"{plural(config.num_cpu_blocks, 'block', grouped=True)} of {plural(config.block_size, 'token')}; "
             f"eviction {names['cpu_eviction']} (GPU {names['gpu_eviction']}), store {names['store']}")
-
-
-def figure(offload: SimResult, baseline: SimResult | None = None, *, title: str = ""):
-    """A matplotlib ``Figure``: modelled TTFT CDF, and prompt tokens by tier, per run."""
-    # Figure + Agg canvas, not pyplot: no global state, no display needed.
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import PercentFormatter
-
-    runs = [("offload", offload)] + ([("no offload", baseline)] if baseline is not None else [])
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    cdf, tiers = fig.subplots(1, 2, width_ratios=[3, 2])
-    for label, r in runs:
-        ttft = np.sort(np.frombuffer(r.ttft_ms, dtype=np.float64))
-        if len(ttft):
-            cdf.plot(np.maximum(ttft, 1e-3), np.arange(1, len(ttft) + 1) / len(ttft), label=label)
-    cdf.set_xscale("log")
-    cdf.set_xlabel("modelled time to first token (ms)")
-    cdf.set_ylabel("requests")
-    cdf.yaxis.set_major_formatter(PercentFormatter(1.0))
-    cdf.grid(True, alpha=0.3)
-    cdf.legend()
-    cdf.set_title("TTFT CDF")
-    names = [label for label, _ in runs]
-    bottom = np.zeros(len(runs))
-    for part, color in (("hit_tokens_gpu", "tab:green"), ("hit_tokens_cpu", "tab:blue"),
-                        ("computed_tokens", "tab:gray")):
-        share = np.array([getattr(r, part) / r.prompt_tokens if r.prompt_tokens else 0.0 for _, r in runs])
-        tiers.bar(names, share, bottom=bottom, color=color, label=part.replace("_", " "))
-        bottom += share
-    tiers.yaxis.set_major_formatter(PercentFormatter(1.0))
-    tiers.set_ylabel("prompt tokens")
-    tiers.legend(loc="lower left", bbox_to_anchor=(1.0, 0.0))
-    tiers.set_title("where prompt tokens came from")
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
-def save_plot(offload: SimResult, path: str | Path, *, baseline: SimResult | None = None,
-              title: str = "") -> None:
-    """Write :func:`figure` as a PNG to ``path``."""
-    figure(offload, baseline, title=title).savefig(path, dpi=120)
