@@ -56,15 +56,23 @@ def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: 
     """Copy-backend GB/s on a KV cache (Llama-3-8B shapes by default), each copy checked."""
     spec = KVCacheSpec(num_layers=layers, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                        dtype=dtype)
-    with progress() as bar:
+    per_timing = spec.bytes_per_block * blocks * repeat * len(DIRECTIONS[direction])
+    with progress(log=True) as bar:  # minutes-long runs say what they do even on a pipe
         task = bar.task("bench transfer")
+
+        def step(what: str, done: int, total: int) -> None:
+            if done == 0:  # the options passed their checks; nothing is allocated yet
+                slow = _slow_on_this_machine(per_timing)
+                if slow:
+                    bar.note(slow)
+            bar.update(task, description=what, completed=done, total=total, note="steps")
+            bar.log(f"bench transfer: {what} (step {done + 1} of {total})" if done < total else "bench transfer: done")
+
         report = run_transfer(spec, backend=backend, layout=layout, cpu_layout=cpu_layout, blocks=blocks, ids=ids,
                               direction=direction, with_gemm=with_gemm, pool_blocks=pool_blocks, repeat=repeat,
-                              alloc=alloc, options=_parse_options(settings), seed=seed,
-                              on_step=lambda what, done, total: bar.update(task, description=what, completed=done,
-                                                                           total=total, note="steps"),
+                              alloc=alloc, options=_parse_options(settings), seed=seed, on_step=step,
                               on_result=lambda r: bar.note(
-                                  f"{r['backend']}: {r['gbps']:.1f} GB/s, "
+                                  f"bench transfer: {r['backend']}: {r['gbps']:.1f} GB/s, "
                                   f"{'verified' if r['verified'] else 'WRONG BYTES'}"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -72,6 +80,22 @@ def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: 
         _print_table(report)
     if not all(r["verified"] and r.get("layered_verified", True) for r in report["results"]):
         raise click.ClickException("a copy moved wrong bytes (see the 'ok' column)")
+
+
+_QUICK = "kvkit bench transfer --backend torch --layers 2 --blocks 16 --repeat 1"
+_SLOW_ON_CPU_BYTES = 256 << 20
+"""Bytes per timing above which a run on host memory alone takes minutes (a few seconds a GiB, many timings)."""
+
+
+def _slow_on_this_machine(per_timing: int) -> str | None:
+    """The warning for a large run on a machine without a CUDA device, or ``None``."""
+    import torch  # the benchmark needs it anyway
+
+    if torch.cuda.is_available() or per_timing <= _SLOW_ON_CPU_BYTES:
+        return None
+    return (f"warning: no CUDA device: bench transfer times the torch backend on host memory, which is slow at "
+            f"this size ({per_timing / 2**30:,.1f} GiB copied per timing, several timings per backend; the "
+            f"defaults can take many minutes); for a quick check: {_QUICK}")
 
 
 def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:

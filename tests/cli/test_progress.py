@@ -1,4 +1,5 @@
-"""Long ``kvkit`` commands show progress on stderr when it is a terminal (also with ``--json``), never on a pipe."""
+"""Long ``kvkit`` commands show progress on stderr: a bar on a terminal (also with ``--json``); on a pipe nothing, but a
+benchmark logs its steps."""
 
 import fcntl
 import io
@@ -64,7 +65,7 @@ def test_progress_is_drawn_on_a_terminal_even_with_json(name):
         assert text in drawn, (text, drawn[-3000:])
 
 
-@pytest.mark.parametrize("name", sorted(COMMANDS))
+@pytest.mark.parametrize("name", ["policies", "simulate"])
 def test_progress_is_silent_on_a_pipe(name):
     """With stderr on a pipe the command writes nothing to it, and the same JSON to stdout."""
     args, _ = COMMANDS[name]
@@ -72,6 +73,48 @@ def test_progress_is_silent_on_a_pipe(name):
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     json.loads(result.stdout)
+
+
+def test_bench_transfer_logs_each_step_on_a_pipe():
+    """A benchmark that may run for minutes says on stderr, one line each, what starts and what finished."""
+    args, _ = COMMANDS["bench transfer"]
+    result = subprocess.run([*_KVKIT, *args], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    json.loads(result.stdout)  # stdout holds the JSON alone
+    lines = result.stderr.splitlines()
+    assert lines[0] == "bench transfer: allocating 8 blocks per tier (step 1 of 3)", lines
+    assert "bench transfer: torch (step 3 of 3)" in lines and lines[-1] == "bench transfer: done"
+    assert any(line.startswith("bench transfer: torch: ") and line.endswith("GB/s, verified") for line in lines)
+
+
+def test_bench_transfer_on_cpu_warns_first_and_names_a_quick_run(monkeypatch):
+    """Without a CUDA device the default-sized benchmark warns before any work, and says what to type instead."""
+    import torch
+    from click.testing import CliRunner
+
+    import kvkit.cli as cli
+    import kvkit.cli.bench as bench_module
+
+    if torch.cuda.is_available():
+        pytest.skip("the warning is for machines without a CUDA device")
+    seen = []
+
+    def fake_run(spec, *, on_step, on_result, **options):
+        seen.append("work")
+        on_step("allocating", 0, 1)
+        on_step("done", 1, 1)
+        return {"results": []}
+
+    monkeypatch.setattr(bench_module, "run_transfer", fake_run)
+    result = CliRunner().invoke(cli.main, ["bench", "transfer", "--json"])
+    assert result.exit_code == 0, result.output
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("warning: no CUDA device") and "5.0 GiB copied per timing" in first
+    assert first.endswith("kvkit bench transfer --backend torch --layers 2 --blocks 16 --repeat 1")
+    assert json.loads(result.stdout) == {"results": []}
+    small = CliRunner().invoke(cli.main, ["bench", "transfer", "--layers", "2", "--blocks", "16", "--repeat", "1",
+                                          "--json"])
+    assert small.exit_code == 0 and "warning" not in small.stderr
 
 
 def _drawn(bar, console) -> str:
