@@ -12,6 +12,7 @@ from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.registry import COPY
+from kvkit.shared.urls import redact_url
 from kvkit.stats import OffloadStats
 from kvkit.validate import plural
 from kvkit.worker.memory import check_fits
@@ -55,6 +56,18 @@ class OffloadStack:
     shared_workers: list[SharedTierWorker] = attrs.field(factory=list)
     shared_store: BlockStore | None = None
     owns_shared_store: bool = False
+
+    def __repr__(self) -> str:
+        """The parts and sizes, one line: no private state, and no secret (a store URL's password is ``***``)."""
+        c, kv = self.config, self.config.kv
+        parts = [f"kv={plural(kv.num_layers, 'layer')} x {plural(kv.num_kv_heads, 'KV head')} x "
+                 f"{plural(kv.head_dim, 'dim')} ({kv.dtype}), {plural(kv.block_size, 'token')} a block",
+                 f"gpu={plural(self.gpu.num_blocks, 'block', grouped=True)} ({_name(c.gpu_eviction)})",
+                 f"cpu={plural(self.cpu.num_blocks, 'block', grouped=True)} ({_name(c.cpu_eviction)})",
+                 f"store={_name(c.store)}", f"copy={_name(c.copy)}", f"workers={len(self.workers)}"]
+        if self.shared_store is not None:
+            parts.append(f"shared={redact_url(c.shared) if isinstance(c.shared, str) else _name(self.shared_store)}")
+        return f"OffloadStack({', '.join(parts)})"
 
     @property
     def stats(self) -> OffloadStats:
@@ -114,6 +127,13 @@ class OffloadStack:
         if timeouts:
             pending = tuple(sorted({tid for exc in timeouts for tid in exc.pending}))
             raise TransferTimeoutError("; ".join(map(str, timeouts)), pending)
+
+
+def _name(component: object) -> str:
+    """A slot's registered name, or its instance's class name (``none`` for no component)."""
+    if component is None:
+        return "none"
+    return component if isinstance(component, str) else type(component).__name__
 
 
 def build(config: StackConfig | None = None, /, *, layout: str | None = None,

@@ -23,8 +23,10 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
     With ``plot_path``, also write :func:`~kvkit.cli.plots.fleet_figure` there as a PNG.
     """
     from kvkit.shared.client import open_shared
+    from kvkit.shared.urls import redact_url
 
     store, owned = open_shared(shared_url) if shared_url is not None else (None, False)
+    shown_url = "in-process" if shared_url is None else redact_url(shared_url)  # never a password
     start = time.perf_counter()
     try:
         isolated, sharing = compare_fleets(workload.requests, config, instances=instances, router=router,
@@ -38,15 +40,15 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
         from kvkit.cli.simulate import describe_run  # imported here: simulate imports this module
 
         title = (f"{plural(len(isolated.instances), 'instance')} ({isolated.router}), each "
-                 f"{describe_run(workload.describe(), config)}; shared tier {shared_url or 'in-process'}")
+                 f"{describe_run(workload.describe(), config)}; shared tier {shown_url}")
         save(fleet_figure(isolated, sharing, title=title), plot_path)
     if as_json:
         report = {"isolated": isolated.as_dict(), "shared": sharing.as_dict(),
-                  "shared_url": shared_url or "in-process", "config": config.as_dict() | workload.as_dict(),
+                  "shared_url": shown_url, "config": config.as_dict() | workload.as_dict(),
                   "wall_s": round(wall, 3)}
         click.echo(json.dumps(report, indent=2, default=str))
         return
-    _print(isolated, sharing, workload.describe(), config, shared_url, wall)
+    _print(isolated, sharing, workload.describe(), config, shown_url, wall)
     if plot_path is not None:
         click.echo(f"plot written to {plot_path}")
 
@@ -74,7 +76,7 @@ def _rows(f: FleetResult) -> dict[str, str]:
     }
 
 
-def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimConfig, shared_url: str | None,
+def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimConfig, shown_url: str,
            wall: float) -> None:
     from rich.table import Table
 
@@ -86,7 +88,7 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
                         f"{plural(config.block_size, 'token')}")
     table.add_column("", no_wrap=True)
     table.add_column("isolated", justify="right", no_wrap=True)
-    table.add_column(f"shared tier ({shared_url or 'in-process'})", justify="right", no_wrap=True)
+    table.add_column(f"shared tier ({shown_url})", justify="right", no_wrap=True)
     shared = _rows(sharing)
     for name, value in _rows(isolated).items():
         table.add_row(name, value, shared[name])

@@ -155,3 +155,16 @@ def test_defaults_come_from_the_one_defaults_record():
         cost.pcie_gbps, cost.prefill_tokens_per_s, cost.decode_ms_per_token)
 
 
+
+
+def test_a_shared_url_password_never_reaches_the_output(monkeypatch):
+    """`--shared` with a password: the table, the JSON and the plot title show it as ***."""
+    import kvkit.shared.client as client
+    from kvkit.backends.blockstore.memory import MemoryStore
+
+    monkeypatch.setattr(client, "open_shared", lambda url: (MemoryStore(), True))
+    url = "valkey://alice:hunter2@127.0.0.1:6379/0"
+    for extra in ([], ["--json"]):
+        result = _run("--shared", url, "--instances", 2, "--limit", 20, *extra)
+        assert result.exit_code == 0, result.output
+        assert "hunter2" not in result.output and "alice:***@127.0.0.1" in " ".join(result.output.split())
