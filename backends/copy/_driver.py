@@ -82,7 +82,7 @@ class Driver:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
-            raise BackendUnavailableError(f"no CUDA driver library (libcuda.so.1): {exc}") from exc
+            raise BackendUnavailableError(f"no CUDA driver: {exc}") from exc
         version = ctypes.c_int(0)
         _check(lib, lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         _check(lib, lib.cuInit(0), "cuInit")
