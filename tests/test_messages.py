@@ -20,6 +20,7 @@ _COUNTED = re.compile(rf"^ (?:[\w-]+ ){{0,2}}?(?:{_NOUNS})\b(?!/)")
 _NOT_A_COUNT = {
     "g", "op", "plan", "tier", "('GPU', 'CPU')[tier]",  # names: "group 2 needs GPU blocks", "put failed keys"
     "report['ids']",  # "random" or "consecutive" ids
+    "capacities",  # a list of block counts: "at 1,000, 4,000 blocks"
     "v.num_confirmed_blocks",  # "3 confirmed of hashes [...]"
     "len(self.problems)", "len(exc.problems)",  # a ConfigError of one problem is that problem alone
 }

@@ -125,7 +125,7 @@ class OffloadManager:
             hit, its hits are fetched into CPU blocks and loaded as CPU hits,
             and CPU blocks are put there (write-through or write-back).
 
-    Invariants (DESIGN §4; :meth:`check_invariants` asserts them):
+    Invariants (:meth:`check_invariants` asserts them):
         * CPU refcount of every block == lookup pins + in-flight transfer
           references held by the manager; with ``gpu``, the manager's GPU
           references are exactly those of in-flight and queued transfers.
