@@ -60,8 +60,10 @@ class OffloadStack:
     def __repr__(self) -> str:
         """The parts and sizes, one line: no private state, and no secret (a store URL's password is ``***``)."""
         c, kv = self.config, self.config.kv
-        parts = [f"kv={plural(kv.num_layers, 'layer')} x {plural(kv.num_kv_heads, 'KV head')} x "
-                 f"{plural(kv.head_dim, 'dim')} ({kv.dtype}), {plural(kv.block_size, 'token')} a block",
+        shape = "none" if kv is None else (
+            f"{plural(kv.num_layers, 'layer')} x {plural(kv.num_kv_heads, 'KV head')} x "
+            f"{plural(kv.head_dim, 'dim')} ({kv.dtype}), {plural(kv.block_size, 'token')} a block")
+        parts = [f"kv={shape}",
                  f"gpu={plural(self.gpu.num_blocks, 'block', grouped=True)} ({_name(c.gpu_eviction)})",
                  f"cpu={plural(self.cpu.num_blocks, 'block', grouped=True)} ({_name(c.cpu_eviction)})",
                  f"store={_name(c.store)}", f"copy={_name(c.copy)}", f"workers={len(self.workers)}"]

@@ -123,7 +123,7 @@ def policy_figure(result: PolicyStudy, *, title: str) -> Figure:
     ax = fig.add_subplot()
     xs = list(result.capacities)
     for policy in result.policies:
-        style = {"color": "black", "linestyle": "--"} if policy == OPT else {}
+        style: dict[str, Any] = {"color": "black", "linestyle": "--"} if policy == OPT else {}
         ax.plot(xs, [result.hit_ratio(policy, c) for c in xs], marker="o", label=policy, **style)
     if len(xs) > 1 and max(xs) / min(xs) >= 10:
         ax.set_xscale("log")
