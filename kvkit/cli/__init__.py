@@ -69,7 +69,7 @@ def check_plot_path(path: Path | None) -> None:
     if path is None:
         return
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib as mpl  # noqa: F401 - only whether it imports
     except ImportError:
         raise click.UsageError("--plot needs matplotlib: pip install 'kvkit[plot]'") from None
     folder = path.parent
@@ -105,6 +105,8 @@ def _first_doc_line(target: str) -> str:
     module, _, attr = target.partition(":")
     try:
         spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            return ""
         tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
     except (ImportError, AttributeError, TypeError, OSError, SyntaxError, ValueError):
         return ""
