@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from typing_extensions import override
+
 __all__ = ["lazy_exports", "lazy_module"]
 
 
@@ -60,6 +62,7 @@ class _LazyModule:
             self._namespace[self._binding] = module
         return getattr(module, attribute)
 
+    @override
     def __repr__(self) -> str:
         return f"<module {self._name!r}, imported on first use>"
 

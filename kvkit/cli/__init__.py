@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from typing_extensions import override
 
 from kvkit.errors import ConfigError, KVKitError
 
@@ -119,9 +120,11 @@ def _first_doc_line(target: str) -> str:
 class _LazyGroup(click.Group):
     """A group whose subcommands come from :data:`COMMANDS`, imported on first use."""
 
+    @override
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 
+    @override
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         target = COMMANDS.get(cmd_name)
         if target is None:
@@ -129,12 +132,14 @@ class _LazyGroup(click.Group):
         module, _, attr = target.partition(":")
         return getattr(importlib.import_module(module), attr)
 
+    @override
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Listing help must not import the commands; read their docstrings instead.
         rows = [(name, _first_doc_line(COMMANDS[name])) for name in self.list_commands(ctx)]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    @override
     def invoke(self, ctx: click.Context) -> Any:
         with kvkit_errors():
             return super().invoke(ctx)

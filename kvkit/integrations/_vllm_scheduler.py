@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+from typing_extensions import override
 
 from kvkit.errors import HashInputError
 from kvkit.integrations._vllm_settings import ConnectorSettings
@@ -136,6 +137,7 @@ class CpuTierEvents(OffloadCallback):
             self._batches[first] = [{tid for tid, _ in stores}, stores[0][1].dst.tolist(), True]
             self._batch_of.update((tid, first) for tid, _ in stores)
 
+    @override
     def on_transfer_completed(self, transfer_id: int, direction: Direction, num_blocks: int, ok: bool) -> None:
         first = self._batch_of.pop(transfer_id, None)
         if direction is not Direction.STORE or first is None:
@@ -148,6 +150,7 @@ class CpuTierEvents(OffloadCallback):
             if batch[2]:
                 self._landed.append(batch[1])
 
+    @override
     def on_evict(self, tier: Tier, block: BlockId, block_hash: BlockHash) -> None:
         if tier is Tier.CPU:
             self._add(False, [block_hash])

@@ -24,6 +24,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from typing_extensions import override
 
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.shared import BlockStore, StoreResult
@@ -218,6 +219,7 @@ class BlockStoreContract(RuleBasedStateMachine):
             return
         raise AssertionError("poll(7), a ticket not in a collection, did not raise ConfigError")
 
+    @override
     def teardown(self) -> None:
         try:
             self._drain()

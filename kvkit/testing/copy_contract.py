@@ -44,6 +44,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from typing_extensions import override
 
 from kvkit.backends.copy.torch_copy import TorchCopy
 from kvkit.errors import PlanError, SpecMismatchError
@@ -262,6 +263,7 @@ class CopyBackendContract:
     max_blocks: ClassVar[int] = 6
     hypothesis_settings: ClassVar[settings | None] = None
 
+    @override
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if cls.device == "cuda":  # deselectable with -m "not gpu", like kvkit's own GPU tests

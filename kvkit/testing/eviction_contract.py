@@ -24,6 +24,7 @@ from typing import TypeGuard, cast
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from typing_extensions import override
 
 from kvkit.interfaces.capabilities import PinAwarePolicy, SelectivePins, pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
@@ -295,6 +296,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
 class LRUContract(EvictionPolicyContract):
     """The contract plus exact LRU order: victims are the least recently inserted or hit."""
 
+    @override
     def reference_order(self) -> Iterable[BlockId]:
         return self.recency
 
@@ -302,5 +304,6 @@ class LRUContract(EvictionPolicyContract):
 class FIFOContract(EvictionPolicyContract):
     """The contract plus exact FIFO order: victims are the earliest inserted; hits don't count."""
 
+    @override
     def reference_order(self) -> Iterable[BlockId]:
         return self.tracked
