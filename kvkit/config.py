@@ -29,8 +29,8 @@ from kvkit.interfaces import (
     StorePolicy,
 )
 from kvkit.interfaces.shared import SHARED_WRITES, BlockStore
-from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry, did_you_mean
-from kvkit.validate import check_real, int_problem, is_int
+from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry
+from kvkit.validate import check_real, did_you_mean, int_problem, is_int
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.memory import BOOKKEEPING_BYTES_PER_BLOCK, check_fits
 

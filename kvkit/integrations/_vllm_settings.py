@@ -16,7 +16,8 @@ import attrs
 from kvkit.config import DEFAULTS, StackConfig, parse_bytes
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
-from kvkit.registry import STORE, did_you_mean
+from kvkit.registry import STORE
+from kvkit.validate import did_you_mean
 from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window", "parse_extra_config",
