@@ -22,8 +22,8 @@ from kvkit.interfaces import BlockHash, KVCacheSpec
 if TYPE_CHECKING:
     from kvkit.config import StackConfig
     from kvkit.shared.scheduler import SharedTierSpec
-from kvkit.shared.format import HEADER_SIZE, Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.interfaces.shared import BlockStore, StoreResult
+from kvkit.shared.format import HEADER_SIZE, Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.validate import quote
 
 __all__ = ["FormatCodec", "SharedConnection", "StoreClient", "connect_shared", "open_shared", "shared_clients"]
@@ -158,11 +158,11 @@ class FormatCodec:
 
     Attributes:
         namespace: what gives the bytes their meaning (model, spec, layout, TP size).
-        secret: HMAC secret shared by every instance of a deployment, or ``None``.
+        secret: HMAC secret shared by every instance of a deployment, or ``None`` (never in the repr).
     """
 
     namespace: Namespace
-    secret: bytes | None = None
+    secret: bytes | None = attrs.field(default=None, repr=False)
     header_bytes: int = attrs.field(default=HEADER_SIZE, init=False)
 
     @classmethod
@@ -218,7 +218,7 @@ class SharedConnection:
 
 
 def connect_shared(config: StackConfig, *, layout: str, workers: int) -> SharedConnection:
-    """Open ``config.shared`` and build its codec: the one path of every stack, kvkit's own and vLLM's.
+    """Open ``config.shared.url`` and build its codec: the one path of every stack, kvkit's own and vLLM's.
 
     ``layout`` is the CPU payload layout the namespace names; ``workers`` how
     many worker ranks of ``config.world_size`` this process runs (each gets a client).
@@ -226,12 +226,14 @@ def connect_shared(config: StackConfig, *, layout: str, workers: int) -> SharedC
     Raises:
         ConfigError / BackendUnavailableError: as :func:`open_shared` and :meth:`FormatCodec.for_stack`.
     """
+    from kvkit.config import UNNAMED_MODEL
     from kvkit.shared.scheduler import SharedTierSpec
 
-    store, owned = open_shared(config.shared)
+    shared = config.shared
+    store, owned = open_shared(shared.url)
     clients = shared_clients(store, workers + 1)  # the scheduler's, then one per rank
-    codec = FormatCodec.for_stack(config.kv, config.world_size, model=config.shared_model, layout=layout,
-                                  secret=config.shared_secret)
-    spec = SharedTierSpec(store=clients[0], codec=codec, write=config.shared_write,
-                          backoff_s=config.shared_backoff_s, max_backoff_s=60 * config.shared_backoff_s)
+    codec = FormatCodec.for_stack(config.kv, config.world_size, model=shared.model or UNNAMED_MODEL, layout=layout,
+                                  secret=shared.secret)
+    spec = SharedTierSpec(store=clients[0], codec=codec, write=shared.write,
+                          backoff_s=shared.backoff_s, max_backoff_s=60 * shared.backoff_s)
     return SharedConnection(spec, clients[1:], store, owned)

@@ -165,7 +165,7 @@ class SimConfig:
         model: the model shape bytes are counted for.
         shared: a shared (third) tier for the stack, as ``StackConfig.shared``
             (a ``BlockStore`` instance several simulators share, or a URL).
-        shared_write: ``StackConfig.shared_write``.
+        shared_write: the shared tier's ``write`` (``SharedConfig.write``).
     """
 
     gpu_blocks: int = attrs.field(default=DEFAULTS.gpu_blocks, validator=at_least(1))
@@ -213,7 +213,8 @@ class SimConfig:
         return StackConfig(kv=kv, gpu_blocks=self.gpu_blocks, cpu_blocks=self.num_cpu_blocks,
                            cpu_eviction=self.cpu_eviction, gpu_eviction=self.gpu_eviction, store=self.store,
                            copy=_VERIFY_COPY if self.verify else None, device="cpu", callbacks=self.callbacks,
-                           options=self.options, shared=self.shared, shared_write=self.shared_write)
+                           options=self.options,
+                           shared=None if self.shared is None else {"url": self.shared, "write": self.shared_write})
 
     def as_dict(self) -> dict[str, Any]:
         """The configuration as JSON-ready values (instances by class name)."""
