@@ -28,6 +28,7 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
         if owned:
             store.close()
     wall = time.perf_counter() - start
+    config = isolated.instances[0].config  # with the trace's block size
     if as_json:
         report = {"isolated": isolated.as_dict(), "shared": sharing.as_dict(),
                   "shared_url": shared_url or "in-process", "config": config.as_dict() | workload.as_dict(),
@@ -66,8 +67,8 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
     from rich.table import Table
 
     n = len(isolated.instances)
-    table = Table(title=f"{what}: {n} instances ({isolated.router}), each GPU {config.gpu_blocks:,} + "
-                        f"CPU {config.num_cpu_blocks:,} blocks of {config.block_size} tokens")
+    table = Table(title=f"{what}: {n} instances ({isolated.router}), each GPU {config.stack.gpu_blocks:,} + "
+                        f"CPU {config.stack.num_cpu_blocks:,} blocks of {config.block_size} tokens")
     table.add_column("")
     table.add_column("isolated", justify="right")
     table.add_column(f"shared tier ({shared_url or 'in-process'})", justify="right")
