@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvkit.interfaces.shared import BlockStore
-    from kvkit.worker.engine import TransferEngine
     from kvkit.shared.worker import SharedTierWorker
+    from kvkit.worker.engine import TransferEngine
 
 __all__ = ["OffloadStack", "build"]
 

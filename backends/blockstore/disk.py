@@ -12,8 +12,8 @@ from pathlib import Path
 
 import attrs
 
-from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.blockstore._common import TicketBox, check_call, check_keys, flat_views
+from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId

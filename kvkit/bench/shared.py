@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from kvkit.shared.urls import open_block_store
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.shared import BlockStore
+from kvkit.shared.urls import open_block_store
 
 __all__ = ["run_shared_bench"]
 

@@ -43,9 +43,9 @@ from kvkit.integrations._vllm_settings import ConnectorSettings
 from kvkit.interfaces import KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
 from kvkit.interfaces.shared import BlockStore
 from kvkit.shared.client import connect_shared
+from kvkit.shared.worker import SharedTierWorker
 from kvkit.worker.engine import TransferEngine
 from kvkit.worker.layouts import layouts_for, validate_kv
-from kvkit.shared.worker import SharedTierWorker
 
 __all__ = ["VLLM_LAYOUTS", "WorkerSide", "detect_layout", "group_spec"]
 

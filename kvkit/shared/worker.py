@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvkit.errors import ConfigError, TransferTimeoutError
-from kvkit.interfaces.shared import BlockStore, StoreResult
-from kvkit.interfaces.shared import BlockCodec, SharedPlan
+from kvkit.interfaces.shared import BlockCodec, BlockStore, SharedPlan, StoreResult
 from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
 from kvkit.validate import check_int, check_real, checked, implements, quote
 from kvkit.worker import WAIT_TIMEOUT_S

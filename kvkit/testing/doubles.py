@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from kvkit.interfaces.shared import BlockStore, StoreResult
 from kvkit.interfaces.callbacks import OffloadCallback
+from kvkit.interfaces.shared import BlockStore, StoreResult
 from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["FailingStore", "InertPolicy", "RaisingCallback"]

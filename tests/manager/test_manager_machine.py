@@ -7,9 +7,9 @@ random moments. Each of ``WORLD`` workers keeps a "content" value per GPU and
 CPU block (the hash whose KV the block holds): compute writes it, a worker
 copies it when it *executes* a plan (any time between ``build_step`` and its
 report), and results reach the manager late, out of order, duplicated and per
-worker. After every rule the DESIGN §4 invariants that apply at this level are
+worker. After every rule the invariants (docs/guarantees.md) that apply at this level are
 checked against the model; the planted-bug tests at the end prove the checks
-catch each DESIGN §5 failure mode without the manager's own self-check.
+catch each failure mode known in the field without the manager's own self-check.
 
 Variants: the eager machine (the manager holds GPU references), the same as an
 external engine (no GPU pool: finish/abort delay the free until released, and
@@ -37,15 +37,15 @@ from hypothesis.stateful import (
 )
 
 from kvkit.backends.allocator import BlockPool
-from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore, LazyStore, NeverStore, SelectiveStore
 from kvkit.errors import KVKitError, OutOfBlocksError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import Direction, KVCacheSpec, TransferResult
 from kvkit.manager import OffloadManager
-from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.shared.client import shared_clients
+from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.testing.doubles import FailingStore, RaisingCallback
 from kvkit.testing.hostile import BAD_CALLS, snapshot
 
@@ -1088,7 +1088,7 @@ TestSharedTier = SharedTierMachine.TestCase
 TestSharedTierWriteBack = SharedWriteBackMachine.TestCase
 
 
-# -- planted bugs: the machine must catch each DESIGN §5 failure mode ---------
+# -- planted bugs: the machine must catch each failure mode known in the field ---------
 #
 # Each plant is a small OffloadManager subclass with one field bug. The machine
 # runs with the manager's own check_invariants() off, so only the model's checks

@@ -248,8 +248,8 @@ def test_write_back_needs_a_pool_that_previews_its_victims():
     from kvkit.backends.eviction.lru import LRUPolicy
     from kvkit.backends.store import EagerStore
     from kvkit.manager import OffloadManager
-    from kvkit.shared.scheduler import SharedTierSpec
     from kvkit.shared.client import FormatCodec
+    from kvkit.shared.scheduler import SharedTierSpec
 
     class Plain:  # a BlockAllocator that hides eviction_candidates
         def __init__(self, pool):

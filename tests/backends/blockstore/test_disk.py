@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.backends.blockstore.disk import DiskStore, _name
+from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.errors import ConfigError, KVKitError
 
 

@@ -13,8 +13,8 @@ import pytest
 from kvkit.backends.blockstore.resp import key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
 from kvkit.errors import ConfigError
-from kvkit.shared.format import Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.interfaces.types import KVCacheSpec
+from kvkit.shared.format import Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.testing.servers import LocalServer, free_port
 
 TIMEOUT = 0.3
