@@ -10,7 +10,7 @@ import attrs
 
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash
-from kvkit.validate import check_int, checked, non_empty_str, real_in
+from kvkit.validate import check_int, checked, known_keywords, non_empty_str, real_in
 
 __all__ = ["HintAwarePolicy", "WorkloadHints"]
 
@@ -18,6 +18,7 @@ __all__ = ["HintAwarePolicy", "WorkloadHints"]
 _LABEL = "WorkloadHints."
 
 
+@known_keywords
 @attrs.frozen
 class WorkloadHints:
     """What a caller knows about a request's blocks' future, for the CPU tier's eviction policy.

@@ -212,7 +212,7 @@ SharedSpec = SharedConfig | str | BlockStore | Mapping[str, Any]
 """What ``StackConfig(shared=...)`` takes: a :class:`SharedConfig`, its ``url``, or a mapping of its fields."""
 
 
-def _shared_config(value: SharedSpec) -> SharedConfig:
+def _shared_config(value: str | BlockStore | Mapping[str, Any]) -> SharedConfig:
     return SharedConfig(**value) if isinstance(value, Mapping) else SharedConfig(url=value)
 
 

@@ -240,12 +240,12 @@ def implements(protocol: type, *, label: str = "", what: str | None = None, opti
     return validate
 
 
-def is_callable(*, label: str = "") -> _Validator:
-    """An ``attrs`` validator: the field is callable."""
+def is_callable(*, label: str = "", what: str = "callable") -> _Validator:
+    """An ``attrs`` validator: the field is callable (``what`` says what is expected, e.g. "a policy class")."""
 
     def validate(inst: object, attribute: Any, value: object) -> None:
         if not callable(value):
-            raise ConfigError(f"{label}{attribute.name}={quote(value)}: must be callable")
+            raise ConfigError(f"{label}{attribute.name}={quote(value)}: must be {what}")
 
     return validate
 
@@ -324,7 +324,7 @@ def known_keywords(cls: _C) -> _C:
     that raises ``ConfigError`` listing every problem keeps doing so). The
     signature stays the record's own (``inspect.signature`` follows ``__wrapped__``).
     """
-    init = cls.__init__
+    init: Callable[..., None] = cls.__dict__["__init__"]
     valid = [a.alias for a in attrs.fields(cls) if a.init]
     known = frozenset(valid)
 

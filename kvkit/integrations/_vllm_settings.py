@@ -266,6 +266,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
             f"{len(kv.groups)} KV cache groups; use eager, selective or never")
     if problems:
         raise ConfigError(problems)
+    assert stack is not None  # built, or its problems were raised
     return ConnectorSettings(stack, layout, extra.get("async_load", False), extra.get("layerwise", True))
 
 

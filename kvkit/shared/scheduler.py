@@ -41,7 +41,7 @@ from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
 from kvkit.stats import OffloadStats
-from kvkit.validate import check_real, checked, implements, is_callable, one_of, optional_at_least
+from kvkit.validate import check_real, checked, implements, is_callable, known_keywords, one_of, optional_at_least
 
 __all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
 
@@ -52,6 +52,7 @@ PROBE_KEY = b"kvkit:probe"
 _LABEL = "SharedTierSpec."
 
 
+@known_keywords
 @attrs.frozen(kw_only=True)
 class SharedTierSpec:
     """How a manager uses a shared tier.

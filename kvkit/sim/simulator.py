@@ -221,12 +221,15 @@ class SimConfig:
 
     def __init__(self, *, stack: StackConfig | None = None, block_size: int | None = None, verify: bool = False,
                  cost: CostModel = _COST, model: ModelShape = LLAMA_3_8B, **slots: Any) -> None:
-        self.__attrs_init__(stack=stack, block_size=block_size, verify=verify, cost=cost, model=model)
+        # The stack is set once the fields it derives from (block_size, verify, model) passed their checks.
+        self.__attrs_init__(stack=stack, block_size=block_size, verify=verify, cost=cost,  # type: ignore[arg-type]
+                            model=model)
         object.__setattr__(self, "stack", self._stack(stack, slots))
 
     def _stack(self, base: object, slots: dict[str, Any]) -> StackConfig:
         """The stack's config from ``base``'s slots and ``slots``, with the simulator's slots and defaults."""
-        problems = unknown_keywords([k for k in slots if k not in SIMULATOR_SLOTS], STACK_SLOTS + _OWN, "SimConfig")
+        problems = unknown_keywords([k for k in slots if k not in SIMULATOR_SLOTS], ("stack", *STACK_SLOTS, *_OWN),
+                                    "SimConfig")
         problems += [f"{name}={quote(slots[name])}: the simulator sets it ({why})"
                      for name, why in SIMULATOR_SLOTS.items() if name in slots]
         given: dict[str, Any] = {}
@@ -262,7 +265,9 @@ class SimConfig:
     @property
     def spec(self) -> KVCacheSpec:
         """The byte-accounting spec: ``model`` at ``block_size`` (``stack.kv``)."""
-        return self.stack.kv
+        kv = self.stack.kv
+        assert kv is not None  # StackConfig requires it
+        return kv
 
     def stack_config(self) -> StackConfig:
         """The ``StackConfig`` the simulation builds: ``stack``, with the tiny spec when verifying."""
@@ -418,6 +423,7 @@ class Simulator:
     _clock_ms: float = attrs.field(init=False, default=0.0)
     _last_arrival_ms: float = attrs.field(init=False, default=0.0)
     _block_bytes: int = attrs.field(init=False, default=0)
+    _gpu_blocks: int = attrs.field(init=False, default=0)
     _ttft: array = attrs.field(init=False, factory=lambda: array("d"))
     _counts: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(
         ("skipped", "queued", "prompt_tokens", "block_references", "gpu", "cpu", "shared"), 0))
@@ -435,6 +441,7 @@ class Simulator:
         self.config, self._stack = config, stack
         self._engine = ReferenceEngine(stack)
         self._block_bytes = config.spec.bytes_per_block
+        self._gpu_blocks = stack.gpu.num_blocks
         return self._engine
 
     @property
@@ -490,7 +497,7 @@ class Simulator:
             raise TraceFormatError("<trace>", request.line, "timestamp",
                                    f"decreases: {request.timestamp_ms!r} after {self._last_arrival_ms!r}")
         self._last_arrival_ms = request.timestamp_ms
-        if len(request.hash_ids) > self.config.stack.gpu_blocks:
+        if len(request.hash_ids) > self._gpu_blocks:
             counts["skipped"] += 1
             return
         running, stats = self._running, engine.stack.stats

@@ -127,6 +127,7 @@ class OffloadedLM:
         config = StackConfig(kv=spec, **slots)
         if config.shared is not None:  # the shared tier's namespace names this model's weights
             config = name_shared_model(config, model_fingerprint(model, model_name=model_name))
+        assert config.gpu_blocks is not None  # StackConfig requires it
         kv = allocate_kv(spec, layout, config.gpu_blocks, model.device)
         return cls(model, build(config, layout=layout, kv_tensors=kv), cache_salt=cache_salt, model_name=model_name,
                    pipelined=pipelined)
