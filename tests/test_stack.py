@@ -138,6 +138,15 @@ def test_build_accepts_instances_and_reports_every_bad_slot_at_once():
     assert "gpu_blocks" in text and "'lruu'" in text and "store" in text
 
 
+def test_build_names_an_unknown_slot_with_the_valid_ones():
+    """A misspelt slot is one ConfigError with a did-you-mean and the valid slots, beside every other problem."""
+    with pytest.raises(ConfigError) as err:
+        kvkit.build(kv=SPEC, gpu_blcks=3, cpu_blocks=8, cpu_eviction="lruu")
+    problems = err.value.problems
+    assert "did you mean 'gpu_blocks'?" in problems[0] and "valid: kv, gpu_blocks, cpu_blocks" in problems[0]
+    assert any("gpu_blocks=None" in p for p in problems) and any("'lruu'" in p for p in problems)
+
+
 def test_build_rejects_mixed_config_and_slots_and_bad_kv_usage():
     """A config plus keyword slots, or kv_tensors without a layout, is a ConfigError."""
     config = kvkit.StackConfig(kv=SPEC, gpu_blocks=8, cpu_blocks=8)
