@@ -42,7 +42,7 @@ from kvkit.validate import (
     one_of,
     problem_of,
     quote,
-    secret,
+    secret_bytes,
 )
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.memory import BOOKKEEPING_BYTES_PER_BLOCK, check_fits
@@ -201,7 +201,7 @@ class SharedConfig:
     url: str | BlockStore = attrs.field(validator=_store_url)
     write: str = attrs.field(default="write-through", validator=one_of(SHARED_WRITES, label=_SHARED))
     model: str | None = attrs.field(default=None, validator=non_empty_str(label=_SHARED, optional=True))
-    secret: bytes | None = attrs.field(default=None, repr=False, validator=secret(label=_SHARED, optional=True))
+    secret: bytes | None = attrs.field(default=None, repr=False, validator=secret_bytes(label=_SHARED, optional=True))
     backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_SHARED))
 
 
@@ -226,14 +226,14 @@ def _as_shared(value: SharedSpec | None) -> SharedConfig | None:
         return value  # type: ignore[return-value]
 
 
-def _text(kind: type) -> dict[str, type]:
-    return {TEXT: kind}
-
-
 TEXT = "text"
 """``attrs`` metadata key of a :class:`StackConfig` slot that has a text form (a command-line flag,
 a JSON value): the type its text parses to (``int``, ``float`` or ``str``). Slots without one take
 objects (a KV spec, callbacks, per-slot options)."""
+
+
+def _text(kind: type) -> dict[str, type]:
+    return {TEXT: kind}
 
 
 @known_keywords

@@ -9,7 +9,7 @@ Two shapes serve every caller:
   value (through :func:`quote`, which never fails), and :func:`at_least` /
   :func:`optional_at_least` / :func:`real_in` / :func:`one_of` /
   :func:`non_empty_str` / :func:`implements` / :func:`is_callable` /
-  :func:`secret` build ``attrs`` validators from them, :func:`checked` an
+  :func:`secret_bytes` build ``attrs`` validators from them, :func:`checked` an
   ``attrs`` converter (which also stores the converted value).
 
 :func:`known_keywords` makes a record's unknown keyword argument a
@@ -59,7 +59,7 @@ __all__ = [
     "problem_of",
     "quote",
     "real_in",
-    "secret",
+    "secret_bytes",
     "unknown_keywords",
     "unknown_problem",
 ]
@@ -270,7 +270,7 @@ def non_empty_str(*, label: str = "", optional: bool = False) -> _Validator:
     return validate
 
 
-def secret(*, label: str = "", optional: bool = False) -> _Validator:
+def secret_bytes(*, label: str = "", optional: bool = False) -> _Validator:
     """An ``attrs`` validator: the field is a secret, as :func:`check_secret` checks it (never quoted)."""
 
     def validate(inst: object, attribute: Any, value: object) -> None:

@@ -402,6 +402,10 @@ class SimResult:
         }
 
 
+_NOT_BUILT = ("the stack is built at the first request, whose block size it takes; give SimConfig(block_size=...) "
+              "to build it now")
+
+
 @attrs.define(eq=False)
 class Simulator:
     """Replays requests one at a time through a stack built from ``config``.
@@ -452,15 +456,18 @@ class Simulator:
             RequestStateError: not built yet (``config.block_size`` is the first request's).
         """
         if self._stack is None:
-            raise RequestStateError("the stack is built at the first request, whose block size it takes; "
-                                    "give SimConfig(block_size=...) to build it now")
+            raise RequestStateError(_NOT_BUILT)
         return self._stack
 
     @property
     def engine(self) -> ReferenceEngine:
-        """The reference engine loop driving :attr:`stack` (built with it)."""
-        self.stack  # noqa: B018 - raises while not built
-        assert self._engine is not None
+        """The reference engine loop driving :attr:`stack` (built with it).
+
+        Raises:
+            RequestStateError: not built yet.
+        """
+        if self._engine is None:
+            raise RequestStateError(_NOT_BUILT)
         return self._engine
 
     @property
