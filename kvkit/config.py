@@ -40,8 +40,10 @@ from kvkit.validate import (
     known_keywords,
     non_empty_str,
     one_of,
+    plural,
     problem_of,
     quote,
+    redact_url,
     secret_bytes,
 )
 from kvkit.worker import WAIT_TIMEOUT_S
@@ -58,6 +60,7 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
 
 # Slots a registry instantiates, and which registry; "allocator" is a factory slot.
@@ -108,18 +111,25 @@ def parse_bytes(text: str | int) -> int:
     ``KiB``/``MiB``/``GiB``/``TiB`` powers of 1024. Fractions of a byte round down.
 
     Raises:
-        ConfigError: ``text`` is not a non-negative size.
+        ConfigError: ``text`` is not a non-negative size; the message quotes it
+            and says whether it is negative, has an unknown unit or does not parse.
     """
     if is_int(text):
         if text < 0:
-            raise ConfigError(f"byte size must be non-negative, got {quote(text)}")
+            raise ConfigError(f"byte size {quote(text)} is negative; a size is at least 0")
         return int(text)
+    if isinstance(text, str) and text.strip().startswith("-") and _SIZE.fullmatch(text.strip()[1:]):
+        raise ConfigError(f"byte size {quote(text)} is negative; a size is at least 0, e.g. '8GiB'")
     match = _SIZE.fullmatch(text) if isinstance(text, str) else None
-    if match is None or match[2].lower() not in _UNITS:
-        raise ConfigError(
-            f"cannot parse byte size {quote(text)}; expected an int or a number with a unit "
-            f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB' or '1.5 GiB'")
-    return int(Fraction(match[1]) * _UNITS[match[2].lower()])
+    if match is None:
+        raise ConfigError(f"cannot parse byte size {quote(text)}; expected an int or a number with a unit "
+                          f"({_UNIT_NAMES}), e.g. '8GiB' or '1.5 GiB'")
+    unit = match[2].lower()
+    if unit not in _UNITS:
+        names = _UNIT_NAMES.split(", ")
+        raise ConfigError(f"byte size {quote(text)}: unknown unit {match[2]!r}; valid: {_UNIT_NAMES}"
+                          f"{did_you_mean(match[2], names)}")
+    return int(Fraction(match[1]) * _UNITS[unit])
 
 
 def _default_device() -> str:
@@ -162,6 +172,11 @@ def _store_url(inst: object, attribute: attrs.Attribute, value: object) -> None:
                           f"'valkey://host:6379/0', or a BlockStore instance")
 
 
+def _shown_url(value: object) -> str:
+    """``SharedConfig.url`` in a repr: a URL's password and secret options as ``***``."""
+    return repr(redact_url(value)) if isinstance(value, str) else repr(value)
+
+
 _SHARED = "shared."
 
 
@@ -190,7 +205,8 @@ class SharedConfig:
             fingerprint; vLLM: its model and revision), :data:`UNNAMED_MODEL`
             for a stack built directly.
         secret: HMAC secret (non-empty bytes) every instance of a deployment
-            shares, or ``None``; never shown in a repr or an error.
+            shares, or ``None``; never shown in a repr or an error (nor is
+            a password in ``url``: a repr shows it as ``***``).
         backoff_s: seconds the tier stays off after a failure before a probe
             (doubling on each failed probe, at most 60x).
 
@@ -198,7 +214,7 @@ class SharedConfig:
         ConfigError: a bad field, quoting it (never the secret).
     """
 
-    url: str | BlockStore = attrs.field(validator=_store_url)
+    url: str | BlockStore = attrs.field(validator=_store_url, repr=_shown_url)
     write: str = attrs.field(default="write-through", validator=one_of(SHARED_WRITES, label=_SHARED))
     model: str | None = attrs.field(default=None, validator=non_empty_str(label=_SHARED, optional=True))
     secret: bytes | None = attrs.field(default=None, repr=False, validator=secret_bytes(label=_SHARED, optional=True))
@@ -377,7 +393,7 @@ class StackConfig:
         except ConfigError as exc:
             return [f"cpu_bytes={quote(self.cpu_bytes)}: {exc}"]
         if isinstance(self.kv, KVCacheSpec) and self.kv.blocks_for(num_bytes) < 1:
-            return [f"cpu_bytes={quote(self.cpu_bytes)} ({num_bytes} bytes) holds no block: one block of "
+            return [f"cpu_bytes={quote(self.cpu_bytes)} ({plural(num_bytes, 'byte')}) holds no block: one block of "
                     f"this kv spec takes {self.kv.bytes_per_block} bytes"]
         return []
 

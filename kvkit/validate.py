@@ -10,7 +10,8 @@ Two shapes serve every caller:
   :func:`optional_at_least` / :func:`real_in` / :func:`one_of` /
   :func:`non_empty_str` / :func:`implements` / :func:`is_callable` /
   :func:`secret_bytes` build ``attrs`` validators from them, :func:`checked` an
-  ``attrs`` converter (which also stores the converted value).
+  ``attrs`` converter (which also stores the converted value);
+* :func:`plural` counts things in a message: ``1 block``, ``2 blocks``, never ``1 blocks``.
 
 :func:`known_keywords` makes a record's unknown keyword argument a
 ``ConfigError`` naming the valid ones, as a bad value is.
@@ -19,7 +20,8 @@ An "int" is an exact integer: ``bool`` is refused (``True`` is not block 1);
 NumPy integers are integers (``numbers.Integral``) and are converted to ``int``
 by the ``check_*`` functions that return a value. A "bool" is ``True`` or
 ``False`` (``"yes"`` and ``1`` are not), a "number" a real that is not a bool.
-A secret (:func:`check_secret`) is never quoted: messages name its type only.
+A secret (:func:`check_secret`) is never quoted: messages name its type only;
+:func:`redact_url` shows a URL without its password.
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ __all__ = [
     "non_empty_str",
     "one_of",
     "optional_at_least",
+    "plural",
     "problem_of",
     "quote",
     "real_in",
+    "redact_url",
     "secret_bytes",
     "unknown_keywords",
     "unknown_problem",
@@ -78,6 +82,28 @@ def quote(value: object) -> str:
         size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
         text = f"<{type(value).__name__}{size}>"
     return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
+
+
+_SECRET_OPTIONS = ("password", "secret", "token")
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit to print: its password, and every query value whose name holds one of
+    :data:`_SECRET_OPTIONS`, replaced by ``***`` (the user name, hosts and other options stay)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    location, mark, query = rest.partition("?")
+    netloc, slash, path = location.partition("/")
+    auth, at, hosts = netloc.rpartition("@")
+    if at:  # user:password, or a password alone
+        user, colon, _ = auth.partition(":")
+        location = (f"{user}:***@{hosts}" if colon else f"***@{hosts}") + slash + path
+    if query:
+        pairs = [pair.partition("=") for pair in query.split("&")]
+        query = "&".join(name + eq + ("***" if eq and any(s in name.lower() for s in _SECRET_OPTIONS) else value)
+                         for name, eq, value in pairs)
+    return f"{scheme}{sep}{location}{mark}{query}"
 
 
 def did_you_mean(value: object, valid: Sequence[str]) -> str:
@@ -104,6 +130,15 @@ def problem_of(check: Callable[..., Any], *args: Any, **kwargs: Any) -> str | No
     except ConfigError as exc:
         return "; ".join(exc.problems)
     return None
+
+
+def plural(n: int, noun: str, many: str | None = None, *, grouped: bool = False) -> str:
+    """``n`` and ``noun`` for a message: the singular for exactly 1, else ``many`` (default ``noun + "s"``).
+
+    ``grouped`` writes ``n`` with thousands separators (``"1,024 blocks"``).
+    """
+    number = f"{n:,}" if grouped else str(n)
+    return f"{number} {noun if n == 1 else many or noun + 's'}"
 
 
 def is_int(value: object, minimum: int | None = None) -> bool:

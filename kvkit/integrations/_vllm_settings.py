@@ -17,7 +17,7 @@ from kvkit.config import NAMED_SLOTS, StackConfig, name_shared_model, parse_byte
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.registry import STORE
-from kvkit.validate import check_bool, check_choice, did_you_mean, problem_of, quote
+from kvkit.validate import check_bool, check_choice, did_you_mean, plural, problem_of, quote
 from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["EXTRA_KEYS", "STACK_KEYS", "VLLM_SLOTS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window",
@@ -183,7 +183,7 @@ def kvkit_window(vllm_window: int, block_size: int) -> int:
     if kept < 2:
         raise ConfigError(f"sliding_window={vllm_window!r} with block_size={block_size!r}: vLLM keeps one "
                           f"block per window, kvkit loads at least two; use a window above "
-                          f"{block_size + 1} tokens or a smaller block size")
+                          f"{plural(block_size + 1, 'token')} or a smaller block size")
     return (kept - 1) * block_size
 
 
@@ -250,8 +250,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     shared = slots.get("shared")
     url = shared.get("url") if isinstance(shared, Mapping) else shared
     if shared is not None and not isinstance(url, str):
-        problems.append(f"{_EXTRA}['shared']={quote(shared)}: must be a URL string or a mapping of SharedConfig "
-                        f"fields with one (the config crosses process boundaries)")
+        shown = f"['url']={quote(url)}" if isinstance(shared, Mapping) else f"={quote(shared)}"  # never the secret
+        problems.append(f"{_EXTRA}['shared']{shown}: must be a URL string, or a mapping of SharedConfig fields "
+                        f"with one (the config crosses process boundaries)")
         del slots["shared"]
     stack = None
     try:
@@ -263,7 +264,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     if stack is not None and len(kv.groups) > 1 and _writes_back(stack):
         problems.append(
             f"store={stack.store!r}: a write-back policy stores single GPU blocks, and this model has "
-            f"{len(kv.groups)} KV cache groups; use eager, selective or never")
+            f"{plural(len(kv.groups), 'KV cache group')}; use eager, selective or never")
     if problems:
         raise ConfigError(problems)
     assert stack is not None  # built, or its problems were raised
@@ -296,7 +297,7 @@ def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any]
         problems.append(
             "kv_connector_extra_config: " + ", ".join(f"{k}={given[k]!r} ({n} bytes per worker)"
                                                       for k, n in per_worker.items())
-            + f" disagree (cpu_bytes_to_use is the total over {world_size} workers); give one of them")
+            + f" disagree (cpu_bytes_to_use is the total over {plural(world_size, 'worker')}); give one of them")
     if problems:
         return {"cpu_blocks": 1}, problems
     return {"cpu_bytes": next(iter(per_worker.values()))}, []

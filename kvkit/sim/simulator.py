@@ -74,8 +74,10 @@ from kvkit.validate import (
     known_keywords,
     non_empty_str,
     optional_at_least,
+    plural,
     quote,
     real_in,
+    redact_url,
     unknown_keywords,
 )
 
@@ -277,7 +279,8 @@ class SimConfig:
                             cpu_blocks=self.stack.num_cpu_blocks, cpu_bytes=None)
 
     def as_dict(self) -> dict[str, Any]:
-        """The configuration as JSON-ready values (instances by class name, the shared tier without its secret)."""
+        """The configuration as JSON-ready values (instances by class name, the shared tier without its secret
+        or its URL's password)."""
         def name(slot: object) -> Any:
             return slot if slot is None or isinstance(slot, (str, int, float)) else type(slot).__name__
 
@@ -293,7 +296,8 @@ class SimConfig:
             "verify": self.verify,
             "model": attrs.asdict(self.model),
             "shared": None if shared is None else {
-                "url": name(shared.url), "write": shared.write, "model": shared.model, "backoff_s": shared.backoff_s},
+                "url": redact_url(shared.url) if isinstance(shared.url, str) else name(shared.url),
+                "write": shared.write, "model": shared.model, "backoff_s": shared.backoff_s},
             "block_bytes": self.spec.bytes_per_block,
             "cost": attrs.asdict(self.cost),
         }
@@ -498,8 +502,8 @@ class Simulator:
         n = request.input_length
         if len(request.hash_ids) != -(-n // bt):
             raise TraceFormatError("<trace>", request.line, "hash_ids",
-                                   f"has {len(request.hash_ids)} ids but input_length={n} needs "
-                                   f"{-(-n // bt)} blocks of {bt} tokens")
+                                   f"has {plural(len(request.hash_ids), 'id')} but input_length={n} needs "
+                                   f"{plural(-(-n // bt), 'block')} of {plural(bt, 'token')}")
         if request.timestamp_ms < self._last_arrival_ms:
             raise TraceFormatError("<trace>", request.line, "timestamp",
                                    f"decreases: {request.timestamp_ms!r} after {self._last_arrival_ms!r}")

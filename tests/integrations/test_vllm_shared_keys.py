@@ -21,7 +21,7 @@ def _parse(model=None, **extra):
     ({"shared": 7}, ["shared']=7", "URL string"]),
     ({"shared": {"url": "memory://", "write": "write-around"}}, ["shared.write='write-around'", "write-through"]),
     ({"shared": {"url": "memory://", "model": ""}}, ["shared.model=''"]),
-    ({"shared": {"write": "write-back"}}, ["URL string"]),
+    ({"shared": {"write": "write-back", "secret": "hunter2"}}, ["['shared']['url']=None", "URL string"]),
     ({"shared": "not a url"}, ["'not a url'", "URL"]),
     ({"shared": "memory://", "shared_write": "write-back"}, ["'shared_write'", "unknown key"]),
 ])
@@ -31,6 +31,7 @@ def test_bad_shared_keys_are_refused_quoting_the_value(extra, needles):
         _parse(**extra)
     for needle in needles:
         assert needle in str(info.value), str(info.value)
+    assert "hunter2" not in str(info.value)
 
 
 @pytest.mark.parametrize("url", ["valkey://127.0.0.1:6379/0", "file:///tmp/kv?capacity_bytes=1GiB", "memory://"])
