@@ -218,7 +218,7 @@ class SharedConfig:
     write: str = attrs.field(default="write-through", validator=one_of(SHARED_WRITES, label=_SHARED))
     model: str | None = attrs.field(default=None, validator=non_empty_str(label=_SHARED, optional=True))
     secret: bytes | None = attrs.field(default=None, repr=False, validator=secret_bytes(label=_SHARED, optional=True))
-    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_SHARED))
+    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_SHARED))  # type: ignore[misc]
 
 
 UNNAMED_MODEL = "unnamed-model"
@@ -297,8 +297,10 @@ class StackConfig:
             slot too, with the valid ones).
     """
 
-    kv: KVCacheSpec | None = None
-    gpu_blocks: int | None = attrs.field(default=None, metadata=_text(int))
+    # Required, yet defaulted to None so that a missing one is a ConfigError listed with every other
+    # problem: a constructed config always holds both, as their types say.
+    kv: KVCacheSpec = None  # type: ignore[assignment]
+    gpu_blocks: int = attrs.field(default=None, metadata=_text(int))
     cpu_blocks: int | None = attrs.field(default=None, metadata=_text(int))
     cpu_bytes: int | str | None = attrs.field(default=None, metadata=_text(str))
     cpu_eviction: str | EvictionPolicy = attrs.field(default=DEFAULTS.cpu_eviction, metadata=_text(str))
@@ -334,6 +336,7 @@ class StackConfig:
         """CPU pool size in blocks, from ``cpu_blocks`` or ``cpu_bytes``."""
         if self.cpu_blocks is not None:
             return int(self.cpu_blocks)
+        assert self.cpu_bytes is not None  # exactly one of the two is given
         return self.kv.blocks_for(parse_bytes(self.cpu_bytes))
 
     def pool_bytes(self) -> dict[str, int]:
@@ -388,13 +391,14 @@ class StackConfig:
         if self.cpu_blocks is not None:
             problem = int_problem("cpu_blocks", self.cpu_blocks, 1)
             return [problem] if problem else []
+        assert self.cpu_bytes is not None  # exactly one of the two is given (checked above)
         try:
             num_bytes = parse_bytes(self.cpu_bytes)
         except ConfigError as exc:
             return [f"cpu_bytes={quote(self.cpu_bytes)}: {exc}"]
         if isinstance(self.kv, KVCacheSpec) and self.kv.blocks_for(num_bytes) < 1:
-            return [f"cpu_bytes={quote(self.cpu_bytes)} ({plural(num_bytes, 'byte')}) holds no block: one block of "
-                    f"this kv spec takes {self.kv.bytes_per_block} bytes"]
+            return [(f"cpu_bytes={quote(self.cpu_bytes)} ({plural(num_bytes, 'byte')}) holds no block: one block of "
+                     f"this kv spec takes {self.kv.bytes_per_block} bytes")]
         return []
 
     def _options_problems(self) -> list[str]:
@@ -441,10 +445,11 @@ class StackConfig:
             if problem is None and isinstance(kwargs, Mapping):
                 problem = ALLOCATOR.check_options(spec, kwargs, slot="allocator", partial=True)
             return [problem] if problem else []
-        expected = f"one of {', '.join(ALLOCATOR.names())} or a factory (num_blocks=..., eviction=...) -> BlockAllocator"
+        expected = (f"one of {', '.join(ALLOCATOR.names())} or a factory (num_blocks=..., eviction=...) "
+                    f"-> BlockAllocator")
         if isinstance(spec, BlockAllocator):
-            return [f"allocator={quote(spec)}: got a pool instance, expected {expected}; "
-                    f"each tier builds its own pool"]
+            return [(f"allocator={quote(spec)}: got a pool instance, expected {expected}; "
+                     f"each tier builds its own pool")]
         return [f"allocator={quote(spec)}: {type(spec).__qualname__} is not callable; expected {expected}"]
 
     def _callback_problems(self) -> list[str]:
@@ -481,8 +486,8 @@ class StackConfig:
         if shared is None or isinstance(shared, SharedConfig):
             return []
         if not isinstance(shared, (str, Mapping)) and (isinstance(shared, type) or not isinstance(shared, BlockStore)):
-            return [f"shared={quote(shared)}: must be None, a SharedConfig, its url (a URL such as 'memory://', "
-                    f"'file:///path' or 'valkey://host:6379/0', or a BlockStore instance) or a mapping of its fields"]
+            return [(f"shared={quote(shared)}: must be None, a SharedConfig, its url (a URL such as 'memory://', "
+                     f"'file:///path' or 'valkey://host:6379/0', or a BlockStore instance) or a mapping of its fields")]
         if isinstance(shared, Mapping) and not all(isinstance(key, str) for key in shared):
             return [f"shared: a mapping of SharedConfig fields has str keys, got {sorted(map(repr, shared))}"]
         try:

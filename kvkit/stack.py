@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 from typing_extensions import override
@@ -122,6 +122,7 @@ class OffloadStack:
             except TransferTimeoutError as exc:
                 timeouts.append(exc)
         if not timeouts and self.owns_shared_store:
+            assert self.shared_store is not None  # owned, hence opened
             self.shared_store.close()
         for worker in self.workers:
             try:
@@ -217,8 +218,9 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
                 f"world_size={config.world_size} needs copy given by name (each worker builds its "
                 f"own backend), got the instance {config.copy!r}")
         for rank in range(config.world_size):
-            copy = parts.copy if rank == 0 else COPY.create(config.copy, slot="copy",
+            copy = parts.copy if rank == 0 else COPY.create(cast(str, config.copy), slot="copy",  # a name: above
                                                              **config.options.get("copy", {}))
+            assert copy is not None  # layout needs a copy backend (checked above)
             worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank,
                                     wait_timeout_s=config.wait_timeout_s)
             if kv_tensors is not None:
@@ -229,7 +231,7 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     if conn is not None:
         from kvkit.shared.worker import SharedTierWorker
 
-        engines = stack.workers or [None] * config.world_size
+        engines: Sequence[TransferEngine | None] = stack.workers or [None] * config.world_size
         stack.shared_workers = [SharedTierWorker(config.kv, conn.store, conn.spec.codec, engine, rank=rank,
                                                  wait_timeout_s=config.wait_timeout_s)
                                 for rank, engine in enumerate(engines)]
@@ -241,7 +243,8 @@ def _check_memory(config: StackConfig, layout: str | None, *, allocate_gpu: bool
     host = config.pool_bytes()
     if layout is not None:
         n, block = config.world_size, config.kv.bytes_per_block
-        host[f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"] = n * config.num_cpu_blocks * block
+        mirrors = f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"
+        host[mirrors] = n * config.num_cpu_blocks * block
         if allocate_gpu:
             gpu = {f"{plural(n, 'GPU tier')} of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
             if config.device == "cpu":

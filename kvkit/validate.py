@@ -141,8 +141,12 @@ def plural(n: int, noun: str, many: str | None = None, *, grouped: bool = False)
     return f"{number} {noun if n == 1 else many or noun + 's'}"
 
 
-def is_int(value: object, minimum: int | None = None) -> TypeGuard[int | numbers.Integral]:
-    """``value`` is an integer (not a ``bool``), at least ``minimum`` when given."""
+def is_int(value: object, minimum: int | None = None) -> TypeGuard[int]:
+    """``value`` is an integer (not a ``bool``), at least ``minimum`` when given.
+
+    A type checker reads ``True`` as "``value`` is an ``int``": a NumPy integer
+    compares, indexes and converts as one.
+    """
     # the common case first: the ABC check costs ~10x more
     if value.__class__ is not int and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
         return False
@@ -366,7 +370,7 @@ def known_keywords(cls: _C) -> _C:
     known = frozenset(valid)
 
     @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - the record's own __init__
         if known.issuperset(kwargs):
             init(self, *args, **kwargs)
             return

@@ -109,6 +109,7 @@ class AutoCopy(HandleQueue, CopyBackend):
         self._seen = [-1] * len(self._backends)
 
     @classmethod
+    @override
     def is_available(cls) -> bool:
         """``cuda-dma`` or ``cupy-batch`` can run here."""
         from kvkit.backends.copy.cuda_dma import CudaDMACopy

@@ -66,8 +66,8 @@ class CudaDMACopy(GPUCopy):
         if problem is not None:
             raise BackendUnavailableError(f"cuda-dma: {problem}")
 
-    @override
     @classmethod
+    @override
     def is_available(cls) -> bool:
         """A CUDA device and a driver with batched copies (12.8+) are present."""
         return cls.unavailable_reason() is None

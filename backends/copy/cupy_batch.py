@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
+from typing_extensions import override
 
 from kvkit._lazy import lazy_module
 from kvkit.backends.copy._driver import driver_problem
@@ -254,10 +255,12 @@ class CupyBatchCopy(GPUCopy):
         return problem
 
     @classmethod
+    @override
     def is_available(cls) -> bool:
         """CuPy imports, a CUDA device and its driver are present."""
         return cls.unavailable_reason() is None
 
+    @override
     def _registered(self, regions: Sequence[Region]) -> None:
         import cupy
 
@@ -301,6 +304,7 @@ class CupyBatchCopy(GPUCopy):
                 function.max_dynamic_shared_size_bytes = smem
             self._kernels[name] = _Kernel(function, threads, chunk, smem)
 
+    @override
     def _prepare(self, plan: TransferPlan, stream: torch.cuda.Stream) -> Any:
         """The plan's ``(src, dst)`` pairs on the device, shared by every stage."""
         pinned = torch.empty((len(plan), 2), dtype=torch.int64, pin_memory=True)
@@ -311,6 +315,7 @@ class CupyBatchCopy(GPUCopy):
             # Pinned source: the caching host allocator keeps it until this copy ran.
             return pinned.to(self._device, non_blocking=True)
 
+    @override
     def _launch(self, plan: TransferPlan, stream: torch.cuda.Stream, regions: range, prepared: Any) -> Any:
         table, _, chunks, bulk = self._tables[plan.group]
         kernel = self._kernels["bulk" if bulk else "vector"]

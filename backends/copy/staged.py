@@ -144,8 +144,8 @@ class StagedCopy(HandleQueue, CopyBackend):
         """Why this backend cannot run here (``kvkit list`` shows it), or ``None``."""
         return CupyBatchCopy.unavailable_reason() or CudaDMACopy.unavailable_reason()
 
-    @override
     @classmethod
+    @override
     def is_available(cls) -> bool:
         """CuPy, a CUDA device and a driver with batched copies (12.8+) are present."""
         return cls.unavailable_reason() is None

@@ -31,7 +31,7 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
         isolated, sharing = compare_fleets(workload.requests, config, instances=instances, router=router,
                                            shared=store)
     finally:
-        if owned:
+        if owned and store is not None:  # owned: opened here
             store.close()
     wall = time.perf_counter() - start
     config = isolated.instances[0].config  # with the trace's block size
@@ -85,7 +85,7 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
     n = len(isolated.instances)
     table = Table(title=f"{what}: {plural(n, 'instance')} ({isolated.router}), each GPU {config.stack.gpu_blocks:,} + "
                         f"CPU {plural(config.stack.num_cpu_blocks, 'block', grouped=True)} of "
-                        f"{plural(config.block_size, 'token')}")
+                        f"{plural(config.spec.block_size, 'token')}")
     table.add_column("", no_wrap=True)
     table.add_column("isolated", justify="right", no_wrap=True)
     table.add_column(f"shared tier ({shown_url})", justify="right", no_wrap=True)
@@ -94,7 +94,8 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
         table.add_row(name, value, shared[name])
     console = print_table(table)
     a, b = isolated.ttft_summary(), sharing.ttft_summary()
-    console.print(f"the shared tier served {plural(sharing.total('hit_tokens_shared'), 'prompt token', grouped=True)} the isolated "
+    served = plural(sharing.total('hit_tokens_shared'), 'prompt token', grouped=True)
+    console.print(f"the shared tier served {served} the isolated "
                   f"instances recomputed; modelled TTFT mean {b['mean']:,.1f} vs {a['mean']:,.1f} ms, p90 "
                   f"{b['p90']:,.1f} vs {a['p90']:,.1f} ms (fetch {config.cost.shared_gbps:g} GB/s, prefill "
                   f"{config.cost.prefill_tokens_per_s:,.0f} tokens/s); total {wall:.1f} s")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import resource
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import click
@@ -22,6 +23,9 @@ from kvkit.sim.simulator import STACK_SLOTS, CostModel, SimConfig, SimResult, si
 from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
 from kvkit.validate import plural
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 __all__ = ["describe_run", "simulate_command"]
 
@@ -50,7 +54,8 @@ _DEFAULT_STACK = SimConfig().stack
               type=click.FloatRange(min=0, min_open=True), help="Cost model: CPU->GPU load GB/s.")
 @click.option("--decode-ms-per-token", default=_COST.decode_ms_per_token, show_default=True,
               type=click.FloatRange(min=0), help="Cost model: time per generated token.")
-@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never'); not with --instances or --shared.")
+@click.option("--no-baseline", is_flag=True,
+              help="Skip the run without offload (store 'never'); not with --instances or --shared.")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
               help="Engine instances behind a router; above 1 compares isolated instances with "
                    "instances sharing a third tier.")
@@ -106,8 +111,7 @@ def simulate_command(trace_path: Path | None, block_size: int | None, verify: bo
         total = workload.size(bar)
         for label, cfg in runs:
             task = bar.task(f"replaying ({label})", total)
-            results.append(simulate(workload.requests(), cfg, progress=lambda n, refs, task=task: bar.update(
-                task, completed=n, note=f"requests, {plural(refs, 'block ref', grouped=True)}")))
+            results.append(simulate(workload.requests(), cfg, progress=functools.partial(_report, bar, task)))
     offload, baseline = results[0], (results[1] if len(results) > 1 else None)
     wall = time.perf_counter() - start
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -217,14 +221,21 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
     if baseline is not None:
         with_, without = offload.ttft_percentiles(), baseline.ttft_percentiles()
         ratios = ", ".join(f"{q} {with_[q]:,.1f} vs {without[q]:,.1f} ms" for q in ("p50", "p90"))
-        console.print(f"offload served {plural(offload.hit_tokens_cpu, 'prompt token', grouped=True)} from the CPU tier; "
+        served = plural(offload.hit_tokens_cpu, 'prompt token', grouped=True)
+        console.print(f"offload served {served} from the CPU tier; "
                       f"modelled TTFT with vs without offload: {ratios}")
     console.print(f"total {wall:.1f} s, peak memory {peak_rss_mib:,.0f} MiB")
+
+
+def _report(bar: Progress, task: TaskID, n: int, refs: int) -> None:
+    """A replay's progress on ``bar``: ``n`` requests, ``refs`` block references."""
+    bar.update(task, completed=n, note=f"requests, {plural(refs, 'block ref', grouped=True)}")
 
 
 def describe_run(what: str, config: SimConfig) -> str:
     """``what`` (the trace or shape) with the run's tier sizes and policies: the title of its table and plot."""
     names = config.as_dict()
     return (f"{what}: GPU {plural(config.stack.gpu_blocks, 'block', grouped=True)}, CPU "
-            f"{plural(config.stack.num_cpu_blocks, 'block', grouped=True)} of {plural(config.block_size, 'token')}; "
+            f"{plural(config.stack.num_cpu_blocks, 'block', grouped=True)} of "
+            f"{plural(config.spec.block_size, 'token')}; "
             f"eviction {names['cpu_eviction']} (GPU {names['gpu_eviction']}), store {names['store']}")

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -41,7 +41,7 @@ import torch
 from kvkit.errors import ConfigError, SpecMismatchError, TransferTimeoutError
 from kvkit.integrations._vllm_scheduler import StepOrder
 from kvkit.integrations._vllm_settings import ConnectorSettings
-from kvkit.interfaces import KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
+from kvkit.interfaces import CopyBackend, KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
 from kvkit.interfaces.shared import BlockStore
 from kvkit.shared.client import connect_shared
 from kvkit.shared.worker import SharedTierWorker
@@ -160,13 +160,13 @@ class WorkerSide:
                       rank: int = 0) -> WorkerSide:
         """Per KV group, a transfer engine with the configured copy backend and a mirror of ``num_cpu_blocks``."""
         stack = settings.stack
-        engines = [TransferEngine(group_spec(stack.kv, g), stack.resolve().copy,
+        engines = [TransferEngine(group_spec(stack.kv, g), cast(CopyBackend, stack.resolve().copy),
                                   num_cpu_blocks=settings.num_cpu_blocks, worker=rank,
                                   wait_timeout_s=stack.wait_timeout_s)
                    for g in range(len(stack.kv.groups))]
         shared = store = None
-        if stack.shared is not None:
-            conn = connect_shared(stack, layout=settings.shared_layout)
+        if (layout := settings.shared_layout) is not None:  # with a shared tier
+            conn = connect_shared(stack, layout=layout)
             shared = SharedTierWorker(stack.kv, conn.store, conn.spec.codec, mirrors=engines, rank=rank,
                                       wait_timeout_s=stack.wait_timeout_s)
             store = conn.store if conn.owned else None

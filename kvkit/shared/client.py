@@ -116,6 +116,7 @@ def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
     from kvkit.shared.scheduler import SharedTierSpec
 
     shared = config.shared
+    assert shared is not None, "connect_shared needs a config with a shared tier"
     store, owned = open_shared(shared.url)
     codec = FormatCodec.for_stack(config.kv, config.world_size, model=shared.model or UNNAMED_MODEL, layout=layout,
                                   secret=shared.secret)

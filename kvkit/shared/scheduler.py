@@ -82,8 +82,8 @@ class SharedTierSpec:
     codec: BlockCodec = attrs.field(validator=implements(BlockCodec, label=_LABEL))
     write: str = attrs.field(default="write-through", validator=one_of(SHARED_WRITES, label=_LABEL))
     writeback_blocks: int | None = attrs.field(default=None, validator=optional_at_least(1, label=_LABEL))
-    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_LABEL))
-    max_backoff_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True,
+    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_LABEL))  # type: ignore[misc]
+    max_backoff_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True,  # type: ignore[misc]
                                                                        label=_LABEL))
     clock: Callable[[], float] = attrs.field(default=time.monotonic, validator=is_callable(label=_LABEL))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence, Set
+from collections.abc import Iterable, Sequence, Set
 from typing import TYPE_CHECKING
 
 import attrs
@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from kvkit.worker.engine import TransferEngine
 
 __all__ = ["SharedTierWorker"]
+
+
+def _mirrors(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
+    """``SharedTierWorker.mirrors`` as a tuple (a named converter: mypy's ``attrs`` plugin reads its type)."""
+    return tuple(engines)
 
 
 @attrs.define(eq=False)
@@ -72,7 +77,7 @@ class SharedTierWorker:
     codec: BlockCodec = attrs.field(validator=implements(BlockCodec))
     engine: TransferEngine | None = None
     mirrors: tuple[TransferEngine, ...] = attrs.field(
-        kw_only=True, converter=tuple,
+        kw_only=True, converter=_mirrors,
         default=attrs.Factory(lambda self: () if self.engine is None else (self.engine,), takes_self=True))
     rank: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))  # type: ignore[misc]
     wait_timeout_s: float = attrs.field(default=WAIT_TIMEOUT_S, kw_only=True,

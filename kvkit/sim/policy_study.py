@@ -37,6 +37,7 @@ import concurrent.futures
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import attrs
 
@@ -45,6 +46,7 @@ from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
+from kvkit.interfaces.types import BlockHash
 from kvkit.registry import EVICTION
 from kvkit.sim.traces import TraceRequest
 from kvkit.validate import check_int, plural
@@ -103,7 +105,7 @@ def check_stores(stores: object) -> str:
     """
     if stores not in STORES:
         raise ConfigError(f"stores must be one of {', '.join(STORES)}, got {stores!r}")
-    return stores  # type: ignore[return-value]
+    return stores
 
 
 def replay(requests: Sequence[TraceRequest], capacity: int,
@@ -142,12 +144,13 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
     if hints is not None and len(hints) != len(requests):
         raise ConfigError(f"hints must be one per request: {len(hints)} for {plural(len(requests), 'request')}")
     hear = instance.on_hints if hints is not None and isinstance(instance, HintAwarePolicy) else None
+    told: Sequence[WorkloadHints | None] = hints if hints is not None else ()
     for i, request in enumerate(requests):
-        hashes = request.hash_ids
+        hashes = cast("tuple[BlockHash, ...]", request.hash_ids)  # a trace's ids are the blocks' hashes
         if clock is not None:
             clock.now = request.timestamp_ms / 1000
-        if hear is not None and hints[i] is not None:
-            hear(hashes, hints[i])
+        if hear is not None and (hint := told[i]) is not None:
+            hear(hashes, hint)
         if observe is not None:
             for h in hashes:
                 observe(h)

@@ -56,13 +56,13 @@ import math
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
 from kvkit.config import DEFAULTS, StackConfig
 from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
-from kvkit.interfaces import KVCacheSpec
+from kvkit.interfaces import BlockHash, KVCacheSpec
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.sim.traces import TraceRequest
 from kvkit.stack import OffloadStack, build
@@ -217,7 +217,7 @@ class SimConfig:
 
     stack: StackConfig
     block_size: int | None = attrs.field(validator=optional_at_least(1))
-    verify: bool = attrs.field(converter=checked(check_bool))
+    verify: bool = attrs.field(converter=checked(check_bool))  # type: ignore[misc]
     cost: CostModel = attrs.field(validator=implements(CostModel))
     model: ModelShape = attrs.field(validator=implements(ModelShape))
 
@@ -516,7 +516,7 @@ class Simulator:
         start = max(request.timestamp_ms, self._clock_ms)
         while running and running[0][0] <= start:
             engine.finish(heapq.heappop(running)[2])
-        engine.add_request(rid, request.hash_ids[: n // bt], n)
+        engine.add_request(rid, cast("tuple[BlockHash, ...]", request.hash_ids[: n // bt]), n)  # ids are hashes
         shared_before = stats.hit_tokens_shared.value
         retried = False
         while not (report := engine.step()).scheduled:

@@ -85,7 +85,8 @@ from kvkit.validate import (
     real_in,
 )
 
-__all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]
+__all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload",
+           "generate", "shape"]
 
 _positive_int = at_least(1)
 _positive_range = checked(check_int_pair, minimum=1)  # (low, high) with 1 <= low <= high
@@ -119,12 +120,12 @@ class SyntheticWorkload:
 
     name: ClassVar[str] = "chat"
 
-    seed: int = attrs.field(default=0, converter=checked(check_int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))  # type: ignore[misc]
     num_conversations: int = attrs.field(default=350, validator=_positive_int)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     conversations_per_s: float = attrs.field(default=1.0, validator=_positive_float)
     num_system_prompts: int = attrs.field(default=8, validator=_positive_int)
-    system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=checked(check_int_pair))
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=checked(check_int_pair))  # type: ignore[misc]
     system_prompt_skew: float = attrs.field(default=1.2, validator=_skew)
     max_turns: int = attrs.field(default=16, validator=_positive_int)
     turns_skew: float = attrs.field(default=1.0, validator=_skew)
@@ -297,12 +298,12 @@ class AgentWorkload:
     """
 
     name: ClassVar[str] = "agent"
-    seed: int = attrs.field(default=0, converter=checked(check_int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))  # type: ignore[misc]
     num_sessions: int = attrs.field(default=120, validator=_positive_int)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     sessions_per_s: float = attrs.field(default=0.25, validator=_positive_float)
     num_system_prompts: int = attrs.field(default=4, validator=_positive_int)
-    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=_positive_range)
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=_positive_range)  # type: ignore[misc]
     task_tokens_mean: float = attrs.field(default=300.0, validator=_positive_float)
     steps_mean: float = attrs.field(default=6.0, validator=real_in(low=1, high=math.inf, high_open=True))
     call_tokens_mean: float = attrs.field(default=80.0, validator=_positive_float)
@@ -355,12 +356,12 @@ class RagWorkload:
     """
 
     name: ClassVar[str] = "rag"
-    seed: int = attrs.field(default=0, converter=checked(check_int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))  # type: ignore[misc]
     num_requests: int = attrs.field(default=1400, validator=_positive_int)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     requests_per_s: float = attrs.field(default=2.0, validator=_positive_float)
     num_documents: int = attrs.field(default=3000, validator=_positive_int)
-    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=_positive_range)
+    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=_positive_range)  # type: ignore[misc]
     document_skew: float = attrs.field(default=0.9, validator=_skew)
     docs_per_request: int = attrs.field(default=3, validator=_positive_int)
     instruction_tokens: int = attrs.field(default=400, validator=at_least(0))
@@ -418,12 +419,12 @@ class FewShotWorkload:
     """
 
     name: ClassVar[str] = "few-shot"
-    seed: int = attrs.field(default=0, converter=checked(check_int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))  # type: ignore[misc]
     num_requests: int = attrs.field(default=2400, validator=_positive_int)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     requests_per_s: float = attrs.field(default=8.0, validator=_positive_float)
     num_templates: int = attrs.field(default=400, validator=_positive_int)
-    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=_positive_range)
+    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=_positive_range)  # type: ignore[misc]
     template_skew: float = attrs.field(default=1.0, validator=_skew)
     drift_every: int = attrs.field(default=800, validator=_positive_int)
     input_tokens_mean: float = attrs.field(default=150.0, validator=_positive_float)
@@ -474,14 +475,14 @@ class MixedWorkload:
     """
 
     name: ClassVar[str] = "mixed"
-    seed: int = attrs.field(default=0, converter=checked(check_int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))  # type: ignore[misc]
     num_sessions: int = attrs.field(default=200, validator=_positive_int)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     sessions_per_s: float = attrs.field(default=0.5, validator=_positive_float)
     turns_mean: float = attrs.field(default=4.0, validator=real_in(low=1, high=math.inf, high_open=True))
     think_time_mean_s: float = attrs.field(default=60.0, validator=_positive_float)
     batch_per_s: float = attrs.field(default=0.5, validator=_positive_float)
-    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=_positive_range)
+    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=_positive_range)  # type: ignore[misc]
     system_prompt_tokens: int = attrs.field(default=1000, validator=at_least(0))
     retention_s: float = attrs.field(default=300.0, validator=_positive_float)
 

@@ -66,7 +66,7 @@ class OffloadedLM:
     stack: OffloadStack
     cache_salt: tuple = attrs.field(default=(), kw_only=True)
     model_name: str | None = attrs.field(default=None, kw_only=True)
-    pipelined: bool | None = attrs.field(default=None, kw_only=True, converter=checked(check_bool, optional=True))
+    pipelined: bool | None = attrs.field(default=None, kw_only=True, converter=checked(check_bool, optional=True))  # type: ignore[misc]
     model_id: str = attrs.field(init=False)
     engine: ReferenceEngine = attrs.field(init=False)
     _compute: _ModelPrefill = attrs.field(init=False)
@@ -77,10 +77,10 @@ class OffloadedLM:
         expected = kv_spec_from_config(self.model.config, block_size=spec.block_size, dtype=self.model.dtype)
         if spec != expected:
             raise ConfigError(f"the stack's KV spec {spec!r} does not fit the model, which needs {expected!r}")
-        if len(self.stack.workers) != 1 or self.stack.workers[0].layout is None:
+        worker = self.stack.workers[0] if len(self.stack.workers) == 1 else None
+        if worker is None or worker.layout is None:
             raise ConfigError(f"the stack needs exactly one worker with a registered KV cache, got "
                               f"{plural(len(self.stack.workers), 'worker')}; hint: OffloadedLM.build(model, ...)")
-        worker = self.stack.workers[0]
         device = worker.gpu_kv[0].device
         if device != self.model.device:
             raise ConfigError(f"the stack's KV cache is on {device}, the model on {self.model.device}")
@@ -198,7 +198,7 @@ class OffloadedLM:
 
     def _prefill(self, rid: str) -> EngineRequest:
         """Step the engine until ``rid`` ran its prefill (a pool still held by stores drains first)."""
-        for attempt in range(2):
+        for _ in range(2):
             for req in self.engine.step().scheduled:
                 if req.request_id == rid:
                     return req
