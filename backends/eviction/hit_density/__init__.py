@@ -208,12 +208,13 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     ghost_span: float = attrs.field(default=8.0, validator=real_in(low=1, high=math.inf, high_open=True, label="HitDensityPolicy."))
     shift_alpha: float = attrs.field(default=1e-3, validator=real_in(low=0, high=1, high_open=True,
                                                                      label="HitDensityPolicy."))
-    _chains: ChainIndex = attrs.field(init=False, factory=ChainIndex)
     _lists: list[OrderedDict[BlockId, None]] = attrs.field(
         init=False, factory=lambda: [OrderedDict() for _ in range(_CLASSES)])
     _class: dict[BlockId, int] = attrs.field(init=False, factory=dict)
     # Pinned blocks set aside from their class lists (on_pin), in pin order.
     _parked: dict[BlockId, None] = attrs.field(init=False, factory=dict)
+    _chains: ChainIndex = attrs.field(init=False, default=attrs.Factory(
+        lambda self: ChainIndex(parked=self._parked), takes_self=True))
     _uses: dict[BlockId, int] = attrs.field(init=False, factory=dict)
     # Reuses since the change point a restart would keep (absent: none), of tracked blocks and of ghosts.
     _recent: dict[BlockId, int] = attrs.field(init=False, factory=dict)
@@ -353,6 +354,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         if self._class_list(block).pop(block, False) is False:  # tracked, not listed: parked already
             raise pin_mismatch(self, block, pinned=True)
         self._parked[block] = None
+        self._chains.pin(block)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at its class's young end; its age still counts from its last use."""
@@ -360,6 +362,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         if self._parked.pop(block, False) is False:
             raise pin_mismatch(self, block, pinned=False)
         blocks[block] = None
+        self._chains.unpin(block)
 
     def _class_list(self, block: BlockId) -> OrderedDict[BlockId, None]:
         cls = self._class.get(block)
