@@ -196,6 +196,12 @@ class ChainIndex:
         :meth:`remove` drop the walk then). Evicting a chain one victim per
         call thus costs O(1) amortised per victim, plus one question per
         skipped block at each resume, instead of the chain's depth per call.
+
+        A block already in ``chosen`` is not walked below: it was chosen by an
+        earlier walk of the same selection, which chose its subtree before it
+        (every walk but the last of a selection runs to its end), so a
+        selection that moves up a chain root by root walks each block once,
+        not once per root above it.
         """
         walk = self._walk
         if walk is None or not walk.resumes(root, is_evictable, parked):
@@ -209,7 +215,10 @@ class ChainIndex:
                 for child in reversed(children.get(hashes[block], ())):
                     if child not in held:  # a hash cycle (impossible for content hashes) can't loop
                         held.add(child)
-                        stack.append((child, False))
+                        if child in chosen:  # with its subtree, by an earlier walk of this selection
+                            victims.add(child)
+                        else:
+                            stack.append((child, False))
             elif block in chosen or (block not in parked and is_evictable(block)):
                 chosen[block] = None
                 victims.add(block)
