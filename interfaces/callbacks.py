@@ -10,9 +10,12 @@ __all__ = ["OffloadCallback"]
 class OffloadCallback:
     """Override any hook to observe a stack; every hook is a no-op here.
 
-    Callbacks observe; they are never needed for correctness, and an exception
-    raised inside one propagates to the caller (a bug in the observer is not
-    silently swallowed).
+    Callbacks observe; they are never needed for correctness. An exception
+    raised inside one is contained: the call that emitted the event completes
+    as if the callback had returned, the error is counted in
+    ``OffloadStats.callback_errors``, and a ``RuntimeWarning`` names the hook
+    (once per callback and hook), so a bug in an observer is neither silent
+    nor able to wedge the tier.
     """
 
     def on_lookup(self, request_id: str, gpu_hit_tokens: int, cpu_hit_tokens: int) -> None:

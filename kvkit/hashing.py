@@ -6,7 +6,7 @@ Each full block of ``block_size`` tokens hashes the canonical bytes of
   for a chain's first block, the caller's ``parent`` or a fixed root tag);
 * a version tag and the ``extra_keys`` (cache salt, LoRA/adapter ids), encoded
   type-tagged and length-prefixed, mixed into *every* block so requests with
-  different salts never share a block (DESIGN invariant 13);
+  different salts never share a block;
 * the block's token ids as little-endian int64 (packed by numpy, no per-token
   Python loop), length-prefixed.
 

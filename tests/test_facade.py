@@ -15,7 +15,7 @@ from kvkit.registry import REGISTRIES, Registry
 from kvkit.testing.doubles import InertPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
-# Besides the facade, the only public import paths (DESIGN.md §2; README "Compose a stack").
+# Besides the facade, the public import paths (docs/architecture.md).
 PUBLIC_SUBPACKAGES = ("interfaces", "backends", "errors", "config", "hashing", "sim", "reference", "shared", "bench", "testing",
                       "integrations")
 """The rooms whose own ``__all__`` is public: a user reaches every name past the facade through one of them."""

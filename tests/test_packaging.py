@@ -117,4 +117,4 @@ def test_interfaces_and_backends_never_import_the_composition_layer():
         "        break\n"
         "print(json.dumps(leaks))\n"
     )
-    assert _fresh_modules(code) == {}, "arrows point one way: interfaces <- backends <- kvkit (DESIGN.md §2)"
+    assert _fresh_modules(code) == {}, "arrows point one way: interfaces <- backends <- kvkit (docs/architecture.md)"

@@ -6,16 +6,17 @@ import hashlib
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
 
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
 from kvkit.backends.eviction.lru import LRUPolicy
-from kvkit.backends.blockstore._common import TicketBox, check_call, check_keys, flat_views
 from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.shared import StoreResult
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import check_bool, check_int, checked, implements, quote
 
@@ -44,6 +45,8 @@ class DiskStore:
     ``threads`` threads; a ``get`` reads with ``os.preadv`` straight into the
     caller's buffers. Files another process adds to the directory are adopted
     when ``contains`` or ``get`` finds them; the capacity holds per process.
+    At most ``max_waiting`` finished results wait for the polls naming their
+    tickets (one more abandons the oldest).
 
     Invariants: ``used_bytes`` is the sum of the indexed files' sizes, never
     above ``capacity_bytes``; the policy tracks exactly the indexed keys.
@@ -55,6 +58,8 @@ class DiskStore:
     threads: int = attrs.field(default=2, converter=checked(check_int, minimum=1, label="DiskStore."))
     fsync: bool = attrs.field(default=False, converter=checked(check_bool, label="DiskStore."))
     """Flush each file to the device before renaming it (survives power loss, costs a sync per value)."""
+    max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
+                                   converter=checked(check_int, minimum=1, label="DiskStore."))
     used_bytes: int = attrs.field(default=0, init=False)
     closed: bool = attrs.field(default=False, init=False)
     _index: dict[str, tuple[BlockId, int]] = attrs.field(factory=dict, init=False)  # name -> (id, size)
@@ -62,7 +67,8 @@ class DiskStore:
     _ids: itertools.count = attrs.field(factory=itertools.count, init=False)
     _temps: itertools.count = attrs.field(factory=itertools.count, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
-    _tickets: TicketBox = attrs.field(factory=TicketBox, init=False)
+    _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
+        lambda self: TicketBox(self.max_waiting), takes_self=True))
     _pool: ThreadPoolExecutor = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -103,8 +109,8 @@ class DiskStore:
         self._pool.submit(self._run, ticket, self._read, list(keys), [flat_views(b) for b in buffers])
         return ticket
 
-    def poll(self, timeout: float = 0.0) -> list:
-        return self._tickets.poll(timeout)
+    def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
+        return self._tickets.poll(tickets, timeout)
 
     def drop(self, key: bytes) -> bool:
         """Delete ``key``'s file as an outside eviction would; answer whether it was indexed."""
@@ -129,6 +135,7 @@ class DiskStore:
             assert len(self.eviction) == len(self._index) == len(self._names), "policy and index disagree"
             assert all(self._names[block] == name for name, (block, _) in self._index.items()), "id map drifted"
             self.eviction.check_invariants()
+        self._tickets.check_invariants()
 
     def _run(self, ticket: int, work, keys: list[bytes], views: list[list[memoryview]]) -> None:
         failed, errors = [], set()

@@ -29,9 +29,9 @@ import torch
 from typing_extensions import override
 
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
-from kvkit.backends.copy.planner import Planner, registered
 from kvkit.backends.copy.cuda_dma import CudaDMACopy
 from kvkit.backends.copy.cupy_batch import CupyBatchCopy
+from kvkit.backends.copy.planner import Planner, registered
 from kvkit.errors import BackendUnavailableError, SpecMismatchError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, Tier, TransferPlan

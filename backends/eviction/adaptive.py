@@ -148,9 +148,8 @@ class AdaptivePolicy(LearnsCapacity, EvictionPolicy):
       ``switch_sigmas`` standard deviations of the paired sum (the root of
       the summed squares): a paired significance test, so correlated experts
       and noise do not make it flap. A switch is not free (the new leader
-      inherits a cache the old one shaped; on the synthetic shapes a switch
-      between experts within a point of each other lost 0.3-2 points), hence
-      the long memory and the 3-sigma bar.
+      inherits a cache the old one shaped, so a switch between experts of
+      nearly equal merit costs hits), hence the long memory and the 3-sigma bar.
 
     Costs: each notification is forwarded to ``2 * len(experts)`` policies,
     each O(1) amortised, so the policy keeps the protocol's costs with a

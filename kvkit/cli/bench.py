@@ -8,12 +8,12 @@ from typing import Any
 
 import click
 
+from kvkit.bench.transfer import DIRECTIONS, run_transfer
 from kvkit.cli._progress import progress
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.types import KVCacheSpec
 from kvkit.sim.simulator import LLAMA_3_8B
-from kvkit.bench.transfer import DIRECTIONS, run_transfer
 from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["bench_group", "transfer_command"]

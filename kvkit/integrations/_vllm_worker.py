@@ -43,9 +43,9 @@ from kvkit.integrations._vllm_settings import ConnectorSettings
 from kvkit.interfaces import KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
 from kvkit.interfaces.shared import BlockStore
 from kvkit.shared.client import connect_shared
+from kvkit.shared.worker import SharedTierWorker
 from kvkit.worker.engine import TransferEngine
 from kvkit.worker.layouts import layouts_for, validate_kv
-from kvkit.shared.worker import SharedTierWorker
 
 __all__ = ["VLLM_LAYOUTS", "WorkerSide", "detect_layout", "group_spec"]
 
@@ -158,8 +158,8 @@ class WorkerSide:
                    for g in range(len(stack.kv.groups))]
         shared = store = None
         if stack.shared is not None:
-            conn = connect_shared(stack, layout=settings.shared_layout, workers=1)
-            shared = SharedTierWorker(stack.kv, conn.clients[0], conn.spec.codec, mirrors=engines, rank=rank,
+            conn = connect_shared(stack, layout=settings.shared_layout)
+            shared = SharedTierWorker(stack.kv, conn.store, conn.spec.codec, mirrors=engines, rank=rank,
                                       wait_timeout_s=stack.wait_timeout_s)
             store = conn.store if conn.owned else None
         return cls(engines, layer_names, settings.layout, stack.cpu_layout, settings.layerwise, shared=shared,

@@ -88,10 +88,10 @@ from kvkit.manager.requests import (
     check_rows,
     wrong_state,
 )
-from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.manager.step import CompletionReport, StepPlan
 from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
+from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.stats import OffloadStats
 from kvkit.validate import at_least, int_problem, optional_at_least
 
@@ -125,7 +125,7 @@ class OffloadManager:
             hit, its hits are fetched into CPU blocks and loaded as CPU hits,
             and CPU blocks are put there (write-through or write-back).
 
-    Invariants (DESIGN §4; :meth:`check_invariants` asserts them):
+    Invariants (:meth:`check_invariants` asserts them):
         * CPU refcount of every block == lookup pins + in-flight transfer
           references held by the manager; with ``gpu``, the manager's GPU
           references are exactly those of in-flight and queued transfers.

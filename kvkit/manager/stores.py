@@ -5,7 +5,7 @@ requests), the stores that outlive an ended request (*detached*), and, for
 write-back policies, the GPU pool's next eviction candidates into
 :class:`StoreCandidate` records, and picks the ones to copy.
 
-Invariants (DESIGN §4, invariants 6 and 9): a candidate is chosen only if
+Invariants: a candidate is chosen only if
 neither the CPU tier, nor a store in flight, nor an earlier candidate of the
 same step has its hash; at most ``cpu.num_free`` are chosen; the GPU
 references held for a candidate pass to its batch or are dropped, exactly

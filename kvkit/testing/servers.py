@@ -19,7 +19,7 @@ from pathlib import Path
 
 import attrs
 
-from kvkit.backends.blockstore.resp import ConnectOptions, Connection
+from kvkit.backends.blockstore.resp import Connection, ConnectOptions
 from kvkit.errors import BackendUnavailableError
 
 __all__ = ["LocalCluster", "LocalServer", "free_port", "server_binary", "server_binary_or_skip"]

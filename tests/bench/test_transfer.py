@@ -7,10 +7,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from kvkit.bench import transfer as transfer_bench
 from kvkit.cli import main
 from kvkit.cli.bench import transfer_command
 from kvkit.registry import COPY
-from kvkit.bench import transfer as transfer_bench
 from kvkit.worker.layouts import LAYOUTS
 
 SMALL = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4", "--pool-blocks", "24"]

@@ -5,11 +5,11 @@ import time
 import pytest
 from click.testing import CliRunner
 
+import kvkit.bench.transfer as transfer_bench
 import kvkit.cli as cli
 import kvkit.cli.bench  # noqa: F401 - imported here, so the timing below covers the command alone
 import kvkit.cli.policies as policies_module
 import kvkit.cli.simulate as simulate_module
-import kvkit.bench.transfer as transfer_bench
 
 
 def _no_work(*args, **kwargs):

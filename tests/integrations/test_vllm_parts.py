@@ -613,12 +613,12 @@ def test_after_reset_nothing_is_served():
 
 
 def test_ci_follows_the_readme_recipe_for_vllm_on_the_cpu():
-    """.ci/run runs the README's CPU install steps for vLLM, in order, then the vLLM tests."""
+    """.ci/run runs the CPU install steps of docs/vllm.md for vLLM, in order, then the vLLM tests."""
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    readme, ci = (root / "README.md").read_text(), (root / ".ci/run").read_text()
+    readme, ci = (root / "docs/vllm.md").read_text(), (root / ".ci/run").read_text()
     section = readme[readme.index("**Install on a CPU-only machine**"):]
     recipe = re.search(r"```bash\n(.*?)```", section, re.S).group(1).splitlines()
     steps = [line.split("#")[0].strip() for line in recipe[1:]]  # the first line is the main suite's
@@ -734,7 +734,7 @@ def test_a_key_that_vanished_or_was_corrupted_after_lookup_fails_that_load_and_t
     b_sides = _sides(shared=url)
     b = _admit(b_sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)
     worker = b_sides.worker.shared
-    store, key = worker.store.store, worker.codec.key(block_hash(b.block_hashes[1]), 0)
+    store, key = worker.store, worker.codec.key(block_hash(b.block_hashes[1]), 0)
     if fault == "vanished":
         store.drop(key)
     else:

@@ -575,7 +575,7 @@ def test_counters_only_grow():
     assert all(v == 0 for v in d.values()) and "cpu_hit_rate" in d
 
 
-# -- DESIGN §5 regressions -----------------------------------------------------
+# -- regressions of failure modes known in the field (docs/guarantees.md) ------------
 
 
 def test_cpu_hit_evicted_before_allocation_regression_39702():

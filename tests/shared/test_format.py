@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvkit.errors import ConfigError
+from kvkit.interfaces.types import KVCacheSpec, KVGroupSpec
 from kvkit.shared.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -17,7 +18,6 @@ from kvkit.shared.format import (
     check_value,
     encode_header,
 )
-from kvkit.interfaces.types import KVCacheSpec, KVGroupSpec
 
 SPEC = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8)
 NS = Namespace("org/model", SPEC, revision="abc123", tp_size=2)

@@ -5,14 +5,14 @@ import warnings
 import pytest
 
 from kvkit.backends.allocator import BlockPool
-from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore
 from kvkit.errors import ConfigError
 from kvkit.interfaces import KVCacheSpec
 from kvkit.manager import OffloadManager
-from kvkit.shared.scheduler import SharedTierSpec
 from kvkit.shared.client import FormatCodec
+from kvkit.shared.scheduler import SharedTierSpec
 from kvkit.testing.doubles import FailingStore
 
 SPEC = KVCacheSpec(num_layers=1, block_size=4, num_kv_heads=1, head_dim=2)

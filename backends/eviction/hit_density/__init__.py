@@ -11,9 +11,9 @@ import attrs
 import numpy as np
 from typing_extensions import override
 
-from kvkit.backends.eviction.hit_density.census import Census
 from kvkit.backends.eviction._chains import ChainIndex
 from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
+from kvkit.backends.eviction.hit_density.census import Census
 from kvkit.backends.eviction.hit_density.density import HitDensityModel
 from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.interfaces.eviction import EvictionPolicy
@@ -68,8 +68,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
       back is likelier to come back again, shared heads such as system
       prompts are hit constantly, and where popularity holds still, a
       template wanted 40 times is worth more than one wanted 4 times, which
-      a last level of "3 or more" cannot tell apart: +14 points summed over
-      18 such workload points, +48.7 over 250, BENCHMARKS.md) and its kind:
+      a last level of "3 or more" cannot tell apart) and its kind:
       a *parent* if its hash ever had a cached child, a *leaf* if not
       (the last block of a prompt never does, and it is almost never reused,
       since the next turn's block at that position holds more tokens), and
@@ -77,8 +76,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
       which of the two it is. A tip is what a selection during a prompt's
       stores weighs against the cache: valued as a leaf, it made the policy
       evict each new block as the next one arrived, on evidence about prompt
-      ends rather than about new prompts (after a large pool first filled on
-      a short RAG trace, 8 points behind LRU for 200 requests). The tip
+      ends rather than about new prompts. The tip
       classes learn from the tips evicted (their ghosts' returns), so they
       price admitting a new chain; without that evidence yet they borrow the
       pooled density. The reuse count survives eviction
@@ -102,9 +100,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
       fewer than 4,096 once the pool's size is known (given, or learned at
       the first eviction): a pool of a few hundred blocks would otherwise
       estimate 12 classes' reuse curves from a thousand or so events, and
-      sampling noise, not the workload, would rank them (at 100-500 blocks
-      the floor gained 8.9 points summed over 33 workload points, and met
-      all 33 within 0.5 of the best rule, against 30; BENCHMARKS.md). At each age
+      sampling noise, not the workload, would rank them. At each age
       a class is valued at least as high as every class of fewer reuses and
       the same kind (if blocks differ in how often they are wanted, a
       block seen more often is the likelier to be wanted again). A class's
@@ -113,15 +109,12 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
       mixed templates wanted every few requests with stale and lukewarm
       ones, its density at 2-4 pools of age fell below the 2-use class's,
       and the policy evicted the templates it had seen most often to keep
-      ones seen twice (the order alone: +6.0 points summed over 48 workload
-      points). The order is restored by weighted isotonic regression per
+      ones seen twice. The order is restored by weighted isotonic regression per
       age, each class weighted by its blocks at risk there (the model's
       ``monotone`` chains), not by raising every class to the best below
       it: where many blocks of a high level show, after a reshuffle, that
       they no longer come back, that evidence lowers the fit instead of
-      being overruled by a thinly observed lower level (241 of 250
-      workload points within 0.5 of the best rule, against 237 with the
-      raise, +6.9 points summed; BENCHMARKS.md).
+      being overruled by a thinly observed lower level.
 
     The statistics are uncensored by a *ghost*: the hashes of recently
     evicted blocks with their last access, class and reuse count. When an
@@ -140,16 +133,14 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     the window's reuse runs (one per reused prefix) started at levels
     significantly lower than earlier windows' did, at ``shift_alpha``; windows
     that look low but not yet significantly so are pooled with the next one
-    (an *excursion*, see :mod:`._shift`, whose repeated tests spend
+    (an *excursion*, see :mod:`~kvkit.backends.eviction.hit_density.shift`, whose repeated tests spend
     ``shift_alpha`` between them). On a shift every tracked block and
     ghost restarts its count at its reuses since the change point (the start
     of the excursion, or of the window): what the new era already showed is
     kept, what the old one counted is dropped. Kind, age and the class lists'
     order by last use stay, and so do the model's histograms. On workloads
     whose reused prefixes start with a shared system prompt the test has
-    nothing to see and never fires (246 of 250 workload points within 0.5 of
-    the best rule, against 241 without it and 244 with restarts at 0 and no
-    pooling; worst -0.50; BENCHMARKS.md).
+    nothing to see and never fires.
 
     Selection: each class keeps its blocks in the order they entered it
     (insert, hit, first child, or a restart of the counts), so its two ends
@@ -178,8 +169,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     evictable descendants. Hits on a parked block still count (reuse
     statistics, reuse count, class). On :meth:`on_unpin` it re-enters the
     young end of its class, its age still counted from its last insert or
-    hit (a pool touches a hit block when it pins it); restarting the age at
-    the unpin lost 2.6% of the hits on a Mooncake chat trace at 4000 blocks.
+    hit (a pool touches a hit block when it pins it): time spent pinned is
+    time in use, not evidence that the block is wanted less.
     A driver that never pins gets the scanning behaviour above.
 
     Args:

@@ -39,12 +39,9 @@ The histograms are sums decayed over the model's memory, but the censored
 blocks are the census of the moment, at full weight, so the fit leans on the
 blocks waiting now: a class whose old blocks pile up unreused (templates
 after a popularity shift, sessions that ended) loses value at once, before
-the decayed events say so. The price is calibration: in most classes the
-next pool's worth of references brings 1.1-1.7x the reuses that a refresh's
-hazards predict (chat and few-shot at 4,000 blocks). Fitted to decayed
-exposures instead (the blocks that entered each age bucket), the hazards are
-calibrated to 0.8-1.2x, and the policy meets fewer workload points of issue
-18 (BENCHMARKS.md, thirteenth session).
+the decayed events say so. The price is calibration: the hazards
+over-predict reuse somewhat, which shifts every class's density alike and
+so leaves the ranking, the only thing a selection reads, intact.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvkit.backends.blockstore._common import wanted_tickets
 from kvkit.backends.blockstore.disk import DiskStore
 from kvkit.backends.blockstore.memory import MemoryStore
 from kvkit.backends.blockstore.valkey import ValkeyStore
@@ -185,18 +186,41 @@ class _ForgetsTickets(MemoryStore):
 class _ReportsTwice(MemoryStore):
     """poll reports every result twice."""
 
-    def poll(self, timeout=0.0):
-        done = super().poll(timeout)
+    def poll(self, tickets, timeout=0.0):
+        done = super().poll(tickets, timeout)
         return done + done
 
 
 class _ReusesTickets(MemoryStore):
     """Tickets restart from 0 after each poll."""
 
-    def poll(self, timeout=0.0):
-        done = super().poll(timeout)
+    def poll(self, tickets, timeout=0.0):
+        done = super().poll(tickets, timeout)
         self._tickets._next = 0
         return done
+
+
+class _HandsOutEveryResult(MemoryStore):
+    """poll reports every finished ticket, named or not: one caller takes another's results."""
+
+    def poll(self, tickets, timeout=0.0):
+        wanted_tickets(tickets)
+        return super().poll(range(self._tickets._next), timeout)
+
+
+class _LosesOthersResults(MemoryStore):
+    """poll takes every finished result and keeps only the named ones: the other callers' are lost."""
+
+    def poll(self, tickets, timeout=0.0):
+        wanted = wanted_tickets(tickets)
+        return [r for r in super().poll(range(self._tickets._next), timeout) if r.ticket in wanted]
+
+
+class _AcceptsAnyTickets(MemoryStore):
+    """poll(7) is taken for "no ticket" instead of raising ConfigError."""
+
+    def poll(self, tickets, timeout=0.0):
+        return super().poll(tickets if isinstance(tickets, list | set | tuple | range) else (), timeout)
 
 
 class _ServesAfterDrop(MemoryStore):
@@ -248,7 +272,8 @@ def _disk_machine(store_cls):
 @pytest.mark.parametrize("machine", [
     _memory_machine(_CountsEveryHit), _memory_machine(_AcceptsShortValues), _memory_machine(_LosesWrites),
     _memory_machine(_KeysOnAPrefix), _memory_machine(_ForgetsTickets), _memory_machine(_ReportsTwice),
-    _memory_machine(_ReusesTickets), _memory_machine(_ServesAfterDrop), _memory_machine(_LiveAfterClose),
+    _memory_machine(_ReusesTickets), _memory_machine(_HandsOutEveryResult), _memory_machine(_LosesOthersResults),
+    _memory_machine(_AcceptsAnyTickets), _memory_machine(_ServesAfterDrop), _memory_machine(_LiveAfterClose),
     _memory_machine(_ChecksNothing),
     _disk_machine(_DriftingDisk),
 ], ids=lambda m: m.__name__.removeprefix("Buggy_"))

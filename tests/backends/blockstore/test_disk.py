@@ -6,22 +6,22 @@ import os
 
 import pytest
 
-from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.backends.blockstore.disk import DiskStore, _name
+from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.errors import ConfigError, KVKitError
 
 
 def _put(store, keys, size):
     ticket = store.put(keys, [[memoryview(bytes([i % 251]) * size)] for i, _ in enumerate(keys)])
-    (result,) = store.poll(5.0)
+    (result,) = store.poll([ticket], 5.0)
     assert result.ticket == ticket
     return result
 
 
 def _get(store, keys, size):
     buffers = [bytearray(size) for _ in keys]
-    store.get(keys, [[memoryview(b)[:3], memoryview(b)[3:]] for b in buffers])
-    (result,) = store.poll(5.0)
+    ticket = store.get(keys, [[memoryview(b)[:3], memoryview(b)[3:]] for b in buffers])
+    (result,) = store.poll([ticket], 5.0)
     return result, buffers
 
 
@@ -147,7 +147,7 @@ def test_a_value_survives_a_real_process_restart(tmp_path):
 
     write = ("import sys; from kvkit.backends.blockstore.disk import DiskStore\n"
              "s = DiskStore(sys.argv[1], 1 << 20); t = s.put([b'k'], [[memoryview(b'\\x07' * 999)]])\n"
-             "assert [r.ticket for r in s.poll(5.0) if r.ok] == [t]; s.close()\n")
+             "assert [r.ticket for r in s.poll([t], 5.0) if r.ok] == [t]; s.close()\n")
     subprocess.run([sys.executable, "-c", write, str(tmp_path)], check=True, timeout=60)
     store = DiskStore(tmp_path, 1 << 20)
     result, (buffer,) = _get(store, [b"k"], 999)

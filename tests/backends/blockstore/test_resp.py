@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvkit.backends.blockstore.resp import ConnectOptions, Redirect, ServerError, Connection, command, error_reply, key_slot
+from kvkit.backends.blockstore.resp import (
+    Connection,
+    ConnectOptions,
+    Redirect,
+    ServerError,
+    command,
+    error_reply,
+    key_slot,
+)
 
 
 @pytest.mark.parametrize("key, slot", [

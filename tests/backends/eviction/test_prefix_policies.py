@@ -12,8 +12,6 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.eviction import hit_density
-from kvkit.backends.eviction.hit_density.density import HitDensityModel, isotonic
-from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.backends.eviction.hit_density import (
     LEAF,
     PARENT,
@@ -23,6 +21,8 @@ from kvkit.backends.eviction.hit_density import (
     block_class,
     reuse_level,
 )
+from kvkit.backends.eviction.hit_density.density import HitDensityModel, isotonic
+from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
 from kvkit.errors import ConfigError, PoolUsageError

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvkit.backends.eviction.hit_density.shift import ShiftTest, lower_tail
 from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy
+from kvkit.backends.eviction.hit_density.shift import ShiftTest, lower_tail
 from kvkit.errors import ConfigError
 from kvkit.sim.policy_study import replay
 from kvkit.sim.traces import TraceRequest
