@@ -157,21 +157,19 @@ class ChainIndex:
 
     def pin(self, block: BlockId) -> None:
         """The owner parked ``block`` (in use): an orphan is set aside until :meth:`unpin`."""
-        if self._is_orphan(block):
+        parent = self._parent[block]
+        if parent is not None and parent not in self._block_of:
             self._orphans.pin(block)
 
     def unpin(self, block: BlockId) -> None:
         """The owner released ``block``: an orphan is an orphan in its place again."""
-        if self._is_orphan(block):
+        parent = self._parent[block]
+        if parent is not None and parent not in self._block_of:
             self._orphans.unpin(block)
 
     def orphans(self) -> Iterator[BlockId]:
         """Orphans not in use, in the order they became orphans (the index must not change meanwhile)."""
         return self._orphans.walk(any_block)
-
-    def _is_orphan(self, block: BlockId) -> bool:
-        parent = self._parent[block]
-        return parent is not None and parent not in self._block_of
 
     def __len__(self) -> int:
         return len(self._hash)
