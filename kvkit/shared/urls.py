@@ -6,7 +6,8 @@ Each scheme has one meaning (``redis`` may replace ``valkey`` in every scheme):
 * ``valkeys://...`` - the same over TLS (options ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_verify``);
 * ``valkey+cluster://[[user]:password@]host:port[,host:port...]`` (``valkeys+cluster://`` with TLS) -
   a new client of a Cluster, found from any of the nodes listed;
-* ``file:///path/to/dir`` - a new store over a local directory (option ``capacity_bytes``, required: ``"50GiB"``);
+* ``file:///path/to/dir`` - a new store over a local directory (option ``capacity_bytes``, required: ``"50GiB"``;
+  ``file_mode``, octal, ``600`` by default);
 * ``memory://`` or ``memory://NAME`` - the process's in-memory store of that name (``""`` for
   ``memory://``): the first open builds it (option ``capacity_bytes``), every later open in the
   process answers the same instance, so every stack of the process shares it. It belongs to the
@@ -147,6 +148,9 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"block store URL {url!r}: expected file:///absolute/path (a local directory)")
     if "capacity_bytes" not in options:
         raise ConfigError(f"block store URL {url!r}: a disk store needs capacity_bytes (e.g. '50GiB')")
+    raw = dict(parse_qsl(parsed.query, keep_blank_values=True)).get("file_mode")
+    if raw is not None:  # octal text: "640" must not become the decimal number 640
+        options = {**options, "file_mode": raw}
     return {"path": unquote(parsed.path), **_sizes(options)}
 
 
