@@ -28,9 +28,10 @@ from kvkit.interfaces import (
     OffloadCallback,
     StorePolicy,
 )
-from kvkit.interfaces.shared import SHARED_WRITES, BlockStore
+from kvkit.interfaces.shared import DEFAULT_TENANT, SHARED_WRITES, BlockStore, check_tenant
+from kvkit.redact import redact, secret_repr
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry, did_you_mean
-from kvkit.validate import check_real, int_problem, is_int
+from kvkit.validate import check_real, check_secret, int_problem, is_int, quote
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.memory import BOOKKEEPING_BYTES_PER_BLOCK, check_fits
 
@@ -175,7 +176,14 @@ class StackConfig:
         shared_model: the model identity (name and revision or fingerprint) in
             the shared tier's namespace: instances that share a store share
             blocks only under the same identity, spec, layout and world size.
-        shared_secret: HMAC secret (bytes) every instance of a deployment shares, or ``None``.
+        shared_tenant: who owns the shared tier's keys: every key starts with
+            ``kvkit:<tenant>:``, a prefix a server's ACL key pattern confines a
+            client to (``"default"``; 1-64 letters, digits, ``_``, ``.``, ``-``).
+        shared_secret: HMAC secret (non-empty bytes) every instance of a
+            deployment shares, or ``None`` (values are then trusted as the
+            server holds them). It seals and checks every value and is bound
+            into the keys, so instances with another or no secret never share
+            or overwrite them. Never shown in a repr or an error.
         shared_backoff_s: seconds the shared tier stays off after a failure
             before a probe (doubling on each failed probe, at most 60x).
 
@@ -204,10 +212,11 @@ class StackConfig:
     cpu_layout: str | None = None
     wait_timeout_s: float = DEFAULTS.wait_timeout_s
     options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
-    shared: str | BlockStore | None = None
+    shared: str | BlockStore | None = attrs.field(default=None, repr=lambda v: repr(redact(v)))
     shared_write: str = "write-through"
     shared_model: str = "unnamed-model"
-    shared_secret: bytes | None = None
+    shared_tenant: str = DEFAULT_TENANT
+    shared_secret: bytes | None = attrs.field(default=None, repr=secret_repr)
     shared_backoff_s: float = 1.0
 
     def __attrs_post_init__(self) -> None:
@@ -384,7 +393,7 @@ class StackConfig:
         shared = self.shared
         if shared is not None and not (isinstance(shared, str) and "://" in shared) and (
                 isinstance(shared, type) or not isinstance(shared, BlockStore)):
-            problems.append(f"shared={shared!r}: must be None, a BlockStore instance or a URL such as "
+            problems.append(f"shared={quote(shared)}: must be None, a BlockStore instance or a URL such as "
                             f"'memory://', 'file:///path' or 'valkey://host:6379/0'")
         if self.shared_write not in SHARED_WRITES:
             problems.append(f"shared_write={self.shared_write!r}: unknown; valid: {', '.join(SHARED_WRITES)}"
@@ -392,8 +401,14 @@ class StackConfig:
         if not isinstance(self.shared_model, str) or not self.shared_model:
             problems.append(f"shared_model={self.shared_model!r}: must be a non-empty str (the model's name "
                             f"and revision, part of the shared tier's namespace)")
-        if self.shared_secret is not None and not (isinstance(self.shared_secret, bytes) and self.shared_secret):
-            problems.append(f"shared_secret={self.shared_secret!r}: must be None or non-empty bytes")
+        checks = [(check_tenant, "shared_tenant", self.shared_tenant)]
+        if self.shared_secret is not None:
+            checks.append((check_secret, "shared_secret", self.shared_secret))
+        for check, name, value in checks:
+            try:
+                check(name, value)
+            except ConfigError as exc:
+                problems.append(str(exc))
         try:
             check_real("shared_backoff_s", self.shared_backoff_s, low=0, low_open=True)
         except ConfigError as exc:

@@ -1,11 +1,12 @@
-"""Checks of caller input, one place for every component (imports nothing of kvkit but errors).
+"""Checks of caller input, one place for every component (imports nothing of kvkit but errors and redact).
 
 Two shapes serve every caller:
 
 * predicates and ``*_problem`` functions return ``None`` or a message, for code
   that collects every problem before raising once (``StackConfig``);
 * ``check_*`` functions raise a typed :mod:`kvkit.errors` error that quotes the
-  value (through :func:`quote`, which never fails), and :func:`at_least` /
+  value (through :func:`quote`, which never fails and masks secrets; a
+  secret itself, :func:`check_secret`, is never quoted), and :func:`at_least` /
   :func:`optional_at_least` / :func:`real_in` build ``attrs`` validators from
   them, :func:`checked` an ``attrs`` converter (which also stores the converted value).
 
@@ -25,6 +26,7 @@ import attrs
 import numpy as np
 
 from kvkit.errors import ConfigError
+from kvkit.redact import redact, redact_text
 
 __all__ = [
     "at_least",
@@ -32,6 +34,7 @@ __all__ = [
     "check_enum",
     "check_int",
     "check_real",
+    "check_secret",
     "checked",
     "int_problem",
     "is_int",
@@ -46,9 +49,9 @@ _QUOTE_CHARS = 200
 
 
 def quote(value: object) -> str:
-    """``repr(value)`` for a message, cut to 200 characters; never raises (a message must not fail)."""
+    """``repr(value)`` for a message, secrets masked (:mod:`kvkit.redact`), cut to 200 characters; never raises."""
     try:
-        text = repr(value)
+        text = redact_text(repr(redact(value)))
     except Exception:  # a hostile __repr__, or an int past sys.get_int_max_str_digits()
         size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
         text = f"<{type(value).__name__}{size}>"
@@ -109,6 +112,14 @@ def check_bool(name: str, value: object, *, error: type[Exception] = ConfigError
     if isinstance(value, np.bool_):
         return bool(value)
     raise error(f"{name}={quote(value)}: must be a bool (True or False)")
+
+
+def check_secret(name: str, value: object, *, error: type[Exception] = ConfigError) -> bytes:
+    """``value`` if it is non-empty ``bytes``, else ``error`` naming its type only: a secret is never quoted."""
+    if isinstance(value, bytes) and value:
+        return value
+    got = "empty bytes" if isinstance(value, bytes) else f"a {type(value).__name__}"
+    raise error(f"{name}: must be non-empty bytes, got {got} (the value is not shown: it is a secret)")
 
 
 def check_enum(name: str, value: object, cls: type[_E], *, error: type[Exception] = ConfigError) -> _E:

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from kvkit.redact import redact_url
 from kvkit.sim.fleet import FleetResult, compare_fleets
 from kvkit.sim.simulator import SimConfig
 
@@ -19,6 +20,7 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
     """Replay ``workload`` through ``instances`` isolated instances, then as many sharing a tier; report both."""
     from kvkit.shared.client import open_shared
 
+    shown = "in-process" if shared_url is None else redact_url(shared_url)  # never a password
     store, owned = open_shared(shared_url) if shared_url is not None else (None, False)
     start = time.perf_counter()
     try:
@@ -30,11 +32,11 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
     wall = time.perf_counter() - start
     if as_json:
         report = {"isolated": isolated.as_dict(), "shared": sharing.as_dict(),
-                  "shared_url": shared_url or "in-process", "config": config.as_dict() | workload.as_dict(),
+                  "shared_url": shown, "config": config.as_dict() | workload.as_dict(),
                   "wall_s": round(wall, 3)}
         click.echo(json.dumps(report, indent=2, default=str))
         return
-    _print(isolated, sharing, workload.describe(), config, shared_url, wall)
+    _print(isolated, sharing, workload.describe(), config, shown, wall)
 
 
 def _rows(f: FleetResult) -> dict[str, str]:
@@ -60,7 +62,7 @@ def _rows(f: FleetResult) -> dict[str, str]:
     }
 
 
-def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimConfig, shared_url: str | None,
+def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimConfig, shown_url: str,
            wall: float) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -70,7 +72,7 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
                         f"CPU {config.num_cpu_blocks:,} blocks of {config.block_size} tokens")
     table.add_column("")
     table.add_column("isolated", justify="right")
-    table.add_column(f"shared tier ({shared_url or 'in-process'})", justify="right")
+    table.add_column(f"shared tier ({shown_url})", justify="right")
     shared = _rows(sharing)
     for name, value in _rows(isolated).items():
         table.add_row(name, value, shared[name])

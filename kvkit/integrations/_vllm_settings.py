@@ -8,7 +8,9 @@ the CPU tier's size has one source of truth: :attr:`ConnectorSettings.stack`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -17,6 +19,7 @@ from kvkit.config import DEFAULTS, StackConfig, parse_bytes
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.registry import STORE, did_you_mean
+from kvkit.validate import quote
 from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window", "parse_extra_config",
@@ -24,8 +27,8 @@ __all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window
 
 EXTRA_KEYS: tuple[str, ...] = (
     "cpu_bytes", "cpu_blocks", "cpu_eviction", "store", "copy", "allocator", "options", "layout", "cpu_layout",
-    "async_load", "layerwise", "shared", "shared_url", "shared_write", "shared_model",
-    "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload",
+    "async_load", "layerwise", "shared", "shared_url", "shared_write", "shared_model", "shared_tenant",
+    "shared_secret_env", "shared_secret_file", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload",
 )
 """Keys ``kv_connector_extra_config`` may hold (see :func:`parse_extra_config`); the last three are
 those of vLLM's ``SimpleCPUOffloadConnector``, with its meaning."""
@@ -34,6 +37,10 @@ _BYTE_KEYS = ("cpu_bytes", "cpu_bytes_to_use_per_rank", "cpu_bytes_to_use")
 """Keys that size the CPU tier in bytes: per worker (kvkit's), per rank, and in total over every rank."""
 
 _NAMED_SLOTS = ("cpu_eviction", "store", "copy", "allocator")
+
+_SECRET_SOURCES = ("shared_secret_env", "shared_secret_file")
+"""Where the connector reads the shared tier's HMAC secret: never ``kv_connector_extra_config`` itself,
+which is on vLLM's command line and in its logged config."""
 
 
 @attrs.frozen
@@ -199,21 +206,33 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     * ``layout``: ``"auto"`` (default) or a kvkit layout name.
     * ``cpu_layout``: the CPU tier's layout (default: vLLM's), e.g.
       ``"cross-layer"`` for the ``staged`` copy backend.
-    * ``shared`` (or ``shared_url``), ``shared_write``, ``shared_model``: the
-      shared tier, as :class:`~kvkit.StackConfig` takes them (a URL string);
-      ``shared_model`` defaults to ``model`` (vLLM's model and revision).
+    * ``shared`` (or ``shared_url``), ``shared_write``, ``shared_model``,
+      ``shared_tenant``: the shared tier, as :class:`~kvkit.StackConfig` takes
+      them (a URL string); ``shared_model`` defaults to ``model`` (vLLM's model
+      and revision);
+    * ``shared_secret_env`` (the name of an environment variable) or
+      ``shared_secret_file`` (a path): where each connector process reads the
+      shared tier's HMAC secret (``StackConfig.shared_secret``: its UTF-8
+      bytes, a file's trailing newline dropped). The secret itself is never a
+      key here: the extra config is on vLLM's command line and in its logs, so
+      ``shared_secret`` is refused (without showing it).
 
     Raises:
         ConfigError: one error listing every problem (unknown keys, names
             that are not registered or not available here, a bad capacity, a
             write-back store policy with several KV groups: it writes back
             single GPU blocks; capacity keys or ``lazy_offload`` and ``store``
-            that contradict each other).
+            that contradict each other; a secret given in the config, or a
+            secret source that is unset, empty or unreadable).
     """
     extra = dict(extra or {})
     problems: list[str] = []
     for key in extra:
-        if key not in EXTRA_KEYS:
+        if key == "shared_secret":
+            problems.append("kv_connector_extra_config['shared_secret']: not taken here (the extra config is on "
+                            "vLLM's command line and in its logs); put the secret in an environment variable or "
+                            "a file and name it with shared_secret_env or shared_secret_file")
+        elif key not in EXTRA_KEYS:
             problems.append(f"kv_connector_extra_config[{key!r}]: unknown key; valid: "
                             f"{', '.join(EXTRA_KEYS)}{did_you_mean(str(key), list(EXTRA_KEYS))}")
     names = {slot: extra.get(slot, getattr(DEFAULTS, slot)) for slot in _NAMED_SLOTS}
@@ -240,18 +259,22 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     if layout != "auto" and layout not in LAYOUTS:
         problems.append(f"kv_connector_extra_config['layout']={layout!r}: valid: auto, "
                         f"{', '.join(LAYOUTS)}{did_you_mean(str(layout), list(LAYOUTS))}")
-    shared = {key: extra[key] for key in ("shared_write", "shared_model") if key in extra}
+    shared = {key: extra[key] for key in ("shared_write", "shared_model", "shared_tenant") if key in extra}
     if "shared" in extra and "shared_url" in extra and extra["shared"] != extra["shared_url"]:
-        problems.append(f"kv_connector_extra_config: shared={extra['shared']!r} and shared_url="
-                        f"{extra['shared_url']!r} disagree; give one")
+        problems.append(f"kv_connector_extra_config: shared={quote(extra['shared'])} and shared_url="
+                        f"{quote(extra['shared_url'])} disagree; give one")
     url = extra.get("shared", extra.get("shared_url"))
     if url is not None:
         shared["shared"] = url
         if not isinstance(url, str):
-            problems.append(f"kv_connector_extra_config['shared']={url!r}: must be a URL string (the config "
+            problems.append(f"kv_connector_extra_config['shared']={quote(url)}: must be a URL string (the config "
                             f"crosses process boundaries)")
         if model is not None:
             shared.setdefault("shared_model", model)
+    secret, wrong = _shared_secret(extra)
+    problems += wrong
+    if secret is not None:
+        shared["shared_secret"] = secret
     stack = None
     try:
         stack = StackConfig(
@@ -300,6 +323,39 @@ def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any]
     if problems:
         return {"cpu_blocks": 1}, problems
     return {"cpu_bytes": next(iter(per_worker.values()))}, []
+
+
+def _shared_secret(extra: Mapping[str, Any]) -> tuple[bytes | None, list[str]]:
+    """The HMAC secret from ``shared_secret_env`` or ``shared_secret_file`` (at most one), and its problems.
+
+    Messages name the variable or the file, never what it holds.
+    """
+    given = [key for key in _SECRET_SOURCES if extra.get(key) is not None]
+    if not given:
+        return None, []
+    if len(given) > 1:
+        return None, ["kv_connector_extra_config: shared_secret_env and shared_secret_file both name the shared "
+                      "tier's secret; give one"]
+    key = given[0]
+    where = extra[key]
+    if not isinstance(where, str) or not where:
+        return None, [f"kv_connector_extra_config[{key!r}]={quote(where)}: must be a non-empty string (an "
+                      f"environment variable's name or a file's path)"]
+    if key == "shared_secret_env":
+        text = os.environ.get(where)
+        if not text:
+            return None, [f"kv_connector_extra_config['shared_secret_env']={where!r}: the environment variable "
+                          f"{where} is {'empty' if text == '' else 'not set'} in this process"]
+        return text.encode(), []
+    try:
+        data = Path(where).read_bytes()
+    except OSError as exc:
+        return None, [f"kv_connector_extra_config['shared_secret_file']={where!r}: cannot be read: "
+                      f"{exc.strerror or type(exc).__name__}"]
+    data = data.removesuffix(b"\n").removesuffix(b"\r")
+    if not data:
+        return None, [f"kv_connector_extra_config['shared_secret_file']={where!r}: the file is empty"]
+    return data, []
 
 
 def _writes_back(stack: StackConfig) -> bool:

