@@ -7,9 +7,12 @@ A *secret* is
   ``@`` (:func:`~kvkit.shared.urls.open_block_store` refuses a ``@`` in the
   query, so it reads the same userinfo);
 * the value of a *secret name*: a mapping key, URL query option or
-  ``name=value`` whose name holds ``password``, ``passwd``, ``secret`` or
-  ``token`` (not ``tokens``, ``tokenizer`` or a ``per_token`` rate: counts of
-  tokens are kvkit's business, never secret);
+  ``name=value`` whose name holds ``password``, ``passwd``, ``pwd``,
+  ``secret``, ``auth``, ``credential``, ``apikey`` or ``token`` (not
+  ``tokens``, ``tokenizer`` or a ``per_token`` rate: counts of tokens are
+  kvkit's business, never secret), or has a word one typo away from
+  ``password`` or ``secret`` (``pasword=`` is refused as unknown, and its
+  value must not be shown while saying so);
 * a value kvkit was told is secret (the shared tier's HMAC key): its field's
   repr is :func:`secret_repr`, and a check of it names its type only.
 
@@ -19,7 +22,10 @@ whether a secret is set is not a secret.
 
 * :func:`redact_url` masks one URL;
 * :func:`redact` masks a value before it is shown (a URL string, a mapping's
-  secret entries, recursively through lists, tuples and mappings);
+  secret entries and ``(name, value)`` pairs, recursively through lists,
+  tuples and mappings); a string
+  without a scheme but with a ``@`` and no space (a mistyped URL such as
+  ``valkey//:pw@host``) has its userinfo masked too;
 * :func:`redact_text` masks what it recognises in finished text: URLs, and
   ``name=value`` or ``'name': value`` with a secret name. Every
   :class:`~kvkit.errors.KVKitError` passes its message through it, and so do
@@ -33,6 +39,7 @@ reports or child processes' argv.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -42,7 +49,10 @@ __all__ = ["MASK", "is_secret_name", "redact", "redact_text", "redact_url", "sec
 MASK = "***"
 """What a secret is shown as."""
 
-_SECRET_NAME = re.compile(r"passw(?:or)?d|secret|(?<!per_)token(?!s|izer)", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"passw(?:or)?d|pwd|secret|auth|credential|api_?key|(?<!per_)token(?!s|izer)",
+                          re.IGNORECASE)
+_TYPO_OF = ("password", "secret")
+_WORDS = re.compile(r"[a-z]+")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 _URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://\S*")
 _VALUE = r"""b?'(?:[^'\\]|\\.)*'|b?"(?:[^"\\]|\\.)*"|[^\s,;&)}\]'"]+"""
@@ -53,7 +63,12 @@ _DEPTH = 6
 
 def is_secret_name(name: object) -> bool:
     """Whether values named ``name`` are secret (see the module's rule)."""
-    return isinstance(name, str) and _SECRET_NAME.search(name) is not None
+    if not isinstance(name, str):
+        return False
+    if _SECRET_NAME.search(name) is not None:
+        return True
+    return any(difflib.get_close_matches(word, _TYPO_OF, n=1, cutoff=0.8)
+               for word in _WORDS.findall(name.lower()) if len(word) >= 5)
 
 
 def secret_repr(value: object) -> str:
@@ -85,17 +100,29 @@ def redact_url(url: str) -> str:
 def redact(value: Any, _depth: int = 0) -> Any:
     """``value`` fit to show: a URL string redacted, a mapping's secret-named values masked (recursively).
 
-    Lists, tuples and mappings are copied with their items redacted; other
-    values are returned as they are (their repr is :func:`redact_text`'s job).
+    Lists, tuples and mappings are copied (as a list, tuple or dict) with their
+    items redacted; other values are returned as they are (their repr is
+    :func:`redact_text`'s job).
     """
     if isinstance(value, str):
-        return redact_url(value) if _SCHEME.match(value) else redact_text(value)
+        if _SCHEME.match(value):
+            return redact_url(value)
+        if "@" in value and not any(c.isspace() for c in value):  # a mistyped URL: mask its userinfo all the same
+            head, slashes, rest = value.partition("//")
+            if not slashes:
+                head, rest = "", value
+            return head + slashes + redact_url("x://" + rest)[len("x://"):]
+        return redact_text(value)
     if _depth >= _DEPTH:
         return value
     if isinstance(value, Mapping):
         return {k: MASK if is_secret_name(k) and v is not None else redact(v, _depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):  # a namedtuple keeps its type
-        return type(value)(redact(v, _depth + 1) for v in value)
+    if isinstance(value, list):
+        return [redact(v, _depth + 1) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):  # a namedtuple is shown as it is
+        if len(value) == 2 and is_secret_name(value[0]) and value[1] is not None:  # a (name, value) pair
+            return value[0], MASK
+        return tuple(redact(v, _depth + 1) for v in value)
     return value
 
 

@@ -21,7 +21,7 @@ import attrs
 
 from kvkit.interfaces import BlockHash, KVCacheSpec
 from kvkit.interfaces.shared import DEFAULT_TENANT, BlockStore
-from kvkit.redact import redact_text
+from kvkit.redact import redact, redact_text
 from kvkit.shared.format import HEADER_SIZE, Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.shared.urls import open_block_store, process_wide
 
@@ -158,7 +158,7 @@ def _warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
         if key in _WARNED:
             return False
         _WARNED.add(key)
-    where = ", ".join(f"{host}:{port}" for host, port in key)
+    where = ", ".join(redact(f"{host}:{port}") for host, port in key)
     warnings.warn(redact_text(
         f"kvkit shared tier: the values of {where} are not authenticated (no shared_secret): anyone who can "
         f"write that server can plant KV this engine will load and serve; set a shared_secret (HMAC) every "

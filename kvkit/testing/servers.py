@@ -9,6 +9,7 @@ password reaches the server through a configuration file only its owner can read
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -26,7 +27,8 @@ from kvkit.backends.blockstore.resp import Connection, ConnectOptions
 from kvkit.errors import BackendUnavailableError
 from kvkit.redact import secret_repr
 
-__all__ = ["LocalCluster", "LocalServer", "free_port", "server_binary", "server_binary_or_skip"]
+__all__ = ["LocalCluster", "LocalServer", "free_port", "non_loopback_address_or_skip", "server_binary",
+           "server_binary_or_skip"]
 
 _STOP_S = 5.0
 
@@ -60,6 +62,24 @@ def server_binary_or_skip() -> str:
         import pytest
 
         pytest.skip(str(exc))
+
+
+def non_loopback_address_or_skip() -> str:
+    """An IPv4 address of this host beyond loopback (a server bound to it is "remote" to kvkit), or a skip."""
+    import ipaddress
+
+    candidates = []
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # UDP: picks the outgoing address, sends nothing
+        candidates.append(probe.getsockname()[0])
+    with contextlib.suppress(OSError):
+        candidates += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    for address in candidates:
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    import pytest
+
+    pytest.skip("this host has no IPv4 address beyond loopback")
 
 
 def free_port() -> int:
