@@ -12,7 +12,9 @@ A *secret* is
   ``tokens``, ``tokenizer`` or a ``per_token`` rate: counts of tokens are
   kvkit's business, never secret), or has a word one typo away from
   ``password`` or ``secret`` (``pasword=`` is refused as unknown, and its
-  value must not be shown while saying so);
+  value must not be shown while saying so). A name ending in ``_env``,
+  ``_file`` or ``_path`` names where a secret is kept, not the secret, and
+  is shown;
 * a value kvkit was told is secret (the shared tier's HMAC key): its field's
   repr is :func:`secret_repr`, and a check of it names its type only.
 
@@ -52,6 +54,7 @@ MASK = "***"
 _SECRET_NAME = re.compile(r"passw(?:or)?d|pwd|secret|auth|credential|api_?key|(?<!per_)token(?!s|izer)",
                           re.IGNORECASE)
 _TYPO_OF = ("password", "secret")
+_WHERE = re.compile(r"_(?:env|file|path)$", re.IGNORECASE)
 _WORDS = re.compile(r"[a-z]+")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 _URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://\S*")
@@ -63,7 +66,7 @@ _DEPTH = 6
 
 def is_secret_name(name: object) -> bool:
     """Whether values named ``name`` are secret (see the module's rule)."""
-    if not isinstance(name, str):
+    if not isinstance(name, str) or _WHERE.search(name) is not None:
         return False
     if _SECRET_NAME.search(name) is not None:
         return True

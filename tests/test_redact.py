@@ -54,9 +54,10 @@ def test_a_secret_named_option_is_never_shown(pw, name):
 
 
 @pytest.mark.parametrize("name", ["tokens", "hit_tokens_gpu", "max_new_tokens", "decode_ms_per_token", "tokenizer",
-                                  "request_timeout_s", "username", "tls_key", "capacity_bytes", "second", "select"])
+                                  "request_timeout_s", "username", "tls_key", "capacity_bytes", "second", "select",
+                                  "shared_secret_env", "password_file", "token_path"])
 def test_what_is_not_secret_stays(name):
-    """Counts of tokens, rates, user names and paths are shown as they are."""
+    """Counts of tokens, rates, user names, paths and where a secret is kept are shown as they are."""
     assert not is_secret_name(name)
     assert redact_text(f"{name}=12") == f"{name}=12"
     assert redact({name: 12}) == {name: 12}
