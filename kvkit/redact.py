@@ -5,7 +5,7 @@ A *secret* is
 * a URL's password: the userinfo of ``scheme://[user]:PASSWORD@host...`` (or
   ``scheme://PASSWORD@host``): everything between ``://`` and the URL's last
   ``@`` (:func:`~kvkit.shared.urls.open_block_store` refuses a ``@`` in the
-  query, so it reads the same userinfo);
+  query, so it reads the same userinfo); ``file:///path`` has none;
 * the value of a *secret name*: a mapping key, URL query option or
   ``name=value`` whose name holds ``password``, ``passwd``, ``pwd``,
   ``secret``, ``auth``, ``credential``, ``apikey`` or ``token`` (not
@@ -26,8 +26,8 @@ whether a secret is set is not a secret.
 * :func:`redact` masks a value before it is shown (a URL string, a mapping's
   secret entries and ``(name, value)`` pairs, recursively through lists,
   tuples and mappings); a string
-  without a scheme but with a ``@`` and no space (a mistyped URL such as
-  ``valkey//:pw@host``) has its userinfo masked too;
+  without a scheme but with ``//`` or ``:`` before a ``@`` and no space (a
+  mistyped URL such as ``valkey//:pw@host``) has its userinfo masked too;
 * :func:`redact_text` masks what it recognises in finished text: URLs, and
   ``name=value`` or ``'name': value`` with a secret name. Every
   :class:`~kvkit.errors.KVKitError` passes its message through it, and so do
@@ -83,13 +83,14 @@ def redact_url(url: str) -> str:
     """``url`` with its password and every secret-named query value shown as ``***``.
 
     Everything between ``://`` and the last ``@`` is userinfo: ``user:password``
-    keeps the user, a lone ``password`` is masked whole.
+    keeps the user, a lone ``password`` is masked whole. A ``file:///path``
+    URL (no host part) has none: a ``@`` in its path stays.
     """
     match = _SCHEME.match(url)
     if match is None:
         return url
     head, rest = url[:match.end()], url[match.end():]
-    auth, at, rest = rest.rpartition("@")
+    auth, at, rest = ("", "", rest) if head.lower() == "file://" and rest[:1] == "/" else rest.rpartition("@")
     if at:
         user, colon, _ = auth.partition(":")
         head += f"{user}:{MASK}@" if colon and "?" not in user else f"{MASK}@"
@@ -110,7 +111,8 @@ def redact(value: Any, _depth: int = 0) -> Any:
     if isinstance(value, str):
         if _SCHEME.match(value):
             return redact_url(value)
-        if "@" in value and not any(c.isspace() for c in value):  # a mistyped URL: mask its userinfo all the same
+        before = value.rpartition("@")[0]
+        if ("//" in before or ":" in before) and not any(c.isspace() for c in value):  # a mistyped URL
             head, slashes, rest = value.partition("//")
             if not slashes:
                 head, rest = "", value

@@ -64,9 +64,11 @@ def test_what_is_not_secret_stays(name):
 
 
 def test_a_mistyped_url_and_none_and_masks():
-    """A URL missing its '://' still has its userinfo masked; None (no secret) and the mask itself stay."""
+    """A URL missing its '://' still has its userinfo masked (not a shape's '@' or an address); None (no
+    secret) and the mask itself stay."""
     assert "PW" not in quote("valkey//:PW@host") and "host" in quote("valkey//:PW@host")
-    assert "PW" not in quote("valkey:/:PW@host")
+    assert "PW" not in quote("valkey:/:PW@host") and "PW" not in quote("user:PW@host")
+    assert quote("few-shot@nope=1") == "'few-shot@nope=1'" and quote("a@b.example") == "'a@b.example'"
     assert redact_text("shared_secret=None") == "shared_secret=None"
     assert redact_text(redact_text("password=x")) == "password='***'"
     assert secret_repr(None) == "None" and secret_repr(b"x") == "'***'"

@@ -6,7 +6,8 @@ Each scheme has one meaning (``redis`` may replace ``valkey`` in every scheme):
 * ``valkeys://...`` - the same over TLS (options ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_verify``);
 * ``valkey+cluster://[[user]:password@]host:port[,host:port...]`` (``valkeys+cluster://`` with TLS) -
   a new client of a Cluster, found from any of the nodes listed;
-* ``file:///path/to/dir`` - a new store over a local directory (option ``capacity_bytes``, required: ``"50GiB"``);
+* ``file:///path/to/dir`` - a new store over a local directory (option ``capacity_bytes``, required: ``"50GiB"``;
+  ``file_mode``, octal, ``600`` by default);
 * ``memory://`` or ``memory://NAME`` - the process's in-memory store of that name (``""`` for
   ``memory://``): the first open builds it (option ``capacity_bytes``), every later open in the
   process answers the same instance, so every stack of the process shares it. It belongs to the
@@ -22,7 +23,7 @@ and ``true``/``false`` are converted), so one string configures a store wherever
 (the CLI, vLLM's ``kv_connector_extra_config``). A URL that fails to parse raises
 :class:`~kvkit.errors.ConfigError` quoting it and naming the valid forms. No
 message shows a password: URLs and options are quoted through
-:func:`~kvkit.redact.redact_url` and :func:`~kvkit.validate.quote`.
+:func:`~kvkit.validate.quote` (:mod:`kvkit.redact`).
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from kvkit.config import parse_bytes
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import BlockStore
-from kvkit.redact import redact_url
 from kvkit.registry import SHARED
 from kvkit.validate import quote
 
-__all__ = ["open_block_store", "process_wide", "redact_url"]
+__all__ = ["open_block_store", "process_wide"]
 
 _FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
           "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://[NAME]")
@@ -150,6 +150,9 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"block store URL {quote(url)}: expected file:///absolute/path (a local directory)")
     if "capacity_bytes" not in options:
         raise ConfigError(f"block store URL {quote(url)}: a disk store needs capacity_bytes (e.g. '50GiB')")
+    raw = dict(parse_qsl(parsed.query, keep_blank_values=True)).get("file_mode")
+    if raw is not None:  # octal text: "640" must not become the decimal number 640
+        options = {**options, "file_mode": raw}
     return {"path": unquote(parsed.path), **_sizes(options)}
 
 
@@ -180,3 +183,4 @@ def _sizes(options: dict[str, Any]) -> dict[str, Any]:
     if isinstance(options.get("capacity_bytes"), str):
         return {**options, "capacity_bytes": parse_bytes(options["capacity_bytes"])}
     return options
+
