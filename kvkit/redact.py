@@ -58,9 +58,10 @@ _WHERE = re.compile(r"_(?:env|file|path)$", re.IGNORECASE)
 _WORDS = re.compile(r"[a-z]+")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 _URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://\S*")
-_VALUE = r"""b?'(?:[^'\\]|\\.)*'|b?"(?:[^"\\]|\\.)*"|[^\s,;&)}\]'"]+"""
+_QUOTED = r"""b?'(?:[^'\\]|\\.)*'""" + r'''|b?"(?:[^"\\]|\\.)*"'''
+_VALUE = _QUOTED + r"""|[^\s,;&)}\]'"]+"""
 _ASSIGNED = re.compile(rf"(?P<name>(?<![\w.])[\w.\-]+)(?P<sep>\s*=\s*)(?P<value>{_VALUE})")
-_KEYED = re.compile(rf"""(?P<q>['"])(?P<name>[^'"\s]+)(?P=q)(?P<sep>\]?\s*[:=]\s*)(?P<value>{_VALUE})""")
+_KEYED = re.compile(rf"""(?P<q>['"])(?P<name>[^'"\s]+)(?P=q)(?:\]?\s*=\s*(?P<value>{_VALUE})|\s*:\s*(?P<quoted>{_QUOTED}))""")
 _DEPTH = 6
 
 
@@ -140,7 +141,7 @@ def redact_text(text: str) -> str:
 
 
 def _mask(match: re.Match[str]) -> str:
-    value = match["value"]
-    if not is_secret_name(match["name"]) or value in ("None", MASK, repr(MASK)):
+    group = "value" if match["value"] is not None else "quoted"
+    if not is_secret_name(match["name"]) or match[group] in ("None", MASK, repr(MASK)):
         return match.group()
-    return match.group()[:match.start("value") - match.start()] + repr(MASK)
+    return match.group()[:match.start(group) - match.start()] + repr(MASK)

@@ -35,6 +35,7 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
         if owned:
             store.close()
     wall = time.perf_counter() - start
+    config = isolated.instances[0].config  # with the trace's block size
     if plot_path is not None:
         from kvkit.cli.plots import fleet_figure, save
         from kvkit.cli.simulate import describe_run  # imported here: simulate imports this module
@@ -83,8 +84,8 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
     from kvkit.cli._tables import print_table
 
     n = len(isolated.instances)
-    table = Table(title=f"{what}: {plural(n, 'instance')} ({isolated.router}), each GPU {config.gpu_blocks:,} + "
-                        f"CPU {plural(config.num_cpu_blocks, 'block', grouped=True)} of "
+    table = Table(title=f"{what}: {plural(n, 'instance')} ({isolated.router}), each GPU {config.stack.gpu_blocks:,} + "
+                        f"CPU {plural(config.stack.num_cpu_blocks, 'block', grouped=True)} of "
                         f"{plural(config.block_size, 'token')}")
     table.add_column("", no_wrap=True)
     table.add_column("isolated", justify="right", no_wrap=True)

@@ -119,21 +119,23 @@ class SharedConnection:
 
 
 def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
-    """Open ``config.shared`` and build its codec: the one path of every stack, kvkit's own and vLLM's.
+    """Open ``config.shared.url`` and build its codec: the one path of every stack, kvkit's own and vLLM's.
 
     ``layout`` is the CPU payload layout the namespace names.
 
     Raises:
         ConfigError / BackendUnavailableError: as :func:`open_shared` and :meth:`FormatCodec.for_stack`.
     """
+    from kvkit.config import UNNAMED_MODEL
     from kvkit.shared.scheduler import SharedTierSpec
 
-    codec = FormatCodec.for_stack(config.kv, config.world_size, model=config.shared_model, layout=layout,
-                                  tenant=config.shared_tenant, secret=config.shared_secret)
-    store, owned = open_shared(config.shared)
+    shared = config.shared
+    codec = FormatCodec.for_stack(config.kv, config.world_size, model=shared.model or UNNAMED_MODEL, layout=layout,
+                                  tenant=shared.tenant, secret=shared.secret)
+    store, owned = open_shared(shared.url)
     _warn_unauthenticated(store, codec.namespace.secret)
-    spec = SharedTierSpec(store=store, codec=codec, write=config.shared_write,
-                          backoff_s=config.shared_backoff_s, max_backoff_s=60 * config.shared_backoff_s)
+    spec = SharedTierSpec(store=store, codec=codec, write=shared.write,
+                          backoff_s=shared.backoff_s, max_backoff_s=60 * shared.backoff_s)
     return SharedConnection(spec, store, owned)
 
 
@@ -160,7 +162,7 @@ def _warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
         _WARNED.add(key)
     where = ", ".join(redact(f"{host}:{port}") for host, port in key)
     warnings.warn(redact_text(
-        f"kvkit shared tier: the values of {where} are not authenticated (no shared_secret): anyone who can "
+        f"kvkit shared tier: the values of {where} are not authenticated (no shared secret): anyone who can "
         f"write that server can plant KV this engine will load and serve; set a shared_secret (HMAC) every "
         f"instance of the deployment shares (docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=3)
     return True

@@ -183,4 +183,3 @@ def _sizes(options: dict[str, Any]) -> dict[str, Any]:
     if isinstance(options.get("capacity_bytes"), str):
         return {**options, "capacity_bytes": parse_bytes(options["capacity_bytes"])}
     return options
-

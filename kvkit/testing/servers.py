@@ -131,7 +131,7 @@ class LocalServer:
         command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                    "--appendonly", "no", "--dir", self._dir.name, *self.args]
         if self.password:
-            command.insert(1, self._auth_file())
+            command.insert(1, self._auth_file(self.password))
         log = Path(self._dir.name) / "server.log"
         with open(log, "ab") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -148,10 +148,11 @@ class LocalServer:
                         f"{self.binary} on port {self.port} did not start: {exc}; its log ends: {tail}")
                 time.sleep(0.02)
 
-    def _auth_file(self) -> str:
+    def _auth_file(self, password: str) -> str:
         """A configuration file (mode 0600) holding ``requirepass``: the server's first argument."""
+        assert self._dir is not None, "started"
         path = Path(self._dir.name) / "auth.conf"
-        quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+        quoted = password.replace("\\", "\\\\").replace('"', '\\"')
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(f'requirepass "{quoted}"\n')

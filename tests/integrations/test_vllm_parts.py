@@ -158,8 +158,8 @@ def test_the_seeds_capacity_keys_size_each_worker(extra, per_worker):
     ({"cpu_bytes_to_use": "lots"}, ["'lots'"]),
     ({"cpu_blocks": 4, "lazy_offload": True, "store": "eager"}, ["lazy_offload=True contradicts store='eager'"]),
     ({"cpu_blocks": 4, "lazy_offload": False, "store": "lazy"}, ["lazy_offload=False contradicts store='lazy'"]),
-    ({"cpu_blocks": 4, "lazy_offload": "yes"}, ["'yes'", "true or false"]),
-    ({"cpu_blocks": 4, "async_load": 1}, ["async_load", "true or false"]),
+    ({"cpu_blocks": 4, "lazy_offload": "yes"}, ["'yes'", "must be a bool"]),
+    ({"cpu_blocks": 4, "async_load": 1}, ["async_load", "must be a bool"]),
 ])
 def test_contradicting_or_bad_seed_keys_are_refused(extra, needles):
     """Capacity keys that disagree, cpu_blocks beside bytes, and lazy_offload against store: one problem each."""
@@ -755,11 +755,11 @@ def test_the_connector_authenticates_with_the_secret_it_reads_and_another_secret
     url = f"memory://{request.node.name}"
     monkeypatch.setenv("KVKIT_TEST_SECRET", "deployment-secret")
     (tmp_path / "other").write_text("another-secret\n")
-    keyed = {"shared": url, "shared_tenant": "acme", "shared_secret_env": "KVKIT_TEST_SECRET"}
-    _computed_and_shared(_sides(**keyed))
-    for extra, hit in (({**keyed, "shared_secret_env": None, "shared_secret_file": str(tmp_path / "other")}, 0),
-                       (keyed, 3 * BS)):
-        sides = _sides(**extra)
+    keyed = {"url": url, "tenant": "acme", "secret_env": "KVKIT_TEST_SECRET"}
+    _computed_and_shared(_sides(shared=keyed))
+    other = {"url": url, "tenant": "acme", "secret_file": str(tmp_path / "other")}
+    for shared, hit in ((other, 0), (keyed, 3 * BS)):
+        sides = _sides(shared=shared)
         assert sides.worker.shared.codec.key(1, 0).startswith(b"kvkit:acme:")
         assert sides.sched.matched_tokens(vllm_request("b", 3 * BS + 2, b""), 0) == hit
         assert sides.sched.manager.stats.fetches_failed.value == 0

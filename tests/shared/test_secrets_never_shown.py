@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 import kvkit
 import kvkit.cli as cli
+from kvkit.config import SharedConfig
 from kvkit.errors import KVKitError
 from kvkit.hashing import hash_blocks
 from kvkit.integrations._vllm_settings import parse_extra_config
@@ -55,9 +56,10 @@ def _address(server) -> str:
     return f"127.0.0.1:{server.port}"
 
 
-def _stack(url, **slots):
+def _stack(url, callbacks=(), **shared):
+    """A stack of two ranks on ``url``, the shared tier's other fields (secret, tenant...) from ``shared``."""
     return kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", layout="per-layer",
-                       world_size=2, shared=url, **slots)
+                       world_size=2, callbacks=list(callbacks), shared=SharedConfig(url=url, **shared))
 
 
 def _serve(engine, rid, tokens=TOKENS):
@@ -97,29 +99,28 @@ def _bad_calls(url: str) -> list[Callable[[], object]]:
         lambda: open_store(f"file:///tmp/kvkit-secret-test?password={PW}", capacity_bytes="1MiB"),
         lambda: open_store("memory://secret-test", password=PW),
         lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared=f"valkey//:{PW}@{host}"),
-        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared=url, shared_secret=PW),  # a str secret
-        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared=url, shared_secret=SECRET, shared_tenant="a:b",
-                       shared_write="sideways"),
+        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared={"url": url, "secret": PW}),  # a str secret
+        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared={"url": url, "secret": SECRET, "tenant": "a:b",
+                                                                    "write": "sideways"}),
+        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared={"url": url, "secret": SECRET, "wrte": 1}),
         lambda: config(kv=SPEC, gpu_blocks=0, cpu_blocks=4, shared={"url": url, "secret": SECRET}),
         lambda: kvkit.build(kv=SPEC, gpu_blocks=4, cpu_blocks=4, copy=None, shared=f"valkey://:{PW}@{host}/zero"),
         lambda: FormatCodec.for_stack(SPEC, 1, model="m", layout="none", secret=PW),
-        lambda: _vllm({"shared": url, "shared_url": url.replace("127.0.0.1", "localhost")}),  # "disagree"
         lambda: _vllm({"shared": {"url": url, "password": PW}}),
-        lambda: _vllm({"shared": url, "shared_secret": SECRET.decode()}),  # never from the config string
-        lambda: _vllm({"shared": url, "shared_secret_env": "KVKIT_TEST_SECRET", "shared_tenant": "a b"}),
-        lambda: _vllm({"shared": url, "shared_secret_env": "KVKIT_TEST_SECRET", "shared_secret_file": "/x"}),
+        lambda: _vllm({"shared": {"url": 7, "secret": SECRET.decode()}}),
+        lambda: _vllm({"shared": {"url": url, "secret": SECRET.decode()}}),  # never from the config string
+        lambda: _vllm({"shared": {"url": url, "secret_env": "KVKIT_TEST_SECRET", "tenant": "a b"}}),
+        lambda: _vllm({"shared": {"url": url, "secret_env": "KVKIT_TEST_SECRET", "secret_file": "/x"}}),
     ]
 
 
-@pytest.mark.parametrize("index", range(28))
+@pytest.mark.parametrize("index", range(len(_bad_calls(f"valkey://:{PW}@127.0.0.1:1/0"))))
 def test_errors_never_show_a_secret(server, index, monkeypatch):
     """Bad URLs, options, configs and vLLM extra configs fail with a typed error quoting everything but the
     secret."""
     monkeypatch.setenv("KVKIT_TEST_SECRET", SECRET.decode())
-    calls = _bad_calls(server.url)
-    assert len(calls) == 28
     with pytest.raises(KVKitError) as info:
-        calls[index]()
+        _bad_calls(server.url)[index]()
     _clean_error(info.value)
 
 
@@ -141,12 +142,13 @@ def test_reprs_never_show_a_secret(server, monkeypatch):
     """Every object that holds a password or the HMAC secret (config, stack, manager, workers, codec, namespace,
     store, connection, vLLM settings, simulator config, test server) shows neither, before and after use."""
     monkeypatch.setenv("KVKIT_TEST_SECRET", SECRET.decode())
-    by_url = _stack(server.url, shared_secret=SECRET, shared_tenant="acme")
-    by_option = _stack(kvkit.open_block_store(f"valkey://{_address(server)}/0", password=PW), shared_secret=SECRET)
+    by_url = _stack(server.url, secret=SECRET, tenant="acme")
+    by_option = _stack(kvkit.open_block_store(f"valkey://{_address(server)}/0", password=PW), secret=SECRET)
     connection = connect_shared(by_url.config, layout="per-layer")
-    settings = _vllm({"shared": server.url, "shared_secret_env": "KVKIT_TEST_SECRET"})
-    assert settings.stack.shared_secret == SECRET
-    objects = [server, connection, settings, SimConfig(shared=server.url)]
+    settings = _vllm({"shared": {"url": server.url, "secret_env": "KVKIT_TEST_SECRET"}})
+    assert settings.stack.shared.secret == SECRET
+    objects = [server, connection, settings, by_url.config.shared,
+               SimConfig(shared={"url": server.url, "secret": SECRET})]
     for stack in (by_url, by_option):
         objects += [stack, stack.config, stack.manager, stack.manager.shared, stack.shared_store,
                     *stack.shared_workers, *(w.codec for w in stack.shared_workers),
@@ -184,7 +186,7 @@ def test_warnings_and_logs_never_show_a_secret(monkeypatch, caplog):
                "?request_timeout_s=0.3&connect_timeout_s=0.3&retry_interval_s=0.05")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            stack = _stack(url, shared_backoff_s=0.05, callbacks=[Watch()])
+            stack = _stack(url, backoff_s=0.05, callbacks=[Watch()])
             engine = ReferenceEngine(stack)
             _serve(engine, "warm")
             server.kill()

@@ -15,6 +15,7 @@ import xxhash
 import kvkit
 import kvkit.shared.client as client
 from kvkit.backends.blockstore.resp import Connection, ConnectOptions, Redirect, ServerError, key_slot
+from kvkit.config import SharedConfig
 from kvkit.hashing import hash_blocks
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.shared.format import HEADER_SIZE
@@ -35,9 +36,10 @@ def _recipe(tenant: str, password: str) -> list[bytes]:
             lines[0].replace("<tenant>", tenant).replace("<password>", password).split()]
 
 
-def _stack(url, **slots):
+def _stack(url, **shared):
+    """A stack of two ranks on ``url``, the shared tier's other fields (tenant, secret) from ``shared``."""
     return kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", layout="per-layer",
-                       world_size=2, shared=url, shared_model="tenancy-test", **slots)
+                       world_size=2, shared=SharedConfig(url=url, model="tenancy-test", **shared))
 
 
 def _serve(stack, rid, tokens=TOKENS):
@@ -87,12 +89,12 @@ def test_the_documented_acl_confines_a_tenant(server):
     for tenant in ("acme", "globex"):
         assert admin.call(*_recipe(tenant, f"{tenant}-pw")) == b"OK"
     url = "valkey://kvkit-{0}:{0}-pw@127.0.0.1:%d/0" % server.port
-    acme, globex = _stack(url.format("acme"), shared_tenant="acme"), _stack(url.format("globex"), shared_tenant="globex")
+    acme, globex = _stack(url.format("acme"), tenant="acme"), _stack(url.format("globex"), tenant="globex")
     assert _serve(globex, "g1") == (0, 0)
     theirs = {key: admin.call(b"GET", key) for key in _keys(admin, b"kvkit:globex:*")}
     assert len(theirs) == 2 * 10 and all(key.startswith(b"kvkit:globex:") for key in theirs)
     assert _serve(acme, "a1") == (0, 0)
-    second = _stack(url.format("acme"), shared_tenant="acme")
+    second = _stack(url.format("acme"), tenant="acme")
     assert _serve(second, "a2") == (9 * SPEC.block_size, 0)  # the tenant's own prefix is shared
     tier = second.manager._shared
     tier.suspect("test: a probe, under the tenant's prefix")
@@ -122,9 +124,9 @@ def test_the_documented_acl_confines_a_tenant_in_a_cluster():
                 assert node.call(*_recipe(tenant, f"{tenant}-pw")) == b"OK"
         hosts = ",".join(f"127.0.0.1:{n.port}" for n in cluster.nodes)
         url = "valkey+cluster://kvkit-{0}:{0}-pw@" + hosts
-        globex = _stack(url.format("globex"), shared_tenant="globex")
+        globex = _stack(url.format("globex"), tenant="globex")
         assert _serve(globex, "g1") == (0, 0)
-        acme = [_stack(url.format("acme"), shared_tenant="acme") for _ in range(2)]
+        acme = [_stack(url.format("acme"), tenant="acme") for _ in range(2)]
         assert _serve(acme[0], "a1") == (0, 0)
         assert _serve(acme[1], "a2") == (9 * SPEC.block_size, 0)
         theirs = set().union(*(_keys(_admin(n.port, None), b"kvkit:globex:*") for n in cluster.nodes))
@@ -151,13 +153,13 @@ def test_another_secret_or_none_uses_disjoint_keys_and_overwrites_nothing(server
     finds nothing of it, fetches nothing, and puts under its own keys: the deployment's values stay byte-identical."""
     url = f"valkey://:{ADMIN}@127.0.0.1:{server.port}/0"
     admin = _admin(server.port)
-    deployment = [_stack(url, shared_secret=b"deployment-secret") for _ in range(2)]
+    deployment = [_stack(url, secret=b"deployment-secret") for _ in range(2)]
     assert _serve(deployment[0], "d1") == (0, 0)
     values = {key: admin.call(b"GET", key) for key in _keys(admin)}
     assert len(values) == 2 * 10
     assert _serve(deployment[1], "d2") == (9 * SPEC.block_size, 0)
     seen = set(values)
-    for other in ({"shared_secret": b"another-secret"}, {}):
+    for other in ({"secret": b"another-secret"}, {}):
         stack = _stack(url, **other)
         assert _serve(stack, "o1") == (0, 0)
         assert stack.stats.fetches_failed.value == 0 and stack.stats.blocks_fetched.value == 0
@@ -177,7 +179,7 @@ def test_a_value_forged_from_public_data(server, secret):
     the forged KV is loaded and served (what the threat model calls unauthenticated)."""
     url = f"valkey://:{ADMIN}@127.0.0.1:{server.port}/0"
     admin = _admin(server.port)
-    _serve(_stack(url, shared_secret=secret), "writer")
+    _serve(_stack(url, secret=secret), "writer")
     keys = _keys(admin)
     assert len(keys) == 2 * 10
     for key in keys:
@@ -186,7 +188,7 @@ def test_a_value_forged_from_public_data(server, secret):
         value[_CHECKSUM_AT:_CHECKSUM_AT + 16] = xxhash.xxh3_128(forged).digest()
         value[HEADER_SIZE:] = forged
         assert admin.call(b"SET", key, bytes(value)) == b"OK"
-    victim = _stack(url, shared_secret=secret)
+    victim = _stack(url, secret=secret)
     hit, wrong = _serve(victim, "victim")
     invalid = victim.shared_counts["invalid_values"]
     if secret is not None:
@@ -217,10 +219,10 @@ def test_an_unauthenticated_server_beyond_loopback_is_warned_about_once(fresh_wa
     with LocalServer(server_binary_or_skip(), args=["--bind", address, "127.0.0.1"]) as remote:
         url = f"valkey://{address}:{remote.port}/0"
         first = _warnings_of(lambda: _stack(url))
-        assert len(first) == 1 and f"{address}:{remote.port}" in first[0] and "shared_secret" in first[0]
+        assert len(first) == 1 and f"{address}:{remote.port}" in first[0] and "secret" in first[0]
         assert _warnings_of(lambda: _stack(url)) == []
         client._WARNED.clear()
-        assert _warnings_of(lambda: _stack(url, shared_secret=b"s")) == []
+        assert _warnings_of(lambda: _stack(url, secret=b"s")) == []
         for loopback in ("127.0.0.1", "localhost"):
             assert _warnings_of(lambda: _stack(f"valkey://{loopback}:{remote.port}/0")) == []
 
