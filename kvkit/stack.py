@@ -12,9 +12,10 @@ from kvkit.config import StackConfig
 from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
+from kvkit.redact import redact_url
 from kvkit.registry import COPY
 from kvkit.stats import OffloadStats
-from kvkit.validate import plural, redact_url
+from kvkit.validate import plural
 from kvkit.worker.memory import check_fits
 
 if TYPE_CHECKING:

@@ -4,6 +4,12 @@ Measured in one run against the same server, as ratios: the store itself, a valk
 pipeline doing the same work (values as fresh ``bytes``), and the server's own
 ``valkey-benchmark``/``redis-benchmark`` SET/GET for the same value size when the binary is on ``PATH``.
 Every value read back is compared with what was written.
+
+No password is shown or handed on: the report names the URL through
+:func:`~kvkit.redact.redact_url`, and the server tool, which takes a password
+only on its command line (``-a``, readable by every local user in
+``/proc/<pid>/cmdline``; neither tool reads one from the environment), is not
+run against a server that needs one: the report says so (``server_tool_skipped``).
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import parse_qsl
 
 import numpy as np
 
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.shared import BlockStore
+from kvkit.redact import redact_url
 from kvkit.shared.urls import open_block_store, process_wide
-from kvkit.validate import plural
+from kvkit.validate import plural, quote
 
 __all__ = ["run_shared_bench"]
 
@@ -50,9 +58,12 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
         store = open_block_store(target, request_timeout_s=30.0)
         problem = store.ping() if hasattr(store, "ping") else None
         if problem is not None:
-            raise ConfigError(f"--url {target!r}: {problem}")
+            raise ConfigError(f"--url {quote(target)}: {problem}")
         try:
-            report: dict[str, Any] = {"url": target, "repeat": repeat, "sizes": {}}
+            report: dict[str, Any] = {"url": redact_url(target), "repeat": repeat, "sizes": {}}
+            skipped = _tool_skipped(target)
+            if skipped is not None:
+                report["server_tool_skipped"] = skipped
             client = _library_client(target)
             for size in sizes:
                 report["sizes"][str(size)] = _throughput(store, client, target, size, max(1, batch_bytes // size),
@@ -144,22 +155,29 @@ def _server_tool(url: str, size: int, n: int) -> dict[str, float]:
     """
     tool = _tool()
     scheme, _, rest = url.partition("://")
-    auth, _, location = rest.rpartition("@")
-    host_port = location.partition("/")[0]
-    if tool is None or "," in host_port or "cluster" in scheme or scheme.endswith("s"):
-        return {}
+    host_port = rest.partition("/")[0]
+    if tool is None or _tool_skipped(url) or "," in host_port or "cluster" in scheme or scheme.endswith("s"):
+        return {}  # never a password in the tool's argv
     host, _, port = host_port.rpartition(":")
-    password = auth.partition(":")[2]
     rates: dict[str, float] = {}
     for test, requests in (("set", 3 * n), ("get", n)):
         command = [tool, "-h", host, "-p", port, "-t", test, "-d", str(size), "-n", str(requests), "-r", str(n),
-                   "-P", "1", "-c", "1", "--csv", *(["-a", password] if password else [])]
+                   "-P", "1", "-c", "1", "--csv"]
         out = subprocess.run(command, capture_output=True, text=True, timeout=300).stdout
         for line in out.splitlines():
             cells = [c.strip('"') for c in line.split(",")]
             if len(cells) > 1 and cells[0] == test.upper():
                 rates[f"server_tool_{test}_GBps"] = float(cells[1]) * size / 1e9
     return rates
+
+
+def _tool_skipped(url: str) -> str | None:
+    """Why the server tool is not run against ``url`` (it needs a login), or ``None``."""
+    location, _, query = url.partition("?")
+    if "@" in location or "password" in dict(parse_qsl(query)):
+        return ("the server needs a login, and the server tool takes a password only on its command line "
+                "(readable by every local user)")
+    return None
 
 
 def _tool() -> str | None:

@@ -185,3 +185,5 @@ def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys
     c = report["contains"]
     library = f", library pipeline {c['library_pipeline_ms']:.2f} ms" if "library_pipeline_ms" in c else ""
     console.print(f"contains of {plural(c['keys'], 'key')}: {c['store_ms']:.2f} ms{library}")
+    if "server_tool_skipped" in report:
+        console.print(f"server tool not run: {report['server_tool_skipped']}")

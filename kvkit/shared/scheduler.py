@@ -10,7 +10,8 @@ committed, ``write-back`` puts the CPU pool's next eviction candidates ahead
 of their eviction.
 
 Failure is normal. A failed fetch or put makes the tier *suspect*: a probe (a
-tiny put through the scheduler's own client) is sent, and a probe that fails
+tiny put of the codec's ``probe_key``, under the tenant's prefix, through the
+scheduler's own client) is sent, and a probe that fails
 with a transport error turns the tier off for a back-off interval (doubling
 up to a cap), loudly: ``stats.shared_outages``, one ``RuntimeWarning`` per
 outage, ``on_shared_state``. While it is off, lookups find nothing there and
@@ -41,6 +42,7 @@ from kvkit.interfaces.types import BlockHash, BlockId, Direction
 from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
+from kvkit.redact import redact_text
 from kvkit.stats import OffloadStats
 from kvkit.validate import (
     check_real,
@@ -54,10 +56,6 @@ from kvkit.validate import (
 )
 
 __all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
-
-PROBE_KEY = b"kvkit:probe"
-"""The key a probe writes: no block key looks like it."""
-
 
 _LABEL = "SharedTierSpec."
 
@@ -174,7 +172,7 @@ class SharedTier:
     def _send_probe(self) -> None:
         self.stats.shared_probes.add()
         try:
-            self._probe = self.spec.store.put([PROBE_KEY], [[memoryview(b"1")]])
+            self._probe = self.spec.store.put([self.spec.codec.probe_key], [[memoryview(b"1")]])
         except Exception as exc:  # noqa: BLE001 - a sick client is a failed probe, never a failed step
             self._probe = None
             self._turn_off(f"transport: probe raised {exc!r}")
@@ -188,6 +186,7 @@ class SharedTier:
             return []
 
     def _turn_off(self, reason: str) -> None:
+        reason = redact_text(reason)  # shown in the warning, the status line and to callbacks
         if self._state in (SharedState.ON, SharedState.SUSPECT):  # a new outage: say so once
             self._interval = self.spec.backoff_s
             self.stats.shared_outages.add()

@@ -783,6 +783,7 @@ class _Keys:
     """The machine's codec: keys only (the fake workers frame values themselves)."""
 
     header_bytes = 0
+    probe_key = b"probe"
 
     def key(self, block_hash, rank):
         return b"%d:%d" % (block_hash, rank)

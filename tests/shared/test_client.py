@@ -211,6 +211,8 @@ def test_different_models_never_share_blocks():
     ({"url": "memory://", "write": "write-sideways"}, "shared.write='write-sideways'"),
     ({"url": "memory://", "model": ""}, "shared.model=''"),
     ({"url": "memory://", "backoff_s": 0}, "shared.backoff_s=0"),
+    ({"url": "memory://", "tenant": "a:b"}, "shared.tenant='a:b'"),
+    ({"url": "memory://", "secret": "text"}, "shared.secret: must be non-empty bytes, got a str"),
     ({"url": "memory://", "wrte": "write-back"}, "did you mean 'write'?"),
 ])
 def test_config_refuses_a_bad_shared_tier(shared, quoted):
