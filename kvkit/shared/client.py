@@ -114,9 +114,14 @@ def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
     """
     from kvkit.shared.scheduler import SharedTierSpec
 
-    store, owned = open_shared(config.shared)
     codec = FormatCodec.for_stack(config.kv, config.world_size, model=config.shared_model, layout=layout,
                                   secret=config.shared_secret)
-    spec = SharedTierSpec(store=store, codec=codec, write=config.shared_write,
-                          backoff_s=config.shared_backoff_s, max_backoff_s=60 * config.shared_backoff_s)
+    store, owned = open_shared(config.shared)  # last: nothing after it may fail and leave it open
+    try:
+        spec = SharedTierSpec(store=store, codec=codec, write=config.shared_write,
+                              backoff_s=config.shared_backoff_s, max_backoff_s=60 * config.shared_backoff_s)
+    except BaseException:
+        if owned:
+            store.close()
+        raise
     return SharedConnection(spec, store, owned)
