@@ -15,7 +15,7 @@ import attrs
 
 from kvkit.errors import PlanError
 from kvkit.interfaces.types import BlockHash, Direction
-from kvkit.validate import check_enum, check_int, checked
+from kvkit.validate import check_enum, check_int, checked, plural
 
 __all__ = ["SHARED_WRITES", "BlockCodec", "BlockStore", "SharedPlan", "StoreResult"]
 
@@ -166,7 +166,7 @@ class SharedPlan:
     def __attrs_post_init__(self) -> None:
         if not self.blocks or len(self.blocks) != len(self.hashes):
             raise PlanError(f"SharedPlan needs as many hashes as blocks (at least one), got "
-                            f"{len(self.blocks)} blocks and {len(self.hashes)} hashes")
+                            f"{plural(len(self.blocks), 'block')} and {plural(len(self.hashes), 'hash', 'hashes')}")
 
     def __len__(self) -> int:
         return len(self.blocks)

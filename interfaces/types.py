@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 
 from kvkit.errors import ConfigError, PlanError
-from kvkit.validate import check_bool, check_enum, check_int, check_real, checked, quote
+from kvkit.validate import check_bool, check_enum, check_int, check_real, checked, plural, quote
 
 __all__ = [
     "BlockHash",
@@ -234,7 +234,7 @@ def _id_array(value: object, field: attrs.Attribute) -> np.ndarray:
     except TypeError:  # no length (a scalar, a 0-d array): numpy makes it 0-d, refused below
         size = 0
     if size > _MAX_PLAN_IDS:
-        raise PlanError(f"{name}: {size} block ids (from {quote(value)}) are more than any pool has; "
+        raise PlanError(f"{name}: {plural(size, 'block id')} (from {quote(value)}) are more than any pool has; "
                         f"at most {_MAX_PLAN_IDS}")
     try:
         arr = np.asarray(value)

@@ -30,7 +30,7 @@ from kvkit.interfaces import (
 )
 from kvkit.interfaces.shared import SHARED_WRITES, BlockStore
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry, did_you_mean
-from kvkit.validate import check_real, int_problem, is_int
+from kvkit.validate import check_real, int_problem, is_int, plural, quote
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.memory import BOOKKEEPING_BYTES_PER_BLOCK, check_fits
 
@@ -44,6 +44,7 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
 
 # Slots a registry instantiates, and which registry; "allocator" is a factory slot.
@@ -93,18 +94,25 @@ def parse_bytes(text: str | int) -> int:
     ``KiB``/``MiB``/``GiB``/``TiB`` powers of 1024. Fractions of a byte round down.
 
     Raises:
-        ConfigError: ``text`` is not a non-negative size.
+        ConfigError: ``text`` is not a non-negative size; the message quotes it
+            and says whether it is negative, has an unknown unit or does not parse.
     """
     if is_int(text):
         if text < 0:
-            raise ConfigError(f"byte size must be non-negative, got {text!r}")
+            raise ConfigError(f"byte size {quote(text)} is negative; a size is at least 0")
         return int(text)
+    if isinstance(text, str) and text.strip().startswith("-") and _SIZE.fullmatch(text.strip()[1:]):
+        raise ConfigError(f"byte size {quote(text)} is negative; a size is at least 0, e.g. '8GiB'")
     match = _SIZE.fullmatch(text) if isinstance(text, str) else None
-    if match is None or match[2].lower() not in _UNITS:
-        raise ConfigError(
-            f"cannot parse byte size {text!r}; expected an int or a number with a unit "
-            f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB' or '1.5 GiB'")
-    return int(Fraction(match[1]) * _UNITS[match[2].lower()])
+    if match is None:
+        raise ConfigError(f"cannot parse byte size {quote(text)}; expected an int or a number with a unit "
+                          f"({_UNIT_NAMES}), e.g. '8GiB' or '1.5 GiB'")
+    unit = match[2].lower()
+    if unit not in _UNITS:
+        names = _UNIT_NAMES.split(", ")
+        raise ConfigError(f"byte size {quote(text)}: unknown unit {match[2]!r}; valid: {_UNIT_NAMES}"
+                          f"{did_you_mean(match[2], names)}")
+    return int(Fraction(match[1]) * _UNITS[unit])
 
 
 def _default_device() -> str:
@@ -288,7 +296,7 @@ class StackConfig:
         except ConfigError as exc:
             return [f"cpu_bytes={self.cpu_bytes!r}: {exc}"]
         if isinstance(self.kv, KVCacheSpec) and self.kv.blocks_for(num_bytes) < 1:
-            return [f"cpu_bytes={self.cpu_bytes!r} ({num_bytes} bytes) holds no block: one block of "
+            return [f"cpu_bytes={self.cpu_bytes!r} ({plural(num_bytes, 'byte')}) holds no block: one block of "
                     f"this kv spec takes {self.kv.bytes_per_block} bytes"]
         return []
 

@@ -13,7 +13,9 @@ from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.registry import COPY
+from kvkit.shared.urls import redact_url
 from kvkit.stats import OffloadStats
+from kvkit.validate import plural
 from kvkit.worker.memory import check_fits
 
 if TYPE_CHECKING:
@@ -55,6 +57,20 @@ class OffloadStack:
     shared_workers: list[SharedTierWorker] = attrs.field(factory=list)
     shared_store: BlockStore | None = None
     owns_shared_store: bool = False
+
+    def __repr__(self) -> str:
+        """The parts and sizes, one line: no private state, and no secret (a store URL's password is ``***``)."""
+        c, kv = self.config, self.config.kv
+        shape = "none" if kv is None else (
+            f"{plural(kv.num_layers, 'layer')} x {plural(kv.num_kv_heads, 'KV head')} x "
+            f"{plural(kv.head_dim, 'dim')} ({kv.dtype}), {plural(kv.block_size, 'token')} a block")
+        parts = [f"kv={shape}",
+                 f"gpu={plural(self.gpu.num_blocks, 'block', grouped=True)} ({_name(c.gpu_eviction)})",
+                 f"cpu={plural(self.cpu.num_blocks, 'block', grouped=True)} ({_name(c.cpu_eviction)})",
+                 f"store={_name(c.store)}", f"copy={_name(c.copy)}", f"workers={len(self.workers)}"]
+        if self.shared_store is not None:
+            parts.append(f"shared={redact_url(c.shared) if isinstance(c.shared, str) else _name(self.shared_store)}")
+        return f"OffloadStack({', '.join(parts)})"
 
     @property
     def stats(self) -> OffloadStats:
@@ -114,6 +130,13 @@ class OffloadStack:
         if timeouts:
             pending = tuple(sorted({tid for exc in timeouts for tid in exc.pending}))
             raise TransferTimeoutError("; ".join(map(str, timeouts)), pending)
+
+
+def _name(component: object) -> str:
+    """A slot's registered name, or its instance's class name (``none`` for no component)."""
+    if component is None:
+        return "none"
+    return component if isinstance(component, str) else type(component).__name__
 
 
 def build(config: StackConfig | None = None, /, *, layout: str | None = None,
@@ -226,9 +249,9 @@ def _check_memory(config: StackConfig, layout: str | None, *, allocate_gpu: bool
     host = config.pool_bytes()
     if layout is not None:
         n, block = config.world_size, config.kv.bytes_per_block
-        host[f"{n} CPU mirror(s) of {config.num_cpu_blocks} blocks"] = n * config.num_cpu_blocks * block
+        host[f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"] = n * config.num_cpu_blocks * block
         if allocate_gpu:
-            gpu = {f"{n} GPU tier(s) of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
+            gpu = {f"{plural(n, 'GPU tier')} of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
             if config.device == "cpu":
                 host |= gpu
             else:

@@ -7,7 +7,8 @@ Two shapes serve every caller:
 * ``check_*`` functions raise a typed :mod:`kvkit.errors` error that quotes the
   value (through :func:`quote`, which never fails), and :func:`at_least` /
   :func:`optional_at_least` / :func:`real_in` build ``attrs`` validators from
-  them, :func:`checked` an ``attrs`` converter (which also stores the converted value).
+  them, :func:`checked` an ``attrs`` converter (which also stores the converted value);
+* :func:`plural` counts things in a message: ``1 block``, ``2 blocks``, never ``1 blocks``.
 
 An "int" is an exact integer: ``bool`` is refused (``True`` is not block 1);
 NumPy integers are integers (``numbers.Integral``) and are converted to ``int``
@@ -36,6 +37,7 @@ __all__ = [
     "int_problem",
     "is_int",
     "optional_at_least",
+    "plural",
     "quote",
     "real_in",
 ]
@@ -53,6 +55,15 @@ def quote(value: object) -> str:
         size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
         text = f"<{type(value).__name__}{size}>"
     return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
+
+
+def plural(n: int, noun: str, many: str | None = None, *, grouped: bool = False) -> str:
+    """``n`` and ``noun`` for a message: the singular for exactly 1, else ``many`` (default ``noun + "s"``).
+
+    ``grouped`` writes ``n`` with thousands separators (``"1,024 blocks"``).
+    """
+    number = f"{n:,}" if grouped else str(n)
+    return f"{number} {noun if n == 1 else many or noun + 's'}"
 
 
 def is_int(value: object, minimum: int | None = None) -> bool:

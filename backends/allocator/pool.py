@@ -22,7 +22,7 @@ from kvkit.interfaces.allocator import EvictListener
 from kvkit.interfaces.capabilities import EvictionWindow, SelectivePins, WindowedPolicy, pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import check_bool, check_int, checked, is_int, quote
+from kvkit.validate import check_bool, check_int, checked, is_int, plural, quote
 
 __all__ = ["BlockPool"]
 
@@ -151,7 +151,7 @@ class BlockPool(EvictionWindow):
             raise ConfigError(f"eviction must be an EvictionPolicy, got {self._policy!r}")
         if len(self._policy):
             raise ConfigError(
-                f"eviction policy {self._policy!r} already tracks {len(self._policy)} blocks"
+                f"eviction policy {self._policy!r} already tracks {plural(len(self._policy), 'block')}"
             )
         hooks = pin_hooks(self._policy)
         if hooks is not None:
@@ -253,13 +253,13 @@ class BlockPool(EvictionWindow):
         need = n - num_empty
         if need > self._num_evictable:
             raise OutOfBlocksError(
-                f"cannot allocate {n} blocks: {self.num_free} free ({num_empty} empty, "
+                f"cannot allocate {plural(n, 'block')}: {self.num_free} free ({num_empty} empty, "
                 f"{self._num_evictable} evictable) of {self._num_blocks}"
             )
         victims = self._policy.select_victims(need, self._is_evictable)
         if victims is None:
             raise OutOfBlocksError(
-                f"cannot allocate {n} blocks: policy {type(self._policy).__name__} "
+                f"cannot allocate {plural(n, 'block')}: policy {type(self._policy).__name__} "
                 f"found fewer than {need} evictable of {self._num_evictable}"
             )
         evicted = self._evict(victims, need)
@@ -372,8 +372,8 @@ class BlockPool(EvictionWindow):
         count = len(blocks)
         if len(hashes) != count or (parents is not None and len(parents) != count):
             raise PoolUsageError(
-                f"commit needs equal lengths, got {count} blocks, {len(hashes)} hashes"
-                + ("" if parents is None else f", {len(parents)} parents")
+                f"commit needs equal lengths, got {plural(count, 'block')}, {plural(len(hashes), 'hash', 'hashes')}"
+                + ("" if parents is None else f", {plural(len(parents), 'parent')}")
             )
         ref, block_hash = self._ref, self._hash
         try:
@@ -552,7 +552,7 @@ class BlockPool(EvictionWindow):
         if not force and any(ref):
             held = [b for b, r in enumerate(ref) if r]
             raise RefcountError(
-                f"cannot reset: {len(held)} blocks still referenced, e.g. {held[:8]!r}; "
+                f"cannot reset: {plural(len(held), 'block')} still referenced, e.g. {held[:8]!r}; "
                 f"hint: reset(force=True) drops them when released"
             )
         dropped = len(index)
@@ -584,6 +584,6 @@ class BlockPool(EvictionWindow):
         evictable = sum(1 for b in ready if not ref[b])
         assert evictable == self._num_evictable, (evictable, self._num_evictable)
         assert len(self._policy) == len(index), (
-            f"policy tracks {len(self._policy)} blocks, {len(index)} are ready"
+            f"policy tracks {plural(len(self._policy), 'block')}, {len(index)} ready"
         )
         self._policy.check_invariants()

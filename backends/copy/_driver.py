@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 
 from kvkit.errors import BackendUnavailableError, DeviceError
+from kvkit.validate import plural
 
 __all__ = [
     "BATCH_OP_DTYPE",
@@ -81,7 +82,7 @@ class Driver:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
-            raise BackendUnavailableError(f"no CUDA driver library (libcuda.so.1): {exc}") from exc
+            raise BackendUnavailableError(f"no CUDA driver: {exc}") from exc
         version = ctypes.c_int(0)
         _check(lib, lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         _check(lib, lib.cuInit(0), "cuInit")
@@ -118,10 +119,10 @@ class Driver:
         if self._with_fail_idx:
             fail = ctypes.c_size_t(0)
             res = self._batch(*args, ctypes.addressof(fail), stream)
-            what = f"cuMemcpyBatchAsync ({n} copies, first failing: {fail.value})"
+            what = f"cuMemcpyBatchAsync ({plural(n, 'copy', 'copies')}, first failing: {fail.value})"
         else:
             res = self._batch(*args, stream)
-            what = f"cuMemcpyBatchAsync ({n} copies)"
+            what = f"cuMemcpyBatchAsync ({plural(n, 'copy', 'copies')})"
         _check(self.lib, res, what)
 
     def memcpy_3d_batch(self, ops: np.ndarray, stream: int) -> None:
@@ -131,10 +132,10 @@ class Driver:
         if self._with_fail_idx:
             fail = ctypes.c_size_t(0)
             res = self._batch3d(n, ops.ctypes.data, ctypes.addressof(fail), 0, stream)
-            what = f"cuMemcpy3DBatchAsync ({n} copies, first failing: {fail.value})"
+            what = f"cuMemcpy3DBatchAsync ({plural(n, 'copy', 'copies')}, first failing: {fail.value})"
         else:
             res = self._batch3d(n, ops.ctypes.data, 0, stream)
-            what = f"cuMemcpy3DBatchAsync ({n} copies)"
+            what = f"cuMemcpy3DBatchAsync ({plural(n, 'copy', 'copies')})"
         _check(self.lib, res, what)
 
     def device_address(self, host_ptr: int) -> int | None:

@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
-import torch
 
+from kvkit._lazy import lazy_module
 from kvkit.backends.copy import _driver
 from kvkit.backends.copy._gpu_copy import GPUCopy
 from kvkit.backends.copy.planner import Strided
 from kvkit.errors import BackendUnavailableError, DeviceError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # torch on first use: listing the backends imports none
 
 __all__ = ["CudaDMACopy"]
 
@@ -68,9 +73,10 @@ class CudaDMACopy(GPUCopy):
     @staticmethod
     def unavailable_reason() -> str | None:
         """Why this backend cannot run here (``kvkit list`` shows it), or ``None``."""
-        if not torch.cuda.is_available():
+        problem = _driver.driver_problem(batch=True)  # first: without a driver, torch need not load
+        if problem is None and not torch.cuda.is_available():
             return "no CUDA device"
-        return _driver.driver_problem(batch=True)
+        return problem
 
     def _registered(self, regions: Sequence[Region]) -> None:
         flags = _driver.FLAG_PREFER_OVERLAP if self.prefer_overlap else 0

@@ -31,18 +31,23 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
-import torch
 
+from kvkit._lazy import lazy_module
 from kvkit.backends.copy._driver import driver_problem
 from kvkit.backends.copy._gpu_copy import GPUCopy
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
 from kvkit.validate import at_least, check_int
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # torch on first use: listing the backends imports none
 
 __all__ = ["CupyBatchCopy"]
 
@@ -248,9 +253,10 @@ class CupyBatchCopy(GPUCopy):
         """Why this backend cannot run here (``kvkit list`` shows it), or ``None``."""
         if importlib.util.find_spec("cupy") is None:
             return "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
-        if not torch.cuda.is_available():
+        problem = driver_problem()  # first: without a driver, torch need not load
+        if problem is None and not torch.cuda.is_available():
             return "no CUDA device"
-        return driver_problem()
+        return problem
 
     @classmethod
     def is_available(cls) -> bool:

@@ -21,13 +21,13 @@ the same plans reach 65.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
-import torch
 from typing_extensions import override
 
+from kvkit._lazy import lazy_module
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy.cuda_dma import CudaDMACopy
 from kvkit.backends.copy.cupy_batch import CupyBatchCopy
@@ -36,6 +36,11 @@ from kvkit.errors import BackendUnavailableError, SpecMismatchError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, Tier, TransferPlan
 from kvkit.validate import at_least
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # torch on first use: listing the backends imports none
 
 __all__ = ["StagedCopy"]
 

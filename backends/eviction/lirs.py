@@ -19,7 +19,7 @@ from kvkit.backends.eviction._common import (
 from kvkit.backends.eviction._queue import ParkingQueue, QueuedPins
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import real_in
+from kvkit.validate import plural, real_in
 
 __all__ = ["LIRSPolicy"]
 
@@ -184,7 +184,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         self._check_pins()
         assert self._provisional.keys() <= lir, "a provisional block is not LIR"
         assert len(lir) - len(self._provisional) <= self.lir_limit, \
-            f"{len(lir)} LIR blocks, {len(self._provisional)} provisional, over {self.lir_limit}"
+            f"{plural(len(lir), 'LIR block')}, {len(self._provisional)} provisional, over {self.lir_limit}"
         assert not self._provisional or self.capacity is None, "provisional blocks with a capacity given"
         stack = self._stack
         assert all(self._hash_of[b] in stack for b in lir), "an LIR block is not in S"

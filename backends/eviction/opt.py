@@ -23,6 +23,7 @@ from kvkit.backends.eviction._common import (
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import plural
 
 __all__ = ["OptimalPolicy"]
 
@@ -118,7 +119,7 @@ class OptimalPolicy(EvictionPolicy):
         t = self._clock
         if t >= len(self.references):
             raise PoolUsageError(
-                f"observe({block_hash!r}) after all {len(self.references)} references")
+                f"observe({block_hash!r}) after all {plural(len(self.references), 'reference')}")
         if self.references[t] != block_hash:
             raise PoolUsageError(
                 f"reference {t} is {self.references[t]!r}, observe got {block_hash!r}")

@@ -23,6 +23,7 @@ import numpy as np
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.shared import BlockStore
 from kvkit.shared.urls import open_block_store, process_wide
+from kvkit.validate import plural
 
 __all__ = ["run_shared_bench"]
 
@@ -116,7 +117,7 @@ def _contains(store: BlockStore, client: Any, count: int, repeat: int) -> dict[s
     _finish(store, store.put(keys, [[memoryview(b"v")] for _ in keys]))
     found = store.contains(keys)
     if found != count:
-        raise AssertionError(f"contains answered {found} of {count} keys just written")
+        raise AssertionError(f"contains answered {found} of {plural(count, 'key')} just written")
     ways: dict[str, Callable[[], object]] = {"store_ms": lambda: store.contains(keys)}
     if client is not None:
         def lib() -> None:

@@ -20,8 +20,9 @@ from kvkit.sim.fleet import ROUTERS
 from kvkit.sim.simulator import CostModel, SimConfig, SimResult, simulate
 from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
+from kvkit.validate import plural
 
-__all__ = ["figure", "save_plot", "simulate_command"]
+__all__ = ["describe_run", "simulate_command"]
 
 _COST = CostModel()  # the cost model's defaults have one home: CostModel
 
@@ -54,7 +55,7 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
               type=click.FloatRange(min=0, min_open=True), help="Cost model: CPU->GPU load GB/s.")
 @click.option("--decode-ms-per-token", default=_COST.decode_ms_per_token, show_default=True,
               type=click.FloatRange(min=0), help="Cost model: time per generated token.")
-@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never').")
+@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never'); not with --instances or --shared.")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
               help="Engine instances behind a router; above 1 compares isolated instances with "
                    "instances sharing a third tier.")
@@ -68,8 +69,8 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--plot", "plot_path", default=None,
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload.")
-# Old names, hidden and warning, for one release:
+              help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload "
+                   "(with --instances: isolated instances against instances sharing a tier).")
 def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int | None,
                      cpu_bytes: str | None, block_size: int | None, cpu_eviction: str,
                      gpu_eviction: str, store: str, verify: bool, seed: int, shape_name: str | None,
@@ -89,6 +90,9 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
         raise click.UsageError("give --cpu-blocks or --cpu-bytes, not both")
     if trace_path is not None and shape_name is not None:
         raise click.UsageError("give --trace or --shape, not both")
+    if no_baseline and (instances > 1 or shared_url is not None):
+        raise click.UsageError("--no-baseline skips the run without offload, which --instances and --shared do not "
+                               "make: they compare isolated instances with instances sharing a tier")
     if block_size is None:
         block_size = MOONCAKE_BLOCK_SIZE if trace_path is not None else DEFAULTS.block_size
     config = SimConfig(
@@ -99,7 +103,8 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
     config.stack_config()  # every bad slot is reported before any work
     workload = _Workload(trace_path, block_size, seed, limit, shape_name or "chat")
     if instances > 1 or shared_url is not None:
-        run_fleets(workload, config, instances=instances, router=router, shared_url=shared_url, as_json=as_json)
+        run_fleets(workload, config, instances=instances, router=router, shared_url=shared_url, as_json=as_json,
+                   plot_path=plot_path)
         return
     start = time.perf_counter()
     runs = [("offload", config)]
@@ -111,12 +116,14 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
         for label, cfg in runs:
             task = bar.task(f"replaying ({label})", total)
             results.append(simulate(workload.requests(), cfg, progress=lambda n, refs, task=task: bar.update(
-                task, completed=n, note=f"requests, {refs:,} block refs")))
+                task, completed=n, note=f"requests, {plural(refs, 'block ref', grouped=True)}")))
     offload, baseline = results[0], (results[1] if len(results) > 1 else None)
     wall = time.perf_counter() - start
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     if plot_path is not None:
-        save_plot(offload, plot_path, baseline=baseline, title=workload.describe())
+        from kvkit.cli.plots import save, sim_figure
+
+        save(sim_figure(offload, baseline, title=describe_run(workload.describe(), offload.config)), plot_path)
     if as_json:
         report = offload.as_dict()
         report["config"].update(workload.as_dict())
@@ -198,23 +205,20 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
 
 def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Workload,
                   wall: float, peak_rss_mib: float) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvkit.cli._tables import print_table
+
     c = offload.config
-    title = (f"{workload.describe()}: GPU {c.gpu_blocks:,} blocks, CPU {c.num_cpu_blocks:,} blocks "
-             f"of {c.block_size} tokens; eviction {c.as_dict()['cpu_eviction']}, "
-             f"store {c.as_dict()['store']}")
-    table = Table(title=title)
-    table.add_column("")
-    table.add_column("offload", justify="right")
+    table = Table(title=describe_run(workload.describe(), c))
+    table.add_column("", no_wrap=True)
+    table.add_column("offload", justify="right", no_wrap=True)
     if baseline is not None:
-        table.add_column("no offload", justify="right")
+        table.add_column("no offload", justify="right", no_wrap=True)
     base = dict(_rows(baseline)) if baseline is not None else {}
     for name, value in _rows(offload):
         table.add_row(name, value, *([base.get(name, "")] if baseline is not None else []))
-    console = Console()
-    console.print(table)
+    console = print_table(table)
     cost = c.cost
     console.print(f"cost model: {cost.prefill_tokens_per_s:,.0f} prefill tokens/s, "
                   f"{cost.pcie_gbps:g} GB/s PCIe, {cost.decode_ms_per_token:g} ms/token decode; "
@@ -222,51 +226,14 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
     if baseline is not None:
         with_, without = offload.ttft_percentiles(), baseline.ttft_percentiles()
         ratios = ", ".join(f"{q} {with_[q]:,.1f} vs {without[q]:,.1f} ms" for q in ("p50", "p90"))
-        console.print(f"offload served {offload.hit_tokens_cpu:,} prompt tokens from the CPU tier; "
+        console.print(f"offload served {plural(offload.hit_tokens_cpu, 'prompt token', grouped=True)} from the CPU tier; "
                       f"modelled TTFT with vs without offload: {ratios}")
     console.print(f"total {wall:.1f} s, peak memory {peak_rss_mib:,.0f} MiB")
 
 
-def figure(offload: SimResult, baseline: SimResult | None = None, *, title: str = ""):
-    """A matplotlib ``Figure``: modelled TTFT CDF, and prompt tokens by tier, per run."""
-    # Figure + Agg canvas, not pyplot: no global state, no display needed.
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import PercentFormatter
-
-    runs = [("offload", offload)] + ([("no offload", baseline)] if baseline is not None else [])
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    cdf, tiers = fig.subplots(1, 2, width_ratios=[3, 2])
-    for label, r in runs:
-        ttft = np.sort(np.frombuffer(r.ttft_ms, dtype=np.float64))
-        if len(ttft):
-            cdf.plot(np.maximum(ttft, 1e-3), np.arange(1, len(ttft) + 1) / len(ttft), label=label)
-    cdf.set_xscale("log")
-    cdf.set_xlabel("modelled time to first token (ms)")
-    cdf.set_ylabel("requests")
-    cdf.yaxis.set_major_formatter(PercentFormatter(1.0))
-    cdf.grid(True, alpha=0.3)
-    cdf.legend()
-    cdf.set_title("TTFT CDF")
-    names = [label for label, _ in runs]
-    bottom = np.zeros(len(runs))
-    for part, color in (("hit_tokens_gpu", "tab:green"), ("hit_tokens_cpu", "tab:blue"),
-                        ("computed_tokens", "tab:gray")):
-        share = np.array([getattr(r, part) / r.prompt_tokens if r.prompt_tokens else 0.0 for _, r in runs])
-        tiers.bar(names, share, bottom=bottom, color=color, label=part.replace("_", " "))
-        bottom += share
-    tiers.yaxis.set_major_formatter(PercentFormatter(1.0))
-    tiers.set_ylabel("prompt tokens")
-    tiers.legend(loc="lower left", bbox_to_anchor=(1.0, 0.0))
-    tiers.set_title("where prompt tokens came from")
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
-def save_plot(offload: SimResult, path: str | Path, *, baseline: SimResult | None = None,
-              title: str = "") -> None:
-    """Write :func:`figure` as a PNG to ``path``."""
-    figure(offload, baseline, title=title).savefig(path, dpi=120)
+def describe_run(what: str, config: SimConfig) -> str:
+    """``what`` (the trace or shape) with the run's tier sizes and policies: the title of its table and plot."""
+    names = config.as_dict()
+    return (f"{what}: GPU {plural(config.gpu_blocks, 'block', grouped=True)}, CPU "
+            f"{plural(config.num_cpu_blocks, 'block', grouped=True)} of {plural(config.block_size, 'token')}; "
+            f"eviction {names['cpu_eviction']} (GPU {names['gpu_eviction']}), store {names['store']}")

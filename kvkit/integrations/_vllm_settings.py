@@ -17,6 +17,7 @@ from kvkit.config import DEFAULTS, StackConfig, parse_bytes
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.registry import STORE, did_you_mean
+from kvkit.validate import plural
 from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window", "parse_extra_config",
@@ -169,7 +170,7 @@ def kvkit_window(vllm_window: int, block_size: int) -> int:
     if kept < 2:
         raise ConfigError(f"sliding_window={vllm_window!r} with block_size={block_size!r}: vLLM keeps one "
                           f"block per window, kvkit loads at least two; use a window above "
-                          f"{block_size + 1} tokens or a smaller block size")
+                          f"{plural(block_size + 1, 'token')} or a smaller block size")
     return (kept - 1) * block_size
 
 
@@ -264,7 +265,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     if stack is not None and len(kv.groups) > 1 and _writes_back(stack):
         problems.append(
             f"store={stack.store!r}: a write-back policy stores single GPU blocks, and this model has "
-            f"{len(kv.groups)} KV cache groups; use eager, selective or never")
+            f"{plural(len(kv.groups), 'KV cache group')}; use eager, selective or never")
     if problems:
         raise ConfigError(problems)
     return ConnectorSettings(stack, layout, async_load, layerwise)
@@ -296,7 +297,7 @@ def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any]
         problems.append(
             "kv_connector_extra_config: " + ", ".join(f"{k}={given[k]!r} ({n} bytes per worker)"
                                                       for k, n in per_worker.items())
-            + f" disagree (cpu_bytes_to_use is the total over {world_size} workers); give one of them")
+            + f" disagree (cpu_bytes_to_use is the total over {plural(world_size, 'worker')}); give one of them")
     if problems:
         return {"cpu_blocks": 1}, problems
     return {"cpu_bytes": next(iter(per_worker.values()))}, []

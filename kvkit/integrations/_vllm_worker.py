@@ -44,6 +44,7 @@ from kvkit.interfaces import KVCacheSpec, KVGroupSpec, TransferPlan, TransferRes
 from kvkit.interfaces.shared import BlockStore
 from kvkit.shared.client import connect_shared
 from kvkit.shared.worker import SharedTierWorker
+from kvkit.validate import plural
 from kvkit.worker.engine import TransferEngine
 from kvkit.worker.layouts import layouts_for, validate_kv
 
@@ -72,7 +73,7 @@ def detect_layout(spec: KVCacheSpec, tensors: Sequence[torch.Tensor]) -> str:
         t = tensors[0]
         raise SpecMismatchError(
             f"vLLM's KV tensors (shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype}, "
-            f"{len(tensors)} layers) fit none of kvkit's layouts {list(VLLM_LAYOUTS)} for {spec}; "
+            f"{plural(len(tensors), 'layer')}) fit none of kvkit's layouts {list(VLLM_LAYOUTS)} for {spec}; "
             f"permuted (HND) or cross-layer caches are not supported")
     if len(fits) > 1:
         raise ConfigError(f"vLLM's KV tensors fit several layouts {fits}; set "

@@ -94,6 +94,7 @@ from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide
 from kvkit.interfaces import TransferResult
 from kvkit.manager import OffloadManager
 from kvkit.stats import OffloadStats
+from kvkit.validate import plural
 from kvkit.worker.engine import TransferEngine
 
 if TYPE_CHECKING:
@@ -386,7 +387,7 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KVKitMetadata), type(meta)
         if meta.num_cpu_blocks != self._worker().num_cpu_blocks:
             raise ConfigError(
-                f"the scheduler's CPU tier has {meta.num_cpu_blocks} blocks, this worker's mirror "
+                f"the scheduler's CPU tier has {plural(meta.num_cpu_blocks, 'block')}, this worker's mirror "
                 f"{self._worker().num_cpu_blocks}: both must come from the same "
                 f"kv_connector_extra_config")
         return meta.order

@@ -93,7 +93,7 @@ from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
 from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.stats import OffloadStats
-from kvkit.validate import at_least, int_problem, optional_at_least
+from kvkit.validate import at_least, int_problem, optional_at_least, plural
 
 __all__ = ["OffloadManager"]
 
@@ -281,7 +281,7 @@ class OffloadManager:
             if n is None or n < full:
                 raise RequestStateError(
                     f"request {request_id!r}: num_tokens={num_tokens!r} is below its "
-                    f"{num_blocks} full blocks ({full} tokens)")
+                    f"{plural(num_blocks, 'full block')} ({plural(full, 'token')})")
             full = max(full, n)
         hashes.extend(new_hashes)
         if full > r.num_tokens:
@@ -374,8 +374,8 @@ class OffloadManager:
             needed = -(-r.num_computed_tokens // self.kv.block_size)
             if min(map(len, table)) < needed:  # its computed KV, and every queued store, stay in it
                 raise RequestStateError(
-                    f"request {request_id!r}: a replaced block table needs at least {needed} blocks per "
-                    f"group (its {r.num_computed_tokens} computed tokens), got {[len(t) for t in table]}")
+                    f"request {request_id!r}: a replaced block table needs at least {plural(needed, 'block')} per "
+                    f"group (its {plural(r.num_computed_tokens, 'computed token')}), got {[len(t) for t in table]}")
             if r.load_pending:  # the load not yet planned reads the new table
                 self._hits.check_targets(r, table, len(r.pinned) + len(r.fetch))
             self._set_table(r, table)
@@ -653,7 +653,7 @@ class OffloadManager:
                 f"CPU block {b}: refcount {cpu.refcount(b)} != manager refs {held[b]}")
         if self.gpu is not None:
             for b, n in self.gpu_refs_held().items():
-                assert self.gpu.refcount(b) >= n, f"GPU block {b}: refcount < {n} manager refs"
+                assert self.gpu.refcount(b) >= n, f"GPU block {b}: refcount < {plural(n, 'manager ref')}"
         holds, inflight = self._transfers.check_invariants(cpu, self._draining)
         self._stores.check_invariants(inflight, holds)
         if self._shared is not None:
@@ -849,7 +849,7 @@ def _writes_back(spec: KVCacheSpec, store: StorePolicy, gpu: BlockAllocator | No
     if len(spec.groups) != 1:
         raise ConfigError(
             f"store policy {store!r} writes back single GPU blocks, which needs a "
-            f"spec with one KV group, got {len(spec.groups)} groups")
+            f"spec with one KV group, got {plural(len(spec.groups), 'group')}")
     return True
 
 

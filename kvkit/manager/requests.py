@@ -12,7 +12,7 @@ import attrs
 from kvkit.errors import HashInputError, RequestStateError, UnknownRequestError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import is_int
+from kvkit.validate import is_int, plural
 
 __all__ = [
     "Request",
@@ -154,8 +154,9 @@ def check_prompt(request_id: str, hashes: list[BlockHash], num_prompt_tokens: ob
     bs, n = block_size, as_count(num_prompt_tokens)
     if n is None or len(hashes) > n // bs:
         raise RequestStateError(
-            f"request {request_id!r}: {len(hashes)} full-block hashes need at least "
-            f"{len(hashes) * bs} prompt tokens, got num_prompt_tokens={num_prompt_tokens!r}")
+            f"request {request_id!r}: num_prompt_tokens={num_prompt_tokens!r} is below the "
+            f"{plural(len(hashes) * bs, 'prompt token')} of its "
+            f"{plural(len(hashes), 'full-block hash', 'full-block hashes')}")
     return n
 
 

@@ -35,7 +35,7 @@ from kvkit.errors import OutOfBlocksError, RequestStateError, UnknownRequestErro
 from kvkit.interfaces import BlockHash, BlockId, Direction, PrefillCompute, TransferResult
 from kvkit.manager.step import StepPlan
 from kvkit.stack import OffloadStack
-from kvkit.validate import check_bool, checked, implements
+from kvkit.validate import check_bool, checked, implements, plural
 
 __all__ = ["EngineRequest", "PrefillCompute", "ReferenceEngine", "StepReport", "SyntheticCompute"]
 
@@ -161,7 +161,7 @@ class ReferenceEngine:
         need = -(-num_tokens // kv.block_size) * len(kv.groups)
         if need > self.stack.gpu.num_blocks:
             raise OutOfBlocksError(
-                f"request {request_id!r} needs {need} GPU blocks ({num_tokens} tokens), more than "
+                f"request {request_id!r} needs {plural(need, 'GPU block')} ({plural(num_tokens, 'token')}), more than "
                 f"the whole GPU pool of {self.stack.gpu.num_blocks}")
         self.stack.manager.add_request(request_id, block_hashes, num_tokens)
         req = EngineRequest(request_id, list(block_hashes), num_tokens)

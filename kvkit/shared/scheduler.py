@@ -51,7 +51,7 @@ from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
 from kvkit.stats import OffloadStats
-from kvkit.validate import check_real, checked, quote
+from kvkit.validate import check_real, checked, plural, quote
 
 __all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
 
@@ -334,7 +334,7 @@ class SharedTier:
             (self.stats.puts_failed if put else self.stats.fetches_failed).add(len(batch.hashes))
             for h in batch.hashes:
                 self._known.pop(h, None)
-            self.suspect(f"a shared-tier {'put' if put else 'fetch'} of {len(batch.hashes)} blocks failed")
+            self.suspect(f"a shared-tier {'put' if put else 'fetch'} of {plural(len(batch.hashes), 'block')} failed")
         self.events.emit("on_shared_put" if put else "on_shared_fetch", len(batch.hashes), ok)
 
     def reset(self) -> None:

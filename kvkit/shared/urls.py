@@ -6,7 +6,8 @@ Each scheme has one meaning (``redis`` may replace ``valkey`` in every scheme):
 * ``valkeys://...`` - the same over TLS (options ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_verify``);
 * ``valkey+cluster://[[user]:password@]host:port[,host:port...]`` (``valkeys+cluster://`` with TLS) -
   a new client of a Cluster, found from any of the nodes listed;
-* ``file:///path/to/dir`` - a new store over a local directory (option ``capacity_bytes``, required: ``"50GiB"``);
+* ``file:///path/to/dir`` - a new store over a local directory (option ``capacity_bytes``, required: ``"50GiB"``;
+  ``file_mode``, octal, ``600`` by default);
 * ``memory://`` or ``memory://NAME`` - the process's in-memory store of that name (``""`` for
   ``memory://``): the first open builds it (option ``capacity_bytes``), every later open in the
   process answers the same instance, so every stack of the process shares it. It belongs to the
@@ -35,7 +36,7 @@ from kvkit.interfaces.shared import BlockStore
 from kvkit.registry import SHARED
 from kvkit.validate import quote
 
-__all__ = ["open_block_store", "process_wide"]
+__all__ = ["open_block_store", "process_wide", "redact_url"]
 
 _FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
           "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://[NAME]")
@@ -147,6 +148,9 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"block store URL {url!r}: expected file:///absolute/path (a local directory)")
     if "capacity_bytes" not in options:
         raise ConfigError(f"block store URL {url!r}: a disk store needs capacity_bytes (e.g. '50GiB')")
+    raw = dict(parse_qsl(parsed.query, keep_blank_values=True)).get("file_mode")
+    if raw is not None:  # octal text: "640" must not become the decimal number 640
+        options = {**options, "file_mode": raw}
     return {"path": unquote(parsed.path), **_sizes(options)}
 
 
@@ -175,3 +179,25 @@ def _sizes(options: dict[str, Any]) -> dict[str, Any]:
     if isinstance(options.get("capacity_bytes"), str):
         return {**options, "capacity_bytes": parse_bytes(options["capacity_bytes"])}
     return options
+
+
+_SECRET_OPTIONS = ("password", "secret", "token")
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit to print: its password, and every query value whose name holds one of
+    :data:`_SECRET_OPTIONS`, replaced by ``***`` (the user name, hosts and other options stay)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    location, mark, query = rest.partition("?")
+    netloc, slash, path = location.partition("/")
+    auth, at, hosts = netloc.rpartition("@")
+    if at:  # user:password, or a password alone (see _valkey)
+        user, colon, _ = auth.partition(":")
+        location = (f"{user}:***@{hosts}" if colon else f"***@{hosts}") + slash + path
+    if query:
+        pairs = [pair.partition("=") for pair in query.split("&")]
+        query = "&".join(name + eq + ("***" if eq and any(s in name.lower() for s in _SECRET_OPTIONS) else value)
+                         for name, eq, value in pairs)
+    return f"{scheme}{sep}{location}{mark}{query}"

@@ -61,7 +61,7 @@ from kvkit.interfaces import EvictionPolicy, KVCacheSpec, OffloadCallback, Store
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.sim.traces import TraceRequest
 from kvkit.stack import OffloadStack, build
-from kvkit.validate import at_least, optional_at_least, real_in
+from kvkit.validate import at_least, optional_at_least, plural, real_in
 
 __all__ = [
     "LLAMA_3_8B",
@@ -392,8 +392,8 @@ class Simulator:
         n = request.input_length
         if len(request.hash_ids) != -(-n // bt):
             raise TraceFormatError("<trace>", request.line, "hash_ids",
-                                   f"has {len(request.hash_ids)} ids but input_length={n} needs "
-                                   f"{-(-n // bt)} blocks of {bt} tokens")
+                                   f"has {plural(len(request.hash_ids), 'id')} but input_length={n} needs "
+                                   f"{plural(-(-n // bt), 'block')} of {plural(bt, 'token')}")
         if request.timestamp_ms < self._last_arrival_ms:
             raise TraceFormatError("<trace>", request.line, "timestamp",
                                    f"decreases: {request.timestamp_ms!r} after {self._last_arrival_ms!r}")

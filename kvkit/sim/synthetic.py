@@ -72,8 +72,9 @@ import attrs
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.hints import WorkloadHints
+from kvkit.registry import did_you_mean
 from kvkit.sim.traces import TraceRequest
-from kvkit.validate import at_least, is_int, quote, real_in
+from kvkit.validate import at_least, is_int, plural, quote, real_in
 
 __all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]
 
@@ -134,7 +135,7 @@ class SyntheticWorkload:
         if self.max_context_tokens < self.system_prompt_tokens[1] + 2:
             raise ConfigError(
                 f"max_context_tokens={self.max_context_tokens} leaves no room after a "
-                f"system prompt of up to {self.system_prompt_tokens[1]} tokens"
+                f"system prompt of up to {plural(self.system_prompt_tokens[1], 'token')}"
             )
 
     def requests(self) -> Iterator[TraceRequest]:
@@ -552,14 +553,17 @@ def shape(name: str, *, seed: int = 0, block_size: int = DEFAULTS.block_size) ->
     base, _, moved = name.partition("@")
     cls = SHAPES.get(base)
     if cls is None:
-        raise ConfigError(f"unknown workload shape {quote(base)} in {quote(name)}; valid shapes: {', '.join(SHAPES)}")
+        raise ConfigError(f"unknown workload shape {quote(base)} in {quote(name)}; valid shapes: {', '.join(SHAPES)}"
+                          f"{did_you_mean(base, list(SHAPES))}")
     fields = {f.name for f in attrs.fields(cls)} - {"seed", "block_size"}
     params: dict[str, object] = {}
     for pair in filter(None, moved.split(";")):
         key, eq, text = (part.strip() for part in pair.partition("="))
         if not eq or key not in fields or key in params:
             problem = "names a field twice" if key in params else f"is not FIELD=VALUE for a field of {base}"
-            raise ConfigError(f"{quote(pair)} in {quote(name)} {problem}; its fields: {', '.join(sorted(fields))}")
+            hint = "" if key in params else did_you_mean(key, sorted(fields))
+            raise ConfigError(f"{quote(pair)} in {quote(name)} {problem}; its fields: {', '.join(sorted(fields))}"
+                              f"{hint}")
         try:
             params[key] = ast.literal_eval(text)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):

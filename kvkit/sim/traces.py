@@ -48,7 +48,7 @@ import numpy as np
 
 from kvkit.errors import ConfigError, TraceFileError, TraceFormatError
 from kvkit.registry import did_you_mean
-from kvkit.validate import check_int, is_int, quote
+from kvkit.validate import check_int, is_int, plural, quote
 
 __all__ = ["BUILTIN_TRACES", "MAX_LINE_BYTES", "MAX_NESTING", "MOONCAKE_BLOCK_SIZE", "TraceRequest", "read_trace",
            "trace_path", "write_trace"]
@@ -155,8 +155,8 @@ def _parse(path: str, line: int, text: str, block_size: int,
     if len(ids) != expected:
         raise TraceFormatError(
             path, line, "hash_ids",
-            f"has {len(ids)} ids but input_length={input_length} needs {expected} "
-            f"blocks of {block_size} tokens",
+            f"has {plural(len(ids), 'id')} but input_length={input_length} needs "
+            f"{plural(expected, 'block')} of {plural(block_size, 'token')}",
         )
     return TraceRequest(stamp, input_length, output_length, tuple(ids), line)
 
@@ -261,7 +261,7 @@ def _stream(path: str, block_size: int, limit: int | None) -> Iterator[TraceRequ
         if count == limit:
             return
     if count == 0:  # an empty trace would "replay" into a report of zeros
-        what = f"{line} blank lines" if line else "no lines"
+        what = plural(line, "blank line") if line else "no lines"
         raise TraceFormatError(path, line, "<file>", f"no requests: the file has {what}")
 
 

@@ -33,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvkit.errors import KVKitError, OutOfBlocksError, PoolUsageError, RefcountError, UnknownBlockError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import plural
 
 __all__ = ["AllocatorContract"]
 
@@ -149,13 +150,13 @@ class AllocatorContract(RuleBasedStateMachine):
             _expect(isinstance(b, Integral) and 0 <= b < self.num_blocks,
                     f"allocate({n}) returned id {b!r} outside [0, {self.num_blocks})")
             _expect(not self.refs[b],
-                    f"allocate({n}) handed out block {b} that holds {self.refs[b]} references")
+                    f"allocate({n}) handed out block {b} that holds {plural(self.refs[b], 'reference')}")
             _expect(b in empty or b in evictable,
                     f"allocate({n}) handed out block {b}, which was neither empty nor evictable")
         evicted = dict(self.evicted)
         self.evicted.clear()
         _expect(len(evicted) == max(0, n - len(empty)),
-                f"allocate({n}) with {len(empty)} empty blocks evicted {sorted(evicted)}; "
+                f"allocate({n}) with {plural(len(empty), 'empty block')} evicted {sorted(evicted)}; "
                 "empty blocks must go first, and only as many evictions as needed")
         _expect(set(evicted) == set(blocks) & set(evictable),
                 f"allocate({n}) evicted {sorted(evicted)} but handed out {blocks!r}")
@@ -381,7 +382,7 @@ class AllocatorContract(RuleBasedStateMachine):
         """Reset drops every cached block and reports how many."""
         dropped = self.pool.reset()
         _expect(dropped == len(self.hash_of),
-                f"reset() returned {dropped}, {len(self.hash_of)} blocks were cached")
+                f"reset() returned {dropped}, {plural(len(self.hash_of), 'block')} cached")
         for b, h in self.evicted:  # listeners may, but need not, hear of reset drops
             _expect(self.hash_of.get(b) == h, f"reset reported ({b}, {h!r}), which was not cached")
         self.evicted.clear()
@@ -394,7 +395,7 @@ class AllocatorContract(RuleBasedStateMachine):
         """A forced reset drops every cached block, referenced or not; the referenced keep their references."""
         dropped = self.pool.reset(force=True)
         _expect(dropped == len(self.hash_of),
-                f"reset(force=True) returned {dropped}, {len(self.hash_of)} blocks were cached")
+                f"reset(force=True) returned {dropped}, {plural(len(self.hash_of), 'block')} cached")
         self.evicted.clear()  # listeners may, but need not, hear of reset drops
         self.hash_of.clear()  # referenced ones are not ready now: they empty when released
         self.index.clear()

@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.shared import BlockStore, StoreResult
+from kvkit.validate import plural
 
 __all__ = ["BlockStoreContract"]
 
@@ -159,10 +160,10 @@ class BlockStoreContract(RuleBasedStateMachine):
         assert isinstance(n, int) and 0 <= n <= len(ks), f"contains({ks}) answered {n!r}"
         sure = self._leading(ks, {"landed"})
         possible = self._leading(ks, {"landed", "maybe"})
-        assert n <= possible, (f"contains({ks}) answered {n}, but only the first {possible} keys "
+        assert n <= possible, (f"contains({ks}) answered {n}, but only the first {plural(possible, 'key')} "
                                f"can be present (states {self._states(ks)})")
         if not self.may_drop:
-            assert n >= sure, (f"contains({ks}) answered {n}, but the first {sure} keys landed "
+            assert n >= sure, (f"contains({ks}) answered {n}, but the first {plural(sure, 'key')} landed "
                                f"and none was dropped (states {self._states(ks)})")
 
     @rule(k=st.integers(0, _KEYS - 1))
@@ -285,7 +286,7 @@ class BlockStoreContract(RuleBasedStateMachine):
             del self.owner[result.ticket]
             op, ks, buffers, sure = self.outstanding.pop(result.ticket)
             assert all(0 <= i < len(ks) for i in result.failed), \
-                f"{op} of {len(ks)} keys reported failed indices {result.failed}"
+                f"{op} of {plural(len(ks), 'key')} reported failed indices {result.failed}"
             assert result.ok or result.error, f"{op} failed keys {result.failed} with no error text"
             for i, k in enumerate(ks):
                 self._check_key(op, k, i in result.failed, buffers[i], k in sure)

@@ -59,6 +59,7 @@ from kvkit.testing.kvdata import (
     reference_copy,
     tensor_bytes,
 )
+from kvkit.validate import plural
 from kvkit.worker.layouts import allocate_kv, kv_nbytes, kv_views, regions_for
 
 __all__ = ["CopyBackendContract", "allocate_tiers", "check_bad_plans", "check_bad_stages", "check_plans", "check_stages"]
@@ -188,7 +189,7 @@ def check_stages(backend: LayeredCopy, regions: Sequence[Region], plan: Transfer
     """
     expected = reference_copy(regions, plan)
     handle, events = backend.submit_stages(plan, stages)
-    assert len(events) == len(stages), f"{len(events)} event tuples for {len(stages)} stages"
+    assert len(events) == len(stages), f"{plural(len(events), 'event tuple')} for {plural(len(stages), 'stage')}"
     for k, stage in enumerate(stages):
         for event in events[k]:
             event.synchronize()
@@ -221,7 +222,7 @@ def check_bad_stages(backend: LayeredCopy, tensors: Sequence[torch.Tensor], plan
             pass
         else:
             raise AssertionError(f"submit_stages accepted stages {stages!r} (after={after!r}) "
-                                 f"for {num_regions} regions")
+                                 f"for {plural(num_regions, 'region')}")
         _synchronize(tensors)
         assert all(torch.equal(b, tensor_bytes(t)) for b, t in zip(before, tensors, strict=True)), (
             f"refusing stages {stages!r} moved bytes")

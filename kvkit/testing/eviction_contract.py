@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvkit.interfaces.capabilities import SelectivePins, pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import plural
 
 __all__ = ["EvictionPolicyContract", "FIFOContract", "LRUContract"]
 
@@ -184,7 +185,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         available = [b for b in self.tracked if b not in self.pinned]
         victims = self.clone_policy(self.policy).select_victims(len(available), self.is_evictable)
         assert victims is not None and block in victims, (
-            f"after unpinning block {block!r}, selecting all {len(available)} evictable blocks "
+            f"after unpinning block {block!r}, selecting all {plural(len(available), 'evictable block')} "
             f"{available} returned {victims}: the unpinned block was lost")
 
     @precondition(lambda self: self.pinned)
@@ -214,7 +215,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """Every policy tracks exactly the model's blocks and keeps its invariants."""
         for policy in self.policies():
             assert len(policy) == len(self.tracked), \
-                f"len(policy) is {len(policy)}, but {len(self.tracked)} blocks are tracked"
+                f"len(policy) is {len(policy)}, but {plural(len(self.tracked), 'block')} tracked"
             policy.check_invariants()
 
     def _select_succeeds(self, n: int, available: list[BlockId]) -> None:
@@ -248,7 +249,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         before = self.clone_policy(self.policy)
         result = self.policy.select_victims(n, self.is_evictable)
         assert result is None, \
-            f"select_victims({n}) returned {result!r} with only {len(available)} evictable blocks"
+            f"select_victims({n}) returned {result!r} with only {plural(len(available), 'evictable block')}"
         self._assert_drain_alike(before, self.policy, n)
         if self.twin is None:
             self.twin = before  # never saw the failed call: the policy must keep behaving like it

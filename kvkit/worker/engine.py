@@ -30,7 +30,7 @@ from kvkit.errors import (
 from kvkit.interfaces.capabilities import LayeredCopy, SelfChecking
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
-from kvkit.validate import check_int, check_real, checked, implements, is_int, quote
+from kvkit.validate import check_int, check_real, checked, implements, is_int, plural, quote
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.layouts import (
     allocate_kv,
@@ -508,7 +508,7 @@ class TransferEngine:
         doubt = self.num_in_doubt
         why = f" ({doubt} in doubt since the copy backend failed)" if doubt else ""
         return TransferTimeoutError(
-            f"worker {self.worker}: {len(pending)} transfer(s) still in flight after {limit} s{why}: "
+            f"worker {self.worker}: {plural(len(pending), 'transfer')} still in flight after {limit} s{why}: "
             f"{quote(list(pending))}; they stay in flight and nothing was released", pending)
 
     def _collect(self) -> None:
@@ -539,7 +539,7 @@ class TransferEngine:
             job.in_doubt = True
         if fresh:  # once per transfer, however often a broken backend raises
             warnings.warn(
-                f"copy backend failed: {exc!r}; {len(fresh)} transfer(s) in flight are in doubt "
+                f"copy backend failed: {exc!r}; in doubt now: {plural(len(fresh), 'transfer')} in flight "
                 f"{quote([job.transfer_id for job in fresh])}: each is reported failed once the backend "
                 f"confirms it finished, and its blocks stay reserved until then", RuntimeWarning, stacklevel=4)
 

@@ -105,7 +105,7 @@ _MALFORMED = {
     "float hash id": ('{"timestamp": 1, "input_length": 20, "output_length": 5, "hash_ids": [1, 2.5]}',
                       "expected ints, got 2.5"),
     "wrong number of hash ids": ('{"timestamp": 1, "input_length": 20, "output_length": 5, "hash_ids": [1]}',
-                                 "has 1 ids"),
+                                 "has 1 id but"),
 }
 
 
@@ -134,7 +134,7 @@ def test_non_utf8_trace_is_one_line_error(tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["--cpu-eviction", "bogus", "--store", "nope"], "valid: "),
     (["--cpu-blocks", 10, "--cpu-bytes", "1GiB"], "not both"),
-    (["--cpu-bytes", "12XB"], "cannot parse byte size '12XB'"),
+    (["--cpu-bytes", "12XB"], "byte size '12XB': unknown unit 'XB'"),
     (["--gpu-blocks", 0], "--gpu-blocks"),
 ])
 def test_bad_options_are_one_line_errors(args, message):
@@ -155,3 +155,16 @@ def test_defaults_come_from_the_one_defaults_record():
         cost.pcie_gbps, cost.prefill_tokens_per_s, cost.decode_ms_per_token)
 
 
+
+
+def test_a_shared_url_password_never_reaches_the_output(monkeypatch):
+    """`--shared` with a password: the table, the JSON and the plot title show it as ***."""
+    import kvkit.shared.client as client
+    from kvkit.backends.blockstore.memory import MemoryStore
+
+    monkeypatch.setattr(client, "open_shared", lambda url: (MemoryStore(), True))
+    url = "valkey://alice:hunter2@127.0.0.1:6379/0"
+    for extra in ([], ["--json"]):
+        result = _run("--shared", url, "--instances", 2, "--limit", 20, *extra)
+        assert result.exit_code == 0, result.output
+        assert "hunter2" not in result.output and "alice:***@127.0.0.1" in " ".join(result.output.split())

@@ -316,7 +316,7 @@ def test_failed_poll_keeps_transfers_in_doubt_until_the_backend_confirms_them(fa
     failing.submit(1, TransferPlan([0], [0], "store"))
     failing.submit(2, TransferPlan([1], [1], "load"))
     monkeypatch.setattr(_Failing, "fail_poll", True)
-    with pytest.warns(RuntimeWarning, match=r"2 transfer\(s\) in flight are in doubt \[1, 2\]"):
+    with pytest.warns(RuntimeWarning, match=r"in doubt now: 2 transfers in flight \[1, 2\]"):
         assert failing.poll() == []
     assert (failing.num_in_flight, failing.num_in_doubt) == (2, 2)
     failing.check_invariants()

@@ -164,7 +164,7 @@ def test_transfers_in_doubt_are_reported_failed_once_the_backend_confirms_them(h
     engine.submit(1, TransferPlan([0, 1], [0, 1], "store"))
     backend.gate = None
     backend.poll_error = RuntimeError("device lost")
-    with pytest.warns(RuntimeWarning, match=r"1 transfer\(s\) in flight are in doubt \[1\]"):
+    with pytest.warns(RuntimeWarning, match=r"in doubt now: 1 transfer in flight \[1\]"):
         assert engine.poll() == []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same transfer is not warned about twice

@@ -257,7 +257,7 @@ def _other_device(ts):
 
 
 MUTATIONS = [
-    (_wrong_count, r"needs \d+ tensor\(s\) for 3 layers, got \d+"),
+    (_wrong_count, r"needs \d+ tensors? for 3 layers, got \d+"),
     (_wrong_shape, r"shape \(.*\), layout .* expects \("),
     (_wrong_dtype, r"dtype torch.float32, spec says 'bfloat16'"),
     (_non_contiguous, r"not contiguous: shape .* strides"),

@@ -22,6 +22,7 @@ from kvkit.errors import UnsupportedModelError
 from kvkit.integrations.hf.decode import _Decoded, _Generate, _Greedy, _sync
 from kvkit.interfaces import GroupKind, KVCacheSpec
 from kvkit.reference.engine import EngineRequest, PrefillCompute, ReferenceEngine
+from kvkit.validate import plural
 
 
 class _RecordingCache(DynamicCache):
@@ -180,7 +181,7 @@ class _ModelPrefill(PrefillCompute):
         """
         if len(recorded) != self.spec.num_layers:
             raise UnsupportedModelError(
-                f"the model updated {len(recorded)} of {self.spec.num_layers} cache layers; "
+                f"the model updated {len(recorded)} of {plural(self.spec.num_layers, 'cache layer')}; "
                 f"kvkit needs every layer to cache its own KV")
         bs = self.spec.block_size
         device = self.planes[0][0].device

@@ -24,7 +24,7 @@ from kvkit.integrations.hf.decode import Generation, _decoder, _token_list
 from kvkit.integrations.hf.spec import _check_identity, kv_spec_from_config, model_fingerprint
 from kvkit.reference.engine import EngineRequest, ReferenceEngine
 from kvkit.stack import OffloadStack, build
-from kvkit.validate import check_bool, checked
+from kvkit.validate import check_bool, checked, plural
 from kvkit.worker.layouts import allocate_kv
 
 
@@ -79,7 +79,7 @@ class OffloadedLM:
             raise ConfigError(f"the stack's KV spec {spec!r} does not fit the model, which needs {expected!r}")
         if len(self.stack.workers) != 1 or self.stack.workers[0].layout is None:
             raise ConfigError(f"the stack needs exactly one worker with a registered KV cache, got "
-                              f"{len(self.stack.workers)} worker(s); hint: OffloadedLM.build(model, ...)")
+                              f"{plural(len(self.stack.workers), 'worker')}; hint: OffloadedLM.build(model, ...)")
         worker = self.stack.workers[0]
         device = worker.gpu_kv[0].device
         if device != self.model.device:

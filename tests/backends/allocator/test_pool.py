@@ -100,7 +100,7 @@ def test_eviction_must_be_an_empty_policy():
         BlockPool(4, eviction="lru")
     used = LRUPolicy()
     used.on_insert(0, 1, None)
-    with pytest.raises(ConfigError, match="already tracks 1 blocks"):
+    with pytest.raises(ConfigError, match="already tracks 1 block$"):
         BlockPool(4, eviction=used)
 
 
@@ -332,8 +332,8 @@ def test_commit_notifies_the_policy_with_parents():
 
 
 @pytest.mark.parametrize(("blocks", "hashes", "parents", "error", "message"), [
-    ([0, 1], [10], None, PoolUsageError, "equal lengths, got 2 blocks, 1 hashes"),
-    ([0], [10], [None, 3], PoolUsageError, "got 1 blocks, 1 hashes, 2 parents"),
+    ([0, 1], [10], None, PoolUsageError, "equal lengths, got 2 blocks, 1 hash"),
+    ([0], [10], [None, 3], PoolUsageError, "got 1 block, 1 hash, 2 parents"),
     ([0, 0], [10, 11], None, PoolUsageError, r"names a block twice: \[0, 0\]"),
     ([0, 4], [10, 11], None, RefcountError, "cannot commit unreferenced block 4"),
     ([0, 1], [10, "11"], None, PoolUsageError, "block hashes must be ints, got '11'"),
@@ -485,7 +485,7 @@ def test_reset_forgets_everything_and_tells_only_the_policy():
     (lambda pool: setattr(pool, "_num_evictable", 5), r"\(1, 5\)"),
     (lambda pool: pool._index.__setitem__(77, 0), "indexed"),
     (lambda pool: pool._hash.__setitem__(0, 12), "carries 12"),
-    (lambda pool: pool.policy.on_remove(0), "policy tracks 0 blocks, 1 are ready"),
+    (lambda pool: pool.policy.on_remove(0), "policy tracks 0 blocks, 1 ready"),
 ])
 def test_check_invariants_detects_corruption(corrupt, message):
     """Each kind of internal corruption makes check_invariants raise AssertionError."""
