@@ -111,6 +111,7 @@ class Link:
     _conns: dict[Address, Connection] = attrs.field(factory=dict, init=False)
     _slots: list[Address] | None = attrs.field(default=None, init=False)
     _stale: bool = attrs.field(default=True, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
 
     def run(self, keys: Sequence[bytes], encode: Encode, read: Read, weights: Sequence[int] | None = None,
             deadline: float | None = None) -> list[object]:
@@ -281,11 +282,16 @@ class Link:
             return None
         return f"transport: no Cluster node answered CLUSTER SLOTS (last: {last})"
 
-    def close(self) -> None:
-        """Close every connection (a wait in another thread returns at once)."""
+    def reset(self) -> None:
+        """Close every connection; the next call opens them again."""
         for address in list(self._conns):
             self._drop(address)
         self._stale = True
+
+    def close(self) -> None:
+        """Close every connection (a wait in another thread returns at once) and open none again."""
+        self._closed = True
+        self.reset()
 
     def _node_for(self, key: bytes) -> Address:
         if not self.cluster:
@@ -296,9 +302,11 @@ class Link:
     def _conn(self, address: Address, deadline: float, fresh: set[Address]) -> Connection:
         conn = self._conns.get(address)
         if conn is None:
+            if self._closed:
+                raise ConnectionRefusedError("the link is closed")
             conn = self._conns[address] = Connection(address, self.options, deadline)
             fresh.add(address)
-        conn.deadline = deadline
+        conn.renew(deadline)
         return conn
 
     def _drop(self, address: Address) -> None:

@@ -90,16 +90,14 @@ class ConnectOptions:
 class Connection:
     """One non-blocking connection with a small read buffer; bulk replies bypass it into caller buffers.
 
-    ``deadline`` bounds every operation (the caller moves it forward for each call); ``reused`` is
-    ``False`` until the first call after the one that opened it (a reused connection may have been
-    closed by the server meanwhile, for idleness: a caller may retry once on a fresh one).
+    ``deadline`` bounds every operation (:meth:`renew` moves it forward for each call; without one,
+    the connection gets ``connect_timeout_s + request_timeout_s`` from its creation).
     """
 
     def __init__(self, address: Address, options: ConnectOptions, deadline: float | None = None) -> None:
         start = time.monotonic()
         self.deadline = start + options.connect_timeout_s + options.request_timeout_s if deadline is None \
             else deadline
-        self.reused = False
         timeout = min(options.connect_timeout_s, self.deadline - start)
         if timeout <= 0:
             raise DeadlineExceeded("timed out: the call's deadline passed before connecting", 0.0)
@@ -139,6 +137,11 @@ class Connection:
         except BaseException:
             self.close()
             raise
+
+    def renew(self, deadline: float) -> None:
+        """Bound what follows by ``deadline`` (a new call's)."""
+        self.deadline = deadline
+        self._waiting_since = None
 
     def call(self, *args: bytes) -> object:
         """Send one command and answer its reply; an error reply raises ``ServerError``."""

@@ -246,7 +246,7 @@ class _IoThread:
             try:
                 outcomes = self._put(keys, views, deadline) if op == "put" else self._get(keys, views, deadline)
             except Exception as exc:  # noqa: BLE001 - a reply we cannot handle: the link is dropped, the call failed
-                self.link.close()
+                self.link.reset()
                 self.tickets.report(ticket, range(len(keys)), f"transport: {type(exc).__name__}: {exc}")
                 continue
             failed = [i for i, problem in enumerate(outcomes) if problem is not None]
