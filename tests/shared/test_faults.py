@@ -13,6 +13,7 @@ import pytest
 
 import kvkit
 from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.config import SharedConfig
 from kvkit.errors import InsufficientMemoryError
 from kvkit.hashing import hash_blocks
 from kvkit.reference.engine import ReferenceEngine
@@ -29,7 +30,7 @@ FAST = f"?request_timeout_s={DEADLINE}&connect_timeout_s={DEADLINE}&retry_interv
 
 def instance(shared, *, write="write-through", wait_timeout_s=4.0, clock=None):
     stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", cpu_eviction="lru",
-                        layout="per-layer", shared=shared, world_size=2, shared_write=write,
+                        layout="per-layer", shared=SharedConfig(url=shared, write=write), world_size=2,
                         wait_timeout_s=wait_timeout_s)
     if clock is not None:
         tier = stack.manager._shared
