@@ -313,3 +313,41 @@ def test_failed_calls_leave_no_socket_open(own_server):
     assert _sockets() == sockets, "a failed call left a socket open"
     store.close()
     assert _sockets() == sockets
+
+
+# -- one round trip --------------------------------------------------------------------------------------
+
+
+def test_contains_of_1000_keys_is_one_round_trip_per_node(valkey_server, valkey_cluster):
+    """contains writes every EXISTS to a node before reading any reply: one send per node, then the reads."""
+    from kvkit.backends.blockstore import link as link_module
+
+    events = []
+
+    class Counted(link_module.Connection):
+        def send(self, parts):
+            events.append(("send", self.sock.getpeername()[1]))
+            super().send(parts)
+
+        def small_ints(self, n):
+            events.append(("read", self.sock.getpeername()[1]))
+            return super().small_ints(n)
+
+    keys = [b"kvkit:rtt:%d" % i for i in range(1000)]
+    for address, cluster, nodes in ((("127.0.0.1", valkey_server.port), False, 1),
+                                    (("127.0.0.1", valkey_cluster.nodes[0].port), True, 3)):
+        store = ValkeyStore([address], cluster=cluster)
+        assert _put(store, keys, [b"v"] * 1000).ok
+        store.contains(keys[:1])  # connections (and the slot map) exist
+        original, link_module.Connection = link_module.Connection, Counted
+        try:
+            store._lookup.reset()  # reconnect through the counting class
+            store.contains(keys[:1])
+            events.clear()
+            assert store.contains(keys) == 1000
+        finally:
+            link_module.Connection = original
+        sends = [e for e in events if e[0] == "send"]
+        assert len(sends) == nodes and len({port for _, port in sends}) == nodes, events
+        assert events[:nodes] == sends, "a reply was read before every node had its whole pipeline"
+        store.close()
