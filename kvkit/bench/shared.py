@@ -12,6 +12,7 @@ Every value read back is compared with what was written.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import random
 import resource
@@ -170,8 +171,10 @@ def _tool_command(url: str) -> list[str] | None:
     return [tool, "-h", host, "-p", port, *(["-a", password] if password else [])]
 
 
-def _run_tool(command: list[str], test: str, size: int, requests: int, keys: int) -> float:
-    """Seconds the server tool reports for ``requests`` SETs or GETs of ``size`` bytes over ``keys`` keys.
+def _run_tool(command: list[str], test: str, size: int, requests: int, keys: int) -> float | None:
+    """Seconds the server tool reports for ``requests`` SETs or GETs of ``size`` bytes over ``keys`` keys;
+    ``None`` for a run too short for its millisecond clock (it says ``inf``: the wall time, start-up
+    included, counts instead).
 
     ``-c 1 -P 1``: one connection, one request at a time (its best case here). ``-r keys`` spreads
     the tool's keys over as many values as the store moved (one key, the tool's default, would be
@@ -183,7 +186,8 @@ def _run_tool(command: list[str], test: str, size: int, requests: int, keys: int
     for line in out.splitlines():
         cells = [c.strip('"') for c in line.split(",")]
         if len(cells) > 1 and cells[0] == test.upper():
-            return requests / float(cells[1])
+            rate = float(cells[1])
+            return requests / rate if math.isfinite(rate) and rate > 0 else None
     raise BackendUnavailableError(f"{os.path.basename(command[0])} -t {test} printed no result: {out[-200:]!r}")
 
 
