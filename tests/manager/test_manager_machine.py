@@ -1215,7 +1215,7 @@ class _PropagatingCallbacks(OffloadManager):
 
 
 class _OneRankShared(SharedTier):
-    def find(self, hashes):
+    def find(self, hashes, tail=()):
         keys = [self.spec.codec.key(h, 0) for h in hashes]
         return self.spec.store.contains(keys) if self.available else 0
 
