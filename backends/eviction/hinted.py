@@ -57,7 +57,7 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
           among them are parked, the others listed.
     """
 
-    base: Callable[[], EvictionPolicy] = attrs.field(default=AdaptivePolicy, validator=is_callable(label="HintedPolicy.", what="a policy factory (a class)"))
+    base: Callable[[], EvictionPolicy] = attrs.field(default=AdaptivePolicy, validator=is_callable(label="HintedPolicy.", what="a policy factory (a class)"))  # noqa: E501
     clock: Callable[[], float] = attrs.field(default=time.monotonic, repr=False)
     _policy: EvictionPolicy = attrs.field(init=False)
     _pending: OrderedDict[BlockHash, WorkloadHints] = attrs.field(factory=OrderedDict, init=False)

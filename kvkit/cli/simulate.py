@@ -50,7 +50,7 @@ _DEFAULT_STACK = SimConfig().stack
               type=click.FloatRange(min=0, min_open=True), help="Cost model: CPU->GPU load GB/s.")
 @click.option("--decode-ms-per-token", default=_COST.decode_ms_per_token, show_default=True,
               type=click.FloatRange(min=0), help="Cost model: time per generated token.")
-@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never'); not with --instances or --shared.")
+@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never'); not with --instances or --shared.")  # noqa: E501
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
               help="Engine instances behind a router; above 1 compares isolated instances with "
                    "instances sharing a third tier.")
@@ -217,7 +217,7 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
     if baseline is not None:
         with_, without = offload.ttft_percentiles(), baseline.ttft_percentiles()
         ratios = ", ".join(f"{q} {with_[q]:,.1f} vs {without[q]:,.1f} ms" for q in ("p50", "p90"))
-        console.print(f"offload served {plural(offload.hit_tokens_cpu, 'prompt token', grouped=True)} from the CPU tier; "
+        console.print(f"offload served {plural(offload.hit_tokens_cpu, 'prompt token', grouped=True)} from the CPU tier; "  # noqa: E501
                       f"modelled TTFT with vs without offload: {ratios}")
     console.print(f"total {wall:.1f} s, peak memory {peak_rss_mib:,.0f} MiB")
 

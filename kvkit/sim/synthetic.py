@@ -85,7 +85,7 @@ from kvkit.validate import (
     real_in,
 )
 
-__all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]
+__all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]  # noqa: E501
 
 _positive_int = at_least(1)
 _positive_range = checked(check_int_pair, minimum=1)  # (low, high) with 1 <= low <= high

@@ -117,7 +117,7 @@ def test_bad_capacity_is_a_config_error(capacity):
 
 def test_study_rejects_unknown_policies_before_replaying():
     """Unknown policy names raise one ConfigError listing the valid names."""
-    with pytest.raises(ConfigError, match="valid: .*lru"):
+    with pytest.raises(ConfigError, match=r"valid: .*lru"):
         study(_trace((0,)), [4], ["lru", "belady-ish"], jobs=1)
 
 
