@@ -11,24 +11,31 @@ import attrs
 from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash
+from kvkit.validate import quote
 
 __all__ = ["HintAwarePolicy", "WorkloadHints"]
 
 
 def _ttl(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not math.isfinite(value) or value <= 0):
-        raise ConfigError(f"WorkloadHints.ttl_s must be None or a finite number of seconds > 0, got {value!r}")
+    if value is None:
+        return
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    try:
+        ok = ok and math.isfinite(value) and value > 0  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond any float (10**400): not a usable number of seconds
+        ok = False
+    if not ok:
+        raise ConfigError(f"WorkloadHints.ttl_s must be None or a finite number of seconds > 0, got {quote(value)}")
 
 
 def _label(inst: object, attribute: attrs.Attribute, value: object) -> None:
     if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(f"WorkloadHints.{attribute.name} must be None or a non-empty str, got {value!r}")
+        raise ConfigError(f"WorkloadHints.{attribute.name} must be None or a non-empty str, got {quote(value)}")
 
 
 def _priority(inst: object, attribute: attrs.Attribute, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"WorkloadHints.priority must be an int, got {value!r}")
+        raise ConfigError(f"WorkloadHints.priority must be an int, got {quote(value)}")
 
 
 @attrs.frozen
@@ -67,5 +74,10 @@ class HintAwarePolicy(EvictionPolicy, Protocol):
     """
 
     def on_hints(self, hashes: Sequence[BlockHash], hints: WorkloadHints) -> None:
-        """The blocks of ``hashes`` belong to a request that carries ``hints``."""
+        """The blocks of ``hashes`` belong to a request that carries ``hints``.
+
+        Raises:
+            ConfigError: ``hints`` is not a ``WorkloadHints`` or ``hashes`` is
+                not a sequence of ints (quoted); no hash was heard.
+        """
         ...
