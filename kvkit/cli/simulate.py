@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from collections.abc import Iterable
@@ -29,7 +30,9 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
 
 @click.command("simulate")
 @click.option("--trace", "trace_path", default=None,
-              type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
+              # kept as typed (a Path would drop the "./" that makes ./NAME a file, not a built-in trace);
+              # the reader reports a missing or unreadable file in one line
+              type=click.Path(path_type=str),
               help="Mooncake JSONL(.gz) trace, or a built-in one by name: mooncake-conversation "
                    "[default: the synthetic multi-turn chat workload].")
 @click.option("--gpu-blocks", default=DEFAULTS.gpu_blocks, show_default=True, type=click.IntRange(min=1),
@@ -71,7 +74,7 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload "
                    "(with --instances: isolated instances against instances sharing a tier).")
-def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int | None,
+def simulate_command(trace_path: str | None, gpu_blocks: int, cpu_blocks: int | None,
                      cpu_bytes: str | None, block_size: int | None, cpu_eviction: str,
                      gpu_eviction: str, store: str, verify: bool, seed: int, shape_name: str | None,
                      limit: int | None, prefill_tokens_per_s: float, pcie_gbps: float, decode_ms_per_token: float,
@@ -142,7 +145,7 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
 class _Workload:
     """The requests to replay: a trace file (read again for each run) or a synthetic workload shape."""
 
-    path: Path | None
+    path: str | None
     block_size: int
     seed: int
     limit: int | None
@@ -162,7 +165,7 @@ class _Workload:
 
     def describe(self) -> str:
         if self.path is not None:
-            return self.path.name
+            return os.path.basename(self.path)
         return f"synthetic {self.shape} (seed {self.seed})"
 
     def as_dict(self) -> dict[str, Any]:

@@ -203,11 +203,15 @@ def _path(path: object) -> str:
 def trace_path(trace: str | os.PathLike[str]) -> str:
     """The file a trace argument names: a built-in trace's packaged file, else ``trace`` itself.
 
+    Only a ``str`` that is exactly a built-in name names a built-in trace:
+    ``./NAME``, any text with a separator and any ``os.PathLike`` (a
+    ``Path`` drops a leading ``./``) are paths, read from the file system.
+
     Raises:
         ConfigError: ``trace`` is not a str or an os.PathLike, or holds a NUL.
     """
     name = _path(trace)
-    builtin = BUILTIN_TRACES.get(name)
+    builtin = BUILTIN_TRACES.get(name) if isinstance(trace, str) else None
     return str(_DATA / builtin) if builtin is not None else name
 
 
