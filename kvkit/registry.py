@@ -14,7 +14,6 @@ Invariants:
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import inspect
@@ -34,6 +33,7 @@ from kvkit.interfaces import (
     StorePolicy,
 )
 from kvkit.interfaces.shared import BlockStore
+from kvkit.validate import did_you_mean
 
 __all__ = [
     "ALLOCATOR",
@@ -44,7 +44,6 @@ __all__ = [
     "SHARED",
     "STORE",
     "Registry",
-    "did_you_mean",
     "entry_point_problems",
     "register",
 ]
@@ -53,12 +52,6 @@ ENTRY_POINT_GROUP = "kvkit.backends"
 
 T = TypeVar("T")
 Target = str | Callable[..., Any]
-
-
-def did_you_mean(value: str, valid: list[str]) -> str:
-    """A ``"; did you mean 'x'?"`` suffix naming the closest valid name, or ``""``."""
-    close = difflib.get_close_matches(value, valid, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _import(target: str) -> Any:

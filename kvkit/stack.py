@@ -12,9 +12,8 @@ from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.registry import COPY, did_you_mean
-from kvkit.shared.urls import redact_url
 from kvkit.stats import OffloadStats
-from kvkit.validate import plural
+from kvkit.validate import plural, redact_url
 from kvkit.worker.memory import check_fits
 
 if TYPE_CHECKING:
@@ -68,7 +67,8 @@ class OffloadStack:
                  f"cpu={plural(self.cpu.num_blocks, 'block', grouped=True)} ({_name(c.cpu_eviction)})",
                  f"store={_name(c.store)}", f"copy={_name(c.copy)}", f"workers={len(self.workers)}"]
         if self.shared_store is not None:
-            parts.append(f"shared={redact_url(c.shared) if isinstance(c.shared, str) else _name(self.shared_store)}")
+            url = None if c.shared is None else c.shared.url
+            parts.append(f"shared={redact_url(url) if isinstance(url, str) else _name(self.shared_store)}")
         return f"OffloadStack({', '.join(parts)})"
 
     @property

@@ -4,22 +4,33 @@ Two shapes serve every caller:
 
 * predicates and ``*_problem`` functions return ``None`` or a message, for code
   that collects every problem before raising once (``StackConfig``);
+  :func:`problem_of` turns any ``check_*`` call into such a message;
 * ``check_*`` functions raise a typed :mod:`kvkit.errors` error that quotes the
   value (through :func:`quote`, which never fails), and :func:`at_least` /
-  :func:`optional_at_least` / :func:`real_in` build ``attrs`` validators from
-  them, :func:`checked` an ``attrs`` converter (which also stores the converted value);
+  :func:`optional_at_least` / :func:`real_in` / :func:`one_of` /
+  :func:`non_empty_str` / :func:`implements` / :func:`is_callable` /
+  :func:`secret_bytes` build ``attrs`` validators from them, :func:`checked` an
+  ``attrs`` converter (which also stores the converted value);
 * :func:`plural` counts things in a message: ``1 block``, ``2 blocks``, never ``1 blocks``.
+
+:func:`known_keywords` makes a record's unknown keyword argument a
+``ConfigError`` naming the valid ones, as a bad value is.
 
 An "int" is an exact integer: ``bool`` is refused (``True`` is not block 1);
 NumPy integers are integers (``numbers.Integral``) and are converted to ``int``
-by the ``check_*`` functions that return a value.
+by the ``check_*`` functions that return a value. A "bool" is ``True`` or
+``False`` (``"yes"`` and ``1`` are not), a "number" a real that is not a bool.
+A secret (:func:`check_secret`) is never quoted: messages name its type only;
+:func:`redact_url` shows a URL without its password.
 """
 
 from __future__ import annotations
 
+import difflib
 import enum
+import functools
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -30,20 +41,36 @@ from kvkit.errors import ConfigError
 __all__ = [
     "at_least",
     "check_bool",
+    "check_choice",
     "check_enum",
     "check_int",
+    "check_int_pair",
     "check_real",
+    "check_secret",
+    "check_str",
     "checked",
+    "did_you_mean",
+    "implements",
     "int_problem",
+    "is_callable",
     "is_int",
+    "known_keywords",
+    "non_empty_str",
+    "one_of",
     "optional_at_least",
     "plural",
+    "problem_of",
     "quote",
     "real_in",
+    "redact_url",
+    "secret_bytes",
+    "unknown_keywords",
+    "unknown_problem",
 ]
 
 _Validator = Callable[[Any, Any, Any], None]
 _E = TypeVar("_E", bound=enum.Enum)
+_C = TypeVar("_C", bound=type)
 _QUOTE_CHARS = 200
 
 
@@ -55,6 +82,54 @@ def quote(value: object) -> str:
         size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
         text = f"<{type(value).__name__}{size}>"
     return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
+
+
+_SECRET_OPTIONS = ("password", "secret", "token")
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit to print: its password, and every query value whose name holds one of
+    :data:`_SECRET_OPTIONS`, replaced by ``***`` (the user name, hosts and other options stay)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    location, mark, query = rest.partition("?")
+    netloc, slash, path = location.partition("/")
+    auth, at, hosts = netloc.rpartition("@")
+    if at:  # user:password, or a password alone
+        user, colon, _ = auth.partition(":")
+        location = (f"{user}:***@{hosts}" if colon else f"***@{hosts}") + slash + path
+    if query:
+        pairs = [pair.partition("=") for pair in query.split("&")]
+        query = "&".join(name + eq + ("***" if eq and any(s in name.lower() for s in _SECRET_OPTIONS) else value)
+                         for name, eq, value in pairs)
+    return f"{scheme}{sep}{location}{mark}{query}"
+
+
+def did_you_mean(value: object, valid: Sequence[str]) -> str:
+    """A ``"; did you mean 'x'?"`` suffix naming the closest valid name, or ``""`` (``value`` a str only)."""
+    close = difflib.get_close_matches(value, list(valid), n=1) if isinstance(value, str) else []
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_problem(name: str, value: object, valid: Sequence[str]) -> str:
+    """The message for ``value`` that names none of ``valid``: quoted, the valid names listed, the closest one."""
+    return f"{name}={quote(value)}: unknown; valid: {', '.join(valid)}{did_you_mean(value, valid)}"
+
+
+def unknown_keywords(given: Iterable[str], valid: Sequence[str], owner: str) -> list[str]:
+    """One message per keyword of ``given`` that is not in ``valid`` (``owner`` names what takes them)."""
+    return [f"{key}: unknown {owner} field; valid: {', '.join(valid)}{did_you_mean(key, valid)}"
+            for key in given if key not in valid]
+
+
+def problem_of(check: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """``None`` if ``check(*args, **kwargs)`` passes, else the message of the ``ConfigError`` it raised."""
+    try:
+        check(*args, **kwargs)
+    except ConfigError as exc:
+        return "; ".join(exc.problems)
+    return None
 
 
 def plural(n: int, noun: str, many: str | None = None, *, grouped: bool = False) -> str:
@@ -122,6 +197,38 @@ def check_bool(name: str, value: object, *, error: type[Exception] = ConfigError
     raise error(f"{name}={quote(value)}: must be a bool (True or False)")
 
 
+def check_str(name: str, value: object, *, error: type[Exception] = ConfigError) -> str:
+    """``value`` if it is a non-empty ``str``, else ``error`` quoting it."""
+    if isinstance(value, str) and value:
+        return value
+    raise error(f"{name}={quote(value)}: must be a non-empty str")
+
+
+def check_choice(name: str, value: object, choices: Collection[str], *,
+                 error: type[Exception] = ConfigError) -> str:
+    """``value`` if it is one of ``choices`` (strings), else ``error`` listing them (and the closest one)."""
+    if isinstance(value, str) and value in choices:
+        return value
+    raise error(unknown_problem(name, value, list(choices)))
+
+
+def check_int_pair(name: str, value: object, minimum: int = 0, *,
+                   error: type[Exception] = ConfigError) -> tuple[int, int]:
+    """``value`` as ``(low, high)``: two ints with ``minimum <= low <= high``, or ``error`` quoting it."""
+    if (isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(v) for v in value)
+            and minimum <= value[0] <= value[1]):
+        return int(value[0]), int(value[1])
+    raise error(f"{name}={quote(value)}: must be (low, high), two ints with {minimum} <= low <= high")
+
+
+def check_secret(name: str, value: object, *, error: type[Exception] = ConfigError) -> bytes:
+    """``value`` if it is non-empty ``bytes``, else ``error`` naming its type only: a secret is never quoted."""
+    if isinstance(value, bytes) and value:
+        return value
+    got = "empty bytes" if isinstance(value, bytes) else f"a {type(value).__name__}"
+    raise error(f"{name}: must be non-empty bytes, got {got} (the value is not shown: it is a secret)")
+
+
 def check_enum(name: str, value: object, cls: type[_E], *, error: type[Exception] = ConfigError) -> _E:
     """The member of ``cls`` that ``value`` is or names by value, or ``error`` listing the valid values."""
     if isinstance(value, cls):
@@ -149,16 +256,61 @@ def checked(check: Callable[..., Any], *, label: str = "", optional: bool = Fals
     return attrs.Converter(convert, takes_field=True)
 
 
-def implements(protocol: type, *, label: str = "", what: str | None = None) -> _Validator:
+def implements(protocol: type, *, label: str = "", what: str | None = None, optional: bool = False) -> _Validator:
     """An ``attrs`` validator: the field is an instance of ``protocol`` (a class or runtime protocol).
 
-    Raises ``ConfigError`` quoting the value; ``what`` says what is expected
-    (default: ``"a <protocol's name>"``), ``label`` prefixes the field's name.
+    A class is refused even where it has the protocol's methods: the field
+    holds an instance. Raises ``ConfigError`` quoting the value; ``what`` says
+    what is expected (default: ``"a <protocol's name> instance"``), ``label``
+    prefixes the field's name; ``optional`` lets ``None`` through.
     """
 
     def validate(inst: object, attribute: Any, value: object) -> None:
-        if not isinstance(value, protocol):
-            raise ConfigError(f"{label}{attribute.name}={quote(value)}: must be {what or 'a ' + protocol.__name__}")
+        if optional and value is None:
+            return
+        if isinstance(value, type) or not isinstance(value, protocol):
+            raise ConfigError(f"{label}{attribute.name}={quote(value)}: must be "
+                              f"{what or 'a ' + protocol.__name__ + ' instance'}")
+
+    return validate
+
+
+def is_callable(*, label: str = "", what: str = "callable") -> _Validator:
+    """An ``attrs`` validator: the field is callable (``what`` says what is expected, e.g. "a policy class")."""
+
+    def validate(inst: object, attribute: Any, value: object) -> None:
+        if not callable(value):
+            raise ConfigError(f"{label}{attribute.name}={quote(value)}: must be {what}")
+
+    return validate
+
+
+def one_of(choices: Collection[str], *, label: str = "", optional: bool = False) -> _Validator:
+    """An ``attrs`` validator: the field is one of ``choices``, as :func:`check_choice` checks it."""
+
+    def validate(inst: object, attribute: Any, value: object) -> None:
+        if not (optional and value is None):
+            check_choice(f"{label}{attribute.name}", value, choices)
+
+    return validate
+
+
+def non_empty_str(*, label: str = "", optional: bool = False) -> _Validator:
+    """An ``attrs`` validator: the field is a non-empty ``str`` (or ``None`` if ``optional``)."""
+
+    def validate(inst: object, attribute: Any, value: object) -> None:
+        if not (optional and value is None):
+            check_str(f"{label}{attribute.name}", value)
+
+    return validate
+
+
+def secret_bytes(*, label: str = "", optional: bool = False) -> _Validator:
+    """An ``attrs`` validator: the field is a secret, as :func:`check_secret` checks it (never quoted)."""
+
+    def validate(inst: object, attribute: Any, value: object) -> None:
+        if not (optional and value is None):
+            check_secret(f"{label}{attribute.name}", value)
 
     return validate
 
@@ -184,14 +336,47 @@ def optional_at_least(minimum: int, *, label: str = "",
 
 
 def real_in(*, low: float | None = None, high: float | None = None, low_open: bool = False,
-            high_open: bool = False, label: str = "", error: type[Exception] = ConfigError) -> _Validator:
+            high_open: bool = False, label: str = "", optional: bool = False,
+            error: type[Exception] = ConfigError) -> _Validator:
     """An ``attrs`` validator: the field is a number in the range, as :func:`check_real` checks it.
 
-    ``high=math.inf, high_open=True`` also refuses infinity.
+    ``high=math.inf, high_open=True`` also refuses infinity; ``optional`` lets ``None`` through.
     """
 
     def validate(inst: object, attribute: Any, value: object) -> None:
-        check_real(f"{label}{attribute.name}", value, low=low, high=high, low_open=low_open,
-                   high_open=high_open, error=error)
+        if not (optional and value is None):
+            check_real(f"{label}{attribute.name}", value, low=low, high=high, low_open=low_open,
+                       high_open=high_open, error=error)
 
     return validate
+
+
+def known_keywords(cls: _C) -> _C:
+    """Class decorator (above ``attrs``'): an unknown keyword argument is a ``ConfigError``, not a ``TypeError``.
+
+    The error names each unknown keyword with the valid ones and the closest
+    one, and also lists what the known keywords' own checks refuse (a record
+    that raises ``ConfigError`` listing every problem keeps doing so). The
+    signature stays the record's own (``inspect.signature`` follows ``__wrapped__``).
+    """
+    init: Callable[..., None] = cls.__dict__["__init__"]
+    valid = [a.alias for a in attrs.fields(cls) if a.init]
+    known = frozenset(valid)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if known.issuperset(kwargs):
+            init(self, *args, **kwargs)
+            return
+        unknown = [key for key in kwargs if key not in known]
+        problems = unknown_keywords(unknown, valid, cls.__name__)
+        try:
+            init(self, *args, **{key: value for key, value in kwargs.items() if key not in unknown})
+        except ConfigError as exc:
+            problems += exc.problems
+        except TypeError:  # a required keyword is missing too: the unknown one was probably meant for it
+            pass
+        raise ConfigError(problems)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls

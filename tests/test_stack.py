@@ -138,6 +138,15 @@ def test_build_accepts_instances_and_reports_every_bad_slot_at_once():
     assert "gpu_blocks" in text and "'lruu'" in text and "store" in text
 
 
+def test_build_names_an_unknown_slot_with_the_valid_ones():
+    """A misspelt slot is one ConfigError with a did-you-mean and the valid slots, beside every other problem."""
+    with pytest.raises(ConfigError) as err:
+        kvkit.build(kv=SPEC, gpu_blcks=3, cpu_blocks=8, cpu_eviction="lruu")
+    problems = err.value.problems
+    assert "did you mean 'gpu_blocks'?" in problems[0] and "valid: kv, gpu_blocks, cpu_blocks" in problems[0]
+    assert any("gpu_blocks=None" in p for p in problems) and any("'lruu'" in p for p in problems)
+
+
 def test_build_rejects_mixed_config_and_slots_and_bad_kv_usage():
     """A config plus keyword slots, or kv_tensors without a layout, is a ConfigError."""
     config = kvkit.StackConfig(kv=SPEC, gpu_blocks=8, cpu_blocks=8)
@@ -238,7 +247,7 @@ def test_a_stack_prints_as_its_parts_and_sizes_and_no_secret():
     import attrs
 
     stack = kvkit.build(kv=SPEC, gpu_blocks=1, cpu_blocks=2048, copy="torch", layout="per-layer", device="cpu",
-                        shared="memory://", shared_secret=b"hmac-key-never-shown")
+                        shared={"url": "memory://", "secret": b"hmac-key-never-shown"})
     text = repr(stack)
     assert str(stack) == text and "\n" not in text and len(text) < 300, text
     assert text.startswith("OffloadStack(kv=2 layers x 1 KV head x 8 dims (float16), 4 tokens a block, ")
@@ -249,6 +258,7 @@ def test_a_stack_prints_as_its_parts_and_sizes_and_no_secret():
         assert private not in text.replace("hit-density", ""), (private, text)
     served = attrs.evolve(stack, config=attrs.evolve(stack.config, shared="valkey://alice:hunter2@10.0.0.1:6379/0"))
     assert "shared=valkey://alice:***@10.0.0.1:6379/0" in repr(served) and "hunter2" not in repr(served)
+    assert "hunter2" not in repr(served.config) and "alice:***@10.0.0.1" in repr(served.config.shared)
     stack.close()
 
 
@@ -261,7 +271,7 @@ def test_a_stack_prints_as_its_parts_and_sizes_and_no_secret():
     ("memory://", "memory://"),
 ])
 def test_a_store_url_is_shown_without_its_password(url, shown):
-    from kvkit.shared.urls import redact_url
+    from kvkit.validate import redact_url
 
     assert redact_url(url) == shown
 

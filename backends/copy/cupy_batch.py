@@ -42,7 +42,7 @@ from kvkit.backends.copy._gpu_copy import GPUCopy
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
-from kvkit.validate import at_least, check_int
+from kvkit.validate import at_least, check_int, one_of
 
 if TYPE_CHECKING:
     import torch
@@ -186,11 +186,6 @@ def _sixteen(inst: object, attribute: attrs.Attribute, value: int) -> None:
         raise ConfigError(f"cupy-batch: {attribute.name} must be a multiple of 16, got {value!r}")
 
 
-def _method(inst: object, attribute: attrs.Attribute, value: str) -> None:
-    if value not in ("auto", "bulk", "vector"):
-        raise ConfigError(f"cupy-batch: method must be 'auto', 'bulk' or 'vector', got {value!r}")
-
-
 @attrs.frozen
 class _Kernel:
     """One compiled kernel and its launch shape."""
@@ -224,7 +219,7 @@ class CupyBatchCopy(GPUCopy):
     """
 
     sm_budget: int = attrs.field(default=2, validator=_positive)
-    method: str = attrs.field(default="auto", validator=_method)
+    method: str = attrs.field(default="auto", validator=one_of(("auto", "bulk", "vector"), label="cupy-batch: "))
     threads: int | None = attrs.field(default=None, validator=_threads)
     unroll: int = attrs.field(default=8, validator=_positive)
     chunk_bytes: int = attrs.field(default=64 << 10, validator=_sixteen)

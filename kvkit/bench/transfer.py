@@ -28,8 +28,8 @@ from kvkit.errors import ConfigError, SpecMismatchError
 from kvkit.interfaces.capabilities import LayeredCopy
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, TransferPlan
-from kvkit.registry import COPY, did_you_mean
-from kvkit.validate import plural
+from kvkit.registry import COPY
+from kvkit.validate import did_you_mean, plural
 from kvkit.worker.engine import layer_stages
 from kvkit.worker.layouts import allocate_kv, check_layouts, kv_nbytes, kv_views, regions_for
 from kvkit.worker.memory import check_fits

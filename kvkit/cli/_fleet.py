@@ -11,7 +11,7 @@ import click
 
 from kvkit.sim.fleet import FleetResult, compare_fleets
 from kvkit.sim.simulator import SimConfig
-from kvkit.validate import plural
+from kvkit.validate import plural, redact_url
 
 __all__ = ["run_fleets"]
 
@@ -23,7 +23,6 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
     With ``plot_path``, also write :func:`~kvkit.cli.plots.fleet_figure` there as a PNG.
     """
     from kvkit.shared.client import open_shared
-    from kvkit.shared.urls import redact_url
 
     store, owned = open_shared(shared_url) if shared_url is not None else (None, False)
     shown_url = "in-process" if shared_url is None else redact_url(shared_url)  # never a password
@@ -35,6 +34,7 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
         if owned:
             store.close()
     wall = time.perf_counter() - start
+    config = isolated.instances[0].config  # with the trace's block size
     if plot_path is not None:
         from kvkit.cli.plots import fleet_figure, save
         from kvkit.cli.simulate import describe_run  # imported here: simulate imports this module
@@ -83,8 +83,8 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
     from kvkit.cli._tables import print_table
 
     n = len(isolated.instances)
-    table = Table(title=f"{what}: {plural(n, 'instance')} ({isolated.router}), each GPU {config.gpu_blocks:,} + "
-                        f"CPU {plural(config.num_cpu_blocks, 'block', grouped=True)} of "
+    table = Table(title=f"{what}: {plural(n, 'instance')} ({isolated.router}), each GPU {config.stack.gpu_blocks:,} + "
+                        f"CPU {plural(config.stack.num_cpu_blocks, 'block', grouped=True)} of "
                         f"{plural(config.block_size, 'token')}")
     table.add_column("", no_wrap=True)
     table.add_column("isolated", justify="right", no_wrap=True)

@@ -16,9 +16,10 @@ import click
 from kvkit.cli import check_plot_path, shape_option
 from kvkit.cli._fleet import run_fleets
 from kvkit.cli._progress import Progress, progress
+from kvkit.cli._slots import flag_errors, slot_options
 from kvkit.config import DEFAULTS
 from kvkit.sim.fleet import ROUTERS
-from kvkit.sim.simulator import CostModel, SimConfig, SimResult, simulate
+from kvkit.sim.simulator import STACK_SLOTS, CostModel, SimConfig, SimResult, simulate
 from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
 from kvkit.validate import plural
@@ -26,6 +27,8 @@ from kvkit.validate import plural
 __all__ = ["describe_run", "simulate_command"]
 
 _COST = CostModel()  # the cost model's defaults have one home: CostModel
+_SLOTS = tuple(slot for slot in STACK_SLOTS if slot != "shared")  # --shared is the fleet's store (below)
+_DEFAULT_STACK = SimConfig().stack
 
 
 @click.command("simulate")
@@ -35,18 +38,10 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
               type=click.Path(path_type=str),
               help="Mooncake JSONL(.gz) trace, or a built-in one by name: mooncake-conversation "
                    "[default: the synthetic multi-turn chat workload].")
-@click.option("--gpu-blocks", default=DEFAULTS.gpu_blocks, show_default=True, type=click.IntRange(min=1),
-              help="GPU tier size in blocks.")
-@click.option("--cpu-blocks", default=None, type=click.IntRange(min=1),
-              help=f"CPU tier size in blocks [default: {DEFAULTS.cpu_blocks}].")
-@click.option("--cpu-bytes", default=None,
-              help="CPU tier size in bytes of model KV instead, e.g. 64GiB.")
+@slot_options(_SLOTS, {slot: getattr(_DEFAULT_STACK, slot) for slot in _SLOTS})
 @click.option("--block-size", default=None, type=click.IntRange(min=1),
               help=f"Tokens per block [default: {DEFAULTS.block_size} for the synthetic workload, "
                    f"{MOONCAKE_BLOCK_SIZE} (Mooncake) for --trace].")
-@click.option("--cpu-eviction", default=DEFAULTS.cpu_eviction, show_default=True, help="CPU tier eviction policy.")
-@click.option("--gpu-eviction", default=DEFAULTS.gpu_eviction, show_default=True, help="GPU tier eviction policy.")
-@click.option("--store", default=DEFAULTS.store, show_default=True, help="Store policy.")
 @click.option("--verify", is_flag=True,
               help="Move real bytes (torch backend, CPU tensors) and check every loaded block.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic workload.")
@@ -74,12 +69,11 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload "
                    "(with --instances: isolated instances against instances sharing a tier).")
-def simulate_command(trace_path: str | None, gpu_blocks: int, cpu_blocks: int | None,
-                     cpu_bytes: str | None, block_size: int | None, cpu_eviction: str,
-                     gpu_eviction: str, store: str, verify: bool, seed: int, shape_name: str | None,
-                     limit: int | None, prefill_tokens_per_s: float, pcie_gbps: float, decode_ms_per_token: float,
-                     no_baseline: bool, instances: int, router: str, shared_url: str | None,
-                     shared_gbps: float, as_json: bool, plot_path: Path | None) -> None:
+def simulate_command(trace_path: str | None, block_size: int | None, verify: bool, seed: int,
+                     shape_name: str | None, limit: int | None, prefill_tokens_per_s: float, pcie_gbps: float,
+                     decode_ms_per_token: float, no_baseline: bool, instances: int, router: str,
+                     shared_url: str | None, shared_gbps: float, as_json: bool, plot_path: Path | None,
+                     **slots: Any) -> None:
     """Replay a trace through a real offload stack and model time to first token.
 
     Every request goes through the reference engine loop, both block pools,
@@ -89,8 +83,6 @@ def simulate_command(trace_path: str | None, gpu_blocks: int, cpu_blocks: int | 
     compare. See kvkit.sim.simulator for the time model.
     """
     check_plot_path(plot_path)
-    if cpu_blocks is not None and cpu_bytes is not None:
-        raise click.UsageError("give --cpu-blocks or --cpu-bytes, not both")
     if trace_path is not None and shape_name is not None:
         raise click.UsageError("give --trace or --shape, not both")
     if no_baseline and (instances > 1 or shared_url is not None):
@@ -98,12 +90,11 @@ def simulate_command(trace_path: str | None, gpu_blocks: int, cpu_blocks: int | 
                                "make: they compare isolated instances with instances sharing a tier")
     if block_size is None:
         block_size = MOONCAKE_BLOCK_SIZE if trace_path is not None else DEFAULTS.block_size
-    config = SimConfig(
-        gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, cpu_bytes=cpu_bytes, block_size=block_size,
-        cpu_eviction=cpu_eviction, gpu_eviction=gpu_eviction, store=store, verify=verify,
-        cost=CostModel(prefill_tokens_per_s=prefill_tokens_per_s, pcie_gbps=pcie_gbps,
-                       decode_ms_per_token=decode_ms_per_token, shared_gbps=shared_gbps))
-    config.stack_config()  # every bad slot is reported before any work
+    with flag_errors(_SLOTS):  # every bad slot is reported before any work, by its flag
+        config = SimConfig(
+            verify=verify, **{slot: value for slot, value in slots.items() if value is not None},
+            cost=CostModel(prefill_tokens_per_s=prefill_tokens_per_s, pcie_gbps=pcie_gbps,
+                           decode_ms_per_token=decode_ms_per_token, shared_gbps=shared_gbps))
     workload = _Workload(trace_path, block_size, seed, limit, shape_name or "chat")
     if instances > 1 or shared_url is not None:
         run_fleets(workload, config, instances=instances, router=router, shared_url=shared_url, as_json=as_json,
@@ -111,8 +102,8 @@ def simulate_command(trace_path: str | None, gpu_blocks: int, cpu_blocks: int | 
         return
     start = time.perf_counter()
     runs = [("offload", config)]
-    if not no_baseline and store != "never":
-        runs.append(("no offload", attrs.evolve(config, store="never", verify=False)))
+    if not no_baseline and config.stack.store != "never":
+        runs.append(("no offload", config.replace(store="never", verify=False)))
     results = []
     with progress() as bar:
         total = workload.size(bar)
@@ -237,6 +228,6 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
 def describe_run(what: str, config: SimConfig) -> str:
     """``what`` (the trace or shape) with the run's tier sizes and policies: the title of its table and plot."""
     names = config.as_dict()
-    return (f"{what}: GPU {plural(config.gpu_blocks, 'block', grouped=True)}, CPU "
-            f"{plural(config.num_cpu_blocks, 'block', grouped=True)} of {plural(config.block_size, 'token')}; "
+    return (f"{what}: GPU {plural(config.stack.gpu_blocks, 'block', grouped=True)}, CPU "
+            f"{plural(config.stack.num_cpu_blocks, 'block', grouped=True)} of {plural(config.block_size, 'token')}; "
             f"eviction {names['cpu_eviction']} (GPU {names['gpu_eviction']}), store {names['store']}")

@@ -155,7 +155,8 @@ class WorkerSide:
         """Per KV group, a transfer engine with the configured copy backend and a mirror of ``num_cpu_blocks``."""
         stack = settings.stack
         engines = [TransferEngine(group_spec(stack.kv, g), stack.resolve().copy,
-                                  num_cpu_blocks=settings.num_cpu_blocks, worker=rank)
+                                  num_cpu_blocks=settings.num_cpu_blocks, worker=rank,
+                                  wait_timeout_s=stack.wait_timeout_s)
                    for g in range(len(stack.kv.groups))]
         shared = store = None
         if stack.shared is not None:

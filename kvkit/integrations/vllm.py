@@ -186,7 +186,7 @@ def connector_settings(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
 
 
 def _model_identity(vllm_config: VllmConfig) -> str:
-    """The shared tier's default ``shared_model``: vLLM's model (name or path) and its revision."""
+    """The shared tier's default ``SharedConfig.model``: vLLM's model (name or path) and its revision."""
     model = vllm_config.model_config
     return f"{model.model}@{model.revision or 'default'}"
 

@@ -47,11 +47,11 @@ class FormatCodec:
 
     Attributes:
         namespace: what gives the bytes their meaning (model, spec, layout, TP size).
-        secret: HMAC secret shared by every instance of a deployment, or ``None``.
+        secret: HMAC secret shared by every instance of a deployment, or ``None`` (never in the repr).
     """
 
     namespace: Namespace
-    secret: bytes | None = None
+    secret: bytes | None = attrs.field(default=None, repr=False)
     header_bytes: int = attrs.field(default=HEADER_SIZE, init=False)
 
     @classmethod
@@ -105,18 +105,20 @@ class SharedConnection:
 
 
 def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
-    """Open ``config.shared`` and build its codec: the one path of every stack, kvkit's own and vLLM's.
+    """Open ``config.shared.url`` and build its codec: the one path of every stack, kvkit's own and vLLM's.
 
     ``layout`` is the CPU payload layout the namespace names.
 
     Raises:
         ConfigError / BackendUnavailableError: as :func:`open_shared` and :meth:`FormatCodec.for_stack`.
     """
+    from kvkit.config import UNNAMED_MODEL
     from kvkit.shared.scheduler import SharedTierSpec
 
-    store, owned = open_shared(config.shared)
-    codec = FormatCodec.for_stack(config.kv, config.world_size, model=config.shared_model, layout=layout,
-                                  secret=config.shared_secret)
-    spec = SharedTierSpec(store=store, codec=codec, write=config.shared_write,
-                          backoff_s=config.shared_backoff_s, max_backoff_s=60 * config.shared_backoff_s)
+    shared = config.shared
+    store, owned = open_shared(shared.url)
+    codec = FormatCodec.for_stack(config.kv, config.world_size, model=shared.model or UNNAMED_MODEL, layout=layout,
+                                  secret=shared.secret)
+    spec = SharedTierSpec(store=store, codec=codec, write=shared.write,
+                          backoff_s=shared.backoff_s, max_backoff_s=60 * shared.backoff_s)
     return SharedConnection(spec, store, owned)

@@ -41,7 +41,16 @@ from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
 from kvkit.stats import OffloadStats
-from kvkit.validate import check_real, checked, plural, quote
+from kvkit.validate import (
+    check_real,
+    checked,
+    implements,
+    is_callable,
+    known_keywords,
+    one_of,
+    optional_at_least,
+    plural,
+)
 
 __all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
 
@@ -49,23 +58,10 @@ PROBE_KEY = b"kvkit:probe"
 """The key a probe writes: no block key looks like it."""
 
 
-def _instance_of(cls: type) -> Callable[[object, attrs.Attribute, object], None]:
-    def check(inst: object, attribute: attrs.Attribute, value: object) -> None:
-        if isinstance(value, type) or not isinstance(value, cls):
-            raise ConfigError(f"SharedTierSpec.{attribute.name}={quote(value)}: must be a {cls.__name__} instance")
-    return check
+_LABEL = "SharedTierSpec."
 
 
-def _write(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if value not in SHARED_WRITES:
-        raise ConfigError(f"shared_write={quote(value)}: unknown; valid: {', '.join(SHARED_WRITES)}")
-
-
-def _writeback_blocks(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if value is not None and (value.__class__ is not int or value < 1):
-        raise ConfigError(f"SharedTierSpec.writeback_blocks={quote(value)}: must be an int >= 1 or None")
-
-
+@known_keywords
 @attrs.frozen(kw_only=True)
 class SharedTierSpec:
     """How a manager uses a shared tier.
@@ -81,15 +77,14 @@ class SharedTierSpec:
         clock: seconds, monotonic (tests pass a fake one).
     """
 
-    store: BlockStore = attrs.field(validator=_instance_of(BlockStore))
-    codec: BlockCodec = attrs.field(validator=_instance_of(BlockCodec))
-    write: str = attrs.field(default="write-through", validator=_write)
-    writeback_blocks: int | None = attrs.field(default=None, validator=_writeback_blocks)
-    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True,
-                                                                  label="SharedTierSpec."))
+    store: BlockStore = attrs.field(validator=implements(BlockStore, label=_LABEL))
+    codec: BlockCodec = attrs.field(validator=implements(BlockCodec, label=_LABEL))
+    write: str = attrs.field(default="write-through", validator=one_of(SHARED_WRITES, label=_LABEL))
+    writeback_blocks: int | None = attrs.field(default=None, validator=optional_at_least(1, label=_LABEL))
+    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_LABEL))
     max_backoff_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True,
-                                                                       label="SharedTierSpec."))
-    clock: Callable[[], float] = time.monotonic
+                                                                       label=_LABEL))
+    clock: Callable[[], float] = attrs.field(default=time.monotonic, validator=is_callable(label=_LABEL))
 
 
 class SharedState(enum.Enum):
@@ -135,7 +130,7 @@ class SharedTier:
         self._known_cap = 4 * self.cpu.num_blocks
         if self.spec.write == "write-back":
             if not isinstance(self.cpu, EvictionOrder):
-                raise ConfigError(f"shared_write='write-back' puts the CPU pool's next eviction candidates: "
+                raise ConfigError(f"shared.write='write-back' puts the CPU pool's next eviction candidates: "
                                   f"the CPU pool must have eviction_candidates(n), got {self.cpu!r}")
             self._writeback = self.spec.writeback_blocks or max(1, self.cpu.num_blocks // 4)
 

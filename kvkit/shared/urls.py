@@ -36,7 +36,7 @@ from kvkit.interfaces.shared import BlockStore
 from kvkit.registry import SHARED
 from kvkit.validate import quote
 
-__all__ = ["open_block_store", "process_wide", "redact_url"]
+__all__ = ["open_block_store", "process_wide"]
 
 _FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
           "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://[NAME]")
@@ -179,25 +179,3 @@ def _sizes(options: dict[str, Any]) -> dict[str, Any]:
     if isinstance(options.get("capacity_bytes"), str):
         return {**options, "capacity_bytes": parse_bytes(options["capacity_bytes"])}
     return options
-
-
-_SECRET_OPTIONS = ("password", "secret", "token")
-
-
-def redact_url(url: str) -> str:
-    """``url`` fit to print: its password, and every query value whose name holds one of
-    :data:`_SECRET_OPTIONS`, replaced by ``***`` (the user name, hosts and other options stay)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    location, mark, query = rest.partition("?")
-    netloc, slash, path = location.partition("/")
-    auth, at, hosts = netloc.rpartition("@")
-    if at:  # user:password, or a password alone (see _valkey)
-        user, colon, _ = auth.partition(":")
-        location = (f"{user}:***@{hosts}" if colon else f"***@{hosts}") + slash + path
-    if query:
-        pairs = [pair.partition("=") for pair in query.split("&")]
-        query = "&".join(name + eq + ("***" if eq and any(s in name.lower() for s in _SECRET_OPTIONS) else value)
-                         for name, eq, value in pairs)
-    return f"{scheme}{sep}{location}{mark}{query}"

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from kvkit.errors import ConfigError, TransferTimeoutError
+from kvkit.errors import TransferTimeoutError
 from kvkit.interfaces.shared import BlockCodec, BlockStore, SharedPlan, StoreResult
 from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
-from kvkit.validate import check_int, check_real, checked, implements, quote
+from kvkit.validate import check_int, check_real, checked, implements
 from kvkit.worker import WAIT_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -39,11 +39,6 @@ class _Pending:
     started: float
     num_bytes: int
     buffers: list  # kept alive (and untouched) until the store reports the ticket
-
-
-def _check_store(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, BlockStore):
-        raise ConfigError(f"store={quote(value)}: must implement BlockStore")
 
 
 @attrs.define(eq=False)
@@ -72,7 +67,7 @@ class SharedTierWorker:
     """
 
     spec: KVCacheSpec
-    store: BlockStore = attrs.field(validator=_check_store)
+    store: BlockStore = attrs.field(validator=implements(BlockStore))
     codec: BlockCodec = attrs.field(validator=implements(BlockCodec))
     engine: TransferEngine | None = None
     mirrors: tuple[TransferEngine, ...] = attrs.field(

@@ -72,9 +72,18 @@ import attrs
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.hints import WorkloadHints
-from kvkit.registry import did_you_mean
 from kvkit.sim.traces import TraceRequest
-from kvkit.validate import is_int, plural, quote, real_in
+from kvkit.validate import (
+    check_int,
+    check_int_pair,
+    checked,
+    did_you_mean,
+    is_int,
+    known_keywords,
+    plural,
+    quote,
+    real_in,
+)
 
 __all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]
 
@@ -103,6 +112,13 @@ def _int_in(low: int, high: int) -> Callable[[Any, attrs.Attribute, Any], None]:
     return validate
 
 
+def _range_up_to_max(inst: object, attribute: attrs.Attribute, value: tuple[int, int]) -> None:
+    """An ``attrs`` validator: a (low, high) token range's high is at most ``MAX_TOKENS``."""
+    if value[1] > MAX_TOKENS:
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name}={quote(value)}: high must be at most {MAX_TOKENS}")
+
+
+_positive_range = checked(check_int_pair, minimum=1)  # (low, high) with 1 <= low <= high
 _count = _int_in(1, MAX_COUNT)
 _block_size = _int_in(1, MAX_TOKENS)
 _tokens = _int_in(0, MAX_TOKENS)
@@ -113,6 +129,7 @@ _skew = real_in(low=0, high=MAX_SKEW)
 _repeats = real_in(low=1, high=MAX_REPEATS)
 
 
+@known_keywords
 @attrs.frozen
 class SyntheticWorkload:
     """Parameters of a synthetic multi-turn workload; the same values give the same trace.
@@ -138,12 +155,13 @@ class SyntheticWorkload:
 
     name: ClassVar[str] = "chat"
 
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))
     num_conversations: int = attrs.field(default=350, validator=_count)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
     conversations_per_s: float = attrs.field(default=1.0, validator=_rate)
     num_system_prompts: int = attrs.field(default=8, validator=_count)
-    system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=tuple)
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=checked(check_int_pair),
+                                             validator=_range_up_to_max)
     system_prompt_skew: float = attrs.field(default=1.2, validator=_skew)
     max_turns: int = attrs.field(default=16, validator=_count)
     turns_skew: float = attrs.field(default=1.0, validator=_skew)
@@ -152,13 +170,6 @@ class SyntheticWorkload:
     length_sigma: float = attrs.field(default=1.0, validator=real_in(low=0, high=MAX_SIGMA))
     think_time_mean_s: float = attrs.field(default=30.0, validator=_seconds)
     max_context_tokens: int = attrs.field(default=32768, validator=_int_in(1, 2 * MAX_TOKENS))
-
-    @system_prompt_tokens.validator
-    def _check_system_prompt_tokens(self, attribute: attrs.Attribute, value: tuple) -> None:
-        if (len(value) != 2 or not all(is_int(v) for v in value)
-                or not 0 <= value[0] <= value[1] <= MAX_TOKENS):
-            raise ConfigError(f"system_prompt_tokens must be (low, high) ints with "
-                              f"0 <= low <= high <= {MAX_TOKENS}, got {quote(value)}")
 
     def __attrs_post_init__(self) -> None:
         # Turn 1 is clipped to fit: it needs room for one user and one output token.
@@ -248,7 +259,7 @@ def generate(workload: SyntheticWorkload | None = None) -> Iterator[TraceRequest
         ids = chain[:full_blocks]
         if t.input_length % b:
             ids.append(next(fresh))
-        yield TraceRequest(t.timestamp_ms, t.input_length, t.output_length, tuple(ids), line)
+        yield TraceRequest(t.timestamp_ms, t.input_length, t.output_length, tuple(ids), line, b)
 
 
 # -- segment-built shapes ------------------------------------------------------
@@ -299,16 +310,11 @@ def _trace(block_size: int, prompts: list[tuple[float, list[_Segment], int]]) ->
     prompts.sort(key=lambda p: p[0])
     ids = _BlockIds(block_size)
     for line, (at_s, segments, output) in enumerate(prompts, start=1):
-        yield TraceRequest(round(at_s * 1000), sum(n for _, n in segments), output, ids.of(segments), line)
+        yield TraceRequest(round(at_s * 1000), sum(n for _, n in segments), output, ids.of(segments), line,
+                           block_size)
 
 
-def _check_range(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    if (len(value) != 2 or not all(is_int(v) for v in value) or not 1 <= value[0] <= value[1] <= MAX_TOKENS):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be (low, high) ints with "
-                          f"1 <= low <= high <= {MAX_TOKENS}, got {quote(value)}")
-
-
-
+@known_keywords
 @attrs.frozen
 class AgentWorkload:
     """Agent tool loops: a long shared system prompt, a task, then tool calls and results.
@@ -328,13 +334,13 @@ class AgentWorkload:
     """
 
     name: ClassVar[str] = "agent"
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))
     num_sessions: int = attrs.field(default=120, validator=_count)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
     sessions_per_s: float = attrs.field(default=0.25, validator=_rate)
     num_system_prompts: int = attrs.field(default=4, validator=_count)
-    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=tuple,
-                                                        validator=_check_range)
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=_positive_range,
+                                             validator=_range_up_to_max)
     task_tokens_mean: float = attrs.field(default=300.0, validator=_tokens_mean)
     steps_mean: float = attrs.field(default=6.0, validator=_repeats)
     call_tokens_mean: float = attrs.field(default=80.0, validator=_tokens_mean)
@@ -366,6 +372,7 @@ class AgentWorkload:
         return _trace(self.block_size, prompts)
 
 
+@known_keywords
 @attrs.frozen
 class RagWorkload:
     """Retrieval-augmented questions over a corpus whose documents have a Zipf popularity.
@@ -386,13 +393,13 @@ class RagWorkload:
     """
 
     name: ClassVar[str] = "rag"
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))
     num_requests: int = attrs.field(default=1400, validator=_count)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
     requests_per_s: float = attrs.field(default=2.0, validator=_rate)
     num_documents: int = attrs.field(default=3000, validator=_count)
-    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=tuple,
-                                                   validator=_check_range)
+    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=_positive_range,
+                                             validator=_range_up_to_max)
     document_skew: float = attrs.field(default=0.9, validator=_skew)
     docs_per_request: int = attrs.field(default=3, validator=_count)
     instruction_tokens: int = attrs.field(default=400, validator=_tokens)
@@ -441,6 +448,7 @@ class RagWorkload:
         return _trace(self.block_size, prompts)
 
 
+@known_keywords
 @attrs.frozen
 class FewShotWorkload:
     """Few-shot templates with a Zipf popularity that shifts, each followed by a short input.
@@ -458,13 +466,13 @@ class FewShotWorkload:
     """
 
     name: ClassVar[str] = "few-shot"
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))
     num_requests: int = attrs.field(default=2400, validator=_count)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
     requests_per_s: float = attrs.field(default=8.0, validator=_rate)
     num_templates: int = attrs.field(default=400, validator=_count)
-    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=tuple,
-                                                   validator=_check_range)
+    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=_positive_range,
+                                             validator=_range_up_to_max)
     template_skew: float = attrs.field(default=1.0, validator=_skew)
     drift_every: int = attrs.field(default=800, validator=_count)
     input_tokens_mean: float = attrs.field(default=150.0, validator=_tokens_mean)
@@ -488,6 +496,7 @@ class FewShotWorkload:
         return _trace(self.block_size, prompts)
 
 
+@known_keywords
 @attrs.frozen
 class MixedWorkload:
     """Chat sessions among one-shot batch jobs, each request with its :class:`WorkloadHints`.
@@ -514,14 +523,15 @@ class MixedWorkload:
     """
 
     name: ClassVar[str] = "mixed"
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))
     num_sessions: int = attrs.field(default=200, validator=_count)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
     sessions_per_s: float = attrs.field(default=0.5, validator=_rate)
     turns_mean: float = attrs.field(default=4.0, validator=_repeats)
     think_time_mean_s: float = attrs.field(default=60.0, validator=_seconds)
     batch_per_s: float = attrs.field(default=0.5, validator=_rate)
-    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=tuple, validator=_check_range)
+    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=_positive_range,
+                                             validator=_range_up_to_max)
     system_prompt_tokens: int = attrs.field(default=1000, validator=_tokens)
     retention_s: float = attrs.field(default=300.0, validator=_seconds)
 
@@ -552,7 +562,8 @@ class MixedWorkload:
             prompts.append((at_s, [(("batch", job), rng.randint(*self.batch_tokens))], 50, batch))
         prompts.sort(key=lambda p: p[0])
         ids = _BlockIds(self.block_size)
-        requests = [TraceRequest(round(at * 1000), sum(n for _, n in segments), output, ids.of(segments), line)
+        requests = [TraceRequest(round(at * 1000), sum(n for _, n in segments), output, ids.of(segments), line,
+                                 self.block_size)
                     for line, (at, segments, output, _) in enumerate(prompts, start=1)]
         return requests, [p[3] for p in prompts]
 

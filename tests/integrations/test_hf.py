@@ -257,6 +257,18 @@ def test_a_stack_that_does_not_fit_the_model_is_refused(models):
         OffloadedLM.build(model, gpu_blocks=8, cpu_blocks=8, device="cuda")
 
 
+def test_build_takes_its_slots_from_stack_config(models):
+    """``OffloadedLM.build``'s slots are StackConfig's: an unknown one or a missing gpu_blocks is one ConfigError
+    listing every problem, with the valid slots; the KV spec is the model's."""
+    model = models["llama"]
+    with pytest.raises(ConfigError, match="did you mean 'gpu_blocks'") as info:
+        OffloadedLM.build(model, gpu_blcks=8, cpu_blocks=8, cpu_eviction="bogus")
+    problems = " ".join(info.value.problems)
+    assert "valid: kv, gpu_blocks" in problems and "gpu_blocks=None" in problems and "bogus" in problems
+    with pytest.raises(ConfigError, match="the KV spec is the model's"):
+        OffloadedLM.build(model, kv=kv_spec_from_config(model.config), gpu_blocks=8, cpu_blocks=8)
+
+
 def test_bad_requests_raise_and_leave_the_stack_clean(models):
     """Empty prompts, bad lengths and prompts larger than the GPU tier raise typed errors, leaking nothing."""
     lm = OffloadedLM.build(models["llama"], gpu_blocks=4, block_size=4, cpu_blocks=16)

@@ -158,8 +158,8 @@ def test_the_seeds_capacity_keys_size_each_worker(extra, per_worker):
     ({"cpu_bytes_to_use": "lots"}, ["'lots'"]),
     ({"cpu_blocks": 4, "lazy_offload": True, "store": "eager"}, ["lazy_offload=True contradicts store='eager'"]),
     ({"cpu_blocks": 4, "lazy_offload": False, "store": "lazy"}, ["lazy_offload=False contradicts store='lazy'"]),
-    ({"cpu_blocks": 4, "lazy_offload": "yes"}, ["'yes'", "true or false"]),
-    ({"cpu_blocks": 4, "async_load": 1}, ["async_load", "true or false"]),
+    ({"cpu_blocks": 4, "lazy_offload": "yes"}, ["'yes'", "must be a bool"]),
+    ({"cpu_blocks": 4, "async_load": 1}, ["async_load", "must be a bool"]),
 ])
 def test_contradicting_or_bad_seed_keys_are_refused(extra, needles):
     """Capacity keys that disagree, cpu_blocks beside bytes, and lazy_offload against store: one problem each."""

@@ -1,5 +1,6 @@
 """The shared (third) tier through ``kvkit.build`` and the reference engine, with checked bytes."""
 
+import re
 import time
 import warnings
 
@@ -7,6 +8,7 @@ import pytest
 
 import kvkit
 from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.config import SharedConfig
 from kvkit.errors import ConfigError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import OffloadCallback
@@ -40,8 +42,8 @@ class Hooks(OffloadCallback):
 def instance(shared, *, world_size=2, write="write-through", callbacks=(), backoff=1.0, cpu_blocks=16):
     # LRU: write-back puts the CPU tier's next victims, and these tests count on them being its oldest blocks.
     stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=cpu_blocks, copy="torch", device="cpu",
-                        cpu_eviction="lru", layout="per-layer", shared=shared, world_size=world_size, shared_write=write,
-                        callbacks=list(callbacks), shared_backoff_s=backoff)
+                        cpu_eviction="lru", layout="per-layer", world_size=world_size, callbacks=list(callbacks),
+                        shared=SharedConfig(url=shared, write=write, backoff_s=backoff))
     return stack, ReferenceEngine(stack)
 
 
@@ -194,27 +196,50 @@ def test_scheduler_only_stacks_share_keys_without_bytes():
 
 
 def test_different_models_never_share_blocks():
-    """The namespace separates models: same tokens, another ``shared_model``, no hit."""
+    """The namespace separates models: same tokens, another ``shared.model``, no hit."""
     store = MemoryStore()
     _, ea = instance(store)
     other = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", layout="per-layer",
-                        shared=store, world_size=2, shared_model="another-model")
+                        shared={"url": store, "model": "another-model"}, world_size=2)
     serve(ea, "a1")
     assert serve(ReferenceEngine(other), "b1").cpu_hit_tokens == 0
 
 
-@pytest.mark.parametrize("slots, quoted", [
-    ({"shared": 42}, "shared=42"),
-    ({"shared": "no-scheme"}, "shared='no-scheme'"),
-    ({"shared": "memory://", "shared_write": "write-sideways"}, "write-sideways"),
-    ({"shared": "memory://", "shared_model": ""}, "shared_model=''"),
-    ({"shared": "memory://", "shared_secret": "text"}, "shared_secret='text'"),
-    ({"shared": "memory://", "shared_backoff_s": 0}, "shared_backoff_s"),
+@pytest.mark.parametrize("shared, quoted", [
+    (42, "shared=42"),
+    ("no-scheme", "shared.url='no-scheme'"),
+    ({"url": "memory://", "write": "write-sideways"}, "shared.write='write-sideways'"),
+    ({"url": "memory://", "model": ""}, "shared.model=''"),
+    ({"url": "memory://", "backoff_s": 0}, "shared.backoff_s=0"),
+    ({"url": "memory://", "wrte": "write-back"}, "did you mean 'write'?"),
 ])
-def test_config_refuses_a_bad_shared_tier(slots, quoted):
-    """Every shared-tier slot is validated, the bad value quoted."""
-    with pytest.raises(ConfigError, match=quoted.replace("(", r"\(")):
-        kvkit.StackConfig(kv=SPEC, gpu_blocks=4, cpu_blocks=4, **slots)
+def test_config_refuses_a_bad_shared_tier(shared, quoted):
+    """Every field of the shared tier is validated, the bad value quoted, beside the config's other problems."""
+    with pytest.raises(ConfigError, match=re.escape(quoted)) as info:
+        kvkit.StackConfig(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared=shared, world_size=0)
+    assert "world_size=0" in str(info.value)
+
+
+def test_the_secret_is_never_shown():
+    """The shared tier's secret appears in no repr (of the config, the stack's spec, its codec) and no error."""
+    config = kvkit.StackConfig(kv=SPEC, gpu_blocks=4, cpu_blocks=4, copy=None, device="cpu",
+                               shared=SharedConfig(url="memory://secret-test", secret=b"hunter2-top-secret"))
+    assert config.shared.secret == b"hunter2-top-secret"
+    stack = kvkit.build(config)
+    shown = [repr(config), repr(config.shared), str(config), repr(stack.manager), repr(stack)]
+    assert not any("hunter2" in text for text in shown)
+    for bad in ("hunter2-as-text", b""):
+        with pytest.raises(ConfigError) as info:
+            SharedConfig(url="memory://", secret=bad)
+        assert "hunter2" not in str(info.value) and "shared.secret" in str(info.value)
+    stack.close()
+
+
+def test_a_url_string_is_the_common_case():
+    """``shared="memory://"`` is ``SharedConfig(url="memory://")``; a mapping of its fields is taken too."""
+    config = kvkit.StackConfig(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared="memory://")
+    assert config.shared == SharedConfig(url="memory://")
+    assert kvkit.StackConfig(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared={"url": "memory://"}).shared == config.shared
 
 
 def test_write_back_needs_a_pool_that_previews_its_victims():
