@@ -11,7 +11,7 @@ from kvkit.config import StackConfig
 from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
-from kvkit.registry import COPY, did_you_mean
+from kvkit.registry import COPY
 from kvkit.stats import OffloadStats
 from kvkit.validate import plural, redact_url
 from kvkit.worker.memory import check_fits
@@ -168,19 +168,12 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     a refused build allocates nothing.
 
     Raises:
-        ConfigError: every invalid slot at once, quoting the values; or a
-            slot ``StackConfig`` does not have (the valid ones listed).
+        ConfigError: every invalid slot at once, quoting the values.
         SpecMismatchError: ``kv_tensors`` disagree with ``kv``, ``layout`` or ``gpu_blocks``.
         InsufficientMemoryError: the pools' bookkeeping, the CPU mirrors and
             the allocated GPU tiers do not fit in free host (or device) memory.
     """
     if config is None:
-        valid = sorted(f.alias or f.name for f in attrs.fields(StackConfig) if f.init)
-        unknown = sorted(set(slots) - set(valid))
-        if unknown:
-            hint = did_you_mean(unknown[0], valid) or "."
-            raise ConfigError(f"unknown slot{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
-                              f"{hint} Valid slots: {', '.join(valid)}")
         config = StackConfig(**slots)
     elif slots:
         raise ConfigError(f"pass a StackConfig or keyword slots, not both; got extra slots {sorted(slots)!r}")

@@ -275,10 +275,3 @@ def test_a_store_url_is_shown_without_its_password(url, shown):
 
     assert redact_url(url) == shown
 
-
-def test_build_refuses_an_unknown_slot_with_one_config_error():
-    """A misspelt slot is a ConfigError naming it, the closest slot and every valid one, not a bare TypeError."""
-    from kvkit.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=r"unknown slot 'gpu_blcks'; did you mean 'gpu_blocks'\?.*Valid slots: .*cpu_bytes"):
-        kvkit.build(kv=dict(num_layers=1, block_size=4, num_kv_heads=1, head_dim=4), gpu_blcks=3)

@@ -80,5 +80,5 @@ def test_bad_hints_are_refused_whole(hashes, hints, pattern):
 @pytest.mark.parametrize("ttl", [10**400, -(10**400), float("inf"), float("nan"), 0, True, "5"])
 def test_workload_hints_refuse_unusable_retention(ttl):
     """A retention that is not a finite number of seconds > 0 is a ConfigError, even an int beyond any float."""
-    with pytest.raises(ConfigError, match=r"WorkloadHints.ttl_s must be None or a finite number"):
+    with pytest.raises(ConfigError, match=r"WorkloadHints.ttl_s="):
         WorkloadHints(ttl_s=ttl)
