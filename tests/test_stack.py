@@ -274,4 +274,3 @@ def test_a_store_url_is_shown_without_its_password(url, shown):
     from kvkit.validate import redact_url
 
     assert redact_url(url) == shown
-
