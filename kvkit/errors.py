@@ -8,6 +8,8 @@ value. ``assert`` is reserved for kvkit's own bugs.
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 __all__ = [
     "BackendUnavailableError",
     "ConfigError",
@@ -57,6 +59,7 @@ class HashInputError(KVKitError, ValueError):
 class UnknownRequestError(KVKitError, KeyError):
     """A request id the manager does not know (never added, or already gone)."""
 
+    @override
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
 

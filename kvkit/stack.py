@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
+from typing_extensions import override
 
 from kvkit.config import StackConfig
 from kvkit.errors import ConfigError, TransferTimeoutError
@@ -56,6 +57,7 @@ class OffloadStack:
     shared_store: BlockStore | None = None
     owns_shared_store: bool = False
 
+    @override
     def __repr__(self) -> str:
         """The parts and sizes, one line: no private state, and no secret (a store URL's password is ``***``)."""
         c, kv = self.config, self.config.kv

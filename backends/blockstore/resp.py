@@ -13,10 +13,12 @@ long raises ``TimeoutError``; a closed or refusing one raises ``ConnectionError`
 from __future__ import annotations
 
 import binascii
+import contextlib
 import socket
 import ssl
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import attrs
 
@@ -210,10 +212,8 @@ class Connection:
             n -= step
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
 
     def _fill(self) -> None:
@@ -284,7 +284,8 @@ class Link:
         try:
             if self.cluster and self._stale:
                 self.refresh()
-            pending, asked = list(range(len(keys))), {}
+            pending: list[int] = list(range(len(keys)))
+            asked: dict[int, Address] = {}
             for _ in range(_MAX_REDIRECTS):
                 groups: dict[tuple[Address, bool], list[int]] = defaultdict(list)
                 for i in pending:
@@ -315,7 +316,8 @@ class Link:
     def _chunks(self, indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
         if weights is None:
             return [indices]
-        chunks, load = [[]], 0
+        chunks: list[list[int]] = [[]]
+        load = 0
         for i in indices:
             if load >= self.window_bytes:
                 chunks.append([])
@@ -357,7 +359,7 @@ class Link:
                 last = exc
                 continue
             slots: list[Address] = [address] * 16384
-            for start, end, primary, *_ in reply:  # type: ignore[union-attr]
+            for start, end, primary, *_ in cast(list, reply):  # CLUSTER SLOTS answers an array of ranges
                 host = primary[0].decode() or address[0]
                 slots[start:end + 1] = [(host, int(primary[1]))] * (end + 1 - start)
             self._slots, self._stale = slots, False

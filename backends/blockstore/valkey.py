@@ -7,6 +7,7 @@ import ssl
 import threading
 import time
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import attrs
 
@@ -21,9 +22,9 @@ __all__ = ["ValkeyStore"]
 _OK = b"+OK"
 
 
-def _nodes(value: object) -> tuple[Address, ...]:
+def _nodes(value: Any) -> tuple[Address, ...]:
     try:
-        nodes = tuple((str(host), int(port)) for host, port in value)  # type: ignore[union-attr]
+        nodes = tuple((str(host), int(port)) for host, port in value)
     except (TypeError, ValueError):
         nodes = ()
     if not nodes or any(not host or not 0 < port < 65536 for host, port in nodes):
@@ -99,25 +100,25 @@ class ValkeyStore:
     """
 
     nodes: tuple[Address, ...] = attrs.field(converter=_nodes)
-    cluster: bool = attrs.field(default=False, converter=_FLAG)
-    db: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="ValkeyStore."))
-    username: str | None = attrs.field(default=None, converter=_TEXT)
-    password: str | None = attrs.field(default=None, converter=_TEXT, repr=False)
-    tls: bool = attrs.field(default=False, converter=_FLAG)
-    tls_ca: str | None = attrs.field(default=None, converter=_TEXT)
-    tls_cert: str | None = attrs.field(default=None, converter=_TEXT)
-    tls_key: str | None = attrs.field(default=None, converter=_TEXT)
-    tls_verify: bool = attrs.field(default=True, converter=_FLAG)
-    connect_timeout_s: float = attrs.field(default=1.0, converter=_SECONDS)
-    request_timeout_s: float = attrs.field(default=2.0, converter=_SECONDS)
-    retry_interval_s: float = attrs.field(default=1.0, converter=_SECONDS)
-    ttl_s: int | None = attrs.field(default=None, converter=checked(check_int, minimum=1, optional=True,
+    cluster: bool = attrs.field(default=False, converter=_FLAG)  # type: ignore[misc]
+    db: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="ValkeyStore."))  # type: ignore[misc]
+    username: str | None = attrs.field(default=None, converter=_TEXT)  # type: ignore[misc]
+    password: str | None = attrs.field(default=None, converter=_TEXT, repr=False)  # type: ignore[misc]
+    tls: bool = attrs.field(default=False, converter=_FLAG)  # type: ignore[misc]
+    tls_ca: str | None = attrs.field(default=None, converter=_TEXT)  # type: ignore[misc]
+    tls_cert: str | None = attrs.field(default=None, converter=_TEXT)  # type: ignore[misc]
+    tls_key: str | None = attrs.field(default=None, converter=_TEXT)  # type: ignore[misc]
+    tls_verify: bool = attrs.field(default=True, converter=_FLAG)  # type: ignore[misc]
+    connect_timeout_s: float = attrs.field(default=1.0, converter=_SECONDS)  # type: ignore[misc]
+    request_timeout_s: float = attrs.field(default=2.0, converter=_SECONDS)  # type: ignore[misc]
+    retry_interval_s: float = attrs.field(default=1.0, converter=_SECONDS)  # type: ignore[misc]
+    ttl_s: int | None = attrs.field(default=None, converter=checked(check_int, minimum=1, optional=True,  # type: ignore[misc]
                                                                     label="ValkeyStore."))
-    window_bytes: int = attrs.field(default=256 << 10, converter=checked(check_int, minimum=1,
+    window_bytes: int = attrs.field(default=256 << 10, converter=checked(check_int, minimum=1,  # type: ignore[misc]
                                                                          label="ValkeyStore."))
     """Bytes of values per chunk of a put or get; at most two chunks are in flight per node."""
     max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
-                                   converter=checked(check_int, minimum=1, label="ValkeyStore."))
+                                   converter=checked(check_int, minimum=1, label="ValkeyStore."))  # type: ignore[misc]
     closed: bool = attrs.field(default=False, init=False)
     _health: _Health = attrs.field(init=False)
     _lookup: Link = attrs.field(init=False)
@@ -228,7 +229,7 @@ class ValkeyStore:
                 continue
             try:
                 outcomes = self._put(keys, views) if op == "put" else self._get(keys, views)
-            except Exception as exc:  # OSError, or a reply we cannot parse: the link is dropped either way
+            except Exception as exc:  # noqa: BLE001 - OSError, or a reply we cannot parse: the link is dropped either way
                 self._io.close()
                 reason = self._health.trip(exc)
                 self._tickets.report(ticket, range(len(keys)), "ValkeyStore closed" if self.closed else reason)

@@ -232,7 +232,8 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
 
     def _kept_in_order(self, n: int, is_evictable: Callable[[BlockId], bool]) -> list[BlockId]:
         """Up to ``n`` evictable retained blocks, lowest priority then earliest deadline (stale entries dropped)."""
-        order, listed, found = self._order, self._listed, []
+        order, listed = self._order, self._listed
+        found: list[BlockId] = []
         fresh: list[tuple[int, float, int, BlockId]] = []
         while order and len(found) < n:
             entry = heapq.heappop(order)

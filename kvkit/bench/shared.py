@@ -40,8 +40,12 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
     """
     from kvkit.testing.servers import LocalServer
 
-    server = LocalServer().start() if url is None else None
-    target = server.url if server is not None else url
+    server: LocalServer | None = None
+    if url is None:
+        server = LocalServer().start()
+        target = server.url
+    else:
+        target = url
     try:
         store = open_block_store(target, request_timeout_s=30.0)
         problem = store.ping() if hasattr(store, "ping") else None
@@ -78,7 +82,7 @@ def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, rep
         "put_GBps": lambda: _finish(store, store.put(keys, values)),
         "get_GBps": lambda: _finish(store, store.get(keys, buffers)),
         "put_hot_GBps": lambda: _finish(store, store.put(hot_keys, [values[0]] * n)),
-        "get_hot_GBps": lambda: _finish(store, store.get(hot_keys, [[memoryview(hot_row)]] * n)),
+        "get_hot_GBps": lambda: _finish(store, store.get(hot_keys, [[hot_row.data]] * n)),
     }
     if client is not None:
         blobs = [line.tobytes() for line in source]
@@ -107,8 +111,9 @@ def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, rep
     if not (np.array_equal(source, target) and np.array_equal(source[0], hot_row)):
         raise AssertionError(f"the values read back differ from those written ({size}-byte values)")
     row: dict[str, Any] = {"values": n, **{name: n * size / t / 1e9 for name, t in seconds.items()}}
-    if tool:
-        row.update({name: statistics.median(r) for name, r in tool.items()}, server_tool=os.path.basename(_tool()))
+    if tool:  # the tool ran, so it is installed
+        row.update({name: statistics.median(r) for name, r in tool.items()},
+                   server_tool=os.path.basename(_tool() or ""))
     return row
 
 

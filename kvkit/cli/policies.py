@@ -6,7 +6,9 @@ import itertools
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import overload
 
 import click
 
@@ -25,6 +27,12 @@ DEFAULT_TRACE = "mooncake-conversation"
 """What ``kvkit policies`` replays without ``--trace`` or ``--shape``: the built-in Mooncake trace."""
 
 
+@overload
+def _split(value: str, what: str) -> list[str]: ...
+@overload
+def _split(value: None, what: str) -> None: ...
+@overload
+def _split(value: str | None, what: str) -> list[str] | None: ...
 def _split(value: str | None, what: str) -> list[str] | None:
     if value is None:
         return None
@@ -83,7 +91,7 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG of hit ratio against capacity per policy.")
 def policies_command(trace_path: str | None, shape_name: str | None, seed: int, baselines: str | None,
-                     counting: str, stores: str, capacities: list[int], policy_list: str | None,
+                     counting: str, stores: str, capacities: Sequence[int], policy_list: str | None,
                      block_size: int, limit: int | None, jobs: int | None, as_json: bool,
                      plot_path: Path | None) -> None:
     """Compare eviction policies' prefix hit ratios on a trace, as shares of the optimum.
@@ -108,8 +116,11 @@ def policies_command(trace_path: str | None, shape_name: str | None, seed: int, 
     names, capacities = check_study(capacities, _split(policy_list, "policy names"))  # before any work
     if shape_name is not None and ctx.get_parameter_source("block_size") is click.core.ParameterSource.DEFAULT:
         block_size = DEFAULTS.block_size
-    source = (read_trace(trace_path, block_size=block_size, limit=limit) if trace_path is not None
-              else itertools.islice(shape(shape_name, seed=seed, block_size=block_size).requests(), limit))
+    if trace_path is not None:
+        source = read_trace(trace_path, block_size=block_size, limit=limit)
+    else:
+        assert shape_name is not None  # without --trace and --shape the default trace was set above
+        source = itertools.islice(shape(shape_name, seed=seed, block_size=block_size).requests(), limit)
     label = os.path.basename(trace_path) if trace_path is not None else f"synthetic {shape_name} (seed {seed})"
     start = time.perf_counter()
     with progress() as bar:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import attrs
 
@@ -98,6 +99,11 @@ from kvkit.validate import at_least, int_problem, optional_at_least, plural, quo
 __all__ = ["OffloadManager"]
 
 _WAITING, _RUNNING, _ENDED = RequestState.WAITING, RequestState.RUNNING, RequestState.ENDED
+
+
+def _callbacks(callbacks: Iterable[OffloadCallback]) -> tuple[OffloadCallback, ...]:
+    """``OffloadManager.callbacks`` as a tuple (a named converter: mypy's ``attrs`` plugin reads its type)."""
+    return tuple(callbacks)
 
 
 @attrs.define(eq=False)
@@ -146,7 +152,7 @@ class OffloadManager:
     store: StorePolicy
     gpu: BlockAllocator | None = attrs.field(default=None, kw_only=True)
     world_size: int = attrs.field(default=1, kw_only=True, validator=at_least(1))
-    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
+    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=_callbacks)
     stats: OffloadStats = attrs.field(factory=OffloadStats, kw_only=True)
     null_block: int = attrs.field(default=-1, kw_only=True)
     num_gpu_blocks: int | None = attrs.field(default=None, kw_only=True, validator=optional_at_least(1))
@@ -309,7 +315,8 @@ class OffloadManager:
         GPU-hit boundary, then (with a shared tier) the leading run of the
         next blocks whose every worker's key the shared store holds, capped so
         at least one of the request's tokens is recomputed. Shared hits get
-        CPU blocks now (not ready) and are fetched in the step that loads them. Its blocks are pinned (one CPU reference each) until the
+        CPU blocks now (not ready) and are fetched in the step that loads
+        them. Its blocks are pinned (one CPU reference each) until the
         engine allocates (:meth:`on_allocated`), the request ends, or a later
         lookup replaces this one, so nothing can evict them in between. The
         lookup records no use: the blocks the engine accepts are touched (for
@@ -394,6 +401,7 @@ class OffloadManager:
             return
         bs = self.kv.block_size
         n = accepted_blocks(r, accepted_tokens, bs)
+        assert r.gpu_hit_blocks is not None  # accepted_blocks refuses a request never looked up
         if not r.revoked:
             self._hits.check_targets(r, table, n)
         self._hits.accept(r, n)
@@ -431,8 +439,8 @@ class OffloadManager:
             b = rows[0][0]
             if (b.__class__ is int and b not in taken and 0 <= b != self.null_block
                     and (limit is None or b < limit)):
-                r.block_table[0].append(b)
-                taken.add(b)
+                r.block_table[0].append(cast(BlockId, b))
+                taken.add(cast(BlockId, b))
                 return
         rows = check_rows(request_id, rows, len(r.block_table), limit, self.null_block, taken,
                           "appended blocks")
@@ -661,7 +669,7 @@ class OffloadManager:
         if self.gpu is not None:
             self.gpu.check_invariants()
         held = self.cpu_refs_held()
-        for b in range(cpu.num_blocks):
+        for b in map(BlockId, range(cpu.num_blocks)):
             assert cpu.refcount(b) == held[b], (
                 f"CPU block {b}: refcount {cpu.refcount(b)} != manager refs {held[b]}")
         if self.gpu is not None:
@@ -686,7 +694,7 @@ class OffloadManager:
             raise RequestStateError(f"request {request_id!r} already finished or aborted")
         raise UnknownRequestError(f"unknown request id {request_id!r}")
 
-    def _set_table(self, r: Request, table: list[list[int]]) -> None:
+    def _set_table(self, r: Request, table: list[list[BlockId]]) -> None:
         r.block_table = table
         null = self.null_block
         r.block_ids = {b for row in table for b in row if b != null}
@@ -782,8 +790,8 @@ class OffloadManager:
         planned = self._stores.plan(self._dirty.values())
         return self._open(*planned) if planned else []
 
-    def _open(self, batch: Batch, src: list[list[int]],
-              dst: list[list[int]]) -> list[tuple[int, TransferPlan]]:
+    def _open(self, batch: Batch, src: Sequence[Sequence[int]],
+              dst: Sequence[Sequence[int]]) -> list[tuple[int, TransferPlan]]:
         """Turn per-group id lists into plans (empty groups skipped) and track them."""
         out = self._transfers.open(batch, batch.plans(src, dst, self._group_bytes))
         self.stats.transfers_submitted.add(len(out))
@@ -795,6 +803,7 @@ class OffloadManager:
         """Every transfer of ``batch`` completed: commit or discard, release references."""
         ok = batch.settle(self.cpu, self.gpu, self.stats)
         if batch.shared:
+            assert self._shared is not None, "a shared-tier batch needs the shared tier"
             self._shared.settled(batch, ok)
         elif batch.direction is Direction.STORE:
             self._stores.settled(batch)

@@ -29,6 +29,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import attrs
 
@@ -266,10 +267,10 @@ class SharedTier:
         tier; while the tier is off nothing is put (``stats.puts_skipped``).
         """
         queued, self._queued = self._queued, {}
-        cands = list(queued)
-        if self._writeback:
+        cands: list[BlockHash | None] = list(queued)
+        if self._writeback:  # only with an EvictionOrder pool (checked when built)
             block_hash = self.cpu.block_hash
-            cands += [block_hash(b) for b in self.cpu.eviction_candidates(self._writeback)]
+            cands += [block_hash(b) for b in cast(EvictionOrder, self.cpu).eviction_candidates(self._writeback)]
         flying, known, lookup = self._flying, self._known, self.cpu.lookup
         hashes, blocks = [], []
         for h in dict.fromkeys(cands):

@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -121,7 +122,7 @@ class LocalServer:
                     tail = log.read_text(errors="replace")[-500:]
                     self.stop()
                     raise BackendUnavailableError(
-                        f"{self.binary} on port {self.port} did not start: {exc}; its log ends: {tail}")
+                        f"{self.binary} on port {self.port} did not start: {exc}; its log ends: {tail}") from exc
                 time.sleep(0.02)
 
     def pause(self) -> None:
@@ -153,7 +154,7 @@ class LocalServer:
             self._dir.cleanup()
             self._dir = None
 
-    def call(self, *args: bytes) -> object:
+    def call(self, *args: bytes) -> Any:
         """Send one command over a fresh connection and answer the reply."""
         return _call(self.port, *args, password=self.password)
 

@@ -17,7 +17,7 @@ def _parse(model=None, **extra):
                               model=model)
 
 
-@pytest.mark.parametrize("extra, needles", [
+@pytest.mark.parametrize(("extra", "needles"), [
     ({"shared": 7}, ["shared']=7", "URL string"]),
     ({"shared": {"url": "memory://", "write": "write-around"}}, ["shared.write='write-around'", "write-through"]),
     ({"shared": {"url": "memory://", "model": ""}}, ["shared.model=''"]),

@@ -1184,8 +1184,7 @@ class _NoFlushOnFinish(OffloadManager):
     def finish(self, request_id, num_computed_tokens=None):
         r = self._live(request_id)
         r.store_queue = []
-        delay = self._end(r)
-        return delay
+        return self._end(r)
 
 
 class _StaleCursor(OffloadManager):
@@ -1316,7 +1315,7 @@ def _check_plant_signatures(plant: type) -> None:
             f"{plant.__name__}.{name}{inspect.signature(method)} differs from {inspect.signature(real)}")
 
 
-@pytest.mark.parametrize("base, plant", [
+@pytest.mark.parametrize(("base", "plant"), [
     (ManagerMachine, _LookupWithoutPin), (ManagerMachine, _StoresUnconfirmed),
     (ManagerMachine, _NoFlushOnFinish), (ManagerMachine, _StaleCursor),
     (ManagerMachine, _ResetKeepsHits), (ManagerMachine, _DoubleStore),

@@ -177,8 +177,8 @@ def test_hooks_see_hits_fetches_and_puts():
 def test_memory_urls_share_one_store_per_name():
     """``memory://NAME`` stacks of one process share a store; another name does not."""
     _, ea = instance("memory://test-urls")
-    b, eb = instance("memory://test-urls")
-    c, ec = instance("memory://other-name")
+    _, eb = instance("memory://test-urls")
+    _, ec = instance("memory://other-name")
     serve(ea, "a1")
     assert serve(eb, "b1").cpu_hit_tokens == 36
     assert serve(ec, "c1").cpu_hit_tokens == 0

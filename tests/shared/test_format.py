@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import pytest
 from hypothesis import given, settings
@@ -40,7 +42,7 @@ def test_a_value_checks_ok_however_its_payload_is_split(secret, payload, cuts):
     header = encode_header(NS, _HASH, 1, [payload], secret=secret)
     assert len(header) == HEADER_SIZE
     edges = [0, *sorted(min(c, len(payload)) for c in cuts), len(payload)]
-    parts = [memoryview(payload)[a:b] for a, b in zip(edges, edges[1:])]
+    parts = [memoryview(payload)[a:b] for a, b in itertools.pairwise(edges)]
     assert check_value(NS, _HASH, 1, header, parts, secret=secret) is ValueStatus.OK
 
 
@@ -111,7 +113,7 @@ def test_keys_and_digests_are_stable():
     assert Namespace("org/model", SPEC, revision="abc123", tp_size=2).digest == NS.digest
 
 
-@pytest.mark.parametrize("call, match", [
+@pytest.mark.parametrize(("call", "match"), [
     (lambda: Namespace("", SPEC), "model"),
     (lambda: Namespace("m", "spec"), "spec"),
     (lambda: Namespace("m", SPEC, tp_size=0), "tp_size"),

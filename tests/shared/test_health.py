@@ -90,7 +90,7 @@ def test_while_off_nothing_is_looked_up_there():
     assert mgr.lookup("r", 0) == 0 and Counting.calls == 0
 
 
-@pytest.mark.parametrize("kwargs, quoted", [({"write": "write-around"}, "write-around"),
+@pytest.mark.parametrize(("kwargs", "quoted"), [({"write": "write-around"}, "write-around"),
                                             ({"writeback_blocks": 0}, "writeback_blocks=0"),
                                             ({"backoff_s": -1}, "backoff_s")])
 def test_a_bad_spec_is_refused(kwargs, quoted):
