@@ -349,7 +349,7 @@ class OffloadManager:
         hit = self._hits.pin(r, r.block_hashes[start:stop] if not self._draining else ())
         if self._shared is not None and not self._draining and start + hit < stop:
             first = start + hit
-            self._shared.reserve(r, first, self._shared.find(r.block_hashes[first:stop]))
+            self._shared.reserve(r, first, self._shared.find(r.block_hashes[first:stop], r.block_hashes[stop:]))
             hit += len(r.fetch)
             r.offered_blocks = hit
         self._events.emit("on_lookup", request_id, gpu_hit_tokens, hit * bs)

@@ -830,6 +830,7 @@ class _Keys:
     """The machine's codec: keys only (the fake workers frame values themselves)."""
 
     header_bytes = 0
+    probe_key = b"probe"
 
     def key(self, block_hash, rank):
         return b"%d:%d" % (block_hash, rank)
@@ -1270,7 +1271,7 @@ class _PropagatingCallbacks(OffloadManager):
 
 
 class _OneRankShared(SharedTier):
-    def find(self, hashes):
+    def find(self, hashes, tail=()):
         keys = [self.spec.codec.key(h, 0) for h in hashes]
         return self.spec.store.contains(keys) if self.available else 0
 
