@@ -788,7 +788,8 @@ class HintMachine(ManagerMachine):
         before = snapshot(self.mgr)
         hints = WorkloadHints(priority=1) if bad_hashes else WorkloadHints(kind="bad")
         if bad_hashes:  # the handler sees hashes it refuses: a kvkit error, raised before anything changed
-            sink, self.mgr._hint_sink = self.mgr._hint_sink, lambda h, x: HintedPolicy.on_hints(sink.__self__, [*h, 1.5], x)
+            sink = self.mgr._hint_sink
+            self.mgr._hint_sink = lambda h, x: HintedPolicy.on_hints(sink.__self__, [*h, 1.5], x)
         try:
             self.mgr.add_request(r.rid, r.hashes, len(tokens), hints=hints)
         except KVKitError:

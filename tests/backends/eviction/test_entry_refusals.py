@@ -1,4 +1,4 @@
-"""Bad input to a policy's newer entry points (counts, experts, hints) is a typed error quoting it that changes nothing."""
+"""Bad input to a policy's newer entry points (counts, experts, hints): a typed error quoting it, nothing changed."""
 
 import copy
 
