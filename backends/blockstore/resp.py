@@ -22,9 +22,7 @@ import select
 import socket
 import ssl
 import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
-from typing import cast
+from collections.abc import Sequence
 
 import attrs
 
@@ -271,7 +269,7 @@ class Connection:
 
     def close(self) -> None:
         """Shut the socket down (waking a wait on it in another thread) and close it; idempotent."""
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
