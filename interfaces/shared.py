@@ -8,19 +8,41 @@ its calls reports. ``BlockCodec`` names the keys and frames the values;
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
 
-from kvkit.errors import PlanError
+from kvkit.errors import ConfigError, PlanError
 from kvkit.interfaces.types import BlockHash, Direction
-from kvkit.validate import check_enum, check_int, checked, plural
+from kvkit.validate import check_enum, check_int, checked, plural, quote
 
-__all__ = ["SHARED_WRITES", "BlockCodec", "BlockStore", "SharedPlan", "StoreResult"]
+__all__ = ["DEFAULT_TENANT", "SHARED_WRITES", "BlockCodec", "BlockStore", "SharedPlan", "StoreResult",
+           "check_tenant"]
 
 SHARED_WRITES = ("write-through", "write-back")
 """When CPU blocks go to the shared tier: after a CPU store committed them, or ahead of their CPU eviction."""
+
+DEFAULT_TENANT = "default"
+"""The tenant of a deployment that names none."""
+
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_tenant(name: str, value: object) -> str:
+    """``value`` if it is a tenant id, else ``ConfigError`` quoting it.
+
+    A tenant id is 1-64 letters, digits, ``_``, ``.`` or ``-``, starting with a
+    letter or digit: every key of the tenant starts with ``kvkit:<tenant>:``,
+    so it holds no ``:`` (one tenant's prefix is never another's) and none of
+    the characters a Valkey ACL key pattern or a Cluster hash tag reads
+    (``* ? [ ] \\ { }``).
+    """
+    if isinstance(value, str) and _TENANT.fullmatch(value) is not None:
+        return value
+    raise ConfigError(f"{name}={quote(value)}: must be 1-64 letters, digits, '_', '.' or '-', starting with a "
+                      f"letter or digit (it is the key prefix kvkit:<tenant>: that ACL key patterns match)")
 
 
 @attrs.frozen
@@ -193,6 +215,11 @@ class BlockCodec(Protocol):
     @property
     def header_bytes(self) -> int:
         """Length of every header ``seal`` writes."""
+        ...
+
+    @property
+    def probe_key(self) -> bytes:
+        """A key no block has, with the prefix of the codec's keys (a health probe writes it)."""
         ...
 
     def key(self, block_hash: BlockHash, rank: int) -> bytes:

@@ -28,7 +28,8 @@ from kvkit.interfaces import (
     OffloadCallback,
     StorePolicy,
 )
-from kvkit.interfaces.shared import SHARED_WRITES, BlockStore
+from kvkit.interfaces.shared import DEFAULT_TENANT, SHARED_WRITES, BlockStore, check_tenant
+from kvkit.redact import redact_url, secret_repr
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry
 from kvkit.validate import (
     check_choice,
@@ -43,7 +44,6 @@ from kvkit.validate import (
     plural,
     problem_of,
     quote,
-    redact_url,
     secret_bytes,
 )
 from kvkit.worker import WAIT_TIMEOUT_S
@@ -204,9 +204,16 @@ class SharedConfig:
             (default): the integration's (``OffloadedLM``: the weights'
             fingerprint; vLLM: its model and revision), :data:`UNNAMED_MODEL`
             for a stack built directly.
+        tenant: who owns the tier's keys: every key starts with
+            ``kvkit:<tenant>:``, a prefix a server's ACL key pattern confines a
+            client to (``"default"``; 1-64 letters, digits, ``_``, ``.``, ``-``:
+            :func:`~kvkit.interfaces.shared.check_tenant`).
         secret: HMAC secret (non-empty bytes) every instance of a deployment
-            shares, or ``None``; never shown in a repr or an error (nor is
-            a password in ``url``: a repr shows it as ``***``).
+            shares, or ``None``: values are then trusted as the server holds
+            them. It seals and checks every value and is bound into the keys,
+            so instances with another secret or none never share or overwrite
+            them. Never shown in a repr or an error (a repr shows ``'***'``, and
+            a password in ``url`` as ``***``).
         backoff_s: seconds the tier stays off after a failure before a probe
             (doubling on each failed probe, at most 60x).
 
@@ -217,8 +224,10 @@ class SharedConfig:
     url: str | BlockStore = attrs.field(validator=_store_url, repr=_shown_url)
     write: str = attrs.field(default="write-through", validator=one_of(SHARED_WRITES, label=_SHARED))
     model: str | None = attrs.field(default=None, validator=non_empty_str(label=_SHARED, optional=True))
-    secret: bytes | None = attrs.field(default=None, repr=False, validator=secret_bytes(label=_SHARED, optional=True))
-    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_SHARED))  # type: ignore[misc]
+    tenant: str = attrs.field(default=DEFAULT_TENANT, converter=checked(check_tenant, label=_SHARED))
+    secret: bytes | None = attrs.field(default=None, repr=secret_repr,
+                                       validator=secret_bytes(label=_SHARED, optional=True))
+    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_SHARED))
 
 
 UNNAMED_MODEL = "unnamed-model"

@@ -33,6 +33,7 @@ from kvkit.interfaces import (
     StorePolicy,
 )
 from kvkit.interfaces.shared import BlockStore
+from kvkit.redact import redact
 from kvkit.validate import did_you_mean
 
 __all__ = [
@@ -197,7 +198,7 @@ class Registry(Generic[T]):
         try:
             (signature.bind_partial if partial else signature.bind)(**options)
         except TypeError as exc:
-            return (f"{slot or self.kind}={spec!r}: options {dict(options)!r} do not fit "
+            return (f"{slot or self.kind}={spec!r}: options {redact(dict(options))!r} do not fit "
                     f"{_describe(factory)}: {exc}")
         return None
 
@@ -213,7 +214,7 @@ class Registry(Generic[T]):
         if not isinstance(spec, str):
             problem = self.check(spec, slot=slot)
             if problem is None and kwargs:
-                problem = f"{slot}: options {kwargs!r} given for an instance; pass them to its constructor"
+                problem = f"{slot}: options {redact(kwargs)!r} given for an instance; pass them to its constructor"
             if problem is not None:
                 raise ConfigError(problem)
             return spec

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -12,9 +13,10 @@ from kvkit.config import StackConfig
 from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
+from kvkit.redact import redact_url
 from kvkit.registry import COPY
 from kvkit.stats import OffloadStats
-from kvkit.validate import plural, redact_url
+from kvkit.validate import plural
 from kvkit.worker.memory import check_fits
 
 if TYPE_CHECKING:
@@ -190,6 +192,10 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     if layout is None and config.cpu_layout is not None:
         raise ConfigError(f"cpu_layout={config.cpu_layout!r} lays out the workers' CPU mirrors, but "
                           f"without layout=... the stack is scheduler-only and has none")
+    if layout is not None and config.world_size > 1 and not isinstance(config.copy, str):
+        raise ConfigError(
+            f"world_size={config.world_size} needs copy given by name (each worker builds its "
+            f"own backend), got the instance {config.copy!r}")
     if layout is not None:
         from kvkit.worker.layouts import check_layouts, validate_kv  # torch only when bytes move
 
@@ -206,35 +212,40 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
 
         conn = connect_shared(config, layout=config.cpu_layout or layout or "none")
     shared = None if conn is None else conn.spec
-    manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
-                             callbacks=parts.callbacks, shared=shared)
-    stack = OffloadStack(config, gpu, cpu, manager, shared_store=None if conn is None else conn.store,
-                         owns_shared_store=conn is not None and conn.owned)
-    if layout is not None:
-        from kvkit.worker.engine import TransferEngine  # torch only when bytes move
+    stack = None
+    try:  # a build refused from here on leaves no connection, thread or mirror behind
+        manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
+                                 callbacks=parts.callbacks, shared=shared)
+        stack = OffloadStack(config, gpu, cpu, manager, shared_store=None if conn is None else conn.store,
+                             owns_shared_store=conn is not None and conn.owned)
+        if layout is not None:
+            from kvkit.worker.engine import TransferEngine  # torch only when bytes move
 
-        if config.world_size > 1 and not isinstance(config.copy, str):
-            raise ConfigError(
-                f"world_size={config.world_size} needs copy given by name (each worker builds its "
-                f"own backend), got the instance {config.copy!r}")
-        for rank in range(config.world_size):
-            copy = parts.copy if rank == 0 else COPY.create(cast(str, config.copy), slot="copy",  # a name: above
-                                                             **config.options.get("copy", {}))
-            assert copy is not None  # layout needs a copy backend (checked above)
-            worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank,
-                                    wait_timeout_s=config.wait_timeout_s)
-            if kv_tensors is not None:
-                worker.register_kv(kv_tensors, layout, cpu_layout=config.cpu_layout)
-            else:
-                worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
-            stack.workers.append(worker)
-    if conn is not None:
-        from kvkit.shared.worker import SharedTierWorker
+            for rank in range(config.world_size):
+                copy = parts.copy if rank == 0 else COPY.create(cast(str, config.copy), slot="copy",  # a name
+                                                                 **config.options.get("copy", {}))
+                assert copy is not None  # layout needs a copy backend (checked above)
+                worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank,
+                                        wait_timeout_s=config.wait_timeout_s)
+                stack.workers.append(worker)
+                if kv_tensors is not None:
+                    worker.register_kv(kv_tensors, layout, cpu_layout=config.cpu_layout)
+                else:
+                    worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
+        if conn is not None:
+            from kvkit.shared.worker import SharedTierWorker
 
-        engines: Sequence[TransferEngine | None] = stack.workers or [None] * config.world_size
-        stack.shared_workers = [SharedTierWorker(config.kv, conn.store, conn.spec.codec, engine, rank=rank,
-                                                 wait_timeout_s=config.wait_timeout_s)
-                                for rank, engine in enumerate(engines)]
+            engines: Sequence[TransferEngine | None] = stack.workers or [None] * config.world_size
+            stack.shared_workers = [SharedTierWorker(config.kv, conn.store, conn.spec.codec, engine, rank=rank,
+                                                     wait_timeout_s=config.wait_timeout_s)
+                                    for rank, engine in enumerate(engines)]
+    except BaseException:
+        for worker in [] if stack is None else stack.workers:
+            with contextlib.suppress(Exception):  # the refusal is what the caller sees
+                worker.close(0.0)
+        if conn is not None and conn.owned:
+            conn.store.close()
+        raise
     return stack
 
 

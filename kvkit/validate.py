@@ -1,4 +1,4 @@
-"""Checks of caller input, one place for every component (imports nothing of kvkit but errors).
+"""Checks of caller input, one place for every component (imports nothing of kvkit but errors and redact).
 
 Two shapes serve every caller:
 
@@ -6,7 +6,8 @@ Two shapes serve every caller:
   that collects every problem before raising once (``StackConfig``);
   :func:`problem_of` turns any ``check_*`` call into such a message;
 * ``check_*`` functions raise a typed :mod:`kvkit.errors` error that quotes the
-  value (through :func:`quote`, which never fails), and :func:`at_least` /
+  value (through :func:`quote`, which never fails and masks secrets, as
+  :mod:`kvkit.redact` rules), and :func:`at_least` /
   :func:`optional_at_least` / :func:`real_in` / :func:`one_of` /
   :func:`non_empty_str` / :func:`implements` / :func:`is_callable` /
   :func:`secret_bytes` build ``attrs`` validators from them, :func:`checked` an
@@ -20,8 +21,7 @@ An "int" is an exact integer: ``bool`` is refused (``True`` is not block 1);
 NumPy integers are integers (``numbers.Integral``) and are converted to ``int``
 by the ``check_*`` functions that return a value. A "bool" is ``True`` or
 ``False`` (``"yes"`` and ``1`` are not), a "number" a real that is not a bool.
-A secret (:func:`check_secret`) is never quoted: messages name its type only;
-:func:`redact_url` shows a URL without its password.
+A secret (:func:`check_secret`) is never quoted: messages name its type only.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import attrs
 import numpy as np
 
 from kvkit.errors import ConfigError
+from kvkit.redact import redact, redact_text
 
 __all__ = [
     "at_least",
@@ -62,7 +63,6 @@ __all__ = [
     "problem_of",
     "quote",
     "real_in",
-    "redact_url",
     "secret_bytes",
     "unknown_keywords",
     "unknown_problem",
@@ -75,35 +75,13 @@ _QUOTE_CHARS = 200
 
 
 def quote(value: object) -> str:
-    """``repr(value)`` for a message, cut to 200 characters; never raises (a message must not fail)."""
+    """``repr(value)`` for a message, secrets masked (:mod:`kvkit.redact`), cut to 200 characters; never raises."""
     try:
-        text = repr(value)
+        text = redact_text(repr(redact(value)))
     except Exception:  # noqa: BLE001 - a hostile __repr__, or an int past sys.get_int_max_str_digits()
         size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
         text = f"<{type(value).__name__}{size}>"
     return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
-
-
-_SECRET_OPTIONS = ("password", "secret", "token")
-
-
-def redact_url(url: str) -> str:
-    """``url`` fit to print: its password, and every query value whose name holds one of
-    :data:`_SECRET_OPTIONS`, replaced by ``***`` (the user name, hosts and other options stay)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    location, mark, query = rest.partition("?")
-    netloc, slash, path = location.partition("/")
-    auth, at, hosts = netloc.rpartition("@")
-    if at:  # user:password, or a password alone
-        user, colon, _ = auth.partition(":")
-        location = (f"{user}:***@{hosts}" if colon else f"***@{hosts}") + slash + path
-    if query:
-        pairs = [pair.partition("=") for pair in query.split("&")]
-        query = "&".join(name + eq + ("***" if eq and any(s in name.lower() for s in _SECRET_OPTIONS) else value)
-                         for name, eq, value in pairs)
-    return f"{scheme}{sep}{location}{mark}{query}"
 
 
 def did_you_mean(value: object, valid: Sequence[str]) -> str:

@@ -271,6 +271,6 @@ def test_a_stack_prints_as_its_parts_and_sizes_and_no_secret():
     ("memory://", "memory://"),
 ])
 def test_a_store_url_is_shown_without_its_password(url, shown):
-    from kvkit.validate import redact_url
+    from kvkit.redact import redact_url
 
     assert redact_url(url) == shown

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import TypeVar, cast
 
@@ -20,7 +20,7 @@ from kvkit.errors import (
     UnknownBlockError,
 )
 from kvkit.interfaces.allocator import EvictListener
-from kvkit.interfaces.capabilities import EvictionWindow, SelectivePins, WindowedPolicy, pin_hooks
+from kvkit.interfaces.capabilities import EvictionWindow, WindowedPolicy, pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import check_bool, check_int, checked, is_int, plural, quote
@@ -92,11 +92,8 @@ class BlockPool(EvictionWindow):
             pool is built, the pool calls ``on_pin`` when a ready block's
             refcount goes 0 -> 1 and right after committing a block (always
             referenced then), and ``on_unpin`` when a ready block's refcount
-            goes 1 -> 0. If it is also a
-            :class:`~kvkit.interfaces.capabilities.SelectivePins` (LRU, FIFO,
-            LFU, ARC), the pool attaches its ``is_evictable`` and calls the
-            hooks only for blocks in the policy's ``pin_watch``: a block
-            pinned and released that the policy never met costs no call.
+            goes 1 -> 0, for every block: a policy that sets the blocks in
+            use aside as it hears of them never meets one in a selection.
 
     Raises:
         ConfigError: ``num_blocks`` is not a positive int; ``eviction`` is
@@ -116,8 +113,7 @@ class BlockPool(EvictionWindow):
     and :class:`~kvkit.interfaces.capabilities.EvictionWindow`;
     the policy tracks exactly the ready blocks; ``num_evictable`` counts
     ready blocks with refcount 0; with pin hooks, the policy's pinned blocks
-    are exactly the ready blocks with references (with selective pins: those
-    among its ``pin_watch``).
+    are exactly the ready blocks with references.
     """
 
     _num_blocks: int = attrs.field(alias="num_blocks", converter=checked(check_int, minimum=1))  # type: ignore[misc]
@@ -132,8 +128,6 @@ class BlockPool(EvictionWindow):
     # The policy's pin hooks, or None: decided once, so a policy without them costs nothing.
     _on_pin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
     _on_unpin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
-    # A SelectivePins policy's pin_watch: only pins of blocks in it are reported (None: all are).
-    _pin_watch: Collection[BlockId] | None = attrs.field(init=False, repr=False, default=None)
     # Write-back windows: the policy when it tracks them, else the last window taken and when.
     _windowed: WindowedPolicy | None = attrs.field(init=False, repr=False, default=None)
     _version: int = attrs.field(init=False, repr=False, default=0)  # bumped by each call that may reorder
@@ -178,9 +172,6 @@ class BlockPool(EvictionWindow):
             return not ref[block] and hashes[block] is not None
 
         self._is_evictable = is_evictable
-        if hooks is not None and isinstance(self._policy, SelectivePins):
-            self._policy.attach(is_evictable)
-            self._pin_watch = self._policy.pin_watch
 
     # -- sizes ---------------------------------------------------------------
 
@@ -309,12 +300,12 @@ class BlockPool(EvictionWindow):
                     raise RefcountError(f"cannot incref empty block {b!r} (no content)")
         except IndexError:
             return self.incref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
-        pinned, on_pin, watch = 0, self._on_pin, self._pin_watch
+        pinned, on_pin = 0, self._on_pin
         for b in blocks:
             r = ref[b]
             if not r:
                 pinned += 1  # was evictable (validated: not empty)
-                if on_pin is not None and (watch is None or b in watch):
+                if on_pin is not None:
                     on_pin(b)
             ref[b] = r + 1
         if pinned:
@@ -345,11 +336,11 @@ class BlockPool(EvictionWindow):
             if isinstance(exc, RefcountError):
                 raise
             return self.decref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
-        hashes, freed, on_unpin, watch = self._hash, [], self._on_unpin, self._pin_watch
+        hashes, freed, on_unpin = self._hash, [], self._on_unpin
         for b in zeroed:
             if hashes[b] is None:
                 freed.append(b)  # not ready (or dropped by a forced reset): its content is worthless
-            elif on_unpin is not None and (watch is None or b in watch):
+            elif on_unpin is not None:
                 on_unpin(b)
         self._num_evictable += len(zeroed) - len(freed)
         self._version += 1
@@ -394,14 +385,14 @@ class BlockPool(EvictionWindow):
         if parents is not None and not all(p is None or p.__class__ is int for p in parents):
             parent_of = [None if p is None else _hash(p, "parent hashes must be ints or None") for p in parents]
         setdefault, on_insert = self._index.setdefault, self._policy.on_insert
-        on_pin, watch = self._on_pin, self._pin_watch
+        on_pin = self._on_pin
         result = []
         for b, h, p in zip(blocks, hashes, parent_of):
             # The block is not ready, so it can only already sit under h if we just put it there.
             if setdefault(h, b) == b:
                 block_hash[b] = h
                 on_insert(b, h, p)
-                if on_pin is not None and (watch is None or b in watch):
+                if on_pin is not None:
                     on_pin(b)  # committed blocks are referenced: in use from the start
                 result.append(True)
             else:

@@ -43,10 +43,11 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
 
     Pinned blocks: with the pin hooks (a pool calls them), a block in use
     keeps its place in ``T1`` or ``T2`` (a hit still moves it) and counts
-    towards its list's size, and is skipped by at most one selection, which
-    sets it aside; released, it is evicted exactly where it would have been
-    had it never been in use (:class:`~kvkit.backends.eviction._queue.ParkingQueue`),
-    so a selection costs O(victims) amortised however many blocks are in use.
+    towards its list's size, and is set aside at once, so no selection meets
+    it; released, it is evicted exactly where it would have been had it
+    never been in use (:class:`~kvkit.backends.eviction._queue.ParkingQueue`),
+    so a selection costs O(victims), its first included, however many blocks
+    are in use.
 
     Args:
         capacity: ``c``, blocks the cache holds (the pool's size). ``None``

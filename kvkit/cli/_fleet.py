@@ -9,9 +9,10 @@ from typing import Any
 
 import click
 
+from kvkit.redact import redact_url
 from kvkit.sim.fleet import FleetResult, compare_fleets
 from kvkit.sim.simulator import SimConfig
-from kvkit.validate import plural, redact_url
+from kvkit.validate import plural
 
 __all__ = ["run_fleets"]
 

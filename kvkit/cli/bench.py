@@ -173,15 +173,25 @@ def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys
 
     from kvkit.cli._tables import print_table
 
-    table = Table(title=f"block store {report['url']}, GB/s (median of {repeat})")
-    for column in ("value bytes", "values", "put", "get", "put (hot)", "get (hot)", "library put", "library get",
-                   "server tool set", "server tool get"):
+    table = Table(title=f"block store {report['url']}: GB/s and client CPU ms per GB, median of {repeat} "
+                        f"alternating rounds, one connection each")
+    for column in ("value bytes", "op", "store", "CPU", "hot", "server tool", "tool CPU", "x tool", "library",
+                   "x library"):
         table.add_column(column, no_wrap=True)
+
+    def cell(r: dict, key: str, form: str = "{:.2f}") -> str:
+        return form.format(r[key]) if key in r else "-"
+
     for size, r in report["sizes"].items():
-        table.add_row(size, str(r["values"]), *(f"{r[k]:.2f}" if k in r else "-" for k in (
-            "put_GBps", "get_GBps", "put_hot_GBps", "get_hot_GBps", "library_put_GBps", "library_get_GBps",
-            "server_tool_set_GBps", "server_tool_get_GBps")))
+        for op, tool in (("put", "set"), ("get", "get")):
+            ratios = r["ratios"]
+            table.add_row(size, op, cell(r, f"{op}_GBps"), cell(r, f"{op}_cpu_ms_per_GB", "{:.0f}"),
+                          cell(r, f"{op}_hot_GBps"), cell(r, f"server_tool_{tool}_GBps"),
+                          cell(r, f"server_tool_{tool}_cpu_ms_per_GB", "{:.0f}"), cell(ratios, f"{op}_vs_tool"),
+                          cell(r, f"library_{op}_GBps"), cell(ratios, f"{op}_vs_library"))
     console = print_table(table)
     c = report["contains"]
     library = f", library pipeline {c['library_pipeline_ms']:.2f} ms" if "library_pipeline_ms" in c else ""
     console.print(f"contains of {plural(c['keys'], 'key')}: {c['store_ms']:.2f} ms{library}")
+    if "server_tool_skipped" in report:
+        console.print(f"server tool not run: {report['server_tool_skipped']}")

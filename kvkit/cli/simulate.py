@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import resource
 import time
 from collections.abc import Iterable
@@ -36,7 +37,9 @@ _DEFAULT_STACK = SimConfig().stack
 
 @click.command("simulate")
 @click.option("--trace", "trace_path", default=None,
-              type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
+              # kept as typed (a Path would drop the "./" that makes ./NAME a file, not a built-in trace);
+              # the reader reports a missing or unreadable file in one line
+              type=click.Path(path_type=str),
               help="Mooncake JSONL(.gz) trace, or a built-in one by name: mooncake-conversation "
                    "[default: the synthetic multi-turn chat workload].")
 @slot_options(_SLOTS, {slot: getattr(_DEFAULT_STACK, slot) for slot in _SLOTS})
@@ -71,7 +74,7 @@ _DEFAULT_STACK = SimConfig().stack
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload "
                    "(with --instances: isolated instances against instances sharing a tier).")
-def simulate_command(trace_path: Path | None, block_size: int | None, verify: bool, seed: int,
+def simulate_command(trace_path: str | None, block_size: int | None, verify: bool, seed: int,
                      shape_name: str | None, limit: int | None, prefill_tokens_per_s: float, pcie_gbps: float,
                      decode_ms_per_token: float, no_baseline: bool, instances: int, router: str,
                      shared_url: str | None, shared_gbps: float, as_json: bool, plot_path: Path | None,
@@ -137,7 +140,7 @@ def simulate_command(trace_path: Path | None, block_size: int | None, verify: bo
 class _Workload:
     """The requests to replay: a trace file (read again for each run) or a synthetic workload shape."""
 
-    path: Path | None
+    path: str | None
     block_size: int
     seed: int
     limit: int | None
@@ -157,7 +160,7 @@ class _Workload:
 
     def describe(self) -> str:
         if self.path is not None:
-            return self.path.name
+            return os.path.basename(self.path)
         return f"synthetic {self.shape} (seed {self.seed})"
 
     def as_dict(self) -> dict[str, Any]:

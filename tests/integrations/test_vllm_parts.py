@@ -749,6 +749,23 @@ def test_a_key_that_vanished_or_was_corrupted_after_lookup_fails_that_load_and_t
     _assert_idle(b_sides)
 
 
+def test_the_connector_authenticates_with_the_secret_it_reads_and_another_secret_shares_nothing(
+        request, monkeypatch, tmp_path):
+    """Scheduler and worker sides read the secret from the variable the extra config names: a second
+    instance with it fetches the first one's blocks; one reading another secret (from a file) finds none."""
+    url = f"memory://{request.node.name}"
+    monkeypatch.setenv("KVKIT_TEST_SECRET", "deployment-secret")
+    (tmp_path / "other").write_text("another-secret\n")
+    keyed = {"url": url, "tenant": "acme", "secret_env": "KVKIT_TEST_SECRET"}
+    _computed_and_shared(_sides(shared=keyed))
+    other = {"url": url, "tenant": "acme", "secret_file": str(tmp_path / "other")}
+    for shared, hit in ((other, 0), (keyed, 3 * BS)):
+        sides = _sides(shared=shared)
+        assert sides.worker.shared.codec.key(1, 0).startswith(b"kvkit:acme:")
+        assert sides.sched.matched_tokens(vllm_request("b", 3 * BS + 2, b""), 0) == hit
+        assert sides.sched.manager.stats.fetches_failed.value == 0
+
+
 def test_a_worker_whose_cpu_mirror_is_not_the_namespaces_layout_refuses_to_start():
     """The namespace names the layout the scheduler derived; a worker whose mirror differs says which key to set."""
     with pytest.raises(ConfigError, match=r"names the CPU layout 'vllm-cpu'.*mirror is 'per-layer'.*cpu_layout"):

@@ -126,8 +126,7 @@ def test_equal_timestamps_are_accepted(tmp_path):
 def test_block_size_sets_expected_id_count(tmp_path):
     """The id count is checked against ceil(input_length / block_size)."""
     path = _write(tmp_path, [_line(input_length=33, hash_ids=[0, 1, 2])])
-    (request,) = read_trace(path, block_size=16)
-    assert request.hash_ids == (0, 1, 2)
+    assert next(iter(read_trace(path, block_size=16))).hash_ids == (0, 1, 2)
     with pytest.raises(TraceFormatError, match="needs 1 block of 512 tokens"):
         list(read_trace(path))
 

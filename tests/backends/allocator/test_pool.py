@@ -70,7 +70,7 @@ class RecordingLRU(LRUPolicy):
 
 
 class RecordingPinLRU(RecordingLRU):
-    """RecordingLRU with the optional pin hooks, recorded too; it hears every pin (no SelectivePins)."""
+    """RecordingLRU with the optional pin hooks, recorded too; it hears every pin."""
 
     attach = None
 
