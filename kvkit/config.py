@@ -224,10 +224,10 @@ class SharedConfig:
     url: str | BlockStore = attrs.field(validator=_store_url, repr=_shown_url)
     write: str = attrs.field(default="write-through", validator=one_of(SHARED_WRITES, label=_SHARED))
     model: str | None = attrs.field(default=None, validator=non_empty_str(label=_SHARED, optional=True))
-    tenant: str = attrs.field(default=DEFAULT_TENANT, converter=checked(check_tenant, label=_SHARED))
+    tenant: str = attrs.field(default=DEFAULT_TENANT, converter=checked(check_tenant, label=_SHARED))  # type: ignore[misc]
     secret: bytes | None = attrs.field(default=None, repr=secret_repr,
                                        validator=secret_bytes(label=_SHARED, optional=True))
-    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_SHARED))
+    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_SHARED))  # type: ignore[misc]
 
 
 UNNAMED_MODEL = "unnamed-model"

@@ -84,20 +84,20 @@ class ValkeyStore:
     """
 
     nodes: tuple[Address, ...] = attrs.field(converter=_nodes)
-    cluster: bool = attrs.field(default=False, converter=_FLAG)
-    db: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="ValkeyStore."))
-    username: str | None = attrs.field(default=None, converter=_TEXT)
-    password: str | None = attrs.field(default=None, converter=_TEXT, repr=False)
-    tls: bool = attrs.field(default=False, converter=_FLAG)
-    tls_ca: str | None = attrs.field(default=None, converter=_TEXT)
-    tls_cert: str | None = attrs.field(default=None, converter=_TEXT)
-    tls_key: str | None = attrs.field(default=None, converter=_TEXT)
-    tls_verify: bool = attrs.field(default=True, converter=_FLAG)
-    connect_timeout_s: float = attrs.field(default=1.0, converter=_SECONDS)
-    request_timeout_s: float = attrs.field(default=2.0, converter=_SECONDS)
+    cluster: bool = attrs.field(default=False, converter=_FLAG)  # type: ignore[misc]
+    db: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="ValkeyStore."))  # type: ignore[misc]
+    username: str | None = attrs.field(default=None, converter=_TEXT)  # type: ignore[misc]
+    password: str | None = attrs.field(default=None, converter=_TEXT, repr=False)  # type: ignore[misc]
+    tls: bool = attrs.field(default=False, converter=_FLAG)  # type: ignore[misc]
+    tls_ca: str | None = attrs.field(default=None, converter=_TEXT)  # type: ignore[misc]
+    tls_cert: str | None = attrs.field(default=None, converter=_TEXT)  # type: ignore[misc]
+    tls_key: str | None = attrs.field(default=None, converter=_TEXT)  # type: ignore[misc]
+    tls_verify: bool = attrs.field(default=True, converter=_FLAG)  # type: ignore[misc]
+    connect_timeout_s: float = attrs.field(default=1.0, converter=_SECONDS)  # type: ignore[misc]
+    request_timeout_s: float = attrs.field(default=2.0, converter=_SECONDS)  # type: ignore[misc]
     """The deadline of a whole ``put``, ``get`` or ``contains`` (see the class docstring)."""
-    retry_interval_s: float = attrs.field(default=1.0, converter=_SECONDS)
-    ttl_s: int | None = attrs.field(default=None, converter=checked(check_int, minimum=1, optional=True,
+    retry_interval_s: float = attrs.field(default=1.0, converter=_SECONDS)  # type: ignore[misc]
+    ttl_s: int | None = attrs.field(default=None, converter=checked(check_int, minimum=1, optional=True,  # type: ignore[misc]
                                                                     label="ValkeyStore."))
     window_bytes: int = attrs.field(default=256 << 10, converter=checked(check_int, minimum=1,  # type: ignore[misc]
                                                                          label="ValkeyStore."))
@@ -324,7 +324,7 @@ def _read_ints(conn: Connection, ids: list[int]) -> list[object]:
     """EXISTS replies: all at once when they are plain 0/1 (the common case), else one by one."""
     fast = conn.small_ints(len(ids))
     if fast is not None:
-        return fast
+        return list[object](fast)
     replies = [conn.reply() for _ in ids]
     for reply in replies:
         if not isinstance(reply, ServerError | Redirect | int):

@@ -17,6 +17,7 @@ run against a server that needs one: the report says so (``server_tool_skipped``
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -111,7 +112,7 @@ def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, rep
         "put": _Way(lambda: _finish(store, store.put(keys, values)), batch),
         "get": _Way(lambda: _finish(store, store.get(keys, buffers)), batch),
         "put_hot": _Way(lambda: _finish(store, store.put(hot_keys, [values[0]] * n)), batch),
-        "get_hot": _Way(lambda: _finish(store, store.get(hot_keys, [[memoryview(hot_row)]] * n)), batch),
+        "get_hot": _Way(lambda: _finish(store, store.get(hot_keys, [[hot_row.data]] * n)), batch),
     }
     if client is not None:
         blobs = [line.tobytes() for line in source]
@@ -133,7 +134,7 @@ def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, rep
     tool = _tool_command(url)
     if tool is not None:
         for test, requests in (("set", 3 * n), ("get", n)):
-            ways[f"server_tool_{test}"] = _Way(lambda t=test, r=requests: _run_tool(tool, t, size, r, n, url),
+            ways[f"server_tool_{test}"] = _Way(functools.partial(_run_tool, tool, test, size, requests, n, url),
                                                 requests * size)
     measured = _interleaved({name: way.run for name, way in ways.items()}, repeat)
     if not (np.array_equal(source, target) and np.array_equal(source[0], hot_row)):
@@ -250,7 +251,7 @@ def _finish(store: BlockStore, ticket: int) -> None:
     raise BackendUnavailableError("a benchmark call was not reported within 60 s")
 
 
-def _interleaved(ways: dict[str, Callable[[], float | None]], repeat: int) -> dict[str, tuple[float, float]]:
+def _interleaved(ways: dict[str, Callable[[], object]], repeat: int) -> dict[str, tuple[float, float]]:
     """Median seconds and median CPU seconds (this process and its children) of each way over ``repeat``
     rounds; each round runs every way once, in a fresh order (seeded), so neither load nor the server's
     state favours one. A way that answers a number reports its own seconds (a tool's); else its wall

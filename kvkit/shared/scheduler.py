@@ -101,7 +101,7 @@ class SharedTierSpec:
     backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_LABEL))  # type: ignore[misc]
     max_backoff_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True,  # type: ignore[misc]
                                                                        label=_LABEL))
-    trust_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True, label=_LABEL))
+    trust_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True, label=_LABEL))  # type: ignore[misc]
     clock: Callable[[], float] = attrs.field(default=time.monotonic, validator=is_callable(label=_LABEL))
 
 

@@ -27,6 +27,7 @@ from kvkit.validate import check_int, check_real, checked, implements
 from kvkit.worker import WAIT_TIMEOUT_S
 
 if TYPE_CHECKING:
+    from kvkit.manager.step import StepPlan
     from kvkit.worker.engine import TransferEngine
 
 __all__ = ["SharedTierWorker"]
@@ -92,7 +93,7 @@ class SharedTierWorker:
     _tainted: set[int] = attrs.field(factory=set, init=False)  # loads to report failed
     _late: set[int] = attrs.field(factory=set, init=False)  # tickets of fetches that timed out: report failed
 
-    def submit(self, plan: object, started: Started | None = None) -> None:
+    def submit(self, plan: StepPlan, started: Started | None = None) -> None:
         """Run a :class:`~kvkit.manager.step.StepPlan` on this rank: fetches, loads, stores, puts.
 
         ``started``: what :meth:`start_fetches` answered for ``plan.fetches``

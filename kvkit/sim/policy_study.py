@@ -96,7 +96,7 @@ def _make_policy(name: str, requests: Sequence[TraceRequest], clock: TraceClock 
         return EVICTION.create(OPT, slot="policy",
                                references=[h for r in requests for h in r.hash_ids])
     cls = EVICTION.load(name)
-    if clock is not None and attrs.has(cls) and "clock" in attrs.fields_dict(cls):
+    if clock is not None and isinstance(cls, type) and attrs.has(cls) and "clock" in attrs.fields_dict(cls):
         return EVICTION.create(name, slot="policy", clock=clock)
     return EVICTION.create(name, slot="policy")
 

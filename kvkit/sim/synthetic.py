@@ -105,7 +105,7 @@ def _int_in(low: int, high: int) -> Callable[[Any, attrs.Attribute, Any], None]:
     """An ``attrs`` validator: the field is an int in ``[low, high]`` (``ConfigError`` quoting it)."""
 
     def validate(inst: object, attribute: attrs.Attribute, value: object) -> None:
-        if not is_int(value) or not low <= value <= high:  # type: ignore[operator]
+        if not is_int(value) or not low <= value <= high:
             raise ConfigError(f"{type(inst).__name__}.{attribute.name}={quote(value)}: must be an int in "
                               f"[{low}, {high}]")
 
@@ -155,12 +155,12 @@ class SyntheticWorkload:
 
     name: ClassVar[str] = "chat"
 
-    seed: int = attrs.field(default=0, converter=checked(check_int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))  # type: ignore[misc]
     num_conversations: int = attrs.field(default=350, validator=_count)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
     conversations_per_s: float = attrs.field(default=1.0, validator=_rate)
     num_system_prompts: int = attrs.field(default=8, validator=_count)
-    system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=checked(check_int_pair),
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=checked(check_int_pair),  # type: ignore[misc]
                                              validator=_range_up_to_max)
     system_prompt_skew: float = attrs.field(default=1.2, validator=_skew)
     max_turns: int = attrs.field(default=16, validator=_count)
@@ -334,12 +334,12 @@ class AgentWorkload:
     """
 
     name: ClassVar[str] = "agent"
-    seed: int = attrs.field(default=0, converter=checked(check_int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))  # type: ignore[misc]
     num_sessions: int = attrs.field(default=120, validator=_count)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
     sessions_per_s: float = attrs.field(default=0.25, validator=_rate)
     num_system_prompts: int = attrs.field(default=4, validator=_count)
-    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=_positive_range,
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=_positive_range,  # type: ignore[misc]
                                              validator=_range_up_to_max)
     task_tokens_mean: float = attrs.field(default=300.0, validator=_tokens_mean)
     steps_mean: float = attrs.field(default=6.0, validator=_repeats)
@@ -393,12 +393,12 @@ class RagWorkload:
     """
 
     name: ClassVar[str] = "rag"
-    seed: int = attrs.field(default=0, converter=checked(check_int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))  # type: ignore[misc]
     num_requests: int = attrs.field(default=1400, validator=_count)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
     requests_per_s: float = attrs.field(default=2.0, validator=_rate)
     num_documents: int = attrs.field(default=3000, validator=_count)
-    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=_positive_range,
+    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=_positive_range,  # type: ignore[misc]
                                              validator=_range_up_to_max)
     document_skew: float = attrs.field(default=0.9, validator=_skew)
     docs_per_request: int = attrs.field(default=3, validator=_count)
@@ -466,12 +466,12 @@ class FewShotWorkload:
     """
 
     name: ClassVar[str] = "few-shot"
-    seed: int = attrs.field(default=0, converter=checked(check_int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))  # type: ignore[misc]
     num_requests: int = attrs.field(default=2400, validator=_count)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
     requests_per_s: float = attrs.field(default=8.0, validator=_rate)
     num_templates: int = attrs.field(default=400, validator=_count)
-    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=_positive_range,
+    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=_positive_range,  # type: ignore[misc]
                                              validator=_range_up_to_max)
     template_skew: float = attrs.field(default=1.0, validator=_skew)
     drift_every: int = attrs.field(default=800, validator=_count)
@@ -523,14 +523,14 @@ class MixedWorkload:
     """
 
     name: ClassVar[str] = "mixed"
-    seed: int = attrs.field(default=0, converter=checked(check_int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))  # type: ignore[misc]
     num_sessions: int = attrs.field(default=200, validator=_count)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
     sessions_per_s: float = attrs.field(default=0.5, validator=_rate)
     turns_mean: float = attrs.field(default=4.0, validator=_repeats)
     think_time_mean_s: float = attrs.field(default=60.0, validator=_seconds)
     batch_per_s: float = attrs.field(default=0.5, validator=_rate)
-    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=_positive_range,
+    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=_positive_range,  # type: ignore[misc]
                                              validator=_range_up_to_max)
     system_prompt_tokens: int = attrs.field(default=1000, validator=_tokens)
     retention_s: float = attrs.field(default=300.0, validator=_seconds)

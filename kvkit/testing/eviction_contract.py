@@ -18,12 +18,13 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import TypeGuard
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from typing_extensions import override
 
-from kvkit.interfaces.capabilities import pin_hooks
+from kvkit.interfaces.capabilities import PinAwarePolicy, pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import plural
@@ -121,6 +122,10 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """The policy and, once a selection failed, its twin: the calls every one receives."""
         return [self.policy] if self.twin is None else [self.policy, self.twin]
 
+    def hears_pins(self, policy: EvictionPolicy) -> TypeGuard[PinAwarePolicy]:
+        """Whether ``policy`` is told of pins and releases (it has the hooks, and the contract drives them)."""
+        return self.hooks
+
     def is_evictable(self, block: BlockId) -> bool:
         """The model's predicate: tracked and not pinned."""
         return block in self.tracked and block not in self.pinned
@@ -161,7 +166,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """Reference an evictable block, so it may not be evicted."""
         block = self._pick(self.tracked.keys() - self.pinned, pick)
         for policy in self.policies():
-            if self.hooks:
+            if self.hears_pins(policy):
                 policy.on_pin(block)
         self.pinned.add(block)
 
@@ -171,7 +176,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """Drop the reference on a pinned block; it must be selectable again."""
         block = self._pick(self.pinned, pick)
         for policy in self.policies():
-            if self.hooks:
+            if self.hears_pins(policy):
                 policy.on_unpin(block)
         self.pinned.discard(block)
         available = [b for b in self.tracked if b not in self.pinned]
@@ -252,7 +257,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         first, second = self.clone_policy(before), self.clone_policy(after)
         for block in sorted(self.pinned):  # pinned blocks may be set aside: release them to drain everything
             for clone in (first, second):
-                if self.hooks:
+                if self.hears_pins(clone):
                     clone.on_unpin(block)
         while left:
             a = first.select_victims(1, left.__contains__)

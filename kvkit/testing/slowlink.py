@@ -50,7 +50,7 @@ class SlowLink:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self._spawn(self._accept)
+        self._spawn(self._accept, self._listener)
         return self
 
     def close(self, timeout: float = 5.0) -> None:
@@ -81,12 +81,12 @@ class SlowLink:
             self._threads.append(thread)
         thread.start()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while not self._stop.is_set():
-            if not select.select([self._listener], [], [], _TICK)[0]:
+            if not select.select([listener], [], [], _TICK)[0]:
                 continue
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
                 server = socket.create_connection(self.target, timeout=1.0)
             except OSError:
                 continue
