@@ -55,7 +55,7 @@ class MinimalLRUCache:
     next victim first); referenced blocks leave it.
     """
 
-    __slots__ = ("free", "refs", "hash_of", "index", "lru", "evictions")
+    __slots__ = ("evictions", "free", "hash_of", "index", "lru", "refs")
 
     def __init__(self, num_blocks: int) -> None:
         self.free = list(range(num_blocks - 1, -1, -1))

@@ -9,7 +9,7 @@ its calls reports. ``BlockCodec`` names the keys and frames the values;
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -60,7 +60,7 @@ class StoreResult:
             ``"transport:"`` so a caller can tell a sick server from a miss.
     """
 
-    ticket: int = attrs.field(converter=checked(check_int, minimum=0, label="StoreResult.", error=PlanError))
+    ticket: int = attrs.field(converter=checked(check_int, minimum=0, label="StoreResult.", error=PlanError))  # type: ignore[misc]
     failed: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(sorted(set(v))))
     error: str = ""
 
@@ -160,8 +160,8 @@ class BlockStore(Protocol):
 
 
 
-def _ints(value: object) -> tuple[int, ...]:
-    out = tuple(value)  # type: ignore[arg-type]
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    out = tuple(value)
     if not all(v.__class__ is int for v in out):
         raise PlanError(f"SharedPlan: block ids and hashes must be ints, got {list(out)[:8]!r}")
     return out
@@ -180,7 +180,7 @@ class SharedPlan:
     Invariants: ``len(blocks) == len(hashes) >= 1``; every id and hash is an int.
     """
 
-    direction: Direction = attrs.field(converter=checked(check_enum, cls=Direction, label="SharedPlan.",
+    direction: Direction = attrs.field(converter=checked(check_enum, cls=Direction, label="SharedPlan.",  # type: ignore[misc]
                                                          error=PlanError))
     blocks: tuple[int, ...] = attrs.field(converter=_ints)
     hashes: tuple[BlockHash, ...] = attrs.field(converter=_ints)
@@ -212,9 +212,15 @@ class BlockCodec(Protocol):
           truncated, foreign) is ``False``, never an exception.
     """
 
-    header_bytes: int
-    probe_key: bytes
-    """A key no block has, with the prefix of the codec's keys (a health probe writes it)."""
+    @property
+    def header_bytes(self) -> int:
+        """Length of every header ``seal`` writes."""
+        ...
+
+    @property
+    def probe_key(self) -> bytes:
+        """A key no block has, with the prefix of the codec's keys (a health probe writes it)."""
+        ...
 
     def key(self, block_hash: BlockHash, rank: int) -> bytes:
         """The store key of ``rank``'s shard of the block ``block_hash``."""

@@ -9,6 +9,8 @@ every one passes through :func:`kvkit.redact.redact_text`.
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from kvkit.redact import redact_text
 
 __all__ = [
@@ -63,6 +65,7 @@ class HashInputError(KVKitError, ValueError):
 class UnknownRequestError(KVKitError, KeyError):
     """A request id the manager does not know (never added, or already gone)."""
 
+    @override
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
 

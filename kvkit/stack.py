@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
+from typing_extensions import override
 
 from kvkit.config import StackConfig
 from kvkit.errors import ConfigError, TransferTimeoutError
@@ -57,6 +59,7 @@ class OffloadStack:
     shared_store: BlockStore | None = None
     owns_shared_store: bool = False
 
+    @override
     def __repr__(self) -> str:
         """The parts and sizes, one line: no private state, and no secret (a store URL's password is ``***``)."""
         c, kv = self.config, self.config.kv
@@ -188,6 +191,10 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     if layout is None and config.cpu_layout is not None:
         raise ConfigError(f"cpu_layout={config.cpu_layout!r} lays out the workers' CPU mirrors, but "
                           f"without layout=... the stack is scheduler-only and has none")
+    if layout is not None and config.world_size > 1 and not isinstance(config.copy, str):
+        raise ConfigError(
+            f"world_size={config.world_size} needs copy given by name (each worker builds its "
+            f"own backend), got the instance {config.copy!r}")
     if layout is not None:
         from kvkit.worker.layouts import check_layouts, validate_kv  # torch only when bytes move
 
@@ -204,34 +211,39 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
 
         conn = connect_shared(config, layout=config.cpu_layout or layout or "none")
     shared = None if conn is None else conn.spec
-    manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
-                             callbacks=parts.callbacks, shared=shared)
-    stack = OffloadStack(config, gpu, cpu, manager, shared_store=None if conn is None else conn.store,
-                         owns_shared_store=conn is not None and conn.owned)
-    if layout is not None:
-        from kvkit.worker.engine import TransferEngine  # torch only when bytes move
+    stack = None
+    try:  # a build refused from here on leaves no connection, thread or mirror behind
+        manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
+                                 callbacks=parts.callbacks, shared=shared)
+        stack = OffloadStack(config, gpu, cpu, manager, shared_store=None if conn is None else conn.store,
+                             owns_shared_store=conn is not None and conn.owned)
+        if layout is not None:
+            from kvkit.worker.engine import TransferEngine  # torch only when bytes move
 
-        if config.world_size > 1 and not isinstance(config.copy, str):
-            raise ConfigError(
-                f"world_size={config.world_size} needs copy given by name (each worker builds its "
-                f"own backend), got the instance {config.copy!r}")
-        for rank in range(config.world_size):
-            copy = parts.copy if rank == 0 else COPY.create(config.copy, slot="copy",
-                                                             **config.options.get("copy", {}))
-            worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank,
-                                    wait_timeout_s=config.wait_timeout_s)
-            if kv_tensors is not None:
-                worker.register_kv(kv_tensors, layout, cpu_layout=config.cpu_layout)
-            else:
-                worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
-            stack.workers.append(worker)
-    if conn is not None:
-        from kvkit.shared.worker import SharedTierWorker
+            for rank in range(config.world_size):
+                copy = parts.copy if rank == 0 else COPY.create(config.copy, slot="copy",
+                                                                 **config.options.get("copy", {}))
+                worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank,
+                                        wait_timeout_s=config.wait_timeout_s)
+                stack.workers.append(worker)
+                if kv_tensors is not None:
+                    worker.register_kv(kv_tensors, layout, cpu_layout=config.cpu_layout)
+                else:
+                    worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
+        if conn is not None:
+            from kvkit.shared.worker import SharedTierWorker
 
-        engines = stack.workers or [None] * config.world_size
-        stack.shared_workers = [SharedTierWorker(config.kv, conn.store, conn.spec.codec, engine, rank=rank,
-                                                 wait_timeout_s=config.wait_timeout_s)
-                                for rank, engine in enumerate(engines)]
+            engines = stack.workers or [None] * config.world_size
+            stack.shared_workers = [SharedTierWorker(config.kv, conn.store, conn.spec.codec, engine, rank=rank,
+                                                     wait_timeout_s=config.wait_timeout_s)
+                                    for rank, engine in enumerate(engines)]
+    except BaseException:
+        for worker in [] if stack is None else stack.workers:
+            with contextlib.suppress(Exception):  # the refusal is what the caller sees
+                worker.close(0.0)
+        if conn is not None and conn.owned:
+            conn.store.close()
+        raise
     return stack
 
 
@@ -240,7 +252,7 @@ def _check_memory(config: StackConfig, layout: str | None, *, allocate_gpu: bool
     host = config.pool_bytes()
     if layout is not None:
         n, block = config.world_size, config.kv.bytes_per_block
-        host[f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"] = n * config.num_cpu_blocks * block
+        host[f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"] = n * config.num_cpu_blocks * block  # noqa: E501
         if allocate_gpu:
             gpu = {f"{plural(n, 'GPU tier')} of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
             if config.device == "cpu":

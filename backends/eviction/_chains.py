@@ -229,7 +229,7 @@ class ChainIndex:
         assert len(self._hash) == len(self._block_of) == len(self._parent), "maps differ in size"
         for block, block_hash in self._hash.items():
             assert self._block_of[block_hash] == block, f"block {block} hash map disagrees"
-        linked = {}
+        linked: dict[BlockHash, dict[BlockId, None]] = {}
         for block, parent in self._parent.items():
             if parent is not None:
                 linked.setdefault(parent, {})[block] = None

@@ -165,6 +165,7 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         assert not self._b1 or len(self._t1) + len(self._b1) <= c, "|T1| + |B1| > c"
         assert not ghosts or len(self) + len(ghosts) <= 2 * c, "|T1| + |T2| + |B1| + |B2| > 2c"
 
+    @override
     def _queue_of(self, block: BlockId) -> ParkingQueue:
         if block in self._in_t1:
             return self._t1
@@ -172,6 +173,7 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             return self._t2
         raise not_tracked(self, block)
 
+    @override
     def _queues(self) -> Iterator[ParkingQueue]:
         return iter((self._t1, self._t2))
 

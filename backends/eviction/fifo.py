@@ -34,7 +34,7 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
     # The queue's own methods are the hooks: one call per notification on the hot path.
     on_pin = ParkingQueue.pin
     on_unpin = ParkingQueue.unpin
-    on_remove = ParkingQueue.remove
+    on_remove = ParkingQueue.remove  # type: ignore[assignment]  # returns whether it was pinned; the pool ignores it
 
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,

@@ -120,12 +120,14 @@ class LFUPolicy(QueuedPins, EvictionPolicy):
         if above is not None:
             self._lower[above] = f
 
+    @override
     def _queue_of(self, block: BlockId) -> ParkingQueue:
         f = self._freq.get(block)
         if f is None:
             raise not_tracked(self, block)
         return self._buckets[f]
 
+    @override
     def _queues(self) -> Iterator[ParkingQueue]:
         return iter(self._buckets.values())
 

@@ -197,6 +197,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         assert not ghosts or len(stack) <= 2 * self.c, "S holds a ghost beyond 2c entries"
         self._check_capacity()
 
+    @override
     def _queue_of(self, block: BlockId) -> ParkingQueue:
         if block in self._lir:
             return self._lir
@@ -204,6 +205,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             return self._hir
         raise not_tracked(self, block)
 
+    @override
     def _queues(self) -> Iterator[ParkingQueue]:
         return iter((self._lir, self._hir))
 

@@ -51,8 +51,9 @@ def bench_group() -> None:
 @click.option("--dtype", default=LLAMA_3_8B.dtype, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: int, ids: str, direction: str,
-                     with_gemm: bool, as_json: bool, pool_blocks: int | None, repeat: int, alloc: str, settings: tuple[str, ...],
-                     layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, seed: int) -> None:
+                     with_gemm: bool, as_json: bool, pool_blocks: int | None, repeat: int, alloc: str,
+                     settings: tuple[str, ...], layers: int, kv_heads: int, head_dim: int, block_size: int,
+                     dtype: str, seed: int) -> None:
     """Copy-backend GB/s on a KV cache (Llama-3-8B shapes by default), each copy checked."""
     spec = KVCacheSpec(num_layers=layers, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                        dtype=dtype)
@@ -136,7 +137,8 @@ def _print_table(report: dict[str, Any]) -> None:
         table.add_column(c, no_wrap=True)
     for r in report["results"]:
         row = [r["backend"], f"{r['gbps']:.1f}", f"{100 * r['gbps'] / ceiling:.0f}%", f"{r['submit_ms']:.3f}",
-               str(r.get("descriptors", "-")), "yes" if r["verified"] and r.get("layered_verified", True) else "[red]NO[/]",
+               str(r.get("descriptors", "-")),
+               "yes" if r["verified"] and r.get("layered_verified", True) else "[red]NO[/]",
                f"{r['layered_submit_ms']:.3f}" if "layered_submit_ms" in r else "-",
                f"{r['layered_vs_whole']:.3f}x" if "layered_vs_whole" in r else "-"]
         if gemm:
@@ -171,14 +173,22 @@ def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys
 
     from kvkit.cli._tables import print_table
 
-    table = Table(title=f"block store {report['url']}, GB/s (median of {repeat})")
-    for column in ("value bytes", "values", "put", "get", "put (hot)", "get (hot)", "library put", "library get",
-                   "server tool set", "server tool get"):
+    table = Table(title=f"block store {report['url']}: GB/s and client CPU ms per GB, median of {repeat} "
+                        f"alternating rounds, one connection each")
+    for column in ("value bytes", "op", "store", "CPU", "hot", "server tool", "tool CPU", "x tool", "library",
+                   "x library"):
         table.add_column(column, no_wrap=True)
+
+    def cell(r: dict, key: str, form: str = "{:.2f}") -> str:
+        return form.format(r[key]) if key in r else "-"
+
     for size, r in report["sizes"].items():
-        table.add_row(size, str(r["values"]), *(f"{r[k]:.2f}" if k in r else "-" for k in (
-            "put_GBps", "get_GBps", "put_hot_GBps", "get_hot_GBps", "library_put_GBps", "library_get_GBps",
-            "server_tool_set_GBps", "server_tool_get_GBps")))
+        for op, tool in (("put", "set"), ("get", "get")):
+            ratios = r["ratios"]
+            table.add_row(size, op, cell(r, f"{op}_GBps"), cell(r, f"{op}_cpu_ms_per_GB", "{:.0f}"),
+                          cell(r, f"{op}_hot_GBps"), cell(r, f"server_tool_{tool}_GBps"),
+                          cell(r, f"server_tool_{tool}_cpu_ms_per_GB", "{:.0f}"), cell(ratios, f"{op}_vs_tool"),
+                          cell(r, f"library_{op}_GBps"), cell(ratios, f"{op}_vs_library"))
     console = print_table(table)
     c = report["contains"]
     library = f", library pipeline {c['library_pipeline_ms']:.2f} ms" if "library_pipeline_ms" in c else ""

@@ -132,10 +132,15 @@ def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
     shared = config.shared
     codec = FormatCodec.for_stack(config.kv, config.world_size, model=shared.model or UNNAMED_MODEL, layout=layout,
                                   tenant=shared.tenant, secret=shared.secret)
-    store, owned = open_shared(shared.url)
-    _warn_unauthenticated(store, codec.namespace.secret)
-    spec = SharedTierSpec(store=store, codec=codec, write=shared.write,
-                          backoff_s=shared.backoff_s, max_backoff_s=60 * shared.backoff_s)
+    store, owned = open_shared(shared.url)  # last: nothing after it may fail and leave it open
+    try:
+        _warn_unauthenticated(store, codec.namespace.secret)
+        spec = SharedTierSpec(store=store, codec=codec, write=shared.write,
+                              backoff_s=shared.backoff_s, max_backoff_s=60 * shared.backoff_s)
+    except BaseException:
+        if owned:
+            store.close()
+        raise
     return SharedConnection(spec, store, owned)
 
 

@@ -120,14 +120,14 @@ class Namespace:
     part of every key.
     """
 
-    model: str = attrs.field(converter=_text("model"))
+    model: str = attrs.field(converter=_text("model"))  # type: ignore[misc]
     spec: KVCacheSpec = attrs.field(converter=_spec)
-    layout: str = attrs.field(default="cross-layer", converter=_text("layout"))
-    revision: str = attrs.field(default="", converter=_text("revision", allow_empty=True))
-    tp_size: int = attrs.field(default=1, converter=checked(check_int, minimum=1, label="Namespace."))
-    tenant: str = attrs.field(default=DEFAULT_TENANT, converter=checked(check_tenant, label="Namespace."))
+    layout: str = attrs.field(default="cross-layer", converter=_text("layout"))  # type: ignore[misc]
+    revision: str = attrs.field(default="", converter=_text("revision", allow_empty=True))  # type: ignore[misc]
+    tp_size: int = attrs.field(default=1, converter=checked(check_int, minimum=1, label="Namespace."))  # type: ignore[misc]
+    tenant: str = attrs.field(default=DEFAULT_TENANT, converter=checked(check_tenant, label="Namespace."))  # type: ignore[misc]
     secret: bytes | None = attrs.field(default=None, repr=secret_repr,
-                                       converter=checked(check_secret, label="Namespace.", optional=True))
+                                       converter=checked(check_secret, label="Namespace.", optional=True))  # type: ignore[misc]
     digest: bytes = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:

@@ -111,7 +111,7 @@ def _valkey(url: str, tls: bool, cluster: bool) -> dict[str, Any]:
     auth, at, location = rest.rpartition("@")
     if not at:
         auth, location = "", rest
-    hosts, slash, path = location.partition("/")
+    hosts, _, path = location.partition("/")
     if not hosts:
         raise ConfigError(f"block store URL {quote(url)}: no host; expected e.g. valkey://127.0.0.1:6379/0")
     nodes = [_address(url, part) for part in hosts.split(",")]

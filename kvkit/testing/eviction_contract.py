@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from typing_extensions import override
 
 from kvkit.interfaces.capabilities import pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
@@ -134,7 +135,8 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         for _ in range(min(length, self.max_blocks - len(self.tracked))):
             block_id = BlockId(self._first_free(block, self.max_blocks, self.tracked.__contains__))
             in_use = set(self.tracked.values())
-            block_hash = _hash(self._first_free(k, self.hash_space, lambda x: _hash(x) in in_use))
+            block_hash = _hash(self._first_free(k, self.hash_space,
+                                                lambda x: _hash(x) in in_use))  # noqa: B023 - used at once
             parent_hash = self.parents.setdefault(block_hash, previous)
             for policy in self.policies():
                 policy.on_insert(block_id, block_hash, parent_hash)
@@ -283,6 +285,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
 class LRUContract(EvictionPolicyContract):
     """The contract plus exact LRU order: victims are the least recently inserted or hit."""
 
+    @override
     def reference_order(self) -> Iterable[BlockId]:
         return self.recency
 
@@ -290,5 +293,6 @@ class LRUContract(EvictionPolicyContract):
 class FIFOContract(EvictionPolicyContract):
     """The contract plus exact FIFO order: victims are the earliest inserted; hits don't count."""
 
+    @override
     def reference_order(self) -> Iterable[BlockId]:
         return self.tracked

@@ -3,6 +3,8 @@ the tenant and the secret are part of every key, so deployments that differ in e
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import pytest
 from hypothesis import given, settings
@@ -45,7 +47,7 @@ def test_a_value_checks_ok_however_its_payload_is_split(secret, payload, cuts):
     header = encode_header(_ns(secret), _HASH, 1, [payload])
     assert len(header) == HEADER_SIZE
     edges = [0, *sorted(min(c, len(payload)) for c in cuts), len(payload)]
-    parts = [memoryview(payload)[a:b] for a, b in zip(edges, edges[1:])]
+    parts = [memoryview(payload)[a:b] for a, b in itertools.pairwise(edges)]
     assert check_value(_ns(secret), _HASH, 1, header, parts) is ValueStatus.OK
 
 
@@ -163,7 +165,7 @@ def test_keys_and_digests_are_stable():
     assert NS.digest.hex() == "d36a7a69e52d7d3e2d159dfe3451843e"  # a format change must bump FORMAT_VERSION
 
 
-@pytest.mark.parametrize("call, match", [
+@pytest.mark.parametrize(("call", "match"), [
     (lambda: Namespace("", SPEC), "model"),
     (lambda: Namespace("m", "spec"), "spec"),
     (lambda: Namespace("m", SPEC, tp_size=0), "tp_size"),

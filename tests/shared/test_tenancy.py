@@ -88,7 +88,7 @@ def test_the_documented_acl_confines_a_tenant(server):
     admin = _admin(server.port)
     for tenant in ("acme", "globex"):
         assert admin.call(*_recipe(tenant, f"{tenant}-pw")) == b"OK"
-    url = "valkey://kvkit-{0}:{0}-pw@127.0.0.1:%d/0" % server.port
+    url = "valkey://kvkit-{0}:{0}-pw@127.0.0.1:" + str(server.port) + "/0"
     acme, globex = _stack(url.format("acme"), tenant="acme"), _stack(url.format("globex"), tenant="globex")
     assert _serve(globex, "g1") == (0, 0)
     theirs = {key: admin.call(b"GET", key) for key in _keys(admin, b"kvkit:globex:*")}
@@ -103,7 +103,7 @@ def test_the_documented_acl_confines_a_tenant(server):
         tier.tick()
         time.sleep(0.01)
     assert second.stats.shared_probes.value == 1 and second.stats.shared_outages.value == 0
-    assert admin.call(b"GET", b"kvkit:acme:probe") == b"1"  # the probe landed: the ACL let it
+    assert admin.call(b"GET", b"kvkit:acme:probe:0") == b"1"  # the probe landed: the ACL let it
     user = Connection(("127.0.0.1", server.port), ConnectOptions(1.0, 1.0, username="kvkit-acme", password="acme-pw"))
     key = next(iter(theirs))
     for command in ([b"GET", key], [b"EXISTS", key], [b"SET", key, b"x"], [b"DEL", key], [b"KEYS", b"*"],
@@ -224,7 +224,7 @@ def test_an_unauthenticated_server_beyond_loopback_is_warned_about_once(fresh_wa
         client._WARNED.clear()
         assert _warnings_of(lambda: _stack(url, secret=b"s")) == []
         for loopback in ("127.0.0.1", "localhost"):
-            assert _warnings_of(lambda: _stack(f"valkey://{loopback}:{remote.port}/0")) == []
+            assert _warnings_of(lambda loopback=loopback: _stack(f"valkey://{loopback}:{remote.port}/0")) == []
 
 
 def test_the_threat_model_is_in_the_readme_and_the_guide():

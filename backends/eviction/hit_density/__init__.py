@@ -201,7 +201,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         * The chain index's, the density model's and the shift test's invariants.
     """
 
-    ghost_span: float = attrs.field(default=8.0, validator=real_in(low=1, high=math.inf, high_open=True, label="HitDensityPolicy."))
+    ghost_span: float = attrs.field(default=8.0, validator=real_in(low=1, high=math.inf, high_open=True,
+                                                                   label="HitDensityPolicy."))
     shift_alpha: float = attrs.field(default=1e-3, validator=real_in(low=0, high=1, high_open=True,
                                                                      label="HitDensityPolicy."))
     _lists: list[OrderedDict[BlockId, None]] = attrs.field(
@@ -388,10 +389,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         while len(chosen) < n:
             root = next(orphans, None)
             if root is None:
-                live = [i for i, head in enumerate(heads) if head is not None]
+                live = [head for head in heads if head is not None]
                 if not live:
                     return None
-                root = heads[min(live, key=heads.__getitem__)][2]  # type: ignore[index]
+                root = min(live)[2]
             self._chains.collect(root, is_evictable, chosen, n, parked)
             for i, head in enumerate(heads):
                 if head is not None and head[2] in chosen:

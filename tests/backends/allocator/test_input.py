@@ -69,7 +69,7 @@ def test_getters_refuse_what_is_no_id(getter, bad):
 def test_true_is_not_block_one():
     """``incref([True])`` refuses, instead of referencing block 1 (planted: ``True == 1``)."""
     pool = busy_pool()
-    with pytest.raises(UnknownBlockError, match="block id True is out of range .* bool is not one"):
+    with pytest.raises(UnknownBlockError, match=r"block id True is out of range .* bool is not one"):
         pool.incref([True])
     assert pool.refcount(1) == 0
 

@@ -119,8 +119,8 @@ TestARCWithoutPinHooks = _without_hooks(ARCPolicyContract).TestCase
 class OptimalPolicyContract(EvictionPolicyContract):
     """OPT's future is a fixed random string over the contract's hashes, observed by a rule."""
 
-    references = [EvictionPolicyContract.hash_for(k) for k in
-                  random.Random(0).choices(range(EvictionPolicyContract.hash_space), k=200)]
+    references = tuple(EvictionPolicyContract.hash_for(k) for k in
+                       random.Random(0).choices(range(EvictionPolicyContract.hash_space), k=200))
 
     def make_policy(self):
         return OptimalPolicy(self.references)

@@ -179,7 +179,7 @@ def test_the_model_catches_a_window_left_short():
 
     hunt = settings(max_examples=300, stateful_step_count=30, deadline=None, database=None,
                     derandomize=True, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    with pytest.raises(AssertionError, match="window|joined the window unreported"):
+    with pytest.raises(AssertionError, match=r"window|joined the window unreported"):
         run_state_machine_as_test(Broken, settings=hunt)
 
 
