@@ -216,3 +216,21 @@ def test_a_build_refused_after_opening_the_store_leaves_no_thread(server, monkey
         with pytest.raises(InsufficientMemoryError, match="planted"):
             instance(server.url + FAST)
     assert _io_threads() == before
+
+
+def test_every_guarantee_under_faults_in_the_docs_names_tests_that_exist():
+    """docs/shared-tier.md's table of guarantees under faults: every test it names is defined where it says."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "shared-tier.md").read_text()
+    section = text[text.index("## When the server fails"):text.index("## The value format")]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "::" in line]
+    assert len(rows) >= 15
+    files = {p.name: p for p in (root / "tests").rglob("test_*.py")}
+    for row in rows:
+        named = re.findall(r"`(?:[\w/]+/)?(test_\w+\.py)::(test_\w+)`", row)
+        assert named, row
+        for path, name in named:
+            assert f"def {name}(" in files[path].read_text(), f"{path}::{name} is named in the docs but not defined"
