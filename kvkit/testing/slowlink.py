@@ -12,6 +12,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import attrs
 
@@ -74,18 +75,20 @@ class SlowLink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _spawn(self, target, *args: object) -> None:
+    def _spawn(self, target: Callable[..., None], *args: object) -> None:
         thread = threading.Thread(target=target, args=args, name="kvkit-slowlink", daemon=True)
         with self._lock:
             self._threads.append(thread)
         thread.start()
 
     def _accept(self) -> None:
+        listener = self._listener
+        assert listener is not None, "start() listens first"
         while not self._stop.is_set():
-            if not select.select([self._listener], [], [], _TICK)[0]:
+            if not select.select([listener], [], [], _TICK)[0]:
                 continue
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
                 server = socket.create_connection(self.target, timeout=1.0)
             except OSError:
                 continue
