@@ -9,7 +9,6 @@ from kvkit.interfaces.capabilities import (
     PinAwarePolicy,
     PrefillCompute,
     ReportsAvailability,
-    SelectivePins,
     SelfChecking,
     WindowedPolicy,
 )
@@ -47,7 +46,6 @@ __all__ = [
     "Region",
     "ReportsAvailability",
     "RequestView",
-    "SelectivePins",
     "SelfChecking",
     "StorePolicy",
     "Tier",

@@ -10,7 +10,7 @@ so a subclass can opt out of a capability its parent has.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from kvkit.errors import ConfigError
@@ -26,7 +26,6 @@ __all__ = [
     "PinAwarePolicy",
     "PrefillCompute",
     "ReportsAvailability",
-    "SelectivePins",
     "SelfChecking",
     "WindowedPolicy",
     "pin_hooks",
@@ -67,36 +66,6 @@ class PinAwarePolicy(EvictionPolicy, Protocol):
 
     def on_unpin(self, block: BlockId) -> None:
         """A pinned block's last reference went (refcount 1 -> 0)."""
-        ...
-
-
-@runtime_checkable
-class SelectivePins(PinAwarePolicy, Protocol):
-    """A pin-aware policy that needs to hear the pins of only some blocks: those in ``pin_watch``.
-
-    A driver that finds the capability calls ``attach(is_evictable)`` once,
-    when it adopts the policy, with the predicate it passes to
-    :meth:`~EvictionPolicy.select_victims` (true exactly for tracked blocks
-    not in use), and from then on calls ``on_pin`` and ``on_unpin`` only for
-    blocks in ``pin_watch`` at the time of the call. The policy learns every
-    other block's use from the predicate when it meets the block, so blocks
-    pinned and released unseen cost no call.
-
-    Invariants:
-        * ``pin_watch`` is a set the policy keeps up to date; a driver only reads it.
-        * An attached policy accepts ``on_pin`` for a block it already found in
-          use (it may meet a block first, e.g. while it is being committed).
-        * Driven with every pin reported, attached or not, it behaves as a
-          :class:`PinAwarePolicy`.
-    """
-
-    @property
-    def pin_watch(self) -> Collection[BlockId]:
-        """The blocks whose pins and releases the policy must hear."""
-        ...
-
-    def attach(self, is_evictable: Callable[[BlockId], bool]) -> None:
-        """From now on the driver reports only the pins of ``pin_watch``; ``is_evictable`` tells the rest."""
         ...
 
 
@@ -262,10 +231,13 @@ class LayeredCopy(Protocol):
           sequence with one event (or ``None``) per stage, waited for before
           that stage: a stage never reads its source before its event.
         * The answer is one handle for the whole plan (reported by ``poll``
-          exactly once, as ``submit``'s) and, per stage, a tuple of device
-          events that complete once that stage and every earlier one landed;
-          an empty tuple means the stage already landed. A consumer makes its
-          stream wait for them (no host synchronisation) before it reads.
+          exactly once, as ``submit``'s) and exactly one tuple per stage, of
+          device events that complete once that stage and every earlier one
+          landed; an empty tuple means the stage already landed (its bytes are
+          in place when ``submit_stages`` returns). A consumer makes its
+          stream wait for them (no host synchronisation) before it reads; the
+          ``TransferEngine`` waits whole (by poll) for a load whose answer is
+          not one tuple per stage or has a stage without events.
         * A raising call leaves nothing of the plan running, as ``submit``.
     """
 

@@ -22,13 +22,15 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from typing_extensions import override
+
 __all__ = ["lazy_exports", "lazy_module"]
 
 
 def lazy_exports(package: str, targets: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``, resolving each name of ``targets`` on first use."""
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str) -> Any:  # noqa: N807 - the package's module __getattr__
         target = targets.get(name)
         if target is not None:
             module, _, attr = target.partition(":")
@@ -40,7 +42,7 @@ def lazy_exports(package: str, targets: Mapping[str, str]) -> tuple[Callable[[st
         vars(sys.modules[package])[name] = value
         return value
 
-    def __dir__() -> list[str]:
+    def __dir__() -> list[str]:  # noqa: N807 - the package's module __dir__
         return sorted({*vars(sys.modules[package]), *targets})
 
     return __getattr__, __dir__
@@ -60,6 +62,7 @@ class _LazyModule:
             self._namespace[self._binding] = module
         return getattr(module, attribute)
 
+    @override
     def __repr__(self) -> str:
         return f"<module {self._name!r}, imported on first use>"
 

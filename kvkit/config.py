@@ -28,7 +28,8 @@ from kvkit.interfaces import (
     OffloadCallback,
     StorePolicy,
 )
-from kvkit.interfaces.shared import SHARED_WRITES, BlockStore
+from kvkit.interfaces.shared import DEFAULT_TENANT, SHARED_WRITES, BlockStore, check_tenant
+from kvkit.redact import redact_url, secret_repr
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry
 from kvkit.validate import (
     check_choice,
@@ -43,7 +44,6 @@ from kvkit.validate import (
     plural,
     problem_of,
     quote,
-    redact_url,
     secret_bytes,
 )
 from kvkit.worker import WAIT_TIMEOUT_S
@@ -204,9 +204,16 @@ class SharedConfig:
             (default): the integration's (``OffloadedLM``: the weights'
             fingerprint; vLLM: its model and revision), :data:`UNNAMED_MODEL`
             for a stack built directly.
+        tenant: who owns the tier's keys: every key starts with
+            ``kvkit:<tenant>:``, a prefix a server's ACL key pattern confines a
+            client to (``"default"``; 1-64 letters, digits, ``_``, ``.``, ``-``:
+            :func:`~kvkit.interfaces.shared.check_tenant`).
         secret: HMAC secret (non-empty bytes) every instance of a deployment
-            shares, or ``None``; never shown in a repr or an error (nor is
-            a password in ``url``: a repr shows it as ``***``).
+            shares, or ``None``: values are then trusted as the server holds
+            them. It seals and checks every value and is bound into the keys,
+            so instances with another secret or none never share or overwrite
+            them. Never shown in a repr or an error (a repr shows ``'***'``, and
+            a password in ``url`` as ``***``).
         backoff_s: seconds the tier stays off after a failure before a probe
             (doubling on each failed probe, at most 60x).
 
@@ -217,7 +224,9 @@ class SharedConfig:
     url: str | BlockStore = attrs.field(validator=_store_url, repr=_shown_url)
     write: str = attrs.field(default="write-through", validator=one_of(SHARED_WRITES, label=_SHARED))
     model: str | None = attrs.field(default=None, validator=non_empty_str(label=_SHARED, optional=True))
-    secret: bytes | None = attrs.field(default=None, repr=False, validator=secret_bytes(label=_SHARED, optional=True))
+    tenant: str = attrs.field(default=DEFAULT_TENANT, converter=checked(check_tenant, label=_SHARED))
+    secret: bytes | None = attrs.field(default=None, repr=secret_repr,
+                                       validator=secret_bytes(label=_SHARED, optional=True))
     backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_SHARED))
 
 
@@ -393,8 +402,8 @@ class StackConfig:
         except ConfigError as exc:
             return [f"cpu_bytes={quote(self.cpu_bytes)}: {exc}"]
         if isinstance(self.kv, KVCacheSpec) and self.kv.blocks_for(num_bytes) < 1:
-            return [f"cpu_bytes={quote(self.cpu_bytes)} ({plural(num_bytes, 'byte')}) holds no block: one block of "
-                    f"this kv spec takes {self.kv.bytes_per_block} bytes"]
+            return [(f"cpu_bytes={quote(self.cpu_bytes)} ({plural(num_bytes, 'byte')}) holds no block: one block of "
+                    f"this kv spec takes {self.kv.bytes_per_block} bytes")]
         return []
 
     def _options_problems(self) -> list[str]:
@@ -441,10 +450,10 @@ class StackConfig:
             if problem is None and isinstance(kwargs, Mapping):
                 problem = ALLOCATOR.check_options(spec, kwargs, slot="allocator", partial=True)
             return [problem] if problem else []
-        expected = f"one of {', '.join(ALLOCATOR.names())} or a factory (num_blocks=..., eviction=...) -> BlockAllocator"
+        expected = f"one of {', '.join(ALLOCATOR.names())} or a factory (num_blocks=..., eviction=...) -> BlockAllocator"  # noqa: E501
         if isinstance(spec, BlockAllocator):
-            return [f"allocator={quote(spec)}: got a pool instance, expected {expected}; "
-                    f"each tier builds its own pool"]
+            return [(f"allocator={quote(spec)}: got a pool instance, expected {expected}; "
+                    f"each tier builds its own pool")]
         return [f"allocator={quote(spec)}: {type(spec).__qualname__} is not callable; expected {expected}"]
 
     def _callback_problems(self) -> list[str]:
@@ -481,8 +490,8 @@ class StackConfig:
         if shared is None or isinstance(shared, SharedConfig):
             return []
         if not isinstance(shared, (str, Mapping)) and (isinstance(shared, type) or not isinstance(shared, BlockStore)):
-            return [f"shared={quote(shared)}: must be None, a SharedConfig, its url (a URL such as 'memory://', "
-                    f"'file:///path' or 'valkey://host:6379/0', or a BlockStore instance) or a mapping of its fields"]
+            return [(f"shared={quote(shared)}: must be None, a SharedConfig, its url (a URL such as 'memory://', "
+                    f"'file:///path' or 'valkey://host:6379/0', or a BlockStore instance) or a mapping of its fields")]
         if isinstance(shared, Mapping) and not all(isinstance(key, str) for key in shared):
             return [f"shared: a mapping of SharedConfig fields has str keys, got {sorted(map(repr, shared))}"]
         try:

@@ -7,14 +7,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
+from typing_extensions import override
 
 from kvkit.config import StackConfig
 from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
+from kvkit.redact import redact_url
 from kvkit.registry import COPY
 from kvkit.stats import OffloadStats
-from kvkit.validate import plural, redact_url
+from kvkit.validate import plural
 from kvkit.worker.memory import check_fits
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ class OffloadStack:
     shared_store: BlockStore | None = None
     owns_shared_store: bool = False
 
+    @override
     def __repr__(self) -> str:
         """The parts and sizes, one line: no private state, and no secret (a store URL's password is ``***``)."""
         c, kv = self.config, self.config.kv
@@ -249,7 +252,7 @@ def _check_memory(config: StackConfig, layout: str | None, *, allocate_gpu: bool
     host = config.pool_bytes()
     if layout is not None:
         n, block = config.world_size, config.kv.bytes_per_block
-        host[f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"] = n * config.num_cpu_blocks * block
+        host[f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"] = n * config.num_cpu_blocks * block  # noqa: E501
         if allocate_gpu:
             gpu = {f"{plural(n, 'GPU tier')} of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
             if config.device == "cpu":

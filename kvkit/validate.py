@@ -1,4 +1,4 @@
-"""Checks of caller input, one place for every component (imports nothing of kvkit but errors).
+"""Checks of caller input, one place for every component (imports nothing of kvkit but errors and redact).
 
 Two shapes serve every caller:
 
@@ -6,7 +6,8 @@ Two shapes serve every caller:
   that collects every problem before raising once (``StackConfig``);
   :func:`problem_of` turns any ``check_*`` call into such a message;
 * ``check_*`` functions raise a typed :mod:`kvkit.errors` error that quotes the
-  value (through :func:`quote`, which never fails), and :func:`at_least` /
+  value (through :func:`quote`, which never fails and masks secrets, as
+  :mod:`kvkit.redact` rules), and :func:`at_least` /
   :func:`optional_at_least` / :func:`real_in` / :func:`one_of` /
   :func:`non_empty_str` / :func:`implements` / :func:`is_callable` /
   :func:`secret_bytes` build ``attrs`` validators from them, :func:`checked` an
@@ -20,8 +21,7 @@ An "int" is an exact integer: ``bool`` is refused (``True`` is not block 1);
 NumPy integers are integers (``numbers.Integral``) and are converted to ``int``
 by the ``check_*`` functions that return a value. A "bool" is ``True`` or
 ``False`` (``"yes"`` and ``1`` are not), a "number" a real that is not a bool.
-A secret (:func:`check_secret`) is never quoted: messages name its type only;
-:func:`redact_url` shows a URL without its password.
+A secret (:func:`check_secret`) is never quoted: messages name its type only.
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ import enum
 import functools
 import numbers
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar, cast
 
 import attrs
 import numpy as np
 
 from kvkit.errors import ConfigError
+from kvkit.redact import redact, redact_text
 
 __all__ = [
     "at_least",
@@ -62,7 +63,6 @@ __all__ = [
     "problem_of",
     "quote",
     "real_in",
-    "redact_url",
     "secret_bytes",
     "unknown_keywords",
     "unknown_problem",
@@ -75,35 +75,13 @@ _QUOTE_CHARS = 200
 
 
 def quote(value: object) -> str:
-    """``repr(value)`` for a message, cut to 200 characters; never raises (a message must not fail)."""
+    """``repr(value)`` for a message, secrets masked (:mod:`kvkit.redact`), cut to 200 characters; never raises."""
     try:
-        text = repr(value)
-    except Exception:  # a hostile __repr__, or an int past sys.get_int_max_str_digits()
+        text = redact_text(repr(redact(value)))
+    except Exception:  # noqa: BLE001 - a hostile __repr__, or an int past sys.get_int_max_str_digits()
         size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
         text = f"<{type(value).__name__}{size}>"
     return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
-
-
-_SECRET_OPTIONS = ("password", "secret", "token")
-
-
-def redact_url(url: str) -> str:
-    """``url`` fit to print: its password, and every query value whose name holds one of
-    :data:`_SECRET_OPTIONS`, replaced by ``***`` (the user name, hosts and other options stay)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    location, mark, query = rest.partition("?")
-    netloc, slash, path = location.partition("/")
-    auth, at, hosts = netloc.rpartition("@")
-    if at:  # user:password, or a password alone
-        user, colon, _ = auth.partition(":")
-        location = (f"{user}:***@{hosts}" if colon else f"***@{hosts}") + slash + path
-    if query:
-        pairs = [pair.partition("=") for pair in query.split("&")]
-        query = "&".join(name + eq + ("***" if eq and any(s in name.lower() for s in _SECRET_OPTIONS) else value)
-                         for name, eq, value in pairs)
-    return f"{scheme}{sep}{location}{mark}{query}"
 
 
 def did_you_mean(value: object, valid: Sequence[str]) -> str:
@@ -141,12 +119,12 @@ def plural(n: int, noun: str, many: str | None = None, *, grouped: bool = False)
     return f"{number} {noun if n == 1 else many or noun + 's'}"
 
 
-def is_int(value: object, minimum: int | None = None) -> bool:
+def is_int(value: object, minimum: int | None = None) -> TypeGuard[int | numbers.Integral]:
     """``value`` is an integer (not a ``bool``), at least ``minimum`` when given."""
-    if value.__class__ is not int:  # the common case first: the ABC check costs ~10x more
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            return False
-    return minimum is None or value >= minimum
+    # the common case first: the ABC check costs ~10x more
+    if value.__class__ is not int and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+        return False
+    return minimum is None or not value < minimum  # typeshed's Integral orders only by < and <=
 
 
 def int_problem(name: str, value: object, minimum: int | None = None) -> str | None:
@@ -162,10 +140,9 @@ def check_int(name: str, value: object, minimum: int | None = None, *,
     """``value`` as an ``int``, or ``error`` quoting it when it is not an int >= ``minimum``."""
     if value.__class__ is int and (minimum is None or value >= minimum):
         return value  # the hot path: pools check every count
-    problem = int_problem(name, value, minimum)
-    if problem is not None:
-        raise error(problem)
-    return int(value)
+    if is_int(value, minimum):
+        return int(value)
+    raise error(int_problem(name, value, minimum))
 
 
 def check_real(name: str, value: object, *, low: float | None = None, high: float | None = None,
@@ -173,13 +150,14 @@ def check_real(name: str, value: object, *, low: float | None = None, high: floa
                error: type[Exception] = ConfigError) -> float:
     """``value`` as a ``float`` in the given range, or ``error`` quoting it (NaN is refused)."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
+    number = cast(float, value)  # read only when ``ok``: a Real (typeshed's Real does not order against floats)
     if ok and low is not None:
-        ok = value > low if low_open else value >= low
+        ok = number > low if low_open else number >= low
     if ok and high is not None:
-        ok = value < high if high_open else value <= high
+        ok = number < high if high_open else number <= high
     if ok:
         try:
-            return float(value)
+            return float(number)
         except OverflowError:  # an int beyond any float, e.g. 10**400
             pass
     lo = "" if low is None else f"{'(' if low_open else '['}{low}"
@@ -246,6 +224,8 @@ def checked(check: Callable[..., Any], *, label: str = "", optional: bool = Fals
 
     ``check`` is a ``check_*`` function, so the field holds the converted value
     (a NumPy integer becomes an ``int``); ``optional`` lets ``None`` through.
+    mypy's ``attrs`` plugin reads only named functions as converters, so a
+    field using this one carries ``# type: ignore[misc]``.
     """
 
     def convert(value: object, field: attrs.Attribute) -> Any:
@@ -364,7 +344,7 @@ def known_keywords(cls: _C) -> _C:
     known = frozenset(valid)
 
     @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         if known.issuperset(kwargs):
             init(self, *args, **kwargs)
             return

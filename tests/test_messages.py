@@ -1,4 +1,7 @@
-"""Messages count in plain English: ``1 block``, ``2 blocks``, never ``1 blocks`` (through ``kvkit.validate.plural``)."""
+"""Messages count in plain English: ``1 block``, ``2 blocks``, never ``1 blocks``.
+
+Counts go through ``kvkit.validate.plural``.
+"""
 
 import ast
 import os

@@ -31,7 +31,7 @@ def check_call(store: str, closed: bool, keys: Sequence[bytes], buffers: Sequenc
         raise ConfigError(f"{plural(len(keys), 'key')} but {plural(len(buffers), 'buffer list')}")
 
 
-def flat_views(parts: Sequence[object]) -> list[memoryview]:
+def flat_views(parts: Sequence[memoryview]) -> list[memoryview]:
     """Byte views of one value's buffers (each contiguous), in order."""
     return [memoryview(p).cast("B") for p in parts]
 

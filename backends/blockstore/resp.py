@@ -16,6 +16,7 @@ passes raises :class:`DeadlineExceeded`; a closed or refusing server raises ``Co
 from __future__ import annotations
 
 import binascii
+import contextlib
 import math
 import select
 import socket
@@ -40,7 +41,7 @@ class ServerError(Exception):
     """An error reply (``-ERR ...``) other than a redirect."""
 
 
-class DeadlineExceeded(TimeoutError):
+class DeadlineExceeded(TimeoutError):  # noqa: N818
     """The call's deadline passed before the server sent (or took) what the call needs.
 
     ``stalled_s``: how long the connection had been waiting without receiving a byte when it gave up
@@ -268,10 +269,8 @@ class Connection:
 
     def close(self) -> None:
         """Shut the socket down (waking a wait on it in another thread) and close it; idempotent."""
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
 
     def _fill(self) -> None:

@@ -8,6 +8,7 @@ import threading
 import time
 import weakref
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import attrs
 
@@ -23,9 +24,9 @@ __all__ = ["ValkeyStore"]
 _OK = b"+OK"
 
 
-def _nodes(value: object) -> tuple[Address, ...]:
+def _nodes(value: Any) -> tuple[Address, ...]:
     try:
-        nodes = tuple((str(host), int(port)) for host, port in value)  # type: ignore[union-attr]
+        nodes = tuple((str(host), int(port)) for host, port in value)
     except (TypeError, ValueError):
         nodes = ()
     if not nodes or any(not host or not 0 < port < 65536 for host, port in nodes):
@@ -98,11 +99,11 @@ class ValkeyStore:
     retry_interval_s: float = attrs.field(default=1.0, converter=_SECONDS)
     ttl_s: int | None = attrs.field(default=None, converter=checked(check_int, minimum=1, optional=True,
                                                                     label="ValkeyStore."))
-    window_bytes: int = attrs.field(default=256 << 10, converter=checked(check_int, minimum=1,
+    window_bytes: int = attrs.field(default=256 << 10, converter=checked(check_int, minimum=1,  # type: ignore[misc]
                                                                          label="ValkeyStore."))
     """Bytes of values per chunk of a put or get; at most two chunks are in flight per node."""
     max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
-                                   converter=checked(check_int, minimum=1, label="ValkeyStore."))
+                                   converter=checked(check_int, minimum=1, label="ValkeyStore."))  # type: ignore[misc]
     closed: bool = attrs.field(default=False, init=False)
     _health: NodeHealth = attrs.field(init=False)
     _lookup: Link = attrs.field(init=False)

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
 from kvkit.errors import BackendUnavailableError, DeviceError
 from kvkit.validate import plural
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 __all__ = [
     "BATCH_OP_DTYPE",
@@ -67,8 +71,8 @@ class Driver:
 
     lib: ctypes.CDLL
     version: int
-    _batch: ctypes._CFuncPtr | None  # None: driver older than 12.8
-    _batch3d: ctypes._CFuncPtr | None
+    _batch: CFuncPtr | None  # None: driver older than 12.8
+    _batch3d: CFuncPtr | None
     _with_fail_idx: bool
 
     @classmethod
@@ -128,7 +132,8 @@ class Driver:
     def memcpy_3d_batch(self, ops: np.ndarray, stream: int) -> None:
         """Enqueue every ``BATCH_OP_DTYPE`` record of ``ops``: one driver call."""
         n = len(ops)
-        assert self._batch3d is not None and stream != 0 and n and ops.dtype == BATCH_OP_DTYPE and ops.flags.c_contiguous
+        assert (self._batch3d is not None and stream != 0 and n and ops.dtype == BATCH_OP_DTYPE
+                and ops.flags.c_contiguous)
         if self._with_fail_idx:
             fail = ctypes.c_size_t(0)
             res = self._batch3d(n, ops.ctypes.data, ctypes.addressof(fail), 0, stream)

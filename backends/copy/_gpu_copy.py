@@ -18,7 +18,7 @@ from kvkit.backends.copy._driver import driver
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy.planner import Planner, registered, stage_waits
 from kvkit.errors import SpecMismatchError
-from kvkit.interfaces.copy import Region
+from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, TransferPlan
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ __all__ = ["GPUCopy"]
 
 
 @attrs.define(eq=False)
-class GPUCopy(HandleQueue):
+class GPUCopy(HandleQueue, CopyBackend):
     """Base of the CUDA copy backends: stores and loads each on their own low-priority stream.
 
     Invariants:

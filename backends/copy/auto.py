@@ -32,7 +32,7 @@ from typing_extensions import override
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy.planner import Planner, registered, stage_waits
 from kvkit.errors import BackendUnavailableError
-from kvkit.interfaces.copy import Region
+from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, TransferPlan
 from kvkit.validate import one_of, real_in
 
@@ -58,7 +58,7 @@ class _Parts:
 
 
 @attrs.define(eq=False)
-class AutoCopy(HandleQueue):
+class AutoCopy(HandleQueue, CopyBackend):
     """Chooses ``cuda-dma`` or ``cupy-batch`` per plan (or splits it between them).
 
     Args:

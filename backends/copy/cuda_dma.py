@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
+from typing_extensions import override
 
 from kvkit._lazy import lazy_module
 from kvkit.backends.copy import _driver
@@ -65,6 +66,7 @@ class CudaDMACopy(GPUCopy):
         if problem is not None:
             raise BackendUnavailableError(f"cuda-dma: {problem}")
 
+    @override
     @classmethod
     def is_available(cls) -> bool:
         """A CUDA device and a driver with batched copies (12.8+) are present."""
@@ -78,8 +80,10 @@ class CudaDMACopy(GPUCopy):
             return "no CUDA device"
         return problem
 
+    @override
     def _registered(self, regions: Sequence[Region]) -> None:
         flags = _driver.FLAG_PREFER_OVERLAP if self.prefer_overlap else 0
+        assert self._device is not None, "register sets the device before this hook"
         device = self._device.index or 0
         self._attributes = {}
         for direction in Direction:
@@ -91,6 +95,7 @@ class CudaDMACopy(GPUCopy):
             a["flags"] = flags
             self._attributes[direction] = a
 
+    @override
     def _launch(self, plan: TransferPlan, stream: torch.cuda.Stream, regions: range, prepared: Any) -> Any:
         lib = _driver.driver()
         lib.ensure_context(self._context)

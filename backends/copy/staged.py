@@ -33,7 +33,7 @@ from kvkit.backends.copy.cuda_dma import CudaDMACopy
 from kvkit.backends.copy.cupy_batch import CupyBatchCopy
 from kvkit.backends.copy.planner import Planner, registered
 from kvkit.errors import BackendUnavailableError, SpecMismatchError
-from kvkit.interfaces.copy import Region
+from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, Tier, TransferPlan
 from kvkit.validate import at_least
 
@@ -99,7 +99,7 @@ def _bytes_at(like: torch.Tensor, address: int, rows: int, row_bytes: int) -> to
 
 
 @attrs.define(eq=False)
-class StagedCopy(HandleQueue):
+class StagedCopy(HandleQueue, CopyBackend):
     """Copies whole CPU blocks with the copy engines, staging them on the GPU in chunks.
 
     Args:
@@ -144,6 +144,7 @@ class StagedCopy(HandleQueue):
         """Why this backend cannot run here (``kvkit list`` shows it), or ``None``."""
         return CupyBatchCopy.unavailable_reason() or CudaDMACopy.unavailable_reason()
 
+    @override
     @classmethod
     def is_available(cls) -> bool:
         """CuPy, a CUDA device and a driver with batched copies (12.8+) are present."""

@@ -123,7 +123,9 @@ class TorchCopy(HandleQueue, CopyBackend):
         device = devices.pop() if devices else torch.device("cpu")
         if device.type == "cuda":
             # Copies yield to the model's kernels: least priority of the device's range.
-            self._stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
+            # torch's stub omits that priority_range is a staticmethod
+            least = torch.cuda.Stream.priority_range()[0]  # type: ignore[call-arg]
+            self._stream = torch.cuda.Stream(device, priority=least)
         else:
             self._stream = None
         self._rows, self._planner = rows, planner

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable
 from itertools import islice
+from typing import TYPE_CHECKING
 
 import attrs
 
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import check_int
+from kvkit.validate import check_int, quote
 
 __all__ = [
     "LearnsCapacity",
@@ -72,14 +74,20 @@ class LearnsCapacity:
         if tracked > self._high_water:
             self._high_water = tracked
 
+    if TYPE_CHECKING:
+        def __len__(self) -> int:
+            """Blocks tracked now: the subclass's count."""
+
     def _check_capacity(self) -> None:
         """The invariant above, for the subclass's ``check_invariants``."""
         assert self._high_water >= len(self), "high-water mark below the tracked count"
 
 
 def check_count(n: int) -> None:
-    """Reject a victim count that is not a non-negative int."""
+    """Reject a victim count that is not an int in ``[0, sys.maxsize]`` (no pool holds more blocks)."""
     check_int("select_victims: n", n, 0, error=PoolUsageError)
+    if n > sys.maxsize:
+        raise PoolUsageError(f"select_victims: n={quote(n)}: must be at most {sys.maxsize}")
 
 
 def already_tracked(policy: object, block: BlockId) -> PoolUsageError:

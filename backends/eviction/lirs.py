@@ -60,10 +60,13 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     ``capacity`` never admits provisionally.
 
     Pinned blocks: with the pin hooks (a pool calls them), a block in use keeps
-    its place in its list (a hit still moves it) and is skipped by at most one
-    selection (:class:`~kvkit.backends.eviction._queue.ParkingQueue`), so a
-    selection costs O(victims) amortised. Every other step is O(1) amortised:
-    pruning pops each entry of ``S`` at most once per reference.
+    its place in its list (a hit still moves it) and is set aside at once
+    (:class:`~kvkit.backends.eviction._queue.ParkingQueue`), so no selection
+    meets it. Every other step is O(1) amortised:
+    pruning pops each entry of ``S`` at most once per reference. The one
+    exception is learning ``c``: the first eviction after a learned fill
+    weighs and demotes the provisional excess, ``hir_ratio`` of the pool, at
+    once (O(c / 100) once; never with ``capacity`` given).
 
     Args:
         capacity: ``c``, blocks the cache holds (the pool's size). ``None``
@@ -194,6 +197,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         assert not ghosts or len(stack) <= 2 * self.c, "S holds a ghost beyond 2c entries"
         self._check_capacity()
 
+    @override
     def _queue_of(self, block: BlockId) -> ParkingQueue:
         if block in self._lir:
             return self._lir
@@ -201,6 +205,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             return self._hir
         raise not_tracked(self, block)
 
+    @override
     def _queues(self) -> Iterator[ParkingQueue]:
         return iter((self._lir, self._hir))
 

@@ -7,6 +7,12 @@ at the same concurrency: one connection (the store's I/O thread has one per node
 ``-c 1 -P 1``). Every way runs once per round, the rounds in a fresh order each; a figure is the median
 over the rounds, wall time and the CPU time of this process and its children (the tool) beside it.
 Every value read back is compared with what was written.
+
+No password is shown or handed on: the report names the URL through
+:func:`~kvkit.redact.redact_url`, and the server tool, which takes a password
+only on its command line (``-a``, readable by every local user in
+``/proc/<pid>/cmdline``; neither tool reads one from the environment), is not
+run against a server that needs one: the report says so (``server_tool_skipped``).
 """
 
 from __future__ import annotations
@@ -22,14 +28,16 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import parse_qsl
 
 import attrs
 import numpy as np
 
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.shared import BlockStore
+from kvkit.redact import redact_url
 from kvkit.shared.urls import open_block_store, process_wide
-from kvkit.validate import plural
+from kvkit.validate import plural, quote
 
 __all__ = ["run_shared_bench"]
 
@@ -49,15 +57,22 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
     """
     from kvkit.testing.servers import LocalServer
 
-    server = LocalServer().start() if url is None else None
-    target = server.url if server is not None else url
+    server: LocalServer | None = None
+    if url is None:
+        server = LocalServer().start()
+        target = server.url
+    else:
+        target = url
     try:
         store = open_block_store(target, request_timeout_s=30.0)
         problem = store.ping() if hasattr(store, "ping") else None
         if problem is not None:
-            raise ConfigError(f"--url {target!r}: {problem}")
+            raise ConfigError(f"--url {quote(target)}: {problem}")
         try:
-            report: dict[str, Any] = {"url": target, "repeat": repeat, "sizes": {}}
+            report: dict[str, Any] = {"url": redact_url(target), "repeat": repeat, "sizes": {}}
+            skipped = _tool_skipped(target)
+            if skipped is not None:
+                report["server_tool_skipped"] = skipped
             client = _library_client(target)
             for size in sizes:
                 report["sizes"][str(size)] = _throughput(store, client, target, size, max(1, batch_bytes // size),
@@ -120,7 +135,7 @@ def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, rep
     tool = _tool_command(url)
     if tool is not None:
         for test, requests in (("set", 3 * n), ("get", n)):
-            ways[f"server_tool_{test}"] = _Way(lambda t=test, r=requests: _run_tool(tool, t, size, r, n),
+            ways[f"server_tool_{test}"] = _Way(lambda t=test, r=requests: _run_tool(tool, t, size, r, n, url),
                                                 requests * size)
     measured = _interleaved({name: way.run for name, way in ways.items()}, repeat)
     if not (np.array_equal(source, target) and np.array_equal(source[0], hot_row)):
@@ -165,16 +180,15 @@ def _tool_command(url: str) -> list[str] | None:
     """The server tool's command line for ``url``'s host and port, or ``None`` (no tool, a Cluster, TLS)."""
     tool = _tool()
     scheme, _, rest = url.partition("://")
-    auth, _, location = rest.rpartition("@")
+    location = rest.rpartition("@")[2]
     host_port = location.partition("/")[0].partition("?")[0]
     if tool is None or "," in host_port or "cluster" in scheme or scheme.endswith("s"):
         return None
     host, _, port = host_port.rpartition(":")
-    password = auth.partition(":")[2]
-    return [tool, "-h", host, "-p", port, *(["-a", password] if password else [])]
+    return [tool, "-h", host, "-p", port]  # never a password in argv: _run_tool passes it in the environment
 
 
-def _run_tool(command: list[str], test: str, size: int, requests: int, keys: int) -> float | None:
+def _run_tool(command: list[str], test: str, size: int, requests: int, keys: int, url: str) -> float | None:
     """Seconds the server tool reports for ``requests`` SETs or GETs of ``size`` bytes over ``keys`` keys;
     ``None`` for a run too short for its millisecond clock (it says ``inf``: the wall time, start-up
     included, counts instead).
@@ -184,14 +198,26 @@ def _run_tool(command: list[str], test: str, size: int, requests: int, keys: int
     served from the CPU cache); SET runs ``3 keys`` requests, so about 95 % of the keys GET asks
     for exist (a missing key's nil reply flatters the tool a little).
     """
+    password = url.partition("://")[2].rpartition("@")[0].partition(":")[2]
+    env = {**os.environ, "REDISCLI_AUTH": password} if password else None  # the tools read it there, never argv
     out = subprocess.run([*command, "-t", test, "-d", str(size), "-n", str(requests), "-r", str(keys),
-                          "-P", "1", "-c", "1", "--csv"], capture_output=True, text=True, timeout=300).stdout
+                          "-P", "1", "-c", "1", "--csv"], capture_output=True, text=True, timeout=300,
+                         env=env).stdout
     for line in out.splitlines():
         cells = [c.strip('"') for c in line.split(",")]
         if len(cells) > 1 and cells[0] == test.upper():
             rate = float(cells[1])
             return requests / rate if math.isfinite(rate) and rate > 0 else None
     raise BackendUnavailableError(f"{os.path.basename(command[0])} -t {test} printed no result: {out[-200:]!r}")
+
+
+def _tool_skipped(url: str) -> str | None:
+    """Why the server tool is not run against ``url`` (it needs a login), or ``None``."""
+    location, _, query = url.partition("?")
+    if "@" in location or "password" in dict(parse_qsl(query)):
+        return ("the server needs a login, and the server tool takes a password only on its command line "
+                "(readable by every local user)")
+    return None
 
 
 def _tool() -> str | None:

@@ -14,11 +14,12 @@ that run there (``torch``) are timed.
 from __future__ import annotations
 
 import collections
+import functools
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -169,7 +170,8 @@ def make_plans(rig: Rig, blocks: int, ids: str, direction: str, seed: int = 0) -
     need = _check_pool(blocks, len(dirs), rig.num_blocks)
     rng = np.random.default_rng(seed)
     if ids == "random":
-        gpu_ids, cpu_ids = rng.choice(rig.num_blocks, need, replace=False), rng.choice(rig.num_blocks, need, replace=False)
+        gpu_ids = rng.choice(rig.num_blocks, need, replace=False)
+        cpu_ids = rng.choice(rig.num_blocks, need, replace=False)
     else:
         gpu_ids = rng.integers(0, rig.num_blocks - need + 1) + np.arange(need)
         cpu_ids = rng.integers(0, rig.num_blocks - need + 1) + np.arange(need)
@@ -362,10 +364,14 @@ def bench_backend(rig: Rig, label: str, backend: CopyBackend, plans: Sequence[Tr
     return result
 
 
-def _layered(rig: Rig, backend: LayeredCopy, plan: TransferPlan, repeat: int, trials: int) -> dict[str, Any]:
-    """The cost of per-layer stages: ``plan`` in one stage a layer against ``plan`` whole, timed alternately."""
+def _layered(rig: Rig, backend: CopyBackend, plan: TransferPlan, repeat: int, trials: int) -> dict[str, Any]:
+    """The cost of per-layer stages: ``plan`` in one stage a layer against ``plan`` whole, timed alternately.
+
+    ``backend`` is a :class:`~kvkit.interfaces.capabilities.LayeredCopy`.
+    """
     stages = [regions for regions, _ in layer_stages(rig.spec, rig.regions, 1)[plan.group]]
-    runs = {"whole": lambda: backend.submit(plan), "layered": lambda: backend.submit_stages(plan, stages)[0]}
+    staged = cast(LayeredCopy, backend)
+    runs = {"whole": lambda: backend.submit(plan), "layered": lambda: staged.submit_stages(plan, stages)[0]}
     submit_s: list[float] = []
     times: dict[str, list[float]] = {"whole": [], "layered": []}
     backend.wait(runs["layered"]())  # warm-up
@@ -413,12 +419,13 @@ def _backends(name: str, device: torch.device, options: dict[str, Any]) -> list[
     if not names:
         raise ConfigError(f"--backend {name!r}: nothing to run on {device.type}; hint: on a CPU-only machine "
                           f"use --backend torch")
-    out, used = [], set()
+    out: list[tuple[str, Callable[[], CopyBackend]]] = []
+    used: set[str] = set()
     for n in names:
         accepted = {k: v for k, v in options.items() if COPY.check_options(n, {k: v}, partial=True) is None}
         used |= set(accepted)
         label = n + "".join(f" {k}={v}" for k, v in accepted.items())
-        out.append((label, lambda n=n, kw=accepted: COPY.create(n, **kw)))
+        out.append((label, functools.partial(COPY.create, n, **accepted)))
     unused = sorted(set(options) - used)
     if unused:
         raise ConfigError(f"--set {', '.join(map(repr, unused))}: no option of "

@@ -9,9 +9,10 @@ from typing import Any
 
 import click
 
+from kvkit.redact import redact_url
 from kvkit.sim.fleet import FleetResult, compare_fleets
 from kvkit.sim.simulator import SimConfig
-from kvkit.validate import plural, redact_url
+from kvkit.validate import plural
 
 __all__ = ["run_fleets"]
 
@@ -94,7 +95,7 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
         table.add_row(name, value, shared[name])
     console = print_table(table)
     a, b = isolated.ttft_summary(), sharing.ttft_summary()
-    console.print(f"the shared tier served {plural(sharing.total('hit_tokens_shared'), 'prompt token', grouped=True)} the isolated "
+    console.print(f"the shared tier served {plural(sharing.total('hit_tokens_shared'), 'prompt token', grouped=True)} the isolated "  # noqa: E501
                   f"instances recomputed; modelled TTFT mean {b['mean']:,.1f} vs {a['mean']:,.1f} ms, p90 "
                   f"{b['p90']:,.1f} vs {a['p90']:,.1f} ms (fetch {config.cost.shared_gbps:g} GB/s, prefill "
                   f"{config.cost.prefill_tokens_per_s:,.0f} tokens/s); total {wall:.1f} s")

@@ -51,8 +51,9 @@ def bench_group() -> None:
 @click.option("--dtype", default=LLAMA_3_8B.dtype, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: int, ids: str, direction: str,
-                     with_gemm: bool, as_json: bool, pool_blocks: int | None, repeat: int, alloc: str, settings: tuple[str, ...],
-                     layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, seed: int) -> None:
+                     with_gemm: bool, as_json: bool, pool_blocks: int | None, repeat: int, alloc: str,
+                     settings: tuple[str, ...], layers: int, kv_heads: int, head_dim: int, block_size: int,
+                     dtype: str, seed: int) -> None:
     """Copy-backend GB/s on a KV cache (Llama-3-8B shapes by default), each copy checked."""
     spec = KVCacheSpec(num_layers=layers, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                        dtype=dtype)
@@ -136,7 +137,8 @@ def _print_table(report: dict[str, Any]) -> None:
         table.add_column(c, no_wrap=True)
     for r in report["results"]:
         row = [r["backend"], f"{r['gbps']:.1f}", f"{100 * r['gbps'] / ceiling:.0f}%", f"{r['submit_ms']:.3f}",
-               str(r.get("descriptors", "-")), "yes" if r["verified"] and r.get("layered_verified", True) else "[red]NO[/]",
+               str(r.get("descriptors", "-")),
+               "yes" if r["verified"] and r.get("layered_verified", True) else "[red]NO[/]",
                f"{r['layered_submit_ms']:.3f}" if "layered_submit_ms" in r else "-",
                f"{r['layered_vs_whole']:.3f}x" if "layered_vs_whole" in r else "-"]
         if gemm:
@@ -192,3 +194,5 @@ def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys
     c = report["contains"]
     library = f", library pipeline {c['library_pipeline_ms']:.2f} ms" if "library_pipeline_ms" in c else ""
     console.print(f"contains of {plural(c['keys'], 'key')}: {c['store_ms']:.2f} ms{library}")
+    if "server_tool_skipped" in report:
+        console.print(f"server tool not run: {report['server_tool_skipped']}")

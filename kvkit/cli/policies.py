@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import overload
 
 import click
 
@@ -24,6 +27,12 @@ DEFAULT_TRACE = "mooncake-conversation"
 """What ``kvkit policies`` replays without ``--trace`` or ``--shape``: the built-in Mooncake trace."""
 
 
+@overload
+def _split(value: str, what: str) -> list[str]: ...
+@overload
+def _split(value: None, what: str) -> None: ...
+@overload
+def _split(value: str | None, what: str) -> list[str] | None: ...
 def _split(value: str | None, what: str) -> list[str] | None:
     if value is None:
         return None
@@ -46,7 +55,9 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 
 @click.command("policies")
 @click.option("--trace", "trace_path", default=None,
-              type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
+              # kept as typed (a Path would drop the "./" that makes ./NAME a file, not a built-in trace);
+              # the reader reports a missing or unreadable file in one line
+              type=click.Path(path_type=str),
               help=f"Mooncake JSONL(.gz) trace to replay, or a built-in one by name [default without --shape: "
                    f"the built-in {DEFAULT_TRACE}].")
 @shape_option(f"Replay a synthetic workload shape instead of --trace (blocks of {DEFAULTS.block_size} tokens "
@@ -79,8 +90,8 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 @click.option("--plot", "plot_path", default=None,
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG of hit ratio against capacity per policy.")
-def policies_command(trace_path: Path | None, shape_name: str | None, seed: int, baselines: str | None,
-                     counting: str, stores: str, capacities: list[int], policy_list: str | None,
+def policies_command(trace_path: str | None, shape_name: str | None, seed: int, baselines: str | None,
+                     counting: str, stores: str, capacities: Sequence[int], policy_list: str | None,
                      block_size: int, limit: int | None, jobs: int | None, as_json: bool,
                      plot_path: Path | None) -> None:
     """Compare eviction policies' prefix hit ratios on a trace, as shares of the optimum.
@@ -94,7 +105,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
     if trace_path is not None and shape_name is not None:
         raise click.UsageError("give --trace or --shape, not both")
     if trace_path is None and shape_name is None:
-        trace_path = Path(DEFAULT_TRACE)  # a first run needs no file: the packaged trace
+        trace_path = DEFAULT_TRACE  # a first run needs no file: the packaged trace
     ctx = click.get_current_context()
     if trace_path is not None and ctx.get_parameter_source("seed") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError(f"--seed {seed} seeds a --shape workload; a --trace replays as it is")
@@ -105,9 +116,12 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
     names, capacities = check_study(capacities, _split(policy_list, "policy names"))  # before any work
     if shape_name is not None and ctx.get_parameter_source("block_size") is click.core.ParameterSource.DEFAULT:
         block_size = DEFAULTS.block_size
-    source = (read_trace(trace_path, block_size=block_size, limit=limit) if trace_path is not None
-              else itertools.islice(shape(shape_name, seed=seed, block_size=block_size).requests(), limit))
-    label = trace_path.name if trace_path is not None else f"synthetic {shape_name} (seed {seed})"
+    if trace_path is not None:
+        source = read_trace(trace_path, block_size=block_size, limit=limit)
+    else:
+        assert shape_name is not None  # without --trace and --shape the default trace was set above
+        source = itertools.islice(shape(shape_name, seed=seed, block_size=block_size).requests(), limit)
+    label = os.path.basename(trace_path) if trace_path is not None else f"synthetic {shape_name} (seed {seed})"
     start = time.perf_counter()
     with progress() as bar:
         requests = list(bar.track(source, f"reading {label}"))

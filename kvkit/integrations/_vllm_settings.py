@@ -8,7 +8,9 @@ the CPU tier's size has one source of truth: :attr:`ConnectorSettings.stack`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -48,6 +50,10 @@ _BYTE_KEYS = ("cpu_bytes", "cpu_bytes_to_use_per_rank", "cpu_bytes_to_use")
 """Keys that size the CPU tier in bytes: per worker (kvkit's), per rank, and in total over every rank."""
 
 _EXTRA = "kv_connector_extra_config"
+
+_SECRET_SOURCES = ("secret_env", "secret_file")
+"""Where the connector reads the shared tier's HMAC secret (keys of ``shared``): never the extra config
+itself, which is on vLLM's command line and in its logged config."""
 
 
 @attrs.frozen
@@ -199,9 +205,14 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       ``allocator``) take registered names, as ``kvkit list`` shows them: the
       config crosses process boundaries. ``shared`` is a URL string or a
       mapping of :class:`~kvkit.config.SharedConfig` fields (``{"url": ...,
-      "write": "write-back"}``); its ``model`` defaults to ``model`` (vLLM's
-      model and revision). ``cpu_layout`` defaults to vLLM's layout, e.g.
-      ``"cross-layer"`` for the ``staged`` copy backend;
+      "write": "write-back", "tenant": "acme"}``); its ``model`` defaults to
+      ``model`` (vLLM's model and revision). Its HMAC ``secret`` is never
+      taken from the extra config (on vLLM's command line and in its logs):
+      the mapping's ``secret_env`` (an environment variable's name) or
+      ``secret_file`` (a path) names where each connector process reads it
+      (its UTF-8 bytes, a file's trailing newline dropped). ``cpu_layout``
+      defaults to vLLM's layout, e.g. ``"cross-layer"`` for the ``staged``
+      copy backend;
     * the CPU tier's size: ``cpu_bytes`` (``"8GiB"`` or an int; per worker)
       or ``cpu_blocks``, or the keys of vLLM's ``SimpleCPUOffloadConnector``:
       ``cpu_bytes_to_use`` (the total, divided by ``world_size``) and
@@ -221,7 +232,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
             that are not registered or not available here, a bad capacity, a
             write-back store policy with several KV groups: it writes back
             single GPU blocks; capacity keys or ``lazy_offload`` and ``store``
-            that contradict each other).
+            that contradict each other; a secret given in the config, or a
+            secret source that is unset, empty or unreadable: named, never shown).
     """
     extra = dict(extra or {})
     problems = [f"{_EXTRA}[{quote(key)}]: {VLLM_SLOTS[key]} sets it" if key in VLLM_SLOTS else
@@ -230,7 +242,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     slots = {key: extra[key] for key in STACK_KEYS if key in extra and key not in ("cpu_blocks", "cpu_bytes")}
     for slot in set(NAMED_SLOTS) & slots.keys():
         if not isinstance(slots[slot], str):
-            problems.append(f"{_EXTRA}[{slot!r}]={quote(slots.pop(slot))}: must be a registered name (the "
+            problems.append(f"{_EXTRA}[{slot!r}]={quote(slots.pop(slot))}: must be a registered name (the "  # noqa: PERF401
                             f"config crosses process boundaries); register your class in kvkit.registry")
     bools = {key: problem_of(check_bool, f"{_EXTRA}[{key!r}]", extra[key])
              for key in ("async_load", "layerwise", "lazy_offload") if key in extra}
@@ -254,6 +266,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         problems.append(f"{_EXTRA}['shared']{shown}: must be a URL string, or a mapping of SharedConfig fields "
                         f"with one (the config crosses process boundaries)")
         del slots["shared"]
+    elif isinstance(shared, Mapping):
+        slots["shared"], wrong = _read_secret(shared)
+        problems += wrong
     stack = None
     try:
         stack = StackConfig(kv=kv, gpu_blocks=gpu_blocks, world_size=world_size, device=device, **capacity, **slots)
@@ -271,6 +286,47 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     return ConnectorSettings(stack, layout, extra.get("async_load", False), extra.get("layerwise", True))
 
 
+def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``shared`` with its ``secret_env`` or ``secret_file`` read into ``secret``, and the problems.
+
+    A ``secret`` given as is is refused. Messages name the variable or the
+    file, never what it holds.
+    """
+    shared = dict(shared)
+    where = f"{_EXTRA}['shared']"
+    problems = []
+    if shared.pop("secret", None) is not None:
+        problems.append(f"{where}['secret']: not taken here (the extra config is on vLLM's command line and in "
+                        f"its logs); name where every connector process reads it: secret_env (an environment "
+                        f"variable) or secret_file (a file)")
+    given = {key: shared.pop(key) for key in _SECRET_SOURCES if shared.get(key) is not None}
+    if len(given) > 1:
+        return shared, [*problems, f"{where}: secret_env and secret_file both name the secret; give one"]
+    for key, source in given.items():
+        if not isinstance(source, str) or not source:
+            problems.append(f"{where}[{key!r}]={quote(source)}: must be a non-empty string (an environment "
+                            f"variable's name or a file's path)")
+        elif key == "secret_env":
+            text = os.environ.get(source)
+            if text:
+                shared["secret"] = text.encode()
+            else:
+                problems.append(f"{where}['secret_env']={source!r}: the environment variable {source} is "
+                                f"{'empty' if text == '' else 'not set'} in this process")
+        else:
+            try:
+                data = Path(source).read_bytes().removesuffix(b"\n").removesuffix(b"\r")
+            except OSError as exc:
+                problems.append(f"{where}['secret_file']={source!r}: cannot be read: "
+                                f"{exc.strerror or type(exc).__name__}")
+                continue
+            if data:
+                shared["secret"] = data
+            else:
+                problems.append(f"{where}['secret_file']={source!r}: the file is empty")
+    return shared, problems
+
+
 def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any], list[str]]:
     """``StackConfig``'s ``cpu_bytes``/``cpu_blocks`` from kvkit's or the seed's keys, and their contradictions.
 
@@ -282,9 +338,9 @@ def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any]
     if set(given) <= {"cpu_bytes"}:  # kvkit's own keys: StackConfig checks them
         return {"cpu_bytes": given.get("cpu_bytes"), "cpu_blocks": blocks}, []
     if blocks is not None:
-        return {"cpu_blocks": 1}, [f"kv_connector_extra_config: cpu_blocks={blocks!r} and "
+        return {"cpu_blocks": 1}, [(f"kv_connector_extra_config: cpu_blocks={blocks!r} and "
                                    f"{', '.join(f'{k}={v!r}' for k, v in given.items())} all size the CPU "
-                                   f"tier; give cpu_blocks or bytes"]
+                                   f"tier; give cpu_blocks or bytes")]
     per_worker, problems = {}, []
     for key, value in given.items():
         try:

@@ -30,7 +30,8 @@ touches until the copy is reported.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -96,6 +97,11 @@ def group_spec(spec: KVCacheSpec, group: int) -> KVCacheSpec:
                         groups=(KVGroupSpec(range(len(g.layers)), g.kind, g.window),))
 
 
+def _engines(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
+    """``WorkerSide.engines`` as a tuple (a named converter: mypy's ``attrs`` plugin reads its type)."""
+    return tuple(engines)
+
+
 @attrs.define(eq=False)
 class WorkerSide:
     """Runs each step's transfers on one vLLM worker: one transfer engine per KV group.
@@ -121,7 +127,7 @@ class WorkerSide:
     failed without running; every result is handed to the scheduler exactly once.
     """
 
-    engines: tuple[TransferEngine, ...] = attrs.field(converter=tuple)
+    engines: tuple[TransferEngine, ...] = attrs.field(converter=_engines)
     layer_names: tuple[tuple[str, ...], ...] = attrs.field(
         converter=lambda groups: tuple(tuple(names) for names in groups))
     layout: str = "auto"
@@ -300,10 +306,8 @@ class WorkerSide:
     def close(self) -> None:
         """Drain the shared store's tickets (bounded), then the copies; release the CPU mirrors and the store."""
         if self.shared is not None:
-            try:
+            with contextlib.suppress(TransferTimeoutError):  # a dead store: its buffers are dropped with the mirrors
                 self._collect(self.shared.drain())
-            except TransferTimeoutError:  # a dead store: its buffers are dropped with the mirrors below
-                pass
             if self.shared_store is not None:
                 self.shared_store.close()
         for engine in self.engines:

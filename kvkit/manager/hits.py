@@ -72,9 +72,11 @@ class CpuHits:
         r.pinned, r.fetch = keep, fetch
         r.load_pending = bool(keep or fetch)
 
-    def check_targets(self, r: Request, table: list[list[int]], n: int) -> None:
+    def check_targets(self, r: Request, table: list[list[BlockId]], n: int) -> None:
         """Raise ``RequestStateError`` unless ``table`` has a real GPU block at each position ``r`` loads."""
-        start, stop = r.gpu_hit_blocks, r.gpu_hit_blocks + n
+        start = r.gpu_hit_blocks
+        assert start is not None, "a request with a hit was looked up"
+        stop = start + n
         for g, row in enumerate(table):
             first = self._first_loaded(g, start, stop)
             targets = row[first:stop]
@@ -83,7 +85,7 @@ class CpuHits:
                     f"request {r.request_id!r}: group {g} needs GPU blocks at positions "
                     f"[{first}, {stop}) for its CPU hit, got {row[first:stop]!r}")
 
-    def plan(self, reqs: list[Request]) -> tuple[Batch, list[list[BlockId]], list[list[int]]]:
+    def plan(self, reqs: list[Request]) -> tuple[Batch, list[list[BlockId]], list[list[BlockId]]]:
         """One load batch for the accepted hits of ``reqs`` and its per-group ``(src, dst)`` ids.
 
         The requests' pins move to the batch, and each request holds it once;
@@ -91,10 +93,11 @@ class CpuHits:
         """
         groups = range(len(self.kv.groups))
         src: list[list[BlockId]] = [[] for _ in groups]
-        dst: list[list[int]] = [[] for _ in groups]
+        dst: list[list[BlockId]] = [[] for _ in groups]
         cpu_blocks: list[BlockId] = []
         for r in reqs:
             blocks, start = r.pinned, r.gpu_hit_blocks
+            assert start is not None, "a request with a hit was looked up"
             stop = start + len(blocks)
             for g in groups:
                 first = self._first_loaded(g, start, stop)
@@ -106,6 +109,7 @@ class CpuHits:
             r.holds += 1
         gpu_blocks = [b for row in dst for b in row] if self.gpu is not None else []
         if gpu_blocks:
+            assert self.gpu is not None
             self.gpu.incref(gpu_blocks)
         return Batch(Direction.LOAD, cpu_blocks, gpu_blocks, reqs), src, dst
 

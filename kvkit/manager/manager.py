@@ -53,10 +53,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import attrs
 
-from kvkit.errors import ConfigError, PlanError, RequestStateError, UnknownRequestError
+from kvkit.errors import ConfigError, KVKitError, PlanError, RequestStateError, UnknownRequestError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import EvictionOrder
@@ -93,11 +94,16 @@ from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
 from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.stats import OffloadStats
-from kvkit.validate import at_least, int_problem, optional_at_least, plural
+from kvkit.validate import at_least, int_problem, optional_at_least, plural, quote
 
 __all__ = ["OffloadManager"]
 
 _WAITING, _RUNNING, _ENDED = RequestState.WAITING, RequestState.RUNNING, RequestState.ENDED
+
+
+def _callbacks(callbacks: Iterable[OffloadCallback]) -> tuple[OffloadCallback, ...]:
+    """``OffloadManager.callbacks`` as a tuple (a named converter: mypy's ``attrs`` plugin reads its type)."""
+    return tuple(callbacks)
 
 
 @attrs.define(eq=False)
@@ -146,7 +152,7 @@ class OffloadManager:
     store: StorePolicy
     gpu: BlockAllocator | None = attrs.field(default=None, kw_only=True)
     world_size: int = attrs.field(default=1, kw_only=True, validator=at_least(1))
-    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
+    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=_callbacks)
     stats: OffloadStats = attrs.field(factory=OffloadStats, kw_only=True)
     null_block: int = attrs.field(default=-1, kw_only=True)
     num_gpu_blocks: int | None = attrs.field(default=None, kw_only=True, validator=optional_at_least(1))
@@ -246,7 +252,9 @@ class OffloadManager:
             UnknownRequestError: the id is not a ``str``.
             HashInputError: a hash is not an int (NumPy integers are converted).
             RequestStateError: the id is live, or the counts disagree.
-            ConfigError: ``hints`` is neither ``None`` nor a ``WorkloadHints``.
+            ConfigError: ``hints`` is neither ``None`` nor a ``WorkloadHints``, or
+                the CPU policy's ``on_hints`` raised (its error, if a kvkit one).
+            Whatever is raised, the request is not added.
         """
         check_request_id(request_id)
         if hints is not None and not isinstance(hints, WorkloadHints):
@@ -255,10 +263,20 @@ class OffloadManager:
             raise RequestStateError(f"request {request_id!r} is already live")
         hashes = check_hashes(request_id, block_hashes)
         n = check_prompt(request_id, hashes, num_prompt_tokens, self.kv.block_size)
+        if hints is not None and self._hint_sink is not None:
+            self._hear_hints(request_id, hashes, hints)
         self._ended.revive(request_id)
         self._requests[request_id] = Request(request_id, hashes, n)
-        if hints is not None and self._hint_sink is not None:
-            self._hint_sink(hashes, hints)
+
+    def _hear_hints(self, request_id: str, hashes: list[BlockHash], hints: WorkloadHints) -> None:
+        """Give the CPU policy the request's hints, before the request exists: a refusal adds nothing."""
+        try:
+            self._hint_sink(hashes, hints)  # type: ignore[misc]
+        except KVKitError:
+            raise
+        except Exception as exc:  # a user policy's bug: typed, and the request is not added
+            raise ConfigError(f"request {request_id!r} not added: the CPU policy's on_hints raised {exc!r} "
+                              f"for hints {quote(hints)}") from exc
 
     def extend(self, request_id: str, new_hashes: Sequence[BlockHash],
                num_tokens: int | None = None) -> None:
@@ -297,7 +315,8 @@ class OffloadManager:
         GPU-hit boundary, then (with a shared tier) the leading run of the
         next blocks whose every worker's key the shared store holds, capped so
         at least one of the request's tokens is recomputed. Shared hits get
-        CPU blocks now (not ready) and are fetched in the step that loads them. Its blocks are pinned (one CPU reference each) until the
+        CPU blocks now (not ready) and are fetched in the step that loads
+        them. Its blocks are pinned (one CPU reference each) until the
         engine allocates (:meth:`on_allocated`), the request ends, or a later
         lookup replaces this one, so nothing can evict them in between. The
         lookup records no use: the blocks the engine accepts are touched (for
@@ -382,6 +401,7 @@ class OffloadManager:
             return
         bs = self.kv.block_size
         n = accepted_blocks(r, accepted_tokens, bs)
+        assert r.gpu_hit_blocks is not None  # accepted_blocks refuses a request never looked up
         if not r.revoked:
             self._hits.check_targets(r, table, n)
         self._hits.accept(r, n)
@@ -414,12 +434,13 @@ class OffloadManager:
             raise wrong_state(r, "append_blocks needs a running request")
         taken, limit = r.block_ids, self.num_gpu_blocks
         rows = new_block_ids
-        if len(rows) == 1 and len(rows[0]) == 1 and len(r.block_table) == 1:  # one decode block: O(1)
+        if (rows.__class__ is list and len(rows) == 1 and rows[0].__class__ is list and len(rows[0]) == 1
+                and len(r.block_table) == 1):  # one decode block: O(1)
             b = rows[0][0]
             if (b.__class__ is int and b not in taken and 0 <= b != self.null_block
                     and (limit is None or b < limit)):
-                r.block_table[0].append(b)
-                taken.add(b)
+                r.block_table[0].append(cast(BlockId, b))
+                taken.add(cast(BlockId, b))
                 return
         rows = check_rows(request_id, rows, len(r.block_table), limit, self.null_block, taken,
                           "appended blocks")
@@ -648,7 +669,7 @@ class OffloadManager:
         if self.gpu is not None:
             self.gpu.check_invariants()
         held = self.cpu_refs_held()
-        for b in range(cpu.num_blocks):
+        for b in map(BlockId, range(cpu.num_blocks)):
             assert cpu.refcount(b) == held[b], (
                 f"CPU block {b}: refcount {cpu.refcount(b)} != manager refs {held[b]}")
         if self.gpu is not None:
@@ -673,7 +694,7 @@ class OffloadManager:
             raise RequestStateError(f"request {request_id!r} already finished or aborted")
         raise UnknownRequestError(f"unknown request id {request_id!r}")
 
-    def _set_table(self, r: Request, table: list[list[int]]) -> None:
+    def _set_table(self, r: Request, table: list[list[BlockId]]) -> None:
         r.block_table = table
         null = self.null_block
         r.block_ids = {b for row in table for b in row if b != null}
@@ -769,8 +790,8 @@ class OffloadManager:
         planned = self._stores.plan(self._dirty.values())
         return self._open(*planned) if planned else []
 
-    def _open(self, batch: Batch, src: list[list[int]],
-              dst: list[list[int]]) -> list[tuple[int, TransferPlan]]:
+    def _open(self, batch: Batch, src: Sequence[Sequence[int]],
+              dst: Sequence[Sequence[int]]) -> list[tuple[int, TransferPlan]]:
         """Turn per-group id lists into plans (empty groups skipped) and track them."""
         out = self._transfers.open(batch, batch.plans(src, dst, self._group_bytes))
         self.stats.transfers_submitted.add(len(out))
@@ -782,6 +803,7 @@ class OffloadManager:
         """Every transfer of ``batch`` completed: commit or discard, release references."""
         ok = batch.settle(self.cpu, self.gpu, self.stats)
         if batch.shared:
+            assert self._shared is not None, "a shared-tier batch needs the shared tier"
             self._shared.settled(batch, ok)
         elif batch.direction is Direction.STORE:
             self._stores.settled(batch)

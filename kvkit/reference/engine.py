@@ -137,8 +137,10 @@ class ReferenceEngine:
 
     stack: OffloadStack
     integrity_errors: int = 0
-    compute: PrefillCompute = attrs.field(factory=SyntheticCompute, kw_only=True, validator=implements(PrefillCompute, what="a PrefillCompute (with a prefill method)"))
-    layered: bool = attrs.field(default=False, kw_only=True, converter=checked(check_bool), on_setattr=attrs.setters.convert)
+    compute: PrefillCompute = attrs.field(factory=SyntheticCompute, kw_only=True, validator=implements(
+        PrefillCompute, what="a PrefillCompute (with a prefill method)"))
+    layered: bool = attrs.field(default=False, kw_only=True, converter=checked(check_bool),  # type: ignore[misc]
+                                on_setattr=attrs.setters.convert)
     _step_loads: set[int] = attrs.field(factory=set, init=False)  # layered loads compute may still wait for
     _waiting: deque[EngineRequest] = attrs.field(factory=deque, init=False)
     _requests: dict[str, EngineRequest] = attrs.field(factory=dict, init=False)
@@ -217,8 +219,8 @@ class ReferenceEngine:
     def leaked_blocks(self) -> int:
         """Blocks still referenced in either pool although no request runs and nothing is in flight."""
         gpu, cpu = self.stack.gpu, self.stack.cpu
-        held = sum(1 for b in range(gpu.num_blocks) if gpu.refcount(b))
-        held += sum(1 for b in range(cpu.num_blocks) if cpu.refcount(b))
+        held = sum(1 for b in map(BlockId, range(gpu.num_blocks)) if gpu.refcount(b))
+        held += sum(1 for b in map(BlockId, range(cpu.num_blocks)) if cpu.refcount(b))
         return held - sum(sum(map(len, r.table)) for r in self.running)
 
     # -- internals ------------------------------------------------------------

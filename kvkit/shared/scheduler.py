@@ -10,7 +10,8 @@ committed, ``write-back`` puts the CPU pool's next eviction candidates ahead
 of their eviction.
 
 Failure is normal. A failed fetch or put makes the tier *suspect*: a probe (a
-tiny put of :data:`PROBE_KEYS`, spread over a Cluster's nodes, through the
+tiny put of the codec's ``probe_key`` with each suffix of :data:`PROBE_KEYS`,
+under the tenant's prefix, spread over a Cluster's nodes, through the
 scheduler's own client) is sent, and only a probe that fails with a transport
 error on every key turns the tier off (one live node keeps it on: the store
 fails the dead nodes' keys itself) for a back-off interval (doubling up to a
@@ -39,6 +40,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import attrs
 
@@ -50,6 +52,7 @@ from kvkit.interfaces.types import BlockHash, BlockId, Direction
 from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
+from kvkit.redact import redact_text
 from kvkit.stats import OffloadStats
 from kvkit.validate import (
     check_real,
@@ -64,9 +67,10 @@ from kvkit.validate import (
 
 __all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
 
-PROBE_KEYS = tuple(b"kvkit:probe:%d" % i for i in range(16))
-"""The keys a probe writes (no block key looks like them): 16 hash slots, so every node of a Cluster
-of a few nodes almost surely holds one (all 16 on one node of three: odds of 3 in 3**16)."""
+PROBE_KEYS = tuple(b":%d" % i for i in range(16))
+"""The suffixes of the keys a probe writes after the codec's ``probe_key`` (no block key looks like
+them): 16 hash slots, so one dead node of a Cluster of a few nodes almost never holds all of them
+(all 16 on one given node of three: odds of 1 in 3**16)."""
 
 
 _LABEL = "SharedTierSpec."
@@ -187,7 +191,8 @@ class SharedTier:
     def _send_probe(self) -> None:
         self.stats.shared_probes.add()
         try:
-            self._probe = self.spec.store.put(list(PROBE_KEYS), [[memoryview(b"1")]] * len(PROBE_KEYS))
+            keys = [self.spec.codec.probe_key + suffix for suffix in PROBE_KEYS]
+            self._probe = self.spec.store.put(keys, [[memoryview(b"1")]] * len(keys))
         except Exception as exc:  # noqa: BLE001 - a sick client is a failed probe, never a failed step
             self._probe = None
             self._turn_off(f"transport: probe raised {exc!r}")
@@ -201,6 +206,7 @@ class SharedTier:
             return []
 
     def _turn_off(self, reason: str) -> None:
+        reason = redact_text(reason)  # shown in the warning, the status line and to callbacks
         self._known.clear()  # the server may come back empty
         if self._state in (SharedState.ON, SharedState.SUSPECT):  # a new outage: say so once
             self._interval = self.spec.backoff_s
@@ -291,10 +297,10 @@ class SharedTier:
         tier; while the tier is off nothing is put (``stats.puts_skipped``).
         """
         queued, self._queued = self._queued, {}
-        cands = list(queued)
-        if self._writeback:
+        cands: list[BlockHash | None] = list(queued)
+        if self._writeback:  # only with an EvictionOrder pool (checked when built)
             block_hash = self.cpu.block_hash
-            cands += [block_hash(b) for b in self.cpu.eviction_candidates(self._writeback)]
+            cands += [block_hash(b) for b in cast(EvictionOrder, self.cpu).eviction_candidates(self._writeback)]
         flying, known, lookup = self._flying, self._expire(), self.cpu.lookup
         hashes, blocks = [], []
         for h in dict.fromkeys(cands):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import TYPE_CHECKING
 
 import attrs
@@ -76,9 +76,9 @@ class SharedTierWorker:
     mirrors: tuple[TransferEngine, ...] = attrs.field(
         kw_only=True, converter=tuple,
         default=attrs.Factory(lambda self: () if self.engine is None else (self.engine,), takes_self=True))
-    rank: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))
+    rank: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))  # type: ignore[misc]
     wait_timeout_s: float = attrs.field(default=WAIT_TIMEOUT_S, kw_only=True,
-                                        converter=checked(check_real, low=0, low_open=True))
+                                        converter=checked(check_real, low=0, low_open=True))  # type: ignore[misc]
     missing_values: int = attrs.field(default=0, init=False)
     invalid_values: int = attrs.field(default=0, init=False)
     transport_errors: int = attrs.field(default=0, init=False)
@@ -185,7 +185,7 @@ class SharedTierWorker:
             return []
         import torch  # only with an engine, which has imported it already
 
-        return [memoryview(p.reshape(-1).view(torch.uint8).numpy())
+        return [p.reshape(-1).view(torch.uint8).numpy().data
                 for engine in self.mirrors for p in engine.block_pieces(Tier.CPU, block)]
 
     def _frames(self, plan: SharedPlan, seal: bool) -> tuple[list[bytes], list[list[memoryview]]]:
@@ -243,7 +243,7 @@ class SharedTierWorker:
     def _bytes_per_block(self) -> int:
         return self.codec.header_bytes + sum(engine.spec.bytes_per_block for engine in self.mirrors)
 
-    def _collect(self, timeout: float, keep: set[int] = frozenset()) -> dict[int, StoreResult]:
+    def _collect(self, timeout: float, keep: Set[int] = frozenset()) -> dict[int, StoreResult]:
         """Poll the store once for this rank's tickets; finish each reported one but those in ``keep``.
 
         Returns the reported results by ticket.

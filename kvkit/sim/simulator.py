@@ -63,6 +63,7 @@ import attrs
 from kvkit.config import DEFAULTS, StackConfig
 from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
 from kvkit.interfaces import KVCacheSpec
+from kvkit.redact import redact_url
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.sim.traces import TraceRequest
 from kvkit.stack import OffloadStack, build
@@ -77,7 +78,6 @@ from kvkit.validate import (
     plural,
     quote,
     real_in,
-    redact_url,
     unknown_keywords,
 )
 
@@ -297,7 +297,8 @@ class SimConfig:
             "model": attrs.asdict(self.model),
             "shared": None if shared is None else {
                 "url": redact_url(shared.url) if isinstance(shared.url, str) else name(shared.url),
-                "write": shared.write, "model": shared.model, "backoff_s": shared.backoff_s},
+                "write": shared.write, "model": shared.model, "tenant": shared.tenant,
+                "backoff_s": shared.backoff_s},
             "block_bytes": self.spec.bytes_per_block,
             "cost": attrs.asdict(self.cost),
         }

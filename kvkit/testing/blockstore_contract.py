@@ -17,11 +17,14 @@ wrong.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from typing_extensions import override
 
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.shared import BlockStore, StoreResult
@@ -51,7 +54,7 @@ def _split(data: bytes | bytearray, cuts: int) -> list[memoryview]:
     """``data`` as ``cuts + 1`` consecutive views (the first may be empty, as a header buffer may be)."""
     view = memoryview(data)
     edges = [0, *sorted({len(data) * (c + 1) // (cuts + 2) for c in range(cuts)}), len(data)]
-    return [view[a:b] for a, b in zip(edges, edges[1:])]
+    return [view[a:b] for a, b in itertools.pairwise(edges)]
 
 
 class BlockStoreContract(RuleBasedStateMachine):
@@ -200,8 +203,10 @@ class BlockStoreContract(RuleBasedStateMachine):
     @rule(kind=st.sampled_from(["str key", "empty key", "short buffer list"]))
     def malformed_call(self, kind: str) -> None:
         """A malformed put or get raises ConfigError at once and queues nothing."""
-        keys, buffers = {"str key": (["k"], [[memoryview(b"x")]]), "empty key": ([b""], [[memoryview(b"x")]]),
-                         "short buffer list": ([_key(0), _key(1)], [[memoryview(b"x")]])}[kind]
+        cases: dict[str, tuple[list[Any], list[list[memoryview]]]] = {
+            "str key": (["k"], [[memoryview(b"x")]]), "empty key": ([b""], [[memoryview(b"x")]]),
+            "short buffer list": ([_key(0), _key(1)], [[memoryview(b"x")]])}
+        keys, buffers = cases[kind]
         for call in (self.store.put, self.store.get):
             try:
                 call(keys, buffers)
@@ -214,6 +219,7 @@ class BlockStoreContract(RuleBasedStateMachine):
             return
         raise AssertionError("poll(7), a ticket not in a collection, did not raise ConfigError")
 
+    @override
     def teardown(self) -> None:
         try:
             self._drain()

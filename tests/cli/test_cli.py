@@ -105,7 +105,7 @@ def test_a_lazy_module_imports_on_first_use_and_then_is_the_module():
     assert namespace["json"] is json and isinstance(namespace["json"], types.ModuleType)
 
 
-@pytest.mark.parametrize("args, expected", [
+@pytest.mark.parametrize(("args", "expected"), [
     (["boom"], "Error: plan is bad"),
     (["boom", "--many"], "Error: 2 configuration problems: first bad thing; second bad thing"),
 ])

@@ -81,7 +81,7 @@ def _run(*args: object):
     return CliRunner().invoke(cli.main, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("command, args, names", [
+@pytest.mark.parametrize(("command", "args", "names"), [
     ("policies", ["--limit", 100, "--capacities", "1000,4000", "--policies", "lru,arc"],
      ["mooncake-conversation", "100 requests", "blocks of 512 tokens", "lru, arc against opt", "1,000, 4,000 blocks"]),
     ("simulate", ["--limit", 50, "--gpu-blocks", 300, "--cpu-blocks", 900],

@@ -56,7 +56,7 @@ def test_unknown_shape_lists_the_choices() -> None:
 
 
 @pytest.mark.parametrize("command", ["policies", "simulate"])
-@pytest.mark.parametrize("value, suggestion", [("chta", "did you mean 'chat'?"),
+@pytest.mark.parametrize(("value", "suggestion"), [("chta", "did you mean 'chat'?"),
                                                ("few-shot@num_tmplates=3", "did you mean 'num_templates'?")])
 def test_a_mistyped_shape_or_field_gets_the_closest_name(command, value, suggestion) -> None:
     """`--shape chta` suggests 'chat'; a mistyped field after '@' suggests the field."""

@@ -17,7 +17,7 @@ def _parse(model=None, **extra):
                               model=model)
 
 
-@pytest.mark.parametrize("extra, needles", [
+@pytest.mark.parametrize(("extra", "needles"), [
     ({"shared": 7}, ["shared']=7", "URL string"]),
     ({"shared": {"url": "memory://", "write": "write-around"}}, ["shared.write='write-around'", "write-through"]),
     ({"shared": {"url": "memory://", "model": ""}}, ["shared.model=''"]),
@@ -62,3 +62,46 @@ def test_the_keys_are_the_stack_slots_vllm_does_not_set():
         _parse(gpu_blocks=3)
     with pytest.raises(ConfigError, match="did you mean 'cpu_eviction'"):
         _parse(cpu_evction="lru")
+
+
+def test_the_tenant_and_the_secret_from_an_environment_variable_or_a_file_reach_the_stack(monkeypatch, tmp_path):
+    """``shared``'s tenant goes into the stack; its secret is read from the named variable or file (a trailing
+    newline dropped) in each process that parses the config, so scheduler and workers derive the same keys."""
+    from kvkit.shared.client import FormatCodec
+
+    monkeypatch.setenv("KVKIT_TEST_SECRET", "from-the-env")
+    (tmp_path / "secret").write_bytes(b"from-a-file\n")
+    by_env = {"url": "memory://", "tenant": "acme", "secret_env": "KVKIT_TEST_SECRET"}
+    env = _parse(shared=by_env).stack.shared
+    assert (env.tenant, env.secret) == ("acme", b"from-the-env")
+    assert _parse(shared={"url": "memory://", "secret_file": str(tmp_path / "secret")}).stack.shared.secret \
+        == b"from-a-file"
+    codecs = [FormatCodec.for_stack(SPEC, 1, model="m", layout="none", tenant=s.tenant, secret=s.secret)
+              for s in (env, _parse(shared=by_env).stack.shared)]
+    assert codecs[0].key(7, 0) == codecs[1].key(7, 0) and codecs[0].key(7, 0).startswith(b"kvkit:acme:")
+
+
+@pytest.mark.parametrize(("shared", "needles"), [
+    ({"secret": "PW-s3cr3t"}, ["['shared']['secret']: not taken here", "secret_env", "secret_file"]),
+    ({"secret_env": "KVKIT_TEST_UNSET"}, ["KVKIT_TEST_UNSET is not set"]),
+    ({"secret_env": "KVKIT_TEST_EMPTY"}, ["KVKIT_TEST_EMPTY is empty"]),
+    ({"secret_file": "/nonexistent/kvkit-secret"}, ["/nonexistent/kvkit-secret", "cannot be read"]),
+    ({"secret_file": "EMPTY"}, ["the file is empty"]),
+    ({"secret_env": "KVKIT_TEST_SECRET", "secret_file": "/x"}, ["give one"]),
+    ({"secret_env": ""}, ["['secret_env']=''"]),
+    ({"tenant": "a:b"}, ["shared.tenant='a:b'"]),
+])
+def test_a_secret_is_never_taken_from_the_config_and_a_bad_source_is_named(shared, needles, monkeypatch, tmp_path):
+    """The secret itself in the extra config is refused; an unset, empty or unreadable source is named. No
+    message shows a secret."""
+    monkeypatch.delenv("KVKIT_TEST_UNSET", raising=False)
+    monkeypatch.setenv("KVKIT_TEST_EMPTY", "")
+    monkeypatch.setenv("KVKIT_TEST_SECRET", "PW-s3cr3t-env")
+    (tmp_path / "empty").write_bytes(b"\n")
+    if shared.get("secret_file") == "EMPTY":
+        shared = {"secret_file": str(tmp_path / "empty")}
+    with pytest.raises(ConfigError) as info:
+        _parse(shared={"url": "memory://", **shared})
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+    assert "s3cr3t" not in str(info.value)

@@ -192,8 +192,8 @@ def test_hooks_see_hits_fetches_and_puts():
 def test_memory_urls_share_one_store_per_name():
     """``memory://NAME`` stacks of one process share a store; another name does not."""
     _, ea = instance("memory://test-urls")
-    b, eb = instance("memory://test-urls")
-    c, ec = instance("memory://other-name")
+    _, eb = instance("memory://test-urls")
+    _, ec = instance("memory://other-name")
     serve(ea, "a1")
     assert serve(eb, "b1").cpu_hit_tokens == 36
     assert serve(ec, "c1").cpu_hit_tokens == 0
@@ -220,12 +220,14 @@ def test_different_models_never_share_blocks():
     assert serve(ReferenceEngine(other), "b1").cpu_hit_tokens == 0
 
 
-@pytest.mark.parametrize("shared, quoted", [
+@pytest.mark.parametrize(("shared", "quoted"), [
     (42, "shared=42"),
     ("no-scheme", "shared.url='no-scheme'"),
     ({"url": "memory://", "write": "write-sideways"}, "shared.write='write-sideways'"),
     ({"url": "memory://", "model": ""}, "shared.model=''"),
     ({"url": "memory://", "backoff_s": 0}, "shared.backoff_s=0"),
+    ({"url": "memory://", "tenant": "a:b"}, "shared.tenant='a:b'"),
+    ({"url": "memory://", "secret": "text"}, "shared.secret: must be non-empty bytes, got a str"),
     ({"url": "memory://", "wrte": "write-back"}, "did you mean 'write'?"),
 ])
 def test_config_refuses_a_bad_shared_tier(shared, quoted):

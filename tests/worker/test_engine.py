@@ -102,7 +102,8 @@ def test_mixed_layouts_round_trip(spec_pair, num_gpu, num_cpu, seed):
 
 @given(layout_pairs(), st.data())
 def test_copies_move_each_layers_k_and_v_between_layouts(spec_pair, data):
-    """After any plan, each destination block holds its source's K and V of every layer of the plan's group, nothing else changes."""
+    """After any plan, each destination block holds its source's K and V of every layer of the plan's group;
+    nothing else changes."""
     spec, layout, cpu_layout = spec_pair
     num_gpu, num_cpu = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4))
     engine = TransferEngine(spec, TorchCopy(), num_cpu_blocks=num_cpu)

@@ -85,7 +85,7 @@ def _late_copy(engine_cls):
     engine.drain()
     _serve(engine, "junk", list(range(5000, 5061)))  # pushes B out of the GPU tier
     engine.drain()
-    c = _serve(engine, "c", b[:16] + [7777])  # B's four full blocks come from the CPU tier
+    c = _serve(engine, "c", [*b[:16], 7777])  # B's four full blocks come from the CPU tier
     engine.drain()
     stack.check_invariants()
     return engine, backend, c, [str(w.message) for w in seen]

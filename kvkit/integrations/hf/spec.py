@@ -141,7 +141,7 @@ def _check_model_name(model_name: object) -> None:
         raise ConfigError(f"model_name={quote(model_name)}: must be a non-empty str (or None: fingerprint the weights)")
 
 
-def _check_identity(model_name: object, cache_salt: object) -> None:
+def _check_identity(model_name: object, cache_salt: tuple) -> None:
     """Refuse a bad ``model_name`` or ``cache_salt`` now, before a stack is built or a prompt hashed."""
     _check_model_name(model_name)
     BlockHasher(1, extra_keys=cache_salt)  # encodes the salt once: a bad key raises HashInputError

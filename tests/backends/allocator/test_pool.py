@@ -70,7 +70,7 @@ class RecordingLRU(LRUPolicy):
 
 
 class RecordingPinLRU(RecordingLRU):
-    """RecordingLRU with the optional pin hooks, recorded too; it hears every pin (no SelectivePins)."""
+    """RecordingLRU with the optional pin hooks, recorded too; it hears every pin."""
 
     attach = None
 
@@ -94,13 +94,13 @@ def test_bad_capacity_is_a_config_error_quoting_it(bad):
 def test_eviction_must_be_an_empty_policy():
     """A missing policy, a non-policy, or a policy already tracking blocks, is rejected at construction."""
     for missing in ({}, {"eviction": None}):
-        with pytest.raises(ConfigError, match="needs an eviction policy, got eviction=None; hint: .*LRUPolicy"):
+        with pytest.raises(ConfigError, match=r"needs an eviction policy, got eviction=None; hint: .*LRUPolicy"):
             BlockPool(4, **missing)
     with pytest.raises(ConfigError, match="eviction must be an EvictionPolicy, got 'lru'"):
         BlockPool(4, eviction="lru")
     used = LRUPolicy()
     used.on_insert(0, 1, None)
-    with pytest.raises(ConfigError, match="already tracks 1 block$"):
+    with pytest.raises(ConfigError, match=r"already tracks 1 block$"):
         BlockPool(4, eviction=used)
 
 

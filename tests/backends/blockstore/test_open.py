@@ -12,7 +12,7 @@ from kvkit.errors import ConfigError
 from kvkit.shared.urls import process_wide
 
 
-@pytest.mark.parametrize("url, expected", [
+@pytest.mark.parametrize(("url", "expected"), [
     ("valkey://127.0.0.1:7000/2", {"nodes": (("127.0.0.1", 7000),), "db": 2, "cluster": False, "tls": False}),
     ("redis://cache.local", {"nodes": (("cache.local", 6379),), "db": 0}),
     ("valkey://:p%40ss@h:1", {"password": "p@ss", "username": None}),
@@ -97,7 +97,7 @@ def test_a_closed_memory_store_is_replaced_by_an_empty_one():
     assert process_wide(again) and not process_wide(store)
 
 
-@pytest.mark.parametrize("url, match", [
+@pytest.mark.parametrize(("url", "match"), [
     ("localhost:6379", "expected one of"),
     (42, "expected one of"),
     ("mongodb://h", "unknown scheme 'mongodb'"),

@@ -242,7 +242,7 @@ def test_cluster_follows_ask_during_a_migration(valkey_cluster):
         store.close()
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(("kwargs", "match"), [
     ({"nodes": []}, "nodes"),
     ({"nodes": [("127.0.0.1", 0)]}, "nodes"),
     ({"cluster": True, "db": 1}, "database 0"),
