@@ -75,8 +75,9 @@ def server():
 
 def test_a_slow_link_costs_a_step_at_most_its_deadlines_and_never_raises(server):
     """Replies and requests trickled at 8 KB/s (wait_timeout_s=4): the fetch is abandoned at the store's
-    deadline and becomes a miss that recomputes (right bytes), the puts are dropped and counted; no step
-    waits on the shared tier longer than its lookup's and its fetches' deadlines, and none raises."""
+    deadline and becomes a miss that recomputes (right bytes), the puts are dropped and counted (failed at
+    their deadline, or skipped once the probe failed too); no step waits on the shared tier longer than its
+    lookup's and its fetches' deadlines, and none raises."""
     a, ea = instance(server.url + FAST)
     serve(ea, "a")
     assert a.stats.blocks_put.value == 10
@@ -85,7 +86,8 @@ def test_a_slow_link_costs_a_step_at_most_its_deadlines_and_never_raises(server)
         req = serve(eb, "b", limit=2 * DEADLINE + SLACK)
         assert req.cpu_hit_tokens == 0, "the abandoned fetch was not recomputed"
         assert b.stats.fetches_failed.value == 9 and b.stats.blocks_fetched.value == 0
-        assert b.stats.puts_failed.value > 0, "the abandoned puts were not counted"
+        # abandoned at their deadline, or skipped once the probe (as slow) turned the tier off: dropped and counted
+        assert b.stats.puts_failed.value + b.stats.puts_skipped.value > 0, "the dropped puts were not counted"
         assert eb.integrity_errors == 0 and b.shared_counts["invalid_values"] == 0
         b.check_invariants()
         b.close()
