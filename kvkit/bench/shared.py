@@ -51,7 +51,9 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
     With ``url=None`` a local server is started (``kvkit.testing.servers.LocalServer``) and stopped
     after. Answers a JSON-able report: per size the store's, the client library's and the
     server tool's GB/s (median of ``repeat`` rounds) with their CPU ms per GB, and the store's
-    ratios to the tool and to the library (``ratios``); ``contains`` medians in ms (wall and CPU).
+    ratios to the tool and to the library (``ratios``: ``put``/``get`` move distinct rows, as the
+    tiers do; ``put_hot``/``get_hot`` one cache-resident row, as the tool does); ``contains``
+    medians in ms (wall and CPU).
     """
     from kvkit.testing.servers import LocalServer
 
@@ -146,6 +148,7 @@ def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, rep
         row["server_tool"] = f"{os.path.basename(tool[0])} -c 1 -P 1"
     ratios = row["ratios"] = {}
     for op, other, theirs in (("put", "tool", "server_tool_set"), ("get", "tool", "server_tool_get"),
+                              ("put_hot", "tool", "server_tool_set"), ("get_hot", "tool", "server_tool_get"),
                               ("put", "library", "library_put"), ("get", "library", "library_get")):
         if f"{theirs}_GBps" in row:
             ratios[f"{op}_vs_{other}"] = row[f"{op}_GBps"] / row[f"{theirs}_GBps"]
