@@ -13,6 +13,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import attrs
 
@@ -50,7 +51,7 @@ class SlowLink:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self._spawn(self._accept, self._listener)
+        self._spawn(self._accept)
         return self
 
     def close(self, timeout: float = 5.0) -> None:
@@ -75,13 +76,15 @@ class SlowLink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _spawn(self, target, *args: object) -> None:
+    def _spawn(self, target: Callable[..., None], *args: object) -> None:
         thread = threading.Thread(target=target, args=args, name="kvkit-slowlink", daemon=True)
         with self._lock:
             self._threads.append(thread)
         thread.start()
 
-    def _accept(self, listener: socket.socket) -> None:
+    def _accept(self) -> None:
+        listener = self._listener
+        assert listener is not None, "start() listens first"
         while not self._stop.is_set():
             if not select.select([listener], [], [], _TICK)[0]:
                 continue
