@@ -95,8 +95,8 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
         table.add_row(name, value, shared[name])
     console = print_table(table)
     a, b = isolated.ttft_summary(), sharing.ttft_summary()
-    served = plural(sharing.total('hit_tokens_shared'), 'prompt token', grouped=True)
-    console.print(f"the shared tier served {served} the isolated "
+    console.print(f"the shared tier served "
+                  f"{plural(sharing.total('hit_tokens_shared'), 'prompt token', grouped=True)} the isolated "
                   f"instances recomputed; modelled TTFT mean {b['mean']:,.1f} vs {a['mean']:,.1f} ms, p90 "
                   f"{b['p90']:,.1f} vs {a['p90']:,.1f} ms (fetch {config.cost.shared_gbps:g} GB/s, prefill "
                   f"{config.cost.prefill_tokens_per_s:,.0f} tokens/s); total {wall:.1f} s")

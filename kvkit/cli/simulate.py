@@ -224,8 +224,8 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
     if baseline is not None:
         with_, without = offload.ttft_percentiles(), baseline.ttft_percentiles()
         ratios = ", ".join(f"{q} {with_[q]:,.1f} vs {without[q]:,.1f} ms" for q in ("p50", "p90"))
-        served = plural(offload.hit_tokens_cpu, 'prompt token', grouped=True)
-        console.print(f"offload served {served} from the CPU tier; "
+        console.print(f"offload served {plural(offload.hit_tokens_cpu, 'prompt token', grouped=True)} "
+                      f"from the CPU tier; "
                       f"modelled TTFT with vs without offload: {ratios}")
     console.print(f"total {wall:.1f} s, peak memory {peak_rss_mib:,.0f} MiB")
 
