@@ -28,8 +28,9 @@ from kvkit.interfaces import (
     OffloadCallback,
     StorePolicy,
 )
+from kvkit.interfaces.plan import LoadPlanner
 from kvkit.interfaces.shared import SHARED_WRITES, BlockStore
-from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry, did_you_mean
+from kvkit.registry import ALLOCATOR, COPY, EVICTION, PLANNER, STORE, Registry, did_you_mean
 from kvkit.validate import check_real, int_problem, is_int
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.memory import BOOKKEEPING_BYTES_PER_BLOCK, check_fits
@@ -48,7 +49,7 @@ _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
 
 # Slots a registry instantiates, and which registry; "allocator" is a factory slot.
 _INSTANCE_SLOTS: dict[str, Registry[Any]] = {
-    "cpu_eviction": EVICTION, "gpu_eviction": EVICTION, "store": STORE, "copy": COPY,
+    "cpu_eviction": EVICTION, "gpu_eviction": EVICTION, "store": STORE, "copy": COPY, "planner": PLANNER,
 }
 _OPTION_SLOTS = (*_INSTANCE_SLOTS, "allocator")
 
@@ -58,8 +59,8 @@ class Defaults:
     """kvkit's defaults, in one record: the config, simulator, CLI and vLLM connector read them here.
 
     Attributes:
-        cpu_eviction / gpu_eviction / store / copy / allocator: registered
-            names of the stack's slots.
+        cpu_eviction / gpu_eviction / store / copy / allocator / planner:
+            registered names of the stack's slots.
         hash_algorithm: one of :data:`kvkit.hashing.HASH_ALGORITHMS`.
         world_size: workers per stack.
         block_size: tokens per block where the engine does not decide it
@@ -74,6 +75,7 @@ class Defaults:
     store: str = "eager"
     copy: str = "torch"
     allocator: str = "pool"
+    planner: str = "overlap"
     hash_algorithm: str = "sha256"
     world_size: int = 1
     block_size: int = 16
@@ -128,6 +130,7 @@ class Components:
         gpu_blocks: GPU pool size in blocks.
         cpu_blocks: CPU pool size in blocks (``cpu_bytes`` already converted).
         callbacks: observers, in call order.
+        planner: decides per request which hit blocks to load and which to recompute.
     """
 
     gpu_eviction: EvictionPolicy
@@ -138,6 +141,7 @@ class Components:
     gpu_blocks: int
     cpu_blocks: int
     callbacks: tuple[OffloadCallback, ...]
+    planner: LoadPlanner
 
 
 @attrs.frozen(kw_only=True)
@@ -156,6 +160,9 @@ class StackConfig:
         copy: copy backend (name or instance), or ``None`` for a scheduler-only
             stack that moves no bytes (simulation; imports no copy backend).
         allocator: block pool (name, or a factory ``(num_blocks=..., eviction=...) -> BlockAllocator``).
+        planner: the load planner (name or instance): per request, which
+            blocks of a CPU or shared-tier hit to load and which to recompute
+            (see :mod:`kvkit.interfaces.plan`); ``"load-all"`` loads every hit.
         callbacks: ``OffloadCallback`` instances.
         world_size: workers that must all finish a copy before it counts (>= 1).
         device: ``"cuda"`` (default where available) or ``"cpu"``.
@@ -197,6 +204,7 @@ class StackConfig:
     store: str | StorePolicy = DEFAULTS.store
     copy: str | CopyBackend | None = DEFAULTS.copy
     allocator: str | Callable[..., BlockAllocator] = DEFAULTS.allocator
+    planner: str | LoadPlanner = DEFAULTS.planner
     callbacks: list[OffloadCallback] | tuple[OffloadCallback, ...] = ()
     world_size: int = DEFAULTS.world_size
     device: str = attrs.field(factory=_default_device)
@@ -258,6 +266,7 @@ class StackConfig:
             gpu_blocks=int(self.gpu_blocks),
             cpu_blocks=self.num_cpu_blocks,
             callbacks=tuple(self.callbacks),
+            planner=self._create("planner"),
         )
 
     def _create(self, slot: str) -> Any:

@@ -95,6 +95,15 @@ class OffloadStats:
         shared_outages: times the shared tier was turned off after a failure.
         shared_probes / shared_recoveries: probes sent to a suspect or
             backed-off server, and the times it came back on.
+        hits_declined_cpu / hits_declined_shared: hit tokens each tier offered
+            that were not loaded (recomputed instead: a plan's head, the end
+            of the hit it declined, or what the engine did not accept).
+        hit_tokens_overlapped: hit tokens recomputed as a plan's head while
+            the rest of the hit loaded.
+        plan_saved_ms: the load planner's estimate of the prefill time its
+            plans saved against loading every hit, summed (ms).
+        planner_errors: planner calls that raised or answered no plan for the
+            hit (the whole hit was loaded instead).
     """
 
     lookups: Counter = _counter()
@@ -134,6 +143,11 @@ class OffloadStats:
     shared_outages: Counter = _counter()
     shared_probes: Counter = _counter()
     shared_recoveries: Counter = _counter()
+    hits_declined_cpu: Counter = _counter()
+    hits_declined_shared: Counter = _counter()
+    hit_tokens_overlapped: Counter = _counter()
+    plan_saved_ms: Counter = _counter()
+    planner_errors: Counter = _counter()
 
     @property
     def cpu_hit_rate(self) -> float:
