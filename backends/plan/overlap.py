@@ -18,10 +18,12 @@ than it lengthens the overlap), so ``e`` runs over the run boundaries, and
 for each ``e`` the meeting point ``k`` is where ``C`` (rising) crosses ``L``
 (falling), found by bisection. Without ``query.overlap`` only ``k = 0``.
 
-Until it has an estimate of compute and of every source in the hit, it
-loads the whole hit: what an engine without a planner does, and how the
-first observations arrive. A source it declines entirely gets no new
-observation, so its estimate stays as it was until a plan uses it again.
+Until it has an estimate of compute, it loads the whole hit: what an engine
+without a planner does. Until it also has one of every source in the hit,
+it *probes*: it loads one block (the hit's last, or with no overlap its
+first) and computes the rest, so a source's first observation costs at most
+one block's move, whatever its speed. A source it declines entirely gets no
+new observation, so its estimate stays as it was until a plan uses it again.
 """
 
 from __future__ import annotations
@@ -85,9 +87,11 @@ class OverlapPlanner(LoadPlanner):
     @override
     def plan(self, query: HitQuery) -> LoadPlan:
         h = query.hit_blocks
-        model = _Model.of(self, query)
-        if model is None or not h:
+        if not h or self.compute_seconds(1, 0) is None:
             return LoadPlan.load_all(h)
+        model = _Model.of(self, query)
+        if model is None:  # a source without an estimate: probe it with one block
+            return LoadPlan(h - 1, 1, h) if query.overlap else LoadPlan(0, 1, h)
         ends = [0]
         for _, n in query.runs:
             ends.append(ends[-1] + n)

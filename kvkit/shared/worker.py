@@ -69,6 +69,8 @@ class SharedTierWorker:
           reported ``ok=False`` (its bytes are not the block's).
         * Every submitted transfer id is reported exactly once; a fetch the
           store answers after ``wait_timeout_s`` is reported failed.
+        * A fetch's or put's ``seconds`` runs from its submission to its
+          answer; without a mirror (headers only) it is 0: not measured.
     """
 
     spec: KVCacheSpec
@@ -255,8 +257,9 @@ class SharedTierWorker:
 
     def _finish(self, pending: _Pending, ok: bool) -> None:
         del self._pending[pending.ticket]
-        self._ready.append(TransferResult(pending.transfer_id, self.rank, ok=ok,
-                                          seconds=time.perf_counter() - pending.started,
+        # Without a mirror only headers move: their time says nothing of a block's, so none is reported.
+        seconds = time.perf_counter() - pending.started if self.mirrors else 0.0
+        self._ready.append(TransferResult(pending.transfer_id, self.rank, ok=ok, seconds=seconds,
                                           num_bytes=pending.num_bytes if ok else 0))
 
     def _hand_out(self, copies: list[TransferResult]) -> list[TransferResult]:

@@ -30,8 +30,9 @@ on one instance, while a system prompt every request shares (the first block) do
 to one."""
 
 _SUMMED = ("requests", "skipped_requests", "queued_requests", "prompt_tokens", "block_references",
-           "hit_tokens_gpu", "hit_tokens_cpu", "hit_tokens_shared", "computed_tokens", "blocks_stored",
-           "blocks_loaded", "evictions_gpu", "evictions_cpu", "leaked_blocks")
+           "hit_tokens_gpu", "hit_tokens_cpu", "hit_tokens_shared", "computed_tokens", "overlapped_tokens",
+           "declined_cpu", "declined_shared", "blocks_stored", "blocks_loaded", "evictions_gpu", "evictions_cpu",
+           "leaked_blocks")
 
 
 @attrs.frozen

@@ -87,14 +87,16 @@ def test_compute_estimate_uses_the_engines_figure_until_it_observes():
     assert c.seconds(100, 0) == pytest.approx(1.0)
 
 
-def test_without_estimates_the_whole_hit_is_loaded():
-    """No compute or tier estimate yet: load everything (how the first observations arrive)."""
+def test_without_estimates_the_hit_is_loaded_or_probed():
+    """No compute estimate yet: load everything. A source without an estimate: load one block of it (a probe)."""
     p = OverlapPlanner()
     q = _query([(CPU, 4), (SHARED, 8)])
     assert p.plan(q) == LoadPlan.load_all(12) and p.estimate_ms(q, p.plan(q)) is None
     p.observe_compute(100, 0, 0.01)
     p.observe_move(CPU, 1000, 1e-6)
-    assert p.plan(q) == LoadPlan.load_all(12)  # the shared tier is still unknown
+    assert p.plan(q) == LoadPlan(11, 1, 12)  # the shared tier is still unknown: its last block, with the head
+    assert p.plan(_query([(CPU, 4), (SHARED, 8)], overlap=False)) == LoadPlan(0, 1, 12)
+    assert p.estimate_ms(q, p.plan(q)) is None
 
 
 def test_a_slow_tier_is_loaded_from_the_back_while_the_head_computes():
