@@ -8,7 +8,7 @@ its calls reports. ``BlockCodec`` names the keys and frames the values;
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -25,7 +25,7 @@ SHARED_WRITES = ("write-through", "write-back")
 
 @attrs.frozen
 class StoreResult:
-    """One finished ``put`` or ``get`` as ``BlockStore.poll`` reports it.
+    """One finished ``put`` or ``get`` as ``BlockStore.poll`` reports it to the caller naming its ticket.
 
     Attributes:
         ticket: the id ``put``/``get`` answered (an int >= 0).
@@ -69,17 +69,33 @@ class BlockStore(Protocol):
     time, and a key is written with the same bytes by whoever writes it, so
     concurrent writers are idempotent.
 
+    Results belong to the caller that submitted them: ``put``/``get`` answer
+    a ticket, and only a ``poll`` naming that ticket reports its result, so
+    several users of one store (the scheduler and every worker rank of every
+    stack in a process) each collect their own, with no routing between them.
+
     Invariants (``kvkit.testing.BlockStoreContract`` checks them; those about
     a failing medium need one, and kvkit's Valkey fault tests provide it):
         * ``contains`` answers the length of the leading run of present keys,
           in one round trip to the medium; it never raises for a sick
           server (it answers ``0``).
         * ``put``/``get`` never block on the medium: they queue the work and
-          answer a fresh ticket (never reused); every ticket is reported by
-          ``poll`` exactly once, failed or not. No call waits on the medium
+          answer a fresh ticket (never reused). ``poll(tickets)`` reports
+          only results of the tickets it names, each ticket's exactly once
+          over all polls, failed or not; a finished result not named yet
+          waits for a poll that names it (never handed to another caller,
+          never lost unless abandoned, below). Naming a ticket already
+          reported, abandoned or never issued reports nothing. No call waits on the medium
           longer than the backend's request timeout without progress; once
           the medium failed, queued work fails at once (``"transport: ..."``)
           until the backend's retry interval has passed.
+        * Waiting results are bounded: a store documents how many finished
+          results may wait at once (the built-ins: ``max_waiting``); when
+          one more finishes, the result that has waited longest is
+          discarded and its ticket is *abandoned*: no poll ever reports it.
+          A caller that polls its tickets as often as it submits (kvkit's
+          scheduler and workers poll every step) never loses a result;
+          results nobody collects cannot pile up.
         * Until its ticket is reported the caller must not touch the buffers
           of a ``put`` (the store may still read them) or of a ``get`` (the
           store may still write them); after it, the store never touches them.
@@ -87,11 +103,13 @@ class BlockStore(Protocol):
           total length; any other key is reported failed (buffers undefined).
         * A key whose ``put`` was reported landed is readable until the store
           drops it; nothing is readable before its ``put`` landed.
-        * ``close`` reports every outstanding ticket by the next ``poll``
-          (failed, unless it completed first), releases connections and
-          files, and is idempotent; ``contains``/``put``/``get`` after it
-          raise ``KVKitError``. Malformed calls (keys not non-empty
-          ``bytes``, buffer lists not one per key) raise ``ConfigError``.
+        * ``close`` makes every outstanding ticket finish (failed, unless it
+          completed first), to be reported by the next poll naming it,
+          releases connections and files, and is idempotent;
+          ``contains``/``put``/``get`` after it raise ``KVKitError``.
+          Malformed calls (keys not non-empty ``bytes``, buffer lists not
+          one per key, ``poll`` tickets not a collection of ints) raise
+          ``ConfigError``.
     """
 
     def contains(self, keys: Sequence[bytes]) -> int:
@@ -106,8 +124,8 @@ class BlockStore(Protocol):
         """Queue reading ``keys[i]`` into ``buffers[i]`` (scattered in order); answer the ticket."""
         ...
 
-    def poll(self, timeout: float = 0.0) -> list[StoreResult]:
-        """Report finished tickets, waiting up to ``timeout`` seconds for the first one."""
+    def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
+        """Report the finished ones of ``tickets``, waiting up to ``timeout`` seconds for the first one."""
         ...
 
     def close(self) -> None:

@@ -178,7 +178,7 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     if config.shared is not None:
         from kvkit.shared.client import connect_shared
 
-        conn = connect_shared(config, layout=config.cpu_layout or layout or "none", workers=config.world_size)
+        conn = connect_shared(config, layout=config.cpu_layout or layout or "none")
     shared = None if conn is None else conn.spec
     manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
                              callbacks=parts.callbacks, shared=shared, planner=parts.planner)
@@ -205,9 +205,9 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
         from kvkit.shared.worker import SharedTierWorker
 
         engines = stack.workers or [None] * config.world_size
-        stack.shared_workers = [SharedTierWorker(config.kv, client, conn.spec.codec, engine, rank=rank,
+        stack.shared_workers = [SharedTierWorker(config.kv, conn.store, conn.spec.codec, engine, rank=rank,
                                                  wait_timeout_s=config.wait_timeout_s)
-                                for rank, (client, engine) in enumerate(zip(conn.clients, engines))]
+                                for rank, engine in enumerate(engines)]
     return stack
 
 

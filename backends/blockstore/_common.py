@@ -1,11 +1,10 @@
-"""What every block store shares: argument checks and the ticket box that ``poll`` empties."""
+"""What every block store shares: argument checks, and the ticket box where results wait for their owners."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
@@ -13,7 +12,7 @@ from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.shared import StoreResult
 from kvkit.validate import check_real, quote
 
-__all__ = ["TicketBox", "check_call", "check_keys", "flat_views"]
+__all__ = ["MAX_WAITING", "TicketBox", "check_call", "check_keys", "flat_views", "wanted_tickets"]
 
 
 def check_keys(store: str, closed: bool, keys: Sequence[bytes]) -> None:
@@ -37,17 +36,35 @@ def flat_views(parts: Sequence[object]) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in parts]
 
 
+MAX_WAITING = 1 << 14
+"""Finished results a built-in store keeps for their owners' polls, by default (``max_waiting``)."""
+
+
+def wanted_tickets(tickets: object) -> set[int]:
+    """The tickets a ``poll`` names, as a set; ``ConfigError`` quoting anything but a collection of ints."""
+    if isinstance(tickets, Collection) and not isinstance(tickets, str | bytes):
+        wanted = set(tickets)
+        if all(t.__class__ is int for t in wanted):
+            return wanted
+    raise ConfigError(f"poll(tickets={quote(tickets)}): tickets must be a collection of ints (those put/get answered)")
+
+
 @attrs.define(eq=False)
 class TicketBox:
-    """Tickets handed out, and results waiting for ``poll``; thread-safe.
+    """Tickets handed out, and finished results waiting for the poll that names them; thread-safe.
 
-    Invariants: every issued ticket is reported exactly once (a result for a
-    ticket already reported, e.g. failed by :meth:`fail_open`, is dropped).
+    Invariants: every issued ticket is reported at most once, and only to a
+    poll naming it (a result for a ticket already finished, e.g. failed by
+    :meth:`fail_open`, is dropped); at most ``max_waiting`` results wait: one
+    more finishing discards the one that waited longest (its ticket is
+    abandoned, counted in ``abandoned``).
     """
 
+    max_waiting: int = MAX_WAITING
+    abandoned: int = attrs.field(default=0, init=False)
     _next: int = attrs.field(default=0, init=False)
     _open: dict[int, int] = attrs.field(factory=dict, init=False)  # ticket -> its number of keys
-    _done: deque[StoreResult] = attrs.field(factory=deque, init=False)
+    _done: dict[int, StoreResult] = attrs.field(factory=dict, init=False)  # in the order they finished
     _cond: threading.Condition = attrs.field(factory=threading.Condition, init=False)
 
     def issue(self, n_keys: int) -> int:
@@ -58,38 +75,58 @@ class TicketBox:
             return ticket
 
     def report(self, ticket: int, failed: Sequence[int] = (), error: str = "") -> None:
-        """Queue the result of ``ticket`` for ``poll`` unless it was already reported."""
+        """Keep the result of ``ticket`` for its owner's poll unless it already finished."""
         with self._cond:
-            if ticket not in self._open:
+            if self._open.pop(ticket, None) is None:
                 return
-            del self._open[ticket]
-            self._done.append(StoreResult(ticket, failed, error if failed else ""))
+            self._keep(StoreResult(ticket, failed, error if failed else ""))
             self._cond.notify_all()
 
     def fail_open(self, error: str) -> None:
-        """Report every open ticket failed, all of its keys, with ``error``."""
+        """Finish every open ticket failed, all of its keys, with ``error``."""
         with self._cond:
             for ticket, n_keys in sorted(self._open.items()):
-                self._done.append(StoreResult(ticket, range(n_keys), error))
+                self._keep(StoreResult(ticket, range(n_keys), error))
             self._open.clear()
             self._cond.notify_all()
 
-    def poll(self, timeout: float = 0.0) -> list[StoreResult]:
-        """Every queued result, waiting up to ``timeout`` seconds for the first."""
+    def poll(self, tickets: object, timeout: float = 0.0) -> list[StoreResult]:
+        """The finished results of ``tickets`` (by ticket), waiting up to ``timeout`` seconds for the first.
+
+        Raises:
+            ConfigError: ``tickets`` is not a collection of ints, or ``timeout`` is negative.
+        """
+        wanted = wanted_tickets(tickets)
         timeout = check_real("poll timeout", timeout, low=0.0)
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self._done and self._open:
+            while wanted.isdisjoint(self._done) and not wanted.isdisjoint(self._open):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            done = list(self._done)
-            self._done.clear()
-            return done
+            return [self._done.pop(t) for t in sorted(wanted.intersection(self._done))]
 
     @property
     def outstanding(self) -> int:
-        """Tickets issued and not reported yet."""
+        """Tickets issued and not finished yet."""
         with self._cond:
             return len(self._open)
+
+    @property
+    def waiting(self) -> int:
+        """Finished results no poll has named yet."""
+        with self._cond:
+            return len(self._done)
+
+    def check_invariants(self) -> None:
+        """Assert the bound on waiting results and that no ticket is both open and finished."""
+        with self._cond:
+            assert len(self._done) <= self.max_waiting, "more results wait than max_waiting"
+            assert self._open.keys().isdisjoint(self._done), "a ticket is both open and finished"
+
+    def _keep(self, result: StoreResult) -> None:
+        while len(self._done) >= self.max_waiting:
+            del self._done[next(iter(self._done))]
+            self.abandoned += 1
+        self._done[result.ticket] = result

@@ -2,27 +2,42 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import itertools
 import os
+import secrets
+import stat
 import threading
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
 
-from kvkit.backends.blockstore._common import TicketBox, check_call, check_keys, flat_views
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.shared import StoreResult
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import check_bool, check_int, checked, implements, quote
 
-__all__ = ["DiskStore"]
+__all__ = ["COUNTERS", "DiskStore"]
 
 _SUFFIX = ".kvb"
-_TEMP = ".tmp-"  # "<name>.tmp-<pid>-<n>": a write not renamed yet
+_TEMP = ".tmp-"  # "<name>.kvb.tmp-<owner>-<n>": a write not renamed yet, locked by its writer
+_HEX = frozenset("0123456789abcdef")
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_TEMP_ATTEMPTS = 3  # fresh temp names tried when a reaper removed each one before its writer locked it
+# Opening never follows a symlink, and never blocks on a FIFO planted under a value's name.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+COUNTERS = ("foreign", "broken", "vanished", "temps_removed", "temps_kept", "evicted", "unlink_failed",
+            "disk_full")
+"""The names of :attr:`DiskStore.counters`, in order."""
 
 
 def _path(value: object) -> Path:
@@ -31,22 +46,77 @@ def _path(value: object) -> Path:
     return Path(value)
 
 
+def _mode(value: object) -> int:
+    """Permission bits: an int (``0o640``) or its octal digits as text (``"640"``, ``"0640"``, ``"0o640"``)."""
+    mode = value
+    if isinstance(value, str):
+        try:
+            mode = int(value.strip().lower().removeprefix("0o"), 8)
+        except ValueError:
+            mode = None
+    if isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode <= 0o777 and mode & 0o600 == 0o600:
+        return mode
+    raise ConfigError(f"DiskStore.file_mode={quote(value)}: must be permission bits that let the owner "
+                      f"read and write (an int such as 0o600, or octal text such as '640')")
+
+
 @attrs.define(eq=False)
 class DiskStore:
     """A directory of block values: ``<path>/<2 hex>/<sha256(key)>.kvb``, at most ``capacity_bytes``.
 
-    A write goes to a temporary name in the same directory and is renamed
+    Writes. A value is written to a temporary file next to its final name,
+    ``<name>.kvb.tmp-<owner>-<n>`` (``owner`` random per store, so writers in
+    other processes, hosts or PID namespaces never share a name), then renamed
     over the final name (``os.replace``), so a reader sees a whole value or
-    none. A new instance re-indexes the directory (the file names are the
-    index; sizes and modification times seed the eviction order) and deletes
-    temporary files a crashed writer left. Eviction asks ``eviction`` (LRU by
-    default) for victims and unlinks them. Work runs on a pool of
-    ``threads`` threads; a ``get`` reads with ``os.preadv`` straight into the
-    caller's buffers. Files another process adds to the directory are adopted
+    none. Its writer holds an exclusive ``flock`` on the temporary file from
+    before anyone can find it (the writer checks, once locked, that the name
+    still leads to its file) until after the rename; the lock dies with the
+    writer's process.
+
+    Opening. A new instance re-indexes the directory: the file names are the
+    index, sizes and modification times seed the eviction order. Entries that
+    are not this layout's (other names, other places: ``foreign``), named as
+    values or temporary files but not regular files (symlinks, directories,
+    devices, unlistable subdirectories: ``broken``), and entries gone between
+    being listed and being looked at (``vanished``: another process evicted
+    them) are counted in :attr:`counters` and left alone; opening never raises
+    on an entry. A temporary file is deleted only when its lock can be taken,
+    which proves its writer gone (``temps_removed``); one whose lock is held,
+    or that cannot be deleted (a read-only file system), is kept
+    (``temps_kept``). Only an unusable ``path`` itself raises
+    :class:`~kvkit.errors.ConfigError`, quoting it.
+
+    Capacity. Eviction asks ``eviction`` (LRU by default) for victims and
+    deletes their files; a file another process deleted first, or one that
+    cannot be deleted, is forgotten all the same (``vanished``,
+    ``unlink_failed``). A put that meets a full file system (``ENOSPC``,
+    ``EDQUOT``: ``disk_full``) lowers the effective capacity to what the file
+    system holds for this store (the bytes indexed when it filled, plus the
+    free space if less than the value) and evicts below it, retrying until the
+    value lands or nothing is left to evict. While lowered, the capacity is
+    re-measured (indexed bytes plus free space, never above
+    ``capacity_bytes``) whenever it would force an eviction, so space freed on
+    the file system is used again; a quota, invisible to ``statvfs``, is
+    learned again at each refusal. Writes in flight may hold up to ``threads``
+    values beyond the capacity in temporary files.
+
+    Reading. A ``get`` reads with ``os.preadv`` straight into the caller's
+    buffers; a value missing, not a regular file, or unreadable is a failed
+    key (a miss), never an exception. Files another process adds are adopted
     when ``contains`` or ``get`` finds them; the capacity holds per process.
+    Work runs on a pool of ``threads`` threads. At most ``max_waiting``
+    finished results wait for the polls naming their tickets (one more
+    abandons the oldest).
+
+    Permissions. Value and temporary files get ``file_mode`` (``0o600`` by
+    default) and the directories the store creates (``path`` when it does not
+    exist, and its subdirectories) the same bits plus search where read is
+    granted (``0o700``), whatever the umask; an existing ``path`` keeps its own.
 
     Invariants: ``used_bytes`` is the sum of the indexed files' sizes, never
-    above ``capacity_bytes``; the policy tracks exactly the indexed keys.
+    above :attr:`effective_capacity_bytes` (itself at most
+    ``capacity_bytes``); the policy tracks exactly the indexed keys; every
+    indexed file was a regular file of this layout when indexed.
     """
 
     path: Path = attrs.field(converter=_path)
@@ -55,32 +125,41 @@ class DiskStore:
     threads: int = attrs.field(default=2, converter=checked(check_int, minimum=1, label="DiskStore."))
     fsync: bool = attrs.field(default=False, converter=checked(check_bool, label="DiskStore."))
     """Flush each file to the device before renaming it (survives power loss, costs a sync per value)."""
+    file_mode: int = attrs.field(default=0o600, converter=_mode)
+    """Permission bits of value files (``0o640`` lets the group read); directories add search bits."""
+    max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
+                                   converter=checked(check_int, minimum=1, label="DiskStore."))
     used_bytes: int = attrs.field(default=0, init=False)
     closed: bool = attrs.field(default=False, init=False)
     _index: dict[str, tuple[BlockId, int]] = attrs.field(factory=dict, init=False)  # name -> (id, size)
     _names: dict[BlockId, str] = attrs.field(factory=dict, init=False)
+    _fits: int | None = attrs.field(default=None, init=False)  # what the file system holds for us, once full
     _ids: itertools.count = attrs.field(factory=itertools.count, init=False)
     _temps: itertools.count = attrs.field(factory=itertools.count, init=False)
+    _owner: str = attrs.field(factory=lambda: secrets.token_hex(6), init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
-    _tickets: TicketBox = attrs.field(factory=TicketBox, init=False)
+    _counts: Counter = attrs.field(factory=Counter, init=False)
+    _counts_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
+        lambda self: TicketBox(self.max_waiting), takes_self=True))
     _pool: ThreadPoolExecutor = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot create the directory: {exc}") from exc
+        self._make_root()
+        self._reindex()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvkit-disk")
-        found = []
-        for file in self.path.glob(f"??/*{_SUFFIX}*"):
-            if _TEMP in file.name:
-                file.unlink(missing_ok=True)  # a write that never got renamed
-            elif file.name.endswith(_SUFFIX):
-                stat = file.stat()
-                found.append((stat.st_mtime_ns, file.name[:-len(_SUFFIX)], stat.st_size))
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """What the store met on its file system since it opened, by name (:data:`COUNTERS`)."""
+        with self._counts_lock:
+            return {name: self._counts[name] for name in COUNTERS}
+
+    @property
+    def effective_capacity_bytes(self) -> int:
+        """``capacity_bytes``, or less while the file system holds less for this store (see the class)."""
         with self._lock:
-            for _, name, size in sorted(found):  # oldest first: the first victims of an LRU
-                self._adopt(name, size)  # evicts at once if the capacity is smaller than last time
+            return self._limit()
 
     def contains(self, keys: Sequence[bytes]) -> int:
         check_keys("DiskStore", self.closed, keys)
@@ -103,8 +182,8 @@ class DiskStore:
         self._pool.submit(self._run, ticket, self._read, list(keys), [flat_views(b) for b in buffers])
         return ticket
 
-    def poll(self, timeout: float = 0.0) -> list:
-        return self._tickets.poll(timeout)
+    def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
+        return self._tickets.poll(tickets, timeout)
 
     def drop(self, key: bytes) -> bool:
         """Delete ``key``'s file as an outside eviction would; answer whether it was indexed."""
@@ -125,10 +204,113 @@ class DiskStore:
     def check_invariants(self) -> None:
         with self._lock:
             assert self.used_bytes == sum(size for _, size in self._index.values()), "used_bytes drifted"
-            assert self.used_bytes <= self.capacity_bytes, "over capacity"
+            assert self.used_bytes <= self._limit(), "over capacity"
             assert len(self.eviction) == len(self._index) == len(self._names), "policy and index disagree"
             assert all(self._names[block] == name for name, (block, _) in self._index.items()), "id map drifted"
             self.eviction.check_invariants()
+        self._tickets.check_invariants()
+
+    # --- opening -------------------------------------------------------------
+
+    def _make_root(self) -> None:
+        mode = _dir_mode(self.file_mode)
+        try:
+            self.path.mkdir(parents=True, mode=mode)
+            os.chmod(self.path, mode)  # mkdir's mode passes through the umask
+        except FileExistsError:
+            if not self.path.is_dir():
+                raise ConfigError(f"DiskStore.path={str(self.path)!r}: exists and is not a directory") from None
+        except OSError as exc:
+            raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot create the directory: {exc}") from exc
+
+    def _reindex(self) -> None:
+        """Index every value file, oldest first; count what is not one; delete abandoned temporary files."""
+        try:
+            tops = list(os.scandir(self.path))
+        except OSError as exc:
+            raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot list the directory: {exc}") from exc
+        found = []
+        for top in tops:
+            if len(top.name) != 2 or not _HEX.issuperset(top.name):
+                self._note("foreign")
+                continue
+            try:
+                if not top.is_dir(follow_symlinks=False):
+                    self._note("broken")
+                    continue
+                entries = list(os.scandir(top.path))
+            except FileNotFoundError:
+                self._note("vanished")
+                continue
+            except OSError:  # a subdirectory this process may not list
+                self._note("broken")
+                continue
+            for entry in entries:
+                kind = _kind(top.name, entry.name)
+                if kind == "temp":
+                    self._reap(entry.path)
+                elif kind == "value":
+                    value = self._regular(entry.path)
+                    if value is not None:
+                        found.append((value.st_mtime_ns, entry.name[:-len(_SUFFIX)], value.st_size))
+                else:
+                    self._note("foreign")
+        with self._lock:
+            for _, name, size in sorted(found):  # oldest first: the first victims of an LRU
+                self._adopt(name, size)  # evicts at once if the capacity is smaller than last time
+
+    def _regular(self, path: str) -> os.stat_result | None:
+        """The status of the regular file at ``path``, or ``None`` (counted) if it is not one."""
+        try:
+            found = os.lstat(path)
+        except FileNotFoundError:
+            self._note("vanished")
+            return None
+        except OSError:
+            self._note("broken")
+            return None
+        if not stat.S_ISREG(found.st_mode):
+            self._note("broken")
+            return None
+        return found
+
+    def _reap(self, path: str) -> None:
+        """Delete the temporary file at ``path`` if its writer is gone: only while holding its lock.
+
+        A writer locks its file before writing and checks, once locked, that its name still leads to it
+        (a reaper may have deleted it in between; the writer then takes a new name), and unlocks only
+        after renaming it: so a temporary file locked here and still under its name is abandoned.
+        """
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except FileNotFoundError:  # renamed into place meanwhile
+            self._note("vanished")
+            return
+        except OSError:  # a symlink, or not ours to open
+            self._note("broken")
+            return
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
+                self._note("broken")
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # its writer is alive (or locks do not work here: nothing proves it abandoned)
+                self._note("temps_kept")
+                return
+            try:  # temporary names are never reused: if this one still exists, it is the file locked
+                os.unlink(path)
+            except FileNotFoundError:  # its writer renamed it before we locked it
+                self._note("vanished")
+            except OSError:  # a read-only file system
+                self._note("temps_kept")
+            else:
+                self._note("temps_removed")
+        finally:
+            os.close(fd)
+
+    # --- work on the pool ----------------------------------------------------
 
     def _run(self, ticket: int, work, keys: list[bytes], views: list[list[memoryview]]) -> None:
         failed, errors = [], set()
@@ -144,67 +326,123 @@ class DiskStore:
 
     def _write(self, key: bytes, parts: list[memoryview]) -> str | None:
         size = sum(p.nbytes for p in parts)
-        if size > self.capacity_bytes:
-            return f"a value of {size} bytes exceeds the capacity of {self.capacity_bytes}"
         name = _name(key)
-        final = self._file(name)
-        temp = final.with_name(f"{final.name}{_TEMP}{os.getpid()}-{next(self._temps)}")
-        try:
-            final.parent.mkdir(exist_ok=True)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        while True:  # each round after a full file system evicts at least one value, or gives up
+            with self._lock:
+                fits = self._make_room(size)
+                limit = self._limit()
+            if not fits:
+                held = "" if limit == self.capacity_bytes else " (what the file system holds for this store)"
+                return f"a value of {size} bytes exceeds the capacity of {limit}{held}"
             try:
-                _write_all(fd, parts)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+                self._publish(name, size, parts)
+                return None
+            except OSError as exc:
+                problem = f"cannot write {str(self._file(name))!r}: {exc.strerror or exc}"
+                if exc.errno not in _FULL:
+                    return problem
+            self._note("disk_full")
+            with self._lock:
+                relieved = self._relieve(size)
+            if not relieved:
+                return f"{problem}, and nothing is left to evict"
+
+    def _publish(self, name: str, size: int, parts: list[memoryview]) -> None:
+        """Write a value to a locked temporary file and rename it over ``name``'s file; raise ``OSError``."""
+        final = self._file(name)
+        fd, temp = self._create_temp(final)
+        try:
+            os.fchmod(fd, self.file_mode)  # the creation mode passes through the umask
+            _write_all(fd, parts)
+            if self.fsync:
+                os.fsync(fd)
             with self._lock:
                 self._forget(name, unlink=False)  # os.replace swaps the file atomically: readers never miss it
                 self._evict_for(size)
                 os.replace(temp, final)
                 self._adopt(name, size)
-        except OSError as exc:
-            temp.unlink(missing_ok=True)
-            return f"write failed: {exc}"
-        return None
+        except BaseException:
+            _unlink_quietly(temp)
+            raise
+        finally:
+            os.close(fd)  # releases the lock once the temporary name is gone
+
+    def _create_temp(self, final: Path) -> tuple[int, str]:
+        """A new temporary file next to ``final``, open for writing and locked by this writer."""
+        mode = _dir_mode(self.file_mode)
+        try:
+            os.mkdir(final.parent, mode)
+            os.chmod(final.parent, mode)
+        except FileExistsError:
+            pass
+        for _ in range(_TEMP_ATTEMPTS):
+            temp = f"{final}{_TEMP}{self._owner}-{next(self._temps)}"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits out a reaper that is looking at it
+                if _same_file(temp, os.fstat(fd)):
+                    return fd, temp
+            except BaseException:
+                os.close(fd)
+                _unlink_quietly(temp)
+                raise
+            os.close(fd)  # a reaper deleted it between our open and our lock: take a new name
+        raise OSError(errno.EAGAIN, f"{_TEMP_ATTEMPTS} temporary files were deleted by others before being locked")
 
     def _read(self, key: bytes, parts: list[memoryview]) -> str | None:
         name = _name(key)
+        path = self._file(name)
         want = sum(p.nbytes for p in parts)
         try:
-            fd = os.open(self._file(name), os.O_RDONLY)
+            fd = os.open(path, _READ_FLAGS)
         except FileNotFoundError:
             with self._lock:
-                if not self._file(name).exists():  # deleted behind our back (not just rewritten)
+                if not os.path.lexists(path):  # deleted behind our back (not just rewritten)
                     self._forget(name, unlink=False)
             return "missing value"
+        except OSError as exc:  # a symlink in its place, or no permission
+            return self._unusable(name, f"cannot open {str(path)!r}: {exc.strerror or exc}")
         try:
-            size = os.fstat(fd).st_size
-            if size != want:
-                return f"value of {size} bytes, buffers of {want}"
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
+                return self._unusable(name, f"{str(path)!r} is not a regular file")
+            if found.st_size != want:
+                return f"value of {found.st_size} bytes, buffers of {want}"
             if _read_all(fd, parts) != want:
                 return "value shrank while being read"
+        except OSError as exc:
+            return f"cannot read {str(path)!r}: {exc.strerror or exc}"
         finally:
             os.close(fd)
         with self._lock:
             entry = self._index.get(name)
             if entry is None:
-                self._adopt(name, size)
+                self._adopt(name, found.st_size)
             else:
                 self.eviction.on_access(entry[0])
         return None
+
+    def _unusable(self, name: str, problem: str) -> str:
+        """Forget (without deleting: it is not ours) what is in the place of ``name``'s value; answer ``problem``."""
+        with self._lock:
+            self._forget(name, unlink=False)
+        return problem
+
+    # --- the index -----------------------------------------------------------
 
     def _known(self, name: str) -> bool:
         with self._lock:
             if name in self._index:
                 return True
         try:
-            size = self._file(name).stat().st_size
+            found = os.lstat(self._file(name))
         except OSError:
+            return False
+        if not stat.S_ISREG(found.st_mode):
             return False
         with self._lock:
             if name not in self._index:
-                self._adopt(name, size)
+                self._adopt(name, found.st_size)
         return True
 
     def _file(self, name: str) -> Path:
@@ -227,17 +465,98 @@ class DiskStore:
         self.used_bytes -= size
         self.eviction.on_remove(block)
         if unlink:
-            self._file(name).unlink(missing_ok=True)
+            try:
+                os.unlink(self._file(name))
+            except FileNotFoundError:  # another process evicted it first
+                self._note("vanished")
+            except OSError:
+                self._note("unlink_failed")
 
-    def _evict_for(self, size: int) -> None:
-        while self._index and self.used_bytes + size > self.capacity_bytes:
+    # --- capacity ------------------------------------------------------------
+
+    def _limit(self) -> int:
+        return self.capacity_bytes if self._fits is None else min(self.capacity_bytes, self._fits)
+
+    def _make_room(self, size: int) -> bool:
+        """Evict until ``size`` more bytes fit (re-measuring a lowered capacity first); ``False`` if they never can."""
+        if self._fits is not None and self.used_bytes + size > self._fits:
+            free = self._free()
+            if free is not None:
+                fits = self.used_bytes + free
+                self._fits = None if fits >= self.capacity_bytes else fits
+        if size > self._limit():
+            return False
+        self._evict_for(size)
+        return True
+
+    def _relieve(self, size: int) -> bool:
+        """After a full file system refused ``size`` bytes: lower the capacity to what it holds and evict below it.
+
+        Answers whether anything was evicted (nothing left to evict: the put fails).
+        """
+        free = self._free()
+        room = free if free is not None and free < size else 0  # a quota's refusal leaves statvfs's free space
+        self._fits = min(self._limit(), self.used_bytes + room)
+        return self._evict_for(size) > 0
+
+    def _free(self) -> int | None:
+        try:
+            found = os.statvfs(self.path)
+        except OSError:
+            return None
+        return found.f_bavail * found.f_frsize
+
+    def _evict_for(self, size: int) -> int:
+        evicted = 0
+        while self._index and self.used_bytes + size > self._limit():
             victims = self.eviction.select_victims(1, self._names.__contains__)
             assert victims, "the eviction policy found no victim among indexed files"
             self._forget(self._names[victims[0]])
+            evicted += 1
+        if evicted:
+            self._note("evicted", evicted)
+        return evicted
+
+    def _note(self, counter: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self._counts[counter] += n
 
 
 def _name(key: bytes) -> str:
     return hashlib.sha256(key).hexdigest()
+
+
+def _kind(prefix: str, filename: str) -> str | None:
+    """``"value"`` or ``"temp"`` for a file of this layout in subdirectory ``prefix``, else ``None``."""
+    name, _, rest = filename.partition(".")
+    if len(name) != 64 or not _HEX.issuperset(name) or not name.startswith(prefix):
+        return None
+    if rest == _SUFFIX[1:]:
+        return "value"
+    if rest.startswith(f"{_SUFFIX[1:]}{_TEMP}"):
+        return "temp"
+    return None
+
+
+def _dir_mode(file_mode: int) -> int:
+    """``file_mode`` plus search wherever it grants read (``0o600`` -> ``0o700``, ``0o640`` -> ``0o750``)."""
+    return file_mode | (file_mode & 0o444) >> 2
+
+
+def _same_file(path: str, held: os.stat_result) -> bool:
+    """Whether ``path`` (not followed) still leads to the open file ``held`` describes."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:  # already gone, or the file system refuses: the next opener reaps it
+        pass
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
-from kvkit.backends.blockstore._common import TicketBox, check_call, check_keys, flat_views
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
 from kvkit.interfaces.shared import StoreResult
 from kvkit.validate import check_int, checked
 
@@ -19,19 +19,25 @@ __all__ = ["MemoryStore"]
 class MemoryStore:
     """A dict of values shared by every stack in one process (the simulator's shared tier).
 
-    Work completes inside ``put``/``get`` and is reported by the next ``poll``.
-    With ``capacity_bytes`` the store drops its least recently written or read
-    values to make room, as a server with ``maxmemory`` and an LRU policy does.
+    Work completes inside ``put``/``get`` and is reported by the next ``poll``
+    naming its ticket. With ``capacity_bytes`` the store drops its least
+    recently written or read values to make room, as a server with
+    ``maxmemory`` and an LRU policy does. At most ``max_waiting`` finished
+    results wait for their owners (one more abandons the oldest).
     Thread-safe: several stacks may share one instance.
 
     Invariants: ``used_bytes`` is the sum of the held values' lengths and never
-    exceeds ``capacity_bytes``; every ticket is reported once.
+    exceeds ``capacity_bytes``; every ticket is reported at most once, only
+    to a poll naming it.
     """
 
     capacity_bytes: int | None = attrs.field(
         default=None, converter=attrs.converters.optional(checked(check_int, minimum=1, label="MemoryStore.")))
+    max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
+                                   converter=checked(check_int, minimum=1, label="MemoryStore."))
     _values: OrderedDict[bytes, bytes] = attrs.field(factory=OrderedDict, init=False)
-    _tickets: TicketBox = attrs.field(factory=TicketBox, init=False)
+    _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
+        lambda self: TicketBox(self.max_waiting), takes_self=True))
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     used_bytes: int = attrs.field(default=0, init=False)
     closed: bool = attrs.field(default=False, init=False)
@@ -83,8 +89,8 @@ class MemoryStore:
         self._tickets.report(ticket, failed, "missing or wrong-sized value")
         return ticket
 
-    def poll(self, timeout: float = 0.0) -> list[StoreResult]:
-        return self._tickets.poll(timeout)
+    def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
+        return self._tickets.poll(tickets, timeout)
 
     def drop(self, key: bytes) -> bool:
         """Forget ``key`` as a server's own eviction would; answer whether it was held."""
@@ -99,6 +105,7 @@ class MemoryStore:
         with self._lock:
             assert self.used_bytes == sum(len(v) for v in self._values.values()), "used_bytes drifted"
             assert self.capacity_bytes is None or self.used_bytes <= self.capacity_bytes, "over capacity"
+        self._tickets.check_invariants()
 
     def _forget(self, key: bytes) -> bool:
         value = self._values.pop(key, None)

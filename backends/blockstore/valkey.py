@@ -6,11 +6,11 @@ import queue
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
-from kvkit.backends.blockstore._common import TicketBox, check_call, check_keys, flat_views
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
 from kvkit.backends.blockstore.resp import Address, ConnectOptions, Link, Redirect, ServerError, error_reply
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import StoreResult
@@ -89,9 +89,11 @@ class ValkeyStore:
     starting ``"transport:"`` and makes every call fail fast (``contains``
     answers 0) for ``retry_interval_s``; then the next call reconnects.
     ``ttl_s`` gives every value an expiry, so a ``volatile-*`` eviction
-    policy of the server can act.
+    policy of the server can act. At most ``max_waiting`` finished results
+    wait for the polls naming their tickets (one more abandons the oldest).
 
-    Invariants: every ticket is reported exactly once; after ``close`` the
+    Invariants: every ticket is reported at most once, only to a poll naming
+    it; after ``close`` the
     I/O thread has stopped, so no buffer is touched after its ticket was
     reported.
     """
@@ -114,12 +116,15 @@ class ValkeyStore:
     window_bytes: int = attrs.field(default=256 << 10, converter=checked(check_int, minimum=1,
                                                                          label="ValkeyStore."))
     """Bytes of values per chunk of a put or get; at most two chunks are in flight per node."""
+    max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
+                                   converter=checked(check_int, minimum=1, label="ValkeyStore."))
     closed: bool = attrs.field(default=False, init=False)
     _health: _Health = attrs.field(init=False)
     _lookup: Link = attrs.field(init=False)
     _io: Link = attrs.field(init=False)
     _lookup_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
-    _tickets: TicketBox = attrs.field(factory=TicketBox, init=False)
+    _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
+        lambda self: TicketBox(self.max_waiting), takes_self=True))
     _jobs: queue.SimpleQueue = attrs.field(factory=queue.SimpleQueue, init=False)
     _thread: threading.Thread = attrs.field(init=False)
 
@@ -183,8 +188,8 @@ class ValkeyStore:
         check_call("ValkeyStore", self.closed, keys, buffers)
         return self._queue("get", keys, buffers)
 
-    def poll(self, timeout: float = 0.0) -> list[StoreResult]:
-        return self._tickets.poll(timeout)
+    def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
+        return self._tickets.poll(tickets, timeout)
 
     def close(self) -> None:
         if self.closed:
@@ -201,7 +206,8 @@ class ValkeyStore:
 
     def check_invariants(self) -> None:
         assert self.closed or self._thread.is_alive(), "the I/O thread died"
-        assert not self.closed or self._tickets.outstanding == 0, "tickets left unreported after close"
+        assert not self.closed or self._tickets.outstanding == 0, "tickets left unfinished after close"
+        self._tickets.check_invariants()
 
     def _queue(self, op: str, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
         ticket = self._tickets.issue(len(keys))

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.shared import BlockStore
-from kvkit.shared.urls import open_block_store
+from kvkit.shared.urls import open_block_store, process_wide
 
 __all__ = ["run_shared_bench"]
 
@@ -55,7 +55,8 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
             report["contains"] = _contains(store, client, contains_keys, max(repeat, 20))
             return report
         finally:
-            store.close()
+            if not process_wide(store):
+                store.close()
     finally:
         if server is not None:
             server.stop()
@@ -181,11 +182,10 @@ def _library_client(url: str) -> Any:
 def _finish(store: BlockStore, ticket: int) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for result in store.poll(1.0):
-            if result.ticket == ticket:
-                if not result.ok:
-                    raise BackendUnavailableError(f"a benchmark call failed: {result.error}")
-                return
+        for result in store.poll((ticket,), 1.0):
+            if not result.ok:
+                raise BackendUnavailableError(f"a benchmark call failed: {result.error}")
+            return
     raise BackendUnavailableError("a benchmark call was not reported within 60 s")
 
 

@@ -231,7 +231,7 @@ class SchedulerSide:
         parts = attrs.evolve(stack, copy=None).resolve()
         cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
         log = CpuTierEvents() if events else None
-        conn = None if stack.shared is None else connect_shared(stack, layout=settings.shared_layout, workers=0)
+        conn = None if stack.shared is None else connect_shared(stack, layout=settings.shared_layout)
         manager = OffloadManager(stack.kv, cpu, parts.store, gpu=gpu, world_size=stack.world_size,
                                  null_block=0, callbacks=(log,) if log is not None else (),
                                  shared=None if conn is None else conn.spec)

@@ -158,8 +158,8 @@ class WorkerSide:
                    for g in range(len(stack.kv.groups))]
         shared = store = None
         if stack.shared is not None:
-            conn = connect_shared(stack, layout=settings.shared_layout, workers=1)
-            shared = SharedTierWorker(stack.kv, conn.clients[0], conn.spec.codec, mirrors=engines, rank=rank,
+            conn = connect_shared(stack, layout=settings.shared_layout)
+            shared = SharedTierWorker(stack.kv, conn.store, conn.spec.codec, mirrors=engines, rank=rank,
                                       wait_timeout_s=stack.wait_timeout_s)
             store = conn.store if conn.owned else None
         return cls(engines, layer_names, settings.layout, stack.cpu_layout, settings.layerwise, shared=shared,

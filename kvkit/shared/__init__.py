@@ -3,7 +3,7 @@
 One room holds its implementation: :mod:`~kvkit.shared.urls` opens a block
 store from a URL; :mod:`~kvkit.shared.format` frames values (header,
 checksum, optional HMAC) and names their keys; :mod:`~kvkit.shared.client`
-gives each user of a store its own client; :mod:`~kvkit.shared.scheduler`
+connects a stack to its store (who owns it, the codec); :mod:`~kvkit.shared.scheduler`
 finds shared hits and plans fetches and puts for the manager;
 :mod:`~kvkit.shared.worker` runs them on each worker rank. The protocols
 (``BlockStore``, ``BlockCodec``) live in :mod:`kvkit.interfaces.shared`, the

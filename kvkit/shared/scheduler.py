@@ -35,7 +35,7 @@ import attrs
 from kvkit.errors import ConfigError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.capabilities import EvictionOrder
-from kvkit.interfaces.shared import SHARED_WRITES, BlockCodec, BlockStore, SharedPlan
+from kvkit.interfaces.shared import SHARED_WRITES, BlockCodec, BlockStore, SharedPlan, StoreResult
 from kvkit.interfaces.types import BlockHash, BlockId, Direction
 from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
@@ -71,7 +71,7 @@ class SharedTierSpec:
     """How a manager uses a shared tier.
 
     Attributes:
-        store: the scheduler's client of the shared store (``contains`` and probes).
+        store: the shared store (``contains``, and probes whose results the scheduler collects by ticket).
         codec: turns (block hash, rank) into keys, identically on every worker.
         write: one of :data:`SHARED_WRITES`.
         writeback_blocks: with ``write-back``, how many of the CPU pool's next
@@ -159,13 +159,12 @@ class SharedTier:
     def tick(self) -> None:
         """Once per step: read the probe's answer, or send the probe that ends a back-off."""
         if self._probe is not None:
-            for res in self._poll():
-                if res.ticket == self._probe:
-                    self._probe = None
-                    if res.transport_failed:
-                        self._turn_off(res.error)
-                    else:
-                        self._turn_on()
+            for res in self._poll(self._probe):
+                self._probe = None
+                if res.transport_failed:
+                    self._turn_off(res.error)
+                else:
+                    self._turn_on()
         elif self._state is SharedState.OFF and self.spec.clock() >= self._until:
             self._state = SharedState.RETRY
             self._send_probe()
@@ -184,9 +183,9 @@ class SharedTier:
             self._probe = None
             self._turn_off(f"transport: probe raised {exc!r}")
 
-    def _poll(self) -> list:
+    def _poll(self, ticket: int) -> list[StoreResult]:
         try:
-            return self.spec.store.poll(0.0)
+            return self.spec.store.poll((ticket,), 0.0)
         except Exception as exc:  # noqa: BLE001 - as above
             self._probe = None
             self._turn_off(f"transport: poll raised {exc!r}")

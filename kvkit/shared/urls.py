@@ -1,16 +1,22 @@
-"""``open_block_store(url)``: a third-tier ``BlockStore`` from a URL.
+"""``open_block_store(url)``: the one opener of a shared-tier ``BlockStore`` from a URL.
 
-URL forms (``redis`` may replace ``valkey`` in every scheme):
+Each scheme has one meaning (``redis`` may replace ``valkey`` in every scheme):
 
-* ``valkey://[[user]:password@]host[:port][/db]`` - one server (port 6379 by default);
+* ``valkey://[[user]:password@]host[:port][/db]`` - a new client of one server (port 6379 by default);
 * ``valkeys://...`` - the same over TLS (options ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_verify``);
 * ``valkey+cluster://[[user]:password@]host:port[,host:port...]`` (``valkeys+cluster://`` with TLS) -
-  a Cluster, found from any of the nodes listed;
-* ``file:///path/to/dir`` - a local directory (option ``capacity_bytes``, required: ``"50GiB"``);
-* ``memory://`` - an in-process store (option ``capacity_bytes``);
-* ``<name>://...`` - a third-party store registered as ``<name>`` (``kvkit.register("shared", ...)``),
-  built with ``url=`` and the options.
+  a new client of a Cluster, found from any of the nodes listed;
+* ``file:///path/to/dir`` - a new store over a local directory (option ``capacity_bytes``, required: ``"50GiB"``;
+  ``file_mode``, octal, ``600`` by default);
+* ``memory://`` or ``memory://NAME`` - the process's in-memory store of that name (``""`` for
+  ``memory://``): the first open builds it (option ``capacity_bytes``), every later open in the
+  process answers the same instance, so every stack of the process shares it. It belongs to the
+  process: no caller closes it (one that was closed is replaced by a new, empty one at the next
+  open), and a later open with other options is refused. NAME is any text without ``/``;
+* ``<name>://...`` - a new instance of a third-party store registered as ``<name>``
+  (``kvkit.register("shared", ...)``), built with ``url=`` and the options.
 
+A *new* store belongs to the caller, who closes it; :func:`process_wide` tells the two kinds apart.
 Options are keyword arguments of the store (``request_timeout_s=0.5``), or the URL's query
 (``file:///kv?capacity_bytes=50GiB``, ``valkey://h:6379/0?request_timeout_s=0.5&ttl_s=3600``: numbers
 and ``true``/``false`` are converted), so one string configures a store wherever only a string fits
@@ -20,6 +26,7 @@ and ``true``/``false`` are converted), so one string configures a store wherever
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -29,15 +36,17 @@ from kvkit.interfaces.shared import BlockStore
 from kvkit.registry import SHARED
 from kvkit.validate import quote
 
-__all__ = ["open_block_store"]
+__all__ = ["open_block_store", "process_wide"]
 
 _FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
-          "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://")
+          "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://[NAME]")
 _DEFAULT_PORT = 6379
+_MEMORY: dict[str, tuple[BlockStore, dict[str, Any]]] = {}  # name -> (the process's store, its options)
+_MEMORY_LOCK = threading.Lock()
 
 
 def open_block_store(url: str, **options: Any) -> BlockStore:
-    """Build the block store ``url`` names, with ``options`` passed to its constructor.
+    """The block store ``url`` names: a new one built with ``options``, or the process's ``memory://NAME``.
 
     Raises:
         ConfigError: ``url`` is malformed or of an unknown scheme (the message
@@ -66,14 +75,33 @@ def _open(url: str, options: dict[str, Any]) -> BlockStore:
     if scheme == "file":
         return SHARED.create("disk", slot="shared", **_disk(url, options))
     if scheme == "memory":
-        if url.partition("?")[0] != "memory://":
-            raise ConfigError(f"block store URL {url!r}: memory:// takes nothing after the scheme; "
-                              f"pass options as keyword arguments (capacity_bytes=...)")
-        return SHARED.create("memory", slot="shared", **_sizes(options))
+        return _memory(url, _sizes(options))
     if scheme in SHARED.names():
         return SHARED.create(scheme, slot="shared", url=url, **options)
     raise ConfigError(f"block store URL {url!r}: unknown scheme {scheme!r}; expected one of {_FORMS}, "
                       f"or a registered block store: {', '.join(SHARED.names())}")
+
+
+def process_wide(store: BlockStore) -> bool:
+    """Whether ``store`` is one of the process's ``memory://NAME`` stores (which no caller closes)."""
+    with _MEMORY_LOCK:
+        return any(store is held for held, _ in _MEMORY.values())
+
+
+def _memory(url: str, options: dict[str, Any]) -> BlockStore:
+    name = url.partition("://")[2].partition("?")[0]
+    if "/" in name:
+        raise ConfigError(f"block store URL {url!r}: expected memory:// or memory://NAME (a name without '/')")
+    with _MEMORY_LOCK:
+        held = _MEMORY.get(name)
+        if held is not None and not getattr(held[0], "closed", False):
+            if held[1] != options:
+                raise ConfigError(f"block store URL {url!r}: this process's memory store {name!r} is open with "
+                                  f"options {held[1]!r}, not {options!r}; open it with the same options")
+            return held[0]
+        store = SHARED.create("memory", slot="shared", **options)
+        _MEMORY[name] = (store, options)
+        return store
 
 
 def _valkey(url: str, tls: bool, cluster: bool) -> dict[str, Any]:
@@ -120,6 +148,9 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"block store URL {url!r}: expected file:///absolute/path (a local directory)")
     if "capacity_bytes" not in options:
         raise ConfigError(f"block store URL {url!r}: a disk store needs capacity_bytes (e.g. '50GiB')")
+    raw = dict(parse_qsl(parsed.query, keep_blank_values=True)).get("file_mode")
+    if raw is not None:  # octal text: "640" must not become the decimal number 640
+        options = {**options, "file_mode": raw}
     return {"path": unquote(parsed.path), **_sizes(options)}
 
 

@@ -52,7 +52,7 @@ class SharedTierWorker:
 
     Args:
         spec: the cache shape (bytes per copy for a scheduler-only stack).
-        store: this rank's client of the shared store (only it polls its tickets).
+        store: the shared store (this rank polls only the tickets its own calls answered).
         codec: keys and value framing, identical on every rank and the scheduler.
         engine: this rank's copy engine, or ``None`` for a scheduler-only stack.
         mirrors: the engines whose CPU mirrors hold a block's payload, in order
@@ -223,16 +223,21 @@ class SharedTierWorker:
         return self.codec.header_bytes + sum(engine.spec.bytes_per_block for engine in self.mirrors)
 
     def _collect(self, timeout: float, keep: set[int] = frozenset()) -> dict[int, StoreResult]:
-        """Poll the store once; finish every reported ticket but those in ``keep``. Returns them by ticket."""
+        """Poll the store once for this rank's tickets; finish each reported one but those in ``keep``.
+
+        Returns the reported results by ticket.
+        """
+        if not self._pending:
+            return {}
         try:
-            results = self.store.poll(timeout)
+            results = self.store.poll(tuple(self._pending), timeout)
         except Exception:  # noqa: BLE001 - nothing came back this time; the tickets stay pending
             self.transport_errors += 1
             return {}
         out = {}
         for res in results:
             pending = self._pending.get(res.ticket)
-            if pending is None:  # not ours (the protocol says it cannot happen): ignored
+            if pending is None:  # not one it named (the protocol says it cannot happen): ignored
                 continue
             out[res.ticket] = res
             self.transport_errors += res.transport_failed

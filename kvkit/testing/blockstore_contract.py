@@ -59,15 +59,21 @@ class BlockStoreContract(RuleBasedStateMachine):
     The model maps each key to "landed" (a put of it was reported landed and
     it was not dropped since), "maybe" (a put failed, or is in flight: either
     outcome is allowed), or nothing. Every key has one value of its own
-    size. Rules put and get batches (buffers split into up to three views),
-    ask ``contains``, drop keys, get into buffers of the wrong size, and
-    poll; puts and gets may stay outstanding across steps.
+    size. Two callers share the store, each submitting its own calls and
+    polling by naming its own tickets. Rules put and get batches (buffers
+    split into up to three views), ask ``contains``, drop keys, get into
+    buffers of the wrong size, poll (naming also a ticket already reported
+    or never issued), and abandon a get (its ticket is never named again);
+    puts and gets may stay outstanding across steps.
 
     Checked, for every store (the invariants of :class:`BlockStore`):
 
     * ``put``/``get`` answer fresh tickets at once; every ticket is reported
-      by ``poll`` exactly once, within :attr:`report_timeout_s`; a result
-      names only indices of its call.
+      exactly once, to a poll naming it, within :attr:`report_timeout_s`; a
+      poll reports no ticket it did not name (no result goes to another
+      caller), none already reported, none never issued, and while one caller
+      polls the other's results wait for it (none lost); a result names only
+      indices of its call.
     * ``contains`` answers the leading run of landed keys (``may_drop``: at
       most the leading run of landed or maybe keys); never more.
     * A ``get`` of a landed key succeeds with exactly its bytes (``may_drop``:
@@ -75,9 +81,12 @@ class BlockStoreContract(RuleBasedStateMachine):
       another total length fail, and are left for the store to fill only
       with a value of exactly their length.
     * A malformed call (a key not non-empty ``bytes``, buffer lists not one
-      per key) raises ``ConfigError``.
+      per key, poll tickets not a collection of ints) raises ``ConfigError``.
     * ``check_invariants()`` passes after every step; after ``close`` every
       outstanding ticket is reported once and every call raises.
+
+    The bound on waiting results (abandoned tickets discarded) depends on the
+    store's own bound; test it with the store's settings (kvkit's stores do).
     """
 
     may_drop = False
@@ -92,7 +101,9 @@ class BlockStoreContract(RuleBasedStateMachine):
         self.state: dict[int, str] = {}  # key number -> "landed" | "maybe"
         # ticket -> (operation, key numbers, buffers, keys landed when it was issued)
         self.outstanding: dict[int, tuple[str, list[int], list[bytearray], frozenset[int]]] = {}
+        self.owner: dict[int, int] = {}  # outstanding ticket -> the caller (0 or 1) that submitted it
         self.seen: set[int] = set()
+        self.reported: set[int] = set()
 
     def make_store(self) -> BlockStore:
         """Return a fresh, empty store under test (override this)."""
@@ -109,22 +120,22 @@ class BlockStoreContract(RuleBasedStateMachine):
     def release_store(self, store: BlockStore) -> None:
         """Clean up after an example, once the store is closed (override to remove files or keys)."""
 
-    @rule(ks=_KEY_LIST, cuts=st.integers(0, 2), wait=st.booleans())
-    def put(self, ks: list[int], cuts: int, wait: bool) -> None:
+    @rule(ks=_KEY_LIST, cuts=st.integers(0, 2), wait=st.booleans(), caller=st.integers(0, 1))
+    def put(self, ks: list[int], cuts: int, wait: bool, caller: int) -> None:
         """Queue a put of each key's value; keys in flight are "maybe" until reported."""
         values = [bytearray(_value(k)) for k in ks]
-        ticket = self._issue(self.store.put([_key(k) for k in ks], [_split(v, cuts) for v in values]))
+        ticket = self._issue(self.store.put([_key(k) for k in ks], [_split(v, cuts) for v in values]), caller)
         for k in ks:
             self.state.setdefault(k, "maybe")
         self.outstanding[ticket] = ("put", ks, values, frozenset())
         if wait:
             self._wait_for(ticket)
 
-    @rule(ks=_KEY_LIST, cuts=st.integers(0, 2), wait=st.booleans())
-    def get(self, ks: list[int], cuts: int, wait: bool) -> None:
+    @rule(ks=_KEY_LIST, cuts=st.integers(0, 2), wait=st.booleans(), caller=st.integers(0, 1))
+    def get(self, ks: list[int], cuts: int, wait: bool, caller: int) -> None:
         """Queue a get of each key into fresh buffers of its size, split into views."""
         buffers = [bytearray(len(_value(k))) for k in ks]
-        ticket = self._issue(self.store.get([_key(k) for k in ks], [_split(b, cuts) for b in buffers]))
+        ticket = self._issue(self.store.get([_key(k) for k in ks], [_split(b, cuts) for b in buffers]), caller)
         self.outstanding[ticket] = ("get", ks, buffers, self._landed_now())
         if wait:
             self._wait_for(ticket)
@@ -136,7 +147,7 @@ class BlockStoreContract(RuleBasedStateMachine):
         if size == len(_value(k)):
             return
         buffer = bytearray(size)
-        ticket = self._issue(self.store.get([_key(k)], [_split(buffer, 1)]))
+        ticket = self._issue(self.store.get([_key(k)], [_split(buffer, 1)]), 0)
         self.outstanding[ticket] = ("get-wrong", [k], [buffer], frozenset())
         self._wait_for(ticket)
 
@@ -161,10 +172,24 @@ class BlockStoreContract(RuleBasedStateMachine):
         if self.drop(self.store, _key(k)):
             self.state.pop(k, None)
 
-    @rule(timeout=st.sampled_from([0.0, 0.01]))
-    def poll(self, timeout: float) -> None:
-        """Take whatever results are ready."""
-        self._take(self.store.poll(timeout))
+    @rule(caller=st.integers(0, 1), timeout=st.sampled_from([0.0, 0.01]),
+          stray=st.sampled_from(["none", "reported", "never issued"]))
+    def poll(self, caller: int, timeout: float, stray: str) -> None:
+        """One caller takes whatever of its results are ready, naming its tickets (and maybe a stray one)."""
+        named = {t for t, who in self.owner.items() if who == caller}
+        if stray == "reported" and self.reported:
+            named.add(min(self.reported))
+        elif stray == "never issued":
+            named.add(max(self.seen, default=0) + 1000)
+        self._take(self.store.poll(named, timeout), named)
+
+    @rule(i=st.integers(0, 50))
+    def abandon(self, i: int) -> None:
+        """A caller gives up on one of its gets: it never names that ticket again (its buffers are its own)."""
+        gets = [t for t, entry in self.outstanding.items() if entry[0] == "get"]
+        if gets:
+            ticket = gets[i % len(gets)]
+            del self.outstanding[ticket], self.owner[ticket]
 
     @invariant()
     def store_is_consistent(self) -> None:
@@ -182,17 +207,23 @@ class BlockStoreContract(RuleBasedStateMachine):
             except ConfigError:
                 continue
             raise AssertionError(f"{call.__name__} with a {kind} did not raise ConfigError")
+        try:
+            self.store.poll(7)  # type: ignore[arg-type]
+        except ConfigError:
+            return
+        raise AssertionError("poll(7), a ticket not in a collection, did not raise ConfigError")
 
     def teardown(self) -> None:
         try:
             self._drain()
-            ticket = self._issue(self.store.get([_key(0)], [[memoryview(bytearray(len(_value(0))))]]))
+            ticket = self._issue(self.store.get([_key(0)], [[memoryview(bytearray(len(_value(0))))]]), 0)
             self.store.close()
             self.store.close()  # idempotent
-            results = self._poll_until(lambda got: ticket in got)
-            assert [r.ticket for r in results].count(ticket) == 1, \
+            results = self._poll_until({ticket})
+            assert [r.ticket for r in results] == [ticket], \
                 f"ticket {ticket}, outstanding at close, was reported {results}"
-            assert self.store.poll(0.0) == [], "a ticket was reported again after close"
+            again = self.store.poll(self.reported | {ticket}, 0.0)
+            assert again == [], f"tickets were reported again after close: {again}"
             for call in (lambda: self.store.put([_key(1)], [[memoryview(b"x")]]),
                          lambda: self.store.get([_key(1)], [[memoryview(bytearray(1))]]),
                          lambda: self.store.contains([_key(1)])):
@@ -205,17 +236,21 @@ class BlockStoreContract(RuleBasedStateMachine):
             self.store.close()
             self.release_store(self.store)
 
-    def _issue(self, ticket: object) -> int:
+    def _issue(self, ticket: object, caller: int) -> int:
         assert isinstance(ticket, int) and ticket >= 0, f"a ticket must be an int >= 0, got {ticket!r}"
         assert ticket not in self.seen, f"ticket {ticket} was handed out twice"
         self.seen.add(ticket)
+        self.owner[ticket] = caller
         return ticket
 
     def _wait_for(self, ticket: int) -> None:
-        self._take(self._poll_until(lambda got: ticket in got or ticket not in self.outstanding))
+        """The caller of ``ticket`` waits for it alone (naming only it)."""
+        self._take(self._poll_until({ticket}), {ticket})
 
     def _drain(self) -> None:
-        self._take(self._poll_until(lambda got: set(self.outstanding) <= got))
+        """Both callers wait for all of their tickets."""
+        named = set(self.outstanding)
+        self._take(self._poll_until(named), named)
 
     def _settle_puts(self) -> None:
         """Model answers are exact only with no put in flight: wait for them."""
@@ -225,21 +260,29 @@ class BlockStoreContract(RuleBasedStateMachine):
     def _landed_now(self) -> frozenset[int]:
         return frozenset(k for k, state in self.state.items() if state == "landed")
 
-    def _poll_until(self, done) -> list[StoreResult]:
+    def _poll_until(self, tickets: set[int]) -> list[StoreResult]:
+        """Poll naming ``tickets`` (those not reported yet) until each was reported."""
         deadline = time.monotonic() + self.report_timeout_s
         results: list[StoreResult] = []
-        while not done({r.ticket for r in results}):
+        while missing := tickets - {r.ticket for r in results}:
             left = deadline - time.monotonic()
-            assert left > 0, (f"tickets {sorted(self.outstanding)} not all reported within "
-                              f"{self.report_timeout_s} s (got {results})")
-            results += self.store.poll(min(left, 0.05))
+            assert left > 0, (f"tickets {sorted(missing)} not reported within {self.report_timeout_s} s "
+                              f"(lost, or handed to a poll that did not name them; got {results})")
+            got = self.store.poll(missing, min(left, 0.05))
+            assert all(isinstance(r, StoreResult) and r.ticket in missing for r in got), \
+                f"a poll naming {sorted(missing)} reported {got} (another caller's, or reported twice)"
+            results += got
         return results
 
-    def _take(self, results: list[StoreResult]) -> None:
+    def _take(self, results: list[StoreResult], named: set[int]) -> None:
         for result in results:
             assert isinstance(result, StoreResult), f"poll returned {result!r}, not a StoreResult"
+            assert result.ticket in named, (
+                f"ticket {result.ticket} reported to a poll naming only {sorted(named)} (another caller's result)")
             assert result.ticket in self.outstanding, (
                 f"ticket {result.ticket} reported but not outstanding (reported twice, or never issued)")
+            self.reported.add(result.ticket)
+            del self.owner[result.ticket]
             op, ks, buffers, sure = self.outstanding.pop(result.ticket)
             assert all(0 <= i < len(ks) for i in result.failed), \
                 f"{op} of {len(ks)} keys reported failed indices {result.failed}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import attrs
 
@@ -60,12 +60,15 @@ class FailingStore:
     While ``down`` is ``True`` every ``put``/``get`` is reported failed with a
     ``"transport:"`` error and ``contains`` answers 0, as a stopped or
     unreachable server looks through a real client; otherwise every call goes
-    to ``inner``. Tickets of both kinds come from one counter.
+    to ``inner``. Its own tickets never collide with the inner store's; as
+    there, a result waits for the poll naming its ticket, and at most
+    ``max_waiting`` of its own failures wait (one more abandons the oldest).
     """
 
     inner: BlockStore
     down: bool = False
-    _failed: list[StoreResult] = attrs.field(factory=list, init=False)
+    max_waiting: int = 1 << 14
+    _failed: dict[int, StoreResult] = attrs.field(factory=dict, init=False)  # in the order they failed
     _next: int = attrs.field(default=1 << 40, init=False)  # never collides with the inner store's tickets
 
     def contains(self, keys: Sequence[bytes]) -> int:
@@ -77,17 +80,21 @@ class FailingStore:
     def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
         return self._fail(keys) if self.down else self.inner.get(keys, buffers)
 
-    def poll(self, timeout: float = 0.0) -> list[StoreResult]:
-        failed, self._failed = self._failed, []
-        return failed + self.inner.poll(timeout)
+    def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
+        wanted = set(tickets)
+        mine = [self._failed.pop(t) for t in sorted(wanted.intersection(self._failed))]
+        return mine + self.inner.poll(wanted, 0.0 if mine else timeout)
 
     def close(self) -> None:
         self.inner.close()
 
     def check_invariants(self) -> None:
+        assert len(self._failed) <= self.max_waiting, "more failures wait than max_waiting"
         self.inner.check_invariants()
 
     def _fail(self, keys: Sequence[bytes]) -> int:
         ticket, self._next = self._next, self._next + 1
-        self._failed.append(StoreResult(ticket, range(len(keys)), "transport: connection refused (FailingStore)"))
+        while len(self._failed) >= self.max_waiting:
+            del self._failed[next(iter(self._failed))]
+        self._failed[ticket] = StoreResult(ticket, range(len(keys)), "transport: connection refused (FailingStore)")
         return ticket

@@ -734,7 +734,7 @@ def test_a_key_that_vanished_or_was_corrupted_after_lookup_fails_that_load_and_t
     b_sides = _sides(shared=url)
     b = _admit(b_sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)
     worker = b_sides.worker.shared
-    store, key = worker.store.store, worker.codec.key(block_hash(b.block_hashes[1]), 0)
+    store, key = worker.store, worker.codec.key(block_hash(b.block_hashes[1]), 0)
     if fault == "vanished":
         store.drop(key)
     else:

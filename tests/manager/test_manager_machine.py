@@ -44,7 +44,6 @@ from kvkit.errors import KVKitError, OutOfBlocksError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import Direction, KVCacheSpec, TransferResult
 from kvkit.manager import OffloadManager
-from kvkit.shared.client import shared_clients
 from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.testing.doubles import FailingStore, RaisingCallback
 from kvkit.testing.hostile import BAD_CALLS, snapshot
@@ -811,7 +810,6 @@ class _Instance:
     mgr: OffloadManager
     gpu: BlockPool
     cpu: BlockPool
-    clients: list  # one store client per worker
     queues: list[list]  # per worker: (kind, tid, plan, step) not yet run
     outbox: list = attrs.field(factory=list)
     reqs: dict = attrs.field(factory=dict)
@@ -840,11 +838,10 @@ class SharedTierMachine(RuleBasedStateMachine):
 
     def _instance(self) -> _Instance:
         gpu, cpu = BlockPool(S_GPU, eviction=LRUPolicy()), BlockPool(S_CPU, eviction=LRUPolicy())
-        clients = shared_clients(self.store, 1 + WORLD)
-        shared = SharedTierSpec(store=clients[0], codec=self.keys, write=self.write, backoff_s=1.0,
+        shared = SharedTierSpec(store=self.store, codec=self.keys, write=self.write, backoff_s=1.0,
                                 clock=lambda: self.now)
         mgr = self.manager_cls(self.spec, cpu, EagerStore(), gpu=gpu, world_size=WORLD, shared=shared)
-        return _Instance(mgr, gpu, cpu, clients[1:], [[] for _ in range(WORLD)])
+        return _Instance(mgr, gpu, cpu, [[] for _ in range(WORLD)])
 
     def _pick(self, inst: _Instance, i: int, pred) -> _SharedReq | None:
         live = [r for r in inst.reqs.values() if pred(r)]
@@ -927,12 +924,12 @@ class SharedTierMachine(RuleBasedStateMachine):
                 self._run(inst, w, *inst.queues[w].pop(0))
 
     def _run(self, inst: _Instance, w: int, kind: str, tid: int, plan, step: int) -> None:
-        cpu, gpu, client = inst.cpu_content[w], inst.gpu_content[w], inst.clients[w]
+        cpu, gpu, store = inst.cpu_content[w], inst.gpu_content[w], self.store
         ok = True
         if kind == "fetch":
             bufs = [bytearray(16) for _ in plan.blocks]
-            ticket = client.get([self.keys.key(h, w) for h in plan.hashes], [[memoryview(b)] for b in bufs])
-            (res,) = [res for res in client.poll() if res.ticket == ticket]
+            ticket = store.get([self.keys.key(h, w) for h in plan.hashes], [[memoryview(b)] for b in bufs])
+            (res,) = store.poll([ticket])
             failed = set()
             for i, (b, h) in enumerate(zip(plan.blocks, plan.hashes)):
                 got = int.from_bytes(bufs[i], "little") if i not in res.failed else None
@@ -943,8 +940,8 @@ class SharedTierMachine(RuleBasedStateMachine):
             ok = not failed
         elif kind == "put":
             values = [[memoryview(int(cpu.get(b) or 0).to_bytes(16, "little"))] for b in plan.blocks]
-            ticket = client.put([self.keys.key(h, w) for h in plan.hashes], values)
-            (res,) = [res for res in client.poll() if res.ticket == ticket]
+            ticket = store.put([self.keys.key(h, w) for h in plan.hashes], values)
+            (res,) = store.poll([ticket])
             ok = res.ok
         elif plan.direction is Direction.LOAD:
             for s, d in zip(plan.src.tolist(), plan.dst.tolist()):

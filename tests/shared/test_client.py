@@ -276,6 +276,33 @@ def test_a_file_url_store_is_owned_and_closed_by_its_stack(tmp_path):
     b.close()
 
 
+def test_open_shared_owns_only_what_it_built(tmp_path):
+    """A store instance stays its giver's and memory:// stores the process's; a file:// store is the caller's."""
+    from kvkit.shared.client import open_shared
+
+    given = MemoryStore()
+    assert open_shared(given) == (given, False)
+    store, owned = open_shared("memory://test-client-owned")
+    assert not owned and store is kvkit.open_block_store("memory://test-client-owned")
+    store, owned = open_shared(f"file://{tmp_path}?capacity_bytes=1MiB")
+    assert owned
+    store.close()
+    with pytest.raises(ConfigError, match="block store URL 42"):
+        open_shared(42)
+
+
+@pytest.mark.parametrize("shared", ["memory://test-client-kept", MemoryStore()], ids=["memory-url", "instance"])
+def test_a_stack_never_closes_a_store_it_does_not_own(shared):
+    """Closing a stack leaves the process's memory:// store and a user-given store open for the others."""
+    a, ea = instance(shared)
+    serve(ea, "a1")
+    assert not a.owns_shared_store
+    a.close()
+    assert not a.shared_store.closed
+    _, eb = instance(shared)
+    assert serve(eb, "b1").cpu_hit_tokens == 36
+
+
 @pytest.fixture
 def real_server():
     """A Valkey server of this test's own (to kill, pause and restart), or a skip."""
@@ -325,11 +352,13 @@ class _Held:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def poll(self, timeout=0.0):
-        self.held += self.inner.poll(0.0)
+    def poll(self, tickets, timeout=0.0):
+        wanted = set(tickets)
+        self.held += self.inner.poll(wanted, 0.0)
         if self.holding:
             return []
-        out, self.held = self.held, []
+        out = [r for r in self.held if r.ticket in wanted]
+        self.held = [r for r in self.held if r.ticket not in wanted]
         return out
 
     def release(self):

@@ -2,26 +2,36 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
+import shutil
+import subprocess
+import sys
+import time
+import types
 
 import pytest
 
+from kvkit.backends.blockstore import disk
 from kvkit.backends.blockstore.disk import DiskStore, _name
 from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.errors import ConfigError, KVKitError
+from kvkit.shared.urls import open_block_store
 
 
 def _put(store, keys, size):
     ticket = store.put(keys, [[memoryview(bytes([i % 251]) * size)] for i, _ in enumerate(keys)])
-    (result,) = store.poll(5.0)
+    (result,) = store.poll([ticket], 5.0)
     assert result.ticket == ticket
     return result
 
 
 def _get(store, keys, size):
     buffers = [bytearray(size) for _ in keys]
-    store.get(keys, [[memoryview(b)[:3], memoryview(b)[3:]] for b in buffers])
-    (result,) = store.poll(5.0)
+    ticket = store.get(keys, [[memoryview(b)[:3], memoryview(b)[3:]] for b in buffers])
+    (result,) = store.poll([ticket], 5.0)
     return result, buffers
 
 
@@ -142,14 +152,497 @@ def test_calls_after_close_raise(tmp_path):
 
 def test_a_value_survives_a_real_process_restart(tmp_path):
     """One Python process writes and exits; a second one (a fresh interpreter) reads the bytes back."""
-    import subprocess
-    import sys
-
     write = ("import sys; from kvkit.backends.blockstore.disk import DiskStore\n"
              "s = DiskStore(sys.argv[1], 1 << 20); t = s.put([b'k'], [[memoryview(b'\\x07' * 999)]])\n"
-             "assert [r.ticket for r in s.poll(5.0) if r.ok] == [t]; s.close()\n")
+             "assert [r.ticket for r in s.poll([t], 5.0) if r.ok] == [t]; s.close()\n")
     subprocess.run([sys.executable, "-c", write, str(tmp_path)], check=True, timeout=60)
     store = DiskStore(tmp_path, 1 << 20)
     result, (buffer,) = _get(store, [b"k"], 999)
     assert result.ok and buffer == b"\x07" * 999
     store.close()
+
+
+# --- among neighbours on a real file system -----------------------------------
+# Other processes open, write and evict in the same directory; people and tools leave things in it; the file
+# system fills up or turns read-only. None of it may crash a store or make it delete what is not provably its own.
+
+_VALUE = 1 << 16
+
+
+def _sub(tmp_path, key):
+    """The subdirectory ``key``'s value lives in (created), and the value's file name there."""
+    name = _name(key)
+    sub = tmp_path / name[:2]
+    sub.mkdir(exist_ok=True)
+    return sub, f"{name}.kvb"
+
+
+def _temp_of(tmp_path, key, owner="gone-0"):
+    sub, file = _sub(tmp_path, key)
+    return sub / f"{file}.tmp-{owner}"
+
+
+def _plant_symlink_value(tmp_path):
+    sub, file = _sub(tmp_path, b"planted")
+    (tmp_path / "elsewhere").mkdir()  # the target: a foreign directory at the top
+    (tmp_path / "elsewhere" / "secret").write_bytes(b"s" * 10)
+    (sub / file).symlink_to(tmp_path / "elsewhere" / "secret")
+    return sub / file
+
+
+def _plant(tmp_path, what):
+    """Put ``what`` in the store's directory; answer its path."""
+    sub, file = _sub(tmp_path, b"planted")
+    target = {
+        "stray file named as a value": sub / "README.kvb",
+        "stray file at the top": tmp_path / "README",
+        "stray directory at the top": tmp_path / "lost+found",
+        "value in the wrong subdirectory": tmp_path / ("00" if sub.name != "00" else "01") / file,
+        "upper-case name": tmp_path / sub.name.upper() / file.upper(),
+        "stray temporary file": sub / "README.kvb.tmp-1-0",
+        "dangling symlink as a value": sub / file,
+        "directory as a value": sub / file,
+        "FIFO as a value": sub / file,
+        "file as a subdirectory": tmp_path / "ff",
+        "symlink as a temporary file": sub / f"{file}.tmp-x-0",
+        "FIFO as a temporary file": sub / f"{file}.tmp-x-1",
+    }[what]
+    target.parent.mkdir(exist_ok=True)
+    if what.startswith("dangling symlink") or what.startswith("symlink"):
+        target.symlink_to(tmp_path / "nowhere")
+    elif what.startswith("FIFO"):
+        os.mkfifo(target)
+    elif "directory" in what and "subdirectory" not in what:
+        target.mkdir()
+    else:
+        target.write_bytes(b"not a value")
+    return target
+
+
+_FOREIGN = ["stray file named as a value", "stray file at the top", "stray directory at the top",
+            "value in the wrong subdirectory", "upper-case name", "stray temporary file"]
+_BROKEN = ["dangling symlink as a value", "directory as a value", "FIFO as a value", "file as a subdirectory",
+           "symlink as a temporary file", "FIFO as a temporary file"]
+
+
+@pytest.mark.parametrize("what", _FOREIGN + _BROKEN)
+def test_opening_counts_and_keeps_what_is_not_a_value(tmp_path, what):
+    """Foreign and broken entries are counted, left where they are, and never indexed; the real values serve."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _put(store, [b"real"], 100).ok
+    store.close()
+    planted = _plant(tmp_path, what)
+    store = DiskStore(tmp_path, 1 << 20)
+    expected = "foreign" if what in _FOREIGN else "broken"
+    assert store.counters == {**dict.fromkeys(store.counters, 0), expected: 1}, store.counters
+    assert os.path.lexists(planted) and store.used_bytes == 100 and store.contains([b"real"]) == 1
+    store.check_invariants()
+    store.close()
+
+
+@pytest.mark.parametrize("what", ["dangling symlink as a value", "directory as a value", "FIFO as a value"])
+def test_something_else_in_a_values_place_is_a_miss(tmp_path, what):
+    """contains answers 0 and get fails (quoting the path, never blocking on a FIFO), never raising."""
+    planted = _plant(tmp_path, what)
+    store = DiskStore(tmp_path, 1 << 20)
+    assert store.contains([b"planted"]) == 0
+    result, _ = _get(store, [b"planted"], 10)
+    assert result.failed == (0,) and str(planted) in result.error
+    assert os.path.lexists(planted) and store.used_bytes == 0
+    store.check_invariants()
+    store.close()
+
+
+def test_a_symlink_to_a_file_is_never_followed(tmp_path):
+    """A value's name pointing elsewhere is not served, however well its target's size fits."""
+    link = _plant_symlink_value(tmp_path)
+    store = DiskStore(tmp_path, 1 << 20)
+    assert store.counters["broken"] == 1 and store.contains([b"planted"]) == 0
+    result, (buffer,) = _get(store, [b"planted"], 10)
+    assert result.failed == (0,) and buffer == bytearray(10) and os.path.lexists(link)
+    store.close()
+
+
+def test_a_value_replaced_by_a_directory_after_indexing_is_forgotten_not_deleted(tmp_path):
+    """What takes an indexed value's place is another's: the get fails, the index drops the value, nothing is deleted."""
+    store = DiskStore(tmp_path, 1 << 20)
+    _put(store, [b"a"], 100)
+    path = store._file(_name(b"a"))
+    path.unlink()
+    path.mkdir()
+    result, _ = _get(store, [b"a"], 100)
+    assert result.failed == (0,) and str(path) in result.error and path.is_dir() and store.used_bytes == 0
+    store.check_invariants()
+    store.close()
+
+
+def test_a_live_writers_temporary_file_is_kept_and_an_abandoned_one_removed(tmp_path):
+    """A temporary file whose lock is held (its writer is alive) survives an open; once released, the next removes it."""
+    temp = _temp_of(tmp_path, b"k", owner="live-0")
+    temp.write_bytes(b"half")
+    fd = os.open(temp, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        store = DiskStore(tmp_path, 1 << 20)
+        assert temp.exists() and store.counters["temps_kept"] == 1 and store.counters["temps_removed"] == 0
+        store.close()
+    finally:
+        os.close(fd)
+    store = DiskStore(tmp_path, 1 << 20)
+    assert not temp.exists() and store.counters["temps_removed"] == 1
+    store.close()
+
+
+def test_a_temporary_file_renamed_while_being_examined_is_left_alone(tmp_path, monkeypatch):
+    """A writer that renames its file between the reaper's open and lock: the reaper must not delete the value."""
+    temp = _temp_of(tmp_path, b"k")
+    temp.write_bytes(b"v" * 10)
+    final = temp.with_name(temp.name.partition(".tmp-")[0])
+    real = fcntl.flock
+
+    def renamed_first(fd, operation):
+        if os.path.exists(temp):
+            os.replace(temp, final)  # the writer finished just now
+        return real(fd, operation)
+
+    monkeypatch.setattr(disk.fcntl, "flock", renamed_first)
+    store = DiskStore(tmp_path, 1 << 20)
+    assert final.read_bytes() == b"v" * 10 and store.counters["vanished"] == 1
+    store.close()
+
+
+def test_a_writer_whose_temporary_file_is_reaped_before_it_locks_takes_a_new_name(tmp_path, monkeypatch):
+    """Between creating and locking its file a writer is unprotected; if a reaper deletes it then, it starts over."""
+    real, reaped = fcntl.flock, []
+
+    def reaper_first(fd, operation):
+        if operation == fcntl.LOCK_EX and len(reaped) < limit:  # the writer's blocking lock
+            for temp in tmp_path.glob("??/*.tmp-*"):
+                temp.unlink()
+                reaped.append(temp)
+        return real(fd, operation)
+
+    monkeypatch.setattr(disk.fcntl, "flock", reaper_first)
+    store = DiskStore(tmp_path, 1 << 20)
+    limit = 1
+    assert _put(store, [b"a"], 100).ok and len(reaped) == 1
+    limit = 99  # a reaper wins every time: the put fails, typed, after a bounded number of names
+    result = _put(store, [b"b"], 100)
+    assert result.failed == (0,) and "deleted by others" in result.error and len(reaped) == 4
+    assert not list(tmp_path.glob("??/*.tmp-*")) and store.contains([b"a", b"b"]) == 1
+    store.close()
+
+
+def test_a_value_evicted_between_listing_and_looking_is_skipped(tmp_path, monkeypatch):
+    """Another process evicts while this one opens: the vanished file is counted, not a crash."""
+    store = DiskStore(tmp_path, 1 << 20)
+    _put(store, [b"a", b"b"], 100)
+    store.close()
+    victim, real = str(DiskStore(tmp_path, 1 << 20)._file(_name(b"a"))), os.lstat
+
+    def evicted_first(path, *args, **kwargs):
+        if str(path) == victim and os.path.exists(victim):
+            os.unlink(victim)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk.os, "lstat", evicted_first)
+    store = DiskStore(tmp_path, 1 << 20)
+    assert store.counters["vanished"] == 1 and store.used_bytes == 100 and store.contains([b"b"]) == 1
+    store.check_invariants()
+    store.close()
+
+
+def test_a_victim_another_process_evicted_first_is_counted(tmp_path):
+    """Evicting a file already gone is not an error: the put that needed the room lands."""
+    store = DiskStore(tmp_path, 200)
+    _put(store, [b"a"], 100)
+    _put(store, [b"b"], 100)
+    store._file(_name(b"a")).unlink()  # the other process's eviction
+    assert _put(store, [b"c"], 100).ok
+    assert store.counters["vanished"] == 1 and store.counters["evicted"] == 1 and store.contains([b"b", b"c"]) == 2
+    store.check_invariants()
+    store.close()
+
+
+def test_what_cannot_be_deleted_is_counted_not_raised(tmp_path, monkeypatch):
+    """Unlinks refused (as on a read-only file system): a stale temporary file is kept, a victim forgotten."""
+    store = DiskStore(tmp_path, 1 << 20)
+    _put(store, [b"a", b"b"], 100)
+    store.close()
+    temp = _temp_of(tmp_path, b"a")
+    temp.write_bytes(b"half")
+
+    def refused(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(disk.os, "unlink", refused)
+    store = DiskStore(tmp_path, 100)  # smaller: one of the two must go
+    counters = store.counters
+    assert counters["temps_kept"] == 1 and counters["unlink_failed"] == 1 and counters["evicted"] == 1
+    assert temp.exists() and len(list(tmp_path.glob("??/*.kvb"))) == 2 and store.used_bytes == 100
+    store.check_invariants()
+    store.close()
+
+
+def test_an_unusable_directory_is_a_config_error_quoting_it(tmp_path, monkeypatch):
+    """A path that is a file, or a directory that cannot be listed, raises ConfigError with the path."""
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'f'}.*not a directory"):
+        DiskStore(tmp_path / "f", 10)
+    real = os.scandir
+
+    def refused(path="."):
+        if str(path) == str(tmp_path / "d"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    (tmp_path / "d").mkdir()
+    monkeypatch.setattr(disk.os, "scandir", refused)
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'd'}.*cannot list"):
+        DiskStore(tmp_path / "d", 10)
+
+
+# --- permissions ---------------------------------------------------------------
+
+def _modes(root):
+    files = {oct(p.stat().st_mode & 0o777) for p in root.rglob("*") if p.is_file()}
+    dirs = {oct(p.stat().st_mode & 0o777) for p in [root, *root.rglob("*")] if p.is_dir()}
+    return files, dirs
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
+def test_values_are_private_whatever_the_umask(tmp_path, umask):
+    """Files 0600 and directories 0700 by default, under any umask."""
+    old = os.umask(umask)
+    try:
+        store = DiskStore(tmp_path / "kv", 1 << 20)
+        _put(store, [b"a", b"b"], 10)
+        store.close()
+    finally:
+        os.umask(old)
+    assert _modes(tmp_path / "kv") == ({"0o600"}, {"0o700"})
+
+
+def test_file_mode_is_configurable_also_in_the_url(tmp_path):
+    """file_mode=640 (octal, in a URL too) gives files 0640 and directories 0750; an existing path keeps its mode."""
+    old = os.umask(0o077)
+    try:
+        store = open_block_store(f"file://{tmp_path}/kv?capacity_bytes=1MiB&file_mode=640")
+        assert store.file_mode == 0o640
+        _put(store, [b"a"], 10)
+        store.close()
+    finally:
+        os.umask(old)
+    assert _modes(tmp_path / "kv") == ({"0o640"}, {"0o750"})
+    os.chmod(tmp_path / "kv", 0o711)
+    DiskStore(tmp_path / "kv", 1 << 20).close()
+    assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o711
+
+
+@pytest.mark.parametrize("mode", ["rw", "800", 0o1600, 0o400, -1, True, 1.5])
+def test_a_bad_file_mode_is_refused(tmp_path, mode):
+    """Modes that are not permission bits, or lock the owner out, raise ConfigError quoting them."""
+    with pytest.raises(ConfigError, match="file_mode"):
+        DiskStore(tmp_path, 10, file_mode=mode)
+
+
+# --- a full file system -----------------------------------------------------------
+
+def _fill(store, n, size=_VALUE):
+    """Put ``n`` values one by one; answer the results that failed."""
+    failed = []
+    for i in range(n):
+        result = _put(store, [b"fill-%d" % i], size)
+        if not result.ok:
+            failed.append(result.error)
+    return failed
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
+def test_a_full_file_system_is_relieved_by_eviction(tmp_path, monkeypatch, code):
+    """A file system smaller than capacity_bytes (simulated: writes past a budget fail with ENOSPC or EDQUOT)."""
+    budget = 10 * _VALUE + _VALUE // 2
+    real = os.writev
+
+    def on_disk():
+        return sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+
+    def writev(fd, buffers):
+        if on_disk() + sum(memoryview(b).nbytes for b in buffers) > budget:
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        return real(fd, buffers)
+
+    def statvfs(path):  # a quota leaves the file system's free space as it was
+        return types.SimpleNamespace(f_frsize=1, f_bavail=budget - on_disk() if code == "ENOSPC" else 1 << 40)
+
+    monkeypatch.setattr(os, "writev", writev)
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    store = DiskStore(tmp_path, 1 << 30)
+    assert _fill(store, 30) == []
+    assert store.counters["disk_full"] >= 1 and store.used_bytes <= budget and on_disk() <= budget
+    result, (buffer,) = _get(store, [b"fill-29"], _VALUE)
+    assert result.ok and buffer == bytes([0]) * _VALUE
+    store.check_invariants()
+    store.close()
+
+
+def _mount_tmpfs(where, size):
+    """Mount a real tmpfs of ``size`` at ``where`` (needs root and a sandbox that allows it); skip otherwise."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 2 MiB tmpfs, unmounted afterwards; ``remount(*options)`` changes its options (``"ro"``)."""
+    where = tmp_path / "mnt"
+    _mount_tmpfs(where, "2m")
+
+    def remount(*options):
+        subprocess.run(["mount", "-o", ",".join(["remount", *options]), str(where)], check=True)
+
+    yield where, remount
+    subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_a_real_full_file_system_is_relieved_and_its_space_reused(small_fs):
+    """capacity_bytes far above a 2 MiB tmpfs: every put lands, and space freed by others is used again."""
+    where, _ = small_fs
+    filler = where / "filler"
+    filler.write_bytes(bytes(1 << 20))  # someone else's half of the file system
+    store = DiskStore(where / "kv", 1 << 30)
+    assert _fill(store, 40) == []
+    lowered = store.effective_capacity_bytes
+    assert store.counters["disk_full"] >= 1 and lowered <= 1 << 20 and store.used_bytes <= lowered
+    filler.unlink()
+    assert _fill(store, 40) == []
+    assert store.effective_capacity_bytes > lowered + (1 << 19) and store.used_bytes > lowered
+    store.check_invariants()
+    too_big = _put(store, [b"huge"], 3 << 20)
+    assert too_big.failed == (0,) and "capacity" in too_big.error
+    store.close()
+
+
+def test_a_read_only_file_system_opens_serves_and_refuses_puts(small_fs):
+    """On a read-only file system a stale temporary file and an over-capacity start are counted, not raised."""
+    where, remount = small_fs
+    store = DiskStore(where / "kv", 1 << 20)
+    _put(store, [b"a", b"b"], 100)
+    store.close()
+    temp = _temp_of(where / "kv", b"a")
+    temp.write_bytes(b"half")
+    remount("ro")
+    smaller = DiskStore(where / "kv", 100)
+    assert smaller.counters["temps_kept"] == 1 and smaller.counters["unlink_failed"] == 1 and temp.exists()
+    smaller.close()
+    store = DiskStore(where / "kv", 1 << 20)
+    result, (buffer,) = _get(store, [b"b"], 100)
+    assert result.ok and buffer == bytes([1]) * 100
+    refused = _put(store, [b"c"], 100)
+    assert refused.failed == (0,) and "Read-only file system" in refused.error and str(where / "kv") in refused.error
+    store.close()
+
+
+# --- two processes on one directory ---------------------------------------------
+
+_WRITER = """
+import json, sys, time
+from kvkit.backends.blockstore.disk import DiskStore
+path, seconds, size = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+store = DiskStore(path, 24 * size)
+value, puts, failed, errors, i = memoryview(bytes(size)), 0, 0, set(), 0
+print("ready", flush=True)
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    keys = [b"w%d" % (i + j) for j in range(4)]
+    i += 4
+    ticket = store.put(keys, [[value]] * 4)
+    for result in store.poll([ticket], 10.0):
+        failed += len(result.failed)
+        errors.update([result.error] if result.failed else [])
+    puts += 4
+    store.poll([store.get(keys[:1], [[memoryview(bytearray(size))]])], 10.0)
+store.check_invariants()
+store.close()
+print(json.dumps({"puts": puts, "failed": failed, "errors": sorted(errors)}), flush=True)
+"""
+
+
+def _race(path, opener=DiskStore):
+    """One process puts and evicts for 2 s while this one opens ``opener`` stores, reads and evicts.
+
+    Answers (opens, crashes of this process's stores, the writer's report). Bounded: the writer is killed
+    after a minute.
+    """
+    size = 1 << 18
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), "2.0", str(size)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        opens, crashes, deadline = 0, [], time.monotonic() + 60
+        while writer.poll() is None and time.monotonic() < deadline:
+            try:
+                store = opener(path, 8 * size, threads=1)  # smaller than the writer's: opening evicts too
+                try:
+                    store.contains([b"w%d" % k for k in range(0, 400, 7)])
+                    _get(store, [b"w%d" % k for k in range(0, 400, 13)], size)
+                    store.check_invariants()
+                finally:
+                    store.close()
+                opens += 1
+            except Exception as exc:
+                crashes.append(f"{type(exc).__name__}: {exc}")
+        out, _ = writer.communicate(timeout=60)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert writer.returncode == 0, f"the writer process crashed ({writer.returncode})"
+    return opens, crashes, json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_open_write_and_evict_one_directory(tmp_path):
+    """A process putting and evicting, and another opening, reading and evicting: no crash, no failed put."""
+    opens, crashes, writer = _race(tmp_path)
+    assert opens >= 10, f"only {opens} opens ran: the race was not exercised"
+    assert crashes == [], f"{len(crashes)} of {opens + len(crashes)} opens crashed: {crashes[:3]}"
+    assert writer["puts"] >= 40 and writer["failed"] == 0, writer
+
+
+class _StatsUnguarded(DiskStore):
+    """Planted regression: the scan stats each listed file as if no other process could evict it."""
+
+    def _regular(self, path):
+        time.sleep(0.001)  # the window between listing and looking, widened so one run shows it
+        return os.stat(path)
+
+
+class _ReapsEverything(DiskStore):
+    """Planted regression: start-up deletes every temporary file, whoever is writing it."""
+
+    def _reap(self, path):
+        os.unlink(path)
+
+
+@pytest.mark.timeout(300)
+def test_the_two_process_race_catches_a_planted_crash(tmp_path):
+    """The race test fails on a store whose scan crashes on a file evicted mid-scan."""
+    _, crashes, _ = _race(tmp_path, opener=_StatsUnguarded)
+    assert any("FileNotFoundError" in crash for crash in crashes), crashes[:3]
+
+
+@pytest.mark.timeout(300)
+def test_the_two_process_race_catches_a_reaped_live_write(tmp_path):
+    """The race test fails on a store whose start-up deletes a live writer's temporary files.
+
+    An open meets a temporary file only while the writer writes one, a few times a second: the race runs
+    again, at most three times, until a put has failed.
+    """
+    reports = []
+    while len(reports) < 3 and not any(writer["failed"] for writer in reports):
+        reports.append(_race(tmp_path / str(len(reports)), opener=_ReapsEverything)[2])
+    assert reports[-1]["failed"] > 0, reports

@@ -1,4 +1,4 @@
-"""open_block_store: every URL form builds the right store; bad URLs raise ConfigError quoting them."""
+"""open_block_store: each URL form opens the right store, with one meaning per scheme; bad URLs are quoted."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from kvkit.backends.blockstore.disk import DiskStore
 from kvkit.backends.blockstore.memory import MemoryStore
 from kvkit.backends.blockstore.valkey import ValkeyStore
 from kvkit.errors import ConfigError
+from kvkit.shared.urls import process_wide
 
 
 @pytest.mark.parametrize("url, expected", [
@@ -40,15 +41,60 @@ def test_tls_urls_make_tls_stores(tmp_path):
         store.close()
 
 
-def test_file_and_memory_urls(tmp_path):
-    """file:// builds a disk store (capacity as bytes or a size string), memory:// an in-process one."""
+def test_file_urls_build_a_disk_store(tmp_path):
+    """file:// builds a disk store (capacity as bytes or a size string)."""
     disk = open_block_store(f"file://{tmp_path}/kv?capacity_bytes=1MiB")
     assert isinstance(disk, DiskStore) and disk.capacity_bytes == 1 << 20 and disk.path == tmp_path / "kv"
     disk.close()
     disk = open_block_store(f"file://{tmp_path}", capacity_bytes="2KB", threads=1)
     assert disk.capacity_bytes == 2000 and disk.threads == 1
     disk.close()
-    assert isinstance(open_block_store("memory://", capacity_bytes="1KiB"), MemoryStore)
+
+
+def test_file_and_valkey_urls_open_a_new_store_each_time(tmp_path):
+    """Every open of a file:// or valkey:// URL is a new store of the caller's own (to close)."""
+    for url in (f"file://{tmp_path}?capacity_bytes=1MiB", "valkey://127.0.0.1:1/0"):
+        first, second = open_block_store(url), open_block_store(url)
+        assert first is not second and not process_wide(first) and not process_wide(second)
+        first.close()
+        second.close()
+
+
+def test_memory_urls_name_one_store_per_process():
+    """memory://NAME is the process's store of that name, the same at every open; memory:// is the one named ''."""
+    a = open_block_store("memory://test-open-a")
+    assert isinstance(a, MemoryStore) and process_wide(a)
+    assert open_block_store("memory://test-open-a") is a
+    assert open_block_store("memory://test-open-b") is not a
+    assert open_block_store("memory://") is open_block_store("memory://") is not a
+    ticket = a.put([b"k"], [[memoryview(b"v")]])
+    assert open_block_store("memory://test-open-a").contains([b"k"]) == 1  # one store, one set of values
+    assert [r.ticket for r in a.poll([ticket])] == [ticket]
+    assert not process_wide(MemoryStore())
+
+
+def test_memory_options_build_the_store_once():
+    """The first open's options build it; a later open with other options is refused, quoting the URL."""
+    url = "memory://test-open-capacity?capacity_bytes=1KiB"
+    store = open_block_store(url)
+    assert store.capacity_bytes == 1024
+    assert open_block_store("memory://test-open-capacity", capacity_bytes=1024) is store
+    with pytest.raises(ConfigError, match="open with options") as info:
+        open_block_store("memory://test-open-capacity?capacity_bytes=2KiB")
+    assert repr("memory://test-open-capacity?capacity_bytes=2KiB") in str(info.value)
+    with pytest.raises(ConfigError, match="open with options"):
+        open_block_store("memory://test-open-capacity")
+    assert open_block_store(url) is store
+
+
+def test_a_closed_memory_store_is_replaced_by_an_empty_one():
+    """No caller should close a process-wide store; one that was closed is replaced at the next open."""
+    store = open_block_store("memory://test-open-closed")
+    store.put([b"k"], [[memoryview(b"v")]])
+    store.close()
+    again = open_block_store("memory://test-open-closed")
+    assert again is not store and not again.closed and again.contains([b"k"]) == 0
+    assert process_wide(again) and not process_wide(store)
 
 
 @pytest.mark.parametrize("url, match", [
@@ -61,7 +107,10 @@ def test_file_and_memory_urls(tmp_path):
     ("valkey://h:99999", "bad address"),
     ("file://remote/x?capacity_bytes=1", "local directory"),
     ("file:///x", "capacity_bytes"),
-    ("memory://name", "nothing after the scheme"),
+    ("memory://a/b", "a name without '/'"),
+    ("memory:///", "a name without '/'"),
+    ("memory://test-open-bad?capacity_bytes=lots", "capacity_bytes"),
+    ("memory://test-open-bad?nonsense=1", "do not fit"),
     ("valkey://h:1?ttl_s=1&ttl_s=2", "given twice"),
     ("valkey://h:1?nonsense=1", "do not fit"),
     ("valkey+cluster://h:1/3", "database 0"),

@@ -31,7 +31,7 @@ def _store(port, **kwargs):
 def _wait(store, ticket, limit):
     """The result of ``ticket``, asserting it came within ``limit`` seconds."""
     start = time.monotonic()
-    results = store.poll(limit + SLACK)
+    results = store.poll([ticket], limit + SLACK)
     assert time.monotonic() - start <= limit + SLACK, "a ticket took longer than its timeout"
     assert [r.ticket for r in results] == [ticket], results
     return results[0]
@@ -115,7 +115,7 @@ def test_close_with_a_stalled_server_reports_every_ticket(own_server):
         start = time.monotonic()
         store.close()
         assert time.monotonic() - start < 1.0
-        results = store.poll(0.0)
+        results = store.poll(tickets, 0.0)
     finally:
         own_server.resume()
     assert {r.ticket for r in results} == tickets and all(r.failed == (0,) for r in results)
