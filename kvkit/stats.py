@@ -104,6 +104,11 @@ class OffloadStats:
             plans saved against loading every hit, summed (ms).
         planner_errors: planner calls that raised or answered no plan for the
             hit (the whole hit was loaded instead).
+        stores_backpressured: store candidates dropped because the CPU tier's
+            writes were congested or too many were in flight (see
+            :mod:`kvkit.manager.backpressure`).
+        puts_backpressured: hashes not put into the shared tier because its
+            puts were congested and the backlog of deferred puts was full.
     """
 
     lookups: Counter = _counter()
@@ -148,6 +153,8 @@ class OffloadStats:
     hit_tokens_overlapped: Counter = _counter()
     plan_saved_ms: Counter = _counter()
     planner_errors: Counter = _counter()
+    stores_backpressured: Counter = _counter()
+    puts_backpressured: Counter = _counter()
 
     @property
     def cpu_hit_rate(self) -> float:

@@ -83,6 +83,7 @@ from kvkit.interfaces.types import (
     TransferPlan,
     TransferResult,
 )
+from kvkit.manager.backpressure import Backpressure, WriteGate
 from kvkit.manager.ended import EndedRequests
 from kvkit.manager.events import Events
 from kvkit.manager.hits import CpuHits
@@ -138,6 +139,10 @@ class OffloadManager:
         planner: decides per request which hit blocks to load and which to
             recompute (:meth:`plan_load`); ``None`` plans nothing (every
             accepted hit is loaded).
+        store_backpressure / put_backpressure: the bounds of the CPU tier's
+            stores and of the shared tier's puts (see
+            :mod:`kvkit.manager.backpressure`): what a congested tier cannot
+            take is dropped (stores) or deferred (puts), never waited for.
 
     Invariants (:meth:`check_invariants` asserts them):
         * CPU refcount of every block == lookup pins + in-flight transfer
@@ -166,6 +171,8 @@ class OffloadManager:
     num_gpu_blocks: int | None = attrs.field(default=None, kw_only=True, validator=optional_at_least(1))
     shared: SharedTierSpec | None = attrs.field(default=None, kw_only=True)
     planner: LoadPlanner | None = attrs.field(default=None, kw_only=True)
+    store_backpressure: Backpressure = attrs.field(factory=Backpressure, kw_only=True)
+    put_backpressure: Backpressure = attrs.field(factory=Backpressure, kw_only=True)
 
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)
     _ended: EndedRequests = attrs.field(init=False, factory=EndedRequests)
@@ -174,6 +181,7 @@ class OffloadManager:
     _hits: CpuHits = attrs.field(init=False)
     _stores: StorePlanner = attrs.field(init=False)
     _transfers: TransferTable = attrs.field(init=False)
+    _store_gate: WriteGate = attrs.field(init=False)
     _shared: SharedTier | None = attrs.field(init=False, default=None)
     _epoch: int = attrs.field(init=False, default=0)
     _draining: bool = attrs.field(init=False, default=False)
@@ -193,13 +201,17 @@ class OffloadManager:
                                     self.null_block, len(self.kv.groups),
                                     _writes_back(self.kv, self.store, self.gpu))
         self._transfers = TransferTable(self.world_size)
+        for name in ("store_backpressure", "put_backpressure"):
+            if not isinstance(getattr(self, name), Backpressure):
+                raise ConfigError(f"{name} must be a Backpressure, got {getattr(self, name)!r}")
+        self._store_gate = WriteGate(self.store_backpressure)
         self._group_bytes = [self.kv.kv_parts * len(g.layers) * self.kv.bytes_per_layer_block
                              for g in self.kv.groups]
         if self.shared is not None:
             if not isinstance(self.shared, SharedTierSpec):
                 raise ConfigError(f"shared must be a SharedTierSpec or None, got {self.shared!r}")
             self._shared = SharedTier(self.shared, self.cpu, self.world_size, self.stats, self._events,
-                                      self.kv.bytes_per_block)
+                                      self.kv.bytes_per_block, WriteGate(self.put_backpressure))
         self.cpu.add_evict_listener(self._on_cpu_evict)
         policy = getattr(self.cpu, "policy", None)
         if isinstance(policy, HintAwarePolicy):
@@ -848,8 +860,11 @@ class OffloadManager:
     def _plan_stores(self) -> list[tuple[int, TransferPlan]]:
         if self._draining:
             return []
-        planned = self._stores.plan(self._dirty.values())
-        return self._open(*planned) if planned else []
+        planned = self._stores.plan(self._dirty.values(), self._store_gate.budget())
+        if not planned:
+            return []
+        self._store_gate.started(len(planned[0].cpu_blocks))
+        return self._open(*planned)
 
     def _open(self, batch: Batch, src: list[list[int]],
               dst: list[list[int]]) -> list[tuple[int, TransferPlan]]:
@@ -868,6 +883,7 @@ class OffloadManager:
         if batch.shared:
             self._shared.settled(batch, ok)
         elif batch.direction is Direction.STORE:
+            self._store_gate.finished(len(batch.cpu_blocks), batch.seconds)
             self._stores.settled(batch)
             if ok and self._shared is not None:
                 self._shared.written(batch.committed)
