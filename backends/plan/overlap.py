@@ -28,6 +28,7 @@ new observation, so its estimate stays as it was until a plan uses it again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import attrs
@@ -35,7 +36,7 @@ from typing_extensions import override
 
 from kvkit.backends.plan.estimate import ComputeEstimate, MoveEstimate
 from kvkit.interfaces.plan import HitQuery, HitSource, LoadPlan, LoadPlanner
-from kvkit.validate import at_least, optional_at_least
+from kvkit.validate import at_least, check_real, checked
 
 __all__ = ["LoadAllPlanner", "OverlapPlanner"]
 
@@ -51,7 +52,8 @@ class OverlapPlanner(LoadPlanner):
     """
 
     window: int = attrs.field(default=64, validator=at_least(2))
-    prefill_tokens_per_s: float | None = attrs.field(default=None, validator=optional_at_least(1e-9))
+    prefill_tokens_per_s: float | None = attrs.field(
+        default=None, converter=checked(check_real, optional=True, low=0, low_open=True, high=math.inf, high_open=True))
     _moves: dict[HitSource, MoveEstimate] = attrs.field(init=False)
     _compute: ComputeEstimate = attrs.field(init=False)
 

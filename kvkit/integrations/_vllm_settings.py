@@ -23,7 +23,8 @@ __all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window
            "shared_layout"]
 
 EXTRA_KEYS: tuple[str, ...] = (
-    "cpu_bytes", "cpu_blocks", "cpu_eviction", "store", "copy", "allocator", "options", "layout", "cpu_layout",
+    "cpu_bytes", "cpu_blocks", "cpu_eviction", "store", "copy", "allocator", "planner", "options", "layout",
+    "cpu_layout",
     "async_load", "layerwise", "shared", "shared_url", "shared_write", "shared_model",
     "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload",
 )
@@ -33,7 +34,7 @@ those of vLLM's ``SimpleCPUOffloadConnector``, with its meaning."""
 _BYTE_KEYS = ("cpu_bytes", "cpu_bytes_to_use_per_rank", "cpu_bytes_to_use")
 """Keys that size the CPU tier in bytes: per worker (kvkit's), per rank, and in total over every rank."""
 
-_NAMED_SLOTS = ("cpu_eviction", "store", "copy", "allocator")
+_NAMED_SLOTS = ("cpu_eviction", "store", "copy", "allocator", "planner")
 
 
 @attrs.frozen

@@ -203,7 +203,7 @@ class ReferenceEngine:
         heads = [r for r in scheduled if r.head_tokens] if self.stack.workers else []
         if heads and (plan.loads or plan.fetches):
             with ThreadPoolExecutor(1, thread_name_prefix="kvkit-loads") as pool:
-                submitted = pool.submit(self._submit, plan)  # the loads run while the heads compute
+                submitted = pool.submit(self._run_loads, plan)  # the loads run while the heads compute
                 try:
                     self._compute_heads(heads)
                 finally:
@@ -324,6 +324,13 @@ class ReferenceEngine:
         for tid, p in plan:
             for worker in self.stack.workers:
                 worker.submit(tid, p, layered=self.layered and p.direction is Direction.LOAD)
+
+    def _run_loads(self, plan: StepPlan) -> None:
+        """Submit ``plan`` and wait for its loads on this thread, so their completion times are their own."""
+        self._submit(plan)
+        loads = {tid for tid, _ in plan.loads}
+        for worker in self.stack.workers:
+            worker.wait(loads)
 
     def _poll(self) -> list[TransferResult]:
         return [r for w in (self.stack.shared_workers or self.stack.workers) for r in w.poll()]

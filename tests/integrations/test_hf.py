@@ -30,9 +30,10 @@ import torch
 from hypothesis import given, settings
 from packaging.version import Version
 
+from kvkit.backends.plan import LoadAllPlanner
 from kvkit.errors import ConfigError, HashInputError, KVKitError, OutOfBlocksError, UnsupportedModelError
 from kvkit.integrations.hf import OffloadedLM, generate_without_offload, kv_spec_from_config, model_fingerprint
-from kvkit.interfaces import GroupKind
+from kvkit.interfaces import GroupKind, LoadPlan
 
 TOL = 5e-4
 VOCAB = 512
@@ -217,6 +218,33 @@ def test_any_conversation_matches_full_recompute(models, family, block_size, len
     assert lm.engine.leaked_blocks() == 0
 
 
+class _SplitPlanner(LoadAllPlanner):
+    """Recomputes the first half of every hit while the rest loads; with ``decline``, not the last quarter."""
+
+    def __init__(self, decline: bool) -> None:
+        self.decline = decline
+
+    def plan(self, query):
+        h = query.hit_blocks
+        head = h // 2 if query.overlap else 0
+        return LoadPlan(head, h - head - (h // 4 if self.decline else 0), h)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("decline", [False, True], ids=["head-tail", "head-tail-declined"])
+def test_a_head_recomputed_while_the_tail_loads_gives_generates_answers(models, family, decline):
+    """Plans that recompute each hit's head in a forward pass of its own (and decline its end): same tokens
+    and logits as generate on the whole prompt."""
+    model = models[family]
+    groups = len(kv_spec_from_config(model.config, block_size=8).groups)
+    lm = OffloadedLM.build(model, gpu_blocks=28 * groups, block_size=8, cpu_blocks=200,
+                           planner=_SplitPlanner(decline))
+    chats = _chat(lm, model, turns=3)
+    later = [turn for chat in chats for turn in chat.turns[1:]]
+    assert all(turn.head_tokens > 0 and turn.cpu_hit_tokens > 0 for turn in later), later
+    assert lm.stack.stats.hit_tokens_overlapped.value == sum(turn.head_tokens for turn in later)
+
+
 def test_kv_spec_follows_the_config():
     """Layers, KV heads, head size, dtype and attention groups come from the model config."""
     config = transformers.Qwen2Config(**{**_SHAPES, "num_hidden_layers": 6, "head_dim": 32},
@@ -291,7 +319,7 @@ def _check_clean(*lms) -> None:
 def test_two_models_on_one_stack_never_reuse_each_others_kv(models):
     """Another model's blocks, on the GPU or the CPU tier, are never a hit: its answers are its own."""
     first, second = models["llama"], _model("llama", seed=1)
-    lm = OffloadedLM.build(first, gpu_blocks=40, block_size=4, cpu_blocks=200)
+    lm = OffloadedLM.build(first, gpu_blocks=40, block_size=4, cpu_blocks=200, planner="load-all")  # exact hits
     other = OffloadedLM(second, lm.stack)
     assert other.model_id != lm.model_id
     prompts = _user_turns(2, 37)
@@ -459,7 +487,8 @@ def test_beam_search_on_the_restored_cache_matches_generate(models, family, conf
 def test_greedy_through_generate_equals_the_greedy_loop(models, config):
     """Greedy ``generate`` on the restored cache gives the loop's tokens, logits and hits; what it stored serves later turns."""
     model = models["qwen2"]
-    loop, through = (OffloadedLM.build(model, gpu_blocks=56, block_size=8, cpu_blocks=200) for _ in range(2))
+    loop, through = (OffloadedLM.build(model, gpu_blocks=56, block_size=8, cpu_blocks=200, planner="load-all")
+                     for _ in range(2))  # every hit loaded: both see the same hits
     chats = (loop.conversation(), through.conversation())
     for message in _messages(1, 4):
         a = chats[0].send(message, 5, keep_logits=True)
@@ -532,7 +561,8 @@ GC = transformers.GenerationConfig
 ])
 def test_a_generation_config_kvkit_cannot_run_is_refused_and_changes_nothing(models, kwargs, message):
     """Bad or unsupported decoding settings raise ConfigError before the stack, the history or the RNG moves."""
-    lm = OffloadedLM.build(models["llama"], gpu_blocks=20, block_size=8, cpu_blocks=200)
+    lm = OffloadedLM.build(models["llama"], gpu_blocks=20, block_size=8, cpu_blocks=200,
+                           planner="load-all")  # the whole hit is loaded: its size is checked below
     chat = lm.conversation()
     first, second = _user_turns(2)
     chat.send(first, 3)

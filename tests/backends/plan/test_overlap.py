@@ -169,3 +169,12 @@ def test_the_plan_is_never_slower_than_any_other_by_its_own_estimates(costs, run
     others = [LoadPlan(k, e - k, h) for e in range(h + 1) for k in (range(e + 1) if overlap else (0,))]
     best = min(p.estimate_ms(q, o) for o in others)
     assert chosen <= best * (1 + 1e-9) + 1e-9
+
+
+@pytest.mark.parametrize("kwargs", [{"window": 1}, {"prefill_tokens_per_s": 0}, {"prefill_tokens_per_s": "fast"},
+                                    {"prefill_tokens_per_s": math.inf}])
+def test_bad_planner_options_are_refused(kwargs):
+    from kvkit.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        OverlapPlanner(**kwargs)
