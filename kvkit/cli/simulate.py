@@ -43,6 +43,8 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
 @click.option("--cpu-eviction", default=DEFAULTS.cpu_eviction, show_default=True, help="CPU tier eviction policy.")
 @click.option("--gpu-eviction", default=DEFAULTS.gpu_eviction, show_default=True, help="GPU tier eviction policy.")
 @click.option("--store", default=DEFAULTS.store, show_default=True, help="Store policy.")
+@click.option("--planner", default=DEFAULTS.planner, show_default=True,
+              help="Load planner: which hit blocks to load, which to recompute (load-all: every hit loaded).")
 @click.option("--verify", is_flag=True,
               help="Move real bytes (torch backend, CPU tensors) and check every loaded block.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic workload.")
@@ -72,7 +74,7 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
 # Old names, hidden and warning, for one release:
 def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int | None,
                      cpu_bytes: str | None, block_size: int | None, cpu_eviction: str,
-                     gpu_eviction: str, store: str, verify: bool, seed: int, shape_name: str | None,
+                     gpu_eviction: str, store: str, planner: str, verify: bool, seed: int, shape_name: str | None,
                      limit: int | None, prefill_tokens_per_s: float, pcie_gbps: float, decode_ms_per_token: float,
                      no_baseline: bool, instances: int, router: str, shared_url: str | None,
                      shared_gbps: float, as_json: bool, plot_path: Path | None) -> None:
@@ -93,7 +95,7 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
         block_size = MOONCAKE_BLOCK_SIZE if trace_path is not None else DEFAULTS.block_size
     config = SimConfig(
         gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, cpu_bytes=cpu_bytes, block_size=block_size,
-        cpu_eviction=cpu_eviction, gpu_eviction=gpu_eviction, store=store, verify=verify,
+        cpu_eviction=cpu_eviction, gpu_eviction=gpu_eviction, store=store, planner=planner, verify=verify,
         cost=CostModel(prefill_tokens_per_s=prefill_tokens_per_s, pcie_gbps=pcie_gbps,
                        decode_ms_per_token=decode_ms_per_token, shared_gbps=shared_gbps))
     config.stack_config()  # every bad slot is reported before any work

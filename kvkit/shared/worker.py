@@ -179,13 +179,14 @@ class SharedTierWorker:
     def _call(self, tid: int, method: str, plan: SharedPlan) -> int | None:
         """Queue a put or get; a client that raises is a failed transfer, reported by the next poll."""
         keys, values = self._frames(plan, seal=method == "put")
+        started = time.perf_counter()  # a store that works inside the call spends that time on the transfer too
         try:
             ticket = getattr(self.store, method)(keys, values)
         except Exception:  # noqa: BLE001 - a sick store fails the transfer, never the step
             self.transport_errors += 1
             self._ready.append(TransferResult(tid, self.rank, ok=False))
             return None
-        self._pending[ticket] = _Pending(ticket, tid, time.perf_counter(), len(plan) * self._bytes_per_block(), values)
+        self._pending[ticket] = _Pending(ticket, tid, started, len(plan) * self._bytes_per_block(), values)
         return ticket
 
     def _fetch(self, tid: int, plan: SharedPlan) -> set[int]:
