@@ -174,7 +174,8 @@ def main() -> None:
         ctx, fresh = _tokens(c, model.config.vocab_size, c), _tokens(new, model.config.vocab_size, c + 1)
         runs = [generate_without_offload(model, ctx + fresh, 1, keep_logits=True, stop_tokens=())
                 for _ in range(reps)]
-        chunked = [chunked_logits(model, ctx, _tokens(new, model.config.vocab_size, c + 1 + 7 * i)) for i in range(reps)]
+        chunked = [chunked_logits(model, ctx, _tokens(new, model.config.vocab_size, c + 1 + 7 * i))
+                   for i in range(reps)]
         recompute[c] = (_median(runs, "ttft_s"), runs[0].logits[0], chunked[0][0])
         floor[c] = statistics.median(t for _, t in chunked)
         other = _tokens(new, model.config.vocab_size, c + 501)
@@ -210,7 +211,8 @@ def main() -> None:
             print(f"copy={copy:6s} context {c:6d}: restore {r['restore_ttft_s'] * 1e3:7.1f} ms "
                   f"(load {r['restore_load_s'] * 1e3:.1f} = {r['transfer_share']:.0%}, {r['load_gbps']:.1f} GB/s; "
                   f"restore {r['restore_restore_s'] * 1e3:.1f}; prefill {r['restore_prefill_s'] * 1e3:.1f}) "
-                  f"vs recompute {ttft * 1e3:7.1f} ms -> {r['speedup']:.1f}x; GPU hit {r['gpu_hit_ttft_s'] * 1e3:.1f} ms; "
+                  f"vs recompute {ttft * 1e3:7.1f} ms -> {r['speedup']:.1f}x; "
+                  f"GPU hit {r['gpu_hit_ttft_s'] * 1e3:.1f} ms; "
                   f"first token equal {r['first_token_equal']}, max |dlogit| {r['first_logits_max_abs_diff']:.3g} "
                   f"of {r['first_logits_scale']:.3g} (vs chunked: {r['first_logits_vs_chunked_max_abs_diff']:.3g})")
             print(f"copy={copy:6s} context {c:6d}: pipelined {r['pipelined_ttft_s'] * 1e3:7.1f} ms -> "

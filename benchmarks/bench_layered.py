@@ -12,7 +12,8 @@ layered with 1 and 4 layers a stage. Each mode reports, as medians over
 * ``total_ms`` and ``gbps``: until the whole plan is confirmed (``drain``);
 * ``gbps_vs_whole``: the layered plan's bandwidth over the whole plan's, same backend.
 
-    python benchmarks/bench_layered.py [--blocks 1024] [--repeats 5] [--backends torch,cuda-dma,cupy-batch,auto] [--json]
+    python benchmarks/bench_layered.py [--blocks 1024] [--repeats 5] \
+        [--backends torch,cuda-dma,cupy-batch,auto] [--json]
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ def main() -> None:
     if args.json:
         print(json.dumps({"device": torch.cuda.get_device_name(), "blocks": args.blocks, "rows": rows}, indent=1))
         return
-    print(f"{torch.cuda.get_device_name()}: load of {args.blocks} blocks ({args.blocks * SPEC.bytes_per_block >> 20} MiB)")
-    print(f"{'backend':<11}{'mode':<11}{'submit ms':>10}{'first layer ms':>16}{'total ms':>10}{'GB/s':>8}{'vs whole':>10}")
+    print(f"{torch.cuda.get_device_name()}: load of {args.blocks} blocks "
+          f"({args.blocks * SPEC.bytes_per_block >> 20} MiB)")
+    print(f"{'backend':<11}{'mode':<11}{'submit ms':>10}{'first layer ms':>16}{'total ms':>10}{'GB/s':>8}"
+          f"{'vs whole':>10}")
     for r in rows:
         print(f"{r['backend']:<11}{r['mode']:<11}{r['submit_ms']:>10.3f}{r['first_layer_ms']:>16.3f}"
               f"{r['total_ms']:>10.3f}{r['gbps']:>8.2f}{r['gbps_vs_whole']:>10.3f}")

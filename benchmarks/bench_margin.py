@@ -8,7 +8,8 @@
 A workload is a shape name, optionally with generator parameters moved from their defaults:
 ``few-shot@drift_every=400`` or ``rag@document_skew=1.2;docs_per_request=6`` (as
 :func:`kvkit.shape` reads them), or ``trace:NAME`` for a Mooncake-format trace file or built-in trace
-(512-token blocks, shown as block size 0; ``--seeds`` and ``--block-size`` do not apply to it). Each (workload, seed, capacity) is a *point*;
+(512-token blocks, shown as block size 0; ``--seeds`` and ``--block-size`` do not apply to it).
+Each (workload, seed, capacity) is a *point*;
 its *margin* is the policy's prefix hit ratio minus (the best of the ``--others`` kvkit rules and
 the libCacheSim ``--baselines``, all counted by prefix, minus 0.5 points). The condition holds
 where every margin is >= 0. Rules built on the policy (``adaptive``, ``hinted``) and the offline
@@ -47,8 +48,8 @@ SETS: dict[str, tuple[tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], i
            (0,), _SIZES, 16),),
     "S": (((_SHARED,), (0,), (100, 250, 500), 0), (kvkit.sim.SHAPES, (0, 1), (100, 250, 500), 16)),
     "L": ((kvkit.sim.SHAPES, (0, 1), (100, 250, 500, 1000), 512), (kvkit.sim.SHAPES, (0, 1), (250, 1000, 4000), 128)),
-    "X": ((("rag@docs_per_request=1;num_requests=8000;num_documents=3000;document_tokens=(2000,12000);"
-            "instruction_tokens=0;follow_up_probability=0.2",
+    "X": (((("rag@docs_per_request=1;num_requests=8000;num_documents=3000;document_tokens=(2000,12000);"
+             "instruction_tokens=0;follow_up_probability=0.2"),
             "few-shot@drift_every=100000;num_requests=12000;num_templates=2000;template_tokens=(2000,16000)",
             "chat@num_conversations=2000;num_system_prompts=40"), (0, 1), (500, 2000, 8000), 512),),
 }
@@ -86,7 +87,8 @@ def _point(job: tuple[str, str, int, int, int, str, tuple[str, ...], tuple[str, 
     requests = _requests(workload, seed, block_size)
     ratios = {rule: kvkit.replay(requests, capacity, rule).hit_ratio for rule in (policy, *others)}
     if baselines:
-        ratios |= {s.policy: s.hit_ratio for s in kvkit.sim.libcachesim_study(requests, (capacity,), baselines, prefix=True)}
+        study = kvkit.sim.libcachesim_study(requests, (capacity,), baselines, prefix=True)
+        ratios |= {s.policy: s.hit_ratio for s in study}
     return {"set": group, "workload": workload, "seed": seed, "block_size": block_size, "capacity": capacity,
             "hit_ratio": {rule: 100 * ratio for rule, ratio in ratios.items()}}
 
@@ -126,7 +128,7 @@ def main() -> None:
     except (kvkit.errors.ConfigError, kvkit.errors.TraceFileError, kvkit.errors.TraceFormatError) as error:
         parser.error(str(error))
     try:  # a path that cannot be written fails now, not after an hour of replays
-        out = open(args.json, "w") if args.json else None  # closed once written, below
+        out = open(args.json, "w") if args.json else None  # noqa: SIM115 - closed once written, below
     except OSError as error:
         parser.error(f"--json {args.json!r}: {error.strerror}")
     jobs = [(*point, args.policy, others, baselines) for point in grid]
@@ -146,7 +148,7 @@ def main() -> None:
         print(f"{point['set']:<3} {point['workload'][:36]:<36} {point['seed']:>4} {point['capacity']:>7,} "
               f"{mine:>11.2f}% {ratios[best]:>8.2f}% {best:<14} {margin:>+7.2f}{'  missed' if margin < 0 else ''}")
     summary = [(name, found) for name, found in margins.items() if name] if args.sets else []
-    for name, found in [*summary, ("all", [m for found in margins.values() for m in found])]:
+    for name, found in [*summary, ("all", [m for point in margins.values() for m in point])]:
         label = f"set {name}" if name != "all" else args.policy
         print(f"{label}: met {sum(m >= 0 for m in found)} of {len(found)} points; "
               f"worst margin {min(found):+.2f}, summed {sum(found):+.2f}")

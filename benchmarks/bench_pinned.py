@@ -136,7 +136,7 @@ def main() -> None:
     lru_s, lru_alloc = best["lru"][0], best["lru"][1]
     blocks = sum(len(chain) for _, chain in trace if chain is not None)
     rows = []
-    for label, (seconds, in_alloc, calls, hits, evicted) in best.items():
+    for label, (seconds, in_alloc, _calls, hits, evicted) in best.items():
         rows.append({
             "policy": label,
             "total_s": round(seconds, 4),

@@ -6,14 +6,31 @@ touch), allocates blocks for the misses (evicting under pressure) and commits
 them; each finish releases every block. Both caches replay the same trace;
 an operation is one call (lookup, incref, touch, allocate, commit, decref).
 
+``--memory``: host memory per block instead. Each side runs in a fresh
+process: it fills a ``--memory-blocks`` pool (1,000,000) with committed,
+released blocks (chains of 16, ``--hash-bits``-bit hashes, 4,096 at a time
+as a manager's steps store them), then evicts a quarter of it (allocate,
+commit under new hashes, release), and reports
+the process's resident-set growth over its state right before, divided by
+the pool size: every per-block structure of the pool and its policy
+(ghosts of the evicted quarter included), and the hash objects. Sides:
+kvkit's pool with each ``--policies`` policy, and, where vLLM imports, the
+seed's CPU-tier structure (vLLM's ``BlockPool``, whose blocks its simple
+offload scheduler uses as the CPU tier) filled the same way, its hashes
+bytes of the same width.
+
     python benchmarks/bench_pool.py [--ops N] [--json]
+    python benchmarks/bench_pool.py --memory [--policies hit-density,lru] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 
@@ -23,6 +40,7 @@ from kvkit import ALLOCATOR, EVICTION, BlockAllocator
 
 CALLS_PER_START = 5  # lookup, incref, touch, allocate, commit
 CALLS_PER_FINISH = 1  # decref
+_BATCH = 4096  # blocks --memory commits and releases at once (a step's stores)
 
 
 def lru_pool(num_blocks: int) -> BlockAllocator:
@@ -37,7 +55,7 @@ class MinimalLRUCache:
     next victim first); referenced blocks leave it.
     """
 
-    __slots__ = ("free", "refs", "hash_of", "index", "lru", "evictions")
+    __slots__ = ("evictions", "free", "hash_of", "index", "lru", "refs")
 
     def __init__(self, num_blocks: int) -> None:
         self.free = list(range(num_blocks - 1, -1, -1))
@@ -164,14 +182,99 @@ def replay(cache, trace) -> tuple[float, int, int]:
     return seconds, calls, hit_blocks
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _chains(hashes: list[int]) -> list[int | None]:
+    return [None if i % 16 == 0 else hashes[i - 1] for i in range(len(hashes))]
+
+
+def memory_child(side: str, num_blocks: int, hash_bits: int) -> dict:
+    """Resident bytes per block of one side's full pool after evicting a quarter (in this fresh process)."""
+    quarter = num_blocks // 4
+    rng = np.random.default_rng(0)
+    first = rng.integers(1, 2**hash_bits - 1, size=num_blocks, dtype=np.uint64).tolist()
+    second = rng.integers(1, 2**hash_bits - 1, size=quarter, dtype=np.uint64).tolist()
+    if side == "seed":
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        width = hash_bits // 8
+        first_keys = [make_block_hash_with_group_id(h.to_bytes(width, "big"), 0) for h in first]
+        second_keys = [make_block_hash_with_group_id(h.to_bytes(width, "big"), 0) for h in second]
+        del first, second
+        start = _rss_bytes()
+        pool = BlockPool(num_gpu_blocks=num_blocks + 1, enable_caching=True, hash_block_size=16)  # +1: null block
+
+        def fill(keys: list) -> None:
+            for i in range(0, len(keys), _BATCH):
+                blocks = pool.get_new_blocks(len(keys[i:i + _BATCH]))  # evicts the least recently freed
+                for block, key in zip(blocks, keys[i:i + _BATCH]):
+                    pool._insert_block_hash(key, block, num_tokens=16)  # as the seed's store completion does
+                pool.free_blocks(blocks)
+
+        fill(first_keys)
+        fill(second_keys)
+        assert pool.get_num_free_blocks() == num_blocks
+    else:
+        from kvkit import ALLOCATOR, EVICTION
+
+        start = _rss_bytes()
+        pool = ALLOCATOR.create("pool", num_blocks=num_blocks, eviction=EVICTION.create(side))
+        for hashes in (first, second):
+            parents = _chains(hashes)
+            for i in range(0, len(hashes), _BATCH):  # a step's stores at a time, as a manager commits them
+                blocks = pool.allocate(len(hashes[i:i + _BATCH]))
+                pool.commit(blocks, hashes[i:i + _BATCH], parents[i:i + _BATCH])
+                pool.decref(blocks)
+        assert pool.num_free == num_blocks
+    grown = _rss_bytes() - start
+    return {"side": side, "blocks": num_blocks, "bytes_per_block": round(grown / num_blocks, 1)}
+
+
+def bench_memory(policies: list[str], num_blocks: int, hash_bits: int) -> dict:
+    """Every side, each in a fresh process of this script, one after another."""
+    sides = list(policies)
+    try:
+        import vllm.v1.core.block_pool  # noqa: F401
+        sides.append("seed")
+    except Exception:  # noqa: BLE001 - any import failure: no seed here
+        pass
+    rows = {}
+    for side in sides:
+        out = subprocess.run([sys.executable, __file__, "--memory-child", side, "--memory-blocks", str(num_blocks),
+                              "--hash-bits", str(hash_bits)], capture_output=True, text=True, check=True,
+                             env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+        rows[side] = json.loads(out.stdout.strip().splitlines()[-1])["bytes_per_block"]
+    result = {"blocks": num_blocks, "hash_bits": hash_bits, "bytes_per_block": rows}
+    if "seed" in rows:
+        result["ratio_to_seed"] = {side: round(b / rows["seed"], 2) for side, b in rows.items()}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory", action="store_true", help="resident bytes per block instead of speed")
+    parser.add_argument("--memory-blocks", type=int, default=1_000_000, help="pool size of --memory")
+    parser.add_argument("--policies", default="hit-density,lru", help="kvkit policies of --memory, comma-separated")
+    parser.add_argument("--hash-bits", type=int, default=64, choices=(64, 128, 256), help="hash width of --memory")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--ops", type=int, default=1_000_000, help="pool calls to replay")
     parser.add_argument("--blocks", type=int, default=4096, help="pool capacity in blocks")
     parser.add_argument("--repeat", type=int, default=3, help="runs each; the fastest counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if args.memory_child:
+        print(json.dumps(memory_child(args.memory_child, args.memory_blocks, args.hash_bits)))
+        return
+    if args.memory:
+        result = bench_memory([p for p in args.policies.split(",") if p], args.memory_blocks, args.hash_bits)
+        result["python"] = platform.python_version()
+        print(json.dumps(result) if args.json else "\n".join(f"{k:>16}: {v}" for k, v in result.items()))
+        return
 
     trace = make_trace(args.ops, args.seed)
     pool_runs, cache_runs = [], []

@@ -85,8 +85,8 @@ def main() -> None:
 
         def finish(store, ticket: int) -> None:
             while True:
-                for result in store.poll(5.0):
-                    assert result.ticket == ticket and result.ok, result
+                for result in store.poll((ticket,), 5.0):
+                    assert result.ok, result
                     return
 
         ways = {"bare_put": lambda: bare(keys, source, args.bare_window, True),

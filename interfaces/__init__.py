@@ -10,7 +10,6 @@ from kvkit.interfaces.capabilities import (
     PinAwarePolicy,
     PrefillCompute,
     ReportsAvailability,
-    SelectivePins,
     SelfChecking,
     WindowedPolicy,
 )
@@ -54,7 +53,6 @@ __all__ = [
     "Region",
     "ReportsAvailability",
     "RequestView",
-    "SelectivePins",
     "SelfChecking",
     "StorePolicy",
     "Tier",

@@ -10,7 +10,7 @@ so a subclass can opt out of a capability its parent has.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from kvkit.errors import ConfigError
@@ -27,7 +27,6 @@ __all__ = [
     "PinAwarePolicy",
     "PrefillCompute",
     "ReportsAvailability",
-    "SelectivePins",
     "SelfChecking",
     "WindowedPolicy",
     "pin_hooks",
@@ -68,36 +67,6 @@ class PinAwarePolicy(EvictionPolicy, Protocol):
 
     def on_unpin(self, block: BlockId) -> None:
         """A pinned block's last reference went (refcount 1 -> 0)."""
-        ...
-
-
-@runtime_checkable
-class SelectivePins(PinAwarePolicy, Protocol):
-    """A pin-aware policy that needs to hear the pins of only some blocks: those in ``pin_watch``.
-
-    A driver that finds the capability calls ``attach(is_evictable)`` once,
-    when it adopts the policy, with the predicate it passes to
-    :meth:`~EvictionPolicy.select_victims` (true exactly for tracked blocks
-    not in use), and from then on calls ``on_pin`` and ``on_unpin`` only for
-    blocks in ``pin_watch`` at the time of the call. The policy learns every
-    other block's use from the predicate when it meets the block, so blocks
-    pinned and released unseen cost no call.
-
-    Invariants:
-        * ``pin_watch`` is a set the policy keeps up to date; a driver only reads it.
-        * An attached policy accepts ``on_pin`` for a block it already found in
-          use (it may meet a block first, e.g. while it is being committed).
-        * Driven with every pin reported, attached or not, it behaves as a
-          :class:`PinAwarePolicy`.
-    """
-
-    @property
-    def pin_watch(self) -> Collection[BlockId]:
-        """The blocks whose pins and releases the policy must hear."""
-        ...
-
-    def attach(self, is_evictable: Callable[[BlockId], bool]) -> None:
-        """From now on the driver reports only the pins of ``pin_watch``; ``is_evictable`` tells the rest."""
         ...
 
 

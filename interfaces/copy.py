@@ -10,7 +10,7 @@ import attrs
 
 from kvkit.errors import ConfigError, SpecMismatchError
 from kvkit.interfaces.types import Tier, TransferPlan
-from kvkit.validate import check_int, checked, quote
+from kvkit.validate import check_int, checked, plural, quote
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +51,7 @@ class Region:
     name: str = attrs.field(converter=_name)
     gpu: torch.Tensor
     cpu: torch.Tensor
-    group: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="Region."))
+    group: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="Region."))  # type: ignore[misc]
 
     def __attrs_post_init__(self) -> None:
         # A caller with tensors has loaded torch; importing it here would load it for kvkit.
@@ -65,10 +65,11 @@ class Region:
             if t.dim() < 1 or t.shape[0] == 0 or t[0].numel() == 0:
                 raise SpecMismatchError(f"region {self.name!r}: {tier} tensor has no blocks: shape {tuple(t.shape)}")
             if not t[0].is_contiguous():
-                raise SpecMismatchError(f"region {self.name!r}: {tier} block piece is not contiguous (strides {t.stride()})")
+                raise SpecMismatchError(f"region {self.name!r}: {tier} block piece is not contiguous "
+                                        f"(strides {t.stride()})")
             if t.shape[0] > 1 and t.stride(0) < t[0].numel():
-                raise SpecMismatchError(f"region {self.name!r}: {tier} blocks overlap: block stride {t.stride(0)} "
-                                        f"elements < piece of {t[0].numel()}")
+                raise SpecMismatchError(f"region {self.name!r}: {tier} blocks overlap: block stride {plural(t.stride(0), 'element')} "
+                                        f"< piece of {t[0].numel()}")
         if self.gpu.dtype != self.cpu.dtype or self.gpu.shape[1:] != self.cpu.shape[1:]:
             raise SpecMismatchError(
                 f"region {self.name!r}: pieces differ: gpu {self.gpu.dtype} {tuple(self.gpu.shape[1:])} "

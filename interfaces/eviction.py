@@ -32,10 +32,10 @@ class EvictionPolicy(Protocol):
     :mod:`kvkit.interfaces.capabilities`; a pool finds them once, when it
     adopts the policy): ``on_pin`` and ``on_unpin`` make a
     :class:`~kvkit.interfaces.capabilities.PinAwarePolicy`, which sets blocks
-    in use aside instead of skipping them in every selection (every built-in
-    policy is one, so a selection costs O(victims), not O(blocks in use));
-    :class:`~kvkit.interfaces.capabilities.SelectivePins` needs only the pins
-    of the blocks it watches; :class:`~kvkit.interfaces.capabilities.WindowedPolicy`
+    in use aside as it hears of them instead of skipping them in selections
+    (every built-in policy is one, so a selection costs O(victims), its first
+    included, not O(blocks in use));
+    :class:`~kvkit.interfaces.capabilities.WindowedPolicy`
     follows its next ``n`` victims for write-back.
     """
 

@@ -8,29 +8,17 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash
+from kvkit.validate import check_int, checked, known_keywords, non_empty_str, real_in
 
 __all__ = ["HintAwarePolicy", "WorkloadHints"]
 
 
-def _ttl(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not math.isfinite(value) or value <= 0):
-        raise ConfigError(f"WorkloadHints.ttl_s must be None or a finite number of seconds > 0, got {value!r}")
+_LABEL = "WorkloadHints."
 
 
-def _label(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(f"WorkloadHints.{attribute.name} must be None or a non-empty str, got {value!r}")
-
-
-def _priority(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"WorkloadHints.priority must be an int, got {value!r}")
-
-
+@known_keywords
 @attrs.frozen
 class WorkloadHints:
     """What a caller knows about a request's blocks' future, for the CPU tier's eviction policy.
@@ -48,10 +36,11 @@ class WorkloadHints:
     does, and one that does never fails because of them.
     """
 
-    priority: int = attrs.field(default=0, validator=_priority)
-    ttl_s: float | None = attrs.field(default=None, validator=_ttl)
-    session: str | None = attrs.field(default=None, validator=_label)
-    kind: str | None = attrs.field(default=None, validator=_label)
+    priority: int = attrs.field(default=0, converter=checked(check_int, label=_LABEL))
+    ttl_s: float | None = attrs.field(default=None, validator=real_in(low=0, low_open=True, high=math.inf,
+                                                                      high_open=True, label=_LABEL, optional=True))
+    session: str | None = attrs.field(default=None, validator=non_empty_str(label=_LABEL, optional=True))
+    kind: str | None = attrs.field(default=None, validator=non_empty_str(label=_LABEL, optional=True))
 
 
 @runtime_checkable

@@ -8,19 +8,41 @@ its calls reports. ``BlockCodec`` names the keys and frames the values;
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import re
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
 
-from kvkit.errors import PlanError
+from kvkit.errors import ConfigError, PlanError
 from kvkit.interfaces.types import BlockHash, Direction
-from kvkit.validate import check_enum, check_int, checked
+from kvkit.validate import check_enum, check_int, checked, plural, quote
 
-__all__ = ["SHARED_WRITES", "BlockCodec", "BlockStore", "SharedPlan", "StoreResult"]
+__all__ = ["DEFAULT_TENANT", "SHARED_WRITES", "BlockCodec", "BlockStore", "SharedPlan", "StoreResult",
+           "check_tenant"]
 
 SHARED_WRITES = ("write-through", "write-back")
 """When CPU blocks go to the shared tier: after a CPU store committed them, or ahead of their CPU eviction."""
+
+DEFAULT_TENANT = "default"
+"""The tenant of a deployment that names none."""
+
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_tenant(name: str, value: object) -> str:
+    """``value`` if it is a tenant id, else ``ConfigError`` quoting it.
+
+    A tenant id is 1-64 letters, digits, ``_``, ``.`` or ``-``, starting with a
+    letter or digit: every key of the tenant starts with ``kvkit:<tenant>:``,
+    so it holds no ``:`` (one tenant's prefix is never another's) and none of
+    the characters a Valkey ACL key pattern or a Cluster hash tag reads
+    (``* ? [ ] \\ { }``).
+    """
+    if isinstance(value, str) and _TENANT.fullmatch(value) is not None:
+        return value
+    raise ConfigError(f"{name}={quote(value)}: must be 1-64 letters, digits, '_', '.' or '-', starting with a "
+                      f"letter or digit (it is the key prefix kvkit:<tenant>: that ACL key patterns match)")
 
 
 @attrs.frozen
@@ -38,7 +60,7 @@ class StoreResult:
             ``"transport:"`` so a caller can tell a sick server from a miss.
     """
 
-    ticket: int = attrs.field(converter=checked(check_int, minimum=0, label="StoreResult.", error=PlanError))
+    ticket: int = attrs.field(converter=checked(check_int, minimum=0, label="StoreResult.", error=PlanError))  # type: ignore[misc]
     failed: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(sorted(set(v))))
     error: str = ""
 
@@ -138,8 +160,8 @@ class BlockStore(Protocol):
 
 
 
-def _ints(value: object) -> tuple[int, ...]:
-    out = tuple(value)  # type: ignore[arg-type]
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    out = tuple(value)
     if not all(v.__class__ is int for v in out):
         raise PlanError(f"SharedPlan: block ids and hashes must be ints, got {list(out)[:8]!r}")
     return out
@@ -158,7 +180,7 @@ class SharedPlan:
     Invariants: ``len(blocks) == len(hashes) >= 1``; every id and hash is an int.
     """
 
-    direction: Direction = attrs.field(converter=checked(check_enum, cls=Direction, label="SharedPlan.",
+    direction: Direction = attrs.field(converter=checked(check_enum, cls=Direction, label="SharedPlan.",  # type: ignore[misc]
                                                          error=PlanError))
     blocks: tuple[int, ...] = attrs.field(converter=_ints)
     hashes: tuple[BlockHash, ...] = attrs.field(converter=_ints)
@@ -166,7 +188,7 @@ class SharedPlan:
     def __attrs_post_init__(self) -> None:
         if not self.blocks or len(self.blocks) != len(self.hashes):
             raise PlanError(f"SharedPlan needs as many hashes as blocks (at least one), got "
-                            f"{len(self.blocks)} blocks and {len(self.hashes)} hashes")
+                            f"{plural(len(self.blocks), 'block')} and {plural(len(self.hashes), 'hash', 'hashes')}")
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -190,7 +212,15 @@ class BlockCodec(Protocol):
           truncated, foreign) is ``False``, never an exception.
     """
 
-    header_bytes: int
+    @property
+    def header_bytes(self) -> int:
+        """Length of every header ``seal`` writes."""
+        ...
+
+    @property
+    def probe_key(self) -> bytes:
+        """A key no block has, with the prefix of the codec's keys (a health probe writes it)."""
+        ...
 
     def key(self, block_hash: BlockHash, rank: int) -> bytes:
         """The store key of ``rank``'s shard of the block ``block_hash``."""

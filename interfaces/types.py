@@ -14,13 +14,13 @@ import enum
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import NewType
+from typing import Any, NewType, TypeGuard
 
 import attrs
 import numpy as np
 
 from kvkit.errors import ConfigError, PlanError
-from kvkit.validate import check_bool, check_enum, check_int, check_real, checked, quote
+from kvkit.validate import check_bool, check_enum, check_int, check_real, checked, plural, quote
 
 __all__ = [
     "BlockHash",
@@ -59,7 +59,7 @@ _DTYPE_BYTES = {
 }
 
 
-def _is_sequence(value: object) -> bool:
+def _is_sequence(value: object) -> TypeGuard[Sequence[Any] | np.ndarray]:
     """A list, tuple, range or 1-D array: not a string (its characters are no elements here)."""
     if isinstance(value, np.ndarray):
         return value.ndim == 1
@@ -114,8 +114,8 @@ class KVGroupSpec:
 
     layers: tuple[int, ...] = attrs.field(converter=_layers)
     kind: GroupKind = attrs.field(default=GroupKind.FULL,
-                                  converter=checked(check_enum, cls=GroupKind, label="KVGroupSpec."))
-    window: int | None = attrs.field(default=None, converter=checked(check_int, minimum=1, optional=True,
+                                  converter=checked(check_enum, cls=GroupKind, label="KVGroupSpec."))  # type: ignore[misc]
+    window: int | None = attrs.field(default=None, converter=checked(check_int, minimum=1, optional=True,  # type: ignore[misc]
                                                                      label="KVGroupSpec."))
 
     def __attrs_post_init__(self) -> None:
@@ -134,6 +134,7 @@ class KVGroupSpec:
         total = -(-num_tokens // block_size)
         if self.kind is GroupKind.FULL:
             return total
+        assert self.window is not None  # a sliding-window group has one (checked when built)
         return min(total, -(-self.window // block_size) + 1)
 
 
@@ -157,13 +158,13 @@ class KVCacheSpec:
     has ``num_kv_heads == 1``.
     """
 
-    num_layers: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))
-    block_size: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))
-    num_kv_heads: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))
-    head_dim: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))
+    num_layers: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))  # type: ignore[misc]
+    block_size: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))  # type: ignore[misc]
+    num_kv_heads: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))  # type: ignore[misc]
+    head_dim: int = attrs.field(converter=checked(check_int, minimum=1, label="KVCacheSpec."))  # type: ignore[misc]
     dtype: str = attrs.field(default="bfloat16", converter=_dtype)
     groups: tuple[KVGroupSpec, ...] = attrs.field(converter=_groups, default=())
-    latent: bool = attrs.field(default=False, converter=checked(check_bool, label="KVCacheSpec."))
+    latent: bool = attrs.field(default=False, converter=checked(check_bool, label="KVCacheSpec."))  # type: ignore[misc]
 
     def __attrs_post_init__(self) -> None:
         if self.latent and self.num_kv_heads != 1:
@@ -234,7 +235,7 @@ def _id_array(value: object, field: attrs.Attribute) -> np.ndarray:
     except TypeError:  # no length (a scalar, a 0-d array): numpy makes it 0-d, refused below
         size = 0
     if size > _MAX_PLAN_IDS:
-        raise PlanError(f"{name}: {size} block ids (from {quote(value)}) are more than any pool has; "
+        raise PlanError(f"{name}: {plural(size, 'block id')} (from {quote(value)}) are more than any pool has; "
                         f"at most {_MAX_PLAN_IDS}")
     try:
         arr = np.asarray(value)
@@ -265,11 +266,11 @@ class TransferPlan:
     ``group`` is an int >= 0.
     """
 
-    src: np.ndarray = attrs.field(converter=attrs.Converter(_id_array, takes_field=True))
-    dst: np.ndarray = attrs.field(converter=attrs.Converter(_id_array, takes_field=True))
-    direction: Direction = attrs.field(converter=checked(check_enum, cls=Direction, label="TransferPlan.",
+    src: np.ndarray = attrs.field(converter=attrs.Converter(_id_array, takes_field=True))  # type: ignore[misc]
+    dst: np.ndarray = attrs.field(converter=attrs.Converter(_id_array, takes_field=True))  # type: ignore[misc]
+    direction: Direction = attrs.field(converter=checked(check_enum, cls=Direction, label="TransferPlan.",  # type: ignore[misc]
                                                          error=PlanError))
-    group: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="TransferPlan.",
+    group: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="TransferPlan.",  # type: ignore[misc]
                                                           error=PlanError))
 
     def __attrs_post_init__(self) -> None:
@@ -296,12 +297,12 @@ class TransferResult:
         num_bytes: bytes the worker moved (an int >= 0).
     """
 
-    transfer_id: int = attrs.field(converter=checked(check_int, minimum=0, label="TransferResult.",
+    transfer_id: int = attrs.field(converter=checked(check_int, minimum=0, label="TransferResult.",  # type: ignore[misc]
                                                      error=PlanError))
-    worker: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="TransferResult.",
+    worker: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="TransferResult.",  # type: ignore[misc]
                                                            error=PlanError))
-    ok: bool = attrs.field(default=True, converter=checked(check_bool, label="TransferResult.", error=PlanError))
-    seconds: float = attrs.field(default=0.0, converter=checked(check_real, low=0, high=math.inf, high_open=True,
+    ok: bool = attrs.field(default=True, converter=checked(check_bool, label="TransferResult.", error=PlanError))  # type: ignore[misc]
+    seconds: float = attrs.field(default=0.0, converter=checked(check_real, low=0, high=math.inf, high_open=True,  # type: ignore[misc]
                                                                 label="TransferResult.", error=PlanError))
-    num_bytes: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="TransferResult.",
+    num_bytes: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="TransferResult.",  # type: ignore[misc]
                                                               error=PlanError))

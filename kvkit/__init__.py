@@ -33,6 +33,7 @@ _LAZY: dict[str, str] = {
     "build": "kvkit.stack:build",
     "OffloadStack": "kvkit.stack:OffloadStack",
     "StackConfig": "kvkit.config:StackConfig",
+    "SharedConfig": "kvkit.config:SharedConfig",
     "register": "kvkit.registry:register",
     "ALLOCATOR": "kvkit.registry:ALLOCATOR",
     "COPY": "kvkit.registry:COPY",
@@ -106,6 +107,7 @@ __all__ = [
     "ReferenceEngine",
     "SHARED",
     "STORE",
+    "SharedConfig",
     "SimConfig",
     "SimResult",
     "StackConfig",
@@ -134,7 +136,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what __getattr__ returns, spelled out for type checkers and IDEs
-    from kvkit.config import StackConfig
+    from kvkit.config import SharedConfig, StackConfig
     from kvkit.errors import BackendUnavailableError, ConfigError, KVKitError, OutOfBlocksError, TransferTimeoutError
     from kvkit.hashing import hash_blocks
     from kvkit.interfaces import (

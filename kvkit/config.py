@@ -29,13 +29,29 @@ from kvkit.interfaces import (
     StorePolicy,
 )
 from kvkit.interfaces.plan import LoadPlanner
-from kvkit.interfaces.shared import SHARED_WRITES, BlockStore
-from kvkit.registry import ALLOCATOR, COPY, EVICTION, PLANNER, STORE, Registry, did_you_mean
-from kvkit.validate import check_real, int_problem, is_int
+from kvkit.interfaces.shared import DEFAULT_TENANT, SHARED_WRITES, BlockStore, check_tenant
+from kvkit.redact import redact_url, secret_repr
+from kvkit.registry import ALLOCATOR, COPY, EVICTION, PLANNER, STORE, Registry
+from kvkit.validate import (
+    check_choice,
+    check_real,
+    checked,
+    did_you_mean,
+    int_problem,
+    is_int,
+    known_keywords,
+    non_empty_str,
+    one_of,
+    plural,
+    problem_of,
+    quote,
+    secret_bytes,
+)
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.memory import BOOKKEEPING_BYTES_PER_BLOCK, check_fits
 
-__all__ = ["DEFAULTS", "DEVICES", "Components", "Defaults", "StackConfig", "parse_bytes"]
+__all__ = ["DEFAULTS", "DEVICES", "NAMED_SLOTS", "TEXT", "UNNAMED_MODEL", "Components", "Defaults", "SharedConfig",
+           "SharedSpec", "StackConfig", "name_shared_model", "parse_bytes"]
 
 DEVICES = ("cpu", "cuda")
 """Where the GPU tier lives; ``"cpu"`` is the stand-in CI and notebooks use."""
@@ -45,13 +61,15 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
 
 # Slots a registry instantiates, and which registry; "allocator" is a factory slot.
 _INSTANCE_SLOTS: dict[str, Registry[Any]] = {
     "cpu_eviction": EVICTION, "gpu_eviction": EVICTION, "store": STORE, "copy": COPY, "planner": PLANNER,
 }
-_OPTION_SLOTS = (*_INSTANCE_SLOTS, "allocator")
+NAMED_SLOTS = (*_INSTANCE_SLOTS, "allocator")
+"""Slots that take a registered name (or an instance or factory) and per-slot ``options``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -95,18 +113,25 @@ def parse_bytes(text: str | int) -> int:
     ``KiB``/``MiB``/``GiB``/``TiB`` powers of 1024. Fractions of a byte round down.
 
     Raises:
-        ConfigError: ``text`` is not a non-negative size.
+        ConfigError: ``text`` is not a non-negative size; the message quotes it
+            and says whether it is negative, has an unknown unit or does not parse.
     """
     if is_int(text):
         if text < 0:
-            raise ConfigError(f"byte size must be non-negative, got {text!r}")
+            raise ConfigError(f"byte size {quote(text)} is negative; a size is at least 0")
         return int(text)
+    if isinstance(text, str) and text.strip().startswith("-") and _SIZE.fullmatch(text.strip()[1:]):
+        raise ConfigError(f"byte size {quote(text)} is negative; a size is at least 0, e.g. '8GiB'")
     match = _SIZE.fullmatch(text) if isinstance(text, str) else None
-    if match is None or match[2].lower() not in _UNITS:
-        raise ConfigError(
-            f"cannot parse byte size {text!r}; expected an int or a number with a unit "
-            f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB' or '1.5 GiB'")
-    return int(Fraction(match[1]) * _UNITS[match[2].lower()])
+    if match is None:
+        raise ConfigError(f"cannot parse byte size {quote(text)}; expected an int or a number with a unit "
+                          f"({_UNIT_NAMES}), e.g. '8GiB' or '1.5 GiB'")
+    unit = match[2].lower()
+    if unit not in _UNITS:
+        names = _UNIT_NAMES.split(", ")
+        raise ConfigError(f"byte size {quote(text)}: unknown unit {match[2]!r}; valid: {_UNIT_NAMES}"
+                          f"{did_you_mean(match[2], names)}")
+    return int(Fraction(match[1]) * _UNITS[unit])
 
 
 def _default_device() -> str:
@@ -144,79 +169,169 @@ class Components:
     planner: LoadPlanner
 
 
+def _store_url(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if not ((isinstance(value, str) and "://" in value)
+            or (isinstance(value, BlockStore) and not isinstance(value, type))):
+        raise ConfigError(f"shared.url={quote(value)}: must be a URL such as 'memory://', 'file:///path' or "
+                          f"'valkey://host:6379/0', or a BlockStore instance")
+
+
+def _shown_url(value: object) -> str:
+    """``SharedConfig.url`` in a repr: a URL's password and secret options as ``***``."""
+    return repr(redact_url(value)) if isinstance(value, str) else repr(value)
+
+
+_SHARED = "shared."
+
+
+@known_keywords
+@attrs.frozen(kw_only=True)
+class SharedConfig:
+    """The shared tier behind the CPU tier: its store, and how a stack uses it.
+
+    ``StackConfig(shared="valkey://host:6379/0")`` is short for
+    ``StackConfig(shared=SharedConfig(url="valkey://host:6379/0"))``; a mapping
+    of these fields is taken too (``shared={"url": ..., "write": "write-back"}``,
+    as JSON configs spell it). See :mod:`kvkit.shared.scheduler`.
+
+    Attributes:
+        url: the store: a URL (``"memory://"`` or ``"memory://NAME"``: one
+            in-process store per name; ``"file:///path"``;
+            ``"valkey://host:6379/0"``), or a
+            :class:`~kvkit.interfaces.shared.BlockStore` instance, which the
+            caller keeps owning.
+        write: ``"write-through"`` (put what a CPU store committed) or
+            ``"write-back"`` (put the CPU tier's next eviction candidates).
+        model: the model identity (name and revision, or fingerprint) in the
+            shared tier's namespace: instances that share a store share blocks
+            only under the same identity, spec, layout and world size. ``None``
+            (default): the integration's (``OffloadedLM``: the weights'
+            fingerprint; vLLM: its model and revision), :data:`UNNAMED_MODEL`
+            for a stack built directly.
+        tenant: who owns the tier's keys: every key starts with
+            ``kvkit:<tenant>:``, a prefix a server's ACL key pattern confines a
+            client to (``"default"``; 1-64 letters, digits, ``_``, ``.``, ``-``:
+            :func:`~kvkit.interfaces.shared.check_tenant`).
+        secret: HMAC secret (non-empty bytes) every instance of a deployment
+            shares, or ``None``: values are then trusted as the server holds
+            them. It seals and checks every value and is bound into the keys,
+            so instances with another secret or none never share or overwrite
+            them. Never shown in a repr or an error (a repr shows ``'***'``, and
+            a password in ``url`` as ``***``).
+        backoff_s: seconds the tier stays off after a failure before a probe
+            (doubling on each failed probe, at most 60x).
+
+    Raises:
+        ConfigError: a bad field, quoting it (never the secret).
+    """
+
+    url: str | BlockStore = attrs.field(validator=_store_url, repr=_shown_url)
+    write: str = attrs.field(default="write-through", validator=one_of(SHARED_WRITES, label=_SHARED))
+    model: str | None = attrs.field(default=None, validator=non_empty_str(label=_SHARED, optional=True))
+    tenant: str = attrs.field(default=DEFAULT_TENANT, converter=checked(check_tenant, label=_SHARED))
+    secret: bytes | None = attrs.field(default=None, repr=secret_repr,
+                                       validator=secret_bytes(label=_SHARED, optional=True))
+    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_SHARED))
+
+
+UNNAMED_MODEL = "unnamed-model"
+"""The shared tier's model identity where neither the config nor an integration names one."""
+
+SharedSpec = SharedConfig | str | BlockStore | Mapping[str, Any]
+"""What ``StackConfig(shared=...)`` takes: a :class:`SharedConfig`, its ``url``, or a mapping of its fields."""
+
+
+def _shared_config(value: str | BlockStore | Mapping[str, Any]) -> SharedConfig:
+    return SharedConfig(**value) if isinstance(value, Mapping) else SharedConfig(url=value)
+
+
+def _as_shared(value: SharedSpec | None) -> SharedConfig | None:
+    """``shared=`` as a :class:`SharedConfig`; a value none can be made of is kept for the check to refuse."""
+    if value is None or isinstance(value, SharedConfig):
+        return value
+    try:
+        return _shared_config(value)
+    except (ConfigError, TypeError):  # TypeError: a mapping whose keys are not all strings
+        return value  # type: ignore[return-value]
+
+
+TEXT = "text"
+"""``attrs`` metadata key of a :class:`StackConfig` slot that has a text form (a command-line flag,
+a JSON value): the type its text parses to (``int``, ``float`` or ``str``). Slots without one take
+objects (a KV spec, callbacks, per-slot options)."""
+
+
+def _text(kind: type) -> dict[str, type]:
+    return {TEXT: kind}
+
+
+@known_keywords
 @attrs.frozen(kw_only=True)
 class StackConfig:
     """Every slot of an offload stack; construction validates all of them.
 
     Attributes:
-        kv: shape of the KV cache (required).
-        gpu_blocks: GPU pool size in blocks (required, >= 1).
-        cpu_blocks: CPU pool size in blocks; give this or ``cpu_bytes``.
-        cpu_bytes: CPU pool size in bytes (int or ``"8GiB"``); must hold a block.
-        cpu_eviction: the CPU tier's eviction policy (name or instance);
-            ``eviction=`` is its deprecated old name (warns; one release).
-        gpu_eviction: the GPU tier's eviction policy (name or a *different* instance).
-        store: store policy (name or instance).
-        copy: copy backend (name or instance), or ``None`` for a scheduler-only
-            stack that moves no bytes (simulation; imports no copy backend).
-        allocator: block pool (name, or a factory ``(num_blocks=..., eviction=...) -> BlockAllocator``).
-        planner: the load planner (name or instance): per request, which
-            blocks of a CPU or shared-tier hit to load and which to recompute
-            (see :mod:`kvkit.interfaces.plan`); ``"load-all"`` loads every hit.
-        callbacks: ``OffloadCallback`` instances.
-        world_size: workers that must all finish a copy before it counts (>= 1).
-        device: ``"cuda"`` (default where available) or ``"cpu"``.
-        hash_algorithm: one of :data:`kvkit.hashing.HASH_ALGORITHMS`.
+        kv: shape of the KV cache. Required.
+        gpu_blocks: GPU tier size in blocks. Required, at least 1.
+        cpu_blocks: CPU tier size in blocks. Give this or ``cpu_bytes``.
+        cpu_bytes: CPU tier size in bytes, an int or a size such as ``8GiB``. Give
+            this or ``cpu_blocks``; it must hold a block.
+        cpu_eviction: CPU tier eviction policy. A registered name or an instance.
+        gpu_eviction: GPU tier eviction policy. A registered name or an instance
+            (not ``cpu_eviction``'s: each tier has its own).
+        store: store policy, which decides what GPU blocks go to the CPU tier. A
+            registered name or an instance.
+        copy: copy backend. A registered name or an instance, or ``None`` for a
+            scheduler-only stack that moves no bytes (simulation; imports no copy backend).
+        allocator: block pool. A registered name, or a factory
+            ``(num_blocks=..., eviction=...) -> BlockAllocator``.
+        planner: load planner, which decides per request which blocks of a CPU or
+            shared-tier hit to load and which to recompute (see
+            :mod:`kvkit.interfaces.plan`). A registered name or an instance;
+            ``load-all`` loads every hit.
+        callbacks: ``OffloadCallback`` instances, called in order.
+        world_size: workers that must all finish a copy before it counts. At least 1.
+        device: where the GPU tier lives, ``cuda`` or ``cpu``. Default: ``cuda``
+            where available.
+        hash_algorithm: block hash algorithm, one of :data:`kvkit.hashing.HASH_ALGORITHMS`.
         cpu_layout: layout of every worker's CPU mirror, a name in
-            :data:`kvkit.worker.layouts.LAYOUTS`; ``None`` (default) mirrors the GPU
-            tier's layout (``build(layout=...)``). Only a stack that moves bytes has one.
-        wait_timeout_s: how long each worker's ``drain()`` and ``close()`` wait
-            at most by default, in seconds (> 0; ``math.inf`` waits forever).
+            :data:`kvkit.worker.layouts.LAYOUTS`. ``None`` (default) mirrors the GPU
+            tier's layout (``build(layout=...)``); only a stack that moves bytes has one.
+        wait_timeout_s: seconds each worker's ``drain()`` and ``close()`` wait at most
+            by default. Above 0; ``math.inf`` waits forever.
         options: per-slot constructor kwargs for named slots, e.g. ``{"store": {"k": 2}}``.
-        shared: the shared (third) tier behind the CPU tier: a URL
-            (``"memory://"``, ``"file:///path"``, ``"valkey://host:6379/0"``) or a
-            :class:`~kvkit.interfaces.shared.BlockStore` instance; ``None``
-            (default) for two tiers. See :mod:`kvkit.shared.scheduler`.
-        shared_write: ``"write-through"`` (put what a CPU store committed) or
-            ``"write-back"`` (put the CPU tier's next eviction candidates).
-        shared_model: the model identity (name and revision or fingerprint) in
-            the shared tier's namespace: instances that share a store share
-            blocks only under the same identity, spec, layout and world size.
-        shared_secret: HMAC secret (bytes) every instance of a deployment shares, or ``None``.
-        shared_backoff_s: seconds the shared tier stays off after a failure
-            before a probe (doubling on each failed probe, at most 60x).
+        shared: the shared tier behind the CPU tier. A :class:`SharedConfig`, its
+            ``url`` or a mapping of its fields; ``None`` (default) for two tiers.
 
-    Defaults come from :data:`DEFAULTS`.
+    Defaults come from :data:`DEFAULTS`. A slot's ``attrs`` metadata
+    :data:`TEXT` says how a command line or a JSON config spells it.
 
     Invariants: a constructed config has no problems; instances given in slots
     are used as-is by :meth:`resolve`, so resolve a config once per stack.
 
     Raises:
-        ConfigError: on construction, listing every problem found.
+        ConfigError: on construction, listing every problem found (an unknown
+            slot too, with the valid ones).
     """
 
     kv: KVCacheSpec | None = None
-    gpu_blocks: int | None = None
-    cpu_blocks: int | None = None
-    cpu_bytes: int | str | None = None
-    cpu_eviction: str | EvictionPolicy = DEFAULTS.cpu_eviction
-    gpu_eviction: str | EvictionPolicy = DEFAULTS.gpu_eviction
-    store: str | StorePolicy = DEFAULTS.store
-    copy: str | CopyBackend | None = DEFAULTS.copy
-    allocator: str | Callable[..., BlockAllocator] = DEFAULTS.allocator
-    planner: str | LoadPlanner = DEFAULTS.planner
+    gpu_blocks: int | None = attrs.field(default=None, metadata=_text(int))
+    cpu_blocks: int | None = attrs.field(default=None, metadata=_text(int))
+    cpu_bytes: int | str | None = attrs.field(default=None, metadata=_text(str))
+    cpu_eviction: str | EvictionPolicy = attrs.field(default=DEFAULTS.cpu_eviction, metadata=_text(str))
+    gpu_eviction: str | EvictionPolicy = attrs.field(default=DEFAULTS.gpu_eviction, metadata=_text(str))
+    store: str | StorePolicy = attrs.field(default=DEFAULTS.store, metadata=_text(str))
+    copy: str | CopyBackend | None = attrs.field(default=DEFAULTS.copy, metadata=_text(str))
+    allocator: str | Callable[..., BlockAllocator] = attrs.field(default=DEFAULTS.allocator, metadata=_text(str))
+    planner: str | LoadPlanner = attrs.field(default=DEFAULTS.planner, metadata=_text(str))
     callbacks: list[OffloadCallback] | tuple[OffloadCallback, ...] = ()
-    world_size: int = DEFAULTS.world_size
-    device: str = attrs.field(factory=_default_device)
-    hash_algorithm: str = DEFAULTS.hash_algorithm
-    cpu_layout: str | None = None
-    wait_timeout_s: float = DEFAULTS.wait_timeout_s
+    world_size: int = attrs.field(default=DEFAULTS.world_size, metadata=_text(int))
+    device: str = attrs.field(factory=_default_device, metadata=_text(str))
+    hash_algorithm: str = attrs.field(default=DEFAULTS.hash_algorithm, metadata=_text(str))
+    cpu_layout: str | None = attrs.field(default=None, metadata=_text(str))
+    wait_timeout_s: float = attrs.field(default=DEFAULTS.wait_timeout_s, metadata=_text(float))
     options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
-    shared: str | BlockStore | None = None
-    shared_write: str = "write-through"
-    shared_model: str = "unnamed-model"
-    shared_secret: bytes | None = None
-    shared_backoff_s: float = 1.0
+    shared: SharedConfig | None = attrs.field(default=None, converter=_as_shared, metadata=_text(str))
 
     def __attrs_post_init__(self) -> None:
         problems = [
@@ -241,7 +356,7 @@ class StackConfig:
 
     def pool_bytes(self) -> dict[str, int]:
         """Host bytes the two pools' bookkeeping needs (what -> bytes): it is O(blocks), before any use."""
-        given = "" if self.cpu_bytes is None else f" from cpu_bytes={self.cpu_bytes!r}"
+        given = "" if self.cpu_bytes is None else f" from cpu_bytes={quote(self.cpu_bytes)}"
         return {f"pool bookkeeping of gpu_blocks={self.gpu_blocks} + cpu_blocks={self.num_cpu_blocks}{given}":
                 (int(self.gpu_blocks) + self.num_cpu_blocks) * BOOKKEEPING_BYTES_PER_BLOCK}
 
@@ -278,7 +393,7 @@ class StackConfig:
     def _shape_problems(self) -> list[str]:
         problems = []
         if not isinstance(self.kv, KVCacheSpec):
-            problems.append(f"kv={self.kv!r}: required, a KVCacheSpec(num_layers=..., block_size=..., "
+            problems.append(f"kv={quote(self.kv)}: required, a KVCacheSpec(num_layers=..., block_size=..., "
                             f"num_kv_heads=..., head_dim=...)")
         if (problem := int_problem("gpu_blocks", self.gpu_blocks, 1)) is not None:
             problems.append(problem + " (required)" if self.gpu_blocks is None else problem)
@@ -287,7 +402,7 @@ class StackConfig:
     def _capacity_problems(self) -> list[str]:
         if (self.cpu_blocks is None) == (self.cpu_bytes is None):
             got = ("neither" if self.cpu_blocks is None
-                   else f"both cpu_blocks={self.cpu_blocks!r} and cpu_bytes={self.cpu_bytes!r}")
+                   else f"both cpu_blocks={quote(self.cpu_blocks)} and cpu_bytes={quote(self.cpu_bytes)}")
             return [f"give exactly one of cpu_blocks or cpu_bytes, got {got}; hint: cpu_bytes='8GiB'"]
         if self.cpu_blocks is not None:
             problem = int_problem("cpu_blocks", self.cpu_blocks, 1)
@@ -295,24 +410,24 @@ class StackConfig:
         try:
             num_bytes = parse_bytes(self.cpu_bytes)
         except ConfigError as exc:
-            return [f"cpu_bytes={self.cpu_bytes!r}: {exc}"]
+            return [f"cpu_bytes={quote(self.cpu_bytes)}: {exc}"]
         if isinstance(self.kv, KVCacheSpec) and self.kv.blocks_for(num_bytes) < 1:
-            return [f"cpu_bytes={self.cpu_bytes!r} ({num_bytes} bytes) holds no block: one block of "
+            return [f"cpu_bytes={quote(self.cpu_bytes)} ({plural(num_bytes, 'byte')}) holds no block: one block of "
                     f"this kv spec takes {self.kv.bytes_per_block} bytes"]
         return []
 
     def _options_problems(self) -> list[str]:
         if not isinstance(self.options, Mapping):
-            return [f"options={self.options!r}: must be a dict of slot -> kwargs, e.g. {{'store': {{'k': 2}}}}"]
+            return [f"options={quote(self.options)}: must be a dict of slot -> kwargs, e.g. {{'store': {{'k': 2}}}}"]
         problems = []
         for slot, kwargs in self.options.items():
-            if slot not in _OPTION_SLOTS:
-                problems.append(f"options[{slot!r}]: unknown slot; valid: {', '.join(_OPTION_SLOTS)}"
-                                f"{did_you_mean(str(slot), list(_OPTION_SLOTS))}")
+            if slot not in NAMED_SLOTS:
+                problems.append(f"options[{quote(slot)}]: unknown slot; valid: {', '.join(NAMED_SLOTS)}"
+                                f"{did_you_mean(str(slot), list(NAMED_SLOTS))}")
             elif not isinstance(kwargs, Mapping):
-                problems.append(f"options[{slot!r}]={kwargs!r}: must be a dict of keyword arguments")
+                problems.append(f"options[{quote(slot)}]={quote(kwargs)}: must be a dict of keyword arguments")
             elif kwargs and not isinstance(getattr(self, slot), str) and slot != "allocator":
-                problems.append(f"options[{slot!r}]={dict(kwargs)!r}: {slot} is an instance, not a name; "
+                problems.append(f"options[{quote(slot)}]={quote(dict(kwargs))}: {slot} is an instance, not a name; "
                                 f"hint: pass these to its constructor")
         return problems
 
@@ -347,79 +462,75 @@ class StackConfig:
             return [problem] if problem else []
         expected = f"one of {', '.join(ALLOCATOR.names())} or a factory (num_blocks=..., eviction=...) -> BlockAllocator"
         if isinstance(spec, BlockAllocator):
-            return [f"allocator={spec!r}: got a pool instance, expected {expected}; "
+            return [f"allocator={quote(spec)}: got a pool instance, expected {expected}; "
                     f"each tier builds its own pool"]
-        return [f"allocator={spec!r}: {type(spec).__qualname__} is not callable; expected {expected}"]
+        return [f"allocator={quote(spec)}: {type(spec).__qualname__} is not callable; expected {expected}"]
 
     def _callback_problems(self) -> list[str]:
         if not isinstance(self.callbacks, (list, tuple)):
             hint = "; hint: wrap it in a list" if isinstance(self.callbacks, OffloadCallback) else ""
-            return [f"callbacks={self.callbacks!r}: must be a list of OffloadCallback instances{hint}"]
+            return [f"callbacks={quote(self.callbacks)}: must be a list of OffloadCallback instances{hint}"]
         problems = []
         for i, callback in enumerate(self.callbacks):
             if isinstance(callback, type) and issubclass(callback, OffloadCallback):
                 problems.append(f"callbacks[{i}]={callback.__qualname__}: got a class; "
                                 f"hint: pass an instance, e.g. {callback.__qualname__}()")
             elif not isinstance(callback, OffloadCallback):
-                problems.append(f"callbacks[{i}]={callback!r}: {type(callback).__qualname__} is not "
+                problems.append(f"callbacks[{i}]={quote(callback)}: {type(callback).__qualname__} is not "
                                 f"an OffloadCallback; hint: subclass kvkit.OffloadCallback")
         return problems
 
     def _runtime_problems(self) -> list[str]:
-        problems = []
-        if (problem := int_problem("world_size", self.world_size, 1)) is not None:
-            problems.append(problem)
-        if self.device not in DEVICES:
-            problems.append(f"device={self.device!r}: unknown device; valid: {', '.join(DEVICES)}"
-                            f"{did_you_mean(str(self.device), list(DEVICES))}")
-        elif self.device == "cuda" and _default_device() != "cuda":
-            problems.append("device='cuda': CUDA is not available on this machine; hint: device='cpu'")
-        if self.hash_algorithm not in HASH_ALGORITHMS:
-            problems.append(f"hash_algorithm={self.hash_algorithm!r}: unknown; valid: "
-                            f"{', '.join(HASH_ALGORITHMS)}"
-                            f"{did_you_mean(str(self.hash_algorithm), list(HASH_ALGORITHMS))}")
-        elif self.hash_algorithm == "xxh3" and importlib.util.find_spec("xxhash") is None:
-            problems.append("hash_algorithm='xxh3': needs the xxhash package; "
-                            "hint: pip install 'kvkit[fast-hash]'")
-        try:
-            check_real("wait_timeout_s", self.wait_timeout_s, low=0, low_open=True)
-        except ConfigError as exc:
-            problems.append(f"{exc}; hint: math.inf waits forever")
-        return problems
+        problems = [
+            int_problem("world_size", self.world_size, 1),
+            problem_of(check_choice, "device", self.device, DEVICES),
+            problem_of(check_choice, "hash_algorithm", self.hash_algorithm, HASH_ALGORITHMS),
+            problem_of(check_real, "wait_timeout_s", self.wait_timeout_s, low=0, low_open=True),
+        ]
+        if problems[1] is None and self.device == "cuda" and _default_device() != "cuda":
+            problems[1] = "device='cuda': CUDA is not available on this machine; hint: device='cpu'"
+        if problems[2] is None and self.hash_algorithm == "xxh3" and importlib.util.find_spec("xxhash") is None:
+            problems[2] = "hash_algorithm='xxh3': needs the xxhash package; hint: pip install 'kvkit[fast-hash]'"
+        if problems[3] is not None:
+            problems[3] += "; hint: math.inf waits forever"
+        return [problem for problem in problems if problem is not None]
 
     def _shared_problems(self) -> list[str]:
-
-        problems = []
         shared = self.shared
-        if shared is not None and not (isinstance(shared, str) and "://" in shared) and (
-                isinstance(shared, type) or not isinstance(shared, BlockStore)):
-            problems.append(f"shared={shared!r}: must be None, a BlockStore instance or a URL such as "
-                            f"'memory://', 'file:///path' or 'valkey://host:6379/0'")
-        if self.shared_write not in SHARED_WRITES:
-            problems.append(f"shared_write={self.shared_write!r}: unknown; valid: {', '.join(SHARED_WRITES)}"
-                            f"{did_you_mean(str(self.shared_write), list(SHARED_WRITES))}")
-        if not isinstance(self.shared_model, str) or not self.shared_model:
-            problems.append(f"shared_model={self.shared_model!r}: must be a non-empty str (the model's name "
-                            f"and revision, part of the shared tier's namespace)")
-        if self.shared_secret is not None and not (isinstance(self.shared_secret, bytes) and self.shared_secret):
-            problems.append(f"shared_secret={self.shared_secret!r}: must be None or non-empty bytes")
+        if shared is None or isinstance(shared, SharedConfig):
+            return []
+        if not isinstance(shared, (str, Mapping)) and (isinstance(shared, type) or not isinstance(shared, BlockStore)):
+            return [f"shared={quote(shared)}: must be None, a SharedConfig, its url (a URL such as 'memory://', "
+                    f"'file:///path' or 'valkey://host:6379/0', or a BlockStore instance) or a mapping of its fields"]
+        if isinstance(shared, Mapping) and not all(isinstance(key, str) for key in shared):
+            return [f"shared: a mapping of SharedConfig fields has str keys, got {sorted(map(repr, shared))}"]
         try:
-            check_real("shared_backoff_s", self.shared_backoff_s, low=0, low_open=True)
+            _shared_config(shared)
         except ConfigError as exc:
-            problems.append(str(exc))
-        return problems
+            return exc.problems
+        return []
 
     def _layout_problems(self) -> list[str]:
         if self.cpu_layout is None:
             return []
         from kvkit.worker.layouts import LAYOUTS, check_layouts  # deferred: imports torch
 
-        if self.cpu_layout not in LAYOUTS:
-            return [f"cpu_layout={self.cpu_layout!r}: unknown KV layout; valid: {', '.join(LAYOUTS)}"
-                    f"{did_you_mean(str(self.cpu_layout), list(LAYOUTS))}"]
+        if (problem := problem_of(check_choice, "cpu_layout", self.cpu_layout, LAYOUTS)) is not None:
+            return [problem]
         if isinstance(self.kv, KVCacheSpec):
             try:
                 check_layouts(self.kv, self.cpu_layout)
             except ConfigError as exc:
-                return [f"cpu_layout={self.cpu_layout!r}: {exc}"]
+                return [f"cpu_layout={quote(self.cpu_layout)}: {exc}"]
         return []
+
+
+def name_shared_model(config: StackConfig, model: str) -> StackConfig:
+    """``config`` with its shared tier's model identity set to ``model``, unless the config names one.
+
+    The integrations call it with the identity they know (a model fingerprint,
+    vLLM's model and revision); a config without a shared tier is returned as is.
+    """
+    if config.shared is None or config.shared.model is not None:
+        return config
+    return attrs.evolve(config, shared=attrs.evolve(config.shared, model=model))

@@ -3,10 +3,15 @@
 Each error subclasses :class:`KVKitError` *and* the built-in exception a caller
 would naturally catch (``ValueError``, ``KeyError``, ``RuntimeError``...), so
 ``except ValueError`` keeps working around kvkit code. Messages quote the bad
-value. ``assert`` is reserved for kvkit's own bugs.
+value. ``assert`` is reserved for kvkit's own bugs. No message shows a secret:
+every one passes through :func:`kvkit.redact.redact_text`.
 """
 
 from __future__ import annotations
+
+from typing_extensions import override
+
+from kvkit.redact import redact_text
 
 __all__ = [
     "BackendUnavailableError",
@@ -31,7 +36,10 @@ __all__ = [
 
 
 class KVKitError(Exception):
-    """Base class of every error kvkit raises on purpose."""
+    """Base class of every error kvkit raises on purpose; its text arguments are redacted (no secret shown)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact_text(a) if isinstance(a, str) else a for a in args))
 
 
 class OutOfBlocksError(KVKitError, MemoryError):
@@ -57,6 +65,7 @@ class HashInputError(KVKitError, ValueError):
 class UnknownRequestError(KVKitError, KeyError):
     """A request id the manager does not know (never added, or already gone)."""
 
+    @override
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
 
@@ -69,7 +78,7 @@ class ConfigError(KVKitError, ValueError):
     """A stack configuration is invalid; the message lists every problem found."""
 
     def __init__(self, problems: list[str] | str) -> None:
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.problems = [redact_text(str(p)) for p in ([problems] if isinstance(problems, str) else problems)]
         if len(self.problems) == 1:
             message = self.problems[0]
         else:

@@ -14,13 +14,12 @@ Invariants:
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from importlib import metadata
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import attrs
 
@@ -35,6 +34,8 @@ from kvkit.interfaces import (
 )
 from kvkit.interfaces.plan import LoadPlanner
 from kvkit.interfaces.shared import BlockStore
+from kvkit.redact import redact
+from kvkit.validate import did_you_mean
 
 __all__ = [
     "ALLOCATOR",
@@ -46,7 +47,6 @@ __all__ = [
     "SHARED",
     "STORE",
     "Registry",
-    "did_you_mean",
     "entry_point_problems",
     "register",
 ]
@@ -55,12 +55,6 @@ ENTRY_POINT_GROUP = "kvkit.backends"
 
 T = TypeVar("T")
 Target = str | Callable[..., Any]
-
-
-def did_you_mean(value: str, valid: list[str]) -> str:
-    """A ``"; did you mean 'x'?"`` suffix naming the closest valid name, or ``""``."""
-    close = difflib.get_close_matches(value, valid, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _import(target: str) -> Any:
@@ -75,7 +69,9 @@ def _describe(target: Target) -> str:
 
 
 def _is_lazy_target(value: object) -> bool:
-    module, sep, attr = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if not isinstance(value, str):
+        return False
+    module, sep, attr = value.partition(":")
     return bool(sep and module and attr and " " not in value)
 
 
@@ -92,7 +88,7 @@ class Registry(Generic[T]):
     """
 
     kind: str
-    protocol: type[T]
+    protocol: type  # a Protocol class, which mypy never accepts as a type[T]
     label: str
     _targets: dict[str, Target] = attrs.field(factory=dict, alias="builtins")
     _loaded: dict[str, Callable[..., Any]] = attrs.field(factory=dict, init=False)
@@ -136,7 +132,7 @@ class Registry(Generic[T]):
         try:
             self._known(name)
             loaded, reason = self._resolve(name)
-        except Exception as exc:  # a probe must not crash a listing
+        except Exception as exc:  # noqa: BLE001 - a probe must not crash a listing
             return f"{type(exc).__name__}: {exc}"
         if loaded is None:
             return reason
@@ -146,7 +142,7 @@ class Registry(Generic[T]):
             return None
         try:
             ok = loaded.is_available()
-        except Exception as exc:  # third-party probes may fail any way
+        except Exception as exc:  # noqa: BLE001 - third-party probes may fail any way
             return f"{_describe(loaded)}.is_available() raised {type(exc).__name__}: {exc}"
         if ok:
             return None
@@ -204,7 +200,7 @@ class Registry(Generic[T]):
         try:
             (signature.bind_partial if partial else signature.bind)(**options)
         except TypeError as exc:
-            return (f"{slot or self.kind}={spec!r}: options {dict(options)!r} do not fit "
+            return (f"{slot or self.kind}={spec!r}: options {redact(dict(options))!r} do not fit "
                     f"{_describe(factory)}: {exc}")
         return None
 
@@ -220,7 +216,7 @@ class Registry(Generic[T]):
         if not isinstance(spec, str):
             problem = self.check(spec, slot=slot)
             if problem is None and kwargs:
-                problem = f"{slot}: options {kwargs!r} given for an instance; pass them to its constructor"
+                problem = f"{slot}: options {redact(kwargs)!r} given for an instance; pass them to its constructor"
             if problem is not None:
                 raise ConfigError(problem)
             return spec
@@ -244,7 +240,7 @@ class Registry(Generic[T]):
             raise ConfigError(
                 f"{slot or self.kind}: {_describe(factory)} built a {type(product).__qualname__}, "
                 f"which is not a {self.protocol.__name__}")
-        return product
+        return cast(T, product)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if a cached class has no registered name."""
@@ -268,7 +264,7 @@ class Registry(Generic[T]):
         if isinstance(target, str):
             try:
                 target = _import(target)
-            except Exception as exc:  # any import failure means "unavailable"
+            except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable"
                 return None, f"import failed: {type(exc).__name__}: {exc}"
             if not callable(target):
                 return None, f"{self._targets[name]} is a {type(target).__name__}, not a class or factory"
@@ -318,7 +314,7 @@ def _entry_points() -> tuple[list[metadata.EntryPoint], str | None]:
     """Entries of the ``kvkit.backends`` group; a broken environment is a problem, not a crash."""
     try:
         return list(metadata.entry_points(group=ENTRY_POINT_GROUP)), None
-    except Exception as exc:  # broken metadata of an unrelated package
+    except Exception as exc:  # noqa: BLE001 - broken metadata of an unrelated package
         return [], f"cannot read entry points of group {ENTRY_POINT_GROUP!r}: {type(exc).__name__}: {exc}"
 
 

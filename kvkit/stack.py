@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
+from typing_extensions import override
 
 from kvkit.config import StackConfig
 from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
+from kvkit.redact import redact_url
 from kvkit.registry import COPY
 from kvkit.stats import OffloadStats
+from kvkit.validate import plural
 from kvkit.worker.memory import check_fits
 
 if TYPE_CHECKING:
@@ -54,6 +58,22 @@ class OffloadStack:
     shared_workers: list[SharedTierWorker] = attrs.field(factory=list)
     shared_store: BlockStore | None = None
     owns_shared_store: bool = False
+
+    @override
+    def __repr__(self) -> str:
+        """The parts and sizes, one line: no private state, and no secret (a store URL's password is ``***``)."""
+        c, kv = self.config, self.config.kv
+        shape = "none" if kv is None else (
+            f"{plural(kv.num_layers, 'layer')} x {plural(kv.num_kv_heads, 'KV head')} x "
+            f"{plural(kv.head_dim, 'dim')} ({kv.dtype}), {plural(kv.block_size, 'token')} a block")
+        parts = [f"kv={shape}",
+                 f"gpu={plural(self.gpu.num_blocks, 'block', grouped=True)} ({_name(c.gpu_eviction)})",
+                 f"cpu={plural(self.cpu.num_blocks, 'block', grouped=True)} ({_name(c.cpu_eviction)})",
+                 f"store={_name(c.store)}", f"copy={_name(c.copy)}", f"workers={len(self.workers)}"]
+        if self.shared_store is not None:
+            url = None if c.shared is None else c.shared.url
+            parts.append(f"shared={redact_url(url) if isinstance(url, str) else _name(self.shared_store)}")
+        return f"OffloadStack({', '.join(parts)})"
 
     @property
     def stats(self) -> OffloadStats:
@@ -115,6 +135,13 @@ class OffloadStack:
             raise TransferTimeoutError("; ".join(map(str, timeouts)), pending)
 
 
+def _name(component: object) -> str:
+    """A slot's registered name, or its instance's class name (``none`` for no component)."""
+    if component is None:
+        return "none"
+    return component if isinstance(component, str) else type(component).__name__
+
+
 def build(config: StackConfig | None = None, /, *, layout: str | None = None,
           kv_tensors: Sequence[torch.Tensor] | None = None, **slots: Any) -> OffloadStack:
     """Build a stack from a ``StackConfig`` or from its slots as keywords.
@@ -164,6 +191,10 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     if layout is None and config.cpu_layout is not None:
         raise ConfigError(f"cpu_layout={config.cpu_layout!r} lays out the workers' CPU mirrors, but "
                           f"without layout=... the stack is scheduler-only and has none")
+    if layout is not None and config.world_size > 1 and not isinstance(config.copy, str):
+        raise ConfigError(
+            f"world_size={config.world_size} needs copy given by name (each worker builds its "
+            f"own backend), got the instance {config.copy!r}")
     if layout is not None:
         from kvkit.worker.layouts import check_layouts, validate_kv  # torch only when bytes move
 
@@ -180,34 +211,39 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
 
         conn = connect_shared(config, layout=config.cpu_layout or layout or "none")
     shared = None if conn is None else conn.spec
-    manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
-                             callbacks=parts.callbacks, shared=shared, planner=parts.planner)
-    stack = OffloadStack(config, gpu, cpu, manager, shared_store=None if conn is None else conn.store,
-                         owns_shared_store=conn is not None and conn.owned)
-    if layout is not None:
-        from kvkit.worker.engine import TransferEngine  # torch only when bytes move
+    stack = None
+    try:  # a build refused from here on leaves no connection, thread or mirror behind
+        manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
+                                 callbacks=parts.callbacks, shared=shared, planner=parts.planner)
+        stack = OffloadStack(config, gpu, cpu, manager, shared_store=None if conn is None else conn.store,
+                             owns_shared_store=conn is not None and conn.owned)
+        if layout is not None:
+            from kvkit.worker.engine import TransferEngine  # torch only when bytes move
 
-        if config.world_size > 1 and not isinstance(config.copy, str):
-            raise ConfigError(
-                f"world_size={config.world_size} needs copy given by name (each worker builds its "
-                f"own backend), got the instance {config.copy!r}")
-        for rank in range(config.world_size):
-            copy = parts.copy if rank == 0 else COPY.create(config.copy, slot="copy",
-                                                             **config.options.get("copy", {}))
-            worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank,
-                                    wait_timeout_s=config.wait_timeout_s)
-            if kv_tensors is not None:
-                worker.register_kv(kv_tensors, layout, cpu_layout=config.cpu_layout)
-            else:
-                worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
-            stack.workers.append(worker)
-    if conn is not None:
-        from kvkit.shared.worker import SharedTierWorker
+            for rank in range(config.world_size):
+                copy = parts.copy if rank == 0 else COPY.create(config.copy, slot="copy",
+                                                                 **config.options.get("copy", {}))
+                worker = TransferEngine(config.kv, copy, num_cpu_blocks=parts.cpu_blocks, worker=rank,
+                                        wait_timeout_s=config.wait_timeout_s)
+                stack.workers.append(worker)
+                if kv_tensors is not None:
+                    worker.register_kv(kv_tensors, layout, cpu_layout=config.cpu_layout)
+                else:
+                    worker.allocate_kv(parts.gpu_blocks, layout, config.device, cpu_layout=config.cpu_layout)
+        if conn is not None:
+            from kvkit.shared.worker import SharedTierWorker
 
-        engines = stack.workers or [None] * config.world_size
-        stack.shared_workers = [SharedTierWorker(config.kv, conn.store, conn.spec.codec, engine, rank=rank,
-                                                 wait_timeout_s=config.wait_timeout_s)
-                                for rank, engine in enumerate(engines)]
+            engines = stack.workers or [None] * config.world_size
+            stack.shared_workers = [SharedTierWorker(config.kv, conn.store, conn.spec.codec, engine, rank=rank,
+                                                     wait_timeout_s=config.wait_timeout_s)
+                                    for rank, engine in enumerate(engines)]
+    except BaseException:
+        for worker in [] if stack is None else stack.workers:
+            with contextlib.suppress(Exception):  # the refusal is what the caller sees
+                worker.close(0.0)
+        if conn is not None and conn.owned:
+            conn.store.close()
+        raise
     return stack
 
 
@@ -216,9 +252,9 @@ def _check_memory(config: StackConfig, layout: str | None, *, allocate_gpu: bool
     host = config.pool_bytes()
     if layout is not None:
         n, block = config.world_size, config.kv.bytes_per_block
-        host[f"{n} CPU mirror(s) of {config.num_cpu_blocks} blocks"] = n * config.num_cpu_blocks * block
+        host[f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"] = n * config.num_cpu_blocks * block
         if allocate_gpu:
-            gpu = {f"{n} GPU tier(s) of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
+            gpu = {f"{plural(n, 'GPU tier')} of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
             if config.device == "cpu":
                 host |= gpu
             else:

@@ -38,7 +38,7 @@ def test_the_named_sets_are_the_250_points_of_benchmarks():
     counts = {name: sum(point[0] == name for point in grid) for name in module.SETS}
     assert counts == {"T": 48, "A": 45, "B": 36, "S": 33, "L": 70, "X": 18}
     assert len(set(grid)) == 250
-    with pytest.raises(ConfigError, match="'Q'.*T, A, B"):
+    with pytest.raises(ConfigError, match=r"'Q'.*T, A, B"):
         module.points(("T", "Q"))
 
 

@@ -329,6 +329,20 @@ def test_parse_bytes_rejects_garbage(text):
     assert repr(text) in str(info.value)
 
 
+@pytest.mark.parametrize("text, says", [
+    ("-1GiB", "byte size '-1GiB' is negative"), (" -2 KB", "byte size ' -2 KB' is negative"),
+    (-1, "byte size -1 is negative"),
+    ("8 GiBs", "byte size '8 GiBs': unknown unit 'GiBs'; valid: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; "
+               "did you mean 'GiB'?"),
+    ("abc", "cannot parse byte size 'abc'; expected an int or a number with a unit"),
+])
+def test_parse_bytes_says_what_is_wrong(text, says):
+    """A negative size is called negative, an unknown unit is named (with the closest one), garbage is garbage."""
+    with pytest.raises(ConfigError) as info:
+        parse_bytes(text)
+    assert says in str(info.value)
+
+
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 

@@ -33,7 +33,7 @@ MATCHING_BUILTIN = {
 ALL_ERRORS = [getattr(errors, name) for name in errors.__all__ if name != "KVKitError"]
 
 
-@pytest.mark.parametrize("error, builtin", MATCHING_BUILTIN.items(), ids=lambda e: e.__name__)
+@pytest.mark.parametrize(("error", "builtin"), MATCHING_BUILTIN.items(), ids=lambda e: e.__name__)
 def test_error_subclasses_kvkit_and_its_builtin(error, builtin):
     """Each error subclasses KVKitError and its matching built-in exception."""
     assert issubclass(error, KVKitError) and issubclass(error, builtin)
@@ -52,7 +52,7 @@ def test_config_error_formats_one_or_many_problems():
     many = ConfigError(["a=1: bad", "b=2: worse"])
     assert many.problems == ["a=1: bad", "b=2: worse"]
     assert str(many) == "2 configuration problems:\n  - a=1: bad\n  - b=2: worse"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="2 configuration problems"):
         raise many
 
 

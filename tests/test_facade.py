@@ -16,8 +16,8 @@ from kvkit.testing.doubles import InertPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 # Besides the facade, the public import paths (docs/architecture.md).
-PUBLIC_SUBPACKAGES = ("interfaces", "backends", "errors", "config", "hashing", "sim", "reference", "shared", "bench", "testing",
-                      "integrations")
+PUBLIC_SUBPACKAGES = ("interfaces", "backends", "errors", "config", "hashing", "sim", "reference", "shared", "bench",
+                      "testing", "integrations")
 """The rooms whose own ``__all__`` is public: a user reaches every name past the facade through one of them."""
 
 
@@ -69,7 +69,7 @@ def test_dir_lists_unresolved_names_and_unknown_names_raise():
     """``dir(kvkit)`` shows every public name; an unknown name is an AttributeError naming it."""
     assert set(kvkit.__all__) <= set(dir(kvkit))
     with pytest.raises(AttributeError, match="'no_such_name'"):
-        kvkit.no_such_name
+        kvkit.no_such_name  # noqa: B018 - the access is the test
 
 
 # -- kvkit.register ---------------------------------------------------------------
@@ -97,15 +97,15 @@ def test_register_adds_a_name_to_the_registry_of_its_kind(fresh_eviction):
 def test_register_refuses_a_taken_name_unless_override(fresh_eviction):
     """A second registration of one name is a ConfigError; ``override=True`` replaces it."""
     kvkit.register("eviction", "mine", _Policy)
-    with pytest.raises(ConfigError, match="'mine' is already registered.*override=True"):
+    with pytest.raises(ConfigError, match=r"'mine' is already registered.*override=True"):
         kvkit.register("eviction", "mine", "tests.nowhere:Policy")
     kvkit.register("eviction", "mine", "tests.nowhere:Policy", override=True)
     assert fresh_eviction.target("mine") == "tests.nowhere:Policy"
 
 
 @pytest.mark.parametrize(("kind", "message"), [
-    ("evicton", r"unknown registry kind 'evicton'; valid: eviction, store, copy, allocator, shared, planner; "
-                r"did you mean 'eviction'\?"),
+    ("evicton", (r"unknown registry kind 'evicton'; valid: eviction, store, copy, allocator, shared, planner; "
+                 r"did you mean 'eviction'\?")),
     (["eviction"], r"unknown registry kind \['eviction'\]; valid: eviction, store, copy, allocator, shared, planner$"),
 ])
 def test_register_quotes_an_unknown_kind_and_lists_the_kinds(kind, message):

@@ -85,7 +85,7 @@ def test_incremental_hasher_matches_one_shot(tokens, block_size, salt, cuts):
     hasher = BlockHasher(block_size, extra_keys=salt)
     produced = []
     start = 0
-    for cut in sorted(cuts) + [len(tokens)]:
+    for cut in [*sorted(cuts), len(tokens)]:
         produced += hasher.extend(tokens[start:max(start, cut)])
         start = max(start, cut)
         hasher.check_invariants()

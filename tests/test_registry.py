@@ -135,14 +135,14 @@ def test_duplicate_rejected_override_accepted(fresh, fake_module):
     """A taken name raises ConfigError quoting it; override=True replaces the target and its cache."""
     fresh.register("fake", f"{fake_module}:FakePolicy")
     fresh.load("fake")
-    with pytest.raises(ConfigError, match="'fake' is already registered.*override=True"):
+    with pytest.raises(ConfigError, match=r"'fake' is already registered.*override=True"):
         fresh.register("fake", f"{fake_module}:Unavailable")
     fresh.register("fake", f"{fake_module}:Unavailable", override=True)
     assert fresh.load("fake").__name__ == "Unavailable"
     fresh.check_invariants()
 
 
-@pytest.mark.parametrize("name, target", [
+@pytest.mark.parametrize(("name", "target"), [
     ("", "a:B"), ("a:b", "a:B"), (" x", "a:B"), (3, "a:B"),
     ("x", "no_colon"), ("x", ":B"), ("x", "a:"), ("x", 42), ("x", "a b:C"),
 ])
@@ -199,7 +199,7 @@ def test_availability_reasons(fresh, fake_module):
     assert not fresh.available("unregistered")
     with pytest.raises(BackendUnavailableError, match="'missing'"):
         fresh.load("missing")
-    with pytest.raises(BackendUnavailableError, match="'off'.*returned False"):
+    with pytest.raises(BackendUnavailableError, match=r"'off'.*returned False"):
         fresh.create("off")
     fresh.check_invariants()
 
@@ -250,9 +250,9 @@ def test_create_rejects_wrong_objects(fresh, fake_module):
     cls = fresh.load("fake")
     with pytest.raises(ConfigError, match=r"got a class.*FakePolicy\(\)"):
         fresh.create(cls)
-    with pytest.raises(ConfigError, match="options .*capacity"):
+    with pytest.raises(ConfigError, match=r"options .*capacity"):
         fresh.create(cls(), capacity=2)
-    with pytest.raises(ConfigError, match="'fake'.*options.*'size'"):
+    with pytest.raises(ConfigError, match=r"'fake'.*options.*'size'"):
         fresh.create("fake", size=2)
     with pytest.raises(ConfigError, match="built a str, which is not a EvictionPolicy"):
         fresh.create("bad_factory")

@@ -138,6 +138,15 @@ def test_build_accepts_instances_and_reports_every_bad_slot_at_once():
     assert "gpu_blocks" in text and "'lruu'" in text and "store" in text
 
 
+def test_build_names_an_unknown_slot_with_the_valid_ones():
+    """A misspelt slot is one ConfigError with a did-you-mean and the valid slots, beside every other problem."""
+    with pytest.raises(ConfigError) as err:
+        kvkit.build(kv=SPEC, gpu_blcks=3, cpu_blocks=8, cpu_eviction="lruu")
+    problems = err.value.problems
+    assert "did you mean 'gpu_blocks'?" in problems[0] and "valid: kv, gpu_blocks, cpu_blocks" in problems[0]
+    assert any("gpu_blocks=None" in p for p in problems) and any("'lruu'" in p for p in problems)
+
+
 def test_build_rejects_mixed_config_and_slots_and_bad_kv_usage():
     """A config plus keyword slots, or kv_tensors without a layout, is a ConfigError."""
     config = kvkit.StackConfig(kv=SPEC, gpu_blocks=8, cpu_blocks=8)
@@ -206,8 +215,8 @@ def test_kv_tensors_with_more_blocks_than_the_pool_serve_it():
 @pytest.mark.parametrize(("slots", "needle"), [
     (dict(gpu_blocks=10**12, cpu_blocks=8), "gpu_blocks=1000000000000"),
     (dict(gpu_blocks=8, cpu_bytes="1000TiB"), "from cpu_bytes='1000TiB'"),
-    (dict(gpu_blocks=8, cpu_bytes="1000TiB", layout="per-layer"), "CPU mirror(s) of 4294967296000 blocks"),
-    (dict(gpu_blocks=10**11, cpu_blocks=8, layout="blocks-first"), "GPU tier(s) of gpu_blocks=100000000000"),
+    (dict(gpu_blocks=8, cpu_bytes="1000TiB", layout="per-layer"), "1 CPU mirror of 4294967296000 blocks"),
+    (dict(gpu_blocks=10**11, cpu_blocks=8, layout="blocks-first"), "1 GPU tier of gpu_blocks=100000000000"),
 ])
 def test_build_refuses_sizes_no_machine_holds_before_allocating(slots, needle):
     """Pools, mirrors or GPU tiers beyond host memory: InsufficientMemoryError naming the size; nothing built."""
@@ -227,7 +236,41 @@ def test_build_adds_up_every_workers_mirror(monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 2 * per_worker + 72 * 100)
     kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=64, layout="per-layer", device="cpu", world_size=2)
     built = []
-    with pytest.raises(kvkit.errors.InsufficientMemoryError, match=r"4 CPU mirror\(s\) of 64 blocks"):
+    with pytest.raises(kvkit.errors.InsufficientMemoryError, match=r"4 CPU mirrors of 64 blocks"):
         kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=64, layout="per-layer", device="cpu", world_size=4,
                     allocator=_spy_allocator(built))
     assert built == []
+
+
+def test_a_stack_prints_as_its_parts_and_sizes_and_no_secret():
+    """print(stack) is one short line naming the components and sizes: no private field, no secret."""
+    import attrs
+
+    stack = kvkit.build(kv=SPEC, gpu_blocks=1, cpu_blocks=2048, copy="torch", layout="per-layer", device="cpu",
+                        shared={"url": "memory://", "secret": b"hmac-key-never-shown"})
+    text = repr(stack)
+    assert str(stack) == text and "\n" not in text and len(text) < 300, text
+    assert text.startswith("OffloadStack(kv=2 layers x 1 KV head x 8 dims (float16), 4 tokens a block, ")
+    for part in ("gpu=1 block (lru)", "cpu=2,048 blocks (hit-density)", "store=eager", "copy=torch", "workers=1",
+                 "shared=memory://"):
+        assert part in text, (part, text)
+    for private in ("hmac-key-never-shown", "config=", "manager=", "_", "BlockPool(", "TransferEngine("):
+        assert private not in text.replace("hit-density", ""), (private, text)
+    served = attrs.evolve(stack, config=attrs.evolve(stack.config, shared="valkey://alice:hunter2@10.0.0.1:6379/0"))
+    assert "shared=valkey://alice:***@10.0.0.1:6379/0" in repr(served) and "hunter2" not in repr(served)
+    assert "hunter2" not in repr(served.config) and "alice:***@10.0.0.1" in repr(served.config.shared)
+    stack.close()
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("valkey://alice:hunter2@10.0.0.1:6379/0", "valkey://alice:***@10.0.0.1:6379/0"),
+    ("redis://hunter2@h/1", "redis://***@h/1"),
+    ("valkeys+cluster://:hunter2@a:1,b:2?tls_ca=/ca.pem&password=hunter2&ttl_s=3",
+     "valkeys+cluster://:***@a:1,b:2?tls_ca=/ca.pem&password=***&ttl_s=3"),
+    ("file:///srv/a@b/kv?capacity_bytes=1GiB", "file:///srv/a@b/kv?capacity_bytes=1GiB"),
+    ("memory://", "memory://"),
+])
+def test_a_store_url_is_shown_without_its_password(url, shown):
+    from kvkit.redact import redact_url
+
+    assert redact_url(url) == shown

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
+from typing import TypeVar, cast
 
 import attrs
 import numpy as np
@@ -19,13 +20,14 @@ from kvkit.errors import (
     UnknownBlockError,
 )
 from kvkit.interfaces.allocator import EvictListener
-from kvkit.interfaces.capabilities import EvictionWindow, SelectivePins, WindowedPolicy, pin_hooks
+from kvkit.interfaces.capabilities import EvictionWindow, WindowedPolicy, pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import check_bool, check_int, checked, is_int, quote
+from kvkit.validate import check_bool, check_int, checked, is_int, plural, quote
 
 __all__ = ["BlockPool"]
 
+_T = TypeVar("_T")
 _BYTES_PER_BLOCK = 56  # refcount and hash slots, the empty stack's slot and its id object
 
 
@@ -41,7 +43,7 @@ def _check_count(what: str, n: object) -> int:
     return check_int(f"{what}: n", n, 0, error=PoolUsageError)
 
 
-def _as_list(values: object, what: str) -> list | tuple:
+def _as_list(values: Iterable[_T], what: str) -> list[_T] | tuple[_T, ...]:
     """``values`` as a list or tuple, safe to iterate twice; numpy arrays become Python ints."""
     if values.__class__ is list or values.__class__ is tuple:
         return values
@@ -55,12 +57,10 @@ def _as_list(values: object, what: str) -> list | tuple:
         raise PoolUsageError(f"{what} is too long to hold, got {quote(values)}") from None
 
 
-def _hash(value: object, rule: str) -> int:
+def _hash(value: object, rule: str) -> BlockHash:
     """A block hash given as ``value``: an int (a NumPy integer is converted); ``bool`` is no hash."""
-    if value.__class__ is int:
-        return value
     if is_int(value):
-        return int(value)
+        return BlockHash(int(value))
     raise PoolUsageError(f"{rule}, got {quote(value)}")
 
 
@@ -92,11 +92,8 @@ class BlockPool(EvictionWindow):
             pool is built, the pool calls ``on_pin`` when a ready block's
             refcount goes 0 -> 1 and right after committing a block (always
             referenced then), and ``on_unpin`` when a ready block's refcount
-            goes 1 -> 0. If it is also a
-            :class:`~kvkit.interfaces.capabilities.SelectivePins` (LRU, FIFO,
-            LFU, ARC), the pool attaches its ``is_evictable`` and calls the
-            hooks only for blocks in the policy's ``pin_watch``: a block
-            pinned and released that the policy never met costs no call.
+            goes 1 -> 0, for every block: a policy that sets the blocks in
+            use aside as it hears of them never meets one in a selection.
 
     Raises:
         ConfigError: ``num_blocks`` is not a positive int; ``eviction`` is
@@ -116,11 +113,10 @@ class BlockPool(EvictionWindow):
     and :class:`~kvkit.interfaces.capabilities.EvictionWindow`;
     the policy tracks exactly the ready blocks; ``num_evictable`` counts
     ready blocks with refcount 0; with pin hooks, the policy's pinned blocks
-    are exactly the ready blocks with references (with selective pins: those
-    among its ``pin_watch``).
+    are exactly the ready blocks with references.
     """
 
-    _num_blocks: int = attrs.field(alias="num_blocks", converter=checked(check_int, minimum=1))
+    _num_blocks: int = attrs.field(alias="num_blocks", converter=checked(check_int, minimum=1))  # type: ignore[misc]
     _policy: EvictionPolicy = attrs.field(default=None, alias="eviction", repr=False)
     _ref: list[int] = attrs.field(init=False, repr=False)
     _hash: list[BlockHash | None] = attrs.field(init=False, repr=False)
@@ -132,14 +128,12 @@ class BlockPool(EvictionWindow):
     # The policy's pin hooks, or None: decided once, so a policy without them costs nothing.
     _on_pin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
     _on_unpin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
-    # A SelectivePins policy's pin_watch: only pins of blocks in it are reported (None: all are).
-    _pin_watch: Collection[BlockId] | None = attrs.field(init=False, repr=False, default=None)
     # Write-back windows: the policy when it tracks them, else the last window taken and when.
     _windowed: WindowedPolicy | None = attrs.field(init=False, repr=False, default=None)
     _version: int = attrs.field(init=False, repr=False, default=0)  # bumped by each call that may reorder
     _window_n: int = attrs.field(init=False, repr=False, default=-1)
     _window_version: int = attrs.field(init=False, repr=False, default=-1)
-    _window: dict[BlockId, BlockHash] = attrs.field(init=False, repr=False, factory=dict)
+    _window: dict[BlockId, BlockHash | None] = attrs.field(init=False, repr=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if self._policy is None:
@@ -151,7 +145,7 @@ class BlockPool(EvictionWindow):
             raise ConfigError(f"eviction must be an EvictionPolicy, got {self._policy!r}")
         if len(self._policy):
             raise ConfigError(
-                f"eviction policy {self._policy!r} already tracks {len(self._policy)} blocks"
+                f"eviction policy {self._policy!r} already tracks {plural(len(self._policy), 'block')}"
             )
         hooks = pin_hooks(self._policy)
         if hooks is not None:
@@ -167,7 +161,7 @@ class BlockPool(EvictionWindow):
         try:
             self._ref = [0] * n
             self._hash = [None] * n
-            self._empty = list(range(n - 1, -1, -1))
+            self._empty = cast(list[BlockId], list(range(n - 1, -1, -1)))
         except (MemoryError, OverflowError):
             raise InsufficientMemoryError(
                 f"BlockPool(num_blocks={n}): cannot allocate its per-block state, about "
@@ -178,9 +172,6 @@ class BlockPool(EvictionWindow):
             return not ref[block] and hashes[block] is not None
 
         self._is_evictable = is_evictable
-        if hooks is not None and isinstance(self._policy, SelectivePins):
-            self._policy.attach(is_evictable)
-            self._pin_watch = self._policy.pin_watch
 
     # -- sizes ---------------------------------------------------------------
 
@@ -220,7 +211,7 @@ class BlockPool(EvictionWindow):
         kind = "" if is_int(block) else " (block ids are ints; bool is not one)"
         return UnknownBlockError(f"block id {quote(block)} is out of range [0, {self._num_blocks}){kind}")
 
-    def _id(self, block: object) -> int:
+    def _id(self, block: object) -> BlockId:
         """``block`` as an int id in range (a NumPy integer is converted), else ``UnknownBlockError``."""
         if block.__class__ is not int:
             if not is_int(block):
@@ -228,9 +219,9 @@ class BlockPool(EvictionWindow):
             block = int(block)
         if not 0 <= block < self._num_blocks:
             raise self._unknown(block)
-        return block
+        return BlockId(block)
 
-    def _ids(self, blocks: list | tuple) -> list:
+    def _ids(self, blocks: list[BlockId] | tuple[BlockId, ...]) -> list[BlockId]:
         """Every id of ``blocks`` checked and converted (the slow path: some id is not a plain int in range)."""
         return [self._id(b) for b in blocks]
 
@@ -253,13 +244,13 @@ class BlockPool(EvictionWindow):
         need = n - num_empty
         if need > self._num_evictable:
             raise OutOfBlocksError(
-                f"cannot allocate {n} blocks: {self.num_free} free ({num_empty} empty, "
+                f"cannot allocate {plural(n, 'block')}: {self.num_free} free ({num_empty} empty, "
                 f"{self._num_evictable} evictable) of {self._num_blocks}"
             )
         victims = self._policy.select_victims(need, self._is_evictable)
         if victims is None:
             raise OutOfBlocksError(
-                f"cannot allocate {n} blocks: policy {type(self._policy).__name__} "
+                f"cannot allocate {plural(n, 'block')}: policy {type(self._policy).__name__} "
                 f"found fewer than {need} evictable of {self._num_evictable}"
             )
         evicted = self._evict(victims, need)
@@ -287,6 +278,7 @@ class BlockPool(EvictionWindow):
         evicted = []
         for b in victims:
             h = hashes[b]
+            assert h is not None  # checked above: victims are evictable, hence ready
             hashes[b] = None
             del index[h]
             on_remove(b)
@@ -308,12 +300,12 @@ class BlockPool(EvictionWindow):
                     raise RefcountError(f"cannot incref empty block {b!r} (no content)")
         except IndexError:
             return self.incref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
-        pinned, on_pin, watch = 0, self._on_pin, self._pin_watch
+        pinned, on_pin = 0, self._on_pin
         for b in blocks:
             r = ref[b]
             if not r:
                 pinned += 1  # was evictable (validated: not empty)
-                if on_pin is not None and (watch is None or b in watch):
+                if on_pin is not None:
                     on_pin(b)
             ref[b] = r + 1
         if pinned:
@@ -344,11 +336,11 @@ class BlockPool(EvictionWindow):
             if isinstance(exc, RefcountError):
                 raise
             return self.decref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
-        hashes, freed, on_unpin, watch = self._hash, [], self._on_unpin, self._pin_watch
+        hashes, freed, on_unpin = self._hash, [], self._on_unpin
         for b in zeroed:
             if hashes[b] is None:
                 freed.append(b)  # not ready (or dropped by a forced reset): its content is worthless
-            elif on_unpin is not None and (watch is None or b in watch):
+            elif on_unpin is not None:
                 on_unpin(b)
         self._num_evictable += len(zeroed) - len(freed)
         self._version += 1
@@ -372,8 +364,8 @@ class BlockPool(EvictionWindow):
         count = len(blocks)
         if len(hashes) != count or (parents is not None and len(parents) != count):
             raise PoolUsageError(
-                f"commit needs equal lengths, got {count} blocks, {len(hashes)} hashes"
-                + ("" if parents is None else f", {len(parents)} parents")
+                f"commit needs equal lengths, got {plural(count, 'block')}, {plural(len(hashes), 'hash', 'hashes')}"
+                + ("" if parents is None else f", {plural(len(parents), 'parent')}")
             )
         ref, block_hash = self._ref, self._hash
         try:
@@ -389,19 +381,18 @@ class BlockPool(EvictionWindow):
                                parents)
         if count > 1 and len(set(blocks)) != count:
             raise PoolUsageError(f"commit names a block twice: {quote(list(blocks))}")
-        if parents is None:
-            parents = repeat(None)
-        elif not all(p is None or p.__class__ is int for p in parents):
-            parents = [None if p is None else _hash(p, "parent hashes must be ints or None") for p in parents]
+        parent_of: Iterable[BlockHash | None] = repeat(None) if parents is None else parents
+        if parents is not None and not all(p is None or p.__class__ is int for p in parents):
+            parent_of = [None if p is None else _hash(p, "parent hashes must be ints or None") for p in parents]
         setdefault, on_insert = self._index.setdefault, self._policy.on_insert
-        on_pin, watch = self._on_pin, self._pin_watch
+        on_pin = self._on_pin
         result = []
-        for b, h, p in zip(blocks, hashes, parents):
+        for b, h, p in zip(blocks, hashes, parent_of):
             # The block is not ready, so it can only already sit under h if we just put it there.
             if setdefault(h, b) == b:
                 block_hash[b] = h
                 on_insert(b, h, p)
-                if on_pin is not None and (watch is None or b in watch):
+                if on_pin is not None:
                     on_pin(b)  # committed blocks are referenced: in use from the start
                 result.append(True)
             else:
@@ -552,7 +543,7 @@ class BlockPool(EvictionWindow):
         if not force and any(ref):
             held = [b for b, r in enumerate(ref) if r]
             raise RefcountError(
-                f"cannot reset: {len(held)} blocks still referenced, e.g. {held[:8]!r}; "
+                f"cannot reset: {plural(len(held), 'block')} still referenced, e.g. {held[:8]!r}; "
                 f"hint: reset(force=True) drops them when released"
             )
         dropped = len(index)
@@ -562,8 +553,8 @@ class BlockPool(EvictionWindow):
             on_remove(b)  # a pin-aware policy forgets a pinned block too: it is no longer tracked
         index.clear()
         # Empty: every unreferenced block (the referenced ones follow when released).
-        self._empty[:] = [b for b in range(self._num_blocks - 1, -1, -1) if not ref[b]] if force \
-            else range(self._num_blocks - 1, -1, -1)
+        ids = range(self._num_blocks - 1, -1, -1)
+        self._empty[:] = cast(Iterable[BlockId], [b for b in ids if not ref[b]] if force else ids)
         self._num_evictable = 0
         self._version += 1
         return dropped
@@ -584,6 +575,6 @@ class BlockPool(EvictionWindow):
         evictable = sum(1 for b in ready if not ref[b])
         assert evictable == self._num_evictable, (evictable, self._num_evictable)
         assert len(self._policy) == len(index), (
-            f"policy tracks {len(self._policy)} blocks, {len(index)} are ready"
+            f"policy tracks {plural(len(self._policy), 'block')}, {len(index)} ready"
         )
         self._policy.check_invariants()

@@ -10,7 +10,7 @@ import attrs
 
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.shared import StoreResult
-from kvkit.validate import check_real, quote
+from kvkit.validate import check_real, plural, quote
 
 __all__ = ["MAX_WAITING", "TicketBox", "check_call", "check_keys", "flat_views", "wanted_tickets"]
 
@@ -28,10 +28,10 @@ def check_call(store: str, closed: bool, keys: Sequence[bytes], buffers: Sequenc
     """Refuse a ``put``/``get`` whose keys are bad or whose buffer lists do not pair with them."""
     check_keys(store, closed, keys)
     if len(keys) != len(buffers):
-        raise ConfigError(f"{len(keys)} keys but {len(buffers)} buffer lists")
+        raise ConfigError(f"{plural(len(keys), 'key')} but {plural(len(buffers), 'buffer list')}")
 
 
-def flat_views(parts: Sequence[object]) -> list[memoryview]:
+def flat_views(parts: Sequence[memoryview]) -> list[memoryview]:
     """Byte views of one value's buffers (each contiguous), in order."""
     return [memoryview(p).cast("B") for p in parts]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -120,15 +121,16 @@ class DiskStore:
     """
 
     path: Path = attrs.field(converter=_path)
-    capacity_bytes: int = attrs.field(converter=checked(check_int, minimum=1, label="DiskStore."))
-    eviction: EvictionPolicy = attrs.field(factory=LRUPolicy, validator=implements(EvictionPolicy, label="DiskStore.", what="an EvictionPolicy instance"))
-    threads: int = attrs.field(default=2, converter=checked(check_int, minimum=1, label="DiskStore."))
-    fsync: bool = attrs.field(default=False, converter=checked(check_bool, label="DiskStore."))
+    capacity_bytes: int = attrs.field(converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
+    eviction: EvictionPolicy = attrs.field(factory=LRUPolicy, validator=implements(
+        EvictionPolicy, label="DiskStore.", what="an EvictionPolicy instance"))
+    threads: int = attrs.field(default=2, converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
+    fsync: bool = attrs.field(default=False, converter=checked(check_bool, label="DiskStore."))  # type: ignore[misc]
     """Flush each file to the device before renaming it (survives power loss, costs a sync per value)."""
     file_mode: int = attrs.field(default=0o600, converter=_mode)
     """Permission bits of value files (``0o640`` lets the group read); directories add search bits."""
     max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
-                                   converter=checked(check_int, minimum=1, label="DiskStore."))
+                                   converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
     used_bytes: int = attrs.field(default=0, init=False)
     closed: bool = attrs.field(default=False, init=False)
     _index: dict[str, tuple[BlockId, int]] = attrs.field(factory=dict, init=False)  # name -> (id, size)
@@ -320,7 +322,7 @@ class DiskStore:
                 if problem:
                     failed.append(i)
                     errors.add(problem)
-        except Exception as exc:  # a ticket is reported whatever happens
+        except Exception as exc:  # noqa: BLE001 - a ticket is reported whatever happens
             failed, errors = list(range(len(keys))), {f"{type(exc).__name__}: {exc}"}
         self._tickets.report(ticket, failed, "; ".join(sorted(errors)))
 
@@ -553,10 +555,8 @@ def _same_file(path: str, held: os.stat_result) -> bool:
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already gone, or the file system refuses: the next opener reaps it
         os.unlink(path)
-    except OSError:  # already gone, or the file system refuses: the next opener reaps it
-        pass
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:

@@ -32,9 +32,9 @@ class MemoryStore:
     """
 
     capacity_bytes: int | None = attrs.field(
-        default=None, converter=attrs.converters.optional(checked(check_int, minimum=1, label="MemoryStore.")))
+        default=None, converter=attrs.converters.optional(checked(check_int, minimum=1, label="MemoryStore.")))  # type: ignore[misc]
     max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
-                                   converter=checked(check_int, minimum=1, label="MemoryStore."))
+                                   converter=checked(check_int, minimum=1, label="MemoryStore."))  # type: ignore[misc]
     _values: OrderedDict[bytes, bytes] = attrs.field(factory=OrderedDict, init=False)
     _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
         lambda self: TicketBox(self.max_waiting), takes_self=True))

@@ -1,38 +1,56 @@
-"""A minimal RESP2 client: pipelined EXISTS/SET/GET with replies received straight into the caller's buffers.
+"""A minimal RESP2 connection: pipelined commands written from, and bulk replies read into, the caller's buffers.
 
-Hand-written because the measured gap is large (DESIGN §8, BENCHMARKS "Shared tier"): valkey-py and
-redis-py turn every reply into a fresh ``bytes`` (0.3-0.9 GB/s for 2 MiB GETs on the 2-core VM) and a
-pipeline of 1,000 EXISTS costs them 4.5-12 ms; ``recv_into`` the destination and writing the
-caller's buffers as they are reach 1.9-3.0 GB/s and about 1 ms. Only what the block store needs is here:
-connect (TLS, AUTH, SELECT), pipelines per node, CLUSTER SLOTS, MOVED/ASK redirects.
+Hand-written because the measured gap is large (BENCHMARKS "Shared tier"): valkey-py and redis-py turn every
+reply into a fresh ``bytes`` and a pipeline of 1,000 EXISTS costs them several milliseconds; ``recv_into``
+the destination and writing the caller's buffers as they are move values without a copy. Only what the
+block store needs is here: connect (TLS, AUTH, SELECT), replies, CLUSTER slots and MOVED/ASK redirects;
+routing over nodes is :mod:`kvkit.backends.blockstore.link`'s.
 
-Every socket operation is bounded by the request timeout: a server that makes no progress for that
-long raises ``TimeoutError``; a closed or refusing one raises ``ConnectionError`` (both ``OSError``).
+Every operation is bounded by the connection's ``deadline`` (``time.monotonic()`` seconds), a whole
+call's, however slowly the bytes trickle: the socket is non-blocking, every read and write is tried
+first and waits (``poll``) only for what is not there yet, never past the deadline. A deadline that
+passes raises :class:`DeadlineExceeded`; a closed or refusing server raises ``ConnectionError`` (both
+``OSError``), as does a reply that is not RESP.
 """
 
 from __future__ import annotations
 
 import binascii
+import contextlib
+import math
+import select
 import socket
 import ssl
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["Address", "ConnectOptions", "Connection", "Link", "Redirect", "ServerError", "key_slot"]
+__all__ = ["Address", "ConnectOptions", "Connection", "DeadlineExceeded", "Redirect", "ServerError", "command",
+           "error_reply", "key_slot"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
 _BUFFER = 1 << 16
 _SMALL = 16 << 10  # buffers below this are joined before writing over TLS
 _IOV_MAX = 1024  # buffers per sendmsg (Linux IOV_MAX)
-_MAX_REDIRECTS = 5
-_ASKING = b"*1\r\n$6\r\nASKING\r\n"
+_WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class ServerError(Exception):
     """An error reply (``-ERR ...``) other than a redirect."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """The call's deadline passed before the server sent (or took) what the call needs.
+
+    ``stalled_s``: how long the connection had been waiting without receiving a byte when it gave up
+    (a node that trickles bytes is slow; one that sends nothing for long is stalled).
+    """
+
+    def __init__(self, message: str, stalled_s: float) -> None:
+        super().__init__(message)
+        self.stalled_s = stalled_s
 
 
 @attrs.frozen
@@ -56,7 +74,11 @@ def key_slot(key: bytes) -> int:
 
 @attrs.frozen
 class ConnectOptions:
-    """How to reach and log in to every node: TLS context, credentials, database, timeouts."""
+    """How to reach and log in to every node: TLS context, credentials, database, timeouts.
+
+    ``connect_timeout_s`` bounds connecting and logging in; ``request_timeout_s`` is the deadline of a
+    whole call (a ``Connection`` made without one gets that long from its creation).
+    """
 
     connect_timeout_s: float
     request_timeout_s: float
@@ -67,34 +89,60 @@ class ConnectOptions:
 
 
 class Connection:
-    """One blocking connection with a small read buffer; bulk replies bypass it into caller buffers."""
+    """One non-blocking connection with a small read buffer; bulk replies bypass it into caller buffers.
 
-    def __init__(self, address: Address, options: ConnectOptions) -> None:
-        sock = socket.create_connection(address, timeout=options.connect_timeout_s)
+    ``deadline`` bounds every operation (:meth:`renew` moves it forward for each call; without one,
+    the connection gets ``connect_timeout_s + request_timeout_s`` from its creation).
+    """
+
+    def __init__(self, address: Address, options: ConnectOptions, deadline: float | None = None) -> None:
+        start = time.monotonic()
+        self.deadline = start + options.connect_timeout_s + options.request_timeout_s if deadline is None \
+            else deadline
+        timeout = min(options.connect_timeout_s, self.deadline - start)
+        if timeout <= 0:
+            raise DeadlineExceeded("timed out: the call's deadline passed before connecting", 0.0)
+        try:
+            sock = socket.create_connection(address, timeout=timeout)
+        except TimeoutError as exc:  # a short budget running out is not the node's fault
+            full = timeout >= options.connect_timeout_s
+            raise (exc if full else DeadlineExceeded(f"timed out connecting: {exc}", 0.0)) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if options.tls is not None:
-                sock = options.tls.wrap_socket(sock, server_hostname=address[0])
-            sock.settimeout(options.request_timeout_s)
+                sock = options.tls.wrap_socket(sock, server_hostname=address[0])  # handshake within `timeout`
+            sock.setblocking(False)
         except BaseException:
             sock.close()
             raise
         self.sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self._events = select.POLLIN
+        self._waiting_since: float | None = None
         self._buf = bytearray(_BUFFER)
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
         try:
+            login = time.monotonic() + options.connect_timeout_s
+            deadline, self.deadline = self.deadline, min(self.deadline, login)
             if options.password is not None:
                 user = [options.username.encode()] if options.username else []
                 self.call(b"AUTH", *user, options.password.encode())
             if options.db:
                 self.call(b"SELECT", str(options.db).encode())
+            self.deadline = deadline
         except ServerError as exc:
             self.close()
             raise ConnectionRefusedError(f"{address[0]}:{address[1]} refused the login: {exc}") from exc
         except BaseException:
             self.close()
             raise
+
+    def renew(self, deadline: float) -> None:
+        """Bound what follows by ``deadline`` (a new call's)."""
+        self.deadline = deadline
+        self._waiting_since = None
 
     def call(self, *args: bytes) -> object:
         """Send one command and answer its reply; an error reply raises ``ServerError``."""
@@ -110,8 +158,6 @@ class Connection:
         A plain socket gets ``sendmsg`` of up to ``IOV_MAX`` buffers per call (a SET's header, the
         value's own buffers and its CRLF in one system call), resumed where a partial write stopped;
         a TLS socket has no ``sendmsg``: runs of small buffers are joined, large ones sent as they are.
-        256 KiB SETs ran 1.3-1.6x faster than a ``sendall`` per buffer (BENCHMARKS.md, "the put path
-        with ``sendmsg``"), 2 MiB alike.
         """
         if isinstance(self.sock, ssl.SSLSocket):
             self._send_tls(parts)
@@ -119,7 +165,12 @@ class Connection:
         views = [memoryview(p) for p in parts if len(p)]  # an empty buffer would stall the loop below
         i = 0
         while i < len(views):
-            sent = self.sock.sendmsg(views[i:i + _IOV_MAX])
+            try:
+                sent = self.sock.sendmsg(views[i:i + _IOV_MAX])
+            except BlockingIOError:
+                self._wait(select.POLLOUT)
+                continue
+            self._waiting_since = None
             while sent:  # drop what went out; a partly written buffer keeps its unsent tail
                 size = views[i].nbytes
                 if sent < size:
@@ -135,11 +186,21 @@ class Connection:
                 small.append(part)
                 continue
             if small:
-                self.sock.sendall(b"".join(small))
+                self._send_all(b"".join(small))
                 small.clear()
-            self.sock.sendall(part)
+            self._send_all(part)
         if small:
-            self.sock.sendall(b"".join(small))
+            self._send_all(b"".join(small))
+
+    def _send_all(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            try:
+                view = view[self.sock.send(view):]
+            except _WOULD_BLOCK as exc:
+                self._wait(select.POLLIN if isinstance(exc, ssl.SSLWantReadError) else select.POLLOUT)
+                continue
+            self._waiting_since = None
 
     def line(self) -> bytes:
         """The next reply line, without its CRLF."""
@@ -158,16 +219,16 @@ class Connection:
         if kind == b"+":
             return rest
         if kind == b":":
-            return int(rest)
+            return _number(head)
         if kind == b"$":
-            n = int(rest)
+            n = _number(head)
             if n < 0:
                 return None
             out = bytearray(n + 2)
             self.read_into(memoryview(out))
             return bytes(out[:n])
         if kind == b"*":
-            n = int(rest)
+            n = _number(head)
             return None if n < 0 else [self.reply() for _ in range(n)]
         if kind == b"-":
             return error_reply(rest)
@@ -179,10 +240,7 @@ class Connection:
         view[:n] = self._view[self._lo:self._lo + n]
         self._lo += n
         while n < view.nbytes:
-            got = self.sock.recv_into(view[n:])
-            if not got:
-                raise ConnectionError("the server closed the connection")
-            n += got
+            n += self._recv_into(view[n:])
 
     def small_ints(self, n: int) -> list[int] | None:
         """``n`` replies if all are ``:0``/``:1`` (consumed), else ``None`` (nothing consumed)."""
@@ -210,10 +268,9 @@ class Connection:
             n -= step
 
     def close(self) -> None:
-        try:
+        """Shut the socket down (waking a wait on it in another thread) and close it; idempotent."""
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
 
     def _fill(self) -> None:
@@ -224,10 +281,40 @@ class Connection:
                 raise ConnectionError("protocol error: a reply line longer than 64 KiB")
             self._buf[:self._hi - self._lo] = self._buf[self._lo:self._hi]
             self._lo, self._hi = 0, self._hi - self._lo
-        got = self.sock.recv_into(self._view[self._hi:])
-        if not got:
-            raise ConnectionError("the server closed the connection")
-        self._hi += got
+        self._hi += self._recv_into(self._view[self._hi:])
+
+    def _recv_into(self, view: memoryview) -> int:
+        """Receive what is there into ``view`` (at least one byte), waiting for it until the deadline."""
+        while True:
+            try:
+                got = self.sock.recv_into(view)
+            except _WOULD_BLOCK as exc:
+                self._wait(select.POLLOUT if isinstance(exc, ssl.SSLWantWriteError) else select.POLLIN)
+                continue
+            if not got:
+                raise ConnectionError("the server closed the connection")
+            self._waiting_since = None
+            return got
+
+    def _wait(self, events: int) -> None:
+        """Wait until the socket is ready for ``events`` or the deadline passes (``DeadlineExceeded``)."""
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        left = self.deadline - now
+        if left <= 0:
+            raise DeadlineExceeded("timed out: the call's deadline passed", now - self._waiting_since)
+        if events != self._events:
+            self._poll.modify(self.sock, events)
+            self._events = events
+        self._poll.poll(math.ceil(left * 1000))
+
+
+def _number(head: bytes) -> int:
+    try:
+        return int(head[1:])
+    except ValueError:
+        raise ConnectionError(f"protocol error: unexpected reply {head[:80]!r}") from None
 
 
 def command(*args: bytes) -> bytes:
@@ -240,157 +327,6 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     parts = text.split()
     if len(parts) == 3 and parts[0] in (b"MOVED", b"ASK"):
         host, _, port = parts[2].rpartition(b":")
-        return Redirect(int(parts[1]), (host.decode(), int(port)), parts[0] == b"ASK")
+        if parts[1].isdigit() and port.isdigit():
+            return Redirect(int(parts[1]), (host.decode(errors="replace"), int(port)), parts[0] == b"ASK")
     return ServerError(text.decode(errors="replace"))
-
-
-Encode = Callable[[list[int]], list[bytes | memoryview]]
-"""Indices of keys bound for one node -> the buffers of their commands, in order."""
-Read = Callable[["Connection", list[int]], list[object]]
-"""A connection and the indices sent to it -> their outcomes (each may be a ``Redirect``), in order."""
-
-
-@attrs.define(eq=False)
-class Link:
-    """Connections to one server or one Cluster, used by one thread at a time.
-
-    ``run`` sends every key's command to its node (all nodes first, then it
-    reads from each), follows MOVED (updating the slot map, refreshing it
-    before the next call) and ASK redirects, and answers one outcome per key.
-    Large values go in a window: a node gets chunk ``k + 1`` (about
-    ``window_bytes`` of values) before chunk ``k``'s replies are read, so one
-    to two chunks are in flight. A whole batch of 64-256 KiB SETs or GETs
-    in flight ran 1.2-1.9x slower here (BENCHMARKS.md, "Shared tier"); 2 MiB
-    values ran alike either way.
-    Any ``OSError`` closes every connection and propagates: the caller fails
-    the whole call as a transport failure.
-    """
-
-    seeds: tuple[Address, ...]
-    cluster: bool
-    options: ConnectOptions
-    window_bytes: int = 256 << 10
-    _conns: dict[Address, Connection] = attrs.field(factory=dict, init=False)
-    _slots: list[Address] | None = attrs.field(default=None, init=False)
-    _stale: bool = attrs.field(default=True, init=False)
-
-    def run(self, keys: Sequence[bytes], encode: Encode, read: Read,
-            weights: Sequence[int] | None = None) -> list[object]:
-        """One outcome per key; with ``weights`` (value bytes per key), at most two chunks of about
-        ``window_bytes`` each are in flight per node (see the class docstring)."""
-        outcomes: list[object] = [None] * len(keys)
-        if not keys:
-            return outcomes
-        try:
-            if self.cluster and self._stale:
-                self.refresh()
-            pending, asked = list(range(len(keys))), {}
-            for _ in range(_MAX_REDIRECTS):
-                groups: dict[tuple[Address, bool], list[int]] = defaultdict(list)
-                for i in pending:
-                    target = asked.get(i)
-                    groups[(target, True) if target else (self._node_for(keys[i]), False)].append(i)
-                chunks = {group: self._chunks(indices, weights) for group, indices in groups.items()}
-                pending, asked = [], {}
-                for step in range(max(len(c) for c in chunks.values()) + 1):
-                    for (address, ask), parts in chunks.items():  # chunk `step` goes out before `step - 1` is read
-                        if step < len(parts):
-                            self._conn(address).send([b for i in parts[step] for b in (_ASKING, *encode([i]))]
-                                                     if ask else encode(parts[step]))
-                    for (address, ask), parts in chunks.items():
-                        if not 0 < step <= len(parts):
-                            continue
-                        indices = parts[step - 1]
-                        for i, outcome in zip(indices, self._read(self._conn(address), indices, ask, read)):
-                            self._settle(i, outcome, outcomes, pending, asked)
-                if not pending:
-                    break
-            for i in pending:
-                outcomes[i] = ServerError(f"still redirected after {_MAX_REDIRECTS} tries")
-        except OSError:
-            self.close()
-            raise
-        return outcomes
-
-    def _chunks(self, indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
-        if weights is None:
-            return [indices]
-        chunks, load = [[]], 0
-        for i in indices:
-            if load >= self.window_bytes:
-                chunks.append([])
-                load = 0
-            chunks[-1].append(i)
-            load += weights[i]
-        return chunks
-
-    def _settle(self, i: int, outcome: object, outcomes: list[object], pending: list[int],
-                asked: dict[int, Address]) -> None:
-        if isinstance(outcome, Redirect) and not self.cluster:
-            outcome = ServerError("a MOVED/ASK reply: the server is a Cluster node; hint: use a valkey+cluster:// URL")
-        if isinstance(outcome, Redirect):
-            self._redirected(outcome, i, asked)
-            pending.append(i)
-        else:
-            outcomes[i] = outcome
-
-    @staticmethod
-    def _read(conn: Connection, indices: list[int], ask: bool, read: Read) -> list[object]:
-        if not ask:
-            return read(conn, indices)
-        outcomes = []
-        for i in indices:
-            if not isinstance(conn.reply(), bytes):
-                raise ConnectionError("ASKING was refused")
-            outcomes += read(conn, [i])
-        return outcomes
-
-    def refresh(self) -> None:
-        """Read the slot map (CLUSTER SLOTS) from the first node that answers."""
-        known = list(dict.fromkeys([*self.seeds, *(self._slots or ())]))
-        last: Exception | None = None
-        for address in known:
-            try:
-                reply = self._conn(address).call(b"CLUSTER", b"SLOTS")
-            except (OSError, ServerError) as exc:
-                self._drop(address)
-                last = exc
-                continue
-            slots: list[Address] = [address] * 16384
-            for start, end, primary, *_ in reply:  # type: ignore[union-attr]
-                host = primary[0].decode() or address[0]
-                slots[start:end + 1] = [(host, int(primary[1]))] * (end + 1 - start)
-            self._slots, self._stale = slots, False
-            return
-        raise ConnectionError(f"no Cluster node answered CLUSTER SLOTS (last error: {last})")
-
-    def close(self) -> None:
-        """Close every connection (a blocked read in another thread returns at once)."""
-        for address in list(self._conns):
-            self._drop(address)
-        self._stale = True
-
-    def _node_for(self, key: bytes) -> Address:
-        if not self.cluster:
-            return self.seeds[0]
-        assert self._slots is not None, "refresh() runs before routing"
-        return self._slots[key_slot(key)]
-
-    def _redirected(self, redirect: Redirect, index: int, asked: dict[int, Address]) -> None:
-        if redirect.ask:
-            asked[index] = redirect.address
-        else:
-            assert self._slots is not None, "refresh() runs before routing"
-            self._slots[redirect.slot] = redirect.address
-            self._stale = True
-
-    def _conn(self, address: Address) -> Connection:
-        conn = self._conns.get(address)
-        if conn is None:
-            conn = self._conns[address] = Connection(address, self.options)
-        return conn
-
-    def _drop(self, address: Address) -> None:
-        conn = self._conns.pop(address, None)
-        if conn is not None:
-            conn.close()

@@ -6,12 +6,15 @@ import queue
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import attrs
 
 from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
-from kvkit.backends.blockstore.resp import Address, ConnectOptions, Link, Redirect, ServerError, error_reply
+from kvkit.backends.blockstore.link import Link, NodeHealth, Unreachable
+from kvkit.backends.blockstore.resp import Address, Connection, ConnectOptions, Redirect, ServerError, error_reply
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import StoreResult
 from kvkit.validate import check_bool, check_int, check_real, checked, quote
@@ -21,9 +24,9 @@ __all__ = ["ValkeyStore"]
 _OK = b"+OK"
 
 
-def _nodes(value: object) -> tuple[Address, ...]:
+def _nodes(value: Any) -> tuple[Address, ...]:
     try:
-        nodes = tuple((str(host), int(port)) for host, port in value)  # type: ignore[union-attr]
+        nodes = tuple((str(host), int(port)) for host, port in value)
     except (TypeError, ValueError):
         nodes = ()
     if not nodes or any(not host or not 0 < port < 65536 for host, port in nodes):
@@ -43,35 +46,6 @@ _FLAG = checked(check_bool, label="ValkeyStore.")
 
 
 @attrs.define(eq=False)
-class _Health:
-    """The link's breaker, shared by the lookup and I/O connections: down for ``retry_interval_s`` after a failure."""
-
-    retry_interval_s: float
-    down_until: float = 0.0
-    last_error: str = ""
-    failures: int = 0
-    _lock: threading.Lock = attrs.field(factory=threading.Lock)
-
-    def down(self) -> str | None:
-        """The reason calls fail fast now, or ``None`` when the server may be tried."""
-        with self._lock:
-            return self.last_error if time.monotonic() < self.down_until else None
-
-    def clear(self) -> None:
-        """A call went through: close the breaker at once."""
-        with self._lock:
-            self.down_until = 0.0
-
-    def trip(self, exc: BaseException) -> str:
-        """Record a transport failure; answer its one-line ``"transport: ..."`` reason."""
-        with self._lock:
-            self.failures += 1
-            self.last_error = f"transport: {type(exc).__name__}: {exc}"
-            self.down_until = time.monotonic() + self.retry_interval_s
-            return self.last_error
-
-
-@attrs.define(eq=False)
 class ValkeyStore:
     """Block values on a Valkey/Redis server (or Cluster), one key per block, over hand-written RESP.
 
@@ -83,19 +57,30 @@ class ValkeyStore:
     EXISTS per node, one round trip. In a Cluster, keys go to the node owning
     their hash slot (CLUSTER SLOTS, updated on MOVED, ASK followed).
 
-    Failure: every socket operation is bounded by ``request_timeout_s`` (no
-    progress for that long fails it) and connecting by
-    ``connect_timeout_s``. A transport failure fails the call with an error
-    starting ``"transport:"`` and makes every call fail fast (``contains``
-    answers 0) for ``retry_interval_s``; then the next call reconnects.
+    Deadlines: ``request_timeout_s`` bounds a whole call, however slowly
+    the bytes trickle: a ``put`` or ``get`` is reported by then from its
+    submission (time spent queued behind earlier calls included; one whose
+    deadline passed in the queue fails without being sent), and ``contains``
+    answers by then (``0`` past the first key it could not confirm).
+    Connecting is bounded by ``connect_timeout_s`` as well. A key that missed
+    the deadline or whose node failed is reported failed with an error starting
+    ``"transport:"``; its buffers are never touched after that.
+
+    Faults stay with their node (:class:`~kvkit.backends.blockstore.link.Link`,
+    :class:`~kvkit.backends.blockstore.link.NodeHealth`): a connection the
+    server closed while idle is reopened and the call retried once, unseen; a
+    node with evidence against it (refused, broken, stalled) fails its keys at
+    once for ``retry_interval_s`` while the other nodes serve theirs.
+
     ``ttl_s`` gives every value an expiry, so a ``volatile-*`` eviction
     policy of the server can act. At most ``max_waiting`` finished results
     wait for the polls naming their tickets (one more abandons the oldest).
 
     Invariants: every ticket is reported at most once, only to a poll naming
-    it; after ``close`` the
-    I/O thread has stopped, so no buffer is touched after its ticket was
-    reported.
+    it; after ``close`` the I/O thread has stopped, so no buffer is touched
+    after its ticket was reported. The I/O thread holds no reference to the
+    store: a store dropped without ``close`` is collected, and collecting it
+    closes it (thread stopped, sockets closed, open tickets failed).
     """
 
     nodes: tuple[Address, ...] = attrs.field(converter=_nodes)
@@ -110,23 +95,22 @@ class ValkeyStore:
     tls_verify: bool = attrs.field(default=True, converter=_FLAG)
     connect_timeout_s: float = attrs.field(default=1.0, converter=_SECONDS)
     request_timeout_s: float = attrs.field(default=2.0, converter=_SECONDS)
+    """The deadline of a whole ``put``, ``get`` or ``contains`` (see the class docstring)."""
     retry_interval_s: float = attrs.field(default=1.0, converter=_SECONDS)
     ttl_s: int | None = attrs.field(default=None, converter=checked(check_int, minimum=1, optional=True,
                                                                     label="ValkeyStore."))
-    window_bytes: int = attrs.field(default=256 << 10, converter=checked(check_int, minimum=1,
+    window_bytes: int = attrs.field(default=256 << 10, converter=checked(check_int, minimum=1,  # type: ignore[misc]
                                                                          label="ValkeyStore."))
     """Bytes of values per chunk of a put or get; at most two chunks are in flight per node."""
     max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
-                                   converter=checked(check_int, minimum=1, label="ValkeyStore."))
+                                   converter=checked(check_int, minimum=1, label="ValkeyStore."))  # type: ignore[misc]
     closed: bool = attrs.field(default=False, init=False)
-    _health: _Health = attrs.field(init=False)
+    _health: NodeHealth = attrs.field(init=False)
     _lookup: Link = attrs.field(init=False)
-    _io: Link = attrs.field(init=False)
     _lookup_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
-    _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
-        lambda self: TicketBox(self.max_waiting), takes_self=True))
-    _jobs: queue.SimpleQueue = attrs.field(factory=queue.SimpleQueue, init=False)
+    _io: _IoThread = attrs.field(init=False)
     _thread: threading.Thread = attrs.field(init=False)
+    _finalizer: weakref.finalize = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.cluster and self.db:
@@ -135,46 +119,46 @@ class ValkeyStore:
             raise ConfigError(f"ValkeyStore.username={self.username!r} needs a password")
         options = ConnectOptions(self.connect_timeout_s, self.request_timeout_s, self.username, self.password,
                                  self.db, self._tls_context())
-        self._health = _Health(self.retry_interval_s)
-        self._lookup = Link(self.nodes, self.cluster, options)
-        self._io = Link(self.nodes, self.cluster, options, self.window_bytes)
-        self._thread = threading.Thread(target=self._serve, name="kvkit-valkey-io", daemon=True)
+        self._health = NodeHealth(self.retry_interval_s)
+        self._lookup = Link(self.nodes, self.cluster, options, self._health)
+        self._io = _IoThread(Link(self.nodes, self.cluster, options, self._health, self.window_bytes),
+                             TicketBox(self.max_waiting), self.ttl_s)
+        self._thread = threading.Thread(target=self._io.serve, name="kvkit-valkey-io", daemon=True)
+        self._finalizer = weakref.finalize(self, _shut_down, self._io, self._thread, self._lookup,
+                                           self._lookup_lock, self.request_timeout_s + self.connect_timeout_s)
         self._thread.start()
 
     @property
     def last_error(self) -> str:
-        """The latest transport failure (``""`` if none yet)."""
+        """The latest evidence against a node (``""`` if none yet)."""
         return self._health.last_error
 
     @property
     def transport_failures(self) -> int:
-        """Transport failures seen so far (each trips the breaker once)."""
+        """Times a node was found unusable so far (each opens that node's breaker)."""
         return self._health.failures
 
+    @property
+    def down_nodes(self) -> dict[Address, str]:
+        """The nodes whose keys fail at once now (their breaker is open), with why."""
+        return self._health.down_nodes()
+
     def ping(self) -> str | None:
-        """``None`` when the server answers (and logs us in), closing the breaker; else ``"transport: <why>"``."""
+        """``None`` when the server answers (and logs us in); else ``"transport: <why>"``."""
         check_keys("ValkeyStore", self.closed, ())
-        with self._lookup_lock:
-            try:
-                self._lookup.run([b"kvkit:ping"], lambda _: [b"*1\r\n$4\r\nPING\r\n"], lambda c, _: [c.reply()])
-            except OSError as exc:
-                return self._health.trip(exc)
-            except ServerError as exc:
-                return f"transport: the server refused us: {exc}"
-        self._health.clear()
+        found = self._look_up([b"kvkit:ping"], lambda _: [b"*1\r\n$4\r\nPING\r\n"], lambda c, _: [c.reply()])
+        if isinstance(found[0], Unreachable):
+            return found[0].reason
+        if isinstance(found[0], ServerError):
+            return f"transport: the server refused us: {found[0]}"
         return None
 
     def contains(self, keys: Sequence[bytes]) -> int:
         check_keys("ValkeyStore", self.closed, keys)
-        if not keys or self._health.down() is not None:
+        if not keys:
             return 0
-        with self._lookup_lock:
-            try:
-                found = self._lookup.run(
-                    keys, lambda ids: [b"".join(_EXISTS % (len(keys[i]), keys[i]) for i in ids)], _read_ints)
-            except (OSError, ServerError) as exc:
-                self._health.trip(exc)
-                return 0
+        found = self._look_up(keys, lambda ids: [b"".join(_EXISTS % (len(keys[i]), keys[i]) for i in ids)],
+                              _read_ints)
         n = 0
         while n < len(found) and found[n] == 1:
             n += 1
@@ -182,102 +166,36 @@ class ValkeyStore:
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
         check_call("ValkeyStore", self.closed, keys, values)
-        return self._queue("put", keys, values)
+        return self._io.queue("put", keys, values, time.monotonic() + self.request_timeout_s)
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
         check_call("ValkeyStore", self.closed, keys, buffers)
-        return self._queue("get", keys, buffers)
+        return self._io.queue("get", keys, buffers, time.monotonic() + self.request_timeout_s)
 
     def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
-        return self._tickets.poll(tickets, timeout)
+        return self._io.tickets.poll(tickets, timeout)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        self._jobs.put(None)
-        self._io.close()  # a read blocked in the I/O thread returns at once
-        self._thread.join(self.request_timeout_s + self.connect_timeout_s)
+        self._finalizer()
         assert not self._thread.is_alive(), "the I/O thread did not stop"
-        self._io.close()  # a connection the thread opened while we were closing
-        with self._lookup_lock:
-            self._lookup.close()
-        self._tickets.fail_open("ValkeyStore closed")
 
     def check_invariants(self) -> None:
         assert self.closed or self._thread.is_alive(), "the I/O thread died"
-        assert not self.closed or self._tickets.outstanding == 0, "tickets left unfinished after close"
-        self._tickets.check_invariants()
+        assert not self.closed or self._io.tickets.outstanding == 0, "tickets left unfinished after close"
+        self._io.tickets.check_invariants()
 
-    def _queue(self, op: str, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
-        ticket = self._tickets.issue(len(keys))
-        self._jobs.put((ticket, op, list(keys), [flat_views(b) for b in buffers]))
-        return ticket
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if self.closed:
-                break
-            ticket, op, keys, views = job
-            if not keys:
-                self._tickets.report(ticket)
-                continue
-            down = self._health.down()
-            if down is not None:
-                self._tickets.report(ticket, range(len(keys)), down)
-                continue
-            try:
-                outcomes = self._put(keys, views) if op == "put" else self._get(keys, views)
-            except Exception as exc:  # OSError, or a reply we cannot parse: the link is dropped either way
-                self._io.close()
-                reason = self._health.trip(exc)
-                self._tickets.report(ticket, range(len(keys)), "ValkeyStore closed" if self.closed else reason)
-                continue
-            failed = [i for i, problem in enumerate(outcomes) if problem is not None]
-            self._tickets.report(ticket, failed, "; ".join(sorted({str(outcomes[i]) for i in failed}))[:500])
-
-    def _put(self, keys: list[bytes], views: list[list[memoryview]]) -> list[object]:
-        expire = b"" if self.ttl_s is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl_s)), self.ttl_s)
-
-        tail = b"\r\n" + expire
-
-        def encode(ids: list[int]) -> list[bytes | memoryview]:
-            parts: list[bytes | memoryview] = []
-            for i in ids:
-                size = sum(v.nbytes for v in views[i])
-                parts.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-                    5 if expire else 3, len(keys[i]), keys[i], size))
-                parts += views[i]
-                parts.append(tail)
-            return parts
-
-        def read(conn, ids: list[int]) -> list[object]:
-            return [_set_outcome(conn.line()) for _ in ids]
-
-        return self._io.run(keys, encode, read, [sum(v.nbytes for v in parts) for parts in views])
-
-    def _get(self, keys: list[bytes], views: list[list[memoryview]]) -> list[object]:
-        def read_one(conn, i: int) -> object:
-            line = conn.line()
-            if line[:1] == b"-":
-                return error_reply(line[1:])
-            if line[:1] != b"$":
-                raise ConnectionError(f"protocol error: a GET answered {line[:80]!r}")
-            size = int(line[1:])
-            if size < 0:
-                return "missing value"
-            want = sum(v.nbytes for v in views[i])
-            if size != want:
-                conn.skip(size + 2)
-                return f"value of {size} bytes, buffers of {want}"
-            for view in views[i]:
-                conn.read_into(view)
-            conn.skip(2)
-            return None
-
-        return self._io.run(keys, lambda ids: [b"".join(_GET % (len(keys[i]), keys[i]) for i in ids)],
-                            lambda conn, ids: [read_one(conn, i) for i in ids],
-                            [sum(v.nbytes for v in parts) for parts in views])
+    def _look_up(self, keys: Sequence[bytes], encode, read) -> list[object]:
+        """One outcome per key over the lookup connection, on the caller's thread, by the deadline."""
+        deadline = time.monotonic() + self.request_timeout_s
+        if not self._lookup_lock.acquire(timeout=self.request_timeout_s):
+            return [Unreachable("transport: another lookup held the connection past the deadline")] * len(keys)
+        try:
+            return self._lookup.run(keys, encode, read, deadline=deadline)
+        finally:
+            self._lookup_lock.release()
 
     def _tls_context(self) -> ssl.SSLContext | None:
         if not self.tls:
@@ -301,13 +219,108 @@ _EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"
 _GET = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
 
 
+@attrs.define(eq=False)
+class _IoThread:
+    """What the I/O thread runs on: its link, its queue of calls, the tickets; no reference to the store."""
+
+    link: Link
+    tickets: TicketBox
+    ttl_s: int | None
+    jobs: queue.SimpleQueue = attrs.field(factory=queue.SimpleQueue)
+    closing: bool = False
+
+    def queue(self, op: str, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]], deadline: float) -> int:
+        ticket = self.tickets.issue(len(keys))
+        self.jobs.put((ticket, op, list(keys), [flat_views(b) for b in buffers], deadline))
+        return ticket
+
+    def serve(self) -> None:
+        while (job := self.jobs.get()) is not None and not self.closing:
+            ticket, op, keys, views, deadline = job
+            if not keys:
+                self.tickets.report(ticket)
+                continue
+            if time.monotonic() >= deadline:
+                self.tickets.report(ticket, range(len(keys)),
+                                    "transport: the call's deadline passed while it waited behind earlier calls")
+                continue
+            try:
+                outcomes = self._put(keys, views, deadline) if op == "put" else self._get(keys, views, deadline)
+            except Exception as exc:  # noqa: BLE001 - a reply we cannot handle: the link is dropped, the call failed
+                self.link.reset()
+                self.tickets.report(ticket, range(len(keys)), f"transport: {type(exc).__name__}: {exc}")
+                continue
+            failed = [i for i, problem in enumerate(outcomes) if problem is not None]
+            reasons = sorted({str(outcomes[i]) for i in failed}, key=lambda r: (not r.startswith("transport:"), r))
+            self.tickets.report(ticket, failed, "; ".join(reasons)[:500])
+
+    def _put(self, keys: list[bytes], views: list[list[memoryview]], deadline: float) -> list[object]:
+        expire = b"" if self.ttl_s is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl_s)), self.ttl_s)
+        tail = b"\r\n" + expire
+
+        def encode(ids: list[int]) -> list[bytes | memoryview]:
+            parts: list[bytes | memoryview] = []
+            for i in ids:
+                size = sum(v.nbytes for v in views[i])
+                parts.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                    5 if expire else 3, len(keys[i]), keys[i], size))
+                parts += views[i]
+                parts.append(tail)
+            return parts
+
+        def read(conn: Connection, ids: list[int]) -> list[object]:
+            return [_set_outcome(conn.line()) for _ in ids]
+
+        return self.link.run(keys, encode, read, [sum(v.nbytes for v in parts) for parts in views], deadline)
+
+    def _get(self, keys: list[bytes], views: list[list[memoryview]], deadline: float) -> list[object]:
+        def read_one(conn: Connection, i: int) -> object:
+            line = conn.line()
+            if line[:1] == b"-":
+                return error_reply(line[1:])
+            if line[:1] != b"$":
+                raise ConnectionError(f"protocol error: a GET answered {line[:80]!r}")
+            size = int(line[1:])
+            if size < 0:
+                return "missing value"
+            want = sum(v.nbytes for v in views[i])
+            if size != want:
+                conn.skip(size + 2)
+                return f"value of {size} bytes, buffers of {want}"
+            for view in views[i]:
+                conn.read_into(view)
+            conn.skip(2)
+            return None
+
+        return self.link.run(keys, lambda ids: [b"".join(_GET % (len(keys[i]), keys[i]) for i in ids)],
+                             lambda conn, ids: [read_one(conn, i) for i in ids],
+                             [sum(v.nbytes for v in parts) for parts in views], deadline)
+
+
+def _shut_down(io: _IoThread, thread: threading.Thread, lookup: Link, lookup_lock: threading.Lock,
+               join_s: float) -> None:
+    """Stop the I/O thread, close every connection, fail every open ticket (``close``, or the store collected)."""
+    io.closing = True
+    io.jobs.put(None)
+    io.link.close()  # a wait in the I/O thread returns at once
+    if thread is not threading.current_thread():
+        thread.join(join_s)
+    io.link.close()  # a connection the thread opened while we were closing
+    if lookup_lock.acquire(timeout=join_s):
+        try:
+            lookup.close()
+        finally:
+            lookup_lock.release()
+    io.tickets.fail_open("ValkeyStore closed")
+
+
 def _set_outcome(line: bytes) -> object:
     if line == _OK:
         return None
     return error_reply(line[1:]) if line[:1] == b"-" else ServerError(f"unexpected reply {line[:80]!r}")
 
 
-def _read_ints(conn, ids: list[int]) -> list[object]:
+def _read_ints(conn: Connection, ids: list[int]) -> list[object]:
     """EXISTS replies: all at once when they are plain 0/1 (the common case), else one by one."""
     fast = conn.small_ints(len(ids))
     if fast is not None:
@@ -315,5 +328,5 @@ def _read_ints(conn, ids: list[int]) -> list[object]:
     replies = [conn.reply() for _ in ids]
     for reply in replies:
         if not isinstance(reply, ServerError | Redirect | int):
-            raise ConnectionError(f"protocol error: EXISTS answered {reply!r}")
+            raise ConnectionError(f"protocol error: EXISTS answered {reply!r:.80}")
     return replies

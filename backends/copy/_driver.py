@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
 from kvkit.errors import BackendUnavailableError, DeviceError
+from kvkit.validate import plural
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 __all__ = [
     "BATCH_OP_DTYPE",
@@ -66,8 +71,8 @@ class Driver:
 
     lib: ctypes.CDLL
     version: int
-    _batch: ctypes._CFuncPtr | None  # None: driver older than 12.8
-    _batch3d: ctypes._CFuncPtr | None
+    _batch: CFuncPtr | None  # None: driver older than 12.8
+    _batch3d: CFuncPtr | None
     _with_fail_idx: bool
 
     @classmethod
@@ -81,7 +86,7 @@ class Driver:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
-            raise BackendUnavailableError(f"no CUDA driver library (libcuda.so.1): {exc}") from exc
+            raise BackendUnavailableError(f"no CUDA driver: {exc}") from exc
         version = ctypes.c_int(0)
         _check(lib, lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         _check(lib, lib.cuInit(0), "cuInit")
@@ -118,23 +123,24 @@ class Driver:
         if self._with_fail_idx:
             fail = ctypes.c_size_t(0)
             res = self._batch(*args, ctypes.addressof(fail), stream)
-            what = f"cuMemcpyBatchAsync ({n} copies, first failing: {fail.value})"
+            what = f"cuMemcpyBatchAsync ({plural(n, 'copy', 'copies')}, first failing: {fail.value})"
         else:
             res = self._batch(*args, stream)
-            what = f"cuMemcpyBatchAsync ({n} copies)"
+            what = f"cuMemcpyBatchAsync ({plural(n, 'copy', 'copies')})"
         _check(self.lib, res, what)
 
     def memcpy_3d_batch(self, ops: np.ndarray, stream: int) -> None:
         """Enqueue every ``BATCH_OP_DTYPE`` record of ``ops``: one driver call."""
         n = len(ops)
-        assert self._batch3d is not None and stream != 0 and n and ops.dtype == BATCH_OP_DTYPE and ops.flags.c_contiguous
+        assert (self._batch3d is not None and stream != 0 and n and ops.dtype == BATCH_OP_DTYPE
+                and ops.flags.c_contiguous)
         if self._with_fail_idx:
             fail = ctypes.c_size_t(0)
             res = self._batch3d(n, ops.ctypes.data, ctypes.addressof(fail), 0, stream)
-            what = f"cuMemcpy3DBatchAsync ({n} copies, first failing: {fail.value})"
+            what = f"cuMemcpy3DBatchAsync ({plural(n, 'copy', 'copies')}, first failing: {fail.value})"
         else:
             res = self._batch3d(n, ops.ctypes.data, 0, stream)
-            what = f"cuMemcpy3DBatchAsync ({n} copies)"
+            what = f"cuMemcpy3DBatchAsync ({plural(n, 'copy', 'copies')})"
         _check(self.lib, res, what)
 
     def device_address(self, host_ptr: int) -> int | None:

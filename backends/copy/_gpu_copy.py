@@ -8,24 +8,29 @@ launches nothing), orders it after ``after``, and tracks its completion.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
-import torch
 from typing_extensions import override
 
+from kvkit._lazy import lazy_module
 from kvkit.backends.copy._driver import driver
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy.planner import Planner, registered, stage_waits
 from kvkit.errors import SpecMismatchError
-from kvkit.interfaces.copy import Region
+from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, TransferPlan
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # torch on first use: listing the backends imports none
 
 __all__ = ["GPUCopy"]
 
 
 @attrs.define(eq=False)
-class GPUCopy(HandleQueue):
+class GPUCopy(HandleQueue, CopyBackend):
     """Base of the CUDA copy backends: stores and loads each on their own low-priority stream.
 
     Invariants:

@@ -31,17 +31,12 @@ from typing_extensions import override
 
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy.planner import Planner, registered, stage_waits
-from kvkit.errors import BackendUnavailableError, ConfigError
-from kvkit.interfaces.copy import Region
+from kvkit.errors import BackendUnavailableError
+from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, TransferPlan
-from kvkit.validate import real_in
+from kvkit.validate import one_of, real_in
 
 __all__ = ["AutoCopy"]
-
-
-def _small_loads(inst: object, attribute: attrs.Attribute, value: str) -> None:
-    if value not in ("dma", "kernel"):
-        raise ConfigError(f"auto: small_loads must be 'dma' or 'kernel', got {value!r}")
 
 
 @attrs.frozen(eq=False)
@@ -63,7 +58,7 @@ class _Parts:
 
 
 @attrs.define(eq=False)
-class AutoCopy(HandleQueue):
+class AutoCopy(HandleQueue, CopyBackend):
     """Chooses ``cuda-dma`` or ``cupy-batch`` per plan (or splits it between them).
 
     Args:
@@ -89,7 +84,7 @@ class AutoCopy(HandleQueue):
 
     sm_budget: int = 2
     dma_min_bytes: int = 256 << 10
-    small_loads: str = attrs.field(default="kernel", validator=_small_loads)
+    small_loads: str = attrs.field(default="kernel", validator=one_of(("dma", "kernel"), label="auto: "))
     kernel_share: float = attrs.field(default=0.0, validator=real_in(low=0, high=1, high_open=True, label="auto: "))
     strided: bool = False
     dma: Any = None

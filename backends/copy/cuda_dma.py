@@ -12,18 +12,24 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
-import torch
+from typing_extensions import override
 
+from kvkit._lazy import lazy_module
 from kvkit.backends.copy import _driver
 from kvkit.backends.copy._gpu_copy import GPUCopy
 from kvkit.backends.copy.planner import Strided
 from kvkit.errors import BackendUnavailableError, DeviceError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # torch on first use: listing the backends imports none
 
 __all__ = ["CudaDMACopy"]
 
@@ -60,6 +66,7 @@ class CudaDMACopy(GPUCopy):
         if problem is not None:
             raise BackendUnavailableError(f"cuda-dma: {problem}")
 
+    @override
     @classmethod
     def is_available(cls) -> bool:
         """A CUDA device and a driver with batched copies (12.8+) are present."""
@@ -68,12 +75,15 @@ class CudaDMACopy(GPUCopy):
     @staticmethod
     def unavailable_reason() -> str | None:
         """Why this backend cannot run here (``kvkit list`` shows it), or ``None``."""
-        if not torch.cuda.is_available():
+        problem = _driver.driver_problem(batch=True)  # first: without a driver, torch need not load
+        if problem is None and not torch.cuda.is_available():
             return "no CUDA device"
-        return _driver.driver_problem(batch=True)
+        return problem
 
+    @override
     def _registered(self, regions: Sequence[Region]) -> None:
         flags = _driver.FLAG_PREFER_OVERLAP if self.prefer_overlap else 0
+        assert self._device is not None, "register sets the device before this hook"
         device = self._device.index or 0
         self._attributes = {}
         for direction in Direction:
@@ -85,6 +95,7 @@ class CudaDMACopy(GPUCopy):
             a["flags"] = flags
             self._attributes[direction] = a
 
+    @override
     def _launch(self, plan: TransferPlan, stream: torch.cuda.Stream, regions: range, prepared: Any) -> Any:
         lib = _driver.driver()
         lib.ensure_context(self._context)

@@ -31,18 +31,23 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
-import torch
 
+from kvkit._lazy import lazy_module
 from kvkit.backends.copy._driver import driver_problem
 from kvkit.backends.copy._gpu_copy import GPUCopy
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
-from kvkit.validate import at_least, check_int
+from kvkit.validate import at_least, check_int, one_of
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # torch on first use: listing the backends imports none
 
 __all__ = ["CupyBatchCopy"]
 
@@ -181,11 +186,6 @@ def _sixteen(inst: object, attribute: attrs.Attribute, value: int) -> None:
         raise ConfigError(f"cupy-batch: {attribute.name} must be a multiple of 16, got {value!r}")
 
 
-def _method(inst: object, attribute: attrs.Attribute, value: str) -> None:
-    if value not in ("auto", "bulk", "vector"):
-        raise ConfigError(f"cupy-batch: method must be 'auto', 'bulk' or 'vector', got {value!r}")
-
-
 @attrs.frozen
 class _Kernel:
     """One compiled kernel and its launch shape."""
@@ -219,7 +219,7 @@ class CupyBatchCopy(GPUCopy):
     """
 
     sm_budget: int = attrs.field(default=2, validator=_positive)
-    method: str = attrs.field(default="auto", validator=_method)
+    method: str = attrs.field(default="auto", validator=one_of(("auto", "bulk", "vector"), label="cupy-batch: "))
     threads: int | None = attrs.field(default=None, validator=_threads)
     unroll: int = attrs.field(default=8, validator=_positive)
     chunk_bytes: int = attrs.field(default=64 << 10, validator=_sixteen)
@@ -248,9 +248,10 @@ class CupyBatchCopy(GPUCopy):
         """Why this backend cannot run here (``kvkit list`` shows it), or ``None``."""
         if importlib.util.find_spec("cupy") is None:
             return "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
-        if not torch.cuda.is_available():
+        problem = driver_problem()  # first: without a driver, torch need not load
+        if problem is None and not torch.cuda.is_available():
             return "no CUDA device"
-        return driver_problem()
+        return problem
 
     @classmethod
     def is_available(cls) -> bool:

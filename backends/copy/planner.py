@@ -27,7 +27,7 @@ import numpy as np
 from kvkit.errors import PlanError, SpecMismatchError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, Tier, TransferPlan
-from kvkit.validate import quote
+from kvkit.validate import plural, quote
 
 __all__ = ["CPU", "GPU", "Descriptors", "Planner", "Strided", "registered", "runs"]
 
@@ -323,7 +323,7 @@ def stage_waits(after: Any, num_stages: int) -> list[Any]:
     """
     if isinstance(after, (list, tuple)):
         if len(after) != num_stages:
-            raise PlanError(f"after has {len(after)} events for {num_stages} stages")
+            raise PlanError(f"after has {plural(len(after), 'event')} for {plural(num_stages, 'stage')}")
         return list(after)
     return [after] + [None] * (num_stages - 1)
 

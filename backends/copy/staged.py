@@ -21,21 +21,26 @@ the same plans reach 65.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
-import torch
 from typing_extensions import override
 
+from kvkit._lazy import lazy_module
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy.cuda_dma import CudaDMACopy
 from kvkit.backends.copy.cupy_batch import CupyBatchCopy
 from kvkit.backends.copy.planner import Planner, registered
 from kvkit.errors import BackendUnavailableError, SpecMismatchError
-from kvkit.interfaces.copy import Region
+from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, Tier, TransferPlan
 from kvkit.validate import at_least
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # torch on first use: listing the backends imports none
 
 __all__ = ["StagedCopy"]
 
@@ -94,7 +99,7 @@ def _bytes_at(like: torch.Tensor, address: int, rows: int, row_bytes: int) -> to
 
 
 @attrs.define(eq=False)
-class StagedCopy(HandleQueue):
+class StagedCopy(HandleQueue, CopyBackend):
     """Copies whole CPU blocks with the copy engines, staging them on the GPU in chunks.
 
     Args:
@@ -139,6 +144,7 @@ class StagedCopy(HandleQueue):
         """Why this backend cannot run here (``kvkit list`` shows it), or ``None``."""
         return CupyBatchCopy.unavailable_reason() or CudaDMACopy.unavailable_reason()
 
+    @override
     @classmethod
     def is_available(cls) -> bool:
         """CuPy, a CUDA device and a driver with batched copies (12.8+) are present."""

@@ -11,23 +11,31 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
-import torch
 from typing_extensions import override
 
+from kvkit._lazy import lazy_module
 from kvkit.backends.copy._inflight import HandleQueue, InFlight
 from kvkit.backends.copy.planner import Planner, stage_waits
 from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, TransferPlan
 
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # torch on first use: listing the backends imports none
+
 __all__ = ["TorchCopy"]
 
-# Widest first: moving int64 words instead of bytes makes index kernels ~8x cheaper.
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+@functools.cache
+def _words() -> tuple[torch.dtype, ...]:
+    """Widest first: moving int64 words instead of bytes makes index kernels ~8x cheaper."""
+    return (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def _as_rows(t: torch.Tensor, word: torch.dtype) -> torch.Tensor | None:
@@ -48,7 +56,7 @@ class _Rows:
 
     @classmethod
     def of(cls, region: Region) -> _Rows:
-        for word in _WORDS:
+        for word in _words():
             gpu, cpu = _as_rows(region.gpu, word), _as_rows(region.cpu, word)
             if gpu is not None and cpu is not None:
                 return cls(gpu, cpu)
@@ -115,7 +123,9 @@ class TorchCopy(HandleQueue, CopyBackend):
         device = devices.pop() if devices else torch.device("cpu")
         if device.type == "cuda":
             # Copies yield to the model's kernels: least priority of the device's range.
-            self._stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
+            # torch's stub omits that priority_range is a staticmethod
+            least = torch.cuda.Stream.priority_range()[0]  # type: ignore[call-arg]
+            self._stream = torch.cuda.Stream(device, priority=least)
         else:
             self._stream = None
         self._rows, self._planner = rows, planner

@@ -8,12 +8,12 @@ orphans first and to evict a block's cached descendants before the block.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator
 
 import attrs
 
-from kvkit.backends.eviction._common import already_tracked, hash_already_tracked, not_tracked
+from kvkit.backends.eviction._common import already_tracked, any_block, hash_already_tracked, not_tracked
+from kvkit.backends.eviction._queue import ParkingQueue
 from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["ChainIndex"]
@@ -55,12 +55,19 @@ class ChainIndex:
     insertion-ordered (dicts and lists, never sets), so walks are
     deterministic and survive ``deepcopy``.
 
+    The orphans sit in a :class:`~kvkit.backends.eviction._queue.ParkingQueue`
+    in the order they became orphans; the owning policy reports its pins
+    (:meth:`pin`, :meth:`unpin`), so an orphan in use is set aside at once and
+    :meth:`orphans` never yields one: a selection meets no pinned orphan,
+    however many there are. ``parked`` is the owner's container of pinned
+    blocks (shared, read only here).
+
     Invariants:
         * ``_hash`` and ``_block_of`` are inverse maps of the tracked blocks.
         * ``_children[h]`` holds exactly the tracked blocks whose parent hash is
           ``h``, and is never empty.
         * ``_orphans`` holds exactly the tracked blocks whose parent hash is
-          not ``None`` and not tracked.
+          not ``None`` and not tracked; those in ``parked`` are pinned there.
         * The walk kept by :meth:`collect`, if any, holds only tracked
           blocks, and since it pushed them none has gained a child and none
           has left the index but its victims (which leave the walk too).
@@ -70,8 +77,9 @@ class ChainIndex:
     _parent: dict[BlockId, BlockHash | None] = attrs.field(factory=dict, init=False)
     _block_of: dict[BlockHash, BlockId] = attrs.field(factory=dict, init=False)
     _children: dict[BlockHash, dict[BlockId, None]] = attrs.field(factory=dict, init=False)
-    _orphans: OrderedDict[BlockId, None] = attrs.field(factory=OrderedDict, init=False)
+    _orphans: ParkingQueue = attrs.field(factory=ParkingQueue, init=False)
     _walk: _Walk | None = attrs.field(default=None, init=False)
+    parked: Container[BlockId] = attrs.field(default=(), repr=False)
 
     def add(self, owner: object, block: BlockId, block_hash: BlockHash,
             parent: BlockHash | None) -> BlockId | None:
@@ -88,14 +96,15 @@ class ChainIndex:
         self._hash[block] = block_hash
         self._parent[block] = parent
         self._block_of[block_hash] = block
+        orphans = self._orphans
         for child in self._children.get(block_hash, ()):
-            self._orphans.pop(child, None)  # its parent is back
+            orphans.remove(child)  # its parent is back
         if parent is None:
             return None
         self._children.setdefault(parent, {})[block] = None
         parent_block = self._block_of.get(parent)
         if parent_block is None:
-            self._orphans[block] = None
+            orphans.add(block, block in self.parked)
         elif self._walk is not None and parent_block in self._walk.held:
             self._walk = None  # a new child of a block the walk has passed
         return parent_block
@@ -111,14 +120,16 @@ class ChainIndex:
             raise not_tracked(owner, block)
         parent = self._parent.pop(block)
         del self._block_of[block_hash]
-        self._orphans.pop(block, None)
+        orphans, parked = self._orphans, self.parked
         if parent is not None:
+            if parent not in self._block_of:
+                orphans.remove(block)
             siblings = self._children[parent]
             del siblings[block]
             if not siblings:
                 del self._children[parent]
         for child in self._children.get(block_hash, ()):
-            self._orphans[child] = None
+            orphans.add(child, child in parked)
         walk = self._walk
         if walk is not None and block in walk.held:
             if block in walk.victims:
@@ -144,9 +155,21 @@ class ChainIndex:
         """Whether some tracked block names ``block``'s hash as its parent."""
         return self._hash[block] in self._children
 
+    def pin(self, block: BlockId) -> None:
+        """The owner parked ``block`` (in use): an orphan is set aside until :meth:`unpin`."""
+        parent = self._parent[block]
+        if parent is not None and parent not in self._block_of:
+            self._orphans.pin(block)
+
+    def unpin(self, block: BlockId) -> None:
+        """The owner released ``block``: an orphan is an orphan in its place again."""
+        parent = self._parent[block]
+        if parent is not None and parent not in self._block_of:
+            self._orphans.unpin(block)
+
     def orphans(self) -> Iterator[BlockId]:
-        """Orphans, in the order they became orphans."""
-        return iter(self._orphans)
+        """Orphans not in use, in the order they became orphans (the index must not change meanwhile)."""
+        return self._orphans.walk(any_block)
 
     def __len__(self) -> int:
         return len(self._hash)
@@ -171,6 +194,12 @@ class ChainIndex:
         :meth:`remove` drop the walk then). Evicting a chain one victim per
         call thus costs O(1) amortised per victim, plus one question per
         skipped block at each resume, instead of the chain's depth per call.
+
+        A block already in ``chosen`` is not walked below: it was chosen by an
+        earlier walk of the same selection, which chose its subtree before it
+        (every walk but the last of a selection runs to its end), so a
+        selection that moves up a chain root by root walks each block once,
+        not once per root above it.
         """
         walk = self._walk
         if walk is None or not walk.resumes(root, is_evictable, parked):
@@ -184,7 +213,10 @@ class ChainIndex:
                 for child in reversed(children.get(hashes[block], ())):
                     if child not in held:  # a hash cycle (impossible for content hashes) can't loop
                         held.add(child)
-                        stack.append((child, False))
+                        if child in chosen:  # with its subtree, by an earlier walk of this selection
+                            victims.add(child)
+                        else:
+                            stack.append((child, False))
             elif block in chosen or (block not in parked and is_evictable(block)):
                 chosen[block] = None
                 victims.add(block)
@@ -197,14 +229,16 @@ class ChainIndex:
         assert len(self._hash) == len(self._block_of) == len(self._parent), "maps differ in size"
         for block, block_hash in self._hash.items():
             assert self._block_of[block_hash] == block, f"block {block} hash map disagrees"
-        linked = {}
+        linked: dict[BlockHash, dict[BlockId, None]] = {}
         for block, parent in self._parent.items():
             if parent is not None:
                 linked.setdefault(parent, {})[block] = None
         assert {h: set(c) for h, c in linked.items()} == \
             {h: set(c) for h, c in self._children.items()}, "children map drifted"
         orphans = {b for b, p in self._parent.items() if p is not None and p not in self._block_of}
-        assert orphans == set(self._orphans), f"orphans {set(self._orphans)} != {orphans}"
+        assert orphans == set(self._orphans.in_order()), f"orphans {self._orphans.in_order()} != {orphans}"
+        assert self._orphans.pinned == {b for b in orphans if b in self.parked}, "pinned orphans drifted"
+        self._orphans.check_invariants()
         walk = self._walk
         if walk is not None:
             assert walk.stack and walk.stack[0][0] == walk.root, "kept walk lost its root"

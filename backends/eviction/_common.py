@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 from itertools import islice
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -71,6 +72,10 @@ class LearnsCapacity:
         """Note that the policy tracks ``tracked`` blocks now."""
         if tracked > self._high_water:
             self._high_water = tracked
+
+    if TYPE_CHECKING:
+        def __len__(self) -> int:
+            """Blocks tracked now: the subclass's count."""
 
     def _check_capacity(self) -> None:
         """The invariant above, for the subclass's ``check_invariants``."""

@@ -43,10 +43,11 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
 
     Pinned blocks: with the pin hooks (a pool calls them), a block in use
     keeps its place in ``T1`` or ``T2`` (a hit still moves it) and counts
-    towards its list's size, and is skipped by at most one selection, which
-    sets it aside; released, it is evicted exactly where it would have been
-    had it never been in use (:class:`~kvkit.backends.eviction._queue.ParkingQueue`),
-    so a selection costs O(victims) amortised however many blocks are in use.
+    towards its list's size, and is set aside at once, so no selection meets
+    it; released, it is evicted exactly where it would have been had it
+    never been in use (:class:`~kvkit.backends.eviction._queue.ParkingQueue`),
+    so a selection costs O(victims), its first included, however many blocks
+    are in use.
 
     Args:
         capacity: ``c``, blocks the cache holds (the pool's size). ``None``
@@ -164,6 +165,7 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         assert not self._b1 or len(self._t1) + len(self._b1) <= c, "|T1| + |B1| > c"
         assert not ghosts or len(self) + len(ghosts) <= 2 * c, "|T1| + |T2| + |B1| + |B2| > 2c"
 
+    @override
     def _queue_of(self, block: BlockId) -> ParkingQueue:
         if block in self._in_t1:
             return self._t1
@@ -171,6 +173,7 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             return self._t2
         raise not_tracked(self, block)
 
+    @override
     def _queues(self) -> Iterator[ParkingQueue]:
         return iter((self._t1, self._t2))
 

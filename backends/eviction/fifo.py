@@ -20,11 +20,11 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
     """Evicts in insertion order; hits change nothing.
 
     The policy is one :class:`~kvkit.backends.eviction._queue.ParkingQueue`,
-    whose pin hooks it exposes: a block in use keeps its place in the queue
-    and is skipped by at most one selection, which sets it aside; released,
-    it is evicted exactly where it would have been had it never been in use
-    (its place is its insertion), so the victims, and a trace's hits, are
-    those of a driver that never pins. A selection costs O(victims) amortised
+    whose pin hooks it exposes: a block in use is set aside at once, keeping
+    its place in the queue, so no selection meets it; released, it is evicted
+    exactly where it would have been had it never been in use (its place is
+    its insertion), so the victims, and a trace's hits, are those of a driver
+    that never pins. A selection costs O(victims), its first included,
     however many blocks are in use; a driver that never pins gets the same
     victims by scanning (``is_evictable``).
 
@@ -34,7 +34,7 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
     # The queue's own methods are the hooks: one call per notification on the hot path.
     on_pin = ParkingQueue.pin
     on_unpin = ParkingQueue.unpin
-    on_remove = ParkingQueue.remove
+    on_remove = ParkingQueue.remove  # type: ignore[assignment]  # returns whether it was pinned; the pool ignores it
 
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,

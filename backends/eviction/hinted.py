@@ -19,15 +19,11 @@ from kvkit.interfaces.capabilities import pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import is_callable
 
 __all__ = ["HintedPolicy"]
 
 _PENDING_SPAN = 4  # pools' worth of hints kept for hashes not cached (yet)
-
-
-def _base_check(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if not callable(value):
-        raise ConfigError(f"HintedPolicy.base must be a policy factory (a class), got {value!r}")
 
 
 @define_policy
@@ -61,7 +57,7 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
           among them are parked, the others listed.
     """
 
-    base: Callable[[], EvictionPolicy] = attrs.field(default=AdaptivePolicy, validator=_base_check)
+    base: Callable[[], EvictionPolicy] = attrs.field(default=AdaptivePolicy, validator=is_callable(label="HintedPolicy.", what="a policy factory (a class)"))
     clock: Callable[[], float] = attrs.field(default=time.monotonic, repr=False)
     _policy: EvictionPolicy = attrs.field(init=False)
     _pending: OrderedDict[BlockHash, WorkloadHints] = attrs.field(factory=OrderedDict, init=False)
@@ -230,7 +226,8 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
 
     def _kept_in_order(self, n: int, is_evictable: Callable[[BlockId], bool]) -> list[BlockId]:
         """Up to ``n`` evictable retained blocks, lowest priority then earliest deadline (stale entries dropped)."""
-        order, listed, found = self._order, self._listed, []
+        order, listed = self._order, self._listed
+        found: list[BlockId] = []
         fresh: list[tuple[int, float, int, BlockId]] = []
         while order and len(found) < n:
             entry = heapq.heappop(order)

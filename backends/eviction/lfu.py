@@ -26,11 +26,11 @@ class LFUPolicy(QueuedPins, EvictionPolicy):
     which is created right after ``f``), so every update is O(1).
 
     Pinned blocks: with the pin hooks (a pool calls them), a block in use
-    keeps its place in its bucket (a hit still moves it up one) and is
-    skipped by at most one selection, which sets it aside; released, it is
-    evicted exactly where its count and last use put it, as for a driver that
-    never pins (:class:`~kvkit.backends.eviction._queue.ParkingQueue`). A
-    selection costs O(victims + buckets) amortised, however many blocks are in use.
+    keeps its place in its bucket (a hit still moves it up one) and is set
+    aside at once, so no selection meets it; released, it is evicted exactly
+    where its count and last use put it, as for a driver that never pins
+    (:class:`~kvkit.backends.eviction._queue.ParkingQueue`). A selection costs
+    O(victims + buckets), its first included, however many blocks are in use.
 
     Invariants:
         * ``_freq[b] == f`` iff ``b`` is in ``_buckets[f]``; no bucket is empty.
@@ -120,12 +120,14 @@ class LFUPolicy(QueuedPins, EvictionPolicy):
         if above is not None:
             self._lower[above] = f
 
+    @override
     def _queue_of(self, block: BlockId) -> ParkingQueue:
         f = self._freq.get(block)
         if f is None:
             raise not_tracked(self, block)
         return self._buckets[f]
 
+    @override
     def _queues(self) -> Iterator[ParkingQueue]:
         return iter(self._buckets.values())
 

@@ -19,7 +19,7 @@ from kvkit.backends.eviction._common import (
 from kvkit.backends.eviction._queue import ParkingQueue, QueuedPins
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import real_in
+from kvkit.validate import plural, real_in
 
 __all__ = ["LIRSPolicy"]
 
@@ -60,10 +60,13 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     ``capacity`` never admits provisionally.
 
     Pinned blocks: with the pin hooks (a pool calls them), a block in use keeps
-    its place in its list (a hit still moves it) and is skipped by at most one
-    selection (:class:`~kvkit.backends.eviction._queue.ParkingQueue`), so a
-    selection costs O(victims) amortised. Every other step is O(1) amortised:
-    pruning pops each entry of ``S`` at most once per reference.
+    its place in its list (a hit still moves it) and is set aside at once
+    (:class:`~kvkit.backends.eviction._queue.ParkingQueue`), so no selection
+    meets it. Every other step is O(1) amortised:
+    pruning pops each entry of ``S`` at most once per reference. The one
+    exception is learning ``c``: the first eviction after a learned fill
+    weighs and demotes the provisional excess, ``hir_ratio`` of the pool, at
+    once (O(c / 100) once; never with ``capacity`` given).
 
     Args:
         capacity: ``c``, blocks the cache holds (the pool's size). ``None``
@@ -184,7 +187,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         self._check_pins()
         assert self._provisional.keys() <= lir, "a provisional block is not LIR"
         assert len(lir) - len(self._provisional) <= self.lir_limit, \
-            f"{len(lir)} LIR blocks, {len(self._provisional)} provisional, over {self.lir_limit}"
+            f"{plural(len(lir), 'LIR block')}, {len(self._provisional)} provisional, over {self.lir_limit}"
         assert not self._provisional or self.capacity is None, "provisional blocks with a capacity given"
         stack = self._stack
         assert all(self._hash_of[b] in stack for b in lir), "an LIR block is not in S"
@@ -194,6 +197,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         assert not ghosts or len(stack) <= 2 * self.c, "S holds a ghost beyond 2c entries"
         self._check_capacity()
 
+    @override
     def _queue_of(self, block: BlockId) -> ParkingQueue:
         if block in self._lir:
             return self._lir
@@ -201,6 +205,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             return self._hir
         raise not_tracked(self, block)
 
+    @override
     def _queues(self) -> Iterator[ParkingQueue]:
         return iter((self._lir, self._hir))
 

@@ -16,7 +16,7 @@ class LRUPolicy(FIFOPolicy):
 
     FIFO's queue with one decision changed: a hit moves the block to the hot
     end (pinned or not). A block in use keeps the place of its last insert or
-    hit and is skipped by at most one selection (FIFO's pin hooks); released,
+    hit and is set aside at once (FIFO's pin hooks); released,
     it is evicted where its last use puts it, exactly as if it had never been
     pinned. Hits are what make a block recent, not its release: a pool
     touches the blocks a request hits when it pins them.

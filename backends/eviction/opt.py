@@ -5,11 +5,12 @@ A yardstick, not a policy to deploy: it must be told the whole future.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
+from itertools import islice
 
 import attrs
 import numpy as np
+from sortedcontainers import SortedList
 from typing_extensions import override
 
 from kvkit.backends.eviction._common import (
@@ -23,6 +24,7 @@ from kvkit.backends.eviction._common import (
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import plural
 
 __all__ = ["OptimalPolicy"]
 
@@ -45,24 +47,22 @@ class OptimalPolicy(EvictionPolicy):
     hit (a CPU tier behind a GPU hit) stays exact. Insertions of hashes not
     in the reference string are never used again.
 
-    Blocks sit in a max-heap on next use with lazy invalidation: each
-    tracked block has one live entry (matching its sequence number); stale
-    entries are skipped and the heap is rebuilt when they outnumber live ones.
+    Each unpinned block has one key, ``(-next use, sequence number, block)``,
+    in a sorted list (furthest next use first, ties to the one prioritised
+    earliest); a new next use replaces the key.
 
-    Pinned blocks: with the pin hooks (a pool calls them), a selection that
-    pops the entry of a block in use sets the entry aside instead of pushing
-    it back, and :meth:`on_unpin` pushes it back, so a selection costs
-    O(victims log n) amortised however many blocks are in use; the victims
-    are those of a driver that never pins.
+    Pinned blocks: with the pin hooks (a pool calls them), a block in use
+    leaves the sorted list at once and :meth:`on_unpin` puts its key back, so
+    a selection costs O(victims + log n), its first included, however many
+    blocks are in use; the victims are those of a driver that never pins.
 
     Precondition: at most one tracked block per hash (a pool's prefix index
     guarantees it); inserting a second block under a tracked hash raises.
 
     Invariants:
-        * Every tracked block has exactly one live entry, in the heap or (a
-          pinned block's) set aside, keyed by its next use, which is at or
-          after the clock and equal to the first occurrence of its hash from
-          the clock on.
+        * Every tracked block has exactly one key, in the sorted list unless
+          it is pinned, keyed by its next use, which is at or after the clock
+          and equal to the first occurrence of its hash from the clock on.
         * ``_hash_of`` and ``_block_of`` are inverse maps of the tracked blocks.
     """
 
@@ -75,12 +75,9 @@ class OptimalPolicy(EvictionPolicy):
     _clock: int = attrs.field(default=0, init=False)
     _hash_of: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False, repr=False)
     _block_of: dict[BlockHash, BlockId] = attrs.field(factory=dict, init=False, repr=False)
-    _next_use: dict[BlockId, int] = attrs.field(factory=dict, init=False, repr=False)
-    _live: dict[BlockId, int] = attrs.field(factory=dict, init=False, repr=False)
-    _heap: list[tuple[int, int, BlockId]] = attrs.field(factory=list, init=False, repr=False)
+    _key: dict[BlockId, tuple[int, int, BlockId]] = attrs.field(factory=dict, init=False, repr=False)
+    _order: SortedList = attrs.field(factory=SortedList, init=False, repr=False)  # keys of unpinned blocks
     _pinned: set[BlockId] = attrs.field(factory=set, init=False, repr=False)
-    # Live entries of pinned blocks that a selection popped: pushed back on unpin.
-    _aside: dict[BlockId, tuple[int, int, BlockId]] = attrs.field(factory=dict, init=False, repr=False)
     _seq: int = attrs.field(default=0, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -118,7 +115,7 @@ class OptimalPolicy(EvictionPolicy):
         t = self._clock
         if t >= len(self.references):
             raise PoolUsageError(
-                f"observe({block_hash!r}) after all {len(self.references)} references")
+                f"observe({block_hash!r}) after all {plural(len(self.references), 'reference')}")
         if self.references[t] != block_hash:
             raise PoolUsageError(
                 f"reference {t} is {self.references[t]!r}, observe got {block_hash!r}")
@@ -157,31 +154,30 @@ class OptimalPolicy(EvictionPolicy):
         block_hash = self._hash_of.pop(block, None)
         if block_hash is None:
             raise not_tracked(self, block)
-        del self._block_of[block_hash], self._next_use[block], self._live[block]
-        self._pinned.discard(block)
-        self._aside.pop(block, None)
-        if len(self._heap) > 2 * len(self._live) + 64:
-            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
-            heapq.heapify(self._heap)
+        del self._block_of[block_hash]
+        key = self._key.pop(block)
+        if block in self._pinned:
+            self._pinned.remove(block)
+        else:
+            self._order.remove(key)
 
     def on_pin(self, block: BlockId) -> None:
-        """A tracked block came into use: a selection that meets its entry sets it aside."""
+        """A tracked block came into use: its key leaves the sorted list."""
         if block not in self._hash_of:
             raise not_tracked(self, block)
         if block in self._pinned:
             raise pin_mismatch(self, block, pinned=True)
         self._pinned.add(block)
+        self._order.remove(self._key[block])
 
     def on_unpin(self, block: BlockId) -> None:
-        """A pinned block was released: its entry goes back into the heap if it was set aside."""
+        """A pinned block was released: its key goes back into the sorted list."""
         if block not in self._hash_of:
             raise not_tracked(self, block)
         if block not in self._pinned:
             raise pin_mismatch(self, block, pinned=False)
         self._pinned.remove(block)
-        entry = self._aside.pop(block, None)
-        if entry is not None:
-            heapq.heappush(self._heap, entry)
+        self._order.add(self._key[block])
 
     @property
     def pinned(self) -> frozenset[BlockId]:
@@ -192,20 +188,7 @@ class OptimalPolicy(EvictionPolicy):
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
-        popped, victims = [], []
-        pinned, aside = self._pinned, self._aside
-        while self._heap and len(victims) < n:
-            entry = heapq.heappop(self._heap)
-            if self._live.get(entry[2]) != entry[1]:
-                continue  # stale: dropping it changes no decision
-            if entry[2] in pinned:
-                aside[entry[2]] = entry  # not selectable until released: out of later walks
-                continue
-            popped.append(entry)
-            if is_evictable(entry[2]):
-                victims.append(entry[2])
-        for entry in popped:  # victims stay tracked until the pool removes them
-            heapq.heappush(self._heap, entry)
+        victims = list(islice((key[2] for key in self._order if is_evictable(key[2])), n))
         return victims if len(victims) == n else None
 
     @override
@@ -218,21 +201,21 @@ class OptimalPolicy(EvictionPolicy):
         assert len(self._block_of) == len(self._hash_of), "hash map and block map differ in size"
         assert all(self._block_of.get(h) == b for b, h in self._hash_of.items()), \
             "hash map and block map disagree"
-        assert self._live.keys() == self._next_use.keys() == self._hash_of.keys(), \
-            "heap bookkeeping drifted from the tracked blocks"
+        assert self._key.keys() == self._hash_of.keys(), "keys drifted from the tracked blocks"
         assert self._pinned <= self._hash_of.keys(), "a pinned block is not tracked"
-        assert self._aside.keys() <= self._pinned, "an entry is set aside for a block not in use"
-        live = [e for e in (*self._heap, *self._aside.values()) if self._live.get(e[2]) == e[1]]
-        assert sorted(e[2] for e in live) == sorted(self._live), "not one live entry per block"
-        for neg_use, _, block in live:
+        unpinned = [key for block, key in self._key.items() if block not in self._pinned]
+        assert sorted(unpinned) == list(self._order), "the sorted list holds other keys than the unpinned blocks'"
+        for block, (neg_use, _, keyed) in self._key.items():
             expected = self.next_use(self._hash_of[block])
-            assert -neg_use == self._next_use[block] == expected, \
-                f"block {block} keyed {-neg_use}, next use is {expected}"
+            assert keyed == block and -neg_use == expected, f"block {block} keyed {-neg_use}, next use is {expected}"
             assert expected >= self._clock, f"block {block} next use {expected} is past"
 
     def _prioritise(self, block: BlockId, use: int) -> None:
-        self._aside.pop(block, None)  # the entry set aside is stale from now on
         self._seq += 1
-        self._next_use[block] = use
-        self._live[block] = self._seq
-        heapq.heappush(self._heap, (-use, self._seq, block))
+        key = (-use, self._seq, block)
+        old = self._key.get(block)
+        self._key[block] = key
+        if block not in self._pinned:
+            if old is not None:
+                self._order.remove(old)
+            self._order.add(key)

@@ -61,7 +61,8 @@ class PrefixLRUPolicy(EvictionPolicy):
     _order: OrderedDict[BlockId, None] = attrs.field(init=False, factory=OrderedDict)
     # Pinned blocks set aside from the recency list (on_pin), in pin order.
     _parked: dict[BlockId, None] = attrs.field(init=False, factory=dict)
-    _chains: ChainIndex = attrs.field(init=False, factory=ChainIndex)
+    _chains: ChainIndex = attrs.field(init=False, default=attrs.Factory(
+        lambda self: ChainIndex(parked=self._parked), takes_self=True))
 
     @property
     def pinned(self) -> tuple[BlockId, ...]:
@@ -91,10 +92,12 @@ class PrefixLRUPolicy(EvictionPolicy):
     def on_pin(self, block: BlockId) -> None:
         """Park a tracked block in use: out of the recency list, still in the chain index."""
         move_pinned(self, block, ((self._order, self._parked),), pinned=True)
+        self._chains.pin(block)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at the recent end, as a block just used."""
         move_pinned(self, block, ((self._parked, self._order),), pinned=False)
+        self._chains.unpin(block)
 
     @override
     def select_victims(self, n: int,

@@ -70,7 +70,8 @@ class S3FIFOPolicy(LearnsCapacity, EvictionPolicy):
         * ``G`` holds no tracked block's hash and at most its limit of entries.
     """
 
-    small_ratio: float = attrs.field(default=0.1, validator=real_in(low=0, high=1, low_open=True, high_open=True, label="S3FIFOPolicy."))
+    small_ratio: float = attrs.field(default=0.1, validator=real_in(low=0, high=1, low_open=True, high_open=True,
+                                                                    label="S3FIFOPolicy."))
     _small: OrderedDict[BlockId, BlockHash] = attrs.field(factory=OrderedDict, init=False)
     _main: OrderedDict[BlockId, BlockHash] = attrs.field(factory=OrderedDict, init=False)
     _freq: dict[BlockId, int] = attrs.field(factory=dict, init=False)
@@ -156,7 +157,8 @@ class S3FIFOPolicy(LearnsCapacity, EvictionPolicy):
             # Small first while it holds its share; a pass over S can move its
             # last candidates into M, hence M is tried again after it.
             if len(self._small) + len(self._pinned_small) - chosen_small >= self._small_target():
-                steps = (self._evict_small, self._evict_main)
+                steps: tuple[Callable[[Callable[[BlockId], bool], set[BlockId]], BlockId | None], ...] = (
+                    self._evict_small, self._evict_main)
             else:
                 steps = (self._evict_main, self._evict_small, self._evict_main)
             victim = None

@@ -2,27 +2,42 @@
 
 Measured in one run against the same server, as ratios: the store itself, a valkey-py/redis-py
 pipeline doing the same work (values as fresh ``bytes``), and the server's own
-``valkey-benchmark``/``redis-benchmark`` SET/GET for the same value size when the binary is on ``PATH``.
+``valkey-benchmark``/``redis-benchmark`` SET/GET for the same value size when the binary is on ``PATH``,
+at the same concurrency: one connection (the store's I/O thread has one per node; the tool runs
+``-c 1 -P 1``). Every way runs once per round, the rounds in a fresh order each; a figure is the median
+over the rounds, wall time and the CPU time of this process and its children (the tool) beside it.
 Every value read back is compared with what was written.
+
+No password is shown or handed on: the report names the URL through
+:func:`~kvkit.redact.redact_url`, and the server tool, which takes a password
+only on its command line (``-a``, readable by every local user in
+``/proc/<pid>/cmdline``; neither tool reads one from the environment), is not
+run against a server that needs one: the report says so (``server_tool_skipped``).
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import parse_qsl
 
+import attrs
 import numpy as np
 
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.shared import BlockStore
+from kvkit.redact import redact_url
 from kvkit.shared.urls import open_block_store, process_wide
+from kvkit.validate import plural, quote
 
 __all__ = ["run_shared_bench"]
 
@@ -35,19 +50,27 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
 
     With ``url=None`` a local server is started (``kvkit.testing.servers.LocalServer``) and stopped
     after. Answers a JSON-able report: per size the store's, the client library's and the
-    server tool's GB/s (median of ``repeat``), and ``contains`` medians in ms.
+    server tool's GB/s (median of ``repeat`` rounds) with their CPU ms per GB, and the store's
+    ratios to the tool and to the library (``ratios``); ``contains`` medians in ms (wall and CPU).
     """
     from kvkit.testing.servers import LocalServer
 
-    server = LocalServer().start() if url is None else None
-    target = server.url if server is not None else url
+    server: LocalServer | None = None
+    if url is None:
+        server = LocalServer().start()
+        target = server.url
+    else:
+        target = url
     try:
         store = open_block_store(target, request_timeout_s=30.0)
         problem = store.ping() if hasattr(store, "ping") else None
         if problem is not None:
-            raise ConfigError(f"--url {target!r}: {problem}")
+            raise ConfigError(f"--url {quote(target)}: {problem}")
         try:
-            report: dict[str, Any] = {"url": target, "repeat": repeat, "sizes": {}}
+            report: dict[str, Any] = {"url": redact_url(target), "repeat": repeat, "sizes": {}}
+            skipped = _tool_skipped(target)
+            if skipped is not None:
+                report["server_tool_skipped"] = skipped
             client = _library_client(target)
             for size in sizes:
                 report["sizes"][str(size)] = _throughput(store, client, target, size, max(1, batch_bytes // size),
@@ -62,8 +85,18 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
             server.stop()
 
 
+@attrs.frozen
+class _Way:
+    """One way to move the values: ``run`` answers its own seconds (a tool's report), or ``None`` (its wall
+    time counts); ``num_bytes`` is what one run moves."""
+
+    run: Callable[[], float | None]
+    num_bytes: int
+
+
 def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, repeat: int) -> dict[str, Any]:
-    """GB/s of each way to move ``n`` values, measured in interleaved rounds (medians), so load hits all alike."""
+    """GB/s and CPU ms per GB of each way to move ``n`` values, measured in interleaved rounds (medians),
+    so load hits all alike; the store's ratios to the server tool and to the library."""
     keys = [b"kvkit:bench:%d:%d" % (size, i) for i in range(n)]
     source = np.random.default_rng(0).integers(0, 256, (n, size), dtype=np.uint8)
     target = np.ones_like(source)  # touched, so no first-touch page faults are timed
@@ -73,11 +106,12 @@ def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, rep
     # (cache-resident); the tiers move distinct, cold rows, as the plain figures do.
     hot_keys = [b"kvkit:bench:%d:hot:%d" % (size, i) for i in range(n)]
     hot_row = np.ones(size, dtype=np.uint8)
-    ways: dict[str, Callable[[], object]] = {
-        "put_GBps": lambda: _finish(store, store.put(keys, values)),
-        "get_GBps": lambda: _finish(store, store.get(keys, buffers)),
-        "put_hot_GBps": lambda: _finish(store, store.put(hot_keys, [values[0]] * n)),
-        "get_hot_GBps": lambda: _finish(store, store.get(hot_keys, [[memoryview(hot_row)]] * n)),
+    batch = n * size
+    ways: dict[str, _Way] = {
+        "put": _Way(lambda: _finish(store, store.put(keys, values)), batch),
+        "get": _Way(lambda: _finish(store, store.get(keys, buffers)), batch),
+        "put_hot": _Way(lambda: _finish(store, store.put(hot_keys, [values[0]] * n)), batch),
+        "get_hot": _Way(lambda: _finish(store, store.get(hot_keys, [[memoryview(hot_row)]] * n)), batch),
     }
     if client is not None:
         blobs = [line.tobytes() for line in source]
@@ -95,19 +129,26 @@ def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, rep
             got = pipe.execute()
             assert got[-1] == blobs[-1], "the library read back other bytes"
 
-        ways.update(library_put_GBps=lib_put, library_get_GBps=lib_get)
-    tool: dict[str, list[float]] = {}
-
-    def tool_round() -> None:
-        for name, rate in _server_tool(url, size, n).items():
-            tool.setdefault(name, []).append(rate)
-
-    seconds = _interleaved(ways, repeat, tool_round)
+        ways.update(library_put=_Way(lib_put, batch), library_get=_Way(lib_get, batch))
+    tool = _tool_command(url)
+    if tool is not None:
+        for test, requests in (("set", 3 * n), ("get", n)):
+            ways[f"server_tool_{test}"] = _Way(lambda t=test, r=requests: _run_tool(tool, t, size, r, n, url),
+                                                requests * size)
+    measured = _interleaved({name: way.run for name, way in ways.items()}, repeat)
     if not (np.array_equal(source, target) and np.array_equal(source[0], hot_row)):
         raise AssertionError(f"the values read back differ from those written ({size}-byte values)")
-    row: dict[str, Any] = {"values": n, **{name: n * size / t / 1e9 for name, t in seconds.items()}}
-    if tool:
-        row.update({name: statistics.median(r) for name, r in tool.items()}, server_tool=os.path.basename(_tool()))
+    row: dict[str, Any] = {"values": n}
+    for name, (seconds, cpu) in measured.items():
+        row[f"{name}_GBps"] = ways[name].num_bytes / seconds / 1e9
+        row[f"{name}_cpu_ms_per_GB"] = cpu / ways[name].num_bytes * 1e12
+    if tool is not None:
+        row["server_tool"] = f"{os.path.basename(tool[0])} -c 1 -P 1"
+    ratios = row["ratios"] = {}
+    for op, other, theirs in (("put", "tool", "server_tool_set"), ("get", "tool", "server_tool_get"),
+                              ("put", "library", "library_put"), ("get", "library", "library_get")):
+        if f"{theirs}_GBps" in row:
+            ratios[f"{op}_vs_{other}"] = row[f"{op}_GBps"] / row[f"{theirs}_GBps"]
     return row
 
 
@@ -116,8 +157,8 @@ def _contains(store: BlockStore, client: Any, count: int, repeat: int) -> dict[s
     _finish(store, store.put(keys, [[memoryview(b"v")] for _ in keys]))
     found = store.contains(keys)
     if found != count:
-        raise AssertionError(f"contains answered {found} of {count} keys just written")
-    ways: dict[str, Callable[[], object]] = {"store_ms": lambda: store.contains(keys)}
+        raise AssertionError(f"contains answered {found} of {plural(count, 'key')} just written")
+    ways: dict[str, Callable[[], object]] = {"store": lambda: store.contains(keys)}
     if client is not None:
         def lib() -> None:
             pipe = client.pipeline(transaction=False)
@@ -125,35 +166,55 @@ def _contains(store: BlockStore, client: Any, count: int, repeat: int) -> dict[s
                 pipe.exists(key)
             pipe.execute()
 
-        ways["library_pipeline_ms"] = lib
-    return {"keys": count, **{name: t * 1e3 for name, t in _interleaved(ways, repeat).items()}}
+        ways["library_pipeline"] = lib
+    out: dict[str, Any] = {"keys": count}
+    for name, (seconds, cpu) in _interleaved(ways, repeat).items():
+        out[f"{name}_ms"], out[f"{name}_cpu_ms"] = seconds * 1e3, cpu * 1e3
+    return out
 
 
-def _server_tool(url: str, size: int, n: int) -> dict[str, float]:
-    """SET/GET GB/s of the server's own benchmark tool over ``n`` keys (``-P 1 -c 1``: its best case here).
-
-    ``-r n`` spreads the tool's keys over as many values as the store moved (one key, the tool's
-    default, would be served from the CPU cache); SET runs ``3 n`` requests first, so about 95 % of
-    the keys GET asks for exist (a missing key's nil reply flatters the tool a little).
-    """
+def _tool_command(url: str) -> list[str] | None:
+    """The server tool's command line for ``url``'s host and port, or ``None`` (no tool, a Cluster, TLS)."""
     tool = _tool()
     scheme, _, rest = url.partition("://")
-    auth, _, location = rest.rpartition("@")
-    host_port = location.partition("/")[0]
+    location = rest.rpartition("@")[2]
+    host_port = location.partition("/")[0].partition("?")[0]
     if tool is None or "," in host_port or "cluster" in scheme or scheme.endswith("s"):
-        return {}
+        return None
     host, _, port = host_port.rpartition(":")
-    password = auth.partition(":")[2]
-    rates: dict[str, float] = {}
-    for test, requests in (("set", 3 * n), ("get", n)):
-        command = [tool, "-h", host, "-p", port, "-t", test, "-d", str(size), "-n", str(requests), "-r", str(n),
-                   "-P", "1", "-c", "1", "--csv", *(["-a", password] if password else [])]
-        out = subprocess.run(command, capture_output=True, text=True, timeout=300).stdout
-        for line in out.splitlines():
-            cells = [c.strip('"') for c in line.split(",")]
-            if len(cells) > 1 and cells[0] == test.upper():
-                rates[f"server_tool_{test}_GBps"] = float(cells[1]) * size / 1e9
-    return rates
+    return [tool, "-h", host, "-p", port]  # never a password in argv: _run_tool passes it in the environment
+
+
+def _run_tool(command: list[str], test: str, size: int, requests: int, keys: int, url: str) -> float | None:
+    """Seconds the server tool reports for ``requests`` SETs or GETs of ``size`` bytes over ``keys`` keys;
+    ``None`` for a run too short for its millisecond clock (it says ``inf``: the wall time, start-up
+    included, counts instead).
+
+    ``-c 1 -P 1``: one connection, one request at a time (its best case here). ``-r keys`` spreads
+    the tool's keys over as many values as the store moved (one key, the tool's default, would be
+    served from the CPU cache); SET runs ``3 keys`` requests, so about 95 % of the keys GET asks
+    for exist (a missing key's nil reply flatters the tool a little).
+    """
+    password = url.partition("://")[2].rpartition("@")[0].partition(":")[2]
+    env = {**os.environ, "REDISCLI_AUTH": password} if password else None  # the tools read it there, never argv
+    out = subprocess.run([*command, "-t", test, "-d", str(size), "-n", str(requests), "-r", str(keys),
+                          "-P", "1", "-c", "1", "--csv"], capture_output=True, text=True, timeout=300,
+                         env=env).stdout
+    for line in out.splitlines():
+        cells = [c.strip('"') for c in line.split(",")]
+        if len(cells) > 1 and cells[0] == test.upper():
+            rate = float(cells[1])
+            return requests / rate if math.isfinite(rate) and rate > 0 else None
+    raise BackendUnavailableError(f"{os.path.basename(command[0])} -t {test} printed no result: {out[-200:]!r}")
+
+
+def _tool_skipped(url: str) -> str | None:
+    """Why the server tool is not run against ``url`` (it needs a login), or ``None``."""
+    location, _, query = url.partition("?")
+    if "@" in location or "password" in dict(parse_qsl(query)):
+        return ("the server needs a login, and the server tool takes a password only on its command line "
+                "(readable by every local user)")
+    return None
 
 
 def _tool() -> str | None:
@@ -189,23 +250,30 @@ def _finish(store: BlockStore, ticket: int) -> None:
     raise BackendUnavailableError("a benchmark call was not reported within 60 s")
 
 
-def _interleaved(ways: dict[str, Callable[[], object]], repeat: int,
-                 extra: Callable[[], None] | None = None) -> dict[str, float]:
-    """Median seconds of each way over ``repeat`` rounds; each round runs every way (and ``extra``,
-    untimed) once, in a fresh order (seeded), so neither load nor the server's state favours one."""
+def _interleaved(ways: dict[str, Callable[[], float | None]], repeat: int) -> dict[str, tuple[float, float]]:
+    """Median seconds and median CPU seconds (this process and its children) of each way over ``repeat``
+    rounds; each round runs every way once, in a fresh order (seeded), so neither load nor the server's
+    state favours one. A way that answers a number reports its own seconds (a tool's); else its wall
+    time counts."""
     for work in ways.values():
         work()  # connections, first allocations
     times: dict[str, list[float]] = {name: [] for name in ways}
-    order: list[str | None] = [*ways, None]
+    cpus: dict[str, list[float]] = {name: [] for name in ways}
+    order = list(ways)
     shuffle = random.Random(0).shuffle
     for _ in range(repeat):
         shuffle(order)
         for name in order:
-            if name is None:
-                if extra is not None:
-                    extra()
-                continue
+            cpu = _cpu_seconds()
             start = time.perf_counter()
-            ways[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+            reported = ways[name]()
+            wall = time.perf_counter() - start
+            cpus[name].append(_cpu_seconds() - cpu)
+            times[name].append(reported if isinstance(reported, float) else wall)
+    return {name: (statistics.median(times[name]), statistics.median(cpus[name])) for name in ways}
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process (every thread) and of its finished children."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime

@@ -14,11 +14,12 @@ that run there (``torch``) are timed.
 from __future__ import annotations
 
 import collections
+import functools
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -28,7 +29,8 @@ from kvkit.errors import ConfigError, SpecMismatchError
 from kvkit.interfaces.capabilities import LayeredCopy
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, TransferPlan
-from kvkit.registry import COPY, did_you_mean
+from kvkit.registry import COPY
+from kvkit.validate import did_you_mean, plural
 from kvkit.worker.engine import layer_stages
 from kvkit.worker.layouts import allocate_kv, check_layouts, kv_nbytes, kv_views, regions_for
 from kvkit.worker.memory import check_fits
@@ -81,14 +83,14 @@ class Rig:
     regions: list[Region]
     keep: list[torch.Tensor]
 
-    @classmethod
-    def allocate(cls, spec: KVCacheSpec, layout: str, num_blocks: int, device: torch.device,
-                 alloc: str = "buffer", seed: int = 0, cpu_layout: str | None = None) -> Rig:
-        """Allocate and fill both tiers: the GPU one on ``device``, the CPU one in ``cpu_layout`` or ``layout``.
+    @staticmethod
+    def check(spec: KVCacheSpec, layout: str, num_blocks: int, device: torch.device,
+              cpu_layout: str | None = None) -> int:
+        """The bytes of one tier, once the layouts pair and both tiers fit; allocates nothing.
 
         Raises:
-            ConfigError: the layouts do not pair (checked before anything is allocated).
-            InsufficientMemoryError: a tier does not fit (checked before anything is allocated).
+            ConfigError: the layouts do not pair.
+            InsufficientMemoryError: a tier does not fit.
         """
         check_layouts(spec, layout, cpu_layout)
         nbytes = kv_nbytes(spec, layout, num_blocks)
@@ -97,6 +99,17 @@ class Rig:
             check_fits("cpu", {"CPU tier": nbytes})
         else:
             check_fits(device, {"GPU tier (host memory here)": nbytes, "CPU tier": nbytes})
+        return nbytes
+
+    @classmethod
+    def allocate(cls, spec: KVCacheSpec, layout: str, num_blocks: int, device: torch.device,
+                 alloc: str = "buffer", seed: int = 0, cpu_layout: str | None = None) -> Rig:
+        """Allocate and fill both tiers: the GPU one on ``device``, the CPU one in ``cpu_layout`` or ``layout``.
+
+        Raises:
+            ConfigError / InsufficientMemoryError: as :meth:`check`, before anything is allocated.
+        """
+        nbytes = cls.check(spec, layout, num_blocks, device, cpu_layout)
         gen = torch.Generator(device=device).manual_seed(seed)
         if alloc == "buffer":
             gpu_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -142,8 +155,8 @@ def _check_pool(blocks: int, directions: int, pool: int) -> int:
     """Blocks the plans need of a pool of ``pool`` blocks; ``ConfigError`` if it is smaller."""
     need = blocks * directions
     if need > pool:
-        raise ConfigError(f"--blocks {blocks} x {directions} direction(s) needs a pool of at least {need} "
-                          f"blocks, got --pool-blocks {pool}")
+        raise ConfigError(f"--blocks {blocks} x {plural(directions, 'direction')} needs a pool of at least "
+                          f"{plural(need, 'block')}, got --pool-blocks {pool}")
     return need
 
 
@@ -157,7 +170,8 @@ def make_plans(rig: Rig, blocks: int, ids: str, direction: str, seed: int = 0) -
     need = _check_pool(blocks, len(dirs), rig.num_blocks)
     rng = np.random.default_rng(seed)
     if ids == "random":
-        gpu_ids, cpu_ids = rng.choice(rig.num_blocks, need, replace=False), rng.choice(rig.num_blocks, need, replace=False)
+        gpu_ids = rng.choice(rig.num_blocks, need, replace=False)
+        cpu_ids = rng.choice(rig.num_blocks, need, replace=False)
     else:
         gpu_ids = rng.integers(0, rig.num_blocks - need + 1) + np.arange(need)
         cpu_ids = rng.integers(0, rig.num_blocks - need + 1) + np.arange(need)
@@ -350,10 +364,14 @@ def bench_backend(rig: Rig, label: str, backend: CopyBackend, plans: Sequence[Tr
     return result
 
 
-def _layered(rig: Rig, backend: LayeredCopy, plan: TransferPlan, repeat: int, trials: int) -> dict[str, Any]:
-    """The cost of per-layer stages: ``plan`` in one stage a layer against ``plan`` whole, timed alternately."""
+def _layered(rig: Rig, backend: CopyBackend, plan: TransferPlan, repeat: int, trials: int) -> dict[str, Any]:
+    """The cost of per-layer stages: ``plan`` in one stage a layer against ``plan`` whole, timed alternately.
+
+    ``backend`` is a :class:`~kvkit.interfaces.capabilities.LayeredCopy`.
+    """
     stages = [regions for regions, _ in layer_stages(rig.spec, rig.regions, 1)[plan.group]]
-    runs = {"whole": lambda: backend.submit(plan), "layered": lambda: backend.submit_stages(plan, stages)[0]}
+    staged = cast(LayeredCopy, backend)
+    runs = {"whole": lambda: backend.submit(plan), "layered": lambda: staged.submit_stages(plan, stages)[0]}
     submit_s: list[float] = []
     times: dict[str, list[float]] = {"whole": [], "layered": []}
     backend.wait(runs["layered"]())  # warm-up
@@ -401,12 +419,13 @@ def _backends(name: str, device: torch.device, options: dict[str, Any]) -> list[
     if not names:
         raise ConfigError(f"--backend {name!r}: nothing to run on {device.type}; hint: on a CPU-only machine "
                           f"use --backend torch")
-    out, used = [], set()
+    out: list[tuple[str, Callable[[], CopyBackend]]] = []
+    used: set[str] = set()
     for n in names:
         accepted = {k: v for k, v in options.items() if COPY.check_options(n, {k: v}, partial=True) is None}
         used |= set(accepted)
         label = n + "".join(f" {k}={v}" for k, v in accepted.items())
-        out.append((label, lambda n=n, kw=accepted: COPY.create(n, **kw)))
+        out.append((label, functools.partial(COPY.create, n, **accepted)))
     unused = sorted(set(options) - used)
     if unused:
         raise ConfigError(f"--set {', '.join(map(repr, unused))}: no option of "
@@ -428,7 +447,7 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
     ``direction`` is a name in :data:`DIRECTIONS` (``d2h``/``h2d`` still work
     for one release and warn).
 
-    ``on_step(what, done, total)`` is called as each step starts (allocating,
+    ``on_step(what, done, total)`` is called, once every option passed its checks, as each step starts (allocating,
     the ceiling, the GEMM baseline, each backend) and once at the end
     (``done == total``); ``on_result`` with each backend's result as it finishes.
 
@@ -444,9 +463,10 @@ def run_transfer(spec: KVCacheSpec, *, backend: str = "all", layout: str = "per-
     n_dirs = len(DIRECTIONS[direction])
     pool = pool_blocks or max(2048 if device.type == "cuda" else 64, 2 * blocks * n_dirs)
     _check_pool(blocks, n_dirs, pool)  # before the (slow) allocation
+    Rig.check(spec, layout, pool, device, cpu_layout)  # so the first step starts a run that will happen
     total = 2 + with_gemm + len(backends)
     step = on_step or (lambda what, done, total: None)
-    step(f"allocating {pool:,} blocks per tier", 0, total)
+    step(f"allocating {plural(pool, 'block', grouped=True)} per tier", 0, total)
     rig = Rig.allocate(spec, layout, pool, device, alloc=alloc, seed=seed, cpu_layout=cpu_layout)
     plans = make_plans(rig, blocks, ids, direction, seed=seed)
     step("measuring the ceiling (one large pinned copy)", 1, total)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from typing_extensions import override
 
 from kvkit.errors import ConfigError, KVKitError
 
@@ -69,7 +70,7 @@ def check_plot_path(path: Path | None) -> None:
     if path is None:
         return
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib as mpl  # noqa: F401 - only whether it imports
     except ImportError:
         raise click.UsageError("--plot needs matplotlib: pip install 'kvkit[plot]'") from None
     folder = path.parent
@@ -105,6 +106,8 @@ def _first_doc_line(target: str) -> str:
     module, _, attr = target.partition(":")
     try:
         spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            return ""
         tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
     except (ImportError, AttributeError, TypeError, OSError, SyntaxError, ValueError):
         return ""
@@ -117,9 +120,11 @@ def _first_doc_line(target: str) -> str:
 class _LazyGroup(click.Group):
     """A group whose subcommands come from :data:`COMMANDS`, imported on first use."""
 
+    @override
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 
+    @override
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         target = COMMANDS.get(cmd_name)
         if target is None:
@@ -127,12 +132,14 @@ class _LazyGroup(click.Group):
         module, _, attr = target.partition(":")
         return getattr(importlib.import_module(module), attr)
 
+    @override
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Listing help must not import the commands; read their docstrings instead.
         rows = [(name, _first_doc_line(COMMANDS[name])) for name in self.list_commands(ctx)]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    @override
     def invoke(self, ctx: click.Context) -> Any:
         with kvkit_errors():
             return super().invoke(ctx)

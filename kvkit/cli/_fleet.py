@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import click
 
+from kvkit.redact import redact_url
 from kvkit.sim.fleet import FleetResult, compare_fleets
 from kvkit.sim.simulator import SimConfig, describe_effect, tier_effect
+from kvkit.validate import plural
 
 __all__ = ["run_fleets"]
 
 
 def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str, shared_url: str | None,
-               as_json: bool) -> None:
-    """Replay ``workload`` through ``instances`` isolated instances, then as many sharing a tier; report both."""
+               as_json: bool, plot_path: Path | None = None) -> None:
+    """Replay ``workload`` through ``instances`` isolated instances, then as many sharing a tier; report both.
+
+    With ``plot_path``, also write :func:`~kvkit.cli.plots.fleet_figure` there as a PNG.
+    """
     from kvkit.shared.client import open_shared
 
     store, owned = open_shared(shared_url) if shared_url is not None else (None, False)
+    shown_url = "in-process" if shared_url is None else redact_url(shared_url)  # never a password
     start = time.perf_counter()
     try:
         isolated, sharing = compare_fleets(workload.requests, config, instances=instances, router=router,
@@ -28,13 +35,23 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
         if owned:
             store.close()
     wall = time.perf_counter() - start
+    config = isolated.instances[0].config  # with the trace's block size
+    if plot_path is not None:
+        from kvkit.cli.plots import fleet_figure, save
+        from kvkit.cli.simulate import describe_run  # imported here: simulate imports this module
+
+        title = (f"{plural(len(isolated.instances), 'instance')} ({isolated.router}), each "
+                 f"{describe_run(workload.describe(), config)}; shared tier {shown_url}")
+        save(fleet_figure(isolated, sharing, title=title), plot_path)
     if as_json:
         report = {"isolated": isolated.as_dict(), "shared": sharing.as_dict(), "shared_tier": _effect(isolated, sharing),
-                  "shared_url": shared_url or "in-process", "config": config.as_dict() | workload.as_dict(),
+                  "shared_url": shown_url, "config": config.as_dict() | workload.as_dict(),
                   "wall_s": round(wall, 3)}
         click.echo(json.dumps(report, indent=2, default=str))
         return
-    _print(isolated, sharing, workload.describe(), config, shared_url, wall)
+    _print(isolated, sharing, workload.describe(), config, shown_url, wall)
+    if plot_path is not None:
+        click.echo(f"plot written to {plot_path}")
 
 
 def _effect(isolated: FleetResult, sharing: FleetResult) -> dict[str, Any]:
@@ -68,22 +85,23 @@ def _rows(f: FleetResult) -> dict[str, str]:
     }
 
 
-def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimConfig, shared_url: str | None,
+def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimConfig, shown_url: str,
            wall: float) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvkit.cli._tables import print_table
+
     n = len(isolated.instances)
-    table = Table(title=f"{what}: {n} instances ({isolated.router}), each GPU {config.gpu_blocks:,} + "
-                        f"CPU {config.num_cpu_blocks:,} blocks of {config.block_size} tokens")
-    table.add_column("")
-    table.add_column("isolated", justify="right")
-    table.add_column(f"shared tier ({shared_url or 'in-process'})", justify="right")
+    table = Table(title=f"{what}: {plural(n, 'instance')} ({isolated.router}), each GPU {config.stack.gpu_blocks:,} + "
+                        f"CPU {plural(config.stack.num_cpu_blocks, 'block', grouped=True)} of "
+                        f"{plural(config.block_size, 'token')}")
+    table.add_column("", no_wrap=True)
+    table.add_column("isolated", justify="right", no_wrap=True)
+    table.add_column(f"shared tier ({shown_url})", justify="right", no_wrap=True)
     shared = _rows(sharing)
     for name, value in _rows(isolated).items():
         table.add_row(name, value, shared[name])
-    console = Console()
-    console.print(table)
+    console = print_table(table)
     console.print(f"{describe_effect('shared', _effect(isolated, sharing))} (fetch {config.cost.shared_gbps:g} "
                   f"GB/s, prefill {config.cost.prefill_tokens_per_s:,.0f} tokens/s, planner "
                   f"{config.as_dict()['planner']}); total {wall:.1f} s")

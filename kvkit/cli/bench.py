@@ -14,6 +14,7 @@ from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.types import KVCacheSpec
 from kvkit.sim.simulator import LLAMA_3_8B
+from kvkit.validate import plural
 from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["bench_group", "transfer_command"]
@@ -50,20 +51,29 @@ def bench_group() -> None:
 @click.option("--dtype", default=LLAMA_3_8B.dtype, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: int, ids: str, direction: str,
-                     with_gemm: bool, as_json: bool, pool_blocks: int | None, repeat: int, alloc: str, settings: tuple[str, ...],
-                     layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, seed: int) -> None:
+                     with_gemm: bool, as_json: bool, pool_blocks: int | None, repeat: int, alloc: str,
+                     settings: tuple[str, ...], layers: int, kv_heads: int, head_dim: int, block_size: int,
+                     dtype: str, seed: int) -> None:
     """Copy-backend GB/s on a KV cache (Llama-3-8B shapes by default), each copy checked."""
     spec = KVCacheSpec(num_layers=layers, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                        dtype=dtype)
-    with progress() as bar:
+    per_timing = spec.bytes_per_block * blocks * repeat * len(DIRECTIONS[direction])
+    with progress(log=True) as bar:  # minutes-long runs say what they do even on a pipe
         task = bar.task("bench transfer")
+
+        def step(what: str, done: int, total: int) -> None:
+            if done == 0:  # the options passed their checks; nothing is allocated yet
+                slow = _slow_on_this_machine(per_timing)
+                if slow:
+                    bar.note(slow)
+            bar.update(task, description=what, completed=done, total=total, note="steps")
+            bar.log(f"bench transfer: {what} (step {done + 1} of {total})" if done < total else "bench transfer: done")
+
         report = run_transfer(spec, backend=backend, layout=layout, cpu_layout=cpu_layout, blocks=blocks, ids=ids,
                               direction=direction, with_gemm=with_gemm, pool_blocks=pool_blocks, repeat=repeat,
-                              alloc=alloc, options=_parse_options(settings), seed=seed,
-                              on_step=lambda what, done, total: bar.update(task, description=what, completed=done,
-                                                                           total=total, note="steps"),
+                              alloc=alloc, options=_parse_options(settings), seed=seed, on_step=step,
                               on_result=lambda r: bar.note(
-                                  f"{r['backend']}: {r['gbps']:.1f} GB/s, "
+                                  f"bench transfer: {r['backend']}: {r['gbps']:.1f} GB/s, "
                                   f"{'verified' if r['verified'] else 'WRONG BYTES'}"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -71,6 +81,22 @@ def transfer_command(backend: str, layout: str, cpu_layout: str | None, blocks: 
         _print_table(report)
     if not all(r["verified"] and r.get("layered_verified", True) for r in report["results"]):
         raise click.ClickException("a copy moved wrong bytes (see the 'ok' column)")
+
+
+_QUICK = "kvkit bench transfer --backend torch --layers 2 --blocks 16 --repeat 1"
+_SLOW_ON_CPU_BYTES = 256 << 20
+"""Bytes per timing above which a run on host memory alone takes minutes (a few seconds a GiB, many timings)."""
+
+
+def _slow_on_this_machine(per_timing: int) -> str | None:
+    """The warning for a large run on a machine without a CUDA device, or ``None``."""
+    import torch  # the benchmark needs it anyway
+
+    if torch.cuda.is_available() or per_timing <= _SLOW_ON_CPU_BYTES:
+        return None
+    return (f"warning: no CUDA device: bench transfer times the torch backend on host memory, which is slow at "
+            f"this size ({per_timing / 2**30:,.1f} GiB copied per timing, several timings per backend; the "
+            f"defaults can take many minutes); for a quick check: {_QUICK}")
 
 
 def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -93,12 +119,13 @@ def _parse_options(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _print_table(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvkit.cli._tables import print_table
 
     ceiling = report["ceiling_gbps"]
     layouts = report["layout"] + ("" if report["cpu_layout"] == report["layout"] else f" -> {report['cpu_layout']}")
-    table = Table(title=f"{layouts}, {report['blocks']} blocks ({report['ids']} ids), "
+    table = Table(title=f"{layouts}, {plural(report['blocks'], 'block')} ({report['ids']} ids), "
                         f"{report['direction']}, {report['block_bytes'] // 1024} KiB/block, "
                         f"piece {report['piece_bytes'] // 1024} KiB; ceiling {ceiling:.1f} GB/s")
     columns = ["backend", "GB/s", "% ceiling", "submit ms", "descriptors", "ok",
@@ -107,18 +134,18 @@ def _print_table(report: dict[str, Any]) -> None:
     if gemm:
         columns += ["GEMM ms (alone)", "slowdown", "copy GB/s in GEMM"]
     for c in columns:
-        table.add_column(c)
+        table.add_column(c, no_wrap=True)
     for r in report["results"]:
         row = [r["backend"], f"{r['gbps']:.1f}", f"{100 * r['gbps'] / ceiling:.0f}%", f"{r['submit_ms']:.3f}",
-               str(r.get("descriptors", "-")), "yes" if r["verified"] and r.get("layered_verified", True) else "[red]NO[/]",
+               str(r.get("descriptors", "-")),
+               "yes" if r["verified"] and r.get("layered_verified", True) else "[red]NO[/]",
                f"{r['layered_submit_ms']:.3f}" if "layered_submit_ms" in r else "-",
                f"{r['layered_vs_whole']:.3f}x" if "layered_vs_whole" in r else "-"]
         if gemm:
             row += [f"{r['gemm_ms']:.3f} ({r['gemm_ms_alone']:.3f})", f"{r['gemm_slowdown']:.3f}x",
                     f"{r['copy_gbps_during_gemm']:.1f}"]
         table.add_row(*row)
-    console = Console()
-    console.print(table)
+    console = print_table(table)
     for label, why in report["skipped"].items():
         console.print(f"skipped {label}: {why}")
 
@@ -142,19 +169,29 @@ def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"block store {report['url']}, GB/s (median of {repeat})")
-    for column in ("value bytes", "values", "put", "get", "put (hot)", "get (hot)", "library put", "library get",
-                   "server tool set", "server tool get"):
-        table.add_column(column)
+    from kvkit.cli._tables import print_table
+
+    table = Table(title=f"block store {report['url']}: GB/s and client CPU ms per GB, median of {repeat} "
+                        f"alternating rounds, one connection each")
+    for column in ("value bytes", "op", "store", "CPU", "hot", "server tool", "tool CPU", "x tool", "library",
+                   "x library"):
+        table.add_column(column, no_wrap=True)
+
+    def cell(r: dict, key: str, form: str = "{:.2f}") -> str:
+        return form.format(r[key]) if key in r else "-"
+
     for size, r in report["sizes"].items():
-        table.add_row(size, str(r["values"]), *(f"{r[k]:.2f}" if k in r else "-" for k in (
-            "put_GBps", "get_GBps", "put_hot_GBps", "get_hot_GBps", "library_put_GBps", "library_get_GBps",
-            "server_tool_set_GBps", "server_tool_get_GBps")))
-    console = Console()
-    console.print(table)
+        for op, tool in (("put", "set"), ("get", "get")):
+            ratios = r["ratios"]
+            table.add_row(size, op, cell(r, f"{op}_GBps"), cell(r, f"{op}_cpu_ms_per_GB", "{:.0f}"),
+                          cell(r, f"{op}_hot_GBps"), cell(r, f"server_tool_{tool}_GBps"),
+                          cell(r, f"server_tool_{tool}_cpu_ms_per_GB", "{:.0f}"), cell(ratios, f"{op}_vs_tool"),
+                          cell(r, f"library_{op}_GBps"), cell(ratios, f"{op}_vs_library"))
+    console = print_table(table)
     c = report["contains"]
     library = f", library pipeline {c['library_pipeline_ms']:.2f} ms" if "library_pipeline_ms" in c else ""
-    console.print(f"contains of {c['keys']} keys: {c['store_ms']:.2f} ms{library}")
+    console.print(f"contains of {plural(c['keys'], 'key')}: {c['store_ms']:.2f} ms{library}")
+    if "server_tool_skipped" in report:
+        console.print(f"server tool not run: {report['server_tool_skipped']}")

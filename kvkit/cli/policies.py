@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import overload
 
 import click
 
@@ -16,10 +18,20 @@ from kvkit.sim.baselines import libcachesim_study
 from kvkit.sim.policy_study import OPT, STORES, HitStats, PolicyStudy, check_study, study
 from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, read_trace
+from kvkit.validate import plural
 
-__all__ = ["policies_command", "save_plot"]
+__all__ = ["DEFAULT_TRACE", "policies_command"]
+
+DEFAULT_TRACE = "mooncake-conversation"
+"""What ``kvkit policies`` replays without ``--trace`` or ``--shape``: the built-in Mooncake trace."""
 
 
+@overload
+def _split(value: str, what: str) -> list[str]: ...
+@overload
+def _split(value: None, what: str) -> None: ...
+@overload
+def _split(value: str | None, what: str) -> list[str] | None: ...
 def _split(value: str | None, what: str) -> list[str] | None:
     if value is None:
         return None
@@ -43,7 +55,8 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 @click.command("policies")
 @click.option("--trace", "trace_path", default=None,
               type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
-              help="Mooncake JSONL(.gz) trace to replay, or a built-in one by name: mooncake-conversation.")
+              help=f"Mooncake JSONL(.gz) trace to replay, or a built-in one by name [default without --shape: "
+                   f"the built-in {DEFAULT_TRACE}].")
 @shape_option(f"Replay a synthetic workload shape instead of --trace (blocks of {DEFAULTS.block_size} tokens "
               "unless --block-size is given).")
 @click.option("--seed", default=0, show_default=True, type=int,
@@ -75,18 +88,21 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG of hit ratio against capacity per policy.")
 def policies_command(trace_path: Path | None, shape_name: str | None, seed: int, baselines: str | None,
-                     counting: str, stores: str, capacities: list[int], policy_list: str | None,
+                     counting: str, stores: str, capacities: Sequence[int], policy_list: str | None,
                      block_size: int, limit: int | None, jobs: int | None, as_json: bool,
                      plot_path: Path | None) -> None:
     """Compare eviction policies' prefix hit ratios on a trace, as shares of the optimum.
 
-    Replays the trace through the real block pool once per policy and
+    Replays the trace (without --trace or --shape: the built-in
+    mooncake-conversation) through the real block pool once per policy and
     capacity, in parallel. A block hits only while every earlier block of its
     request hit; every block is stored after its request (--stores says how).
     """
     check_plot_path(plot_path)
-    if (trace_path is None) == (shape_name is None):
-        raise click.UsageError("give --trace or --shape (one of them)")
+    if trace_path is not None and shape_name is not None:
+        raise click.UsageError("give --trace or --shape, not both")
+    if trace_path is None and shape_name is None:
+        trace_path = Path(DEFAULT_TRACE)  # a first run needs no file: the packaged trace
     ctx = click.get_current_context()
     if trace_path is not None and ctx.get_parameter_source("seed") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError(f"--seed {seed} seeds a --shape workload; a --trace replays as it is")
@@ -97,19 +113,24 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
     names, capacities = check_study(capacities, _split(policy_list, "policy names"))  # before any work
     if shape_name is not None and ctx.get_parameter_source("block_size") is click.core.ParameterSource.DEFAULT:
         block_size = DEFAULTS.block_size
-    source = (read_trace(trace_path, block_size=block_size, limit=limit) if trace_path is not None
-              else itertools.islice(shape(shape_name, seed=seed, block_size=block_size).requests(), limit))
+    if trace_path is not None:
+        source = read_trace(trace_path, block_size=block_size, limit=limit)
+    else:
+        assert shape_name is not None  # without --trace and --shape the default trace was set above
+        source = itertools.islice(shape(shape_name, seed=seed, block_size=block_size).requests(), limit)
     label = trace_path.name if trace_path is not None else f"synthetic {shape_name} (seed {seed})"
     start = time.perf_counter()
     with progress() as bar:
         requests = list(bar.track(source, f"reading {label}"))
         task = bar.task("replaying", len(names) * len(capacities))
         result = study(requests, capacities, names, stores=stores, jobs=jobs, on_result=lambda stats: bar.update(
-            task, advance=1, note=f"replays, last {stats.policy} @ {stats.capacity:,} blocks"))
+            task, advance=1, note=f"replays, last {stats.policy} @ {plural(stats.capacity, 'block', grouped=True)}"))
     baseline_stats = None if baselines is None else libcachesim_study(requests, capacities, prefix=counting == "prefix")
     seconds = time.perf_counter() - start
     if plot_path is not None:
-        save_plot(result, plot_path, title=label)
+        from kvkit.cli.plots import policy_figure, save
+
+        save(policy_figure(result, title=_plot_title(result, label, len(requests), block_size, stores)), plot_path)
     references = next(iter(result.stats.values())).references
     if as_json:
         click.echo(json.dumps({
@@ -127,8 +148,9 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
                     for c in result.capacities}}}}),
         }, indent=2))
     else:
-        _print_table(result, f"{label}: {len(requests):,} requests, {references:,} block "
-                             f"references of {block_size:,} tokens, {stores} stores, {seconds:.1f} s")
+        _print_table(result, f"{label}: {plural(len(requests), 'request', grouped=True)}, "
+                             f"{plural(references, 'block reference', grouped=True)} of "
+                             f"{plural(block_size, 'token', grouped=True)}, {stores} stores, {seconds:.1f} s")
         if baseline_stats is not None:
             _print_baselines(baseline_stats, result.capacities, counting)
     if plot_path is not None and not as_json:
@@ -136,13 +158,14 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
 
 
 def _print_table(result: PolicyStudy, title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvkit.cli._tables import print_table
+
     table = Table(title=title)
-    table.add_column("policy")
+    table.add_column("policy", no_wrap=True)
     for c in result.capacities:
-        table.add_column(f"{c:,} blocks\nhit (of opt)", justify="right")
+        table.add_column(f"{plural(c, 'block', grouped=True)}\nhit (of opt)", justify="right", no_wrap=True)
     for i, p in enumerate(result.policies):
         cells = []
         for c in result.capacities:
@@ -150,7 +173,7 @@ def _print_table(result: PolicyStudy, title: str) -> None:
             cells.append(f"{result.hit_ratio(p, c):6.1%}"
                          + ("" if share is None else f" ({share:4.0%})"))
         table.add_row(p, *cells, end_section=i == len(result.policies) - 2)  # rule above opt
-    Console().print(table)
+    print_table(table)
 
 
 def _require_libcachesim() -> None:
@@ -161,43 +184,27 @@ def _require_libcachesim() -> None:
 
 
 def _print_baselines(stats: list[HitStats], capacities: tuple[int, ...], counting: str) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvkit.cli._tables import print_table
 
     table = Table(title="libCacheSim, PLAIN block counting (a hit whenever the block is cached, "
                         "not only in a hit prefix): not comparable row for row with kvkit's"
                   if counting == "plain" else
                   "libCacheSim, PREFIX counting (hits only in a request's leading run of hits, as kvkit counts)")
-    table.add_column("baseline")
+    table.add_column("baseline", no_wrap=True)
     for c in capacities:
-        table.add_column(f"{c:,} blocks\n{counting} hit", justify="right")
+        table.add_column(f"{plural(c, 'block', grouped=True)}\n{counting} hit", justify="right", no_wrap=True)
     ratios = {(s.policy, s.capacity): s.hit_ratio for s in stats}
     rows = list(dict.fromkeys(s.policy for s in stats))
     for p in rows:
         table.add_row(p, *(f"{ratios[p, c]:6.1%}" for c in capacities))
-    Console().print(table)
+    print_table(table)
 
 
-def save_plot(result: PolicyStudy, path: str | Path, *, title: str = "") -> None:
-    """Write a PNG of each policy's hit ratio against capacity (the optimum dashed)."""
-    # Figure + Agg canvas, not pyplot: no global state, no display needed.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import PercentFormatter
-
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    xs = list(result.capacities)
-    for p in result.policies:
-        style = {"color": "black", "linestyle": "--"} if p == OPT else {}
-        ax.plot(xs, [result.hit_ratio(p, c) for c in xs], marker="o", label=p, **style)
-    if len(xs) > 1 and max(xs) / min(xs) >= 10:
-        ax.set_xscale("log")
-    ax.set_xlabel("pool capacity (blocks)")
-    ax.set_ylabel("prefix hit ratio")
-    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-    ax.set_title(title or "eviction policies")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.savefig(path, dpi=120)
+def _plot_title(result: PolicyStudy, label: str, requests: int, block_size: int, stores: str) -> str:
+    """The run a plot shows: the trace or shape, the policies and the capacities."""
+    policies = ", ".join(p for p in result.policies if p != OPT)
+    capacities = ", ".join(f"{c:,}" for c in result.capacities)
+    return (f"{label}: {plural(requests, 'request', grouped=True)}, blocks of {plural(block_size, 'token')}, "
+            f"{stores} stores\n{policies} against {OPT}, at {capacities} blocks")

@@ -15,15 +15,19 @@ import click
 from kvkit.cli import check_plot_path, shape_option
 from kvkit.cli._fleet import run_fleets
 from kvkit.cli._progress import Progress, progress
+from kvkit.cli._slots import flag_errors, slot_options
 from kvkit.config import DEFAULTS
 from kvkit.sim.fleet import ROUTERS
-from kvkit.sim.simulator import CostModel, SimConfig, SimResult, describe_effect, simulate, tier_effect
+from kvkit.sim.simulator import STACK_SLOTS, CostModel, SimConfig, SimResult, describe_effect, simulate, tier_effect
 from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
+from kvkit.validate import plural
 
-__all__ = ["figure", "save_plot", "simulate_command"]
+__all__ = ["describe_run", "simulate_command"]
 
 _COST = CostModel()  # the cost model's defaults have one home: CostModel
+_SLOTS = tuple(slot for slot in STACK_SLOTS if slot != "shared")  # --shared is the fleet's store (below)
+_DEFAULT_STACK = SimConfig().stack
 
 
 @click.command("simulate")
@@ -31,20 +35,10 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
               type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
               help="Mooncake JSONL(.gz) trace, or a built-in one by name: mooncake-conversation "
                    "[default: the synthetic multi-turn chat workload].")
-@click.option("--gpu-blocks", default=DEFAULTS.gpu_blocks, show_default=True, type=click.IntRange(min=1),
-              help="GPU tier size in blocks.")
-@click.option("--cpu-blocks", default=None, type=click.IntRange(min=1),
-              help=f"CPU tier size in blocks [default: {DEFAULTS.cpu_blocks}].")
-@click.option("--cpu-bytes", default=None,
-              help="CPU tier size in bytes of model KV instead, e.g. 64GiB.")
+@slot_options(_SLOTS, {slot: getattr(_DEFAULT_STACK, slot) for slot in _SLOTS})
 @click.option("--block-size", default=None, type=click.IntRange(min=1),
               help=f"Tokens per block [default: {DEFAULTS.block_size} for the synthetic workload, "
                    f"{MOONCAKE_BLOCK_SIZE} (Mooncake) for --trace].")
-@click.option("--cpu-eviction", default=DEFAULTS.cpu_eviction, show_default=True, help="CPU tier eviction policy.")
-@click.option("--gpu-eviction", default=DEFAULTS.gpu_eviction, show_default=True, help="GPU tier eviction policy.")
-@click.option("--store", default=DEFAULTS.store, show_default=True, help="Store policy.")
-@click.option("--planner", default=DEFAULTS.planner, show_default=True,
-              help="Load planner: which hit blocks to load, which to recompute (load-all: every hit loaded).")
 @click.option("--verify", is_flag=True,
               help="Move real bytes (torch backend, CPU tensors) and check every loaded block.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic workload.")
@@ -56,7 +50,7 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
               type=click.FloatRange(min=0, min_open=True), help="Cost model: CPU->GPU load GB/s.")
 @click.option("--decode-ms-per-token", default=_COST.decode_ms_per_token, show_default=True,
               type=click.FloatRange(min=0), help="Cost model: time per generated token.")
-@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never').")
+@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never'); not with --instances or --shared.")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
               help="Engine instances behind a router; above 1 compares isolated instances with "
                    "instances sharing a third tier.")
@@ -70,14 +64,13 @@ _COST = CostModel()  # the cost model's defaults have one home: CostModel
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--plot", "plot_path", default=None,
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload.")
-# Old names, hidden and warning, for one release:
-def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int | None,
-                     cpu_bytes: str | None, block_size: int | None, cpu_eviction: str,
-                     gpu_eviction: str, store: str, planner: str, verify: bool, seed: int, shape_name: str | None,
-                     limit: int | None, prefill_tokens_per_s: float, pcie_gbps: float, decode_ms_per_token: float,
-                     no_baseline: bool, instances: int, router: str, shared_url: str | None,
-                     shared_gbps: float, as_json: bool, plot_path: Path | None) -> None:
+              help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload "
+                   "(with --instances: isolated instances against instances sharing a tier).")
+def simulate_command(trace_path: Path | None, block_size: int | None, verify: bool, seed: int,
+                     shape_name: str | None, limit: int | None, prefill_tokens_per_s: float, pcie_gbps: float,
+                     decode_ms_per_token: float, no_baseline: bool, instances: int, router: str,
+                     shared_url: str | None, shared_gbps: float, as_json: bool, plot_path: Path | None,
+                     **slots: Any) -> None:
     """Replay a trace through a real offload stack and model time to first token.
 
     Every request goes through the reference engine loop, both block pools,
@@ -87,38 +80,41 @@ def simulate_command(trace_path: Path | None, gpu_blocks: int, cpu_blocks: int |
     compare. See kvkit.sim.simulator for the time model.
     """
     check_plot_path(plot_path)
-    if cpu_blocks is not None and cpu_bytes is not None:
-        raise click.UsageError("give --cpu-blocks or --cpu-bytes, not both")
     if trace_path is not None and shape_name is not None:
         raise click.UsageError("give --trace or --shape, not both")
+    if no_baseline and (instances > 1 or shared_url is not None):
+        raise click.UsageError("--no-baseline skips the run without offload, which --instances and --shared do not "
+                               "make: they compare isolated instances with instances sharing a tier")
     if block_size is None:
         block_size = MOONCAKE_BLOCK_SIZE if trace_path is not None else DEFAULTS.block_size
-    config = SimConfig(
-        gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, cpu_bytes=cpu_bytes, block_size=block_size,
-        cpu_eviction=cpu_eviction, gpu_eviction=gpu_eviction, store=store, planner=planner, verify=verify,
-        cost=CostModel(prefill_tokens_per_s=prefill_tokens_per_s, pcie_gbps=pcie_gbps,
-                       decode_ms_per_token=decode_ms_per_token, shared_gbps=shared_gbps))
-    config.stack_config()  # every bad slot is reported before any work
+    with flag_errors(_SLOTS):  # every bad slot is reported before any work, by its flag
+        config = SimConfig(
+            verify=verify, **{slot: value for slot, value in slots.items() if value is not None},
+            cost=CostModel(prefill_tokens_per_s=prefill_tokens_per_s, pcie_gbps=pcie_gbps,
+                           decode_ms_per_token=decode_ms_per_token, shared_gbps=shared_gbps))
     workload = _Workload(trace_path, block_size, seed, limit, shape_name or "chat")
     if instances > 1 or shared_url is not None:
-        run_fleets(workload, config, instances=instances, router=router, shared_url=shared_url, as_json=as_json)
+        run_fleets(workload, config, instances=instances, router=router, shared_url=shared_url, as_json=as_json,
+                   plot_path=plot_path)
         return
     start = time.perf_counter()
     runs = [("offload", config)]
-    if not no_baseline and store != "never":
-        runs.append(("no offload", attrs.evolve(config, store="never", verify=False)))
+    if not no_baseline and config.stack.store != "never":
+        runs.append(("no offload", config.replace(store="never", verify=False)))
     results = []
     with progress() as bar:
         total = workload.size(bar)
         for label, cfg in runs:
             task = bar.task(f"replaying ({label})", total)
             results.append(simulate(workload.requests(), cfg, progress=lambda n, refs, task=task: bar.update(
-                task, completed=n, note=f"requests, {refs:,} block refs")))
+                task, completed=n, note=f"requests, {plural(refs, 'block ref', grouped=True)}")))
     offload, baseline = results[0], (results[1] if len(results) > 1 else None)
     wall = time.perf_counter() - start
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     if plot_path is not None:
-        save_plot(offload, plot_path, baseline=baseline, title=workload.describe())
+        from kvkit.cli.plots import save, sim_figure
+
+        save(sim_figure(offload, baseline, title=describe_run(workload.describe(), offload.config)), plot_path)
     if as_json:
         report = offload.as_dict()
         report["config"].update(workload.as_dict())
@@ -212,23 +208,20 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
 
 def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Workload,
                   wall: float, peak_rss_mib: float) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvkit.cli._tables import print_table
+
     c = offload.config
-    title = (f"{workload.describe()}: GPU {c.gpu_blocks:,} blocks, CPU {c.num_cpu_blocks:,} blocks "
-             f"of {c.block_size} tokens; eviction {c.as_dict()['cpu_eviction']}, "
-             f"store {c.as_dict()['store']}")
-    table = Table(title=title)
-    table.add_column("")
-    table.add_column("offload", justify="right")
+    table = Table(title=describe_run(workload.describe(), c))
+    table.add_column("", no_wrap=True)
+    table.add_column("offload", justify="right", no_wrap=True)
     if baseline is not None:
-        table.add_column("no offload", justify="right")
+        table.add_column("no offload", justify="right", no_wrap=True)
     base = dict(_rows(baseline)) if baseline is not None else {}
     for name, value in _rows(offload):
         table.add_row(name, value, *([base.get(name, "")] if baseline is not None else []))
-    console = Console()
-    console.print(table)
+    console = print_table(table)
     cost = c.cost
     console.print(f"cost model: {cost.prefill_tokens_per_s:,.0f} prefill tokens/s, "
                   f"{cost.pcie_gbps:g} GB/s PCIe, {cost.decode_ms_per_token:g} ms/token decode; "
@@ -238,46 +231,9 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
     console.print(f"total {wall:.1f} s, peak memory {peak_rss_mib:,.0f} MiB")
 
 
-def figure(offload: SimResult, baseline: SimResult | None = None, *, title: str = ""):
-    """A matplotlib ``Figure``: modelled TTFT CDF, and prompt tokens by tier, per run."""
-    # Figure + Agg canvas, not pyplot: no global state, no display needed.
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import PercentFormatter
-
-    runs = [("offload", offload)] + ([("no offload", baseline)] if baseline is not None else [])
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    cdf, tiers = fig.subplots(1, 2, width_ratios=[3, 2])
-    for label, r in runs:
-        ttft = np.sort(np.frombuffer(r.ttft_ms, dtype=np.float64))
-        if len(ttft):
-            cdf.plot(np.maximum(ttft, 1e-3), np.arange(1, len(ttft) + 1) / len(ttft), label=label)
-    cdf.set_xscale("log")
-    cdf.set_xlabel("modelled time to first token (ms)")
-    cdf.set_ylabel("requests")
-    cdf.yaxis.set_major_formatter(PercentFormatter(1.0))
-    cdf.grid(True, alpha=0.3)
-    cdf.legend()
-    cdf.set_title("TTFT CDF")
-    names = [label for label, _ in runs]
-    bottom = np.zeros(len(runs))
-    for part, color in (("hit_tokens_gpu", "tab:green"), ("hit_tokens_cpu", "tab:blue"),
-                        ("computed_tokens", "tab:gray")):
-        share = np.array([getattr(r, part) / r.prompt_tokens if r.prompt_tokens else 0.0 for _, r in runs])
-        tiers.bar(names, share, bottom=bottom, color=color, label=part.replace("_", " "))
-        bottom += share
-    tiers.yaxis.set_major_formatter(PercentFormatter(1.0))
-    tiers.set_ylabel("prompt tokens")
-    tiers.legend(loc="lower left", bbox_to_anchor=(1.0, 0.0))
-    tiers.set_title("where prompt tokens came from")
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
-def save_plot(offload: SimResult, path: str | Path, *, baseline: SimResult | None = None,
-              title: str = "") -> None:
-    """Write :func:`figure` as a PNG to ``path``."""
-    figure(offload, baseline, title=title).savefig(path, dpi=120)
+def describe_run(what: str, config: SimConfig) -> str:
+    """``what`` (the trace or shape) with the run's tier sizes and policies: the title of its table and plot."""
+    names = config.as_dict()
+    return (f"{what}: GPU {plural(config.stack.gpu_blocks, 'block', grouped=True)}, CPU "
+            f"{plural(config.stack.num_cpu_blocks, 'block', grouped=True)} of {plural(config.block_size, 'token')}; "
+            f"eviction {names['cpu_eviction']} (GPU {names['gpu_eviction']}), store {names['store']}")

@@ -148,7 +148,7 @@ class VllmGpuPool:
         """Refused: vLLM keeps its own eviction order."""
         raise PoolUsageError("kvkit never reorders vLLM's GPU eviction queue")
 
-    def reset(self) -> int:
+    def reset(self, *, force: bool = False) -> int:
         """Refused: ``reset_prefix_cache`` resets vLLM's pool."""
         raise PoolUsageError("vLLM's reset_prefix_cache resets its GPU pool")
 

@@ -35,7 +35,7 @@ class KVKitStats(KVConnectorStats):
 
     @override
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     @override
     def aggregate(self, other: KVConnectorStats) -> KVKitStats:

@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+from typing_extensions import override
 
 from kvkit.errors import HashInputError
 from kvkit.integrations._vllm_settings import ConnectorSettings
@@ -150,6 +151,7 @@ class CpuTierEvents(OffloadCallback):
             self._batches[first] = [{tid for tid, _ in stores}, stores[0][1].dst.tolist(), True]
             self._batch_of.update((tid, first) for tid, _ in stores)
 
+    @override
     def on_transfer_completed(self, transfer_id: int, direction: Direction, num_blocks: int, ok: bool) -> None:
         first = self._batch_of.pop(transfer_id, None)
         if direction is not Direction.STORE or first is None:
@@ -162,6 +164,7 @@ class CpuTierEvents(OffloadCallback):
             if batch[2]:
                 self._landed.append(batch[1])
 
+    @override
     def on_evict(self, tier: Tier, block: BlockId, block_hash: BlockHash) -> None:
         if tier is Tier.CPU:
             self._add(False, [block_hash])
@@ -175,7 +178,7 @@ class CpuTierEvents(OffloadCallback):
     def cleared(self, cpu: BlockAllocator) -> None:
         """A reset empties ``cpu``: everything it holds is removed (call before the reset)."""
         self.read(cpu)
-        self._add(False, [h for h in map(cpu.block_hash, range(cpu.num_blocks)) if h is not None])
+        self._add(False, [h for h in map(cpu.block_hash, map(BlockId, range(cpu.num_blocks))) if h is not None])
 
     def take(self) -> list[tuple[bool, list[BlockHash]]]:
         """Runs of ``(stored, hashes)`` (``stored`` is ``False`` for removals) since the last call."""
@@ -360,7 +363,7 @@ class SchedulerSide:
             return False, None
         r = self.manager.request(rid)
         if r.state is _RUNNING:  # vLLM's rows may stop at its computed tokens: keep the rest of ours
-            self.manager.on_allocated(rid, [list(v) + own[len(v):] for v, own in zip(block_ids, r.block_table)])
+            self.manager.on_allocated(rid, [[*v, *own[len(v):]] for v, own in zip(block_ids, r.block_table)])
         self._sync(request)
         delay = self.manager.abort(rid) if aborted else self.manager.finish(rid)
         assert not delay, "with vLLM's GPU pool the manager never delays a free"

@@ -8,33 +8,52 @@ the CPU tier's size has one source of truth: :attr:`ConnectorSettings.stack`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
 
-from kvkit.config import DEFAULTS, StackConfig, parse_bytes
+from kvkit.config import NAMED_SLOTS, StackConfig, name_shared_model, parse_bytes
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
-from kvkit.registry import STORE, did_you_mean
+from kvkit.registry import STORE
+from kvkit.validate import check_bool, check_choice, did_you_mean, plural, problem_of, quote
 from kvkit.worker.layouts import LAYOUTS
 
-__all__ = ["EXTRA_KEYS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window", "parse_extra_config",
-           "shared_layout"]
+__all__ = ["EXTRA_KEYS", "STACK_KEYS", "VLLM_SLOTS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window",
+           "parse_extra_config", "shared_layout"]
 
-EXTRA_KEYS: tuple[str, ...] = (
-    "cpu_bytes", "cpu_blocks", "cpu_eviction", "store", "copy", "allocator", "planner", "options", "layout",
-    "cpu_layout",
-    "async_load", "layerwise", "shared", "shared_url", "shared_write", "shared_model",
-    "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload",
-)
-"""Keys ``kv_connector_extra_config`` may hold (see :func:`parse_extra_config`); the last three are
-those of vLLM's ``SimpleCPUOffloadConnector``, with its meaning."""
+VLLM_SLOTS: dict[str, str] = {
+    "kv": "vLLM's KV cache config",
+    "gpu_blocks": "vLLM's KV cache config",
+    "world_size": "vLLM's tensor-parallel size",
+    "device": "vLLM's platform",
+    "gpu_eviction": "vLLM's prefix cache evicts GPU blocks",
+    "hash_algorithm": "vLLM's block hashes",
+    "callbacks": "objects do not cross vLLM's processes",
+}
+"""``StackConfig`` slots the connector sets from vLLM, and from what; the extra config takes every other one."""
+
+STACK_KEYS: tuple[str, ...] = tuple(f.name for f in attrs.fields(StackConfig) if f.name not in VLLM_SLOTS)
+"""``StackConfig`` slots ``kv_connector_extra_config`` takes, with their meaning and defaults."""
+
+_CONNECTOR_KEYS = ("layout", "async_load", "layerwise")
+_SEED_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload")
+
+EXTRA_KEYS: tuple[str, ...] = (*STACK_KEYS, *_CONNECTOR_KEYS, *_SEED_KEYS)
+"""Keys ``kv_connector_extra_config`` may hold (see :func:`parse_extra_config`): :data:`STACK_KEYS`,
+the connector's own, and those of vLLM's ``SimpleCPUOffloadConnector``, with its meaning."""
 
 _BYTE_KEYS = ("cpu_bytes", "cpu_bytes_to_use_per_rank", "cpu_bytes_to_use")
 """Keys that size the CPU tier in bytes: per worker (kvkit's), per rank, and in total over every rank."""
 
-_NAMED_SLOTS = ("cpu_eviction", "store", "copy", "allocator", "planner")
+_EXTRA = "kv_connector_extra_config"
+
+_SECRET_SOURCES = ("secret_env", "secret_file")
+"""Where the connector reads the shared tier's HMAC secret (keys of ``shared``): never the extra config
+itself, which is on vLLM's command line and in its logged config."""
 
 
 @attrs.frozen
@@ -170,7 +189,7 @@ def kvkit_window(vllm_window: int, block_size: int) -> int:
     if kept < 2:
         raise ConfigError(f"sliding_window={vllm_window!r} with block_size={block_size!r}: vLLM keeps one "
                           f"block per window, kvkit loads at least two; use a window above "
-                          f"{block_size + 1} tokens or a smaller block size")
+                          f"{plural(block_size + 1, 'token')} or a smaller block size")
     return (kept - 1) * block_size
 
 
@@ -180,15 +199,25 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
 
     Keys (all but the capacity optional):
 
+    * every ``StackConfig`` slot of :data:`STACK_KEYS`, with its meaning,
+      default (:data:`kvkit.config.DEFAULTS`) and checks; the rest are
+      :data:`VLLM_SLOTS`. Named slots (``cpu_eviction``, ``store``, ``copy``,
+      ``allocator``) take registered names, as ``kvkit list`` shows them: the
+      config crosses process boundaries. ``shared`` is a URL string or a
+      mapping of :class:`~kvkit.config.SharedConfig` fields (``{"url": ...,
+      "write": "write-back", "tenant": "acme"}``); its ``model`` defaults to
+      ``model`` (vLLM's model and revision). Its HMAC ``secret`` is never
+      taken from the extra config (on vLLM's command line and in its logs):
+      the mapping's ``secret_env`` (an environment variable's name) or
+      ``secret_file`` (a path) names where each connector process reads it
+      (its UTF-8 bytes, a file's trailing newline dropped). ``cpu_layout``
+      defaults to vLLM's layout, e.g. ``"cross-layer"`` for the ``staged``
+      copy backend;
     * the CPU tier's size: ``cpu_bytes`` (``"8GiB"`` or an int; per worker)
       or ``cpu_blocks``, or the keys of vLLM's ``SimpleCPUOffloadConnector``:
       ``cpu_bytes_to_use`` (the total, divided by ``world_size``) and
       ``cpu_bytes_to_use_per_rank``; byte keys given together must agree per
       worker, and ``cpu_blocks`` goes alone;
-    * ``cpu_eviction``, ``store``, ``copy``, ``allocator``: registered names,
-      as ``kvkit list`` shows them (defaults: :data:`kvkit.config.DEFAULTS`:
-      ``lru``, ``eager``, ``torch``, ``pool``); the old key ``eviction``
-      still works for one release and warns;
     * ``lazy_offload`` (the seed's, a bool): ``True`` is ``store="lazy"``,
       ``False`` any other store policy; a ``store`` that contradicts it is refused;
     * ``async_load`` (a bool, default ``False``): load CPU hits while other
@@ -196,79 +225,106 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     * ``layerwise`` (a bool, default ``True``): per-layer loads and stores
       (``wait_for_layer_load`` waits for one layer, ``save_kv_layer`` lets that
       layer's stores start); ``False`` loads everything before the forward pass;
-    * ``options``: per-slot constructor kwargs, e.g. ``{"store": {"k": 2}}``;
     * ``layout``: ``"auto"`` (default) or a kvkit layout name.
-    * ``cpu_layout``: the CPU tier's layout (default: vLLM's), e.g.
-      ``"cross-layer"`` for the ``staged`` copy backend.
-    * ``shared`` (or ``shared_url``), ``shared_write``, ``shared_model``: the
-      shared tier, as :class:`~kvkit.StackConfig` takes them (a URL string);
-      ``shared_model`` defaults to ``model`` (vLLM's model and revision).
 
     Raises:
         ConfigError: one error listing every problem (unknown keys, names
             that are not registered or not available here, a bad capacity, a
             write-back store policy with several KV groups: it writes back
             single GPU blocks; capacity keys or ``lazy_offload`` and ``store``
-            that contradict each other).
+            that contradict each other; a secret given in the config, or a
+            secret source that is unset, empty or unreadable: named, never shown).
     """
     extra = dict(extra or {})
-    problems: list[str] = []
-    for key in extra:
-        if key not in EXTRA_KEYS:
-            problems.append(f"kv_connector_extra_config[{key!r}]: unknown key; valid: "
-                            f"{', '.join(EXTRA_KEYS)}{did_you_mean(str(key), list(EXTRA_KEYS))}")
-    names = {slot: extra.get(slot, getattr(DEFAULTS, slot)) for slot in _NAMED_SLOTS}
+    problems = [f"{_EXTRA}[{quote(key)}]: {VLLM_SLOTS[key]} sets it" if key in VLLM_SLOTS else
+                f"{_EXTRA}[{quote(key)}]: unknown key; valid: {', '.join(EXTRA_KEYS)}{did_you_mean(key, EXTRA_KEYS)}"
+                for key in extra if key not in EXTRA_KEYS]
+    slots = {key: extra[key] for key in STACK_KEYS if key in extra and key not in ("cpu_blocks", "cpu_bytes")}
+    for slot in set(NAMED_SLOTS) & slots.keys():
+        if not isinstance(slots[slot], str):
+            problems.append(f"{_EXTRA}[{slot!r}]={quote(slots.pop(slot))}: must be a registered name (the "
+                            f"config crosses process boundaries); register your class in kvkit.registry")
+    bools = {key: problem_of(check_bool, f"{_EXTRA}[{key!r}]", extra[key])
+             for key in ("async_load", "layerwise", "lazy_offload") if key in extra}
+    problems += [problem for problem in bools.values() if problem is not None]
     lazy = extra.get("lazy_offload")
-    if lazy is not None and not isinstance(lazy, bool):
-        problems.append(f"kv_connector_extra_config['lazy_offload']={lazy!r}: must be true or false")
-    elif lazy is not None and "store" in extra and (extra["store"] == "lazy") != lazy:
-        problems.append(f"kv_connector_extra_config: lazy_offload={lazy!r} contradicts store={extra['store']!r}; "
-                        f"give one of them")
-    elif lazy:
-        names["store"] = "lazy"
+    if lazy is not None and bools["lazy_offload"] is None:
+        if "store" in extra and (extra["store"] == "lazy") != lazy:
+            problems.append(f"{_EXTRA}: lazy_offload={lazy!r} contradicts store={quote(extra['store'])}; "
+                            f"give one of them")
+        elif lazy:
+            slots["store"] = "lazy"
     capacity, wrong = _capacity(extra, world_size)
     problems += wrong
-    async_load, layerwise = extra.get("async_load", False), extra.get("layerwise", True)
-    for key, value in (("async_load", async_load), ("layerwise", layerwise)):
-        if not isinstance(value, bool):
-            problems.append(f"kv_connector_extra_config[{key!r}]={value!r}: must be true or false")
-    for slot, name in names.items():
-        if not isinstance(name, str):
-            problems.append(
-                f"kv_connector_extra_config[{slot!r}]={name!r}: must be a registered name (the "
-                f"config crosses process boundaries); register your class in kvkit.registry")
     layout = extra.get("layout", "auto")
-    if layout != "auto" and layout not in LAYOUTS:
-        problems.append(f"kv_connector_extra_config['layout']={layout!r}: valid: auto, "
-                        f"{', '.join(LAYOUTS)}{did_you_mean(str(layout), list(LAYOUTS))}")
-    shared = {key: extra[key] for key in ("shared_write", "shared_model") if key in extra}
-    if "shared" in extra and "shared_url" in extra and extra["shared"] != extra["shared_url"]:
-        problems.append(f"kv_connector_extra_config: shared={extra['shared']!r} and shared_url="
-                        f"{extra['shared_url']!r} disagree; give one")
-    url = extra.get("shared", extra.get("shared_url"))
-    if url is not None:
-        shared["shared"] = url
-        if not isinstance(url, str):
-            problems.append(f"kv_connector_extra_config['shared']={url!r}: must be a URL string (the config "
-                            f"crosses process boundaries)")
-        if model is not None:
-            shared.setdefault("shared_model", model)
+    if (problem := problem_of(check_choice, f"{_EXTRA}['layout']", layout, ("auto", *LAYOUTS))) is not None:
+        problems.append(problem)
+    shared = slots.get("shared")
+    url = shared.get("url") if isinstance(shared, Mapping) else shared
+    if shared is not None and not isinstance(url, str):
+        shown = f"['url']={quote(url)}" if isinstance(shared, Mapping) else f"={quote(shared)}"  # never the secret
+        problems.append(f"{_EXTRA}['shared']{shown}: must be a URL string, or a mapping of SharedConfig fields "
+                        f"with one (the config crosses process boundaries)")
+        del slots["shared"]
+    elif isinstance(shared, Mapping):
+        slots["shared"], wrong = _read_secret(shared)
+        problems += wrong
     stack = None
     try:
-        stack = StackConfig(
-            kv=kv, gpu_blocks=gpu_blocks, **capacity, cpu_layout=extra.get("cpu_layout"), world_size=world_size,
-            device=device,
-            options=extra.get("options", {}), **shared,
-            **{slot: name if isinstance(name, str) else getattr(DEFAULTS, slot) for slot, name in names.items()})
+        stack = StackConfig(kv=kv, gpu_blocks=gpu_blocks, world_size=world_size, device=device, **capacity, **slots)
     except ConfigError as exc:
         problems += exc.problems
+    if stack is not None and model is not None:
+        stack = name_shared_model(stack, model)
     if stack is not None and len(kv.groups) > 1 and _writes_back(stack):
         problems.append(
             f"store={stack.store!r}: a write-back policy stores single GPU blocks, and this model has "
-            f"{len(kv.groups)} KV cache groups; use eager, selective or never")
+            f"{plural(len(kv.groups), 'KV cache group')}; use eager, selective or never")
     if problems:
         raise ConfigError(problems)
-    return ConnectorSettings(stack, layout, async_load, layerwise)
+    assert stack is not None  # built, or its problems were raised
+    return ConnectorSettings(stack, layout, extra.get("async_load", False), extra.get("layerwise", True))
+
+
+def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``shared`` with its ``secret_env`` or ``secret_file`` read into ``secret``, and the problems.
+
+    A ``secret`` given as is is refused. Messages name the variable or the
+    file, never what it holds.
+    """
+    shared = dict(shared)
+    where = f"{_EXTRA}['shared']"
+    problems = []
+    if shared.pop("secret", None) is not None:
+        problems.append(f"{where}['secret']: not taken here (the extra config is on vLLM's command line and in "
+                        f"its logs); name where every connector process reads it: secret_env (an environment "
+                        f"variable) or secret_file (a file)")
+    given = {key: shared.pop(key) for key in _SECRET_SOURCES if shared.get(key) is not None}
+    if len(given) > 1:
+        return shared, [*problems, f"{where}: secret_env and secret_file both name the secret; give one"]
+    for key, source in given.items():
+        if not isinstance(source, str) or not source:
+            problems.append(f"{where}[{key!r}]={quote(source)}: must be a non-empty string (an environment "
+                            f"variable's name or a file's path)")
+        elif key == "secret_env":
+            text = os.environ.get(source)
+            if text:
+                shared["secret"] = text.encode()
+            else:
+                problems.append(f"{where}['secret_env']={source!r}: the environment variable {source} is "
+                                f"{'empty' if text == '' else 'not set'} in this process")
+        else:
+            try:
+                data = Path(source).read_bytes().removesuffix(b"\n").removesuffix(b"\r")
+            except OSError as exc:
+                problems.append(f"{where}['secret_file']={source!r}: cannot be read: "
+                                f"{exc.strerror or type(exc).__name__}")
+                continue
+            if data:
+                shared["secret"] = data
+            else:
+                problems.append(f"{where}['secret_file']={source!r}: the file is empty")
+    return shared, problems
 
 
 def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any], list[str]]:
@@ -297,7 +353,7 @@ def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any]
         problems.append(
             "kv_connector_extra_config: " + ", ".join(f"{k}={given[k]!r} ({n} bytes per worker)"
                                                       for k, n in per_worker.items())
-            + f" disagree (cpu_bytes_to_use is the total over {world_size} workers); give one of them")
+            + f" disagree (cpu_bytes_to_use is the total over {plural(world_size, 'worker')}); give one of them")
     if problems:
         return {"cpu_blocks": 1}, problems
     return {"cpu_bytes": next(iter(per_worker.values()))}, []

@@ -30,7 +30,8 @@ touches until the copy is reported.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -44,6 +45,7 @@ from kvkit.interfaces import KVCacheSpec, KVGroupSpec, TransferPlan, TransferRes
 from kvkit.interfaces.shared import BlockStore
 from kvkit.shared.client import connect_shared
 from kvkit.shared.worker import SharedTierWorker
+from kvkit.validate import plural
 from kvkit.worker.engine import TransferEngine
 from kvkit.worker.layouts import layouts_for, validate_kv
 
@@ -72,7 +74,7 @@ def detect_layout(spec: KVCacheSpec, tensors: Sequence[torch.Tensor]) -> str:
         t = tensors[0]
         raise SpecMismatchError(
             f"vLLM's KV tensors (shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype}, "
-            f"{len(tensors)} layers) fit none of kvkit's layouts {list(VLLM_LAYOUTS)} for {spec}; "
+            f"{plural(len(tensors), 'layer')}) fit none of kvkit's layouts {list(VLLM_LAYOUTS)} for {spec}; "
             f"permuted (HND) or cross-layer caches are not supported")
     if len(fits) > 1:
         raise ConfigError(f"vLLM's KV tensors fit several layouts {fits}; set "
@@ -93,6 +95,11 @@ def group_spec(spec: KVCacheSpec, group: int) -> KVCacheSpec:
     g = spec.groups[group]
     return attrs.evolve(spec, num_layers=len(g.layers),
                         groups=(KVGroupSpec(range(len(g.layers)), g.kind, g.window),))
+
+
+def _engines(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
+    """``WorkerSide.engines`` as a tuple (a named converter: mypy's ``attrs`` plugin reads its type)."""
+    return tuple(engines)
 
 
 @attrs.define(eq=False)
@@ -120,7 +127,7 @@ class WorkerSide:
     failed without running; every result is handed to the scheduler exactly once.
     """
 
-    engines: tuple[TransferEngine, ...] = attrs.field(converter=tuple)
+    engines: tuple[TransferEngine, ...] = attrs.field(converter=_engines)
     layer_names: tuple[tuple[str, ...], ...] = attrs.field(
         converter=lambda groups: tuple(tuple(names) for names in groups))
     layout: str = "auto"
@@ -154,7 +161,8 @@ class WorkerSide:
         """Per KV group, a transfer engine with the configured copy backend and a mirror of ``num_cpu_blocks``."""
         stack = settings.stack
         engines = [TransferEngine(group_spec(stack.kv, g), stack.resolve().copy,
-                                  num_cpu_blocks=settings.num_cpu_blocks, worker=rank)
+                                  num_cpu_blocks=settings.num_cpu_blocks, worker=rank,
+                                  wait_timeout_s=stack.wait_timeout_s)
                    for g in range(len(stack.kv.groups))]
         shared = store = None
         if stack.shared is not None:
@@ -298,10 +306,8 @@ class WorkerSide:
     def close(self) -> None:
         """Drain the shared store's tickets (bounded), then the copies; release the CPU mirrors and the store."""
         if self.shared is not None:
-            try:
+            with contextlib.suppress(TransferTimeoutError):  # a dead store: its buffers are dropped with the mirrors
                 self._collect(self.shared.drain())
-            except TransferTimeoutError:  # a dead store: its buffers are dropped with the mirrors below
-                pass
             if self.shared_store is not None:
                 self.shared_store.close()
         for engine in self.engines:

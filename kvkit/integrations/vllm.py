@@ -94,6 +94,7 @@ from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide
 from kvkit.interfaces import TransferResult
 from kvkit.manager import OffloadManager
 from kvkit.stats import OffloadStats
+from kvkit.validate import plural
 from kvkit.worker.engine import TransferEngine
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ def connector_settings(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
 
 
 def _model_identity(vllm_config: VllmConfig) -> str:
-    """The shared tier's default ``shared_model``: vLLM's model (name or path) and its revision."""
+    """The shared tier's default ``SharedConfig.model``: vLLM's model (name or path) and its revision."""
     model = vllm_config.model_config
     return f"{model.model}@{model.revision or 'default'}"
 
@@ -386,7 +387,7 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KVKitMetadata), type(meta)
         if meta.num_cpu_blocks != self._worker().num_cpu_blocks:
             raise ConfigError(
-                f"the scheduler's CPU tier has {meta.num_cpu_blocks} blocks, this worker's mirror "
+                f"the scheduler's CPU tier has {plural(meta.num_cpu_blocks, 'block')}, this worker's mirror "
                 f"{self._worker().num_cpu_blocks}: both must come from the same "
                 f"kv_connector_extra_config")
         return meta.order

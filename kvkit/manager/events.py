@@ -7,6 +7,7 @@ import warnings
 import attrs
 
 from kvkit.interfaces.callbacks import OffloadCallback
+from kvkit.redact import redact_text
 from kvkit.stats import Counter
 
 __all__ = ["Events"]
@@ -42,6 +43,6 @@ class Events:
         key = (id(component), hook)
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(f"{type(component).__qualname__}.{hook} raised {type(exc).__name__}: {exc} "
-                          f"(contained: kvkit's state is unaffected; counted in stats.{name})",
+            warnings.warn(redact_text(f"{type(component).__qualname__}.{hook} raised {type(exc).__name__}: {exc} "
+                                      f"(contained: kvkit's state is unaffected; counted in stats.{name})"),
                           RuntimeWarning, stacklevel=4)

@@ -83,9 +83,10 @@ class CpuHits:
         r.head_blocks = head if keep or fetch else 0
         r.load_pending = bool(keep or fetch)
 
-    def check_targets(self, r: Request, table: list[list[int]], n: int, head: int = 0) -> None:
+    def check_targets(self, r: Request, table: list[list[BlockId]], n: int, head: int = 0) -> None:
         """Raise ``RequestStateError`` unless ``table`` has a real GPU block at each position ``r`` loads:
         blocks ``[head, n)`` of its hit."""
+        assert r.gpu_hit_blocks is not None, "a request with a hit was looked up"
         start, stop = r.gpu_hit_blocks + head, r.gpu_hit_blocks + n
         for g, row in enumerate(table):
             first = self._first_loaded(g, start, stop)
@@ -95,7 +96,7 @@ class CpuHits:
                     f"request {r.request_id!r}: group {g} needs GPU blocks at positions "
                     f"[{first}, {stop}) for its CPU hit, got {row[first:stop]!r}")
 
-    def plan(self, reqs: list[Request]) -> tuple[Batch, list[list[BlockId]], list[list[int]]]:
+    def plan(self, reqs: list[Request]) -> tuple[Batch, list[list[BlockId]], list[list[BlockId]]]:
         """One load batch for the accepted hits of ``reqs`` and its per-group ``(src, dst)`` ids.
 
         The requests' pins move to the batch, and each request holds it once;
@@ -103,9 +104,10 @@ class CpuHits:
         """
         groups = range(len(self.kv.groups))
         src: list[list[BlockId]] = [[] for _ in groups]
-        dst: list[list[int]] = [[] for _ in groups]
+        dst: list[list[BlockId]] = [[] for _ in groups]
         cpu_blocks: list[BlockId] = []
         for r in reqs:
+            assert r.gpu_hit_blocks is not None, "a request with a hit was looked up"
             blocks, start = r.pinned, r.gpu_hit_blocks + r.head_blocks
             stop = start + len(blocks)
             for g in groups:
@@ -118,6 +120,7 @@ class CpuHits:
             r.holds += 1
         gpu_blocks = [b for row in dst for b in row] if self.gpu is not None else []
         if gpu_blocks:
+            assert self.gpu is not None
             self.gpu.incref(gpu_blocks)
         return Batch(Direction.LOAD, cpu_blocks, gpu_blocks, reqs), src, dst
 

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import attrs
 
@@ -105,11 +106,16 @@ from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
 from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.stats import OffloadStats
-from kvkit.validate import at_least, int_problem, optional_at_least
+from kvkit.validate import at_least, int_problem, optional_at_least, plural
 
 __all__ = ["OffloadManager"]
 
 _WAITING, _RUNNING, _ENDED = RequestState.WAITING, RequestState.RUNNING, RequestState.ENDED
+
+
+def _callbacks(callbacks: Iterable[OffloadCallback]) -> tuple[OffloadCallback, ...]:
+    """``OffloadManager.callbacks`` as a tuple (a named converter: mypy's ``attrs`` plugin reads its type)."""
+    return tuple(callbacks)
 
 
 @attrs.define(eq=False)
@@ -165,7 +171,7 @@ class OffloadManager:
     store: StorePolicy
     gpu: BlockAllocator | None = attrs.field(default=None, kw_only=True)
     world_size: int = attrs.field(default=1, kw_only=True, validator=at_least(1))
-    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
+    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), kw_only=True, converter=_callbacks)
     stats: OffloadStats = attrs.field(factory=OffloadStats, kw_only=True)
     null_block: int = attrs.field(default=-1, kw_only=True)
     num_gpu_blocks: int | None = attrs.field(default=None, kw_only=True, validator=optional_at_least(1))
@@ -310,7 +316,7 @@ class OffloadManager:
             if n is None or n < full:
                 raise RequestStateError(
                     f"request {request_id!r}: num_tokens={num_tokens!r} is below its "
-                    f"{num_blocks} full blocks ({full} tokens)")
+                    f"{plural(num_blocks, 'full block')} ({plural(full, 'token')})")
             full = max(full, n)
         hashes.extend(new_hashes)
         if full > r.num_tokens:
@@ -326,7 +332,8 @@ class OffloadManager:
         GPU-hit boundary, then (with a shared tier) the leading run of the
         next blocks whose every worker's key the shared store holds, capped so
         at least one of the request's tokens is recomputed. Shared hits get
-        CPU blocks now (not ready) and are fetched in the step that loads them. Its blocks are pinned (one CPU reference each) until the
+        CPU blocks now (not ready) and are fetched in the step that loads
+        them. Its blocks are pinned (one CPU reference each) until the
         engine allocates (:meth:`on_allocated`), the request ends, or a later
         lookup replaces this one, so nothing can evict them in between. The
         lookup records no use: the blocks the engine accepts are touched (for
@@ -360,7 +367,7 @@ class OffloadManager:
         hit = self._hits.pin(r, r.block_hashes[start:stop] if not self._draining else ())
         if self._shared is not None and not self._draining and start + hit < stop:
             first = start + hit
-            self._shared.reserve(r, first, self._shared.find(r.block_hashes[first:stop]))
+            self._shared.reserve(r, first, self._shared.find(r.block_hashes[first:stop], r.block_hashes[stop:]))
             hit += len(r.fetch)
             r.offered_blocks = hit
         self._events.emit("on_lookup", request_id, gpu_hit_tokens, hit * bs)
@@ -452,14 +459,15 @@ class OffloadManager:
             needed = -(-r.num_computed_tokens // self.kv.block_size)
             if min(map(len, table)) < needed:  # its computed KV, and every queued store, stay in it
                 raise RequestStateError(
-                    f"request {request_id!r}: a replaced block table needs at least {needed} blocks per "
-                    f"group (its {r.num_computed_tokens} computed tokens), got {[len(t) for t in table]}")
+                    f"request {request_id!r}: a replaced block table needs at least {plural(needed, 'block')} per "
+                    f"group (its {plural(r.num_computed_tokens, 'computed token')}), got {[len(t) for t in table]}")
             if r.load_pending:  # the load not yet planned reads the new table
                 self._hits.check_targets(r, table, r.head_blocks + len(r.pinned) + len(r.fetch), r.head_blocks)
             self._set_table(r, table)
             return
         bs = self.kv.block_size
         n, head = accepted_blocks(r, accepted_tokens, bs, recompute_tokens)
+        assert r.gpu_hit_blocks is not None  # accepted_blocks refuses a request never looked up
         if not r.revoked:
             self._hits.check_targets(r, table, n, head)
         offered_cpu, offered_shared = r.offered_cpu, r.offered_blocks - r.offered_cpu
@@ -504,8 +512,8 @@ class OffloadManager:
             b = rows[0][0]
             if (b.__class__ is int and b not in taken and 0 <= b != self.null_block
                     and (limit is None or b < limit)):
-                r.block_table[0].append(b)
-                taken.add(b)
+                r.block_table[0].append(cast(BlockId, b))
+                taken.add(cast(BlockId, b))
                 return
         rows = check_rows(request_id, rows, len(r.block_table), limit, self.null_block, taken,
                           "appended blocks")
@@ -734,12 +742,12 @@ class OffloadManager:
         if self.gpu is not None:
             self.gpu.check_invariants()
         held = self.cpu_refs_held()
-        for b in range(cpu.num_blocks):
+        for b in map(BlockId, range(cpu.num_blocks)):
             assert cpu.refcount(b) == held[b], (
                 f"CPU block {b}: refcount {cpu.refcount(b)} != manager refs {held[b]}")
         if self.gpu is not None:
             for b, n in self.gpu_refs_held().items():
-                assert self.gpu.refcount(b) >= n, f"GPU block {b}: refcount < {n} manager refs"
+                assert self.gpu.refcount(b) >= n, f"GPU block {b}: refcount < {plural(n, 'manager ref')}"
         holds, inflight = self._transfers.check_invariants(cpu, self._draining)
         self._stores.check_invariants(inflight, holds)
         if self._shared is not None:
@@ -761,13 +769,14 @@ class OffloadManager:
 
     def _query(self, r: Request, overlap: bool) -> HitQuery:
         """What the planner knows of ``r``'s offered hit: CPU blocks, then shared-tier blocks."""
+        assert r.gpu_hit_blocks is not None  # plan_load refuses a request never looked up
         runs = [(src, n) for src, n in ((HitSource.CPU, r.offered_cpu),
                                         (HitSource.SHARED, r.offered_blocks - r.offered_cpu)) if n]
         return HitQuery(block_size=self.kv.block_size, block_bytes=self.kv.bytes_per_block,
                         context_tokens=r.gpu_hit_blocks * self.kv.block_size, runs=runs,
                         num_tokens=r.num_tokens, overlap=overlap)
 
-    def _set_table(self, r: Request, table: list[list[int]]) -> None:
+    def _set_table(self, r: Request, table: list[list[BlockId]]) -> None:
         r.block_table = table
         null = self.null_block
         r.block_ids = {b for row in table for b in row if b != null}
@@ -866,8 +875,8 @@ class OffloadManager:
         self._store_gate.started(len(planned[0].cpu_blocks))
         return self._open(*planned)
 
-    def _open(self, batch: Batch, src: list[list[int]],
-              dst: list[list[int]]) -> list[tuple[int, TransferPlan]]:
+    def _open(self, batch: Batch, src: Sequence[Sequence[int]],
+              dst: Sequence[Sequence[int]]) -> list[tuple[int, TransferPlan]]:
         """Turn per-group id lists into plans (empty groups skipped) and track them."""
         out = self._transfers.open(batch, batch.plans(src, dst, self._group_bytes))
         self.stats.transfers_submitted.add(len(out))
@@ -881,6 +890,7 @@ class OffloadManager:
         if ok and batch.direction is Direction.LOAD and batch.seconds > 0 and self.planner is not None:
             self._observe(HitSource.SHARED if batch.shared else HitSource.CPU, batch.num_bytes, batch.seconds)
         if batch.shared:
+            assert self._shared is not None, "a shared-tier batch needs the shared tier"
             self._shared.settled(batch, ok)
         elif batch.direction is Direction.STORE:
             self._store_gate.finished(len(batch.cpu_blocks), batch.seconds)
@@ -955,7 +965,7 @@ def _writes_back(spec: KVCacheSpec, store: StorePolicy, gpu: BlockAllocator | No
     if len(spec.groups) != 1:
         raise ConfigError(
             f"store policy {store!r} writes back single GPU blocks, which needs a "
-            f"spec with one KV group, got {len(spec.groups)} groups")
+            f"spec with one KV group, got {plural(len(spec.groups), 'group')}")
     return True
 
 

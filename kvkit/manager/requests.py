@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from itertools import chain
 from typing import Any
 
@@ -13,7 +13,7 @@ import attrs
 from kvkit.errors import HashInputError, RequestStateError, UnknownRequestError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import is_int
+from kvkit.validate import is_int, plural
 
 __all__ = [
     "Request",
@@ -104,8 +104,8 @@ class Request:
     fetch_start: int = 0
     load_pending: bool = False
     revoked: bool = False
-    block_table: list[list[int]] = attrs.field(factory=list)
-    block_ids: set[int] = attrs.field(factory=set)
+    block_table: list[list[BlockId]] = attrs.field(factory=list)
+    block_ids: set[BlockId] = attrs.field(factory=set)
     store_queue: list[int] = attrs.field(factory=list)
     holds: int = 0
     delay_free: bool = False
@@ -164,8 +164,9 @@ def check_prompt(request_id: str, hashes: list[BlockHash], num_prompt_tokens: ob
     bs, n = block_size, as_count(num_prompt_tokens)
     if n is None or len(hashes) > n // bs:
         raise RequestStateError(
-            f"request {request_id!r}: {len(hashes)} full-block hashes need at least "
-            f"{len(hashes) * bs} prompt tokens, got num_prompt_tokens={num_prompt_tokens!r}")
+            f"request {request_id!r}: num_prompt_tokens={num_prompt_tokens!r} is below the "
+            f"{plural(len(hashes) * bs, 'prompt token')} of its "
+            f"{plural(len(hashes), 'full-block hash', 'full-block hashes')}")
     return n
 
 
@@ -191,7 +192,8 @@ def check_lookup(r: Request, gpu_hit_tokens: object, num_tokens: object,
 
 
 def check_rows(request_id: str, rows: object, num_groups: int, num_blocks: int | None,
-               null_block: int, taken: set[int] | None = None, what: str = "block table") -> list[list[int]]:
+               null_block: int, taken: Set[BlockId] | None = None,
+               what: str = "block table") -> list[list[BlockId]]:
     """``rows`` (one sequence of GPU block ids per KV group) as fresh lists of ``int``.
 
     Every id is an integer (NumPy integers converted; ``bool`` refused) in
@@ -210,7 +212,7 @@ def check_rows(request_id: str, rows: object, num_groups: int, num_blocks: int |
         raise RequestStateError(
             f"request {request_id!r}: need one block list per KV group ({num_groups}) in the {what}, "
             f"got {len(rows)}")
-    out = []
+    out: list[list[BlockId]] = []
     for g, row in enumerate(rows):
         if isinstance(row, (str, bytes)) or not isinstance(row, Iterable):
             raise RequestStateError(f"request {request_id!r}: {what} group {g} must be a sequence of "
@@ -219,7 +221,7 @@ def check_rows(request_id: str, rows: object, num_groups: int, num_blocks: int |
         if not set(map(type, ids)) <= _INT:
             ids = [_block_id(request_id, what, g, i, b) for i, b in enumerate(ids)]
         out.append(ids)
-    flat = list(chain.from_iterable(out))
+    flat: list[int] = list(chain.from_iterable(out))
     if not flat:
         return out
     low, high, null = min(flat), max(flat), null_block
@@ -230,20 +232,23 @@ def check_rows(request_id: str, rows: object, num_groups: int, num_blocks: int |
                                 f"range (0 <= id{limit}, or null_block={null})")
     nulls = flat.count(null)
     distinct = set(flat)
-    clash = bool(taken) and not distinct.isdisjoint(taken)  # ``taken`` never holds the null block
+    clash = taken is not None and not distinct.isdisjoint(taken)  # ``taken`` never holds the null block
     if clash or len(distinct) - (1 if nulls else 0) != len(flat) - nulls:
-        seen = set(taken or ()) - {null}
-        dup = next(b for b in flat if b != null and (b in seen or seen.add(b)))
+        seen = set[int](taken or ()) - {null}
+        for dup in flat:  # the first real id met before (in ``taken`` or earlier in ``flat``)
+            if dup != null and dup in seen:
+                break
+            seen.add(dup)
         raise RequestStateError(f"request {request_id!r}: GPU block id {dup!r} appears twice in the "
                                 f"request's block table")
     return out
 
 
-def _block_id(request_id: str, what: str, g: int, i: int, b: object) -> int:
+def _block_id(request_id: str, what: str, g: int, i: int, b: object) -> BlockId:
     if not is_int(b):
         raise RequestStateError(f"request {request_id!r}: {what} group {g} position {i}: GPU block id "
                                 f"{b!r} is not an int ({type(b).__name__})")
-    return int(b)
+    return BlockId(int(b))
 
 
 def accepted_blocks(r: Request, accepted_tokens: object, block_size: int,

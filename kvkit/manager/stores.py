@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import attrs
 
 from kvkit.interfaces.allocator import BlockAllocator
-from kvkit.interfaces.capabilities import EvictionWindow
+from kvkit.interfaces.capabilities import EvictionOrder, EvictionWindow
 from kvkit.interfaces.store import StorePolicy
 from kvkit.interfaces.types import BlockHash, BlockId, Direction
 from kvkit.manager.ended import EndedRequests
@@ -50,7 +50,7 @@ class StoreCandidate(NamedTuple):
 
     block_hash: BlockHash
     parent: BlockHash | None
-    gpu_ids: tuple[int, ...]
+    gpu_ids: tuple[BlockId, ...]
     owner: Request | None
     held: bool
 
@@ -124,13 +124,13 @@ class StorePlanner:
         self.stats.stores_deduplicated.add(len(queue) - len(needed))
         entries = self._resolve(((r, needed),), held)
         r.store_queue = []
-        if held:
+        if self.gpu is not None:
             self.gpu.incref([g for e in entries for g in e.gpu_ids])
         self._detached += entries
         r.holds += len(entries)
 
     def plan(self, queued: Iterable[Request],
-             limit: float = math.inf) -> tuple[Batch, list[list[int]], list[list[BlockId]]] | None:
+             limit: float = math.inf) -> tuple[Batch, list[list[BlockId]], list[list[BlockId]]] | None:
         """This step's store batch: detached stores, the queues of ``queued``, write-back candidates.
 
         Chosen hashes join the in-flight set and their CPU blocks are allocated
@@ -164,7 +164,8 @@ class StorePlanner:
         if not self._detached:
             return
         lookup = self.cpu.lookup
-        keep, gone = [], []
+        keep: list[StoreCandidate] = []
+        gone: list[StoreCandidate] = []
         for e in self._detached:
             (gone if lookup((e.block_hash,)) else keep).append(e)
         self._detached = keep
@@ -222,18 +223,19 @@ class StorePlanner:
         window since the last pass, and the window blocks whose cover was lost;
         every window block is then on the CPU tier or in flight, or offered.
         """
-        gpu = self.gpu
+        gpu = cast(EvictionOrder, self.gpu)  # write-back needs one (checked when the manager is built)
         target = self.policy.writeback_target(gpu.num_free, gpu.num_blocks)
         if not self._wb_incremental:
             blocks = gpu.eviction_candidates(target) if target > 0 else []
         else:
-            entered = gpu.eviction_window(target)  # every pass, so the pool's window keeps step
+            window = cast(EvictionWindow, gpu)  # incremental only with one
+            entered = window.eviction_window(target)  # every pass, so the pool's window keeps step
             self._wb_learn()
             if self._wb_full:
                 self._wb_full = False
                 blocks = gpu.eviction_candidates(target)
             else:
-                in_window = gpu.in_eviction_window
+                in_window = window.in_eviction_window
                 blocks = list(dict.fromkeys(entered + [b for b in self._wb_recheck if in_window(b)]))
             self._wb_recheck = {}
         block_hash, make = gpu.block_hash, tuple.__new__  # as in _resolve: no Python-level __new__
@@ -287,10 +289,11 @@ class StorePlanner:
     def _unhold(self, entries: list[StoreCandidate]) -> None:
         held = [g for e in entries if e.held for g in e.gpu_ids]
         if held:
+            assert self.gpu is not None, "references are held only with a GPU pool"
             self.gpu.decref(held)
 
     def _choose(self, cands: list[StoreCandidate],
-                limit: float) -> tuple[Batch, list[list[int]], list[list[BlockId]]] | None:
+                limit: float) -> tuple[Batch, list[list[BlockId]], list[list[BlockId]]] | None:
         """Pick the candidates to copy (at most ``limit``) and allocate their CPU blocks; skipped ones drop
         their GPU holds."""
         cpu, gpu, inflight, stats = self.cpu, self.gpu, self._inflight, self.stats

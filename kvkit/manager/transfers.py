@@ -16,18 +16,22 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import attrs
 import numpy as np
 
 from kvkit.interfaces.allocator import BlockAllocator
+from kvkit.interfaces.shared import SharedPlan
 from kvkit.interfaces.types import BlockHash, BlockId, Direction, TransferPlan, TransferResult
 from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.stats import OffloadStats
 
 __all__ = ["Batch", "Outcome", "Transfer", "TransferTable"]
+
+_Plan = TypeVar("_Plan", TransferPlan, SharedPlan)
 
 
 @attrs.define(eq=False)
@@ -77,7 +81,7 @@ class Batch:
     committed: list[BlockHash] = attrs.field(factory=list)
     seconds: float = 0.0
 
-    def plans(self, src: list[list[int]], dst: list[list[int]],
+    def plans(self, src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]],
               group_bytes: list[int]) -> list[TransferPlan]:
         """Per-group id lists as plans (empty groups skipped); their bytes count in ``num_bytes``."""
         out = []
@@ -112,6 +116,7 @@ class Batch:
             getattr(stats, moved).add(self.num_bytes)
         cpu.decref(self.cpu_blocks)  # a committed block becomes evictable, a discarded one empty
         if self.gpu_blocks:
+            assert gpu is not None, "GPU blocks are held only with a GPU pool"
             gpu.decref(self.gpu_blocks)
         return ok
 
@@ -161,7 +166,7 @@ class TransferTable:
         """The id the next transfer will get."""
         return self._next_id
 
-    def open(self, batch: Batch, plans: list[TransferPlan]) -> list[tuple[int, TransferPlan]]:
+    def open(self, batch: Batch, plans: list[_Plan]) -> list[tuple[int, _Plan]]:
         """Give each plan of ``batch`` a fresh id and track it until it completes."""
         out = []
         for plan in plans:
@@ -201,6 +206,7 @@ class TransferTable:
             if outcome is Outcome.UNKNOWN:
                 stats.unknown_completions.add()
                 continue
+            assert t is not None  # only an unknown result comes without its transfer
             if outcome is Outcome.DUPLICATE:
                 stats.duplicate_completions.add()
                 continue

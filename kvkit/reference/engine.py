@@ -10,10 +10,12 @@ The simulator, the tests and the examples reuse it. Per :meth:`ReferenceEngine.s
    GPU allocation, then ``on_allocated``;
 3. run the manager's step plan on every worker, and wait for this step's
    loads (compute reads them; with ``layered`` compute waits for each layer
-   instead, and the loads' results are awaited after it). A plan with a
-   *head* (hit blocks recomputed instead of loaded) overlaps: the step plan
-   runs on a background thread while the compute writes each head, front to
-   back, from the GPU hit alone; then the engine waits for the loads;
+   instead, and the loads' results are awaited after it); a shared-tier
+   fetch is waited for at most until the store's deadline (then it is a
+   miss, recomputed), a shared-tier put never. A plan with a *head* (hit
+   blocks recomputed instead of loaded) overlaps: the step plan runs on a
+   background thread while the compute writes each head, front to back,
+   from the GPU hit alone; then the engine waits for the loads;
 4. compute the scheduled prefills through the engine's
    :class:`~kvkit.interfaces.PrefillCompute`
    (by default :class:`SyntheticCompute`: write each block's KV as a
@@ -44,7 +46,7 @@ from kvkit.errors import OutOfBlocksError, RequestStateError, UnknownRequestErro
 from kvkit.interfaces import BlockHash, BlockId, Direction, HeadCompute, PrefillCompute, TransferResult
 from kvkit.manager.step import StepPlan
 from kvkit.stack import OffloadStack
-from kvkit.validate import check_bool, checked, implements
+from kvkit.validate import check_bool, checked, implements, plural
 
 __all__ = ["EngineRequest", "PrefillCompute", "ReferenceEngine", "StepReport", "SyntheticCompute"]
 
@@ -159,8 +161,10 @@ class ReferenceEngine:
 
     stack: OffloadStack
     integrity_errors: int = 0
-    compute: PrefillCompute = attrs.field(factory=SyntheticCompute, kw_only=True, validator=implements(PrefillCompute, what="a PrefillCompute (with a prefill method)"))
-    layered: bool = attrs.field(default=False, kw_only=True, converter=checked(check_bool), on_setattr=attrs.setters.convert)
+    compute: PrefillCompute = attrs.field(factory=SyntheticCompute, kw_only=True, validator=implements(
+        PrefillCompute, what="a PrefillCompute (with a prefill method)"))
+    layered: bool = attrs.field(default=False, kw_only=True, converter=checked(check_bool),  # type: ignore[misc]
+                                on_setattr=attrs.setters.convert)
     _step_loads: set[int] = attrs.field(factory=set, init=False)  # layered loads compute may still wait for
     _waiting: deque[EngineRequest] = attrs.field(factory=deque, init=False)
     _requests: dict[str, EngineRequest] = attrs.field(factory=dict, init=False)
@@ -188,7 +192,7 @@ class ReferenceEngine:
         need = -(-num_tokens // kv.block_size) * len(kv.groups)
         if need > self.stack.gpu.num_blocks:
             raise OutOfBlocksError(
-                f"request {request_id!r} needs {need} GPU blocks ({num_tokens} tokens), more than "
+                f"request {request_id!r} needs {plural(need, 'GPU block')} ({plural(num_tokens, 'token')}), more than "
                 f"the whole GPU pool of {self.stack.gpu.num_blocks}")
         self.stack.manager.add_request(request_id, block_hashes, num_tokens)
         req = EngineRequest(request_id, list(block_hashes), num_tokens)
@@ -254,8 +258,8 @@ class ReferenceEngine:
     def leaked_blocks(self) -> int:
         """Blocks still referenced in either pool although no request runs and nothing is in flight."""
         gpu, cpu = self.stack.gpu, self.stack.cpu
-        held = sum(1 for b in range(gpu.num_blocks) if gpu.refcount(b))
-        held += sum(1 for b in range(cpu.num_blocks) if cpu.refcount(b))
+        held = sum(1 for b in map(BlockId, range(gpu.num_blocks)) if gpu.refcount(b))
+        held += sum(1 for b in map(BlockId, range(cpu.num_blocks)) if cpu.refcount(b))
         return held - sum(sum(map(len, r.table)) for r in self.running)
 
     # -- internals ------------------------------------------------------------
@@ -318,8 +322,9 @@ class ReferenceEngine:
 
     def _submit(self, plan: StepPlan) -> None:
         if self.stack.shared_workers:  # each rank runs its fetches, copies and puts in order
-            for shared in self.stack.shared_workers:
-                shared.submit(plan)
+            started = [shared.start_fetches(plan.fetches) for shared in self.stack.shared_workers]
+            for shared, fetches in zip(self.stack.shared_workers, started):  # every rank's fetches share a deadline
+                shared.submit(plan, fetches)
             return
         for tid, p in plan:
             for worker in self.stack.workers:
@@ -338,6 +343,12 @@ class ReferenceEngine:
     def _drain(self) -> list[TransferResult]:
         return [r for w in (self.stack.shared_workers or self.stack.workers) for r in w.drain()]
 
+    def _wait_loads(self) -> list[TransferResult]:
+        """Every copy of the step landed (the loads compute reads); the shared store's puts are not waited for."""
+        if self.stack.shared_workers:
+            return [r for w in self.stack.shared_workers for r in w.drain_copies()]
+        return [r for w in self.stack.workers for r in w.drain()]
+
     def _apply(self, results: list[TransferResult]) -> frozenset[str]:
         """Hand results to the manager; returns requests whose load failed (to recompute)."""
         return self.stack.manager.apply_completions(results).load_failed
@@ -349,7 +360,7 @@ class ReferenceEngine:
         if layered:  # compute waits per layer; the results come after it
             self._step_loads = {tid for tid, _ in plan.loads}
         elif plan.loads:  # compute reads the loaded blocks: wait for them
-            failed = self._apply(self._drain() if stack.workers or stack.shared_workers
+            failed = self._apply(self._wait_loads() if stack.workers or stack.shared_workers
                                  else _instant(plan, stack))
         if not stack.workers and not stack.shared_workers and plan.stores:
             self._apply(_instant(plan, stack, Direction.STORE))

@@ -3,17 +3,25 @@
 A stack's scheduler and every worker rank use the one store directly: each
 collects the results of its own tickets (``BlockStore.poll(tickets)``), so
 nothing sorts results between them.
+
+A stack that uses a network store beyond this host without an HMAC secret
+trusts whoever can write that server: :func:`connect_shared` says so once per
+process and server (a ``RuntimeWarning``).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import threading
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 
 from kvkit.interfaces import BlockHash, KVCacheSpec
-from kvkit.interfaces.shared import BlockStore
+from kvkit.interfaces.shared import DEFAULT_TENANT, BlockStore
+from kvkit.redact import redact, redact_text
 from kvkit.shared.format import HEADER_SIZE, Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.shared.urls import open_block_store, process_wide
 
@@ -22,6 +30,9 @@ if TYPE_CHECKING:
     from kvkit.shared.scheduler import SharedTierSpec
 
 __all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared"]
+
+_WARNED: set[tuple[tuple[str, int], ...]] = set()  # servers this process warned about
+_WARNED_LOCK = threading.Lock()
 
 
 def open_shared(value: str | BlockStore) -> tuple[BlockStore, bool]:
@@ -46,35 +57,38 @@ class FormatCodec:
     """The shared tier's value format (:mod:`kvkit.shared.format`) as a :class:`~kvkit.interfaces.shared.BlockCodec`.
 
     Attributes:
-        namespace: what gives the bytes their meaning (model, spec, layout, TP size).
-        secret: HMAC secret shared by every instance of a deployment, or ``None``.
+        namespace: what gives the bytes their meaning (model, spec, layout, TP
+            size), whose they are (tenant) and how they are authenticated (the
+            deployment's HMAC secret, or none).
     """
 
     namespace: Namespace
-    secret: bytes | None = None
     header_bytes: int = attrs.field(default=HEADER_SIZE, init=False)
+    probe_key: bytes = attrs.field(init=False, default=attrs.Factory(
+        lambda self: self.namespace.prefix + b"probe", takes_self=True))
 
     @classmethod
     def for_stack(cls, spec: KVCacheSpec, world_size: int, *, model: str, layout: str,
-                  secret: bytes | None = None) -> FormatCodec:
+                  tenant: str = DEFAULT_TENANT, secret: bytes | None = None) -> FormatCodec:
         """The codec of a stack: ``model`` names the weights (and revision), ``layout`` the payload.
 
         Raises:
+            ConfigError: a bad tenant or secret (the secret never quoted).
             BackendUnavailableError: the value format cannot run here (no ``xxhash``), before any store is used.
         """
-        codec = cls(Namespace(model=model, spec=spec, layout=layout, tp_size=world_size), secret)
-        encode_header(codec.namespace, 0, 0, [], secret=secret)  # fails now, not inside a worker's first put
+        codec = cls(Namespace(model=model, spec=spec, layout=layout, tp_size=world_size, tenant=tenant,
+                              secret=secret))
+        encode_header(codec.namespace, 0, 0, [])  # fails now, not inside a worker's first put
         return codec
 
     def key(self, block_hash: BlockHash, rank: int) -> bytes:
         return block_key(self.namespace, _fold(block_hash), rank)
 
     def seal(self, header: memoryview, block_hash: BlockHash, rank: int, payload: Sequence[memoryview]) -> None:
-        header[:] = encode_header(self.namespace, _fold(block_hash), rank, payload, secret=self.secret)
+        header[:] = encode_header(self.namespace, _fold(block_hash), rank, payload)
 
     def check(self, header: memoryview, block_hash: BlockHash, rank: int, payload: Sequence[memoryview]) -> bool:
-        return check_value(self.namespace, _fold(block_hash), rank, header, payload,
-                           secret=self.secret) is ValueStatus.OK
+        return check_value(self.namespace, _fold(block_hash), rank, header, payload) is ValueStatus.OK
 
 
 _HASH_MASK = (1 << 128) - 1
@@ -105,18 +119,64 @@ class SharedConnection:
 
 
 def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
-    """Open ``config.shared`` and build its codec: the one path of every stack, kvkit's own and vLLM's.
+    """Open ``config.shared.url`` and build its codec: the one path of every stack, kvkit's own and vLLM's.
 
     ``layout`` is the CPU payload layout the namespace names.
 
     Raises:
         ConfigError / BackendUnavailableError: as :func:`open_shared` and :meth:`FormatCodec.for_stack`.
     """
+    from kvkit.config import UNNAMED_MODEL
     from kvkit.shared.scheduler import SharedTierSpec
 
-    store, owned = open_shared(config.shared)
-    codec = FormatCodec.for_stack(config.kv, config.world_size, model=config.shared_model, layout=layout,
-                                  secret=config.shared_secret)
-    spec = SharedTierSpec(store=store, codec=codec, write=config.shared_write,
-                          backoff_s=config.shared_backoff_s, max_backoff_s=60 * config.shared_backoff_s)
+    shared = config.shared
+    codec = FormatCodec.for_stack(config.kv, config.world_size, model=shared.model or UNNAMED_MODEL, layout=layout,
+                                  tenant=shared.tenant, secret=shared.secret)
+    store, owned = open_shared(shared.url)  # last: nothing after it may fail and leave it open
+    try:
+        _warn_unauthenticated(store, codec.namespace.secret)
+        spec = SharedTierSpec(store=store, codec=codec, write=shared.write,
+                              backoff_s=shared.backoff_s, max_backoff_s=60 * shared.backoff_s)
+    except BaseException:
+        if owned:
+            store.close()
+        raise
     return SharedConnection(spec, store, owned)
+
+
+def _warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
+    """Warn (once per process and server) that ``store``'s values are trusted unauthenticated; whether it did.
+
+    Only a network store (one with ``nodes``, ``(host, port)`` pairs) with a
+    node beyond loopback and no ``secret`` is warned about: then anyone who
+    can write that server can plant KV that is loaded and served. Host names
+    other than ``localhost`` count as beyond loopback (nothing is resolved).
+    """
+    nodes = getattr(store, "nodes", None)
+    if secret is not None or not nodes:
+        return False
+    try:
+        key = tuple(sorted((str(host), int(port)) for host, port in nodes))
+    except (TypeError, ValueError):
+        return False
+    if all(_loopback(host) for host, _ in key):
+        return False
+    with _WARNED_LOCK:
+        if key in _WARNED:
+            return False
+        _WARNED.add(key)
+    where = ", ".join(redact(f"{host}:{port}") for host, port in key)
+    warnings.warn(redact_text(
+        f"kvkit shared tier: the values of {where} are not authenticated (no shared secret): anyone who can "
+        f"write that server can plant KV this engine will load and serve; set a shared_secret (HMAC) every "
+        f"instance of the deployment shares (docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=3)
+    return True
+
+
+def _loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -7,17 +7,27 @@ A value stored under :func:`block_key` is ``header + payload``. The header is
     block hash 16 B | worker rank u32 | payload length u64 |
     xxh3-128 of the payload 16 B | HMAC-SHA256 32 B (zeros without a secret)
 
+Keys are ``kvkit:<tenant>:v<version>:<namespace digest>:<block hash>:r<rank>``:
+every key of a tenant starts with :attr:`Namespace.prefix`, so a server's
+access rules (a Valkey ACL key pattern ``~kvkit:<tenant>:*``) confine a
+client to its tenant. The namespace's HMAC secret is bound into its digest
+(through a tag, ``HMAC(secret, "kvkit-namespace")``, never the secret
+itself), so deployments with different secrets, or one with and one without,
+use disjoint keys and never overwrite each other's values.
+
 The HMAC (flag bit 0) covers the key, the header with its MAC field zeroed,
 and the payload, so a value replayed under another key fails. Never pickle:
 the payload is raw block bytes. :func:`check_value` answers a
 :class:`ValueStatus`; anything but ``OK`` is a miss the caller counts and never
-loads.
+loads. Without a secret a value is only checked against accidents (the
+checksum is recomputable by anyone): whoever can write the server can forge it.
 
 Invariants (``tests/shared/test_format.py``):
     * A value :func:`encode_header` built checks ``OK`` under the same
-      namespace, hash, rank, key and secret.
+      namespace, hash, rank and key.
     * Any single flipped bit of header or payload, any truncation, another
-      namespace, hash, rank or key, a missing, extra or wrong secret: not ``OK``.
+      namespace (another secret or tenant included), hash, rank or key: not ``OK``.
+    * Namespaces that differ in any field, the secret included, share no key.
 """
 
 from __future__ import annotations
@@ -32,13 +42,15 @@ from collections.abc import Sequence
 import attrs
 
 from kvkit.errors import BackendUnavailableError, ConfigError
+from kvkit.interfaces.shared import DEFAULT_TENANT, check_tenant
 from kvkit.interfaces.types import KVCacheSpec
-from kvkit.validate import check_int, checked, quote
+from kvkit.redact import secret_repr
+from kvkit.validate import check_int, check_secret, checked, quote
 
-__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "Namespace", "ValueStatus", "block_key", "check_value",
-           "encode_header"]
+__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "Namespace", "ValueStatus", "block_key",
+           "check_value", "encode_header"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bumped whenever header, key or namespace encoding changes; part of every key and digest."""
 
 _MAGIC = b"KVKB"
@@ -62,7 +74,10 @@ class ValueStatus(enum.Enum):
     CORRUPT = "corrupt"
     """The payload's checksum does not match."""
     TAMPERED = "tampered"
-    """The HMAC does not verify (wrong secret, altered bytes, or replayed under another key)."""
+    """The HMAC does not verify (altered bytes, or replayed under another key)."""
+
+
+_NAMESPACE_TAG = b"kvkit-namespace"
 
 
 def _spec_record(spec: KVCacheSpec) -> dict[str, object]:
@@ -93,46 +108,71 @@ class Namespace:
         spec: block size, layers, heads, head dim, dtype and KV groups.
         layout: how a rank's payload is laid out (a kvkit layout name).
         tp_size: tensor-parallel ranks sharing each block (each stores its shard).
+        tenant: who owns the keys: the second field of every key (:attr:`prefix`),
+            so a server's ACL key pattern can confine a client to it; 1-64
+            letters, digits, ``_``, ``.`` or ``-`` (:func:`~kvkit.interfaces.shared.check_tenant`).
+        secret: the deployment's HMAC secret (non-empty bytes), or ``None``:
+            values are then sealed and checked with it, and it is bound into
+            :attr:`digest` through a tag (never shown: its repr is ``'***'``).
+        digest: 16 bytes naming all of the above, in every key and header.
 
     Cache salts need no field: they are mixed into the block hashes, which are
     part of every key.
     """
 
-    model: str = attrs.field(converter=_text("model"))
+    model: str = attrs.field(converter=_text("model"))  # type: ignore[misc]
     spec: KVCacheSpec = attrs.field(converter=_spec)
-    layout: str = attrs.field(default="cross-layer", converter=_text("layout"))
-    revision: str = attrs.field(default="", converter=_text("revision", allow_empty=True))
-    tp_size: int = attrs.field(default=1, converter=checked(check_int, minimum=1, label="Namespace."))
+    layout: str = attrs.field(default="cross-layer", converter=_text("layout"))  # type: ignore[misc]
+    revision: str = attrs.field(default="", converter=_text("revision", allow_empty=True))  # type: ignore[misc]
+    tp_size: int = attrs.field(default=1, converter=checked(check_int, minimum=1, label="Namespace."))  # type: ignore[misc]
+    tenant: str = attrs.field(default=DEFAULT_TENANT, converter=checked(check_tenant, label="Namespace."))  # type: ignore[misc]
+    secret: bytes | None = attrs.field(default=None, repr=secret_repr,
+                                       converter=checked(check_secret, label="Namespace.", optional=True))
     digest: bytes = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        tag = "" if self.secret is None else hmac.new(self.secret, _NAMESPACE_TAG, hashlib.sha256).hexdigest()
         record = {"format": FORMAT_VERSION, "model": self.model, "revision": self.revision,
-                  "layout": self.layout, "tp_size": self.tp_size, "spec": _spec_record(self.spec)}
+                  "layout": self.layout, "tp_size": self.tp_size, "spec": _spec_record(self.spec),
+                  "tenant": self.tenant, "secret_tag": tag}
         canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
         object.__setattr__(self, "digest", hashlib.sha256(canonical).digest()[:16])
 
+    @property
+    def prefix(self) -> bytes:
+        """What every key of this namespace starts with: ``kvkit:<tenant>:`` (ACL pattern ``~kvkit:<tenant>:*``)."""
+        return b"kvkit:%s:" % self.tenant.encode()
+
 
 def block_key(namespace: Namespace, block_hash: int, rank: int) -> bytes:
-    """The store key of ``rank``'s shard of block ``block_hash`` (ASCII, about 90 bytes, no hash tag)."""
+    """The store key of ``rank``'s shard of block ``block_hash`` (ASCII, about 100 bytes, no hash tag)."""
     _check_hash_rank(namespace, block_hash, rank)
-    return b"kvkit:v%d:%s:%032x:r%d" % (FORMAT_VERSION, namespace.digest.hex().encode(), block_hash, rank)
+    return b"%sv%d:%s:%032x:r%d" % (namespace.prefix, FORMAT_VERSION, namespace.digest.hex().encode(), block_hash,
+                                    rank)
 
 
-def encode_header(namespace: Namespace, block_hash: int, rank: int, payload: _Buffers, *,
-                  secret: bytes | None = None) -> bytes:
-    """The header to store before ``payload`` (its buffers in order) under ``block_key(...)``."""
+def encode_header(namespace: Namespace, block_hash: int, rank: int, payload: _Buffers) -> bytes:
+    """The header to store before ``payload`` (its buffers in order) under ``block_key(...)``.
+
+    With the namespace's secret the header carries the value's HMAC.
+    """
     _check_hash_rank(namespace, block_hash, rank)
     views = _views(payload)
-    header = _pack(namespace, block_hash, rank, views, secret, _checksum(views))
+    secret = namespace.secret
+    header = _pack(namespace, block_hash, rank, views, _checksum(views))
     if secret is None:
         return header
     return header[:_MAC_AT] + _mac(secret, block_key(namespace, block_hash, rank), header, views)
 
 
 def check_value(namespace: Namespace, block_hash: int, rank: int, header: bytes | memoryview | bytearray,
-                payload: _Buffers, *, secret: bytes | None = None) -> ValueStatus:
-    """Check a value read under ``block_key(namespace, block_hash, rank)``; never raises for bad bytes."""
+                payload: _Buffers) -> ValueStatus:
+    """Check a value read under ``block_key(namespace, block_hash, rank)``; never raises for bad bytes.
+
+    With the namespace's secret only a value sealed with it is ``OK``.
+    """
     _check_hash_rank(namespace, block_hash, rank)
+    secret = namespace.secret
     head = bytes(memoryview(header).cast("B")[:HEADER_SIZE])
     views = _views(payload)
     if len(head) < HEADER_SIZE:
@@ -155,16 +195,13 @@ def check_value(namespace: Namespace, block_hash: int, rank: int, header: bytes 
     return ValueStatus.OK
 
 
-def _pack(namespace: Namespace, block_hash: int, rank: int, views: list[memoryview], secret: bytes | None,
-          checksum: bytes) -> bytes:
-    return _LAYOUT.pack(_MAGIC, FORMAT_VERSION, _HMAC_FLAG if secret is not None else 0, namespace.digest,
+def _pack(namespace: Namespace, block_hash: int, rank: int, views: list[memoryview], checksum: bytes) -> bytes:
+    return _LAYOUT.pack(_MAGIC, FORMAT_VERSION, _HMAC_FLAG if namespace.secret is not None else 0, namespace.digest,
                         block_hash.to_bytes(16, "little"), rank, sum(v.nbytes for v in views), checksum,
                         bytes(32))
 
 
 def _mac(secret: bytes, key: bytes, header: bytes, views: list[memoryview]) -> bytes:
-    if not isinstance(secret, bytes) or not secret:
-        raise ConfigError(f"secret={quote(secret)}: must be non-empty bytes")
     mac = hmac.new(secret, key, hashlib.sha256)
     mac.update(header[:_MAC_AT] + bytes(32))
     for view in views:

@@ -10,16 +10,26 @@ committed, ``write-back`` puts the CPU pool's next eviction candidates ahead
 of their eviction.
 
 Failure is normal. A failed fetch or put makes the tier *suspect*: a probe (a
-tiny put through the scheduler's own client) is sent, and a probe that fails
-with a transport error turns the tier off for a back-off interval (doubling
-up to a cap), loudly: ``stats.shared_outages``, one ``RuntimeWarning`` per
-outage, ``on_shared_state``. While it is off, lookups find nothing there and
-nothing is put; when the interval is over, another probe decides. No request
-waits on it: a failed fetch makes its request recompute, as a failed load does.
+tiny put of the codec's ``probe_key`` with each suffix of :data:`PROBE_KEYS`, under the
+tenant's prefix, spread over a Cluster's nodes, through the scheduler's own client) is sent, and only a probe that fails with a transport
+error on every key turns the tier off (one live node keeps it on: the store
+fails the dead nodes' keys itself) for a back-off interval (doubling up to a
+cap), loudly: ``stats.shared_outages``, one ``RuntimeWarning`` per outage,
+``on_shared_state``. While it is off, lookups find nothing there and nothing
+is put; when the interval is over, another probe decides. No request waits on
+it: a failed fetch makes its request recompute, as a failed load does.
+
+The server's contents are the truth. The hashes this instance put or fetched
+are remembered only to skip putting them again, and only while there is no
+evidence against them: a lookup that finds a remembered hash absent forgets it
+and every hash after it in that request (they are recomputed and put again), a
+failed fetch forgets its hashes, an outage forgets everything (the server may
+have restarted empty), and nothing is remembered longer than ``trust_s``.
 
 Invariants: a hash is offered only if every rank's key was present at its
 lookup; a fetched block is findable only after every worker's fetch landed,
-and stays referenced until its load completed; no hash has two puts in flight.
+and stays referenced until its load completed; no hash has two puts in flight;
+no put is skipped for a hash put or fetched ``trust_s`` or longer ago, or before an outage.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import attrs
 
@@ -41,32 +52,30 @@ from kvkit.manager.backpressure import WriteGate
 from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
+from kvkit.redact import redact_text
 from kvkit.stats import OffloadStats
-from kvkit.validate import check_real, checked, quote
+from kvkit.validate import (
+    check_real,
+    checked,
+    implements,
+    is_callable,
+    known_keywords,
+    one_of,
+    optional_at_least,
+    plural,
+)
 
 __all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
 
-PROBE_KEY = b"kvkit:probe"
-"""The key a probe writes: no block key looks like it."""
+PROBE_KEYS = tuple(b":%d" % i for i in range(16))
+"""The suffixes of the keys a probe writes, after the codec's ``probe_key`` (no block key looks like them): 16 hash slots, so every node of a Cluster
+of a few nodes almost surely holds one (all 16 on one node of three: odds of 3 in 3**16)."""
 
 
-def _instance_of(cls: type) -> Callable[[object, attrs.Attribute, object], None]:
-    def check(inst: object, attribute: attrs.Attribute, value: object) -> None:
-        if isinstance(value, type) or not isinstance(value, cls):
-            raise ConfigError(f"SharedTierSpec.{attribute.name}={quote(value)}: must be a {cls.__name__} instance")
-    return check
+_LABEL = "SharedTierSpec."
 
 
-def _write(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if value not in SHARED_WRITES:
-        raise ConfigError(f"shared_write={quote(value)}: unknown; valid: {', '.join(SHARED_WRITES)}")
-
-
-def _writeback_blocks(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if value is not None and (value.__class__ is not int or value < 1):
-        raise ConfigError(f"SharedTierSpec.writeback_blocks={quote(value)}: must be an int >= 1 or None")
-
-
+@known_keywords
 @attrs.frozen(kw_only=True)
 class SharedTierSpec:
     """How a manager uses a shared tier.
@@ -79,18 +88,20 @@ class SharedTierSpec:
             eviction candidates are kept put (default: a quarter of the pool).
         backoff_s / max_backoff_s: the first back-off interval after a failure,
             and its cap (each failed retry doubles it).
+        trust_s: how long a hash put or fetched is taken to be still held (not put
+            again) without being looked up; then it may be put again.
         clock: seconds, monotonic (tests pass a fake one).
     """
 
-    store: BlockStore = attrs.field(validator=_instance_of(BlockStore))
-    codec: BlockCodec = attrs.field(validator=_instance_of(BlockCodec))
-    write: str = attrs.field(default="write-through", validator=_write)
-    writeback_blocks: int | None = attrs.field(default=None, validator=_writeback_blocks)
-    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True,
-                                                                  label="SharedTierSpec."))
+    store: BlockStore = attrs.field(validator=implements(BlockStore, label=_LABEL))
+    codec: BlockCodec = attrs.field(validator=implements(BlockCodec, label=_LABEL))
+    write: str = attrs.field(default="write-through", validator=one_of(SHARED_WRITES, label=_LABEL))
+    writeback_blocks: int | None = attrs.field(default=None, validator=optional_at_least(1, label=_LABEL))
+    backoff_s: float = attrs.field(default=1.0, converter=checked(check_real, low=0, low_open=True, label=_LABEL))
     max_backoff_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True,
-                                                                       label="SharedTierSpec."))
-    clock: Callable[[], float] = time.monotonic
+                                                                       label=_LABEL))
+    trust_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True, label=_LABEL))
+    clock: Callable[[], float] = attrs.field(default=time.monotonic, validator=is_callable(label=_LABEL))
 
 
 class SharedState(enum.Enum):
@@ -131,7 +142,7 @@ class SharedTier:
     _reason: str = attrs.field(init=False, default="")
     _queued: dict[BlockHash, None] = attrs.field(init=False, factory=dict)  # write-through, in order
     _flying: set[BlockHash] = attrs.field(init=False, factory=set)  # puts in flight
-    _known: OrderedDict[BlockHash, None] = attrs.field(init=False, factory=OrderedDict)  # put or fetched
+    _known: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # put or fetched -> when
     _known_cap: int = attrs.field(init=False, default=0)
     _writeback: int = attrs.field(init=False, default=0)
 
@@ -140,7 +151,7 @@ class SharedTier:
         self._known_cap = 4 * self.cpu.num_blocks
         if self.spec.write == "write-back":
             if not isinstance(self.cpu, EvictionOrder):
-                raise ConfigError(f"shared_write='write-back' puts the CPU pool's next eviction candidates: "
+                raise ConfigError(f"shared.write='write-back' puts the CPU pool's next eviction candidates: "
                                   f"the CPU pool must have eviction_candidates(n), got {self.cpu!r}")
             self._writeback = self.spec.writeback_blocks or max(1, self.cpu.num_blocks // 4)
 
@@ -166,7 +177,7 @@ class SharedTier:
         if self._probe is not None:
             for res in self._poll(self._probe):
                 self._probe = None
-                if res.transport_failed:
+                if res.transport_failed and len(res.failed) == len(PROBE_KEYS):
                     self._turn_off(res.error)
                 else:
                     self._turn_on()
@@ -183,7 +194,8 @@ class SharedTier:
     def _send_probe(self) -> None:
         self.stats.shared_probes.add()
         try:
-            self._probe = self.spec.store.put([PROBE_KEY], [[memoryview(b"1")]])
+            keys = [self.spec.codec.probe_key + suffix for suffix in PROBE_KEYS]
+            self._probe = self.spec.store.put(keys, [[memoryview(b"1")]] * len(keys))
         except Exception as exc:  # noqa: BLE001 - a sick client is a failed probe, never a failed step
             self._probe = None
             self._turn_off(f"transport: probe raised {exc!r}")
@@ -197,6 +209,8 @@ class SharedTier:
             return []
 
     def _turn_off(self, reason: str) -> None:
+        reason = redact_text(reason)  # shown in the warning, the status line and to callbacks
+        self._known.clear()  # the server may come back empty
         if self._state in (SharedState.ON, SharedState.SUSPECT):  # a new outage: say so once
             self._interval = self.spec.backoff_s
             self.stats.shared_outages.add()
@@ -217,8 +231,13 @@ class SharedTier:
 
     # -- hits and fetches -------------------------------------------------------
 
-    def find(self, hashes: Sequence[BlockHash]) -> int:
-        """Length of the leading run of ``hashes`` whose key exists for every rank (one round trip)."""
+    def find(self, hashes: Sequence[BlockHash], tail: Sequence[BlockHash] = ()) -> int:
+        """Length of the leading run of ``hashes`` whose key exists for every rank (one round trip).
+
+        ``tail``: the request's hashes after ``hashes`` (recomputed, never looked up). The
+        hashes from the first one found absent on, and the tail, are forgotten as put: the
+        request recomputes them, and they are put again.
+        """
         if not hashes or not self.available:
             return 0
         key, ranks = self.spec.codec.key, range(self.world_size)
@@ -228,7 +247,12 @@ class SharedTier:
         except Exception as exc:  # noqa: BLE001 - the protocol says it answers 0; a buggy one must not wedge us
             self.suspect(f"transport: contains raised {exc!r}")
             return 0
-        return min(len(hashes), n // self.world_size) if n.__class__ is int and n > 0 else 0
+        found = min(len(hashes), n // self.world_size) if n.__class__ is int and n > 0 else 0
+        known = self._known
+        if known and found < len(hashes):
+            for h in (*hashes[found:], *tail):
+                known.pop(h, None)
+        return found
 
     def reserve(self, r: Request, start: int, n: int) -> None:
         """Allocate CPU blocks (one reference each, not ready) for the ``n`` shared hits of ``r`` at ``start``."""
@@ -276,11 +300,11 @@ class SharedTier:
         tier; while the tier is off nothing is put (``stats.puts_skipped``).
         """
         queued, self._queued = self._queued, {}
-        cands = list(queued)
-        if self._writeback:
+        cands: list[BlockHash | None] = list(queued)
+        if self._writeback:  # only with an EvictionOrder pool (checked when built)
             block_hash = self.cpu.block_hash
-            cands += [block_hash(b) for b in self.cpu.eviction_candidates(self._writeback)]
-        flying, known, lookup = self._flying, self._known, self.cpu.lookup
+            cands += [block_hash(b) for b in cast(EvictionOrder, self.cpu).eviction_candidates(self._writeback)]
+        flying, known, lookup = self._flying, self._expire(), self.cpu.lookup
         hashes, blocks = [], []
         for h in dict.fromkeys(cands):
             if h is None or h in flying or h in known:
@@ -334,7 +358,7 @@ class SharedTier:
             (self.stats.puts_failed if put else self.stats.fetches_failed).add(len(batch.hashes))
             for h in batch.hashes:
                 self._known.pop(h, None)
-            self.suspect(f"a shared-tier {'put' if put else 'fetch'} of {len(batch.hashes)} blocks failed")
+            self.suspect(f"a shared-tier {'put' if put else 'fetch'} of {plural(len(batch.hashes), 'block')} failed")
         self.events.emit("on_shared_put" if put else "on_shared_fetch", len(batch.hashes), ok)
 
     def reset(self) -> None:
@@ -351,11 +375,23 @@ class SharedTier:
         assert len(flying) == len(set(flying)), "a hash has two shared puts in flight"
         assert set(flying) == self._flying, "shared in-flight set != uncommitted puts"
         assert len(self._known) <= self._known_cap, "the known-hash memory outgrew its cap"
+        times = list(self._known.values())
+        assert times == sorted(times), "the known-hash memory is not in the order it was confirmed"
 
     def _remember(self, hashes: Iterable[BlockHash]) -> None:
-        known = self._known
+        known, now = self._known, self.spec.clock()
         for h in hashes:
-            known[h] = None
+            known[h] = now
             known.move_to_end(h)
         while len(known) > self._known_cap:
             known.popitem(last=False)
+
+    def _expire(self) -> OrderedDict[BlockHash, float]:
+        """The known hashes, those remembered longer than ``trust_s`` ago forgotten first."""
+        known = self._known
+        while known and self._expired(next(iter(known.values()))):
+            known.popitem(last=False)
+        return known
+
+    def _expired(self, when: float) -> bool:
+        return self.spec.clock() - when >= self.spec.trust_s

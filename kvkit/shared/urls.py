@@ -21,7 +21,9 @@ Options are keyword arguments of the store (``request_timeout_s=0.5``), or the U
 (``file:///kv?capacity_bytes=50GiB``, ``valkey://h:6379/0?request_timeout_s=0.5&ttl_s=3600``: numbers
 and ``true``/``false`` are converted), so one string configures a store wherever only a string fits
 (the CLI, vLLM's ``kv_connector_extra_config``). A URL that fails to parse raises
-:class:`~kvkit.errors.ConfigError` quoting it and naming the valid forms.
+:class:`~kvkit.errors.ConfigError` quoting it and naming the valid forms. No
+message shows a password: URLs and options are quoted through
+:func:`~kvkit.validate.quote` (:mod:`kvkit.redact`).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def open_block_store(url: str, **options: Any) -> BlockStore:
     except ConfigError as exc:
         if str(exc).startswith("block store URL"):
             raise
-        raise ConfigError(f"block store URL {url!r}: {exc}") from exc
+        raise ConfigError(f"block store URL {quote(url)}: {exc}") from exc
 
 
 def _open(url: str, options: dict[str, Any]) -> BlockStore:
@@ -70,7 +72,7 @@ def _open(url: str, options: dict[str, Any]) -> BlockStore:
         settings = _valkey(url, base.endswith("s"), bool(plus))
         twice = sorted(settings.keys() & options.keys())
         if twice:
-            raise ConfigError(f"block store URL {url!r}: {', '.join(twice)} given both in the URL and as options")
+            raise ConfigError(f"block store URL {quote(url)}: {', '.join(twice)} given both in the URL and as options")
         return SHARED.create("valkey", slot="shared", **settings, **options)
     if scheme == "file":
         return SHARED.create("disk", slot="shared", **_disk(url, options))
@@ -78,7 +80,7 @@ def _open(url: str, options: dict[str, Any]) -> BlockStore:
         return _memory(url, _sizes(options))
     if scheme in SHARED.names():
         return SHARED.create(scheme, slot="shared", url=url, **options)
-    raise ConfigError(f"block store URL {url!r}: unknown scheme {scheme!r}; expected one of {_FORMS}, "
+    raise ConfigError(f"block store URL {quote(url)}: unknown scheme {scheme!r}; expected one of {_FORMS}, "
                       f"or a registered block store: {', '.join(SHARED.names())}")
 
 
@@ -91,13 +93,13 @@ def process_wide(store: BlockStore) -> bool:
 def _memory(url: str, options: dict[str, Any]) -> BlockStore:
     name = url.partition("://")[2].partition("?")[0]
     if "/" in name:
-        raise ConfigError(f"block store URL {url!r}: expected memory:// or memory://NAME (a name without '/')")
+        raise ConfigError(f"block store URL {quote(url)}: expected memory:// or memory://NAME (a name without '/')")
     with _MEMORY_LOCK:
         held = _MEMORY.get(name)
         if held is not None and not getattr(held[0], "closed", False):
             if held[1] != options:
-                raise ConfigError(f"block store URL {url!r}: this process's memory store {name!r} is open with "
-                                  f"options {held[1]!r}, not {options!r}; open it with the same options")
+                raise ConfigError(f"block store URL {quote(url)}: this process's memory store {name!r} is open with "
+                                  f"options {quote(held[1])}, not {quote(options)}; open it with the same options")
             return held[0]
         store = SHARED.create("memory", slot="shared", **options)
         _MEMORY[name] = (store, options)
@@ -109,17 +111,17 @@ def _valkey(url: str, tls: bool, cluster: bool) -> dict[str, Any]:
     auth, at, location = rest.rpartition("@")
     if not at:
         auth, location = "", rest
-    hosts, slash, path = location.partition("/")
+    hosts, _, path = location.partition("/")
     if not hosts:
-        raise ConfigError(f"block store URL {url!r}: no host; expected e.g. valkey://127.0.0.1:6379/0")
+        raise ConfigError(f"block store URL {quote(url)}: no host; expected e.g. valkey://127.0.0.1:6379/0")
     nodes = [_address(url, part) for part in hosts.split(",")]
     if len(nodes) > 1 and not cluster:
-        raise ConfigError(f"block store URL {url!r}: several hosts need a Cluster scheme "
+        raise ConfigError(f"block store URL {quote(url)}: several hosts need a Cluster scheme "
                           f"(valkey+cluster://{hosts})")
     settings: dict[str, Any] = {"nodes": nodes, "cluster": cluster, "tls": tls}
     if path:
         if not path.isdigit():
-            raise ConfigError(f"block store URL {url!r}: the database {path!r} must be a number")
+            raise ConfigError(f"block store URL {quote(url)}: the database {path!r} must be a number")
         settings["db"] = int(path)
     if auth:
         user, colon, password = auth.partition(":")
@@ -136,18 +138,18 @@ def _address(url: str, part: str) -> tuple[str, int]:
         parsed = urlsplit(f"//{part}")
         host, port = parsed.hostname, parsed.port or _DEFAULT_PORT
     except ValueError as exc:
-        raise ConfigError(f"block store URL {url!r}: bad address {part!r}: {exc}") from exc
+        raise ConfigError(f"block store URL {quote(url)}: bad address {part!r}: {exc}") from exc
     if not host:
-        raise ConfigError(f"block store URL {url!r}: bad address {part!r}; expected host:port")
+        raise ConfigError(f"block store URL {quote(url)}: bad address {part!r}; expected host:port")
     return host, port
 
 
 def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
     parsed = urlsplit(url)
     if parsed.netloc not in ("", "localhost") or not parsed.path:
-        raise ConfigError(f"block store URL {url!r}: expected file:///absolute/path (a local directory)")
+        raise ConfigError(f"block store URL {quote(url)}: expected file:///absolute/path (a local directory)")
     if "capacity_bytes" not in options:
-        raise ConfigError(f"block store URL {url!r}: a disk store needs capacity_bytes (e.g. '50GiB')")
+        raise ConfigError(f"block store URL {quote(url)}: a disk store needs capacity_bytes (e.g. '50GiB')")
     raw = dict(parse_qsl(parsed.query, keep_blank_values=True)).get("file_mode")
     if raw is not None:  # octal text: "640" must not become the decimal number 640
         options = {**options, "file_mode": raw}
@@ -156,10 +158,12 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def _with_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
     query = urlsplit(url).query if "?" in url else ""
+    if "@" in url.partition("?")[2]:  # else the userinfo would be ambiguous (see kvkit.redact)
+        raise ConfigError(f"block store URL {quote(url)}: a '@' after the '?'; percent-encode it (%40)")
     found: dict[str, Any] = {}
     for name, text in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
         if name in options or name in found:
-            raise ConfigError(f"block store URL {url!r}: option {name!r} given twice")
+            raise ConfigError(f"block store URL {quote(url)}: option {name!r} given twice")
         found[name] = _option_value(text)
     return {**found, **options}
 

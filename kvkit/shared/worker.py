@@ -15,21 +15,24 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import TYPE_CHECKING
 
 import attrs
 
-from kvkit.errors import ConfigError, TransferTimeoutError
+from kvkit.errors import TransferTimeoutError
 from kvkit.interfaces.shared import BlockCodec, BlockStore, SharedPlan, StoreResult
 from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
-from kvkit.validate import check_int, check_real, checked, implements, quote
+from kvkit.validate import check_int, check_real, checked, implements
 from kvkit.worker import WAIT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from kvkit.worker.engine import TransferEngine
 
 __all__ = ["SharedTierWorker"]
+
+Started = list[tuple[SharedPlan, "int | None"]]
+"""Fetches queued by :meth:`SharedTierWorker.start_fetches`: each plan and its store ticket (``None``: it failed)."""
 
 
 @attrs.define(eq=False)
@@ -39,11 +42,6 @@ class _Pending:
     started: float
     num_bytes: int
     buffers: list  # kept alive (and untouched) until the store reports the ticket
-
-
-def _check_store(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, BlockStore):
-        raise ConfigError(f"store={quote(value)}: must implement BlockStore")
 
 
 @attrs.define(eq=False)
@@ -74,15 +72,15 @@ class SharedTierWorker:
     """
 
     spec: KVCacheSpec
-    store: BlockStore = attrs.field(validator=_check_store)
+    store: BlockStore = attrs.field(validator=implements(BlockStore))
     codec: BlockCodec = attrs.field(validator=implements(BlockCodec))
     engine: TransferEngine | None = None
     mirrors: tuple[TransferEngine, ...] = attrs.field(
         kw_only=True, converter=tuple,
         default=attrs.Factory(lambda self: () if self.engine is None else (self.engine,), takes_self=True))
-    rank: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))
+    rank: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))  # type: ignore[misc]
     wait_timeout_s: float = attrs.field(default=WAIT_TIMEOUT_S, kw_only=True,
-                                        converter=checked(check_real, low=0, low_open=True))
+                                        converter=checked(check_real, low=0, low_open=True))  # type: ignore[misc]
     missing_values: int = attrs.field(default=0, init=False)
     invalid_values: int = attrs.field(default=0, init=False)
     transport_errors: int = attrs.field(default=0, init=False)
@@ -91,13 +89,15 @@ class SharedTierWorker:
     _tainted: set[int] = attrs.field(factory=set, init=False)  # loads to report failed
     _late: set[int] = attrs.field(factory=set, init=False)  # tickets of fetches that timed out: report failed
 
-    def submit(self, plan: object) -> None:
+    def submit(self, plan: object, started: Started | None = None) -> None:
         """Run a :class:`~kvkit.manager.step.StepPlan` on this rank: fetches, loads, stores, puts.
 
-        A load that reads a block whose fetch failed here (missing, invalid,
-        or not answered within ``wait_timeout_s``) is reported failed.
+        ``started``: what :meth:`start_fetches` answered for ``plan.fetches``
+        (default: they start now). A load that reads a block whose fetch failed
+        here (missing, invalid, or not answered within ``wait_timeout_s``) is
+        reported failed.
         """
-        failed = self.fetch(plan.fetches)
+        failed = self.finish_fetches(self.start_fetches(plan.fetches) if started is None else started)
         for tid, copy in (*plan.loads, *plan.stores):
             if failed and copy.direction is Direction.LOAD and failed.intersection(copy.src.tolist()):
                 self._tainted.add(tid)
@@ -110,9 +110,21 @@ class SharedTierWorker:
         Never raises for a sick store: a fetch it does not answer within
         ``wait_timeout_s`` fails all its blocks (and is reported failed once answered).
         """
+        return self.finish_fetches(self.start_fetches(fetches))
+
+    def start_fetches(self, fetches: Sequence[tuple[int, SharedPlan]]) -> Started:
+        """Queue every fetch's get at once, waiting for none; :meth:`finish_fetches` waits.
+
+        Ranks that share a process start theirs before any of them waits, so
+        their fetches run against one deadline, not one after another.
+        """
+        return [(plan, self._call(tid, "get", plan)) for tid, plan in fetches]
+
+    def finish_fetches(self, started: Started) -> set[int]:
+        """Wait for the started fetches and check their values (as :meth:`fetch`); the blocks that failed here."""
         failed: set[int] = set()
-        for tid, plan in fetches:
-            failed |= self._fetch(tid, plan)
+        for plan, ticket in started:
+            failed |= set(plan.blocks) if ticket is None else self._checked(plan, ticket)
         return failed
 
     def put(self, puts: Sequence[tuple[int, SharedPlan]]) -> None:
@@ -130,6 +142,20 @@ class SharedTierWorker:
         """Results of everything that finished since the last call (never raises for a sick store)."""
         self._collect(0.0)
         return self._hand_out(self.engine.poll() if self.engine is not None else [])
+
+    def drain_copies(self, timeout: float | None = None) -> list[TransferResult]:
+        """Wait for this rank's copies, not for the store; return every result not yet reported.
+
+        What a step calls before compute reads its loads: the fetches were waited
+        for already (:meth:`fetch`), and a put still on its way never holds a step
+        (the store reports it by its deadline; a later poll hands it out).
+
+        Raises:
+            TransferTimeoutError: a copy was still in flight at the deadline (as ``TransferEngine.drain``).
+        """
+        copies = self.engine.drain(timeout) if self.engine is not None else []
+        self._collect(0.0)
+        return self._hand_out(copies)
 
     def drain(self, timeout: float | None = None) -> list[TransferResult]:
         """Wait for every copy and every store ticket in flight; return every result not yet reported.
@@ -161,7 +187,7 @@ class SharedTierWorker:
             return []
         import torch  # only with an engine, which has imported it already
 
-        return [memoryview(p.reshape(-1).view(torch.uint8).numpy())
+        return [p.reshape(-1).view(torch.uint8).numpy().data
                 for engine in self.mirrors for p in engine.block_pieces(Tier.CPU, block)]
 
     def _frames(self, plan: SharedPlan, seal: bool) -> tuple[list[bytes], list[list[memoryview]]]:
@@ -189,11 +215,8 @@ class SharedTierWorker:
         self._pending[ticket] = _Pending(ticket, tid, started, len(plan) * self._bytes_per_block(), values)
         return ticket
 
-    def _fetch(self, tid: int, plan: SharedPlan) -> set[int]:
-        """Get ``plan``'s values into its CPU blocks and check them; returns the blocks that failed here."""
-        ticket = self._call(tid, "get", plan)
-        if ticket is None:
-            return set(plan.blocks)
+    def _checked(self, plan: SharedPlan, ticket: int) -> set[int]:
+        """Wait for the get ``ticket`` of ``plan`` and check its values; returns the blocks that failed here."""
         pending = self._pending[ticket]
         try:
             res = self._wait({ticket}, self.wait_timeout_s, keep=True)[ticket]
@@ -223,7 +246,7 @@ class SharedTierWorker:
     def _bytes_per_block(self) -> int:
         return self.codec.header_bytes + sum(engine.spec.bytes_per_block for engine in self.mirrors)
 
-    def _collect(self, timeout: float, keep: set[int] = frozenset()) -> dict[int, StoreResult]:
+    def _collect(self, timeout: float, keep: Set[int] = frozenset()) -> dict[int, StoreResult]:
         """Poll the store once for this rank's tickets; finish each reported one but those in ``keep``.
 
         Returns the reported results by ticket.

@@ -97,7 +97,7 @@ def simulate_fleet(requests: Iterable[TraceRequest], config: SimConfig, *, insta
                    progress: Callable[[int, int], None] | None = None) -> FleetResult:
     """Replay ``requests`` through ``instances`` simulators built from ``config``, routed by ``router``.
 
-    ``config.shared`` is given to every instance: pass one ``BlockStore``
+    ``config.stack.shared`` is given to every instance: one ``BlockStore``
     instance (or a URL) for a fleet that shares a tier, ``None`` for isolated ones.
 
     Raises:
@@ -119,11 +119,11 @@ def simulate_fleet(requests: Iterable[TraceRequest], config: SimConfig, *, insta
                 progress(read, refs)
     except BaseException:
         for sim in sims:
-            sim.stack.close()
+            sim.abort()
         raise
     if progress is not None:
         progress(read, refs)
-    return FleetResult(router, config.shared is not None, tuple(sim.close() for sim in sims))
+    return FleetResult(router, config.stack.shared is not None, tuple(sim.close() for sim in sims))
 
 
 def compare_fleets(requests: Callable[[], Iterable[TraceRequest]], config: SimConfig, *, instances: int,
@@ -132,7 +132,7 @@ def compare_fleets(requests: Callable[[], Iterable[TraceRequest]], config: SimCo
 
     Args:
         requests: called once per run, each time a fresh iterable of the trace.
-        config: the instances' configuration (its ``shared`` is replaced).
+        config: the instances' configuration (its ``shared`` slot is replaced).
         shared: the store the second run shares (default: a fresh in-process
             :class:`~kvkit.backends.blockstore.memory.MemoryStore`), or a URL.
 
@@ -141,7 +141,7 @@ def compare_fleets(requests: Callable[[], Iterable[TraceRequest]], config: SimCo
     """
     from kvkit.backends.blockstore.memory import MemoryStore
 
-    isolated = simulate_fleet(requests(), attrs.evolve(config, shared=None), instances=instances, router=router)
+    isolated = simulate_fleet(requests(), config.replace(shared=None), instances=instances, router=router)
     store = MemoryStore() if shared is None else shared
-    sharing = simulate_fleet(requests(), attrs.evolve(config, shared=store), instances=instances, router=router)
+    sharing = simulate_fleet(requests(), config.replace(shared=store), instances=instances, router=router)
     return isolated, sharing

@@ -47,7 +47,7 @@ from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
 from kvkit.registry import EVICTION
 from kvkit.sim.traces import TraceRequest
-from kvkit.validate import check_int
+from kvkit.validate import check_int, plural
 
 __all__ = ["OPT", "STORES", "HitStats", "PolicyStudy", "TraceClock", "check_stores", "check_study",
            "default_policies", "replay", "study"]
@@ -140,7 +140,7 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
     hits = references = 0
     start = time.perf_counter()
     if hints is not None and len(hints) != len(requests):
-        raise ConfigError(f"hints must be one per request: {len(hints)} for {len(requests)} requests")
+        raise ConfigError(f"hints must be one per request: {len(hints)} for {plural(len(requests), 'request')}")
     hear = instance.on_hints if hints is not None and isinstance(instance, HintAwarePolicy) else None
     for i, request in enumerate(requests):
         hashes = request.hash_ids

@@ -38,6 +38,11 @@ Time model (every figure configurable in :class:`CostModel`):
 * It then decodes ``output_length`` tokens at ``decode_ms_per_token`` each
   and ends, holding its GPU blocks until then. Decoded tokens are not cached.
 
+The block size is the trace's: each request carries it
+(:attr:`~kvkit.sim.traces.TraceRequest.block_size`), and a
+:class:`SimConfig` that leaves ``block_size`` unset takes the first request's;
+every request must then have that block size.
+
 A request needing more blocks than the whole GPU pool can never run: it is
 skipped and counted in :attr:`SimResult.skipped_requests` (not in any other
 figure). Byte figures use a model shape (default Llama-3-8B: 32 layers, 8 KV
@@ -59,21 +64,36 @@ import heapq
 import math
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
 
-from kvkit.config import DEFAULTS, StackConfig, parse_bytes
+from kvkit.config import DEFAULTS, StackConfig
 from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
-from kvkit.interfaces import EvictionPolicy, HitSource, KVCacheSpec, LoadPlanner, OffloadCallback, StorePolicy
+from kvkit.interfaces import HitSource, KVCacheSpec
+from kvkit.redact import redact_url
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.sim.traces import TraceRequest
 from kvkit.stack import OffloadStack, build
-from kvkit.validate import at_least, optional_at_least, real_in
+from kvkit.validate import (
+    at_least,
+    check_bool,
+    checked,
+    implements,
+    known_keywords,
+    non_empty_str,
+    optional_at_least,
+    plural,
+    quote,
+    real_in,
+    unknown_keywords,
+)
 
 __all__ = [
     "LLAMA_3_8B",
+    "SIMULATOR_SLOTS",
+    "STACK_SLOTS",
     "CostModel",
     "ModelShape",
     "SimConfig",
@@ -91,20 +111,25 @@ _positive = real_in(low=0, low_open=True, high=math.inf, high_open=True)  # fini
 _non_negative = real_in(low=0, high=math.inf, high_open=True)  # finite and >= 0
 
 
+@known_keywords
 @attrs.frozen(kw_only=True)
 class ModelShape:
     """The KV shape of a model, without the block size (the trace decides that).
 
     Attributes:
         name: shown in reports.
-        num_layers / num_kv_heads / head_dim / dtype: as in ``KVCacheSpec``.
+        num_layers / num_kv_heads / head_dim / dtype: as in ``KVCacheSpec``,
+            and checked by it.
     """
 
-    name: str
-    num_layers: int = attrs.field(validator=at_least(1))
-    num_kv_heads: int = attrs.field(validator=at_least(1))
-    head_dim: int = attrs.field(validator=at_least(1))
+    name: str = attrs.field(validator=non_empty_str(label="ModelShape."))
+    num_layers: int = attrs.field(validator=at_least(1, label="ModelShape."))
+    num_kv_heads: int = attrs.field(validator=at_least(1, label="ModelShape."))
+    head_dim: int = attrs.field(validator=at_least(1, label="ModelShape."))
     dtype: str = "bfloat16"
+
+    def __attrs_post_init__(self) -> None:
+        self.spec(1)  # KVCacheSpec's checks: the dtype, the cache's size
 
     def spec(self, block_size: int) -> KVCacheSpec:
         """This shape as a ``KVCacheSpec`` of ``block_size``-token blocks."""
@@ -123,6 +148,7 @@ _VERIFY_SHAPE = ModelShape(name="verify", num_layers=1, num_kv_heads=1, head_dim
 # A tiny cache whose bytes --verify really moves; block size comes from the trace.
 
 
+@known_keywords
 @attrs.frozen(kw_only=True)
 class CostModel:
     """Prices of the time model (see the module docstring); the one home of their defaults.
@@ -131,14 +157,12 @@ class CostModel:
         prefill_tokens_per_s: prompt tokens one request's prefill computes per
             second (default: Llama-3-8B on one H200-class GPU).
         pcie_gbps: CPU -> GPU load bandwidth, 10**9 bytes per second
-            (default: batched DMA of 32 KiB pieces, measured on this project's
-            H200).
+            (default: batched DMA of 32 KiB pieces, measured on an H200).
         decode_ms_per_token: time per generated token; sets how long a
             request holds its GPU blocks.
         overhead_ms: fixed cost added to every request's time to first token.
         shared_gbps: shared tier -> CPU fetch bandwidth, 10**9 bytes per second
-            (default: one Valkey connection over loopback on this project's
-            2-core VM, DESIGN §8).
+            (default: one Valkey connection over loopback on a 2-core VM).
     """
 
     prefill_tokens_per_s: float = attrs.field(default=20_000.0, validator=_positive)
@@ -172,101 +196,139 @@ class CostModel:
         return num_bytes * 1e-6 / self.shared_gbps
 
 
-@attrs.frozen(kw_only=True)
-class SimConfig:
-    """One simulation: stack slots, sizes, time model and byte model.
+_COST = CostModel()
 
-    Defaults come from :data:`kvkit.config.DEFAULTS`.
+SIMULATOR_SLOTS: dict[str, str] = {
+    "kv": "the byte model: model at block_size",
+    "copy": "None, or 'torch' with verify",
+    "device": "'cpu'",
+    "cpu_layout": "the GPU tier's with verify",
+    "hash_algorithm": "the trace's hash ids are the block hashes",
+}
+"""``StackConfig`` slots the simulator sets itself, and to what; a :class:`SimConfig` takes every other one."""
+
+STACK_SLOTS: tuple[str, ...] = tuple(f.name for f in attrs.fields(StackConfig) if f.name not in SIMULATOR_SLOTS)
+"""The ``StackConfig`` slots a :class:`SimConfig` takes as keywords (the rest are :data:`SIMULATOR_SLOTS`)."""
+
+_OWN = ("block_size", "verify", "cost", "model")
+_CAPACITY = ("cpu_blocks", "cpu_bytes")
+
+
+@attrs.frozen(kw_only=True, init=False)
+class SimConfig:
+    """One simulation: the stack's slots, and the simulator's own block size, time model and byte model.
+
+    ``SimConfig(gpu_blocks=600, cpu_bytes="64GiB", cpu_eviction="lru", verify=True)``:
+    every keyword of :data:`STACK_SLOTS` is a :class:`~kvkit.config.StackConfig`
+    slot, validated by ``StackConfig`` on construction (every problem in one
+    ``ConfigError``, an unknown keyword named with the valid ones); the
+    simulator sets :data:`SIMULATOR_SLOTS` itself. A simulation's sizes
+    default to :data:`kvkit.config.DEFAULTS`: ``gpu_blocks`` and, when neither
+    ``cpu_blocks`` nor ``cpu_bytes`` is given, ``cpu_blocks``. :meth:`replace`
+    changes slots and fields alike (``attrs.evolve`` changes fields only).
 
     Attributes:
-        gpu_blocks: GPU tier size in blocks (small, so offload matters).
-        cpu_blocks: CPU tier size in blocks; or give ``cpu_bytes`` (default:
-            ``DEFAULTS.cpu_blocks`` when neither is given).
-        cpu_bytes: CPU tier size in bytes of ``model`` KV (``"64GiB"``).
-        block_size: tokens per block; must match the trace's ``hash_ids``.
-        cpu_eviction / gpu_eviction: CPU and GPU tier eviction policies (names or
-            distinct instances; an instance serves one simulation only).
-        store: store policy (name or instance); ``"never"`` is the no-offload baseline.
-        planner: load planner (name or instance; an instance serves one
-            simulation only); ``"load-all"`` loads every hit.
-        options: per-slot constructor kwargs for named slots (``{"store": {"k": 2}}``).
-        callbacks: ``OffloadCallback`` observers given to the stack.
+        stack: the stack's slots as a ``StackConfig`` whose ``kv`` is the byte
+            model (``model`` at ``block_size``); ``stack=`` starts from another
+            ``StackConfig``'s slots (keywords override them; the simulator's
+            slots are always its own).
+        block_size: tokens per block; ``None`` (default): the trace's (the
+            first request's :attr:`~kvkit.sim.traces.TraceRequest.block_size`;
+            until then ``stack`` is sized at ``DEFAULTS.block_size``). A
+            :class:`SimResult`'s config always has it.
         verify: move real bytes (tiny spec, ``torch`` backend, CPU tensors)
             and check every loaded block.
         cost: the time model's prices.
         model: the model shape bytes are counted for.
-        shared: a shared (third) tier for the stack, as ``StackConfig.shared``
-            (a ``BlockStore`` instance several simulators share, or a URL).
-        shared_write: ``StackConfig.shared_write``.
+
+    Raises:
+        ConfigError: a bad field or slot, quoting it.
     """
 
-    gpu_blocks: int = attrs.field(default=DEFAULTS.gpu_blocks, validator=at_least(1))
-    cpu_blocks: int | None = attrs.field(default=None, validator=optional_at_least(1))
-    cpu_bytes: int | str | None = None
-    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=at_least(1))
-    cpu_eviction: str | EvictionPolicy = DEFAULTS.cpu_eviction
-    gpu_eviction: str | EvictionPolicy = DEFAULTS.gpu_eviction
-    store: str | StorePolicy = DEFAULTS.store
-    planner: str | LoadPlanner = DEFAULTS.planner
-    options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
-    callbacks: tuple[OffloadCallback, ...] = attrs.field(default=(), converter=tuple)
-    verify: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
-    cost: CostModel = attrs.field(factory=CostModel, validator=attrs.validators.instance_of(CostModel))
-    model: ModelShape = attrs.field(default=LLAMA_3_8B, validator=attrs.validators.instance_of(ModelShape))
-    shared: Any = None
-    shared_write: str = "write-through"
+    stack: StackConfig
+    block_size: int | None = attrs.field(validator=optional_at_least(1))
+    verify: bool = attrs.field(converter=checked(check_bool))
+    cost: CostModel = attrs.field(validator=implements(CostModel))
+    model: ModelShape = attrs.field(validator=implements(ModelShape))
 
-    def __attrs_post_init__(self) -> None:
-        if self.cpu_blocks is not None and self.cpu_bytes is not None:
-            raise ConfigError(f"give cpu_blocks or cpu_bytes, not both; got cpu_blocks="
-                              f"{self.cpu_blocks!r} and cpu_bytes={self.cpu_bytes!r}")
-        if self.cpu_bytes is not None and self.num_cpu_blocks < 1:
-            raise ConfigError(f"cpu_bytes={self.cpu_bytes!r} holds no block: one block of "
-                              f"{self.model.name} takes {self.spec.bytes_per_block} bytes")
+    def __init__(self, *, stack: StackConfig | None = None, block_size: int | None = None, verify: bool = False,
+                 cost: CostModel = _COST, model: ModelShape = LLAMA_3_8B, **slots: Any) -> None:
+        # The stack is set once the fields it derives from (block_size, verify, model) passed their checks.
+        self.__attrs_init__(stack=stack, block_size=block_size, verify=verify, cost=cost,  # type: ignore[arg-type]
+                            model=model)
+        object.__setattr__(self, "stack", self._stack(stack, slots))
+
+    def _stack(self, base: object, slots: dict[str, Any]) -> StackConfig:
+        """The stack's config from ``base``'s slots and ``slots``, with the simulator's slots and defaults."""
+        problems = unknown_keywords([k for k in slots if k not in SIMULATOR_SLOTS], ("stack", *STACK_SLOTS, *_OWN),
+                                    "SimConfig")
+        problems += [f"{name}={quote(slots[name])}: the simulator sets it ({why})"
+                     for name, why in SIMULATOR_SLOTS.items() if name in slots]
+        given: dict[str, Any] = {}
+        if isinstance(base, StackConfig):
+            given = {name: getattr(base, name) for name in STACK_SLOTS}
+            if any(slots.get(name) is not None for name in _CAPACITY):  # the keywords size the CPU tier
+                given = {k: v for k, v in given.items() if k not in _CAPACITY}
+        elif base is not None:
+            problems.append(f"stack={quote(base)}: must be a StackConfig")
+        given.update((name, value) for name, value in slots.items() if name in STACK_SLOTS)
+        if given.get("gpu_blocks") is None:
+            given["gpu_blocks"] = DEFAULTS.gpu_blocks
+        if all(given.get(name) is None for name in _CAPACITY):
+            given["cpu_blocks"] = DEFAULTS.cpu_blocks
+        try:
+            stack = StackConfig(kv=self.model.spec(self.block_size or DEFAULTS.block_size), device="cpu",
+                                copy=_VERIFY_COPY if self.verify else None, **given)
+        except ConfigError as exc:
+            problems += exc.problems
+        if problems:
+            raise ConfigError(problems)
+        return stack
+
+    def replace(self, **changes: Any) -> SimConfig:
+        """This config with ``changes`` to its fields and slots (``cpu_blocks`` or ``cpu_bytes`` replaces both).
+
+        Raises:
+            ConfigError: as the constructor.
+        """
+        own = {name: changes.pop(name, getattr(self, name)) for name in _OWN}
+        return SimConfig(stack=self.stack, **own, **changes)
 
     @property
     def spec(self) -> KVCacheSpec:
-        """The byte-accounting spec: ``model`` at ``block_size``."""
-        return self.model.spec(self.block_size)
-
-    @property
-    def num_cpu_blocks(self) -> int:
-        """CPU tier size in blocks, from ``cpu_blocks``, ``cpu_bytes`` or the default."""
-        if self.cpu_bytes is not None:
-            return self.spec.blocks_for(parse_bytes(self.cpu_bytes))
-        return DEFAULTS.cpu_blocks if self.cpu_blocks is None else self.cpu_blocks
+        """The byte-accounting spec: ``model`` at ``block_size`` (``stack.kv``)."""
+        kv = self.stack.kv
+        assert kv is not None  # StackConfig requires it
+        return kv
 
     def stack_config(self) -> StackConfig:
-        """The ``StackConfig`` the simulation builds (tiny spec when verifying).
-
-        Raises:
-            ConfigError: a slot is invalid (every problem at once).
-        """
-        kv = _VERIFY_SHAPE.spec(self.block_size) if self.verify else self.spec
-        return StackConfig(kv=kv, gpu_blocks=self.gpu_blocks, cpu_blocks=self.num_cpu_blocks,
-                           cpu_eviction=self.cpu_eviction, gpu_eviction=self.gpu_eviction, store=self.store,
-                           planner=self.planner, copy=_VERIFY_COPY if self.verify else None, device="cpu", callbacks=self.callbacks,
-                           options=self.options, shared=self.shared, shared_write=self.shared_write)
+        """The ``StackConfig`` the simulation builds: ``stack``, with the tiny spec when verifying."""
+        if not self.verify:
+            return self.stack
+        return attrs.evolve(self.stack, kv=_VERIFY_SHAPE.spec(self.spec.block_size),
+                            cpu_blocks=self.stack.num_cpu_blocks, cpu_bytes=None)
 
     def as_dict(self) -> dict[str, Any]:
-        """The configuration as JSON-ready values (instances by class name)."""
-        def name(slot: object) -> str:
-            return slot if isinstance(slot, str) else type(slot).__name__
+        """The configuration as JSON-ready values (instances by class name, the shared tier without its secret
+        or its URL's password)."""
+        def name(slot: object) -> Any:
+            return slot if slot is None or isinstance(slot, (str, int, float)) else type(slot).__name__
 
+        stack = self.stack
+        slots = {slot: name(getattr(stack, slot)) for slot in STACK_SLOTS if slot not in ("callbacks", "options")}
+        shared = stack.shared
         return {
-            "gpu_blocks": self.gpu_blocks,
-            "cpu_blocks": self.num_cpu_blocks,
+            **slots,
+            "cpu_blocks": stack.num_cpu_blocks,
             "block_size": self.block_size,
-            "cpu_eviction": name(self.cpu_eviction),
-            "gpu_eviction": name(self.gpu_eviction),
-            "store": name(self.store),
-            "planner": name(self.planner),
-            "options": {k: dict(v) for k, v in self.options.items()},
+            "options": {k: dict(v) for k, v in stack.options.items()},
+            "callbacks": [name(c) for c in stack.callbacks],
             "verify": self.verify,
             "model": attrs.asdict(self.model),
-            "shared": None if self.shared is None else (self.shared if isinstance(self.shared, str)
-                                                        else type(self.shared).__name__),
-            "shared_write": self.shared_write,
+            "shared": None if shared is None else {
+                "url": redact_url(shared.url) if isinstance(shared.url, str) else name(shared.url),
+                "write": shared.write, "model": shared.model, "tenant": shared.tenant,
+                "backoff_s": shared.backoff_s},
             "block_bytes": self.spec.bytes_per_block,
             "cost": attrs.asdict(self.cost),
         }
@@ -423,25 +485,32 @@ def describe_effect(tier: str, effect: Mapping[str, Any]) -> str:
             f"{effect['declined_tokens']:,} of its hit tokens (recomputed instead)")
 
 
+_NOT_BUILT = ("the stack is built at the first request, whose block size it takes; give SimConfig(block_size=...) "
+              "to build it now")
+
+
 @attrs.define(eq=False)
 class Simulator:
     """Replays requests one at a time through a stack built from ``config``.
 
     Feed requests in arrival order with :meth:`feed`, then :meth:`close` once
     to finish every request, drain the stack and get the :class:`SimResult`.
-    :func:`simulate` does both.
+    :func:`simulate` does both. The stack is built at construction when
+    ``config.block_size`` is set, else at the first request, whose block size
+    it takes (``config`` then has it).
 
     Invariants: the clock never goes back; a running request holds its GPU
     blocks until its modelled end; after :meth:`close` no block is held.
     """
 
     config: SimConfig
-    stack: OffloadStack = attrs.field(init=False)
-    engine: ReferenceEngine = attrs.field(init=False)
+    _stack: OffloadStack | None = attrs.field(init=False, default=None)
+    _engine: ReferenceEngine | None = attrs.field(init=False, default=None)
     _running: list[tuple[float, int, str]] = attrs.field(init=False, factory=list)  # end-time heap
     _clock_ms: float = attrs.field(init=False, default=0.0)
     _last_arrival_ms: float = attrs.field(init=False, default=0.0)
-    _block_bytes: int = attrs.field(init=False)
+    _block_bytes: int = attrs.field(init=False, default=0)
+    _gpu_blocks: int = attrs.field(init=False, default=0)
     _ttft: array = attrs.field(init=False, factory=lambda: array("d"))
     _counts: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(
         ("skipped", "queued", "prompt_tokens", "block_references", "gpu", "cpu", "shared"), 0))
@@ -450,10 +519,39 @@ class Simulator:
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.config, SimConfig):
-            raise ConfigError(f"config must be a SimConfig, got {self.config!r}")
-        self.stack = build(self.config.stack_config(), layout="per-layer" if self.config.verify else None)
-        self.engine = ReferenceEngine(self.stack)
-        self._block_bytes = self.config.spec.bytes_per_block
+            raise ConfigError(f"config must be a SimConfig, got {quote(self.config)}")
+        if self.config.block_size is not None:
+            self._build(self.config)
+
+    def _build(self, config: SimConfig) -> ReferenceEngine:
+        stack = build(config.stack_config(), layout="per-layer" if config.verify else None)
+        self.config, self._stack = config, stack
+        self._engine = ReferenceEngine(stack)
+        self._block_bytes = config.spec.bytes_per_block
+        self._gpu_blocks = stack.gpu.num_blocks
+        return self._engine
+
+    @property
+    def stack(self) -> OffloadStack:
+        """The simulated stack.
+
+        Raises:
+            RequestStateError: not built yet (``config.block_size`` is the first request's).
+        """
+        if self._stack is None:
+            raise RequestStateError(_NOT_BUILT)
+        return self._stack
+
+    @property
+    def engine(self) -> ReferenceEngine:
+        """The reference engine loop driving :attr:`stack` (built with it).
+
+        Raises:
+            RequestStateError: not built yet.
+        """
+        if self._engine is None:
+            raise RequestStateError(_NOT_BUILT)
+        return self._engine
 
     @property
     def requests(self) -> int:
@@ -464,32 +562,41 @@ class Simulator:
         """Simulate one request (arrivals must not go back in time).
 
         Raises:
-            TraceFormatError: the request's ``hash_ids`` do not fit
-                ``config.block_size``, or it arrives before the previous one.
+            TraceFormatError: the request's block size is not ``config.block_size``,
+                its ``hash_ids`` do not fit it, or it arrives before the previous one.
+            ConfigError: the first request's block size makes the config invalid
+                (``cpu_bytes`` that hold no block of it).
             RequestStateError: :meth:`close` was called.
         """
         if self._closed:
             raise RequestStateError("the simulation is closed; build a new Simulator")
+        engine = self._engine
+        if engine is None:
+            engine = self._build(attrs.evolve(self.config, block_size=request.block_size))
         bt, counts = self.config.block_size, self._counts
+        if request.block_size != bt:
+            raise TraceFormatError("<trace>", request.line, "block_size",
+                                   f"is {quote(request.block_size)} tokens, but the simulation's blocks are "
+                                   f"SimConfig.block_size={bt}; hint: leave block_size unset to take the trace's")
         n = request.input_length
         if len(request.hash_ids) != -(-n // bt):
             raise TraceFormatError("<trace>", request.line, "hash_ids",
-                                   f"has {len(request.hash_ids)} ids but input_length={n} needs "
-                                   f"{-(-n // bt)} blocks of {bt} tokens")
+                                   f"has {plural(len(request.hash_ids), 'id')} but input_length={n} needs "
+                                   f"{plural(-(-n // bt), 'block')} of {plural(bt, 'token')}")
         if request.timestamp_ms < self._last_arrival_ms:
             raise TraceFormatError("<trace>", request.line, "timestamp",
                                    f"decreases: {request.timestamp_ms!r} after {self._last_arrival_ms!r}")
         self._last_arrival_ms = request.timestamp_ms
-        if len(request.hash_ids) > self.config.gpu_blocks:
+        if len(request.hash_ids) > self._gpu_blocks:
             counts["skipped"] += 1
             return
-        engine, running = self.engine, self._running
+        running, stats = self._running, engine.stack.stats
         rid = str(len(self._ttft))
         start = max(request.timestamp_ms, self._clock_ms)
         while running and running[0][0] <= start:
             engine.finish(heapq.heappop(running)[2])
         engine.add_request(rid, request.hash_ids[: n // bt], n)
-        shared_before = self.stack.stats.hit_tokens_shared.value
+        shared_before = stats.hit_tokens_shared.value
         retried = False
         while not (report := engine.step()).scheduled:
             # Stores flushed by finished requests hold GPU blocks until the step that
@@ -507,7 +614,7 @@ class Simulator:
         self._clock_ms = start
         req = report.scheduled[0]
         gpu, head, cpu = req.gpu_hit_tokens, req.head_tokens, req.cpu_hit_tokens
-        shared = min(cpu, int(self.stack.stats.hit_tokens_shared.value - shared_before))  # 0 if its fetch failed
+        shared = min(cpu, int(stats.hit_tokens_shared.value - shared_before))  # 0 if its fetch failed
         cpu -= shared
         first_token = start + self._prefill_ms(n, gpu, head, cpu // bt, shared // bt)
         self._ttft.append(first_token - request.timestamp_ms)
@@ -539,8 +646,8 @@ class Simulator:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the stack or the simulator's own bookkeeping is inconsistent."""
-        if not self._closed:
-            self.stack.check_invariants()
+        if not self._closed and self._stack is not None:
+            self._stack.check_invariants()
         assert all(end >= self._clock_ms for end, _, _ in self._running), "a running request ended in the past"
         counts = self._counts
         assert counts["gpu"] + counts["cpu"] + counts["shared"] <= counts["prompt_tokens"], counts
@@ -554,16 +661,20 @@ class Simulator:
         """
         if self._closed:
             raise RequestStateError("the simulation is already closed")
+        engine = self._engine
+        if engine is None:  # no request came: an empty run at the default block size
+            engine = self._build(attrs.evolve(self.config, block_size=DEFAULTS.block_size))
         self._closed = True
-        engine, running = self.engine, self._running
+        running = self._running
         while running:
             engine.finish(heapq.heappop(running)[2])
         engine.step()  # plans the stores the last finishes flushed
         engine.drain()
         leaked = engine.leaked_blocks()
-        self.stack.check_invariants()
-        self.stack.close()
-        stats, counts = self.stack.stats, self._counts
+        stack = engine.stack
+        stack.check_invariants()
+        stack.close()
+        stats, counts = stack.stats, self._counts
         return SimResult(
             config=self.config,
             requests=len(self._ttft),
@@ -590,6 +701,12 @@ class Simulator:
             planner={} if self.stack.manager.planner is None else dict(self.stack.manager.planner.estimates()),
         )
 
+    def abort(self) -> None:
+        """Release the stack without a result (a feed failed); the simulator is closed."""
+        self._closed = True
+        if self._stack is not None:
+            self._stack.close()
+
 
 def simulate(requests: Iterable[TraceRequest], config: SimConfig | None = None, *,
              progress: Callable[[int, int], None] | None = None) -> SimResult:
@@ -599,15 +716,16 @@ def simulate(requests: Iterable[TraceRequest], config: SimConfig | None = None, 
     :func:`~kvkit.sim.traces.read_trace` of any length.
 
     Args:
-        requests: trace requests in arrival order.
+        requests: trace requests in arrival order; the simulation's block size
+            is theirs unless ``config.block_size`` says it.
         config: the simulation (default :class:`SimConfig()`).
         progress: called as ``progress(requests_read, block_references_read)``
             every few hundred requests and once at the end.
 
     Raises:
         ConfigError: invalid configuration.
-        TraceFormatError: a malformed request (from the reader, or hash ids
-            that do not fit ``config.block_size``).
+        TraceFormatError: a malformed request (from the reader, or a block
+            size or hash ids that do not fit ``config.block_size``).
     """
     sim = Simulator(config if config is not None else SimConfig())
     read = refs = 0
@@ -620,7 +738,7 @@ def simulate(requests: Iterable[TraceRequest], config: SimConfig | None = None, 
                 if progress is not None and not read % _PROGRESS_EVERY:
                     progress(read, refs)
         except BaseException:
-            sim.stack.close()
+            sim.abort()
             raise
         if progress is not None:
             progress(read, refs)

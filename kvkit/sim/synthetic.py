@@ -73,15 +73,27 @@ from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError
 from kvkit.interfaces.hints import WorkloadHints
 from kvkit.sim.traces import TraceRequest
-from kvkit.validate import at_least, is_int, quote, real_in
+from kvkit.validate import (
+    at_least,
+    check_int,
+    check_int_pair,
+    checked,
+    did_you_mean,
+    known_keywords,
+    plural,
+    quote,
+    real_in,
+)
 
 __all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]
 
 _positive_int = at_least(1)
+_positive_range = checked(check_int_pair, minimum=1)  # (low, high) with 1 <= low <= high
 _positive_float = real_in(low=0, low_open=True, high=math.inf, high_open=True)  # finite and > 0
 _skew = real_in(low=0, high=math.inf, high_open=True)  # finite and >= 0
 
 
+@known_keywords
 @attrs.frozen
 class SyntheticWorkload:
     """Parameters of a synthetic multi-turn workload; the same values give the same trace.
@@ -107,12 +119,12 @@ class SyntheticWorkload:
 
     name: ClassVar[str] = "chat"
 
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))
     num_conversations: int = attrs.field(default=350, validator=_positive_int)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     conversations_per_s: float = attrs.field(default=1.0, validator=_positive_float)
     num_system_prompts: int = attrs.field(default=8, validator=_positive_int)
-    system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=tuple)
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=checked(check_int_pair))
     system_prompt_skew: float = attrs.field(default=1.2, validator=_skew)
     max_turns: int = attrs.field(default=16, validator=_positive_int)
     turns_skew: float = attrs.field(default=1.0, validator=_skew)
@@ -122,19 +134,12 @@ class SyntheticWorkload:
     think_time_mean_s: float = attrs.field(default=30.0, validator=_positive_float)
     max_context_tokens: int = attrs.field(default=32768, validator=_positive_int)
 
-    @system_prompt_tokens.validator
-    def _check_system_prompt_tokens(self, attribute: attrs.Attribute, value: tuple) -> None:
-        if (len(value) != 2 or not all(is_int(v) for v in value)
-                or not 0 <= value[0] <= value[1]):
-            raise ConfigError(f"system_prompt_tokens must be (low, high) ints with "
-                              f"0 <= low <= high, got {value!r}")
-
     def __attrs_post_init__(self) -> None:
         # Turn 1 is clipped to fit: it needs room for one user and one output token.
         if self.max_context_tokens < self.system_prompt_tokens[1] + 2:
             raise ConfigError(
                 f"max_context_tokens={self.max_context_tokens} leaves no room after a "
-                f"system prompt of up to {self.system_prompt_tokens[1]} tokens"
+                f"system prompt of up to {plural(self.system_prompt_tokens[1], 'token')}"
             )
 
     def requests(self) -> Iterator[TraceRequest]:
@@ -217,7 +222,7 @@ def generate(workload: SyntheticWorkload | None = None) -> Iterator[TraceRequest
         ids = chain[:full_blocks]
         if t.input_length % b:
             ids.append(next(fresh))
-        yield TraceRequest(t.timestamp_ms, t.input_length, t.output_length, tuple(ids), line)
+        yield TraceRequest(t.timestamp_ms, t.input_length, t.output_length, tuple(ids), line, b)
 
 
 # -- segment-built shapes ------------------------------------------------------
@@ -268,16 +273,11 @@ def _trace(block_size: int, prompts: list[tuple[float, list[_Segment], int]]) ->
     prompts.sort(key=lambda p: p[0])
     ids = _BlockIds(block_size)
     for line, (at_s, segments, output) in enumerate(prompts, start=1):
-        yield TraceRequest(round(at_s * 1000), sum(n for _, n in segments), output, ids.of(segments), line)
+        yield TraceRequest(round(at_s * 1000), sum(n for _, n in segments), output, ids.of(segments), line,
+                           block_size)
 
 
-def _check_range(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    if (len(value) != 2 or not all(is_int(v) for v in value) or not 1 <= value[0] <= value[1]):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be (low, high) ints with "
-                          f"1 <= low <= high, got {value!r}")
-
-
-
+@known_keywords
 @attrs.frozen
 class AgentWorkload:
     """Agent tool loops: a long shared system prompt, a task, then tool calls and results.
@@ -297,13 +297,12 @@ class AgentWorkload:
     """
 
     name: ClassVar[str] = "agent"
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))
     num_sessions: int = attrs.field(default=120, validator=_positive_int)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     sessions_per_s: float = attrs.field(default=0.25, validator=_positive_float)
     num_system_prompts: int = attrs.field(default=4, validator=_positive_int)
-    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=tuple,
-                                                        validator=_check_range)
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=_positive_range)
     task_tokens_mean: float = attrs.field(default=300.0, validator=_positive_float)
     steps_mean: float = attrs.field(default=6.0, validator=real_in(low=1, high=math.inf, high_open=True))
     call_tokens_mean: float = attrs.field(default=80.0, validator=_positive_float)
@@ -335,6 +334,7 @@ class AgentWorkload:
         return _trace(self.block_size, prompts)
 
 
+@known_keywords
 @attrs.frozen
 class RagWorkload:
     """Retrieval-augmented questions over a corpus whose documents have a Zipf popularity.
@@ -355,13 +355,12 @@ class RagWorkload:
     """
 
     name: ClassVar[str] = "rag"
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))
     num_requests: int = attrs.field(default=1400, validator=_positive_int)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     requests_per_s: float = attrs.field(default=2.0, validator=_positive_float)
     num_documents: int = attrs.field(default=3000, validator=_positive_int)
-    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=tuple,
-                                                   validator=_check_range)
+    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=_positive_range)
     document_skew: float = attrs.field(default=0.9, validator=_skew)
     docs_per_request: int = attrs.field(default=3, validator=_positive_int)
     instruction_tokens: int = attrs.field(default=400, validator=at_least(0))
@@ -401,6 +400,7 @@ class RagWorkload:
         return _trace(self.block_size, prompts)
 
 
+@known_keywords
 @attrs.frozen
 class FewShotWorkload:
     """Few-shot templates with a Zipf popularity that shifts, each followed by a short input.
@@ -418,13 +418,12 @@ class FewShotWorkload:
     """
 
     name: ClassVar[str] = "few-shot"
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))
     num_requests: int = attrs.field(default=2400, validator=_positive_int)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     requests_per_s: float = attrs.field(default=8.0, validator=_positive_float)
     num_templates: int = attrs.field(default=400, validator=_positive_int)
-    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=tuple,
-                                                   validator=_check_range)
+    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=_positive_range)
     template_skew: float = attrs.field(default=1.0, validator=_skew)
     drift_every: int = attrs.field(default=800, validator=_positive_int)
     input_tokens_mean: float = attrs.field(default=150.0, validator=_positive_float)
@@ -448,6 +447,7 @@ class FewShotWorkload:
         return _trace(self.block_size, prompts)
 
 
+@known_keywords
 @attrs.frozen
 class MixedWorkload:
     """Chat sessions among one-shot batch jobs, each request with its :class:`WorkloadHints`.
@@ -474,14 +474,14 @@ class MixedWorkload:
     """
 
     name: ClassVar[str] = "mixed"
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, converter=checked(check_int))
     num_sessions: int = attrs.field(default=200, validator=_positive_int)
     block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
     sessions_per_s: float = attrs.field(default=0.5, validator=_positive_float)
     turns_mean: float = attrs.field(default=4.0, validator=real_in(low=1, high=math.inf, high_open=True))
     think_time_mean_s: float = attrs.field(default=60.0, validator=_positive_float)
     batch_per_s: float = attrs.field(default=0.5, validator=_positive_float)
-    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=tuple, validator=_check_range)
+    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=_positive_range)
     system_prompt_tokens: int = attrs.field(default=1000, validator=at_least(0))
     retention_s: float = attrs.field(default=300.0, validator=_positive_float)
 
@@ -512,7 +512,8 @@ class MixedWorkload:
             prompts.append((at_s, [(("batch", job), rng.randint(*self.batch_tokens))], 50, batch))
         prompts.sort(key=lambda p: p[0])
         ids = _BlockIds(self.block_size)
-        requests = [TraceRequest(round(at * 1000), sum(n for _, n in segments), output, ids.of(segments), line)
+        requests = [TraceRequest(round(at * 1000), sum(n for _, n in segments), output, ids.of(segments), line,
+                                 self.block_size)
                     for line, (at, segments, output, _) in enumerate(prompts, start=1)]
         return requests, [p[3] for p in prompts]
 
@@ -552,14 +553,17 @@ def shape(name: str, *, seed: int = 0, block_size: int = DEFAULTS.block_size) ->
     base, _, moved = name.partition("@")
     cls = SHAPES.get(base)
     if cls is None:
-        raise ConfigError(f"unknown workload shape {quote(base)} in {quote(name)}; valid shapes: {', '.join(SHAPES)}")
+        raise ConfigError(f"unknown workload shape {quote(base)} in {quote(name)}; valid shapes: {', '.join(SHAPES)}"
+                          f"{did_you_mean(base, list(SHAPES))}")
     fields = {f.name for f in attrs.fields(cls)} - {"seed", "block_size"}
     params: dict[str, object] = {}
     for pair in filter(None, moved.split(";")):
         key, eq, text = (part.strip() for part in pair.partition("="))
         if not eq or key not in fields or key in params:
             problem = "names a field twice" if key in params else f"is not FIELD=VALUE for a field of {base}"
-            raise ConfigError(f"{quote(pair)} in {quote(name)} {problem}; its fields: {', '.join(sorted(fields))}")
+            hint = "" if key in params else did_you_mean(key, sorted(fields))
+            raise ConfigError(f"{quote(pair)} in {quote(name)} {problem}; its fields: {', '.join(sorted(fields))}"
+                              f"{hint}")
         try:
             params[key] = ast.literal_eval(text)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):

@@ -46,9 +46,9 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError, TraceFileError, TraceFormatError
-from kvkit.registry import did_you_mean
-from kvkit.validate import check_int, is_int, quote
+from kvkit.validate import check_int, did_you_mean, is_int, plural, quote
 
 __all__ = ["BUILTIN_TRACES", "MAX_LINE_BYTES", "MAX_NESTING", "MOONCAKE_BLOCK_SIZE", "TraceRequest", "read_trace",
            "trace_path", "write_trace"]
@@ -102,6 +102,8 @@ class TraceRequest:
         hash_ids: one prefix-chained id per prompt block (the last may be partial).
         line: 1-based line of the request in its file (or its position in a
             generated trace).
+        block_size: tokens per block ``hash_ids`` were cut at (the reader's
+            ``block_size``, a generator's); a simulation takes its block size from it.
     """
 
     timestamp_ms: float
@@ -109,6 +111,7 @@ class TraceRequest:
     output_length: int
     hash_ids: tuple[int, ...]
     line: int
+    block_size: int = DEFAULTS.block_size
 
 
 def _parse(path: str, line: int, text: str, block_size: int,
@@ -155,10 +158,10 @@ def _parse(path: str, line: int, text: str, block_size: int,
     if len(ids) != expected:
         raise TraceFormatError(
             path, line, "hash_ids",
-            f"has {len(ids)} ids but input_length={input_length} needs {expected} "
-            f"blocks of {block_size} tokens",
+            f"has {plural(len(ids), 'id')} but input_length={input_length} needs "
+            f"{plural(expected, 'block')} of {plural(block_size, 'token')}",
         )
-    return TraceRequest(stamp, input_length, output_length, tuple(ids), line)
+    return TraceRequest(stamp, input_length, output_length, tuple(ids), line, block_size)
 
 
 def read_trace(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK_SIZE,
@@ -261,15 +264,16 @@ def _stream(path: str, block_size: int, limit: int | None) -> Iterator[TraceRequ
         if count == limit:
             return
     if count == 0:  # an empty trace would "replay" into a report of zeros
-        what = f"{line} blank lines" if line else "no lines"
+        what = plural(line, "blank line") if line else "no lines"
         raise TraceFormatError(path, line, "<file>", f"no requests: the file has {what}")
 
 
 def write_trace(path: str | os.PathLike[str], requests: Iterable[TraceRequest]) -> int:
     """Write ``requests`` as a Mooncake JSONL trace; returns how many were written.
 
-    The ``line`` of each request is not written: reading the file back numbers
-    the requests by their line in it.
+    The ``line`` and ``block_size`` of each request are not written (the
+    format has no field for them): reading the file back numbers the requests
+    by their line in it, and takes the block size :func:`read_trace` is given.
 
     Raises:
         ConfigError: ``path`` is invalid, or an item is not a :class:`TraceRequest`

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from numbers import Integral
+from typing import Any
 
 import numpy as np
 from hypothesis import strategies as st
@@ -33,6 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvkit.errors import KVKitError, OutOfBlocksError, PoolUsageError, RefcountError, UnknownBlockError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import plural
 
 __all__ = ["AllocatorContract"]
 
@@ -69,10 +71,17 @@ class AllocatorContract(RuleBasedStateMachine):
         self.index: dict[BlockHash, BlockId] = {}  # hash -> ready block
         self.evicted: list[tuple[BlockId, BlockHash]] = []  # from the evict listener
 
+    @property
+    def _live(self) -> BlockAllocator:
+        """The allocator under test (made by :meth:`create`, the first step)."""
+        if self.pool is None:
+            raise AssertionError("no allocator before the create step")
+        return self.pool
+
     # -- model queries ---------------------------------------------------------
 
     def _empty(self) -> list[BlockId]:
-        return [b for b in range(self.num_blocks) if not self.refs[b] and b not in self.hash_of]
+        return [b for b in map(BlockId, range(self.num_blocks)) if not self.refs[b] and b not in self.hash_of]
 
     def _evictable(self) -> list[BlockId]:
         return [b for b in self.hash_of if not self.refs[b]]
@@ -83,14 +92,14 @@ class AllocatorContract(RuleBasedStateMachine):
     def _references(self) -> list[BlockId]:
         return sorted(self.refs.elements())
 
-    def _bad_ids(self) -> st.SearchStrategy[object]:
+    def _bad_ids(self) -> st.SearchStrategy[Any]:
         """Ids the pool must refuse: out of range, or no int at all (``True`` is not block 1)."""
         return st.sampled_from([-1, self.num_blocks, self.num_blocks + 7, 2**70, True, False,
                                 np.bool_(True), 1.0, "1", None, (1,)])
 
     def _snapshot(self) -> tuple:
-        pool = self.pool
-        blocks = range(self.num_blocks)
+        pool = self._live
+        blocks = list(map(BlockId, range(self.num_blocks)))
         return (
             pool.num_free,
             tuple(pool.refcount(b) for b in blocks),
@@ -134,7 +143,7 @@ class AllocatorContract(RuleBasedStateMachine):
         n = data.draw(st.integers(1, self.num_blocks + 2), label="n")
         free = len(self._empty()) + len(self._evictable())
         if n > free:
-            self._fails_atomically(OutOfBlocksError, lambda: self.pool.allocate(n),
+            self._fails_atomically(OutOfBlocksError, lambda: self._live.allocate(n),
                                    f"allocate({n}) with {free} free")
         else:
             self._allocate(n)
@@ -142,20 +151,20 @@ class AllocatorContract(RuleBasedStateMachine):
     def _allocate(self, n: int) -> list[BlockId]:
         """Allocate ``n`` free blocks and check the choice, the evictions and the model."""
         empty, evictable = self._empty(), self._evictable()
-        blocks = self.pool.allocate(n)
+        blocks = self._live.allocate(n)
         _expect(len(blocks) == n and len(set(blocks)) == n,
                 f"allocate({n}) returned {blocks!r}: wrong length or duplicates")
         for b in blocks:
-            _expect(isinstance(b, Integral) and 0 <= b < self.num_blocks,
+            _expect(isinstance(b, Integral) and 0 <= int(b) < self.num_blocks,
                     f"allocate({n}) returned id {b!r} outside [0, {self.num_blocks})")
             _expect(not self.refs[b],
-                    f"allocate({n}) handed out block {b} that holds {self.refs[b]} references")
+                    f"allocate({n}) handed out block {b} that holds {plural(self.refs[b], 'reference')}")
             _expect(b in empty or b in evictable,
                     f"allocate({n}) handed out block {b}, which was neither empty nor evictable")
         evicted = dict(self.evicted)
         self.evicted.clear()
         _expect(len(evicted) == max(0, n - len(empty)),
-                f"allocate({n}) with {len(empty)} empty blocks evicted {sorted(evicted)}; "
+                f"allocate({n}) with {plural(len(empty), 'empty block')} evicted {sorted(evicted)}; "
                 "empty blocks must go first, and only as many evictions as needed")
         _expect(set(evicted) == set(blocks) & set(evictable),
                 f"allocate({n}) evicted {sorted(evicted)} but handed out {blocks!r}")
@@ -170,7 +179,7 @@ class AllocatorContract(RuleBasedStateMachine):
     def _allocate_invalid(self, data: st.DataObject) -> None:
         """A negative count is a ValueError and changes nothing."""
         n = data.draw(st.sampled_from([-1, -5]))
-        self._fails_atomically(ValueError, lambda: self.pool.allocate(n), f"allocate({n})")
+        self._fails_atomically(ValueError, lambda: self._live.allocate(n), f"allocate({n})")
 
     # -- references ------------------------------------------------------------
 
@@ -180,20 +189,21 @@ class AllocatorContract(RuleBasedStateMachine):
         """Add references to referenced or ready blocks (repeats allowed)."""
         live = sorted(set(self.refs) | set(self.hash_of))
         blocks = data.draw(st.lists(st.sampled_from(live), max_size=6), label="blocks")
-        self.pool.incref(self._maybe_numpy(data, blocks))
+        self._live.incref(self._maybe_numpy(data, blocks))
         self.refs.update(blocks)
 
     def _incref_invalid(self, data: st.DataObject) -> None:
         """An empty or out-of-range block fails the whole incref, changing nothing."""
         live = sorted(set(self.refs) | set(self.hash_of))
-        blocks = data.draw(st.lists(st.sampled_from(live), max_size=4) if live else st.just([]))
+        blocks: list[Any] = data.draw(st.lists(st.sampled_from(live), max_size=4) if live else st.just([]))
         empty = self._empty()
-        if empty and data.draw(st.booleans()):
+        error: type[KVKitError]
+        if bool(empty) and data.draw(st.booleans()):
             bad, error = data.draw(st.sampled_from(empty)), RefcountError
         else:
             bad, error = data.draw(self._bad_ids()), UnknownBlockError
         blocks.insert(data.draw(st.integers(0, len(blocks))), bad)
-        self._fails_atomically(error, lambda: self.pool.incref(blocks), f"incref({blocks!r})")
+        self._fails_atomically(error, lambda: self._live.incref(blocks), f"incref({blocks!r})")
 
     @precondition(lambda self: self.refs)
     @rule(data=st.data())
@@ -208,10 +218,10 @@ class AllocatorContract(RuleBasedStateMachine):
     def share(self, data: st.DataObject) -> None:
         """Pin a referenced block and drop the pin: the other references keep it intact."""
         block = data.draw(st.sampled_from(sorted(self.refs)), label="block")
-        self.pool.incref([block])
-        _expect(self.pool.refcount(block) == self.refs[block] + 1,
-                f"incref([{block}]) left refcount {self.pool.refcount(block)}")
-        self.pool.decref([block])
+        self._live.incref([block])
+        _expect(self._live.refcount(block) == self.refs[block] + 1,
+                f"incref([{block}]) left refcount {self._live.refcount(block)}")
+        self._live.decref([block])
 
     @precondition(lambda self: self.refs)
     @rule()
@@ -220,7 +230,7 @@ class AllocatorContract(RuleBasedStateMachine):
         blocks = self._references()
         self._decref(blocks)
 
-    def _maybe_numpy(self, data: st.DataObject, blocks: list[BlockId]) -> object:
+    def _maybe_numpy(self, data: st.DataObject, blocks: list[BlockId]) -> Any:
         """``blocks`` as given, as a NumPy array, or as a list of NumPy integers (all valid ids)."""
         form = data.draw(st.sampled_from(["list", "array", "scalars"]), label="id form")
         if form == "array":
@@ -228,7 +238,7 @@ class AllocatorContract(RuleBasedStateMachine):
         return [np.int32(b) for b in blocks] if form == "scalars" else blocks
 
     def _decref(self, blocks: list[BlockId]) -> None:
-        self.pool.decref(blocks)
+        self._live.decref(blocks)
         self.refs.subtract(blocks)
         self.refs = +self.refs  # drop zero entries: not-ready ones are empty again
         _expect(not self.evicted, f"decref({blocks!r}) evicted {self.evicted}")
@@ -236,16 +246,17 @@ class AllocatorContract(RuleBasedStateMachine):
     def _decref_invalid(self, data: st.DataObject) -> None:
         """A reference too many or an out-of-range id fails the whole decref, changing nothing."""
         references = data.draw(st.permutations(self._references()))
-        blocks = references[: data.draw(st.integers(0, len(references)))]
+        blocks: list[Any] = references[: data.draw(st.integers(0, len(references)))]
+        error: type[KVKitError]
         if data.draw(st.booleans()):
             # One more release of some block than the call can take.
-            block = data.draw(st.integers(0, self.num_blocks - 1))
+            block = BlockId(data.draw(st.integers(0, self.num_blocks - 1)))
             blocks += [block] * (self.refs[block] - blocks.count(block) + 1)
             error = RefcountError
         else:
             blocks.insert(data.draw(st.integers(0, len(blocks))), data.draw(self._bad_ids()))
             error = UnknownBlockError
-        self._fails_atomically(error, lambda: self.pool.decref(blocks), f"decref({blocks!r})")
+        self._fails_atomically(error, lambda: self._live.decref(blocks), f"decref({blocks!r})")
 
     # -- prefix index ----------------------------------------------------------
 
@@ -262,7 +273,7 @@ class AllocatorContract(RuleBasedStateMachine):
         hashes = data.draw(st.lists(st.sampled_from(HASHES), min_size=len(blocks),
                                     max_size=len(blocks)), label="hashes")
         parents = [None, *hashes[:-1]] if data.draw(st.booleans(), label="parents") else None
-        result = self.pool.commit(blocks, hashes, parents)
+        result = self._live.commit(blocks, hashes, parents)
         expected = []
         for b, h in zip(blocks, hashes):
             expected.append(h not in self.index)
@@ -284,7 +295,7 @@ class AllocatorContract(RuleBasedStateMachine):
     def _reset_invalid(self, data: st.DataObject) -> None:
         """Reset is refused while any block is referenced, and changes nothing."""
         if self.refs:
-            self._fails_atomically(RefcountError, self.pool.reset,
+            self._fails_atomically(RefcountError, self._live.reset,
                                    f"reset() with references {dict(self.refs)}")
 
     def _commit_invalid(self, data: st.DataObject) -> None:
@@ -307,25 +318,25 @@ class AllocatorContract(RuleBasedStateMachine):
             blocks.append(data.draw(st.sampled_from(self._empty())))
             error = RefcountError
         hashes = list(HASHES[: len(blocks) + (kind == "lengths")])
-        self._fails_atomically(error, lambda: self.pool.commit(blocks, hashes),
+        self._fails_atomically(error, lambda: self._live.commit(blocks, hashes),
                                f"commit({blocks!r}, {hashes!r}) [{kind}]")
 
     def _hashes_invalid(self, data: st.DataObject) -> None:
         """A hash that is no int (``True`` is not hash 1) fails commit and lookup, changing nothing."""
-        bad = data.draw(st.sampled_from([True, np.bool_(False), 1.0, "1", None, b"1", [1]]), label="bad hash")
+        bad: Any = data.draw(st.sampled_from([True, np.bool_(False), 1.0, "1", None, b"1", [1]]), label="bad hash")
         where = data.draw(st.sampled_from(["commit", "parent", "lookup"] if bad is not None
                                           else ["commit", "lookup"]), label="where")  # None: no parent
         chain = [*data.draw(st.lists(st.sampled_from(HASHES), max_size=2)), bad]
         if where == "lookup":
             if all(h in self.index for h in chain[:-1]):  # only the hashes read are checked
-                self._fails_atomically(PoolUsageError, lambda: self.pool.lookup(chain),
+                self._fails_atomically(PoolUsageError, lambda: self._live.lookup(chain),
                                        f"lookup({chain!r})")
             return
         blocks = self._not_ready_referenced()[:len(chain)]
         if len(blocks) < len(chain):
             return
         hashes, parents = (chain, None) if where == "commit" else (list(HASHES[:len(chain)]), chain)
-        self._fails_atomically(PoolUsageError, lambda: self.pool.commit(blocks, hashes, parents),
+        self._fails_atomically(PoolUsageError, lambda: self._live.commit(blocks, hashes, parents),
                                f"commit({blocks!r}, {hashes!r}, {parents!r})")
 
     @rule(data=st.data())
@@ -345,10 +356,10 @@ class AllocatorContract(RuleBasedStateMachine):
         args = ([bad],) if call == "touch" else (bad,)
         self._fails_atomically(UnknownBlockError, lambda: getattr(self.pool, call)(*args),
                                f"{call}{args!r}")
-        count = data.draw(st.sampled_from([True, 1.5, "2", None]), label="bad count")
-        self._fails_atomically(KVKitError, lambda: self.pool.allocate(count), f"allocate({count!r})")
-        flag = data.draw(st.sampled_from([1, "yes", None]), label="bad force")
-        self._fails_atomically(KVKitError, lambda: self.pool.reset(force=flag), f"reset(force={flag!r})")
+        count: Any = data.draw(st.sampled_from([True, 1.5, "2", None]), label="bad count")
+        self._fails_atomically(KVKitError, lambda: self._live.allocate(count), f"allocate({count!r})")
+        flag: Any = data.draw(st.sampled_from([1, "yes", None]), label="bad force")
+        self._fails_atomically(KVKitError, lambda: self._live.reset(force=flag), f"reset(force={flag!r})")
 
     @rule(chain=st.lists(st.sampled_from(HASHES), max_size=6))
     def lookup(self, chain: list[BlockHash]) -> None:
@@ -359,7 +370,7 @@ class AllocatorContract(RuleBasedStateMachine):
                 break
             expected.append(self.index[h])
         before = self._snapshot()
-        found = self.pool.lookup(chain)
+        found = self._live.lookup(chain)
         _expect(list(found) == expected, f"lookup({chain!r}) = {found!r}, expected {expected!r}")
         _expect(self._snapshot() == before, f"lookup({chain!r}) changed the allocator")
 
@@ -369,7 +380,7 @@ class AllocatorContract(RuleBasedStateMachine):
         """Touching ready blocks changes no refcount, hash or index entry."""
         blocks = data.draw(st.lists(st.sampled_from(sorted(self.hash_of)), max_size=4))
         before = self._snapshot()
-        self.pool.touch(blocks)
+        self._live.touch(blocks)
         _expect(self._snapshot() == before, f"touch({blocks!r}) changed the allocator")
 
     # -- lifecycle -------------------------------------------------------------
@@ -379,9 +390,9 @@ class AllocatorContract(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         """Reset drops every cached block and reports how many."""
-        dropped = self.pool.reset()
+        dropped = self._live.reset()
         _expect(dropped == len(self.hash_of),
-                f"reset() returned {dropped}, {len(self.hash_of)} blocks were cached")
+                f"reset() returned {dropped}, {plural(len(self.hash_of), 'block')} cached")
         for b, h in self.evicted:  # listeners may, but need not, hear of reset drops
             _expect(self.hash_of.get(b) == h, f"reset reported ({b}, {h!r}), which was not cached")
         self.evicted.clear()
@@ -392,9 +403,9 @@ class AllocatorContract(RuleBasedStateMachine):
     @rule()
     def force_reset(self) -> None:
         """A forced reset drops every cached block, referenced or not; the referenced keep their references."""
-        dropped = self.pool.reset(force=True)
+        dropped = self._live.reset(force=True)
         _expect(dropped == len(self.hash_of),
-                f"reset(force=True) returned {dropped}, {len(self.hash_of)} blocks were cached")
+                f"reset(force=True) returned {dropped}, {plural(len(self.hash_of), 'block')} cached")
         self.evicted.clear()  # listeners may, but need not, hear of reset drops
         self.hash_of.clear()  # referenced ones are not ready now: they empty when released
         self.index.clear()
@@ -411,7 +422,7 @@ class AllocatorContract(RuleBasedStateMachine):
         _expect(not self.evicted, f"evictions outside allocate: {self.evicted}")
         _expect(pool.num_blocks == self.num_blocks,
                 f"num_blocks changed: {pool.num_blocks} != {self.num_blocks}")
-        for b in range(self.num_blocks):
+        for b in map(BlockId, range(self.num_blocks)):
             _expect(pool.refcount(b) == self.refs[b],
                     f"block {b}: refcount {pool.refcount(b)}, model {self.refs[b]}")
             _expect(pool.block_hash(b) == self.hash_of.get(b),

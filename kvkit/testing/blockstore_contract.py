@@ -17,14 +17,18 @@ wrong.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from typing_extensions import override
 
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.shared import BlockStore, StoreResult
+from kvkit.validate import plural
 
 __all__ = ["BlockStoreContract"]
 
@@ -50,7 +54,7 @@ def _split(data: bytes | bytearray, cuts: int) -> list[memoryview]:
     """``data`` as ``cuts + 1`` consecutive views (the first may be empty, as a header buffer may be)."""
     view = memoryview(data)
     edges = [0, *sorted({len(data) * (c + 1) // (cuts + 2) for c in range(cuts)}), len(data)]
-    return [view[a:b] for a, b in zip(edges, edges[1:])]
+    return [view[a:b] for a, b in itertools.pairwise(edges)]
 
 
 class BlockStoreContract(RuleBasedStateMachine):
@@ -159,10 +163,10 @@ class BlockStoreContract(RuleBasedStateMachine):
         assert isinstance(n, int) and 0 <= n <= len(ks), f"contains({ks}) answered {n!r}"
         sure = self._leading(ks, {"landed"})
         possible = self._leading(ks, {"landed", "maybe"})
-        assert n <= possible, (f"contains({ks}) answered {n}, but only the first {possible} keys "
+        assert n <= possible, (f"contains({ks}) answered {n}, but only the first {plural(possible, 'key')} "
                                f"can be present (states {self._states(ks)})")
         if not self.may_drop:
-            assert n >= sure, (f"contains({ks}) answered {n}, but the first {sure} keys landed "
+            assert n >= sure, (f"contains({ks}) answered {n}, but the first {plural(sure, 'key')} landed "
                                f"and none was dropped (states {self._states(ks)})")
 
     @rule(k=st.integers(0, _KEYS - 1))
@@ -199,8 +203,10 @@ class BlockStoreContract(RuleBasedStateMachine):
     @rule(kind=st.sampled_from(["str key", "empty key", "short buffer list"]))
     def malformed_call(self, kind: str) -> None:
         """A malformed put or get raises ConfigError at once and queues nothing."""
-        keys, buffers = {"str key": (["k"], [[memoryview(b"x")]]), "empty key": ([b""], [[memoryview(b"x")]]),
-                         "short buffer list": ([_key(0), _key(1)], [[memoryview(b"x")]])}[kind]
+        cases: dict[str, tuple[list[Any], list[list[memoryview]]]] = {
+            "str key": (["k"], [[memoryview(b"x")]]), "empty key": ([b""], [[memoryview(b"x")]]),
+            "short buffer list": ([_key(0), _key(1)], [[memoryview(b"x")]])}
+        keys, buffers = cases[kind]
         for call in (self.store.put, self.store.get):
             try:
                 call(keys, buffers)
@@ -213,6 +219,7 @@ class BlockStoreContract(RuleBasedStateMachine):
             return
         raise AssertionError("poll(7), a ticket not in a collection, did not raise ConfigError")
 
+    @override
     def teardown(self) -> None:
         try:
             self._drain()
@@ -285,7 +292,7 @@ class BlockStoreContract(RuleBasedStateMachine):
             del self.owner[result.ticket]
             op, ks, buffers, sure = self.outstanding.pop(result.ticket)
             assert all(0 <= i < len(ks) for i in result.failed), \
-                f"{op} of {len(ks)} keys reported failed indices {result.failed}"
+                f"{op} of {plural(len(ks), 'key')} reported failed indices {result.failed}"
             assert result.ok or result.error, f"{op} failed keys {result.failed} with no error text"
             for i, k in enumerate(ks):
                 self._check_key(op, k, i in result.failed, buffers[i], k in sure)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 
 import attrs
+from typing_extensions import override
 
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.shared import BlockStore, StoreResult
@@ -45,6 +46,7 @@ class RaisingCallback(OffloadCallback):
     A manager must contain it: nothing it does may change.
     """
 
+    @override
     def __getattribute__(self, name: str):
         if name.startswith("on_"):
             def hook(*args: object) -> None:

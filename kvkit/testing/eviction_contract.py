@@ -8,11 +8,9 @@ Three lines make a pytest test class of it::
 
 A policy claiming LRU or FIFO order joins :class:`LRUContract` or
 :class:`FIFOContract` instead, which also check the exact victims. A policy
-with the optional pin hooks is driven through them (one with
-:class:`~kvkit.interfaces.capabilities.SelectivePins` as a pool drives it:
-attached, hearing only the pins of its ``pin_watch``); set ``drive_pin_hooks =
-False`` in a second class to prove it also works for drivers that never pin,
-and ``selective_pins = False`` to report every pin to a selective policy.
+with the optional pin hooks is driven through them, every pin reported (as a
+pool does); set ``drive_pin_hooks = False`` in a second class to prove it also
+works for drivers that never pin.
 """
 
 from __future__ import annotations
@@ -23,10 +21,12 @@ from collections.abc import Callable, Iterable
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from typing_extensions import override
 
-from kvkit.interfaces.capabilities import SelectivePins, pin_hooks
+from kvkit.interfaces.capabilities import pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import plural
 
 __all__ = ["EvictionPolicyContract", "FIFOContract", "LRUContract"]
 
@@ -80,8 +80,6 @@ class EvictionPolicyContract(RuleBasedStateMachine):
     """Distinct hashes in play; more than ``max_blocks``, so hashes leave and return."""
     drive_pin_hooks = True
     """Whether pin and unpin call the policy's pin hooks, if it has them (``False``: never)."""
-    selective_pins = True
-    """With hooks, drive a :class:`SelectivePins` policy as a pool does (``False``: report every pin)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -95,9 +93,6 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         self.pinned: set[BlockId] = set()
         self.parents: dict[BlockHash, BlockHash | None] = {}
         self.hooks = self.drive_pin_hooks and pin_hooks(self.policy) is not None
-        self.selective = self.hooks and self.selective_pins and isinstance(self.policy, SelectivePins)
-        if self.selective:  # a plain function: clones share it (deepcopy keeps functions)
-            self.policy.attach(lambda block: self.is_evictable(block))
 
     def make_policy(self) -> EvictionPolicy:
         """Return a fresh policy under test (override this)."""
@@ -130,9 +125,6 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """The model's predicate: tracked and not pinned."""
         return block in self.tracked and block not in self.pinned
 
-    def hears_pins_of(self, policy: EvictionPolicy, block: BlockId) -> bool:
-        """Whether a pool would report ``block``'s pin or release to ``policy`` now."""
-        return self.hooks and (not self.selective or block in policy.pin_watch)
 
     @precondition(lambda self: len(self.tracked) < self.max_blocks)
     @rule(block=_PICK, k=_PICK, parent=st.none() | _PICK, length=st.integers(1, 3))
@@ -143,7 +135,8 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         for _ in range(min(length, self.max_blocks - len(self.tracked))):
             block_id = BlockId(self._first_free(block, self.max_blocks, self.tracked.__contains__))
             in_use = set(self.tracked.values())
-            block_hash = _hash(self._first_free(k, self.hash_space, lambda x: _hash(x) in in_use))
+            block_hash = _hash(self._first_free(k, self.hash_space,
+                                                lambda x: _hash(x) in in_use))  # noqa: B023 - used at once
             parent_hash = self.parents.setdefault(block_hash, previous)
             for policy in self.policies():
                 policy.on_insert(block_id, block_hash, parent_hash)
@@ -168,7 +161,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """Reference an evictable block, so it may not be evicted."""
         block = self._pick(self.tracked.keys() - self.pinned, pick)
         for policy in self.policies():
-            if self.hears_pins_of(policy, block):
+            if self.hooks:
                 policy.on_pin(block)
         self.pinned.add(block)
 
@@ -178,13 +171,13 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """Drop the reference on a pinned block; it must be selectable again."""
         block = self._pick(self.pinned, pick)
         for policy in self.policies():
-            if self.hears_pins_of(policy, block):
+            if self.hooks:
                 policy.on_unpin(block)
         self.pinned.discard(block)
         available = [b for b in self.tracked if b not in self.pinned]
         victims = self.clone_policy(self.policy).select_victims(len(available), self.is_evictable)
         assert victims is not None and block in victims, (
-            f"after unpinning block {block!r}, selecting all {len(available)} evictable blocks "
+            f"after unpinning block {block!r}, selecting all {plural(len(available), 'evictable block')} "
             f"{available} returned {victims}: the unpinned block was lost")
 
     @precondition(lambda self: self.pinned)
@@ -214,7 +207,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         """Every policy tracks exactly the model's blocks and keeps its invariants."""
         for policy in self.policies():
             assert len(policy) == len(self.tracked), \
-                f"len(policy) is {len(policy)}, but {len(self.tracked)} blocks are tracked"
+                f"len(policy) is {len(policy)}, but {plural(len(self.tracked), 'block')} tracked"
             policy.check_invariants()
 
     def _select_succeeds(self, n: int, available: list[BlockId]) -> None:
@@ -248,7 +241,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         before = self.clone_policy(self.policy)
         result = self.policy.select_victims(n, self.is_evictable)
         assert result is None, \
-            f"select_victims({n}) returned {result!r} with only {len(available)} evictable blocks"
+            f"select_victims({n}) returned {result!r} with only {plural(len(available), 'evictable block')}"
         self._assert_drain_alike(before, self.policy, n)
         if self.twin is None:
             self.twin = before  # never saw the failed call: the policy must keep behaving like it
@@ -259,7 +252,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         first, second = self.clone_policy(before), self.clone_policy(after)
         for block in sorted(self.pinned):  # pinned blocks may be set aside: release them to drain everything
             for clone in (first, second):
-                if self.hears_pins_of(clone, block):
+                if self.hooks:
                     clone.on_unpin(block)
         while left:
             a = first.select_victims(1, left.__contains__)
@@ -292,6 +285,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
 class LRUContract(EvictionPolicyContract):
     """The contract plus exact LRU order: victims are the least recently inserted or hit."""
 
+    @override
     def reference_order(self) -> Iterable[BlockId]:
         return self.recency
 
@@ -299,5 +293,6 @@ class LRUContract(EvictionPolicyContract):
 class FIFOContract(EvictionPolicyContract):
     """The contract plus exact FIFO order: victims are the earliest inserted; hits don't count."""
 
+    @override
     def reference_order(self) -> Iterable[BlockId]:
         return self.tracked

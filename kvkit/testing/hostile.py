@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import attrs
 
-from kvkit.interfaces.types import TransferResult
+from kvkit.interfaces.types import BlockId, TransferResult
 from kvkit.manager import OffloadManager
+
+if TYPE_CHECKING:
+    from kvkit.backends.allocator.pool import BlockPool
 
 __all__ = ["BAD_CALLS", "snapshot"]
 
@@ -26,15 +30,16 @@ def snapshot(mgr: OffloadManager) -> tuple:
     reqs = {rid: copy.deepcopy(attrs.asdict(mgr.request(rid), recurse=False)) for rid in list(mgr._requests)}
     gpu = mgr.gpu
     return (reqs, mgr.cpu_refs_held(), mgr.gpu_refs_held(), mgr.stats.as_dict(), mgr.num_in_flight,
-            mgr.next_transfer_id, [mgr.cpu.refcount(b) for b in range(mgr.cpu.num_blocks)],
-            None if gpu is None else [gpu.refcount(b) for b in range(gpu.num_blocks)], mgr.cpu.num_cached)
+            mgr.next_transfer_id, [mgr.cpu.refcount(b) for b in map(BlockId, range(mgr.cpu.num_blocks))],
+            None if gpu is None else [gpu.refcount(b) for b in map(BlockId, range(gpu.num_blocks))],
+            cast("BlockPool", mgr.cpu).num_cached)
 
 
 def _n(m: OffloadManager) -> int:
     return m.num_gpu_blocks or 1 << 20
 
 
-def _short_table(m: OffloadManager, rid: str) -> list[list[int]]:
+def _short_table(m: OffloadManager, rid: str) -> list[list[BlockId]]:
     """``rid``'s table cut one block short of its computed tokens."""
     r = m.request(rid)
     keep = -(-r.num_computed_tokens // m.kv.block_size) - 1
@@ -74,10 +79,12 @@ BAD_CALLS: dict[str, tuple[frozenset[str], Call]] = {k: (frozenset(n), c) for k,
     "alloc: groups": (("waiting",), lambda m, w, r: m.on_allocated(w, [[1, 2]] * (len(m.kv.groups) + 1))),
     "alloc: row not a sequence": (("waiting",), lambda m, w, r: m.on_allocated(w, [7])),
     "alloc: table not a sequence": (("waiting",), lambda m, w, r: m.on_allocated(w, None)),
-    "alloc: accepted beyond offer": (("waiting",), lambda m, w, r: m.on_allocated(w, [[1, 2]], (m.request(w).offered_blocks + 1) * m.kv.block_size)),
+    "alloc: accepted beyond offer": (("waiting",), lambda m, w, r: m.on_allocated(
+        w, [[1, 2]], (m.request(w).offered_blocks + 1) * m.kv.block_size)),
     "alloc: running gets accepted": (("running",), lambda m, w, r: m.on_allocated(r, [m.request(r).block_table[0]], 4)),
     "alloc: running table shorter than computed": (("running",), lambda m, w, r: m.on_allocated(r, _short_table(m, r))),
-    "append: duplicate of the table": (("running",), lambda m, w, r: m.append_blocks(r, [[m.request(r).block_table[0][0]]])),
+    "append: duplicate of the table": (("running",),
+                                       lambda m, w, r: m.append_blocks(r, [[m.request(r).block_table[0][0]]])),
     "append: duplicate within": (("running",), lambda m, w, r: m.append_blocks(r, [[30, 30]])),
     "append: beyond pool": (("running",), lambda m, w, r: m.append_blocks(r, [[_n(m)]])),
     "append: bool": (("running",), lambda m, w, r: m.append_blocks(r, [[True]])),
@@ -90,7 +97,8 @@ BAD_CALLS: dict[str, tuple[frozenset[str], Call]] = {k: (frozenset(n), c) for k,
     "computed: float": (("running",), lambda m, w, r: m.on_computed(r, 8.0)),
     "computed: bool": (("running",), lambda m, w, r: m.on_computed(r, True)),
     "computed: decreasing": (("running",), lambda m, w, r: m.on_computed(r, m.request(r).num_computed_tokens - 1)),
-    "computed: beyond table": (("running",), lambda m, w, r: m.on_computed(r, len(m.request(r).block_table[0]) * m.kv.block_size + 1)),
+    "computed: beyond table": (("running",), lambda m, w, r: m.on_computed(
+        r, len(m.request(r).block_table[0]) * m.kv.block_size + 1)),
     "computed: str": (("running",), lambda m, w, r: m.on_computed(r, "12")),
     "results: None item": ((), lambda m, w, r: m.apply_completions([None])),
     "results: not iterable": ((), lambda m, w, r: m.apply_completions(5)),

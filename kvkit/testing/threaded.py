@@ -64,8 +64,8 @@ class ThreadedCopy(CopyBackend):
         * :meth:`submit` never raises but ``PlanError`` (nothing launched then).
     """
 
-    threads: int = attrs.field(default=4, converter=checked(check_int, minimum=1, label="ThreadedCopy."))
-    max_hold_s: float = attrs.field(default=30.0, converter=checked(check_real, low=0, label="ThreadedCopy."))
+    threads: int = attrs.field(default=4, converter=checked(check_int, minimum=1, label="ThreadedCopy."))  # type: ignore[misc]
+    max_hold_s: float = attrs.field(default=30.0, converter=checked(check_real, low=0, label="ThreadedCopy."))  # type: ignore[misc]
     gate: threading.Event | None = None
     poll_error: Exception | None = None
     plans: list[TransferPlan] = attrs.field(factory=list, init=False)

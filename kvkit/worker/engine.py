@@ -30,7 +30,7 @@ from kvkit.errors import (
 from kvkit.interfaces.capabilities import LayeredCopy, SelfChecking
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
-from kvkit.validate import check_int, check_real, checked, implements, is_int, quote
+from kvkit.validate import check_int, check_real, checked, implements, is_int, plural, quote
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.layouts import (
     allocate_kv,
@@ -190,11 +190,11 @@ class TransferEngine:
 
     spec: KVCacheSpec = attrs.field(validator=implements(KVCacheSpec))
     copy: CopyBackend = attrs.field(on_setattr=attrs.setters.frozen)
-    num_cpu_blocks: int = attrs.field(kw_only=True, converter=checked(check_int, minimum=1))
-    worker: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))
+    num_cpu_blocks: int = attrs.field(kw_only=True, converter=checked(check_int, minimum=1))  # type: ignore[misc]
+    worker: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))  # type: ignore[misc]
     wait_timeout_s: float = attrs.field(default=WAIT_TIMEOUT_S, kw_only=True,
-                                        converter=checked(check_real, low=0, low_open=True))
-    layers_per_stage: int = attrs.field(default=1, kw_only=True, converter=checked(check_int, minimum=1))
+                                        converter=checked(check_real, low=0, low_open=True))  # type: ignore[misc]
+    layers_per_stage: int = attrs.field(default=1, kw_only=True, converter=checked(check_int, minimum=1))  # type: ignore[misc]
     _layout: str | None = attrs.field(default=None, init=False)
     _cpu_layout: str | None = attrs.field(default=None, init=False)
     _gpu_kv: list[torch.Tensor] = attrs.field(factory=list, init=False)
@@ -207,7 +207,7 @@ class TransferEngine:
     _group_block_bytes: dict[int, int] = attrs.field(factory=dict, init=False)
     # Per group: its stages in region order, each (regions, the layers they hold).
     _stages: dict[int, list[tuple[range, tuple[int, ...]]]] = attrs.field(factory=dict, init=False)
-    _in_flight: dict[int, _InFlight] = attrs.field(factory=dict, init=False)  # by backend handle, in order
+    _in_flight: dict[object, _InFlight] = attrs.field(factory=dict, init=False)  # by backend handle, in order
     _ready: list[TransferResult] = attrs.field(factory=list, init=False)  # for the next poll or drain
     _unreported: set[int] = attrs.field(factory=set, init=False)  # ids submitted, not yet handed out
     # The backend's own check, or None: decided once, as the backend is fixed.
@@ -388,18 +388,19 @@ class TransferEngine:
                 handle = self.copy.submit(plan, after=done)
         except PlanError:
             raise
-        except Exception as exc:  # launched nothing (the backend contract): a failed result, not a crash
+        except Exception as exc:  # noqa: BLE001 - launched nothing (the backend contract): a failed result, not a crash
             warnings.warn(f"transfer {transfer_id} failed to launch: {exc!r}", RuntimeWarning, stacklevel=2)
             self._ready.append(TransferResult(transfer_id, self.worker, ok=False))
         else:
             job = _InFlight(transfer_id, started, len(plan) * group_bytes, layers=layers, load=load)
+            key: object = handle
             if not is_int(handle) or handle in self._in_flight:
                 # The backend broke its contract: its copy may run, but no poll can ever confirm this
                 # handle, so the transfer stays in flight, in doubt, under a key no poll returns.
                 warnings.warn(f"copy backend returned the handle {quote(handle)} for transfer {transfer_id}, not a "
                               f"new int: it stays in flight, in doubt", RuntimeWarning, stacklevel=2)
-                handle, job.in_doubt = ("unconfirmable", transfer_id), True
-            self._in_flight[handle] = job
+                key, job.in_doubt = ("unconfirmable", transfer_id), True
+            self._in_flight[key] = job
         self._unreported.add(transfer_id)
 
     def _compute_done(self) -> torch.cuda.Event | None:
@@ -508,7 +509,7 @@ class TransferEngine:
         doubt = self.num_in_doubt
         why = f" ({doubt} in doubt since the copy backend failed)" if doubt else ""
         return TransferTimeoutError(
-            f"worker {self.worker}: {len(pending)} transfer(s) still in flight after {limit} s{why}: "
+            f"worker {self.worker}: {plural(len(pending), 'transfer')} still in flight after {limit} s{why}: "
             f"{quote(list(pending))}; they stay in flight and nothing was released", pending)
 
     def _collect(self) -> None:
@@ -518,7 +519,7 @@ class TransferEngine:
         try:
             handles = list(self.copy.poll())
             known = [h for h in handles if h in self._in_flight]  # handles of other copies are ignored
-        except Exception as exc:  # the backend cannot tell what finished: nothing is confirmed
+        except Exception as exc:  # noqa: BLE001 - the backend cannot tell what finished: nothing is confirmed
             self._suspect(exc)
             return
         now = time.perf_counter()
@@ -539,7 +540,7 @@ class TransferEngine:
             job.in_doubt = True
         if fresh:  # once per transfer, however often a broken backend raises
             warnings.warn(
-                f"copy backend failed: {exc!r}; {len(fresh)} transfer(s) in flight are in doubt "
+                f"copy backend failed: {exc!r}; in doubt now: {plural(len(fresh), 'transfer')} in flight "
                 f"{quote([job.transfer_id for job in fresh])}: each is reported failed once the backend "
                 f"confirms it finished, and its blocks stay reserved until then", RuntimeWarning, stacklevel=4)
 

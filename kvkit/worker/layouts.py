@@ -44,6 +44,7 @@ keeps its per-layer cache.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -53,7 +54,7 @@ import torch
 from kvkit.errors import ConfigError, InsufficientMemoryError, SpecMismatchError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import KVCacheSpec
-from kvkit.validate import check_int, quote
+from kvkit.validate import check_int, plural, quote
 from kvkit.worker.memory import check_fits
 
 __all__ = [
@@ -109,7 +110,7 @@ def _check_layout(spec: KVCacheSpec, layout: str) -> None:
     if layout == "cross-layer" and len(spec.groups) > 1:
         raise ConfigError(
             f"layout 'cross-layer' needs a single KV group (one piece spans every layer), "
-            f"got {len(spec.groups)} groups")
+            f"got {plural(len(spec.groups), 'group')}")
 
 
 def _block_axis(layout: str) -> int:
@@ -142,7 +143,7 @@ def kv_nbytes(spec: KVCacheSpec, layout: str, num_blocks: int) -> int:
     return num_blocks * spec.bytes_per_block
 
 
-def kv_device(device: object) -> torch.device:
+def kv_device(device: str | int | torch.device) -> torch.device:
     """``device`` as a ``torch.device`` a KV cache can live on: the host or an available CUDA device.
 
     Raises:
@@ -158,7 +159,7 @@ def kv_device(device: object) -> torch.device:
     if d.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (d.index or 0) >= count:
-            raise ConfigError(f"device={quote(device)}: this machine has {count} CUDA device(s)")
+            raise ConfigError(f"device={quote(device)}: this machine has {plural(count, 'CUDA device')}")
     return d
 
 
@@ -176,13 +177,13 @@ def allocate_kv(spec: KVCacheSpec, layout: str, num_blocks: int,
     device = kv_device(device)
     shapes = kv_shape(spec, layout, num_blocks)
     nbytes = num_blocks * spec.bytes_per_block
-    check_fits(device, {f"KV cache of {num_blocks} blocks ({layout})": nbytes})
+    check_fits(device, {f"KV cache of {plural(num_blocks, 'block')} ({layout})": nbytes})
     dtype = torch_dtype(spec)
     try:
         return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
     except RuntimeError as exc:  # the allocator refused after all (fragmentation, overcommit limits)
         raise InsufficientMemoryError(
-            f"cannot allocate a KV cache of {num_blocks} blocks ({nbytes} bytes) on {device}: {exc}") from None
+            f"cannot allocate a KV cache of {plural(num_blocks, 'block')} ({nbytes} bytes) on {device}: {exc}") from None
 
 
 def kv_views(spec: KVCacheSpec, layout: str, num_blocks: int,
@@ -238,7 +239,7 @@ def validate_kv(spec: KVCacheSpec, layout: str, tensors: Sequence[torch.Tensor],
     expected_count = len(kv_shape(spec, layout, 1))
     if len(tensors) != expected_count:
         raise SpecMismatchError(
-            f"layout {layout!r} needs {expected_count} tensor(s) for {spec.num_layers} layers, "
+            f"layout {layout!r} needs {plural(expected_count, 'tensor')} for {plural(spec.num_layers, 'layer')}, "
             f"got {len(tensors)}")
     axis = _block_axis(layout)
     first = tensors[0]
@@ -257,7 +258,7 @@ def validate_kv(spec: KVCacheSpec, layout: str, tensors: Sequence[torch.Tensor],
         if not t.is_contiguous():
             raise SpecMismatchError(f"tensor {i} is not contiguous: shape {tuple(t.shape)} strides {t.stride()}")
     if num_blocks < max(min_blocks, 1):
-        raise SpecMismatchError(f"cache holds {num_blocks} blocks (shape {tuple(first.shape)}), needs at least "
+        raise SpecMismatchError(f"cache holds {plural(num_blocks, 'block')} (shape {tuple(first.shape)}), needs at least "
                                 f"{max(min_blocks, 1)}")
     _check_disjoint(tensors)
     return num_blocks
@@ -273,7 +274,7 @@ def _what(value: object) -> str:
 def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:
     """Raise if two (contiguous) tensors share a byte of memory."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors))
-    for (_, end, i), (start, _, j) in zip(spans, spans[1:], strict=False):
+    for (_, end, i), (start, _, j) in itertools.pairwise(spans):
         if start < end:
             a, b = sorted((i, j))
             raise SpecMismatchError(f"tensors {a} and {b} overlap in memory (at {start:#x}); each layer "
@@ -311,7 +312,10 @@ def check_layouts(spec: KVCacheSpec, layout: str, cpu_layout: str | None = None)
 
 
 def _layer_piece(layout: str, tensors: Sequence[torch.Tensor], layer: int) -> torch.Tensor:
-    """``[num_blocks, ...]`` view of one layer's K and V, or its latent (blocks-first, cross-layer, vllm-cpu, latent)."""
+    """``[num_blocks, ...]`` view of one layer's K and V, or its latent.
+
+    For the blocks-first, cross-layer, vllm-cpu and latent layouts.
+    """
     return tensors[0][:, layer] if layout == "cross-layer" else tensors[layer]
 
 

@@ -26,7 +26,7 @@ def test_cpu_run_times_torch_and_checks_every_copy(layout, ids, direction):
     result = CliRunner().invoke(main, ["bench", "transfer", "--layout", layout, "--blocks", "5", "--ids", ids,
                                        "--direction", direction, "--repeat", "2", "--json", *SMALL])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)  # stderr logs the steps
     assert report["device"] == "cpu" and report["ceiling_gbps"] > 0
     assert report["direction"] == direction and set(report["ceilings_gbps"]) == {"store", "load", "both"}
     (row,) = report["results"]
@@ -43,7 +43,7 @@ def test_a_cpu_tier_in_another_layout_is_timed_and_checked():
     result = CliRunner().invoke(main, ["bench", "transfer", "--layout", "per-layer", "--cpu-layout", "cross-layer",
                                        "--blocks", "5", "--direction", "both", "--repeat", "2", "--json", *SMALL])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)  # stderr logs the steps
     assert (report["layout"], report["cpu_layout"]) == ("per-layer", "cross-layer")
     assert report["regions"] == 4 and report["skipped"] == {}  # layer{i}.k / .v for 2 layers
     (row,) = report["results"]

@@ -74,7 +74,38 @@ def test_help_does_not_import_commands(runner, monkeypatch):
     assert runner.invoke(cli.main, ["list", "--json"]).exit_code == 0
 
 
-@pytest.mark.parametrize("args, expected", [
+def test_list_probes_every_backend_without_importing_torch():
+    """Without a CUDA driver, `kvkit list` answers for every copy backend without loading torch (seconds of CPU)."""
+    import subprocess
+    import sys
+
+    from kvkit.backends.copy._driver import driver_problem
+
+    if driver_problem() is None:
+        pytest.skip("with a CUDA driver the GPU backends' probes ask torch for a device")
+    code = ("import sys; from kvkit.cli import main\n"
+            "try:\n    main(['list', '--json'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    report = json.loads(result.stdout)
+    assert report["copy"]["torch"]["available"] and not report["copy"]["cuda-dma"]["available"]
+    assert "no CUDA driver" in report["copy"]["cuda-dma"]["reason"]
+    assert result.stderr.splitlines()[-1] == "False", result.stderr
+
+
+def test_a_lazy_module_imports_on_first_use_and_then_is_the_module():
+    import types
+
+    from kvkit._lazy import lazy_module
+
+    namespace: dict = {}
+    namespace["json"] = lazy_module("json", namespace)
+    assert "imported on first use" in repr(namespace["json"])
+    assert namespace["json"].dumps([1]) == "[1]"
+    assert namespace["json"] is json and isinstance(namespace["json"], types.ModuleType)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
     (["boom"], "Error: plan is bad"),
     (["boom", "--many"], "Error: 2 configuration problems: first bad thing; second bad thing"),
 ])

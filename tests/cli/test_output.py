@@ -39,7 +39,7 @@ def test_list_keeps_every_name_and_target_whole_at_80_columns(monkeypatch):
     monkeypatch.setattr(registry_module, "REGISTRIES", fresh)
     out = _invoke("list")
     assert max(map(len, out.splitlines())) <= 80
-    for kind, registry in fresh.items():
+    for registry in fresh.values():
         for name in registry.names():
             target = registry.target(name)
             assert out.count(target) == 1, target  # whole, and only once
@@ -84,3 +84,20 @@ def test_the_builtin_trace_gives_the_shared_files_hit_counts():
     for key in ("requests", "block_references", "results"):
         assert builtin[key] == shared[key], key
     assert builtin["requests"] == 3000
+
+
+@pytest.mark.parametrize(("args", "whole"), [
+    (["policies", "--trace", "mooncake-conversation", "--limit", "100", "--capacities", "1000,262144,1048576"],
+     ["hit-density", "262,144 blocks", "1,048,576 blocks", "100 requests"]),
+    (["bench", "transfer", "--backend", "torch", "--layers", "2", "--blocks", "4", "--pool-blocks", "8",
+      "--repeat", "1"], ["descriptors", "% ceiling", "layers ms"]),
+    (["simulate", "--limit", "50", "--gpu-blocks", "262144"],
+     ["262,144", "hit tokens, CPU tier", "blocks stored / loaded"]),
+])
+@pytest.mark.parametrize("width", [80, 40])
+def test_tables_never_cut_a_name_or_a_number(args, whole, width):
+    """Off a terminal at 80 or 40 columns, table cells are whole: a table wider than that runs past it."""
+    out = _invoke(*args, width=width)
+    assert "…" not in out
+    for text in whole:
+        assert text in out, (text, out)

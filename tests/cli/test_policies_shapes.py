@@ -25,11 +25,18 @@ def test_a_shape_replays_by_name_with_its_block_size() -> None:
     assert "baselines" not in report
 
 
-def test_trace_or_shape_exactly_one() -> None:
-    """Neither or both is a usage error."""
-    assert "give --trace or --shape" in _policies().output
+def test_without_trace_or_shape_the_builtin_trace_runs() -> None:
+    """Neither --trace nor --shape replays the packaged trace; both is a usage error."""
+    from kvkit.cli.policies import DEFAULT_TRACE
+    from kvkit.sim.traces import BUILTIN_TRACES
+
+    assert DEFAULT_TRACE in BUILTIN_TRACES
+    result = _policies("--limit", "100", "--capacities", "1000", "--policies", "lru", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["trace"] == DEFAULT_TRACE and report["requests"] == 100 and report["block_size"] == 512
     both = _policies("--shape", "rag", "--trace", "mooncake-conversation")
-    assert both.exit_code == 2 and "one of them" in both.output
+    assert both.exit_code == 2 and "not both" in both.output
 
 
 def test_seed_draws_another_trace_of_the_shape() -> None:
@@ -46,6 +53,15 @@ def test_unknown_shape_lists_the_choices() -> None:
     """A bad shape name is refused by the option, listing the valid ones."""
     result = _policies("--shape", "chatt")
     assert result.exit_code == 2 and "few-shot" in result.output
+
+
+@pytest.mark.parametrize("command", ["policies", "simulate"])
+@pytest.mark.parametrize(("value", "suggestion"), [("chta", "did you mean 'chat'?"),
+                                               ("few-shot@num_tmplates=3", "did you mean 'num_templates'?")])
+def test_a_mistyped_shape_or_field_gets_the_closest_name(command, value, suggestion) -> None:
+    """`--shape chta` suggests 'chat'; a mistyped field after '@' suggests the field."""
+    result = CliRunner().invoke(cli.main, [command, "--shape", value])
+    assert result.exit_code == 2 and suggestion in result.output, result.output
 
 
 def test_libcachesim_baselines_sit_beside_kvkit_results_labelled_plain() -> None:

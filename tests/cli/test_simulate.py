@@ -108,7 +108,7 @@ _MALFORMED = {
     "float hash id": ('{"timestamp": 1, "input_length": 20, "output_length": 5, "hash_ids": [1, 2.5]}',
                       "expected ints, got 2.5"),
     "wrong number of hash ids": ('{"timestamp": 1, "input_length": 20, "output_length": 5, "hash_ids": [1]}',
-                                 "has 1 ids"),
+                                 "has 1 id but"),
 }
 
 
@@ -136,25 +136,57 @@ def test_non_utf8_trace_is_one_line_error(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--cpu-eviction", "bogus", "--store", "nope"], "valid: "),
-    (["--cpu-blocks", 10, "--cpu-bytes", "1GiB"], "not both"),
-    (["--cpu-bytes", "12XB"], "cannot parse byte size '12XB'"),
-    (["--gpu-blocks", 0], "--gpu-blocks"),
+    (["--cpu-blocks", 10, "--cpu-bytes", "1GiB"], "give exactly one of --cpu-blocks or --cpu-bytes"),
+    (["--cpu-bytes", "12XB"], "byte size '12XB': unknown unit 'XB'"),
+    (["--gpu-blocks", 0], "--gpu-blocks=0: must be an int >= 1"),
+    (["--gpu-blcks", 3], "No such option '--gpu-blcks'"),
 ])
 def test_bad_options_are_one_line_errors(args, message):
-    """Bad options exit 2 with a one-line error before any simulation runs."""
+    """Bad options exit 2 with a one-line error naming the flags, before any simulation runs."""
     result = _run(*args, "--limit", 10)
     assert result.exit_code == 2
-    assert message in result.stderr
+    assert message in " ".join(result.stderr.split())
     assert "Traceback" not in result.output
 
 
 def test_defaults_come_from_the_one_defaults_record():
     """The simulate flags' defaults are the config's DEFAULTS and the cost model's own defaults."""
-    defaults = {p.name: p.default for p in cli.main.get_command(None, "simulate").params}
-    assert (defaults["gpu_blocks"], defaults["cpu_eviction"], defaults["gpu_eviction"], defaults["store"]) == (
-        DEFAULTS.gpu_blocks, DEFAULTS.cpu_eviction, DEFAULTS.gpu_eviction, DEFAULTS.store)
+    params = {p.name: p for p in cli.main.get_command(None, "simulate").params}
+    for slot in ("gpu_blocks", "cpu_blocks", "cpu_eviction", "gpu_eviction", "store"):
+        assert params[slot].default is None  # left out, the config's own default applies ...
+        assert f"[default: {getattr(DEFAULTS, slot)}]" in params[slot].help  # ... and the help shows it
+    defaults = {name: p.default for name, p in params.items()}
     cost = CostModel()
     assert (defaults["pcie_gbps"], defaults["prefill_tokens_per_s"], defaults["decode_ms_per_token"]) == (
         cost.pcie_gbps, cost.prefill_tokens_per_s, cost.decode_ms_per_token)
 
 
+
+
+def test_the_stack_flags_are_the_simulator_s_stack_slots():
+    """Every StackConfig slot a SimConfig takes and a command line can spell is a flag, described by its docstring."""
+    import attrs
+
+    from kvkit.config import TEXT, StackConfig
+    from kvkit.sim.simulator import STACK_SLOTS
+
+    params = {p.name: p for p in cli.main.get_command(None, "simulate").params}
+    fields = attrs.fields_dict(StackConfig)
+    expected = {s for s in STACK_SLOTS if TEXT in fields[s].metadata} - {"shared"}  # --shared: the fleet's store
+    assert expected <= set(params) and {"gpu_blocks", "cpu_bytes", "cpu_eviction", "store"} <= expected
+    for slot in expected:
+        assert params[slot].opts == ["--" + slot.replace("_", "-")]
+        assert params[slot].help and "``" not in params[slot].help
+
+
+def test_a_shared_url_password_never_reaches_the_output(monkeypatch):
+    """`--shared` with a password: the table, the JSON and the plot title show it as ***."""
+    import kvkit.shared.client as client
+    from kvkit.backends.blockstore.memory import MemoryStore
+
+    monkeypatch.setattr(client, "open_shared", lambda url: (MemoryStore(), True))
+    url = "valkey://alice:hunter2@127.0.0.1:6379/0"
+    for extra in ([], ["--json"]):
+        result = _run("--shared", url, "--instances", 2, "--limit", 20, *extra)
+        assert result.exit_code == 0, result.output
+        assert "hunter2" not in result.output and "alice:***@127.0.0.1" in " ".join(result.output.split())

@@ -69,7 +69,7 @@ def test_an_unknown_policy_fails_before_the_trace_is_read(monkeypatch):
     assert "'bogus'" in line and "valid: " in line and "lru" in line
 
 
-@pytest.mark.parametrize("command, work", [
+@pytest.mark.parametrize(("command", "work"), [
     (["simulate"], (simulate_module, "simulate")),
     (["policies", "--trace", "mooncake-conversation"], (policies_module, "study")),
 ])

@@ -261,7 +261,7 @@ def test_kv_spec_follows_the_config():
 def test_an_unsupported_family_raises_a_typed_error():
     """A model family kvkit does not hold raises UnsupportedModelError naming it and the supported ones."""
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
-    with pytest.raises(UnsupportedModelError, match="'gpt2'.*llama"):
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*llama"):
         kv_spec_from_config(config)
     assert issubclass(UnsupportedModelError, KVKitError) and issubclass(UnsupportedModelError, TypeError)
     torch.manual_seed(0)
@@ -283,6 +283,18 @@ def test_a_stack_that_does_not_fit_the_model_is_refused(models):
         OffloadedLM(model, kvkit.build(kv=spec, gpu_blocks=8, cpu_blocks=8, device="cpu"))
     with pytest.raises(ConfigError, match="device='cuda'"):
         OffloadedLM.build(model, gpu_blocks=8, cpu_blocks=8, device="cuda")
+
+
+def test_build_takes_its_slots_from_stack_config(models):
+    """``OffloadedLM.build``'s slots are StackConfig's: an unknown one or a missing gpu_blocks is one ConfigError
+    listing every problem, with the valid slots; the KV spec is the model's."""
+    model = models["llama"]
+    with pytest.raises(ConfigError, match="did you mean 'gpu_blocks'") as info:
+        OffloadedLM.build(model, gpu_blcks=8, cpu_blocks=8, cpu_eviction="bogus")
+    problems = " ".join(info.value.problems)
+    assert "valid: kv, gpu_blocks" in problems and "gpu_blocks=None" in problems and "bogus" in problems
+    with pytest.raises(ConfigError, match="the KV spec is the model's"):
+        OffloadedLM.build(model, kv=kv_spec_from_config(model.config), gpu_blocks=8, cpu_blocks=8)
 
 
 def test_bad_requests_raise_and_leave_the_stack_clean(models):
@@ -344,8 +356,8 @@ def test_the_same_model_wrapped_twice_reuses_its_kv(models):
     for twin in (model, copy.deepcopy(model)):
         again = OffloadedLM(twin, lm.stack)
         assert again.model_id == lm.model_id
-        turn = again.generate(prompt + [7], 3, keep_logits=True, stop_tokens=())
-        ref = generate_without_offload(model, prompt + [7], 3, keep_logits=True, stop_tokens=())
+        turn = again.generate([*prompt, 7], 3, keep_logits=True, stop_tokens=())
+        ref = generate_without_offload(model, [*prompt, 7], 3, keep_logits=True, stop_tokens=())
         assert _reused(turn) == 36 and turn.tokens == ref.tokens
         assert float((turn.logits - ref.logits).abs().max()) <= TOL
         _check_clean(lm, again)
@@ -360,8 +372,8 @@ def test_one_user_given_name_makes_two_models_share_kv(models):
     shared = OffloadedLM(second, lm.stack, model_name="tiny-llama@r1")
     apart = OffloadedLM(second, lm.stack, model_name="tiny-llama@r2")
     assert shared.model_id == lm.model_id != apart.model_id
-    assert _reused(shared.generate(prompt + [3], 2)) == 36
-    assert _reused(apart.generate(prompt + [4], 2)) == 0
+    assert _reused(shared.generate([*prompt, 3], 2)) == 36
+    assert _reused(apart.generate([*prompt, 4], 2)) == 0
     _check_clean(lm, shared, apart)
 
 
@@ -386,7 +398,7 @@ def test_a_model_without_weights_in_memory_needs_a_name():
     """Weights on the meta device cannot be fingerprinted: ConfigError, unless a name identifies the model."""
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_SHAPES))
-    with pytest.raises(ConfigError, match="meta device.*model_name="):
+    with pytest.raises(ConfigError, match=r"meta device.*model_name="):
         model_fingerprint(model)
     assert len(model_fingerprint(model, model_name="llama-on-meta")) == 64
 
@@ -485,7 +497,8 @@ def test_beam_search_on_the_restored_cache_matches_generate(models, family, conf
                                           reason="chunked prefill continues a cache from transformers 5.21")),
 ], ids=["greedy", "chunked-prefill"])
 def test_greedy_through_generate_equals_the_greedy_loop(models, config):
-    """Greedy ``generate`` on the restored cache gives the loop's tokens, logits and hits; what it stored serves later turns."""
+    """Greedy ``generate`` on the restored cache gives the loop's tokens, logits and hits;
+    what it stored serves later turns."""
     model = models["qwen2"]
     loop, through = (OffloadedLM.build(model, gpu_blocks=56, block_size=8, cpu_blocks=200, planner="load-all")
                      for _ in range(2))  # every hit loaded: both see the same hits
@@ -581,7 +594,7 @@ def test_chunked_prefill_is_refused_where_transformers_restarts_the_prompt(model
     """Before transformers 5.21 a chunked prefill ignores the restored cache's length: ConfigError, naming both."""
     lm = OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=4, cpu_blocks=16)
     monkeypatch.setattr(transformers, "__version__", "5.20.0")
-    with pytest.raises(ConfigError, match="prefill_chunk_size=5 needs transformers>=5.21.*installed: 5.20.0"):
+    with pytest.raises(ConfigError, match=r"prefill_chunk_size=5 needs transformers>=5.21.*installed: 5.20.0"):
         lm.generate([5, 6, 7], 2, generation_config=GC(prefill_chunk_size=5))
     _check_clean(lm)
 
@@ -618,8 +631,8 @@ def test_a_second_instance_restores_a_prefix_from_the_shared_tier(models):
     first.generate(prompt, 3)
     first.engine.step()  # the puts of the stores its finish flushed
     first.engine.drain()
-    turn = second.generate(prompt + [7], 3, keep_logits=True, stop_tokens=())
-    ref = generate_without_offload(model, prompt + [7], 3, keep_logits=True, stop_tokens=())
+    turn = second.generate([*prompt, 7], 3, keep_logits=True, stop_tokens=())
+    ref = generate_without_offload(model, [*prompt, 7], 3, keep_logits=True, stop_tokens=())
     assert second.stack.stats.hit_tokens_shared.value == 36 and turn.tokens == ref.tokens
     assert float((turn.logits - ref.logits).abs().max()) <= TOL
     _check_clean(second, second)

@@ -294,7 +294,7 @@ def test_async_loads_let_other_requests_run_while_a_hit_lands(tiny_llama, refere
         reset_prefix_cache(llm, connector=False)  # the last turns' prefixes are on kvkit's CPU tier only
         orders = record_orders(llm)
         long_prompt = ex.user_messages(llm.get_tokenizer(), 1, 1, 20, seed=9)[0][0]
-        prompts = [long_prompt] + last_turn_prompts(messages, reference)
+        prompts = [long_prompt, *last_turn_prompts(messages, reference)]
         params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] + [
             SamplingParams(temperature=0.0, max_tokens=MULTI_TURN["max_tokens"], ignore_eos=True)] * 4
         results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -394,7 +394,7 @@ def test_multiprocess_mode_matches_the_in_process_reference(tiny_llama, referenc
 WINDOWED = [("tiny_mistral", 10), ("tiny_gemma3", 20)]
 
 
-@pytest.mark.parametrize("model, gpu_blocks", WINDOWED, ids=["mistral", "gemma3"])
+@pytest.mark.parametrize(("model", "gpu_blocks"), WINDOWED, ids=["mistral", "gemma3"])
 def test_sliding_window_groups_get_cpu_hits_with_identical_tokens(model, gpu_blocks, request):
     """One sliding-window group, and full + sliding-window groups: every group loads, windows only their tail."""
     path = request.getfixturevalue(model)
@@ -585,7 +585,7 @@ def test_openai_server_exposes_kvkit_metrics_and_a_1000_request_soak_holds_nothi
 
     # Eight three-block prefixes shared by 4 requests in 5, every fifth prefix unique: through a
     # 10-block GPU pool and a 32-block CPU tier, hits on the shared ones and evictions of the others.
-    prompts = [prefix(1000 + i if i % 5 == 0 else i % 8) + [i % 397 + 3, i % 389 + 5] for i in range(1000)]
+    prompts = [[*prefix(1000 + i if i % 5 == 0 else i % 8), i % 397 + 3, i % 389 + 5] for i in range(1000)]
     with engine(tiny_llama, kvkit=False) as llm:  # the first 40 without the connector
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

@@ -139,7 +139,7 @@ def test_a_write_back_store_policy_needs_one_kv_group():
         settings(kv=HYBRID, store="lazy")
 
 
-@pytest.mark.parametrize("extra, per_worker", [
+@pytest.mark.parametrize(("extra", "per_worker"), [
     ({"cpu_bytes_to_use": 8 * SPEC.bytes_per_block}, 4),  # the seed's total, over 2 workers
     ({"cpu_bytes_to_use_per_rank": 4 * SPEC.bytes_per_block}, 4),
     ({"cpu_bytes_to_use": 8 * SPEC.bytes_per_block, "cpu_bytes_to_use_per_rank": 4 * SPEC.bytes_per_block,
@@ -151,15 +151,15 @@ def test_the_seeds_capacity_keys_size_each_worker(extra, per_worker):
     assert s.num_cpu_blocks == per_worker
 
 
-@pytest.mark.parametrize("extra, needles", [
+@pytest.mark.parametrize(("extra", "needles"), [
     ({"cpu_bytes_to_use": "8MiB", "cpu_bytes_to_use_per_rank": "8MiB"}, ["disagree", "total over 2 workers"]),
     ({"cpu_bytes": "1MiB", "cpu_bytes_to_use": "8MiB"}, ["disagree", "'1MiB'", "'8MiB'"]),
     ({"cpu_blocks": 4, "cpu_bytes_to_use": "8MiB"}, ["cpu_blocks=4", "give cpu_blocks or bytes"]),
     ({"cpu_bytes_to_use": "lots"}, ["'lots'"]),
     ({"cpu_blocks": 4, "lazy_offload": True, "store": "eager"}, ["lazy_offload=True contradicts store='eager'"]),
     ({"cpu_blocks": 4, "lazy_offload": False, "store": "lazy"}, ["lazy_offload=False contradicts store='lazy'"]),
-    ({"cpu_blocks": 4, "lazy_offload": "yes"}, ["'yes'", "true or false"]),
-    ({"cpu_blocks": 4, "async_load": 1}, ["async_load", "true or false"]),
+    ({"cpu_blocks": 4, "lazy_offload": "yes"}, ["'yes'", "must be a bool"]),
+    ({"cpu_blocks": 4, "async_load": 1}, ["async_load", "must be a bool"]),
 ])
 def test_contradicting_or_bad_seed_keys_are_refused(extra, needles):
     """Capacity keys that disagree, cpu_blocks beside bytes, and lazy_offload against store: one problem each."""
@@ -227,7 +227,7 @@ def test_kvkit_window_loads_exactly_the_blocks_vllm_keeps(window, block_size, st
     assert group.blocks_needed(end, block_size) == stop - first_kept
 
 
-@pytest.mark.parametrize("specs, match", [
+@pytest.mark.parametrize(("specs", "match"), [
     ((), "at least one KV cache group"),
     ((_attention(head_size=576, head_size_v=0, dtype=torch.bfloat16),), "equal size"),
     ((_attention("MLAAttentionSpec", head_size_v=8),), "MLAAttentionSpec"),
@@ -406,7 +406,7 @@ def _assert_idle(sides):
     assert sides.pool.get_num_free_blocks() == NUM_GPU_BLOCKS - 1  # kvkit holds no GPU block
 
 
-@pytest.mark.parametrize("layout, device, extra", [
+@pytest.mark.parametrize(("layout", "device", "extra"), [
     ("vllm-cpu", "cpu", {}),
     pytest.param("per-layer", "cuda", {}, marks=pytest.mark.gpu),
     pytest.param("blocks-first", "cuda", {}, marks=pytest.mark.gpu),
@@ -456,7 +456,7 @@ def test_a_hit_slower_to_load_than_to_recompute_is_declined(seconds, loaded):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout, kv", [("per-layer", SPEC), ("blocks-first", SPEC), ("latent", MLA)])
+@pytest.mark.parametrize(("layout", "kv"), [("per-layer", SPEC), ("blocks-first", SPEC), ("latent", MLA)])
 def test_a_store_waits_for_the_forward_pass_that_writes_its_block(layout, kv):
     """The step's stores are submitted right after a forward pass still running on the GPU: they copy its result."""
     sides = _sides(layout, "cuda", kv=kv)
@@ -502,7 +502,7 @@ def test_overlaid_groups_store_and_load_each_groups_blocks(device):
     assert sorted((p.group, p.src.tolist()) for _, p in order.plan.stores) == [(0, [1, 2, 3, 4]), (1, [6, 7, 8, 9])]
     stored = (_blocks(sides, [2, 3, 4], 0), _blocks(sides, [6, 7, 8, 9], 1))
     sides.pool.free([1])  # vLLM frees the block before the window (null in its table from now)
-    _finish(sides, a, [[0] + window[1:], full])
+    _finish(sides, a, [[0, *window[1:]], full])
 
     b = _admit(sides, "b", 4 * BS + 1, [[0, 7, 1, 2, 11], [3, 4, 5, 10, 6]], hit=4 * BS)
     order = _step(sides, [(b, 1)])  # the window's group loads its last 3 hit blocks only
@@ -544,7 +544,8 @@ def test_the_finish_flush_reads_no_block_vllm_freed_out_of_the_window():
     _assert_idle(sides)
 
 
-@pytest.mark.parametrize("layout, device", [("vllm-cpu", "cpu"), pytest.param("per-layer", "cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("layout", "device"),
+                         [("vllm-cpu", "cpu"), pytest.param("per-layer", "cuda", marks=pytest.mark.gpu)])
 def test_lazy_stores_the_blocks_vllm_evicts_next_and_serves_them(layout, device):
     """Write-back: nothing stored on progress; vLLM's next eviction candidates are stored, then hit."""
     sides = _sides(layout, device, store="lazy", options={"store": {"watermark": 1.0}})
@@ -565,7 +566,7 @@ def test_lazy_stores_the_blocks_vllm_evicts_next_and_serves_them(layout, device)
     sides.sched.check_invariants()
 
 
-@pytest.mark.parametrize("layout, device", [
+@pytest.mark.parametrize(("layout", "device"), [
     ("vllm-cpu", "cpu"),
     pytest.param("per-layer", "cuda", marks=pytest.mark.gpu),
     pytest.param("blocks-first", "cuda", marks=pytest.mark.gpu),
@@ -723,7 +724,7 @@ def _computed_and_shared(sides, table=([1, 2, 3, 4], [5, 6, 7, 8])):
     return stored
 
 
-@pytest.mark.parametrize("layout, kv", [
+@pytest.mark.parametrize(("layout", "kv"), [
     ("vllm-cpu", SPEC), ("latent", MLA),
     ("vllm-cpu", attrs.evolve(SPEC, groups=[KVGroupSpec([0]), KVGroupSpec([1])])),  # a value spans both mirrors
 ])
@@ -770,13 +771,30 @@ def test_a_key_that_vanished_or_was_corrupted_after_lookup_fails_that_load_and_t
     _assert_idle(b_sides)
 
 
+def test_the_connector_authenticates_with_the_secret_it_reads_and_another_secret_shares_nothing(
+        request, monkeypatch, tmp_path):
+    """Scheduler and worker sides read the secret from the variable the extra config names: a second
+    instance with it fetches the first one's blocks; one reading another secret (from a file) finds none."""
+    url = f"memory://{request.node.name}"
+    monkeypatch.setenv("KVKIT_TEST_SECRET", "deployment-secret")
+    (tmp_path / "other").write_text("another-secret\n")
+    keyed = {"url": url, "tenant": "acme", "secret_env": "KVKIT_TEST_SECRET"}
+    _computed_and_shared(_sides(shared=keyed))
+    other = {"url": url, "tenant": "acme", "secret_file": str(tmp_path / "other")}
+    for shared, hit in ((other, 0), (keyed, 3 * BS)):
+        sides = _sides(shared=shared)
+        assert sides.worker.shared.codec.key(1, 0).startswith(b"kvkit:acme:")
+        assert sides.sched.matched_tokens(vllm_request("b", 3 * BS + 2, b""), 0) == hit
+        assert sides.sched.manager.stats.fetches_failed.value == 0
+
+
 def test_a_worker_whose_cpu_mirror_is_not_the_namespaces_layout_refuses_to_start():
     """The namespace names the layout the scheduler derived; a worker whose mirror differs says which key to set."""
     with pytest.raises(ConfigError, match=r"names the CPU layout 'vllm-cpu'.*mirror is 'per-layer'.*cpu_layout"):
         _sides("per-layer", shared="memory://layout-check")
 
 
-@pytest.mark.parametrize("cpu_layout, layout, kv, device, expected", [
+@pytest.mark.parametrize(("cpu_layout", "layout", "kv", "device", "expected"), [
     (None, "auto", SPEC, "cpu", "vllm-cpu"),
     (None, "auto", SPEC, "cuda", "per-layer"),
     (None, "auto", MLA, "cuda", "latent"),

@@ -1,9 +1,12 @@
-"""The shared-tier keys of vLLM's ``kv_connector_extra_config``: accepted into the stack, bad values quoted."""
+"""The keys of vLLM's ``kv_connector_extra_config`` are StackConfig's slots: accepted into the stack, bad values
+quoted; the shared tier's ``shared`` key as a URL or a mapping of SharedConfig fields."""
 
+import attrs
 import pytest
 
+from kvkit.config import SharedConfig, StackConfig
 from kvkit.errors import ConfigError
-from kvkit.integrations._vllm_settings import parse_extra_config
+from kvkit.integrations._vllm_settings import EXTRA_KEYS, STACK_KEYS, VLLM_SLOTS, parse_extra_config
 from kvkit.interfaces import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8)
@@ -14,35 +17,91 @@ def _parse(model=None, **extra):
                               model=model)
 
 
-@pytest.mark.parametrize("extra, needles", [
+@pytest.mark.parametrize(("extra", "needles"), [
     ({"shared": 7}, ["shared']=7", "URL string"]),
-    ({"shared": "memory://", "shared_write": "write-around"}, ["write-around", "write-through"]),
-    ({"shared": "memory://", "shared_url": "memory://other"}, ["disagree"]),
-    ({"shared": "memory://", "shared_model": ""}, ["shared_model=''"]),
+    ({"shared": {"url": "memory://", "write": "write-around"}}, ["shared.write='write-around'", "write-through"]),
+    ({"shared": {"url": "memory://", "model": ""}}, ["shared.model=''"]),
+    ({"shared": {"write": "write-back", "secret": "hunter2"}}, ["['shared']['url']=None", "URL string"]),
     ({"shared": "not a url"}, ["'not a url'", "URL"]),
+    ({"shared": "memory://", "shared_write": "write-back"}, ["'shared_write'", "unknown key"]),
 ])
 def test_bad_shared_keys_are_refused_quoting_the_value(extra, needles):
-    """Each shared-tier key is validated and a bad value quoted, with the valid choices."""
+    """Each field of the shared tier is validated and a bad value quoted, with the valid choices."""
     with pytest.raises(ConfigError) as info:
         _parse(**extra)
     for needle in needles:
         assert needle in str(info.value), str(info.value)
+    assert "hunter2" not in str(info.value)
 
 
-@pytest.mark.parametrize("key", ["shared", "shared_url"])
 @pytest.mark.parametrize("url", ["valkey://127.0.0.1:6379/0", "file:///tmp/kv?capacity_bytes=1GiB", "memory://"])
-def test_shared_keys_reach_the_stack(key, url):
-    """A shared-tier URL (under either key), its write mode and model go into the stack's config."""
-    stack = _parse(**{key: url, "shared_write": "write-back", "shared_model": "llama@abc"}).stack
-    assert (stack.shared, stack.shared_write, stack.shared_model) == (url, "write-back", "llama@abc")
+def test_shared_keys_reach_the_stack(url):
+    """A shared-tier URL, or a mapping of SharedConfig fields, goes into the stack's config."""
+    assert _parse(shared=url).stack.shared == SharedConfig(url=url)
+    stack = _parse(shared={"url": url, "write": "write-back", "model": "llama@abc"}).stack
+    assert stack.shared == SharedConfig(url=url, write="write-back", model="llama@abc")
 
 
 def test_the_model_identity_defaults_to_vllms_model_and_an_explicit_one_wins():
-    """Without shared_model the namespace names vLLM's model and revision; the key overrides it."""
-    assert _parse(model="m@rev", shared="memory://").stack.shared_model == "m@rev"
-    assert _parse(model="m@rev", shared="memory://", shared_model="mine").stack.shared_model == "mine"
+    """Without a model the namespace names vLLM's model and revision; the config's own wins."""
+    assert _parse(model="m@rev", shared="memory://").stack.shared.model == "m@rev"
+    assert _parse(model="m@rev", shared={"url": "memory://", "model": "mine"}).stack.shared.model == "mine"
 
 
 def test_without_shared_keys_nothing_changes():
     """A config without the shared tier builds settings as before."""
     assert _parse(model="m@rev").stack.shared is None
+
+
+def test_the_keys_are_the_stack_slots_vllm_does_not_set():
+    """Every StackConfig slot is either an extra-config key or set from vLLM; a vLLM-set one is refused, named."""
+    assert set(STACK_KEYS) | set(VLLM_SLOTS) == set(attrs.fields_dict(StackConfig))
+    assert set(STACK_KEYS) <= set(EXTRA_KEYS) and not set(VLLM_SLOTS) & set(EXTRA_KEYS)
+    assert _parse(wait_timeout_s=5.0).stack.wait_timeout_s == 5.0
+    with pytest.raises(ConfigError, match=r"\['gpu_blocks'\]: vLLM's KV cache config sets it"):
+        _parse(gpu_blocks=3)
+    with pytest.raises(ConfigError, match="did you mean 'cpu_eviction'"):
+        _parse(cpu_evction="lru")
+
+
+def test_the_tenant_and_the_secret_from_an_environment_variable_or_a_file_reach_the_stack(monkeypatch, tmp_path):
+    """``shared``'s tenant goes into the stack; its secret is read from the named variable or file (a trailing
+    newline dropped) in each process that parses the config, so scheduler and workers derive the same keys."""
+    from kvkit.shared.client import FormatCodec
+
+    monkeypatch.setenv("KVKIT_TEST_SECRET", "from-the-env")
+    (tmp_path / "secret").write_bytes(b"from-a-file\n")
+    by_env = {"url": "memory://", "tenant": "acme", "secret_env": "KVKIT_TEST_SECRET"}
+    env = _parse(shared=by_env).stack.shared
+    assert (env.tenant, env.secret) == ("acme", b"from-the-env")
+    assert _parse(shared={"url": "memory://", "secret_file": str(tmp_path / "secret")}).stack.shared.secret \
+        == b"from-a-file"
+    codecs = [FormatCodec.for_stack(SPEC, 1, model="m", layout="none", tenant=s.tenant, secret=s.secret)
+              for s in (env, _parse(shared=by_env).stack.shared)]
+    assert codecs[0].key(7, 0) == codecs[1].key(7, 0) and codecs[0].key(7, 0).startswith(b"kvkit:acme:")
+
+
+@pytest.mark.parametrize("shared, needles", [
+    ({"secret": "PW-s3cr3t"}, ["['shared']['secret']: not taken here", "secret_env", "secret_file"]),
+    ({"secret_env": "KVKIT_TEST_UNSET"}, ["KVKIT_TEST_UNSET is not set"]),
+    ({"secret_env": "KVKIT_TEST_EMPTY"}, ["KVKIT_TEST_EMPTY is empty"]),
+    ({"secret_file": "/nonexistent/kvkit-secret"}, ["/nonexistent/kvkit-secret", "cannot be read"]),
+    ({"secret_file": "EMPTY"}, ["the file is empty"]),
+    ({"secret_env": "KVKIT_TEST_SECRET", "secret_file": "/x"}, ["give one"]),
+    ({"secret_env": ""}, ["['secret_env']=''"]),
+    ({"tenant": "a:b"}, ["shared.tenant='a:b'"]),
+])
+def test_a_secret_is_never_taken_from_the_config_and_a_bad_source_is_named(shared, needles, monkeypatch, tmp_path):
+    """The secret itself in the extra config is refused; an unset, empty or unreadable source is named. No
+    message shows a secret."""
+    monkeypatch.delenv("KVKIT_TEST_UNSET", raising=False)
+    monkeypatch.setenv("KVKIT_TEST_EMPTY", "")
+    monkeypatch.setenv("KVKIT_TEST_SECRET", "PW-s3cr3t-env")
+    (tmp_path / "empty").write_bytes(b"\n")
+    if shared.get("secret_file") == "EMPTY":
+        shared = {"secret_file": str(tmp_path / "empty")}
+    with pytest.raises(ConfigError) as info:
+        _parse(shared={"url": "memory://", **shared})
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+    assert "s3cr3t" not in str(info.value)

@@ -49,7 +49,7 @@ def test_pin_hooks_binds_the_pair_or_refuses_half_of_it():
     assert pin_hooks(policy) == (policy.on_pin, policy.on_unpin)
     assert pin_hooks(type("Plain", (LRUPolicy,), {"on_pin": None, "on_unpin": None})()) is None
     half = type("Half", (LRUPolicy,), {"on_pin": lambda self, block: None, "on_unpin": None})()
-    with pytest.raises(ConfigError, match="Half needs both pin hooks.*on_unpin=None"):
+    with pytest.raises(ConfigError, match=r"Half needs both pin hooks.*on_unpin=None"):
         pin_hooks(half)
 
 
@@ -97,5 +97,5 @@ def test_tier_is_a_str_enum_of_the_two_tiers():
     for tier in Tier:
         assert tier == tier.value and hash(tier) == hash(tier.value) and f"{tier}" == tier.value
         assert Tier(tier.value) is tier and {tier.value: 1}[tier] == 1
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'disk' is not a valid Tier"):
         Tier("disk")

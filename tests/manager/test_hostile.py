@@ -69,7 +69,8 @@ def mgr() -> OffloadManager:
 
 @pytest.mark.parametrize("call", [c for _, c in BAD_CALLS.values()], ids=BAD_CALLS.keys())
 def test_a_refused_call_is_a_kvkit_error_that_changes_nothing(mgr, call):
-    """Each bad call raises a kvkit error (quoting it), leaves every piece of state as it was, and the manager still serves."""
+    """Each bad call raises a kvkit error (quoting it), leaves every piece of state as it was,
+    and the manager still serves."""
     plan = mgr.build_step()  # transfers in flight while the bad call comes
     before = snapshot(mgr)
     with pytest.raises(KVKitError):
@@ -95,7 +96,8 @@ def test_numpy_integers_are_accepted_as_ints():
 
 
 def test_a_raising_callback_changes_nothing_kvkit_does():
-    """A callback raising in every hook is contained: same plans, same stats, no leak, reset works; each hook warns once."""
+    """A callback raising in every hook is contained: same plans, same stats, no leak, reset works;
+    each hook warns once."""
     quiet, loud = make(), make(callbacks=[RaisingCallback()])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -186,7 +188,8 @@ def test_a_raising_or_junk_store_policy_stores_nothing_and_breaks_nothing():
 
 
 def test_a_forced_reset_does_not_wait_and_never_serves_a_stale_byte():
-    """Copies that never complete: ``reset(force=True)`` empties the tier now, quarantines their blocks, resumes at once."""
+    """Copies that never complete: ``reset(force=True)`` empties the tier now, quarantines their blocks,
+    resumes at once."""
     m = make()
     serve_fully(m, "old", [1, 2, 3])
     m.add_request("store", [11, 12], 8)  # a store that will hang

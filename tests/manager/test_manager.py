@@ -66,7 +66,7 @@ def store_all(mgr: OffloadManager, rid: str, hs: list[int], ntok: int) -> list[i
 # -- construction --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(("kwargs", "match"), [
     ({"world": 0}, "world_size"),
     ({"world": True}, "world_size"),
     ({"callbacks": [object()]}, "callbacks"),
@@ -133,7 +133,7 @@ def test_second_finish_and_calls_after_finish_are_state_errors():
         mgr.abort("b")
 
 
-@pytest.mark.parametrize("call, match", [
+@pytest.mark.parametrize(("call", "match"), [
     (lambda m: m.add_request("a", [1], 3), "already live"),
     (lambda m: m.lookup("a", 2), "gpu_hit_tokens=2"),
     (lambda m: m.lookup("a", 3 * BS), "gpu_hit_tokens=12"),
@@ -290,7 +290,7 @@ def test_sliding_window_group_loads_only_the_window_before_the_hit_end():
     mgr.add_request("b", hs, 21)
     assert mgr.lookup("b", 0) == 5 * BS
     full_b = mgr.gpu.allocate(6)
-    sw_b = [-1, -1, -1] + mgr.gpu.allocate(3)  # window=4 tokens: the last 2 hit blocks matter
+    sw_b = [-1, -1, -1, *mgr.gpu.allocate(3)]  # window=4 tokens: the last 2 hit blocks matter
     mgr.on_allocated("b", [full_b, sw_b], 5 * BS)
     loads = {p.group: p for _, p in mgr.build_step().loads}
     assert loads[0].dst.tolist() == full_b[:5]
@@ -319,7 +319,7 @@ def test_block_missing_in_one_group_is_not_stored():
     mgr = make(spec=HYBRID)
     mgr.add_request("a", hashes(1, 3), 13)
     mgr.lookup("a", 0)
-    mgr.on_allocated("a", [mgr.gpu.allocate(4), [-1] + mgr.gpu.allocate(3)])
+    mgr.on_allocated("a", [mgr.gpu.allocate(4), [-1, *mgr.gpu.allocate(3)]])
     mgr.on_computed("a", 13)
     plan = mgr.build_step()
     assert [p.src.tolist() for _, p in plan.stores][1] == mgr.request("a").block_table[1][1:3]

@@ -783,6 +783,7 @@ class _Keys:
     """The machine's codec: keys only (the fake workers frame values themselves)."""
 
     header_bytes = 0
+    probe_key = b"probe"
 
     def key(self, block_hash, rank):
         return b"%d:%d" % (block_hash, rank)
@@ -1137,8 +1138,7 @@ class _NoFlushOnFinish(OffloadManager):
     def finish(self, request_id, num_computed_tokens=None):
         r = self._live(request_id)
         r.store_queue = []
-        delay = self._end(r)
-        return delay
+        return self._end(r)
 
 
 class _StaleCursor(OffloadManager):
@@ -1215,7 +1215,7 @@ class _PropagatingCallbacks(OffloadManager):
 
 
 class _OneRankShared(SharedTier):
-    def find(self, hashes):
+    def find(self, hashes, tail=()):
         keys = [self.spec.codec.key(h, 0) for h in hashes]
         return self.spec.store.contains(keys) if self.available else 0
 
@@ -1260,7 +1260,7 @@ def _check_plant_signatures(plant: type) -> None:
             f"{plant.__name__}.{name}{inspect.signature(method)} differs from {inspect.signature(real)}")
 
 
-@pytest.mark.parametrize("base, plant", [
+@pytest.mark.parametrize(("base", "plant"), [
     (ManagerMachine, _LookupWithoutPin), (ManagerMachine, _StoresUnconfirmed),
     (ManagerMachine, _NoFlushOnFinish), (ManagerMachine, _StaleCursor),
     (ManagerMachine, _ResetKeepsHits), (ManagerMachine, _DoubleStore),

@@ -90,7 +90,7 @@ def test_while_off_nothing_is_looked_up_there():
     assert mgr.lookup("r", 0) == 0 and Counting.calls == 0
 
 
-@pytest.mark.parametrize("kwargs, quoted", [({"write": "write-around"}, "write-around"),
+@pytest.mark.parametrize(("kwargs", "quoted"), [({"write": "write-around"}, "write-around"),
                                             ({"writeback_blocks": 0}, "writeback_blocks=0"),
                                             ({"backoff_s": -1}, "backoff_s")])
 def test_a_bad_spec_is_refused(kwargs, quoted):
@@ -103,3 +103,46 @@ def test_a_store_class_is_not_a_store():
     """Passing the class instead of an instance is refused, quoting it."""
     with pytest.raises(ConfigError, match="MemoryStore"):
         SharedTierSpec(store=MemoryStore, codec=FormatCodec.for_stack(SPEC, 1, model="m", layout="none"))
+
+
+class _HalfDown(MemoryStore):
+    """A Cluster with dead nodes as a client sees it: every other key of every call fails as a transport failure."""
+
+    def poll(self, tickets, timeout=0.0):
+        from kvkit.interfaces.shared import StoreResult
+
+        return [StoreResult(r.ticket, range(0, 16, 2), "transport: 127.0.0.1:7001: ConnectionRefusedError")
+                for r in super().poll(tickets, timeout)]
+
+
+def test_a_probe_that_lands_on_any_node_keeps_the_tier_on():
+    """The probe fails on some keys only (their nodes are dead): the tier stays on, nothing is said."""
+    mgr = manager(_HalfDown(), Clock())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mgr._shared.suspect("a fetch failed")
+        mgr.build_step()
+    assert mgr.shared_status == "on" and mgr.stats.shared_outages.value == 0
+
+
+def test_the_probe_keys_reach_every_node_of_a_small_cluster():
+    """The 16 probe keys fall in the slots of every node of an evenly split 2- to 5-node Cluster."""
+    from kvkit.backends.blockstore.resp import key_slot
+    from kvkit.shared.scheduler import PROBE_KEYS
+
+    for size in range(2, 6):
+        step = 16384 // size
+        assert {min(key_slot(k) // step, size - 1) for k in PROBE_KEYS} == set(range(size)), size
+
+
+def test_a_hash_found_absent_is_put_again():
+    """A lookup that finds a block put before missing forgets it (and what follows): the recomputed blocks
+    are put again, not skipped as already put."""
+    store = MemoryStore()
+    mgr = manager(store, Clock())
+    shared = mgr._shared
+    shared._remember([1, 2, 3, 4])
+    store.put([shared.spec.codec.key(1, 0)], [[memoryview(b"x")]])
+    assert shared.find([1, 2, 3], tail=[4]) == 1
+    assert list(shared._known) == [1], "absent hashes are still taken as put"
+    assert shared.find([1]) == 1 and list(shared._known) == [1]

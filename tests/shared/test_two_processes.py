@@ -21,7 +21,7 @@ _ENGINE = textwrap.dedent("""
     url, role, out = sys.argv[1], sys.argv[2], sys.argv[3]
     spec = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
     stack = kvkit.build(kv=spec, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", layout="per-layer",
-                        world_size=2, shared=url, shared_model="two-process-test")
+                        world_size=2, shared={"url": url, "model": "two-process-test"})
     engine = ReferenceEngine(stack)
     tokens = list(range(100, 140))  # 10 blocks; a hit is at most 9 (one token is recomputed)
     engine.add_request(role, hash_blocks(tokens, 4), len(tokens))

@@ -1,7 +1,9 @@
 """Tests for the trace-driven simulator: accounting, the time model, --verify, and streaming."""
 
 import math
+import re
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -30,7 +32,7 @@ small_workloads = st.builds(
 
 
 def _config(workload, **kw):
-    return SimConfig(block_size=workload.block_size, **kw)
+    return SimConfig(**kw)  # the block size is the trace's
 
 
 @given(small_workloads, st.integers(8, 120), st.integers(1, 200),
@@ -64,11 +66,11 @@ def test_time_model_by_hand():
     cost = CostModel(prefill_tokens_per_s=1000, decode_ms_per_token=1.0)
     config = SimConfig(gpu_blocks=4, cpu_blocks=8, block_size=4, cost=cost)
     trace = [
-        TraceRequest(0, 0, 3, (), 1),  # no prompt: TTFT 0, ends at 3 ms
-        TraceRequest(0, 16, 10, (1, 2, 3, 4), 2),  # fills the GPU pool: 16 ms prefill, ends at 26
-        TraceRequest(0, 16, 10, (1, 2, 3, 5), 3),  # waits until 26, then 3 GPU-hit blocks + 4 tokens
-        TraceRequest(0, 20, 1, (1, 2, 3, 4, 9), 4),  # 5 blocks > 4: skipped
-        TraceRequest(100, 9, 1, (1, 2, 7), 5),  # 2 GPU-hit blocks, 1 token computed
+        TraceRequest(0, 0, 3, (), 1, 4),  # no prompt: TTFT 0, ends at 3 ms
+        TraceRequest(0, 16, 10, (1, 2, 3, 4), 2, 4),  # fills the GPU pool: 16 ms prefill, ends at 26
+        TraceRequest(0, 16, 10, (1, 2, 3, 5), 3, 4),  # waits until 26, then 3 GPU-hit blocks + 4 tokens
+        TraceRequest(0, 20, 1, (1, 2, 3, 4, 9), 4, 4),  # 5 blocks > 4: skipped
+        TraceRequest(100, 9, 1, (1, 2, 7), 5, 4),  # 2 GPU-hit blocks, 1 token computed
     ]
     r = simulate(trace, config)
     assert list(r.ttft_ms) == [0.0, 16.0, 30.0, 1.0]
@@ -79,12 +81,13 @@ def test_time_model_by_hand():
 def test_cpu_hits_cost_load_time_not_compute_time():
     """A prefix evicted from the GPU tier comes back from the CPU tier at PCIe speed (every hit loaded)."""
     cost = CostModel(prefill_tokens_per_s=1000, pcie_gbps=1.0, decode_ms_per_token=0.0)
-    config = SimConfig(gpu_blocks=5, cpu_blocks=16, block_size=4, cost=cost, planner="load-all")
-    trace = [TraceRequest(0, 16, 1, (1, 2, 3, 4), 1),
-             TraceRequest(100, 20, 1, (5, 6, 7, 8, 10), 2),  # evicts the first from the GPU tier
-             TraceRequest(200, 17, 1, (1, 2, 3, 4, 9), 3)]  # 4 blocks from the CPU tier, 1 token computed
+    config = SimConfig(gpu_blocks=5, cpu_blocks=16, cost=cost, planner="load-all")  # the block size is the trace's
+    trace = [TraceRequest(0, 16, 1, (1, 2, 3, 4), 1, 4),
+             TraceRequest(100, 20, 1, (5, 6, 7, 8, 10), 2, 4),  # evicts the first from the GPU tier
+             TraceRequest(200, 17, 1, (1, 2, 3, 4, 9), 3, 4)]  # 4 blocks from the CPU tier, 1 token computed
     r = simulate(trace, config)
-    load_ms = 4 * config.spec.bytes_per_block / 1e9 * 1e3
+    assert r.config.block_size == 4
+    load_ms = 4 * r.config.spec.bytes_per_block / 1e9 * 1e3
     assert r.hit_tokens_cpu == 16 and r.blocks_loaded == 4
     assert r.ttft_ms[2] == pytest.approx(1.0 + load_ms)
 
@@ -104,11 +107,11 @@ def test_the_planner_probes_a_tier_then_plans_from_what_it_observed():
     cost = CostModel(prefill_tokens_per_s=250, pcie_gbps=0.0625, decode_ms_per_token=0.0)
     config = SimConfig(gpu_blocks=5, cpu_blocks=16, block_size=4, cost=cost)
     block_ms = config.spec.bytes_per_block / (0.0625 * 1e9) * 1e3  # a block: 8.4 ms to load, 16 to compute
-    trace = [TraceRequest(0, 16, 1, (1, 2, 3, 4), 1),
-             TraceRequest(1e6, 20, 1, (5, 6, 7, 8, 10), 2),  # evicts the first from the GPU tier
-             TraceRequest(2e6, 17, 1, (1, 2, 3, 4, 9), 3),  # its 4 blocks from the CPU tier: a probe
-             TraceRequest(3e6, 20, 1, (11, 12, 13, 14, 15), 4),
-             TraceRequest(4e6, 17, 1, (5, 6, 7, 8, 16), 5)]  # 4 CPU blocks: 1 computed while 3 load
+    trace = [TraceRequest(0, 16, 1, (1, 2, 3, 4), 1, 4),
+             TraceRequest(1e6, 20, 1, (5, 6, 7, 8, 10), 2, 4),  # evicts the first from the GPU tier
+             TraceRequest(2e6, 17, 1, (1, 2, 3, 4, 9), 3, 4),  # its 4 blocks from the CPU tier: a probe
+             TraceRequest(3e6, 20, 1, (11, 12, 13, 14, 15), 4, 4),
+             TraceRequest(4e6, 17, 1, (5, 6, 7, 8, 16), 5, 4)]  # 4 CPU blocks: 1 computed while 3 load
     r = simulate(trace, config)
     assert r.ttft_ms[2] == pytest.approx(max(3 * 16, block_ms) + 4)
     assert r.ttft_ms[4] == pytest.approx(max(16, 3 * block_ms) + 4)
@@ -152,7 +155,7 @@ class _PoisonCPUTier(OffloadCallback):
 def test_verify_detects_a_corrupted_cpu_tier():
     """Poisoning the CPU mirror mid-run makes the loaded blocks' bytes mismatch: integrity_errors > 0."""
     poison = _PoisonCPUTier()
-    sim = Simulator(SimConfig(gpu_blocks=600, cpu_blocks=2000, verify=True, callbacks=[poison]))
+    sim = Simulator(SimConfig(gpu_blocks=600, cpu_blocks=2000, block_size=16, verify=True, callbacks=[poison]))
     poison.workers = sim.stack.workers
     for request in generate(SyntheticWorkload(num_conversations=10, seed=3)):
         sim.feed(request)
@@ -189,11 +192,12 @@ def test_progress_reports_the_final_counts():
     (TraceRequest(10, 20, 1, (1,), 7), "hash_ids"),  # 20 tokens of 16-token blocks need 2 ids
     (TraceRequest(10, 16, 1, (1, 2), 7), "hash_ids"),
     (TraceRequest(5, 16, 1, (1,), 7), "timestamp"),  # before the previous arrival
+    (TraceRequest(10, 32, 1, (1,), 7, 32), "block_size"),  # not the block size of the requests before
 ])
 def test_feed_rejects_requests_that_do_not_fit(request_, field):
     """Hash ids that do not match the block size, or an arrival back in time, raise TraceFormatError."""
     sim = Simulator(SimConfig())
-    sim.feed(TraceRequest(6, 1, 1, (0,), 1))
+    sim.feed(TraceRequest(6, 1, 1, (0,), 1))  # 16-token blocks: the simulation's from now on
     with pytest.raises(TraceFormatError) as info:
         sim.feed(request_)
     assert info.value.line == 7 and info.value.field == field
@@ -203,8 +207,9 @@ def test_feed_rejects_requests_that_do_not_fit(request_, field):
 
 
 def test_config_validation():
-    """Bad sizes and costs raise ConfigError quoting the value; cpu_bytes converts to model blocks."""
-    with pytest.raises(ConfigError, match="not both"):
+    """Bad sizes, slots and costs raise ConfigError quoting the value, on construction; cpu_bytes converts to
+    model blocks."""
+    with pytest.raises(ConfigError, match="both cpu_blocks=10 and cpu_bytes='1GiB'"):
         SimConfig(cpu_blocks=10, cpu_bytes="1GiB")
     with pytest.raises(ConfigError, match="holds no block"):
         SimConfig(cpu_bytes="1MiB")
@@ -212,10 +217,62 @@ def test_config_validation():
         SimConfig(gpu_blocks=-1)
     with pytest.raises(ConfigError, match="nan"):
         CostModel(pcie_gbps=float("nan"))
-    assert SimConfig(cpu_bytes="1GiB", block_size=16).num_cpu_blocks == 2**30 // (16 * 2**17)
+    assert SimConfig(cpu_bytes="1GiB", block_size=16).stack.num_cpu_blocks == 2**30 // (16 * 2**17)
     with pytest.raises(ConfigError, match="bogus") as info:
-        Simulator(SimConfig(cpu_eviction="bogus", store="nope"))
+        SimConfig(cpu_eviction="bogus", store="nope")
     assert len(info.value.problems) == 2
+
+
+@pytest.mark.parametrize(("slots", "message"), [
+    ({"gpu_blcks": 3}, "did you mean 'gpu_blocks'?"),
+    ({"kv": None}, "the simulator sets it"),
+    ({"copy": "torch"}, "the simulator sets it"),
+    ({"stack": 3}, "stack=3: must be a StackConfig"),
+])
+def test_a_simconfig_takes_only_the_stack_slots_it_does_not_set(slots, message):
+    """An unknown keyword, or a slot the simulator sets itself, is a ConfigError naming it (and the valid ones)."""
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        SimConfig(cpu_eviction="bogus", **slots)
+    assert len(info.value.problems) == 2  # every problem at once
+    if "gpu_blcks" in slots:
+        assert "valid: " in str(info.value) and "cpu_eviction" in str(info.value)
+
+
+def test_replace_and_evolve_keep_the_slots():
+    """``replace`` changes slots and fields; a new capacity replaces the old one; ``attrs.evolve`` keeps slots."""
+    config = SimConfig(gpu_blocks=600, cpu_blocks=2000, cpu_eviction="lru")
+    assert config.replace(cpu_bytes="8GiB").stack.cpu_blocks is None
+    assert config.replace(store="never", verify=True).stack.store == "never"
+    assert config.replace(store="never", verify=True).stack.copy == "torch"
+    evolved = attrs.evolve(config, block_size=512)
+    assert (evolved.stack.gpu_blocks, evolved.stack.cpu_eviction, evolved.spec.block_size) == (600, "lru", 512)
+    assert SimConfig(stack=config.stack, store="lazy").stack.cpu_eviction == "lru"
+
+
+def test_a_trace_block_size_flows_into_the_simulation():
+    """``simulate(read_trace("mooncake-conversation"), SimConfig(...))`` runs at the trace's 512-token blocks."""
+    from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, read_trace
+
+    r = simulate(read_trace("mooncake-conversation", limit=200), SimConfig(gpu_blocks=400, cpu_blocks=2000))
+    assert r.config.block_size == MOONCAKE_BLOCK_SIZE == r.config.spec.block_size
+    assert r.requests == 200 and r.hit_tokens_gpu > 0
+    assert r.bytes_loaded == r.blocks_loaded * LLAMA_3_8B.spec(MOONCAKE_BLOCK_SIZE).bytes_per_block
+    with pytest.raises(TraceFormatError, match="SimConfig.block_size=16"):
+        simulate(read_trace("mooncake-conversation", limit=5), SimConfig(block_size=16))
+    with pytest.raises(ConfigError, match="holds no block"):  # 1 MiB holds 16-token blocks, not 512-token ones
+        simulate(read_trace("mooncake-conversation", limit=5), SimConfig(cpu_bytes="4MiB"))
+
+
+def test_a_simulator_builds_its_stack_at_the_first_request_without_a_block_size():
+    """Without ``block_size`` the stack waits for the first request; with one it is built at once."""
+    sim = Simulator(SimConfig(gpu_blocks=64, cpu_blocks=64))
+    with pytest.raises(RequestStateError, match="block_size"):
+        sim.stack  # noqa: B018
+    sim.feed(TraceRequest(0, 8, 1, (1, 2), 1, 4))
+    assert sim.config.block_size == 4 and sim.stack.config.kv.block_size == 4
+    assert sim.close().config.block_size == 4
+    assert Simulator(SimConfig(block_size=8)).stack.config.kv.block_size == 8
+    assert Simulator(SimConfig()).close().requests == 0
 
 
 def test_result_as_dict_is_json_ready():
@@ -228,7 +285,7 @@ def test_result_as_dict_is_json_ready():
             "blocks_stored", "blocks_loaded", "bytes_stored", "bytes_loaded", "evictions_gpu",
             "evictions_cpu", "leaked_blocks", "integrity_errors", "ttft_model_ms", "config"} <= set(d)
     assert set(d["ttft_model_ms"]) >= {"p50", "p90", "p99"}
-    assert d["config"]["gpu_blocks"] == SimConfig().gpu_blocks
+    assert d["config"]["gpu_blocks"] == SimConfig().stack.gpu_blocks
 
 
 def test_scheduler_only_simulation_imports_no_torch():
@@ -248,7 +305,7 @@ def test_copy_none_cannot_move_bytes():
     from kvkit.stack import build
 
     config = SimConfig().stack_config()
-    assert config.copy is None
+    assert config.copy is None and config.device == "cpu"
     with pytest.raises(ConfigError, match="copy='torch'"):
         build(config, layout="per-layer")
 
@@ -256,9 +313,11 @@ def test_copy_none_cannot_move_bytes():
 def test_defaults_come_from_the_one_defaults_record():
     """A default SimConfig uses the config's DEFAULTS, and its JSON speaks the new names only."""
     config = SimConfig()
-    assert (config.gpu_blocks, config.num_cpu_blocks, config.block_size) == (
+    stack = config.stack
+    assert (stack.gpu_blocks, stack.num_cpu_blocks, stack.kv.block_size) == (
         DEFAULTS.gpu_blocks, DEFAULTS.cpu_blocks, DEFAULTS.block_size)
-    assert (config.cpu_eviction, config.gpu_eviction, config.store) == (
+    assert config.block_size is None  # the trace's
+    assert (stack.cpu_eviction, stack.gpu_eviction, stack.store) == (
         DEFAULTS.cpu_eviction, DEFAULTS.gpu_eviction, DEFAULTS.store)
     d = config.as_dict()
     assert {"block_size", "cpu_eviction", "gpu_eviction"} <= set(d) and "pcie_gbps" in d["cost"]

@@ -105,13 +105,14 @@ def test_limit_stops_before_later_lines(tmp_path):
 
 
 def test_parses_fields_and_ignores_extras_and_blank_lines(tmp_path):
-    """Fields map onto TraceRequest, extra fields are ignored and blank lines skipped but counted."""
+    """Fields map onto TraceRequest, extra fields are ignored and blank lines skipped but counted; each request
+    carries the block size it was read at."""
     extra = '{"timestamp": 10.5, "input_length": 0, "output_length": 3, "hash_ids": [], "x": 1}'
     path = _write(tmp_path, [GOOD[0], "", "   ", GOOD[1], extra])
     assert list(read_trace(path)) == [
-        TraceRequest(0, 1000, 5, (0, 1), 1),
-        TraceRequest(10, 1024, 0, (0, 2), 4),
-        TraceRequest(10.5, 0, 3, (), 5),
+        TraceRequest(0, 1000, 5, (0, 1), 1, 512),
+        TraceRequest(10, 1024, 0, (0, 2), 4, 512),
+        TraceRequest(10.5, 0, 3, (), 5, 512),
     ]
 
 
@@ -125,7 +126,7 @@ def test_block_size_sets_expected_id_count(tmp_path):
     """The id count is checked against ceil(input_length / block_size)."""
     path = _write(tmp_path, [_line(input_length=33, hash_ids=[0, 1, 2])])
     assert list(read_trace(path, block_size=16))[0].hash_ids == (0, 1, 2)
-    with pytest.raises(TraceFormatError, match="needs 1 blocks of 512"):
+    with pytest.raises(TraceFormatError, match="needs 1 block of 512 tokens"):
         list(read_trace(path))
 
 
@@ -283,7 +284,7 @@ _requests = st.lists(
     max_size=20,
 ).map(lambda rows: [
     TraceRequest(sum(r[0] for r in rows[: i + 1]), n_in, n_out,
-                 tuple(range(first, first + math.ceil(n_in / 512))), i + 1)
+                 tuple(range(first, first + math.ceil(n_in / 512))), i + 1, 512)
     for i, (_, n_in, n_out, first) in enumerate(rows)
 ])
 

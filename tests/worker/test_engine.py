@@ -102,7 +102,8 @@ def test_mixed_layouts_round_trip(spec_pair, num_gpu, num_cpu, seed):
 
 @given(layout_pairs(), st.data())
 def test_copies_move_each_layers_k_and_v_between_layouts(spec_pair, data):
-    """After any plan, each destination block holds its source's K and V of every layer of the plan's group, nothing else changes."""
+    """After any plan, each destination block holds its source's K and V of every layer of the plan's group;
+    nothing else changes."""
     spec, layout, cpu_layout = spec_pair
     num_gpu, num_cpu = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4))
     engine = TransferEngine(spec, TorchCopy(), num_cpu_blocks=num_cpu)
@@ -316,7 +317,7 @@ def test_failed_poll_keeps_transfers_in_doubt_until_the_backend_confirms_them(fa
     failing.submit(1, TransferPlan([0], [0], "store"))
     failing.submit(2, TransferPlan([1], [1], "load"))
     monkeypatch.setattr(_Failing, "fail_poll", True)
-    with pytest.warns(RuntimeWarning, match=r"2 transfer\(s\) in flight are in doubt \[1, 2\]"):
+    with pytest.warns(RuntimeWarning, match=r"in doubt now: 2 transfers in flight \[1, 2\]"):
         assert failing.poll() == []
     assert (failing.num_in_flight, failing.num_in_doubt) == (2, 2)
     failing.check_invariants()

@@ -24,12 +24,12 @@ def _engine(copy, spec=SPEC, layout="per-layer", cpu_layout=None, layers_per_sta
     return engine
 
 
-@pytest.mark.parametrize("layout, cpu_layout, per_stage, expected", [
-    ("per-layer", None, 1, [(range(0, 2), (0,)), (range(2, 4), (1,)), (range(4, 6), (2,)), (range(6, 8), (3,))]),
+@pytest.mark.parametrize(("layout", "cpu_layout", "per_stage", "expected"), [
+    ("per-layer", None, 1, [(range(2), (0,)), (range(2, 4), (1,)), (range(4, 6), (2,)), (range(6, 8), (3,))]),
     ("blocks-first", None, 1, [(range(i, i + 1), (i,)) for i in range(4)]),
-    ("per-layer", "cross-layer", 2, [(range(0, 4), (0, 1)), (range(4, 8), (2, 3))]),
-    ("blocks-first", None, 3, [(range(0, 3), (0, 1, 2)), (range(3, 4), (3,))]),
-    ("cross-layer", None, 1, [(range(0, 1), (0, 1, 2, 3))]),  # one piece holds every layer: no pipelining
+    ("per-layer", "cross-layer", 2, [(range(4), (0, 1)), (range(4, 8), (2, 3))]),
+    ("blocks-first", None, 3, [(range(3), (0, 1, 2)), (range(3, 4), (3,))]),
+    ("cross-layer", None, 1, [(range(1), (0, 1, 2, 3))]),  # one piece holds every layer: no pipelining
 ])
 def test_stages_follow_layers_in_region_order(layout, cpu_layout, per_stage, expected):
     """A stage holds ``layers_per_stage`` whole layers (K and V together); a cross-layer piece is one stage."""
@@ -41,7 +41,7 @@ def test_each_group_has_its_own_stages():
     """Layers of a hybrid model's groups are staged per group, in that group's region order."""
     engine = _engine(TorchCopy(), spec=HYBRID)
     assert layer_stages(HYBRID, engine.regions, 1) == {
-        0: [(range(0, 2), (0,)), (range(2, 4), (2,))], 1: [(range(0, 2), (1,)), (range(2, 4), (3,))]}
+        0: [(range(2), (0,)), (range(2, 4), (2,))], 1: [(range(2), (1,)), (range(2, 4), (3,))]}
 
 
 @pytest.mark.parametrize("direction", ["load", "store"])

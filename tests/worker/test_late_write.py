@@ -85,7 +85,7 @@ def _late_copy(engine_cls):
     engine.drain()
     _serve(engine, "junk", list(range(5000, 5061)))  # pushes B out of the GPU tier
     engine.drain()
-    c = _serve(engine, "c", b[:16] + [7777])  # B's four full blocks come from the CPU tier
+    c = _serve(engine, "c", [*b[:16], 7777])  # B's four full blocks come from the CPU tier
     engine.drain()
     stack.check_invariants()
     return engine, backend, c, [str(w.message) for w in seen]
@@ -164,7 +164,7 @@ def test_transfers_in_doubt_are_reported_failed_once_the_backend_confirms_them(h
     engine.submit(1, TransferPlan([0, 1], [0, 1], "store"))
     backend.gate = None
     backend.poll_error = RuntimeError("device lost")
-    with pytest.warns(RuntimeWarning, match=r"1 transfer\(s\) in flight are in doubt \[1\]"):
+    with pytest.warns(RuntimeWarning, match=r"in doubt now: 1 transfer in flight \[1\]"):
         assert engine.poll() == []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same transfer is not warned about twice

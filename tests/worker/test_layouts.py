@@ -131,7 +131,8 @@ def test_cpu_layout_none_is_the_same_layout(layout):
 
 
 @pytest.mark.parametrize(("layout", "cpu_layout"), [
-    (lay, "vllm-cpu") for lay in KV_LAYOUTS if lay != "vllm-cpu"] + [("vllm-cpu", lay) for lay in KV_LAYOUTS if lay != "vllm-cpu"])
+    *[(lay, "vllm-cpu") for lay in KV_LAYOUTS if lay != "vllm-cpu"],
+    *[("vllm-cpu", lay) for lay in KV_LAYOUTS if lay != "vllm-cpu"]])
 def test_vllm_cpu_pairs_only_with_itself(layout, cpu_layout):
     """vllm-cpu pieces are [H, block_size, 2*D], so mixing it with another layout names both layouts."""
     pattern = f"'vllm-cpu'.*GPU layout '{layout}' with CPU layout '{cpu_layout}'"
@@ -154,7 +155,7 @@ def test_unknown_cpu_layout_is_quoted():
 @pytest.mark.parametrize("layout", ["per-layer", "blocks-first"])
 def test_cross_layer_cpu_needs_one_group(layout):
     """A cross-layer CPU tier spans every layer per block, so a two-group spec is refused."""
-    with pytest.raises(ConfigError, match="single KV group.*2 groups"):
+    with pytest.raises(ConfigError, match=r"single KV group.*2 groups"):
         check_layouts(TWO_GROUPS, layout, "cross-layer")
     with pytest.raises(ConfigError, match="single KV group"):
         check_layouts(TWO_GROUPS, "cross-layer", layout)
@@ -239,25 +240,25 @@ def _wrong_count(ts):
 
 
 def _wrong_shape(ts):
-    return [ts[0][..., :-1].contiguous()] + ts[1:]
+    return [ts[0][..., :-1].contiguous(), *ts[1:]]
 
 
 def _wrong_dtype(ts):
-    return ts[:-1] + [ts[-1].float()]
+    return [*ts[:-1], ts[-1].float()]
 
 
 def _non_contiguous(ts):
     t = ts[0]
     dims = list(reversed(range(t.dim())))
-    return [t.new_empty(t.shape[::-1]).permute(*dims)] + ts[1:]
+    return [t.new_empty(t.shape[::-1]).permute(*dims), *ts[1:]]
 
 
 def _other_device(ts):
-    return ts[:-1] + [ts[-1].to("meta")]
+    return [*ts[:-1], ts[-1].to("meta")]
 
 
 MUTATIONS = [
-    (_wrong_count, r"needs \d+ tensor\(s\) for 3 layers, got \d+"),
+    (_wrong_count, r"needs \d+ tensors? for 3 layers, got \d+"),
     (_wrong_shape, r"shape \(.*\), layout .* expects \("),
     (_wrong_dtype, r"dtype torch.float32, spec says 'bfloat16'"),
     (_non_contiguous, r"not contiguous: shape .* strides"),

@@ -69,7 +69,7 @@ BAD_KV = {
     "a sparse tensor": (lambda: [_good()[0].float().to_sparse(), _good()[1]], r"tensor 0 holds no plain.*sparse"),
     "wrong dtype": (lambda: [t.half() for t in _good()], r"dtype torch.float16, spec says 'bfloat16'"),
     "wrong shape": (lambda: [t[:, :, :2] for t in _good()], r"tensor 0 has shape \(2, 3, 2, 2, 8\)"),
-    "wrong count": (lambda: _good()[:1], r"needs 2 tensor\(s\) for 2 layers, got 1"),
+    "wrong count": (lambda: _good()[:1], r"needs 2 tensors for 2 layers, got 1"),
     "not contiguous": (lambda: [t.transpose(3, 4).contiguous().transpose(3, 4) for t in _good()], r"not contiguous"),
     "the same tensor twice": (lambda: [_good()[0]] * 2, r"tensors 0 and 1 overlap in memory"),
     "overlapping views": (_overlapping, r"tensors 0 and 1 overlap in memory"),

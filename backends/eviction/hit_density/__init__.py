@@ -40,10 +40,15 @@ def reuse_level(uses: int) -> int:
     return bisect.bisect_right(REUSE_LEVELS, uses) - 1
 
 
+_TOP = REUSE_LEVELS[-1]
+# The class of every (uses, kind), uses capped at the last level's least count: a table read per call.
+_CLASS_OF = tuple(tuple(_KINDS * reuse_level(uses) + kind for kind in range(_KINDS)) for uses in range(_TOP + 1))
+
+
 def block_class(uses: int, kind: int) -> int:
-    """The class of a block hit ``uses`` times, of kind ``LEAF``, ``PARENT`` or ``TIP`` (``False`` and
-    ``True`` read as leaf and parent)."""
-    return _KINDS * reuse_level(uses) + kind
+    """The class of a block hit ``uses`` (>= 0) times, of kind ``LEAF``, ``PARENT`` or ``TIP`` (``False``
+    and ``True`` read as leaf and parent)."""
+    return _CLASS_OF[uses if uses < _TOP else _TOP][kind]
 
 
 # Per kind, the classes by reuse level: a block reused more is never valued below one reused less
@@ -196,15 +201,17 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         * The chain index's, the density model's and the shift test's invariants.
     """
 
-    ghost_span: float = attrs.field(default=8.0, validator=real_in(low=1, high=math.inf, high_open=True, label="HitDensityPolicy."))
+    ghost_span: float = attrs.field(default=8.0, validator=real_in(low=1, high=math.inf, high_open=True,
+                                                                   label="HitDensityPolicy."))
     shift_alpha: float = attrs.field(default=1e-3, validator=real_in(low=0, high=1, high_open=True,
                                                                      label="HitDensityPolicy."))
-    _chains: ChainIndex = attrs.field(init=False, factory=ChainIndex)
     _lists: list[OrderedDict[BlockId, None]] = attrs.field(
         init=False, factory=lambda: [OrderedDict() for _ in range(_CLASSES)])
     _class: dict[BlockId, int] = attrs.field(init=False, factory=dict)
     # Pinned blocks set aside from their class lists (on_pin), in pin order.
     _parked: dict[BlockId, None] = attrs.field(init=False, factory=dict)
+    _chains: ChainIndex = attrs.field(init=False, default=attrs.Factory(
+        lambda self: ChainIndex(parked=self._parked), takes_self=True))
     _uses: dict[BlockId, int] = attrs.field(init=False, factory=dict)
     # Reuses since the change point a restart would keep (absent: none), of tracked blocks and of ghosts.
     _recent: dict[BlockId, int] = attrs.field(init=False, factory=dict)
@@ -341,22 +348,24 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def on_pin(self, block: BlockId) -> None:
         """Park a tracked block in use: out of its class list, keeping its class and counters."""
-        if self._class_list(block).pop(block, False) is False:  # tracked, not listed: parked already
-            raise pin_mismatch(self, block, pinned=True)
-        self._parked[block] = None
-
-    def on_unpin(self, block: BlockId) -> None:
-        """Put a parked block back at its class's young end; its age still counts from its last use."""
-        blocks = self._class_list(block)
-        if self._parked.pop(block, False) is False:
-            raise pin_mismatch(self, block, pinned=False)
-        blocks[block] = None
-
-    def _class_list(self, block: BlockId) -> OrderedDict[BlockId, None]:
         cls = self._class.get(block)
         if cls is None:
             raise not_tracked(self, block)
-        return self._lists[cls]
+        if self._lists[cls].pop(block, False) is False:  # tracked, not listed: parked already
+            raise pin_mismatch(self, block, pinned=True)
+        self._parked[block] = None
+        self._chains.pin(block)
+
+    def on_unpin(self, block: BlockId) -> None:
+        """Put a parked block back at its class's young end; its age still counts from its last use."""
+        cls = self._class.get(block)
+        if cls is None:
+            raise not_tracked(self, block)
+        blocks = self._lists[cls]
+        if self._parked.pop(block, False) is False:
+            raise pin_mismatch(self, block, pinned=False)
+        blocks[block] = None
+        self._chains.unpin(block)
 
     # -- decisions -------------------------------------------------------------
 
@@ -380,10 +389,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         while len(chosen) < n:
             root = next(orphans, None)
             if root is None:
-                live = [i for i, head in enumerate(heads) if head is not None]
+                live = [head for head in heads if head is not None]
                 if not live:
                     return None
-                root = heads[min(live, key=heads.__getitem__)][2]  # type: ignore[index]
+                root = min(live)[2]
             self._chains.collect(root, is_evictable, chosen, n, parked)
             for i, head in enumerate(heads):
                 if head is not None and head[2] in chosen:

@@ -46,6 +46,8 @@ so leaves the ranking, the only thing a selection reads, intact.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import numpy as np
 
@@ -58,10 +60,10 @@ __all__ = ["HitDensityModel", "isotonic"]
 _positive_int = at_least(1)
 
 
-def _as_chains(value: object) -> tuple[tuple[object, ...], ...]:
+def _as_chains(value: Any) -> tuple[tuple[object, ...], ...]:
     """``value`` as a tuple of tuples (the ``monotone`` chains), or a ConfigError quoting it."""
     try:
-        return tuple(tuple(chain) for chain in value)  # type: ignore[union-attr]
+        return tuple(tuple(chain) for chain in value)
     except TypeError:
         raise ConfigError(f"HitDensityModel.monotone must be chains (sequences) of class numbers, "
                           f"got {quote(value)}") from None

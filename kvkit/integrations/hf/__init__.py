@@ -51,9 +51,9 @@ except ImportError as exc:  # transformers missing, or older than the layered ca
         "kvkit.integrations.hf needs transformers>=4.56 (layered DynamicCache); "
         "install it with: pip install 'kvkit[hf]'") from exc
 
-from kvkit.integrations.hf.decode import DEFAULT_NEW_TOKENS, generate_without_offload  # noqa: E402
-from kvkit.integrations.hf.lm import Conversation, Generation, OffloadedLM  # noqa: E402
-from kvkit.integrations.hf.spec import SUPPORTED_FAMILIES, kv_spec_from_config, model_fingerprint  # noqa: E402
+from kvkit.integrations.hf.decode import DEFAULT_NEW_TOKENS, generate_without_offload
+from kvkit.integrations.hf.lm import Conversation, Generation, OffloadedLM
+from kvkit.integrations.hf.spec import SUPPORTED_FAMILIES, kv_spec_from_config, model_fingerprint
 
 __all__ = [
     "DEFAULT_NEW_TOKENS",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import torch
@@ -22,6 +22,10 @@ from kvkit.errors import UnsupportedModelError
 from kvkit.integrations.hf.decode import _Decoded, _forward_kwargs, _Generate, _Greedy, _sync
 from kvkit.interfaces import GroupKind, HeadCompute, KVCacheSpec
 from kvkit.reference.engine import EngineRequest, ReferenceEngine
+from kvkit.validate import plural
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import DynamicSlidingWindowLayer
 
 
 class _RecordingCache(DynamicCache):
@@ -43,7 +47,7 @@ class _RecordingCache(DynamicCache):
             keys, values = keys.repeat_interleave(self.repeats, 0), values.repeat_interleave(self.repeats, 0)
         super().update(keys, values, layer_idx)
         if seen is not None:  # it got the window's blocks only; it must count (and position) the whole prefix
-            self.layers[layer_idx].cumulative_length = seen
+            cast("DynamicSlidingWindowLayer", self.layers[layer_idx]).cumulative_length = seen
 
     @override
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -208,7 +212,7 @@ class _ModelPrefill(HeadCompute):
         """
         if len(recorded) != self.spec.num_layers:
             raise UnsupportedModelError(
-                f"the model updated {len(recorded)} of {self.spec.num_layers} cache layers; "
+                f"the model updated {len(recorded)} of {plural(self.spec.num_layers, 'cache layer')}; "
                 f"kvkit needs every layer to cache its own KV")
         bs = self.spec.block_size
         device = self.planes[0][0].device

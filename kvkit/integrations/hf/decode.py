@@ -14,7 +14,7 @@ import inspect
 import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -117,7 +117,8 @@ class _FirstToken(StoppingCriteria):
         if self._prefilled is not None:
             self._prefilled()
             self._prefilled = None
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        # torch types its factories as Tensor; transformers annotates the answer as BoolTensor
+        return cast(torch.BoolTensor, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device))
 
 
 @attrs.frozen
@@ -147,7 +148,7 @@ class _Generate:
         return out.sequences[0, len(prompt):].tolist(), logits
 
 
-class _SetupPassed(Exception):  # noqa: N818 (a signal, not an error)
+class _SetupPassed(Exception):  # noqa: N818 - a signal, not an error
     """Raised at ``generate``'s first forward by :func:`_check_with_generate`: its own checks passed."""
 
 
@@ -193,7 +194,7 @@ def _generate_problems(config: GenerationConfig, keep_logits: bool, tokenizer: A
                         f"DynamicCache kvkit restored, so it must be None")
     if config.use_cache is False:
         problems.append("use_cache=False: generate must decode on the restored cache, so it must be True")
-    if keep_logits and config.num_beams > 1:
+    if keep_logits and int(config.num_beams) > 1:
         problems.append(f"keep_logits=True with num_beams={config.num_beams}: logits are kept for one sequence; "
                         f"use num_beams=1 or keep_logits=False")
     if config.prefill_chunk_size is not None and Version(transformers.__version__) < _CHUNKED_CONTINUES:
@@ -240,13 +241,13 @@ def _decoder(model: Any, prompt: torch.Tensor, max_new_tokens: int | None, keep_
     return _Generate(config, tokenizer, effective.num_beams, keep_logits)
 
 
-def _token_list(tokens: object) -> list[int]:
+def _token_list(tokens: Any) -> list[int]:
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1:
             raise ConfigError(f"token ids must be 1-D (batch size 1), got shape {tuple(tokens.shape)}")
         tokens = tokens.tolist()
     try:
-        ids = [operator.index(t) for t in tokens]  # type: ignore[union-attr]
+        ids = [operator.index(t) for t in tokens]
     except TypeError as exc:
         raise ConfigError(f"token ids must be a sequence of ints, got {tokens!r}") from exc
     if not ids:

@@ -20,7 +20,7 @@ import attrs
 import torch
 from transformers import GenerationConfig
 
-from kvkit.config import DEFAULTS, StackConfig
+from kvkit.config import DEFAULTS, StackConfig, name_shared_model
 from kvkit.errors import ConfigError, OutOfBlocksError
 from kvkit.hashing import hash_blocks
 from kvkit.integrations.hf.cache import _Job, _ModelPrefill, _planes
@@ -28,7 +28,7 @@ from kvkit.integrations.hf.decode import Generation, _decoder, _token_list
 from kvkit.integrations.hf.spec import _check_identity, kv_spec_from_config, model_fingerprint
 from kvkit.reference.engine import EngineRequest, ReferenceEngine
 from kvkit.stack import OffloadStack, build
-from kvkit.validate import check_bool, checked
+from kvkit.validate import check_bool, checked, plural, quote
 from kvkit.worker.layouts import allocate_kv
 
 
@@ -83,7 +83,7 @@ class OffloadedLM:
             raise ConfigError(f"the stack's KV spec {spec!r} does not fit the model, which needs {expected!r}")
         if len(self.stack.workers) != 1 or self.stack.workers[0].layout is None:
             raise ConfigError(f"the stack needs exactly one worker with a registered KV cache, got "
-                              f"{len(self.stack.workers)} worker(s); hint: OffloadedLM.build(model, ...)")
+                              f"{plural(len(self.stack.workers), 'worker')}; hint: OffloadedLM.build(model, ...)")
         worker = self.stack.workers[0]
         device = worker.gpu_kv[0].device
         if device != self.model.device:
@@ -95,39 +95,44 @@ class OffloadedLM:
         self.engine = ReferenceEngine(self.stack, compute=self._compute, layered=pipelined)
 
     @classmethod
-    def build(cls, model: Any, *, gpu_blocks: int, block_size: int = DEFAULTS.block_size, layout: str = "per-layer",
+    def build(cls, model: Any, *, block_size: int = DEFAULTS.block_size, layout: str = "per-layer",
               cache_salt: tuple = (), model_name: str | None = None, pipelined: bool | None = None,
               **slots: Any) -> OffloadedLM:
         """Build a stack for ``model`` (KV cache of ``gpu_blocks`` blocks on its device) and wrap it.
 
         Args:
             model: the causal LM.
-            gpu_blocks: GPU-tier blocks; a prompt needs ``ceil(len / block_size)``
-                per KV group.
             block_size: tokens per block.
             layout: the KV cache layout (see :mod:`kvkit.worker.layouts`).
             cache_salt: see the class.
             model_name: see the class.
             pipelined: see the class.
-            **slots: the rest of :class:`~kvkit.StackConfig` (``cpu_blocks`` or
-                ``cpu_bytes``, ``cpu_eviction``, ``store``, ``copy``, ``shared``...);
-                ``device`` is the model's; with ``shared``, ``shared_model``
-                defaults to :func:`model_fingerprint`.
+            **slots: :class:`~kvkit.StackConfig` slots: ``gpu_blocks`` (required;
+                a prompt needs ``ceil(len / block_size)`` per KV group),
+                ``cpu_blocks`` or ``cpu_bytes``, ``cpu_eviction``, ``store``,
+                ``copy``, ``shared``... but ``kv``, which is the model's. ``device``
+                is the model's; a shared tier's ``model`` defaults to
+                :func:`model_fingerprint`.
 
         Raises:
-            ConfigError: every bad slot at once, or a bad ``model_name`` (before anything is built).
+            ConfigError: every bad slot at once (an unknown one named with the
+                valid ones), or a bad ``model_name`` (before anything is built).
             HashInputError: a bad ``cache_salt`` (before anything is built).
             UnsupportedModelError: see :func:`kv_spec_from_config`.
         """
         _check_identity(model_name, cache_salt)
-        device = slots.pop("device", model.device.type)
+        if "kv" in slots:
+            raise ConfigError(f"kv={quote(slots['kv'])}: the KV spec is the model's (kv_spec_from_config); "
+                              f"give block_size=... instead")
+        device = slots.setdefault("device", model.device.type)
         if device != model.device.type:
-            raise ConfigError(f"device={device!r}: the KV cache lives on the model's device, {model.device}")
+            raise ConfigError(f"device={quote(device)}: the KV cache lives on the model's device, {model.device}")
         spec = kv_spec_from_config(model.config, block_size=block_size, dtype=model.dtype)
-        if slots.get("shared") is not None:  # the shared tier's namespace names this model's weights
-            slots.setdefault("shared_model", model_fingerprint(model, model_name=model_name))
-        config = StackConfig(kv=spec, gpu_blocks=gpu_blocks, device=device, **slots)
-        kv = allocate_kv(spec, layout, gpu_blocks, model.device)
+        config = StackConfig(kv=spec, **slots)
+        if config.shared is not None:  # the shared tier's namespace names this model's weights
+            config = name_shared_model(config, model_fingerprint(model, model_name=model_name))
+        assert config.gpu_blocks is not None  # StackConfig requires it
+        kv = allocate_kv(spec, layout, config.gpu_blocks, model.device)
         return cls(model, build(config, layout=layout, kv_tensors=kv), cache_salt=cache_salt, model_name=model_name,
                    pipelined=pipelined)
 

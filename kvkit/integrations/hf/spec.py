@@ -20,7 +20,7 @@ from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError, UnsupportedModelError
 from kvkit.hashing import BlockHasher
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
-from kvkit.validate import quote
+from kvkit.validate import plural, quote
 
 SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 """``config.model_type`` values whose attention and cache kvkit was tested against."""
@@ -63,7 +63,7 @@ def kv_spec_from_config(config: Any, *, block_size: int = DEFAULTS.block_size, d
     layers = DynamicCache(config=config).layers
     if len(layers) != num_layers:
         raise UnsupportedModelError(
-            f"{family!r} config builds {len(layers)} cache layers for {num_layers} hidden layers "
+            f"{family!r} config builds {plural(len(layers), 'cache layer')} for {plural(num_layers, 'hidden layer')} "
             f"(shared or missing KV); kvkit needs one cache layer per layer")
     full: list[int] = []
     sliding: dict[int, list[int]] = {}
@@ -141,7 +141,7 @@ def _check_model_name(model_name: object) -> None:
         raise ConfigError(f"model_name={quote(model_name)}: must be a non-empty str (or None: fingerprint the weights)")
 
 
-def _check_identity(model_name: object, cache_salt: object) -> None:
+def _check_identity(model_name: object, cache_salt: tuple) -> None:
     """Refuse a bad ``model_name`` or ``cache_salt`` now, before a stack is built or a prompt hashed."""
     _check_model_name(model_name)
     BlockHasher(1, extra_keys=cache_salt)  # encodes the salt once: a bad key raises HashInputError

@@ -141,17 +141,16 @@ def test_contract_catches_a_pool_that_skips_a_pin():
 
 
 class LRUBlockPoolContract(BlockPoolContract):
-    """The pool with LRU, which hears only the pins of the blocks it watches (SelectivePins)."""
+    """The pool with LRU, which hears every pin and sets the blocks in use aside at once."""
 
     @invariant()
-    def known_pins_are_referenced_ready_blocks(self):
-        """Every block LRU believes pinned is referenced and ready; every watched block is tracked."""
+    def pins_are_the_referenced_ready_blocks(self):
+        """The blocks LRU holds pinned are exactly the referenced ready ones."""
         if self.pool is None:
             return
         pool = self.pool
         held = {b for b in range(self.num_blocks) if pool.refcount(b) and pool.is_ready(b)}
-        assert pool.policy.pinned <= held, f"LRU holds {sorted(pool.policy.pinned)} pinned, held: {held}"
-        assert set(pool.policy.pin_watch) <= {b for b in range(self.num_blocks) if pool.is_ready(b)}
+        assert pool.policy.pinned == held, f"LRU holds {sorted(pool.policy.pinned)} pinned, held: {held}"
 
 
 TestLRUBlockPool = LRUBlockPoolContract.TestCase

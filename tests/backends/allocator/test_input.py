@@ -19,7 +19,7 @@ from kvkit.errors import (
     RefcountError,
     UnknownBlockError,
 )
-from kvkit.interfaces import EvictionWindow, SelectivePins, WindowedPolicy
+from kvkit.interfaces import EvictionWindow, WindowedPolicy
 
 
 def state(pool):
@@ -69,7 +69,7 @@ def test_getters_refuse_what_is_no_id(getter, bad):
 def test_true_is_not_block_one():
     """``incref([True])`` refuses, instead of referencing block 1 (planted: ``True == 1``)."""
     pool = busy_pool()
-    with pytest.raises(UnknownBlockError, match="block id True is out of range .* bool is not one"):
+    with pytest.raises(UnknownBlockError, match=r"block id True is out of range .* bool is not one"):
         pool.incref([True])
     assert pool.refcount(1) == 0
 
@@ -227,8 +227,8 @@ def test_a_plain_reset_keeps_refusing_while_referenced():
 # -- pins and windows -----------------------------------------------------------------------
 
 
-def test_lru_hears_only_the_pins_of_blocks_it_watches():
-    """A pool pinning and releasing blocks LRU never met calls no hook: the fast path stays free."""
+def test_lru_hears_every_pin_and_never_meets_a_block_in_use():
+    """Committed blocks enter pinned; each release and each later pin is heard, so a selection meets none."""
     calls = []
 
     class Counting(LRUPolicy):
@@ -241,18 +241,17 @@ def test_lru_hears_only_the_pins_of_blocks_it_watches():
             super().on_unpin(block)
 
     policy = Counting()
-    assert isinstance(policy, SelectivePins) and isinstance(policy, WindowedPolicy)
+    assert isinstance(policy, WindowedPolicy)
     pool = BlockPool(8, eviction=policy)
     blocks = pool.allocate(4)
     pool.commit(blocks, [10, 11, 12, 13])
     pool.decref(blocks)
-    pool.incref(blocks[:2])
-    pool.decref(blocks[:2])
-    assert calls == []
-    pool.incref([0])  # block 0 is the oldest: the next selection meets it and parks it
-    assert pool.eviction_candidates(1) == [1] and 0 in policy.pin_watch
-    pool.decref([0])  # now its release is heard, and it is the next victim again
-    assert calls == [("unpin", 0)] and pool.eviction_candidates(1) == [0]
+    assert calls == [*(("pin", b) for b in blocks), *(("unpin", b) for b in blocks)]
+    calls.clear()
+    pool.incref([0])  # block 0 is the oldest: set aside at once, the next candidate is block 1
+    assert calls == [("pin", 0)] and policy.pinned == {0} and pool.eviction_candidates(1) == [1]
+    pool.decref([0])  # released, it is the next victim again (its place kept)
+    assert calls == [("pin", 0), ("unpin", 0)] and pool.eviction_candidates(1) == [0]
     pool.check_invariants()
 
 

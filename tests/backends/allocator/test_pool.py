@@ -70,7 +70,7 @@ class RecordingLRU(LRUPolicy):
 
 
 class RecordingPinLRU(RecordingLRU):
-    """RecordingLRU with the optional pin hooks, recorded too; it hears every pin (no SelectivePins)."""
+    """RecordingLRU with the optional pin hooks, recorded too; it hears every pin."""
 
     attach = None
 
@@ -94,13 +94,13 @@ def test_bad_capacity_is_a_config_error_quoting_it(bad):
 def test_eviction_must_be_an_empty_policy():
     """A missing policy, a non-policy, or a policy already tracking blocks, is rejected at construction."""
     for missing in ({}, {"eviction": None}):
-        with pytest.raises(ConfigError, match="needs an eviction policy, got eviction=None; hint: .*LRUPolicy"):
+        with pytest.raises(ConfigError, match=r"needs an eviction policy, got eviction=None; hint: .*LRUPolicy"):
             BlockPool(4, **missing)
     with pytest.raises(ConfigError, match="eviction must be an EvictionPolicy, got 'lru'"):
         BlockPool(4, eviction="lru")
     used = LRUPolicy()
     used.on_insert(0, 1, None)
-    with pytest.raises(ConfigError, match="already tracks 1 blocks"):
+    with pytest.raises(ConfigError, match="already tracks 1 block$"):
         BlockPool(4, eviction=used)
 
 
@@ -332,8 +332,8 @@ def test_commit_notifies_the_policy_with_parents():
 
 
 @pytest.mark.parametrize(("blocks", "hashes", "parents", "error", "message"), [
-    ([0, 1], [10], None, PoolUsageError, "equal lengths, got 2 blocks, 1 hashes"),
-    ([0], [10], [None, 3], PoolUsageError, "got 1 blocks, 1 hashes, 2 parents"),
+    ([0, 1], [10], None, PoolUsageError, "equal lengths, got 2 blocks, 1 hash"),
+    ([0], [10], [None, 3], PoolUsageError, "got 1 block, 1 hash, 2 parents"),
     ([0, 0], [10, 11], None, PoolUsageError, r"names a block twice: \[0, 0\]"),
     ([0, 4], [10, 11], None, RefcountError, "cannot commit unreferenced block 4"),
     ([0, 1], [10, "11"], None, PoolUsageError, "block hashes must be ints, got '11'"),
@@ -485,7 +485,7 @@ def test_reset_forgets_everything_and_tells_only_the_policy():
     (lambda pool: setattr(pool, "_num_evictable", 5), r"\(1, 5\)"),
     (lambda pool: pool._index.__setitem__(77, 0), "indexed"),
     (lambda pool: pool._hash.__setitem__(0, 12), "carries 12"),
-    (lambda pool: pool.policy.on_remove(0), "policy tracks 0 blocks, 1 are ready"),
+    (lambda pool: pool.policy.on_remove(0), "policy tracks 0 blocks, 1 ready"),
 ])
 def test_check_invariants_detects_corruption(corrupt, message):
     """Each kind of internal corruption makes check_invariants raise AssertionError."""

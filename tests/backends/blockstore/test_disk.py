@@ -122,7 +122,7 @@ def test_a_file_deleted_behind_its_back_is_a_clean_miss(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(("kwargs", "match"), [
     ({"path": "", "capacity_bytes": 1}, "path"),
     ({"path": "x", "capacity_bytes": 0}, "capacity_bytes"),
     ({"path": "x", "capacity_bytes": 1, "eviction": "lru"}, "EvictionPolicy"),
@@ -208,7 +208,7 @@ def _plant(tmp_path, what):
         "FIFO as a temporary file": sub / f"{file}.tmp-x-1",
     }[what]
     target.parent.mkdir(exist_ok=True)
-    if what.startswith("dangling symlink") or what.startswith("symlink"):
+    if what.startswith(("dangling symlink", "symlink")):
         target.symlink_to(tmp_path / "nowhere")
     elif what.startswith("FIFO"):
         os.mkfifo(target)
@@ -264,7 +264,8 @@ def test_a_symlink_to_a_file_is_never_followed(tmp_path):
 
 
 def test_a_value_replaced_by_a_directory_after_indexing_is_forgotten_not_deleted(tmp_path):
-    """What takes an indexed value's place is another's: the get fails, the index drops the value, nothing is deleted."""
+    """What takes an indexed value's place is another's: the get fails, the index drops the value,
+    nothing is deleted."""
     store = DiskStore(tmp_path, 1 << 20)
     _put(store, [b"a"], 100)
     path = store._file(_name(b"a"))
@@ -277,7 +278,8 @@ def test_a_value_replaced_by_a_directory_after_indexing_is_forgotten_not_deleted
 
 
 def test_a_live_writers_temporary_file_is_kept_and_an_abandoned_one_removed(tmp_path):
-    """A temporary file whose lock is held (its writer is alive) survives an open; once released, the next removes it."""
+    """A temporary file whose lock is held (its writer is alive) survives an open;
+    once released, the next removes it."""
     temp = _temp_of(tmp_path, b"k", owner="live-0")
     temp.write_bytes(b"half")
     fd = os.open(temp, os.O_RDONLY)
@@ -594,7 +596,7 @@ def _race(path, opener=DiskStore):
                 finally:
                     store.close()
                 opens += 1
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - every crash is collected and reported below
                 crashes.append(f"{type(exc).__name__}: {exc}")
         out, _ = writer.communicate(timeout=60)
     finally:

@@ -12,7 +12,7 @@ from kvkit.errors import ConfigError
 from kvkit.shared.urls import process_wide
 
 
-@pytest.mark.parametrize("url, expected", [
+@pytest.mark.parametrize(("url", "expected"), [
     ("valkey://127.0.0.1:7000/2", {"nodes": (("127.0.0.1", 7000),), "db": 2, "cluster": False, "tls": False}),
     ("redis://cache.local", {"nodes": (("cache.local", 6379),), "db": 0}),
     ("valkey://:p%40ss@h:1", {"password": "p@ss", "username": None}),
@@ -97,7 +97,7 @@ def test_a_closed_memory_store_is_replaced_by_an_empty_one():
     assert process_wide(again) and not process_wide(store)
 
 
-@pytest.mark.parametrize("url, match", [
+@pytest.mark.parametrize(("url", "match"), [
     ("localhost:6379", "expected one of"),
     (42, "expected one of"),
     ("mongodb://h", "unknown scheme 'mongodb'"),
@@ -143,4 +143,9 @@ def test_bench_shared_runs_against_a_local_server():
     report = json.loads(result.stdout)
     row = report["sizes"]["65536"]
     assert row["values"] == 16 and row["put_GBps"] > 0 and row["get_GBps"] > 0
+    assert row["put_cpu_ms_per_GB"] > 0 and row["get_cpu_ms_per_GB"] > 0, "CPU time beside wall time"
+    if "server_tool" in row:  # the tool at the store's concurrency, and the ratios within this run
+        assert row["server_tool"].endswith("-c 1 -P 1") and row["server_tool_get_cpu_ms_per_GB"] > 0
+        assert row["ratios"]["get_vs_tool"] == row["get_GBps"] / row["server_tool_get_GBps"]
     assert report["contains"]["keys"] == 100 and report["contains"]["store_ms"] > 0
+    assert report["contains"]["store_cpu_ms"] > 0

@@ -15,7 +15,7 @@ from kvkit.backends.blockstore.resp import (
 )
 
 
-@pytest.mark.parametrize("key, slot", [
+@pytest.mark.parametrize(("key", "slot"), [
     (b"123456789", 0x31C3 % 16384),  # CRC16-XMODEM check value
     (b"foo", 12182), (b"bar", 5061),  # the Cluster spec's / CLUSTER KEYSLOT's answers
     (b"{user1000}.following", key_slot(b"user1000")), (b"{}x", key_slot(b"{}x")),
@@ -59,7 +59,8 @@ def test_replies_of_every_kind(valkey_server):
 
 
 def test_send_resumes_partial_writes_and_splits_past_iov_max(valkey_server):
-    """A tiny send buffer forces partial ``sendmsg`` writes and 3,000 buffers exceed IOV_MAX; every byte arrives in order."""
+    """A tiny send buffer forces partial ``sendmsg`` writes and 3,000 buffers exceed IOV_MAX;
+    every byte arrives in order."""
     import socket
 
     conn = Connection(("127.0.0.1", valkey_server.port), ConnectOptions(5.0, 5.0))

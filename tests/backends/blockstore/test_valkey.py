@@ -206,8 +206,8 @@ def test_cluster_follows_moved_after_a_stale_slot_map(valkey_cluster):
     store = ValkeyStore([("127.0.0.1", valkey_cluster.nodes[0].port)], cluster=True)
     keys = [b"kvkit:moved:%d" % i for i in range(50)]
     assert _put(store, keys[:1])[0].ok
-    store._io._slots = [("127.0.0.1", valkey_cluster.nodes[0].port)] * 16384
-    store._lookup._slots, store._lookup._stale = list(store._io._slots), False
+    store._io.link._slots = [("127.0.0.1", valkey_cluster.nodes[0].port)] * 16384
+    store._lookup._slots, store._lookup._stale = list(store._io.link._slots), False
     result, values = _put(store, keys)
     assert result.ok
     assert store.contains(keys) == 50
@@ -242,7 +242,7 @@ def test_cluster_follows_ask_during_a_migration(valkey_cluster):
         store.close()
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(("kwargs", "match"), [
     ({"nodes": []}, "nodes"),
     ({"nodes": [("127.0.0.1", 0)]}, "nodes"),
     ({"cluster": True, "db": 1}, "database 0"),

@@ -132,7 +132,7 @@ def test_a_poll_of_something_not_a_collection_of_tickets_is_refused(tickets):
     assert repr(tickets) in str(info.value)
 
 
-@pytest.mark.parametrize("cls, args", [(MemoryStore, ()), (DiskStore, ("/tmp/kvkit-never", 1))])
+@pytest.mark.parametrize(("cls", "args"), [(MemoryStore, ()), (DiskStore, ("/tmp/kvkit-never", 1))])
 def test_max_waiting_must_be_positive(cls, args):
     """max_waiting is validated like every store setting."""
     with pytest.raises(ConfigError, match="max_waiting"):

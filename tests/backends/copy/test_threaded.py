@@ -74,7 +74,7 @@ def test_a_forgotten_gate_opens_by_itself_after_max_hold_s(backend):
 
 def test_refusals():
     """Bad settings, plans before register, bad plans and unknown handles are typed errors; nothing is issued."""
-    with pytest.raises(ConfigError, match="ThreadedCopy.threads=0"):
+    with pytest.raises(ConfigError, match=r"ThreadedCopy.threads=0"):
         ThreadedCopy(threads=0)
     b = ThreadedCopy()
     with pytest.raises(PlanError, match="register"):

@@ -75,7 +75,8 @@ def _shifting_sets(rng: random.Random, capacity: int, rounds: int) -> list[int]:
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**16), capacity=st.integers(20, 60), lfu_wins=st.booleans())
 def test_leader_converges_to_the_strictly_better_expert(seed: int, capacity: int, lfu_wins: bool) -> None:
-    """On a stream where one expert alone hits clearly more, the adaptive policy ends up led by it and nearly matches it."""
+    """On a stream where one expert alone hits clearly more, the adaptive policy ends up led by it
+    and nearly matches it."""
     rng = random.Random(seed)
     make = _hot_and_scans if lfu_wins else _shifting_sets
     requests = _requests(make(rng, capacity, 40))

@@ -105,30 +105,6 @@ class S3FIFOWithoutPinHooksContract(S3FIFOPolicyContract):
 TestS3FIFOWithoutPinHooks = S3FIFOWithoutPinHooksContract.TestCase
 
 
-# LRU, FIFO, LFU and ARC hear only the pins of the blocks they watch (SelectivePins) when driven as
-# a pool does; they must also keep their exact order for a driver that reports every pin, or none.
-class LRUReportingEveryPinContract(LRUPolicyContract):
-    selective_pins = False
-
-
-class FIFOReportingEveryPinContract(FIFOPolicyContract):
-    selective_pins = False
-
-
-class LFUReportingEveryPinContract(LFUPolicyContract):
-    selective_pins = False
-
-
-class ARCReportingEveryPinContract(ARCPolicyContract):
-    selective_pins = False
-
-
-TestLRUReportingEveryPin = LRUReportingEveryPinContract.TestCase
-TestFIFOReportingEveryPin = FIFOReportingEveryPinContract.TestCase
-TestLFUReportingEveryPin = LFUReportingEveryPinContract.TestCase
-TestARCReportingEveryPin = ARCReportingEveryPinContract.TestCase
-
-
 def _without_hooks(contract: type) -> type:
     """``contract`` for a driver that never pins: the policy must skip in-use blocks by ``is_evictable``."""
     return type(contract.__name__.replace("Contract", "WithoutPinHooks"), (contract,), {"drive_pin_hooks": False})
@@ -143,8 +119,8 @@ TestARCWithoutPinHooks = _without_hooks(ARCPolicyContract).TestCase
 class OptimalPolicyContract(EvictionPolicyContract):
     """OPT's future is a fixed random string over the contract's hashes, observed by a rule."""
 
-    references = [EvictionPolicyContract.hash_for(k) for k in
-                  random.Random(0).choices(range(EvictionPolicyContract.hash_space), k=200)]
+    references = tuple(EvictionPolicyContract.hash_for(k) for k in
+                       random.Random(0).choices(range(EvictionPolicyContract.hash_space), k=200))
 
     def make_policy(self):
         return OptimalPolicy(self.references)

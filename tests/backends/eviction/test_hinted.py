@@ -125,7 +125,8 @@ def test_the_manager_passes_hints_to_a_hint_aware_cpu_policy_only() -> None:
     assert heard == [([11, 12], hints)]
     with pytest.raises(ConfigError, match="'urgent'"):
         manager.add_request("r2", [13], 5, hints="urgent")
-    plain = OffloadManager(spec, BlockPool(8, eviction=LRUPolicy()), EagerStore(), gpu=BlockPool(16, eviction=LRUPolicy()))
+    plain = OffloadManager(spec, BlockPool(8, eviction=LRUPolicy()), EagerStore(),
+                           gpu=BlockPool(16, eviction=LRUPolicy()))
     plain.add_request("r1", [11, 12], 9, hints=hints)  # a policy that does not hear hints: nothing changes
     plain.check_invariants()
 

@@ -162,9 +162,8 @@ _LFU_OPS = st.lists(st.tuples(st.sampled_from(["insert", "access", "access", "se
 @given(_LFU_OPS)
 def test_lfu_matches_a_brute_force_model(ops):
     """LFU's victims are the evictable blocks with the fewest uses, then the oldest last use."""
-    policy, uses, last, tick = LFUPolicy(), {}, {}, 0
-    for op, x in ops:
-        tick += 1
+    policy, uses, last = LFUPolicy(), {}, {}
+    for tick, (op, x) in enumerate(ops, 1):
         if op == "insert" and x not in uses:
             policy.on_insert(x, _h(x), None)
             uses[x], last[x] = 1, tick
@@ -219,7 +218,7 @@ def test_arc_ghosts_are_keyed_by_hash_not_block_id():
 def test_arc_survives_a_scan():
     """Blocks hit twice survive a long scan of one-time blocks, which pure LRU would lose."""
     arc, lru = ARCPolicy(capacity=4), LRUPolicy()
-    refs = [0, 1, 0, 1] + list(range(10, 40)) + [0, 1]
+    refs = [0, 1, 0, 1, *range(10, 40), 0, 1]
     assert simulate(arc, [_h(r) for r in refs], capacity=4) == 4
     assert simulate(lru, [_h(r) for r in refs], capacity=4) == 2
 

@@ -149,7 +149,7 @@ def _era_trace(seed: int, eras: int, per_era: int, templates: int, blocks: int) 
     rng = np.random.default_rng(seed)
     weights = 1 / np.arange(1, templates + 1)
     requests = []
-    for era in range(eras):
+    for _ in range(eras):
         ranks = rng.permutation(templates)
         for t in rng.choice(templates, size=per_era, p=weights / weights.sum()):
             chain = tuple(10_000 * (int(ranks[t]) + 1) + b for b in range(blocks))

@@ -179,7 +179,7 @@ def test_the_model_catches_a_window_left_short():
 
     hunt = settings(max_examples=300, stateful_step_count=30, deadline=None, database=None,
                     derandomize=True, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    with pytest.raises(AssertionError, match="window|joined the window unreported"):
+    with pytest.raises(AssertionError, match=r"window|joined the window unreported"):
         run_state_machine_as_test(Broken, settings=hunt)
 
 
@@ -200,11 +200,9 @@ def _every_policy():
 def test_no_policy_scans_the_blocks_in_use(make):
     """With 990 of 1,000 blocks in use (oldest first), a selection asks about O(victims) blocks, not 990.
 
-    Driven as a pool drives it (SelectivePins: attached, only watched pins
-    reported); before the pin hooks, LRU, FIFO, LFU, ARC and the optimum asked
-    about every block in use on every selection.
+    Driven as a pool drives it (every pin reported); before the pin hooks, LRU, FIFO, LFU, ARC and the
+    optimum asked about every block in use on every selection.
     """
-    from kvkit.interfaces import SelectivePins
     from kvkit.interfaces.capabilities import pin_hooks
 
     policy = make()
@@ -215,14 +213,12 @@ def test_no_policy_scans_the_blocks_in_use(make):
         asked.append(block)
         return block not in pinned
 
-    hooks, selective = pin_hooks(policy) is not None, isinstance(policy, SelectivePins)
-    if selective:
-        policy.attach(lambda block: block not in pinned)
+    hooks = pin_hooks(policy) is not None
     for b in range(1000):
         policy.on_insert(b, 10_000 + b, None)
-        if b in pinned and hooks and not selective:
+        if b in pinned and hooks:
             policy.on_pin(b)
-    for _ in range(3):  # the first selection may meet (and set aside) every block in use once
+    for _ in range(3):
         asked.clear()
         victims = policy.select_victims(2, is_evictable)
         assert victims is not None and not pinned & set(victims)

@@ -27,7 +27,7 @@ class View:
     num_confirmed_blocks: int = 0
 
 
-@pytest.mark.parametrize("name, cls", [("eager", EagerStore), ("lazy", LazyStore),
+@pytest.mark.parametrize(("name", "cls"), [("eager", EagerStore), ("lazy", LazyStore),
                                        ("selective", SelectiveStore), ("never", NeverStore)])
 def test_registry_names_load_each_policy(name, cls):
     """The store registry's built-in names load these classes."""

@@ -1,0 +1,335 @@
+"""Routing a call over one server or a Cluster's nodes, each node with its own breaker.
+
+A :class:`Link` sends every key's command to the node that owns it and answers one outcome per key.
+A node that cannot be used fails only its own keys (:class:`Unreachable`); the keys of the other nodes
+complete. :class:`NodeHealth` remembers, per node, the evidence that it is unusable, so the next calls
+fail that node's keys at once for a retry interval instead of waiting on it again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from kvkit.backends.blockstore.resp import (
+    Address,
+    Connection,
+    ConnectOptions,
+    DeadlineExceeded,
+    Redirect,
+    ServerError,
+    key_slot,
+)
+
+__all__ = ["Encode", "Link", "NodeHealth", "Read", "Unreachable"]
+
+_MAX_ROUNDS = 5  # redirects followed, and the one retry on a fresh connection, per key and call
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
+
+Encode = Callable[[list[int]], list[bytes | memoryview]]
+"""Indices of keys bound for one node -> the buffers of their commands, in order."""
+Read = Callable[[Connection, list[int]], list[object]]
+"""A connection and the indices sent to it -> their outcomes (each may be a ``Redirect``), in order."""
+
+
+@attrs.frozen
+class Unreachable:
+    """The outcome of a key whose node could not be used in this call; ``reason`` starts ``"transport:"``."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@attrs.define(eq=False)
+class NodeHealth:
+    """Each node's breaker: a node with evidence against it is not tried for ``retry_interval_s``; the others are.
+
+    Evidence that a node is unusable: a connection or login that fails, a connection that breaks
+    on a call (a reused one: again, right after reopening it), a reply that is not RESP, or a node
+    that sent nothing for at least half a call's deadline (stalled). Not evidence: a connection the
+    server closed while it was idle (reopened, and the call retried on it once), a deadline that
+    passed while the node was still sending (slow, not stalled) or before the node was reached,
+    a missing key, an error reply or a redirect. Thread-safe (a store's lookup and I/O links share one).
+    """
+
+    retry_interval_s: float
+    failures: int = attrs.field(default=0, init=False)
+    last_error: str = attrs.field(default="", init=False)
+    _down: dict[Address, tuple[float, str]] = attrs.field(factory=dict, init=False)  # node -> (until, why)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def down(self, address: Address) -> str | None:
+        """Why ``address`` is not tried now, or ``None`` when it may be."""
+        with self._lock:
+            until, why = self._down.get(address, (0.0, ""))
+            return why if time.monotonic() < until else None
+
+    def trip(self, address: Address, reason: str) -> None:
+        """Record evidence against ``address``: its keys fail at once for ``retry_interval_s``."""
+        with self._lock:
+            self.failures += 1
+            self.last_error = reason
+            self._down[address] = (time.monotonic() + self.retry_interval_s, reason)
+
+    def down_nodes(self) -> dict[Address, str]:
+        """The nodes not tried now, with why."""
+        with self._lock:
+            now = time.monotonic()
+            return {a: why for a, (until, why) in self._down.items() if now < until}
+
+
+@attrs.define(eq=False)
+class Link:
+    """Connections to one server or one Cluster, used by one thread at a time.
+
+    ``run`` sends every key's command to its node (all nodes first, then it reads from each),
+    follows MOVED (updating the slot map, re-read before the next call) and ASK redirects, and
+    answers one outcome per key, within the call's deadline. Large values go in a window: a node
+    gets chunk ``k + 1`` (about ``window_bytes`` of values) before chunk ``k``'s replies are read,
+    so one to two chunks are in flight (a whole batch of 64-256 KiB values in flight ran 1.2-1.9x
+    slower; BENCHMARKS.md, "Shared tier").
+
+    Faults stay with their node: a node that fails (``OSError`` or a reply that is not RESP) has
+    its connection closed and only its keys answer :class:`Unreachable`; the other nodes' keys and
+    connections are untouched. A reused connection that the server closed (for idleness) is
+    reopened and the node's keys retried once. ``health`` decides which nodes are skipped (see
+    :class:`NodeHealth`); in a Cluster a failed node also makes the next call re-read the slot map
+    (a failover moves its slots), keeping every other connection.
+    """
+
+    seeds: tuple[Address, ...]
+    cluster: bool
+    options: ConnectOptions
+    health: NodeHealth
+    window_bytes: int = 256 << 10
+    _conns: dict[Address, Connection] = attrs.field(factory=dict, init=False)
+    _slots: list[Address] | None = attrs.field(default=None, init=False)
+    _stale: bool = attrs.field(default=True, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
+
+    def run(self, keys: Sequence[bytes], encode: Encode, read: Read, weights: Sequence[int] | None = None,
+            deadline: float | None = None) -> list[object]:
+        """One outcome per key by ``deadline`` (default: ``request_timeout_s`` from now); with ``weights``
+        (value bytes per key) at most two chunks of about ``window_bytes`` are in flight per node."""
+        outcomes: list[object] = [None] * len(keys)
+        if not keys:
+            return outcomes
+        if deadline is None:
+            deadline = time.monotonic() + self.options.request_timeout_s
+        if self.cluster and self._stale:
+            why = self.refresh(deadline)
+            if why is not None:
+                return [Unreachable(why)] * len(keys)
+        pending, asked = list(range(len(keys))), {}
+        fresh: set[Address] = set()  # nodes whose connection this call opened
+        retried: set[Address] = set()
+        for _ in range(_MAX_ROUNDS):
+            groups: dict[tuple[Address, bool], list[int]] = defaultdict(list)
+            for i in pending:
+                target = asked.get(i)
+                groups[(target, True) if target else (self._node_for(keys[i]), False)].append(i)
+            pending, asked = [], {}
+            flights: dict[tuple[Address, bool], list[list[int]]] = {}
+            for group, indices in groups.items():
+                why = self.health.down(group[0])
+                if why is None:
+                    flights[group] = self._chunks(indices, weights)
+                else:
+                    for i in indices:
+                        outcomes[i] = Unreachable(why)
+            broken = self._fly(flights, encode, read, deadline, fresh, outcomes, pending, asked)
+            for address, (exc, left, left_asked) in broken.items():
+                if address not in fresh and address not in retried and _closed_while_idle(exc):
+                    self._drop(address)
+                    retried.add(address)
+                    pending += left
+                    asked.update(left_asked)
+                    continue
+                why = self._failed(address, exc)
+                for i in left:
+                    outcomes[i] = Unreachable(why)
+            if not pending:
+                break
+        for i in pending:
+            outcomes[i] = ServerError(f"still redirected after {_MAX_ROUNDS} tries")
+        return outcomes
+
+    def _fly(self, flights: dict[tuple[Address, bool], list[list[int]]], encode: Encode, read: Read,
+             deadline: float, fresh: set[Address], outcomes: list[object], pending: list[int],
+             asked: dict[int, Address]) -> dict[Address, tuple[BaseException, list[int], dict[int, Address]]]:
+        """Send every chunk and read its replies, chunk ``k + 1`` going out before ``k`` is read.
+
+        Answers the nodes that failed: the exception, the indices they did not settle, and which of
+        those were asked of them (ASK).
+        """
+        broken: dict[Address, BaseException] = {}
+        done = dict.fromkeys(flights, 0)  # chunks read, per group
+        for step in range(max((len(c) for c in flights.values()), default=0) + 1):
+            for (address, ask), chunks in flights.items():
+                if step >= len(chunks) or address in broken:
+                    continue
+                parts = chunks[step]
+                try:
+                    self._conn(address, deadline, fresh).send(
+                        [b for i in parts for b in (_ASKING, *encode([i]))] if ask else encode(parts))
+                except (OSError, ValueError) as exc:
+                    broken[address] = exc
+            for (address, ask), chunks in flights.items():
+                if not 0 < step <= len(chunks) or address in broken:
+                    continue
+                indices = chunks[step - 1]
+                try:
+                    results = self._read(self._conns[address], indices, ask, read)
+                except (OSError, ValueError) as exc:
+                    broken[address] = exc
+                    continue
+                done[(address, ask)] = step
+                for i, outcome in zip(indices, results):
+                    self._settle(i, outcome, outcomes, pending, asked)
+        out = {}
+        for address, exc in broken.items():
+            left: list[int] = []
+            left_asked: dict[int, Address] = {}
+            for (node, ask), chunks in flights.items():
+                if node == address:
+                    for chunk in chunks[done[(node, ask)]:]:
+                        left += chunk
+                        if ask:
+                            left_asked.update(dict.fromkeys(chunk, address))
+            out[address] = (exc, left, left_asked)
+        return out
+
+    def _failed(self, address: Address, exc: BaseException) -> str:
+        """Close ``address``'s connection; record the evidence against it; answer the keys' reason."""
+        self._drop(address)
+        why = f"transport: {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
+        if not isinstance(exc, DeadlineExceeded) or exc.stalled_s >= self.options.request_timeout_s / 2:
+            self.health.trip(address, why)
+            self._stale = True  # in a Cluster, a failover may move its slots
+        return why
+
+    def _chunks(self, indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
+        if weights is None:
+            return [indices]
+        chunks, load = [[]], 0
+        for i in indices:
+            if load >= self.window_bytes:
+                chunks.append([])
+                load = 0
+            chunks[-1].append(i)
+            load += weights[i]
+        return chunks
+
+    def _settle(self, i: int, outcome: object, outcomes: list[object], pending: list[int],
+                asked: dict[int, Address]) -> None:
+        if isinstance(outcome, Redirect) and not self.cluster:
+            outcome = ServerError("a MOVED/ASK reply: the server is a Cluster node; hint: use a valkey+cluster:// URL")
+        if isinstance(outcome, Redirect):
+            if outcome.ask:
+                asked[i] = outcome.address
+            else:
+                assert self._slots is not None, "refresh() runs before routing"
+                self._slots[outcome.slot] = outcome.address
+                self._stale = True
+            pending.append(i)
+        else:
+            outcomes[i] = outcome
+
+    @staticmethod
+    def _read(conn: Connection, indices: list[int], ask: bool, read: Read) -> list[object]:
+        if not ask:
+            return read(conn, indices)
+        outcomes = []
+        for i in indices:
+            if not isinstance(conn.reply(), bytes):
+                raise ConnectionError("ASKING was refused")
+            outcomes += read(conn, [i])
+        return outcomes
+
+    def refresh(self, deadline: float | None = None) -> str | None:
+        """Read the slot map (CLUSTER SLOTS) from the first node that answers; ``None``, or why none did.
+
+        Nodes the health marks down are not asked. Connections to nodes that own no slot any more
+        are closed; the others are kept.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + self.options.request_timeout_s
+        known = list(dict.fromkeys([*self.seeds, *(self._slots or ())]))
+        last = "every known node is down"
+        for address in known:
+            why = self.health.down(address)
+            if why is not None:
+                last = why
+                continue
+            try:
+                slots = _slot_map(self._conn(address, deadline, set()).call(b"CLUSTER", b"SLOTS"), address)
+            except (OSError, ValueError) as exc:
+                last = self._failed(address, exc)
+                continue
+            except ServerError as exc:
+                last = f"transport: {address[0]}:{address[1]} refused CLUSTER SLOTS: {exc}"
+                continue
+            self._slots, self._stale = slots, False
+            owners = set(slots)
+            for gone in [a for a in self._conns if a not in owners]:
+                self._drop(gone)
+            return None
+        return f"transport: no Cluster node answered CLUSTER SLOTS (last: {last})"
+
+    def reset(self) -> None:
+        """Close every connection; the next call opens them again."""
+        for address in list(self._conns):
+            self._drop(address)
+        self._stale = True
+
+    def close(self) -> None:
+        """Close every connection (a wait in another thread returns at once) and open none again."""
+        self._closed = True
+        self.reset()
+
+    def _node_for(self, key: bytes) -> Address:
+        if not self.cluster:
+            return self.seeds[0]
+        assert self._slots is not None, "refresh() runs before routing"
+        return self._slots[key_slot(key)]
+
+    def _conn(self, address: Address, deadline: float, fresh: set[Address]) -> Connection:
+        conn = self._conns.get(address)
+        if conn is None:
+            if self._closed:
+                raise ConnectionRefusedError("the link is closed")
+            conn = self._conns[address] = Connection(address, self.options, deadline)
+            fresh.add(address)
+        conn.renew(deadline)
+        return conn
+
+    def _drop(self, address: Address) -> None:
+        conn = self._conns.pop(address, None)
+        if conn is not None:
+            conn.close()
+
+
+def _closed_while_idle(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a connection the server closed meanwhile gives (not a timeout, not a refusal)."""
+    return isinstance(exc, ConnectionError) and not isinstance(exc, ConnectionRefusedError) \
+        and "protocol error" not in str(exc)
+
+
+def _slot_map(reply: object, answered: Address) -> list[Address]:
+    """CLUSTER SLOTS as the owner of each of the 16384 slots (``ValueError`` if it is not such a reply)."""
+    if not isinstance(reply, list):
+        raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}")
+    slots: list[Address] = [answered] * 16384
+    try:
+        for start, end, primary, *_ in reply:
+            host = primary[0].decode() or answered[0]
+            slots[start:end + 1] = [(host, int(primary[1]))] * (end + 1 - start)
+    except (TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}: {exc}") from exc
+    return slots

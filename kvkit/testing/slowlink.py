@@ -1,0 +1,129 @@
+"""A slow link on loopback: a threaded TCP proxy that trickles bytes at a set rate, for fault tests.
+
+``SlowLink(target)`` listens on ``127.0.0.1:port`` and forwards every connection to ``target``,
+each direction at most ``rate`` bytes per second (``None``: as fast as they come). The rate may be
+changed while connections are open. Every wait of its threads is short (``_TICK``), so
+:meth:`SlowLink.close` stops them all and closes every socket within a bounded time.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+
+import attrs
+
+__all__ = ["SlowLink"]
+
+_TICK = 0.02  # the longest any proxy thread waits before looking at the stop flag again
+_CHUNK = 1 << 16
+
+
+@attrs.define(eq=False)
+class SlowLink:
+    """A proxy from ``127.0.0.1:port`` to ``target`` that moves at most ``rate`` bytes/s each way.
+
+    Use as a context manager, or call :meth:`start` and :meth:`close`. ``connections`` counts the
+    connections accepted so far.
+    """
+
+    target: tuple[str, int]
+    rate: float | None = None
+    port: int = attrs.field(default=0, init=False)
+    connections: int = attrs.field(default=0, init=False)
+    _listener: socket.socket | None = attrs.field(default=None, init=False)
+    _stop: threading.Event = attrs.field(factory=threading.Event, init=False)
+    _threads: list[threading.Thread] = attrs.field(factory=list, init=False)
+    _sockets: list[socket.socket] = attrs.field(factory=list, init=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where clients connect."""
+        return ("127.0.0.1", self.port)
+
+    def start(self) -> SlowLink:
+        """Listen (on a free port) and accept in a background thread."""
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._spawn(self._accept)
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop every thread and close every socket (each thread notices within ``_TICK``)."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+            self._sockets.clear()
+        if self._listener is not None:
+            self._listener.close()
+        assert not any(t.is_alive() for t in threads), "a slow-link thread did not stop"
+
+    def __enter__(self) -> SlowLink:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(self, target, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name="kvkit-slowlink", daemon=True)
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            if not select.select([self._listener], [], [], _TICK)[0]:
+                continue
+            try:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(self.target, timeout=1.0)
+            except OSError:
+                continue
+            self.connections += 1
+            for sock in (client, server):
+                sock.setblocking(False)
+                with self._lock:
+                    self._sockets.append(sock)
+            self._spawn(self._pump, client, server)
+            self._spawn(self._pump, server, client)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        """Move ``src``'s bytes to ``dst`` at the rate; at EOF or an error, shut ``dst``'s writing side."""
+        try:
+            while not self._stop.is_set():
+                if not select.select([src], [], [], _TICK)[0]:
+                    continue
+                rate = self.rate
+                data = src.recv(_CHUNK if rate is None else max(1, int(rate * _TICK)))
+                if not data:
+                    break
+                self._send(dst, data)
+                if rate is not None:
+                    self._sleep(len(data) / rate)
+        except OSError:
+            pass
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def _send(self, dst: socket.socket, data: bytes) -> None:
+        view = memoryview(data)
+        while view.nbytes and not self._stop.is_set():
+            if select.select([], [dst], [], _TICK)[1]:
+                view = view[dst.send(view):]
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, _TICK))

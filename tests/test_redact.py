@@ -1,0 +1,91 @@
+"""The one redaction rule: a URL's password, a secret-named value, a secret field: never shown, the rest kept."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvkit.errors as errors
+from kvkit.redact import MASK, is_secret_name, redact, redact_text, redact_url, secret_repr
+from kvkit.validate import quote
+
+# A password: a recognisable core, then anything a URL's userinfo may hold (no whitespace for text searches).
+PASSWORDS = st.text(st.characters(blacklist_categories=("Cs", "Zs", "Zl", "Zp", "Cc")), max_size=12).map(
+    lambda tail: "PW-s3cr3t-" + tail)
+SCHEMES = st.sampled_from(["valkey", "valkeys", "redis", "rediss", "valkey+cluster", "file", "mystore"])
+
+
+def _shows(pw: str, *texts: str) -> bool:
+    return any(pw in text for text in texts)
+
+
+@given(scheme=SCHEMES, user=st.sampled_from(["", "alice", "kvkit-acme"]), pw=PASSWORDS,
+       hosts=st.sampled_from(["h", "10.0.0.1:7000", "a:1,b:2", "[::1]:6379"]),
+       tail=st.sampled_from(["", "/0", "/3?ttl_s=60", "?request_timeout_s=0.5&tls_verify=false"]))
+def test_a_url_password_is_never_shown(scheme, user, pw, hosts, tail):
+    """Whatever the password holds ('@', ':', '/', '?', quotes), neither the URL, its repr, a message quoting it
+    nor an error quoting it shows it; the scheme, user and hosts stay."""
+    url = f"{scheme}://{user}:{pw}@{hosts}{tail}"
+    shown = redact_url(url)
+    assert shown == f"{scheme}://{user}:{MASK}@{hosts}{tail}"
+    message = f"block store URL {url!r} failed ({url}); see {[url]}"
+    texts = [shown, quote(url), quote({"url": url}), redact_text(message), str(errors.ConfigError(message)),
+             repr(errors.BackendUnavailableError(message))]
+    assert not _shows(pw, *texts), texts
+    assert all(hosts in text for text in texts)
+
+
+@given(pw=PASSWORDS, name=st.sampled_from(["password", "Password", "tls_password", "secret", "shared_secret",
+                                           "token", "auth_token", "api_key", "pasword", "secert", "auth"]))
+def test_a_secret_named_option_is_never_shown(pw, name):
+    """In a URL's query, a mapping (however nested) or name=value text, a secret name's value is masked."""
+    assert is_secret_name(name)
+    url = f"valkey://h:1/0?db=0&{name}={pw}&ttl_s=3"
+    options = {"request_timeout": 1, name: pw, "nested": [{name: pw}, (name, pw)]}
+    texts = [redact_url(url), quote(url), quote(options), repr(redact(options)), redact_text(f"{name}={pw!r}, x=1"),
+             redact_text(f"{{'{name}': {pw!r}}}"), redact_text(f"extra[{name!r}]={pw!r}"),
+             str(errors.ConfigError([f"options {options['nested'][0]!r} do not fit", f"{name}={pw}"]))]
+    for text in texts:
+        assert pw not in text, text
+    assert "request_timeout" in quote(options) and "ttl_s=3" in redact_url(url)
+
+
+@pytest.mark.parametrize("name", ["tokens", "hit_tokens_gpu", "max_new_tokens", "decode_ms_per_token", "tokenizer",
+                                  "request_timeout_s", "username", "tls_key", "capacity_bytes", "second", "select",
+                                  "shared_secret_env", "password_file", "token_path"])
+def test_what_is_not_secret_stays(name):
+    """Counts of tokens, rates, user names, paths and where a secret is kept are shown as they are."""
+    assert not is_secret_name(name)
+    assert redact_text(f"{name}=12") == f"{name}=12"
+    assert redact({name: 12}) == {name: 12}
+
+
+def test_a_mistyped_url_and_none_and_masks():
+    """A URL missing its '://' still has its userinfo masked (not a shape's '@' or an address); None (no
+    secret) and the mask itself stay."""
+    assert "PW" not in quote("valkey//:PW@host") and "host" in quote("valkey//:PW@host")
+    assert "PW" not in quote("valkey:/:PW@host") and "PW" not in quote("user:PW@host")
+    assert quote("few-shot@nope=1") == "'few-shot@nope=1'" and quote("a@b.example") == "'a@b.example'"
+    assert redact_text("shared_secret=None") == "shared_secret=None"
+    assert redact_text(redact_text("password=x")) == "password='***'"
+    assert secret_repr(None) == "None" and secret_repr(b"x") == "'***'"
+
+
+@pytest.mark.parametrize("cls", [getattr(errors, name) for name in errors.__all__
+                                 if name not in ("TraceFormatError", "TraceFileError", "TransferTimeoutError")])
+def test_every_kvkit_error_masks_its_message(cls):
+    """Whatever message an error is built with, its str, repr, args and traceback show no password."""
+    exc = cls("opening 'valkey://u:PW-s3cr3t-1@h/0' with {'password': 'PW-s3cr3t-2'} and secret=b'PW-s3cr3t-3'")
+    text = "".join(traceback.format_exception(exc)) + repr(exc) + repr(exc.args) + str(getattr(exc, "problems", ""))
+    assert "s3cr3t" not in text and "valkey://u:***@h/0" in text
+
+
+def test_the_errors_with_their_own_signatures_mask_too():
+    """TraceFileError, TraceFormatError and TransferTimeoutError pass their text through the same rule."""
+    for exc in (errors.TraceFileError("t.jsonl", "password=PW-s3cr3t"),
+                errors.TraceFormatError("t.jsonl", 3, "f", "valkey://:PW-s3cr3t@h"),
+                errors.TransferTimeoutError("valkey://:PW-s3cr3t@h timed out", (1,))):
+        assert "s3cr3t" not in str(exc) + repr(exc)
