@@ -466,7 +466,7 @@ def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup
         if isinstance(side, KvkitSide):
             rows[side.name]["cpu_evictions"] = side.evictions()
     base = rows.get("seed")
-    for name, row in rows.items():
+    for row in rows.values():
         if base is not None:
             row["ratio_to_seed"] = round(row["step_cpu_median_ms"] / base["step_cpu_median_ms"], 2)
         if "kvkit-lru" in rows:

@@ -232,10 +232,13 @@ class LayeredCopy(Protocol):
           sequence with one event (or ``None``) per stage, waited for before
           that stage: a stage never reads its source before its event.
         * The answer is one handle for the whole plan (reported by ``poll``
-          exactly once, as ``submit``'s) and, per stage, a tuple of device
-          events that complete once that stage and every earlier one landed;
-          an empty tuple means the stage already landed. A consumer makes its
-          stream wait for them (no host synchronisation) before it reads.
+          exactly once, as ``submit``'s) and exactly one tuple per stage, of
+          device events that complete once that stage and every earlier one
+          landed; an empty tuple means the stage already landed (its bytes are
+          in place when ``submit_stages`` returns). A consumer makes its
+          stream wait for them (no host synchronisation) before it reads; the
+          ``TransferEngine`` waits whole (by poll) for a load whose answer is
+          not one tuple per stage or has a stage without events.
         * A raising call leaves nothing of the plan running, as ``submit``.
     """
 

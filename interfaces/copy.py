@@ -68,7 +68,7 @@ class Region:
                 raise SpecMismatchError(f"region {self.name!r}: {tier} block piece is not contiguous "
                                         f"(strides {t.stride()})")
             if t.shape[0] > 1 and t.stride(0) < t[0].numel():
-                raise SpecMismatchError(f"region {self.name!r}: {tier} blocks overlap: block stride {plural(t.stride(0), 'element')} "
+                raise SpecMismatchError(f"region {self.name!r}: {tier} blocks overlap: block stride {plural(t.stride(0), 'element')} "  # noqa: E501
                                         f"< piece of {t[0].numel()}")
         if self.gpu.dtype != self.cpu.dtype or self.gpu.shape[1:] != self.cpu.shape[1:]:
             raise SpecMismatchError(

@@ -56,5 +56,10 @@ class HintAwarePolicy(EvictionPolicy, Protocol):
     """
 
     def on_hints(self, hashes: Sequence[BlockHash], hints: WorkloadHints) -> None:
-        """The blocks of ``hashes`` belong to a request that carries ``hints``."""
+        """The blocks of ``hashes`` belong to a request that carries ``hints``.
+
+        Raises:
+            ConfigError: ``hints`` is not a ``WorkloadHints`` or ``hashes`` is
+                not a sequence of ints (quoted); no hash was heard.
+        """
         ...

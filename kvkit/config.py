@@ -412,8 +412,8 @@ class StackConfig:
         except ConfigError as exc:
             return [f"cpu_bytes={quote(self.cpu_bytes)}: {exc}"]
         if isinstance(self.kv, KVCacheSpec) and self.kv.blocks_for(num_bytes) < 1:
-            return [f"cpu_bytes={quote(self.cpu_bytes)} ({plural(num_bytes, 'byte')}) holds no block: one block of "
-                    f"this kv spec takes {self.kv.bytes_per_block} bytes"]
+            return [(f"cpu_bytes={quote(self.cpu_bytes)} ({plural(num_bytes, 'byte')}) holds no block: one block of "
+                    f"this kv spec takes {self.kv.bytes_per_block} bytes")]
         return []
 
     def _options_problems(self) -> list[str]:
@@ -460,10 +460,10 @@ class StackConfig:
             if problem is None and isinstance(kwargs, Mapping):
                 problem = ALLOCATOR.check_options(spec, kwargs, slot="allocator", partial=True)
             return [problem] if problem else []
-        expected = f"one of {', '.join(ALLOCATOR.names())} or a factory (num_blocks=..., eviction=...) -> BlockAllocator"
+        expected = f"one of {', '.join(ALLOCATOR.names())} or a factory (num_blocks=..., eviction=...) -> BlockAllocator"  # noqa: E501
         if isinstance(spec, BlockAllocator):
-            return [f"allocator={quote(spec)}: got a pool instance, expected {expected}; "
-                    f"each tier builds its own pool"]
+            return [(f"allocator={quote(spec)}: got a pool instance, expected {expected}; "
+                    f"each tier builds its own pool")]
         return [f"allocator={quote(spec)}: {type(spec).__qualname__} is not callable; expected {expected}"]
 
     def _callback_problems(self) -> list[str]:
@@ -500,8 +500,8 @@ class StackConfig:
         if shared is None or isinstance(shared, SharedConfig):
             return []
         if not isinstance(shared, (str, Mapping)) and (isinstance(shared, type) or not isinstance(shared, BlockStore)):
-            return [f"shared={quote(shared)}: must be None, a SharedConfig, its url (a URL such as 'memory://', "
-                    f"'file:///path' or 'valkey://host:6379/0', or a BlockStore instance) or a mapping of its fields"]
+            return [(f"shared={quote(shared)}: must be None, a SharedConfig, its url (a URL such as 'memory://', "
+                    f"'file:///path' or 'valkey://host:6379/0', or a BlockStore instance) or a mapping of its fields")]
         if isinstance(shared, Mapping) and not all(isinstance(key, str) for key in shared):
             return [f"shared: a mapping of SharedConfig fields has str keys, got {sorted(map(repr, shared))}"]
         try:

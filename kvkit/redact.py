@@ -61,7 +61,8 @@ _URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://\S*")
 _QUOTED = r"""b?'(?:[^'\\]|\\.)*'""" + r'''|b?"(?:[^"\\]|\\.)*"'''
 _VALUE = _QUOTED + r"""|[^\s,;&)}\]'"]+"""
 _ASSIGNED = re.compile(rf"(?P<name>(?<![\w.])[\w.\-]+)(?P<sep>\s*=\s*)(?P<value>{_VALUE})")
-_KEYED = re.compile(rf"""(?P<q>['"])(?P<name>[^'"\s]+)(?P=q)(?:\]?\s*=\s*(?P<value>{_VALUE})|\s*:\s*(?P<quoted>{_QUOTED}))""")
+_KEYED = re.compile(rf"""(?P<q>['"])(?P<name>[^'"\s]+)(?P=q)"""
+                    rf"""(?:\]?\s*=\s*(?P<value>{_VALUE})|\s*:\s*(?P<quoted>{_QUOTED}))""")
 _DEPTH = 6
 
 

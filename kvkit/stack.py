@@ -252,7 +252,7 @@ def _check_memory(config: StackConfig, layout: str | None, *, allocate_gpu: bool
     host = config.pool_bytes()
     if layout is not None:
         n, block = config.world_size, config.kv.bytes_per_block
-        host[f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"] = n * config.num_cpu_blocks * block
+        host[f"{plural(n, 'CPU mirror')} of {plural(config.num_cpu_blocks, 'block')}"] = n * config.num_cpu_blocks * block  # noqa: E501
         if allocate_gpu:
             gpu = {f"{plural(n, 'GPU tier')} of gpu_blocks={config.gpu_blocks}": n * config.gpu_blocks * block}
             if config.device == "cpu":

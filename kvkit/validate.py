@@ -344,7 +344,7 @@ def known_keywords(cls: _C) -> _C:
     known = frozenset(valid)
 
     @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         if known.issuperset(kwargs):
             init(self, *args, **kwargs)
             return

@@ -50,9 +50,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 
 # The manager's parts, in data-flow order: each imports only parts before it (nothing climbs back).
-MANAGER_ORDER = ["kvkit.manager.backpressure", "kvkit.manager.requests", "kvkit.manager.ended", "kvkit.manager.events", "kvkit.manager.step",
-                 "kvkit.manager.transfers", "kvkit.manager.hits", "kvkit.manager.stores", "kvkit.shared.scheduler",
-                 "kvkit.manager.manager"]
+MANAGER_ORDER = ["kvkit.manager.backpressure", "kvkit.manager.requests", "kvkit.manager.ended",
+                 "kvkit.manager.events", "kvkit.manager.step", "kvkit.manager.transfers", "kvkit.manager.hits",
+                 "kvkit.manager.stores", "kvkit.shared.scheduler", "kvkit.manager.manager"]
 
 
 def _module_name(path: Path) -> str:

@@ -127,7 +127,7 @@ def test_instances_and_factories_are_used_as_given():
     assert parts.callbacks == (callback,)
     assert isinstance(parts.allocator(num_blocks=4, eviction=gpu), FakePool)
     bad_factory = StackConfig(**good(allocator=lambda **kw: object())).resolve().allocator
-    with pytest.raises(ConfigError, match="allocator: .* built a object, which is not a BlockAllocator"):
+    with pytest.raises(ConfigError, match=r"allocator: .* built a object, which is not a BlockAllocator"):
         bad_factory(num_blocks=4, eviction=gpu)
 
 
@@ -203,7 +203,7 @@ def test_unavailable_name_is_reported_with_reason():
     assert "t-copy" in problem
 
 
-@pytest.mark.parametrize("overrides, needle", [
+@pytest.mark.parametrize(("overrides", "needle"), [
     ({"gpu_blocks": 0}, "gpu_blocks=0: must be an int >= 1"),
     ({"gpu_blocks": -5}, "gpu_blocks=-5"),
     ({"gpu_blocks": None}, "gpu_blocks=None: must be an int >= 1 (required)"),
@@ -311,7 +311,7 @@ def test_default_device_matches_machine():
     assert config.device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.parametrize("text, expected", [
+@pytest.mark.parametrize(("text", "expected"), [
     ("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", 3 * 2**29), (" 2 kib ", 2048),
     ("100", 100), ("100B", 100), (".5KiB", 512), ("1.KB", 1000), ("3TB", 3 * 10**12),
     (4096, 4096), (0, 0), ("1.1KiB", 1126),
@@ -329,11 +329,11 @@ def test_parse_bytes_rejects_garbage(text):
     assert repr(text) in str(info.value)
 
 
-@pytest.mark.parametrize("text, says", [
+@pytest.mark.parametrize(("text", "says"), [
     ("-1GiB", "byte size '-1GiB' is negative"), (" -2 KB", "byte size ' -2 KB' is negative"),
     (-1, "byte size -1 is negative"),
-    ("8 GiBs", "byte size '8 GiBs': unknown unit 'GiBs'; valid: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; "
-               "did you mean 'GiB'?"),
+    ("8 GiBs", ("byte size '8 GiBs': unknown unit 'GiBs'; valid: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; "
+               "did you mean 'GiB'?")),
     ("abc", "cannot parse byte size 'abc'; expected an int or a number with a unit"),
 ])
 def test_parse_bytes_says_what_is_wrong(text, says):

@@ -81,7 +81,7 @@ def test_cpu_tier_in_another_layout_serves_intact_bytes(layout, cpu_layout):
 
 def test_build_refuses_cpu_layouts_that_cannot_apply():
     """cpu_layout without a layout, or paired with vllm-cpu, is a ConfigError naming the layouts."""
-    with pytest.raises(ConfigError, match="cpu_layout='cross-layer'.*scheduler-only"):
+    with pytest.raises(ConfigError, match=r"cpu_layout='cross-layer'.*scheduler-only"):
         kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=8, cpu_layout="cross-layer", device="cpu")
     with pytest.raises(ConfigError, match="GPU layout 'vllm-cpu' with CPU layout 'per-layer'"):
         kvkit.build(kv=SPEC, gpu_blocks=8, cpu_blocks=8, layout="vllm-cpu", cpu_layout="per-layer", device="cpu")
@@ -171,7 +171,7 @@ def test_engine_errors_are_typed():
 def test_request_larger_than_the_gpu_pool_is_rejected():
     """A prompt that can never fit the GPU pool is an OutOfBlocksError quoting it, not a stall."""
     engine = ReferenceEngine(kvkit.build(kv=SPEC, gpu_blocks=4, cpu_blocks=8))
-    with pytest.raises(kvkit.errors.OutOfBlocksError, match="'big'.*17 tokens"):
+    with pytest.raises(kvkit.errors.OutOfBlocksError, match=r"'big'.*17 tokens"):
         engine.add_request("big", [], 17)
 
 
@@ -262,7 +262,7 @@ def test_a_stack_prints_as_its_parts_and_sizes_and_no_secret():
     stack.close()
 
 
-@pytest.mark.parametrize("url, shown", [
+@pytest.mark.parametrize(("url", "shown"), [
     ("valkey://alice:hunter2@10.0.0.1:6379/0", "valkey://alice:***@10.0.0.1:6379/0"),
     ("redis://hunter2@h/1", "redis://***@h/1"),
     ("valkeys+cluster://:hunter2@a:1,b:2?tls_ca=/ca.pem&password=hunter2&ttl_s=3",

@@ -41,7 +41,7 @@ class ServerError(Exception):
     """An error reply (``-ERR ...``) other than a redirect."""
 
 
-class DeadlineExceeded(TimeoutError):
+class DeadlineExceeded(TimeoutError):  # noqa: N818
     """The call's deadline passed before the server sent (or took) what the call needs.
 
     ``stalled_s``: how long the connection had been waiting without receiving a byte when it gave up

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import TYPE_CHECKING
@@ -11,7 +12,7 @@ import attrs
 
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import check_int
+from kvkit.validate import check_int, quote
 
 __all__ = [
     "LearnsCapacity",
@@ -83,8 +84,10 @@ class LearnsCapacity:
 
 
 def check_count(n: int) -> None:
-    """Reject a victim count that is not a non-negative int."""
+    """Reject a victim count that is not an int in ``[0, sys.maxsize]`` (no pool holds more blocks)."""
     check_int("select_victims: n", n, 0, error=PoolUsageError)
+    if n > sys.maxsize:
+        raise PoolUsageError(f"select_victims: n={quote(n)}: must be at most {sys.maxsize}")
 
 
 def already_tracked(policy: object, block: BlockId) -> PoolUsageError:

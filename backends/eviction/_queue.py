@@ -183,10 +183,7 @@ class ParkingQueue:
                 raise pin_mismatch(self._who(), block, pinned=False)
             raise not_tracked(self._who(), block)
         main = self._main
-        if main:
-            youngest = main[next(reversed(main))]
-        else:
-            youngest = self._win[next(reversed(self._win))] if self._win else 0
+        youngest = main[next(reversed(main))] if main else self._win[next(reversed(self._win))] if self._win else 0
         if stamp > youngest and stamp > self._edge:
             main[block] = stamp  # the youngest unpinned block: its place is the end
             if self._count < self._size:

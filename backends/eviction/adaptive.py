@@ -8,7 +8,15 @@ from collections.abc import Callable, Sequence
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import LearnsCapacity, any_block, check_count, define_policy, not_tracked
+from kvkit.backends.eviction._common import (
+    LearnsCapacity,
+    already_tracked,
+    any_block,
+    check_count,
+    define_policy,
+    hash_already_tracked,
+    not_tracked,
+)
 from kvkit.backends.eviction.arc import ARCPolicy
 from kvkit.backends.eviction.hit_density import HitDensityPolicy
 from kvkit.backends.eviction.lfu import LFUPolicy
@@ -18,7 +26,7 @@ from kvkit.errors import ConfigError
 from kvkit.interfaces.capabilities import pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import real_in
+from kvkit.validate import quote, real_in
 
 __all__ = ["DEFAULT_EXPERTS", "AdaptivePolicy", "Shadow"]
 
@@ -168,7 +176,8 @@ class AdaptivePolicy(LearnsCapacity, EvictionPolicy):
 
     Invariants:
         * Every mirror tracks exactly the blocks this policy tracks, with the
-          same pins.
+          same pins; a hash is tracked in at most one block. An insert of a
+          block or hash already tracked is refused before any mirror hears it.
         * Each shadow holds at most ``c`` hashes; the lead matrix is antisymmetric
           and each pair's summed squares bound its lead.
     """
@@ -185,13 +194,18 @@ class AdaptivePolicy(LearnsCapacity, EvictionPolicy):
     _lead: list[list[float]] = attrs.field(init=False)
     _var: list[list[float]] = attrs.field(init=False)
     _hash: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False)
+    _block_of: dict[BlockHash, BlockId] = attrs.field(factory=dict, init=False)
     _parent: dict[BlockId, BlockHash | None] = attrs.field(factory=dict, init=False)
     _leader: int = attrs.field(default=0, init=False)
     _since_halving: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._mirrors = [make() for make in self.experts]
-        self._shadows = [Shadow(make()) for make in self.experts]
+        try:
+            self._mirrors = [make() for make in self.experts]
+            self._shadows = [Shadow(make()) for make in self.experts]
+        except TypeError as exc:  # a factory that needs arguments (``opt`` needs the future)
+            raise ConfigError(f"AdaptivePolicy.experts must be factories callable with no arguments, "
+                              f"got {quote(self.experts)}: {exc}") from None
         self._lead = [[0.0] * len(self.experts) for _ in self.experts]
         self._var = [[0.0] * len(self.experts) for _ in self.experts]
         bad = [type(m).__name__ for m in self._mirrors
@@ -216,9 +230,17 @@ class AdaptivePolicy(LearnsCapacity, EvictionPolicy):
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
+        # Refused before any mirror hears it: mirrors differ in what they refuse, and one
+        # that accepted would keep the block.
+        if block in self._hash:
+            raise already_tracked(self, block)
+        holder = self._block_of.get(block_hash)
+        if holder is not None:
+            raise hash_already_tracked(self, block, block_hash, holder)
         for mirror in self._mirrors:
             mirror.on_insert(block, block_hash, parent)
         self._hash[block] = block_hash
+        self._block_of[block_hash] = block
         self._parent[block] = parent
         self._learn(len(self._hash))
         self._reference(block_hash, parent)
@@ -238,7 +260,7 @@ class AdaptivePolicy(LearnsCapacity, EvictionPolicy):
             raise not_tracked(self, block)
         for mirror in self._mirrors:
             mirror.on_remove(block)
-        del self._hash[block], self._parent[block]
+        del self._block_of[self._hash.pop(block)], self._parent[block]
 
     def on_pin(self, block: BlockId) -> None:
         """Set a block in use aside in every mirror."""
@@ -284,7 +306,7 @@ class AdaptivePolicy(LearnsCapacity, EvictionPolicy):
 
     @override
     def check_invariants(self) -> None:
-        assert len(self._parent) == len(self._hash), "per-block maps differ in size"
+        assert len(self._parent) == len(self._hash) == len(self._block_of), "per-block maps differ in size"
         for mirror in self._mirrors:
             assert len(mirror) == len(self._hash), f"{type(mirror).__name__} mirror tracks other blocks"
             mirror.check_invariants()

@@ -6,7 +6,7 @@ import heapq
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
 import attrs
@@ -19,7 +19,7 @@ from kvkit.interfaces.capabilities import pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import is_callable
+from kvkit.validate import is_callable, is_int, quote
 
 __all__ = ["HintedPolicy"]
 
@@ -57,7 +57,7 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
           among them are parked, the others listed.
     """
 
-    base: Callable[[], EvictionPolicy] = attrs.field(default=AdaptivePolicy, validator=is_callable(label="HintedPolicy.", what="a policy factory (a class)"))
+    base: Callable[[], EvictionPolicy] = attrs.field(default=AdaptivePolicy, validator=is_callable(label="HintedPolicy.", what="a policy factory (a class)"))  # noqa: E501
     clock: Callable[[], float] = attrs.field(default=time.monotonic, repr=False)
     _policy: EvictionPolicy = attrs.field(init=False)
     _pending: OrderedDict[BlockHash, WorkloadHints] = attrs.field(factory=OrderedDict, init=False)
@@ -89,7 +89,13 @@ class HintedPolicy(LearnsCapacity, HintAwarePolicy):
     @override
     def on_hints(self, hashes: Sequence[BlockHash], hints: WorkloadHints) -> None:
         if not isinstance(hints, WorkloadHints):
-            raise ConfigError(f"hints must be a WorkloadHints, got {hints!r}")
+            raise ConfigError(f"hints must be a WorkloadHints, got {quote(hints)}")
+        if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+            raise ConfigError(f"hashes={quote(hashes)}: must be a sequence of block hashes (ints)")
+        hashes = list(hashes)  # checked whole before any is heard: a refusal changes no priority
+        bad = [h for h in hashes if not is_int(h)]
+        if bad:
+            raise ConfigError(f"hashes={quote(hashes)}: block hashes must be ints, got {quote(bad[0])}")
         pending = self._pending
         for block_hash in hashes:
             pending.pop(block_hash, None)

@@ -44,9 +44,9 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
                  f"{describe_run(workload.describe(), config)}; shared tier {shown_url}")
         save(fleet_figure(isolated, sharing, title=title), plot_path)
     if as_json:
-        report = {"isolated": isolated.as_dict(), "shared": sharing.as_dict(), "shared_tier": _effect(isolated, sharing),
-                  "shared_url": shown_url, "config": config.as_dict() | workload.as_dict(),
-                  "wall_s": round(wall, 3)}
+        report = {"isolated": isolated.as_dict(), "shared": sharing.as_dict(),
+                  "shared_tier": _effect(isolated, sharing), "shared_url": shown_url,
+                  "config": config.as_dict() | workload.as_dict(), "wall_s": round(wall, 3)}
         click.echo(json.dumps(report, indent=2, default=str))
         return
     _print(isolated, sharing, workload.describe(), config, shown_url, wall)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,7 +55,9 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 
 @click.command("policies")
 @click.option("--trace", "trace_path", default=None,
-              type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
+              # kept as typed (a Path would drop the "./" that makes ./NAME a file, not a built-in trace);
+              # the reader reports a missing or unreadable file in one line
+              type=click.Path(path_type=str),
               help=f"Mooncake JSONL(.gz) trace to replay, or a built-in one by name [default without --shape: "
                    f"the built-in {DEFAULT_TRACE}].")
 @shape_option(f"Replay a synthetic workload shape instead of --trace (blocks of {DEFAULTS.block_size} tokens "
@@ -87,7 +90,7 @@ def _capacities(ctx: click.Context, param: click.Parameter, value: str) -> list[
 @click.option("--plot", "plot_path", default=None,
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG of hit ratio against capacity per policy.")
-def policies_command(trace_path: Path | None, shape_name: str | None, seed: int, baselines: str | None,
+def policies_command(trace_path: str | None, shape_name: str | None, seed: int, baselines: str | None,
                      counting: str, stores: str, capacities: Sequence[int], policy_list: str | None,
                      block_size: int, limit: int | None, jobs: int | None, as_json: bool,
                      plot_path: Path | None) -> None:
@@ -102,7 +105,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
     if trace_path is not None and shape_name is not None:
         raise click.UsageError("give --trace or --shape, not both")
     if trace_path is None and shape_name is None:
-        trace_path = Path(DEFAULT_TRACE)  # a first run needs no file: the packaged trace
+        trace_path = DEFAULT_TRACE  # a first run needs no file: the packaged trace
     ctx = click.get_current_context()
     if trace_path is not None and ctx.get_parameter_source("seed") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError(f"--seed {seed} seeds a --shape workload; a --trace replays as it is")
@@ -118,7 +121,7 @@ def policies_command(trace_path: Path | None, shape_name: str | None, seed: int,
     else:
         assert shape_name is not None  # without --trace and --shape the default trace was set above
         source = itertools.islice(shape(shape_name, seed=seed, block_size=block_size).requests(), limit)
-    label = trace_path.name if trace_path is not None else f"synthetic {shape_name} (seed {seed})"
+    label = os.path.basename(trace_path) if trace_path is not None else f"synthetic {shape_name} (seed {seed})"
     start = time.perf_counter()
     with progress() as bar:
         requests = list(bar.track(source, f"reading {label}"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from collections.abc import Iterable
@@ -32,7 +33,9 @@ _DEFAULT_STACK = SimConfig().stack
 
 @click.command("simulate")
 @click.option("--trace", "trace_path", default=None,
-              type=click.Path(path_type=Path),  # the reader reports a missing or unreadable file in one line
+              # kept as typed (a Path would drop the "./" that makes ./NAME a file, not a built-in trace);
+              # the reader reports a missing or unreadable file in one line
+              type=click.Path(path_type=str),
               help="Mooncake JSONL(.gz) trace, or a built-in one by name: mooncake-conversation "
                    "[default: the synthetic multi-turn chat workload].")
 @slot_options(_SLOTS, {slot: getattr(_DEFAULT_STACK, slot) for slot in _SLOTS})
@@ -50,7 +53,7 @@ _DEFAULT_STACK = SimConfig().stack
               type=click.FloatRange(min=0, min_open=True), help="Cost model: CPU->GPU load GB/s.")
 @click.option("--decode-ms-per-token", default=_COST.decode_ms_per_token, show_default=True,
               type=click.FloatRange(min=0), help="Cost model: time per generated token.")
-@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never'); not with --instances or --shared.")
+@click.option("--no-baseline", is_flag=True, help="Skip the run without offload (store 'never'); not with --instances or --shared.")  # noqa: E501
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(min=1),
               help="Engine instances behind a router; above 1 compares isolated instances with "
                    "instances sharing a third tier.")
@@ -66,7 +69,7 @@ _DEFAULT_STACK = SimConfig().stack
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Write a PNG: modelled TTFT CDF and prompt tokens by tier, with and without offload "
                    "(with --instances: isolated instances against instances sharing a tier).")
-def simulate_command(trace_path: Path | None, block_size: int | None, verify: bool, seed: int,
+def simulate_command(trace_path: str | None, block_size: int | None, verify: bool, seed: int,
                      shape_name: str | None, limit: int | None, prefill_tokens_per_s: float, pcie_gbps: float,
                      decode_ms_per_token: float, no_baseline: bool, instances: int, router: str,
                      shared_url: str | None, shared_gbps: float, as_json: bool, plot_path: Path | None,
@@ -134,7 +137,7 @@ def simulate_command(trace_path: Path | None, block_size: int | None, verify: bo
 class _Workload:
     """The requests to replay: a trace file (read again for each run) or a synthetic workload shape."""
 
-    path: Path | None
+    path: str | None
     block_size: int
     seed: int
     limit: int | None
@@ -154,7 +157,7 @@ class _Workload:
 
     def describe(self) -> str:
         if self.path is not None:
-            return self.path.name
+            return os.path.basename(self.path)
         return f"synthetic {self.shape} (seed {self.seed})"
 
     def as_dict(self) -> dict[str, Any]:

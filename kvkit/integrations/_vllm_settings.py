@@ -242,7 +242,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     slots = {key: extra[key] for key in STACK_KEYS if key in extra and key not in ("cpu_blocks", "cpu_bytes")}
     for slot in set(NAMED_SLOTS) & slots.keys():
         if not isinstance(slots[slot], str):
-            problems.append(f"{_EXTRA}[{slot!r}]={quote(slots.pop(slot))}: must be a registered name (the "
+            problems.append(f"{_EXTRA}[{slot!r}]={quote(slots.pop(slot))}: must be a registered name (the "  # noqa: PERF401
                             f"config crosses process boundaries); register your class in kvkit.registry")
     bools = {key: problem_of(check_bool, f"{_EXTRA}[{key!r}]", extra[key])
              for key in ("async_load", "layerwise", "lazy_offload") if key in extra}
@@ -338,9 +338,9 @@ def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any]
     if set(given) <= {"cpu_bytes"}:  # kvkit's own keys: StackConfig checks them
         return {"cpu_bytes": given.get("cpu_bytes"), "cpu_blocks": blocks}, []
     if blocks is not None:
-        return {"cpu_blocks": 1}, [f"kv_connector_extra_config: cpu_blocks={blocks!r} and "
+        return {"cpu_blocks": 1}, [(f"kv_connector_extra_config: cpu_blocks={blocks!r} and "
                                    f"{', '.join(f'{k}={v!r}' for k, v in given.items())} all size the CPU "
-                                   f"tier; give cpu_blocks or bytes"]
+                                   f"tier; give cpu_blocks or bytes")]
     per_worker, problems = {}, []
     for key, value in given.items():
         try:

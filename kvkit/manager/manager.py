@@ -67,7 +67,7 @@ from typing import cast
 
 import attrs
 
-from kvkit.errors import ConfigError, PlanError, RequestStateError, UnknownRequestError
+from kvkit.errors import ConfigError, KVKitError, PlanError, RequestStateError, UnknownRequestError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import EvictionOrder
@@ -106,7 +106,7 @@ from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
 from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.stats import OffloadStats
-from kvkit.validate import at_least, int_problem, optional_at_least, plural
+from kvkit.validate import at_least, int_problem, optional_at_least, plural, quote
 
 __all__ = ["OffloadManager"]
 
@@ -281,7 +281,9 @@ class OffloadManager:
             UnknownRequestError: the id is not a ``str``.
             HashInputError: a hash is not an int (NumPy integers are converted).
             RequestStateError: the id is live, or the counts disagree.
-            ConfigError: ``hints`` is neither ``None`` nor a ``WorkloadHints``.
+            ConfigError: ``hints`` is neither ``None`` nor a ``WorkloadHints``, or
+                the CPU policy's ``on_hints`` raised (its error, if a kvkit one).
+            Whatever is raised, the request is not added.
         """
         check_request_id(request_id)
         if hints is not None and not isinstance(hints, WorkloadHints):
@@ -290,10 +292,20 @@ class OffloadManager:
             raise RequestStateError(f"request {request_id!r} is already live")
         hashes = check_hashes(request_id, block_hashes)
         n = check_prompt(request_id, hashes, num_prompt_tokens, self.kv.block_size)
+        if hints is not None and self._hint_sink is not None:
+            self._hear_hints(request_id, hashes, hints)
         self._ended.revive(request_id)
         self._requests[request_id] = Request(request_id, hashes, n)
-        if hints is not None and self._hint_sink is not None:
-            self._hint_sink(hashes, hints)
+
+    def _hear_hints(self, request_id: str, hashes: list[BlockHash], hints: WorkloadHints) -> None:
+        """Give the CPU policy the request's hints, before the request exists: a refusal adds nothing."""
+        try:
+            self._hint_sink(hashes, hints)  # type: ignore[misc]
+        except KVKitError:
+            raise
+        except Exception as exc:  # a user policy's bug: typed, and the request is not added
+            raise ConfigError(f"request {request_id!r} not added: the CPU policy's on_hints raised {exc!r} "
+                              f"for hints {quote(hints)}") from exc
 
     def extend(self, request_id: str, new_hashes: Sequence[BlockHash],
                num_tokens: int | None = None) -> None:
@@ -409,7 +421,8 @@ class OffloadManager:
             if not isinstance(answer, LoadPlan) or answer.hit_blocks != h or (answer.compute_blocks and not overlap):
                 raise TypeError(f"plan() answered {answer!r} for a hit of {h} blocks (overlap={overlap})")
             plan = answer
-            chosen, loading = self.planner.estimate_ms(query, plan), self.planner.estimate_ms(query, LoadPlan.load_all(h))
+            chosen = self.planner.estimate_ms(query, plan)
+            loading = self.planner.estimate_ms(query, LoadPlan.load_all(h))
         except Exception as exc:  # noqa: BLE001 - a planner's bug must not wedge the engine
             self._events.contain(self.planner, "plan", exc, self.stats.planner_errors, "planner_errors")
             return LoadPlan.load_all(h)
@@ -508,7 +521,8 @@ class OffloadManager:
             raise wrong_state(r, "append_blocks needs a running request")
         taken, limit = r.block_ids, self.num_gpu_blocks
         rows = new_block_ids
-        if len(rows) == 1 and len(rows[0]) == 1 and len(r.block_table) == 1:  # one decode block: O(1)
+        if (rows.__class__ is list and len(rows) == 1 and rows[0].__class__ is list and len(rows[0]) == 1
+                and len(r.block_table) == 1):  # one decode block: O(1)
             b = rows[0][0]
             if (b.__class__ is int and b not in taken and 0 <= b != self.null_block
                     and (limit is None or b < limit)):
@@ -908,10 +922,12 @@ class OffloadManager:
             self._ended.drop_hold(r)
 
     def _observe(self, source: HitSource, num_bytes: int, seconds: float) -> None:
+        planner = self.planner
+        assert planner is not None  # observed only with a planner
         try:
-            self.planner.observe_move(source, num_bytes, seconds)
+            planner.observe_move(source, num_bytes, seconds)
         except Exception as exc:  # noqa: BLE001 - as plan_load
-            self._events.contain(self.planner, "observe_move", exc, self.stats.planner_errors, "planner_errors")
+            self._events.contain(planner, "observe_move", exc, self.stats.planner_errors, "planner_errors")
 
     def _empty_cpu(self, force: bool = False) -> None:
         dropped = self.cpu.reset(force=True) if force else self.cpu.reset()

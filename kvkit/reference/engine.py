@@ -315,10 +315,14 @@ class ReferenceEngine:
 
     def _compute_heads(self, heads: list[EngineRequest]) -> None:
         """Write each request's head (hit blocks recomputed instead of loaded), front to back."""
-        bs = self.stack.config.kv.block_size
+        if not heads:
+            return
+        compute, kv = self.compute, self.stack.config.kv
+        assert isinstance(compute, HeadCompute) and kv is not None  # heads are planned only with one
+        bs = kv.block_size
         for req in heads:
             start = req.gpu_hit_tokens // bs
-            self.compute.prefill_head(self, req, start, start + req.head_tokens // bs)
+            compute.prefill_head(self, req, start, start + req.head_tokens // bs)
 
     def _submit(self, plan: StepPlan) -> None:
         if self.stack.shared_workers:  # each rank runs its fetches, copies and puts in order

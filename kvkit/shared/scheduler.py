@@ -10,8 +10,9 @@ committed, ``write-back`` puts the CPU pool's next eviction candidates ahead
 of their eviction.
 
 Failure is normal. A failed fetch or put makes the tier *suspect*: a probe (a
-tiny put of the codec's ``probe_key`` with each suffix of :data:`PROBE_KEYS`, under the
-tenant's prefix, spread over a Cluster's nodes, through the scheduler's own client) is sent, and only a probe that fails with a transport
+tiny put of the codec's ``probe_key`` with each suffix of :data:`PROBE_KEYS`,
+under the tenant's prefix, spread over a Cluster's nodes, through the
+scheduler's own client) is sent, and only a probe that fails with a transport
 error on every key turns the tier off (one live node keeps it on: the store
 fails the dead nodes' keys itself) for a back-off interval (doubling up to a
 cap), loudly: ``stats.shared_outages``, one ``RuntimeWarning`` per outage,
@@ -68,8 +69,9 @@ from kvkit.validate import (
 __all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
 
 PROBE_KEYS = tuple(b":%d" % i for i in range(16))
-"""The suffixes of the keys a probe writes, after the codec's ``probe_key`` (no block key looks like them): 16 hash slots, so every node of a Cluster
-of a few nodes almost surely holds one (all 16 on one node of three: odds of 3 in 3**16)."""
+"""The suffixes of the keys a probe writes after the codec's ``probe_key`` (no block key looks like
+them): 16 hash slots, so every node of a Cluster of a few nodes almost surely holds one (all 16 on one
+node of three: odds of 3 in 3**16)."""
 
 
 _LABEL = "SharedTierSpec."

@@ -47,7 +47,7 @@ from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
 from kvkit.registry import EVICTION
 from kvkit.sim.traces import TraceRequest
-from kvkit.validate import check_int, plural
+from kvkit.validate import check_int, plural, quote
 
 __all__ = ["OPT", "STORES", "HitStats", "PolicyStudy", "TraceClock", "check_stores", "check_study",
            "default_policies", "replay", "study"]
@@ -88,10 +88,14 @@ class HitStats:
         return self.hits / self.references if self.references else 0.0
 
 
-def _make_policy(name: str, requests: Sequence[TraceRequest]) -> EvictionPolicy:
+def _make_policy(name: str, requests: Sequence[TraceRequest], clock: TraceClock | None = None) -> EvictionPolicy:
+    """The registered policy ``name`` for ``requests``; one that reads time is built with ``clock`` when given."""
     if name == OPT:
         return EVICTION.create(OPT, slot="policy",
                                references=[h for r in requests for h in r.hash_ids])
+    cls = EVICTION.load(name)
+    if clock is not None and attrs.has(cls) and "clock" in attrs.fields_dict(cls):
+        return EVICTION.create(name, slot="policy", clock=clock)
     return EVICTION.create(name, slot="policy")
 
 
@@ -124,7 +128,8 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
             :class:`~kvkit.interfaces.hints.HintAwarePolicy` before its lookup,
             as :meth:`~kvkit.manager.manager.OffloadManager.add_request` does.
         clock: set to each request's timestamp (seconds) before its lookup;
-            a policy that reads time (retention hints) is built with it.
+            a policy that reads time (retention hints) is built with it: a
+            policy given by name that has a ``clock`` field gets this one.
 
     Raises:
         ConfigError: unknown policy name, bad capacity or ``stores``, or ``hints`` not one per request.
@@ -132,7 +137,9 @@ def replay(requests: Sequence[TraceRequest], capacity: int,
     capacity = check_int("capacity", capacity, 1)
     per_block = check_stores(stores) == STORES[0]
     name = policy if isinstance(policy, str) else type(policy).__name__
-    instance = _make_policy(policy, requests) if isinstance(policy, str) else policy
+    if clock is not None and not isinstance(clock, TraceClock):
+        raise ConfigError(f"clock={quote(clock)}: must be a TraceClock or None")
+    instance = _make_policy(policy, requests, clock) if isinstance(policy, str) else policy
     pool = BlockPool(capacity, eviction=instance)
     observe: Callable[[int], None] | None = getattr(instance, "observe", None)
     lookup, incref, touch = pool.lookup, pool.incref, pool.touch

@@ -64,7 +64,7 @@ import heapq
 import math
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -629,12 +629,14 @@ class Simulator:
     def _prefill_ms(self, n: int, gpu: int, head: int, cpu_blocks: int, shared_blocks: int) -> float:
         """The modelled prefill of a request; tells the planner what each of its parts took."""
         cost, planner = self.config.cost, self.stack.manager.planner
+        bt, kv = self.config.block_size, self.stack.config.kv
+        assert bt is not None and kv is not None  # the stack is built
         loaded = cpu_blocks + shared_blocks
-        rest = n - gpu - head - loaded * self.config.block_size
+        rest = n - gpu - head - loaded * bt
         fetch_ms = cost.fetch_ms(shared_blocks * self._block_bytes)
         load_ms = cost.load_ms(loaded * self._block_bytes)
         if planner is not None:
-            stack_bytes = self.stack.config.kv.bytes_per_block
+            stack_bytes = kv.bytes_per_block
             if shared_blocks:
                 planner.observe_move(HitSource.SHARED, shared_blocks * stack_bytes, fetch_ms * 1e-3)
             if loaded:

@@ -64,8 +64,8 @@ import ast
 import itertools
 import math
 import random
-from collections.abc import Hashable, Iterator, Sequence
-from typing import ClassVar, Protocol
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, ClassVar, Protocol
 
 import attrs
 
@@ -74,23 +74,59 @@ from kvkit.errors import ConfigError
 from kvkit.interfaces.hints import WorkloadHints
 from kvkit.sim.traces import TraceRequest
 from kvkit.validate import (
-    at_least,
     check_int,
     check_int_pair,
     checked,
     did_you_mean,
+    is_int,
     known_keywords,
     plural,
     quote,
     real_in,
 )
 
-__all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]
+__all__ = ["SHAPES", "AgentWorkload", "FewShotWorkload", "MixedWorkload", "RagWorkload", "SyntheticWorkload", "generate", "shape"]  # noqa: E501
 
-_positive_int = at_least(1)
+# Every shape field is bounded, so that a generator terminates in bounded time and memory and
+# its arithmetic (Zipf powers, log-normal lengths, timestamps in ms) stays within floats:
+MAX_COUNT = 1_000_000  # requests, conversations, sessions, prompts, documents, templates, turns
+MAX_TOKENS = 1 << 20  # a segment's tokens (lengths, their means), block sizes
+MAX_SKEW = 8.0  # Zipf exponents: 8 already gives rank 2 under 0.4% of rank 1's weight
+MAX_RATE = 1e6  # arrivals per second, and 1 / the slowest rate (MIN_RATE)
+MIN_RATE = 1e-6
+MAX_SECONDS = 1e6  # mean gaps, think times, latencies, retentions
+MAX_REPEATS = 1000.0  # mean steps or turns of a geometric session
+MAX_FOLLOW_UP = 0.99  # a follow-up's chance: below 1, so a chain of follow-ups ends
+MAX_SIGMA = 4.0  # a log-normal length's sigma
+_MIN_NEW_DOCUMENT = 1e-3  # a RAG request's share of draws that can find its last document (~1000 draws at worst)
+
+
+def _int_in(low: int, high: int) -> Callable[[Any, attrs.Attribute, Any], None]:
+    """An ``attrs`` validator: the field is an int in ``[low, high]`` (``ConfigError`` quoting it)."""
+
+    def validate(inst: object, attribute: attrs.Attribute, value: object) -> None:
+        if not is_int(value) or not low <= value <= high:  # type: ignore[operator]
+            raise ConfigError(f"{type(inst).__name__}.{attribute.name}={quote(value)}: must be an int in "
+                              f"[{low}, {high}]")
+
+    return validate
+
+
+def _range_up_to_max(inst: object, attribute: attrs.Attribute, value: tuple[int, int]) -> None:
+    """An ``attrs`` validator: a (low, high) token range's high is at most ``MAX_TOKENS``."""
+    if value[1] > MAX_TOKENS:
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name}={quote(value)}: high must be at most {MAX_TOKENS}")
+
+
 _positive_range = checked(check_int_pair, minimum=1)  # (low, high) with 1 <= low <= high
-_positive_float = real_in(low=0, low_open=True, high=math.inf, high_open=True)  # finite and > 0
-_skew = real_in(low=0, high=math.inf, high_open=True)  # finite and >= 0
+_count = _int_in(1, MAX_COUNT)
+_block_size = _int_in(1, MAX_TOKENS)
+_tokens = _int_in(0, MAX_TOKENS)
+_tokens_mean = real_in(low=0, low_open=True, high=MAX_TOKENS)
+_rate = real_in(low=MIN_RATE, high=MAX_RATE)
+_seconds = real_in(low=0, low_open=True, high=MAX_SECONDS)
+_skew = real_in(low=0, high=MAX_SKEW)
+_repeats = real_in(low=1, high=MAX_REPEATS)
 
 
 @known_keywords
@@ -120,19 +156,20 @@ class SyntheticWorkload:
     name: ClassVar[str] = "chat"
 
     seed: int = attrs.field(default=0, converter=checked(check_int))
-    num_conversations: int = attrs.field(default=350, validator=_positive_int)
-    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
-    conversations_per_s: float = attrs.field(default=1.0, validator=_positive_float)
-    num_system_prompts: int = attrs.field(default=8, validator=_positive_int)
-    system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=checked(check_int_pair))
+    num_conversations: int = attrs.field(default=350, validator=_count)
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
+    conversations_per_s: float = attrs.field(default=1.0, validator=_rate)
+    num_system_prompts: int = attrs.field(default=8, validator=_count)
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(256, 3072), converter=checked(check_int_pair),
+                                             validator=_range_up_to_max)
     system_prompt_skew: float = attrs.field(default=1.2, validator=_skew)
-    max_turns: int = attrs.field(default=16, validator=_positive_int)
+    max_turns: int = attrs.field(default=16, validator=_count)
     turns_skew: float = attrs.field(default=1.0, validator=_skew)
-    user_tokens_mean: float = attrs.field(default=200.0, validator=_positive_float)
-    output_tokens_mean: float = attrs.field(default=250.0, validator=_positive_float)
-    length_sigma: float = attrs.field(default=1.0, validator=_skew)
-    think_time_mean_s: float = attrs.field(default=30.0, validator=_positive_float)
-    max_context_tokens: int = attrs.field(default=32768, validator=_positive_int)
+    user_tokens_mean: float = attrs.field(default=200.0, validator=_tokens_mean)
+    output_tokens_mean: float = attrs.field(default=250.0, validator=_tokens_mean)
+    length_sigma: float = attrs.field(default=1.0, validator=real_in(low=0, high=MAX_SIGMA))
+    think_time_mean_s: float = attrs.field(default=30.0, validator=_seconds)
+    max_context_tokens: int = attrs.field(default=32768, validator=_int_in(1, 2 * MAX_TOKENS))
 
     def __attrs_post_init__(self) -> None:
         # Turn 1 is clipped to fit: it needs room for one user and one output token.
@@ -298,16 +335,17 @@ class AgentWorkload:
 
     name: ClassVar[str] = "agent"
     seed: int = attrs.field(default=0, converter=checked(check_int))
-    num_sessions: int = attrs.field(default=120, validator=_positive_int)
-    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
-    sessions_per_s: float = attrs.field(default=0.25, validator=_positive_float)
-    num_system_prompts: int = attrs.field(default=4, validator=_positive_int)
-    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=_positive_range)
-    task_tokens_mean: float = attrs.field(default=300.0, validator=_positive_float)
-    steps_mean: float = attrs.field(default=6.0, validator=real_in(low=1, high=math.inf, high_open=True))
-    call_tokens_mean: float = attrs.field(default=80.0, validator=_positive_float)
-    result_tokens_mean: float = attrs.field(default=400.0, validator=_positive_float)
-    tool_latency_mean_s: float = attrs.field(default=4.0, validator=_positive_float)
+    num_sessions: int = attrs.field(default=120, validator=_count)
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
+    sessions_per_s: float = attrs.field(default=0.25, validator=_rate)
+    num_system_prompts: int = attrs.field(default=4, validator=_count)
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), converter=_positive_range,
+                                             validator=_range_up_to_max)
+    task_tokens_mean: float = attrs.field(default=300.0, validator=_tokens_mean)
+    steps_mean: float = attrs.field(default=6.0, validator=_repeats)
+    call_tokens_mean: float = attrs.field(default=80.0, validator=_tokens_mean)
+    result_tokens_mean: float = attrs.field(default=400.0, validator=_tokens_mean)
+    tool_latency_mean_s: float = attrs.field(default=4.0, validator=_seconds)
 
     def requests(self) -> Iterator[TraceRequest]:
         """This workload's requests, in time order."""
@@ -356,22 +394,32 @@ class RagWorkload:
 
     name: ClassVar[str] = "rag"
     seed: int = attrs.field(default=0, converter=checked(check_int))
-    num_requests: int = attrs.field(default=1400, validator=_positive_int)
-    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
-    requests_per_s: float = attrs.field(default=2.0, validator=_positive_float)
-    num_documents: int = attrs.field(default=3000, validator=_positive_int)
-    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=_positive_range)
+    num_requests: int = attrs.field(default=1400, validator=_count)
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
+    requests_per_s: float = attrs.field(default=2.0, validator=_rate)
+    num_documents: int = attrs.field(default=3000, validator=_count)
+    document_tokens: tuple[int, int] = attrs.field(default=(200, 1200), converter=_positive_range,
+                                             validator=_range_up_to_max)
     document_skew: float = attrs.field(default=0.9, validator=_skew)
-    docs_per_request: int = attrs.field(default=3, validator=_positive_int)
-    instruction_tokens: int = attrs.field(default=400, validator=at_least(0))
-    question_tokens_mean: float = attrs.field(default=60.0, validator=_positive_float)
-    follow_up_probability: float = attrs.field(default=0.3, validator=real_in(low=0, high=1))
-    follow_up_gap_mean_s: float = attrs.field(default=30.0, validator=_positive_float)
+    docs_per_request: int = attrs.field(default=3, validator=_count)
+    instruction_tokens: int = attrs.field(default=400, validator=_tokens)
+    question_tokens_mean: float = attrs.field(default=60.0, validator=_tokens_mean)
+    follow_up_probability: float = attrs.field(default=0.3, validator=real_in(low=0, high=MAX_FOLLOW_UP))
+    follow_up_gap_mean_s: float = attrs.field(default=30.0, validator=_seconds)
 
     def __attrs_post_init__(self) -> None:
         if self.docs_per_request > self.num_documents:
             raise ConfigError(f"docs_per_request={self.docs_per_request} exceeds "
                               f"num_documents={self.num_documents}")
+        # A request draws documents until it has docs_per_request distinct ones: the last draw must
+        # find a new one often enough (at worst the most popular ones are taken).
+        weights = _zipf_weights(self.num_documents, self.document_skew)
+        left = 1 - weights[self.docs_per_request - 2] / weights[-1] if self.docs_per_request > 1 else 1.0
+        if left < _MIN_NEW_DOCUMENT:
+            raise ConfigError(f"document_skew={quote(self.document_skew)} with docs_per_request="
+                              f"{self.docs_per_request} of num_documents={self.num_documents}: the documents past "
+                              f"the {self.docs_per_request - 1} most popular get {left:.2g} of the draws, below "
+                              f"{_MIN_NEW_DOCUMENT}; lower the skew or the documents per request")
 
     def requests(self) -> Iterator[TraceRequest]:
         """This workload's requests, in time order."""
@@ -419,14 +467,15 @@ class FewShotWorkload:
 
     name: ClassVar[str] = "few-shot"
     seed: int = attrs.field(default=0, converter=checked(check_int))
-    num_requests: int = attrs.field(default=2400, validator=_positive_int)
-    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
-    requests_per_s: float = attrs.field(default=8.0, validator=_positive_float)
-    num_templates: int = attrs.field(default=400, validator=_positive_int)
-    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=_positive_range)
+    num_requests: int = attrs.field(default=2400, validator=_count)
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
+    requests_per_s: float = attrs.field(default=8.0, validator=_rate)
+    num_templates: int = attrs.field(default=400, validator=_count)
+    template_tokens: tuple[int, int] = attrs.field(default=(800, 4000), converter=_positive_range,
+                                             validator=_range_up_to_max)
     template_skew: float = attrs.field(default=1.0, validator=_skew)
-    drift_every: int = attrs.field(default=800, validator=_positive_int)
-    input_tokens_mean: float = attrs.field(default=150.0, validator=_positive_float)
+    drift_every: int = attrs.field(default=800, validator=_count)
+    input_tokens_mean: float = attrs.field(default=150.0, validator=_tokens_mean)
 
     def requests(self) -> Iterator[TraceRequest]:
         """This workload's requests, in time order."""
@@ -475,15 +524,16 @@ class MixedWorkload:
 
     name: ClassVar[str] = "mixed"
     seed: int = attrs.field(default=0, converter=checked(check_int))
-    num_sessions: int = attrs.field(default=200, validator=_positive_int)
-    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_positive_int)
-    sessions_per_s: float = attrs.field(default=0.5, validator=_positive_float)
-    turns_mean: float = attrs.field(default=4.0, validator=real_in(low=1, high=math.inf, high_open=True))
-    think_time_mean_s: float = attrs.field(default=60.0, validator=_positive_float)
-    batch_per_s: float = attrs.field(default=0.5, validator=_positive_float)
-    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=_positive_range)
-    system_prompt_tokens: int = attrs.field(default=1000, validator=at_least(0))
-    retention_s: float = attrs.field(default=300.0, validator=_positive_float)
+    num_sessions: int = attrs.field(default=200, validator=_count)
+    block_size: int = attrs.field(default=DEFAULTS.block_size, validator=_block_size)
+    sessions_per_s: float = attrs.field(default=0.5, validator=_rate)
+    turns_mean: float = attrs.field(default=4.0, validator=_repeats)
+    think_time_mean_s: float = attrs.field(default=60.0, validator=_seconds)
+    batch_per_s: float = attrs.field(default=0.5, validator=_rate)
+    batch_tokens: tuple[int, int] = attrs.field(default=(1000, 4000), converter=_positive_range,
+                                             validator=_range_up_to_max)
+    system_prompt_tokens: int = attrs.field(default=1000, validator=_tokens)
+    retention_s: float = attrs.field(default=300.0, validator=_seconds)
 
     def hinted(self) -> tuple[list[TraceRequest], list[WorkloadHints]]:
         """The requests in time order and, one per request, its hints."""

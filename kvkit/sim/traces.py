@@ -11,7 +11,8 @@ One JSON object a line::
 * ``hash_ids``: the prompt's blocks of ``block_size`` tokens as ints ``>= 0``,
   prefix-chained (equal ids at equal positions mean equal prefixes); the last,
   possibly partial, block has an id too, so there are exactly
-  ``ceil(input_length / block_size)`` of them.
+  ``ceil(input_length / block_size)`` of them, all different (a request
+  repeating an id is refused: a block cannot be its own prefix).
 
 Extra fields are allowed and ignored (not kept). Blank lines are skipped; line
 numbers count every physical line, so errors point at the right line. Every
@@ -154,6 +155,11 @@ def _parse(path: str, line: int, text: str, block_size: int,
         raise TraceFormatError(path, line, "hash_ids", f"expected ids >= 0, got {quote(min(ids))}")
     if ids and max(ids) >= _INT_LIMIT:
         raise TraceFormatError(path, line, "hash_ids", f"expected ids below 2**63, got {quote(max(ids))}")
+    if len(set(ids)) != len(ids):  # a block cannot be its own prefix: the engine would map one block twice
+        seen: set[int] = set()
+        repeated = next(x for x in ids if x in seen or seen.add(x))  # type: ignore[func-returns-value]
+        raise TraceFormatError(path, line, "hash_ids",
+                               f"id {quote(repeated)} appears twice: every block of a prompt has its own id")
     expected = -(-input_length // block_size)
     if len(ids) != expected:
         raise TraceFormatError(
@@ -206,11 +212,15 @@ def _path(path: object) -> str:
 def trace_path(trace: str | os.PathLike[str]) -> str:
     """The file a trace argument names: a built-in trace's packaged file, else ``trace`` itself.
 
+    Only a ``str`` that is exactly a built-in name names a built-in trace:
+    ``./NAME``, any text with a separator and any ``os.PathLike`` (a
+    ``Path`` drops a leading ``./``) are paths, read from the file system.
+
     Raises:
         ConfigError: ``trace`` is not a str or an os.PathLike, or holds a NUL.
     """
     name = _path(trace)
-    builtin = BUILTIN_TRACES.get(name)
+    builtin = BUILTIN_TRACES.get(name) if isinstance(trace, str) else None
     return str(_DATA / builtin) if builtin is not None else name
 
 

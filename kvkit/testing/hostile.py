@@ -91,6 +91,13 @@ BAD_CALLS: dict[str, tuple[frozenset[str], Call]] = {k: (frozenset(n), c) for k,
     "append: float": (("running",), lambda m, w, r: m.append_blocks(r, [[30.0]])),
     "append: groups": (("running",), lambda m, w, r: m.append_blocks(r, [[30]] * (len(m.kv.groups) + 1))),
     "append: waiting": (("waiting",), lambda m, w, r: m.append_blocks(w, [[30]])),
+    "append: an iterator of a duplicate": (("running",), lambda m, w, r: m.append_blocks(
+        r, iter([[m.request(r).block_table[0][0]]]))),
+    "append: a tuple of a duplicate": (("running",), lambda m, w, r: m.append_blocks(
+        r, ((m.request(r).block_table[0][0],),))),
+    "append: rows an int": (("running",), lambda m, w, r: m.append_blocks(r, 5)),
+    "append: rows None": (("running",), lambda m, w, r: m.append_blocks(r, None)),
+    "append: a row an int": (("running",), lambda m, w, r: m.append_blocks(r, [7])),
     "extend: str hash": (("running",), lambda m, w, r: m.extend(r, ["h"])),
     "extend: bad tokens": (("running",), lambda m, w, r: m.extend(r, [1], num_tokens=-1)),
     "extend: tokens below blocks": (("running",), lambda m, w, r: m.extend(r, [1], num_tokens=4)),

@@ -81,6 +81,7 @@ def non_loopback_address_or_skip() -> str:
     import pytest
 
     pytest.skip("this host has no IPv4 address beyond loopback")
+    return None
 
 
 def free_port() -> int:

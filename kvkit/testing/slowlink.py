@@ -8,6 +8,7 @@ changed while connections are open. Every wait of its threads is short (``_TICK`
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
@@ -112,10 +113,8 @@ class SlowLink:
                     self._sleep(len(data) / rate)
         except OSError:
             pass
-        try:
+        with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
 
     def _send(self, dst: socket.socket, data: bytes) -> None:
         view = memoryview(data)

@@ -30,7 +30,7 @@ from kvkit.errors import (
 from kvkit.interfaces.capabilities import LayeredCopy, SelfChecking
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
-from kvkit.validate import check_int, check_real, checked, implements, is_int, plural, quote
+from kvkit.validate import check_bool, check_int, check_real, checked, implements, is_int, plural, quote
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.layouts import (
     allocate_kv,
@@ -139,6 +139,44 @@ def layer_stages(spec: KVCacheSpec, regions: Sequence[Region],
                 start = i
         stages[group] = out
     return stages
+
+
+def _transfer_ids(name: str, value: object) -> frozenset[int]:
+    """``value`` as a set of transfer ids, or ``ConfigError`` quoting it: a collection of ints, not a ``str``."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Collection):
+        raise ConfigError(f"{name}={quote(value)}: must be a collection of transfer ids (ints)")
+    bad = [v for v in value if not is_int(v)]
+    if bad:
+        raise ConfigError(f"{name}={quote(value)}: transfer ids must be ints, got {quote(bad[0])}")
+    return frozenset(int(v) for v in value)
+
+
+def _check_written(written: object, num_layers: int) -> Mapping[int, Any]:
+    """``written`` if it is a mapping whose keys are layers of the spec, else ``PlanError`` quoting it."""
+    if not isinstance(written, Mapping):
+        raise PlanError(f"written={quote(written)}: must be a mapping of layer (int) to event")
+    bad = [layer for layer in written if not is_int(layer, 0) or layer >= num_layers]
+    if bad:
+        raise PlanError(f"written={quote(written)}: key {quote(bad[0])} is not a layer of the spec "
+                        f"(0..{num_layers - 1})")
+    return written
+
+
+def _stage_events(events: object, stages: int) -> list[tuple[Any, ...]] | None:
+    """A layered load's events per stage, when every stage answered some; ``None``: wait for it whole.
+
+    The :class:`~kvkit.interfaces.capabilities.LayeredCopy` contract answers
+    one tuple per stage; an empty one claims the stage already landed, which
+    nothing here can verify, so such a load (a host-memory copy, which did
+    land) is waited for whole: a poll, not a stale read. An answer that is
+    not one tuple per stage breaks the contract: warned of, waited for whole
+    (the copy was launched, so it is still reported as it completes).
+    """
+    if not isinstance(events, Sequence) or len(events) != stages or not all(isinstance(e, tuple) for e in events):
+        warnings.warn(f"copy backend answered {quote(events)} for {plural(stages, 'stage')}, not one tuple of "
+                      f"events per stage: the transfer is waited for whole", RuntimeWarning, stacklevel=3)
+        return None
+    return list(events) if all(events) else None
 
 
 def _written_after(written: Mapping[int, Any], layers: tuple[int, ...], fallback: Any) -> Any:
@@ -359,12 +397,16 @@ class TransferEngine:
         Raises:
             ConfigError: no KV cache registered yet.
             PlanError: ``transfer_id`` is not an int >= 0 or is not reported yet,
+                ``layered`` is not a bool, ``written`` is not a mapping of layer ints,
                 ``plan`` is not a ``TransferPlan`` of a registered group, or the
                 backend rejected the plan; nothing was launched.
         """
         if self._layout is None:
             raise ConfigError("no KV cache registered: call register_kv() or allocate_kv() first")
         transfer_id = check_int("transfer_id", transfer_id, 0, error=PlanError)
+        layered = check_bool("layered", layered, error=PlanError)
+        if written is not None:
+            written = _check_written(written, self.spec.num_layers)
         if transfer_id in self._unreported:
             raise PlanError(f"transfer id {transfer_id!r} is already in flight (not reported yet)")
         if not isinstance(plan, TransferPlan):
@@ -382,8 +424,9 @@ class TransferEngine:
                 waits = ([done] + [None] * (len(stages) - 1) if written is None
                          else [_written_after(written, held, done) for _, held in stages])
                 handle, events = self.copy.submit_stages(plan, [regions for regions, _ in stages], after=waits)
-                if load:
-                    layers = {layer: tuple(ev) for (_, held), ev in zip(stages, events) for layer in held}
+                answered = _stage_events(events, len(stages))
+                if load and answered is not None:
+                    layers = {layer: ev for (_, held), ev in zip(stages, answered) for layer in held}
             else:
                 handle = self.copy.submit(plan, after=done)
         except PlanError:
@@ -454,12 +497,15 @@ class TransferEngine:
         hold it up). Results stay for :meth:`poll`.
 
         Raises:
-            ConfigError: ``layer`` is not a layer of the spec, or ``timeout`` is not a number >= 0.
+            ConfigError: ``layer`` is not a layer of the spec, ``transfers`` is not a
+                collection of ints, or ``timeout`` is not a number >= 0.
             TransferTimeoutError: as :meth:`drain`, for the loads waited for whole.
         """
         layer = check_int("layer", layer, 0)
         if layer >= self.spec.num_layers:
             raise ConfigError(f"layer={quote(layer)}: the spec has layers 0..{self.spec.num_layers - 1}")
+        if transfers is not None:
+            transfers = _transfer_ids("transfers", transfers)
         limit = self._timeout(timeout)
         whole: set[int] = set()  # (a finished load still listed costs a no-op device wait, or a quick host one)
         for job in self._in_flight.values():
@@ -482,10 +528,11 @@ class TransferEngine:
         Waits as :meth:`drain` (by polling, at most ``timeout`` seconds), for those transfers only.
 
         Raises:
-            ConfigError: ``timeout`` is not a number >= 0.
+            ConfigError: ``transfers`` is not a collection of ints (a ``str`` is not), or
+                ``timeout`` is not a number >= 0.
             TransferTimeoutError: as :meth:`drain`.
         """
-        wanted = set(transfers)
+        wanted = _transfer_ids("transfers", transfers)
         self._wait_until(lambda: wanted.isdisjoint(j.transfer_id for j in self._in_flight.values()),
                          self._timeout(timeout))
 

@@ -183,7 +183,7 @@ def allocate_kv(spec: KVCacheSpec, layout: str, num_blocks: int,
         return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
     except RuntimeError as exc:  # the allocator refused after all (fragmentation, overcommit limits)
         raise InsufficientMemoryError(
-            f"cannot allocate a KV cache of {plural(num_blocks, 'block')} ({nbytes} bytes) on {device}: {exc}") from None
+            f"cannot allocate a KV cache of {plural(num_blocks, 'block')} ({nbytes} bytes) on {device}: {exc}") from None  # noqa: E501
 
 
 def kv_views(spec: KVCacheSpec, layout: str, num_blocks: int,
@@ -258,7 +258,7 @@ def validate_kv(spec: KVCacheSpec, layout: str, tensors: Sequence[torch.Tensor],
         if not t.is_contiguous():
             raise SpecMismatchError(f"tensor {i} is not contiguous: shape {tuple(t.shape)} strides {t.stride()}")
     if num_blocks < max(min_blocks, 1):
-        raise SpecMismatchError(f"cache holds {plural(num_blocks, 'block')} (shape {tuple(first.shape)}), needs at least "
+        raise SpecMismatchError(f"cache holds {plural(num_blocks, 'block')} (shape {tuple(first.shape)}), needs at least "  # noqa: E501
                                 f"{max(min_blocks, 1)}")
     _check_disjoint(tensors)
     return num_blocks

@@ -37,7 +37,7 @@ def test_default_run_shows_that_offload_helps():
     result = _run("--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert REQUIRED_KEYS <= set(report)
+    assert set(report) >= REQUIRED_KEYS
     assert set(report["ttft_model_ms"]) >= {"p50", "p90", "p99"}
     assert report["hit_tokens_cpu"] > 0
     assert report["leaked_blocks"] == 0

@@ -22,6 +22,8 @@ _BAD_FILES = {
     "nul bytes": (b"\x00" * 4096, ":1: field '<line>': not valid JSON"),
     "bad line after good ones": (_GOOD * 3 + b"garbage\n", ":4: field '<line>': not valid JSON"),
     "missing": (None, ": cannot read the trace: No such file or directory"),
+    "repeated hash id": (_GOOD + b'{"timestamp": 1, "input_length": 40, "output_length": 5, "hash_ids": [1, 2, 1]}\n',
+                         ":2: field 'hash_ids': id 1 appears twice"),
 }
 
 
@@ -80,3 +82,11 @@ def test_simulate_checks_the_whole_trace_before_replaying(tmp_path, monkeypatch)
     monkeypatch.setattr(simulate_module, "simulate", lambda *args, **kwargs: replays.append(args))
     _assert_one_line(_run("simulate", path), f"{path}:51:")
     assert replays == []
+
+
+@pytest.mark.parametrize("command", ["simulate", "policies"])
+def test_a_dot_slash_path_reads_the_file_of_a_built_in_name(tmp_path, monkeypatch, command):
+    """``./mooncake-conversation`` is the local file of that name, not the built-in trace."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mooncake-conversation").write_bytes(b"garbage\n")
+    _assert_one_line(_run(command, "./mooncake-conversation"), "mooncake-conversation:1: field '<line>'")

@@ -308,6 +308,9 @@ def test_bad_requests_raise_and_leave_the_stack_clean(models):
         lm.generate(list(range(3, 40)), 2)
     with pytest.raises(ConfigError, match="sequence of ints"):
         lm.generate([5, 6.5], 2)
+    for bad in (2**63, -1, 2**31):
+        with pytest.raises(ConfigError, match=rf"token ids must be ints in \[0, 2\*\*31\), got {bad}"):
+            lm.generate([5, bad], 2)
     assert lm.generate([5, 6, 7], 2, stop_tokens=()).tokens
     lm.engine.drain()
     lm.check_invariants()

@@ -433,7 +433,7 @@ def test_a_prefix_is_stored_in_the_step_that_computes_it_and_loaded_into_the_nex
     _assert_idle(sides)
 
 
-@pytest.mark.parametrize("seconds, loaded", [(10.0, 0), (1e-6, 3 * BS)], ids=["slower", "faster"])
+@pytest.mark.parametrize(("seconds", "loaded"), [(10.0, 0), (1e-6, 3 * BS)], ids=["slower", "faster"])
 def test_a_hit_slower_to_load_than_to_recompute_is_declined(seconds, loaded):
     """With the engine's prefill speed given, a CPU tier the planner saw as slow is not loaded: vLLM is told
     0 matched tokens and computes them; a fast one is loaded whole (vLLM loads a prefix only)."""

@@ -81,7 +81,7 @@ def test_the_tenant_and_the_secret_from_an_environment_variable_or_a_file_reach_
     assert codecs[0].key(7, 0) == codecs[1].key(7, 0) and codecs[0].key(7, 0).startswith(b"kvkit:acme:")
 
 
-@pytest.mark.parametrize("shared, needles", [
+@pytest.mark.parametrize(("shared", "needles"), [
     ({"secret": "PW-s3cr3t"}, ["['shared']['secret']: not taken here", "secret_env", "secret_file"]),
     ({"secret_env": "KVKIT_TEST_UNSET"}, ["KVKIT_TEST_UNSET is not set"]),
     ({"secret_env": "KVKIT_TEST_EMPTY"}, ["KVKIT_TEST_EMPTY is empty"]),

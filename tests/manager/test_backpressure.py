@@ -70,7 +70,7 @@ def test_slow_cpu_stores_are_dropped_and_counted_never_waited_for():
     dropped (counted) while the probe is in flight, and the tier takes stores again once copies are fast."""
     mgr, gpu = _manager(store_backpressure=Backpressure(high_ms=100, low_ms=10, smoothing=1.0))
     _computed(mgr, gpu, "a", 100)
-    (tid, plan), = mgr.build_step().stores
+    (tid, _), = mgr.build_step().stores
     mgr.apply_completions([TransferResult(tid, 0, seconds=1.0, num_bytes=1)])  # one second: congested
     _computed(mgr, gpu, "b", 200)
     (probe, _), = mgr.build_step().stores  # nothing in flight: one batch probes the tier
@@ -103,6 +103,6 @@ def test_slow_puts_are_deferred_within_a_bounded_backlog():
     mgr.apply_completions([TransferResult(tid, 0)])
     assert mgr.build_step().puts == ()  # deferred behind the probe
     mgr.apply_completions([TransferResult(probe, 0, seconds=0.001, num_bytes=1)])
-    (late, plan), = mgr.build_step().puts  # the deferred ones go now
+    (_, plan), = mgr.build_step().puts  # the deferred ones go now
     assert len(plan) == 4 and mgr.stats.puts_backpressured.value == 0
     mgr.check_invariants()

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from kvkit.backends.allocator import BlockPool
+from kvkit.backends.eviction.hinted import HintedPolicy
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore
-from kvkit.errors import KVKitError
+from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces import KVCacheSpec, OffloadCallback, TransferResult
+from kvkit.interfaces.hints import WorkloadHints
 from kvkit.manager import OffloadManager
 from kvkit.manager.events import Events
 from kvkit.testing.doubles import RaisingCallback
@@ -212,4 +214,47 @@ def test_a_forced_reset_does_not_wait_and_never_serves_a_stale_byte():
     report = complete(m, stuck)  # the late completions land: nothing commits, the load is a failure
     assert report.load_failed == {"load"} and m.cpu.lookup([11]) == [] and m.cpu.lookup([1]) == []
     assert sum(m.cpu_refs_held().values()) == 0
+    m.check_invariants()
+
+
+def test_appended_blocks_may_come_as_any_iterable():
+    """An iterator or tuple of rows is read like a list (not a bare TypeError from the one-block fast path)."""
+    m = make()
+    serve_fully(m, "s", [1, 2])
+    m.add_request("a", [5, 6], 8)
+    m.lookup("a", 0)
+    m.on_allocated("a", [m.gpu.allocate(2)])
+    first, second = m.gpu.allocate(2)
+    m.append_blocks("a", iter([[first]]))
+    m.append_blocks("a", ((second,),))
+    assert m.request("a").block_table[0][-2:] == [first, second]
+    m.check_invariants()
+
+
+class _RaisingHints(HintedPolicy):
+    """A user's hint-aware policy whose hint handler has a bug."""
+
+    def on_hints(self, hashes, hints):
+        raise RuntimeError("hint handler bug")
+
+
+class _RefusingHints(HintedPolicy):
+    """A hint-aware policy that refuses every hint with a kvkit error."""
+
+    def on_hints(self, hashes, hints):
+        super().on_hints([*hashes, 1.5], hints)
+
+
+@pytest.mark.parametrize(("policy", "pattern"), [(_RaisingHints, r"not added: the CPU policy's on_hints raised"),
+                                                 (_RefusingHints, r"block hashes must be ints, got 1.5")])
+def test_a_refused_hint_adds_no_request(policy, pattern):
+    """A hint handler that raises refuses add_request whole (typed): the id stays free, nothing changed."""
+    m = OffloadManager(SPEC, BlockPool(NUM_CPU, eviction=policy()), EagerStore(),
+                       gpu=BlockPool(NUM_GPU, eviction=LRUPolicy()))
+    before = snapshot(m)
+    with pytest.raises(ConfigError, match=pattern):
+        m.add_request("h", [1, 2], 8, hints=WorkloadHints(priority=1))
+    assert snapshot(m) == before
+    m.check_invariants()
+    m.add_request("h", [1, 2], 8)  # not "already live"
     m.check_invariants()

@@ -38,11 +38,13 @@ from hypothesis.stateful import (
 
 from kvkit.backends.allocator import BlockPool
 from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.backends.eviction.hinted import HintedPolicy
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore, LazyStore, NeverStore, SelectiveStore
 from kvkit.errors import KVKitError, OutOfBlocksError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import Direction, KVCacheSpec, TransferResult
+from kvkit.interfaces.hints import WorkloadHints
 from kvkit.manager import OffloadManager
 from kvkit.shared.scheduler import SharedTier, SharedTierSpec
 from kvkit.testing.doubles import FailingStore, RaisingCallback
@@ -135,11 +137,15 @@ class ManagerMachine(RuleBasedStateMachine):
     def make_callbacks():
         return ()
 
+    @staticmethod
+    def make_cpu_eviction():
+        return LRUPolicy()
+
     def __init__(self) -> None:
         super().__init__()
         self.spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=1, head_dim=2)
         self.gpu = BlockPool(NUM_GPU, eviction=LRUPolicy())
-        self.cpu = BlockPool(NUM_CPU, eviction=LRUPolicy())
+        self.cpu = BlockPool(NUM_CPU, eviction=self.make_cpu_eviction())
         self.store = self.make_store()
         self.mgr = self.manager_cls(self.spec, self.cpu, self.store,
                                     gpu=self.gpu if self.own_gpu else None, world_size=WORLD,
@@ -756,11 +762,53 @@ class RaisingCallbackMachine(ManagerMachine):
         super().teardown()
 
 
+class _HintBug(HintedPolicy):
+    """A user's hint-aware policy whose handler raises on hints of kind ``"bad"`` (and hears the rest)."""
+
+    def on_hints(self, hashes, hints):
+        if hints.kind == "bad":
+            raise RuntimeError("hint handler bug")
+        super().on_hints(hashes, hints)
+
+
+class HintMachine(ManagerMachine):
+    """A hint-aware CPU policy: hinted adds interleave with the rest; a raising handler refuses the add whole."""
+
+    @staticmethod
+    def make_cpu_eviction():
+        return _HintBug(base=LRUPolicy)
+
+    @rule(family=st.integers(0, len(BASE) - 1), salt=st.sampled_from(SALTS), n_tokens=st.integers(1, 6 * BS + 2),
+          bad_hashes=st.booleans())
+    def refused_hinted_add(self, family: int, salt: str, n_tokens: int, bad_hashes: bool) -> None:
+        """An add whose hints the policy refuses (a raising handler, or hashes it cannot hear) adds nothing."""
+        tokens = BASE[family][:n_tokens]
+        r = EngineRequest(f"r{self.next_rid}", salt, [])
+        r.add_tokens(tokens)
+        before = snapshot(self.mgr)
+        hints = WorkloadHints(priority=1) if bad_hashes else WorkloadHints(kind="bad")
+        if bad_hashes:  # the handler sees hashes it refuses: a kvkit error, raised before anything changed
+            sink = self.mgr._hint_sink
+            self.mgr._hint_sink = lambda h, x: HintedPolicy.on_hints(sink.__self__, [*h, 1.5], x)
+        try:
+            self.mgr.add_request(r.rid, r.hashes, len(tokens), hints=hints)
+        except KVKitError:
+            pass
+        else:
+            raise AssertionError("an add whose hints were refused was accepted")
+        finally:
+            if bad_hashes:
+                self.mgr._hint_sink = sink
+        assert snapshot(self.mgr) == before, "a refused hinted add changed the manager's state"
+        self._add(tokens, salt, False)  # the same id is free: not "already live"
+
+
 TestManagerSelective = SelectiveMachine.TestCase
 TestManagerExternalEngine = ExternalEngineMachine.TestCase
 TestManagerLazy = LazyMachine.TestCase
 TestManagerNever = NeverMachine.TestCase
 TestManagerRaisingCallback = RaisingCallbackMachine.TestCase
+TestManagerHints = HintMachine.TestCase
 
 
 # -- the third tier: two instances sharing one store --------------------------
@@ -1199,6 +1247,15 @@ class _AppendUnchecked(OffloadManager):
             row.extend(new)
 
 
+class _HintsAfterAdd(OffloadManager):
+    """The request is added before its hints are heard: a raising handler leaves it live."""
+
+    def add_request(self, request_id, block_hashes, num_prompt_tokens, hints=None):
+        super().add_request(request_id, block_hashes, num_prompt_tokens)
+        if hints is not None and self._hint_sink is not None:
+            self._hint_sink(list(block_hashes), hints)
+
+
 class _PropagatingCallbacks(OffloadManager):
     """A raising callback's exception escapes mid-call, after part of the state changed."""
 
@@ -1266,6 +1323,7 @@ def _check_plant_signatures(plant: type) -> None:
     (ManagerMachine, _ResetKeepsHits), (ManagerMachine, _DoubleStore),
     (ManagerMachine, _StoreSourceNotHeld), (ExternalEngineMachine, _NoDelayedFree),
     (ManagerMachine, _AppendUnchecked), (RaisingCallbackMachine, _PropagatingCallbacks),
+    (HintMachine, _HintsAfterAdd),
     (SharedTierMachine, _SharedHitOneRank), (SharedTierMachine, _FetchedBlockNotHeld),
 ], ids=lambda c: c.__name__.strip("_"))
 def test_machine_catches_planted_bug(base, plant):

@@ -39,7 +39,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.stack = kvkit.build(kv=spec, gpu_blocks=12 * len(spec.groups), cpu_blocks=12, store=store,
                                  cpu_eviction=eviction, layout="per-layer", device="cpu",
                                  world_size=world_size,
-                                 shared=None if shared is None else {"url": self.shared, "write": shared, "backoff_s": 1e-3})
+                                 shared=None if shared is None else {"url": self.shared, "write": shared, "backoff_s": 1e-3})  # noqa: E501
         self.engine = ReferenceEngine(self.stack)
         self.next_id = 0
 

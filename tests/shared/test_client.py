@@ -220,7 +220,7 @@ def test_different_models_never_share_blocks():
     assert serve(ReferenceEngine(other), "b1").cpu_hit_tokens == 0
 
 
-@pytest.mark.parametrize("shared, quoted", [
+@pytest.mark.parametrize(("shared", "quoted"), [
     (42, "shared=42"),
     ("no-scheme", "shared.url='no-scheme'"),
     ({"url": "memory://", "write": "write-sideways"}, "shared.write='write-sideways'"),

@@ -12,6 +12,7 @@ import subprocess
 import traceback
 import warnings
 from collections.abc import Callable
+from typing import ClassVar
 
 import attrs
 import pytest
@@ -204,7 +205,7 @@ def test_warnings_and_logs_never_show_a_secret(monkeypatch, caplog):
 class _Recorder:
     """subprocess.Popen, recording every child's argv."""
 
-    argv: list[list[str]] = []
+    argv: ClassVar[list[list[str]]] = []
 
     def __init__(self, real):
         self.real = real
@@ -251,7 +252,8 @@ def test_cli_tables_json_and_children_never_show_a_password(server, children):
     for pid in os.listdir("/proc"):  # the server itself got its password from a file
         if pid.isdigit():
             try:
-                _clean(open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"))
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    _clean(cmdline.read().decode(errors="replace"))
             except OSError:
                 continue
 

@@ -88,7 +88,7 @@ def test_the_documented_acl_confines_a_tenant(server):
     admin = _admin(server.port)
     for tenant in ("acme", "globex"):
         assert admin.call(*_recipe(tenant, f"{tenant}-pw")) == b"OK"
-    url = "valkey://kvkit-{0}:{0}-pw@127.0.0.1:%d/0" % server.port
+    url = "valkey://kvkit-{0}:{0}-pw@127.0.0.1:" + str(server.port) + "/0"
     acme, globex = _stack(url.format("acme"), tenant="acme"), _stack(url.format("globex"), tenant="globex")
     assert _serve(globex, "g1") == (0, 0)
     theirs = {key: admin.call(b"GET", key) for key in _keys(admin, b"kvkit:globex:*")}
@@ -224,7 +224,7 @@ def test_an_unauthenticated_server_beyond_loopback_is_warned_about_once(fresh_wa
         client._WARNED.clear()
         assert _warnings_of(lambda: _stack(url, secret=b"s")) == []
         for loopback in ("127.0.0.1", "localhost"):
-            assert _warnings_of(lambda: _stack(f"valkey://{loopback}:{remote.port}/0")) == []
+            assert _warnings_of(lambda loopback=loopback: _stack(f"valkey://{loopback}:{remote.port}/0")) == []
 
 
 def test_the_threat_model_is_in_the_readme_and_the_guide():

@@ -43,7 +43,7 @@ def test_verified_bytes_through_a_shared_tier():
     assert all(r.integrity_errors == 0 for r in fleet.instances)
 
 
-@pytest.mark.parametrize("kwargs, quoted", [({"instances": 0}, "instances=0"),
+@pytest.mark.parametrize(("kwargs", "quoted"), [({"instances": 0}, "instances=0"),
                                             ({"instances": 2, "router": "random"}, "router='random'")])
 def test_bad_fleet_arguments_are_refused(kwargs, quoted):
     """A bad instance count or router is a ConfigError quoting it."""

@@ -117,7 +117,7 @@ def test_bad_capacity_is_a_config_error(capacity):
 
 def test_study_rejects_unknown_policies_before_replaying():
     """Unknown policy names raise one ConfigError listing the valid names."""
-    with pytest.raises(ConfigError, match="valid: .*lru"):
+    with pytest.raises(ConfigError, match=r"valid: .*lru"):
         study(_trace((0,)), [4], ["lru", "belady-ish"], jobs=1)
 
 
@@ -202,3 +202,21 @@ def test_cli_bad_input_is_one_line_error(trace_file, args, message):
     assert "Traceback" not in result.output
 
 
+
+
+def test_a_policy_named_for_replay_reads_the_trace_clock():
+    """``hinted`` given by name is built with the replay's TraceClock: the same hits as an instance given it."""
+    from kvkit.backends.eviction.hinted import HintedPolicy
+    from kvkit.interfaces.hints import WorkloadHints
+    from kvkit.sim.policy_study import TraceClock, replay
+    from kvkit.sim.synthetic import shape
+
+    requests = list(shape("chat@num_conversations=30").requests())
+    hints = [WorkloadHints(ttl_s=20.0) if i % 2 else WorkloadHints(priority=-1) for i in range(len(requests))]
+    by_name_clock = TraceClock()
+    by_name = replay(requests, 64, "hinted", hints=hints, clock=by_name_clock)
+    given_clock = TraceClock()
+    given = replay(requests, 64, HintedPolicy(clock=given_clock), hints=hints, clock=given_clock)
+    assert (by_name.hits, by_name.references) == (given.hits, given.references)
+    with pytest.raises(ConfigError, match=r"clock=5: must be a TraceClock"):
+        replay(requests, 64, "hinted", clock=5)

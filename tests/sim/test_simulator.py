@@ -257,7 +257,7 @@ def test_a_trace_block_size_flows_into_the_simulation():
     assert r.config.block_size == MOONCAKE_BLOCK_SIZE == r.config.spec.block_size
     assert r.requests == 200 and r.hit_tokens_gpu > 0
     assert r.bytes_loaded == r.blocks_loaded * LLAMA_3_8B.spec(MOONCAKE_BLOCK_SIZE).bytes_per_block
-    with pytest.raises(TraceFormatError, match="SimConfig.block_size=16"):
+    with pytest.raises(TraceFormatError, match=r"SimConfig.block_size=16"):
         simulate(read_trace("mooncake-conversation", limit=5), SimConfig(block_size=16))
     with pytest.raises(ConfigError, match="holds no block"):  # 1 MiB holds 16-token blocks, not 512-token ones
         simulate(read_trace("mooncake-conversation", limit=5), SimConfig(cpu_bytes="4MiB"))

@@ -1,5 +1,6 @@
 """Tests for the synthetic multi-turn workload generator."""
 
+import itertools
 import math
 import tempfile
 from collections import defaultdict
@@ -77,7 +78,7 @@ def test_later_turns_extend_earlier_chains(workload):
         if (private + 1) * b <= r.input_length:
             by_block[r.hash_ids[private]].append(r)
     for turns in by_block.values():
-        for earlier, later in zip(turns, turns[1:]):
+        for earlier, later in itertools.pairwise(turns):
             full = earlier.input_length // b
             assert later.input_length > earlier.input_length + earlier.output_length
             assert later.hash_ids[:full] == earlier.hash_ids[:full]
@@ -90,8 +91,8 @@ def test_shape_follows_the_workload(workload):
     assert [r.line for r in requests] == list(range(1, len(requests) + 1))
     assert workload.num_conversations <= len(requests)
     assert len(requests) <= workload.num_conversations * workload.max_turns
-    assert all(a.timestamp_ms <= b.timestamp_ms for a, b in zip(requests, requests[1:]))
-    assert all(0 < r.input_length and r.input_length + r.output_length
+    assert all(a.timestamp_ms <= b.timestamp_ms for a, b in itertools.pairwise(requests))
+    assert all(r.input_length > 0 and r.input_length + r.output_length
                <= workload.max_context_tokens for r in requests)
     low = workload.system_prompt_tokens[0]
     if low >= workload.block_size:

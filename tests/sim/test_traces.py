@@ -1,5 +1,6 @@
 """Tests for the Mooncake JSONL trace reader and writer."""
 
+import itertools
 import json
 import math
 import os
@@ -125,7 +126,7 @@ def test_equal_timestamps_are_accepted(tmp_path):
 def test_block_size_sets_expected_id_count(tmp_path):
     """The id count is checked against ceil(input_length / block_size)."""
     path = _write(tmp_path, [_line(input_length=33, hash_ids=[0, 1, 2])])
-    assert list(read_trace(path, block_size=16))[0].hash_ids == (0, 1, 2)
+    assert next(iter(read_trace(path, block_size=16))).hash_ids == (0, 1, 2)
     with pytest.raises(TraceFormatError, match="needs 1 block of 512 tokens"):
         list(read_trace(path))
 
@@ -274,7 +275,7 @@ def test_an_unreadable_file_is_a_trace_file_error(tmp_path):
 @pytest.mark.parametrize("requests", [5, [1], [TraceRequest(0, 1, 1, (object(),), 1)]])
 def test_write_trace_refuses_what_is_no_trace_request(tmp_path, requests):
     """Items that are not TraceRequests of JSON numbers raise ConfigError, not a bare TypeError."""
-    with pytest.raises(ConfigError, match="must be a|not JSON numbers"):
+    with pytest.raises(ConfigError, match=r"must be a|not JSON numbers"):
         write_trace(tmp_path / "out.jsonl", requests)
 
 
@@ -309,7 +310,7 @@ def test_reads_the_shared_mooncake_trace():
     assert len(requests) == 6000
     assert requests[0].hash_ids[0] == 0
     assert sum(len(r.hash_ids) for r in requests) == 152_537
-    assert all(a.timestamp_ms <= b.timestamp_ms for a, b in zip(requests, requests[1:]))
+    assert all(a.timestamp_ms <= b.timestamp_ms for a, b in itertools.pairwise(requests))
 
 
 # sha256 of the shared file the built-in trace was made from (kvkit/sim/data/NOTICE.md repeats it)
@@ -376,7 +377,7 @@ def test_a_missing_file_lists_the_builtin_traces(tmp_path):
         list(read_trace("mooncake-conversaton"))
 
 
-@pytest.mark.parametrize("bad, column", [("[1, 2", 6), ('{"timestamp": 0,', 17), ("{} x", 4)])
+@pytest.mark.parametrize(("bad", "column"), [("[1, 2", 6), ('{"timestamp": 0,', 17), ("{} x", 4)])
 def test_bad_json_names_the_file_line_and_a_column_only(tmp_path, bad, column):
     """A malformed line shows the file's line and JSON's reason with its column, never JSON's own line."""
     path = _write(tmp_path, [GOOD[0], bad])

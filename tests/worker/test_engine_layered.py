@@ -1,6 +1,7 @@
 """Layered transfers on the host: stage bookkeeping, whole-plan reports, and waits that cover every load."""
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -109,3 +110,36 @@ def test_wait_layer_can_be_limited_to_some_transfers():
         engine.wait_layer(0, timeout=0.01, transfers={1})
     gate.set()
     engine.drain()
+
+
+class _AnswersStages(ThreadedCopy):
+    """A layered backend that copies the plan whole on its threads and answers ``answer(stages)`` as its events."""
+
+    def __init__(self, answer):
+        super().__init__(threads=1)
+        self._answer = answer
+
+    def submit_stages(self, plan, stages, *, after=None):
+        return self.submit(plan), self._answer(stages)
+
+
+@pytest.mark.parametrize(("answer", "warns"), [
+    (lambda stages: [() for _ in stages], False),  # claims every stage landed while the copy is held
+    (lambda stages: [], True),                     # no tuple per stage: breaks the contract
+    (lambda stages: None, True),
+])
+def test_a_layered_load_without_stage_events_is_waited_for_whole(answer, warns):
+    """A stage's events are trusted only when every stage answered some; else wait_layer waits for the load whole."""
+    copy = _AnswersStages(answer)
+    engine = _engine(copy)
+    gate = copy.hold()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.submit(1, TransferPlan([0], [4], "load"), layered=True)
+    assert any("not one tuple of events per stage" in str(w.message) for w in caught) == warns
+    with pytest.raises(TransferTimeoutError, match=r"\[1\]"):
+        engine.wait_layer(0, timeout=0.05)  # the copy is held: layer 0 is not readable yet
+    gate.set()
+    engine.wait_layer(0)
+    assert torch.equal(tensor_bytes(engine.block_pieces("gpu", 4)[0]), tensor_bytes(engine.block_pieces("cpu", 0)[0]))
+    assert [(r.transfer_id, r.ok) for r in engine.drain()] == [(1, True)]

@@ -331,3 +331,46 @@ def test_a_cuda_cache_beyond_device_memory_is_refused_before_allocating():
     _unchanged(engine)
     with pytest.raises(InsufficientMemoryError, match="of memory on cuda"):
         kvkit.build(kv=SPEC, gpu_blocks=blocks, cpu_blocks=4, layout="per-layer", device="cuda")
+
+
+BAD_OPTIONS = {
+    "layered a str": ({"layered": "False"}, r"layered='False': must be a bool"),
+    "layered an int": ({"layered": 1}, r"layered=1: must be a bool"),
+    "layered None": ({"layered": None}, r"layered=None: must be a bool"),
+    "written a str": ({"layered": True, "written": "abc"}, r"written='abc': must be a mapping"),
+    "written a list": ({"layered": True, "written": [None]}, r"written=\[None\]: must be a mapping"),
+    "written a str key": ({"layered": True, "written": {"0": None}}, r"key '0' is not a layer"),
+    "written beyond the layers": ({"layered": True, "written": {2: None}}, r"key 2 is not a layer of the spec"),
+}
+
+
+@pytest.mark.parametrize(("options", "pattern"), BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
+def test_bad_submit_options_are_refused_and_launch_nothing(options, pattern):
+    """``layered`` must be a bool and ``written`` a mapping of the spec's layers: else PlanError, nothing in flight."""
+    engine = _registered()
+    with pytest.raises(PlanError, match=pattern):
+        engine.submit(1, PLAN, **options)
+    assert engine.num_in_flight == 0 and engine.poll() == []
+    engine.submit(1, PLAN, layered=True, written={0: None})
+    assert [(r.transfer_id, r.ok) for r in engine.drain()] == [(1, True)]
+
+
+BAD_WAITS = {
+    "wait an int": (lambda e: e.wait(5), r"transfers=5: must be a collection"),
+    "wait a float": (lambda e: e.wait(1.5), r"transfers=1.5: must be a collection"),
+    "wait a str": (lambda e: e.wait("abc"), r"transfers='abc': must be a collection"),
+    "wait a float id": (lambda e: e.wait([1.0]), r"transfer ids must be ints, got 1.0"),
+    "wait None": (lambda e: e.wait(None), r"transfers=None"),
+    "wait_layer transfers an int": (lambda e: e.wait_layer(0, transfers=5), r"transfers=5: must be a collection"),
+    "wait_layer transfers a str": (lambda e: e.wait_layer(0, transfers="1"), r"transfers='1'"),
+}
+
+
+@pytest.mark.parametrize(("call", "pattern"), BAD_WAITS.values(), ids=BAD_WAITS.keys())
+def test_bad_waits_are_config_errors_and_change_nothing(call, pattern):
+    """A wait for something that is not a collection of transfer ids is refused, not taken as a wait for nothing."""
+    engine = _registered()
+    engine.submit(3, PLAN)
+    with pytest.raises(ConfigError, match=pattern):
+        call(engine)
+    assert [r.transfer_id for r in engine.drain()] == [3]

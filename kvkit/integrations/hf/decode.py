@@ -241,6 +241,9 @@ def _decoder(model: Any, prompt: torch.Tensor, max_new_tokens: int | None, keep_
     return _Generate(config, tokenizer, effective.num_beams, keep_logits)
 
 
+_MAX_TOKEN_ID = 1 << 31  # no vocabulary is larger; every id fits the int32/int64 tensors models take
+
+
 def _token_list(tokens: Any) -> list[int]:
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1:
@@ -249,9 +252,12 @@ def _token_list(tokens: Any) -> list[int]:
     try:
         ids = [operator.index(t) for t in tokens]
     except TypeError as exc:
-        raise ConfigError(f"token ids must be a sequence of ints, got {tokens!r}") from exc
+        raise ConfigError(f"token ids must be a sequence of ints, got {quote(tokens)}") from exc
     if not ids:
         raise ConfigError("a prompt needs at least one token, got none")
+    bad = [t for t in ids if not 0 <= t < _MAX_TOKEN_ID]
+    if bad:  # torch would raise a bare "Overflow" or an index error deep in the forward pass
+        raise ConfigError(f"token ids must be ints in [0, 2**31), got {quote(bad[0])} in {quote(tokens)}")
     return ids
 
 

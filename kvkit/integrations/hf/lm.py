@@ -202,7 +202,7 @@ class OffloadedLM:
 
     def _prefill(self, rid: str) -> EngineRequest:
         """Step the engine until ``rid`` ran its prefill (a pool still held by stores drains first)."""
-        for attempt in range(2):
+        for _attempt in range(2):
             for req in self.engine.step().scheduled:
                 if req.request_id == rid:
                     return req

@@ -100,7 +100,7 @@ def test_eviction_must_be_an_empty_policy():
         BlockPool(4, eviction="lru")
     used = LRUPolicy()
     used.on_insert(0, 1, None)
-    with pytest.raises(ConfigError, match="already tracks 1 block$"):
+    with pytest.raises(ConfigError, match=r"already tracks 1 block$"):
         BlockPool(4, eviction=used)
 
 

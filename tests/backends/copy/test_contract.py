@@ -143,3 +143,40 @@ def test_contract_catches_unchecked_stages():
     """A backend that trusts malformed stages fails the bad-stage check."""
     with pytest.raises(AssertionError, match="accepted stages"):
         _contract(TrustsStages).test_bad_stages_are_refused_before_any_byte_moves()
+
+
+class DefersStages(TorchCopy):
+    """Answers no events for its stages (claims they landed) but copies only when polled or waited for."""
+
+    def __init__(self):
+        super().__init__()
+        self._deferred = []
+
+    @override
+    def submit_stages(self, plan, stages, *, after=None):
+        self._planner.validate(plan)
+        stages = self._planner.stages(plan, stages)
+        self._deferred.append((plan, stages))
+        return self._inflight.issue(), [() for _ in stages]
+
+    def _land(self):
+        for plan, stages in self._deferred:
+            for stage in stages:
+                self._launch(plan, stage, self._index(plan), [], [])
+        self._deferred.clear()
+
+    @override
+    def poll(self):
+        self._land()
+        return super().poll()
+
+    @override
+    def wait(self, handle):
+        self._land()
+        return super().wait(handle)
+
+
+def test_contract_catches_stages_answered_without_events():
+    """A layered backend whose stages answer no events while their copies still queue fails the stage check."""
+    with pytest.raises(AssertionError, match="not written when stage"):
+        _contract(DefersStages).test_layered_plans_land_stage_by_stage(("per-layer", "per-layer"))
