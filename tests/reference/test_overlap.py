@@ -89,7 +89,8 @@ def test_every_block_is_reused_loaded_or_computed_exactly_once(seed, shared, tur
     store = _FlakyStore(server) if shared else None
     rng = random.Random(seed)
     stacks = [kvkit.build(kv=SPEC, gpu_blocks=24, cpu_blocks=12, layout="per-layer", device="cpu",
-                          planner=RandomPlanner(rng), shared=store, shared_backoff_s=1e-3) for _ in range(2)]
+                          planner=RandomPlanner(rng),
+                          shared=None if store is None else {"url": store, "backoff_s": 1e-3}) for _ in range(2)]
     engines = [ReferenceEngine(stack, compute=RecordingCompute()) for stack in stacks]
     assert all(engine.overlaps for engine in engines)
     prefixes = [list(range(100 * p, 100 * p + 40)) for p in range(4)]
