@@ -4,7 +4,8 @@ The time model it plans with, for a hit of ``h`` blocks after a GPU prefix
 hit of ``context`` tokens, when the head ``[0, k)`` is computed while the
 tail ``[k, e)`` loads and ``[e, h)`` is declined:
 
-* *compute side*: ``C(k) = compute(k * block_size tokens after context)``;
+* *compute side*: ``C(k) = compute(k * block_size tokens after context)``,
+  one forward pass (its fixed cost included: a head costs a pass of its own);
 * *load side*: ``L(k, e)``: each source of the tail pays its fixed latency
   once and its bytes over its bandwidth; a shared-tier block is fetched into
   a CPU block and then copied like a CPU block, so it pays both moves;

@@ -58,6 +58,7 @@ def test_cli_compares_isolated_and_shared_instances():
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["isolated"]["hit_tokens_shared"] == 0 < report["shared"]["hit_tokens_shared"]
+    assert report["shared"]["per_instance"][0]["planner"]["prefill_tokens_per_s"] > 0
     effect = report["shared_tier"]
     assert effect["verdict"] in ("sooner", "later", "same") and effect["served_tokens"] > 0
     assert effect["mean_ms"] == [report["isolated"]["ttft_model_ms"]["mean"], report["shared"]["ttft_model_ms"]["mean"]]

@@ -16,7 +16,7 @@ CPU, SHARED = HitSource.CPU, HitSource.SHARED
 
 
 def _planner(cpu_gbps=25.0, cpu_lat_ms=0.0, shared_gbps=2.0, shared_lat_ms=0.0, tokens_per_s=20_000.0,
-             ns_per_pair=0.0) -> OverlapPlanner:
+             ns_per_pair=0.0, pass_ms=0.0) -> OverlapPlanner:
     """A planner fed exact observations of the given costs (several sizes, so latency and slope separate)."""
     p = OverlapPlanner()
     for n in (1, 4, 16, 64):
@@ -25,7 +25,7 @@ def _planner(cpu_gbps=25.0, cpu_lat_ms=0.0, shared_gbps=2.0, shared_lat_ms=0.0, 
         p.observe_move(SHARED, size, shared_lat_ms * 1e-3 + size / (shared_gbps * 1e9))
     for tokens, context in ((16, 0), (256, 512), (1024, 0), (64, 4096), (2048, 2048)):
         pairs = tokens * (context + (tokens + 1) / 2)
-        p.observe_compute(tokens, context, tokens / tokens_per_s + ns_per_pair * 1e-9 * pairs)
+        p.observe_compute(tokens, context, pass_ms * 1e-3 + tokens / tokens_per_s + ns_per_pair * 1e-9 * pairs)
     return p
 
 
@@ -37,11 +37,13 @@ def _query(runs, context=0, tail_tokens=100, bs=16, overlap=True, block_bytes=2 
 
 def test_estimates_recover_exact_costs():
     """Observations of an exact model give back its bandwidth, latency and prefill speed."""
-    est = _planner(cpu_gbps=25, cpu_lat_ms=0.5, shared_gbps=2, shared_lat_ms=3, ns_per_pair=0.01).estimates()
+    est = _planner(cpu_gbps=25, cpu_lat_ms=0.5, shared_gbps=2, shared_lat_ms=3, ns_per_pair=0.01,
+                   pass_ms=2.0).estimates()
     assert est["cpu_gbps"] == pytest.approx(25, rel=1e-6) and est["cpu_latency_ms"] == pytest.approx(0.5, rel=1e-6)
     assert est["shared_gbps"] == pytest.approx(2, rel=1e-6) and est["shared_latency_ms"] == pytest.approx(3)
     assert est["prefill_tokens_per_s"] == pytest.approx(20_000, rel=1e-6)
     assert est["prefill_ns_per_pair"] == pytest.approx(0.01, rel=1e-6)
+    assert est["prefill_latency_ms"] == pytest.approx(2.0, rel=1e-6)
     assert est["cpu_samples"] == 4 and est["prefill_samples"] == 5
 
 
@@ -77,6 +79,14 @@ def test_unusable_observations_are_ignored(bad):
     c.observe(10, 0, bad)
     c.observe(10, bad if bad != 0 else -1, 1.0)
     assert m.samples == 0 and c.samples == 0 and m.fit() is None and c.fit() is None
+
+
+def test_a_fixed_cost_per_forward_pass_is_not_taken_for_slow_tokens():
+    """Short passes (a suffix of a few tokens) and long ones: their fixed cost is a latency, not a token rate."""
+    c = ComputeEstimate()
+    for tokens in (16, 16, 16, 768, 512, 16, 1024):
+        c.observe(tokens, 0, 0.5 + tokens / 1000)  # 0.5 s a pass, 1,000 tokens/s
+    assert c.seconds(1000, 0) == pytest.approx(1.5) and c.as_dict()["tokens_per_s"] == pytest.approx(1000)
 
 
 def test_compute_estimate_uses_the_engines_figure_until_it_observes():
@@ -150,7 +160,8 @@ def test_a_query_must_leave_a_token_to_compute():
 
 _costs = st.fixed_dictionaries({
     "cpu_gbps": st.floats(0.5, 100), "cpu_lat_ms": st.floats(0, 5), "shared_gbps": st.floats(0.05, 100),
-    "shared_lat_ms": st.floats(0, 50), "tokens_per_s": st.floats(500, 100_000), "ns_per_pair": st.floats(0, 0.5)})
+    "shared_lat_ms": st.floats(0, 50), "tokens_per_s": st.floats(500, 100_000), "ns_per_pair": st.floats(0, 0.5),
+    "pass_ms": st.floats(0, 20)})
 _runs = st.lists(st.tuples(st.sampled_from([CPU, SHARED]), st.integers(1, 12)), min_size=0, max_size=3)
 
 
