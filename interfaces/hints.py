@@ -36,7 +36,7 @@ class WorkloadHints:
     does, and one that does never fails because of them.
     """
 
-    priority: int = attrs.field(default=0, converter=checked(check_int, label=_LABEL))
+    priority: int = attrs.field(default=0, converter=checked(check_int, label=_LABEL))  # type: ignore[misc]
     ttl_s: float | None = attrs.field(default=None, validator=real_in(low=0, low_open=True, high=math.inf,
                                                                       high_open=True, label=_LABEL, optional=True))
     session: str | None = attrs.field(default=None, validator=non_empty_str(label=_LABEL, optional=True))

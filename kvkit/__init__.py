@@ -42,9 +42,9 @@ _LAZY: dict[str, str] = {
     "SHARED": "kvkit.registry:SHARED",
     "open_block_store": "kvkit.shared.urls:open_block_store",
     # drive: the scheduler side, the worker side, the reference engine, hashing, stats
-    "OffloadManager": "kvkit.manager:OffloadManager",
-    "StepPlan": "kvkit.manager:StepPlan",
-    "CompletionReport": "kvkit.manager:CompletionReport",
+    "OffloadManager": "kvkit.manager.manager:OffloadManager",
+    "StepPlan": "kvkit.manager.step:StepPlan",
+    "CompletionReport": "kvkit.manager.step:CompletionReport",
     "TransferEngine": "kvkit.worker.engine:TransferEngine",
     "ReferenceEngine": "kvkit.reference:ReferenceEngine",
     "hash_blocks": "kvkit.hashing:hash_blocks",
@@ -154,7 +154,8 @@ if TYPE_CHECKING:  # what __getattr__ returns, spelled out for type checkers and
     )
     from kvkit.interfaces.hints import WorkloadHints
     from kvkit.interfaces.shared import BlockStore
-    from kvkit.manager import CompletionReport, OffloadManager, StepPlan
+    from kvkit.manager.manager import OffloadManager
+    from kvkit.manager.step import CompletionReport, StepPlan
     from kvkit.reference import ReferenceEngine
     from kvkit.registry import ALLOCATOR, COPY, EVICTION, SHARED, STORE, register
     from kvkit.shared.urls import open_block_store

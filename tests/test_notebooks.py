@@ -1,4 +1,4 @@
-"""Every notebook in ``notebooks/`` is committed without outputs, runs on the CPU, and writes its plots.
+"""Every notebook in ``notebooks/`` is committed with its executed outputs, runs on the CPU, and writes its plots.
 
 Notebooks save their plots as PNG files in ``$KVKIT_PLOT_DIR`` (default: the
 working directory); each runs here in its own temporary directory.
@@ -18,15 +18,17 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_is_committed_without_outputs(path):
-    """No code cell carries outputs or an execution count (strip them before committing)."""
+def test_notebook_is_committed_with_its_outputs(path):
+    """Every code cell ran, in order, without an error, and each figure is in the file for a reader to see."""
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1)), "run every cell once, in order"
+    outputs = [o for cell in code for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"], "a committed cell failed"
+    assert any("image/png" in o.get("data", {}) for o in outputs), "no figure is shown"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

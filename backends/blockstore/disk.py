@@ -24,7 +24,7 @@ from kvkit.errors import ConfigError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.shared import StoreResult
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import check_bool, check_int, checked, implements, quote
+from kvkit.validate import check_bool, check_int, checked, implements, plural, quote
 
 __all__ = ["COUNTERS", "DiskStore"]
 
@@ -389,7 +389,8 @@ class DiskStore:
                 _unlink_quietly(temp)
                 raise
             os.close(fd)  # a reaper deleted it between our open and our lock: take a new name
-        raise OSError(errno.EAGAIN, f"{_TEMP_ATTEMPTS} temporary files were deleted by others before being locked")
+        raise OSError(errno.EAGAIN, f"{plural(_TEMP_ATTEMPTS, 'temporary file')} were deleted by others "
+                                    "before being locked")
 
     def _read(self, key: bytes, parts: list[memoryview]) -> str | None:
         name = _name(key)

@@ -126,7 +126,8 @@ class Link:
             why = self.refresh(deadline)
             if why is not None:
                 return [Unreachable(why)] * len(keys)
-        pending, asked = list(range(len(keys))), {}
+        pending: list[int] = list(range(len(keys)))
+        asked: dict[int, Address] = {}
         fresh: set[Address] = set()  # nodes whose connection this call opened
         retried: set[Address] = set()
         for _ in range(_MAX_ROUNDS):
@@ -192,8 +193,8 @@ class Link:
                 done[(address, ask)] = step
                 for i, outcome in zip(indices, results):
                     self._settle(i, outcome, outcomes, pending, asked)
-        out = {}
-        for address, exc in broken.items():
+        out: dict[Address, tuple[BaseException, list[int], dict[int, Address]]] = {}
+        for address, error in broken.items():
             left: list[int] = []
             left_asked: dict[int, Address] = {}
             for (node, ask), chunks in flights.items():
@@ -202,7 +203,7 @@ class Link:
                         left += chunk
                         if ask:
                             left_asked.update(dict.fromkeys(chunk, address))
-            out[address] = (exc, left, left_asked)
+            out[address] = (error, left, left_asked)
         return out
 
     def _failed(self, address: Address, exc: BaseException) -> str:
@@ -217,7 +218,8 @@ class Link:
     def _chunks(self, indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
         if weights is None:
             return [indices]
-        chunks, load = [[]], 0
+        chunks: list[list[int]] = [[]]
+        load = 0
         for i in indices:
             if load >= self.window_bytes:
                 chunks.append([])

@@ -277,13 +277,14 @@ class OffloadManager:
                 tier's policy if it is a :class:`~kvkit.interfaces.hints.HintAwarePolicy`,
                 else ignored.
 
+        Whatever is raised, the request is not added.
+
         Raises:
             UnknownRequestError: the id is not a ``str``.
             HashInputError: a hash is not an int (NumPy integers are converted).
             RequestStateError: the id is live, or the counts disagree.
             ConfigError: ``hints`` is neither ``None`` nor a ``WorkloadHints``, or
                 the CPU policy's ``on_hints`` raised (its error, if a kvkit one).
-            Whatever is raised, the request is not added.
         """
         check_request_id(request_id)
         if hints is not None and not isinstance(hints, WorkloadHints):

@@ -127,7 +127,7 @@ class Namespace:
     tp_size: int = attrs.field(default=1, converter=checked(check_int, minimum=1, label="Namespace."))  # type: ignore[misc]
     tenant: str = attrs.field(default=DEFAULT_TENANT, converter=checked(check_tenant, label="Namespace."))  # type: ignore[misc]
     secret: bytes | None = attrs.field(default=None, repr=secret_repr,
-                                       converter=checked(check_secret, label="Namespace.", optional=True))
+                                       converter=checked(check_secret, label="Namespace.", optional=True))  # type: ignore[misc]
     digest: bytes = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:

@@ -68,10 +68,10 @@ from kvkit.validate import (
 
 __all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
 
-PROBE_KEYS = tuple(b":%d" % i for i in range(16))
+PROBE_KEYS = tuple(b":%d" % i for i in range(64))
 """The suffixes of the keys a probe writes after the codec's ``probe_key`` (no block key looks like
-them): 16 hash slots, so every node of a Cluster of a few nodes almost surely holds one (all 16 on one
-node of three: odds of 3 in 3**16)."""
+them): 64 hash slots under any prefix, so every node of a Cluster of a few nodes holds one but for odds
+of about 5 * 0.8**64 (3e-6) at five nodes."""
 
 
 _LABEL = "SharedTierSpec."

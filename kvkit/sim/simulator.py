@@ -576,7 +576,7 @@ class Simulator:
         bt, counts = self.config.block_size, self._counts
         if request.block_size != bt:
             raise TraceFormatError("<trace>", request.line, "block_size",
-                                   f"is {quote(request.block_size)} tokens, but the simulation's blocks are "
+                                   f"is {plural(request.block_size, 'token')}, but the simulation's blocks are "
                                    f"SimConfig.block_size={bt}; hint: leave block_size unset to take the trace's")
         n = request.input_length
         if len(request.hash_ids) != -(-n // bt):

@@ -82,11 +82,13 @@ class SlowLink:
         thread.start()
 
     def _accept(self) -> None:
+        listener = self._listener
+        assert listener is not None, "started"
         while not self._stop.is_set():
-            if not select.select([self._listener], [], [], _TICK)[0]:
+            if not select.select([listener], [], [], _TICK)[0]:
                 continue
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
                 server = socket.create_connection(self.target, timeout=1.0)
             except OSError:
                 continue

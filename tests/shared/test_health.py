@@ -126,13 +126,15 @@ def test_a_probe_that_lands_on_any_node_keeps_the_tier_on():
 
 
 def test_the_probe_keys_reach_every_node_of_a_small_cluster():
-    """The 16 probe keys fall in the slots of every node of an evenly split 2- to 5-node Cluster."""
+    """Under any tenant's prefix, the probe keys fall in the slots of every node of a 2- to 5-node Cluster."""
     from kvkit.backends.blockstore.resp import key_slot
     from kvkit.shared.scheduler import PROBE_KEYS
 
-    for size in range(2, 6):
-        step = 16384 // size
-        assert {min(key_slot(k) // step, size - 1) for k in PROBE_KEYS} == set(range(size)), size
+    for prefix in [b"kvkit:probe", *(b"kvkit:t%d:%08x:probe" % (i, 2654435761 * i % 2**32) for i in range(20))]:
+        for size in range(2, 6):
+            step = 16384 // size
+            slots = {min(key_slot(prefix + suffix) // step, size - 1) for suffix in PROBE_KEYS}
+            assert slots == set(range(size)), (prefix, size)
 
 
 def test_a_hash_found_absent_is_put_again():
