@@ -286,9 +286,8 @@ class StackConfig:
         allocator: block pool. A registered name, or a factory
             ``(num_blocks=..., eviction=...) -> BlockAllocator``.
         planner: load planner, which decides per request which blocks of a CPU or
-            shared-tier hit to load and which to recompute (see
-            :mod:`kvkit.interfaces.plan`). A registered name or an instance;
-            ``load-all`` loads every hit.
+            shared-tier hit to load and which to recompute. A registered name or
+            an instance; ``load-all`` loads every hit.
         callbacks: ``OffloadCallback`` instances, called in order.
         world_size: workers that must all finish a copy before it counts. At least 1.
         device: where the GPU tier lives, ``cuda`` or ``cpu``. Default: ``cuda``
