@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from kvkit.errors import PlanError
-from kvkit.validate import check_bool, check_enum, check_int, checked, quote
+from kvkit.validate import check_bool, check_enum, check_int, checked, plural, quote
 
 __all__ = ["HitQuery", "HitSource", "LoadPlan", "LoadPlanner"]
 
@@ -79,9 +79,9 @@ class HitQuery:
     def __attrs_post_init__(self) -> None:
         end = self.context_tokens + self.hit_blocks * self.block_size
         if end >= self.num_tokens:
-            raise PlanError(f"HitQuery: context_tokens={self.context_tokens} plus a hit of {self.hit_blocks} "
-                            f"blocks of {self.block_size} tokens reach num_tokens={self.num_tokens}; at least "
-                            f"one token is always computed")
+            raise PlanError(f"HitQuery: context_tokens={self.context_tokens} plus a hit of "
+                            f"{plural(self.hit_blocks, 'block')} of {plural(self.block_size, 'token')} reach "
+                            f"num_tokens={self.num_tokens}; at least one token is always computed")
 
     @property
     def hit_blocks(self) -> int:
@@ -121,7 +121,7 @@ class LoadPlan:
     def __attrs_post_init__(self) -> None:
         if self.compute_blocks + self.load_blocks > self.hit_blocks:
             raise PlanError(f"LoadPlan: compute_blocks={self.compute_blocks} + load_blocks={self.load_blocks} "
-                            f"exceed the hit of {self.hit_blocks} blocks")
+                            f"exceed the hit of {plural(self.hit_blocks, 'block')}")
 
     @classmethod
     def load_all(cls, hit_blocks: int) -> LoadPlan:

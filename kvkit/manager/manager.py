@@ -420,7 +420,7 @@ class OffloadManager:
         try:
             answer = self.planner.plan(query)
             if not isinstance(answer, LoadPlan) or answer.hit_blocks != h or (answer.compute_blocks and not overlap):
-                raise TypeError(f"plan() answered {answer!r} for a hit of {h} blocks (overlap={overlap})")
+                raise TypeError(f"plan() answered {answer!r} for a hit of {plural(h, 'block')} (overlap={overlap})")
             plan = answer
             chosen = self.planner.estimate_ms(query, plan)
             loading = self.planner.estimate_ms(query, LoadPlan.load_all(h))

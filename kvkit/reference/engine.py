@@ -301,9 +301,9 @@ class ReferenceEngine:
             stack.gpu.decref(hit)  # refused before the CPU lookup pins (and touches) anything
             return False
         head = accepted = stack.manager.lookup(req.request_id, len(hit) * bs)
-        if accepted:
+        if accepted:  # a plan that loads nothing is one forward pass over everything after the GPU hit
             plan = stack.manager.plan_load(req.request_id, overlap=self.overlaps)
-            head, accepted = plan.compute_blocks * bs, plan.accepted_blocks * bs
+            head, accepted = (plan.compute_blocks * bs, plan.accepted_blocks * bs) if plan.load_blocks else (0, 0)
         new = stack.gpu.allocate(need + (groups - 1) * total)
         stack.gpu.touch(hit)
         table = [hit + new[:need]]

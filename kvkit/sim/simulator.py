@@ -481,8 +481,8 @@ def describe_effect(tier: str, effect: Mapping[str, Any]) -> str:
     (a, b), (c, d) = effect["mean_ms"], effect["p90_ms"]
     return (f"the {tier} tier made the first token {effect['verdict']}: mean {b:,.1f} vs {a:,.1f} ms "
             f"({effect['mean_change']:+.1%}), p90 {d:,.1f} vs {c:,.1f} ms ({effect['p90_change']:+.1%}); it "
-            f"served {effect['served_tokens']:,} prompt tokens, and the load plans declined "
-            f"{effect['declined_tokens']:,} of its hit tokens (recomputed instead)")
+            f"served {plural(effect['served_tokens'], 'prompt token', grouped=True)}, and the load plans "
+            f"recomputed {effect['declined_tokens']:,} of its hit tokens instead of loading them")
 
 
 _NOT_BUILT = ("the stack is built at the first request, whose block size it takes; give SimConfig(block_size=...) "
