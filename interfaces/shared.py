@@ -107,10 +107,15 @@ class BlockStore(Protocol):
           over all polls, failed or not; a finished result not named yet
           waits for a poll that names it (never handed to another caller,
           never lost unless abandoned, below). Naming a ticket already
-          reported, abandoned or never issued reports nothing. No call waits on the medium
-          longer than the backend's request timeout without progress; once
-          the medium failed, queued work fails at once (``"transport: ..."``)
-          until the backend's retry interval has passed.
+          reported, abandoned or never issued reports nothing.
+        * Deadlines: a ``put`` or ``get`` is reported, and ``contains``
+          answers, within the backend's deadline (its request timeout) of
+          the call, however slowly the medium sends: what did not complete
+          by then is reported failed (``"transport: ..."``), and its buffers
+          are never touched after the report. A part of the medium with
+          evidence against it (a dead or stalled node) fails its keys at
+          once until the backend's retry interval has passed; the other
+          parts keep serving theirs.
         * Waiting results are bounded: a store documents how many finished
           results may wait at once (the built-ins: ``max_waiting``); when
           one more finishes, the result that has waited longest is

@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import attrs
+from typing_extensions import override
 
 from kvkit.backends.blockstore.resp import (
     Address,
@@ -42,6 +43,7 @@ class Unreachable:
 
     reason: str
 
+    @override
     def __str__(self) -> str:
         return self.reason
 

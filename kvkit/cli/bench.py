@@ -175,8 +175,8 @@ def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys
 
     table = Table(title=f"block store {report['url']}: GB/s and client CPU ms per GB, median of {repeat} "
                         f"alternating rounds, one connection each")
-    for column in ("value bytes", "op", "store", "CPU", "hot", "server tool", "tool CPU", "x tool", "library",
-                   "x library"):
+    for column in ("value bytes", "op", "store", "CPU", "hot", "server tool", "tool CPU", "x tool", "x tool (hot)",
+                   "library", "x library"):
         table.add_column(column, no_wrap=True)
 
     def cell(r: dict, key: str, form: str = "{:.2f}") -> str:
@@ -188,7 +188,8 @@ def shared_command(url: str | None, sizes: tuple[int, ...], batch_mib: int, keys
             table.add_row(size, op, cell(r, f"{op}_GBps"), cell(r, f"{op}_cpu_ms_per_GB", "{:.0f}"),
                           cell(r, f"{op}_hot_GBps"), cell(r, f"server_tool_{tool}_GBps"),
                           cell(r, f"server_tool_{tool}_cpu_ms_per_GB", "{:.0f}"), cell(ratios, f"{op}_vs_tool"),
-                          cell(r, f"library_{op}_GBps"), cell(ratios, f"{op}_vs_library"))
+                          cell(ratios, f"{op}_hot_vs_tool"), cell(r, f"library_{op}_GBps"),
+                          cell(ratios, f"{op}_vs_library"))
     console = print_table(table)
     c = report["contains"]
     library = f", library pipeline {c['library_pipeline_ms']:.2f} ms" if "library_pipeline_ms" in c else ""

@@ -168,8 +168,9 @@ def _warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
     where = ", ".join(redact(f"{host}:{port}") for host, port in key)
     warnings.warn(redact_text(
         f"kvkit shared tier: the values of {where} are not authenticated (no shared secret): anyone who can "
-        f"write that server can plant KV this engine will load and serve; set a shared_secret (HMAC) every "
-        f"instance of the deployment shares (docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=3)
+        f"write that server can plant KV this engine will load and serve; give the shared tier a secret (HMAC) "
+        f"every instance of the deployment shares (docs/shared-tier.md, 'Threat model')"), RuntimeWarning,
+        stacklevel=3)
     return True
 
 

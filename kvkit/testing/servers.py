@@ -18,7 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ def free_port() -> int:
     raise BackendUnavailableError("no free pair of loopback ports in 20000-40000")
 
 
-def _wait_for(ready, timeout: float, what: str) -> None:
+def _wait_for(ready: Callable[[], bool], timeout: float, what: str) -> None:
     """Wait until ``ready()`` is true (``BackendUnavailableError`` naming ``what`` after ``timeout`` seconds)."""
     deadline = time.monotonic() + timeout
     while not ready():
@@ -199,7 +199,7 @@ class LocalServer:
             self._dir = None
 
     def call(self, *args: bytes) -> Any:
-        """Send one command over a fresh connection and answer the reply."""
+        """Send one command over a fresh connection and answer the reply (bytes, int, list or ``None``)."""
         return _call(self.port, *args, password=self.password)
 
     def __enter__(self) -> LocalServer:

@@ -13,6 +13,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import attrs
 
@@ -75,7 +76,7 @@ class SlowLink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _spawn(self, target, *args: object) -> None:
+    def _spawn(self, target: Callable[..., None], *args: object) -> None:
         thread = threading.Thread(target=target, args=args, name="kvkit-slowlink", daemon=True)
         with self._lock:
             self._threads.append(thread)
@@ -83,7 +84,7 @@ class SlowLink:
 
     def _accept(self) -> None:
         listener = self._listener
-        assert listener is not None, "started"
+        assert listener is not None, "start() listens first"
         while not self._stop.is_set():
             if not select.select([listener], [], [], _TICK)[0]:
                 continue

@@ -75,8 +75,9 @@ def server():
 
 def test_a_slow_link_costs_a_step_at_most_its_deadlines_and_never_raises(server):
     """Replies and requests trickled at 8 KB/s (wait_timeout_s=4): the fetch is abandoned at the store's
-    deadline and becomes a miss that recomputes (right bytes), the puts are dropped and counted; no step
-    waits on the shared tier longer than its lookup's and its fetches' deadlines, and none raises."""
+    deadline and becomes a miss that recomputes (right bytes), the puts are dropped and counted (failed at
+    their deadline, or skipped once the probe failed too); no step waits on the shared tier longer than its
+    lookup's and its fetches' deadlines, and none raises."""
     a, ea = instance(server.url + FAST)
     serve(ea, "a")
     assert a.stats.blocks_put.value == 10
@@ -85,7 +86,8 @@ def test_a_slow_link_costs_a_step_at_most_its_deadlines_and_never_raises(server)
         req = serve(eb, "b", limit=2 * DEADLINE + SLACK)
         assert req.cpu_hit_tokens == 0, "the abandoned fetch was not recomputed"
         assert b.stats.fetches_failed.value == 9 and b.stats.blocks_fetched.value == 0
-        assert b.stats.puts_failed.value > 0, "the abandoned puts were not counted"
+        # abandoned at their deadline, or skipped once the probe (as slow) turned the tier off: dropped and counted
+        assert b.stats.puts_failed.value + b.stats.puts_skipped.value > 0, "the dropped puts were not counted"
         assert eb.integrity_errors == 0 and b.shared_counts["invalid_values"] == 0
         b.check_invariants()
         b.close()
@@ -216,3 +218,21 @@ def test_a_build_refused_after_opening_the_store_leaves_no_thread(server, monkey
         with pytest.raises(InsufficientMemoryError, match="planted"):
             instance(server.url + FAST)
     assert _io_threads() == before
+
+
+def test_every_guarantee_under_faults_in_the_docs_names_tests_that_exist():
+    """docs/shared-tier.md's table of guarantees under faults: every test it names is defined where it says."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "shared-tier.md").read_text()
+    section = text[text.index("## When the server fails"):text.index("## The value format")]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "::" in line]
+    assert len(rows) >= 15
+    files = {p.name: p for p in (root / "tests").rglob("test_*.py")}
+    for row in rows:
+        named = re.findall(r"`(?:[\w/]+/)?(test_\w+\.py)::(test_\w+)`", row)
+        assert named, row
+        for path, name in named:
+            assert f"def {name}(" in files[path].read_text(), f"{path}::{name} is named in the docs but not defined"

@@ -103,7 +103,7 @@ def test_the_documented_acl_confines_a_tenant(server):
         tier.tick()
         time.sleep(0.01)
     assert second.stats.shared_probes.value == 1 and second.stats.shared_outages.value == 0
-    assert admin.call(b"GET", b"kvkit:acme:probe") == b"1"  # the probe landed: the ACL let it
+    assert admin.call(b"GET", b"kvkit:acme:probe:0") == b"1"  # the probe landed: the ACL let it
     user = Connection(("127.0.0.1", server.port), ConnectOptions(1.0, 1.0, username="kvkit-acme", password="acme-pw"))
     key = next(iter(theirs))
     for command in ([b"GET", key], [b"EXISTS", key], [b"SET", key, b"x"], [b"DEL", key], [b"KEYS", b"*"],
