@@ -69,12 +69,12 @@ class HitQuery:
         PlanError: a field of the wrong type or range, quoting it.
     """
 
-    block_size: int = attrs.field(converter=checked(check_int, minimum=1, label="HitQuery.", error=PlanError))
-    block_bytes: int = attrs.field(converter=checked(check_int, minimum=1, label="HitQuery.", error=PlanError))
-    context_tokens: int = attrs.field(converter=checked(check_int, minimum=0, label="HitQuery.", error=PlanError))
+    block_size: int = attrs.field(converter=checked(check_int, minimum=1, label="HitQuery.", error=PlanError))  # type: ignore[misc]
+    block_bytes: int = attrs.field(converter=checked(check_int, minimum=1, label="HitQuery.", error=PlanError))  # type: ignore[misc]
+    context_tokens: int = attrs.field(converter=checked(check_int, minimum=0, label="HitQuery.", error=PlanError))  # type: ignore[misc]
     runs: tuple[tuple[HitSource, int], ...] = attrs.field(converter=_runs)
-    num_tokens: int = attrs.field(converter=checked(check_int, minimum=1, label="HitQuery.", error=PlanError))
-    overlap: bool = attrs.field(default=True, converter=checked(check_bool, label="HitQuery.", error=PlanError))
+    num_tokens: int = attrs.field(converter=checked(check_int, minimum=1, label="HitQuery.", error=PlanError))  # type: ignore[misc]
+    overlap: bool = attrs.field(default=True, converter=checked(check_bool, label="HitQuery.", error=PlanError))  # type: ignore[misc]
 
     def __attrs_post_init__(self) -> None:
         end = self.context_tokens + self.hit_blocks * self.block_size
@@ -114,9 +114,9 @@ class LoadPlan:
         PlanError: counts that are not ints >= 0 or exceed the hit.
     """
 
-    compute_blocks: int = attrs.field(converter=checked(check_int, minimum=0, label="LoadPlan.", error=PlanError))
-    load_blocks: int = attrs.field(converter=checked(check_int, minimum=0, label="LoadPlan.", error=PlanError))
-    hit_blocks: int = attrs.field(converter=checked(check_int, minimum=0, label="LoadPlan.", error=PlanError))
+    compute_blocks: int = attrs.field(converter=checked(check_int, minimum=0, label="LoadPlan.", error=PlanError))  # type: ignore[misc]
+    load_blocks: int = attrs.field(converter=checked(check_int, minimum=0, label="LoadPlan.", error=PlanError))  # type: ignore[misc]
+    hit_blocks: int = attrs.field(converter=checked(check_int, minimum=0, label="LoadPlan.", error=PlanError))  # type: ignore[misc]
 
     def __attrs_post_init__(self) -> None:
         if self.compute_blocks + self.load_blocks > self.hit_blocks:

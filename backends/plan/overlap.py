@@ -54,7 +54,7 @@ class OverlapPlanner(LoadPlanner):
 
     window: int = attrs.field(default=64, validator=at_least(2))
     prefill_tokens_per_s: float | None = attrs.field(
-        default=None, converter=checked(check_real, optional=True, low=0, low_open=True, high=math.inf, high_open=True))
+        default=None, converter=checked(check_real, optional=True, low=0, low_open=True, high=math.inf, high_open=True))  # type: ignore[misc]
     _moves: dict[HitSource, MoveEstimate] = attrs.field(init=False)
     _compute: ComputeEstimate = attrs.field(init=False)
 
