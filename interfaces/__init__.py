@@ -6,6 +6,7 @@ from kvkit.interfaces.capabilities import (
     EvictionOrder,
     EvictionWindow,
     ExplainsUnavailability,
+    HeadCompute,
     PinAwarePolicy,
     PrefillCompute,
     ReportsAvailability,
@@ -14,6 +15,7 @@ from kvkit.interfaces.capabilities import (
 )
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.plan import HitQuery, HitSource, LoadPlan, LoadPlanner
 from kvkit.interfaces.store import RequestView, StorePolicy
 from kvkit.interfaces.types import (
     BlockHash,
@@ -38,8 +40,13 @@ __all__ = [
     "EvictionWindow",
     "ExplainsUnavailability",
     "GroupKind",
+    "HeadCompute",
+    "HitQuery",
+    "HitSource",
     "KVCacheSpec",
     "KVGroupSpec",
+    "LoadPlan",
+    "LoadPlanner",
     "OffloadCallback",
     "PinAwarePolicy",
     "PrefillCompute",

@@ -22,6 +22,7 @@ __all__ = [
     "EvictionOrder",
     "EvictionWindow",
     "ExplainsUnavailability",
+    "HeadCompute",
     "LayeredCopy",
     "PinAwarePolicy",
     "PrefillCompute",
@@ -256,9 +257,10 @@ class PrefillCompute(Protocol):
 
     Invariants the engine keeps for it: :meth:`prefill` runs once per scheduled
     request and step, after the step's loads landed (blocks before
-    ``first_block`` of every group hold the reused KV: GPU hits, then loaded
-    CPU hits) and before the engine publishes the request's full blocks and
-    confirms them to the manager, so only what it wrote can be stored. With a
+    ``first_block`` of every group hold the reused KV: GPU hits, then the head
+    a :class:`HeadCompute` wrote, then loaded CPU hits) and before the engine
+    publishes the request's full blocks and confirms them to the manager, so
+    only what it wrote can be stored. With a
     ``layered`` engine the loads may still run: the compute calls
     ``engine.wait_layer(layer)`` before it reads a layer's reused blocks, and a
     request whose load then fails is computed again without its CPU hit.
@@ -270,4 +272,26 @@ class PrefillCompute(Protocol):
         Returns:
             Reused blocks found with wrong bytes (0 when it checks none).
         """
+        ...
+
+
+@runtime_checkable
+class HeadCompute(PrefillCompute, Protocol):
+    """A prefill compute that also computes the *head* of a hit while the hit's tail loads.
+
+    A load plan (:mod:`kvkit.interfaces.plan`) may recompute the first blocks
+    of a CPU or shared-tier hit instead of loading them, at the same time as
+    the rest loads. An engine whose compute has this capability runs those
+    plans; with any other compute it asks only for plans that load a prefix.
+
+    Invariants the engine keeps for it: :meth:`prefill_head` runs once per
+    scheduled request with a head and step, before :meth:`prefill`, while
+    the step's loads may still be running; the blocks it reads (before
+    ``start``: the GPU hit) are in place and no load writes the blocks it
+    writes. :meth:`prefill` then sees the head as reused KV (its blocks are
+    before ``first_block``).
+    """
+
+    def prefill_head(self, engine: Any, request: Any, start: int, stop: int) -> None:
+        """Write the KV of ``request``'s blocks ``[start, stop)`` from the blocks before ``start``."""
         ...

@@ -28,9 +28,10 @@ from kvkit.interfaces import (
     OffloadCallback,
     StorePolicy,
 )
+from kvkit.interfaces.plan import LoadPlanner
 from kvkit.interfaces.shared import DEFAULT_TENANT, SHARED_WRITES, BlockStore, check_tenant
 from kvkit.redact import redact_url, secret_repr
-from kvkit.registry import ALLOCATOR, COPY, EVICTION, STORE, Registry
+from kvkit.registry import ALLOCATOR, COPY, EVICTION, PLANNER, STORE, Registry
 from kvkit.validate import (
     check_choice,
     check_real,
@@ -65,7 +66,7 @@ _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
 
 # Slots a registry instantiates, and which registry; "allocator" is a factory slot.
 _INSTANCE_SLOTS: dict[str, Registry[Any]] = {
-    "cpu_eviction": EVICTION, "gpu_eviction": EVICTION, "store": STORE, "copy": COPY,
+    "cpu_eviction": EVICTION, "gpu_eviction": EVICTION, "store": STORE, "copy": COPY, "planner": PLANNER,
 }
 NAMED_SLOTS = (*_INSTANCE_SLOTS, "allocator")
 """Slots that take a registered name (or an instance or factory) and per-slot ``options``."""
@@ -76,8 +77,8 @@ class Defaults:
     """kvkit's defaults, in one record: the config, simulator, CLI and vLLM connector read them here.
 
     Attributes:
-        cpu_eviction / gpu_eviction / store / copy / allocator: registered
-            names of the stack's slots.
+        cpu_eviction / gpu_eviction / store / copy / allocator / planner:
+            registered names of the stack's slots.
         hash_algorithm: one of :data:`kvkit.hashing.HASH_ALGORITHMS`.
         world_size: workers per stack.
         block_size: tokens per block where the engine does not decide it
@@ -92,6 +93,7 @@ class Defaults:
     store: str = "eager"
     copy: str = "torch"
     allocator: str = "pool"
+    planner: str = "overlap"
     hash_algorithm: str = "sha256"
     world_size: int = 1
     block_size: int = 16
@@ -153,6 +155,7 @@ class Components:
         gpu_blocks: GPU pool size in blocks.
         cpu_blocks: CPU pool size in blocks (``cpu_bytes`` already converted).
         callbacks: observers, in call order.
+        planner: decides per request which hit blocks to load and which to recompute.
     """
 
     gpu_eviction: EvictionPolicy
@@ -163,6 +166,7 @@ class Components:
     gpu_blocks: int
     cpu_blocks: int
     callbacks: tuple[OffloadCallback, ...]
+    planner: LoadPlanner
 
 
 def _store_url(inst: object, attribute: attrs.Attribute, value: object) -> None:
@@ -281,6 +285,9 @@ class StackConfig:
             scheduler-only stack that moves no bytes (simulation; imports no copy backend).
         allocator: block pool. A registered name, or a factory
             ``(num_blocks=..., eviction=...) -> BlockAllocator``.
+        planner: load planner, which decides per request which blocks of a CPU or
+            shared-tier hit to load and which to recompute. A registered name or
+            an instance; ``load-all`` loads every hit.
         callbacks: ``OffloadCallback`` instances, called in order.
         world_size: workers that must all finish a copy before it counts. At least 1.
         device: where the GPU tier lives, ``cuda`` or ``cpu``. Default: ``cuda``
@@ -317,6 +324,7 @@ class StackConfig:
     store: str | StorePolicy = attrs.field(default=DEFAULTS.store, metadata=_text(str))
     copy: str | CopyBackend | None = attrs.field(default=DEFAULTS.copy, metadata=_text(str))
     allocator: str | Callable[..., BlockAllocator] = attrs.field(default=DEFAULTS.allocator, metadata=_text(str))
+    planner: str | LoadPlanner = attrs.field(default=DEFAULTS.planner, metadata=_text(str))
     callbacks: list[OffloadCallback] | tuple[OffloadCallback, ...] = ()
     world_size: int = attrs.field(default=DEFAULTS.world_size, metadata=_text(int))
     device: str = attrs.field(factory=_default_device, metadata=_text(str))
@@ -375,6 +383,7 @@ class StackConfig:
             gpu_blocks=int(self.gpu_blocks),
             cpu_blocks=self.num_cpu_blocks,
             callbacks=tuple(self.callbacks),
+            planner=self._create("planner"),
         )
 
     def _create(self, slot: str) -> Any:

@@ -32,6 +32,7 @@ from kvkit.interfaces import (
     ReportsAvailability,
     StorePolicy,
 )
+from kvkit.interfaces.plan import LoadPlanner
 from kvkit.interfaces.shared import BlockStore
 from kvkit.redact import redact
 from kvkit.validate import did_you_mean
@@ -41,6 +42,7 @@ __all__ = [
     "COPY",
     "ENTRY_POINT_GROUP",
     "EVICTION",
+    "PLANNER",
     "REGISTRIES",
     "SHARED",
     "STORE",
@@ -352,7 +354,12 @@ SHARED: Registry[BlockStore] = Registry("shared", BlockStore, "block store", bui
     "valkey": "kvkit.backends.blockstore.valkey:ValkeyStore",
 })
 
-REGISTRIES: dict[str, Registry[Any]] = {r.kind: r for r in (EVICTION, STORE, COPY, ALLOCATOR, SHARED)}
+PLANNER: Registry[LoadPlanner] = Registry("planner", LoadPlanner, "load planner", builtins={
+    "overlap": "kvkit.backends.plan.overlap:OverlapPlanner",
+    "load-all": "kvkit.backends.plan.overlap:LoadAllPlanner",
+})
+
+REGISTRIES: dict[str, Registry[Any]] = {r.kind: r for r in (EVICTION, STORE, COPY, ALLOCATOR, SHARED, PLANNER)}
 """Every extension point by kind, in display order."""
 
 

@@ -215,7 +215,7 @@ def build(config: StackConfig | None = None, /, *, layout: str | None = None,
     stack = None
     try:  # a build refused from here on leaves no connection, thread or mirror behind
         manager = OffloadManager(config.kv, cpu, parts.store, gpu=gpu, world_size=config.world_size,
-                                 callbacks=parts.callbacks, shared=shared)
+                                 callbacks=parts.callbacks, shared=shared, planner=parts.planner)
         stack = OffloadStack(config, gpu, cpu, manager, shared_store=None if conn is None else conn.store,
                              owns_shared_store=conn is not None and conn.owned)
         if layout is not None:

@@ -95,6 +95,20 @@ class OffloadStats:
         shared_outages: times the shared tier was turned off after a failure.
         shared_probes / shared_recoveries: probes sent to a suspect or
             backed-off server, and the times it came back on.
+        hits_declined_cpu / hits_declined_shared: hit tokens each tier offered
+            that were not loaded (recomputed instead: a plan's head, the end
+            of the hit it declined, or what the engine did not accept).
+        hit_tokens_overlapped: hit tokens recomputed as a plan's head while
+            the rest of the hit loaded.
+        plan_saved_ms: the load planner's estimate of the prefill time its
+            plans saved against loading every hit, summed (ms).
+        planner_errors: planner calls that raised or answered no plan for the
+            hit (the whole hit was loaded instead).
+        stores_backpressured: store candidates dropped because the CPU tier's
+            writes were congested or too many were in flight (see
+            :mod:`kvkit.manager.backpressure`).
+        puts_backpressured: hashes not put into the shared tier because its
+            puts were congested and the backlog of deferred puts was full.
     """
 
     lookups: Counter = _counter()
@@ -134,6 +148,13 @@ class OffloadStats:
     shared_outages: Counter = _counter()
     shared_probes: Counter = _counter()
     shared_recoveries: Counter = _counter()
+    hits_declined_cpu: Counter = _counter()
+    hits_declined_shared: Counter = _counter()
+    hit_tokens_overlapped: Counter = _counter()
+    plan_saved_ms: Counter = _counter()
+    planner_errors: Counter = _counter()
+    stores_backpressured: Counter = _counter()
+    puts_backpressured: Counter = _counter()
 
     @property
     def cpu_hit_rate(self) -> float:

@@ -36,8 +36,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # the shared tier's scheduler part is one of the manager's parts (see MANAGER_ORDER)
     "kvkit.manager": (*_PROTOCOLS, "kvkit.stats", "kvkit.manager", "kvkit.shared.scheduler"),
     "kvkit.shared": (*_PROTOCOLS, "kvkit.stats", "kvkit.config", "kvkit.registry", "kvkit.backends.blockstore",
-                     "kvkit.manager.events", "kvkit.manager.requests", "kvkit.manager.transfers", "kvkit.worker",
-                     "kvkit.shared"),
+                     "kvkit.manager.backpressure", "kvkit.manager.events", "kvkit.manager.requests",
+                     "kvkit.manager.transfers", "kvkit.worker", "kvkit.shared"),
     "kvkit.stack": (*_PROTOCOLS, "kvkit.config", "kvkit.registry", "kvkit.stats", "kvkit.manager", "kvkit.worker",
                     "kvkit.shared"),
     "kvkit.reference": (*_PROTOCOLS, *_CORE, "kvkit.manager", "kvkit.worker", "kvkit.reference"),
@@ -50,9 +50,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 
 # The manager's parts, in data-flow order: each imports only parts before it (nothing climbs back).
-MANAGER_ORDER = ["kvkit.manager.requests", "kvkit.manager.ended", "kvkit.manager.events", "kvkit.manager.step",
-                 "kvkit.manager.transfers", "kvkit.manager.hits", "kvkit.manager.stores", "kvkit.shared.scheduler",
-                 "kvkit.manager.manager"]
+MANAGER_ORDER = ["kvkit.manager.backpressure", "kvkit.manager.requests", "kvkit.manager.ended",
+                 "kvkit.manager.events", "kvkit.manager.step", "kvkit.manager.transfers", "kvkit.manager.hits",
+                 "kvkit.manager.stores", "kvkit.shared.scheduler", "kvkit.manager.manager"]
 
 
 def _module_name(path: Path) -> str:

@@ -104,9 +104,9 @@ def test_register_refuses_a_taken_name_unless_override(fresh_eviction):
 
 
 @pytest.mark.parametrize(("kind", "message"), [
-    ("evicton", (r"unknown registry kind 'evicton'; valid: eviction, store, copy, allocator, shared; "
+    ("evicton", (r"unknown registry kind 'evicton'; valid: eviction, store, copy, allocator, shared, planner; "
                  r"did you mean 'eviction'\?")),
-    (["eviction"], r"unknown registry kind \['eviction'\]; valid: eviction, store, copy, allocator, shared$"),
+    (["eviction"], r"unknown registry kind \['eviction'\]; valid: eviction, store, copy, allocator, shared, planner$"),
 ])
 def test_register_quotes_an_unknown_kind_and_lists_the_kinds(kind, message):
     """An unknown kind is a ConfigError that quotes it, lists the kinds and suggests the closest."""

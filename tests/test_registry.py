@@ -67,6 +67,10 @@ BUILTINS = {
         "disk": "kvkit.backends.blockstore.disk:DiskStore",
         "valkey": "kvkit.backends.blockstore.valkey:ValkeyStore",
     },
+    "planner": {
+        "overlap": "kvkit.backends.plan.overlap:OverlapPlanner",
+        "load-all": "kvkit.backends.plan.overlap:LoadAllPlanner",
+    },
 }
 
 
@@ -105,7 +109,7 @@ def test_builtin_names_and_targets():
             assert name in reg.names()
             assert reg.target(name) == target
         reg.check_invariants()
-    assert list(registry_module.REGISTRIES) == ["eviction", "store", "copy", "allocator", "shared"]
+    assert list(registry_module.REGISTRIES) == ["eviction", "store", "copy", "allocator", "shared", "planner"]
 
 
 def test_lazy_target_not_imported_until_used(fresh, fake_module):

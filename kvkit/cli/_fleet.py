@@ -11,7 +11,7 @@ import click
 
 from kvkit.redact import redact_url
 from kvkit.sim.fleet import FleetResult, compare_fleets
-from kvkit.sim.simulator import SimConfig
+from kvkit.sim.simulator import SimConfig, describe_effect, tier_effect
 from kvkit.validate import plural
 
 __all__ = ["run_fleets"]
@@ -45,13 +45,19 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
         save(fleet_figure(isolated, sharing, title=title), plot_path)
     if as_json:
         report = {"isolated": isolated.as_dict(), "shared": sharing.as_dict(),
-                  "shared_url": shown_url, "config": config.as_dict() | workload.as_dict(),
-                  "wall_s": round(wall, 3)}
+                  "shared_tier": _effect(isolated, sharing), "shared_url": shown_url,
+                  "config": config.as_dict() | workload.as_dict(), "wall_s": round(wall, 3)}
         click.echo(json.dumps(report, indent=2, default=str))
         return
     _print(isolated, sharing, workload.describe(), config, shown_url, wall)
     if plot_path is not None:
         click.echo(f"plot written to {plot_path}")
+
+
+def _effect(isolated: FleetResult, sharing: FleetResult) -> dict[str, Any]:
+    """The shared tier's effect on the modelled TTFT (see :func:`~kvkit.sim.simulator.tier_effect`)."""
+    return tier_effect(isolated.ttft_summary(), sharing.ttft_summary(), served=sharing.total("hit_tokens_shared"),
+                       declined=sharing.total("declined_shared"))
 
 
 def _rows(f: FleetResult) -> dict[str, str]:
@@ -69,6 +75,8 @@ def _rows(f: FleetResult) -> dict[str, str]:
         "hit tokens, CPU tier": tokens("hit_tokens_cpu"),
         "hit tokens, shared tier": tokens("hit_tokens_shared"),
         "computed tokens": tokens("computed_tokens"),
+        "  of which overlapping loads": tokens("overlapped_tokens"),
+        "hits declined, CPU / shared tier": f"{f.total('declined_cpu'):,} / {f.total('declined_shared'):,}",
         **{f"modelled TTFT {q}": f"{v:,.1f} ms" for q, v in ttft.items()},
         "blocks put / fetched": f"{f.stat('blocks_put'):,} / {f.stat('blocks_fetched'):,}",
         "failed puts / fetches": f"{f.stat('puts_failed'):,} / {f.stat('fetches_failed'):,}",
@@ -94,9 +102,6 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
     for name, value in _rows(isolated).items():
         table.add_row(name, value, shared[name])
     console = print_table(table)
-    a, b = isolated.ttft_summary(), sharing.ttft_summary()
-    console.print(f"the shared tier served "
-                  f"{plural(sharing.total('hit_tokens_shared'), 'prompt token', grouped=True)} the isolated "
-                  f"instances recomputed; modelled TTFT mean {b['mean']:,.1f} vs {a['mean']:,.1f} ms, p90 "
-                  f"{b['p90']:,.1f} vs {a['p90']:,.1f} ms (fetch {config.cost.shared_gbps:g} GB/s, prefill "
-                  f"{config.cost.prefill_tokens_per_s:,.0f} tokens/s); total {wall:.1f} s")
+    console.print(f"{describe_effect('shared', _effect(isolated, sharing))} (fetch {config.cost.shared_gbps:g} "
+                  f"GB/s, prefill {config.cost.prefill_tokens_per_s:,.0f} tokens/s, planner "
+                  f"{config.as_dict()['planner']}); total {wall:.1f} s")

@@ -20,7 +20,7 @@ from kvkit.cli._progress import Progress, progress
 from kvkit.cli._slots import flag_errors, slot_options
 from kvkit.config import DEFAULTS
 from kvkit.sim.fleet import ROUTERS
-from kvkit.sim.simulator import STACK_SLOTS, CostModel, SimConfig, SimResult, simulate
+from kvkit.sim.simulator import STACK_SLOTS, CostModel, SimConfig, SimResult, describe_effect, simulate, tier_effect
 from kvkit.sim.synthetic import shape
 from kvkit.sim.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
 from kvkit.validate import plural
@@ -127,6 +127,7 @@ def simulate_command(trace_path: str | None, block_size: int | None, verify: boo
         report["config"].update(workload.as_dict())
         if baseline is not None:
             report["baseline"] = {k: v for k, v in baseline.as_dict().items() if k != "config"}
+            report["cpu_tier"] = _effect(baseline, offload)
         report["wall_s"] = round(wall, 3)
         report["peak_rss_mib"] = round(peak_rss_mib, 1)
         click.echo(json.dumps(report, indent=2))
@@ -169,6 +170,15 @@ class _Workload:
                 "shape": None if self.path is not None else self.shape}
 
 
+def _effect(baseline: SimResult, offload: SimResult) -> dict[str, Any]:
+    """The CPU tier's effect on the modelled TTFT (see :func:`~kvkit.sim.simulator.tier_effect`)."""
+    def summary(r: SimResult) -> dict[str, float]:
+        return {"mean": round(r.ttft_mean_ms, 3), **r.ttft_percentiles()}
+
+    return tier_effect(summary(baseline), summary(offload), served=offload.hit_tokens_cpu,
+                       declined=offload.declined_cpu)
+
+
 def _share(part: float, whole: float) -> str:
     return f" ({part / whole:.1%})" if whole else ""
 
@@ -185,6 +195,8 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         ("hit tokens, GPU tier", f"{r.hit_tokens_gpu:,}{_share(r.hit_tokens_gpu, r.prompt_tokens)}"),
         ("hit tokens, CPU tier", f"{r.hit_tokens_cpu:,}{_share(r.hit_tokens_cpu, r.prompt_tokens)}"),
         ("computed tokens", f"{r.computed_tokens:,}{_share(r.computed_tokens, r.prompt_tokens)}"),
+        ("  of which overlapping loads", f"{r.overlapped_tokens:,}{_share(r.overlapped_tokens, r.prompt_tokens)}"),
+        ("hits declined, CPU tier", f"{r.declined_cpu:,}"),
         ("blocks stored / loaded", f"{r.blocks_stored:,} / {r.blocks_loaded:,}"),
         ("bytes stored / loaded", f"{_gib(r.bytes_stored)} / {_gib(r.bytes_loaded)}"),
         ("evictions GPU / CPU", f"{r.evictions_gpu:,} / {r.evictions_cpu:,}"),
@@ -222,11 +234,7 @@ def _print_report(offload: SimResult, baseline: SimResult | None, workload: _Wor
                   f"{cost.pcie_gbps:g} GB/s PCIe, {cost.decode_ms_per_token:g} ms/token decode; "
                   f"bytes of {c.model.name} ({c.spec.bytes_per_block / 2**20:g} MiB a block)")
     if baseline is not None:
-        with_, without = offload.ttft_percentiles(), baseline.ttft_percentiles()
-        ratios = ", ".join(f"{q} {with_[q]:,.1f} vs {without[q]:,.1f} ms" for q in ("p50", "p90"))
-        console.print(f"offload served {plural(offload.hit_tokens_cpu, 'prompt token', grouped=True)} "
-                      f"from the CPU tier; "
-                      f"modelled TTFT with vs without offload: {ratios}")
+        console.print(describe_effect("CPU", _effect(baseline, offload)))
     console.print(f"total {wall:.1f} s, peak memory {peak_rss_mib:,.0f} MiB")
 
 

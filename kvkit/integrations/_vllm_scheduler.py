@@ -13,6 +13,8 @@ vLLM (scheduler process)                  kvkit
 ``get_num_new_matched_tokens(req, n)``    ``add_request`` (first time) or ``extend``; a request
                                           the manager still runs was preempted: ``preempt``;
                                           then ``lookup(n)`` (pins, replaces an earlier pin)
+                                          and ``plan_load(overlap=False)``: the prefix of the
+                                          hit worth loading
 ``update_state_after_alloc(req, b, k)``   ``on_allocated(table, k)``: the rest of the hit is
                                           unpinned, the load enters the next plan (with
                                           asynchronous loads vLLM calls it again, ``k = 0``,
@@ -29,6 +31,18 @@ vLLM (scheduler process)                  kvkit
                                           are null), then ``finish`` (flush) or ``abort``
 ``reset_cache()``                         ``reset``
 ========================================  =====================================================
+
+Load plans: vLLM's connector API loads a hit as a prefix of the request's
+computed tokens, before any of its compute (``get_num_new_matched_tokens``
+answers one count; the scheduler then treats those tokens as computed, and
+the worker's ``start_load_kv`` / ``wait_for_layer_load`` only move bytes).
+So the planner is asked for plans without a head: it may decline the end of
+a hit (a shared-tier run slower than recomputing it) but cannot have the
+hit's head recomputed while its tail loads, which would need the scheduler
+to compute tokens *before* external ones of the same request. kvkit does not
+time vLLM's forward passes: the planner learns compute only from
+``options["planner"]["prefill_tokens_per_s"]`` (until then every hit is
+loaded), and loads and fetches from the workers' reported times.
 
 Stores belong to the step that computes their blocks: the plan built for a
 step stores what that step's forward pass writes, and the workers submit its
@@ -237,7 +251,7 @@ class SchedulerSide:
         conn = None if (layout := settings.shared_layout) is None else connect_shared(stack, layout=layout)
         manager = OffloadManager(stack.kv, cpu, parts.store, gpu=gpu, world_size=stack.world_size,
                                  null_block=0, callbacks=(log,) if log is not None else (),
-                                 shared=None if conn is None else conn.spec)
+                                 shared=None if conn is None else conn.spec, planner=parts.planner)
         return cls(manager, tables, log, settings.async_load, conn)
 
     @property
@@ -251,7 +265,7 @@ class SchedulerSide:
         return self._flush_pending or self.manager.num_in_flight > 0
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """CPU-tier tokens right after vLLM's own prefix hit (pinned until allocation)."""
+        """CPU-tier tokens right after vLLM's own prefix hit worth loading (pinned until allocation)."""
         rid = request.request_id
         if rid not in self._requests:
             self.manager.add_request(rid, [block_hash(h) for h in request.block_hashes],
@@ -262,7 +276,9 @@ class SchedulerSide:
             if self.manager.request(rid).state is _RUNNING:  # preempted between steps
                 self._preempt(rid)
             self._sync(request)
-        return self.manager.lookup(rid, num_computed_tokens, num_tokens=request.num_tokens)
+        if not self.manager.lookup(rid, num_computed_tokens, num_tokens=request.num_tokens):
+            return 0
+        return self.manager.plan_load(rid, overlap=False).accepted_blocks * self.manager.kv.block_size
 
     def allocated(self, request: Any, block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:

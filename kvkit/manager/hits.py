@@ -1,9 +1,11 @@
 """CPU hits: pinned at lookup, accepted at allocation, loaded into the GPU blocks after the GPU hit.
 
-CPU hit ``i`` of a request is loaded into the GPU block at position
-``gpu_hit_blocks + i`` of each KV group; a sliding-window group loads only the
-positions inside its window before the hit end (the others may be the engine's
-null block).
+Offered hit block ``i`` of a request sits at position ``gpu_hit_blocks + i``;
+the engine accepts a prefix of the offered hit and may recompute its first
+``head_blocks`` itself (the head, computed while the rest loads), so the
+loaded block ``j`` goes to position ``gpu_hit_blocks + head_blocks + j`` of
+each KV group; a sliding-window group loads only the positions inside its
+window before the hit end (the others may be the engine's null block).
 
 Invariants: each block in ``Request.pinned`` carries one CPU reference, held
 by the request from lookup until its load is planned and by the load's batch
@@ -48,7 +50,8 @@ class CpuHits:
         if blocks:
             self.cpu.incref(blocks)
         r.pinned = blocks
-        r.offered_blocks = len(blocks)
+        r.offered_blocks = r.offered_cpu = len(blocks)
+        r.head_blocks = 0
         return len(blocks)
 
     def unpin(self, r: Request) -> None:
@@ -61,22 +64,30 @@ class CpuHits:
             r.fetch = []
         r.load_pending = False
 
-    def accept(self, r: Request, n: int) -> None:
-        """Keep the first ``n`` blocks of ``r``'s offered hit (CPU pins, then fetch blocks); release the rest."""
-        keep, drop = r.pinned[:n], r.pinned[n:]
-        fetch, unfetch = r.fetch[:n - len(keep)], r.fetch[n - len(keep):]
+    def accept(self, r: Request, n: int, head: int = 0) -> None:
+        """Keep blocks ``[head, n)`` of ``r``'s offered hit (CPU pins, then fetch blocks) to load; release the rest.
+
+        The first ``head`` blocks are recomputed by the engine (``r.head_blocks``).
+        """
+        c = len(r.pinned)
+        keep = r.pinned[head:n]
+        drop = r.pinned[:min(head, c)] + r.pinned[n:]
+        lo, hi = max(head - c, 0), max(n - c, 0)
+        fetch, unfetch = r.fetch[lo:hi], r.fetch[:lo] + r.fetch[hi:]
         if drop or unfetch:
             self.cpu.decref(drop + unfetch)
         if keep:
             self.cpu.touch(keep)  # a use, for the CPU eviction policy: only what is loaded
         r.pinned, r.fetch = keep, fetch
+        r.fetch_start += lo
+        r.head_blocks = head if keep or fetch else 0
         r.load_pending = bool(keep or fetch)
 
-    def check_targets(self, r: Request, table: list[list[BlockId]], n: int) -> None:
-        """Raise ``RequestStateError`` unless ``table`` has a real GPU block at each position ``r`` loads."""
-        start = r.gpu_hit_blocks
-        assert start is not None, "a request with a hit was looked up"
-        stop = start + n
+    def check_targets(self, r: Request, table: list[list[BlockId]], n: int, head: int = 0) -> None:
+        """Raise ``RequestStateError`` unless ``table`` has a real GPU block at each position ``r`` loads:
+        blocks ``[head, n)`` of its hit."""
+        assert r.gpu_hit_blocks is not None, "a request with a hit was looked up"
+        start, stop = r.gpu_hit_blocks + head, r.gpu_hit_blocks + n
         for g, row in enumerate(table):
             first = self._first_loaded(g, start, stop)
             targets = row[first:stop]
@@ -96,8 +107,8 @@ class CpuHits:
         dst: list[list[BlockId]] = [[] for _ in groups]
         cpu_blocks: list[BlockId] = []
         for r in reqs:
-            blocks, start = r.pinned, r.gpu_hit_blocks
-            assert start is not None, "a request with a hit was looked up"
+            assert r.gpu_hit_blocks is not None, "a request with a hit was looked up"
+            blocks, start = r.pinned, r.gpu_hit_blocks + r.head_blocks
             stop = start + len(blocks)
             for g in groups:
                 first = self._first_loaded(g, start, stop)

@@ -11,7 +11,9 @@ One scheduler step, as an engine drives it::
 
     mgr.add_request(rid, block_hashes, num_prompt_tokens)   # on arrival
     extra = mgr.lookup(rid, gpu_hit_tokens)                 # when scheduling it
-    mgr.on_allocated(rid, block_table, accepted_tokens)     # after allocating
+    plan = mgr.plan_load(rid)                               # optional: what to load, what to recompute
+    mgr.on_allocated(rid, block_table, accepted_tokens,     # after allocating
+                     recompute_tokens=head_tokens)
     mgr.append_blocks(rid, new_block_ids)                   # a running request grew
     plan = mgr.build_step()                                 # -> workers
     mgr.on_computed(rid, num_computed_tokens)               # after the forward pass
@@ -41,6 +43,14 @@ Reset:
     (:attr:`drained`); until then no store is planned either. Requests that
     computed KV before the reset never store it afterwards.
 
+Load plans:
+    :meth:`plan_load` asks the manager's :class:`~kvkit.interfaces.plan.LoadPlanner`
+    which blocks of the offered hit to load and which to recompute; the engine
+    passes its answer to :meth:`on_allocated` (``accepted_tokens``: the head and
+    the tail; ``recompute_tokens``: the head). The manager tells the planner
+    what each completed load and fetch cost (from the workers' reported
+    seconds) and counts what the plans declined and saved (``stats``).
+
 Hashes:
     Block hashes come from the engine (``kvkit.hashing`` or its own) and must
     be the ones it uses for its GPU prefix cache; a request's hash ``i`` names
@@ -62,6 +72,7 @@ from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import EvictionOrder
 from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
+from kvkit.interfaces.plan import HitQuery, HitSource, LoadPlan, LoadPlanner
 from kvkit.interfaces.shared import SharedPlan
 from kvkit.interfaces.store import StorePolicy
 from kvkit.interfaces.types import (
@@ -73,6 +84,7 @@ from kvkit.interfaces.types import (
     TransferPlan,
     TransferResult,
 )
+from kvkit.manager.backpressure import Backpressure, WriteGate
 from kvkit.manager.ended import EndedRequests
 from kvkit.manager.events import Events
 from kvkit.manager.hits import CpuHits
@@ -130,6 +142,13 @@ class OffloadManager:
             :mod:`kvkit.shared.scheduler`): lookups continue there after the CPU
             hit, its hits are fetched into CPU blocks and loaded as CPU hits,
             and CPU blocks are put there (write-through or write-back).
+        planner: decides per request which hit blocks to load and which to
+            recompute (:meth:`plan_load`); ``None`` plans nothing (every
+            accepted hit is loaded).
+        store_backpressure / put_backpressure: the bounds of the CPU tier's
+            stores and of the shared tier's puts (see
+            :mod:`kvkit.manager.backpressure`): what a congested tier cannot
+            take is dropped (stores) or deferred (puts), never waited for.
 
     Invariants (:meth:`check_invariants` asserts them):
         * CPU refcount of every block == lookup pins + in-flight transfer
@@ -157,6 +176,9 @@ class OffloadManager:
     null_block: int = attrs.field(default=-1, kw_only=True)
     num_gpu_blocks: int | None = attrs.field(default=None, kw_only=True, validator=optional_at_least(1))
     shared: SharedTierSpec | None = attrs.field(default=None, kw_only=True)
+    planner: LoadPlanner | None = attrs.field(default=None, kw_only=True)
+    store_backpressure: Backpressure = attrs.field(factory=Backpressure, kw_only=True)
+    put_backpressure: Backpressure = attrs.field(factory=Backpressure, kw_only=True)
 
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)
     _ended: EndedRequests = attrs.field(init=False, factory=EndedRequests)
@@ -165,6 +187,7 @@ class OffloadManager:
     _hits: CpuHits = attrs.field(init=False)
     _stores: StorePlanner = attrs.field(init=False)
     _transfers: TransferTable = attrs.field(init=False)
+    _store_gate: WriteGate = attrs.field(init=False)
     _shared: SharedTier | None = attrs.field(init=False, default=None)
     _epoch: int = attrs.field(init=False, default=0)
     _draining: bool = attrs.field(init=False, default=False)
@@ -184,19 +207,25 @@ class OffloadManager:
                                     self.null_block, len(self.kv.groups),
                                     _writes_back(self.kv, self.store, self.gpu))
         self._transfers = TransferTable(self.world_size)
+        for name in ("store_backpressure", "put_backpressure"):
+            if not isinstance(getattr(self, name), Backpressure):
+                raise ConfigError(f"{name} must be a Backpressure, got {getattr(self, name)!r}")
+        self._store_gate = WriteGate(self.store_backpressure)
         self._group_bytes = [self.kv.kv_parts * len(g.layers) * self.kv.bytes_per_layer_block
                              for g in self.kv.groups]
         if self.shared is not None:
             if not isinstance(self.shared, SharedTierSpec):
                 raise ConfigError(f"shared must be a SharedTierSpec or None, got {self.shared!r}")
             self._shared = SharedTier(self.shared, self.cpu, self.world_size, self.stats, self._events,
-                                      self.kv.bytes_per_block)
+                                      self.kv.bytes_per_block, WriteGate(self.put_backpressure))
         self.cpu.add_evict_listener(self._on_cpu_evict)
         policy = getattr(self.cpu, "policy", None)
         if isinstance(policy, HintAwarePolicy):
             self._hint_sink = policy.on_hints
         if self.gpu is not None:
             self.gpu.add_evict_listener(self._on_gpu_evict)
+        if self.planner is not None and not isinstance(self.planner, LoadPlanner):
+            raise ConfigError(f"planner must be a LoadPlanner or None, got {self.planner!r}")
 
     # -- public state --------------------------------------------------------
 
@@ -343,6 +372,7 @@ class OffloadManager:
         gpu_hit_tokens, r.num_tokens = check_lookup(r, gpu_hit_tokens, num_tokens, bs)
         self._hits.unpin(r)
         r.revoked = False
+        r.plan = None
         self.stats.lookups.add()
         start = gpu_hit_tokens // bs
         stop = min((r.num_tokens - 1) // bs, len(r.block_hashes))
@@ -356,8 +386,53 @@ class OffloadManager:
         self._events.emit("on_lookup", request_id, gpu_hit_tokens, hit * bs)
         return hit * bs
 
+    def plan_load(self, request_id: str, *, overlap: bool = True) -> LoadPlan:
+        """The planner's answer for the hit the last :meth:`lookup` offered ``request_id``.
+
+        Pass it on to :meth:`on_allocated` as ``accepted_tokens =
+        plan.accepted_blocks * block_size`` and ``recompute_tokens =
+        plan.compute_blocks * block_size``. Without a planner, or with no hit,
+        the whole hit is loaded. A planner that raises or answers something
+        that is not a plan for this hit is contained (``stats.planner_errors``,
+        one warning) and the whole hit is loaded.
+
+        Args:
+            request_id: a waiting request after its lookup.
+            overlap: the engine can compute the head of the hit while the
+                rest loads; ``False`` asks for a plan that loads a prefix only.
+
+        Raises:
+            UnknownRequestError / RequestStateError: unknown, ended or running
+                id, or no lookup first.
+            ConfigError: ``overlap`` is not a bool.
+        """
+        r = self._live(request_id)
+        if r.state is not _WAITING or r.gpu_hit_blocks is None:
+            raise wrong_state(r, "plan_load needs a waiting request after its lookup")
+        if overlap.__class__ is not bool:
+            raise ConfigError(f"plan_load(overlap={overlap!r}): overlap must be a bool")
+        h = r.offered_blocks
+        plan = LoadPlan.load_all(h)
+        r.plan = None
+        if self.planner is None or not h:
+            return plan
+        query = self._query(r, overlap)
+        try:
+            answer = self.planner.plan(query)
+            if not isinstance(answer, LoadPlan) or answer.hit_blocks != h or (answer.compute_blocks and not overlap):
+                raise TypeError(f"plan() answered {answer!r} for a hit of {plural(h, 'block')} (overlap={overlap})")
+            plan = answer
+            chosen = self.planner.estimate_ms(query, plan)
+            loading = self.planner.estimate_ms(query, LoadPlan.load_all(h))
+        except Exception as exc:  # noqa: BLE001 - a planner's bug must not wedge the engine
+            self._events.contain(self.planner, "plan", exc, self.stats.planner_errors, "planner_errors")
+            return LoadPlan.load_all(h)
+        saved = loading - chosen if chosen is not None and loading is not None else 0.0
+        r.plan = (plan, max(saved, 0.0))
+        return plan
+
     def on_allocated(self, request_id: str, gpu_block_ids: Sequence[Sequence[int]],
-                     accepted_tokens: int = 0) -> None:
+                     accepted_tokens: int = 0, *, recompute_tokens: int = 0) -> None:
         """The engine allocated GPU blocks; plan the load of the accepted CPU hit.
 
         First call after :meth:`lookup` (waiting request): ``accepted_tokens``
@@ -377,6 +452,10 @@ class OffloadManager:
             gpu_block_ids: the request's whole block table, one sequence of
                 GPU block ids per KV group.
             accepted_tokens: CPU-hit tokens the engine uses.
+            recompute_tokens: the first tokens of the accepted hit that the
+                engine computes itself (front to back) while the rest loads
+                (a plan's head, see :meth:`plan_load`): their blocks are not
+                loaded; the loads start right after them.
 
         Raises:
             UnknownRequestError / RequestStateError: unknown or ended id, no
@@ -397,16 +476,17 @@ class OffloadManager:
                     f"request {request_id!r}: a replaced block table needs at least {plural(needed, 'block')} per "
                     f"group (its {plural(r.num_computed_tokens, 'computed token')}), got {[len(t) for t in table]}")
             if r.load_pending:  # the load not yet planned reads the new table
-                self._hits.check_targets(r, table, len(r.pinned) + len(r.fetch))
+                self._hits.check_targets(r, table, r.head_blocks + len(r.pinned) + len(r.fetch), r.head_blocks)
             self._set_table(r, table)
             return
         bs = self.kv.block_size
-        n = accepted_blocks(r, accepted_tokens, bs)
+        n, head = accepted_blocks(r, accepted_tokens, bs, recompute_tokens)
         assert r.gpu_hit_blocks is not None  # accepted_blocks refuses a request never looked up
         if not r.revoked:
-            self._hits.check_targets(r, table, n)
-        self._hits.accept(r, n)
-        if r.revoked and n:
+            self._hits.check_targets(r, table, n, head)
+        offered_cpu, offered_shared = r.offered_cpu, r.offered_blocks - r.offered_cpu
+        self._hits.accept(r, n, head)
+        if r.revoked and n > head:
             self._report_load_failed(r)
         if r.load_pending:
             self._dirty[request_id] = r
@@ -418,6 +498,13 @@ class OffloadManager:
         s.query_tokens.add(r.num_tokens)
         s.hit_tokens_gpu.add(r.gpu_hit_blocks * bs)
         s.hit_tokens_cpu.add(len(r.pinned) * bs)
+        s.hits_declined_cpu.add((offered_cpu - len(r.pinned)) * bs)
+        s.hits_declined_shared.add((offered_shared - len(r.fetch)) * bs)
+        if r.load_pending:
+            s.hit_tokens_overlapped.add(r.head_blocks * bs)
+        if r.plan is not None and r.plan[0].accepted_blocks == n and r.plan[0].compute_blocks == head:
+            s.plan_saved_ms.add(r.plan[1])
+        r.plan = None
         if r.fetch:
             s.hit_tokens_shared.add(len(r.fetch) * bs)
             self._events.emit("on_shared_hit", request_id, len(r.fetch) * bs)
@@ -695,6 +782,15 @@ class OffloadManager:
             raise RequestStateError(f"request {request_id!r} already finished or aborted")
         raise UnknownRequestError(f"unknown request id {request_id!r}")
 
+    def _query(self, r: Request, overlap: bool) -> HitQuery:
+        """What the planner knows of ``r``'s offered hit: CPU blocks, then shared-tier blocks."""
+        assert r.gpu_hit_blocks is not None  # plan_load refuses a request never looked up
+        runs = [(src, n) for src, n in ((HitSource.CPU, r.offered_cpu),
+                                        (HitSource.SHARED, r.offered_blocks - r.offered_cpu)) if n]
+        return HitQuery(block_size=self.kv.block_size, block_bytes=self.kv.bytes_per_block,
+                        context_tokens=r.gpu_hit_blocks * self.kv.block_size, runs=runs,
+                        num_tokens=r.num_tokens, overlap=overlap)
+
     def _set_table(self, r: Request, table: list[list[BlockId]]) -> None:
         r.block_table = table
         null = self.null_block
@@ -788,8 +884,11 @@ class OffloadManager:
     def _plan_stores(self) -> list[tuple[int, TransferPlan]]:
         if self._draining:
             return []
-        planned = self._stores.plan(self._dirty.values())
-        return self._open(*planned) if planned else []
+        planned = self._stores.plan(self._dirty.values(), self._store_gate.budget())
+        if not planned:
+            return []
+        self._store_gate.started(len(planned[0].cpu_blocks))
+        return self._open(*planned)
 
     def _open(self, batch: Batch, src: Sequence[Sequence[int]],
               dst: Sequence[Sequence[int]]) -> list[tuple[int, TransferPlan]]:
@@ -803,10 +902,13 @@ class OffloadManager:
     def _complete(self, batch: Batch) -> None:
         """Every transfer of ``batch`` completed: commit or discard, release references."""
         ok = batch.settle(self.cpu, self.gpu, self.stats)
+        if ok and batch.direction is Direction.LOAD and batch.seconds > 0 and self.planner is not None:
+            self._observe(HitSource.SHARED if batch.shared else HitSource.CPU, batch.num_bytes, batch.seconds)
         if batch.shared:
             assert self._shared is not None, "a shared-tier batch needs the shared tier"
             self._shared.settled(batch, ok)
         elif batch.direction is Direction.STORE:
+            self._store_gate.finished(len(batch.cpu_blocks), batch.seconds)
             self._stores.settled(batch)
             if ok and self._shared is not None:
                 self._shared.written(batch.committed)
@@ -819,6 +921,14 @@ class OffloadManager:
                         self._report_load_failed(r)
         for r in batch.requests:
             self._ended.drop_hold(r)
+
+    def _observe(self, source: HitSource, num_bytes: int, seconds: float) -> None:
+        planner = self.planner
+        assert planner is not None  # observed only with a planner
+        try:
+            planner.observe_move(source, num_bytes, seconds)
+        except Exception as exc:  # noqa: BLE001 - as plan_load
+            self._events.contain(planner, "observe_move", exc, self.stats.planner_errors, "planner_errors")
 
     def _empty_cpu(self, force: bool = False) -> None:
         dropped = self.cpu.reset(force=True) if force else self.cpu.reset()

@@ -6,6 +6,7 @@ import enum
 from collections import Counter
 from collections.abc import Iterable, Set
 from itertools import chain
+from typing import Any
 
 import attrs
 
@@ -61,6 +62,12 @@ class Request:
         gpu_hit_blocks: the GPU prefix hit of the last lookup, in blocks
             (``None`` before any lookup of this incarnation).
         offered_blocks: CPU blocks the last lookup offered.
+        offered_cpu: how many of them are CPU-tier blocks (the rest are shared-tier ones).
+        head_blocks: blocks at the start of the accepted hit the engine
+            recomputes while the rest of the hit loads; loads start at
+            position ``gpu_hit_blocks + head_blocks``.
+        plan: the load plan of the last :meth:`~kvkit.manager.OffloadManager.plan_load`
+            for this lookup, and its estimated saving in ms (``None`` if none).
         pinned: CPU blocks this request holds one reference on: the offered
             hit before allocation, the accepted hit until its load is planned.
         fetch: CPU blocks allocated (one reference each, not ready) for the
@@ -89,6 +96,9 @@ class Request:
     num_confirmed_blocks: int = 0
     gpu_hit_blocks: int | None = None
     offered_blocks: int = 0
+    offered_cpu: int = 0
+    head_blocks: int = 0
+    plan: tuple[Any, float] | None = None
     pinned: list[BlockId] = attrs.field(factory=list)
     fetch: list[BlockId] = attrs.field(factory=list)
     fetch_start: int = 0
@@ -241,8 +251,10 @@ def _block_id(request_id: str, what: str, g: int, i: int, b: object) -> BlockId:
     return BlockId(int(b))
 
 
-def accepted_blocks(r: Request, accepted_tokens: object, block_size: int) -> int:
-    """Blocks of the hit offered to waiting ``r`` that the engine accepts."""
+def accepted_blocks(r: Request, accepted_tokens: object, block_size: int,
+                    recompute_tokens: object = 0) -> tuple[int, int]:
+    """``(accepted, recomputed)`` blocks of the hit offered to waiting ``r``: the prefix the engine
+    keeps, and the head of it the engine recomputes instead of loading."""
     request_id, bs = r.request_id, block_size
     if r.gpu_hit_blocks is None:
         raise RequestStateError(f"request {request_id!r}: on_allocated before lookup")
@@ -251,7 +263,12 @@ def accepted_blocks(r: Request, accepted_tokens: object, block_size: int) -> int
         raise RequestStateError(
             f"request {request_id!r}: accepted_tokens={accepted_tokens!r} must be a multiple of "
             f"{bs} in [0, {r.offered_blocks * bs}] (the offered hit)")
-    return n // bs
+    k = as_count(recompute_tokens)
+    if k is None or k % bs or k > n:
+        raise RequestStateError(
+            f"request {request_id!r}: recompute_tokens={recompute_tokens!r} must be a multiple of "
+            f"{bs} in [0, {n}] (the accepted hit)")
+    return n // bs, k // bs
 
 
 def check_live(requests: dict[str, Request], dirty: dict[str, Request], cpu: BlockAllocator,

@@ -15,6 +15,7 @@ still commit.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple, cast
@@ -128,13 +129,16 @@ class StorePlanner:
         self._detached += entries
         r.holds += len(entries)
 
-    def plan(self, queued: Iterable[Request]) -> tuple[Batch, list[list[BlockId]], list[list[BlockId]]] | None:
+    def plan(self, queued: Iterable[Request],
+             limit: float = math.inf) -> tuple[Batch, list[list[BlockId]], list[list[BlockId]]] | None:
         """This step's store batch: detached stores, the queues of ``queued``, write-back candidates.
 
         Chosen hashes join the in-flight set and their CPU blocks are allocated
         (not ready, not findable). If the CPU pool cannot free enough blocks,
-        fewer are stored (``stats.stores_dropped``); the engine is never
-        failed. Every queue read is emptied.
+        fewer are stored (``stats.stores_dropped``); beyond ``limit`` blocks
+        (the tier's backpressure) the rest are dropped too
+        (``stats.stores_backpressured``); the engine is never failed. Every
+        queue read is emptied.
 
         Returns:
             The batch and its per-group ``(src, dst)`` ids, or ``None`` if
@@ -147,7 +151,7 @@ class StorePlanner:
             r.store_queue = []
         if self.writeback:
             cands += self._writeback_candidates()
-        planned = self._choose(cands)
+        planned = self._choose(cands, limit)
         for c in detached:  # after the batch's hold, so an owner is released only when done
             self.ended.drop_hold(c.owner)
         return planned
@@ -288,8 +292,10 @@ class StorePlanner:
             assert self.gpu is not None, "references are held only with a GPU pool"
             self.gpu.decref(held)
 
-    def _choose(self, cands: list[StoreCandidate]) -> tuple[Batch, list[list[BlockId]], list[list[BlockId]]] | None:
-        """Pick the candidates to copy and allocate their CPU blocks; skipped ones drop their GPU holds."""
+    def _choose(self, cands: list[StoreCandidate],
+                limit: float) -> tuple[Batch, list[list[BlockId]], list[list[BlockId]]] | None:
+        """Pick the candidates to copy (at most ``limit``) and allocate their CPU blocks; skipped ones drop
+        their GPU holds."""
         cpu, gpu, inflight, stats = self.cpu, self.gpu, self._inflight, self.stats
         cpu_lookup = cpu.lookup
         chosen, skipped = [], []
@@ -301,12 +307,13 @@ class StorePlanner:
                 chosen.append(c)
         stats.stores_deduplicated.add(len(skipped))
         free = cpu.num_free
-        if len(chosen) > free:  # store fewer, never fail the engine
-            for c in chosen[free:]:
+        keep = int(min(free, limit))
+        if len(chosen) > keep:  # store fewer, never fail the engine
+            for c in chosen[keep:]:
                 inflight.discard(c.block_hash)
-            skipped += chosen[free:]
-            stats.stores_dropped.add(len(chosen) - free)
-            del chosen[free:]
+            skipped += chosen[keep:]
+            (stats.stores_dropped if keep == free else stats.stores_backpressured).add(len(chosen) - keep)
+            del chosen[keep:]
         cpu_blocks = cpu.allocate(len(chosen)) if chosen else []
         self._unhold(skipped)
         if gpu is not None:

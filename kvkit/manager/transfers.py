@@ -62,6 +62,8 @@ class Batch:
         fetched: a load's sources that a fetch of the same step fills (not
             ready until that fetch commits).
         committed: hashes that became findable when it settled.
+        seconds: the longest time a worker reported for one of its transfers
+            (0 when none was measured).
     """
 
     direction: Direction
@@ -77,6 +79,7 @@ class Batch:
     shared: bool = False
     fetched: list[BlockId] = attrs.field(factory=list)
     committed: list[BlockHash] = attrs.field(factory=list)
+    seconds: float = 0.0
 
     def plans(self, src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]],
               group_bytes: list[int]) -> list[TransferPlan]:
@@ -209,6 +212,8 @@ class TransferTable:
                 continue
             stats.transfer_seconds.add(res.seconds)
             stats.transfer_bytes.add(res.num_bytes)
+            if res.seconds > t.batch.seconds:
+                t.batch.seconds = res.seconds
             if outcome is Outcome.PENDING:
                 continue
             batch = t.batch

@@ -5,18 +5,28 @@ The simulator, the tests and the examples reuse it. Per :meth:`ReferenceEngine.s
 1. apply the workers' completions (stores become findable, loads land),
    as again at the end of the step;
 2. schedule waiting requests in arrival order: GPU prefix hit, then the
-   manager's CPU lookup (pinned), then GPU allocation, then ``on_allocated``;
+   manager's CPU lookup (pinned) and load plan (which hit blocks to load,
+   which to recompute: :meth:`~kvkit.manager.OffloadManager.plan_load`), then
+   GPU allocation, then ``on_allocated``;
 3. run the manager's step plan on every worker, and wait for this step's
    loads (compute reads them; with ``layered`` compute waits for each layer
    instead, and the loads' results are awaited after it); a shared-tier
    fetch is waited for at most until the store's deadline (then it is a
-   miss, recomputed), a shared-tier put never;
+   miss, recomputed), a shared-tier put never. A plan with a *head* (hit
+   blocks recomputed instead of loaded) overlaps: the step plan runs on a
+   background thread while the compute writes each head, front to back,
+   from the GPU hit alone; then the engine waits for the loads;
 4. compute the scheduled prefills through the engine's
    :class:`~kvkit.interfaces.PrefillCompute`
    (by default :class:`SyntheticCompute`: write each block's KV as a
    deterministic function of its hash and check every loaded block's bytes;
    ``kvkit.integrations.hf`` runs a real model instead), publish the full
    blocks in the GPU prefix cache, and confirm progress to the manager.
+
+A load that fails (a fetch the shared tier did not answer within the
+worker's ``wait_timeout_s`` included) makes the engine recompute the blocks
+after the head; the manager never stores what a failed load wrote, and the
+recompute overwrites it before anything reads it.
 
 Requests are prefill-only: the caller decides when one finishes (the
 simulator models decode time). With more than one KV group the GPU prefix
@@ -27,12 +37,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 from typing_extensions import override
 
 from kvkit.errors import OutOfBlocksError, RequestStateError, UnknownRequestError
-from kvkit.interfaces import BlockHash, BlockId, Direction, PrefillCompute, TransferResult
+from kvkit.interfaces import BlockHash, BlockId, Direction, HeadCompute, PrefillCompute, TransferResult
 from kvkit.manager.step import StepPlan
 from kvkit.stack import OffloadStack
 from kvkit.validate import check_bool, checked, implements, plural
@@ -50,7 +61,10 @@ class EngineRequest:
         num_tokens: prompt length in tokens.
         table: GPU block ids, one list per KV group (empty while waiting).
         gpu_hit_tokens: tokens served by the GPU prefix cache.
-        cpu_hit_tokens: tokens loaded from the CPU tier.
+        head_tokens: hit tokens right after the GPU hit that the engine
+            recomputes while the rest of the hit loads (a load plan's head).
+        cpu_hit_tokens: tokens loaded from the CPU tier (shared-tier hits
+            included), right after the head.
     """
 
     request_id: str
@@ -58,6 +72,7 @@ class EngineRequest:
     num_tokens: int
     table: list[list[BlockId]] = attrs.field(factory=list)
     gpu_hit_tokens: int = 0
+    head_tokens: int = 0
     cpu_hit_tokens: int = 0
 
     @property
@@ -75,7 +90,7 @@ class StepReport:
 
 
 @attrs.define(eq=False)
-class SyntheticCompute(PrefillCompute):
+class SyntheticCompute(HeadCompute):
     """Writes each block's KV as a deterministic function of its content and checks loaded blocks.
 
     The stand-in for a model in tests and the simulator: a reused block whose
@@ -90,11 +105,16 @@ class SyntheticCompute(PrefillCompute):
         self._write(engine, request, first_block)
         return errors
 
+    @override
+    def prefill_head(self, engine: ReferenceEngine, request: EngineRequest, start: int, stop: int) -> None:
+        """Write blocks ``[start, stop)``."""
+        self._write(engine, request, start, stop)
+
     @staticmethod
-    def _write(engine: ReferenceEngine, req: EngineRequest, first: int) -> None:
-        """Write the KV of blocks ``first..`` (the recomputed ones) on every worker."""
+    def _write(engine: ReferenceEngine, req: EngineRequest, first: int, stop: int | None = None) -> None:
+        """Write the KV of blocks ``first..stop`` (the recomputed ones) on every worker."""
         for g, row in enumerate(req.table):
-            blocks = row[first:]
+            blocks = row[first:stop]
             keys = [_key(req, i) for i in range(first, first + len(blocks))]
             for worker in engine.stack.workers:
                 _fill(worker, g, blocks, keys)
@@ -129,6 +149,10 @@ class ReferenceEngine:
             compute, before anything is published or confirmed; a request whose
             load failed is computed again without its CPU hit.
 
+    Load plans with a head (:attr:`overlaps`) need a :class:`~kvkit.interfaces.HeadCompute`
+    and no ``layered``; otherwise the engine asks the manager for plans that
+    load a prefix of the hit only.
+
     Invariants: a request holds exactly one GPU reference on each block of
     its table while running; with the default compute every loaded block's
     bytes are checked; no block is published or confirmed computed before
@@ -144,6 +168,11 @@ class ReferenceEngine:
     _step_loads: set[int] = attrs.field(factory=set, init=False)  # layered loads compute may still wait for
     _waiting: deque[EngineRequest] = attrs.field(factory=deque, init=False)
     _requests: dict[str, EngineRequest] = attrs.field(factory=dict, init=False)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a hit's head can be recomputed while its tail loads (see the class docstring)."""
+        return isinstance(self.compute, HeadCompute) and not self.layered
 
     @property
     def num_waiting(self) -> int:
@@ -175,7 +204,17 @@ class ReferenceEngine:
         self._apply(self._poll())
         scheduled = self._schedule()
         plan = self.stack.manager.build_step()
-        self._submit(plan)
+        heads = [r for r in scheduled if r.head_tokens] if self.stack.workers else []
+        if heads and (plan.loads or plan.fetches):
+            with ThreadPoolExecutor(1, thread_name_prefix="kvkit-loads") as pool:
+                submitted = pool.submit(self._run_loads, plan)  # the loads run while the heads compute
+                try:
+                    self._compute_heads(heads)
+                finally:
+                    submitted.result()
+        else:
+            self._submit(plan)
+            self._compute_heads(heads)
         errors = self._compute(scheduled, plan)
         self._apply(self._poll())  # copies that already finished count from now on
         return StepReport(tuple(scheduled), errors)
@@ -199,7 +238,7 @@ class ReferenceEngine:
             raise RequestStateError(f"request {request_id!r} is not running; only a running request can be preempted")
         self.stack.manager.preempt(request_id)
         self._release(req)
-        req.gpu_hit_tokens = req.cpu_hit_tokens = 0
+        req.gpu_hit_tokens = req.head_tokens = req.cpu_hit_tokens = 0
         self._waiting.appendleft(req)
 
     def reset_cpu_tier(self) -> None:
@@ -261,15 +300,29 @@ class ReferenceEngine:
         if stack.gpu.num_free < need + (groups - 1) * total:
             stack.gpu.decref(hit)  # refused before the CPU lookup pins (and touches) anything
             return False
-        cpu_tokens = stack.manager.lookup(req.request_id, len(hit) * bs)
+        head = accepted = stack.manager.lookup(req.request_id, len(hit) * bs)
+        if accepted:  # a plan that loads nothing is one forward pass over everything after the GPU hit
+            plan = stack.manager.plan_load(req.request_id, overlap=self.overlaps)
+            head, accepted = (plan.compute_blocks * bs, plan.accepted_blocks * bs) if plan.load_blocks else (0, 0)
         new = stack.gpu.allocate(need + (groups - 1) * total)
         stack.gpu.touch(hit)
         table = [hit + new[:need]]
         table += [new[need + g * total: need + (g + 1) * total] for g in range(groups - 1)]
         req.table = table
-        req.gpu_hit_tokens, req.cpu_hit_tokens = len(hit) * bs, cpu_tokens
-        stack.manager.on_allocated(req.request_id, table, cpu_tokens)
+        req.gpu_hit_tokens, req.head_tokens, req.cpu_hit_tokens = len(hit) * bs, head, accepted - head
+        stack.manager.on_allocated(req.request_id, table, accepted, recompute_tokens=head)
         return True
+
+    def _compute_heads(self, heads: list[EngineRequest]) -> None:
+        """Write each request's head (hit blocks recomputed instead of loaded), front to back."""
+        if not heads:
+            return
+        compute, kv = self.compute, self.stack.config.kv
+        assert isinstance(compute, HeadCompute) and kv is not None  # heads are planned only with one
+        bs = kv.block_size
+        for req in heads:
+            start = req.gpu_hit_tokens // bs
+            compute.prefill_head(self, req, start, start + req.head_tokens // bs)
 
     def _submit(self, plan: StepPlan) -> None:
         if self.stack.shared_workers:  # each rank runs its fetches, copies and puts in order
@@ -280,6 +333,13 @@ class ReferenceEngine:
         for tid, p in plan:
             for worker in self.stack.workers:
                 worker.submit(tid, p, layered=self.layered and p.direction is Direction.LOAD)
+
+    def _run_loads(self, plan: StepPlan) -> None:
+        """Submit ``plan`` and wait for its loads on this thread, so their completion times are their own."""
+        self._submit(plan)
+        loads = {tid for tid, _ in plan.loads}
+        for worker in self.stack.workers:
+            worker.wait(loads)
 
     def _poll(self) -> list[TransferResult]:
         return [r for w in (self.stack.shared_workers or self.stack.workers) for r in w.poll()]
@@ -313,7 +373,8 @@ class ReferenceEngine:
             for req in scheduled:
                 if req.request_id in failed:  # the CPU hit never arrived: recompute it
                     req.cpu_hit_tokens = 0
-                found[req.request_id] = self.compute.prefill(self, req, (req.gpu_hit_tokens + req.cpu_hit_tokens) // bs)
+                first = (req.gpu_hit_tokens + req.head_tokens + req.cpu_hit_tokens) // bs
+                found[req.request_id] = self.compute.prefill(self, req, first)
         if layered:
             for worker in stack.workers:
                 worker.wait(self._step_loads)
@@ -322,7 +383,8 @@ class ReferenceEngine:
             for req in scheduled:
                 if req.request_id in failed:  # computed on a load that failed: discard it, compute without the hit
                     req.cpu_hit_tokens = 0
-                    found[req.request_id] = self.compute.prefill(self, req, req.gpu_hit_tokens // bs)
+                    found[req.request_id] = self.compute.prefill(self, req, (req.gpu_hit_tokens
+                                                                             + req.head_tokens) // bs)
         errors = sum(found.values())
         for req in scheduled:
             if len(stack.config.kv.groups) == 1:  # publish the new full blocks on the GPU tier

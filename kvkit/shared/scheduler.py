@@ -49,6 +49,7 @@ from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.capabilities import EvictionOrder
 from kvkit.interfaces.shared import SHARED_WRITES, BlockCodec, BlockStore, SharedPlan, StoreResult
 from kvkit.interfaces.types import BlockHash, BlockId, Direction
+from kvkit.manager.backpressure import WriteGate
 from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
@@ -124,6 +125,9 @@ class SharedTier:
         world_size: workers, each with its own shard (key) of every block.
         stats / events: the manager's counters and callback dispatcher.
         block_bytes: bytes one worker moves per block.
+        gate: backpressure on puts (:mod:`kvkit.manager.backpressure`): puts
+            it holds back wait for a later step, at most ``cpu.num_blocks``
+            of them (beyond, the oldest are dropped: ``stats.puts_backpressured``).
     """
 
     spec: SharedTierSpec
@@ -132,6 +136,7 @@ class SharedTier:
     stats: OffloadStats
     events: Events
     block_bytes: int
+    gate: WriteGate = attrs.field(factory=WriteGate)
     _state: SharedState = attrs.field(init=False, default=SharedState.ON)
     _interval: float = attrs.field(init=False, default=0.0)
     _until: float = attrs.field(init=False, default=0.0)
@@ -315,6 +320,14 @@ class SharedTier:
         if not self.available:
             self.stats.puts_skipped.add(len(hashes))
             return None
+        budget = self.gate.budget()
+        if len(hashes) > budget:  # congested: the rest waits for a later step, within a bounded backlog
+            keep = int(budget)
+            self._defer(hashes[keep:])
+            hashes, blocks = hashes[:keep], blocks[:keep]
+            if not hashes:
+                return None
+        self.gate.started(len(hashes))
         self.cpu.incref(blocks)
         flying.update(hashes)
         batch = Batch(Direction.STORE, blocks, [], [], hashes=hashes,
@@ -323,9 +336,22 @@ class SharedTier:
 
     # -- completion, reset, checks --------------------------------------------
 
+    def _defer(self, hashes: list[BlockHash]) -> None:
+        """Queue held-back puts again (write-through), keeping the newest ``cpu.num_blocks``."""
+        if self.spec.write != "write-through":
+            return  # write-back offers the CPU pool's next victims again at the next step
+        backlog = dict.fromkeys(hashes) | self._queued
+        over = len(backlog) - self.cpu.num_blocks
+        if over > 0:
+            self.stats.puts_backpressured.add(over)
+            backlog = dict.fromkeys(list(backlog)[over:])
+        self._queued = backlog
+
     def settled(self, batch: Batch, ok: bool) -> None:
         """A shared batch completed on every worker (``ok``: it landed and no reset abandoned it)."""
         put = batch.direction is Direction.STORE
+        if put:
+            self.gate.finished(len(batch.hashes), batch.seconds)
         if put and not batch.abandoned:  # an abandoned one's hashes were forgotten by the reset
             self._flying.difference_update(batch.hashes)
         if ok:

@@ -73,6 +73,8 @@ class SharedTierWorker:
           reported ``ok=False`` (its bytes are not the block's).
         * Every submitted transfer id is reported exactly once; a fetch the
           store answers after ``wait_timeout_s`` is reported failed.
+        * A fetch's or put's ``seconds`` runs from its submission to its
+          answer; without a mirror (headers only) it is 0: not measured.
     """
 
     spec: KVCacheSpec
@@ -209,13 +211,14 @@ class SharedTierWorker:
     def _call(self, tid: int, method: str, plan: SharedPlan) -> int | None:
         """Queue a put or get; a client that raises is a failed transfer, reported by the next poll."""
         keys, values = self._frames(plan, seal=method == "put")
+        started = time.perf_counter()  # a store that works inside the call spends that time on the transfer too
         try:
             ticket = getattr(self.store, method)(keys, values)
         except Exception:  # noqa: BLE001 - a sick store fails the transfer, never the step
             self.transport_errors += 1
             self._ready.append(TransferResult(tid, self.rank, ok=False))
             return None
-        self._pending[ticket] = _Pending(ticket, tid, time.perf_counter(), len(plan) * self._bytes_per_block(), values)
+        self._pending[ticket] = _Pending(ticket, tid, started, len(plan) * self._bytes_per_block(), values)
         return ticket
 
     def _checked(self, plan: SharedPlan, ticket: int) -> set[int]:
@@ -289,8 +292,9 @@ class SharedTierWorker:
 
     def _finish(self, pending: _Pending, ok: bool) -> None:
         del self._pending[pending.ticket]
-        self._ready.append(TransferResult(pending.transfer_id, self.rank, ok=ok,
-                                          seconds=time.perf_counter() - pending.started,
+        # Without a mirror only headers move: their time says nothing of a block's, so none is reported.
+        seconds = time.perf_counter() - pending.started if self.mirrors else 0.0
+        self._ready.append(TransferResult(pending.transfer_id, self.rank, ok=ok, seconds=seconds,
                                           num_bytes=pending.num_bytes if ok else 0))
 
     def _hand_out(self, copies: list[TransferResult]) -> list[TransferResult]:

@@ -30,8 +30,9 @@ on one instance, while a system prompt every request shares (the first block) do
 to one."""
 
 _SUMMED = ("requests", "skipped_requests", "queued_requests", "prompt_tokens", "block_references",
-           "hit_tokens_gpu", "hit_tokens_cpu", "hit_tokens_shared", "computed_tokens", "blocks_stored",
-           "blocks_loaded", "evictions_gpu", "evictions_cpu", "leaked_blocks")
+           "hit_tokens_gpu", "hit_tokens_cpu", "hit_tokens_shared", "computed_tokens", "overlapped_tokens",
+           "declined_cpu", "declined_shared", "blocks_stored", "blocks_loaded", "evictions_gpu", "evictions_cpu",
+           "leaked_blocks")
 
 
 @attrs.frozen
@@ -74,11 +75,12 @@ class FleetResult:
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        """Totals, the TTFT summary and each instance's figures, JSON-ready."""
+        """Totals, the TTFT summary and each instance's figures (its load planner's estimates too), JSON-ready."""
         return {"router": self.router, "shared": self.shared, "instances": len(self.instances),
                 **{f: self.total(f) for f in _SUMMED}, "ttft_model_ms": self.ttft_summary(),
                 **{c: self.stat(c) for c in _SHARED_COUNTERS},
-                "per_instance": [{f: getattr(r, f) for f in _SUMMED} for r in self.instances]}
+                "per_instance": [{**{f: getattr(r, f) for f in _SUMMED}, "planner": dict(r.planner)}
+                                 for r in self.instances]}
 
 
 _SHARED_COUNTERS = ("blocks_put", "puts_failed", "blocks_fetched", "fetches_failed", "shared_outages",

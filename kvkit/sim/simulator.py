@@ -18,13 +18,22 @@ Time model (every figure configurable in :class:`CostModel`):
   (queueing), until it fits. A finished request's blocks are free once the
   stores its finish flushed are copied, one engine step later; that step
   takes no modelled time.
-* Its prefill takes ``computed_tokens / prefill_tokens_per_s`` plus
-  ``loaded_bytes / (pcie_gbps * 1e9)`` (loads are not overlapped with
-  compute: a pessimistic bound for offload) plus ``overhead_ms``. Hit tokens
-  on the GPU tier cost nothing. Prefills of different requests do not contend
-  with one another; requests interact only through GPU memory.
-  A hit from the shared tier also pays its fetch into the CPU tier first:
-  ``fetched_bytes / (shared_gbps * 1e9)``.
+* The stack's load planner decides which blocks of the request's CPU and
+  shared-tier hit to load and which to recompute (see
+  :mod:`kvkit.interfaces.plan`). Its prefill then runs two sides at once:
+  the *compute side* computes the plan's head (the hit's first blocks) at
+  ``prefill_tokens_per_s``, while the *load side* fetches the shared-tier
+  blocks of the tail into the CPU tier at ``shared_gbps`` and then loads the
+  whole tail at ``pcie_gbps``; once both are done, the rest of the prompt
+  (declined hit blocks included) is computed. Prefill time = ``max(head
+  compute, fetch + load) + rest compute + overhead_ms``; with no head this is
+  the fetch, the load and the compute one after the other. Hit tokens on the
+  GPU tier cost nothing. Prefills of different requests do not contend with
+  one another; requests interact only through GPU memory.
+* The planner learns from what the model says each part took: every
+  request's modelled fetch, load and compute times are its observations
+  (in the stack's bytes), as a real engine's completed transfers and
+  forward passes would be.
 * Modelled time to first token = queueing wait + prefill time.
 * It then decodes ``output_length`` tokens at ``decode_ms_per_token`` each
   and ends, holding its GPU blocks until then. Decoded tokens are not cached.
@@ -55,14 +64,14 @@ import heapq
 import math
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import attrs
 
 from kvkit.config import DEFAULTS, StackConfig
 from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
-from kvkit.interfaces import BlockHash, KVCacheSpec
+from kvkit.interfaces import BlockHash, HitSource, KVCacheSpec
 from kvkit.redact import redact_url
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.sim.traces import TraceRequest
@@ -90,7 +99,9 @@ __all__ = [
     "SimConfig",
     "SimResult",
     "Simulator",
+    "describe_effect",
     "simulate",
+    "tier_effect",
 ]
 
 _PROGRESS_EVERY = 256  # requests between progress reports
@@ -160,10 +171,29 @@ class CostModel:
     overhead_ms: float = attrs.field(default=0.0, validator=_non_negative)
     shared_gbps: float = attrs.field(default=2.0, validator=_positive)
 
-    def prefill_ms(self, computed_tokens: int, loaded_bytes: int, fetched_bytes: int = 0) -> float:
-        """Modelled prefill time: fetch from the shared tier, compute, then load (not overlapped), plus the overhead."""
-        return (computed_tokens * 1e3 / self.prefill_tokens_per_s + loaded_bytes * 1e-6 / self.pcie_gbps
-                + fetched_bytes * 1e-6 / self.shared_gbps + self.overhead_ms)
+    def prefill_ms(self, computed_tokens: int, loaded_bytes: int, fetched_bytes: int = 0,
+                   overlapped_tokens: int = 0) -> float:
+        """Modelled prefill time (see the module docstring), plus the overhead.
+
+        ``overlapped_tokens`` of the ``computed_tokens`` (a plan's head) are
+        computed while the shared tier fetches ``fetched_bytes`` and then
+        ``loaded_bytes`` are loaded; the rest are computed after both.
+        """
+        head = self.compute_ms(overlapped_tokens)
+        return (max(head, self.fetch_ms(fetched_bytes) + self.load_ms(loaded_bytes))
+                + self.compute_ms(computed_tokens - overlapped_tokens) + self.overhead_ms)
+
+    def compute_ms(self, tokens: int) -> float:
+        """Modelled time to compute ``tokens`` prompt tokens."""
+        return tokens * 1e3 / self.prefill_tokens_per_s
+
+    def load_ms(self, num_bytes: int) -> float:
+        """Modelled time to load ``num_bytes`` from the CPU tier to the GPU."""
+        return num_bytes * 1e-6 / self.pcie_gbps
+
+    def fetch_ms(self, num_bytes: int) -> float:
+        """Modelled time to fetch ``num_bytes`` from the shared tier into the CPU tier."""
+        return num_bytes * 1e-6 / self.shared_gbps
 
 
 _COST = CostModel()
@@ -320,6 +350,10 @@ class SimResult:
             served by each tier (a shared hit is fetched into the CPU tier and
             loaded from there; it counts here, not as a CPU hit).
         computed_tokens: prompt tokens recomputed (the rest of ``prompt_tokens``).
+        overlapped_tokens: of those, the plans' heads: hit tokens recomputed
+            while the rest of their hit loaded.
+        declined_cpu / declined_shared: hit tokens each tier offered that the
+            plans did not load (recomputed instead: heads and declined ends).
         blocks_stored / blocks_loaded: blocks that became findable on the CPU
             tier / were loaded back; ``bytes_*`` the same in ``config.model`` bytes.
         evictions_gpu / evictions_cpu: blocks each tier's pool evicted.
@@ -329,6 +363,7 @@ class SimResult:
         ttft_ms: modelled time to first token of each simulated request, in order.
         seconds: wall time of the simulation.
         stats: the manager's counters (``OffloadStats.as_dict()``).
+        planner: the load planner's estimates at the end (``LoadPlanner.estimates()``).
     """
 
     config: SimConfig
@@ -350,6 +385,10 @@ class SimResult:
     seconds: float
     stats: dict[str, int | float]
     hit_tokens_shared: int = 0
+    overlapped_tokens: int = 0
+    declined_cpu: int = 0
+    declined_shared: int = 0
+    planner: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def bytes_stored(self) -> int:
@@ -392,6 +431,9 @@ class SimResult:
             "hit_tokens_cpu": self.hit_tokens_cpu,
             "hit_tokens_shared": self.hit_tokens_shared,
             "computed_tokens": self.computed_tokens,
+            "overlapped_tokens": self.overlapped_tokens,
+            "declined_cpu": self.declined_cpu,
+            "declined_shared": self.declined_shared,
             "blocks_stored": self.blocks_stored,
             "blocks_loaded": self.blocks_loaded,
             "bytes_stored": self.bytes_stored,
@@ -403,8 +445,44 @@ class SimResult:
             "ttft_model_ms": ttft,
             "seconds": round(self.seconds, 3),
             "block_refs_per_s": round(self.block_refs_per_s),
+            "planner": dict(self.planner),
             "config": self.config.as_dict(),
         }
+
+
+def tier_effect(without: Mapping[str, float], with_: Mapping[str, float], *, served: int,
+                declined: int) -> dict[str, Any]:
+    """What a tier did to the modelled time to first token, JSON-ready.
+
+    Args:
+        without / with_: TTFT summaries (``mean`` and ``p90`` in ms) of the
+            same trace without the tier and with it.
+        served: prompt tokens the tier served.
+        declined: hit tokens the tier offered that the load plans recomputed.
+
+    Returns:
+        ``verdict`` (``"sooner"``, ``"later"`` or ``"same"``, by the mean),
+        ``mean_ms`` and ``p90_ms`` as ``[without, with]``, ``mean_change`` and
+        ``p90_change`` (relative, negative when sooner), ``served_tokens`` and
+        ``declined_tokens``.
+    """
+    def change(q: str) -> float:
+        return round((with_[q] - without[q]) / without[q], 4) if without[q] else 0.0
+
+    mean = change("mean")
+    return {"verdict": "sooner" if mean < 0 else "later" if mean > 0 else "same",
+            "mean_ms": [without["mean"], with_["mean"]], "mean_change": mean,
+            "p90_ms": [without["p90"], with_["p90"]], "p90_change": change("p90"),
+            "served_tokens": served, "declined_tokens": declined}
+
+
+def describe_effect(tier: str, effect: Mapping[str, Any]) -> str:
+    """One sentence for a report: whether ``tier`` made the first token sooner or later, by how much."""
+    (a, b), (c, d) = effect["mean_ms"], effect["p90_ms"]
+    return (f"the {tier} tier made the first token {effect['verdict']}: mean {b:,.1f} vs {a:,.1f} ms "
+            f"({effect['mean_change']:+.1%}), p90 {d:,.1f} vs {c:,.1f} ms ({effect['p90_change']:+.1%}); it "
+            f"served {plural(effect['served_tokens'], 'prompt token', grouped=True)}, and the load plans "
+            f"recomputed {plural(effect['declined_tokens'], 'hit token', grouped=True)} instead of loading them")
 
 
 _NOT_BUILT = ("the stack is built at the first request, whose block size it takes; give SimConfig(block_size=...) "
@@ -535,12 +613,10 @@ class Simulator:
             counts["queued"] += 1
         self._clock_ms = start
         req = report.scheduled[0]
-        gpu, cpu = req.gpu_hit_tokens, req.cpu_hit_tokens
+        gpu, head, cpu = req.gpu_hit_tokens, req.head_tokens, req.cpu_hit_tokens
         shared = min(cpu, int(stats.hit_tokens_shared.value - shared_before))  # 0 if its fetch failed
         cpu -= shared
-        prefill = self.config.cost.prefill_ms(n - gpu - cpu - shared, (cpu + shared) // bt * self._block_bytes,
-                                              shared // bt * self._block_bytes)
-        first_token = start + prefill
+        first_token = start + self._prefill_ms(n, gpu, head, cpu // bt, shared // bt)
         self._ttft.append(first_token - request.timestamp_ms)
         end = first_token + request.output_length * self.config.cost.decode_ms_per_token
         heapq.heappush(running, (end, len(self._ttft), rid))
@@ -549,6 +625,26 @@ class Simulator:
         counts["gpu"] += gpu
         counts["cpu"] += cpu
         counts["shared"] += shared
+
+    def _prefill_ms(self, n: int, gpu: int, head: int, cpu_blocks: int, shared_blocks: int) -> float:
+        """The modelled prefill of a request; tells the planner what each of its parts took."""
+        cost, planner = self.config.cost, self.stack.manager.planner
+        bt, kv = self.config.block_size, self.stack.config.kv
+        assert bt is not None and kv is not None  # the stack is built
+        loaded = cpu_blocks + shared_blocks
+        rest = n - gpu - head - loaded * bt
+        fetch_ms = cost.fetch_ms(shared_blocks * self._block_bytes)
+        load_ms = cost.load_ms(loaded * self._block_bytes)
+        if planner is not None:
+            stack_bytes = kv.bytes_per_block
+            if shared_blocks:
+                planner.observe_move(HitSource.SHARED, shared_blocks * stack_bytes, fetch_ms * 1e-3)
+            if loaded:
+                planner.observe_move(HitSource.CPU, loaded * stack_bytes, load_ms * 1e-3)
+            if head:
+                planner.observe_compute(head, gpu, cost.compute_ms(head) * 1e-3)
+            planner.observe_compute(rest, n - rest, cost.compute_ms(rest) * 1e-3)
+        return cost.prefill_ms(head + rest, loaded * self._block_bytes, shared_blocks * self._block_bytes, head)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the stack or the simulator's own bookkeeping is inconsistent."""
@@ -601,6 +697,10 @@ class Simulator:
             seconds=time.perf_counter() - self._started,
             stats=stats.as_dict(),
             hit_tokens_shared=counts["shared"],
+            overlapped_tokens=int(stats.hit_tokens_overlapped),
+            declined_cpu=int(stats.hits_declined_cpu),
+            declined_shared=int(stats.hits_declined_shared),
+            planner={} if self.stack.manager.planner is None else dict(self.stack.manager.planner.estimates()),
         )
 
     def abort(self) -> None:

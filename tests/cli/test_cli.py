@@ -36,11 +36,11 @@ def test_list_table_names_every_component(runner):
 
 
 def test_list_json_schema(runner):
-    """`kvkit list --json` maps kind -> name -> {available, target[, reason]} for exactly the five kinds."""
+    """`kvkit list --json` maps kind -> name -> {available, target[, reason]} for exactly the six kinds."""
     result = runner.invoke(cli.main, ["list", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert set(report) == {"eviction", "store", "copy", "allocator", "shared"}
+    assert set(report) == {"eviction", "store", "copy", "allocator", "shared", "planner"}
     for kind, entries in report.items():
         assert sorted(entries) == REGISTRIES[kind].names()
         for name, entry in entries.items():

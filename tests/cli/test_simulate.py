@@ -46,6 +46,9 @@ def test_default_run_shows_that_offload_helps():
     assert baseline["hit_tokens_cpu"] == 0
     assert report["ttft_model_ms"]["p50"] < baseline["ttft_model_ms"]["p50"]
     assert report["ttft_model_ms"]["mean"] < baseline["ttft_model_ms"]["mean"]
+    assert report["cpu_tier"]["verdict"] == "sooner" and report["cpu_tier"]["mean_change"] < 0
+    assert report["cpu_tier"]["served_tokens"] == report["hit_tokens_cpu"]
+    assert report["planner"]["prefill_tokens_per_s"] == 20_000 and report["config"]["planner"] == "overlap"
     config = report["config"]
     assert (config["trace"], config["seed"], config["block_size"]) == ("synthetic", 0, 16)
     assert "block_tokens" not in config and "eviction" not in config  # JSON speaks the new names only

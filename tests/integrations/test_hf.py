@@ -24,15 +24,21 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import copy
+import functools
 
 import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 from packaging.version import Version
 
+from kvkit.backends.plan import LoadAllPlanner
 from kvkit.errors import ConfigError, HashInputError, KVKitError, OutOfBlocksError, UnsupportedModelError
 from kvkit.integrations.hf import OffloadedLM, generate_without_offload, kv_spec_from_config, model_fingerprint
-from kvkit.interfaces import GroupKind
+from kvkit.interfaces import GroupKind, LoadPlan
+
+_build = functools.partial(OffloadedLM.build, planner="load-all")
+"""``OffloadedLM.build`` loading every hit: these tests check restored turns, so their hits must not depend on
+the timings a load planner learns (the planner's own tests pass one)."""
 
 TOL = 5e-4
 VOCAB = 512
@@ -105,7 +111,7 @@ def _chat(lm, model, users: int = 3, turns: int = 5, max_new_tokens: int = 6, ge
 def test_llama_turns_restored_from_the_cpu_tier_match_generate(models):
     """Five turns of three users on a GPU tier of one conversation: later turns load from CPU, same answers."""
     model = models["llama"]
-    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
+    lm = _build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
     chats = _chat(lm, model)
     for chat in chats:
         assert chat.turns[0].cpu_hit_tokens == chat.turns[0].gpu_hit_tokens == 0
@@ -120,7 +126,7 @@ def test_sliding_window_models_match_generate(models, family):
     model = models[family]
     spec = kv_spec_from_config(model.config, block_size=8, dtype=model.dtype)
     assert any(g.kind is GroupKind.SLIDING_WINDOW and g.window == 24 for g in spec.groups)
-    lm = OffloadedLM.build(model, gpu_blocks=28 * len(spec.groups), block_size=8, cpu_blocks=200)
+    lm = _build(model, gpu_blocks=28 * len(spec.groups), block_size=8, cpu_blocks=200)
     chats = _chat(lm, model)
     assert all(t.gpu_hit_tokens + t.cpu_hit_tokens > 24 for c in chats for t in c.turns[2:])
     assert lm.stack.stats.hit_tokens_cpu.value > 0
@@ -131,7 +137,7 @@ def test_pipelined_restores_match_generate(models, family):
     """Layer-by-layer restores (each layer restored as the forward pass reaches it) give generate's answers."""
     model = models[family]
     spec = kv_spec_from_config(model.config, block_size=8, dtype=model.dtype)
-    lm = OffloadedLM.build(model, gpu_blocks=28 * len(spec.groups), block_size=8, cpu_blocks=200, pipelined=True)
+    lm = _build(model, gpu_blocks=28 * len(spec.groups), block_size=8, cpu_blocks=200, pipelined=True)
     assert lm.engine.layered
     chats = _chat(lm, model, turns=3)
     assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
@@ -140,23 +146,23 @@ def test_pipelined_restores_match_generate(models, family):
 def test_pipelined_beam_search_repeats_each_late_layer_like_the_others(models):
     """Beams expand the cache before later layers are restored: those are repeated per beam too."""
     model = models["llama"]
-    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200, pipelined=True)
+    lm = _build(model, gpu_blocks=28, block_size=8, cpu_blocks=200, pipelined=True)
     chats = _sampled_chat(lm, model, transformers.GenerationConfig(num_beams=3), turns=3, max_new_tokens=4)
     assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
 
 
 def test_pipelined_is_off_on_cpu_by_default_and_checked(models):
     """Pipelining defaults to CUDA only; ``pipelined`` must be a bool or None."""
-    assert not OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=8, cpu_blocks=8).engine.layered
+    assert not _build(models["llama"], gpu_blocks=8, block_size=8, cpu_blocks=8).engine.layered
     with pytest.raises(ConfigError, match="pipelined='yes'"):
-        OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=8, cpu_blocks=8, pipelined="yes")
+        _build(models["llama"], gpu_blocks=8, block_size=8, cpu_blocks=8, pipelined="yes")
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "blocks-first", "cross-layer", "vllm-cpu"])
 def test_every_kv_layout_gives_the_same_answers(models, layout):
     """The model reads and writes blocks correctly in every kvkit layout."""
     model = models["llama"]
-    lm = OffloadedLM.build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, layout=layout)
+    lm = _build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, layout=layout)
     chats = _chat(lm, model, turns=3, max_new_tokens=3)
     assert chats[0].turns[-1].cpu_hit_tokens > 0
 
@@ -164,7 +170,7 @@ def test_every_kv_layout_gives_the_same_answers(models, layout):
 def test_the_gpu_tier_alone_gives_the_same_answers(models):
     """With a GPU tier holding every conversation and the `never` store policy, hits are GPU-only."""
     model = models["llama"]
-    lm = OffloadedLM.build(model, gpu_blocks=100, block_size=8, cpu_blocks=200, store="never")
+    lm = _build(model, gpu_blocks=100, block_size=8, cpu_blocks=200, store="never")
     chats = _chat(lm, model, turns=3)
     assert all(t.cpu_hit_tokens == 0 for c in chats for t in c.turns)
     assert all(t.gpu_hit_tokens > 0 for c in chats for t in c.turns[1:])
@@ -173,7 +179,7 @@ def test_the_gpu_tier_alone_gives_the_same_answers(models):
 def test_a_corrupted_cpu_block_changes_the_logits(models):
     """The tolerance is meaningful: one wrong restored block moves the logits far beyond TOL."""
     model = models["llama"]
-    lm = OffloadedLM.build(model, gpu_blocks=20, block_size=8, cpu_blocks=200)
+    lm = _build(model, gpu_blocks=20, block_size=8, cpu_blocks=200)
     chat = lm.conversation()
     first, second = _user_turns(2)
     chat.send(first, 4)
@@ -198,7 +204,7 @@ def test_any_conversation_matches_full_recompute(models, family, block_size, len
     groups = len(kv_spec_from_config(model.config).groups)
     longest = sum(lengths) + max_new_tokens * (len(lengths) - 1)
     gpu_blocks = (-(-longest // block_size) + slack) * groups
-    lm = OffloadedLM.build(model, gpu_blocks=gpu_blocks, block_size=block_size, cpu_blocks=4 * gpu_blocks)
+    lm = _build(model, gpu_blocks=gpu_blocks, block_size=block_size, cpu_blocks=4 * gpu_blocks)
     chat = lm.conversation()
     g = torch.Generator().manual_seed(sum(lengths))
     for n in lengths:
@@ -215,6 +221,32 @@ def test_any_conversation_matches_full_recompute(models, family, block_size, len
     lm.check_invariants()
     chat.check_invariants()
     assert lm.engine.leaked_blocks() == 0
+
+
+class _SplitPlanner(LoadAllPlanner):
+    """Recomputes the first half of every hit while the rest loads; with ``decline``, not the last quarter."""
+
+    def __init__(self, decline: bool) -> None:
+        self.decline = decline
+
+    def plan(self, query):
+        h = query.hit_blocks
+        head = h // 2 if query.overlap else 0
+        return LoadPlan(head, h - head - (h // 4 if self.decline else 0), h)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("decline", [False, True], ids=["head-tail", "head-tail-declined"])
+def test_a_head_recomputed_while_the_tail_loads_gives_generates_answers(models, family, decline):
+    """Plans that recompute each hit's head in a forward pass of its own (and decline its end): same tokens
+    and logits as generate on the whole prompt."""
+    model = models[family]
+    groups = len(kv_spec_from_config(model.config, block_size=8).groups)
+    lm = _build(model, gpu_blocks=28 * groups, block_size=8, cpu_blocks=200, planner=_SplitPlanner(decline))
+    chats = _chat(lm, model, turns=3)
+    later = [turn for chat in chats for turn in chat.turns[1:]]
+    assert all(turn.head_tokens > 0 and turn.cpu_hit_tokens > 0 for turn in later), later
+    assert lm.stack.stats.hit_tokens_overlapped.value == sum(turn.head_tokens for turn in later)
 
 
 def test_kv_spec_follows_the_config():
@@ -239,7 +271,7 @@ def test_an_unsupported_family_raises_a_typed_error():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(UnsupportedModelError):
-        OffloadedLM.build(model, gpu_blocks=8, cpu_blocks=8)
+        _build(model, gpu_blocks=8, cpu_blocks=8)
 
 
 def test_a_stack_that_does_not_fit_the_model_is_refused(models):
@@ -254,7 +286,7 @@ def test_a_stack_that_does_not_fit_the_model_is_refused(models):
     with pytest.raises(ConfigError, match="one worker"):
         OffloadedLM(model, kvkit.build(kv=spec, gpu_blocks=8, cpu_blocks=8, device="cpu"))
     with pytest.raises(ConfigError, match="device='cuda'"):
-        OffloadedLM.build(model, gpu_blocks=8, cpu_blocks=8, device="cuda")
+        _build(model, gpu_blocks=8, cpu_blocks=8, device="cuda")
 
 
 def test_build_takes_its_slots_from_stack_config(models):
@@ -262,16 +294,16 @@ def test_build_takes_its_slots_from_stack_config(models):
     listing every problem, with the valid slots; the KV spec is the model's."""
     model = models["llama"]
     with pytest.raises(ConfigError, match="did you mean 'gpu_blocks'") as info:
-        OffloadedLM.build(model, gpu_blcks=8, cpu_blocks=8, cpu_eviction="bogus")
+        _build(model, gpu_blcks=8, cpu_blocks=8, cpu_eviction="bogus")
     problems = " ".join(info.value.problems)
     assert "valid: kv, gpu_blocks" in problems and "gpu_blocks=None" in problems and "bogus" in problems
     with pytest.raises(ConfigError, match="the KV spec is the model's"):
-        OffloadedLM.build(model, kv=kv_spec_from_config(model.config), gpu_blocks=8, cpu_blocks=8)
+        _build(model, kv=kv_spec_from_config(model.config), gpu_blocks=8, cpu_blocks=8)
 
 
 def test_bad_requests_raise_and_leave_the_stack_clean(models):
     """Empty prompts, bad lengths and prompts larger than the GPU tier raise typed errors, leaking nothing."""
-    lm = OffloadedLM.build(models["llama"], gpu_blocks=4, block_size=4, cpu_blocks=16)
+    lm = _build(models["llama"], gpu_blocks=4, block_size=4, cpu_blocks=16)
     with pytest.raises(ConfigError, match="at least one token"):
         lm.generate([], 2)
     with pytest.raises(ConfigError, match="max_new_tokens"):
@@ -306,7 +338,7 @@ def _check_clean(*lms) -> None:
 def test_two_models_on_one_stack_never_reuse_each_others_kv(models):
     """Another model's blocks, on the GPU or the CPU tier, are never a hit: its answers are its own."""
     first, second = models["llama"], _model("llama", seed=1)
-    lm = OffloadedLM.build(first, gpu_blocks=40, block_size=4, cpu_blocks=200)
+    lm = _build(first, gpu_blocks=40, block_size=4, cpu_blocks=200)
     other = OffloadedLM(second, lm.stack)
     assert other.model_id != lm.model_id
     prompts = _user_turns(2, 37)
@@ -325,7 +357,7 @@ def test_two_models_on_one_stack_never_reuse_each_others_kv(models):
 def test_the_same_model_wrapped_twice_reuses_its_kv(models):
     """The same model object, or a copy of it, on one stack finds the blocks the first one cached."""
     model = models["llama"]
-    lm = OffloadedLM.build(model, gpu_blocks=40, block_size=4, cpu_blocks=200)
+    lm = _build(model, gpu_blocks=40, block_size=4, cpu_blocks=200)
     prompt = _user_turns(1, 37)[0]
     lm.generate(prompt, 3)
     for twin in (model, copy.deepcopy(model)):
@@ -341,7 +373,7 @@ def test_the_same_model_wrapped_twice_reuses_its_kv(models):
 def test_one_user_given_name_makes_two_models_share_kv(models):
     """``model_name`` replaces the weights fingerprint: equal names share blocks (the caller's responsibility)."""
     first, second = models["llama"], _model("llama", seed=1)
-    lm = OffloadedLM.build(first, gpu_blocks=40, block_size=4, cpu_blocks=200, model_name="tiny-llama@r1")
+    lm = _build(first, gpu_blocks=40, block_size=4, cpu_blocks=200, model_name="tiny-llama@r1")
     prompt = _user_turns(1, 37)[0]
     lm.generate(prompt, 3)
     shared = OffloadedLM(second, lm.stack, model_name="tiny-llama@r1")
@@ -386,11 +418,11 @@ def test_a_model_without_weights_in_memory_needs_a_name():
 ])
 def test_a_bad_name_or_salt_is_refused_at_construction(models, kwargs, error, message):
     """A bad model_name or cache_salt raises its typed error when the wrapper is made, not at the first turn."""
-    lm = OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=4, cpu_blocks=16)
+    lm = _build(models["llama"], gpu_blocks=8, block_size=4, cpu_blocks=16)
     with pytest.raises(error, match=message):
         OffloadedLM(models["llama"], lm.stack, **kwargs)
     with pytest.raises(error, match=message):
-        OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=4, cpu_blocks=16, **kwargs)
+        _build(models["llama"], gpu_blocks=8, block_size=4, cpu_blocks=16, **kwargs)
     assert lm.generate([5, 6, 7], 1).tokens  # the stack serves the next call
 
 
@@ -442,7 +474,7 @@ def test_sampled_turns_restored_from_the_cpu_tier_match_generate_on_the_same_see
     """Sampling (temperature, top-p) through kvkit gives model.generate's tokens for the seed, CPU hits included."""
     model = models[family]
     groups = len(kv_spec_from_config(model.config).groups)
-    lm = OffloadedLM.build(model, gpu_blocks=28 * groups, block_size=8, cpu_blocks=200)
+    lm = _build(model, gpu_blocks=28 * groups, block_size=8, cpu_blocks=200)
     chats = _sampled_chat(lm, model, SAMPLING)
     last = chats[0].turns[-1]
     greedy, _ = _reference(model, chats[0].history[:last.prompt_tokens], len(last.tokens))
@@ -460,7 +492,7 @@ def test_sampled_turns_restored_from_the_cpu_tier_match_generate_on_the_same_see
 def test_beam_search_on_the_restored_cache_matches_generate(models, family, config):
     """Beams expand and reorder the restored cache (full and sliding-window layers) as generate's own."""
     model = models[family]
-    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
+    lm = _build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
     chats = _sampled_chat(lm, model, config, turns=3, max_new_tokens=4)
     assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
 
@@ -475,7 +507,7 @@ def test_greedy_through_generate_equals_the_greedy_loop(models, config):
     """Greedy ``generate`` on the restored cache gives the loop's tokens, logits and hits;
     what it stored serves later turns."""
     model = models["qwen2"]
-    loop, through = (OffloadedLM.build(model, gpu_blocks=56, block_size=8, cpu_blocks=200) for _ in range(2))
+    loop, through = (_build(model, gpu_blocks=56, block_size=8, cpu_blocks=200) for _ in range(2))
     chats = (loop.conversation(), through.conversation())
     for message in _messages(1, 4):
         a = chats[0].send(message, 5, keep_logits=True)
@@ -492,7 +524,7 @@ def test_greedy_through_generate_equals_the_greedy_loop(models, config):
 def test_greedy_through_generate_matches_generate_over_a_conversation(models):
     """The conversation check of the greedy loop, decoded by generate: tokens and logits equal generate's."""
     model = models["llama"]
-    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
+    lm = _build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
     chats = _chat(lm, model, turns=3, generation_config=transformers.GenerationConfig(do_sample=False))
     assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
 
@@ -500,7 +532,7 @@ def test_greedy_through_generate_matches_generate_over_a_conversation(models):
 def test_stop_strings_stop_generation(models):
     """A stop string (which needs the tokenizer) ends the reply where model.generate's ends."""
     model, tokenizer = models["llama"], _tokenizer()
-    lm = OffloadedLM.build(model, gpu_blocks=40, block_size=8, cpu_blocks=200)
+    lm = _build(model, gpu_blocks=40, block_size=8, cpu_blocks=200)
     chat = lm.conversation()
     first, second = _user_turns(2)
     chat.send(first, 4)
@@ -548,7 +580,7 @@ GC = transformers.GenerationConfig
 ])
 def test_a_generation_config_kvkit_cannot_run_is_refused_and_changes_nothing(models, kwargs, message):
     """Bad or unsupported decoding settings raise ConfigError before the stack, the history or the RNG moves."""
-    lm = OffloadedLM.build(models["llama"], gpu_blocks=20, block_size=8, cpu_blocks=200)
+    lm = _build(models["llama"], gpu_blocks=20, block_size=8, cpu_blocks=200)
     chat = lm.conversation()
     first, second = _user_turns(2)
     chat.send(first, 3)
@@ -565,7 +597,7 @@ def test_a_generation_config_kvkit_cannot_run_is_refused_and_changes_nothing(mod
 
 def test_chunked_prefill_is_refused_where_transformers_restarts_the_prompt(models, monkeypatch):
     """Before transformers 5.21 a chunked prefill ignores the restored cache's length: ConfigError, naming both."""
-    lm = OffloadedLM.build(models["llama"], gpu_blocks=8, block_size=4, cpu_blocks=16)
+    lm = _build(models["llama"], gpu_blocks=8, block_size=4, cpu_blocks=16)
     monkeypatch.setattr(transformers, "__version__", "5.20.0")
     with pytest.raises(ConfigError, match=r"prefill_chunk_size=5 needs transformers>=5.21.*installed: 5.20.0"):
         lm.generate([5, 6, 7], 2, generation_config=GC(prefill_chunk_size=5))
@@ -576,7 +608,7 @@ def test_chunked_prefill_is_refused_where_transformers_restarts_the_prompt(model
 def test_on_cuda_turns_restored_from_the_cpu_tier_match_generate(pipelined):
     """The same conversation check with the model and the GPU tier on a CUDA device (float32)."""
     model = _model("llama").to("cuda")
-    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200, pipelined=pipelined)
+    lm = _build(model, gpu_blocks=28, block_size=8, cpu_blocks=200, pipelined=pipelined)
     assert lm.engine.layered is pipelined
     chats = _chat(lm, model)
     assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
@@ -587,7 +619,7 @@ def test_on_cuda_turns_restored_from_the_cpu_tier_match_generate(pipelined):
 def test_on_cuda_sampled_turns_match_generate_on_the_same_seed():
     """Sampling through generate with the model and the GPU tier on CUDA: generate's tokens for each seed."""
     model = _model("llama").to("cuda")
-    lm = OffloadedLM.build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
+    lm = _build(model, gpu_blocks=28, block_size=8, cpu_blocks=200)
     chats = _sampled_chat(lm, model, SAMPLING)
     assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
     lm.close()
@@ -598,8 +630,8 @@ def test_a_second_instance_restores_a_prefix_from_the_shared_tier(models):
     from kvkit.backends.blockstore.memory import MemoryStore
 
     model, store = models["llama"], MemoryStore()
-    first = OffloadedLM.build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store)
-    second = OffloadedLM.build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store)
+    first = _build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store)
+    second = _build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store)
     prompt = _user_turns(1, 37)[0]
     first.generate(prompt, 3)
     first.engine.step()  # the puts of the stores its finish flushed

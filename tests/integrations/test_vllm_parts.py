@@ -28,7 +28,7 @@ from kvkit.integrations._vllm_scheduler import (
 )
 from kvkit.integrations._vllm_settings import kv_spec_from_vllm, kvkit_window, parse_extra_config, shared_layout
 from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide, detect_layout, group_spec
-from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
+from kvkit.interfaces import GroupKind, HitSource, KVCacheSpec, KVGroupSpec
 from kvkit.worker.layouts import allocate_kv
 
 BS = 4
@@ -430,6 +430,28 @@ def test_a_prefix_is_stored_in_the_step_that_computes_it_and_loaded_into_the_nex
     assert _blocks(sides, [7, 5, 9]) == stored
     assert sides.worker.take_load_errors() == set()
     assert _finish(sides, b, [[7, 5, 9, 10]], aborted=True)[LOADED_TOKENS_KEY] == 3 * BS
+    _assert_idle(sides)
+
+
+@pytest.mark.parametrize(("seconds", "loaded"), [(10.0, 0), (1e-6, 3 * BS)], ids=["slower", "faster"])
+def test_a_hit_slower_to_load_than_to_recompute_is_declined(seconds, loaded):
+    """With the engine's prefill speed given, a CPU tier the planner saw as slow is not loaded: vLLM is told
+    0 matched tokens and computes them; a fast one is loaded whole (vLLM loads a prefix only)."""
+    sides = _sides(planner="overlap", options={"planner": {"prefill_tokens_per_s": 10_000.0}})
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    _step(sides, [(a, a.num_tokens)])
+    _finish(sides, a, [[1, 2, 3, 4]])
+    block_bytes = sides.sched.manager.kv.bytes_per_block
+    sides.sched.manager.planner.observe_move(HitSource.CPU, 3 * block_bytes, seconds)
+    b = vllm_request("b", 3 * BS + 2)
+    assert sides.sched.matched_tokens(b, 0) == loaded
+    sides.pool.allocate([7, 5, 9, 10])
+    sides.tables["b"] = [[7, 5, 9, 10]]
+    sides.sched.allocated(b, [[7, 5, 9, 10]], loaded)
+    stats = sides.sched.manager.stats
+    assert (stats.hit_tokens_cpu.value, stats.hits_declined_cpu.value) == (loaded, 3 * BS - loaded)
+    _step(sides, [(b, b.num_tokens - loaded)])
+    _finish(sides, b, [[7, 5, 9, 10]])
     _assert_idle(sides)
 
 

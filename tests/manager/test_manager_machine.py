@@ -1157,13 +1157,13 @@ class _LookupWithoutPin(OffloadManager):
             r.pinned = []
         return n
 
-    def on_allocated(self, request_id, gpu_block_ids, accepted_tokens=0):
+    def on_allocated(self, request_id, gpu_block_ids, accepted_tokens=0, *, recompute_tokens=0):
         r = self._requests.get(request_id)
         late = self._late.pop(request_id, [])
         if r is not None and late:
             self.cpu.incref(late)  # pinned only now: the block may be gone or reused
             r.pinned = late
-        super().on_allocated(request_id, gpu_block_ids, accepted_tokens)
+        super().on_allocated(request_id, gpu_block_ids, accepted_tokens, recompute_tokens=recompute_tokens)
 
     def __attrs_post_init__(self):
         super().__attrs_post_init__()
@@ -1192,10 +1192,10 @@ class _NoFlushOnFinish(OffloadManager):
 class _StaleCursor(OffloadManager):
     """The store cursor starts at the GPU-hit boundary, so evicted prefix blocks are never re-stored."""
 
-    def on_allocated(self, request_id, gpu_block_ids, accepted_tokens=0):
+    def on_allocated(self, request_id, gpu_block_ids, accepted_tokens=0, *, recompute_tokens=0):
         r = self._requests.get(request_id)
         first = r is not None and r.gpu_hit_blocks is not None and not r.block_table
-        super().on_allocated(request_id, gpu_block_ids, accepted_tokens)
+        super().on_allocated(request_id, gpu_block_ids, accepted_tokens, recompute_tokens=recompute_tokens)
         if first:
             r.num_confirmed_blocks = r.gpu_hit_blocks
 

@@ -79,9 +79,9 @@ def test_time_model_by_hand():
 
 
 def test_cpu_hits_cost_load_time_not_compute_time():
-    """A prefix evicted from the GPU tier comes back from the CPU tier at PCIe speed."""
+    """A prefix evicted from the GPU tier comes back from the CPU tier at PCIe speed (every hit loaded)."""
     cost = CostModel(prefill_tokens_per_s=1000, pcie_gbps=1.0, decode_ms_per_token=0.0)
-    config = SimConfig(gpu_blocks=5, cpu_blocks=16, cost=cost)  # the block size is the trace's
+    config = SimConfig(gpu_blocks=5, cpu_blocks=16, cost=cost, planner="load-all")  # the block size is the trace's
     trace = [TraceRequest(0, 16, 1, (1, 2, 3, 4), 1, 4),
              TraceRequest(100, 20, 1, (5, 6, 7, 8, 10), 2, 4),  # evicts the first from the GPU tier
              TraceRequest(200, 17, 1, (1, 2, 3, 4, 9), 3, 4)]  # 4 blocks from the CPU tier, 1 token computed
@@ -90,6 +90,33 @@ def test_cpu_hits_cost_load_time_not_compute_time():
     load_ms = 4 * r.config.spec.bytes_per_block / 1e9 * 1e3
     assert r.hit_tokens_cpu == 16 and r.blocks_loaded == 4
     assert r.ttft_ms[2] == pytest.approx(1.0 + load_ms)
+
+
+def test_overlap_time_model_by_hand():
+    """Prefill = max(head compute, fetch + load) + the rest's compute + the overhead."""
+    cost = CostModel(prefill_tokens_per_s=1000, pcie_gbps=1.0, shared_gbps=0.5, overhead_ms=2.0)
+    mb = 10**6
+    assert cost.prefill_ms(30, 4 * mb, 2 * mb) == pytest.approx(30 + 4 + 4 + 2)  # nothing overlapped
+    assert cost.prefill_ms(30, 4 * mb, 2 * mb, overlapped_tokens=5) == pytest.approx(8 + 25 + 2)  # load side longer
+    assert cost.prefill_ms(30, 4 * mb, 2 * mb, overlapped_tokens=20) == pytest.approx(20 + 10 + 2)  # compute longer
+
+
+def test_the_planner_probes_a_tier_then_plans_from_what_it_observed():
+    """The CPU tier's first hit loads one block (a probe) while the rest recomputes; then the planner knows
+    the tier's speed and splits each hit where the two sides meet."""
+    cost = CostModel(prefill_tokens_per_s=250, pcie_gbps=0.0625, decode_ms_per_token=0.0)
+    config = SimConfig(gpu_blocks=5, cpu_blocks=16, block_size=4, cost=cost)
+    block_ms = config.spec.bytes_per_block / (0.0625 * 1e9) * 1e3  # a block: 8.4 ms to load, 16 to compute
+    trace = [TraceRequest(0, 16, 1, (1, 2, 3, 4), 1, 4),
+             TraceRequest(1e6, 20, 1, (5, 6, 7, 8, 10), 2, 4),  # evicts the first from the GPU tier
+             TraceRequest(2e6, 17, 1, (1, 2, 3, 4, 9), 3, 4),  # its 4 blocks from the CPU tier: a probe
+             TraceRequest(3e6, 20, 1, (11, 12, 13, 14, 15), 4, 4),
+             TraceRequest(4e6, 17, 1, (5, 6, 7, 8, 16), 5, 4)]  # 4 CPU blocks: 1 computed while 3 load
+    r = simulate(trace, config)
+    assert r.ttft_ms[2] == pytest.approx(max(3 * 16, block_ms) + 4)
+    assert r.ttft_ms[4] == pytest.approx(max(16, 3 * block_ms) + 4)
+    assert (r.hit_tokens_cpu, r.overlapped_tokens, r.declined_cpu) == (4 + 12, 12 + 4, 16)
+    assert r.planner["cpu_gbps"] == pytest.approx(0.0625) and r.planner["prefill_tokens_per_s"] == pytest.approx(250)
 
 
 def test_offload_beats_no_offload_on_the_default_workload():

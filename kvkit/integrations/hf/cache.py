@@ -19,9 +19,9 @@ from transformers import DynamicCache
 from typing_extensions import override
 
 from kvkit.errors import UnsupportedModelError
-from kvkit.integrations.hf.decode import _Decoded, _Generate, _Greedy, _sync
-from kvkit.interfaces import GroupKind, KVCacheSpec
-from kvkit.reference.engine import EngineRequest, PrefillCompute, ReferenceEngine
+from kvkit.integrations.hf.decode import _Decoded, _forward_kwargs, _Generate, _Greedy, _sync
+from kvkit.interfaces import GroupKind, HeadCompute, KVCacheSpec
+from kvkit.reference.engine import EngineRequest, ReferenceEngine
 from kvkit.validate import plural
 
 if TYPE_CHECKING:
@@ -93,11 +93,14 @@ class _Job:
 
 
 @attrs.define(eq=False)
-class _ModelPrefill(PrefillCompute):
+class _ModelPrefill(HeadCompute):
     """The reference engine's compute: restores the reused blocks into a model cache, runs the model.
 
     The request's prefill continues into its decoding (one request at a time),
-    so the engine step that prefills a prompt also generates its reply.
+    so the engine step that prefills a prompt also generates its reply. A
+    load plan's head is one more forward pass, over the head's tokens on the
+    GPU hit alone, while the rest of the hit loads. Each forward pass's time
+    (not pipelined) is the stack's load planner's observation of compute.
 
     Invariants: reads only blocks the engine says hold reused KV (before
     ``first_block``, and for a sliding-window group only those inside its
@@ -128,6 +131,9 @@ class _ModelPrefill(PrefillCompute):
         def prefilled() -> None:  # the prompt's forward passes are over: every layer holds its KV
             _sync(device)
             job.first_token_at = time.perf_counter()
+            if not pipelined:
+                start = first_block * self.spec.block_size
+                self._observe(engine, len(job.tokens) - start, start, job.first_token_at - job.restored_at)
             # Queued after the first token, before any decode step and before the prompt's stores are planned.
             self._write_back(request, first_block, cache.recorded or {})
             cache.recorded = None
@@ -139,6 +145,28 @@ class _ModelPrefill(PrefillCompute):
             raise UnsupportedModelError("the model returned from generation before choosing a first token; "
                                         "kvkit could not store the prompt's KV")
         return 0  # a model cannot check bytes; the logits comparison in the tests does
+
+    @override
+    def prefill_head(self, engine: ReferenceEngine, request: EngineRequest, start: int, stop: int) -> None:
+        """One forward pass over the tokens of blocks ``[start, stop)`` on the GPU hit; their KV into those blocks."""
+        job = self.jobs[request.request_id]
+        bs = self.spec.block_size
+        began = time.perf_counter()
+        cache = self._restore(request, start)
+        cache.recorded = {}
+        cache_name, last_only = _forward_kwargs(self.model)
+        self.model(input_ids=job.tokens[None, start * bs: stop * bs], **{cache_name: cache}, use_cache=True,
+                   **last_only)
+        self._write_back(request, start, cache.recorded)
+        _sync(job.tokens.device)
+        self._observe(engine, (stop - start) * bs, start * bs, time.perf_counter() - began)
+
+    @staticmethod
+    def _observe(engine: ReferenceEngine, tokens: int, context: int, seconds: float) -> None:
+        """Tell the stack's load planner what computing ``tokens`` after ``context`` took."""
+        planner = engine.stack.manager.planner
+        if planner is not None:
+            planner.observe_compute(tokens, context, seconds)
 
     def _restore(self, req: EngineRequest, first: int, engine: ReferenceEngine | None = None) -> _RecordingCache:
         """A fresh model cache holding the KV of the request's first ``first`` blocks.

@@ -301,7 +301,10 @@ class Generation:
             with beam search, the best beam).
         prompt_tokens: prompt length.
         gpu_hit_tokens: prompt tokens reused from the GPU tier.
-        cpu_hit_tokens: prompt tokens loaded from the CPU tier.
+        cpu_hit_tokens: prompt tokens loaded from the CPU tier (shared-tier hits included).
+        head_tokens: prompt tokens of a CPU or shared-tier hit that the load
+            plan recomputed while the rest of the hit loaded (counted in
+            ``computed_tokens``; their forward pass is in ``load_s``).
         ttft_s: seconds from the call to the first token on the host.
         load_s: seconds from the call until the reused KV was usable on the
             model's device (checking the ``GenerationConfig``, hashing, lookup,
@@ -325,6 +328,7 @@ class Generation:
     prompt_tokens: int
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
+    head_tokens: int = 0
     ttft_s: float = 0.0
     load_s: float = 0.0
     restore_s: float = 0.0

@@ -2,7 +2,11 @@
 
 One :meth:`OffloadedLM.generate` call is one request: hash the prompt's full
 blocks, restore the longest cached prefix from the GPU and CPU tiers, run the
-model on the new tokens only, decode, and store the new blocks.
+model on the new tokens only, decode, and store the new blocks. The stack's
+load planner decides which blocks of a CPU or shared-tier hit to load: on the
+CPU (not ``pipelined``) a plan's head is one forward pass of its own, run while
+the rest of the hit is fetched and loaded; pipelined, only a prefix of the hit
+is loaded and the rest recomputed.
 """
 
 from __future__ import annotations
@@ -186,7 +190,7 @@ class OffloadedLM:
             engine.step()  # plan and submit this prompt's stores now (they overlap what comes next)
         assert job.output is not None
         out, logits = job.output
-        return Generation(tuple(out), len(ids), req.gpu_hit_tokens, req.cpu_hit_tokens,
+        return Generation(tuple(out), len(ids), req.gpu_hit_tokens, req.cpu_hit_tokens, req.head_tokens,
                           ttft_s=job.first_token_at - start, load_s=job.loaded_at - start,
                           restore_s=job.restored_at - job.loaded_at, prefill_s=job.first_token_at - job.restored_at,
                           decode_s=job.done_at - job.first_token_at, logits=logits)

@@ -1,0 +1,193 @@
+"""``OverlapPlanner``: the default load planner, from online estimates of each side's speed.
+
+The time model it plans with, for a hit of ``h`` blocks after a GPU prefix
+hit of ``context`` tokens, when the head ``[0, k)`` is computed while the
+tail ``[k, e)`` loads and ``[e, h)`` is declined:
+
+* *compute side*: ``C(k) = compute(k * block_size tokens after context)``,
+  one forward pass (its fixed cost included: a head costs a pass of its own);
+* *load side*: ``L(k, e)``: each source of the tail pays its fixed latency
+  once and its bytes over its bandwidth; a shared-tier block is fetched into
+  a CPU block and then copied like a CPU block, so it pays both moves;
+* first token at ``max(C(k), L(k, e)) + compute(the tokens after e)``.
+
+:meth:`OverlapPlanner.plan` answers the plan with the least modelled time
+(ties go to the plan that loads more). It is exact over every ``(k, e)``:
+declining part of a run never beats declining none or all of it (within a
+run, each more block loaded at the meeting point shortens the rest more
+than it lengthens the overlap), so ``e`` runs over the run boundaries, and
+for each ``e`` the meeting point ``k`` is where ``C`` (rising) crosses ``L``
+(falling), found by bisection. Without ``query.overlap`` only ``k = 0``.
+
+Until it has an estimate of compute, it loads the whole hit: what an engine
+without a planner does. Until it also has one of every source in the hit,
+it *probes*: it loads one block (the hit's last, or with no overlap its
+first) and computes the rest, so a source's first observation costs at most
+one block's move, whatever its speed. A source it declines entirely gets no
+new observation, so its estimate stays as it was until a plan uses it again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import attrs
+from typing_extensions import override
+
+from kvkit.backends.plan.estimate import ComputeEstimate, MoveEstimate
+from kvkit.interfaces.plan import HitQuery, HitSource, LoadPlan, LoadPlanner
+from kvkit.validate import at_least, check_real, checked
+
+__all__ = ["LoadAllPlanner", "OverlapPlanner"]
+
+
+@attrs.define(eq=False)
+class OverlapPlanner(LoadPlanner):
+    """Plans each hit for the soonest first token (see the module docstring).
+
+    Args:
+        window: observations each estimate keeps (bounded memory).
+        prefill_tokens_per_s: the engine's prefill speed, used until its
+            first observed computation (``None``: none until then).
+    """
+
+    window: int = attrs.field(default=64, validator=at_least(2))
+    prefill_tokens_per_s: float | None = attrs.field(
+        default=None, converter=checked(check_real, optional=True, low=0, low_open=True, high=math.inf, high_open=True))  # type: ignore[misc]
+    _moves: dict[HitSource, MoveEstimate] = attrs.field(init=False)
+    _compute: ComputeEstimate = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._moves = {s: MoveEstimate(self.window) for s in HitSource}
+        self._compute = ComputeEstimate(self.window, self.prefill_tokens_per_s)
+
+    @override
+    def observe_move(self, source: HitSource, num_bytes: int, seconds: float) -> None:
+        move = self._moves.get(source)
+        if move is not None:
+            move.observe(num_bytes, seconds)
+
+    @override
+    def observe_compute(self, num_tokens: int, context_tokens: int, seconds: float) -> None:
+        self._compute.observe(num_tokens, context_tokens, seconds)
+
+    @override
+    def estimates(self) -> Mapping[str, float | int | None]:
+        out: dict[str, float | int | None] = {
+            f"prefill_{k}": v for k, v in self._compute.as_dict().items()}
+        for source, move in self._moves.items():
+            out |= {f"{source.value}_{k}": v for k, v in move.as_dict().items()}
+        return out
+
+    @override
+    def estimate_ms(self, query: HitQuery, plan: LoadPlan) -> float | None:
+        model = _Model.of(self, query)
+        if model is None or plan.hit_blocks != query.hit_blocks:
+            return None
+        return model.ms(plan.compute_blocks, plan.accepted_blocks)
+
+    @override
+    def plan(self, query: HitQuery) -> LoadPlan:
+        h = query.hit_blocks
+        if not h or self.compute_seconds(1, 0) is None:
+            return LoadPlan.load_all(h)
+        model = _Model.of(self, query)
+        if model is None:  # a source without an estimate: probe it with one block
+            return LoadPlan(h - 1, 1, h) if query.overlap else LoadPlan(0, 1, h)
+        ends = [0]
+        for _, n in query.runs:
+            ends.append(ends[-1] + n)
+        best = (model.ms(0, 0), 0, 0, 0)  # (time, -loaded, k, e): recompute the whole hit
+        for e in ends[1:]:
+            for k in model.meeting_points(e) if query.overlap else (0,):
+                best = min(best, (model.ms(k, e), k - e, k, e))
+        _, _, k, e = best
+        return LoadPlan(k, e - k, h)
+
+    def move_seconds(self, source: HitSource, num_bytes: float) -> float | None:
+        """Estimated seconds of one move of ``num_bytes`` from ``source`` (``None`` before an observation)."""
+        return self._moves[source].seconds(num_bytes)
+
+    def compute_seconds(self, tokens: float, context: float) -> float | None:
+        """Estimated seconds to compute ``tokens`` after ``context`` (``None`` without an estimate)."""
+        return self._compute.seconds(tokens, context)
+
+
+@attrs.frozen
+class _Model:
+    """The planner's time model for one query (see the module docstring); times in seconds."""
+
+    planner: OverlapPlanner
+    query: HitQuery
+
+    @classmethod
+    def of(cls, planner: OverlapPlanner, query: HitQuery) -> _Model | None:
+        """The model, or ``None`` while compute or a source of the hit has no estimate."""
+        if planner.compute_seconds(1, 0) is None:
+            return None
+        needed = {s for s, _ in query.runs} | ({HitSource.CPU} if query.runs else set())
+        if any(planner.move_seconds(s, 1) is None for s in needed):
+            return None
+        return cls(planner, query)
+
+    def compute(self, k: int) -> float:
+        """Seconds to compute the head: hit blocks ``[0, k)``."""
+        q = self.query
+        return self.planner.compute_seconds(k * q.block_size, q.context_tokens) or 0.0
+
+    def load(self, k: int, e: int) -> float:
+        """Seconds to load the tail: hit blocks ``[k, e)``."""
+        counts = self.query.blocks_from(k, e)
+        shared, b = counts.get(HitSource.SHARED, 0), self.query.block_bytes
+        fetch = self.planner.move_seconds(HitSource.SHARED, shared * b) if shared else 0.0
+        return (fetch or 0.0) + (self.planner.move_seconds(HitSource.CPU, sum(counts.values()) * b) or 0.0)
+
+    def rest(self, e: int) -> float:
+        """Seconds to compute everything after hit block ``e``: the declined blocks and the prompt's end."""
+        q = self.query
+        done = q.context_tokens + e * q.block_size
+        return self.planner.compute_seconds(q.num_tokens - done, done) or 0.0
+
+    def ms(self, k: int, e: int) -> float:
+        """Modelled prefill time in ms with head ``[0, k)`` and tail ``[k, e)``."""
+        return 1e3 * (max(self.compute(k), self.load(k, e)) + self.rest(e))
+
+    def meeting_points(self, e: int) -> tuple[int, ...]:
+        """The heads to try for tail end ``e``: both sides of where compute (rising) meets load (falling)."""
+        lo, hi = 0, e  # the least k in [0, e] with compute(k) >= load(k, e)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.compute(mid) >= self.load(mid, e):
+                hi = mid
+            else:
+                lo = mid + 1
+        return (lo - 1, lo) if lo else (0,)
+
+
+@attrs.define(eq=False)
+class LoadAllPlanner(LoadPlanner):
+    """Loads every hit it is offered: the behaviour of an engine without a planner (a baseline).
+
+    It keeps no estimate, so :meth:`estimate_ms` is always ``None``.
+    """
+
+    @override
+    def plan(self, query: HitQuery) -> LoadPlan:
+        return LoadPlan.load_all(query.hit_blocks)
+
+    @override
+    def estimate_ms(self, query: HitQuery, plan: LoadPlan) -> None:
+        return None
+
+    @override
+    def observe_move(self, source: HitSource, num_bytes: int, seconds: float) -> None:
+        return None
+
+    @override
+    def observe_compute(self, num_tokens: int, context_tokens: int, seconds: float) -> None:
+        return None
+
+    @override
+    def estimates(self) -> Mapping[str, float | int | None]:
+        return {}
