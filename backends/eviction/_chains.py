@@ -119,11 +119,11 @@ class ChainIndex:
         if block_hash is None:
             raise not_tracked(owner, block)
         parent = self._parent.pop(block)
-        del self._block_of[block_hash]
         orphans, parked = self._orphans, self.parked
+        if parent is not None and parent not in self._block_of:  # asked first: a hash may name itself its parent
+            orphans.remove(block)
+        del self._block_of[block_hash]
         if parent is not None:
-            if parent not in self._block_of:
-                orphans.remove(block)
             siblings = self._children[parent]
             del siblings[block]
             if not siblings:

@@ -8,8 +8,8 @@ in the queue, pinned blocks at the old end are scanned by selections (O(pool)
 when most of the pool is referenced); moved to the young end on release, they
 change the policy's order (and its hit ratio).
 
-:class:`ParkingQueue` keeps both properties: each block carries a stamp (this
-queue's clock when it entered); a pinned block is *parked* (out of the queue,
+:class:`ParkingQueue` keeps both properties: each block carries a stamp (a
+clock's value when it entered); a pinned block is *parked* (out of the queue,
 its stamp kept) the moment it is pinned, and a parked block released goes back
 by its stamp: appended when its stamp is the youngest (the common case: blocks
 released in the order they entered), else into a sorted side list that walks
@@ -18,6 +18,12 @@ selection costs O(victims), its first included, however many blocks are in
 use. The driver must report every pin (a pool calls the pin hooks for every
 block, and commits blocks referenced, so a committed block enters parked).
 
+The bookkeeping is flat: a block's links, stamp and state sit in arrays
+indexed by block id (:class:`Slots`, shared by the queues of one policy), and
+the queue is an intrusive doubly linked list through them; only the side
+list holds one int per block, for blocks released out of order until they
+leave it.
+
 It can also *watch* its first ``n`` unpinned blocks (the next victims) and
 report those that joined them, so a write-back store policy examines only
 what changed (:meth:`ParkingQueue.watch`).
@@ -25,38 +31,199 @@ what changed (:meth:`ParkingQueue.watch`).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterator
-from itertools import chain, islice
+from itertools import chain, islice, repeat
+from typing import cast
 
 import attrs
-from sortedcontainers import SortedList
+from typing_extensions import override
 
 from kvkit.backends.eviction._common import any_block, not_tracked, pin_mismatch
+from kvkit.errors import PoolUsageError
 from kvkit.interfaces.types import BlockId
 
-__all__ = ["ParkingQueue", "QueuedPins"]
+__all__ = ["ParkingQueue", "QueuedPins", "Slots"]
+
+_ABSENT, _MAIN, _PARKED, _BACK = 0, 1, 2, 3  # a block's state in its queue
+_NIL = -1  # no block: the end of a list
+_SHIFT = 32  # a side-list key is stamp << _SHIFT | block
+_MASK = (1 << _SHIFT) - 1
+_CHUNK = 512  # side-list chunks split past twice this
+
+
+class Slots:
+    """The per-block state of the :class:`ParkingQueue` s of one policy, in flat arrays indexed by block id.
+
+    ``prev`` / ``next`` link a queue's unpinned blocks in order (``-1``: none),
+    ``stamp`` is a block's place (the shared clock when it entered its
+    queue), and ``state`` says which queue holds it and how: ``qid << 2 |
+    part``, ``part`` being absent (0), in the queue's list, parked or in its
+    side list. A queue alone on its slots is queue 0 and its states fit a
+    byte; shared slots number their queues from 1. The arrays grow with the
+    largest block id seen, by an eighth at least, so the policy needs no pool
+    size.
+
+    Invariant: the arrays have one length; a block is in at most one queue.
+    """
+
+    __slots__ = ("clock", "next", "prev", "queues", "stamp", "state")
+
+    def __init__(self, shared: bool = False) -> None:
+        self.prev = array("i")
+        self.next = array("i")
+        self.stamp = array("q")
+        self.state = array("q" if shared else "b")
+        self.clock = 0
+        self.queues = 0
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+    def grow(self, block: int) -> None:
+        """Make room for ids up to ``block``.
+
+        Raises:
+            PoolUsageError: ``block`` is no block id (a negative int).
+        """
+        if block < 0:
+            raise PoolUsageError(f"block ids are ints >= 0, got {block!r}")
+        size = len(self.state)
+        extra = max(block + 1, size + (size >> 3) + 64) - size
+        self.prev.extend(repeat(_NIL, extra))
+        self.next.extend(repeat(_NIL, extra))
+        self.stamp.extend(repeat(0, extra))
+        self.state.extend(repeat(_ABSENT, extra))
+
+    def __deepcopy__(self, memo: dict) -> Slots:
+        copy = Slots.__new__(Slots)
+        copy.__setstate__(self.__getstate__())
+        memo[id(self)] = copy
+        return copy
+
+    @override
+    def __getstate__(self) -> tuple:
+        return (array("i", self.prev), array("i", self.next), array("q", self.stamp),
+                array(self.state.typecode, self.state), self.clock, self.queues)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.prev, self.next, self.stamp, self.state, self.clock, self.queues = state
+
+
+class _SortedKeys:
+    """Distinct ints in ascending order: sorted chunks, each at most ``2 * _CHUNK`` long, and their maxima.
+
+    Inserting or removing one costs O(log n) comparisons plus a chunk's move
+    (C-level), never a pass over the others.
+    """
+
+    __slots__ = ("_chunks", "_maxes")
+
+    def __init__(self) -> None:
+        self._chunks: list[list[int]] = []
+        self._maxes: list[int] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._maxes)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._chunks))
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self._chunks)
+
+    def __deepcopy__(self, memo: dict) -> _SortedKeys:
+        copy = _SortedKeys()
+        copy._chunks = [list(c) for c in self._chunks]
+        copy._maxes = list(self._maxes)
+        return copy
+
+    @override
+    def __getstate__(self) -> tuple:
+        return self._chunks, self._maxes
+
+    def __setstate__(self, state: tuple) -> None:
+        self._chunks, self._maxes = state
+
+    @property
+    def max(self) -> int:
+        return self._maxes[-1]
+
+    def add(self, key: int) -> None:
+        maxes, chunks = self._maxes, self._chunks
+        i = bisect_left(maxes, key)
+        if i == len(maxes):
+            if not maxes:
+                chunks.append([key])
+                maxes.append(key)
+                return
+            i -= 1
+            chunk = chunks[i]
+            chunk.append(key)
+            maxes[i] = key
+        else:
+            chunk = chunks[i]
+            insort(chunk, key)
+        if len(chunk) > 2 * _CHUNK:
+            chunks.insert(i + 1, chunk[_CHUNK:])
+            del chunk[_CHUNK:]
+            maxes.insert(i, chunk[-1])
+
+    def remove(self, key: int) -> None:
+        maxes, chunks = self._maxes, self._chunks
+        i = bisect_left(maxes, key)
+        chunk = chunks[i]
+        j = bisect_left(chunk, key)
+        assert chunk[j] == key, f"side-list key {key} is not listed"
+        del chunk[j]
+        if not chunk:
+            del chunks[i], maxes[i]
+        elif j == len(chunk):
+            maxes[i] = chunk[-1]
+
+    def after(self, key: int) -> int | None:
+        """The least key above ``key``, or ``None``."""
+        maxes = self._maxes
+        i = bisect_right(maxes, key)
+        if i == len(maxes):
+            return None
+        chunk = self._chunks[i]
+        return chunk[bisect_right(chunk, key)]
+
+    def before(self, key: int) -> int | None:
+        """The greatest key below ``key``, or ``None``."""
+        maxes = self._maxes
+        i = bisect_left(maxes, key)
+        if i < len(maxes):
+            chunk = self._chunks[i]
+            j = bisect_left(chunk, key)
+            if j:
+                return chunk[j - 1]
+        return self._maxes[i - 1] if i else None
 
 
 @attrs.define
 class ParkingQueue:
     """Blocks in the order they entered (stamp order), each pinned (parked) or not.
 
-    Parts (a block is in exactly one):
+    Parts (a block is in exactly one, its ``Slots.state``):
 
-    * ``_win`` then ``_main``: block -> stamp, ascending across both; the
-      unpinned blocks in entry order, except those released out of order.
-      ``_win`` holds those of the watched *region* (stamps up to ``_edge``),
-      ``_main`` the rest.
-    * ``_parked``: pinned blocks, out of the queue (block -> stamp).
-    * ``_back``: stamps of blocks released with a stamp older than the queue's
-      youngest, sorted; ``_back_block`` / ``_back_stamp`` map both ways.
+    * the *list*: unpinned blocks linked in ascending stamp order through
+      ``Slots.prev`` / ``Slots.next`` (``_head`` to ``_tail``): the blocks in
+      entry order, except those released out of order. Its blocks with stamps
+      up to ``_edge`` form a prefix, the watched *region*; ``_cut`` is the
+      first block past it (``-1``: none).
+    * *parked*: pinned blocks, out of the queue, their stamps kept.
+    * the *side list* ``_back``: blocks released with a stamp older than the
+      list's youngest, as sorted keys ``stamp << 32 | block``.
 
-    The unpinned order is the merge by stamp of ``_win`` + ``_main`` and of
-    ``_back``: the order blocks entered the queue, pins ignored. FIFO and LRU
-    *are* such a queue (its methods are their hooks, one call each on the hot
-    path); LFU, ARC and LIRS hold several, made by :meth:`of` through
-    :class:`QueuedPins`. Misuse raises ``PoolUsageError`` naming the policy.
+    The unpinned order is the merge by stamp of the list and the side list:
+    the order blocks entered the queue, pins ignored. FIFO and LRU *are* such
+    a queue (its methods are their hooks, one call each on the hot path);
+    LFU, ARC and LIRS hold several sharing one :class:`Slots`, made by
+    :meth:`of` through :class:`QueuedPins`. Misuse raises ``PoolUsageError``
+    naming the policy.
 
     Watching ``n`` (:meth:`watch`): the region is every unpinned block with a
     stamp up to ``_edge``, and holds ``_count == min(n, unpinned blocks)``
@@ -66,56 +233,118 @@ class ParkingQueue:
     :meth:`entered`.
 
     Invariants:
-        * The parts are disjoint.
-        * Stamps ascend through ``_win`` then ``_main``; ``_win``'s are at most
-          ``_edge`` and ``_main``'s above it; each stamp belongs to one block.
-        * ``_count`` is the number of region blocks (``_win`` and the back
-          stamps up to ``_edge``) and equals ``min(_size, unpinned blocks)``.
+        * The parts are disjoint and hold ``_len`` blocks, all owned by this queue.
+        * Stamps ascend through the list; those up to ``_edge`` come first and
+          ``_cut`` is the first above it; each stamp belongs to one block.
+        * Every side-list key names a block in the side list and its stamp.
+        * ``_count`` is the number of region blocks (the list's and the side
+          list's stamps up to ``_edge``) and equals ``min(_size, unpinned blocks)``.
     """
 
-    _clock: int = attrs.field(default=0, init=False)
-    _win: OrderedDict[BlockId, int] = attrs.field(factory=OrderedDict, init=False)
-    _main: OrderedDict[BlockId, int] = attrs.field(factory=OrderedDict, init=False)
-    _parked: dict[BlockId, int] = attrs.field(factory=dict, init=False)
-    _back: SortedList = attrs.field(factory=SortedList, init=False)
-    _back_block: dict[int, BlockId] = attrs.field(factory=dict, init=False)
-    _back_stamp: dict[BlockId, int] = attrs.field(factory=dict, init=False)
-    _back_max: int = attrs.field(default=0, init=False)  # the largest stamp in _back (0: none)
+    _slots: Slots = attrs.field(factory=Slots, init=False, repr=False)
+    _base: int = attrs.field(default=0, init=False, repr=False)  # qid << 2: this queue's states are _base | part
+    _len: int = attrs.field(default=0, init=False)
+    _head: int = attrs.field(default=_NIL, init=False)
+    _tail: int = attrs.field(default=_NIL, init=False)
+    _back: _SortedKeys = attrs.field(factory=_SortedKeys, init=False, repr=False)
     _owner: object = attrs.field(default=None, init=False, repr=False, eq=False)
-    # The watched window: its size (0: not watching), blocks in the region, its edge.
+    # The watched window: its size (0: not watching), blocks in the region, its edge, the list's first block past it.
     _size: int = attrs.field(default=0, init=False)
     _count: int = attrs.field(default=0, init=False)
     _edge: int = attrs.field(default=0, init=False)
+    _cut: int = attrs.field(default=_NIL, init=False)
     _entered: list[BlockId] = attrs.field(factory=list, init=False, repr=False)
 
     @classmethod
-    def of(cls, owner: object) -> ParkingQueue:
-        """An empty queue whose errors name ``owner`` (the policy holding it)."""
+    def of(cls, owner: object, slots: Slots | None = None) -> ParkingQueue:
+        """An empty queue whose errors name ``owner`` (the policy holding it), on ``slots`` if given (shared)."""
         queue = cls()
         queue._owner = owner
+        if slots is not None:
+            slots.queues += 1
+            queue._slots, queue._base = slots, slots.queues << 2
         return queue
 
     def __len__(self) -> int:
-        return len(self._win) + len(self._main) + len(self._parked) + len(self._back_stamp)
+        return self._len
+
+    def _part(self, block: object) -> int:
+        """Where ``block`` sits in this queue: ``_ABSENT`` (also for any value that is no id), ``_MAIN``, ..."""
+        states = self._slots.state
+        if block.__class__ is not int or not -1 < block < len(states):
+            return _ABSENT
+        state = states[block]
+        return state & 3 if state >> 2 == self._base >> 2 else _ABSENT
 
     def __contains__(self, block: object) -> bool:
-        return (block in self._main or block in self._win or block in self._parked
-                or block in self._back_stamp)
+        return self._part(block) != _ABSENT
+
+    def _blocks(self, *parts: int) -> list[BlockId]:
+        """This queue's blocks in ``parts``, by id (O(ids seen): tests, notebooks)."""
+        wanted = {self._base | part for part in parts}
+        return [BlockId(b) for b, state in enumerate(self._slots.state) if state in wanted]
 
     @property
     def pinned(self) -> set[BlockId]:
         """The pinned (parked) blocks (a new set)."""
-        return set(self._parked)
+        return set(self._blocks(_PARKED))
+
+    # -- the list ----------------------------------------------------------------
+
+    def _append(self, block: int, stamp: int) -> None:
+        """Link ``block`` at the list's young end (its stamp is above every listed one and the edge)."""
+        slots = self._slots
+        slots.stamp[block] = stamp
+        slots.state[block] = self._base | _MAIN
+        tail = self._tail
+        slots.prev[block] = tail
+        slots.next[block] = _NIL
+        if tail == _NIL:
+            self._head = block
+        else:
+            slots.next[tail] = block
+        self._tail = block
+        if self._cut == _NIL:
+            self._cut = block
+
+    def _unlink(self, block: int) -> None:
+        slots = self._slots
+        before, after = slots.prev[block], slots.next[block]
+        if before == _NIL:
+            self._head = after
+        else:
+            slots.next[before] = after
+        if after == _NIL:
+            self._tail = before
+        else:
+            slots.prev[after] = before
+        if block == self._cut:
+            self._cut = after
 
     # -- membership ------------------------------------------------------------
 
     def add(self, block: BlockId, pinned: bool = False) -> None:
         """Enter ``block`` (not in the queue) at the young end; pinned, it is parked at once."""
-        self._clock = stamp = self._clock + 1
+        slots = self._slots
+        if not -1 < block < len(slots.state):
+            slots.grow(block)
+        slots.clock = stamp = slots.clock + 1
+        slots.stamp[block] = stamp
+        self._len += 1
         if pinned:
-            self._parked[block] = stamp
+            slots.state[block] = self._base | _PARKED
             return
-        self._main[block] = stamp
+        slots.state[block] = self._base | _MAIN
+        tail = self._tail
+        slots.prev[block] = tail
+        slots.next[block] = _NIL
+        if tail == _NIL:
+            self._head = block
+        else:
+            slots.next[tail] = block
+        self._tail = block
+        if self._cut == _NIL:
+            self._cut = block
         if self._count < self._size:
             self._settle()
 
@@ -125,25 +354,47 @@ class ParkingQueue:
         Raises:
             PoolUsageError: ``block`` is not in the queue.
         """
-        if self._main.pop(block, None) is not None:
-            return False
-        if self._parked.pop(block, None) is not None:
+        slots = self._slots
+        states = slots.state
+        part = states[block] - self._base if block.__class__ is int and -1 < block < len(states) else -1
+        if part == _PARKED:
+            states[block] = _ABSENT
+            self._len -= 1
             return True
-        if self._win.pop(block, None) is None and self._unback(block) > self._edge:
-            return False
-        self._count -= 1
-        self._settle()
+        if part == _MAIN:
+            before, after = slots.prev[block], slots.next[block]
+            if before == _NIL:
+                self._head = after
+            else:
+                slots.next[before] = after
+            if after == _NIL:
+                self._tail = before
+            else:
+                slots.prev[after] = before
+            if block == self._cut:
+                self._cut = after
+        elif part == _BACK:
+            self._back.remove(slots.stamp[block] << _SHIFT | block)
+        else:
+            raise not_tracked(self._who(), block)
+        states[block] = _ABSENT
+        self._len -= 1
+        if slots.stamp[block] <= self._edge:
+            self._count -= 1
+            self._settle()
         return False
 
     def touch(self, block: BlockId) -> None:
         """Re-enter ``block`` at the young end, keeping its pin (``PoolUsageError`` if absent)."""
-        main = self._main
-        if block in main:
-            self._clock = stamp = self._clock + 1
-            main[block] = stamp
-            main.move_to_end(block)
-        elif block in self._parked:
-            self._clock = self._parked[block] = self._clock + 1
+        slots = self._slots
+        states = slots.state
+        part = states[block] - self._base if block.__class__ is int and -1 < block < len(states) else -1
+        if part == _PARKED:
+            slots.clock = slots.stamp[block] = slots.clock + 1
+        elif part == _MAIN and slots.stamp[block] > self._edge:
+            self._unlink(block)
+            slots.clock = stamp = slots.clock + 1
+            self._append(block, stamp)
         else:
             self.add(block, self.remove(block))
 
@@ -155,21 +406,32 @@ class ParkingQueue:
         Raises:
             PoolUsageError: ``block`` is not in the queue, or already pinned.
         """
-        stamp = self._main.pop(block, None)
-        if stamp is not None:
-            self._parked[block] = stamp
-            return
-        if block in self._parked:
+        slots = self._slots
+        states = slots.state
+        base = self._base
+        part = states[block] - base if block.__class__ is int and -1 < block < len(states) else -1
+        if part == _MAIN:
+            before, after = slots.prev[block], slots.next[block]
+            if before == _NIL:
+                self._head = after
+            else:
+                slots.next[before] = after
+            if after == _NIL:
+                self._tail = before
+            else:
+                slots.prev[after] = before
+            if block == self._cut:
+                self._cut = after
+        elif part == _BACK:
+            self._back.remove(slots.stamp[block] << _SHIFT | block)
+        elif part == _PARKED:
             raise pin_mismatch(self._who(), block, pinned=True)
-        stamp = self._win.pop(block, None)
-        if stamp is None:
-            stamp = self._unback(block)
-            if stamp > self._edge:
-                self._parked[block] = stamp
-                return
-        self._parked[block] = stamp
-        self._count -= 1
-        self._settle()
+        else:
+            raise not_tracked(self._who(), block)
+        states[block] = base | _PARKED
+        if slots.stamp[block] <= self._edge:
+            self._count -= 1
+            self._settle()
 
     def unpin(self, block: BlockId) -> None:
         """Release ``block`` at the place it entered (a pool's ``on_unpin``).
@@ -177,23 +439,34 @@ class ParkingQueue:
         Raises:
             PoolUsageError: ``block`` is not in the queue, or not pinned.
         """
-        stamp = self._parked.pop(block, None)
-        if stamp is None:
-            if block in self:
+        slots = self._slots
+        states = slots.state
+        base = self._base
+        part = states[block] - base if block.__class__ is int and -1 < block < len(states) else -1
+        if part != _PARKED:
+            if self._part(block) != _ABSENT:
                 raise pin_mismatch(self._who(), block, pinned=False)
             raise not_tracked(self._who(), block)
-        main = self._main
-        youngest = main[next(reversed(main))] if main else self._win[next(reversed(self._win))] if self._win else 0
-        if stamp > youngest and stamp > self._edge:
-            main[block] = stamp  # the youngest unpinned block: its place is the end
+        stamps = slots.stamp
+        stamp = stamps[block]
+        tail = self._tail
+        if stamp > self._edge and (tail == _NIL or stamp > stamps[tail]):
+            # The youngest unpinned block: its place is the list's end.
+            states[block] = base | _MAIN
+            slots.prev[block] = tail
+            slots.next[block] = _NIL
+            if tail == _NIL:
+                self._head = block
+            else:
+                slots.next[tail] = block
+            self._tail = block
+            if self._cut == _NIL:
+                self._cut = block
             if self._count < self._size:
                 self._settle()
             return
-        self._back.add(stamp)
-        if stamp > self._back_max:
-            self._back_max = stamp
-        self._back_block[stamp] = block
-        self._back_stamp[block] = stamp
+        states[block] = base | _BACK
+        self._back.add(stamp << _SHIFT | block)
         if stamp <= self._edge:
             self._joined(block)
         elif self._count < self._size:
@@ -205,10 +478,14 @@ class ParkingQueue:
         """Up to ``n`` unpinned blocks with ``is_evictable`` true, oldest first; changes nothing."""
         if n <= 0:
             return []
-        if not self._back_stamp:  # the common case: no block released out of order
-            head = list(islice(chain(self._win, self._main) if self._win else self._main, n))
-            if all(map(is_evictable, head)):
-                return head
+        if not self._back:  # the common case: no block released out of order
+            head: list[int] = []
+            after, block = self._slots.next, self._head
+            while block != _NIL and len(head) < n:
+                head.append(block)
+                block = after[block]
+            if all(map(cast(Callable[[int], bool], is_evictable), head)):
+                return cast(list[BlockId], head)
         return list(islice(self.walk(is_evictable), n))
 
     def walk(self, is_evictable: Callable[[BlockId], bool]) -> Iterator[BlockId]:
@@ -217,20 +494,26 @@ class ParkingQueue:
         A driver that reports every pin makes ``is_evictable`` true for every
         block yielded; one that reports none gets the in-use blocks skipped here.
         """
-        back_block = self._back_block
-        stamps = iter(self._back)
-        next_back = next(stamps, None)
-        for block, stamp in chain(self._win.items(), self._main.items()):
-            while next_back is not None and next_back < stamp:
-                if is_evictable(back_block[next_back]):
-                    yield back_block[next_back]
-                next_back = next(stamps, None)
+        return cast(Iterator[BlockId], self._walk(cast(Callable[[int], bool], is_evictable)))
+
+    def _walk(self, is_evictable: Callable[[int], bool]) -> Iterator[int]:
+        after, stamps = self._slots.next, self._slots.stamp
+        keys = iter(self._back)
+        key = next(keys, None)
+        block = self._head
+        while block != _NIL:
+            bound = stamps[block] << _SHIFT
+            while key is not None and key < bound:
+                if is_evictable(key & _MASK):
+                    yield key & _MASK
+                key = next(keys, None)
             if is_evictable(block):
                 yield block
-        while next_back is not None:
-            if is_evictable(back_block[next_back]):
-                yield back_block[next_back]
-            next_back = next(stamps, None)
+            block = after[block]
+        while key is not None:
+            if is_evictable(key & _MASK):
+                yield key & _MASK
+            key = next(keys, None)
 
     # -- the watched window ------------------------------------------------------
 
@@ -242,10 +525,8 @@ class ParkingQueue:
 
     def in_window(self, block: BlockId) -> bool:
         """Whether ``block`` is one of the first ``n`` unpinned blocks (``n`` watched)."""
-        if block in self._win:
-            return True
-        stamp = self._back_stamp.get(block)
-        return stamp is not None and stamp <= self._edge
+        part = self._part(block)
+        return part in (_MAIN, _BACK) and self._slots.stamp[block] <= self._edge
 
     def entered(self) -> list[BlockId]:
         """The blocks that joined the window since the last call and are still in it, in joining order."""
@@ -263,99 +544,97 @@ class ParkingQueue:
 
     def _settle(self) -> None:
         """Grow or shrink the region until it holds ``min(_size, evictable)`` unpinned blocks."""
-        while self._count < self._size and (self._main or self._back_max > self._edge) and self._grow():
+        while self._count < self._size and self._grow():
             pass
         while self._count > self._size:
             self._shrink()
 
     def _grow(self) -> bool:
         """Take the next unpinned block past the edge into the region; ``False`` if there is none."""
-        main, back = self._main, self._back
-        back_next = None
-        if self._back_max > self._edge:  # some released block lies past the edge
-            i = back.bisect_right(self._edge)
-            back_next = back[i] if i < len(self._back_stamp) else None
-        if main and (back_next is None or main[next(iter(main))] < back_next):
-            block, stamp = main.popitem(last=False)
-            self._edge = stamp
-            self._win[block] = stamp
+        back_next = self._back.after(self._edge << _SHIFT | _MASK) if self._back else None
+        cut, stamps = self._cut, self._slots.stamp
+        if cut != _NIL and (back_next is None or stamps[cut] < back_next >> _SHIFT):
+            self._edge = stamps[cut]
+            self._cut = self._slots.next[cut]
             self._count += 1
-            self._entered.append(block)
+            self._entered.append(BlockId(cut))
             return True
         if back_next is None:
             return False
-        self._edge = back_next
+        self._edge = back_next >> _SHIFT
         self._count += 1
-        self._entered.append(self._back_block[back_next])
+        self._entered.append(BlockId(back_next & _MASK))
         return True
 
     def _shrink(self) -> None:
         """Give the region's last block back to the rest of the queue."""
-        win, back = self._win, self._back
-        back_last = None
-        if self._back_stamp:
-            i = back.bisect_right(self._edge)
-            back_last = back[i - 1] if i else None
-        if win and (back_last is None or win[next(reversed(win))] > back_last):
-            block, stamp = win.popitem(last=True)
-            self._edge = stamp - 1
-            self._main[block] = stamp
-            self._main.move_to_end(block, last=False)
+        back_last = self._back.before((self._edge + 1) << _SHIFT) if self._back else None
+        slots = self._slots
+        last = slots.prev[self._cut] if self._cut != _NIL else self._tail
+        if last != _NIL and slots.stamp[last] <= self._edge and \
+                (back_last is None or slots.stamp[last] > back_last >> _SHIFT):
+            self._edge = slots.stamp[last] - 1
+            self._cut = last
             self._count -= 1
             return
         assert back_last is not None, "the region holds more blocks than it has"
-        self._edge = back_last - 1
+        self._edge = (back_last >> _SHIFT) - 1
         self._count -= 1
 
     # -- helpers -----------------------------------------------------------------
 
     def in_order(self) -> list[BlockId]:
-        """Every block, pinned or not, in the order it entered (O(n log n): tests, notebooks)."""
-        stamped = [*self._win.items(), *self._main.items(), *self._parked.items(),
-                   *self._back_stamp.items()]
-        return [block for block, _ in sorted(stamped, key=lambda item: item[1])]
+        """Every block, pinned or not, in the order it entered (O(ids seen + n log n): tests, notebooks)."""
+        stamps = self._slots.stamp
+        return sorted(self._blocks(_MAIN, _PARKED, _BACK), key=stamps.__getitem__)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the parts overlap, a stamp is out of order or the window is off."""
-        win, main, parked, back = self._win, self._main, self._parked, self._back_stamp
-        parts = (win.keys(), main.keys(), parked.keys(), back.keys())
-        assert sum(map(len, parts)) == len(set().union(*parts)), "a block is in two parts of the queue"
-        stamps = [*win.values(), *main.values()]
+        slots = self._slots
+        listed, block, before = [], self._head, _NIL
+        while block != _NIL:
+            assert self._part(block) == _MAIN, f"listed block {block} is not in the list"
+            assert slots.prev[block] == before, f"block {block} links back to {slots.prev[block]}, not {before}"
+            listed.append(block)
+            assert len(listed) <= self._len, "the list loops"
+            before, block = block, slots.next[block]
+        assert before == self._tail, f"the list ends at {before}, its tail is {self._tail}"
+        stamps = [slots.stamp[b] for b in listed]
         assert stamps == sorted(stamps), "queue out of stamp order"
-        assert all(s <= self._edge for s in win.values()), "a region block past the edge"
-        assert all(s > self._edge for s in main.values()), "a block before the edge outside the region"
-        assert sorted(back.values()) == list(self._back), "back list out of step"
-        assert self._back_max == max(back.values(), default=0), "largest back stamp out of step"
-        assert all(self._back_block[s] == b for b, s in back.items()), "back maps disagree"
-        every = [*stamps, *parked.values(), *back.values()]
+        region = [b for b in listed if slots.stamp[b] <= self._edge]
+        assert listed[:len(region)] == region, "a block before the edge outside the region"
+        cut = listed[len(region)] if len(region) < len(listed) else _NIL
+        assert self._cut == cut, f"the cut is {self._cut}, the first block past the edge {cut}"
+        keys = list(self._back)
+        assert keys == sorted(set(keys)), "back list out of order"
+        for key in keys:
+            assert self._part(key & _MASK) == _BACK and slots.stamp[key & _MASK] == key >> _SHIFT, \
+                f"back key {key} names no back block"
+        parked, back = self._blocks(_PARKED), self._blocks(_BACK)
+        assert len(back) == len(keys), "back maps disagree"
+        main = self._blocks(_MAIN)
+        assert len(main) == len(listed), f"{len(main)} blocks in the list state, {len(listed)} listed"
+        assert len(main) + len(parked) + len(back) == self._len, "a block is in two parts of the queue"
+        every = [*stamps, *(slots.stamp[b] for b in parked), *(k >> _SHIFT for k in keys)]
         assert len(set(every)) == len(every), "a stamp is shared"
-        assert not every or max(every) <= self._clock, "a stamp from the future"
-        region = len(win) + self._back.bisect_right(self._edge)
-        assert region == self._count, f"window counts {self._count}, holds {region}"
-        unpinned = len(win) + len(main) + len(back)
+        assert not every or max(every) <= slots.clock, "a stamp from the future"
+        count = len(region) + sum(1 for k in keys if k >> _SHIFT <= self._edge)
+        assert count == self._count, f"window counts {self._count}, holds {count}"
+        unpinned = len(listed) + len(keys)
         assert self._count == min(self._size, unpinned), (self._count, self._size, unpinned)
 
     def _who(self) -> object:
         return self if self._owner is None else self._owner
-
-    def _unback(self, block: BlockId) -> int:
-        stamp = self._back_stamp.pop(block, None)
-        if stamp is None:
-            raise not_tracked(self._who(), block)
-        del self._back_block[stamp]
-        self._back.remove(stamp)
-        if stamp == self._back_max:
-            self._back_max = self._back[-1] if self._back_stamp else 0
-        return stamp
 
 
 @attrs.define(slots=False, on_setattr=attrs.setters.NO_OP)  # unslotted: it mixes with slotted bases
 class QueuedPins:
     """The pin hooks of a policy whose every block sits in one of its :class:`ParkingQueue` s (ARC, LFU, LIRS).
 
-    A subclass makes its queues with :meth:`_new_queue`, names the queue
-    holding a block (:meth:`_queue_of`, raising ``PoolUsageError`` for an
-    untracked one) and lists its queues (:meth:`_queues`).
+    A subclass makes its queues with :meth:`_new_queue` (all on one
+    :class:`Slots`), names the queue holding a block (:meth:`_queue_of`,
+    raising ``PoolUsageError`` for an untracked one) and lists its queues
+    (:meth:`_queues`).
     """
 
     def _queue_of(self, block: BlockId) -> ParkingQueue:
@@ -365,8 +644,9 @@ class QueuedPins:
         raise NotImplementedError
 
     def _new_queue(self) -> ParkingQueue:
-        """An empty queue of this policy's (its errors name the policy)."""
-        return ParkingQueue.of(self)
+        """An empty queue of this policy's (its errors name the policy), on the policy's shared slots."""
+        slots = vars(self).setdefault("_queue_slots", Slots(shared=True))
+        return ParkingQueue.of(self, slots)
 
     def on_pin(self, block: BlockId) -> None:
         """A tracked block came into use: it is set aside in its queue, keeping its place."""

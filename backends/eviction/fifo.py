@@ -39,14 +39,10 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
-        main = self._main
-        if block in main or block in self._win or block in self._parked or block in self._back_stamp:
+        states = self._slots.state
+        if -1 < block < len(states) and states[block]:
             raise already_tracked(self, block)
-        if self._count < self._size:
-            self.add(block)  # it may join the watched window
-        else:  # as add(block), one call less per commit
-            self._clock = stamp = self._clock + 1
-            main[block] = stamp
+        self.add(block)
 
     @override
     def on_access(self, block: BlockId) -> None:

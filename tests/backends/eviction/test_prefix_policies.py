@@ -864,6 +864,7 @@ walk_ops = st.lists(st.one_of(
                  ("remove", 1), ("refuse", 1), ("select", 1, True)])
 @example(script=[("chain", "root", 0, [0, 1, 2]), ("chain", "under", 0, [3, 4]), ("select", 1, True),
                  ("chain", "under", 3, [5]), ("select", 2, True)])
+@example(script=[("chain", "root", 0, [3, 4]), ("chain", "any", 1, [1, 2, 0]), ("remove", 12)])  # hash 1 under 1
 def test_a_resumed_walk_chooses_what_a_fresh_walk_would(make, hooks, script):
     """Every selection, resuming the last walk or not, equals that of a copy whose walk starts afresh."""
     tier = _Tier(make(), hooks)
