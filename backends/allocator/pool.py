@@ -267,12 +267,14 @@ class BlockPool(EvictionWindow):
 
     def _evict(self, victims: list[BlockId], need: int) -> list[tuple[BlockId, BlockHash]]:
         """Drop ``victims`` from the index and the policy; sorts them to coalesce runs."""
-        hashes, is_evictable = self._hash, self._is_evictable
-        # A policy bug here would break invariant 10, so check before changing anything.
+        hashes = self._hash
+        # A policy bug here would break invariant 10, so check before changing anything (C-level
+        # passes over the victims: evictable means unreferenced and ready).
         assert len(victims) == need and len(set(victims)) == need, (
             f"policy returned {victims!r} for {need} victims"
         )
-        assert all(map(is_evictable, victims)), f"policy chose a non-evictable block: {victims!r}"
+        assert not any(map(self._ref.__getitem__, victims)) and None not in map(hashes.__getitem__, victims), \
+            f"policy chose a non-evictable block: {victims!r}"
         victims.sort()
         index, on_remove = self._index, self._policy.on_remove
         evicted = []

@@ -104,7 +104,7 @@ class ChainIndex:
         self._children.setdefault(parent, {})[block] = None
         parent_block = self._block_of.get(parent)
         if parent_block is None:
-            orphans.add(block, block in self.parked)
+            orphans.add(block, pinned=block in self.parked)
         elif self._walk is not None and parent_block in self._walk.held:
             self._walk = None  # a new child of a block the walk has passed
         return parent_block
@@ -129,7 +129,7 @@ class ChainIndex:
             if not siblings:
                 del self._children[parent]
         for child in self._children.get(block_hash, ()):
-            orphans.add(child, child in parked)
+            orphans.add(child, pinned=child in parked)
         walk = self._walk
         if walk is not None and block in walk.held:
             if block in walk.victims:

@@ -40,9 +40,9 @@ from typing import cast
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import any_block, not_tracked, pin_mismatch
+from kvkit.backends.eviction._common import already_tracked, any_block, not_tracked, pin_mismatch
 from kvkit.errors import PoolUsageError
-from kvkit.interfaces.types import BlockId
+from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["ParkingQueue", "QueuedPins", "Slots"]
 
@@ -253,6 +253,7 @@ class ParkingQueue:
     _count: int = attrs.field(default=0, init=False)
     _edge: int = attrs.field(default=0, init=False)
     _cut: int = attrs.field(default=_NIL, init=False)
+    _pending: int = attrs.field(default=_NIL, init=False)  # the youngest block, not linked yet (see add)
     _entered: list[BlockId] = attrs.field(factory=list, init=False, repr=False)
 
     @classmethod
@@ -291,11 +292,9 @@ class ParkingQueue:
 
     # -- the list ----------------------------------------------------------------
 
-    def _append(self, block: int, stamp: int) -> None:
-        """Link ``block`` at the list's young end (its stamp is above every listed one and the edge)."""
+    def _link(self, block: int) -> None:
+        """Link ``block`` (stamped, in the list's state) at the list's young end: its stamp is the youngest."""
         slots = self._slots
-        slots.stamp[block] = stamp
-        slots.state[block] = self._base | _MAIN
         tail = self._tail
         slots.prev[block] = tail
         slots.next[block] = _NIL
@@ -306,6 +305,11 @@ class ParkingQueue:
         self._tail = block
         if self._cut == _NIL:
             self._cut = block
+
+    def _flush(self) -> None:
+        """Link the block :meth:`add` left pending (it is the youngest: nothing entered since)."""
+        block, self._pending = self._pending, _NIL
+        self._link(block)
 
     def _unlink(self, block: int) -> None:
         slots = self._slots
@@ -323,30 +327,38 @@ class ParkingQueue:
 
     # -- membership ------------------------------------------------------------
 
-    def add(self, block: BlockId, pinned: bool = False) -> None:
-        """Enter ``block`` (not in the queue) at the young end; pinned, it is parked at once."""
+    def add(self, block: BlockId, block_hash: BlockHash | None = None, parent: BlockHash | None = None, *,
+            pinned: bool = False) -> None:
+        """Enter ``block`` at the young end; pinned, it is parked at once (the hash and parent are unused).
+
+        Its signature is ``on_insert``'s, so a policy that is one queue takes it as that hook.
+        An unpinned block past the watched window is linked by the next call
+        that needs the list (a pool pins a block right after inserting it:
+        then it never is).
+
+        Raises:
+            PoolUsageError: ``block`` is in the queue (or another of its slots'), or a negative int.
+        """
         slots = self._slots
-        if not -1 < block < len(slots.state):
+        states = slots.state
+        if not -1 < block < len(states):
             slots.grow(block)
-        slots.clock = stamp = slots.clock + 1
-        slots.stamp[block] = stamp
+            states = slots.state
+        elif states[block]:
+            raise already_tracked(self._who(), block)
+        if self._pending != _NIL:
+            self._flush()
+        slots.clock = slots.stamp[block] = slots.clock + 1
         self._len += 1
         if pinned:
-            slots.state[block] = self._base | _PARKED
+            states[block] = self._base | _PARKED
             return
-        slots.state[block] = self._base | _MAIN
-        tail = self._tail
-        slots.prev[block] = tail
-        slots.next[block] = _NIL
-        if tail == _NIL:
-            self._head = block
-        else:
-            slots.next[tail] = block
-        self._tail = block
-        if self._cut == _NIL:
-            self._cut = block
+        states[block] = self._base | _MAIN
         if self._count < self._size:
+            self._link(block)
             self._settle()
+        else:
+            self._pending = block
 
     def remove(self, block: BlockId) -> bool:
         """Take ``block`` out; return whether it was pinned.
@@ -354,6 +366,8 @@ class ParkingQueue:
         Raises:
             PoolUsageError: ``block`` is not in the queue.
         """
+        if self._pending != _NIL:
+            self._flush()
         slots = self._slots
         states = slots.state
         part = states[block] - self._base if block.__class__ is int and -1 < block < len(states) else -1
@@ -362,17 +376,7 @@ class ParkingQueue:
             self._len -= 1
             return True
         if part == _MAIN:
-            before, after = slots.prev[block], slots.next[block]
-            if before == _NIL:
-                self._head = after
-            else:
-                slots.next[before] = after
-            if after == _NIL:
-                self._tail = before
-            else:
-                slots.prev[after] = before
-            if block == self._cut:
-                self._cut = after
+            self._unlink(block)
         elif part == _BACK:
             self._back.remove(slots.stamp[block] << _SHIFT | block)
         else:
@@ -386,6 +390,8 @@ class ParkingQueue:
 
     def touch(self, block: BlockId) -> None:
         """Re-enter ``block`` at the young end, keeping its pin (``PoolUsageError`` if absent)."""
+        if self._pending != _NIL:
+            self._flush()
         slots = self._slots
         states = slots.state
         part = states[block] - self._base if block.__class__ is int and -1 < block < len(states) else -1
@@ -393,10 +399,10 @@ class ParkingQueue:
             slots.clock = slots.stamp[block] = slots.clock + 1
         elif part == _MAIN and slots.stamp[block] > self._edge:
             self._unlink(block)
-            slots.clock = stamp = slots.clock + 1
-            self._append(block, stamp)
+            slots.clock = slots.stamp[block] = slots.clock + 1
+            self._link(block)
         else:
-            self.add(block, self.remove(block))
+            self.add(block, pinned=self.remove(block))
 
     # -- pins --------------------------------------------------------------------
 
@@ -406,22 +412,18 @@ class ParkingQueue:
         Raises:
             PoolUsageError: ``block`` is not in the queue, or already pinned.
         """
+        if block == self._pending:  # pinned as soon as it entered: it was never linked
+            self._pending = _NIL
+            self._slots.state[block] = self._base | _PARKED
+            return
+        if self._pending != _NIL:
+            self._flush()
         slots = self._slots
         states = slots.state
         base = self._base
         part = states[block] - base if block.__class__ is int and -1 < block < len(states) else -1
         if part == _MAIN:
-            before, after = slots.prev[block], slots.next[block]
-            if before == _NIL:
-                self._head = after
-            else:
-                slots.next[before] = after
-            if after == _NIL:
-                self._tail = before
-            else:
-                slots.prev[after] = before
-            if block == self._cut:
-                self._cut = after
+            self._unlink(block)
         elif part == _BACK:
             self._back.remove(slots.stamp[block] << _SHIFT | block)
         elif part == _PARKED:
@@ -439,6 +441,8 @@ class ParkingQueue:
         Raises:
             PoolUsageError: ``block`` is not in the queue, or not pinned.
         """
+        if self._pending != _NIL:
+            self._flush()
         slots = self._slots
         states = slots.state
         base = self._base
@@ -451,17 +455,8 @@ class ParkingQueue:
         stamp = stamps[block]
         tail = self._tail
         if stamp > self._edge and (tail == _NIL or stamp > stamps[tail]):
-            # The youngest unpinned block: its place is the list's end.
-            states[block] = base | _MAIN
-            slots.prev[block] = tail
-            slots.next[block] = _NIL
-            if tail == _NIL:
-                self._head = block
-            else:
-                slots.next[tail] = block
-            self._tail = block
-            if self._cut == _NIL:
-                self._cut = block
+            states[block] = base | _MAIN  # the youngest unpinned block: its place is the list's end
+            self._link(block)
             if self._count < self._size:
                 self._settle()
             return
@@ -478,6 +473,8 @@ class ParkingQueue:
         """Up to ``n`` unpinned blocks with ``is_evictable`` true, oldest first; changes nothing."""
         if n <= 0:
             return []
+        if self._pending != _NIL:
+            self._flush()
         if not self._back:  # the common case: no block released out of order
             head: list[int] = []
             after, block = self._slots.next, self._head
@@ -497,6 +494,8 @@ class ParkingQueue:
         return cast(Iterator[BlockId], self._walk(cast(Callable[[int], bool], is_evictable)))
 
     def _walk(self, is_evictable: Callable[[int], bool]) -> Iterator[int]:
+        if self._pending != _NIL:
+            self._flush()
         after, stamps = self._slots.next, self._slots.stamp
         keys = iter(self._back)
         key = next(keys, None)
@@ -520,6 +519,8 @@ class ParkingQueue:
     def watch(self, n: int) -> None:
         """Track the first ``n`` unpinned blocks from now on (``0``: stop); O(change)."""
         if n != self._size:
+            if self._pending != _NIL:
+                self._flush()
             self._size = n
             self._settle()
 
@@ -590,6 +591,8 @@ class ParkingQueue:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the parts overlap, a stamp is out of order or the window is off."""
+        if self._pending != _NIL:
+            self._flush()  # changes no order: the pending block is the youngest
         slots = self._slots
         listed, block, before = [], self._head, _NIL
         while block != _NIL:

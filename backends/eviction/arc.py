@@ -103,7 +103,7 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     def on_access(self, block: BlockId) -> None:
         if block in self._in_t1:
             self._in_t1.remove(block)
-            self._t2.add(block, self._t1.remove(block))
+            self._t2.add(block, pinned=self._t1.remove(block))
         elif block in self._hash_of:
             self._t2.touch(block)
         else:

@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import already_tracked, check_count, not_tracked
+from kvkit.backends.eviction._common import check_count, not_tracked
 from kvkit.backends.eviction._queue import ParkingQueue
 from kvkit.interfaces.eviction import EvictionPolicy
-from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.interfaces.types import BlockId
 
 __all__ = ["FIFOPolicy"]
 
@@ -35,14 +35,7 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
     on_pin = ParkingQueue.pin
     on_unpin = ParkingQueue.unpin
     on_remove = ParkingQueue.remove  # type: ignore[assignment]  # returns whether it was pinned; the pool ignores it
-
-    @override
-    def on_insert(self, block: BlockId, block_hash: BlockHash,
-                  parent: BlockHash | None) -> None:
-        states = self._slots.state
-        if -1 < block < len(states) and states[block]:
-            raise already_tracked(self, block)
-        self.add(block)
+    on_insert = ParkingQueue.add  # raises PoolUsageError for a tracked block
 
     @override
     def on_access(self, block: BlockId) -> None:

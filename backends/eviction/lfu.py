@@ -61,7 +61,7 @@ class LFUPolicy(QueuedPins, EvictionPolicy):
             raise not_tracked(self, block)
         if f + 1 not in self._buckets:
             self._add_bucket(f + 1, below=f)
-        self._buckets[f + 1].add(block, self._drop_from_bucket(block, f))
+        self._buckets[f + 1].add(block, pinned=self._drop_from_bucket(block, f))
         self._freq[block] = f + 1
 
     @override

@@ -137,7 +137,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             raise not_tracked(self, block)
         promoted = block not in self._lir and block_hash in self._stack
         if promoted:
-            self._lir.add(block, self._hir.remove(block))
+            self._lir.add(block, pinned=self._hir.remove(block))
         else:
             (self._lir if block in self._lir else self._hir).touch(block)
         self._to_top(block_hash)
@@ -157,7 +157,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             self._prune()
             self._limit_stack()
         for extra in self._over_limit():  # c is known now: the provisional excess joins Q
-            self._hir.add(extra, self._lir.remove(extra))
+            self._hir.add(extra, pinned=self._lir.remove(extra))
             self._prune()
         self._provisional.clear()
 
@@ -222,7 +222,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         while len(self._lir) > self.lir_limit + len(self._provisional):
             block = self._block_of[self._stack.popitem(last=False)[0]]  # pruned: the bottom is LIR
             self._provisional.pop(block, None)
-            self._hir.add(block, self._lir.remove(block))
+            self._hir.add(block, pinned=self._lir.remove(block))
             self._prune()
 
     def _over_limit(self) -> list[BlockId]:
