@@ -18,6 +18,7 @@ __all__ = [
     "LearnsCapacity",
     "already_tracked",
     "any_block",
+    "bad_id",
     "check_count",
     "define_policy",
     "hash_already_tracked",
@@ -93,6 +94,11 @@ def check_count(n: int) -> None:
 def already_tracked(policy: object, block: BlockId) -> PoolUsageError:
     """The error for inserting a block ``policy`` already tracks."""
     return PoolUsageError(f"block {block!r} is already tracked by {type(policy).__name__}")
+
+
+def bad_id(policy: object, block: object) -> PoolUsageError:
+    """The error for a block id that is no int >= 0, which a policy's flat per-block state cannot index."""
+    return PoolUsageError(f"{type(policy).__name__}: block ids are ints >= 0, got {quote(block)}")
 
 
 def hash_already_tracked(policy: object, block: BlockId, block_hash: BlockHash,

@@ -40,8 +40,7 @@ from typing import cast
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import already_tracked, any_block, not_tracked, pin_mismatch
-from kvkit.errors import PoolUsageError
+from kvkit.backends.eviction._common import already_tracked, any_block, bad_id, not_tracked, pin_mismatch
 from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["ParkingQueue", "QueuedPins", "Slots"]
@@ -82,13 +81,7 @@ class Slots:
         return len(self.state)
 
     def grow(self, block: int) -> None:
-        """Make room for ids up to ``block``.
-
-        Raises:
-            PoolUsageError: ``block`` is no block id (a negative int).
-        """
-        if block < 0:
-            raise PoolUsageError(f"block ids are ints >= 0, got {block!r}")
+        """Make room for ids up to ``block`` (an int >= 0)."""
         size = len(self.state)
         extra = max(block + 1, size + (size >> 3) + 64) - size
         self.prev.extend(repeat(_NIL, extra))
@@ -342,6 +335,8 @@ class ParkingQueue:
         slots = self._slots
         states = slots.state
         if not -1 < block < len(states):
+            if block < 0:
+                raise bad_id(self._who(), block)
             slots.grow(block)
             states = slots.state
         elif states[block]:

@@ -11,6 +11,7 @@ from typing_extensions import override
 from kvkit.backends.eviction._common import (
     LearnsCapacity,
     already_tracked,
+    bad_id,
     check_count,
     define_policy,
     not_tracked,
@@ -65,8 +66,9 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
 
     _t1: ParkingQueue = attrs.field(init=False)
     _t2: ParkingQueue = attrs.field(init=False)
-    _hash_of: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False)
-    _in_t1: set[BlockId] = attrs.field(factory=set, init=False)  # which list holds a block, in one lookup
+    # A tracked block's hash by id (None: untracked): a flat list, the hashes the pool's own objects.
+    _hash_of: list[BlockHash | None] = attrs.field(factory=list, init=False)
+    _tracked: int = attrs.field(default=0, init=False)
     _b1: OrderedDict[BlockHash, None] = attrs.field(factory=OrderedDict, init=False)
     _b2: OrderedDict[BlockHash, None] = attrs.field(factory=OrderedDict, init=False)
     _p: float = attrs.field(default=0.0, init=False)
@@ -82,10 +84,16 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
-        if block in self._hash_of:
+        hash_of = self._hash_of
+        if not -1 < block < len(hash_of):
+            if block < 0:
+                raise bad_id(self, block)
+            hash_of.extend([None] * (block + 1 - len(hash_of) + (len(hash_of) >> 3)))
+        elif hash_of[block] is not None:
             raise already_tracked(self, block)
-        self._learn(len(self._hash_of) + 1)
-        self._hash_of[block] = block_hash
+        self._tracked += 1
+        self._learn(self._tracked)
+        hash_of[block] = block_hash
         if block_hash in self._b1:
             self._p = min(self.c, self._p + max(1.0, len(self._b2) / len(self._b1)))
             del self._b1[block_hash]
@@ -96,26 +104,25 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             self._t2.add(block)
         else:
             self._t1.add(block)
-            self._in_t1.add(block)
         self._trim_ghosts()
 
     @override
     def on_access(self, block: BlockId) -> None:
-        if block in self._in_t1:
-            self._in_t1.remove(block)
+        if block in self._t1:
             self._t2.add(block, pinned=self._t1.remove(block))
-        elif block in self._hash_of:
+        elif block in self._t2:
             self._t2.touch(block)
         else:
             raise not_tracked(self, block)
 
     @override
     def on_remove(self, block: BlockId) -> None:
-        block_hash = self._hash_of.pop(block, None)
+        block_hash = self._hash(block)
         if block_hash is None:
             raise not_tracked(self, block)
-        if block in self._in_t1:
-            self._in_t1.remove(block)
+        self._hash_of[block] = None
+        self._tracked -= 1
+        if block in self._t1:
             self._t1.remove(block)
             self._b1[block_hash] = None
         else:
@@ -146,18 +153,19 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
 
     @override
     def __len__(self) -> int:
-        return len(self._hash_of)
+        return self._tracked
 
     @override
     def check_invariants(self) -> None:
         c = self.c
         t1, t2 = set(self._t1.in_order()), set(self._t2.in_order())
         assert not t1 & t2, "a block is in both T1 and T2"
-        assert t1 | t2 == self._hash_of.keys(), "T1 and T2 do not hold exactly the tracked blocks"
-        assert t1 == self._in_t1, "the T1 membership set drifted"
+        hashes = {b: h for b, h in enumerate(self._hash_of) if h is not None}
+        assert t1 | t2 == hashes.keys(), "T1 and T2 do not hold exactly the tracked blocks"
+        assert len(hashes) == self._tracked, f"{self._tracked} counted, {len(hashes)} tracked"
         self._check_pins()
         assert not self._b1.keys() & self._b2.keys(), "a hash is in both B1 and B2"
-        tracked = set(self._hash_of.values())
+        tracked = set(hashes.values())
         ghosts = self._b1.keys() | self._b2.keys()
         assert not tracked & ghosts, f"ghosts hold tracked hashes {tracked & ghosts}"
         assert 0 <= self._p <= c, f"p={self._p} outside [0, {c}]"
@@ -167,11 +175,16 @@ class ARCPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
 
     @override
     def _queue_of(self, block: BlockId) -> ParkingQueue:
-        if block in self._in_t1:
+        if block in self._t1:
             return self._t1
-        if block in self._hash_of:
+        if block in self._t2:
             return self._t2
         raise not_tracked(self, block)
+
+    def _hash(self, block: BlockId) -> BlockHash | None:
+        """A tracked block's hash, else ``None`` (any other value too)."""
+        hash_of = self._hash_of
+        return hash_of[block] if block.__class__ is int and -1 < block < len(hash_of) else None
 
     @override
     def _queues(self) -> Iterator[ParkingQueue]:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._common import already_tracked, check_count, not_tracked
+from kvkit.backends.eviction._common import already_tracked, bad_id, check_count, not_tracked
 from kvkit.backends.eviction._queue import ParkingQueue, QueuedPins
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
@@ -49,6 +49,8 @@ class LFUPolicy(QueuedPins, EvictionPolicy):
                   parent: BlockHash | None) -> None:
         if block in self._freq:
             raise already_tracked(self, block)
+        if block < 0:  # its queue's flat state would refuse it after this policy's own maps changed
+            raise bad_id(self, block)
         if 1 not in self._buckets:
             self._add_bucket(1, below=None)  # 1 is the least possible frequency
         self._freq[block] = 1

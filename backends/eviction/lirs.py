@@ -12,6 +12,7 @@ from typing_extensions import override
 from kvkit.backends.eviction._common import (
     LearnsCapacity,
     already_tracked,
+    bad_id,
     check_count,
     define_policy,
     not_tracked,
@@ -113,6 +114,8 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
                   parent: BlockHash | None) -> None:
         if block in self._hash_of:
             raise already_tracked(self, block)
+        if block < 0:  # its queue's flat state would refuse it after this policy's own maps changed
+            raise bad_id(self, block)
         rising = self.capacity is None and len(self._hash_of) >= self.c
         self._learn(len(self._hash_of) + 1)
         self._hash_of[block] = block_hash

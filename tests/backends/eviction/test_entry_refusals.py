@@ -29,6 +29,18 @@ def test_a_victim_count_beyond_any_pool_is_refused(name, n):
     policy.check_invariants()
 
 
+@pytest.mark.parametrize("name", ["fifo", "lru", "lfu", "arc", "lirs"])
+def test_a_negative_block_id_is_refused_by_a_policy_with_flat_per_block_state(name):
+    """Flat state is indexed by id: -1 would name the last slot, so it is refused, quoted, nothing changed."""
+    policy = _make(name)
+    policy.on_insert(0, 100, None)
+    with pytest.raises(PoolUsageError, match=r"block ids are ints >= 0, got -1"):
+        policy.on_insert(-1, 101, None)
+    assert len(policy) == 1
+    policy.check_invariants()
+    assert policy.select_victims(1, lambda b: True) == [0]
+
+
 def test_adaptive_refuses_experts_that_need_arguments():
     """An expert factory that cannot be called bare (``opt`` needs the future) is a ConfigError naming it."""
     with pytest.raises(ConfigError, match=r"experts must be factories callable with no arguments.*OptimalPolicy"):
