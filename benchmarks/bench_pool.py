@@ -318,7 +318,7 @@ def main() -> None:
         return
     for key, value in result.items():
         print(f"{key:>18}: {value}")
-    print(f"{'target':>18}: ratio <= 3.0 -> {'met' if result['ratio'] <= 3.0 else 'MISSED'}")
+    print(f"{'target':>18}: ratio <= 2.5 -> {'met' if result['ratio'] <= 2.5 else 'MISSED'}")
 
 
 if __name__ == "__main__":
