@@ -74,11 +74,15 @@ __all__ = [
     "RELOADED_TOKENS_KEY",
     "VLLM_LAYOUTS",
     "ConnectorSettings",
+    "KVKitCachePolicy",
     "KVKitConnector",
     "KVKitMetadata",
+    "KVKitSecondaryTier",
     "KVKitWorkerMetadata",
+    "cache_policy_class",
     "check_vllm_version",
     "connector_settings",
+    "tier_key_prefix",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, {
@@ -95,4 +99,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "KVKitWorkerMetadata": "kvkit.integrations.vllm.connector:KVKitWorkerMetadata",
     "check_vllm_version": "kvkit.integrations.vllm.connector:check_vllm_version",
     "connector_settings": "kvkit.integrations.vllm.connector:connector_settings",
+    "KVKitCachePolicy": "kvkit.integrations.vllm.cache_policy:KVKitCachePolicy",
+    "cache_policy_class": "kvkit.integrations.vllm.cache_policy:cache_policy_class",
+    "KVKitSecondaryTier": "kvkit.integrations.vllm.tier:KVKitSecondaryTier",
+    "tier_key_prefix": "kvkit.integrations.vllm.tier:tier_key_prefix",
 })
