@@ -30,7 +30,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvkit.errors import ConfigError
+from kvkit.errors import ConfigError, KVKitError
 from kvkit.integrations.vllm import KVKitCachePolicy, KVKitSecondaryTier, cache_policy_class, tier_key_prefix
 from kvkit.registry import EVICTION
 
@@ -261,14 +261,27 @@ def _round_trip(manager, tier) -> None:
     _settle(manager, tier, lambda: not manager.has_pending_work())
 
 
-def test_a_disk_store_tier_cascades_and_promotes_under_vllms_tiering_manager(tmp_path):
+def test_a_disk_store_tier_cascades_and_promotes_under_vllms_tiering_manager(tmp_path, caplog):
     manager, tier = _tiering({"url": f"file://{tmp_path}/kv", "capacity_bytes": "1MiB"}, engine="disk")
     try:
         assert tier.locality is None and tier.medium.value == "STORAGE"
         _round_trip(manager, tier)
     finally:
         manager.shutdown()
-    assert tier.store.closed if hasattr(tier.store, "closed") else True
+    with pytest.raises(KVKitError):  # the tier closed the store it opened
+        tier.store.contains([tier.store_key(_key(1))])
+    assert "Failed to close mmap_obj" not in caplog.text  # nor holds the primary's memory past shutdown
+
+
+def test_the_cpu_platform_refuses_the_offloading_worker():
+    """Why the tests stand in for the worker: vLLM builds none on this platform."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike() or current_platform.is_xpu():
+        pytest.skip("this platform runs vLLM's offloading worker")
+    spec = TieringOffloadingSpec(_config({"cpu_bytes_to_use": CHUNK_BYTES}, engine="worker"))
+    with pytest.raises(Exception, match="only supported on CUDA-alike and XPU GPUs"):  # vLLM raises a bare Exception
+        spec.get_worker(kv_caches=None)
 
 
 def test_a_valkey_store_tier_cascades_and_promotes_under_vllms_tiering_manager():

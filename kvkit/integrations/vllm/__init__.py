@@ -56,8 +56,11 @@ Its modules: ``connector`` (the class vLLM builds), ``scheduler`` and
 ``worker`` (the two halves), ``settings`` (the extra config), ``gpu_pool``
 (vLLM's GPU pool as a block allocator), ``metrics`` (stats, Prometheus and
 KV events), ``version`` (the supported range) and ``plugin`` (the
-``vllm.general_plugins`` entry point). Importing this package imports no
-vLLM; the first public name read imports the connector, which checks vLLM's
+``vllm.general_plugins`` entry point). Two more plug kvkit into vLLM's own
+``OffloadingConnector`` instead: ``cache_policy`` (a kvkit eviction policy as
+its ``CachePolicy``) and ``tier`` (a kvkit block store as a secondary tier of
+its ``TieringOffloadingSpec``). Importing this package imports no vLLM; the
+first public name read imports the module defining it, which checks vLLM's
 version before anything else of vLLM's.
 """
 
