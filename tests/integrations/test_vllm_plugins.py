@@ -27,12 +27,14 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.integrations.vllm import KVKitCachePolicy, KVKitSecondaryTier, cache_policy_class, tier_key_prefix
 from kvkit.registry import EVICTION
+from kvkit.testing import EvictionPolicyContract, FIFOContract, LRUContract
 
 POLICY_MODULE = "kvkit.integrations.vllm.cache_policy"
 TIER_MODULE = "kvkit.integrations.vllm.tier"
@@ -178,6 +180,91 @@ def test_touch_and_reuse_reach_the_kvkit_policy_as_hits():
     manager.complete_load([_key(3)], reader)
     manager.on_request_finished(reader)  # reused 3: the LRU order is now 1, 4, 3
     assert manager.prepare_store([_key(5)], ctx).evicted_keys == [_key(1)]
+
+
+class _ThroughVllm:
+    """A kvkit ``EvictionPolicy`` whose every call goes through the ``CachePolicy`` adapter as vLLM's manager
+    makes it: ``on_pin``/``on_unpin`` are a load's ``ref_cnt`` 0 -> 1 -> 0 with ``mark_non_evictable`` /
+    ``mark_evictable``, a selection is ``evict(n, protected)`` with the blocks the driver may not evict
+    protected (the adapter removes its victims at once; the driver's ``on_remove`` then finds them gone).
+    Chain parents do not pass: vLLM's ``CachePolicy`` has no way to carry them."""
+
+    def __init__(self, name: str) -> None:
+        self.adapter = cache_policy_class(name)(cache_capacity=EvictionPolicyContract.max_blocks)
+        self.keys: dict[int, bytes] = {}
+        self.evicted: set[int] = set()
+
+    def on_insert(self, block, block_hash, parent) -> None:
+        chunk = ChunkStatus(block)
+        chunk.ref_cnt = 0  # stored and idle, as a completed store leaves it
+        self.keys[block] = block_hash.to_bytes(8, "big")
+        self.adapter.insert(self.keys[block], chunk)
+
+    def on_access(self, block) -> None:
+        self.adapter.touch([self.keys[block]], ReqContext("contract"))
+
+    def on_remove(self, block) -> None:
+        key = self.keys.pop(block)
+        if block in self.evicted:
+            self.evicted.remove(block)
+        else:
+            self.adapter.remove(key)
+
+    def select_victims(self, n, is_evictable):
+        protected = {key for block, key in self.keys.items() if not is_evictable(block)}
+        evicted = self.adapter.evict(n, protected)
+        if evicted is None:
+            return None
+        victims = [chunk.chunk_id for _, chunk in evicted]
+        self.evicted.update(victims)
+        return victims
+
+    def on_pin(self, block) -> None:
+        self.adapter.get(self.keys[block]).ref_cnt = 1
+        self.adapter.mark_non_evictable(self.keys[block])
+
+    def on_unpin(self, block) -> None:
+        self.adapter.get(self.keys[block]).ref_cnt = 0
+        self.adapter.mark_evictable(self.keys[block])
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def check_invariants(self) -> None:
+        assert not self.evicted, self.evicted  # the driver removed every victim
+        self.adapter.check_invariants()
+
+
+class _LRUThroughVllm(LRUContract):
+    def make_policy(self):
+        return _ThroughVllm("lru")
+
+
+class _FIFOThroughVllm(FIFOContract):
+    def make_policy(self):
+        return _ThroughVllm("fifo")
+
+
+class _HitDensityThroughVllm(EvictionPolicyContract):
+    def make_policy(self):
+        return _ThroughVllm("hit-density")
+
+
+class _HitDensityThroughVllmUnpinned(_HitDensityThroughVllm):
+    drive_pin_hooks = False  # pins reach the adapter only as protected keys
+
+
+class _S3FIFOThroughVllm(EvictionPolicyContract):
+    def make_policy(self):
+        return _ThroughVllm("s3fifo")
+
+
+# kvkit's eviction contract, driven through vLLM's CachePolicy calls: exact LRU and FIFO orders survive
+TestLRUThroughVllm = _LRUThroughVllm.TestCase
+TestFIFOThroughVllm = _FIFOThroughVllm.TestCase
+TestHitDensityThroughVllm = _HitDensityThroughVllm.TestCase
+TestHitDensityThroughVllmUnpinned = _HitDensityThroughVllmUnpinned.TestCase
+TestS3FIFOThroughVllm = _S3FIFOThroughVllm.TestCase
 
 
 # -- the secondary tier -------------------------------------------------------------------------
