@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvkit.errors import ConfigError, KVKitError
@@ -382,6 +383,29 @@ def test_a_valkey_store_tier_cascades_and_promotes_under_vllms_tiering_manager()
             _round_trip(manager, tier)
         finally:
             manager.shutdown()
+
+
+def test_a_dead_valkey_server_makes_misses_and_failed_cascades_never_a_hang():
+    from kvkit.testing.servers import LocalServer, server_binary_or_skip
+
+    server = LocalServer(server_binary_or_skip()).start()
+    manager, tier = _tiering({"url": server.url, "request_timeout_s": 0.3}, engine="dead")
+    try:
+        _store_through_the_primary(manager, tier, [_key(1)])
+        manager.get_stats()  # vLLM's metrics from here on
+        server.kill()
+        _store_through_the_primary(manager, tier, [_key(2)])  # settles: the cascade was reported
+        failures = {name: value for name, value in manager.get_stats().reduce().items()
+                    if name.startswith(TieringOffloadingMetrics.CASCADE_JOB_FAILURES)}
+        assert list(failures.values()) == [1], failures
+        manager.reset_cache()
+        ctx = ReqContext("reader")
+        manager.on_new_request(ctx)
+        assert _lookup_all(manager, tier, [_key(1), _key(2)], ctx) == [LookupResult.MISS] * 2
+        manager.on_request_finished(ctx)
+    finally:
+        manager.shutdown()
+        server.stop()
 
 
 def test_two_engines_of_one_model_share_chunks_and_other_models_do_not(tmp_path):
