@@ -385,6 +385,24 @@ def test_a_valkey_store_tier_cascades_and_promotes_under_vllms_tiering_manager()
             manager.shutdown()
 
 
+def test_a_reset_drains_cascades_in_flight(tmp_path):
+    """vLLM's reset_cache asks each tier to drain, then requires every job reported."""
+    manager, tier = _tiering({"url": f"file://{tmp_path}/kv", "capacity_bytes": "1MiB"}, engine="drain")
+    try:
+        keys = [_key(i) for i in range(6)]
+        ctx = ReqContext("writer")
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(keys, ctx)
+        manager.complete_store(out.keys_to_store, ctx)  # six puts queued, none polled
+        manager.on_request_finished(ctx)
+        manager.reset_cache()  # drain_jobs, then vLLM asserts no job is left
+        assert not manager.has_pending_work()
+        assert tier.store.contains([tier.store_key(key) for key in keys]) == 6  # drained, not dropped
+        tier.check_invariants()
+    finally:
+        manager.shutdown()
+
+
 def test_a_dead_valkey_server_makes_misses_and_failed_cascades_never_a_hang():
     from kvkit.testing.servers import LocalServer, server_binary_or_skip
 
