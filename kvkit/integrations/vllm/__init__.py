@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from kvkit._lazy import lazy_exports
 
+# The metrics classes come through the connector, which checks vLLM's version before importing them.
 __all__ = [
     "EXTRA_KEYS",
     "SUPPORTED_VLLM",
@@ -89,18 +90,18 @@ __all__ = [
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "EXTRA_KEYS": "kvkit.integrations.vllm.connector:EXTRA_KEYS",
-    "SUPPORTED_VLLM": "kvkit.integrations.vllm.connector:SUPPORTED_VLLM",
+    "EXTRA_KEYS": "kvkit.integrations.vllm.settings:EXTRA_KEYS",
+    "SUPPORTED_VLLM": "kvkit.integrations.vllm.version:SUPPORTED_VLLM",
     "KVKitPromMetrics": "kvkit.integrations.vllm.connector:KVKitPromMetrics",
     "KVKitStats": "kvkit.integrations.vllm.connector:KVKitStats",
-    "LOADED_TOKENS_KEY": "kvkit.integrations.vllm.connector:LOADED_TOKENS_KEY",
-    "RELOADED_TOKENS_KEY": "kvkit.integrations.vllm.connector:RELOADED_TOKENS_KEY",
-    "VLLM_LAYOUTS": "kvkit.integrations.vllm.connector:VLLM_LAYOUTS",
-    "ConnectorSettings": "kvkit.integrations.vllm.connector:ConnectorSettings",
+    "LOADED_TOKENS_KEY": "kvkit.integrations.vllm.scheduler:LOADED_TOKENS_KEY",
+    "RELOADED_TOKENS_KEY": "kvkit.integrations.vllm.scheduler:RELOADED_TOKENS_KEY",
+    "VLLM_LAYOUTS": "kvkit.integrations.vllm.worker:VLLM_LAYOUTS",
+    "ConnectorSettings": "kvkit.integrations.vllm.settings:ConnectorSettings",
     "KVKitConnector": "kvkit.integrations.vllm.connector:KVKitConnector",
     "KVKitMetadata": "kvkit.integrations.vllm.connector:KVKitMetadata",
     "KVKitWorkerMetadata": "kvkit.integrations.vllm.connector:KVKitWorkerMetadata",
-    "check_vllm_version": "kvkit.integrations.vllm.connector:check_vllm_version",
+    "check_vllm_version": "kvkit.integrations.vllm.version:check_vllm_version",
     "connector_settings": "kvkit.integrations.vllm.connector:connector_settings",
     "KVKitCachePolicy": "kvkit.integrations.vllm.cache_policy:KVKitCachePolicy",
     "cache_policy_class": "kvkit.integrations.vllm.cache_policy:cache_policy_class",
