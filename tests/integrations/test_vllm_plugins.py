@@ -236,17 +236,24 @@ class _ThroughVllm:
         self.adapter.check_invariants()
 
 
-class _LRUThroughVllm(LRUContract):
+class _TrustsVllm:
+    """The contract without its refusal rules: vLLM's manager is the only caller, and vLLM's ``CachePolicy``
+    contract sets its own (``touch`` of an uncached key is allowed; counts come from the manager)."""
+
+    checks_refusals = False
+
+
+class _LRUThroughVllm(_TrustsVllm, LRUContract):
     def make_policy(self):
         return _ThroughVllm("lru")
 
 
-class _FIFOThroughVllm(FIFOContract):
+class _FIFOThroughVllm(_TrustsVllm, FIFOContract):
     def make_policy(self):
         return _ThroughVllm("fifo")
 
 
-class _HitDensityThroughVllm(EvictionPolicyContract):
+class _HitDensityThroughVllm(_TrustsVllm, EvictionPolicyContract):
     def make_policy(self):
         return _ThroughVllm("hit-density")
 
@@ -255,7 +262,7 @@ class _HitDensityThroughVllmUnpinned(_HitDensityThroughVllm):
     drive_pin_hooks = False  # pins reach the adapter only as protected keys
 
 
-class _S3FIFOThroughVllm(EvictionPolicyContract):
+class _S3FIFOThroughVllm(_TrustsVllm, EvictionPolicyContract):
     def make_policy(self):
         return _ThroughVllm("s3fifo")
 
