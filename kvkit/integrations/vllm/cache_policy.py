@@ -86,8 +86,10 @@ class KVKitCachePolicy(CachePolicy):
         * ``_chunks`` holds exactly the cached chunks, ``_keys`` maps each
           one's ``chunk_id`` back to its key, and the kvkit policy tracks
           exactly those ids.
-        * With pin hooks, the policy's pinned blocks are exactly the cached
-          chunks whose ``ref_cnt`` is not 0.
+        * A kvkit policy with pin hooks hears ``on_pin`` when a cached
+          chunk's ``ref_cnt`` leaves 0 (or it is inserted pending) and
+          ``on_unpin`` when it returns to 0, so the chunks it may choose are
+          exactly those vLLM may evict.
     """
 
     policy_name: ClassVar[str] = DEFAULTS.cpu_eviction

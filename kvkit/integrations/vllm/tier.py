@@ -19,10 +19,10 @@ other keys of its entry are passed to :class:`KVKitSecondaryTier`::
 Rules:
 
 * The store is opened with :func:`kvkit.shared.open_block_store` from
-  ``url``; every other key of the entry but vLLM's own (``type``,
-  ``module_path``, ``backpressure``, ``tenant``, ``locality``) is an option
-  of the store (``capacity_bytes``, ``request_timeout_s``...), as are the
-  URL's query parameters. A new store belongs to the tier, which closes it
+  ``url``; every key of the entry but vLLM's (``type``, ``module_path``,
+  ``backpressure``) and the tier's (``url``, ``tenant``, ``locality``) is an
+  option of the store (``capacity_bytes``, ``request_timeout_s``...), as are
+  the URL's query parameters. A new store belongs to the tier, which closes it
   at ``shutdown``; a ``memory://NAME`` store belongs to the process.
 * One value per chunk: the primary tier's row of that chunk (every
   worker's bytes, as vLLM lays them out), under the key
