@@ -6,7 +6,8 @@ here. Everything above the worker is vLLM's: ``CPUOffloadingManager`` drives the
 and ``TieringOffloadingSpec.get_manager`` builds the CPU primary tier (over its shared-memory
 region) and loads the secondary tier by module path, as an engine's scheduler does. The tests
 stand in for the GPU<->CPU worker only: they write a chunk's bytes into the primary tier's row
-where a store would have copied them, and read them back where a load would have.
+where a store would have copied them, and read them back where a load would have. kvkit's
+eviction contract also drives the policy adapter through the calls vLLM's manager makes.
 """
 
 import os
