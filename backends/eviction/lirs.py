@@ -15,6 +15,7 @@ from kvkit.backends.eviction._common import (
     bad_id,
     check_count,
     define_policy,
+    hash_already_tracked,
     not_tracked,
 )
 from kvkit.backends.eviction._queue import ParkingQueue, QueuedPins
@@ -116,6 +117,9 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             raise already_tracked(self, block)
         if block < 0:  # its queue's flat state would refuse it after this policy's own maps changed
             raise bad_id(self, block)
+        holder = self._block_of.get(block_hash)
+        if holder is not None:
+            raise hash_already_tracked(self, block, block_hash, holder)
         rising = self.capacity is None and len(self._hash_of) >= self.c
         self._learn(len(self._hash_of) + 1)
         self._hash_of[block] = block_hash
