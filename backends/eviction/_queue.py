@@ -441,8 +441,7 @@ class ParkingQueue:
         slots = self._slots
         states = slots.state
         base = self._base
-        part = states[block] - base if block.__class__ is int and -1 < block < len(states) else -1
-        if part != _PARKED:
+        if block.__class__ is not int or not -1 < block < len(states) or states[block] != base | _PARKED:
             if self._part(block) != _ABSENT:
                 raise pin_mismatch(self._who(), block, pinned=False)
             raise not_tracked(self._who(), block)
@@ -451,7 +450,15 @@ class ParkingQueue:
         tail = self._tail
         if stamp > self._edge and (tail == _NIL or stamp > stamps[tail]):
             states[block] = base | _MAIN  # the youngest unpinned block: its place is the list's end
-            self._link(block)
+            slots.prev[block] = tail  # _link, inlined: the release of a block in order is the hot path
+            slots.next[block] = _NIL
+            if tail == _NIL:
+                self._head = block
+            else:
+                slots.next[tail] = block
+            self._tail = block
+            if self._cut == _NIL:
+                self._cut = block
             if self._count < self._size:
                 self._settle()
             return
