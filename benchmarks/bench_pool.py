@@ -13,7 +13,8 @@ as a manager's steps store them), then evicts a quarter of it (allocate,
 commit under new hashes, release), and reports
 the process's resident-set growth over its state right before, divided by
 the pool size: every per-block structure of the pool and its policy
-(ghosts of the evicted quarter included), and the hash objects. Sides:
+(ghosts of the evicted quarter included); the hash objects are made before
+the measurement starts, as a caller holds them, on both sides. Sides:
 kvkit's pool with each ``--policies`` policy, and, where vLLM imports, the
 seed's CPU-tier structure (vLLM's ``BlockPool``, whose blocks its simple
 offload scheduler uses as the CPU tier) filled the same way, its hashes
