@@ -41,7 +41,7 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.eviction._common import already_tracked, any_block, bad_id, not_tracked, pin_mismatch
-from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.interfaces.types import BlockId
 
 __all__ = ["ParkingQueue", "QueuedPins", "Slots"]
 
@@ -320,11 +320,9 @@ class ParkingQueue:
 
     # -- membership ------------------------------------------------------------
 
-    def add(self, block: BlockId, block_hash: BlockHash | None = None, parent: BlockHash | None = None, *,
-            pinned: bool = False) -> None:
-        """Enter ``block`` at the young end; pinned, it is parked at once (the hash and parent are unused).
+    def add(self, block: BlockId, pinned: bool = False) -> None:
+        """Enter ``block`` at the young end; pinned, it is parked at once.
 
-        Its signature is ``on_insert``'s, so a policy that is one queue takes it as that hook.
         An unpinned block past the watched window is linked by the next call
         that needs the list (a pool pins a block right after inserting it:
         then it never is).

@@ -10,7 +10,7 @@ from typing_extensions import override
 from kvkit.backends.eviction._common import check_count, not_tracked
 from kvkit.backends.eviction._queue import ParkingQueue
 from kvkit.interfaces.eviction import EvictionPolicy
-from kvkit.interfaces.types import BlockId
+from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["FIFOPolicy"]
 
@@ -35,7 +35,11 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
     on_pin = ParkingQueue.pin
     on_unpin = ParkingQueue.unpin
     on_remove = ParkingQueue.remove  # type: ignore[assignment]  # returns whether it was pinned; the pool ignores it
-    on_insert = ParkingQueue.add  # raises PoolUsageError for a tracked block
+
+    @override
+    def on_insert(self, block: BlockId, block_hash: BlockHash,
+                  parent: BlockHash | None) -> None:
+        self.add(block)  # refuses a tracked block
 
     @override
     def on_access(self, block: BlockId) -> None:

@@ -43,7 +43,7 @@ def test_blocks_released_out_of_order_come_back_in_entry_order_past_a_chunk():
     queue = ParkingQueue()
     n = 5 * _CHUNK
     for b in range(n):
-        queue.add(b, pinned=True)
+        queue.add(b, True)  # positional, as hit density's chain index calls it
     released = rng.sample(range(n), n - 10)
     for b in released:
         queue.unpin(b)
