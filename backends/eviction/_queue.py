@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from kvkit.backends.eviction._common import already_tracked, any_block, bad_id, not_tracked, pin_mismatch
 from kvkit.interfaces.types import BlockId
+from kvkit.validate import plural
 
 __all__ = ["ParkingQueue", "QueuedPins", "Slots"]
 
@@ -612,11 +613,11 @@ class ParkingQueue:
         assert keys == sorted(set(keys)), "back list out of order"
         for key in keys:
             assert self._part(key & _MASK) == _BACK and slots.stamp[key & _MASK] == key >> _SHIFT, \
-                f"back key {key} names no back block"
+                f"side-list key {key!r}: its block is not in the side list under that stamp"
         parked, back = self._blocks(_PARKED), self._blocks(_BACK)
         assert len(back) == len(keys), "back maps disagree"
         main = self._blocks(_MAIN)
-        assert len(main) == len(listed), f"{len(main)} blocks in the list state, {len(listed)} listed"
+        assert len(main) == len(listed), f"{plural(len(main), 'block')} in the list state, {len(listed)} listed"
         assert len(main) + len(parked) + len(back) == self._len, "a block is in two parts of the queue"
         every = [*stamps, *(slots.stamp[b] for b in parked), *(k >> _SHIFT for k in keys)]
         assert len(set(every)) == len(every), "a stamp is shared"
