@@ -310,13 +310,41 @@ def test_async_loads_let_other_requests_run_while_a_hit_lands(tiny_llama, refere
 
 def test_the_seeds_config_keys_serve_with_identical_tokens(tiny_llama, reference):
     """SimpleCPUOffloadConnector's keys (total bytes over the world, per rank, lazy_offload) size and run kvkit."""
-    seed = {"cpu_bytes_to_use": "4MiB", "cpu_bytes_to_use_per_rank": "4MiB", "lazy_offload": False}
+    seed = {"cpu_bytes_to_use": "4MiB", "cpu_bytes_to_use_per_rank": "4MiB", "lazy_offload": False,
+            "kv_offload_backend": "cpu"}
     with engine(tiny_llama, extra_config=seed) as llm:
         sched, _ = connectors(llm)
         assert sched.settings.num_cpu_blocks == sched.manager.kv.blocks_for(4 << 20)
+        assert sched.settings.stack.shared is None
         turns = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
         assert [t.outputs for t in turns] == [t.outputs for t in reference]
         assert all(t.kvkit_loaded_tokens > 0 for t in turns[1:])
+
+
+@pytest.mark.timeout(240)
+def test_the_seeds_disk_backend_serves_and_a_consumer_loads_it_without_storing(tiny_llama, reference, tmp_path):
+    """Only the seed's keys with its disk backend: identical tokens, blocks on disk; then a kv_consumer engine
+    gets them back from that disk with identical tokens and stores nothing, to its CPU tier or the disk."""
+    disk = tmp_path / "kv"
+    seed = {"cpu_bytes_to_use": "4MiB", "lazy_offload": False, "kv_offload_backend": "disk",
+            "disk_path": str(disk), "disk_capacity_bytes": 64 << 20, "disk_buffer_slots": 2, "use_page_cache": False}
+    with engine(tiny_llama, extra_config=seed) as llm:
+        first = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
+        sched, _ = connectors(llm)
+        assert sched.stats.blocks_put.value > 0
+        assert_nothing_held(llm)
+    written = {p: p.stat().st_mtime_ns for p in disk.rglob("*.kvb")}
+    assert written and first[1].kvkit_loaded_tokens > 0
+    with engine(tiny_llama, extra_config=seed, kv_role="kv_consumer") as llm:
+        second = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
+        sched, _ = connectors(llm)
+        assert sched.settings.stack.store == "never"
+        assert second[0].kvkit_loaded_tokens > 0 and sched.stats.shared_hit_tokens.value > 0
+        assert sched.stats.blocks_stored.value == sched.stats.blocks_put.value == 0
+        assert_nothing_held(llm)
+    assert {p: p.stat().st_mtime_ns for p in disk.rglob("*.kvb")} == written
+    assert [t.outputs for t in first] == [t.outputs for t in reference]
+    assert [t.outputs for t in second] == [t.outputs for t in reference]
 
 
 @contextmanager

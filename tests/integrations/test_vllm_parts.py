@@ -151,8 +151,24 @@ def test_the_seeds_capacity_keys_size_each_worker(extra, per_worker):
     assert s.num_cpu_blocks == per_worker
 
 
+def test_a_per_rank_size_wins_over_a_disagreeing_total_with_a_warning():
+    """As in the seed: ``cpu_bytes_to_use_per_rank`` sizes each worker, and the other total is warned about."""
+    extra = {"cpu_bytes_to_use": 16 * SPEC.bytes_per_block, "cpu_bytes_to_use_per_rank": 4 * SPEC.bytes_per_block}
+    with pytest.warns(UserWarning, match=r"cpu_bytes_to_use_per_rank=.* != cpu_bytes_to_use=.*per-rank value"):
+        s = parse_extra_config(extra, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=2, device="cpu")
+    assert s.num_cpu_blocks == 4
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_an_empty_config_gets_the_seeds_8_gib_over_all_ranks(world_size):
+    """No key sizes the tier: 8 GiB in total, as the seed's default, the CPU backend, and kv_both."""
+    for extra in (None, {}):
+        s = parse_extra_config(extra, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=world_size, device="cpu")
+        assert s.num_cpu_blocks == SPEC.blocks_for((8 << 30) // world_size)
+        assert s.stack.shared is None and s.stack.store == DEFAULTS.store
+
+
 @pytest.mark.parametrize(("extra", "needles"), [
-    ({"cpu_bytes_to_use": "8MiB", "cpu_bytes_to_use_per_rank": "8MiB"}, ["disagree", "total over 2 workers"]),
     ({"cpu_bytes": "1MiB", "cpu_bytes_to_use": "8MiB"}, ["disagree", "'1MiB'", "'8MiB'"]),
     ({"cpu_blocks": 4, "cpu_bytes_to_use": "8MiB"}, ["cpu_blocks=4", "give cpu_blocks or bytes"]),
     ({"cpu_bytes_to_use": "lots"}, ["'lots'"]),
@@ -177,10 +193,67 @@ def test_lazy_offload_picks_the_write_back_store():
     assert settings(lazy_offload=False, store="selective").stack.store == "selective"
 
 
-def test_the_capacity_is_required():
-    """Without ``cpu_bytes`` or ``cpu_blocks`` the config is refused with a hint."""
-    with pytest.raises(ConfigError, match="cpu_bytes"):
-        settings(cpu_blocks=None)
+def test_the_disk_backend_puts_kvkits_disk_store_behind_the_cpu_tier(tmp_path):
+    """``kv_offload_backend: disk`` and the seed's disk keys give a write-through disk store as the shared tier."""
+    from kvkit.shared.urls import open_block_store
+
+    extra = {"kv_offload_backend": "disk", "disk_path": str(tmp_path / "kv"), "disk_capacity_bytes": "64MiB",
+             "disk_buffer_slots": 3, "use_page_cache": True}
+    s = settings(**extra)
+    assert s.stack.shared.write == "write-through"
+    store = open_block_store(s.stack.shared.url)
+    assert (store.path, store.capacity_bytes, store.threads, store.page_cache) == (tmp_path / "kv", 64 << 20, 3, True)
+    store.close()
+    default = open_block_store(settings(kv_offload_backend="disk", disk_path=str(tmp_path / "d")).stack.shared.url)
+    assert (default.capacity_bytes, default.threads, default.page_cache) == (100 << 30, 2, False)  # the seed's
+    default.close()
+
+
+def test_the_cpu_backend_ignores_the_disk_keys_with_a_warning(tmp_path):
+    """As in the seed: under ``kv_offload_backend: cpu`` the disk keys are named in a warning and unused."""
+    with pytest.warns(UserWarning, match="ignoring the disk backend's disk_path, use_page_cache"):
+        s = settings(kv_offload_backend="cpu", disk_path=str(tmp_path), use_page_cache=True)
+    assert s.stack.shared is None
+
+
+@pytest.mark.parametrize(("extra", "needles"), [
+    ({"kv_offload_backend": "nvme"}, ["['kv_offload_backend']='nvme'", "'cpu' or 'disk'"]),
+    ({"kv_offload_backend": "disk"}, ["['disk_path']=None", "needs a directory path"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "disk_capacity_bytes": 0}, ["=0", "above 0"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "disk_capacity_bytes": "much"}, ["'much'"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "disk_buffer_slots": 0}, ["disk_buffer_slots", "0"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "use_page_cache": "no"}, ["use_page_cache", "'no'"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "shared": "memory://"},
+     ["kv_offload_backend='disk' and shared='memory://'", "give one of them"]),
+])
+def test_bad_disk_backend_keys_are_refused_quoting_the_value(extra, needles):
+    """Each bad seed backend key is one problem of one ConfigError, quoting the value."""
+    with pytest.raises(ConfigError) as info:
+        settings(**extra)
+    assert len(info.value.problems) == 1, info.value.problems
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(("role", "store"), [("kv_both", DEFAULTS.store), ("kv_producer", DEFAULTS.store),
+                                             ("kv_consumer", "never")])
+def test_a_consumer_never_stores_and_the_other_roles_keep_the_store_policy(role, store):
+    """vLLM's kv_role: a consumer's store policy is ``never``; producers and kv_both keep theirs."""
+    s = parse_extra_config({"cpu_blocks": 8}, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=1, device="cpu",
+                           role=role)
+    assert s.stack.store == store
+
+
+@pytest.mark.parametrize(("extra", "needle"), [({"store": "eager"}, "store='eager'"),
+                                               ({"lazy_offload": True}, "lazy_offload=True")])
+def test_a_consumer_told_to_store_is_refused(extra, needle):
+    """A store policy that stores contradicts kv_consumer: one problem, quoting it; an unknown role is refused."""
+    with pytest.raises(ConfigError) as info:
+        parse_extra_config({"cpu_blocks": 8, **extra}, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=1,
+                           device="cpu", role="kv_consumer")
+    assert len(info.value.problems) == 1 and needle in str(info.value) and "kv_consumer" in str(info.value)
+    with pytest.raises(ConfigError, match="kv_role='kv_reader'"):
+        parse_extra_config({}, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=1, device="cpu", role="kv_reader")
 
 
 def _attention(name="FullAttentionSpec", block_size=BS, **fields):

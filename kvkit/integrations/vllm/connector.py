@@ -130,7 +130,8 @@ def connector_settings(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     return parse_extra_config(
         vllm_config.kv_transfer_config.kv_connector_extra_config,
         kv=kv_spec_from_vllm(kv_cache_config), gpu_blocks=max(1, kv_cache_config.num_blocks),
-        world_size=parallel.tensor_parallel_size, device=_device(), model=_model_identity(vllm_config))
+        world_size=parallel.tensor_parallel_size, device=_device(), model=_model_identity(vllm_config),
+        role=vllm_config.kv_transfer_config.kv_role)
 
 
 def _model_identity(vllm_config: VllmConfig) -> str:
