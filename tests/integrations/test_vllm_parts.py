@@ -9,6 +9,7 @@ as vLLM's hybrid allocator does). The end-to-end tests with a real vLLM are
 in ``test_vllm.py``.
 """
 
+import threading
 from types import SimpleNamespace
 
 import attrs
@@ -440,10 +441,19 @@ def _step(sides, scheduled=(), new_blocks=(), preempted=()):
         r.num_computed_tokens += n
     sides.worker.load(order)
     sides.worker.after_forward(order)
-    if sides.device == "cuda":
-        torch.cuda.synchronize()  # the step's stores are done: the next poll reports them
+    _land(sides, order)
     sides.sched.completed(sides.worker.take_results())
     return order
+
+
+def _land(sides, order):
+    """The step's copies landed, so the next poll reports them: on CUDA its stream synchronised, on the
+    host the torch backend's thread ran them (waited for by polling; results stay for the worker's poll)."""
+    if sides.device == "cuda":
+        torch.cuda.synchronize()
+        return
+    for engine in sides.worker.engines:
+        engine.wait({tid for tid, _ in (*order.plan.loads, *order.plan.stores)})
 
 
 def _admit(sides, name, num_tokens, blocks, hit=0, prefix=b""):
@@ -559,6 +569,7 @@ def test_a_store_source_stays_referenced_until_its_copy_is_reported():
     assert min(sides.pool.refs([1, 2])) >= 1 and sides.pool.get_num_free_blocks() == NUM_GPU_BLOCKS - 3
     sides.worker.load(order)
     sides.worker.after_forward(order)
+    _land(sides, order)
     sides.sched.completed(sides.worker.take_results())
     _assert_idle(sides)
 
@@ -659,8 +670,7 @@ def test_an_async_load_is_received_once_it_landed_while_the_step_ran_without_it(
     c.num_computed_tokens = c.num_tokens
     sides.worker.load(order)  # after the forward pass was launched
     sides.worker.after_forward(order)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    _land(sides, order)
     assert sides.worker.take_received() == {"b"} and sides.worker.take_received() is None
     assert _blocks(sides, [7, 5, 9]) == stored and sides.worker.take_load_errors() == set()
     sides.sched.completed(sides.worker.take_results())
@@ -668,6 +678,39 @@ def test_an_async_load_is_received_once_it_landed_while_the_step_ran_without_it(
     _step(sides, [(b, 2), (c, 1)])
     _finish(sides, b, [[7, 5, 9, 10]])
     _finish(sides, c, [[11, 6]])
+    _assert_idle(sides)
+
+
+def test_on_the_host_async_loads_and_stores_run_while_the_worker_goes_on(monkeypatch):
+    """On the CPU platform the torch backend copies on its thread: ``load`` and ``after_forward`` return while
+    the step's asynchronous load and its stores are held, nothing is received or reported before they land,
+    and the bytes are the stored ones once they did."""
+    sides = _sides(async_load=True)
+    (engine,) = sides.worker.engines
+    assert engine.copy.host_thread
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    _step(sides, [(a, a.num_tokens)])
+    stored = _blocks(sides, [1, 2, 3])
+    _finish(sides, a, [[1, 2, 3, 4]])
+    b = _admit(sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)
+    c = _admit(sides, "c", 2 * BS + 1, [[11, 6, 8]], prefix=b"c")  # another prompt: its blocks are new
+    gate, copy = threading.Event(), engine.copy._copy_host
+    monkeypatch.setattr(engine.copy, "_copy_host", lambda plan, stages: (gate.wait(10), copy(plan, stages)))
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"c": c.num_tokens})
+    c.num_computed_tokens = c.num_tokens
+    sides.worker.load(order)
+    sides.worker.after_forward(order)  # c's two full blocks are stored
+    assert order.receiving == ("b",) and len(order.plan.stores) == 1
+    assert sides.worker.take_received() is None and sides.worker.take_results() == ()
+    assert sides.worker.num_in_flight == 2
+    gate.set()
+    _land(sides, order)
+    assert sides.worker.take_received() == {"b"} and _blocks(sides, [7, 5, 9]) == stored
+    sides.sched.completed(sides.worker.take_results())
+    sides.sched.allocated(b, [[7, 5, 9, 10]], 0)
+    _step(sides, [(b, 2), (c, 1)])
+    _finish(sides, b, [[7, 5, 9, 10]])
+    _finish(sides, c, [[11, 6, 8]])
     _assert_idle(sides)
 
 

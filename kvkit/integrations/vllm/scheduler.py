@@ -238,14 +238,16 @@ class SchedulerSide:
     @classmethod
     def from_settings(cls, settings: ConnectorSettings, gpu: BlockAllocator,
                       tables: Callable[[str], Sequence[Sequence[int]]], *, events: bool = False) -> SchedulerSide:
-        """A manager over ``gpu`` and a CPU pool of ``settings.num_cpu_blocks`` blocks (no copy backend here).
+        """A manager over ``gpu`` and a CPU pool of ``settings.num_cpu_blocks`` blocks (no copy backend here,
+        so the copy's ``options`` are the workers' alone).
 
         With ``events`` the CPU tier's stores and removals are logged for :meth:`take_events`.
         With a shared tier the manager looks up GPU -> CPU -> shared (every
         rank's key, one ``contains``) and plans fetches into CPU blocks and puts.
         """
         stack = settings.stack
-        parts = attrs.evolve(stack, copy=None).resolve()
+        options = {slot: kwargs for slot, kwargs in stack.options.items() if slot != "copy"}
+        parts = attrs.evolve(stack, copy=None, options=options).resolve()
         cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
         log = CpuTierEvents() if events else None
         conn = None if (layout := settings.shared_layout) is None else connect_shared(stack, layout=layout)

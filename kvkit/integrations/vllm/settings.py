@@ -17,7 +17,7 @@ from urllib.parse import quote as url_quote
 
 import attrs
 
-from kvkit.config import NAMED_SLOTS, StackConfig, name_shared_model, parse_bytes
+from kvkit.config import DEFAULTS, NAMED_SLOTS, StackConfig, name_shared_model, parse_bytes
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.registry import STORE
@@ -251,6 +251,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       layer's stores start); ``False`` loads everything before the forward pass;
     * ``layout``: ``"auto"`` (default) or a kvkit layout name.
 
+    On the CPU platform the ``torch`` copy backend runs on its background
+    thread (``options["copy"]["host_thread"]``, default ``True`` there).
+
     ``role`` is vLLM's ``kv_role`` (:data:`KV_ROLES`): ``kv_consumer`` sets
     ``store="never"`` (it loads, never stores; a ``store`` or ``lazy_offload``
     that would store is refused), ``kv_producer`` and ``kv_both`` load and store.
@@ -315,6 +318,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     elif isinstance(shared, Mapping):
         slots["shared"], wrong = _read_secret(shared)
         problems += wrong
+    slots.update(_host_thread_copy(slots, device))
     stack = None
     try:
         stack = StackConfig(kv=kv, gpu_blocks=gpu_blocks, world_size=world_size, device=device, **capacity, **slots)
@@ -462,6 +466,23 @@ def _seed_backend(extra: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list
     url = (f"file://{url_quote(os.path.abspath(path))}?capacity_bytes={capacity}"
            f"&threads={values['disk_buffer_slots']}&page_cache={page_cache}")
     return {"url": url}, []
+
+
+def _host_thread_copy(slots: Mapping[str, Any], device: str) -> dict[str, Any]:
+    """``options`` with ``{"copy": {"host_thread": True}}`` for the ``torch`` copy on the CPU platform, else nothing.
+
+    vLLM's KV and the CPU tier are both host memory there, where ``TorchCopy``
+    would copy inside ``submit``: on its background thread, asynchronous loads
+    and stores run while the worker goes on. A ``host_thread`` given in
+    ``options`` is kept; malformed ``options`` are left for ``StackConfig`` to refuse.
+    """
+    options = slots.get("options", {})
+    if device != "cpu" or slots.get("copy", DEFAULTS.copy) != "torch" or not isinstance(options, Mapping):
+        return {}
+    copy = options.get("copy", {})
+    if not isinstance(copy, Mapping):
+        return {}
+    return {"options": {**options, "copy": {"host_thread": True, **copy}}}
 
 
 def _writes_back(stack: StackConfig) -> bool:
