@@ -645,7 +645,7 @@ def test_openai_server_exposes_kvkit_metrics_and_a_1000_request_soak_holds_nothi
             again = list(pool.map(complete, prompts[:40]))
         end = _idle_metrics(base)
         assert first[:40] == again == reference  # whether kvkit served their prefix or not
-        assert end["vllm:kvkit_hit_tokens_cpu_total"] > half["vllm:kvkit_hit_tokens_cpu_total"] > 0
+        assert end["vllm:kvkit_cpu_hit_tokens_total"] > half["vllm:kvkit_cpu_hit_tokens_total"] > 0
         for name in ("blocks_stored", "bytes_loaded", "evictions_cpu", "transfer_bytes"):
             assert end[f"vllm:kvkit_{name}_total"] > 0, name
         assert "vllm:kvkit_transfer_gbps" in end
