@@ -638,7 +638,8 @@ def test_a_generation_config_kvkit_cannot_run_is_refused_and_changes_nothing(mod
     after = _state(lm, chat)
     assert before[:-1] == after[:-1] and torch.equal(before[-1], after[-1])
     turn = chat.send(second, 3, generation_config=SAMPLING)
-    assert turn.cpu_hit_tokens == len(first) // 8 * 8 and turn.gpu_hit_tokens == 0  # still served from the CPU tier
+    kept = (len(first) + 3 - 1) // 8 * 8  # the first turn's prompt and the 2 reply tokens it ran, in full blocks
+    assert turn.cpu_hit_tokens == kept and turn.gpu_hit_tokens == 0  # still served from the CPU tier
     _check_clean(lm)
 
 
