@@ -224,14 +224,15 @@ def test_the_cpu_backend_ignores_the_disk_keys_with_a_warning(tmp_path):
     ({"kv_offload_backend": "disk", "disk_path": "/x", "disk_capacity_bytes": "much"}, ["'much'"]),
     ({"kv_offload_backend": "disk", "disk_path": "/x", "disk_buffer_slots": 0}, ["disk_buffer_slots", "0"]),
     ({"kv_offload_backend": "disk", "disk_path": "/x", "use_page_cache": "no"}, ["use_page_cache", "'no'"]),
-    ({"kv_offload_backend": "disk", "disk_path": "/x", "shared": "memory://"},
-     ["kv_offload_backend='disk' and shared='memory://'", "give one of them"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "shared": "valkey://u:hunter2@h:6379/0"},
+     ["kv_offload_backend='disk' and shared both name", "give one of them"]),
 ])
 def test_bad_disk_backend_keys_are_refused_quoting_the_value(extra, needles):
-    """Each bad seed backend key is one problem of one ConfigError, quoting the value."""
+    """Each bad seed backend key is one problem of one ConfigError, quoting the value (never a password)."""
     with pytest.raises(ConfigError) as info:
         settings(**extra)
     assert len(info.value.problems) == 1, info.value.problems
+    assert "hunter2" not in str(info.value)
     for needle in needles:
         assert needle in str(info.value)
 

@@ -214,7 +214,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
                        role: str = "kv_both") -> ConnectorSettings:
     """Validate ``kv_connector_extra_config`` and turn it into settings.
 
-    Keys (all but the capacity optional):
+    Keys (all optional):
 
     * every ``StackConfig`` slot of :data:`STACK_KEYS`, with its meaning,
       default (:data:`kvkit.config.DEFAULTS`) and checks; the rest are
@@ -299,8 +299,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     problems += wrong
     if disk is not None:
         if "shared" in slots:
-            problems.append(f"{_EXTRA}: kv_offload_backend='disk' and shared={quote(slots['shared'])} both name "
-                            f"the tier behind the CPU tier; give one of them")
+            problems.append(f"{_EXTRA}: kv_offload_backend='disk' and shared both name the tier behind the CPU "
+                            f"tier; give one of them")  # shared's URL may hold a password: never shown
         else:
             slots["shared"] = disk
     capacity, wrong = _capacity(extra, world_size)
