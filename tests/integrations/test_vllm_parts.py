@@ -925,3 +925,10 @@ def test_the_shared_namespace_layout_is_derived_from_what_the_scheduler_knows(cp
     assert shared_layout(stack, layout) == expected
     assert shared_layout(settings().stack, "auto") is None  # no shared tier, no namespace
     assert settings(shared="memory://").shared_layout == "vllm-cpu"
+
+
+def test_the_torch_copy_runs_on_its_thread_on_the_cpu_platform_unless_told_so():
+    """On CPU the torch backend gets ``host_thread=True``; a given ``host_thread`` is kept."""
+    assert settings().stack.options["copy"] == {"host_thread": True}
+    kept = settings(options={"copy": {"host_thread": False}, "store": {}}).stack.options
+    assert kept["copy"] == {"host_thread": False} and kept["store"] == {}
