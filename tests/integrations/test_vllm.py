@@ -104,23 +104,33 @@ def record_orders(llm) -> list:
     return orders
 
 
+IDLE_S = 60.0
+"""How long idle steps may take to drain: on the CPU platform the copies run on the torch backend's thread,
+so how many idle steps they outlast depends on that thread's speed, not on a step count."""
+
+
+def _idle_steps(llm, done) -> bool:
+    """Step the engine (pausing a millisecond) until ``done()``, for at most :data:`IDLE_S`; whether it came."""
+    deadline = time.monotonic() + IDLE_S
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        llm.llm_engine.step()
+        time.sleep(0.001)
+    return True
+
+
 def settle(llm) -> None:
     """Step the engine until no request (nor a delayed free) is left."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    for _ in range(20):
-        if not scheduler.has_requests():
-            return
-        llm.llm_engine.step()
-    raise AssertionError("the engine still holds requests after 20 idle steps")
+    if not _idle_steps(llm, lambda: not scheduler.has_requests()):
+        raise AssertionError(f"the engine still holds requests after {IDLE_S} s of idle steps")
 
 
 def reset_prefix_cache(llm, *, connector: bool) -> None:
     """``reset_prefix_cache`` once delayed frees drained (in-process engines step only when asked)."""
-    for _ in range(20):
-        if llm.reset_prefix_cache(reset_connector=connector):
-            return
-        llm.llm_engine.step()
-    raise AssertionError("reset_prefix_cache kept failing")
+    if not _idle_steps(llm, lambda: llm.reset_prefix_cache(reset_connector=connector)):
+        raise AssertionError("reset_prefix_cache kept failing")
 
 
 def messages_for(llm, workload):
