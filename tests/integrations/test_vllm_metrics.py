@@ -105,3 +105,18 @@ def test_tier_events_decode_with_vllms_schema_chains_cut_where_parents_break():
     stored = batch.events[0]
     assert (stored.block_size, stored.token_ids, stored.lora_id, stored.locality) == (32, [], None, "LOCAL")
     assert batch.events[2].locality is None  # the shared tier's store may be anywhere
+
+
+def test_the_docs_list_every_series_outcome_and_event_field():
+    """docs/vllm.md names each gauge, each save outcome and its counter, and every field of vLLM's events."""
+    from pathlib import Path
+
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from kvkit.integrations.vllm.scheduler import GAUGES as GAUGE_NAMES
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    names = [f"vllm:kvkit_{g}" for g in GAUGE_NAMES] + [f"`{n}`" for n in NEVER_UNDER_VLLM]
+    names += [f"`{o}` = `{c}`" for o, c in SAVE_OUTCOMES.items()]
+    names += [f"`{f}`" for cls in (BlockStored, BlockRemoved) for f in cls.__struct_fields__]
+    assert [n for n in names if n not in docs] == []
