@@ -56,8 +56,11 @@ Its modules: ``connector`` (the class vLLM builds), ``scheduler`` and
 ``worker`` (the two halves), ``settings`` (the extra config), ``gpu_pool``
 (vLLM's GPU pool as a block allocator), ``metrics`` (stats, Prometheus and
 KV events), ``version`` (the supported range) and ``plugin`` (the
-``vllm.general_plugins`` entry point). Importing this package imports no
-vLLM; the first public name read imports the connector, which checks vLLM's
+``vllm.general_plugins`` entry point). Two more plug kvkit into vLLM's own
+``OffloadingConnector`` instead: ``cache_policy`` (a kvkit eviction policy as
+its ``CachePolicy``) and ``tier`` (a kvkit block store as a secondary tier of
+its ``TieringOffloadingSpec``). Importing this package imports no vLLM; the
+first public name read imports the module defining it, which checks vLLM's
 version before anything else of vLLM's.
 """
 
@@ -65,6 +68,7 @@ from __future__ import annotations
 
 from kvkit._lazy import lazy_exports
 
+# The metrics classes come through the connector, which checks vLLM's version before importing them.
 __all__ = [
     "EXTRA_KEYS",
     "SUPPORTED_VLLM",
@@ -74,25 +78,33 @@ __all__ = [
     "RELOADED_TOKENS_KEY",
     "VLLM_LAYOUTS",
     "ConnectorSettings",
+    "KVKitCachePolicy",
     "KVKitConnector",
     "KVKitMetadata",
+    "KVKitSecondaryTier",
     "KVKitWorkerMetadata",
+    "cache_policy_class",
     "check_vllm_version",
     "connector_settings",
+    "tier_key_prefix",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "EXTRA_KEYS": "kvkit.integrations.vllm.connector:EXTRA_KEYS",
-    "SUPPORTED_VLLM": "kvkit.integrations.vllm.connector:SUPPORTED_VLLM",
+    "EXTRA_KEYS": "kvkit.integrations.vllm.settings:EXTRA_KEYS",
+    "SUPPORTED_VLLM": "kvkit.integrations.vllm.version:SUPPORTED_VLLM",
     "KVKitPromMetrics": "kvkit.integrations.vllm.connector:KVKitPromMetrics",
     "KVKitStats": "kvkit.integrations.vllm.connector:KVKitStats",
-    "LOADED_TOKENS_KEY": "kvkit.integrations.vllm.connector:LOADED_TOKENS_KEY",
-    "RELOADED_TOKENS_KEY": "kvkit.integrations.vllm.connector:RELOADED_TOKENS_KEY",
-    "VLLM_LAYOUTS": "kvkit.integrations.vllm.connector:VLLM_LAYOUTS",
-    "ConnectorSettings": "kvkit.integrations.vllm.connector:ConnectorSettings",
+    "LOADED_TOKENS_KEY": "kvkit.integrations.vllm.scheduler:LOADED_TOKENS_KEY",
+    "RELOADED_TOKENS_KEY": "kvkit.integrations.vllm.scheduler:RELOADED_TOKENS_KEY",
+    "VLLM_LAYOUTS": "kvkit.integrations.vllm.worker:VLLM_LAYOUTS",
+    "ConnectorSettings": "kvkit.integrations.vllm.settings:ConnectorSettings",
     "KVKitConnector": "kvkit.integrations.vllm.connector:KVKitConnector",
     "KVKitMetadata": "kvkit.integrations.vllm.connector:KVKitMetadata",
     "KVKitWorkerMetadata": "kvkit.integrations.vllm.connector:KVKitWorkerMetadata",
-    "check_vllm_version": "kvkit.integrations.vllm.connector:check_vllm_version",
+    "check_vllm_version": "kvkit.integrations.vllm.version:check_vllm_version",
     "connector_settings": "kvkit.integrations.vllm.connector:connector_settings",
+    "KVKitCachePolicy": "kvkit.integrations.vllm.cache_policy:KVKitCachePolicy",
+    "cache_policy_class": "kvkit.integrations.vllm.cache_policy:cache_policy_class",
+    "KVKitSecondaryTier": "kvkit.integrations.vllm.tier:KVKitSecondaryTier",
+    "tier_key_prefix": "kvkit.integrations.vllm.tier:tier_key_prefix",
 })

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from typing_extensions import override
 
-from kvkit.integrations.vllm.version import SUPPORTED_VLLM, check_vllm_version
+from kvkit.integrations.vllm.version import check_vllm_version
 
 check_vllm_version()  # before vLLM's internals, which move between releases
 
@@ -28,18 +28,15 @@ from kvkit.errors import ConfigError
 from kvkit.integrations.vllm.gpu_pool import VllmGpuPool
 from kvkit.integrations.vllm.metrics import KVKitPromMetrics, KVKitStats, tier_events
 from kvkit.integrations.vllm.scheduler import (
-    LOADED_TOKENS_KEY,
-    RELOADED_TOKENS_KEY,
     SchedulerSide,
     StepOrder,
 )
 from kvkit.integrations.vllm.settings import (
-    EXTRA_KEYS,
     ConnectorSettings,
     kv_spec_from_vllm,
     parse_extra_config,
 )
-from kvkit.integrations.vllm.worker import VLLM_LAYOUTS, WorkerSide
+from kvkit.integrations.vllm.worker import WorkerSide
 from kvkit.interfaces import TransferResult
 from kvkit.manager import OffloadManager
 from kvkit.stats import OffloadStats
@@ -57,21 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = [
-    "EXTRA_KEYS",
-    "SUPPORTED_VLLM",
-    "KVKitPromMetrics",
-    "KVKitStats",
-    "LOADED_TOKENS_KEY",
-    "RELOADED_TOKENS_KEY",
-    "VLLM_LAYOUTS",
-    "ConnectorSettings",
-    "KVKitConnector",
-    "KVKitMetadata",
-    "KVKitWorkerMetadata",
-    "check_vllm_version",
-    "connector_settings",
-]
+__all__ = ["KVKitConnector", "KVKitMetadata", "KVKitWorkerMetadata", "connector_settings"]
 
 _LOG = init_logger("vllm.kvkit")
 """Under vLLM's ``vllm`` logger, so vLLM's logging configuration shows kvkit's lines."""
