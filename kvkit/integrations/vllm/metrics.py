@@ -44,9 +44,10 @@ from kvkit.interfaces import BlockHash
 
 __all__ = ["NEVER_UNDER_VLLM", "SAVE_OUTCOMES", "KVKitPromMetrics", "KVKitStats", "copy_gbps", "tier_events"]
 
-NEVER_UNDER_VLLM: tuple[str, ...] = ("evictions_gpu", "forced_resets")
-"""Counters with no ``vllm:kvkit_*`` series: vLLM's GPU pool evicts without telling kvkit, and
-vLLM's ``reset_prefix_cache`` resets kvkit's CPU tier only after its copies drained."""
+NEVER_UNDER_VLLM: tuple[str, ...] = ("evictions_gpu", "forced_resets", "hit_tokens_overlapped")
+"""Counters with no ``vllm:kvkit_*`` series, as they cannot move under vLLM: vLLM's GPU pool evicts
+without telling kvkit, vLLM's ``reset_prefix_cache`` resets kvkit's CPU tier only after its copies
+drained, and vLLM loads a hit before any of its request's compute (plans have no head)."""
 
 SAVE_OUTCOMES: dict[str, str] = {
     "stored": "blocks_stored",

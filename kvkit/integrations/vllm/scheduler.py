@@ -73,7 +73,7 @@ from kvkit.manager.requests import RequestState
 from kvkit.manager.step import StepPlan
 from kvkit.shared.client import SharedConnection, connect_shared
 from kvkit.stats import OffloadStats
-from kvkit.validate import is_int
+from kvkit.validate import is_int, plural
 
 __all__ = ["COPIES", "COUNTERS", "GAUGES", "INFO_KEY", "LOADED_TOKENS_KEY", "RELOADED_TOKENS_KEY", "SchedulerSide",
            "StepOrder", "TierBlock", "TierEvents", "TierRun", "block_hash"]
@@ -450,9 +450,10 @@ class SchedulerSide:
         s = self.manager.stats
         copied, seconds = (sum(t[i] for t in self.copy_totals.values()) for i in (0, 1))
         gbps = f"{copied / seconds / 1e9:.2f} GB/s" if seconds else "n/a"
-        return (f"kvkit: {int(s.scheduled_requests):,} requests over {int(s.query_tokens):,} tokens; hits "
-                f"GPU {s.gpu_hit_rate:.1%}, CPU {s.cpu_hit_rate:.1%}, shared {s.shared_hit_rate:.1%}; CPU tier "
-                f"stored {int(s.blocks_stored):,} blocks, loaded {int(s.blocks_loaded):,}, evicted "
+        return (f"kvkit: {plural(int(s.scheduled_requests), 'request', grouped=True)} over "
+                f"{plural(int(s.query_tokens), 'token', grouped=True)}; hits GPU {s.gpu_hit_rate:.1%}, CPU "
+                f"{s.cpu_hit_rate:.1%}, shared {s.shared_hit_rate:.1%}; CPU tier stored "
+                f"{plural(int(s.blocks_stored), 'block', grouped=True)}, loaded {int(s.blocks_loaded):,}, evicted "
                 f"{int(s.evictions_cpu):,}; copies {copied / 1e6:,.1f} MB at {gbps}; shared tier fetched "
                 f"{int(s.blocks_fetched):,}, put {int(s.blocks_put):,}; failed transfers "
                 f"{int(s.transfers_failed):,}, loads recomputed {int(s.loads_failed):,}")
