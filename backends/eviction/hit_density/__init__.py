@@ -276,6 +276,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
+        if parent == block_hash:  # no hash is its own prefix: such a block heads its chain
+            parent = None
         parent_block = self._chains.add(self, block, block_hash, parent)
         self._settle_tip()
         self._clock = clock = self._clock + 1

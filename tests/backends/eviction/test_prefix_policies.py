@@ -864,6 +864,8 @@ walk_ops = st.lists(st.one_of(
                  ("remove", 1), ("refuse", 1), ("select", 1, True)])
 @example(script=[("chain", "root", 0, [0, 1, 2]), ("chain", "under", 0, [3, 4]), ("select", 1, True),
                  ("chain", "under", 3, [5]), ("select", 2, True)])
+# A hash stored under itself as its parent, then evicted: it was never an orphan.
+@example(script=[("chain", "root", 0, [0]), ("chain", "any", 1, [1, 0, 2, 3]), ("select", 1, True)])
 def test_a_resumed_walk_chooses_what_a_fresh_walk_would(make, hooks, script):
     """Every selection, resuming the last walk or not, equals that of a copy whose walk starts afresh."""
     tier = _Tier(make(), hooks)
