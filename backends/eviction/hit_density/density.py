@@ -170,6 +170,11 @@ class HitDensityModel:
         return view
 
     @property
+    def rows(self) -> list[list[float]] | None:
+        """:attr:`table` as lists, ``rows[class][bucket]`` (read it; ``None`` before the first refresh)."""
+        return self._rows
+
+    @property
     def table(self) -> np.ndarray | None:
         """``density[class, bucket]`` from the last :meth:`refresh`, or ``None`` before it."""
         return self._table
