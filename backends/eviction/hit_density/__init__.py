@@ -7,6 +7,7 @@ import math
 import sys
 from array import array
 from collections.abc import Callable, Iterator
+from heapq import heappop, heappush
 from typing import cast
 
 import attrs
@@ -37,6 +38,9 @@ _MIN_REFRESH = 64  # ticks between two refreshes while the pool is still tiny
 _MIN_MEMORY = 4096  # ticks of history the model weighs at least, once the pool's size is known
 _CENSUS_LIMIT = 1 << 18  # entries a refresh reads at most per census (beyond: an evenly strided sample)
 _NONE = -1  # no block, in the list links
+_NEVER = sys.maxsize  # a clock no policy reaches
+_IntPredicate = Callable[[int], bool]
+_Blocks = list[BlockId]
 _UNTRACKED, _LISTED, _PARKED = 0, 1, FlatChains.PARKED  # where a block id is
 
 
@@ -211,15 +215,24 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     shift_alpha: float = attrs.field(default=1e-3, validator=real_in(low=0, high=1, high_open=True,
                                                                      label="HitDensityPolicy."))
     # Per block id: where it is (_UNTRACKED, _LISTED, _PARKED), its class, reuse count and last access,
-    # and its links in the list it sits in (a class list, or the parked list: _CLASSES).
+    # and its links in its class list (parked blocks sit in none).
     _where: bytearray = attrs.field(init=False, factory=bytearray)
     _cls: bytearray = attrs.field(init=False, factory=bytearray)
     _uses: array = attrs.field(init=False, factory=lambda: array("q"))
     _last: array = attrs.field(init=False, factory=lambda: array("q"))
     _next: array = attrs.field(init=False, factory=lambda: array("i"))
     _prev: array = attrs.field(init=False, factory=lambda: array("i"))
-    _head: list[int] = attrs.field(init=False, factory=lambda: [_NONE] * (_CLASSES + 1))
-    _tail: list[int] = attrs.field(init=False, factory=lambda: [_NONE] * (_CLASSES + 1))
+    # The ends of every list: _ends[2 * list] its oldest block, _ends[2 * list + 1] its youngest. Each end
+    # of a class list is a candidate *stream* of selections; _keys[stream] caches its end's ordering key
+    # (density, last access, block, stream), or None (empty, or _dirty: to compute), until the clock
+    # reaches the age bucket's next edge (_due, a heap of (clock, stream)) or the model refreshes.
+    _ends: list[int] = attrs.field(init=False, factory=lambda: [_NONE] * (2 * _CLASSES))
+    _keys: list[tuple[float, int, int, int] | None] = attrs.field(
+        init=False, factory=lambda: [None] * (2 * _CLASSES))
+    _dirty: set[int] = attrs.field(init=False, factory=set)
+    _due: list[tuple[int, int]] = attrs.field(init=False, factory=list)
+    _due_at: list[int] = attrs.field(init=False, factory=lambda: [_NEVER] * (2 * _CLASSES))  # its earliest entry
+    _keyed_rows: object = attrs.field(init=False, default=None)  # the model's rows the keys were read from
     _tracked: int = attrs.field(init=False, default=0)
     _chains: FlatChains = attrs.field(init=False, default=attrs.Factory(
         lambda self: FlatChains(self._where), takes_self=True))
@@ -269,8 +282,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     @property
     def pinned(self) -> tuple[BlockId, ...]:
-        """Blocks parked by :meth:`on_pin`, in pin order."""
-        return tuple(self._listed(_CLASSES))
+        """Blocks parked by :meth:`on_pin`, in block id order."""
+        parked = np.flatnonzero(np.frombuffer(self._where, dtype=np.uint8) == _PARKED)
+        return tuple(BlockId(block) for block in parked.tolist())
 
     def class_blocks(self, cls: int) -> tuple[BlockId, ...]:
         """The blocks of class ``cls``'s list, oldest entry first (parked blocks excluded)."""
@@ -325,7 +339,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._last[block] = clock
         self._cls[block] = cls
         self._where[block] = _LISTED  # never parked yet: a pool pins a block after committing it
-        self._append(block, cls)
+        self._move(block, _NONE, cls)
         self._tracked = tracked = self._tracked + 1
         if parent_block is not None and self._cls[parent_block] % _KINDS != PARENT:
             uses = self._uses[parent_block]
@@ -354,7 +368,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         if block == self._tip:
             self._tip = None
         cls = self._cls[block]
-        self._unlink(block, cls if self._where[block] == _LISTED else _CLASSES)
+        self._move(block, cls if self._where[block] == _LISTED else _NONE, _NONE)
         self._where[block] = _UNTRACKED
         self._tracked -= 1
         last = self._last[block]
@@ -375,22 +389,22 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def on_pin(self, block: BlockId) -> None:
         """Park a tracked block in use: out of its class list, keeping its class and counters."""
-        block = self._tracked_id(block)
-        if self._where[block] == _PARKED:
+        where = self._where
+        if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _LISTED) \
+                and where[self._tracked_id(block)] == _PARKED:
             raise pin_mismatch(self, block, pinned=True)
-        self._unlink(block, self._cls[block])
-        self._append(block, _CLASSES)
-        self._where[block] = _PARKED
+        self._move(block, self._cls[block], _NONE)
+        where[block] = _PARKED
         self._chains.pin(block)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at its class's young end; its age still counts from its last use."""
-        block = self._tracked_id(block)
-        if self._where[block] != _PARKED:
+        where = self._where
+        if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _PARKED) \
+                and where[self._tracked_id(block)] == _LISTED:
             raise pin_mismatch(self, block, pinned=False)
-        self._unlink(block, _CLASSES)
-        self._append(block, self._cls[block])
-        self._where[block] = _LISTED
+        self._move(block, _NONE, self._cls[block])
+        where[block] = _LISTED
         self._chains.unpin(block)
 
     # -- decisions -------------------------------------------------------------
@@ -403,39 +417,90 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         chosen: dict[int, None] = {}
         if not n:
             return []
-        where, last_of, cls_of = self._where, self._last, self._cls
-        clock, rows, octave, top = self._clock, self._model.rows, self._model.per_octave, self._model.buckets - 1
+        evictable = cast(_IntPredicate, is_evictable)  # block ids read from the arrays
+        if self._chains.orphans() is None:
+            # Orphans go first; without them the first root is the stream end of least key, and
+            # when every end is evictable (a pool that reports its pins: always), that is the
+            # least cached key. A selection that needs more goes on in _select_rounds.
+            ends = self._ends
+            if all(map(evictable, filter(_NONE.__ne__, ends))):
+                keys = self._current_keys()
+                if not any(keys):
+                    return None
+                self._chains.collect(min(filter(None, keys))[2], evictable, chosen, n)
+                if len(chosen) >= n:
+                    return cast(_Blocks, list(chosen))
+        return self._select_rounds(n, evictable, chosen)
 
-        evictable = cast(Callable[[int], bool], is_evictable)  # block ids read from the arrays
+    def _current_keys(self) -> list[tuple[float, int, int, int] | None]:
+        """``_keys`` brought up to date: the dirty streams' keys and those whose age bucket moved computed."""
+        keys, dirty, due, due_at, clock = self._keys, self._dirty, self._due, self._due_at, self._clock
+        rows = self._model.rows
+        if rows is not self._keyed_rows:  # refreshed: every key is stale
+            self._keyed_rows = rows
+            dirty.update(range(2 * _CLASSES))
+            due.clear()
+            due_at[:] = [_NEVER] * (2 * _CLASSES)
+        while due and due[0][0] <= clock:
+            at, stream = heappop(due)
+            if due_at[stream] == at:
+                due_at[stream] = _NEVER
+            dirty.add(stream)  # at worst a key computed again
+        if dirty:
+            ends, last_of, cls_of = self._ends, self._last, self._cls
+            octave, top, first_age = self._model.per_octave, self._model.buckets - 1, self._model.first_ages
+            for stream in dirty:
+                block = ends[stream]
+                if block == _NONE:
+                    keys[stream] = None
+                    continue
+                last = last_of[block]
+                if rows is None:
+                    keys[stream] = (0.0, last, block, stream)
+                    continue
+                b = ((clock - last + 1) ** octave).bit_length() - 1
+                if b < top:
+                    keys[stream] = (rows[cls_of[block]][b], last, block, stream)
+                    at = last + first_age[b + 1]
+                    if at < due_at[stream]:  # else the entry due earlier has it computed again
+                        due_at[stream] = at
+                        heappush(due, (at, stream))
+                else:
+                    keys[stream] = (rows[cls_of[block]][top], last, block, stream)
+            dirty.clear()
+        return keys
+
+    def _select_rounds(self, n: int, evictable: _IntPredicate, chosen: dict[int, None]) -> list[BlockId] | None:
+        """:meth:`select_victims` from the state ``chosen`` holds (empty, or the first root's subtree)."""
+        where, last_of, cls_of, nxt, prv = self._where, self._last, self._cls, self._next, self._prev
+        clock, rows, octave, top = self._clock, self._model.rows, self._model.per_octave, self._model.buckets - 1
 
         def usable(block: int) -> bool:
             return block not in chosen and where[block] != _PARKED and evictable(block)
 
-        # One cursor per candidate stream (the orphans, then both ends of every class list),
-        # kept across the rounds of this selection: nothing a round skips can become usable
-        # later in it, so each stream is walked at most once and a selection costs O(n + skipped).
-        # A stream's head is (density, last access, block, stream), its links in `walks` (the
-        # class lists do not change meanwhile); the density inlines HitDensityModel.density.
+        # One cursor per candidate stream (the orphans, then both ends of every class list: stream
+        # 2 * class walks from the old end, 2 * class + 1 from the young end), kept across the rounds
+        # of this selection: nothing a round skips can become usable later in it, so each stream is
+        # walked at most once and a selection costs O(n + skipped). A stream's head is (density, last
+        # access, block, stream); the density inlines HitDensityModel.density.
+        heads: list[tuple[float, int, int, int]] = []
+        ends = self._ends
+        for stream in range(2 * _CLASSES):
+            block = ends[stream]
+            links = prv if stream & 1 else nxt
+            while block != _NONE and not usable(block):
+                block = links[block]
+            if block != _NONE:
+                last = last_of[block]
+                if rows is None:
+                    heads.append((0.0, last, block, stream))
+                else:
+                    b = ((clock - last + 1) ** octave).bit_length() - 1
+                    heads.append((rows[stream >> 1][b if b < top else top], last, block, stream))
         orphan_walk = self._chains.orphans()
         orphans = None if orphan_walk is None else filter(usable, orphan_walk)
-        heads: list[tuple[float, int, int, int]] = []
-        walks: list[array] = []
-        for cls, first in enumerate(self._head[:_CLASSES]):
-            if first != _NONE:
-                row = None if rows is None else rows[cls]
-                for block, links in ((first, self._next), (self._tail[cls], self._prev)):
-                    while block != _NONE and not usable(block):
-                        block = links[block]
-                    if block != _NONE:
-                        last = last_of[block]
-                        if row is None:
-                            heads.append((0.0, last, block, len(walks)))
-                        else:
-                            b = ((clock - last + 1) ** octave).bit_length() - 1
-                            heads.append((row[b if b < top else top], last, block, len(walks)))
-                    walks.append(links)
         collect = self._chains.collect
-        while True:
+        while len(chosen) < n:
             orphan = None if orphans is None else next(orphans, None)
             if orphan is not None:
                 collect(orphan, evictable, chosen, n)
@@ -443,13 +508,11 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 collect(min(heads)[2], evictable, chosen, n)
             else:
                 return None
-            if len(chosen) >= n:
-                return cast(list[BlockId], list(chosen))
             moved = []
             for head in heads:
                 block, stream = head[2], head[3]
                 if block in chosen:
-                    links = walks[stream]
+                    links = prv if stream & 1 else nxt
                     block = links[block]
                     while block != _NONE and not usable(block):
                         block = links[block]
@@ -463,6 +526,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                         head = (rows[cls_of[block]][b if b < top else top], last, block, stream)
                 moved.append(head)
             heads = moved
+        return cast(_Blocks, list(chosen))
 
     # -- bookkeeping -----------------------------------------------------------
 
@@ -485,32 +549,41 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._prev += links
         self._chains.grow(size)  # it reads the same _where bytes: a bytearray grows in place
 
-    def _append(self, block: BlockId, lst: int) -> None:
-        """Put ``block`` at the young end of list ``lst`` (a class, or ``_CLASSES``: the parked list)."""
-        tail = self._tail[lst]
-        self._prev[block] = tail
-        self._next[block] = _NONE
-        if tail == _NONE:
-            self._head[lst] = block
-        else:
-            self._next[tail] = block
-        self._tail[lst] = block
+    def _move(self, block: int, old: int, new: int) -> None:
+        """Take ``block`` out of list ``old`` and put it at the young end of list ``new``.
 
-    def _unlink(self, block: BlockId, lst: int) -> None:
-        """Take ``block`` out of list ``lst``."""
-        before, after = self._prev[block], self._next[block]
-        if before == _NONE:
-            self._head[lst] = after
-        else:
-            self._next[before] = after
-        if after == _NONE:
-            self._tail[lst] = before
-        else:
-            self._prev[after] = before
+        Lists are the classes; ``_NONE`` for ``old``: it was in none (new, or parked), for ``new``: it
+        leaves the lists (removed, or parked). The ends that change are marked dirty.
+        """
+        nxt, prv, ends, dirty = self._next, self._prev, self._ends, self._dirty
+        if old != _NONE:
+            before, after = prv[block], nxt[block]
+            if before == _NONE:
+                ends[2 * old] = after
+                dirty.add(2 * old)
+            else:
+                nxt[before] = after
+            if after == _NONE:
+                ends[2 * old + 1] = before
+                dirty.add(2 * old + 1)
+            else:
+                prv[after] = before
+        if new != _NONE:
+            young = 2 * new + 1
+            tail = ends[young]
+            prv[block] = tail
+            nxt[block] = _NONE
+            if tail == _NONE:
+                ends[young - 1] = block
+                dirty.add(young - 1)
+            else:
+                nxt[tail] = block
+            ends[young] = block
+            dirty.add(young)
 
     def _listed(self, lst: int) -> Iterator[BlockId]:
         """The blocks of list ``lst``, oldest entry first."""
-        block, nxt = self._head[lst], self._next
+        block, nxt = self._ends[2 * lst], self._next
         while block != _NONE:
             yield BlockId(block)
             block = nxt[block]
@@ -551,8 +624,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         The class lists are rebuilt oldest last use first, as if every block had
         just entered its new class in the order it was last used.
         """
-        for cls in range(_CLASSES):
-            self._head[cls] = self._tail[cls] = _NONE
+        for end in range(2 * _CLASSES):
+            self._ends[end] = _NONE
+            self._dirty.add(end)
         tracked = np.flatnonzero(np.frombuffer(self._where, dtype=np.uint8))
         lasts = np.frombuffer(self._last, dtype=np.int64)[tracked]
         for block in tracked[np.argsort(lasts, kind="stable")].tolist():
@@ -560,7 +634,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._uses[block] = uses
             self._cls[block] = cls = _CLASS_OF[uses if uses < _TOP else _TOP][self._cls[block] % _KINDS]
             if self._where[block] == _LISTED:
-                self._append(block, cls)
+                self._move(block, _NONE, cls)
         recent = self._ghost_recent
         for i, ghost_hash in enumerate(self._ghost_hash):
             if ghost_hash is not None:  # its class stays: what its return teaches
@@ -579,8 +653,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         old = self._cls[block]
         self._cls[block] = cls
         if self._where[block] == _LISTED:  # a parked block enters its (new) class's list on on_unpin
-            self._unlink(block, old)
-            self._append(block, cls)
+            self._move(block, old, cls)
 
     def _refresh(self) -> None:
         """Recompute the densities (bounded work, see :mod:`.census`); due about once per pool's worth of ticks."""
@@ -616,26 +689,26 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         tracked = [BlockId(b) for b in range(n) if where[b]]
         assert len(tracked) == self._tracked == len(self._chains), "tracked counts differ"
         listed: dict[int, int] = {}
-        for lst in range(_CLASSES + 1):
+        for lst in range(_CLASSES):
             blocks = list(self._listed(lst))
-            assert self._tail[lst] == (blocks[-1] if blocks else _NONE), f"list {lst} tail drifted"
+            assert self._ends[2 * lst + 1] == (blocks[-1] if blocks else _NONE), f"list {lst} tail drifted"
             assert all(self._prev[b] == a for a, b in zip([_NONE, *blocks], blocks)), f"list {lst} links broken"
             for block in blocks:
                 assert block not in listed, f"block {block} is in lists {listed.get(block)} and {lst}"
                 listed[block] = lst
-        assert sorted(listed) == tracked, "class lists and the parked list do not split the tracked blocks"
+        assert sorted(listed) == [b for b in tracked if where[b] == _LISTED], "class lists drifted from the marks"
         for block in tracked:
             cls = self._cls[block]
             parked = where[block] == _PARKED
             assert where[block] in (_LISTED, _PARKED), f"block {block} marked {where[block]}"
-            assert listed[block] == (_CLASSES if parked else cls), f"block {block} is listed in {listed[block]}"
+            assert listed.get(block) == (None if parked else cls), f"block {block} is listed in {listed.get(block)}"
             assert cls // _KINDS == reuse_level(self._uses[block]), f"block {block} reuse class"
             assert 0 <= self._recent.get(block, 0) <= self._uses[block], f"block {block} recent reuses"
             assert cls % _KINDS == PARENT or not self._chains.has_children(block), \
                 f"block {block} has a child but is not classed a parent"
             assert (cls % _KINDS == TIP) == (block == self._tip), f"block {block} tip kind"
             assert self._last[block] <= self._clock, f"block {block} accessed in the future"
-        assert all(block in listed for block in self._recent), "recent reuses of an untracked block"
+        assert all(where[block] for block in self._recent), "recent reuses of an untracked block"
         ghosts = [(i + self._ghost_base, h) for i, h in enumerate(self._ghost_hash) if h is not None]
         assert len(self._ghost_cls) == len(self._ghost_uses) == len(self._ghost_last) == len(self._ghost_live) \
             == len(self._ghost_hash), "ghost arrays differ in length"
