@@ -316,9 +316,11 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._grow(block + 1)
         if parent == block_hash:  # no hash is its own prefix: such a block heads its chain
             parent = None
-        chains = self._chains
+        chains, classes = self._chains, self._cls
         parent_block = chains.add(self, block, block_hash, parent)
-        self._settle_tip()
+        tip = self._tip
+        if tip is not None:  # stored before: a tip no more, a parent if this store continued it, else a leaf
+            self._enter(tip, classes[tip] - TIP + (PARENT if chains.has_children(tip) else LEAF))
         self._clock = clock = self._clock + 1
         uses = 0
         at = self._ghost_at.pop(block_hash, None)
@@ -337,13 +339,14 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._tip = block if kind == TIP else None
         self._uses[block] = uses
         self._last[block] = clock
-        self._cls[block] = cls
+        classes[block] = cls
         self._where[block] = _LISTED  # never parked yet: a pool pins a block after committing it
         self._move(block, _NONE, cls)
         self._tracked = tracked = self._tracked + 1
-        if parent_block is not None and self._cls[parent_block] % _KINDS != PARENT:
-            uses = self._uses[parent_block]
-            self._enter(parent_block, _CLASS_OF[uses if uses < _TOP else _TOP][PARENT])
+        if parent_block is not None:
+            kind = classes[parent_block] % _KINDS
+            if kind != PARENT:  # its class's kind changes, its reuse level stays
+                self._enter(parent_block, classes[parent_block] - kind + PARENT)
         self._learn(tracked)
         if clock >= self._next_refresh:
             self._refresh()
@@ -472,8 +475,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def _select_rounds(self, n: int, evictable: _IntPredicate, chosen: dict[int, None]) -> list[BlockId] | None:
         """:meth:`select_victims` from the state ``chosen`` holds (empty, or the first root's subtree)."""
-        where, last_of, cls_of, nxt, prv = self._where, self._last, self._cls, self._next, self._prev
-        clock, rows, octave, top = self._clock, self._model.rows, self._model.per_octave, self._model.buckets - 1
+        where = self._where
 
         def usable(block: int) -> bool:
             return block not in chosen and where[block] != _PARKED and evictable(block)
@@ -482,53 +484,40 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         # 2 * class walks from the old end, 2 * class + 1 from the young end), kept across the rounds
         # of this selection: nothing a round skips can become usable later in it, so each stream is
         # walked at most once and a selection costs O(n + skipped). A stream's head is (density, last
-        # access, block, stream); the density inlines HitDensityModel.density.
-        heads: list[tuple[float, int, int, int]] = []
-        ends = self._ends
+        # access, block, stream); after a round only the streams its victims headed move on.
+        heads: dict[int, tuple[float, int, int, int]] = {}  # stream -> its head
+        head_of: dict[int, list[int]] = {}  # block -> the streams it heads
         for stream in range(2 * _CLASSES):
-            block = ends[stream]
-            links = prv if stream & 1 else nxt
-            while block != _NONE and not usable(block):
-                block = links[block]
-            if block != _NONE:
-                last = last_of[block]
-                if rows is None:
-                    heads.append((0.0, last, block, stream))
-                else:
-                    b = ((clock - last + 1) ** octave).bit_length() - 1
-                    heads.append((rows[stream >> 1][b if b < top else top], last, block, stream))
+            self._advance(stream, self._ends[stream], usable, heads, head_of)
         orphan_walk = self._chains.orphans()
         orphans = None if orphan_walk is None else filter(usable, orphan_walk)
         collect = self._chains.collect
         while len(chosen) < n:
             orphan = None if orphans is None else next(orphans, None)
             if orphan is not None:
-                collect(orphan, evictable, chosen, n)
+                picked = collect(orphan, evictable, chosen, n)
             elif heads:
-                collect(min(heads)[2], evictable, chosen, n)
+                picked = collect(min(heads.values())[2], evictable, chosen, n)
             else:
                 return None
-            moved = []
-            for head in heads:
-                block, stream = head[2], head[3]
-                if block in chosen:
-                    links = prv if stream & 1 else nxt
-                    block = links[block]
-                    while block != _NONE and not usable(block):
-                        block = links[block]
-                    if block == _NONE:
-                        continue
-                    last = last_of[block]
-                    if rows is None:
-                        head = (0.0, last, block, stream)
-                    else:
-                        b = ((clock - last + 1) ** octave).bit_length() - 1
-                        head = (rows[cls_of[block]][b if b < top else top], last, block, stream)
-                moved.append(head)
-            heads = moved
+            for block in picked:  # the streams they headed go on past them
+                for stream in head_of.pop(block, ()):
+                    del heads[stream]
+                    self._advance(stream, (self._prev if stream & 1 else self._next)[block], usable, heads, head_of)
         return cast(_Blocks, list(chosen))
 
     # -- bookkeeping -----------------------------------------------------------
+
+    def _advance(self, stream: int, block: int, usable: _IntPredicate,
+                 heads: dict[int, tuple[float, int, int, int]], head_of: dict[int, list[int]]) -> None:
+        """Walk ``stream`` from ``block`` to its first usable block and make that its head (none: it ends)."""
+        links = self._prev if stream & 1 else self._next
+        while block != _NONE and not usable(block):
+            block = links[block]
+        if block != _NONE:
+            last = self._last[block]
+            heads[stream] = (self._model.density(stream >> 1, self._clock - last), last, block, stream)
+            head_of.setdefault(block, []).append(stream)
 
     def _tracked_id(self, block: BlockId) -> BlockId:
         """``block`` if tracked, else ``PoolUsageError``."""
@@ -639,14 +628,6 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         for i, ghost_hash in enumerate(self._ghost_hash):
             if ghost_hash is not None:  # its class stays: what its return teaches
                 self._ghost_uses[i] = recent.get(ghost_hash, 0)
-
-    def _settle_tip(self) -> None:
-        """The block stored before this store is a tip no more: a parent if this store continued it, else a leaf."""
-        tip, self._tip = self._tip, None
-        if tip is not None:
-            uses = self._uses[tip]
-            self._enter(tip, _CLASS_OF[uses if uses < _TOP else _TOP][
-                PARENT if self._chains.has_children(tip) else LEAF])
 
     def _enter(self, block: BlockId, cls: int) -> None:
         """Put ``block`` at the young end of class ``cls``'s list (if parked: only its class)."""

@@ -253,8 +253,9 @@ class FlatChains:
         return self._orphans.walk(any_block) if len(self._orphans) else None
 
     def collect(self, root: int, is_evictable: Callable[[int], bool],
-                chosen: dict[int, None], n: int) -> None:
-        """Add ``root``'s subtree to ``chosen``, descendants before ancestors, until ``n`` are chosen.
+                chosen: dict[int, None], n: int) -> list[int]:
+        """Add ``root``'s subtree to ``chosen``, descendants before ancestors, until ``n`` are chosen; return
+        the blocks added.
 
         :meth:`ChainIndex.collect <kvkit.backends.eviction._chains.ChainIndex.collect>`'s
         rules: post order, parked blocks skipped without asking ``is_evictable``, a
@@ -269,6 +270,7 @@ class FlatChains:
             walk = _Walk(root, [(root, False)], {root}, set(), [])
         first, prv = self._first, self._prev
         stack, held, victims, skipped = walk.stack, walk.held, walk.victims, walk.skipped
+        picked: list[int] = []
         while stack and len(chosen) < n:
             block, expanded = stack.pop()
             if not expanded:
@@ -286,12 +288,16 @@ class FlatChains:
                         if child == head:
                             break
                         child = prv[child]
-            elif block in chosen or (parked[block] != mark and is_evictable(block)):
+            elif block in chosen:
+                victims.add(block)
+            elif parked[block] != mark and is_evictable(block):
                 chosen[block] = None
+                picked.append(block)
                 victims.add(block)
             else:
                 skipped.append(block)
         self._walk = walk if stack else None
+        return picked
 
     def forget_walk(self) -> None:
         """Drop the kept walk (the next :meth:`collect` walks afresh)."""
