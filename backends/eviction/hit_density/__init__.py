@@ -39,6 +39,7 @@ _MIN_MEMORY = 4096  # ticks of history the model weighs at least, once the pool'
 _CENSUS_LIMIT = 1 << 18  # entries a refresh reads at most per census (beyond: an evenly strided sample)
 _NONE = -1  # no block, in the list links
 _NEVER = sys.maxsize  # a clock no policy reaches
+_MAX_USES = 255  # reuse counts saturate here (a byte each): far past the last level's least count
 _IntPredicate = Callable[[int], bool]
 _Blocks = list[BlockId]
 _UNTRACKED, _LISTED, _PARKED = 0, 1, FlatChains.PARKED  # where a block id is
@@ -169,10 +170,22 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     hit) go before everything, and a root's subtree goes deepest first, so
     no victim leaves an evictable descendant behind. A walk from the last
     walk's root goes on where that one stopped when this provably chooses
-    what a fresh walk would (:meth:`~kvkit.backends.eviction._chains.ChainIndex.collect`),
+    what a fresh walk would (:meth:`~kvkit.backends.eviction.hit_density.chains.FlatChains.collect`),
     so evicting a long chain a victim per selection costs O(1) per victim,
     not the chain's depth. Until the first refresh every density is 0 and
     the order is plain LRU.
+
+    Layout: per-block state sits in flat arrays indexed by block id (a mark
+    of where the block is, its class, its reuse count saturating at 255, its
+    last access, its class list links), the ghost in arrays indexed by
+    eviction number, and the chain links in
+    :class:`~kvkit.backends.eviction.hit_density.chains.FlatChains`: a
+    tracked block costs a few dozen bytes and one entry of the chain index's
+    hash map, a ghost a few bytes and one entry of the ghost's map. Each end
+    of each class list caches its ordering key until that end changes, its
+    age bucket moves on or the model refreshes, so a selection's first root
+    is the least cached key once one batched ``is_evictable`` pass has found
+    every end usable.
 
     Pinned blocks: with the pin hooks (a pool calls them), a block in use
     leaves its class list on :meth:`on_pin` and is *parked*, keeping its
@@ -202,11 +215,14 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
           it is still tracked and the next store has not come.
         * The ghost holds only hashes of untracked blocks, evicted within
           the last ``ghost_span * capacity`` evictions, oldest first.
-        * The two censuses hold exactly the (class, last access) of every
-          tracked block and of every ghost; a refresh reads at most
-          ``2**18`` entries of each (a strided, reweighted sample beyond).
+        * A refresh reads the (class, last access) of every tracked block
+          and of every ghost, at most ``2**18`` entries of each (a strided,
+          reweighted sample beyond).
         * A block's or ghost's reuses since the last refresh that held no
-          excursion (the change point a restart keeps) never exceed its count.
+          excursion (the change point a restart keeps), capped at 255, never
+          exceed its count.
+        * A cached end key that is not dirty is the key of the end's block
+          at the current clock and model.
         * The chain index's, the density model's and the shift test's invariants.
     """
 
@@ -218,7 +234,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     # and its links in its class list (parked blocks sit in none).
     _where: bytearray = attrs.field(init=False, factory=bytearray)
     _cls: bytearray = attrs.field(init=False, factory=bytearray)
-    _uses: array = attrs.field(init=False, factory=lambda: array("q"))
+    _uses: bytearray = attrs.field(init=False, factory=bytearray)  # saturating at _MAX_USES
     _last: array = attrs.field(init=False, factory=lambda: array("q"))
     _next: array = attrs.field(init=False, factory=lambda: array("i"))
     _prev: array = attrs.field(init=False, factory=lambda: array("i"))
@@ -243,7 +259,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     # access, liveness; the hash's eviction number; the oldest eviction number that may be live.
     _ghost_hash: list[BlockHash | None] = attrs.field(init=False, factory=list)
     _ghost_cls: bytearray = attrs.field(init=False, factory=bytearray)
-    _ghost_uses: array = attrs.field(init=False, factory=lambda: array("q"))
+    _ghost_uses: bytearray = attrs.field(init=False, factory=bytearray)
     _ghost_last: array = attrs.field(init=False, factory=lambda: array("q"))
     _ghost_live: bytearray = attrs.field(init=False, factory=bytearray)
     _ghost_at: dict[BlockHash, int] = attrs.field(init=False, factory=dict)
@@ -297,7 +313,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         return self._cls[self._tracked_id(block)]
 
     def uses_of(self, block: BlockId) -> int:
-        """The reuse count of a tracked block."""
+        """The reuse count of a tracked block, saturating at 255 (the last reuse level starts at 16)."""
         return self._uses[self._tracked_id(block)]
 
     def density_of(self, block: BlockId) -> float:
@@ -332,7 +348,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._model.record_reuse(cls, clock - last)
             self._note_reuse(cls, block_hash, parent)
             gained = 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
-            uses = self._ghost_uses[i] + gained
+            uses = min(self._ghost_uses[i] + gained, _MAX_USES)
             self._recent[block] = self._ghost_recent.pop(block_hash, 0) + gained
         kind = PARENT if chains.has_children(block) else TIP
         cls = _CLASS_OF[uses if uses < _TOP else _TOP][kind]
@@ -358,7 +374,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._clock = clock = self._clock + 1
         self._model.record_reuse(cls, clock - self._last[block])
         self._note_reuse(cls, *self._chains.links(block))
-        self._uses[block] = uses = self._uses[block] + 1
+        uses = self._uses[block]
+        if uses < _MAX_USES:
+            self._uses[block] = uses = uses + 1
         self._recent[block] = self._recent.get(block, 0) + 1
         self._last[block] = clock
         self._enter(block, _CLASS_OF[uses if uses < _TOP else _TOP][cls % _KINDS])
@@ -531,7 +549,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         more = size - len(self._where)
         self._where += bytes(more)
         self._cls += bytes(more)
-        self._uses += array("q", bytes(8 * more))
+        self._uses += bytes(more)
         self._last += array("q", bytes(8 * more))
         links = array("i", [_NONE]) * more
         self._next += links
@@ -619,7 +637,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         tracked = np.flatnonzero(np.frombuffer(self._where, dtype=np.uint8))
         lasts = np.frombuffer(self._last, dtype=np.int64)[tracked]
         for block in tracked[np.argsort(lasts, kind="stable")].tolist():
-            uses = self._recent.get(block, 0)
+            uses = min(self._recent.get(block, 0), _MAX_USES)
             self._uses[block] = uses
             self._cls[block] = cls = _CLASS_OF[uses if uses < _TOP else _TOP][self._cls[block] % _KINDS]
             if self._where[block] == _LISTED:
@@ -627,7 +645,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         recent = self._ghost_recent
         for i, ghost_hash in enumerate(self._ghost_hash):
             if ghost_hash is not None:  # its class stays: what its return teaches
-                self._ghost_uses[i] = recent.get(ghost_hash, 0)
+                self._ghost_uses[i] = min(recent.get(ghost_hash, 0), _MAX_USES)
 
     def _enter(self, block: BlockId, cls: int) -> None:
         """Put ``block`` at the young end of class ``cls``'s list (if parked: only its class)."""
@@ -684,12 +702,23 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             assert where[block] in (_LISTED, _PARKED), f"block {block} marked {where[block]}"
             assert listed.get(block) == (None if parked else cls), f"block {block} is listed in {listed.get(block)}"
             assert cls // _KINDS == reuse_level(self._uses[block]), f"block {block} reuse class"
-            assert 0 <= self._recent.get(block, 0) <= self._uses[block], f"block {block} recent reuses"
+            assert 0 <= min(self._recent.get(block, 0), _MAX_USES) <= self._uses[block], f"block {block} recent reuses"
             assert cls % _KINDS == PARENT or not self._chains.has_children(block), \
                 f"block {block} has a child but is not classed a parent"
             assert (cls % _KINDS == TIP) == (block == self._tip), f"block {block} tip kind"
             assert self._last[block] <= self._clock, f"block {block} accessed in the future"
         assert all(where[block] for block in self._recent), "recent reuses of an untracked block"
+        if self._model.rows is self._keyed_rows:  # else every key is computed again first
+            for stream, key in enumerate(self._keys):
+                block = self._ends[stream]
+                if stream in self._dirty:
+                    continue
+                if block == _NONE:
+                    assert key is None, f"empty stream {stream} keeps a key"
+                    continue
+                assert key is not None and key[1:] == (self._last[block], block, stream), f"stream {stream} key"
+                due = any(at <= self._clock and at_stream == stream for at, at_stream in self._due)
+                assert due or key[0] == self.density_of(BlockId(block)), f"stream {stream} key is stale"
         ghosts = [(i + self._ghost_base, h) for i, h in enumerate(self._ghost_hash) if h is not None]
         assert len(self._ghost_cls) == len(self._ghost_uses) == len(self._ghost_last) == len(self._ghost_live) \
             == len(self._ghost_hash), "ghost arrays differ in length"
@@ -703,7 +732,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         for ghost_hash, recent in self._ghost_recent.items():
             at = self._ghost_at.get(ghost_hash)
             assert at is not None, f"recent reuses of forgotten ghost {ghost_hash}"
-            assert 0 < recent <= self._ghost_uses[at - self._ghost_base], f"ghost {ghost_hash} recent reuses"
+            assert 0 < min(recent, _MAX_USES) <= self._ghost_uses[at - self._ghost_base], \
+                f"ghost {ghost_hash} recent reuses"
         assert self._chains.parked is self._where, "the chain index reads other pin marks"
         self._shift.check_invariants()
         self._check_capacity()
