@@ -710,15 +710,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         assert all(where[block] for block in self._recent), "recent reuses of an untracked block"
         if self._model.rows is self._keyed_rows:  # else every key is computed again first
             for stream, key in enumerate(self._keys):
-                block = self._ends[stream]
+                end = self._ends[stream]
                 if stream in self._dirty:
                     continue
-                if block == _NONE:
+                if end == _NONE:
                     assert key is None, f"empty stream {stream} keeps a key"
                     continue
-                assert key is not None and key[1:] == (self._last[block], block, stream), f"stream {stream} key"
+                assert key is not None and key[1:] == (self._last[end], end, stream), f"stream {stream} key"
                 due = any(at <= self._clock and at_stream == stream for at, at_stream in self._due)
-                assert due or key[0] == self.density_of(BlockId(block)), f"stream {stream} key is stale"
+                assert due or key[0] == self.density_of(BlockId(end)), f"stream {stream} key is stale"
         ghosts = [(i + self._ghost_base, h) for i, h in enumerate(self._ghost_hash) if h is not None]
         assert len(self._ghost_cls) == len(self._ghost_uses) == len(self._ghost_last) == len(self._ghost_live) \
             == len(self._ghost_hash), "ghost arrays differ in length"
