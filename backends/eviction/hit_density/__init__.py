@@ -45,6 +45,11 @@ _Blocks = list[BlockId]
 _UNTRACKED, _LISTED, _PARKED = 0, 1, FlatChains.PARKED  # where a block id is
 
 
+def _verified(block: int) -> bool:
+    """A list end already found usable in this selection: taken without asking again."""
+    return True
+
+
 def reuse_level(uses: int) -> int:
     """The reuse level of a block hit ``uses`` times: the index of the last ``REUSE_LEVELS`` entry <= ``uses``."""
     return bisect.bisect_right(REUSE_LEVELS, uses) - 1
@@ -439,19 +444,21 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         if not n:
             return []
         evictable = cast(_IntPredicate, is_evictable)  # block ids read from the arrays
+        verified = False
         if self._chains.orphans() is None:
             # Orphans go first; without them the first root is the stream end of least key, and
             # when every end is evictable (a pool that reports its pins: always), that is the
             # least cached key. A selection that needs more goes on in _select_rounds.
             ends = self._ends
-            if all(map(evictable, filter(_NONE.__ne__, ends))):
+            verified = all(map(evictable, filter(_NONE.__ne__, ends)))
+            if verified:
                 keys = self._current_keys()
                 if not any(keys):
                     return None
                 self._chains.collect(min(filter(None, keys))[2], evictable, chosen, n)
                 if len(chosen) >= n:
                     return cast(_Blocks, list(chosen))
-        return self._select_rounds(n, evictable, chosen)
+        return self._select_rounds(n, evictable, chosen, verified)
 
     def _current_keys(self) -> list[tuple[float, int, int, int] | None]:
         """``_keys`` brought up to date: the dirty streams' keys and those whose age bucket moved computed."""
@@ -491,8 +498,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             dirty.clear()
         return keys
 
-    def _select_rounds(self, n: int, evictable: _IntPredicate, chosen: dict[int, None]) -> list[BlockId] | None:
-        """:meth:`select_victims` from the state ``chosen`` holds (empty, or the first root's subtree)."""
+    def _select_rounds(self, n: int, evictable: _IntPredicate, chosen: dict[int, None],
+                       verified: bool) -> list[BlockId] | None:
+        """:meth:`select_victims` from the state ``chosen`` holds (empty, or the first root's subtree);
+        ``verified``: every list end was found evictable in this selection (not asked again)."""
         where = self._where
 
         def usable(block: int) -> bool:
@@ -506,7 +515,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         heads: dict[int, tuple[float, int, int, int]] = {}  # stream -> its head
         head_of: dict[int, list[int]] = {}  # block -> the streams it heads
         for stream in range(2 * _CLASSES):
-            self._advance(stream, self._ends[stream], usable, heads, head_of)
+            block = self._ends[stream]
+            self._advance(stream, block, _verified if verified and block not in chosen else usable, heads, head_of)
         orphan_walk = self._chains.orphans()
         orphans = None if orphan_walk is None else filter(usable, orphan_walk)
         collect = self._chains.collect
@@ -526,7 +536,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     # -- bookkeeping -----------------------------------------------------------
 
-    def _advance(self, stream: int, block: int, usable: _IntPredicate,
+    def _advance(self, stream: int, block: int, usable: Callable[[int], object],
                  heads: dict[int, tuple[float, int, int, int]], head_of: dict[int, list[int]]) -> None:
         """Walk ``stream`` from ``block`` to its first usable block and make that its head (none: it ends)."""
         links = self._prev if stream & 1 else self._next
