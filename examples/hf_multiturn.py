@@ -100,7 +100,7 @@ def main() -> None:
 
     lm.engine.drain()
     stats = lm.stack.stats
-    print(f"reused {stats.hit_tokens_gpu.value} tokens from the GPU tier and {stats.hit_tokens_cpu.value} "
+    print(f"reused {stats.gpu_hit_tokens.value} tokens from the GPU tier and {stats.cpu_hit_tokens.value} "
           f"from the CPU tier of {stats.query_tokens.value} prompt tokens; time to first token saved in "
           f"total: {saved_total:.2f} s")
     print(f"identical: {identical} (largest logit difference {worst:.2e} over {generated} generated tokens)")

@@ -54,8 +54,8 @@ class OffloadStats:
         lookups: calls to ``lookup``.
         scheduled_requests: allocations after a lookup (a resumed request counts again).
         query_tokens: tokens of those requests when they were scheduled.
-        hit_tokens_gpu: tokens the engine found in its own GPU prefix cache.
-        hit_tokens_cpu: tokens the engine accepted from the CPU tier.
+        gpu_hit_tokens: tokens the engine found in its own GPU prefix cache.
+        cpu_hit_tokens: tokens the engine accepted from the CPU tier.
         blocks_stored / bytes_stored: blocks that became findable on the CPU tier,
             and the bytes their copies moved (every group).
         blocks_loaded / bytes_loaded: CPU blocks loaded back, and the bytes moved.
@@ -81,7 +81,7 @@ class OffloadStats:
             once per callback and hook as a ``RuntimeWarning``).
         store_policy_errors: store-policy calls that raised or answered
             something other than int block indices (treated as "store nothing").
-        hit_tokens_shared: tokens the engine accepted from the shared tier
+        shared_hit_tokens: tokens the engine accepted from the shared tier
             (fetched into CPU blocks, then loaded like a CPU hit).
         blocks_fetched / bytes_fetched: shared-tier blocks that landed in CPU
             blocks on every worker, and the bytes per worker.
@@ -114,8 +114,8 @@ class OffloadStats:
     lookups: Counter = _counter()
     scheduled_requests: Counter = _counter()
     query_tokens: Counter = _counter()
-    hit_tokens_gpu: Counter = _counter()
-    hit_tokens_cpu: Counter = _counter()
+    gpu_hit_tokens: Counter = _counter()
+    cpu_hit_tokens: Counter = _counter()
     blocks_stored: Counter = _counter()
     bytes_stored: Counter = _counter()
     blocks_loaded: Counter = _counter()
@@ -137,7 +137,7 @@ class OffloadStats:
     forced_resets: Counter = _counter()
     callback_errors: Counter = _counter()
     store_policy_errors: Counter = _counter()
-    hit_tokens_shared: Counter = _counter()
+    shared_hit_tokens: Counter = _counter()
     blocks_fetched: Counter = _counter()
     bytes_fetched: Counter = _counter()
     fetches_failed: Counter = _counter()
@@ -160,19 +160,19 @@ class OffloadStats:
     def cpu_hit_rate(self) -> float:
         """Fraction of scheduled tokens served by the CPU tier (0 before any request)."""
         q = self.query_tokens.value
-        return self.hit_tokens_cpu.value / q if q else 0.0
+        return self.cpu_hit_tokens.value / q if q else 0.0
 
     @property
     def gpu_hit_rate(self) -> float:
         """Fraction of scheduled tokens served by the GPU prefix cache (0 before any request)."""
         q = self.query_tokens.value
-        return self.hit_tokens_gpu.value / q if q else 0.0
+        return self.gpu_hit_tokens.value / q if q else 0.0
 
     @property
     def shared_hit_rate(self) -> float:
         """Fraction of scheduled tokens served by the shared tier (0 before any request)."""
         q = self.query_tokens.value
-        return self.hit_tokens_shared.value / q if q else 0.0
+        return self.shared_hit_tokens.value / q if q else 0.0
 
     def as_dict(self) -> dict[str, int | float]:
         """Every counter's value by name, plus the derived hit rates."""

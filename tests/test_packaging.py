@@ -1,7 +1,7 @@
 """Packaging: the wheel carries every subpackage; import hygiene of ``kvkit``."""
 
-import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -63,9 +63,17 @@ def test_wheel_declares_console_script(wheel_names):
 
 
 @pytest.mark.parametrize("name", ["interfaces", "backends"])
-def test_bare_source_folders_are_not_importable(name):
-    """The source folders are only reachable as kvkit.* (no second copy of the modules)."""
-    assert importlib.util.find_spec(name) is None
+def test_bare_source_folders_are_not_importable(name, tmp_path):
+    """The source folders are only reachable as kvkit.* (no second copy of the modules).
+
+    Asked from a fresh interpreter outside the checkout, so that neither the
+    current directory nor the test runner's path makes the folder importable.
+    """
+    code = f"import importlib.util; print(importlib.util.find_spec({name!r}) is None)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=tmp_path, env=env)
+    assert out.stdout.strip() == "True"
 
 
 def test_import_kvkit_touches_neither_cupy_nor_cuda():

@@ -53,7 +53,7 @@ def test_a_secret_named_option_is_never_shown(pw, name):
     assert "request_timeout" in quote(options) and "ttl_s=3" in redact_url(url)
 
 
-@pytest.mark.parametrize("name", ["tokens", "hit_tokens_gpu", "max_new_tokens", "decode_ms_per_token", "tokenizer",
+@pytest.mark.parametrize("name", ["tokens", "gpu_hit_tokens", "max_new_tokens", "decode_ms_per_token", "tokenizer",
                                   "request_timeout_s", "username", "tls_key", "capacity_bytes", "second", "select",
                                   "shared_secret_env", "password_file", "token_path"])
 def test_what_is_not_secret_stays(name):

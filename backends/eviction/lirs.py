@@ -14,6 +14,7 @@ from kvkit.backends.eviction._common import (
     already_tracked,
     check_count,
     define_policy,
+    hash_already_tracked,
     not_tracked,
 )
 from kvkit.backends.eviction._queue import ParkingQueue, QueuedPins
@@ -113,6 +114,9 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
                   parent: BlockHash | None) -> None:
         if block in self._hash_of:
             raise already_tracked(self, block)
+        holder = self._block_of.get(block_hash)
+        if holder is not None:
+            raise hash_already_tracked(self, block, block_hash, holder)
         rising = self.capacity is None and len(self._hash_of) >= self.c
         self._learn(len(self._hash_of) + 1)
         self._hash_of[block] = block_hash

@@ -56,7 +56,7 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
 
 def _effect(isolated: FleetResult, sharing: FleetResult) -> dict[str, Any]:
     """The shared tier's effect on the modelled TTFT (see :func:`~kvkit.sim.simulator.tier_effect`)."""
-    return tier_effect(isolated.ttft_summary(), sharing.ttft_summary(), served=sharing.total("hit_tokens_shared"),
+    return tier_effect(isolated.ttft_summary(), sharing.ttft_summary(), served=sharing.total("shared_hit_tokens"),
                        declined=sharing.total("declined_shared"))
 
 
@@ -71,9 +71,9 @@ def _rows(f: FleetResult) -> dict[str, str]:
     return {
         "requests": f"{f.total('requests'):,}",
         "prompt tokens": f"{prompt:,}",
-        "hit tokens, GPU tier": tokens("hit_tokens_gpu"),
-        "hit tokens, CPU tier": tokens("hit_tokens_cpu"),
-        "hit tokens, shared tier": tokens("hit_tokens_shared"),
+        "hit tokens, GPU tier": tokens("gpu_hit_tokens"),
+        "hit tokens, CPU tier": tokens("cpu_hit_tokens"),
+        "hit tokens, shared tier": tokens("shared_hit_tokens"),
         "computed tokens": tokens("computed_tokens"),
         "  of which overlapping loads": tokens("overlapped_tokens"),
         "hits declined, CPU / shared tier": f"{f.total('declined_cpu'):,} / {f.total('declined_shared'):,}",

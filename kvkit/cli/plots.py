@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["fleet_figure", "policy_figure", "save", "sim_figure"]
 
-_PARTS = (("hit_tokens_gpu", "hit in the GPU tier", "tab:green"), ("hit_tokens_cpu", "hit in the CPU tier", "tab:blue"),
-          ("hit_tokens_shared", "hit in the shared tier", "tab:purple"), ("computed_tokens", "computed", "tab:gray"))
+_PARTS = (("gpu_hit_tokens", "hit in the GPU tier", "tab:green"), ("cpu_hit_tokens", "hit in the CPU tier", "tab:blue"),
+          ("shared_hit_tokens", "hit in the shared tier", "tab:purple"), ("computed_tokens", "computed", "tab:gray"))
 """Where a prompt token came from: (figure, legend label, colour), bottom to top of each bar."""
 
 

@@ -175,7 +175,7 @@ def _effect(baseline: SimResult, offload: SimResult) -> dict[str, Any]:
     def summary(r: SimResult) -> dict[str, float]:
         return {"mean": round(r.ttft_mean_ms, 3), **r.ttft_percentiles()}
 
-    return tier_effect(summary(baseline), summary(offload), served=offload.hit_tokens_cpu,
+    return tier_effect(summary(baseline), summary(offload), served=offload.cpu_hit_tokens,
                        declined=offload.declined_cpu)
 
 
@@ -192,8 +192,8 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
     rows = [
         ("requests", f"{r.requests:,}"),
         ("prompt tokens", f"{r.prompt_tokens:,}"),
-        ("hit tokens, GPU tier", f"{r.hit_tokens_gpu:,}{_share(r.hit_tokens_gpu, r.prompt_tokens)}"),
-        ("hit tokens, CPU tier", f"{r.hit_tokens_cpu:,}{_share(r.hit_tokens_cpu, r.prompt_tokens)}"),
+        ("hit tokens, GPU tier", f"{r.gpu_hit_tokens:,}{_share(r.gpu_hit_tokens, r.prompt_tokens)}"),
+        ("hit tokens, CPU tier", f"{r.cpu_hit_tokens:,}{_share(r.cpu_hit_tokens, r.prompt_tokens)}"),
         ("computed tokens", f"{r.computed_tokens:,}{_share(r.computed_tokens, r.prompt_tokens)}"),
         ("  of which overlapping loads", f"{r.overlapped_tokens:,}{_share(r.overlapped_tokens, r.prompt_tokens)}"),
         ("hits declined, CPU tier", f"{r.declined_cpu:,}"),

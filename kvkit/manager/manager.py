@@ -496,8 +496,8 @@ class OffloadManager:
         s = self.stats
         s.scheduled_requests.add()
         s.query_tokens.add(r.num_tokens)
-        s.hit_tokens_gpu.add(r.gpu_hit_blocks * bs)
-        s.hit_tokens_cpu.add(len(r.pinned) * bs)
+        s.gpu_hit_tokens.add(r.gpu_hit_blocks * bs)
+        s.cpu_hit_tokens.add(len(r.pinned) * bs)
         s.hits_declined_cpu.add((offered_cpu - len(r.pinned)) * bs)
         s.hits_declined_shared.add((offered_shared - len(r.fetch)) * bs)
         if r.load_pending:
@@ -506,7 +506,7 @@ class OffloadManager:
             s.plan_saved_ms.add(r.plan[1])
         r.plan = None
         if r.fetch:
-            s.hit_tokens_shared.add(len(r.fetch) * bs)
+            s.shared_hit_tokens.add(len(r.fetch) * bs)
             self._events.emit("on_shared_hit", request_id, len(r.fetch) * bs)
 
     def append_blocks(self, request_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:

@@ -44,6 +44,7 @@ from typing_extensions import override
 
 from kvkit.errors import OutOfBlocksError, RequestStateError, UnknownRequestError
 from kvkit.interfaces import BlockHash, BlockId, Direction, HeadCompute, PrefillCompute, TransferResult
+from kvkit.interfaces.hints import WorkloadHints
 from kvkit.manager.step import StepPlan
 from kvkit.stack import OffloadStack
 from kvkit.validate import check_bool, checked, implements, plural
@@ -184,8 +185,13 @@ class ReferenceEngine:
         """Requests that hold GPU blocks."""
         return [r for r in self._requests.values() if r.running]
 
-    def add_request(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        """Queue a prefill of ``num_tokens`` tokens whose full blocks hash to ``block_hashes``."""
+    def add_request(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int,
+                    hints: WorkloadHints | None = None) -> None:
+        """Queue a prefill of ``num_tokens`` tokens whose full blocks hash to ``block_hashes``.
+
+        ``hints`` reach the CPU tier's policy as in :meth:`OffloadManager.add_request
+        <kvkit.manager.OffloadManager.add_request>`; a refused add queues nothing.
+        """
         if request_id in self._requests:
             raise RequestStateError(f"request {request_id!r} is already in the engine")
         kv = self.stack.config.kv
@@ -194,7 +200,7 @@ class ReferenceEngine:
             raise OutOfBlocksError(
                 f"request {request_id!r} needs {plural(need, 'GPU block')} ({plural(num_tokens, 'token')}), more than "
                 f"the whole GPU pool of {self.stack.gpu.num_blocks}")
-        self.stack.manager.add_request(request_id, block_hashes, num_tokens)
+        self.stack.manager.add_request(request_id, block_hashes, num_tokens, hints=hints)
         req = EngineRequest(request_id, list(block_hashes), num_tokens)
         self._requests[request_id] = req
         self._waiting.append(req)

@@ -30,7 +30,7 @@ on one instance, while a system prompt every request shares (the first block) do
 to one."""
 
 _SUMMED = ("requests", "skipped_requests", "queued_requests", "prompt_tokens", "block_references",
-           "hit_tokens_gpu", "hit_tokens_cpu", "hit_tokens_shared", "computed_tokens", "overlapped_tokens",
+           "gpu_hit_tokens", "cpu_hit_tokens", "shared_hit_tokens", "computed_tokens", "overlapped_tokens",
            "declined_cpu", "declined_shared", "blocks_stored", "blocks_loaded", "evictions_gpu", "evictions_cpu",
            "leaked_blocks")
 
@@ -50,7 +50,7 @@ class FleetResult:
     instances: tuple[SimResult, ...]
 
     def total(self, figure: str) -> int:
-        """The sum of ``figure`` (a ``SimResult`` count such as ``"hit_tokens_shared"``) over instances."""
+        """The sum of ``figure`` (a ``SimResult`` count such as ``"shared_hit_tokens"``) over instances."""
         return sum(getattr(r, figure) for r in self.instances)
 
     def stat(self, counter: str) -> int | float:

@@ -346,7 +346,7 @@ class SimResult:
         prompt_tokens: prompt tokens of the simulated requests.
         block_references: prompt blocks of the simulated requests (the last,
             partial block included, as the trace counts them).
-        hit_tokens_gpu / hit_tokens_cpu / hit_tokens_shared: prompt tokens
+        gpu_hit_tokens / cpu_hit_tokens / shared_hit_tokens: prompt tokens
             served by each tier (a shared hit is fetched into the CPU tier and
             loaded from there; it counts here, not as a CPU hit).
         computed_tokens: prompt tokens recomputed (the rest of ``prompt_tokens``).
@@ -372,8 +372,8 @@ class SimResult:
     queued_requests: int
     prompt_tokens: int
     block_references: int
-    hit_tokens_gpu: int
-    hit_tokens_cpu: int
+    gpu_hit_tokens: int
+    cpu_hit_tokens: int
     computed_tokens: int
     blocks_stored: int
     blocks_loaded: int
@@ -384,7 +384,7 @@ class SimResult:
     ttft_ms: array
     seconds: float
     stats: dict[str, int | float]
-    hit_tokens_shared: int = 0
+    shared_hit_tokens: int = 0
     overlapped_tokens: int = 0
     declined_cpu: int = 0
     declined_shared: int = 0
@@ -427,9 +427,9 @@ class SimResult:
             "queued_requests": self.queued_requests,
             "prompt_tokens": self.prompt_tokens,
             "block_references": self.block_references,
-            "hit_tokens_gpu": self.hit_tokens_gpu,
-            "hit_tokens_cpu": self.hit_tokens_cpu,
-            "hit_tokens_shared": self.hit_tokens_shared,
+            "gpu_hit_tokens": self.gpu_hit_tokens,
+            "cpu_hit_tokens": self.cpu_hit_tokens,
+            "shared_hit_tokens": self.shared_hit_tokens,
             "computed_tokens": self.computed_tokens,
             "overlapped_tokens": self.overlapped_tokens,
             "declined_cpu": self.declined_cpu,
@@ -596,7 +596,7 @@ class Simulator:
         while running and running[0][0] <= start:
             engine.finish(heapq.heappop(running)[2])
         engine.add_request(rid, cast("tuple[BlockHash, ...]", request.hash_ids[: n // bt]), n)  # ids are hashes
-        shared_before = stats.hit_tokens_shared.value
+        shared_before = stats.shared_hit_tokens.value
         retried = False
         while not (report := engine.step()).scheduled:
             # Stores flushed by finished requests hold GPU blocks until the step that
@@ -614,7 +614,7 @@ class Simulator:
         self._clock_ms = start
         req = report.scheduled[0]
         gpu, head, cpu = req.gpu_hit_tokens, req.head_tokens, req.cpu_hit_tokens
-        shared = min(cpu, int(stats.hit_tokens_shared.value - shared_before))  # 0 if its fetch failed
+        shared = min(cpu, int(stats.shared_hit_tokens.value - shared_before))  # 0 if its fetch failed
         cpu -= shared
         first_token = start + self._prefill_ms(n, gpu, head, cpu // bt, shared // bt)
         self._ttft.append(first_token - request.timestamp_ms)
@@ -684,8 +684,8 @@ class Simulator:
             queued_requests=counts["queued"],
             prompt_tokens=counts["prompt_tokens"],
             block_references=counts["block_references"],
-            hit_tokens_gpu=counts["gpu"],
-            hit_tokens_cpu=counts["cpu"],
+            gpu_hit_tokens=counts["gpu"],
+            cpu_hit_tokens=counts["cpu"],
             computed_tokens=counts["prompt_tokens"] - counts["gpu"] - counts["cpu"] - counts["shared"],
             blocks_stored=int(stats.blocks_stored),
             blocks_loaded=int(stats.blocks_loaded),
@@ -696,7 +696,7 @@ class Simulator:
             ttft_ms=self._ttft,
             seconds=time.perf_counter() - self._started,
             stats=stats.as_dict(),
-            hit_tokens_shared=counts["shared"],
+            shared_hit_tokens=counts["shared"],
             overlapped_tokens=int(stats.hit_tokens_overlapped),
             declined_cpu=int(stats.hits_declined_cpu),
             declined_shared=int(stats.hits_declined_shared),

@@ -16,22 +16,30 @@ works for drivers that never pin.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from typing_extensions import override
 
+from kvkit.errors import KVKitError
 from kvkit.interfaces.capabilities import PinAwarePolicy, pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import plural
 
 __all__ = ["EvictionPolicyContract", "FIFOContract", "LRUContract"]
 
 _PICK = st.integers(0, 63)  # reduced modulo the live choices, so it shrinks towards the first
+
+
+def _select(policy: Any, n: object, is_evictable: Callable[[BlockId], bool]) -> object:
+    """``policy.select_victims(n, is_evictable)`` for any ``n``, valid or not."""
+    return policy.select_victims(n, is_evictable)
 
 
 def _hash(k: int) -> BlockHash:
@@ -81,6 +89,16 @@ class EvictionPolicyContract(RuleBasedStateMachine):
     """Distinct hashes in play; more than ``max_blocks``, so hashes leave and return."""
     drive_pin_hooks = True
     """Whether pin and unpin call the policy's pin hooks, if it has them (``False``: never)."""
+    checks_refusals = True
+    """Whether calls that break the protocol must be refused (``False`` for a policy that trusts its pool).
+
+    A refused call (a victim count that is not an int in ``[0, sys.maxsize]``,
+    a tracked block inserted again, an untracked block accessed or removed,
+    for a :class:`~kvkit.interfaces.hints.HintAwarePolicy` hints that are not
+    a ``WorkloadHints`` or hashes that are not all ints) raises a
+    :class:`~kvkit.errors.KVKitError` and changes nothing: the policy evicts
+    what it would have evicted, and hears the next hints as it would have.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -207,6 +225,47 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         else:
             self._select_fails(n, available)
 
+    @precondition(lambda self: self.checks_refusals)
+    @rule(data=st.data())
+    def refused_call(self, data: st.DataObject) -> None:
+        """A call that breaks the protocol raises a kvkit error and changes nothing."""
+        calls = self._bad_calls()
+        name = data.draw(st.sampled_from(sorted(calls)), label="bad call")
+        call, later_hashes = calls[name]
+        for policy in self.policies():
+            before = self.clone_policy(policy)
+            try:
+                call(policy)
+            except KVKitError:
+                pass
+            else:
+                raise AssertionError(f"{name}: accepted, not refused with a KVKitError")
+            self._assert_drain_alike(before, policy, name, later_hashes)
+
+    def _bad_calls(self) -> dict[str, tuple[Callable[[Any], object], list[BlockHash]]]:
+        """Calls the model state makes invalid: name -> (call on a policy, hashes later inserted to compare)."""
+        free = BlockId(self._first_free(0, self.max_blocks + 1, self.tracked.__contains__))
+        in_use = set(self.tracked.values())
+        untracked = [h for h in map(self.hash_for, range(self.hash_space)) if h not in in_use]
+        is_evictable = self.is_evictable
+        calls: dict[str, tuple[Callable[[Any], object], list[BlockHash]]] = {
+            f"select_victims({n!r})": (functools.partial(_select, n=n, is_evictable=is_evictable), [])
+            for n in (-1, 1.5, True, "2", 2**64)
+        }
+        calls["on_access of an untracked block"] = (lambda p: p.on_access(free), [])
+        calls["on_remove of an untracked block"] = (lambda p: p.on_remove(free), [])
+        if self.tracked:
+            block = next(iter(self.tracked))
+            calls["on_insert of a tracked block"] = (lambda p: p.on_insert(block, untracked[0], None), [])
+        if isinstance(self.policy, HintAwarePolicy):
+            hints = WorkloadHints(priority=2, ttl_s=60.0)
+            good = untracked[:2]
+            calls["on_hints of a str"] = (lambda p: p.on_hints("12", hints), [])
+            calls["on_hints of a nested list"] = (lambda p: p.on_hints([*good, [good[0]]], hints), good)
+            calls["on_hints of a float hash"] = (lambda p: p.on_hints([*good, 1.5], hints), good)
+            calls["on_hints of a dict for hints"] = (lambda p: p.on_hints(good, {"priority": 2}), good)
+        return calls
+
     @invariant()
     def tracks_the_model(self) -> None:
         """Every policy tracks exactly the model's blocks and keeps its invariants."""
@@ -247,14 +306,20 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         result = self.policy.select_victims(n, self.is_evictable)
         assert result is None, \
             f"select_victims({n}) returned {result!r} with only {plural(len(available), 'evictable block')}"
-        self._assert_drain_alike(before, self.policy, n)
+        self._assert_drain_alike(before, self.policy, f"select_victims({n}) returned None")
         if self.twin is None:
             self.twin = before  # never saw the failed call: the policy must keep behaving like it
 
-    def _assert_drain_alike(self, before: EvictionPolicy, after: EvictionPolicy, n: int) -> None:
-        """Clones of ``before`` and ``after`` evict every block in the same order."""
+    def _assert_drain_alike(self, before: EvictionPolicy, after: EvictionPolicy, what: str,
+                            later_hashes: Iterable[BlockHash] = ()) -> None:
+        """Clones of ``before`` and ``after``, given blocks of ``later_hashes``, evict every block in the same order."""
         left = set(self.tracked)
         first, second = self.clone_policy(before), self.clone_policy(after)
+        for i, block_hash in enumerate(later_hashes):  # new ids past the modelled pool
+            block = BlockId(self.max_blocks + 1 + i)
+            for clone in (first, second):
+                clone.on_insert(block, block_hash, None)
+            left.add(block)
         for block in sorted(self.pinned):  # pinned blocks may be set aside: release them to drain everything
             for clone in (first, second):
                 if self.hears_pins(clone):
@@ -263,7 +328,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
             a = first.select_victims(1, left.__contains__)
             b = second.select_victims(1, left.__contains__)
             assert a == b, (
-                f"after select_victims({n}) returned None the policy evicts {b} next, "
+                f"after {what} the policy evicts {b} next, "
                 f"but before that call it would have evicted {a}: the failed call changed state")
             assert a is not None and a[0] in left, f"draining chose {a}, not one of {sorted(left)}"
             first.on_remove(a[0])

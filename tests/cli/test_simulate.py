@@ -12,7 +12,7 @@ from kvkit.sim.synthetic import SyntheticWorkload, generate
 from kvkit.sim.traces import write_trace
 
 REQUIRED_KEYS = {
-    "requests", "prompt_tokens", "hit_tokens_gpu", "hit_tokens_cpu", "computed_tokens",
+    "requests", "prompt_tokens", "gpu_hit_tokens", "cpu_hit_tokens", "computed_tokens",
     "blocks_stored", "blocks_loaded", "bytes_stored", "bytes_loaded", "evictions_gpu",
     "evictions_cpu", "leaked_blocks", "integrity_errors", "ttft_model_ms", "config",
 }
@@ -39,15 +39,15 @@ def test_default_run_shows_that_offload_helps():
     report = json.loads(result.stdout)
     assert set(report) >= REQUIRED_KEYS
     assert set(report["ttft_model_ms"]) >= {"p50", "p90", "p99"}
-    assert report["hit_tokens_cpu"] > 0
+    assert report["cpu_hit_tokens"] > 0
     assert report["leaked_blocks"] == 0
     assert report["integrity_errors"] is None
     baseline = report["baseline"]
-    assert baseline["hit_tokens_cpu"] == 0
+    assert baseline["cpu_hit_tokens"] == 0
     assert report["ttft_model_ms"]["p50"] < baseline["ttft_model_ms"]["p50"]
     assert report["ttft_model_ms"]["mean"] < baseline["ttft_model_ms"]["mean"]
     assert report["cpu_tier"]["verdict"] == "sooner" and report["cpu_tier"]["mean_change"] < 0
-    assert report["cpu_tier"]["served_tokens"] == report["hit_tokens_cpu"]
+    assert report["cpu_tier"]["served_tokens"] == report["cpu_hit_tokens"]
     assert report["planner"]["prefill_tokens_per_s"] == 20_000 and report["config"]["planner"] == "overlap"
     config = report["config"]
     assert (config["trace"], config["seed"], config["block_size"]) == ("synthetic", 0, 16)

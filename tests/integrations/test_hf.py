@@ -117,7 +117,7 @@ def test_llama_turns_restored_from_the_cpu_tier_match_generate(models):
         assert chat.turns[0].cpu_hit_tokens == chat.turns[0].gpu_hit_tokens == 0
         assert all(turn.cpu_hit_tokens > 0 for turn in chat.turns[1:]), [t.cpu_hit_tokens for t in chat.turns]
         assert all(turn.computed_tokens < turn.prompt_tokens for turn in chat.turns[1:])
-    assert lm.stack.stats.hit_tokens_cpu.value > 0
+    assert lm.stack.stats.cpu_hit_tokens.value > 0
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
@@ -129,7 +129,7 @@ def test_sliding_window_models_match_generate(models, family):
     lm = _build(model, gpu_blocks=28 * len(spec.groups), block_size=8, cpu_blocks=200)
     chats = _chat(lm, model)
     assert all(t.gpu_hit_tokens + t.cpu_hit_tokens > 24 for c in chats for t in c.turns[2:])
-    assert lm.stack.stats.hit_tokens_cpu.value > 0
+    assert lm.stack.stats.cpu_hit_tokens.value > 0
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -638,6 +638,6 @@ def test_a_second_instance_restores_a_prefix_from_the_shared_tier(models):
     first.engine.drain()
     turn = second.generate([*prompt, 7], 3, keep_logits=True, stop_tokens=())
     ref = generate_without_offload(model, [*prompt, 7], 3, keep_logits=True, stop_tokens=())
-    assert second.stack.stats.hit_tokens_shared.value == 36 and turn.tokens == ref.tokens
+    assert second.stack.stats.shared_hit_tokens.value == 36 and turn.tokens == ref.tokens
     assert float((turn.logits - ref.logits).abs().max()) <= TOL
     _check_clean(second, second)

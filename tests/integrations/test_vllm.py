@@ -210,12 +210,12 @@ def test_reset_of_vllm_keeps_kvkit_and_reset_of_both_serves_nothing(tiny_llama, 
 
         reset_prefix_cache(llm, connector=True)
         sched, _ = connectors(llm)
-        hits_before = sched.stats.hit_tokens_cpu.value
+        hits_before = sched.stats.cpu_hit_tokens.value
         cold = replay(llm, prompts, MULTI_TURN["max_tokens"])
         assert cold.outputs == expected
         assert cold.kvkit_loaded_tokens == 0 and cold.vllm_cached_tokens == 0
         assert cold.computed_tokens == cold.prompt_tokens
-        assert sched.stats.hit_tokens_cpu.value == hits_before
+        assert sched.stats.cpu_hit_tokens.value == hits_before
         assert_nothing_held(llm)
 
 
@@ -342,12 +342,12 @@ def test_a_second_engine_reuses_the_first_ones_prefixes_through_the_shared_tier(
             first = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
             sched, _ = connectors(llm)
             assert first[0].kvkit_loaded_tokens == 0
-            assert sched.stats.hit_tokens_shared.value == 0
+            assert sched.stats.shared_hit_tokens.value == 0
             assert_nothing_held(llm)
         with engine(tiny_llama, extra_config=extra) as llm:
             second = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
             sched, worker = connectors(llm)
-            assert sched.stats.hit_tokens_shared.value > 0
+            assert sched.stats.shared_hit_tokens.value > 0
             assert second[0].kvkit_loaded_tokens > 0  # a cold CPU tier: these came from the shared tier
             assert worker.worker_side.shared.invalid_values == worker.worker_side.shared.missing_values == 0
             assert sched.stats.fetches_failed.value == 0
@@ -364,7 +364,7 @@ def test_a_vllm_outside_the_supported_range_is_refused_by_name():
     for version in ("0.31.2", "0.33.0", "not-a-version"):
         with pytest.raises(ConfigError, match=f"found vLLM {version!r}"):
             check_vllm_version(version)
-    code = "import vllm; vllm.__version__ = '0.40.1'; import kvkit.integrations.vllm"
+    code = "import vllm; vllm.__version__ = '0.40.1'; from kvkit.integrations.vllm import KVKitConnector"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env=_CLEAN_ENV, check=False)
     assert proc.returncode != 0
@@ -406,7 +406,7 @@ def test_sliding_window_groups_get_cpu_hits_with_identical_tokens(model, gpu_blo
         assert all(t.kvkit_loaded_tokens > 0 for t in turns[1:])
         sched, _ = connectors(llm)
         groups = sched.manager.kv.groups
-        hit_blocks = sched.stats.hit_tokens_cpu.value // sched.manager.kv.block_size
+        hit_blocks = sched.stats.cpu_hit_tokens.value // sched.manager.kv.block_size
         loaded = Counter()
         for _, order in orders:
             for _, plan in order.plan.loads:
@@ -617,7 +617,7 @@ def test_openai_server_exposes_kvkit_metrics_and_a_1000_request_soak_holds_nothi
             again = list(pool.map(complete, prompts[:40]))
         end = _idle_metrics(base)
         assert first[:40] == again == reference  # whether kvkit served their prefix or not
-        assert end["vllm:kvkit_hit_tokens_cpu_total"] > half["vllm:kvkit_hit_tokens_cpu_total"] > 0
+        assert end["vllm:kvkit_cpu_hit_tokens_total"] > half["vllm:kvkit_cpu_hit_tokens_total"] > 0
         for name in ("blocks_stored", "bytes_loaded", "evictions_cpu", "transfer_bytes"):
             assert end[f"vllm:kvkit_{name}_total"] > 0, name
         assert "vllm:kvkit_transfer_gbps" in end

@@ -19,15 +19,15 @@ from hypothesis import given
 
 from kvkit.config import DEFAULTS
 from kvkit.errors import ConfigError, HashInputError, PoolUsageError, RefcountError, SpecMismatchError
-from kvkit.integrations._vllm_gpu_pool import VllmGpuPool
-from kvkit.integrations._vllm_scheduler import (
+from kvkit.integrations.vllm.gpu_pool import VllmGpuPool
+from kvkit.integrations.vllm.scheduler import (
     LOADED_TOKENS_KEY,
     RELOADED_TOKENS_KEY,
     SchedulerSide,
     block_hash,
 )
-from kvkit.integrations._vllm_settings import kv_spec_from_vllm, kvkit_window, parse_extra_config, shared_layout
-from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide, detect_layout, group_spec
+from kvkit.integrations.vllm.settings import kv_spec_from_vllm, kvkit_window, parse_extra_config, shared_layout
+from kvkit.integrations.vllm.worker import VLLM_LAYOUTS, WorkerSide, detect_layout, group_spec
 from kvkit.interfaces import GroupKind, HitSource, KVCacheSpec, KVGroupSpec
 from kvkit.worker.layouts import allocate_kv
 
@@ -449,7 +449,7 @@ def test_a_hit_slower_to_load_than_to_recompute_is_declined(seconds, loaded):
     sides.tables["b"] = [[7, 5, 9, 10]]
     sides.sched.allocated(b, [[7, 5, 9, 10]], loaded)
     stats = sides.sched.manager.stats
-    assert (stats.hit_tokens_cpu.value, stats.hits_declined_cpu.value) == (loaded, 3 * BS - loaded)
+    assert (stats.cpu_hit_tokens.value, stats.hits_declined_cpu.value) == (loaded, 3 * BS - loaded)
     _step(sides, [(b, b.num_tokens - loaded)])
     _finish(sides, b, [[7, 5, 9, 10]])
     _assert_idle(sides)
@@ -720,7 +720,7 @@ def _computed_and_shared(sides, table=([1, 2, 3, 4], [5, 6, 7, 8])):
     _finish(sides, a, table)
     _assert_idle(sides)  # plans the write-through put
     _assert_idle(sides)  # reports it
-    assert sides.sched.manager.stats.hit_tokens_shared.value == 0
+    assert sides.sched.manager.stats.shared_hit_tokens.value == 0
     return stored
 
 
@@ -741,7 +741,7 @@ def test_a_second_instance_fetches_the_first_ones_blocks_from_the_shared_tier(la
     assert [_blocks(b_sides, row[:3], g) for g, row in enumerate(table)] == stored
     assert b_sides.worker.take_load_errors() == set()
     stats = b_sides.sched.manager.stats
-    assert stats.hit_tokens_shared.value == 3 * BS and stats.fetches_failed.value == 0
+    assert stats.shared_hit_tokens.value == 3 * BS and stats.fetches_failed.value == 0
     _finish(b_sides, b, table)
     _assert_idle(b_sides)
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvkit.config import SharedConfig, StackConfig
 from kvkit.errors import ConfigError
-from kvkit.integrations._vllm_settings import EXTRA_KEYS, STACK_KEYS, VLLM_SLOTS, parse_extra_config
+from kvkit.integrations.vllm.settings import EXTRA_KEYS, STACK_KEYS, VLLM_SLOTS, parse_extra_config
 from kvkit.interfaces import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8)

@@ -248,7 +248,7 @@ def test_load_pairs_hit_i_with_position_gpu_hit_plus_i_and_unpins_the_rest():
     (tid, plan), = mgr.build_step().loads
     assert plan.direction is Direction.LOAD
     assert plan.src.tolist() == pinned[:2] and plan.dst.tolist() == gpu_table[1:3]
-    assert mgr.stats.hit_tokens_cpu.value == 2 * BS and mgr.stats.hit_tokens_gpu.value == BS
+    assert mgr.stats.cpu_hit_tokens.value == 2 * BS and mgr.stats.gpu_hit_tokens.value == BS
     mgr.check_invariants()
     report = mgr.apply_completions([TransferResult(tid)])
     assert report.loaded == {"b"}
@@ -698,4 +698,4 @@ def test_hit_counter_never_negative_for_a_resumed_request():
     mgr.on_allocated("b", [mgr.gpu.allocate(4)], 0)
     after = mgr.stats.as_dict()
     assert all(after[k] >= before[k] for k in before)
-    assert after["hit_tokens_cpu"] == before["hit_tokens_cpu"] + 3 * BS
+    assert after["cpu_hit_tokens"] == before["cpu_hit_tokens"] + 3 * BS

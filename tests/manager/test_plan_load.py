@@ -49,7 +49,7 @@ def test_a_plan_with_a_head_loads_only_its_tail_and_counts_the_rest():
     (tid, load), = mgr.build_step().loads
     assert load.dst.tolist() == table[2:5]
     s = mgr.stats
-    assert (s.hit_tokens_cpu.value, s.hits_declined_cpu.value, s.hit_tokens_overlapped.value) == (12, 12, 8)
+    assert (s.cpu_hit_tokens.value, s.hits_declined_cpu.value, s.hit_tokens_overlapped.value) == (12, 12, 8)
     mgr.apply_completions([TransferResult(tid, 0)])
     mgr.check_invariants()
 

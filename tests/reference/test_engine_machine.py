@@ -16,10 +16,16 @@ HYBRID = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=
                            groups=[kvkit.KVGroupSpec([0]),
                                    kvkit.KVGroupSpec([1], kind="sliding_window", window=6)])
 PREFIXES = [list(range(100 * p, 100 * p + 24)) for p in range(2)]
+HINTS = st.builds(kvkit.WorkloadHints, priority=st.integers(-1, 2), ttl_s=st.none() | st.floats(0.5, 60),
+                  kind=st.sampled_from([None, "chat", "batch"]))
 
 
 class EngineMachine(RuleBasedStateMachine):
-    """Random requests with shared prefixes and salts, finishes, aborts, preemptions and resets.
+    """Random requests with shared prefixes, salts and hints, finishes, aborts, preemptions and resets.
+
+    Stacks vary by store policy, CPU eviction policy (hint-aware ones
+    included), hybrid KV groups, world size, shared tier, load planner and
+    layered loads.
 
     After every step: every loaded block's bytes equal what the engine wrote for
     its content, and every component's invariants hold. At teardown, once all
@@ -29,28 +35,29 @@ class EngineMachine(RuleBasedStateMachine):
     """
 
     @initialize(store=st.sampled_from(["eager", "lazy", "selective"]),
-                eviction=st.sampled_from(["lru", "arc", "s3fifo", "lirs"]),
+                eviction=st.sampled_from(["lru", "arc", "s3fifo", "lirs", "hit-density", "hinted"]),
                 hybrid=st.booleans(), world_size=st.integers(1, 2),
-                shared=st.sampled_from([None, "write-through", "write-back"]))
-    def setup(self, store, eviction, hybrid, world_size, shared):
+                shared=st.sampled_from([None, "write-through", "write-back"]),
+                layered=st.booleans(), planner=st.sampled_from(["overlap", "load-all"]))
+    def setup(self, store, eviction, hybrid, world_size, shared, layered, planner):
         spec = HYBRID if hybrid and store != "lazy" else SPEC
         self.server = MemoryStore() if shared else None
         self.shared = FailingStore(self.server) if shared else None
         self.stack = kvkit.build(kv=spec, gpu_blocks=12 * len(spec.groups), cpu_blocks=12, store=store,
                                  cpu_eviction=eviction, layout="per-layer", device="cpu",
-                                 world_size=world_size,
+                                 world_size=world_size, planner=planner,
                                  shared=None if shared is None else {"url": self.shared, "write": shared,
                                                                       "backoff_s": 1e-3})
-        self.engine = ReferenceEngine(self.stack)
+        self.engine = ReferenceEngine(self.stack, layered=layered)
         self.next_id = 0
 
     @rule(prefix=st.integers(0, 1), extra=st.integers(1, 13), salt=st.sampled_from([None, "a"]),
-          seed=st.integers(0, 3))
-    def add(self, prefix, extra, salt, seed):
+          seed=st.integers(0, 3), hints=st.none() | HINTS)
+    def add(self, prefix, extra, salt, seed, hints=None):
         tokens = PREFIXES[prefix] + [7 * seed + i for i in range(extra)]
         hashes = hash_blocks(tokens, SPEC.block_size, extra_keys=(salt,) if salt else ())
         try:
-            self.engine.add_request(f"r{self.next_id}", hashes, len(tokens))
+            self.engine.add_request(f"r{self.next_id}", hashes, len(tokens), hints=hints)
         except OutOfBlocksError:
             return
         self.next_id += 1

@@ -185,7 +185,7 @@ def test_the_head_is_computed_while_the_tail_is_fetched():
         assert compute.head_done < store.fetch_done  # the head did not wait for the fetch
         assert compute.head_thread == threading.main_thread().name
         assert second.integrity_errors == 0 and reader.stats.hit_tokens_overlapped.value == 3 * SPEC.block_size
-        assert reader.stats.hit_tokens_shared.value == 5 * SPEC.block_size
+        assert reader.stats.shared_hit_tokens.value == 5 * SPEC.block_size
     finally:
         writer.close()
         reader.close()

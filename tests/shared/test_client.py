@@ -83,7 +83,7 @@ def test_second_instance_reuses_the_first_ones_prefix_byte_identical(write):
     assert put == (10 if write == "write-through" else 4)
     hit = min(put, 9)  # one token is always recomputed
     req = serve(eb, "b1")
-    assert req.cpu_hit_tokens == 4 * hit and b.stats.hit_tokens_shared.value == 4 * hit
+    assert req.cpu_hit_tokens == 4 * hit and b.stats.shared_hit_tokens.value == 4 * hit
     assert b.stats.blocks_fetched.value == hit and b.stats.loads_failed.value == 0
     assert eb.integrity_errors == 0 and ea.integrity_errors == 0
     assert sum(w.invalid_values for w in b.shared_workers) == 0

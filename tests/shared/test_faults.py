@@ -107,7 +107,7 @@ def test_a_second_instance_finds_the_shared_tokens_after_the_server_closed_idle_
             assert time.monotonic() < deadline, "the server never closed the idle connections"
             time.sleep(0.05)
         req = serve(eb, "b")
-        assert req.cpu_hit_tokens == 36 and b.stats.hit_tokens_shared.value == 36
+        assert req.cpu_hit_tokens == 36 and b.stats.shared_hit_tokens.value == 36
         assert b.stats.shared_outages.value == 0 and b.manager.shared_status == "on"
         assert eb.integrity_errors == 0
         a.close()

@@ -23,7 +23,7 @@ import kvkit.cli as cli
 from kvkit.config import SharedConfig
 from kvkit.errors import KVKitError
 from kvkit.hashing import hash_blocks
-from kvkit.integrations._vllm_settings import parse_extra_config
+from kvkit.integrations.vllm.settings import parse_extra_config
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.shared.client import FormatCodec, connect_shared
 from kvkit.sim.simulator import SimConfig

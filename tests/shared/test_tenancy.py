@@ -45,14 +45,14 @@ def _stack(url, **shared):
 def _serve(stack, rid, tokens=TOKENS):
     """Serve one request on a fresh engine; answer (shared hit tokens, integrity errors) of it."""
     engine = ReferenceEngine(stack)
-    before = stack.stats.hit_tokens_shared.value
+    before = stack.stats.shared_hit_tokens.value
     engine.add_request(rid, hash_blocks(tokens, SPEC.block_size), len(tokens))
     engine.step()
     engine.finish(rid)
     for _ in range(3):
         engine.step()
     engine.drain()
-    return stack.stats.hit_tokens_shared.value - before, engine.integrity_errors
+    return stack.stats.shared_hit_tokens.value - before, engine.integrity_errors
 
 
 def _admin(port: int, password: str | None = ADMIN) -> Connection:

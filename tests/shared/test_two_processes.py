@@ -34,7 +34,7 @@ _ENGINE = textwrap.dedent("""
     engine.drain()
     stack.check_invariants()
     stack.close()
-    json.dump({"hit": req.cpu_hit_tokens, "shared": stack.stats.hit_tokens_shared.value,
+    json.dump({"hit": req.cpu_hit_tokens, "shared": stack.stats.shared_hit_tokens.value,
                "put": stack.stats.blocks_put.value, "errors": engine.integrity_errors,
                "invalid": sum(w.invalid_values for w in stack.shared_workers), "prefix": prefix}, open(out, "w"))
 """)

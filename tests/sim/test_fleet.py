@@ -24,9 +24,9 @@ def test_a_shared_tier_serves_what_isolated_instances_recompute(router):
     """Same trace, same instances: sharing computes fewer tokens, serves some from the shared tier, leaks nothing."""
     isolated, sharing = compare_fleets(workload, CONFIG, instances=3, router=router)
     assert isolated.total("prompt_tokens") == sharing.total("prompt_tokens") > 0
-    assert isolated.total("hit_tokens_shared") == 0 and not isolated.shared
+    assert isolated.total("shared_hit_tokens") == 0 and not isolated.shared
     if router == "round-robin":  # conversations scattered: the turns of one meet only through the shared tier
-        assert sharing.total("hit_tokens_shared") > 0
+        assert sharing.total("shared_hit_tokens") > 0
         assert sharing.total("computed_tokens") < isolated.total("computed_tokens")
     assert sharing.total("leaked_blocks") == isolated.total("leaked_blocks") == 0
     report = sharing.as_dict()
@@ -39,7 +39,7 @@ def test_verified_bytes_through_a_shared_tier():
 
     config = SimConfig(gpu_blocks=256, cpu_blocks=512, verify=True, shared=MemoryStore())
     fleet = simulate_fleet(islice(workload(), 120), config, instances=2)
-    assert fleet.total("hit_tokens_shared") > 0
+    assert fleet.total("shared_hit_tokens") > 0
     assert all(r.integrity_errors == 0 for r in fleet.instances)
 
 
@@ -57,7 +57,7 @@ def test_cli_compares_isolated_and_shared_instances():
                                            "--gpu-blocks", "256", "--cpu-blocks", "512"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["isolated"]["hit_tokens_shared"] == 0 < report["shared"]["hit_tokens_shared"]
+    assert report["isolated"]["shared_hit_tokens"] == 0 < report["shared"]["shared_hit_tokens"]
     assert report["shared"]["per_instance"][0]["planner"]["prefill_tokens_per_s"] > 0
     effect = report["shared_tier"]
     assert effect["verdict"] in ("sooner", "later", "same") and effect["served_tokens"] > 0
@@ -98,7 +98,7 @@ def test_a_shared_tier_never_makes_the_first_token_later(gbps):
     isolated, sharing = compare_fleets(_chat(100), SimConfig(cost=CostModel(shared_gbps=gbps)), instances=4)
     a, b = isolated.ttft_summary(), sharing.ttft_summary()
     assert b["mean"] <= a["mean"] and b["p90"] <= a["p90"], (a, b)
-    assert sharing.total("hit_tokens_shared") > 0
+    assert sharing.total("shared_hit_tokens") > 0
 
 
 def test_loading_every_hit_of_a_slow_tier_makes_the_first_token_later():

@@ -51,14 +51,14 @@ def test_accounting_adds_up_and_nothing_leaks(workload, gpu_blocks, cpu_blocks, 
     assert r.skipped_requests == len(trace) - len(fits)
     assert r.prompt_tokens == sum(t.input_length for t in fits)
     assert r.block_references == sum(len(t.hash_ids) for t in fits)
-    assert r.hit_tokens_gpu + r.hit_tokens_cpu + r.computed_tokens == r.prompt_tokens
+    assert r.gpu_hit_tokens + r.cpu_hit_tokens + r.computed_tokens == r.prompt_tokens
     assert r.computed_tokens >= sum(1 for t in fits if t.input_length)  # one token is always recomputed
-    assert r.hit_tokens_cpu == r.blocks_loaded * bt
-    assert (r.stats["hit_tokens_gpu"], r.stats["hit_tokens_cpu"]) == (r.hit_tokens_gpu, r.hit_tokens_cpu)
+    assert r.cpu_hit_tokens == r.blocks_loaded * bt
+    assert (r.stats["gpu_hit_tokens"], r.stats["cpu_hit_tokens"]) == (r.gpu_hit_tokens, r.cpu_hit_tokens)
     assert r.bytes_loaded == r.blocks_loaded * LLAMA_3_8B.spec(bt).bytes_per_block
     assert min(r.ttft_ms, default=0) >= 0
     if store == "never":
-        assert r.hit_tokens_cpu == r.blocks_stored == r.evictions_cpu == 0
+        assert r.cpu_hit_tokens == r.blocks_stored == r.evictions_cpu == 0
 
 
 def test_time_model_by_hand():
@@ -75,7 +75,7 @@ def test_time_model_by_hand():
     r = simulate(trace, config)
     assert list(r.ttft_ms) == [0.0, 16.0, 30.0, 1.0]
     assert (r.requests, r.skipped_requests, r.queued_requests) == (4, 1, 1)
-    assert (r.hit_tokens_gpu, r.computed_tokens) == (20, 21)
+    assert (r.gpu_hit_tokens, r.computed_tokens) == (20, 21)
 
 
 def test_cpu_hits_cost_load_time_not_compute_time():
@@ -88,7 +88,7 @@ def test_cpu_hits_cost_load_time_not_compute_time():
     r = simulate(trace, config)
     assert r.config.block_size == 4
     load_ms = 4 * r.config.spec.bytes_per_block / 1e9 * 1e3
-    assert r.hit_tokens_cpu == 16 and r.blocks_loaded == 4
+    assert r.cpu_hit_tokens == 16 and r.blocks_loaded == 4
     assert r.ttft_ms[2] == pytest.approx(1.0 + load_ms)
 
 
@@ -115,7 +115,7 @@ def test_the_planner_probes_a_tier_then_plans_from_what_it_observed():
     r = simulate(trace, config)
     assert r.ttft_ms[2] == pytest.approx(max(3 * 16, block_ms) + 4)
     assert r.ttft_ms[4] == pytest.approx(max(16, 3 * block_ms) + 4)
-    assert (r.hit_tokens_cpu, r.overlapped_tokens, r.declined_cpu) == (4 + 12, 12 + 4, 16)
+    assert (r.cpu_hit_tokens, r.overlapped_tokens, r.declined_cpu) == (4 + 12, 12 + 4, 16)
     assert r.planner["cpu_gbps"] == pytest.approx(0.0625) and r.planner["prefill_tokens_per_s"] == pytest.approx(250)
 
 
@@ -124,7 +124,7 @@ def test_offload_beats_no_offload_on_the_default_workload():
     trace = list(generate())
     offload = simulate(trace, SimConfig())
     baseline = simulate(trace, SimConfig(store="never"))
-    assert offload.hit_tokens_cpu > 0 and baseline.hit_tokens_cpu == 0
+    assert offload.cpu_hit_tokens > 0 and baseline.cpu_hit_tokens == 0
     assert offload.computed_tokens < baseline.computed_tokens
     for q, ms in offload.ttft_percentiles().items():
         assert ms <= baseline.ttft_percentiles()[q], q
@@ -255,7 +255,7 @@ def test_a_trace_block_size_flows_into_the_simulation():
 
     r = simulate(read_trace("mooncake-conversation", limit=200), SimConfig(gpu_blocks=400, cpu_blocks=2000))
     assert r.config.block_size == MOONCAKE_BLOCK_SIZE == r.config.spec.block_size
-    assert r.requests == 200 and r.hit_tokens_gpu > 0
+    assert r.requests == 200 and r.gpu_hit_tokens > 0
     assert r.bytes_loaded == r.blocks_loaded * LLAMA_3_8B.spec(MOONCAKE_BLOCK_SIZE).bytes_per_block
     with pytest.raises(TraceFormatError, match=r"SimConfig.block_size=16"):
         simulate(read_trace("mooncake-conversation", limit=5), SimConfig(block_size=16))
@@ -281,7 +281,7 @@ def test_result_as_dict_is_json_ready():
 
     r = simulate(generate(SyntheticWorkload(num_conversations=5)), SimConfig())
     d = json.loads(json.dumps(r.as_dict()))
-    assert {"requests", "prompt_tokens", "hit_tokens_gpu", "hit_tokens_cpu", "computed_tokens",
+    assert {"requests", "prompt_tokens", "gpu_hit_tokens", "cpu_hit_tokens", "computed_tokens",
             "blocks_stored", "blocks_loaded", "bytes_stored", "bytes_loaded", "evictions_gpu",
             "evictions_cpu", "leaked_blocks", "integrity_errors", "ttft_model_ms", "config"} <= set(d)
     assert set(d["ttft_model_ms"]) >= {"p50", "p90", "p99"}

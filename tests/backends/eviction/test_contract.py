@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -12,12 +13,15 @@ from hypothesis.stateful import precondition, rule, run_state_machine_as_test
 
 from kvkit.backends.eviction.arc import ARCPolicy
 from kvkit.backends.eviction.fifo import FIFOPolicy
+from kvkit.backends.eviction.hinted import HintedPolicy
 from kvkit.backends.eviction.lfu import LFUPolicy
 from kvkit.backends.eviction.lirs import LIRSPolicy
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.opt import OptimalPolicy
 from kvkit.backends.eviction.s3fifo import S3FIFOPolicy
+from kvkit.errors import PoolUsageError
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.sim.policy_study import TraceClock
 from kvkit.testing import EvictionPolicyContract, FIFOContract, LRUContract
 
 # --- every built-in joins the contract in three lines ------------------------
@@ -267,13 +271,63 @@ class _TrustsThePins(_SetsPinsAside):
         return list(self.order)[:n]
 
 
+class _Refusing(_RecencyList):
+    """The minimal LRU, refusing every call the protocol forbids before it changes anything."""
+
+    def on_insert(self, block, block_hash, parent):
+        if block in self.order:
+            raise PoolUsageError(f"block {block} is already tracked")
+        super().on_insert(block, block_hash, parent)
+
+    def on_access(self, block):
+        if block not in self.order:
+            raise PoolUsageError(f"block {block} is not tracked")
+        super().on_access(block)
+
+    def on_remove(self, block):
+        if block not in self.order:
+            raise PoolUsageError(f"block {block} is not tracked")
+        super().on_remove(block)
+
+    def select_victims(self, n, is_evictable):
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= sys.maxsize:
+            raise PoolUsageError(f"n={n!r}")
+        return super().select_victims(n, is_evictable)
+
+
+class _AcceptsANegativeCount(_Refusing):
+    """Answers ``select_victims(-1)`` with no victims instead of refusing it."""
+
+    def select_victims(self, n, is_evictable):
+        return [] if n == -1 else super().select_victims(n, is_evictable)
+
+
+class _TouchesBeforeRefusing(_Refusing):
+    """Refuses an insert of a tracked block, but only after making it the most recent."""
+
+    def on_insert(self, block, block_hash, parent):
+        if block in self.order:
+            self.order.move_to_end(block)
+        super().on_insert(block, block_hash, parent)
+
+
+class _HintsHalfway(HintedPolicy):
+    """Hears each hash's hints before checking the next one, so a refusal keeps the earlier ones."""
+
+    def on_hints(self, hashes, hints):
+        for block_hash in list(hashes):
+            super().on_hints([block_hash], hints)
+
+
 def _contract_for(policy_type: type, base: type = EvictionPolicyContract,
-                  drive_pin_hooks: bool = True) -> type:
+                  drive_pin_hooks: bool = True, checks_refusals: bool = False) -> type:
+    """The contract for ``policy_type``; the minimal policies above trust their pool unless asked."""
     class Contract(base):
         def make_policy(self):
             return policy_type()
 
     Contract.drive_pin_hooks = drive_pin_hooks
+    Contract.checks_refusals = checks_refusals
 
     Contract.__name__ = f"{policy_type.__name__.strip('_')}Contract"
     return Contract
@@ -330,6 +384,34 @@ def test_pin_hooks_are_driven_and_checked():
     """A policy that sets pinned blocks aside passes with and without its hooks driven."""
     run_state_machine_as_test(_contract_for(_SetsPinsAside))
     run_state_machine_as_test(_contract_for(_SetsPinsAside, drive_pin_hooks=False))
+
+
+def test_refusals_pass_for_a_policy_that_refuses_before_it_changes():
+    """The refusal rule accepts the minimal LRU that checks every call first."""
+    run_state_machine_as_test(_contract_for(_Refusing, LRUContract, checks_refusals=True))
+
+
+def test_catches_a_bad_count_that_is_accepted():
+    """A policy that answers a negative count instead of refusing it fails the contract."""
+    with pytest.raises(AssertionError, match=r"select_victims\(-1\): accepted"):
+        _hunt(_contract_for(_AcceptsANegativeCount, checks_refusals=True))
+
+
+def test_catches_a_refusal_that_changes_state():
+    """A policy that reorders a block before refusing its second insert fails the contract."""
+    with pytest.raises(AssertionError, match=r"on_insert of a tracked block.*changed state"):
+        _hunt(_contract_for(_TouchesBeforeRefusing, checks_refusals=True))
+
+
+def test_catches_hints_heard_before_a_refusal():
+    """A hint-aware policy that keeps the hints of hashes before a bad one fails the contract."""
+
+    class Contract(EvictionPolicyContract):
+        def make_policy(self):
+            return _HintsHalfway(base=LRUPolicy, clock=TraceClock())
+
+    with pytest.raises(AssertionError, match=r"on_hints of a (nested list|float hash).*changed state"):
+        _hunt(Contract)
 
 
 def test_catches_a_block_lost_on_unpin():

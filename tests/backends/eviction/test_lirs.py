@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvkit.backends.eviction._common import any_block
 from kvkit.backends.eviction.lirs import LIRSPolicy
-from kvkit.errors import ConfigError
+from kvkit.errors import ConfigError, PoolUsageError
 
 
 class TextbookLIRS:
@@ -169,3 +169,13 @@ def test_lirs_bad_hir_ratio_is_a_config_error(bad):
     """The HIR share must lie strictly between 0 and 1, quoted."""
     with pytest.raises(ConfigError, match="hir_ratio"):
         LIRSPolicy(hir_ratio=bad)
+
+
+def test_lirs_refuses_a_hash_another_block_holds_and_changes_nothing():
+    """LIRS indexes blocks by hash: a second block under a tracked hash is refused, the index intact."""
+    policy = LIRSPolicy(capacity=4)
+    policy.on_insert(0, 11, None)
+    with pytest.raises(PoolUsageError, match="hash 11 of block 1 is already tracked by block 0"):
+        policy.on_insert(1, 11, None)
+    policy.check_invariants()
+    assert len(policy) == 1 and policy.select_victims(1, lambda b: True) == [0]

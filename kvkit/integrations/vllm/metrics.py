@@ -2,7 +2,7 @@
 
 The scheduler side reports, every step, the increase of each
 :class:`~kvkit.stats.OffloadStats` counter and the gauges of
-:data:`~kvkit.integrations._vllm_scheduler.GAUGES` (:class:`KVKitStats`);
+:data:`~kvkit.integrations.vllm.scheduler.GAUGES` (:class:`KVKitStats`);
 vLLM carries them to its stat loggers, which log :meth:`KVKitStats.reduce`
 and feed :class:`KVKitPromMetrics`: one counter ``vllm:kvkit_<name>`` per
 kvkit counter (exposed with Prometheus' ``_total`` suffix), one gauge per
@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvkit.integrations._vllm_scheduler import COUNTERS, GAUGES
+from kvkit.integrations.vllm.scheduler import COUNTERS, GAUGES
 from kvkit.interfaces import BlockHash
 
 __all__ = ["KVKitPromMetrics", "KVKitStats", "cpu_tier_events"]

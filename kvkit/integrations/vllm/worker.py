@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from kvkit.errors import ConfigError, SpecMismatchError, TransferTimeoutError
-from kvkit.integrations._vllm_scheduler import StepOrder
-from kvkit.integrations._vllm_settings import ConnectorSettings
+from kvkit.integrations.vllm.scheduler import StepOrder
+from kvkit.integrations.vllm.settings import ConnectorSettings
 from kvkit.interfaces import CopyBackend, KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
 from kvkit.interfaces.shared import BlockStore
 from kvkit.shared.client import connect_shared

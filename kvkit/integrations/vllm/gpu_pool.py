@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from kvkit.errors import PoolUsageError, RefcountError, UnknownBlockError
-from kvkit.integrations._vllm_scheduler import block_hash
+from kvkit.integrations.vllm.scheduler import block_hash
 from kvkit.interfaces import BlockHash, BlockId
 from kvkit.interfaces.allocator import EvictListener
 from kvkit.validate import is_int

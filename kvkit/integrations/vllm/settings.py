@@ -98,7 +98,7 @@ def shared_layout(stack: StackConfig, layout: str) -> str | None:
     uses (``latent`` for MLA, ``vllm-cpu`` on CPU, FlashAttention's
     ``per-layer`` on CUDA). Each worker checks, once its KV is registered,
     that its CPU mirror is in this layout and refuses to start otherwise
-    (:meth:`~kvkit.integrations._vllm_worker.WorkerSide.register`).
+    (:meth:`~kvkit.integrations.vllm.worker.WorkerSide.register`).
     """
     if stack.shared is None:
         return None

@@ -1,57 +1,5 @@
-"""kvkit as a vLLM KV connector (vLLM's V1 connector API; vLLM :data:`SUPPORTED_VLLM`, tested with 0.32.0).
+"""The connector class vLLM builds: :class:`KVKitConnector`, its scheduler and worker halves' shared entry point."""
 
-vLLM finds it by name (kvkit's ``vllm.general_plugins`` entry point registers
-it in every vLLM process; ``kv_connector_module_path="kvkit.integrations.vllm"``
-also works)::
-
-    from vllm.config import KVTransferConfig
-
-    KVTransferConfig(
-        kv_connector="KVKitConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"cpu_bytes": "16GiB", "cpu_eviction": "lru",
-                                   "store": "eager", "copy": "torch"},
-    )
-
-vLLM builds two instances: one in the scheduler (role ``SCHEDULER``), which
-drives kvkit's :class:`~kvkit.OffloadManager` over vLLM's GPU block pool
-(``bind_kv_cache_manager``), and one per worker (role ``WORKER``), which drives
-a :class:`~kvkit.worker.engine.TransferEngine` on that worker's KV tensors.
-They may live in different processes: each step's plan travels to the
-workers inside :class:`KVKitMetadata`, and the workers' results come back
-inside :class:`KVKitWorkerMetadata`. Both sides derive the CPU tier's size
-from the same ``kv_connector_extra_config`` (see
-:func:`~kvkit.integrations._vllm_settings.parse_extra_config`).
-
-A CPU hit is loaded layer by layer (``"layerwise": true``, the default):
-``start_load_kv`` submits the step's loads and each layer's
-``wait_for_layer_load`` makes the forward pass wait, on the device, for that
-layer's blocks only, so later layers still copy while earlier ones compute;
-``save_kv_layer`` marks a layer's KV written, so its stores need not wait for
-the whole forward pass. With ``"layerwise": false`` loads land before the
-forward pass; with ``"async_load": true`` they go through vLLM's asynchronous-load path: the request
-waits (``WAITING_FOR_REMOTE_KVS``) while other requests run, and the workers
-report it in ``finished_recving`` once its loads landed. A step's stores
-copy the blocks that step's forward pass completes, right after it. The
-manager holds a GPU reference on every block a copy touches, so vLLM frees a
-finished request's blocks at once (``request_finished -> False``). kvkit's
-counters reach vLLM's connector stats and Prometheus (``vllm:kvkit_*``), and
-its CPU tier vLLM's KV events (:mod:`~kvkit.integrations._vllm_metrics`).
-Every finished request's
-``RequestOutput.kv_transfer_params`` holds
-``{"kvkit_loaded_tokens": n, "kvkit_reloaded_tokens": m}``: the prompt tokens
-kvkit loaded when vLLM first scheduled it (counted in ``num_cached_tokens``)
-and when it resumed it after preemptions.
-
-Supported: vLLM's hybrid allocator (``SupportsHMA``) with full-attention and
-sliding-window groups (a CPU block holds every group's piece; a hit loads
-only the blocks inside each window), MLA (DeepSeek's single latent per
-token and layer: one region per layer, no K/V split), tensor parallelism,
-the layouts vLLM uses on CPU (``[nb, H, bs, 2*D]`` per layer) and on CUDA
-(``[2, nb, bs, H, D]`` K/V split, ``[nb, 2, bs, H, D]`` blocks first), and
-MLA's ``[nb, bs, D]`` on both; not pipeline parallelism, Mamba or permuted
-(HND) caches.
-"""
 
 from __future__ import annotations
 
@@ -60,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from typing_extensions import override
 
-from kvkit.integrations._vllm_version import SUPPORTED_VLLM, check_vllm_version
+from kvkit.integrations.vllm.version import check_vllm_version
 
 check_vllm_version()  # before vLLM's internals, which move between releases
 
@@ -76,21 +24,18 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from kvkit.errors import ConfigError
-from kvkit.integrations._vllm_gpu_pool import VllmGpuPool
-from kvkit.integrations._vllm_metrics import KVKitPromMetrics, KVKitStats, cpu_tier_events
-from kvkit.integrations._vllm_scheduler import (
-    LOADED_TOKENS_KEY,
-    RELOADED_TOKENS_KEY,
+from kvkit.integrations.vllm.gpu_pool import VllmGpuPool
+from kvkit.integrations.vllm.metrics import KVKitPromMetrics, KVKitStats, cpu_tier_events
+from kvkit.integrations.vllm.scheduler import (
     SchedulerSide,
     StepOrder,
 )
-from kvkit.integrations._vllm_settings import (
-    EXTRA_KEYS,
+from kvkit.integrations.vllm.settings import (
     ConnectorSettings,
     kv_spec_from_vllm,
     parse_extra_config,
 )
-from kvkit.integrations._vllm_worker import VLLM_LAYOUTS, WorkerSide
+from kvkit.integrations.vllm.worker import WorkerSide
 from kvkit.interfaces import TransferResult
 from kvkit.manager import OffloadManager
 from kvkit.stats import OffloadStats
@@ -108,21 +53,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = [
-    "EXTRA_KEYS",
-    "SUPPORTED_VLLM",
-    "KVKitPromMetrics",
-    "KVKitStats",
-    "LOADED_TOKENS_KEY",
-    "RELOADED_TOKENS_KEY",
-    "VLLM_LAYOUTS",
-    "ConnectorSettings",
-    "KVKitConnector",
-    "KVKitMetadata",
-    "KVKitWorkerMetadata",
-    "check_vllm_version",
-    "connector_settings",
-]
+__all__ = ["KVKitConnector", "KVKitMetadata", "KVKitWorkerMetadata", "connector_settings"]
 
 _ABORTED = frozenset({RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
                       RequestStatus.FINISHED_IGNORED})

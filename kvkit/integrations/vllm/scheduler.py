@@ -2,7 +2,7 @@
 
 vLLM-free: vLLM's ``Request`` objects are read by attribute (``request_id``,
 ``block_hashes``, ``num_tokens``, ``num_computed_tokens``, ``num_preemptions``)
-and its GPU pool through :class:`~kvkit.integrations._vllm_gpu_pool.VllmGpuPool`.
+and its GPU pool through :class:`~kvkit.integrations.vllm.gpu_pool.VllmGpuPool`.
 The mapping, per vLLM call:
 
 ========================================  =====================================================
@@ -63,7 +63,7 @@ import attrs
 from typing_extensions import override
 
 from kvkit.errors import HashInputError
-from kvkit.integrations._vllm_settings import ConnectorSettings
+from kvkit.integrations.vllm.settings import ConnectorSettings
 from kvkit.interfaces import BlockAllocator, BlockHash, BlockId, Direction, GroupKind, Tier, TransferResult
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.manager import OffloadManager
