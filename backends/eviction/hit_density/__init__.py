@@ -511,12 +511,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         # 2 * class walks from the old end, 2 * class + 1 from the young end), kept across the rounds
         # of this selection: nothing a round skips can become usable later in it, so each stream is
         # walked at most once and a selection costs O(n + skipped). A stream's head is (density, last
-        # access, block, stream); after a round only the streams its victims headed move on.
+        # access, block, stream), the least on top of a heap; after a round only the streams its
+        # victims headed move on.
         heads: dict[int, tuple[float, int, int, int]] = {}  # stream -> its head
         head_of: dict[int, list[int]] = {}  # block -> the streams it heads
+        order: list[tuple[float, int, int, int]] = []  # a heap of heads, current or replaced since
         for stream in range(2 * _CLASSES):
             block = self._ends[stream]
-            self._advance(stream, block, _verified if verified and block not in chosen else usable, heads, head_of)
+            self._advance(stream, block, _verified if verified and block not in chosen else usable,
+                          heads, head_of, order)
         orphan_walk = self._chains.orphans()
         orphans = None if orphan_walk is None else filter(usable, orphan_walk)
         collect = self._chains.collect
@@ -525,27 +528,32 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             if orphan is not None:
                 picked = collect(orphan, evictable, chosen, n)
             elif heads:
-                picked = collect(min(heads.values())[2], evictable, chosen, n)
+                while heads.get(order[0][3]) is not order[0]:  # replaced: its stream moved on
+                    heappop(order)
+                picked = collect(order[0][2], evictable, chosen, n)
             else:
                 return None
             for block in picked:  # the streams they headed go on past them
                 for stream in head_of.pop(block, ()):
                     del heads[stream]
-                    self._advance(stream, (self._prev if stream & 1 else self._next)[block], usable, heads, head_of)
+                    self._advance(stream, (self._prev if stream & 1 else self._next)[block], usable,
+                                  heads, head_of, order)
         return cast(_Blocks, list(chosen))
 
     # -- bookkeeping -----------------------------------------------------------
 
     def _advance(self, stream: int, block: int, usable: Callable[[int], object],
-                 heads: dict[int, tuple[float, int, int, int]], head_of: dict[int, list[int]]) -> None:
+                 heads: dict[int, tuple[float, int, int, int]], head_of: dict[int, list[int]],
+                 order: list[tuple[float, int, int, int]]) -> None:
         """Walk ``stream`` from ``block`` to its first usable block and make that its head (none: it ends)."""
         links = self._prev if stream & 1 else self._next
         while block != _NONE and not usable(block):
             block = links[block]
         if block != _NONE:
             last = self._last[block]
-            heads[stream] = (self._model.density(stream >> 1, self._clock - last), last, block, stream)
+            heads[stream] = head = (self._model.density(stream >> 1, self._clock - last), last, block, stream)
             head_of.setdefault(block, []).append(stream)
+            heappush(order, head)
 
     def _tracked_id(self, block: BlockId) -> BlockId:
         """``block`` if tracked, else ``PoolUsageError``."""
