@@ -335,8 +335,6 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             raise PoolUsageError(f"{type(self).__name__}.on_insert: block ids are ints >= 0, got {quote(block)}")
         if block >= len(self._where):
             self._grow(block + 1)
-        if parent == block_hash:  # no hash is its own prefix: such a block heads its chain
-            parent = None
         chains, classes = self._chains, self._cls
         parent_block = chains.add(self, block, block_hash, parent)
         tip = self._tip
@@ -351,7 +349,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._ghost_live[i] = 0
             self._ghost_hash[i] = None
             self._model.record_reuse(cls, clock - last)
-            self._note_reuse(cls, block_hash, parent)
+            self._note_reuse(cls, *chains.links(block))  # as linked: a hash under itself heads its chain
             gained = 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
             uses = min(self._ghost_uses[i] + gained, _MAX_USES)
             self._recent[block] = self._ghost_recent.pop(block_hash, 0) + gained

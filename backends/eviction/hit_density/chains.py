@@ -299,10 +299,6 @@ class FlatChains:
         self._walk = walk if stack else None
         return picked
 
-    def forget_walk(self) -> None:
-        """Drop the kept walk (the next :meth:`collect` walks afresh)."""
-        self._walk = None
-
     # -- checks ----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
