@@ -828,9 +828,12 @@ class _Tier:
         self.refused.discard(block)
 
     def select(self, n: int, carry_out: bool) -> None:
-        """Select ``n`` and check the victims against a copy of the policy that walks afresh."""
+        """Select ``n`` and check the victims against a copy of the policy that walks afresh (and, for hit
+        density, computes every list end's key afresh)."""
         fresh = copy.deepcopy(self.policy)
         fresh._chains._walk = None
+        if isinstance(fresh, HitDensityPolicy):
+            fresh._dirty.update(range(len(fresh._keys)))
         expected = fresh.select_victims(n, self.ask)
         victims = self.policy.select_victims(n, self.ask)
         assert victims == expected, f"resumed walk chose {victims}, a fresh one {expected}"
