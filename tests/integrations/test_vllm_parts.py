@@ -413,12 +413,13 @@ def test_eviction_candidates_are_the_cached_blocks_vllm_hands_out_next():
 # -- both sides, by hand --------------------------------------------------------------------
 
 
-def _sides(layout="vllm-cpu", device="cpu", kv=SPEC, overlay=False, **extra):
-    """Both sides over a fake vLLM pool and real tensors; with ``overlay`` every group's layers share memory."""
+def _sides(layout="vllm-cpu", device="cpu", kv=SPEC, overlay=False, events=False, **extra):
+    """Both sides over a fake vLLM pool and real tensors; with ``overlay`` every group's layers share memory;
+    with ``events`` the scheduler side logs the tiers' events."""
     s = settings(kv=kv, **extra)
     fake = FakeBlockPool()
     tables = {}
-    sched = SchedulerSide.from_settings(s, VllmGpuPool(fake), tables=tables.__getitem__)
+    sched = SchedulerSide.from_settings(s, VllmGpuPool(fake), tables=tables.__getitem__, events=events)
     names = [[LAYERS[i] for i in g.layers] for g in kv.groups]
     worker = WorkerSide.from_settings(s, names)
     generator = torch.Generator().manual_seed(7)
@@ -750,6 +751,100 @@ def test_after_reset_nothing_is_served():
     assert sides.sched.matched_tokens(vllm_request("b", 2 * BS + 1), 0) == 2 * BS
     assert sides.sched.reset()
     assert sides.sched.matched_tokens(vllm_request("c", 2 * BS + 1), 0) == 0
+
+
+def _described(run):
+    return [(b.block_hash, b.parent, b.request.request_id if b.request else None, b.index) for b in run.blocks]
+
+
+def test_the_cpu_tiers_events_describe_each_block_by_its_request_once_it_landed_and_report_removals():
+    """A store is reported once its copy landed, each block with its parent, request and position; evictions
+    and a reset remove."""
+    sides = _sides(cpu_blocks=3, events=True)
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"a": a.num_tokens})
+    a.num_computed_tokens = a.num_tokens
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    assert sides.sched.take_events() == []  # planned and copied, not yet reported
+    sides.sched.completed(sides.worker.take_results())
+    (run,) = sides.sched.take_events()
+    h = [block_hash(x) for x in a.block_hashes]
+    assert (run.tier, run.stored) == ("cpu", True)
+    assert _described(run) == [(h[0], None, "a", 0), (h[1], h[0], "a", 1), (h[2], h[1], "a", 2)]
+    _finish(sides, a, [[1, 2, 3, 4]])
+    c = _admit(sides, "c", 2 * BS + 1, [[5, 6, 7]], prefix=b"c")
+    _step(sides, [(c, c.num_tokens)])  # a full tier: two of a's blocks make room
+    removed, stored = sides.sched.take_events()
+    assert (removed.stored, stored.stored) == (False, True)
+    assert {b.block_hash for b in removed.blocks} < set(h) and len(removed.blocks) == 2
+    assert [x[2:] for x in _described(stored)] == [("c", 0), ("c", 1)]
+    _finish(sides, c, [[5, 6, 7]])
+    _step(sides)  # its flush: nothing new
+    assert sides.sched.reset()
+    (cleared,) = sides.sched.take_events()
+    assert (cleared.stored, len(cleared.blocks)) == (False, 3)
+    _assert_idle(sides)
+
+
+def test_an_ended_requests_blocks_stay_described_for_the_latest_cpu_blocks_worth_of_hashes():
+    """A flush lands after its request ended and is still described; an ended request's hashes are forgotten once
+    more than the CPU tier's size of newer ended hashes came."""
+    sides = _sides(cpu_blocks=2, events=True)
+    a = _admit(sides, "a", 2 * BS + 1, [[1, 2, 3]])
+    _finish(sides, a, [[1, 2, 3]])
+    _step(sides)  # the flush (nothing was computed: stores nothing) ...
+    b = _admit(sides, "b", 2 * BS + 1, [[4, 5, 6]], prefix=b"b")
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"b": b.num_tokens})
+    b.num_computed_tokens = b.num_tokens
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    _finish(sides, b, [[4, 5, 6]])  # ended before its store was reported
+    sides.sched.completed(sides.worker.take_results())
+    (run,) = sides.sched.take_events()
+    assert [x[2:] for x in _described(run)] == [("b", 0), ("b", 1)]
+    assert block_hash(a.block_hashes[0]) not in sides.sched.events._origins  # 2 newer ended hashes came
+    _assert_idle(sides)
+
+
+def test_a_put_is_reported_in_the_shared_tier_and_a_fetch_in_the_cpu_tier(request):
+    """Instance A's store and put are a CPU and a shared run of the same blocks; B's fetch is a CPU run."""
+    url = f"memory://{request.node.name}"
+    a_sides = _sides(shared=url, events=True)
+    _computed_and_shared(a_sides)
+    runs = a_sides.sched.take_events()
+    assert [(r.tier, r.stored) for r in runs] == [("cpu", True), ("shared", True)]
+    assert _described(runs[0])[:3] == _described(runs[1])
+    b_sides = _sides(shared=url, events=True)
+    b = _admit(b_sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)
+    _step(b_sides, [(b, 2)])
+    (fetched,) = b_sides.sched.take_events()
+    assert (fetched.tier, fetched.stored) == ("cpu", True)
+    assert _described(fetched) == [(x[0], x[1], "b", x[3]) for x in _described(runs[1])]
+
+
+def test_stats_report_each_copy_with_its_own_time_the_cpu_tiers_use_and_the_seeds_info():
+    """``stats_delta`` lists each copy's bytes and seconds, the CPU blocks in use and being written, the info labels."""
+    sides = _sides()
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"a": a.num_tokens})
+    a.num_computed_tokens = a.num_tokens
+    delta = sides.sched.stats_delta()  # planned: three CPU blocks being written
+    assert (delta["cpu_blocks"], delta["cpu_blocks_used"], delta["cpu_blocks_storing"]) == (8, 3, 3)
+    assert delta["info"] == ("cpu", "false", "false", "8")
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    sides.sched.completed(sides.worker.take_results())
+    delta = sides.sched.stats_delta()
+    ((num_bytes, seconds),) = delta["store_copies"]
+    assert num_bytes == 3 * SPEC.bytes_per_block and 0 < seconds < 1
+    assert sides.sched.copy_totals == {"load_copies": [0, 0.0], "store_copies": [num_bytes, seconds]}
+    assert delta["blocks_stored"] == 3 and "load_copies" not in delta
+    assert (delta["cpu_blocks_used"], delta["cpu_blocks_storing"]) == (0, 0)  # stored blocks are evictable
+    assert sides.sched.stats_delta() == {}  # nothing moved since
+    assert "stored 3 blocks" in sides.sched.summary()
+    _finish(sides, a, [[1, 2, 3, 4]])
+    _assert_idle(sides)
 
 
 def test_ci_follows_the_readme_recipe_for_vllm_on_the_cpu():
