@@ -46,11 +46,12 @@ class Turn:
 def make_llm(model: str, *, kvkit: bool = True, gpu_blocks: int = 10, block_size: int = 32,
              max_model_len: int = 256, cpu_bytes: str = "4MiB", cpu_eviction: str = "lru",
              store: str = "eager", copy: str = "torch", dtype: str = "float32", seed: int = 0,
-             max_num_seqs: int = 8, extra_config: dict[str, Any] | None = None, **engine_args: Any) -> Any:
+             max_num_seqs: int = 8, extra_config: dict[str, Any] | None = None, kv_role: str = "kv_both",
+             **engine_args: Any) -> Any:
     """A vLLM engine whose KV pool holds ``gpu_blocks`` blocks, with kvkit's connector if ``kvkit``.
 
     ``extra_config`` replaces the ``kv_connector_extra_config`` built from the other arguments;
-    ``engine_args`` go to ``vllm.LLM`` as they are.
+    ``kv_role`` is vLLM's (``kv_consumer`` loads and never stores); ``engine_args`` go to ``vllm.LLM`` as they are.
     """
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -61,7 +62,7 @@ def make_llm(model: str, *, kvkit: bool = True, gpu_blocks: int = 10, block_size
             extra_config = {"cpu_bytes": cpu_bytes, "cpu_eviction": cpu_eviction, "store": store, "copy": copy}
         extra["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVKitConnector", kv_connector_module_path="kvkit.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra_config)
+            kv_role=kv_role, kv_connector_extra_config=extra_config)
     return LLM(model=model, tokenizer=model, dtype=dtype, block_size=block_size, seed=seed,
                enable_prefix_caching=True, enforce_eager=True, max_model_len=max_model_len,
                max_num_seqs=max_num_seqs, num_gpu_blocks_override=gpu_blocks,

@@ -28,6 +28,17 @@ class OffloadCallback:
                               ok: bool) -> None:
         """A transfer completed on every worker (``ok`` is ``False`` if any failed or it was abandoned)."""
 
+    def on_cpu_stored(self, hashes: list[BlockHash], parents: list[BlockHash | None]) -> None:
+        """``hashes`` became findable on the CPU tier (a store from the GPU, or a fetch from the shared tier).
+
+        ``parents[i]`` is the hash before ``hashes[i]`` in its request's chain
+        (``None`` for a first block, or where the store did not know it). A hash
+        the CPU tier already held is not repeated here.
+        """
+
+    def on_shared_stored(self, hashes: list[BlockHash]) -> None:
+        """A put landed on every worker: the shared tier holds ``hashes``."""
+
     def on_evict(self, tier: Tier, block: BlockId, block_hash: BlockHash) -> None:
         """``tier`` evicted ``block`` holding ``block_hash`` (a str enum: ``tier == "cpu"`` works)."""
 

@@ -59,11 +59,14 @@ class OffloadStats:
         blocks_stored / bytes_stored: blocks that became findable on the CPU tier,
             and the bytes their copies moved (every group).
         blocks_loaded / bytes_loaded: CPU blocks loaded back, and the bytes moved.
-        stores_deduplicated: store candidates dropped because the CPU tier held
-            the hash or a store of it was in flight.
+        stores_deduplicated: store candidates dropped because the CPU tier held the hash.
+        stores_in_flight: store candidates dropped because a store of the hash
+            was in flight (or came earlier in the same step).
         stores_dropped: store candidates dropped because the CPU tier had no
             free block (the engine is never failed for it).
-        evictions_gpu / evictions_cpu: blocks each tier's pool evicted.
+        evictions_gpu / evictions_cpu: blocks each tier's pool evicted (an
+            engine's own GPU pool, as vLLM's, evicts without telling kvkit:
+            ``evictions_gpu`` counts only pools kvkit allocates from).
         transfers_submitted / transfers_completed: transfers (one plan each)
             entering a step plan / completing on every worker.
         transfers_failed: transfers some worker reported ``ok=False``.
@@ -121,6 +124,7 @@ class OffloadStats:
     blocks_loaded: Counter = _counter()
     bytes_loaded: Counter = _counter()
     stores_deduplicated: Counter = _counter()
+    stores_in_flight: Counter = _counter()
     stores_dropped: Counter = _counter()
     evictions_gpu: Counter = _counter()
     evictions_cpu: Counter = _counter()

@@ -127,6 +127,10 @@ class DiskStore:
     threads: int = attrs.field(default=2, converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
     fsync: bool = attrs.field(default=False, converter=checked(check_bool, label="DiskStore."))  # type: ignore[misc]
     """Flush each file to the device before renaming it (survives power loss, costs a sync per value)."""
+    page_cache: bool = attrs.field(default=True, converter=checked(check_bool, label="DiskStore."))  # type: ignore[misc]
+    """Leave values in the kernel's page cache. ``False``: each value is flushed to the device once written
+    and dropped from the page cache once written or read (``posix_fadvise(DONTNEED)``), so the store's
+    bytes hold no host memory: what ``O_DIRECT`` gives without its alignment rules, at a sync per write."""
     file_mode: int = attrs.field(default=0o600, converter=_mode)
     """Permission bits of value files (``0o640`` lets the group read); directories add search bits."""
     max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
@@ -358,6 +362,10 @@ class DiskStore:
             _write_all(fd, parts)
             if self.fsync:
                 os.fsync(fd)
+            if not self.page_cache:
+                if not self.fsync:
+                    os.fdatasync(fd)  # only clean pages leave the page cache
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             with self._lock:
                 self._forget(name, unlink=False)  # os.replace swaps the file atomically: readers never miss it
                 self._evict_for(size)
@@ -413,6 +421,8 @@ class DiskStore:
                 return f"value of {found.st_size} bytes, buffers of {want}"
             if _read_all(fd, parts) != want:
                 return "value shrank while being read"
+            if not self.page_cache:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             return f"cannot read {str(path)!r}: {exc.strerror or exc}"
         finally:

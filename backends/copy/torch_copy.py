@@ -4,13 +4,15 @@ Each plan costs a handful of torch ops per region (a gather, a copy, a
 scatter) whatever its length: index tensors are built once per plan, and a
 run of consecutive ids is sliced instead of gathered. On CUDA every op runs on
 one low-priority side stream; with both tiers in host memory (CI's stand-in
-for a GPU) the copy runs synchronously inside :meth:`TorchCopy.submit`.
+for a GPU, vLLM on CPU) the copy runs synchronously inside
+:meth:`TorchCopy.submit`, or on one background thread with ``host_thread``.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -23,6 +25,7 @@ from kvkit.backends.copy.planner import Planner, stage_waits
 from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, TransferPlan
+from kvkit.validate import check_bool, checked
 
 if TYPE_CHECKING:
     import torch
@@ -69,6 +72,26 @@ def _scatter(scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) ->
         dst.index_copy_(0, idx, staging)
 
 
+@attrs.frozen(eq=False)
+class _Landing:
+    """A host copy on the background thread, as the event ``InFlight`` polls: done once the copy landed.
+
+    ``query`` and ``synchronize`` raise the error the copy raised (its handle
+    then stays pending: the backend is broken), as a CUDA event's do.
+    """
+
+    future: Future[None]
+
+    def query(self) -> bool:
+        if not self.future.done():
+            return False
+        self.future.result()
+        return True
+
+    def synchronize(self) -> None:
+        self.future.result()
+
+
 def _run_start(ids: np.ndarray) -> int | None:
     """First id if ``ids`` are consecutive ascending (one slice), else ``None``."""
     if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and (len(ids) == 1 or bool((np.diff(ids) == 1).all())):
@@ -80,19 +103,31 @@ def _run_start(ids: np.ndarray) -> int | None:
 class TorchCopy(HandleQueue, CopyBackend):
     """Copies block pieces with torch gathers and scatters; works on CPU tensors too.
 
+    Args:
+        host_thread: with both tiers in host memory, copies run on one
+            background thread, so :meth:`submit` returns at once and the
+            caller (an engine's worker) runs on while the bytes move;
+            :meth:`submit_stages` still returns once its copy landed (the
+            :class:`~kvkit.interfaces.capabilities.LayeredCopy` contract:
+            host stages answer no events). ``False`` (default): host copies
+            run inside the call. Copies on CUDA use the side stream either way.
+
     Invariants:
         * Handles are issued 0, 1, 2...; each is reported by :meth:`poll`
-          exactly once, in order (one stream runs every copy, FIFO).
+          exactly once, in order (one stream, or one thread, runs every copy, FIFO).
         * On CUDA nothing runs on the legacy default stream; a copy reads its
           source only after ``after`` (a ``torch.cuda.Event``) completed.
         * A rejected plan writes nothing; a ``submit`` that raises leaves nothing running.
     """
+
+    host_thread: bool = attrs.field(default=False, converter=checked(check_bool, label="TorchCopy."))  # type: ignore[misc]
 
     _rows: dict[int, list[_Rows]] = attrs.field(factory=dict, init=False)
     _planner: Planner = attrs.field(factory=Planner, init=False)  # validates plans only
     _stream: torch.cuda.Stream | None = attrs.field(default=None, init=False)
     _inflight: InFlight = attrs.field(factory=InFlight, init=False)
     _scratch: torch.Tensor = attrs.field(factory=lambda: torch.empty(0, dtype=torch.uint8), init=False)
+    _thread: ThreadPoolExecutor | None = attrs.field(default=None, init=False)  # host_thread's, once a copy came
 
     @classmethod
     @override
@@ -139,7 +174,7 @@ class TorchCopy(HandleQueue, CopyBackend):
                 ids; nothing was launched or written.
         """
         self._planner.validate(plan)
-        return self._start(plan, [range(len(self._planner.region_names(plan.group)))], [after])[0]
+        return self._start(plan, [range(len(self._planner.region_names(plan.group)))], [after], staged=False)[0]
 
     def submit_stages(self, plan: TransferPlan, stages: Sequence[range], *,
                       after: Any = None) -> tuple[int, list[tuple[Any, ...]]]:
@@ -153,14 +188,21 @@ class TorchCopy(HandleQueue, CopyBackend):
         """
         self._planner.validate(plan)
         stages = self._planner.stages(plan, stages)
-        return self._start(plan, stages, stage_waits(after, len(stages)))
+        return self._start(plan, stages, stage_waits(after, len(stages)), staged=True)
 
-    def _start(self, plan: TransferPlan, stages: list[range], waits: list[Any]) -> tuple[int, list[tuple[Any, ...]]]:
+    def _start(self, plan: TransferPlan, stages: list[range], waits: list[Any], *,
+               staged: bool) -> tuple[int, list[tuple[Any, ...]]]:
         if self._stream is None:
-            index = self._index(plan)  # built once per plan, however many stages
-            for stage in stages:
-                self._launch(plan, stage, index, [], [])
-            return self._inflight.issue(), [() for _ in stages]
+            landed = [() for _ in stages]
+            if not self.host_thread:
+                self._copy_host(plan, stages)
+                return self._inflight.issue(), landed
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvkit-torch-copy")
+            future = self._thread.submit(self._copy_host, plan, stages)
+            if staged:
+                future.result()  # host stages answer no events: landed on return
+            return self._inflight.issue(_Landing(future)), landed
         # (destination rows, ids, pinned staging rows): scattered on the host
         # once the event shows the device-to-host copy landed.
         scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -180,6 +222,12 @@ class TorchCopy(HandleQueue, CopyBackend):
                 self._stream.synchronize()  # a raising submit leaves nothing running (some regions were queued)
                 raise
         return self._inflight.issue(events[-1][0], keep_alive, functools.partial(_scatter, scatters)), events
+
+    def _copy_host(self, plan: TransferPlan, stages: list[range]) -> None:
+        """Copy ``plan`` between host tiers, stage after stage, on the calling thread."""
+        index = self._index(plan)  # built once per plan, however many stages
+        for stage in stages:
+            self._launch(plan, stage, index, [], [])
 
     def _index(self, plan: TransferPlan) -> tuple[int | None, int | None, torch.Tensor | None, torch.Tensor | None]:
         """Where the plan's source and destination blocks are: the first of a run, else an index on their device."""
@@ -249,4 +297,5 @@ class TorchCopy(HandleQueue, CopyBackend):
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if handle bookkeeping is inconsistent."""
         self._inflight.check_invariants()
-        assert self._stream is not None or not len(self._inflight), "host-only copies are synchronous"
+        assert self._stream is not None or self.host_thread or not len(self._inflight), (
+            "host-only copies are synchronous without host_thread")

@@ -740,6 +740,11 @@ class OffloadManager:
             held.update(r.fetch)
         return held
 
+    def cpu_blocks_storing(self) -> int:
+        """CPU blocks that GPU -> CPU stores in flight write (allocated, not findable yet; abandoned ones too)."""
+        return sum(len(b.cpu_blocks) for b in self._transfers.batches()
+                   if b.direction is Direction.STORE and not b.shared)
+
     def gpu_refs_held(self) -> Counter[BlockId]:
         """References the manager holds on GPU blocks (empty without ``gpu``)."""
         held: Counter[BlockId] = Counter()
@@ -902,6 +907,10 @@ class OffloadManager:
     def _complete(self, batch: Batch) -> None:
         """Every transfer of ``batch`` completed: commit or discard, release references."""
         ok = batch.settle(self.cpu, self.gpu, self.stats)
+        if ok and batch.committed:  # a CPU store or a fetch made hashes findable
+            self._events.emit("on_cpu_stored", batch.committed, batch.committed_parents)
+        elif ok and batch.shared and batch.direction is Direction.STORE:
+            self._events.emit("on_shared_stored", list(batch.hashes))
         if ok and batch.direction is Direction.LOAD and batch.seconds > 0 and self.planner is not None:
             self._observe(HitSource.SHARED if batch.shared else HitSource.CPU, batch.num_bytes, batch.seconds)
         if batch.shared:

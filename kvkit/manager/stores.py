@@ -299,13 +299,18 @@ class StorePlanner:
         cpu, gpu, inflight, stats = self.cpu, self.gpu, self._inflight, self.stats
         cpu_lookup = cpu.lookup
         chosen, skipped = [], []
-        for c in cands:  # deduplicate against the CPU tier, stores in flight and this step
-            if c.block_hash in inflight or cpu_lookup((c.block_hash,)):
+        flying = 0
+        for c in cands:  # deduplicate against stores in flight and this step, and the CPU tier
+            if c.block_hash in inflight:
+                flying += 1
+                skipped.append(c)
+            elif cpu_lookup((c.block_hash,)):
                 skipped.append(c)
             else:
                 inflight.add(c.block_hash)
                 chosen.append(c)
-        stats.stores_deduplicated.add(len(skipped))
+        stats.stores_in_flight.add(flying)
+        stats.stores_deduplicated.add(len(skipped) - flying)
         free = cpu.num_free
         keep = int(min(free, limit))
         if len(chosen) > keep:  # store fewer, never fail the engine

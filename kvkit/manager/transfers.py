@@ -62,6 +62,7 @@ class Batch:
         fetched: a load's sources that a fetch of the same step fills (not
             ready until that fetch commits).
         committed: hashes that became findable when it settled.
+        committed_parents: ``committed``'s parents (``None`` where unknown).
         seconds: the longest time a worker reported for one of its transfers
             (0 when none was measured).
     """
@@ -79,6 +80,7 @@ class Batch:
     shared: bool = False
     fetched: list[BlockId] = attrs.field(factory=list)
     committed: list[BlockHash] = attrs.field(factory=list)
+    committed_parents: list[BlockHash | None] = attrs.field(factory=list)
     seconds: float = 0.0
 
     def plans(self, src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]],
@@ -108,7 +110,10 @@ class Batch:
             count = len(self.cpu_blocks)
             if (self.direction is Direction.STORE) is not self.shared:  # a CPU store or a fetch commits
                 landed = cpu.commit(self.cpu_blocks, self.hashes, self.parents)
-                self.committed = [h for h, c in zip(self.hashes, landed) if c]
+                parents = self.parents or [None] * len(self.hashes)
+                kept = [(h, p) for h, p, c in zip(self.hashes, parents, landed, strict=True) if c]
+                self.committed = [h for h, _ in kept]
+                self.committed_parents = [p for _, p in kept]
                 if not self.shared:
                     count = len(self.committed)  # a store that lost to an equal hash stored nothing
             blocks, moved = _COUNTERS[self.direction, self.shared]

@@ -29,14 +29,16 @@ after the head; the manager never stores what a failed load wrote, and the
 recompute overwrites it before anything reads it.
 
 Requests are prefill-only: the caller decides when one finishes (the
-simulator models decode time). With more than one KV group the GPU prefix
+simulator models decode time); a caller that decoded tokens and holds their
+KV may :meth:`~ReferenceEngine.extend` a running request by them, whose full
+blocks are then cached and stored as a prompt's. With more than one KV group the GPU prefix
 cache is off (hits come from the CPU tier only), which keeps the loop small.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import attrs
@@ -224,6 +226,56 @@ class ReferenceEngine:
         errors = self._compute(scheduled, plan)
         self._apply(self._poll())  # copies that already finished count from now on
         return StepReport(tuple(scheduled), errors)
+
+    def extend(self, request_id: str, new_hashes: Sequence[BlockHash], num_tokens: int,
+               write: Callable[[EngineRequest, int], None]) -> None:
+        """A running request grew to ``num_tokens`` tokens (decoded), ``new_hashes`` its new full blocks' hashes.
+
+        Its table grows by the GPU blocks the new tokens need (told to the
+        manager with ``new_hashes``), ``write(request, start)`` writes the KV
+        of tokens ``start..num_tokens`` into the table, then the new full
+        blocks are published on the GPU tier (one KV group) and confirmed to
+        the manager, whose store policy takes them as it takes a prompt's
+        (the partial last block, unhashed, is never stored). If the GPU pool
+        lacks free blocks once finished transfers are applied, nothing changes.
+
+        Raises:
+            RequestStateError: the request is not running, ``num_tokens`` is
+                below its tokens, or ``new_hashes`` are not the hashes of the
+                full blocks ``num_tokens`` adds.
+            OutOfBlocksError: the GPU pool has too few free blocks (nothing changed).
+        """
+        req = self._requests.get(request_id)
+        if req is None or not req.running:
+            raise RequestStateError(f"request {request_id!r} is not running; only a running request can be extended")
+        bs, groups = self.stack.config.kv.block_size, len(self.stack.config.kv.groups)
+        if num_tokens < req.num_tokens or len(req.block_hashes) + len(new_hashes) != num_tokens // bs:
+            added = plural(len(new_hashes), "new hash", "new hashes")
+            raise RequestStateError(
+                f"request {request_id!r}: num_tokens={num_tokens!r} with {added}; it holds "
+                f"{plural(req.num_tokens, 'token')} and {plural(len(req.block_hashes), 'full block')}")
+        need = -(-num_tokens // bs) - len(req.table[0])
+        if self.stack.gpu.num_free < need * groups:
+            self.drain()  # stores in flight hold blocks of finished requests
+            if self.stack.gpu.num_free < need * groups:
+                raise OutOfBlocksError(f"request {request_id!r} needs {plural(need * groups, 'more GPU block')} for "
+                                       f"{plural(num_tokens, 'token')}, {self.stack.gpu.num_free} free")
+        new = self.stack.gpu.allocate(need * groups)
+        rows = [new[g * need:(g + 1) * need] for g in range(groups)]
+        for row, more in zip(req.table, rows, strict=True):
+            row.extend(more)
+        manager = self.stack.manager
+        manager.append_blocks(request_id, rows)
+        manager.extend(request_id, new_hashes, num_tokens)
+        start, published = req.num_tokens, len(req.block_hashes)
+        req.block_hashes.extend(new_hashes)
+        req.num_tokens = num_tokens
+        write(req, start)
+        if groups == 1:
+            hi = len(req.block_hashes)
+            parents = [req.block_hashes[i - 1] if i else None for i in range(published, hi)]
+            self.stack.gpu.commit(req.table[0][published:hi], req.block_hashes[published:hi], parents)
+        manager.on_computed(request_id, num_tokens)
 
     def finish(self, request_id: str) -> None:
         """The request is done: flush its stores, release its GPU blocks."""

@@ -89,8 +89,8 @@ class EvictionPolicyContract(RuleBasedStateMachine):
     """Distinct hashes in play; more than ``max_blocks``, so hashes leave and return."""
     drive_pin_hooks = True
     """Whether pin and unpin call the policy's pin hooks, if it has them (``False``: never)."""
-    checks_refusals = True
-    """Whether calls that break the protocol must be refused (``False`` for a policy that trusts its pool).
+    checks_refusals = False
+    """Whether calls that break the protocol must be refused (kvkit's built-in policies set it).
 
     A refused call (a victim count that is not an int in ``[0, sys.maxsize]``,
     a tracked block inserted again, an untracked block accessed or removed,

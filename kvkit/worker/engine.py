@@ -445,6 +445,7 @@ class TransferEngine:
                 key, job.in_doubt = ("unconfirmable", transfer_id), True
             self._in_flight[key] = job
         self._unreported.add(transfer_id)
+        self._collect()  # a copy the backend ran inside submit is timed by submit alone
 
     def _compute_done(self) -> torch.cuda.Event | None:
         """An event after the compute queued so far (CUDA), which the copy waits for."""
@@ -459,8 +460,11 @@ class TransferEngine:
     def poll(self) -> list[TransferResult]:
         """Results of transfers confirmed finished since the last call (non-blocking).
 
-        ``seconds`` runs from :meth:`submit` to the poll that saw the copy
-        done, so it includes queueing behind earlier copies and poll latency.
+        ``seconds`` runs from :meth:`submit` to the first poll that saw the
+        copy done; :meth:`submit` polls once after launching, so a copy the
+        backend runs inside it (host-only copies) is timed by that call alone,
+        while one on a device stream includes queueing behind earlier copies
+        and poll latency.
         If the backend's ``poll`` raises, the transfers in flight become in
         doubt (one warning) and stay in flight; see the class invariants.
         """

@@ -120,6 +120,53 @@ def test_llama_turns_restored_from_the_cpu_tier_match_generate(models):
     assert lm.stack.stats.cpu_hit_tokens.value > 0
 
 
+@pytest.mark.parametrize(("family", "tier", "config"), [
+    ("llama", "gpu", None),
+    ("llama", "cpu", transformers.GenerationConfig(do_sample=False)),
+    ("qwen2", "cpu", None),
+    ("mistral", "cpu", None),
+], ids=["llama-gpu-loop", "llama-cpu-generate", "qwen2-cpu-loop", "mistral-cpu-loop"])
+def test_a_follow_up_computes_only_its_message_and_the_last_partial_block(models, family, tier, config):
+    """The reply's KV is kept like the prompt's: over a 4-turn chat each follow-up computes at most its new
+    message plus one block (the history's partial last block), from the GPU tier (one KV group) or, cleared,
+    the CPU tier, full and sliding-window layers alike; tokens and logits equal a full recompute's."""
+    model, bs = models[family], 8
+    lm = _build(model, gpu_blocks=64, block_size=bs, cpu_blocks=400)
+    chat = lm.conversation()
+    for t, message in enumerate(_user_turns(4, 23, seed=5)):
+        prompt = chat.history + message
+        turn = chat.send(message, 12, keep_logits=True, stop_tokens=None if config else (),
+                         generation_config=config)
+        tokens, logits = _reference(model, prompt, 12)
+        assert list(turn.tokens) == tokens and float((turn.logits - logits).abs().max()) <= TOL
+        if t:
+            assert turn.computed_tokens <= len(message) + bs, (t, turn)
+            hit = turn.gpu_hit_tokens if tier == "gpu" else turn.cpu_hit_tokens
+            assert hit == turn.prompt_tokens - turn.computed_tokens
+        if tier == "cpu":
+            lm.clear_gpu_cache()
+    _check_clean(lm)
+    assert lm.stack.stats.blocks_stored.value >= (len(chat.history) - 1) // bs  # the replies' blocks too
+
+
+def test_beam_search_keeps_the_prompts_blocks_only_and_a_full_gpu_tier_skips_the_reply(models):
+    """Beams' decode steps are not the reply's KV: the next turn recomputes the reply. A GPU tier with no
+    block to spare for the reply leaves it unkept and the turn as it was."""
+    model, bs = models["llama"], 8
+    lm = _build(model, gpu_blocks=64, block_size=bs, cpu_blocks=400)
+    beams = lm.conversation()
+    first, second = _user_turns(2, 23, seed=6)
+    config = transformers.GenerationConfig(num_beams=2, do_sample=False)
+    beams.send(first, 12, generation_config=config)
+    turn = beams.send(second, 12, generation_config=config)
+    assert turn.computed_tokens == len(beams.history) - len(turn.tokens) - (len(first) // bs) * bs
+    small = _build(model, gpu_blocks=-(-(len(first) + 1) // bs), block_size=bs, cpu_blocks=400)
+    reply = small.conversation().send(first, 12, stop_tokens=())
+    assert list(reply.tokens) == _reference(model, first, 12)[0]
+    assert small.stack.stats.blocks_stored.value == len(first) // bs  # the prompt's full blocks only
+    _check_clean(lm, small)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_sliding_window_models_match_generate(models, family):
     """Hybrid (full + sliding) and all-sliding models reuse cached prefixes longer than their window."""
@@ -591,7 +638,8 @@ def test_a_generation_config_kvkit_cannot_run_is_refused_and_changes_nothing(mod
     after = _state(lm, chat)
     assert before[:-1] == after[:-1] and torch.equal(before[-1], after[-1])
     turn = chat.send(second, 3, generation_config=SAMPLING)
-    assert turn.cpu_hit_tokens == len(first) // 8 * 8 and turn.gpu_hit_tokens == 0  # still served from the CPU tier
+    kept = (len(first) + 3 - 1) // 8 * 8  # the first turn's prompt and the 2 reply tokens it ran, in full blocks
+    assert turn.cpu_hit_tokens == kept and turn.gpu_hit_tokens == 0  # still served from the CPU tier
     _check_clean(lm)
 
 

@@ -14,6 +14,7 @@ multiprocess mode.
 
 import importlib.util
 import json
+import logging
 import os
 import re
 import signal
@@ -104,23 +105,33 @@ def record_orders(llm) -> list:
     return orders
 
 
+IDLE_S = 60.0
+"""How long idle steps may take to drain: on the CPU platform the copies run on the torch backend's thread,
+so how many idle steps they outlast depends on that thread's speed, not on a step count."""
+
+
+def _idle_steps(llm, done) -> bool:
+    """Step the engine (pausing a millisecond) until ``done()``, for at most :data:`IDLE_S`; whether it came."""
+    deadline = time.monotonic() + IDLE_S
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        llm.llm_engine.step()
+        time.sleep(0.001)
+    return True
+
+
 def settle(llm) -> None:
     """Step the engine until no request (nor a delayed free) is left."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    for _ in range(20):
-        if not scheduler.has_requests():
-            return
-        llm.llm_engine.step()
-    raise AssertionError("the engine still holds requests after 20 idle steps")
+    if not _idle_steps(llm, lambda: not scheduler.has_requests()):
+        raise AssertionError(f"the engine still holds requests after {IDLE_S} s of idle steps")
 
 
 def reset_prefix_cache(llm, *, connector: bool) -> None:
     """``reset_prefix_cache`` once delayed frees drained (in-process engines step only when asked)."""
-    for _ in range(20):
-        if llm.reset_prefix_cache(reset_connector=connector):
-            return
-        llm.llm_engine.step()
-    raise AssertionError("reset_prefix_cache kept failing")
+    if not _idle_steps(llm, lambda: llm.reset_prefix_cache(reset_connector=connector)):
+        raise AssertionError("reset_prefix_cache kept failing")
 
 
 def messages_for(llm, workload):
@@ -310,13 +321,41 @@ def test_async_loads_let_other_requests_run_while_a_hit_lands(tiny_llama, refere
 
 def test_the_seeds_config_keys_serve_with_identical_tokens(tiny_llama, reference):
     """SimpleCPUOffloadConnector's keys (total bytes over the world, per rank, lazy_offload) size and run kvkit."""
-    seed = {"cpu_bytes_to_use": "4MiB", "cpu_bytes_to_use_per_rank": "4MiB", "lazy_offload": False}
+    seed = {"cpu_bytes_to_use": "4MiB", "cpu_bytes_to_use_per_rank": "4MiB", "lazy_offload": False,
+            "kv_offload_backend": "cpu"}
     with engine(tiny_llama, extra_config=seed) as llm:
         sched, _ = connectors(llm)
         assert sched.settings.num_cpu_blocks == sched.manager.kv.blocks_for(4 << 20)
+        assert sched.settings.stack.shared is None
         turns = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
         assert [t.outputs for t in turns] == [t.outputs for t in reference]
         assert all(t.kvkit_loaded_tokens > 0 for t in turns[1:])
+
+
+@pytest.mark.timeout(240)
+def test_the_seeds_disk_backend_serves_and_a_consumer_loads_it_without_storing(tiny_llama, reference, tmp_path):
+    """Only the seed's keys with its disk backend: identical tokens, blocks on disk; then a kv_consumer engine
+    gets them back from that disk with identical tokens and stores nothing, to its CPU tier or the disk."""
+    disk = tmp_path / "kv"
+    seed = {"cpu_bytes_to_use": "4MiB", "lazy_offload": False, "kv_offload_backend": "disk",
+            "disk_path": str(disk), "disk_capacity_bytes": 64 << 20, "disk_buffer_slots": 2, "use_page_cache": False}
+    with engine(tiny_llama, extra_config=seed) as llm:
+        first = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
+        sched, _ = connectors(llm)
+        assert sched.stats.blocks_put.value > 0
+        assert_nothing_held(llm)
+    written = {p: p.stat().st_mtime_ns for p in disk.rglob("*.kvb")}
+    assert written and first[1].kvkit_loaded_tokens > 0
+    with engine(tiny_llama, extra_config=seed, kv_role="kv_consumer") as llm:
+        second = ex.serve(llm, messages_for(llm, MULTI_TURN), MULTI_TURN["max_tokens"])
+        sched, _ = connectors(llm)
+        assert sched.settings.stack.store == "never"
+        assert second[0].kvkit_loaded_tokens > 0 and sched.stats.shared_hit_tokens.value > 0
+        assert sched.stats.blocks_stored.value == sched.stats.blocks_put.value == 0
+        assert_nothing_held(llm)
+    assert {p: p.stat().st_mtime_ns for p in disk.rglob("*.kvb")} == written
+    assert [t.outputs for t in first] == [t.outputs for t in reference]
+    assert [t.outputs for t in second] == [t.outputs for t in reference]
 
 
 @contextmanager
@@ -486,7 +525,8 @@ def test_stores_come_at_the_step_that_computes_their_blocks_even_after_idle_step
 
 
 def test_kv_events_report_blocks_stored_to_and_removed_from_the_cpu_tier(tiny_llama, tmp_path):
-    """vLLM publishes BlockStored/BlockRemoved (medium CPU) for kvkit's stores, evictions and reset."""
+    """vLLM publishes BlockStored/BlockRemoved (medium CPU) for kvkit's stores, evictions and reset; kvkit logs
+    one summary line at shutdown."""
     import msgspec
     import zmq
     from vllm.config import KVEventsConfig
@@ -496,6 +536,10 @@ def test_kv_events_report_blocks_stored_to_and_removed_from_the_cpu_tier(tiny_ll
     config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
+    logged = logging.Handler()  # kvkit's logger, whatever vLLM's logging configuration does with it
+    logged.emit = lambda record: summary.append(record.getMessage())
+    summary: list[str] = []
+    logging.getLogger("vllm.kvkit").addHandler(logged)
     try:
         with engine(tiny_llama, cpu_bytes="512KiB", kv_events_config=config) as llm:  # 16 CPU blocks: evictions
             sub.connect(endpoint)
@@ -527,9 +571,12 @@ def test_kv_events_report_blocks_stored_to_and_removed_from_the_cpu_tier(tiny_ll
                             cpu_held.difference_update(event.block_hashes)
         assert cpu["BlockStored"] == stats.blocks_stored.value > 0
         assert stats.evictions_cpu.value > 0
+        assert len(summary) == 1 and re.match(r"kvkit: [\d,]+ requests? over ", summary[0]), summary
+        assert f"stored {int(stats.blocks_stored):,} blocks" in summary[0], summary
         assert cpu["BlockRemoved"] == cpu["BlockStored"]  # evictions, then the reset removed the rest
         assert not cpu_held
     finally:
+        logging.getLogger("vllm.kvkit").removeHandler(logged)
         sub.close(linger=0)
         context.term()
 
@@ -547,12 +594,18 @@ def _http(url: str, body: dict | None = None, timeout: float = 60) -> str:
         return response.read().decode()
 
 
+def _samples(base: str) -> list[tuple[str, str, float]]:
+    """Every sample of ``/metrics`` as ``(name, labels, value)``."""
+    pattern = r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? ([-+0-9.eE]+|NaN)$"
+    return [(m[1], m[2] or "", float(m[3])) for line in _http(f"{base}/metrics").splitlines()
+            if (m := re.match(pattern, line))]
+
+
 def _metrics(base: str) -> dict[str, float]:
     """Every sample of ``/metrics`` summed over labels, by name (``vllm:kvkit_*`` among them)."""
     out: Counter = Counter()
-    for line in _http(f"{base}/metrics").splitlines():
-        if match := re.match(r"^([a-zA-Z_:][\w:]*)(?:\{[^}]*\})? ([-+0-9.eE]+|NaN)$", line):
-            out[match[1]] += float(match[2])
+    for name, _, value in _samples(base):
+        out[name] += value
     return out
 
 
@@ -567,19 +620,59 @@ def _idle_metrics(base: str) -> dict[str, float]:
     raise AssertionError(f"the server never went idle: {dict(m)}")
 
 
+@contextmanager
+def openai_server(model, tmp_path, kv_config: dict, *args: str):
+    """vLLM's OpenAI server (multiprocess, as deployed) on the tiny model with ``kv_config``; yields its URL.
+
+    Its log is ``tmp_path / "server.log"``, complete once the block exits (the server got SIGTERM and ended).
+    """
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", "32",
+               "--max-model-len", "256", "--num-gpu-blocks-override", "10", "--kv-cache-memory-bytes",
+               str(10 << 20), "--enforce-eager", "--enable-prefix-caching", "--max-num-seqs", "8",
+               "--kv-transfer-config", json.dumps(kv_config), *args]
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(command, env=_CLEAN_ENV, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                              start_new_session=True)
+    try:
+        for _ in range(600):
+            try:
+                _http(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+                time.sleep(0.5)
+        yield base
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(30)
+        log.close()
+
+
+def completer(base: str):
+    """``complete(prompt, **fields)``: the text of a greedy 2-token completion from the server at ``base``."""
+    model = json.loads(_http(f"{base}/v1/models"))["data"][0]["id"]
+
+    def complete(prompt, **fields):
+        body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0, **fields}
+        return json.loads(_http(f"{base}/v1/completions", body))["choices"][0]["text"]
+
+    return complete
+
+
 @pytest.mark.timeout(600)
 def test_openai_server_exposes_kvkit_metrics_and_a_1000_request_soak_holds_nothing(tiny_llama, tmp_path):
     """One --kv-transfer-config line on the OpenAI server: vllm:kvkit_* on /metrics, no growth in held blocks."""
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
     # The name alone: kvkit's vllm.general_plugins entry point registers it in the server's processes.
     kv_config = {"kv_connector": "KVKitConnector",
                  "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": "1MiB"}}
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_llama),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", "32",
-            "--max-model-len", "256", "--num-gpu-blocks-override", "10", "--kv-cache-memory-bytes",
-            str(10 << 20), "--enforce-eager", "--enable-prefix-caching", "--max-num-seqs", "8",
-            "--kv-transfer-config", json.dumps(kv_config)]
+
     def prefix(p):
         return [(7 * p + 3 * i) % 400 + 10 for i in range(96)]
 
@@ -593,23 +686,8 @@ def test_openai_server_exposes_kvkit_metrics_and_a_1000_request_soak_holds_nothi
         results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:40]],
                                SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
         reference = [r.outputs[0].text for r in results]
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(args, env=_CLEAN_ENV, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                              start_new_session=True)
-    try:
-        for _ in range(600):
-            try:
-                _http(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-                time.sleep(0.5)
-        model = json.loads(_http(f"{base}/v1/models"))["data"][0]["id"]
-
-        def complete(prompt):
-            body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
-            return json.loads(_http(f"{base}/v1/completions", body))["choices"][0]["text"]
-
+    with openai_server(tiny_llama, tmp_path, kv_config) as base:
+        complete = completer(base)
         with ThreadPoolExecutor(8) as pool:
             first = list(pool.map(complete, prompts[:500]))
             half = _idle_metrics(base)
@@ -626,11 +704,89 @@ def test_openai_server_exposes_kvkit_metrics_and_a_1000_request_soak_holds_nothi
             assert m["vllm:kvkit_gpu_blocks_held"] == m["vllm:kvkit_cpu_blocks_pinned"] == 0
             assert m["vllm:kv_cache_usage_perc"] == 0
         assert len(first) + len(second) == 1000
+
+
+def _gpu_blocks(events) -> dict:
+    """Each hash vLLM's GPU events stored: ``(parent, its block's tokens, its extra keys)``."""
+    blocks = {}
+    for e in events:
+        if type(e).__name__ == "BlockStored" and e.medium == "GPU":
+            parents = [e.parent_block_hash, *e.block_hashes[:-1]]
+            for k, h in enumerate(e.block_hashes):
+                extra = e.extra_keys[k] if e.extra_keys else None
+                blocks[h] = (parents[k], e.token_ids[k * e.block_size:(k + 1) * e.block_size], extra)
+    return blocks
+
+
+@pytest.mark.timeout(300)
+def test_openai_server_exports_vllms_offload_series_and_kv_events_that_rebuild_each_tiers_prefix_tree(
+        tiny_llama, tmp_path):
+    """On a real OpenAI server: the seed's and the OffloadingConnector's series move on /metrics; the ZMQ
+    stream decodes with vLLM's own schema, and each CPU and STORAGE block carries what vLLM's GPU event
+    of it carries (parent, tokens, extra keys): a consumer rebuilds each tier's prefix tree."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    endpoint = f"ipc://{tmp_path}/kv-events"  # an ipc endpoint: vLLM's publisher binds it
+    kv_config = {"kv_connector": "KVKitConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"cpu_bytes_to_use": "1MiB",
+                                               "shared": f"file://{tmp_path}/kv?capacity_bytes=64MiB"}}
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(endpoint)
+    # Three three-block prefixes through a 9-block GPU pool: repeats after evictions are CPU hits.
+    prompts = [[(7 * (i % 3) + 3 * t) % 400 + 10 for t in range(96)] + [i + 3, i + 5] for i in range(12)]
+    try:
+        with openai_server(tiny_llama, tmp_path, kv_config, "--kv-events-config", json.dumps(kv_events)) as base:
+            complete = completer(base)
+            complete(prompts[0], cache_salt="tenant-a")  # its first block's hash and events carry the salt
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(complete, prompts))
+            m = _idle_metrics(base)
+            samples = _samples(base)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        events = []
+        while sub.poll(500):
+            _, _, payload = sub.recv_multipart()
+            events += decoder.decode(payload).events
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(30)
-        log.close()
+        sub.close(linger=0)
+        context.term()
+
+    outcomes = {labels.rsplit('outcome="', 1)[1].rstrip('"'): v for name, labels, v in samples
+                if name == "vllm:simple_kv_offload_save_outcomes_total"}
+    assert outcomes["stored"] == m["vllm:kvkit_blocks_stored_total"] > 0
+    assert m["vllm:simple_kv_offload_load_blocks_total"] == m["vllm:kvkit_blocks_loaded_total"] > 0
+    assert m["vllm:simple_kv_offload_pending_store_blocks"] == 0  # idle: no store in flight
+    assert m["vllm:simple_kv_offload_used_blocks"] == 0  # idle: what the CPU tier holds is evictable (free)
+    (info,) = [labels for name, labels, _ in samples if name == "vllm:simple_kv_offload_info"]
+    assert 'backend="disk"' in info and 'lazy_offload="false"' in info and 'capacity_blocks="32"' in info
+    for op in ("load", "store"):
+        assert m[f"vllm:kv_offload_{op}_bytes_total"] == m[f"vllm:kv_offload_{op}_size_sum"] > 0
+        assert m[f"vllm:kv_offload_{op}_time_total"] > 0 and m[f"vllm:kv_offload_{op}_size_count"] > 0
+    assert m["vllm:kv_offload_store_bytes_total"] == m["vllm:kvkit_bytes_stored_total"]
+    copies = m["vllm:kv_offload_load_size_count"] + m["vllm:kv_offload_store_size_count"]
+    took = m["vllm:kv_offload_load_time_total"] + m["vllm:kv_offload_store_time_total"]
+    assert took / copies < 5e-3  # each 96 KiB copy's own time, not the forward pass up to the next poll
+    assert m["vllm:kvkit_transfer_gbps"] > 0
+    assert "vllm:kv_offload_cpu_cache_usage_perc" in m and m["vllm:kv_offload_cpu_cache_write_usage_perc"] == 0
+    assert "vllm:kvkit_evictions_gpu_total" not in m  # vLLM's pool evicts without telling kvkit
+
+    gpu = _gpu_blocks(events)
+    assert any(extra for _, _, extra in gpu.values())  # the salted request's first block
+    for medium in ("CPU", "STORAGE"):
+        tree: dict = {}  # hash -> parent: the tier's prefix tree as a consumer rebuilds it
+        for e in events:
+            if getattr(e, "medium", None) != medium or type(e).__name__ != "BlockStored":
+                continue
+            assert e.block_size == 32 and len(e.token_ids) == 32 * len(e.block_hashes)
+            parents = [e.parent_block_hash, *e.block_hashes[:-1]]
+            for k, h in enumerate(e.block_hashes):
+                extra = e.extra_keys[k] if e.extra_keys else None
+                assert (parents[k], e.token_ids[32 * k:32 * (k + 1)], extra) == gpu[h], medium
+                tree[h] = parents[k]
+        assert len(tree) >= 3, medium  # the three prefixes' blocks at least
+        assert all(p is None or p in tree for p in tree.values()), medium  # whole prefixes, no orphans

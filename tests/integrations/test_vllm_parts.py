@@ -9,6 +9,7 @@ as vLLM's hybrid allocator does). The end-to-end tests with a real vLLM are
 in ``test_vllm.py``.
 """
 
+import threading
 from types import SimpleNamespace
 
 import attrs
@@ -151,8 +152,24 @@ def test_the_seeds_capacity_keys_size_each_worker(extra, per_worker):
     assert s.num_cpu_blocks == per_worker
 
 
+def test_a_per_rank_size_wins_over_a_disagreeing_total_with_a_warning():
+    """As in the seed: ``cpu_bytes_to_use_per_rank`` sizes each worker, and the other total is warned about."""
+    extra = {"cpu_bytes_to_use": 16 * SPEC.bytes_per_block, "cpu_bytes_to_use_per_rank": 4 * SPEC.bytes_per_block}
+    with pytest.warns(UserWarning, match=r"cpu_bytes_to_use_per_rank=.* != cpu_bytes_to_use=.*per-rank value"):
+        s = parse_extra_config(extra, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=2, device="cpu")
+    assert s.num_cpu_blocks == 4
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_an_empty_config_gets_the_seeds_8_gib_over_all_ranks(world_size):
+    """No key sizes the tier: 8 GiB in total, as the seed's default, the CPU backend, and kv_both."""
+    for extra in (None, {}):
+        s = parse_extra_config(extra, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=world_size, device="cpu")
+        assert s.num_cpu_blocks == SPEC.blocks_for((8 << 30) // world_size)
+        assert s.stack.shared is None and s.stack.store == DEFAULTS.store
+
+
 @pytest.mark.parametrize(("extra", "needles"), [
-    ({"cpu_bytes_to_use": "8MiB", "cpu_bytes_to_use_per_rank": "8MiB"}, ["disagree", "total over 2 workers"]),
     ({"cpu_bytes": "1MiB", "cpu_bytes_to_use": "8MiB"}, ["disagree", "'1MiB'", "'8MiB'"]),
     ({"cpu_blocks": 4, "cpu_bytes_to_use": "8MiB"}, ["cpu_blocks=4", "give cpu_blocks or bytes"]),
     ({"cpu_bytes_to_use": "lots"}, ["'lots'"]),
@@ -177,10 +194,68 @@ def test_lazy_offload_picks_the_write_back_store():
     assert settings(lazy_offload=False, store="selective").stack.store == "selective"
 
 
-def test_the_capacity_is_required():
-    """Without ``cpu_bytes`` or ``cpu_blocks`` the config is refused with a hint."""
-    with pytest.raises(ConfigError, match="cpu_bytes"):
-        settings(cpu_blocks=None)
+def test_the_disk_backend_puts_kvkits_disk_store_behind_the_cpu_tier(tmp_path):
+    """``kv_offload_backend: disk`` and the seed's disk keys give a write-through disk store as the shared tier."""
+    from kvkit.shared.urls import open_block_store
+
+    extra = {"kv_offload_backend": "disk", "disk_path": str(tmp_path / "kv"), "disk_capacity_bytes": "64MiB",
+             "disk_buffer_slots": 3, "use_page_cache": True}
+    s = settings(**extra)
+    assert s.stack.shared.write == "write-through"
+    store = open_block_store(s.stack.shared.url)
+    assert (store.path, store.capacity_bytes, store.threads, store.page_cache) == (tmp_path / "kv", 64 << 20, 3, True)
+    store.close()
+    default = open_block_store(settings(kv_offload_backend="disk", disk_path=str(tmp_path / "d")).stack.shared.url)
+    assert (default.capacity_bytes, default.threads, default.page_cache) == (100 << 30, 2, False)  # the seed's
+    default.close()
+
+
+def test_the_cpu_backend_ignores_the_disk_keys_with_a_warning(tmp_path):
+    """As in the seed: under ``kv_offload_backend: cpu`` the disk keys are named in a warning and unused."""
+    with pytest.warns(UserWarning, match="ignoring the disk backend's disk_path, use_page_cache"):
+        s = settings(kv_offload_backend="cpu", disk_path=str(tmp_path), use_page_cache=True)
+    assert s.stack.shared is None
+
+
+@pytest.mark.parametrize(("extra", "needles"), [
+    ({"kv_offload_backend": "nvme"}, ["['kv_offload_backend']='nvme'", "'cpu' or 'disk'"]),
+    ({"kv_offload_backend": "disk"}, ["['disk_path']=None", "needs a directory path"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "disk_capacity_bytes": 0}, ["=0", "above 0"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "disk_capacity_bytes": "much"}, ["'much'"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "disk_buffer_slots": 0}, ["disk_buffer_slots", "0"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "use_page_cache": "no"}, ["use_page_cache", "'no'"]),
+    ({"kv_offload_backend": "disk", "disk_path": "/x", "shared": "valkey://u:hunter2@h:6379/0"},
+     ["kv_offload_backend='disk' and shared both name", "give one of them"]),
+])
+def test_bad_disk_backend_keys_are_refused_quoting_the_value(extra, needles):
+    """Each bad seed backend key is one problem of one ConfigError, quoting the value (never a password)."""
+    with pytest.raises(ConfigError) as info:
+        settings(**extra)
+    assert len(info.value.problems) == 1, info.value.problems
+    assert "hunter2" not in str(info.value)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(("role", "store"), [("kv_both", DEFAULTS.store), ("kv_producer", DEFAULTS.store),
+                                             ("kv_consumer", "never")])
+def test_a_consumer_never_stores_and_the_other_roles_keep_the_store_policy(role, store):
+    """vLLM's kv_role: a consumer's store policy is ``never``; producers and kv_both keep theirs."""
+    s = parse_extra_config({"cpu_blocks": 8}, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=1, device="cpu",
+                           role=role)
+    assert s.stack.store == store
+
+
+@pytest.mark.parametrize(("extra", "needle"), [({"store": "eager"}, "store='eager'"),
+                                               ({"lazy_offload": True}, "lazy_offload=True")])
+def test_a_consumer_told_to_store_is_refused(extra, needle):
+    """A store policy that stores contradicts kv_consumer: one problem, quoting it; an unknown role is refused."""
+    with pytest.raises(ConfigError) as info:
+        parse_extra_config({"cpu_blocks": 8, **extra}, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=1,
+                           device="cpu", role="kv_consumer")
+    assert len(info.value.problems) == 1 and needle in str(info.value) and "kv_consumer" in str(info.value)
+    with pytest.raises(ConfigError, match="kv_role='kv_reader'"):
+        parse_extra_config({}, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=1, device="cpu", role="kv_reader")
 
 
 def _attention(name="FullAttentionSpec", block_size=BS, **fields):
@@ -338,12 +413,13 @@ def test_eviction_candidates_are_the_cached_blocks_vllm_hands_out_next():
 # -- both sides, by hand --------------------------------------------------------------------
 
 
-def _sides(layout="vllm-cpu", device="cpu", kv=SPEC, overlay=False, **extra):
-    """Both sides over a fake vLLM pool and real tensors; with ``overlay`` every group's layers share memory."""
+def _sides(layout="vllm-cpu", device="cpu", kv=SPEC, overlay=False, events=False, **extra):
+    """Both sides over a fake vLLM pool and real tensors; with ``overlay`` every group's layers share memory;
+    with ``events`` the scheduler side logs the tiers' events."""
     s = settings(kv=kv, **extra)
     fake = FakeBlockPool()
     tables = {}
-    sched = SchedulerSide.from_settings(s, VllmGpuPool(fake), tables=tables.__getitem__)
+    sched = SchedulerSide.from_settings(s, VllmGpuPool(fake), tables=tables.__getitem__, events=events)
     names = [[LAYERS[i] for i in g.layers] for g in kv.groups]
     worker = WorkerSide.from_settings(s, names)
     generator = torch.Generator().manual_seed(7)
@@ -367,10 +443,19 @@ def _step(sides, scheduled=(), new_blocks=(), preempted=()):
         r.num_computed_tokens += n
     sides.worker.load(order)
     sides.worker.after_forward(order)
-    if sides.device == "cuda":
-        torch.cuda.synchronize()  # the step's stores are done: the next poll reports them
+    _land(sides, order)
     sides.sched.completed(sides.worker.take_results())
     return order
+
+
+def _land(sides, order):
+    """The step's copies landed, so the next poll reports them: on CUDA its stream synchronised, on the
+    host the torch backend's thread ran them (waited for by polling; results stay for the worker's poll)."""
+    if sides.device == "cuda":
+        torch.cuda.synchronize()
+        return
+    for engine in sides.worker.engines:
+        engine.wait({tid for tid, _ in (*order.plan.loads, *order.plan.stores)})
 
 
 def _admit(sides, name, num_tokens, blocks, hit=0, prefix=b""):
@@ -486,6 +571,7 @@ def test_a_store_source_stays_referenced_until_its_copy_is_reported():
     assert min(sides.pool.refs([1, 2])) >= 1 and sides.pool.get_num_free_blocks() == NUM_GPU_BLOCKS - 3
     sides.worker.load(order)
     sides.worker.after_forward(order)
+    _land(sides, order)
     sides.sched.completed(sides.worker.take_results())
     _assert_idle(sides)
 
@@ -586,8 +672,7 @@ def test_an_async_load_is_received_once_it_landed_while_the_step_ran_without_it(
     c.num_computed_tokens = c.num_tokens
     sides.worker.load(order)  # after the forward pass was launched
     sides.worker.after_forward(order)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    _land(sides, order)
     assert sides.worker.take_received() == {"b"} and sides.worker.take_received() is None
     assert _blocks(sides, [7, 5, 9]) == stored and sides.worker.take_load_errors() == set()
     sides.sched.completed(sides.worker.take_results())
@@ -595,6 +680,39 @@ def test_an_async_load_is_received_once_it_landed_while_the_step_ran_without_it(
     _step(sides, [(b, 2), (c, 1)])
     _finish(sides, b, [[7, 5, 9, 10]])
     _finish(sides, c, [[11, 6]])
+    _assert_idle(sides)
+
+
+def test_on_the_host_async_loads_and_stores_run_while_the_worker_goes_on(monkeypatch):
+    """On the CPU platform the torch backend copies on its thread: ``load`` and ``after_forward`` return while
+    the step's asynchronous load and its stores are held, nothing is received or reported before they land,
+    and the bytes are the stored ones once they did."""
+    sides = _sides(async_load=True)
+    (engine,) = sides.worker.engines
+    assert engine.copy.host_thread
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    _step(sides, [(a, a.num_tokens)])
+    stored = _blocks(sides, [1, 2, 3])
+    _finish(sides, a, [[1, 2, 3, 4]])
+    b = _admit(sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)
+    c = _admit(sides, "c", 2 * BS + 1, [[11, 6, 8]], prefix=b"c")  # another prompt: its blocks are new
+    gate, copy = threading.Event(), engine.copy._copy_host
+    monkeypatch.setattr(engine.copy, "_copy_host", lambda plan, stages: (gate.wait(10), copy(plan, stages)))
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"c": c.num_tokens})
+    c.num_computed_tokens = c.num_tokens
+    sides.worker.load(order)
+    sides.worker.after_forward(order)  # c's two full blocks are stored
+    assert order.receiving == ("b",) and len(order.plan.stores) == 1
+    assert sides.worker.take_received() is None and sides.worker.take_results() == ()
+    assert sides.worker.num_in_flight == 2
+    gate.set()
+    _land(sides, order)
+    assert sides.worker.take_received() == {"b"} and _blocks(sides, [7, 5, 9]) == stored
+    sides.sched.completed(sides.worker.take_results())
+    sides.sched.allocated(b, [[7, 5, 9, 10]], 0)
+    _step(sides, [(b, 2), (c, 1)])
+    _finish(sides, b, [[7, 5, 9, 10]])
+    _finish(sides, c, [[11, 6, 8]])
     _assert_idle(sides)
 
 
@@ -633,6 +751,100 @@ def test_after_reset_nothing_is_served():
     assert sides.sched.matched_tokens(vllm_request("b", 2 * BS + 1), 0) == 2 * BS
     assert sides.sched.reset()
     assert sides.sched.matched_tokens(vllm_request("c", 2 * BS + 1), 0) == 0
+
+
+def _described(run):
+    return [(b.block_hash, b.parent, b.request.request_id if b.request else None, b.index) for b in run.blocks]
+
+
+def test_the_cpu_tiers_events_describe_each_block_by_its_request_once_it_landed_and_report_removals():
+    """A store is reported once its copy landed, each block with its parent, request and position; evictions
+    and a reset remove."""
+    sides = _sides(cpu_blocks=3, events=True)
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"a": a.num_tokens})
+    a.num_computed_tokens = a.num_tokens
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    assert sides.sched.take_events() == []  # planned and copied, not yet reported
+    sides.sched.completed(sides.worker.take_results())
+    (run,) = sides.sched.take_events()
+    h = [block_hash(x) for x in a.block_hashes]
+    assert (run.tier, run.stored) == ("cpu", True)
+    assert _described(run) == [(h[0], None, "a", 0), (h[1], h[0], "a", 1), (h[2], h[1], "a", 2)]
+    _finish(sides, a, [[1, 2, 3, 4]])
+    c = _admit(sides, "c", 2 * BS + 1, [[5, 6, 7]], prefix=b"c")
+    _step(sides, [(c, c.num_tokens)])  # a full tier: two of a's blocks make room
+    removed, stored = sides.sched.take_events()
+    assert (removed.stored, stored.stored) == (False, True)
+    assert {b.block_hash for b in removed.blocks} < set(h) and len(removed.blocks) == 2
+    assert [x[2:] for x in _described(stored)] == [("c", 0), ("c", 1)]
+    _finish(sides, c, [[5, 6, 7]])
+    _step(sides)  # its flush: nothing new
+    assert sides.sched.reset()
+    (cleared,) = sides.sched.take_events()
+    assert (cleared.stored, len(cleared.blocks)) == (False, 3)
+    _assert_idle(sides)
+
+
+def test_an_ended_requests_blocks_stay_described_for_the_latest_cpu_blocks_worth_of_hashes():
+    """A flush lands after its request ended and is still described; an ended request's hashes are forgotten once
+    more than the CPU tier's size of newer ended hashes came."""
+    sides = _sides(cpu_blocks=2, events=True)
+    a = _admit(sides, "a", 2 * BS + 1, [[1, 2, 3]])
+    _finish(sides, a, [[1, 2, 3]])
+    _step(sides)  # the flush (nothing was computed: stores nothing) ...
+    b = _admit(sides, "b", 2 * BS + 1, [[4, 5, 6]], prefix=b"b")
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"b": b.num_tokens})
+    b.num_computed_tokens = b.num_tokens
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    _finish(sides, b, [[4, 5, 6]])  # ended before its store was reported
+    sides.sched.completed(sides.worker.take_results())
+    (run,) = sides.sched.take_events()
+    assert [x[2:] for x in _described(run)] == [("b", 0), ("b", 1)]
+    assert block_hash(a.block_hashes[0]) not in sides.sched.events._origins  # 2 newer ended hashes came
+    _assert_idle(sides)
+
+
+def test_a_put_is_reported_in_the_shared_tier_and_a_fetch_in_the_cpu_tier(request):
+    """Instance A's store and put are a CPU and a shared run of the same blocks; B's fetch is a CPU run."""
+    url = f"memory://{request.node.name}"
+    a_sides = _sides(shared=url, events=True)
+    _computed_and_shared(a_sides)
+    runs = a_sides.sched.take_events()
+    assert [(r.tier, r.stored) for r in runs] == [("cpu", True), ("shared", True)]
+    assert _described(runs[0])[:3] == _described(runs[1])
+    b_sides = _sides(shared=url, events=True)
+    b = _admit(b_sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)
+    _step(b_sides, [(b, 2)])
+    (fetched,) = b_sides.sched.take_events()
+    assert (fetched.tier, fetched.stored) == ("cpu", True)
+    assert _described(fetched) == [(x[0], x[1], "b", x[3]) for x in _described(runs[1])]
+
+
+def test_stats_report_each_copy_with_its_own_time_the_cpu_tiers_use_and_the_seeds_info():
+    """``stats_delta`` lists each copy's bytes and seconds, the CPU blocks in use and being written, the info labels."""
+    sides = _sides()
+    a = _admit(sides, "a", 3 * BS + 1, [[1, 2, 3, 4]])
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"a": a.num_tokens})
+    a.num_computed_tokens = a.num_tokens
+    delta = sides.sched.stats_delta()  # planned: three CPU blocks being written
+    assert (delta["cpu_blocks"], delta["cpu_blocks_used"], delta["cpu_blocks_storing"]) == (8, 3, 3)
+    assert delta["info"] == ("cpu", "false", "false", "8")
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    sides.sched.completed(sides.worker.take_results())
+    delta = sides.sched.stats_delta()
+    ((num_bytes, seconds),) = delta["store_copies"]
+    assert num_bytes == 3 * SPEC.bytes_per_block and 0 < seconds < 1
+    assert sides.sched.copy_totals == {"load_copies": [0, 0.0], "store_copies": [num_bytes, seconds]}
+    assert delta["blocks_stored"] == 3 and "load_copies" not in delta
+    assert (delta["cpu_blocks_used"], delta["cpu_blocks_storing"]) == (0, 0)  # stored blocks are evictable
+    assert sides.sched.stats_delta() == {}  # nothing moved since
+    assert "stored 3 blocks" in sides.sched.summary()
+    _finish(sides, a, [[1, 2, 3, 4]])
+    _assert_idle(sides)
 
 
 def test_ci_follows_the_readme_recipe_for_vllm_on_the_cpu():
@@ -808,3 +1020,10 @@ def test_the_shared_namespace_layout_is_derived_from_what_the_scheduler_knows(cp
     assert shared_layout(stack, layout) == expected
     assert shared_layout(settings().stack, "auto") is None  # no shared tier, no namespace
     assert settings(shared="memory://").shared_layout == "vllm-cpu"
+
+
+def test_the_torch_copy_runs_on_its_thread_on_the_cpu_platform_unless_told_so():
+    """On CPU the torch backend gets ``host_thread=True``; a given ``host_thread`` is kept."""
+    assert settings().stack.options["copy"] == {"host_thread": True}
+    kept = settings(options={"copy": {"host_thread": False}, "store": {}}).stack.options
+    assert kept["copy"] == {"host_thread": False} and kept["store"] == {}

@@ -189,7 +189,9 @@ class _ThroughVllm:
     makes it: ``on_pin``/``on_unpin`` are a load's ``ref_cnt`` 0 -> 1 -> 0 with ``mark_non_evictable`` /
     ``mark_evictable``, a selection is ``evict(n, protected)`` with the blocks the driver may not evict
     protected (the adapter removes its victims at once; the driver's ``on_remove`` then finds them gone).
-    Chain parents do not pass: vLLM's ``CachePolicy`` has no way to carry them."""
+    Chain parents do not pass: vLLM's ``CachePolicy`` has no way to carry them. The contracts below leave
+    their refusal rule off: vLLM's manager is the adapter's only caller and its ``CachePolicy`` contract
+    allows what kvkit refuses (``touch`` of an uncached key)."""
 
     def __init__(self, name: str) -> None:
         self.adapter = cache_policy_class(name)(cache_capacity=EvictionPolicyContract.max_blocks)
@@ -237,24 +239,17 @@ class _ThroughVllm:
         self.adapter.check_invariants()
 
 
-class _TrustsVllm:
-    """The contract without its refusal rules: vLLM's manager is the only caller, and vLLM's ``CachePolicy``
-    contract sets its own (``touch`` of an uncached key is allowed; counts come from the manager)."""
-
-    checks_refusals = False
-
-
-class _LRUThroughVllm(_TrustsVllm, LRUContract):
+class _LRUThroughVllm(LRUContract):
     def make_policy(self):
         return _ThroughVllm("lru")
 
 
-class _FIFOThroughVllm(_TrustsVllm, FIFOContract):
+class _FIFOThroughVllm(FIFOContract):
     def make_policy(self):
         return _ThroughVllm("fifo")
 
 
-class _HitDensityThroughVllm(_TrustsVllm, EvictionPolicyContract):
+class _HitDensityThroughVllm(EvictionPolicyContract):
     def make_policy(self):
         return _ThroughVllm("hit-density")
 
@@ -263,7 +258,7 @@ class _HitDensityThroughVllmUnpinned(_HitDensityThroughVllm):
     drive_pin_hooks = False  # pins reach the adapter only as protected keys
 
 
-class _S3FIFOThroughVllm(_TrustsVllm, EvictionPolicyContract):
+class _S3FIFOThroughVllm(EvictionPolicyContract):
     def make_policy(self):
         return _ThroughVllm("s3fifo")
 

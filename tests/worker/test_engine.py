@@ -1,5 +1,7 @@
 """Tests for the TransferEngine: mirror size, round trips, results and failures."""
 
+import time
+
 import attrs
 import numpy as np
 import pytest
@@ -278,10 +280,11 @@ def test_duplicate_transfer_id_in_flight():
 
 
 class _Failing(TorchCopy):
-    """A backend whose copies fail at launch or at poll."""
+    """A backend whose copies fail at launch or at poll, or are not confirmed yet (``held``: still running)."""
 
     fail_submit: bool = False
     fail_poll: bool = False
+    held: bool = False
 
     def submit(self, plan, *, after=None):
         if _Failing.fail_submit:
@@ -291,13 +294,14 @@ class _Failing(TorchCopy):
     def poll(self):
         if _Failing.fail_poll:
             raise RuntimeError("CUDA error: an illegal memory access")
-        return super().poll()
+        return [] if _Failing.held else super().poll()
 
 
 @pytest.fixture
 def failing(monkeypatch):
     monkeypatch.setattr(_Failing, "fail_submit", False)
     monkeypatch.setattr(_Failing, "fail_poll", False)
+    monkeypatch.setattr(_Failing, "held", False)
     engine = TransferEngine(SPEC, _Failing(), num_cpu_blocks=4)
     engine.allocate_kv(4, "blocks-first")
     return engine
@@ -314,8 +318,10 @@ def test_failed_launch_is_a_failed_result(failing, monkeypatch):
 
 def test_failed_poll_keeps_transfers_in_doubt_until_the_backend_confirms_them(failing, monkeypatch):
     """A failing poll reports nothing: both transfers stay in flight, in doubt, then come back ok=False once each."""
+    monkeypatch.setattr(_Failing, "held", True)  # as copies on a device stream: not done at submit
     failing.submit(1, TransferPlan([0], [0], "store"))
     failing.submit(2, TransferPlan([1], [1], "load"))
+    monkeypatch.setattr(_Failing, "held", False)
     monkeypatch.setattr(_Failing, "fail_poll", True)
     with pytest.warns(RuntimeWarning, match=r"in doubt now: 2 transfers in flight \[1, 2\]"):
         assert failing.poll() == []
@@ -325,6 +331,18 @@ def test_failed_poll_keeps_transfers_in_doubt_until_the_backend_confirms_them(fa
     assert sorted((r.transfer_id, r.ok) for r in failing.poll()) == [(1, False), (2, False)]
     assert failing.poll() == [] and failing.num_in_flight == 0 == failing.num_in_doubt
     failing.check_invariants()
+
+
+def test_a_host_copy_is_timed_by_submit_not_by_the_next_poll():
+    """A copy the backend runs inside submit reports its own time, however late the poll that hands it out."""
+    engine = _engine(num_gpu=6, num_cpu=5)
+    started = time.perf_counter()
+    engine.submit(1, TransferPlan([0, 1], [0, 1], "store"))
+    submitted = time.perf_counter() - started
+    time.sleep(0.2)
+    (result,) = engine.poll()
+    assert 0 < result.seconds <= submitted < 0.2
+    assert result.num_bytes == 2 * SPEC.bytes_per_block
 
 
 def test_block_access_errors():

@@ -156,10 +156,10 @@ def test_a_launch_failure_keeps_its_id_until_reported(monkeypatch):
 def test_a_backend_handle_that_breaks_the_contract_stays_in_doubt(monkeypatch, handle):
     """A handle that is no new int can never be confirmed: the transfer stays in flight, in doubt; nothing raises."""
     engine = _registered()
+    monkeypatch.setattr(TorchCopy, "poll", lambda self: [])  # handle 0 not yet reported
     engine.submit(1, PLAN)  # handle 0 in flight
     real = TorchCopy.submit
     monkeypatch.setattr(TorchCopy, "submit", lambda self, plan, after=None: (real(self, plan), handle)[1])
-    monkeypatch.setattr(TorchCopy, "poll", lambda self: [])  # handle 0 not yet reported
     with pytest.warns(RuntimeWarning, match=r"not a new int: it stays in flight, in doubt"):
         engine.submit(2, TransferPlan([2], [3], "store"))
     assert (engine.num_in_flight, engine.num_in_doubt) == (2, 1)

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import OrderedDict
+import sys
+from array import array
 from collections.abc import Callable, Iterator
+from heapq import heappop, heappush
+from typing import cast
 
 import attrs
 import numpy as np
 from typing_extensions import override
 
-from kvkit.backends.eviction._chains import ChainIndex
 from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
-from kvkit.backends.eviction.hit_density.census import Census
+from kvkit.backends.eviction.hit_density.census import strided
+from kvkit.backends.eviction.hit_density.chains import FlatChains
 from kvkit.backends.eviction.hit_density.density import HitDensityModel
 from kvkit.backends.eviction.hit_density.shift import ShiftTest
+from kvkit.errors import PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import real_in
+from kvkit.validate import quote, real_in
 
 __all__ = ["LEAF", "PARENT", "REUSE_LEVELS", "TIP", "HitDensityPolicy", "block_class", "reuse_level"]
 
@@ -33,6 +37,17 @@ _CLASSES = _KINDS * len(REUSE_LEVELS)
 _MIN_REFRESH = 64  # ticks between two refreshes while the pool is still tiny
 _MIN_MEMORY = 4096  # ticks of history the model weighs at least, once the pool's size is known
 _CENSUS_LIMIT = 1 << 18  # entries a refresh reads at most per census (beyond: an evenly strided sample)
+_NONE = -1  # no block, in the list links
+_NEVER = sys.maxsize  # a clock no policy reaches
+_MAX_USES = 255  # reuse counts saturate here (a byte each): far past the last level's least count
+_IntPredicate = Callable[[int], bool]
+_Blocks = list[BlockId]
+_UNTRACKED, _LISTED, _PARKED = 0, 1, FlatChains.PARKED  # where a block id is
+
+
+def _verified(block: int) -> bool:
+    """A list end already found usable in this selection: taken without asking again."""
+    return True
 
 
 def reuse_level(uses: int) -> int:
@@ -160,10 +175,22 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     hit) go before everything, and a root's subtree goes deepest first, so
     no victim leaves an evictable descendant behind. A walk from the last
     walk's root goes on where that one stopped when this provably chooses
-    what a fresh walk would (:meth:`~kvkit.backends.eviction._chains.ChainIndex.collect`),
+    what a fresh walk would (:meth:`~kvkit.backends.eviction.hit_density.chains.FlatChains.collect`),
     so evicting a long chain a victim per selection costs O(1) per victim,
     not the chain's depth. Until the first refresh every density is 0 and
     the order is plain LRU.
+
+    Layout: per-block state sits in flat arrays indexed by block id (a mark
+    of where the block is, its class, its reuse count saturating at 255, its
+    last access, its class list links), the ghost in arrays indexed by
+    eviction number, and the chain links in
+    :class:`~kvkit.backends.eviction.hit_density.chains.FlatChains`: a
+    tracked block costs a few dozen bytes and one entry of the chain index's
+    hash map, a ghost a few bytes and one entry of the ghost's map. Each end
+    of each class list caches its ordering key until that end changes, its
+    age bucket moves on or the model refreshes, so a selection's first root
+    is the least cached key once one batched ``is_evictable`` pass has found
+    every end usable.
 
     Pinned blocks: with the pin hooks (a pool calls them), a block in use
     leaves its class list on :meth:`on_pin` and is *parked*, keeping its
@@ -193,11 +220,14 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
           it is still tracked and the next store has not come.
         * The ghost holds only hashes of untracked blocks, evicted within
           the last ``ghost_span * capacity`` evictions, oldest first.
-        * The two censuses hold exactly the (class, last access) of every
-          tracked block and of every ghost; a refresh reads at most
-          ``2**18`` entries of each (a strided, reweighted sample beyond).
+        * A refresh reads the (class, last access) of every tracked block
+          and of every ghost, at most ``2**18`` entries of each (a strided,
+          reweighted sample beyond).
         * A block's or ghost's reuses since the last refresh that held no
-          excursion (the change point a restart keeps) never exceed its count.
+          excursion (the change point a restart keeps), capped at 255, never
+          exceed its count.
+        * A cached end key that is not dirty is the key of the end's block
+          at the current clock and model.
         * The chain index's, the density model's and the shift test's invariants.
     """
 
@@ -205,25 +235,42 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                                                                    label="HitDensityPolicy."))
     shift_alpha: float = attrs.field(default=1e-3, validator=real_in(low=0, high=1, high_open=True,
                                                                      label="HitDensityPolicy."))
-    _lists: list[OrderedDict[BlockId, None]] = attrs.field(
-        init=False, factory=lambda: [OrderedDict() for _ in range(_CLASSES)])
-    _class: dict[BlockId, int] = attrs.field(init=False, factory=dict)
-    # Pinned blocks set aside from their class lists (on_pin), in pin order.
-    _parked: dict[BlockId, None] = attrs.field(init=False, factory=dict)
-    _chains: ChainIndex = attrs.field(init=False, default=attrs.Factory(
-        lambda self: ChainIndex(parked=self._parked), takes_self=True))
-    _uses: dict[BlockId, int] = attrs.field(init=False, factory=dict)
+    # Per block id: where it is (_UNTRACKED, _LISTED, _PARKED), its class, reuse count and last access,
+    # and its links in its class list (parked blocks sit in none).
+    _where: bytearray = attrs.field(init=False, factory=bytearray)
+    _cls: bytearray = attrs.field(init=False, factory=bytearray)
+    _uses: bytearray = attrs.field(init=False, factory=bytearray)  # saturating at _MAX_USES
+    _last: array = attrs.field(init=False, factory=lambda: array("q"))
+    _next: array = attrs.field(init=False, factory=lambda: array("i"))
+    _prev: array = attrs.field(init=False, factory=lambda: array("i"))
+    # The ends of every list: _ends[2 * list] its oldest block, _ends[2 * list + 1] its youngest. Each end
+    # of a class list is a candidate *stream* of selections; _keys[stream] caches its end's ordering key
+    # (density, last access, block, stream), or None (empty, or _dirty: to compute), until the clock
+    # reaches the age bucket's next edge (_due, a heap of (clock, stream)) or the model refreshes.
+    _ends: list[int] = attrs.field(init=False, factory=lambda: [_NONE] * (2 * _CLASSES))
+    _keys: list[tuple[float, int, int, int] | None] = attrs.field(
+        init=False, factory=lambda: [None] * (2 * _CLASSES))
+    _dirty: set[int] = attrs.field(init=False, factory=set)
+    _due: list[tuple[int, int]] = attrs.field(init=False, factory=list)
+    _due_at: list[int] = attrs.field(init=False, factory=lambda: [_NEVER] * (2 * _CLASSES))  # its earliest entry
+    _keyed_rows: object = attrs.field(init=False, default=None)  # the model's rows the keys were read from
+    _tracked: int = attrs.field(init=False, default=0)
+    _chains: FlatChains = attrs.field(init=False, default=attrs.Factory(
+        lambda self: FlatChains(self._where), takes_self=True))
     # Reuses since the change point a restart would keep (absent: none), of tracked blocks and of ghosts.
     _recent: dict[BlockId, int] = attrs.field(init=False, factory=dict)
     _ghost_recent: dict[BlockHash, int] = attrs.field(init=False, factory=dict)
-    _last: dict[BlockId, int] = attrs.field(init=False, factory=dict)
-    # hash -> (eviction number, last access tick, class, uses, census slot), oldest eviction first
-    _ghost: OrderedDict[BlockHash, tuple[int, int, int, int, int]] = attrs.field(
-        init=False, factory=OrderedDict)
-    # (class, last access) of every tracked block and of every ghost, read by each refresh
-    _census: Census = attrs.field(init=False, factory=Census)
-    _ghost_census: Census = attrs.field(init=False, factory=Census)
-    _slot: dict[BlockId, int] = attrs.field(init=False, factory=dict)
+    # The ghost, by eviction number (index + _ghost_base): hash (None once gone), class, uses, last
+    # access, liveness; the hash's eviction number; the oldest eviction number that may be live.
+    _ghost_hash: list[BlockHash | None] = attrs.field(init=False, factory=list)
+    _ghost_cls: bytearray = attrs.field(init=False, factory=bytearray)
+    _ghost_uses: bytearray = attrs.field(init=False, factory=bytearray)
+    _ghost_last: array = attrs.field(init=False, factory=lambda: array("q"))
+    _ghost_live: bytearray = attrs.field(init=False, factory=bytearray)
+    _ghost_at: dict[BlockHash, int] = attrs.field(init=False, factory=dict)
+    _ghost_base: int = attrs.field(init=False, default=1)
+    _ghost_oldest: int = attrs.field(init=False, default=1)
+    _samples: int = attrs.field(init=False, default=0)  # refreshes that read the censuses
     _model: HitDensityModel = attrs.field(init=False, factory=lambda: HitDensityModel(_CLASSES, monotone=_BY_USES))
     _shift: ShiftTest = attrs.field(init=False)
     _reused: BlockHash | None = attrs.field(init=False, default=None)  # the hash reused last (runs continue it)
@@ -252,119 +299,136 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     @property
     def num_ghosts(self) -> int:
         """Evicted hashes the ghost remembers."""
-        return len(self._ghost)
+        return len(self._ghost_at)
 
     @property
     def pinned(self) -> tuple[BlockId, ...]:
-        """Blocks parked by :meth:`on_pin`, in pin order."""
-        return tuple(self._parked)
+        """Blocks parked by :meth:`on_pin`, in block id order."""
+        parked = np.flatnonzero(np.frombuffer(self._where, dtype=np.uint8) == _PARKED)
+        return tuple(BlockId(block) for block in parked.tolist())
 
     def class_blocks(self, cls: int) -> tuple[BlockId, ...]:
         """The blocks of class ``cls``'s list, oldest entry first (parked blocks excluded)."""
-        return tuple(self._lists[cls])
+        if not 0 <= cls < _CLASSES:
+            raise PoolUsageError(f"class_blocks: class {quote(cls)} is not one of 0..{_CLASSES - 1}")
+        return tuple(self._listed(cls))
 
     def class_of(self, block: BlockId) -> int:
         """The class of a tracked block (see :func:`block_class`)."""
-        return self._class[block]
+        return self._cls[self._tracked_id(block)]
+
+    def uses_of(self, block: BlockId) -> int:
+        """The reuse count of a tracked block, saturating at 255 (the last reuse level starts at 16)."""
+        return self._uses[self._tracked_id(block)]
 
     def density_of(self, block: BlockId) -> float:
         """The current hit density of a tracked block (0 before the first refresh)."""
-        return self._model.density(self._class[block], self._clock - self._last[block])
+        block = self._tracked_id(block)
+        return self._model.density(self._cls[block], self._clock - self._last[block])
 
     # -- notifications ---------------------------------------------------------
 
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
-        parent_block = self._chains.add(self, block, block_hash, parent)
-        self._settle_tip()
+        if block.__class__ is not int or block < 0:
+            raise PoolUsageError(f"{type(self).__name__}.on_insert: block ids are ints >= 0, got {quote(block)}")
+        if block >= len(self._where):
+            self._grow(block + 1)
+        chains, classes = self._chains, self._cls
+        parent_block = chains.add(self, block, block_hash, parent)
+        tip = self._tip
+        if tip is not None:  # stored before: a tip no more, a parent if this store continued it, else a leaf
+            self._enter(tip, classes[tip] - TIP + (PARENT if chains.has_children(tip) else LEAF))
         self._clock = clock = self._clock + 1
         uses = 0
-        ghost = self._ghost.pop(block_hash, None)
-        if ghost is not None:  # a reuse the cache missed: learn from it, keep the history
-            _, last, cls, ghost_uses, slot = ghost
-            self._ghost_census.drop(slot)
+        at = self._ghost_at.pop(block_hash, None)
+        if at is not None:  # a reuse the cache missed: learn from it, keep the history
+            i = at - self._ghost_base
+            last, cls = self._ghost_last[i], self._ghost_cls[i]
+            self._ghost_live[i] = 0
+            self._ghost_hash[i] = None
             self._model.record_reuse(cls, clock - last)
-            self._note_reuse(cls, block_hash, parent)
+            self._note_reuse(cls, *chains.links(block))  # as linked: a hash under itself heads its chain
             gained = 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
-            uses = ghost_uses + gained
+            uses = min(self._ghost_uses[i] + gained, _MAX_USES)
             self._recent[block] = self._ghost_recent.pop(block_hash, 0) + gained
-        cls = block_class(uses, PARENT if self._chains.has_children(block) else TIP)
-        self._tip = block if cls % _KINDS == TIP else None
+        kind = PARENT if chains.has_children(block) else TIP
+        cls = _CLASS_OF[uses if uses < _TOP else _TOP][kind]
+        self._tip = block if kind == TIP else None
         self._uses[block] = uses
         self._last[block] = clock
-        self._slot[block] = self._census.add(cls, clock)
-        self._class[block] = cls
-        self._lists[cls][block] = None  # never parked yet: a pool pins a block after committing it
-        if parent_block is not None and self._class[parent_block] % _KINDS != PARENT:
-            self._enter(parent_block, block_class(self._uses[parent_block], PARENT))
-        self._learn(len(self._class))
+        classes[block] = cls
+        self._where[block] = _LISTED  # never parked yet: a pool pins a block after committing it
+        self._move(block, _NONE, cls)
+        self._tracked = tracked = self._tracked + 1
+        if parent_block is not None:
+            kind = classes[parent_block] % _KINDS
+            if kind != PARENT:  # its class's kind changes, its reuse level stays
+                self._enter(parent_block, classes[parent_block] - kind + PARENT)
+        self._learn(tracked)
         if clock >= self._next_refresh:
             self._refresh()
 
     @override
     def on_access(self, block: BlockId) -> None:
-        cls = self._class.get(block)
-        if cls is None:
-            raise not_tracked(self, block)
+        block = self._tracked_id(block)
+        cls = self._cls[block]
         self._clock = clock = self._clock + 1
         self._model.record_reuse(cls, clock - self._last[block])
         self._note_reuse(cls, *self._chains.links(block))
-        self._uses[block] = uses = self._uses[block] + 1
+        uses = self._uses[block]
+        if uses < _MAX_USES:
+            self._uses[block] = uses = uses + 1
         self._recent[block] = self._recent.get(block, 0) + 1
         self._last[block] = clock
-        self._census.set_last(self._slot[block], clock)
-        self._enter(block, block_class(uses, cls % _KINDS))
+        self._enter(block, _CLASS_OF[uses if uses < _TOP else _TOP][cls % _KINDS])
         if clock >= self._next_refresh:
             self._refresh()
 
     @override
     def on_remove(self, block: BlockId) -> None:
-        block_hash = self._chains.remove(self, block)
+        block_hash = self._chains.remove(self, block)  # raises for an untracked block
         if block == self._tip:
             self._tip = None
-        cls = self._class.pop(block)
-        if self._parked.pop(block, False) is False:
-            del self._lists[cls][block]
-        last, uses = self._last.pop(block), self._uses.pop(block)
+        cls = self._cls[block]
+        self._move(block, cls if self._where[block] == _LISTED else _NONE, _NONE)
+        self._where[block] = _UNTRACKED
+        self._tracked -= 1
+        last = self._last[block]
         recent = self._recent.pop(block, 0)
         if recent:
             self._ghost_recent[block_hash] = recent
-        self._census.drop(self._slot.pop(block))
         self._evictions = evictions = self._evictions + 1
         gap, self._last_removal, c = self._clock - self._last_removal, self._clock, max(self.c, 1)
         if evictions > 1:  # the first removal only starts the clock: the fill before it is no gap
             self._turnover += (gap * c - self._turnover) / min(evictions - 1, c)
-        self._ghost[block_hash] = (evictions, last, cls, uses, self._ghost_census.add(cls, last))
-        horizon = evictions - self.ghost_span * c
-        while self._ghost:
-            ghost_hash, (evicted, last, cls, _, slot) = next(iter(self._ghost.items()))
-            if evicted > horizon:
-                break
-            del self._ghost[ghost_hash]  # forgotten unreused: censored at its age
-            self._ghost_recent.pop(ghost_hash, None)
-            self._ghost_census.drop(slot)
-            self._model.record_end(cls, self._clock - last)
+        self._ghost_at[block_hash] = evictions  # its index: evictions - _ghost_base, the next one
+        self._ghost_hash.append(block_hash)
+        self._ghost_cls.append(cls)
+        self._ghost_uses.append(self._uses[block])
+        self._ghost_last.append(last)
+        self._ghost_live.append(1)
+        self._forget_ghosts(evictions - self.ghost_span * c)
 
     def on_pin(self, block: BlockId) -> None:
         """Park a tracked block in use: out of its class list, keeping its class and counters."""
-        cls = self._class.get(block)
-        if cls is None:
-            raise not_tracked(self, block)
-        if self._lists[cls].pop(block, False) is False:  # tracked, not listed: parked already
+        where = self._where
+        if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _LISTED) \
+                and where[self._tracked_id(block)] == _PARKED:
             raise pin_mismatch(self, block, pinned=True)
-        self._parked[block] = None
+        self._move(block, self._cls[block], _NONE)
+        where[block] = _PARKED
         self._chains.pin(block)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at its class's young end; its age still counts from its last use."""
-        cls = self._class.get(block)
-        if cls is None:
-            raise not_tracked(self, block)
-        blocks = self._lists[cls]
-        if self._parked.pop(block, False) is False:
+        where = self._where
+        if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _PARKED) \
+                and where[self._tracked_id(block)] == _LISTED:
             raise pin_mismatch(self, block, pinned=False)
-        blocks[block] = None
+        self._move(block, _NONE, self._cls[block])
+        where[block] = _LISTED
         self._chains.unpin(block)
 
     # -- decisions -------------------------------------------------------------
@@ -372,44 +436,206 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     @override
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
-        check_count(n)
-        chosen: dict[BlockId, None] = {}
-        parked = self._parked
-
-        def usable(block: BlockId) -> bool:
-            return block not in chosen and block not in parked and is_evictable(block)
-
-        # One cursor per candidate stream (the orphans, then both ends of every class list),
-        # kept across the rounds of this selection: nothing a round skips can become usable
-        # later in it, so each stream is walked at most once and a selection costs O(n + skipped).
-        orphans = filter(usable, self._chains.orphans())
-        ends = [filter(usable, reversed(blocks) if young else iter(blocks))
-                for blocks in self._lists if blocks for young in (False, True)]
-        heads: list[tuple[float, int, BlockId] | None] = [self._head(end) for end in ends]
-        while len(chosen) < n:
-            root = next(orphans, None)
-            if root is None:
-                live = [head for head in heads if head is not None]
-                if not live:
+        if n.__class__ is not int or not 0 <= n <= sys.maxsize:
+            check_count(n)
+        chosen: dict[int, None] = {}
+        if not n:
+            return []
+        evictable = cast(_IntPredicate, is_evictable)  # block ids read from the arrays
+        verified = False
+        if self._chains.orphans() is None:
+            # Orphans go first; without them the first root is the stream end of least key, and
+            # when every end is evictable (a pool that reports its pins: always), that is the
+            # least cached key. A selection that needs more goes on in _select_rounds.
+            ends = self._ends
+            verified = all(map(evictable, filter(_NONE.__ne__, ends)))
+            if verified:
+                keys = self._current_keys()
+                if not any(keys):
                     return None
-                root = min(live)[2]
-            self._chains.collect(root, is_evictable, chosen, n, parked)
-            for i, head in enumerate(heads):
-                if head is not None and head[2] in chosen:
-                    heads[i] = self._head(ends[i])
-        return list(chosen)
+                self._chains.collect(min(filter(None, keys))[2], evictable, chosen, n)
+                if len(chosen) >= n:
+                    return cast(_Blocks, list(chosen))
+        return self._select_rounds(n, evictable, chosen, verified)
 
-    def _head(self, stream: Iterator[BlockId]) -> tuple[float, int, BlockId] | None:
-        """The next usable block of a candidate stream as ``(density, last access, block)``, or ``None``."""
-        block = next(stream, None)
-        if block is None:
-            return None
-        last = self._last[block]
-        return self._model.density(self._class[block], self._clock - last), last, block
+    def _current_keys(self) -> list[tuple[float, int, int, int] | None]:
+        """``_keys`` brought up to date: the dirty streams' keys and those whose age bucket moved computed."""
+        keys, dirty, due, due_at, clock = self._keys, self._dirty, self._due, self._due_at, self._clock
+        rows = self._model.rows
+        if rows is not self._keyed_rows:  # refreshed: every key is stale
+            self._keyed_rows = rows
+            dirty.update(range(2 * _CLASSES))
+            due.clear()
+            due_at[:] = [_NEVER] * (2 * _CLASSES)
+        while due and due[0][0] <= clock:
+            at, stream = heappop(due)
+            if due_at[stream] == at:
+                due_at[stream] = _NEVER
+            dirty.add(stream)  # at worst a key computed again
+        if dirty:
+            ends, last_of, cls_of = self._ends, self._last, self._cls
+            octave, top, first_age = self._model.per_octave, self._model.buckets - 1, self._model.first_ages
+            for stream in dirty:
+                block = ends[stream]
+                if block == _NONE:
+                    keys[stream] = None
+                    continue
+                last = last_of[block]
+                if rows is None:
+                    keys[stream] = (0.0, last, block, stream)
+                    continue
+                b = ((clock - last + 1) ** octave).bit_length() - 1
+                if b < top:
+                    keys[stream] = (rows[cls_of[block]][b], last, block, stream)
+                    at = last + first_age[b + 1]
+                    if at < due_at[stream]:  # else the entry due earlier has it computed again
+                        due_at[stream] = at
+                        heappush(due, (at, stream))
+                else:
+                    keys[stream] = (rows[cls_of[block]][top], last, block, stream)
+            dirty.clear()
+        return keys
+
+    def _select_rounds(self, n: int, evictable: _IntPredicate, chosen: dict[int, None],
+                       verified: bool) -> list[BlockId] | None:
+        """:meth:`select_victims` from the state ``chosen`` holds (empty, or the first root's subtree);
+        ``verified``: every list end was found evictable in this selection (not asked again)."""
+        where = self._where
+
+        def usable(block: int) -> bool:
+            return block not in chosen and where[block] != _PARKED and evictable(block)
+
+        # One cursor per candidate stream (the orphans, then both ends of every class list: stream
+        # 2 * class walks from the old end, 2 * class + 1 from the young end), kept across the rounds
+        # of this selection: nothing a round skips can become usable later in it, so each stream is
+        # walked at most once and a selection costs O(n + skipped). A stream's head is (density, last
+        # access, block, stream), the least on top of a heap; after a round only the streams its
+        # victims headed move on.
+        heads: dict[int, tuple[float, int, int, int]] = {}  # stream -> its head
+        head_of: dict[int, list[int]] = {}  # block -> the streams it heads
+        order: list[tuple[float, int, int, int]] = []  # a heap of heads, current or replaced since
+        for stream in range(2 * _CLASSES):
+            block = self._ends[stream]
+            self._advance(stream, block, _verified if verified and block not in chosen else usable,
+                          heads, head_of, order)
+        orphan_walk = self._chains.orphans()
+        orphans = None if orphan_walk is None else filter(usable, orphan_walk)
+        collect = self._chains.collect
+        while len(chosen) < n:
+            orphan = None if orphans is None else next(orphans, None)
+            if orphan is not None:
+                picked = collect(orphan, evictable, chosen, n)
+            elif heads:
+                while heads.get(order[0][3]) is not order[0]:  # replaced: its stream moved on
+                    heappop(order)
+                picked = collect(order[0][2], evictable, chosen, n)
+            else:
+                return None
+            for block in picked:  # the streams they headed go on past them
+                for stream in head_of.pop(block, ()):
+                    del heads[stream]
+                    self._advance(stream, (self._prev if stream & 1 else self._next)[block], usable,
+                                  heads, head_of, order)
+        return cast(_Blocks, list(chosen))
 
     # -- bookkeeping -----------------------------------------------------------
 
-    def _note_reuse(self, cls: int, block_hash: BlockHash, parent: BlockHash | None) -> None:
+    def _advance(self, stream: int, block: int, usable: Callable[[int], object],
+                 heads: dict[int, tuple[float, int, int, int]], head_of: dict[int, list[int]],
+                 order: list[tuple[float, int, int, int]]) -> None:
+        """Walk ``stream`` from ``block`` to its first usable block and make that its head (none: it ends)."""
+        links = self._prev if stream & 1 else self._next
+        while block != _NONE and not usable(block):
+            block = links[block]
+        if block != _NONE:
+            last = self._last[block]
+            heads[stream] = head = (self._model.density(stream >> 1, self._clock - last), last, block, stream)
+            head_of.setdefault(block, []).append(stream)
+            heappush(order, head)
+
+    def _tracked_id(self, block: BlockId) -> BlockId:
+        """``block`` if tracked, else ``PoolUsageError``."""
+        if block.__class__ is int and 0 <= block < len(self._where) and self._where[block]:
+            return block
+        raise not_tracked(self, block)
+
+    def _grow(self, size: int) -> None:
+        """Make room for block ids below ``size`` (at least doubling: amortised O(1) per block)."""
+        size = max(size, 2 * len(self._where), 1024)
+        more = size - len(self._where)
+        self._where += bytes(more)
+        self._cls += bytes(more)
+        self._uses += bytes(more)
+        self._last += array("q", bytes(8 * more))
+        links = array("i", [_NONE]) * more
+        self._next += links
+        self._prev += links
+        self._chains.grow(size)  # it reads the same _where bytes: a bytearray grows in place
+
+    def _move(self, block: int, old: int, new: int) -> None:
+        """Take ``block`` out of list ``old`` and put it at the young end of list ``new``.
+
+        Lists are the classes; ``_NONE`` for ``old``: it was in none (new, or parked), for ``new``: it
+        leaves the lists (removed, or parked). The ends that change are marked dirty.
+        """
+        nxt, prv, ends, dirty = self._next, self._prev, self._ends, self._dirty
+        if old != _NONE:
+            before, after = prv[block], nxt[block]
+            if before == _NONE:
+                ends[2 * old] = after
+                dirty.add(2 * old)
+            else:
+                nxt[before] = after
+            if after == _NONE:
+                ends[2 * old + 1] = before
+                dirty.add(2 * old + 1)
+            else:
+                prv[after] = before
+        if new != _NONE:
+            young = 2 * new + 1
+            tail = ends[young]
+            prv[block] = tail
+            nxt[block] = _NONE
+            if tail == _NONE:
+                ends[young - 1] = block
+                dirty.add(young - 1)
+            else:
+                nxt[tail] = block
+            ends[young] = block
+            dirty.add(young)
+
+    def _listed(self, lst: int) -> Iterator[BlockId]:
+        """The blocks of list ``lst``, oldest entry first."""
+        block, nxt = self._ends[2 * lst], self._next
+        while block != _NONE:
+            yield BlockId(block)
+            block = nxt[block]
+
+    def _forget_ghosts(self, horizon: float) -> None:
+        """Forget the ghosts evicted at or before ``horizon`` (censored at their age); compact the arrays."""
+        base, live = self._ghost_base, self._ghost_live
+        oldest, end = self._ghost_oldest, base + len(live)
+        while oldest < end:
+            i = oldest - base
+            if live[i]:
+                if oldest > horizon:
+                    break
+                live[i] = 0
+                ghost_hash = self._ghost_hash[i]
+                assert ghost_hash is not None, "a live ghost without its hash"
+                self._ghost_hash[i] = None
+                del self._ghost_at[ghost_hash]  # forgotten unreused: censored at its age
+                self._ghost_recent.pop(ghost_hash, None)
+                self._model.record_end(self._ghost_cls[i], self._clock - self._ghost_last[i])
+            oldest += 1
+        self._ghost_oldest = oldest
+        gone = oldest - base
+        if gone >= 1024 and 2 * gone >= len(live):  # amortised O(1): each entry is moved at most once
+            for entries in (self._ghost_hash, self._ghost_cls, self._ghost_uses, self._ghost_last, live):
+                del entries[:gone]
+            self._ghost_base = oldest
+
+    def _note_reuse(self, cls: int, block_hash: BlockHash | None, parent: BlockHash | None) -> None:
         """A block of class ``cls`` is reused: a sample for the shift test if it starts a reuse run."""
         if parent is None or parent != self._reused:
             self._shift.note(cls // _KINDS)
@@ -421,38 +647,31 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         The class lists are rebuilt oldest last use first, as if every block had
         just entered its new class in the order it was last used.
         """
-        for blocks in self._lists:
-            blocks.clear()
-        for block in sorted(self._class, key=self._last.__getitem__):
-            self._uses[block] = uses = self._recent.get(block, 0)
-            cls = block_class(uses, self._class[block] % _KINDS)
-            self._class[block] = cls
-            self._census.set_class(self._slot[block], cls)
-            if block not in self._parked:
-                self._lists[cls][block] = None
-        for block_hash, (evicted, last, cls, _, slot) in self._ghost.items():
-            # its class stays: what its return teaches
-            self._ghost[block_hash] = (evicted, last, cls, self._ghost_recent.get(block_hash, 0), slot)
-
-    def _settle_tip(self) -> None:
-        """The block stored before this store is a tip no more: a parent if this store continued it, else a leaf."""
-        tip, self._tip = self._tip, None
-        if tip is not None:
-            self._enter(tip, block_class(self._uses[tip], PARENT if self._chains.has_children(tip) else LEAF))
+        for end in range(2 * _CLASSES):
+            self._ends[end] = _NONE
+            self._dirty.add(end)
+        tracked = np.flatnonzero(np.frombuffer(self._where, dtype=np.uint8))
+        lasts = np.frombuffer(self._last, dtype=np.int64)[tracked]
+        for block in tracked[np.argsort(lasts, kind="stable")].tolist():
+            uses = min(self._recent.get(block, 0), _MAX_USES)
+            self._uses[block] = uses
+            self._cls[block] = cls = _CLASS_OF[uses if uses < _TOP else _TOP][self._cls[block] % _KINDS]
+            if self._where[block] == _LISTED:
+                self._move(block, _NONE, cls)
+        recent = self._ghost_recent
+        for i, ghost_hash in enumerate(self._ghost_hash):
+            if ghost_hash is not None:  # its class stays: what its return teaches
+                self._ghost_uses[i] = min(recent.get(ghost_hash, 0), _MAX_USES)
 
     def _enter(self, block: BlockId, cls: int) -> None:
         """Put ``block`` at the young end of class ``cls``'s list (if parked: only its class)."""
-        old = self._class.get(block)
-        self._class[block] = cls
-        self._census.set_class(self._slot[block], cls)
-        if block in self._parked:
-            return  # it enters its (new) class's list on on_unpin
-        if old is not None:
-            del self._lists[old][block]
-        self._lists[cls][block] = None
+        old = self._cls[block]
+        self._cls[block] = cls
+        if self._where[block] == _LISTED:  # a parked block enters its (new) class's list on on_unpin
+            self._move(block, old, cls)
 
     def _refresh(self) -> None:
-        """Recompute the densities (bounded work, see :mod:`._census`); due about once per pool's worth of ticks."""
+        """Recompute the densities (bounded work, see :mod:`.census`); due about once per pool's worth of ticks."""
         period = max(self.c, _MIN_REFRESH)
         self._next_refresh = self._clock + period
         sized = self.capacity is not None or self._evictions > 0  # a learned size is final once the pool evicts
@@ -462,48 +681,77 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         if not self._shift.in_excursion:  # the next change point a restart would keep: now
             self._recent.clear()
             self._ghost_recent.clear()
-        (t_cls, t_last, t_w), (g_cls, g_last, g_w) = (
-            census.sample(_CENSUS_LIMIT) for census in (self._census, self._ghost_census))
-        weights = np.concatenate([np.full(len(t_cls), t_w), np.full(len(g_cls), g_w)])
-        self._model.refresh(np.concatenate([t_cls, g_cls]), self._clock - np.concatenate([t_last, g_last]),
-                            keep=keep, weights=weights)
+        self._samples = turn = self._samples + 1
+        tracked, t_w = strided(self._where, turn, _CENSUS_LIMIT)
+        ghosts, g_w = strided(self._ghost_live, turn, _CENSUS_LIMIT)
+        classes = np.concatenate([np.frombuffer(self._cls, dtype=np.uint8)[tracked],
+                                  np.frombuffer(self._ghost_cls, dtype=np.uint8)[ghosts]]).astype(np.int64)
+        lasts = np.concatenate([np.frombuffer(self._last, dtype=np.int64)[tracked],
+                                np.frombuffer(self._ghost_last, dtype=np.int64)[ghosts]])
+        weights = np.concatenate([np.full(len(tracked), t_w), np.full(len(ghosts), g_w)])
+        self._model.refresh(classes, self._clock - lasts, keep=keep, weights=weights)
 
     @override
     def __len__(self) -> int:
-        return len(self._class)
+        return self._tracked
 
     @override
     def check_invariants(self) -> None:
-        assert len(self._chains) == len(self._class) == len(self._uses) == len(self._last), \
-            "per-block maps differ in size"
-        assert sum(map(len, self._lists)) + len(self._parked) == len(self._class), \
-            "class lists and parked blocks do not split the tracked blocks"
-        for cls, blocks in enumerate(self._lists):
+        where = self._where
+        n = len(where)
+        assert len(self._cls) == len(self._uses) == len(self._last) == len(self._next) == len(self._prev) == n, \
+            "per-block arrays differ in length"
+        tracked = [BlockId(b) for b in range(n) if where[b]]
+        assert len(tracked) == self._tracked == len(self._chains), "tracked counts differ"
+        listed: dict[int, int] = {}
+        for lst in range(_CLASSES):
+            blocks = list(self._listed(lst))
+            assert self._ends[2 * lst + 1] == (blocks[-1] if blocks else _NONE), f"list {lst} tail drifted"
+            assert all(self._prev[b] == a for a, b in zip([_NONE, *blocks], blocks)), f"list {lst} links broken"
             for block in blocks:
-                assert self._class[block] == cls, f"block {block} is listed in class {cls}"
-                assert block not in self._parked, f"parked block {block} is listed in class {cls}"
-        for block, cls in self._class.items():
+                assert block not in listed, f"block {block} is in lists {listed.get(block)} and {lst}"
+                listed[block] = lst
+        assert sorted(listed) == [b for b in tracked if where[b] == _LISTED], "class lists drifted from the marks"
+        for block in tracked:
+            cls = self._cls[block]
+            parked = where[block] == _PARKED
+            assert where[block] in (_LISTED, _PARKED), f"block {block} marked {where[block]}"
+            assert listed.get(block) == (None if parked else cls), f"block {block} is listed in {listed.get(block)}"
             assert cls // _KINDS == reuse_level(self._uses[block]), f"block {block} reuse class"
-            assert 0 <= self._recent.get(block, 0) <= self._uses[block], f"block {block} recent reuses"
+            assert 0 <= min(self._recent.get(block, 0), _MAX_USES) <= self._uses[block], f"block {block} recent reuses"
             assert cls % _KINDS == PARENT or not self._chains.has_children(block), \
                 f"block {block} has a child but is not classed a parent"
             assert (cls % _KINDS == TIP) == (block == self._tip), f"block {block} tip kind"
             assert self._last[block] <= self._clock, f"block {block} accessed in the future"
-        assert len(self._slot) == len(self._census) == len(self._class), "census of tracked blocks drifted"
-        for block, slot in self._slot.items():
-            assert self._census.get(slot) == (self._class[block], self._last[block]), f"census of block {block}"
-        assert len(self._ghost_census) == len(self._ghost), "census of ghosts drifted"
-        for ghost_hash, (_, last, cls, _, slot) in self._ghost.items():
-            assert self._ghost_census.get(slot) == (cls, last), f"census of ghost {ghost_hash}"
-        for ghost_hash, recent in self._ghost_recent.items():
-            assert 0 < recent <= self._ghost[ghost_hash][3], f"ghost {ghost_hash} recent reuses"
-        self._census.check_invariants()
-        self._ghost_census.check_invariants()
-        self._shift.check_invariants()
-        evicted = [g[0] for g in self._ghost.values()]
-        assert evicted == sorted(evicted), "ghost is not in eviction order"
-        for ghost_hash in self._ghost:
+        assert all(where[block] for block in self._recent), "recent reuses of an untracked block"
+        if self._model.rows is self._keyed_rows:  # else every key is computed again first
+            for stream, key in enumerate(self._keys):
+                end = self._ends[stream]
+                if stream in self._dirty:
+                    continue
+                if end == _NONE:
+                    assert key is None, f"empty stream {stream} keeps a key"
+                    continue
+                assert key is not None and key[1:] == (self._last[end], end, stream), f"stream {stream} key"
+                due = any(at <= self._clock and at_stream == stream for at, at_stream in self._due)
+                assert due or key[0] == self.density_of(BlockId(end)), f"stream {stream} key is stale"
+        ghosts = [(i + self._ghost_base, h) for i, h in enumerate(self._ghost_hash) if h is not None]
+        assert len(self._ghost_cls) == len(self._ghost_uses) == len(self._ghost_last) == len(self._ghost_live) \
+            == len(self._ghost_hash), "ghost arrays differ in length"
+        assert [bool(h is not None) for h in self._ghost_hash] == list(map(bool, self._ghost_live)), \
+            "ghost liveness drifted"
+        assert dict(ghosts) == {e: h for h, e in self._ghost_at.items()}, "ghost map drifted"
+        assert all(e >= self._ghost_oldest for e, _ in ghosts), "a ghost older than the oldest"
+        for e, ghost_hash in ghosts:
+            assert e > self._evictions - self.ghost_span * max(self.c, 1), f"ghost {ghost_hash} outlived its span"
             assert not self._chains.has_hash(ghost_hash), f"ghost {ghost_hash} is tracked"
+        for ghost_hash, recent in self._ghost_recent.items():
+            at = self._ghost_at.get(ghost_hash)
+            assert at is not None, f"recent reuses of forgotten ghost {ghost_hash}"
+            assert 0 < min(recent, _MAX_USES) <= self._ghost_uses[at - self._ghost_base], \
+                f"ghost {ghost_hash} recent reuses"
+        assert self._chains.parked is self._where, "the chain index reads other pin marks"
+        self._shift.check_invariants()
         self._check_capacity()
         self._chains.check_invariants()
         self._model.check_invariants()

@@ -94,6 +94,16 @@ def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return lows.max(axis=0)  # max over j <= i
 
 
+def _least_root(value: int, k: int) -> int:
+    """The least int ``r >= 1`` with ``r ** k >= value`` (exact on ints)."""
+    r = max(1, round(value ** (1 / k)))
+    while r ** k < value:
+        r += 1
+    while r > 1 and (r - 1) ** k >= value:
+        r -= 1
+    return r
+
+
 def _at_risk(events: np.ndarray) -> np.ndarray:
     """Per (row, bucket): the events at that bucket or later (blocks observed alive at its age)."""
     return np.cumsum(events[:, ::-1], axis=1)[:, ::-1]
@@ -132,6 +142,7 @@ class HitDensityModel:
     _table: np.ndarray | None = attrs.field(init=False, default=None, repr=False)
     _rows: list[list[float]] | None = attrs.field(init=False, default=None, repr=False)  # _table, as lists
     _last_bucket: int = attrs.field(init=False, repr=False)
+    _first_ages: tuple[int, ...] = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         bad = [c for chain in self.monotone for c in chain
@@ -141,6 +152,7 @@ class HitDensityModel:
                               f"{quote(bad)} in {quote(self.monotone)}")
         buckets = 40 * self.per_octave  # ages up to 2**40 ticks
         self._last_bucket = buckets - 1
+        self._first_ages = tuple(_least_root(1 << b, self.per_octave) - 1 for b in range(buckets))
         self._edges = 2.0 ** (np.arange(buckets + 1) / self.per_octave) - 1
         self._reuses = np.zeros((self.classes, buckets))
         self._ends = np.zeros((self.classes, buckets))
@@ -168,6 +180,16 @@ class HitDensityModel:
         view = self._ends.view()
         view.flags.writeable = False
         return view
+
+    @property
+    def first_ages(self) -> tuple[int, ...]:
+        """The least age of each bucket: ``bucket(age) >= b`` exactly when ``age >= first_ages[b]``."""
+        return self._first_ages
+
+    @property
+    def rows(self) -> list[list[float]] | None:
+        """:attr:`table` as lists, ``rows[class][bucket]`` (read it; ``None`` before the first refresh)."""
+        return self._rows
 
     @property
     def table(self) -> np.ndarray | None:

@@ -3,7 +3,11 @@
 Reused blocks become the model's own ``DynamicCache`` (full-attention layers
 get the whole prefix, sliding-window layers the blocks inside their window);
 the new tokens' KV, as the model handed it to its cache, is written into the
-request's GPU blocks once the first token is chosen.
+request's GPU blocks once the first token is chosen. The reply's KV (every
+generated token the model ran, so all but the last) is kept as each decode
+step hands it over, for :meth:`_ModelPrefill.write_reply` once the request
+grew by those tokens; with beam search it is not kept (the steps' rows are
+beams that get reordered, not the reply's).
 """
 
 from __future__ import annotations
@@ -79,17 +83,31 @@ def _planes(tensors: Sequence[torch.Tensor], layout: str,
     raise UnsupportedModelError(f"kvkit.integrations.hf cannot read KV layout {layout!r}")
 
 
+_Recorded = dict[int, list[tuple[torch.Tensor, torch.Tensor]]]
+"""Per layer, the K and V pieces the model handed its cache, in order."""
+
+
 @attrs.define(eq=False)
 class _Job:
-    """A request's prompt on the model's device, how it decodes, and what came out when."""
+    """A request's prompt on the model's device, how it decodes, and what came out when.
+
+    ``reply_kv``: once decoded, the KV of the generated tokens the model ran
+    (all but the last), per layer; ``None`` with beam search.
+    """
 
     tokens: torch.Tensor
     decoder: _Greedy | _Generate
     output: _Decoded | None = None
+    reply_kv: _Recorded | None = None
     loaded_at: float = 0.0
     restored_at: float = 0.0
     first_token_at: float = 0.0
     done_at: float = 0.0
+
+    @property
+    def keeps_reply(self) -> bool:
+        """Whether the decode steps' KV is the reply's: one sequence (no beams)."""
+        return not (isinstance(self.decoder, _Generate) and self.decoder.num_beams > 1)
 
 
 @attrs.define(eq=False)
@@ -105,7 +123,8 @@ class _ModelPrefill(HeadCompute):
     Invariants: reads only blocks the engine says hold reused KV (before
     ``first_block``, and for a sliding-window group only those inside its
     window); writes every recomputed block of every group before returning,
-    with the KV the model computed for the prompt (decoded tokens' KV is not written).
+    with the KV the model computed for the prompt; decoded tokens' KV is
+    written by :meth:`write_reply` only, into blocks the engine added for them.
     """
 
     model: Any
@@ -127,24 +146,33 @@ class _ModelPrefill(HeadCompute):
             _sync(device)
         job.restored_at = time.perf_counter()
         cache.recorded = {}
+        start = first_block * self.spec.block_size
+        reply: list[_Recorded] = []  # the decode steps' KV, once the prompt's was written
 
         def prefilled() -> None:  # the prompt's forward passes are over: every layer holds its KV
             _sync(device)
             job.first_token_at = time.perf_counter()
             if not pipelined:
-                start = first_block * self.spec.block_size
                 self._observe(engine, len(job.tokens) - start, start, job.first_token_at - job.restored_at)
             # Queued after the first token, before any decode step and before the prompt's stores are planned.
-            self._write_back(request, first_block, cache.recorded or {})
-            cache.recorded = None
+            self._write_back(request, start, cache.recorded or {})
+            cache.recorded = {} if job.keeps_reply else None
+            reply.append({} if cache.recorded is None else cache.recorded)
 
-        job.output = job.decoder.run(self.model, cache, job.tokens, first_block * self.spec.block_size, prefilled)
+        job.output = job.decoder.run(self.model, cache, job.tokens, start, prefilled)
         _sync(device)
         job.done_at = time.perf_counter()
-        if cache.recorded is not None:
+        if not reply:
             raise UnsupportedModelError("the model returned from generation before choosing a first token; "
                                         "kvkit could not store the prompt's KV")
+        job.reply_kv = reply[0] if job.keeps_reply else None
+        cache.recorded = None
         return 0  # a model cannot check bytes; the logits comparison in the tests does
+
+    def write_reply(self, request: EngineRequest, start: int, job: _Job) -> None:
+        """Write ``job``'s reply KV (see :class:`_Job`) into the request's blocks from token ``start`` on."""
+        assert job.reply_kv is not None, "write_reply without a recorded reply"
+        self._write_back(request, start, job.reply_kv)
 
     @override
     def prefill_head(self, engine: ReferenceEngine, request: EngineRequest, start: int, stop: int) -> None:
@@ -157,7 +185,7 @@ class _ModelPrefill(HeadCompute):
         cache_name, last_only = _forward_kwargs(self.model)
         self.model(input_ids=job.tokens[None, start * bs: stop * bs], **{cache_name: cache}, use_cache=True,
                    **last_only)
-        self._write_back(request, start, cache.recorded)
+        self._write_back(request, start * bs, cache.recorded)
         _sync(job.tokens.device)
         self._observe(engine, (stop - start) * bs, start * bs, time.perf_counter() - began)
 
@@ -203,9 +231,8 @@ class _ModelPrefill(HeadCompute):
         k, v = (p.index_select(0, ids).flatten(0, 1).transpose(0, 1).unsqueeze(0) for p in self.planes[layer])
         return k, v, seen
 
-    def _write_back(self, req: EngineRequest, first: int,
-                    recorded: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Write the new tokens' KV (as the model cached it) into blocks ``first..`` of every group.
+    def _write_back(self, req: EngineRequest, start: int, recorded: _Recorded) -> None:
+        """Write the KV of tokens ``start..`` (as the model cached it) into the request's blocks of every group.
 
         One scatter per layer and plane; slots past the last token keep whatever they held
         (no hash covers a partial block, so nothing reads them).
@@ -217,8 +244,8 @@ class _ModelPrefill(HeadCompute):
         bs = self.spec.block_size
         device = self.planes[0][0].device
         for g, group in enumerate(self.spec.groups):
-            new = torch.arange(sum(k.shape[-2] for k, _ in recorded[group.layers[0]]), device=device)
-            table = torch.tensor(req.table[g][first:], device=device)
+            new = start + torch.arange(sum(k.shape[-2] for k, _ in recorded[group.layers[0]]), device=device)
+            table = torch.tensor(req.table[g], device=device)
             where = (table[new // bs], new % bs)  # (block, offset) of each new token
             for layer in group.layers:
                 for plane, pieces in zip(self.planes[layer], zip(*recorded[layer], strict=True), strict=True):

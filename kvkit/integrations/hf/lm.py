@@ -2,7 +2,11 @@
 
 One :meth:`OffloadedLM.generate` call is one request: hash the prompt's full
 blocks, restore the longest cached prefix from the GPU and CPU tiers, run the
-model on the new tokens only, decode, and store the new blocks. The stack's
+model on the new tokens only, decode, and store the new blocks, the reply's
+too: the request grows by the generated tokens the model ran (all but the
+last), so their full blocks are cached and stored as the prompt's are, and a
+conversation's next turn computes only its new message and the tail of the
+history's last, partial block. The stack's
 load planner decides which blocks of a CPU or shared-tier hit to load: on the
 CPU (not ``pipelined``) a plan's head is one forward pass of its own, run while
 the rest of the hit is fetched and loaded; pipelined, only a prefix of the hit
@@ -11,6 +15,7 @@ is loaded and the rest recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -56,8 +61,10 @@ class OffloadedLM:
             the same model wrapped twice does.
 
     Invariants: one request at a time (batch size 1); after each call the
-    prompt's full blocks are in the GPU tier's prefix cache and their stores
-    to the CPU tier are submitted.
+    full blocks of the prompt and of the reply's KV are in the GPU tier's
+    prefix cache and their stores to the CPU tier are submitted (the reply's
+    only with one sequence, not beam search, and while the GPU tier has
+    free blocks for it).
 
     Raises:
         UnsupportedModelError: see :func:`kv_spec_from_config`.
@@ -181,6 +188,7 @@ class OffloadedLM:
             self._compute.jobs[rid] = job
             try:
                 req = self._prefill(rid)  # restores, prefills and decodes
+                self._extend_by_reply(rid, ids, job)
             except BaseException:
                 engine.abort(rid)  # waiting or running: its blocks go back, nothing of it is stored
                 raise
@@ -199,6 +207,22 @@ class OffloadedLM:
     def _salt(self) -> tuple:
         """The block hashes' extra keys: the model's identity, then the user's salt."""
         return (self.model_id, self.cache_salt)
+
+    def _extend_by_reply(self, rid: str, prompt: list[int], job: _Job) -> None:
+        """Grow the request by the reply tokens whose KV the decode computed, so their blocks are kept like the
+        prompt's; a GPU tier without free blocks for them leaves the reply unkept (the turn is unaffected)."""
+        assert job.output is not None
+        recorded = job.reply_kv
+        if not recorded:  # beam search, or a one-token reply (its token never ran)
+            return
+        ran = sum(k.shape[-2] for k, _ in next(iter(recorded.values())))
+        tokens = prompt + list(job.output[0][:ran])
+        spec = self.stack.config.kv
+        hashes = hash_blocks(tokens, spec.block_size, extra_keys=self._salt, algorithm=self.stack.config.hash_algorithm)
+        held = len(prompt) // spec.block_size
+        with contextlib.suppress(OutOfBlocksError):
+            self.engine.extend(rid, hashes[held:], len(tokens),
+                               lambda req, start: self._compute.write_reply(req, start, job))
 
     def _prefill(self, rid: str) -> EngineRequest:
         """Step the engine until ``rid`` ran its prefill (a pool still held by stores drains first)."""

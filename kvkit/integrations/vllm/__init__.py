@@ -35,8 +35,10 @@ report it in ``finished_recving`` once its loads landed. A step's stores
 copy the blocks that step's forward pass completes, right after it. The
 manager holds a GPU reference on every block a copy touches, so vLLM frees a
 finished request's blocks at once (``request_finished -> False``). kvkit's
-counters reach vLLM's connector stats and Prometheus (``vllm:kvkit_*``), and
-its CPU tier vLLM's KV events (:mod:`~kvkit.integrations.vllm.metrics`).
+counters reach vLLM's connector stats and Prometheus (``vllm:kvkit_*``, and the
+series of vLLM's own offloading connectors, ``vllm:simple_kv_offload_*`` and
+``vllm:kv_offload_*``), and its CPU and shared tiers vLLM's KV events
+(:mod:`~kvkit.integrations.vllm.metrics`); shutdown logs a one-line summary.
 Every finished request's
 ``RequestOutput.kv_transfer_params`` holds
 ``{"kvkit_loaded_tokens": n, "kvkit_reloaded_tokens": m}``: the prompt tokens

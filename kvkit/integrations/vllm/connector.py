@@ -19,13 +19,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.logger import init_logger
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from kvkit.errors import ConfigError
 from kvkit.integrations.vllm.gpu_pool import VllmGpuPool
-from kvkit.integrations.vllm.metrics import KVKitPromMetrics, KVKitStats, cpu_tier_events
+from kvkit.integrations.vllm.metrics import KVKitPromMetrics, KVKitStats, tier_events
 from kvkit.integrations.vllm.scheduler import (
     SchedulerSide,
     StepOrder,
@@ -54,6 +55,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KVKitConnector", "KVKitMetadata", "KVKitWorkerMetadata", "connector_settings"]
+
+_LOG = init_logger("vllm.kvkit")
+"""Under vLLM's ``vllm`` logger, so vLLM's logging configuration shows kvkit's lines."""
 
 _ABORTED = frozenset({RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
                       RequestStatus.FINISHED_IGNORED})
@@ -113,7 +117,8 @@ def connector_settings(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     return parse_extra_config(
         vllm_config.kv_transfer_config.kv_connector_extra_config,
         kv=kv_spec_from_vllm(kv_cache_config), gpu_blocks=max(1, kv_cache_config.num_blocks),
-        world_size=parallel.tensor_parallel_size, device=_device(), model=_model_identity(vllm_config))
+        world_size=parallel.tensor_parallel_size, device=_device(), model=_model_identity(vllm_config),
+        role=vllm_config.kv_transfer_config.kv_role)
 
 
 def _model_identity(vllm_config: VllmConfig) -> str:
@@ -218,6 +223,7 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker_side is not None:
             self.worker_side.close()
         if self.scheduler_side is not None:
+            _LOG.info("%s", self.scheduler_side.summary())
             self.scheduler_side.close()
 
     # -- scheduler side ---------------------------------------------------------------
@@ -255,7 +261,7 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
         runs = self._scheduler().take_events()
         if not runs:
             return []
-        return cpu_tier_events(runs, block_size=self.settings.stack.kv.block_size, hash_bytes=self._hash_bytes)
+        return tier_events(runs, block_size=self.settings.stack.kv.block_size, hash_bytes=self._hash_bytes)
 
     @override
     def has_pending_push_work(self) -> bool:

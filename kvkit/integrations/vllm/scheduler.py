@@ -56,25 +56,27 @@ still touches.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 from typing_extensions import override
 
+from kvkit.config import StackConfig
 from kvkit.errors import HashInputError
 from kvkit.integrations.vllm.settings import ConnectorSettings
-from kvkit.interfaces import BlockAllocator, BlockHash, BlockId, Direction, GroupKind, Tier, TransferResult
+from kvkit.interfaces import BlockAllocator, BlockHash, BlockId, GroupKind, Tier, TransferResult
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.manager.requests import RequestState
 from kvkit.manager.step import StepPlan
 from kvkit.shared.client import SharedConnection, connect_shared
 from kvkit.stats import OffloadStats
-from kvkit.validate import is_int
+from kvkit.validate import is_int, plural
 
-__all__ = ["COUNTERS", "GAUGES", "LOADED_TOKENS_KEY", "RELOADED_TOKENS_KEY", "CpuTierEvents", "SchedulerSide",
-           "StepOrder", "block_hash"]
+__all__ = ["COPIES", "COUNTERS", "GAUGES", "INFO_KEY", "LOADED_TOKENS_KEY", "RELOADED_TOKENS_KEY", "SchedulerSide",
+           "StepOrder", "TierBlock", "TierEvents", "TierRun", "block_hash"]
 
 LOADED_TOKENS_KEY = "kvkit_loaded_tokens"
 """Key, in a finished request's ``kv_transfer_params``, of the prompt tokens kvkit loaded
@@ -82,9 +84,20 @@ when vLLM first scheduled it (part of ``RequestOutput.num_cached_tokens``)."""
 RELOADED_TOKENS_KEY = "kvkit_reloaded_tokens"
 """Key of the tokens kvkit loaded when vLLM resumed the request after preemptions."""
 
-GAUGES: tuple[str, ...] = ("gpu_blocks_held", "cpu_blocks_pinned", "transfers_in_flight")
+GAUGES: tuple[str, ...] = ("gpu_blocks_held", "cpu_blocks_pinned", "transfers_in_flight", "cpu_blocks",
+                           "cpu_blocks_used", "cpu_blocks_storing")
 """State :meth:`SchedulerSide.stats_delta` reports beside the counters' increments: GPU block
-references kvkit holds, CPU references (lookup pins and transfers), transfers in flight."""
+references kvkit holds, CPU references (lookup pins and transfers), transfers in flight, the CPU
+tier's size, its blocks not free (neither empty nor evictable: pinned, in flight or being
+written) and its blocks GPU -> CPU stores in flight write."""
+
+INFO_KEY = "info"
+"""Key of :meth:`SchedulerSide.stats_delta` holding :attr:`SchedulerSide.info`, sent with the gauges."""
+
+COPIES: tuple[str, ...] = ("load_copies", "store_copies")
+"""Keys of :meth:`SchedulerSide.stats_delta` listing the interval's GPU <-> CPU copies, one
+``(bytes, seconds)`` pair per copy (one KV group's loads or stores of one step) and worker that
+completed it: CPU -> GPU loads and GPU -> CPU stores."""
 
 COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(OffloadStats))
 """The :class:`~kvkit.stats.OffloadStats` counters :meth:`SchedulerSide.stats_delta` reports increases of."""
@@ -126,72 +139,124 @@ class StepOrder:
     receiving: tuple[str, ...] = ()
 
 
-@attrs.define(eq=False)
-class CpuTierEvents(OffloadCallback):
-    """Hashes stored to and removed from the CPU tier since the last :meth:`take`, in order.
+def _backend(stack: StackConfig) -> str:
+    """The ``backend`` label of vLLM's ``vllm:simple_kv_offload_info``: ``cpu``, or the shared tier's store
+    (``disk`` for a directory, else its URL scheme or class)."""
+    if stack.shared is None:
+        return "cpu"
+    url = stack.shared.url
+    if not isinstance(url, str):
+        return type(url).__name__
+    scheme = url.partition(":")[0]
+    return "disk" if scheme == "file" else scheme
 
-    A step's store batch counts once every transfer of it completed on every
-    worker without failure: then its CPU blocks hold the hashes they
-    committed (a duplicate that lost to an equal hash holds none). Removed:
-    every eviction, and every stored hash at a reset.
 
-    Invariants: a hash is reported stored only once its copy is findable, and
-    removed only after it was stored; runs keep the order things happened in.
+@attrs.frozen
+class TierBlock:
+    """One block a tier stored or removed, with what the scheduler knows of it.
+
+    Attributes:
+        block_hash: kvkit's hash of vLLM's block hash.
+        parent: the hash before it in its request's chain (``None``: a first
+            block, or not known).
+        request: vLLM's request that computed it, or ``None`` where no
+            running or recently ended request names the hash (a removal, or
+            a block written back long after its request ended).
+        index: the block's position in ``request`` (its tokens are
+            ``[index * block_size, (index + 1) * block_size)``).
     """
 
-    _batches: dict[int, list] = attrs.field(init=False, factory=dict)  # first tid -> [tids left, cpu ids, ok]
-    _batch_of: dict[int, int] = attrs.field(init=False, factory=dict)  # tid -> first tid of its batch
-    _landed: list[list[BlockId]] = attrs.field(init=False, factory=list)  # committed, hashes not read yet
-    _runs: list[tuple[bool, list[BlockHash]]] = attrs.field(init=False, factory=list)  # (stored?, hashes)
+    block_hash: BlockHash
+    parent: BlockHash | None = None
+    request: Any = None
+    index: int = 0
 
-    def planned(self, stores: Sequence[tuple[int, Any]]) -> None:
-        """A step's store plans (one per group, the same CPU blocks): one batch to watch."""
-        if stores:
-            first = stores[0][0]
-            self._batches[first] = [{tid for tid, _ in stores}, stores[0][1].dst.tolist(), True]
-            self._batch_of.update((tid, first) for tid, _ in stores)
+
+@attrs.define
+class TierRun:
+    """Blocks one tier (``"cpu"`` or ``"shared"``) stored (``stored``) or removed, in the order it happened."""
+
+    tier: str
+    stored: bool
+    blocks: list[TierBlock]
+
+
+@attrs.define(eq=False)
+class TierEvents(OffloadCallback):
+    """The CPU and shared tiers' stores and removals since the last :meth:`take`, described from their requests.
+
+    Stored: hashes that became findable on the CPU tier (a store landed on
+    every worker, or a fetch from the shared tier did; a duplicate that lost
+    to an equal hash is not), and hashes a put landed in the shared tier.
+    Removed: every CPU eviction, and every CPU hash at a reset. The shared
+    tier's removals (its server's eviction or expiry) are not observable.
+
+    A stored block is described by the request that computed it (its
+    tokens, LoRA, extra keys): every hash of a running request is known
+    (:meth:`remember`), and those of ended requests for the latest
+    ``keep_ended`` hashes (:meth:`ended`), long enough for their last stores
+    to land; a block written back later is described by its hash and parent only.
+
+    Invariants: a CPU hash is reported stored only once its copy is
+    findable, and removed only after it was stored; runs keep the order
+    things happened in; at most ``keep_ended`` hashes of ended requests are remembered.
+    """
+
+    keep_ended: int = 0
+    _origins: dict[BlockHash, tuple[Any, int]] = attrs.field(init=False, factory=dict)  # hash -> (request, index)
+    _ended: collections.deque[tuple[BlockHash, Any]] = attrs.field(init=False, factory=collections.deque)
+    _runs: list[TierRun] = attrs.field(init=False, factory=list)
+
+    def remember(self, request: Any, start: int = 0) -> None:
+        """``request`` computes its blocks from position ``start`` on (call as its hashes become known)."""
+        for i, h in enumerate(request.block_hashes[start:], start):
+            self._origins[block_hash(h)] = (request, i)
+
+    def ended(self, request: Any) -> None:
+        """``request`` ended: its blocks stay described while they are among the latest ``keep_ended`` ended ones."""
+        self._ended.extend((block_hash(h), request) for h in request.block_hashes)
+        while len(self._ended) > self.keep_ended:
+            h, r = self._ended.popleft()
+            if self._origins.get(h, (None,))[0] is r:  # not a running request's since
+                del self._origins[h]
 
     @override
-    def on_transfer_completed(self, transfer_id: int, direction: Direction, num_blocks: int, ok: bool) -> None:
-        first = self._batch_of.pop(transfer_id, None)
-        if direction is not Direction.STORE or first is None:
-            return
-        batch = self._batches[first]
-        batch[0].discard(transfer_id)
-        batch[2] = batch[2] and ok
-        if not batch[0]:
-            del self._batches[first]
-            if batch[2]:
-                self._landed.append(batch[1])
+    def on_cpu_stored(self, hashes: list[BlockHash], parents: list[BlockHash | None]) -> None:
+        self._add("cpu", True, [self._describe(h, p) for h, p in zip(hashes, parents, strict=True)])
+
+    @override
+    def on_shared_stored(self, hashes: list[BlockHash]) -> None:
+        self._add("shared", True, [self._describe(h, None) for h in hashes])
 
     @override
     def on_evict(self, tier: Tier, block: BlockId, block_hash: BlockHash) -> None:
         if tier is Tier.CPU:
-            self._add(False, [block_hash])
-
-    def read(self, cpu: BlockAllocator) -> None:
-        """Turn the batches that landed into the hashes their CPU blocks committed (call after completions)."""
-        for blocks in self._landed:
-            self._add(True, [h for h in map(cpu.block_hash, blocks) if h is not None])
-        self._landed.clear()
+            self._add("cpu", False, [TierBlock(block_hash)])
 
     def cleared(self, cpu: BlockAllocator) -> None:
         """A reset empties ``cpu``: everything it holds is removed (call before the reset)."""
-        self.read(cpu)
-        self._add(False, [h for h in map(cpu.block_hash, map(BlockId, range(cpu.num_blocks))) if h is not None])
+        self._add("cpu", False, [TierBlock(h) for h in map(cpu.block_hash, map(BlockId, range(cpu.num_blocks)))
+                                 if h is not None])
 
-    def take(self) -> list[tuple[bool, list[BlockHash]]]:
-        """Runs of ``(stored, hashes)`` (``stored`` is ``False`` for removals) since the last call."""
+    def take(self) -> list[TierRun]:
+        """The runs since the last call."""
         runs, self._runs = self._runs, []
         return runs
 
-    def _add(self, stored: bool, hashes: list[BlockHash]) -> None:
-        if not hashes:
+    def _describe(self, h: BlockHash, parent: BlockHash | None) -> TierBlock:
+        request, index = self._origins.get(h, (None, 0))
+        if parent is None and request is not None and index > 0:
+            parent = block_hash(request.block_hashes[index - 1])
+        return TierBlock(h, parent, request, index)
+
+    def _add(self, tier: str, stored: bool, blocks: list[TierBlock]) -> None:
+        if not blocks:
             return
-        if self._runs and self._runs[-1][0] is stored:
-            self._runs[-1][1].extend(hashes)
+        last = self._runs[-1] if self._runs else None
+        if last is not None and last.tier == tier and last.stored is stored:
+            last.blocks += blocks
         else:
-            self._runs.append((stored, hashes))
+            self._runs.append(TierRun(tier, stored, blocks))
 
 
 @attrs.define(eq=False)
@@ -206,13 +271,15 @@ class SchedulerSide:
             a sliding-window group grows, because vLLM frees that group's
             blocks outside the window (null in its table) and may hand one
             back to the same request.
-        events: the CPU tier's store and removal log (one of the manager's
-            callbacks), or ``None`` when vLLM publishes no KV events.
+        events: the CPU and shared tiers' store and removal log (one of the
+            manager's callbacks), or ``None`` when vLLM publishes no KV events.
         async_load: hits load while other requests run: a request with a hit
             waits in vLLM (``WAITING_FOR_REMOTE_KVS``) until the workers report
             it in ``finished_recving``.
         shared: the shared tier's connection (the manager's ``shared`` spec
             is its ``spec``), or ``None`` without one; :meth:`close` closes it.
+        info: the values of vLLM's ``vllm:simple_kv_offload_info`` labels
+            (``backend``, ``page_cache``, ``lazy_offload``, ``capacity_blocks``).
 
     Invariants:
         * The requests tracked are exactly those the manager has live.
@@ -222,9 +289,10 @@ class SchedulerSide:
 
     manager: OffloadManager
     tables: Callable[[str], Sequence[Sequence[int]]]
-    events: CpuTierEvents | None = None
+    events: TierEvents | None = None
     async_load: bool = False
     shared: SharedConnection | None = None
+    info: tuple[str, ...] = ()
     num_preemptions: int = attrs.field(init=False, default=0)
     _receiving: list[str] = attrs.field(init=False, factory=list)  # async loads allocated since the last build
     _reported: dict[str, float] = attrs.field(init=False, factory=dict)
@@ -234,25 +302,32 @@ class SchedulerSide:
     _loaded_tokens: dict[str, list[int]] = attrs.field(init=False, factory=dict)  # [first, resumed]
     _flush_pending: bool = attrs.field(init=False, default=False)  # a request ended since the last build
     _step: int = attrs.field(init=False, default=0)
+    _copies: dict[int, list[Any]] = attrs.field(init=False, factory=dict)  # tid -> [COPIES key, reports left]
+    _copied: dict[str, list[tuple[int, float]]] = attrs.field(init=False, factory=lambda: {k: [] for k in COPIES})
+    copy_totals: dict[str, list[float]] = attrs.field(init=False, factory=lambda: {k: [0, 0.0] for k in COPIES})
+    """Per :data:`COPIES` key, ``[bytes, seconds]`` of every copy reported so far (all workers)."""
 
     @classmethod
     def from_settings(cls, settings: ConnectorSettings, gpu: BlockAllocator,
                       tables: Callable[[str], Sequence[Sequence[int]]], *, events: bool = False) -> SchedulerSide:
-        """A manager over ``gpu`` and a CPU pool of ``settings.num_cpu_blocks`` blocks (no copy backend here).
+        """A manager over ``gpu`` and a CPU pool of ``settings.num_cpu_blocks`` blocks (no copy backend here,
+        so the copy's ``options`` are the workers' alone).
 
-        With ``events`` the CPU tier's stores and removals are logged for :meth:`take_events`.
+        With ``events`` the tiers' stores and removals are logged for :meth:`take_events`.
         With a shared tier the manager looks up GPU -> CPU -> shared (every
         rank's key, one ``contains``) and plans fetches into CPU blocks and puts.
         """
         stack = settings.stack
-        parts = attrs.evolve(stack, copy=None).resolve()
+        options = {slot: kwargs for slot, kwargs in stack.options.items() if slot != "copy"}
+        parts = attrs.evolve(stack, copy=None, options=options).resolve()
         cpu = parts.allocator(num_blocks=parts.cpu_blocks, eviction=parts.cpu_eviction)
-        log = CpuTierEvents() if events else None
+        log = TierEvents(keep_ended=parts.cpu_blocks) if events else None
         conn = None if (layout := settings.shared_layout) is None else connect_shared(stack, layout=layout)
         manager = OffloadManager(stack.kv, cpu, parts.store, gpu=gpu, world_size=stack.world_size,
                                  null_block=0, callbacks=(log,) if log is not None else (),
                                  shared=None if conn is None else conn.spec, planner=parts.planner)
-        return cls(manager, tables, log, settings.async_load, conn)
+        return cls(manager, tables, log, settings.async_load, conn,
+                   info=(_backend(stack), "false", str(stack.store == "lazy").lower(), str(parts.cpu_blocks)))
 
     @property
     def idle(self) -> bool:
@@ -272,6 +347,8 @@ class SchedulerSide:
                                      request.num_tokens)
             self._requests[rid] = request
             self._loaded_tokens[rid] = [0, 0]
+            if self.events is not None:
+                self.events.remember(request)
         else:
             if self.manager.request(rid).state is _RUNNING:  # preempted between steps
                 self._preempt(rid)
@@ -324,30 +401,67 @@ class SchedulerSide:
         self._step += 1
         self._flush_pending = False  # build_step plans every detached store
         order = StepOrder(self._step, self.manager.build_step(), tuple(self._receiving))
+        world = self.manager.world_size
+        self._copies.update((tid, ["load_copies", world]) for tid, _ in order.plan.loads)
+        self._copies.update((tid, ["store_copies", world]) for tid, _ in order.plan.stores)
         self._receiving.clear()  # their loads are this step's (allocation and build share one schedule call)
-        if self.events is not None:
-            self.events.planned(order.plan.stores)
         return order
 
     def completed(self, results: Iterable[TransferResult]) -> None:
-        """Apply the workers' transfer results (GPU and CPU references of finished copies drop)."""
-        self.manager.apply_completions(results)
-        if self.events is not None:
-            self.events.read(self.manager.cpu)
+        """Apply the workers' transfer results (GPU and CPU references of finished copies drop).
 
-    def stats_delta(self) -> dict[str, float]:
-        """Each counter's increase since the last call (those that moved) and, if any moved, :data:`GAUGES`."""
+        Each worker's successful GPU <-> CPU copy is listed under its
+        :data:`COPIES` key for :meth:`stats_delta` and counted in :attr:`copy_totals`.
+        """
+        results = list(results)
+        self.manager.apply_completions(results)
+        for res in results:
+            copy = self._copies.get(res.transfer_id)
+            if copy is None:
+                continue
+            copy[1] -= 1
+            if not copy[1]:
+                del self._copies[res.transfer_id]
+            if res.ok and res.seconds > 0:
+                self._copied[copy[0]].append((res.num_bytes, res.seconds))
+                total = self.copy_totals[copy[0]]
+                total[0] += res.num_bytes
+                total[1] += res.seconds
+
+    def stats_delta(self) -> dict[str, Any]:
+        """Since the last call: each counter's increase (those that moved), the :data:`COPIES` completed
+        (those with any), and, if anything moved, :data:`GAUGES`."""
         now = self.manager.stats.as_dict()
-        delta = {k: now[k] - self._reported.get(k, 0) for k in COUNTERS if now[k] != self._reported.get(k, 0)}
+        delta: dict[str, Any] = {k: now[k] - self._reported.get(k, 0) for k in COUNTERS
+                                 if now[k] != self._reported.get(k, 0)}
         self._reported = now
+        for key, copies in self._copied.items():
+            if copies:
+                delta[key] = copies
+                self._copied[key] = []
         if delta:
-            m = self.manager
+            m, cpu = self.manager, self.manager.cpu
             delta |= {"gpu_blocks_held": sum(m.gpu_refs_held().values()),
-                      "cpu_blocks_pinned": sum(m.cpu_refs_held().values()), "transfers_in_flight": m.num_in_flight}
+                      "cpu_blocks_pinned": sum(m.cpu_refs_held().values()), "transfers_in_flight": m.num_in_flight,
+                      "cpu_blocks": cpu.num_blocks, "cpu_blocks_used": cpu.num_blocks - cpu.num_free,
+                      "cpu_blocks_storing": m.cpu_blocks_storing(), INFO_KEY: self.info}
         return delta
 
-    def take_events(self) -> list[tuple[bool, list[BlockHash]]]:
-        """Runs of hashes stored to (``True``) and removed from the CPU tier since the last call."""
+    def summary(self) -> str:
+        """One line on what kvkit did so far: hits per tier, blocks moved, copy bandwidth, failures."""
+        s = self.manager.stats
+        copied, seconds = (sum(t[i] for t in self.copy_totals.values()) for i in (0, 1))
+        gbps = f"{copied / seconds / 1e9:.2f} GB/s" if seconds else "n/a"
+        return (f"kvkit: {plural(int(s.scheduled_requests), 'request', grouped=True)} over "
+                f"{plural(int(s.query_tokens), 'token', grouped=True)}; hits GPU {s.gpu_hit_rate:.1%}, CPU "
+                f"{s.cpu_hit_rate:.1%}, shared {s.shared_hit_rate:.1%}; CPU tier stored "
+                f"{plural(int(s.blocks_stored), 'block', grouped=True)}, loaded {int(s.blocks_loaded):,}, evicted "
+                f"{int(s.evictions_cpu):,}; copies {copied / 1e6:,.1f} MB at {gbps}; shared tier fetched "
+                f"{int(s.blocks_fetched):,}, put {int(s.blocks_put):,}; failed transfers "
+                f"{int(s.transfers_failed):,}, loads recomputed {int(s.loads_failed):,}")
+
+    def take_events(self) -> list[TierRun]:
+        """The tiers' runs of blocks stored and removed since the last call."""
         return self.events.take() if self.events is not None else []
 
     def finished(self, request: Any, block_ids: Sequence[Sequence[int]], *,
@@ -368,6 +482,8 @@ class SchedulerSide:
         delay = self.manager.abort(rid) if aborted else self.manager.finish(rid)
         assert not delay, "with vLLM's GPU pool the manager never delays a free"
         del self._requests[rid]
+        if self.events is not None:
+            self.events.ended(request)
         self._flush_pending = True
         first, resumed = self._loaded_tokens.pop(rid)
         return False, {LOADED_TOKENS_KEY: first, RELOADED_TOKENS_KEY: resumed}
@@ -403,3 +519,5 @@ class SchedulerSide:
         hashes = request.block_hashes
         self.manager.extend(request.request_id, [block_hash(h) for h in hashes[known:]],
                             request.num_tokens)
+        if self.events is not None and len(hashes) > known:
+            self.events.remember(request, known)

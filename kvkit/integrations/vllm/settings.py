@@ -9,21 +9,23 @@ the CPU tier's size has one source of truth: :attr:`ConnectorSettings.stack`.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote as url_quote
 
 import attrs
 
-from kvkit.config import NAMED_SLOTS, StackConfig, name_shared_model, parse_bytes
+from kvkit.config import DEFAULTS, NAMED_SLOTS, StackConfig, name_shared_model, parse_bytes
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.registry import STORE
-from kvkit.validate import check_bool, check_choice, did_you_mean, plural, problem_of, quote
+from kvkit.validate import check_bool, check_choice, check_int, did_you_mean, plural, problem_of, quote
 from kvkit.worker.layouts import LAYOUTS
 
-__all__ = ["EXTRA_KEYS", "STACK_KEYS", "VLLM_SLOTS", "ConnectorSettings", "kv_spec_from_vllm", "kvkit_window",
-           "parse_extra_config", "shared_layout"]
+__all__ = ["EXTRA_KEYS", "KV_ROLES", "SEED_DEFAULTS", "STACK_KEYS", "VLLM_SLOTS", "ConnectorSettings",
+           "kv_spec_from_vllm", "kvkit_window", "parse_extra_config", "shared_layout"]
 
 VLLM_SLOTS: dict[str, str] = {
     "kv": "vLLM's KV cache config",
@@ -40,7 +42,21 @@ STACK_KEYS: tuple[str, ...] = tuple(f.name for f in attrs.fields(StackConfig) if
 """``StackConfig`` slots ``kv_connector_extra_config`` takes, with their meaning and defaults."""
 
 _CONNECTOR_KEYS = ("layout", "async_load", "layerwise")
-_SEED_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload")
+_DISK_KEYS = ("disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache")
+"""The seed's keys that only its disk backend reads (ignored, with a warning, under ``kv_offload_backend="cpu"``)."""
+_SEED_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload", "kv_offload_backend", *_DISK_KEYS)
+
+SEED_DEFAULTS: dict[str, Any] = {"cpu_bytes_to_use": 8 << 30, "kv_offload_backend": "cpu",
+                                 "disk_capacity_bytes": 100 << 30, "disk_buffer_slots": 2, "use_page_cache": False}
+"""Defaults of vLLM's ``SimpleCPUOffloadConnector`` (vllm 0.32) that kvkit applies to an absent key:
+8 GiB of CPU tier over all ranks, the CPU backend, 100 GiB of disk per rank, 2 I/O slots, no page cache."""
+
+KV_ROLES: dict[str, str] = {
+    "kv_both": "loads hits and stores",
+    "kv_producer": "stores; loads its own hits too (a hit only spares compute, the tokens are the same)",
+    "kv_consumer": "loads hits and never stores (store='never'): it reads what producers stored",
+}
+"""vLLM's ``KVTransferConfig.kv_role`` values and what kvkit's connector does under each."""
 
 EXTRA_KEYS: tuple[str, ...] = (*STACK_KEYS, *_CONNECTOR_KEYS, *_SEED_KEYS)
 """Keys ``kv_connector_extra_config`` may hold (see :func:`parse_extra_config`): :data:`STACK_KEYS`,
@@ -194,10 +210,11 @@ def kvkit_window(vllm_window: int, block_size: int) -> int:
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_blocks: int,
-                       world_size: int, device: str, model: str | None = None) -> ConnectorSettings:
+                       world_size: int, device: str, model: str | None = None,
+                       role: str = "kv_both") -> ConnectorSettings:
     """Validate ``kv_connector_extra_config`` and turn it into settings.
 
-    Keys (all but the capacity optional):
+    Keys (all optional):
 
     * every ``StackConfig`` slot of :data:`STACK_KEYS`, with its meaning,
       default (:data:`kvkit.config.DEFAULTS`) and checks; the rest are
@@ -214,12 +231,19 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       defaults to vLLM's layout, e.g. ``"cross-layer"`` for the ``staged``
       copy backend;
     * the CPU tier's size: ``cpu_bytes`` (``"8GiB"`` or an int; per worker)
-      or ``cpu_blocks``, or the keys of vLLM's ``SimpleCPUOffloadConnector``:
-      ``cpu_bytes_to_use`` (the total, divided by ``world_size``) and
-      ``cpu_bytes_to_use_per_rank``; byte keys given together must agree per
-      worker, and ``cpu_blocks`` goes alone;
+      or ``cpu_blocks``, or the keys of vLLM's ``SimpleCPUOffloadConnector``
+      (the seed) with its meaning: ``cpu_bytes_to_use`` (the total, divided by
+      ``world_size``; 8 GiB when no key sizes the tier) and
+      ``cpu_bytes_to_use_per_rank``, which wins over a disagreeing total with
+      a warning. ``cpu_bytes`` beside a seed key must agree per worker, and
+      ``cpu_blocks`` goes alone;
     * ``lazy_offload`` (the seed's, a bool): ``True`` is ``store="lazy"``,
       ``False`` any other store policy; a ``store`` that contradicts it is refused;
+    * ``kv_offload_backend`` (the seed's ``"cpu"``, the default, or ``"disk"``)
+      with ``disk_path``, ``disk_capacity_bytes``, ``disk_buffer_slots`` and
+      ``use_page_cache``: ``"disk"`` puts kvkit's disk block store behind the
+      CPU tier as the shared tier (see :func:`_seed_backend`; ``shared`` beside
+      it is refused); under ``"cpu"`` the disk keys are ignored with a warning;
     * ``async_load`` (a bool, default ``False``): load CPU hits while other
       requests run, through vLLM's asynchronous-load path;
     * ``layerwise`` (a bool, default ``True``): per-layer loads and stores
@@ -227,15 +251,26 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       layer's stores start); ``False`` loads everything before the forward pass;
     * ``layout``: ``"auto"`` (default) or a kvkit layout name.
 
+    On the CPU platform the ``torch`` copy backend runs on its background
+    thread (``options["copy"]["host_thread"]``, default ``True`` there).
+
+    ``role`` is vLLM's ``kv_role`` (:data:`KV_ROLES`): ``kv_consumer`` sets
+    ``store="never"`` (it loads, never stores; a ``store`` or ``lazy_offload``
+    that would store is refused), ``kv_producer`` and ``kv_both`` load and store.
+
     Raises:
         ConfigError: one error listing every problem (unknown keys, names
             that are not registered or not available here, a bad capacity, a
             write-back store policy with several KV groups: it writes back
             single GPU blocks; capacity keys or ``lazy_offload`` and ``store``
-            that contradict each other; a secret given in the config, or a
+            that contradict each other or the role; an unknown
+            ``kv_offload_backend``, a disk backend without ``disk_path`` or with
+            a bad size, slot count or flag; a secret given in the config, or a
             secret source that is unset, empty or unreadable: named, never shown).
     """
     extra = dict(extra or {})
+    if role not in KV_ROLES:
+        raise ConfigError(f"kv_role={quote(role)}: expected one of {', '.join(KV_ROLES)}")
     problems = [f"{_EXTRA}[{quote(key)}]: {VLLM_SLOTS[key]} sets it" if key in VLLM_SLOTS else
                 f"{_EXTRA}[{quote(key)}]: unknown key; valid: {', '.join(EXTRA_KEYS)}{did_you_mean(key, EXTRA_KEYS)}"
                 for key in extra if key not in EXTRA_KEYS]
@@ -254,6 +289,20 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
                             f"give one of them")
         elif lazy:
             slots["store"] = "lazy"
+    if role == "kv_consumer":
+        if slots.get("store", "never") != "never":
+            given = "lazy_offload=True" if lazy is True else f"store={quote(slots['store'])}"
+            problems.append(f"kv_role='kv_consumer' never stores; {_EXTRA}: {given} contradicts it; drop it or "
+                            f"use kv_role='kv_both'")
+        slots["store"] = "never"
+    disk, wrong = _seed_backend(extra)
+    problems += wrong
+    if disk is not None:
+        if "shared" in slots:
+            problems.append(f"{_EXTRA}: kv_offload_backend='disk' and shared both name the tier behind the CPU "
+                            f"tier; give one of them")  # shared's URL may hold a password: never shown
+        else:
+            slots["shared"] = disk
     capacity, wrong = _capacity(extra, world_size)
     problems += wrong
     layout = extra.get("layout", "auto")
@@ -269,6 +318,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     elif isinstance(shared, Mapping):
         slots["shared"], wrong = _read_secret(shared)
         problems += wrong
+    slots.update(_host_thread_copy(slots, device))
     stack = None
     try:
         stack = StackConfig(kv=kv, gpu_blocks=gpu_blocks, world_size=world_size, device=device, **capacity, **slots)
@@ -330,33 +380,109 @@ def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
 def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any], list[str]]:
     """``StackConfig``'s ``cpu_bytes``/``cpu_blocks`` from kvkit's or the seed's keys, and their contradictions.
 
+    Rules, per worker: kvkit's ``cpu_bytes`` or ``cpu_blocks`` as given; else
+    the seed's ``cpu_bytes_to_use_per_rank`` when given (a ``cpu_bytes_to_use``
+    over ``world_size`` that disagrees is warned about and ignored, as the seed
+    does), else ``cpu_bytes_to_use // world_size`` (8 GiB in total when no key
+    sizes the tier: :data:`SEED_DEFAULTS`). ``cpu_blocks`` beside a byte key,
+    and ``cpu_bytes`` beside a seed key that gives another size, are refused.
     With a contradiction the capacity is a one-block stand-in, so every other
     key is still checked (and the config is refused anyway).
     """
     given = {key: extra[key] for key in _BYTE_KEYS if extra.get(key) is not None}
     blocks = extra.get("cpu_blocks")
-    if set(given) <= {"cpu_bytes"}:  # kvkit's own keys: StackConfig checks them
-        return {"cpu_bytes": given.get("cpu_bytes"), "cpu_blocks": blocks}, []
-    if blocks is not None:
-        return {"cpu_blocks": 1}, [(f"kv_connector_extra_config: cpu_blocks={blocks!r} and "
-                                    f"{', '.join(f'{k}={v!r}' for k, v in given.items())} all size the CPU "
-                                    f"tier; give cpu_blocks or bytes")]
+    if blocks is not None or "cpu_bytes" in given:
+        if set(given) <= {"cpu_bytes"}:  # kvkit's own keys: StackConfig checks them
+            return {"cpu_bytes": given.get("cpu_bytes"), "cpu_blocks": blocks}, []
+        if blocks is not None:
+            return {"cpu_blocks": 1}, [(f"{_EXTRA}: cpu_blocks={blocks!r} and "
+                                        f"{', '.join(f'{k}={v!r}' for k, v in given.items())} all size the CPU "
+                                        f"tier; give cpu_blocks or bytes")]
     per_worker, problems = {}, []
     for key, value in given.items():
         try:
             num_bytes = parse_bytes(value)
         except ConfigError as exc:
-            problems.append(f"kv_connector_extra_config[{key!r}]={value!r}: {exc}")
+            problems.append(f"{_EXTRA}[{key!r}]={value!r}: {exc}")
             continue
         per_worker[key] = num_bytes // world_size if key == "cpu_bytes_to_use" else num_bytes
-    if len(set(per_worker.values())) > 1:
-        problems.append(
-            "kv_connector_extra_config: " + ", ".join(f"{k}={given[k]!r} ({n} bytes per worker)"
-                                                      for k, n in per_worker.items())
-            + f" disagree (cpu_bytes_to_use is the total over {plural(world_size, 'worker')}); give one of them")
     if problems:
         return {"cpu_blocks": 1}, problems
-    return {"cpu_bytes": next(iter(per_worker.values()))}, []
+    if not per_worker:
+        return {"cpu_bytes": SEED_DEFAULTS["cpu_bytes_to_use"] // world_size}, []
+    total, rank = per_worker.get("cpu_bytes_to_use"), per_worker.get("cpu_bytes_to_use_per_rank")
+    if "cpu_bytes" in per_worker and len(set(per_worker.values())) > 1:
+        return {"cpu_blocks": 1}, [
+            f"{_EXTRA}: " + ", ".join(f"{k}={given[k]!r} ({n} bytes per worker)" for k, n in per_worker.items())
+            + f" disagree (cpu_bytes_to_use is the total over {plural(world_size, 'worker')}); give one of them"]
+    if total is not None and rank is not None and total != rank:
+        warnings.warn(f"{_EXTRA}: cpu_bytes_to_use_per_rank={given['cpu_bytes_to_use_per_rank']!r} ({rank} bytes) "
+                      f"!= cpu_bytes_to_use={given['cpu_bytes_to_use']!r} over {plural(world_size, 'worker')} "
+                      f"({total} bytes); using the per-rank value", UserWarning, stacklevel=3)
+    return {"cpu_bytes": rank if rank is not None else per_worker[next(iter(per_worker))]}, []
+
+
+def _seed_backend(extra: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+    """The shared tier the seed's ``kv_offload_backend`` names (``None`` for ``"cpu"``), and the problems.
+
+    ``"cpu"`` (the default) is kvkit's CPU tier alone; the disk keys are then
+    ignored with a warning, as the seed does. ``"disk"`` adds kvkit's disk
+    block store (``backends/blockstore/disk.py``) behind the CPU tier, as the
+    shared tier (write-through): ``disk_path`` (required) is its directory
+    (created if missing; every rank's blocks in it), ``disk_capacity_bytes``
+    its size per worker process (100 GiB), ``disk_buffer_slots`` its I/O
+    threads (the transfers in flight, 2), ``use_page_cache`` its
+    ``page_cache`` (``False``: each value is flushed and dropped from the
+    page cache once written or read, where the seed opens with ``O_DIRECT``).
+    """
+    backend = extra.get("kv_offload_backend", SEED_DEFAULTS["kv_offload_backend"])
+    if backend not in ("cpu", "disk"):
+        return None, [f"{_EXTRA}['kv_offload_backend']={quote(backend)}: expected 'cpu' or 'disk'"]
+    if backend == "cpu":
+        ignored = [key for key in _DISK_KEYS if key in extra]
+        if ignored:
+            warnings.warn(f"{_EXTRA}: kv_offload_backend is 'cpu', ignoring the disk backend's "
+                          f"{', '.join(ignored)}; set kv_offload_backend='disk' to use it", UserWarning, stacklevel=3)
+        return None, []
+    values = {key: extra.get(key, SEED_DEFAULTS.get(key)) for key in _DISK_KEYS}
+    problems = []
+    path = values["disk_path"]
+    if not isinstance(path, str) or not path:
+        problems.append(f"{_EXTRA}['disk_path']={quote(path)}: kv_offload_backend='disk' needs a directory path")
+    try:
+        capacity = parse_bytes(values["disk_capacity_bytes"])
+    except ConfigError as exc:
+        problems.append(f"{_EXTRA}['disk_capacity_bytes']={quote(values['disk_capacity_bytes'])}: {exc}")
+    else:
+        if capacity <= 0:
+            problems.append(f"{_EXTRA}['disk_capacity_bytes']={quote(values['disk_capacity_bytes'])}: must be "
+                            f"above 0")
+    for key, check, kwargs in (("disk_buffer_slots", check_int, {"minimum": 1}), ("use_page_cache", check_bool, {})):
+        if (problem := problem_of(check, f"{_EXTRA}[{key!r}]", values[key], **kwargs)) is not None:
+            problems.append(problem)
+    if problems:
+        return None, problems
+    page_cache = str(values["use_page_cache"]).lower()
+    url = (f"file://{url_quote(os.path.abspath(path))}?capacity_bytes={capacity}"
+           f"&threads={values['disk_buffer_slots']}&page_cache={page_cache}")
+    return {"url": url}, []
+
+
+def _host_thread_copy(slots: Mapping[str, Any], device: str) -> dict[str, Any]:
+    """``options`` with ``{"copy": {"host_thread": True}}`` for the ``torch`` copy on the CPU platform, else nothing.
+
+    vLLM's KV and the CPU tier are both host memory there, where ``TorchCopy``
+    would copy inside ``submit``: on its background thread, asynchronous loads
+    and stores run while the worker goes on. A ``host_thread`` given in
+    ``options`` is kept; malformed ``options`` are left for ``StackConfig`` to refuse.
+    """
+    options = slots.get("options", {})
+    if device != "cpu" or slots.get("copy", DEFAULTS.copy) != "torch" or not isinstance(options, Mapping):
+        return {}
+    copy = options.get("copy", {})
+    if not isinstance(copy, Mapping):
+        return {}
+    return {"options": {**options, "copy": {"host_thread": True, **copy}}}
 
 
 def _writes_back(stack: StackConfig) -> bool:

@@ -237,7 +237,7 @@ class WorkerSide:
             if failed and failed.intersection(plan.src.tolist()):  # its CPU bytes are not the block's
                 self._collect([TransferResult(tid, self.rank, ok=False)])
             else:
-                self._submit(tid, plan)
+                self._submit(tid, plan, layered=not order.receiving)
                 submitted.add(tid)
         if order.receiving:
             self._poll()
@@ -285,8 +285,9 @@ class WorkerSide:
             self._stored_step = order.step
             if self._step_loads:
                 self._wait_step_loads()
+            on_device = self.engines[0].gpu_kv[0].device.type != "cpu"
             for tid, plan in order.plan.stores:
-                self._submit(tid, plan, written=self._written[plan.group])
+                self._submit(tid, plan, written=self._written[plan.group], layered=on_device)
             if self.shared is not None:
                 self.shared.put(order.plan.puts)
         self._written = self._no_writes()
@@ -322,9 +323,19 @@ class WorkerSide:
         assert len(self._load_targets) <= self.num_in_flight, "a load target outlived its copy"
         assert all(tids for tids, _ in self._receiving), "a received step was not reported"
 
-    def _submit(self, tid: int, plan: TransferPlan, written: Mapping[int, Any] | None = None) -> None:
-        """Plan ``tid`` on its group's engine (where the group is the engine's only one, 0), layered if configured."""
-        self.engines[plan.group].submit(tid, attrs.evolve(plan, group=0), layered=self.layerwise,
+    def _submit(self, tid: int, plan: TransferPlan, written: Mapping[int, Any] | None = None, *,
+                layered: bool) -> None:
+        """Plan ``tid`` on its group's engine (where the group is the engine's only one, 0).
+
+        Layered (stage by stage) when ``layerwise`` and ``layered``: the
+        worker asks for it only where stages help, for synchronous loads (a
+        layer's forward waits for its own blocks) and for stores of a device's
+        KV (a layer's stores start once its KV is written). An asynchronous
+        load is waited for whole, and host stages land inside the call, so
+        those go whole, which lets a host-thread copy backend run them while
+        the worker goes on.
+        """
+        self.engines[plan.group].submit(tid, attrs.evolve(plan, group=0), layered=self.layerwise and layered,
                                         written=written or None)
 
     def _poll(self) -> None:

@@ -65,6 +65,15 @@ TestSmallDisk = SmallDiskContract.TestCase
 TestSmallDisk.settings = _FEWER
 
 
+class UncachedDiskContract(SmallDiskContract):
+    def make_store(self):
+        return DiskStore(tempfile.mkdtemp(prefix="kvkit-disk-contract-"), self.capacity, page_cache=False)
+
+
+TestUncachedDisk = UncachedDiskContract.TestCase
+TestUncachedDisk.settings = _FEWER
+
+
 class ValkeyContract(BlockStoreContract):
     server = None  # bound by the fixture below
 

@@ -127,12 +127,30 @@ def test_a_file_deleted_behind_its_back_is_a_clean_miss(tmp_path):
     ({"path": "x", "capacity_bytes": 0}, "capacity_bytes"),
     ({"path": "x", "capacity_bytes": 1, "eviction": "lru"}, "EvictionPolicy"),
     ({"path": "x", "capacity_bytes": 1, "threads": 0}, "threads"),
+    ({"path": "x", "capacity_bytes": 1, "page_cache": "no"}, "page_cache"),
 ])
 def test_bad_settings_are_refused(tmp_path, kwargs, match):
     """Bad settings raise ConfigError quoting the field."""
     kwargs = {**kwargs, "path": kwargs["path"] and tmp_path / kwargs["path"]}
     with pytest.raises(ConfigError, match=match):
         DiskStore(**kwargs)
+
+
+@pytest.mark.parametrize("page_cache", [True, False])
+def test_without_the_page_cache_each_value_is_flushed_and_dropped_once_written_or_read(tmp_path, monkeypatch,
+                                                                                        page_cache):
+    """``page_cache=False``: a put syncs then drops its file's pages, a get drops them; ``True`` does neither."""
+    calls = []
+    monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append("sync"))
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append(
+        ("drop", offset, length) if advice == os.POSIX_FADV_DONTNEED else advice))
+    store = DiskStore(tmp_path, 10_000, page_cache=page_cache)
+    assert _put(store, [b"a"], 100).ok
+    written, calls[:] = list(calls), []
+    result, buffers = _get(store, [b"a"], 100)
+    assert result.ok and buffers == [bytearray(100)]
+    assert (written, calls) == (([], []) if page_cache else (["sync", ("drop", 0, 0)], [("drop", 0, 0)]))
+    store.close()
 
 
 def test_a_file_in_the_way_of_the_directory_is_a_config_error(tmp_path):

@@ -20,6 +20,10 @@ class TestTorch(CopyBackendContract):
         return TorchCopy()
 
 
+class TestTorchHostThread(CopyBackendContract):
+    def make_backend(self): return TorchCopy(host_thread=True)
+
+
 class TestThreaded(CopyBackendContract):
     def make_backend(self): return ThreadedCopy(threads=2)
 

@@ -1,11 +1,13 @@
 """Tests for the torch copy backend beyond the copy backend contract (``test_contract.py``)."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from kvkit.backends.copy import TorchCopy
-from kvkit.errors import PlanError, SpecMismatchError
+from kvkit.errors import ConfigError, PlanError, SpecMismatchError
 from kvkit.interfaces import CopyBackend, Region, TransferPlan
 from kvkit.testing.kvdata import TWO_GROUPS, fill_random
 from kvkit.worker.layouts import allocate_kv, regions_for
@@ -93,3 +95,22 @@ def test_cuda_copies_use_a_low_priority_side_stream():
     handle = backend.submit(TransferPlan([0, 3], [1, 2], "store"))
     backend.wait(handle)
     assert backend.poll() == [handle]
+
+
+def test_host_thread_submit_returns_before_its_copy_lands_and_stages_land_on_return(monkeypatch):
+    """``host_thread``: a held copy is not polled and its bytes are not there until it ran; stages land on return."""
+    gpu, cpu = torch.zeros(4, 8), torch.arange(32.0).reshape(4, 8)
+    backend = TorchCopy(host_thread=True)
+    backend.register([Region("x", gpu, cpu)])
+    gate, copy = threading.Event(), backend._copy_host
+    monkeypatch.setattr(backend, "_copy_host", lambda plan, stages: (gate.wait(10), copy(plan, stages)))
+    handle = backend.submit(TransferPlan([1], [2], "load"))
+    assert backend.poll() == [] and not gpu[2].any()
+    backend.check_invariants()
+    gate.set()
+    backend.wait(handle)
+    assert torch.equal(gpu[2], cpu[1]) and backend.poll() == [handle]
+    later, events = backend.submit_stages(TransferPlan([3], [0], "load"), [range(1)])
+    assert events == [()] and torch.equal(gpu[0], cpu[3]) and backend.poll() == [later]
+    with pytest.raises(ConfigError, match="host_thread"):
+        TorchCopy(host_thread="yes")

@@ -21,6 +21,8 @@ from kvkit.testing import EvictionPolicyContract
 
 
 class AdaptivePolicyContract(EvictionPolicyContract):
+    checks_refusals = True
+
     def make_policy(self):
         return AdaptivePolicy()
 
@@ -30,6 +32,8 @@ TestAdaptive = AdaptivePolicyContract.TestCase
 
 class SwitchingAdaptiveContract(EvictionPolicyContract):
     """Two experts, no margin and a short memory: the leader changes often under the contract."""
+
+    checks_refusals = True
 
     def make_policy(self):
         return AdaptivePolicy(experts=(LRUPolicy, LFUPolicy), half_life=0.5, switch_sigmas=0)

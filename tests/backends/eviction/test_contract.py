@@ -28,6 +28,8 @@ from kvkit.testing import EvictionPolicyContract, FIFOContract, LRUContract
 
 
 class LRUPolicyContract(LRUContract):
+    checks_refusals = True
+
     def make_policy(self):
         return LRUPolicy()
 
@@ -36,6 +38,8 @@ TestLRU = LRUPolicyContract.TestCase
 
 
 class FIFOPolicyContract(FIFOContract):
+    checks_refusals = True
+
     def make_policy(self):
         return FIFOPolicy()
 
@@ -44,6 +48,8 @@ TestFIFO = FIFOPolicyContract.TestCase
 
 
 class LFUPolicyContract(EvictionPolicyContract):
+    checks_refusals = True
+
     def make_policy(self):
         return LFUPolicy()
 
@@ -56,6 +62,8 @@ TestLFU = LFUPolicyContract.TestCase
 
 
 class ARCPolicyContract(EvictionPolicyContract):
+    checks_refusals = True
+
     def make_policy(self):
         return ARCPolicy()
 
@@ -64,6 +72,8 @@ TestARC = ARCPolicyContract.TestCase
 
 
 class FixedARCPolicyContract(EvictionPolicyContract):
+    checks_refusals = True
+
     def make_policy(self):
         return ARCPolicy(capacity=6)  # smaller than the modelled pool: ghosts stay tight
 
@@ -72,6 +82,8 @@ TestFixedARC = FixedARCPolicyContract.TestCase
 
 
 class LIRSPolicyContract(EvictionPolicyContract):
+    checks_refusals = True
+
     def make_policy(self):
         return LIRSPolicy(hir_ratio=0.25)  # an HIR share of 3 in a pool of 12
 
@@ -80,6 +92,8 @@ TestLIRS = LIRSPolicyContract.TestCase
 
 
 class FixedLIRSPolicyContract(EvictionPolicyContract):
+    checks_refusals = True
+
     def make_policy(self):
         return LIRSPolicy(capacity=5, hir_ratio=0.4)  # smaller than the modelled pool: S stays tight
 
@@ -95,6 +109,8 @@ TestLIRSWithoutPinHooks = LIRSWithoutPinHooksContract.TestCase
 
 
 class S3FIFOPolicyContract(EvictionPolicyContract):
+    checks_refusals = True
+
     def make_policy(self):
         return S3FIFOPolicy(small_ratio=0.25)  # a small queue of 3 in a pool of 12
 
@@ -122,6 +138,8 @@ TestARCWithoutPinHooks = _without_hooks(ARCPolicyContract).TestCase
 
 class OptimalPolicyContract(EvictionPolicyContract):
     """OPT's future is a fixed random string over the contract's hashes, observed by a rule."""
+
+    checks_refusals = True
 
     references = tuple(EvictionPolicyContract.hash_for(k) for k in
                        random.Random(0).choices(range(EvictionPolicyContract.hash_space), k=200))
@@ -321,7 +339,7 @@ class _HintsHalfway(HintedPolicy):
 
 def _contract_for(policy_type: type, base: type = EvictionPolicyContract,
                   drive_pin_hooks: bool = True, checks_refusals: bool = False) -> type:
-    """The contract for ``policy_type``; the minimal policies above trust their pool unless asked."""
+    """The contract for ``policy_type``, its refusal rule off unless asked (the minimal policies trust their pool)."""
     class Contract(base):
         def make_policy(self):
             return policy_type()
@@ -407,6 +425,8 @@ def test_catches_hints_heard_before_a_refusal():
     """A hint-aware policy that keeps the hints of hashes before a bad one fails the contract."""
 
     class Contract(EvictionPolicyContract):
+        checks_refusals = True
+
         def make_policy(self):
             return _HintsHalfway(base=LRUPolicy, clock=TraceClock())
 

@@ -28,6 +28,8 @@ _HINTS = st.builds(WorkloadHints, priority=st.integers(-1, 2),
 class HintedPolicyContract(EvictionPolicyContract):
     """Hints on random hashes and a clock that moves: every contract property still holds."""
 
+    checks_refusals = True
+
     def make_policy(self):
         return HintedPolicy(base=LRUPolicy, clock=TraceClock())
 

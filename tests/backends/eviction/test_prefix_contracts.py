@@ -8,6 +8,8 @@ from kvkit.testing import EvictionPolicyContract
 
 
 class PrefixLRUPolicyContract(EvictionPolicyContract):
+    checks_refusals = True
+
     def make_policy(self):
         return PrefixLRUPolicy()
 
@@ -23,6 +25,8 @@ TestPrefixLRUWithoutPinHooks = PrefixLRUWithoutPinHooksContract.TestCase
 
 
 class HitDensityPolicyContract(EvictionPolicyContract):
+    checks_refusals = True
+
     def make_policy(self):
         return HitDensityPolicy()
 
@@ -54,6 +58,8 @@ def _trained(policy: HitDensityPolicy) -> HitDensityPolicy:
 
 class LearningHitDensityPolicyContract(EvictionPolicyContract):
     """A trained policy with a small assumed pool, so densities decide and keep being refreshed."""
+
+    checks_refusals = True
 
     def make_policy(self):
         return _trained(HitDensityPolicy(capacity=4, ghost_span=2))
