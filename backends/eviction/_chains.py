@@ -1,14 +1,30 @@
-"""Parent and child links among a policy's tracked blocks (private).
+"""Parent and child links among a policy's tracked blocks, in flat arrays indexed by block id (private).
 
 A prefix cache hits a block only while its whole chain of parents is cached,
 so a block whose parent hash is not tracked (an *orphan*) cannot hit until
-that parent returns. Prefix-aware policies use :class:`ChainIndex` to evict
-orphans first and to evict a block's cached descendants before the block.
+that parent returns. Prefix-aware policies use :class:`FlatChains` to evict
+orphans first and to evict a block's cached descendants before the block: a
+walk yields a root's subtree deepest first, and one that stopped at its count
+goes on where it stopped when that provably chooses what a fresh walk would.
+
+The layout is for a pool of millions of blocks: a block's hash and parent
+hash sit in two lists and its children in a doubly linked, circular sibling
+ring in ``array`` buffers, so a tracked block costs a few machine words and
+one entry of the hash-to-block map, not a dict of children per parent. The
+children of a tracked parent hang off the parent's block id; those of a hash
+not tracked (orphans waiting for it) off that hash in a side map, moved in
+O(1) when the hash arrives or leaves. Children keep the order they were
+linked in, and orphans the order they became orphans, so walks are
+deterministic and survive ``deepcopy``.
+
+A hash is never its own prefix: a block stored under its own hash as its
+parent heads its chain (it is no orphan and has no child).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator
+from array import array
+from collections.abc import Callable, Iterator
 
 import attrs
 
@@ -16,120 +32,160 @@ from kvkit.backends.eviction._common import already_tracked, any_block, hash_alr
 from kvkit.backends.eviction._queue import ParkingQueue
 from kvkit.interfaces.types import BlockHash, BlockId
 
-__all__ = ["ChainIndex"]
+__all__ = ["FlatChains"]
+
+_NONE = -1  # no block, in the link arrays
 
 
 @attrs.define
 class _Walk:
-    """A :meth:`ChainIndex.collect` that stopped at ``n``, kept for the next one from ``root``.
+    """A :meth:`FlatChains.collect` that stopped at ``n``, kept for the next one from ``root``.
 
     A fresh walk from ``root`` would first pass again the part this one has
     passed, choosing nothing there as long as its victims are gone, its
     skipped blocks are still skipped and none of its blocks gained a child,
-    and then go on exactly from this stack. :meth:`ChainIndex.add` and
-    :meth:`ChainIndex.remove` drop the walk on a new child of a block it
-    pushed or on the removal of one that is not its victim; :meth:`resumes`
-    checks the rest.
+    and then go on exactly from this stack. :meth:`FlatChains.add` and
+    :meth:`FlatChains.remove` drop the walk on a new child of a block it
+    pushed or on the removal of one that is not its victim;
+    :meth:`FlatChains.collect` checks the rest.
     """
 
-    root: BlockId
-    stack: list[tuple[BlockId, bool]]  # (block, whether its children are pushed above it)
-    held: set[BlockId]  # every block pushed, less its victims removed since (their ids are reused)
-    victims: set[BlockId]  # blocks it chose or found chosen, not removed yet
-    skipped: list[BlockId]  # blocks it passed as parked or not evictable
-
-    def resumes(self, root: BlockId, is_evictable: Callable[[BlockId], bool],
-                parked: Container[BlockId]) -> bool:
-        """Whether going on from ``root`` chooses what a fresh walk would: victims gone, skipped still skipped."""
-        return root == self.root and not self.victims and \
-            all(b in parked or not is_evictable(b) for b in self.skipped)
+    root: int
+    stack: list[tuple[int, bool]]  # (block, whether its children are pushed above it)
+    held: set[int]  # every block pushed, less its victims removed since (their ids are reused)
+    victims: set[int]  # blocks it chose or found chosen, not removed yet
+    skipped: list[int]  # blocks it passed as parked or not evictable
 
 
 @attrs.define
-class ChainIndex:
+class FlatChains:
     """The chain structure of the tracked blocks: parents, children and orphans.
 
-    Children are kept by their parent's *hash*, so a block inserted before its
-    parent (or after its parent was evicted and before it returns) is linked as
-    soon as the parent hash is tracked again. Everything iterated is
-    insertion-ordered (dicts and lists, never sets), so walks are
-    deterministic and survive ``deepcopy``.
+    ``parked`` is the owner's per-block byte array, ``PARKED`` where a block
+    is pinned (shared, read only here). Block ids are ints ``>= 0``; the
+    owner grows ``parked`` and calls :meth:`grow` before adding a block
+    beyond their end.
 
     The orphans sit in a :class:`~kvkit.backends.eviction._queue.ParkingQueue`
-    in the order they became orphans; the owning policy reports its pins
+    in the order they became orphans; the owner reports its pins
     (:meth:`pin`, :meth:`unpin`), so an orphan in use is set aside at once and
     :meth:`orphans` never yields one: a selection meets no pinned orphan,
-    however many there are. ``parked`` is the owner's container of pinned
-    blocks (shared, read only here).
+    however many there are.
 
     Invariants:
-        * ``_hash`` and ``_block_of`` are inverse maps of the tracked blocks.
-        * ``_children[h]`` holds exactly the tracked blocks whose parent hash is
-          ``h``, and is never empty.
+        * ``_hash[b]`` is the hash of tracked block ``b`` (``None`` where no block
+          is tracked) and ``_block_of`` its inverse.
+        * The sibling ring of a parent hash holds exactly the tracked blocks
+          naming it as their parent, in the order they were linked; it hangs
+          off ``_first[p]`` when the hash is tracked as block ``p``, else off
+          ``_waiting[hash]``; no empty ring is kept.
         * ``_orphans`` holds exactly the tracked blocks whose parent hash is
-          not ``None`` and not tracked; those in ``parked`` are pinned there.
-        * The walk kept by :meth:`collect`, if any, holds only tracked
-          blocks, and since it pushed them none has gained a child and none
-          has left the index but its victims (which leave the walk too).
+          not ``None`` and not tracked; those parked are pinned there.
+        * The kept walk holds only tracked blocks, and since it pushed them
+          none has gained a child and none has left but its victims.
     """
 
-    _hash: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False)
-    _parent: dict[BlockId, BlockHash | None] = attrs.field(factory=dict, init=False)
-    _block_of: dict[BlockHash, BlockId] = attrs.field(factory=dict, init=False)
-    _children: dict[BlockHash, dict[BlockId, None]] = attrs.field(factory=dict, init=False)
-    _orphans: ParkingQueue = attrs.field(factory=ParkingQueue, init=False)
-    _walk: _Walk | None = attrs.field(default=None, init=False)
-    parked: Container[BlockId] = attrs.field(default=(), repr=False)
+    PARKED = 2
+
+    parked: bytearray = attrs.field(repr=False)
+    _hash: list[BlockHash | None] = attrs.field(factory=list, init=False, repr=False)
+    _parent: list[BlockHash | None] = attrs.field(factory=list, init=False, repr=False)
+    _block_of: dict[BlockHash, BlockId] = attrs.field(factory=dict, init=False, repr=False)
+    # A tracked block's first child (_NONE: none); its siblings' ring, next and previous.
+    _first: array = attrs.field(factory=lambda: array("i"), init=False, repr=False)
+    _next: array = attrs.field(factory=lambda: array("i"), init=False, repr=False)
+    _prev: array = attrs.field(factory=lambda: array("i"), init=False, repr=False)
+    _waiting: dict[BlockHash, int] = attrs.field(factory=dict, init=False, repr=False)
+    _orphans: ParkingQueue = attrs.field(factory=ParkingQueue, init=False, repr=False)
+    _walk: _Walk | None = attrs.field(default=None, init=False, repr=False)
+
+    def grow(self, size: int) -> None:
+        """Make room for block ids below ``size``."""
+        more = size - len(self._hash)
+        if more > 0:
+            self._hash += [None] * more
+            self._parent += [None] * more
+            links = array("i", [_NONE]) * more
+            self._first += links
+            self._next += links
+            self._prev += links
+
+    # -- membership ----------------------------------------------------------------
 
     def add(self, owner: object, block: BlockId, block_hash: BlockHash,
             parent: BlockHash | None) -> BlockId | None:
-        """Track ``block``; return its parent's block if that is tracked.
+        """Track ``block`` (its id below the grown size); return its parent's block if that is tracked.
 
         Raises:
             PoolUsageError: ``block`` or ``block_hash`` is already tracked
                 (``owner`` names the policy in the message).
         """
-        if block in self._hash:
+        if self._hash[block] is not None:
             raise already_tracked(owner, block)
-        if block_hash in self._block_of:
-            raise hash_already_tracked(owner, block, block_hash, self._block_of[block_hash])
+        block_of = self._block_of
+        if block_hash in block_of:
+            raise hash_already_tracked(owner, block, block_hash, block_of[block_hash])
+        if parent == block_hash:
+            parent = None
         self._hash[block] = block_hash
         self._parent[block] = parent
-        self._block_of[block_hash] = block
-        orphans = self._orphans
-        for child in self._children.get(block_hash, ()):
-            orphans.remove(child)  # its parent is back
+        block_of[block_hash] = block
+        first = self._waiting.pop(block_hash, _NONE)
+        if first != _NONE:  # its children were orphans: their parent is back
+            self._first[block] = first
+            child, nxt, orphans = first, self._next, self._orphans
+            while True:
+                orphans.remove(BlockId(child))
+                child = nxt[child]
+                if child == first:
+                    break
         if parent is None:
             return None
-        self._children.setdefault(parent, {})[block] = None
-        parent_block = self._block_of.get(parent)
+        parent_block = block_of.get(parent)
         if parent_block is None:
-            orphans.add(block, pinned=block in self.parked)
-        elif self._walk is not None and parent_block in self._walk.held:
-            self._walk = None  # a new child of a block the walk has passed
+            self._waiting[parent] = self._link(block, self._waiting.get(parent, _NONE))
+            self._orphans.add(block, self.parked[block] == self.PARKED)
+        else:
+            self._first[parent_block] = self._link(block, self._first[parent_block])
+            walk = self._walk
+            if walk is not None and parent_block in walk.held:
+                self._walk = None  # a new child of a block the walk has passed
         return parent_block
 
     def remove(self, owner: object, block: BlockId) -> BlockHash:
-        """Forget ``block`` (its cached children become orphans); return its hash.
+        """Forget ``block`` (its tracked children become orphans); return its hash.
 
         Raises:
             PoolUsageError: ``block`` is not tracked.
         """
-        block_hash = self._hash.pop(block, None)
-        if block_hash is None:
+        if not self.tracks(block):
             raise not_tracked(owner, block)
-        parent = self._parent.pop(block)
-        orphans, parked = self._orphans, self.parked
-        if parent is not None and parent not in self._block_of:  # asked first: a hash may name itself its parent
-            orphans.remove(block)
+        block_hash = self._hash[block]
+        assert block_hash is not None
+        parent = self._parent[block]
+        self._hash[block] = self._parent[block] = None
         del self._block_of[block_hash]
         if parent is not None:
-            siblings = self._children[parent]
-            del siblings[block]
-            if not siblings:
-                del self._children[parent]
-        for child in self._children.get(block_hash, ()):
-            orphans.add(child, pinned=child in parked)
+            parent_block = self._block_of.get(parent)
+            if parent_block is None:
+                self._orphans.remove(block)
+                rest = self._unlink(block, self._waiting[parent])
+                if rest == _NONE:
+                    del self._waiting[parent]
+                else:
+                    self._waiting[parent] = rest
+            else:
+                self._first[parent_block] = self._unlink(block, self._first[parent_block])
+        first = self._first[block]
+        if first != _NONE:  # its children wait for the hash now, as orphans
+            self._first[block] = _NONE
+            self._waiting[block_hash] = first
+            child, nxt, orphans, parked, mark = first, self._next, self._orphans, self.parked, self.PARKED
+            while True:
+                orphans.add(BlockId(child), parked[child] == mark)
+                child = nxt[child]
+                if child == first:
+                    break
         walk = self._walk
         if walk is not None and block in walk.held:
             if block in walk.victims:
@@ -139,21 +195,62 @@ class ChainIndex:
                 self._walk = None
         return block_hash
 
-    def tracks(self, block: BlockId) -> bool:
-        """Whether ``block`` is tracked."""
-        return block in self._hash
+    def _link(self, block: int, first: int) -> int:
+        """Append ``block`` to the sibling ring starting at ``first`` (``_NONE``: a new ring); return its first."""
+        nxt, prv = self._next, self._prev
+        if first == _NONE:
+            nxt[block] = prv[block] = block
+            return block
+        last = prv[first]
+        nxt[last], prv[block], nxt[block], prv[first] = block, last, first, block
+        return first
 
-    def has_hash(self, block_hash: BlockHash) -> bool:
-        """Whether some tracked block carries ``block_hash``."""
-        return block_hash in self._block_of
+    def _unlink(self, block: int, first: int) -> int:
+        """Take ``block`` out of the sibling ring starting at ``first``; return the ring's first (``_NONE``: empty)."""
+        nxt, prv = self._next, self._prev
+        after = nxt[block]
+        if after == block:
+            return _NONE
+        before = prv[block]
+        nxt[before], prv[after] = after, before
+        return after if first == block else first
 
-    def links(self, block: BlockId) -> tuple[BlockHash, BlockHash | None]:
+    # -- queries -------------------------------------------------------------------
+
+    def links(self, block: BlockId) -> tuple[BlockHash | None, BlockHash | None]:
         """A tracked block's hash and its parent hash (``None`` at the head of a chain)."""
         return self._hash[block], self._parent[block]
 
     def has_children(self, block: BlockId) -> bool:
         """Whether some tracked block names ``block``'s hash as its parent."""
-        return self._hash[block] in self._children
+        return self._first[block] != _NONE
+
+    def tracks(self, block: BlockId) -> bool:
+        """Whether ``block`` is tracked."""
+        return block.__class__ is int and 0 <= block < len(self._hash) and self._hash[block] is not None
+
+    def has_hash(self, block_hash: BlockHash) -> bool:
+        """Whether some tracked block carries ``block_hash``."""
+        return block_hash in self._block_of
+
+    def children(self, block: BlockId) -> list[BlockId]:
+        """A tracked block's tracked children, in the order they were linked."""
+        return self._ring(self._first[block])
+
+    def _ring(self, first: int) -> list[BlockId]:
+        ring: list[BlockId] = []
+        child = first
+        while child != _NONE:
+            ring.append(BlockId(child))
+            child = self._next[child]
+            if child == first:
+                break
+        return ring
+
+    def __len__(self) -> int:
+        return len(self._block_of)
+
+    # -- pins and selection ------------------------------------------------------------
 
     def pin(self, block: BlockId) -> None:
         """The owner parked ``block`` (in use): an orphan is set aside until :meth:`unpin`."""
@@ -167,23 +264,22 @@ class ChainIndex:
         if parent is not None and parent not in self._block_of:
             self._orphans.unpin(block)
 
-    def orphans(self) -> Iterator[BlockId]:
-        """Orphans not in use, in the order they became orphans (the index must not change meanwhile)."""
-        return self._orphans.walk(any_block)
+    def orphans(self) -> Iterator[BlockId] | None:
+        """Orphans not in use, in the order they became orphans (the index must not change meanwhile);
+        ``None`` if no block is an orphan."""
+        return self._orphans.walk(any_block) if len(self._orphans) else None
 
-    def __len__(self) -> int:
-        return len(self._hash)
-
-    def collect(self, root: BlockId, is_evictable: Callable[[BlockId], bool],
-                chosen: dict[BlockId, None], n: int, parked: Container[BlockId] = ()) -> None:
-        """Add ``root``'s subtree to ``chosen``, descendants before ancestors, until ``n`` are chosen.
+    def collect(self, root: int, is_evictable: Callable[[int], bool],
+                chosen: dict[int, None], n: int) -> list[int]:
+        """Add ``root``'s subtree to ``chosen``, descendants before ancestors, until ``n`` are chosen; return
+        the blocks added.
 
         Walks the tracked blocks below ``root`` depth first and appends each
         evictable, not yet chosen block after all of its descendants (post
         order), so a chosen block's evictable descendants are always chosen
         before it. Blocks that may not be evicted are skipped, their subtrees
-        are not. Blocks in ``parked`` (set aside by a policy's pin hooks) are
-        not evictable and are skipped without asking ``is_evictable``.
+        are not. Parked blocks (``PARKED`` in ``parked``) are not evictable
+        and are skipped without asking ``is_evictable``.
 
         A walk that stops at ``n`` is kept, and the next call from the same
         root goes on where it stopped if that chooses exactly what a fresh
@@ -201,47 +297,72 @@ class ChainIndex:
         selection that moves up a chain root by root walks each block once,
         not once per root above it.
         """
+        parked, mark = self.parked, self.PARKED
         walk = self._walk
-        if walk is None or not walk.resumes(root, is_evictable, parked):
+        if walk is None or walk.root != root or walk.victims or \
+                not all(parked[b] == mark or not is_evictable(b) for b in walk.skipped):
             walk = _Walk(root, [(root, False)], {root}, set(), [])
-        children, hashes = self._children, self._hash
+        first, prv = self._first, self._prev
         stack, held, victims, skipped = walk.stack, walk.held, walk.victims, walk.skipped
+        picked: list[int] = []
         while stack and len(chosen) < n:
             block, expanded = stack.pop()
             if not expanded:
                 stack.append((block, True))
-                for child in reversed(children.get(hashes[block], ())):
-                    if child not in held:  # a hash cycle (impossible for content hashes) can't loop
-                        held.add(child)
-                        if child in chosen:  # with its subtree, by an earlier walk of this selection
-                            victims.add(child)
-                        else:
-                            stack.append((child, False))
-            elif block in chosen or (block not in parked and is_evictable(block)):
+                head = first[block]
+                if head != _NONE:
+                    child = prv[head]  # the last child first: the first one is walked first
+                    while True:
+                        if child not in held:
+                            held.add(child)
+                            if child in chosen:  # with its subtree, by an earlier walk of this selection
+                                victims.add(child)
+                            else:
+                                stack.append((child, False))
+                        if child == head:
+                            break
+                        child = prv[child]
+            elif block in chosen:
+                victims.add(block)
+            elif parked[block] != mark and is_evictable(block):
                 chosen[block] = None
+                picked.append(block)
                 victims.add(block)
             else:
                 skipped.append(block)
         self._walk = walk if stack else None
+        return picked
+
+    # -- checks ----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if the maps disagree."""
-        assert len(self._hash) == len(self._block_of) == len(self._parent), "maps differ in size"
-        for block, block_hash in self._hash.items():
+        """Raise ``AssertionError`` if the maps, rings or orphans disagree."""
+        tracked = {BlockId(b): h for b, h in enumerate(self._hash) if h is not None}
+        assert len(tracked) == len(self._block_of), "hash maps differ in size"
+        for block, block_hash in tracked.items():
             assert self._block_of[block_hash] == block, f"block {block} hash map disagrees"
-        linked: dict[BlockHash, dict[BlockId, None]] = {}
-        for block, parent in self._parent.items():
+        linked: dict[BlockHash, list[BlockId]] = {}
+        for block in tracked:
+            parent = self._parent[block]
+            assert parent != tracked[block], f"block {block} is its own parent"
             if parent is not None:
-                linked.setdefault(parent, {})[block] = None
-        assert {h: set(c) for h, c in linked.items()} == \
-            {h: set(c) for h, c in self._children.items()}, "children map drifted"
-        orphans = {b for b, p in self._parent.items() if p is not None and p not in self._block_of}
+                linked.setdefault(parent, []).append(block)
+        rings = {tracked[b]: self.children(b) for b in tracked if self._first[b] != _NONE}
+        for block_hash, first in self._waiting.items():
+            assert block_hash not in self._block_of, f"children wait for tracked hash {block_hash}"
+            rings[block_hash] = self._ring(first)
+        assert {h: sorted(c) for h, c in linked.items()} == {h: sorted(c) for h, c in rings.items()}, \
+            "children rings drifted"
+        for ring in rings.values():
+            assert all(self._next[self._prev[b]] == b for b in ring), "a sibling ring is broken"
+        orphans = {b for b in tracked if self._parent[b] is not None and self._parent[b] not in self._block_of}
         assert orphans == set(self._orphans.in_order()), f"orphans {self._orphans.in_order()} != {orphans}"
-        assert self._orphans.pinned == {b for b in orphans if b in self.parked}, "pinned orphans drifted"
+        assert self._orphans.pinned == {b for b in orphans if self.parked[b] == self.PARKED}, \
+            "pinned orphans drifted"
         self._orphans.check_invariants()
         walk = self._walk
         if walk is not None:
             assert walk.stack and walk.stack[0][0] == walk.root, "kept walk lost its root"
-            assert walk.held <= self._hash.keys(), f"kept walk holds untracked {walk.held - self._hash.keys()}"
+            assert all(b in tracked for b in walk.held), "kept walk holds an untracked block"
             assert walk.victims | set(walk.skipped) | {b for b, _ in walk.stack} <= walk.held, \
                 "kept walk's blocks not all held"

@@ -5,12 +5,13 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import cast
 
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.eviction._chains import ChainIndex
-from kvkit.backends.eviction._common import check_count, move_pinned, not_tracked
+from kvkit.backends.eviction._chains import FlatChains
+from kvkit.backends.eviction._common import bad_id, check_count, move_pinned, not_tracked
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
@@ -36,7 +37,7 @@ class PrefixLRUPolicy(EvictionPolicy):
       newer than its root: close to LRU, with the blocks of one request
       evicted deepest first instead of head first. A walk from the last
       walk's root goes on where that one stopped when this provably
-      chooses what a fresh walk would (:meth:`~kvkit.backends.eviction._chains.ChainIndex.collect`),
+      chooses what a fresh walk would (:meth:`~kvkit.backends.eviction._chains.FlatChains.collect`),
       so evicting a chain a victim per selection costs O(1) per victim.
 
     It pays where chains are long against the pool (long system prompts,
@@ -53,16 +54,25 @@ class PrefixLRUPolicy(EvictionPolicy):
     re-enters at the recent end, as a block just used. A driver that never
     pins gets the scanning behaviour above.
 
+    Layout: the chain links sit in
+    :class:`~kvkit.backends.eviction._chains.FlatChains`, flat arrays indexed
+    by block id, so block ids are ints ``>= 0`` (a negative id is refused with
+    ``PoolUsageError``, nothing changed) and the arrays span the largest id
+    inserted (grown by doubling).
+
     Invariants:
         * The recency list and the parked blocks split the tracked blocks.
+        * ``_marks[b]`` is ``FlatChains.PARKED`` exactly for the parked blocks.
         * The chain index's invariants (children by parent hash, orphans).
     """
 
     _order: OrderedDict[BlockId, None] = attrs.field(init=False, factory=OrderedDict)
     # Pinned blocks set aside from the recency list (on_pin), in pin order.
     _parked: dict[BlockId, None] = attrs.field(init=False, factory=dict)
-    _chains: ChainIndex = attrs.field(init=False, default=attrs.Factory(
-        lambda self: ChainIndex(parked=self._parked), takes_self=True))
+    # FlatChains.PARKED at a parked block's id, 0 elsewhere: the chain index reads the pins here.
+    _marks: bytearray = attrs.field(init=False, factory=bytearray, repr=False)
+    _chains: FlatChains = attrs.field(init=False, default=attrs.Factory(
+        lambda self: FlatChains(self._marks), takes_self=True))
 
     @property
     def pinned(self) -> tuple[BlockId, ...]:
@@ -72,6 +82,13 @@ class PrefixLRUPolicy(EvictionPolicy):
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
+        if block.__class__ is not int or block < 0:
+            raise bad_id(self, block)
+        marks = self._marks
+        if block >= len(marks):  # at least doubling: amortised O(1) per block
+            size = max(block + 1, 2 * len(marks), 1024)
+            marks += bytes(size - len(marks))  # in place: the chain index reads the same bytes
+            self._chains.grow(size)
         self._chains.add(self, block, block_hash, parent)
         self._order[block] = None
 
@@ -88,30 +105,35 @@ class PrefixLRUPolicy(EvictionPolicy):
         self._chains.remove(self, block)
         if self._parked.pop(block, False) is False:
             del self._order[block]
+        else:
+            self._marks[block] = 0
 
     def on_pin(self, block: BlockId) -> None:
         """Park a tracked block in use: out of the recency list, still in the chain index."""
         move_pinned(self, block, ((self._order, self._parked),), pinned=True)
+        self._marks[block] = FlatChains.PARKED
         self._chains.pin(block)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at the recent end, as a block just used."""
         move_pinned(self, block, ((self._parked, self._order),), pinned=False)
+        self._marks[block] = 0
         self._chains.unpin(block)
 
     @override
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
-        chosen: dict[BlockId, None] = {}
+        chosen: dict[int, None] = {}  # the chain index walks plain ints: the ids it reads from its arrays
+        evictable = cast("Callable[[int], bool]", is_evictable)
         parked = self._parked
-        roots = (b for source in (self._chains.orphans(), self._order) for b in source)
+        roots = (b for source in (self._chains.orphans() or (), self._order) for b in source)
         for root in roots:
             if len(chosen) == n:
                 break
             if root not in chosen and root not in parked and is_evictable(root):
-                self._chains.collect(root, is_evictable, chosen, n, parked)
-        return list(chosen) if len(chosen) == n else None
+                self._chains.collect(root, evictable, chosen, n)
+        return cast("list[BlockId]", list(chosen)) if len(chosen) == n else None
 
     @override
     def __len__(self) -> int:
@@ -124,4 +146,7 @@ class PrefixLRUPolicy(EvictionPolicy):
         for block in (*self._order, *self._parked):
             assert operator.index(block) >= 0, f"negative tracked block {block!r}"
             assert self._chains.tracks(block), f"block {block} is not in the chain index"
+        assert self._chains.parked is self._marks, "the chain index reads other pin marks"
+        assert {BlockId(b) for b, mark in enumerate(self._marks) if mark} == self._parked.keys(), \
+            "pin marks and parked blocks differ"
         self._chains.check_invariants()

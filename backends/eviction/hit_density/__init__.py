@@ -14,9 +14,9 @@ import attrs
 import numpy as np
 from typing_extensions import override
 
+from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
 from kvkit.backends.eviction.hit_density.census import strided
-from kvkit.backends.eviction.hit_density.chains import FlatChains
 from kvkit.backends.eviction.hit_density.density import HitDensityModel
 from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.errors import PoolUsageError
@@ -175,7 +175,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     hit) go before everything, and a root's subtree goes deepest first, so
     no victim leaves an evictable descendant behind. A walk from the last
     walk's root goes on where that one stopped when this provably chooses
-    what a fresh walk would (:meth:`~kvkit.backends.eviction.hit_density.chains.FlatChains.collect`),
+    what a fresh walk would (:meth:`~kvkit.backends.eviction._chains.FlatChains.collect`),
     so evicting a long chain a victim per selection costs O(1) per victim,
     not the chain's depth. Until the first refresh every density is 0 and
     the order is plain LRU.
@@ -184,7 +184,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     of where the block is, its class, its reuse count saturating at 255, its
     last access, its class list links), the ghost in arrays indexed by
     eviction number, and the chain links in
-    :class:`~kvkit.backends.eviction.hit_density.chains.FlatChains`: a
+    :class:`~kvkit.backends.eviction._chains.FlatChains`: a
     tracked block costs a few dozen bytes and one entry of the chain index's
     hash map, a ghost a few bytes and one entry of the ghost's map. Each end
     of each class list caches its ordering key until that end changes, its

@@ -29,7 +29,7 @@ def test_a_victim_count_beyond_any_pool_is_refused(name, n):
     policy.check_invariants()
 
 
-@pytest.mark.parametrize("name", ["fifo", "lru", "lfu", "arc", "lirs"])
+@pytest.mark.parametrize("name", ["fifo", "lru", "lfu", "arc", "lirs", "prefix-lru"])
 def test_a_negative_block_id_is_refused_by_a_policy_with_flat_per_block_state(name):
     """Flat state is indexed by id: -1 would name the last slot, so it is refused, quoted, nothing changed."""
     policy = _make(name)
