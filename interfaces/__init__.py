@@ -11,6 +11,7 @@ from kvkit.interfaces.capabilities import (
     PrefillCompute,
     ReportsAvailability,
     SelfChecking,
+    TimedCopy,
     WindowedPolicy,
 )
 from kvkit.interfaces.copy import CopyBackend, Region
@@ -54,6 +55,7 @@ __all__ = [
     "ReportsAvailability",
     "RequestView",
     "SelfChecking",
+    "TimedCopy",
     "StorePolicy",
     "Tier",
     "TransferPlan",

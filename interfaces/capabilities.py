@@ -28,6 +28,7 @@ __all__ = [
     "PrefillCompute",
     "ReportsAvailability",
     "SelfChecking",
+    "TimedCopy",
     "WindowedPolicy",
     "pin_hooks",
 ]
@@ -244,6 +245,23 @@ class LayeredCopy(Protocol):
 
     def submit_stages(self, plan: Any, stages: Any, *, after: Any = None) -> tuple[int, list[tuple[Any, ...]]]:
         """Launch ``plan`` stage by stage; answer its handle and each stage's completion events."""
+        ...
+
+
+@runtime_checkable
+class TimedCopy(Protocol):
+    """A copy backend that measures its copies' own time (what bandwidth figures divide by).
+
+    Invariants:
+        * After :meth:`~kvkit.interfaces.CopyBackend.poll` reported ``handle``,
+          ``copy_seconds(handle)`` answers the seconds its bytes spent moving
+          (from the copy's start to its end, not to the poll that saw it),
+          until the next ``poll``; ``None`` for a handle it did not time or
+          that an earlier poll reported.
+    """
+
+    def copy_seconds(self, handle: int) -> float | None:
+        """The copy's own seconds of ``handle``, reported by the last poll; ``None`` if not timed."""
         ...
 
 

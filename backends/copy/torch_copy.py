@@ -11,6 +11,7 @@ for a GPU, vLLM on CPU) the copy runs synchronously inside
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -80,7 +81,7 @@ class _Landing:
     then stays pending: the backend is broken), as a CUDA event's do.
     """
 
-    future: Future[None]
+    future: Future[float]
 
     def query(self) -> bool:
         if not self.future.done():
@@ -118,6 +119,9 @@ class TorchCopy(HandleQueue, CopyBackend):
         * On CUDA nothing runs on the legacy default stream; a copy reads its
           source only after ``after`` (a ``torch.cuda.Event``) completed.
         * A rejected plan writes nothing; a ``submit`` that raises leaves nothing running.
+        * Host copies are timed (:class:`~kvkit.interfaces.capabilities.TimedCopy`):
+          ``copy_seconds`` answers each one's own time once :meth:`poll`
+          reported it, until the next poll; copies on CUDA are not timed.
     """
 
     host_thread: bool = attrs.field(default=False, converter=checked(check_bool, label="TorchCopy."))  # type: ignore[misc]
@@ -128,6 +132,8 @@ class TorchCopy(HandleQueue, CopyBackend):
     _inflight: InFlight = attrs.field(factory=InFlight, init=False)
     _scratch: torch.Tensor = attrs.field(factory=lambda: torch.empty(0, dtype=torch.uint8), init=False)
     _thread: ThreadPoolExecutor | None = attrs.field(default=None, init=False)  # host_thread's, once a copy came
+    _timing: dict[int, Future[float] | float] = attrs.field(factory=dict, init=False)  # host copies in flight
+    _timed: dict[int, float] = attrs.field(factory=dict, init=False)  # own seconds of the last poll's host copies
 
     @classmethod
     @override
@@ -195,14 +201,18 @@ class TorchCopy(HandleQueue, CopyBackend):
         if self._stream is None:
             landed = [() for _ in stages]
             if not self.host_thread:
-                self._copy_host(plan, stages)
-                return self._inflight.issue(), landed
+                seconds = self._copy_host(plan, stages)
+                handle = self._inflight.issue()
+                self._timing[handle] = seconds
+                return handle, landed
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvkit-torch-copy")
             future = self._thread.submit(self._copy_host, plan, stages)
             if staged:
                 future.result()  # host stages answer no events: landed on return
-            return self._inflight.issue(_Landing(future)), landed
+            handle = self._inflight.issue(_Landing(future))
+            self._timing[handle] = future
+            return handle, landed
         # (destination rows, ids, pinned staging rows): scattered on the host
         # once the event shows the device-to-host copy landed.
         scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -223,11 +233,25 @@ class TorchCopy(HandleQueue, CopyBackend):
                 raise
         return self._inflight.issue(events[-1][0], keep_alive, functools.partial(_scatter, scatters)), events
 
-    def _copy_host(self, plan: TransferPlan, stages: list[range]) -> None:
-        """Copy ``plan`` between host tiers, stage after stage, on the calling thread."""
+    def _copy_host(self, plan: TransferPlan, stages: list[range]) -> float:
+        """Copy ``plan`` between host tiers, stage after stage, on the calling thread; its own seconds."""
+        started = time.perf_counter()
         index = self._index(plan)  # built once per plan, however many stages
         for stage in stages:
             self._launch(plan, stage, index, [], [])
+        return time.perf_counter() - started
+
+    @override
+    def poll(self) -> list[int]:
+        """Handles completed since the last call, in submission order (non-blocking)."""
+        done = self._inflight.poll()
+        timing = [(h, self._timing.pop(h)) for h in done if h in self._timing]
+        self._timed = {h: t if isinstance(t, float) else t.result() for h, t in timing}
+        return done
+
+    def copy_seconds(self, handle: int) -> float | None:
+        """The own seconds of host copy ``handle``, reported by the last :meth:`poll`; else ``None``."""
+        return self._timed.get(handle)
 
     def _index(self, plan: TransferPlan) -> tuple[int | None, int | None, torch.Tensor | None, torch.Tensor | None]:
         """Where the plan's source and destination blocks are: the first of a run, else an index on their device."""

@@ -27,7 +27,7 @@ from kvkit.errors import (
     TransferTimeoutError,
     UnknownBlockError,
 )
-from kvkit.interfaces.capabilities import LayeredCopy, SelfChecking
+from kvkit.interfaces.capabilities import LayeredCopy, SelfChecking, TimedCopy
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
 from kvkit.validate import check_bool, check_int, check_real, checked, implements, is_int, plural, quote
@@ -250,6 +250,7 @@ class TransferEngine:
     _unreported: set[int] = attrs.field(factory=set, init=False)  # ids submitted, not yet handed out
     # The backend's own check, or None: decided once, as the backend is fixed.
     _check_copy: Callable[[], None] | None = attrs.field(default=None, init=False)
+    _copy_seconds: Callable[[int], float | None] | None = attrs.field(default=None, init=False)  # a TimedCopy's
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.copy, type):  # a class passes the protocol's isinstance check, then fails on use
@@ -259,6 +260,8 @@ class TransferEngine:
             raise ConfigError(f"copy must implement CopyBackend, got {type(self.copy).__name__}")
         if isinstance(self.copy, SelfChecking):
             self._check_copy = self.copy.check_invariants
+        if isinstance(self.copy, TimedCopy):
+            self._copy_seconds = self.copy.copy_seconds
 
     # -- registration -----------------------------------------------------------------
 
@@ -460,11 +463,12 @@ class TransferEngine:
     def poll(self) -> list[TransferResult]:
         """Results of transfers confirmed finished since the last call (non-blocking).
 
-        ``seconds`` runs from :meth:`submit` to the first poll that saw the
-        copy done; :meth:`submit` polls once after launching, so a copy the
-        backend runs inside it (host-only copies) is timed by that call alone,
-        while one on a device stream includes queueing behind earlier copies
-        and poll latency.
+        ``seconds`` is the copy's own time where the backend measures it (a
+        :class:`~kvkit.interfaces.capabilities.TimedCopy`: the ``torch``
+        backend's host copies, on a thread or not); otherwise it runs from
+        :meth:`submit` to the first poll that saw the copy done (:meth:`submit`
+        polls once after launching), which on a device stream includes
+        queueing behind earlier copies and poll latency.
         If the backend's ``poll`` raises, the transfers in flight become in
         doubt (one warning) and stay in flight; see the class invariants.
         """
@@ -581,8 +585,10 @@ class TransferEngine:
             if job.in_doubt:
                 self._ready.append(TransferResult(job.transfer_id, self.worker, ok=False))
             else:
+                own = None if self._copy_seconds is None else self._copy_seconds(handle)
                 self._ready.append(TransferResult(job.transfer_id, self.worker, ok=True,
-                                                  seconds=now - job.started, num_bytes=job.num_bytes))
+                                                  seconds=now - job.started if own is None else own,
+                                                  num_bytes=job.num_bytes))
 
     def _suspect(self, exc: Exception) -> None:
         """The backend failed: every transfer in flight is in doubt until a later poll confirms it finished."""

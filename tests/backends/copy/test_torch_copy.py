@@ -8,7 +8,7 @@ import torch
 
 from kvkit.backends.copy import TorchCopy
 from kvkit.errors import ConfigError, PlanError, SpecMismatchError
-from kvkit.interfaces import CopyBackend, Region, TransferPlan
+from kvkit.interfaces import CopyBackend, Direction, Region, TransferPlan
 from kvkit.testing.kvdata import TWO_GROUPS, fill_random
 from kvkit.worker.layouts import allocate_kv, regions_for
 
@@ -114,3 +114,22 @@ def test_host_thread_submit_returns_before_its_copy_lands_and_stages_land_on_ret
     assert events == [()] and torch.equal(gpu[0], cpu[3]) and backend.poll() == [later]
     with pytest.raises(ConfigError, match="host_thread"):
         TorchCopy(host_thread="yes")
+
+
+@pytest.mark.parametrize("host_thread", [False, True])
+def test_host_copies_are_timed_by_their_own_seconds(host_thread):
+    """A host copy's own time is answered after the poll that reports it, and only until the next poll."""
+    import time
+
+    copy = TorchCopy(host_thread=host_thread)
+    gpu, cpu = torch.arange(64 * 1024, dtype=torch.float32).view(64, 1024), torch.zeros(64, 1024)
+    copy.register([Region("r", gpu, cpu)])
+    handle = copy.submit(TransferPlan(np.arange(64), np.arange(64), Direction.STORE))
+    copy.wait(handle)
+    time.sleep(0.05)  # poll latency a submit-to-poll measure would count
+    assert copy.poll() == [handle]
+    seconds = copy.copy_seconds(handle)
+    assert seconds is not None and 0 <= seconds < 0.05
+    assert torch.equal(cpu, gpu)
+    copy.poll()
+    assert copy.copy_seconds(handle) is None
