@@ -1,6 +1,9 @@
 """Belady's offline optimum: evict the block whose next use is furthest away.
 
-A yardstick, not a policy to deploy: it must be told the whole future.
+A yardstick, not a policy to deploy: it must be told the whole future. It is
+optimal for plain hits; under the prefix hit rule (a block hits only while its
+whole chain does) it is no bound: a pool too small for a chain may do better
+keeping the chain's head.
 """
 
 from __future__ import annotations

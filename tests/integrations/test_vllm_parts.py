@@ -697,7 +697,7 @@ def test_on_the_host_async_loads_and_stores_run_while_the_worker_goes_on(monkeyp
     b = _admit(sides, "b", 3 * BS + 2, [[7, 5, 9, 10]], hit=3 * BS)
     c = _admit(sides, "c", 2 * BS + 1, [[11, 6, 8]], prefix=b"c")  # another prompt: its blocks are new
     gate, copy = threading.Event(), engine.copy._copy_host
-    monkeypatch.setattr(engine.copy, "_copy_host", lambda plan, stages: (gate.wait(10), copy(plan, stages)))
+    monkeypatch.setattr(engine.copy, "_copy_host", lambda plan, stages: (gate.wait(10), copy(plan, stages))[1])
     order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"c": c.num_tokens})
     c.num_computed_tokens = c.num_tokens
     sides.worker.load(order)
@@ -766,6 +766,7 @@ def test_the_cpu_tiers_events_describe_each_block_by_its_request_once_it_landed_
     a.num_computed_tokens = a.num_tokens
     sides.worker.load(order)
     sides.worker.after_forward(order)
+    _land(sides, order)
     assert sides.sched.take_events() == []  # planned and copied, not yet reported
     sides.sched.completed(sides.worker.take_results())
     (run,) = sides.sched.take_events()
@@ -799,6 +800,7 @@ def test_an_ended_requests_blocks_stay_described_for_the_latest_cpu_blocks_worth
     b.num_computed_tokens = b.num_tokens
     sides.worker.load(order)
     sides.worker.after_forward(order)
+    _land(sides, order)
     _finish(sides, b, [[4, 5, 6]])  # ended before its store was reported
     sides.sched.completed(sides.worker.take_results())
     (run,) = sides.sched.take_events()
@@ -834,6 +836,7 @@ def test_stats_report_each_copy_with_its_own_time_the_cpu_tiers_use_and_the_seed
     assert delta["info"] == ("cpu", "false", "false", "8")
     sides.worker.load(order)
     sides.worker.after_forward(order)
+    _land(sides, order)
     sides.sched.completed(sides.worker.take_results())
     delta = sides.sched.stats_delta()
     ((num_bytes, seconds),) = delta["store_copies"]
@@ -886,6 +889,7 @@ def test_both_load_modes_give_the_same_blocks(layerwise):
         sides.worker.wait_layer(name)
         sides.worker.layer_saved(name)
     sides.worker.after_forward(order)
+    _land(sides, order)
     assert _blocks(sides, [7, 5, 9]) == stored
     sides.sched.completed(sides.worker.take_results())
     _finish(sides, b, [[7, 5, 9, 10]])
@@ -912,6 +916,7 @@ def test_each_layer_waits_on_the_device_for_its_own_load_only():
     sides.worker.wait_layer(LAYERS[1])
     second = engine.gpu_kv[1][:, [7, 5, 9]].clone()
     sides.worker.after_forward(order)
+    _land(sides, order)
     torch.cuda.synchronize()
     assert torch.equal(first, stored[0]) and torch.equal(second, stored[1])
     sides.sched.completed(sides.worker.take_results())
