@@ -12,12 +12,16 @@ tail ``[k, e)`` loads and ``[e, h)`` is declined:
 * first token at ``max(C(k), L(k, e)) + compute(the tokens after e)``.
 
 :meth:`OverlapPlanner.plan` answers the plan with the least modelled time
-(ties go to the plan that loads more). It is exact over every ``(k, e)``:
-declining part of a run never beats declining none or all of it (within a
-run, each more block loaded at the meeting point shortens the rest more
-than it lengthens the overlap), so ``e`` runs over the run boundaries, and
-for each ``e`` the meeting point ``k`` is where ``C`` (rising) crosses ``L``
-(falling), found by bisection. Without ``query.overlap`` only ``k = 0``.
+(ties go to the plan that loads more) among tail ends ``e`` at the run
+boundaries, with, for each ``e``, the meeting point ``k`` where ``C``
+(rising) crosses ``L`` (falling), found by bisection; without
+``query.overlap`` only ``k = 0``. Within a run whose meeting point stays in
+one source's blocks, each more block loaded shortens the rest more than it
+lengthens the overlap, so declining part of a run never beats declining
+none or all of it; where the meeting point crosses into another source's
+blocks, or sits between two whole blocks, an end inside a run may do better
+by at most about one block's compute and move. The plan is never slower, by
+the model, than loading the whole hit or recomputing it.
 
 Until it has an estimate of compute, it loads the whole hit: what an engine
 without a planner does. Until it also has one of every source in the hit,
