@@ -54,6 +54,9 @@ class OffloadCallback:
     def on_shared_hit(self, request_id: str, shared_hit_tokens: int) -> None:
         """The engine accepted ``shared_hit_tokens`` from the shared tier (they are fetched, then loaded)."""
 
+    def on_shared_prefetch(self, request_id: str, prefetch_tokens: int) -> None:
+        """A waiting request's shared-tier hit of ``prefetch_tokens`` is being fetched into the CPU tier (prefetch)."""
+
     def on_shared_fetch(self, num_blocks: int, ok: bool) -> None:
         """A fetch of ``num_blocks`` shared-tier blocks into CPU blocks settled (``ok``: landed on every worker)."""
 

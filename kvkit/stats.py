@@ -91,6 +91,9 @@ class OffloadStats:
         fetches_failed: blocks of fetches that failed on some worker (a key
             gone, a value that failed its checks, a sick server): their
             requests recompute.
+        blocks_prefetched: of ``blocks_fetched``, blocks a prefetch (a waiting
+            request's shared-tier hit, ``OffloadManager.prefetch``) landed in
+            the CPU tier.
         blocks_put / bytes_put: CPU blocks every worker put into the shared
             tier, and the bytes per worker.
         puts_failed: blocks of puts that failed on some worker.
@@ -145,6 +148,7 @@ class OffloadStats:
     blocks_fetched: Counter = _counter()
     bytes_fetched: Counter = _counter()
     fetches_failed: Counter = _counter()
+    blocks_prefetched: Counter = _counter()
     blocks_put: Counter = _counter()
     bytes_put: Counter = _counter()
     puts_failed: Counter = _counter()

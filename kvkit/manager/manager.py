@@ -10,6 +10,7 @@ every reference it takes is released exactly once.
 One scheduler step, as an engine drives it::
 
     mgr.add_request(rid, block_hashes, num_prompt_tokens)   # on arrival
+    mgr.prefetch(rid, gpu_hit_tokens)                       # optional: it waits for GPU blocks
     extra = mgr.lookup(rid, gpu_hit_tokens)                 # when scheduling it
     plan = mgr.plan_load(rid)                               # optional: what to load, what to recompute
     mgr.on_allocated(rid, block_table, accepted_tokens,     # after allocating
@@ -50,6 +51,15 @@ Load plans:
     the tail; ``recompute_tokens``: the head). The manager tells the planner
     what each completed load and fetch cost (from the workers' reported
     seconds) and counts what the plans declined and saved (``stats``).
+
+Prefetch:
+    :meth:`prefetch` fetches a waiting request's shared-tier hit into CPU
+    blocks while it waits for GPU blocks, through the same fetch path as a
+    shared hit's load, with no GPU destination: a fetch that lands leaves
+    ordinary cached CPU blocks under their hashes (its lookup finds them as
+    CPU hits), one that fails leaves nothing (its blocks are recomputed or
+    fetched again). No request holds a prefetched block once its fetch is
+    planned, so ending a request never waits for its prefetch.
 
 Hashes:
     Block hashes come from the engine (``kvkit.hashing`` or its own) and must
@@ -159,7 +169,9 @@ class OffloadManager:
         * No hash is stored while it is on the CPU tier or in flight.
         * Shared tier: a block is offered only if every worker's key exists;
           a fetched block is findable only once every worker's fetch landed
-          and stays referenced until its load completed.
+          and stays referenced until its load completed; a prefetched block
+          is referenced by its request until its fetch is planned, then by
+          the fetch alone.
         * Loads write CPU hit ``i`` to the GPU block at position
           ``gpu_hit_blocks + i``; only confirmed blocks are stored.
         * Per step: work is O(requests touched + blocks planned), never
@@ -183,6 +195,7 @@ class OffloadManager:
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)
     _ended: EndedRequests = attrs.field(init=False, factory=EndedRequests)
     _dirty: dict[str, Request] = attrs.field(init=False, factory=dict)  # queued stores or load
+    _prefetching: dict[str, Request] = attrs.field(init=False, factory=dict)  # prefetch not yet planned
     _events: Events = attrs.field(init=False)
     _hits: CpuHits = attrs.field(init=False)
     _stores: StorePlanner = attrs.field(init=False)
@@ -371,6 +384,7 @@ class OffloadManager:
         bs = self.kv.block_size
         gpu_hit_tokens, r.num_tokens = check_lookup(r, gpu_hit_tokens, num_tokens, bs)
         self._hits.unpin(r)
+        self._release_prefetch(r)
         r.revoked = False
         r.plan = None
         self.stats.lookups.add()
@@ -385,6 +399,64 @@ class OffloadManager:
             r.offered_blocks = hit
         self._events.emit("on_lookup", request_id, gpu_hit_tokens, hit * bs)
         return hit * bs
+
+    def prefetch(self, request_id: str, gpu_hit_tokens: int = 0) -> int:
+        """Fetch a waiting request's shared-tier hit into the CPU tier while it waits; tokens to fetch.
+
+        The hit is the leading run of the request's blocks right after the GPU
+        hit and the CPU-ready blocks that follow it (and after the blocks its
+        last :meth:`lookup` reserved) whose every worker's key the shared store
+        holds, capped as :meth:`lookup` caps it. Its CPU blocks are allocated
+        now (the request's CPU-ready blocks held meanwhile, so they are not the
+        ones evicted) and fetched in the next :meth:`build_step`, without a GPU
+        destination; from then on the fetch alone references them, and once
+        it lands they are cached CPU blocks under their hashes. A second call
+        before that step replaces the first's reservation, as does a
+        :meth:`lookup` (which reserves the hit itself); ending the request or
+        a :meth:`reset` releases it. Without a shared tier, or while a reset
+        drains, nothing is fetched.
+
+        Args:
+            request_id: a waiting request (added or preempted, not allocated).
+            gpu_hit_tokens: tokens the engine's GPU prefix cache holds, a
+                multiple of ``block_size``.
+
+        Returns:
+            Tokens whose fetch the next step plans (a multiple of ``block_size``).
+
+        Raises:
+            UnknownRequestError / RequestStateError: unknown, ended or running
+                id, or a GPU hit that is not block aligned or exceeds the
+                request (nothing changed).
+        """
+        r = self._live(request_id)
+        if r.state is not _WAITING:
+            raise wrong_state(r, "prefetch needs a waiting request")
+        bs = self.kv.block_size
+        gpu_hit_tokens, num_tokens = check_lookup(r, gpu_hit_tokens, None, bs)
+        self._release_prefetch(r)
+        shared = self._shared
+        if shared is None or self._draining:
+            return 0
+        hashes, start = r.block_hashes, gpu_hit_tokens // bs
+        stop = min((num_tokens - 1) // bs, len(hashes))
+        held = self.cpu.lookup(hashes[start:stop]) if start < stop else []
+        first = max(start + len(held), r.fetch_start + len(r.fetch) if r.fetch else 0)
+        n = shared.find(hashes[first:stop], hashes[stop:]) if first < stop else 0
+        if not n:
+            return 0
+        self.cpu.incref(held)  # the prefetch's allocation must not evict the hit it continues
+        try:
+            r.prefetch = self.cpu.allocate(min(n, self.cpu.num_free))
+        finally:
+            self.cpu.decref(held)
+        if not r.prefetch:
+            return 0
+        r.prefetch_start = first
+        self._prefetching[request_id] = r
+        tokens = len(r.prefetch) * bs
+        self._events.emit("on_shared_prefetch", request_id, tokens)
+        return tokens
 
     def plan_load(self, request_id: str, *, overlap: bool = True) -> LoadPlan:
         """The planner's answer for the hit the last :meth:`lookup` offered ``request_id``.
@@ -646,6 +718,7 @@ class OffloadManager:
         if self._shared is not None:
             self._shared.tick()
         fetches, loads = self._plan_loads()
+        fetches += self._plan_prefetches()
         stores = self._plan_stores()
         puts = self._plan_puts()
         dirty = self._dirty
@@ -717,6 +790,7 @@ class OffloadManager:
             elif r.pinned:
                 r.revoked = True
             self._hits.unpin(r)
+            self._release_prefetch(r)
             r.store_queue = []
         self._dirty.clear()
         self._stores.reset()
@@ -738,6 +812,7 @@ class OffloadManager:
         for r in self._requests.values():
             held.update(r.pinned)
             held.update(r.fetch)
+            held.update(r.prefetch)
         return held
 
     def cpu_blocks_storing(self) -> int:
@@ -773,6 +848,9 @@ class OffloadManager:
         if self._shared is not None:
             self._shared.check_invariants(self._transfers.batches())
         check_live(self._requests, self._dirty, cpu, self.kv.block_size, holds)
+        for rid, r in self._requests.items():
+            assert not r.prefetch or self._prefetching.get(rid) is r, f"{rid}: a prefetch the next step misses"
+        assert all(self._requests.get(rid) is r for rid, r in self._prefetching.items()), "an ended prefetch"
         self._ended.check_invariants()
         for r in self._ended.parked():
             assert r.holds == holds[id(r)], f"{r.request_id}: holds {r.holds} != {holds[id(r)]}"
@@ -847,6 +925,7 @@ class OffloadManager:
         """
         rid = r.request_id
         self._hits.unpin(r)
+        self._release_prefetch(r)
         self._dirty.pop(rid, None)
         self._loaded.discard(rid)  # the engine no longer waits on this incarnation's load
         self._load_failed.discard(rid)
@@ -874,6 +953,22 @@ class OffloadManager:
         batch, src, dst = self._hits.plan(reqs)
         batch.fetched = fetched
         return fetches, self._open(batch, src, dst)
+
+    def _plan_prefetches(self) -> list[tuple[int, SharedPlan]]:
+        """The fetch of the prefetches asked for since the last step (if any)."""
+        if not self._prefetching:
+            return []
+        reqs, self._prefetching = list(self._prefetching.values()), {}
+        assert self._shared is not None  # only a shared tier reserves prefetches
+        planned = self._shared.plan_prefetches(reqs)
+        return self._open_shared(*planned) if planned else []
+
+    def _release_prefetch(self, r: Request) -> None:
+        """Release ``r``'s prefetch reservation that no step planned yet."""
+        if r.prefetch:
+            self.cpu.decref(r.prefetch)  # never committed: the blocks are empty again
+            r.prefetch = []
+        self._prefetching.pop(r.request_id, None)
 
     def _plan_puts(self) -> list[tuple[int, SharedPlan]]:
         if self._shared is None or self._draining:
@@ -911,6 +1006,8 @@ class OffloadManager:
             self._events.emit("on_cpu_stored", batch.committed, batch.committed_parents)
         elif ok and batch.shared and batch.direction is Direction.STORE:
             self._events.emit("on_shared_stored", list(batch.hashes))
+        if ok and batch.prefetch:
+            self.stats.blocks_prefetched.add(len(batch.committed))
         if ok and batch.direction is Direction.LOAD and batch.seconds > 0 and self.planner is not None:
             self._observe(HitSource.SHARED if batch.shared else HitSource.CPU, batch.num_bytes, batch.seconds)
         if batch.shared:

@@ -73,6 +73,10 @@ class Request:
         fetch: CPU blocks allocated (one reference each, not ready) for the
             shared-tier hit right after ``pinned``, from lookup until the
             fetch is planned; ``fetch_start`` is the position of the first.
+        prefetch: CPU blocks allocated (one reference each, not ready) for a
+            waiting request's prefetch (:meth:`~kvkit.manager.OffloadManager.prefetch`),
+            from the call until ``build_step`` plans their fetch (the fetch's
+            batch takes the references); ``prefetch_start`` is the position of the first.
         load_pending: ``pinned`` (and ``fetch``) is an accepted hit waiting for ``build_step``.
         revoked: a reset withdrew the offered hit before allocation.
         block_table: the engine's GPU block ids, one list per KV group.
@@ -84,7 +88,8 @@ class Request:
 
     Invariants: ``num_confirmed_blocks == min(num_computed_tokens // block_size,
     len(block_hashes))``; every queued index is below it; ``pinned`` is empty
-    unless the request is waiting with a lookup or has a load pending; so is ``fetch``.
+    unless the request is waiting with a lookup or has a load pending; so is ``fetch``;
+    ``prefetch`` is empty unless the request is waiting.
     """
 
     request_id: str
@@ -102,6 +107,8 @@ class Request:
     pinned: list[BlockId] = attrs.field(factory=list)
     fetch: list[BlockId] = attrs.field(factory=list)
     fetch_start: int = 0
+    prefetch: list[BlockId] = attrs.field(factory=list)
+    prefetch_start: int = 0
     load_pending: bool = False
     revoked: bool = False
     block_table: list[list[BlockId]] = attrs.field(factory=list)
@@ -285,4 +292,6 @@ def check_live(requests: dict[str, Request], dirty: dict[str, Request], cpu: Blo
         assert all(cpu.block_hash(b) is not None for b in r.pinned), f"{rid}: pin not ready"
         assert not r.fetch or r.state is RequestState.WAITING or r.load_pending, rid
         assert all(cpu.block_hash(b) is None for b in r.fetch), f"{rid}: a block to fetch is findable"
+        assert not r.prefetch or r.state is RequestState.WAITING, f"{rid}: a running request holds a prefetch"
+        assert all(cpu.block_hash(b) is None for b in r.prefetch), f"{rid}: a block to prefetch is findable"
         assert r.holds == holds[id(r)], f"{rid}: holds {r.holds} != {holds[id(r)]}"

@@ -59,6 +59,8 @@ class Batch:
             ``LOAD`` fetches from the store into ``cpu_blocks`` (allocated, not
             ready; committed when every worker's fetch landed), ``STORE`` puts
             ready ``cpu_blocks`` into the store.
+        prefetch: a shared-tier fetch for waiting requests (no load reads it;
+            it touches no GPU block).
         fetched: a load's sources that a fetch of the same step fills (not
             ready until that fetch commits).
         committed: hashes that became findable when it settled.
@@ -78,6 +80,7 @@ class Batch:
     ok: bool = True
     abandoned: bool = False
     shared: bool = False
+    prefetch: bool = False
     fetched: list[BlockId] = attrs.field(factory=list)
     committed: list[BlockHash] = attrs.field(factory=list)
     committed_parents: list[BlockHash | None] = attrs.field(factory=list)

@@ -269,23 +269,41 @@ class SharedTier:
         the same blocks once more for its load (``pinned`` grows by them), so
         a block is referenced until both its fetch and its load completed.
         """
+        runs = []
+        for r in reqs:
+            if r.fetch:
+                runs.append((r, r.fetch_start, r.fetch))
+                self.cpu.incref(r.fetch)
+                r.pinned = r.pinned + r.fetch
+                r.fetch = []
+        return self._fetch_batch(runs, prefetch=False)
+
+    def plan_prefetches(self, reqs: Iterable[Request]) -> tuple[Batch, SharedPlan] | None:
+        """One fetch batch for the prefetches of ``reqs`` (waiting requests): each reservation moves to the
+        batch, which holds the blocks' only reference; once it lands they are ordinary cached CPU blocks."""
+        runs = []
+        for r in reqs:
+            if r.prefetch:
+                runs.append((r, r.prefetch_start, r.prefetch))
+                r.prefetch = []
+        return self._fetch_batch(runs, prefetch=True)
+
+    def _fetch_batch(self, runs: list[tuple[Request, int, list[BlockId]]],
+                     prefetch: bool) -> tuple[Batch, SharedPlan] | None:
+        """A fetch batch of ``(request, position, blocks)`` runs: block ``i`` of a run gets the request's hash
+        at ``position + i``."""
         blocks: list[BlockId] = []
         hashes: list[BlockHash] = []
         parents: list[BlockHash | None] = []
-        for r in reqs:
-            if not r.fetch:
-                continue
-            start, stop = r.fetch_start, r.fetch_start + len(r.fetch)
+        for r, start, run in runs:
+            stop = start + len(run)
             hashes += r.block_hashes[start:stop]
             parents += [r.block_hashes[i - 1] if i else None for i in range(start, stop)]
-            blocks += r.fetch
-            self.cpu.incref(r.fetch)
-            r.pinned = r.pinned + r.fetch
-            r.fetch = []
+            blocks += run
         if not blocks:
             return None
         batch = Batch(Direction.LOAD, blocks, [], [], hashes=hashes, parents=parents,
-                      num_bytes=len(blocks) * self.block_bytes, shared=True)
+                      num_bytes=len(blocks) * self.block_bytes, shared=True, prefetch=prefetch)
         return batch, SharedPlan(Direction.LOAD, blocks, hashes)
 
     # -- puts -----------------------------------------------------------------
