@@ -406,7 +406,11 @@ class OffloadManager:
         The hit is the leading run of the request's blocks right after the GPU
         hit and the CPU-ready blocks that follow it (and after the blocks its
         last :meth:`lookup` reserved) whose every worker's key the shared store
-        holds, capped as :meth:`lookup` caps it. Its CPU blocks are allocated
+        holds, capped as :meth:`lookup` caps it; with a planner, only its
+        leading blocks that the planner would load if the request were
+        scheduled now with nothing computed alongside (a prefix whose fetch
+        and load beat recomputing it: a prefetch that has not landed when the
+        request is scheduled must not make its first token later). Its CPU blocks are allocated
         now (the request's CPU-ready blocks held meanwhile, so they are not the
         ones evicted) and fetched in the next :meth:`build_step`, without a GPU
         destination; from then on the fetch alone references them, and once
@@ -443,6 +447,7 @@ class OffloadManager:
         held = self.cpu.lookup(hashes[start:stop]) if start < stop else []
         first = max(start + len(held), r.fetch_start + len(r.fetch) if r.fetch else 0)
         n = shared.find(hashes[first:stop], hashes[stop:]) if first < stop else 0
+        n = self._worth_prefetching(start, first - start, n, num_tokens) if n else 0
         if not n:
             return 0
         self.cpu.incref(held)  # the prefetch's allocation must not evict the hit it continues
@@ -962,6 +967,26 @@ class OffloadManager:
         assert self._shared is not None  # only a shared tier reserves prefetches
         planned = self._shared.plan_prefetches(reqs)
         return self._open_shared(*planned) if planned else []
+
+    def _worth_prefetching(self, context: int, cpu_blocks: int, shared_blocks: int, num_tokens: int) -> int:
+        """How many leading blocks of a shared hit of ``shared_blocks`` (after ``context`` blocks on the GPU, then
+        ``cpu_blocks`` on the CPU tier) to prefetch: see :meth:`prefetch`; none if the planner fails."""
+        planner = self.planner
+        if planner is None:
+            return shared_blocks
+        bs = self.kv.block_size
+        runs = [(src, n) for src, n in ((HitSource.CPU, cpu_blocks), (HitSource.SHARED, shared_blocks)) if n]
+        query = HitQuery(block_size=bs, block_bytes=self.kv.bytes_per_block, context_tokens=context * bs, runs=runs,
+                         num_tokens=num_tokens, overlap=False)
+        try:
+            plan = planner.plan(query)
+            if not isinstance(plan, LoadPlan) or plan.hit_blocks != query.hit_blocks or plan.compute_blocks:
+                raise TypeError(f"plan() answered {plan!r} for a hit of {plural(query.hit_blocks, 'block')} "
+                                f"(overlap=False)")
+        except Exception as exc:  # noqa: BLE001 - as plan_load
+            self._events.contain(planner, "plan", exc, self.stats.planner_errors, "planner_errors")
+            return 0
+        return min(max(plan.load_blocks - cpu_blocks, 0), shared_blocks)
 
     def _release_prefetch(self, r: Request) -> None:
         """Release ``r``'s prefetch reservation that no step planned yet."""

@@ -7,7 +7,10 @@ The simulator, the tests and the examples reuse it. Per :meth:`ReferenceEngine.s
 2. schedule waiting requests in arrival order: GPU prefix hit, then the
    manager's CPU lookup (pinned) and load plan (which hit blocks to load,
    which to recompute: :meth:`~kvkit.manager.OffloadManager.plan_load`), then
-   GPU allocation, then ``on_allocated``;
+   GPU allocation, then ``on_allocated``; with a shared tier (and
+   ``prefetch_waiting``), each request added since the last step that this
+   step leaves waiting has its shared-tier hit prefetched into the CPU tier
+   (:meth:`ReferenceEngine.prefetch`), so it is a CPU hit when it is scheduled;
 3. run the manager's step plan on every worker, and wait for this step's
    loads (compute reads them; with ``layered`` compute waits for each layer
    instead, and the loads' results are awaited after it); a shared-tier
@@ -68,6 +71,9 @@ class EngineRequest:
             recomputes while the rest of the hit loads (a load plan's head).
         cpu_hit_tokens: tokens loaded from the CPU tier (shared-tier hits
             included), right after the head.
+        prefetched: the block positions whose shared-tier hit
+            :meth:`ReferenceEngine.prefetch` fetched while it waited (``None``:
+            never prefetched).
     """
 
     request_id: str
@@ -77,6 +83,7 @@ class EngineRequest:
     gpu_hit_tokens: int = 0
     head_tokens: int = 0
     cpu_hit_tokens: int = 0
+    prefetched: range | None = None
 
     @property
     def running(self) -> bool:
@@ -151,6 +158,9 @@ class ReferenceEngine:
             reads a layer's reused blocks. The loads' results are awaited after
             compute, before anything is published or confirmed; a request whose
             load failed is computed again without its CPU hit.
+        prefetch_waiting: with a shared tier, prefetch the shared-tier hit of
+            every request a step leaves waiting (once, in the step after it was
+            added; default on). Off, only :meth:`prefetch` does.
 
     Load plans with a head (:attr:`overlaps`) need a :class:`~kvkit.interfaces.HeadCompute`
     and no ``layered``; otherwise the engine asks the manager for plans that
@@ -168,7 +178,10 @@ class ReferenceEngine:
         PrefillCompute, what="a PrefillCompute (with a prefill method)"))
     layered: bool = attrs.field(default=False, kw_only=True, converter=checked(check_bool),  # type: ignore[misc]
                                 on_setattr=attrs.setters.convert)
+    prefetch_waiting: bool = attrs.field(default=True, kw_only=True, converter=checked(check_bool),  # type: ignore[misc]
+                                         on_setattr=attrs.setters.convert)
     _step_loads: set[int] = attrs.field(factory=set, init=False)  # layered loads compute may still wait for
+    _arrived: list[EngineRequest] = attrs.field(factory=list, init=False)  # added since the last step
     _waiting: deque[EngineRequest] = attrs.field(factory=deque, init=False)
     _requests: dict[str, EngineRequest] = attrs.field(factory=dict, init=False)
 
@@ -206,11 +219,17 @@ class ReferenceEngine:
         req = EngineRequest(request_id, list(block_hashes), num_tokens)
         self._requests[request_id] = req
         self._waiting.append(req)
+        if self.prefetch_waiting and self.stack.manager.shared is not None:
+            self._arrived.append(req)
 
     def step(self) -> StepReport:
         """Run one engine step (see the module docstring)."""
         self._apply(self._poll())
         scheduled = self._schedule()
+        arrived, self._arrived = self._arrived, []
+        for req in arrived:
+            if req.prefetched is None and not req.running and self._requests.get(req.request_id) is req:
+                self.prefetch(req.request_id)
         plan = self.stack.manager.build_step()
         heads = [r for r in scheduled if r.head_tokens] if self.stack.workers else []
         if heads and (plan.loads or plan.fetches):
@@ -276,6 +295,32 @@ class ReferenceEngine:
             parents = [req.block_hashes[i - 1] if i else None for i in range(published, hi)]
             self.stack.gpu.commit(req.table[0][published:hi], req.block_hashes[published:hi], parents)
         manager.on_computed(request_id, num_tokens)
+
+    def prefetch(self, request_id: str) -> int:
+        """Prefetch a waiting request's shared-tier hit beyond its GPU hit into the CPU tier (in the next step).
+
+        See :meth:`OffloadManager.prefetch <kvkit.manager.OffloadManager.prefetch>`;
+        the positions go to the request's ``prefetched``.
+
+        Returns:
+            Tokens whose fetch the next step runs.
+
+        Raises:
+            UnknownRequestError: an unknown request.
+            RequestStateError: a running request (nothing changed).
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        if req.running:
+            raise RequestStateError(f"request {request_id!r} is running; only a waiting request is prefetched")
+        stack, bs = self.stack, self.stack.config.kv.block_size
+        hit = stack.gpu.lookup(req.block_hashes[: (req.num_tokens - 1) // bs]) if len(stack.config.kv.groups) == 1 \
+            else []
+        tokens = stack.manager.prefetch(request_id, len(hit) * bs)
+        start = stack.manager.request(request_id).prefetch_start if tokens else 0
+        req.prefetched = range(start, start + tokens // bs)
+        return tokens
 
     def finish(self, request_id: str) -> None:
         """The request is done: flush its stores, release its GPU blocks."""

@@ -18,22 +18,30 @@ Time model (every figure configurable in :class:`CostModel`):
   (queueing), until it fits. A finished request's blocks are free once the
   stores its finish flushed are copied, one engine step later; that step
   takes no modelled time.
+* A request the engine cannot schedule at its start (the GPU pool is full)
+  has its shared-tier hit prefetched into the CPU tier, as the reference
+  engine prefetches every request a step leaves waiting
+  (:meth:`~kvkit.reference.engine.ReferenceEngine.prefetch`): the prefetch
+  starts then and runs at ``shared_gbps`` while the request queues.
 * The stack's load planner decides which blocks of the request's CPU and
   shared-tier hit to load and which to recompute (see
-  :mod:`kvkit.interfaces.plan`). Its prefill then runs two sides at once:
-  the *compute side* computes the plan's head (the hit's first blocks) at
-  ``prefill_tokens_per_s``, while the *load side* fetches the shared-tier
-  blocks of the tail into the CPU tier at ``shared_gbps`` and then loads the
-  whole tail at ``pcie_gbps``; once both are done, the rest of the prompt
+  :mod:`kvkit.interfaces.plan`); prefetched blocks are CPU hits by then.
+  Its prefill then runs two sides at once: the *compute side* computes the
+  plan's head (the hit's first blocks) at ``prefill_tokens_per_s``, while
+  the *load side* waits for its prefetch to land if it loads a prefetched
+  block (``max(0, prefetch end - start)``), fetches the shared-tier blocks
+  of the tail into the CPU tier at ``shared_gbps`` and then loads the whole
+  tail at ``pcie_gbps``; once both are done, the rest of the prompt
   (declined hit blocks included) is computed. Prefill time = ``max(head
-  compute, fetch + load) + rest compute + overhead_ms``; with no head this is
-  the fetch, the load and the compute one after the other. Hit tokens on the
-  GPU tier cost nothing. Prefills of different requests do not contend with
-  one another; requests interact only through GPU memory.
+  compute, prefetch wait + fetch + load) + rest compute + overhead_ms``;
+  with no head this is the wait, the fetch, the load and the compute one
+  after the other. Hit tokens on the GPU tier cost nothing. Prefills and
+  prefetches of different requests do not contend with one another;
+  requests interact only through GPU memory.
 * The planner learns from what the model says each part took: every
-  request's modelled fetch, load and compute times are its observations
-  (in the stack's bytes), as a real engine's completed transfers and
-  forward passes would be.
+  request's modelled prefetch, fetch, load and compute times are its
+  observations (in the stack's bytes), as a real engine's completed
+  transfers and forward passes would be.
 * Modelled time to first token = queueing wait + prefill time.
 * It then decodes ``output_length`` tokens at ``decode_ms_per_token`` each
   and ends, holding its GPU blocks until then. Decoded tokens are not cached.
@@ -172,15 +180,16 @@ class CostModel:
     shared_gbps: float = attrs.field(default=2.0, validator=_positive)
 
     def prefill_ms(self, computed_tokens: int, loaded_bytes: int, fetched_bytes: int = 0,
-                   overlapped_tokens: int = 0) -> float:
+                   overlapped_tokens: int = 0, ready_ms: float = 0.0) -> float:
         """Modelled prefill time (see the module docstring), plus the overhead.
 
         ``overlapped_tokens`` of the ``computed_tokens`` (a plan's head) are
-        computed while the shared tier fetches ``fetched_bytes`` and then
+        computed while, ``ready_ms`` after the start (a prefetch still
+        landing), the shared tier fetches ``fetched_bytes`` and then
         ``loaded_bytes`` are loaded; the rest are computed after both.
         """
         head = self.compute_ms(overlapped_tokens)
-        return (max(head, self.fetch_ms(fetched_bytes) + self.load_ms(loaded_bytes))
+        return (max(head, ready_ms + self.fetch_ms(fetched_bytes) + self.load_ms(loaded_bytes))
                 + self.compute_ms(computed_tokens - overlapped_tokens) + self.overhead_ms)
 
     def compute_ms(self, tokens: int) -> float:
@@ -597,7 +606,7 @@ class Simulator:
             engine.finish(heapq.heappop(running)[2])
         engine.add_request(rid, cast("tuple[BlockHash, ...]", request.hash_ids[: n // bt]), n)  # ids are hashes
         shared_before = stats.shared_hit_tokens.value
-        retried = False
+        retried, failed_at = False, start  # the engine prefetches it at its first failed scheduling attempt
         while not (report := engine.step()).scheduled:
             # Stores flushed by finished requests hold GPU blocks until the step that
             # copies them, which was this one: the blocks are free now (no time passes).
@@ -616,18 +625,34 @@ class Simulator:
         gpu, head, cpu = req.gpu_hit_tokens, req.head_tokens, req.cpu_hit_tokens
         shared = min(cpu, int(stats.shared_hit_tokens.value - shared_before))  # 0 if its fetch failed
         cpu -= shared
-        first_token = start + self._prefill_ms(n, gpu, head, cpu // bt, shared // bt)
+        ready_ms, prefetched = 0.0, 0  # CPU-hit tokens it loads that its prefetch brought, and their wait
+        if req.prefetched:
+            prefetch_ms, lo = self._prefetch_ms(len(req.prefetched)), (gpu + head) // bt
+            prefetched = bt * len(range(max(lo, req.prefetched.start), min(lo + cpu // bt, req.prefetched.stop)))
+            if prefetched:
+                ready_ms = max(0.0, failed_at + prefetch_ms - start)
+        first_token = start + self._prefill_ms(n, gpu, head, cpu // bt, shared // bt, ready_ms)
         self._ttft.append(first_token - request.timestamp_ms)
         end = first_token + request.output_length * self.config.cost.decode_ms_per_token
         heapq.heappush(running, (end, len(self._ttft), rid))
         counts["prompt_tokens"] += n
         counts["block_references"] += len(request.hash_ids)
         counts["gpu"] += gpu
-        counts["cpu"] += cpu
-        counts["shared"] += shared
+        counts["cpu"] += cpu - prefetched
+        counts["shared"] += shared + prefetched
 
-    def _prefill_ms(self, n: int, gpu: int, head: int, cpu_blocks: int, shared_blocks: int) -> float:
-        """The modelled prefill of a request; tells the planner what each of its parts took."""
+    def _prefetch_ms(self, blocks: int) -> float:
+        """The modelled time of a prefetch of ``blocks`` blocks; tells the planner."""
+        fetch_ms = self.config.cost.fetch_ms(blocks * self._block_bytes)
+        planner, kv = self.stack.manager.planner, self.stack.config.kv
+        if planner is not None and kv is not None:
+            planner.observe_move(HitSource.SHARED, blocks * kv.bytes_per_block, fetch_ms * 1e-3)
+        return fetch_ms
+
+    def _prefill_ms(self, n: int, gpu: int, head: int, cpu_blocks: int, shared_blocks: int,
+                    ready_ms: float = 0.0) -> float:
+        """The modelled prefill of a request (its load side ``ready_ms`` late: a prefetch still landing);
+        tells the planner what each of its parts took."""
         cost, planner = self.config.cost, self.stack.manager.planner
         bt, kv = self.config.block_size, self.stack.config.kv
         assert bt is not None and kv is not None  # the stack is built
@@ -644,7 +669,8 @@ class Simulator:
             if head:
                 planner.observe_compute(head, gpu, cost.compute_ms(head) * 1e-3)
             planner.observe_compute(rest, n - rest, cost.compute_ms(rest) * 1e-3)
-        return cost.prefill_ms(head + rest, loaded * self._block_bytes, shared_blocks * self._block_bytes, head)
+        return cost.prefill_ms(head + rest, loaded * self._block_bytes, shared_blocks * self._block_bytes, head,
+                               ready_ms)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the stack or the simulator's own bookkeeping is inconsistent."""
