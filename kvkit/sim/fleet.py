@@ -83,8 +83,8 @@ class FleetResult:
                                  for r in self.instances]}
 
 
-_SHARED_COUNTERS = ("blocks_put", "puts_failed", "blocks_fetched", "fetches_failed", "shared_outages",
-                    "shared_recoveries")
+_SHARED_COUNTERS = ("blocks_put", "puts_failed", "blocks_fetched", "blocks_prefetched", "fetches_failed",
+                    "shared_outages", "shared_recoveries")
 
 
 def _route(router: str, n: int) -> Callable[[int, TraceRequest], int]:

@@ -1,12 +1,13 @@
 """A stateful machine driving whole stacks through the reference engine, moving real bytes."""
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import target
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvkit
 from kvkit.backends.blockstore.memory import MemoryStore
-from kvkit.errors import OutOfBlocksError
+from kvkit.errors import OutOfBlocksError, RequestStateError
 from kvkit.hashing import hash_blocks
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.testing.doubles import FailingStore
@@ -38,8 +39,8 @@ class EngineMachine(RuleBasedStateMachine):
                 eviction=st.sampled_from(["lru", "arc", "s3fifo", "lirs", "hit-density", "hinted"]),
                 hybrid=st.booleans(), world_size=st.integers(1, 2),
                 shared=st.sampled_from([None, "write-through", "write-back"]),
-                layered=st.booleans(), planner=st.sampled_from(["overlap", "load-all"]))
-    def setup(self, store, eviction, hybrid, world_size, shared, layered, planner):
+                layered=st.booleans(), planner=st.sampled_from(["overlap", "load-all"]), prefetch=st.booleans())
+    def setup(self, store, eviction, hybrid, world_size, shared, layered, planner, prefetch):
         spec = HYBRID if hybrid and store != "lazy" else SPEC
         self.server = MemoryStore() if shared else None
         self.shared = FailingStore(self.server) if shared else None
@@ -48,7 +49,7 @@ class EngineMachine(RuleBasedStateMachine):
                                  world_size=world_size, planner=planner,
                                  shared=None if shared is None else {"url": self.shared, "write": shared,
                                                                       "backoff_s": 1e-3})
-        self.engine = ReferenceEngine(self.stack, layered=layered)
+        self.engine = ReferenceEngine(self.stack, layered=layered, prefetch_waiting=prefetch)
         self.next_id = 0
 
     @rule(prefix=st.integers(0, 1), extra=st.integers(1, 13), salt=st.sampled_from([None, "a"]),
@@ -101,6 +102,16 @@ class EngineMachine(RuleBasedStateMachine):
             r.request_id for r in self.engine._waiting]
         self.engine.abort(data.draw(st.sampled_from(ids)))
 
+    @precondition(lambda self: self.engine.num_waiting)
+    @rule(data=st.data())
+    def prefetch(self, data):
+        """A waiting request's shared-tier hit is prefetched (again); a running one's is refused."""
+        req = data.draw(st.sampled_from(list(self.engine._waiting)))
+        assert self.engine.prefetch(req.request_id) % SPEC.block_size == 0
+        if self.engine.running:
+            with pytest.raises(RequestStateError):
+                self.engine.prefetch(self.engine.running[0].request_id)
+
     @rule()
     def forget_gpu_cache(self):
         """Other work takes every free GPU block, evicting the whole GPU prefix cache."""
@@ -132,6 +143,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def teardown(self):
         target(float(self.stack.stats.blocks_loaded), label="blocks loaded from the CPU tier")
+        target(float(self.stack.stats.blocks_prefetched), label="blocks prefetched from the shared tier")
         if self.shared is not None:
             self.shared.down = False
         for req in list(self.engine.running):

@@ -99,6 +99,8 @@ def test_overlap_time_model_by_hand():
     assert cost.prefill_ms(30, 4 * mb, 2 * mb) == pytest.approx(30 + 4 + 4 + 2)  # nothing overlapped
     assert cost.prefill_ms(30, 4 * mb, 2 * mb, overlapped_tokens=5) == pytest.approx(8 + 25 + 2)  # load side longer
     assert cost.prefill_ms(30, 4 * mb, 2 * mb, overlapped_tokens=20) == pytest.approx(20 + 10 + 2)  # compute longer
+    # a prefetch still landing 9 ms after the start delays the load side
+    assert cost.prefill_ms(30, 4 * mb, 0, overlapped_tokens=5, ready_ms=9.0) == pytest.approx(9 + 4 + 25 + 2)
 
 
 def test_the_planner_probes_a_tier_then_plans_from_what_it_observed():
