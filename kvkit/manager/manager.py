@@ -410,15 +410,17 @@ class OffloadManager:
         leading blocks that the planner would load if the request were
         scheduled now with nothing computed alongside (a prefix whose fetch
         and load beat recomputing it: a prefetch that has not landed when the
-        request is scheduled must not make its first token later). Its CPU blocks are allocated
-        now (the request's CPU-ready blocks held meanwhile, so they are not the
-        ones evicted) and fetched in the next :meth:`build_step`, without a GPU
-        destination; from then on the fetch alone references them, and once
-        it lands they are cached CPU blocks under their hashes. A second call
-        before that step replaces the first's reservation, as does a
-        :meth:`lookup` (which reserves the hit itself); ending the request or
-        a :meth:`reset` releases it. Without a shared tier, or while a reset
-        drains, nothing is fetched.
+        request is scheduled must not make its first token later; a planner
+        that fails is contained as in :meth:`plan_load`, and nothing is
+        fetched). Its CPU blocks are allocated now (the request's CPU-ready
+        blocks held meanwhile, so they are not the ones evicted) and fetched
+        in the next :meth:`build_step`, without a GPU destination; from then
+        on the fetch alone references them, and once it lands they are cached
+        CPU blocks under their hashes. A second call before that step
+        replaces the first's reservation, as does a :meth:`lookup` (which
+        reserves the hit itself); ending the request or a :meth:`reset`
+        releases it. Without a shared tier, or while a reset drains, nothing
+        is fetched.
 
         Args:
             request_id: a waiting request (added or preempted, not allocated).

@@ -21,7 +21,8 @@ class StepPlan:
             group. A store must run after the compute that wrote its sources
             (confirmed in an earlier step) and before anything overwrites them.
         fetches: ``(transfer_id, SharedPlan)`` pairs, shared tier -> CPU (at
-            most one). Each worker runs them *before* this step's loads, which
+            most two: this step's loads' and the prefetches', which no load
+            reads). Each worker runs them *before* this step's loads, which
             read the fetched blocks, and reports a load that reads a block its
             fetch failed as failed.
         puts: ``(transfer_id, SharedPlan)`` pairs, CPU -> shared tier (at most one).

@@ -14,11 +14,12 @@ The simulator, the tests and the examples reuse it. Per :meth:`ReferenceEngine.s
 3. run the manager's step plan on every worker, and wait for this step's
    loads (compute reads them; with ``layered`` compute waits for each layer
    instead, and the loads' results are awaited after it); a shared-tier
-   fetch is waited for at most until the store's deadline (then it is a
-   miss, recomputed), a shared-tier put never. A plan with a *head* (hit
-   blocks recomputed instead of loaded) overlaps: the step plan runs on a
-   background thread while the compute writes each head, front to back,
-   from the GPU hit alone; then the engine waits for the loads;
+   fetch (a prefetch's too) is waited for at most until the store's
+   deadline (then it is a miss, recomputed), a shared-tier put never. A
+   plan with a *head* (hit blocks recomputed instead of loaded) overlaps:
+   the step plan runs on a background thread while the compute writes each
+   head, front to back, from the GPU hit alone; then the engine waits for
+   the loads;
 4. compute the scheduled prefills through the engine's
    :class:`~kvkit.interfaces.PrefillCompute`
    (by default :class:`SyntheticCompute`: write each block's KV as a

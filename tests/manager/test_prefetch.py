@@ -230,3 +230,23 @@ def test_a_prefetch_takes_only_what_the_planner_would_load(server):
     assert slow.prefetch("r") == 0 and not slow.build_step().fetches
     slow.check_invariants()
     stack.close()
+
+
+class Broken(SlowTier):
+    def plan(self, query):
+        raise ValueError("no plan today")
+
+
+def test_a_failing_planner_is_contained_and_nothing_is_prefetched(server):
+    from kvkit.manager import OffloadManager
+
+    stack, _ = instance(server)
+    mgr = stack.manager
+    broken = OffloadManager(mgr.kv, kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16).cpu, mgr.store,
+                            shared=mgr.shared, planner=Broken())
+    broken.add_request("r", HASHES, len(PROMPT))
+    with pytest.warns(RuntimeWarning, match="no plan today"):
+        assert broken.prefetch("r") == 0
+    assert broken.stats.planner_errors.value == 1 and not broken.build_step().fetches
+    broken.check_invariants()
+    stack.close()
