@@ -101,6 +101,21 @@ def test_a_shared_tier_never_makes_the_first_token_later(gbps):
     assert sharing.total("shared_hit_tokens") > 0
 
 
+@pytest.mark.parametrize("gbps", [0.5, 10.0])
+def test_prefetching_what_waits_for_gpu_blocks_never_makes_the_first_token_later(gbps):
+    """A GPU pool small enough that requests queue: their shared hits are prefetched while they wait (a fast tier),
+    and the shared fleet's mean and p90 modelled TTFT stay at most the isolated fleet's."""
+    from kvkit.sim.simulator import CostModel
+
+    config = SimConfig(gpu_blocks=128, cost=CostModel(shared_gbps=gbps))
+    isolated, sharing = compare_fleets(_chat(100), config, instances=4)
+    a, b = isolated.ttft_summary(), sharing.ttft_summary()
+    assert b["mean"] <= a["mean"] and b["p90"] <= a["p90"], (a, b)
+    assert sharing.total("queued_requests") > 0 and sharing.total("leaked_blocks") == 0
+    if gbps >= 10:
+        assert sharing.stat("blocks_prefetched") > 0
+
+
 def test_loading_every_hit_of_a_slow_tier_makes_the_first_token_later():
     """The control: without a planner (every hit loaded) the same slow tier makes the first token later."""
     from kvkit.sim.simulator import CostModel

@@ -324,3 +324,29 @@ def test_defaults_come_from_the_one_defaults_record():
     d = config.as_dict()
     assert {"block_size", "cpu_eviction", "gpu_eviction"} <= set(d) and "pcie_gbps" in d["cost"]
     assert not {"block_tokens", "eviction"} & set(d) and "pcie_gb_per_s" not in d["cost"]
+
+
+@pytest.mark.parametrize("shared_gbps", [0.1, 0.01])
+def test_a_request_that_waits_for_gpu_blocks_loads_its_prefetched_shared_hit_by_hand(shared_gbps):
+    """One instance puts a prefix into the shared tier; on another, a request that waits for GPU blocks has it
+    prefetched from its first failed scheduling attempt, then loads it as a CPU hit whose load side starts
+    once the prefetch landed: TTFT = wait + max(0, prefetch end - start) + load + the rest's compute."""
+    from kvkit.backends.blockstore.memory import MemoryStore
+
+    store = MemoryStore()
+    cost = CostModel(prefill_tokens_per_s=1000, pcie_gbps=1.0, decode_ms_per_token=1.0, shared_gbps=shared_gbps)
+    config = SimConfig(gpu_blocks=8, cpu_blocks=64, block_size=4, cost=cost, planner="load-all", shared=store)
+    first = Simulator(config)
+    first.feed(TraceRequest(0, 21, 1, (1, 2, 3, 4, 5, 6), 1, 4))
+    for i in range(1, 4):  # later requests' steps store it, then put it
+        first.feed(TraceRequest(1e6 * i, 4, 1, (100 + i,), 1 + i, 4))
+    assert first.stack.stats.blocks_put.value >= 5
+    first.close()
+    other = Simulator(config)
+    other.feed(TraceRequest(0, 28, 100, (11, 12, 13, 14, 15, 16, 17), 1, 4))  # 7 of 8 GPU blocks until 128 ms
+    other.feed(TraceRequest(1, 21, 1, (1, 2, 3, 4, 5, 6), 2, 4))  # 6 blocks: waits from 1 to 128 ms
+    r = other.close()
+    block = config.spec.bytes_per_block
+    prefetch_ms, load_ms = 5 * block / (shared_gbps * 1e6), 5 * block / 1e6
+    assert r.stats["blocks_prefetched"] == 5 and r.shared_hit_tokens == 20 and r.queued_requests == 1
+    assert r.ttft_ms[1] == pytest.approx(127 + max(0.0, 1 + prefetch_ms - 128) + load_ms + 1)
