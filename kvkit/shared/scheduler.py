@@ -5,9 +5,10 @@ exists for every worker rank (each worker puts and fetches its own shard),
 asked in one ``contains`` round trip. Its CPU blocks are allocated at lookup
 (one reference each, not ready), fetched by every worker in the step that
 loads them, and committed (findable on the CPU tier) only once every worker's
-fetch landed. Puts go CPU -> shared: ``write-through`` puts what a CPU store
-committed, ``write-back`` puts the CPU pool's next eviction candidates ahead
-of their eviction.
+fetch landed. A prefetch (a waiting request's hit) is fetched the same way, in
+its own batch that no load reads. Puts go CPU -> shared: ``write-through``
+puts what a CPU store committed, ``write-back`` puts the CPU pool's next
+eviction candidates ahead of their eviction.
 
 Failure is normal. A failed fetch or put makes the tier *suspect*: a probe (a
 tiny put of the codec's ``probe_key`` with each suffix of :data:`PROBE_KEYS`,
