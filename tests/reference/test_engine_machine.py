@@ -118,6 +118,27 @@ class EngineMachine(RuleBasedStateMachine):
         gpu = self.stack.gpu
         gpu.decref(gpu.allocate(gpu.num_free))
 
+    @rule(prefix=st.integers(0, 1), extra=st.integers(1, 13))
+    def wait_for_gpu_blocks(self, prefix, extra):
+        """A turn of ``prefix`` is served (and put), then another arrives while other work holds every free GPU
+        block and the GPU and CPU tiers forgot what they cached: the step leaves it waiting (its shared-tier hit
+        is prefetched), then the blocks come free."""
+        self.whole_turn(prefix, extra, None, forget=False)
+        self.engine.step()  # the turn's stores committed: put them
+        self.forget_gpu_cache()
+        self.forget_cpu_cache()
+        gpu = self.stack.gpu
+        hog = gpu.allocate(gpu.num_free)
+        self.add(prefix, extra, None, seed=1)
+        self.engine.step()
+        gpu.decref(hog)
+
+    @rule()
+    def forget_cpu_cache(self):
+        """Other work takes every free CPU block, evicting what the CPU tier cached (the shared tier still has it)."""
+        cpu = self.stack.cpu
+        cpu.decref(cpu.allocate(cpu.num_free))
+
     @rule()
     def reset(self):
         self.engine.reset_cpu_tier()
