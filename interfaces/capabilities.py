@@ -10,19 +10,20 @@ so a subclass can opt out of a capability its parent has.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from kvkit.errors import ConfigError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.eviction import EvictionPolicy
-from kvkit.interfaces.types import BlockId
+from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = [
     "EvictionOrder",
     "EvictionWindow",
     "ExplainsUnavailability",
     "HeadCompute",
+    "IndexedPolicy",
     "LayeredCopy",
     "PinAwarePolicy",
     "PrefillCompute",
@@ -90,6 +91,31 @@ def pin_hooks(policy: EvictionPolicy) -> tuple[Callable[[BlockId], None], Callab
         f"eviction policy {type(policy).__name__} needs both pin hooks callable or neither, "
         f"got on_pin={on_pin!r}, on_unpin={on_unpin!r}"
     )
+
+
+@runtime_checkable
+class IndexedPolicy(EvictionPolicy, Protocol):
+    """An eviction policy that reads its driver's hash index instead of keeping a copy of its own.
+
+    A prefix-aware policy needs the block of a hash (a parent's, to link its
+    children); a pool already keeps that map for :meth:`~BlockAllocator.lookup`.
+    A pool that finds this capability hands its map over once, so a tracked
+    block costs one map entry instead of two.
+
+    Invariants:
+        * The driver calls :meth:`use_index` at most once, before the policy
+          tracks any block, and never replaces the map afterwards.
+        * At every notification, ``index`` maps the hash of each block the
+          policy tracks to that block and holds no other hash, except the
+          block of the call itself: present at its
+          :meth:`~EvictionPolicy.on_insert`, absent at its
+          :meth:`~EvictionPolicy.on_remove`.
+        * The policy only reads ``index``; a policy never given one keeps its own.
+    """
+
+    def use_index(self, index: Mapping[BlockHash, BlockId]) -> None:
+        """Read block hashes from ``index`` from now on (the driver keeps it as promised)."""
+        ...
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ from kvkit.errors import (
     UnknownBlockError,
 )
 from kvkit.interfaces.allocator import EvictListener
-from kvkit.interfaces.capabilities import EvictionWindow, WindowedPolicy, pin_hooks
+from kvkit.interfaces.capabilities import EvictionWindow, IndexedPolicy, WindowedPolicy, pin_hooks
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import check_bool, check_int, checked, is_int, plural, quote
@@ -94,6 +94,10 @@ class BlockPool(EvictionWindow):
             referenced then), and ``on_unpin`` when a ready block's refcount
             goes 1 -> 0, for every block: a policy that sets the blocks in
             use aside as it hears of them never meets one in a selection.
+            If it is an :class:`~kvkit.interfaces.capabilities.IndexedPolicy`,
+            the pool hands it the prefix index when it is built (an entry
+            is added right before a block's ``on_insert`` and removed right
+            before its ``on_remove``), so the two keep one map between them.
 
     Raises:
         ConfigError: ``num_blocks`` is not a positive int; ``eviction`` is
@@ -147,6 +151,8 @@ class BlockPool(EvictionWindow):
             raise ConfigError(
                 f"eviction policy {self._policy!r} already tracks {plural(len(self._policy), 'block')}"
             )
+        if isinstance(self._policy, IndexedPolicy):
+            self._policy.use_index(self._index)  # kept as promised: an entry goes right before on_remove
         hooks = pin_hooks(self._policy)
         if hooks is not None:
             self._on_pin, self._on_unpin = hooks
@@ -550,10 +556,10 @@ class BlockPool(EvictionWindow):
             )
         dropped = len(index)
         on_remove = self._policy.on_remove
-        for b in index.values():
+        for h, b in list(index.items()):  # an entry leaves right before its block's on_remove, as in allocate
             hashes[b] = None
+            del index[h]
             on_remove(b)  # a pin-aware policy forgets a pinned block too: it is no longer tracked
-        index.clear()
         # Empty: every unreferenced block (the referenced ones follow when released).
         ids = range(self._num_blocks - 1, -1, -1)
         self._empty[:] = cast(Iterable[BlockId], [b for b in ids if not ref[b]] if force else ids)

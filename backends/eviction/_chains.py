@@ -10,7 +10,9 @@ goes on where it stopped when that provably chooses what a fresh walk would.
 The layout is for a pool of millions of blocks: a block's hash and parent
 hash sit in two lists and its children in a doubly linked, circular sibling
 ring in ``array`` buffers, so a tracked block costs a few machine words and
-one entry of the hash-to-block map, not a dict of children per parent. The
+one entry of the hash-to-block map, not a dict of children per parent; under
+a pool that shares its index (:meth:`FlatChains.use_index`) the map is the
+pool's own, and a tracked block costs no map entry here at all. The
 children of a tracked parent hang off the parent's block id; those of a hash
 not tracked (orphans waiting for it) off that hash in a side map, moved in
 O(1) when the hash arrives or leaves. Children keep the order they were
@@ -24,13 +26,15 @@ parent heads its chain (it is no orphan and has no child).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import attrs
 
 from kvkit.backends.eviction._common import already_tracked, any_block, hash_already_tracked, not_tracked
 from kvkit.backends.eviction._queue import ParkingQueue
+from kvkit.errors import PoolUsageError
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import plural
 
 __all__ = ["FlatChains"]
 
@@ -74,7 +78,10 @@ class FlatChains:
 
     Invariants:
         * ``_hash[b]`` is the hash of tracked block ``b`` (``None`` where no block
-          is tracked) and ``_block_of`` its inverse.
+          is tracked) and ``_block_of`` its inverse: the map kept here, or
+          the driver's after :meth:`use_index`, which holds the same entries
+          at every call (an :class:`~kvkit.interfaces.capabilities.IndexedPolicy`'s
+          promise) but the block added or removed, and is never written here.
         * The sibling ring of a parent hash holds exactly the tracked blocks
           naming it as their parent, in the order they were linked; it hangs
           off ``_first[p]`` when the hash is tracked as block ``p``, else off
@@ -88,9 +95,11 @@ class FlatChains:
     PARKED = 2
 
     parked: bytearray = attrs.field(repr=False)
+    _own: dict[BlockHash, BlockId] | None = attrs.field(factory=dict, init=False, repr=False)  # None: shared
     _hash: list[BlockHash | None] = attrs.field(factory=list, init=False, repr=False)
     _parent: list[BlockHash | None] = attrs.field(factory=list, init=False, repr=False)
-    _block_of: dict[BlockHash, BlockId] = attrs.field(factory=dict, init=False, repr=False)
+    _block_of: Mapping[BlockHash, BlockId] = attrs.field(init=False, repr=False,
+                                                         default=attrs.Factory(lambda self: self._own, takes_self=True))
     # A tracked block's first child (_NONE: none); its siblings' ring, next and previous.
     _first: array = attrs.field(factory=lambda: array("i"), init=False, repr=False)
     _next: array = attrs.field(factory=lambda: array("i"), init=False, repr=False)
@@ -110,6 +119,19 @@ class FlatChains:
             self._next += links
             self._prev += links
 
+    def use_index(self, owner: object, index: Mapping[BlockHash, BlockId]) -> None:
+        """Read the hash-to-block map from ``index`` (the driver keeps it) and drop the one kept here.
+
+        Raises:
+            PoolUsageError: a block is tracked already (``owner`` names the policy).
+        """
+        if self._own is None or self._own:
+            state = "already reads one" if self._own is None else f"tracks {plural(len(self._own), 'block')}"
+            raise PoolUsageError(f"{type(owner).__name__}.use_index: an index is taken once, before the "
+                                 f"first block; it {state}")
+        self._own = None
+        self._block_of = index
+
     # -- membership ----------------------------------------------------------------
 
     def add(self, owner: object, block: BlockId, block_hash: BlockHash,
@@ -123,13 +145,15 @@ class FlatChains:
         if self._hash[block] is not None:
             raise already_tracked(owner, block)
         block_of = self._block_of
-        if block_hash in block_of:
-            raise hash_already_tracked(owner, block, block_hash, block_of[block_hash])
+        other = block_of.get(block_hash, block)  # a shared index holds the block's hash already
+        if other != block:
+            raise hash_already_tracked(owner, block, block_hash, other)
         if parent == block_hash:
             parent = None
         self._hash[block] = block_hash
         self._parent[block] = parent
-        block_of[block_hash] = block
+        if self._own is not None:
+            self._own[block_hash] = block
         first = self._waiting.pop(block_hash, _NONE)
         if first != _NONE:  # its children were orphans: their parent is back
             self._first[block] = first
@@ -164,7 +188,8 @@ class FlatChains:
         assert block_hash is not None
         parent = self._parent[block]
         self._hash[block] = self._parent[block] = None
-        del self._block_of[block_hash]
+        if self._own is not None:
+            del self._own[block_hash]
         if parent is not None:
             parent_block = self._block_of.get(parent)
             if parent_block is None:

@@ -6,7 +6,7 @@ import bisect
 import math
 import sys
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from heapq import heappop, heappush
 from typing import cast
 
@@ -410,6 +410,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._ghost_last.append(last)
         self._ghost_live.append(1)
         self._forget_ghosts(evictions - self.ghost_span * c)
+
+    def use_index(self, index: Mapping[BlockHash, BlockId]) -> None:
+        """Find parents in the pool's hash index instead of a map of this policy's own
+        (:class:`~kvkit.interfaces.capabilities.IndexedPolicy`).
+
+        Raises:
+            PoolUsageError: the policy already tracks a block or reads an index.
+        """
+        self._chains.use_index(self, index)
 
     def on_pin(self, block: BlockId) -> None:
         """Park a tracked block in use: out of its class list, keeping its class and counters."""

@@ -1,0 +1,73 @@
+"""A pool hands its prefix index to an IndexedPolicy: one map between them, and the same decisions as two."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvkit.backends.allocator import BlockPool
+from kvkit.backends.eviction.hit_density import HitDensityPolicy
+from kvkit.errors import PoolUsageError
+from kvkit.interfaces import IndexedPolicy
+
+
+class OwnIndex(HitDensityPolicy):
+    """Hit density without the capability (opted out): it keeps a map of its own."""
+
+    use_index = None
+
+
+def test_a_pool_hands_its_index_to_an_indexed_policy_once():
+    assert isinstance(HitDensityPolicy(), IndexedPolicy) and not isinstance(OwnIndex(), IndexedPolicy)
+    policy = HitDensityPolicy()
+    pool = BlockPool(4, eviction=policy)
+    with pytest.raises(PoolUsageError, match="already reads one"):
+        policy.use_index({})
+    blocks = pool.allocate(2)
+    pool.commit(blocks, [10, 11], [None, 10])
+    assert pool.lookup([10, 11]) == blocks
+    pool.check_invariants()
+
+
+def test_an_index_is_refused_once_blocks_are_tracked():
+    policy = HitDensityPolicy()
+    policy.on_insert(0, 10, None)
+    with pytest.raises(PoolUsageError, match="tracks 1 block"):
+        policy.use_index({10: 0})
+    assert len(policy) == 1
+    policy.check_invariants()
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(("store", "hit", "release", "reset")), st.integers(0, 63),
+                          st.integers(1, 6)), min_size=1, max_size=60)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=_OPS)
+def test_a_shared_index_decides_exactly_as_a_policy_keeping_its_own(ops):
+    """Chains stored out of order (orphans), hits, releases and forced resets: same victims, same state."""
+    pools = [BlockPool(24, eviction=policy) for policy in (HitDensityPolicy(capacity=24), OwnIndex(capacity=24))]
+    held: list[list[int]] = [[], []]
+    for op, start, length in ops:
+        for i, pool in enumerate(pools):
+            if op == "store":  # a chain's blocks start..start+length, its head's parent cached or not
+                if pool.num_free < length:
+                    continue
+                hashes = list(range(start, start + length))
+                blocks = pool.allocate(length)
+                pool.commit(blocks, hashes, [h - 1 if h else None for h in hashes])
+                held[i] += blocks
+            elif op == "hit":
+                hit = pool.lookup(list(range(start, start + length)))
+                pool.incref(hit)
+                pool.touch(hit)
+                held[i] += hit
+            elif op == "release":
+                pool.decref(held[i])
+                held[i] = []
+            else:
+                pool.reset(force=True)
+        shared, own = pools
+        assert [shared.block_hash(b) for b in range(24)] == [own.block_hash(b) for b in range(24)]
+        assert shared.eviction_candidates(24) == own.eviction_candidates(24)
+    for pool in pools:
+        pool.check_invariants()
