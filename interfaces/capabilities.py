@@ -106,10 +106,11 @@ class IndexedPolicy(EvictionPolicy, Protocol):
         * The driver calls :meth:`use_index` at most once, before the policy
           tracks any block, and never replaces the map afterwards.
         * At every notification, ``index`` maps the hash of each block the
-          policy tracks to that block and holds no other hash, except the
-          block of the call itself: present at its
-          :meth:`~EvictionPolicy.on_insert`, absent at its
-          :meth:`~EvictionPolicy.on_remove`.
+          policy tracks to that block: the driver adds a block's entry
+          before it tells the policy of the insert and removes it after it
+          tells of the removal, so during a call ``index`` may also hold
+          entries of blocks that call inserts or removes. The policy ignores
+          an entry whose block it does not track.
         * The policy only reads ``index``; a policy never given one keeps its own.
     """
 

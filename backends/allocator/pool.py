@@ -96,8 +96,8 @@ class BlockPool(EvictionWindow):
             use aside as it hears of them never meets one in a selection.
             If it is an :class:`~kvkit.interfaces.capabilities.IndexedPolicy`,
             the pool hands it the prefix index when it is built (an entry
-            is added right before a block's ``on_insert`` and removed right
-            before its ``on_remove``), so the two keep one map between them.
+            is added before the block's ``on_insert`` and removed after its
+            ``on_remove``), so the two keep one map between them.
 
     Raises:
         ConfigError: ``num_blocks`` is not a positive int; ``eviction`` is
@@ -152,7 +152,7 @@ class BlockPool(EvictionWindow):
                 f"eviction policy {self._policy!r} already tracks {plural(len(self._policy), 'block')}"
             )
         if isinstance(self._policy, IndexedPolicy):
-            self._policy.use_index(self._index)  # kept as promised: an entry goes right before on_remove
+            self._policy.use_index(self._index)  # an entry goes in before on_insert, out after on_remove
         hooks = pin_hooks(self._policy)
         if hooks is not None:
             self._on_pin, self._on_unpin = hooks
@@ -288,8 +288,8 @@ class BlockPool(EvictionWindow):
             h = hashes[b]
             assert h is not None  # checked above: victims are evictable, hence ready
             hashes[b] = None
+            on_remove(b)  # before its entry goes: an IndexedPolicy finds every block it tracks
             del index[h]
-            on_remove(b)
             evicted.append((b, h))
         self._num_evictable -= need
         return evicted
@@ -556,10 +556,10 @@ class BlockPool(EvictionWindow):
             )
         dropped = len(index)
         on_remove = self._policy.on_remove
-        for h, b in list(index.items()):  # an entry leaves right before its block's on_remove, as in allocate
+        for b in index.values():
             hashes[b] = None
-            del index[h]
             on_remove(b)  # a pin-aware policy forgets a pinned block too: it is no longer tracked
+        index.clear()
         # Empty: every unreferenced block (the referenced ones follow when released).
         ids = range(self._num_blocks - 1, -1, -1)
         self._empty[:] = cast(Iterable[BlockId], [b for b in ids if not ref[b]] if force else ids)

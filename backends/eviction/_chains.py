@@ -78,10 +78,11 @@ class FlatChains:
 
     Invariants:
         * ``_hash[b]`` is the hash of tracked block ``b`` (``None`` where no block
-          is tracked) and ``_block_of`` its inverse: the map kept here, or
-          the driver's after :meth:`use_index`, which holds the same entries
-          at every call (an :class:`~kvkit.interfaces.capabilities.IndexedPolicy`'s
-          promise) but the block added or removed, and is never written here.
+          is tracked) and ``_block_of`` maps each tracked block's hash to it:
+          the map kept here, or the driver's after :meth:`use_index`, never
+          written here, which may also name blocks not tracked here (being
+          inserted or removed by the driver's call: every lookup checks
+          ``_hash``).
         * The sibling ring of a parent hash holds exactly the tracked blocks
           naming it as their parent, in the order they were linked; it hangs
           off ``_first[p]`` when the hash is tracked as block ``p``, else off
@@ -144,9 +145,8 @@ class FlatChains:
         """
         if self._hash[block] is not None:
             raise already_tracked(owner, block)
-        block_of = self._block_of
-        other = block_of.get(block_hash, block)  # a shared index holds the block's hash already
-        if other != block:
+        other = self._tracked_block(block_hash)
+        if other is not None:
             raise hash_already_tracked(owner, block, block_hash, other)
         if parent == block_hash:
             parent = None
@@ -165,7 +165,7 @@ class FlatChains:
                     break
         if parent is None:
             return None
-        parent_block = block_of.get(parent)
+        parent_block = self._tracked_block(parent)
         if parent_block is None:
             self._waiting[parent] = self._link(block, self._waiting.get(parent, _NONE))
             self._orphans.add(block, self.parked[block] == self.PARKED)
@@ -191,7 +191,7 @@ class FlatChains:
         if self._own is not None:
             del self._own[block_hash]
         if parent is not None:
-            parent_block = self._block_of.get(parent)
+            parent_block = self._tracked_block(parent)
             if parent_block is None:
                 self._orphans.remove(block)
                 rest = self._unlink(block, self._waiting[parent])
@@ -219,6 +219,13 @@ class FlatChains:
             else:
                 self._walk = None
         return block_hash
+
+    def _tracked_block(self, block_hash: BlockHash) -> BlockId | None:
+        """The tracked block carrying ``block_hash``, or ``None``."""
+        block = self._block_of.get(block_hash)
+        if block is None or block >= len(self._hash) or self._hash[block] is None:
+            return None
+        return block
 
     def _link(self, block: int, first: int) -> int:
         """Append ``block`` to the sibling ring starting at ``first`` (``_NONE``: a new ring); return its first."""
@@ -256,7 +263,7 @@ class FlatChains:
 
     def has_hash(self, block_hash: BlockHash) -> bool:
         """Whether some tracked block carries ``block_hash``."""
-        return block_hash in self._block_of
+        return self._tracked_block(block_hash) is not None
 
     def children(self, block: BlockId) -> list[BlockId]:
         """A tracked block's tracked children, in the order they were linked."""
@@ -280,13 +287,13 @@ class FlatChains:
     def pin(self, block: BlockId) -> None:
         """The owner parked ``block`` (in use): an orphan is set aside until :meth:`unpin`."""
         parent = self._parent[block]
-        if parent is not None and parent not in self._block_of:
+        if parent is not None and self._tracked_block(parent) is None:
             self._orphans.pin(block)
 
     def unpin(self, block: BlockId) -> None:
         """The owner released ``block``: an orphan is an orphan in its place again."""
         parent = self._parent[block]
-        if parent is not None and parent not in self._block_of:
+        if parent is not None and self._tracked_block(parent) is None:
             self._orphans.unpin(block)
 
     def orphans(self) -> Iterator[BlockId] | None:
@@ -374,13 +381,13 @@ class FlatChains:
                 linked.setdefault(parent, []).append(block)
         rings = {tracked[b]: self.children(b) for b in tracked if self._first[b] != _NONE}
         for block_hash, first in self._waiting.items():
-            assert block_hash not in self._block_of, f"children wait for tracked hash {block_hash}"
+            assert not self.has_hash(block_hash), f"children wait for tracked hash {block_hash}"
             rings[block_hash] = self._ring(first)
         assert {h: sorted(c) for h, c in linked.items()} == {h: sorted(c) for h, c in rings.items()}, \
             "children rings drifted"
         for ring in rings.values():
             assert all(self._next[self._prev[b]] == b for b in ring), "a sibling ring is broken"
-        orphans = {b for b in tracked if self._parent[b] is not None and self._parent[b] not in self._block_of}
+        orphans = {b for b in tracked if self._parent[b] is not None and not self.has_hash(self._parent[b])}
         assert orphans == set(self._orphans.in_order()), f"orphans {self._orphans.in_order()} != {orphans}"
         assert self._orphans.pinned == {b for b in orphans if self.parked[b] == self.PARKED}, \
             "pinned orphans drifted"

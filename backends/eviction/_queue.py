@@ -355,7 +355,7 @@ class ParkingQueue:
             self._pending = block
 
     def reserve(self, k: int) -> int:
-        """Set aside ``k`` consecutive stamps, younger than every block's now, for :meth:`enter_at`; return the first."""
+        """Set aside ``k`` consecutive stamps, younger than every block's, for :meth:`enter_at`; return the first."""
         slots = self._slots
         first = slots.clock + 1
         slots.clock += k

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.allocator import BlockPool
+from kvkit.backends.eviction._common import any_block
 from kvkit.backends.eviction.hit_density import HitDensityPolicy
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces import IndexedPolicy
@@ -71,3 +72,36 @@ def test_a_shared_index_decides_exactly_as_a_policy_keeping_its_own(ops):
         assert shared.eviction_candidates(24) == own.eviction_candidates(24)
     for pool in pools:
         pool.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains=st.lists(st.permutations(range(4)), min_size=1, max_size=6), data=st.data())
+def test_entries_of_blocks_a_call_inserts_or_removes_are_ignored(chains, data):
+    """A driver that indexes a call's blocks before telling of any and unindexes them after the last.
+
+    Each call stores one chain of four in a drawn order (tails first makes
+    orphans of blocks whose parent is already indexed), or removes a drawn
+    set of tracked blocks (parents and children together, in any order).
+    """
+    index: dict[int, int] = {}
+    shared, own = HitDensityPolicy(), OwnIndex()
+    shared.use_index(index)
+    tracked: list[int] = []
+    for k, order in enumerate(chains):
+        blocks = [4 * k + i for i in order]
+        index.update({1000 + b: b for b in blocks})  # the whole call's entries first
+        for b in blocks:
+            parent = None if b % 4 == 0 else 1000 + b - 1
+            for policy in (shared, own):
+                policy.on_insert(b, 1000 + b, parent)
+        tracked += blocks
+        leaving = data.draw(st.lists(st.sampled_from(tracked), unique=True, max_size=6))
+        for b in leaving:
+            for policy in (shared, own):
+                policy.on_remove(b)
+        for b in leaving:  # the entries go after the last removal
+            del index[1000 + b]
+            tracked.remove(b)
+        assert shared.select_victims(len(tracked), any_block) == own.select_victims(len(tracked), any_block)
+        shared.check_invariants()
+        own.check_invariants()
