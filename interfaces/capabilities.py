@@ -100,11 +100,13 @@ class IndexedPolicy(EvictionPolicy, Protocol):
     A prefix-aware policy needs the block of a hash (a parent's, to link its
     children); a pool already keeps that map for :meth:`~BlockAllocator.lookup`.
     A pool that finds this capability hands its map over once, so a tracked
-    block costs one map entry instead of two.
+    block costs one map entry instead of two, and tells its size, so the
+    policy can size its per-block arrays once instead of growing them.
 
     Invariants:
         * The driver calls :meth:`use_index` at most once, before the policy
-          tracks any block, and never replaces the map afterwards.
+          tracks any block, and never replaces the map afterwards; it names
+          no block id of ``num_blocks`` or more.
         * At every notification, ``index`` maps the hash of each block the
           policy tracks to that block: the driver adds a block's entry
           before it tells the policy of the insert and removes it after it
@@ -114,8 +116,9 @@ class IndexedPolicy(EvictionPolicy, Protocol):
         * The policy only reads ``index``; a policy never given one keeps its own.
     """
 
-    def use_index(self, index: Mapping[BlockHash, BlockId]) -> None:
-        """Read block hashes from ``index`` from now on (the driver keeps it as promised)."""
+    def use_index(self, index: Mapping[BlockHash, BlockId], num_blocks: int) -> None:
+        """Read block hashes from ``index`` from now on (the driver keeps it as promised); every block id
+        the driver uses is below ``num_blocks`` (an int >= 1)."""
         ...
 
 

@@ -152,7 +152,7 @@ class BlockPool(EvictionWindow):
                 f"eviction policy {self._policy!r} already tracks {plural(len(self._policy), 'block')}"
             )
         if isinstance(self._policy, IndexedPolicy):
-            self._policy.use_index(self._index)  # an entry goes in before on_insert, out after on_remove
+            self._policy.use_index(self._index, self._num_blocks)  # an entry: in before on_insert, out after on_remove
         hooks = pin_hooks(self._policy)
         if hooks is not None:
             self._on_pin, self._on_unpin = hooks

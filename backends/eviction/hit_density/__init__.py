@@ -22,7 +22,7 @@ from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import quote, real_in
+from kvkit.validate import check_int, quote, real_in
 
 __all__ = ["LEAF", "PARENT", "REUSE_LEVELS", "TIP", "HitDensityPolicy", "block_class", "reuse_level"]
 
@@ -411,14 +411,18 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._ghost_live.append(1)
         self._forget_ghosts(evictions - self.ghost_span * c)
 
-    def use_index(self, index: Mapping[BlockHash, BlockId]) -> None:
-        """Find parents in the pool's hash index instead of a map of this policy's own
-        (:class:`~kvkit.interfaces.capabilities.IndexedPolicy`).
+    def use_index(self, index: Mapping[BlockHash, BlockId], num_blocks: int) -> None:
+        """Find parents in the pool's hash index instead of a map of this policy's own, and size the
+        per-block arrays for ``num_blocks`` ids at once (:class:`~kvkit.interfaces.capabilities.IndexedPolicy`).
 
         Raises:
-            PoolUsageError: the policy already tracks a block or reads an index.
+            PoolUsageError: the policy already tracks a block or reads an index, or ``num_blocks`` is
+                not an int >= 1 (quoted); nothing changes.
         """
+        num_blocks = check_int("use_index: num_blocks", num_blocks, 1, error=PoolUsageError)
         self._chains.use_index(self, index)
+        if num_blocks > len(self._where):
+            self._grow(num_blocks)
 
     def on_pin(self, block: BlockId) -> None:
         """Park a tracked block in use: out of its class list, keeping its class and counters."""

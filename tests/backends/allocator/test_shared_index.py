@@ -22,7 +22,8 @@ def test_a_pool_hands_its_index_to_an_indexed_policy_once():
     policy = HitDensityPolicy()
     pool = BlockPool(4, eviction=policy)
     with pytest.raises(PoolUsageError, match="already reads one"):
-        policy.use_index({})
+        policy.use_index({}, 4)
+    assert len(policy._where) == 1024  # sized once for the pool's ids (at least the arrays' least size)
     blocks = pool.allocate(2)
     pool.commit(blocks, [10, 11], [None, 10])
     assert pool.lookup([10, 11]) == blocks
@@ -33,7 +34,9 @@ def test_an_index_is_refused_once_blocks_are_tracked():
     policy = HitDensityPolicy()
     policy.on_insert(0, 10, None)
     with pytest.raises(PoolUsageError, match="tracks 1 block"):
-        policy.use_index({10: 0})
+        policy.use_index({10: 0}, 4)
+    with pytest.raises(PoolUsageError, match="num_blocks"):
+        HitDensityPolicy().use_index({}, 0)
     assert len(policy) == 1
     policy.check_invariants()
 
@@ -85,7 +88,7 @@ def test_entries_of_blocks_a_call_inserts_or_removes_are_ignored(chains, data):
     """
     index: dict[int, int] = {}
     shared, own = HitDensityPolicy(), OwnIndex()
-    shared.use_index(index)
+    shared.use_index(index, 4 * len(chains))
     tracked: list[int] = []
     for k, order in enumerate(chains):
         blocks = [4 * k + i for i in order]
