@@ -7,9 +7,10 @@ orphans first and to evict a block's cached descendants before the block: a
 walk yields a root's subtree deepest first, and one that stopped at its count
 goes on where it stopped when that provably chooses what a fresh walk would.
 
-The layout is for a pool of millions of blocks: a block's hash and parent
-hash sit in two lists and its children in a doubly linked, circular sibling
-ring in ``array`` buffers, so a tracked block costs a few machine words and
+The layout is for a pool of millions of blocks: a block's hash sits in a
+list, its parent's block id (or a mark: none, or an orphan, whose parent hash
+a side map holds while it is one) and its children in a doubly linked,
+circular sibling ring in ``array`` buffers, so a tracked block costs a few machine words and
 one entry of the hash-to-block map, not a dict of children per parent; under
 a pool that shares its index (:meth:`FlatChains.use_index`) the map is the
 pool's own, and a tracked block costs no map entry here at all. The
@@ -39,6 +40,7 @@ from kvkit.validate import plural
 __all__ = ["FlatChains"]
 
 _NONE = -1  # no block, in the link arrays
+_ORPHAN = -2  # in _up: the parent hash is not tracked (it is in _orphan_of)
 
 
 @attrs.define
@@ -87,6 +89,9 @@ class FlatChains:
           naming it as their parent, in the order they were linked; it hangs
           off ``_first[p]`` when the hash is tracked as block ``p``, else off
           ``_waiting[hash]``; no empty ring is kept.
+        * ``_up[b]`` of a tracked block is its parent's block when the parent
+          hash is tracked, ``_ORPHAN`` when it is not (the hash is then
+          ``_orphan_of[b]``), ``_NONE`` when it has none.
         * ``_orphans`` holds exactly the tracked blocks whose parent hash is
           not ``None`` and not tracked; those parked are pinned there.
         * The kept walk holds only tracked blocks, and since it pushed them
@@ -98,7 +103,9 @@ class FlatChains:
     parked: bytearray = attrs.field(repr=False)
     _own: dict[BlockHash, BlockId] | None = attrs.field(factory=dict, init=False, repr=False)  # None: shared
     _hash: list[BlockHash | None] = attrs.field(factory=list, init=False, repr=False)
-    _parent: list[BlockHash | None] = attrs.field(factory=list, init=False, repr=False)
+    # A tracked block's parent: its block, _NONE at the head of a chain, _ORPHAN (the hash in _orphan_of).
+    _up: array = attrs.field(factory=lambda: array("i"), init=False, repr=False)
+    _orphan_of: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False, repr=False)
     _block_of: Mapping[BlockHash, BlockId] = attrs.field(init=False, repr=False,
                                                          default=attrs.Factory(lambda self: self._own, takes_self=True))
     # A tracked block's first child (_NONE: none); its siblings' ring, next and previous.
@@ -114,8 +121,8 @@ class FlatChains:
         more = size - len(self._hash)
         if more > 0:
             self._hash += [None] * more
-            self._parent += [None] * more
             links = array("i", [_NONE]) * more
+            self._up += links
             self._first += links
             self._next += links
             self._prev += links
@@ -151,25 +158,31 @@ class FlatChains:
         if parent == block_hash:
             parent = None
         self._hash[block] = block_hash
-        self._parent[block] = parent
         if self._own is not None:
             self._own[block_hash] = block
+        up = self._up
         first = self._waiting.pop(block_hash, _NONE)
         if first != _NONE:  # its children were orphans: their parent is back
             self._first[block] = first
-            child, nxt, orphans = first, self._next, self._orphans
+            child, nxt, orphans, orphan_of = first, self._next, self._orphans, self._orphan_of
             while True:
                 orphans.remove(BlockId(child))
+                del orphan_of[BlockId(child)]
+                up[child] = block
                 child = nxt[child]
                 if child == first:
                     break
         if parent is None:
+            up[block] = _NONE
             return None
         parent_block = self._tracked_block(parent)
         if parent_block is None:
+            up[block] = _ORPHAN
+            self._orphan_of[block] = parent
             self._waiting[parent] = self._link(block, self._waiting.get(parent, _NONE))
             self._orphans.add(block, self.parked[block] == self.PARKED)
         else:
+            up[block] = parent_block
             self._first[parent_block] = self._link(block, self._first[parent_block])
             walk = self._walk
             if walk is not None and parent_block in walk.held:
@@ -186,28 +199,31 @@ class FlatChains:
             raise not_tracked(owner, block)
         block_hash = self._hash[block]
         assert block_hash is not None
-        parent = self._parent[block]
-        self._hash[block] = self._parent[block] = None
+        self._hash[block] = None
         if self._own is not None:
             del self._own[block_hash]
-        if parent is not None:
-            parent_block = self._tracked_block(parent)
-            if parent_block is None:
-                self._orphans.remove(block)
-                rest = self._unlink(block, self._waiting[parent])
-                if rest == _NONE:
-                    del self._waiting[parent]
-                else:
-                    self._waiting[parent] = rest
+        up = self._up
+        parent_block, up[block] = up[block], _NONE
+        if parent_block == _ORPHAN:
+            parent = self._orphan_of.pop(block)
+            self._orphans.remove(block)
+            rest = self._unlink(block, self._waiting[parent])
+            if rest == _NONE:
+                del self._waiting[parent]
             else:
-                self._first[parent_block] = self._unlink(block, self._first[parent_block])
+                self._waiting[parent] = rest
+        elif parent_block != _NONE:
+            self._first[parent_block] = self._unlink(block, self._first[parent_block])
         first = self._first[block]
         if first != _NONE:  # its children wait for the hash now, as orphans
             self._first[block] = _NONE
             self._waiting[block_hash] = first
             child, nxt, orphans, parked, mark = first, self._next, self._orphans, self.parked, self.PARKED
+            orphan_of = self._orphan_of
             while True:
                 orphans.add(BlockId(child), parked[child] == mark)
+                orphan_of[BlockId(child)] = block_hash
+                up[child] = _ORPHAN
                 child = nxt[child]
                 if child == first:
                     break
@@ -251,7 +267,8 @@ class FlatChains:
 
     def links(self, block: BlockId) -> tuple[BlockHash | None, BlockHash | None]:
         """A tracked block's hash and its parent hash (``None`` at the head of a chain)."""
-        return self._hash[block], self._parent[block]
+        up = self._up[block]
+        return self._hash[block], self._hash[up] if up >= 0 else self._orphan_of.get(block)
 
     def has_children(self, block: BlockId) -> bool:
         """Whether some tracked block names ``block``'s hash as its parent."""
@@ -286,14 +303,12 @@ class FlatChains:
 
     def pin(self, block: BlockId) -> None:
         """The owner parked ``block`` (in use): an orphan is set aside until :meth:`unpin`."""
-        parent = self._parent[block]
-        if parent is not None and self._tracked_block(parent) is None:
+        if self._up[block] == _ORPHAN:
             self._orphans.pin(block)
 
     def unpin(self, block: BlockId) -> None:
         """The owner released ``block``: an orphan is an orphan in its place again."""
-        parent = self._parent[block]
-        if parent is not None and self._tracked_block(parent) is None:
+        if self._up[block] == _ORPHAN:
             self._orphans.unpin(block)
 
     def orphans(self) -> Iterator[BlockId] | None:
@@ -375,8 +390,12 @@ class FlatChains:
             assert self._block_of[block_hash] == block, f"block {block} hash map disagrees"
         linked: dict[BlockHash, list[BlockId]] = {}
         for block in tracked:
-            parent = self._parent[block]
+            up = self._up[block]
+            parent = self.links(block)[1]
             assert parent != tracked[block], f"block {block} is its own parent"
+            assert (up == _ORPHAN) == (block in self._orphan_of), f"block {block} orphan mark"
+            assert up < 0 or up in tracked, f"block {block} names untracked block {up} its parent"
+            assert up != _NONE or parent is None, f"block {block} lost its parent"
             if parent is not None:
                 linked.setdefault(parent, []).append(block)
         rings = {tracked[b]: self.children(b) for b in tracked if self._first[b] != _NONE}
@@ -387,7 +406,8 @@ class FlatChains:
             "children rings drifted"
         for ring in rings.values():
             assert all(self._next[self._prev[b]] == b for b in ring), "a sibling ring is broken"
-        orphans = {b for b in tracked if self._parent[b] is not None and not self.has_hash(self._parent[b])}
+        orphans = {b for b in tracked if self.links(b)[1] is not None and not self.has_hash(self.links(b)[1])}
+        assert orphans == self._orphan_of.keys(), "orphan parents drifted"
         assert orphans == set(self._orphans.in_order()), f"orphans {self._orphans.in_order()} != {orphans}"
         assert self._orphans.pinned == {b for b in orphans if self.parked[b] == self.PARKED}, \
             "pinned orphans drifted"
