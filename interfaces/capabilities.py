@@ -10,7 +10,7 @@ so a subclass can opt out of a capability its parent has.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvkit.errors import ConfigError
@@ -98,9 +98,10 @@ class IndexedPolicy(EvictionPolicy, Protocol):
     """An eviction policy that reads its driver's hash index instead of keeping a copy of its own.
 
     A prefix-aware policy needs the block of a hash (a parent's, to link its
-    children); a pool already keeps that map for :meth:`~BlockAllocator.lookup`.
-    A pool that finds this capability hands its map over once, so a tracked
-    block costs one map entry instead of two, and tells its size, so the
+    children) and the hash of a block; a pool already keeps both, a map for
+    :meth:`~BlockAllocator.lookup` and a hash per block id. A pool that finds
+    this capability hands them over once, so a tracked block costs one map
+    entry and one hash slot instead of two, and tells its size, so the
     policy can size its per-block arrays once instead of growing them.
 
     Invariants:
@@ -108,17 +109,20 @@ class IndexedPolicy(EvictionPolicy, Protocol):
           tracks any block, and never replaces the map afterwards; it names
           no block id of ``num_blocks`` or more.
         * At every notification, ``index`` maps the hash of each block the
-          policy tracks to that block: the driver adds a block's entry
-          before it tells the policy of the insert and removes it after it
-          tells of the removal, so during a call ``index`` may also hold
-          entries of blocks that call inserts or removes. The policy ignores
-          an entry whose block it does not track.
-        * The policy only reads ``index``; a policy never given one keeps its own.
+          policy tracks to that block and ``hashes[b]`` is the hash of each
+          such block ``b``: the driver sets a block's entry and hash before
+          it tells the policy of the insert and clears them after it tells
+          of the removal, so during a call they may also hold blocks that
+          call inserts or removes. The policy ignores what it finds there
+          for a block it does not track.
+        * The policy only reads ``index`` and ``hashes``; a policy never given
+          them keeps its own.
     """
 
-    def use_index(self, index: Mapping[BlockHash, BlockId], num_blocks: int) -> None:
-        """Read block hashes from ``index`` from now on (the driver keeps it as promised); every block id
-        the driver uses is below ``num_blocks`` (an int >= 1)."""
+    def use_index(self, index: Mapping[BlockHash, BlockId], hashes: Sequence[BlockHash | None],
+                  num_blocks: int) -> None:
+        """Read blocks by hash from ``index`` and hashes by block from ``hashes`` from now on (the driver
+        keeps both as promised); every block id the driver uses is below ``num_blocks`` (an int >= 1)."""
         ...
 
 

@@ -95,9 +95,9 @@ class BlockPool(EvictionWindow):
             goes 1 -> 0, for every block: a policy that sets the blocks in
             use aside as it hears of them never meets one in a selection.
             If it is an :class:`~kvkit.interfaces.capabilities.IndexedPolicy`,
-            the pool hands it the prefix index when it is built (an entry
-            is added before the block's ``on_insert`` and removed after its
-            ``on_remove``), so the two keep one map between them.
+            the pool hands it the prefix index and the hash list when it is
+            built (a block's hash and entry are set before its ``on_insert``
+            and cleared after its ``on_remove``), so the two keep one copy.
 
     Raises:
         ConfigError: ``num_blocks`` is not a positive int; ``eviction`` is
@@ -151,8 +151,6 @@ class BlockPool(EvictionWindow):
             raise ConfigError(
                 f"eviction policy {self._policy!r} already tracks {plural(len(self._policy), 'block')}"
             )
-        if isinstance(self._policy, IndexedPolicy):
-            self._policy.use_index(self._index, self._num_blocks)  # an entry: in before on_insert, out after on_remove
         hooks = pin_hooks(self._policy)
         if hooks is not None:
             self._on_pin, self._on_unpin = hooks
@@ -168,6 +166,9 @@ class BlockPool(EvictionWindow):
             self._ref = [0] * n
             self._hash = [None] * n
             self._empty = cast(list[BlockId], list(range(n - 1, -1, -1)))
+            if isinstance(self._policy, IndexedPolicy):  # it may size its per-block state now
+                # A hash and its entry go in before on_insert and out after on_remove.
+                self._policy.use_index(self._index, self._hash, n)
         except (MemoryError, OverflowError):
             raise InsufficientMemoryError(
                 f"BlockPool(num_blocks={n}): cannot allocate its per-block state, about "
@@ -287,8 +288,8 @@ class BlockPool(EvictionWindow):
         for b in victims:
             h = hashes[b]
             assert h is not None  # checked above: victims are evictable, hence ready
+            on_remove(b)  # before its hash and entry go: an IndexedPolicy reads them
             hashes[b] = None
-            on_remove(b)  # before its entry goes: an IndexedPolicy finds every block it tracks
             del index[h]
             evicted.append((b, h))
         self._num_evictable -= need
@@ -557,8 +558,8 @@ class BlockPool(EvictionWindow):
         dropped = len(index)
         on_remove = self._policy.on_remove
         for b in index.values():
-            hashes[b] = None
             on_remove(b)  # a pin-aware policy forgets a pinned block too: it is no longer tracked
+            hashes[b] = None
         index.clear()
         # Empty: every unreferenced block (the referenced ones follow when released).
         ids = range(self._num_blocks - 1, -1, -1)

@@ -27,7 +27,8 @@ parent heads its chain (it is no orphan and has no child).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import cast
 
 import attrs
 
@@ -41,6 +42,7 @@ __all__ = ["FlatChains"]
 
 _NONE = -1  # no block, in the link arrays
 _ORPHAN = -2  # in _up: the parent hash is not tracked (it is in _orphan_of)
+_UNTRACKED = -3  # in _up: no block is tracked under this id
 
 
 @attrs.define
@@ -79,12 +81,13 @@ class FlatChains:
     however many there are.
 
     Invariants:
-        * ``_hash[b]`` is the hash of tracked block ``b`` (``None`` where no block
-          is tracked) and ``_block_of`` maps each tracked block's hash to it:
-          the map kept here, or the driver's after :meth:`use_index`, never
-          written here, which may also name blocks not tracked here (being
-          inserted or removed by the driver's call: every lookup checks
-          ``_hash``).
+        * A block is tracked where ``_up`` holds no ``_UNTRACKED`` mark.
+          ``_hash[b]`` is the hash of tracked block ``b`` and ``_block_of``
+          maps each tracked block's hash to it: a list (``None`` where no
+          block is tracked) and a map kept here, or the driver's after
+          :meth:`use_index`, never written here, which may also hold blocks
+          not tracked here (being inserted or removed by the driver's call:
+          every lookup checks ``_up``).
         * The sibling ring of a parent hash holds exactly the tracked blocks
           naming it as their parent, in the order they were linked; it hangs
           off ``_first[p]`` when the hash is tracked as block ``p``, else off
@@ -103,7 +106,8 @@ class FlatChains:
     parked: bytearray = attrs.field(repr=False)
     _own: dict[BlockHash, BlockId] | None = attrs.field(factory=dict, init=False, repr=False)  # None: shared
     _hash: list[BlockHash | None] = attrs.field(factory=list, init=False, repr=False)
-    # A tracked block's parent: its block, _NONE at the head of a chain, _ORPHAN (the hash in _orphan_of).
+    # A tracked block's parent: its block, _NONE at the head of a chain, _ORPHAN (the hash in _orphan_of);
+    # _UNTRACKED where no block is tracked.
     _up: array = attrs.field(factory=lambda: array("i"), init=False, repr=False)
     _orphan_of: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False, repr=False)
     _block_of: Mapping[BlockHash, BlockId] = attrs.field(init=False, repr=False,
@@ -118,17 +122,20 @@ class FlatChains:
 
     def grow(self, size: int) -> None:
         """Make room for block ids below ``size``."""
-        more = size - len(self._hash)
+        more = size - len(self._up)
         if more > 0:
-            self._hash += [None] * more
+            if self._own is not None:  # else the driver's list covers its ids
+                self._hash += [None] * more
+            self._up += array("i", [_UNTRACKED]) * more
             links = array("i", [_NONE]) * more
-            self._up += links
             self._first += links
             self._next += links
             self._prev += links
 
-    def use_index(self, owner: object, index: Mapping[BlockHash, BlockId]) -> None:
-        """Read the hash-to-block map from ``index`` (the driver keeps it) and drop the one kept here.
+    def use_index(self, owner: object, index: Mapping[BlockHash, BlockId],
+                  hashes: Sequence[BlockHash | None]) -> None:
+        """Read the hash-to-block map from ``index`` and each block's hash from ``hashes`` (the driver keeps
+        both, an :class:`~kvkit.interfaces.capabilities.IndexedPolicy`'s promise) instead of keeping them here.
 
         Raises:
             PoolUsageError: a block is tracked already (``owner`` names the policy).
@@ -139,6 +146,7 @@ class FlatChains:
                                  f"first block; it {state}")
         self._own = None
         self._block_of = index
+        self._hash = cast(list[BlockHash | None], hashes)  # read only from now on
 
     # -- membership ----------------------------------------------------------------
 
@@ -150,15 +158,15 @@ class FlatChains:
             PoolUsageError: ``block`` or ``block_hash`` is already tracked
                 (``owner`` names the policy in the message).
         """
-        if self._hash[block] is not None:
+        if self._up[block] != _UNTRACKED:
             raise already_tracked(owner, block)
         other = self._tracked_block(block_hash)
         if other is not None:
             raise hash_already_tracked(owner, block, block_hash, other)
         if parent == block_hash:
             parent = None
-        self._hash[block] = block_hash
         if self._own is not None:
+            self._hash[block] = block_hash
             self._own[block_hash] = block
         up = self._up
         first = self._waiting.pop(block_hash, _NONE)
@@ -199,11 +207,11 @@ class FlatChains:
             raise not_tracked(owner, block)
         block_hash = self._hash[block]
         assert block_hash is not None
-        self._hash[block] = None
         if self._own is not None:
+            self._hash[block] = None
             del self._own[block_hash]
         up = self._up
-        parent_block, up[block] = up[block], _NONE
+        parent_block, up[block] = up[block], _UNTRACKED
         if parent_block == _ORPHAN:
             parent = self._orphan_of.pop(block)
             self._orphans.remove(block)
@@ -239,7 +247,7 @@ class FlatChains:
     def _tracked_block(self, block_hash: BlockHash) -> BlockId | None:
         """The tracked block carrying ``block_hash``, or ``None``."""
         block = self._block_of.get(block_hash)
-        if block is None or block >= len(self._hash) or self._hash[block] is None:
+        if block is None or block >= len(self._up) or self._up[block] == _UNTRACKED:
             return None
         return block
 
@@ -276,7 +284,7 @@ class FlatChains:
 
     def tracks(self, block: BlockId) -> bool:
         """Whether ``block`` is tracked."""
-        return block.__class__ is int and 0 <= block < len(self._hash) and self._hash[block] is not None
+        return block.__class__ is int and 0 <= block < len(self._up) and self._up[block] != _UNTRACKED
 
     def has_hash(self, block_hash: BlockHash) -> bool:
         """Whether some tracked block carries ``block_hash``."""
@@ -384,7 +392,9 @@ class FlatChains:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the maps, rings or orphans disagree."""
-        tracked = {BlockId(b): h for b, h in enumerate(self._hash) if h is not None}
+        tracked = {BlockId(b): self._hash[b] for b, up in enumerate(self._up) if up != _UNTRACKED}
+        assert None not in tracked.values(), "a tracked block without its hash"
+        assert self._own is None or sum(h is not None for h in self._hash) == len(tracked), "a hash left behind"
         assert len(tracked) == len(self._block_of), "hash maps differ in size"
         for block, block_hash in tracked.items():
             assert self._block_of[block_hash] == block, f"block {block} hash map disagrees"

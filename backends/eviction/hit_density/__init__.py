@@ -6,7 +6,7 @@ import bisect
 import math
 import sys
 from array import array
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from heapq import heappop, heappush
 from typing import cast
 
@@ -411,16 +411,18 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._ghost_live.append(1)
         self._forget_ghosts(evictions - self.ghost_span * c)
 
-    def use_index(self, index: Mapping[BlockHash, BlockId], num_blocks: int) -> None:
-        """Find parents in the pool's hash index instead of a map of this policy's own, and size the
-        per-block arrays for ``num_blocks`` ids at once (:class:`~kvkit.interfaces.capabilities.IndexedPolicy`).
+    def use_index(self, index: Mapping[BlockHash, BlockId], hashes: Sequence[BlockHash | None],
+                  num_blocks: int) -> None:
+        """Read hashes and their blocks from the pool's index and hash list instead of keeping copies, and
+        size the per-block arrays for ``num_blocks`` ids at once
+        (:class:`~kvkit.interfaces.capabilities.IndexedPolicy`).
 
         Raises:
             PoolUsageError: the policy already tracks a block or reads an index, or ``num_blocks`` is
                 not an int >= 1 (quoted); nothing changes.
         """
         num_blocks = check_int("use_index: num_blocks", num_blocks, 1, error=PoolUsageError)
-        self._chains.use_index(self, index)
+        self._chains.use_index(self, index, hashes)
         if num_blocks > len(self._where):
             self._grow(num_blocks)
 

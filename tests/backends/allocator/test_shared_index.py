@@ -1,7 +1,7 @@
 """A pool hands its prefix index to an IndexedPolicy: one map between them, and the same decisions as two."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.allocator import BlockPool
@@ -22,11 +22,13 @@ def test_a_pool_hands_its_index_to_an_indexed_policy_once():
     policy = HitDensityPolicy()
     pool = BlockPool(4, eviction=policy)
     with pytest.raises(PoolUsageError, match="already reads one"):
-        policy.use_index({}, 4)
-    assert len(policy._where) == 1024  # sized once for the pool's ids (at least the arrays' least size)
+        policy.use_index({}, [None] * 4, 4)
     blocks = pool.allocate(2)
     pool.commit(blocks, [10, 11], [None, 10])
     assert pool.lookup([10, 11]) == blocks
+    pool.decref(blocks)
+    assert sorted(pool.allocate(4)) == [0, 1, 2, 3]  # both evicted: the policy read their hashes as they left
+    assert pool.lookup([10]) == [] and policy.num_ghosts == 2
     pool.check_invariants()
 
 
@@ -34,19 +36,22 @@ def test_an_index_is_refused_once_blocks_are_tracked():
     policy = HitDensityPolicy()
     policy.on_insert(0, 10, None)
     with pytest.raises(PoolUsageError, match="tracks 1 block"):
-        policy.use_index({10: 0}, 4)
+        policy.use_index({10: 0}, [10, None, None, None], 4)
     with pytest.raises(PoolUsageError, match="num_blocks"):
-        HitDensityPolicy().use_index({}, 0)
+        HitDensityPolicy().use_index({}, [], 0)
     assert len(policy) == 1
     policy.check_invariants()
 
 
-_OPS = st.lists(st.tuples(st.sampled_from(("store", "hit", "release", "reset")), st.integers(0, 63),
+_OPS = st.lists(st.tuples(st.sampled_from(("store", "store", "store", "hit", "release", "release", "reset")),
+                          st.integers(0, 63),
                           st.integers(1, 6)), min_size=1, max_size=60)
 
 
 @settings(max_examples=40, deadline=None)
 @given(ops=_OPS)
+@example(ops=[("store", 0, 6), ("store", 6, 6), ("store", 12, 6), ("store", 18, 6), ("release", 0, 1),
+              ("store", 30, 6), ("store", 40, 6), ("hit", 0, 6), ("release", 0, 1), ("store", 50, 6)])
 def test_a_shared_index_decides_exactly_as_a_policy_keeping_its_own(ops):
     """Chains stored out of order (orphans), hits, releases and forced resets: same victims, same state."""
     pools = [BlockPool(24, eviction=policy) for policy in (HitDensityPolicy(capacity=24), OwnIndex(capacity=24))]
@@ -80,19 +85,22 @@ def test_a_shared_index_decides_exactly_as_a_policy_keeping_its_own(ops):
 @settings(max_examples=40, deadline=None)
 @given(chains=st.lists(st.permutations(range(4)), min_size=1, max_size=6), data=st.data())
 def test_entries_of_blocks_a_call_inserts_or_removes_are_ignored(chains, data):
-    """A driver that indexes a call's blocks before telling of any and unindexes them after the last.
+    """A driver that indexes a call's blocks before telling of any and clears them after the last.
 
     Each call stores one chain of four in a drawn order (tails first makes
     orphans of blocks whose parent is already indexed), or removes a drawn
     set of tracked blocks (parents and children together, in any order).
     """
     index: dict[int, int] = {}
+    hashes: list[int | None] = [None] * (4 * len(chains))
     shared, own = HitDensityPolicy(), OwnIndex()
-    shared.use_index(index, 4 * len(chains))
+    shared.use_index(index, hashes, len(hashes))
     tracked: list[int] = []
     for k, order in enumerate(chains):
         blocks = [4 * k + i for i in order]
-        index.update({1000 + b: b for b in blocks})  # the whole call's entries first
+        index.update({1000 + b: b for b in blocks})  # the whole call's entries and hashes first
+        for b in blocks:
+            hashes[b] = 1000 + b
         for b in blocks:
             parent = None if b % 4 == 0 else 1000 + b - 1
             for policy in (shared, own):
@@ -102,8 +110,9 @@ def test_entries_of_blocks_a_call_inserts_or_removes_are_ignored(chains, data):
         for b in leaving:
             for policy in (shared, own):
                 policy.on_remove(b)
-        for b in leaving:  # the entries go after the last removal
+        for b in leaving:  # the entries and hashes go after the last removal
             del index[1000 + b]
+            hashes[b] = None
             tracked.remove(b)
         assert shared.select_victims(len(tracked), any_block) == own.select_victims(len(tracked), any_block)
         shared.check_invariants()
