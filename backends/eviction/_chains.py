@@ -392,8 +392,12 @@ class FlatChains:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the maps, rings or orphans disagree."""
-        tracked = {BlockId(b): self._hash[b] for b, up in enumerate(self._up) if up != _UNTRACKED}
-        assert None not in tracked.values(), "a tracked block without its hash"
+        tracked: dict[BlockId, BlockHash] = {}
+        for b, up in enumerate(self._up):
+            if up != _UNTRACKED:
+                block_hash = self._hash[b]
+                assert block_hash is not None, f"tracked block {b} has no hash"
+                tracked[BlockId(b)] = block_hash
         assert self._own is None or sum(h is not None for h in self._hash) == len(tracked), "a hash left behind"
         assert len(tracked) == len(self._block_of), "hash maps differ in size"
         for block, block_hash in tracked.items():
@@ -416,7 +420,8 @@ class FlatChains:
             "children rings drifted"
         for ring in rings.values():
             assert all(self._next[self._prev[b]] == b for b in ring), "a sibling ring is broken"
-        orphans = {b for b in tracked if self.links(b)[1] is not None and not self.has_hash(self.links(b)[1])}
+        parents = {b: self.links(b)[1] for b in tracked}
+        orphans = {b for b, parent in parents.items() if parent is not None and not self.has_hash(parent)}
         assert orphans == self._orphan_of.keys(), "orphan parents drifted"
         assert orphans == set(self._orphans.in_order()), f"orphans {self._orphans.in_order()} != {orphans}"
         assert self._orphans.pinned == {b for b in orphans if self.parked[b] == self.PARKED}, \
