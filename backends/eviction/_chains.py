@@ -7,13 +7,13 @@ orphans first and to evict a block's cached descendants before the block: a
 walk yields a root's subtree deepest first, and one that stopped at its count
 goes on where it stopped when that provably chooses what a fresh walk would.
 
-The layout is for a pool of millions of blocks: a block's hash sits in a
-list, its parent's block id (or a mark: none, or an orphan, whose parent hash
-a side map holds while it is one) and its children in a doubly linked,
-circular sibling ring in ``array`` buffers, so a tracked block costs a few machine words and
-one entry of the hash-to-block map, not a dict of children per parent; under
-a pool that shares its index (:meth:`FlatChains.use_index`) the map is the
-pool's own, and a tracked block costs no map entry here at all. The
+The layout is for a pool of millions of blocks: a block's parent (its block
+id, or a mark for none or for an orphan, whose parent hash a side map holds
+while it is one) and its children (a doubly linked, circular sibling ring)
+sit in ``array`` buffers indexed by block id, beside a list of hashes and a
+hash-to-block map, not a dict of children per parent. Under a pool that
+shares its index and hash list (:meth:`FlatChains.use_index`) those two are
+the pool's own, and a tracked block costs four 32-bit slots here. The
 children of a tracked parent hang off the parent's block id; those of a hash
 not tracked (orphans waiting for it) off that hash in a side map, moved in
 O(1) when the hash arrives or leaves. Children keep the order they were

@@ -264,7 +264,13 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         """Move ``block`` to its reserved place in ``Q`` if its demotion is pending."""
         stamp = self._demoting.pop(block, None)
         if stamp is not None:
-            self._hir.enter_at(block, stamp, pinned=self._lir.remove(block))
+            self._demote_at(block, stamp)
+
+    def _demote_at(self, block: BlockId, stamp: int) -> bool:
+        """Move ``block`` from the LIR list to its reserved place ``stamp`` in ``Q``; return whether it is pinned."""
+        pinned = self._lir.remove(block)
+        self._hir.enter_at(block, stamp, pinned)
+        return pinned
 
     def _demote_until(self, n: int, is_evictable: Callable[[BlockId], bool]) -> None:
         """Carry out pending demotions in order until ``n`` of the blocks moved may be evicted, or none is left.
@@ -275,9 +281,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         demoting, found = self._demoting, 0
         while demoting and found < n:
             block, stamp = demoting.popitem(last=False)
-            pinned = self._lir.remove(block)
-            self._hir.enter_at(block, stamp, pinned)
-            found += not pinned and is_evictable(block)
+            found += not self._demote_at(block, stamp) and is_evictable(block)
 
     def _balance(self) -> None:
         """Demote the bottom LIR blocks to ``Q`` while more than ``c - h`` are LIR, the provisional ones aside."""

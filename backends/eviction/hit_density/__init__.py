@@ -186,7 +186,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     eviction number, and the chain links in
     :class:`~kvkit.backends.eviction._chains.FlatChains`: a
     tracked block costs a few dozen bytes and one entry of the chain index's
-    hash map, a ghost a few bytes and one entry of the ghost's map. Each end
+    hash map (none under a pool, whose index and hash list it reads:
+    :meth:`use_index`), a ghost a few bytes and one entry of the ghost's map. Each end
     of each class list caches its ordering key until that end changes, its
     age bucket moves on or the model refreshes, so a selection's first root
     is the least cached key once one batched ``is_evictable`` pass has found
