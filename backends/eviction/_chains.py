@@ -408,7 +408,7 @@ class FlatChains:
             parent = self.links(block)[1]
             assert parent != tracked[block], f"block {block} is its own parent"
             assert (up == _ORPHAN) == (block in self._orphan_of), f"block {block} orphan mark"
-            assert up < 0 or up in tracked, f"block {block} names untracked block {up} its parent"
+            assert up < 0 or up in tracked, f"the parent of block {block}, block {up}, is not tracked"
             assert up != _NONE or parent is None, f"block {block} lost its parent"
             if parent is not None:
                 linked.setdefault(parent, []).append(block)
