@@ -113,8 +113,10 @@ class FlatChains:
     # -- membership ----------------------------------------------------------------
 
     def add(self, owner: object, block: BlockId, block_hash: BlockHash,
-            parent: BlockHash | None) -> BlockId | None:
+            parent: BlockHash | None, pinned: bool = False) -> BlockId | None:
         """Track ``block`` (its id below the grown size); return its parent's block if that is tracked.
+
+        ``pinned``: the owner parks it at once (as :meth:`pin` right after would).
 
         Raises:
             PoolUsageError: ``block`` or ``block_hash`` is already tracked
@@ -144,7 +146,7 @@ class FlatChains:
         parent_block = block_of.get(parent)
         if parent_block is None:
             self._waiting[parent] = self._link(block, self._waiting.get(parent, _NONE))
-            self._orphans.add(block, self.parked[block] == self.PARKED)
+            self._orphans.add(block, pinned or self.parked[block] == self.PARKED)
         else:
             self._first[parent_block] = self._link(block, self._first[parent_block])
             walk = self._walk
@@ -298,11 +300,18 @@ class FlatChains:
         not once per root above it.
         """
         parked, mark = self.parked, self.PARKED
+        first = self._first
+        if first[root] == _NONE and len(chosen) < n:  # a childless root: its walk is the root alone
+            self._walk = None
+            if root in chosen or parked[root] == mark or not is_evictable(root):
+                return []
+            chosen[root] = None
+            return [root]
         walk = self._walk
         if walk is None or walk.root != root or walk.victims or \
                 not all(parked[b] == mark or not is_evictable(b) for b in walk.skipped):
             walk = _Walk(root, [(root, False)], {root}, set(), [])
-        first, prv = self._first, self._prev
+        prv = self._prev
         stack, held, victims, skipped = walk.stack, walk.held, walk.victims, walk.skipped
         picked: list[int] = []
         while stack and len(chosen) < n:

@@ -1,0 +1,104 @@
+"""A batched policy's batch hooks against its per-block hooks, the reference: same state, same decisions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvkit.backends.allocator.pool import BlockPool
+from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy
+from kvkit.errors import ConfigError
+from kvkit.interfaces.capabilities import BatchedPolicy, batch_hooks
+
+_CLASSES = 3 * len(REUSE_LEVELS)
+
+
+class PerBlockHitDensity(HitDensityPolicy):
+    """Hit density without the batch capability: a pool calls its per-block hooks, one block at a time."""
+
+    insert_pinned = pin_many = unpin_many = access_many = remove_many = None  # type: ignore[assignment]
+
+
+def test_hit_density_is_batched_and_the_opt_out_is_not() -> None:
+    assert isinstance(HitDensityPolicy(), BatchedPolicy)
+    assert batch_hooks(HitDensityPolicy()) is not None
+    assert batch_hooks(PerBlockHitDensity()) is None
+
+
+def test_half_a_batch_capability_is_refused() -> None:
+    class Half(HitDensityPolicy):
+        remove_many = None  # type: ignore[assignment]
+
+    with pytest.raises(ConfigError, match="remove_many=None"):
+        batch_hooks(Half())
+    with pytest.raises(ConfigError, match="batch hooks"):
+        BlockPool(num_blocks=4, eviction=Half())
+
+
+def _hash(conversation: int, position: int) -> int:
+    return conversation * 1000 + position + 1
+
+
+def _snapshot(pool: BlockPool) -> tuple[Any, ...]:
+    """Everything a hit-density policy's decisions read, and the pool's next victims."""
+    policy = pool.policy
+    assert isinstance(policy, HitDensityPolicy)
+    tracked = [b for b in range(pool.num_blocks) if pool.is_ready(b)]
+    return (
+        tracked,
+        [(policy.class_of(b), policy.uses_of(b), policy.density_of(b)) for b in tracked],
+        [policy.class_blocks(cls) for cls in range(_CLASSES)],
+        policy.pinned, policy.num_ghosts, policy.shifts, len(policy), policy.model.rows,
+        policy.model.reuses.tolist(), policy.model.ends.tolist(),
+        pool.eviction_candidates(pool.num_blocks),
+    )
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("store"), st.integers(0, 5), st.integers(0, 8), st.integers(1, 6)),
+    st.tuples(st.just("hit"), st.integers(0, 5), st.integers(1, 10)),
+    st.tuples(st.just("release"), st.integers(0, 30)),
+), max_size=120)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_OPS, size=st.integers(4, 24), capacity=st.sampled_from([None, 8]))
+def test_batch_hooks_match_the_per_block_hooks(ops: list[tuple[Any, ...]], size: int, capacity: int | None) -> None:
+    """Two pools run the same calls, one telling its policy per call (batched), one per block: every
+    answer (victims, hits, commits) and the policies' whole observable state stay equal."""
+    pools = [BlockPool(num_blocks=size, eviction=cls(capacity=capacity, ghost_span=2))
+             for cls in (HitDensityPolicy, PerBlockHitDensity)]
+    held: list[list[int]] = []  # references taken, released together
+    for op in ops:
+        if op[0] == "store":
+            _, conversation, start, n = op
+            if n > pools[0].num_free:
+                continue
+            hashes = [_hash(conversation, i) for i in range(start, start + n)]
+            parents = [_hash(conversation, i - 1) if i else None for i in range(start, start + n)]
+            answers = []
+            for pool in pools:
+                blocks = pool.allocate(n)
+                answers.append((blocks, pool.commit(blocks, hashes, parents)))
+            assert answers[0] == answers[1]
+            held.append(answers[0][0])
+        elif op[0] == "hit":
+            _, conversation, length = op
+            hashes = [_hash(conversation, i) for i in range(length)]
+            found = [pool.lookup(hashes) for pool in pools]
+            assert found[0] == found[1]
+            if found[0]:
+                for pool in pools:
+                    pool.incref(found[0])
+                    pool.touch(found[0])
+                held.append(found[0])
+        elif held:
+            blocks = held.pop(op[1] % len(held))
+            for pool in pools:
+                pool.decref(blocks)
+        assert _snapshot(pools[0]) == _snapshot(pools[1])
+    for pool in pools:
+        pool.check_invariants()
