@@ -160,10 +160,10 @@ class FlatChains:
         Raises:
             PoolUsageError: ``block`` is not tracked.
         """
-        if not self.tracks(block):
+        hashes = self._hash
+        block_hash = hashes[block] if block.__class__ is int and 0 <= block < len(hashes) else None
+        if block_hash is None:
             raise not_tracked(owner, block)
-        block_hash = self._hash[block]
-        assert block_hash is not None
         parent = self._parent[block]
         self._hash[block] = self._parent[block] = None
         del self._block_of[block_hash]

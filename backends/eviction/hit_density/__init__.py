@@ -344,8 +344,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def _insert(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
                 parents: Sequence[BlockHash | None], mark: int) -> None:
         """Track each block under its hash and parent: listed (``_LISTED``) or parked at once (``_PARKED``)."""
-        chains, classes, where = self._chains, self._cls, self._where
-        add, has_children, ghost_at, move = chains.add, chains.has_children, self._ghost_at, self._move
+        chains, classes, where, uses_of, last_of = self._chains, self._cls, self._where, self._uses, self._last
+        add, has_children, ghost_at, move, enter = chains.add, chains.has_children, self._ghost_at, self._move, \
+            self._enter
         pinned = mark == _PARKED
         for block, block_hash, parent in zip(blocks, hashes, parents):
             if block.__class__ is not int or block < 0:
@@ -355,7 +356,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             parent_block = add(self, block, block_hash, parent, pinned)
             tip = self._tip
             if tip is not None:  # stored before: a tip no more, a parent if this store continued it, else a leaf
-                self._enter(tip, classes[tip] - TIP + (PARENT if has_children(tip) else LEAF))
+                enter(tip, classes[tip] - TIP + (PARENT if has_children(tip) else LEAF))
             self._clock = clock = self._clock + 1
             uses = 0
             at = ghost_at.pop(block_hash, None)
@@ -372,8 +373,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             kind = PARENT if has_children(block) else TIP
             cls = _CLASS_OF[uses if uses < _TOP else _TOP][kind]
             self._tip = block if kind == TIP else None
-            self._uses[block] = uses
-            self._last[block] = clock
+            uses_of[block] = uses
+            last_of[block] = clock
             classes[block] = cls
             where[block] = mark  # a parked block keeps its class and enters its list on on_unpin
             if not pinned:
@@ -382,7 +383,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             if parent_block is not None:
                 kind = classes[parent_block] % _KINDS
                 if kind != PARENT:  # its class's kind changes, its reuse level stays
-                    self._enter(parent_block, classes[parent_block] - kind + PARENT)
+                    enter(parent_block, classes[parent_block] - kind + PARENT)
             self._learn(tracked)
             if clock >= self._next_refresh:
                 self._refresh()
@@ -424,14 +425,17 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def _remove(self, blocks: Sequence[BlockId]) -> None:
         """Forget each block, leaving its ghost; the ghosts past their span are forgotten once, after."""
         remove, classes, where, move = self._chains.remove, self._cls, self._where, self._move
-        recent, ghost_recent, ghost_at = self._recent, self._ghost_recent, self._ghost_at
+        uses_of, last_of, recent, ghost_recent, ghost_at = self._uses, self._last, self._recent, \
+            self._ghost_recent, self._ghost_at
+        ghost_hash, ghost_cls, ghost_uses, ghost_last, ghost_live = self._ghost_hash, self._ghost_cls, \
+            self._ghost_uses, self._ghost_last, self._ghost_live
         c, clock = max(self.c, 1), self._clock  # neither changes while blocks leave
-        evictions = self._evictions
+        evictions, turnover, tip = self._evictions, self._turnover, self._tip
         try:
             for block in blocks:
                 block_hash = remove(self, block)  # raises for an untracked block
-                if block == self._tip:
-                    self._tip = None
+                if block == tip:
+                    self._tip = tip = None
                 cls = classes[block]
                 move(block, cls if where[block] == _LISTED else _NONE, _NONE)
                 where[block] = _UNTRACKED
@@ -440,16 +444,17 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 if reuses:
                     ghost_recent[block_hash] = reuses
                 self._evictions = evictions = evictions + 1
-                gap, self._last_removal = clock - self._last_removal, clock
                 if evictions > 1:  # the first removal only starts the clock: the fill before it is no gap
-                    self._turnover += (gap * c - self._turnover) / min(evictions - 1, c)
+                    turnover += ((clock - self._last_removal) * c - turnover) / min(evictions - 1, c)
+                self._last_removal = clock
                 ghost_at[block_hash] = evictions  # its index: evictions - _ghost_base, the next one
-                self._ghost_hash.append(block_hash)
-                self._ghost_cls.append(cls)
-                self._ghost_uses.append(self._uses[block])
-                self._ghost_last.append(self._last[block])
-                self._ghost_live.append(1)
+                ghost_hash.append(block_hash)
+                ghost_cls.append(cls)
+                ghost_uses.append(uses_of[block])
+                ghost_last.append(last_of[block])
+                ghost_live.append(1)
         finally:
+            self._turnover = turnover
             self._forget_ghosts(evictions - self.ghost_span * c)
 
     def on_pin(self, block: BlockId) -> None:
