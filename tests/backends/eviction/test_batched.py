@@ -22,10 +22,20 @@ class PerBlockHitDensity(HitDensityPolicy):
     insert_pinned = pin_many = unpin_many = access_many = remove_many = None  # type: ignore[assignment]
 
 
-def test_hit_density_is_batched_and_the_opt_out_is_not() -> None:
-    assert isinstance(HitDensityPolicy(), BatchedPolicy)
-    assert batch_hooks(HitDensityPolicy()) is not None
-    assert batch_hooks(PerBlockHitDensity()) is None
+# Each batched policy beside its per-block reference, as factories of a pool's policy.
+PAIRS = {
+    "hit-density": (lambda: HitDensityPolicy(ghost_span=2), lambda: PerBlockHitDensity(ghost_span=2)),
+    "hit-density-8": (lambda: HitDensityPolicy(capacity=8, ghost_span=2),
+                      lambda: PerBlockHitDensity(capacity=8, ghost_span=2)),
+}
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_batched_policies_and_their_opt_outs(name: str) -> None:
+    batched, per_block = (make() for make in PAIRS[name])
+    assert isinstance(batched, BatchedPolicy)
+    assert batch_hooks(batched) is batched
+    assert batch_hooks(per_block) is None
 
 
 def test_half_a_batch_capability_is_refused() -> None:
@@ -43,17 +53,18 @@ def _hash(conversation: int, position: int) -> int:
 
 
 def _snapshot(pool: BlockPool) -> tuple[Any, ...]:
-    """Everything a hit-density policy's decisions read, and the pool's next victims."""
+    """The pool's next victims and write-back window, and everything the policy's decisions read."""
     policy = pool.policy
     assert isinstance(policy, HitDensityPolicy)
+    order = (pool.eviction_candidates(pool.num_blocks), pool.eviction_window(3),
+             [pool.in_eviction_window(b) for b in range(pool.num_blocks)], len(policy))
     tracked = [b for b in range(pool.num_blocks) if pool.is_ready(b)]
-    return (
+    return (*order,
         tracked,
         [(policy.class_of(b), policy.uses_of(b), policy.density_of(b)) for b in tracked],
         [policy.class_blocks(cls) for cls in range(_CLASSES)],
         policy.pinned, policy.num_ghosts, policy.shifts, len(policy), policy.model.rows,
         policy.model.reuses.tolist(), policy.model.ends.tolist(),
-        pool.eviction_candidates(pool.num_blocks),
     )
 
 
@@ -64,13 +75,13 @@ _OPS = st.lists(st.one_of(
 ), max_size=120)
 
 
-@settings(max_examples=60, deadline=None)
-@given(ops=_OPS, size=st.integers(4, 24), capacity=st.sampled_from([None, 8]))
-def test_batch_hooks_match_the_per_block_hooks(ops: list[tuple[Any, ...]], size: int, capacity: int | None) -> None:
+@pytest.mark.parametrize("name", PAIRS)
+@settings(max_examples=40, deadline=None)
+@given(ops=_OPS, size=st.integers(4, 24))
+def test_batch_hooks_match_the_per_block_hooks(name: str, ops: list[tuple[Any, ...]], size: int) -> None:
     """Two pools run the same calls, one telling its policy per call (batched), one per block: every
-    answer (victims, hits, commits) and the policies' whole observable state stay equal."""
-    pools = [BlockPool(num_blocks=size, eviction=cls(capacity=capacity, ghost_span=2))
-             for cls in (HitDensityPolicy, PerBlockHitDensity)]
+    answer (victims, hits, commits, write-back windows) and the policies' observable state stay equal."""
+    pools = [BlockPool(num_blocks=size, eviction=make()) for make in PAIRS[name]]
     held: list[list[int]] = []  # references taken, released together
     for op in ops:
         if op[0] == "store":
