@@ -24,7 +24,7 @@ parent heads its chain (it is no orphan and has no child).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
@@ -160,42 +160,81 @@ class FlatChains:
         Raises:
             PoolUsageError: ``block`` is not tracked.
         """
-        hashes = self._hash
-        block_hash = hashes[block] if block.__class__ is int and 0 <= block < len(hashes) else None
-        if block_hash is None:
-            raise not_tracked(owner, block)
-        parent = self._parent[block]
-        self._hash[block] = self._parent[block] = None
-        del self._block_of[block_hash]
-        if parent is not None:
-            parent_block = self._block_of.get(parent)
-            if parent_block is None:
-                self._orphans.remove(block)
-                rest = self._unlink(block, self._waiting[parent])
-                if rest == _NONE:
-                    del self._waiting[parent]
+        return self.remove_many(owner, (block,))[0]
+
+    def remove_many(self, owner: object, blocks: Sequence[BlockId]) -> list[BlockHash]:
+        """:meth:`remove` for each block, in order; return their hashes.
+
+        A child of a removed block that leaves later in the same call never
+        joins the orphans (it would leave them again at once): the orphans that
+        stay, and their order, are those of the blocks removed one by one.
+
+        Raises:
+            PoolUsageError: a block is not tracked (those before it are removed).
+        """
+        hashes, parents, block_of, waiting, first_of = self._hash, self._parent, self._block_of, self._waiting, \
+            self._first
+        orphans, nxt, parked, mark = self._orphans, self._next, self.parked, self.PARKED
+        leaving = self.distinct_tracked(blocks)
+        unqueued: set[int] = set()  # children of removed blocks that leave later: never queued as orphans
+        removed = []
+        for block in blocks:
+            block_hash = hashes[block] if block.__class__ is int and 0 <= block < len(hashes) else None
+            if block_hash is None:
+                raise not_tracked(owner, block)
+            parent = parents[block]
+            hashes[block] = parents[block] = None
+            del block_of[block_hash]
+            if parent is not None:
+                parent_block = block_of.get(parent)
+                if parent_block is None:
+                    if block in unqueued:
+                        unqueued.remove(block)
+                    else:
+                        orphans.remove(block)
+                    rest = self._unlink(block, waiting[parent])
+                    if rest == _NONE:
+                        del waiting[parent]
+                    else:
+                        waiting[parent] = rest
                 else:
-                    self._waiting[parent] = rest
-            else:
-                self._first[parent_block] = self._unlink(block, self._first[parent_block])
-        first = self._first[block]
-        if first != _NONE:  # its children wait for the hash now, as orphans
-            self._first[block] = _NONE
-            self._waiting[block_hash] = first
-            child, nxt, orphans, parked, mark = first, self._next, self._orphans, self.parked, self.PARKED
-            while True:
-                orphans.add(BlockId(child), parked[child] == mark)
-                child = nxt[child]
-                if child == first:
-                    break
-        walk = self._walk
-        if walk is not None and block in walk.held:
-            if block in walk.victims:
-                walk.victims.remove(block)
-                walk.held.remove(block)  # its id may come back as another block
-            else:
-                self._walk = None
-        return block_hash
+                    first_of[parent_block] = self._unlink(block, first_of[parent_block])
+            first = first_of[block]
+            if first != _NONE:  # its children wait for the hash now, as orphans
+                first_of[block] = _NONE
+                waiting[block_hash] = first
+                child = first
+                while True:
+                    if child in leaving:
+                        unqueued.add(child)
+                    else:
+                        orphans.add(BlockId(child), parked[child] == mark)
+                    child = nxt[child]
+                    if child == first:
+                        break
+            walk = self._walk
+            if walk is not None and block in walk.held:
+                if block in walk.victims:
+                    walk.victims.remove(block)
+                    walk.held.remove(block)  # its id may come back as another block
+                else:
+                    self._walk = None
+            removed.append(block_hash)
+        return removed
+
+    def distinct_tracked(self, blocks: Sequence[BlockId]) -> frozenset[int]:
+        """``blocks`` as a set if there are several, distinct and all tracked (a removal of them all cannot
+        stop half way), else empty."""
+        if len(blocks) < 2:
+            return frozenset()
+        leaving = frozenset(blocks)
+        try:
+            if len(leaving) == len(blocks) and {b.__class__ for b in leaving} == {int} and min(leaving) >= 0 \
+                    and None not in map(self._hash.__getitem__, leaving):
+                return leaving
+        except IndexError:  # an id past the end
+            pass
+        return frozenset()
 
     def _link(self, block: int, first: int) -> int:
         """Append ``block`` to the sibling ring starting at ``first`` (``_NONE``: a new ring); return its first."""

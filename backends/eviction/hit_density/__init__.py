@@ -424,38 +424,40 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def _remove(self, blocks: Sequence[BlockId]) -> None:
         """Forget each block, leaving its ghost; the ghosts past their span are forgotten once, after."""
-        remove, classes, where, move = self._chains.remove, self._cls, self._where, self._move
+        if len(blocks) > 1 and not self._chains.distinct_tracked(blocks):
+            for block in blocks:  # one at a time: raises at the first untracked block, those before it removed
+                self._remove((block,))
+            return
+        block_hashes = self._chains.remove_many(self, blocks)  # the chains first (what follows reads none)
+        classes, where, move = self._cls, self._where, self._move
         uses_of, last_of, recent, ghost_recent, ghost_at = self._uses, self._last, self._recent, \
             self._ghost_recent, self._ghost_at
         ghost_hash, ghost_cls, ghost_uses, ghost_last, ghost_live = self._ghost_hash, self._ghost_cls, \
             self._ghost_uses, self._ghost_last, self._ghost_live
         c, clock = max(self.c, 1), self._clock  # neither changes while blocks leave
         evictions, turnover, tip = self._evictions, self._turnover, self._tip
-        try:
-            for block in blocks:
-                block_hash = remove(self, block)  # raises for an untracked block
-                if block == tip:
-                    self._tip = tip = None
-                cls = classes[block]
-                move(block, cls if where[block] == _LISTED else _NONE, _NONE)
-                where[block] = _UNTRACKED
-                self._tracked -= 1
-                reuses = recent.pop(block, 0)
-                if reuses:
-                    ghost_recent[block_hash] = reuses
-                self._evictions = evictions = evictions + 1
-                if evictions > 1:  # the first removal only starts the clock: the fill before it is no gap
-                    turnover += ((clock - self._last_removal) * c - turnover) / min(evictions - 1, c)
-                self._last_removal = clock
-                ghost_at[block_hash] = evictions  # its index: evictions - _ghost_base, the next one
-                ghost_hash.append(block_hash)
-                ghost_cls.append(cls)
-                ghost_uses.append(uses_of[block])
-                ghost_last.append(last_of[block])
-                ghost_live.append(1)
-        finally:
-            self._turnover = turnover
-            self._forget_ghosts(evictions - self.ghost_span * c)
+        for block, block_hash in zip(blocks, block_hashes):
+            if block == tip:
+                self._tip = tip = None
+            cls = classes[block]
+            move(block, cls if where[block] == _LISTED else _NONE, _NONE)
+            where[block] = _UNTRACKED
+            reuses = recent.pop(block, 0)
+            if reuses:
+                ghost_recent[block_hash] = reuses
+            evictions += 1
+            if evictions > 1:  # the first removal only starts the clock: the fill before it is no gap
+                turnover += ((clock - self._last_removal) * c - turnover) / min(evictions - 1, c)
+            self._last_removal = clock
+            ghost_at[block_hash] = evictions  # its index: evictions - _ghost_base, the next one
+            ghost_hash.append(block_hash)
+            ghost_cls.append(cls)
+            ghost_uses.append(uses_of[block])
+            ghost_last.append(last_of[block])
+            ghost_live.append(1)
+        self._tracked -= len(block_hashes)
+        self._evictions, self._turnover = evictions, turnover
+        self._forget_ghosts(evictions - self.ghost_span * c)
 
     def on_pin(self, block: BlockId) -> None:
         """Park a tracked block in use: out of its class list, keeping its class and counters."""
