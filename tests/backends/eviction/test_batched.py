@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.allocator.pool import BlockPool
+from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy
 from kvkit.errors import ConfigError
 from kvkit.interfaces.capabilities import BatchedPolicy, batch_hooks
@@ -113,3 +114,28 @@ def test_batch_hooks_match_the_per_block_hooks(name: str, ops: list[tuple[Any, .
         assert _snapshot(pools[0]) == _snapshot(pools[1])
     for pool in pools:
         pool.check_invariants()
+
+
+def _chains_view(chains: FlatChains, size: int) -> tuple[Any, ...]:
+    tracked = [b for b in range(size) if chains.tracks(b)]
+    walk = chains.orphans()
+    return (tracked, [chains.links(b) for b in tracked], [chains.children(b) for b in tracked],
+            [] if walk is None else list(walk))
+
+
+@settings(max_examples=200, deadline=None)
+@given(parents=st.lists(st.integers(-1, 30), min_size=2, max_size=30), data=st.data())
+def test_chains_remove_many_is_remove_one_by_one(parents: list[int], data: st.DataObject) -> None:
+    """Removing blocks in one call leaves the chain index exactly as removing them in turn, orphans'
+    order included, though a child leaving with its parent never joins the orphans in between."""
+    size = len(parents)
+    twins = [FlatChains(bytearray(size)) for _ in range(2)]
+    for chains in twins:
+        chains.grow(size)
+        for block, parent in enumerate(parents):  # block b's hash is b + 1; parent -1: a chain's head
+            chains.add(None, block, block + 1, None if parent < 0 else parent % (size + 3) + 1)
+    leaving = data.draw(st.lists(st.sampled_from(range(size)), unique=True, min_size=2))
+    batched, one_by_one = twins
+    assert batched.remove_many(None, leaving) == [one_by_one.remove(None, b) for b in leaving]
+    assert _chains_view(batched, size) == _chains_view(one_by_one, size)
+    batched.check_invariants()
