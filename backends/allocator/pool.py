@@ -282,17 +282,17 @@ class BlockPool(EvictionWindow):
         victims.sort()
         index, batch = self._index, self._batch
         on_remove = self._policy.on_remove if batch is None else None
+        if batch is not None:
+            batch.remove_many(victims)  # the policy hears of each block before its index entry goes
         evicted = []
         for b in victims:
             h = hashes[b]
             assert h is not None  # checked above: victims are evictable, hence ready
             hashes[b] = None
-            del index[h]
             if on_remove is not None:
                 on_remove(b)
+            del index[h]
             evicted.append((b, h))
-        if batch is not None:
-            batch.remove_many(victims)
         self._num_evictable -= need
         return evicted
 
