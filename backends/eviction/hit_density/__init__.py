@@ -205,6 +205,12 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     time in use, not evidence that the block is wanted less.
     A driver that never pins gets the scanning behaviour above.
 
+    Batches: the policy is a :class:`~kvkit.interfaces.capabilities.BatchedPolicy`.
+    Every hook runs one loop over its blocks, so a per-block hook is the same
+    loop on one block; a commit's blocks are parked as they enter (never
+    listed in between), and a removal of several blocks leaves the chain
+    index in one pass (a child leaving with its parent never joins the orphans).
+
     Args:
         capacity: blocks in the pool, which sizes the ghost and the refresh
             period. ``None`` learns it (:class:`~kvkit.backends.eviction._common.LearnsCapacity`).
@@ -328,8 +334,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     # -- notifications ---------------------------------------------------------
     # Each hook, per block or batched, runs one loop over its blocks (_insert, _access, _remove, _pin,
-    # _unpin) that binds the per-block arrays once (they grow in place): a per-block hook is that loop
-    # on one block, so the batch hooks can only differ from it by what a loop carries between blocks.
+    # _unpin) that binds the per-block arrays once (they grow in place).
 
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
@@ -397,6 +402,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._access(blocks)
 
     def _access(self, blocks: Sequence[BlockId]) -> None:
+        """Count a hit on each block: its reuse, its class, its age from now."""
         classes, uses_of, last_of, recent = self._cls, self._uses, self._last, self._recent
         record_reuse, links = self._model.record_reuse, self._chains.links
         for block in blocks:
