@@ -685,6 +685,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         """Forget the ghosts evicted at or before ``horizon`` (censored at their age); compact the arrays."""
         base, live = self._ghost_base, self._ghost_live
         oldest, end = self._ghost_oldest, base + len(live)
+        classes: list[int] = []
+        ages: list[int] = []
         while oldest < end:
             i = oldest - base
             if live[i]:
@@ -696,8 +698,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 self._ghost_hash[i] = None
                 del self._ghost_at[ghost_hash]  # forgotten unreused: censored at its age
                 self._ghost_recent.pop(ghost_hash, None)
-                self._model.record_end(self._ghost_cls[i], self._clock - self._ghost_last[i])
+                classes.append(self._ghost_cls[i])
+                ages.append(self._clock - self._ghost_last[i])
             oldest += 1
+        self._model.record_ends(classes, ages)
         self._ghost_oldest = oldest
         gone = oldest - base
         if gone >= 1024 and 2 * gone >= len(live):  # amortised O(1): each entry is moved at most once

@@ -46,6 +46,7 @@ so leaves the ranking, the only thing a selection reads, intact.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -53,6 +54,8 @@ import numpy as np
 
 from kvkit.errors import ConfigError
 from kvkit.validate import at_least, is_int, quote
+
+_FEW = 16  # below this many ends one call each beats one vectorised call
 
 __all__ = ["HitDensityModel", "isotonic"]
 
@@ -218,6 +221,16 @@ class HitDensityModel:
     def record_end(self, cls: int, age: int) -> None:
         """A block of class ``cls`` left the model unreused at ``age`` (censored)."""
         self._ends[cls, self.bucket(age)] += 1
+
+    def record_ends(self, classes: Sequence[int], ages: Sequence[int]) -> None:
+        """:meth:`record_end` for each ``(classes[i], ages[i])``, in order: the same sums, bit for bit
+        (``np.add.at`` adds one at a time, in order, however often a cell repeats)."""
+        if len(ages) < _FEW:
+            for cls, age in zip(classes, ages):
+                self.record_end(cls, age)
+            return
+        np.add.at(self._ends, (np.asarray(classes, dtype=np.intp), self.buckets_of(np.asarray(ages, dtype=np.int64))),
+                  1.0)
 
     def density(self, cls: int, age: int) -> float:
         """Hit density of a class-``cls`` block of age ``age`` (0 before the first refresh)."""

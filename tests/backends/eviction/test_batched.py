@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from kvkit.backends.allocator.pool import BlockPool
 from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy
+from kvkit.backends.eviction.hit_density.density import HitDensityModel
 from kvkit.errors import ConfigError
 from kvkit.interfaces.capabilities import BatchedPolicy, batch_hooks
 
@@ -139,3 +141,24 @@ def test_chains_remove_many_is_remove_one_by_one(parents: list[int], data: st.Da
     assert batched.remove_many(None, leaving) == [one_by_one.remove(None, b) for b in leaving]
     assert _chains_view(batched, size) == _chains_view(one_by_one, size)
     batched.check_invariants()
+
+
+_ENDS = st.lists(st.tuples(st.integers(0, 1), st.sampled_from([0, 7, 1 << 20, 1 << 40])), max_size=300)
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=_ENDS, ends=_ENDS, keep=st.floats(0.05, 1.0))
+def test_model_record_ends_is_record_end_in_turn(before: list[tuple[int, int]], ends: list[tuple[int, int]],
+                                                 keep: float) -> None:
+    """The hit-density model's batch of ended blocks adds exactly what one call per block adds, bit for bit,
+    on histograms a refresh left fractional (adding ``k`` ones in turn is not adding ``k``)."""
+    models = [HitDensityModel(3) for _ in range(2)]
+    for model in models:
+        for cls, age in before:
+            model.record_end(cls, age)
+        model.refresh(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), keep=keep)
+    batched, one_by_one = models
+    batched.record_ends([cls for cls, _ in ends], [age for _, age in ends])
+    for cls, age in ends:
+        one_by_one.record_end(cls, age)
+    assert batched.ends.tobytes() == one_by_one.ends.tobytes()
