@@ -292,13 +292,15 @@ class HitDensityModel:
         zero = np.zeros((len(reuses), 1))
         cum_hits = np.concatenate([zero, np.cumsum(hits, axis=1)], axis=1)
         cum_space = np.concatenate([zero, np.cumsum(space, axis=1)], axis=1)
-        # ratio[r, a, t]: hits over space in buckets a..t (t >= a); the best t per a.
-        num = cum_hits[:, None, 1:] - cum_hits[:, :-1, None]
-        den = cum_space[:, None, 1:] - cum_space[:, :-1, None]
+        # ratio[a, t] of a row: hits over space in buckets a..t (t >= a); the best t per a. A row at a
+        # time: its k-by-k arrays stay in cache, where all rows' at once would not.
         upper = np.triu(np.ones((k, k), dtype=bool))
-        ratio = np.divide(num, den, out=np.zeros_like(num), where=upper & (den > 0))
         best = np.zeros(events.shape)
-        best[:, :k] = ratio.max(axis=2, initial=0.0)
+        for row in range(len(reuses)):
+            num = cum_hits[row, None, 1:] - cum_hits[row, :-1, None]
+            den = cum_space[row, None, 1:] - cum_space[row, :-1, None]
+            ratio = np.divide(num, den, out=np.zeros_like(num), where=upper & (den > 0))
+            best[row, :k] = ratio.max(axis=1, initial=0.0)
         best[:, :k][space <= 0] = 0.0  # no block survives to this age: nothing to expect
         # Ages no block was seen at (they end each row): no evidence yet, not evidence of
         # nothing. The oldest seen age's density, halved per octave past it.
