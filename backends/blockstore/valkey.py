@@ -275,7 +275,8 @@ class _IoThread:
 
     def _get(self, keys: list[bytes], views: list[list[memoryview]], deadline: float) -> list[object]:
         def read_one(conn: Connection, i: int) -> object:
-            line = conn.line()
+            want = sum(v.nbytes for v in views[i])
+            line = conn.line(ahead=len(str(want)) + 3)  # "$<want>\r\n": the value stays in the socket
             if line[:1] == b"-":
                 return error_reply(line[1:])
             if line[:1] != b"$":
@@ -283,13 +284,10 @@ class _IoThread:
             size = int(line[1:])
             if size < 0:
                 return "missing value"
-            want = sum(v.nbytes for v in views[i])
             if size != want:
                 conn.skip(size + 2)
                 return f"value of {size} bytes, buffers of {want}"
-            for view in views[i]:
-                conn.read_into(view)
-            conn.skip(2)
+            conn.read_bulk(views[i])
             return None
 
         return self.link.run(keys, lambda ids: [b"".join(_GET % (len(keys[i]), keys[i]) for i in ids)],
