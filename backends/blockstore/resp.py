@@ -163,22 +163,15 @@ class Connection:
         if isinstance(self.sock, ssl.SSLSocket):
             self._send_tls(parts)
             return
-        views = [memoryview(p) for p in parts if len(p)]  # an empty buffer would stall the loop below
-        i = 0
-        while i < len(views):
+        rest = parts
+        while rest:
             try:
-                sent = self.sock.sendmsg(views[i:i + _IOV_MAX])
+                sent = self.sock.sendmsg(rest if len(rest) <= _IOV_MAX else rest[:_IOV_MAX])
             except BlockingIOError:
                 self._wait(select.POLLOUT)
                 continue
             self._waiting_since = None
-            while sent:  # drop what went out; a partly written buffer keeps its unsent tail
-                size = views[i].nbytes
-                if sent < size:
-                    views[i] = views[i][sent:]
-                    break
-                sent -= size
-                i += 1
+            rest = _unsent(rest, sent)
 
     def _send_tls(self, parts: Sequence[bytes | memoryview]) -> None:
         small: list[bytes | memoryview] = []
@@ -354,6 +347,16 @@ class Connection:
             self._poll.modify(self.sock, events)
             self._events = events
         self._poll.poll(math.ceil(left * 1000))
+
+
+def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> Sequence[bytes | memoryview]:
+    """What a write of ``sent`` bytes left of ``parts``: a partly written buffer as its tail, empty ones dropped."""
+    for i, part in enumerate(parts):
+        size = part.nbytes if isinstance(part, memoryview) else len(part)
+        if sent < size:
+            return [memoryview(part).cast("B")[sent:], *parts[i + 1:]] if sent else parts[i:]
+        sent -= size
+    return ()
 
 
 def _number(head: bytes) -> int:
