@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import binascii
 import contextlib
+import ipaddress
 import math
 import select
 import socket
@@ -103,7 +104,7 @@ class Connection:
         if timeout <= 0:
             raise DeadlineExceeded("timed out: the call's deadline passed before connecting", 0.0)
         try:
-            sock = socket.create_connection(address, timeout=timeout)
+            sock = _connect(address, timeout)
         except TimeoutError as exc:  # a short budget running out is not the node's fault
             full = timeout >= options.connect_timeout_s
             raise (exc if full else DeadlineExceeded(f"timed out connecting: {exc}", 0.0)) from None
@@ -347,6 +348,35 @@ class Connection:
             self._poll.modify(self.sock, events)
             self._events = events
         self._poll.poll(math.ceil(left * 1000))
+
+
+_TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
+
+
+def _connect(address: Address, timeout: float) -> socket.socket:
+    """``socket.create_connection(address, timeout)``, except that a loopback peer gets Reno congestion control.
+
+    Set before the handshake, so the system's default (BBR, where it is the default) never starts on the
+    socket: BBR paces a connection at its estimate of the path's bandwidth, and on loopback that
+    estimate follows the CPU time other processes leave, so a long-lived connection stays paced below
+    what it can move, at a higher CPU cost per byte (BENCHMARKS.md, "Shared tier throughput"). Reno
+    does not pace. A system that refuses Reno keeps its default. Other peers keep the system's choice.
+    """
+    host, port = address
+    last: OSError | None = None
+    for family, kind, proto, _, peer in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if _TCP_CONGESTION is not None and ipaddress.ip_address(peer[0]).is_loopback:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, b"reno")
+            sock.settimeout(timeout)
+            sock.connect(peer)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    raise last if last is not None else OSError(f"getaddrinfo found no address for {host}:{port}")
 
 
 def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> Sequence[bytes | memoryview]:

@@ -148,3 +148,28 @@ def test_read_bulk_resumes_a_trickled_bulk_and_refuses_one_not_closed_by_crlf():
                 conn.read_bulk([memoryview(bytearray(2))])
         finally:
             writer.join()
+
+
+def _congestion(sock: socket.socket) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="TCP_CONGESTION is Linux-only")
+def test_a_loopback_connection_uses_reno_and_a_remote_one_the_systems_choice():
+    """Reno (no pacing) on a loopback peer, set before the handshake; any other peer keeps the system default."""
+    from kvkit.testing.servers import non_loopback_address_or_skip
+
+    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+        if "reno" not in f.read().split():
+            pytest.skip("this kernel offers no Reno")
+    with _RawServer() as (conn, _):
+        assert _congestion(conn.sock) == "reno"
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        default = f.read().strip()
+    remote = non_loopback_address_or_skip()
+    with socket.create_server((remote, 0)) as listener:
+        conn = Connection(listener.getsockname()[:2], ConnectOptions(1.0, 1.0))
+        try:
+            assert _congestion(conn.sock) == default
+        finally:
+            conn.close()
