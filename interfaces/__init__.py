@@ -3,6 +3,7 @@
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import (
+    BatchedPolicy,
     EvictionOrder,
     EvictionWindow,
     ExplainsUnavailability,
@@ -32,6 +33,7 @@ from kvkit.interfaces.types import (
 )
 
 __all__ = [
+    "BatchedPolicy",
     "BlockAllocator",
     "BlockHash",
     "BlockId",

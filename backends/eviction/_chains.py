@@ -151,8 +151,10 @@ class FlatChains:
     # -- membership ----------------------------------------------------------------
 
     def add(self, owner: object, block: BlockId, block_hash: BlockHash,
-            parent: BlockHash | None) -> BlockId | None:
+            parent: BlockHash | None, pinned: bool = False) -> BlockId | None:
         """Track ``block`` (its id below the grown size); return its parent's block if that is tracked.
+
+        ``pinned``: the owner parks it at once (as :meth:`pin` right after would).
 
         Raises:
             PoolUsageError: ``block`` or ``block_hash`` is already tracked
@@ -188,7 +190,7 @@ class FlatChains:
             up[block] = _ORPHAN
             self._orphan_of[block] = parent
             self._waiting[parent] = self._link(block, self._waiting.get(parent, _NONE))
-            self._orphans.add(block, self.parked[block] == self.PARKED)
+            self._orphans.add(block, pinned or self.parked[block] == self.PARKED)
         else:
             up[block] = parent_block
             self._first[parent_block] = self._link(block, self._first[parent_block])
@@ -203,46 +205,79 @@ class FlatChains:
         Raises:
             PoolUsageError: ``block`` is not tracked.
         """
-        if not self.tracks(block):
-            raise not_tracked(owner, block)
-        block_hash = self._hash[block]
-        assert block_hash is not None
-        if self._own is not None:
-            self._hash[block] = None
-            del self._own[block_hash]
-        up = self._up
-        parent_block, up[block] = up[block], _UNTRACKED
-        if parent_block == _ORPHAN:
-            parent = self._orphan_of.pop(block)
-            self._orphans.remove(block)
-            rest = self._unlink(block, self._waiting[parent])
-            if rest == _NONE:
-                del self._waiting[parent]
-            else:
-                self._waiting[parent] = rest
-        elif parent_block != _NONE:
-            self._first[parent_block] = self._unlink(block, self._first[parent_block])
-        first = self._first[block]
-        if first != _NONE:  # its children wait for the hash now, as orphans
-            self._first[block] = _NONE
-            self._waiting[block_hash] = first
-            child, nxt, orphans, parked, mark = first, self._next, self._orphans, self.parked, self.PARKED
-            orphan_of = self._orphan_of
-            while True:
-                orphans.add(BlockId(child), parked[child] == mark)
-                orphan_of[BlockId(child)] = block_hash
-                up[child] = _ORPHAN
-                child = nxt[child]
-                if child == first:
-                    break
-        walk = self._walk
-        if walk is not None and block in walk.held:
-            if block in walk.victims:
-                walk.victims.remove(block)
-                walk.held.remove(block)  # its id may come back as another block
-            else:
-                self._walk = None
-        return block_hash
+        return self.remove_many(owner, (block,))[0]
+
+    def remove_many(self, owner: object, blocks: Sequence[BlockId]) -> list[BlockHash]:
+        """:meth:`remove` for each block, in order; return their hashes.
+
+        A child of a removed block that leaves later in the same call never
+        joins the orphans (it would leave them again at once): the orphans that
+        stay, and their order, are those of the blocks removed one by one.
+
+        Raises:
+            PoolUsageError: a block is not tracked (those before it are removed).
+        """
+        hashes, up, own, waiting, first_of = self._hash, self._up, self._own, self._waiting, self._first
+        orphans, orphan_of, nxt, parked, mark = self._orphans, self._orphan_of, self._next, self.parked, self.PARKED
+        leaving = self.distinct_tracked(blocks)
+        unqueued: set[int] = set()  # children of removed blocks that leave later: never queued as orphans
+        removed = []
+        for block in blocks:
+            if not self.tracks(block):
+                raise not_tracked(owner, block)
+            block_hash = hashes[block]
+            assert block_hash is not None
+            if own is not None:
+                hashes[block] = None
+                del own[block_hash]
+            parent_block, up[block] = up[block], _UNTRACKED
+            if parent_block == _ORPHAN:
+                parent = orphan_of.pop(block)
+                if block in unqueued:
+                    unqueued.remove(block)
+                else:
+                    orphans.remove(block)
+                rest = self._unlink(block, waiting[parent])
+                if rest == _NONE:
+                    del waiting[parent]
+                else:
+                    waiting[parent] = rest
+            elif parent_block != _NONE:
+                first_of[parent_block] = self._unlink(block, first_of[parent_block])
+            first = first_of[block]
+            if first != _NONE:  # its children wait for the hash now, as orphans
+                first_of[block] = _NONE
+                waiting[block_hash] = first
+                child = first
+                while True:
+                    if child in leaving:
+                        unqueued.add(child)
+                    else:
+                        orphans.add(BlockId(child), parked[child] == mark)
+                    orphan_of[BlockId(child)] = block_hash
+                    up[child] = _ORPHAN
+                    child = nxt[child]
+                    if child == first:
+                        break
+            walk = self._walk
+            if walk is not None and block in walk.held:
+                if block in walk.victims:
+                    walk.victims.remove(block)
+                    walk.held.remove(block)  # its id may come back as another block
+                else:
+                    self._walk = None
+            removed.append(block_hash)
+        return removed
+
+    def distinct_tracked(self, blocks: Sequence[BlockId]) -> frozenset[int]:
+        """``blocks`` as a set if there are several, distinct and all tracked (a removal of them all cannot
+        stop half way), else empty."""
+        if len(blocks) < 2:
+            return frozenset()
+        leaving = frozenset(blocks)
+        if len(leaving) == len(blocks) and all(map(self.tracks, leaving)):
+            return leaving
+        return frozenset()
 
     def _tracked_block(self, block_hash: BlockHash) -> BlockId | None:
         """The tracked block carrying ``block_hash``, or ``None``."""
@@ -353,11 +388,18 @@ class FlatChains:
         not once per root above it.
         """
         parked, mark = self.parked, self.PARKED
+        first = self._first
+        if first[root] == _NONE and len(chosen) < n:  # a childless root: its walk is the root alone
+            self._walk = None
+            if root in chosen or parked[root] == mark or not is_evictable(root):
+                return []
+            chosen[root] = None
+            return [root]
         walk = self._walk
         if walk is None or walk.root != root or walk.victims or \
                 not all(parked[b] == mark or not is_evictable(b) for b in walk.skipped):
             walk = _Walk(root, [(root, False)], {root}, set(), [])
-        first, prv = self._first, self._prev
+        prv = self._prev
         stack, held, victims, skipped = walk.stack, walk.held, walk.victims, walk.skipped
         picked: list[int] = []
         while stack and len(chosen) < n:
