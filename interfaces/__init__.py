@@ -3,10 +3,12 @@
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import (
+    BatchedPolicy,
     EvictionOrder,
     EvictionWindow,
     ExplainsUnavailability,
     HeadCompute,
+    IndexedPolicy,
     PinAwarePolicy,
     PrefillCompute,
     ReportsAvailability,
@@ -31,6 +33,7 @@ from kvkit.interfaces.types import (
 )
 
 __all__ = [
+    "BatchedPolicy",
     "BlockAllocator",
     "BlockHash",
     "BlockId",
@@ -44,6 +47,7 @@ __all__ = [
     "HeadCompute",
     "HitQuery",
     "HitSource",
+    "IndexedPolicy",
     "KVCacheSpec",
     "KVGroupSpec",
     "LoadPlan",

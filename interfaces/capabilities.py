@@ -10,19 +10,21 @@ so a subclass can opt out of a capability its parent has.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvkit.errors import ConfigError
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.eviction import EvictionPolicy
-from kvkit.interfaces.types import BlockId
+from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = [
+    "BatchedPolicy",
     "EvictionOrder",
     "EvictionWindow",
     "ExplainsUnavailability",
     "HeadCompute",
+    "IndexedPolicy",
     "LayeredCopy",
     "PinAwarePolicy",
     "PrefillCompute",
@@ -30,6 +32,7 @@ __all__ = [
     "SelfChecking",
     "TimedCopy",
     "WindowedPolicy",
+    "batch_hooks",
     "pin_hooks",
 ]
 
@@ -90,6 +93,105 @@ def pin_hooks(policy: EvictionPolicy) -> tuple[Callable[[BlockId], None], Callab
         f"eviction policy {type(policy).__name__} needs both pin hooks callable or neither, "
         f"got on_pin={on_pin!r}, on_unpin={on_unpin!r}"
     )
+
+
+@runtime_checkable
+class IndexedPolicy(EvictionPolicy, Protocol):
+    """An eviction policy that reads its driver's hash index instead of keeping a copy of its own.
+
+    A prefix-aware policy needs the block of a hash (a parent's, to link its
+    children) and the hash of a block; a pool already keeps both, a map for
+    :meth:`~BlockAllocator.lookup` and a hash per block id. A pool that finds
+    this capability hands them over once, so a tracked block costs one map
+    entry and one hash slot instead of two, and tells its size, so the
+    policy can size its per-block arrays once instead of growing them.
+
+    Invariants:
+        * The driver calls :meth:`use_index` at most once, before the policy
+          tracks any block, and never replaces the map afterwards; it names
+          no block id of ``num_blocks`` or more.
+        * At every notification, ``index`` maps the hash of each block the
+          policy tracks to that block and ``hashes[b]`` is the hash of each
+          such block ``b``: the driver sets a block's entry and hash before
+          it tells the policy of the insert and clears them after it tells
+          of the removal, so during a call they may also hold blocks that
+          call inserts or removes. The policy ignores what it finds there
+          for a block it does not track.
+        * The policy only reads ``index`` and ``hashes``; a policy never given
+          them keeps its own.
+    """
+
+    def use_index(self, index: Mapping[BlockHash, BlockId], hashes: Sequence[BlockHash | None],
+                  num_blocks: int) -> None:
+        """Read blocks by hash from ``index`` and hashes by block from ``hashes`` from now on (the driver
+        keeps both as promised); every block id the driver uses is below ``num_blocks`` (an int >= 1)."""
+        ...
+
+
+@runtime_checkable
+class BatchedPolicy(PinAwarePolicy, Protocol):
+    """A pin-aware policy that also hears a pool call's blocks in one call, not one call per block.
+
+    The per-block hooks stay the reference: each batch hook is defined as
+    the per-block hooks called for its blocks in order, and a policy's tests
+    compare the two. A driver that finds the capability (:func:`batch_hooks`)
+    may use either for any call.
+
+    Invariants:
+        * ``insert_pinned(blocks, hashes, parents)`` leaves the policy exactly
+          as ``on_insert(b, h, p)`` then ``on_pin(b)`` for each triple in order
+          would (a pool commits every block referenced); ``pin_many``,
+          ``unpin_many``, ``access_many`` and ``remove_many`` exactly as
+          ``on_pin``, ``on_unpin``, ``on_access`` and ``on_remove`` for each
+          block in order: the same state, hence the same later selections.
+        * The per-block hooks' preconditions hold for each block in its turn
+          (a driver validates first); on a violation a batch raises as the
+          per-block hook would, with the blocks before it applied.
+    """
+
+    def insert_pinned(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                      parents: Sequence[BlockHash | None]) -> None:
+        """Each ``blocks[i]`` became ready under ``hashes[i]`` (parent ``parents[i]``) and is in use."""
+        ...
+
+    def pin_many(self, blocks: Sequence[BlockId]) -> None:
+        """``on_pin`` for each block, in order."""
+        ...
+
+    def unpin_many(self, blocks: Sequence[BlockId]) -> None:
+        """``on_unpin`` for each block, in order."""
+        ...
+
+    def access_many(self, blocks: Sequence[BlockId]) -> None:
+        """``on_access`` for each block, in order."""
+        ...
+
+    def remove_many(self, blocks: Sequence[BlockId]) -> None:
+        """``on_remove`` for each block, in order."""
+        ...
+
+
+_BATCH_HOOKS = ("insert_pinned", "pin_many", "unpin_many", "access_many", "remove_many")
+
+
+def batch_hooks(policy: EvictionPolicy) -> BatchedPolicy | None:
+    """``policy`` if it is a :class:`BatchedPolicy` (with its pin hooks), else ``None``.
+
+    Call it once, when adopting the policy.
+
+    Raises:
+        ConfigError: ``policy`` defines some batch hooks but not all, or one
+            that is not callable (half a capability is a mistake, not an opt-out).
+    """
+    hooks = [getattr(policy, name, None) for name in _BATCH_HOOKS]
+    if all(callable(hook) for hook in hooks) and isinstance(policy, BatchedPolicy) \
+            and pin_hooks(policy) is not None:
+        return policy
+    if all(hook is None for hook in hooks):
+        return None
+    raise ConfigError(
+        f"eviction policy {type(policy).__name__} needs all batch hooks callable, with its pin hooks, "
+        f"or none, got " + ", ".join(f"{name}={hook!r}" for name, hook in zip(_BATCH_HOOKS, hooks)))
 
 
 @runtime_checkable

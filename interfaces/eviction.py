@@ -36,7 +36,9 @@ class EvictionPolicy(Protocol):
     (every built-in policy is one, so a selection costs O(victims), its first
     included, not O(blocks in use));
     :class:`~kvkit.interfaces.capabilities.WindowedPolicy`
-    follows its next ``n`` victims for write-back.
+    follows its next ``n`` victims for write-back;
+    :class:`~kvkit.interfaces.capabilities.BatchedPolicy` hears a pool call's
+    blocks in one call (the per-block hooks remain its reference).
     """
 
     def on_insert(self, block: BlockId, block_hash: BlockHash,

@@ -20,7 +20,14 @@ from kvkit.errors import (
     UnknownBlockError,
 )
 from kvkit.interfaces.allocator import EvictListener
-from kvkit.interfaces.capabilities import EvictionWindow, WindowedPolicy, pin_hooks
+from kvkit.interfaces.capabilities import (
+    BatchedPolicy,
+    EvictionWindow,
+    IndexedPolicy,
+    WindowedPolicy,
+    batch_hooks,
+    pin_hooks,
+)
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import check_bool, check_int, checked, is_int, plural, quote
@@ -93,7 +100,14 @@ class BlockPool(EvictionWindow):
             refcount goes 0 -> 1 and right after committing a block (always
             referenced then), and ``on_unpin`` when a ready block's refcount
             goes 1 -> 0, for every block: a policy that sets the blocks in
-            use aside as it hears of them never meets one in a selection.
+            use aside as it hears of them never meets one in a selection. If
+            it is also a :class:`~kvkit.interfaces.capabilities.BatchedPolicy`,
+            each pool call tells it its blocks in one batch call per hook.
+            If it is an :class:`~kvkit.interfaces.capabilities.IndexedPolicy`,
+            the pool hands it the prefix index and the hash list when it is
+            built (a block's hash and entry are set before the policy hears
+            of its insert and cleared after it hears of its removal), so the
+            two keep one copy.
 
     Raises:
         ConfigError: ``num_blocks`` is not a positive int; ``eviction`` is
@@ -128,6 +142,7 @@ class BlockPool(EvictionWindow):
     # The policy's pin hooks, or None: decided once, so a policy without them costs nothing.
     _on_pin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
     _on_unpin: Callable[[BlockId], None] | None = attrs.field(init=False, repr=False, default=None)
+    _batch: BatchedPolicy | None = attrs.field(init=False, repr=False, default=None)  # decided once, likewise
     # Write-back windows: the policy when it tracks them, else the last window taken and when.
     _windowed: WindowedPolicy | None = attrs.field(init=False, repr=False, default=None)
     _version: int = attrs.field(init=False, repr=False, default=0)  # bumped by each call that may reorder
@@ -150,6 +165,7 @@ class BlockPool(EvictionWindow):
         hooks = pin_hooks(self._policy)
         if hooks is not None:
             self._on_pin, self._on_unpin = hooks
+            self._batch = batch_hooks(self._policy)
             if isinstance(self._policy, WindowedPolicy):
                 self._windowed = self._policy
         n = self._num_blocks
@@ -162,6 +178,9 @@ class BlockPool(EvictionWindow):
             self._ref = [0] * n
             self._hash = [None] * n
             self._empty = cast(list[BlockId], list(range(n - 1, -1, -1)))
+            if isinstance(self._policy, IndexedPolicy):  # it may size its per-block state now
+                # A hash and its entry go in before on_insert and out after on_remove.
+                self._policy.use_index(self._index, self._hash, n)
         except (MemoryError, OverflowError):
             raise InsufficientMemoryError(
                 f"BlockPool(num_blocks={n}): cannot allocate its per-block state, about "
@@ -276,14 +295,18 @@ class BlockPool(EvictionWindow):
         assert not any(map(self._ref.__getitem__, victims)) and None not in map(hashes.__getitem__, victims), \
             f"policy chose a non-evictable block: {victims!r}"
         victims.sort()
-        index, on_remove = self._index, self._policy.on_remove
+        index, batch = self._index, self._batch
+        on_remove = self._policy.on_remove if batch is None else None
+        if batch is not None:
+            batch.remove_many(victims)  # the policy hears of each block before its hash and entry go
         evicted = []
         for b in victims:
             h = hashes[b]
             assert h is not None  # checked above: victims are evictable, hence ready
+            if on_remove is not None:
+                on_remove(b)  # before its hash and entry go: an IndexedPolicy reads them
             hashes[b] = None
             del index[h]
-            on_remove(b)
             evicted.append((b, h))
         self._num_evictable -= need
         return evicted
@@ -302,18 +325,28 @@ class BlockPool(EvictionWindow):
                     raise RefcountError(f"cannot incref empty block {b!r} (no content)")
         except IndexError:
             return self.incref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
-        pinned, on_pin = 0, self._on_pin
+        pinned = []
         for b in blocks:
             r = ref[b]
             if not r:
-                pinned += 1  # was evictable (validated: not empty)
-                if on_pin is not None:
-                    on_pin(b)
+                pinned.append(b)  # was evictable (validated: not empty)
             ref[b] = r + 1
         if pinned:
-            self._num_evictable -= pinned
+            self._num_evictable -= len(pinned)
             self._version += 1
+            batch = self._batch
+            self._tell(pinned, self._on_pin, None if batch is None else batch.pin_many)
         return None
+
+    @staticmethod
+    def _tell(blocks: list[BlockId], hook: Callable[[BlockId], None] | None,
+              many: Callable[[list[BlockId]], None] | None) -> None:
+        """The policy's batch hook ``many`` on ``blocks`` if it has one, else its ``hook`` on each in order."""
+        if many is not None:
+            many(blocks)
+        elif hook is not None:
+            for b in blocks:
+                hook(b)
 
     @override
     def decref(self, blocks: Sequence[BlockId]) -> None:
@@ -338,13 +371,16 @@ class BlockPool(EvictionWindow):
             if isinstance(exc, RefcountError):
                 raise
             return self.decref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
-        hashes, freed, on_unpin = self._hash, [], self._on_unpin
+        hashes, freed, unpinned = self._hash, [], []
         for b in zeroed:
             if hashes[b] is None:
                 freed.append(b)  # not ready (or dropped by a forced reset): its content is worthless
-            elif on_unpin is not None:
-                on_unpin(b)
-        self._num_evictable += len(zeroed) - len(freed)
+            else:
+                unpinned.append(b)
+        if unpinned:
+            batch = self._batch
+            self._tell(unpinned, self._on_unpin, None if batch is None else batch.unpin_many)
+        self._num_evictable += len(unpinned)
         self._version += 1
         if freed:
             freed.reverse()  # released in order -> handed out again in order
@@ -386,19 +422,27 @@ class BlockPool(EvictionWindow):
         parent_of: Iterable[BlockHash | None] = repeat(None) if parents is None else parents
         if parents is not None and not all(p is None or p.__class__ is int for p in parents):
             parent_of = [None if p is None else _hash(p, "parent hashes must be ints or None") for p in parents]
-        setdefault, on_insert = self._index.setdefault, self._policy.on_insert
-        on_pin = self._on_pin
+        setdefault, batch = self._index.setdefault, self._batch
+        on_insert, on_pin = (self._policy.on_insert, self._on_pin) if batch is None else (None, None)
         result = []
+        added: tuple[list[BlockId], list[BlockHash], list[BlockHash | None]] = ([], [], [])
         for b, h, p in zip(blocks, hashes, parent_of):
             # The block is not ready, so it can only already sit under h if we just put it there.
             if setdefault(h, b) == b:
                 block_hash[b] = h
-                on_insert(b, h, p)
-                if on_pin is not None:
-                    on_pin(b)  # committed blocks are referenced: in use from the start
+                if on_insert is None:
+                    added[0].append(b)
+                    added[1].append(h)
+                    added[2].append(p)
+                else:
+                    on_insert(b, h, p)
+                    if on_pin is not None:
+                        on_pin(b)  # committed blocks are referenced: in use from the start
                 result.append(True)
             else:
                 result.append(False)  # the first block keeps the hash; this one stays not ready
+        if batch is not None and added[0]:
+            batch.insert_pinned(*added)
         self._version += 1  # a policy may order by inserts (hit density's clock)
         return result
 
@@ -431,10 +475,9 @@ class BlockPool(EvictionWindow):
             if b.__class__ is not int or not 0 <= b < n:
                 blocks = self._ids(blocks)
                 break
-        hashes, on_access = self._hash, self._policy.on_access
-        for b in blocks:
-            if hashes[b] is not None:
-                on_access(b)
+        hashes, batch = self._hash, self._batch
+        self._tell([b for b in blocks if hashes[b] is not None], self._policy.on_access,
+                   None if batch is None else batch.access_many)
         self._version += 1
 
     @override
@@ -551,8 +594,8 @@ class BlockPool(EvictionWindow):
         dropped = len(index)
         on_remove = self._policy.on_remove
         for b in index.values():
-            hashes[b] = None
             on_remove(b)  # a pin-aware policy forgets a pinned block too: it is no longer tracked
+            hashes[b] = None
         index.clear()
         # Empty: every unreferenced block (the referenced ones follow when released).
         ids = range(self._num_blocks - 1, -1, -1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import binascii
 import contextlib
+import ipaddress
 import math
 import select
 import socket
@@ -103,7 +104,7 @@ class Connection:
         if timeout <= 0:
             raise DeadlineExceeded("timed out: the call's deadline passed before connecting", 0.0)
         try:
-            sock = socket.create_connection(address, timeout=timeout)
+            sock = _connect(address, timeout)
         except TimeoutError as exc:  # a short budget running out is not the node's fault
             full = timeout >= options.connect_timeout_s
             raise (exc if full else DeadlineExceeded(f"timed out connecting: {exc}", 0.0)) from None
@@ -123,6 +124,7 @@ class Connection:
         self._buf = bytearray(_BUFFER)
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
+        self._crlf = memoryview(bytearray(2))  # where a bulk's closing CRLF is received
         try:
             login = time.monotonic() + options.connect_timeout_s
             deadline, self.deadline = self.deadline, min(self.deadline, login)
@@ -162,22 +164,15 @@ class Connection:
         if isinstance(self.sock, ssl.SSLSocket):
             self._send_tls(parts)
             return
-        views = [memoryview(p) for p in parts if len(p)]  # an empty buffer would stall the loop below
-        i = 0
-        while i < len(views):
+        rest = parts
+        while rest:
             try:
-                sent = self.sock.sendmsg(views[i:i + _IOV_MAX])
+                sent = self.sock.sendmsg(rest if len(rest) <= _IOV_MAX else rest[:_IOV_MAX])
             except BlockingIOError:
                 self._wait(select.POLLOUT)
                 continue
             self._waiting_since = None
-            while sent:  # drop what went out; a partly written buffer keeps its unsent tail
-                size = views[i].nbytes
-                if sent < size:
-                    views[i] = views[i][sent:]
-                    break
-                sent -= size
-                i += 1
+            rest = _unsent(rest, sent)
 
     def _send_tls(self, parts: Sequence[bytes | memoryview]) -> None:
         small: list[bytes | memoryview] = []
@@ -202,15 +197,22 @@ class Connection:
                 continue
             self._waiting_since = None
 
-    def line(self) -> bytes:
-        """The next reply line, without its CRLF."""
+    def line(self, ahead: int = _BUFFER) -> bytes:
+        """The next reply line, without its CRLF.
+
+        When the read buffer holds no whole line, the first receive takes at most ``ahead`` bytes: a
+        caller that knows how long the line is leaves the bulk after it in the socket, so
+        :meth:`read_bulk` receives it straight into its destination (not through the read buffer).
+        """
+        limit = ahead
         while True:
             end = self._buf.find(_CRLF, self._lo, self._hi)
             if end >= 0:
                 out = bytes(self._view[self._lo:end])
                 self._lo = end + 2
                 return out
-            self._fill()
+            self._fill(limit)
+            limit = _BUFFER
 
     def reply(self) -> object:
         """The next reply: bytes (simple or bulk), int, list, ``None`` (nil), ``ServerError`` or ``Redirect``."""
@@ -224,9 +226,9 @@ class Connection:
             n = _number(head)
             if n < 0:
                 return None
-            out = bytearray(n + 2)
-            self.read_into(memoryview(out))
-            return bytes(out[:n])
+            out = bytearray(n)
+            self.read_bulk([memoryview(out)])
+            return bytes(out)
         if kind == b"*":
             n = _number(head)
             return None if n < 0 else [self.reply() for _ in range(n)]
@@ -234,13 +236,35 @@ class Connection:
             return error_reply(rest)
         raise ConnectionError(f"protocol error: unexpected reply {head[:80]!r}")
 
-    def read_into(self, view: memoryview) -> None:
-        """Fill ``view`` exactly: first from the read buffer, the rest straight from the socket."""
-        n = min(self._hi - self._lo, view.nbytes)
-        view[:n] = self._view[self._lo:self._lo + n]
-        self._lo += n
-        while n < view.nbytes:
-            n += self._recv_into(view[n:])
+    def read_bulk(self, views: Sequence[memoryview]) -> None:
+        """Fill every buffer of ``views`` exactly, in order, then consume the bulk's closing CRLF.
+
+        What the read buffer holds is copied first; the rest is received straight into the
+        buffers: on a plain socket one ``recvmsg_into`` scatters into all of them and the CRLF (a
+        value's header row, payload and CRLF in one system call), resumed where it stopped; a TLS
+        socket has no ``recvmsg_into``: one buffer at a time. A bulk not closed by CRLF raises
+        ``ConnectionError`` (the connection is out of step).
+        """
+        rest: list[memoryview] = []
+        for view in (*views, self._crlf):
+            n = min(self._hi - self._lo, view.nbytes)
+            if n:
+                view[:n] = self._view[self._lo:self._lo + n]
+                self._lo += n
+            if n < view.nbytes:
+                rest.append(view[n:])
+        i = 0
+        while i < len(rest):
+            got = self._recv_scatter(rest[i:i + _IOV_MAX])
+            while got:  # drop what was filled; a partly filled buffer keeps its empty tail
+                size = rest[i].nbytes
+                if got < size:
+                    rest[i] = rest[i][got:]
+                    break
+                got -= size
+                i += 1
+        if self._crlf != _CRLF:
+            raise ConnectionError(f"protocol error: a bulk reply ended with {bytes(self._crlf)!r}, not CRLF")
 
     def small_ints(self, n: int) -> list[int] | None:
         """``n`` replies if all are ``:0``/``:1`` (consumed), else ``None`` (nothing consumed)."""
@@ -273,7 +297,8 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
-    def _fill(self) -> None:
+    def _fill(self, limit: int = _BUFFER) -> None:
+        """Receive at most ``limit`` more bytes into the read buffer (at least one)."""
         if self._lo == self._hi:
             self._lo = self._hi = 0
         elif self._hi == len(self._buf):
@@ -281,7 +306,22 @@ class Connection:
                 raise ConnectionError("protocol error: a reply line longer than 64 KiB")
             self._buf[:self._hi - self._lo] = self._buf[self._lo:self._hi]
             self._lo, self._hi = 0, self._hi - self._lo
-        self._hi += self._recv_into(self._view[self._hi:])
+        self._hi += self._recv_into(self._view[self._hi:self._hi + limit])
+
+    def _recv_scatter(self, views: list[memoryview]) -> int:
+        """Receive what is there into ``views`` in order (at least one byte), waiting for it until the deadline."""
+        if isinstance(self.sock, ssl.SSLSocket):
+            return self._recv_into(views[0])
+        while True:
+            try:
+                got = self.sock.recvmsg_into(views)[0]
+            except BlockingIOError:
+                self._wait(select.POLLIN)
+                continue
+            if not got:
+                raise ConnectionError("the server closed the connection")
+            self._waiting_since = None
+            return got
 
     def _recv_into(self, view: memoryview) -> int:
         """Receive what is there into ``view`` (at least one byte), waiting for it until the deadline."""
@@ -308,6 +348,45 @@ class Connection:
             self._poll.modify(self.sock, events)
             self._events = events
         self._poll.poll(math.ceil(left * 1000))
+
+
+_TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
+
+
+def _connect(address: Address, timeout: float) -> socket.socket:
+    """``socket.create_connection(address, timeout)``, except that a loopback peer gets Reno congestion control.
+
+    Set before the handshake, so the system's default (BBR, where it is the default) never starts on the
+    socket: BBR paces a connection at its estimate of the path's bandwidth, and on loopback that
+    estimate follows the CPU time other processes leave, so a long-lived connection stays paced below
+    what it can move, at a higher CPU cost per byte (BENCHMARKS.md, "Shared tier throughput"). Reno
+    does not pace. A system that refuses Reno keeps its default. Other peers keep the system's choice.
+    """
+    host, port = address
+    last: OSError | None = None
+    for family, kind, proto, _, peer in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if _TCP_CONGESTION is not None and ipaddress.ip_address(peer[0]).is_loopback:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, b"reno")
+            sock.settimeout(timeout)
+            sock.connect(peer)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    raise last if last is not None else OSError(f"getaddrinfo found no address for {host}:{port}")
+
+
+def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> Sequence[bytes | memoryview]:
+    """What a write of ``sent`` bytes left of ``parts``: a partly written buffer as its tail, empty ones dropped."""
+    for i, part in enumerate(parts):
+        size = part.nbytes if isinstance(part, memoryview) else len(part)
+        if sent < size:
+            return [memoryview(part).cast("B")[sent:], *parts[i + 1:]] if sent else parts[i:]
+        sent -= size
+    return ()
 
 
 def _number(head: bytes) -> int:

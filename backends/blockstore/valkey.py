@@ -256,14 +256,15 @@ class _IoThread:
 
     def _put(self, keys: list[bytes], views: list[list[memoryview]], deadline: float) -> list[object]:
         expire = b"" if self.ttl_s is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl_s)), self.ttl_s)
+        head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" if expire else b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n"
         tail = b"\r\n" + expire
+        sizes = _sizes(views)
 
         def encode(ids: list[int]) -> list[bytes | memoryview]:
             parts: list[bytes | memoryview] = []
             for i in ids:
-                size = sum(v.nbytes for v in views[i])
-                parts.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-                    5 if expire else 3, len(keys[i]), keys[i], size))
+                key = keys[i]
+                parts.append(head % (len(key), key, sizes[i]))
                 parts += views[i]
                 parts.append(tail)
             return parts
@@ -271,30 +272,38 @@ class _IoThread:
         def read(conn: Connection, ids: list[int]) -> list[object]:
             return [_set_outcome(conn.line()) for _ in ids]
 
-        return self.link.run(keys, encode, read, [sum(v.nbytes for v in parts) for parts in views], deadline)
+        return self.link.run(keys, encode, read, sizes, deadline)
 
     def _get(self, keys: list[bytes], views: list[list[memoryview]], deadline: float) -> list[object]:
-        def read_one(conn: Connection, i: int) -> object:
-            line = conn.line()
-            if line[:1] == b"-":
-                return error_reply(line[1:])
-            if line[:1] != b"$":
-                raise ConnectionError(f"protocol error: a GET answered {line[:80]!r}")
-            size = int(line[1:])
-            if size < 0:
-                return "missing value"
-            want = sum(v.nbytes for v in views[i])
-            if size != want:
-                conn.skip(size + 2)
-                return f"value of {size} bytes, buffers of {want}"
-            for view in views[i]:
-                conn.read_into(view)
-            conn.skip(2)
-            return None
+        sizes = _sizes(views)
 
-        return self.link.run(keys, lambda ids: [b"".join(_GET % (len(keys[i]), keys[i]) for i in ids)],
-                             lambda conn, ids: [read_one(conn, i) for i in ids],
-                             [sum(v.nbytes for v in parts) for parts in views], deadline)
+        def read(conn: Connection, ids: list[int]) -> list[object]:
+            return [_get_outcome(conn, views[i], sizes[i]) for i in ids]
+
+        return self.link.run(keys, lambda ids: [b"".join(_GET % (len(keys[i]), keys[i]) for i in ids)], read,
+                             sizes, deadline)
+
+
+def _sizes(views: list[list[memoryview]]) -> list[int]:
+    """Bytes of each value (the sum of its buffers)."""
+    return [sum(v.nbytes for v in parts) for parts in views]
+
+
+def _get_outcome(conn: Connection, views: list[memoryview], want: int) -> object:
+    """Read one GET reply into ``views`` (``want`` bytes in all): ``None``, or why the key has no value here."""
+    line = conn.line(ahead=len(str(want)) + 3)  # "$<want>\r\n": the value stays in the socket
+    if line[:1] == b"-":
+        return error_reply(line[1:])
+    if line[:1] != b"$":
+        raise ConnectionError(f"protocol error: a GET answered {line[:80]!r}")
+    size = int(line[1:])
+    if size < 0:
+        return "missing value"
+    if size != want:
+        conn.skip(size + 2)
+        return f"value of {size} bytes, buffers of {want}"
+    conn.read_bulk(views)
+    return None
 
 
 def _shut_down(io: _IoThread, thread: threading.Thread, lookup: Link, lookup_lock: threading.Lock,

@@ -7,10 +7,13 @@ orphans first and to evict a block's cached descendants before the block: a
 walk yields a root's subtree deepest first, and one that stopped at its count
 goes on where it stopped when that provably chooses what a fresh walk would.
 
-The layout is for a pool of millions of blocks: a block's hash and parent
-hash sit in two lists and its children in a doubly linked, circular sibling
-ring in ``array`` buffers, so a tracked block costs a few machine words and
-one entry of the hash-to-block map, not a dict of children per parent. The
+The layout is for a pool of millions of blocks: a block's parent (its block
+id, or a mark for none or for an orphan, whose parent hash a side map holds
+while it is one) and its children (a doubly linked, circular sibling ring)
+sit in ``array`` buffers indexed by block id, beside a list of hashes and a
+hash-to-block map, not a dict of children per parent. Under a pool that
+shares its index and hash list (:meth:`FlatChains.use_index`) those two are
+the pool's own, and a tracked block costs four 32-bit slots here. The
 children of a tracked parent hang off the parent's block id; those of a hash
 not tracked (orphans waiting for it) off that hash in a side map, moved in
 O(1) when the hash arrives or leaves. Children keep the order they were
@@ -24,17 +27,22 @@ parent heads its chain (it is no orphan and has no child).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import cast
 
 import attrs
 
 from kvkit.backends.eviction._common import already_tracked, any_block, hash_already_tracked, not_tracked
 from kvkit.backends.eviction._queue import ParkingQueue
+from kvkit.errors import PoolUsageError
 from kvkit.interfaces.types import BlockHash, BlockId
+from kvkit.validate import plural
 
 __all__ = ["FlatChains"]
 
 _NONE = -1  # no block, in the link arrays
+_ORPHAN = -2  # in _up: the parent hash is not tracked (it is in _orphan_of)
+_UNTRACKED = -3  # in _up: no block is tracked under this id
 
 
 @attrs.define
@@ -73,12 +81,20 @@ class FlatChains:
     however many there are.
 
     Invariants:
-        * ``_hash[b]`` is the hash of tracked block ``b`` (``None`` where no block
-          is tracked) and ``_block_of`` its inverse.
+        * A block is tracked where ``_up`` holds no ``_UNTRACKED`` mark.
+          ``_hash[b]`` is the hash of tracked block ``b`` and ``_block_of``
+          maps each tracked block's hash to it: a list (``None`` where no
+          block is tracked) and a map kept here, or the driver's after
+          :meth:`use_index`, never written here, which may also hold blocks
+          not tracked here (being inserted or removed by the driver's call:
+          every lookup checks ``_up``).
         * The sibling ring of a parent hash holds exactly the tracked blocks
           naming it as their parent, in the order they were linked; it hangs
           off ``_first[p]`` when the hash is tracked as block ``p``, else off
           ``_waiting[hash]``; no empty ring is kept.
+        * ``_up[b]`` of a tracked block is its parent's block when the parent
+          hash is tracked, ``_ORPHAN`` when it is not (the hash is then
+          ``_orphan_of[b]``), ``_NONE`` when it has none.
         * ``_orphans`` holds exactly the tracked blocks whose parent hash is
           not ``None`` and not tracked; those parked are pinned there.
         * The kept walk holds only tracked blocks, and since it pushed them
@@ -88,9 +104,14 @@ class FlatChains:
     PARKED = 2
 
     parked: bytearray = attrs.field(repr=False)
+    _own: dict[BlockHash, BlockId] | None = attrs.field(factory=dict, init=False, repr=False)  # None: shared
     _hash: list[BlockHash | None] = attrs.field(factory=list, init=False, repr=False)
-    _parent: list[BlockHash | None] = attrs.field(factory=list, init=False, repr=False)
-    _block_of: dict[BlockHash, BlockId] = attrs.field(factory=dict, init=False, repr=False)
+    # A tracked block's parent: its block, _NONE at the head of a chain, _ORPHAN (the hash in _orphan_of);
+    # _UNTRACKED where no block is tracked.
+    _up: array = attrs.field(factory=lambda: array("i"), init=False, repr=False)
+    _orphan_of: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False, repr=False)
+    _block_of: Mapping[BlockHash, BlockId] = attrs.field(init=False, repr=False,
+                                                         default=attrs.Factory(lambda self: self._own, takes_self=True))
     # A tracked block's first child (_NONE: none); its siblings' ring, next and previous.
     _first: array = attrs.field(factory=lambda: array("i"), init=False, repr=False)
     _next: array = attrs.field(factory=lambda: array("i"), init=False, repr=False)
@@ -101,51 +122,77 @@ class FlatChains:
 
     def grow(self, size: int) -> None:
         """Make room for block ids below ``size``."""
-        more = size - len(self._hash)
+        more = size - len(self._up)
         if more > 0:
-            self._hash += [None] * more
-            self._parent += [None] * more
+            if self._own is not None:  # else the driver's list covers its ids
+                self._hash += [None] * more
+            self._up += array("i", [_UNTRACKED]) * more
             links = array("i", [_NONE]) * more
             self._first += links
             self._next += links
             self._prev += links
 
+    def use_index(self, owner: object, index: Mapping[BlockHash, BlockId],
+                  hashes: Sequence[BlockHash | None]) -> None:
+        """Read the hash-to-block map from ``index`` and each block's hash from ``hashes`` (the driver keeps
+        both, an :class:`~kvkit.interfaces.capabilities.IndexedPolicy`'s promise) instead of keeping them here.
+
+        Raises:
+            PoolUsageError: a block is tracked already (``owner`` names the policy).
+        """
+        if self._own is None or self._own:
+            state = "already reads one" if self._own is None else f"tracks {plural(len(self._own), 'block')}"
+            raise PoolUsageError(f"{type(owner).__name__}.use_index: an index is taken once, before the "
+                                 f"first block; it {state}")
+        self._own = None
+        self._block_of = index
+        self._hash = cast(list[BlockHash | None], hashes)  # read only from now on
+
     # -- membership ----------------------------------------------------------------
 
     def add(self, owner: object, block: BlockId, block_hash: BlockHash,
-            parent: BlockHash | None) -> BlockId | None:
+            parent: BlockHash | None, pinned: bool = False) -> BlockId | None:
         """Track ``block`` (its id below the grown size); return its parent's block if that is tracked.
+
+        ``pinned``: the owner parks it at once (as :meth:`pin` right after would).
 
         Raises:
             PoolUsageError: ``block`` or ``block_hash`` is already tracked
                 (``owner`` names the policy in the message).
         """
-        if self._hash[block] is not None:
+        if self._up[block] != _UNTRACKED:
             raise already_tracked(owner, block)
-        block_of = self._block_of
-        if block_hash in block_of:
-            raise hash_already_tracked(owner, block, block_hash, block_of[block_hash])
+        other = self._tracked_block(block_hash)
+        if other is not None:
+            raise hash_already_tracked(owner, block, block_hash, other)
         if parent == block_hash:
             parent = None
-        self._hash[block] = block_hash
-        self._parent[block] = parent
-        block_of[block_hash] = block
+        if self._own is not None:
+            self._hash[block] = block_hash
+            self._own[block_hash] = block
+        up = self._up
         first = self._waiting.pop(block_hash, _NONE)
         if first != _NONE:  # its children were orphans: their parent is back
             self._first[block] = first
-            child, nxt, orphans = first, self._next, self._orphans
+            child, nxt, orphans, orphan_of = first, self._next, self._orphans, self._orphan_of
             while True:
                 orphans.remove(BlockId(child))
+                del orphan_of[BlockId(child)]
+                up[child] = block
                 child = nxt[child]
                 if child == first:
                     break
         if parent is None:
+            up[block] = _NONE
             return None
-        parent_block = block_of.get(parent)
+        parent_block = self._tracked_block(parent)
         if parent_block is None:
+            up[block] = _ORPHAN
+            self._orphan_of[block] = parent
             self._waiting[parent] = self._link(block, self._waiting.get(parent, _NONE))
-            self._orphans.add(block, self.parked[block] == self.PARKED)
+            self._orphans.add(block, pinned or self.parked[block] == self.PARKED)
         else:
+            up[block] = parent_block
             self._first[parent_block] = self._link(block, self._first[parent_block])
             walk = self._walk
             if walk is not None and parent_block in walk.held:
@@ -158,42 +205,86 @@ class FlatChains:
         Raises:
             PoolUsageError: ``block`` is not tracked.
         """
-        if not self.tracks(block):
-            raise not_tracked(owner, block)
-        block_hash = self._hash[block]
-        assert block_hash is not None
-        parent = self._parent[block]
-        self._hash[block] = self._parent[block] = None
-        del self._block_of[block_hash]
-        if parent is not None:
-            parent_block = self._block_of.get(parent)
-            if parent_block is None:
-                self._orphans.remove(block)
-                rest = self._unlink(block, self._waiting[parent])
-                if rest == _NONE:
-                    del self._waiting[parent]
+        return self.remove_many(owner, (block,))[0]
+
+    def remove_many(self, owner: object, blocks: Sequence[BlockId]) -> list[BlockHash]:
+        """:meth:`remove` for each block, in order; return their hashes.
+
+        A child of a removed block that leaves later in the same call never
+        joins the orphans (it would leave them again at once): the orphans that
+        stay, and their order, are those of the blocks removed one by one.
+
+        Raises:
+            PoolUsageError: a block is not tracked (those before it are removed).
+        """
+        hashes, up, own, waiting, first_of = self._hash, self._up, self._own, self._waiting, self._first
+        orphans, orphan_of, nxt, parked, mark = self._orphans, self._orphan_of, self._next, self.parked, self.PARKED
+        leaving = self.distinct_tracked(blocks)
+        unqueued: set[int] = set()  # children of removed blocks that leave later: never queued as orphans
+        removed = []
+        for block in blocks:
+            if not self.tracks(block):
+                raise not_tracked(owner, block)
+            block_hash = hashes[block]
+            assert block_hash is not None
+            if own is not None:
+                hashes[block] = None
+                del own[block_hash]
+            parent_block, up[block] = up[block], _UNTRACKED
+            if parent_block == _ORPHAN:
+                parent = orphan_of.pop(block)
+                if block in unqueued:
+                    unqueued.remove(block)
                 else:
-                    self._waiting[parent] = rest
-            else:
-                self._first[parent_block] = self._unlink(block, self._first[parent_block])
-        first = self._first[block]
-        if first != _NONE:  # its children wait for the hash now, as orphans
-            self._first[block] = _NONE
-            self._waiting[block_hash] = first
-            child, nxt, orphans, parked, mark = first, self._next, self._orphans, self.parked, self.PARKED
-            while True:
-                orphans.add(BlockId(child), parked[child] == mark)
-                child = nxt[child]
-                if child == first:
-                    break
-        walk = self._walk
-        if walk is not None and block in walk.held:
-            if block in walk.victims:
-                walk.victims.remove(block)
-                walk.held.remove(block)  # its id may come back as another block
-            else:
-                self._walk = None
-        return block_hash
+                    orphans.remove(block)
+                rest = self._unlink(block, waiting[parent])
+                if rest == _NONE:
+                    del waiting[parent]
+                else:
+                    waiting[parent] = rest
+            elif parent_block != _NONE:
+                first_of[parent_block] = self._unlink(block, first_of[parent_block])
+            first = first_of[block]
+            if first != _NONE:  # its children wait for the hash now, as orphans
+                first_of[block] = _NONE
+                waiting[block_hash] = first
+                child = first
+                while True:
+                    if child in leaving:
+                        unqueued.add(child)
+                    else:
+                        orphans.add(BlockId(child), parked[child] == mark)
+                    orphan_of[BlockId(child)] = block_hash
+                    up[child] = _ORPHAN
+                    child = nxt[child]
+                    if child == first:
+                        break
+            walk = self._walk
+            if walk is not None and block in walk.held:
+                if block in walk.victims:
+                    walk.victims.remove(block)
+                    walk.held.remove(block)  # its id may come back as another block
+                else:
+                    self._walk = None
+            removed.append(block_hash)
+        return removed
+
+    def distinct_tracked(self, blocks: Sequence[BlockId]) -> frozenset[int]:
+        """``blocks`` as a set if there are several, distinct and all tracked (a removal of them all cannot
+        stop half way), else empty."""
+        if len(blocks) < 2:
+            return frozenset()
+        leaving = frozenset(blocks)
+        if len(leaving) == len(blocks) and all(map(self.tracks, leaving)):
+            return leaving
+        return frozenset()
+
+    def _tracked_block(self, block_hash: BlockHash) -> BlockId | None:
+        """The tracked block carrying ``block_hash``, or ``None``."""
+        block = self._block_of.get(block_hash)
+        if block is None or block >= len(self._up) or self._up[block] == _UNTRACKED:
+            return None
+        return block
 
     def _link(self, block: int, first: int) -> int:
         """Append ``block`` to the sibling ring starting at ``first`` (``_NONE``: a new ring); return its first."""
@@ -219,7 +310,8 @@ class FlatChains:
 
     def links(self, block: BlockId) -> tuple[BlockHash | None, BlockHash | None]:
         """A tracked block's hash and its parent hash (``None`` at the head of a chain)."""
-        return self._hash[block], self._parent[block]
+        up = self._up[block]
+        return self._hash[block], self._hash[up] if up >= 0 else self._orphan_of.get(block)
 
     def has_children(self, block: BlockId) -> bool:
         """Whether some tracked block names ``block``'s hash as its parent."""
@@ -227,11 +319,11 @@ class FlatChains:
 
     def tracks(self, block: BlockId) -> bool:
         """Whether ``block`` is tracked."""
-        return block.__class__ is int and 0 <= block < len(self._hash) and self._hash[block] is not None
+        return block.__class__ is int and 0 <= block < len(self._up) and self._up[block] != _UNTRACKED
 
     def has_hash(self, block_hash: BlockHash) -> bool:
         """Whether some tracked block carries ``block_hash``."""
-        return block_hash in self._block_of
+        return self._tracked_block(block_hash) is not None
 
     def children(self, block: BlockId) -> list[BlockId]:
         """A tracked block's tracked children, in the order they were linked."""
@@ -254,14 +346,12 @@ class FlatChains:
 
     def pin(self, block: BlockId) -> None:
         """The owner parked ``block`` (in use): an orphan is set aside until :meth:`unpin`."""
-        parent = self._parent[block]
-        if parent is not None and parent not in self._block_of:
+        if self._up[block] == _ORPHAN:
             self._orphans.pin(block)
 
     def unpin(self, block: BlockId) -> None:
         """The owner released ``block``: an orphan is an orphan in its place again."""
-        parent = self._parent[block]
-        if parent is not None and parent not in self._block_of:
+        if self._up[block] == _ORPHAN:
             self._orphans.unpin(block)
 
     def orphans(self) -> Iterator[BlockId] | None:
@@ -298,11 +388,18 @@ class FlatChains:
         not once per root above it.
         """
         parked, mark = self.parked, self.PARKED
+        first = self._first
+        if first[root] == _NONE and len(chosen) < n:  # a childless root: its walk is the root alone
+            self._walk = None
+            if root in chosen or parked[root] == mark or not is_evictable(root):
+                return []
+            chosen[root] = None
+            return [root]
         walk = self._walk
         if walk is None or walk.root != root or walk.victims or \
                 not all(parked[b] == mark or not is_evictable(b) for b in walk.skipped):
             walk = _Walk(root, [(root, False)], {root}, set(), [])
-        first, prv = self._first, self._prev
+        prv = self._prev
         stack, held, victims, skipped = walk.stack, walk.held, walk.victims, walk.skipped
         picked: list[int] = []
         while stack and len(chosen) < n:
@@ -337,25 +434,37 @@ class FlatChains:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the maps, rings or orphans disagree."""
-        tracked = {BlockId(b): h for b, h in enumerate(self._hash) if h is not None}
+        tracked: dict[BlockId, BlockHash] = {}
+        for b, up in enumerate(self._up):
+            if up != _UNTRACKED:
+                block_hash = self._hash[b]
+                assert block_hash is not None, f"tracked block {b} has no hash"
+                tracked[BlockId(b)] = block_hash
+        assert self._own is None or sum(h is not None for h in self._hash) == len(tracked), "a hash left behind"
         assert len(tracked) == len(self._block_of), "hash maps differ in size"
         for block, block_hash in tracked.items():
             assert self._block_of[block_hash] == block, f"block {block} hash map disagrees"
         linked: dict[BlockHash, list[BlockId]] = {}
         for block in tracked:
-            parent = self._parent[block]
+            up = self._up[block]
+            parent = self.links(block)[1]
             assert parent != tracked[block], f"block {block} is its own parent"
+            assert (up == _ORPHAN) == (block in self._orphan_of), f"block {block} orphan mark"
+            assert up < 0 or up in tracked, f"the parent of block {block}, block {up}, is not tracked"
+            assert up != _NONE or parent is None, f"block {block} lost its parent"
             if parent is not None:
                 linked.setdefault(parent, []).append(block)
         rings = {tracked[b]: self.children(b) for b in tracked if self._first[b] != _NONE}
         for block_hash, first in self._waiting.items():
-            assert block_hash not in self._block_of, f"children wait for tracked hash {block_hash}"
+            assert not self.has_hash(block_hash), f"children wait for tracked hash {block_hash}"
             rings[block_hash] = self._ring(first)
         assert {h: sorted(c) for h, c in linked.items()} == {h: sorted(c) for h, c in rings.items()}, \
             "children rings drifted"
         for ring in rings.values():
             assert all(self._next[self._prev[b]] == b for b in ring), "a sibling ring is broken"
-        orphans = {b for b in tracked if self._parent[b] is not None and self._parent[b] not in self._block_of}
+        parents = {b: self.links(b)[1] for b in tracked}
+        orphans = {b for b, parent in parents.items() if parent is not None and not self.has_hash(parent)}
+        assert orphans == self._orphan_of.keys(), "orphan parents drifted"
         assert orphans == set(self._orphans.in_order()), f"orphans {self._orphans.in_order()} != {orphans}"
         assert self._orphans.pinned == {b for b in orphans if self.parked[b] == self.PARKED}, \
             "pinned orphans drifted"

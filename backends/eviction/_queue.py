@@ -354,6 +354,31 @@ class ParkingQueue:
         else:
             self._pending = block
 
+    def reserve(self, k: int) -> int:
+        """Set aside ``k`` consecutive stamps, younger than every block's, for :meth:`enter_at`; return the first."""
+        slots = self._slots
+        first = slots.clock + 1
+        slots.clock += k
+        return first
+
+    def enter_at(self, block: BlockId, stamp: int, pinned: bool) -> None:
+        """Enter ``block`` at ``stamp``, one of :meth:`reserve`'s, as if :meth:`add` had entered it then.
+
+        It is parked there and, unpinned, released at once: it takes its place
+        among the blocks by stamp, however many entered since the reservation.
+
+        Raises:
+            PoolUsageError: ``block`` is in the queue (or another of its slots').
+        """
+        states = self._slots.state
+        if states[block]:
+            raise already_tracked(self._who(), block)
+        states[block] = self._base | _PARKED
+        self._slots.stamp[block] = stamp
+        self._len += 1
+        if not pinned:
+            self.unpin(block)
+
     def remove(self, block: BlockId) -> bool:
         """Take ``block`` out; return whether it was pinned.
 

@@ -61,14 +61,25 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     first removal demotes those left to ``Q``, oldest first. A policy told
     ``capacity`` never admits provisionally.
 
+    That demotion is *pending* until a call meets the block: the removal
+    reserves each block's place at ``Q``'s young end, in order (a stamp,
+    :meth:`~kvkit.backends.eviction._queue.ParkingQueue.reserve`), and counts
+    it out of the LIR set at once; the block moves to its reserved place
+    when a hook names it or a selection reaches it (selections demote the
+    pending blocks in order until they have the victims they need). Every
+    decision is the one an immediate demotion would make, and no call
+    demotes more blocks than it meets.
+
     Pinned blocks: with the pin hooks (a pool calls them), a block in use keeps
     its place in its list (a hit still moves it) and is set aside at once
     (:class:`~kvkit.backends.eviction._queue.ParkingQueue`), so no selection
-    meets it. Every other step is O(1) amortised:
-    pruning pops each entry of ``S`` at most once per reference. The one
-    exception is learning ``c``: the first eviction after a learned fill
-    weighs and demotes the provisional excess, ``hir_ratio`` of the pool, at
-    once (O(c / 100) once; never with ``capacity`` given).
+    meets it. Every step is O(1) amortised: pruning pops each entry of
+    ``S`` at most once per reference, and a pending demotion is carried out
+    once, by the call that meets its block. Learning ``c`` adds C-level
+    work only: the first removal after a learned fill lists the provisional
+    excess, ``hir_ratio`` of the pool, and forgets the provisional marks; the
+    first selection before it asks ``is_evictable`` of the excess blocks in
+    order until it has its victims.
 
     Args:
         capacity: ``c``, blocks the cache holds (the pool's size). ``None``
@@ -81,7 +92,10 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     Invariants:
         * The LIR and HIR lists hold exactly the tracked blocks, disjointly; at
           most ``c - h`` are LIR besides the provisional ones, which are LIR
-          and exist only while the capacity is learned.
+          and exist only while the capacity is learned. The LIR blocks are
+          those of the LIR list not pending demotion; each pending one keeps
+          a reserved stamp of ``Q``'s, the pending in ascending order, none
+          provisional.
         * ``S`` holds every LIR block's hash; its bottom is an LIR block's;
           its other entries are resident HIR blocks' hashes or ghosts. Ghosts
           are exactly the entries of ``S`` no tracked block has.
@@ -96,6 +110,8 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     _hash_of: dict[BlockId, BlockHash] = attrs.field(factory=dict, init=False)
     _block_of: dict[BlockHash, BlockId] = attrs.field(factory=dict, init=False)
     _provisional: dict[BlockId, None] = attrs.field(factory=dict, init=False)  # admitted while c rose
+    # Blocks of the LIR list demoted to Q, not moved yet: block -> its reserved stamp in Q, in demotion order.
+    _demoting: OrderedDict[BlockId, int] = attrs.field(factory=OrderedDict, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._lir, self._hir = self._new_queue(), self._new_queue()
@@ -103,7 +119,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     @property
     def lir(self) -> frozenset[BlockId]:
         """The LIR blocks."""
-        return frozenset(self._lir.in_order())
+        return frozenset(self._lir.in_order()).difference(self._demoting)
 
     @property
     def lir_limit(self) -> int:
@@ -129,7 +145,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             del self._ghosts[block_hash]
         if rising:
             self._provisional[block] = None
-        if returning or rising or len(self._lir) < self.lir_limit:
+        if returning or rising or self._num_lir() < self.lir_limit:
             self._lir.add(block)
         else:
             self._hir.add(block)
@@ -142,6 +158,8 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         block_hash = self._hash_of.get(block)
         if block_hash is None:
             raise not_tracked(self, block)
+        if self._demoting:
+            self._settle(block)
         promoted = block not in self._lir and block_hash in self._stack
         if promoted:
             self._lir.add(block, pinned=self._hir.remove(block))
@@ -158,13 +176,17 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
             raise not_tracked(self, block)
         del self._block_of[block_hash]
         self._provisional.pop(block, None)
+        if self._demoting:
+            self._settle(block)
         (self._lir if block in self._lir else self._hir).remove(block)
         if block_hash in self._stack:
             self._ghosts[block_hash] = None
             self._prune()
             self._limit_stack()
-        for extra in self._over_limit():  # c is known now: the provisional excess joins Q
-            self._hir.add(extra, pinned=self._lir.remove(extra))
+        extra = self._over_limit()
+        if extra:  # c is known now: the provisional excess joins Q, each block when a call meets it
+            first = self._hir.reserve(len(extra))
+            self._demoting.update(zip(extra, range(first, first + len(extra))))
             self._prune()
         self._provisional.clear()
 
@@ -172,7 +194,9 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
     def select_victims(self, n: int,
                        is_evictable: Callable[[BlockId], bool]) -> list[BlockId] | None:
         check_count(n)
-        victims = [b for b in self._over_limit() if is_evictable(b)][:n]
+        victims = list(islice(filter(is_evictable, self._over_limit()), n))
+        if self._demoting:
+            self._demote_until(n - len(victims), is_evictable)
         victims += self._hir.first(n - len(victims), is_evictable)
         if len(victims) < n:
             chosen = set(victims)
@@ -186,9 +210,14 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
 
     @override
     def check_invariants(self) -> None:
-        lir, hir = set(self._lir.in_order()), set(self._hir.in_order())
-        assert not lir & hir, "a block is both LIR and HIR"
-        assert lir | hir == self._hash_of.keys(), "the LIR and HIR lists do not hold the tracked blocks"
+        listed, hir = set(self._lir.in_order()), set(self._hir.in_order())
+        assert not listed & hir, "a block is both in the LIR and the HIR list"
+        assert listed | hir == self._hash_of.keys(), "the LIR and HIR lists do not hold the tracked blocks"
+        assert self._demoting.keys() <= listed, "a block pending demotion is not in the LIR list"
+        assert not self._demoting.keys() & self._provisional.keys(), "a block pending demotion is provisional"
+        stamps = list(self._demoting.values())
+        assert stamps == sorted(set(stamps)), "pending demotions out of stamp order"
+        lir = listed - self._demoting.keys()
         assert all(self._block_of[h] == b for b, h in self._hash_of.items()), "hash maps drifted"
         assert len(self._block_of) == len(self._hash_of), "hash maps differ in size"
         self._check_pins()
@@ -206,6 +235,9 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
 
     @override
     def _queue_of(self, block: BlockId) -> ParkingQueue:
+        """The queue holding ``block`` (a pending demotion is carried out first: a pin hook meets it)."""
+        if self._demoting:
+            self._settle(block)
         if block in self._lir:
             return self._lir
         if block in self._hash_of:
@@ -224,9 +256,36 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
         self._prune()
         self._limit_stack()
 
+    def _num_lir(self) -> int:
+        """How many blocks are LIR (the LIR list less its blocks pending demotion)."""
+        return len(self._lir) - len(self._demoting)
+
+    def _settle(self, block: BlockId) -> None:
+        """Move ``block`` to its reserved place in ``Q`` if its demotion is pending."""
+        stamp = self._demoting.pop(block, None)
+        if stamp is not None:
+            self._demote_at(block, stamp)
+
+    def _demote_at(self, block: BlockId, stamp: int) -> bool:
+        """Move ``block`` from the LIR list to its reserved place ``stamp`` in ``Q``; return whether it is pinned."""
+        pinned = self._lir.remove(block)
+        self._hir.enter_at(block, stamp, pinned)
+        return pinned
+
+    def _demote_until(self, n: int, is_evictable: Callable[[BlockId], bool]) -> None:
+        """Carry out pending demotions in order until ``n`` of the blocks moved may be evicted, or none is left.
+
+        ``Q``'s first ``n`` evictable blocks are then the same as with every demotion done: the rest
+        of the pending blocks have younger places than these.
+        """
+        demoting, found = self._demoting, 0
+        while demoting and found < n:
+            block, stamp = demoting.popitem(last=False)
+            found += not self._demote_at(block, stamp) and is_evictable(block)
+
     def _balance(self) -> None:
         """Demote the bottom LIR blocks to ``Q`` while more than ``c - h`` are LIR, the provisional ones aside."""
-        while len(self._lir) > self.lir_limit + len(self._provisional):
+        while self._num_lir() > self.lir_limit + len(self._provisional):
             block = self._block_of[self._stack.popitem(last=False)[0]]  # pruned: the bottom is LIR
             self._provisional.pop(block, None)
             self._hir.add(block, pinned=self._lir.remove(block))
@@ -234,7 +293,7 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
 
     def _over_limit(self) -> list[BlockId]:
         """The provisional LIR blocks beyond ``c - h``: the ones admitted last, oldest first."""
-        excess = len(self._lir) - self.lir_limit
+        excess = self._num_lir() - self.lir_limit
         if excess <= 0 or not self._provisional:
             return []
         last = list(islice(reversed(self._provisional), excess))
@@ -242,11 +301,11 @@ class LIRSPolicy(QueuedPins, LearnsCapacity, EvictionPolicy):
 
     def _prune(self) -> None:
         """Pop ``S``'s bottom entries until an LIR block's hash is at the bottom."""
-        stack, block_of, lir = self._stack, self._block_of, self._lir
+        stack, block_of, lir, demoting = self._stack, self._block_of, self._lir, self._demoting
         while stack:
             block_hash = next(iter(stack))
             block = block_of.get(block_hash)
-            if block is not None and block in lir:
+            if block is not None and block in lir and not (demoting and block in demoting):
                 return
             stack.popitem(last=False)
             if block is None:

@@ -6,7 +6,7 @@ import bisect
 import math
 import sys
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from heapq import heappop, heappush
 from typing import cast
 
@@ -22,7 +22,7 @@ from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import quote, real_in
+from kvkit.validate import check_int, quote, real_in
 
 __all__ = ["LEAF", "PARENT", "REUSE_LEVELS", "TIP", "HitDensityPolicy", "block_class", "reuse_level"]
 
@@ -186,7 +186,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     eviction number, and the chain links in
     :class:`~kvkit.backends.eviction._chains.FlatChains`: a
     tracked block costs a few dozen bytes and one entry of the chain index's
-    hash map, a ghost a few bytes and one entry of the ghost's map. Each end
+    hash map (none under a pool, whose index and hash list it reads:
+    :meth:`use_index`), a ghost a few bytes and one entry of the ghost's map. Each end
     of each class list caches its ordering key until that end changes, its
     age bucket moves on or the model refreshes, so a selection's first root
     is the least cached key once one batched ``is_evictable`` pass has found
@@ -204,6 +205,12 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     hit (a pool touches a hit block when it pins it): time spent pinned is
     time in use, not evidence that the block is wanted less.
     A driver that never pins gets the scanning behaviour above.
+
+    Batches: the policy is a :class:`~kvkit.interfaces.capabilities.BatchedPolicy`.
+    Every hook runs one loop over its blocks, so a per-block hook is the same
+    loop on one block; a commit's blocks are parked as they enter (never
+    listed in between), and a removal of several blocks leaves the chain
+    index in one pass (a child leaving with its parent never joins the orphans).
 
     Args:
         capacity: blocks in the pool, which sizes the ghost and the refresh
@@ -327,109 +334,188 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         return self._model.density(self._cls[block], self._clock - self._last[block])
 
     # -- notifications ---------------------------------------------------------
+    # Each hook, per block or batched, runs one loop over its blocks (_insert, _access, _remove, _pin,
+    # _unpin) that binds the per-block arrays once (they grow in place).
 
     @override
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
-        if block.__class__ is not int or block < 0:
-            raise PoolUsageError(f"{type(self).__name__}.on_insert: block ids are ints >= 0, got {quote(block)}")
-        if block >= len(self._where):
-            self._grow(block + 1)
-        chains, classes = self._chains, self._cls
-        parent_block = chains.add(self, block, block_hash, parent)
-        tip = self._tip
-        if tip is not None:  # stored before: a tip no more, a parent if this store continued it, else a leaf
-            self._enter(tip, classes[tip] - TIP + (PARENT if chains.has_children(tip) else LEAF))
-        self._clock = clock = self._clock + 1
-        uses = 0
-        at = self._ghost_at.pop(block_hash, None)
-        if at is not None:  # a reuse the cache missed: learn from it, keep the history
-            i = at - self._ghost_base
-            last, cls = self._ghost_last[i], self._ghost_cls[i]
-            self._ghost_live[i] = 0
-            self._ghost_hash[i] = None
-            self._model.record_reuse(cls, clock - last)
-            self._note_reuse(cls, *chains.links(block))  # as linked: a hash under itself heads its chain
-            gained = 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
-            uses = min(self._ghost_uses[i] + gained, _MAX_USES)
-            self._recent[block] = self._ghost_recent.pop(block_hash, 0) + gained
-        kind = PARENT if chains.has_children(block) else TIP
-        cls = _CLASS_OF[uses if uses < _TOP else _TOP][kind]
-        self._tip = block if kind == TIP else None
-        self._uses[block] = uses
-        self._last[block] = clock
-        classes[block] = cls
-        self._where[block] = _LISTED  # never parked yet: a pool pins a block after committing it
-        self._move(block, _NONE, cls)
-        self._tracked = tracked = self._tracked + 1
-        if parent_block is not None:
-            kind = classes[parent_block] % _KINDS
-            if kind != PARENT:  # its class's kind changes, its reuse level stays
-                self._enter(parent_block, classes[parent_block] - kind + PARENT)
-        self._learn(tracked)
-        if clock >= self._next_refresh:
-            self._refresh()
+        self._insert((block,), (block_hash,), (parent,), _LISTED)
+
+    def insert_pinned(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                      parents: Sequence[BlockHash | None]) -> None:
+        """:meth:`on_insert` then :meth:`on_pin` for each block, in order: each is parked as it enters."""
+        self._insert(blocks, hashes, parents, _PARKED)
+
+    def _insert(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                parents: Sequence[BlockHash | None], mark: int) -> None:
+        """Track each block under its hash and parent: listed (``_LISTED``) or parked at once (``_PARKED``)."""
+        chains, classes, where, uses_of, last_of = self._chains, self._cls, self._where, self._uses, self._last
+        add, has_children, ghost_at, move, enter = chains.add, chains.has_children, self._ghost_at, self._move, \
+            self._enter
+        pinned = mark == _PARKED
+        for block, block_hash, parent in zip(blocks, hashes, parents):
+            if block.__class__ is not int or block < 0:
+                raise PoolUsageError(f"{type(self).__name__}.on_insert: block ids are ints >= 0, got {quote(block)}")
+            if block >= len(where):
+                self._grow(block + 1)
+            parent_block = add(self, block, block_hash, parent, pinned)
+            tip = self._tip
+            if tip is not None:  # stored before: a tip no more, a parent if this store continued it, else a leaf
+                enter(tip, classes[tip] - TIP + (PARENT if has_children(tip) else LEAF))
+            self._clock = clock = self._clock + 1
+            uses = 0
+            at = ghost_at.pop(block_hash, None)
+            if at is not None:  # a reuse the cache missed: learn from it, keep the history
+                i = at - self._ghost_base
+                last, cls = self._ghost_last[i], self._ghost_cls[i]
+                self._ghost_live[i] = 0
+                self._ghost_hash[i] = None
+                self._model.record_reuse(cls, clock - last)
+                self._note_reuse(cls, *chains.links(block))  # as linked: a hash under itself heads its chain
+                gained = 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
+                uses = min(self._ghost_uses[i] + gained, _MAX_USES)
+                self._recent[block] = self._ghost_recent.pop(block_hash, 0) + gained
+            kind = PARENT if has_children(block) else TIP
+            cls = _CLASS_OF[uses if uses < _TOP else _TOP][kind]
+            self._tip = block if kind == TIP else None
+            uses_of[block] = uses
+            last_of[block] = clock
+            classes[block] = cls
+            where[block] = mark  # a parked block keeps its class and enters its list on on_unpin
+            if not pinned:
+                move(block, _NONE, cls)
+            self._tracked = tracked = self._tracked + 1
+            if parent_block is not None:
+                kind = classes[parent_block] % _KINDS
+                if kind != PARENT:  # its class's kind changes, its reuse level stays
+                    enter(parent_block, classes[parent_block] - kind + PARENT)
+            self._learn(tracked)
+            if clock >= self._next_refresh:
+                self._refresh()
 
     @override
     def on_access(self, block: BlockId) -> None:
-        block = self._tracked_id(block)
-        cls = self._cls[block]
-        self._clock = clock = self._clock + 1
-        self._model.record_reuse(cls, clock - self._last[block])
-        self._note_reuse(cls, *self._chains.links(block))
-        uses = self._uses[block]
-        if uses < _MAX_USES:
-            self._uses[block] = uses = uses + 1
-        self._recent[block] = self._recent.get(block, 0) + 1
-        self._last[block] = clock
-        self._enter(block, _CLASS_OF[uses if uses < _TOP else _TOP][cls % _KINDS])
-        if clock >= self._next_refresh:
-            self._refresh()
+        self._access((block,))
+
+    def access_many(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`on_access` for each block, in order."""
+        self._access(blocks)
+
+    def _access(self, blocks: Sequence[BlockId]) -> None:
+        """Count a hit on each block: its reuse, its class, its age from now."""
+        classes, uses_of, last_of, recent = self._cls, self._uses, self._last, self._recent
+        record_reuse, links = self._model.record_reuse, self._chains.links
+        for block in blocks:
+            block = self._tracked_id(block)
+            cls = classes[block]
+            self._clock = clock = self._clock + 1
+            record_reuse(cls, clock - last_of[block])
+            self._note_reuse(cls, *links(block))
+            uses = uses_of[block]
+            if uses < _MAX_USES:
+                uses_of[block] = uses = uses + 1
+            recent[block] = recent.get(block, 0) + 1
+            last_of[block] = clock
+            self._enter(block, _CLASS_OF[uses if uses < _TOP else _TOP][cls % _KINDS])
+            if clock >= self._next_refresh:
+                self._refresh()
 
     @override
     def on_remove(self, block: BlockId) -> None:
-        block_hash = self._chains.remove(self, block)  # raises for an untracked block
-        if block == self._tip:
-            self._tip = None
-        cls = self._cls[block]
-        self._move(block, cls if self._where[block] == _LISTED else _NONE, _NONE)
-        self._where[block] = _UNTRACKED
-        self._tracked -= 1
-        last = self._last[block]
-        recent = self._recent.pop(block, 0)
-        if recent:
-            self._ghost_recent[block_hash] = recent
-        self._evictions = evictions = self._evictions + 1
-        gap, self._last_removal, c = self._clock - self._last_removal, self._clock, max(self.c, 1)
-        if evictions > 1:  # the first removal only starts the clock: the fill before it is no gap
-            self._turnover += (gap * c - self._turnover) / min(evictions - 1, c)
-        self._ghost_at[block_hash] = evictions  # its index: evictions - _ghost_base, the next one
-        self._ghost_hash.append(block_hash)
-        self._ghost_cls.append(cls)
-        self._ghost_uses.append(self._uses[block])
-        self._ghost_last.append(last)
-        self._ghost_live.append(1)
+        self._remove((block,))
+
+    def remove_many(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`on_remove` for each block, in order."""
+        self._remove(blocks)
+
+    def _remove(self, blocks: Sequence[BlockId]) -> None:
+        """Forget each block, leaving its ghost; the ghosts past their span are forgotten once, after."""
+        if len(blocks) > 1 and not self._chains.distinct_tracked(blocks):
+            for block in blocks:  # one at a time: raises at the first untracked block, those before it removed
+                self._remove((block,))
+            return
+        block_hashes = self._chains.remove_many(self, blocks)  # the chains first (what follows reads none)
+        classes, where, move = self._cls, self._where, self._move
+        uses_of, last_of, recent, ghost_recent, ghost_at = self._uses, self._last, self._recent, \
+            self._ghost_recent, self._ghost_at
+        ghost_hash, ghost_cls, ghost_uses, ghost_last, ghost_live = self._ghost_hash, self._ghost_cls, \
+            self._ghost_uses, self._ghost_last, self._ghost_live
+        c, clock = max(self.c, 1), self._clock  # neither changes while blocks leave
+        evictions, turnover, tip = self._evictions, self._turnover, self._tip
+        for block, block_hash in zip(blocks, block_hashes):
+            if block == tip:
+                self._tip = tip = None
+            cls = classes[block]
+            move(block, cls if where[block] == _LISTED else _NONE, _NONE)
+            where[block] = _UNTRACKED
+            reuses = recent.pop(block, 0)
+            if reuses:
+                ghost_recent[block_hash] = reuses
+            evictions += 1
+            if evictions > 1:  # the first removal only starts the clock: the fill before it is no gap
+                turnover += ((clock - self._last_removal) * c - turnover) / min(evictions - 1, c)
+            self._last_removal = clock
+            ghost_at[block_hash] = evictions  # its index: evictions - _ghost_base, the next one
+            ghost_hash.append(block_hash)
+            ghost_cls.append(cls)
+            ghost_uses.append(uses_of[block])
+            ghost_last.append(last_of[block])
+            ghost_live.append(1)
+        self._tracked -= len(block_hashes)
+        self._evictions, self._turnover = evictions, turnover
         self._forget_ghosts(evictions - self.ghost_span * c)
+
+    def use_index(self, index: Mapping[BlockHash, BlockId], hashes: Sequence[BlockHash | None],
+                  num_blocks: int) -> None:
+        """Read hashes and their blocks from the pool's index and hash list instead of keeping copies, and
+        size the per-block arrays for ``num_blocks`` ids at once
+        (:class:`~kvkit.interfaces.capabilities.IndexedPolicy`).
+
+        Raises:
+            PoolUsageError: the policy already tracks a block or reads an index, or ``num_blocks`` is
+                not an int >= 1 (quoted); nothing changes.
+        """
+        num_blocks = check_int("use_index: num_blocks", num_blocks, 1, error=PoolUsageError)
+        self._chains.use_index(self, index, hashes)
+        if num_blocks > len(self._where):
+            self._grow(num_blocks)
 
     def on_pin(self, block: BlockId) -> None:
         """Park a tracked block in use: out of its class list, keeping its class and counters."""
-        where = self._where
-        if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _LISTED) \
-                and where[self._tracked_id(block)] == _PARKED:
-            raise pin_mismatch(self, block, pinned=True)
-        self._move(block, self._cls[block], _NONE)
-        where[block] = _PARKED
-        self._chains.pin(block)
+        self._pin((block,))
+
+    def pin_many(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`on_pin` for each block, in order."""
+        self._pin(blocks)
+
+    def _pin(self, blocks: Sequence[BlockId]) -> None:
+        where, classes, move, pin = self._where, self._cls, self._move, self._chains.pin
+        for block in blocks:
+            if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _LISTED) \
+                    and where[self._tracked_id(block)] == _PARKED:
+                raise pin_mismatch(self, block, pinned=True)
+            move(block, classes[block], _NONE)
+            where[block] = _PARKED
+            pin(block)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at its class's young end; its age still counts from its last use."""
-        where = self._where
-        if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _PARKED) \
-                and where[self._tracked_id(block)] == _LISTED:
-            raise pin_mismatch(self, block, pinned=False)
-        self._move(block, _NONE, self._cls[block])
-        where[block] = _LISTED
-        self._chains.unpin(block)
+        self._unpin((block,))
+
+    def unpin_many(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`on_unpin` for each block, in order."""
+        self._unpin(blocks)
+
+    def _unpin(self, blocks: Sequence[BlockId]) -> None:
+        where, classes, move, unpin = self._where, self._cls, self._move, self._chains.unpin
+        for block in blocks:
+            if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _PARKED) \
+                    and where[self._tracked_id(block)] == _LISTED:
+                raise pin_mismatch(self, block, pinned=False)
+            move(block, _NONE, classes[block])
+            where[block] = _LISTED
+            unpin(block)
 
     # -- decisions -------------------------------------------------------------
 
@@ -615,6 +701,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         """Forget the ghosts evicted at or before ``horizon`` (censored at their age); compact the arrays."""
         base, live = self._ghost_base, self._ghost_live
         oldest, end = self._ghost_oldest, base + len(live)
+        classes: list[int] = []
+        ages: list[int] = []
         while oldest < end:
             i = oldest - base
             if live[i]:
@@ -626,8 +714,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 self._ghost_hash[i] = None
                 del self._ghost_at[ghost_hash]  # forgotten unreused: censored at its age
                 self._ghost_recent.pop(ghost_hash, None)
-                self._model.record_end(self._ghost_cls[i], self._clock - self._ghost_last[i])
+                classes.append(self._ghost_cls[i])
+                ages.append(self._clock - self._ghost_last[i])
             oldest += 1
+        self._model.record_ends(classes, ages)
         self._ghost_oldest = oldest
         gone = oldest - base
         if gone >= 1024 and 2 * gone >= len(live):  # amortised O(1): each entry is moved at most once

@@ -46,6 +46,7 @@ so leaves the ranking, the only thing a selection reads, intact.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -53,6 +54,8 @@ import numpy as np
 
 from kvkit.errors import ConfigError
 from kvkit.validate import at_least, is_int, quote
+
+_FEW = 16  # below this many ends one call each beats one vectorised call
 
 __all__ = ["HitDensityModel", "isotonic"]
 
@@ -219,6 +222,16 @@ class HitDensityModel:
         """A block of class ``cls`` left the model unreused at ``age`` (censored)."""
         self._ends[cls, self.bucket(age)] += 1
 
+    def record_ends(self, classes: Sequence[int], ages: Sequence[int]) -> None:
+        """:meth:`record_end` for each ``(classes[i], ages[i])``, in order: the same sums, bit for bit
+        (``np.add.at`` adds one at a time, in order, however often a cell repeats)."""
+        if len(ages) < _FEW:
+            for cls, age in zip(classes, ages):
+                self.record_end(cls, age)
+            return
+        np.add.at(self._ends, (np.asarray(classes, dtype=np.intp), self.buckets_of(np.asarray(ages, dtype=np.int64))),
+                  1.0)
+
     def density(self, cls: int, age: int) -> float:
         """Hit density of a class-``cls`` block of age ``age`` (0 before the first refresh)."""
         rows = self._rows
@@ -279,13 +292,15 @@ class HitDensityModel:
         zero = np.zeros((len(reuses), 1))
         cum_hits = np.concatenate([zero, np.cumsum(hits, axis=1)], axis=1)
         cum_space = np.concatenate([zero, np.cumsum(space, axis=1)], axis=1)
-        # ratio[r, a, t]: hits over space in buckets a..t (t >= a); the best t per a.
-        num = cum_hits[:, None, 1:] - cum_hits[:, :-1, None]
-        den = cum_space[:, None, 1:] - cum_space[:, :-1, None]
+        # ratio[a, t] of a row: hits over space in buckets a..t (t >= a); the best t per a. A row at a
+        # time: its k-by-k arrays stay in cache, where all rows' at once would not.
         upper = np.triu(np.ones((k, k), dtype=bool))
-        ratio = np.divide(num, den, out=np.zeros_like(num), where=upper & (den > 0))
         best = np.zeros(events.shape)
-        best[:, :k] = ratio.max(axis=2, initial=0.0)
+        for row in range(len(reuses)):
+            num = cum_hits[row, None, 1:] - cum_hits[row, :-1, None]
+            den = cum_space[row, None, 1:] - cum_space[row, :-1, None]
+            ratio = np.divide(num, den, out=np.zeros_like(num), where=upper & (den > 0))
+            best[row, :k] = ratio.max(axis=1, initial=0.0)
         best[:, :k][space <= 0] = 0.0  # no block survives to this age: nothing to expect
         # Ages no block was seen at (they end each row): no evidence yet, not evidence of
         # nothing. The oldest seen age's density, halved per octave past it.

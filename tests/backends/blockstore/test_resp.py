@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
 
 from kvkit.backends.blockstore.resp import (
@@ -78,3 +82,94 @@ def test_send_resumes_partial_writes_and_splits_past_iov_max(valkey_server):
         assert conn.reply() == value
     finally:
         conn.close()
+
+
+class _RawServer:
+    """One accepted loopback connection whose bytes the test writes itself (no login is asked for)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+
+    def __enter__(self) -> tuple[Connection, socket.socket]:
+        self.conn = Connection(self.address, ConnectOptions(1.0, 1.0))
+        self.peer, _ = self.listener.accept()
+        return self.conn, self.peer
+
+    def __exit__(self, *exc: object) -> None:
+        self.conn.close()
+        self.peer.close()
+        self.listener.close()
+
+
+@pytest.mark.parametrize("ahead", [4, 1 << 16])
+def test_read_bulk_fills_several_buffers_from_the_read_buffer_or_the_socket(ahead):
+    """Whether the header's read took part of the bulk into the read buffer (``ahead`` 64 KiB) or left it in
+    the socket (``ahead`` = the header's length), the buffers get the bulk's bytes and the next reply follows."""
+    with _RawServer() as (conn, peer):
+        peer.sendall(b"$10\r\n0123456789\r\n+OK\r\n")
+        head, body = bytearray(3), bytearray(7)
+        assert conn.line(ahead=ahead) == b"$10"
+        conn.read_bulk([memoryview(head), memoryview(body)])
+        assert (head, body) == (b"012", b"3456789")
+        assert conn.reply() == b"OK"
+
+
+def test_a_header_read_with_its_length_ahead_leaves_the_bulk_in_the_socket():
+    """``line(ahead=len(header))`` takes no byte of the bulk: it is still in the socket for ``read_bulk``."""
+    with _RawServer() as (conn, peer):
+        peer.sendall(b"$5\r\nhello\r\n")
+        time.sleep(0.05)
+        assert conn.line(ahead=4) == b"$5"
+        assert conn.sock.recv(64, socket.MSG_PEEK) == b"hello\r\n"
+        out = bytearray(5)
+        conn.read_bulk([memoryview(out)])
+        assert out == b"hello"
+
+
+def test_read_bulk_resumes_a_trickled_bulk_and_refuses_one_not_closed_by_crlf():
+    """A bulk that arrives in pieces is filled across buffers; one ending in other bytes than CRLF raises
+    ``ConnectionError`` (the connection is out of step)."""
+    with _RawServer() as (conn, peer):
+        def trickle() -> None:
+            for piece in (b"$8\r\nab", b"cde", b"fgh", b"\r", b"\n$2\r\nxyZZ"):
+                peer.sendall(piece)
+                time.sleep(0.02)
+
+        writer = threading.Thread(target=trickle)
+        writer.start()
+        try:
+            first, second = bytearray(4), bytearray(4)
+            assert conn.line(ahead=4) == b"$8"
+            conn.read_bulk([memoryview(first), memoryview(second)])
+            assert (first, second) == (b"abcd", b"efgh")
+            assert conn.line(ahead=4) == b"$2"
+            with pytest.raises(ConnectionError, match="not CRLF"):
+                conn.read_bulk([memoryview(bytearray(2))])
+        finally:
+            writer.join()
+
+
+def _congestion(sock: socket.socket) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="TCP_CONGESTION is Linux-only")
+def test_a_loopback_connection_uses_reno_and_a_remote_one_the_systems_choice():
+    """Reno (no pacing) on a loopback peer, set before the handshake; any other peer keeps the system default."""
+    from kvkit.testing.servers import non_loopback_address_or_skip
+
+    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+        if "reno" not in f.read().split():
+            pytest.skip("this kernel offers no Reno")
+    with _RawServer() as (conn, _):
+        assert _congestion(conn.sock) == "reno"
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        default = f.read().strip()
+    remote = non_loopback_address_or_skip()
+    with socket.create_server((remote, 0)) as listener:
+        conn = Connection(listener.getsockname()[:2], ConnectOptions(1.0, 1.0))
+        try:
+            assert _congestion(conn.sock) == default
+        finally:
+            conn.close()

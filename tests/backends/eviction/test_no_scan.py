@@ -25,17 +25,15 @@ _ROOTS = tuple(str(Path(p).resolve()) for p in (Path(__file__).parents[3] / "bac
 _POLICIES = ("lru", "fifo", "lfu", "arc", "s3fifo", "lirs", "prefix-lru", "hit-density", "adaptive", "hinted", "opt")
 
 
-def make_policy(name: str, capacity: int):
+def make_policy(name: str):
     if name == "opt":
         return EVICTION.create("opt", references=())
-    if name == "lirs":  # a learned capacity demotes its provisional excess (1% of the pool) at the first eviction
-        return EVICTION.create("lirs", capacity=capacity)
     return EVICTION.create(name)
 
 
 def build(policy: str, num_blocks: int, referenced: int, kinds: tuple[str, ...] = KINDS):
     """A full pool: the oldest ``referenced`` blocks in use (chains of 16, the kinds in turn), the rest evictable."""
-    pool = ALLOCATOR.create("pool", num_blocks=num_blocks, eviction=make_policy(policy, num_blocks))
+    pool = ALLOCATOR.create("pool", num_blocks=num_blocks, eviction=make_policy(policy))
     blocks = pool.allocate(num_blocks)
     hashes, parents, kind_of = [], [], []
     for i in range(num_blocks):

@@ -1,0 +1,164 @@
+"""A batched policy's batch hooks against its per-block hooks, the reference: same state, same decisions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvkit.backends.allocator.pool import BlockPool
+from kvkit.backends.eviction._chains import FlatChains
+from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy
+from kvkit.backends.eviction.hit_density.density import HitDensityModel
+from kvkit.errors import ConfigError
+from kvkit.interfaces.capabilities import BatchedPolicy, batch_hooks
+
+_CLASSES = 3 * len(REUSE_LEVELS)
+
+
+class PerBlockHitDensity(HitDensityPolicy):
+    """Hit density without the batch capability: a pool calls its per-block hooks, one block at a time."""
+
+    insert_pinned = pin_many = unpin_many = access_many = remove_many = None  # type: ignore[assignment]
+
+
+# Each batched policy beside its per-block reference, as factories of a pool's policy.
+PAIRS = {
+    "hit-density": (lambda: HitDensityPolicy(ghost_span=2), lambda: PerBlockHitDensity(ghost_span=2)),
+    "hit-density-8": (lambda: HitDensityPolicy(capacity=8, ghost_span=2),
+                      lambda: PerBlockHitDensity(capacity=8, ghost_span=2)),
+}
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_batched_policies_and_their_opt_outs(name: str) -> None:
+    batched, per_block = (make() for make in PAIRS[name])
+    assert isinstance(batched, BatchedPolicy)
+    assert batch_hooks(batched) is batched
+    assert batch_hooks(per_block) is None
+
+
+def test_half_a_batch_capability_is_refused() -> None:
+    class Half(HitDensityPolicy):
+        remove_many = None  # type: ignore[assignment]
+
+    with pytest.raises(ConfigError, match="remove_many=None"):
+        batch_hooks(Half())
+    with pytest.raises(ConfigError, match="batch hooks"):
+        BlockPool(num_blocks=4, eviction=Half())
+
+
+def _hash(conversation: int, position: int) -> int:
+    return conversation * 1000 + position + 1
+
+
+def _snapshot(pool: BlockPool) -> tuple[Any, ...]:
+    """The pool's next victims and write-back window, and everything the policy's decisions read."""
+    policy = pool.policy
+    assert isinstance(policy, HitDensityPolicy)
+    order = (pool.eviction_candidates(pool.num_blocks), pool.eviction_window(3),
+             [pool.in_eviction_window(b) for b in range(pool.num_blocks)], len(policy))
+    tracked = [b for b in range(pool.num_blocks) if pool.is_ready(b)]
+    return (*order,
+        tracked,
+        [(policy.class_of(b), policy.uses_of(b), policy.density_of(b)) for b in tracked],
+        [policy.class_blocks(cls) for cls in range(_CLASSES)],
+        policy.pinned, policy.num_ghosts, policy.shifts, len(policy), policy.model.rows,
+        policy.model.reuses.tolist(), policy.model.ends.tolist(),
+    )
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("store"), st.integers(0, 5), st.integers(0, 8), st.integers(1, 6)),
+    st.tuples(st.just("hit"), st.integers(0, 5), st.integers(1, 10)),
+    st.tuples(st.just("release"), st.integers(0, 30)),
+), max_size=120)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+@settings(max_examples=40, deadline=None)
+@given(ops=_OPS, size=st.integers(4, 24))
+def test_batch_hooks_match_the_per_block_hooks(name: str, ops: list[tuple[Any, ...]], size: int) -> None:
+    """Two pools run the same calls, one telling its policy per call (batched), one per block: every
+    answer (victims, hits, commits, write-back windows) and the policies' observable state stay equal."""
+    pools = [BlockPool(num_blocks=size, eviction=make()) for make in PAIRS[name]]
+    held: list[list[int]] = []  # references taken, released together
+    for op in ops:
+        if op[0] == "store":
+            _, conversation, start, n = op
+            if n > pools[0].num_free:
+                continue
+            hashes = [_hash(conversation, i) for i in range(start, start + n)]
+            parents = [_hash(conversation, i - 1) if i else None for i in range(start, start + n)]
+            answers = []
+            for pool in pools:
+                blocks = pool.allocate(n)
+                answers.append((blocks, pool.commit(blocks, hashes, parents)))
+            assert answers[0] == answers[1]
+            held.append(answers[0][0])
+        elif op[0] == "hit":
+            _, conversation, length = op
+            hashes = [_hash(conversation, i) for i in range(length)]
+            found = [pool.lookup(hashes) for pool in pools]
+            assert found[0] == found[1]
+            if found[0]:
+                for pool in pools:
+                    pool.incref(found[0])
+                    pool.touch(found[0])
+                held.append(found[0])
+        elif held:
+            blocks = held.pop(op[1] % len(held))
+            for pool in pools:
+                pool.decref(blocks)
+        assert _snapshot(pools[0]) == _snapshot(pools[1])
+    for pool in pools:
+        pool.check_invariants()
+
+
+def _chains_view(chains: FlatChains, size: int) -> tuple[Any, ...]:
+    tracked = [b for b in range(size) if chains.tracks(b)]
+    walk = chains.orphans()
+    return (tracked, [chains.links(b) for b in tracked], [chains.children(b) for b in tracked],
+            [] if walk is None else list(walk))
+
+
+@settings(max_examples=200, deadline=None)
+@given(parents=st.lists(st.integers(-1, 30), min_size=2, max_size=30), data=st.data())
+def test_chains_remove_many_is_remove_one_by_one(parents: list[int], data: st.DataObject) -> None:
+    """Removing blocks in one call leaves the chain index exactly as removing them in turn, orphans'
+    order included, though a child leaving with its parent never joins the orphans in between."""
+    size = len(parents)
+    twins = [FlatChains(bytearray(size)) for _ in range(2)]
+    for chains in twins:
+        chains.grow(size)
+        for block, parent in enumerate(parents):  # block b's hash is b + 1; parent -1: a chain's head
+            chains.add(None, block, block + 1, None if parent < 0 else parent % (size + 3) + 1)
+    leaving = data.draw(st.lists(st.sampled_from(range(size)), unique=True, min_size=2))
+    batched, one_by_one = twins
+    assert batched.remove_many(None, leaving) == [one_by_one.remove(None, b) for b in leaving]
+    assert _chains_view(batched, size) == _chains_view(one_by_one, size)
+    batched.check_invariants()
+
+
+_ENDS = st.lists(st.tuples(st.integers(0, 1), st.sampled_from([0, 7, 1 << 20, 1 << 40])), max_size=300)
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=_ENDS, ends=_ENDS, keep=st.floats(0.05, 1.0))
+def test_model_record_ends_is_record_end_in_turn(before: list[tuple[int, int]], ends: list[tuple[int, int]],
+                                                 keep: float) -> None:
+    """The hit-density model's batch of ended blocks adds exactly what one call per block adds, bit for bit,
+    on histograms a refresh left fractional (adding ``k`` ones in turn is not adding ``k``)."""
+    models = [HitDensityModel(3) for _ in range(2)]
+    for model in models:
+        for cls, age in before:
+            model.record_end(cls, age)
+        model.refresh(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), keep=keep)
+    batched, one_by_one = models
+    batched.record_ends([cls for cls, _ in ends], [age for _, age in ends])
+    for cls, age in ends:
+        one_by_one.record_end(cls, age)
+    assert batched.ends.tobytes() == one_by_one.ends.tobytes()
