@@ -116,6 +116,22 @@ def test_prefetching_what_waits_for_gpu_blocks_never_makes_the_first_token_later
         assert sharing.stat("blocks_prefetched") > 0
 
 
+@pytest.mark.parametrize("gbps", [0.5, 2.0, 10.0])
+def test_an_instance_whose_first_request_is_a_shared_hit_pays_at_most_a_probe(gbps):
+    """A GPU pool so small that most requests are skipped: an instance's first prefill can be a shared hit, before
+    it has timed any computation. The hit is probed, not loaded whole: the shared fleet's TTFT sum exceeds the
+    isolated one's by at most one block's fetch and load per instance (each instance's first use of the tier)."""
+    from kvkit.sim.simulator import CostModel
+
+    cost = CostModel(shared_gbps=gbps)
+    isolated, sharing = compare_fleets(_chat(400), SimConfig(gpu_blocks=64, cost=cost), instances=4)
+    block = SimConfig().spec.bytes_per_block
+    probe_ms = cost.fetch_ms(block) + cost.load_ms(block)
+    assert sharing.total("shared_hit_tokens") > 0
+    assert sum(sharing.ttft_ms) <= sum(isolated.ttft_ms) + 4 * probe_ms, (sum(sharing.ttft_ms), sum(isolated.ttft_ms))
+    assert max(sharing.ttft_ms) <= max(isolated.ttft_ms) + probe_ms
+
+
 def test_loading_every_hit_of_a_slow_tier_makes_the_first_token_later():
     """The control: without a planner (every hit loaded) the same slow tier makes the first token later."""
     from kvkit.sim.simulator import CostModel
