@@ -6,7 +6,8 @@ pipeline doing the same work (values as fresh ``bytes``), and the server's own
 at the same concurrency: one connection (the store's I/O thread has one per node; the tool runs
 ``-c 1 -P 1``). Every way runs once per round, the rounds in a fresh order each; a figure is the median
 over the rounds, wall time and the CPU time of this process and its children (the tool) beside it.
-Every value read back is compared with what was written.
+Every value read back is compared with what was written. Each value size gets a fresh store and library
+client, as a deployment moves one block size and the tool connects afresh for each run.
 
 No password is shown or handed on: the report names the URL through
 :func:`~kvkit.redact.redact_url`, and the server tool, which takes a password
@@ -17,6 +18,7 @@ run against a server that needs one: the report says so (``server_tool_skipped``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -27,7 +29,7 @@ import shutil
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -65,27 +67,40 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
     else:
         target = url
     try:
-        store = open_block_store(target, request_timeout_s=30.0)
-        problem = store.ping() if hasattr(store, "ping") else None
-        if problem is not None:
-            raise ConfigError(f"--url {quote(target)}: {problem}")
-        try:
-            report: dict[str, Any] = {"url": redact_url(target), "repeat": repeat, "sizes": {}}
-            skipped = _tool_skipped(target)
-            if skipped is not None:
-                report["server_tool_skipped"] = skipped
-            client = _library_client(target)
-            for size in sizes:
+        report: dict[str, Any] = {"url": redact_url(target), "repeat": repeat, "sizes": {}}
+        skipped = _tool_skipped(target)
+        if skipped is not None:
+            report["server_tool_skipped"] = skipped
+        # One store and one library client per value size, as a deployment moves one block size (and the tool
+        # connects afresh for each run): a connection's congestion state after one size does not pace the next.
+        for size in sizes:
+            with _connected(target) as (store, client):
                 report["sizes"][str(size)] = _throughput(store, client, target, size, max(1, batch_bytes // size),
                                                          repeat)
+        with _connected(target) as (store, client):
             report["contains"] = _contains(store, client, contains_keys, max(repeat, 20))
-            return report
-        finally:
-            if not process_wide(store):
-                store.close()
+        return report
     finally:
         if server is not None:
             server.stop()
+
+
+@contextlib.contextmanager
+def _connected(url: str) -> Iterator[tuple[BlockStore, Any]]:
+    """A fresh store of ``url`` (checked with a ping) and a client library's client, both closed after."""
+    store = open_block_store(url, request_timeout_s=30.0)
+    client = None
+    try:
+        problem = store.ping() if hasattr(store, "ping") else None
+        if problem is not None:
+            raise ConfigError(f"--url {quote(url)}: {problem}")
+        client = _library_client(url)
+        yield store, client
+    finally:
+        if client is not None and hasattr(client, "close"):
+            client.close()
+        if not process_wide(store):
+            store.close()
 
 
 @attrs.frozen
