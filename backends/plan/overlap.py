@@ -23,13 +23,11 @@ blocks, or sits between two whole blocks, an end inside a run may do better
 by at most about one block's compute and move. The plan is never slower, by
 the model, than loading the whole hit or recomputing it.
 
-Until it has an estimate of compute, it loads a hit that is all on the CPU
-tier (what an engine without a planner does: a local copy is the premise of
-offload). A hit with blocks of a remote source (the shared tier), and any hit
-once compute is known but a source of it is not, is *probed*: one block (the
-hit's last, or with no overlap its first) is loaded and the rest computed, so
-a remote or unknown source's first use costs at most one block's move over
-recomputing, whatever its speed. A source it declines entirely gets no
+Until it has an estimate of compute, it loads the whole hit: what an engine
+without a planner does. Until it also has one of every source in the hit,
+it *probes*: it loads one block (the hit's last, or with no overlap its
+first) and computes the rest, so a source's first observation costs at most
+one block's move, whatever its speed. A source it declines entirely gets no
 new observation, so its estimate stays as it was until a plan uses it again.
 """
 
@@ -96,10 +94,10 @@ class OverlapPlanner(LoadPlanner):
     @override
     def plan(self, query: HitQuery) -> LoadPlan:
         h = query.hit_blocks
-        if not h or (self.compute_seconds(1, 0) is None and all(s is HitSource.CPU for s, _ in query.runs)):
+        if not h or self.compute_seconds(1, 0) is None:
             return LoadPlan.load_all(h)
         model = _Model.of(self, query)
-        if model is None:  # compute or a source without an estimate: probe with one block
+        if model is None:  # a source without an estimate: probe it with one block
             return LoadPlan(h - 1, 1, h) if query.overlap else LoadPlan(0, 1, h)
         ends = [0]
         for _, n in query.runs:

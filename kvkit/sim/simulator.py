@@ -311,11 +311,18 @@ class SimConfig:
         return kv
 
     def stack_config(self) -> StackConfig:
-        """The ``StackConfig`` the simulation builds: ``stack``, with the tiny spec when verifying."""
+        """The ``StackConfig`` the simulation builds: ``stack``, with the tiny spec when verifying, and the
+        ``overlap`` planner told the cost model's prefill speed (an engine that knows its speed gives it: an
+        instance whose first request is a shared hit plans it, probing the tier, instead of loading it whole),
+        unless ``options`` name one."""
+        stack = self.stack
+        if stack.planner == "overlap" and "prefill_tokens_per_s" not in stack.options.get("planner", {}):
+            planner = {**stack.options.get("planner", {}), "prefill_tokens_per_s": self.cost.prefill_tokens_per_s}
+            stack = attrs.evolve(stack, options={**stack.options, "planner": planner})
         if not self.verify:
-            return self.stack
-        return attrs.evolve(self.stack, kv=_VERIFY_SHAPE.spec(self.spec.block_size),
-                            cpu_blocks=self.stack.num_cpu_blocks, cpu_bytes=None)
+            return stack
+        return attrs.evolve(stack, kv=_VERIFY_SHAPE.spec(self.spec.block_size),
+                            cpu_blocks=stack.num_cpu_blocks, cpu_bytes=None)
 
     def as_dict(self) -> dict[str, Any]:
         """The configuration as JSON-ready values (instances by class name, the shared tier without its secret

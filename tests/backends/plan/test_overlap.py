@@ -98,13 +98,10 @@ def test_compute_estimate_uses_the_engines_figure_until_it_observes():
 
 
 def test_without_estimates_the_hit_is_loaded_or_probed():
-    """No compute estimate yet: load a CPU-only hit, probe one with shared blocks. Then a source without an
-    estimate: load one block of it (a probe)."""
+    """No compute estimate yet: load everything. A source without an estimate: load one block of it (a probe)."""
     p = OverlapPlanner()
     q = _query([(CPU, 4), (SHARED, 8)])
-    assert p.plan(_query([(CPU, 12)])) == LoadPlan.load_all(12)
-    assert p.plan(q) == LoadPlan(11, 1, 12) and p.estimate_ms(q, p.plan(q)) is None
-    assert p.plan(_query([(SHARED, 3)], overlap=False)) == LoadPlan(0, 1, 3)
+    assert p.plan(q) == LoadPlan.load_all(12) and p.estimate_ms(q, p.plan(q)) is None
     p.observe_compute(100, 0, 0.01)
     p.observe_move(CPU, 1000, 1e-6)
     assert p.plan(q) == LoadPlan(11, 1, 12)  # the shared tier is still unknown: its last block, with the head
