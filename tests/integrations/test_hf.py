@@ -190,6 +190,16 @@ def test_pipelined_restores_match_generate(models, family):
     assert all(turn.cpu_hit_tokens > 0 for chat in chats for turn in chat.turns[1:])
 
 
+def test_pipelined_passes_without_a_load_teach_the_planner_the_prefill_speed(models):
+    """Pipelined, a pass that loaded nothing is pure compute: the load planner observes it (else it would load every
+    hit forever, however slow the tier); a pass that waited on loads is not observed."""
+    lm = _build(models["llama"], gpu_blocks=28, block_size=8, cpu_blocks=200, pipelined=True, planner="overlap")
+    planner = lm.stack.manager.planner
+    assert planner.compute_seconds(1, 0) is None
+    first = lm.generate(_user_turns(1, length=40)[0], 1, stop_tokens=())
+    assert first.cpu_hit_tokens == 0 and planner.compute_seconds(1, 0) is not None
+
+
 def test_pipelined_beam_search_repeats_each_late_layer_like_the_others(models):
     """Beams expand the cache before later layers are restored: those are repeated per beam too."""
     model = models["llama"]

@@ -118,7 +118,8 @@ class _ModelPrefill(HeadCompute):
     so the engine step that prefills a prompt also generates its reply. A
     load plan's head is one more forward pass, over the head's tokens on the
     GPU hit alone, while the rest of the hit loads. Each forward pass's time
-    (not pipelined) is the stack's load planner's observation of compute.
+    is the stack's load planner's observation of compute, except a pipelined
+    pass that loaded a hit (it also waited on the loads).
 
     Invariants: reads only blocks the engine says hold reused KV (before
     ``first_block``, and for a sliding-window group only those inside its
@@ -152,7 +153,7 @@ class _ModelPrefill(HeadCompute):
         def prefilled() -> None:  # the prompt's forward passes are over: every layer holds its KV
             _sync(device)
             job.first_token_at = time.perf_counter()
-            if not pipelined:
+            if not pipelined or not request.cpu_hit_tokens:  # pipelined, a pass with loads also waits on them
                 self._observe(engine, len(job.tokens) - start, start, job.first_token_at - job.restored_at)
             # Queued after the first token, before any decode step and before the prompt's stores are planned.
             self._write_back(request, start, cache.recorded or {})
