@@ -3,7 +3,8 @@
 The planner turns the store policy's choices (block indices queued on live
 requests), the stores that outlive an ended request (*detached*), and, for
 write-back policies, the GPU pool's next eviction candidates into
-:class:`StoreCandidate` records, and picks the ones to copy.
+:class:`StoreCandidates` (parallel columns, one item per block: no
+per-block object), and picks the ones to copy.
 
 Invariants: a candidate is chosen only if
 neither the CPU tier, nor a store in flight, nor an earlier candidate of the
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
-from typing import NamedTuple, cast
+from typing import cast
 
 import attrs
 
@@ -31,28 +32,70 @@ from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
 from kvkit.stats import OffloadStats
 
-__all__ = ["StoreCandidate", "StorePlanner"]
+__all__ = ["StoreCandidates", "StorePlanner"]
 
 
-class StoreCandidate(NamedTuple):
-    """One block that may be stored.
+@attrs.define(eq=False)
+class StoreCandidates:
+    """Blocks that may be stored, in order, as parallel columns (one item per block in each).
 
     Attributes:
-        block_hash: what the CPU copy commits as.
-        parent: the hash of the block before it in its request (``None`` for
-            the first block and for write-back candidates).
-        gpu_ids: the source GPU block of each KV group.
-        owner: the request incarnation whose GPU blocks it reads (``None`` for
-            a write-back candidate); the owner holds each batch it joins once.
-        held: the manager already holds one GPU reference on each of
-            ``gpu_ids`` (stores detached from an ended request, with a GPU pool).
+        hashes: what each CPU copy commits as.
+        parents: the hash of the block before each in its request (``None``
+            for a request's first block and for write-back candidates).
+        gpu_ids: per KV group, the source GPU block of each candidate.
+        owners: the request incarnation whose GPU blocks each reads (``None``
+            for a write-back candidate); an owner holds each batch it joins once.
+        held: the manager already holds one GPU reference on each source of
+            the candidate (stores detached from an ended request, with a GPU pool).
+
+    Invariants: every column (and every group's column) has one item per
+    candidate; a candidate's sources, flattened, are listed candidate by
+    candidate and group by group within one.
     """
 
-    block_hash: BlockHash
-    parent: BlockHash | None
-    gpu_ids: tuple[BlockId, ...]
-    owner: Request | None
-    held: bool
+    hashes: list[BlockHash]
+    parents: list[BlockHash | None]
+    gpu_ids: list[list[BlockId]]
+    owners: list[Request | None]
+    held: list[bool]
+
+    @classmethod
+    def empty(cls, num_groups: int) -> StoreCandidates:
+        """No candidate, for ``num_groups`` KV groups."""
+        return cls([], [], [[] for _ in range(num_groups)], [], [])
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def extend(self, other: StoreCandidates) -> None:
+        """Append ``other``'s candidates after these."""
+        self.hashes += other.hashes
+        self.parents += other.parents
+        for column, more in zip(self.gpu_ids, other.gpu_ids, strict=True):
+            column += more
+        self.owners += other.owners
+        self.held += other.held
+
+    def select(self, picks: list[int]) -> StoreCandidates:
+        """The candidates at positions ``picks``, in that order."""
+        hashes, parents, owners, held = self.hashes, self.parents, self.owners, self.held
+        return StoreCandidates([hashes[i] for i in picks], [parents[i] for i in picks],
+                               [[column[i] for i in picks] for column in self.gpu_ids],
+                               [owners[i] for i in picks], [held[i] for i in picks])
+
+    def sources(self, picks: Iterable[int]) -> list[BlockId]:
+        """The GPU sources of the candidates at positions ``picks``, candidate by candidate."""
+        columns = self.gpu_ids
+        if len(columns) == 1:
+            column = columns[0]
+            return [column[i] for i in picks]
+        return [column[i] for i in picks for column in columns]
+
+    def held_sources(self, picks: Iterable[int] | None = None) -> list[BlockId]:
+        """The GPU sources the manager holds references on, of the candidates at ``picks`` (default: all)."""
+        held = self.held
+        return self.sources(i for i in (range(len(held)) if picks is None else picks) if held[i])
 
 
 @attrs.define(eq=False)
@@ -86,18 +129,20 @@ class StorePlanner:
     null_block: int
     num_groups: int
     writeback: bool = False
-    _detached: list[StoreCandidate] = attrs.field(init=False, factory=list)
+    _detached: StoreCandidates = attrs.field(init=False)
     _inflight: set[BlockHash] = attrs.field(init=False, factory=set)
     # Incremental write-back (an EvictionWindow GPU pool): what the last pass offered, hashes of
     # window blocks in flight or on the CPU tier (hash -> GPU block), and blocks to offer again.
     _wb_incremental: bool = attrs.field(init=False, default=False)
     _wb_full: bool = attrs.field(init=False, default=True)
-    _wb_offered: list[StoreCandidate] = attrs.field(init=False, factory=list)
+    _wb_offered: StoreCandidates = attrs.field(init=False)
     _wb_flying: dict[BlockHash, BlockId] = attrs.field(init=False, factory=dict)
     _wb_covered: dict[BlockHash, BlockId] = attrs.field(init=False, factory=dict)
     _wb_recheck: dict[BlockId, None] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
+        self._detached = StoreCandidates.empty(self.num_groups)
+        self._wb_offered = StoreCandidates.empty(self.num_groups)
         if self.writeback and isinstance(self.gpu, EvictionWindow):
             self._wb_incremental = True
             self.cpu.add_evict_listener(self._wb_cpu_evicted)
@@ -122,11 +167,12 @@ class StorePlanner:
             ready = len(lookup(hashes[:r.num_confirmed_blocks]))
             needed = [i for i in queue if i >= ready and not lookup((hashes[i],))]
         self.stats.stores_deduplicated.add(len(queue) - len(needed))
-        entries = self._resolve(((r, needed),), held)
+        entries = StoreCandidates.empty(self.num_groups)
+        self._resolve(((r, needed),), held, entries)
         r.store_queue = []
         if self.gpu is not None:
-            self.gpu.incref([g for e in entries for g in e.gpu_ids])
-        self._detached += entries
+            self.gpu.incref(entries.sources(range(len(entries))))
+        self._detached.extend(entries)
         r.holds += len(entries)
 
     def plan(self, queued: Iterable[Request],
@@ -144,16 +190,18 @@ class StorePlanner:
             The batch and its per-group ``(src, dst)`` ids, or ``None`` if
             nothing is copied.
         """
-        detached, self._detached = self._detached, []
+        cands, self._detached = self._detached, StoreCandidates.empty(self.num_groups)
+        detached_owners = list(cands.owners)
         queued = [r for r in queued if r.store_queue]
-        cands = detached + self._resolve([(r, r.store_queue) for r in queued], False)
+        self._resolve([(r, r.store_queue) for r in queued], False, cands)
         for r in queued:
             r.store_queue = []
         if self.writeback:
-            cands += self._writeback_candidates()
+            cands.extend(self._writeback_candidates())
         planned = self._choose(cands, limit)
-        for c in detached:  # after the batch's hold, so an owner is released only when done
-            self.ended.drop_hold(c.owner)
+        drop_hold = self.ended.drop_hold
+        for owner in detached_owners:  # after the batch's hold, so an owner is released only when done
+            drop_hold(owner)
         return planned
 
     def prune(self) -> None:
@@ -161,17 +209,17 @@ class StorePlanner:
 
         Releases their GPU blocks (and a delayed free) now rather than at the next step.
         """
-        if not self._detached:
+        detached = self._detached
+        if not detached.hashes:
             return
         lookup = self.cpu.lookup
-        keep: list[StoreCandidate] = []
-        gone: list[StoreCandidate] = []
-        for e in self._detached:
-            (gone if lookup((e.block_hash,)) else keep).append(e)
-        self._detached = keep
-        if gone:
-            self.stats.stores_deduplicated.add(len(gone))
-            self._release(gone)
+        found = [bool(lookup((h,))) for h in detached.hashes]
+        if True not in found:
+            return
+        self._detached = detached.select([i for i, f in enumerate(found) if not f])
+        gone = detached.select([i for i, f in enumerate(found) if f])
+        self.stats.stores_deduplicated.add(len(gone))
+        self._release(gone)
 
     def settled(self, batch: Batch) -> None:
         """A store batch completed: its hashes are no longer in flight (unless a reset cleared them)."""
@@ -184,39 +232,52 @@ class StorePlanner:
         """Forget the in-flight hashes and release every detached store (a reset abandons them)."""
         self._inflight.clear()
         self._wb_full = True  # the CPU tier is emptied: the whole window is owed again
-        self._wb_offered, self._wb_flying, self._wb_covered, self._wb_recheck = [], {}, {}, {}
-        detached, self._detached = self._detached, []
+        self._wb_offered = StoreCandidates.empty(self.num_groups)
+        self._wb_flying, self._wb_covered, self._wb_recheck = {}, {}, {}
+        detached, self._detached = self._detached, StoreCandidates.empty(self.num_groups)
         self._release(detached)
 
     def gpu_refs(self) -> Counter[BlockId]:
         """GPU references held for detached stores."""
-        held: Counter[BlockId] = Counter()
-        for e in self._detached:
-            if e.held:
-                held.update(e.gpu_ids)
-        return held
+        return Counter(self._detached.held_sources())
 
     def check_invariants(self, inflight: list[BlockHash], holds: Counter[int]) -> None:
         """Check the in-flight set against ``inflight`` (the stores in flight); count owners' holds."""
         assert set(inflight) == self._inflight, "in-flight hash set != uncommitted stores"
-        for e in self._detached:
-            holds[id(e.owner)] += 1
+        for owner in self._detached.owners:
+            holds[id(owner)] += 1
 
-    def _resolve(self, queues: Iterable[tuple[Request, Iterable[int]]], held: bool) -> list[StoreCandidate]:
-        """Map each request's block indices to candidates; drop those a group lacks (the null block)."""
-        null, make = self.null_block, tuple.__new__  # skips NamedTuple's Python-level __new__
-        out: list[StoreCandidate] = []
-        append = out.append
+    def _resolve(self, queues: Iterable[tuple[Request, Iterable[int]]], held: bool, out: StoreCandidates) -> None:
+        """Append each request's block indices to ``out`` as candidates; drop those a group lacks (the null block).
+
+        A run of consecutive indices (the usual queue) is copied as slices of
+        the request's hashes and block table.
+        """
+        null, columns = self.null_block, out.gpu_ids
         for r, indices in queues:  # one call per step: the per-request cost is the hot path
+            idx = indices if indices.__class__ is list else list(indices)
+            if not idx:
+                continue
             hashes, rows = r.block_hashes, r.block_table
-            row = rows[0] if len(rows) == 1 else None
-            for i in indices:
-                ids = (row[i],) if row is not None else tuple([group[i] for group in rows])
-                if null not in ids:
-                    append(make(StoreCandidate, (hashes[i], hashes[i - 1] if i else None, ids, r, held)))
-        return out
+            first, stop = idx[0], idx[-1] + 1
+            if (stop - first == len(idx) and (len(idx) == 1 or idx == list(range(first, stop)))
+                    and not any(null in row[first:stop] for row in rows)):
+                out.hashes += hashes[first:stop]
+                out.parents += hashes[first - 1:stop - 1] if first else [None, *hashes[:stop - 1]]
+                for column, row in zip(columns, rows, strict=True):
+                    column += row[first:stop]
+                n = stop - first
+            else:
+                keep = [i for i in idx if all(row[i] != null for row in rows)]
+                out.hashes += [hashes[i] for i in keep]
+                out.parents += [hashes[i - 1] if i else None for i in keep]
+                for column, row in zip(columns, rows, strict=True):
+                    column += [row[i] for i in keep]
+                n = len(keep)
+            out.owners += [r] * n
+            out.held += [held] * n
 
-    def _writeback_candidates(self) -> list[StoreCandidate]:
+    def _writeback_candidates(self) -> StoreCandidates:
         """The GPU pool's next eviction candidates (as many as the policy asks for) that may lack a CPU copy.
 
         Incremental (an ``EvictionWindow`` pool): the blocks that joined the
@@ -238,8 +299,9 @@ class StorePlanner:
                 in_window = window.in_eviction_window
                 blocks = list(dict.fromkeys(entered + [b for b in self._wb_recheck if in_window(b)]))
             self._wb_recheck = {}
-        block_hash, make = gpu.block_hash, tuple.__new__  # as in _resolve: no Python-level __new__
-        offered = [make(StoreCandidate, (block_hash(b), None, (b,), None, False)) for b in blocks]
+        block_hash, n = gpu.block_hash, len(blocks)
+        hashes = cast(list[BlockHash], [block_hash(b) for b in blocks])  # candidates are ready, hence hashed
+        offered = StoreCandidates(hashes, [None] * n, [list(blocks)], [None] * n, [False] * n)
         if self._wb_incremental:
             self._wb_offered = offered
         return offered
@@ -260,15 +322,15 @@ class StorePlanner:
         """Sort the last pass's offers: in flight, covered by the CPU tier, or to offer again (dropped)."""
         inflight, lookup = self._inflight, self.cpu.lookup
         flying, covered, recheck = self._wb_flying, self._wb_covered, self._wb_recheck
-        for c in self._wb_offered:  # chosen or in flight elsewhere, on the CPU tier, or dropped (no room)
-            b = c.gpu_ids[0]
-            if c.block_hash in inflight:
-                flying[c.block_hash] = b
-            elif lookup((c.block_hash,)):
-                covered[c.block_hash] = b
+        offered = self._wb_offered
+        for h, b in zip(offered.hashes, offered.gpu_ids[0], strict=True):  # chosen or in flight elsewhere,
+            if h in inflight:  # on the CPU tier, or dropped (no room)
+                flying[h] = b
+            elif lookup((h,)):
+                covered[h] = b
             else:
                 recheck[b] = None
-        self._wb_offered = []
+        self._wb_offered = StoreCandidates.empty(self.num_groups)
 
     def _wb_cpu_evicted(self, block: BlockId, block_hash: BlockHash) -> None:
         """A CPU eviction: a window block covered by that hash is owed again."""
@@ -280,59 +342,64 @@ class StorePlanner:
         """A GPU eviction: the block holds other content from now on, its cover is moot."""
         self._wb_covered.pop(block_hash, None)
 
-    def _release(self, entries: list[StoreCandidate]) -> None:
+    def _release(self, entries: StoreCandidates) -> None:
         """Drop the GPU references held for candidates that will not be copied, and their owners' holds."""
-        self._unhold(entries)
-        for e in entries:
-            self.ended.drop_hold(e.owner)
+        self._unhold(entries.held_sources())
+        drop_hold = self.ended.drop_hold
+        for owner in entries.owners:
+            drop_hold(owner)
 
-    def _unhold(self, entries: list[StoreCandidate]) -> None:
-        held = [g for e in entries if e.held for g in e.gpu_ids]
+    def _unhold(self, held: list[BlockId]) -> None:
         if held:
             assert self.gpu is not None, "references are held only with a GPU pool"
             self.gpu.decref(held)
 
-    def _choose(self, cands: list[StoreCandidate],
+    def _choose(self, cands: StoreCandidates,
                 limit: float) -> tuple[Batch, list[list[BlockId]], list[list[BlockId]]] | None:
         """Pick the candidates to copy (at most ``limit``) and allocate their CPU blocks; skipped ones drop
         their GPU holds."""
         cpu, gpu, inflight, stats = self.cpu, self.gpu, self._inflight, self.stats
-        cpu_lookup = cpu.lookup
-        chosen, skipped = [], []
+        cpu_lookup, hashes = cpu.lookup, cands.hashes
+        chosen: list[int] = []
+        skipped: list[int] = []
         flying = 0
-        for c in cands:  # deduplicate against stores in flight and this step, and the CPU tier
-            if c.block_hash in inflight:
+        for i, h in enumerate(hashes):  # deduplicate against stores in flight and this step, and the CPU tier
+            if h in inflight:
                 flying += 1
-                skipped.append(c)
-            elif cpu_lookup((c.block_hash,)):
-                skipped.append(c)
+                skipped.append(i)
+            elif cpu_lookup((h,)):
+                skipped.append(i)
             else:
-                inflight.add(c.block_hash)
-                chosen.append(c)
+                inflight.add(h)
+                chosen.append(i)
         stats.stores_in_flight.add(flying)
         stats.stores_deduplicated.add(len(skipped) - flying)
         free = cpu.num_free
         keep = int(min(free, limit))
         if len(chosen) > keep:  # store fewer, never fail the engine
-            for c in chosen[keep:]:
-                inflight.discard(c.block_hash)
+            for i in chosen[keep:]:
+                inflight.discard(hashes[i])
             skipped += chosen[keep:]
             (stats.stores_dropped if keep == free else stats.stores_backpressured).add(len(chosen) - keep)
             del chosen[keep:]
         cpu_blocks = cpu.allocate(len(chosen)) if chosen else []
-        self._unhold(skipped)
+        self._unhold(cands.held_sources(skipped))
+        held = cands.held
         if gpu is not None:
-            fresh = [g for c in chosen if not c.held for g in c.gpu_ids]
+            fresh = cands.sources([i for i in chosen if not held[i]] if True in held else chosen)
             if fresh:
                 gpu.incref(fresh)
-        owners = list({id(c.owner): c.owner for c in chosen if c.owner is not None}.values())
+        owners_of = cands.owners
+        distinct = dict.fromkeys([owners_of[i] for i in chosen])
+        distinct.pop(None, None)
+        owners = cast(list[Request], list(distinct))
         for r in owners:
             r.holds += 1
         if not chosen:
             return None
-        groups = range(self.num_groups)
-        src = [[c.gpu_ids[g] for c in chosen] for g in groups]
+        picked = cands if len(chosen) == len(hashes) else cands.select(chosen)  # chosen ascends: all of them
+        src = picked.gpu_ids
         batch = Batch(Direction.STORE, cpu_blocks,
                       [b for row in src for b in row] if gpu is not None else [], owners,
-                      hashes=[c.block_hash for c in chosen], parents=[c.parent for c in chosen])
-        return batch, src, [cpu_blocks for _ in groups]
+                      hashes=picked.hashes, parents=picked.parents)
+        return batch, src, [cpu_blocks for _ in range(self.num_groups)]

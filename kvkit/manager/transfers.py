@@ -114,9 +114,11 @@ class Batch:
             if (self.direction is Direction.STORE) is not self.shared:  # a CPU store or a fetch commits
                 landed = cpu.commit(self.cpu_blocks, self.hashes, self.parents)
                 parents = self.parents or [None] * len(self.hashes)
-                kept = [(h, p) for h, p, c in zip(self.hashes, parents, landed, strict=True) if c]
-                self.committed = [h for h, _ in kept]
-                self.committed_parents = [p for _, p in kept]
+                if False not in landed:  # the usual case: every block committed
+                    self.committed, self.committed_parents = list(self.hashes), list(parents)
+                else:
+                    self.committed = [h for h, c in zip(self.hashes, landed, strict=True) if c]
+                    self.committed_parents = [p for p, c in zip(parents, landed, strict=True) if c]
                 if not self.shared:
                     count = len(self.committed)  # a store that lost to an equal hash stored nothing
             blocks, moved = _COUNTERS[self.direction, self.shared]
