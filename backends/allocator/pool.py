@@ -272,7 +272,7 @@ class BlockPool(EvictionWindow):
                 f"cannot allocate {plural(n, 'block')}: policy {type(self._policy).__name__} "
                 f"found fewer than {need} evictable of {self._num_evictable}"
             )
-        evicted = self._evict(victims, need)
+        gone = self._evict(victims, need)
         self._version += 1
         blocks = empty[::-1]
         empty.clear()
@@ -280,12 +280,12 @@ class BlockPool(EvictionWindow):
         for b in blocks:
             ref[b] = 1
         for listener in self._listeners:
-            for b, h in evicted:
+            for b, h in zip(victims, gone):
                 listener(b, h)
         return blocks
 
-    def _evict(self, victims: list[BlockId], need: int) -> list[tuple[BlockId, BlockHash]]:
-        """Drop ``victims`` from the index and the policy; sorts them to coalesce runs."""
+    def _evict(self, victims: list[BlockId], need: int) -> list[BlockHash]:
+        """Drop ``victims`` from the index and the policy, sorting them to coalesce runs; their hashes, in order."""
         hashes = self._hash
         # A policy bug here would break invariant 10, so check before changing anything (C-level
         # passes over the victims: evictable means unreferenced and ready).
@@ -296,20 +296,20 @@ class BlockPool(EvictionWindow):
             f"policy chose a non-evictable block: {victims!r}"
         victims.sort()
         index, batch = self._index, self._batch
-        on_remove = self._policy.on_remove if batch is None else None
+        gone = cast(list[BlockHash], list(map(hashes.__getitem__, victims)))  # ready (checked): no None
         if batch is not None:
             batch.remove_many(victims)  # the policy hears of each block before its hash and entry go
-        evicted = []
-        for b in victims:
-            h = hashes[b]
-            assert h is not None  # checked above: victims are evictable, hence ready
-            if on_remove is not None:
+            for b, h in zip(victims, gone):
+                hashes[b] = None
+                del index[h]
+        else:
+            on_remove = self._policy.on_remove
+            for b, h in zip(victims, gone):
                 on_remove(b)  # before its hash and entry go: an IndexedPolicy reads them
-            hashes[b] = None
-            del index[h]
-            evicted.append((b, h))
+                hashes[b] = None
+                del index[h]
         self._num_evictable -= need
-        return evicted
+        return gone
 
     # -- references ----------------------------------------------------------
 
