@@ -115,6 +115,7 @@ from kvkit.manager.step import CompletionReport, StepPlan
 from kvkit.manager.stores import StorePlanner
 from kvkit.manager.transfers import Batch, TransferTable
 from kvkit.shared.scheduler import SharedTier, SharedTierSpec
+from kvkit.stats import Counter as StatCounter
 from kvkit.stats import OffloadStats
 from kvkit.validate import at_least, int_problem, optional_at_least, plural, quote
 
@@ -231,12 +232,12 @@ class OffloadManager:
                 raise ConfigError(f"shared must be a SharedTierSpec or None, got {self.shared!r}")
             self._shared = SharedTier(self.shared, self.cpu, self.world_size, self.stats, self._events,
                                       self.kv.bytes_per_block, WriteGate(self.put_backpressure))
-        self.cpu.add_evict_listener(self._on_cpu_evict)
+        self.cpu.add_evict_listener(self._evict_listener(Tier.CPU, self.stats.evictions_cpu))
         policy = getattr(self.cpu, "policy", None)
         if isinstance(policy, HintAwarePolicy):
             self._hint_sink = policy.on_hints
         if self.gpu is not None:
-            self.gpu.add_evict_listener(self._on_gpu_evict)
+            self.gpu.add_evict_listener(self._evict_listener(Tier.GPU, self.stats.evictions_gpu))
         if self.planner is not None and not isinstance(self.planner, LoadPlanner):
             raise ConfigError(f"planner must be a LoadPlanner or None, got {self.planner!r}")
 
@@ -347,8 +348,8 @@ class OffloadManager:
         hashes.extend(new_hashes)
         if full > r.num_tokens:
             r.num_tokens = full
-        if r.state is _RUNNING:
-            self._confirm(r)
+        if r.state is _RUNNING and r.num_computed_tokens // self.kv.block_size > r.num_confirmed_blocks:
+            self._confirm(r)  # computed blocks waited for these hashes
 
     def lookup(self, request_id: str, gpu_hit_tokens: int, *,
                num_tokens: int | None = None) -> int:
@@ -1069,13 +1070,17 @@ class OffloadManager:
         self.stats.resets.add()
         self._events.emit("on_reset", dropped)
 
-    def _on_cpu_evict(self, block: BlockId, block_hash: BlockHash) -> None:
-        self.stats.evictions_cpu.add()
-        self._events.emit("on_evict", Tier.CPU, block, block_hash)
+    def _evict_listener(self, tier: Tier, counter: StatCounter) -> Callable[[BlockId, BlockHash], None]:
+        """The listener of ``tier``'s evictions: counts each in ``counter``; with callbacks, emits ``on_evict``."""
+        count, emit = counter.add, self._events.emit
+        if not self._events.callbacks:  # one call per evicted block: the count alone
+            return lambda block, block_hash: count()
 
-    def _on_gpu_evict(self, block: BlockId, block_hash: BlockHash) -> None:
-        self.stats.evictions_gpu.add()
-        self._events.emit("on_evict", Tier.GPU, block, block_hash)
+        def counted(block: BlockId, block_hash: BlockHash) -> None:
+            count()
+            emit("on_evict", tier, block, block_hash)
+
+        return counted
 
 
 def _check_parts(spec: object, cpu: object, gpu: object, store: object,

@@ -150,10 +150,13 @@ def check_hashes(request_id: str, hashes: object, what: str = "block_hashes") ->
         HashInputError: not an iterable of integers (``bool``, ``str``, floats,
             ``None``... are refused), quoting the first bad element.
     """
-    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+    if hashes.__class__ is list:  # the usual argument: no ABC check
+        out = hashes.copy()
+    elif isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
         raise HashInputError(f"request {request_id!r}: {what} must be a sequence of int hashes, "
                              f"got {hashes!r}")
-    out = list(hashes)
+    else:
+        out = list(hashes)
     if set(map(type, out)) <= _INT:  # the common case, checked at C speed
         return out
     for i, h in enumerate(out):

@@ -251,31 +251,44 @@ class StorePlanner:
         """Append each request's block indices to ``out`` as candidates; drop those a group lacks (the null block).
 
         A run of consecutive indices (the usual queue) is copied as slices of
-        the request's hashes and block table.
+        the request's hashes and block table; a single index (a decode step's
+        block) is appended item by item.
         """
         null, columns = self.null_block, out.gpu_ids
+        out_hashes, out_parents, out_owners, out_held = out.hashes, out.parents, out.owners, out.held
+        one_group = columns[0] if len(columns) == 1 else None
         for r, indices in queues:  # one call per step: the per-request cost is the hot path
             idx = indices if indices.__class__ is list else list(indices)
             if not idx:
                 continue
             hashes, rows = r.block_hashes, r.block_table
+            if len(idx) == 1 and one_group is not None:
+                i = idx[0]
+                b = rows[0][i]
+                if b != null:
+                    out_hashes.append(hashes[i])
+                    out_parents.append(hashes[i - 1] if i else None)
+                    one_group.append(b)
+                    out_owners.append(r)
+                    out_held.append(held)
+                continue
             first, stop = idx[0], idx[-1] + 1
             if (stop - first == len(idx) and (len(idx) == 1 or idx == list(range(first, stop)))
                     and not any(null in row[first:stop] for row in rows)):
-                out.hashes += hashes[first:stop]
-                out.parents += hashes[first - 1:stop - 1] if first else [None, *hashes[:stop - 1]]
+                out_hashes += hashes[first:stop]
+                out_parents += hashes[first - 1:stop - 1] if first else [None, *hashes[:stop - 1]]
                 for column, row in zip(columns, rows, strict=True):
                     column += row[first:stop]
                 n = stop - first
             else:
                 keep = [i for i in idx if all(row[i] != null for row in rows)]
-                out.hashes += [hashes[i] for i in keep]
-                out.parents += [hashes[i - 1] if i else None for i in keep]
+                out_hashes += [hashes[i] for i in keep]
+                out_parents += [hashes[i - 1] if i else None for i in keep]
                 for column, row in zip(columns, rows, strict=True):
                     column += [row[i] for i in keep]
                 n = len(keep)
-            out.owners += [r] * n
-            out.held += [held] * n
+            out_owners += [r] * n
+            out_held += [held] * n
 
     def _writeback_candidates(self) -> StoreCandidates:
         """The GPU pool's next eviction candidates (as many as the policy asks for) that may lack a CPU copy.
