@@ -630,8 +630,8 @@ class OffloadManager:
         r = (self._requests.get(request_id) if request_id.__class__ is str else None) or self._live(request_id)
         if r.state is not _RUNNING:
             raise wrong_state(r, "on_computed needs a running request")
-        table = r.block_table
-        capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * self.kv.block_size
+        table, bs = r.block_table, self.kv.block_size
+        capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * bs
         n = num_computed_tokens if num_computed_tokens.__class__ is int else as_count(num_computed_tokens)
         if n is None or n < r.num_computed_tokens or n > capacity:
             raise RequestStateError(
@@ -640,7 +640,8 @@ class OffloadManager:
         r.num_computed_tokens = n
         if n > r.num_tokens:
             r.num_tokens = n
-        self._confirm(r)
+        if n // bs > r.num_confirmed_blocks:  # else no block can be newly confirmed
+            self._confirm(r)
 
     def finish(self, request_id: str, num_computed_tokens: int | None = None) -> bool:
         """The request finished; flush its stores (policy ``on_finished``) and end it.
