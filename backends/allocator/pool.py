@@ -317,20 +317,25 @@ class BlockPool(EvictionWindow):
     def incref(self, blocks: Sequence[BlockId]) -> None:
         blocks = _as_list(blocks, "blocks")
         ref, hashes = self._ref, self._hash
+        pinned = []  # were evictable
+        done = 0
         try:
             for b in blocks:
                 if b.__class__ is not int or b < 0:
                     raise IndexError
-                if not ref[b] and hashes[b] is None:  # ref[b]: IndexError past the end
-                    raise RefcountError(f"cannot incref empty block {b!r} (no content)")
-        except IndexError:
+                r = ref[b]  # IndexError past the end
+                if not r:
+                    if hashes[b] is None:
+                        raise RefcountError(f"cannot incref empty block {b!r} (no content)")
+                    pinned.append(b)
+                ref[b] = r + 1
+                done += 1
+        except (IndexError, RefcountError) as exc:
+            for b_done in blocks[:done]:  # roll back: failing calls change nothing
+                ref[b_done] -= 1
+            if isinstance(exc, RefcountError):
+                raise
             return self.incref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
-        pinned = []
-        for b in blocks:
-            r = ref[b]
-            if not r:
-                pinned.append(b)  # was evictable (validated: not empty)
-            ref[b] = r + 1
         if pinned:
             self._num_evictable -= len(pinned)
             self._version += 1
@@ -351,19 +356,25 @@ class BlockPool(EvictionWindow):
     @override
     def decref(self, blocks: Sequence[BlockId]) -> None:
         blocks = _as_list(blocks, "blocks")
-        ref = self._ref
-        zeroed = []
+        ref, hashes = self._ref, self._hash
+        freed: list[BlockId] = []  # not ready (or dropped by a forced reset): its content is worthless
+        unpinned: list[BlockId] = []
         done = 0
         try:
             for b in blocks:
                 if b.__class__ is not int or b < 0:
                     raise IndexError
                 r = ref[b]  # IndexError past the end
-                if not r:
-                    raise RefcountError(f"cannot decref block {b!r}: refcount would go below 0")
-                ref[b] = r - 1
                 if r == 1:
-                    zeroed.append(b)
+                    ref[b] = 0
+                    if hashes[b] is None:
+                        freed.append(b)
+                    else:
+                        unpinned.append(b)
+                elif r:
+                    ref[b] = r - 1
+                else:
+                    raise RefcountError(f"cannot decref block {b!r}: refcount would go below 0")
                 done += 1
         except (IndexError, RefcountError) as exc:
             for b_done in blocks[:done]:  # roll back: failing calls change nothing
@@ -371,12 +382,6 @@ class BlockPool(EvictionWindow):
             if isinstance(exc, RefcountError):
                 raise
             return self.decref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
-        hashes, freed, unpinned = self._hash, [], []
-        for b in zeroed:
-            if hashes[b] is None:
-                freed.append(b)  # not ready (or dropped by a forced reset): its content is worthless
-            else:
-                unpinned.append(b)
         if unpinned:
             batch = self._batch
             self._tell(unpinned, self._on_unpin, None if batch is None else batch.unpin_many)

@@ -73,7 +73,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import cast
 
 import attrs
 
@@ -604,11 +603,11 @@ class OffloadManager:
         rows = new_block_ids
         if (rows.__class__ is list and len(rows) == 1 and rows[0].__class__ is list and len(rows[0]) == 1
                 and len(r.block_table) == 1):  # one decode block: O(1)
-            b = rows[0][0]
+            b: BlockId = rows[0][0]  # an id once checked next (no cast call: the hot path)
             if (b.__class__ is int and b not in taken and 0 <= b != self.null_block
                     and (limit is None or b < limit)):
-                r.block_table[0].append(cast(BlockId, b))
-                taken.add(cast(BlockId, b))
+                r.block_table[0].append(b)
+                taken.add(b)
                 return
         rows = check_rows(request_id, rows, len(r.block_table), limit, self.null_block, taken,
                           "appended blocks")
