@@ -35,6 +35,7 @@ from kvkit.validate import check_bool, check_int, checked, is_int, plural, quote
 __all__ = ["BlockPool"]
 
 _T = TypeVar("_T")
+_PARENT_TYPES = {int, type(None)}  # a parent hash as given: an int or None
 _BYTES_PER_BLOCK = 56  # refcount and hash slots, the empty stack's slot and its id object
 
 
@@ -292,11 +293,11 @@ class BlockPool(EvictionWindow):
         assert len(victims) == need and len(set(victims)) == need, (
             f"policy returned {victims!r} for {need} victims"
         )
-        assert not any(map(self._ref.__getitem__, victims)) and None not in map(hashes.__getitem__, victims), \
-            f"policy chose a non-evictable block: {victims!r}"
         victims.sort()
+        gone = cast(list[BlockHash], list(map(hashes.__getitem__, victims)))
+        assert not any(map(self._ref.__getitem__, victims)) and None not in gone, \
+            f"policy chose a non-evictable block: {victims!r}"
         index, batch = self._index, self._batch
-        gone = cast(list[BlockHash], list(map(hashes.__getitem__, victims)))  # ready (checked): no None
         if batch is not None:
             batch.remove_many(victims)  # the policy hears of each block before its hash and entry go
             for b, h in zip(victims, gone):
@@ -425,7 +426,7 @@ class BlockPool(EvictionWindow):
         if count > 1 and len(set(blocks)) != count:
             raise PoolUsageError(f"commit names a block twice: {quote(list(blocks))}")
         parent_of: Iterable[BlockHash | None] = repeat(None) if parents is None else parents
-        if parents is not None and not all(p is None or p.__class__ is int for p in parents):
+        if parents is not None and not set(map(type, parents)) <= _PARENT_TYPES:  # checked at C speed
             parent_of = [None if p is None else _hash(p, "parent hashes must be ints or None") for p in parents]
         setdefault, batch = self._index.setdefault, self._batch
         on_insert, on_pin = (self._policy.on_insert, self._on_pin) if batch is None else (None, None)
