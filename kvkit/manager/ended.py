@@ -57,11 +57,12 @@ class EndedRequests:
         else:
             self._remember(r.request_id)
 
-    def drop_hold(self, r: Request | None) -> None:
-        """One batch or detached store of ``r`` is done; release a parked ``r`` at its last hold."""
+    def drop_hold(self, r: Request | None, n: int = 1) -> None:
+        """``n`` (at most ``r.holds``) batches or detached stores of ``r`` are done; release a parked ``r`` at its
+        last hold."""
         if r is None:
             return
-        r.holds -= 1
+        r.holds -= n
         if not r.holds and r.state is RequestState.ENDED and r.delay_free:
             rid = r.request_id
             self._released.add(rid)
