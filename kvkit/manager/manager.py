@@ -1072,12 +1072,16 @@ class OffloadManager:
 
     def _evict_listener(self, tier: Tier, counter: StatCounter) -> Callable[[BlockId, BlockHash], None]:
         """The listener of ``tier``'s evictions: counts each in ``counter``; with callbacks, emits ``on_evict``."""
-        count, emit = counter.add, self._events.emit
+        emit = self._events.emit
         if not self._events.callbacks:  # one call per evicted block: the count alone
-            return lambda block, block_hash: count()
+
+            def count(block: BlockId, block_hash: BlockHash) -> None:
+                counter.value += 1  # Counter.add(1), inlined
+
+            return count
 
         def counted(block: BlockId, block_hash: BlockHash) -> None:
-            count()
+            counter.value += 1
             emit("on_evict", tier, block, block_hash)
 
         return counted

@@ -328,6 +328,39 @@ def test_block_missing_in_one_group_is_not_stored():
     assert len(mgr.cpu.lookup(hashes(1, 3)[1:])) == 2
 
 
+class _ScrambledStore(EagerStore):
+    """Chooses confirmed blocks out of order, with a gap and a repeat (a run of one request is the usual case)."""
+
+    def on_computed(self, request: RequestView, start: int, stop: int) -> list[int]:
+        return [4, 0, 3, 1, 3] if stop == 5 else []
+
+
+class _Stored(OffloadCallback):
+    def __init__(self) -> None:
+        self.stored: list[tuple[list[int], list[int | None]]] = []
+
+    def on_cpu_stored(self, hashes, parents) -> None:
+        self.stored.append((list(hashes), list(parents)))
+
+
+def test_scrambled_store_choice_keeps_each_block_with_its_hash_parent_and_sources():
+    """Blocks a policy chooses in any order are copied in that order, each from its own GPU block in every
+    group, and commit under their own hash and parent; a null in one group drops the block, a repeat is one copy."""
+    seen = _Stored()
+    mgr = make(_ScrambledStore(), spec=HYBRID, gpu=24, callbacks=[seen])
+    hs = hashes(3, 5)
+    mgr.add_request("a", hs, 21)
+    mgr.lookup("a", 0)
+    full, window = mgr.gpu.allocate(6), [-1, *mgr.gpu.allocate(5)]
+    mgr.on_allocated("a", [full, window])
+    mgr.on_computed("a", 21)
+    plan = mgr.build_step()
+    assert [p.src.tolist() for _, p in plan.stores] == [[full[4], full[3], full[1]], [window[4], window[3], window[1]]]
+    mgr.apply_completions(results(plan))
+    assert seen.stored == [([hs[4], hs[3], hs[1]], [hs[3], hs[2], hs[0]])]
+    assert mgr.stats.stores_in_flight.value == 1  # the repeat: its first choice is in flight
+
+
 # -- stores --------------------------------------------------------------------
 
 
