@@ -335,8 +335,9 @@ class StorePlanner:
         inflight, lookup = self._inflight, self.cpu.lookup
         flying, covered, recheck = self._wb_flying, self._wb_covered, self._wb_recheck
         offered = self._wb_offered
-        for h, b in zip(offered.hashes, offered.gpu_ids[0], strict=True):  # chosen or in flight elsewhere,
-            if h in inflight:  # on the CPU tier, or dropped (no room)
+        # Each was chosen or is in flight elsewhere, is on the CPU tier, or was dropped (no room).
+        for h, b in zip(offered.hashes, offered.gpu_ids[0], strict=True):
+            if h in inflight:
                 flying[h] = b
             elif lookup((h,)):
                 covered[h] = b
@@ -413,7 +414,8 @@ class StorePlanner:
             r.holds += 1
         if not chosen:
             return None
-        picked = cands if len(chosen) == len(hashes) else cands.select(chosen)  # chosen ascends: all of them
+        # ``chosen`` ascends, so as many as the candidates means every one, in order.
+        picked = cands if len(chosen) == len(hashes) else cands.select(chosen)
         src = picked.gpu_ids
         batch = Batch(Direction.STORE, cpu_blocks,
                       [b for row in src for b in row] if gpu is not None else [], owners,
