@@ -14,6 +14,7 @@ ids are remembered, oldest dropped first.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import attrs
@@ -30,7 +31,7 @@ class EndedRequests:
     """Parked incarnations awaiting their delayed free, recently ended ids, ids released."""
 
     _parked: dict[str, Request] = attrs.field(init=False, factory=dict)
-    _recent: dict[str, None] = attrs.field(init=False, factory=dict)
+    _recent: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)  # O(1) pop of the oldest
     _released: set[str] = attrs.field(init=False, factory=set)
 
     def __contains__(self, request_id: str) -> bool:
@@ -86,4 +87,4 @@ class EndedRequests:
     def _remember(self, rid: str) -> None:
         self._recent[rid] = None
         if len(self._recent) > _REMEMBER_ENDED:
-            del self._recent[next(iter(self._recent))]
+            self._recent.popitem(last=False)
