@@ -22,7 +22,7 @@ from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
-from kvkit.validate import check_int, quote, real_in
+from kvkit.validate import at_least, check_int, quote, real_in
 
 __all__ = ["LEAF", "PARENT", "REUSE_LEVELS", "TIP", "HitDensityPolicy", "block_class", "reuse_level"]
 
@@ -40,6 +40,7 @@ _CENSUS_LIMIT = 1 << 18  # entries a refresh reads at most per census (beyond: a
 _NONE = -1  # no block, in the list links
 _NEVER = sys.maxsize  # a clock no policy reaches
 _MAX_USES = 255  # reuse counts saturate here (a byte each): far past the last level's least count
+_GHOST_ENTRY_BYTES = 192  # a ghost's memory at most: its map entry, array slots and 128-bit hash (tests measure it)
 _IntPredicate = Callable[[int], bool]
 _Blocks = list[BlockId]
 _UNTRACKED, _LISTED, _PARKED = 0, 1, FlatChains.PARKED  # where a block id is
@@ -217,6 +218,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             period. ``None`` learns it (:class:`~kvkit.backends.eviction._common.LearnsCapacity`).
         ghost_span: how many pools' worth of evictions the ghost covers; it
             bounds the longest reuse the policy can learn to wait for.
+        ghost_bytes: the ghost's memory bound: it holds at most
+            ``ghost_bytes // 192`` hashes (192 bytes bound one ghost), so at
+            the default 256 MiB it covers fewer than ``ghost_span`` pools
+            above about 175,000 blocks.
         shift_alpha: significance level of the popularity-shift test (a false
             alarm restarts the counts); 0 turns it off.
 
@@ -226,7 +231,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
           cached child is a parent, and the tip is the block stored last, if
           it is still tracked and the next store has not come.
         * The ghost holds only hashes of untracked blocks, evicted within
-          the last ``ghost_span * capacity`` evictions, oldest first.
+          the last ``min(ghost_span * capacity, ghost_bytes // 192)``
+          evictions, oldest first.
         * A refresh reads the (class, last access) of every tracked block
           and of every ghost, at most ``2**18`` entries of each (a strided,
           reweighted sample beyond).
@@ -240,6 +246,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     ghost_span: float = attrs.field(default=8.0, validator=real_in(low=1, high=math.inf, high_open=True,
                                                                    label="HitDensityPolicy."))
+    ghost_bytes: int = attrs.field(default=256 << 20, validator=at_least(_GHOST_ENTRY_BYTES,
+                                                                        label="HitDensityPolicy."))
     shift_alpha: float = attrs.field(default=1e-3, validator=real_in(low=0, high=1, high_open=True,
                                                                      label="HitDensityPolicy."))
     # Per block id: where it is (_UNTRACKED, _LISTED, _PARKED), its class, reuse count and last access,
@@ -464,7 +472,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             ghost_live.append(1)
         self._tracked -= len(block_hashes)
         self._evictions, self._turnover = evictions, turnover
-        self._forget_ghosts(evictions - self.ghost_span * c)
+        self._forget_ghosts(evictions - self._ghost_limit(c))
 
     def use_index(self, index: Mapping[BlockHash, BlockId], hashes: Sequence[BlockHash | None],
                   num_blocks: int) -> None:
@@ -697,6 +705,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             yield BlockId(block)
             block = nxt[block]
 
+    def _ghost_limit(self, capacity: int) -> float:
+        """How many of the latest evictions the ghost covers: ``ghost_span`` pools, within ``ghost_bytes``."""
+        return min(self.ghost_span * capacity, self.ghost_bytes // _GHOST_ENTRY_BYTES)
+
     def _forget_ghosts(self, horizon: float) -> None:
         """Forget the ghosts evicted at or before ``horizon`` (censored at their age); compact the arrays."""
         base, live = self._ghost_base, self._ghost_live
@@ -833,7 +845,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         assert dict(ghosts) == {e: h for h, e in self._ghost_at.items()}, "ghost map drifted"
         assert all(e >= self._ghost_oldest for e, _ in ghosts), "a ghost older than the oldest"
         for e, ghost_hash in ghosts:
-            assert e > self._evictions - self.ghost_span * max(self.c, 1), f"ghost {ghost_hash} outlived its span"
+            assert e > self._evictions - self._ghost_limit(max(self.c, 1)), f"ghost {ghost_hash} outlived its span"
             assert not self._chains.has_hash(ghost_hash), f"ghost {ghost_hash} is tracked"
         for ghost_hash, recent in self._ghost_recent.items():
             at = self._ghost_at.get(ghost_hash)

@@ -650,6 +650,45 @@ def test_the_ghost_is_bounded_by_its_span():
     policy.check_invariants()
 
 
+
+@given(st.integers(2, 40), st.integers(1, 12))
+def test_the_ghost_is_bounded_in_bytes(capacity, entries):
+    """``ghost_bytes`` caps the ghost below ``ghost_span`` pools when it binds: at most ``ghost_bytes // 192``."""
+    policy = HitDensityPolicy(capacity=capacity, ghost_span=4, ghost_bytes=192 * entries + 191)
+    for b in range(6 * capacity):
+        policy.on_insert(b, 1000 + b, None)
+        policy.on_remove(b)
+    assert policy.num_ghosts == min(4 * capacity, entries)
+    policy.check_invariants()
+
+
+def test_a_ghost_costs_at_most_the_bytes_its_bound_counts():
+    """The bytes ``ghost_bytes`` counts per ghost (192) cover what a ghost holds: its map entry, array slots and
+    its 128-bit hash (the pool no longer holds it), at every size up to 200,000 ghosts (the map's resizes included)."""
+    import gc
+    import tracemalloc
+
+    from kvkit.backends.eviction.hit_density import _GHOST_ENTRY_BYTES
+
+    policy = HitDensityPolicy(capacity=1 << 20, ghost_span=8)
+    for b in range(1000):
+        policy.on_insert(b, (1 << 127) + b, None)
+    gc.collect()
+    tracemalloc.start()
+    worst = 0.0
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1000, 201_000):
+            policy.on_remove(i % 1000)
+            policy.on_insert(i % 1000, (1 << 127) + i, None)
+            if i % 5000 == 0:
+                worst = max(worst, (tracemalloc.get_traced_memory()[0] - before) / policy.num_ghosts)
+    finally:
+        tracemalloc.stop()
+    assert policy.num_ghosts == 200_000
+    assert 0 < worst <= _GHOST_ENTRY_BYTES, worst
+
+
 @settings(max_examples=12)
 @given(st.integers(1, 2500), st.booleans(), st.sampled_from([1.0, 2.5, 8.0, 64.0]))
 @example(100, True, 8.0)
