@@ -160,44 +160,74 @@ class FlatChains:
             PoolUsageError: ``block`` or ``block_hash`` is already tracked
                 (``owner`` names the policy in the message).
         """
-        if self._up[block] != _UNTRACKED:
-            raise already_tracked(owner, block)
-        other = self._tracked_block(block_hash)
-        if other is not None:
-            raise hash_already_tracked(owner, block, block_hash, other)
-        if parent == block_hash:
-            parent = None
-        if self._own is not None:
-            self._hash[block] = block_hash
-            self._own[block_hash] = block
-        up = self._up
-        first = self._waiting.pop(block_hash, _NONE)
-        if first != _NONE:  # its children were orphans: their parent is back
-            self._first[block] = first
-            child, nxt, orphans, orphan_of = first, self._next, self._orphans, self._orphan_of
-            while True:
-                orphans.remove(BlockId(child))
-                del orphan_of[BlockId(child)]
-                up[child] = block
-                child = nxt[child]
-                if child == first:
-                    break
-        if parent is None:
-            up[block] = _NONE
-            return None
-        parent_block = self._tracked_block(parent)
-        if parent_block is None:
-            up[block] = _ORPHAN
-            self._orphan_of[block] = parent
-            self._waiting[parent] = self._link(block, self._waiting.get(parent, _NONE))
-            self._orphans.add(block, pinned or self.parked[block] == self.PARKED)
-        else:
+        parent_blocks, _, refusal = self.add_many(owner, (block,), (block_hash,), (parent,), pinned)
+        if refusal is not None:
+            raise refusal
+        return BlockId(parent_blocks[0]) if parent_blocks[0] != _NONE else None
+
+    def add_many(self, owner: object, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                 parents: Sequence[BlockHash | None],
+                 pinned: bool = False) -> tuple[list[int], list[bool], PoolUsageError | None]:
+        """:meth:`add` for each block, in order (ids below the grown size), until one is refused.
+
+        Returns, per block added, its parent's block (``-1`` where the parent
+        hash is ``None``, the block's own or not tracked) and whether it had
+        children the moment it was added (the orphans waiting for its hash);
+        then the refusal, ``None`` when every block was added, which the owner
+        raises once it has booked those added (a refused block and those
+        after it change nothing).
+        """
+        up, first_of, nxt, prv = self._up, self._first, self._next, self._prev
+        waiting, orphans, orphan_of, own, hash_of = self._waiting, self._orphans, self._orphan_of, self._own, \
+            self._hash
+        lookup, parked, mark, size = self._block_of.get, self.parked, self.PARKED, len(self._up)
+        parent_blocks: list[int] = []
+        fresh: list[bool] = []
+        for block, block_hash, parent in zip(blocks, hashes, parents):
+            if up[block] != _UNTRACKED:
+                return parent_blocks, fresh, already_tracked(owner, block)
+            other = lookup(block_hash)
+            if other is not None and other < size and up[other] != _UNTRACKED:
+                return parent_blocks, fresh, hash_already_tracked(owner, block, block_hash, other)
+            if own is not None:
+                hash_of[block] = block_hash
+                own[block_hash] = block
+            first = waiting.pop(block_hash, _NONE)
+            if first != _NONE:  # its children were orphans: their parent is back
+                first_of[block] = first
+                child = first
+                while True:
+                    orphans.remove(BlockId(child))
+                    del orphan_of[BlockId(child)]
+                    up[child] = block
+                    child = nxt[child]
+                    if child == first:
+                        break
+            fresh.append(first != _NONE)
+            if parent is None or parent == block_hash:
+                up[block] = _NONE
+                parent_blocks.append(_NONE)
+                continue
+            parent_block = lookup(parent)
+            if parent_block is None or parent_block >= size or up[parent_block] == _UNTRACKED:
+                up[block] = _ORPHAN
+                orphan_of[block] = parent
+                waiting[parent] = self._link(block, waiting.get(parent, _NONE))
+                orphans.add(block, pinned or parked[block] == mark)
+                parent_blocks.append(_NONE)
+                continue
             up[block] = parent_block
-            self._first[parent_block] = self._link(block, self._first[parent_block])
+            head = first_of[parent_block]
+            if head == _NONE:  # self._link, inlined: the hot path
+                nxt[block] = prv[block] = first_of[parent_block] = block
+            else:
+                last = prv[head]
+                nxt[last], prv[block], nxt[block], prv[head] = block, last, head, block
             walk = self._walk
             if walk is not None and parent_block in walk.held:
                 self._walk = None  # a new child of a block the walk has passed
-        return parent_block
+            parent_blocks.append(parent_block)
+        return parent_blocks, fresh, None
 
     def remove(self, owner: object, block: BlockId) -> BlockHash:
         """Forget ``block`` (its tracked children become orphans); return its hash.

@@ -50,6 +50,14 @@ def _verified(block: int) -> bool:
     return True
 
 
+def _valid_ids(blocks: Sequence[object]) -> bool:
+    """Whether every block id is an int ``>= 0`` (a pass at C speed; ``False`` for an empty batch)."""
+    return len(blocks) > 0 and set(map(type, blocks)) == _INT and min(cast(Sequence[int], blocks)) >= 0
+
+
+_INT = {int}
+
+
 def reuse_level(uses: int) -> int:
     """The reuse level of a block hit ``uses`` times: the index of the last ``REUSE_LEVELS`` entry <= ``uses``."""
     return bisect.bisect_right(REUSE_LEVELS, uses) - 1
@@ -349,50 +357,79 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def _insert(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
                 parents: Sequence[BlockHash | None], mark: int) -> None:
-        """Track each block under its hash and parent: listed (``_LISTED``) or parked at once (``_PARKED``)."""
-        chains, classes, where, uses_of, last_of = self._chains, self._cls, self._where, self._uses, self._last
-        add, has_children, ghost_at, move, enter = chains.add, chains.has_children, self._ghost_at, self._move, \
-            self._enter
+        """Track each block under its hash and parent: listed (``_LISTED``) or parked at once (``_PARKED``).
+
+        The chain index takes the whole batch first (what it reports per block
+        is what it held right after that block's add: a later block of the
+        batch never changes it), then each block is booked in order. The tip
+        gains a child exactly when the next block names it as its parent: it
+        has none while it is the tip (it would be a parent), and no block is
+        added in between.
+        """
+        if not _valid_ids(blocks):  # one at a time: raises at the first bad id, those before it tracked
+            for block, block_hash, parent in zip(blocks, hashes, parents):
+                if block.__class__ is not int or block < 0:
+                    raise PoolUsageError(f"{type(self).__name__}.on_insert: block ids are ints >= 0, got "
+                                         f"{quote(block)}")
+                self._insert((block,), (block_hash,), (parent,), mark)
+            return
+        top = max(blocks)
+        if top >= len(self._where):
+            self._grow(top + 1)
         pinned = mark == _PARKED
-        for block, block_hash, parent in zip(blocks, hashes, parents):
-            if block.__class__ is not int or block < 0:
-                raise PoolUsageError(f"{type(self).__name__}.on_insert: block ids are ints >= 0, got {quote(block)}")
-            if block >= len(where):
-                self._grow(block + 1)
-            parent_block = add(self, block, block_hash, parent, pinned)
-            tip = self._tip
+        parent_blocks, fresh, refusal = self._chains.add_many(self, blocks, hashes, parents, pinned)
+        classes, where, uses_of, last_of, move, ghost_at = self._cls, self._where, self._uses, self._last, \
+            self._move, self._ghost_at
+        clock, tracked, tip, due = self._clock, self._tracked, self._tip, self._next_refresh
+        for block, block_hash, parent_block, had_children in zip(blocks, hashes, parent_blocks, fresh):
             if tip is not None:  # stored before: a tip no more, a parent if this store continued it, else a leaf
-                enter(tip, classes[tip] - TIP + (PARENT if has_children(tip) else LEAF))
-            self._clock = clock = self._clock + 1
-            uses = 0
+                old = classes[tip]
+                classes[tip] = cls = old - TIP + (PARENT if parent_block == tip else LEAF)
+                if where[tip] == _LISTED:  # a parked block enters its (new) class's list on on_unpin
+                    move(tip, old, cls)
+            clock += 1
             at = ghost_at.pop(block_hash, None)
-            if at is not None:  # a reuse the cache missed: learn from it, keep the history
-                i = at - self._ghost_base
-                last, cls = self._ghost_last[i], self._ghost_cls[i]
-                self._ghost_live[i] = 0
-                self._ghost_hash[i] = None
-                self._model.record_reuse(cls, clock - last)
-                self._note_reuse(cls, *chains.links(block))  # as linked: a hash under itself heads its chain
-                gained = 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
-                uses = min(self._ghost_uses[i] + gained, _MAX_USES)
-                self._recent[block] = self._ghost_recent.pop(block_hash, 0) + gained
-            kind = PARENT if has_children(block) else TIP
-            cls = _CLASS_OF[uses if uses < _TOP else _TOP][kind]
-            self._tip = block if kind == TIP else None
+            uses = 0 if at is None else self._returned(block, block_hash, at, clock)
+            if had_children:
+                cls, tip = _CLASS_OF[uses if uses < _TOP else _TOP][PARENT], None
+            else:
+                cls, tip = _CLASS_OF[uses if uses < _TOP else _TOP][TIP], block
             uses_of[block] = uses
             last_of[block] = clock
             classes[block] = cls
             where[block] = mark  # a parked block keeps its class and enters its list on on_unpin
             if not pinned:
                 move(block, _NONE, cls)
-            self._tracked = tracked = self._tracked + 1
-            if parent_block is not None:
-                kind = classes[parent_block] % _KINDS
+            tracked += 1
+            if parent_block != _NONE:
+                old = classes[parent_block]
+                kind = old % _KINDS
                 if kind != PARENT:  # its class's kind changes, its reuse level stays
-                    enter(parent_block, classes[parent_block] - kind + PARENT)
-            self._learn(tracked)
-            if clock >= self._next_refresh:
+                    classes[parent_block] = cls = old - kind + PARENT
+                    if where[parent_block] == _LISTED:
+                        move(parent_block, old, cls)
+            if clock >= due:
+                self._clock, self._tracked, self._tip = clock, tracked, tip
+                self._learn(tracked)
                 self._refresh()
+                due = self._next_refresh
+        self._clock, self._tracked, self._tip = clock, tracked, tip
+        self._learn(tracked)
+        if refusal is not None:
+            raise refusal
+
+    def _returned(self, block: BlockId, block_hash: BlockHash, at: int, clock: int) -> int:
+        """An evicted hash is back at ``clock`` (its ghost's eviction number ``at``): a reuse the cache
+        missed. Learn from it, forget the ghost; return the block's reuse count, its history kept."""
+        i = at - self._ghost_base
+        last, cls = self._ghost_last[i], self._ghost_cls[i]
+        self._ghost_live[i] = 0
+        self._ghost_hash[i] = None
+        self._model.record_reuse(cls, clock - last)
+        self._note_reuse(cls, *self._chains.links(block))  # as linked: a hash under itself heads its chain
+        gained = 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
+        self._recent[block] = self._ghost_recent.pop(block_hash, 0) + gained
+        return min(self._ghost_uses[i] + gained, _MAX_USES)
 
     @override
     def on_access(self, block: BlockId) -> None:
