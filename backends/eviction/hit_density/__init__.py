@@ -7,7 +7,7 @@ import math
 import sys
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from typing import cast
 
 import attrs
@@ -43,11 +43,6 @@ _MAX_USES = 255  # reuse counts saturate here (a byte each): far past the last l
 _IntPredicate = Callable[[int], bool]
 _Blocks = list[BlockId]
 _UNTRACKED, _LISTED, _PARKED = 0, 1, FlatChains.PARKED  # where a block id is
-
-
-def _verified(block: int) -> bool:
-    """A list end already found usable in this selection: taken without asking again."""
-    return True
 
 
 def _valid_ids(blocks: Sequence[object]) -> bool:
@@ -468,39 +463,51 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def _remove(self, blocks: Sequence[BlockId]) -> None:
         """Forget each block, leaving its ghost; the ghosts past their span are forgotten once, after."""
-        if len(blocks) > 1 and not self._chains.distinct_tracked(blocks):
+        leaving = self._chains.distinct_tracked(blocks)
+        if len(blocks) > 1 and not leaving:
             for block in blocks:  # one at a time: raises at the first untracked block, those before it removed
                 self._remove((block,))
             return
-        block_hashes = self._chains.remove_many(self, blocks)  # the chains first (what follows reads none)
-        classes, where, move = self._cls, self._where, self._move
-        uses_of, last_of, recent, ghost_recent, ghost_at = self._uses, self._last, self._recent, \
-            self._ghost_recent, self._ghost_at
-        ghost_hash, ghost_cls, ghost_uses, ghost_last, ghost_live = self._ghost_hash, self._ghost_cls, \
-            self._ghost_uses, self._ghost_last, self._ghost_live
+        block_hashes = self._chains.remove_many(self, blocks, leaving)  # the chains first (what follows reads none)
+        classes, where, nxt, prv, ends, dirty = self._cls, self._where, self._next, self._prev, self._ends, \
+            self._dirty
+        recent, ghost_recent = self._recent, self._ghost_recent
         c, clock = max(self.c, 1), self._clock  # neither changes while blocks leave
-        evictions, turnover, tip = self._evictions, self._turnover, self._tip
+        evictions, turnover, last = self._evictions, self._turnover, self._last_removal
+        first = evictions + 1  # the first block's eviction number
+        if self._tip in (leaving or blocks):
+            self._tip = None
         for block, block_hash in zip(blocks, block_hashes):
-            if block == tip:
-                self._tip = tip = None
-            cls = classes[block]
-            move(block, cls if where[block] == _LISTED else _NONE, _NONE)
+            if where[block] == _LISTED:  # self._move(block, its class, _NONE), inlined: the hot path
+                cls = classes[block]
+                before, after = prv[block], nxt[block]
+                if before == _NONE:
+                    ends[2 * cls] = after
+                    dirty.add(2 * cls)
+                else:
+                    nxt[before] = after
+                if after == _NONE:
+                    ends[2 * cls + 1] = before
+                    dirty.add(2 * cls + 1)
+                else:
+                    prv[after] = before
             where[block] = _UNTRACKED
             reuses = recent.pop(block, 0)
             if reuses:
                 ghost_recent[block_hash] = reuses
             evictions += 1
             if evictions > 1:  # the first removal only starts the clock: the fill before it is no gap
-                turnover += ((clock - self._last_removal) * c - turnover) / min(evictions - 1, c)
-            self._last_removal = clock
-            ghost_at[block_hash] = evictions  # its index: evictions - _ghost_base, the next one
-            ghost_hash.append(block_hash)
-            ghost_cls.append(cls)
-            ghost_uses.append(uses_of[block])
-            ghost_last.append(last_of[block])
-            ghost_live.append(1)
+                turnover += ((clock - last) * c - turnover) / min(evictions - 1, c)
+            last = clock
+        # Each ghost's index is its eviction number less _ghost_base: they are appended in order.
+        self._ghost_at.update(zip(block_hashes, range(first, evictions + 1)))
+        self._ghost_hash += block_hashes
+        self._ghost_cls.extend(map(classes.__getitem__, blocks))  # a block's class and counters outlive it
+        self._ghost_uses.extend(map(self._uses.__getitem__, blocks))
+        self._ghost_last.extend(map(self._last.__getitem__, blocks))
+        self._ghost_live += b"\x01" * len(block_hashes)
         self._tracked -= len(block_hashes)
-        self._evictions, self._turnover = evictions, turnover
+        self._evictions, self._turnover, self._last_removal = evictions, turnover, last
         self._forget_ghosts(evictions - self.ghost_span * c)
 
     def use_index(self, index: Mapping[BlockHash, BlockId], hashes: Sequence[BlockHash | None],
@@ -527,14 +534,30 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._pin(blocks)
 
     def _pin(self, blocks: Sequence[BlockId]) -> None:
-        where, classes, move, pin = self._where, self._cls, self._move, self._chains.pin
-        for block in blocks:
-            if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _LISTED) \
-                    and where[self._tracked_id(block)] == _PARKED:
-                raise pin_mismatch(self, block, pinned=True)
-            move(block, classes[block], _NONE)
+        where = self._where
+        if not self._all_marked(blocks, _LISTED):  # one at a time: raises at the first bad block
+            for block in blocks:
+                if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _LISTED) \
+                        and where[self._tracked_id(block)] == _PARKED:
+                    raise pin_mismatch(self, block, pinned=True)
+                self._pin((block,))
+            return
+        classes, nxt, prv, ends, dirty = self._cls, self._next, self._prev, self._ends, self._dirty
+        for block in blocks:  # self._move(block, its class, _NONE), inlined: the hot path
+            cls = classes[block]
+            before, after = prv[block], nxt[block]
+            if before == _NONE:
+                ends[2 * cls] = after
+                dirty.add(2 * cls)
+            else:
+                nxt[before] = after
+            if after == _NONE:
+                ends[2 * cls + 1] = before
+                dirty.add(2 * cls + 1)
+            else:
+                prv[after] = before
             where[block] = _PARKED
-            pin(block)
+        self._chains.pin_many(blocks)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at its class's young end; its age still counts from its last use."""
@@ -545,14 +568,35 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._unpin(blocks)
 
     def _unpin(self, blocks: Sequence[BlockId]) -> None:
-        where, classes, move, unpin = self._where, self._cls, self._move, self._chains.unpin
-        for block in blocks:
-            if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _PARKED) \
-                    and where[self._tracked_id(block)] == _LISTED:
-                raise pin_mismatch(self, block, pinned=False)
-            move(block, _NONE, classes[block])
+        where = self._where
+        if not self._all_marked(blocks, _PARKED):  # one at a time: raises at the first bad block
+            for block in blocks:
+                if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _PARKED) \
+                        and where[self._tracked_id(block)] == _LISTED:
+                    raise pin_mismatch(self, block, pinned=False)
+                self._unpin((block,))
+            return
+        classes, nxt, prv, ends, dirty = self._cls, self._next, self._prev, self._ends, self._dirty
+        for block in blocks:  # self._move(block, _NONE, its class), inlined: the hot path
+            young = 2 * classes[block] + 1
+            tail = ends[young]
+            prv[block] = tail
+            nxt[block] = _NONE
+            if tail == _NONE:
+                ends[young - 1] = block
+                dirty.add(young - 1)
+            else:
+                nxt[tail] = block
+            ends[young] = block
+            dirty.add(young)
             where[block] = _LISTED
-            unpin(block)
+        self._chains.unpin_many(blocks)
+
+    def _all_marked(self, blocks: Sequence[BlockId], mark: int) -> bool:
+        """Whether ``blocks`` are distinct ids of blocks marked ``mark`` (passes at C speed)."""
+        where = self._where
+        return _valid_ids(blocks) and max(blocks) < len(where) and len(set(blocks)) == len(blocks) \
+            and set(map(where.__getitem__, blocks)) == {mark}
 
     # -- decisions -------------------------------------------------------------
 
@@ -623,7 +667,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                        verified: bool) -> list[BlockId] | None:
         """:meth:`select_victims` from the state ``chosen`` holds (empty, or the first root's subtree);
         ``verified``: every list end was found evictable in this selection (not asked again)."""
-        where = self._where
+        where, nxt, prv, last_of, classes = self._where, self._next, self._prev, self._last, self._cls
+        chains = self._chains
+        clock, rows, octave, top = self._clock, self._model.rows, self._model.per_octave, self._model.buckets - 1
 
         def usable(block: int) -> bool:
             return block not in chosen and where[block] != _PARKED and evictable(block)
@@ -632,49 +678,81 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         # 2 * class walks from the old end, 2 * class + 1 from the young end), kept across the rounds
         # of this selection: nothing a round skips can become usable later in it, so each stream is
         # walked at most once and a selection costs O(n + skipped). A stream's head is (density, last
-        # access, block, stream), the least on top of a heap; after a round only the streams its
-        # victims headed move on.
-        heads: dict[int, tuple[float, int, int, int]] = {}  # stream -> its head
-        head_of: dict[int, list[int]] = {}  # block -> the streams it heads
-        order: list[tuple[float, int, int, int]] = []  # a heap of heads, current or replaced since
-        for stream in range(2 * _CLASSES):
-            block = self._ends[stream]
-            self._advance(stream, block, _verified if verified and block not in chosen else usable,
-                          heads, head_of, order)
-        orphan_walk = self._chains.orphans()
-        orphans = None if orphan_walk is None else filter(usable, orphan_walk)
-        collect = self._chains.collect
-        while len(chosen) < n:
-            orphan = None if orphans is None else next(orphans, None)
-            if orphan is not None:
-                picked = collect(orphan, evictable, chosen, n)
-            elif heads:
-                while heads.get(order[0][3]) is not order[0]:  # replaced: its stream moved on
-                    heappop(order)
-                picked = collect(order[0][2], evictable, chosen, n)
-            else:
+        # access, block, stream), the least valid one on top of a heap (a replaced head stays in it,
+        # stale, until it surfaces); after a round only the streams its victims headed move on. A
+        # head is usable (listed blocks are never parked) and never chosen: a round that chooses it
+        # moves its streams on at once.
+        heads: list[tuple[float, int, int, int] | None] = [None] * (2 * _CLASSES)  # per stream, its head
+        order: list[tuple[float, int, int, int]] = []
+
+        def advance(stream: int, block: int) -> tuple[float, int, int, int] | None:
+            """Walk ``stream`` from ``block`` to its first usable block; make that its head (none: it ends)."""
+            links = prv if stream & 1 else nxt
+            while block != _NONE and (block in chosen or not evictable(block)):
+                block = links[block]
+            if block == _NONE:
+                heads[stream] = None
                 return None
+            last = last_of[block]
+            if rows is None:
+                density = 0.0
+            else:  # self._model.density, inlined: the hot path
+                b = ((clock - last + 1) ** octave).bit_length() - 1
+                density = rows[stream >> 1][b if b < top else top]
+            heads[stream] = head = (density, last, block, stream)
+            return head
+
+        ends = self._ends
+        for stream in range(2 * _CLASSES):
+            block = ends[stream]
+            if verified and block != _NONE and block not in chosen:
+                last = last_of[block]
+                heads[stream] = head = (self._model.density(stream >> 1, clock - last), last, block, stream)
+            else:
+                head = advance(stream, block)
+            if head is not None:
+                order.append(head)
+        heapify(order)
+        orphan_walk = chains.orphans()
+        orphans = None if orphan_walk is None else filter(usable, orphan_walk)
+        collect, first_child, dropped = chains.collect, chains.child_rings, False
+        picked: Sequence[int]
+        while len(chosen) < n:
+            if orphans is not None:
+                root = next(orphans, None)
+                if root is None:
+                    orphans = None  # none left for this selection
+                    continue
+            else:
+                while order and heads[order[0][3]] is not order[0]:  # replaced: its stream moved on
+                    heappop(order)
+                if not order:
+                    return None
+                root = order[0][2]
+            if first_child[root] == _NONE:  # collect's walk of a childless usable root, inlined: the root alone
+                if not dropped:
+                    chains.forget_walk()  # as that walk does
+                    dropped = True
+                chosen[root] = None
+                picked = (root,)
+            else:
+                picked = collect(root, evictable, chosen, n)
+                dropped = True  # a walk left kept ends the selection
             for block in picked:  # the streams they headed go on past them
-                for stream in head_of.pop(block, ()):
-                    del heads[stream]
-                    self._advance(stream, (self._prev if stream & 1 else self._next)[block], usable,
-                                  heads, head_of, order)
+                end = 2 * classes[block]  # a listed block heads at most its class list's two ends
+                head = heads[end]
+                if head is not None and head[2] == block:
+                    head = advance(end, nxt[block])
+                    if head is not None:
+                        heappush(order, head)
+                head = heads[end + 1]
+                if head is not None and head[2] == block:
+                    head = advance(end + 1, prv[block])
+                    if head is not None:
+                        heappush(order, head)
         return cast(_Blocks, list(chosen))
 
     # -- bookkeeping -----------------------------------------------------------
-
-    def _advance(self, stream: int, block: int, usable: Callable[[int], object],
-                 heads: dict[int, tuple[float, int, int, int]], head_of: dict[int, list[int]],
-                 order: list[tuple[float, int, int, int]]) -> None:
-        """Walk ``stream`` from ``block`` to its first usable block and make that its head (none: it ends)."""
-        links = self._prev if stream & 1 else self._next
-        while block != _NONE and not usable(block):
-            block = links[block]
-        if block != _NONE:
-            last = self._last[block]
-            heads[stream] = head = (self._model.density(stream >> 1, self._clock - last), last, block, stream)
-            head_of.setdefault(block, []).append(stream)
-            heappush(order, head)
 
     def _tracked_id(self, block: BlockId) -> BlockId:
         """``block`` if tracked, else ``PoolUsageError``."""

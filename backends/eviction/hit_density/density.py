@@ -56,6 +56,7 @@ from kvkit.errors import ConfigError
 from kvkit.validate import at_least, is_int, quote
 
 _FEW = 16  # below this many ends one call each beats one vectorised call
+_CELLS = 1 << 16  # ratio cells a density pass computes at once (a few rows' k-by-k arrays)
 
 __all__ = ["HitDensityModel", "isotonic"]
 
@@ -292,15 +293,18 @@ class HitDensityModel:
         zero = np.zeros((len(reuses), 1))
         cum_hits = np.concatenate([zero, np.cumsum(hits, axis=1)], axis=1)
         cum_space = np.concatenate([zero, np.cumsum(space, axis=1)], axis=1)
-        # ratio[a, t] of a row: hits over space in buckets a..t (t >= a); the best t per a. A row at a
-        # time: its k-by-k arrays stay in cache, where all rows' at once would not.
+        # ratio[a, t] of a row: hits over space in buckets a..t (t >= a); the best t per a. A few rows
+        # at a time (elementwise, so the same values however many): their k-by-k arrays stay in cache,
+        # where all rows' at once might not, and the calls are few where k is small.
         upper = np.triu(np.ones((k, k), dtype=bool))
         best = np.zeros(events.shape)
-        for row in range(len(reuses)):
-            num = cum_hits[row, None, 1:] - cum_hits[row, :-1, None]
-            den = cum_space[row, None, 1:] - cum_space[row, :-1, None]
+        step = max(1, _CELLS // max(k * k, 1))
+        for row in range(0, len(reuses), step):
+            rows = slice(row, row + step)
+            num = cum_hits[rows, None, 1:] - cum_hits[rows, :-1, None]
+            den = cum_space[rows, None, 1:] - cum_space[rows, :-1, None]
             ratio = np.divide(num, den, out=np.zeros_like(num), where=upper & (den > 0))
-            best[row, :k] = ratio.max(axis=1, initial=0.0)
+            best[rows, :k] = ratio.max(axis=2, initial=0.0)
         best[:, :k][space <= 0] = 0.0  # no block survives to this age: nothing to expect
         # Ages no block was seen at (they end each row): no evidence yet, not evidence of
         # nothing. The oldest seen age's density, halved per octave past it.
