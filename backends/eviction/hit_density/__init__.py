@@ -375,8 +375,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         parent_blocks, fresh, refusal = self._chains.add_many(self, blocks, hashes, parents, pinned)
         classes, where, uses_of, last_of, move, ghost_at = self._cls, self._where, self._uses, self._last, \
             self._move, self._ghost_at
-        clock, tracked, tip, due = self._clock, self._tracked, self._tip, self._next_refresh
-        for block, block_hash, parent_block, had_children in zip(blocks, hashes, parent_blocks, fresh):
+        ghost_last, ghost_cls, ghost_uses, ghost_live, ghost_hash, ghost_recent, base = self._ghost_last, \
+            self._ghost_cls, self._ghost_uses, self._ghost_live, self._ghost_hash, self._ghost_recent, \
+            self._ghost_base
+        recent, note, turnover, record = self._recent, self._shift.note, self._turnover, self._model.record_reuses
+        clock, tracked, tip, due, reused = self._clock, self._tracked, self._tip, self._next_refresh, self._reused
+        reuse_classes: list[int] = []  # the reuses learnt, recorded in one pass before the model is read
+        reuse_ages: list[int] = []
+        for block, block_hash, parent, parent_block, had_children in zip(blocks, hashes, parents, parent_blocks,
+                                                                         fresh):
             if tip is not None:  # stored before: a tip no more, a parent if this store continued it, else a leaf
                 old = classes[tip]
                 classes[tip] = cls = old - TIP + (PARENT if parent_block == tip else LEAF)
@@ -384,7 +391,25 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                     move(tip, old, cls)
             clock += 1
             at = ghost_at.pop(block_hash, None)
-            uses = 0 if at is None else self._returned(block, block_hash, at, clock)
+            if at is None:
+                uses = 0
+            else:  # a reuse the cache missed: learn from it, keep the history
+                i = at - base
+                cls, age = ghost_cls[i], clock - ghost_last[i]
+                ghost_live[i] = 0
+                ghost_hash[i] = None
+                reuse_classes.append(cls)
+                reuse_ages.append(age)
+                # It starts a reuse run unless its parent, as linked (a hash under itself heads its
+                # chain), was reused just before.
+                if parent is None or parent == block_hash or parent != reused:
+                    note(cls // _KINDS)
+                reused = block_hash
+                gained = 1 + (age < turnover)  # back within a turnover: +1 more
+                recent[block] = ghost_recent.pop(block_hash, 0) + gained
+                uses = ghost_uses[i] + gained
+                if uses > _MAX_USES:
+                    uses = _MAX_USES
             if had_children:
                 cls, tip = _CLASS_OF[uses if uses < _TOP else _TOP][PARENT], None
             else:
@@ -404,27 +429,18 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                     if where[parent_block] == _LISTED:
                         move(parent_block, old, cls)
             if clock >= due:
-                self._clock, self._tracked, self._tip = clock, tracked, tip
+                record(reuse_classes, reuse_ages)
+                reuse_classes.clear()
+                reuse_ages.clear()
+                self._clock, self._tracked, self._tip, self._reused = clock, tracked, tip, reused
                 self._learn(tracked)
                 self._refresh()
                 due = self._next_refresh
-        self._clock, self._tracked, self._tip = clock, tracked, tip
+        record(reuse_classes, reuse_ages)
+        self._clock, self._tracked, self._tip, self._reused = clock, tracked, tip, reused
         self._learn(tracked)
         if refusal is not None:
             raise refusal
-
-    def _returned(self, block: BlockId, block_hash: BlockHash, at: int, clock: int) -> int:
-        """An evicted hash is back at ``clock`` (its ghost's eviction number ``at``): a reuse the cache
-        missed. Learn from it, forget the ghost; return the block's reuse count, its history kept."""
-        i = at - self._ghost_base
-        last, cls = self._ghost_last[i], self._ghost_cls[i]
-        self._ghost_live[i] = 0
-        self._ghost_hash[i] = None
-        self._model.record_reuse(cls, clock - last)
-        self._note_reuse(cls, *self._chains.links(block))  # as linked: a hash under itself heads its chain
-        gained = 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
-        self._recent[block] = self._ghost_recent.pop(block_hash, 0) + gained
-        return min(self._ghost_uses[i] + gained, _MAX_USES)
 
     @override
     def on_access(self, block: BlockId) -> None:
