@@ -56,7 +56,7 @@ from kvkit.errors import ConfigError
 from kvkit.validate import at_least, is_int, quote
 
 _FEW = 16  # below this many ends one call each beats one vectorised call
-_CELLS = 1 << 16  # ratio cells a density pass computes at once (a few rows' k-by-k arrays)
+_CELLS = 1 << 14  # ratio cells a density pass computes at once: a few rows' k-by-k arrays, in cache
 
 __all__ = ["HitDensityModel", "isotonic"]
 
