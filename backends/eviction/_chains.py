@@ -181,7 +181,7 @@ class FlatChains:
         up, first_of, nxt, prv = self._up, self._first, self._next, self._prev
         waiting, orphans, orphan_of, own, hash_of = self._waiting, self._orphans, self._orphan_of, self._own, \
             self._hash
-        lookup, parked, mark, size = self._block_of.get, self.parked, self.PARKED, len(self._up)
+        lookup, parked, mark, size, walk = self._block_of.get, self.parked, self.PARKED, len(self._up), self._walk
         parent_blocks: list[int] = []
         fresh: list[bool] = []
         for block, block_hash, parent in zip(blocks, hashes, parents):
@@ -224,9 +224,8 @@ class FlatChains:
             else:
                 last = prv[head]
                 nxt[last], prv[block], nxt[block], prv[head] = block, last, head, block
-            walk = self._walk
             if walk is not None and parent_block in walk.held:
-                self._walk = None  # a new child of a block the walk has passed
+                self._walk = walk = None  # a new child of a block the walk has passed
             parent_blocks.append(parent_block)
         return parent_blocks, fresh, None
 
@@ -257,6 +256,7 @@ class FlatChains:
         if leaving is None:
             leaving = self.distinct_tracked(blocks)
         checked = bool(leaving)  # every block tracked, each named once: none can be refused
+        walk = self._walk
         unqueued: set[int] = set()  # children of removed blocks that leave later: never queued as orphans
         removed = []
         for block in blocks:
@@ -303,13 +303,12 @@ class FlatChains:
                     child = nxt[child]
                     if child == first:
                         break
-            walk = self._walk
             if walk is not None and block in walk.held:
                 if block in walk.victims:
                     walk.victims.remove(block)
                     walk.held.remove(block)  # its id may come back as another block
                 else:
-                    self._walk = None
+                    self._walk = walk = None
             removed.append(block_hash)
         return removed
 
@@ -466,6 +465,10 @@ class FlatChains:
             chosen[root] = None
             return [root]
         walk = self._walk
+        if walk is None or walk.root != root:  # a fresh walk: of a root whose children have none, short
+            picked = self._collect_fan(root, is_evictable, chosen, n)
+            if picked is not None:
+                return picked
         if walk is not None and walk.root == root and not walk.victims and \
                 all(parked[b] == mark or not is_evictable(b) for b in walk.skipped):
             stack, held, victims, skipped = walk.stack, walk.held, walk.victims, walk.skipped
@@ -500,6 +503,31 @@ class FlatChains:
             else:
                 skipped.append(block)
         self._walk = None if not stack else walk if walk is not None else _Walk(root, stack, held, victims, skipped)
+        return picked
+
+    def _collect_fan(self, root: int, is_evictable: Callable[[int], bool],
+                     chosen: dict[int, None], n: int) -> list[int] | None:
+        """:meth:`collect`'s fresh walk from ``root`` when no child of it has a child and the walk cannot
+        stop before its end (``None`` otherwise, nothing done): the children in the order they were
+        linked, then the root, each chosen if not chosen yet, not parked and evictable."""
+        first, nxt, parked, mark = self._first, self._next, self.parked, self.PARKED
+        head = child = first[root]
+        children = []
+        while True:
+            if first[child] != _NONE:
+                return None
+            children.append(child)
+            child = nxt[child]
+            if child == head:
+                break
+        if len(chosen) + len(children) >= n:  # it might stop before the root
+            return None
+        self._walk = None
+        picked = []
+        for block in (*children, root):
+            if block not in chosen and parked[block] != mark and is_evictable(block):
+                chosen[block] = None
+                picked.append(block)
         return picked
 
     # -- checks ----------------------------------------------------------------------

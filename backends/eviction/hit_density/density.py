@@ -279,11 +279,14 @@ class HitDensityModel:
             live += np.bincount(flat, weights=weights, minlength=live.size).reshape(live.shape)
         reuses = self._reuses
         events = reuses + self._ends + live
-        table = self._densities(reuses, events)
         sparse = events.sum(axis=1) < self.min_samples
-        if sparse.any():
-            table[sparse] = self._densities(reuses.sum(axis=0, keepdims=True),
-                                            events.sum(axis=0, keepdims=True))[0]
+        if sparse.any():  # the pooled row computed with the others: each row's densities are its own
+            table = self._densities(np.concatenate([reuses, reuses.sum(axis=0, keepdims=True)]),
+                                    np.concatenate([events, events.sum(axis=0, keepdims=True)]))
+            table, pooled = table[:-1], table[-1]
+            table[sparse] = pooled
+        else:
+            table = self._densities(reuses, events)
         if self._fits:
             at_risk = _at_risk(events)
             for fit in self._fits:  # chains side by side: isotonic fits each column on its own
