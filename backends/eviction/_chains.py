@@ -507,16 +507,19 @@ class FlatChains:
 
     def _collect_fan(self, root: int, is_evictable: Callable[[int], bool],
                      chosen: dict[int, None], n: int) -> list[int] | None:
-        """:meth:`collect`'s fresh walk from ``root`` when no child of it has a child and the walk cannot
-        stop before its end (``None`` otherwise, nothing done): the children in the order they were
-        linked, then the root, each chosen if not chosen yet, not parked and evictable."""
+        """:meth:`collect`'s fresh walk from ``root`` when it walks no grandchild (each child is chosen
+        already, which it does not walk below, or has no child) and cannot stop before its end; ``None``
+        otherwise, nothing done. It takes the children not chosen in the order they were linked, then
+        the root, choosing each one not parked and evictable (a selection moving up a chain takes each
+        parent this way)."""
         first, nxt, parked, mark = self._first, self._next, self.parked, self.PARKED
         head = child = first[root]
         children = []
         while True:
-            if first[child] != _NONE:
-                return None
-            children.append(child)
+            if child not in chosen:
+                if first[child] != _NONE:
+                    return None
+                children.append(child)
             child = nxt[child]
             if child == head:
                 break
@@ -525,7 +528,7 @@ class FlatChains:
         self._walk = None
         picked = []
         for block in (*children, root):
-            if block not in chosen and parked[block] != mark and is_evictable(block):
+            if parked[block] != mark and block not in chosen and is_evictable(block):
                 chosen[block] = None
                 picked.append(block)
         return picked
