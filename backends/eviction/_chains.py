@@ -465,10 +465,10 @@ class FlatChains:
             chosen[root] = None
             return [root]
         walk = self._walk
-        if walk is None or walk.root != root:  # a fresh walk: of a root whose children have none, short
-            picked = self._collect_fan(root, is_evictable, chosen, n)
-            if picked is not None:
-                return picked
+        if walk is None or walk.root != root:  # a fresh walk: one that walks no grandchild, short
+            fan = self._collect_fan(root, is_evictable, chosen, n)
+            if fan is not None:
+                return fan
         if walk is not None and walk.root == root and not walk.victims and \
                 all(parked[b] == mark or not is_evictable(b) for b in walk.skipped):
             stack, held, victims, skipped = walk.stack, walk.held, walk.victims, walk.skipped

@@ -511,9 +511,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             reuses = recent.pop(block, 0)
             if reuses:
                 ghost_recent[block_hash] = reuses
+            if evictions:  # the first removal only starts the clock: the fill before it is no gap
+                turnover += ((clock - last) * c - turnover) / (evictions if evictions < c else c)
             evictions += 1
-            if evictions > 1:  # the first removal only starts the clock: the fill before it is no gap
-                turnover += ((clock - last) * c - turnover) / min(evictions - 1, c)
             last = clock
         # Each ghost's index is its eviction number less _ghost_base: they are appended in order.
         self._ghost_at.update(zip(block_hashes, range(first, evictions + 1)))
@@ -719,6 +719,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             return head
 
         ends = self._ends
+        head: tuple[float, int, int, int] | None
         for stream in range(2 * _CLASSES):
             block = ends[stream]
             if verified and block != _NONE and block not in chosen:
@@ -733,12 +734,14 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         orphans = None if orphan_walk is None else filter(usable, orphan_walk)
         collect, first_child, dropped = chains.collect, chains.child_rings, False
         picked: Sequence[int]
+        root: int
         while len(chosen) < n:
             if orphans is not None:
-                root = next(orphans, None)
-                if root is None:
+                orphan = next(orphans, None)
+                if orphan is None:
                     orphans = None  # none left for this selection
                     continue
+                root = orphan
             else:
                 while order and heads[order[0][3]] is not order[0]:  # replaced: its stream moved on
                     heappop(order)
@@ -829,26 +832,33 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             block = nxt[block]
 
     def _forget_ghosts(self, horizon: float) -> None:
-        """Forget the ghosts evicted at or before ``horizon`` (censored at their age); compact the arrays."""
+        """Forget the ghosts evicted at or before ``horizon`` (censored at their age); compact the arrays.
+
+        Eviction numbers grow with the index, so those ghosts are the live ones of one leading range,
+        read in passes at C speed; the oldest that may be live is then the first live one past it.
+        """
         base, live = self._ghost_base, self._ghost_live
         oldest, end = self._ghost_oldest, base + len(live)
-        classes: list[int] = []
-        ages: list[int] = []
-        while oldest < end:
-            i = oldest - base
-            if live[i]:
-                if oldest > horizon:
-                    break
-                live[i] = 0
-                ghost_hash = self._ghost_hash[i]
-                assert ghost_hash is not None, "a live ghost without its hash"
-                self._ghost_hash[i] = None
-                del self._ghost_at[ghost_hash]  # forgotten unreused: censored at its age
-                self._ghost_recent.pop(ghost_hash, None)
-                classes.append(self._ghost_cls[i])
-                ages.append(self._clock - self._ghost_last[i])
-            oldest += 1
-        self._model.record_ends(classes, ages)
+        stop = min(end, math.floor(horizon) + 1)  # the first eviction number past the horizon
+        if stop > oldest:
+            lo, hi = oldest - base, stop - base
+            forgotten = np.flatnonzero(np.frombuffer(live[lo:hi], dtype=np.uint8))
+            if len(forgotten):
+                hashes = cast(list[BlockHash], list(map(self._ghost_hash.__getitem__, (forgotten + lo).tolist())))
+                live[lo:hi] = bytes(hi - lo)
+                self._ghost_hash[lo:hi] = [None] * (hi - lo)
+                ghost_at, recent = self._ghost_at, self._ghost_recent
+                for ghost_hash in hashes:
+                    del ghost_at[ghost_hash]  # forgotten unreused: censored at its age
+                if recent:
+                    for ghost_hash in hashes:
+                        recent.pop(ghost_hash, None)
+                classes = np.frombuffer(self._ghost_cls[lo:hi], dtype=np.uint8)[forgotten]
+                lasts = np.frombuffer(self._ghost_last[lo:hi], dtype=np.int64)[forgotten]
+                self._model.record_ends(classes.tolist(), (self._clock - lasts).tolist())
+            oldest = stop
+        first_live = live.find(1, oldest - base)
+        oldest = end if first_live < 0 else base + first_live
         self._ghost_oldest = oldest
         gone = oldest - base
         if gone >= 1024 and 2 * gone >= len(live):  # amortised O(1): each entry is moved at most once
