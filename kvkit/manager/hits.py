@@ -124,6 +124,13 @@ class CpuHits:
             self.gpu.incref(gpu_blocks)
         return Batch(Direction.LOAD, cpu_blocks, gpu_blocks, reqs), src, dst
 
+    def unfilled(self, r: Request) -> range:
+        """Positions of ``r``'s accepted hit that some sliding-window group does not load (it holds no KV there)."""
+        assert r.gpu_hit_blocks is not None, "a request with a hit was looked up"
+        start = r.gpu_hit_blocks + r.head_blocks
+        stop = start + len(r.pinned) + len(r.fetch)
+        return range(start, max(self._first_loaded(g, start, stop) for g in range(len(self.kv.groups))))
+
     def _first_loaded(self, g: int, start: int, stop: int) -> int:
         """First block position of ``[start, stop)`` that group ``g`` must load."""
         group = self.kv.groups[g]

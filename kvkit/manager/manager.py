@@ -66,7 +66,9 @@ Hashes:
     be the ones it uses for its GPU prefix cache; a request's hash ``i`` names
     the KV of its tokens ``[0, (i + 1) * block_size)``. A CPU block holds every
     KV group's piece of one hash; a block is stored only when every group
-    still has it on the GPU (a sliding-window group may have dropped it).
+    holds it on the GPU: a sliding-window group may have dropped it (a null
+    block), and a hit loads such a group's window only, so a request never
+    stores the positions of its hit before that window.
 """
 
 from __future__ import annotations
@@ -565,6 +567,7 @@ class OffloadManager:
             self._hits.check_targets(r, table, n, head)
         offered_cpu, offered_shared = r.offered_cpu, r.offered_blocks - r.offered_cpu
         self._hits.accept(r, n, head)
+        r.unfilled = self._hits.unfilled(r)
         if r.revoked and n > head:
             self._report_load_failed(r)
         if r.load_pending:
@@ -911,12 +914,12 @@ class OffloadManager:
             return ()
 
     def _queue(self, r: Request, indices: Iterable[int]) -> None:
-        """Queue the policy's choice, keeping only confirmed blocks (invariant 9)."""
-        confirmed = r.num_confirmed_blocks
-        if indices.__class__ is range and indices.step == 1:
+        """Queue the policy's choice, keeping only confirmed blocks (invariant 9) that every group holds."""
+        confirmed, unfilled = r.num_confirmed_blocks, r.unfilled
+        if indices.__class__ is range and indices.step == 1 and not unfilled:
             r.store_queue.extend(range(max(indices.start, 0), min(indices.stop, confirmed)))
         else:
-            r.store_queue.extend(i for i in indices if 0 <= i < confirmed)
+            r.store_queue.extend(i for i in indices if 0 <= i < confirmed and i not in unfilled)
         if r.store_queue:
             self._dirty[r.request_id] = r
 

@@ -82,12 +82,15 @@ class Request:
         block_table: the engine's GPU block ids, one list per KV group.
         block_ids: the real (non-null) ids of ``block_table``; each appears once.
         store_queue: block indices the store policy chose, not yet planned.
+        unfilled: positions of the accepted hit that a sliding-window group
+            does not load (it loads only its window before the hit end): that
+            group's blocks there hold no KV, so they are never stored.
         holds: in-flight batches and detached stores that read or write this
             incarnation's GPU blocks.
         delay_free: the engine was told to keep the GPU blocks until released.
 
     Invariants: ``num_confirmed_blocks == min(num_computed_tokens // block_size,
-    len(block_hashes))``; every queued index is below it; ``pinned`` is empty
+    len(block_hashes))``; every queued index is below it and outside ``unfilled``; ``pinned`` is empty
     unless the request is waiting with a lookup or has a load pending; so is ``fetch``;
     ``prefetch`` is empty unless the request is waiting.
     """
@@ -114,6 +117,7 @@ class Request:
     block_table: list[list[BlockId]] = attrs.field(factory=list)
     block_ids: set[BlockId] = attrs.field(factory=set)
     store_queue: list[int] = attrs.field(factory=list)
+    unfilled: range = range(0)
     holds: int = 0
     delay_free: bool = False
 
@@ -286,7 +290,7 @@ def check_live(requests: dict[str, Request], dirty: dict[str, Request], cpu: Blo
         assert r.request_id == rid and r.state is not RequestState.ENDED, (rid, r.state)
         assert r.num_confirmed_blocks == min(r.num_computed_tokens // bs,
                                              len(r.block_hashes)), rid
-        assert all(0 <= i < r.num_confirmed_blocks for i in r.store_queue), rid
+        assert all(0 <= i < r.num_confirmed_blocks and i not in r.unfilled for i in r.store_queue), rid
         assert not r.store_queue or rid in dirty, f"{rid}: queued stores not dirty"
         assert not r.pinned or r.state is RequestState.WAITING or r.load_pending, rid
         assert all(cpu.block_hash(b) is not None for b in r.pinned), f"{rid}: pin not ready"

@@ -128,9 +128,16 @@ class SharedTierWorker:
 
     def finish_fetches(self, started: Started) -> set[int]:
         """Wait for the started fetches and check their values (as :meth:`fetch`); the blocks that failed here."""
+        answered = self._gather({t for _, t in started if t is not None}, self.wait_timeout_s, keep=True)
         failed: set[int] = set()
         for plan, ticket in started:
-            failed |= set(plan.blocks) if ticket is None else self._checked(plan, ticket)
+            if ticket is None:
+                failed.update(plan.blocks)
+            elif ticket not in answered:  # its buffers stay referenced until the store answers, then it fails
+                self._late.add(ticket)
+                failed.update(plan.blocks)
+            else:
+                failed |= self._checked(plan, self._pending[ticket], answered[ticket])
         return failed
 
     def put(self, puts: Sequence[tuple[int, SharedPlan]]) -> None:
@@ -221,14 +228,8 @@ class SharedTierWorker:
         self._pending[ticket] = _Pending(ticket, tid, started, len(plan) * self._bytes_per_block(), values)
         return ticket
 
-    def _checked(self, plan: SharedPlan, ticket: int) -> set[int]:
-        """Wait for the get ``ticket`` of ``plan`` and check its values; returns the blocks that failed here."""
-        pending = self._pending[ticket]
-        try:
-            res = self._wait({ticket}, self.wait_timeout_s, keep=True)[ticket]
-        except TransferTimeoutError:  # its buffers stay referenced until the store answers, then it fails
-            self._late.add(ticket)
-            return set(plan.blocks)
+    def _checked(self, plan: SharedPlan, pending: _Pending, res: StoreResult) -> set[int]:
+        """Check the values the get ``pending`` of ``plan`` answered with ``res``; returns the blocks that failed."""
         bad = set(res.failed)
         if not res.transport_failed:
             self.missing_values += len(bad)
@@ -276,19 +277,31 @@ class SharedTierWorker:
                 self._late.discard(res.ticket)
         return out
 
-    def _wait(self, tickets: set[int], timeout: float, keep: bool = False) -> dict[int, StoreResult]:
-        """Poll until every ticket of ``tickets`` is reported or ``timeout`` passed (``keep``: leave them pending)."""
+    def _gather(self, tickets: set[int], timeout: float, keep: bool = False) -> dict[int, StoreResult]:
+        """Poll until every ticket of ``tickets`` is reported or ``timeout`` passed; the ones reported by then.
+
+        ``keep``: the reported ones among ``tickets`` stay pending (their
+        caller finishes them); any other ticket reported meanwhile is finished.
+        """
         deadline = time.monotonic() + timeout if math.isfinite(timeout) else math.inf
         got: dict[int, StoreResult] = {}
         while True:
             got.update(self._collect(min(0.05, max(0.0, deadline - time.monotonic())),
                                      tickets if keep else frozenset()))
-            if tickets <= got.keys():
-                return got
-            if time.monotonic() >= deadline:
-                missing = sorted(self._pending[t].transfer_id for t in tickets - got.keys())
-                raise TransferTimeoutError(f"worker {self.rank}: the shared store did not answer transfers "
-                                           f"{missing} within {timeout:g} s", tuple(missing))
+            if tickets <= got.keys() or time.monotonic() >= deadline:
+                return {t: got[t] for t in tickets if t in got}
+
+    def _wait(self, tickets: set[int], timeout: float) -> None:
+        """Poll until every ticket of ``tickets`` is reported and finished.
+
+        Raises:
+            TransferTimeoutError: some were not reported within ``timeout`` (they stay pending).
+        """
+        got = self._gather(tickets, timeout)
+        if len(got) < len(tickets):
+            missing = sorted(self._pending[t].transfer_id for t in tickets - got.keys())
+            raise TransferTimeoutError(f"worker {self.rank}: the shared store did not answer transfers "
+                                       f"{missing} within {timeout:g} s", tuple(missing))
 
     def _finish(self, pending: _Pending, ok: bool) -> None:
         del self._pending[pending.ticket]

@@ -328,6 +328,34 @@ def test_block_missing_in_one_group_is_not_stored():
     assert len(mgr.cpu.lookup(hashes(1, 3)[1:])) == 2
 
 
+def test_a_hit_never_stores_the_positions_a_sliding_window_group_did_not_load():
+    """A hit loads a sliding-window group's window only; the engine's real GPU blocks before it hold no KV. Once the
+    CPU tier lost the hit, the request stores the window and what it computed, never those positions."""
+    mgr = make(spec=HYBRID, gpu=32)
+    hs = hashes(1, 5)
+    mgr.add_request("a", hs, 21)
+    mgr.lookup("a", 0)
+    mgr.on_allocated("a", [mgr.gpu.allocate(6), mgr.gpu.allocate(6)])
+    mgr.on_computed("a", 21)
+    mgr.apply_completions(results(mgr.build_step()))
+    mgr.finish("a")
+    mgr.add_request("b", hs, 21)
+    assert mgr.lookup("b", 0) == 5 * BS
+    mgr.on_allocated("b", [mgr.gpu.allocate(6), mgr.gpu.allocate(6)], 5 * BS)  # real blocks before the window too
+    plan = mgr.build_step()
+    loads = {p.group: p for _, p in plan.loads}
+    assert len(loads[1].src) == 2  # window = one block of tokens: positions 3 and 4
+    mgr.apply_completions(results(plan))
+    mgr.cpu.decref(mgr.cpu.allocate(mgr.cpu.num_free))  # other work evicts the whole CPU tier
+    assert mgr.cpu.lookup(hs) == [] and mgr.cpu.lookup(hs[3:]) == []
+    mgr.on_computed("b", 21)
+    plan = mgr.build_step()
+    assert [len(p.src) for _, p in plan.stores] == [2, 2]
+    mgr.apply_completions(results(plan))
+    assert mgr.cpu.lookup(hs) == [] and len(mgr.cpu.lookup(hs[3:])) == 2
+    mgr.check_invariants()
+
+
 # -- stores --------------------------------------------------------------------
 
 

@@ -428,3 +428,23 @@ def test_a_fetch_the_store_answers_too_late_fails_without_raising_and_is_reporte
     store.release()
     assert [(r.transfer_id, r.ok) for r in worker.take_store_results()] == [(2, False)]
     worker.check_invariants()
+
+
+def test_fetches_started_together_are_each_checked_whichever_the_store_answers_first():
+    """Several gets started in one step: answering one never finishes another unchecked (each is checked once)."""
+    from kvkit.interfaces import Direction
+    from kvkit.interfaces.shared import SharedPlan
+    from kvkit.shared.client import FormatCodec
+    from kvkit.shared.worker import SharedTierWorker
+
+    codec = FormatCodec.for_stack(SPEC, 1, model="m", layout="none")
+    store = MemoryStore()
+    worker = SharedTierWorker(SPEC, store, codec, wait_timeout_s=1.0)
+    worker.put([(1, SharedPlan(Direction.STORE, [3, 4], HASHES[:2]))])
+    assert [r.ok for r in worker.take_store_results()] == [True]
+    fetches = [(2, SharedPlan(Direction.LOAD, [5], HASHES[:1])), (3, SharedPlan(Direction.LOAD, [6], HASHES[1:2])),
+               (4, SharedPlan(Direction.LOAD, [7], HASHES[2:3]))]  # the last was never put: missing
+    assert worker.fetch(fetches) == {7}
+    assert sorted((r.transfer_id, r.ok) for r in worker.take_store_results()) == [(2, True), (3, True), (4, False)]
+    assert worker.missing_values == 1
+    worker.check_invariants()
