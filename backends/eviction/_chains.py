@@ -43,6 +43,7 @@ __all__ = ["FlatChains"]
 _NONE = -1  # no block, in the link arrays
 _ORPHAN = -2  # in _up: the parent hash is not tracked (it is in _orphan_of)
 _UNTRACKED = -3  # in _up: no block is tracked under this id
+_INT = {int}
 
 
 @attrs.define
@@ -160,44 +161,73 @@ class FlatChains:
             PoolUsageError: ``block`` or ``block_hash`` is already tracked
                 (``owner`` names the policy in the message).
         """
-        if self._up[block] != _UNTRACKED:
-            raise already_tracked(owner, block)
-        other = self._tracked_block(block_hash)
-        if other is not None:
-            raise hash_already_tracked(owner, block, block_hash, other)
-        if parent == block_hash:
-            parent = None
-        if self._own is not None:
-            self._hash[block] = block_hash
-            self._own[block_hash] = block
-        up = self._up
-        first = self._waiting.pop(block_hash, _NONE)
-        if first != _NONE:  # its children were orphans: their parent is back
-            self._first[block] = first
-            child, nxt, orphans, orphan_of = first, self._next, self._orphans, self._orphan_of
-            while True:
-                orphans.remove(BlockId(child))
-                del orphan_of[BlockId(child)]
-                up[child] = block
-                child = nxt[child]
-                if child == first:
-                    break
-        if parent is None:
-            up[block] = _NONE
-            return None
-        parent_block = self._tracked_block(parent)
-        if parent_block is None:
-            up[block] = _ORPHAN
-            self._orphan_of[block] = parent
-            self._waiting[parent] = self._link(block, self._waiting.get(parent, _NONE))
-            self._orphans.add(block, pinned or self.parked[block] == self.PARKED)
-        else:
+        parent_blocks, _, refusal = self.add_many(owner, (block,), (block_hash,), (parent,), pinned)
+        if refusal is not None:
+            raise refusal
+        return BlockId(parent_blocks[0]) if parent_blocks[0] != _NONE else None
+
+    def add_many(self, owner: object, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                 parents: Sequence[BlockHash | None],
+                 pinned: bool = False) -> tuple[list[int], list[bool], PoolUsageError | None]:
+        """:meth:`add` for each block, in order (ids below the grown size), until one is refused.
+
+        Returns, per block added, its parent's block (``-1`` where the parent
+        hash is ``None``, the block's own or not tracked) and whether it had
+        children the moment it was added (the orphans waiting for its hash);
+        then the refusal, ``None`` when every block was added, which the owner
+        raises once it has booked those added (a refused block and those
+        after it change nothing).
+        """
+        up, first_of, nxt, prv = self._up, self._first, self._next, self._prev
+        waiting, orphans, orphan_of, own, hash_of = self._waiting, self._orphans, self._orphan_of, self._own, \
+            self._hash
+        lookup, parked, mark, size, walk = self._block_of.get, self.parked, self.PARKED, len(self._up), self._walk
+        parent_blocks: list[int] = []
+        fresh: list[bool] = []
+        for block, block_hash, parent in zip(blocks, hashes, parents):
+            if up[block] != _UNTRACKED:
+                return parent_blocks, fresh, already_tracked(owner, block)
+            other = lookup(block_hash)
+            if other is not None and other < size and up[other] != _UNTRACKED:
+                return parent_blocks, fresh, hash_already_tracked(owner, block, block_hash, other)
+            if own is not None:
+                hash_of[block] = block_hash
+                own[block_hash] = block
+            first = waiting.pop(block_hash, _NONE)
+            if first != _NONE:  # its children were orphans: their parent is back
+                first_of[block] = first
+                child = first
+                while True:
+                    orphans.remove(BlockId(child))
+                    del orphan_of[BlockId(child)]
+                    up[child] = block
+                    child = nxt[child]
+                    if child == first:
+                        break
+            fresh.append(first != _NONE)
+            if parent is None or parent == block_hash:
+                up[block] = _NONE
+                parent_blocks.append(_NONE)
+                continue
+            parent_block = lookup(parent)
+            if parent_block is None or parent_block >= size or up[parent_block] == _UNTRACKED:
+                up[block] = _ORPHAN
+                orphan_of[block] = parent
+                waiting[parent] = self._link(block, waiting.get(parent, _NONE))
+                orphans.add(block, pinned or parked[block] == mark)
+                parent_blocks.append(_NONE)
+                continue
             up[block] = parent_block
-            self._first[parent_block] = self._link(block, self._first[parent_block])
-            walk = self._walk
+            head = first_of[parent_block]
+            if head == _NONE:  # self._link, inlined: the hot path
+                nxt[block] = prv[block] = first_of[parent_block] = block
+            else:
+                last = prv[head]
+                nxt[last], prv[block], nxt[block], prv[head] = block, last, head, block
             if walk is not None and parent_block in walk.held:
-                self._walk = None  # a new child of a block the walk has passed
-        return parent_block
+                self._walk = walk = None  # a new child of a block the walk has passed
+            parent_blocks.append(parent_block)
+        return parent_blocks, fresh, None
 
     def remove(self, owner: object, block: BlockId) -> BlockHash:
         """Forget ``block`` (its tracked children become orphans); return its hash.
@@ -207,23 +237,30 @@ class FlatChains:
         """
         return self.remove_many(owner, (block,))[0]
 
-    def remove_many(self, owner: object, blocks: Sequence[BlockId]) -> list[BlockHash]:
+    def remove_many(self, owner: object, blocks: Sequence[BlockId],
+                    leaving: frozenset[int] | None = None) -> list[BlockHash]:
         """:meth:`remove` for each block, in order; return their hashes.
 
         A child of a removed block that leaves later in the same call never
         joins the orphans (it would leave them again at once): the orphans that
         stay, and their order, are those of the blocks removed one by one.
 
+        ``leaving``: :meth:`distinct_tracked` of ``blocks``, if the caller has it.
+
         Raises:
             PoolUsageError: a block is not tracked (those before it are removed).
         """
         hashes, up, own, waiting, first_of = self._hash, self._up, self._own, self._waiting, self._first
-        orphans, orphan_of, nxt, parked, mark = self._orphans, self._orphan_of, self._next, self.parked, self.PARKED
-        leaving = self.distinct_tracked(blocks)
+        orphans, orphan_of, nxt, prv, parked, mark = self._orphans, self._orphan_of, self._next, self._prev, \
+            self.parked, self.PARKED
+        if leaving is None:
+            leaving = self.distinct_tracked(blocks)
+        checked = bool(leaving)  # every block tracked, each named once: none can be refused
+        walk = self._walk
         unqueued: set[int] = set()  # children of removed blocks that leave later: never queued as orphans
         removed = []
         for block in blocks:
-            if not self.tracks(block):
+            if not checked and not self.tracks(block):
                 raise not_tracked(owner, block)
             block_hash = hashes[block]
             assert block_hash is not None
@@ -242,8 +279,15 @@ class FlatChains:
                     del waiting[parent]
                 else:
                     waiting[parent] = rest
-            elif parent_block != _NONE:
-                first_of[parent_block] = self._unlink(block, first_of[parent_block])
+            elif parent_block != _NONE:  # self._unlink from its parent's ring, inlined: the hot path
+                after = nxt[block]
+                if after == block:
+                    first_of[parent_block] = _NONE
+                else:
+                    before = prv[block]
+                    nxt[before], prv[after] = after, before
+                    if first_of[parent_block] == block:
+                        first_of[parent_block] = after
             first = first_of[block]
             if first != _NONE:  # its children wait for the hash now, as orphans
                 first_of[block] = _NONE
@@ -259,23 +303,24 @@ class FlatChains:
                     child = nxt[child]
                     if child == first:
                         break
-            walk = self._walk
             if walk is not None and block in walk.held:
                 if block in walk.victims:
                     walk.victims.remove(block)
                     walk.held.remove(block)  # its id may come back as another block
                 else:
-                    self._walk = None
+                    self._walk = walk = None
             removed.append(block_hash)
         return removed
 
     def distinct_tracked(self, blocks: Sequence[BlockId]) -> frozenset[int]:
         """``blocks`` as a set if there are several, distinct and all tracked (a removal of them all cannot
-        stop half way), else empty."""
+        stop half way), else empty (passes at C speed)."""
         if len(blocks) < 2:
             return frozenset()
         leaving = frozenset(blocks)
-        if len(leaving) == len(blocks) and all(map(self.tracks, leaving)):
+        up = self._up
+        if len(leaving) == len(blocks) and set(map(type, leaving)) == _INT and min(leaving) >= 0 \
+                and max(leaving) < len(up) and _UNTRACKED not in map(up.__getitem__, leaving):
             return leaving
         return frozenset()
 
@@ -317,6 +362,11 @@ class FlatChains:
         """Whether some tracked block names ``block``'s hash as its parent."""
         return self._first[block] != _NONE
 
+    @property
+    def child_rings(self) -> array:
+        """Per block id, the first child of a tracked block (``-1``: none), for an owner's hot loop: read only."""
+        return self._first
+
     def tracks(self, block: BlockId) -> bool:
         """Whether ``block`` is tracked."""
         return block.__class__ is int and 0 <= block < len(self._up) and self._up[block] != _UNTRACKED
@@ -346,18 +396,37 @@ class FlatChains:
 
     def pin(self, block: BlockId) -> None:
         """The owner parked ``block`` (in use): an orphan is set aside until :meth:`unpin`."""
-        if self._up[block] == _ORPHAN:
-            self._orphans.pin(block)
+        self.pin_many((block,))
+
+    def pin_many(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`pin` for each block, in order."""
+        if self._orphan_of:  # else none is an orphan
+            up, pin = self._up, self._orphans.pin
+            for block in blocks:
+                if up[block] == _ORPHAN:
+                    pin(block)
 
     def unpin(self, block: BlockId) -> None:
         """The owner released ``block``: an orphan is an orphan in its place again."""
-        if self._up[block] == _ORPHAN:
-            self._orphans.unpin(block)
+        self.unpin_many((block,))
+
+    def unpin_many(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`unpin` for each block, in order."""
+        if self._orphan_of:  # else none is an orphan
+            up, unpin = self._up, self._orphans.unpin
+            for block in blocks:
+                if up[block] == _ORPHAN:
+                    unpin(block)
 
     def orphans(self) -> Iterator[BlockId] | None:
         """Orphans not in use, in the order they became orphans (the index must not change meanwhile);
         ``None`` if no block is an orphan."""
         return self._orphans.walk(any_block) if len(self._orphans) else None
+
+    def forget_walk(self) -> None:
+        """Drop the kept walk, as :meth:`collect` from a childless root does: an owner that chooses such a
+        root itself (asked as :meth:`collect` would ask) calls this instead."""
+        self._walk = None
 
     def collect(self, root: int, is_evictable: Callable[[int], bool],
                 chosen: dict[int, None], n: int) -> list[int]:
@@ -396,38 +465,72 @@ class FlatChains:
             chosen[root] = None
             return [root]
         walk = self._walk
-        if walk is None or walk.root != root or walk.victims or \
-                not all(parked[b] == mark or not is_evictable(b) for b in walk.skipped):
-            walk = _Walk(root, [(root, False)], {root}, set(), [])
+        if walk is None or walk.root != root:  # a fresh walk: one that walks no grandchild, short
+            fan = self._collect_fan(root, is_evictable, chosen, n)
+            if fan is not None:
+                return fan
+        if walk is not None and walk.root == root and not walk.victims and \
+                all(parked[b] == mark or not is_evictable(b) for b in walk.skipped):
+            stack, held, victims, skipped = walk.stack, walk.held, walk.victims, walk.skipped
+        else:  # a fresh walk (a _Walk only if it is kept)
+            walk, stack, held, victims, skipped = None, [(root, False)], {root}, set(), []
         prv = self._prev
-        stack, held, victims, skipped = walk.stack, walk.held, walk.victims, walk.skipped
+        pop, push, hold, victim = stack.pop, stack.append, held.add, victims.add
         picked: list[int] = []
         while stack and len(chosen) < n:
-            block, expanded = stack.pop()
+            block, expanded = pop()
             if not expanded:
-                stack.append((block, True))
+                push((block, True))
                 head = first[block]
                 if head != _NONE:
                     child = prv[head]  # the last child first: the first one is walked first
                     while True:
                         if child not in held:
-                            held.add(child)
+                            hold(child)
                             if child in chosen:  # with its subtree, by an earlier walk of this selection
-                                victims.add(child)
+                                victim(child)
                             else:
-                                stack.append((child, False))
+                                push((child, False))
                         if child == head:
                             break
                         child = prv[child]
             elif block in chosen:
-                victims.add(block)
+                victim(block)
             elif parked[block] != mark and is_evictable(block):
                 chosen[block] = None
                 picked.append(block)
-                victims.add(block)
+                victim(block)
             else:
                 skipped.append(block)
-        self._walk = walk if stack else None
+        self._walk = None if not stack else walk if walk is not None else _Walk(root, stack, held, victims, skipped)
+        return picked
+
+    def _collect_fan(self, root: int, is_evictable: Callable[[int], bool],
+                     chosen: dict[int, None], n: int) -> list[int] | None:
+        """:meth:`collect`'s fresh walk from ``root`` when it walks no grandchild (each child is chosen
+        already, which it does not walk below, or has no child) and cannot stop before its end; ``None``
+        otherwise, nothing done. It takes the children not chosen in the order they were linked, then
+        the root, choosing each one not parked and evictable (a selection moving up a chain takes each
+        parent this way)."""
+        first, nxt, parked, mark = self._first, self._next, self.parked, self.PARKED
+        head = child = first[root]
+        children = []
+        while True:
+            if child not in chosen:
+                if first[child] != _NONE:
+                    return None
+                children.append(child)
+            child = nxt[child]
+            if child == head:
+                break
+        if len(chosen) + len(children) >= n:  # it might stop before the root
+            return None
+        self._walk = None
+        picked = []
+        for block in (*children, root):
+            if parked[block] != mark and block not in chosen and is_evictable(block):
+                chosen[block] = None
+                picked.append(block)
         return picked
 
     # -- checks ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ import math
 import sys
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from typing import cast
 
 import attrs
@@ -46,9 +46,12 @@ _Blocks = list[BlockId]
 _UNTRACKED, _LISTED, _PARKED = 0, 1, FlatChains.PARKED  # where a block id is
 
 
-def _verified(block: int) -> bool:
-    """A list end already found usable in this selection: taken without asking again."""
-    return True
+def _valid_ids(blocks: Sequence[object]) -> bool:
+    """Whether every block id is an int ``>= 0`` (a pass at C speed; ``False`` for an empty batch)."""
+    return len(blocks) > 0 and set(map(type, blocks)) == _INT and min(cast(Sequence[int], blocks)) >= 0
+
+
+_INT = {int}
 
 
 def reuse_level(uses: int) -> int:
@@ -357,50 +360,95 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def _insert(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
                 parents: Sequence[BlockHash | None], mark: int) -> None:
-        """Track each block under its hash and parent: listed (``_LISTED``) or parked at once (``_PARKED``)."""
-        chains, classes, where, uses_of, last_of = self._chains, self._cls, self._where, self._uses, self._last
-        add, has_children, ghost_at, move, enter = chains.add, chains.has_children, self._ghost_at, self._move, \
-            self._enter
+        """Track each block under its hash and parent: listed (``_LISTED``) or parked at once (``_PARKED``).
+
+        The chain index takes the whole batch first (what it reports per block
+        is what it held right after that block's add: a later block of the
+        batch never changes it), then each block is booked in order. The tip
+        gains a child exactly when the next block names it as its parent: it
+        has none while it is the tip (it would be a parent), and no block is
+        added in between.
+        """
+        if not _valid_ids(blocks):  # one at a time: raises at the first bad id, those before it tracked
+            for block, block_hash, parent in zip(blocks, hashes, parents):
+                if block.__class__ is not int or block < 0:
+                    raise PoolUsageError(f"{type(self).__name__}.on_insert: block ids are ints >= 0, got "
+                                         f"{quote(block)}")
+                self._insert((block,), (block_hash,), (parent,), mark)
+            return
+        top = max(blocks)
+        if top >= len(self._where):
+            self._grow(top + 1)
         pinned = mark == _PARKED
-        for block, block_hash, parent in zip(blocks, hashes, parents):
-            if block.__class__ is not int or block < 0:
-                raise PoolUsageError(f"{type(self).__name__}.on_insert: block ids are ints >= 0, got {quote(block)}")
-            if block >= len(where):
-                self._grow(block + 1)
-            parent_block = add(self, block, block_hash, parent, pinned)
-            tip = self._tip
+        parent_blocks, fresh, refusal = self._chains.add_many(self, blocks, hashes, parents, pinned)
+        classes, where, uses_of, last_of, move, ghost_at = self._cls, self._where, self._uses, self._last, \
+            self._move, self._ghost_at
+        ghost_last, ghost_cls, ghost_uses, ghost_live, ghost_hash, ghost_recent, base = self._ghost_last, \
+            self._ghost_cls, self._ghost_uses, self._ghost_live, self._ghost_hash, self._ghost_recent, \
+            self._ghost_base
+        recent, note, turnover, record = self._recent, self._shift.note, self._turnover, self._model.record_reuses
+        clock, tracked, tip, due, reused = self._clock, self._tracked, self._tip, self._next_refresh, self._reused
+        reuse_classes: list[int] = []  # the reuses learnt, recorded in one pass before the model is read
+        reuse_ages: list[int] = []
+        for block, block_hash, parent, parent_block, had_children in zip(blocks, hashes, parents, parent_blocks,
+                                                                         fresh):
             if tip is not None:  # stored before: a tip no more, a parent if this store continued it, else a leaf
-                enter(tip, classes[tip] - TIP + (PARENT if has_children(tip) else LEAF))
-            self._clock = clock = self._clock + 1
-            uses = 0
+                old = classes[tip]
+                classes[tip] = cls = old - TIP + (PARENT if parent_block == tip else LEAF)
+                if where[tip] == _LISTED:  # a parked block enters its (new) class's list on on_unpin
+                    move(tip, old, cls)
+            clock += 1
             at = ghost_at.pop(block_hash, None)
-            if at is not None:  # a reuse the cache missed: learn from it, keep the history
-                i = at - self._ghost_base
-                last, cls = self._ghost_last[i], self._ghost_cls[i]
-                self._ghost_live[i] = 0
-                self._ghost_hash[i] = None
-                self._model.record_reuse(cls, clock - last)
-                self._note_reuse(cls, *chains.links(block))  # as linked: a hash under itself heads its chain
-                gained = 1 + (clock - last < self._turnover)  # back within a turnover: +1 more
-                uses = min(self._ghost_uses[i] + gained, _MAX_USES)
-                self._recent[block] = self._ghost_recent.pop(block_hash, 0) + gained
-            kind = PARENT if has_children(block) else TIP
-            cls = _CLASS_OF[uses if uses < _TOP else _TOP][kind]
-            self._tip = block if kind == TIP else None
+            if at is None:
+                uses = 0
+            else:  # a reuse the cache missed: learn from it, keep the history
+                i = at - base
+                cls, age = ghost_cls[i], clock - ghost_last[i]
+                ghost_live[i] = 0
+                ghost_hash[i] = None
+                reuse_classes.append(cls)
+                reuse_ages.append(age)
+                # It starts a reuse run unless its parent, as linked (a hash under itself heads its
+                # chain), was reused just before.
+                if parent is None or parent == block_hash or parent != reused:
+                    note(cls // _KINDS)
+                reused = block_hash
+                gained = 1 + (age < turnover)  # back within a turnover: +1 more
+                recent[block] = ghost_recent.pop(block_hash, 0) + gained
+                uses = ghost_uses[i] + gained
+                if uses > _MAX_USES:
+                    uses = _MAX_USES
+            if had_children:
+                cls, tip = _CLASS_OF[uses if uses < _TOP else _TOP][PARENT], None
+            else:
+                cls, tip = _CLASS_OF[uses if uses < _TOP else _TOP][TIP], block
             uses_of[block] = uses
             last_of[block] = clock
             classes[block] = cls
             where[block] = mark  # a parked block keeps its class and enters its list on on_unpin
             if not pinned:
                 move(block, _NONE, cls)
-            self._tracked = tracked = self._tracked + 1
-            if parent_block is not None:
-                kind = classes[parent_block] % _KINDS
+            tracked += 1
+            if parent_block != _NONE:
+                old = classes[parent_block]
+                kind = old % _KINDS
                 if kind != PARENT:  # its class's kind changes, its reuse level stays
-                    enter(parent_block, classes[parent_block] - kind + PARENT)
-            self._learn(tracked)
-            if clock >= self._next_refresh:
+                    classes[parent_block] = cls = old - kind + PARENT
+                    if where[parent_block] == _LISTED:
+                        move(parent_block, old, cls)
+            if clock >= due:
+                record(reuse_classes, reuse_ages)
+                reuse_classes.clear()
+                reuse_ages.clear()
+                self._clock, self._tracked, self._tip, self._reused = clock, tracked, tip, reused
+                self._learn(tracked)
                 self._refresh()
+                due = self._next_refresh
+        record(reuse_classes, reuse_ages)
+        self._clock, self._tracked, self._tip, self._reused = clock, tracked, tip, reused
+        self._learn(tracked)
+        if refusal is not None:
+            raise refusal
 
     @override
     def on_access(self, block: BlockId) -> None:
@@ -439,39 +487,51 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def _remove(self, blocks: Sequence[BlockId]) -> None:
         """Forget each block, leaving its ghost; the ghosts past their span are forgotten once, after."""
-        if len(blocks) > 1 and not self._chains.distinct_tracked(blocks):
+        leaving = self._chains.distinct_tracked(blocks)
+        if len(blocks) > 1 and not leaving:
             for block in blocks:  # one at a time: raises at the first untracked block, those before it removed
                 self._remove((block,))
             return
-        block_hashes = self._chains.remove_many(self, blocks)  # the chains first (what follows reads none)
-        classes, where, move = self._cls, self._where, self._move
-        uses_of, last_of, recent, ghost_recent, ghost_at = self._uses, self._last, self._recent, \
-            self._ghost_recent, self._ghost_at
-        ghost_hash, ghost_cls, ghost_uses, ghost_last, ghost_live = self._ghost_hash, self._ghost_cls, \
-            self._ghost_uses, self._ghost_last, self._ghost_live
+        block_hashes = self._chains.remove_many(self, blocks, leaving)  # the chains first (what follows reads none)
+        classes, where, nxt, prv, ends, dirty = self._cls, self._where, self._next, self._prev, self._ends, \
+            self._dirty
+        recent, ghost_recent = self._recent, self._ghost_recent
         c, clock = max(self.c, 1), self._clock  # neither changes while blocks leave
-        evictions, turnover, tip = self._evictions, self._turnover, self._tip
+        evictions, turnover, last = self._evictions, self._turnover, self._last_removal
+        first = evictions + 1  # the first block's eviction number
+        if self._tip in (leaving or blocks):
+            self._tip = None
         for block, block_hash in zip(blocks, block_hashes):
-            if block == tip:
-                self._tip = tip = None
-            cls = classes[block]
-            move(block, cls if where[block] == _LISTED else _NONE, _NONE)
+            if where[block] == _LISTED:  # self._move(block, its class, _NONE), inlined: the hot path
+                cls = classes[block]
+                before, after = prv[block], nxt[block]
+                if before == _NONE:
+                    ends[2 * cls] = after
+                    dirty.add(2 * cls)
+                else:
+                    nxt[before] = after
+                if after == _NONE:
+                    ends[2 * cls + 1] = before
+                    dirty.add(2 * cls + 1)
+                else:
+                    prv[after] = before
             where[block] = _UNTRACKED
             reuses = recent.pop(block, 0)
             if reuses:
                 ghost_recent[block_hash] = reuses
+            if evictions:  # the first removal only starts the clock: the fill before it is no gap
+                turnover += ((clock - last) * c - turnover) / (evictions if evictions < c else c)
             evictions += 1
-            if evictions > 1:  # the first removal only starts the clock: the fill before it is no gap
-                turnover += ((clock - self._last_removal) * c - turnover) / min(evictions - 1, c)
-            self._last_removal = clock
-            ghost_at[block_hash] = evictions  # its index: evictions - _ghost_base, the next one
-            ghost_hash.append(block_hash)
-            ghost_cls.append(cls)
-            ghost_uses.append(uses_of[block])
-            ghost_last.append(last_of[block])
-            ghost_live.append(1)
+            last = clock
+        # Each ghost's index is its eviction number less _ghost_base: they are appended in order.
+        self._ghost_at.update(zip(block_hashes, range(first, evictions + 1)))
+        self._ghost_hash += block_hashes
+        self._ghost_cls.extend(map(classes.__getitem__, blocks))  # a block's class and counters outlive it
+        self._ghost_uses.extend(map(self._uses.__getitem__, blocks))
+        self._ghost_last.extend(map(self._last.__getitem__, blocks))
+        self._ghost_live += b"\x01" * len(block_hashes)
         self._tracked -= len(block_hashes)
-        self._evictions, self._turnover = evictions, turnover
+        self._evictions, self._turnover, self._last_removal = evictions, turnover, last
         self._forget_ghosts(evictions - self._ghost_limit(c))
 
     def use_index(self, index: Mapping[BlockHash, BlockId], hashes: Sequence[BlockHash | None],
@@ -498,14 +558,30 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._pin(blocks)
 
     def _pin(self, blocks: Sequence[BlockId]) -> None:
-        where, classes, move, pin = self._where, self._cls, self._move, self._chains.pin
-        for block in blocks:
-            if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _LISTED) \
-                    and where[self._tracked_id(block)] == _PARKED:
-                raise pin_mismatch(self, block, pinned=True)
-            move(block, classes[block], _NONE)
+        where = self._where
+        if not self._all_marked(blocks, _LISTED):  # one at a time: raises at the first bad block
+            for block in blocks:
+                if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _LISTED) \
+                        and where[self._tracked_id(block)] == _PARKED:
+                    raise pin_mismatch(self, block, pinned=True)
+                self._pin((block,))
+            return
+        classes, nxt, prv, ends, dirty = self._cls, self._next, self._prev, self._ends, self._dirty
+        for block in blocks:  # self._move(block, its class, _NONE), inlined: the hot path
+            cls = classes[block]
+            before, after = prv[block], nxt[block]
+            if before == _NONE:
+                ends[2 * cls] = after
+                dirty.add(2 * cls)
+            else:
+                nxt[before] = after
+            if after == _NONE:
+                ends[2 * cls + 1] = before
+                dirty.add(2 * cls + 1)
+            else:
+                prv[after] = before
             where[block] = _PARKED
-            pin(block)
+        self._chains.pin_many(blocks)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at its class's young end; its age still counts from its last use."""
@@ -516,14 +592,35 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._unpin(blocks)
 
     def _unpin(self, blocks: Sequence[BlockId]) -> None:
-        where, classes, move, unpin = self._where, self._cls, self._move, self._chains.unpin
-        for block in blocks:
-            if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _PARKED) \
-                    and where[self._tracked_id(block)] == _LISTED:
-                raise pin_mismatch(self, block, pinned=False)
-            move(block, _NONE, classes[block])
+        where = self._where
+        if not self._all_marked(blocks, _PARKED):  # one at a time: raises at the first bad block
+            for block in blocks:
+                if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _PARKED) \
+                        and where[self._tracked_id(block)] == _LISTED:
+                    raise pin_mismatch(self, block, pinned=False)
+                self._unpin((block,))
+            return
+        classes, nxt, prv, ends, dirty = self._cls, self._next, self._prev, self._ends, self._dirty
+        for block in blocks:  # self._move(block, _NONE, its class), inlined: the hot path
+            young = 2 * classes[block] + 1
+            tail = ends[young]
+            prv[block] = tail
+            nxt[block] = _NONE
+            if tail == _NONE:
+                ends[young - 1] = block
+                dirty.add(young - 1)
+            else:
+                nxt[tail] = block
+            ends[young] = block
+            dirty.add(young)
             where[block] = _LISTED
-            unpin(block)
+        self._chains.unpin_many(blocks)
+
+    def _all_marked(self, blocks: Sequence[BlockId], mark: int) -> bool:
+        """Whether ``blocks`` are distinct ids of blocks marked ``mark`` (passes at C speed)."""
+        where = self._where
+        return _valid_ids(blocks) and max(blocks) < len(where) and len(set(blocks)) == len(blocks) \
+            and set(map(where.__getitem__, blocks)) == {mark}
 
     # -- decisions -------------------------------------------------------------
 
@@ -594,7 +691,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                        verified: bool) -> list[BlockId] | None:
         """:meth:`select_victims` from the state ``chosen`` holds (empty, or the first root's subtree);
         ``verified``: every list end was found evictable in this selection (not asked again)."""
-        where = self._where
+        where, nxt, prv, last_of, classes = self._where, self._next, self._prev, self._last, self._cls
+        chains = self._chains
+        clock, rows, octave, top = self._clock, self._model.rows, self._model.per_octave, self._model.buckets - 1
 
         def usable(block: int) -> bool:
             return block not in chosen and where[block] != _PARKED and evictable(block)
@@ -603,49 +702,84 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         # 2 * class walks from the old end, 2 * class + 1 from the young end), kept across the rounds
         # of this selection: nothing a round skips can become usable later in it, so each stream is
         # walked at most once and a selection costs O(n + skipped). A stream's head is (density, last
-        # access, block, stream), the least on top of a heap; after a round only the streams its
-        # victims headed move on.
-        heads: dict[int, tuple[float, int, int, int]] = {}  # stream -> its head
-        head_of: dict[int, list[int]] = {}  # block -> the streams it heads
-        order: list[tuple[float, int, int, int]] = []  # a heap of heads, current or replaced since
-        for stream in range(2 * _CLASSES):
-            block = self._ends[stream]
-            self._advance(stream, block, _verified if verified and block not in chosen else usable,
-                          heads, head_of, order)
-        orphan_walk = self._chains.orphans()
-        orphans = None if orphan_walk is None else filter(usable, orphan_walk)
-        collect = self._chains.collect
-        while len(chosen) < n:
-            orphan = None if orphans is None else next(orphans, None)
-            if orphan is not None:
-                picked = collect(orphan, evictable, chosen, n)
-            elif heads:
-                while heads.get(order[0][3]) is not order[0]:  # replaced: its stream moved on
-                    heappop(order)
-                picked = collect(order[0][2], evictable, chosen, n)
-            else:
+        # access, block, stream), the least valid one on top of a heap (a replaced head stays in it,
+        # stale, until it surfaces); after a round only the streams its victims headed move on. A
+        # head is usable (listed blocks are never parked) and never chosen: a round that chooses it
+        # moves its streams on at once.
+        heads: list[tuple[float, int, int, int] | None] = [None] * (2 * _CLASSES)  # per stream, its head
+        order: list[tuple[float, int, int, int]] = []
+
+        def advance(stream: int, block: int) -> tuple[float, int, int, int] | None:
+            """Walk ``stream`` from ``block`` to its first usable block; make that its head (none: it ends)."""
+            links = prv if stream & 1 else nxt
+            while block != _NONE and (block in chosen or not evictable(block)):
+                block = links[block]
+            if block == _NONE:
+                heads[stream] = None
                 return None
+            last = last_of[block]
+            if rows is None:
+                density = 0.0
+            else:  # self._model.density, inlined: the hot path
+                b = ((clock - last + 1) ** octave).bit_length() - 1
+                density = rows[stream >> 1][b if b < top else top]
+            heads[stream] = head = (density, last, block, stream)
+            return head
+
+        ends = self._ends
+        head: tuple[float, int, int, int] | None
+        for stream in range(2 * _CLASSES):
+            block = ends[stream]
+            if verified and block != _NONE and block not in chosen:
+                last = last_of[block]
+                heads[stream] = head = (self._model.density(stream >> 1, clock - last), last, block, stream)
+            else:
+                head = advance(stream, block)
+            if head is not None:
+                order.append(head)
+        heapify(order)
+        orphan_walk = chains.orphans()
+        orphans = None if orphan_walk is None else filter(usable, orphan_walk)
+        collect, first_child, dropped = chains.collect, chains.child_rings, False
+        picked: Sequence[int]
+        root: int
+        while len(chosen) < n:
+            if orphans is not None:
+                orphan = next(orphans, None)
+                if orphan is None:
+                    orphans = None  # none left for this selection
+                    continue
+                root = orphan
+            else:
+                while order and heads[order[0][3]] is not order[0]:  # replaced: its stream moved on
+                    heappop(order)
+                if not order:
+                    return None
+                root = order[0][2]
+            if first_child[root] == _NONE:  # collect's walk of a childless usable root, inlined: the root alone
+                if not dropped:
+                    chains.forget_walk()  # as that walk does
+                    dropped = True
+                chosen[root] = None
+                picked = (root,)
+            else:
+                picked = collect(root, evictable, chosen, n)
+                dropped = True  # a walk left kept ends the selection
             for block in picked:  # the streams they headed go on past them
-                for stream in head_of.pop(block, ()):
-                    del heads[stream]
-                    self._advance(stream, (self._prev if stream & 1 else self._next)[block], usable,
-                                  heads, head_of, order)
+                end = 2 * classes[block]  # a listed block heads at most its class list's two ends
+                head = heads[end]
+                if head is not None and head[2] == block:
+                    head = advance(end, nxt[block])
+                    if head is not None:
+                        heappush(order, head)
+                head = heads[end + 1]
+                if head is not None and head[2] == block:
+                    head = advance(end + 1, prv[block])
+                    if head is not None:
+                        heappush(order, head)
         return cast(_Blocks, list(chosen))
 
     # -- bookkeeping -----------------------------------------------------------
-
-    def _advance(self, stream: int, block: int, usable: Callable[[int], object],
-                 heads: dict[int, tuple[float, int, int, int]], head_of: dict[int, list[int]],
-                 order: list[tuple[float, int, int, int]]) -> None:
-        """Walk ``stream`` from ``block`` to its first usable block and make that its head (none: it ends)."""
-        links = self._prev if stream & 1 else self._next
-        while block != _NONE and not usable(block):
-            block = links[block]
-        if block != _NONE:
-            last = self._last[block]
-            heads[stream] = head = (self._model.density(stream >> 1, self._clock - last), last, block, stream)
-            head_of.setdefault(block, []).append(stream)
-            heappush(order, head)
 
     def _tracked_id(self, block: BlockId) -> BlockId:
         """``block`` if tracked, else ``PoolUsageError``."""
@@ -710,26 +844,33 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         return min(self.ghost_span * capacity, self.ghost_bytes // _GHOST_ENTRY_BYTES)
 
     def _forget_ghosts(self, horizon: float) -> None:
-        """Forget the ghosts evicted at or before ``horizon`` (censored at their age); compact the arrays."""
+        """Forget the ghosts evicted at or before ``horizon`` (censored at their age); compact the arrays.
+
+        Eviction numbers grow with the index, so those ghosts are the live ones of one leading range,
+        read in passes at C speed; the oldest that may be live is then the first live one past it.
+        """
         base, live = self._ghost_base, self._ghost_live
         oldest, end = self._ghost_oldest, base + len(live)
-        classes: list[int] = []
-        ages: list[int] = []
-        while oldest < end:
-            i = oldest - base
-            if live[i]:
-                if oldest > horizon:
-                    break
-                live[i] = 0
-                ghost_hash = self._ghost_hash[i]
-                assert ghost_hash is not None, "a live ghost without its hash"
-                self._ghost_hash[i] = None
-                del self._ghost_at[ghost_hash]  # forgotten unreused: censored at its age
-                self._ghost_recent.pop(ghost_hash, None)
-                classes.append(self._ghost_cls[i])
-                ages.append(self._clock - self._ghost_last[i])
-            oldest += 1
-        self._model.record_ends(classes, ages)
+        stop = min(end, math.floor(horizon) + 1)  # the first eviction number past the horizon
+        if stop > oldest:
+            lo, hi = oldest - base, stop - base
+            forgotten = np.flatnonzero(np.frombuffer(live[lo:hi], dtype=np.uint8))
+            if len(forgotten):
+                hashes = cast(list[BlockHash], list(map(self._ghost_hash.__getitem__, (forgotten + lo).tolist())))
+                live[lo:hi] = bytes(hi - lo)
+                self._ghost_hash[lo:hi] = [None] * (hi - lo)
+                ghost_at, recent = self._ghost_at, self._ghost_recent
+                for ghost_hash in hashes:
+                    del ghost_at[ghost_hash]  # forgotten unreused: censored at its age
+                if recent:
+                    for ghost_hash in hashes:
+                        recent.pop(ghost_hash, None)
+                classes = np.frombuffer(self._ghost_cls[lo:hi], dtype=np.uint8)[forgotten]
+                lasts = np.frombuffer(self._ghost_last[lo:hi], dtype=np.int64)[forgotten]
+                self._model.record_ends(classes.tolist(), (self._clock - lasts).tolist())
+            oldest = stop
+        first_live = live.find(1, oldest - base)
+        oldest = end if first_live < 0 else base + first_live
         self._ghost_oldest = oldest
         gone = oldest - base
         if gone >= 1024 and 2 * gone >= len(live):  # amortised O(1): each entry is moved at most once

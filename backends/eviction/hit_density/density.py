@@ -56,6 +56,7 @@ from kvkit.errors import ConfigError
 from kvkit.validate import at_least, is_int, quote
 
 _FEW = 16  # below this many ends one call each beats one vectorised call
+_CELLS = 1 << 14  # ratio cells a density pass computes at once: a few rows' k-by-k arrays, in cache
 
 __all__ = ["HitDensityModel", "isotonic"]
 
@@ -145,6 +146,9 @@ class HitDensityModel:
     _table: np.ndarray | None = attrs.field(init=False, default=None, repr=False)
     _rows: list[list[float]] | None = attrs.field(init=False, default=None, repr=False)  # _table, as lists
     _last_bucket: int = attrs.field(init=False, repr=False)
+    # The monotone chains of two classes or more (one has no order to restore), in the order they are
+    # fitted: groups of chains of one length, fitted in one call, disjoint when a group holds several.
+    _fits: list[list[list[int]]] = attrs.field(init=False, repr=False)
     _first_ages: tuple[int, ...] = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -153,6 +157,13 @@ class HitDensityModel:
         if bad:
             raise ConfigError(f"HitDensityModel.monotone names classes outside 0..{self.classes - 1}: "
                               f"{quote(bad)} in {quote(self.monotone)}")
+        chains = [list(chain) for chain in self.monotone if len(chain) > 1]
+        rows = [row for chain in chains for row in chain]
+        if len(set(rows)) == len(rows):  # disjoint: fitted in any order, those of one length together
+            lengths = sorted({len(chain) for chain in chains})
+            self._fits = [[chain for chain in chains if len(chain) == n] for n in lengths]
+        else:  # one after another, as listed: a later chain fits what an earlier one left
+            self._fits = [[chain] for chain in chains]
         buckets = 40 * self.per_octave  # ages up to 2**40 ticks
         self._last_bucket = buckets - 1
         self._first_ages = tuple(_least_root(1 << b, self.per_octave) - 1 for b in range(buckets))
@@ -222,14 +233,22 @@ class HitDensityModel:
         """A block of class ``cls`` left the model unreused at ``age`` (censored)."""
         self._ends[cls, self.bucket(age)] += 1
 
+    def record_reuses(self, classes: Sequence[int], ages: Sequence[int]) -> None:
+        """:meth:`record_reuse` for each ``(classes[i], ages[i])``, in order: the same sums, bit for bit."""
+        self._record(self._reuses, classes, ages)
+
     def record_ends(self, classes: Sequence[int], ages: Sequence[int]) -> None:
-        """:meth:`record_end` for each ``(classes[i], ages[i])``, in order: the same sums, bit for bit
-        (``np.add.at`` adds one at a time, in order, however often a cell repeats)."""
+        """:meth:`record_end` for each ``(classes[i], ages[i])``, in order: the same sums, bit for bit."""
+        self._record(self._ends, classes, ages)
+
+    def _record(self, histogram: np.ndarray, classes: Sequence[int], ages: Sequence[int]) -> None:
+        """Add 1 at each ``(classes[i], bucket(ages[i]))``, in order (``np.add.at`` adds one at a time,
+        however often a cell repeats)."""
         if len(ages) < _FEW:
             for cls, age in zip(classes, ages):
-                self.record_end(cls, age)
+                histogram[cls, self.bucket(age)] += 1
             return
-        np.add.at(self._ends, (np.asarray(classes, dtype=np.intp), self.buckets_of(np.asarray(ages, dtype=np.int64))),
+        np.add.at(histogram, (np.asarray(classes, dtype=np.intp), self.buckets_of(np.asarray(ages, dtype=np.int64))),
                   1.0)
 
     def density(self, cls: int, age: int) -> float:
@@ -260,16 +279,22 @@ class HitDensityModel:
             live += np.bincount(flat, weights=weights, minlength=live.size).reshape(live.shape)
         reuses = self._reuses
         events = reuses + self._ends + live
-        table = self._densities(reuses, events)
         sparse = events.sum(axis=1) < self.min_samples
-        if sparse.any():
-            table[sparse] = self._densities(reuses.sum(axis=0, keepdims=True),
-                                            events.sum(axis=0, keepdims=True))[0]
-        if self.monotone:
+        if sparse.any():  # the pooled row computed with the others: each row's densities are its own
+            table = self._densities(np.concatenate([reuses, reuses.sum(axis=0, keepdims=True)]),
+                                    np.concatenate([events, events.sum(axis=0, keepdims=True)]))
+            table, pooled = table[:-1], table[-1]
+            table[sparse] = pooled
+        else:
+            table = self._densities(reuses, events)
+        if self._fits:
             at_risk = _at_risk(events)
-            for rows in map(list, self.monotone):
-                if len(rows) > 1:  # a chain of one class has no order to restore
-                    table[rows] = isotonic(table[rows], at_risk[rows])
+            for fit in self._fits:  # chains side by side: isotonic fits each column on its own
+                rows = [row for chain in fit for row in chain]
+                shape = (len(fit), len(fit[0]), self.buckets)
+                fitted = isotonic(table[rows].reshape(shape).transpose(1, 0, 2).reshape(shape[1], -1),
+                                  at_risk[rows].reshape(shape).transpose(1, 0, 2).reshape(shape[1], -1))
+                table[rows] = fitted.reshape(shape[1], shape[0], -1).transpose(1, 0, 2).reshape(len(rows), -1)
         self._table = table
         self._rows = table.tolist()
         self._reuses *= keep
@@ -292,15 +317,18 @@ class HitDensityModel:
         zero = np.zeros((len(reuses), 1))
         cum_hits = np.concatenate([zero, np.cumsum(hits, axis=1)], axis=1)
         cum_space = np.concatenate([zero, np.cumsum(space, axis=1)], axis=1)
-        # ratio[a, t] of a row: hits over space in buckets a..t (t >= a); the best t per a. A row at a
-        # time: its k-by-k arrays stay in cache, where all rows' at once would not.
+        # ratio[a, t] of a row: hits over space in buckets a..t (t >= a); the best t per a. A few rows
+        # at a time (elementwise, so the same values however many): their k-by-k arrays stay in cache,
+        # where all rows' at once might not, and the calls are few where k is small.
         upper = np.triu(np.ones((k, k), dtype=bool))
         best = np.zeros(events.shape)
-        for row in range(len(reuses)):
-            num = cum_hits[row, None, 1:] - cum_hits[row, :-1, None]
-            den = cum_space[row, None, 1:] - cum_space[row, :-1, None]
+        step = max(1, _CELLS // max(k * k, 1))
+        for row in range(0, len(reuses), step):
+            rows = slice(row, row + step)
+            num = cum_hits[rows, None, 1:] - cum_hits[rows, :-1, None]
+            den = cum_space[rows, None, 1:] - cum_space[rows, :-1, None]
             ratio = np.divide(num, den, out=np.zeros_like(num), where=upper & (den > 0))
-            best[row, :k] = ratio.max(axis=1, initial=0.0)
+            best[rows, :k] = ratio.max(axis=2, initial=0.0)
         best[:, :k][space <= 0] = 0.0  # no block survives to this age: nothing to expect
         # Ages no block was seen at (they end each row): no evidence yet, not evidence of
         # nothing. The oldest seen age's density, halved per octave past it.

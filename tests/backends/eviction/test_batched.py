@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from kvkit.backends.allocator.pool import BlockPool
 from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy
-from kvkit.backends.eviction.hit_density.density import HitDensityModel
-from kvkit.errors import ConfigError
+from kvkit.backends.eviction.hit_density.density import HitDensityModel, isotonic
+from kvkit.errors import ConfigError, PoolUsageError
 from kvkit.interfaces.capabilities import BatchedPolicy, batch_hooks
 
 _CLASSES = 3 * len(REUSE_LEVELS)
@@ -143,22 +143,85 @@ def test_chains_remove_many_is_remove_one_by_one(parents: list[int], data: st.Da
     batched.check_invariants()
 
 
+@settings(max_examples=200, deadline=None)
+@given(links=st.lists(st.tuples(st.integers(0, 40), st.integers(-2, 40)), min_size=1, max_size=30),
+       pinned=st.booleans())
+def test_chains_add_many_is_add_one_by_one(links: list[tuple[int, int]], pinned: bool) -> None:
+    """Adding blocks in one call leaves the chain index exactly as adding them in turn and reports, per
+    block, its parent's block and whether it had children right after its own add; it stops at the first
+    block refused (a block or hash tracked already), refusing it as add does."""
+    size = 41
+    twins = [FlatChains(bytearray(size)) for _ in range(2)]
+    for chains in twins:
+        chains.grow(size)
+    batched, one_by_one = twins
+    blocks = [block for block, _ in links]
+    hashes = [block % 13 + 1 for block in blocks]  # hashes repeat: some adds are refused
+    parents = [None if parent < 0 else (parent % 13 + 1 if parent % 2 else hashes[0]) for _, parent in links]
+    parent_blocks, fresh, refusal = batched.add_many(None, blocks, hashes, parents, pinned)
+    expected: list[tuple[int, bool]] = []
+    error: PoolUsageError | None = None
+    for block, block_hash, parent in zip(blocks, hashes, parents):
+        try:
+            parent_block = one_by_one.add(None, block, block_hash, parent, pinned)
+        except PoolUsageError as refused:
+            error = refused
+            break
+        expected.append((-1 if parent_block is None else parent_block, one_by_one.has_children(block)))
+    assert str(refusal) == str(error)
+    assert list(zip(parent_blocks, fresh)) == expected
+    for chains in twins:  # the owner's marks of the blocks it parked as they entered
+        for block in blocks[:len(expected)]:
+            chains.parked[block] = FlatChains.PARKED if pinned else 0
+    assert _chains_view(batched, size) == _chains_view(one_by_one, size)
+    batched.check_invariants()
+
+
 _ENDS = st.lists(st.tuples(st.integers(0, 1), st.sampled_from([0, 7, 1 << 20, 1 << 40])), max_size=300)
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.parametrize("histogram", ["ends", "reuses"])
+@settings(max_examples=100, deadline=None)
 @given(before=_ENDS, ends=_ENDS, keep=st.floats(0.05, 1.0))
-def test_model_record_ends_is_record_end_in_turn(before: list[tuple[int, int]], ends: list[tuple[int, int]],
-                                                 keep: float) -> None:
-    """The hit-density model's batch of ended blocks adds exactly what one call per block adds, bit for bit,
-    on histograms a refresh left fractional (adding ``k`` ones in turn is not adding ``k``)."""
+def test_model_batched_records_are_records_in_turn(histogram: str, before: list[tuple[int, int]],
+                                                   ends: list[tuple[int, int]], keep: float) -> None:
+    """The hit-density model's batch of ended (or reused) blocks adds exactly what one call per block adds,
+    bit for bit, on histograms a refresh left fractional (adding ``k`` ones in turn is not adding ``k``)."""
     models = [HitDensityModel(3) for _ in range(2)]
     for model in models:
         for cls, age in before:
             model.record_end(cls, age)
+            model.record_reuse(cls, age)
         model.refresh(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), keep=keep)
     batched, one_by_one = models
-    batched.record_ends([cls for cls, _ in ends], [age for _, age in ends])
+    one = one_by_one.record_end if histogram == "ends" else one_by_one.record_reuse
+    (batched.record_ends if histogram == "ends" else batched.record_reuses)([c for c, _ in ends], [a for _, a in ends])
     for cls, age in ends:
-        one_by_one.record_end(cls, age)
-    assert batched.ends.tobytes() == one_by_one.ends.tobytes()
+        one(cls, age)
+    assert getattr(batched, histogram).tobytes() == getattr(one_by_one, histogram).tobytes()
+
+
+@settings(max_examples=50, deadline=None)
+@given(events=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 20_000), st.booleans()), min_size=1,
+                       max_size=300))
+def test_model_fits_disjoint_chains_together_as_one_by_one(events: list[tuple[int, int, bool]]) -> None:
+    """Disjoint monotone chains of one length, fitted in one call, give the table each chain fitted alone
+    gives, bit for bit; overlapping chains are fitted one after another, as listed."""
+    chains = ((0, 2, 4), (1, 3, 5))
+    models = [HitDensityModel(7, min_samples=1, monotone=monotone)
+              for monotone in (chains, (), ((0, 2, 4), (4, 5, 6)))]
+    free = models[1]
+    for cls, age, reused in events:
+        for model in models:
+            (model.record_reuse if reused else model.record_end)(cls, age)
+    at_risk = np.cumsum((free.reuses + free.ends)[:, ::-1], axis=1)[:, ::-1]
+    for model in models:
+        model.refresh(np.zeros(0, np.int64), np.zeros(0, np.int64), keep=1.0)
+    assert free.table is not None
+    alone, after = free.table.copy(), free.table.copy()
+    for chain in map(list, chains):
+        alone[chain] = isotonic(free.table[chain], at_risk[chain])
+    assert models[0].table is not None and models[0].table.tobytes() == alone.tobytes()
+    for chain in ([0, 2, 4], [4, 5, 6]):
+        after[chain] = isotonic(after[chain], at_risk[chain])
+    assert models[2].table is not None and models[2].table.tobytes() == after.tobytes()
