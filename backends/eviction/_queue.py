@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, islice, repeat
 from typing import cast
 
@@ -175,6 +175,26 @@ class _SortedKeys:
             del chunks[i], maxes[i]
         elif j == len(chunk):
             maxes[i] = chunk[-1]
+
+    def remove_many(self, keys: list[int]) -> None:
+        """Remove each of ``keys`` (all listed, distinct): the chunks that :meth:`remove` one at a time leaves."""
+        keys.sort()
+        maxes, chunks = self._maxes, self._chunks
+        i = k = 0
+        while k < len(keys):
+            i = bisect_left(maxes, keys[k], i)
+            stop = bisect_right(keys, maxes[i], k)  # the keys in chunk i
+            gone = set(keys[k:stop])
+            chunk = chunks[i]
+            kept = [key for key in chunk if key not in gone]
+            assert len(kept) == len(chunk) - len(gone), "a side-list key is not listed"
+            if kept:
+                chunks[i] = kept
+                maxes[i] = kept[-1]
+                i += 1
+            else:
+                del chunks[i], maxes[i]
+            k = stop
 
     def after(self, key: int) -> int | None:
         """The least key above ``key``, or ``None``."""
@@ -453,6 +473,43 @@ class ParkingQueue:
         if slots.stamp[block] <= self._edge:
             self._count -= 1
             self._settle()
+
+    def pin_many(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`pin` each of ``blocks`` in order; the side list loses its blocks in one pass.
+
+        Watching a window, each pin may move the region: then one at a time.
+        """
+        if self._size:
+            for block in blocks:
+                self.pin(block)
+            return
+        slots = self._slots
+        states, stamps, base = slots.state, slots.stamp, self._base
+        start = 0
+        if self._pending != _NIL and blocks:  # only a first block can still be the unlinked youngest
+            if blocks[0] == self._pending:
+                self._pending = _NIL
+                states[blocks[0]] = base | _PARKED
+                start = 1
+            else:
+                self._flush()
+        back: list[int] = []
+        size, unlink, parked = len(states), self._unlink, base | _PARKED
+        try:
+            for block in blocks[start:]:
+                part = states[block] - base if block.__class__ is int and -1 < block < size else -1
+                if part == _MAIN:
+                    unlink(block)
+                elif part == _BACK:  # unwatched, so no pin moves a region: the side list can wait
+                    back.append(stamps[block] << _SHIFT | block)
+                elif part == _PARKED:
+                    raise pin_mismatch(self._who(), block, pinned=True)
+                else:
+                    raise not_tracked(self._who(), block)
+                states[block] = parked
+        finally:
+            if back:
+                self._back.remove_many(back)
 
     def unpin(self, block: BlockId) -> None:
         """Release ``block`` at the place it entered (a pool's ``on_unpin``).

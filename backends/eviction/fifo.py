@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 from typing_extensions import override
@@ -40,6 +40,38 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
     def on_insert(self, block: BlockId, block_hash: BlockHash,
                   parent: BlockHash | None) -> None:
         self.add(block)  # refuses a tracked block
+
+    # The batch hooks (BatchedPolicy): each is its per-block hook in turn (a subclass's override included).
+    @override
+    def pin_many(self, blocks: Sequence[BlockId]) -> None:
+        """``on_pin`` for each block in order; the queue's own pins leave the side list in one pass."""
+        if type(self).on_pin is ParkingQueue.pin:
+            ParkingQueue.pin_many(self, blocks)
+        else:
+            for block in blocks:
+                self.on_pin(block)
+
+    def insert_pinned(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                      parents: Sequence[BlockHash | None]) -> None:
+        """``on_insert`` then ``on_pin`` for each block in order."""
+        for block, block_hash, parent in zip(blocks, hashes, parents):
+            self.on_insert(block, block_hash, parent)
+            self.on_pin(block)
+
+    def unpin_many(self, blocks: Sequence[BlockId]) -> None:
+        """``on_unpin`` for each block in order."""
+        for block in blocks:
+            self.on_unpin(block)
+
+    def access_many(self, blocks: Sequence[BlockId]) -> None:
+        """``on_access`` for each block in order."""
+        for block in blocks:
+            self.on_access(block)
+
+    def remove_many(self, blocks: Sequence[BlockId]) -> None:
+        """``on_remove`` for each block in order."""
+        for block in blocks:
+            self.on_remove(block)
 
     @override
     def on_access(self, block: BlockId) -> None:

@@ -11,8 +11,11 @@ from hypothesis import strategies as st
 
 from kvkit.backends.allocator.pool import BlockPool
 from kvkit.backends.eviction._chains import FlatChains
+from kvkit.backends.eviction._queue import _CHUNK, _SortedKeys
+from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy
 from kvkit.backends.eviction.hit_density.density import HitDensityModel, isotonic
+from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import ConfigError, PoolUsageError
 from kvkit.interfaces.capabilities import BatchedPolicy, batch_hooks
 
@@ -25,8 +28,22 @@ class PerBlockHitDensity(HitDensityPolicy):
     insert_pinned = pin_many = unpin_many = access_many = remove_many = None  # type: ignore[assignment]
 
 
+class PerBlockLRU(LRUPolicy):
+    """LRU without the batch capability."""
+
+    insert_pinned = pin_many = unpin_many = access_many = remove_many = None  # type: ignore[assignment]
+
+
+class PerBlockFIFO(FIFOPolicy):
+    """FIFO without the batch capability."""
+
+    insert_pinned = pin_many = unpin_many = access_many = remove_many = None  # type: ignore[assignment]
+
+
 # Each batched policy beside its per-block reference, as factories of a pool's policy.
 PAIRS = {
+    "lru": (LRUPolicy, PerBlockLRU),
+    "fifo": (FIFOPolicy, PerBlockFIFO),
     "hit-density": (lambda: HitDensityPolicy(ghost_span=2), lambda: PerBlockHitDensity(ghost_span=2)),
     "hit-density-8": (lambda: HitDensityPolicy(capacity=8, ghost_span=2),
                       lambda: PerBlockHitDensity(capacity=8, ghost_span=2)),
@@ -58,9 +75,11 @@ def _hash(conversation: int, position: int) -> int:
 def _snapshot(pool: BlockPool) -> tuple[Any, ...]:
     """The pool's next victims and write-back window, and everything the policy's decisions read."""
     policy = pool.policy
-    assert isinstance(policy, HitDensityPolicy)
     order = (pool.eviction_candidates(pool.num_blocks), pool.eviction_window(3),
              [pool.in_eviction_window(b) for b in range(pool.num_blocks)], len(policy))
+    if isinstance(policy, FIFOPolicy):  # the queue's order, its pins, and its side list chunk by chunk
+        return (*order, policy.in_order(), policy.pinned, policy._back._chunks, policy._back._maxes)
+    assert isinstance(policy, HitDensityPolicy)
     tracked = [b for b in range(pool.num_blocks) if pool.is_ready(b)]
     return (*order,
         tracked,
@@ -225,3 +244,101 @@ def test_model_fits_disjoint_chains_together_as_one_by_one(events: list[tuple[in
     for chain in ([0, 2, 4], [4, 5, 6]):
         after[chain] = isotonic(after[chain], at_risk[chain])
     assert models[2].table is not None and models[2].table.tobytes() == after.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.integers(0, 6 * _CHUNK), min_size=1, max_size=4 * _CHUNK), st.data())
+def test_side_list_remove_many_is_remove_one_by_one(keys: set[int], data: st.DataObject) -> None:
+    """Removing a batch leaves the side list's chunks and maxima exactly as removing its keys one at a time."""
+    ordered = sorted(keys)
+    gone = data.draw(st.lists(st.sampled_from(ordered), unique=True))
+    lists = [_SortedKeys(), _SortedKeys()]
+    for side in lists:
+        for key in data.draw(st.permutations(ordered)) if side is lists[0] else ordered:
+            side.add(key)
+    lists[1]._chunks = [list(c) for c in lists[0]._chunks]
+    lists[1]._maxes = list(lists[0]._maxes)
+    lists[0].remove_many(list(gone))
+    for key in gone:
+        lists[1].remove(key)
+    assert lists[0]._chunks == lists[1]._chunks and lists[0]._maxes == lists[1]._maxes
+    assert list(lists[0]) == [k for k in ordered if k not in set(gone)]
+
+
+def _queue_view(policy: FIFOPolicy) -> tuple[Any, ...]:
+    """Everything a queue policy's later answers depend on: order, pins, side list chunks, window, pending block."""
+    return (policy.in_order(), sorted(policy.pinned), policy._back._chunks, policy._back._maxes, policy._pending,
+            policy._head, policy._tail, policy._count, policy._edge, policy._cut, list(policy._entered), len(policy))
+
+
+_QUEUE_OPS = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.booleans()),  # a new block, pinned at once or not
+    st.tuples(st.just("pin"), st.lists(st.integers(0, 63), max_size=12), st.booleans()),  # and a bad block?
+    st.tuples(st.just("unpin"), st.integers(0, 63)),
+    st.tuples(st.just("access"), st.integers(0, 63)),
+    st.tuples(st.just("remove"), st.integers(0, 63)),
+    st.tuples(st.just("watch"), st.integers(0, 4)),
+), max_size=150)
+
+
+@pytest.mark.parametrize("policy_class", [LRUPolicy, FIFOPolicy])
+@settings(max_examples=150, deadline=None)
+@given(ops=_QUEUE_OPS)
+def test_queue_pin_many_is_pin_one_by_one(policy_class: type[FIFOPolicy], ops: list[tuple[Any, ...]]) -> None:
+    """Pins of listed, side-listed and just-inserted blocks, in batches, leave the queue (side list chunks,
+    watched window and noted entries included) exactly as pinning them one at a time; a bad block raises the
+    same error with the blocks before it pinned."""
+    batched, single = policy_class(), policy_class()
+    pinned: set[int] = set()
+    tracked: list[int] = []
+    # A start with a side list: eight blocks, two pinned and the older one released out of order.
+    prelude: list[tuple[Any, ...]] = [("insert", False)] * 8 + [("pin", [2, 5], False), ("unpin", 0)]
+    for op in prelude + ops:
+        if op[0] == "insert":
+            block = next(b for b in range(64) if b not in tracked) if len(tracked) < 64 else None
+            if block is None:
+                continue
+            for policy in (batched, single):
+                policy.on_insert(block, block + 1000, None)
+                if op[1]:
+                    policy.on_pin(block)
+            tracked.append(block)
+            if op[1]:
+                pinned.add(block)
+        elif op[0] == "pin":
+            free = [b for b in tracked if b not in pinned]
+            wanted = list(dict.fromkeys(free[i % len(free)] for i in op[1])) if free else []
+            if op[2]:  # a pinned block, or one never tracked, ends the batch
+                wanted.append(next(iter(pinned)) if pinned else 99)
+            errors = []
+            try:
+                batched.pin_many(wanted)
+            except PoolUsageError as exc:
+                errors.append(str(exc))
+            try:
+                for block in wanted:
+                    single.on_pin(block)
+            except PoolUsageError as exc:
+                errors.append(str(exc))
+            assert len(errors) in (0, 2) and len(set(errors)) <= 1
+            pinned = {b for b in tracked if b in batched.pinned}
+        elif tracked:
+            block = tracked[op[1] % len(tracked)] if op[0] != "watch" else None
+            if op[0] == "unpin" and pinned:
+                block = sorted(pinned)[op[1] % len(pinned)]  # released out of order: often to the side list
+                for policy in (batched, single):
+                    policy.on_unpin(block)
+                pinned.discard(block)
+            elif op[0] == "access":
+                for policy in (batched, single):
+                    policy.on_access(block)
+            elif op[0] == "remove" and block is not None:
+                for policy in (batched, single):
+                    policy.on_remove(block)
+                tracked.remove(block)
+                pinned.discard(block)
+            elif op[0] == "watch":
+                for policy in (batched, single):
+                    policy.watch(op[1])
+        assert _queue_view(batched) == _queue_view(single)
+    batched.check_invariants()
