@@ -493,28 +493,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 self._remove((block,))
             return
         block_hashes = self._chains.remove_many(self, blocks, leaving)  # the chains first (what follows reads none)
-        classes, where, nxt, prv, ends, dirty = self._cls, self._where, self._next, self._prev, self._ends, \
-            self._dirty
+        classes, where = self._cls, self._where
         recent, ghost_recent = self._recent, self._ghost_recent
         c, clock = max(self.c, 1), self._clock  # neither changes while blocks leave
         evictions, turnover, last = self._evictions, self._turnover, self._last_removal
         first = evictions + 1  # the first block's eviction number
         if self._tip in (leaving or blocks):
             self._tip = None
+        self._unlist([block for block in blocks if where[block] == _LISTED])
         for block, block_hash in zip(blocks, block_hashes):
-            if where[block] == _LISTED:  # self._move(block, its class, _NONE), inlined: the hot path
-                cls = classes[block]
-                before, after = prv[block], nxt[block]
-                if before == _NONE:
-                    ends[2 * cls] = after
-                    dirty.add(2 * cls)
-                else:
-                    nxt[before] = after
-                if after == _NONE:
-                    ends[2 * cls + 1] = before
-                    dirty.add(2 * cls + 1)
-                else:
-                    prv[after] = before
             where[block] = _UNTRACKED
             reuses = recent.pop(block, 0)
             if reuses:
@@ -566,8 +553,18 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                     raise pin_mismatch(self, block, pinned=True)
                 self._pin((block,))
             return
+        self._unlist(blocks)
+        for block in blocks:
+            where[block] = _PARKED
+        self._chains.pin_many(blocks)
+
+    def _unlist(self, blocks: Sequence[BlockId]) -> None:
+        """Take each of ``blocks`` (listed) out of its class's list, in order; the ends that change are marked dirty.
+
+        ``_move(block, its class, _NONE)`` for each, in one loop: the hot path of removals and pins.
+        """
         classes, nxt, prv, ends, dirty = self._cls, self._next, self._prev, self._ends, self._dirty
-        for block in blocks:  # self._move(block, its class, _NONE), inlined: the hot path
+        for block in blocks:
             cls = classes[block]
             before, after = prv[block], nxt[block]
             if before == _NONE:
@@ -580,8 +577,6 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 dirty.add(2 * cls + 1)
             else:
                 prv[after] = before
-            where[block] = _PARKED
-        self._chains.pin_many(blocks)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at its class's young end; its age still counts from its last use."""
