@@ -43,6 +43,15 @@ def hashes(prefix: int, n: int) -> list[int]:
     return [prefix * 1000 + i for i in range(n)]
 
 
+def stored(mgr: OffloadManager, rid: str, hs: list[int], tokens: int, blocks: int) -> None:
+    """Request ``rid`` computes ``tokens`` tokens over ``blocks`` fresh GPU blocks per group; its stores land."""
+    mgr.add_request(rid, hs, tokens)
+    mgr.lookup(rid, 0)
+    mgr.on_allocated(rid, [mgr.gpu.allocate(blocks) for _ in mgr.kv.groups])
+    mgr.on_computed(rid, tokens)
+    mgr.apply_completions(results(mgr.build_step()))
+
+
 def schedule(mgr: OffloadManager, rid: str, hs: list[int], ntok: int, *, gpu_hit: int = 0,
              accept: int | None = None, table: list[int] | None = None) -> list[int]:
     """Add (if new), look up, allocate (from the manager's GPU pool) and accept the hit."""
@@ -303,11 +312,7 @@ def test_sliding_window_null_inside_the_window_is_refused():
     """A null block where the window needs the hit is an engine bug: RequestStateError."""
     mgr = make(spec=HYBRID)
     hs = hashes(1, 3)
-    mgr.add_request("a", hs, 13)
-    mgr.lookup("a", 0)
-    mgr.on_allocated("a", [mgr.gpu.allocate(4), mgr.gpu.allocate(4)])
-    mgr.on_computed("a", 13)
-    mgr.apply_completions(results(mgr.build_step()))
+    stored(mgr, "a", hs, 13, 4)
     mgr.add_request("b", hs, 13)
     mgr.lookup("b", 0)
     with pytest.raises(RequestStateError, match="group 1"):
@@ -366,11 +371,7 @@ def test_a_hit_never_stores_the_positions_a_sliding_window_group_did_not_load():
     CPU tier lost the hit, the request stores the window and what it computed, never those positions."""
     mgr = make(spec=HYBRID, gpu=32)
     hs = hashes(1, 5)
-    mgr.add_request("a", hs, 21)
-    mgr.lookup("a", 0)
-    mgr.on_allocated("a", [mgr.gpu.allocate(6), mgr.gpu.allocate(6)])
-    mgr.on_computed("a", 21)
-    mgr.apply_completions(results(mgr.build_step()))
+    stored(mgr, "a", hs, 21, 6)
     mgr.finish("a")
     mgr.add_request("b", hs, 21)
     assert mgr.lookup("b", 0) == 5 * BS
