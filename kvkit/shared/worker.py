@@ -282,7 +282,10 @@ class SharedTierWorker:
 
         ``keep``: the reported ones among ``tickets`` stay pending (their
         caller finishes them); any other ticket reported meanwhile is finished.
+        No ticket: nothing is polled (a put in flight never holds a step without fetches).
         """
+        if not tickets:
+            return {}
         deadline = time.monotonic() + timeout if math.isfinite(timeout) else math.inf
         got: dict[int, StoreResult] = {}
         while True:

@@ -448,3 +448,26 @@ def test_fetches_started_together_are_each_checked_whichever_the_store_answers_f
     assert sorted((r.transfer_id, r.ok) for r in worker.take_store_results()) == [(2, True), (3, True), (4, False)]
     assert worker.missing_values == 1
     worker.check_invariants()
+
+
+def test_a_step_without_fetches_never_waits_on_a_put_in_flight():
+    """No fetch to wait for: the worker does not poll the store, so a slow put never holds the step."""
+    from kvkit.interfaces import Direction
+    from kvkit.interfaces.shared import SharedPlan
+    from kvkit.shared.client import FormatCodec
+    from kvkit.shared.worker import SharedTierWorker
+
+    class Timed(_Held):
+        def poll(self, tickets, timeout=0.0):
+            self.waits.append(timeout)
+            return super().poll(tickets, timeout)
+
+    store = Timed(MemoryStore())
+    store.waits = []
+    worker = SharedTierWorker(SPEC, store, FormatCodec.for_stack(SPEC, 1, model="m", layout="none"),
+                              wait_timeout_s=5.0)
+    worker.put([(1, SharedPlan(Direction.STORE, [3], [HASHES[0]]))])  # held back: still in flight
+    assert worker.fetch([]) == set()
+    assert store.waits == []
+    store.release()
+    assert [r.ok for r in worker.take_store_results()] == [True]
