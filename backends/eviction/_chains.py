@@ -401,10 +401,8 @@ class FlatChains:
     def pin_many(self, blocks: Sequence[BlockId]) -> None:
         """:meth:`pin` for each block, in order."""
         if self._orphan_of:  # else none is an orphan
-            up, pin = self._up, self._orphans.pin
-            for block in blocks:
-                if up[block] == _ORPHAN:
-                    pin(block)
+            up = self._up
+            self._orphans.pin_many([block for block in blocks if up[block] == _ORPHAN])
 
     def unpin(self, block: BlockId) -> None:
         """The owner released ``block``: an orphan is an orphan in its place again."""
