@@ -310,7 +310,7 @@ class TransferEngine:
         for r in regions:
             self._group_block_bytes[r.group] = self._group_block_bytes.get(r.group, 0) + r.piece_bytes
         self._stages = layer_stages(self.spec, regions, self.layers_per_stage)
-        self._mirror_bytes = memoryview(mirror.numpy())
+        self._mirror_bytes = mirror.numpy().data
         self._cpu_pieces = [_piece_slots(r.cpu, mirror) for r in regions]
 
     def allocate_kv(self, num_gpu_blocks: int, layout: str, device: torch.device | str = "cpu", *,
