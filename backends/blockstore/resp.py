@@ -19,6 +19,7 @@ import binascii
 import contextlib
 import ipaddress
 import math
+import re
 import select
 import socket
 import ssl
@@ -36,6 +37,7 @@ _BUFFER = 1 << 16
 _SMALL = 16 << 10  # buffers below this are joined before writing over TLS
 _IOV_MAX = 1024  # buffers per sendmsg (Linux IOV_MAX)
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+_ERROR_CODE = re.compile(r"[A-Z]{2,20}")  # the first word of an error reply: ERR, WRONGPASS, NOPERM...
 
 
 class ServerError(Exception):
@@ -130,13 +132,16 @@ class Connection:
             deadline, self.deadline = self.deadline, min(self.deadline, login)
             if options.password is not None:
                 user = [options.username.encode()] if options.username else []
-                self.call(b"AUTH", *user, options.password.encode())
+                try:
+                    self.call(b"AUTH", *user, options.password.encode())
+                except ServerError as exc:
+                    raise ServerError(_login_refusal(exc)) from None
             if options.db:
                 self.call(b"SELECT", str(options.db).encode())
             self.deadline = deadline
         except ServerError as exc:
             self.close()
-            raise ConnectionRefusedError(f"{address[0]}:{address[1]} refused the login: {exc}") from exc
+            raise ConnectionRefusedError(f"{address[0]}:{address[1]} refused the login: {exc}") from None
         except BaseException:
             self.close()
             raise
@@ -394,6 +399,18 @@ def _number(head: bytes) -> int:
         return int(head[1:])
     except ValueError:
         raise ConnectionError(f"protocol error: unexpected reply {head[:80]!r}") from None
+
+
+def _login_refusal(exc: ServerError) -> str:
+    """What a refused ``AUTH`` is shown as: the reply's error code (``WRONGPASS``, ``ERR``...), never its text.
+
+    A server may quote the command's arguments in its reply (an ``AUTH`` it does not know, renamed away
+    or behind a proxy, answers ``ERR unknown command 'AUTH', with args beginning with: '<password>'``),
+    and no rule can find every shape of the password in such text (quoted, escaped, cut short).
+    """
+    code = str(exc).split(maxsplit=1)[0] if str(exc).strip() else ""
+    shown = code if _ERROR_CODE.fullmatch(code) else "an error"
+    return f"{shown} (the server's message is not shown: it may quote the password)"
 
 
 def command(*args: bytes) -> bytes:

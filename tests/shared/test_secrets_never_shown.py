@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 import kvkit
 import kvkit.cli as cli
+from kvkit.backends.blockstore.resp import ServerError
 from kvkit.config import SharedConfig
 from kvkit.errors import KVKitError
 from kvkit.hashing import hash_blocks
@@ -137,6 +138,37 @@ def test_a_wrong_password_fails_without_showing_either(server):
         assert problem is not None and results and not results[0].ok
     finally:
         store.close()
+
+
+def test_a_server_that_quotes_the_refused_auth_shows_no_password():
+    """A server without AUTH (renamed away) answers ``ERR unknown command 'AUTH', with args beginning with:
+    '<user>' '<password>'``: the store's reasons, the tier's status and warning, and the CLI's error show the
+    error code only."""
+    with LocalServer(server_binary_or_skip(), args=["--rename-command", "AUTH", ""]) as echoing:
+        with pytest.raises(ServerError, match="unknown command 'AUTH'") as raw:  # the server does quote it
+            echoing.call(b"AUTH", b"user", PW.encode())
+        assert MARK in str(raw.value)
+        url = f"valkey://user:{PW}@{_address(echoing)}/0?request_timeout_s=0.5&connect_timeout_s=0.5"
+        store = kvkit.open_block_store(url)
+        try:
+            problem = store.ping()
+            results = store.poll([store.put([b"k"], [[memoryview(b"v")]])], 2.0)
+            assert problem is not None and "refused the login: ERR" in problem
+            _clean(problem, store.last_error, store.down_nodes, results)
+        finally:
+            store.close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stack = _stack(url, backoff_s=0.05)
+            engine = ReferenceEngine(stack)
+            for i in range(3):
+                _serve(engine, f"r{i}", [1000 * i + t for t in range(40)])
+            status = stack.manager.shared_status
+            stack.close(timeout=2.0)
+        assert any("shared tier is off" in str(w.message) for w in caught)
+        _, text = _cli("bench", "shared", "--url", url, "--size", "4096", "--batch-mib", "1", "--keys", "10",
+                       "--repeat", "1", "--json")
+        _clean(status, *(w.message for w in caught), text)
 
 
 def test_reprs_never_show_a_secret(server, monkeypatch):
