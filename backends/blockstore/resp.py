@@ -23,6 +23,7 @@ import re
 import select
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Sequence
 
@@ -359,7 +360,8 @@ _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
 
 
 def _connect(address: Address, timeout: float) -> socket.socket:
-    """``socket.create_connection(address, timeout)``, except that a loopback peer gets Reno congestion control.
+    """``socket.create_connection(address, timeout)``, name resolution included in ``timeout`` (:func:`_resolve`),
+    except that a loopback peer gets Reno congestion control.
 
     Set before the handshake, so the system's default (BBR, where it is the default) never starts on the
     socket: BBR paces a connection at its estimate of the path's bandwidth, and on loopback that
@@ -368,20 +370,54 @@ def _connect(address: Address, timeout: float) -> socket.socket:
     does not pace. A system that refuses Reno keeps its default. Other peers keep the system's choice.
     """
     host, port = address
+    deadline = time.monotonic() + timeout
     last: OSError | None = None
-    for family, kind, proto, _, peer in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+    for family, kind, proto, _, peer in _resolve(host, port, timeout):
         sock = socket.socket(family, kind, proto)
         try:
             if _TCP_CONGESTION is not None and ipaddress.ip_address(peer[0]).is_loopback:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, b"reno")
-            sock.settimeout(timeout)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"timed out connecting to {host}:{port}")
+            sock.settimeout(left)
             sock.connect(peer)
             return sock
         except OSError as exc:
             sock.close()
             last = exc
     raise last if last is not None else OSError(f"getaddrinfo found no address for {host}:{port}")
+
+
+def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
+    """``socket.getaddrinfo(host, port)`` for a stream socket, answered within ``timeout`` (else ``TimeoutError``).
+
+    A numeric address is answered at once. A name is resolved on a daemon thread of its own: the system
+    resolver waits on its name servers as long as its configuration says (5 s a try), whatever the call's
+    deadline, so a host whose name servers do not answer costs the call its connect timeout, not the
+    resolver's; the thread ends when the resolver gives up, holding nothing of the connection.
+    """
+    try:
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass
+    outcome: list[list[tuple] | OSError] = []
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            outcome.append(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+        except OSError as exc:
+            outcome.append(exc)
+        done.set()
+
+    threading.Thread(target=look_up, name="kvkit-resolve", daemon=True).start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"timed out resolving {host!r} (its name servers did not answer in {timeout:.3g} s)")
+    if isinstance(outcome[0], OSError):
+        raise outcome[0]
+    return outcome[0]
 
 
 def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> Sequence[bytes | memoryview]:
