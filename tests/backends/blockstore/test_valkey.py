@@ -277,6 +277,8 @@ def test_a_cluster_that_announces_no_endpoint_is_served(endpoint):
     ({"tls_ca": "/x"}, "tls=True"),
     ({"tls": True, "tls_ca": "/nonexistent.pem"}, "cannot be loaded"),
     ({"request_timeout_s": 0}, "request_timeout_s"),
+    ({"password": "pw\udcff"}, "password: holds a character UTF-8 cannot encode"),
+    ({"username": "u\udcff", "password": "pw"}, "username: holds a character UTF-8 cannot encode"),
 ])
 def test_bad_settings_are_refused(kwargs, match):
     """Bad settings raise ConfigError quoting the field, before any thread starts."""
