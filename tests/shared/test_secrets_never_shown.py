@@ -290,6 +290,20 @@ def test_cli_tables_json_and_children_never_show_a_password(server, children):
                 continue
 
 
+def test_bench_shared_takes_the_password_and_store_options_in_the_query(server, children):
+    """A password given as ``?password=`` skips the server tool as one in the userinfo does (the tool is never
+    run without it, failing the bench); the store's own options (``ttl_s``, ``request_timeout_s``) are the
+    store's, never handed to the client library."""
+    bench = ["bench", "shared", "--size", "4096", "--batch-mib", "1", "--keys", "10", "--repeat", "1", "--json"]
+    for url in (f"valkey://{_address(server)}/0?password={PW}",
+                f"valkey://:{PW}@{_address(server)}/0?ttl_s=60&request_timeout_s=5"):
+        result, text = _cli(*bench, "--url", url)
+        assert result.exit_code == 0, text
+        assert "server_tool_skipped" in json.loads(text)
+        _clean(text)
+    assert not [argv for argv in children if "benchmark" in argv[0]]
+
+
 def test_the_server_tool_runs_without_a_password(children):
     """The control: against a server without a login, the server's own benchmark tool is run (so the test
     above would see its argv)."""
