@@ -390,34 +390,53 @@ def _connect(address: Address, timeout: float) -> socket.socket:
     raise last if last is not None else OSError(f"getaddrinfo found no address for {host}:{port}")
 
 
+@attrs.define(eq=False)
+class _Lookup:
+    """One name resolution in flight on its own thread: its outcome once ``done`` is set."""
+
+    done: threading.Event = attrs.field(factory=threading.Event)
+    outcome: list[tuple] | OSError | None = None
+
+
+_LOOKUPS: dict[Address, _Lookup] = {}  # the resolutions in flight, one per (host, port)
+_LOOKUPS_LOCK = threading.Lock()
+
+
 def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     """``socket.getaddrinfo(host, port)`` for a stream socket, answered within ``timeout`` (else ``TimeoutError``).
 
-    A numeric address is answered at once. A name is resolved on a daemon thread of its own: the system
-    resolver waits on its name servers as long as its configuration says (5 s a try), whatever the call's
+    A numeric address is answered at once. A name is resolved on a daemon thread: the system resolver
+    waits on its name servers as long as its configuration says (5 s a try), whatever the call's
     deadline, so a host whose name servers do not answer costs the call its connect timeout, not the
-    resolver's; the thread ends when the resolver gives up, holding nothing of the connection.
+    resolver's. Calls for a name whose resolution is still in flight wait for that one: however often
+    they come, a name has at most one thread, which ends when the resolver answers or gives up.
     """
     try:
         return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass
-    outcome: list[list[tuple] | OSError] = []
-    done = threading.Event()
-
-    def look_up() -> None:
-        try:
-            outcome.append(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
-        except OSError as exc:
-            outcome.append(exc)
-        done.set()
-
-    threading.Thread(target=look_up, name="kvkit-resolve", daemon=True).start()
-    if not done.wait(timeout):
+    with _LOOKUPS_LOCK:
+        lookup = _LOOKUPS.get((host, port))
+        if lookup is None:
+            lookup = _LOOKUPS[(host, port)] = _Lookup()
+            threading.Thread(target=_look_up, args=(host, port, lookup), name="kvkit-resolve", daemon=True).start()
+    if not lookup.done.wait(timeout):
         raise TimeoutError(f"timed out resolving {host!r} (its name servers did not answer in {timeout:.3g} s)")
-    if isinstance(outcome[0], OSError):
-        raise outcome[0]
-    return outcome[0]
+    if isinstance(lookup.outcome, OSError):
+        raise lookup.outcome
+    assert lookup.outcome is not None, "a finished lookup has an outcome"
+    return lookup.outcome
+
+
+def _look_up(host: str, port: int, lookup: _Lookup) -> None:
+    """Resolve ``host`` into ``lookup`` (on its own thread), then let later calls start a fresh resolution."""
+    try:
+        lookup.outcome = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+    except OSError as exc:
+        lookup.outcome = exc
+    with _LOOKUPS_LOCK:
+        del _LOOKUPS[(host, port)]
+    lookup.done.set()
 
 
 def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> Sequence[bytes | memoryview]:
