@@ -119,7 +119,8 @@ class DiskStore:
     Permissions. Value and temporary files get ``file_mode`` (``0o600`` by
     default) and the directories the store creates (``path`` when it does not
     exist, and its subdirectories) the same bits plus search where read is
-    granted (``0o700``), whatever the umask; an existing ``path`` keeps its own.
+    granted (``0o700``), whatever the umask: ``path`` and the directories above it that do not exist,
+    and its subdirectories; an existing directory keeps its own.
 
     Invariants: ``used_bytes`` is the sum of the indexed files' sizes, never
     above :attr:`effective_capacity_bytes` (itself at most
@@ -226,15 +227,20 @@ class DiskStore:
     # --- opening -------------------------------------------------------------
 
     def _make_root(self) -> None:
+        """Create ``path`` and every missing directory above it with the store's directory mode."""
         mode = _dir_mode(self.file_mode)
+        missing = [p for p in (self.path, *self.path.parents) if not os.path.lexists(p)]
         try:
-            self.path.mkdir(parents=True, mode=mode)
-            os.chmod(self.path, mode)  # mkdir's mode passes through the umask
-        except FileExistsError:
-            if not self.path.is_dir():
-                raise ConfigError(f"DiskStore.path={str(self.path)!r}: exists and is not a directory") from None
+            for folder in reversed(missing):
+                try:
+                    os.mkdir(folder, mode)
+                except FileExistsError:  # another process made it meanwhile: its mode is its own
+                    continue
+                os.chmod(folder, mode)  # mkdir's mode passes through the umask
         except OSError as exc:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot create the directory: {exc}") from exc
+        if not self.path.is_dir():
+            raise ConfigError(f"DiskStore.path={str(self.path)!r}: exists and is not a directory")
 
     def _reindex(self) -> None:
         """Index every value file, oldest first; count what is not one; delete abandoned temporary files."""

@@ -464,15 +464,15 @@ def _modes(root):
 
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
 def test_values_are_private_whatever_the_umask(tmp_path, umask):
-    """Files 0600 and directories 0700 by default, under any umask."""
+    """Files 0600 and directories 0700 by default, under any umask: the store's own, and those created above it."""
     old = os.umask(umask)
     try:
-        store = DiskStore(tmp_path / "kv", 1 << 20)
+        store = DiskStore(tmp_path / "new" / "kv", 1 << 20)
         _put(store, [b"a", b"b"], 10)
         store.close()
     finally:
         os.umask(old)
-    assert _modes(tmp_path / "kv") == ({"0o600"}, {"0o700"})
+    assert _modes(tmp_path / "new") == ({"0o600"}, {"0o700"})
 
 
 def test_file_mode_is_configurable_also_in_the_url(tmp_path):
