@@ -21,8 +21,9 @@ cap), loudly: ``stats.shared_outages``, one ``RuntimeWarning`` per outage,
 is put; when the interval is over, another probe decides. No request waits on
 it: a failed fetch makes its request recompute, as a failed load does.
 
-The server's contents are the truth. The hashes this instance put or fetched
-are remembered only to skip putting them again, and only while there is no
+The server's contents are the truth. The hashes this instance put, fetched or
+found present are remembered only to skip putting them again (a hit a load
+plan declined is recomputed, not put back), and only while there is no
 evidence against them: a lookup that finds a remembered hash absent forgets it
 and every hash after it in that request (they are recomputed and put again), a
 failed fetch forgets its hashes, an outage forgets everything (the server may
@@ -31,7 +32,7 @@ have restarted empty), and nothing is remembered longer than ``trust_s``.
 Invariants: a hash is offered only if every rank's key was present at its
 lookup; a fetched block is findable only after every worker's fetch landed,
 and stays referenced until its load completed; no hash has two puts in flight;
-no put is skipped for a hash put or fetched ``trust_s`` or longer ago, or before an outage.
+no put is skipped for a hash put, fetched or found ``trust_s`` or longer ago, or before an outage.
 """
 
 from __future__ import annotations
@@ -247,7 +248,8 @@ class SharedTier:
         """Length of the leading run of ``hashes`` whose key exists for every rank (one round trip).
 
         ``tail``: the request's hashes after ``hashes`` (recomputed, never looked up). The
-        hashes from the first one found absent on, and the tail, are forgotten as put: the
+        hashes found are remembered as held (not put again however the request's plan uses
+        them); those from the first one found absent on, and the tail, are forgotten as put: the
         request recomputes them, and they are put again. Once this step's lookups have
         waited ``spec.lookup_budget_s`` on the store, nothing is asked (and nothing forgotten).
         """
@@ -264,6 +266,8 @@ class SharedTier:
         finally:
             self._lookup_spent += self.spec.clock() - start
         found = min(len(hashes), n // self.world_size) if n.__class__ is int and n > 0 else 0
+        if found:
+            self._remember(hashes[:found])
         known = self._known
         if known and found < len(hashes):
             for h in (*hashes[found:], *tail):

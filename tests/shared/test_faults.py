@@ -262,3 +262,27 @@ def test_every_guarantee_under_faults_in_the_docs_names_tests_that_exist():
         assert named, row
         for path, name in named:
             assert f"def {name}(" in files[path].read_text(), f"{path}::{name} is named in the docs but not defined"
+
+
+def test_a_shared_hit_the_plan_declines_is_recomputed_and_not_put_again():
+    """An instance whose plan recomputes a shared hit instead of loading it puts none of those blocks back (the
+    lookup found them held); a block past the hit, which the lookup did not find, is put."""
+    from kvkit.backends.plan import LoadAllPlanner
+    from kvkit.interfaces import LoadPlan
+
+    class Decline(LoadAllPlanner):
+        def plan(self, query):
+            return LoadPlan(0, 0, query.hit_blocks)
+
+    store = MemoryStore()
+    a, ea = instance(store)
+    serve(ea, "a")
+    assert a.stats.blocks_put.value == 10
+    b = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", cpu_eviction="lru",
+                    layout="per-layer", shared=SharedConfig(url=store, write="write-through"), world_size=2,
+                    planner=Decline())
+    eb = ReferenceEngine(b)
+    req = serve(eb, "b", tokens=[*PROMPT, *range(100, 104)])  # a's 10 blocks, then one more
+    assert req.cpu_hit_tokens == 0 and b.stats.hits_declined_shared.value == len(PROMPT)
+    assert b.stats.blocks_put.value == 1, "the declined hit was put back"
+    assert eb.integrity_errors == 0
