@@ -346,6 +346,53 @@ def test_isotonic_is_the_weighted_least_squares_monotone_fit(case):
         assert np.allclose(fit[:, c], _pooled_fit(values[:, c].tolist(), w.tolist()), rtol=1e-9, atol=1e-9)
 
 
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5_000), st.booleans()), max_size=200),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5_000)), max_size=40), st.integers(1, 40))
+def test_a_sparse_class_borrows_the_pooled_density_bit_for_bit(events, alive, min_samples):
+    """A class with fewer than ``min_samples`` observations takes the density of all classes pooled (a
+    one-class model fed every event), the others keep their own (a model that pools none), to the last bit."""
+    model, free, pooled = (HitDensityModel(classes, min_samples=samples)
+                           for classes, samples in ((4, min_samples), (4, 1), (1, 1)))
+    for cls, age, reused in events:
+        for m, c in ((model, cls), (free, cls), (pooled, 0)):
+            (m.record_reuse if reused else m.record_end)(c, age)
+    ages = np.array([a for _, a in alive], np.int64)
+    for m, classes in ((model, [c for c, _ in alive]), (free, [c for c, _ in alive]), (pooled, [0] * len(alive))):
+        m.refresh(np.array(classes, np.int64), ages, keep=1.0)
+    observed = [sum(1 for c, *_ in events if c == cls) + sum(1 for c, _ in alive if c == cls) for cls in range(4)]
+    for cls in range(4):
+        expected = pooled.table[0] if observed[cls] < min_samples else free.table[cls]
+        assert model.table[cls].tobytes() == expected.tobytes(), cls
+
+
+def _min_max_fit(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """:func:`isotonic`'s definition read literally: every mean of rows ``j..k`` summed from row ``j`` on
+    (``cumsum``), in one array, then the max over ``j <= i`` of the min over ``k >= i``."""
+    rows = len(values)
+    total = weights.sum(axis=0, keepdims=True)
+    weights = weights + 1e-9 * np.where(total > 0, total, 1.0)
+    means = np.full((rows, *values.shape), np.inf)
+    for j in range(rows):
+        means[j, j:] = np.cumsum(values[j:] * weights[j:], axis=0) / np.cumsum(weights[j:], axis=0)
+    lows = np.minimum.accumulate(means[:, ::-1], axis=1)[:, ::-1]
+    lows[~np.triu(np.ones((rows, rows), dtype=bool))] = -np.inf
+    return lows.max(axis=0)
+
+
+@given(st.integers(1, 8).flatmap(lambda rows: st.tuples(
+    st.lists(st.lists(st.floats(0, 1e9, allow_nan=False, allow_subnormal=True), min_size=rows, max_size=rows),
+             min_size=1, max_size=6),
+    st.lists(st.lists(st.one_of(st.sampled_from([0.0, 1e-300, 0.5, 1.0, 3.0]), st.floats(0, 1e6)),
+                      min_size=rows, max_size=rows), min_size=6, max_size=6))))
+def test_isotonic_is_its_min_max_definition_bit_for_bit(case):
+    """The fit equals the min-max formula computed literally, to the last bit: the policy's densities,
+    and so its decisions, do not depend on how the means are arranged."""
+    columns, weight_columns = case
+    values = np.array(columns).T
+    weights = np.array(weight_columns[:len(columns)]).T
+    assert isotonic(values, weights).tobytes() == _min_max_fit(values, weights).tobytes()
+
+
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20_000), st.booleans()), min_size=1, max_size=300))
 def test_density_never_ranks_a_class_below_one_it_dominates(events):
     """With a monotone chain, each class's density is at least the ones before it, at every age: the
