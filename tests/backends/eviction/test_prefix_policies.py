@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from array import array
 from collections.abc import Callable
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.eviction import hit_density
+from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction.hit_density import (
     LEAF,
     PARENT,
@@ -193,6 +195,35 @@ def test_a_victim_never_leaves_an_evictable_descendant_behind(make, hooks, scrip
 def test_orphans_go_first(make, hooks, script):
     """While an evictable orphan (parent hash not cached) exists, its subtree goes first."""
     drive(make(), script, _orphans_first, hooks)
+
+
+class _EveryRootWalked(FlatChains):
+    """The chain index with no child reported an only child: its owner takes every root with a child through
+    :meth:`FlatChains.collect`, the walk that its inlined case (one child, chosen already) must match."""
+
+    __slots__ = ()
+
+    @property
+    def sibling_rings(self) -> array:
+        return array("i", [-2]) * len(self.child_rings)
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+@pytest.mark.parametrize("make", HIT_DENSITY)
+@given(script=ops)
+@example(script=[("chain", "root", 0, 4), ("select", 3)])
+@example(script=[("chain", "root", 0, 3), ("chain", "under", 1, 2), ("pin", 2), ("select", 4)])
+def test_a_root_above_its_chosen_only_child_is_chosen_as_the_walk_chooses_it(make, hooks, script):
+    """Every selection equals that of a copy that walks below every root with a child (a chain taken from
+    its tip up: each parent's only child is chosen before it)."""
+    runs: list[list[list[int]]] = []
+    for walked in (False, True):
+        policy = make()
+        if walked:
+            policy._chains.__class__ = _EveryRootWalked
+        runs.append([])
+        drive(policy, script, lambda f, n, victims, run=runs[-1]: run.append(list(victims)), hooks)
+    assert runs[0] == runs[1]
 
 
 def _lru_root(f: Forest, n: int, victims: list[int]) -> None:
