@@ -1,4 +1,4 @@
-"""Issue 18's condition on any set of workloads: a policy against the best other rule, point by point.
+"""A policy's margin to the best other rule on any set of workloads, point by point.
 
     python benchmarks/bench_margin.py [--policy hit-density] [--workloads chat,agent,rag,few-shot,mixed]
         [--seeds 3,4,5] [--capacities 1000,4000,16000] [--others lru,arc,...]

@@ -23,9 +23,11 @@ where load-only would take as long as recompute (``fetched bytes /
 at ``B/10``, ``B`` and ``10 B`` each
 planner's time to first token, the median of ``--repeats`` repeats (the
 three planners interleaved within each repeat). The overlap's planner is a
-fresh one per bandwidth, warmed by ``--warmup`` follow-ups first (it learns
-the link and the model from them). The overlap's first-token logits are
-compared with a full recompute's (``generate_without_offload``).
+fresh one per bandwidth, warmed first as a serving engine's would be: one
+fresh prompt of the context's length, which misses every tier (it learns the
+model's prefill speed from it), then ``--warmup`` follow-ups (it learns the
+link). The overlap's first-token logits are compared with a full
+recompute's (``generate_without_offload``).
 
     python benchmarks/bench_overlap.py --json out.json
     python benchmarks/bench_overlap.py --context 4096 --repeats 7
@@ -142,7 +144,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=4, help="follow-ups that teach each overlap planner first")
+    parser.add_argument("--warmup", type=int, default=4,
+                        help="follow-ups that teach each overlap planner the link, after one fresh prompt")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="small", help="the model's shapes")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -170,9 +173,13 @@ def measure(args: argparse.Namespace, open_store: Callable[[], Any], owned: bool
     writer = OffloadedLM.build(model, gpu_blocks=blocks, block_size=bs, cpu_blocks=blocks, shared=open_store(),
                                model_name="bench-overlap")
     writer.generate(context, 1, stop_tokens=())
-    for _ in range(3):  # its stores, then their puts into the shared tier
+    stats = writer.stack.stats
+    for _ in range(100):  # its stores, then their puts into the shared tier (deferred ones go in later steps)
         writer.engine.step()
         writer.engine.drain()
+        if stats.blocks_put.value >= ctx_len // bs:
+            break
+    assert stats.blocks_put.value >= ctx_len // bs, {k: v for k, v in stats.as_dict().items() if "put" in k}
     prompts = iter(context + _tokens(new, 100 + i, shapes["vocab_size"]) for i in range(10**6))
 
     def link(gbps: float) -> ThrottledStore:
@@ -204,6 +211,7 @@ def measure(args: argparse.Namespace, open_store: Callable[[], Any], owned: bool
         overlap = OverlapPlanner()
         lm = reader(model, link(gbps), overlap, blocks, bs)
         try:
+            follow_up(lm, _tokens(ctx_len, 2 + len(rows), shapes["vocab_size"]))  # a miss: the prefill speed
             for _ in range(args.warmup):
                 follow_up(lm, next(prompts))
             times: dict[str, list[float]] = {"load": [], "recompute": [], "overlap": []}

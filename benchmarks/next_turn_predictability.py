@@ -1,9 +1,9 @@
 """How well can an engine predict that a conversation gets another turn?
 
-Issue 6 asks for an online policy within 60% / 90% of the offline optimum on the
-Mooncake conversation trace. The optimum's lead is conversations that come back
-after a long idle gap, so an online policy would have to tell, when a turn ends,
-whether its conversation returns. This script measures how well that can be
+On the Mooncake conversation trace the offline optimum's lead over online
+eviction policies is conversations that come back after a long idle gap, so an
+online policy would have to tell, when a turn ends, whether its conversation
+returns. This script measures how well that can be
 predicted from what an engine knows at that moment, with a gradient-boosted
 classifier (scikit-learn, not a kvkit dependency: ``pip install scikit-learn``).
 

@@ -6,8 +6,9 @@ imports torch or CuPy, touches CUDA, or loads the manager or the registry.
 Backends load lazily by name through the registries
 (``kvkit.EVICTION.create("lru")``); in-process components join them with
 :func:`register`. Each room exports the rest of its public names:
-``kvkit.interfaces`` (every protocol, capability and value type),
-``kvkit.errors``, ``kvkit.sim``, ``kvkit.reference``, ``kvkit.shared``,
+``kvkit.interfaces`` (the protocols, capabilities and value types; the
+shared tier's in ``kvkit.interfaces.shared``, workload hints in
+``kvkit.interfaces.hints``), ``kvkit.errors``, ``kvkit.sim``, ``kvkit.reference``, ``kvkit.shared``,
 ``kvkit.bench``, ``kvkit.testing`` (contract suites) and
 ``kvkit.integrations.*`` (engines and model libraries).
 

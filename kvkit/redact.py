@@ -10,7 +10,11 @@ A *secret* is
   ``name=value`` whose name holds ``password``, ``passwd``, ``pwd``,
   ``secret``, ``auth``, ``credential``, ``apikey`` or ``token`` (not
   ``tokens``, ``tokenizer`` or a ``per_token`` rate: counts of tokens are
-  kvkit's business, never secret), or has a word one typo away from
+  kvkit's business, never secret), ends a word with ``pass``,
+  ``passphrase`` or ``passcode`` (``requirepass``, ``db_pass``), has the
+  word ``pw``, or holds ``private_key``, ``access_key`` or ``session_key``
+  (a mistyped password option's value is shown as unknown with the rest,
+  so these must be masked), or has a word one typo away from
   ``password`` or ``secret`` (``pasword=`` is refused as unknown, and its
   value must not be shown while saying so). A name ending in ``_env``,
   ``_file`` or ``_path`` names where a secret is kept, not the secret, and
@@ -52,7 +56,8 @@ __all__ = ["MASK", "is_secret_name", "redact", "redact_text", "redact_url", "sec
 MASK = "***"
 """What a secret is shown as."""
 
-_SECRET_NAME = re.compile(r"passw(?:or)?d|pwd|secret|auth|credential|api_?key|(?<!per_)token(?!s|izer)",
+_SECRET_NAME = re.compile(r"passw(?:or)?d|pwd|secret|auth|credential|api_?key|(?<!per_)token(?!s|izer)"
+                          r"|pass(?:phrase|code)?(?![a-z])|(?<![a-z])pw(?![a-z])|(?:private|access|session)_?key",
                           re.IGNORECASE)
 _TYPO_OF = ("password", "secret")
 _WHERE = re.compile(r"_(?:env|file|path)$", re.IGNORECASE)

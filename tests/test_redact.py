@@ -39,7 +39,9 @@ def test_a_url_password_is_never_shown(scheme, user, pw, hosts, tail):
 
 
 @given(pw=PASSWORDS, name=st.sampled_from(["password", "Password", "tls_password", "secret", "shared_secret",
-                                           "token", "auth_token", "api_key", "pasword", "secert", "auth"]))
+                                           "token", "auth_token", "api_key", "pasword", "secert", "auth",
+                                           "pw", "PW", "db_pw", "pass", "db_pass", "requirepass", "passphrase",
+                                           "passcode", "private_key", "access_key", "sessionKey"]))
 def test_a_secret_named_option_is_never_shown(pw, name):
     """In a URL's query, a mapping (however nested) or name=value text, a secret name's value is masked."""
     assert is_secret_name(name)
@@ -55,7 +57,8 @@ def test_a_secret_named_option_is_never_shown(pw, name):
 
 @pytest.mark.parametrize("name", ["tokens", "gpu_hit_tokens", "max_new_tokens", "decode_ms_per_token", "tokenizer",
                                   "request_timeout_s", "username", "tls_key", "capacity_bytes", "second", "select",
-                                  "shared_secret_env", "password_file", "token_path"])
+                                  "shared_secret_env", "password_file", "token_path", "passes", "passthrough",
+                                  "pwr", "probe_key", "keys", "key"])
 def test_what_is_not_secret_stays(name):
     """Counts of tokens, rates, user names, paths and where a secret is kept are shown as they are."""
     assert not is_secret_name(name)

@@ -35,6 +35,8 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 _TEMP_ATTEMPTS = 3  # fresh temp names tried when a reaper removed each one before its writer locked it
 # Opening never follows a symlink, and never blocks on a FIFO planted under a value's name.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+# A value's subdirectory is opened, and its files reached relative to it, never through a symlink in its place.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 COUNTERS = ("foreign", "broken", "vanished", "temps_removed", "temps_kept", "evicted", "unlink_failed",
             "disk_full")
@@ -109,10 +111,16 @@ class DiskStore:
     finished results wait for the polls naming their tickets (one more
     abandons the oldest).
 
+    Symlinks. No path is followed through a symlink: value and temporary files are opened with
+    ``O_NOFOLLOW`` and reached relative to their subdirectory, itself opened with ``O_NOFOLLOW``, so a
+    symlink (or anything but a directory) in a subdirectory's place fails its keys' puts and gets and
+    carries no write, read or eviction outside ``path``.
+
     Permissions. Value and temporary files get ``file_mode`` (``0o600`` by
     default) and the directories the store creates (``path`` when it does not
     exist, and its subdirectories) the same bits plus search where read is
-    granted (``0o700``), whatever the umask; an existing ``path`` keeps its own.
+    granted (``0o700``), whatever the umask: ``path`` and the directories above it that do not exist,
+    and its subdirectories; an existing directory keeps its own.
 
     Invariants: ``used_bytes`` is the sum of the indexed files' sizes, never
     above :attr:`effective_capacity_bytes` (itself at most
@@ -219,15 +227,20 @@ class DiskStore:
     # --- opening -------------------------------------------------------------
 
     def _make_root(self) -> None:
+        """Create ``path`` and every missing directory above it with the store's directory mode."""
         mode = _dir_mode(self.file_mode)
+        missing = [p for p in (self.path, *self.path.parents) if not os.path.lexists(p)]
         try:
-            self.path.mkdir(parents=True, mode=mode)
-            os.chmod(self.path, mode)  # mkdir's mode passes through the umask
-        except FileExistsError:
-            if not self.path.is_dir():
-                raise ConfigError(f"DiskStore.path={str(self.path)!r}: exists and is not a directory") from None
+            for folder in reversed(missing):
+                try:
+                    os.mkdir(folder, mode)
+                except FileExistsError:  # another process made it meanwhile: its mode is its own
+                    continue
+                os.chmod(folder, mode)  # mkdir's mode passes through the umask
         except OSError as exc:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot create the directory: {exc}") from exc
+        if not self.path.is_dir():
+            raise ConfigError(f"DiskStore.path={str(self.path)!r}: exists and is not a directory")
 
     def _reindex(self) -> None:
         """Index every value file, oldest first; count what is not one; delete abandoned temporary files."""
@@ -355,46 +368,63 @@ class DiskStore:
 
     def _publish(self, name: str, size: int, parts: list[memoryview]) -> None:
         """Write a value to a locked temporary file and rename it over ``name``'s file; raise ``OSError``."""
-        final = self._file(name)
-        fd, temp = self._create_temp(final)
+        final = f"{name}{_SUFFIX}"
+        folder = self._open_folder(name, create=True)
         try:
-            os.fchmod(fd, self.file_mode)  # the creation mode passes through the umask
-            _write_all(fd, parts)
-            if self.fsync:
-                os.fsync(fd)
-            if not self.page_cache:
-                if not self.fsync:
-                    os.fdatasync(fd)  # only clean pages leave the page cache
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            with self._lock:
-                self._forget(name, unlink=False)  # os.replace swaps the file atomically: readers never miss it
-                self._evict_for(size)
-                os.replace(temp, final)
-                self._adopt(name, size)
-        except BaseException:
-            _unlink_quietly(temp)
-            raise
+            fd, temp = self._create_temp(folder, final)
+            try:
+                os.fchmod(fd, self.file_mode)  # the creation mode passes through the umask
+                _write_all(fd, parts)
+                if self.fsync:
+                    os.fsync(fd)
+                if not self.page_cache:
+                    if not self.fsync:
+                        os.fdatasync(fd)  # only clean pages leave the page cache
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                with self._lock:
+                    self._forget(name, unlink=False)  # os.replace swaps the file atomically: readers never miss it
+                    self._evict_for(size)
+                    os.replace(temp, final, src_dir_fd=folder, dst_dir_fd=folder)
+                    self._adopt(name, size)
+            except BaseException:
+                _unlink_quietly(temp, folder)
+                raise
+            finally:
+                os.close(fd)  # releases the lock once the temporary name is gone
         finally:
-            os.close(fd)  # releases the lock once the temporary name is gone
+            os.close(folder)
 
-    def _create_temp(self, final: Path) -> tuple[int, str]:
-        """A new temporary file next to ``final``, open for writing and locked by this writer."""
-        mode = _dir_mode(self.file_mode)
-        try:
-            os.mkdir(final.parent, mode)
-            os.chmod(final.parent, mode)
-        except FileExistsError:
-            pass
+    def _open_folder(self, name: str, *, create: bool = False) -> int:
+        """A descriptor of ``name``'s subdirectory (made first with ``create``), never opened through a symlink.
+
+        Raises ``OSError`` when something else is in its place (``ELOOP``, ``ENOTDIR``): a symlink there
+        would carry reads, writes and evictions outside ``path``.
+        """
+        folder = self.path / name[:2]
+        made = False
+        if create:
+            try:
+                os.mkdir(folder, 0o700)
+                made = True
+            except FileExistsError:
+                pass
+        fd = os.open(folder, _DIR_FLAGS)
+        if made:
+            os.fchmod(fd, _dir_mode(self.file_mode))  # mkdir's mode passes through the umask
+        return fd
+
+    def _create_temp(self, folder: int, final: str) -> tuple[int, str]:
+        """A new temporary file next to ``final`` in the directory ``folder``, open for writing, locked by us."""
         for _ in range(_TEMP_ATTEMPTS):
             temp = f"{final}{_TEMP}{self._owner}-{next(self._temps)}"
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode, dir_fd=folder)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # waits out a reaper that is looking at it
-                if _same_file(temp, os.fstat(fd)):
+                if _same_file(temp, folder, os.fstat(fd)):
                     return fd, temp
             except BaseException:
                 os.close(fd)
-                _unlink_quietly(temp)
+                _unlink_quietly(temp, folder)
                 raise
             os.close(fd)  # a reaper deleted it between our open and our lock: take a new name
         raise OSError(errno.EAGAIN, f"{plural(_TEMP_ATTEMPTS, 'temporary file')} were deleted by others "
@@ -405,14 +435,22 @@ class DiskStore:
         path = self._file(name)
         want = sum(p.nbytes for p in parts)
         try:
-            fd = os.open(path, _READ_FLAGS)
+            folder = self._open_folder(name)
+        except FileNotFoundError:
+            return self._unusable(name, "missing value")
+        except OSError as exc:  # a symlink or a file in its subdirectory's place
+            return self._unusable(name, f"cannot open {str(path.parent)!r}: {exc.strerror or exc}")
+        try:
+            fd = os.open(path.name, _READ_FLAGS, dir_fd=folder)
         except FileNotFoundError:
             with self._lock:
-                if not os.path.lexists(path):  # deleted behind our back (not just rewritten)
+                if _status(path.name, folder) is None:  # deleted behind our back (not just rewritten)
                     self._forget(name, unlink=False)
             return "missing value"
         except OSError as exc:  # a symlink in its place, or no permission
             return self._unusable(name, f"cannot open {str(path)!r}: {exc.strerror or exc}")
+        finally:
+            os.close(folder)
         try:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode):
@@ -448,10 +486,14 @@ class DiskStore:
             if name in self._index:
                 return True
         try:
-            found = os.lstat(self._file(name))
+            folder = self._open_folder(name)
         except OSError:
             return False
-        if not stat.S_ISREG(found.st_mode):
+        try:
+            found = _status(f"{name}{_SUFFIX}", folder)
+        finally:
+            os.close(folder)
+        if found is None or not stat.S_ISREG(found.st_mode):
             return False
         with self._lock:
             if name not in self._index:
@@ -479,10 +521,14 @@ class DiskStore:
         self.eviction.on_remove(block)
         if unlink:
             try:
-                os.unlink(self._file(name))
+                folder = self._open_folder(name)
+                try:
+                    os.unlink(f"{name}{_SUFFIX}", dir_fd=folder)
+                finally:
+                    os.close(folder)
             except FileNotFoundError:  # another process evicted it first
                 self._note("vanished")
-            except OSError:
+            except OSError:  # cannot be deleted, or no longer in a directory of ours
                 self._note("unlink_failed")
 
     # --- capacity ------------------------------------------------------------
@@ -556,18 +602,23 @@ def _dir_mode(file_mode: int) -> int:
     return file_mode | (file_mode & 0o444) >> 2
 
 
-def _same_file(path: str, held: os.stat_result) -> bool:
-    """Whether ``path`` (not followed) still leads to the open file ``held`` describes."""
+def _status(filename: str, folder: int) -> os.stat_result | None:
+    """The status of ``filename`` in the directory ``folder`` (a symlink not followed), or ``None`` if it is gone."""
     try:
-        now = os.lstat(path)
+        return os.lstat(filename, dir_fd=folder)
     except FileNotFoundError:
-        return False
-    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+        return None
 
 
-def _unlink_quietly(path: str) -> None:
+def _same_file(filename: str, folder: int, held: os.stat_result) -> bool:
+    """Whether ``filename`` in ``folder`` (not followed) still leads to the open file ``held`` describes."""
+    now = _status(filename, folder)
+    return now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _unlink_quietly(filename: str, folder: int) -> None:
     with contextlib.suppress(OSError):  # already gone, or the file system refuses: the next opener reaps it
-        os.unlink(path)
+        os.unlink(filename, dir_fd=folder)
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:

@@ -194,7 +194,7 @@ class Link:
                     continue
                 done[(address, ask)] = step
                 for i, outcome in zip(indices, results):
-                    self._settle(i, outcome, outcomes, pending, asked)
+                    self._settle(i, outcome, address, outcomes, pending, asked)
         out: dict[Address, tuple[BaseException, list[int], dict[int, Address]]] = {}
         for address, error in broken.items():
             left: list[int] = []
@@ -230,10 +230,24 @@ class Link:
             load += weights[i]
         return chunks
 
-    def _settle(self, i: int, outcome: object, outcomes: list[object], pending: list[int],
+    def _settle(self, i: int, outcome: object, answered: Address, outcomes: list[object], pending: list[int],
                 asked: dict[int, Address]) -> None:
+        """Record key ``i``'s outcome from ``answered``, or queue it for the node a redirect names.
+
+        A redirect to the host ``""`` (a node with ``cluster-preferred-endpoint-type unknown-endpoint``)
+        means ``answered``'s host at the port given; one to ``"?"`` (``hostname`` preferred, none
+        announced) names no host: the key fails and the next call re-reads the slot map (whose
+        ``?`` endpoints give their IP address beside them, see :func:`_slot_map`).
+        """
         if isinstance(outcome, Redirect) and not self.cluster:
             outcome = ServerError("a MOVED/ASK reply: the server is a Cluster node; hint: use a valkey+cluster:// URL")
+        if isinstance(outcome, Redirect) and outcome.address[0] in ("", "?"):
+            if outcome.address[0] == "":
+                outcome = attrs.evolve(outcome, address=(answered[0], outcome.address[1]))
+            else:
+                self._stale = True
+                outcome = ServerError(f"a redirect to the unknown endpoint ?:{outcome.address[1]} (a node prefers "
+                                      f"hostnames and announces none); the slot map is read again")
         if isinstance(outcome, Redirect):
             if outcome.ask:
                 asked[i] = outcome.address
@@ -332,8 +346,26 @@ def _slot_map(reply: object, answered: Address) -> list[Address]:
     slots: list[Address] = [answered] * 16384
     try:
         for start, end, primary, *_ in reply:
-            host = primary[0].decode() or answered[0]
-            slots[start:end + 1] = [(host, int(primary[1]))] * (end + 1 - start)
+            slots[start:end + 1] = [(_endpoint(primary, answered), int(primary[1]))] * (end + 1 - start)
     except (TypeError, IndexError, AttributeError) as exc:
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}: {exc}") from exc
     return slots
+
+
+def _endpoint(node: list, answered: Address) -> str:
+    """The host of a CLUSTER SLOTS node entry ``[endpoint, port, id, metadata]``.
+
+    The endpoint, except: NULL or ``""`` (``cluster-preferred-endpoint-type unknown-endpoint``, a node
+    behind a load balancer) is the host of the node that answered; ``"?"`` (``hostname`` preferred, none
+    announced) is the node's ``ip`` from the metadata (``ValueError`` without one).
+    """
+    endpoint = node[0]
+    if endpoint is None or endpoint == b"":
+        return answered[0]
+    if endpoint == b"?":
+        metadata = node[3] if len(node) > 3 and isinstance(node[3], list) else []
+        ip = dict(zip(metadata[0::2], metadata[1::2])).get(b"ip")
+        if not isinstance(ip, bytes) or not ip:
+            raise ValueError(f"a node's endpoint is '?' and its metadata has no ip: {node!r:.80}")
+        return ip.decode()
+    return endpoint.decode()

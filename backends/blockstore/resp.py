@@ -19,9 +19,11 @@ import binascii
 import contextlib
 import ipaddress
 import math
+import re
 import select
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Sequence
 
@@ -36,6 +38,7 @@ _BUFFER = 1 << 16
 _SMALL = 16 << 10  # buffers below this are joined before writing over TLS
 _IOV_MAX = 1024  # buffers per sendmsg (Linux IOV_MAX)
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+_ERROR_CODE = re.compile(r"[A-Z]{2,20}")  # the first word of an error reply: ERR, WRONGPASS, NOPERM...
 
 
 class ServerError(Exception):
@@ -130,13 +133,16 @@ class Connection:
             deadline, self.deadline = self.deadline, min(self.deadline, login)
             if options.password is not None:
                 user = [options.username.encode()] if options.username else []
-                self.call(b"AUTH", *user, options.password.encode())
+                try:
+                    self.call(b"AUTH", *user, options.password.encode())
+                except ServerError as exc:
+                    raise ServerError(_login_refusal(exc)) from None
             if options.db:
                 self.call(b"SELECT", str(options.db).encode())
             self.deadline = deadline
         except ServerError as exc:
             self.close()
-            raise ConnectionRefusedError(f"{address[0]}:{address[1]} refused the login: {exc}") from exc
+            raise ConnectionRefusedError(f"{address[0]}:{address[1]} refused the login: {exc}") from None
         except BaseException:
             self.close()
             raise
@@ -354,7 +360,8 @@ _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
 
 
 def _connect(address: Address, timeout: float) -> socket.socket:
-    """``socket.create_connection(address, timeout)``, except that a loopback peer gets Reno congestion control.
+    """``socket.create_connection(address, timeout)``, name resolution included in ``timeout`` (:func:`_resolve`),
+    except that a loopback peer gets Reno congestion control.
 
     Set before the handshake, so the system's default (BBR, where it is the default) never starts on the
     socket: BBR paces a connection at its estimate of the path's bandwidth, and on loopback that
@@ -363,20 +370,73 @@ def _connect(address: Address, timeout: float) -> socket.socket:
     does not pace. A system that refuses Reno keeps its default. Other peers keep the system's choice.
     """
     host, port = address
+    deadline = time.monotonic() + timeout
     last: OSError | None = None
-    for family, kind, proto, _, peer in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+    for family, kind, proto, _, peer in _resolve(host, port, timeout):
         sock = socket.socket(family, kind, proto)
         try:
             if _TCP_CONGESTION is not None and ipaddress.ip_address(peer[0]).is_loopback:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, b"reno")
-            sock.settimeout(timeout)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"timed out connecting to {host}:{port}")
+            sock.settimeout(left)
             sock.connect(peer)
             return sock
         except OSError as exc:
             sock.close()
             last = exc
     raise last if last is not None else OSError(f"getaddrinfo found no address for {host}:{port}")
+
+
+@attrs.define(eq=False)
+class _Lookup:
+    """One name resolution in flight on its own thread: its outcome once ``done`` is set."""
+
+    done: threading.Event = attrs.field(factory=threading.Event)
+    outcome: list[tuple] | OSError | None = None
+
+
+_LOOKUPS: dict[Address, _Lookup] = {}  # the resolutions in flight, one per (host, port)
+_LOOKUPS_LOCK = threading.Lock()
+
+
+def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
+    """``socket.getaddrinfo(host, port)`` for a stream socket, answered within ``timeout`` (else ``TimeoutError``).
+
+    A numeric address is answered at once. A name is resolved on a daemon thread: the system resolver
+    waits on its name servers as long as its configuration says (5 s a try), whatever the call's
+    deadline, so a host whose name servers do not answer costs the call its connect timeout, not the
+    resolver's. Calls for a name whose resolution is still in flight wait for that one: however often
+    they come, a name has at most one thread, which ends when the resolver answers or gives up.
+    """
+    try:
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass
+    with _LOOKUPS_LOCK:
+        lookup = _LOOKUPS.get((host, port))
+        if lookup is None:
+            lookup = _LOOKUPS[(host, port)] = _Lookup()
+            threading.Thread(target=_look_up, args=(host, port, lookup), name="kvkit-resolve", daemon=True).start()
+    if not lookup.done.wait(timeout):
+        raise TimeoutError(f"timed out resolving {host!r} (its name servers did not answer in {timeout:.3g} s)")
+    if isinstance(lookup.outcome, OSError):
+        raise lookup.outcome
+    assert lookup.outcome is not None, "a finished lookup has an outcome"
+    return lookup.outcome
+
+
+def _look_up(host: str, port: int, lookup: _Lookup) -> None:
+    """Resolve ``host`` into ``lookup`` (on its own thread), then let later calls start a fresh resolution."""
+    try:
+        lookup.outcome = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+    except OSError as exc:
+        lookup.outcome = exc
+    with _LOOKUPS_LOCK:
+        del _LOOKUPS[(host, port)]
+    lookup.done.set()
 
 
 def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> Sequence[bytes | memoryview]:
@@ -394,6 +454,18 @@ def _number(head: bytes) -> int:
         return int(head[1:])
     except ValueError:
         raise ConnectionError(f"protocol error: unexpected reply {head[:80]!r}") from None
+
+
+def _login_refusal(exc: ServerError) -> str:
+    """What a refused ``AUTH`` is shown as: the reply's error code (``WRONGPASS``, ``ERR``...), never its text.
+
+    A server may quote the command's arguments in its reply (an ``AUTH`` it does not know, renamed away
+    or behind a proxy, answers ``ERR unknown command 'AUTH', with args beginning with: '<password>'``),
+    and no rule can find every shape of the password in such text (quoted, escaped, cut short).
+    """
+    code = str(exc).split(maxsplit=1)[0] if str(exc).strip() else ""
+    shown = code if _ERROR_CODE.fullmatch(code) else "an error"
+    return f"{shown} (the server's message is not shown: it may quote the password)"
 
 
 def command(*args: bytes) -> bytes:

@@ -88,7 +88,8 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
 @contextlib.contextmanager
 def _connected(url: str) -> Iterator[tuple[BlockStore, Any]]:
     """A fresh store of ``url`` (checked with a ping) and a client library's client, both closed after."""
-    store = open_block_store(url, request_timeout_s=30.0)
+    given = dict(parse_qsl(url.partition("?")[2]))
+    store = open_block_store(url, **({} if "request_timeout_s" in given else {"request_timeout_s": 30.0}))
     client = None
     try:
         problem = store.ping() if hasattr(store, "ping") else None
@@ -197,9 +198,9 @@ def _tool_command(url: str) -> list[str] | None:
     server that needs a password: the tool takes one only in its argv, which any local user can read)."""
     tool = _tool()
     scheme, _, rest = url.partition("://")
-    auth, _, location = rest.rpartition("@")
+    location = rest.rpartition("@")[2]
     host_port = location.partition("/")[0].partition("?")[0]
-    if tool is None or auth or "," in host_port or "cluster" in scheme or scheme.endswith("s"):
+    if tool is None or _tool_skipped(url) or "," in host_port or "cluster" in scheme or scheme.endswith("s"):
         return None
     host, _, port = host_port.rpartition(":")
     return [tool, "-h", host, "-p", port]
@@ -239,11 +240,17 @@ def _tool() -> str | None:
 
 
 def _library_client(url: str) -> Any:
-    """A valkey-py (else redis-py) client of ``url`` (its Cluster client for a Cluster URL), or ``None``."""
+    """A valkey-py (else redis-py) client of ``url`` (its Cluster client for a Cluster URL), or ``None``.
+
+    The query's options are the store's (``ttl_s``, ``request_timeout_s``...), not the library's: only its
+    ``username`` and ``password`` reach the client.
+    """
     scheme, _, rest = url.partition("://")
     base, _, mode = scheme.partition("+")
+    rest, _, query = rest.partition("?")
     auth, at, hosts = rest.rpartition("@")
     single = f"{base}://{auth}{at}{hosts.split(',')[0]}"  # a Cluster client finds the rest itself
+    login = {k: v for k, v in parse_qsl(query) if k in ("username", "password")}
     for module in ("valkey", "redis"):
         try:
             library = importlib.import_module(module)
@@ -252,8 +259,9 @@ def _library_client(url: str) -> Any:
         if module == "redis":
             single = single.replace("valkey", "redis", 1)
         if mode == "cluster":
-            return getattr(library, "ValkeyCluster" if module == "valkey" else "RedisCluster").from_url(single)
-        return library.from_url(single)
+            return getattr(library, "ValkeyCluster" if module == "valkey" else "RedisCluster").from_url(single,
+                                                                                                         **login)
+        return library.from_url(single, **login)
     return None
 
 

@@ -22,7 +22,7 @@ __all__ = ["bench_group", "transfer_command"]
 
 @click.group("bench")
 def bench_group() -> None:
-    """Benchmarks: copy backends (transfer)."""
+    """Benchmarks: copy backends (transfer) and block stores (shared)."""
 
 
 @bench_group.command("transfer", short_help="Copy-backend GB/s on a KV cache, each copy checked.")  # never cut

@@ -163,9 +163,11 @@ class ReferenceEngine:
             every request a step leaves waiting (once, in the step after it was
             added; default on). Off, only :meth:`prefetch` does.
 
-    Load plans with a head (:attr:`overlaps`) need a :class:`~kvkit.interfaces.HeadCompute`
-    and no ``layered``; otherwise the engine asks the manager for plans that
-    load a prefix of the hit only.
+    Load plans with a head (:attr:`overlaps`) need a :class:`~kvkit.interfaces.HeadCompute`,
+    and no ``layered`` unless the stack has a shared tier (with one, a step's
+    loads are never layered: it fetches into the CPU tier, then loads whole);
+    otherwise the engine asks the manager for plans that load a prefix of the
+    hit only.
 
     Invariants: a request holds exactly one GPU reference on each block of
     its table while running; with the default compute every loaded block's
@@ -189,7 +191,7 @@ class ReferenceEngine:
     @property
     def overlaps(self) -> bool:
         """Whether a hit's head can be recomputed while its tail loads (see the class docstring)."""
-        return isinstance(self.compute, HeadCompute) and not self.layered
+        return isinstance(self.compute, HeadCompute) and (not self.layered or bool(self.stack.shared_workers))
 
     @property
     def num_waiting(self) -> int:

@@ -15,7 +15,7 @@ import ipaddress
 import threading
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -136,8 +136,11 @@ def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
     store, owned = open_shared(shared.url)  # last: nothing after it may fail and leave it open
     try:
         _warn_unauthenticated(store, codec.namespace.secret)
+        deadline = getattr(store, "request_timeout_s", None)  # a network store's deadline of one call
+        budget: dict[str, Any] = {"lookup_budget_s": deadline} \
+            if isinstance(deadline, int | float) and deadline > 0 else {}
         spec = SharedTierSpec(store=store, codec=codec, write=shared.write,
-                              backoff_s=shared.backoff_s, max_backoff_s=60 * shared.backoff_s)
+                              backoff_s=shared.backoff_s, max_backoff_s=60 * shared.backoff_s, **budget)
     except BaseException:
         if owned:
             store.close()

@@ -93,6 +93,11 @@ class SharedTierSpec:
             and its cap (each failed retry doubles it).
         trust_s: how long a hash put or fetched is taken to be still held (not put
             again) without being looked up; then it may be put again.
+        lookup_budget_s: how long the lookups of one step may wait on ``contains``
+            in all (the store's deadline of one call: :func:`~kvkit.shared.client.connect_shared`
+            passes a store's ``request_timeout_s``); once spent, the step's further
+            lookups find nothing there, so however many requests a step looks up
+            through a slow link, it waits on them less than twice the deadline.
         clock: seconds, monotonic (tests pass a fake one).
     """
 
@@ -104,6 +109,8 @@ class SharedTierSpec:
     max_backoff_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True,  # type: ignore[misc]
                                                                        label=_LABEL))
     trust_s: float = attrs.field(default=60.0, converter=checked(check_real, low=0, low_open=True, label=_LABEL))  # type: ignore[misc]
+    lookup_budget_s: float = attrs.field(default=2.0, converter=checked(check_real, low=0, low_open=True,  # type: ignore[misc]
+                                                                        label=_LABEL))
     clock: Callable[[], float] = attrs.field(default=time.monotonic, validator=is_callable(label=_LABEL))
 
 
@@ -148,6 +155,7 @@ class SharedTier:
     _known: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # put or fetched -> when
     _known_cap: int = attrs.field(init=False, default=0)
     _writeback: int = attrs.field(init=False, default=0)
+    _lookup_spent: float = attrs.field(init=False, default=0.0)  # seconds this step's lookups waited on contains
 
     def __attrs_post_init__(self) -> None:
         self._interval = self.spec.backoff_s
@@ -176,7 +184,8 @@ class SharedTier:
         return self._state.value
 
     def tick(self) -> None:
-        """Once per step: read the probe's answer, or send the probe that ends a back-off."""
+        """Once per step: read the probe's answer, or send the probe that ends a back-off; renew the lookup budget."""
+        self._lookup_spent = 0.0
         if self._probe is not None:
             for res in self._poll(self._probe):
                 self._probe = None
@@ -239,17 +248,21 @@ class SharedTier:
 
         ``tail``: the request's hashes after ``hashes`` (recomputed, never looked up). The
         hashes from the first one found absent on, and the tail, are forgotten as put: the
-        request recomputes them, and they are put again.
+        request recomputes them, and they are put again. Once this step's lookups have
+        waited ``spec.lookup_budget_s`` on the store, nothing is asked (and nothing forgotten).
         """
-        if not hashes or not self.available:
+        if not hashes or not self.available or self._lookup_spent >= self.spec.lookup_budget_s:
             return 0
         key, ranks = self.spec.codec.key, range(self.world_size)
         keys = [key(h, rank) for h in hashes for rank in ranks]
+        start = self.spec.clock()
         try:
             n = self.spec.store.contains(keys)
         except Exception as exc:  # noqa: BLE001 - the protocol says it answers 0; a buggy one must not wedge us
             self.suspect(f"transport: contains raised {exc!r}")
             return 0
+        finally:
+            self._lookup_spent += self.spec.clock() - start
         found = min(len(hashes), n // self.world_size) if n.__class__ is int and n > 0 else 0
         known = self._known
         if known and found < len(hashes):

@@ -20,7 +20,8 @@ A *new* store belongs to the caller, who closes it; :func:`process_wide` tells t
 Options are keyword arguments of the store (``request_timeout_s=0.5``), or the URL's query
 (``file:///kv?capacity_bytes=50GiB``, ``valkey://h:6379/0?request_timeout_s=0.5&ttl_s=3600``: numbers
 and ``true``/``false`` are converted), so one string configures a store wherever only a string fits
-(the CLI, vLLM's ``kv_connector_extra_config``). A URL that fails to parse raises
+(the CLI, vLLM's ``kv_connector_extra_config``). A ``#`` is no fragment mark: it belongs to the
+password or option value it is in. A URL that fails to parse raises
 :class:`~kvkit.errors.ConfigError` quoting it and naming the valid forms. No
 message shows a password: URLs and options are quoted through
 :func:`~kvkit.validate.quote` (:mod:`kvkit.redact`).
@@ -150,14 +151,14 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"block store URL {quote(url)}: expected file:///absolute/path (a local directory)")
     if "capacity_bytes" not in options:
         raise ConfigError(f"block store URL {quote(url)}: a disk store needs capacity_bytes (e.g. '50GiB')")
-    raw = dict(parse_qsl(parsed.query, keep_blank_values=True)).get("file_mode")
+    raw = dict(parse_qsl(url.partition("?")[2], keep_blank_values=True)).get("file_mode")
     if raw is not None:  # octal text: "640" must not become the decimal number 640
         options = {**options, "file_mode": raw}
     return {"path": unquote(parsed.path), **_sizes(options)}
 
 
 def _with_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    query = urlsplit(url).query if "?" in url else ""
+    query = url.partition("?")[2]  # all of it: a '#' is part of a value here (a password's), not a fragment
     if "@" in url.partition("?")[2]:  # else the userinfo would be ambiguous (see kvkit.redact)
         raise ConfigError(f"block store URL {quote(url)}: a '@' after the '?'; percent-encode it (%40)")
     found: dict[str, Any] = {}

@@ -22,7 +22,7 @@ import attrs
 
 from kvkit.errors import TransferTimeoutError
 from kvkit.interfaces.shared import BlockCodec, BlockStore, SharedPlan, StoreResult
-from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
+from kvkit.interfaces.types import Direction, KVCacheSpec, TransferPlan, TransferResult
 from kvkit.validate import check_int, check_real, checked, implements
 from kvkit.worker import WAIT_TIMEOUT_S
 
@@ -196,12 +196,7 @@ class SharedTierWorker:
 
     def _payload(self, block: int) -> list[memoryview]:
         """Views of ``block``'s bytes in this rank's CPU mirror, region by region (none without an engine)."""
-        if not self.mirrors:
-            return []
-        import torch  # only with an engine, which has imported it already
-
-        return [p.reshape(-1).view(torch.uint8).numpy().data
-                for engine in self.mirrors for p in engine.block_pieces(Tier.CPU, block)]
+        return [view for engine in self.mirrors for view in engine.cpu_block_views(block)]
 
     def _frames(self, plan: SharedPlan, seal: bool) -> tuple[list[bytes], list[list[memoryview]]]:
         codec, rank = self.codec, self.rank

@@ -495,7 +495,8 @@ def tier_effect(without: Mapping[str, float], with_: Mapping[str, float], *, ser
 def describe_effect(tier: str, effect: Mapping[str, Any]) -> str:
     """One sentence for a report: whether ``tier`` made the first token sooner or later, by how much."""
     (a, b), (c, d) = effect["mean_ms"], effect["p90_ms"]
-    return (f"the {tier} tier made the first token {effect['verdict']}: mean {b:,.1f} vs {a:,.1f} ms "
+    verdict = {"same": "neither sooner nor later"}.get(effect["verdict"], effect["verdict"])
+    return (f"the {tier} tier made the first token {verdict}: mean {b:,.1f} vs {a:,.1f} ms "
             f"({effect['mean_change']:+.1%}), p90 {d:,.1f} vs {c:,.1f} ms ({effect['p90_change']:+.1%}); it "
             f"served {plural(effect['served_tokens'], 'prompt token', grouped=True)}, and the load plans "
             f"recomputed {plural(effect['declined_tokens'], 'hit token', grouped=True)} instead of loading them")

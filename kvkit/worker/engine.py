@@ -243,6 +243,9 @@ class TransferEngine:
     _unpin: weakref.finalize | None = attrs.field(default=None, init=False)
     _regions: list[Region] = attrs.field(factory=list, init=False)
     _group_block_bytes: dict[int, int] = attrs.field(factory=dict, init=False)
+    # The mirror's bytes and, per region in order, where its block 0 starts and a block's step and size in them.
+    _mirror_bytes: memoryview | None = attrs.field(default=None, init=False, repr=False)
+    _cpu_pieces: list[tuple[int, int, int]] = attrs.field(factory=list, init=False, repr=False)
     # Per group: its stages in region order, each (regions, the layers they hold).
     _stages: dict[int, list[tuple[range, tuple[int, ...]]]] = attrs.field(factory=dict, init=False)
     _in_flight: dict[object, _InFlight] = attrs.field(factory=dict, init=False)  # by backend handle, in order
@@ -307,6 +310,8 @@ class TransferEngine:
         for r in regions:
             self._group_block_bytes[r.group] = self._group_block_bytes.get(r.group, 0) + r.piece_bytes
         self._stages = layer_stages(self.spec, regions, self.layers_per_stage)
+        self._mirror_bytes = mirror.numpy().data
+        self._cpu_pieces = [_piece_slots(r.cpu, mirror) for r in regions]
 
     def allocate_kv(self, num_gpu_blocks: int, layout: str, device: torch.device | str = "cpu", *,
                     cpu_layout: str | None = None) -> list[torch.Tensor]:
@@ -642,6 +647,24 @@ class TransferEngine:
             raise UnknownBlockError(f"{tier} block {quote(block)} out of range [0, {limit})")
         return [t[int(block)] for t in tensors]
 
+    def cpu_block_views(self, block: int) -> list[memoryview]:
+        """Byte views of ``block``'s piece in every region of the CPU mirror, in region order (no copy).
+
+        The bytes of :meth:`block_pieces` on the CPU tier, each one contiguous
+        ``memoryview`` slice of the mirror, writable: what a block store
+        sends from or receives into.
+
+        Raises:
+            ConfigError: no KV registered.
+            UnknownBlockError: ``block`` is not an int in ``[0, num_cpu_blocks)``.
+        """
+        if self._mirror_bytes is None:
+            raise ConfigError("no KV cache registered")
+        if not is_int(block) or not 0 <= block < self.num_cpu_blocks:
+            raise UnknownBlockError(f"cpu block {quote(block)} out of range [0, {self.num_cpu_blocks})")
+        data = self._mirror_bytes
+        return [data[start + block * step: start + block * step + size] for start, step, size in self._cpu_pieces]
+
     def read_block(self, tier: Tier, block: int, group: int | None = None) -> bytes:
         """The bytes of ``block`` on ``tier``: every region's piece, concatenated in region order."""
         pieces = self.block_pieces(tier, block, group)
@@ -666,6 +689,7 @@ class TransferEngine:
             self._unpin()  # after the drain: no copy touches the mirror any more
         self._layout, self._cpu_layout, self._gpu_kv, self._cpu_kv, self._regions = None, None, [], [], []
         self._mirror, self._pinned_chunks, self._unpin, self._group_block_bytes = None, [], None, {}
+        self._mirror_bytes, self._cpu_pieces = None, []
         return results
 
     def check_invariants(self) -> None:
@@ -685,3 +709,17 @@ class TransferEngine:
         assert all(job.num_bytes >= 0 for job in self._in_flight.values())
         if self._check_copy is not None:
             self._check_copy()
+
+
+def _piece_slots(cpu: torch.Tensor, mirror: torch.Tensor) -> tuple[int, int, int]:
+    """Where a region's blocks sit in the mirror's bytes: ``(block 0's offset, a block's step, its size)``.
+
+    Every layout gives each block one contiguous piece per region (a
+    store's buffers are byte views of it); a layout that did not would be
+    refused here, when it is registered.
+    """
+    piece, item = cpu[0], cpu.element_size()
+    if not piece.is_contiguous():
+        raise ConfigError(f"a CPU block's piece of shape {tuple(piece.shape)} and strides {piece.stride()} is "
+                          f"not contiguous; a block store needs each piece as one run of bytes")
+    return cpu.data_ptr() - mirror.data_ptr(), cpu.stride(0) * item, piece.numel() * item

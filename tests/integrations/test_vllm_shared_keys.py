@@ -81,6 +81,16 @@ def test_the_tenant_and_the_secret_from_an_environment_variable_or_a_file_reach_
     assert codecs[0].key(7, 0) == codecs[1].key(7, 0) and codecs[0].key(7, 0).startswith(b"kvkit:acme:")
 
 
+def test_a_secret_variable_holding_bytes_that_are_not_utf8_is_taken_as_they_are(monkeypatch):
+    """An environment variable is bytes: one that does not decode as UTF-8 is the secret byte for byte (it
+    raised a bare UnicodeEncodeError whose repr held the secret)."""
+    import os
+
+    monkeypatch.setenv("KVKIT_TEST_SECRET", os.fsdecode(b"s3cr3t-\xff\xfe"))
+    assert _parse(shared={"url": "memory://", "secret_env": "KVKIT_TEST_SECRET"}).stack.shared.secret \
+        == b"s3cr3t-\xff\xfe"
+
+
 @pytest.mark.parametrize(("shared", "needles"), [
     ({"secret": "PW-s3cr3t"}, ["['shared']['secret']: not taken here", "secret_env", "secret_file"]),
     ({"secret_env": "KVKIT_TEST_UNSET"}, ["KVKIT_TEST_UNSET is not set"]),

@@ -94,6 +94,32 @@ def test_a_slow_link_costs_a_step_at_most_its_deadlines_and_never_raises(server)
     a.close()
 
 
+def test_the_lookups_of_one_step_share_the_deadline_through_a_slow_link(server):
+    """Ten requests looked up in one step through a link that keeps trickling (never stalled, so no node is
+    marked down): each ``contains`` would wait its whole deadline; together they wait less than twice it,
+    the later ones finding nothing there. The next step's lookups ask again (and find a shared hit)."""
+    a, ea = instance(server.url + FAST)
+    serve(ea, "a")
+    a.close()
+    with SlowLink(("127.0.0.1", server.port), rate=2_000) as link:
+        b = kvkit.build(kv=SPEC, gpu_blocks=128, cpu_blocks=128, copy="torch", device="cpu", layout="per-layer",
+                        shared=SharedConfig(url=f"valkey://127.0.0.1:{link.port}/0" + FAST), world_size=2)
+        assert b.manager._shared.spec.lookup_budget_s == DEADLINE  # the store's own deadline
+        eb = ReferenceEngine(b)
+        for i in range(10):
+            tokens = [1000 * (i + 1) + t for t in PROMPT]
+            eb.add_request(f"r{i}", hash_blocks(tokens, SPEC.block_size), len(tokens))
+        start = time.monotonic()
+        report = eb.step()
+        assert time.monotonic() - start <= 2 * DEADLINE + SLACK, f"the step took {time.monotonic() - start:.2f} s"
+        assert len(report.scheduled) == 10 and b.manager.shared_status == "on"
+        assert b.shared_store.down_nodes == {}  # slow, not stalled: only the budget cut the lookups short
+        link.rate = None
+        serve(eb, "hit")
+        assert b.stats.shared_hit_tokens.value == 36
+        b.close(timeout=3.0)
+
+
 def test_a_second_instance_finds_the_shared_tokens_after_the_server_closed_idle_connections():
     """``timeout 1``: every connection of both instances is closed by the server while idle; the second
     instance still finds all 36 shared tokens, and nothing is counted as an outage."""

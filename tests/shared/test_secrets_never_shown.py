@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 import kvkit
 import kvkit.cli as cli
+from kvkit.backends.blockstore.resp import ServerError
 from kvkit.config import SharedConfig
 from kvkit.errors import KVKitError
 from kvkit.hashing import hash_blocks
@@ -139,6 +140,37 @@ def test_a_wrong_password_fails_without_showing_either(server):
         store.close()
 
 
+def test_a_server_that_quotes_the_refused_auth_shows_no_password():
+    """A server without AUTH (renamed away) answers ``ERR unknown command 'AUTH', with args beginning with:
+    '<user>' '<password>'``: the store's reasons, the tier's status and warning, and the CLI's error show the
+    error code only."""
+    with LocalServer(server_binary_or_skip(), args=["--rename-command", "AUTH", ""]) as echoing:
+        with pytest.raises(ServerError, match="unknown command 'AUTH'") as raw:  # the server does quote it
+            echoing.call(b"AUTH", b"user", PW.encode())
+        assert MARK in str(raw.value)
+        url = f"valkey://user:{PW}@{_address(echoing)}/0?request_timeout_s=0.5&connect_timeout_s=0.5"
+        store = kvkit.open_block_store(url)
+        try:
+            problem = store.ping()
+            results = store.poll([store.put([b"k"], [[memoryview(b"v")]])], 2.0)
+            assert problem is not None and "refused the login: ERR" in problem
+            _clean(problem, store.last_error, store.down_nodes, results)
+        finally:
+            store.close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stack = _stack(url, backoff_s=0.05)
+            engine = ReferenceEngine(stack)
+            for i in range(3):
+                _serve(engine, f"r{i}", [1000 * i + t for t in range(40)])
+            status = stack.manager.shared_status
+            stack.close(timeout=2.0)
+        assert any("shared tier is off" in str(w.message) for w in caught)
+        _, text = _cli("bench", "shared", "--url", url, "--size", "4096", "--batch-mib", "1", "--keys", "10",
+                       "--repeat", "1", "--json")
+        _clean(status, *(w.message for w in caught), text)
+
+
 def test_reprs_never_show_a_secret(server, monkeypatch):
     """Every object that holds a password or the HMAC secret (config, stack, manager, workers, codec, namespace,
     store, connection, vLLM settings, simulator config, test server) shows neither, before and after use."""
@@ -256,6 +288,20 @@ def test_cli_tables_json_and_children_never_show_a_password(server, children):
                     _clean(cmdline.read().decode(errors="replace"))
             except OSError:
                 continue
+
+
+def test_bench_shared_takes_the_password_and_store_options_in_the_query(server, children):
+    """A password given as ``?password=`` skips the server tool as one in the userinfo does (the tool is never
+    run without it, failing the bench); the store's own options (``ttl_s``, ``request_timeout_s``) are the
+    store's, never handed to the client library."""
+    bench = ["bench", "shared", "--size", "4096", "--batch-mib", "1", "--keys", "10", "--repeat", "1", "--json"]
+    for url in (f"valkey://{_address(server)}/0?password={PW}",
+                f"valkey://:{PW}@{_address(server)}/0?ttl_s=60&request_timeout_s=5"):
+        result, text = _cli(*bench, "--url", url)
+        assert result.exit_code == 0, text
+        assert "server_tool_skipped" in json.loads(text)
+        _clean(text)
+    assert not [argv for argv in children if "benchmark" in argv[0]]
 
 
 def test_the_server_tool_runs_without_a_password(children):

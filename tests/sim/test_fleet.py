@@ -9,7 +9,7 @@ from click.testing import CliRunner
 import kvkit.cli as cli
 from kvkit.errors import ConfigError
 from kvkit.sim.fleet import compare_fleets, simulate_fleet
-from kvkit.sim.simulator import SimConfig
+from kvkit.sim.simulator import SimConfig, describe_effect
 from kvkit.sim.synthetic import SyntheticWorkload, generate
 
 CONFIG = SimConfig(gpu_blocks=256, cpu_blocks=512)
@@ -140,3 +140,12 @@ def test_loading_every_hit_of_a_slow_tier_makes_the_first_token_later():
     isolated, sharing = compare_fleets(_chat(100), config, instances=4)
     assert sharing.ttft_summary()["mean"] > isolated.ttft_summary()["mean"]
     assert sharing.total("declined_shared") == 0
+
+
+@pytest.mark.parametrize(("verdict", "words"), [("sooner", "sooner"), ("later", "later"),
+                                                ("same", "neither sooner nor later")])
+def test_the_effect_sentence_reads_for_every_verdict(verdict, words):
+    """The report's sentence says sooner, later or neither, never a bare 'same'."""
+    effect = {"verdict": verdict, "mean_ms": [10.0, 10.0], "mean_change": 0.0, "p90_ms": [20.0, 20.0],
+              "p90_change": 0.0, "served_tokens": 0, "declined_tokens": 0}
+    assert f"made the first token {words}: mean" in describe_effect("shared", effect)

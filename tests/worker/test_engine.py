@@ -356,6 +356,35 @@ def test_block_access_errors():
     assert len(engine.read_block("gpu", 5, group=0)) == SPEC.bytes_per_block
 
 
+@given(spec_layouts(), st.integers(1, 5), st.data())
+def test_cpu_block_views_are_the_mirror_bytes_of_block_pieces(spec_layout, num_cpu, data):
+    """Each CPU block's views are its pieces' bytes, region by region, and writing through them writes the mirror."""
+    spec, layout = spec_layout
+    engine = _engine(layout, 2, num_cpu, spec=spec)
+    fill_random(engine.cpu_kv, seed=3)
+    for block in range(num_cpu):
+        views = engine.cpu_block_views(block)
+        pieces = engine.block_pieces(Tier.CPU, block)
+        assert [bytes(v) for v in views] == [tensor_bytes(p).numpy().tobytes() for p in pieces]
+        assert b"".join(views) == engine.read_block(Tier.CPU, block)
+    block = data.draw(st.integers(0, num_cpu - 1))
+    for view in engine.cpu_block_views(block):
+        view[:] = b"\x5a" * len(view)
+    assert engine.read_block(Tier.CPU, block) == b"\x5a" * spec.bytes_per_block
+    assert all(engine.read_block(Tier.CPU, b) != b"\x5a" * spec.bytes_per_block for b in range(num_cpu) if b != block)
+
+
+def test_cpu_block_views_refusals():
+    """cpu_block_views refuses blocks out of range, quoting them, and an engine with no KV registered."""
+    engine = _engine(num_gpu=6, num_cpu=5)
+    for bad in (5, -1, "1", 1.0):
+        with pytest.raises(UnknownBlockError, match=r"cpu block .* out of range \[0, 5\)"):
+            engine.cpu_block_views(bad)
+    engine.close()
+    with pytest.raises(ConfigError, match="no KV cache registered"):
+        engine.cpu_block_views(0)
+
+
 # -- CUDA ----------------------------------------------------------------------------
 
 

@@ -359,7 +359,7 @@ def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         elif key == "secret_env":
             text = os.environ.get(source)
             if text:
-                shared["secret"] = text.encode()
+                shared["secret"] = os.fsencode(text)  # the variable's bytes as they are, UTF-8 or not
             else:
                 problems.append(f"{where}['secret_env']={source!r}: the environment variable {source} is "
                                 f"{'empty' if text == '' else 'not set'} in this process")

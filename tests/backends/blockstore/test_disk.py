@@ -281,6 +281,38 @@ def test_a_symlink_to_a_file_is_never_followed(tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("when", ["before opening", "after indexing"])
+def test_a_symlink_in_a_subdirectorys_place_is_never_followed(tmp_path, when):
+    """A subdirectory replaced by a symlink to a directory elsewhere carries no eviction, get, contains or put
+    outside the store: they forget, miss or fail, and nothing there is deleted, read or written."""
+    store_dir, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    size = 100
+    store = DiskStore(store_dir, 3 * size)
+    assert _put(store, [b"a"], size).ok
+    folder = store._file(_name(b"a")).parent
+    if when == "before opening":
+        store.close()
+    planted = elsewhere / store._file(_name(b"a")).name
+    planted.write_bytes(bytes(size))  # what an eviction through the link would delete, a get serve
+    shutil.rmtree(folder)
+    folder.symlink_to(elsewhere, target_is_directory=True)
+    if when == "before opening":
+        store = DiskStore(store_dir, 3 * size)
+        assert store.counters["broken"] == 1 and store.used_bytes == 0
+    candidates = [b"b%d" % i for i in range(5000)]
+    assert _put(store, [k for k in candidates if _name(k)[:2] != folder.name][:5], size).ok  # evicts "a" if held
+    result, _ = _get(store, [b"a"], size)
+    assert result.failed == (0,) and store.contains([b"a"]) == 0
+    beside = [k for k in candidates if _name(k)[:2] == folder.name][:2]
+    result = _put(store, [b"a", *beside], size)
+    assert result.failed == (0, 1, 2) and "cannot write" in result.error
+    assert os.listdir(elsewhere) == [planted.name] and planted.read_bytes() == bytes(size)
+    assert folder.is_symlink()
+    store.check_invariants()
+    store.close()
+
+
 def test_a_value_replaced_by_a_directory_after_indexing_is_forgotten_not_deleted(tmp_path):
     """What takes an indexed value's place is another's: the get fails, the index drops the value,
     nothing is deleted."""
@@ -432,15 +464,15 @@ def _modes(root):
 
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
 def test_values_are_private_whatever_the_umask(tmp_path, umask):
-    """Files 0600 and directories 0700 by default, under any umask."""
+    """Files 0600 and directories 0700 by default, under any umask: the store's own, and those created above it."""
     old = os.umask(umask)
     try:
-        store = DiskStore(tmp_path / "kv", 1 << 20)
+        store = DiskStore(tmp_path / "new" / "kv", 1 << 20)
         _put(store, [b"a", b"b"], 10)
         store.close()
     finally:
         os.umask(old)
-    assert _modes(tmp_path / "kv") == ({"0o600"}, {"0o700"})
+    assert _modes(tmp_path / "new") == ({"0o600"}, {"0o700"})
 
 
 def test_file_mode_is_configurable_also_in_the_url(tmp_path):

@@ -21,6 +21,8 @@ from kvkit.shared.urls import process_wide
     ("redis+cluster://a:1", {"cluster": True}),
     ("valkey://[::1]:7000", {"nodes": (("::1", 7000),)}),
     ("valkey://h:1?request_timeout_s=0.5&ttl_s=60&tls_verify=false", {"request_timeout_s": 0.5, "ttl_s": 60}),
+    ("valkey://:p#ss@h:1/0?ttl_s=60", {"password": "p#ss", "ttl_s": 60}),  # '#' is no fragment: options stay
+    ("valkey://h:1/0?password=p#ss&ttl_s=60", {"password": "p#ss", "ttl_s": 60}),
 ])
 def test_valkey_urls(url, expected):
     """Host, port, database, credentials, Cluster mode and query options come from the URL."""

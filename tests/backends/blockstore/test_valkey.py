@@ -15,7 +15,7 @@ from kvkit.backends.blockstore.valkey import ValkeyStore
 from kvkit.errors import ConfigError
 from kvkit.interfaces.types import KVCacheSpec
 from kvkit.shared.format import Namespace, ValueStatus, block_key, check_value, encode_header
-from kvkit.testing.servers import LocalServer, free_port
+from kvkit.testing.servers import LocalCluster, LocalServer, free_port, server_binary_or_skip
 
 TIMEOUT = 0.3
 SLACK = 1.0  # scheduling noise on a busy 2-core machine
@@ -242,6 +242,33 @@ def test_cluster_follows_ask_during_a_migration(valkey_cluster):
         store.close()
 
 
+@pytest.mark.parametrize("endpoint", ["unknown-endpoint", "hostname"])
+def test_a_cluster_that_announces_no_endpoint_is_served(endpoint):
+    """``cluster-preferred-endpoint-type unknown-endpoint`` (nodes behind a load balancer) names no host in
+    CLUSTER SLOTS (NULL) or MOVED (``:port``): the answering node's host is used. ``hostname`` with no hostname
+    announced names ``?``: CLUSTER SLOTS gives the node's IP beside it, and a MOVED to ``?`` fails its key only
+    until the slot map is read again."""
+    with LocalCluster(binary=server_binary_or_skip(), args=["--cluster-preferred-endpoint-type", endpoint]) as cluster:
+        first = cluster.nodes[0].port
+        store = ValkeyStore([("127.0.0.1", first)], cluster=True, request_timeout_s=2.0, connect_timeout_s=2.0)
+        keys = [b"kvkit:endpoint:%d" % i for i in range(50)]
+        try:
+            result, _ = _put(store, keys)
+            assert result.ok, result
+            assert store.contains(keys) == 50
+            store._io.link._slots = [("127.0.0.1", first)] * 16384  # every key but node 0's is MOVED
+            result, values = _put(store, keys)
+            if endpoint == "hostname":
+                assert result.failed and "unknown endpoint" in result.error
+                result, values = _put(store, keys)
+            assert result.ok, result
+            got, buffers = _get(store, keys)
+            assert got.ok and [bytes(v[0]) for v in values] == [bytes(b) for b in buffers]
+            assert store.down_nodes == {}
+        finally:
+            store.close()
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"nodes": []}, "nodes"),
     ({"nodes": [("127.0.0.1", 0)]}, "nodes"),
@@ -250,6 +277,8 @@ def test_cluster_follows_ask_during_a_migration(valkey_cluster):
     ({"tls_ca": "/x"}, "tls=True"),
     ({"tls": True, "tls_ca": "/nonexistent.pem"}, "cannot be loaded"),
     ({"request_timeout_s": 0}, "request_timeout_s"),
+    ({"password": "pw\udcff"}, "password: holds a character UTF-8 cannot encode"),
+    ({"username": "u\udcff", "password": "pw"}, "username: holds a character UTF-8 cannot encode"),
 ])
 def test_bad_settings_are_refused(kwargs, match):
     """Bad settings raise ConfigError quoting the field, before any thread starts."""

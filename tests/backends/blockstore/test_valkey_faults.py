@@ -351,3 +351,64 @@ def test_contains_of_1000_keys_is_one_round_trip_per_node(valkey_server, valkey_
         assert len(sends) == nodes and len({port for _, port in sends}) == nodes, events
         assert events[:nodes] == sends, "a reply was read before every node had its whole pipeline"
         store.close()
+
+
+# -- a host whose name servers do not answer --------------------------------------------------------------
+
+_SILENT_RESOLVER = r"""
+import json, socket, sys, threading, time
+from kvkit.backends.blockstore.valkey import ValkeyStore
+
+silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+silent.bind(("127.0.0.1", 53))  # takes the queries, answers none
+start = time.monotonic()
+try:
+    socket.getaddrinfo("kvkit-cache.internal", 6379)
+except OSError:
+    pass
+resolver_s = time.monotonic() - start
+store = ValkeyStore([("kvkit-cache.internal", 6379)], request_timeout_s=0.3, connect_timeout_s=1.0)
+start = time.monotonic()
+found = store.contains([b"k"])
+contains_s = time.monotonic() - start
+start = time.monotonic()
+results = store.poll([store.get([b"k"], [[memoryview(bytearray(8))]])], 5.0)
+get_s = time.monotonic() - start
+resolvers = 0
+for _ in range(4):  # calls cut short by their deadline are no evidence against the node: each one asks again
+    store.contains([b"k"])
+    resolvers = max(resolvers, sum(t.name == "kvkit-resolve" for t in threading.enumerate()))
+store.close()
+print(json.dumps({"resolver_s": resolver_s, "contains_s": contains_s, "get_s": get_s, "found": found,
+                  "error": results[0].error, "resolvers": resolvers}))
+"""
+
+
+def test_a_host_whose_name_servers_do_not_answer_costs_a_call_its_deadline(tmp_path):
+    """Resolving a host name is bounded by the call's deadline: a name server that takes the query and never
+    answers (the system resolver waits 2 s a try here) costs ``contains`` and ``get`` their deadlines, not the
+    resolver's, and calls that keep coming share one resolution (one thread). Runs in a network and mount
+    namespace of its own (``unshare``), where the only name server is a silent socket on loopback."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or shutil.which("ip") is None or shutil.which("mount") is None:
+        pytest.skip("needs unshare, ip and mount (util-linux, iproute2)")
+    if subprocess.run(["unshare", "-rmn", "true"], capture_output=True).returncode != 0:
+        pytest.skip("this host refuses unprivileged user namespaces")
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("nameserver 127.0.0.1\noptions timeout:2 attempts:1\n")
+    script = tmp_path / "child.py"
+    script.write_text(_SILENT_RESOLVER)
+    shell = f"ip link set lo up && mount --bind {conf} /etc/resolv.conf && exec {sys.executable} {script}"
+    child = subprocess.run(["unshare", "-rmn", "sh", "-c", shell], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == 0, child.stderr
+    report = json.loads(child.stdout)
+    if report["resolver_s"] < 1.5:
+        pytest.skip(f"the system resolver does not use /etc/resolv.conf here (answered in {report['resolver_s']} s)")
+    assert report["contains_s"] <= 0.3 + SLACK and report["found"] == 0, report
+    assert report["get_s"] <= 0.3 + SLACK and report["error"].startswith("transport:"), report
+    assert report["resolvers"] == 1, report
