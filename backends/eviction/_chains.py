@@ -367,6 +367,13 @@ class FlatChains:
         """Per block id, the first child of a tracked block (``-1``: none), for an owner's hot loop: read only."""
         return self._first
 
+    @property
+    def sibling_rings(self) -> array:
+        """Per block id, the next child in the ring of its parent's children (itself for an only child), read
+        where the block is a child of a tracked block (:attr:`child_rings` names the first), for an owner's
+        hot loop: read only."""
+        return self._next
+
     def tracks(self, block: BlockId) -> bool:
         """Whether ``block`` is tracked."""
         return block.__class__ is int and 0 <= block < len(self._up) and self._up[block] != _UNTRACKED

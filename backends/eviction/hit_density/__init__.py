@@ -735,7 +735,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         heapify(order)
         orphan_walk = chains.orphans()
         orphans = None if orphan_walk is None else filter(usable, orphan_walk)
-        collect, first_child, dropped = chains.collect, chains.child_rings, False
+        collect, first_child, sibling, dropped = chains.collect, chains.child_rings, chains.sibling_rings, False
         picked: Sequence[int]
         root: int
         while len(chosen) < n:
@@ -751,7 +751,10 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 if not order:
                     return None
                 root = order[0][2]
-            if first_child[root] == _NONE:  # collect's walk of a childless usable root, inlined: the root alone
+            child = first_child[root]
+            if child == _NONE or (sibling[child] == child and child in chosen):
+                # collect's walk of a usable root with no child, or with one, chosen with its subtree (a
+                # chain taken from its tip up), inlined: the root alone
                 if not dropped:
                     chains.forget_walk()  # as that walk does
                     dropped = True

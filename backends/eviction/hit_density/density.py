@@ -79,8 +79,11 @@ def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     Each row weighs its weight plus ``1e-9`` of its column's total (or 1 in a column of all-zero
     weights): a row without evidence keeps its own value where the order allows, and otherwise takes
     the value of the run it joins. The fit at row ``i`` is the max over ``j <= i`` of the min over
-    ``k >= i`` of the weighted mean of rows ``j..k`` (the min-max form of isotonic regression, exact,
-    O(rows**3) per column; the chains here have a handful of rows).
+    ``k >= i`` of the weighted mean of rows ``j..k`` (the min-max form of isotonic regression, exact).
+    Each mean's sums run from row ``j`` down to row ``k``, one row added at a time, not as differences
+    of running sums, which would round a light row away; they are formed for every ``j`` at once as
+    ``k`` grows, then the mins and maxes taken (exact), so the work is O(rows**2) whole-row operations
+    on arrays of the columns' width (the chains here have a handful of rows).
 
     Args:
         values, weights: arrays of one shape ``(rows, columns)``; weights non-negative.
@@ -88,14 +91,20 @@ def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     rows = len(values)
     total = weights.sum(axis=0, keepdims=True)
     weights = weights + 1e-9 * np.where(total > 0, total, 1.0)
-    # means[j, k]: the weighted mean of rows j..k where j <= k, +inf elsewhere (no min picks it);
-    # summed from row j on, not as differences of running sums, which would round a light row away.
-    means = np.full((rows, *values.shape), np.inf)
-    for j in range(rows):
-        means[j, j:] = np.cumsum(values[j:] * weights[j:], axis=0) / np.cumsum(weights[j:], axis=0)
-    lows = np.minimum.accumulate(means[:, ::-1], axis=1)[:, ::-1]  # lows[j, i]: min over k >= i
-    lows[~np.triu(np.ones((rows, rows), dtype=bool))] = -np.inf
-    return lows.max(axis=0)  # max over j <= i
+    terms = values * weights
+    num, den = np.empty_like(terms), np.empty_like(weights)  # num[j] / den[j]: the mean of rows j..k
+    means = np.empty((rows, *values.shape))  # means[k, j]: the weighted mean of rows j..k, for j <= k
+    for k in range(rows):
+        num[k], den[k] = terms[k], weights[k]
+        num[:k] += terms[k]
+        den[:k] += weights[k]
+        np.divide(num[:k + 1], den[:k + 1], out=means[k, :k + 1])
+    fit = np.empty_like(terms)
+    lows = means[-1].copy()  # lows[j] for j <= i: the min over k >= i of means[k, j]
+    for i in range(rows - 1, -1, -1):
+        np.minimum(lows[:i + 1], means[i, :i + 1], out=lows[:i + 1])
+        lows[:i + 1].max(axis=0, out=fit[i])
+    return fit
 
 
 def _least_root(value: int, k: int) -> int:
@@ -280,11 +289,12 @@ class HitDensityModel:
         reuses = self._reuses
         events = reuses + self._ends + live
         sparse = events.sum(axis=1) < self.min_samples
-        if sparse.any():  # the pooled row computed with the others: each row's densities are its own
-            table = self._densities(np.concatenate([reuses, reuses.sum(axis=0, keepdims=True)]),
-                                    np.concatenate([events, events.sum(axis=0, keepdims=True)]))
-            table, pooled = table[:-1], table[-1]
-            table[sparse] = pooled
+        if sparse.any():  # the rows kept and the pooled row, computed together: each row's densities are its own
+            own = ~sparse
+            kept = self._densities(np.concatenate([reuses[own], reuses.sum(axis=0, keepdims=True)]),
+                                   np.concatenate([events[own], events.sum(axis=0, keepdims=True)]))
+            table = np.empty_like(reuses)
+            table[own], table[sparse] = kept[:-1], kept[-1]
         else:
             table = self._densities(reuses, events)
         if self._fits:
@@ -301,7 +311,8 @@ class HitDensityModel:
         self._ends *= keep
 
     def _densities(self, reuses: np.ndarray, events: np.ndarray) -> np.ndarray:
-        """Hit density per (row, bucket) from reuse and all-event histograms."""
+        """Hit density per (row, bucket) from reuse and all-event histograms; each row's from its own
+        histograms alone, bit for bit whatever rows it is computed with."""
         at_risk = _at_risk(events)
         seen = at_risk > 0  # at-risk counts fall with age: each row's seen ages are a leading run
         ages_seen = seen.sum(axis=1, keepdims=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from array import array
 from collections.abc import Callable
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.eviction import hit_density
+from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction.hit_density import (
     LEAF,
     PARENT,
@@ -195,6 +197,35 @@ def test_orphans_go_first(make, hooks, script):
     drive(make(), script, _orphans_first, hooks)
 
 
+class _EveryRootWalked(FlatChains):
+    """The chain index with no child reported an only child: its owner takes every root with a child through
+    :meth:`FlatChains.collect`, the walk that its inlined case (one child, chosen already) must match."""
+
+    __slots__ = ()
+
+    @property
+    def sibling_rings(self) -> array:
+        return array("i", [-2]) * len(self.child_rings)
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+@pytest.mark.parametrize("make", HIT_DENSITY)
+@given(script=ops)
+@example(script=[("chain", "root", 0, 4), ("select", 3)])
+@example(script=[("chain", "root", 0, 3), ("chain", "under", 1, 2), ("pin", 2), ("select", 4)])
+def test_a_root_above_its_chosen_only_child_is_chosen_as_the_walk_chooses_it(make, hooks, script):
+    """Every selection equals that of a copy that walks below every root with a child (a chain taken from
+    its tip up: each parent's only child is chosen before it)."""
+    runs: list[list[list[int]]] = []
+    for walked in (False, True):
+        policy = make()
+        if walked:
+            policy._chains.__class__ = _EveryRootWalked
+        runs.append([])
+        drive(policy, script, lambda f, n, victims, run=runs[-1]: run.append(list(victims)), hooks)
+    assert runs[0] == runs[1]
+
+
 def _lru_root(f: Forest, n: int, victims: list[int]) -> None:
     if not n or any(map(f.is_evictable, f.orphans())):
         return
@@ -344,6 +375,53 @@ def test_isotonic_is_the_weighted_least_squares_monotone_fit(case):
     for c in range(values.shape[1]):
         w = weights[:, c] + 1e-9 * (weights[:, c].sum() or 1.0)
         assert np.allclose(fit[:, c], _pooled_fit(values[:, c].tolist(), w.tolist()), rtol=1e-9, atol=1e-9)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5_000), st.booleans()), max_size=200),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5_000)), max_size=40), st.integers(1, 40))
+def test_a_sparse_class_borrows_the_pooled_density_bit_for_bit(events, alive, min_samples):
+    """A class with fewer than ``min_samples`` observations takes the density of all classes pooled (a
+    one-class model fed every event), the others keep their own (a model that pools none), to the last bit."""
+    model, free, pooled = (HitDensityModel(classes, min_samples=samples)
+                           for classes, samples in ((4, min_samples), (4, 1), (1, 1)))
+    for cls, age, reused in events:
+        for m, c in ((model, cls), (free, cls), (pooled, 0)):
+            (m.record_reuse if reused else m.record_end)(c, age)
+    ages = np.array([a for _, a in alive], np.int64)
+    for m, classes in ((model, [c for c, _ in alive]), (free, [c for c, _ in alive]), (pooled, [0] * len(alive))):
+        m.refresh(np.array(classes, np.int64), ages, keep=1.0)
+    observed = [sum(1 for c, *_ in events if c == cls) + sum(1 for c, _ in alive if c == cls) for cls in range(4)]
+    for cls in range(4):
+        expected = pooled.table[0] if observed[cls] < min_samples else free.table[cls]
+        assert model.table[cls].tobytes() == expected.tobytes(), cls
+
+
+def _min_max_fit(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """:func:`isotonic`'s definition read literally: every mean of rows ``j..k`` summed from row ``j`` on
+    (``cumsum``), in one array, then the max over ``j <= i`` of the min over ``k >= i``."""
+    rows = len(values)
+    total = weights.sum(axis=0, keepdims=True)
+    weights = weights + 1e-9 * np.where(total > 0, total, 1.0)
+    means = np.full((rows, *values.shape), np.inf)
+    for j in range(rows):
+        means[j, j:] = np.cumsum(values[j:] * weights[j:], axis=0) / np.cumsum(weights[j:], axis=0)
+    lows = np.minimum.accumulate(means[:, ::-1], axis=1)[:, ::-1]
+    lows[~np.triu(np.ones((rows, rows), dtype=bool))] = -np.inf
+    return lows.max(axis=0)
+
+
+@given(st.integers(1, 8).flatmap(lambda rows: st.tuples(
+    st.lists(st.lists(st.floats(0, 1e9, allow_nan=False, allow_subnormal=True), min_size=rows, max_size=rows),
+             min_size=1, max_size=6),
+    st.lists(st.lists(st.one_of(st.sampled_from([0.0, 1e-300, 0.5, 1.0, 3.0]), st.floats(0, 1e6)),
+                      min_size=rows, max_size=rows), min_size=6, max_size=6))))
+def test_isotonic_is_its_min_max_definition_bit_for_bit(case):
+    """The fit equals the min-max formula computed literally, to the last bit: the policy's densities,
+    and so its decisions, do not depend on how the means are arranged."""
+    columns, weight_columns = case
+    values = np.array(columns).T
+    weights = np.array(weight_columns[:len(columns)]).T
+    assert isotonic(values, weights).tobytes() == _min_max_fit(values, weights).tobytes()
 
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20_000), st.booleans()), min_size=1, max_size=300))
