@@ -113,7 +113,7 @@ def policies_command(trace_path: str | None, shape_name: str | None, seed: int, 
         _require_libcachesim()
     elif ctx.get_parameter_source("counting") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError(f"--counting {counting} says how --baselines count; give --baselines libcachesim")
-    names, capacities = check_study(capacities, _split(policy_list, "policy names"))  # before any work
+    names, capacities = check_study(capacities, _split(policy_list, "policy names"), slot="--policies")  # first
     if shape_name is not None and ctx.get_parameter_source("block_size") is click.core.ParameterSource.DEFAULT:
         block_size = DEFAULTS.block_size
     if trace_path is not None:

@@ -248,9 +248,11 @@ def _replay_in_worker(policy: str, capacity: int, stores: str) -> HitStats:
     return replay(_worker_requests, capacity, policy, stores=stores)
 
 
-def check_study(capacities: Iterable[int],
-                policies: Iterable[str] | None = None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def check_study(capacities: Iterable[int], policies: Iterable[str] | None = None, *,
+                slot: str = "policy") -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The policies (the optimum last) and capacities, duplicates dropped, that :func:`study` replays.
+
+    ``slot`` names the policies where an error quotes them (a CLI passes its flag).
 
     Raises:
         ConfigError: an unknown policy or a bad capacity (every bad policy at once).
@@ -259,7 +261,7 @@ def check_study(capacities: Iterable[int],
     if not capacities:
         raise ConfigError("a policy study needs at least one capacity, got none")
     names = list(dict.fromkeys(default_policies() if policies is None else policies))
-    problems = [p for p in (EVICTION.check(n, slot="policy") for n in names) if p is not None]
+    problems = [p for p in (EVICTION.check(n, slot=slot) for n in names) if p is not None]
     if problems:
         raise ConfigError(problems)
     return (*(n for n in names if n != OPT), OPT), capacities

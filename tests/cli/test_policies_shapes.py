@@ -55,6 +55,14 @@ def test_unknown_shape_lists_the_choices() -> None:
     assert result.exit_code == 2 and "few-shot" in result.output
 
 
+def test_an_unknown_policy_is_quoted_with_its_flag_and_the_closest_name() -> None:
+    """`--policies lru,hit-densty` names the flag and the bad name, and suggests the registered one."""
+    result = CliRunner().invoke(cli.main, ["policies", "--policies", "lru,hit-densty", "--capacities", "10"])
+    assert result.exit_code != 0
+    assert "--policies='hit-densty'" in result.output and "did you mean 'hit-density'?" in result.output, \
+        result.output
+
+
 @pytest.mark.parametrize("command", ["policies", "simulate"])
 @pytest.mark.parametrize(("value", "suggestion"), [("chta", "did you mean 'chat'?"),
                                                ("few-shot@num_tmplates=3", "did you mean 'num_templates'?")])
