@@ -306,29 +306,6 @@ def test_a_head_recomputed_while_the_tail_loads_gives_generates_answers(models, 
     assert lm.stack.stats.hit_tokens_overlapped.value == sum(turn.head_tokens for turn in later)
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["whole", "pipelined"])
-def test_a_head_recomputed_while_a_shared_tail_is_fetched_gives_generates_answers(models, pipelined):
-    """With a shared tier, pipelined or not, a second instance recomputes each shared hit's head while the tail
-    is fetched and loaded: same tokens and logits as generate on the whole prompt."""
-    from kvkit.backends.blockstore.memory import MemoryStore
-
-    model, store = models["llama"], MemoryStore()
-    first = _build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store)
-    second = _build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store, pipelined=pipelined,
-                    planner=_SplitPlanner(decline=False))
-    assert second.engine.overlaps
-    prompt = _user_turns(1, 37)[0]
-    first.generate(prompt, 3)
-    first.engine.step()  # the puts of the stores its finish flushed
-    first.engine.drain()
-    turn = second.generate([*prompt, 7], 3, keep_logits=True, stop_tokens=())
-    ref = generate_without_offload(model, [*prompt, 7], 3, keep_logits=True, stop_tokens=())
-    assert turn.head_tokens == 16 and turn.cpu_hit_tokens == 20 and turn.tokens == ref.tokens
-    assert second.stack.stats.shared_hit_tokens.value == 20
-    assert float((turn.logits - ref.logits).abs().max()) <= TOL
-    _check_clean(second, second)
-
-
 def test_kv_spec_follows_the_config():
     """Layers, KV heads, head size, dtype and attention groups come from the model config."""
     config = transformers.Qwen2Config(**{**_SHAPES, "num_hidden_layers": 6, "head_dim": 32},
@@ -706,19 +683,26 @@ def test_on_cuda_sampled_turns_match_generate_on_the_same_seed():
     lm.close()
 
 
-def test_a_second_instance_restores_a_prefix_from_the_shared_tier(models):
-    """Two stacks sharing one store: the second answers from KV the first computed, as generate does."""
+@pytest.mark.parametrize(("split", "pipelined"), [(False, False), (True, False), (True, True)],
+                         ids=["load-all", "head-tail", "head-tail-pipelined"])
+def test_a_second_instance_restores_a_prefix_from_the_shared_tier(models, split, pipelined):
+    """Two stacks sharing one store: the second answers from KV the first computed, as generate does; with a
+    plan that recomputes each hit's head while the tail is fetched and loaded too, pipelined or not."""
     from kvkit.backends.blockstore.memory import MemoryStore
 
     model, store = models["llama"], MemoryStore()
     first = _build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store)
-    second = _build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store)
+    second = _build(model, gpu_blocks=40, block_size=4, cpu_blocks=200, shared=store, pipelined=pipelined,
+                    **({"planner": _SplitPlanner(decline=False)} if split else {}))
+    assert second.engine.overlaps
     prompt = _user_turns(1, 37)[0]
     first.generate(prompt, 3)
     first.engine.step()  # the puts of the stores its finish flushed
     first.engine.drain()
     turn = second.generate([*prompt, 7], 3, keep_logits=True, stop_tokens=())
     ref = generate_without_offload(model, [*prompt, 7], 3, keep_logits=True, stop_tokens=())
-    assert second.stack.stats.shared_hit_tokens.value == 36 and turn.tokens == ref.tokens
+    head = 16 if split else 0  # 9 blocks of 4 found; a split recomputes the first 4
+    assert (turn.head_tokens, turn.cpu_hit_tokens) == (head, 36 - head) and turn.tokens == ref.tokens
+    assert second.stack.stats.shared_hit_tokens.value == 36 - head
     assert float((turn.logits - ref.logits).abs().max()) <= TOL
     _check_clean(second, second)
