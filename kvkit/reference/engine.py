@@ -351,6 +351,11 @@ class ReferenceEngine:
         """Empty the CPU tier now, even with transfers in flight (no hit is served after this)."""
         self.stack.manager.reset()
 
+    @property
+    def layered_loads(self) -> bool:
+        """Whether the compute running now waits on this step's loads layer by layer (its time includes theirs)."""
+        return bool(self._step_loads)
+
     def wait_layer(self, layer: int) -> None:
         """Before compute reads ``layer``'s reused blocks: this step's loads of it landed (on the device if it can)."""
         if self._step_loads:

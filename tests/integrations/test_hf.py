@@ -31,7 +31,7 @@ import torch
 from hypothesis import given, settings
 from packaging.version import Version
 
-from kvkit.backends.plan import LoadAllPlanner
+from kvkit.backends.plan import LoadAllPlanner, OverlapPlanner
 from kvkit.errors import ConfigError, HashInputError, KVKitError, OutOfBlocksError, UnsupportedModelError
 from kvkit.integrations.hf import OffloadedLM, generate_without_offload, kv_spec_from_config, model_fingerprint
 from kvkit.interfaces import GroupKind, LoadPlan
@@ -198,6 +198,37 @@ def test_pipelined_passes_without_a_load_teach_the_planner_the_prefill_speed(mod
     assert planner.compute_seconds(1, 0) is None
     first = lm.generate(_user_turns(1, length=40)[0], 1, stop_tokens=())
     assert first.cpu_hit_tokens == 0 and planner.compute_seconds(1, 0) is not None
+
+
+class _LoadAllLearning(OverlapPlanner):
+    """Learns as the default planner does, and loads every hit."""
+
+    def plan(self, query):
+        return LoadPlan.load_all(query.hit_blocks)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["layered-load", "shared-tier"])
+def test_a_pipelined_pass_is_observed_unless_it_waited_on_layered_loads(models, shared):
+    """A restored turn's pass is the planner's observation of compute when its loads landed before it (with a
+    shared tier, a step fetches, then loads whole), not when it read them layer by layer as they landed."""
+    from kvkit.backends.blockstore.memory import MemoryStore
+
+    store = MemoryStore() if shared else None
+    prompt = _user_turns(1, length=40)[0]
+    lm = _build(models["llama"], gpu_blocks=28, block_size=8, cpu_blocks=200, shared=store, pipelined=True,
+                planner=_LoadAllLearning())
+    if shared:  # another instance computed the prompt into the store
+        writer = _build(models["llama"], gpu_blocks=28, block_size=8, cpu_blocks=200, shared=store)
+        writer.generate(prompt, 1, stop_tokens=())
+        writer.engine.step()  # the puts of the stores its finish flushed
+        writer.engine.drain()
+    else:  # its own CPU tier holds the prompt, gone from its GPU
+        lm.generate(prompt, 1, stop_tokens=())
+        lm.clear_gpu_cache()
+    before = lm.stack.manager.planner.estimates()["prefill_samples"]
+    turn = lm.generate([*prompt, 5, 6], 1, stop_tokens=())
+    assert turn.cpu_hit_tokens > 0 and lm.engine.layered
+    assert lm.stack.manager.planner.estimates()["prefill_samples"] == before + shared
 
 
 def test_pipelined_beam_search_repeats_each_late_layer_like_the_others(models):

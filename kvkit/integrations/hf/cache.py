@@ -118,8 +118,9 @@ class _ModelPrefill(HeadCompute):
     so the engine step that prefills a prompt also generates its reply. A
     load plan's head is one more forward pass, over the head's tokens on the
     GPU hit alone, while the rest of the hit loads. Each forward pass's time
-    is the stack's load planner's observation of compute, except a pipelined
-    pass that loaded a hit (it also waited on the loads).
+    is the stack's load planner's observation of compute, except a pass
+    that read a hit loaded layer by layer beside it (it also waited on the
+    loads; with a shared tier, loads land before the pass).
 
     Invariants: reads only blocks the engine says hold reused KV (before
     ``first_block``, and for a sliding-window group only those inside its
@@ -153,7 +154,7 @@ class _ModelPrefill(HeadCompute):
         def prefilled() -> None:  # the prompt's forward passes are over: every layer holds its KV
             _sync(device)
             job.first_token_at = time.perf_counter()
-            if not pipelined or not request.cpu_hit_tokens:  # pipelined, a pass with loads also waits on them
+            if not (engine.layered_loads and request.cpu_hit_tokens):  # else the pass also waited on its loads
                 self._observe(engine, len(job.tokens) - start, start, job.first_token_at - job.restored_at)
             # Queued after the first token, before any decode step and before the prompt's stores are planned.
             self._write_back(request, start, cache.recorded or {})
