@@ -92,8 +92,8 @@ class SharedTierSpec:
             eviction candidates are kept put (default: a quarter of the pool).
         backoff_s / max_backoff_s: the first back-off interval after a failure,
             and its cap (each failed retry doubles it).
-        trust_s: how long a hash put or fetched is taken to be still held (not put
-            again) without being looked up; then it may be put again.
+        trust_s: how long a hash put, fetched or found is taken to be still held
+            (not put again) without being looked up again; then it may be put again.
         lookup_budget_s: how long the lookups of one step may wait on ``contains``
             in all (the store's deadline of one call: :func:`~kvkit.shared.client.connect_shared`
             passes a store's ``request_timeout_s``); once spent, the step's further
@@ -153,7 +153,7 @@ class SharedTier:
     _reason: str = attrs.field(init=False, default="")
     _queued: dict[BlockHash, None] = attrs.field(init=False, factory=dict)  # write-through, in order
     _flying: set[BlockHash] = attrs.field(init=False, factory=set)  # puts in flight
-    _known: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # put or fetched -> when
+    _known: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # put/fetched/found -> when
     _known_cap: int = attrs.field(init=False, default=0)
     _writeback: int = attrs.field(init=False, default=0)
     _lookup_spent: float = attrs.field(init=False, default=0.0)  # seconds this step's lookups waited on contains

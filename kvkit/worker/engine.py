@@ -295,6 +295,7 @@ class TransferEngine:
                                           f"{exc}") from None
         cpu_kv = kv_views(self.spec, cpu_layout, self.num_cpu_blocks, mirror)
         regions = regions_for(self.spec, layout, tensors, cpu_kv, cpu_layout=cpu_layout)
+        pieces = [_piece_slots(r.cpu, mirror) for r in regions]  # refused before anything is registered
         pinned = _register_host(mirror) if tensors[0].device.type == "cuda" else []
         try:
             self.copy.register(regions)
@@ -310,8 +311,7 @@ class TransferEngine:
         for r in regions:
             self._group_block_bytes[r.group] = self._group_block_bytes.get(r.group, 0) + r.piece_bytes
         self._stages = layer_stages(self.spec, regions, self.layers_per_stage)
-        self._mirror_bytes = mirror.numpy().data
-        self._cpu_pieces = [_piece_slots(r.cpu, mirror) for r in regions]
+        self._mirror_bytes, self._cpu_pieces = mirror.numpy().data, pieces
 
     def allocate_kv(self, num_gpu_blocks: int, layout: str, device: torch.device | str = "cpu", *,
                     cpu_layout: str | None = None) -> list[torch.Tensor]:
