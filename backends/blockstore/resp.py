@@ -39,6 +39,7 @@ _SMALL = 16 << 10  # buffers below this are joined before writing over TLS
 _IOV_MAX = 1024  # buffers per sendmsg (Linux IOV_MAX)
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 _ERROR_CODE = re.compile(r"[A-Z]{2,20}")  # the first word of an error reply: ERR, WRONGPASS, NOPERM...
+_FAIR_CONNECT = 0.9  # a connect that timed out with this share of connect_timeout_s or more is its node's fault
 
 
 class ServerError(Exception):
@@ -109,7 +110,7 @@ class Connection:
         try:
             sock = _connect(address, timeout)
         except TimeoutError as exc:  # a short budget running out is not the node's fault
-            full = timeout >= options.connect_timeout_s
+            full = timeout >= _FAIR_CONNECT * options.connect_timeout_s
             raise (exc if full else DeadlineExceeded(f"timed out connecting: {exc}", 0.0)) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -69,7 +69,9 @@ class ValkeyStore:
     submission (time spent queued behind earlier calls included; one whose
     deadline passed in the queue fails without being sent), and ``contains``
     answers by then (``0`` past the first key it could not confirm).
-    Connecting is bounded by ``connect_timeout_s`` as well. A key that missed
+    Connecting is bounded by ``connect_timeout_s`` as well (at most
+    ``request_timeout_s``: a connect that times out then is evidence against
+    its node, however short the deadline). A key that missed
     the deadline or whose node failed is reported failed with an error starting
     ``"transport:"``; its buffers are never touched after that.
 
@@ -124,8 +126,9 @@ class ValkeyStore:
             raise ConfigError(f"ValkeyStore.db={self.db}: a Cluster has only database 0")
         if self.username is not None and self.password is None:
             raise ConfigError(f"ValkeyStore.username={self.username!r} needs a password")
-        options = ConnectOptions(self.connect_timeout_s, self.request_timeout_s, self.username, self.password,
-                                 self.db, self._tls_context())
+        # A connect is bounded by the call's deadline too: one cut short by it would never count against its node.
+        options = ConnectOptions(min(self.connect_timeout_s, self.request_timeout_s), self.request_timeout_s,
+                                 self.username, self.password, self.db, self._tls_context())
         self._health = NodeHealth(self.retry_interval_s)
         self._lookup = Link(self.nodes, self.cluster, options, self._health)
         self._io = _IoThread(Link(self.nodes, self.cluster, options, self._health, self.window_bytes),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import threading
 import time
 
@@ -143,6 +144,25 @@ def test_a_stalled_server_is_marked_down_and_its_calls_then_fail_at_once(own_ser
         own_server.resume()
     assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
     store.close()
+
+
+def test_a_host_that_never_answers_a_connect_is_marked_down_however_short_the_deadline():
+    """A listener whose queue is full drops connects unanswered. With connect_timeout_s above request_timeout_s,
+    the first call times out connecting within its deadline and marks the node down; the next fail at once."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        address = listener.getsockname()
+        with socket.create_connection(address):  # queued, never accepted: the queue is full from now on
+            store = _store(address, connect_timeout_s=4 * DEADLINE, retry_interval_s=30)
+            start = time.monotonic()
+            assert store.contains([b"a"]) == 0
+            assert time.monotonic() - start < DEADLINE + SLACK
+            assert list(store.down_nodes) == [address]
+            start = time.monotonic()
+            assert store.contains([b"a"]) == 0 and _put(store, [b"b"], [b"y"]).transport_failed
+            assert time.monotonic() - start < DEADLINE / 2, "a call waited on a node known to be down"
+            store.close()
 
 
 # -- a server that closes idle connections ---------------------------------------------------------------
