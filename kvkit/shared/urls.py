@@ -128,10 +128,19 @@ def _valkey(url: str, tls: bool, cluster: bool) -> dict[str, Any]:
         user, colon, password = auth.partition(":")
         if not colon:
             user, password = "", user
-        settings["password"] = unquote(password)
+        settings["password"] = _decoded(url, "password", password)
         if user:
-            settings["username"] = unquote(user)
+            settings["username"] = _decoded(url, "user name", user)
     return settings
+
+
+def _decoded(url: str, what: str, text: str) -> str:
+    """``text`` percent-decoded; ``ConfigError`` (the URL quoted redacted) for escapes that are not UTF-8."""
+    try:
+        return unquote(text, errors="strict")
+    except UnicodeDecodeError:
+        raise ConfigError(f"block store URL {quote(url)}: the {what} has percent-escapes that are not UTF-8 "
+                          f"(such as %ff); encode its bytes as UTF-8 first") from None
 
 
 def _address(url: str, part: str) -> tuple[str, int]:
@@ -162,7 +171,12 @@ def _with_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
     if "@" in url.partition("?")[2]:  # else the userinfo would be ambiguous (see kvkit.redact)
         raise ConfigError(f"block store URL {quote(url)}: a '@' after the '?'; percent-encode it (%40)")
     found: dict[str, Any] = {}
-    for name, text in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query), errors="strict")
+    except UnicodeDecodeError:
+        raise ConfigError(f"block store URL {quote(url)}: the query has percent-escapes that are not UTF-8 "
+                          f"(such as %ff); encode its values as UTF-8 first") from None
+    for name, text in pairs:
         if name in options or name in found:
             raise ConfigError(f"block store URL {quote(url)}: option {name!r} given twice")
         found[name] = _option_value(text)

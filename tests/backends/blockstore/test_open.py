@@ -124,6 +124,16 @@ def test_bad_urls_are_quoted(url, match):
     assert repr(url) in str(info.value)
 
 
+@pytest.mark.parametrize("url", ["valkey://:s3cr%ffet@h:1/0", "valkey://us%fer:s3cret@h:1/0",
+                                 "valkey://h:1/0?password=s3cr%ffet"])
+def test_escapes_that_are_not_utf8_are_refused_without_the_secret(url):
+    """A password, user name or option whose percent-escapes decode to no character is refused, not mangled into
+    another password; the message shows no secret."""
+    with pytest.raises(ConfigError, match="not UTF-8") as info:
+        open_block_store(url)
+    assert "s3cr" not in str(info.value)
+
+
 def test_an_option_given_twice_is_refused():
     """A setting both in the URL and among the options is ambiguous: ConfigError naming it."""
     with pytest.raises(ConfigError, match="tls given both"):
