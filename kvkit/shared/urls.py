@@ -155,7 +155,7 @@ def _address(url: str, part: str) -> tuple[str, int]:
 
 
 def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    parsed = urlsplit(url)
+    parsed = urlsplit(url, allow_fragments=False)  # a '#' is part of the directory's name
     if parsed.netloc not in ("", "localhost") or not parsed.path:
         raise ConfigError(f"block store URL {quote(url)}: expected file:///absolute/path (a local directory)")
     if "capacity_bytes" not in options:

@@ -51,6 +51,9 @@ def test_file_urls_build_a_disk_store(tmp_path):
     disk = open_block_store(f"file://{tmp_path}", capacity_bytes="2KB", threads=1)
     assert disk.capacity_bytes == 2000 and disk.threads == 1
     disk.close()
+    disk = open_block_store(f"file://{tmp_path}/run#2?capacity_bytes=1KB")  # a '#' names the directory
+    assert disk.path == tmp_path / "run#2" and disk.capacity_bytes == 1000
+    disk.close()
 
 
 def test_file_and_valkey_urls_open_a_new_store_each_time(tmp_path):
