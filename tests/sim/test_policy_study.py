@@ -203,7 +203,7 @@ def test_cli_table_and_plot(trace_file, tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["--capacities", "10,x"], "positive block counts"),
     (["--capacities", "0"], "positive block counts"),
-    (["--policies", "lru,nope"], "policy='nope': unknown eviction policy"),
+    (["--policies", "lru,nope"], "--policies='nope': unknown eviction policy"),
     (["--block-size", "512"], "field 'hash_ids'"),  # the file uses 16-token blocks
     (["--stores", "per-blok"], "'per-blok' is not one of 'per-block', 'per-request'"),
 ])
