@@ -172,8 +172,13 @@ class LoadPlanner(Protocol):
         """
         ...
 
-    def observe_compute(self, num_tokens: int, context_tokens: int, seconds: float) -> None:
-        """The engine computed ``num_tokens`` prompt tokens after ``context_tokens`` others in ``seconds``."""
+    def observe_compute(self, num_tokens: int, context_tokens: int, seconds: float, *,
+                        beside_loads: bool = False) -> None:
+        """The engine computed ``num_tokens`` prompt tokens after ``context_tokens`` others in ``seconds``.
+
+        ``beside_loads``: the pass ran while the step's loads and fetches were
+        in flight (a plan's head), sharing the host with them.
+        """
         ...
 
     def estimates(self) -> Mapping[str, float | int | None]:

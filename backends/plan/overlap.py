@@ -5,7 +5,9 @@ hit of ``context`` tokens, when the head ``[0, k)`` is computed while the
 tail ``[k, e)`` loads and ``[e, h)`` is declined:
 
 * *compute side*: ``C(k) = compute(k * block_size tokens after context)``,
-  one forward pass (its fixed cost included: a head costs a pass of its own);
+  one forward pass (its fixed cost included: a head costs a pass of its own),
+  from the heads observed beside their step's loads once there are any (a
+  head shares the host with the loads, and may run slower than a pass alone);
 * *load side*: ``L(k, e)``: each source of the tail pays its fixed latency
   once and its bytes over its bandwidth; a shared-tier block is fetched into
   a CPU block and then copied like a CPU block, so it pays both moves;
@@ -61,10 +63,12 @@ class OverlapPlanner(LoadPlanner):
         default=None, converter=checked(check_real, optional=True, low=0, low_open=True, high=math.inf, high_open=True))  # type: ignore[misc]
     _moves: dict[HitSource, MoveEstimate] = attrs.field(init=False)
     _compute: ComputeEstimate = attrs.field(init=False)
+    _head: ComputeEstimate = attrs.field(init=False)  # passes beside the step's loads (heads)
 
     def __attrs_post_init__(self) -> None:
         self._moves = {s: MoveEstimate(self.window) for s in HitSource}
         self._compute = ComputeEstimate(self.window, self.prefill_tokens_per_s)
+        self._head = ComputeEstimate(self.window)
 
     @override
     def observe_move(self, source: HitSource, num_bytes: int, seconds: float) -> None:
@@ -73,13 +77,15 @@ class OverlapPlanner(LoadPlanner):
             move.observe(num_bytes, seconds)
 
     @override
-    def observe_compute(self, num_tokens: int, context_tokens: int, seconds: float) -> None:
-        self._compute.observe(num_tokens, context_tokens, seconds)
+    def observe_compute(self, num_tokens: int, context_tokens: int, seconds: float, *,
+                        beside_loads: bool = False) -> None:
+        (self._head if beside_loads else self._compute).observe(num_tokens, context_tokens, seconds)
 
     @override
     def estimates(self) -> Mapping[str, float | int | None]:
         out: dict[str, float | int | None] = {
             f"prefill_{k}": v for k, v in self._compute.as_dict().items()}
+        out |= {f"head_{k}": v for k, v in self._head.as_dict().items()}
         for source, move in self._moves.items():
             out |= {f"{source.value}_{k}": v for k, v in move.as_dict().items()}
         return out
@@ -117,6 +123,11 @@ class OverlapPlanner(LoadPlanner):
         """Estimated seconds to compute ``tokens`` after ``context`` (``None`` without an estimate)."""
         return self._compute.seconds(tokens, context)
 
+    def head_seconds(self, tokens: float, context: float) -> float | None:
+        """:meth:`compute_seconds` for a head, a pass beside the step's loads: from heads observed so, once
+        there are any (sharing the host with the loads, they may run slower than a pass alone)."""
+        return (self._head if self._head.samples else self._compute).seconds(tokens, context)
+
 
 @attrs.frozen
 class _Model:
@@ -136,9 +147,9 @@ class _Model:
         return cls(planner, query)
 
     def compute(self, k: int) -> float:
-        """Seconds to compute the head: hit blocks ``[0, k)``."""
+        """Seconds to compute the head: hit blocks ``[0, k)``, beside the tail's loads."""
         q = self.query
-        return self.planner.compute_seconds(k * q.block_size, q.context_tokens) or 0.0
+        return self.planner.head_seconds(k * q.block_size, q.context_tokens) or 0.0
 
     def load(self, k: int, e: int) -> float:
         """Seconds to load the tail: hit blocks ``[k, e)``."""
@@ -189,7 +200,8 @@ class LoadAllPlanner(LoadPlanner):
         return None
 
     @override
-    def observe_compute(self, num_tokens: int, context_tokens: int, seconds: float) -> None:
+    def observe_compute(self, num_tokens: int, context_tokens: int, seconds: float, *,
+                        beside_loads: bool = False) -> None:
         return None
 
     @override

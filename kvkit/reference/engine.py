@@ -184,6 +184,7 @@ class ReferenceEngine:
     prefetch_waiting: bool = attrs.field(default=True, kw_only=True, converter=checked(check_bool),  # type: ignore[misc]
                                          on_setattr=attrs.setters.convert)
     _step_loads: set[int] = attrs.field(factory=set, init=False)  # layered loads compute may still wait for
+    _beside: bool = attrs.field(default=False, init=False)  # heads computing while the step's loads run
     _arrived: list[EngineRequest] = attrs.field(factory=list, init=False)  # added since the last step
     _waiting: deque[EngineRequest] = attrs.field(factory=deque, init=False)
     _requests: dict[str, EngineRequest] = attrs.field(factory=dict, init=False)
@@ -238,9 +239,11 @@ class ReferenceEngine:
         if heads and (plan.loads or plan.fetches):
             with ThreadPoolExecutor(1, thread_name_prefix="kvkit-loads") as pool:
                 submitted = pool.submit(self._run_loads, plan)  # the loads run while the heads compute
+                self._beside = True
                 try:
                     self._compute_heads(heads)
                 finally:
+                    self._beside = False
                     submitted.result()
         else:
             self._submit(plan)
@@ -350,6 +353,11 @@ class ReferenceEngine:
     def reset_cpu_tier(self) -> None:
         """Empty the CPU tier now, even with transfers in flight (no hit is served after this)."""
         self.stack.manager.reset()
+
+    @property
+    def beside_loads(self) -> bool:
+        """Whether the compute running now runs beside the step's loads and fetches (a plan's heads)."""
+        return self._beside
 
     @property
     def layered_loads(self) -> bool:

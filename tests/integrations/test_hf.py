@@ -337,6 +337,32 @@ def test_a_head_recomputed_while_the_tail_loads_gives_generates_answers(models, 
     assert lm.stack.stats.hit_tokens_overlapped.value == sum(turn.head_tokens for turn in later)
 
 
+class _RecordingSplit(_SplitPlanner):
+    """The split plans, recording every compute observation: (tokens, beside_loads)."""
+
+    def __init__(self) -> None:
+        super().__init__(decline=False)
+        self.seen: list[tuple[int, bool]] = []
+
+    def observe_compute(self, num_tokens, context_tokens, seconds, *, beside_loads=False):
+        self.seen.append((num_tokens, beside_loads))
+
+
+def test_a_heads_pass_is_observed_as_beside_its_loads_and_the_rest_as_alone(models):
+    """A plan's head runs while the tail loads: its pass is observed beside_loads, the prompt's pass after the
+    loads landed is not."""
+    planner = _RecordingSplit()
+    lm = _build(models["llama"], gpu_blocks=28, block_size=8, cpu_blocks=200, planner=planner)
+    prompt = _user_turns(1, length=40)[0]
+    lm.generate(prompt, 1, stop_tokens=())
+    assert planner.seen and not any(beside for _, beside in planner.seen)
+    lm.clear_gpu_cache()
+    planner.seen.clear()
+    turn = lm.generate([*prompt, 5, 6], 1, stop_tokens=())
+    rest = turn.computed_tokens - turn.head_tokens
+    assert turn.head_tokens > 0 and planner.seen == [(turn.head_tokens, True), (rest, False)]
+
+
 def test_kv_spec_follows_the_config():
     """Layers, KV heads, head size, dtype and attention groups come from the model config."""
     config = transformers.Qwen2Config(**{**_SHAPES, "num_hidden_layers": 6, "head_dim": 32},

@@ -210,7 +210,7 @@ class SlowTier:
     def observe_move(self, source, num_bytes, seconds):
         pass
 
-    def observe_compute(self, num_tokens, context_tokens, seconds):
+    def observe_compute(self, num_tokens, context_tokens, seconds, *, beside_loads=False):
         pass
 
     def estimates(self):

@@ -45,7 +45,7 @@ class RandomPlanner(LoadPlanner):
     def observe_move(self, source, num_bytes, seconds):
         return None
 
-    def observe_compute(self, num_tokens, context_tokens, seconds):
+    def observe_compute(self, num_tokens, context_tokens, seconds, *, beside_loads=False):
         return None
 
     def estimates(self):

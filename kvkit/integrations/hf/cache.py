@@ -189,14 +189,16 @@ class _ModelPrefill(HeadCompute):
                    **last_only)
         self._write_back(request, start * bs, cache.recorded)
         _sync(job.tokens.device)
-        self._observe(engine, (stop - start) * bs, start * bs, time.perf_counter() - began)
+        self._observe(engine, (stop - start) * bs, start * bs, time.perf_counter() - began, engine.beside_loads)
 
     @staticmethod
-    def _observe(engine: ReferenceEngine, tokens: int, context: int, seconds: float) -> None:
-        """Tell the stack's load planner what computing ``tokens`` after ``context`` took."""
+    def _observe(engine: ReferenceEngine, tokens: int, context: int, seconds: float,
+                 beside_loads: bool = False) -> None:
+        """Tell the stack's load planner what computing ``tokens`` after ``context`` took (``beside_loads``:
+        while the step's loads ran)."""
         planner = engine.stack.manager.planner
         if planner is not None:
-            planner.observe_compute(tokens, context, seconds)
+            planner.observe_compute(tokens, context, seconds, beside_loads=beside_loads)
 
     def _restore(self, req: EngineRequest, first: int, engine: ReferenceEngine | None = None) -> _RecordingCache:
         """A fresh model cache holding the KV of the request's first ``first`` blocks.
