@@ -39,7 +39,7 @@ _SMALL = 16 << 10  # buffers below this are joined before writing over TLS
 _IOV_MAX = 1024  # buffers per sendmsg (Linux IOV_MAX)
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 _ERROR_CODE = re.compile(r"[A-Z]{2,20}")  # the first word of an error reply: ERR, WRONGPASS, NOPERM...
-_FAIR_CONNECT = 0.9  # a connect that timed out with this share of connect_timeout_s or more is its node's fault
+_FAIR_CONNECT = 0.9  # a connect that timed out with this share of its budget or more is its node's fault
 
 
 class ServerError(Exception):
@@ -92,6 +92,12 @@ class ConnectOptions:
     db: int = 0
     tls: ssl.SSLContext | None = None
 
+    @property
+    def connect_budget_s(self) -> float:
+        """What connecting and logging in may take: ``connect_timeout_s``, at most a call's deadline (a connect
+        always cut short by the deadline would never time out on its own, never counting against its node)."""
+        return min(self.connect_timeout_s, self.request_timeout_s)
+
 
 class Connection:
     """One non-blocking connection with a small read buffer; bulk replies bypass it into caller buffers.
@@ -104,13 +110,14 @@ class Connection:
         start = time.monotonic()
         self.deadline = start + options.connect_timeout_s + options.request_timeout_s if deadline is None \
             else deadline
-        timeout = min(options.connect_timeout_s, self.deadline - start)
+        budget = options.connect_budget_s
+        timeout = min(budget, self.deadline - start)
         if timeout <= 0:
             raise DeadlineExceeded("timed out: the call's deadline passed before connecting", 0.0)
         try:
             sock = _connect(address, timeout)
         except TimeoutError as exc:  # a short budget running out is not the node's fault
-            full = timeout >= _FAIR_CONNECT * options.connect_timeout_s
+            full = timeout >= _FAIR_CONNECT * budget
             raise (exc if full else DeadlineExceeded(f"timed out connecting: {exc}", 0.0)) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -130,7 +137,7 @@ class Connection:
         self._lo = self._hi = 0
         self._crlf = memoryview(bytearray(2))  # where a bulk's closing CRLF is received
         try:
-            login = time.monotonic() + options.connect_timeout_s
+            login = time.monotonic() + budget
             deadline, self.deadline = self.deadline, min(self.deadline, login)
             if options.password is not None:
                 user = [options.username.encode()] if options.username else []

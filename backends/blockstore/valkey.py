@@ -126,9 +126,8 @@ class ValkeyStore:
             raise ConfigError(f"ValkeyStore.db={self.db}: a Cluster has only database 0")
         if self.username is not None and self.password is None:
             raise ConfigError(f"ValkeyStore.username={self.username!r} needs a password")
-        # A connect is bounded by the call's deadline too: one cut short by it would never count against its node.
-        options = ConnectOptions(min(self.connect_timeout_s, self.request_timeout_s), self.request_timeout_s,
-                                 self.username, self.password, self.db, self._tls_context())
+        options = ConnectOptions(self.connect_timeout_s, self.request_timeout_s, self.username, self.password,
+                                 self.db, self._tls_context())
         self._health = NodeHealth(self.retry_interval_s)
         self._lookup = Link(self.nodes, self.cluster, options, self._health)
         self._io = _IoThread(Link(self.nodes, self.cluster, options, self._health, self.window_bytes),

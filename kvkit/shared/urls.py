@@ -168,7 +168,7 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def _with_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
     query = url.partition("?")[2]  # all of it: a '#' is part of a value here (a password's), not a fragment
-    if "@" in url.partition("?")[2]:  # else the userinfo would be ambiguous (see kvkit.redact)
+    if "@" in query:  # else the userinfo would be ambiguous (see kvkit.redact)
         raise ConfigError(f"block store URL {quote(url)}: a '@' after the '?'; percent-encode it (%40)")
     found: dict[str, Any] = {}
     try:

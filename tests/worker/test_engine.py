@@ -374,6 +374,18 @@ def test_cpu_block_views_are_the_mirror_bytes_of_block_pieces(spec_layout, num_c
     assert all(engine.read_block(Tier.CPU, b) != b"\x5a" * spec.bytes_per_block for b in range(num_cpu) if b != block)
 
 
+def test_a_cpu_piece_that_is_not_contiguous_is_refused():
+    """A region whose block pieces are not one run of bytes each (no layout makes one) is refused, quoting its
+    shape and strides, rather than read through a copy."""
+    from kvkit.worker.engine import _piece_slots
+
+    mirror = torch.zeros(4 * 2 * 8, dtype=torch.uint8)
+    blocks = mirror.view(4, 2, 8)
+    assert _piece_slots(blocks, mirror) == (0, 16, 16)
+    with pytest.raises(ConfigError, match=r"shape \(8, 2\) and strides \(1, 8\) is not contiguous"):
+        _piece_slots(blocks.transpose(1, 2), mirror)
+
+
 def test_cpu_block_views_refusals():
     """cpu_block_views refuses blocks out of range, quoting them, and an engine with no KV registered."""
     engine = _engine(num_gpu=6, num_cpu=5)

@@ -155,14 +155,16 @@ def test_a_host_that_never_answers_a_connect_is_marked_down_however_short_the_de
         address = listener.getsockname()
         with socket.create_connection(address):  # queued, never accepted: the queue is full from now on
             store = _store(address, connect_timeout_s=4 * DEADLINE, retry_interval_s=30)
-            start = time.monotonic()
-            assert store.contains([b"a"]) == 0
-            assert time.monotonic() - start < DEADLINE + SLACK
-            assert list(store.down_nodes) == [address]
-            start = time.monotonic()
-            assert store.contains([b"a"]) == 0 and _put(store, [b"b"], [b"y"]).transport_failed
-            assert time.monotonic() - start < DEADLINE / 2, "a call waited on a node known to be down"
-            store.close()
+            try:
+                start = time.monotonic()
+                assert store.contains([b"a"]) == 0
+                assert time.monotonic() - start < DEADLINE + SLACK
+                assert list(store.down_nodes) == [address]
+                start = time.monotonic()
+                assert store.contains([b"a"]) == 0 and _put(store, [b"b"], [b"y"]).transport_failed
+                assert time.monotonic() - start < DEADLINE / 2, "a call waited on a node known to be down"
+            finally:
+                store.close()
 
 
 # -- a server that closes idle connections ---------------------------------------------------------------
