@@ -19,6 +19,8 @@ A *secret* is
   value must not be shown while saying so). A name ending in ``_env``,
   ``_file`` or ``_path`` names where a secret is kept, not the secret, and
   is shown;
+* a URL query item without ``=``: it names no option (kvkit refuses it),
+  and may be the tail of a password holding an unencoded ``&``;
 * a value kvkit was told is secret (the shared tier's HMAC key): its field's
   repr is :func:`secret_repr`, and a check of it names its type only.
 
@@ -30,9 +32,13 @@ whether a secret is set is not a secret.
 * :func:`redact` masks a value before it is shown (a URL string, a mapping's
   secret entries and ``(name, value)`` pairs, recursively through lists,
   tuples and mappings); a string
-  without a scheme but with ``//`` or ``:`` before a ``@`` and no space (a
-  mistyped URL such as ``valkey//:pw@host``) has its userinfo masked too;
-* :func:`redact_text` masks what it recognises in finished text: URLs, and
+  without a scheme but with ``//`` or ``:`` before a ``@`` (a mistyped URL
+  such as ``valkey//:pw@host``) has its userinfo masked too, spaces and all
+  when it starts like a URL (``valkey//``, ``valkey:``, ``//``), so a
+  password holding a space is masked whole;
+* :func:`redact_text` masks what it recognises in finished text: URLs (a
+  quoted one ends at its closing quote, spaces and all, and the quote and the
+  punctuation after it stay), and
   ``name=value`` or ``'name': value`` with a secret name. Every
   :class:`~kvkit.errors.KVKitError` passes its message through it, and so do
   kvkit's warnings, so a message built without :func:`~kvkit.validate.quote`
@@ -63,6 +69,9 @@ _TYPO_OF = ("password", "secret")
 _WHERE = re.compile(r"_(?:env|file|path)$", re.IGNORECASE)
 _WORDS = re.compile(r"[a-z]+")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+_MISTYPED_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*(?::|//)|//")
+_CLOSING = re.compile(r"""['"][)\]}]*[:,;.]?""")  # a quoted URL's end in text: 'url': 'url', ('url')
+_QUOTED_URL = re.compile(r"""(?P<q>['"])(?P<url>[A-Za-z][A-Za-z0-9+.\-]*://(?:\\.|(?!(?P=q))[^\\\n])*)(?P=q)""")
 _URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://\S*")
 _QUOTED = r"""b?'(?:[^'\\]|\\.)*'""" + r'''|b?"(?:[^"\\]|\\.)*"'''
 _VALUE = _QUOTED + r"""|[^\s,;&)}\]'"]+"""
@@ -110,7 +119,8 @@ def redact_url(url: str) -> str:
     location, mark, query = rest.partition("?")
     if query:
         pairs = (pair.partition("=") for pair in query.split("&"))
-        query = "&".join(name + eq + (MASK if eq and is_secret_name(name) else value) for name, eq, value in pairs)
+        query = "&".join(name + eq + (MASK if eq and is_secret_name(name) else value) if eq or not name else MASK
+                         for name, eq, value in pairs)
     return head + location + mark + query
 
 
@@ -125,7 +135,8 @@ def redact(value: Any, _depth: int = 0) -> Any:
         if _SCHEME.match(value):
             return redact_url(value)
         before = value.rpartition("@")[0]
-        if ("//" in before or ":" in before) and not any(c.isspace() for c in value):  # a mistyped URL
+        if _MISTYPED_SCHEME.match(before) or (  # a mistyped URL
+                ("//" in before or ":" in before) and not any(c.isspace() for c in value)):
             head, slashes, rest = value.partition("//")
             if not slashes:
                 head, rest = "", value
@@ -147,12 +158,25 @@ def redact(value: Any, _depth: int = 0) -> Any:
 def redact_text(text: str) -> str:
     """``text`` with every URL's password and every secret-named value it recognises shown as ``***``."""
     if "://" in text:
-        text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group()), text)
+        text = _QUOTED_URL.sub(lambda m: m["q"] + redact_url(m["url"]) + m["q"], text)  # spaces and all
+        text = _URL_IN_TEXT.sub(_url_in_text, text)
     if "=" in text:
         text = _ASSIGNED.sub(_mask, text)
     if "'" in text or '"' in text:
         text = _KEYED.sub(_mask, text)
     return text
+
+
+def _url_in_text(match: re.Match[str]) -> str:
+    """The URL ``match`` found, redacted; one after a quote ends at its last closing quote, which stays with the
+    punctuation after it (anything else after that quote may be the password's, and is redacted with it)."""
+    url, tail = match.group(), ""
+    opening = match.string[match.start() - 1:match.start()]
+    if opening in ("'", '"') and opening in url:
+        head, closing, rest = url.rpartition(opening)
+        if _CLOSING.fullmatch(closing + rest):
+            url, tail = head, closing + rest
+    return redact_url(url) + tail
 
 
 def _mask(match: re.Match[str]) -> str:

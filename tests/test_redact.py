@@ -66,6 +66,30 @@ def test_what_is_not_secret_stays(name):
     assert redact({name: 12}) == {name: 12}
 
 
+def test_a_quoted_url_keeps_what_follows_its_masked_value():
+    """A URL quoted in a message ends at its closing quote: a masked query value or password does not swallow the
+    quote and the text after it."""
+    assert redact_text("bad url 'valkey://h/0?password=PW': refused") == "bad url 'valkey://h/0?password=***': refused"
+    assert redact_text('bad "valkey://:PW@h/0?token=T", ok') == 'bad "valkey://:***@h/0?token=***", ok'
+    assert redact_text("x 'valkey://:PW s3cr3t@h/0': y") == "x 'valkey://:***@h/0': y"  # spaces and all
+    assert redact_text("'valkey://:a'b@h") == "'valkey://:***@h"  # an unclosed quote: the password's
+    assert redact_text("['valkey://:P\\'W@h?secret=S', 'x']") == "['valkey://:***@h?secret=***', 'x']"
+
+
+@pytest.mark.parametrize("url", ["valkey//:PW s3cr3t@host", "valkey:/:PW s3cr3t@host", "valkey:PW s3cr3t@host",
+                                 "//:PW s3cr3t@host", "valkey://:PW s3cr3t@host"])
+def test_a_mistyped_url_whose_password_has_a_space_is_masked(url):
+    """A password may hold spaces: a URL missing its '://' still has all of its userinfo masked."""
+    for text in (quote(url), str(errors.ConfigError(f"block store URL {quote(url)}: bad"))):
+        assert "PW" not in text and "s3cr3t" not in text and "host" in text, text
+
+
+def test_a_query_item_without_a_value_is_masked():
+    """A query item without '=' names no option (kvkit refuses it): it may be the tail of a password holding an
+    unencoded '&', so it is masked; named options stay."""
+    assert redact_url("valkey://h/0?password=PW&s3cr3t&ttl_s=3") == "valkey://h/0?password=***&***&ttl_s=3"
+
+
 def test_a_mistyped_url_and_none_and_masks():
     """A URL missing its '://' still has its userinfo masked (not a shape's '@' or an address); None (no
     secret) and the mask itself stay."""
