@@ -99,8 +99,8 @@ def _memory(url: str, options: dict[str, Any]) -> BlockStore:
         held = _MEMORY.get(name)
         if held is not None and not getattr(held[0], "closed", False):
             if held[1] != options:
-                raise ConfigError(f"block store URL {quote(url)}: this process's memory store {name!r} is open with "
-                                  f"options {quote(held[1])}, not {quote(options)}; open it with the same options")
+                raise ConfigError(f"block store URL {quote(url)}: this process's memory store {quote(name)} is open "
+                                  f"with options {quote(held[1])}, not {quote(options)}; open it with the same options")
             return held[0]
         store = SHARED.create("memory", slot="shared", **options)
         _MEMORY[name] = (store, options)
@@ -176,6 +176,9 @@ def _with_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise ConfigError(f"block store URL {quote(url)}: the query has percent-escapes that are not UTF-8 "
                           f"(such as %ff); encode its values as UTF-8 first") from None
+    except ValueError:  # strict parsing: an item without '=' (a password's tail after an unencoded '&'?)
+        raise ConfigError(f"block store URL {quote(url)}: every query item must be name=value (a value "
+                          f"holding '&' percent-encodes it: %26)") from None
     for name, text in pairs:
         if name in options or name in found:
             raise ConfigError(f"block store URL {quote(url)}: option {name!r} given twice")

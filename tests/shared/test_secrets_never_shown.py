@@ -93,6 +93,9 @@ def _bad_calls(url: str) -> list[Callable[[], object]]:
         lambda: open_store(f"valkey://{host}/0?password={PW}&request_timeout=1"),  # a misspelled option
         lambda: open_store(f"valkey://:{PW}@{host}/0?x=a@b"),  # '@' in the query
         lambda: open_store(f"valkey//:{PW}@{host}"),  # no '://'
+        lambda: open_store(f"valkey//:{PW} {PW}@{host}"),  # no '://', and a space in the password
+        lambda: open_store(f"valkey://{host}/0?password={PW}&{PW}"),  # an unencoded '&' in the password
+        lambda: [open_store(f"memory://:{PW}@secret-test", capacity_bytes=size) for size in (1000, 2000)],
         lambda: open_store(f"valkey://{host}/0", password=PW, request_timeout=1),
         lambda: open_store(f"valkey://{host}/0", pasword=PW),  # the password's own name misspelled
         lambda: open_store(f"valkey://{host}/0", password=PW, db=-1),
