@@ -95,7 +95,7 @@ def _connected(url: str) -> Iterator[tuple[BlockStore, Any]]:
         problem = store.ping() if hasattr(store, "ping") else None
         if problem is not None:
             raise ConfigError(f"--url {quote(url)}: {problem}")
-        client = _library_client(url)
+        client = _library_client(store)
         yield store, client
     finally:
         if client is not None and hasattr(client, "close"):
@@ -239,29 +239,33 @@ def _tool() -> str | None:
     return shutil.which("valkey-benchmark") or shutil.which("redis-benchmark")
 
 
-def _library_client(url: str) -> Any:
-    """A valkey-py (else redis-py) client of ``url`` (its Cluster client for a Cluster URL), or ``None``.
+def _library_client(store: BlockStore) -> Any:
+    """A valkey-py (else redis-py) client of ``store``'s server (its Cluster client for a Cluster), or ``None``
+    (a store without ``nodes``, or neither library installed).
 
-    The query's options are the store's (``ttl_s``, ``request_timeout_s``...), not the library's: only its
-    ``username`` and ``password`` reach the client.
+    Built from the store's own settings (first node, database, login, TLS), never from the URL: a password may
+    hold what kvkit's URL syntax allows unencoded ('/', '#', spaces), which the library's URL parser would
+    misread and quote in its errors. The query's other options are the store's (``ttl_s``...), not the library's.
     """
-    scheme, _, rest = url.partition("://")
-    base, _, mode = scheme.partition("+")
-    rest, _, query = rest.partition("?")
-    auth, at, hosts = rest.rpartition("@")
-    single = f"{base}://{auth}{at}{hosts.split(',')[0]}"  # a Cluster client finds the rest itself
-    login = {k: v for k, v in parse_qsl(query) if k in ("username", "password")}
+    nodes = getattr(store, "nodes", None)
+    if not nodes:
+        return None
+    host, port = nodes[0]  # a Cluster client finds the rest itself
+    settings: dict[str, Any] = {"host": host, "port": port, "username": getattr(store, "username", None),
+                                "password": getattr(store, "password", None)}
+    if getattr(store, "tls", False):
+        settings.update(ssl=True, ssl_ca_certs=getattr(store, "tls_ca", None),
+                        ssl_certfile=getattr(store, "tls_cert", None), ssl_keyfile=getattr(store, "tls_key", None),
+                        ssl_cert_reqs="required" if getattr(store, "tls_verify", True) else "none")
     for module in ("valkey", "redis"):
         try:
             library = importlib.import_module(module)
         except ImportError:
             continue
-        if module == "redis":
-            single = single.replace("valkey", "redis", 1)
-        if mode == "cluster":
-            return getattr(library, "ValkeyCluster" if module == "valkey" else "RedisCluster").from_url(single,
-                                                                                                         **login)
-        return library.from_url(single, **login)
+        prefix = "Valkey" if module == "valkey" else "Redis"
+        if getattr(store, "cluster", False):
+            return getattr(library, prefix + "Cluster")(**settings)
+        return getattr(library, prefix)(db=getattr(store, "db", 0), **settings)
     return None
 
 

@@ -13,6 +13,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from typing import ClassVar
+from urllib.parse import quote as quote_url
 
 import attrs
 import pytest
@@ -305,6 +306,22 @@ def test_bench_shared_takes_the_password_and_store_options_in_the_query(server, 
         assert "server_tool_skipped" in json.loads(text)
         _clean(text)
     assert not [argv for argv in children if "benchmark" in argv[0]]
+
+
+def test_bench_shared_takes_a_password_holding_url_characters(children):
+    """A password holding '/', '#', a quote, a space or '%' (raw where kvkit's URL syntax allows it, else
+    percent-encoded) logs the store and the client library in (both get it from kvkit's parse of the URL), and
+    neither the report nor an error shows any part of it."""
+    password = f"PW/{MARK}#1 2'3%"
+    bench = ["bench", "shared", "--size", "4096", "--batch-mib", "1", "--keys", "10", "--repeat", "1", "--json"]
+    with LocalServer(server_binary_or_skip(), password=password) as odd:
+        for shown in (password.replace("%", "%25"), quote_url(password, safe="")):
+            result, text = _cli(*bench, "--url", f"valkey://:{shown}@{_address(odd)}/0")
+            assert result.exit_code == 0, text
+            assert "library_put_GBps" in json.loads(text)["sizes"]["4096"]
+            _clean(text, children)
+            for part in ("PW/", "1 2", "2'3"):
+                assert part not in text
 
 
 def test_the_server_tool_runs_without_a_password(children):
