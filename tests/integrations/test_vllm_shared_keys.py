@@ -99,6 +99,7 @@ def test_a_secret_variable_holding_bytes_that_are_not_utf8_is_taken_as_they_are(
     ({"secret_file": "EMPTY"}, ["the file is empty"]),
     ({"secret_env": "KVKIT_TEST_SECRET", "secret_file": "/x"}, ["give one"]),
     ({"secret_env": ""}, ["['secret_env']=''"]),
+    ({"secret_env": "PW-s3cr3t/literal"}, ["['secret_env']: not an environment variable's name"]),  # a mistake
     ({"tenant": "a:b"}, ["shared.tenant='a:b'"]),
 ])
 def test_a_secret_is_never_taken_from_the_config_and_a_bad_source_is_named(shared, needles, monkeypatch, tmp_path):

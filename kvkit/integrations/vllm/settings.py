@@ -9,6 +9,7 @@ the CPU tier's size has one source of truth: :attr:`ConnectorSettings.stack`.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -67,6 +68,7 @@ _BYTE_KEYS = ("cpu_bytes", "cpu_bytes_to_use_per_rank", "cpu_bytes_to_use")
 
 _EXTRA = "kv_connector_extra_config"
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what secret_env may name (anything else is not shown)
 _SECRET_SOURCES = ("secret_env", "secret_file")
 """Where the connector reads the shared tier's HMAC secret (keys of ``shared``): never the extra config
 itself, which is on vLLM's command line and in its logged config."""
@@ -340,7 +342,8 @@ def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``shared`` with its ``secret_env`` or ``secret_file`` read into ``secret``, and the problems.
 
     A ``secret`` given as is is refused. Messages name the variable or the
-    file, never what it holds.
+    file, never what it holds; a ``secret_env`` that is no variable's name
+    (the secret written there by mistake) is not shown either.
     """
     shared = dict(shared)
     where = f"{_EXTRA}['shared']"
@@ -356,6 +359,9 @@ def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if not isinstance(source, str) or not source:
             problems.append(f"{where}[{key!r}]={quote(source)}: must be a non-empty string (an environment "
                             f"variable's name or a file's path)")
+        elif key == "secret_env" and _ENV_NAME.fullmatch(source) is None:
+            problems.append(f"{where}['secret_env']: not an environment variable's name (letters, digits and '_'; "
+                            f"not shown: it may be the secret itself, which is never taken from the config)")
         elif key == "secret_env":
             text = os.environ.get(source)
             if text:
