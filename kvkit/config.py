@@ -30,7 +30,7 @@ from kvkit.interfaces import (
 )
 from kvkit.interfaces.plan import LoadPlanner
 from kvkit.interfaces.shared import DEFAULT_TENANT, SHARED_WRITES, BlockStore, check_tenant
-from kvkit.redact import redact_url, secret_repr
+from kvkit.redact import redact, redact_url, secret_repr
 from kvkit.registry import ALLOCATOR, COPY, EVICTION, PLANNER, STORE, Registry
 from kvkit.validate import (
     check_choice,
@@ -179,6 +179,11 @@ def _store_url(inst: object, attribute: attrs.Attribute, value: object) -> None:
 def _shown_url(value: object) -> str:
     """``SharedConfig.url`` in a repr: a URL's password and secret options as ``***``."""
     return repr(redact_url(value)) if isinstance(value, str) else repr(value)
+
+
+def _shown_options(value: object) -> str:
+    """``StackConfig.options`` in a repr: a secret-named option (a component's ``api_token``) as ``***``."""
+    return repr(redact(value))
 
 
 _SHARED = "shared."
@@ -331,7 +336,7 @@ class StackConfig:
     hash_algorithm: str = attrs.field(default=DEFAULTS.hash_algorithm, metadata=_text(str))
     cpu_layout: str | None = attrs.field(default=None, metadata=_text(str))
     wait_timeout_s: float = attrs.field(default=DEFAULTS.wait_timeout_s, metadata=_text(float))
-    options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict, repr=_shown_options)
     shared: SharedConfig | None = attrs.field(default=None, converter=_as_shared, metadata=_text(str))
 
     def __attrs_post_init__(self) -> None:

@@ -116,3 +116,29 @@ def test_the_errors_with_their_own_signatures_mask_too():
                 errors.TraceFormatError("t.jsonl", 3, "f", "valkey://:PW-s3cr3t@h"),
                 errors.TransferTimeoutError("valkey://:PW-s3cr3t@h timed out", (1,))):
         assert "s3cr3t" not in str(exc) + repr(exc)
+
+
+def test_a_components_secret_named_option_is_masked_in_the_config_and_the_simulators_json(monkeypatch):
+    """A registered component may take a secret as a keyword option (``options={"store": {"api_token": ...}}``):
+    the StackConfig's repr and the simulator's JSON config show it as ***, the option's name kept."""
+    import json
+
+    import kvkit
+    from kvkit.backends.store.eager import EagerStore
+    from kvkit.sim.simulator import SimConfig
+
+    class TokenStore(EagerStore):
+        def __init__(self, api_token=None, **options):
+            super().__init__(**options)
+
+    kvkit.STORE.names()  # entry points read now, then the registry is restored after the test
+    monkeypatch.setattr(kvkit.STORE, "_targets", dict(kvkit.STORE._targets))
+    monkeypatch.setattr(kvkit.STORE, "_loaded", dict(kvkit.STORE._loaded))
+    kvkit.register("store", "t-token-store", TokenStore)
+    spec = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=4, dtype="float32")
+    config = kvkit.StackConfig(kv=spec, gpu_blocks=4, cpu_blocks=4, store="t-token-store",
+                               options={"store": {"api_token": "PW-s3cr3t"}})
+    texts = [repr(config), str(config), repr(SimConfig(stack=config)), json.dumps(SimConfig(stack=config).as_dict())]
+    for text in texts:
+        assert "s3cr3t" not in text and "api_token" in text, text
+    assert config.options["store"]["api_token"] == "PW-s3cr3t"  # masked when shown, kept as given

@@ -80,7 +80,7 @@ import attrs
 from kvkit.config import DEFAULTS, StackConfig
 from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
 from kvkit.interfaces import BlockHash, HitSource, KVCacheSpec
-from kvkit.redact import redact_url
+from kvkit.redact import redact, redact_url
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.sim.traces import TraceRequest
 from kvkit.stack import OffloadStack, build
@@ -326,7 +326,7 @@ class SimConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """The configuration as JSON-ready values (instances by class name, the shared tier without its secret
-        or its URL's password)."""
+        or its URL's password, secret-named options as ``***``)."""
         def name(slot: object) -> Any:
             return slot if slot is None or isinstance(slot, (str, int, float)) else type(slot).__name__
 
@@ -337,7 +337,7 @@ class SimConfig:
             **slots,
             "cpu_blocks": stack.num_cpu_blocks,
             "block_size": self.block_size,
-            "options": {k: dict(v) for k, v in stack.options.items()},
+            "options": {k: redact(dict(v)) for k, v in stack.options.items()},
             "callbacks": [name(c) for c in stack.callbacks],
             "verify": self.verify,
             "model": attrs.asdict(self.model),
