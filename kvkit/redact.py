@@ -5,7 +5,8 @@ A *secret* is
 * a URL's password: the userinfo of ``scheme://[user]:PASSWORD@host...`` (or
   ``scheme://PASSWORD@host``): everything between ``://`` and the URL's last
   ``@`` (:func:`~kvkit.shared.urls.open_block_store` refuses a ``@`` in the
-  query, so it reads the same userinfo); ``file:///path`` has none;
+  query, so it reads the same userinfo; such a URL is masked whole after
+  ``://``); ``file:///path`` has none;
 * the value of a *secret name*: a mapping key, URL query option or
   ``name=value`` whose name holds ``password``, ``passwd``, ``pwd``,
   ``secret``, ``auth``, ``credential``, ``apikey`` or ``token`` (not
@@ -106,16 +107,21 @@ def redact_url(url: str) -> str:
 
     Everything between ``://`` and the last ``@`` is userinfo: ``user:password``
     keeps the user, a lone ``password`` is masked whole. A ``file:///path``
-    URL (no host part) has none: a ``@`` in its path stays.
+    URL (no host part) has none: a ``@`` in its path stays. A ``@`` after a
+    ``?`` (which :func:`~kvkit.shared.urls.open_block_store` refuses) leaves
+    unknown whether the password ends before or after the ``?``: all after
+    ``://`` is masked.
     """
     match = _SCHEME.match(url)
     if match is None:
         return url
     head, rest = url[:match.end()], url[match.end():]
     auth, at, rest = ("", "", rest) if head.lower() == "file://" and rest[:1] == "/" else rest.rpartition("@")
+    if at and "?" in auth:  # a '@' after a '?': the password may end in the userinfo or in the query
+        return head + MASK
     if at:
         user, colon, _ = auth.partition(":")
-        head += f"{user}:{MASK}@" if colon and "?" not in user else f"{MASK}@"
+        head += f"{user}:{MASK}@" if colon else f"{MASK}@"
     location, mark, query = rest.partition("?")
     if query:
         pairs = (pair.partition("=") for pair in query.split("&"))
