@@ -163,10 +163,9 @@ class LocalServer:
         """A configuration file (mode 0600) holding ``requirepass``: the server's first argument."""
         assert self._dir is not None, "started"
         path = Path(self._dir.name) / "auth.conf"
-        quoted = password.replace("\\", "\\\\").replace('"', '\\"')
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(f'requirepass "{quoted}"\n')
+        with os.fdopen(fd, "wb") as out:
+            out.write(b'requirepass "%s"\n' % _config_string(password))
         return str(path)
 
     def pause(self) -> None:
@@ -207,6 +206,14 @@ class LocalServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _config_string(text: str) -> bytes:
+    """``text`` as the inside of a double-quoted string of a server configuration file (UTF-8): a quote and a
+    backslash escaped, every control byte as ``\\xHH``: a newline cannot end the line (a server refusing the file
+    quotes the line, the password, in its log, which a failed start shows)."""
+    return b"".join(b"\\" + bytes([byte]) if byte in b'"\\' else b"\\x%02x" % byte if byte < 0x20 or byte == 0x7f
+                    else bytes([byte]) for byte in text.encode())
 
 
 @attrs.define(eq=False)

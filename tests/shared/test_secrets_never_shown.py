@@ -325,6 +325,20 @@ def test_bench_shared_takes_a_password_holding_url_characters(children):
                 assert part not in text
 
 
+@pytest.mark.parametrize("password", [f"PW-{MARK}\nx", f"PW-{MARK}\"x\\", f"PW-{MARK}\tx\r", f"PW-{MARK} é'x"])
+def test_a_test_server_takes_any_password_through_its_file(password):
+    """kvkit.testing's server writes its password escaped into its configuration file: a newline, quote,
+    backslash or control character neither stops the server (whose refusal quoted the password's line back)
+    nor changes the password a store logs in with."""
+    with LocalServer(server_binary_or_skip(), password=password) as odd:
+        assert odd.call(b"PING") == b"PONG"
+        store = kvkit.open_block_store(f"valkey://{_address(odd)}/0", password=password)
+        try:
+            assert store.ping() is None
+        finally:
+            store.close()
+
+
 def test_the_server_tool_runs_without_a_password(children):
     """The control: against a server without a login, the server's own benchmark tool is run (so the test
     above would see its argv)."""
