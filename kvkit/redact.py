@@ -35,8 +35,9 @@ whether a secret is set is not a secret.
   tuples and mappings); a string
   without a scheme but with ``//`` or ``:`` before a ``@`` (a mistyped URL
   such as ``valkey//:pw@host``) has its userinfo masked too, spaces and all
-  when it starts like a URL (``valkey//``, ``valkey:``, ``//``), so a
-  password holding a space is masked whole;
+  when it starts like a URL (``valkey//``, ``valkey:``, ``//``) or holds
+  ``://`` before the ``@`` (`` valkey://...``), so a password holding a
+  space is masked whole;
 * :func:`redact_text` masks what it recognises in finished text: URLs (a
   quoted one ends at its closing quote, spaces and all, and the quote and the
   punctuation after it stay), and
@@ -141,7 +142,7 @@ def redact(value: Any, _depth: int = 0) -> Any:
         if _SCHEME.match(value):
             return redact_url(value)
         before = value.rpartition("@")[0]
-        if _MISTYPED_SCHEME.match(before) or (  # a mistyped URL
+        if "://" in before or _MISTYPED_SCHEME.match(before) or (  # a mistyped URL
                 ("//" in before or ":" in before) and not any(c.isspace() for c in value)):
             head, slashes, rest = value.partition("//")
             if not slashes:

@@ -80,9 +80,11 @@ def test_a_quoted_url_keeps_what_follows_its_masked_value():
 
 
 @pytest.mark.parametrize("url", ["valkey//:PW s3cr3t@host", "valkey:/:PW s3cr3t@host", "valkey:PW s3cr3t@host",
-                                 "//:PW s3cr3t@host", "valkey://:PW s3cr3t@host"])
+                                 "//:PW s3cr3t@host", "valkey://:PW s3cr3t@host", " valkey://:PW s3cr3t@host",
+                                 "<valkey://:PW s3cr3t@host>", "valkey :// :PW s3cr3t@host"])
 def test_a_mistyped_url_whose_password_has_a_space_is_masked(url):
-    """A password may hold spaces: a URL missing its '://' still has all of its userinfo masked."""
+    """A password may hold spaces: a URL missing its '://', or with something before its scheme, still has all
+    of its userinfo masked."""
     for text in (quote(url), str(errors.ConfigError(f"block store URL {quote(url)}: bad"))):
         assert "PW" not in text and "s3cr3t" not in text and "host" in text, text
 
