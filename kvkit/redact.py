@@ -7,7 +7,8 @@ A *secret* is
   ``@`` (:func:`~kvkit.shared.urls.open_block_store` refuses a ``@`` in the
   query, so it reads the same userinfo; such a URL is masked whole after
   ``://``); ``file:///path`` has none;
-* the value of a *secret name*: a mapping key, URL query option or
+* the value of a *secret name*: a mapping key, URL query option (its name
+  percent-decoded, as kvkit reads it) or
   ``name=value`` whose name holds ``password``, ``passwd``, ``pwd``,
   ``secret``, ``auth``, ``credential``, ``apikey`` or ``token`` (not
   ``tokens``, ``tokenizer`` or a ``per_token`` rate: counts of tokens are
@@ -58,6 +59,7 @@ import functools
 import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote
 
 __all__ = ["MASK", "is_secret_name", "redact", "redact_text", "redact_url", "secret_repr"]
 
@@ -126,7 +128,7 @@ def redact_url(url: str) -> str:
     location, mark, query = rest.partition("?")
     if query:
         pairs = (pair.partition("=") for pair in query.split("&"))
-        query = "&".join(name + eq + (MASK if eq and is_secret_name(name) else value) if eq or not name else MASK
+        query = "&".join(name + eq + (MASK if is_secret_name(unquote(name)) else value) if eq or not name else MASK
                          for name, eq, value in pairs)
     return head + location + mark + query
 

@@ -99,6 +99,12 @@ def test_a_url_with_a_at_after_its_query_mark_shows_nothing_after_its_scheme(url
     assert "ssw0rd" not in quote(url) + redact_text(f"bad url {url!r}: x") + redact_text(f"bad url {url}")
 
 
+def test_a_percent_encoded_option_name_is_read_as_kvkit_reads_it():
+    """kvkit decodes a query option's name (``%70assword`` is ``password``), so the rule reads it decoded too."""
+    url = "valkey://h/0?%70%61%73%73%77%6f%72%64=s3cr3t&t%6Fken=s3cr3t&ttl_s=3"
+    assert redact_url(url) == "valkey://h/0?%70%61%73%73%77%6f%72%64=***&t%6Fken=***&ttl_s=3"
+
+
 def test_a_query_item_without_a_value_is_masked():
     """A query item without '=' names no option (kvkit refuses it): it may be the tail of a password holding an
     unencoded '&', so it is masked; named options stay."""

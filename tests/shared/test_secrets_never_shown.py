@@ -92,6 +92,7 @@ def _bad_calls(url: str) -> list[Callable[[], object]]:
         lambda: open_store(f"valkey://:{PW}@{host}/0?password={PW}"),  # given twice
         lambda: open_store(f"valkey://{host}/0?password={PW}&ttl_s=1&ttl_s=2"),  # option twice
         lambda: open_store(f"valkey://{host}/0?password={PW}&request_timeout=1"),  # a misspelled option
+        lambda: open_store(f"valkey://{host}/0?%70%61%73%73%77%6f%72%64={PW}&request_timeout=1"),  # the name encoded
         lambda: open_store(f"valkey://:{PW}@{host}/0?x=a@b"),  # '@' in the query
         lambda: open_store(f"valkey://{host}/0?password=p@{PW}&ttl_s=3"),  # '@' in the query's password
         lambda: open_store(f"valkey//:{PW}@{host}"),  # no '://'
