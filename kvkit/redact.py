@@ -21,8 +21,9 @@ A *secret* is
   value must not be shown while saying so). A name ending in ``_env``,
   ``_file`` or ``_path`` names where a secret is kept, not the secret, and
   is shown;
-* a URL query item without ``=``: it names no option (kvkit refuses it),
-  and may be the tail of a password holding an unencoded ``&``;
+* a URL query item without ``=`` or without a name: it names no option
+  (kvkit refuses it), and may be the tail of a password holding an
+  unencoded ``&``;
 * a value kvkit was told is secret (the shared tier's HMAC key): its field's
   repr is :func:`secret_repr`, and a check of it names its type only.
 
@@ -127,10 +128,16 @@ def redact_url(url: str) -> str:
         head += f"{user}:{MASK}@" if colon else f"{MASK}@"
     location, mark, query = rest.partition("?")
     if query:
-        pairs = (pair.partition("=") for pair in query.split("&"))
-        query = "&".join(name + eq + (MASK if is_secret_name(unquote(name)) else value) if eq or not name else MASK
-                         for name, eq, value in pairs)
+        query = "&".join(map(_query_item, query.split("&")))
     return head + location + mark + query
+
+
+def _query_item(item: str) -> str:
+    """One ``name=value`` of a URL's query, shown: a secret name's value masked, an item naming no option too."""
+    name, eq, value = item.partition("=")
+    if not (name and eq):
+        return item and MASK  # names no option: perhaps a password's tail after an unencoded '&'
+    return name + eq + (MASK if is_secret_name(unquote(name)) else value)
 
 
 def redact(value: Any, _depth: int = 0) -> Any:

@@ -106,9 +106,10 @@ def test_a_percent_encoded_option_name_is_read_as_kvkit_reads_it():
 
 
 def test_a_query_item_without_a_value_is_masked():
-    """A query item without '=' names no option (kvkit refuses it): it may be the tail of a password holding an
-    unencoded '&', so it is masked; named options stay."""
+    """A query item without '=' or without a name names no option (kvkit refuses it): it may be the tail of a
+    password holding an unencoded '&', so it is masked; named options stay."""
     assert redact_url("valkey://h/0?password=PW&s3cr3t&ttl_s=3") == "valkey://h/0?password=***&***&ttl_s=3"
+    assert redact_url("valkey://h/0?=s3cr3t&&ttl_s=3&") == "valkey://h/0?***&&ttl_s=3&"
 
 
 def test_a_mistyped_url_and_none_and_masks():
