@@ -38,15 +38,23 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 # A value's subdirectory is opened, and its files reached relative to it, never through a symlink in its place.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
-COUNTERS = ("foreign", "broken", "vanished", "temps_removed", "temps_kept", "evicted", "unlink_failed",
+COUNTERS = ("foreign", "broken", "vanished", "oversized", "temps_removed", "temps_kept", "evicted", "unlink_failed",
             "disk_full")
 """The names of :attr:`DiskStore.counters`, in order."""
 
 
 def _path(value: object) -> Path:
-    if not isinstance(value, str | os.PathLike) or not str(value):
+    """``value`` as an absolute path (a leading ``~`` is the home directory), fixed when the store opens."""
+    text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    if not isinstance(text, str) or not text:
         raise ConfigError(f"DiskStore.path={quote(value)}: must be a directory path")
-    return Path(value)
+    try:
+        unusable = b"\0" in os.fsencode(text)
+    except UnicodeEncodeError:  # a lone surrogate
+        unusable = True
+    if unusable:
+        raise ConfigError(f"DiskStore.path={quote(value)}: holds a NUL byte or a character no file name can hold")
+    return Path(os.path.abspath(os.path.expanduser(text)))
 
 
 def _mode(value: object) -> int:
@@ -67,6 +75,10 @@ def _mode(value: object) -> int:
 class DiskStore:
     """A directory of block values: ``<path>/<2 hex>/<sha256(key)>.kvb``, at most ``capacity_bytes``.
 
+    ``path`` is made absolute when the store opens (a leading ``~`` is the home directory; a later ``chdir``
+    moves nothing); one no file system can take (a NUL byte, a lone surrogate) raises
+    :class:`~kvkit.errors.ConfigError`, quoting it.
+
     Writes. A value is written to a temporary file next to its final name,
     ``<name>.kvb.tmp-<owner>-<n>`` (``owner`` random per store, so writers in
     other processes, hosts or PID namespaces never share a name), then renamed
@@ -82,8 +94,9 @@ class DiskStore:
     values or temporary files but not regular files (symlinks, directories,
     devices, unlistable subdirectories: ``broken``), and entries gone between
     being listed and being looked at (``vanished``: another process evicted
-    them) are counted in :attr:`counters` and left alone; opening never raises
-    on an entry. A temporary file is deleted only when its lock can be taken,
+    them) are counted in :attr:`counters` and left alone; so is a value file
+    larger than the capacity (``oversized``: never indexed, since holding it
+    would evict every other value); opening never raises on an entry. A temporary file is deleted only when its lock can be taken,
     which proves its writer gone (``temps_removed``); one whose lock is held,
     or that cannot be deleted (a read-only file system), is kept
     (``temps_kept``). Only an unusable ``path`` itself raises
@@ -105,8 +118,10 @@ class DiskStore:
 
     Reading. A ``get`` reads with ``os.preadv`` straight into the caller's
     buffers; a value missing, not a regular file, or unreadable is a failed
-    key (a miss), never an exception. Files another process adds are adopted
-    when ``contains`` or ``get`` finds them; the capacity holds per process.
+    key (a miss), never an exception. ``contains`` and ``get`` look at the file
+    each time and the index follows: a file another process added is adopted,
+    one it rewrote at another size counted at its new size, one it deleted
+    forgotten. The capacity holds per process.
     Work runs on a pool of ``threads`` threads. At most ``max_waiting``
     finished results wait for the polls naming their tickets (one more
     abandons the oldest).
@@ -456,6 +471,8 @@ class DiskStore:
             if not stat.S_ISREG(found.st_mode):
                 return self._unusable(name, f"{str(path)!r} is not a regular file")
             if found.st_size != want:
+                with self._lock:
+                    self._found(name, found)
                 return f"value of {found.st_size} bytes, buffers of {want}"
             if _read_all(fd, parts) != want:
                 return "value shrank while being read"
@@ -466,10 +483,9 @@ class DiskStore:
         finally:
             os.close(fd)
         with self._lock:
+            self._found(name, found)
             entry = self._index.get(name)
-            if entry is None:
-                self._adopt(name, found.st_size)
-            else:
+            if entry is not None:
                 self.eviction.on_access(entry[0])
         return None
 
@@ -482,28 +498,43 @@ class DiskStore:
     # --- the index -----------------------------------------------------------
 
     def _known(self, name: str) -> bool:
-        with self._lock:
-            if name in self._index:
-                return True
+        """Whether ``name``'s value file is there now; the index follows what is found (:meth:`_found`)."""
         try:
             folder = self._open_folder(name)
-        except OSError:
-            return False
-        try:
-            found = _status(f"{name}{_SUFFIX}", folder)
-        finally:
-            os.close(folder)
-        if found is None or not stat.S_ISREG(found.st_mode):
-            return False
+            try:
+                found = _status(f"{name}{_SUFFIX}", folder)
+            finally:
+                os.close(folder)
+        except OSError:  # its subdirectory is gone, not a directory, or not ours to search
+            found = None
         with self._lock:
-            if name not in self._index:
-                self._adopt(name, found.st_size)
+            return self._found(name, found)
+
+    def _found(self, name: str, found: os.stat_result | None) -> bool:
+        """Bring ``name``'s entry up to date with its file as just looked at (``None``: gone or unusable).
+
+        Forgotten (not deleted) when it is not a regular file any more, adopted when new, re-adopted at its
+        size when another process rewrote it at another: so ``used_bytes`` follows the files. Answers
+        whether a value file is there. The lock is held.
+        """
+        if found is None or not stat.S_ISREG(found.st_mode):
+            self._forget(name, unlink=False)
+            return False
+        entry = self._index.get(name)
+        if entry is None or entry[1] != found.st_size:
+            self._forget(name, unlink=False)
+            self._adopt(name, found.st_size)
         return True
 
     def _file(self, name: str) -> Path:
         return self.path / name[:2] / f"{name}{_SUFFIX}"
 
     def _adopt(self, name: str, size: int) -> None:
+        """Index ``name``'s file of ``size`` bytes and evict for it; one larger than the capacity is never
+        indexed (``oversized``): holding it would evict every other value, and then itself."""
+        if size > self._limit():
+            self._note("oversized")
+            return
         block = BlockId(next(self._ids))
         self._index[name] = (block, size)
         self._names[block] = name

@@ -136,6 +136,32 @@ def test_bad_settings_are_refused(tmp_path, kwargs, match):
         DiskStore(**kwargs)
 
 
+@pytest.mark.parametrize("path", ["kv\0x", "kv\ud800"])
+def test_a_path_the_operating_system_cannot_take_is_refused(tmp_path, path):
+    """A NUL byte or a lone surrogate (also through a URL) is a ConfigError quoting the path; nothing is created."""
+    with pytest.raises(ConfigError, match=r"DiskStore\.path=.*kv"):
+        DiskStore(tmp_path / path, 10)
+    with pytest.raises(ConfigError, match="kv"):
+        open_block_store(f"file://{tmp_path}/kv%00x?capacity_bytes=1KiB")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_relative_path_and_a_tilde_are_fixed_when_the_store_opens(tmp_path, monkeypatch):
+    """A relative path is taken from the working directory at opening (a later chdir moves nothing);
+    a leading ``~`` is the home directory, never a directory named ``~``."""
+    (tmp_path / "home").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    relative, home = DiskStore("rel/kv/", 1000), DiskStore("~/kv", 1000)
+    assert (relative.path, home.path) == (tmp_path / "rel" / "kv", tmp_path / "home" / "kv")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for store in (relative, home):
+        assert _put(store, [b"a"], 10).ok and _get(store, [b"a"], 10)[0].ok
+        store.close()
+    assert not (tmp_path / "~").exists() and os.listdir(tmp_path / "elsewhere") == []
+
+
 @pytest.mark.parametrize("page_cache", [True, False])
 def test_without_the_page_cache_each_value_is_flushed_and_dropped_once_written_or_read(tmp_path, monkeypatch,
                                                                                         page_cache):
@@ -452,6 +478,61 @@ def test_an_unusable_directory_is_a_config_error_quoting_it(tmp_path, monkeypatc
     monkeypatch.setattr(disk.os, "scandir", refused)
     with pytest.raises(ConfigError, match=f"{tmp_path / 'd'}.*cannot list"):
         DiskStore(tmp_path / "d", 10)
+
+
+@pytest.mark.parametrize("meets", ["contains", "get of its new size", "get of its old size"])
+def test_a_value_another_process_rewrote_at_another_size_is_counted_at_its_size(tmp_path, meets):
+    """Another process (a second store: they share nothing but the directory) rewrites an indexed key at another
+    size: whatever first meets the file corrects ``used_bytes`` to the bytes on disk, and the capacity holds."""
+    one, two = DiskStore(tmp_path, 1000), DiskStore(tmp_path, 10_000)
+    assert _put(one, [b"k"], 100).ok and _put(one, [b"old"], 100).ok
+    assert _put(two, [b"k"], 900).ok
+    if meets == "contains":
+        assert one.contains([b"k"]) == 1
+    else:
+        result, _ = _get(one, [b"k"], 900 if meets == "get of its new size" else 100)
+        assert result.ok == (meets == "get of its new size")
+    assert one.used_bytes == 1000 and one.contains([b"old", b"k"]) == 2
+    one.check_invariants()
+    assert _put(one, [b"new"], 100).ok  # room is made for what is really on disk
+    assert one.used_bytes == sum(p.stat().st_size for p in tmp_path.glob("??/*.kvb")) <= 1000
+    one.check_invariants()
+    one.close()
+    two.close()
+
+
+def test_a_value_another_process_deleted_is_no_longer_counted(tmp_path):
+    """contains finds that another process evicted an indexed value: it answers absent and forgets its bytes."""
+    one, two = DiskStore(tmp_path, 1000), DiskStore(tmp_path, 1000)
+    assert _put(one, [b"k"], 100).ok and two.contains([b"k"]) == 1
+    assert two.drop(b"k")
+    assert one.contains([b"k"]) == 0 and one.used_bytes == 0
+    one.check_invariants()
+    one.close()
+    two.close()
+
+
+@pytest.mark.parametrize("found", ["when opening", "by contains", "by get"])
+def test_a_value_file_larger_than_the_capacity_is_left_alone_and_evicts_nothing(tmp_path, found):
+    """A file named as a value but larger than the capacity (a neighbour's with a larger capacity, a planted one)
+    can never be held: it is counted (``oversized``), never indexed or deleted, and costs no other value its place."""
+    store = DiskStore(tmp_path, 1000)
+    assert _put(store, [b"a", b"b"], 100).ok
+    sub, file = _sub(tmp_path, b"huge")
+    with open(sub / file, "wb") as huge:
+        huge.truncate(1 << 40)  # sparse: a terabyte named as a value, newer than every real one
+    if found == "when opening":
+        store.close()
+        store = DiskStore(tmp_path, 1000)
+    elif found == "by contains":
+        assert store.contains([b"huge"]) == 1
+    else:
+        result, _ = _get(store, [b"huge"], 100)
+        assert result.failed == (0,) and "value of 1099511627776 bytes" in result.error
+    assert store.counters["oversized"] == 1 and store.counters["evicted"] == 0
+    assert store.contains([b"a", b"b"]) == 2 and store.used_bytes == 200 and (sub / file).exists()
+    store.check_invariants()
+    store.close()
 
 
 # --- permissions ---------------------------------------------------------------
