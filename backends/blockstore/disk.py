@@ -29,7 +29,7 @@ from kvkit.validate import check_bool, check_int, checked, implements, plural, q
 __all__ = ["COUNTERS", "DiskStore"]
 
 _SUFFIX = ".kvb"
-_TEMP = ".tmp-"  # "<name>.kvb.tmp-<owner>-<n>": a write not renamed yet, locked by its writer
+_TEMP = ".tmp-"  # "<name>.kvb.tmp-<owner>-<n>" (no dot in owner): a write not renamed yet, locked by its writer
 _HEX = frozenset("0123456789abcdef")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _TEMP_ATTEMPTS = 3  # fresh temp names tried when a reaper removed each one before its writer locked it
@@ -96,8 +96,9 @@ class DiskStore:
     being listed and being looked at (``vanished``: another process evicted
     them) are counted in :attr:`counters` and left alone; so is a value file
     larger than the capacity (``oversized``: never indexed, since holding it
-    would evict every other value); opening never raises on an entry. A temporary file is deleted only when its lock can be taken,
-    which proves its writer gone (``temps_removed``); one whose lock is held,
+    would evict every other value); opening never raises on an entry. A
+    temporary file is deleted only when its lock can be taken, which proves
+    its writer gone (``temps_removed``); one whose lock is held,
     or that cannot be deleted (a read-only file system), is kept
     (``temps_kept``). Only an unusable ``path`` itself raises
     :class:`~kvkit.errors.ConfigError`, quoting it.
@@ -623,8 +624,10 @@ def _kind(prefix: str, filename: str) -> str | None:
         return None
     if rest == _SUFFIX[1:]:
         return "value"
-    if rest.startswith(f"{_SUFFIX[1:]}{_TEMP}"):
-        return "temp"
+    temp = f"{_SUFFIX[1:]}{_TEMP}"
+    owner, _, number = rest[len(temp):].rpartition("-")
+    if rest.startswith(temp) and owner and "." not in owner and number.isascii() and number.isdigit():
+        return "temp"  # exactly "<name>.kvb.tmp-<owner>-<n>": anything else there is another's
     return None
 
 

@@ -244,6 +244,9 @@ def _plant(tmp_path, what):
         "value in the wrong subdirectory": tmp_path / ("00" if sub.name != "00" else "01") / file,
         "upper-case name": tmp_path / sub.name.upper() / file.upper(),
         "stray temporary file": sub / "README.kvb.tmp-1-0",
+        "temporary name without its writer": sub / f"{file}.tmp-",
+        "temporary name without its number": sub / f"{file}.tmp-x",
+        "temporary name with a suffix": sub / f"{file}.tmp-x-1.kvb",
         "dangling symlink as a value": sub / file,
         "directory as a value": sub / file,
         "FIFO as a value": sub / file,
@@ -264,7 +267,8 @@ def _plant(tmp_path, what):
 
 
 _FOREIGN = ["stray file named as a value", "stray file at the top", "stray directory at the top",
-            "value in the wrong subdirectory", "upper-case name", "stray temporary file"]
+            "value in the wrong subdirectory", "upper-case name", "stray temporary file",
+            "temporary name without its writer", "temporary name without its number", "temporary name with a suffix"]
 _BROKEN = ["dangling symlink as a value", "directory as a value", "FIFO as a value", "file as a subdirectory",
            "symlink as a temporary file", "FIFO as a temporary file"]
 
