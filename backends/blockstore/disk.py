@@ -20,7 +20,7 @@ import attrs
 
 from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
 from kvkit.backends.eviction.lru import LRUPolicy
-from kvkit.errors import ConfigError
+from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.shared import StoreResult
 from kvkit.interfaces.types import BlockHash, BlockId
@@ -123,7 +123,9 @@ class DiskStore:
     each time and the index follows: a file another process added is adopted,
     one it rewrote at another size counted at its new size, one it deleted
     forgotten. The capacity holds per process.
-    Work runs on a pool of ``threads`` threads. At most ``max_waiting``
+    Work runs on a pool of ``threads`` threads of the process that opened the
+    store: in a child forked from it, ``contains``/``put``/``get`` raise
+    :class:`~kvkit.errors.KVKitError` (open a store in each process). At most ``max_waiting``
     finished results wait for the polls naming their tickets (one more
     abandons the oldest).
 
@@ -167,6 +169,7 @@ class DiskStore:
     _ids: itertools.count = attrs.field(factory=itertools.count, init=False)
     _temps: itertools.count = attrs.field(factory=itertools.count, init=False)
     _owner: str = attrs.field(factory=lambda: secrets.token_hex(6), init=False)
+    _pid: int = attrs.field(factory=os.getpid, init=False)  # the process whose threads do the work
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _counts: Counter = attrs.field(factory=Counter, init=False)
     _counts_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
@@ -192,6 +195,7 @@ class DiskStore:
             return self._limit()
 
     def contains(self, keys: Sequence[bytes]) -> int:
+        self._check_process()
         check_keys("DiskStore", self.closed, keys)
         n = 0
         for key in keys:
@@ -201,12 +205,14 @@ class DiskStore:
         return n
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
+        self._check_process()
         check_call("DiskStore", self.closed, keys, values)
         ticket = self._tickets.issue(len(keys))
         self._pool.submit(self._run, ticket, self._write, list(keys), [flat_views(v) for v in values])
         return ticket
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
+        self._check_process()
         check_call("DiskStore", self.closed, keys, buffers)
         ticket = self._tickets.issue(len(keys))
         self._pool.submit(self._run, ticket, self._read, list(keys), [flat_views(b) for b in buffers])
@@ -239,6 +245,13 @@ class DiskStore:
             assert all(self._names[block] == name for name, (block, _) in self._index.items()), "id map drifted"
             self.eviction.check_invariants()
         self._tickets.check_invariants()
+
+    def _check_process(self) -> None:
+        """Refuse work in a child forked from the opener: the pool's threads (and its temporary names) are the
+        parent's, so work queued there would never run."""
+        if os.getpid() != self._pid:
+            raise KVKitError(f"DiskStore at {str(self.path)!r} was opened by process {self._pid} and inherited "
+                             f"through fork by process {os.getpid()}: open a store in each process")
 
     # --- opening -------------------------------------------------------------
 
