@@ -86,7 +86,8 @@ class DiskStore:
     none. Its writer holds an exclusive ``flock`` on the temporary file from
     before anyone can find it (the writer checks, once locked, that the name
     still leads to its file) until after the rename; the lock dies with the
-    writer's process.
+    writer's process. A ``path`` deleted while the store is open is made
+    again, as opening makes it, by the next put.
 
     Opening. A new instance re-indexes the directory: the file names are the
     index, sizes and modification times seed the eviction order. Entries that
@@ -427,16 +428,17 @@ class DiskStore:
         """A descriptor of ``name``'s subdirectory (made first with ``create``), never opened through a symlink.
 
         Raises ``OSError`` when something else is in its place (``ELOOP``, ``ENOTDIR``): a symlink there
-        would carry reads, writes and evictions outside ``path``.
+        would carry reads, writes and evictions outside ``path``; ``ConfigError`` when ``path``, deleted,
+        cannot be made again.
         """
         folder = self.path / name[:2]
         made = False
         if create:
             try:
-                os.mkdir(folder, 0o700)
-                made = True
-            except FileExistsError:
-                pass
+                made = _new_folder(folder)
+            except FileNotFoundError:  # ``path`` itself was deleted (a cleanup): made again, as opening does
+                self._make_root()
+                made = _new_folder(folder)
         fd = os.open(folder, _DIR_FLAGS)
         if made:
             os.fchmod(fd, _dir_mode(self.file_mode))  # mkdir's mode passes through the umask
@@ -647,6 +649,15 @@ def _kind(prefix: str, filename: str) -> str | None:
 def _dir_mode(file_mode: int) -> int:
     """``file_mode`` plus search wherever it grants read (``0o600`` -> ``0o700``, ``0o640`` -> ``0o750``)."""
     return file_mode | (file_mode & 0o444) >> 2
+
+
+def _new_folder(folder: Path) -> bool:
+    """Make ``folder`` (private until its mode is set); ``False`` if it exists already."""
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _status(filename: str, folder: int) -> os.stat_result | None:

@@ -462,6 +462,19 @@ def test_a_value_evicted_between_listing_and_looking_is_skipped(tmp_path, monkey
     store.close()
 
 
+def test_a_directory_deleted_under_an_open_store_is_made_again(tmp_path):
+    """A cleanup deleting the whole directory: the next put makes it again (private, as opening does) and lands;
+    what was deleted is a miss."""
+    store = DiskStore(tmp_path / "kv", 1000)
+    assert _put(store, [b"a"], 100).ok
+    shutil.rmtree(tmp_path / "kv")
+    assert _put(store, [b"b"], 100).ok and _get(store, [b"b"], 100)[0].ok
+    assert store.contains([b"a"]) == 0 and store.used_bytes == 100
+    assert _modes(tmp_path / "kv") == ({"0o600"}, {"0o700"})
+    store.check_invariants()
+    store.close()
+
+
 def test_a_victim_another_process_evicted_first_is_counted(tmp_path):
     """Evicting a file already gone is not an error: the put that needed the room lands."""
     store = DiskStore(tmp_path, 200)
