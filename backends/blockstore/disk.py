@@ -111,7 +111,9 @@ class DiskStore:
     ``EDQUOT``: ``disk_full``) lowers the effective capacity to what the file
     system holds for this store (the bytes indexed when it filled, plus the
     free space if less than the value) and evicts below it, retrying until the
-    value lands or nothing is left to evict. While lowered, the capacity is
+    value lands or nothing is left to evict; then, once per put, it removes the
+    empty subdirectories (a file system out of inodes may lack the one a new
+    file needs) and retries. While lowered, the capacity is
     re-measured (indexed bytes plus free space, never above
     ``capacity_bytes``) whenever it would force an eviction, so space freed on
     the file system is used again; a quota, invisible to ``statvfs``, is
@@ -376,7 +378,8 @@ class DiskStore:
     def _write(self, key: bytes, parts: list[memoryview]) -> str | None:
         size = sum(p.nbytes for p in parts)
         name = _name(key)
-        while True:  # each round after a full file system evicts at least one value, or gives up
+        pruned = False
+        while True:  # each round after a full file system evicts a value or (once) prunes, or gives up
             with self._lock:
                 fits = self._make_room(size)
                 limit = self._limit()
@@ -393,6 +396,8 @@ class DiskStore:
             self._note("disk_full")
             with self._lock:
                 relieved = self._relieve(size)
+            if not relieved and not pruned:  # out of inodes, perhaps: the empty subdirectories hold some
+                relieved = pruned = self._prune() > 0
             if not relieved:
                 return f"{problem}, and nothing is left to evict"
 
@@ -604,6 +609,21 @@ class DiskStore:
         room = free if free is not None and free < size else 0  # a quota's refusal leaves statvfs's free space
         self._fits = min(self._limit(), self.used_bytes + room)
         return self._evict_for(size) > 0
+
+    def _prune(self) -> int:
+        """Remove the empty subdirectories of this layout; answer how many went.
+
+        ``rmdir`` removes only an empty directory, so nothing is lost; a put of another thread or process
+        whose subdirectory goes between its making and the creation of its temporary file fails.
+        """
+        pruned = 0
+        with contextlib.suppress(OSError), os.scandir(self.path) as entries:
+            for entry in entries:
+                if len(entry.name) == 2 and _HEX.issuperset(entry.name) and entry.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError):  # not empty, or not ours to remove
+                        os.rmdir(entry.path)
+                        pruned += 1
+        return pruned
 
     def _free(self) -> int | None:
         try:

@@ -664,12 +664,13 @@ def test_a_full_file_system_is_relieved_by_eviction(tmp_path, monkeypatch, code)
     store.close()
 
 
-def _mount_tmpfs(where, size):
-    """Mount a real tmpfs of ``size`` at ``where`` (needs root and a sandbox that allows it); skip otherwise."""
+def _mount_tmpfs(where, options):
+    """Mount a real tmpfs with ``options`` (``"size=2m"``) at ``where`` (needs root and a sandbox that allows it);
+    skip otherwise."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a tmpfs needs root")
     where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
 
@@ -678,7 +679,7 @@ def _mount_tmpfs(where, size):
 def small_fs(tmp_path):
     """A real 2 MiB tmpfs, unmounted afterwards; ``remount(*options)`` changes its options (``"ro"``)."""
     where = tmp_path / "mnt"
-    _mount_tmpfs(where, "2m")
+    _mount_tmpfs(where, "size=2m")
 
     def remount(*options):
         subprocess.run(["mount", "-o", ",".join(["remount", *options]), str(where)], check=True)
@@ -703,6 +704,35 @@ def test_a_real_full_file_system_is_relieved_and_its_space_reused(small_fs):
     too_big = _put(store, [b"huge"], 3 << 20)
     assert too_big.failed == (0,) and "capacity" in too_big.error
     store.close()
+
+
+def test_a_file_system_out_of_inodes_is_relieved_also_of_empty_subdirectories(tmp_path):
+    """A file system that runs out of inodes (ENOSPC, with bytes free): evicting values frees theirs, and once
+    none is left the empty subdirectories the store made give theirs back, so every put still lands."""
+    where = tmp_path / "mnt"
+    _mount_tmpfs(where, "size=2m,nr_inodes=24")
+    try:
+        store = DiskStore(where / "kv", 1 << 30)
+        assert _fill(store, 100, size=1000) == []  # the keys' subdirectories alone outnumber the inodes
+        assert store.counters["disk_full"] >= 1 and store.used_bytes > 0
+        result, (buffer,) = _get(store, [b"fill-99"], 1000)
+        assert result.ok and buffer == bytes(1000)
+        store.check_invariants()
+        store.close()
+        shutil.rmtree(where / "kv")
+        store = DiskStore(where / "kv", 1 << 30)
+        for i in range(100):  # others take every inode but one: a subdirectory fits, its file never does
+            try:
+                (where / f"other-{i}").write_bytes(b"")
+            except OSError:
+                break
+        (where / "other-0").unlink()
+        refused = _put(store, [b"x-%d" % i for i in range(3)], 1000)
+        assert refused.failed == (0, 1, 2) and "nothing is left to evict" in refused.error
+        store.check_invariants()
+        store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 def test_a_read_only_file_system_opens_serves_and_refuses_puts(small_fs):
