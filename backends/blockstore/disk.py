@@ -436,7 +436,7 @@ class DiskStore:
         would carry reads, writes and evictions outside ``path``; ``ConfigError`` when ``path``, deleted,
         cannot be made again.
         """
-        folder = self.path / name[:2]
+        folder = os.path.join(self.path, name[:2])  # a str: cheaper than a Path, for every contains
         made = False
         if create:
             try:
@@ -671,7 +671,7 @@ def _dir_mode(file_mode: int) -> int:
     return file_mode | (file_mode & 0o444) >> 2
 
 
-def _new_folder(folder: Path) -> bool:
+def _new_folder(folder: str) -> bool:
     """Make ``folder`` (private until its mode is set); ``False`` if it exists already."""
     try:
         os.mkdir(folder, 0o700)
