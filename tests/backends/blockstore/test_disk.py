@@ -821,6 +821,88 @@ def test_two_processes_open_write_and_evict_one_directory(tmp_path):
     assert writer["puts"] >= 40 and writer["failed"] == 0, writer
 
 
+_NEIGHBOUR = """
+import hashlib, json, os, random, sys, time
+from kvkit.backends.blockstore.disk import DiskStore
+from kvkit.errors import KVKitError
+path, me, n, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+rng, keys, sizes = random.Random(me), [b"k%d" % i for i in range(24)], (3000, 8000, 20000)
+
+def value(key, writer, size):  # says who wrote it: any writer's value for the key, of any size, is right
+    return (hashlib.sha256(b"%s/%d/%d" % (key, writer, size)).digest() * (size // 32 + 1))[:size]
+
+report = {"puts": 0, "put_failed": [], "hits": 0, "wrong": 0, "raised": [], "opens": 0}
+store = DiskStore(path, 100_000)
+print("ready", flush=True)
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    batch, op = rng.sample(keys, 3), rng.random()
+    try:
+        if op < 0.45:
+            ticket = store.put(batch, [[memoryview(value(k, me, rng.choice(sizes)))] for k in batch])
+            report["put_failed"] += [r.error for r in store.poll([ticket], 10.0) if r.failed]
+            report["puts"] += 3
+        elif op < 0.9:
+            store.contains(batch)
+            buffers = [bytearray(rng.choice(sizes)) for _ in batch]
+            (result,) = store.poll([store.get(batch, [[memoryview(b)[:7], memoryview(b)[7:]] for b in buffers])],
+                                   10.0)
+            for i, (key, buffer) in enumerate(zip(batch, buffers)):
+                if i not in result.failed:
+                    report["hits"] += 1
+                    report["wrong"] += all(buffer != value(key, w, len(buffer)) for w in range(n))
+        elif op < 0.95:
+            store.drop(batch[0])
+        else:
+            store.check_invariants()
+            store.close()
+            store = DiskStore(path, rng.choice([40_000, 100_000]), threads=rng.choice([1, 2]))
+            report["opens"] += 1
+    except Exception as exc:  # every exception is reported, typed or not
+        report["raised"].append(f"{type(exc).__name__}: {exc}")
+def wait_for(flag, count=1):
+    while len([f for f in os.listdir(os.path.join(path, "..")) if f.startswith(flag)]) < count:
+        time.sleep(0.01)
+
+open(os.path.join(path, "..", f"done-{me}"), "w").close()
+wait_for("done-", n)  # all still: process 0 rewrites every key at another size, then each store meets them all
+if me == 0:
+    ticket = store.put(keys, [[memoryview(value(k, me, 1000))] for k in keys])
+    report["put_failed"] += [r.error for r in store.poll([ticket], 10.0) if r.failed]
+    open(os.path.join(path, "..", "rewritten"), "w").close()
+wait_for("rewritten")
+found = [store.contains([k]) for k in keys]
+on_disk = sum(os.stat(f).st_size if os.path.exists(f) else 0 for f in map(store._file, store._index))
+report.update(used=store.used_bytes, on_disk=on_disk, capacity=store.effective_capacity_bytes)
+store.check_invariants()
+store.close()
+print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_three_processes_put_get_drop_and_reopen_one_directory(tmp_path):
+    """Three processes put (each key at changing sizes), get, drop, close and reopen stores on one directory
+    for 2 s: nothing raises, every value read is byte for byte one some process wrote for its key, and once
+    all are still each store's used_bytes is the bytes its indexed files hold, within its capacity."""
+    path, n = tmp_path / "kv", 3
+    path.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _NEIGHBOUR, str(path), str(me), str(n), "2.0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for me in range(n)]
+    try:
+        outs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert [proc.returncode for proc in procs] == [0] * n, [err[-2000:] for _, err in outs]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    for report in reports:
+        assert report["raised"] == [] and report["put_failed"] == [] and report["wrong"] == 0, report
+        assert report["hits"] > 0 and report["puts"] > 0, report
+        assert report["used"] == report["on_disk"] <= report["capacity"], report
+
+
 class _StatsUnguarded(DiskStore):
     """Planted regression: the scan stats each listed file as if no other process could evict it."""
 
