@@ -469,7 +469,6 @@ class DiskStore:
     def _read(self, key: bytes, parts: list[memoryview]) -> str | None:
         name = _name(key)
         path = self._file(name)
-        want = sum(p.nbytes for p in parts)
         try:
             folder = self._open_folder(name)
         except FileNotFoundError:
@@ -477,23 +476,32 @@ class DiskStore:
         except OSError as exc:  # a symlink or a file in its subdirectory's place
             return self._unusable(name, f"cannot open {str(path.parent)!r}: {exc.strerror or exc}")
         try:
-            fd = os.open(path.name, _READ_FLAGS, dir_fd=folder)
-        except FileNotFoundError:
-            with self._lock:
-                if _status(path.name, folder) is None:  # deleted behind our back (not just rewritten)
-                    self._forget(name, unlink=False)
-            return "missing value"
-        except OSError as exc:  # a symlink in its place, or no permission
-            return self._unusable(name, f"cannot open {str(path)!r}: {exc.strerror or exc}")
+            problem = self._read_file(folder, path, parts)
+            try:  # what the name leads to now (another process may have rewritten or deleted it meanwhile)
+                now = _status(path.name, folder)
+            except OSError:
+                now = None
         finally:
             os.close(folder)
+        with self._lock:
+            if self._found(name, now) and problem is None and name in self._index:
+                self.eviction.on_access(self._index[name][0])
+        return problem
+
+    def _read_file(self, folder: int, path: Path, parts: list[memoryview]) -> str | None:
+        """Read ``path``'s file, in the directory ``folder``, into ``parts``; answer the problem, if any."""
+        want = sum(p.nbytes for p in parts)
+        try:
+            fd = os.open(path.name, _READ_FLAGS, dir_fd=folder)
+        except FileNotFoundError:
+            return "missing value"
+        except OSError as exc:  # a symlink in its place, or no permission
+            return f"cannot open {str(path)!r}: {exc.strerror or exc}"
         try:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode):
-                return self._unusable(name, f"{str(path)!r} is not a regular file")
+                return f"{str(path)!r} is not a regular file"
             if found.st_size != want:
-                with self._lock:
-                    self._found(name, found)
                 return f"value of {found.st_size} bytes, buffers of {want}"
             if _read_all(fd, parts) != want:
                 return "value shrank while being read"
@@ -503,11 +511,6 @@ class DiskStore:
             return f"cannot read {str(path)!r}: {exc.strerror or exc}"
         finally:
             os.close(fd)
-        with self._lock:
-            self._found(name, found)
-            entry = self._index.get(name)
-            if entry is not None:
-                self.eviction.on_access(entry[0])
         return None
 
     def _unusable(self, name: str, problem: str) -> str:

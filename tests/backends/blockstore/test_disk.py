@@ -546,6 +546,25 @@ def test_a_value_another_process_rewrote_at_another_size_is_counted_at_its_size(
     two.close()
 
 
+def test_a_get_counts_the_file_its_name_leads_to_once_read(tmp_path, monkeypatch):
+    """Another process rewrites the value at another size while a get reads the old file: the get serves the
+    old bytes, whole, and the index counts the new file."""
+    store = DiskStore(tmp_path, 1000)
+    assert _put(store, [b"k"], 100).ok
+    final, real = store._file(_name(b"k")), disk._read_all
+
+    def rewritten_meanwhile(fd, parts):
+        final.with_name("other").write_bytes(b"n" * 900)
+        os.replace(final.with_name("other"), final)
+        return real(fd, parts)
+
+    monkeypatch.setattr(disk, "_read_all", rewritten_meanwhile)
+    result, (buffer,) = _get(store, [b"k"], 100)
+    assert result.ok and buffer == bytes(100) and store.used_bytes == 900
+    store.check_invariants()
+    store.close()
+
+
 def test_a_value_another_process_deleted_is_no_longer_counted(tmp_path):
     """contains finds that another process evicted an indexed value: it answers absent and forgets its bytes."""
     one, two = DiskStore(tmp_path, 1000), DiskStore(tmp_path, 1000)
