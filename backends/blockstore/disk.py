@@ -477,15 +477,11 @@ class DiskStore:
             return self._unusable(name, f"cannot open {str(path.parent)!r}: {exc.strerror or exc}")
         try:
             problem = self._read_file(folder, path, parts)
-            try:  # what the name leads to now (another process may have rewritten or deleted it meanwhile)
-                now = _status(path.name, folder)
-            except OSError:
-                now = None
+            with self._lock:  # the index follows what the name leads to now, not the file read
+                if self._found(name, _status(path.name, folder)) and problem is None and name in self._index:
+                    self.eviction.on_access(self._index[name][0])
         finally:
             os.close(folder)
-        with self._lock:
-            if self._found(name, now) and problem is None and name in self._index:
-                self.eviction.on_access(self._index[name][0])
         return problem
 
     def _read_file(self, folder: int, path: Path, parts: list[memoryview]) -> str | None:
@@ -525,21 +521,22 @@ class DiskStore:
         """Whether ``name``'s value file is there now; the index follows what is found (:meth:`_found`)."""
         try:
             folder = self._open_folder(name)
-            try:
-                found = _status(f"{name}{_SUFFIX}", folder)
-            finally:
-                os.close(folder)
-        except OSError:  # its subdirectory is gone, not a directory, or not ours to search
-            found = None
-        with self._lock:
-            return self._found(name, found)
+        except OSError:  # its subdirectory is gone, or not a directory
+            with self._lock:
+                return self._found(name, None)
+        try:
+            with self._lock:  # one step with the update: a rewrite by this store's threads cannot come between
+                return self._found(name, _status(f"{name}{_SUFFIX}", folder))
+        finally:
+            os.close(folder)
 
     def _found(self, name: str, found: os.stat_result | None) -> bool:
         """Bring ``name``'s entry up to date with its file as just looked at (``None``: gone or unusable).
 
         Forgotten (not deleted) when it is not a regular file any more, adopted when new, re-adopted at its
         size when another process rewrote it at another: so ``used_bytes`` follows the files. Answers
-        whether a value file is there. The lock is held.
+        whether a value file is there. The lock is held, and was while ``found`` was looked at: this
+        store's own rewrites (under the lock) never come between.
         """
         if found is None or not stat.S_ISREG(found.st_mode):
             self._forget(name, unlink=False)
@@ -684,10 +681,11 @@ def _new_folder(folder: str) -> bool:
 
 
 def _status(filename: str, folder: int) -> os.stat_result | None:
-    """The status of ``filename`` in the directory ``folder`` (a symlink not followed), or ``None`` if it is gone."""
+    """The status of ``filename`` in the directory ``folder`` (a symlink not followed), or ``None`` if it is gone
+    or cannot be looked at (a directory we may not search)."""
     try:
         return os.lstat(filename, dir_fd=folder)
-    except FileNotFoundError:
+    except OSError:
         return None
 
 

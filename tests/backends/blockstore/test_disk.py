@@ -565,6 +565,32 @@ def test_a_get_counts_the_file_its_name_leads_to_once_read(tmp_path, monkeypatch
     store.close()
 
 
+@pytest.mark.parametrize("call", ["contains", "get"])
+def test_a_look_at_a_file_never_undoes_a_rewrite_this_store_made_meanwhile(tmp_path, monkeypatch, call):
+    """contains or get looks at a file while one of the store's own threads rewrites it at another size: the
+    look and the index update are one step, so the index keeps the rewrite's size."""
+    store = DiskStore(tmp_path, 10_000)
+    assert _put(store, [b"k"], 100).ok
+    real, rewrites = disk._status, []
+
+    def rewritten_meanwhile(filename, folder):
+        found = real(filename, folder)
+        if not rewrites:
+            rewrites.append(store.put([b"k"], [[memoryview(bytes(900))]]))
+            store.poll(rewrites, 0.5)  # lands now unless the look holds the index
+        return found
+
+    monkeypatch.setattr(disk, "_status", rewritten_meanwhile)
+    if call == "contains":
+        assert store.contains([b"k"]) == 1
+    else:
+        _get(store, [b"k"], 100)
+    store.poll(rewrites, 5.0)
+    assert store.used_bytes == store._file(_name(b"k")).stat().st_size == 900
+    store.check_invariants()
+    store.close()
+
+
 def test_a_value_another_process_deleted_is_no_longer_counted(tmp_path):
     """contains finds that another process evicted an indexed value: it answers absent and forgets its bytes."""
     one, two = DiskStore(tmp_path, 1000), DiskStore(tmp_path, 1000)
