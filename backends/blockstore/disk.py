@@ -210,15 +210,17 @@ class DiskStore:
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
         self._check_process()
         check_call("DiskStore", self.closed, keys, values)
+        views = [flat_views(v) for v in values]  # refused, typed, before any ticket is issued
         ticket = self._tickets.issue(len(keys))
-        self._pool.submit(self._run, ticket, self._write, list(keys), [flat_views(v) for v in values])
+        self._pool.submit(self._run, ticket, self._write, list(keys), views)
         return ticket
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
         self._check_process()
         check_call("DiskStore", self.closed, keys, buffers)
+        views = [flat_views(b) for b in buffers]
         ticket = self._tickets.issue(len(keys))
-        self._pool.submit(self._run, ticket, self._read, list(keys), [flat_views(b) for b in buffers])
+        self._pool.submit(self._run, ticket, self._read, list(keys), views)
         return ticket
 
     def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:

@@ -186,6 +186,26 @@ def test_a_file_in_the_way_of_the_directory_is_a_config_error(tmp_path):
         DiskStore(tmp_path / "f" / "sub", 10)
 
 
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda s: s.put([b"a"], [[memoryview(bytearray(8))[::2]]]), "contiguous"),
+    (lambda s: s.put([b"a"], [[5]]), "5"),
+    (lambda s: s.put([b"a"], [5]), "5"),
+    (lambda s: s.get([b"a"], [[memoryview(bytearray(8))[::2]]]), "contiguous"),
+    (lambda s: s.put([b"a"], 5), "5"),
+    (lambda s: s.contains(None), "None"),
+    (lambda s: s.get(None, []), "None"),
+])
+def test_malformed_buffers_and_keys_are_refused_changing_nothing(tmp_path, call, match):
+    """Buffers that are not contiguous bytes-like objects, and keys that are not a sequence, raise ConfigError
+    quoting them, before any ticket is issued or anything written."""
+    store = DiskStore(tmp_path, 1000)
+    with pytest.raises(ConfigError, match=match):
+        call(store)
+    assert store._tickets.outstanding == 0 and store.poll(range(4)) == [] and os.listdir(tmp_path) == []
+    store.check_invariants()
+    store.close()
+
+
 def test_calls_after_close_raise(tmp_path):
     """A closed store refuses work."""
     store = DiskStore(tmp_path, 10)
