@@ -228,6 +228,7 @@ class DiskStore:
 
     def drop(self, key: bytes) -> bool:
         """Delete ``key``'s file as an outside eviction would; answer whether it was indexed."""
+        check_keys("DiskStore", False, [key])
         name = _name(key)
         with self._lock:
             held = name in self._index

@@ -194,6 +194,7 @@ def test_a_file_in_the_way_of_the_directory_is_a_config_error(tmp_path):
     (lambda s: s.put([b"a"], 5), "5"),
     (lambda s: s.contains(None), "None"),
     (lambda s: s.get(None, []), "None"),
+    (lambda s: s.drop("a"), "'a'"),
 ])
 def test_malformed_buffers_and_keys_are_refused_changing_nothing(tmp_path, call, match):
     """Buffers that are not contiguous bytes-like objects, and keys that are not a sequence, raise ConfigError
