@@ -87,7 +87,8 @@ class DiskStore:
     before anyone can find it (the writer checks, once locked, that the name
     still leads to its file) until after the rename; the lock dies with the
     writer's process. A ``path`` deleted while the store is open is made
-    again, as opening makes it, by the next put.
+    again, as opening makes it, by the next put; a subdirectory removed while
+    a put writes in it (a neighbour's cleanup) is made again, once.
 
     Opening. A new instance re-indexes the directory: the file names are the
     index, sizes and modification times seed the eviction order. Entries that
@@ -381,7 +382,7 @@ class DiskStore:
     def _write(self, key: bytes, parts: list[memoryview]) -> str | None:
         size = sum(p.nbytes for p in parts)
         name = _name(key)
-        pruned = False
+        pruned = remade = False
         while True:  # each round after a full file system evicts a value or (once) prunes, or gives up
             with self._lock:
                 fits = self._make_room(size)
@@ -394,6 +395,10 @@ class DiskStore:
                 return None
             except OSError as exc:
                 problem = f"cannot write {str(self._file(name))!r}: {exc.strerror or exc}"
+                gone = exc.errno == errno.ENOENT and not os.path.lexists(self._file(name).parent)
+                if gone and not remade:  # its subdirectory went meanwhile (a neighbour's prune, a cleanup):
+                    remade = True  # made again, once
+                    continue
                 if exc.errno not in _FULL:
                     return problem
             self._note("disk_full")

@@ -496,6 +496,24 @@ def test_a_directory_deleted_under_an_open_store_is_made_again(tmp_path):
     store.close()
 
 
+def test_a_subdirectory_removed_while_a_put_writes_in_it_is_made_again(tmp_path, monkeypatch):
+    """A neighbour removes an empty subdirectory (its prune when out of inodes, a cleanup) between a put's making
+    it and creating its temporary file there: the put makes it again and lands."""
+    store = DiskStore(tmp_path, 1000)
+    real, removed = DiskStore._create_temp, []
+
+    def removed_first(self, folder, final):
+        if not removed:
+            removed.append(final)
+            os.rmdir(store._file(_name(b"a")).parent)
+        return real(self, folder, final)
+
+    monkeypatch.setattr(DiskStore, "_create_temp", removed_first)
+    assert _put(store, [b"a"], 100).ok and removed and _get(store, [b"a"], 100)[0].ok
+    store.check_invariants()
+    store.close()
+
+
 def test_a_victim_another_process_evicted_first_is_counted(tmp_path):
     """Evicting a file already gone is not an error: the put that needed the room lands."""
     store = DiskStore(tmp_path, 200)
