@@ -126,12 +126,12 @@ class DiskStore:
     key (a miss), never an exception. ``contains`` and ``get`` look at the file
     each time and the index follows: a file another process added is adopted,
     one it rewrote at another size counted at its new size, one it deleted
-    forgotten. The capacity holds per process.
-    Work runs on a pool of ``threads`` threads of the process that opened the
-    store: in a child forked from it, ``contains``/``put``/``get`` raise
-    :class:`~kvkit.errors.KVKitError` (open a store in each process). At most ``max_waiting``
-    finished results wait for the polls naming their tickets (one more
-    abandons the oldest).
+    forgotten. The capacity holds per process. Work runs on a pool of
+    ``threads`` threads of the process that opened the store: in a child
+    forked from it, ``contains``/``put``/``get`` raise
+    :class:`~kvkit.errors.KVKitError` (open a store in each process). At most
+    ``max_waiting`` finished results wait for the polls naming their tickets
+    (one more abandons the oldest).
 
     Symlinks. No path is followed through a symlink: value and temporary files are opened with
     ``O_NOFOLLOW`` and reached relative to their subdirectory, itself opened with ``O_NOFOLLOW``, so a
@@ -622,7 +622,7 @@ class DiskStore:
         """Remove the empty subdirectories of this layout; answer how many went.
 
         ``rmdir`` removes only an empty directory, so nothing is lost; a put of another thread or process
-        whose subdirectory goes between its making and the creation of its temporary file fails.
+        whose subdirectory goes between its making and the creation of its temporary file makes it again.
         """
         pruned = 0
         with contextlib.suppress(OSError), os.scandir(self.path) as entries:
