@@ -16,9 +16,11 @@ __all__ = ["MAX_WAITING", "TicketBox", "check_call", "check_keys", "flat_views",
 
 
 def check_keys(store: str, closed: bool, keys: Sequence[bytes]) -> None:
-    """Refuse a call on a closed store or with a key that is not ``bytes``."""
+    """Refuse a call on a closed store, with keys that are not a sequence, or with a key that is not ``bytes``."""
     if closed:
         raise KVKitError(f"{store} is closed")
+    if not isinstance(keys, Sequence) or isinstance(keys, str | bytes):
+        raise ConfigError(f"block-store keys must be a sequence (a list) of non-empty bytes, got {quote(keys)}")
     for key in keys:
         if not isinstance(key, bytes) or not key:
             raise ConfigError(f"a block-store key must be non-empty bytes, got {quote(key)}")
@@ -27,13 +29,19 @@ def check_keys(store: str, closed: bool, keys: Sequence[bytes]) -> None:
 def check_call(store: str, closed: bool, keys: Sequence[bytes], buffers: Sequence[Sequence[object]]) -> None:
     """Refuse a ``put``/``get`` whose keys are bad or whose buffer lists do not pair with them."""
     check_keys(store, closed, keys)
+    if not isinstance(buffers, Sequence):
+        raise ConfigError(f"block-store buffers must be a sequence of buffer lists, one per key, got {quote(buffers)}")
     if len(keys) != len(buffers):
         raise ConfigError(f"{plural(len(keys), 'key')} but {plural(len(buffers), 'buffer list')}")
 
 
 def flat_views(parts: Sequence[memoryview]) -> list[memoryview]:
-    """Byte views of one value's buffers (each contiguous), in order."""
-    return [memoryview(p).cast("B") for p in parts]
+    """Byte views of one value's buffers (each contiguous), in order; ``ConfigError`` quoting anything else."""
+    try:
+        return [memoryview(p).cast("B") for p in parts]
+    except (TypeError, ValueError) as exc:  # not a buffer, not C-contiguous, not a list of them
+        raise ConfigError(f"a value's buffers must be a list of C-contiguous bytes-like objects, "
+                          f"got {quote(parts)} ({exc})") from None
 
 
 MAX_WAITING = 1 << 14

@@ -20,7 +20,7 @@ import attrs
 
 from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
 from kvkit.backends.eviction.lru import LRUPolicy
-from kvkit.errors import ConfigError
+from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.shared import StoreResult
 from kvkit.interfaces.types import BlockHash, BlockId
@@ -29,7 +29,7 @@ from kvkit.validate import check_bool, check_int, checked, implements, plural, q
 __all__ = ["COUNTERS", "DiskStore"]
 
 _SUFFIX = ".kvb"
-_TEMP = ".tmp-"  # "<name>.kvb.tmp-<owner>-<n>": a write not renamed yet, locked by its writer
+_TEMP = ".tmp-"  # "<name>.kvb.tmp-<owner>-<n>" (no dot in owner): a write not renamed yet, locked by its writer
 _HEX = frozenset("0123456789abcdef")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _TEMP_ATTEMPTS = 3  # fresh temp names tried when a reaper removed each one before its writer locked it
@@ -38,15 +38,23 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 # A value's subdirectory is opened, and its files reached relative to it, never through a symlink in its place.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
-COUNTERS = ("foreign", "broken", "vanished", "temps_removed", "temps_kept", "evicted", "unlink_failed",
+COUNTERS = ("foreign", "broken", "vanished", "oversized", "temps_removed", "temps_kept", "evicted", "unlink_failed",
             "disk_full")
 """The names of :attr:`DiskStore.counters`, in order."""
 
 
 def _path(value: object) -> Path:
-    if not isinstance(value, str | os.PathLike) or not str(value):
+    """``value`` as an absolute path (a leading ``~`` is the home directory), fixed when the store opens."""
+    text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    if not isinstance(text, str) or not text:
         raise ConfigError(f"DiskStore.path={quote(value)}: must be a directory path")
-    return Path(value)
+    try:
+        unusable = b"\0" in os.fsencode(text)
+    except UnicodeEncodeError:  # a lone surrogate
+        unusable = True
+    if unusable:
+        raise ConfigError(f"DiskStore.path={quote(value)}: holds a NUL byte or a character no file name can hold")
+    return Path(os.path.abspath(os.path.expanduser(text)))
 
 
 def _mode(value: object) -> int:
@@ -67,6 +75,10 @@ def _mode(value: object) -> int:
 class DiskStore:
     """A directory of block values: ``<path>/<2 hex>/<sha256(key)>.kvb``, at most ``capacity_bytes``.
 
+    ``path`` is made absolute when the store opens (a leading ``~`` is the home directory; a later ``chdir``
+    moves nothing); one no file system can take (a NUL byte, a lone surrogate) raises
+    :class:`~kvkit.errors.ConfigError`, quoting it.
+
     Writes. A value is written to a temporary file next to its final name,
     ``<name>.kvb.tmp-<owner>-<n>`` (``owner`` random per store, so writers in
     other processes, hosts or PID namespaces never share a name), then renamed
@@ -74,7 +86,9 @@ class DiskStore:
     none. Its writer holds an exclusive ``flock`` on the temporary file from
     before anyone can find it (the writer checks, once locked, that the name
     still leads to its file) until after the rename; the lock dies with the
-    writer's process.
+    writer's process. A ``path`` deleted while the store is open is made
+    again, as opening makes it, by the next put; a subdirectory removed while
+    a put writes in it (a neighbour's cleanup) is made again, once.
 
     Opening. A new instance re-indexes the directory: the file names are the
     index, sizes and modification times seed the eviction order. Entries that
@@ -82,9 +96,11 @@ class DiskStore:
     values or temporary files but not regular files (symlinks, directories,
     devices, unlistable subdirectories: ``broken``), and entries gone between
     being listed and being looked at (``vanished``: another process evicted
-    them) are counted in :attr:`counters` and left alone; opening never raises
-    on an entry. A temporary file is deleted only when its lock can be taken,
-    which proves its writer gone (``temps_removed``); one whose lock is held,
+    them) are counted in :attr:`counters` and left alone; so is a value file
+    larger than the capacity (``oversized``: never indexed, since holding it
+    would evict every other value); opening never raises on an entry. A
+    temporary file is deleted only when its lock can be taken, which proves
+    its writer gone (``temps_removed``); one whose lock is held,
     or that cannot be deleted (a read-only file system), is kept
     (``temps_kept``). Only an unusable ``path`` itself raises
     :class:`~kvkit.errors.ConfigError`, quoting it.
@@ -96,7 +112,9 @@ class DiskStore:
     ``EDQUOT``: ``disk_full``) lowers the effective capacity to what the file
     system holds for this store (the bytes indexed when it filled, plus the
     free space if less than the value) and evicts below it, retrying until the
-    value lands or nothing is left to evict. While lowered, the capacity is
+    value lands or nothing is left to evict; then, once per put, it removes the
+    empty subdirectories (a file system out of inodes may lack the one a new
+    file needs) and retries. While lowered, the capacity is
     re-measured (indexed bytes plus free space, never above
     ``capacity_bytes``) whenever it would force an eviction, so space freed on
     the file system is used again; a quota, invisible to ``statvfs``, is
@@ -105,11 +123,15 @@ class DiskStore:
 
     Reading. A ``get`` reads with ``os.preadv`` straight into the caller's
     buffers; a value missing, not a regular file, or unreadable is a failed
-    key (a miss), never an exception. Files another process adds are adopted
-    when ``contains`` or ``get`` finds them; the capacity holds per process.
-    Work runs on a pool of ``threads`` threads. At most ``max_waiting``
-    finished results wait for the polls naming their tickets (one more
-    abandons the oldest).
+    key (a miss), never an exception. ``contains`` and ``get`` look at the file
+    each time and the index follows: a file another process added is adopted,
+    one it rewrote at another size counted at its new size, one it deleted
+    forgotten. The capacity holds per process. Work runs on a pool of
+    ``threads`` threads of the process that opened the store: in a child
+    forked from it, ``contains``/``put``/``get`` raise
+    :class:`~kvkit.errors.KVKitError` (open a store in each process). At most
+    ``max_waiting`` finished results wait for the polls naming their tickets
+    (one more abandons the oldest).
 
     Symlinks. No path is followed through a symlink: value and temporary files are opened with
     ``O_NOFOLLOW`` and reached relative to their subdirectory, itself opened with ``O_NOFOLLOW``, so a
@@ -151,6 +173,7 @@ class DiskStore:
     _ids: itertools.count = attrs.field(factory=itertools.count, init=False)
     _temps: itertools.count = attrs.field(factory=itertools.count, init=False)
     _owner: str = attrs.field(factory=lambda: secrets.token_hex(6), init=False)
+    _pid: int = attrs.field(factory=os.getpid, init=False)  # the process whose threads do the work
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _counts: Counter = attrs.field(factory=Counter, init=False)
     _counts_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
@@ -176,6 +199,7 @@ class DiskStore:
             return self._limit()
 
     def contains(self, keys: Sequence[bytes]) -> int:
+        self._check_process()
         check_keys("DiskStore", self.closed, keys)
         n = 0
         for key in keys:
@@ -185,15 +209,19 @@ class DiskStore:
         return n
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
+        self._check_process()
         check_call("DiskStore", self.closed, keys, values)
+        views = [flat_views(v) for v in values]  # refused, typed, before any ticket is issued
         ticket = self._tickets.issue(len(keys))
-        self._pool.submit(self._run, ticket, self._write, list(keys), [flat_views(v) for v in values])
+        self._pool.submit(self._run, ticket, self._write, list(keys), views)
         return ticket
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
+        self._check_process()
         check_call("DiskStore", self.closed, keys, buffers)
+        views = [flat_views(b) for b in buffers]
         ticket = self._tickets.issue(len(keys))
-        self._pool.submit(self._run, ticket, self._read, list(keys), [flat_views(b) for b in buffers])
+        self._pool.submit(self._run, ticket, self._read, list(keys), views)
         return ticket
 
     def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
@@ -201,6 +229,7 @@ class DiskStore:
 
     def drop(self, key: bytes) -> bool:
         """Delete ``key``'s file as an outside eviction would; answer whether it was indexed."""
+        check_keys("DiskStore", False, [key])
         name = _name(key)
         with self._lock:
             held = name in self._index
@@ -223,6 +252,13 @@ class DiskStore:
             assert all(self._names[block] == name for name, (block, _) in self._index.items()), "id map drifted"
             self.eviction.check_invariants()
         self._tickets.check_invariants()
+
+    def _check_process(self) -> None:
+        """Refuse work in a child forked from the opener: the pool's threads (and its temporary names) are the
+        parent's, so work queued there would never run."""
+        if os.getpid() != self._pid:
+            raise KVKitError(f"DiskStore at {str(self.path)!r} was opened by process {self._pid} and inherited "
+                             f"through fork by process {os.getpid()}: open a store in each process")
 
     # --- opening -------------------------------------------------------------
 
@@ -346,7 +382,8 @@ class DiskStore:
     def _write(self, key: bytes, parts: list[memoryview]) -> str | None:
         size = sum(p.nbytes for p in parts)
         name = _name(key)
-        while True:  # each round after a full file system evicts at least one value, or gives up
+        pruned = remade = False
+        while True:  # each round after a full file system evicts a value or (once) prunes, or gives up
             with self._lock:
                 fits = self._make_room(size)
                 limit = self._limit()
@@ -358,11 +395,17 @@ class DiskStore:
                 return None
             except OSError as exc:
                 problem = f"cannot write {str(self._file(name))!r}: {exc.strerror or exc}"
+                gone = exc.errno == errno.ENOENT and not os.path.lexists(self._file(name).parent)
+                if gone and not remade:  # its subdirectory went meanwhile (a neighbour's prune, a cleanup):
+                    remade = True  # made again, once
+                    continue
                 if exc.errno not in _FULL:
                     return problem
             self._note("disk_full")
             with self._lock:
                 relieved = self._relieve(size)
+            if not relieved and not pruned:  # out of inodes, perhaps: the empty subdirectories hold some
+                relieved = pruned = self._prune() > 0
             if not relieved:
                 return f"{problem}, and nothing is left to evict"
 
@@ -398,16 +441,17 @@ class DiskStore:
         """A descriptor of ``name``'s subdirectory (made first with ``create``), never opened through a symlink.
 
         Raises ``OSError`` when something else is in its place (``ELOOP``, ``ENOTDIR``): a symlink there
-        would carry reads, writes and evictions outside ``path``.
+        would carry reads, writes and evictions outside ``path``; ``ConfigError`` when ``path``, deleted,
+        cannot be made again.
         """
-        folder = self.path / name[:2]
+        folder = os.path.join(self.path, name[:2])  # a str: cheaper than a Path, for every contains
         made = False
         if create:
             try:
-                os.mkdir(folder, 0o700)
-                made = True
-            except FileExistsError:
-                pass
+                made = _new_folder(folder)
+            except FileNotFoundError:  # ``path`` itself was deleted (a cleanup): made again, as opening does
+                self._make_root()
+                made = _new_folder(folder)
         fd = os.open(folder, _DIR_FLAGS)
         if made:
             os.fchmod(fd, _dir_mode(self.file_mode))  # mkdir's mode passes through the umask
@@ -433,7 +477,6 @@ class DiskStore:
     def _read(self, key: bytes, parts: list[memoryview]) -> str | None:
         name = _name(key)
         path = self._file(name)
-        want = sum(p.nbytes for p in parts)
         try:
             folder = self._open_folder(name)
         except FileNotFoundError:
@@ -441,20 +484,27 @@ class DiskStore:
         except OSError as exc:  # a symlink or a file in its subdirectory's place
             return self._unusable(name, f"cannot open {str(path.parent)!r}: {exc.strerror or exc}")
         try:
-            fd = os.open(path.name, _READ_FLAGS, dir_fd=folder)
-        except FileNotFoundError:
-            with self._lock:
-                if _status(path.name, folder) is None:  # deleted behind our back (not just rewritten)
-                    self._forget(name, unlink=False)
-            return "missing value"
-        except OSError as exc:  # a symlink in its place, or no permission
-            return self._unusable(name, f"cannot open {str(path)!r}: {exc.strerror or exc}")
+            problem = self._read_file(folder, path, parts)
+            with self._lock:  # the index follows what the name leads to now, not the file read
+                if self._found(name, _status(path.name, folder)) and problem is None and name in self._index:
+                    self.eviction.on_access(self._index[name][0])
         finally:
             os.close(folder)
+        return problem
+
+    def _read_file(self, folder: int, path: Path, parts: list[memoryview]) -> str | None:
+        """Read ``path``'s file, in the directory ``folder``, into ``parts``; answer the problem, if any."""
+        want = sum(p.nbytes for p in parts)
+        try:
+            fd = os.open(path.name, _READ_FLAGS, dir_fd=folder)
+        except FileNotFoundError:
+            return "missing value"
+        except OSError as exc:  # a symlink in its place, or no permission
+            return f"cannot open {str(path)!r}: {exc.strerror or exc}"
         try:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode):
-                return self._unusable(name, f"{str(path)!r} is not a regular file")
+                return f"{str(path)!r} is not a regular file"
             if found.st_size != want:
                 return f"value of {found.st_size} bytes, buffers of {want}"
             if _read_all(fd, parts) != want:
@@ -465,12 +515,6 @@ class DiskStore:
             return f"cannot read {str(path)!r}: {exc.strerror or exc}"
         finally:
             os.close(fd)
-        with self._lock:
-            entry = self._index.get(name)
-            if entry is None:
-                self._adopt(name, found.st_size)
-            else:
-                self.eviction.on_access(entry[0])
         return None
 
     def _unusable(self, name: str, problem: str) -> str:
@@ -482,28 +526,44 @@ class DiskStore:
     # --- the index -----------------------------------------------------------
 
     def _known(self, name: str) -> bool:
-        with self._lock:
-            if name in self._index:
-                return True
+        """Whether ``name``'s value file is there now; the index follows what is found (:meth:`_found`)."""
         try:
             folder = self._open_folder(name)
-        except OSError:
-            return False
+        except OSError:  # its subdirectory is gone, or not a directory
+            with self._lock:
+                return self._found(name, None)
         try:
-            found = _status(f"{name}{_SUFFIX}", folder)
+            with self._lock:  # one step with the update: a rewrite by this store's threads cannot come between
+                return self._found(name, _status(f"{name}{_SUFFIX}", folder))
         finally:
             os.close(folder)
+
+    def _found(self, name: str, found: os.stat_result | None) -> bool:
+        """Bring ``name``'s entry up to date with its file as just looked at (``None``: gone or unusable).
+
+        Forgotten (not deleted) when it is not a regular file any more, adopted when new, re-adopted at its
+        size when another process rewrote it at another: so ``used_bytes`` follows the files. Answers
+        whether a value file is there. The lock is held, and was while ``found`` was looked at: this
+        store's own rewrites (under the lock) never come between.
+        """
         if found is None or not stat.S_ISREG(found.st_mode):
+            self._forget(name, unlink=False)
             return False
-        with self._lock:
-            if name not in self._index:
-                self._adopt(name, found.st_size)
+        entry = self._index.get(name)
+        if entry is None or entry[1] != found.st_size:
+            self._forget(name, unlink=False)
+            self._adopt(name, found.st_size)
         return True
 
     def _file(self, name: str) -> Path:
         return self.path / name[:2] / f"{name}{_SUFFIX}"
 
     def _adopt(self, name: str, size: int) -> None:
+        """Index ``name``'s file of ``size`` bytes and evict for it; one larger than the capacity is never
+        indexed (``oversized``): holding it would evict every other value, and then itself."""
+        if size > self._limit():
+            self._note("oversized")
+            return
         block = BlockId(next(self._ids))
         self._index[name] = (block, size)
         self._names[block] = name
@@ -558,6 +618,21 @@ class DiskStore:
         self._fits = min(self._limit(), self.used_bytes + room)
         return self._evict_for(size) > 0
 
+    def _prune(self) -> int:
+        """Remove the empty subdirectories of this layout; answer how many went.
+
+        ``rmdir`` removes only an empty directory, so nothing is lost; a put of another thread or process
+        whose subdirectory goes between its making and the creation of its temporary file makes it again.
+        """
+        pruned = 0
+        with contextlib.suppress(OSError), os.scandir(self.path) as entries:
+            for entry in entries:
+                if len(entry.name) == 2 and _HEX.issuperset(entry.name) and entry.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError):  # not empty, or not ours to remove
+                        os.rmdir(entry.path)
+                        pruned += 1
+        return pruned
+
     def _free(self) -> int | None:
         try:
             found = os.statvfs(self.path)
@@ -592,8 +667,10 @@ def _kind(prefix: str, filename: str) -> str | None:
         return None
     if rest == _SUFFIX[1:]:
         return "value"
-    if rest.startswith(f"{_SUFFIX[1:]}{_TEMP}"):
-        return "temp"
+    temp = f"{_SUFFIX[1:]}{_TEMP}"
+    owner, _, number = rest[len(temp):].rpartition("-")
+    if rest.startswith(temp) and owner and "." not in owner and number.isascii() and number.isdigit():
+        return "temp"  # exactly "<name>.kvb.tmp-<owner>-<n>": anything else there is another's
     return None
 
 
@@ -602,11 +679,21 @@ def _dir_mode(file_mode: int) -> int:
     return file_mode | (file_mode & 0o444) >> 2
 
 
+def _new_folder(folder: str) -> bool:
+    """Make ``folder`` (private until its mode is set); ``False`` if it exists already."""
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        return False
+    return True
+
+
 def _status(filename: str, folder: int) -> os.stat_result | None:
-    """The status of ``filename`` in the directory ``folder`` (a symlink not followed), or ``None`` if it is gone."""
+    """The status of ``filename`` in the directory ``folder`` (a symlink not followed), or ``None`` if it is gone
+    or cannot be looked at (a directory we may not search)."""
     try:
         return os.lstat(filename, dir_fd=folder)
-    except FileNotFoundError:
+    except OSError:
         return None
 
 

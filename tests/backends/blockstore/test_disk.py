@@ -136,6 +136,32 @@ def test_bad_settings_are_refused(tmp_path, kwargs, match):
         DiskStore(**kwargs)
 
 
+@pytest.mark.parametrize("path", ["kv\0x", "kv\ud800"])
+def test_a_path_the_operating_system_cannot_take_is_refused(tmp_path, path):
+    """A NUL byte or a lone surrogate (also through a URL) is a ConfigError quoting the path; nothing is created."""
+    with pytest.raises(ConfigError, match=r"DiskStore\.path=.*kv"):
+        DiskStore(tmp_path / path, 10)
+    with pytest.raises(ConfigError, match="kv"):
+        open_block_store(f"file://{tmp_path}/kv%00x?capacity_bytes=1KiB")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_relative_path_and_a_tilde_are_fixed_when_the_store_opens(tmp_path, monkeypatch):
+    """A relative path is taken from the working directory at opening (a later chdir moves nothing);
+    a leading ``~`` is the home directory, never a directory named ``~``."""
+    (tmp_path / "home").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    relative, home = DiskStore("rel/kv/", 1000), DiskStore("~/kv", 1000)
+    assert (relative.path, home.path) == (tmp_path / "rel" / "kv", tmp_path / "home" / "kv")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for store in (relative, home):
+        assert _put(store, [b"a"], 10).ok and _get(store, [b"a"], 10)[0].ok
+        store.close()
+    assert not (tmp_path / "~").exists() and os.listdir(tmp_path / "elsewhere") == []
+
+
 @pytest.mark.parametrize("page_cache", [True, False])
 def test_without_the_page_cache_each_value_is_flushed_and_dropped_once_written_or_read(tmp_path, monkeypatch,
                                                                                         page_cache):
@@ -160,6 +186,27 @@ def test_a_file_in_the_way_of_the_directory_is_a_config_error(tmp_path):
         DiskStore(tmp_path / "f" / "sub", 10)
 
 
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda s: s.put([b"a"], [[memoryview(bytearray(8))[::2]]]), "contiguous"),
+    (lambda s: s.put([b"a"], [[5]]), "5"),
+    (lambda s: s.put([b"a"], [5]), "5"),
+    (lambda s: s.get([b"a"], [[memoryview(bytearray(8))[::2]]]), "contiguous"),
+    (lambda s: s.put([b"a"], 5), "5"),
+    (lambda s: s.contains(None), "None"),
+    (lambda s: s.get(None, []), "None"),
+    (lambda s: s.drop("a"), "'a'"),
+])
+def test_malformed_buffers_and_keys_are_refused_changing_nothing(tmp_path, call, match):
+    """Buffers that are not contiguous bytes-like objects, and keys that are not a sequence, raise ConfigError
+    quoting them, before any ticket is issued or anything written."""
+    store = DiskStore(tmp_path, 1000)
+    with pytest.raises(ConfigError, match=match):
+        call(store)
+    assert store._tickets.outstanding == 0 and store.poll(range(4)) == [] and os.listdir(tmp_path) == []
+    store.check_invariants()
+    store.close()
+
+
 def test_calls_after_close_raise(tmp_path):
     """A closed store refuses work."""
     store = DiskStore(tmp_path, 10)
@@ -177,6 +224,34 @@ def test_a_value_survives_a_real_process_restart(tmp_path):
     store = DiskStore(tmp_path, 1 << 20)
     result, (buffer,) = _get(store, [b"k"], 999)
     assert result.ok and buffer == b"\x07" * 999
+    store.close()
+
+
+def test_a_store_inherited_through_fork_refuses_work_in_the_child(tmp_path):
+    """A forked child has the store's object but not its threads: its calls raise KVKitError (they would queue
+    work nothing runs, never reported); the parent's store keeps working."""
+    store = DiskStore(tmp_path, 1 << 20)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe and exits at once
+        outcome = []
+        for call in (lambda: store.put([b"a"], [[memoryview(b"x")]]), lambda: store.get([b"a"], [[memoryview(
+                bytearray(1))]]), lambda: store.contains([b"a"])):
+            try:
+                call()
+                outcome.append("ran")
+            except KVKitError as exc:
+                outcome.append("KVKitError" if "fork" in str(exc) and str(tmp_path) in str(exc) else str(exc))
+            except BaseException as exc:  # noqa: BLE001 - anything untyped is reported
+                outcome.append(type(exc).__name__)
+        os.write(write, json.dumps(outcome).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        outcome = json.loads(pipe.read())
+    os.waitpid(child, 0)
+    assert outcome == ["KVKitError"] * 3
+    assert _put(store, [b"a"], 10).ok and store.contains([b"a"]) == 1
     store.close()
 
 
@@ -218,6 +293,9 @@ def _plant(tmp_path, what):
         "value in the wrong subdirectory": tmp_path / ("00" if sub.name != "00" else "01") / file,
         "upper-case name": tmp_path / sub.name.upper() / file.upper(),
         "stray temporary file": sub / "README.kvb.tmp-1-0",
+        "temporary name without its writer": sub / f"{file}.tmp-",
+        "temporary name without its number": sub / f"{file}.tmp-x",
+        "temporary name with a suffix": sub / f"{file}.tmp-x-1.kvb",
         "dangling symlink as a value": sub / file,
         "directory as a value": sub / file,
         "FIFO as a value": sub / file,
@@ -238,7 +316,8 @@ def _plant(tmp_path, what):
 
 
 _FOREIGN = ["stray file named as a value", "stray file at the top", "stray directory at the top",
-            "value in the wrong subdirectory", "upper-case name", "stray temporary file"]
+            "value in the wrong subdirectory", "upper-case name", "stray temporary file",
+            "temporary name without its writer", "temporary name without its number", "temporary name with a suffix"]
 _BROKEN = ["dangling symlink as a value", "directory as a value", "FIFO as a value", "file as a subdirectory",
            "symlink as a temporary file", "FIFO as a temporary file"]
 
@@ -404,6 +483,37 @@ def test_a_value_evicted_between_listing_and_looking_is_skipped(tmp_path, monkey
     store.close()
 
 
+def test_a_directory_deleted_under_an_open_store_is_made_again(tmp_path):
+    """A cleanup deleting the whole directory: the next put makes it again (private, as opening does) and lands;
+    what was deleted is a miss."""
+    store = DiskStore(tmp_path / "kv", 1000)
+    assert _put(store, [b"a"], 100).ok
+    shutil.rmtree(tmp_path / "kv")
+    assert _put(store, [b"b"], 100).ok and _get(store, [b"b"], 100)[0].ok
+    assert store.contains([b"a"]) == 0 and store.used_bytes == 100
+    assert _modes(tmp_path / "kv") == ({"0o600"}, {"0o700"})
+    store.check_invariants()
+    store.close()
+
+
+def test_a_subdirectory_removed_while_a_put_writes_in_it_is_made_again(tmp_path, monkeypatch):
+    """A neighbour removes an empty subdirectory (its prune when out of inodes, a cleanup) between a put's making
+    it and creating its temporary file there: the put makes it again and lands."""
+    store = DiskStore(tmp_path, 1000)
+    real, removed = DiskStore._create_temp, []
+
+    def removed_first(self, folder, final):
+        if not removed:
+            removed.append(final)
+            os.rmdir(store._file(_name(b"a")).parent)
+        return real(self, folder, final)
+
+    monkeypatch.setattr(DiskStore, "_create_temp", removed_first)
+    assert _put(store, [b"a"], 100).ok and removed and _get(store, [b"a"], 100)[0].ok
+    store.check_invariants()
+    store.close()
+
+
 def test_a_victim_another_process_evicted_first_is_counted(tmp_path):
     """Evicting a file already gone is not an error: the put that needed the room lands."""
     store = DiskStore(tmp_path, 200)
@@ -452,6 +562,106 @@ def test_an_unusable_directory_is_a_config_error_quoting_it(tmp_path, monkeypatc
     monkeypatch.setattr(disk.os, "scandir", refused)
     with pytest.raises(ConfigError, match=f"{tmp_path / 'd'}.*cannot list"):
         DiskStore(tmp_path / "d", 10)
+
+
+@pytest.mark.parametrize("meets", ["contains", "get of its new size", "get of its old size"])
+def test_a_value_another_process_rewrote_at_another_size_is_counted_at_its_size(tmp_path, meets):
+    """Another process (a second store: they share nothing but the directory) rewrites an indexed key at another
+    size: whatever first meets the file corrects ``used_bytes`` to the bytes on disk, and the capacity holds."""
+    one, two = DiskStore(tmp_path, 1000), DiskStore(tmp_path, 10_000)
+    assert _put(one, [b"k"], 100).ok and _put(one, [b"old"], 100).ok
+    assert _put(two, [b"k"], 900).ok
+    if meets == "contains":
+        assert one.contains([b"k"]) == 1
+    else:
+        result, _ = _get(one, [b"k"], 900 if meets == "get of its new size" else 100)
+        assert result.ok == (meets == "get of its new size")
+    assert one.used_bytes == 1000 and one.contains([b"old", b"k"]) == 2
+    one.check_invariants()
+    assert _put(one, [b"new"], 100).ok  # room is made for what is really on disk
+    assert one.used_bytes == sum(p.stat().st_size for p in tmp_path.glob("??/*.kvb")) <= 1000
+    one.check_invariants()
+    one.close()
+    two.close()
+
+
+def test_a_get_counts_the_file_its_name_leads_to_once_read(tmp_path, monkeypatch):
+    """Another process rewrites the value at another size while a get reads the old file: the get serves the
+    old bytes, whole, and the index counts the new file."""
+    store = DiskStore(tmp_path, 1000)
+    assert _put(store, [b"k"], 100).ok
+    final, real = store._file(_name(b"k")), disk._read_all
+
+    def rewritten_meanwhile(fd, parts):
+        final.with_name("other").write_bytes(b"n" * 900)
+        os.replace(final.with_name("other"), final)
+        return real(fd, parts)
+
+    monkeypatch.setattr(disk, "_read_all", rewritten_meanwhile)
+    result, (buffer,) = _get(store, [b"k"], 100)
+    assert result.ok and buffer == bytes(100) and store.used_bytes == 900
+    store.check_invariants()
+    store.close()
+
+
+@pytest.mark.parametrize("call", ["contains", "get"])
+def test_a_look_at_a_file_never_undoes_a_rewrite_this_store_made_meanwhile(tmp_path, monkeypatch, call):
+    """contains or get looks at a file while one of the store's own threads rewrites it at another size: the
+    look and the index update are one step, so the index keeps the rewrite's size."""
+    store = DiskStore(tmp_path, 10_000)
+    assert _put(store, [b"k"], 100).ok
+    real, rewrites = disk._status, []
+
+    def rewritten_meanwhile(filename, folder):
+        found = real(filename, folder)
+        if not rewrites:
+            rewrites.append(store.put([b"k"], [[memoryview(bytes(900))]]))
+            store.poll(rewrites, 0.5)  # lands now unless the look holds the index
+        return found
+
+    monkeypatch.setattr(disk, "_status", rewritten_meanwhile)
+    if call == "contains":
+        assert store.contains([b"k"]) == 1
+    else:
+        _get(store, [b"k"], 100)
+    store.poll(rewrites, 5.0)
+    assert store.used_bytes == store._file(_name(b"k")).stat().st_size == 900
+    store.check_invariants()
+    store.close()
+
+
+def test_a_value_another_process_deleted_is_no_longer_counted(tmp_path):
+    """contains finds that another process evicted an indexed value: it answers absent and forgets its bytes."""
+    one, two = DiskStore(tmp_path, 1000), DiskStore(tmp_path, 1000)
+    assert _put(one, [b"k"], 100).ok and two.contains([b"k"]) == 1
+    assert two.drop(b"k")
+    assert one.contains([b"k"]) == 0 and one.used_bytes == 0
+    one.check_invariants()
+    one.close()
+    two.close()
+
+
+@pytest.mark.parametrize("found", ["when opening", "by contains", "by get"])
+def test_a_value_file_larger_than_the_capacity_is_left_alone_and_evicts_nothing(tmp_path, found):
+    """A file named as a value but larger than the capacity (a neighbour's with a larger capacity, a planted one)
+    can never be held: it is counted (``oversized``), never indexed or deleted, and costs no other value its place."""
+    store = DiskStore(tmp_path, 1000)
+    assert _put(store, [b"a", b"b"], 100).ok
+    sub, file = _sub(tmp_path, b"huge")
+    with open(sub / file, "wb") as huge:
+        huge.truncate(1 << 40)  # sparse: a terabyte named as a value, newer than every real one
+    if found == "when opening":
+        store.close()
+        store = DiskStore(tmp_path, 1000)
+    elif found == "by contains":
+        assert store.contains([b"huge"]) == 1
+    else:
+        result, _ = _get(store, [b"huge"], 100)
+        assert result.failed == (0,) and "value of 1099511627776 bytes" in result.error
+    assert store.counters["oversized"] == 1 and store.counters["evicted"] == 0
+    assert store.contains([b"a", b"b"]) == 2 and store.used_bytes == 200 and (sub / file).exists()
+    store.check_invariants()
+    store.close()
 
 
 # --- permissions ---------------------------------------------------------------
@@ -538,12 +748,13 @@ def test_a_full_file_system_is_relieved_by_eviction(tmp_path, monkeypatch, code)
     store.close()
 
 
-def _mount_tmpfs(where, size):
-    """Mount a real tmpfs of ``size`` at ``where`` (needs root and a sandbox that allows it); skip otherwise."""
+def _mount_tmpfs(where, options):
+    """Mount a real tmpfs with ``options`` (``"size=2m"``) at ``where`` (needs root and a sandbox that allows it);
+    skip otherwise."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a tmpfs needs root")
     where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
 
@@ -552,7 +763,7 @@ def _mount_tmpfs(where, size):
 def small_fs(tmp_path):
     """A real 2 MiB tmpfs, unmounted afterwards; ``remount(*options)`` changes its options (``"ro"``)."""
     where = tmp_path / "mnt"
-    _mount_tmpfs(where, "2m")
+    _mount_tmpfs(where, "size=2m")
 
     def remount(*options):
         subprocess.run(["mount", "-o", ",".join(["remount", *options]), str(where)], check=True)
@@ -577,6 +788,35 @@ def test_a_real_full_file_system_is_relieved_and_its_space_reused(small_fs):
     too_big = _put(store, [b"huge"], 3 << 20)
     assert too_big.failed == (0,) and "capacity" in too_big.error
     store.close()
+
+
+def test_a_file_system_out_of_inodes_is_relieved_also_of_empty_subdirectories(tmp_path):
+    """A file system that runs out of inodes (ENOSPC, with bytes free): evicting values frees theirs, and once
+    none is left the empty subdirectories the store made give theirs back, so every put still lands."""
+    where = tmp_path / "mnt"
+    _mount_tmpfs(where, "size=2m,nr_inodes=24")
+    try:
+        store = DiskStore(where / "kv", 1 << 30)
+        assert _fill(store, 100, size=1000) == []  # the keys' subdirectories alone outnumber the inodes
+        assert store.counters["disk_full"] >= 1 and store.used_bytes > 0
+        result, (buffer,) = _get(store, [b"fill-99"], 1000)
+        assert result.ok and buffer == bytes(1000)
+        store.check_invariants()
+        store.close()
+        shutil.rmtree(where / "kv")
+        store = DiskStore(where / "kv", 1 << 30)
+        for i in range(100):  # others take every inode but one: a subdirectory fits, its file never does
+            try:
+                (where / f"other-{i}").write_bytes(b"")
+            except OSError:
+                break
+        (where / "other-0").unlink()
+        refused = _put(store, [b"x-%d" % i for i in range(3)], 1000)
+        assert refused.failed == (0, 1, 2) and "nothing is left to evict" in refused.error
+        store.check_invariants()
+        store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 def test_a_read_only_file_system_opens_serves_and_refuses_puts(small_fs):
@@ -663,6 +903,88 @@ def test_two_processes_open_write_and_evict_one_directory(tmp_path):
     assert opens >= 10, f"only {opens} opens ran: the race was not exercised"
     assert crashes == [], f"{len(crashes)} of {opens + len(crashes)} opens crashed: {crashes[:3]}"
     assert writer["puts"] >= 40 and writer["failed"] == 0, writer
+
+
+_NEIGHBOUR = """
+import hashlib, json, os, random, sys, time
+from kvkit.backends.blockstore.disk import DiskStore
+from kvkit.errors import KVKitError
+path, me, n, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+rng, keys, sizes = random.Random(me), [b"k%d" % i for i in range(24)], (3000, 8000, 20000)
+
+def value(key, writer, size):  # says who wrote it: any writer's value for the key, of any size, is right
+    return (hashlib.sha256(b"%s/%d/%d" % (key, writer, size)).digest() * (size // 32 + 1))[:size]
+
+report = {"puts": 0, "put_failed": [], "hits": 0, "wrong": 0, "raised": [], "opens": 0}
+store = DiskStore(path, 100_000)
+print("ready", flush=True)
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    batch, op = rng.sample(keys, 3), rng.random()
+    try:
+        if op < 0.45:
+            ticket = store.put(batch, [[memoryview(value(k, me, rng.choice(sizes)))] for k in batch])
+            report["put_failed"] += [r.error for r in store.poll([ticket], 10.0) if r.failed]
+            report["puts"] += 3
+        elif op < 0.9:
+            store.contains(batch)
+            buffers = [bytearray(rng.choice(sizes)) for _ in batch]
+            (result,) = store.poll([store.get(batch, [[memoryview(b)[:7], memoryview(b)[7:]] for b in buffers])],
+                                   10.0)
+            for i, (key, buffer) in enumerate(zip(batch, buffers)):
+                if i not in result.failed:
+                    report["hits"] += 1
+                    report["wrong"] += all(buffer != value(key, w, len(buffer)) for w in range(n))
+        elif op < 0.95:
+            store.drop(batch[0])
+        else:
+            store.check_invariants()
+            store.close()
+            store = DiskStore(path, rng.choice([40_000, 100_000]), threads=rng.choice([1, 2]))
+            report["opens"] += 1
+    except Exception as exc:  # every exception is reported, typed or not
+        report["raised"].append(f"{type(exc).__name__}: {exc}")
+def wait_for(flag, count=1):
+    while len([f for f in os.listdir(os.path.join(path, "..")) if f.startswith(flag)]) < count:
+        time.sleep(0.01)
+
+open(os.path.join(path, "..", f"done-{me}"), "w").close()
+wait_for("done-", n)  # all still: process 0 rewrites every key at another size, then each store meets them all
+if me == 0:
+    ticket = store.put(keys, [[memoryview(value(k, me, 1000))] for k in keys])
+    report["put_failed"] += [r.error for r in store.poll([ticket], 10.0) if r.failed]
+    open(os.path.join(path, "..", "rewritten"), "w").close()
+wait_for("rewritten")
+found = [store.contains([k]) for k in keys]
+on_disk = sum(os.stat(f).st_size if os.path.exists(f) else 0 for f in map(store._file, store._index))
+report.update(used=store.used_bytes, on_disk=on_disk, capacity=store.effective_capacity_bytes)
+store.check_invariants()
+store.close()
+print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_three_processes_put_get_drop_and_reopen_one_directory(tmp_path):
+    """Three processes put (each key at changing sizes), get, drop, close and reopen stores on one directory
+    for 2 s: nothing raises, every value read is byte for byte one some process wrote for its key, and once
+    all are still each store's used_bytes is the bytes its indexed files hold, within its capacity."""
+    path, n = tmp_path / "kv", 3
+    path.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _NEIGHBOUR, str(path), str(me), str(n), "2.0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for me in range(n)]
+    try:
+        outs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert [proc.returncode for proc in procs] == [0] * n, [err[-2000:] for _, err in outs]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    for report in reports:
+        assert report["raised"] == [] and report["put_failed"] == [] and report["wrong"] == 0, report
+        assert report["hits"] > 0 and report["puts"] > 0, report
+        assert report["used"] == report["on_disk"] <= report["capacity"], report
 
 
 class _StatsUnguarded(DiskStore):
