@@ -17,6 +17,7 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.blockstore.resp import (
+    SLOTS,
     Address,
     Connection,
     ConnectOptions,
@@ -340,14 +341,18 @@ def _closed_while_idle(exc: BaseException) -> bool:
 
 
 def _slot_map(reply: object, answered: Address) -> list[Address]:
-    """CLUSTER SLOTS as the owner of each of the 16384 slots (``ValueError`` if it is not such a reply)."""
+    """CLUSTER SLOTS as the owner of each of the 16384 slots (``ValueError`` if it is not such a reply: a range
+    outside 0-16383 or ending before it starts, a port outside 1-65535)."""
     if not isinstance(reply, list):
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}")
-    slots: list[Address] = [answered] * 16384
+    slots: list[Address] = [answered] * SLOTS
     try:
         for start, end, primary, *_ in reply:
-            slots[start:end + 1] = [(_endpoint(primary, answered), int(primary[1]))] * (end + 1 - start)
-    except (TypeError, IndexError, AttributeError) as exc:
+            port = primary[1]
+            if not 0 <= start <= end < SLOTS or not 0 < port < 65536:
+                raise ValueError(f"slots {start}-{end} at port {port} are out of range")
+            slots[start:end + 1] = [(_endpoint(primary, answered), port)] * (end + 1 - start)
+    except (TypeError, IndexError, AttributeError, ValueError) as exc:
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}: {exc}") from exc
     return slots
 

@@ -333,9 +333,15 @@ def _shut_down(io: _IoThread, thread: threading.Thread, lookup: Link, lookup_loc
 
 
 def _set_outcome(line: bytes) -> object:
+    """A SET's reply line: ``None`` (``+OK``), or why its key was not set. A SET answers one line; any other
+    reply (a bulk, an array: lines of their own follow) raises ``ConnectionError``, the connection out of step."""
     if line == _OK:
         return None
-    return error_reply(line[1:]) if line[:1] == b"-" else ServerError(f"unexpected reply {line[:80]!r}")
+    if line[:1] == b"-":
+        return error_reply(line[1:])
+    if line[:1] in (b"+", b":"):
+        return ServerError(f"unexpected reply {line[:80]!r}")
+    raise ConnectionError(f"protocol error: a SET answered {line[:80]!r}")
 
 
 def _read_ints(conn: Connection, ids: list[int]) -> list[object]:
