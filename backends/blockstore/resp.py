@@ -385,7 +385,9 @@ _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
 
 def _connect(address: Address, timeout: float) -> socket.socket:
     """``socket.create_connection(address, timeout)``, name resolution included in ``timeout`` (:func:`_resolve`),
-    except that a loopback peer gets Reno congestion control.
+    except that each of the name's addresses, in order, gets an equal share of what is left of ``timeout`` (the
+    last all of it), so one that never answers leaves the others time, and a loopback peer gets Reno congestion
+    control.
 
     Set before the handshake, so the system's default (BBR, where it is the default) never starts on the
     socket: BBR paces a connection at its estimate of the path's bandwidth, and on loopback that
@@ -396,7 +398,8 @@ def _connect(address: Address, timeout: float) -> socket.socket:
     host, port = address
     deadline = time.monotonic() + timeout
     last: OSError | None = None
-    for family, kind, proto, _, peer in _resolve(host, port, timeout):
+    peers = _resolve(host, port, timeout)
+    for i, (family, kind, proto, _, peer) in enumerate(peers):
         sock = socket.socket(family, kind, proto)
         try:
             if _TCP_CONGESTION is not None and ipaddress.ip_address(peer[0]).is_loopback:
@@ -405,7 +408,7 @@ def _connect(address: Address, timeout: float) -> socket.socket:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"timed out connecting to {host}:{port}")
-            sock.settimeout(left)
+            sock.settimeout(left / (len(peers) - i))
             sock.connect(peer)
             return sock
         except OSError as exc:

@@ -22,6 +22,7 @@ from kvkit.validate import check_bool, check_int, check_real, checked, quote
 __all__ = ["ValkeyStore"]
 
 _OK = b"+OK"
+_CLOSED = "ValkeyStore closed"
 
 
 def _nodes(value: Any) -> tuple[Address, ...]:
@@ -239,8 +240,12 @@ class _IoThread:
     closing: bool = False
 
     def queue(self, op: str, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]], deadline: float) -> int:
+        """Issue a ticket for a call and queue it; one queued while the store closes is reported failed at once
+        (:func:`_shut_down` sets ``closing`` before it fails the open tickets, so no ticket stays open)."""
         ticket = self.tickets.issue(len(keys))
         self.jobs.put((ticket, op, list(keys), [flat_views(b) for b in buffers], deadline))
+        if self.closing:
+            self.tickets.report(ticket, range(len(keys)), _CLOSED)
         return ticket
 
     def serve(self) -> None:
@@ -329,7 +334,7 @@ def _shut_down(io: _IoThread, thread: threading.Thread, lookup: Link, lookup_loc
             lookup.close()
         finally:
             lookup_lock.release()
-    io.tickets.fail_open("ValkeyStore closed")
+    io.tickets.fail_open(_CLOSED)
 
 
 def _set_outcome(line: bytes) -> object:

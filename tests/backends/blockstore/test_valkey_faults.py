@@ -167,6 +167,31 @@ def test_a_host_that_never_answers_a_connect_is_marked_down_however_short_the_de
                 store.close()
 
 
+def test_a_name_whose_first_address_never_answers_is_served_by_the_next(own_server, monkeypatch):
+    """A host name resolving to two addresses, the first a host that never answers a connect: the connect
+    budget is shared between them, so the call reaches the live one by its deadline and nothing is marked
+    down (the first address alone used to take the whole budget, and the node was marked down for good)."""
+    from kvkit.backends.blockstore import resp
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        silent = listener.getsockname()
+        with socket.create_connection(silent):  # queued, never accepted: the queue is full from now on
+            peers = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", silent),
+                     (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", own_server.port))]
+            monkeypatch.setattr(resp, "_resolve", lambda host, port, timeout: peers)
+            store = _store(("kvkit-two-addresses.test", 6379), retry_interval_s=30)
+            try:
+                start = time.monotonic()
+                assert _put(store, [b"two"], [b"v"]).ok
+                assert store.contains([b"two"]) == 1
+                assert time.monotonic() - start < 2 * DEADLINE + SLACK
+                assert store.down_nodes == {}
+            finally:
+                store.close()
+
+
 # -- a server that closes idle connections ---------------------------------------------------------------
 
 
@@ -335,6 +360,31 @@ def test_failed_calls_leave_no_socket_open(own_server):
     assert _sockets() == sockets, "a failed call left a socket open"
     store.close()
     assert _sockets() == sockets
+
+
+def test_a_put_or_get_racing_close_is_reported_failed_at_once(valkey_server, monkeypatch):
+    """``close`` running between a ``put``'s (or ``get``'s) check and its queueing: the call's ticket is
+    reported failed at once (it used to stay open for good: no poll ever answered it), and the closed store
+    keeps its invariants."""
+    from kvkit.backends.blockstore._common import TicketBox
+
+    issue = TicketBox.issue
+    for op in ("put", "get"):
+        store = _store(("127.0.0.1", valkey_server.port))
+
+        def closing_first(box, n_keys, store=store):
+            store.close()  # another thread's close, landing just before the ticket is issued
+            return issue(box, n_keys)
+
+        monkeypatch.setattr(TicketBox, "issue", closing_first)
+        ticket = getattr(store, op)([b"racing"], [[memoryview(bytearray(1))]])
+        monkeypatch.setattr(TicketBox, "issue", issue)
+        start = time.monotonic()
+        results = store.poll([ticket], 2.0)
+        assert time.monotonic() - start < 0.5, "the racing call's ticket was left open"
+        assert [r.ticket for r in results] == [ticket] and results[0].failed == (0,), results
+        assert "closed" in results[0].error
+        store.check_invariants()
 
 
 # -- one round trip --------------------------------------------------------------------------------------
