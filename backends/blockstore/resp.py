@@ -127,8 +127,12 @@ class Connection:
             raise (exc if full else DeadlineExceeded(f"timed out connecting: {exc}", 0.0)) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if options.tls is not None:
-                sock = options.tls.wrap_socket(sock, server_hostname=address[0])  # handshake within `timeout`
+            if options.tls is not None:  # the handshake gets what the connect left of `timeout`
+                left = start + timeout - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out connecting to {address[0]}:{address[1]} before the TLS handshake")
+                sock.settimeout(left)
+                sock = options.tls.wrap_socket(sock, server_hostname=address[0])
             sock.setblocking(False)
         except BaseException:
             sock.close()

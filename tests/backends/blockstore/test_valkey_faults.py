@@ -192,6 +192,30 @@ def test_a_name_whose_first_address_never_answers_is_served_by_the_next(own_serv
                 store.close()
 
 
+def test_a_tls_handshake_gets_only_what_the_connect_left_of_its_budget(monkeypatch):
+    """A slow connect (1.8 s of a 2 s budget) to a host that then never answers the TLS handshake: the call
+    answers by its deadline (the handshake used to get a whole budget of its own after the connect)."""
+    from kvkit.backends.blockstore import resp
+
+    connect = resp._connect
+
+    def slow_connect(address, timeout):
+        sock = connect(address, timeout)
+        time.sleep(0.9 * timeout)  # the connect took most of its budget (a far host, a lost SYN)
+        return sock
+
+    monkeypatch.setattr(resp, "_connect", slow_connect)
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # the kernel completes connects; nothing answers
+        store = ValkeyStore([listener.getsockname()[:2]], tls=True, tls_verify=False, request_timeout_s=2.0,
+                            connect_timeout_s=2.0)
+        try:
+            start = time.monotonic()
+            assert store.contains([b"a"]) == 0
+            assert time.monotonic() - start < 2.0 + 0.5, f"the call took {time.monotonic() - start:.2f} s"
+        finally:
+            store.close()
+
+
 # -- a server that closes idle connections ---------------------------------------------------------------
 
 
