@@ -272,10 +272,11 @@ class Link:
         return outcomes
 
     def refresh(self, deadline: float | None = None) -> str | None:
-        """Read the slot map (CLUSTER SLOTS) from the first node that answers; ``None``, or why none did.
+        """Read the slot map (CLUSTER SLOTS) from the first node that answers with one; ``None``, or why none did.
 
-        Nodes the health marks down are not asked. Connections to nodes that own no slot any more
-        are closed; the others are kept.
+        Nodes the health marks down are not asked; a node that serves no slot (restarted without its
+        cluster configuration, not part of the Cluster) is asked, and the next node after it. Connections
+        to nodes that own no slot any more are closed; the others are kept.
         """
         if deadline is None:
             deadline = time.monotonic() + self.options.request_timeout_s
@@ -293,6 +294,9 @@ class Link:
                 continue
             except ServerError as exc:
                 last = f"transport: {address[0]}:{address[1]} refused CLUSTER SLOTS: {exc}"
+                continue
+            if slots is None:
+                last = f"transport: {address[0]}:{address[1]} serves no slot (it is not part of the Cluster now)"
                 continue
             self._slots, self._stale = slots, False
             owners = set(slots)
@@ -340,9 +344,12 @@ def _closed_while_idle(exc: BaseException) -> bool:
         and "protocol error" not in str(exc)
 
 
-def _slot_map(reply: object, answered: Address) -> list[Address]:
-    """CLUSTER SLOTS as the owner of each of the 16384 slots (``ValueError`` if it is not such a reply: a range
-    outside 0-16383 or ending before it starts, a port outside 1-65535)."""
+def _slot_map(reply: object, answered: Address) -> list[Address] | None:
+    """CLUSTER SLOTS as the owner of each of the 16384 slots (those it does not list: ``answered``), ``None`` if it
+    lists none (``ValueError`` if it is not such a reply: a range outside 0-16383 or ending before it starts, a
+    port outside 1-65535)."""
+    if reply == []:
+        return None
     if not isinstance(reply, list):
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}")
     slots: list[Address] = [answered] * SLOTS

@@ -327,6 +327,30 @@ def test_a_failover_moves_the_dead_nodes_slots_and_keeps_the_other_connections(p
     store.close()
 
 
+def test_a_seed_that_came_back_empty_does_not_hide_the_live_nodes(partial_cluster):
+    """Node 0 restarted without its cluster configuration (a fresh container): it serves no slot and answers
+    CLUSTER SLOTS with an empty map. A store given it as its first seed reads the map from the next seed, so
+    the live nodes serve their keys and only node 0's old slots fail (an empty map used to route every key to
+    node 0, which refused them all, for good)."""
+    cluster = partial_cluster
+    first = cluster.nodes[0]
+    first.kill()
+    first.stop()  # its directory, with the cluster configuration, is gone
+    first.start()
+    assert first.call(b"CLUSTER", b"SLOTS") == []
+    store = ValkeyStore([("127.0.0.1", n.port) for n in cluster.nodes], cluster=True, request_timeout_s=DEADLINE,
+                        connect_timeout_s=DEADLINE, retry_interval_s=0.2)
+    try:
+        keys = [b"kvkit:empty-seed:%d" % i for i in range(60)]
+        result = _put(store, keys, _values(60, 100))
+        on_first = {i for i, k in enumerate(keys) if _owner(cluster, k) == 0}
+        assert 0 < len(on_first) < len(keys) and set(result.failed) == on_first, result
+        live = [k for i, k in enumerate(keys) if i not in on_first]
+        assert store.contains(live) == len(live)
+    finally:
+        store.close()
+
+
 def test_a_slot_moved_to_another_node_is_followed_without_reconnecting(valkey_cluster):
     """CLUSTER SETSLOT NODE moves a slot: MOVED re-maps it; every connection stays the same object."""
     nodes = valkey_cluster.nodes
