@@ -118,6 +118,7 @@ class ValkeyStore:
     _health: NodeHealth = attrs.field(init=False)
     _lookup: Link = attrs.field(init=False)
     _lookup_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _close_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _io: _IoThread = attrs.field(init=False)
     _thread: threading.Thread = attrs.field(init=False)
     _finalizer: weakref.finalize = attrs.field(init=False)
@@ -186,11 +187,14 @@ class ValkeyStore:
         return self._io.tickets.poll(tickets, timeout)
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._finalizer()
-        assert not self._thread.is_alive(), "the I/O thread did not stop"
+        """Stop the I/O thread, close every connection, fail every open ticket; a ``close`` while another
+        thread closes the store returns once it is closed."""
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._finalizer()
+            assert not self._thread.is_alive(), "the I/O thread did not stop"
 
     def check_invariants(self) -> None:
         assert self.closed or self._thread.is_alive(), "the I/O thread died"

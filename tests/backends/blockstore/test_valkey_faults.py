@@ -435,6 +435,30 @@ def test_a_put_or_get_racing_close_is_reported_failed_at_once(valkey_server, mon
         store.check_invariants()
 
 
+def test_close_called_again_while_another_thread_closes_returns_once_closed(valkey_server, monkeypatch):
+    """Two threads close one store: the second ``close`` waits for the first and returns with the store closed
+    (it used to return at once, the I/O thread still running and tickets still open)."""
+    from kvkit.backends.blockstore import valkey
+
+    shut_down = valkey._shut_down
+
+    def slow_shut_down(*args):
+        time.sleep(0.3)  # the first close is still at work when the second comes
+        shut_down(*args)
+
+    monkeypatch.setattr(valkey, "_shut_down", slow_shut_down)
+    store = _store(("127.0.0.1", valkey_server.port))
+    first = threading.Thread(target=store.close)
+    first.start()
+    time.sleep(0.05)
+    try:
+        store.close()
+        assert not store._thread.is_alive()
+        store.check_invariants()
+    finally:
+        first.join()
+
+
 # -- one round trip --------------------------------------------------------------------------------------
 
 
