@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from kvkit._lazy import lazy_module
 from kvkit.backends.copy._driver import driver
-from kvkit.backends.copy._inflight import HandleQueue, InFlight
+from kvkit.backends.copy._inflight import HandleQueue, InFlight, StreamClock, recorded
 from kvkit.backends.copy.planner import Planner, registered, stage_waits
 from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
@@ -39,6 +39,9 @@ class GPUCopy(HandleQueue, CopyBackend):
         * A plan is validated against the registration before anything is
           launched; every handle is reported by :meth:`poll` exactly once, in
           submission order; a ``submit`` that raises leaves nothing running.
+        * Every copy is timed (:class:`~kvkit.interfaces.capabilities.TimedCopy`)
+          by timing events around its work on the stream (waits on ``after``
+          not counted).
     """
 
     _cpu_tier_device: ClassVar[str] = "cpu"  # "cuda" for a GPU staging buffer in the CPU tier's place
@@ -120,22 +123,25 @@ class GPUCopy(HandleQueue, CopyBackend):
         stream = self._streams[plan.direction]
         events: list[tuple[Any, ...]] = []
         keep_alive: list[Any] = []
+        clock = StreamClock()
         with torch.cuda.device(self._device):
             try:
                 prepared = self._prepare(plan, stream) if len(plan) else None
                 keep_alive.append(prepared)
-                for stage, wait in zip(stages, waits):
+                for i, (stage, wait) in enumerate(zip(stages, waits)):
                     if wait is not None:
                         stream.wait_event(wait)
+                    if wait is not None or not i:
+                        clock.start(recorded(stream))
                     if len(plan):
                         keep_alive.append(self._launch(plan, stream, stage, prepared))
-                    event = torch.cuda.Event()
-                    event.record(stream)
+                    event = recorded(stream)
+                    clock.stop(event)
                     events.append((event,))
             except Exception:
                 stream.synchronize()  # a raising submit leaves nothing running (part of a launch may have been queued)
                 raise
-        return self._inflight.issue(events[-1][0], keep_alive), events
+        return self._inflight.issue(events[-1][0], keep_alive, clock=clock), events
 
     def _prepare(self, plan: TransferPlan, stream: torch.cuda.Stream) -> Any:
         """Hook: what every stage of validated, non-empty ``plan`` shares (kept alive until it completed)."""

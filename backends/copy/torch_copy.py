@@ -21,7 +21,7 @@ import numpy as np
 from typing_extensions import override
 
 from kvkit._lazy import lazy_module
-from kvkit.backends.copy._inflight import HandleQueue, InFlight
+from kvkit.backends.copy._inflight import HandleQueue, InFlight, StreamClock, recorded
 from kvkit.backends.copy.planner import Planner, stage_waits
 from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
@@ -119,9 +119,10 @@ class TorchCopy(HandleQueue, CopyBackend):
         * On CUDA nothing runs on the legacy default stream; a copy reads its
           source only after ``after`` (a ``torch.cuda.Event``) completed.
         * A rejected plan writes nothing; a ``submit`` that raises leaves nothing running.
-        * Host copies are timed (:class:`~kvkit.interfaces.capabilities.TimedCopy`):
-          ``copy_seconds`` answers each one's own time once :meth:`poll`
-          reported it, until the next poll; copies on CUDA are not timed.
+        * Every copy is timed (:class:`~kvkit.interfaces.capabilities.TimedCopy`):
+          ``copy_seconds`` answers its own time once :meth:`poll` reported it,
+          until the next poll (on CUDA, by timing events around its work on
+          the stream: waits on ``after`` are not counted).
     """
 
     host_thread: bool = attrs.field(default=False, converter=checked(check_bool, label="TorchCopy."))  # type: ignore[misc]
@@ -132,8 +133,6 @@ class TorchCopy(HandleQueue, CopyBackend):
     _inflight: InFlight = attrs.field(factory=InFlight, init=False)
     _scratch: torch.Tensor = attrs.field(factory=lambda: torch.empty(0, dtype=torch.uint8), init=False)
     _thread: ThreadPoolExecutor | None = attrs.field(default=None, init=False)  # host_thread's, once a copy came
-    _timing: dict[int, Future[float] | float] = attrs.field(factory=dict, init=False)  # host copies in flight
-    _timed: dict[int, float] = attrs.field(factory=dict, init=False)  # own seconds of the last poll's host copies
 
     @classmethod
     @override
@@ -201,37 +200,35 @@ class TorchCopy(HandleQueue, CopyBackend):
         if self._stream is None:
             landed = [() for _ in stages]
             if not self.host_thread:
-                seconds = self._copy_host(plan, stages)
-                handle = self._inflight.issue()
-                self._timing[handle] = seconds
-                return handle, landed
+                return self._inflight.issue(clock=self._copy_host(plan, stages)), landed
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvkit-torch-copy")
             future = self._thread.submit(self._copy_host, plan, stages)
             if staged:
                 future.result()  # host stages answer no events: landed on return
-            handle = self._inflight.issue(_Landing(future))
-            self._timing[handle] = future
-            return handle, landed
+            return self._inflight.issue(_Landing(future), clock=future), landed
         # (destination rows, ids, pinned staging rows): scattered on the host
         # once the event shows the device-to-host copy landed.
         scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         keep_alive: list[torch.Tensor] = []  # host buffers the device reads asynchronously
         events: list[tuple[Any, ...]] = []
+        clock = StreamClock()
         with torch.cuda.stream(self._stream):
             try:
                 index = self._index(plan)  # on the copy stream, which reads it
-                for stage, wait in zip(stages, waits):
+                for i, (stage, wait) in enumerate(zip(stages, waits)):
                     if wait is not None:
                         self._stream.wait_event(wait)
+                    if wait is not None or not i:
+                        clock.start(recorded(self._stream))
                     self._launch(plan, stage, index, scatters, keep_alive)
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
+                    event = recorded(self._stream)
+                    clock.stop(event)
                     events.append((event,))
             except Exception:
                 self._stream.synchronize()  # a raising submit leaves nothing running (some regions were queued)
                 raise
-        return self._inflight.issue(events[-1][0], keep_alive, functools.partial(_scatter, scatters)), events
+        return self._inflight.issue(events[-1][0], keep_alive, functools.partial(_scatter, scatters), clock), events
 
     def _copy_host(self, plan: TransferPlan, stages: list[range]) -> float:
         """Copy ``plan`` between host tiers, stage after stage, on the calling thread; its own seconds."""
@@ -240,18 +237,6 @@ class TorchCopy(HandleQueue, CopyBackend):
         for stage in stages:
             self._launch(plan, stage, index, [], [])
         return time.perf_counter() - started
-
-    @override
-    def poll(self) -> list[int]:
-        """Handles completed since the last call, in submission order (non-blocking)."""
-        done = self._inflight.poll()
-        timing = [(h, self._timing.pop(h)) for h in done if h in self._timing]
-        self._timed = {h: t if isinstance(t, float) else t.result() for h, t in timing}
-        return done
-
-    def copy_seconds(self, handle: int) -> float | None:
-        """The own seconds of host copy ``handle``, reported by the last :meth:`poll`; else ``None``."""
-        return self._timed.get(handle)
 
     def _index(self, plan: TransferPlan) -> tuple[int | None, int | None, torch.Tensor | None, torch.Tensor | None]:
         """Where the plan's source and destination blocks are: the first of a run, else an index on their device."""

@@ -90,6 +90,15 @@ class MoveEstimate:
             self._seen.append((float(num_bytes), float(seconds)))
             self._stale = True
 
+    def one_size(self) -> float | None:
+        """The bytes every observation moved, while none is of a clearly different size (``None``: no
+        observation, or two sizes apart, which tell latency and bandwidth apart)."""
+        if not self._seen:
+            return None
+        x = [b for b, _ in self._seen]
+        low, high = min(x), max(x)
+        return None if high - low > _SPREAD * high else high
+
     def fit(self) -> tuple[float, float] | None:
         """``(latency_s, seconds_per_byte)``, or ``None`` before any observation."""
         if self._stale:

@@ -22,15 +22,22 @@ one source's blocks, each more block loaded shortens the rest more than it
 lengthens the overlap, so declining part of a run never beats declining
 none or all of it; where the meeting point crosses into another source's
 blocks, or sits between two whole blocks, an end inside a run may do better
-by at most about one block's compute and move. The plan is never slower, by
+by at most about one block's compute and move. Probes aside, the plan is never slower, by
 the model, than loading the whole hit or recomputing it.
 
 Until it has an estimate of compute, it loads the whole hit: what an engine
 without a planner does. Until it also has one of every source in the hit,
 it *probes*: it loads one block (the hit's last, or with no overlap its
 first) and computes the rest, so a source's first observation costs at most
-one block's move, whatever its speed. A source it declines entirely gets no
-new observation, so its estimate stays as it was until a plan uses it again.
+one block's move, whatever its speed. While every observation of a source
+is of one size, its estimate charges the move's fixed latency to each byte,
+which overstates any longer move; so, with overlap, where the best plan
+loads less, it probes again with the longest tail that by that estimate
+lands while the head computes, if that tail moves a clearly different number
+of bytes and costs, by the model, at most ``probe_share`` more than the best
+plan: the second size tells latency and bandwidth apart. A
+source it declines entirely gets no new observation, so its estimate stays
+as it was until a plan uses it again.
 """
 
 from __future__ import annotations
@@ -54,11 +61,14 @@ class OverlapPlanner(LoadPlanner):
 
     Args:
         window: observations each estimate keeps (bounded memory).
+        probe_share: the most a second probe may cost beyond the best plan,
+            by the model, as a share of it (0: it never costs more).
         prefill_tokens_per_s: the engine's prefill speed, used until its
             first observed computation (``None``: none until then).
     """
 
     window: int = attrs.field(default=64, validator=at_least(2))
+    probe_share: float = attrs.field(default=0.1, converter=checked(check_real, low=0, high=math.inf, high_open=True))  # type: ignore[misc]
     prefill_tokens_per_s: float | None = attrs.field(
         default=None, converter=checked(check_real, optional=True, low=0, low_open=True, high=math.inf, high_open=True))  # type: ignore[misc]
     _moves: dict[HitSource, MoveEstimate] = attrs.field(init=False)
@@ -112,8 +122,25 @@ class OverlapPlanner(LoadPlanner):
         for e in ends[1:]:
             for k in model.meeting_points(e) if query.overlap else (0,):
                 best = min(best, (model.ms(k, e), k - e, k, e))
-        _, _, k, e = best
+        least, _, k, e = best
+        if query.overlap:
+            probe = min(model.meeting_points(h)[-1], h - 1)  # the longest tail that lands while the head computes
+            if e - k < h - probe and model.ms(probe, h) <= least * (1 + self.probe_share) \
+                    and self._teaches(model, probe, h):
+                return LoadPlan(probe, h - probe, h)
         return LoadPlan(k, e - k, h)
+
+    def _teaches(self, model: _Model, k: int, h: int) -> bool:
+        """Whether loading hit blocks ``[k, h)`` moves, from some source of the hit whose every observation is
+        of one size, a clearly different number of bytes."""
+        counts = model.query.blocks_from(k, h)
+        moved = {HitSource.CPU: sum(counts.values()), **counts}
+        for source, blocks in moved.items():
+            size = self._moves[source].one_size()
+            if size is not None and blocks and abs(blocks * model.query.block_bytes - size) > 0.01 * max(
+                    size, blocks * model.query.block_bytes):
+                return True
+        return False
 
     def move_seconds(self, source: HitSource, num_bytes: float) -> float | None:
         """Estimated seconds of one move of ``num_bytes`` from ``source`` (``None`` before an observation)."""

@@ -160,3 +160,27 @@ def test_copies_from_another_thread_work():
         thread.join()
     assert errors == []
     assert torch.equal(cpu[0][0, 2].view(torch.uint8), gpu[0][0, 1].cpu().view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["torch", "cuda-dma", "cupy-batch"])
+def test_a_copy_is_timed_by_its_own_work_not_by_what_it_waited_for(name):
+    """A store ordered after a long kernel on another stream answers its copy's own seconds, not the wait's."""
+    if not COPY.load(name).is_available():
+        pytest.skip(COPY.why_unavailable(name))
+    backend = COPY.create(name)
+    gpu, cpu = _setup(SPEC, "per-layer", 16, 16, buffer=False, seed=7)
+    regions = regions_for(SPEC, "per-layer", gpu, cpu)
+    backend.register(regions)
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s at the clock rates of data-centre GPUs
+        after = torch.cuda.Event()
+        after.record(busy)
+    n = sum(r.group == 0 for r in regions)
+    handle, _ = backend.submit_stages(TransferPlan(np.arange(16), np.arange(16), "store"),
+                                      [range(1), range(1, n)], after=[after, after])
+    backend.wait(handle)
+    assert backend.poll() == [handle]
+    seconds = backend.copy_seconds(handle)
+    assert seconds is not None and 0 < seconds < 0.02, seconds
+    assert backend.poll() == [] and backend.copy_seconds(handle) is None

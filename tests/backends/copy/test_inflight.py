@@ -100,3 +100,37 @@ def test_a_raising_then_still_reports_its_handle():
         inflight.poll()
     assert inflight.poll() == [0, 1] and inflight.poll() == []
     inflight.check_invariants()
+
+
+class _Clock:
+    """A stand-in for a stream clock: its seconds, or an error when read."""
+
+    def __init__(self, seconds):
+        self.value = seconds
+
+    def elapsed_time(self, end):
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value * 1e3
+
+
+def test_inflight_answers_a_timed_copys_own_seconds_after_the_poll_that_reports_it():
+    """Seconds come with the poll that reports the handle, only until the next poll; untimed or unreadable: None."""
+    from kvkit.backends.copy._inflight import StreamClock
+
+    events = [_Event(), _Event(), _Event()]
+    inflight = InFlight()
+    clock = StreamClock()
+    clock.start(_Clock(0.25))
+    clock.stop(None)
+    broken = StreamClock()
+    broken.start(_Clock(RuntimeError("context lost")))
+    broken.stop(None)
+    handles = [inflight.issue(events[0], clock=clock), inflight.issue(events[1]),
+               inflight.issue(events[2], clock=broken), inflight.issue(clock=1.5)]
+    assert inflight.poll() == [] and inflight.seconds(handles[0]) is None
+    for e in events:
+        e.done = True
+    assert inflight.poll() == handles
+    assert [inflight.seconds(h) for h in handles] == [0.25, None, None, 1.5]
+    assert inflight.poll() == [] and inflight.seconds(handles[0]) is None

@@ -113,6 +113,41 @@ def test_without_estimates_the_hit_is_loaded_or_probed():
     assert p.estimate_ms(q, p.plan(q)) is None
 
 
+def _one_size_planner(probe_share=0.1):
+    """Compute known exactly (20,000 tokens/s, 50 ms a pass); each link seen once, moving one 2 MiB block with
+    2 ms of latency (a one-block probe): 1 GB/s per byte as far as a one-size estimate can tell, 25 GB/s true."""
+    p = OverlapPlanner(probe_share=probe_share)
+    for tokens, context in ((16, 0), (256, 512), (1024, 0), (2048, 2048)):
+        p.observe_compute(tokens, context, 0.05 + tokens / 20_000)
+    for source in (CPU, SHARED):
+        p.observe_move(source, 2 * 2**20, 2e-3 + 2 * 2**20 / 25e9)
+    return p
+
+
+def test_a_one_size_estimate_is_probed_with_the_tail_that_lands_while_the_head_computes():
+    """A link seen at one size only: the plan loads the longest tail that lands beside the head by that
+    (pessimistic) estimate, no dearer by the model than ``probe_share`` over the best; once a second size is seen,
+    latency and bandwidth come apart and the plan loads more; a probe that would teach nothing is not made."""
+    q = _query([(SHARED, 200)], tail_tokens=16)
+    p = _one_size_planner()
+    best = min(p.estimate_ms(q, LoadPlan(k, e - k, 200)) for e in range(201) for k in range(e + 1))
+    probe = p.plan(q)
+    assert probe.accepted_blocks == 200 and probe.load_blocks > 1
+    model = p.estimate_ms(q, probe)
+    assert model <= best * 1.1 + 1e-9
+    head = p.head_seconds(probe.compute_blocks * 16, 0)
+    assert p.move_seconds(SHARED, probe.load_blocks * q.block_bytes) <= head  # lands while the head computes
+    for source in (CPU, SHARED):  # what the probe's moves take on the true links
+        size = probe.load_blocks * q.block_bytes
+        p.observe_move(source, size, 2e-3 + size / 25e9)
+    assert p.estimates()["shared_gbps"] == pytest.approx(25, rel=1e-6)
+    assert p.plan(q).load_blocks > probe.load_blocks
+    assert _one_size_planner(probe_share=0).plan(q) == LoadPlan(0, 0, 200)  # the best plan, by the model
+    assert _one_size_planner().plan(_query([(SHARED, 200)], tail_tokens=16, overlap=False)).compute_blocks == 0
+    tiny = _query([(SHARED, 1)], tail_tokens=16)  # the only tail is the one block already seen: nothing to learn
+    assert _one_size_planner().plan(tiny) == _one_size_planner(probe_share=0).plan(tiny)
+
+
 def test_a_slow_tier_is_loaded_from_the_back_while_the_head_computes():
     """A tier slower than recompute still helps: load its tail while computing its head."""
     p = _planner(shared_gbps=0.5)
@@ -207,7 +242,8 @@ def test_the_plan_is_never_slower_than_any_other_by_its_own_estimates(costs, run
 
 
 @pytest.mark.parametrize("kwargs", [{"window": 1}, {"prefill_tokens_per_s": 0}, {"prefill_tokens_per_s": "fast"},
-                                    {"prefill_tokens_per_s": math.inf}])
+                                    {"prefill_tokens_per_s": math.inf}, {"probe_share": -0.1},
+                                    {"probe_share": math.inf}, {"probe_share": "some"}])
 def test_bad_planner_options_are_refused(kwargs):
     from kvkit.errors import ConfigError
 
