@@ -355,7 +355,7 @@ def _slot_map(reply: object, answered: Address) -> list[Address] | None:
     slots: list[Address] = [answered] * SLOTS
     try:
         for start, end, primary, *_ in reply:
-            port = primary[1]
+            port = int(primary[1])
             if not 0 <= start <= end < SLOTS or not 0 < port < 65536:
                 raise ValueError(f"slots {start}-{end} at port {port} are out of range")
             slots[start:end + 1] = [(_endpoint(primary, answered), port)] * (end + 1 - start)
