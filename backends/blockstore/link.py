@@ -347,7 +347,7 @@ def _closed_while_idle(exc: BaseException) -> bool:
 def _slot_map(reply: object, answered: Address) -> list[Address] | None:
     """CLUSTER SLOTS as the owner of each of the 16384 slots (those it does not list: ``answered``), ``None`` if it
     lists none (``ValueError`` if it is not such a reply: a range outside 0-16383 or ending before it starts, a
-    port outside 1-65535)."""
+    port outside 0-65535). Port 0 is how a node whose address is unknown (failed) is listed: its keys fail."""
     if reply == []:
         return None
     if not isinstance(reply, list):
@@ -356,7 +356,7 @@ def _slot_map(reply: object, answered: Address) -> list[Address] | None:
     try:
         for start, end, primary, *_ in reply:
             port = int(primary[1])
-            if not 0 <= start <= end < SLOTS or not 0 < port < 65536:
+            if not 0 <= start <= end < SLOTS or not 0 <= port < 65536:  # 0: a failed node's unknown address
                 raise ValueError(f"slots {start}-{end} at port {port} are out of range")
             slots[start:end + 1] = [(_endpoint(primary, answered), port)] * (end + 1 - start)
     except (TypeError, IndexError, AttributeError, ValueError) as exc:

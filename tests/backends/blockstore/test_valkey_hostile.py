@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kvkit.backends.blockstore.resp import key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
 
 DEADLINE = 0.5
@@ -160,11 +161,12 @@ def test_a_redirect_out_of_range_fails_its_keys_and_never_raises(scripted, redir
 @pytest.mark.parametrize("slots", [
     dict(end=b":999999999999"),  # a range no list holds
     dict(end=b":16384"), dict(start=b":-5"), dict(start=b":9", end=b":3"),
-    dict(node_port=b":99999"), dict(node_port=b":0"),
+    dict(node_port=b":99999"), dict(node_port=b":65536"),
 ])
 def test_a_slot_map_out_of_range_is_refused_and_never_raises(scripted, slots):
     """CLUSTER SLOTS naming slots outside 0-16383, a range that ends before it starts, or a port outside
-    1-65535: the map is refused (the node is marked down), every call answers failed, none raises."""
+    0-65535 (0 is a failed node's unknown address): the map is refused (the node is marked down), every call
+    answers failed, none raises."""
     server = scripted(lambda args: _slots(server.port, **slots) if args[0] == b"CLUSTER" else b":1\r\n")
     store = _store(server.port, cluster=True)
     try:
@@ -172,6 +174,27 @@ def test_a_slot_map_out_of_range_is_refused_and_never_raises(scripted, slots):
         assert "CLUSTER SLOTS" in store.last_error, store.last_error
         result = _put(store, [b"a"])
         assert result.failed == (0,) and result.transport_failed, result
+    finally:
+        store.close()
+
+
+def test_a_failed_node_listed_at_port_0_fails_only_its_own_slots(scripted):
+    """CLUSTER SLOTS lists a failed node, whose address is unknown, at port 0 (as Valkey does): the map is used,
+    the keys of the live node's slots are served, only the failed node's fail, and the live node stays up."""
+    def answer(args):
+        if args[0] == b"CLUSTER":
+            return (b"*2\r\n*3\r\n:0\r\n:8191\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n"
+                    b"*3\r\n:8192\r\n:16383\r\n*2\r\n$0\r\n\r\n:0\r\n" % server.port)
+        return b"+OK\r\n"
+
+    server = scripted(answer)
+    store = _store(server.port, cluster=True)
+    try:
+        keys = [b"kvkit:port0:%d" % i for i in range(40)]
+        result = _put(store, keys)
+        on_failed = {i for i, k in enumerate(keys) if key_slot(k) >= 8192}
+        assert 0 < len(on_failed) < len(keys) and set(result.failed) == on_failed, result
+        assert ("127.0.0.1", server.port) not in store.down_nodes
     finally:
         store.close()
 
