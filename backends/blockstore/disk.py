@@ -31,6 +31,7 @@ __all__ = ["COUNTERS", "DiskStore"]
 _SUFFIX = ".kvb"
 _TEMP = ".tmp-"  # "<name>.kvb.tmp-<owner>-<n>" (no dot in owner): a write not renamed yet, locked by its writer
 _HEX = frozenset("0123456789abcdef")
+_CLOSED = "DiskStore closed"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _TEMP_ATTEMPTS = 3  # fresh temp names tried when a reaper removed each one before its writer locked it
 # Opening never follows a symlink, and never blocks on a FIFO planted under a value's name.
@@ -180,6 +181,7 @@ class DiskStore:
     _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
         lambda self: TicketBox(self.max_waiting), takes_self=True))
     _pool: ThreadPoolExecutor = attrs.field(init=False)
+    _close_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._make_root()
@@ -211,18 +213,12 @@ class DiskStore:
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
         self._check_process()
         check_call("DiskStore", self.closed, keys, values)
-        views = [flat_views(v) for v in values]  # refused, typed, before any ticket is issued
-        ticket = self._tickets.issue(len(keys))
-        self._pool.submit(self._run, ticket, self._write, list(keys), views)
-        return ticket
+        return self._submit(self._write, keys, values)
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
         self._check_process()
         check_call("DiskStore", self.closed, keys, buffers)
-        views = [flat_views(b) for b in buffers]
-        ticket = self._tickets.issue(len(keys))
-        self._pool.submit(self._run, ticket, self._read, list(keys), views)
-        return ticket
+        return self._submit(self._read, keys, buffers)
 
     def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
         return self._tickets.poll(tickets, timeout)
@@ -238,11 +234,14 @@ class DiskStore:
         return held
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._tickets.fail_open("DiskStore closed")
+        """Finish the calls running, fail the queued ones; a ``close`` while another thread closes the store
+        returns once it is closed."""
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._tickets.fail_open(_CLOSED)
 
     def check_invariants(self) -> None:
         with self._lock:
@@ -366,6 +365,17 @@ class DiskStore:
             os.close(fd)
 
     # --- work on the pool ----------------------------------------------------
+
+    def _submit(self, work, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
+        """A ticket for ``work`` over ``keys``, queued on the pool; one the pool refuses (the store closed since
+        the call was checked) is reported failed at once. Buffers are refused, typed, before a ticket is issued."""
+        views = [flat_views(b) for b in buffers]
+        ticket = self._tickets.issue(len(keys))
+        try:
+            self._pool.submit(self._run, ticket, work, list(keys), views)
+        except RuntimeError:  # the pool is shut down: close() ran meanwhile
+            self._tickets.report(ticket, range(len(keys)), _CLOSED)
+        return ticket
 
     def _run(self, ticket: int, work, keys: list[bytes], views: list[list[memoryview]]) -> None:
         failed, errors = [], set()

@@ -17,6 +17,7 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.blockstore.resp import (
+    SLOTS,
     Address,
     Connection,
     ConnectOptions,
@@ -271,10 +272,11 @@ class Link:
         return outcomes
 
     def refresh(self, deadline: float | None = None) -> str | None:
-        """Read the slot map (CLUSTER SLOTS) from the first node that answers; ``None``, or why none did.
+        """Read the slot map (CLUSTER SLOTS) from the first node that answers with one; ``None``, or why none did.
 
-        Nodes the health marks down are not asked. Connections to nodes that own no slot any more
-        are closed; the others are kept.
+        Nodes the health marks down are not asked; a node that serves no slot (restarted without its
+        cluster configuration, not part of the Cluster) is asked, and the next node after it. Connections
+        to nodes that own no slot any more are closed; the others are kept.
         """
         if deadline is None:
             deadline = time.monotonic() + self.options.request_timeout_s
@@ -292,6 +294,9 @@ class Link:
                 continue
             except ServerError as exc:
                 last = f"transport: {address[0]}:{address[1]} refused CLUSTER SLOTS: {exc}"
+                continue
+            if slots is None:
+                last = f"transport: {address[0]}:{address[1]} serves no slot (it is not part of the Cluster now)"
                 continue
             self._slots, self._stale = slots, False
             owners = set(slots)
@@ -339,15 +344,22 @@ def _closed_while_idle(exc: BaseException) -> bool:
         and "protocol error" not in str(exc)
 
 
-def _slot_map(reply: object, answered: Address) -> list[Address]:
-    """CLUSTER SLOTS as the owner of each of the 16384 slots (``ValueError`` if it is not such a reply)."""
+def _slot_map(reply: object, answered: Address) -> list[Address] | None:
+    """CLUSTER SLOTS as the owner of each of the 16384 slots (those it does not list: ``answered``), ``None`` if it
+    lists none (``ValueError`` if it is not such a reply: a range outside 0-16383 or ending before it starts, a
+    port outside 0-65535). Port 0 is how a node whose address is unknown (failed) is listed: its keys fail."""
+    if reply == []:
+        return None
     if not isinstance(reply, list):
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}")
-    slots: list[Address] = [answered] * 16384
+    slots: list[Address] = [answered] * SLOTS
     try:
         for start, end, primary, *_ in reply:
-            slots[start:end + 1] = [(_endpoint(primary, answered), int(primary[1]))] * (end + 1 - start)
-    except (TypeError, IndexError, AttributeError) as exc:
+            port = int(primary[1])
+            if not 0 <= start <= end < SLOTS or not 0 <= port < 65536:  # 0: a failed node's unknown address
+                raise ValueError(f"slots {start}-{end} at port {port} are out of range")
+            slots[start:end + 1] = [(_endpoint(primary, answered), port)] * (end + 1 - start)
+    except (TypeError, IndexError, AttributeError, ValueError) as exc:
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}: {exc}") from exc
     return slots
 

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["Address", "ConnectOptions", "Connection", "DeadlineExceeded", "Redirect", "ServerError", "command",
-           "error_reply", "key_slot"]
+__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "SLOTS", "Address", "ConnectOptions", "Connection", "DeadlineExceeded",
+           "Redirect", "ServerError", "command", "error_reply", "key_slot"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -40,6 +40,12 @@ _IOV_MAX = 1024  # buffers per sendmsg (Linux IOV_MAX)
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 _ERROR_CODE = re.compile(r"[A-Z]{2,20}")  # the first word of an error reply: ERR, WRONGPASS, NOPERM...
 _FAIR_CONNECT = 0.9  # a connect that timed out with this share of its budget or more is its node's fault
+SLOTS = 16384
+"""Hash slots of a Cluster."""
+MAX_REPLY_BULK = 64 << 20
+"""The longest bulk :meth:`Connection.reply` reads (a CLUSTER SLOTS entry, an INFO text, a test's GET)."""
+MAX_REPLY_DEPTH = 16
+"""The deepest nesting of arrays :meth:`Connection.reply` reads (CLUSTER SLOTS nests 4 deep)."""
 
 
 class ServerError(Exception):
@@ -74,7 +80,7 @@ def key_slot(key: bytes) -> int:
         end = key.find(b"}", start + 1)
         if end > start + 1:
             key = key[start + 1:end]
-    return binascii.crc_hqx(key, 0) % 16384
+    return binascii.crc_hqx(key, 0) % SLOTS
 
 
 @attrs.frozen
@@ -121,8 +127,12 @@ class Connection:
             raise (exc if full else DeadlineExceeded(f"timed out connecting: {exc}", 0.0)) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if options.tls is not None:
-                sock = options.tls.wrap_socket(sock, server_hostname=address[0])  # handshake within `timeout`
+            if options.tls is not None:  # the handshake gets what the connect left of `timeout`
+                left = start + timeout - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out connecting to {address[0]}:{address[1]} before the TLS handshake")
+                sock.settimeout(left)
+                sock = options.tls.wrap_socket(sock, server_hostname=address[0])
             sock.setblocking(False)
         except BaseException:
             sock.close()
@@ -228,8 +238,14 @@ class Connection:
             self._fill(limit)
             limit = _BUFFER
 
-    def reply(self) -> object:
-        """The next reply: bytes (simple or bulk), int, list, ``None`` (nil), ``ServerError`` or ``Redirect``."""
+    def reply(self, depth: int = 0) -> object:
+        """The next reply: bytes (simple or bulk), int, list, ``None`` (nil), ``ServerError`` or ``Redirect``.
+
+        For the small replies read whole (EXISTS, PING, AUTH, CLUSTER SLOTS): a bulk longer than
+        :data:`MAX_REPLY_BULK` or arrays nested deeper than :data:`MAX_REPLY_DEPTH` raise ``ConnectionError``
+        (no server sends them; allocating or recursing for them would raise ``MemoryError`` or
+        ``RecursionError``). Values go through :meth:`read_bulk`, into the caller's buffers.
+        """
         head = self.line()
         kind, rest = head[:1], head[1:]
         if kind == b"+":
@@ -240,12 +256,16 @@ class Connection:
             n = _number(head)
             if n < 0:
                 return None
+            if n > MAX_REPLY_BULK:
+                raise ConnectionError(f"protocol error: a bulk reply of {n} bytes, longer than {MAX_REPLY_BULK}")
             out = bytearray(n)
             self.read_bulk([memoryview(out)])
             return bytes(out)
         if kind == b"*":
             n = _number(head)
-            return None if n < 0 else [self.reply() for _ in range(n)]
+            if depth >= MAX_REPLY_DEPTH:
+                raise ConnectionError(f"protocol error: arrays nested deeper than {MAX_REPLY_DEPTH}")
+            return None if n < 0 else [self.reply(depth + 1) for _ in range(n)]
         if kind == b"-":
             return error_reply(rest)
         raise ConnectionError(f"protocol error: unexpected reply {head[:80]!r}")
@@ -369,7 +389,9 @@ _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
 
 def _connect(address: Address, timeout: float) -> socket.socket:
     """``socket.create_connection(address, timeout)``, name resolution included in ``timeout`` (:func:`_resolve`),
-    except that a loopback peer gets Reno congestion control.
+    except that each of the name's addresses, in order, gets an equal share of what is left of ``timeout`` (the
+    last all of it), so one that never answers leaves the others time, and a loopback peer gets Reno congestion
+    control.
 
     Set before the handshake, so the system's default (BBR, where it is the default) never starts on the
     socket: BBR paces a connection at its estimate of the path's bandwidth, and on loopback that
@@ -380,7 +402,8 @@ def _connect(address: Address, timeout: float) -> socket.socket:
     host, port = address
     deadline = time.monotonic() + timeout
     last: OSError | None = None
-    for family, kind, proto, _, peer in _resolve(host, port, timeout):
+    peers = _resolve(host, port, timeout)
+    for i, (family, kind, proto, _, peer) in enumerate(peers):
         sock = socket.socket(family, kind, proto)
         try:
             if _TCP_CONGESTION is not None and ipaddress.ip_address(peer[0]).is_loopback:
@@ -389,7 +412,7 @@ def _connect(address: Address, timeout: float) -> socket.socket:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"timed out connecting to {host}:{port}")
-            sock.settimeout(left)
+            sock.settimeout(left / (len(peers) - i))
             sock.connect(peer)
             return sock
         except OSError as exc:
@@ -482,10 +505,12 @@ def command(*args: bytes) -> bytes:
 
 
 def error_reply(text: bytes) -> ServerError | Redirect:
-    """An error line (without its ``-``) as a ``Redirect`` when it is ``MOVED``/``ASK``, else ``ServerError``."""
+    """An error line (without its ``-``) as a ``Redirect`` when it is ``MOVED``/``ASK`` to a slot (0-16383) at
+    a port (1-65535), else ``ServerError`` (a redirect out of range names no node: its key fails with the
+    server's words)."""
     parts = text.split()
     if len(parts) == 3 and parts[0] in (b"MOVED", b"ASK"):
         host, _, port = parts[2].rpartition(b":")
-        if parts[1].isdigit() and port.isdigit():
+        if parts[1].isdigit() and port.isdigit() and int(parts[1]) < SLOTS and 0 < int(port) < 65536:
             return Redirect(int(parts[1]), (host.decode(errors="replace"), int(port)), parts[0] == b"ASK")
     return ServerError(text.decode(errors="replace"))

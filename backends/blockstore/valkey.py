@@ -22,6 +22,7 @@ from kvkit.validate import check_bool, check_int, check_real, checked, quote
 __all__ = ["ValkeyStore"]
 
 _OK = b"+OK"
+_CLOSED = "ValkeyStore closed"
 
 
 def _nodes(value: Any) -> tuple[Address, ...]:
@@ -117,6 +118,7 @@ class ValkeyStore:
     _health: NodeHealth = attrs.field(init=False)
     _lookup: Link = attrs.field(init=False)
     _lookup_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _close_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _io: _IoThread = attrs.field(init=False)
     _thread: threading.Thread = attrs.field(init=False)
     _finalizer: weakref.finalize = attrs.field(init=False)
@@ -185,11 +187,14 @@ class ValkeyStore:
         return self._io.tickets.poll(tickets, timeout)
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._finalizer()
-        assert not self._thread.is_alive(), "the I/O thread did not stop"
+        """Stop the I/O thread, close every connection, fail every open ticket; a ``close`` while another
+        thread closes the store returns once it is closed."""
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._finalizer()
+            assert not self._thread.is_alive(), "the I/O thread did not stop"
 
     def check_invariants(self) -> None:
         assert self.closed or self._thread.is_alive(), "the I/O thread died"
@@ -239,8 +244,12 @@ class _IoThread:
     closing: bool = False
 
     def queue(self, op: str, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]], deadline: float) -> int:
+        """Issue a ticket for a call and queue it; one queued while the store closes is reported failed at once
+        (:func:`_shut_down` sets ``closing`` before it fails the open tickets, so no ticket stays open)."""
         ticket = self.tickets.issue(len(keys))
         self.jobs.put((ticket, op, list(keys), [flat_views(b) for b in buffers], deadline))
+        if self.closing:
+            self.tickets.report(ticket, range(len(keys)), _CLOSED)
         return ticket
 
     def serve(self) -> None:
@@ -329,13 +338,19 @@ def _shut_down(io: _IoThread, thread: threading.Thread, lookup: Link, lookup_loc
             lookup.close()
         finally:
             lookup_lock.release()
-    io.tickets.fail_open("ValkeyStore closed")
+    io.tickets.fail_open(_CLOSED)
 
 
 def _set_outcome(line: bytes) -> object:
+    """A SET's reply line: ``None`` (``+OK``), or why its key was not set. A SET answers one line; any other
+    reply (a bulk, an array: lines of their own follow) raises ``ConnectionError``, the connection out of step."""
     if line == _OK:
         return None
-    return error_reply(line[1:]) if line[:1] == b"-" else ServerError(f"unexpected reply {line[:80]!r}")
+    if line[:1] == b"-":
+        return error_reply(line[1:])
+    if line[:1] in (b"+", b":"):
+        return ServerError(f"unexpected reply {line[:80]!r}")
+    raise ConnectionError(f"protocol error: a SET answered {line[:80]!r}")
 
 
 def _read_ints(conn: Connection, ids: list[int]) -> list[object]:

@@ -215,6 +215,52 @@ def test_calls_after_close_raise(tmp_path):
         store.contains([b"a"])
 
 
+@pytest.mark.parametrize("op", ["put", "get"])
+def test_a_call_racing_close_is_reported_failed_not_raised(tmp_path, monkeypatch, op):
+    """``close`` running between a ``put``'s (or ``get``'s) check and its queueing: the call answers a ticket,
+    reported failed at once (it used to raise the pool's ``RuntimeError`` and leave that ticket open)."""
+    from kvkit.backends.blockstore._common import TicketBox
+
+    store = DiskStore(tmp_path, 10_000)
+    issue = TicketBox.issue
+
+    def closing_first(box, n_keys):
+        store.close()  # another thread's close, landing just before the ticket is issued
+        return issue(box, n_keys)
+
+    monkeypatch.setattr(TicketBox, "issue", closing_first)
+    ticket = getattr(store, op)([b"racing"], [[memoryview(bytearray(4))]])
+    monkeypatch.setattr(TicketBox, "issue", issue)
+    (result,) = store.poll([ticket], 0.0)
+    assert result.failed == (0,) and "closed" in result.error, result
+    store.check_invariants()
+
+
+def test_close_called_again_while_another_thread_closes_returns_once_closed(tmp_path, monkeypatch):
+    """Two threads close one store with a slow write in flight: the second ``close`` returns only once the
+    store is closed, every ticket reported (it used to return at once, the write's ticket still open)."""
+    import threading
+
+    store = DiskStore(tmp_path, 10_000)
+    write = DiskStore._write
+
+    def slow_write(self, key, parts):
+        time.sleep(0.3)
+        return write(self, key, parts)
+
+    monkeypatch.setattr(DiskStore, "_write", slow_write)
+    ticket = store.put([b"slow"], [[memoryview(b"v")]])
+    first = threading.Thread(target=store.close)
+    first.start()
+    time.sleep(0.05)
+    try:
+        store.close()
+        assert store._tickets.outstanding == 0
+        assert [r.ticket for r in store.poll([ticket])] == [ticket]
+    finally:
+        first.join()
+
+
 def test_a_value_survives_a_real_process_restart(tmp_path):
     """One Python process writes and exits; a second one (a fresh interpreter) reads the bytes back."""
     write = ("import sys; from kvkit.backends.blockstore.disk import DiskStore\n"

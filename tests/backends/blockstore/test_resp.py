@@ -38,11 +38,13 @@ def test_key_slot_agrees_with_the_server(valkey_cluster):
 
 
 def test_error_replies():
-    """MOVED and ASK become Redirects with slot and address; anything else a ServerError."""
+    """MOVED and ASK become Redirects with slot and address; anything else (one out of range too) a ServerError."""
     assert error_reply(b"MOVED 3999 127.0.0.1:6381") == Redirect(3999, ("127.0.0.1", 6381), False)
     assert error_reply(b"ASK 1 ::1:7000") == Redirect(1, ("::1", 7000), True)
     err = error_reply(b"WRONGTYPE Operation against a key")
     assert isinstance(err, ServerError) and "WRONGTYPE" in str(err)
+    for out_of_range in (b"MOVED 16384 h:7000", b"ASK 1 h:0", b"MOVED 1 h:65536"):  # no slot or port names these
+        assert isinstance(error_reply(out_of_range), ServerError), out_of_range
 
 
 def test_replies_of_every_kind(valkey_server):

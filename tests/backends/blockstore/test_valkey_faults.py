@@ -167,6 +167,55 @@ def test_a_host_that_never_answers_a_connect_is_marked_down_however_short_the_de
                 store.close()
 
 
+def test_a_name_whose_first_address_never_answers_is_served_by_the_next(own_server, monkeypatch):
+    """A host name resolving to two addresses, the first a host that never answers a connect: the connect
+    budget is shared between them, so the call reaches the live one by its deadline and nothing is marked
+    down (the first address alone used to take the whole budget, and the node was marked down for good)."""
+    from kvkit.backends.blockstore import resp
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        silent = listener.getsockname()
+        with socket.create_connection(silent):  # queued, never accepted: the queue is full from now on
+            peers = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", silent),
+                     (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", own_server.port))]
+            monkeypatch.setattr(resp, "_resolve", lambda host, port, timeout: peers)
+            store = _store(("kvkit-two-addresses.test", 6379), retry_interval_s=30)
+            try:
+                start = time.monotonic()
+                assert _put(store, [b"two"], [b"v"]).ok
+                assert store.contains([b"two"]) == 1
+                assert time.monotonic() - start < 2 * DEADLINE + SLACK
+                assert store.down_nodes == {}
+            finally:
+                store.close()
+
+
+def test_a_tls_handshake_gets_only_what_the_connect_left_of_its_budget(monkeypatch):
+    """A slow connect (1.8 s of a 2 s budget) to a host that then never answers the TLS handshake: the call
+    answers by its deadline (the handshake used to get a whole budget of its own after the connect)."""
+    from kvkit.backends.blockstore import resp
+
+    connect = resp._connect
+
+    def slow_connect(address, timeout):
+        sock = connect(address, timeout)
+        time.sleep(0.9 * timeout)  # the connect took most of its budget (a far host, a lost SYN)
+        return sock
+
+    monkeypatch.setattr(resp, "_connect", slow_connect)
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # the kernel completes connects; nothing answers
+        store = ValkeyStore([listener.getsockname()[:2]], tls=True, tls_verify=False, request_timeout_s=2.0,
+                            connect_timeout_s=2.0)
+        try:
+            start = time.monotonic()
+            assert store.contains([b"a"]) == 0
+            assert time.monotonic() - start < 2.0 + 0.5, f"the call took {time.monotonic() - start:.2f} s"
+        finally:
+            store.close()
+
+
 # -- a server that closes idle connections ---------------------------------------------------------------
 
 
@@ -278,6 +327,30 @@ def test_a_failover_moves_the_dead_nodes_slots_and_keeps_the_other_connections(p
     store.close()
 
 
+def test_a_seed_that_came_back_empty_does_not_hide_the_live_nodes(partial_cluster):
+    """Node 0 restarted without its cluster configuration (a fresh container): it serves no slot and answers
+    CLUSTER SLOTS with an empty map. A store given it as its first seed reads the map from the next seed, so
+    the live nodes serve their keys and only node 0's old slots fail (an empty map used to route every key to
+    node 0, which refused them all, for good)."""
+    cluster = partial_cluster
+    first = cluster.nodes[0]
+    first.kill()
+    first.stop()  # its directory, with the cluster configuration, is gone
+    first.start()
+    assert first.call(b"CLUSTER", b"SLOTS") == []
+    store = ValkeyStore([("127.0.0.1", n.port) for n in cluster.nodes], cluster=True, request_timeout_s=DEADLINE,
+                        connect_timeout_s=DEADLINE, retry_interval_s=0.2)
+    try:
+        keys = [b"kvkit:empty-seed:%d" % i for i in range(60)]
+        result = _put(store, keys, _values(60, 100))
+        on_first = {i for i, k in enumerate(keys) if _owner(cluster, k) == 0}
+        assert 0 < len(on_first) < len(keys) and set(result.failed) == on_first, result
+        live = [k for i, k in enumerate(keys) if i not in on_first]
+        assert store.contains(live) == len(live)
+    finally:
+        store.close()
+
+
 def test_a_slot_moved_to_another_node_is_followed_without_reconnecting(valkey_cluster):
     """CLUSTER SETSLOT NODE moves a slot: MOVED re-maps it; every connection stays the same object."""
     nodes = valkey_cluster.nodes
@@ -335,6 +408,55 @@ def test_failed_calls_leave_no_socket_open(own_server):
     assert _sockets() == sockets, "a failed call left a socket open"
     store.close()
     assert _sockets() == sockets
+
+
+def test_a_put_or_get_racing_close_is_reported_failed_at_once(valkey_server, monkeypatch):
+    """``close`` running between a ``put``'s (or ``get``'s) check and its queueing: the call's ticket is
+    reported failed at once (it used to stay open for good: no poll ever answered it), and the closed store
+    keeps its invariants."""
+    from kvkit.backends.blockstore._common import TicketBox
+
+    issue = TicketBox.issue
+    for op in ("put", "get"):
+        store = _store(("127.0.0.1", valkey_server.port))
+
+        def closing_first(box, n_keys, store=store):
+            store.close()  # another thread's close, landing just before the ticket is issued
+            return issue(box, n_keys)
+
+        monkeypatch.setattr(TicketBox, "issue", closing_first)
+        ticket = getattr(store, op)([b"racing"], [[memoryview(bytearray(1))]])
+        monkeypatch.setattr(TicketBox, "issue", issue)
+        start = time.monotonic()
+        results = store.poll([ticket], 2.0)
+        assert time.monotonic() - start < 0.5, "the racing call's ticket was left open"
+        assert [r.ticket for r in results] == [ticket] and results[0].failed == (0,), results
+        assert "closed" in results[0].error
+        store.check_invariants()
+
+
+def test_close_called_again_while_another_thread_closes_returns_once_closed(valkey_server, monkeypatch):
+    """Two threads close one store: the second ``close`` waits for the first and returns with the store closed
+    (it used to return at once, the I/O thread still running and tickets still open)."""
+    from kvkit.backends.blockstore import valkey
+
+    shut_down = valkey._shut_down
+
+    def slow_shut_down(*args):
+        time.sleep(0.3)  # the first close is still at work when the second comes
+        shut_down(*args)
+
+    monkeypatch.setattr(valkey, "_shut_down", slow_shut_down)
+    store = _store(("127.0.0.1", valkey_server.port))
+    first = threading.Thread(target=store.close)
+    first.start()
+    time.sleep(0.05)
+    try:
+        store.close()
+        assert not store._thread.is_alive()
+        store.check_invariants()
+    finally:
+        first.join()
 
 
 # -- one round trip --------------------------------------------------------------------------------------

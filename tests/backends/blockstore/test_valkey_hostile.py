@@ -1,0 +1,216 @@
+"""The Valkey store against a server that answers what no Valkey would: a scripted RESP responder on loopback.
+
+Whatever the replies (too long, too deep, out of range, of the wrong kind), every call answers by its
+deadline and never raises: the keys fail, the node that sent it is marked down, and no reply is ever
+taken for another command's (the connection never falls out of step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kvkit.backends.blockstore.resp import key_slot
+from kvkit.backends.blockstore.valkey import ValkeyStore
+
+DEADLINE = 0.5
+SLACK = 1.0  # scheduling noise on a busy 2-core machine
+
+
+def _commands(buf: bytearray) -> list[list[bytes]]:
+    """The whole RESP commands at the head of ``buf`` (consumed), each as its arguments."""
+    out = []
+    while buf.startswith(b"*"):
+        end = buf.find(b"\r\n")
+        if end < 0:
+            break
+        pos, args = end + 2, []
+        for _ in range(int(buf[1:end])):
+            head = buf.find(b"\r\n", pos)
+            if head < 0:
+                return out
+            size = int(buf[pos + 1:head])
+            if len(buf) < head + 2 + size + 2:
+                return out
+            args.append(bytes(buf[head + 2:head + 2 + size]))
+            pos = head + 2 + size + 2
+        out.append(args)
+        del buf[:pos]
+    return out
+
+
+class Scripted:
+    """A loopback server answering each command with ``answer(args)`` (its port is ``self.port``).
+
+    ``answer`` may read ``self.port``; a Cluster one answers ``CLUSTER SLOTS`` itself.
+    """
+
+    def __init__(self, answer: Callable[[list[bytes]], bytes]) -> None:
+        self.answer = answer
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.peers: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                peer, _ = self.listener.accept()
+            except OSError:
+                return
+            self.peers.append(peer)
+            threading.Thread(target=self._talk, args=(peer,), daemon=True).start()
+
+    def _talk(self, peer: socket.socket) -> None:
+        buf = bytearray()
+        with contextlib.suppress(OSError):
+            while data := peer.recv(1 << 16):
+                buf += data
+                peer.sendall(b"".join(self.answer(args) for args in _commands(buf)))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        self.listener.close()
+        for peer in self.peers:
+            peer.close()
+        self.thread.join(5.0)
+
+
+@pytest.fixture
+def scripted():
+    """``scripted(answer)`` starts a :class:`Scripted` server; each is closed after the test."""
+    servers: list[Scripted] = []
+
+    def start(answer):
+        servers.append(Scripted(answer))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def _slots(port: int, start: bytes = b":0", end: bytes = b":16383", node_port: bytes | None = None) -> bytes:
+    """A CLUSTER SLOTS reply: one range, owned by ``127.0.0.1:node_port`` (default ``port``)."""
+    node = b":%d" % port if node_port is None else node_port
+    return b"*1\r\n*3\r\n" + start + b"\r\n" + end + b"\r\n*2\r\n$9\r\n127.0.0.1\r\n" + node + b"\r\n"
+
+
+def _store(port: int, **kwargs) -> ValkeyStore:
+    kwargs.setdefault("retry_interval_s", 30.0)
+    return ValkeyStore([("127.0.0.1", port)], request_timeout_s=DEADLINE, connect_timeout_s=DEADLINE, **kwargs)
+
+
+def _bounded(call):
+    start = time.monotonic()
+    out = call()
+    assert time.monotonic() - start <= DEADLINE + SLACK, f"a call took {time.monotonic() - start:.2f} s"
+    return out
+
+
+def _put(store, keys):
+    ticket = store.put(keys, [[memoryview(b"v")] for _ in keys])
+    return _bounded(lambda: store.poll([ticket], DEADLINE + SLACK))[0]
+
+
+@pytest.mark.parametrize(("reply", "why"), [
+    (b"$99999999999999\r\n", "longer than"),  # a bulk no memory holds
+    (b"*1\r\n" * 5000, "nested deeper than"),  # deeper than Python's recursion limit
+])
+@pytest.mark.parametrize("cluster", [False, True])
+def test_a_reply_too_long_or_too_deep_fails_the_call_and_never_raises(scripted, reply, why, cluster):
+    """EXISTS (or CLUSTER SLOTS) answered with a bulk of 100 TB or arrays nested 5,000 deep: ``contains`` and
+    ``ping`` answer at once (nothing found, a transport failure) rather than raising MemoryError or
+    RecursionError, and the node is marked down (a reply that is not what Valkey sends is evidence)."""
+    server = scripted(lambda args: reply)
+    store = _store(server.port, cluster=cluster)
+    try:
+        assert _bounded(lambda: store.contains([b"a", b"b"])) == 0
+        assert why in store.last_error and "protocol error" in store.last_error, store.last_error
+        assert list(store.down_nodes) == [("127.0.0.1", server.port)]
+        assert (_bounded(store.ping) or "").startswith("transport:")
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("redirect", [b"-MOVED 16384 127.0.0.1:%d\r\n", b"-MOVED 99999 127.0.0.1:%d\r\n",
+                                      b"-ASK 20000 127.0.0.1:%d\r\n", b"-MOVED 7 127.0.0.1:99999\r\n"])
+def test_a_redirect_out_of_range_fails_its_keys_and_never_raises(scripted, redirect):
+    """A Cluster node answering MOVED/ASK to a slot past 16383 or a port past 65535: the keys fail with the
+    server's words (no slot is re-mapped, no other port is tried), the call answers, nothing raises."""
+    server = scripted(lambda args: _slots(server.port) if args[0] == b"CLUSTER" else redirect.replace(
+        b"%d", b"%d" % server.port))
+    store = _store(server.port, cluster=True)
+    try:
+        assert _bounded(lambda: store.contains([b"a", b"b"])) == 0
+        result = _put(store, [b"a"])
+        assert result.failed == (0,) and not result.transport_failed, result
+        assert redirect.split()[0][1:].decode() in result.error, result
+        assert store.down_nodes == {}
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("slots", [
+    dict(end=b":999999999999"),  # a range no list holds
+    dict(end=b":16384"), dict(start=b":-5"), dict(start=b":9", end=b":3"),
+    dict(node_port=b":99999"), dict(node_port=b":65536"),
+])
+def test_a_slot_map_out_of_range_is_refused_and_never_raises(scripted, slots):
+    """CLUSTER SLOTS naming slots outside 0-16383, a range that ends before it starts, or a port outside
+    0-65535 (0 is a failed node's unknown address): the map is refused (the node is marked down), every call
+    answers failed, none raises."""
+    server = scripted(lambda args: _slots(server.port, **slots) if args[0] == b"CLUSTER" else b":1\r\n")
+    store = _store(server.port, cluster=True)
+    try:
+        assert _bounded(lambda: store.contains([b"a", b"b"])) == 0
+        assert "CLUSTER SLOTS" in store.last_error, store.last_error
+        result = _put(store, [b"a"])
+        assert result.failed == (0,) and result.transport_failed, result
+    finally:
+        store.close()
+
+
+def test_a_failed_node_listed_at_port_0_fails_only_its_own_slots(scripted):
+    """CLUSTER SLOTS lists a failed node, whose address is unknown, at port 0 (as Valkey does): the map is used,
+    the keys of the live node's slots are served, only the failed node's fail, and the live node stays up."""
+    def answer(args):
+        if args[0] == b"CLUSTER":
+            return (b"*2\r\n*3\r\n:0\r\n:8191\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n"
+                    b"*3\r\n:8192\r\n:16383\r\n*2\r\n$0\r\n\r\n:0\r\n" % server.port)
+        return b"+OK\r\n"
+
+    server = scripted(answer)
+    store = _store(server.port, cluster=True)
+    try:
+        keys = [b"kvkit:port0:%d" % i for i in range(40)]
+        result = _put(store, keys)
+        on_failed = {i for i, k in enumerate(keys) if key_slot(k) >= 8192}
+        assert 0 < len(on_failed) < len(keys) and set(result.failed) == on_failed, result
+        assert ("127.0.0.1", server.port) not in store.down_nodes
+    finally:
+        store.close()
+
+
+def test_a_set_answered_with_an_array_never_lends_its_reply_to_the_next_put(scripted):
+    """A SET answered ``*1 +OK`` (no SET answers an array): the put fails as a protocol error and the
+    connection is dropped, so the next put, which the server refuses (``-OOM``), is reported failed, not
+    ``ok`` with the first SET's leftover ``+OK``."""
+    replies = iter([b"*1\r\n+OK\r\n", b"-OOM command not allowed when used memory > 'maxmemory'\r\n"])
+    server = scripted(lambda args: next(replies, b"-ERR no more\r\n"))
+    store = _store(server.port, retry_interval_s=0.05)
+    try:
+        first = _put(store, [b"a"])
+        assert first.transport_failed and "protocol error" in first.error, first
+        time.sleep(0.06)  # the node is tried again
+        second = _put(store, [b"b"])
+        assert second.failed == (0,) and "OOM" in second.error, second
+    finally:
+        store.close()
