@@ -8,8 +8,11 @@ fail that node's keys at once for a retry interval instead of waiting on it agai
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -88,15 +91,93 @@ class NodeHealth:
 
 
 @attrs.define(eq=False)
+class _Leg:
+    """One node's share of a flight: its chunks in sending order (``(asked, indices)``), what its pipeline read
+    (one list of outcomes per chunk, in order: chunks past them were not read), and what stopped it."""
+
+    address: Address
+    chunks: list[tuple[bool, list[int]]] = attrs.field(factory=list)
+    results: list[list[object]] = attrs.field(factory=list)
+    error: BaseException | None = None
+    opened: bool = False  # its connection was opened by this flight
+
+
+class _Crew:
+    """Daemon threads that run a flight's node pipelines side by side; idle between flights.
+
+    A flight of ``n`` tasks runs the first on the caller's thread and each other on a thread of its own
+    (the crew grows to ``n - 1`` threads), so no task waits for another to start. The threads hold no
+    reference to a task once it ended (nor to the link). After :meth:`stop` the threads exit and the
+    tasks of a later flight run one after another on the caller's thread.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = 0
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    def run(self, tasks: list[Callable[[], None]]) -> None:
+        """Run every task; return once all have ended, raising the first exception any of them raised."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        queued = 0
+        with self._lock:  # queued before stop()'s sentinels, or not at all
+            if not self._stopped:
+                for _ in range(self._threads, len(tasks) - 1):
+                    threading.Thread(target=_crew_serve, args=(self._jobs,), name="kvkit-valkey-node",
+                                     daemon=True).start()
+                self._threads = max(self._threads, len(tasks) - 1)
+                for task in tasks[1:]:
+                    self._jobs.put((task, done))
+                queued = len(tasks) - 1
+        errors = [error for task in tasks[:len(tasks) - queued] if (error := _attempt(task)) is not None]
+        errors += [error for _ in range(queued) if (error := done.get()) is not None]
+        if errors:
+            raise errors[0]
+
+    def stop(self) -> None:
+        """Let every thread exit once the tasks queued before have ended; idempotent."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                for _ in range(self._threads):
+                    self._jobs.put(None)
+
+
+def _attempt(task: Callable[[], None]) -> BaseException | None:
+    """Run ``task``; the exception it raised, or ``None``."""
+    try:
+        task()
+    except BaseException as exc:  # noqa: BLE001 - handed to the flight's caller, which raises it
+        return exc
+    return None
+
+
+def _crew_serve(jobs: queue.SimpleQueue) -> None:
+    """A crew thread: run each queued task, answering its outcome to its flight, until a ``None``."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        task, done = job
+        del job
+        done.put(_attempt(task))
+        del task, done
+
+
+@attrs.define(eq=False)
 class Link:
     """Connections to one server or one Cluster, used by one thread at a time.
 
-    ``run`` sends every key's command to its node (all nodes first, then it reads from each),
-    follows MOVED (updating the slot map, re-read before the next call) and ASK redirects, and
-    answers one outcome per key, within the call's deadline. Large values go in a window: a node
-    gets chunk ``k + 1`` (about ``window_bytes`` of values) before chunk ``k``'s replies are read,
-    so one to two chunks are in flight (a whole batch of 64-256 KiB values in flight ran 1.2-1.9x
-    slower; BENCHMARKS.md, "Shared tier").
+    ``run`` sends every key's command to its node, follows MOVED (updating the slot map, re-read
+    before the next call) and ASK redirects, and answers one outcome per key, within the call's
+    deadline. Each node's commands go through a pipeline of their own, and the nodes' pipelines
+    progress independently (side by side on the link's threads when a call spans several nodes;
+    on the caller's thread when it spans one): a node that is slow or stalled delays no other
+    node's sends or reads, so the others' keys complete within the deadline. Large values go in
+    a window: a node gets chunk ``k + 1`` (about ``window_bytes`` of values) before chunk ``k``'s
+    replies are read, so one to two chunks are in flight per node (a whole batch of 64-256 KiB
+    values in flight ran 1.2-1.9x slower; BENCHMARKS.md, "Shared tier").
 
     Faults stay with their node: a node that fails (``OSError`` or a reply that is not RESP) has
     its connection closed and only its keys answer :class:`Unreachable`; the other nodes' keys and
@@ -115,6 +196,10 @@ class Link:
     _slots: list[Address] | None = attrs.field(default=None, init=False)
     _stale: bool = attrs.field(default=True, init=False)
     _closed: bool = attrs.field(default=False, init=False)
+    _crew: _Crew = attrs.field(factory=_Crew, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        weakref.finalize(self, self._crew.stop)  # a link dropped without close() lets its crew exit
 
     def run(self, keys: Sequence[bytes], encode: Encode, read: Read, weights: Sequence[int] | None = None,
             deadline: float | None = None) -> list[object]:
@@ -167,47 +252,63 @@ class Link:
     def _fly(self, flights: dict[tuple[Address, bool], list[list[int]]], encode: Encode, read: Read,
              deadline: float, fresh: set[Address], outcomes: list[object], pending: list[int],
              asked: dict[int, Address]) -> dict[Address, tuple[BaseException, list[int], dict[int, Address]]]:
-        """Send every chunk and read its replies, chunk ``k + 1`` going out before ``k`` is read.
+        """Send every chunk and read its replies, each node on its own: a node waited on never delays another.
+
+        A node's chunks (its ASKed ones after the others) go through one pipeline (:meth:`_leg`): chunk
+        ``k + 1`` goes out before chunk ``k`` is read. One node's pipeline runs on the caller's thread;
+        with several, the others run side by side on the link's crew, and all have ended when this returns
+        (each is bounded by ``deadline``). The pipelines touch only their own node's connection and record
+        what they read in their own :class:`_Leg`; the outcomes, the keys to send again, the slot map and
+        ``fresh`` are updated here, on the caller's thread, once they have all ended.
 
         Answers the nodes that failed: the exception, the indices they did not settle, and which of
         those were asked of them (ASK).
         """
-        broken: dict[Address, BaseException] = {}
-        done = dict.fromkeys(flights, 0)  # chunks read, per group
-        for step in range(max((len(c) for c in flights.values()), default=0) + 1):
-            for (address, ask), chunks in flights.items():
-                if step >= len(chunks) or address in broken:
-                    continue
-                parts = chunks[step]
-                try:
-                    self._conn(address, deadline, fresh).send(
-                        [b for i in parts for b in (_ASKING, *encode([i]))] if ask else encode(parts))
-                except (OSError, ValueError) as exc:
-                    broken[address] = exc
-            for (address, ask), chunks in flights.items():
-                if not 0 < step <= len(chunks) or address in broken:
-                    continue
-                indices = chunks[step - 1]
-                try:
-                    results = self._read(self._conns[address], indices, ask, read)
-                except (OSError, ValueError) as exc:
-                    broken[address] = exc
-                    continue
-                done[(address, ask)] = step
+        legs: dict[Address, _Leg] = {}
+        for (address, ask), chunks in flights.items():
+            leg = legs.get(address)
+            if leg is None:
+                leg = legs[address] = _Leg(address)
+            leg.chunks += [(ask, chunk) for chunk in chunks]
+        if len(legs) == 1:
+            for leg in legs.values():
+                self._leg(leg, encode, read, deadline)
+        else:
+            self._crew.run([functools.partial(self._leg, leg, encode, read, deadline) for leg in legs.values()])
+        broken: dict[Address, tuple[BaseException, list[int], dict[int, Address]]] = {}
+        for address, leg in legs.items():
+            if leg.opened:
+                fresh.add(address)
+            for (_, indices), results in zip(leg.chunks, leg.results):
                 for i, outcome in zip(indices, results):
                     self._settle(i, outcome, address, outcomes, pending, asked)
-        out: dict[Address, tuple[BaseException, list[int], dict[int, Address]]] = {}
-        for address, error in broken.items():
-            left: list[int] = []
-            left_asked: dict[int, Address] = {}
-            for (node, ask), chunks in flights.items():
-                if node == address:
-                    for chunk in chunks[done[(node, ask)]:]:
-                        left += chunk
-                        if ask:
-                            left_asked.update(dict.fromkeys(chunk, address))
-            out[address] = (error, left, left_asked)
-        return out
+            if leg.error is not None:
+                left: list[int] = []
+                left_asked: dict[int, Address] = {}
+                for ask, chunk in leg.chunks[len(leg.results):]:
+                    left += chunk
+                    if ask:
+                        left_asked.update(dict.fromkeys(chunk, address))
+                broken[address] = (leg.error, left, left_asked)
+        return broken
+
+    def _leg(self, leg: _Leg, encode: Encode, read: Read, deadline: float) -> None:
+        """Pipeline ``leg``'s chunks over its node's connection, chunk ``k + 1`` sent before chunk ``k`` is read;
+        record each chunk's outcomes, or the failure that stopped the pipeline, in ``leg``."""
+        chunks = leg.chunks
+        try:
+            opened = leg.address not in self._conns
+            conn = self._conn(leg.address, deadline)
+            leg.opened = opened
+            for step in range(len(chunks) + 1):
+                if step < len(chunks):
+                    ask, parts = chunks[step]
+                    conn.send([b for i in parts for b in (_ASKING, *encode([i]))] if ask else encode(parts))
+                if step:
+                    ask, indices = chunks[step - 1]
+                    leg.results.append(self._read(conn, indices, ask, read))
+        except (OSError, ValueError) as exc:
+            leg.error = exc
 
     def _failed(self, address: Address, exc: BaseException) -> str:
         """Close ``address``'s connection; record the evidence against it; answer the keys' reason."""
@@ -288,7 +389,7 @@ class Link:
                 last = why
                 continue
             try:
-                slots = _slot_map(self._conn(address, deadline, set()).call(b"CLUSTER", b"SLOTS"), address)
+                slots = _slot_map(self._conn(address, deadline).call(b"CLUSTER", b"SLOTS"), address)
             except (OSError, ValueError) as exc:
                 last = self._failed(address, exc)
                 continue
@@ -314,6 +415,7 @@ class Link:
     def close(self) -> None:
         """Close every connection (a wait in another thread returns at once) and open none again."""
         self._closed = True
+        self._crew.stop()
         self.reset()
 
     def _node_for(self, key: bytes) -> Address:
@@ -322,13 +424,13 @@ class Link:
         assert self._slots is not None, "refresh() runs before routing"
         return self._slots[key_slot(key)]
 
-    def _conn(self, address: Address, deadline: float, fresh: set[Address]) -> Connection:
+    def _conn(self, address: Address, deadline: float) -> Connection:
+        """``address``'s connection (opened if there is none), bounded by ``deadline``."""
         conn = self._conns.get(address)
         if conn is None:
             if self._closed:
                 raise ConnectionRefusedError("the link is closed")
             conn = self._conns[address] = Connection(address, self.options, deadline)
-            fresh.add(address)
         conn.renew(deadline)
         return conn
 

@@ -69,6 +69,10 @@ def _io_threads() -> int:
     return sum(t.name == "kvkit-valkey-io" and t.is_alive() for t in threading.enumerate())
 
 
+def _crew_threads() -> int:
+    return sum(t.name == "kvkit-valkey-node" and t.is_alive() for t in threading.enumerate())
+
+
 def _eventually(condition, limit=5.0):
     deadline = time.monotonic() + limit
     while not condition():
@@ -300,6 +304,57 @@ def test_a_cluster_with_a_dead_node_serves_what_the_live_nodes_hold(partial_clus
     store.close()
 
 
+def test_a_paused_node_costs_only_its_own_keys_on_the_first_call(partial_cluster):
+    """One node paused (SIGSTOP: it accepts bytes and answers nothing): the first get, put and contains of a
+    fresh store each return every key the live nodes hold (right bytes) by their deadline; only the paused
+    node's keys fail, and only that node is marked down. Each node's pipeline moves on its own, so a node
+    waited on never holds back the chunks of the others (60 x 100 KB: several chunks per node)."""
+    cluster = partial_cluster
+    size = 100_000
+    keys = [b"kvkit:paused:%d" % i for i in range(60)]
+    values = _values(60, size)
+    options = dict(cluster=True, request_timeout_s=1.0, connect_timeout_s=1.0, retry_interval_s=30.0)
+    seed = ("127.0.0.1", cluster.nodes[1].port)
+    writer = ValkeyStore([seed], **options)
+    assert _put(writer, keys, values, 1.0).ok
+    writer.close()
+    paused = cluster.nodes[_owner(cluster, keys[0])]  # the first group of every call
+    on_paused = {i for i, k in enumerate(keys) if cluster.nodes[_owner(cluster, k)] is paused}
+    assert 0 < len(on_paused) < len(keys)
+    live = [k for i, k in enumerate(keys) if i not in on_paused]
+    crew = _crew_threads()
+    stores = [ValkeyStore([seed], **options) for _ in range(3)]
+    for store in stores:  # the slot map read by both connections while every node answers
+        assert store.contains(live) == len(live) and _get(store, keys[:1], size, 1.0)[0].ok
+    paused.pause()
+    try:
+        getter, putter, looker = stores
+        result, buffers = _get(getter, keys, size, 1.0)
+        assert set(result.failed) == on_paused and result.transport_failed, result
+        assert all(buffers[i] == values[i] for i in range(len(keys)) if i not in on_paused), \
+            "a live node's key was lost to the paused node"
+        fresh = _values(60, size)
+        put = _put(putter, keys, fresh, 1.0)
+        assert set(put.failed) == on_paused and put.transport_failed, put
+        start = time.monotonic()
+        assert looker.contains([*live, *(keys[i] for i in sorted(on_paused))]) == len(live)
+        assert time.monotonic() - start <= 1.0 + SLACK
+        for store in (getter, putter, looker):
+            assert list(store.down_nodes) == [("127.0.0.1", paused.port)], store.down_nodes
+        assert _crew_threads() > crew, "the nodes' pipelines did not run side by side"
+    finally:
+        paused.resume()
+        for store in stores:
+            store.close()
+    assert _eventually(lambda: _crew_threads() == crew), "a closed store left its node threads running"
+    reader = ValkeyStore([seed], **options)
+    again, buffers = _get(reader, keys, size, 1.0)
+    assert again.ok and all(buffers[i] == fresh[i] for i in range(len(keys)) if i not in on_paused)
+    # the paused node's keys: old, or the failed put's (the node may apply what it had received once resumed)
+    assert all(buffers[i] in (values[i], fresh[i]) for i in on_paused)
+    reader.close()
+
+
 def test_a_failover_moves_the_dead_nodes_slots_and_keeps_the_other_connections(partial_cluster):
     """Node 0 dies and its replica takes over: its keys fail once, then are read from the new primary; the
     connections to the nodes that stayed up are never reopened."""
@@ -463,7 +518,8 @@ def test_close_called_again_while_another_thread_closes_returns_once_closed(valk
 
 
 def test_contains_of_1000_keys_is_one_round_trip_per_node(valkey_server, valkey_cluster):
-    """contains writes every EXISTS to a node before reading any reply: one send per node, then the reads."""
+    """contains writes every EXISTS to a node before reading any of its replies: one send per node, then
+    that node's read (the nodes' pipelines are independent: one node's read may come before another's send)."""
     from kvkit.backends.blockstore import link as link_module
 
     events = []
@@ -493,7 +549,9 @@ def test_contains_of_1000_keys_is_one_round_trip_per_node(valkey_server, valkey_
             link_module.Connection = original
         sends = [e for e in events if e[0] == "send"]
         assert len(sends) == nodes and len({port for _, port in sends}) == nodes, events
-        assert events[:nodes] == sends, "a reply was read before every node had its whole pipeline"
+        for _, port in sends:
+            assert [kind for kind, p in events if p == port] == ["send", "read"], \
+                f"a reply of {port} was read before it had its whole pipeline: {events}"
         store.close()
 
 
