@@ -30,7 +30,7 @@ from kvkit.backends.blockstore.resp import (
     key_slot,
 )
 
-__all__ = ["Encode", "Link", "NodeHealth", "Read", "Unreachable"]
+__all__ = ["Encode", "Link", "NodeHealth", "Read", "Topology", "Unreachable"]
 
 _MAX_ROUNDS = 5  # redirects followed, and the one retry on a fresh connection, per key and call
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
@@ -88,6 +88,61 @@ class NodeHealth:
         with self._lock:
             now = time.monotonic()
             return {a: why for a, (until, why) in self._down.items() if now < until}
+
+
+@attrs.define(eq=False)
+class Topology:
+    """A Cluster's slot map, shared by the links of one store, so what one learns serves the other.
+
+    A map read by one link routes the other's calls (whose seeds may be down by then); a MOVED seen by
+    one re-routes the other's next call; a node that failed on one makes both use a map read again. A
+    stale map is read once, by the first link whose call needs it: a link that finds another reading it
+    waits for that read (within its own deadline) and uses it. ``stale``: the map must be read before
+    the next call is routed (none read yet, a node failed, a redirect named no host). Thread-safe: a
+    change noted while a read is in flight leaves the map it reads stale.
+    """
+
+    slots: list[Address] | None = attrs.field(default=None, init=False)
+    stale: bool = attrs.field(default=True, init=False)
+    generation: int = attrs.field(default=0, init=False)  # maps read so far
+    _changes: int = attrs.field(default=0, init=False)  # changes noted so far
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _reading: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def outdated(self) -> None:
+        """Have the map read again before the next call is routed."""
+        with self._lock:
+            self._changes += 1
+            self.stale = True
+
+    def moved(self, slot: int, owner: Address) -> None:
+        """``owner`` serves ``slot`` from now on (a MOVED); the map is read again before the next call."""
+        with self._lock:
+            if self.slots is not None:
+                self.slots[slot] = owner
+            self._changes += 1
+            self.stale = True
+
+    def refresh(self, deadline: float, read: Callable[[], list[Address] | str]) -> str | None:
+        """Read the map with ``read`` (the owner of each slot, or why it could not be read) unless it is fresh
+        once no other read is in flight; ``None``, or why it is still unread."""
+        if not self._reading.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return "transport: another call was reading the Cluster's slot map past the deadline"
+        try:
+            with self._lock:
+                if not self.stale:
+                    return None
+                changes = self._changes
+            slots = read()
+            if isinstance(slots, str):
+                return slots
+            with self._lock:
+                self.slots = slots
+                self.generation += 1
+                self.stale = self._changes != changes
+            return None
+        finally:
+            self._reading.release()
 
 
 @attrs.define(eq=False)
@@ -184,7 +239,8 @@ class Link:
     connections are untouched. A reused connection that the server closed (for idleness) is
     reopened and the node's keys retried once. ``health`` decides which nodes are skipped (see
     :class:`NodeHealth`); in a Cluster a failed node also makes the next call re-read the slot map
-    (a failover moves its slots), keeping every other connection.
+    (a failover moves its slots), keeping every other connection. Links given one ``topology`` share
+    their slot map (see :class:`Topology`).
     """
 
     seeds: tuple[Address, ...]
@@ -192,9 +248,9 @@ class Link:
     options: ConnectOptions
     health: NodeHealth
     window_bytes: int = 256 << 10
+    topology: Topology = attrs.field(factory=Topology, kw_only=True)
     _conns: dict[Address, Connection] = attrs.field(factory=dict, init=False)
-    _slots: list[Address] | None = attrs.field(default=None, init=False)
-    _stale: bool = attrs.field(default=True, init=False)
+    _generation: int = attrs.field(default=0, init=False)  # the map whose nodes ``_conns`` was pruned to
     _closed: bool = attrs.field(default=False, init=False)
     _crew: _Crew = attrs.field(factory=_Crew, init=False)
 
@@ -210,10 +266,11 @@ class Link:
             return outcomes
         if deadline is None:
             deadline = time.monotonic() + self.options.request_timeout_s
-        if self.cluster and self._stale:
-            why = self.refresh(deadline)
+        if self.cluster:
+            why = self.refresh(deadline) if self.topology.stale else None
             if why is not None:
                 return [Unreachable(why)] * len(keys)
+            self._prune()
         pending: list[int] = list(range(len(keys)))
         asked: dict[int, Address] = {}
         fresh: set[Address] = set()  # nodes whose connection this call opened
@@ -310,13 +367,15 @@ class Link:
         except (OSError, ValueError) as exc:
             leg.error = exc
 
-    def _failed(self, address: Address, exc: BaseException) -> str:
-        """Close ``address``'s connection; record the evidence against it; answer the keys' reason."""
+    def _failed(self, address: Address, exc: BaseException, remap: bool = True) -> str:
+        """Close ``address``'s connection; record the evidence against it (and, with ``remap``, have the slot
+        map read again); answer the keys' reason."""
         self._drop(address)
         why = f"transport: {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
         if not isinstance(exc, DeadlineExceeded) or exc.stalled_s >= self.options.request_timeout_s / 2:
             self.health.trip(address, why)
-            self._stale = True  # in a Cluster, a failover may move its slots
+            if remap:
+                self.topology.outdated()  # in a Cluster, a failover may move its slots
         return why
 
     def _chunks(self, indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
@@ -347,16 +406,14 @@ class Link:
             if outcome.address[0] == "":
                 outcome = attrs.evolve(outcome, address=(answered[0], outcome.address[1]))
             else:
-                self._stale = True
+                self.topology.outdated()
                 outcome = ServerError(f"a redirect to the unknown endpoint ?:{outcome.address[1]} (a node prefers "
                                       f"hostnames and announces none); the slot map is read again")
         if isinstance(outcome, Redirect):
             if outcome.ask:
                 asked[i] = outcome.address
             else:
-                assert self._slots is not None, "refresh() runs before routing"
-                self._slots[outcome.slot] = outcome.address
-                self._stale = True
+                self.topology.moved(outcome.slot, outcome.address)
             pending.append(i)
         else:
             outcomes[i] = outcome
@@ -373,15 +430,20 @@ class Link:
         return outcomes
 
     def refresh(self, deadline: float | None = None) -> str | None:
-        """Read the slot map (CLUSTER SLOTS) from the first node that answers with one; ``None``, or why none did.
+        """Read the slot map (CLUSTER SLOTS) unless another link sharing :attr:`topology` just did; ``None``, or
+        why no node answered with one.
 
-        Nodes the health marks down are not asked; a node that serves no slot (restarted without its
-        cluster configuration, not part of the Cluster) is asked, and the next node after it. Connections
-        to nodes that own no slot any more are closed; the others are kept.
+        The seeds are asked first, then the nodes of the map known so far. Nodes the health marks down are
+        not asked; a node that serves no slot (restarted without its cluster configuration, not part of the
+        Cluster) is asked, and the next node after it.
         """
         if deadline is None:
             deadline = time.monotonic() + self.options.request_timeout_s
-        known = list(dict.fromkeys([*self.seeds, *(self._slots or ())]))
+        return self.topology.refresh(deadline, lambda: self._read_slots(deadline))
+
+    def _read_slots(self, deadline: float) -> list[Address] | str:
+        """The slot map from the first known node that answers with one, or why none did."""
+        known = list(dict.fromkeys([*self.seeds, *(self.topology.slots or ())]))
         last = "every known node is down"
         for address in known:
             why = self.health.down(address)
@@ -391,7 +453,7 @@ class Link:
             try:
                 slots = _slot_map(self._conn(address, deadline).call(b"CLUSTER", b"SLOTS"), address)
             except (OSError, ValueError) as exc:
-                last = self._failed(address, exc)
+                last = self._failed(address, exc, remap=False)
                 continue
             except ServerError as exc:
                 last = f"transport: {address[0]}:{address[1]} refused CLUSTER SLOTS: {exc}"
@@ -399,18 +461,23 @@ class Link:
             if slots is None:
                 last = f"transport: {address[0]}:{address[1]} serves no slot (it is not part of the Cluster now)"
                 continue
-            self._slots, self._stale = slots, False
-            owners = set(slots)
-            for gone in [a for a in self._conns if a not in owners]:
-                self._drop(gone)
-            return None
+            return slots
         return f"transport: no Cluster node answered CLUSTER SLOTS (last: {last})"
+
+    def _prune(self) -> None:
+        """Close the connections to nodes that own no slot in the map read last (by this link or another)."""
+        if self._generation == self.topology.generation:
+            return
+        self._generation = self.topology.generation
+        owners = set(self.topology.slots or ())
+        for gone in [a for a in self._conns if a not in owners]:
+            self._drop(gone)
 
     def reset(self) -> None:
         """Close every connection; the next call opens them again."""
         for address in list(self._conns):
             self._drop(address)
-        self._stale = True
+        self.topology.outdated()
 
     def close(self) -> None:
         """Close every connection (a wait in another thread returns at once) and open none again."""
@@ -421,8 +488,9 @@ class Link:
     def _node_for(self, key: bytes) -> Address:
         if not self.cluster:
             return self.seeds[0]
-        assert self._slots is not None, "refresh() runs before routing"
-        return self._slots[key_slot(key)]
+        slots = self.topology.slots
+        assert slots is not None, "refresh() runs before routing"
+        return slots[key_slot(key)]
 
     def _conn(self, address: Address, deadline: float) -> Connection:
         """``address``'s connection (opened if there is none), bounded by ``deadline``."""

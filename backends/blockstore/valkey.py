@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
-from kvkit.backends.blockstore.link import Link, NodeHealth, Unreachable
+from kvkit.backends.blockstore.link import Link, NodeHealth, Topology, Unreachable
 from kvkit.backends.blockstore.resp import Address, Connection, ConnectOptions, Redirect, ServerError, error_reply
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import StoreResult
@@ -131,9 +131,10 @@ class ValkeyStore:
         options = ConnectOptions(self.connect_timeout_s, self.request_timeout_s, self.username, self.password,
                                  self.db, self._tls_context())
         self._health = NodeHealth(self.retry_interval_s)
-        self._lookup = Link(self.nodes, self.cluster, options, self._health)
-        self._io = _IoThread(Link(self.nodes, self.cluster, options, self._health, self.window_bytes),
-                             TicketBox(self.max_waiting), self.ttl_s)
+        topology = Topology()  # one slot map for both links: what one learns routes the other's calls
+        self._lookup = Link(self.nodes, self.cluster, options, self._health, topology=topology)
+        self._io = _IoThread(Link(self.nodes, self.cluster, options, self._health, self.window_bytes,
+                                  topology=topology), TicketBox(self.max_waiting), self.ttl_s)
         self._thread = threading.Thread(target=self._io.serve, name="kvkit-valkey-io", daemon=True)
         self._finalizer = weakref.finalize(self, _shut_down, self._io, self._thread, self._lookup,
                                            self._lookup_lock, self.request_timeout_s + self.connect_timeout_s)

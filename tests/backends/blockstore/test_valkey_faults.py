@@ -406,6 +406,36 @@ def test_a_seed_that_came_back_empty_does_not_hide_the_live_nodes(partial_cluste
         store.close()
 
 
+def test_both_connections_of_a_store_share_one_slot_map(partial_cluster):
+    """A store's lookup and put/get connections read the slot map once between them, and what one learned
+    routes the other: with the only seed killed, the first contains of a store that has put (and the first
+    get of one that has looked up) reach the live nodes, and only the seed's keys fail."""
+    cluster = partial_cluster
+    seed = cluster.nodes[0]
+    options = dict(cluster=True, request_timeout_s=DEADLINE, connect_timeout_s=DEADLINE, retry_interval_s=30.0)
+    keys = [b"kvkit:one-map:%d" % i for i in range(60)]
+    values = _values(60, 100)
+    putter = ValkeyStore([("127.0.0.1", seed.port)], **options)
+    looker = ValkeyStore([("127.0.0.1", seed.port)], **options)
+    try:
+        assert _put(putter, keys, values).ok
+        assert looker.contains(keys) == len(keys)
+        seed.kill()
+        on_seed = {i for i, k in enumerate(keys) if _owner(cluster, k) == 0}
+        assert 0 < len(on_seed) < len(keys)
+        live = [k for i, k in enumerate(keys) if i not in on_seed]
+        assert putter.contains(live) == len(live), "the lookups knew only the dead seed"
+        assert putter._lookup.topology.generation == 1, "the lookups read a map of their own"
+        result, buffers = _get(looker, keys, 100)
+        assert set(result.failed) == on_seed and result.transport_failed, result
+        assert all(buffers[i] == values[i] for i in range(len(keys)) if i not in on_seed)
+        assert list(looker.down_nodes) == [("127.0.0.1", seed.port)]
+        assert looker.contains(live) == len(live), "the map read again after the seed failed missed the live nodes"
+    finally:
+        putter.close()
+        looker.close()
+
+
 def test_a_slot_moved_to_another_node_is_followed_without_reconnecting(valkey_cluster):
     """CLUSTER SETSLOT NODE moves a slot: MOVED re-maps it; every connection stays the same object."""
     nodes = valkey_cluster.nodes
