@@ -206,10 +206,12 @@ def test_cluster_follows_moved_after_a_stale_slot_map(valkey_cluster):
     store = ValkeyStore([("127.0.0.1", valkey_cluster.nodes[0].port)], cluster=True)
     keys = [b"kvkit:moved:%d" % i for i in range(50)]
     assert _put(store, keys[:1])[0].ok
-    store._io.link._slots = [("127.0.0.1", valkey_cluster.nodes[0].port)] * 16384
-    store._lookup._slots, store._lookup._stale = list(store._io.link._slots), False
+    wrong = [("127.0.0.1", valkey_cluster.nodes[0].port)] * 16384
+    topology = store._lookup.topology  # both links' slot map
+    topology.slots, topology.stale = list(wrong), False
     result, values = _put(store, keys)
     assert result.ok
+    topology.slots, topology.stale = list(wrong), False
     assert store.contains(keys) == 50
     got, buffers = _get(store, keys)
     assert got.ok and [bytes(v[0]) for v in values] == [bytes(b) for b in buffers]
@@ -225,7 +227,7 @@ def test_cluster_follows_ask_during_a_migration(valkey_cluster):
     slot = key_slot(key)
     store = ValkeyStore([("127.0.0.1", nodes[0].port)], cluster=True)
     store.contains([key])  # learn the slot map
-    owner = next(n for n in nodes if ("127.0.0.1", n.port) == store._lookup._slots[slot])
+    owner = next(n for n in nodes if ("127.0.0.1", n.port) == store._lookup.topology.slots[slot])
     target = next(n for n in nodes if n is not owner)
     ids = {n.port: n.call(b"CLUSTER", b"MYID") for n in nodes}
     target.call(b"CLUSTER", b"SETSLOT", b"%d" % slot, b"IMPORTING", ids[owner.port])
@@ -256,7 +258,7 @@ def test_a_cluster_that_announces_no_endpoint_is_served(endpoint):
             result, _ = _put(store, keys)
             assert result.ok, result
             assert store.contains(keys) == 50
-            store._io.link._slots = [("127.0.0.1", first)] * 16384  # every key but node 0's is MOVED
+            store._io.link.topology.slots = [("127.0.0.1", first)] * 16384  # every key but node 0's is MOVED
             result, values = _put(store, keys)
             if endpoint == "hostname":
                 assert result.failed and "unknown endpoint" in result.error
