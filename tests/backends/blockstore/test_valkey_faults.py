@@ -406,6 +406,44 @@ def test_a_seed_that_came_back_empty_does_not_hide_the_live_nodes(partial_cluste
         store.close()
 
 
+def test_a_bug_in_one_nodes_pipeline_fails_the_call_once_every_pipeline_ended(valkey_cluster, monkeypatch):
+    """A reader that raises (not a transport error) on one node of a get spanning three: the call is reported
+    failed, only after the other nodes' pipelines ended (a slow one included: no buffer is written after its
+    ticket was reported), and the store serves the next call."""
+    from kvkit.backends.blockstore import valkey as valkey_module
+
+    cluster = valkey_cluster
+    store = ValkeyStore([("127.0.0.1", cluster.nodes[0].port)], cluster=True, request_timeout_s=5.0)
+    keys = [b"kvkit:bug:%d" % i for i in range(30)]
+    values = _values(30, 1000)
+    assert _put(store, keys, values, 5.0).ok
+    faulty, slow = (("127.0.0.1", cluster.nodes[i].port) for i in (1, 2))
+    ended = []
+    original = valkey_module._get_outcome
+
+    def outcome(conn, views, want):
+        peer = conn.sock.getpeername()[:2]
+        if peer == faulty:
+            raise RuntimeError("a bug in a reader")
+        if peer == slow:
+            time.sleep(0.05)
+        got = original(conn, views, want)
+        ended.append(time.monotonic())
+        return got
+
+    monkeypatch.setattr(valkey_module, "_get_outcome", outcome)
+    buffers = [bytearray(1000) for _ in keys]
+    ticket = store.get(keys, [[memoryview(b)] for b in buffers])
+    result = store.poll([ticket], 5.0)[0]
+    reported = time.monotonic()
+    assert result.failed == tuple(range(30)) and "RuntimeError" in result.error, result
+    assert ended and max(ended) <= reported, "a node's pipeline wrote a buffer after the call was reported"
+    monkeypatch.setattr(valkey_module, "_get_outcome", original)
+    again, buffers = _get(store, keys, 1000, 5.0)
+    assert again.ok and buffers == values
+    store.close()
+
+
 def test_both_connections_of_a_store_share_one_slot_map(partial_cluster):
     """A store's lookup and put/get connections read the slot map once between them, and what one learned
     routes the other: with the only seed killed, the first contains of a store that has put (and the first
