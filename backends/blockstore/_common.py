@@ -26,13 +26,19 @@ def check_keys(store: str, closed: bool, keys: Sequence[bytes]) -> None:
             raise ConfigError(f"a block-store key must be non-empty bytes, got {quote(key)}")
 
 
-def check_call(store: str, closed: bool, keys: Sequence[bytes], buffers: Sequence[Sequence[object]]) -> None:
-    """Refuse a ``put``/``get`` whose keys are bad or whose buffer lists do not pair with them."""
+def check_call(store: str, closed: bool, keys: Sequence[bytes],
+               buffers: Sequence[Sequence[memoryview]]) -> list[list[memoryview]]:
+    """Each value's byte views (:func:`flat_views`) for a ``put``/``get``, or ``ConfigError`` quoting what is bad.
+
+    A store calls it before it issues a ticket or changes a value: a call it
+    refuses leaves no ticket open and nothing written.
+    """
     check_keys(store, closed, keys)
     if not isinstance(buffers, Sequence):
         raise ConfigError(f"block-store buffers must be a sequence of buffer lists, one per key, got {quote(buffers)}")
     if len(keys) != len(buffers):
         raise ConfigError(f"{plural(len(keys), 'key')} but {plural(len(buffers), 'buffer list')}")
+    return [flat_views(parts) for parts in buffers]
 
 
 def flat_views(parts: Sequence[memoryview]) -> list[memoryview]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import attrs
 
-from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.eviction import EvictionPolicy
@@ -212,13 +212,11 @@ class DiskStore:
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
         self._check_process()
-        check_call("DiskStore", self.closed, keys, values)
-        return self._submit(self._write, keys, values)
+        return self._submit(self._write, keys, check_call("DiskStore", self.closed, keys, values))
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
         self._check_process()
-        check_call("DiskStore", self.closed, keys, buffers)
-        return self._submit(self._read, keys, buffers)
+        return self._submit(self._read, keys, check_call("DiskStore", self.closed, keys, buffers))
 
     def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
         return self._tickets.poll(tickets, timeout)
@@ -366,10 +364,9 @@ class DiskStore:
 
     # --- work on the pool ----------------------------------------------------
 
-    def _submit(self, work, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
-        """A ticket for ``work`` over ``keys``, queued on the pool; one the pool refuses (the store closed since
-        the call was checked) is reported failed at once. Buffers are refused, typed, before a ticket is issued."""
-        views = [flat_views(b) for b in buffers]
+    def _submit(self, work, keys: Sequence[bytes], views: list[list[memoryview]]) -> int:
+        """A ticket for ``work`` over ``keys`` and their checked byte views, queued on the pool; one the pool
+        refuses (the store closed since the call was checked) is reported failed at once."""
         ticket = self._tickets.issue(len(keys))
         try:
             self._pool.submit(self._run, ticket, work, list(keys), views)

@@ -8,7 +8,7 @@ from collections.abc import Collection, Sequence
 
 import attrs
 
-from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys
 from kvkit.interfaces.shared import StoreResult
 from kvkit.validate import check_int, checked
 
@@ -53,11 +53,11 @@ class MemoryStore:
             return n
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
-        check_call("MemoryStore", self.closed, keys, values)
+        views = check_call("MemoryStore", self.closed, keys, values)
         ticket = self._tickets.issue(len(keys))
         with self._lock:
             failed = []
-            for i, (key, parts) in enumerate(zip(keys, values)):
+            for i, (key, parts) in enumerate(zip(keys, views)):
                 value = b"".join(parts)  # one copy: join reads the buffers directly
                 if self.capacity_bytes is not None and len(value) > self.capacity_bytes:
                     failed.append(i)
@@ -71,19 +71,18 @@ class MemoryStore:
         return ticket
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
-        check_call("MemoryStore", self.closed, keys, buffers)
+        views = check_call("MemoryStore", self.closed, keys, buffers)
         ticket = self._tickets.issue(len(keys))
         with self._lock:
             failed = []
-            for i, (key, parts) in enumerate(zip(keys, buffers)):
+            for i, (key, parts) in enumerate(zip(keys, views)):
                 value = self._values.get(key)
-                views = flat_views(parts)
-                if value is None or len(value) != sum(v.nbytes for v in views):
+                if value is None or len(value) != sum(v.nbytes for v in parts):
                     failed.append(i)
                     continue
                 self._values.move_to_end(key)
                 at = 0
-                for v in views:
+                for v in parts:
                     v[:] = value[at:at + v.nbytes]
                     at += v.nbytes
         self._tickets.report(ticket, failed, "missing or wrong-sized value")

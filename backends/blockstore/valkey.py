@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, flat_views
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys
 from kvkit.backends.blockstore.link import Link, NodeHealth, Topology, Unreachable
 from kvkit.backends.blockstore.resp import Address, Connection, ConnectOptions, Redirect, ServerError, error_reply
 from kvkit.errors import ConfigError
@@ -177,12 +177,12 @@ class ValkeyStore:
         return n
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
-        check_call("ValkeyStore", self.closed, keys, values)
-        return self._io.queue("put", keys, values, time.monotonic() + self.request_timeout_s)
+        views = check_call("ValkeyStore", self.closed, keys, values)
+        return self._io.queue("put", keys, views, time.monotonic() + self.request_timeout_s)
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
-        check_call("ValkeyStore", self.closed, keys, buffers)
-        return self._io.queue("get", keys, buffers, time.monotonic() + self.request_timeout_s)
+        views = check_call("ValkeyStore", self.closed, keys, buffers)
+        return self._io.queue("get", keys, views, time.monotonic() + self.request_timeout_s)
 
     def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
         return self._io.tickets.poll(tickets, timeout)
@@ -244,11 +244,12 @@ class _IoThread:
     jobs: queue.SimpleQueue = attrs.field(factory=queue.SimpleQueue)
     closing: bool = False
 
-    def queue(self, op: str, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]], deadline: float) -> int:
-        """Issue a ticket for a call and queue it; one queued while the store closes is reported failed at once
-        (:func:`_shut_down` sets ``closing`` before it fails the open tickets, so no ticket stays open)."""
+    def queue(self, op: str, keys: Sequence[bytes], views: list[list[memoryview]], deadline: float) -> int:
+        """Issue a ticket for a checked call (its byte views) and queue it; one queued while the store closes is
+        reported failed at once (:func:`_shut_down` sets ``closing`` before it fails the open tickets, so no
+        ticket stays open)."""
         ticket = self.tickets.issue(len(keys))
-        self.jobs.put((ticket, op, list(keys), [flat_views(b) for b in buffers], deadline))
+        self.jobs.put((ticket, op, list(keys), views, deadline))
         if self.closing:
             self.tickets.report(ticket, range(len(keys)), _CLOSED)
         return ticket

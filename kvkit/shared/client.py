@@ -4,9 +4,11 @@ A stack's scheduler and every worker rank use the one store directly: each
 collects the results of its own tickets (``BlockStore.poll(tickets)``), so
 nothing sorts results between them.
 
-A stack that uses a network store beyond this host without an HMAC secret
-trusts whoever can write that server: :func:`connect_shared` says so once per
-process and server (a ``RuntimeWarning``).
+A tier that keeps values on a network store beyond this host without an HMAC
+secret trusts whoever can write that server: :func:`warn_unauthenticated` says
+so once per process and server (a ``RuntimeWarning``), for every such tier
+(:func:`connect_shared`; vLLM's ``KVKitSecondaryTier``, whose values are never
+authenticated).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from kvkit.config import StackConfig
     from kvkit.shared.scheduler import SharedTierSpec
 
-__all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared"]
+__all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "warn_unauthenticated"]
 
 _WARNED: set[tuple[tuple[str, int], ...]] = set()  # servers this process warned about
 _WARNED_LOCK = threading.Lock()
@@ -135,7 +137,7 @@ def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
                                   tenant=shared.tenant, secret=shared.secret)
     store, owned = open_shared(shared.url)  # last: nothing after it may fail and leave it open
     try:
-        _warn_unauthenticated(store, codec.namespace.secret)
+        warn_unauthenticated(store, codec.namespace.secret)
         deadline = getattr(store, "request_timeout_s", None)  # a network store's deadline of one call
         budget: dict[str, Any] = {"lookup_budget_s": deadline} \
             if isinstance(deadline, int | float) and deadline > 0 else {}
@@ -148,13 +150,16 @@ def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
     return SharedConnection(spec, store, owned)
 
 
-def _warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
+def warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
     """Warn (once per process and server) that ``store``'s values are trusted unauthenticated; whether it did.
 
-    Only a network store (one with ``nodes``, ``(host, port)`` pairs) with a
-    node beyond loopback and no ``secret`` is warned about: then anyone who
-    can write that server can plant KV that is loaded and served. Host names
-    other than ``localhost`` count as beyond loopback (nothing is resolved).
+    The one rule of every tier that keeps KV on a store: only a network store
+    (one with ``nodes``, ``(host, port)`` pairs) with a node beyond loopback
+    and no ``secret`` is warned about: then anyone who can write that server
+    can plant KV that is loaded and served. Host names other than
+    ``localhost`` count as beyond loopback (nothing is resolved). The nodes
+    are those the store was given (a Cluster's seeds), not those a Cluster
+    announces later (docs/shared-tier.md, "Threat model").
     """
     nodes = getattr(store, "nodes", None)
     if secret is not None or not nodes:
@@ -171,10 +176,10 @@ def _warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
         _WARNED.add(key)
     where = ", ".join(redact(f"{host}:{port}") for host, port in key)
     warnings.warn(redact_text(
-        f"kvkit shared tier: the values of {where} are not authenticated (no shared secret): anyone who can "
-        f"write that server can plant KV this engine will load and serve; give the shared tier a secret (HMAC) "
-        f"every instance of the deployment shares (docs/shared-tier.md, 'Threat model')"), RuntimeWarning,
-        stacklevel=3)
+        f"kvkit: the KV values kept on {where} are not authenticated (no HMAC secret): anyone who can write that "
+        f"server can plant KV this engine will load and serve; use such a server only where every writer is "
+        f"trusted, or kvkit's shared tier with a secret every instance of the deployment shares "
+        f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=3)
     return True
 
 

@@ -85,7 +85,8 @@ class BlockStoreContract(RuleBasedStateMachine):
       another total length fail, and are left for the store to fill only
       with a value of exactly their length.
     * A malformed call (a key not non-empty ``bytes``, buffer lists not one
-      per key, poll tickets not a collection of ints) raises ``ConfigError``.
+      per key, a buffer not C-contiguous bytes-like, poll tickets not a
+      collection of ints) raises ``ConfigError`` and writes nothing.
     * ``check_invariants()`` passes after every step; after ``close`` every
       outstanding ticket is reported once and every call raises.
 
@@ -200,12 +201,16 @@ class BlockStoreContract(RuleBasedStateMachine):
         """The store's own bookkeeping holds after every step."""
         self.store.check_invariants()
 
-    @rule(kind=st.sampled_from(["str key", "empty key", "short buffer list"]))
+    @rule(kind=st.sampled_from(["str key", "empty key", "short buffer list", "strided buffer", "not a buffer"]))
     def malformed_call(self, kind: str) -> None:
-        """A malformed put or get raises ConfigError at once and queues nothing."""
-        cases: dict[str, tuple[list[Any], list[list[memoryview]]]] = {
+        """A malformed put or get raises ConfigError at once and queues nothing (bad buffers after a good
+        key's value too: that value is not written)."""
+        good = [memoryview(bytes(_value(0)))]
+        cases: dict[str, tuple[list[Any], list[list[Any]]]] = {
             "str key": (["k"], [[memoryview(b"x")]]), "empty key": ([b""], [[memoryview(b"x")]]),
-            "short buffer list": ([_key(0), _key(1)], [[memoryview(b"x")]])}
+            "short buffer list": ([_key(0), _key(1)], [[memoryview(b"x")]]),
+            "strided buffer": ([_key(0), _key(1)], [good, [memoryview(bytearray(8))[::2]]]),
+            "not a buffer": ([_key(0), _key(1)], [good, [5]])}
         keys, buffers = cases[kind]
         for call in (self.store.put, self.store.get):
             try:

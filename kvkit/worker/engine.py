@@ -469,8 +469,9 @@ class TransferEngine:
         """Results of transfers confirmed finished since the last call (non-blocking).
 
         ``seconds`` is the copy's own time where the backend measures it (a
-        :class:`~kvkit.interfaces.capabilities.TimedCopy`: the ``torch``
-        backend's host copies, on a thread or not); otherwise it runs from
+        :class:`~kvkit.interfaces.capabilities.TimedCopy`: ``torch``,
+        ``cuda-dma`` and ``cupy-batch``, on the host or on a stream, waits on
+        other streams not counted); otherwise it runs from
         :meth:`submit` to the first poll that saw the copy done (:meth:`submit`
         polls once after launching), which on a device stream includes
         queueing behind earlier copies and poll latency.

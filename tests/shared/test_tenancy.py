@@ -236,3 +236,27 @@ def test_the_threat_model_is_in_the_readme_and_the_guide():
     assert re.search(r"^## Threat model$", guide, re.M)
     for needle in ("**Unauthenticated**", "**Authenticated**", "**Tenant confinement**", "ACL SETUSER"):
         assert needle in guide
+
+
+class _NetworkStore:
+    """A store as the warning reads one: its ``nodes`` only (nothing is connected to)."""
+
+    def __init__(self, *nodes):
+        self.nodes = nodes
+
+
+def test_the_one_rule_warns_about_unauthenticated_nodes_beyond_loopback_once(fresh_warnings):
+    """``warn_unauthenticated`` (the rule of every kvkit tier that keeps values on a server): no secret and a
+    node beyond loopback warns once per process and server, naming the nodes and the remedy, in words that fit a
+    stack's shared tier and vLLM's secondary tier alike; a secret, loopback nodes or a store without nodes never."""
+    remote = _NetworkStore(("127.0.0.1", 7000), ("10.1.2.3", 7001))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert client.warn_unauthenticated(remote, None)
+        assert not client.warn_unauthenticated(_NetworkStore(("10.1.2.3", 7001), ("127.0.0.1", 7000)), None)
+        assert not client.warn_unauthenticated(_NetworkStore(("10.9.9.9", 7000)), b"s")
+        assert not client.warn_unauthenticated(_NetworkStore(("127.0.0.1", 7000), ("localhost", 7001)), None)
+        assert not client.warn_unauthenticated(kvkit.shared.open_block_store("memory://"), None)
+    (message,) = [str(w.message) for w in caught]
+    assert "10.1.2.3:7001" in message and "127.0.0.1:7000" in message and "not authenticated" in message
+    assert "shared tier" in message and "secret" in message and "Threat model" in message

@@ -39,6 +39,9 @@ Rules:
   store (one ``contains`` per request and step, on its thread). ``contains``
   counts the leading run of present keys, so a key after the first absent
   one in a batch is a miss (recomputed, never wrong).
+* Values are never authenticated: a store with a node beyond loopback is
+  warned about once per process and server, by the shared tier's rule
+  (:func:`kvkit.shared.client.warn_unauthenticated`).
 * The store decides what to keep (the disk store's ``capacity_bytes``,
   Valkey's ``maxmemory`` and ``ttl_s``): the tier never evicts, and writes
   a chunk again rather than ask whether it is there (writes of one key are
@@ -79,6 +82,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import DEFAULT_TENANT, BlockStore, StoreResult, check_tenant
+from kvkit.shared.client import warn_unauthenticated
 from kvkit.shared.urls import open_block_store, process_wide
 from kvkit.validate import quote
 
@@ -168,6 +172,12 @@ class KVKitSecondaryTier(SecondaryTierManager):
         self._prefix = tier_key_prefix(offloading_spec, tenant, self.block_size_bytes)
         self._store = open_block_store(url, **options)
         self._owns_store = not process_wide(self._store)
+        try:
+            warn_unauthenticated(self._store, None)  # the values carry no header: never authenticated
+        except BaseException:  # the warning raised (warnings as errors): nothing of the tier stays open
+            if self._owns_store:
+                self._store.close()
+            raise
         self._rows = primary_kv_view.cast("B")
         self._jobs: dict[int, _Job] = {}
         self._finished: list[JobResult] = []

@@ -1001,6 +1001,9 @@ if me == 0:
     report["put_failed"] += [r.error for r in store.poll([ticket], 10.0) if r.failed]
     open(os.path.join(path, "..", "rewritten"), "w").close()
 wait_for("rewritten")
+found = [store.contains([k]) for k in keys]  # may adopt files past capacity, and evict some of them
+open(os.path.join(path, "..", f"checked-{me}"), "w").close()
+wait_for("checked-", n)  # every store's evictions done: a second look forgets what others evicted, evicts nothing
 found = [store.contains([k]) for k in keys]
 on_disk = sum(os.stat(f).st_size if os.path.exists(f) else 0 for f in map(store._file, store._index))
 report.update(used=store.used_bytes, on_disk=on_disk, capacity=store.effective_capacity_bytes)

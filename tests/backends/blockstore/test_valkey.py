@@ -244,6 +244,43 @@ def test_cluster_follows_ask_during_a_migration(valkey_cluster):
         store.close()
 
 
+@pytest.mark.xfail(strict=True, reason="Link._read (link.py) takes a refused ASKING for a connection closed while "
+                                        "idle: it retries, then marks the node down")
+def test_a_refused_asking_fails_the_asked_keys_with_the_servers_error_and_keeps_the_node(valkey_cluster):
+    """A user whose ACL lacks ``+asking`` (``-NOPERM``) during a migration: the asked key fails with the
+    server's words (not a transport failure), the importing node's own keys land in the same call, and no node
+    is marked down."""
+    nodes = valkey_cluster.nodes
+    for node in nodes:
+        node.call(b"FLUSHALL")
+        node.call(b"ACL", b"SETUSER", b"kvkit-noask", b"on", b">noask-pw", b"resetkeys", b"~kvkit:*",
+                  b"resetchannels", b"-@all", b"+ping", b"+exists", b"+get", b"+set", b"+cluster|slots")
+    store = ValkeyStore([("127.0.0.1", nodes[0].port)], cluster=True, username="kvkit-noask", password="noask-pw")
+    key = b"kvkit:noask:0"
+    slot = key_slot(key)
+    store.contains([key])  # learn the slot map
+    owners = store._lookup._slots
+    owner = next(n for n in nodes if ("127.0.0.1", n.port) == owners[slot])
+    target = next(n for n in nodes if n is not owner)
+    own = next(k for k in (b"kvkit:noask:%d" % i for i in range(1, 1000))
+               if owners[key_slot(k)] == ("127.0.0.1", target.port))
+    ids = {n.port: n.call(b"CLUSTER", b"MYID") for n in nodes}
+    try:
+        assert _put(store, [own])[0].ok  # the importing node's connection is open, and reused below
+        target.call(b"CLUSTER", b"SETSLOT", b"%d" % slot, b"IMPORTING", ids[owner.port])
+        owner.call(b"CLUSTER", b"SETSLOT", b"%d" % slot, b"MIGRATING", ids[target.port])
+        result, _ = _put(store, [key, own])
+        assert result.failed == (0,) and "NOPERM" in result.error and not result.transport_failed, result
+        assert store.down_nodes == {} and store.transport_failures == 0, store.down_nodes
+        assert _get(store, [own])[0].ok
+    finally:
+        for node in (owner, target):
+            node.call(b"CLUSTER", b"SETSLOT", b"%d" % slot, b"STABLE")
+        for node in nodes:
+            node.call(b"ACL", b"DELUSER", b"kvkit-noask")
+        store.close()
+
+
 @pytest.mark.parametrize("endpoint", ["unknown-endpoint", "hostname"])
 def test_a_cluster_that_announces_no_endpoint_is_served(endpoint):
     """``cluster-preferred-endpoint-type unknown-endpoint`` (nodes behind a load balancer) names no host in
