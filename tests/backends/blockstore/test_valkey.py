@@ -259,7 +259,7 @@ def test_a_refused_asking_fails_the_asked_keys_with_the_servers_error_and_keeps_
     key = b"kvkit:noask:0"
     slot = key_slot(key)
     store.contains([key])  # learn the slot map
-    owners = store._lookup._slots
+    owners = store._lookup.topology.slots
     owner = next(n for n in nodes if ("127.0.0.1", n.port) == owners[slot])
     target = next(n for n in nodes if n is not owner)
     own = next(k for k in (b"kvkit:noask:%d" % i for i in range(1, 1000))
