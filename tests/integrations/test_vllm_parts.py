@@ -9,9 +9,7 @@ as vLLM's hybrid allocator does). The end-to-end tests with a real vLLM are
 in ``test_vllm.py``.
 """
 
-import ast
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import attrs
@@ -1034,17 +1032,3 @@ def test_the_torch_copy_runs_on_its_thread_on_the_cpu_platform_unless_told_so():
     assert settings().stack.options["copy"] == {"host_thread": True}
     kept = settings(options={"copy": {"host_thread": False}, "store": {}}).stack.options
     assert kept["copy"] == {"host_thread": False} and kept["store"] == {}
-
-
-def test_the_secondary_tier_warns_about_its_unauthenticated_values_by_the_shared_tiers_rule():
-    """``KVKitSecondaryTier`` keeps values without kvkit's header (never authenticated), so it warns by the
-    one rule (``warn_unauthenticated``, tested in ``tests/shared/test_tenancy.py``) about the store it opened,
-    with no secret. Read from its source: the tier's module imports vLLM."""
-    import kvkit.integrations.vllm as package
-
-    tree = ast.parse((Path(package.__file__).parent / "tier.py").read_text())
-    (tier,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KVKitSecondaryTier"]
-    (init,) = [n for n in tier.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
-    calls = [ast.unparse(n) for n in ast.walk(init) if isinstance(n, ast.Call)
-             and ast.unparse(n.func).endswith("warn_unauthenticated")]
-    assert calls == ["warn_unauthenticated(self._store, None)"], calls

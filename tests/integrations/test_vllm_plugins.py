@@ -406,6 +406,16 @@ def test_a_reset_drains_cascades_in_flight(tmp_path):
         manager.shutdown()
 
 
+def test_the_secondary_tier_warns_that_values_on_a_server_beyond_loopback_are_unauthenticated():
+    """Its values carry no kvkit header: a Valkey server beyond loopback is warned about once, by the shared
+    tier's rule (the store connects lazily: the name need not resolve); a disk store is not."""
+    url = f"valkey://kvkit-unauthenticated-{os.getpid()}.invalid:6379"
+    with pytest.warns(RuntimeWarning, match=f"values kept on kvkit-unauthenticated-{os.getpid()}.invalid:6379 "
+                                            "are not authenticated"):
+        manager, _ = _tiering({"url": url, "request_timeout_s": 0.3}, engine="unauthenticated")
+    manager.shutdown()
+
+
 def test_a_dead_valkey_server_makes_misses_and_failed_cascades_never_a_hang():
     from kvkit.testing.servers import LocalServer, server_binary_or_skip
 
