@@ -422,11 +422,16 @@ class Link:
     def _read(conn: Connection, indices: list[int], ask: bool, read: Read) -> list[object]:
         if not ask:
             return read(conn, indices)
-        outcomes = []
+        outcomes: list[object] = []
         for i in indices:
-            if not isinstance(conn.reply(), bytes):
-                raise ConnectionError("ASKING was refused")
-            outcomes += read(conn, [i])
+            asking = conn.reply()
+            if isinstance(asking, bytes):
+                outcomes += read(conn, [i])
+            elif isinstance(asking, ServerError):  # refused (an ACL without +asking): the key fails, not the node
+                read(conn, [i])  # the command's own reply (a redirect, not asked) keeps the connection in step
+                outcomes.append(ServerError(f"ASKING refused: {asking}"))
+            else:
+                raise ConnectionError(f"protocol error: ASKING answered {asking!r:.80}")
         return outcomes
 
     def refresh(self, deadline: float | None = None) -> str | None:

@@ -244,8 +244,6 @@ def test_cluster_follows_ask_during_a_migration(valkey_cluster):
         store.close()
 
 
-@pytest.mark.xfail(strict=True, reason="Link._read (link.py) takes a refused ASKING for a connection closed while "
-                                        "idle: it retries, then marks the node down")
 def test_a_refused_asking_fails_the_asked_keys_with_the_servers_error_and_keeps_the_node(valkey_cluster):
     """A user whose ACL lacks ``+asking`` (``-NOPERM``) during a migration: the asked key fails with the
     server's words (not a transport failure), the importing node's own keys land in the same call, and no node
