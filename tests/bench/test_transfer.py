@@ -80,7 +80,7 @@ def test_layout_choices_are_the_registered_layouts():
 
 @needs_no_cuda
 def test_the_vllm_cpu_layout_is_timed_and_checked():
-    """The layout the bench used to leave out runs like the others."""
+    """The ``vllm-cpu`` layout is timed and checked like the others."""
     result = CliRunner().invoke(main, ["bench", "transfer", "--layout", "vllm-cpu", "--blocks", "5", "--repeat", "2",
                                        "--json", *SMALL])
     assert result.exit_code == 0, result.output

@@ -218,7 +218,7 @@ def test_calls_after_close_raise(tmp_path):
 @pytest.mark.parametrize("op", ["put", "get"])
 def test_a_call_racing_close_is_reported_failed_not_raised(tmp_path, monkeypatch, op):
     """``close`` running between a ``put``'s (or ``get``'s) check and its queueing: the call answers a ticket,
-    reported failed at once (it used to raise the pool's ``RuntimeError`` and leave that ticket open)."""
+    reported failed at once, never the pool's ``RuntimeError``, and no ticket is left open."""
     from kvkit.backends.blockstore._common import TicketBox
 
     store = DiskStore(tmp_path, 10_000)
@@ -238,7 +238,7 @@ def test_a_call_racing_close_is_reported_failed_not_raised(tmp_path, monkeypatch
 
 def test_close_called_again_while_another_thread_closes_returns_once_closed(tmp_path, monkeypatch):
     """Two threads close one store with a slow write in flight: the second ``close`` returns only once the
-    store is closed, every ticket reported (it used to return at once, the write's ticket still open)."""
+    store is closed and every ticket reported."""
     import threading
 
     store = DiskStore(tmp_path, 10_000)

@@ -175,7 +175,7 @@ def test_a_host_that_never_answers_a_connect_is_marked_down_however_short_the_de
 def test_a_name_whose_first_address_never_answers_is_served_by_the_next(own_server, monkeypatch):
     """A host name resolving to two addresses, the first a host that never answers a connect: the connect
     budget is shared between them, so the call reaches the live one by its deadline and nothing is marked
-    down (the first address alone used to take the whole budget, and the node was marked down for good)."""
+    down."""
     from kvkit.backends.blockstore import resp
 
     with socket.socket() as listener:
@@ -199,7 +199,7 @@ def test_a_name_whose_first_address_never_answers_is_served_by_the_next(own_serv
 
 def test_a_tls_handshake_gets_only_what_the_connect_left_of_its_budget(monkeypatch):
     """A slow connect (1.8 s of a 2 s budget) to a host that then never answers the TLS handshake: the call
-    answers by its deadline (the handshake used to get a whole budget of its own after the connect)."""
+    answers by its deadline: the handshake gets only what the connect left."""
     from kvkit.backends.blockstore import resp
 
     connect = resp._connect
@@ -386,8 +386,7 @@ def test_a_failover_moves_the_dead_nodes_slots_and_keeps_the_other_connections(p
 def test_a_seed_that_came_back_empty_does_not_hide_the_live_nodes(partial_cluster):
     """Node 0 restarted without its cluster configuration (a fresh container): it serves no slot and answers
     CLUSTER SLOTS with an empty map. A store given it as its first seed reads the map from the next seed, so
-    the live nodes serve their keys and only node 0's old slots fail (an empty map used to route every key to
-    node 0, which refused them all, for good)."""
+    the live nodes serve their keys and only node 0's old slots fail."""
     cluster = partial_cluster
     first = cluster.nodes[0]
     first.kill()
@@ -536,8 +535,7 @@ def test_failed_calls_leave_no_socket_open(own_server):
 
 def test_a_put_or_get_racing_close_is_reported_failed_at_once(valkey_server, monkeypatch):
     """``close`` running between a ``put``'s (or ``get``'s) check and its queueing: the call's ticket is
-    reported failed at once (it used to stay open for good: no poll ever answered it), and the closed store
-    keeps its invariants."""
+    reported failed at once, and the closed store keeps its invariants."""
     from kvkit.backends.blockstore._common import TicketBox
 
     issue = TicketBox.issue
@@ -561,7 +559,7 @@ def test_a_put_or_get_racing_close_is_reported_failed_at_once(valkey_server, mon
 
 def test_close_called_again_while_another_thread_closes_returns_once_closed(valkey_server, monkeypatch):
     """Two threads close one store: the second ``close`` waits for the first and returns with the store closed
-    (it used to return at once, the I/O thread still running and tickets still open)."""
+    (its I/O thread ended, every ticket reported)."""
     from kvkit.backends.blockstore import valkey
 
     shut_down = valkey._shut_down

@@ -529,7 +529,7 @@ def test_a_hash_back_within_a_turnover_counts_one_use_more():
 def test_the_turnover_is_c_times_the_mean_gap_between_removals(capacity, fill_hits, gaps):
     """The turnover is ``c`` times the mean gap between removals (the first ``c`` gaps averaged alike,
     then each new one weighing ``1 / c``), whatever the pool did before its first removal: a fill
-    that took long, or was hit often, is not a gap (it used to count as one, times ``c``)."""
+    that took long, or was hit often, is not a gap."""
     policy = HitDensityPolicy(capacity=capacity)
     for block in range(capacity):
         policy.on_insert(block, block, None)
