@@ -237,6 +237,7 @@ def measure(args: argparse.Namespace, open_store: Callable[[], Any], owned: bool
                "overlap_vs_recompute": med["overlap"] / med["recompute"],
                "load_vs_recompute": med["load"] / med["recompute"], "overlap_loaded_tokens": plans,
                "first_token_equal": int(turn.logits[0].argmax()) == int(ref.logits[0].argmax()),
+               "recompute_top2_margin": float(ref.logits[0].float().topk(2).values.diff().abs()),
                "max_abs_dlogit": dlogit, "planner": estimates}
         rows.append(row)
         rate = "store alone" if gbps == math.inf else f"{gbps * 1e3:8.1f} MB/s"
