@@ -33,7 +33,7 @@ import numpy as np
 
 from kvkit.validate import at_least
 
-__all__ = ["ComputeEstimate", "MoveEstimate", "attention_pairs"]
+__all__ = ["ComputeEstimate", "MoveEstimate", "SlowdownEstimate", "attention_pairs"]
 
 _HUBER = 1.345  # Huber's tuning constant (95% efficiency under Gaussian noise)
 _MAD = 1.4826  # median absolute deviation -> standard deviation under Gaussian noise
@@ -178,6 +178,52 @@ class ComputeEstimate:
         return {"latency_ms": None if fit is None else round(fit[0] * 1e3, 4),
                 "tokens_per_s": None if fit is None or fit[1] <= 0 else round(1.0 / fit[1], 2),
                 "ns_per_pair": None if fit is None else round(fit[2] * 1e9, 6), "samples": self.samples}
+
+
+@attrs.define(eq=False)
+class SlowdownEstimate:
+    """How many times slower than a reference fit some passes run (heads beside their step's loads).
+
+    One parameter: the median, over the window, of each pass's seconds over the
+    reference's estimate for the same work. Passes of any sizes identify it
+    (passes of one size cannot tell a fixed cost from a per-token one, but a
+    ratio needs neither), and a minority of outliers moves it not.
+
+    Invariants: at most ``window`` observations are kept; :meth:`factor` is
+    ``None`` or > 0.
+    """
+
+    window: int = attrs.field(default=64, validator=at_least(2))
+    _seen: deque[tuple[float, float, float]] = attrs.field(init=False)
+    _cached: tuple[object, float | None] | None = attrs.field(init=False, default=None)  # (reference fit, factor)
+
+    def __attrs_post_init__(self) -> None:
+        self._seen = deque(maxlen=self.window)
+
+    @property
+    def samples(self) -> int:
+        """Observations in the window."""
+        return len(self._seen)
+
+    def observe(self, tokens: float, context: float, seconds: float) -> None:
+        """A pass over ``tokens`` after ``context`` others took ``seconds`` (ignored unless usable)."""
+        if _usable(tokens, seconds) and isinstance(context, (int, float)) and math.isfinite(context) \
+                and context >= 0:
+            self._seen.append((float(tokens), float(context), float(seconds)))
+            self._cached = None
+
+    def factor(self, reference: ComputeEstimate) -> float | None:
+        """The median ratio of the observed passes to ``reference``'s estimates; ``None`` without either."""
+        fit = reference.fit()
+        if self._cached is None or self._cached[0] is not fit:
+            ratios = [s / r for t, c, s in self._seen if (r := reference.seconds(t, c))]
+            self._cached = (fit, float(np.median(ratios)) if ratios else None)
+        return self._cached[1]
+
+    def as_dict(self, reference: ComputeEstimate) -> dict[str, float | int | None]:
+        """``factor`` and ``samples``, JSON-ready."""
+        factor = self.factor(reference)
+        return {"factor": None if factor is None else round(factor, 4), "samples": self.samples}
 
 
 def _robust_fit(t: np.ndarray, p: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:

@@ -6,8 +6,10 @@ tail ``[k, e)`` loads and ``[e, h)`` is declined:
 
 * *compute side*: ``C(k) = compute(k * block_size tokens after context)``,
   one forward pass (its fixed cost included: a head costs a pass of its own),
-  from the heads observed beside their step's loads once there are any (a
-  head shares the host with the loads, and may run slower than a pass alone);
+  times the median slowdown of the heads observed beside their step's loads
+  over the prefill fit, once there are any (a head shares the host with the
+  loads, and may run slower than a pass alone; heads are of similar sizes, so
+  one factor is what they can tell);
 * *load side*: ``L(k, e)``: each source of the tail pays its fixed latency
   once and its bytes over its bandwidth; a shared-tier block is fetched into
   a CPU block and then copied like a CPU block, so it pays both moves;
@@ -48,7 +50,7 @@ from collections.abc import Mapping
 import attrs
 from typing_extensions import override
 
-from kvkit.backends.plan.estimate import ComputeEstimate, MoveEstimate
+from kvkit.backends.plan.estimate import ComputeEstimate, MoveEstimate, SlowdownEstimate
 from kvkit.interfaces.plan import HitQuery, HitSource, LoadPlan, LoadPlanner
 from kvkit.validate import at_least, check_real, checked
 
@@ -73,12 +75,12 @@ class OverlapPlanner(LoadPlanner):
         default=None, converter=checked(check_real, optional=True, low=0, low_open=True, high=math.inf, high_open=True))  # type: ignore[misc]
     _moves: dict[HitSource, MoveEstimate] = attrs.field(init=False)
     _compute: ComputeEstimate = attrs.field(init=False)
-    _head: ComputeEstimate = attrs.field(init=False)  # passes beside the step's loads (heads)
+    _head: SlowdownEstimate = attrs.field(init=False)  # passes beside the step's loads (heads)
 
     def __attrs_post_init__(self) -> None:
         self._moves = {s: MoveEstimate(self.window) for s in HitSource}
         self._compute = ComputeEstimate(self.window, self.prefill_tokens_per_s)
-        self._head = ComputeEstimate(self.window)
+        self._head = SlowdownEstimate(self.window)
 
     @override
     def observe_move(self, source: HitSource, num_bytes: int, seconds: float) -> None:
@@ -95,7 +97,7 @@ class OverlapPlanner(LoadPlanner):
     def estimates(self) -> Mapping[str, float | int | None]:
         out: dict[str, float | int | None] = {
             f"prefill_{k}": v for k, v in self._compute.as_dict().items()}
-        out |= {f"head_{k}": v for k, v in self._head.as_dict().items()}
+        out |= {f"head_{k}": v for k, v in self._head.as_dict(self._compute).items()}
         for source, move in self._moves.items():
             out |= {f"{source.value}_{k}": v for k, v in move.as_dict().items()}
         return out
@@ -151,9 +153,12 @@ class OverlapPlanner(LoadPlanner):
         return self._compute.seconds(tokens, context)
 
     def head_seconds(self, tokens: float, context: float) -> float | None:
-        """:meth:`compute_seconds` for a head, a pass beside the step's loads: from heads observed so, once
-        there are any (sharing the host with the loads, they may run slower than a pass alone)."""
-        return (self._head if self._head.samples else self._compute).seconds(tokens, context)
+        """:meth:`compute_seconds` for a head, a pass beside the step's loads: times the median slowdown of the
+        heads observed so (sharing the host with the loads, they may run slower than a pass alone), once there
+        are any."""
+        seconds = self.compute_seconds(tokens, context)
+        factor = self._head.factor(self._compute)
+        return seconds if seconds is None or factor is None else seconds * factor
 
 
 @attrs.frozen

@@ -173,6 +173,21 @@ def test_heads_slowed_by_their_loads_are_planned_at_their_own_speed():
     assert _planner(shared_gbps=0.5, head_factor=1.5).plan(q) == LoadPlan(0, 0, 100)
 
 
+def test_heads_of_one_size_give_a_slowdown_that_holds_at_every_size():
+    """Heads of nearly one size (as a serving engine's are) with a little noise: the planner reads how many times
+    slower than a pass alone they run, and plans a head of any other size at that factor."""
+    import random
+
+    p = _planner(tokens_per_s=57_000, pass_ms=57.0, ns_per_pair=1.05)
+    rng = random.Random(0)
+    for _ in range(8):
+        tokens = rng.randint(19_800, 20_200)
+        p.observe_compute(tokens, 0, 1.3 * p.compute_seconds(tokens, 0) * rng.uniform(0.97, 1.03), beside_loads=True)
+    for tokens, context in ((512, 0), (5_000, 1_000), (30_000, 0)):
+        assert p.head_seconds(tokens, context) == pytest.approx(1.3 * p.compute_seconds(tokens, context), rel=0.04)
+    assert p.estimates()["head_factor"] == pytest.approx(1.3, rel=0.04) and p.estimates()["head_samples"] == 8
+
+
 def test_without_overlap_a_slow_tier_is_declined_and_a_fast_one_loaded():
     """An engine that loads a prefix only: the CPU part is kept, a shared part slower than compute declined."""
     p = _planner(shared_gbps=0.5)
