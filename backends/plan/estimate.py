@@ -212,6 +212,11 @@ class SlowdownEstimate:
             self._seen.append((float(tokens), float(context), float(seconds)))
             self._cached = None
 
+    def span(self) -> float:
+        """The largest observed pass over the smallest, in tokens (1 with none)."""
+        tokens = [t for t, _, _ in self._seen]
+        return max(tokens) / min(tokens) if tokens else 1.0
+
     def factor(self, reference: ComputeEstimate) -> float | None:
         """The median ratio of the observed passes to ``reference``'s estimates; ``None`` without either."""
         fit = reference.fit()

@@ -6,10 +6,12 @@ tail ``[k, e)`` loads and ``[e, h)`` is declined:
 
 * *compute side*: ``C(k) = compute(k * block_size tokens after context)``,
   one forward pass (its fixed cost included: a head costs a pass of its own),
-  times the median slowdown of the heads observed beside their step's loads
-  over the prefill fit, once there are any (a head shares the host with the
-  loads, and may run slower than a pass alone; heads are of similar sizes, so
-  one factor is what they can tell);
+  from the heads observed beside their step's loads once there are any (a
+  head shares the host with the loads, and may run slower than a pass alone):
+  their own fit where they span a factor of two in size and it is slower
+  than the prefill fit in both its fixed and its per-token cost, else the
+  prefill fit times their median slowdown (heads of similar sizes cannot
+  tell the two costs apart);
 * *load side*: ``L(k, e)``: each source of the tail pays its fixed latency
   once and its bytes over its bandwidth; a shared-tier block is fetched into
   a CPU block and then copied like a CPU block, so it pays both moves;
@@ -57,6 +59,9 @@ from kvkit.validate import at_least, check_real, checked
 __all__ = ["LoadAllPlanner", "OverlapPlanner"]
 
 
+_HEAD_SPAN = 2.0  # heads this far apart in size (largest over smallest) tell a fixed cost from a per-token one
+
+
 @attrs.define(eq=False)
 class OverlapPlanner(LoadPlanner):
     """Plans each hit for the soonest first token (see the module docstring).
@@ -75,12 +80,14 @@ class OverlapPlanner(LoadPlanner):
         default=None, converter=checked(check_real, optional=True, low=0, low_open=True, high=math.inf, high_open=True))  # type: ignore[misc]
     _moves: dict[HitSource, MoveEstimate] = attrs.field(init=False)
     _compute: ComputeEstimate = attrs.field(init=False)
-    _head: SlowdownEstimate = attrs.field(init=False)  # passes beside the step's loads (heads)
+    _head: ComputeEstimate = attrs.field(init=False)  # passes beside the step's loads (heads): their own fit
+    _slowdown: SlowdownEstimate = attrs.field(init=False)  # ... and their slowdown over the prefill fit
 
     def __attrs_post_init__(self) -> None:
         self._moves = {s: MoveEstimate(self.window) for s in HitSource}
         self._compute = ComputeEstimate(self.window, self.prefill_tokens_per_s)
-        self._head = SlowdownEstimate(self.window)
+        self._head = ComputeEstimate(self.window)
+        self._slowdown = SlowdownEstimate(self.window)
 
     @override
     def observe_move(self, source: HitSource, num_bytes: int, seconds: float) -> None:
@@ -91,13 +98,18 @@ class OverlapPlanner(LoadPlanner):
     @override
     def observe_compute(self, num_tokens: int, context_tokens: int, seconds: float, *,
                         beside_loads: bool = False) -> None:
-        (self._head if beside_loads else self._compute).observe(num_tokens, context_tokens, seconds)
+        if beside_loads:
+            self._head.observe(num_tokens, context_tokens, seconds)
+            self._slowdown.observe(num_tokens, context_tokens, seconds)
+        else:
+            self._compute.observe(num_tokens, context_tokens, seconds)
 
     @override
     def estimates(self) -> Mapping[str, float | int | None]:
         out: dict[str, float | int | None] = {
             f"prefill_{k}": v for k, v in self._compute.as_dict().items()}
-        out |= {f"head_{k}": v for k, v in self._head.as_dict(self._compute).items()}
+        out |= {f"head_{k}": v for k, v in self._head.as_dict().items()}
+        out["head_slowdown"] = self._slowdown.as_dict(self._compute)["factor"]
         for source, move in self._moves.items():
             out |= {f"{source.value}_{k}": v for k, v in move.as_dict().items()}
         return out
@@ -153,12 +165,19 @@ class OverlapPlanner(LoadPlanner):
         return self._compute.seconds(tokens, context)
 
     def head_seconds(self, tokens: float, context: float) -> float | None:
-        """:meth:`compute_seconds` for a head, a pass beside the step's loads: times the median slowdown of the
-        heads observed so (sharing the host with the loads, they may run slower than a pass alone), once there
-        are any."""
+        """:meth:`compute_seconds` for a head, a pass beside the step's loads (sharing the host with them, it
+        may run slower than a pass alone), once heads were observed so: by their own fit where they span at
+        least ``_HEAD_SPAN`` in size and it is slower than the prefill fit in both its fixed and its per-token
+        cost, else (heads of similar sizes cannot tell the two apart, and their fit reads noise) by the
+        prefill fit times their median slowdown."""
         seconds = self.compute_seconds(tokens, context)
-        factor = self._head.factor(self._compute)
-        return seconds if seconds is None or factor is None else seconds * factor
+        own, alone = self._head.fit(), self._compute.fit()
+        if seconds is None or own is None or alone is None:
+            return seconds
+        if self._slowdown.span() >= _HEAD_SPAN and own[0] >= alone[0] and own[1] >= alone[1]:
+            return self._head.seconds(tokens, context)
+        factor = self._slowdown.factor(self._compute)
+        return seconds if factor is None else seconds * factor
 
 
 @attrs.frozen

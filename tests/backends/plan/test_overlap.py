@@ -185,7 +185,7 @@ def test_heads_of_one_size_give_a_slowdown_that_holds_at_every_size():
         p.observe_compute(tokens, 0, 1.3 * p.compute_seconds(tokens, 0) * rng.uniform(0.97, 1.03), beside_loads=True)
     for tokens, context in ((512, 0), (5_000, 1_000), (30_000, 0)):
         assert p.head_seconds(tokens, context) == pytest.approx(1.3 * p.compute_seconds(tokens, context), rel=0.04)
-    assert p.estimates()["head_factor"] == pytest.approx(1.3, rel=0.04) and p.estimates()["head_samples"] == 8
+    assert p.estimates()["head_slowdown"] == pytest.approx(1.3, rel=0.04) and p.estimates()["head_samples"] == 8
 
 
 def test_without_overlap_a_slow_tier_is_declined_and_a_fast_one_loaded():
