@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch", globals())  # torch on first use: host-only copies import none
 
-__all__ = ["HandleQueue", "InFlight", "StreamClock", "recorded"]
+__all__ = ["HandleQueue", "InFlight", "Stopwatch", "StreamClock", "recorded"]
 
 
 class _Timed(Protocol):
@@ -58,13 +58,19 @@ def recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return event
 
 
-Clock = float | Future | StreamClock  # a copy's own seconds: known, on a host thread, or on a stream
+class Stopwatch(Protocol):
+    """A copy's own time, read once its work completed (a :class:`StreamClock`, or a backend's own)."""
+
+    def seconds(self) -> float: ...
+
+
+Clock = float | Future | Stopwatch  # a copy's own seconds: known, on a host thread, or read once it completed
 
 
 def _seconds(clock: Clock) -> float:
-    if isinstance(clock, StreamClock):
-        return clock.seconds()
-    return clock.result() if isinstance(clock, Future) else clock
+    if isinstance(clock, float):
+        return clock
+    return clock.result() if isinstance(clock, Future) else clock.seconds()
 
 
 @attrs.define(eq=False)

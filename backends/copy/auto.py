@@ -57,6 +57,21 @@ class _Parts:
                 self.seen[i] = h
 
 
+@attrs.frozen(eq=False)
+class _PartsClock:
+    """A handle's own time: the longest of its inner copies' (they run side by side), as the inner backends'
+    polls reported them; unreadable (the copy untimed) when one was not timed or was waited for instead."""
+
+    parts: list[tuple[int, int]]
+    timed: dict[tuple[int, int], float | None]  # shared with AutoCopy: inner copies awaited, their seconds once polled
+
+    def seconds(self) -> float:
+        found = [self.timed.pop(part, None) for part in self.parts]
+        if any(s is None for s in found):
+            raise LookupError("an inner copy was not timed")
+        return max(s for s in found if s is not None)
+
+
 @attrs.define(eq=False)
 class AutoCopy(HandleQueue, CopyBackend):
     """Chooses ``cuda-dma`` or ``cupy-batch`` per plan (or splits it between them).
@@ -77,6 +92,10 @@ class AutoCopy(HandleQueue, CopyBackend):
           order, once every part of the plan completed.
         * A plan is validated in full before any part of it is launched; a
           ``submit`` that raises leaves no part of it running.
+        * A handle's ``copy_seconds`` (:class:`~kvkit.interfaces.capabilities.TimedCopy`)
+          is the longest of its parts' own times, when the inner backends
+          timed them and their polls reported them before it completed
+          (not after a :meth:`wait`).
 
     Raises:
         BackendUnavailableError: neither inner backend can run here.
@@ -92,6 +111,7 @@ class AutoCopy(HandleQueue, CopyBackend):
     _planner: Planner | None = attrs.field(default=None, init=False)
     _backends: list[Any] = attrs.field(factory=list, init=False)
     _seen: list[int] = attrs.field(factory=list, init=False)  # per backend: highest completed handle
+    _timed: dict[tuple[int, int], float | None] = attrs.field(factory=dict, init=False)  # see _PartsClock
     _inflight: InFlight = attrs.field(factory=InFlight, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -195,7 +215,9 @@ class AutoCopy(HandleQueue, CopyBackend):
                 raise
             inner.append((self._backends.index(backend), handle))
             events = [a + b for a, b in zip(events, stage_events)] if events else list(stage_events)
-        return self._inflight.issue(_Parts(inner, self._backends, self._seen)), events
+        self._timed.update(dict.fromkeys(inner))
+        return self._inflight.issue(_Parts(inner, self._backends, self._seen), clock=_PartsClock(inner, self._timed)), \
+            events
 
     @override
     def poll(self) -> list[int]:
@@ -204,6 +226,9 @@ class AutoCopy(HandleQueue, CopyBackend):
             done = b.poll()
             if done:
                 self._seen[i] = max(self._seen[i], max(done))
+                for h in done:
+                    if (i, h) in self._timed:
+                        self._timed[(i, h)] = b.copy_seconds(h)
         return super().poll()
 
     def check_invariants(self) -> None:

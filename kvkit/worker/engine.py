@@ -470,8 +470,8 @@ class TransferEngine:
 
         ``seconds`` is the copy's own time where the backend measures it (a
         :class:`~kvkit.interfaces.capabilities.TimedCopy`: ``torch``,
-        ``cuda-dma`` and ``cupy-batch``, on the host or on a stream, waits on
-        other streams not counted); otherwise it runs from
+        ``cuda-dma``, ``cupy-batch`` and ``auto``, on the host or on a stream,
+        waits on other streams not counted); otherwise it runs from
         :meth:`submit` to the first poll that saw the copy done (:meth:`submit`
         polls once after launching), which on a device stream includes
         queueing behind earlier copies and poll latency.

@@ -106,6 +106,25 @@ def test_auto_moves_exactly_the_reference_bytes(data, spec_layout, num_gpu, num_
     auto.check_invariants()
 
 
+def test_auto_answers_the_longest_of_its_parts_own_times():
+    """A split plan's handle is timed by its slower part, as its inner backends timed them; a handle waited for
+    before its parts were polled is untimed, and nothing of it is kept."""
+    spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=8, head_dim=128)
+    gpu, cpu = allocate_kv(spec, "per-layer", 64), allocate_kv(spec, "per-layer", 64)
+    auto = _auto_on_host(0.5)
+    auto.register(regions_for(spec, "per-layer", gpu, cpu))
+    handle = auto.submit(TransferPlan(np.arange(32), np.arange(32), "store"))
+    for backend, seconds in ((auto.dma, 0.002), (auto.kernel, 0.005)):  # the inner copies' own times
+        backend.copy_seconds = lambda h, s=seconds: s
+    assert auto.poll() == [handle] and auto.copy_seconds(handle) == 0.005
+    assert auto.poll() == [] and auto.copy_seconds(handle) is None
+    later = auto.submit(TransferPlan(np.arange(32), np.arange(32) + 32, "store"))
+    auto.wait(later)
+    assert auto.poll() == [later] and auto.copy_seconds(later) is None
+    assert auto._timed == {}
+    auto.check_invariants()
+
+
 def test_auto_routes_large_pieces_to_the_engines():
     """Mean bytes per engine operation at or above dma_min_bytes send a plan to the engines."""
     spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=8, head_dim=128)
