@@ -58,7 +58,8 @@ class NodeHealth:
 
     Evidence that a node is unusable: a connection or login that fails, a connection that breaks
     on a call (a reused one: again, right after reopening it), a reply that is not RESP, or a node
-    that sent nothing for at least half a call's deadline (stalled). Not evidence: a connection the
+    that sent nothing for at least half a call's deadline (stalled; asked for the slot map, at least
+    half of its equal share of a call's deadline, see :meth:`Link.refresh`). Not evidence: a connection the
     server closed while it was idle (reopened, and the call retried on it once), a deadline that
     passed while the node was still sending (slow, not stalled) or before the node was reached,
     a missing key, an error reply or a redirect. Thread-safe (a store's lookup and I/O links share one).
@@ -367,12 +368,17 @@ class Link:
         except (OSError, ValueError) as exc:
             leg.error = exc
 
-    def _failed(self, address: Address, exc: BaseException, remap: bool = True) -> str:
+    def _failed(self, address: Address, exc: BaseException, remap: bool = True, shares: int = 1) -> str:
         """Close ``address``'s connection; record the evidence against it (and, with ``remap``, have the slot
-        map read again); answer the keys' reason."""
+        map read again); answer the keys' reason.
+
+        A deadline that passed is evidence when the node sent nothing for at least half of its equal share of
+        a call's deadline (``shares``: how many nodes the deadline was split between).
+        """
         self._drop(address)
         why = f"transport: {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
-        if not isinstance(exc, DeadlineExceeded) or exc.stalled_s >= self.options.request_timeout_s / 2:
+        stalled = self.options.request_timeout_s / (2 * shares)
+        if not isinstance(exc, DeadlineExceeded) or exc.stalled_s >= stalled:
             self.health.trip(address, why)
             if remap:
                 self.topology.outdated()  # in a Cluster, a failover may move its slots
@@ -438,27 +444,36 @@ class Link:
         """Read the slot map (CLUSTER SLOTS) unless another link sharing :attr:`topology` just did; ``None``, or
         why no node answered with one.
 
-        The seeds are asked first, then the nodes of the map known so far. Nodes the health marks down are
-        not asked; a node that serves no slot (restarted without its cluster configuration, not part of the
-        Cluster) is asked, and the next node after it.
+        The seeds are asked first, then the nodes of the map known so far, one at a time; the map is the first
+        usable one a node answers. Nodes the health marks down are not asked; a node that serves no slot
+        (restarted without its cluster configuration, not part of the Cluster) is asked, and the next node
+        after it. Each node asked waits at most an equal share of what is left of the deadline for it and the
+        nodes after it (the last: all of it), so one that never answers (stalled) leaves the others their
+        time; one that sent nothing for at least half of its share of a whole call's deadline is evidence
+        against it (see :meth:`_failed`). A node that refuses the connection costs nothing of the others' time.
         """
         if deadline is None:
             deadline = time.monotonic() + self.options.request_timeout_s
         return self.topology.refresh(deadline, lambda: self._read_slots(deadline))
 
     def _read_slots(self, deadline: float) -> list[Address] | str:
-        """The slot map from the first known node that answers with one, or why none did."""
+        """The slot map from the first known node that answers with one within its share, or why none did."""
         known = list(dict.fromkeys([*self.seeds, *(self.topology.slots or ())]))
         last = "every known node is down"
+        candidates: list[Address] = []
         for address in known:
             why = self.health.down(address)
-            if why is not None:
+            if why is None:
+                candidates.append(address)
+            else:
                 last = why
-                continue
+        for i, address in enumerate(candidates):
+            now = time.monotonic()
+            share = now + (deadline - now) / (len(candidates) - i)
             try:
-                slots = _slot_map(self._conn(address, deadline).call(b"CLUSTER", b"SLOTS"), address)
+                slots = _slot_map(self._conn(address, share).call(b"CLUSTER", b"SLOTS"), address)
             except (OSError, ValueError) as exc:
-                last = self._failed(address, exc, remap=False)
+                last = self._failed(address, exc, remap=False, shares=len(candidates))
                 continue
             except ServerError as exc:
                 last = f"transport: {address[0]}:{address[1]} refused CLUSTER SLOTS: {exc}"

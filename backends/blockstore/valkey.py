@@ -80,7 +80,9 @@ class ValkeyStore:
     :class:`~kvkit.backends.blockstore.link.NodeHealth`): a connection the
     server closed while idle is reopened and the call retried once, unseen; a
     node with evidence against it (refused, broken, stalled) fails its keys at
-    once for ``retry_interval_s`` while the other nodes serve theirs.
+    once for ``retry_interval_s`` while the other nodes serve theirs. The
+    slot map comes from the first node that answers it; a stalled node
+    holds that read up for at most its share of the deadline.
 
     ``ttl_s`` gives every value an expiry, so a ``volatile-*`` eviction
     policy of the server can act. At most ``max_waiting`` finished results

@@ -406,6 +406,40 @@ def test_a_seed_that_came_back_empty_does_not_hide_the_live_nodes(partial_cluste
         store.close()
 
 
+def test_a_paused_first_seed_leaves_the_next_seeds_time_to_give_the_slot_map(partial_cluster):
+    """The first seed paused (SIGSTOP: it takes the connection and answers nothing) before any map was read: a
+    fresh store waits on it for at most its share of the deadline and reads the map from the next seed, so its
+    first ``contains`` and first ``get`` answer every key the live nodes hold (right bytes) by the deadline; only
+    the paused node's keys fail, and only it is marked down."""
+    cluster = partial_cluster
+    keys = [b"kvkit:paused-seed:%d" % i for i in range(60)]
+    values = _values(60, 1000)
+    options = dict(cluster=True, request_timeout_s=1.0, connect_timeout_s=1.0, retry_interval_s=30.0)
+    seeds = [("127.0.0.1", n.port) for n in cluster.nodes]
+    writer = ValkeyStore(seeds[1:], **options)
+    assert _put(writer, keys, values, 1.0).ok
+    writer.close()
+    paused = cluster.nodes[0]
+    on_paused = {i for i, k in enumerate(keys) if _owner(cluster, k) == 0}
+    assert 0 < len(on_paused) < len(keys)
+    live = [k for i, k in enumerate(keys) if i not in on_paused]
+    looker, getter = ValkeyStore(seeds, **options), ValkeyStore(seeds, **options)
+    paused.pause()
+    try:
+        start = time.monotonic()
+        assert looker.contains(live) == len(live), "the paused seed hid the live nodes from contains"
+        assert time.monotonic() - start <= 1.0 + SLACK
+        result, buffers = _get(getter, keys, 1000, 1.0)
+        assert set(result.failed) == on_paused and result.transport_failed, result
+        assert all(buffers[i] == values[i] for i in range(len(keys)) if i not in on_paused)
+        for store in (looker, getter):
+            assert list(store.down_nodes) == [seeds[0]], store.down_nodes
+    finally:
+        paused.resume()
+        looker.close()
+        getter.close()
+
+
 def test_a_bug_in_one_nodes_pipeline_fails_the_call_once_every_pipeline_ended(valkey_cluster, monkeypatch):
     """A reader that raises (not a transport error) on one node of a get spanning three: the call is reported
     failed, only after the other nodes' pipelines ended (a slow one included: no buffer is written after its
