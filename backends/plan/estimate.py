@@ -63,6 +63,11 @@ def _usable(*values: float) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
 
 
+def _usable_pass(tokens: float, context: float, seconds: float) -> bool:
+    """A forward pass's figures: ``tokens`` and ``seconds`` finite and > 0, ``context`` finite and >= 0."""
+    return _usable(tokens, seconds) and isinstance(context, (int, float)) and math.isfinite(context) and context >= 0
+
+
 @attrs.define(eq=False)
 class MoveEstimate:
     """Delivered bandwidth and fixed latency of one kind of move (see the module docstring).
@@ -152,8 +157,7 @@ class ComputeEstimate:
 
     def observe(self, tokens: float, context: float, seconds: float) -> None:
         """``tokens`` computed after ``context`` others in ``seconds`` (ignored unless usable)."""
-        if _usable(tokens, seconds) and isinstance(context, (int, float)) and math.isfinite(context) \
-                and context >= 0:
+        if _usable_pass(tokens, context, seconds):
             self._seen.append((float(tokens), attention_pairs(tokens, context), float(seconds)))
             self._stale = True
 
@@ -207,8 +211,7 @@ class SlowdownEstimate:
 
     def observe(self, tokens: float, context: float, seconds: float) -> None:
         """A pass over ``tokens`` after ``context`` others took ``seconds`` (ignored unless usable)."""
-        if _usable(tokens, seconds) and isinstance(context, (int, float)) and math.isfinite(context) \
-                and context >= 0:
+        if _usable_pass(tokens, context, seconds):
             self._seen.append((float(tokens), float(context), float(seconds)))
             self._cached = None
 
