@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from kvkit._lazy import lazy_module
 from kvkit.backends.copy._driver import driver
-from kvkit.backends.copy._inflight import HandleQueue, InFlight, StreamClock, recorded
+from kvkit.backends.copy._inflight import HandleQueue, InFlight, launch_stages
 from kvkit.backends.copy.planner import Planner, registered, stage_waits
 from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
@@ -121,23 +121,17 @@ class GPUCopy(HandleQueue, CopyBackend):
 
     def _start(self, plan: TransferPlan, stages: list[range], waits: list[Any]) -> tuple[int, list[tuple[Any, ...]]]:
         stream = self._streams[plan.direction]
-        events: list[tuple[Any, ...]] = []
         keep_alive: list[Any] = []
-        clock = StreamClock()
         with torch.cuda.device(self._device):
             try:
                 prepared = self._prepare(plan, stream) if len(plan) else None
                 keep_alive.append(prepared)
-                for i, (stage, wait) in enumerate(zip(stages, waits)):
-                    if wait is not None:
-                        stream.wait_event(wait)
-                    if wait is not None or not i:
-                        clock.start(recorded(stream))
+
+                def launch(stage: range) -> None:
                     if len(plan):
                         keep_alive.append(self._launch(plan, stream, stage, prepared))
-                    event = recorded(stream)
-                    clock.stop(event)
-                    events.append((event,))
+
+                events, clock = launch_stages(stream, stages, waits, launch)
             except Exception:
                 stream.synchronize()  # a raising submit leaves nothing running (part of a launch may have been queued)
                 raise

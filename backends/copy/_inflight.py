@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch", globals())  # torch on first use: host-only copies import none
 
-__all__ = ["HandleQueue", "InFlight", "Stopwatch", "StreamClock", "recorded"]
+__all__ = ["HandleQueue", "InFlight", "Stopwatch", "StreamClock", "launch_stages", "recorded"]
 
 
 class _Timed(Protocol):
@@ -62,6 +62,25 @@ class Stopwatch(Protocol):
     """A copy's own time, read once its work completed (a :class:`StreamClock`, or a backend's own)."""
 
     def seconds(self) -> float: ...
+
+
+def launch_stages(stream: torch.cuda.Stream, stages: list[range], waits: list[Any],
+                  launch: Callable[[range], object]) -> tuple[list[tuple[Any, ...]], StreamClock]:
+    """Launch each stage on ``stream`` (current) after its wait: one timing event per stage, and the clock of
+    their work (a span from each start and each wait, so waiting is not counted). A raising ``launch``
+    propagates: the caller makes sure nothing of the plan keeps running."""
+    events: list[tuple[Any, ...]] = []
+    clock = StreamClock()
+    for i, (stage, wait) in enumerate(zip(stages, waits)):
+        if wait is not None:
+            stream.wait_event(wait)
+        if wait is not None or not i:
+            clock.start(recorded(stream))
+        launch(stage)
+        event = recorded(stream)
+        clock.stop(event)
+        events.append((event,))
+    return events, clock
 
 
 Clock = float | Future | Stopwatch  # a copy's own seconds: known, on a host thread, or read once it completed

@@ -21,7 +21,7 @@ import numpy as np
 from typing_extensions import override
 
 from kvkit._lazy import lazy_module
-from kvkit.backends.copy._inflight import HandleQueue, InFlight, StreamClock, recorded
+from kvkit.backends.copy._inflight import HandleQueue, InFlight, launch_stages
 from kvkit.backends.copy.planner import Planner, stage_waits
 from kvkit.errors import SpecMismatchError
 from kvkit.interfaces.copy import CopyBackend, Region
@@ -211,20 +211,11 @@ class TorchCopy(HandleQueue, CopyBackend):
         # once the event shows the device-to-host copy landed.
         scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         keep_alive: list[torch.Tensor] = []  # host buffers the device reads asynchronously
-        events: list[tuple[Any, ...]] = []
-        clock = StreamClock()
         with torch.cuda.stream(self._stream):
             try:
                 index = self._index(plan)  # on the copy stream, which reads it
-                for i, (stage, wait) in enumerate(zip(stages, waits)):
-                    if wait is not None:
-                        self._stream.wait_event(wait)
-                    if wait is not None or not i:
-                        clock.start(recorded(self._stream))
-                    self._launch(plan, stage, index, scatters, keep_alive)
-                    event = recorded(self._stream)
-                    clock.stop(event)
-                    events.append((event,))
+                events, clock = launch_stages(
+                    self._stream, stages, waits, lambda stage: self._launch(plan, stage, index, scatters, keep_alive))
             except Exception:
                 self._stream.synchronize()  # a raising submit leaves nothing running (some regions were queued)
                 raise

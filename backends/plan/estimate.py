@@ -59,6 +59,11 @@ def _theil_sen(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return max(0.0, float(np.median(y - slope * x))), slope
 
 
+def _apart(a: float, b: float) -> bool:
+    """Two sizes clearly different (the rule :func:`_theil_sen` pairs observations by)."""
+    return abs(a - b) > _SPREAD * max(a, b)
+
+
 def _usable(*values: float) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
 
@@ -95,14 +100,14 @@ class MoveEstimate:
             self._seen.append((float(num_bytes), float(seconds)))
             self._stale = True
 
-    def one_size(self) -> float | None:
-        """The bytes every observation moved, while none is of a clearly different size (``None``: no
-        observation, or two sizes apart, which tell latency and bandwidth apart)."""
-        if not self._seen:
-            return None
-        x = [b for b, _ in self._seen]
-        low, high = min(x), max(x)
-        return None if high - low > _SPREAD * high else high
+    def teaches(self, num_bytes: float) -> bool:
+        """Whether a move of ``num_bytes`` would be the first of a clearly different size: every observation
+        so far is of one size and ``num_bytes`` is not (a second size tells latency and bandwidth apart)."""
+        if not self._seen or num_bytes <= 0:
+            return False
+        sizes = [b for b, _ in self._seen]
+        low, high = min(sizes), max(sizes)
+        return not _apart(low, high) and _apart(high, num_bytes)
 
     def fit(self) -> tuple[float, float] | None:
         """``(latency_s, seconds_per_byte)``, or ``None`` before any observation."""
@@ -227,11 +232,6 @@ class SlowdownEstimate:
             ratios = [s / r for t, c, s in self._seen if (r := reference.seconds(t, c))]
             self._cached = (fit, float(np.median(ratios)) if ratios else None)
         return self._cached[1]
-
-    def as_dict(self, reference: ComputeEstimate) -> dict[str, float | int | None]:
-        """``factor`` and ``samples``, JSON-ready."""
-        factor = self.factor(reference)
-        return {"factor": None if factor is None else round(factor, 4), "samples": self.samples}
 
 
 def _robust_fit(t: np.ndarray, p: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:

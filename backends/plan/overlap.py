@@ -109,7 +109,8 @@ class OverlapPlanner(LoadPlanner):
         out: dict[str, float | int | None] = {
             f"prefill_{k}": v for k, v in self._compute.as_dict().items()}
         out |= {f"head_{k}": v for k, v in self._head.as_dict().items()}
-        out["head_slowdown"] = self._slowdown.as_dict(self._compute)["factor"]
+        slowdown = self._slowdown.factor(self._compute)
+        out["head_slowdown"] = None if slowdown is None else round(slowdown, 4)
         for source, move in self._moves.items():
             out |= {f"{source.value}_{k}": v for k, v in move.as_dict().items()}
         return out
@@ -149,12 +150,7 @@ class OverlapPlanner(LoadPlanner):
         of one size, a clearly different number of bytes."""
         counts = model.query.blocks_from(k, h)
         moved = {HitSource.CPU: sum(counts.values()), **counts}
-        for source, blocks in moved.items():
-            size = self._moves[source].one_size()
-            if size is not None and blocks and abs(blocks * model.query.block_bytes - size) > 0.01 * max(
-                    size, blocks * model.query.block_bytes):
-                return True
-        return False
+        return any(self._moves[source].teaches(blocks * model.query.block_bytes) for source, blocks in moved.items())
 
     def move_seconds(self, source: HitSource, num_bytes: float) -> float | None:
         """Estimated seconds of one move of ``num_bytes`` from ``source`` (``None`` before an observation)."""
