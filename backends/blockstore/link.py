@@ -57,12 +57,14 @@ class NodeHealth:
     """Each node's breaker: a node with evidence against it is not tried for ``retry_interval_s``; the others are.
 
     Evidence that a node is unusable: a connection or login that fails, a connection that breaks
-    on a call (a reused one: again, right after reopening it), a reply that is not RESP, or a node
+    on a call (a reused one: again, right after reopening it), a reply that is not RESP, a ``-NOAUTH``
+    reply (the connection is not logged in: no command on it can succeed), or a node
     that sent nothing for at least half a call's deadline (stalled; asked for the slot map, at least
     half of its equal share of a call's deadline, see :meth:`Link.refresh`). Not evidence: a connection the
     server closed while it was idle (reopened, and the call retried on it once), a deadline that
     passed while the node was still sending (slow, not stalled) or before the node was reached,
-    a missing key, an error reply or a redirect. Thread-safe (a store's lookup and I/O links share one).
+    a missing key, any other error reply (``-OOM``, ``-READONLY``: that key's failure) or a redirect.
+    Thread-safe (a store's lookup and I/O links share one).
     """
 
     retry_interval_s: float

@@ -507,8 +507,16 @@ def command(*args: bytes) -> bytes:
 def error_reply(text: bytes) -> ServerError | Redirect:
     """An error line (without its ``-``) as a ``Redirect`` when it is ``MOVED``/``ASK`` to a slot (0-16383) at
     a port (1-65535), else ``ServerError`` (a redirect out of range names no node: its key fails with the
-    server's words)."""
+    server's words).
+
+    ``NOAUTH`` raises ``ConnectionRefusedError`` instead: the connection is not logged in (the server
+    demands a password the store was not given, or one set after it connected), so no command on it
+    can succeed; like a refused login, that is evidence against the node, not a key's failure.
+    """
     parts = text.split()
+    if parts[:1] == [b"NOAUTH"]:
+        raise ConnectionRefusedError("the server answered NOAUTH: the connection is not logged in (the server "
+                                     "demands a password this store was not given)")
     if len(parts) == 3 and parts[0] in (b"MOVED", b"ASK"):
         host, _, port = parts[2].rpartition(b":")
         if parts[1].isdigit() and port.isdigit() and int(parts[1]) < SLOTS and 0 < int(port) < 65536:

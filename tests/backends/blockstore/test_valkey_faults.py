@@ -258,6 +258,30 @@ def test_a_server_restarted_between_calls_is_used_again_at_once(own_server):
     store.close()
 
 
+def test_a_server_that_demands_a_password_mid_run_is_marked_down_until_it_lets_the_store_in(own_server):
+    """``requirepass`` set while the store runs (no password given to it) and its connections closed: every
+    command would answer ``-NOAUTH``. That is evidence against the node: the call's keys fail with a transport
+    error, the node is marked down and the next calls fail at once; once the server no longer demands a
+    password the store uses it again."""
+    address = ("127.0.0.1", own_server.port)
+    store = _store(address)
+    assert _put(store, [b"a"], [b"x"]).ok
+    own_server.call(b"CONFIG", b"SET", b"requirepass", b"kvkit-test-only")
+    own_server.password = "kvkit-test-only"  # the test's own calls log in from now on
+    own_server.call(b"CLIENT", b"KILL", b"TYPE", b"normal")  # the store's connections: reopened, not logged in
+    result = _put(store, [b"b"], [b"y"])
+    assert result.transport_failed and "NOAUTH" in result.error, result
+    assert list(store.down_nodes) == [address]
+    start = time.monotonic()
+    assert store.contains([b"a"]) == 0 and _get(store, [b"a"], 1)[0].transport_failed
+    assert time.monotonic() - start < DEADLINE / 2, "a call waited on a node known to be down"
+    own_server.call(b"CONFIG", b"SET", b"requirepass", b"")
+    own_server.password = None
+    assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
+    assert store.contains([b"a"]) == 1
+    store.close()
+
+
 # -- a Cluster with a dead node, a failover, a moved slot ----------------------------------------------------
 
 
