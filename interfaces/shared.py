@@ -45,6 +45,11 @@ def check_tenant(name: str, value: object) -> str:
                       f"letter or digit (it is the key prefix kvkit:<tenant>: that ACL key patterns match)")
 
 
+def _index_set(indices: Iterable[int]) -> tuple[int, ...]:
+    """Key indices as a sorted tuple without repeats."""
+    return tuple(sorted(set(indices)))
+
+
 @attrs.frozen
 class StoreResult:
     """One finished ``put`` or ``get`` as ``BlockStore.poll`` reports it to the caller naming its ticket.
@@ -58,11 +63,31 @@ class StoreResult:
         error: a one-line reason when anything failed (``""`` otherwise); a
             transport failure (timeout, refused connection) starts with
             ``"transport:"`` so a caller can tell a sick server from a miss.
+        unreached: the failed keys no server answered (their transport
+            failed), for a store that tells them from the keys a server
+            refused or lacks (a Cluster with one dead node and live ones
+            refusing writes fails both kinds in one call); ``None``, for a
+            store that does not: as ``error`` says of them all (see
+            :attr:`unanswered`). Sorted, no repeats, a subset of ``failed``.
     """
 
     ticket: int = attrs.field(converter=checked(check_int, minimum=0, label="StoreResult.", error=PlanError))  # type: ignore[misc]
-    failed: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(sorted(set(v))))
+    failed: tuple[int, ...] = attrs.field(default=(), converter=_index_set)
     error: str = ""
+    unreached: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(_index_set))
+
+    def __attrs_post_init__(self) -> None:
+        if self.unreached is not None and not set(self.unreached) <= set(self.failed):
+            raise PlanError(f"StoreResult.unreached={self.unreached!r}: keys that did not fail "
+                            f"(failed={self.failed!r})")
+
+    @property
+    def unanswered(self) -> tuple[int, ...]:
+        """The failed keys no server answered: ``unreached``, or for a store that does not tell them apart,
+        every failed key when the failure was the transport (:attr:`transport_failed`), else none."""
+        if self.unreached is not None:
+            return self.unreached
+        return self.failed if self.transport_failed else ()
 
     @property
     def ok(self) -> bool:

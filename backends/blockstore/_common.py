@@ -88,12 +88,14 @@ class TicketBox:
             self._open[ticket] = n_keys
             return ticket
 
-    def report(self, ticket: int, failed: Sequence[int] = (), error: str = "") -> None:
-        """Keep the result of ``ticket`` for its owner's poll unless it already finished."""
+    def report(self, ticket: int, failed: Sequence[int] = (), error: str = "",
+               unreached: Sequence[int] | None = None) -> None:
+        """Keep the result of ``ticket`` for its owner's poll unless it already finished (``unreached``: as
+        :attr:`StoreResult.unreached`)."""
         with self._cond:
             if self._open.pop(ticket, None) is None:
                 return
-            self._keep(StoreResult(ticket, failed, error if failed else ""))
+            self._keep(StoreResult(ticket, failed, error if failed else "", unreached))
             self._cond.notify_all()
 
     def fail_open(self, error: str) -> None:

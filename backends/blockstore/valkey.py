@@ -74,7 +74,8 @@ class ValkeyStore:
     ``request_timeout_s``: a connect that times out then is evidence against
     its node, however short the deadline). A key that missed
     the deadline or whose node failed is reported failed with an error starting
-    ``"transport:"``; its buffers are never touched after that.
+    ``"transport:"`` and among the result's ``unreached`` (a key a server refused
+    or lacks is not); its buffers are never touched after that.
 
     Faults stay with their node (:class:`~kvkit.backends.blockstore.link.Link`,
     :class:`~kvkit.backends.blockstore.link.NodeHealth`): a connection the
@@ -274,7 +275,8 @@ class _IoThread:
                 continue
             failed = [i for i, problem in enumerate(outcomes) if problem is not None]
             reasons = sorted({str(outcomes[i]) for i in failed}, key=lambda r: (not r.startswith("transport:"), r))
-            self.tickets.report(ticket, failed, "; ".join(reasons)[:500])
+            self.tickets.report(ticket, failed, "; ".join(reasons)[:500],
+                                [i for i in failed if isinstance(outcomes[i], Unreachable)])
 
     def _put(self, keys: list[bytes], views: list[list[memoryview]], deadline: float) -> list[object]:
         expire = b"" if self.ttl_s is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl_s)), self.ttl_s)

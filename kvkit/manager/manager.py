@@ -73,6 +73,7 @@ Hashes:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
@@ -726,7 +727,9 @@ class OffloadManager:
         findable. If the CPU pool cannot free enough blocks, fewer are stored
         (counted in ``stats.stores_dropped``); the engine is never failed.
         """
+        fetch_wait_s = math.inf
         if self._shared is not None:
+            fetch_wait_s = self._shared.fetch_wait_s  # before tick() renews the step's deadline
             self._shared.tick()
         fetches, loads = self._plan_loads()
         fetches += self._plan_prefetches()
@@ -734,7 +737,7 @@ class OffloadManager:
         puts = self._plan_puts()
         dirty = self._dirty
         self._dirty = {rid: r for rid, r in dirty.items() if r.store_queue} if self._draining else {}
-        return StepPlan(tuple(loads), tuple(stores), tuple(fetches), tuple(puts))
+        return StepPlan(tuple(loads), tuple(stores), tuple(fetches), tuple(puts), fetch_wait_s)
 
     def apply_completions(self, results: Iterable[TransferResult]) -> CompletionReport:
         """Apply worker results; a transfer completes when all ``world_size`` workers reported it.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from kvkit.interfaces.shared import SharedPlan
@@ -26,6 +28,11 @@ class StepPlan:
             read the fetched blocks, and reports a load that reads a block its
             fetch failed as failed.
         puts: ``(transfer_id, SharedPlan)`` pairs, CPU -> shared tier (at most one).
+        fetch_wait_s: the most seconds a worker waits for ``fetches``, from their
+            start: what the shared tier's deadline of one step left after the
+            step's lookups (``SharedTierSpec.lookup_budget_s``; ``inf``: only
+            the worker's own ``wait_timeout_s``). A fetch not answered by then
+            fails on that rank, and the load reading it is reported failed.
 
     Invariants: transfer ids are unique and increase across steps (and resets).
     """
@@ -34,6 +41,7 @@ class StepPlan:
     stores: tuple[tuple[int, TransferPlan], ...] = ()
     fetches: tuple[tuple[int, SharedPlan], ...] = ()
     puts: tuple[tuple[int, SharedPlan], ...] = ()
+    fetch_wait_s: float = math.inf
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.stores or self.fetches or self.puts)

@@ -94,11 +94,15 @@ class SharedTierSpec:
             and its cap (each failed retry doubles it).
         trust_s: how long a hash put, fetched or found is taken to be still held
             (not put again) without being looked up again; then it may be put again.
-        lookup_budget_s: how long the lookups of one step may wait on ``contains``
-            in all (the store's deadline of one call: :func:`~kvkit.shared.client.connect_shared`
-            passes a store's ``request_timeout_s``); once spent, the step's further
-            lookups find nothing there, so however many requests a step looks up
-            through a slow link, it waits on them less than twice the deadline.
+        lookup_budget_s: how long one step may wait on the store in all (the
+            store's deadline of one call: :func:`~kvkit.shared.client.connect_shared`
+            passes a store's ``request_timeout_s``): its lookups wait on
+            ``contains`` until it is spent (then the step's further lookups find
+            nothing there, and a hit found by the lookup that spent it is not
+            taken: no time is left to fetch it), and its fetches get what the
+            lookups left (``StepPlan.fetch_wait_s``). However many requests a
+            step looks up through a slow link, it waits on the shared tier less
+            than twice the deadline in all.
         clock: seconds, monotonic (tests pass a fake one).
     """
 
@@ -184,13 +188,18 @@ class SharedTier:
             return f"off (probing): {self._reason}"
         return self._state.value
 
+    @property
+    def fetch_wait_s(self) -> float:
+        """What this step's deadline (``spec.lookup_budget_s``) left its fetches after its lookups (0 once spent)."""
+        return max(0.0, self.spec.lookup_budget_s - self._lookup_spent)
+
     def tick(self) -> None:
         """Once per step: read the probe's answer, or send the probe that ends a back-off; renew the lookup budget."""
         self._lookup_spent = 0.0
         if self._probe is not None:
             for res in self._poll(self._probe):
                 self._probe = None
-                if res.transport_failed and len(res.failed) == len(PROBE_KEYS):
+                if len(res.unanswered) == len(PROBE_KEYS):  # no server answered: refusals keep it on
                     self._turn_off(res.error)
                 else:
                     self._turn_on()
@@ -251,7 +260,8 @@ class SharedTier:
         hashes found are remembered as held (not put again however the request's plan uses
         them); those from the first one found absent on, and the tail, are forgotten as put: the
         request recomputes them, and they are put again. Once this step's lookups have
-        waited ``spec.lookup_budget_s`` on the store, nothing is asked (and nothing forgotten).
+        waited ``spec.lookup_budget_s`` on the store, nothing is asked (and nothing forgotten),
+        and the lookup that spent it answers 0: no time is left this step to fetch what it found.
         """
         if not hashes or not self.available or self._lookup_spent >= self.spec.lookup_budget_s:
             return 0
@@ -272,7 +282,7 @@ class SharedTier:
         if known and found < len(hashes):
             for h in (*hashes[found:], *tail):
                 known.pop(h, None)
-        return found
+        return found if self._lookup_spent < self.spec.lookup_budget_s else 0
 
     def reserve(self, r: Request, start: int, n: int) -> None:
         """Allocate CPU blocks (one reference each, not ready) for the ``n`` shared hits of ``r`` at ``start``."""

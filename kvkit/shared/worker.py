@@ -32,8 +32,13 @@ if TYPE_CHECKING:
 
 __all__ = ["SharedTierWorker"]
 
-Started = list[tuple[SharedPlan, "int | None"]]
-"""Fetches queued by :meth:`SharedTierWorker.start_fetches`: each plan and its store ticket (``None``: it failed)."""
+@attrs.frozen
+class Started:
+    """Fetches queued by :meth:`SharedTierWorker.start_fetches`: each plan and its store ticket (``None``: it
+    failed), and when they were queued (``time.monotonic()``: their waits count from then)."""
+
+    fetches: list[tuple[SharedPlan, int | None]]
+    at: float
 
 
 def _mirrors(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
@@ -100,23 +105,25 @@ class SharedTierWorker:
 
         ``started``: what :meth:`start_fetches` answered for ``plan.fetches``
         (default: they start now). A load that reads a block whose fetch failed
-        here (missing, invalid, or not answered within ``wait_timeout_s``) is
-        reported failed.
+        here (missing, invalid, or not answered within ``wait_timeout_s`` or
+        ``plan.fetch_wait_s``, the shorter, of their start) is reported failed.
         """
-        failed = self.finish_fetches(self.start_fetches(plan.fetches) if started is None else started)
+        failed = self.finish_fetches(self.start_fetches(plan.fetches) if started is None else started,
+                                     plan.fetch_wait_s)
         for tid, copy in (*plan.loads, *plan.stores):
             if failed and copy.direction is Direction.LOAD and failed.intersection(copy.src.tolist()):
                 self._tainted.add(tid)
             self._copy(tid, copy)
         self.put(plan.puts)
 
-    def fetch(self, fetches: Sequence[tuple[int, SharedPlan]]) -> set[int]:
+    def fetch(self, fetches: Sequence[tuple[int, SharedPlan]], wait_s: float = math.inf) -> set[int]:
         """Get each fetch's values into its CPU blocks, waited for and checked; the blocks that failed here.
 
         Never raises for a sick store: a fetch it does not answer within
-        ``wait_timeout_s`` fails all its blocks (and is reported failed once answered).
+        ``wait_timeout_s`` (or ``wait_s``, a step's ``fetch_wait_s``, if shorter) fails all its
+        blocks (and is reported failed once answered).
         """
-        return self.finish_fetches(self.start_fetches(fetches))
+        return self.finish_fetches(self.start_fetches(fetches), wait_s)
 
     def start_fetches(self, fetches: Sequence[tuple[int, SharedPlan]]) -> Started:
         """Queue every fetch's get at once, waiting for none; :meth:`finish_fetches` waits.
@@ -124,13 +131,16 @@ class SharedTierWorker:
         Ranks that share a process start theirs before any of them waits, so
         their fetches run against one deadline, not one after another.
         """
-        return [(plan, self._call(tid, "get", plan)) for tid, plan in fetches]
+        at = time.monotonic()
+        return Started([(plan, self._call(tid, "get", plan)) for tid, plan in fetches], at)
 
-    def finish_fetches(self, started: Started) -> set[int]:
-        """Wait for the started fetches and check their values (as :meth:`fetch`); the blocks that failed here."""
-        answered = self._gather({t for _, t in started if t is not None}, self.wait_timeout_s, keep=True)
+    def finish_fetches(self, started: Started, wait_s: float = math.inf) -> set[int]:
+        """Wait for the started fetches until ``wait_timeout_s`` (or ``wait_s``, if shorter) after they started
+        and check their values (as :meth:`fetch`); the blocks that failed here."""
+        left = started.at + min(self.wait_timeout_s, wait_s) - time.monotonic()
+        answered = self._gather({t for _, t in started.fetches if t is not None}, max(0.0, left), keep=True)
         failed: set[int] = set()
-        for plan, ticket in started:
+        for plan, ticket in started.fetches:
             if ticket is None:
                 failed.update(plan.blocks)
             elif ticket not in answered:  # its buffers stay referenced until the store answers, then it fails
@@ -226,8 +236,7 @@ class SharedTierWorker:
     def _checked(self, plan: SharedPlan, pending: _Pending, res: StoreResult) -> set[int]:
         """Check the values the get ``pending`` of ``plan`` answered with ``res``; returns the blocks that failed."""
         bad = set(res.failed)
-        if not res.transport_failed:
-            self.missing_values += len(bad)
+        self.missing_values += len(bad) - len(res.unanswered)
         codec, rank = self.codec, self.rank
         for i, (block_hash, parts) in enumerate(zip(plan.hashes, pending.buffers)):
             if i not in bad and not codec.check(parts[0], block_hash, rank, parts[1:]):

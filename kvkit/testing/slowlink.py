@@ -1,8 +1,9 @@
 """A slow link on loopback: a threaded TCP proxy that trickles bytes at a set rate, for fault tests.
 
 ``SlowLink(target)`` listens on ``127.0.0.1:port`` and forwards every connection to ``target``,
-each direction at most ``rate`` bytes per second (``None``: as fast as they come). The rate may be
-changed while connections are open. Every wait of its threads is short (``_TICK``), so
+each direction at most ``rate`` bytes per second (``None``: as fast as they come), and holds each
+reply ``latency`` seconds before its first byte moves on (a far link). Both may be changed while
+connections are open. Every wait of its threads is short (``_TICK``), so
 :meth:`SlowLink.close` stops them all and closes every socket within a bounded time.
 """
 
@@ -27,12 +28,15 @@ _CHUNK = 1 << 16
 class SlowLink:
     """A proxy from ``127.0.0.1:port`` to ``target`` that moves at most ``rate`` bytes/s each way.
 
+    ``latency``: seconds the target's bytes wait before they move on whenever they come after a pause
+    (nothing from the target for a tick): each reply arrives that much later, however it is split.
     Use as a context manager, or call :meth:`start` and :meth:`close`. ``connections`` counts the
     connections accepted so far.
     """
 
     target: tuple[str, int]
     rate: float | None = None
+    latency: float = 0.0
     port: int = attrs.field(default=0, init=False)
     connections: int = attrs.field(default=0, init=False)
     _listener: socket.socket | None = attrs.field(default=None, init=False)
@@ -98,15 +102,21 @@ class SlowLink:
                 sock.setblocking(False)
                 with self._lock:
                     self._sockets.append(sock)
-            self._spawn(self._pump, client, server)
-            self._spawn(self._pump, server, client)
+            self._spawn(self._pump, client, server, False)
+            self._spawn(self._pump, server, client, True)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        """Move ``src``'s bytes to ``dst`` at the rate; at EOF or an error, shut ``dst``'s writing side."""
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        """Move ``src``'s bytes to ``dst`` at the rate (``replies``: the target's, held ``latency`` after a
+        pause); at EOF or an error, shut ``dst``'s writing side."""
+        paused = True
         try:
             while not self._stop.is_set():
                 if not select.select([src], [], [], _TICK)[0]:
+                    paused = True
                     continue
+                if replies and paused:
+                    self._sleep(self.latency)
+                paused = False
                 rate = self.rate
                 data = src.recv(_CHUNK if rate is None else max(1, int(rate * _TICK)))
                 if not data:

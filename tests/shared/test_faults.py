@@ -74,24 +74,51 @@ def server():
 
 
 def test_a_slow_link_costs_a_step_at_most_its_deadlines_and_never_raises(server):
-    """Replies and requests trickled at 8 KB/s (wait_timeout_s=4): the fetch is abandoned at the store's
-    deadline and becomes a miss that recomputes (right bytes), the puts are dropped and counted (failed at
-    their deadline, or skipped once the probe failed too); no step waits on the shared tier longer than its
-    lookup's and its fetches' deadlines, and none raises."""
+    """Replies and requests trickled at 8 KB/s (wait_timeout_s=4): the fetch of the shared hit is abandoned by
+    the step's deadline and becomes a miss that recomputes (right bytes); the puts of the blocks past the hit
+    are dropped and counted (failed at their deadline, or skipped once the probe failed too); no step waits
+    on the shared tier longer than its lookup's and its fetches' deadlines, and none raises."""
     a, ea = instance(server.url + FAST)
     serve(ea, "a")
     assert a.stats.blocks_put.value == 10
     with SlowLink(("127.0.0.1", server.port), rate=8_000) as link:
         b, eb = instance(f"valkey://127.0.0.1:{link.port}/0" + FAST)
-        req = serve(eb, "b", limit=2 * DEADLINE + SLACK)
+        req = serve(eb, "b", [*PROMPT[:20], *range(500, 520)], limit=2 * DEADLINE + SLACK)
         assert req.cpu_hit_tokens == 0, "the abandoned fetch was not recomputed"
-        assert b.stats.fetches_failed.value == 9 and b.stats.blocks_fetched.value == 0
+        assert b.stats.fetches_failed.value == 5 and b.stats.blocks_fetched.value == 0
         # abandoned at their deadline, or skipped once the probe (as slow) turned the tier off: dropped and counted
         assert b.stats.puts_failed.value + b.stats.puts_skipped.value > 0, "the dropped puts were not counted"
         assert eb.integrity_errors == 0 and b.shared_counts["invalid_values"] == 0
         b.check_invariants()
         b.close()
     a.close()
+
+
+def test_a_far_link_costs_a_step_one_deadline_for_its_lookup_and_fetch_together(server):
+    """Every reply held 0.8 s (``request_timeout_s=1``, the two ranks' gets one after the other on one
+    connection): the lookup finds the shared hit in 0.8 s and the fetch gets only what the deadline left, so
+    the step waits on the shared tier about one deadline in all, not one for the lookup and one for the fetch;
+    the fetch that did not come in time becomes a miss that recomputes right bytes, and the node is not marked
+    down (it answers, late)."""
+    a, ea = instance(server.url + FAST)
+    serve(ea, "a")
+    a.close()
+    with SlowLink(("127.0.0.1", server.port), latency=0.8) as link:
+        b, eb = instance(f"valkey://127.0.0.1:{link.port}/0?request_timeout_s=1&connect_timeout_s=1")
+        eb.add_request("b", hash_blocks(PROMPT, SPEC.block_size), len(PROMPT))
+        start = time.monotonic()
+        req = eb.step().scheduled[0]
+        took = time.monotonic() - start
+        assert took <= 1.0 + 0.4, f"the step waited {took:.2f} s on a shared tier whose deadline is 1 s"
+        assert b.stats.shared_hit_tokens.value == 36 and b.stats.loads_failed.value == 1
+        assert req.cpu_hit_tokens == 0 and b.shared_store.down_nodes == {}
+        eb.finish("b")
+        eb.step()
+        eb.drain()
+        assert b.stats.fetches_failed.value == 9
+        assert eb.integrity_errors == 0 and b.shared_counts["invalid_values"] == 0
+        b.check_invariants()
+        b.close(timeout=3.0)
 
 
 def test_the_lookups_of_one_step_share_the_deadline_through_a_slow_link(server):
@@ -228,6 +255,28 @@ def test_a_cluster_with_a_dead_node_keeps_the_tier_on():
         live = sum(node.call(b"DBSIZE") for node in cluster.nodes[:2])
         assert live > 20, "nothing landed on the live nodes"
         assert list(a.shared_store.down_nodes) == [("127.0.0.1", cluster.nodes[2].port)]
+        a.close()
+
+
+def test_a_cluster_whose_live_nodes_refuse_writes_beside_a_dead_node_keeps_the_tier_on():
+    """One node dead and the live ones refusing writes (``maxmemory`` reached under ``noeviction``: ``-OOM``):
+    every key of the probe fails, but the live nodes answered it, so the tier stays on (no outage, no warning)
+    and goes on serving their values; the refused puts are counted."""
+    cluster = LocalCluster(binary=server_binary_or_skip(), args=["--cluster-require-full-coverage", "no"])
+    with cluster:
+        a, ea = instance(cluster.url + FAST.replace("retry_interval_s=0.2", "retry_interval_s=60"))
+        serve(ea, "a1")
+        for node in cluster.nodes[:2]:
+            node.call(b"CONFIG", b"SET", b"maxmemory-policy", b"noeviction")
+            node.call(b"CONFIG", b"SET", b"maxmemory", b"1")
+        cluster.nodes[2].kill()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for i in range(3):
+                serve(ea, f"a{i + 2}", [9000 * (i + 1) + t for t in range(40)], limit=DEADLINE + SLACK)
+        assert not [w for w in seen if "shared tier is off" in str(w.message)], [str(w.message) for w in seen]
+        assert a.stats.shared_outages.value == 0 and a.manager.shared_status in ("on", "suspect")
+        assert a.stats.puts_failed.value > 0 and ea.integrity_errors == 0
         a.close()
 
 

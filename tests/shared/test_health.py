@@ -148,3 +148,50 @@ def test_a_hash_found_absent_is_put_again():
     assert shared.find([1, 2, 3], tail=[4]) == 1
     assert list(shared._known) == [1], "absent hashes are still taken as put"
     assert shared.find([1]) == 1 and list(shared._known) == [1]
+
+
+def test_the_failed_keys_no_server_answered_are_told_from_the_refused_ones():
+    """``StoreResult.unanswered``: the ``unreached`` keys a store names, else every failed key of a transport
+    failure (a store that does not tell them apart), else none; ``unreached`` beyond ``failed`` is refused."""
+    from kvkit.errors import PlanError
+    from kvkit.interfaces.shared import StoreResult
+
+    assert StoreResult(0, [3, 1, 3], "transport: down; OOM", [3]).unanswered == (3,)
+    assert StoreResult(0, [1, 3], "transport: down").unanswered == (1, 3)
+    assert StoreResult(0, [1, 3], "OOM command not allowed").unanswered == ()
+    assert StoreResult(0, [1, 3], "transport: down; OOM", []).unanswered == ()
+    with pytest.raises(PlanError, match=r"unreached=\(2,\)"):
+        StoreResult(0, [1, 3], "transport: down", [2])
+
+
+class _Slow(MemoryStore):
+    """A store whose ``contains`` takes ``seconds`` on the tier's clock."""
+
+    def __init__(self, clock, seconds):
+        super().__init__()
+        self.clock, self.seconds = clock, seconds
+
+    def contains(self, keys):
+        self.clock.now += self.seconds
+        return super().contains(keys)
+
+
+def test_the_fetches_of_a_step_get_what_its_lookups_left_of_the_deadline():
+    """``lookup_budget_s`` is one step's wait on the store in all: the plan's ``fetch_wait_s`` is what the
+    lookups left; a lookup that spent it answers 0 (no time to fetch what it found, which is still held), and
+    the next step's lookups and fetches have the whole deadline again."""
+    clock = Clock()
+    store = _Slow(clock, 0.3)
+    mgr = manager(store, clock, lookup_budget_s=1.0)
+    shared = mgr._shared
+    for h in (1, 2, 3):
+        store.put([shared.spec.codec.key(h, 0)], [[memoryview(b"x")]])
+    assert mgr.build_step().fetch_wait_s == 1.0
+    assert shared.find([1]) == 1 and shared.find([2]) == 1
+    assert mgr.build_step().fetch_wait_s == pytest.approx(0.4)
+    assert shared.find([1]) == 1
+    store.seconds = 1.0
+    assert shared.find([3]) == 0, "a hit found with no time left to fetch it was taken"
+    assert 3 in shared._known and shared.find([2]) == 0 and mgr.build_step().fetch_wait_s == 0.0
+    store.seconds = 0.3
+    assert shared.find([2]) == 1 and mgr.build_step().fetch_wait_s == pytest.approx(0.7)

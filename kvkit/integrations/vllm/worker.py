@@ -230,7 +230,7 @@ class WorkerSide:
         loads = order.plan.loads
         if order.receiving:  # before any result of them can come back
             self._receiving.append(({tid for tid, _ in loads}, order.receiving))
-        failed = self.shared.fetch(order.plan.fetches) if self.shared is not None else set()
+        failed = self.shared.fetch(order.plan.fetches, order.plan.fetch_wait_s) if self.shared is not None else set()
         submitted = set()
         for tid, plan in loads:
             self._load_targets[tid] = plan.dst
