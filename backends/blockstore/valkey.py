@@ -332,13 +332,19 @@ def _get_outcome(conn: Connection, views: list[memoryview], want: int) -> object
 
 def _shut_down(io: _IoThread, thread: threading.Thread, lookup: Link, lookup_lock: threading.Lock,
                join_s: float) -> None:
-    """Stop the I/O thread, close every connection, fail every open ticket (``close``, or the store collected)."""
+    """Stop the I/O thread, close every connection, fail every open ticket (``close``, or the store collected).
+
+    Each link is closed first while its calls may still be waiting (a wait on a closed connection returns at
+    once: a ``get`` or ``contains`` on a stalled node does not hold ``close`` up to its deadline), then again
+    once its calls ended (a connection one of them opened meanwhile).
+    """
     io.closing = True
     io.jobs.put(None)
-    io.link.close()  # a wait in the I/O thread returns at once
+    io.link.close()
+    lookup.close()
     if thread is not threading.current_thread():
         thread.join(join_s)
-    io.link.close()  # a connection the thread opened while we were closing
+    io.link.close()
     if lookup_lock.acquire(timeout=join_s):
         try:
             lookup.close()

@@ -615,6 +615,31 @@ def test_a_put_or_get_racing_close_is_reported_failed_at_once(valkey_server, mon
         store.check_invariants()
 
 
+def test_close_while_calls_wait_on_a_stalled_server_returns_at_once(own_server):
+    """A ``get`` and a ``contains`` (on another thread) wait on a paused server with a 2 s deadline: ``close``
+    wakes both and returns at once, the get reported failed, the contains answering 0; no thread or socket
+    of the store is left."""
+    sockets, threads = _sockets(), _io_threads()
+    store = _store(("127.0.0.1", own_server.port), request_timeout_s=2.0, connect_timeout_s=2.0)
+    assert _put(store, [b"a"], [b"x"]).ok and store.contains([b"a"]) == 1
+    own_server.pause()
+    try:
+        found = []
+        looker = threading.Thread(target=lambda: found.append(store.contains([b"a"])))
+        get = store.get([b"a"], [[memoryview(bytearray(1))]])
+        looker.start()
+        time.sleep(0.2)  # both are waiting on the server now
+        start = time.monotonic()
+        store.close()
+        assert time.monotonic() - start < 0.5, f"close waited {time.monotonic() - start:.2f} s on the calls"
+        looker.join(0.5)
+        assert found == [0] and store.poll([get])[0].failed == (0,)
+    finally:
+        own_server.resume()
+    assert _io_threads() == threads
+    assert _eventually(lambda: _sockets() == sockets), "a socket of the closed store is still open"
+
+
 def test_close_called_again_while_another_thread_closes_returns_once_closed(valkey_server, monkeypatch):
     """Two threads close one store: the second ``close`` waits for the first and returns with the store closed
     (its I/O thread ended, every ticket reported)."""
