@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvkit.config import StackConfig
     from kvkit.shared.scheduler import SharedTierSpec
 
-__all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "warn_unauthenticated"]
+__all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "store_deadline", "warn_unauthenticated"]
 
 _WARNED: set[tuple[tuple[str, int], ...]] = set()  # servers this process warned about
 _WARNED_LOCK = threading.Lock()
@@ -138,9 +138,8 @@ def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
     store, owned = open_shared(shared.url)  # last: nothing after it may fail and leave it open
     try:
         warn_unauthenticated(store, codec.namespace.secret)
-        deadline = getattr(store, "request_timeout_s", None)  # a network store's deadline of one call
-        budget: dict[str, Any] = {"lookup_budget_s": deadline} \
-            if isinstance(deadline, int | float) and deadline > 0 else {}
+        deadline = store_deadline(store)
+        budget: dict[str, Any] = {} if deadline is None else {"lookup_budget_s": deadline}
         spec = SharedTierSpec(store=store, codec=codec, write=shared.write,
                               backoff_s=shared.backoff_s, max_backoff_s=60 * shared.backoff_s, **budget)
     except BaseException:
@@ -148,6 +147,14 @@ def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
             store.close()
         raise
     return SharedConnection(spec, store, owned)
+
+
+def store_deadline(store: BlockStore) -> float | None:
+    """``store``'s deadline of one call: a network store's ``request_timeout_s`` (every ``put``, ``get`` and
+    ``contains`` ends by then), or ``None`` for a store that has none (a local one: a call takes what its
+    medium takes)."""
+    deadline = getattr(store, "request_timeout_s", None)
+    return float(deadline) if isinstance(deadline, int | float) and deadline > 0 else None
 
 
 def warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:

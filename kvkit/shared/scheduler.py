@@ -38,6 +38,7 @@ no put is skipped for a hash put, fetched or found ``trust_s`` or longer ago, or
 from __future__ import annotations
 
 import enum
+import math
 import time
 import warnings
 from collections import OrderedDict
@@ -56,6 +57,7 @@ from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
 from kvkit.redact import redact_text
+from kvkit.shared.client import store_deadline
 from kvkit.stats import OffloadStats
 from kvkit.validate import (
     check_real,
@@ -99,10 +101,10 @@ class SharedTierSpec:
             passes a store's ``request_timeout_s``): its lookups wait on
             ``contains`` until it is spent (then the step's further lookups find
             nothing there, and a hit found by the lookup that spent it is not
-            taken: no time is left to fetch it), and its fetches get what the
-            lookups left (``StepPlan.fetch_wait_s``). However many requests a
-            step looks up through a slow link, it waits on the shared tier less
-            than twice the deadline in all.
+            taken: no time is left to fetch it), and the fetches of a store with
+            a deadline get what the lookups left (``StepPlan.fetch_wait_s``).
+            However many requests a step looks up through a slow link, it waits
+            on the shared tier less than twice the deadline in all.
         clock: seconds, monotonic (tests pass a fake one).
     """
 
@@ -190,7 +192,11 @@ class SharedTier:
 
     @property
     def fetch_wait_s(self) -> float:
-        """What this step's deadline (``spec.lookup_budget_s``) left its fetches after its lookups (0 once spent)."""
+        """What this step's deadline (``spec.lookup_budget_s``) left its fetches after its lookups (0 once spent);
+        ``inf`` for a store without a deadline of its own (:func:`~kvkit.shared.client.store_deadline`: its
+        fetches take what its medium takes, as long as the workers' ``wait_timeout_s``)."""
+        if store_deadline(self.spec.store) is None:
+            return math.inf
         return max(0.0, self.spec.lookup_budget_s - self._lookup_spent)
 
     def tick(self) -> None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SharedTierWorker"]
 
+
 @attrs.frozen
 class Started:
     """Fetches queued by :meth:`SharedTierWorker.start_fetches`: each plan and its store ticket (``None``: it

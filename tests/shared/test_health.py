@@ -1,5 +1,6 @@
 """The shared tier's health on the scheduler side: suspect, off, exponential back-off, probes, recovery."""
 
+import math
 import warnings
 
 import pytest
@@ -165,11 +166,13 @@ def test_the_failed_keys_no_server_answered_are_told_from_the_refused_ones():
 
 
 class _Slow(MemoryStore):
-    """A store whose ``contains`` takes ``seconds`` on the tier's clock."""
+    """A store with a deadline of one call (``request_timeout_s``) whose ``contains`` takes ``seconds`` on the
+    tier's clock."""
 
     def __init__(self, clock, seconds):
         super().__init__()
         self.clock, self.seconds = clock, seconds
+        self.request_timeout_s = 1.0
 
     def contains(self, keys):
         self.clock.now += self.seconds
@@ -177,9 +180,10 @@ class _Slow(MemoryStore):
 
 
 def test_the_fetches_of_a_step_get_what_its_lookups_left_of_the_deadline():
-    """``lookup_budget_s`` is one step's wait on the store in all: the plan's ``fetch_wait_s`` is what the
-    lookups left; a lookup that spent it answers 0 (no time to fetch what it found, which is still held), and
-    the next step's lookups and fetches have the whole deadline again."""
+    """``lookup_budget_s`` is one step's wait on a store with a deadline in all: the plan's ``fetch_wait_s`` is
+    what the lookups left; a lookup that spent it answers 0 (no time to fetch what it found, which is still
+    held), and the next step's lookups and fetches have the whole deadline again. A store without a deadline
+    (a local one) leaves its fetches unbounded but for the workers' own ``wait_timeout_s``."""
     clock = Clock()
     store = _Slow(clock, 0.3)
     mgr = manager(store, clock, lookup_budget_s=1.0)
@@ -195,3 +199,5 @@ def test_the_fetches_of_a_step_get_what_its_lookups_left_of_the_deadline():
     assert 3 in shared._known and shared.find([2]) == 0 and mgr.build_step().fetch_wait_s == 0.0
     store.seconds = 0.3
     assert shared.find([2]) == 1 and mgr.build_step().fetch_wait_s == pytest.approx(0.7)
+    local = manager(MemoryStore(), clock, lookup_budget_s=1.0)
+    assert local.build_step().fetch_wait_s == math.inf
