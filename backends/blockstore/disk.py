@@ -38,6 +38,9 @@ _TEMP_ATTEMPTS = 3  # fresh temp names tried when a reaper removed each one befo
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 # A value's subdirectory is opened, and its files reached relative to it, never through a symlink in its place.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+# What a failed look says about a name: nothing leads there, or something that is not a directory is on the way.
+# Any other failure (no descriptor left, no permission, an I/O error) says nothing about the file.
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 COUNTERS = ("foreign", "broken", "vanished", "oversized", "temps_removed", "temps_kept", "evicted", "unlink_failed",
             "disk_full")
@@ -113,7 +116,11 @@ class DiskStore:
     ``EDQUOT``: ``disk_full``) lowers the effective capacity to what the file
     system holds for this store (the bytes indexed when it filled, plus the
     free space if less than the value) and evicts below it, retrying until the
-    value lands or nothing is left to evict; then, once per put, it removes the
+    value lands or nothing is left to evict. What the file system holds for
+    this store includes the values neighbours wrote since it looked: with
+    nothing indexed left to evict, or a value larger than the lowered capacity,
+    it re-scans the directory, adopts the value files its index lacks and evicts
+    them in turn; then, once per put, it removes the
     empty subdirectories (a file system out of inodes may lack the one a new
     file needs) and retries. While lowered, the capacity is
     re-measured (indexed bytes plus free space, never above
@@ -135,9 +142,10 @@ class DiskStore:
     (one more abandons the oldest).
 
     Symlinks. No path is followed through a symlink: value and temporary files are opened with
-    ``O_NOFOLLOW`` and reached relative to their subdirectory, itself opened with ``O_NOFOLLOW``, so a
-    symlink (or anything but a directory) in a subdirectory's place fails its keys' puts and gets and
-    carries no write, read or eviction outside ``path``.
+    ``O_NOFOLLOW`` and reached relative to their subdirectory, itself opened with ``O_NOFOLLOW`` (by
+    opening's scan too, which lists and reaps through that descriptor), so a symlink (or anything but a
+    directory) in a subdirectory's place, even one swapped in during a scan, fails its keys' puts and gets
+    and carries no write, read, reap or eviction outside ``path``. ``path`` itself may be a symlink.
 
     Permissions. Value and temporary files get ``file_mode`` (``0o600`` by
     default) and the directories the store creates (``path`` when it does not
@@ -277,44 +285,61 @@ class DiskStore:
 
     def _reindex(self) -> None:
         """Index every value file, oldest first; count what is not one; delete abandoned temporary files."""
-        try:
-            tops = list(os.scandir(self.path))
-        except OSError as exc:
-            raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot list the directory: {exc}") from exc
-        found = []
-        for top in tops:
-            if len(top.name) != 2 or not _HEX.issuperset(top.name):
-                self._note("foreign")
-                continue
-            try:
-                if not top.is_dir(follow_symlinks=False):
-                    self._note("broken")
-                    continue
-                entries = list(os.scandir(top.path))
-            except FileNotFoundError:
-                self._note("vanished")
-                continue
-            except OSError:  # a subdirectory this process may not list
-                self._note("broken")
-                continue
-            for entry in entries:
-                kind = _kind(top.name, entry.name)
-                if kind == "temp":
-                    self._reap(entry.path)
-                elif kind == "value":
-                    value = self._regular(entry.path)
-                    if value is not None:
-                        found.append((value.st_mtime_ns, entry.name[:-len(_SUFFIX)], value.st_size))
-                else:
-                    self._note("foreign")
+        found = self._scan()
         with self._lock:
             for _, name, size in sorted(found):  # oldest first: the first victims of an LRU
                 self._adopt(name, size)  # evicts at once if the capacity is smaller than last time
 
-    def _regular(self, path: str) -> os.stat_result | None:
-        """The status of the regular file at ``path``, or ``None`` (counted) if it is not one."""
+    def _scan(self) -> list[tuple[int, str, int]]:
+        """The directory's value files as ``(mtime_ns, name, size)``; count what is not one; delete abandoned
+        temporary files. Raises :class:`~kvkit.errors.ConfigError`, quoting it, only when ``path`` itself
+        cannot be listed.
+
+        Each subdirectory is opened once (``O_NOFOLLOW``) and listed, looked into and reaped through that
+        descriptor: one swapped for a symlink after ``path`` was listed is ``broken``, never followed.
+        """
         try:
-            found = os.lstat(path)
+            tops = [top.name for top in os.scandir(self.path)]  # listed whole, so closed
+        except OSError as exc:
+            raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot list the directory: {exc}") from exc
+        found = []
+        for top in tops:
+            if len(top) != 2 or not _HEX.issuperset(top):
+                self._note("foreign")
+                continue
+            try:
+                folder = os.open(os.path.join(self.path, top), _DIR_FLAGS)
+            except FileNotFoundError:
+                self._note("vanished")
+                continue
+            except OSError:  # a symlink, a file, or a subdirectory this process may not open
+                self._note("broken")
+                continue
+            try:
+                filenames = os.listdir(folder)
+            except OSError:  # a subdirectory this process may not list
+                self._note("broken")
+                filenames = []
+            try:
+                for filename in filenames:
+                    kind = _kind(top, filename)
+                    if kind == "temp":
+                        self._reap(filename, folder)
+                    elif kind == "value":
+                        value = self._regular(filename, folder)
+                        if value is not None:
+                            found.append((value.st_mtime_ns, filename[:-len(_SUFFIX)], value.st_size))
+                    else:
+                        self._note("foreign")
+            finally:
+                os.close(folder)
+        return found
+
+    def _regular(self, filename: str, folder: int) -> os.stat_result | None:
+        """The status of the regular file ``filename`` in the directory ``folder``, or ``None`` (counted) if it
+        is not one."""
+        try:
+            found = os.lstat(filename, dir_fd=folder)
         except FileNotFoundError:
             self._note("vanished")
             return None
@@ -326,15 +351,16 @@ class DiskStore:
             return None
         return found
 
-    def _reap(self, path: str) -> None:
-        """Delete the temporary file at ``path`` if its writer is gone: only while holding its lock.
+    def _reap(self, filename: str, folder: int) -> None:
+        """Delete the temporary file ``filename`` in the directory ``folder`` if its writer is gone: only while
+        holding its lock.
 
         A writer locks its file before writing and checks, once locked, that its name still leads to it
         (a reaper may have deleted it in between; the writer then takes a new name), and unlocks only
         after renaming it: so a temporary file locked here and still under its name is abandoned.
         """
         try:
-            fd = os.open(path, _READ_FLAGS)
+            fd = os.open(filename, _READ_FLAGS, dir_fd=folder)
         except FileNotFoundError:  # renamed into place meanwhile
             self._note("vanished")
             return
@@ -352,7 +378,7 @@ class DiskStore:
                 self._note("temps_kept")
                 return
             try:  # temporary names are never reused: if this one still exists, it is the file locked
-                os.unlink(path)
+                os.unlink(filename, dir_fd=folder)
             except FileNotFoundError:  # its writer renamed it before we locked it
                 self._note("vanished")
             except OSError:  # a read-only file system
@@ -610,6 +636,8 @@ class DiskStore:
             if free is not None:
                 fits = self.used_bytes + free
                 self._fits = None if fits >= self.capacity_bytes else fits
+        if size > self._limit() and self._fits is not None:  # the file system's share may hold a neighbour's values
+            self._adopt_unindexed()
         if size > self._limit():
             return False
         self._evict_for(size)
@@ -618,12 +646,40 @@ class DiskStore:
     def _relieve(self, size: int) -> bool:
         """After a full file system refused ``size`` bytes: lower the capacity to what it holds and evict below it.
 
-        Answers whether anything was evicted (nothing left to evict: the put fails).
+        When nothing indexed is left to evict, the directory's value files the index lacks (a neighbour's,
+        written since this store looked) are adopted and evicted in turn. Answers whether anything was evicted
+        (nothing left to evict: the put fails).
         """
         free = self._free()
         room = free if free is not None and free < size else 0  # a quota's refusal leaves statvfs's free space
-        self._fits = min(self._limit(), self.used_bytes + room)
-        return self._evict_for(size) > 0
+        evicted = 0
+        for adopt in (False, True):
+            if adopt and not self._adopt_unindexed():
+                break
+            self._fits = min(self.capacity_bytes, self.used_bytes + room)
+            evicted = self._evict_for(size)
+            if evicted:
+                break
+        return evicted > 0
+
+    def _adopt_unindexed(self) -> bool:
+        """Index the directory's value files the index lacks (what the file system holds for this store beyond
+        its index: a neighbour's values), lifting a lowered capacity so that none is taken for ``oversized``
+        (the next refusal lowers it again, counting them); answer whether any was adopted.
+
+        A full file system calls it, rarely: it re-scans the directory (:meth:`_scan`, which counts again what
+        is not a value and deletes abandoned temporary files). The lock is held.
+        """
+        try:
+            found = self._scan()
+        except ConfigError:  # path itself cannot be listed now: nothing more to learn
+            return False
+        new = sorted(entry for entry in found if entry[1] not in self._index)
+        if new:
+            self._fits = None
+        for _, name, size in new:  # oldest first, as opening does
+            self._adopt(name, size)
+        return bool(new)
 
     def _prune(self) -> int:
         """Remove the empty subdirectories of this layout; answer how many went.
