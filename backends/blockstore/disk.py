@@ -211,12 +211,17 @@ class DiskStore:
     def contains(self, keys: Sequence[bytes]) -> int:
         self._check_process()
         check_keys("DiskStore", self.closed, keys)
-        n = 0
-        for key in keys:
-            if not self._known(_name(key)):
-                break
-            n += 1
-        return n
+        folders: dict[str, int] = {}
+        try:
+            n = 0
+            for key in keys:
+                if not self._known(_name(key), folders):
+                    break
+                n += 1
+            return n
+        finally:
+            for folder in folders.values():
+                os.close(folder)
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
         self._check_process()
@@ -512,14 +517,15 @@ class DiskStore:
         path = self._file(name)
         try:
             folder = self._open_folder(name)
-        except FileNotFoundError:
-            return self._unusable(name, "missing value")
-        except OSError as exc:  # a symlink or a file in its subdirectory's place
-            return self._unusable(name, f"cannot open {str(path.parent)!r}: {exc.strerror or exc}")
+        except OSError as exc:  # gone, or a symlink or a file in its subdirectory's place; or no descriptor left
+            if exc.errno == errno.ENOENT:
+                return self._unusable(name, "missing value")
+            problem = f"cannot open {str(path.parent)!r}: {exc.strerror or exc}"
+            return self._unusable(name, problem) if exc.errno in _GONE else problem
         try:
             problem = self._read_file(folder, path, parts)
             with self._lock:  # the index follows what the name leads to now, not the file read
-                if self._found(name, _status(path.name, folder)) and problem is None and name in self._index:
+                if self._look(name, folder) and problem is None and name in self._index:
                     self.eviction.on_access(self._index[name][0])
         finally:
             os.close(folder)
@@ -558,21 +564,37 @@ class DiskStore:
 
     # --- the index -----------------------------------------------------------
 
-    def _known(self, name: str) -> bool:
-        """Whether ``name``'s value file is there now; the index follows what is found (:meth:`_found`)."""
+    def _known(self, name: str, folders: dict[str, int]) -> bool:
+        """Whether ``name``'s value file is there now; the index follows what is found (:meth:`_look`).
+
+        ``folders`` holds the subdirectories a ``contains`` opened, by prefix, each opened once per call (the
+        caller closes them). A subdirectory gone or not a directory forgets the value; one that cannot be
+        opened for another reason (no descriptor left, no permission) answers ``False`` and changes nothing.
+        """
+        folder = folders.get(name[:2])
+        if folder is None:
+            try:
+                folder = folders[name[:2]] = self._open_folder(name)
+            except OSError as exc:
+                if exc.errno in _GONE:
+                    with self._lock:
+                        self._found(name, None)
+                return False
+        with self._lock:  # one step with the update: a rewrite by this store's threads cannot come between
+            return self._look(name, folder)
+
+    def _look(self, name: str, folder: int) -> bool:
+        """Whether ``name``'s value file is in the directory ``folder`` now; the index follows what is found
+        (:meth:`_found`). A look that fails for another reason than the file's absence (no permission, an I/O
+        error) answers ``False`` and changes nothing: only evidence moves the index. The lock is held."""
         try:
-            folder = self._open_folder(name)
-        except OSError:  # its subdirectory is gone, or not a directory
-            with self._lock:
-                return self._found(name, None)
-        try:
-            with self._lock:  # one step with the update: a rewrite by this store's threads cannot come between
-                return self._found(name, _status(f"{name}{_SUFFIX}", folder))
-        finally:
-            os.close(folder)
+            found = _status(f"{name}{_SUFFIX}", folder)
+        except OSError:
+            return False
+        return self._found(name, found)
 
     def _found(self, name: str, found: os.stat_result | None) -> bool:
-        """Bring ``name``'s entry up to date with its file as just looked at (``None``: gone or unusable).
+        """Bring ``name``'s entry up to date with its file as just looked at (``None``: gone, or not in a directory).
 
         Forgotten (not deleted) when it is not a regular file any more, adopted when new, re-adopted at its
         size when another process rewrote it at another: so ``used_bytes`` follows the files. Answers
@@ -752,16 +774,17 @@ def _new_folder(folder: str) -> bool:
 
 
 def _status(filename: str, folder: int) -> os.stat_result | None:
-    """The status of ``filename`` in the directory ``folder`` (a symlink not followed), or ``None`` if it is gone
-    or cannot be looked at (a directory we may not search)."""
+    """The status of ``filename`` in the directory ``folder`` (a symlink not followed), or ``None`` if it is gone;
+    raises ``OSError`` when it cannot be looked at (a directory we may not search, an I/O error)."""
     try:
         return os.lstat(filename, dir_fd=folder)
-    except OSError:
+    except FileNotFoundError:
         return None
 
 
 def _same_file(filename: str, folder: int, held: os.stat_result) -> bool:
-    """Whether ``filename`` in ``folder`` (not followed) still leads to the open file ``held`` describes."""
+    """Whether ``filename`` in ``folder`` (not followed) still leads to the open file ``held`` describes; raises
+    ``OSError`` when it cannot be looked at."""
     now = _status(filename, folder)
     return now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 

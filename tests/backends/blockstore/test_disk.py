@@ -707,6 +707,24 @@ def test_a_look_at_a_file_never_undoes_a_rewrite_this_store_made_meanwhile(tmp_p
     store.close()
 
 
+def test_contains_opens_each_subdirectory_once_per_call_and_closes_it(tmp_path, monkeypatch):
+    """A batch looks at its keys' files through one descriptor per subdirectory, all closed when it answers."""
+    store, keys = DiskStore(tmp_path, 1 << 20), [b"k%d" % i for i in range(300)]
+    assert _put(store, keys, 10).ok
+    real, opened = os.open, []
+
+    def counted(path, flags, *args, **kwargs):
+        opened.append(path)
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(disk.os, "open", counted)
+    before = len(os.listdir("/proc/self/fd"))
+    assert store.contains(keys) == 300
+    assert sorted(opened) == sorted({str(store._file(_name(k)).parent) for k in keys})
+    assert len(os.listdir("/proc/self/fd")) == before
+    store.close()
+
+
 def test_a_value_another_process_deleted_is_no_longer_counted(tmp_path):
     """contains finds that another process evicted an indexed value: it answers absent and forgets its bytes."""
     one, two = DiskStore(tmp_path, 1000), DiskStore(tmp_path, 1000)
