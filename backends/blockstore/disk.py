@@ -41,6 +41,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 # What a failed look says about a name: nothing leads there, or something that is not a directory is on the way.
 # Any other failure (no descriptor left, no permission, an I/O error) says nothing about the file.
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+# The process or the system out of descriptors or memory: says nothing about any entry.
+_SHORT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 COUNTERS = ("foreign", "broken", "vanished", "oversized", "temps_removed", "temps_kept", "evicted", "unlink_failed",
             "disk_full")
@@ -106,7 +108,8 @@ class DiskStore:
     temporary file is deleted only when its lock can be taken, which proves
     its writer gone (``temps_removed``); one whose lock is held,
     or that cannot be deleted (a read-only file system), is kept
-    (``temps_kept``). Only an unusable ``path`` itself raises
+    (``temps_kept``). Only an unusable ``path`` itself, or a process out of
+    descriptors or memory (which would leave values unindexed), raises
     :class:`~kvkit.errors.ConfigError`, quoting it.
 
     Capacity. Eviction asks ``eviction`` (LRU by default) for victims and
@@ -134,7 +137,13 @@ class DiskStore:
     key (a miss), never an exception. ``contains`` and ``get`` look at the file
     each time and the index follows: a file another process added is adopted,
     one it rewrote at another size counted at its new size, one it deleted
-    forgotten. The capacity holds per process. Work runs on a pool of
+    forgotten. Only evidence moves the index (the name leads nowhere, or to
+    something that is not a regular file): a look that cannot be made (no
+    descriptor left, no permission, an I/O error) is a miss that forgets
+    nothing, and a rename refused leaves the old value counted. ``contains``
+    opens each subdirectory once per call. The capacity holds per process
+    (values this store wrote, found when it opened, or met since); a full file
+    system is relieved of any process's values. Work runs on a pool of
     ``threads`` threads of the process that opened the store: in a child
     forked from it, ``contains``/``put``/``get`` raise
     :class:`~kvkit.errors.KVKitError` (open a store in each process). At most
@@ -298,7 +307,7 @@ class DiskStore:
     def _scan(self) -> list[tuple[int, str, int]]:
         """The directory's value files as ``(mtime_ns, name, size)``; count what is not one; delete abandoned
         temporary files. Raises :class:`~kvkit.errors.ConfigError`, quoting it, only when ``path`` itself
-        cannot be listed.
+        cannot be listed, or the process is out of descriptors or memory (:meth:`_check_short`).
 
         Each subdirectory is opened once (``O_NOFOLLOW``) and listed, looked into and reaped through that
         descriptor: one swapped for a symlink after ``path`` was listed is ``broken``, never followed.
@@ -312,19 +321,23 @@ class DiskStore:
             if len(top) != 2 or not _HEX.issuperset(top):
                 self._note("foreign")
                 continue
+            where = os.path.join(self.path, top)
             try:
-                folder = os.open(os.path.join(self.path, top), _DIR_FLAGS)
+                folder = os.open(where, _DIR_FLAGS)
             except FileNotFoundError:
                 self._note("vanished")
                 continue
-            except OSError:  # a symlink, a file, or a subdirectory this process may not open
+            except OSError as exc:  # a symlink, a file, or a subdirectory this process may not open
+                self._check_short(where, exc)
                 self._note("broken")
                 continue
             try:
                 filenames = os.listdir(folder)
-            except OSError:  # a subdirectory this process may not list
+            except OSError as exc:  # a subdirectory this process may not list
+                os.close(folder)
+                self._check_short(where, exc)
                 self._note("broken")
-                filenames = []
+                continue
             try:
                 for filename in filenames:
                     kind = _kind(top, filename)
@@ -339,6 +352,13 @@ class DiskStore:
             finally:
                 os.close(folder)
         return found
+
+    def _check_short(self, where: str, exc: OSError) -> None:
+        """Raise :class:`~kvkit.errors.ConfigError`, quoting ``where``, when ``exc`` says the process is out of
+        descriptors or memory (:data:`_SHORT`): a scan that went on would leave values on disk unindexed."""
+        if exc.errno in _SHORT:
+            raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot look into {where!r}: "
+                              f"{exc.strerror or exc}") from exc
 
     def _regular(self, filename: str, folder: int) -> os.stat_result | None:
         """The status of the regular file ``filename`` in the directory ``folder``, or ``None`` (counted) if it
@@ -465,7 +485,11 @@ class DiskStore:
                 with self._lock:
                     self._forget(name, unlink=False)  # os.replace swaps the file atomically: readers never miss it
                     self._evict_for(size)
-                    os.replace(temp, final, src_dir_fd=folder, dst_dir_fd=folder)
+                    try:
+                        os.replace(temp, final, src_dir_fd=folder, dst_dir_fd=folder)
+                    except OSError:  # the old file, if any, is still there: the index follows it
+                        self._look(name, folder)
+                        raise
                     self._adopt(name, size)
             except BaseException:
                 _unlink_quietly(temp, folder)

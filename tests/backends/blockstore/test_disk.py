@@ -623,6 +623,25 @@ def test_what_cannot_be_deleted_is_counted_not_raised(tmp_path, monkeypatch):
     store.close()
 
 
+@pytest.mark.parametrize("code", ["EMFILE", "ENFILE", "ENOMEM"])
+def test_opening_without_descriptors_is_a_config_error_not_a_broken_count(tmp_path, monkeypatch, code):
+    """A process out of descriptors (or memory) cannot look into a subdirectory: that says nothing about the
+    entry, so opening raises ConfigError quoting it rather than leave its values on disk unindexed."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _put(store, [b"a"], 100).ok
+    store.close()
+    folder, real = store._file(_name(b"a")).parent, os.open
+
+    def short(path, flags, *args, **kwargs):
+        if str(path) == str(folder):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(disk.os, "open", short)
+    with pytest.raises(ConfigError, match=f"{folder}.*{os.strerror(getattr(errno, code))}"):
+        DiskStore(tmp_path, 1 << 20)
+
+
 def test_an_unusable_directory_is_a_config_error_quoting_it(tmp_path, monkeypatch):
     """A path that is a file, or a directory that cannot be listed, raises ConfigError with the path."""
     (tmp_path / "f").write_bytes(b"")
@@ -722,6 +741,25 @@ def test_contains_opens_each_subdirectory_once_per_call_and_closes_it(tmp_path, 
     assert store.contains(keys) == 300
     assert sorted(opened) == sorted({str(store._file(_name(k)).parent) for k in keys})
     assert len(os.listdir("/proc/self/fd")) == before
+    store.close()
+
+
+@pytest.mark.parametrize("code", ["EIO", "EROFS"])
+def test_a_rewrite_whose_rename_fails_keeps_the_old_value_counted(tmp_path, monkeypatch, code):
+    """A rename refused (an I/O error, a file system gone read-only) leaves the old value in place: the put
+    fails, quoting the path, and the index still counts the file on disk."""
+    store = DiskStore(tmp_path, 1000)
+    assert _put(store, [b"k"], 100).ok
+
+    def refused(*args, **kwargs):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(disk.os, "replace", refused)
+    result = _put(store, [b"k"], 300)
+    assert result.failed == (0,) and str(store._file(_name(b"k"))) in result.error
+    assert store.used_bytes == store._file(_name(b"k")).stat().st_size == 100
+    assert not list(tmp_path.glob("??/*.tmp-*"))
+    store.check_invariants()
     store.close()
 
 
