@@ -160,7 +160,9 @@ class DiskStore:
     default) and the directories the store creates (``path`` when it does not
     exist, and its subdirectories) the same bits plus search where read is
     granted (``0o700``), whatever the umask: ``path`` and the directories above it that do not exist,
-    and its subdirectories; an existing directory keeps its own.
+    and its subdirectories; an existing directory keeps its own. A umask that takes the owner's read bit
+    away (``0o477``) locks a process other than root out of the subdirectories it makes (a directory is
+    opened to be reached without following a symlink): its puts fail, quoting the path.
 
     Invariants: ``used_bytes`` is the sum of the indexed files' sizes, never
     above :attr:`effective_capacity_bytes` (itself at most
