@@ -544,10 +544,9 @@ class DiskStore:
         try:
             folder = self._open_folder(name)
         except OSError as exc:  # gone, or a symlink or a file in its subdirectory's place; or no descriptor left
-            if exc.errno == errno.ENOENT:
-                return self._unusable(name, "missing value")
-            problem = f"cannot open {str(path.parent)!r}: {exc.strerror or exc}"
-            return self._unusable(name, problem) if exc.errno in _GONE else problem
+            unopened = ("missing value" if exc.errno == errno.ENOENT
+                        else f"cannot open {str(path.parent)!r}: {exc.strerror or exc}")
+            return self._unusable(name, unopened) if exc.errno in _GONE else unopened
         try:
             problem = self._read_file(folder, path, parts)
             with self._lock:  # the index follows what the name leads to now, not the file read
