@@ -141,7 +141,8 @@ class DiskStore:
     something that is not a regular file): a look that cannot be made (no
     descriptor left, no permission, an I/O error) is a miss that forgets
     nothing, and a rename refused leaves the old value counted. ``contains``
-    opens each subdirectory once per call. The capacity holds per process
+    opens each subdirectory once per call (so holds at most 256 descriptors
+    while it runs) and looks at each file through it. The capacity holds per process
     (values this store wrote, found when it opened, or met since); a full file
     system is relieved of any process's values. Work runs on a pool of
     ``threads`` threads of the process that opened the store: in a child
