@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 SPEC = KVCacheSpec(num_layers=4, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 BLOCKS = 64
-HOLD_CYCLES = 200_000_000  # ~0.1 s of GPU sleep: far longer than the whole load
+HOLD_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: far longer than a warm load's launch and copy
 
 
 class NoWaitEngine(TransferEngine):
@@ -31,9 +31,14 @@ def _held_back_load(engine_type, backend, cpu_layout=None):
     """
     engine = engine_type(SPEC, COPY.create(backend), num_cpu_blocks=BLOCKS)
     gpu = engine.allocate_kv(BLOCKS, "per-layer", "cuda", cpu_layout=cpu_layout)
+    fill_random(engine.cpu_kv, seed=11)
+    plan = TransferPlan(list(range(BLOCKS)), list(range(BLOCKS)), "load")
+    # One unheld load first: a backend's first-use setup (kernel builds, host registration) must not
+    # run inside the hold, or the held layer may land before it is read and the planted bug goes unseen.
+    engine.submit(0, plan, layered=True)
+    engine.drain()
     for t in gpu:
         t.zero_()
-    fill_random(engine.cpu_kv, seed=11)
     expected = [torch.stack([engine.block_pieces("cpu", b)[2 * layer + half] for b in range(BLOCKS)]).to("cuda")
                 .view_as(gpu[layer][half]) for layer in range(SPEC.num_layers) for half in (0, 1)]
     torch.cuda.synchronize()
@@ -43,8 +48,7 @@ def _held_back_load(engine_type, backend, cpu_layout=None):
         held = torch.cuda.Event()
         held.record(side)
     last = SPEC.num_layers - 1
-    engine.submit(1, TransferPlan(list(range(BLOCKS)), list(range(BLOCKS)), "load"), layered=True,
-                  written={last: held})  # the last layer's stage waits for the sleeping stream
+    engine.submit(1, plan, layered=True, written={last: held})  # the last layer's stage waits for the sleeping stream
     engine.wait_layer(0)
     first = gpu[0].clone()
     read_first = torch.cuda.Event()
