@@ -213,8 +213,8 @@ def _warnings_of(build) -> list[str]:
 
 
 def test_an_unauthenticated_server_beyond_loopback_is_warned_about_once(fresh_warnings):
-    """No secret and a node beyond loopback: one warning per process and server, naming it; the same server
-    again, a secret, or a loopback server: none."""
+    """No secret and a node beyond loopback: one warning per store, never twice per node, naming it; the same
+    server again, a secret, or a loopback server: none."""
     address = non_loopback_address_or_skip()
     with LocalServer(server_binary_or_skip(), args=["--bind", address, "127.0.0.1"]) as remote:
         url = f"valkey://{address}:{remote.port}/0"
@@ -247,8 +247,9 @@ class _NetworkStore:
 
 def test_the_one_rule_warns_about_unauthenticated_nodes_beyond_loopback_once(fresh_warnings):
     """``warn_unauthenticated`` (the rule of every kvkit tier that keeps values on a server): no secret and a
-    node beyond loopback warns once per process and server, naming the nodes and the remedy, in words that fit a
-    stack's shared tier and vLLM's secondary tier alike; a secret, loopback nodes or a store without nodes never."""
+    node beyond loopback warns once per store and never twice per node, naming the nodes and the remedy, in words
+    that fit a stack's shared tier and vLLM's secondary tier alike; a secret, loopback nodes or a store without
+    nodes never."""
     remote = _NetworkStore(("127.0.0.1", 7000), ("10.1.2.3", 7001))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -260,3 +261,31 @@ def test_the_one_rule_warns_about_unauthenticated_nodes_beyond_loopback_once(fre
     (message,) = [str(w.message) for w in caught]
     assert "10.1.2.3:7001" in message and "127.0.0.1:7000" in message and "not authenticated" in message
     assert "shared tier" in message and "secret" in message and "Threat model" in message
+
+
+def test_a_cluster_found_through_loopback_seeds_whose_nodes_are_beyond_it_is_warned_about_once(fresh_warnings):
+    """A Cluster reached through a loopback seed whose nodes announce an address beyond loopback: the addresses
+    the store connects to (from the slot map) are what count, so the stack warns, once, naming such a node;
+    the same with a secret warns never."""
+    address = non_loopback_address_or_skip()
+    args = ["--bind", address, "127.0.0.1", "--cluster-announce-ip", address, "--protected-mode", "no"]
+    with LocalCluster(binary=server_binary_or_skip(), args=args) as cluster:
+        seed = f"valkey+cluster://127.0.0.1:{cluster.nodes[0].port}"
+        assert all(reply[2][0] == address.encode() for reply in cluster.nodes[0].call(b"CLUSTER", b"SLOTS"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stack = _stack(seed)
+            for i in range(3):
+                _serve(stack, f"r{i}", [1000 * i + t for t in range(40)])
+            assert stack.stats.blocks_put.value > 0
+            stack.close()
+        (message,) = [str(w.message) for w in caught if "not authenticated" in str(w.message)]
+        assert f"{address}:" in message and "secret" in message
+        client._WARNED.clear()
+
+        def served_with_a_secret():
+            stack = _stack(seed, secret=b"s")
+            _serve(stack, "s")
+            return stack
+
+        assert _warnings_of(served_with_a_secret) == []
