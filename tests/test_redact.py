@@ -164,3 +164,57 @@ def test_a_components_secret_named_option_is_masked_in_the_config_and_the_simula
     for text in texts:
         assert "s3cr3t" not in text and "api_token" in text, text
     assert config.options["store"]["api_token"] == "PW-s3cr3t"  # masked when shown, kept as given
+
+
+@pytest.mark.parametrize("value", [["PW-s3cr3t"], {"x": "PW-s3cr3t"}, ("PW-s3cr3t", 1), {"PW-s3cr3t"},
+                                   [["PW-s3cr3t"], "b]"], 987654321, b"PW-s3cr3t", "PW-s3cr3t",
+                                   bytearray(b"PW-s3cr3t"), ["a)b", "PW-s3cr3t"]])
+def test_a_secret_named_value_of_any_type_is_masked_whole(value):
+    """A secret name's value is masked whatever its type (a password given as a list, a mapping, an int, bytes):
+    a bracketed value to its matching bracket, quotes and nesting included, in name=value and 'name': value
+    text alike; what follows it stays."""
+    shown = repr(value)
+    for text in (f"password={shown}", f"ValkeyStore.password={shown}: must be a string",
+                 f"{{'password': {shown}, 'db': 0}}", f"extra['shared']['secret']={shown}; db=0",
+                 f'{{"token": {shown}}}'):
+        masked = redact_text(text)
+        assert "s3cr3t" not in masked and "987654321" not in masked, masked
+        assert masked.endswith(text[text.index(shown) + len(shown):]), masked
+
+
+def test_an_unclosed_secret_value_is_masked_to_the_end():
+    """A value cut short (a message quoted to its first 200 characters) is masked to the end of the text."""
+    assert redact_text("password=['PW-s3cr3t', 'x...") == "password='***'"
+    assert redact_text("{'secret': b'PW-s3cr3t...") == "{'secret': '***'"
+
+
+def test_options_a_factory_does_not_take_are_shown_by_name_only():
+    """Options that do not fit a factory: values under names it takes are shown (secrets masked), values under
+    names it does not take are not: a misspelled password option's name may be no recognisable secret."""
+    import kvkit
+    from kvkit.registry import SHARED
+
+    with pytest.raises(errors.ConfigError) as info:
+        SHARED.create("memory", slot="shared", capacity_bytes=12345, passw="PW-s3cr3t", pwd1="PW-s3cr3t")
+    text = str(info.value)
+    assert "s3cr3t" not in text and "12345" in text and "'passw'" in text and "'pwd1'" in text, text
+    store = kvkit.open_block_store("memory://registry-test")
+    with pytest.raises(errors.ConfigError) as info:
+        SHARED.create(store, slot="shared", paswd="PW-s3cr3t")
+    assert "s3cr3t" not in str(info.value) and "paswd" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["passw", "pwd1", "pword", "my_pass_w", "sekret", "key", "x"])
+def test_a_url_option_its_store_does_not_take_is_shown_by_name_only(name):
+    """A URL's query option its store does not take (refused as unknown) may be a misspelled password: the
+    refusal names it, and shows the values of the options the store takes, never its value."""
+    from kvkit.shared.urls import open_block_store
+
+    for url in (f"valkey://127.0.0.1:1/0?request_timeout_s=0.5&{name}=PW-s3cr3t",
+                f"file:///tmp/kvkit-redact-test?capacity_bytes=1MiB&{name}=PW-s3cr3t",
+                f"memory://redact-test?{name}=PW-s3cr3t&capacity_bytes=1000"):
+        with pytest.raises(errors.ConfigError) as info:
+            open_block_store(url)
+        text = "".join(traceback.format_exception(info.value))
+        assert "s3cr3t" not in text and name in text, text
+        assert "request_timeout_s=0.5" in text or "capacity_bytes=1" in text, text
