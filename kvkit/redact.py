@@ -82,7 +82,8 @@ _CLOSING = re.compile(r"""['"][)\]}]*[:,;.]?""")  # a quoted URL's end in text: 
 _QUOTED_URL = re.compile(r"""(?P<q>['"])(?P<url>[A-Za-z][A-Za-z0-9+.\-]*://(?:\\.|(?!(?P=q))[^\\\n])*)(?P=q)""")
 _URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://\S*")
 _NAMED = re.compile(r"""(?<![\w.\-])(?P<name>[\w.\-]+)\s*=\s*"""  # name=value
-                    r"""|(?P<q>['"])(?P<key>[\w.\-]+)(?P=q)(?:\]?\s*=|\s*:)\s*""")  # 'name': value, ['name']=value
+                    r"""|(?P<q>['"])(?P<key>[\w.\-]+)(?P=q)(?:\]?\s*=|\s*(?P<colon>:))\s*""")  # 'name': , ['name']=
+_IN_MAPPING = re.compile(r"[{,]\s*$")  # what comes before a mapping's key
 _PLAIN_END = re.compile(r"""[\s,;&)}\]'"]|:(?!\S)""")  # what ends a value neither quoted nor bracketed
 _CLOSE = {"[": "]", "(": ")", "{": "}", "<": ">"}
 _DEPTH = 6
@@ -203,7 +204,8 @@ def _url_in_text(match: re.Match[str]) -> str:
 
 
 def _mask_named(text: str) -> str:
-    """``text`` with the value after every secret name (``name=``, ``'name':``, ``['name']=``) shown as ``'***'``.
+    """``text`` with the value after every secret name (``name=``, ``['name']=``, ``'name':`` in a mapping, or
+    followed by a quoted value) shown as ``'***'``.
 
     A value is one token of any type as a repr writes it: a quoted string (``b'...'`` too), a bracketed one to
     its matching bracket (a list, tuple, set, mapping or ``<...>``, quotes and nesting followed), or a run of
@@ -217,7 +219,10 @@ def _mask_named(text: str) -> str:
         if match.start() < done or not is_secret_name(match["name"] or match["key"]):
             continue
         end = _value_end(text, match.end())
-        if text[match.end():end] in ("", "None", MASK, repr(MASK)):
+        value = text[match.end():end]
+        if value in ("", "None", MASK, repr(MASK)) or (  # 'name': text outside a mapping: prose, unless quoted
+                match["colon"] and value.lstrip("b")[:1] not in ("'", '"')
+                and not _IN_MAPPING.search(text, 0, match.start())):
             continue
         shown += [text[done:match.end()], repr(MASK)]
         done = end

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import traceback
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -218,3 +220,48 @@ def test_a_url_option_its_store_does_not_take_is_shown_by_name_only(name):
         text = "".join(traceback.format_exception(info.value))
         assert "s3cr3t" not in text and name in text, text
         assert "request_timeout_s=0.5" in text or "capacity_bytes=1" in text, text
+
+
+def test_a_quoted_secret_looking_name_in_prose_keeps_the_words_after_it():
+    """``'name': word`` outside a mapping is prose (a refused value and why): only a quoted value after it is
+    masked there."""
+    assert redact_text("--planner='pw-store': unknown load planner") == "--planner='pw-store': unknown load planner"
+    assert redact_text("got 'password': 'PW-s3cr3t'") == "got 'password': '***'"
+
+
+def _attrs_classes() -> list[tuple[str, ast.ClassDef]]:
+    """Every class of kvkit's source (importable here or not: vLLM's modules too) made by an ``attrs`` decorator."""
+    paths = sorted(p for room in SOURCES for p in (ROOT / room).rglob("*.py"))  # links not followed
+    return [(f"{path.relative_to(ROOT)}:{node.name}", node) for path in paths
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ClassDef) and any("attr" in ast.unparse(d) for d in node.decorator_list)]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("kvkit", "backends", "interfaces")
+_MASKING_REPRS = ("False", "secret_repr", "_shown_url", "_shown_options")
+
+
+def test_every_attrs_field_that_may_hold_a_secret_has_a_masking_repr():
+    """The sweep behind every auto-generated repr: in every ``attrs`` class of kvkit's source (the backends and
+    interfaces too), a field named as a secret (the redaction rule's names), a URL or a mapping of options is
+    shown through a masking repr (``secret_repr``, ``_shown_url``, ``_shown_options``) or not at all."""
+    classes = _attrs_classes()
+    assert len(classes) > 100 and any(name == "backends/blockstore/valkey.py:ValkeyStore" for name, _ in classes)
+    unmasked = []
+    for owner, node in classes:
+        for item in node.body:
+            if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+                continue
+            name = item.target.id.lstrip("_")
+            mapping = any(kind in ast.unparse(item.annotation) for kind in ("dict", "Mapping"))
+            if not (is_secret_name(name) or name == "url" or (name == "options" and mapping)):
+                continue
+            call = item.value if isinstance(item.value, ast.Call) else None
+            shown = next((ast.unparse(k.value) for k in (call.keywords if call else ()) if k.arg == "repr"), "True")
+            if shown.rpartition(".")[2] not in _MASKING_REPRS and (owner, name) not in _NOT_SECRET:
+                unmasked.append(f"{owner}.{name} (repr={shown})")
+    assert not unmasked, unmasked
+
+
+_NOT_SECRET = {("kvkit/integrations/hf/cache.py:_Job", "first_token_at")}  # a time, named after tokens
