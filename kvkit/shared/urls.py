@@ -26,7 +26,8 @@ password or option value it is in. A URL that fails to parse raises
 message shows a password: URLs and options are quoted through
 :func:`~kvkit.validate.quote` (:mod:`kvkit.redact`), and a URL's query option
 that its store does not take (a misspelled password option) is shown by name
-only.
+only (:func:`~kvkit.config.shown_url`, the form every report and repr shows a URL
+in).
 """
 
 from __future__ import annotations
@@ -35,10 +36,9 @@ import threading
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from kvkit.config import parse_bytes
+from kvkit.config import VALKEY_SCHEMES, parse_bytes, shown_url
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import BlockStore
-from kvkit.redact import MASK
 from kvkit.registry import SHARED
 from kvkit.validate import quote
 
@@ -47,7 +47,6 @@ __all__ = ["open_block_store", "process_wide"]
 _FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
           "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://[NAME]")
 _DEFAULT_PORT = 6379
-_STORES = {"file": "disk", "memory": "memory"}  # the registered store of each scheme but Valkey's
 _MEMORY: dict[str, tuple[BlockStore, dict[str, Any]]] = {}  # name -> (the process's store, its options)
 _MEMORY_LOCK = threading.Lock()
 
@@ -73,7 +72,7 @@ def open_block_store(url: str, **options: Any) -> BlockStore:
 def _open(url: str, options: dict[str, Any]) -> BlockStore:
     scheme = url.partition("://")[0].lower()
     base, plus, mode = scheme.partition("+")
-    if base in ("valkey", "valkeys", "redis", "rediss") and mode in ("", "cluster"):
+    if base in VALKEY_SCHEMES and mode in ("", "cluster"):
         settings = _valkey(url, base.endswith("s"), bool(plus))
         twice = sorted(settings.keys() & options.keys())
         if twice:
@@ -97,19 +96,9 @@ def process_wide(store: BlockStore) -> bool:
 
 
 def _quoted(url: object) -> str:
-    """``url`` for a message, as :func:`~kvkit.validate.quote` shows it, with the value of every query option
-    that the URL's store does not take (:meth:`~kvkit.registry.Registry.options_taken`; no known store: none)
-    masked too."""
-    base, mark, query = url.partition("?") if isinstance(url, str) else ("", "", "")
-    if not mark:
-        return quote(url)
-    base_scheme = base.partition("://")[0].lower()
-    family = base_scheme.partition("+")[0]
-    store = "valkey" if family in ("valkey", "valkeys", "redis", "rediss") else _STORES.get(base_scheme, base_scheme)
-    taken = SHARED.options_taken(store)
-    items = [item if "=" not in item or unquote(item.partition("=")[0]) in taken
-             else f"{item.partition('=')[0]}={MASK}" for item in query.split("&")]
-    return quote(base + mark + "&".join(items))
+    """``url`` quoted for a message (:func:`~kvkit.validate.quote`), a string as
+    :func:`~kvkit.config.shown_url` shows it."""
+    return quote(shown_url(url) if isinstance(url, str) else url)
 
 
 def _memory(url: str, options: dict[str, Any]) -> BlockStore:

@@ -122,6 +122,14 @@ def _bad_calls(url: str) -> list[Callable[[], object]]:
         lambda: _vllm({"shared": {"url": url, "secret": SECRET.decode()}}),  # never from the config string
         lambda: _vllm({"shared": {"url": url, "secret_env": "KVKIT_TEST_SECRET", "tenant": "a b"}}),
         lambda: _vllm({"shared": {"url": url, "secret_env": "KVKIT_TEST_SECRET", "secret_file": "/x"}}),
+        lambda: _vllm({"shared": {"url": url, "secret_env": SECRET}}),  # the secret itself, as bytes
+        lambda: _vllm({"shared": {"url": url, "secret_file": [SECRET.decode()]}}),
+        lambda: _vllm({"shared": {"url": f"{url}?passw={PW}", "secret_env": "KVKIT_TEST_SECRET", "write": 1}}),
+        lambda: open_store(f"valkey://{host}/0?request_timeout_s=1&passw={PW}"),  # an option no store takes
+        lambda: open_store(f"valkey://{host}/0", password=[PW]),  # a password of another type
+        lambda: open_store(f"valkey://{host}/0", password={"pw": PW}),
+        lambda: open_store(f"valkey://{host}/0", passw=PW),  # named like no secret, taken by no store
+        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared={"url": f"{url}?pword={PW}", "secret": 1}),
     ]
 
 
@@ -190,7 +198,8 @@ def test_reprs_never_show_a_secret(server, monkeypatch):
     settings = _vllm({"shared": {"url": server.url, "secret_env": "KVKIT_TEST_SECRET"}})
     assert settings.stack.shared.secret == SECRET
     objects = [server, connection, settings, by_url.config.shared,
-               SimConfig(shared={"url": server.url, "secret": SECRET})]
+               SimConfig(shared={"url": server.url, "secret": SECRET}),
+               SharedConfig(url=f"{server.url}?passw={PW}&ttl_s=3")]  # an option no store takes: refused later
     for stack in (by_url, by_option):
         objects += [stack, stack.config, stack.manager, stack.manager.shared, stack.shared_store,
                     *stack.shared_workers, *(w.codec for w in stack.shared_workers),
