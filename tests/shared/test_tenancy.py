@@ -289,3 +289,53 @@ def test_a_cluster_found_through_loopback_seeds_whose_nodes_are_beyond_it_is_war
             return stack
 
         assert _warnings_of(served_with_a_secret) == []
+
+
+def _rotated(keys: list[bytes], step: int) -> dict[bytes, bytes]:
+    """Each key of ``keys`` (sorted) -> the key ``step`` places after it: whose value it is given."""
+    ordered = sorted(keys)
+    return {key: ordered[(i + step) % len(ordered)] for i, key in enumerate(ordered)}
+
+
+@pytest.mark.parametrize("secret", [b"deployment-secret", None], ids=["with a secret", "without one"])
+@pytest.mark.parametrize("source", ["another tenant", "another block", "another rank"])
+def test_a_value_replayed_under_another_key_is_refused_and_counted(server, secret, source):
+    """Someone who can write the server copies genuine values under other keys: another tenant's value under
+    this tenant's key, one block's under another block's, one rank's under the other rank's. Every replayed
+    value is refused and counted (``invalid_values``, ``fetches_failed``); the request recomputes right bytes,
+    with a secret or without (a replay carries the namespace, block and rank it was sealed for)."""
+    url = f"valkey://:{ADMIN}@127.0.0.1:{server.port}/0"
+    admin = _admin(server.port)
+    _serve(_stack(url, tenant="globex", secret=secret), "theirs")
+    _serve(_stack(url, tenant="acme", secret=secret), "ours")
+    ours, theirs = sorted(_keys(admin, b"kvkit:acme:*")), sorted(_keys(admin, b"kvkit:globex:*"))
+    assert len(ours) == len(theirs) == 2 * 10
+    if source == "another tenant":
+        given = dict(zip(ours, theirs))  # the same block and rank, sealed for the other tenant
+    elif source == "another block":
+        given = {key: next(k for k in ours if k != key and k.endswith(key[-3:])) for key in ours}  # same rank
+    else:
+        given = {key: next(k for k in ours if k[:-3] == key[:-3] and k != key) for key in ours}  # same block
+    values = {key: admin.call(b"GET", key) for key in set(given.values())}
+    for key, origin in given.items():
+        assert key != origin and admin.call(b"SET", key, values[origin]) == b"OK"
+    victim = _stack(url, tenant="acme", secret=secret)
+    _, wrong = _serve(victim, "victim")
+    assert wrong == 0 and victim.shared_counts["invalid_values"] > 0 and victim.stats.fetches_failed.value > 0
+    victim.close()
+
+
+@pytest.mark.parametrize("tenant", ["a*", "a?", "a[b]", "a\\b", "a:b", "*", "", "a b", "-a", "a" * 65, "ä", b"acme",
+                                    7, None])
+def test_a_tenant_that_is_no_acl_safe_id_is_refused_quoting_it(tenant):
+    """A tenant id holding an ACL glob metacharacter (``* ? [ ] \\``), a ':' (one tenant's prefix inside
+    another's), or anything but 1-64 letters, digits, '_', '.', '-' (a letter or digit first) is refused with a
+    ConfigError quoting it, by the config and the value format alike (vLLM's secondary tier runs the same
+    check_tenant)."""
+    from kvkit.shared.format import Namespace
+
+    for build in (lambda: SharedConfig(url="memory://", tenant=tenant),
+                  lambda: Namespace(model="m", spec=SPEC, layout="none", tp_size=1, tenant=tenant)):
+        with pytest.raises(kvkit.ConfigError, match="tenant") as info:
+            build()
+        assert repr(tenant)[:20] in str(info.value)
