@@ -471,10 +471,11 @@ def _hostile_urls(address: str) -> list[str]:
 
 
 @pytest.mark.parametrize("words", list(_URL_COMMANDS), ids=" ".join)
-def test_every_url_command_shows_no_secret_in_any_url_form(server, words, children):
+def test_every_url_command_shows_no_secret_in_any_url_form(server, words, children, caplog):
     """The sweep behind every command: each URL form (userinfo, encoded, query, a misspelled or unknown option,
     several hosts, TLS, a refused or wrong login, a malformed URL), as a table and as JSON, ok or failing:
-    neither the output nor an error (nor a child's argv) shows the password."""
+    neither the output nor an error, a log record at any level (nor a child's argv) shows the password."""
+    caplog.set_level(logging.DEBUG)
     flag = next(p.opts[0] for p in _commands()[words].params if p.name == _URL_COMMANDS[words])
     small = (["--size", "4096", "--batch-mib", "1", "--keys", "10", "--repeat", "1"] if words[0] == "bench" else
              ["--instances", "2", "--limit", "10", "--gpu-blocks", "256", "--cpu-blocks", "512"])
@@ -485,7 +486,7 @@ def test_every_url_command_shows_no_secret_in_any_url_form(server, words, childr
             failure = result.exception if not isinstance(result.exception, SystemExit) else None
             _clean(text, *([_format(failure)] if failure else []))
             outcomes.add(result.exit_code)
-    _clean(children)
+    _clean(children, caplog.text)
     assert outcomes >= {0, 2}, outcomes
 
 
