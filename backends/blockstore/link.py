@@ -245,7 +245,8 @@ class Link:
 
     ``on_connect`` (if given) is called with a node's address before each connection to it is opened:
     every node the link ever talks to passes through it (seeds, the slot map's nodes, redirects'
-    targets), on whichever thread opens the connection. It must not raise.
+    targets), on whichever thread opens the connection; if it raises, no connection is opened and
+    the call fails with that exception.
     """
 
     seeds: tuple[Address, ...]

@@ -55,21 +55,24 @@ _FLAG = checked(check_bool, label="ValkeyStore.")
 
 @attrs.define(eq=False)
 class _Connected:
-    """The nodes a store's links have connected to, and their watchers: each watcher hears of each node once."""
+    """The nodes a store's links have connected to, and their watchers: each watcher hears of each node before its
+    first connection (twice only if two links open their first connections to it at once)."""
 
     seen: dict[Address, None] = attrs.field(factory=dict)  # in the order first connected
     watchers: list[Callable[[Address], None]] = attrs.field(factory=list)
     lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     def __call__(self, address: Address) -> None:
-        """A link is about to connect to ``address`` (its ``on_connect``)."""
+        """A link is about to connect to ``address`` (its ``on_connect``). A watcher that raises (a warning turned
+        into an error) fails that connection, and leaves the node unseen: the next connection to it asks again."""
         with self.lock:
             if address in self.seen:
                 return
-            self.seen[address] = None
             watchers = list(self.watchers)
         for watcher in watchers:
             watcher(address)
+        with self.lock:
+            self.seen[address] = None
 
     def watch(self, watcher: Callable[[Address], None]) -> None:
         with self.lock:
@@ -192,8 +195,9 @@ class ValkeyStore:
         The nodes connected to so far are reported at once; each later one
         (a seed, a node of the Cluster's slot map, a redirect's target) before
         its first connection, on the thread that opens it (the I/O thread, a
-        ``contains`` caller's). ``watcher`` must not raise, nor hold a
-        reference to the store (its threads would keep it alive).
+        ``contains`` caller's). If ``watcher`` raises, that connection fails
+        (its keys fail as the call's) and the next one asks it again. It must
+        hold no reference to the store (its threads would keep it alive).
         """
         self._connected.watch(watcher)
 

@@ -165,7 +165,9 @@ def warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
     connection to such a node). Host names other than ``localhost`` count as
     beyond loopback (nothing is resolved). One store warns at most once, and
     the process never twice about one node (docs/shared-tier.md, "Threat
-    model").
+    model"). With warnings turned into errors the warning is raised instead,
+    each time: from here at start-up, and later in each call that would
+    connect to such a node, which fails (a failed call to the tier).
     """
     if secret is not None:
         return False
@@ -193,17 +195,17 @@ class _Unauthenticated:
         except (TypeError, ValueError):
             return False
         remote = {node for node in key if not _loopback(node[0])}
-        with _WARNED_LOCK:
+        where = ", ".join(redact(f"{host}:{port}") for host, port in key)
+        with _WARNED_LOCK:  # held while warning: a warning turned into an error marks nothing, so it is raised again
             if self.given or _WARNED.issuperset(remote):
                 return False
+            warnings.warn(redact_text(
+                f"kvkit: the KV values kept on {where} are not authenticated (no HMAC secret): anyone who can write "
+                f"that server can plant KV this engine will load and serve; use such a server only where every "
+                f"writer is trusted, or kvkit's shared tier with a secret every instance of the deployment shares "
+                f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=4)
             _WARNED.update(remote)
             self.given = True
-        where = ", ".join(redact(f"{host}:{port}") for host, port in key)
-        warnings.warn(redact_text(
-            f"kvkit: the KV values kept on {where} are not authenticated (no HMAC secret): anyone who can write "
-            f"that server can plant KV this engine will load and serve; use such a server only where every writer "
-            f"is trusted, or kvkit's shared tier with a secret every instance of the deployment shares "
-            f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=4)
         return True
 
     def connected(self, address: tuple[str, int]) -> None:

@@ -339,3 +339,23 @@ def test_a_tenant_that_is_no_acl_safe_id_is_refused_quoting_it(tenant):
         with pytest.raises(kvkit.ConfigError, match="tenant") as info:
             build()
         assert repr(tenant)[:20] in str(info.value)
+
+
+def test_with_the_warning_as_an_error_a_node_beyond_loopback_is_never_used(fresh_warnings):
+    """Warnings turned into errors: the Cluster's announced nodes beyond loopback are refused at each connection
+    (the warning raised each time, in the call that would connect), so nothing is written to them; the tier's
+    failed calls are what the engine sees, never an exception of its own."""
+    address = non_loopback_address_or_skip()
+    args = ["--bind", address, "127.0.0.1", "--cluster-announce-ip", address, "--protected-mode", "no"]
+    with LocalCluster(binary=server_binary_or_skip(), args=args) as cluster, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("error", message="kvkit: the KV values", category=RuntimeWarning)
+        stack = _stack(f"valkey+cluster://127.0.0.1:{cluster.nodes[0].port}", backoff_s=0.01)
+        for i in range(3):
+            _serve(stack, f"r{i}", [1000 * i + t for t in range(40)])
+            time.sleep(0.02)  # past the back-off: the tier tries again, and is refused again
+        assert stack.stats.blocks_put.value == 0 and stack.stats.shared_outages.value >= 1
+        assert "not authenticated" in stack.manager.shared_status
+        assert sum(node.call(b"DBSIZE") for node in cluster.nodes) == 0
+        stack.close()
+
