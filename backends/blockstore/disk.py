@@ -38,6 +38,11 @@ _TEMP_ATTEMPTS = 3  # fresh temp names tried when a reaper removed each one befo
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 # A value's subdirectory is opened, and its files reached relative to it, never through a symlink in its place.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+# What a failed look says about a name: nothing leads there, or something that is not a directory is on the way.
+# Any other failure (no descriptor left, no permission, an I/O error) says nothing about the file.
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+# The process or the system out of descriptors or memory: says nothing about any entry.
+_SHORT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 COUNTERS = ("foreign", "broken", "vanished", "oversized", "temps_removed", "temps_kept", "evicted", "unlink_failed",
             "disk_full")
@@ -103,7 +108,8 @@ class DiskStore:
     temporary file is deleted only when its lock can be taken, which proves
     its writer gone (``temps_removed``); one whose lock is held,
     or that cannot be deleted (a read-only file system), is kept
-    (``temps_kept``). Only an unusable ``path`` itself raises
+    (``temps_kept``). Only an unusable ``path`` itself, or a process out of
+    descriptors or memory (which would leave values unindexed), raises
     :class:`~kvkit.errors.ConfigError`, quoting it.
 
     Capacity. Eviction asks ``eviction`` (LRU by default) for victims and
@@ -113,7 +119,11 @@ class DiskStore:
     ``EDQUOT``: ``disk_full``) lowers the effective capacity to what the file
     system holds for this store (the bytes indexed when it filled, plus the
     free space if less than the value) and evicts below it, retrying until the
-    value lands or nothing is left to evict; then, once per put, it removes the
+    value lands or nothing is left to evict. What the file system holds for
+    this store includes the values neighbours wrote since it looked: with
+    nothing indexed left to evict, or a value larger than the lowered capacity,
+    it re-scans the directory, adopts the value files its index lacks and evicts
+    them in turn; then, once per put, it removes the
     empty subdirectories (a file system out of inodes may lack the one a new
     file needs) and retries. While lowered, the capacity is
     re-measured (indexed bytes plus free space, never above
@@ -127,7 +137,14 @@ class DiskStore:
     key (a miss), never an exception. ``contains`` and ``get`` look at the file
     each time and the index follows: a file another process added is adopted,
     one it rewrote at another size counted at its new size, one it deleted
-    forgotten. The capacity holds per process. Work runs on a pool of
+    forgotten. Only evidence moves the index (the name leads nowhere, or to
+    something that is not a regular file): a look that cannot be made (no
+    descriptor left, no permission, an I/O error) is a miss that forgets
+    nothing, and a rename refused leaves the old value counted. ``contains``
+    opens each subdirectory once per call (so holds at most 256 descriptors
+    while it runs) and looks at each file through it. The capacity holds per process
+    (values this store wrote, found when it opened, or met since); a full file
+    system is relieved of any process's values. Work runs on a pool of
     ``threads`` threads of the process that opened the store: in a child
     forked from it, ``contains``/``put``/``get`` raise
     :class:`~kvkit.errors.KVKitError` (open a store in each process). At most
@@ -135,15 +152,18 @@ class DiskStore:
     (one more abandons the oldest).
 
     Symlinks. No path is followed through a symlink: value and temporary files are opened with
-    ``O_NOFOLLOW`` and reached relative to their subdirectory, itself opened with ``O_NOFOLLOW``, so a
-    symlink (or anything but a directory) in a subdirectory's place fails its keys' puts and gets and
-    carries no write, read or eviction outside ``path``.
+    ``O_NOFOLLOW`` and reached relative to their subdirectory, itself opened with ``O_NOFOLLOW`` (by
+    opening's scan too, which lists and reaps through that descriptor), so a symlink (or anything but a
+    directory) in a subdirectory's place, even one swapped in during a scan, fails its keys' puts and gets
+    and carries no write, read, reap or eviction outside ``path``. ``path`` itself may be a symlink.
 
     Permissions. Value and temporary files get ``file_mode`` (``0o600`` by
     default) and the directories the store creates (``path`` when it does not
     exist, and its subdirectories) the same bits plus search where read is
     granted (``0o700``), whatever the umask: ``path`` and the directories above it that do not exist,
-    and its subdirectories; an existing directory keeps its own.
+    and its subdirectories; an existing directory keeps its own. A umask that takes the owner's read bit
+    away (``0o477``) locks a process other than root out of the subdirectories it makes (a directory is
+    opened to be reached without following a symlink): its puts fail, quoting the path.
 
     Invariants: ``used_bytes`` is the sum of the indexed files' sizes, never
     above :attr:`effective_capacity_bytes` (itself at most
@@ -203,12 +223,17 @@ class DiskStore:
     def contains(self, keys: Sequence[bytes]) -> int:
         self._check_process()
         check_keys("DiskStore", self.closed, keys)
-        n = 0
-        for key in keys:
-            if not self._known(_name(key)):
-                break
-            n += 1
-        return n
+        folders: dict[str, int] = {}
+        try:
+            n = 0
+            for key in keys:
+                if not self._known(_name(key), folders):
+                    break
+                n += 1
+            return n
+        finally:
+            for folder in folders.values():
+                os.close(folder)
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
         self._check_process()
@@ -277,44 +302,72 @@ class DiskStore:
 
     def _reindex(self) -> None:
         """Index every value file, oldest first; count what is not one; delete abandoned temporary files."""
-        try:
-            tops = list(os.scandir(self.path))
-        except OSError as exc:
-            raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot list the directory: {exc}") from exc
-        found = []
-        for top in tops:
-            if len(top.name) != 2 or not _HEX.issuperset(top.name):
-                self._note("foreign")
-                continue
-            try:
-                if not top.is_dir(follow_symlinks=False):
-                    self._note("broken")
-                    continue
-                entries = list(os.scandir(top.path))
-            except FileNotFoundError:
-                self._note("vanished")
-                continue
-            except OSError:  # a subdirectory this process may not list
-                self._note("broken")
-                continue
-            for entry in entries:
-                kind = _kind(top.name, entry.name)
-                if kind == "temp":
-                    self._reap(entry.path)
-                elif kind == "value":
-                    value = self._regular(entry.path)
-                    if value is not None:
-                        found.append((value.st_mtime_ns, entry.name[:-len(_SUFFIX)], value.st_size))
-                else:
-                    self._note("foreign")
+        found = self._scan()
         with self._lock:
             for _, name, size in sorted(found):  # oldest first: the first victims of an LRU
                 self._adopt(name, size)  # evicts at once if the capacity is smaller than last time
 
-    def _regular(self, path: str) -> os.stat_result | None:
-        """The status of the regular file at ``path``, or ``None`` (counted) if it is not one."""
+    def _scan(self) -> list[tuple[int, str, int]]:
+        """The directory's value files as ``(mtime_ns, name, size)``; count what is not one; delete abandoned
+        temporary files. Raises :class:`~kvkit.errors.ConfigError`, quoting it, only when ``path`` itself
+        cannot be listed, or the process is out of descriptors or memory (:meth:`_check_short`).
+
+        Each subdirectory is opened once (``O_NOFOLLOW``) and listed, looked into and reaped through that
+        descriptor: one swapped for a symlink after ``path`` was listed is ``broken``, never followed.
+        """
         try:
-            found = os.lstat(path)
+            tops = [top.name for top in os.scandir(self.path)]  # listed whole, so closed
+        except OSError as exc:
+            raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot list the directory: {exc}") from exc
+        found = []
+        for top in tops:
+            if len(top) != 2 or not _HEX.issuperset(top):
+                self._note("foreign")
+                continue
+            where = os.path.join(self.path, top)
+            try:
+                folder = os.open(where, _DIR_FLAGS)
+            except FileNotFoundError:
+                self._note("vanished")
+                continue
+            except OSError as exc:  # a symlink, a file, or a subdirectory this process may not open
+                self._check_short(where, exc)
+                self._note("broken")
+                continue
+            try:
+                filenames = os.listdir(folder)
+            except OSError as exc:  # a subdirectory this process may not list
+                os.close(folder)
+                self._check_short(where, exc)
+                self._note("broken")
+                continue
+            try:
+                for filename in filenames:
+                    kind = _kind(top, filename)
+                    if kind == "temp":
+                        self._reap(filename, folder)
+                    elif kind == "value":
+                        value = self._regular(filename, folder)
+                        if value is not None:
+                            found.append((value.st_mtime_ns, filename[:-len(_SUFFIX)], value.st_size))
+                    else:
+                        self._note("foreign")
+            finally:
+                os.close(folder)
+        return found
+
+    def _check_short(self, where: str, exc: OSError) -> None:
+        """Raise :class:`~kvkit.errors.ConfigError`, quoting ``where``, when ``exc`` says the process is out of
+        descriptors or memory (:data:`_SHORT`): a scan that went on would leave values on disk unindexed."""
+        if exc.errno in _SHORT:
+            raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot look into {where!r}: "
+                              f"{exc.strerror or exc}") from exc
+
+    def _regular(self, filename: str, folder: int) -> os.stat_result | None:
+        """The status of the regular file ``filename`` in the directory ``folder``, or ``None`` (counted) if it
+        is not one."""
+        try:
+            found = os.lstat(filename, dir_fd=folder)
         except FileNotFoundError:
             self._note("vanished")
             return None
@@ -326,15 +379,16 @@ class DiskStore:
             return None
         return found
 
-    def _reap(self, path: str) -> None:
-        """Delete the temporary file at ``path`` if its writer is gone: only while holding its lock.
+    def _reap(self, filename: str, folder: int) -> None:
+        """Delete the temporary file ``filename`` in the directory ``folder`` if its writer is gone: only while
+        holding its lock.
 
         A writer locks its file before writing and checks, once locked, that its name still leads to it
         (a reaper may have deleted it in between; the writer then takes a new name), and unlocks only
         after renaming it: so a temporary file locked here and still under its name is abandoned.
         """
         try:
-            fd = os.open(path, _READ_FLAGS)
+            fd = os.open(filename, _READ_FLAGS, dir_fd=folder)
         except FileNotFoundError:  # renamed into place meanwhile
             self._note("vanished")
             return
@@ -352,7 +406,7 @@ class DiskStore:
                 self._note("temps_kept")
                 return
             try:  # temporary names are never reused: if this one still exists, it is the file locked
-                os.unlink(path)
+                os.unlink(filename, dir_fd=folder)
             except FileNotFoundError:  # its writer renamed it before we locked it
                 self._note("vanished")
             except OSError:  # a read-only file system
@@ -434,7 +488,11 @@ class DiskStore:
                 with self._lock:
                     self._forget(name, unlink=False)  # os.replace swaps the file atomically: readers never miss it
                     self._evict_for(size)
-                    os.replace(temp, final, src_dir_fd=folder, dst_dir_fd=folder)
+                    try:
+                        os.replace(temp, final, src_dir_fd=folder, dst_dir_fd=folder)
+                    except OSError:  # the old file, if any, is still there: the index follows it
+                        self._look(name, folder)
+                        raise
                     self._adopt(name, size)
             except BaseException:
                 _unlink_quietly(temp, folder)
@@ -486,14 +544,14 @@ class DiskStore:
         path = self._file(name)
         try:
             folder = self._open_folder(name)
-        except FileNotFoundError:
-            return self._unusable(name, "missing value")
-        except OSError as exc:  # a symlink or a file in its subdirectory's place
-            return self._unusable(name, f"cannot open {str(path.parent)!r}: {exc.strerror or exc}")
+        except OSError as exc:  # gone, or a symlink or a file in its subdirectory's place; or no descriptor left
+            unopened = ("missing value" if exc.errno == errno.ENOENT
+                        else f"cannot open {str(path.parent)!r}: {exc.strerror or exc}")
+            return self._unusable(name, unopened) if exc.errno in _GONE else unopened
         try:
             problem = self._read_file(folder, path, parts)
             with self._lock:  # the index follows what the name leads to now, not the file read
-                if self._found(name, _status(path.name, folder)) and problem is None and name in self._index:
+                if self._look(name, folder) and problem is None and name in self._index:
                     self.eviction.on_access(self._index[name][0])
         finally:
             os.close(folder)
@@ -532,21 +590,37 @@ class DiskStore:
 
     # --- the index -----------------------------------------------------------
 
-    def _known(self, name: str) -> bool:
-        """Whether ``name``'s value file is there now; the index follows what is found (:meth:`_found`)."""
+    def _known(self, name: str, folders: dict[str, int]) -> bool:
+        """Whether ``name``'s value file is there now; the index follows what is found (:meth:`_look`).
+
+        ``folders`` holds the subdirectories a ``contains`` opened, by prefix, each opened once per call (the
+        caller closes them). A subdirectory gone or not a directory forgets the value; one that cannot be
+        opened for another reason (no descriptor left, no permission) answers ``False`` and changes nothing.
+        """
+        folder = folders.get(name[:2])
+        if folder is None:
+            try:
+                folder = folders[name[:2]] = self._open_folder(name)
+            except OSError as exc:
+                if exc.errno in _GONE:
+                    with self._lock:
+                        self._found(name, None)
+                return False
+        with self._lock:  # one step with the update: a rewrite by this store's threads cannot come between
+            return self._look(name, folder)
+
+    def _look(self, name: str, folder: int) -> bool:
+        """Whether ``name``'s value file is in the directory ``folder`` now; the index follows what is found
+        (:meth:`_found`). A look that fails for another reason than the file's absence (no permission, an I/O
+        error) answers ``False`` and changes nothing: only evidence moves the index. The lock is held."""
         try:
-            folder = self._open_folder(name)
-        except OSError:  # its subdirectory is gone, or not a directory
-            with self._lock:
-                return self._found(name, None)
-        try:
-            with self._lock:  # one step with the update: a rewrite by this store's threads cannot come between
-                return self._found(name, _status(f"{name}{_SUFFIX}", folder))
-        finally:
-            os.close(folder)
+            found = _status(f"{name}{_SUFFIX}", folder)
+        except OSError:
+            return False
+        return self._found(name, found)
 
     def _found(self, name: str, found: os.stat_result | None) -> bool:
-        """Bring ``name``'s entry up to date with its file as just looked at (``None``: gone or unusable).
+        """Bring ``name``'s entry up to date with its file as just looked at (``None``: gone, or not in a directory).
 
         Forgotten (not deleted) when it is not a regular file any more, adopted when new, re-adopted at its
         size when another process rewrote it at another: so ``used_bytes`` follows the files. Answers
@@ -610,6 +684,8 @@ class DiskStore:
             if free is not None:
                 fits = self.used_bytes + free
                 self._fits = None if fits >= self.capacity_bytes else fits
+        if size > self._limit() and self._fits is not None:  # the file system's share may hold a neighbour's values
+            self._adopt_unindexed()
         if size > self._limit():
             return False
         self._evict_for(size)
@@ -618,12 +694,40 @@ class DiskStore:
     def _relieve(self, size: int) -> bool:
         """After a full file system refused ``size`` bytes: lower the capacity to what it holds and evict below it.
 
-        Answers whether anything was evicted (nothing left to evict: the put fails).
+        When nothing indexed is left to evict, the directory's value files the index lacks (a neighbour's,
+        written since this store looked) are adopted and evicted in turn. Answers whether anything was evicted
+        (nothing left to evict: the put fails).
         """
         free = self._free()
         room = free if free is not None and free < size else 0  # a quota's refusal leaves statvfs's free space
-        self._fits = min(self._limit(), self.used_bytes + room)
-        return self._evict_for(size) > 0
+        evicted = 0
+        for adopt in (False, True):
+            if adopt and not self._adopt_unindexed():
+                break
+            self._fits = min(self.capacity_bytes, self.used_bytes + room)
+            evicted = self._evict_for(size)
+            if evicted:
+                break
+        return evicted > 0
+
+    def _adopt_unindexed(self) -> bool:
+        """Index the directory's value files the index lacks (what the file system holds for this store beyond
+        its index: a neighbour's values), lifting a lowered capacity so that none is taken for ``oversized``
+        (the next refusal lowers it again, counting them); answer whether any was adopted.
+
+        A full file system calls it, rarely: it re-scans the directory (:meth:`_scan`, which counts again what
+        is not a value and deletes abandoned temporary files). The lock is held.
+        """
+        try:
+            found = self._scan()
+        except ConfigError:  # path itself cannot be listed now: nothing more to learn
+            return False
+        new = sorted(entry for entry in found if entry[1] not in self._index)
+        if new:
+            self._fits = None
+        for _, name, size in new:  # oldest first, as opening does
+            self._adopt(name, size)
+        return bool(new)
 
     def _prune(self) -> int:
         """Remove the empty subdirectories of this layout; answer how many went.
@@ -696,16 +800,17 @@ def _new_folder(folder: str) -> bool:
 
 
 def _status(filename: str, folder: int) -> os.stat_result | None:
-    """The status of ``filename`` in the directory ``folder`` (a symlink not followed), or ``None`` if it is gone
-    or cannot be looked at (a directory we may not search)."""
+    """The status of ``filename`` in the directory ``folder`` (a symlink not followed), or ``None`` if it is gone;
+    raises ``OSError`` when it cannot be looked at (a directory we may not search, an I/O error)."""
     try:
         return os.lstat(filename, dir_fd=folder)
-    except OSError:
+    except FileNotFoundError:
         return None
 
 
 def _same_file(filename: str, folder: int, held: os.stat_result) -> bool:
-    """Whether ``filename`` in ``folder`` (not followed) still leads to the open file ``held`` describes."""
+    """Whether ``filename`` in ``folder`` (not followed) still leads to the open file ``held`` describes; raises
+    ``OSError`` when it cannot be looked at."""
     now = _status(filename, folder)
     return now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 

@@ -545,14 +545,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._pin(blocks)
 
     def _pin(self, blocks: Sequence[BlockId]) -> None:
-        where = self._where
-        if not self._all_marked(blocks, _LISTED):  # one at a time: raises at the first bad block
-            for block in blocks:
-                if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _LISTED) \
-                        and where[self._tracked_id(block)] == _PARKED:
-                    raise pin_mismatch(self, block, pinned=True)
-                self._pin((block,))
+        if not self._all_marked(blocks, _LISTED, self._pin):
             return
+        where = self._where
         self._unlist(blocks)
         for block in blocks:
             where[block] = _PARKED
@@ -587,14 +582,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._unpin(blocks)
 
     def _unpin(self, blocks: Sequence[BlockId]) -> None:
-        where = self._where
-        if not self._all_marked(blocks, _PARKED):  # one at a time: raises at the first bad block
-            for block in blocks:
-                if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != _PARKED) \
-                        and where[self._tracked_id(block)] == _LISTED:
-                    raise pin_mismatch(self, block, pinned=False)
-                self._unpin((block,))
+        if not self._all_marked(blocks, _PARKED, self._unpin):
             return
+        where = self._where
         classes, nxt, prv, ends, dirty = self._cls, self._next, self._prev, self._ends, self._dirty
         for block in blocks:  # self._move(block, _NONE, its class), inlined: the hot path
             young = 2 * classes[block] + 1
@@ -611,11 +601,24 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             where[block] = _LISTED
         self._chains.unpin_many(blocks)
 
-    def _all_marked(self, blocks: Sequence[BlockId], mark: int) -> bool:
-        """Whether ``blocks`` are distinct ids of blocks marked ``mark`` (passes at C speed)."""
+    def _all_marked(self, blocks: Sequence[BlockId], mark: int,
+                    one: Callable[[Sequence[BlockId]], None]) -> bool:
+        """Whether ``blocks`` are distinct ids of blocks marked ``mark`` (``_LISTED`` or ``_PARKED``).
+
+        The check passes at C speed. Otherwise each block is handed to ``one`` alone, in order, after
+        its own check: a block already in the other state raises ``pin_mismatch`` at the first one.
+        """
         where = self._where
-        return _valid_ids(blocks) and max(blocks) < len(where) and len(set(blocks)) == len(blocks) \
-            and set(map(where.__getitem__, blocks)) == {mark}
+        if _valid_ids(blocks) and max(blocks) < len(where) and len(set(blocks)) == len(blocks) \
+                and set(map(where.__getitem__, blocks)) == {mark}:
+            return True
+        other = _PARKED if mark == _LISTED else _LISTED
+        for block in blocks:
+            if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != mark) \
+                    and where[self._tracked_id(block)] == other:
+                raise pin_mismatch(self, block, pinned=mark == _LISTED)
+            one((block,))
+        return False
 
     # -- decisions -------------------------------------------------------------
 

@@ -438,6 +438,37 @@ def test_a_symlink_in_a_subdirectorys_place_is_never_followed(tmp_path, when):
     store.close()
 
 
+def test_a_subdirectory_swapped_for_a_symlink_while_opening_is_never_followed(tmp_path, monkeypatch):
+    """A subdirectory replaced by a symlink to a directory elsewhere between the listing of ``path`` and its
+    own: opening neither deletes an abandoned temporary file there nor indexes a value there."""
+    store_dir, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    store = DiskStore(store_dir, 1 << 20)
+    assert _put(store, [b"a"], 100).ok
+    store.close()
+    final = store._file(_name(b"a"))
+    elsewhere.mkdir()
+    (elsewhere / final.name).write_bytes(bytes(100))
+    temp = elsewhere / f"{final.name}.tmp-gone-0"
+    temp.write_bytes(b"half")  # unlocked: a reaper that got here would delete it
+    real = os.scandir
+
+    def swapped_once_listed(path="."):
+        if str(path) != str(store_dir):
+            return real(path)
+        with real(path) as listed:
+            entries = list(listed)
+        shutil.rmtree(final.parent)
+        final.parent.symlink_to(elsewhere, target_is_directory=True)
+        return iter(entries)
+
+    monkeypatch.setattr(disk.os, "scandir", swapped_once_listed)
+    store = DiskStore(store_dir, 1 << 20)
+    assert store.counters["broken"] == 1 and store.used_bytes == 0 and store.contains([b"a"]) == 0
+    assert sorted(os.listdir(elsewhere)) == sorted([final.name, temp.name])
+    store.check_invariants()
+    store.close()
+
+
 def test_a_value_replaced_by_a_directory_after_indexing_is_forgotten_not_deleted(tmp_path):
     """What takes an indexed value's place is another's: the get fails, the index drops the value,
     nothing is deleted."""
@@ -515,11 +546,11 @@ def test_a_value_evicted_between_listing_and_looking_is_skipped(tmp_path, monkey
     store = DiskStore(tmp_path, 1 << 20)
     _put(store, [b"a", b"b"], 100)
     store.close()
-    victim, real = str(DiskStore(tmp_path, 1 << 20)._file(_name(b"a"))), os.lstat
+    victim, real = DiskStore(tmp_path, 1 << 20)._file(_name(b"a")), os.lstat
 
     def evicted_first(path, *args, **kwargs):
-        if str(path) == victim and os.path.exists(victim):
-            os.unlink(victim)
+        if str(path) == victim.name and victim.exists():  # looked at relative to its subdirectory
+            victim.unlink()
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(disk.os, "lstat", evicted_first)
@@ -590,6 +621,25 @@ def test_what_cannot_be_deleted_is_counted_not_raised(tmp_path, monkeypatch):
     assert temp.exists() and len(list(tmp_path.glob("??/*.kvb"))) == 2 and store.used_bytes == 100
     store.check_invariants()
     store.close()
+
+
+@pytest.mark.parametrize("code", ["EMFILE", "ENFILE", "ENOMEM"])
+def test_opening_without_descriptors_is_a_config_error_not_a_broken_count(tmp_path, monkeypatch, code):
+    """A process out of descriptors (or memory) cannot look into a subdirectory: that says nothing about the
+    entry, so opening raises ConfigError quoting it rather than leave its values on disk unindexed."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _put(store, [b"a"], 100).ok
+    store.close()
+    folder, real = store._file(_name(b"a")).parent, os.open
+
+    def short(path, flags, *args, **kwargs):
+        if str(path) == str(folder):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(disk.os, "open", short)
+    with pytest.raises(ConfigError, match=f"{folder}.*{os.strerror(getattr(errno, code))}"):
+        DiskStore(tmp_path, 1 << 20)
 
 
 def test_an_unusable_directory_is_a_config_error_quoting_it(tmp_path, monkeypatch):
@@ -676,6 +726,43 @@ def test_a_look_at_a_file_never_undoes_a_rewrite_this_store_made_meanwhile(tmp_p
     store.close()
 
 
+def test_contains_opens_each_subdirectory_once_per_call_and_closes_it(tmp_path, monkeypatch):
+    """A batch looks at its keys' files through one descriptor per subdirectory, all closed when it answers."""
+    store, keys = DiskStore(tmp_path, 1 << 20), [b"k%d" % i for i in range(300)]
+    assert _put(store, keys, 10).ok
+    real, opened = os.open, []
+
+    def counted(path, flags, *args, **kwargs):
+        opened.append(path)
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(disk.os, "open", counted)
+    before = len(os.listdir("/proc/self/fd"))
+    assert store.contains(keys) == 300
+    assert sorted(opened) == sorted({str(store._file(_name(k)).parent) for k in keys})
+    assert len(os.listdir("/proc/self/fd")) == before
+    store.close()
+
+
+@pytest.mark.parametrize("code", ["EIO", "EROFS"])
+def test_a_rewrite_whose_rename_fails_keeps_the_old_value_counted(tmp_path, monkeypatch, code):
+    """A rename refused (an I/O error, a file system gone read-only) leaves the old value in place: the put
+    fails, quoting the path, and the index still counts the file on disk."""
+    store = DiskStore(tmp_path, 1000)
+    assert _put(store, [b"k"], 100).ok
+
+    def refused(*args, **kwargs):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(disk.os, "replace", refused)
+    result = _put(store, [b"k"], 300)
+    assert result.failed == (0,) and str(store._file(_name(b"k"))) in result.error
+    assert store.used_bytes == store._file(_name(b"k")).stat().st_size == 100
+    assert not list(tmp_path.glob("??/*.tmp-*"))
+    store.check_invariants()
+    store.close()
+
+
 def test_a_value_another_process_deleted_is_no_longer_counted(tmp_path):
     """contains finds that another process evicted an indexed value: it answers absent and forgets its bytes."""
     one, two = DiskStore(tmp_path, 1000), DiskStore(tmp_path, 1000)
@@ -685,6 +772,46 @@ def test_a_value_another_process_deleted_is_no_longer_counted(tmp_path):
     one.check_invariants()
     one.close()
     two.close()
+
+
+_NO_DESCRIPTORS = """
+import json, os, resource, sys
+from kvkit.backends.blockstore.disk import DiskStore
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+store, keys, report = DiskStore(sys.argv[1], 10 * 1000), [b"k%d" % i for i in range(10)], {}
+value = [[memoryview(bytes(1000))]] * 10
+report["put"] = store.poll([store.put(keys, value)], 10.0)[0].ok
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError as exc:
+    report["exhausted"] = exc.errno
+report["contains"] = [store.contains([k]) for k in keys]
+(result,) = store.poll([store.get(keys[:1], [[memoryview(bytearray(1000))]])], 10.0)
+report["get_error"], report["used"] = result.error, store.used_bytes
+for fd in held:
+    os.close(fd)
+report["contains_after"] = store.contains(keys)
+report["put_more"] = store.poll([store.put([b"n%d" % i for i in range(10)], value)], 10.0)[0].ok
+report["files"] = sum(len(files) for _, _, files in os.walk(sys.argv[1]))
+store.check_invariants()
+store.close()
+print(json.dumps(report))
+"""
+
+
+def test_a_look_that_fails_for_want_of_descriptors_changes_nothing(tmp_path):
+    """A process out of file descriptors (EMFILE, a real limit): contains answers 0 and get fails, quoting the
+    path, but the index keeps what it holds, so the capacity still bounds the files on disk once they are back."""
+    done = subprocess.run([sys.executable, "-c", _NO_DESCRIPTORS, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["put"] and report["exhausted"] == errno.EMFILE
+    assert report["contains"] == [0] * 10 and str(tmp_path) in report["get_error"], report
+    assert report["used"] == 10_000 and report["contains_after"] == 10, report
+    assert report["put_more"] and report["files"] == 10, report
 
 
 @pytest.mark.parametrize("found", ["when opening", "by contains", "by get"])
@@ -766,14 +893,13 @@ def _fill(store, n, size=_VALUE):
     return failed
 
 
-@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
-def test_a_full_file_system_is_relieved_by_eviction(tmp_path, monkeypatch, code):
-    """A file system smaller than capacity_bytes (simulated: writes past a budget fail with ENOSPC or EDQUOT)."""
-    budget = 10 * _VALUE + _VALUE // 2
+def _budget(monkeypatch, root, budget, code):
+    """Make the file system under ``root`` hold ``budget`` bytes (simulated: a write past it fails with ``code``,
+    ENOSPC or EDQUOT); answer a function giving the bytes on it."""
     real = os.writev
 
     def on_disk():
-        return sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
     def writev(fd, buffers):
         if on_disk() + sum(memoryview(b).nbytes for b in buffers) > budget:
@@ -785,11 +911,37 @@ def test_a_full_file_system_is_relieved_by_eviction(tmp_path, monkeypatch, code)
 
     monkeypatch.setattr(os, "writev", writev)
     monkeypatch.setattr(os, "statvfs", statvfs)
+    return on_disk
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
+def test_a_full_file_system_is_relieved_by_eviction(tmp_path, monkeypatch, code):
+    """A file system smaller than capacity_bytes (simulated: writes past a budget fail with ENOSPC or EDQUOT)."""
+    budget = 10 * _VALUE + _VALUE // 2
+    on_disk = _budget(monkeypatch, tmp_path, budget, code)
     store = DiskStore(tmp_path, 1 << 30)
     assert _fill(store, 30) == []
     assert store.counters["disk_full"] >= 1 and store.used_bytes <= budget and on_disk() <= budget
     result, (buffer,) = _get(store, [b"fill-29"], _VALUE)
     assert result.ok and buffer == bytes([0]) * _VALUE
+    store.check_invariants()
+    store.close()
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
+def test_a_file_system_a_neighbour_filled_is_relieved_by_evicting_its_values(tmp_path, monkeypatch, code):
+    """A store opened before a neighbour filled the file system with values it never indexed: once nothing of
+    its own is left to evict, it adopts the directory's values and evicts them, so its puts land."""
+    budget = 10 * _VALUE + _VALUE // 2
+    on_disk = _budget(monkeypatch, tmp_path, budget, code)
+    store, neighbour = DiskStore(tmp_path, 1 << 30), DiskStore(tmp_path, 1 << 30)
+    assert _fill(neighbour, 12) == []
+    neighbour.close()
+    assert [_put(store, [b"own-%d" % i], _VALUE).error for i in range(8)] == [""] * 8
+    assert store.counters["disk_full"] >= 1 and store.counters["evicted"] >= 8 and on_disk() <= budget
+    result, (buffer,) = _get(store, [b"own-7"], _VALUE)
+    assert result.ok and buffer == bytes(_VALUE)
+    assert store.used_bytes == on_disk() and store.contains([b"own-%d" % i for i in range(8)]) == 8
     store.check_invariants()
     store.close()
 
@@ -833,6 +985,24 @@ def test_a_real_full_file_system_is_relieved_and_its_space_reused(small_fs):
     store.check_invariants()
     too_big = _put(store, [b"huge"], 3 << 20)
     assert too_big.failed == (0,) and "capacity" in too_big.error
+    store.close()
+
+
+def test_a_real_file_system_a_neighbour_process_filled_is_relieved(small_fs):
+    """A real 2 MiB tmpfs filled by another process's store after this one opened: this store's puts land."""
+    where, _ = small_fs
+    store = DiskStore(where / "kv", 1 << 30)
+    fill = f"""
+from kvkit.backends.blockstore.disk import DiskStore
+store = DiskStore({str(where / "kv")!r}, 1 << 30)
+for i in range(40):
+    store.poll([store.put([b"theirs-%d" % i], [[memoryview(bytes({_VALUE}))]])], 10.0)
+assert store.counters["disk_full"] >= 1
+store.close()
+"""
+    subprocess.run([sys.executable, "-c", fill], check=True, timeout=60)
+    assert _fill(store, 8) == [] and store.counters["disk_full"] >= 1
+    store.check_invariants()
     store.close()
 
 
@@ -1039,16 +1209,16 @@ def test_three_processes_put_get_drop_and_reopen_one_directory(tmp_path):
 class _StatsUnguarded(DiskStore):
     """Planted regression: the scan stats each listed file as if no other process could evict it."""
 
-    def _regular(self, path):
+    def _regular(self, filename, folder):
         time.sleep(0.001)  # the window between listing and looking, widened so one run shows it
-        return os.stat(path)
+        return os.stat(filename, dir_fd=folder)
 
 
 class _ReapsEverything(DiskStore):
     """Planted regression: start-up deletes every temporary file, whoever is writing it."""
 
-    def _reap(self, path):
-        os.unlink(path)
+    def _reap(self, filename, folder):
+        os.unlink(filename, dir_fd=folder)
 
 
 @pytest.mark.timeout(300)
