@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
+from urllib.parse import unquote
 
 import attrs
 
@@ -30,8 +31,8 @@ from kvkit.interfaces import (
 )
 from kvkit.interfaces.plan import LoadPlanner
 from kvkit.interfaces.shared import DEFAULT_TENANT, SHARED_WRITES, BlockStore, check_tenant
-from kvkit.redact import redact, redact_url, secret_repr
-from kvkit.registry import ALLOCATOR, COPY, EVICTION, PLANNER, STORE, Registry
+from kvkit.redact import MASK, redact, redact_url, secret_repr
+from kvkit.registry import ALLOCATOR, COPY, EVICTION, PLANNER, SHARED, STORE, Registry
 from kvkit.validate import (
     check_choice,
     check_real,
@@ -50,8 +51,8 @@ from kvkit.validate import (
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.memory import BOOKKEEPING_BYTES_PER_BLOCK, check_fits
 
-__all__ = ["DEFAULTS", "DEVICES", "NAMED_SLOTS", "TEXT", "UNNAMED_MODEL", "Components", "Defaults", "SharedConfig",
-           "SharedSpec", "StackConfig", "name_shared_model", "parse_bytes"]
+__all__ = ["DEFAULTS", "DEVICES", "NAMED_SLOTS", "TEXT", "UNNAMED_MODEL", "VALKEY_SCHEMES", "Components", "Defaults",
+           "SharedConfig", "SharedSpec", "StackConfig", "name_shared_model", "parse_bytes", "shown_url"]
 
 DEVICES = ("cpu", "cuda")
 """Where the GPU tier lives; ``"cpu"`` is the stand-in CI and notebooks use."""
@@ -169,16 +170,39 @@ class Components:
     planner: LoadPlanner
 
 
+VALKEY_SCHEMES = ("valkey", "valkeys", "redis", "rediss")
+"""URL schemes of a Valkey/Redis server (each with ``+cluster`` for a Cluster): the ``valkey`` block store's."""
+_SCHEME_STORES = {"file": "disk", "memory": "memory"}  # the registered block store of each other kvkit scheme
+
+
+def shown_url(url: str) -> str:
+    """A block store URL fit to show: :func:`~kvkit.redact.redact_url`'s rule, and the value of every query
+    option that the URL's store does not take (:meth:`~kvkit.registry.Registry.options_taken`; each one when the
+    scheme names no store) masked too: such an option may be a misspelled password (``?passw=...``).
+
+    Every error, repr and report that shows a block store URL shows it so.
+    """
+    base, mark, query = url.partition("?")
+    if mark:
+        scheme = base.partition("://")[0].lower()
+        store = "valkey" if scheme.partition("+")[0] in VALKEY_SCHEMES else _SCHEME_STORES.get(scheme, scheme)
+        taken = SHARED.options_taken(store)
+        query = "&".join(item if "=" not in item or unquote(item.partition("=")[0]) in taken
+                         else f"{item.partition('=')[0]}={MASK}" for item in query.split("&"))
+    return redact_url(base + mark + query)
+
+
 def _store_url(inst: object, attribute: attrs.Attribute, value: object) -> None:
     if not ((isinstance(value, str) and "://" in value)
             or (isinstance(value, BlockStore) and not isinstance(value, type))):
-        raise ConfigError(f"shared.url={quote(value)}: must be a URL such as 'memory://', 'file:///path' or "
+        shown = quote(shown_url(value) if isinstance(value, str) else value)
+        raise ConfigError(f"shared.url={shown}: must be a URL such as 'memory://', 'file:///path' or "
                           f"'valkey://host:6379/0', or a BlockStore instance")
 
 
 def _shown_url(value: object) -> str:
-    """``SharedConfig.url`` in a repr: a URL's password and secret options as ``***``."""
-    return repr(redact_url(value)) if isinstance(value, str) else repr(value)
+    """``SharedConfig.url`` in a repr: as :func:`shown_url` shows it."""
+    return repr(shown_url(value)) if isinstance(value, str) else repr(value)
 
 
 def _shown_options(value: object) -> str:

@@ -40,6 +40,9 @@ whether a secret is set is not a secret.
   when it starts like a URL (``valkey//``, ``valkey:``, ``//``) or holds
   ``://`` before the ``@`` (`` valkey://...``), so a password holding a
   space is masked whole;
+* :func:`redact_options` masks refused options: :func:`redact`'s rule, and
+  every value under a name its receiver does not take (a misspelled secret
+  option), so an error listing them shows their names only;
 * :func:`redact_text` masks what it recognises in finished text: URLs (a
   quoted one ends at its closing quote, spaces and all, and the quote and the
   punctuation after it stay), and
@@ -58,11 +61,11 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 from urllib.parse import unquote
 
-__all__ = ["MASK", "is_secret_name", "redact", "redact_text", "redact_url", "secret_repr"]
+__all__ = ["MASK", "is_secret_name", "redact", "redact_options", "redact_text", "redact_url", "secret_repr"]
 
 MASK = "***"
 """What a secret is shown as."""
@@ -78,11 +81,11 @@ _MISTYPED_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*(?::|//)|//")
 _CLOSING = re.compile(r"""['"][)\]}]*[:,;.]?""")  # a quoted URL's end in text: 'url': 'url', ('url')
 _QUOTED_URL = re.compile(r"""(?P<q>['"])(?P<url>[A-Za-z][A-Za-z0-9+.\-]*://(?:\\.|(?!(?P=q))[^\\\n])*)(?P=q)""")
 _URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://\S*")
-_QUOTED = r"""b?'(?:[^'\\]|\\.)*'""" + r'''|b?"(?:[^"\\]|\\.)*"'''
-_VALUE = _QUOTED + r"""|[^\s,;&)}\]'"]+"""
-_ASSIGNED = re.compile(rf"(?<![\w.\-])(?P<name>[\w.\-]+)\s*=\s*(?P<value>{_VALUE})")
-_KEYED = re.compile(rf"""(?P<q>['"])(?P<name>[^'"\s]+)(?P=q)"""
-                    rf"""(?:\]?\s*=\s*(?P<value>{_VALUE})|\s*:\s*(?P<quoted>{_QUOTED}))""")
+_NAMED = re.compile(r"""(?<![\w.\-])(?P<name>[\w.\-]+)\s*=\s*"""  # name=value
+                    r"""|(?P<q>['"])(?P<key>[\w.\-]+)(?P=q)(?:\]?\s*=|\s*(?P<colon>:))\s*""")  # 'name': , ['name']=
+_IN_MAPPING = re.compile(r"[{,]\s*$")  # what comes before a mapping's key
+_PLAIN_END = re.compile(r"""[\s,;&)}\]'"]|:(?!\S)""")  # what ends a value neither quoted nor bracketed
+_CLOSE = {"[": "]", "(": ")", "{": "}", "<": ">"}
 _DEPTH = 6
 
 
@@ -171,15 +174,20 @@ def redact(value: Any, _depth: int = 0) -> Any:
     return value
 
 
+def redact_options(options: Mapping[str, Any], known: Collection[str]) -> dict[str, Any]:
+    """Options shown where they were refused: :func:`redact`'s rule, and every value under a name not in ``known``
+    (the names their receiver takes) masked too: a misspelled secret option (``passw``) may be named like no
+    secret. ``None`` stays."""
+    return {name: value if name in known or value is None else MASK for name, value in redact(dict(options)).items()}
+
+
 def redact_text(text: str) -> str:
     """``text`` with every URL's password and every secret-named value it recognises shown as ``***``."""
     if "://" in text:
         text = _QUOTED_URL.sub(lambda m: m["q"] + redact_url(m["url"]) + m["q"], text)  # spaces and all
         text = _URL_IN_TEXT.sub(_url_in_text, text)
-    if "=" in text:
-        text = _ASSIGNED.sub(_mask, text)
-    if "'" in text or '"' in text:
-        text = _KEYED.sub(_mask, text)
+    if "=" in text or ":" in text:
+        text = _mask_named(text)
     return text
 
 
@@ -195,8 +203,59 @@ def _url_in_text(match: re.Match[str]) -> str:
     return redact_url(url) + tail
 
 
-def _mask(match: re.Match[str]) -> str:
-    group = "value" if match["value"] is not None else "quoted"
-    if not is_secret_name(match["name"]) or match[group] in ("None", MASK, repr(MASK)):
-        return match.group()
-    return match.group()[:match.start(group) - match.start()] + repr(MASK)
+def _mask_named(text: str) -> str:
+    """``text`` with the value after every secret name (``name=``, ``['name']=``, ``'name':`` in a mapping, or
+    followed by a quoted value) shown as ``'***'``.
+
+    A value is one token of any type as a repr writes it: a quoted string (``b'...'`` too), a bracketed one to
+    its matching bracket (a list, tuple, set, mapping or ``<...>``, quotes and nesting followed), or a run of
+    characters up to a space, ``,;&``, a closing bracket or quote, or a ``:`` that ends a clause (a call's
+    repr, ``bytearray(b'...')``, to its closing bracket). One cut short (unclosed) runs to the end of the
+    text. ``None`` and the mask itself stay.
+    """
+    shown: list[str] = []
+    done = 0
+    for match in _NAMED.finditer(text):
+        if match.start() < done or not is_secret_name(match["name"] or match["key"]):
+            continue
+        end = _value_end(text, match.end())
+        value = text[match.end():end]
+        if value in ("", "None", MASK, repr(MASK)) or (  # 'name': text outside a mapping: prose, unless quoted
+                match["colon"] and value.lstrip("b")[:1] not in ("'", '"')
+                and not _IN_MAPPING.search(text, 0, match.start())):
+            continue
+        shown += [text[done:match.end()], repr(MASK)]
+        done = end
+    return "".join(shown) + text[done:]
+
+
+def _value_end(text: str, start: int) -> int:
+    """Where the value starting at ``start`` ends (see :func:`_mask_named`)."""
+    i = start + 1 if text[start:start + 2] in ("b'", 'b"') else start
+    if text[i:i + 1] in ("'", '"'):
+        return _group_end(text, i)
+    i = start
+    while i < len(text) and text[i] not in _CLOSE and _PLAIN_END.match(text, i) is None:
+        i += 1
+    return _group_end(text, i) if text[i:i + 1] in _CLOSE else i  # a call's repr: bytearray(b'...')
+
+
+def _group_end(text: str, start: int) -> int:
+    """Just past the string or bracketed group opening at ``start`` (strings and nesting inside followed), or the
+    end of ``text`` if it is never closed."""
+    closing: list[str] = []
+    i = start
+    while i < len(text):
+        char = text[i]
+        if char in "'\"":  # a string: to its unescaped closing quote
+            i += 1
+            while i < len(text) and text[i] != char:
+                i += 2 if text[i] == "\\" else 1
+        elif char in _CLOSE:
+            closing.append(_CLOSE[char])
+        elif closing and char == closing[-1]:
+            closing.pop()
+        i += 1
+        if not closing:
+            return min(i, len(text))
+    return len(text)

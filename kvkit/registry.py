@@ -34,7 +34,7 @@ from kvkit.interfaces import (
 )
 from kvkit.interfaces.plan import LoadPlanner
 from kvkit.interfaces.shared import BlockStore
-from kvkit.redact import redact
+from kvkit.redact import redact_options
 from kvkit.validate import did_you_mean
 
 __all__ = [
@@ -191,6 +191,7 @@ class Registry(Generic[T]):
         """The problem with calling ``spec`` (a name or a factory) with ``options``, or ``None``.
 
         ``partial`` allows required arguments to be missing (supplied later).
+        Values under names ``spec`` does not take are never shown (:func:`~kvkit.redact.redact_options`).
         """
         factory = self.load(spec) if isinstance(spec, str) else spec
         try:
@@ -200,9 +201,17 @@ class Registry(Generic[T]):
         try:
             (signature.bind_partial if partial else signature.bind)(**options)
         except TypeError as exc:
-            return (f"{slot or self.kind}={spec!r}: options {redact(dict(options))!r} do not fit "
-                    f"{_describe(factory)}: {exc}")
+            shown = redact_options(options, signature.parameters)
+            return f"{slot or self.kind}={spec!r}: options {shown!r} do not fit {_describe(factory)}: {exc}"
         return None
+
+    def options_taken(self, name: str) -> frozenset[str]:
+        """The keyword options the factory registered as ``name`` names in its signature; none if it cannot be
+        loaded or has no signature. Never raises."""
+        try:
+            return frozenset(inspect.signature(self.load(name)).parameters)
+        except Exception:  # noqa: BLE001 - unknown, unavailable or without a signature: it takes no known name
+            return frozenset()
 
     def create(self, spec: str | T, /, *, slot: str | None = None, **kwargs: Any) -> T:
         """An instance for ``spec``: a name is built with ``kwargs``, an instance is returned as is.
@@ -216,7 +225,8 @@ class Registry(Generic[T]):
         if not isinstance(spec, str):
             problem = self.check(spec, slot=slot)
             if problem is None and kwargs:
-                problem = f"{slot}: options {redact(kwargs)!r} given for an instance; pass them to its constructor"
+                problem = (f"{slot}: options {redact_options(kwargs, ())!r} given for an instance; pass them to its "
+                           f"constructor")
             if problem is not None:
                 raise ConfigError(problem)
             return spec

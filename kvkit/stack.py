@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING, Any, cast
 import attrs
 from typing_extensions import override
 
-from kvkit.config import StackConfig
+from kvkit.config import StackConfig, shown_url
 from kvkit.errors import ConfigError, TransferTimeoutError
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
-from kvkit.redact import redact_url
 from kvkit.registry import COPY
 from kvkit.stats import OffloadStats
 from kvkit.validate import plural
@@ -72,7 +71,7 @@ class OffloadStack:
                  f"store={_name(c.store)}", f"copy={_name(c.copy)}", f"workers={len(self.workers)}"]
         if self.shared_store is not None:
             url = None if c.shared is None else c.shared.url
-            parts.append(f"shared={redact_url(url) if isinstance(url, str) else _name(self.shared_store)}")
+            parts.append(f"shared={shown_url(url) if isinstance(url, str) else _name(self.shared_store)}")
         return f"OffloadStack({', '.join(parts)})"
 
     @property

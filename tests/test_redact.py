@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import traceback
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -164,3 +166,102 @@ def test_a_components_secret_named_option_is_masked_in_the_config_and_the_simula
     for text in texts:
         assert "s3cr3t" not in text and "api_token" in text, text
     assert config.options["store"]["api_token"] == "PW-s3cr3t"  # masked when shown, kept as given
+
+
+@pytest.mark.parametrize("value", [["PW-s3cr3t"], {"x": "PW-s3cr3t"}, ("PW-s3cr3t", 1), {"PW-s3cr3t"},
+                                   [["PW-s3cr3t"], "b]"], 987654321, b"PW-s3cr3t", "PW-s3cr3t",
+                                   bytearray(b"PW-s3cr3t"), ["a)b", "PW-s3cr3t"]])
+def test_a_secret_named_value_of_any_type_is_masked_whole(value):
+    """A secret name's value is masked whatever its type (a password given as a list, a mapping, an int, bytes):
+    a bracketed value to its matching bracket, quotes and nesting included, in name=value and 'name': value
+    text alike; what follows it stays."""
+    shown = repr(value)
+    for text in (f"password={shown}", f"ValkeyStore.password={shown}: must be a string",
+                 f"{{'password': {shown}, 'db': 0}}", f"extra['shared']['secret']={shown}; db=0",
+                 f'{{"token": {shown}}}'):
+        masked = redact_text(text)
+        assert "s3cr3t" not in masked and "987654321" not in masked, masked
+        assert masked.endswith(text[text.index(shown) + len(shown):]), masked
+
+
+def test_an_unclosed_secret_value_is_masked_to_the_end():
+    """A value cut short (a message quoted to its first 200 characters) is masked to the end of the text."""
+    assert redact_text("password=['PW-s3cr3t', 'x...") == "password='***'"
+    assert redact_text("{'secret': b'PW-s3cr3t...") == "{'secret': '***'"
+
+
+def test_options_a_factory_does_not_take_are_shown_by_name_only():
+    """Options that do not fit a factory: values under names it takes are shown (secrets masked), values under
+    names it does not take are not: a misspelled password option's name may be no recognisable secret."""
+    import kvkit
+    from kvkit.registry import SHARED
+
+    with pytest.raises(errors.ConfigError) as info:
+        SHARED.create("memory", slot="shared", capacity_bytes=12345, passw="PW-s3cr3t", pwd1="PW-s3cr3t")
+    text = str(info.value)
+    assert "s3cr3t" not in text and "12345" in text and "'passw'" in text and "'pwd1'" in text, text
+    store = kvkit.open_block_store("memory://registry-test")
+    with pytest.raises(errors.ConfigError) as info:
+        SHARED.create(store, slot="shared", paswd="PW-s3cr3t")
+    assert "s3cr3t" not in str(info.value) and "paswd" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["passw", "pwd1", "pword", "my_pass_w", "sekret", "key", "x"])
+def test_a_url_option_its_store_does_not_take_is_shown_by_name_only(name):
+    """A URL's query option its store does not take (refused as unknown) may be a misspelled password: the
+    refusal names it, and shows the values of the options the store takes, never its value."""
+    from kvkit.shared.urls import open_block_store
+
+    for url in (f"valkey://127.0.0.1:1/0?request_timeout_s=0.5&{name}=PW-s3cr3t",
+                f"file:///tmp/kvkit-redact-test?capacity_bytes=1MiB&{name}=PW-s3cr3t",
+                f"memory://redact-test?{name}=PW-s3cr3t&capacity_bytes=1000"):
+        with pytest.raises(errors.ConfigError) as info:
+            open_block_store(url)
+        text = "".join(traceback.format_exception(info.value))
+        assert "s3cr3t" not in text and name in text, text
+        assert "request_timeout_s=0.5" in text or "capacity_bytes=1" in text, text
+
+
+def test_a_quoted_secret_looking_name_in_prose_keeps_the_words_after_it():
+    """``'name': word`` outside a mapping is prose (a refused value and why): only a quoted value after it is
+    masked there."""
+    assert redact_text("--planner='pw-store': unknown load planner") == "--planner='pw-store': unknown load planner"
+    assert redact_text("got 'password': 'PW-s3cr3t'") == "got 'password': '***'"
+
+
+def _attrs_classes() -> list[tuple[str, ast.ClassDef]]:
+    """Every class of kvkit's source (importable here or not: vLLM's modules too) made by an ``attrs`` decorator."""
+    paths = sorted(p for room in SOURCES for p in (ROOT / room).rglob("*.py"))  # links not followed
+    return [(f"{path.relative_to(ROOT)}:{node.name}", node) for path in paths
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ClassDef) and any("attr" in ast.unparse(d) for d in node.decorator_list)]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("kvkit", "backends", "interfaces")
+_MASKING_REPRS = ("False", "secret_repr", "_shown_url", "_shown_options")
+
+
+def test_every_attrs_field_that_may_hold_a_secret_has_a_masking_repr():
+    """The sweep behind every auto-generated repr: in every ``attrs`` class of kvkit's source (the backends and
+    interfaces too), a field named as a secret (the redaction rule's names), a URL or a mapping of options is
+    shown through a masking repr (``secret_repr``, ``_shown_url``, ``_shown_options``) or not at all."""
+    classes = _attrs_classes()
+    assert len(classes) > 100 and any(name == "backends/blockstore/valkey.py:ValkeyStore" for name, _ in classes)
+    unmasked = []
+    for owner, node in classes:
+        for item in node.body:
+            if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+                continue
+            name = item.target.id.lstrip("_")
+            mapping = any(kind in ast.unparse(item.annotation) for kind in ("dict", "Mapping"))
+            if not (is_secret_name(name) or name == "url" or (name == "options" and mapping)):
+                continue
+            call = item.value if isinstance(item.value, ast.Call) else None
+            shown = next((ast.unparse(k.value) for k in (call.keywords if call else ()) if k.arg == "repr"), "True")
+            if shown.rpartition(".")[2] not in _MASKING_REPRS and (owner, name) not in _NOT_SECRET:
+                unmasked.append(f"{owner}.{name} (repr={shown})")
+    assert not unmasked, unmasked
+
+
+_NOT_SECRET = {("kvkit/integrations/hf/cache.py:_Job", "first_token_at")}  # a time, named after tokens

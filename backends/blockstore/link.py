@@ -244,6 +244,11 @@ class Link:
     :class:`NodeHealth`); in a Cluster a failed node also makes the next call re-read the slot map
     (a failover moves its slots), keeping every other connection. Links given one ``topology`` share
     their slot map (see :class:`Topology`).
+
+    ``on_connect`` (if given) is called with a node's address before each connection to it is opened:
+    every node the link ever talks to passes through it (seeds, the slot map's nodes, redirects'
+    targets), on whichever thread opens the connection; if it raises, no connection is opened and
+    the call fails with that exception.
     """
 
     seeds: tuple[Address, ...]
@@ -252,6 +257,7 @@ class Link:
     health: NodeHealth
     window_bytes: int = 256 << 10
     topology: Topology = attrs.field(factory=Topology, kw_only=True)
+    on_connect: Callable[[Address], None] | None = attrs.field(default=None, kw_only=True)
     _conns: dict[Address, Connection] = attrs.field(factory=dict, init=False)
     _generation: int = attrs.field(default=0, init=False)  # the map whose nodes ``_conns`` was pruned to
     _closed: bool = attrs.field(default=False, init=False)
@@ -520,6 +526,8 @@ class Link:
         if conn is None:
             if self._closed:
                 raise ConnectionRefusedError("the link is closed")
+            if self.on_connect is not None:
+                self.on_connect(address)
             conn = self._conns[address] = Connection(address, self.options, deadline)
         conn.renew(deadline)
         return conn

@@ -7,7 +7,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -51,6 +51,35 @@ def _optional_text(value: object, field: attrs.Attribute) -> str | None:
 _TEXT = attrs.Converter(_optional_text, takes_field=True)
 _SECONDS = checked(check_real, low=0.0, low_open=True, label="ValkeyStore.")
 _FLAG = checked(check_bool, label="ValkeyStore.")
+
+
+@attrs.define(eq=False)
+class _Connected:
+    """The nodes a store's links have connected to, and their watchers: each watcher hears of each node before its
+    first connection (twice only if two links open their first connections to it at once)."""
+
+    seen: dict[Address, None] = attrs.field(factory=dict)  # in the order first connected
+    watchers: list[Callable[[Address], None]] = attrs.field(factory=list)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def __call__(self, address: Address) -> None:
+        """A link is about to connect to ``address`` (its ``on_connect``). A watcher that raises (a warning turned
+        into an error) fails that connection, and leaves the node unseen: the next connection to it asks again."""
+        with self.lock:
+            if address in self.seen:
+                return
+            watchers = list(self.watchers)
+        for watcher in watchers:
+            watcher(address)
+        with self.lock:
+            self.seen[address] = None
+
+    def watch(self, watcher: Callable[[Address], None]) -> None:
+        with self.lock:
+            self.watchers.append(watcher)
+            seen = list(self.seen)
+        for address in seen:
+            watcher(address)
 
 
 @attrs.define(eq=False)
@@ -119,6 +148,7 @@ class ValkeyStore:
                                    converter=checked(check_int, minimum=1, label="ValkeyStore."))  # type: ignore[misc]
     closed: bool = attrs.field(default=False, init=False)
     _health: NodeHealth = attrs.field(init=False)
+    _connected: _Connected = attrs.field(factory=_Connected, init=False)
     _lookup: Link = attrs.field(init=False)
     _lookup_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _close_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
@@ -135,9 +165,11 @@ class ValkeyStore:
                                  self.db, self._tls_context())
         self._health = NodeHealth(self.retry_interval_s)
         topology = Topology()  # one slot map for both links: what one learns routes the other's calls
-        self._lookup = Link(self.nodes, self.cluster, options, self._health, topology=topology)
+        self._lookup = Link(self.nodes, self.cluster, options, self._health, topology=topology,
+                            on_connect=self._connected)
         self._io = _IoThread(Link(self.nodes, self.cluster, options, self._health, self.window_bytes,
-                                  topology=topology), TicketBox(self.max_waiting), self.ttl_s)
+                                  topology=topology, on_connect=self._connected), TicketBox(self.max_waiting),
+                             self.ttl_s)
         self._thread = threading.Thread(target=self._io.serve, name="kvkit-valkey-io", daemon=True)
         self._finalizer = weakref.finalize(self, _shut_down, self._io, self._thread, self._lookup,
                                            self._lookup_lock, self.request_timeout_s + self.connect_timeout_s)
@@ -157,6 +189,18 @@ class ValkeyStore:
     def down_nodes(self) -> dict[Address, str]:
         """The nodes whose keys fail at once now (their breaker is open), with why."""
         return self._health.down_nodes()
+
+    def watch(self, watcher: Callable[[Address], None]) -> None:
+        """Have ``watcher`` called once with the address of every node this store connects to.
+
+        The nodes connected to so far are reported at once; each later one
+        (a seed, a node of the Cluster's slot map, a redirect's target) before
+        its first connection, on the thread that opens it (the I/O thread, a
+        ``contains`` caller's). If ``watcher`` raises, that connection fails
+        (its keys fail as the call's) and the next one asks it again. It must
+        hold no reference to the store (its threads would keep it alive).
+        """
+        self._connected.watch(watcher)
 
     def ping(self) -> str | None:
         """``None`` when the server answers (and logs us in); else ``"transport: <why>"``."""

@@ -10,7 +10,7 @@ Every value read back is compared with what was written. Each value size gets a 
 client, as a deployment moves one block size and the tool connects afresh for each run.
 
 No password is shown or handed on: the report names the URL through
-:func:`~kvkit.redact.redact_url`, and the server tool, which takes a password
+:func:`~kvkit.config.shown_url`, and the server tool, which takes a password
 only on its command line (``-a``, readable by every local user in
 ``/proc/<pid>/cmdline``; neither tool reads one from the environment), is not
 run against a server that needs one: the report says so (``server_tool_skipped``).
@@ -36,9 +36,9 @@ from urllib.parse import parse_qsl
 import attrs
 import numpy as np
 
+from kvkit.config import shown_url
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.shared import BlockStore
-from kvkit.redact import redact_url
 from kvkit.shared.urls import open_block_store, process_wide
 from kvkit.validate import plural, quote
 
@@ -67,7 +67,7 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
     else:
         target = url
     try:
-        report: dict[str, Any] = {"url": redact_url(target), "repeat": repeat, "sizes": {}}
+        report: dict[str, Any] = {"url": shown_url(target), "repeat": repeat, "sizes": {}}
         skipped = _tool_skipped(target)
         if skipped is not None:
             report["server_tool_skipped"] = skipped

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from kvkit.redact import redact_url
+from kvkit.config import shown_url
 from kvkit.sim.fleet import FleetResult, compare_fleets
 from kvkit.sim.simulator import SimConfig, describe_effect, tier_effect
 from kvkit.validate import plural
@@ -26,7 +26,7 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
     from kvkit.shared.client import open_shared
 
     store, owned = open_shared(shared_url) if shared_url is not None else (None, False)
-    shown_url = "in-process" if shared_url is None else redact_url(shared_url)  # never a password
+    where = "in-process" if shared_url is None else shown_url(shared_url)  # never a password
     start = time.perf_counter()
     try:
         isolated, sharing = compare_fleets(workload.requests, config, instances=instances, router=router,
@@ -41,15 +41,15 @@ def run_fleets(workload: Any, config: SimConfig, *, instances: int, router: str,
         from kvkit.cli.simulate import describe_run  # imported here: simulate imports this module
 
         title = (f"{plural(len(isolated.instances), 'instance')} ({isolated.router}), each "
-                 f"{describe_run(workload.describe(), config)}; shared tier {shown_url}")
+                 f"{describe_run(workload.describe(), config)}; shared tier {where}")
         save(fleet_figure(isolated, sharing, title=title), plot_path)
     if as_json:
         report = {"isolated": isolated.as_dict(), "shared": sharing.as_dict(),
-                  "shared_tier": _effect(isolated, sharing), "shared_url": shown_url,
+                  "shared_tier": _effect(isolated, sharing), "shared_url": where,
                   "config": config.as_dict() | workload.as_dict(), "wall_s": round(wall, 3)}
         click.echo(json.dumps(report, indent=2, default=str))
         return
-    _print(isolated, sharing, workload.describe(), config, shown_url, wall)
+    _print(isolated, sharing, workload.describe(), config, where, wall)
     if plot_path is not None:
         click.echo(f"plot written to {plot_path}")
 
@@ -85,7 +85,7 @@ def _rows(f: FleetResult) -> dict[str, str]:
     }
 
 
-def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimConfig, shown_url: str,
+def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimConfig, where: str,
            wall: float) -> None:
     from rich.table import Table
 
@@ -97,7 +97,7 @@ def _print(isolated: FleetResult, sharing: FleetResult, what: str, config: SimCo
                         f"{plural(config.spec.block_size, 'token')}")
     table.add_column("", no_wrap=True)
     table.add_column("isolated", justify="right", no_wrap=True)
-    table.add_column(f"shared tier ({shown_url})", justify="right", no_wrap=True)
+    table.add_column(f"shared tier ({where})", justify="right", no_wrap=True)
     shared = _rows(sharing)
     for name, value in _rows(isolated).items():
         table.add_row(name, value, shared[name])

@@ -6,7 +6,7 @@ nothing sorts results between them.
 
 A tier that keeps values on a network store beyond this host without an HMAC
 secret trusts whoever can write that server: :func:`warn_unauthenticated` says
-so once per process and server (a ``RuntimeWarning``), for every such tier
+so once per store and never twice per node (a ``RuntimeWarning``), for every such tier
 (:func:`connect_shared`; vLLM's ``KVKitSecondaryTier``, whose values are never
 authenticated).
 """
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "store_deadline", "warn_unauthenticated"]
 
-_WARNED: set[tuple[tuple[str, int], ...]] = set()  # servers this process warned about
+_WARNED: set[tuple[str, int]] = set()  # nodes this process warned about
 _WARNED_LOCK = threading.Lock()
 
 
@@ -158,36 +158,66 @@ def store_deadline(store: BlockStore) -> float | None:
 
 
 def warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
-    """Warn (once per process and server) that ``store``'s values are trusted unauthenticated; whether it did.
+    """Warn that ``store``'s values are trusted unauthenticated when it talks to a node beyond loopback; whether
+    it did so now.
 
     The one rule of every tier that keeps KV on a store: only a network store
-    (one with ``nodes``, ``(host, port)`` pairs) with a node beyond loopback
-    and no ``secret`` is warned about: then anyone who can write that server
-    can plant KV that is loaded and served. Host names other than
-    ``localhost`` count as beyond loopback (nothing is resolved). The nodes
-    are those the store was given (a Cluster's seeds), not those a Cluster
-    announces later (docs/shared-tier.md, "Threat model").
+    and no ``secret`` is warned about, since then anyone who can write one of
+    its nodes can plant KV that is loaded and served. The nodes are those the
+    store was given (``nodes``, ``(host, port)`` pairs: warned about now) and,
+    for a store that reports the nodes it connects to (``watch``, as
+    :class:`~kvkit.backends.blockstore.valkey.ValkeyStore` does), every node
+    it connects to later: a Cluster's nodes as its slot map and redirects
+    announce them, whatever its seeds were (warned about before the first
+    connection to such a node). Host names other than ``localhost`` count as
+    beyond loopback (nothing is resolved). One store warns at most once, and
+    the process never twice about one node (docs/shared-tier.md, "Threat
+    model"). With warnings turned into errors the warning is raised instead,
+    each time: from here at start-up, and later in each call that would
+    connect to such a node, which fails (a failed call to the tier).
     """
-    nodes = getattr(store, "nodes", None)
-    if secret is not None or not nodes:
+    if secret is not None:
         return False
-    try:
-        key = tuple(sorted((str(host), int(port)) for host, port in nodes))
-    except (TypeError, ValueError):
-        return False
-    if all(_loopback(host) for host, _ in key):
-        return False
-    with _WARNED_LOCK:
-        if key in _WARNED:
+    warning = _Unauthenticated()
+    warned = warning.check(getattr(store, "nodes", None) or ())
+    watch = getattr(store, "watch", None)
+    if callable(watch) and not warned:
+        watch(warning.connected)
+    return warned
+
+
+@attrs.define(eq=False)
+class _Unauthenticated:
+    """One store's warning about unauthenticated values: given at most once, naming its nodes beyond loopback.
+
+    It holds no reference to the store (a store's threads call :meth:`connected`)."""
+
+    given: bool = False
+
+    def check(self, nodes: object) -> bool:
+        """Warn if ``nodes`` (``(host, port)`` pairs) hold one beyond loopback that this process has not warned
+        about, and this store has not warned yet; whether it did."""
+        try:
+            key = sorted({(str(host), int(port)) for host, port in nodes})  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
             return False
-        _WARNED.add(key)
-    where = ", ".join(redact(f"{host}:{port}") for host, port in key)
-    warnings.warn(redact_text(
-        f"kvkit: the KV values kept on {where} are not authenticated (no HMAC secret): anyone who can write that "
-        f"server can plant KV this engine will load and serve; use such a server only where every writer is "
-        f"trusted, or kvkit's shared tier with a secret every instance of the deployment shares "
-        f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=3)
-    return True
+        remote = {node for node in key if not _loopback(node[0])}
+        where = ", ".join(redact(f"{host}:{port}") for host, port in key)
+        with _WARNED_LOCK:  # held while warning: a warning turned into an error marks nothing, so it is raised again
+            if self.given or _WARNED.issuperset(remote):
+                return False
+            warnings.warn(redact_text(
+                f"kvkit: the KV values kept on {where} are not authenticated (no HMAC secret): anyone who can write "
+                f"that server can plant KV this engine will load and serve; use such a server only where every "
+                f"writer is trusted, or kvkit's shared tier with a secret every instance of the deployment shares "
+                f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=4)
+            _WARNED.update(remote)
+            self.given = True
+        return True
+
+    def connected(self, address: tuple[str, int]) -> None:
+        """The store is about to connect to ``address`` (its ``watch``)."""
+        self.check([address])
 
 
 def _loopback(host: str) -> bool:

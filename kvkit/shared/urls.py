@@ -24,7 +24,10 @@ and ``true``/``false`` are converted), so one string configures a store wherever
 password or option value it is in. A URL that fails to parse raises
 :class:`~kvkit.errors.ConfigError` quoting it and naming the valid forms. No
 message shows a password: URLs and options are quoted through
-:func:`~kvkit.validate.quote` (:mod:`kvkit.redact`).
+:func:`~kvkit.validate.quote` (:mod:`kvkit.redact`), and a URL's query option
+that its store does not take (a misspelled password option) is shown by name
+only (:func:`~kvkit.config.shown_url`, the form every report and repr shows a URL
+in).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import threading
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from kvkit.config import parse_bytes
+from kvkit.config import VALKEY_SCHEMES, parse_bytes, shown_url
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import BlockStore
 from kvkit.registry import SHARED
@@ -57,23 +60,24 @@ def open_block_store(url: str, **options: Any) -> BlockStore:
         BackendUnavailableError: the store is registered but cannot run here.
     """
     if not isinstance(url, str) or "://" not in url:
-        raise ConfigError(f"block store URL {quote(url)}: expected one of {_FORMS}")
+        raise ConfigError(f"block store URL {_quoted(url)}: expected one of {_FORMS}")
     try:
         return _open(url, _with_query(url, options))
     except ConfigError as exc:
         if str(exc).startswith("block store URL"):
             raise
-        raise ConfigError(f"block store URL {quote(url)}: {exc}") from exc
+        raise ConfigError(f"block store URL {_quoted(url)}: {exc}") from exc
 
 
 def _open(url: str, options: dict[str, Any]) -> BlockStore:
     scheme = url.partition("://")[0].lower()
     base, plus, mode = scheme.partition("+")
-    if base in ("valkey", "valkeys", "redis", "rediss") and mode in ("", "cluster"):
+    if base in VALKEY_SCHEMES and mode in ("", "cluster"):
         settings = _valkey(url, base.endswith("s"), bool(plus))
         twice = sorted(settings.keys() & options.keys())
         if twice:
-            raise ConfigError(f"block store URL {quote(url)}: {', '.join(twice)} given both in the URL and as options")
+            raise ConfigError(f"block store URL {_quoted(url)}: {', '.join(twice)} given both in the URL and as "
+                              f"options")
         return SHARED.create("valkey", slot="shared", **settings, **options)
     if scheme == "file":
         return SHARED.create("disk", slot="shared", **_disk(url, options))
@@ -81,7 +85,7 @@ def _open(url: str, options: dict[str, Any]) -> BlockStore:
         return _memory(url, _sizes(options))
     if scheme in SHARED.names():
         return SHARED.create(scheme, slot="shared", url=url, **options)
-    raise ConfigError(f"block store URL {quote(url)}: unknown scheme {scheme!r}; expected one of {_FORMS}, "
+    raise ConfigError(f"block store URL {_quoted(url)}: unknown scheme {scheme!r}; expected one of {_FORMS}, "
                       f"or a registered block store: {', '.join(SHARED.names())}")
 
 
@@ -91,15 +95,21 @@ def process_wide(store: BlockStore) -> bool:
         return any(store is held for held, _ in _MEMORY.values())
 
 
+def _quoted(url: object) -> str:
+    """``url`` quoted for a message (:func:`~kvkit.validate.quote`), a string as
+    :func:`~kvkit.config.shown_url` shows it."""
+    return quote(shown_url(url) if isinstance(url, str) else url)
+
+
 def _memory(url: str, options: dict[str, Any]) -> BlockStore:
     name = url.partition("://")[2].partition("?")[0]
     if "/" in name:
-        raise ConfigError(f"block store URL {quote(url)}: expected memory:// or memory://NAME (a name without '/')")
+        raise ConfigError(f"block store URL {_quoted(url)}: expected memory:// or memory://NAME (a name without '/')")
     with _MEMORY_LOCK:
         held = _MEMORY.get(name)
         if held is not None and not getattr(held[0], "closed", False):
             if held[1] != options:
-                raise ConfigError(f"block store URL {quote(url)}: this process's memory store {quote(name)} is open "
+                raise ConfigError(f"block store URL {_quoted(url)}: this process's memory store {quote(name)} is open "
                                   f"with options {quote(held[1])}, not {quote(options)}; open it with the same options")
             return held[0]
         store = SHARED.create("memory", slot="shared", **options)
@@ -114,15 +124,15 @@ def _valkey(url: str, tls: bool, cluster: bool) -> dict[str, Any]:
         auth, location = "", rest
     hosts, _, path = location.partition("/")
     if not hosts:
-        raise ConfigError(f"block store URL {quote(url)}: no host; expected e.g. valkey://127.0.0.1:6379/0")
+        raise ConfigError(f"block store URL {_quoted(url)}: no host; expected e.g. valkey://127.0.0.1:6379/0")
     nodes = [_address(url, part) for part in hosts.split(",")]
     if len(nodes) > 1 and not cluster:
-        raise ConfigError(f"block store URL {quote(url)}: several hosts need a Cluster scheme "
+        raise ConfigError(f"block store URL {_quoted(url)}: several hosts need a Cluster scheme "
                           f"(valkey+cluster://{hosts})")
     settings: dict[str, Any] = {"nodes": nodes, "cluster": cluster, "tls": tls}
     if path:
         if not path.isdigit():
-            raise ConfigError(f"block store URL {quote(url)}: the database {path!r} must be a number")
+            raise ConfigError(f"block store URL {_quoted(url)}: the database {path!r} must be a number")
         settings["db"] = int(path)
     if auth:
         user, colon, password = auth.partition(":")
@@ -139,7 +149,7 @@ def _decoded(url: str, what: str, text: str) -> str:
     try:
         return unquote(text, errors="strict")
     except UnicodeDecodeError:
-        raise ConfigError(f"block store URL {quote(url)}: the {what} has percent-escapes that are not UTF-8 "
+        raise ConfigError(f"block store URL {_quoted(url)}: the {what} has percent-escapes that are not UTF-8 "
                           f"(such as %ff); encode its bytes as UTF-8 first") from None
 
 
@@ -148,18 +158,18 @@ def _address(url: str, part: str) -> tuple[str, int]:
         parsed = urlsplit(f"//{part}")
         host, port = parsed.hostname, parsed.port or _DEFAULT_PORT
     except ValueError as exc:
-        raise ConfigError(f"block store URL {quote(url)}: bad address {part!r}: {exc}") from exc
+        raise ConfigError(f"block store URL {_quoted(url)}: bad address {part!r}: {exc}") from exc
     if not host:
-        raise ConfigError(f"block store URL {quote(url)}: bad address {part!r}; expected host:port")
+        raise ConfigError(f"block store URL {_quoted(url)}: bad address {part!r}; expected host:port")
     return host, port
 
 
 def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
     parsed = urlsplit(url, allow_fragments=False)  # a '#' is part of the directory's name
     if parsed.netloc not in ("", "localhost") or not parsed.path:
-        raise ConfigError(f"block store URL {quote(url)}: expected file:///absolute/path (a local directory)")
+        raise ConfigError(f"block store URL {_quoted(url)}: expected file:///absolute/path (a local directory)")
     if "capacity_bytes" not in options:
-        raise ConfigError(f"block store URL {quote(url)}: a disk store needs capacity_bytes (e.g. '50GiB')")
+        raise ConfigError(f"block store URL {_quoted(url)}: a disk store needs capacity_bytes (e.g. '50GiB')")
     raw = dict(parse_qsl(url.partition("?")[2], keep_blank_values=True)).get("file_mode")
     if raw is not None:  # octal text: "640" must not become the decimal number 640
         options = {**options, "file_mode": raw}
@@ -169,19 +179,19 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
 def _with_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
     query = url.partition("?")[2]  # all of it: a '#' is part of a value here (a password's), not a fragment
     if "@" in query:  # else the userinfo would be ambiguous (see kvkit.redact)
-        raise ConfigError(f"block store URL {quote(url)}: a '@' after the '?'; percent-encode it (%40)")
+        raise ConfigError(f"block store URL {_quoted(url)}: a '@' after the '?'; percent-encode it (%40)")
     found: dict[str, Any] = {}
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query), errors="strict")
     except UnicodeDecodeError:
-        raise ConfigError(f"block store URL {quote(url)}: the query has percent-escapes that are not UTF-8 "
+        raise ConfigError(f"block store URL {_quoted(url)}: the query has percent-escapes that are not UTF-8 "
                           f"(such as %ff); encode its values as UTF-8 first") from None
     except ValueError:  # strict parsing: an item without '=' (a password's tail after an unencoded '&'?)
-        raise ConfigError(f"block store URL {quote(url)}: every query item must be name=value (a value "
+        raise ConfigError(f"block store URL {_quoted(url)}: every query item must be name=value (a value "
                           f"holding '&' percent-encodes it: %26)") from None
     for name, text in pairs:
         if name in options or name in found:
-            raise ConfigError(f"block store URL {quote(url)}: option {name!r} given twice")
+            raise ConfigError(f"block store URL {_quoted(url)}: option {name!r} given twice")
         found[name] = _option_value(text)
     return {**found, **options}
 

@@ -77,10 +77,10 @@ from typing import Any, cast
 
 import attrs
 
-from kvkit.config import DEFAULTS, StackConfig
+from kvkit.config import DEFAULTS, StackConfig, shown_url
 from kvkit.errors import ConfigError, RequestStateError, TraceFormatError
 from kvkit.interfaces import BlockHash, HitSource, KVCacheSpec
-from kvkit.redact import redact, redact_url
+from kvkit.redact import redact
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.sim.traces import TraceRequest
 from kvkit.stack import OffloadStack, build
@@ -342,7 +342,7 @@ class SimConfig:
             "verify": self.verify,
             "model": attrs.asdict(self.model),
             "shared": None if shared is None else {
-                "url": redact_url(shared.url) if isinstance(shared.url, str) else name(shared.url),
+                "url": shown_url(shared.url) if isinstance(shared.url, str) else name(shared.url),
                 "write": shared.write, "model": shared.model, "tenant": shared.tenant,
                 "backoff_s": shared.backoff_s},
             "block_bytes": self.spec.bytes_per_block,

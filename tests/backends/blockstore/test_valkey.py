@@ -218,6 +218,27 @@ def test_cluster_follows_moved_after_a_stale_slot_map(valkey_cluster):
     store.close()
 
 
+def test_a_watcher_hears_of_every_node_the_store_connects_to_once(valkey_cluster):
+    """``watch``: each node is reported once, before the store's first connection to it: the seed, and the
+    nodes reached only through MOVED (the slot map wrongly names the seed for every slot); a watcher added later
+    hears of them all at once."""
+    nodes = [("127.0.0.1", n.port) for n in valkey_cluster.nodes]
+    store = ValkeyStore(nodes[:1], cluster=True)
+    heard: list[tuple[str, int]] = []
+    store.watch(heard.append)
+    topology = store._lookup.topology
+    topology.slots, topology.stale = [nodes[0]] * 16384, False
+    try:
+        keys = [b"kvkit:watch:%d" % i for i in range(50)]
+        assert _put(store, keys)[0].ok and store.contains(keys) == 50 and _get(store, keys)[0].ok
+        assert heard[0] == nodes[0] and sorted(heard) == sorted(nodes)
+        late: list[tuple[str, int]] = []
+        store.watch(late.append)
+        assert late == heard
+    finally:
+        store.close()
+
+
 def test_cluster_follows_ask_during_a_migration(valkey_cluster):
     """A slot being migrated answers ASK for keys it lacks; the store asks the importing node."""
     nodes = valkey_cluster.nodes
