@@ -125,7 +125,11 @@ class BlockStore(Protocol):
     a failing medium need one, and kvkit's Valkey fault tests provide it):
         * ``contains`` answers the length of the leading run of present keys,
           in one round trip to the medium; it never raises for a sick
-          server (it answers ``0``).
+          server (it answers ``0``). Given ``timeout_s``, a store with a
+          deadline of its own answers by then (by its own deadline if that
+          is sooner), a key not answered in time counting as absent, and
+          with ``0`` answers ``0`` without a round trip; a local store (whose
+          calls take what its medium takes) may ignore it, and says so.
         * ``put``/``get`` never block on the medium: they queue the work and
           answer a fresh ticket (never reused). ``poll(tickets)`` reports
           only results of the tickets it names, each ticket's exactly once
@@ -160,12 +164,13 @@ class BlockStore(Protocol):
           releases connections and files, and is idempotent;
           ``contains``/``put``/``get`` after it raise ``KVKitError``.
           Malformed calls (keys not non-empty ``bytes``, buffer lists not
-          one per key, ``poll`` tickets not a collection of ints) raise
-          ``ConfigError``.
+          one per key, ``poll`` tickets not a collection of ints, a
+          ``timeout_s`` not ``None`` or a number >= 0) raise ``ConfigError``.
     """
 
-    def contains(self, keys: Sequence[bytes]) -> int:
-        """Count the leading keys that are present (stop at the first absent one)."""
+    def contains(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        """Count the leading keys that are present (stop at the first absent one), answering within ``timeout_s``
+        seconds (``None``: the store's own deadline; see the invariants)."""
         ...
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:

@@ -12,7 +12,7 @@ from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.shared import StoreResult
 from kvkit.validate import check_real, plural, quote
 
-__all__ = ["MAX_WAITING", "TicketBox", "check_call", "check_keys", "flat_views", "wanted_tickets"]
+__all__ = ["MAX_WAITING", "TicketBox", "check_call", "check_keys", "check_timeout", "flat_views", "wanted_tickets"]
 
 
 def check_keys(store: str, closed: bool, keys: Sequence[bytes]) -> None:
@@ -24,6 +24,12 @@ def check_keys(store: str, closed: bool, keys: Sequence[bytes]) -> None:
     for key in keys:
         if not isinstance(key, bytes) or not key:
             raise ConfigError(f"a block-store key must be non-empty bytes, got {quote(key)}")
+
+
+def check_timeout(store: str, timeout_s: object) -> float | None:
+    """A ``contains`` call's ``timeout_s``: ``None`` (the store's own deadline) or seconds >= 0 as a ``float``;
+    ``ConfigError`` quoting anything else (NaN included)."""
+    return None if timeout_s is None else check_real(f"{store}.contains timeout_s", timeout_s, low=0.0)
 
 
 def check_call(store: str, closed: bool, keys: Sequence[bytes],

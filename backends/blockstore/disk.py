@@ -18,7 +18,7 @@ from pathlib import Path
 
 import attrs
 
-from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, check_timeout
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.eviction import EvictionPolicy
@@ -142,7 +142,8 @@ class DiskStore:
     descriptor left, no permission, an I/O error) is a miss that forgets
     nothing, and a rename refused leaves the old value counted. ``contains``
     opens each subdirectory once per call (so holds at most 256 descriptors
-    while it runs) and looks at each file through it. The capacity holds per process
+    while it runs) and looks at each file through it; it takes what the file system takes, so it
+    ignores ``timeout_s`` (checked only). The capacity holds per process
     (values this store wrote, found when it opened, or met since); a full file
     system is relieved of any process's values. Work runs on a pool of
     ``threads`` threads of the process that opened the store: in a child
@@ -220,9 +221,10 @@ class DiskStore:
         with self._lock:
             return self._limit()
 
-    def contains(self, keys: Sequence[bytes]) -> int:
+    def contains(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         self._check_process()
         check_keys("DiskStore", self.closed, keys)
+        check_timeout("DiskStore", timeout_s)
         folders: dict[str, int] = {}
         try:
             n = 0

@@ -8,7 +8,7 @@ from collections.abc import Collection, Sequence
 
 import attrs
 
-from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, check_timeout
 from kvkit.interfaces.shared import StoreResult
 from kvkit.validate import check_int, checked
 
@@ -24,6 +24,7 @@ class MemoryStore:
     recently written or read values to make room, as a server with
     ``maxmemory`` and an LRU policy does. At most ``max_waiting`` finished
     results wait for their owners (one more abandons the oldest).
+    ``contains`` answers at once, so it ignores ``timeout_s`` (checked only).
     Thread-safe: several stacks may share one instance.
 
     Invariants: ``used_bytes`` is the sum of the held values' lengths and never
@@ -42,8 +43,9 @@ class MemoryStore:
     used_bytes: int = attrs.field(default=0, init=False)
     closed: bool = attrs.field(default=False, init=False)
 
-    def contains(self, keys: Sequence[bytes]) -> int:
+    def contains(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         check_keys("MemoryStore", self.closed, keys)
+        check_timeout("MemoryStore", timeout_s)
         with self._lock:
             n = 0
             for key in keys:

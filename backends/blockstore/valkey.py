@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys
+from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, check_timeout
 from kvkit.backends.blockstore.link import Link, NodeHealth, Topology, Unreachable
 from kvkit.backends.blockstore.resp import Address, Connection, ConnectOptions, Redirect, ServerError, error_reply
 from kvkit.errors import ConfigError
@@ -98,7 +98,10 @@ class ValkeyStore:
     the bytes trickle: a ``put`` or ``get`` is reported by then from its
     submission (time spent queued behind earlier calls included; one whose
     deadline passed in the queue fails without being sent), and ``contains``
-    answers by then (``0`` past the first key it could not confirm).
+    answers by then (``0`` past the first key it could not confirm), or by
+    its ``timeout_s`` if that is sooner (``0``: at once, nothing sent; a
+    lookup cut short by it is evidence against its node only as a call cut
+    short by the deadline is: the node sent nothing for half the deadline).
     Connecting is bounded by ``connect_timeout_s`` as well (at most
     ``request_timeout_s``: a connect that times out then is evidence against
     its node, however short the deadline). A key that missed
@@ -205,19 +208,22 @@ class ValkeyStore:
     def ping(self) -> str | None:
         """``None`` when the server answers (and logs us in); else ``"transport: <why>"``."""
         check_keys("ValkeyStore", self.closed, ())
-        found = self._look_up([b"kvkit:ping"], lambda _: [b"*1\r\n$4\r\nPING\r\n"], lambda c, _: [c.reply()])
+        found = self._look_up([b"kvkit:ping"], lambda _: [b"*1\r\n$4\r\nPING\r\n"], lambda c, _: [c.reply()],
+                              self.request_timeout_s)
         if isinstance(found[0], Unreachable):
             return found[0].reason
         if isinstance(found[0], ServerError):
             return f"transport: the server refused us: {found[0]}"
         return None
 
-    def contains(self, keys: Sequence[bytes]) -> int:
+    def contains(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         check_keys("ValkeyStore", self.closed, keys)
-        if not keys:
+        budget = check_timeout("ValkeyStore", timeout_s)
+        budget = self.request_timeout_s if budget is None else min(budget, self.request_timeout_s)
+        if not keys or budget <= 0:
             return 0
         found = self._look_up(keys, lambda ids: [b"".join(_EXISTS % (len(keys[i]), keys[i]) for i in ids)],
-                              _read_ints)
+                              _read_ints, budget)
         n = 0
         while n < len(found) and found[n] == 1:
             n += 1
@@ -249,10 +255,11 @@ class ValkeyStore:
         assert not self.closed or self._io.tickets.outstanding == 0, "tickets left unfinished after close"
         self._io.tickets.check_invariants()
 
-    def _look_up(self, keys: Sequence[bytes], encode, read) -> list[object]:
-        """One outcome per key over the lookup connection, on the caller's thread, by the deadline."""
-        deadline = time.monotonic() + self.request_timeout_s
-        if not self._lookup_lock.acquire(timeout=self.request_timeout_s):
+    def _look_up(self, keys: Sequence[bytes], encode, read, budget_s: float) -> list[object]:
+        """One outcome per key over the lookup connection, on the caller's thread, within ``budget_s`` seconds
+        (waiting for the connection included)."""
+        deadline = time.monotonic() + budget_s
+        if not self._lookup_lock.acquire(timeout=budget_s):
             return [Unreachable("transport: another lookup held the connection past the deadline")] * len(keys)
         try:
             return self._lookup.run(keys, encode, read, deadline=deadline)

@@ -99,12 +99,14 @@ class SharedTierSpec:
         lookup_budget_s: how long one step may wait on the store in all (the
             store's deadline of one call: :func:`~kvkit.shared.client.connect_shared`
             passes a store's ``request_timeout_s``): its lookups wait on
-            ``contains`` until it is spent (then the step's further lookups find
-            nothing there, and a hit found by the lookup that spent it is not
-            taken: no time is left to fetch it), and the fetches of a store with
-            a deadline get what the lookups left (``StepPlan.fetch_wait_s``).
-            However many requests a step looks up through a slow link, it waits
-            on the shared tier less than twice the deadline in all.
+            ``contains`` until it is spent, each lookup given what is left of it
+            (then the step's further lookups find nothing there, and a hit found
+            by the lookup that spent it is not taken: no time is left to fetch
+            it), and the fetches of a store with a deadline get what the lookups
+            left (``StepPlan.fetch_wait_s``). However many requests a step looks
+            up through a slow link, it waits on the shared tier about one
+            deadline in all (lookups and fetches together, plus the scheduling
+            of the calls).
         clock: seconds, monotonic (tests pass a fake one).
     """
 
@@ -266,8 +268,9 @@ class SharedTier:
         hashes found are remembered as held (not put again however the request's plan uses
         them); those from the first one found absent on, and the tail, are forgotten as put: the
         request recomputes them, and they are put again. Once this step's lookups have
-        waited ``spec.lookup_budget_s`` on the store, nothing is asked (and nothing forgotten),
-        and the lookup that spent it answers 0: no time is left this step to fetch what it found.
+        waited ``spec.lookup_budget_s`` on the store, nothing is asked (and nothing forgotten);
+        each lookup gets what is left of it (``contains``'s ``timeout_s``), and the one that spent
+        it answers 0: no time is left this step to fetch what it found.
         """
         if not hashes or not self.available or self._lookup_spent >= self.spec.lookup_budget_s:
             return 0
@@ -275,7 +278,7 @@ class SharedTier:
         keys = [key(h, rank) for h in hashes for rank in ranks]
         start = self.spec.clock()
         try:
-            n = self.spec.store.contains(keys)
+            n = self.spec.store.contains(keys, timeout_s=self.spec.lookup_budget_s - self._lookup_spent)
         except Exception as exc:  # noqa: BLE001 - the protocol says it answers 0; a buggy one must not wedge us
             self.suspect(f"transport: contains raised {exc!r}")
             return 0

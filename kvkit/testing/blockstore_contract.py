@@ -79,14 +79,16 @@ class BlockStoreContract(RuleBasedStateMachine):
       polls the other's results wait for it (none lost); a result names only
       indices of its call.
     * ``contains`` answers the leading run of landed keys (``may_drop``: at
-      most the leading run of landed or maybe keys); never more.
+      most the leading run of landed or maybe keys); never more. It accepts
+      ``timeout_s`` (an ample one answers as the default; ``0`` never more).
     * A ``get`` of a landed key succeeds with exactly its bytes (``may_drop``:
       fails or has its bytes); a key that never landed fails; buffers of
       another total length fail, and are left for the store to fill only
       with a value of exactly their length.
     * A malformed call (a key not non-empty ``bytes``, buffer lists not one
       per key, a buffer not C-contiguous bytes-like, poll tickets not a
-      collection of ints) raises ``ConfigError`` and writes nothing.
+      collection of ints, a ``contains`` timeout not ``None`` or a number
+      >= 0) raises ``ConfigError`` and writes nothing.
     * ``check_invariants()`` passes after every step; after ``close`` every
       outstanding ticket is reported once and every call raises.
 
@@ -156,17 +158,23 @@ class BlockStoreContract(RuleBasedStateMachine):
         self.outstanding[ticket] = ("get-wrong", [k], [buffer], frozenset())
         self._wait_for(ticket)
 
-    @rule(ks=_KEY_LIST)
-    def contains(self, ks: list[int]) -> None:
-        """The answer is the leading run of landed keys (at most that of landed-or-maybe ones)."""
+    @rule(ks=_KEY_LIST, budget=st.sampled_from(["default", "ample", "none left"]))
+    def contains(self, ks: list[int], budget: str) -> None:
+        """The answer is the leading run of landed keys (at most that of landed-or-maybe ones), with the store's
+        own deadline or an ample ``timeout_s``; with ``timeout_s=0`` at most that (a store with a deadline answers
+        0 at once, a local one may ignore it)."""
         self._settle_puts()
-        n = self.store.contains([_key(k) for k in ks])
+        keys = [_key(k) for k in ks]
+        if budget == "default":
+            n = self.store.contains(keys)
+        else:
+            n = self._contains(keys, self.report_timeout_s if budget == "ample" else 0.0)
         assert isinstance(n, int) and 0 <= n <= len(ks), f"contains({ks}) answered {n!r}"
         sure = self._leading(ks, {"landed"})
         possible = self._leading(ks, {"landed", "maybe"})
         assert n <= possible, (f"contains({ks}) answered {n}, but only the first {plural(possible, 'key')} "
                                f"can be present (states {self._states(ks)})")
-        if not self.may_drop:
+        if not self.may_drop and budget != "none left":
             assert n >= sure, (f"contains({ks}) answered {n}, but the first {plural(sure, 'key')} landed "
                                f"and none was dropped (states {self._states(ks)})")
 
@@ -204,7 +212,8 @@ class BlockStoreContract(RuleBasedStateMachine):
     @rule(kind=st.sampled_from(["str key", "empty key", "short buffer list", "strided buffer", "not a buffer"]))
     def malformed_call(self, kind: str) -> None:
         """A malformed put or get raises ConfigError at once and queues nothing (bad buffers after a good
-        key's value too: that value is not written)."""
+        key's value too: that value is not written); so do a poll of tickets not in a collection and a
+        contains whose timeout is negative or not a number."""
         good = [memoryview(bytes(_value(0)))]
         cases: dict[str, tuple[list[Any], list[list[Any]]]] = {
             "str key": (["k"], [[memoryview(b"x")]]), "empty key": ([b""], [[memoryview(b"x")]]),
@@ -218,11 +227,16 @@ class BlockStoreContract(RuleBasedStateMachine):
             except ConfigError:
                 continue
             raise AssertionError(f"{call.__name__} with a {kind} did not raise ConfigError")
-        try:
-            self.store.poll(7)  # type: ignore[arg-type]
-        except ConfigError:
-            return
-        raise AssertionError("poll(7), a ticket not in a collection, did not raise ConfigError")
+        ticket: Any = 7  # not in a collection
+        timeout: Any = "soon"
+        for name, odd in (("poll(7)", lambda: self.store.poll(ticket)),
+                          ("contains(timeout_s=-1.0)", lambda: self._contains([_key(0)], -1.0)),
+                          ("contains(timeout_s='soon')", lambda: self._contains([_key(0)], timeout))):
+            try:
+                odd()
+            except ConfigError:
+                continue
+            raise AssertionError(f"{name} did not raise ConfigError")
 
     @override
     def teardown(self) -> None:
@@ -247,6 +261,17 @@ class BlockStoreContract(RuleBasedStateMachine):
         finally:
             self.store.close()
             self.release_store(self.store)
+
+    def _contains(self, keys: list[bytes], timeout_s: float) -> int:
+        """``contains(keys, timeout_s=timeout_s)``; a store whose ``contains`` takes no ``timeout_s`` fails the
+        contract (a scheduler could not bound its lookups by what a step has left)."""
+        try:
+            return self.store.contains(keys, timeout_s=timeout_s)
+        except TypeError as exc:
+            if "timeout_s" in str(exc):
+                raise AssertionError(f"contains(keys, timeout_s={timeout_s!r}) raised {exc!r}: it must take "
+                                     f"the keyword timeout_s") from None
+            raise
 
     def _issue(self, ticket: object, caller: int) -> int:
         assert isinstance(ticket, int) and ticket >= 0, f"a ticket must be an int >= 0, got {ticket!r}"

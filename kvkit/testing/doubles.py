@@ -73,8 +73,8 @@ class FailingStore:
     _failed: dict[int, StoreResult] = attrs.field(factory=dict, init=False)  # in the order they failed
     _next: int = attrs.field(default=1 << 40, init=False)  # never collides with the inner store's tickets
 
-    def contains(self, keys: Sequence[bytes]) -> int:
-        return 0 if self.down else self.inner.contains(keys)
+    def contains(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        return 0 if self.down else self.inner.contains(keys, timeout_s=timeout_s)
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
         return self._fail(keys) if self.down else self.inner.put(keys, values)

@@ -29,7 +29,8 @@ class SlowLink:
     """A proxy from ``127.0.0.1:port`` to ``target`` that moves at most ``rate`` bytes/s each way.
 
     ``latency``: seconds the target's bytes wait before they move on whenever they come after a pause
-    (nothing from the target for a tick): each reply arrives that much later, however it is split.
+    (nothing from the target for a tick) or after the client sent more: each reply arrives that much
+    later, however it is split and however soon the client asks again.
     Use as a context manager, or call :meth:`start` and :meth:`close`. ``connections`` counts the
     connections accepted so far.
     """
@@ -102,19 +103,23 @@ class SlowLink:
                 sock.setblocking(False)
                 with self._lock:
                     self._sockets.append(sock)
-            self._spawn(self._pump, client, server, False)
-            self._spawn(self._pump, server, client, True)
+            asked = threading.Event()  # the client sent bytes the target's next reply answers
+            self._spawn(self._pump, client, server, False, asked)
+            self._spawn(self._pump, server, client, True, asked)
 
-    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool, asked: threading.Event) -> None:
         """Move ``src``'s bytes to ``dst`` at the rate (``replies``: the target's, held ``latency`` after a
-        pause); at EOF or an error, shut ``dst``'s writing side."""
+        pause or a new request, ``asked``); at EOF or an error, shut ``dst``'s writing side."""
         paused = True
         try:
             while not self._stop.is_set():
                 if not select.select([src], [], [], _TICK)[0]:
                     paused = True
                     continue
-                if replies and paused:
+                if not replies:
+                    asked.set()
+                elif paused or asked.is_set():
+                    asked.clear()
                     self._sleep(self.latency)
                 paused = False
                 rate = self.rate

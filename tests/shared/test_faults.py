@@ -147,6 +147,42 @@ def test_the_lookups_of_one_step_share_the_deadline_through_a_slow_link(server):
         b.close(timeout=3.0)
 
 
+def test_the_lookups_of_one_step_through_a_far_link_wait_one_deadline_in_all(server):
+    """Every reply held 0.9 s (``request_timeout_s=1``), five requests with a shared hit each looked up in one
+    step: the first lookup finds its hit in 0.9 s, the second is given only what is left of the deadline (not a
+    whole one) and the rest nothing, so the step waits on the shared tier one deadline in all, not two; none
+    raises, the node is not marked down (it answers, late), and the hit that could not be fetched in time is a
+    miss that recomputes right bytes."""
+    def wide(url):
+        stack = kvkit.build(kv=SPEC, gpu_blocks=128, cpu_blocks=128, copy="torch", device="cpu",
+                            layout="per-layer", shared=SharedConfig(url=url), world_size=2)
+        return stack, ReferenceEngine(stack)
+
+    prompts = [[1000 * (i + 1) + t for t in PROMPT] for i in range(5)]
+    a, ea = wide(server.url + FAST)
+    for i, tokens in enumerate(prompts):
+        serve(ea, f"a{i}", tokens)
+    a.close()
+    with SlowLink(("127.0.0.1", server.port), latency=0.9) as link:
+        b, eb = wide(f"valkey://127.0.0.1:{link.port}/0?request_timeout_s=1&connect_timeout_s=1")
+        for i, tokens in enumerate(prompts):
+            eb.add_request(f"b{i}", hash_blocks(tokens, SPEC.block_size), len(tokens))
+        start = time.monotonic()
+        report = eb.step()
+        took = time.monotonic() - start
+        assert took <= 1.0 + 0.4, f"the step waited {took:.2f} s on a shared tier whose deadline is 1 s"
+        assert len(report.scheduled) == 5 and all(req.cpu_hit_tokens == 0 for req in report.scheduled)
+        assert b.stats.shared_hit_tokens.value == 36 and b.shared_store.down_nodes == {}
+        for i in range(5):
+            eb.finish(f"b{i}")
+        eb.step()
+        eb.drain()
+        assert b.stats.fetches_failed.value == 9 and b.stats.loads_failed.value == 1
+        assert eb.integrity_errors == 0 and b.shared_counts["invalid_values"] == 0
+        b.check_invariants()
+        b.close(timeout=3.0)
+
+
 def test_a_second_instance_finds_the_shared_tokens_after_the_server_closed_idle_connections():
     """``timeout 1``: every connection of both instances is closed by the server while idle; the second
     instance still finds all 36 shared tokens, and nothing is counted as an outage."""

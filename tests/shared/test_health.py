@@ -78,9 +78,9 @@ def test_while_off_nothing_is_looked_up_there():
     class Counting(MemoryStore):
         calls = 0
 
-        def contains(self, keys):
+        def contains(self, keys, *, timeout_s=None):
             Counting.calls += 1
-            return super().contains(keys)
+            return super().contains(keys, timeout_s=timeout_s)
 
     store, clock = FailingStore(Counting(), down=True), Clock()
     mgr = manager(store, clock)
@@ -174,9 +174,9 @@ class _Slow(MemoryStore):
         self.clock, self.seconds = clock, seconds
         self.request_timeout_s = 1.0
 
-    def contains(self, keys):
+    def contains(self, keys, *, timeout_s=None):
         self.clock.now += self.seconds
-        return super().contains(keys)
+        return super().contains(keys, timeout_s=timeout_s)
 
 
 def test_the_fetches_of_a_step_get_what_its_lookups_left_of_the_deadline():

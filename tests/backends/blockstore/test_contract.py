@@ -139,7 +139,7 @@ _FIND_BUG = settings(max_examples=300, phases=[Phase.generate], database=None, d
 class _CountsEveryHit(MemoryStore):
     """contains counts every present key, not the leading run."""
 
-    def contains(self, keys):
+    def contains(self, keys, *, timeout_s=None):
         return sum(k in self._values for k in keys)
 
 
@@ -181,8 +181,15 @@ class _KeysOnAPrefix(MemoryStore):
     def get(self, keys, buffers):
         return super().get([k[:-2] for k in keys], buffers)
 
+    def contains(self, keys, *, timeout_s=None):
+        return super().contains([k[:-2] for k in keys], timeout_s=timeout_s)
+
+
+class _NoLookupBudget(MemoryStore):
+    """contains refuses ``timeout_s``, so a scheduler cannot bound a lookup by what its step has left."""
+
     def contains(self, keys):
-        return super().contains([k[:-2] for k in keys])
+        return super().contains(keys)
 
 
 class _ForgetsTickets(MemoryStore):
@@ -315,7 +322,8 @@ def _disk_machine(store_cls):
 
 @pytest.mark.parametrize("machine", [
     _memory_machine(_CountsEveryHit), _memory_machine(_AcceptsShortValues), _memory_machine(_LosesWrites),
-    _memory_machine(_KeysOnAPrefix), _memory_machine(_ForgetsTickets), _memory_machine(_ReportsTwice),
+    _memory_machine(_KeysOnAPrefix), _memory_machine(_NoLookupBudget), _memory_machine(_ForgetsTickets),
+    _memory_machine(_ReportsTwice),
     _memory_machine(_ReusesTickets), _memory_machine(_HandsOutEveryResult), _memory_machine(_LosesOthersResults),
     _memory_machine(_AcceptsAnyTickets), _memory_machine(_ServesAfterDrop), _memory_machine(_LiveAfterClose),
     _memory_machine(_ChecksNothing), _memory_machine(_WritesBeforeChecking),

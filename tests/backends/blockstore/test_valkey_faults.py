@@ -132,6 +132,27 @@ def test_contains_through_a_crawling_link_answers_by_its_deadline(valkey_server)
         store.close()
 
 
+def test_contains_answers_within_its_timeout_through_a_far_link(valkey_server):
+    """Every reply held 0.8 s (deadline 2 s): ``contains`` given 0 answers 0 without a round trip (no
+    connection made); given 0.2 s it answers 0 by then, never raises, and the node is not marked down (a short
+    budget is no evidence against it); given more than the reply takes, or none, it answers every key."""
+    valkey_server.call(b"FLUSHALL")
+    keys = [b"far:%d" % i for i in range(100)]
+    direct = _store(("127.0.0.1", valkey_server.port))
+    assert _put(direct, keys, [b"v"] * len(keys)).ok
+    direct.close()
+    with SlowLink(("127.0.0.1", valkey_server.port), latency=0.8) as link:
+        store = _store(link.address, request_timeout_s=2.0, connect_timeout_s=2.0)
+        start = time.monotonic()
+        assert store.contains(keys, timeout_s=0.0) == 0 and link.connections == 0
+        assert store.contains(keys, timeout_s=0.2) == 0
+        took = time.monotonic() - start
+        assert took <= 0.2 + 0.3, f"contains given 0.2 s took {took:.2f} s"
+        assert store.down_nodes == {}
+        assert store.contains(keys, timeout_s=1.5) == 100 and store.contains(keys) == 100
+        store.close()
+
+
 def test_a_stalled_server_is_marked_down_and_its_calls_then_fail_at_once(own_server):
     """SIGSTOP: the first call waits its deadline and marks the node down; the next fail at once."""
     store = _store(("127.0.0.1", own_server.port))
