@@ -57,13 +57,15 @@ class NodeHealth:
     """Each node's breaker: a node with evidence against it is not tried for ``retry_interval_s``; the others are.
 
     Evidence that a node is unusable: a connection or login that fails, a connection that breaks
-    on a call (a reused one: again, right after reopening it), a reply that is not RESP, a ``-NOAUTH``
-    reply (the connection is not logged in: no command on it can succeed), or a node
+    on a call (a reused one: again, right after reopening it), a reply that is not RESP, a reply
+    saying the node serves no command for now (``-NOAUTH``: the connection is not logged in;
+    ``-LOADING``: the dataset is still loading; ``-MASTERDOWN``: a replica lost its primary), or a node
     that sent nothing for at least half a call's deadline (stalled; asked for the slot map, at least
     half of its equal share of a call's deadline, see :meth:`Link.refresh`). Not evidence: a connection the
     server closed while it was idle (reopened, and the call retried on it once), a deadline that
     passed while the node was still sending (slow, not stalled) or before the node was reached,
-    a missing key, any other error reply (``-OOM``, ``-READONLY``: that key's failure) or a redirect.
+    a missing key, any other error reply (``-OOM``, ``-READONLY``, ``-MISCONF``: writes refused,
+    reads served; that key's failure) or a redirect.
     Thread-safe (a store's lookup and I/O links share one).
     """
 

@@ -504,19 +504,28 @@ def command(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
+_UNUSABLE = {
+    b"NOAUTH": "the connection is not logged in (the server demands a password this store was not given)",
+    b"LOADING": "the server is loading its dataset and serves no command until it is done",
+    b"MASTERDOWN": "the replica lost its primary and serves no stale data",
+}
+"""The first words of the error replies that say a node serves no command for now, with what they mean."""
+
+
 def error_reply(text: bytes) -> ServerError | Redirect:
     """An error line (without its ``-``) as a ``Redirect`` when it is ``MOVED``/``ASK`` to a slot (0-16383) at
     a port (1-65535), else ``ServerError`` (a redirect out of range names no node: its key fails with the
     server's words).
 
-    ``NOAUTH`` raises ``ConnectionRefusedError`` instead: the connection is not logged in (the server
-    demands a password the store was not given, or one set after it connected), so no command on it
-    can succeed; like a refused login, that is evidence against the node, not a key's failure.
+    A reply saying the node serves no command for now (:data:`_UNUSABLE`: ``NOAUTH``, ``LOADING``,
+    ``MASTERDOWN``) raises ``ConnectionRefusedError`` instead: like a refused login, that is evidence
+    against the node (marked down, tried again after its retry interval), not a key's failure.
+    ``MISCONF`` (writes refused, reads served) stays a ``ServerError``: it fails the writes only.
     """
     parts = text.split()
-    if parts[:1] == [b"NOAUTH"]:
-        raise ConnectionRefusedError("the server answered NOAUTH: the connection is not logged in (the server "
-                                     "demands a password this store was not given)")
+    unusable = _UNUSABLE.get(parts[0]) if parts else None
+    if unusable is not None:
+        raise ConnectionRefusedError(f"the server answered {parts[0].decode()}: {unusable}")
     if len(parts) == 3 and parts[0] in (b"MOVED", b"ASK"):
         host, _, port = parts[2].rpartition(b":")
         if parts[1].isdigit() and port.isdigit() and int(parts[1]) < SLOTS and 0 < int(port) < 65536:

@@ -123,7 +123,7 @@ def test_a_far_link_costs_a_step_one_deadline_for_its_lookup_and_fetch_together(
 
 def test_the_lookups_of_one_step_share_the_deadline_through_a_slow_link(server):
     """Ten requests looked up in one step through a link that keeps trickling (never stalled, so no node is
-    marked down): each ``contains`` would wait its whole deadline; together they wait less than twice it,
+    marked down): each ``contains`` would wait its whole deadline; together they wait one deadline in all,
     the later ones finding nothing there. The next step's lookups ask again (and find a shared hit)."""
     a, ea = instance(server.url + FAST)
     serve(ea, "a")
@@ -138,7 +138,7 @@ def test_the_lookups_of_one_step_share_the_deadline_through_a_slow_link(server):
             eb.add_request(f"r{i}", hash_blocks(tokens, SPEC.block_size), len(tokens))
         start = time.monotonic()
         report = eb.step()
-        assert time.monotonic() - start <= 2 * DEADLINE + SLACK, f"the step took {time.monotonic() - start:.2f} s"
+        assert time.monotonic() - start <= DEADLINE + SLACK, f"the step took {time.monotonic() - start:.2f} s"
         assert len(report.scheduled) == 10 and b.manager.shared_status == "on"
         assert b.shared_store.down_nodes == {}  # slow, not stalled: only the budget cut the lookups short
         link.rate = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import select
 import socket
 import threading
 import time
@@ -301,6 +302,133 @@ def test_a_server_that_demands_a_password_mid_run_is_marked_down_until_it_lets_t
     assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
     assert store.contains([b"a"]) == 1
     store.close()
+
+
+class _Answering:
+    """A loopback proxy to ``target`` that, while ``answer`` is set, answers every whole command itself with
+    that error line (as a loading or primary-less node answers every command) and forwards it otherwise."""
+
+    def __init__(self, target):
+        self.target, self.answer = target, None
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = ("127.0.0.1", self._listener.getsockname()[1])
+        self._stop = threading.Event()
+        self._sockets = [self._listener]
+        self._threads = [self._spawn(self._accept)]
+
+    def close(self):
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5.0)
+        for sock in self._sockets:
+            sock.close()
+
+    def _spawn(self, target, *args):
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        return thread
+
+    def _accept(self):
+        while not self._stop.is_set():
+            if select.select([self._listener], [], [], 0.02)[0]:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(self.target)
+                self._sockets += [client, server]
+                self._threads += [self._spawn(self._requests, client, server),
+                                  self._spawn(self._replies, server, client)]
+
+    def _requests(self, client, server):
+        pending = bytearray()
+        while not self._stop.is_set():
+            if not select.select([client], [], [], 0.02)[0]:
+                continue
+            data = client.recv(1 << 16)
+            if not data:
+                return
+            pending += data
+            if self.answer is None:
+                server.sendall(pending)
+                pending.clear()
+                continue
+            count, used = _whole_commands(pending)
+            del pending[:used]
+            client.sendall((b"-" + self.answer + b"\r\n") * count)
+
+    def _replies(self, server, client):
+        while not self._stop.is_set():
+            if select.select([server], [], [], 0.02)[0]:
+                data = server.recv(1 << 16)
+                if not data:
+                    return
+                client.sendall(data)
+
+
+def _whole_commands(data):
+    """How many whole RESP commands (arrays of bulks) ``data`` starts with, and how many bytes they take."""
+    count = used = 0
+    while data[used:used + 1] == b"*" and (end := data.find(b"\r\n", used)) >= 0:
+        at = end + 2
+        for _ in range(int(data[used + 1:end])):
+            end = data.find(b"\r\n", at)
+            if end < 0:
+                return count, used
+            at = end + 2 + int(data[at + 1:end]) + 2
+        if at > len(data):
+            return count, used
+        count, used = count + 1, at
+    return count, used
+
+
+@pytest.mark.parametrize("answer", [
+    b"LOADING Valkey is loading the dataset in memory",
+    b"MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."])
+def test_a_node_that_serves_no_command_for_now_is_marked_down_until_it_answers_normally(valkey_server, answer):
+    """Every command answered ``-LOADING`` (a node loading its dataset) or ``-MASTERDOWN`` (a replica that lost
+    its primary): that is evidence against the node, so the call's keys fail with a transport error naming
+    the reply, the node is marked down and the next calls fail at once, without raising; once it answers
+    normally again it is used again after its retry interval."""
+    valkey_server.call(b"FLUSHALL")
+    proxy = _Answering(("127.0.0.1", valkey_server.port))
+    try:
+        store = _store(proxy.address)
+        assert _put(store, [b"a"], [b"x"]).ok
+        proxy.answer = answer
+        result, _ = _get(store, [b"a"], 1)
+        code = answer.split()[0].decode()
+        assert result.transport_failed and code in result.error and result.unreached == (0,), result
+        assert list(store.down_nodes) == [proxy.address]
+        start = time.monotonic()
+        assert store.contains([b"a"]) == 0 and _put(store, [b"b"], [b"y"]).transport_failed
+        assert time.monotonic() - start < DEADLINE / 2, "a call waited on a node known to be down"
+        proxy.answer = None
+        assert _eventually(lambda: store.contains([b"a"]) == 1)
+        assert _put(store, [b"b"], [b"y"]).ok and store.down_nodes == {}
+        store.close()
+    finally:
+        proxy.close()
+
+
+def test_a_server_that_refuses_writes_fails_the_puts_only(tmp_path):
+    """A server that cannot persist (its ``dir`` gone, a failed ``BGSAVE`` under ``stop-writes-on-bgsave-error``)
+    answers ``-MISCONF`` to writes and serves reads: each put fails with the server's error (refused, not
+    unreached), the node is not marked down, and gets and ``contains`` go on being served."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    with LocalServer(server_binary_or_skip(), args=["--enable-protected-configs", "yes"]) as server:
+        store = _store(("127.0.0.1", server.port))
+        assert _put(store, [b"a"], [b"x"]).ok
+        server.call(b"CONFIG", b"SET", b"dir", str(gone).encode())
+        gone.rmdir()
+        server.call(b"CONFIG", b"SET", b"save", b"3600 1")
+        server.call(b"CONFIG", b"SET", b"stop-writes-on-bgsave-error", b"yes")
+        server.call(b"BGSAVE")
+        assert _eventually(lambda: b"rdb_last_bgsave_status:err" in server.call(b"INFO", b"persistence"))
+        result = _put(store, [b"b", b"c"], [b"y", b"z"])
+        assert result.failed == (0, 1) and "MISCONF" in result.error and result.unreached == (), result
+        assert store.down_nodes == {} and not result.transport_failed
+        got, buffers = _get(store, [b"a"], 1)
+        assert got.ok and buffers == [bytearray(b"x")] and store.contains([b"a", b"b"]) == 1
+        store.close()
 
 
 # -- a Cluster with a dead node, a failover, a moved slot ----------------------------------------------------
