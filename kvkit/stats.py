@@ -98,6 +98,9 @@ class OffloadStats:
             tier, and the bytes per worker.
         puts_failed: blocks of puts that failed on some worker.
         puts_skipped: blocks not put because the shared tier was off (backing off).
+        blocks_found_lost: CPU-tier blocks a lookup checked (their shared copy no longer
+            remembered as held) and took as lost by the shared tier (absent, or after the
+            first absent one: a restart, a flush, an eviction); write-through puts them again.
         shared_outages: times the shared tier was turned off after a failure.
         shared_probes / shared_recoveries: probes sent to a suspect or
             backed-off server, and the times it came back on.
@@ -153,6 +156,7 @@ class OffloadStats:
     bytes_put: Counter = _counter()
     puts_failed: Counter = _counter()
     puts_skipped: Counter = _counter()
+    blocks_found_lost: Counter = _counter()
     shared_outages: Counter = _counter()
     shared_probes: Counter = _counter()
     shared_recoveries: Counter = _counter()

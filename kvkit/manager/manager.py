@@ -395,11 +395,13 @@ class OffloadManager:
         stop = min((r.num_tokens - 1) // bs, len(r.block_hashes))
         r.gpu_hit_blocks = start
         hit = self._hits.pin(r, r.block_hashes[start:stop] if not self._draining else ())
-        if self._shared is not None and not self._draining and start + hit < stop:
+        if self._shared is not None and not self._draining:
             first = start + hit
-            self._shared.reserve(r, first, self._shared.find(r.block_hashes[first:stop], r.block_hashes[stop:]))
-            hit += len(r.fetch)
-            r.offered_blocks = hit
+            n = self._shared.find(r.block_hashes[first:stop], r.block_hashes[stop:], r.block_hashes[start:first])
+            if first < stop:
+                self._shared.reserve(r, first, n)
+                hit += len(r.fetch)
+                r.offered_blocks = hit
         self._events.emit("on_lookup", request_id, gpu_hit_tokens, hit * bs)
         return hit * bs
 

@@ -28,11 +28,23 @@ evidence against them: a lookup that finds a remembered hash absent forgets it
 and every hash after it in that request (they are recomputed and put again), a
 failed fetch forgets its hashes, an outage forgets everything (the server may
 have restarted empty), and nothing is remembered longer than ``trust_s``.
+A CPU hit asks the shared tier too, so blocks an instance keeps only in its
+CPU tier are put again once the server lost them: a lookup checks its CPU
+hit's hashes that are not remembered (and not queued, in flight, or found lost
+less than ``trust_s`` ago), after the hashes it looks up in the same
+``contains`` round trip (answered only when all of those are present: the
+store counts leading keys), or alone in one round trip when it looks up none;
+present ones are remembered again, from the first absent one on they are taken
+as lost (``stats.blocks_found_lost``) and put again from the CPU tier
+(write-through; write-back puts them as eviction candidates, as it puts any
+block not remembered). A lookup makes at most one round trip, none when its
+CPU hit is remembered and it looks up nothing, and never changes its hit.
 
 Invariants: a hash is offered only if every rank's key was present at its
 lookup; a fetched block is findable only after every worker's fetch landed,
 and stays referenced until its load completed; no hash has two puts in flight;
-no put is skipped for a hash put, fetched or found ``trust_s`` or longer ago, or before an outage.
+no put is skipped for a hash put, fetched or found ``trust_s`` or longer ago, or before an outage;
+a CPU-hit hash remembered (or found lost) less than ``trust_s`` ago, and since the last outage, is not checked.
 """
 
 from __future__ import annotations
@@ -162,6 +174,7 @@ class SharedTier:
     _queued: dict[BlockHash, None] = attrs.field(init=False, factory=dict)  # write-through, in order
     _flying: set[BlockHash] = attrs.field(init=False, factory=set)  # puts in flight
     _known: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # put/fetched/found -> when
+    _lost: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # CPU hit found absent -> when
     _known_cap: int = attrs.field(init=False, default=0)
     _writeback: int = attrs.field(init=False, default=0)
     _lookup_spent: float = attrs.field(init=False, default=0.0)  # seconds this step's lookups waited on contains
@@ -241,6 +254,7 @@ class SharedTier:
     def _turn_off(self, reason: str) -> None:
         reason = redact_text(reason)  # shown in the warning, the status line and to callbacks
         self._known.clear()  # the server may come back empty
+        self._lost.clear()  # its puts were skipped while off: check again
         if self._state in (SharedState.ON, SharedState.SUSPECT):  # a new outage: say so once
             self._interval = self.spec.backoff_s
             self.stats.shared_outages.add()
@@ -261,8 +275,9 @@ class SharedTier:
 
     # -- hits and fetches -------------------------------------------------------
 
-    def find(self, hashes: Sequence[BlockHash], tail: Sequence[BlockHash] = ()) -> int:
-        """Length of the leading run of ``hashes`` whose key exists for every rank (one round trip).
+    def find(self, hashes: Sequence[BlockHash], tail: Sequence[BlockHash] = (),
+             held: Sequence[BlockHash] = ()) -> int:
+        """Length of the leading run of ``hashes`` whose key exists for every rank (one round trip at most).
 
         ``tail``: the request's hashes after ``hashes`` (recomputed, never looked up). The
         hashes found are remembered as held (not put again however the request's plan uses
@@ -271,11 +286,23 @@ class SharedTier:
         waited ``spec.lookup_budget_s`` on the store, nothing is asked (and nothing forgotten);
         each lookup gets what is left of it (``contains``'s ``timeout_s``), and the one that spent
         it answers 0: no time is left this step to fetch what it found.
+
+        ``held``: the request's CPU hit right before ``hashes``. Those of them not remembered as
+        held by the server (never confirmed, lapsed past ``trust_s``, forgotten by an outage), not
+        queued or in flight, and not found lost less than ``trust_s`` ago are checked too, never
+        changing the answer: after ``hashes`` in the same round trip (answered only when every one
+        of ``hashes`` is found, as ``contains`` counts leading keys; else left to a later lookup),
+        or alone in one round trip when ``hashes`` is empty. Those found are remembered again;
+        from the first one found absent on they are taken as lost (``stats.blocks_found_lost``):
+        write-through queues their puts from the CPU tier, write-back leaves them to its candidates.
         """
-        if not hashes or not self.available or self._lookup_spent >= self.spec.lookup_budget_s:
+        if not self.available or self._lookup_spent >= self.spec.lookup_budget_s:
+            return 0
+        stale = self._unconfirmed(held)
+        if not hashes and not stale:
             return 0
         key, ranks = self.spec.codec.key, range(self.world_size)
-        keys = [key(h, rank) for h in hashes for rank in ranks]
+        keys = [key(h, rank) for h in (*hashes, *stale) for rank in ranks]
         start = self.spec.clock()
         try:
             n = self.spec.store.contains(keys, timeout_s=self.spec.lookup_budget_s - self._lookup_spent)
@@ -284,14 +311,31 @@ class SharedTier:
             return 0
         finally:
             self._lookup_spent += self.spec.clock() - start
-        found = min(len(hashes), n // self.world_size) if n.__class__ is int and n > 0 else 0
+        leading = n // self.world_size if n.__class__ is int and n > 0 else 0
+        found = min(len(hashes), leading)
         if found:
             self._remember(hashes[:found])
         known = self._known
         if known and found < len(hashes):
             for h in (*hashes[found:], *tail):
                 known.pop(h, None)
+        if stale and found == len(hashes):
+            self._confirm_held(stale, leading - found)
         return found if self._lookup_spent < self.spec.lookup_budget_s else 0
+
+    def _unconfirmed(self, held: Sequence[BlockHash]) -> list[BlockHash]:
+        """The hashes of ``held`` a lookup checks: not remembered as held, queued, in flight or recently lost."""
+        known, lost, queued, flying = self._fresh(self._known), self._fresh(self._lost), self._queued, self._flying
+        return [h for h in held if h not in known and h not in lost and h not in queued and h not in flying]
+
+    def _confirm_held(self, stale: list[BlockHash], present: int) -> None:
+        """The server holds the first ``present`` of ``stale`` (CPU-tier blocks): remember them; the rest are lost."""
+        self._remember(stale[:present])
+        lost = stale[present:]
+        if lost:
+            self.stats.blocks_found_lost.add(len(lost))
+            self._note(self._lost, lost)
+            self.written(lost)
 
     def reserve(self, r: Request, start: int, n: int) -> None:
         """Allocate CPU blocks (one reference each, not ready) for the ``n`` shared hits of ``r`` at ``start``."""
@@ -361,7 +405,7 @@ class SharedTier:
         if self._writeback:  # only with an EvictionOrder pool (checked when built)
             block_hash = self.cpu.block_hash
             cands += [block_hash(b) for b in cast(EvictionOrder, self.cpu).eviction_candidates(self._writeback)]
-        flying, known, lookup = self._flying, self._expire(), self.cpu.lookup
+        flying, known, lookup = self._flying, self._fresh(self._known), self.cpu.lookup
         hashes, blocks = [], []
         for h in dict.fromkeys(cands):
             if h is None or h in flying or h in known:
@@ -431,24 +475,28 @@ class SharedTier:
                 flying += b.hashes
         assert len(flying) == len(set(flying)), "a hash has two shared puts in flight"
         assert set(flying) == self._flying, "shared in-flight set != uncommitted puts"
-        assert len(self._known) <= self._known_cap, "the known-hash memory outgrew its cap"
-        times = list(self._known.values())
-        assert times == sorted(times), "the known-hash memory is not in the order it was confirmed"
+        for name, memory in (("known", self._known), ("lost", self._lost)):
+            assert len(memory) <= self._known_cap, f"the {name}-hash memory outgrew its cap"
+            times = list(memory.values())
+            assert times == sorted(times), f"the {name}-hash memory is not in the order it was noted"
 
     def _remember(self, hashes: Iterable[BlockHash]) -> None:
-        known, now = self._known, self.spec.clock()
-        for h in hashes:
-            known[h] = now
-            known.move_to_end(h)
-        while len(known) > self._known_cap:
-            known.popitem(last=False)
+        self._note(self._known, hashes)
 
-    def _expire(self) -> OrderedDict[BlockHash, float]:
-        """The known hashes, those remembered longer than ``trust_s`` ago forgotten first."""
-        known = self._known
-        while known and self._expired(next(iter(known.values()))):
-            known.popitem(last=False)
-        return known
+    def _note(self, memory: OrderedDict[BlockHash, float], hashes: Iterable[BlockHash]) -> None:
+        """Note ``hashes`` in ``memory`` as of now (newest last), keeping the newest ``4 * cpu.num_blocks``."""
+        now = self.spec.clock()
+        for h in hashes:
+            memory[h] = now
+            memory.move_to_end(h)
+        while len(memory) > self._known_cap:
+            memory.popitem(last=False)
+
+    def _fresh(self, memory: OrderedDict[BlockHash, float]) -> OrderedDict[BlockHash, float]:
+        """``memory``, its hashes noted ``trust_s`` or longer ago forgotten first."""
+        while memory and self._expired(next(iter(memory.values()))):
+            memory.popitem(last=False)
+        return memory
 
     def _expired(self, when: float) -> bool:
         return self.spec.clock() - when >= self.spec.trust_s

@@ -1272,7 +1272,7 @@ class _PropagatingCallbacks(OffloadManager):
 
 
 class _OneRankShared(SharedTier):
-    def find(self, hashes, tail=()):
+    def find(self, hashes, tail=(), held=()):
         keys = [self.spec.codec.key(h, 0) for h in hashes]
         return self.spec.store.contains(keys) if self.available else 0
 

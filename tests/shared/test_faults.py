@@ -7,15 +7,19 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from unittest import mock
 
 import attrs
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import kvkit
 from kvkit.backends.blockstore.memory import MemoryStore
 from kvkit.config import SharedConfig
 from kvkit.errors import InsufficientMemoryError
 from kvkit.hashing import hash_blocks
+from kvkit.manager import OffloadManager
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.testing.servers import LocalCluster, LocalServer, server_binary_or_skip
 from kvkit.testing.slowlink import SlowLink
@@ -260,6 +264,96 @@ def test_what_was_put_is_trusted_only_for_trust_s():
         ea.step()
     ea.drain()
     assert a.stats.blocks_put.value == 2 * put and len(store._values) == 2 * put
+
+
+@pytest.mark.parametrize("loss", ["flushall", "restart"])
+def test_blocks_the_server_lost_are_put_again_from_the_cpu_tier(server, loss):
+    """The server loses an instance's prompt (FLUSHALL, or a restart empty between calls: no outage is seen)
+    while the instance keeps it in its CPU tier: once ``trust_s`` passed, its next lookup of the prompt (a CPU
+    hit, no shared lookup) checks the blocks in one round trip and puts them again, so a second instance gets
+    the whole shared hit."""
+    clock = Clock()
+    a, ea = instance(server.url + FAST, clock=clock)
+    serve(ea, "a1")
+    assert a.stats.blocks_put.value == 10
+    if loss == "flushall":
+        assert server.call(b"FLUSHALL") == b"OK"
+    else:
+        server.kill()
+        server.start()
+    clock.now += a.manager._shared.spec.trust_s
+    a.gpu.reset()  # the next request of the prompt is a CPU hit, not a GPU one
+    assert serve(ea, "a2").cpu_hit_tokens == 36
+    assert a.stats.blocks_found_lost.value == 9, "the CPU hit's lost blocks were not found lost"
+    assert a.stats.blocks_put.value == 19, "the lost blocks were not put again"
+    b, eb = instance(server.url + FAST)
+    assert serve(eb, "b").cpu_hit_tokens == 36 and b.stats.shared_hit_tokens.value == 36
+    assert eb.integrity_errors == 0
+    a.close()
+    b.close()
+
+
+class _Counting(MemoryStore):
+    """A memory store that records the keys of each ``contains`` round trip."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[list[bytes]] = []
+
+    def contains(self, keys):
+        self.asked.append(list(keys))
+        return super().contains(keys)
+
+
+@settings(max_examples=30)
+@given(st.lists(st.one_of(st.tuples(st.just("serve"), st.integers(0, 3)),
+                          st.tuples(st.just("wait"), st.sampled_from([0.5, 30.0, 59.5, 60.0, 100.0])),
+                          st.tuples(st.just("flush"), st.integers(0, 40))), min_size=1, max_size=12))
+@example([("serve", 0), ("wait", 100.0), ("serve", 1)])  # lapsed CPU hit, absent tail: unanswered
+@example([("serve", 0), ("flush", 0), ("wait", 100.0), ("serve", 2)])  # lapsed CPU hit, tail lost too
+@example([("serve", 0), ("wait", 100.0), ("serve", 2), ("serve", 0)])  # answered past a present tail
+def test_a_lookup_makes_at_most_one_round_trip_and_never_rechecks_what_it_remembers(ops):
+    """Whatever the server lost and however time passed: a lookup makes at most one ``contains`` round trip,
+    none when its CPU hit is remembered and nothing follows it to look up, and never asks about a CPU-hit
+    block it remembered as held (or found lost) less than ``trust_s`` ago. Every request is a CPU hit (the GPU
+    is emptied first)."""
+    store, clock = _Counting(), Clock()
+    a, ea = instance(store, clock=clock)
+    mgr, tier, cpu = a.manager, a.manager._shared, a.cpu
+    prompts = [list(range(40)), list(range(20)) + [99] * 20, list(range(44)), list(range(8))]
+    lookup, keys = OffloadManager.lookup, {}
+
+    def checked_lookup(self, rid, gpu_hit_tokens, **kw):
+        r = mgr._requests[rid]
+        start, stop = gpu_hit_tokens // SPEC.block_size, min((r.num_tokens - 1) // SPEC.block_size,
+                                                               len(r.block_hashes))
+        held = r.block_hashes[start:start + len(cpu.lookup(r.block_hashes[start:stop]))] if start < stop else []
+        for h in r.block_hashes:
+            keys.update({tier.spec.codec.key(h, rank): h for rank in range(2)})
+        remembered = {h for h in held for memory in (tier._known, tier._lost)
+                      if h in memory and not tier._expired(memory[h])}
+        before = len(store.asked)
+        out = lookup(self, rid, gpu_hit_tokens, **kw)
+        trips = store.asked[before:]
+        assert len(trips) <= 1, f"a lookup made {len(trips)} contains round trips"
+        asked = {keys[k] for trip in trips for k in trip}
+        assert not asked & remembered, "a CPU-hit block remembered (held or lost) was checked again before trust_s"
+        if start + len(held) >= stop and len(remembered) == len(held):
+            assert not trips, "a lookup whose CPU hit is remembered made a round trip"
+        return out
+
+    with mock.patch.object(OffloadManager, "lookup", checked_lookup):
+        for i, (op, arg) in enumerate(ops):
+            if op == "serve":
+                a.gpu.reset()
+                serve(ea, f"r{i}", prompts[arg], steps=2)
+            elif op == "wait":
+                clock.now += arg
+            else:
+                for key in list(store._values)[arg:]:
+                    store.drop(key)
+            mgr.check_invariants()
+    a.close()
 
 
 class Clock:

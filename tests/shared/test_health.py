@@ -151,6 +151,21 @@ def test_a_hash_found_absent_is_put_again():
     assert shared.find([1]) == 1 and list(shared._known) == [1]
 
 
+def test_a_cpu_hit_not_remembered_is_checked_in_the_lookups_own_round_trip():
+    """The CPU hit's hashes not remembered as held ride after the looked-up ones in one ``contains``: those
+    present are remembered, the lost queued for a put; past a tail that stops early they stay unanswered."""
+    store = MemoryStore()
+    mgr = manager(store, Clock())
+    shared, key = mgr._shared, mgr._shared.spec.codec.key
+    store.put([key(h, 0) for h in (1, 2, 5)], [[memoryview(b"x")]] * 3)
+    shared._remember([3])
+    assert shared.find([5], held=[1, 2, 3, 4]) == 1  # asks 5, 1, 2, 4 (3 is remembered)
+    assert set(shared._known) == {1, 2, 3, 5}
+    assert list(shared._queued) == [4] and mgr.stats.blocks_found_lost.value == 1
+    assert shared.find([6], held=[7]) == 0
+    assert 7 not in shared._known and 7 not in shared._queued and mgr.stats.blocks_found_lost.value == 1
+
+
 def test_the_failed_keys_no_server_answered_are_told_from_the_refused_ones():
     """``StoreResult.unanswered``: the ``unreached`` keys a store names, else every failed key of a transport
     failure (a store that does not tell them apart), else none; ``unreached`` beyond ``failed`` is refused."""
