@@ -300,9 +300,9 @@ class _Counting(MemoryStore):
         super().__init__()
         self.asked: list[list[bytes]] = []
 
-    def contains(self, keys):
+    def contains(self, keys, *, timeout_s=None):
         self.asked.append(list(keys))
-        return super().contains(keys)
+        return super().contains(keys, timeout_s=timeout_s)
 
 
 @settings(max_examples=30)
