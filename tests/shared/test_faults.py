@@ -366,6 +366,17 @@ class Clock:
         return self.now
 
 
+def _serve_beside_a_dead_node(cluster, a, ea):
+    """Kill the third node, serve three new prompts: the tier stays on (no outage, no warning)."""
+    cluster.nodes[2].kill()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(3):
+            serve(ea, f"a{i + 2}", [9000 * (i + 1) + t for t in range(40)], limit=DEADLINE + SLACK)
+    assert not [w for w in seen if "shared tier is off" in str(w.message)], [str(w.message) for w in seen]
+    assert a.stats.shared_outages.value == 0 and a.manager.shared_status in ("on", "suspect")
+
+
 def test_a_cluster_with_a_dead_node_keeps_the_tier_on():
     """One of three Cluster nodes is killed: the probe lands on the live ones, so the tier stays on (no
     outage, no warning); requests go on with right bytes and new blocks land on the live nodes."""
@@ -374,13 +385,7 @@ def test_a_cluster_with_a_dead_node_keeps_the_tier_on():
         a, ea = instance(cluster.url + FAST.replace("retry_interval_s=0.2", "retry_interval_s=60"))
         serve(ea, "a1")
         assert a.stats.blocks_put.value == 10
-        cluster.nodes[2].kill()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            for i in range(3):
-                serve(ea, f"a{i + 2}", [9000 * (i + 1) + t for t in range(40)], limit=DEADLINE + SLACK)
-        assert not [w for w in seen if "shared tier is off" in str(w.message)], [str(w.message) for w in seen]
-        assert a.stats.shared_outages.value == 0 and a.manager.shared_status in ("on", "suspect")
+        _serve_beside_a_dead_node(cluster, a, ea)
         assert ea.integrity_errors == 0
         live = sum(node.call(b"DBSIZE") for node in cluster.nodes[:2])
         assert live > 20, "nothing landed on the live nodes"
@@ -399,13 +404,7 @@ def test_a_cluster_whose_live_nodes_refuse_writes_beside_a_dead_node_keeps_the_t
         for node in cluster.nodes[:2]:
             node.call(b"CONFIG", b"SET", b"maxmemory-policy", b"noeviction")
             node.call(b"CONFIG", b"SET", b"maxmemory", b"1")
-        cluster.nodes[2].kill()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            for i in range(3):
-                serve(ea, f"a{i + 2}", [9000 * (i + 1) + t for t in range(40)], limit=DEADLINE + SLACK)
-        assert not [w for w in seen if "shared tier is off" in str(w.message)], [str(w.message) for w in seen]
-        assert a.stats.shared_outages.value == 0 and a.manager.shared_status in ("on", "suspect")
+        _serve_beside_a_dead_node(cluster, a, ea)
         assert a.stats.puts_failed.value > 0 and ea.integrity_errors == 0
         a.close()
 
