@@ -32,13 +32,15 @@ A CPU hit asks the shared tier too, so blocks an instance keeps only in its
 CPU tier are put again once the server lost them: a lookup checks its CPU
 hit's hashes that are not remembered (and not queued, in flight, or found lost
 less than ``trust_s`` ago), after the hashes it looks up in the same
-``contains`` round trip (answered only when all of those are present: the
-store counts leading keys), or alone in one round trip when it looks up none;
-present ones are remembered again, from the first absent one on they are taken
-as lost (``stats.blocks_found_lost``) and put again from the CPU tier
-(write-through; write-back puts them as eviction candidates, as it puts any
-block not remembered). A lookup makes at most one round trip, none when its
-CPU hit is remembered and it looks up nothing, and never changes its hit.
+``contains`` round trip (answered when all of those are present: the store
+counts leading keys; else in a second round trip of their own), or alone in
+one round trip when it looks up none; present ones are remembered again, from
+the first absent one on they are taken as lost (``stats.blocks_found_lost``)
+and put again from the CPU tier (write-through; write-back puts them as
+eviction candidates, as it puts any block not remembered). A lookup makes at
+most two round trips (the second only for such a check, so at most once per
+``trust_s`` for a block), none when its CPU hit is remembered and it looks up
+nothing, all within the step's budget, and never changes its hit.
 
 Invariants: a hash is offered only if every rank's key was present at its
 lookup; a fetched block is findable only after every worker's fetch landed,
@@ -277,7 +279,7 @@ class SharedTier:
 
     def find(self, hashes: Sequence[BlockHash], tail: Sequence[BlockHash] = (),
              held: Sequence[BlockHash] = ()) -> int:
-        """Length of the leading run of ``hashes`` whose key exists for every rank (one round trip at most).
+        """Length of the leading run of ``hashes`` whose key exists for every rank (one round trip; see ``held``).
 
         ``tail``: the request's hashes after ``hashes`` (recomputed, never looked up). The
         hashes found are remembered as held (not put again however the request's plan uses
@@ -290,9 +292,10 @@ class SharedTier:
         ``held``: the request's CPU hit right before ``hashes``. Those of them not remembered as
         held by the server (never confirmed, lapsed past ``trust_s``, forgotten by an outage), not
         queued or in flight, and not found lost less than ``trust_s`` ago are checked too, never
-        changing the answer: after ``hashes`` in the same round trip (answered only when every one
-        of ``hashes`` is found, as ``contains`` counts leading keys; else left to a later lookup),
-        or alone in one round trip when ``hashes`` is empty. Those found are remembered again;
+        changing the answer: after ``hashes`` in the same round trip, answered when every one of
+        ``hashes`` is found (``contains`` counts leading keys), else in a second round trip of
+        their own; alone when ``hashes`` is empty. A check cut short by the budget is not taken
+        as an answer. Those found are remembered again;
         from the first one found absent on they are taken as lost (``stats.blocks_found_lost``):
         write-through queues their puts from the CPU tier, write-back leaves them to its candidates.
         """
@@ -301,17 +304,9 @@ class SharedTier:
         stale = self._unconfirmed(held)
         if not hashes and not stale:
             return 0
-        key, ranks = self.spec.codec.key, range(self.world_size)
-        keys = [key(h, rank) for h in (*hashes, *stale) for rank in ranks]
-        start = self.spec.clock()
-        try:
-            n = self.spec.store.contains(keys, timeout_s=self.spec.lookup_budget_s - self._lookup_spent)
-        except Exception as exc:  # noqa: BLE001 - the protocol says it answers 0; a buggy one must not wedge us
-            self.suspect(f"transport: contains raised {exc!r}")
+        leading = self._ask([*hashes, *stale])
+        if leading is None:
             return 0
-        finally:
-            self._lookup_spent += self.spec.clock() - start
-        leading = n // self.world_size if n.__class__ is int and n > 0 else 0
         found = min(len(hashes), leading)
         if found:
             self._remember(hashes[:found])
@@ -319,9 +314,28 @@ class SharedTier:
         if known and found < len(hashes):
             for h in (*hashes[found:], *tail):
                 known.pop(h, None)
-        if stale and found == len(hashes):
-            self._confirm_held(stale, leading - found)
+        if stale:
+            present = leading - found if found == len(hashes) else self._ask(stale)
+            if present is not None and self._lookup_spent < self.spec.lookup_budget_s:
+                self._confirm_held(stale, present)
         return found if self._lookup_spent < self.spec.lookup_budget_s else 0
+
+    def _ask(self, hashes: Sequence[BlockHash]) -> int | None:
+        """How many of ``hashes`` lead with every rank's key present (one ``contains`` within what is left of
+        the step's budget); ``None`` if the store raised (the tier is then suspect) or no budget is left."""
+        budget = self.spec.lookup_budget_s - self._lookup_spent
+        if budget <= 0:
+            return None
+        key, ranks = self.spec.codec.key, range(self.world_size)
+        start = self.spec.clock()
+        try:
+            n = self.spec.store.contains([key(h, rank) for h in hashes for rank in ranks], timeout_s=budget)
+        except Exception as exc:  # noqa: BLE001 - the protocol says it answers 0; a buggy one must not wedge us
+            self.suspect(f"transport: contains raised {exc!r}")
+            return None
+        finally:
+            self._lookup_spent += self.spec.clock() - start
+        return n // self.world_size if n.__class__ is int and n > 0 else 0
 
     def _unconfirmed(self, held: Sequence[BlockHash]) -> list[BlockHash]:
         """The hashes of ``held`` a lookup checks: not remembered as held, queued, in flight or recently lost."""

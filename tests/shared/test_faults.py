@@ -113,7 +113,8 @@ def test_a_far_link_costs_a_step_one_deadline_for_its_lookup_and_fetch_together(
         start = time.monotonic()
         req = eb.step().scheduled[0]
         took = time.monotonic() - start
-        assert took <= 1.0 + 0.4, f"the step waited {took:.2f} s on a shared tier whose deadline is 1 s"
+        # One deadline and the step's own work on a loaded 2-core machine; two deadlines would be >= 1.8 s.
+        assert took <= 1.0 + 0.6, f"the step waited {took:.2f} s on a shared tier whose deadline is 1 s"
         assert b.stats.shared_hit_tokens.value == 36 and b.stats.loads_failed.value == 1
         assert req.cpu_hit_tokens == 0 and b.shared_store.down_nodes == {}
         eb.finish("b")
@@ -174,7 +175,8 @@ def test_the_lookups_of_one_step_through_a_far_link_wait_one_deadline_in_all(ser
         start = time.monotonic()
         report = eb.step()
         took = time.monotonic() - start
-        assert took <= 1.0 + 0.4, f"the step waited {took:.2f} s on a shared tier whose deadline is 1 s"
+        # One deadline and the step's own work on a loaded 2-core machine; two deadlines would be >= 1.8 s.
+        assert took <= 1.0 + 0.6, f"the step waited {took:.2f} s on a shared tier whose deadline is 1 s"
         assert len(report.scheduled) == 5 and all(req.cpu_hit_tokens == 0 for req in report.scheduled)
         assert b.stats.shared_hit_tokens.value == 36 and b.shared_store.down_nodes == {}
         for i in range(5):
@@ -266,12 +268,14 @@ def test_what_was_put_is_trusted_only_for_trust_s():
     assert a.stats.blocks_put.value == 2 * put and len(store._values) == 2 * put
 
 
+@pytest.mark.parametrize("turn", ["same", "next"])
 @pytest.mark.parametrize("loss", ["flushall", "restart"])
-def test_blocks_the_server_lost_are_put_again_from_the_cpu_tier(server, loss):
+def test_blocks_the_server_lost_are_put_again_from_the_cpu_tier(server, loss, turn):
     """The server loses an instance's prompt (FLUSHALL, or a restart empty between calls: no outage is seen)
     while the instance keeps it in its CPU tier: once ``trust_s`` passed, its next lookup of the prompt (a CPU
-    hit, no shared lookup) checks the blocks in one round trip and puts them again, so a second instance gets
-    the whole shared hit."""
+    hit, nothing after it to look up) or of the conversation's next turn (the prompt and new blocks the
+    server never held) finds the CPU hit's blocks lost and puts them again, so a second instance gets the
+    whole shared hit."""
     clock = Clock()
     a, ea = instance(server.url + FAST, clock=clock)
     serve(ea, "a1")
@@ -283,9 +287,14 @@ def test_blocks_the_server_lost_are_put_again_from_the_cpu_tier(server, loss):
         server.start()
     clock.now += a.manager._shared.spec.trust_s
     a.gpu.reset()  # the next request of the prompt is a CPU hit, not a GPU one
-    assert serve(ea, "a2").cpu_hit_tokens == 36
-    assert a.stats.blocks_found_lost.value == 9, "the CPU hit's lost blocks were not found lost"
-    assert a.stats.blocks_put.value == 19, "the lost blocks were not put again"
+    if turn == "same":
+        assert serve(ea, "a2").cpu_hit_tokens == 36
+        lost, put = 9, 19
+    else:
+        assert serve(ea, "a2", PROMPT + [7000 + t for t in range(20)]).cpu_hit_tokens == 40
+        lost, put = 10, 25  # the whole prompt again, and the turn's 5 new blocks
+    assert a.stats.blocks_found_lost.value == lost, "the CPU hit's lost blocks were not found lost"
+    assert a.stats.blocks_put.value == put, "the lost blocks were not put again"
     b, eb = instance(server.url + FAST)
     assert serve(eb, "b").cpu_hit_tokens == 36 and b.stats.shared_hit_tokens.value == 36
     assert eb.integrity_errors == 0
@@ -309,14 +318,14 @@ class _Counting(MemoryStore):
 @given(st.lists(st.one_of(st.tuples(st.just("serve"), st.integers(0, 3)),
                           st.tuples(st.just("wait"), st.sampled_from([0.5, 30.0, 59.5, 60.0, 100.0])),
                           st.tuples(st.just("flush"), st.integers(0, 40))), min_size=1, max_size=12))
-@example([("serve", 0), ("wait", 100.0), ("serve", 1)])  # lapsed CPU hit, absent tail: unanswered
+@example([("serve", 0), ("wait", 100.0), ("serve", 1)])  # lapsed CPU hit, absent tail: a second trip
 @example([("serve", 0), ("flush", 0), ("wait", 100.0), ("serve", 2)])  # lapsed CPU hit, tail lost too
 @example([("serve", 0), ("wait", 100.0), ("serve", 2), ("serve", 0)])  # answered past a present tail
-def test_a_lookup_makes_at_most_one_round_trip_and_never_rechecks_what_it_remembers(ops):
-    """Whatever the server lost and however time passed: a lookup makes at most one ``contains`` round trip,
-    none when its CPU hit is remembered and nothing follows it to look up, and never asks about a CPU-hit
-    block it remembered as held (or found lost) less than ``trust_s`` ago. Every request is a CPU hit (the GPU
-    is emptied first)."""
+def test_a_lookup_makes_at_most_two_round_trips_and_never_rechecks_what_it_remembers(ops):
+    """Whatever the server lost and however time passed: a lookup makes at most two ``contains`` round trips
+    (the second asks only CPU-hit blocks), none when its CPU hit is remembered and nothing follows it to look
+    up, and never asks about a CPU-hit block it remembered as held (or found lost) less than ``trust_s`` ago.
+    Every request is a CPU hit (the GPU is emptied first)."""
     store, clock = _Counting(), Clock()
     a, ea = instance(store, clock=clock)
     mgr, tier, cpu = a.manager, a.manager._shared, a.cpu
@@ -335,7 +344,9 @@ def test_a_lookup_makes_at_most_one_round_trip_and_never_rechecks_what_it_rememb
         before = len(store.asked)
         out = lookup(self, rid, gpu_hit_tokens, **kw)
         trips = store.asked[before:]
-        assert len(trips) <= 1, f"a lookup made {len(trips)} contains round trips"
+        assert len(trips) <= 2, f"a lookup made {len(trips)} contains round trips"
+        if len(trips) == 2:
+            assert {keys[k] for k in trips[1]} <= set(held), "a second round trip asked beyond the CPU hit"
         asked = {keys[k] for trip in trips for k in trip}
         assert not asked & remembered, "a CPU-hit block remembered (held or lost) was checked again before trust_s"
         if start + len(held) >= stop and len(remembered) == len(held):
