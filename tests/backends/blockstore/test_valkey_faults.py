@@ -166,7 +166,7 @@ def test_a_stalled_server_is_marked_down_and_its_calls_then_fail_at_once(own_ser
         start = time.monotonic()
         assert _put(store, [b"b"], [b"y"]).transport_failed
         assert store.contains([b"a"]) == 0
-        assert time.monotonic() - start < DEADLINE / 2, "a call waited on a node known to be down"
+        assert time.monotonic() - start < 0.8 * DEADLINE, "a call waited on a node known to be down"
     finally:
         own_server.resume()
     assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
@@ -189,7 +189,7 @@ def test_a_host_that_never_answers_a_connect_is_marked_down_however_short_the_de
                 assert list(store.down_nodes) == [address]
                 start = time.monotonic()
                 assert store.contains([b"a"]) == 0 and _put(store, [b"b"], [b"y"]).transport_failed
-                assert time.monotonic() - start < DEADLINE / 2, "a call waited on a node known to be down"
+                assert time.monotonic() - start < 0.8 * DEADLINE, "a call waited on a node known to be down"
             finally:
                 store.close()
 
@@ -296,7 +296,7 @@ def test_a_server_that_demands_a_password_mid_run_is_marked_down_until_it_lets_t
     assert list(store.down_nodes) == [address]
     start = time.monotonic()
     assert store.contains([b"a"]) == 0 and _get(store, [b"a"], 1)[0].transport_failed
-    assert time.monotonic() - start < DEADLINE / 2, "a call waited on a node known to be down"
+    assert time.monotonic() - start < 0.8 * DEADLINE, "a call waited on a node known to be down"
     own_server.call(b"CONFIG", b"SET", b"requirepass", b"")
     own_server.password = None
     assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
@@ -399,7 +399,7 @@ def test_a_node_that_serves_no_command_for_now_is_marked_down_until_it_answers_n
         assert list(store.down_nodes) == [proxy.address]
         start = time.monotonic()
         assert store.contains([b"a"]) == 0 and _put(store, [b"b"], [b"y"]).transport_failed
-        assert time.monotonic() - start < DEADLINE / 2, "a call waited on a node known to be down"
+        assert time.monotonic() - start < 0.8 * DEADLINE, "a call waited on a node known to be down"
         proxy.answer = None
         assert _eventually(lambda: store.contains([b"a"]) == 1)
         assert _put(store, [b"b"], [b"y"]).ok and store.down_nodes == {}
@@ -780,7 +780,7 @@ def test_close_while_calls_wait_on_a_stalled_server_returns_at_once(own_server):
         time.sleep(0.2)  # both are waiting on the server now
         start = time.monotonic()
         store.close()
-        assert time.monotonic() - start < 0.5, f"close waited {time.monotonic() - start:.2f} s on the calls"
+        assert time.monotonic() - start < 1.0, f"close waited {time.monotonic() - start:.2f} s on the calls"
         looker.join(0.5)
         assert found == [0] and store.poll([get])[0].failed == (0,)
     finally:
