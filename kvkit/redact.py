@@ -65,7 +65,8 @@ from collections.abc import Collection, Mapping
 from typing import Any
 from urllib.parse import unquote
 
-__all__ = ["MASK", "is_secret_name", "redact", "redact_options", "redact_text", "redact_url", "secret_repr"]
+__all__ = ["MASK", "is_secret_name", "redact", "redact_address", "redact_options", "redact_text", "redact_url",
+           "secret_repr"]
 
 MASK = "***"
 """What a secret is shown as."""
@@ -132,7 +133,18 @@ def redact_url(url: str) -> str:
     location, mark, query = rest.partition("?")
     if query:
         query = "&".join(map(_query_item, query.split("&")))
+    if head.lower() != "file://":
+        netloc, slash, path = location.partition("/")
+        location = ",".join(map(redact_address, netloc.split(","))) + slash + path
     return head + location + mark + query
+
+
+def redact_address(address: str) -> str:
+    """``host:port`` shown: a port that is not a number is masked (``:PASSWORD`` whose ``@host`` is missing)."""
+    host, colon, port = address.rpartition(":")
+    if not colon or address.endswith("]") or port.isdigit() or not port:
+        return address
+    return f"{host}:{MASK}"
 
 
 def _query_item(item: str) -> str:

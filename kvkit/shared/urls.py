@@ -39,6 +39,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from kvkit.config import VALKEY_SCHEMES, parse_bytes, shown_url
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import BlockStore
+from kvkit.redact import redact_address
 from kvkit.registry import SHARED
 from kvkit.validate import quote
 
@@ -157,10 +158,12 @@ def _address(url: str, part: str) -> tuple[str, int]:
     try:
         parsed = urlsplit(f"//{part}")
         host, port = parsed.hostname, parsed.port or _DEFAULT_PORT
-    except ValueError as exc:
-        raise ConfigError(f"block store URL {_quoted(url)}: bad address {part!r}: {exc}") from exc
+    except ValueError:
+        raise ConfigError(f"block store URL {_quoted(url)}: bad address {redact_address(part)!r}; expected "
+                          f"host:port with a port of 0-65535 (a port that is not a number is not shown: it may "
+                          f"be a password missing its '@host')") from None
     if not host:
-        raise ConfigError(f"block store URL {_quoted(url)}: bad address {part!r}; expected host:port")
+        raise ConfigError(f"block store URL {_quoted(url)}: bad address {redact_address(part)!r}; expected host:port")
     return host, port
 
 

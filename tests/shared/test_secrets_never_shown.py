@@ -88,6 +88,8 @@ def _bad_calls(url: str) -> list[Callable[[], object]]:
     config = kvkit.StackConfig
     return [
         lambda: open_store(f"valkey://:{PW}@"),  # no host
+        lambda: open_store(f"valkey://:{PW}"),  # no '@host': the password read as a port
+        lambda: open_store(f"valkey://{host.partition(':')[0]}:{PW}/0"),  # the password where the port goes
         lambda: open_store(f"valkey://user:{PW}@{host.partition(':')[0]}:99999/0"),  # bad port
         lambda: open_store(f"valkey://:{PW}@{host}/db"),  # bad database
         lambda: open_store(f"valkey://:{PW}@{host},{host}/0"),  # several hosts, no Cluster scheme
@@ -467,7 +469,7 @@ def _hostile_urls(address: str) -> list[str]:
             f"valkey://{address}/0?secret={PW}", f"valkey://:{PW}@{address}/0?ttl_s=x&pasword={PW}",
             f"unix:///tmp/kvkit.sock?password={PW}", f"valkey//:{PW}@{address}", f"valkey://:{PW}@{address}/0#x",
             f"valkey://:{PW}@{address}/0?x=a@b", f"file:///tmp/kvkit-secret-sweep?capacity_bytes=1MiB&token={PW}",
-            f"memory://:{PW}@sweep"]
+            f"memory://:{PW}@sweep", f"valkey://:{PW}", f"valkey+cluster://{address},{host}:{PW}"]
 
 
 @pytest.mark.parametrize("words", list(_URL_COMMANDS), ids=" ".join)
