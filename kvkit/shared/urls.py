@@ -33,12 +33,13 @@ in).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvkit.config import VALKEY_SCHEMES, parse_bytes, shown_url
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import BlockStore
+from kvkit.kept import read_kept
 from kvkit.redact import redact_address
 from kvkit.registry import SHARED
 from kvkit.validate import quote
@@ -48,6 +49,7 @@ __all__ = ["open_block_store", "process_wide"]
 _FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
           "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://[NAME]")
 _DEFAULT_PORT = 6379
+_PASSWORD_SOURCES: dict[str, Literal["env", "file"]] = {"password_env": "env", "password_file": "file"}
 _MEMORY: dict[str, tuple[BlockStore, dict[str, Any]]] = {}  # name -> (the process's store, its options)
 _MEMORY_LOCK = threading.Lock()
 
@@ -79,7 +81,7 @@ def _open(url: str, options: dict[str, Any]) -> BlockStore:
         if twice:
             raise ConfigError(f"block store URL {_quoted(url)}: {', '.join(twice)} given both in the URL and as "
                               f"options")
-        return SHARED.create("valkey", slot="shared", **settings, **options)
+        return SHARED.create("valkey", slot="shared", **_kept_password({**settings, **options}))
     if scheme == "file":
         return SHARED.create("disk", slot="shared", **_disk(url, options))
     if scheme == "memory":
@@ -143,6 +145,28 @@ def _valkey(url: str, tls: bool, cluster: bool) -> dict[str, Any]:
         if user:
             settings["username"] = _decoded(url, "user name", user)
     return settings
+
+
+def _kept_password(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``password_env`` or ``password_file`` (:mod:`kvkit.kept`) read into ``password``.
+
+    The password comes from one place: the URL, the ``password`` option, or one of these.
+    """
+    kept = [key for key in _PASSWORD_SOURCES if key in options]
+    if not kept:
+        return options
+    if len(kept) > 1 or "password" in options:
+        named = ["password" if "password" in options else "", *kept]
+        raise ConfigError(f"the password is given by {' and '.join(filter(None, named))}; give one "
+                          f"(the URL's user info is the password option)")
+    options = dict(options)
+    key = kept[0]
+    source = options.pop(key)
+    try:
+        options["password"] = read_kept(key, source, _PASSWORD_SOURCES[key]).decode()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key}={source!r}: the password is not UTF-8 text") from None
+    return options
 
 
 def _decoded(url: str, what: str, text: str) -> str:

@@ -9,10 +9,8 @@ the CPU tier's size has one source of truth: :attr:`ConnectorSettings.stack`.
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote as url_quote
 
@@ -21,6 +19,7 @@ import attrs
 from kvkit.config import DEFAULTS, NAMED_SLOTS, StackConfig, name_shared_model, parse_bytes
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
+from kvkit.kept import read_kept
 from kvkit.registry import STORE
 from kvkit.validate import check_bool, check_choice, check_int, did_you_mean, plural, problem_of, quote
 from kvkit.worker.layouts import LAYOUTS
@@ -68,7 +67,6 @@ _BYTE_KEYS = ("cpu_bytes", "cpu_bytes_to_use_per_rank", "cpu_bytes_to_use")
 
 _EXTRA = "kv_connector_extra_config"
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what secret_env may name (anything else is not shown)
 _SECRET_SOURCES = ("secret_env", "secret_file")
 """Where the connector reads the shared tier's HMAC secret (keys of ``shared``): never the extra config
 itself, which is on vLLM's command line and in its logged config."""
@@ -341,10 +339,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
 def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``shared`` with its ``secret_env`` or ``secret_file`` read into ``secret``, and the problems.
 
-    A ``secret`` given as is is refused. Messages name the variable or the
-    file, never what it holds; a ``secret_env`` that is no variable's name,
-    or a source that is no string (the secret written there by mistake), is
-    not shown either (a source's type is).
+    A ``secret`` given as is is refused; the source is read by :mod:`kvkit.kept`'s
+    rules (messages name the variable or the file, never what it holds).
     """
     shared = dict(shared)
     where = f"{_EXTRA}['shared']"
@@ -357,31 +353,10 @@ def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if len(given) > 1:
         return shared, [*problems, f"{where}: secret_env and secret_file both name the secret; give one"]
     for key, source in given.items():
-        if not isinstance(source, str) or not source:  # its type only: it may be the secret itself
-            shown = "=''" if source == "" else f" (a {type(source).__name__})"
-            problems.append(f"{where}[{key!r}]{shown}: must be a non-empty string (an environment variable's name "
-                            f"or a file's path)")
-        elif key == "secret_env" and _ENV_NAME.fullmatch(source) is None:
-            problems.append(f"{where}['secret_env']: not an environment variable's name (letters, digits and '_'; "
-                            f"not shown: it may be the secret itself, which is never taken from the config)")
-        elif key == "secret_env":
-            text = os.environ.get(source)
-            if text:
-                shared["secret"] = os.fsencode(text)  # the variable's bytes as they are, UTF-8 or not
-            else:
-                problems.append(f"{where}['secret_env']={source!r}: the environment variable {source} is "
-                                f"{'empty' if text == '' else 'not set'} in this process")
-        else:
-            try:
-                data = Path(source).read_bytes().removesuffix(b"\n").removesuffix(b"\r")
-            except OSError as exc:
-                problems.append(f"{where}['secret_file']={source!r}: cannot be read: "
-                                f"{exc.strerror or type(exc).__name__}")
-                continue
-            if data:
-                shared["secret"] = data
-            else:
-                problems.append(f"{where}['secret_file']={source!r}: the file is empty")
+        try:
+            shared["secret"] = read_kept(f"{where}[{key!r}]", source, "env" if key == "secret_env" else "file")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
     return shared, problems
 
 

@@ -167,3 +167,58 @@ def test_bench_shared_runs_against_a_local_server():
         assert row["ratios"]["get_vs_tool"] == row["get_GBps"] / row["server_tool_get_GBps"]
     assert report["contains"]["keys"] == 100 and report["contains"]["store_ms"] > 0
     assert report["contains"]["store_cpu_ms"] > 0
+
+
+PASSWORD = "PW-k3pt-s3cr3t"
+
+
+def test_a_password_kept_in_the_environment_or_a_file_logs_in(tmp_path, monkeypatch):
+    """``password_env`` and ``password_file`` (as URL options or keywords) read the password where it is kept,
+    so it is on no command line or config: a real server with ``requirepass`` and an ACL user take it."""
+    from kvkit.testing.servers import LocalServer
+
+    secret_file = tmp_path / "password"
+    secret_file.write_text(PASSWORD + "\n")
+    monkeypatch.setenv("KVKIT_TEST_PASSWORD", PASSWORD)
+    with LocalServer(password=PASSWORD) as server:
+        server.call(b"ACL", b"SETUSER", b"acme", b"on", f">{PASSWORD}".encode(), b"~kvkit:acme:*", b"+@all")
+        for url, options in [(f"valkey://127.0.0.1:{server.port}/0?password_env=KVKIT_TEST_PASSWORD", {}),
+                             (f"valkey://127.0.0.1:{server.port}/0?password_file={secret_file}", {}),
+                             (f"valkey://127.0.0.1:{server.port}/0?username=acme", {"password_file": secret_file}),
+                             (f"valkey://127.0.0.1:{server.port}/0", {"password_env": "KVKIT_TEST_PASSWORD"})]:
+            store = open_block_store(url, **options)
+            try:
+                assert store.password == PASSWORD
+                assert store.ping() is None, url
+                assert PASSWORD not in repr(store) and PASSWORD not in shown_url(url)
+            finally:
+                store.close()
+
+
+@pytest.mark.parametrize(("url", "options", "expected"), [
+    ("valkey://:pw@h:1/0?password_env=KVKIT_TEST_PASSWORD", {}, "given by password and password_env; give one"),
+    ("valkey://h:1/0?password_env=KVKIT_TEST_PASSWORD", {"password_file": "/x"}, "password_env and password_file"),
+    ("valkey://h:1/0?password_env=KVKIT_TEST_UNSET", {}, "KVKIT_TEST_UNSET is not set in this process"),
+    ("valkey://h:1/0?password_env=KVKIT_TEST_EMPTY", {}, "KVKIT_TEST_EMPTY is empty"),
+    ("valkey://h:1/0?password_file=/nonexistent/kvkit-password", {}, "'/nonexistent/kvkit-password': cannot be read"),
+    ("valkey://h:1/0", {"password_file": "EMPTY"}, "the file is empty"),
+    ("valkey://h:1/0", {"password_file": "LATIN1"}, "the password is not UTF-8 text"),
+    ("valkey://h:1/0", {"password_env": f"{PASSWORD}!"}, "password_env: not an environment variable's name"),
+    ("valkey://h:1/0", {"password_env": PASSWORD.encode()}, "password_env (a bytes): must be a non-empty string"),
+])
+def test_a_password_source_that_gives_no_password_is_refused_naming_it_never_the_password(
+        url, options, expected, tmp_path, monkeypatch):
+    """The password comes from one place; a variable that is unset or empty, or a file that is unreadable, empty
+    or not UTF-8, is a ``ConfigError`` naming the option and where it points; a source that is the password
+    itself, written there by mistake, is not shown."""
+    monkeypatch.setenv("KVKIT_TEST_PASSWORD", PASSWORD)
+    monkeypatch.setenv("KVKIT_TEST_EMPTY", "")
+    monkeypatch.delenv("KVKIT_TEST_UNSET", raising=False)
+    (tmp_path / "empty").write_bytes(b"\n")
+    (tmp_path / "latin1").write_bytes(PASSWORD.encode() + b"\xe9")
+    named = {"EMPTY": tmp_path / "empty", "LATIN1": tmp_path / "latin1"}
+    options = {key: named.get(value, value) if isinstance(value, str) else value for key, value in options.items()}
+    with pytest.raises(ConfigError, match="block store URL") as caught:
+        open_block_store(url, **options)
+    assert expected in str(caught.value)
+    assert PASSWORD not in str(caught.value) and PASSWORD not in repr(caught.value)
