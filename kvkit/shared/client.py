@@ -13,6 +13,7 @@ authenticated).
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import threading
 import warnings
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvkit.errors import ConfigError
 from kvkit.interfaces import BlockHash, KVCacheSpec
 from kvkit.interfaces.shared import DEFAULT_TENANT, BlockStore
 from kvkit.redact import redact, redact_text
@@ -44,14 +46,40 @@ def open_shared(value: str | BlockStore) -> tuple[BlockStore, bool]:
     giver keeps owning it) or a URL :func:`~kvkit.shared.urls.open_block_store`
     opens; the caller owns what that built, never the process's ``memory://`` stores.
 
+    The store's ``contains`` must take the step's deadline (``timeout_s``, as
+    the protocol spells it): one that does not is refused here, before any step
+    calls it (a store this call built is closed first).
+
     Raises:
-        ConfigError: neither a store nor a URL :func:`~kvkit.shared.urls.open_block_store` accepts, quoting it.
+        ConfigError: neither a store nor a URL :func:`~kvkit.shared.urls.open_block_store` accepts, quoting it;
+            or a store whose ``contains`` takes no ``timeout_s``, naming its class.
         BackendUnavailableError: the URL's store cannot run here.
     """
     if isinstance(value, BlockStore) and not isinstance(value, type):
+        _check_contains(value)
         return value, False
     store = open_block_store(value)  # type: ignore[arg-type]  # anything else: a ConfigError quoting it
-    return store, not process_wide(store)
+    owned = not process_wide(store)
+    try:
+        _check_contains(store)
+    except ConfigError:
+        if owned:
+            store.close()
+        raise
+    return store, owned
+
+
+def _check_contains(store: BlockStore) -> None:
+    try:
+        signature = inspect.signature(store.contains)
+    except (TypeError, ValueError):  # no signature to read (a C method): it is taken at its word
+        return
+    try:
+        signature.bind([b"k"], timeout_s=None)
+    except TypeError:
+        raise ConfigError(f"shared store {type(store).__qualname__}: contains{signature} takes no timeout_s; the "
+                          f"BlockStore protocol's is contains(keys, *, timeout_s=None) (the step's deadline: "
+                          f"answer within it, or ignore it if every call is answered at once)") from None
 
 
 @attrs.frozen

@@ -471,3 +471,30 @@ def test_a_step_without_fetches_never_waits_on_a_put_in_flight():
     assert store.waits == []
     store.release()
     assert [r.ok for r in worker.take_store_results()] == [True]
+
+
+class _NoDeadline(MemoryStore):
+    """A third-party store written to a protocol whose ``contains`` took no deadline."""
+
+    def contains(self, keys):  # type: ignore[override]
+        return super().contains(keys)
+
+
+def test_a_store_whose_contains_takes_no_deadline_is_refused_at_build_never_in_a_step(tmp_path):
+    """A step passes its deadline to ``contains``: a store that cannot take it is a ``ConfigError`` naming its
+    class when the stack is built (given as an instance, or opened from a registered URL scheme and then closed),
+    not a failure in every step."""
+    from kvkit.registry import SHARED
+
+    with pytest.raises(ConfigError, match=r"_NoDeadline: contains\(keys\) takes no timeout_s"):
+        instance(_NoDeadline())
+    built = []
+
+    def factory(url, **options):
+        built.append(_NoDeadline(**options))
+        return built[-1]
+
+    SHARED.register("nodeadline", factory, override=True)
+    with pytest.raises(ConfigError, match="takes no timeout_s"):
+        instance("nodeadline://x")
+    assert len(built) == 1 and built[0].closed
