@@ -39,7 +39,7 @@ import numpy as np
 from kvkit.config import shown_url
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.shared import BlockStore
-from kvkit.shared.urls import open_block_store, process_wide
+from kvkit.shared.urls import PASSWORD_OPTIONS, open_block_store, process_wide
 from kvkit.validate import plural, quote
 
 __all__ = ["run_shared_bench"]
@@ -229,7 +229,7 @@ def _run_tool(command: list[str], test: str, size: int, requests: int, keys: int
 def _tool_skipped(url: str) -> str | None:
     """Why the server tool is not run against ``url`` (it needs a login), or ``None``."""
     location, _, query = url.partition("?")
-    if "@" in location or "password" in dict(parse_qsl(query)):
+    if "@" in location or not dict(parse_qsl(query)).keys().isdisjoint(PASSWORD_OPTIONS):
         return ("the server needs a login, and the server tool takes a password only on its command line "
                 "(readable by every local user)")
     return None

@@ -44,12 +44,14 @@ from kvkit.redact import redact_address
 from kvkit.registry import SHARED
 from kvkit.validate import quote
 
-__all__ = ["open_block_store", "process_wide"]
+__all__ = ["PASSWORD_OPTIONS", "open_block_store", "process_wide"]
 
 _FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
           "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://[NAME]")
 _DEFAULT_PORT = 6379
 _PASSWORD_SOURCES: dict[str, Literal["env", "file"]] = {"password_env": "env", "password_file": "file"}
+PASSWORD_OPTIONS = ("password", *_PASSWORD_SOURCES)
+"""The options that give a Valkey store its password: as it is, or where it is kept."""
 _MEMORY: dict[str, tuple[BlockStore, dict[str, Any]]] = {}  # name -> (the process's store, its options)
 _MEMORY_LOCK = threading.Lock()
 

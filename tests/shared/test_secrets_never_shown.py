@@ -310,12 +310,16 @@ def test_cli_tables_json_and_children_never_show_a_password(server, children):
                 continue
 
 
-def test_bench_shared_takes_the_password_and_store_options_in_the_query(server, children):
-    """A password given as ``?password=`` skips the server tool as one in the userinfo does (the tool is never
-    run without it, failing the bench); the store's own options (``ttl_s``, ``request_timeout_s``) are the
-    store's, never handed to the client library."""
+def test_bench_shared_takes_the_password_and_store_options_in_the_query(server, children, monkeypatch, tmp_path):
+    """A password given as ``?password=``, or kept in a variable or a file (``password_env``, ``password_file``),
+    skips the server tool as one in the userinfo does (the tool is never run without it, failing the bench); the
+    store's own options (``ttl_s``, ``request_timeout_s``) are the store's, never handed to the client library."""
     bench = ["bench", "shared", "--size", "4096", "--batch-mib", "1", "--keys", "10", "--repeat", "1", "--json"]
+    monkeypatch.setenv("KVKIT_TEST_PASSWORD", PW)
+    (tmp_path / "password").write_text(PW)
     for url in (f"valkey://{_address(server)}/0?password={PW}",
+                f"valkey://{_address(server)}/0?password_env=KVKIT_TEST_PASSWORD",
+                f"valkey://{_address(server)}/0?password_file={tmp_path / 'password'}",
                 f"valkey://:{PW}@{_address(server)}/0?ttl_s=60&request_timeout_s=5"):
         result, text = _cli(*bench, "--url", url)
         assert result.exit_code == 0, text
