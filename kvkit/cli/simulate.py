@@ -65,7 +65,8 @@ _DEFAULT_STACK = SimConfig().stack
 @click.option("--router", default="round-robin", show_default=True, type=click.Choice(ROUTERS),
               help="How --instances share the requests.")
 @click.option("--shared", "shared_url", default=None,
-              help="The shared tier's store URL (e.g. valkey://127.0.0.1:6379/0) [default with "
+              help="The shared tier's store URL (e.g. valkey://127.0.0.1:6379/0; a password as "
+                   "?password_env=VAR or ?password_file=PATH keeps it off the command line) [default with "
                    "--instances: an in-process store].")
 @click.option("--shared-gbps", default=_COST.shared_gbps, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Cost model: shared tier -> CPU fetch GB/s.")
