@@ -6,8 +6,9 @@ reads them: ``*_env`` (an environment variable's name) or ``*_file`` (a path). R
 
 * an ``env`` source is an environment variable's name (letters, digits and ``_``, not starting with a
   digit), set and non-empty in this process; the secret is its bytes as they are;
-* a ``file`` source is a path (a string or path-like) to a readable file; the secret is its bytes
-  with one trailing newline (``\\n`` or ``\\r\\n``) dropped, and must not be empty;
+* a ``file`` source is a path (a string or path-like) to a readable regular file of at most
+  :data:`FILE_MAX` bytes; the secret is its bytes with one trailing newline (``\\n`` or ``\\r\\n``)
+  dropped, and must not be empty;
 * messages name the variable or the file, never what it holds; a source that is no string, or an
   ``env`` source that is no variable's name (the secret written there by mistake), is not shown
   (its type is).
@@ -17,15 +18,15 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
+import stat
 from typing import Literal
 
 from kvkit.errors import ConfigError
 
-__all__ = ["SOURCE_KINDS", "read_kept"]
+__all__ = ["FILE_MAX", "read_kept"]
 
-SOURCE_KINDS = ("env", "file")
-"""The places a secret may be kept, as the suffixes of the options that name them (``secret_env``)."""
+FILE_MAX = 1 << 16
+"""The most bytes a file that keeps a secret may hold (a password or an HMAC secret is tens of bytes)."""
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -54,9 +55,30 @@ def read_kept(label: str, source: object, kind: Literal["env", "file"]) -> bytes
                               f"{'empty' if text == '' else 'not set'} in this process")
         return os.fsencode(text)  # the variable's bytes as they are, UTF-8 or not
     try:
-        data = Path(source).read_bytes().removesuffix(b"\n").removesuffix(b"\r")
+        data = _small_file(source).removesuffix(b"\n").removesuffix(b"\r")
     except OSError as exc:
         raise ConfigError(f"{label}={source!r}: cannot be read: {exc.strerror or type(exc).__name__}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{label}={source!r}: {exc}") from None
     if not data:
         raise ConfigError(f"{label}={source!r}: the file is empty")
+    return data
+
+
+def _small_file(path: str) -> bytes:
+    """The bytes of the regular file at ``path`` (a symlink to one included) of at most :data:`FILE_MAX` bytes;
+    ``ValueError`` saying what else it is, ``OSError`` when it cannot be read.
+
+    Every process of a deployment reads it, so a FIFO (opening it waits for a writer, and its bytes go to one
+    reader) or a device (``/dev/zero`` never ends) is refused without waiting or reading; so is a file larger
+    than any secret (the wrong path).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # opening a FIFO never waits
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file (each process reads it whole: a FIFO or a device would wait or "
+                             "never end)")
+        data = file.read(FILE_MAX + 1)
+    if len(data) > FILE_MAX:
+        raise ValueError(f"holds more than {FILE_MAX} bytes, far more than a secret (the wrong file?)")
     return data

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvkit import open_block_store
@@ -203,20 +205,27 @@ def test_a_password_kept_in_the_environment_or_a_file_logs_in(tmp_path, monkeypa
     ("valkey://h:1/0?password_file=/nonexistent/kvkit-password", {}, "'/nonexistent/kvkit-password': cannot be read"),
     ("valkey://h:1/0", {"password_file": "EMPTY"}, "the file is empty"),
     ("valkey://h:1/0", {"password_file": "LATIN1"}, "the password is not UTF-8 text"),
+    ("valkey://h:1/0", {"password_file": "FIFO"}, "not a regular file"),  # opening it would wait for a writer
+    ("valkey://h:1/0", {"password_file": "/dev/zero"}, "not a regular file"),  # it never ends
+    ("valkey://h:1/0", {"password_file": "HUGE"}, "holds more than 65536 bytes"),  # the wrong file
     ("valkey://h:1/0", {"password_env": f"{PASSWORD}!"}, "password_env: not an environment variable's name"),
     ("valkey://h:1/0", {"password_env": PASSWORD.encode()}, "password_env (a bytes): must be a non-empty string"),
 ])
 def test_a_password_source_that_gives_no_password_is_refused_naming_it_never_the_password(
         url, options, expected, tmp_path, monkeypatch):
     """The password comes from one place; a variable that is unset or empty, or a file that is unreadable, empty
-    or not UTF-8, is a ``ConfigError`` naming the option and where it points; a source that is the password
-    itself, written there by mistake, is not shown."""
+    or not UTF-8, and anything but a small regular file (a FIFO, a device: refused without waiting or reading),
+    is a ``ConfigError`` naming the option and where it points; a source that is the password itself, written
+    there by mistake, is not shown."""
     monkeypatch.setenv("KVKIT_TEST_PASSWORD", PASSWORD)
     monkeypatch.setenv("KVKIT_TEST_EMPTY", "")
     monkeypatch.delenv("KVKIT_TEST_UNSET", raising=False)
     (tmp_path / "empty").write_bytes(b"\n")
     (tmp_path / "latin1").write_bytes(PASSWORD.encode() + b"\xe9")
-    named = {"EMPTY": tmp_path / "empty", "LATIN1": tmp_path / "latin1"}
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "huge").write_bytes(PASSWORD.encode() * 10_000)
+    named = {"EMPTY": tmp_path / "empty", "LATIN1": tmp_path / "latin1", "FIFO": tmp_path / "fifo",
+             "HUGE": tmp_path / "huge"}
     options = {key: named.get(value, value) if isinstance(value, str) else value for key, value in options.items()}
     with pytest.raises(ConfigError, match="block store URL") as caught:
         open_block_store(url, **options)
