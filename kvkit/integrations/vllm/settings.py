@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote as url_quote
 
@@ -72,6 +72,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what secret_env may name (a
 _SECRET_SOURCES = ("secret_env", "secret_file")
 """Where the connector reads the shared tier's HMAC secret (keys of ``shared``): never the extra config
 itself, which is on vLLM's command line and in its logged config."""
+_SECRET_FILE_MAX = 1 << 16
+"""The most bytes a ``secret_file`` may hold (an HMAC secret is tens of bytes)."""
 
 
 @attrs.frozen
@@ -229,7 +231,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       taken from the extra config (on vLLM's command line and in its logs):
       the mapping's ``secret_env`` (an environment variable's name) or
       ``secret_file`` (a path) names where each connector process reads it
-      (its UTF-8 bytes, a file's trailing newline dropped). ``cpu_layout``
+      (its UTF-8 bytes; a file's, a regular file of at most 64 KiB, without its
+      trailing newline). ``cpu_layout``
       defaults to vLLM's layout, e.g. ``"cross-layer"`` for the ``staged``
       copy backend;
     * the CPU tier's size: ``cpu_bytes`` (``"8GiB"`` or an int; per worker)
@@ -268,7 +271,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
             that contradict each other or the role; an unknown
             ``kv_offload_backend``, a disk backend without ``disk_path`` or with
             a bad size, slot count or flag; a secret given in the config, or a
-            secret source that is unset, empty or unreadable: named, never shown).
+            secret source that is unset, empty, unreadable, or a file that is no
+            regular file of at most 64 KiB: named, never shown).
     """
     extra = dict(extra or {})
     if role not in KV_ROLES:
@@ -373,16 +377,39 @@ def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
                                 f"{'empty' if text == '' else 'not set'} in this process")
         else:
             try:
-                data = Path(source).read_bytes().removesuffix(b"\n").removesuffix(b"\r")
+                data = _secret_file(source).removesuffix(b"\n").removesuffix(b"\r")
             except OSError as exc:
                 problems.append(f"{where}['secret_file']={source!r}: cannot be read: "
                                 f"{exc.strerror or type(exc).__name__}")
+                continue
+            except ValueError as exc:
+                problems.append(f"{where}['secret_file']={source!r}: {exc}")
                 continue
             if data:
                 shared["secret"] = data
             else:
                 problems.append(f"{where}['secret_file']={source!r}: the file is empty")
     return shared, problems
+
+
+def _secret_file(path: str) -> bytes:
+    """The bytes of the secret file ``path``: a regular file (a symlink to one included) of at most
+    :data:`_SECRET_FILE_MAX` bytes; ``ValueError`` saying what else it is, ``OSError`` when it cannot be read.
+
+    Every connector process reads it, so a FIFO (its bytes go to one reader, and opening it waits for a
+    writer) or a device (``/dev/zero`` never ends) is refused without waiting or reading; so is a file larger
+    than any secret (the wrong path). Nothing of what it holds is ever shown.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # opening a FIFO never waits
+    with os.fdopen(fd, "rb") as file:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise ValueError("not a regular file (each connector process reads it whole: a FIFO or a device "
+                             "would wait or never end)")
+        data = file.read(_SECRET_FILE_MAX + 1)
+    if len(data) > _SECRET_FILE_MAX:
+        raise ValueError(f"holds more than {_SECRET_FILE_MAX} bytes, far more than a secret (the wrong file?)")
+    return data
 
 
 def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any], list[str]]:
