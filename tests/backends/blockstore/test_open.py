@@ -57,6 +57,22 @@ def test_file_urls_build_a_disk_store(tmp_path):
     disk.close()
 
 
+def test_a_file_urls_percent_escapes_are_the_directory_names_bytes(tmp_path):
+    """A file:// URL's percent-escapes are the bytes of the directory's name, UTF-8 or not: '%C3%A9' is 'é', and
+    '%E9' and '%E8' (Latin-1 names) open the two directories they name, never one name standing for both."""
+    import os
+
+    stores = [open_block_store(f"file://{tmp_path}/caf{escape}?capacity_bytes=1KB")
+              for escape in ("%C3%A9", "%E9", "%E8")]
+    try:
+        assert [os.fsencode(store.path) for store in stores] == [
+            os.fsencode(tmp_path) + name for name in (b"/caf\xc3\xa9", b"/caf\xe9", b"/caf\xe8")]
+        assert sorted(os.listdir(os.fsencode(tmp_path))) == [b"caf\xc3\xa9", b"caf\xe8", b"caf\xe9"]
+    finally:
+        for store in stores:
+            store.close()
+
+
 def test_file_and_valkey_urls_open_a_new_store_each_time(tmp_path):
     """Every open of a file:// or valkey:// URL is a new store of the caller's own (to close)."""
     for url in (f"file://{tmp_path}?capacity_bytes=1MiB", "valkey://127.0.0.1:1/0"):
