@@ -498,7 +498,7 @@ def _seed_backend(extra: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list
     if problems:
         return None, problems
     page_cache = str(values["use_page_cache"]).lower()
-    url = (f"file://{url_quote(os.path.abspath(path))}?capacity_bytes={capacity}"
+    url = (f"file://{url_quote(os.fsencode(os.path.abspath(path)))}?capacity_bytes={capacity}"  # its bytes
            f"&threads={values['disk_buffer_slots']}&page_cache={page_cache}")
     return {"url": url}, []
 
