@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from kvkit import open_block_store
@@ -42,6 +44,33 @@ def test_tls_urls_make_tls_stores(tmp_path):
         store = open_block_store(url, tls_verify=False)
         assert store.tls and not store.tls_verify
         store.close()
+
+
+@pytest.mark.parametrize("option", ["tls_ca", "tls_cert"])
+def test_a_tls_file_that_is_a_fifo_is_refused_at_once(tmp_path, option):
+    """A TLS file that is a FIFO (OpenSSL's open would wait for a writer forever) is a ConfigError naming it,
+    raised at once: opening the store never hangs."""
+    import os
+    import threading
+
+    path = tmp_path / "tls.pem"
+    os.mkfifo(path)
+    outcome = []
+
+    def open_it():
+        try:
+            outcome.append(open_block_store("valkeys://h:1/0", **{option: str(path)}))
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=open_it, daemon=True)
+    thread.start()
+    thread.join(20.0)
+    with contextlib.suppress(OSError):  # a reader still waiting meets a writer and the end of the file
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    thread.join(20.0)
+    assert outcome and isinstance(outcome[0], ConfigError), outcome
+    assert f"{option}={str(path)!r}" in str(outcome[0]) and "not a regular file" in str(outcome[0]), outcome
 
 
 def test_file_urls_build_a_disk_store(tmp_path):
