@@ -180,16 +180,17 @@ def shown_url(url: str) -> str:
     option that the URL's store does not take (:meth:`~kvkit.registry.Registry.options_taken`; each one when the
     scheme names no store) masked too: such an option may be a misspelled password (``?passw=...``).
 
-    Every error, repr and report that shows a block store URL shows it so.
+    Every error, repr and report that shows a block store URL shows it so. ``redact_url`` reads the URL
+    whole first: a ``?`` in an unencoded password is no query mark, and what follows it never an option's name.
     """
-    base, mark, query = url.partition("?")
+    base, mark, query = redact_url(url).partition("?")
     if mark:
         scheme = base.partition("://")[0].lower()
         store = "valkey" if scheme.partition("+")[0] in VALKEY_SCHEMES else _SCHEME_STORES.get(scheme, scheme)
         taken = SHARED.options_taken(store)
         query = "&".join(item if "=" not in item or unquote(item.partition("=")[0]) in taken
                          else f"{item.partition('=')[0]}={MASK}" for item in query.split("&"))
-    return redact_url(base + mark + query)
+    return base + mark + query
 
 
 def _store_url(inst: object, attribute: attrs.Attribute, value: object) -> None:

@@ -101,6 +101,21 @@ def test_a_url_with_a_at_after_its_query_mark_shows_nothing_after_its_scheme(url
     assert "ssw0rd" not in quote(url) + redact_text(f"bad url {url!r}: x") + redact_text(f"bad url {url}")
 
 
+@pytest.mark.parametrize("url", ["valkey://:pa?PW-s3cr3t=x@h:6379/0", "valkey://user:?PW-s3cr3t=@h/0",
+                                 "valkeys+cluster://:x?PW-s3cr3t=y@h:1,h:2", "valkey://h/0?ttl_s=1&PW-s3cr3t=@x"])
+def test_a_password_holding_a_query_mark_and_an_equals_sign_is_never_shown_as_an_option_name(url):
+    """A password holding an unencoded '?' puts its '@' after the '?': the URL every error and repr shows
+    (``shown_url``) shows nothing after its scheme, never the password's part that reads as an option name."""
+    from kvkit.config import SharedConfig, shown_url
+    from kvkit.shared.urls import open_block_store
+
+    assert shown_url(url) == url.partition("://")[0] + "://***"
+    with pytest.raises(errors.ConfigError) as info:
+        open_block_store(url)
+    texts = ["".join(traceback.format_exception(info.value)), repr(SharedConfig(url=url))]
+    assert not any("s3cr3t" in text for text in texts), texts
+
+
 def test_a_percent_encoded_option_name_is_read_as_kvkit_reads_it():
     """kvkit decodes a query option's name (``%70assword`` is ``password``), so the rule reads it decoded too."""
     url = "valkey://h/0?%70%61%73%73%77%6f%72%64=s3cr3t&t%6Fken=s3cr3t&ttl_s=3"

@@ -119,7 +119,8 @@ class DiskStore:
     ``EDQUOT``: ``disk_full``) lowers the effective capacity to what the file
     system holds for this store (the bytes indexed when it filled, plus the
     free space if less than the value) and evicts below it, retrying until the
-    value lands or nothing is left to evict. What the file system holds for
+    value lands or nothing is left to evict (victims that cannot be deleted,
+    ``unlink_failed``, free nothing: a round that deletes none gives up). What the file system holds for
     this store includes the values neighbours wrote since it looked: with
     nothing indexed left to evict, or a value larger than the lowered capacity,
     it re-scans the directory, adopts the value files its index lacks and evicts
@@ -654,25 +655,31 @@ class DiskStore:
         self.eviction.on_insert(block, BlockHash(int(name[:32], 16)), None)
         self._evict_for(0)
 
-    def _forget(self, name: str, *, unlink: bool = True) -> None:
+    def _forget(self, name: str, *, unlink: bool = True) -> bool:
+        """Drop ``name`` from the index, deleting its file with ``unlink``; answer whether a file was deleted
+        (or, found gone, deleted by another process first): ``False`` when ``name`` was not indexed, without
+        ``unlink``, or when its file cannot be deleted (``unlink_failed``)."""
         entry = self._index.pop(name, None)
         if entry is None:
-            return
+            return False
         block, size = entry
         del self._names[block]
         self.used_bytes -= size
         self.eviction.on_remove(block)
-        if unlink:
+        if not unlink:
+            return False
+        try:
+            folder = self._open_folder(name)
             try:
-                folder = self._open_folder(name)
-                try:
-                    os.unlink(f"{name}{_SUFFIX}", dir_fd=folder)
-                finally:
-                    os.close(folder)
-            except FileNotFoundError:  # another process evicted it first
-                self._note("vanished")
-            except OSError:  # cannot be deleted, or no longer in a directory of ours
-                self._note("unlink_failed")
+                os.unlink(f"{name}{_SUFFIX}", dir_fd=folder)
+            finally:
+                os.close(folder)
+        except FileNotFoundError:  # another process evicted it first
+            self._note("vanished")
+        except OSError:  # cannot be deleted, or no longer in a directory of ours
+            self._note("unlink_failed")
+            return False
+        return True
 
     # --- capacity ------------------------------------------------------------
 
@@ -697,20 +704,21 @@ class DiskStore:
         """After a full file system refused ``size`` bytes: lower the capacity to what it holds and evict below it.
 
         When nothing indexed is left to evict, the directory's value files the index lacks (a neighbour's,
-        written since this store looked) are adopted and evicted in turn. Answers whether anything was evicted
-        (nothing left to evict: the put fails).
+        written since this store looked) are adopted and evicted in turn. A victim that cannot be deleted
+        frees nothing: eviction goes on past it until a victim's file is gone. Answers whether one is (none:
+        the put fails, since adopting the same files to evict them again would never end).
         """
         free = self._free()
         room = free if free is not None and free < size else 0  # a quota's refusal leaves statvfs's free space
-        evicted = 0
+        freed = 0
         for adopt in (False, True):
             if adopt and not self._adopt_unindexed():
                 break
             self._fits = min(self.capacity_bytes, self.used_bytes + room)
-            evicted = self._evict_for(size)
-            if evicted:
+            freed = self._evict_for(size, until_freed=True)
+            if freed:
                 break
-        return evicted > 0
+        return freed > 0
 
     def _adopt_unindexed(self) -> bool:
         """Index the directory's value files the index lacks (what the file system holds for this store beyond
@@ -753,16 +761,19 @@ class DiskStore:
             return None
         return found.f_bavail * found.f_frsize
 
-    def _evict_for(self, size: int) -> int:
-        evicted = 0
-        while self._index and self.used_bytes + size > self._limit():
+    def _evict_for(self, size: int, *, until_freed: bool = False) -> int:
+        """Evict until ``size`` more bytes fit under the capacity (and, ``until_freed``, until a victim's file
+        is gone); answer how many victims' files are gone (each victim leaves the index, but one that cannot be
+        deleted frees no space)."""
+        evicted = freed = 0
+        while self._index and (self.used_bytes + size > self._limit() or (until_freed and not freed)):
             victims = self.eviction.select_victims(1, self._names.__contains__)
             assert victims, "the eviction policy found no victim among indexed files"
-            self._forget(self._names[victims[0]])
+            freed += self._forget(self._names[victims[0]])
             evicted += 1
         if evicted:
             self._note("evicted", evicted)
-        return evicted
+        return freed
 
     def _note(self, counter: str, n: int = 1) -> None:
         with self._counts_lock:

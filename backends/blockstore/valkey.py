@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import queue
 import ssl
+import stat
 import threading
 import time
 import weakref
@@ -272,6 +275,8 @@ class ValkeyStore:
                 raise ConfigError("tls_ca/tls_cert/tls_key given without tls=True; hint: use a valkeys:// URL")
             return None
         try:
+            for path in (self.tls_ca, self.tls_cert, self.tls_key):
+                _check_regular(path)
             context = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:
                 context.load_cert_chain(self.tls_cert, self.tls_key)
@@ -282,6 +287,13 @@ class ValkeyStore:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         return context
+
+
+def _check_regular(path: str | None) -> None:
+    """Raise ``OSError`` unless ``path`` (when given) is a regular file, a symlink to one included: OpenSSL's
+    open of a FIFO would wait for a writer forever."""
+    if path is not None and not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", path)
 
 
 _EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"

@@ -7,7 +7,7 @@ Each scheme has one meaning (``redis`` may replace ``valkey`` in every scheme):
 * ``valkey+cluster://[[user]:password@]host:port[,host:port...]`` (``valkeys+cluster://`` with TLS) -
   a new client of a Cluster, found from any of the nodes listed;
 * ``file:///path/to/dir`` - a new store over a local directory (option ``capacity_bytes``, required: ``"50GiB"``;
-  ``file_mode``, octal, ``600`` by default);
+  ``file_mode``, octal, ``600`` by default); the path's percent-escapes are its bytes (``%E9``: a Latin-1 name);
 * ``memory://`` or ``memory://NAME`` - the process's in-memory store of that name (``""`` for
   ``memory://``): the first open builds it (option ``capacity_bytes``), every later open in the
   process answers the same instance, so every stack of the process shares it. It belongs to the
@@ -32,9 +32,10 @@ in).
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Literal
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, unquote_to_bytes, urlsplit
 
 from kvkit.config import VALKEY_SCHEMES, parse_bytes, shown_url
 from kvkit.errors import ConfigError
@@ -202,7 +203,7 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
     raw = dict(parse_qsl(url.partition("?")[2], keep_blank_values=True)).get("file_mode")
     if raw is not None:  # octal text: "640" must not become the decimal number 640
         options = {**options, "file_mode": raw}
-    return {"path": unquote(parsed.path), **_sizes(options)}
+    return {"path": os.fsdecode(unquote_to_bytes(parsed.path)), **_sizes(options)}  # escapes: the name's bytes
 
 
 def _with_query(url: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ as vLLM's hybrid allocator does). The end-to-end tests with a real vLLM are
 in ``test_vllm.py``.
 """
 
+import os
 import threading
 from types import SimpleNamespace
 
@@ -208,6 +209,18 @@ def test_the_disk_backend_puts_kvkits_disk_store_behind_the_cpu_tier(tmp_path):
     default = open_block_store(settings(kv_offload_backend="disk", disk_path=str(tmp_path / "d")).stack.shared.url)
     assert (default.capacity_bytes, default.threads, default.page_cache) == (100 << 30, 2, False)  # the seed's
     default.close()
+
+
+@pytest.mark.parametrize("name", ["kv %41?#&x", os.fsdecode(b"caf\xe9"), "caf\u00e9"])
+def test_the_disk_backends_directory_is_the_disk_path_given(tmp_path, name):
+    """A disk_path holding URL characters ('%', '?', '#', '&', a space) or a name that is not UTF-8 (a
+    command line's bytes, as Python decodes them) is the store's directory, byte for byte."""
+    from kvkit.shared.urls import open_block_store
+
+    path = os.path.join(tmp_path, name)
+    store = open_block_store(settings(kv_offload_backend="disk", disk_path=path).stack.shared.url)
+    assert os.fsencode(store.path) == os.fsencode(path) and os.path.isdir(path)
+    store.close()
 
 
 def test_the_cpu_backend_ignores_the_disk_keys_with_a_warning(tmp_path):

@@ -1,6 +1,8 @@
 """The keys of vLLM's ``kv_connector_extra_config`` are StackConfig's slots: accepted into the stack, bad values
 quoted; the shared tier's ``shared`` key as a URL or a mapping of SharedConfig fields."""
 
+import contextlib
+
 import attrs
 import pytest
 
@@ -116,3 +118,46 @@ def test_a_secret_is_never_taken_from_the_config_and_a_bad_source_is_named(share
     for needle in needles:
         assert needle in str(info.value), str(info.value)
     assert "s3cr3t" not in str(info.value)
+
+
+def _parse_in_time(shared, seconds=20.0):
+    """``_parse(shared=shared)`` on a thread, given ``seconds``: answer the ConfigError it raised, or None
+    if it returned, or ``"blocked"``."""
+    import threading
+
+    outcome = []
+
+    def parse():
+        try:
+            _parse(shared=shared)
+            outcome.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=parse, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return outcome[0] if outcome else "blocked"
+
+
+@pytest.mark.parametrize("what", ["FIFO", "device", "directory", "huge file"])
+def test_a_secret_file_that_is_no_small_regular_file_is_refused_at_once(what, tmp_path):
+    """A FIFO (whose open waits for a writer, and whose bytes only one process could read), a device such as
+    /dev/zero (which never ends), a directory, or a file far larger than any secret (the wrong path) is
+    refused at once with a ConfigError naming it: never a wait, a MemoryError or a secret read in part."""
+    import os
+
+    path = {"FIFO": tmp_path / "fifo", "device": "/dev/zero", "directory": tmp_path,
+            "huge file": tmp_path / "model.bin"}[what]
+    if what == "FIFO":
+        os.mkfifo(path)
+    elif what == "huge file":
+        path.write_bytes(b"s3cr3t" * (1 << 18))
+    try:
+        error = _parse_in_time({"url": "memory://", "secret_file": str(path)})
+    finally:
+        if what == "FIFO":  # a reader still waiting meets a writer and the end of the file
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert isinstance(error, ConfigError), error
+    assert f"['secret_file']={str(path)!r}" in str(error) and "s3cr3t" not in str(error), str(error)

@@ -227,7 +227,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       taken from the extra config (on vLLM's command line and in its logs):
       the mapping's ``secret_env`` (an environment variable's name) or
       ``secret_file`` (a path) names where each connector process reads it
-      (its UTF-8 bytes, a file's trailing newline dropped). ``cpu_layout``
+      (its UTF-8 bytes; a file's, a regular file of at most 64 KiB, without its
+      trailing newline). ``cpu_layout``
       defaults to vLLM's layout, e.g. ``"cross-layer"`` for the ``staged``
       copy backend;
     * the CPU tier's size: ``cpu_bytes`` (``"8GiB"`` or an int; per worker)
@@ -266,7 +267,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
             that contradict each other or the role; an unknown
             ``kv_offload_backend``, a disk backend without ``disk_path`` or with
             a bad size, slot count or flag; a secret given in the config, or a
-            secret source that is unset, empty or unreadable: named, never shown).
+            secret source that is unset, empty, unreadable, or a file that is no
+            regular file of at most 64 KiB: named, never shown).
     """
     extra = dict(extra or {})
     if role not in KV_ROLES:
@@ -446,7 +448,7 @@ def _seed_backend(extra: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list
     if problems:
         return None, problems
     page_cache = str(values["use_page_cache"]).lower()
-    url = (f"file://{url_quote(os.path.abspath(path))}?capacity_bytes={capacity}"
+    url = (f"file://{url_quote(os.fsencode(os.path.abspath(path)))}?capacity_bytes={capacity}"  # its bytes
            f"&threads={values['disk_buffer_slots']}&page_cache={page_cache}")
     return {"url": url}, []
 

@@ -1239,3 +1239,37 @@ def test_the_two_process_race_catches_a_reaped_live_write(tmp_path):
     while len(reports) < 3 and not any(writer["failed"] for writer in reports):
         reports.append(_race(tmp_path / str(len(reports)), opener=_ReapsEverything)[2])
     assert reports[-1]["failed"] > 0, reports
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
+@pytest.mark.parametrize("undeletable", [4, 2])
+def test_a_full_file_system_whose_values_cannot_be_deleted_never_spins(tmp_path, monkeypatch, code, undeletable):
+    """A full file system holding values this store may not delete (another user's, immutable, under a
+    read-only bind mount): evicting one frees nothing, so eviction goes on past it. With none deletable the
+    put fails at once, quoting the refusal, and never spins re-adopting the same files; with the oldest two
+    undeletable the next ones go and the put lands."""
+    budget = 4 * _VALUE + _VALUE // 2
+    _budget(monkeypatch, tmp_path, budget, code)
+    neighbour = DiskStore(tmp_path, 1 << 30)
+    assert _fill(neighbour, 4) == []
+    neighbour.close()
+    kept = {f"{_name(b'fill-%d' % i)}.kvb" for i in range(undeletable)}  # the oldest: the first victims
+    real = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if os.path.basename(path) in kept:
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk.os, "unlink", unlink)
+    store = DiskStore(tmp_path, 1 << 30)
+    ticket = store.put([b"new"], [[memoryview(bytes(_VALUE))]])
+    (result,) = store.poll([ticket], 60.0)
+    if undeletable == 4:
+        assert result.failed == (0,) and os.strerror(getattr(errno, code)) in result.error, result
+        assert "nothing is left to evict" in result.error and len(list(tmp_path.glob("??/*.kvb"))) == 4
+    else:
+        assert result.ok and store.contains([b"new"]) == 1, result
+    assert store.counters["unlink_failed"] >= undeletable
+    store.check_invariants()
+    store.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -46,6 +47,33 @@ def test_tls_urls_make_tls_stores(tmp_path):
         store.close()
 
 
+@pytest.mark.parametrize("option", ["tls_ca", "tls_cert"])
+def test_a_tls_file_that_is_a_fifo_is_refused_at_once(tmp_path, option):
+    """A TLS file that is a FIFO (OpenSSL's open would wait for a writer forever) is a ConfigError naming it,
+    raised at once: opening the store never hangs."""
+    import os
+    import threading
+
+    path = tmp_path / "tls.pem"
+    os.mkfifo(path)
+    outcome = []
+
+    def open_it():
+        try:
+            outcome.append(open_block_store("valkeys://h:1/0", **{option: str(path)}))
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=open_it, daemon=True)
+    thread.start()
+    thread.join(20.0)
+    with contextlib.suppress(OSError):  # a reader still waiting meets a writer and the end of the file
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    thread.join(20.0)
+    assert outcome and isinstance(outcome[0], ConfigError), outcome
+    assert f"{option}={str(path)!r}" in str(outcome[0]) and "not a regular file" in str(outcome[0]), outcome
+
+
 def test_file_urls_build_a_disk_store(tmp_path):
     """file:// builds a disk store (capacity as bytes or a size string)."""
     disk = open_block_store(f"file://{tmp_path}/kv?capacity_bytes=1MiB")
@@ -57,6 +85,22 @@ def test_file_urls_build_a_disk_store(tmp_path):
     disk = open_block_store(f"file://{tmp_path}/run#2?capacity_bytes=1KB")  # a '#' names the directory
     assert disk.path == tmp_path / "run#2" and disk.capacity_bytes == 1000
     disk.close()
+
+
+def test_a_file_urls_percent_escapes_are_the_directory_names_bytes(tmp_path):
+    """A file:// URL's percent-escapes are the bytes of the directory's name, UTF-8 or not: '%C3%A9' is 'é', and
+    '%E9' and '%E8' (Latin-1 names) open the two directories they name, never one name standing for both."""
+    import os
+
+    stores = [open_block_store(f"file://{tmp_path}/caf{escape}?capacity_bytes=1KB")
+              for escape in ("%C3%A9", "%E9", "%E8")]
+    try:
+        assert [os.fsencode(store.path) for store in stores] == [
+            os.fsencode(tmp_path) + name for name in (b"/caf\xc3\xa9", b"/caf\xe9", b"/caf\xe8")]
+        assert sorted(os.listdir(os.fsencode(tmp_path))) == [b"caf\xc3\xa9", b"caf\xe8", b"caf\xe9"]
+    finally:
+        for store in stores:
+            store.close()
 
 
 def test_file_and_valkey_urls_open_a_new_store_each_time(tmp_path):
