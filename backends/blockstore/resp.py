@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import attrs
 
 __all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "SLOTS", "Address", "ConnectOptions", "Connection", "DeadlineExceeded",
-           "Redirect", "ServerError", "command", "error_reply", "key_slot"]
+           "ProtocolRefusal", "Redirect", "ServerError", "command", "error_reply", "key_slot"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -50,6 +50,12 @@ MAX_REPLY_DEPTH = 16
 
 class ServerError(Exception):
     """An error reply (``-ERR ...``) other than a redirect."""
+
+
+class ProtocolRefusal(ServerError):  # noqa: N818 - a reply, as ServerError is
+    """``-ERR Protocol error: ...``: the server refused a command's framing (a bulk longer than its
+    ``proto-max-bulk-len``: ``invalid bulk length``) and closes the connection after this reply, unread
+    commands and all: the command's failure, and the reason the connection breaks right after."""
 
 
 class DeadlineExceeded(TimeoutError):  # noqa: N818
@@ -521,6 +527,7 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     ``MASTERDOWN``) raises ``ConnectionRefusedError`` instead: like a refused login, that is evidence
     against the node (marked down, tried again after its retry interval), not a key's failure.
     ``MISCONF`` (writes refused, reads served) stays a ``ServerError``: it fails the writes only.
+    ``ERR Protocol error`` is a :class:`ProtocolRefusal`.
     """
     parts = text.split()
     unusable = _UNUSABLE.get(parts[0]) if parts else None
@@ -530,4 +537,6 @@ def error_reply(text: bytes) -> ServerError | Redirect:
         host, _, port = parts[2].rpartition(b":")
         if parts[1].isdigit() and port.isdigit() and int(parts[1]) < SLOTS and 0 < int(port) < 65536:
             return Redirect(int(parts[1]), (host.decode(errors="replace"), int(port)), parts[0] == b"ASK")
+    if text.startswith(b"ERR Protocol error"):
+        return ProtocolRefusal(text.decode(errors="replace"))
     return ServerError(text.decode(errors="replace"))

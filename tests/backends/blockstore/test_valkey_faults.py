@@ -431,6 +431,53 @@ def test_a_server_that_refuses_writes_fails_the_puts_only(tmp_path):
         store.close()
 
 
+# -- a server-side limit -----------------------------------------------------------------------------------
+
+
+def _binaries():
+    """The bundled Valkey and, when installed, Debian's redis-server: both close a connection the same way."""
+    import shutil
+
+    return [pytest.param(None, id="valkey"),
+            pytest.param("redis-server", id="redis", marks=pytest.mark.skipif(
+                shutil.which("redis-server") is None, reason="redis-server is not installed"))]
+
+
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_value_longer_than_the_servers_bulk_limit_fails_alone_and_never_marks_the_node_down(binary):
+    """``proto-max-bulk-len 1mb``: a SET of a 2 MiB value is answered ``-ERR Protocol error: invalid bulk
+    length`` and the connection closed. That is the value's failure, not the node's: in one put of small and
+    large values the large ones fail refused (not unreached), the small ones are stored, the node is not marked
+    down, and gets and ``contains`` go on being served. A later put of a value that long fails at once, refused,
+    without being sent (no connection is reopened for it)."""
+    from kvkit.testing.servers import server_binary
+
+    with LocalServer(server_binary(binary) if binary else server_binary_or_skip(),
+                     args=["--proto-max-bulk-len", "1mb"]) as server:
+        store = _store(("127.0.0.1", server.port), retry_interval_s=30.0)
+        keys = [b"bulk:%d" % i for i in range(6)]
+        big, small = {1, 3}, [0, 2, 4, 5]
+        values = [os.urandom(2 << 20) if i in big else os.urandom(1000) for i in range(6)]
+        result = _put(store, keys, values)
+        assert set(result.failed) == big and result.unreached == (), result
+        assert "proto-max-bulk-len" in result.error and not result.transport_failed, result
+        assert store.down_nodes == {} and store.transport_failures == 0, store.down_nodes
+        assert store.contains([keys[i] for i in small]) == len(small)
+        got, buffers = _get(store, [keys[i] for i in small], 1000)
+        assert got.ok and buffers == [values[i] for i in small]
+        opened = _connections_received(server)
+        again = _put(store, [keys[1], keys[0]], [values[1], values[0]])
+        assert again.failed == (0,) and again.unreached == () and "proto-max-bulk-len" in again.error, again
+        assert _connections_received(server) == opened + 1, "the store reconnected: a refused size was sent again"
+        store.close()
+
+
+def _connections_received(server) -> int:
+    """Connections the server accepted so far (``INFO stats``), the asking one included."""
+    stats = server.call(b"INFO", b"stats").decode()
+    return int(stats.split("total_connections_received:")[1].split()[0])
+
+
 # -- a Cluster with a dead node, a failover, a moved slot ----------------------------------------------------
 
 
