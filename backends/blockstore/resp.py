@@ -516,6 +516,8 @@ _UNUSABLE = {
     b"MASTERDOWN": "the replica lost its primary and serves no stale data",
 }
 """The first words of the error replies that say a node serves no command for now, with what they mean."""
+_NO_ROOM = b"ERR max number of clients reached"
+"""The reply of a server that has ``maxclients`` clients already, before it closes the new connection."""
 
 
 def error_reply(text: bytes) -> ServerError | Redirect:
@@ -524,8 +526,9 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     server's words).
 
     A reply saying the node serves no command for now (:data:`_UNUSABLE`: ``NOAUTH``, ``LOADING``,
-    ``MASTERDOWN``) raises ``ConnectionRefusedError`` instead: like a refused login, that is evidence
-    against the node (marked down, tried again after its retry interval), not a key's failure.
+    ``MASTERDOWN``), or no connection (:data:`_NO_ROOM`: ``maxclients`` reached), raises
+    ``ConnectionRefusedError`` instead: like a refused login, that is evidence against the node
+    (marked down, tried again after its retry interval), not a key's failure.
     ``MISCONF`` (writes refused, reads served) stays a ``ServerError``: it fails the writes only.
     ``ERR Protocol error`` is a :class:`ProtocolRefusal`.
     """
@@ -533,6 +536,9 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     unusable = _UNUSABLE.get(parts[0]) if parts else None
     if unusable is not None:
         raise ConnectionRefusedError(f"the server answered {parts[0].decode()}: {unusable}")
+    if text.startswith(_NO_ROOM):
+        raise ConnectionRefusedError(f"the server answered {_NO_ROOM.decode()!r}: it has its maxclients clients "
+                                     f"and closes the connection")
     if len(parts) == 3 and parts[0] in (b"MOVED", b"ASK"):
         host, _, port = parts[2].rpartition(b":")
         if parts[1].isdigit() and port.isdigit() and int(parts[1]) < SLOTS and 0 < int(port) < 65536:

@@ -17,7 +17,7 @@ import pytest
 
 from kvkit.backends.blockstore.resp import key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
-from kvkit.testing.servers import LocalCluster, LocalServer, server_binary_or_skip
+from kvkit.testing.servers import LocalCluster, LocalServer, server_binary, server_binary_or_skip
 from kvkit.testing.slowlink import SlowLink
 
 DEADLINE = 0.5
@@ -304,6 +304,51 @@ def test_a_server_that_demands_a_password_mid_run_is_marked_down_until_it_lets_t
     store.close()
 
 
+def _binaries():
+    """The bundled Valkey and, when installed, Debian's redis-server (Redis 7.0): a limit tested on both families."""
+    import shutil
+
+    return [pytest.param(None, id="valkey"),
+            pytest.param("redis-server", id="redis", marks=pytest.mark.skipif(
+                shutil.which("redis-server") is None, reason="redis-server is not installed"))]
+
+
+def _server_binary(binary):
+    """``binary`` from ``PATH``, or the bundled Valkey for ``None``."""
+    return server_binary(binary) if binary else server_binary_or_skip()
+
+
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_server_with_no_room_for_another_client_is_marked_down_until_it_has_room(binary):
+    """``maxclients`` reached by other clients: the server answers a new connection ``-ERR max number of clients
+    reached`` and closes it. That is evidence against the node, not a key's failure: a call of one key and a call
+    of many fail every key with a transport error, the node is marked down and the next calls fail at once; once
+    the other clients left, the store uses it again."""
+    with LocalServer(_server_binary(binary), args=["--maxclients", "4"]) as server:
+        address = ("127.0.0.1", server.port)
+        hogs = [socket.create_connection(address, timeout=5.0) for _ in range(4)]
+        try:
+            for hog in hogs:  # each one served: the server has no room left
+                hog.sendall(b"PING\r\n")
+                assert hog.recv(7) == b"+PONG\r\n"
+            store = _store(address)
+            for keys in ([b"a"], [b"a", b"b", b"c"]):
+                result = _put(store, keys, [b"x"] * len(keys))
+                assert result.unreached == tuple(range(len(keys))) and "max number of clients" in result.error, result
+                assert list(store.down_nodes) == [address]
+                time.sleep(0.25)  # the retry interval: the next call tries the node again
+            assert _put(store, [b"a"], [b"x"]).transport_failed and store.transport_failures >= 2
+            start = time.monotonic()
+            assert store.contains([b"a"]) == 0 and _put(store, [b"b"], [b"y"]).transport_failed
+            assert time.monotonic() - start < 0.8 * DEADLINE, "a call waited on a node known to be down"
+        finally:
+            for hog in hogs:
+                hog.close()
+        assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
+        assert store.contains([b"c"]) == 1
+        store.close()
+
+
 class _Answering:
     """A loopback proxy to ``target`` that, while ``answer`` is set, answers every whole command itself with
     that error line (as a loading or primary-less node answers every command) and forwards it otherwise."""
@@ -434,15 +479,6 @@ def test_a_server_that_refuses_writes_fails_the_puts_only(tmp_path):
 # -- a server-side limit -----------------------------------------------------------------------------------
 
 
-def _binaries():
-    """The bundled Valkey and, when installed, Debian's redis-server: both close a connection the same way."""
-    import shutil
-
-    return [pytest.param(None, id="valkey"),
-            pytest.param("redis-server", id="redis", marks=pytest.mark.skipif(
-                shutil.which("redis-server") is None, reason="redis-server is not installed"))]
-
-
 @pytest.mark.parametrize("binary", _binaries())
 def test_a_value_longer_than_the_servers_bulk_limit_fails_alone_and_never_marks_the_node_down(binary):
     """``proto-max-bulk-len 1mb``: a SET of a 2 MiB value is answered ``-ERR Protocol error: invalid bulk
@@ -450,10 +486,7 @@ def test_a_value_longer_than_the_servers_bulk_limit_fails_alone_and_never_marks_
     large values the large ones fail refused (not unreached), the small ones are stored, the node is not marked
     down, and gets and ``contains`` go on being served. A later put of a value that long fails at once, refused,
     without being sent (no connection is reopened for it)."""
-    from kvkit.testing.servers import server_binary
-
-    with LocalServer(server_binary(binary) if binary else server_binary_or_skip(),
-                     args=["--proto-max-bulk-len", "1mb"]) as server:
+    with LocalServer(_server_binary(binary), args=["--proto-max-bulk-len", "1mb"]) as server:
         store = _store(("127.0.0.1", server.port), retry_interval_s=30.0)
         keys = [b"bulk:%d" % i for i in range(6)]
         big, small = {1, 3}, [0, 2, 4, 5]
