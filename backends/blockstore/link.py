@@ -61,7 +61,8 @@ class NodeHealth:
     Evidence that a node is unusable: a connection or login that fails, a connection that breaks
     on a call (a reused one: again, right after reopening it), a reply that is not RESP, a reply
     saying the node serves no command for now (``-NOAUTH``: the connection is not logged in;
-    ``-LOADING``: the dataset is still loading; ``-MASTERDOWN``: a replica lost its primary) or no
+    ``-LOADING``: the dataset is still loading; ``-MASTERDOWN``: a replica lost its primary; ``-BUSY``: a
+    script runs past its time) or no
     connection (``-ERR max number of clients reached``), or a node
     that sent nothing for at least half a call's deadline (stalled; asked for the slot map, at least
     half of its equal share of a call's deadline, see :meth:`Link.refresh`). Not evidence: a connection the

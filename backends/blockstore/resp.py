@@ -514,6 +514,7 @@ _UNUSABLE = {
     b"NOAUTH": "the connection is not logged in (the server demands a password this store was not given)",
     b"LOADING": "the server is loading its dataset and serves no command until it is done",
     b"MASTERDOWN": "the replica lost its primary and serves no stale data",
+    b"BUSY": "the server is running a script or function past its busy-reply-threshold and serves no other command",
 }
 """The first words of the error replies that say a node serves no command for now, with what they mean."""
 _NO_ROOM = b"ERR max number of clients reached"
@@ -526,7 +527,7 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     server's words).
 
     A reply saying the node serves no command for now (:data:`_UNUSABLE`: ``NOAUTH``, ``LOADING``,
-    ``MASTERDOWN``), or no connection (:data:`_NO_ROOM`: ``maxclients`` reached), raises
+    ``MASTERDOWN``, ``BUSY``), or no connection (:data:`_NO_ROOM`: ``maxclients`` reached), raises
     ``ConnectionRefusedError`` instead: like a refused login, that is evidence against the node
     (marked down, tried again after its retry interval), not a key's failure.
     ``MISCONF`` (writes refused, reads served) stays a ``ServerError``: it fails the writes only.

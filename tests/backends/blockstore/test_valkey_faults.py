@@ -349,6 +349,44 @@ def test_a_server_with_no_room_for_another_client_is_marked_down_until_it_has_ro
         store.close()
 
 
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_server_busy_running_a_script_is_marked_down_until_the_script_ends(binary):
+    """A Lua script that never ends (another client's ``EVAL``), past ``busy-reply-threshold``: the server answers
+    every other command ``-BUSY``, as a loading node does. That is evidence against the node, not the keys'
+    failure: a call's keys fail unreached with a transport error naming the reply, the node is marked down and
+    the next calls fail at once; once the script is killed the store uses the node again."""
+    from kvkit.backends.blockstore.resp import command
+
+    with LocalServer(_server_binary(binary), args=["--busy-reply-threshold", "100"]) as server:
+        address = ("127.0.0.1", server.port)
+        store = _store(address)
+        assert _put(store, [b"a"], [b"x"]).ok
+        with socket.create_connection(address) as scripted:
+            scripted.sendall(command(b"EVAL", b"while true do end", b"0"))
+            assert _eventually(lambda: _refused_busy(server))
+            try:
+                result = _put(store, [b"a", b"b"], [b"x", b"y"])
+                assert result.unreached == (0, 1) and "BUSY" in result.error, result
+                assert list(store.down_nodes) == [address]
+                start = time.monotonic()
+                assert store.contains([b"a"]) == 0 and _get(store, [b"a"], 1)[0].transport_failed
+                assert time.monotonic() - start < 0.8 * DEADLINE, "a call waited on a node known to be down"
+            finally:
+                server.call(b"SCRIPT", b"KILL")
+        assert _eventually(lambda: store.contains([b"a"]) == 1)
+        assert _put(store, [b"b"], [b"y"]).ok
+        store.close()
+
+
+def _refused_busy(server) -> bool:
+    """Whether ``server`` answers ``-BUSY`` now (a refusal of the node)."""
+    try:
+        server.call(b"PING")
+    except ConnectionRefusedError as exc:
+        return "BUSY" in str(exc)
+    return False
+
+
 class _Answering:
     """A loopback proxy to ``target`` that, while ``answer`` is set, answers every whole command itself with
     that error line (as a loading or primary-less node answers every command) and forwards it otherwise."""
