@@ -59,14 +59,13 @@ class NodeHealth:
     """Each node's breaker: a node with evidence against it is not tried for ``retry_interval_s``; the others are.
 
     Evidence that a node is unusable: a connection or login that fails, a connection that breaks
-    on a call (a reused one: again, right after reopening it), a reply that is not RESP, a reply
-    saying the node serves no command for now (``-NOAUTH``: the connection is not logged in;
-    ``-LOADING``: the dataset is still loading; ``-MASTERDOWN``: a replica lost its primary; ``-BUSY``: a
-    script runs past its time) or no
-    connection (``-ERR max number of clients reached``), or a node
-    that sent nothing for at least half a call's deadline (stalled; asked for the slot map, at least
-    half of its equal share of a call's deadline, see :meth:`Link.refresh`). Not evidence: a connection the
-    server closed while it was idle (reopened, and the call retried on it once), one it closed right after
+    on a call again right after it was reopened for it, a reply that is not RESP, a reply saying the
+    node serves no command for now (``-NOAUTH``: the connection is not logged in; ``-LOADING``: the
+    dataset is still loading; ``-MASTERDOWN``: a replica lost its primary; ``-BUSY``: a script runs past
+    its time) or no connection (``-ERR max number of clients reached``), or a node that sent nothing
+    for at least half a call's deadline (stalled; asked for the slot map, at least half of its equal
+    share of a call's deadline, see :meth:`Link.refresh`). Not evidence: a connection the server
+    closed once (idle, killed, restarted: reopened, and the call retried on it once), one it closed right after
     refusing a command (:class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`: a value longer than its
     ``proto-max-bulk-len``; that command fails, the others are sent again once), a deadline that
     passed while the node was still sending (slow, not stalled) or before the node was reached,
@@ -166,7 +165,6 @@ class _Leg:
     chunks: list[tuple[bool, list[int]]] = attrs.field(factory=list)
     results: list[list[object]] = attrs.field(factory=list)
     error: BaseException | None = None
-    opened: bool = False  # its connection was opened by this flight
 
 
 class _Crew:
@@ -248,10 +246,11 @@ class Link:
 
     Faults stay with their node: a node that fails (``OSError`` or a reply that is not RESP) has
     its connection closed and only its keys answer :class:`Unreachable` (those it answered before
-    keep their outcomes); the other nodes' keys and connections are untouched. A reused connection
-    that the server closed (for idleness), or one it closed right after refusing a command
-    (:class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`, read even when the close broke a
-    send), is reopened and the node's unanswered keys retried once. ``health`` decides which nodes are skipped (see
+    keep their outcomes); the other nodes' keys and connections are untouched. A connection the
+    server closed (while idle, or mid-call: killed, restarted, or right after refusing a command,
+    :class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`, read even when the close broke a
+    send) is reopened and the node's unanswered keys retried on it once, whether the closed one was
+    reused or opened by the call. ``health`` decides which nodes are skipped (see
     :class:`NodeHealth`); in a Cluster a failed node also makes the next call re-read the slot map
     (a failover moves its slots), keeping every other connection. Links given one ``topology`` share
     their slot map (see :class:`Topology`).
@@ -293,7 +292,6 @@ class Link:
             self._prune()
         pending: list[int] = list(range(len(keys)))
         asked: dict[int, Address] = {}
-        fresh: set[Address] = set()  # nodes whose connection this call opened
         retried: set[Address] = set()
         for _ in range(_MAX_ROUNDS):
             groups: dict[tuple[Address, bool], list[int]] = defaultdict(list)
@@ -309,10 +307,9 @@ class Link:
                 else:
                     for i in indices:
                         outcomes[i] = Unreachable(why)
-            broken = self._fly(flights, encode, read, deadline, fresh, outcomes, pending, asked)
+            broken = self._fly(flights, encode, read, deadline, outcomes, pending, asked)
             for address, (exc, left, left_asked, refused) in broken.items():
-                idle = address not in fresh and _closed_while_idle(exc)
-                if (idle or refused) and address not in retried:
+                if (refused or _closed_by_server(exc)) and address not in retried:
                     self._drop(address)
                     retried.add(address)
                     pending += left
@@ -328,7 +325,7 @@ class Link:
         return outcomes
 
     def _fly(self, flights: dict[tuple[Address, bool], list[list[int]]], encode: Encode, read: Read,
-             deadline: float, fresh: set[Address], outcomes: list[object], pending: list[int],
+             deadline: float, outcomes: list[object], pending: list[int],
              asked: dict[int, Address]) -> dict[Address, tuple[BaseException, list[int], dict[int, Address], bool]]:
         """Send every chunk and read its replies, each node on its own: a node waited on never delays another.
 
@@ -336,8 +333,8 @@ class Link:
         ``k + 1`` goes out before chunk ``k`` is read. One node's pipeline runs on the caller's thread;
         with several, the others run side by side on the link's crew, and all have ended when this returns
         (each is bounded by ``deadline``). The pipelines touch only their own node's connection and record
-        what they read in their own :class:`_Leg`; the outcomes, the keys to send again, the slot map and
-        ``fresh`` are updated here, on the caller's thread, once they have all ended.
+        what they read in their own :class:`_Leg`; the outcomes, the keys to send again and the slot map are
+        updated here, on the caller's thread, once they have all ended.
 
         Answers the nodes that failed: the exception, the indices they did not settle, which of those
         were asked of them (ASK), and whether the last reply read before the failure was a
@@ -356,8 +353,6 @@ class Link:
             self._crew.run([functools.partial(self._leg, leg, encode, read, deadline) for leg in legs.values()])
         broken: dict[Address, tuple[BaseException, list[int], dict[int, Address], bool]] = {}
         for address, leg in legs.items():
-            if leg.opened:
-                fresh.add(address)
             read_so_far = [*leg.results, *[[]] * (len(leg.chunks) - len(leg.results))]
             for (_, indices), results in zip(leg.chunks, read_so_far):
                 for i, outcome in zip(indices, results):
@@ -383,9 +378,7 @@ class Link:
         """
         chunks = leg.chunks
         try:
-            opened = leg.address not in self._conns
             conn = self._conn(leg.address, deadline)
-            leg.opened = opened
             for step in range(len(chunks) + 1):
                 if step < len(chunks):
                     ask, parts = chunks[step]
@@ -573,8 +566,9 @@ class Link:
             conn.close()
 
 
-def _closed_while_idle(exc: BaseException) -> bool:
-    """Whether ``exc`` is what a connection the server closed meanwhile gives (not a timeout, not a refusal)."""
+def _closed_by_server(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a connection the server closed gives (not a timeout, a refusal or a reply out of
+    step)."""
     return isinstance(exc, ConnectionError) and not isinstance(exc, ConnectionRefusedError) \
         and "protocol error" not in str(exc)
 

@@ -119,7 +119,8 @@ class ValkeyStore:
 
     Faults stay with their node (:class:`~kvkit.backends.blockstore.link.Link`,
     :class:`~kvkit.backends.blockstore.link.NodeHealth`): a connection the
-    server closed while idle is reopened and the call retried once, unseen; a
+    server closed (while idle, or mid-call: killed, restarted) is reopened and
+    the call retried once, unseen; a
     node with evidence against it (refused, broken, stalled) fails its keys at
     once for ``retry_interval_s`` while the other nodes serve theirs. The
     slot map comes from the first node that answers it; a stalled node

@@ -268,6 +268,34 @@ def test_connections_the_server_closed_for_idleness_are_reopened_unseen():
         store.close()
 
 
+def test_a_connection_killed_mid_call_is_reopened_and_the_call_served_even_on_its_first_use(own_server):
+    """``CLIENT KILL`` of the store's connection while its put waits on the server (writes paused by ``CLIENT
+    PAUSE WRITE``, as a manual failover pauses them): the connection is reopened and the put served, nothing
+    marked down, whether the connection was reused or opened by that very call (a store's first put)."""
+    keys, values = [b"killed:%d" % i for i in range(4)], _values(4, 100_000)
+
+    def killed_while_paused(store):
+        """A put of ``keys`` by ``store``, its connection killed while the server holds it."""
+        own_server.call(b"CLIENT", b"PAUSE", b"5000", b"WRITE")
+        ticket, start = store.put(keys, [[memoryview(v)] for v in values]), time.monotonic()
+        time.sleep(0.2)  # the put waits on the paused server now
+        assert own_server.call(b"CLIENT", b"KILL", b"TYPE", b"normal") >= 1
+        own_server.call(b"CLIENT", b"UNPAUSE")
+        return _result(store, ticket, start, 2.0)
+
+    for reused in (False, True):
+        store = _store(("127.0.0.1", own_server.port), request_timeout_s=2.0, connect_timeout_s=2.0,
+                       retry_interval_s=30.0)
+        if reused:
+            assert _put(store, keys, values, 2.0).ok
+        result = killed_while_paused(store)
+        assert result.ok, result
+        assert store.down_nodes == {} and store.transport_failures == 0
+        got, buffers = _get(store, keys, 100_000, 2.0)
+        assert got.ok and buffers == values
+        store.close()
+
+
 def test_a_server_restarted_between_calls_is_used_again_at_once(own_server):
     """The connection broke while idle (the server restarted): the next call reconnects, nothing marked down."""
     store = _store(("127.0.0.1", own_server.port))
