@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import queue
+import ssl
 import threading
 import time
 import weakref
@@ -384,9 +385,7 @@ class Link:
                     ask, parts = chunks[step]
                     try:
                         conn.send([b for i in parts for b in (_ASKING, *encode([i]))] if ask else encode(parts))
-                    except TimeoutError:
-                        raise
-                    except OSError:  # closed by the server: what it answered before (and why) is read first
+                    except (ConnectionError, ssl.SSLError):  # closed under it: its answers (why) are read first
                         for ask, indices in chunks[len(leg.results):step + 1]:
                             leg.results.append([])
                             self._read(conn, indices, ask, read, leg.results[-1])
