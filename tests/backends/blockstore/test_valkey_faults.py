@@ -553,19 +553,20 @@ def test_a_value_longer_than_the_servers_bulk_limit_fails_alone_and_never_marks_
     down, and gets and ``contains`` go on being served. A later put of a value that long fails at once, refused,
     without being sent (no connection is reopened for it)."""
     with LocalServer(_server_binary(binary), args=["--proto-max-bulk-len", "1mb"]) as server:
-        store = _store(("127.0.0.1", server.port), retry_interval_s=30.0)
+        store = _store(("127.0.0.1", server.port), request_timeout_s=2.0, connect_timeout_s=2.0,
+                       retry_interval_s=30.0)
         keys = [b"bulk:%d" % i for i in range(6)]
         big, small = {1, 3}, [0, 2, 4, 5]
         values = [os.urandom(2 << 20) if i in big else os.urandom(1000) for i in range(6)]
-        result = _put(store, keys, values)
+        result = _put(store, keys, values, 2.0)
         assert set(result.failed) == big and result.unreached == (), result
         assert "proto-max-bulk-len" in result.error and not result.transport_failed, result
         assert store.down_nodes == {} and store.transport_failures == 0, store.down_nodes
         assert store.contains([keys[i] for i in small]) == len(small)
-        got, buffers = _get(store, [keys[i] for i in small], 1000)
+        got, buffers = _get(store, [keys[i] for i in small], 1000, 2.0)
         assert got.ok and buffers == [values[i] for i in small]
         opened = _connections_received(server)
-        again = _put(store, [keys[1], keys[0]], [values[1], values[0]])
+        again = _put(store, [keys[1], keys[0]], [values[1], values[0]], 2.0)
         assert again.failed == (0,) and again.unreached == () and "proto-max-bulk-len" in again.error, again
         assert _connections_received(server) == opened + 1, "the store reconnected: a refused size was sent again"
         store.close()
