@@ -66,9 +66,9 @@ class NodeHealth:
     its time) or no connection (``-ERR max number of clients reached``), or a node that sent nothing
     for at least half a call's deadline (stalled; asked for the slot map, at least half of its equal
     share of a call's deadline, see :meth:`Link.refresh`). Not evidence: a connection the server
-    closed once (idle, killed, restarted: reopened, and the call retried on it once), one it closed right after
-    refusing a command (:class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`: a value longer than its
-    ``proto-max-bulk-len``; that command fails, the others are sent again once), a deadline that
+    closed once (idle, killed, restarted: reopened, and the call retried on it once), one it closed
+    right after refusing a command (:class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`: a value
+    longer than its ``proto-max-bulk-len``; that command fails, the others are sent again once), a deadline that
     passed while the node was still sending (slow, not stalled) or before the node was reached,
     a missing key, any other error reply (``-OOM``, ``-READONLY``, ``-MISCONF``: writes refused,
     reads served; that key's failure) or a redirect.

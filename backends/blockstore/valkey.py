@@ -120,11 +120,11 @@ class ValkeyStore:
     Faults stay with their node (:class:`~kvkit.backends.blockstore.link.Link`,
     :class:`~kvkit.backends.blockstore.link.NodeHealth`): a connection the
     server closed (while idle, or mid-call: killed, restarted) is reopened and
-    the call retried once, unseen; a
-    node with evidence against it (refused, broken, stalled) fails its keys at
-    once for ``retry_interval_s`` while the other nodes serve theirs. The
-    slot map comes from the first node that answers it; a stalled node
-    holds that read up for at most its share of the deadline.
+    the call retried once, unseen; a node with evidence against it (refused,
+    broken, stalled) fails its keys at once for ``retry_interval_s`` while the
+    other nodes serve theirs. The slot map comes from the first node that
+    answers it; a stalled node holds that read up for at most its share of
+    the deadline.
 
     A value longer than the server's ``proto-max-bulk-len`` fails its put
     refused (the server closes the connection after refusing it: the
