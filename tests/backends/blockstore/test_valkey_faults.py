@@ -278,7 +278,7 @@ def test_a_connection_killed_mid_call_is_reopened_and_the_call_served_even_on_it
         """A put of ``keys`` by ``store``, its connection killed while the server holds it."""
         own_server.call(b"CLIENT", b"PAUSE", b"5000", b"WRITE")
         ticket, start = store.put(keys, [[memoryview(v)] for v in values]), time.monotonic()
-        time.sleep(0.2)  # the put waits on the paused server now
+        assert _eventually(lambda: b"blocked_clients:1\r" in own_server.call(b"INFO", b"clients"))  # it waits now
         assert own_server.call(b"CLIENT", b"KILL", b"TYPE", b"normal") >= 1
         own_server.call(b"CLIENT", b"UNPAUSE")
         return _result(store, ticket, start, 2.0)
