@@ -519,6 +519,9 @@ _UNUSABLE = {
 """The first words of the error replies that say a node serves no command for now, with what they mean."""
 _NO_ROOM = b"ERR max number of clients reached"
 """The reply of a server that has ``maxclients`` clients already, before it closes the new connection."""
+_UNAUTHENTICATED = b"ERR Protocol error: unauthenticated"
+"""How a server that demands a login refuses a command too large for a connection not logged in (a bulk over
+16 KiB, too many arguments), before it closes the connection: its ``-NOAUTH`` for such a command."""
 
 
 def error_reply(text: bytes) -> ServerError | Redirect:
@@ -527,7 +530,8 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     server's words).
 
     A reply saying the node serves no command for now (:data:`_UNUSABLE`: ``NOAUTH``, ``LOADING``,
-    ``MASTERDOWN``, ``BUSY``), or no connection (:data:`_NO_ROOM`: ``maxclients`` reached), raises
+    ``MASTERDOWN``, ``BUSY``; :data:`_UNAUTHENTICATED`), or no connection (:data:`_NO_ROOM`: ``maxclients``
+    reached), raises
     ``ConnectionRefusedError`` instead: like a refused login, that is evidence against the node
     (marked down, tried again after its retry interval), not a key's failure.
     ``MISCONF`` (writes refused, reads served) stays a ``ServerError``: it fails the writes only.
@@ -537,6 +541,9 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     unusable = _UNUSABLE.get(parts[0]) if parts else None
     if unusable is not None:
         raise ConnectionRefusedError(f"the server answered {parts[0].decode()}: {unusable}")
+    if text.startswith(_UNAUTHENTICATED):
+        shown = text[:60].decode(errors="replace")
+        raise ConnectionRefusedError(f"the server answered {shown!r}: {_UNUSABLE[b'NOAUTH']}")
     if text.startswith(_NO_ROOM):
         raise ConnectionRefusedError(f"the server answered {_NO_ROOM.decode()!r}: it has its maxclients clients "
                                      f"and closes the connection")

@@ -399,7 +399,7 @@ class _IoThread:
                     yield limit.refusal(sizes[i])
                     continue
                 outcome = _set_outcome(conn.line())
-                if isinstance(outcome, ProtocolRefusal) and "bulk length" in str(outcome):
+                if isinstance(outcome, ProtocolRefusal) and "invalid bulk length" in str(outcome):
                     limit.refuse(sizes[i])
                     outcome = ProtocolRefusal(f"{outcome} (a value of {sizes[i]} bytes: longer than the server's "
                                               f"proto-max-bulk-len)")

@@ -572,6 +572,27 @@ def test_a_value_longer_than_the_servers_bulk_limit_fails_alone_and_never_marks_
         store.close()
 
 
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_put_of_large_values_without_the_password_marks_the_node_down_with_no_limit_learned(binary):
+    """A store given no password for a server that demands one: the server refuses a bulk longer than 16 KiB from
+    a connection not logged in (``-ERR Protocol error: unauthenticated bulk length``) and closes it. That is the
+    missing login, evidence against the node (as ``-NOAUTH`` is), not a value longer than the server takes: the
+    put's keys fail unreached, the node is marked down, and once the server lets the store in the same values
+    are sent and stored."""
+    with LocalServer(_server_binary(binary), password="kvkit-test-only") as server:
+        address = ("127.0.0.1", server.port)
+        store = _store(address, request_timeout_s=2.0, connect_timeout_s=2.0)
+        keys, values = [b"login:%d" % i for i in range(3)], _values(3, 100_000)
+        result = _put(store, keys, values, 2.0)
+        assert result.unreached == (0, 1, 2) and "not logged in" in result.error, result
+        assert list(store.down_nodes) == [address]
+        server.call(b"CONFIG", b"SET", b"requirepass", b"")
+        server.password = None
+        assert _eventually(lambda: _put(store, keys, values, 2.0).ok)
+        assert _get(store, keys, 100_000, 2.0)[1] == values
+        store.close()
+
+
 def _connections_received(server) -> int:
     """Connections the server accepted so far (``INFO stats``), the asking one included."""
     stats = server.call(b"INFO", b"stats").decode()
