@@ -24,6 +24,7 @@ from kvkit.backends.blockstore.resp import (
     SLOTS,
     Address,
     Connection,
+    ConnectionClosedError,
     ConnectOptions,
     DeadlineExceeded,
     ProtocolRefusal,
@@ -64,9 +65,10 @@ class NodeHealth:
     node serves no command for now (``-NOAUTH``: the connection is not logged in; ``-LOADING``: the
     dataset is still loading; ``-MASTERDOWN``: a replica lost its primary; ``-BUSY``: a script runs past
     its time) or no connection (``-ERR max number of clients reached``), or a node that sent nothing
-    for at least half a call's deadline (stalled; asked for the slot map, at least half of its equal
-    share of a call's deadline, see :meth:`Link.refresh`). Not evidence: a connection the server
-    closed once (idle, killed, restarted: reopened, and the call retried on it once), one it closed
+    for at least half a call's deadline (stalled, whether the deadline then passed or the node closed
+    the connection; asked for the slot map, at least half of its equal share of a call's deadline, see
+    :meth:`Link.refresh`). Not evidence: a connection the server closed once without such a silence
+    (idle, killed, restarted: reopened, and the call retried on it once), one it closed
     right after refusing a command (:class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`: a value
     longer than its ``proto-max-bulk-len``; that command fails, the others are sent again once), a deadline that
     passed while the node was still sending (slow, not stalled) or before the node was reached,
@@ -310,7 +312,7 @@ class Link:
                         outcomes[i] = Unreachable(why)
             broken = self._fly(flights, encode, read, deadline, outcomes, pending, asked)
             for address, (exc, left, left_asked, refused) in broken.items():
-                if (refused or _closed_by_server(exc)) and address not in retried:
+                if (refused or _closed_by_server(exc)) and not self._stalled(exc) and address not in retried:
                     self._drop(address)
                     retried.add(address)
                     pending += left
@@ -402,20 +404,24 @@ class Link:
         """Close ``address``'s connection; record the evidence against it (and, with ``remap``, have the slot
         map read again); answer the keys' reason.
 
-        A deadline that passed is evidence when the node sent nothing for at least half of its equal share of
-        a call's deadline (``shares``: how many nodes the deadline was split between). A failure the server
+        A deadline that passed is evidence when the node stalled (:meth:`_stalled`). A failure the server
         ``explained`` (it closed the connection right after refusing a command) is none.
         """
         self._drop(address)
         why = f"transport: {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
-        stalled = self.options.request_timeout_s / (2 * shares)
         if explained:
             return why
-        if not isinstance(exc, DeadlineExceeded) or exc.stalled_s >= stalled:
+        if not isinstance(exc, DeadlineExceeded) or self._stalled(exc, shares):
             self.health.trip(address, why)
             if remap:
                 self.topology.outdated()  # in a Cluster, a failover may move its slots
         return why
+
+    def _stalled(self, exc: BaseException, shares: int = 1) -> bool:
+        """Whether ``exc`` (a deadline that passed, a connection the server closed) came after the node sent nothing
+        for at least half of its equal share of a call's deadline (``shares``: how many nodes it was split between)."""
+        silent = exc.stalled_s if isinstance(exc, DeadlineExceeded | ConnectionClosedError) else 0.0
+        return silent >= self.options.request_timeout_s / (2 * shares)
 
     def _chunks(self, indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
         if weights is None:

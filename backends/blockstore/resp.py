@@ -9,8 +9,9 @@ routing over nodes is :mod:`kvkit.backends.blockstore.link`'s.
 Every operation is bounded by the connection's ``deadline`` (``time.monotonic()`` seconds), a whole
 call's, however slowly the bytes trickle: the socket is non-blocking, every read and write is tried
 first and waits (``poll``) only for what is not there yet, never past the deadline. A deadline that
-passes raises :class:`DeadlineExceeded`; a closed or refusing server raises ``ConnectionError`` (both
-``OSError``), as does a reply that is not RESP.
+passes raises :class:`DeadlineExceeded`; a server that closes the connection raises
+:class:`ConnectionClosedError`, a refusing one ``ConnectionError`` (all ``OSError``), as does a reply that is
+not RESP.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "SLOTS", "Address", "ConnectOptions", "Connection", "DeadlineExceeded",
-           "ProtocolRefusal", "Redirect", "ServerError", "command", "error_reply", "key_slot"]
+__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "SLOTS", "Address", "ConnectOptions", "Connection",
+           "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError", "command",
+           "error_reply", "key_slot"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -63,6 +65,18 @@ class DeadlineExceeded(TimeoutError):  # noqa: N818
 
     ``stalled_s``: how long the connection had been waiting without receiving a byte when it gave up
     (a node that trickles bytes is slow; one that sends nothing for long is stalled).
+    """
+
+    def __init__(self, message: str, stalled_s: float) -> None:
+        super().__init__(message)
+        self.stalled_s = stalled_s
+
+
+class ConnectionClosedError(ConnectionError):
+    """The server closed the connection (an end of file or a reset) while a call waited on its replies.
+
+    ``stalled_s``: how long the connection had been waiting without receiving a byte when the close came (a
+    server silent for long that then closes is stalled, as one that never answers is).
     """
 
     def __init__(self, message: str, stalled_s: float) -> None:
@@ -358,8 +372,10 @@ class Connection:
             except BlockingIOError:
                 self._wait(select.POLLIN)
                 continue
+            except ConnectionResetError as exc:
+                raise self._closed(f"the server reset the connection: {exc}") from None
             if not got:
-                raise ConnectionError("the server closed the connection")
+                raise self._closed("the server closed the connection")
             self._waiting_since = None
             return got
 
@@ -371,10 +387,17 @@ class Connection:
             except _WOULD_BLOCK as exc:
                 self._wait(select.POLLOUT if isinstance(exc, ssl.SSLWantWriteError) else select.POLLIN)
                 continue
+            except ConnectionResetError as exc:
+                raise self._closed(f"the server reset the connection: {exc}") from None
             if not got:
-                raise ConnectionError("the server closed the connection")
+                raise self._closed("the server closed the connection")
             self._waiting_since = None
             return got
+
+    def _closed(self, why: str) -> ConnectionClosedError:
+        """``ConnectionClosedError`` saying ``why``, with how long the connection had waited without a byte."""
+        stalled = 0.0 if self._waiting_since is None else time.monotonic() - self._waiting_since
+        return ConnectionClosedError(why, stalled)
 
     def _wait(self, events: int) -> None:
         """Wait until the socket is ready for ``events`` or the deadline passes (``DeadlineExceeded``)."""

@@ -6,6 +6,7 @@ Each test bounds the time of every call: a whole call is done by its deadline ho
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import select
@@ -294,6 +295,42 @@ def test_a_connection_killed_mid_call_is_reopened_and_the_call_served_even_on_it
         got, buffers = _get(store, keys, 100_000, 2.0)
         assert got.ok and buffers == values
         store.close()
+
+
+def test_a_node_that_closes_each_connection_after_a_long_silence_is_marked_down():
+    """A host that takes each connection and its commands, sends nothing for 0.3 s (more than half the 0.5 s
+    deadline) and closes it (a load balancer whose backend hangs): that is a stalled node, evidence against it
+    however the wait ended. The first call is reported by its deadline and marks the node down; the next ones
+    fail at once rather than each waiting its deadline again."""
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(0.02)
+
+        def serve():
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(1.0)
+                    with contextlib.suppress(OSError):
+                        conn.recv(1 << 16)
+                    stop.wait(0.6 * DEADLINE)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        store = _store(listener.getsockname()[:2], retry_interval_s=30.0)
+        try:
+            assert _put(store, [b"a"], [b"x"]).transport_failed
+            assert list(store.down_nodes) == [listener.getsockname()[:2]]
+            start = time.monotonic()
+            assert store.contains([b"a"]) == 0 and _put(store, [b"b"], [b"y"]).transport_failed
+            assert time.monotonic() - start < 0.8 * DEADLINE, "a call waited on a node known to be down"
+        finally:
+            store.close()
+            stop.set()
+            server.join(5.0)
 
 
 def test_a_server_restarted_between_calls_is_used_again_at_once(own_server):
