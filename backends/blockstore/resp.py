@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import binascii
 import contextlib
+import fcntl
 import ipaddress
 import math
 import re
 import select
 import socket
 import ssl
+import struct
+import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -42,6 +45,8 @@ _IOV_MAX = 1024  # buffers per sendmsg (Linux IOV_MAX)
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 _ERROR_CODE = re.compile(r"[A-Z]{2,20}")  # the first word of an error reply: ERR, WRONGPASS, NOPERM...
 _FAIR_CONNECT = 0.9  # a connect that timed out with this share of its budget or more is its node's fault
+_UNACKED = getattr(termios, "TIOCOUTQ", None)  # Linux: bytes sent that the peer has not acknowledged yet
+_SAMPLE_S = 0.05  # how often a wait looks whether the server took more of the bytes still on their way to it
 SLOTS = 16384
 """Hash slots of a Cluster."""
 MAX_REPLY_BULK = 64 << 20
@@ -63,8 +68,9 @@ class ProtocolRefusal(ServerError):  # noqa: N818 - a reply, as ServerError is
 class DeadlineExceeded(TimeoutError):  # noqa: N818
     """The call's deadline passed before the server sent (or took) what the call needs.
 
-    ``stalled_s``: how long the connection had been waiting without receiving a byte when it gave up
-    (a node that trickles bytes is slow; one that sends nothing for long is stalled).
+    ``stalled_s``: how long the connection had been waiting without receiving a byte, or the server taking one
+    of those sent, when it gave up (a node that trickles bytes, or a link that crawls, is slow; one that takes
+    and sends nothing for long is stalled).
     """
 
     def __init__(self, message: str, stalled_s: float) -> None:
@@ -161,7 +167,8 @@ class Connection:
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._events = select.POLLIN
-        self._waiting_since: float | None = None
+        self._waiting_since: float | None = None  # since when nothing moved, while waiting
+        self._unacked = 0  # bytes sent that the server had not acknowledged when that was last seen
         self._buf = bytearray(_BUFFER)
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
@@ -400,17 +407,36 @@ class Connection:
         return ConnectionClosedError(why, stalled)
 
     def _wait(self, events: int) -> None:
-        """Wait until the socket is ready for ``events`` or the deadline passes (``DeadlineExceeded``)."""
+        """Wait until the socket is ready for ``events`` or the deadline passes (``DeadlineExceeded``).
+
+        Bytes the server takes count as progress as bytes it sends do: while some sent are not acknowledged yet
+        (a put whose bytes crawl up a slow link, its reply awaited), the wait looks every ``_SAMPLE_S`` whether
+        their number fell, and if it did the connection is not stalled since (Linux: ``TIOCOUTQ``).
+        """
         now = time.monotonic()
         if self._waiting_since is None:
             self._waiting_since = now
+            self._unacked = self._unacked_bytes()
         left = self.deadline - now
         if left <= 0:
             raise DeadlineExceeded("timed out: the call's deadline passed", now - self._waiting_since)
         if events != self._events:
             self._poll.modify(self.sock, events)
             self._events = events
-        self._poll.poll(math.ceil(left * 1000))
+        self._poll.poll(math.ceil((min(left, _SAMPLE_S) if self._unacked else left) * 1000))
+        if self._unacked:
+            unacked = self._unacked_bytes()
+            if unacked < self._unacked:
+                self._waiting_since, self._unacked = time.monotonic(), unacked
+
+    def _unacked_bytes(self) -> int:
+        """Bytes sent on this connection that the server has not acknowledged yet (0 where that is not known)."""
+        if _UNACKED is None:
+            return 0
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), _UNACKED, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):  # closed meanwhile (a close from another thread)
+            return 0
 
 
 _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only

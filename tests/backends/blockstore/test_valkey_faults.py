@@ -117,6 +117,25 @@ def test_a_trickled_get_and_the_put_queued_behind_it_are_reported_by_their_deadl
         store.close()
 
 
+def test_a_put_through_a_crawling_uplink_fails_by_its_deadline_and_never_marks_the_node_down(valkey_server):
+    """A put of 2 MiB whose bytes cross to the server at 500 KB/s through a link that holds 64 KiB in flight (the
+    link, not the node, is slow; deadline 2 s): the put goes into the socket long before the server has it, and
+    its reply is awaited while the bytes still leave. It fails by its deadline, never raises, and the node is not
+    marked down: it was still taking the bytes. Once the link is fast again the same store puts at once."""
+    valkey_server.call(b"FLUSHALL")
+    value = os.urandom(2 << 20)
+    with SlowLink(("127.0.0.1", valkey_server.port), rate=500_000, window=64 << 10) as link:
+        store = _store(link.address, request_timeout_s=2.0, connect_timeout_s=2.0, retry_interval_s=30.0)
+        result = _put(store, [b"uplink"], [value], 2.0)
+        assert result.transport_failed and "deadline" in result.error, result
+        assert store.down_nodes == {}, "a node still taking the put's bytes was marked down"
+        link.rate = None
+        assert _put(store, [b"uplink"], [value], 2.0).ok
+        result, buffers = _get(store, [b"uplink"], 2 << 20, 2.0)
+        assert result.ok and buffers == [value]
+        store.close()
+
+
 def test_contains_through_a_crawling_link_answers_by_its_deadline(valkey_server):
     """1,000 EXISTS whose replies crawl at 500 B/s: contains answers 0 within its deadline, never raises."""
     valkey_server.call(b"FLUSHALL")
