@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import queue
+import ssl
 import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 from typing_extensions import override
@@ -23,8 +24,10 @@ from kvkit.backends.blockstore.resp import (
     SLOTS,
     Address,
     Connection,
+    ConnectionClosedError,
     ConnectOptions,
     DeadlineExceeded,
+    ProtocolRefusal,
     Redirect,
     ServerError,
     key_slot,
@@ -37,8 +40,9 @@ _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
 Encode = Callable[[list[int]], list[bytes | memoryview]]
 """Indices of keys bound for one node -> the buffers of their commands, in order."""
-Read = Callable[[Connection, list[int]], list[object]]
-"""A connection and the indices sent to it -> their outcomes (each may be a ``Redirect``), in order."""
+Read = Callable[[Connection, list[int]], Iterable[object]]
+"""A connection and the indices sent to it -> their outcomes (each may be a ``Redirect``), in order, each given as
+soon as it is read (a generator): those read before the connection failed settle their keys."""
 
 
 @attrs.frozen
@@ -57,12 +61,16 @@ class NodeHealth:
     """Each node's breaker: a node with evidence against it is not tried for ``retry_interval_s``; the others are.
 
     Evidence that a node is unusable: a connection or login that fails, a connection that breaks
-    on a call (a reused one: again, right after reopening it), a reply that is not RESP, a reply
-    saying the node serves no command for now (``-NOAUTH``: the connection is not logged in;
-    ``-LOADING``: the dataset is still loading; ``-MASTERDOWN``: a replica lost its primary), or a node
-    that sent nothing for at least half a call's deadline (stalled; asked for the slot map, at least
-    half of its equal share of a call's deadline, see :meth:`Link.refresh`). Not evidence: a connection the
-    server closed while it was idle (reopened, and the call retried on it once), a deadline that
+    on a call again right after it was reopened for it, a reply that is not RESP, a reply saying the
+    node serves no command for now (``-NOAUTH``: the connection is not logged in; ``-LOADING``: the
+    dataset is still loading; ``-MASTERDOWN``: a replica lost its primary; ``-BUSY``: a script runs past
+    its time) or no connection (``-ERR max number of clients reached``), or a node that sent nothing
+    for at least half a call's deadline (stalled, whether the deadline then passed or the node closed
+    the connection; asked for the slot map, at least half of its equal share of a call's deadline, see
+    :meth:`Link.refresh`). Not evidence: a connection the server closed once without such a silence
+    (idle, killed, restarted: reopened, and the call retried on it once), one it closed
+    right after refusing a command (:class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`: a value
+    longer than its ``proto-max-bulk-len``; that command fails, the others are sent again once), a deadline that
     passed while the node was still sending (slow, not stalled) or before the node was reached,
     a missing key, any other error reply (``-OOM``, ``-READONLY``, ``-MISCONF``: writes refused,
     reads served; that key's failure) or a redirect.
@@ -153,13 +161,13 @@ class Topology:
 @attrs.define(eq=False)
 class _Leg:
     """One node's share of a flight: its chunks in sending order (``(asked, indices)``), what its pipeline read
-    (one list of outcomes per chunk, in order: chunks past them were not read), and what stopped it."""
+    (one list of outcomes per chunk, in order, the last maybe cut short: keys past them were not read), and
+    what stopped it."""
 
     address: Address
     chunks: list[tuple[bool, list[int]]] = attrs.field(factory=list)
     results: list[list[object]] = attrs.field(factory=list)
     error: BaseException | None = None
-    opened: bool = False  # its connection was opened by this flight
 
 
 class _Crew:
@@ -240,9 +248,12 @@ class Link:
     values in flight ran 1.2-1.9x slower; BENCHMARKS.md, "Shared tier").
 
     Faults stay with their node: a node that fails (``OSError`` or a reply that is not RESP) has
-    its connection closed and only its keys answer :class:`Unreachable`; the other nodes' keys and
-    connections are untouched. A reused connection that the server closed (for idleness) is
-    reopened and the node's keys retried once. ``health`` decides which nodes are skipped (see
+    its connection closed and only its keys answer :class:`Unreachable` (those it answered before
+    keep their outcomes); the other nodes' keys and connections are untouched. A connection the
+    server closed (while idle, or mid-call: killed, restarted, or right after refusing a command,
+    :class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`, read even when the close broke a
+    send) is reopened and the node's unanswered keys retried on it once, whether the closed one was
+    reused or opened by the call. ``health`` decides which nodes are skipped (see
     :class:`NodeHealth`); in a Cluster a failed node also makes the next call re-read the slot map
     (a failover moves its slots), keeping every other connection. Links given one ``topology`` share
     their slot map (see :class:`Topology`).
@@ -284,7 +295,6 @@ class Link:
             self._prune()
         pending: list[int] = list(range(len(keys)))
         asked: dict[int, Address] = {}
-        fresh: set[Address] = set()  # nodes whose connection this call opened
         retried: set[Address] = set()
         for _ in range(_MAX_ROUNDS):
             groups: dict[tuple[Address, bool], list[int]] = defaultdict(list)
@@ -300,15 +310,15 @@ class Link:
                 else:
                     for i in indices:
                         outcomes[i] = Unreachable(why)
-            broken = self._fly(flights, encode, read, deadline, fresh, outcomes, pending, asked)
-            for address, (exc, left, left_asked) in broken.items():
-                if address not in fresh and address not in retried and _closed_while_idle(exc):
+            broken = self._fly(flights, encode, read, deadline, outcomes, pending, asked)
+            for address, (exc, left, left_asked, refused) in broken.items():
+                if (refused or _closed_by_server(exc)) and not self._stalled(exc) and address not in retried:
                     self._drop(address)
                     retried.add(address)
                     pending += left
                     asked.update(left_asked)
                     continue
-                why = self._failed(address, exc)
+                why = self._failed(address, exc, explained=refused)
                 for i in left:
                     outcomes[i] = Unreachable(why)
             if not pending:
@@ -318,19 +328,20 @@ class Link:
         return outcomes
 
     def _fly(self, flights: dict[tuple[Address, bool], list[list[int]]], encode: Encode, read: Read,
-             deadline: float, fresh: set[Address], outcomes: list[object], pending: list[int],
-             asked: dict[int, Address]) -> dict[Address, tuple[BaseException, list[int], dict[int, Address]]]:
+             deadline: float, outcomes: list[object], pending: list[int],
+             asked: dict[int, Address]) -> dict[Address, tuple[BaseException, list[int], dict[int, Address], bool]]:
         """Send every chunk and read its replies, each node on its own: a node waited on never delays another.
 
         A node's chunks (its ASKed ones after the others) go through one pipeline (:meth:`_leg`): chunk
         ``k + 1`` goes out before chunk ``k`` is read. One node's pipeline runs on the caller's thread;
         with several, the others run side by side on the link's crew, and all have ended when this returns
         (each is bounded by ``deadline``). The pipelines touch only their own node's connection and record
-        what they read in their own :class:`_Leg`; the outcomes, the keys to send again, the slot map and
-        ``fresh`` are updated here, on the caller's thread, once they have all ended.
+        what they read in their own :class:`_Leg`; the outcomes, the keys to send again and the slot map are
+        updated here, on the caller's thread, once they have all ended.
 
-        Answers the nodes that failed: the exception, the indices they did not settle, and which of
-        those were asked of them (ASK).
+        Answers the nodes that failed: the exception, the indices they did not settle, which of those
+        were asked of them (ASK), and whether the last reply read before the failure was a
+        :class:`~kvkit.backends.blockstore.resp.ProtocolRefusal` (the server said why it closed).
         """
         legs: dict[Address, _Leg] = {}
         for (address, ask), chunks in flights.items():
@@ -343,56 +354,74 @@ class Link:
                 self._leg(leg, encode, read, deadline)
         else:
             self._crew.run([functools.partial(self._leg, leg, encode, read, deadline) for leg in legs.values()])
-        broken: dict[Address, tuple[BaseException, list[int], dict[int, Address]]] = {}
+        broken: dict[Address, tuple[BaseException, list[int], dict[int, Address], bool]] = {}
         for address, leg in legs.items():
-            if leg.opened:
-                fresh.add(address)
-            for (_, indices), results in zip(leg.chunks, leg.results):
+            read_so_far = [*leg.results, *[[]] * (len(leg.chunks) - len(leg.results))]
+            for (_, indices), results in zip(leg.chunks, read_so_far):
                 for i, outcome in zip(indices, results):
                     self._settle(i, outcome, address, outcomes, pending, asked)
             if leg.error is not None:
                 left: list[int] = []
                 left_asked: dict[int, Address] = {}
-                for ask, chunk in leg.chunks[len(leg.results):]:
-                    left += chunk
+                for (ask, chunk), results in zip(leg.chunks, read_so_far):
+                    left += chunk[len(results):]
                     if ask:
-                        left_asked.update(dict.fromkeys(chunk, address))
-                broken[address] = (leg.error, left, left_asked)
+                        left_asked.update(dict.fromkeys(chunk[len(results):], address))
+                last = next((results[-1] for results in reversed(leg.results) if results), None)
+                broken[address] = (leg.error, left, left_asked, isinstance(last, ProtocolRefusal))
         return broken
 
     def _leg(self, leg: _Leg, encode: Encode, read: Read, deadline: float) -> None:
         """Pipeline ``leg``'s chunks over its node's connection, chunk ``k + 1`` sent before chunk ``k`` is read;
-        record each chunk's outcomes, or the failure that stopped the pipeline, in ``leg``."""
+        record each chunk's outcomes, as they are read, or the failure that stopped the pipeline, in ``leg``.
+
+        A send the server broke off (it closed the connection) is followed by reading the replies to what was
+        sent, until they end: a server closes after answering why (a
+        :class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`), and its earlier commands were answered too.
+        """
         chunks = leg.chunks
         try:
-            opened = leg.address not in self._conns
             conn = self._conn(leg.address, deadline)
-            leg.opened = opened
             for step in range(len(chunks) + 1):
                 if step < len(chunks):
                     ask, parts = chunks[step]
-                    conn.send([b for i in parts for b in (_ASKING, *encode([i]))] if ask else encode(parts))
+                    try:
+                        conn.send([b for i in parts for b in (_ASKING, *encode([i]))] if ask else encode(parts))
+                    except (ConnectionError, ssl.SSLError):  # closed under it: its answers (why) are read first
+                        for ask, indices in chunks[len(leg.results):step + 1]:
+                            leg.results.append([])
+                            self._read(conn, indices, ask, read, leg.results[-1])
+                        raise
                 if step:
                     ask, indices = chunks[step - 1]
-                    leg.results.append(self._read(conn, indices, ask, read))
+                    leg.results.append([])
+                    self._read(conn, indices, ask, read, leg.results[-1])
         except (OSError, ValueError) as exc:
             leg.error = exc
 
-    def _failed(self, address: Address, exc: BaseException, remap: bool = True, shares: int = 1) -> str:
+    def _failed(self, address: Address, exc: BaseException, remap: bool = True, shares: int = 1,
+                explained: bool = False) -> str:
         """Close ``address``'s connection; record the evidence against it (and, with ``remap``, have the slot
         map read again); answer the keys' reason.
 
-        A deadline that passed is evidence when the node sent nothing for at least half of its equal share of
-        a call's deadline (``shares``: how many nodes the deadline was split between).
+        A deadline that passed is evidence when the node stalled (:meth:`_stalled`). A failure the server
+        ``explained`` (it closed the connection right after refusing a command) is none.
         """
         self._drop(address)
         why = f"transport: {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
-        stalled = self.options.request_timeout_s / (2 * shares)
-        if not isinstance(exc, DeadlineExceeded) or exc.stalled_s >= stalled:
+        if explained:
+            return why
+        if not isinstance(exc, DeadlineExceeded) or self._stalled(exc, shares):
             self.health.trip(address, why)
             if remap:
                 self.topology.outdated()  # in a Cluster, a failover may move its slots
         return why
+
+    def _stalled(self, exc: BaseException, shares: int = 1) -> bool:
+        """Whether ``exc`` (a deadline that passed, a connection the server closed) came after the node sent nothing
+        for at least half of its equal share of a call's deadline (``shares``: how many nodes it was split between)."""
+        silent = exc.stalled_s if isinstance(exc, DeadlineExceeded | ConnectionClosedError) else 0.0
+        return silent >= self.options.request_timeout_s / (2 * shares)
 
     def _chunks(self, indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
         if weights is None:
@@ -435,20 +464,22 @@ class Link:
             outcomes[i] = outcome
 
     @staticmethod
-    def _read(conn: Connection, indices: list[int], ask: bool, read: Read) -> list[object]:
+    def _read(conn: Connection, indices: list[int], ask: bool, read: Read, outcomes: list[object]) -> None:
+        """Append the outcome of each of ``indices`` to ``outcomes`` as it is read (``ask``: each reply follows
+        its ASKING's)."""
         if not ask:
-            return read(conn, indices)
-        outcomes: list[object] = []
+            for outcome in read(conn, indices):
+                outcomes.append(outcome)  # noqa: PERF402 - one at a time: those read before a failure stay
+            return
         for i in indices:
             asking = conn.reply()
             if isinstance(asking, bytes):
                 outcomes += read(conn, [i])
             elif isinstance(asking, ServerError):  # refused (an ACL without +asking): the key fails, not the node
-                read(conn, [i])  # the command's own reply (a redirect, not asked) keeps the connection in step
+                list(read(conn, [i]))  # the command's own reply (a redirect, not asked) keeps the connection in step
                 outcomes.append(ServerError(f"ASKING refused: {asking}"))
             else:
                 raise ConnectionError(f"protocol error: ASKING answered {asking!r:.80}")
-        return outcomes
 
     def refresh(self, deadline: float | None = None) -> str | None:
         """Read the slot map (CLUSTER SLOTS) unless another link sharing :attr:`topology` just did; ``None``, or
@@ -540,8 +571,9 @@ class Link:
             conn.close()
 
 
-def _closed_while_idle(exc: BaseException) -> bool:
-    """Whether ``exc`` is what a connection the server closed meanwhile gives (not a timeout, not a refusal)."""
+def _closed_by_server(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a connection the server closed gives (not a timeout, a refusal or a reply out of
+    step)."""
     return isinstance(exc, ConnectionError) and not isinstance(exc, ConnectionRefusedError) \
         and "protocol error" not in str(exc)
 

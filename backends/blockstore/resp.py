@@ -9,28 +9,33 @@ routing over nodes is :mod:`kvkit.backends.blockstore.link`'s.
 Every operation is bounded by the connection's ``deadline`` (``time.monotonic()`` seconds), a whole
 call's, however slowly the bytes trickle: the socket is non-blocking, every read and write is tried
 first and waits (``poll``) only for what is not there yet, never past the deadline. A deadline that
-passes raises :class:`DeadlineExceeded`; a closed or refusing server raises ``ConnectionError`` (both
-``OSError``), as does a reply that is not RESP.
+passes raises :class:`DeadlineExceeded`; a server that closes the connection raises
+:class:`ConnectionClosedError`, a refusing one ``ConnectionError`` (all ``OSError``), as does a reply that is
+not RESP.
 """
 
 from __future__ import annotations
 
 import binascii
 import contextlib
+import fcntl
 import ipaddress
 import math
 import re
 import select
 import socket
 import ssl
+import struct
+import termios
 import threading
 import time
 from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "SLOTS", "Address", "ConnectOptions", "Connection", "DeadlineExceeded",
-           "Redirect", "ServerError", "command", "error_reply", "key_slot"]
+__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "SLOTS", "Address", "ConnectOptions", "Connection",
+           "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError", "command",
+           "error_reply", "key_slot"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -40,6 +45,8 @@ _IOV_MAX = 1024  # buffers per sendmsg (Linux IOV_MAX)
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 _ERROR_CODE = re.compile(r"[A-Z]{2,20}")  # the first word of an error reply: ERR, WRONGPASS, NOPERM...
 _FAIR_CONNECT = 0.9  # a connect that timed out with this share of its budget or more is its node's fault
+_UNACKED = getattr(termios, "TIOCOUTQ", None)  # Linux: bytes sent that the peer has not acknowledged yet
+_SAMPLE_S = 0.05  # how often a wait looks whether the server took more of the bytes still on their way to it
 SLOTS = 16384
 """Hash slots of a Cluster."""
 MAX_REPLY_BULK = 64 << 20
@@ -52,11 +59,30 @@ class ServerError(Exception):
     """An error reply (``-ERR ...``) other than a redirect."""
 
 
+class ProtocolRefusal(ServerError):  # noqa: N818 - a reply, as ServerError is
+    """``-ERR Protocol error: ...``: the server refused a command's framing (a bulk longer than its
+    ``proto-max-bulk-len``: ``invalid bulk length``) and closes the connection after this reply, unread
+    commands and all: the command's failure, and the reason the connection breaks right after."""
+
+
 class DeadlineExceeded(TimeoutError):  # noqa: N818
     """The call's deadline passed before the server sent (or took) what the call needs.
 
-    ``stalled_s``: how long the connection had been waiting without receiving a byte when it gave up
-    (a node that trickles bytes is slow; one that sends nothing for long is stalled).
+    ``stalled_s``: how long the connection had been waiting without receiving a byte, or the server taking one
+    of those sent, when it gave up (a node that trickles bytes, or a link that crawls, is slow; one that takes
+    and sends nothing for long is stalled).
+    """
+
+    def __init__(self, message: str, stalled_s: float) -> None:
+        super().__init__(message)
+        self.stalled_s = stalled_s
+
+
+class ConnectionClosedError(ConnectionError):
+    """The server closed the connection (an end of file or a reset) while a call waited on its replies.
+
+    ``stalled_s``: how long the connection had been waiting without receiving a byte when the close came (a
+    server silent for long that then closes is stalled, as one that never answers is).
     """
 
     def __init__(self, message: str, stalled_s: float) -> None:
@@ -141,7 +167,8 @@ class Connection:
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._events = select.POLLIN
-        self._waiting_since: float | None = None
+        self._waiting_since: float | None = None  # since when nothing moved, while waiting
+        self._unacked = 0  # bytes sent that the server had not acknowledged when that was last seen
         self._buf = bytearray(_BUFFER)
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
@@ -352,8 +379,10 @@ class Connection:
             except BlockingIOError:
                 self._wait(select.POLLIN)
                 continue
+            except ConnectionResetError as exc:
+                raise self._closed(f"the server reset the connection: {exc}") from None
             if not got:
-                raise ConnectionError("the server closed the connection")
+                raise self._closed("the server closed the connection")
             self._waiting_since = None
             return got
 
@@ -365,23 +394,49 @@ class Connection:
             except _WOULD_BLOCK as exc:
                 self._wait(select.POLLOUT if isinstance(exc, ssl.SSLWantWriteError) else select.POLLIN)
                 continue
+            except ConnectionResetError as exc:
+                raise self._closed(f"the server reset the connection: {exc}") from None
             if not got:
-                raise ConnectionError("the server closed the connection")
+                raise self._closed("the server closed the connection")
             self._waiting_since = None
             return got
 
+    def _closed(self, why: str) -> ConnectionClosedError:
+        """``ConnectionClosedError`` saying ``why``, with how long the connection had waited without a byte."""
+        stalled = 0.0 if self._waiting_since is None else time.monotonic() - self._waiting_since
+        return ConnectionClosedError(why, stalled)
+
     def _wait(self, events: int) -> None:
-        """Wait until the socket is ready for ``events`` or the deadline passes (``DeadlineExceeded``)."""
+        """Wait until the socket is ready for ``events`` or the deadline passes (``DeadlineExceeded``).
+
+        Bytes the server takes count as progress as bytes it sends do: while some sent are not acknowledged yet
+        (a put whose bytes crawl up a slow link, its reply awaited), the wait looks every ``_SAMPLE_S`` whether
+        their number fell, and if it did the connection is not stalled since (Linux: ``TIOCOUTQ``).
+        """
         now = time.monotonic()
         if self._waiting_since is None:
             self._waiting_since = now
+            self._unacked = self._unacked_bytes()
         left = self.deadline - now
         if left <= 0:
             raise DeadlineExceeded("timed out: the call's deadline passed", now - self._waiting_since)
         if events != self._events:
             self._poll.modify(self.sock, events)
             self._events = events
-        self._poll.poll(math.ceil(left * 1000))
+        self._poll.poll(math.ceil((min(left, _SAMPLE_S) if self._unacked else left) * 1000))
+        if self._unacked:
+            unacked = self._unacked_bytes()
+            if unacked < self._unacked:
+                self._waiting_since, self._unacked = time.monotonic(), unacked
+
+    def _unacked_bytes(self) -> int:
+        """Bytes sent on this connection that the server has not acknowledged yet (0 where that is not known)."""
+        if _UNACKED is None:
+            return 0
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), _UNACKED, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):  # closed meanwhile (a close from another thread)
+            return 0
 
 
 _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
@@ -508,8 +563,14 @@ _UNUSABLE = {
     b"NOAUTH": "the connection is not logged in (the server demands a password this store was not given)",
     b"LOADING": "the server is loading its dataset and serves no command until it is done",
     b"MASTERDOWN": "the replica lost its primary and serves no stale data",
+    b"BUSY": "the server is running a script or function past its busy-reply-threshold and serves no other command",
 }
 """The first words of the error replies that say a node serves no command for now, with what they mean."""
+_NO_ROOM = b"ERR max number of clients reached"
+"""The reply of a server that has ``maxclients`` clients already, before it closes the new connection."""
+_UNAUTHENTICATED = b"ERR Protocol error: unauthenticated"
+"""How a server that demands a login refuses a command too large for a connection not logged in (a bulk over
+16 KiB, too many arguments), before it closes the connection: its ``-NOAUTH`` for such a command."""
 
 
 def error_reply(text: bytes) -> ServerError | Redirect:
@@ -518,16 +579,27 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     server's words).
 
     A reply saying the node serves no command for now (:data:`_UNUSABLE`: ``NOAUTH``, ``LOADING``,
-    ``MASTERDOWN``) raises ``ConnectionRefusedError`` instead: like a refused login, that is evidence
-    against the node (marked down, tried again after its retry interval), not a key's failure.
+    ``MASTERDOWN``, ``BUSY``; :data:`_UNAUTHENTICATED`), or no connection (:data:`_NO_ROOM`: ``maxclients``
+    reached), raises
+    ``ConnectionRefusedError`` instead: like a refused login, that is evidence against the node
+    (marked down, tried again after its retry interval), not a key's failure.
     ``MISCONF`` (writes refused, reads served) stays a ``ServerError``: it fails the writes only.
+    ``ERR Protocol error`` is a :class:`ProtocolRefusal`.
     """
     parts = text.split()
     unusable = _UNUSABLE.get(parts[0]) if parts else None
     if unusable is not None:
         raise ConnectionRefusedError(f"the server answered {parts[0].decode()}: {unusable}")
+    if text.startswith(_UNAUTHENTICATED):
+        shown = text[:60].decode(errors="replace")
+        raise ConnectionRefusedError(f"the server answered {shown!r}: {_UNUSABLE[b'NOAUTH']}")
+    if text.startswith(_NO_ROOM):
+        raise ConnectionRefusedError(f"the server answered {_NO_ROOM.decode()!r}: it has its maxclients clients "
+                                     f"and closes the connection")
     if len(parts) == 3 and parts[0] in (b"MOVED", b"ASK"):
         host, _, port = parts[2].rpartition(b":")
         if parts[1].isdigit() and port.isdigit() and int(parts[1]) < SLOTS and 0 < int(port) < 65536:
             return Redirect(int(parts[1]), (host.decode(errors="replace"), int(port)), parts[0] == b"ASK")
+    if text.startswith(b"ERR Protocol error"):
+        return ProtocolRefusal(text.decode(errors="replace"))
     return ServerError(text.decode(errors="replace"))

@@ -10,14 +10,22 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import attrs
 
 from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, check_timeout
 from kvkit.backends.blockstore.link import Link, NodeHealth, Topology, Unreachable
-from kvkit.backends.blockstore.resp import Address, Connection, ConnectOptions, Redirect, ServerError, error_reply
+from kvkit.backends.blockstore.resp import (
+    Address,
+    Connection,
+    ConnectOptions,
+    ProtocolRefusal,
+    Redirect,
+    ServerError,
+    error_reply,
+)
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import StoreResult
 from kvkit.validate import check_bool, check_int, check_real, checked, quote
@@ -114,11 +122,18 @@ class ValkeyStore:
 
     Faults stay with their node (:class:`~kvkit.backends.blockstore.link.Link`,
     :class:`~kvkit.backends.blockstore.link.NodeHealth`): a connection the
-    server closed while idle is reopened and the call retried once, unseen; a
-    node with evidence against it (refused, broken, stalled) fails its keys at
-    once for ``retry_interval_s`` while the other nodes serve theirs. The
-    slot map comes from the first node that answers it; a stalled node
-    holds that read up for at most its share of the deadline.
+    server closed (while idle, or mid-call: killed, restarted) is reopened and
+    the call retried once, unseen; a node with evidence against it (refused,
+    broken, stalled) fails its keys at once for ``retry_interval_s`` while the
+    other nodes serve theirs. The slot map comes from the first node that
+    answers it; a stalled node holds that read up for at most its share of
+    the deadline.
+
+    A value longer than the server's ``proto-max-bulk-len`` fails its put
+    refused (the server closes the connection after refusing it: the
+    other keys are sent again on a new one, and the node is not marked
+    down); for ``retry_interval_s`` after, values that long fail at once,
+    unsent (:class:`_BulkLimit`).
 
     ``ttl_s`` gives every value an expiry, so a ``volatile-*`` eviction
     policy of the server can act. At most ``max_waiting`` finished results
@@ -175,7 +190,7 @@ class ValkeyStore:
                             on_connect=self._connected)
         self._io = _IoThread(Link(self.nodes, self.cluster, options, self._health, self.window_bytes,
                                   topology=topology, on_connect=self._connected), TicketBox(self.max_waiting),
-                             self.ttl_s)
+                             self.ttl_s, _BulkLimit(self.retry_interval_s))
         self._thread = threading.Thread(target=self._io.serve, name="kvkit-valkey-io", daemon=True)
         self._finalizer = weakref.finalize(self, _shut_down, self._io, self._thread, self._lookup,
                                            self._lookup_lock, self.request_timeout_s + self.connect_timeout_s)
@@ -296,6 +311,34 @@ def _check_regular(path: str | None) -> None:
         raise OSError(errno.EINVAL, "not a regular file", path)
 
 
+@attrs.define(eq=False)
+class _BulkLimit:
+    """The shortest value the server refused as longer than its ``proto-max-bulk-len`` (``-ERR Protocol error:
+    invalid bulk length``) in the last ``hold_s`` seconds: values that long or longer fail at once, unsent (each
+    would cost its connection: the server closes it after the refusal). Once ``hold_s`` passed, one is sent
+    again (the limit may have been raised). One for all of a Cluster's nodes (they share their configuration).
+    Thread-safe enough: nodes' pipelines that learn at once each leave a bound that held."""
+
+    hold_s: float
+    refused: int = 0  # bytes; 0: none refused
+    until: float = 0.0
+
+    def allows(self, size: int) -> bool:
+        """Whether a value of ``size`` bytes is sent."""
+        return not self.refused or size < self.refused or time.monotonic() >= self.until
+
+    def refuse(self, size: int) -> None:
+        """The server refused a value of ``size`` bytes."""
+        held = self.refused and time.monotonic() < self.until
+        self.refused = min(size, self.refused) if held else size
+        self.until = time.monotonic() + self.hold_s
+
+    def refusal(self, size: int) -> ProtocolRefusal:
+        """Why a value of ``size`` bytes was not sent."""
+        return ProtocolRefusal(f"a value of {size} bytes, not sent: the server refused one of {self.refused} bytes "
+                               f"as longer than its proto-max-bulk-len less than {self.hold_s:g} s ago")
+
+
 _EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"
 _GET = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
 
@@ -307,6 +350,7 @@ class _IoThread:
     link: Link
     tickets: TicketBox
     ttl_s: int | None
+    bulk_limit: _BulkLimit
     jobs: queue.SimpleQueue = attrs.field(factory=queue.SimpleQueue)
     closing: bool = False
 
@@ -346,26 +390,40 @@ class _IoThread:
         head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" if expire else b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n"
         tail = b"\r\n" + expire
         sizes = _sizes(views)
+        limit = self.bulk_limit
+        unsent: set[int] = set()  # keys whose values the limit held back (each chunk is read as it was sent)
 
         def encode(ids: list[int]) -> list[bytes | memoryview]:
             parts: list[bytes | memoryview] = []
             for i in ids:
+                if not limit.allows(sizes[i]):
+                    unsent.add(i)
+                    continue
                 key = keys[i]
                 parts.append(head % (len(key), key, sizes[i]))
                 parts += views[i]
                 parts.append(tail)
             return parts
 
-        def read(conn: Connection, ids: list[int]) -> list[object]:
-            return [_set_outcome(conn.line()) for _ in ids]
+        def read(conn: Connection, ids: list[int]) -> Iterator[object]:
+            for i in ids:
+                if i in unsent:
+                    yield limit.refusal(sizes[i])
+                    continue
+                outcome = _set_outcome(conn.line())
+                if isinstance(outcome, ProtocolRefusal) and "invalid bulk length" in str(outcome):
+                    limit.refuse(sizes[i])
+                    outcome = ProtocolRefusal(f"{outcome} (a value of {sizes[i]} bytes: longer than the server's "
+                                              f"proto-max-bulk-len)")
+                yield outcome
 
         return self.link.run(keys, encode, read, sizes, deadline)
 
     def _get(self, keys: list[bytes], views: list[list[memoryview]], deadline: float) -> list[object]:
         sizes = _sizes(views)
 
-        def read(conn: Connection, ids: list[int]) -> list[object]:
-            return [_get_outcome(conn, views[i], sizes[i]) for i in ids]
+        def read(conn: Connection, ids: list[int]) -> Iterator[object]:
+            return (_get_outcome(conn, views[i], sizes[i]) for i in ids)
 
         return self.link.run(keys, lambda ids: [b"".join(_GET % (len(keys[i]), keys[i]) for i in ids)], read,
                              sizes, deadline)
@@ -428,13 +486,14 @@ def _set_outcome(line: bytes) -> object:
     raise ConnectionError(f"protocol error: a SET answered {line[:80]!r}")
 
 
-def _read_ints(conn: Connection, ids: list[int]) -> list[object]:
+def _read_ints(conn: Connection, ids: list[int]) -> Iterator[object]:
     """EXISTS replies: all at once when they are plain 0/1 (the common case), else one by one."""
     fast = conn.small_ints(len(ids))
     if fast is not None:
-        return list[object](fast)
-    replies = [conn.reply() for _ in ids]
-    for reply in replies:
+        yield from fast
+        return
+    for _ in ids:
+        reply = conn.reply()
         if not isinstance(reply, ServerError | Redirect | int):
             raise ConnectionError(f"protocol error: EXISTS answered {reply!r:.80}")
-    return replies
+        yield reply

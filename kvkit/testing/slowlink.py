@@ -3,8 +3,10 @@
 ``SlowLink(target)`` listens on ``127.0.0.1:port`` and forwards every connection to ``target``,
 each direction at most ``rate`` bytes per second (``None``: as fast as they come), and holds each
 reply ``latency`` seconds before its first byte moves on (a far link). Both may be changed while
-connections are open. Every wait of its threads is short (``_TICK``), so
-:meth:`SlowLink.close` stops them all and closes every socket within a bounded time.
+connections are open. ``window`` bounds what the proxy buffers of a client's bytes (a link with
+few bytes in flight, as a slow WAN has, so a client sees its sent bytes leave as the link takes
+them). Every wait of its threads is short (``_TICK``), so :meth:`SlowLink.close` stops them all
+and closes every socket within a bounded time.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class SlowLink:
 
     ``latency``: seconds the target's bytes wait before they move on whenever they come after a pause
     (nothing from the target for a tick) or after the client sent more: each reply arrives that much
-    later, however it is split and however soon the client asks again.
+    later, however it is split and however soon the client asks again. ``window``: the receive buffer
+    (``SO_RCVBUF``) of the client connections, in bytes (``None``: the system's, megabytes on loopback).
     Use as a context manager, or call :meth:`start` and :meth:`close`. ``connections`` counts the
     connections accepted so far.
     """
@@ -38,6 +41,7 @@ class SlowLink:
     target: tuple[str, int]
     rate: float | None = None
     latency: float = 0.0
+    window: int | None = None
     port: int = attrs.field(default=0, init=False)
     connections: int = attrs.field(default=0, init=False)
     _listener: socket.socket | None = attrs.field(default=None, init=False)
@@ -53,7 +57,11 @@ class SlowLink:
 
     def start(self) -> SlowLink:
         """Listen (on a free port) and accept in a background thread."""
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.socket()
+        if self.window is not None:  # before listen(): accepted connections take it, window scaling included
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.window)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen()
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._spawn(self._accept)

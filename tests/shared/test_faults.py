@@ -420,6 +420,28 @@ def test_a_cluster_whose_live_nodes_refuse_writes_beside_a_dead_node_keeps_the_t
         a.close()
 
 
+def test_blocks_longer_than_the_servers_bulk_limit_are_counted_failed_puts_and_the_tier_stays_on():
+    """A server whose ``proto-max-bulk-len`` (1 MiB) is shorter than a block's value (1 MiB of payload a rank, and
+    its header): every put fails, refused, and is counted; the tier stays on (no outage, no warning), since the
+    server answered the probe, and requests are served right from the GPU and CPU tiers."""
+    spec = kvkit.KVCacheSpec(num_layers=32, block_size=SPEC.block_size, num_kv_heads=8, head_dim=256,
+                             dtype="float32")  # 2 MiB a block
+    with LocalServer(server_binary_or_skip(), args=["--proto-max-bulk-len", "1mb"]) as server:
+        stack = kvkit.build(kv=spec, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", cpu_eviction="lru",
+                            layout="per-layer", shared=SharedConfig(url=server.url + FAST),
+                            world_size=2, wait_timeout_s=4.0)
+        engine = ReferenceEngine(stack)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for i in range(3):
+                serve(engine, f"big{i}", [1000 * i + t for t in PROMPT])  # 2 MiB blocks: copies take CPU time
+        assert not [w for w in seen if "shared tier is off" in str(w.message)], [str(w.message) for w in seen]
+        assert stack.stats.shared_outages.value == 0 and stack.manager.shared_status in ("on", "suspect")
+        assert stack.stats.puts_failed.value > 0 and stack.stats.blocks_put.value == 0
+        assert engine.integrity_errors == 0 and stack.shared_store.down_nodes == {}
+        stack.close()
+
+
 def test_a_build_refused_after_opening_the_store_leaves_no_thread(server, monkeypatch):
     """A build that fails after its store was opened closes it: no I/O thread is left, attempt after attempt."""
     from kvkit.worker.engine import TransferEngine

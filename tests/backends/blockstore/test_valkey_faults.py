@@ -6,6 +6,7 @@ Each test bounds the time of every call: a whole call is done by its deadline ho
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import select
@@ -17,7 +18,7 @@ import pytest
 
 from kvkit.backends.blockstore.resp import key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
-from kvkit.testing.servers import LocalCluster, LocalServer, server_binary_or_skip
+from kvkit.testing.servers import LocalCluster, LocalServer, server_binary, server_binary_or_skip
 from kvkit.testing.slowlink import SlowLink
 
 DEADLINE = 0.5
@@ -113,6 +114,25 @@ def test_a_trickled_get_and_the_put_queued_behind_it_are_reported_by_their_deadl
         assert not store.down_nodes, "a slow node that kept sending was marked down"
         result, buffers = _get(store, keys, size)
         assert result.ok and buffers == values
+        store.close()
+
+
+def test_a_put_through_a_crawling_uplink_fails_by_its_deadline_and_never_marks_the_node_down(valkey_server):
+    """A put of 2 MiB whose bytes cross to the server at 500 KB/s through a link that holds 64 KiB in flight (the
+    link, not the node, is slow; deadline 2 s): the put goes into the socket long before the server has it, and
+    its reply is awaited while the bytes still leave. It fails by its deadline, never raises, and the node is not
+    marked down: it was still taking the bytes. Once the link is fast again the same store puts at once."""
+    valkey_server.call(b"FLUSHALL")
+    value = os.urandom(2 << 20)
+    with SlowLink(("127.0.0.1", valkey_server.port), rate=500_000, window=64 << 10) as link:
+        store = _store(link.address, request_timeout_s=2.0, connect_timeout_s=2.0, retry_interval_s=30.0)
+        result = _put(store, [b"uplink"], [value], 2.0)
+        assert result.transport_failed and "deadline" in result.error, result
+        assert store.down_nodes == {}, "a node still taking the put's bytes was marked down"
+        link.rate = None
+        assert _put(store, [b"uplink"], [value], 2.0).ok
+        result, buffers = _get(store, [b"uplink"], 2 << 20, 2.0)
+        assert result.ok and buffers == [value]
         store.close()
 
 
@@ -268,6 +288,70 @@ def test_connections_the_server_closed_for_idleness_are_reopened_unseen():
         store.close()
 
 
+def test_a_connection_killed_mid_call_is_reopened_and_the_call_served_even_on_its_first_use(own_server):
+    """``CLIENT KILL`` of the store's connection while its put waits on the server (writes paused by ``CLIENT
+    PAUSE WRITE``, as a manual failover pauses them): the connection is reopened and the put served, nothing
+    marked down, whether the connection was reused or opened by that very call (a store's first put)."""
+    keys, values = [b"killed:%d" % i for i in range(4)], _values(4, 100_000)
+
+    def killed_while_paused(store):
+        """A put of ``keys`` by ``store``, its connection killed while the server holds it."""
+        own_server.call(b"CLIENT", b"PAUSE", b"5000", b"WRITE")
+        ticket, start = store.put(keys, [[memoryview(v)] for v in values]), time.monotonic()
+        assert _eventually(lambda: b"blocked_clients:1\r" in own_server.call(b"INFO", b"clients"))  # it waits now
+        assert own_server.call(b"CLIENT", b"KILL", b"TYPE", b"normal") >= 1
+        own_server.call(b"CLIENT", b"UNPAUSE")
+        return _result(store, ticket, start, 2.0)
+
+    for reused in (False, True):
+        store = _store(("127.0.0.1", own_server.port), request_timeout_s=2.0, connect_timeout_s=2.0,
+                       retry_interval_s=30.0)
+        if reused:
+            assert _put(store, keys, values, 2.0).ok
+        result = killed_while_paused(store)
+        assert result.ok, result
+        assert store.down_nodes == {} and store.transport_failures == 0
+        got, buffers = _get(store, keys, 100_000, 2.0)
+        assert got.ok and buffers == values
+        store.close()
+
+
+def test_a_node_that_closes_each_connection_after_a_long_silence_is_marked_down():
+    """A host that takes each connection and its commands, sends nothing for 0.3 s (more than half the 0.5 s
+    deadline) and closes it (a load balancer whose backend hangs): that is a stalled node, evidence against it
+    however the wait ended. The first call is reported by its deadline and marks the node down; the next ones
+    fail at once rather than each waiting its deadline again."""
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(0.02)
+
+        def serve():
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(1.0)
+                    with contextlib.suppress(OSError):
+                        conn.recv(1 << 16)
+                    stop.wait(0.6 * DEADLINE)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        store = _store(listener.getsockname()[:2], retry_interval_s=30.0)
+        try:
+            assert _put(store, [b"a"], [b"x"]).transport_failed
+            assert list(store.down_nodes) == [listener.getsockname()[:2]]
+            start = time.monotonic()
+            assert store.contains([b"a"]) == 0 and _put(store, [b"b"], [b"y"]).transport_failed
+            assert time.monotonic() - start < 0.8 * DEADLINE, "a call waited on a node known to be down"
+        finally:
+            store.close()
+            stop.set()
+            server.join(5.0)
+
+
 def test_a_server_restarted_between_calls_is_used_again_at_once(own_server):
     """The connection broke while idle (the server restarted): the next call reconnects, nothing marked down."""
     store = _store(("127.0.0.1", own_server.port))
@@ -302,6 +386,89 @@ def test_a_server_that_demands_a_password_mid_run_is_marked_down_until_it_lets_t
     assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
     assert store.contains([b"a"]) == 1
     store.close()
+
+
+def _binaries():
+    """The bundled Valkey and, when installed, Debian's redis-server (Redis 7.0): a limit tested on both families."""
+    import shutil
+
+    return [pytest.param(None, id="valkey"),
+            pytest.param("redis-server", id="redis", marks=pytest.mark.skipif(
+                shutil.which("redis-server") is None, reason="redis-server is not installed"))]
+
+
+def _server_binary(binary):
+    """``binary`` from ``PATH``, or the bundled Valkey for ``None``."""
+    return server_binary(binary) if binary else server_binary_or_skip()
+
+
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_server_with_no_room_for_another_client_is_marked_down_until_it_has_room(binary):
+    """``maxclients`` reached by other clients: the server answers a new connection ``-ERR max number of clients
+    reached`` and closes it. That is evidence against the node, not a key's failure: a call of one key and a call
+    of many fail every key with a transport error, the node is marked down and the next calls fail at once; once
+    the other clients left, the store uses it again."""
+    with LocalServer(_server_binary(binary), args=["--maxclients", "4"]) as server:
+        address = ("127.0.0.1", server.port)
+        hogs = [socket.create_connection(address, timeout=5.0) for _ in range(4)]
+        try:
+            for hog in hogs:  # each one served: the server has no room left
+                hog.sendall(b"PING\r\n")
+                assert hog.recv(7) == b"+PONG\r\n"
+            store = _store(address)
+            for keys in ([b"a"], [b"a", b"b", b"c"]):
+                result = _put(store, keys, [b"x"] * len(keys))
+                assert result.unreached == tuple(range(len(keys))) and "max number of clients" in result.error, result
+                assert list(store.down_nodes) == [address]
+                time.sleep(0.25)  # the retry interval: the next call tries the node again
+            assert _put(store, [b"a"], [b"x"]).transport_failed and store.transport_failures >= 2
+            start = time.monotonic()
+            assert store.contains([b"a"]) == 0 and _put(store, [b"b"], [b"y"]).transport_failed
+            assert time.monotonic() - start < 0.8 * DEADLINE, "a call waited on a node known to be down"
+        finally:
+            for hog in hogs:
+                hog.close()
+        assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
+        assert store.contains([b"c"]) == 1
+        store.close()
+
+
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_server_busy_running_a_script_is_marked_down_until_the_script_ends(binary):
+    """A Lua script that never ends (another client's ``EVAL``), past ``busy-reply-threshold``: the server answers
+    every other command ``-BUSY``, as a loading node does. That is evidence against the node, not the keys'
+    failure: a call's keys fail unreached with a transport error naming the reply, the node is marked down and
+    the next calls fail at once; once the script is killed the store uses the node again."""
+    from kvkit.backends.blockstore.resp import command
+
+    with LocalServer(_server_binary(binary), args=["--busy-reply-threshold", "100"]) as server:
+        address = ("127.0.0.1", server.port)
+        store = _store(address)
+        assert _put(store, [b"a"], [b"x"]).ok
+        with socket.create_connection(address) as scripted:
+            scripted.sendall(command(b"EVAL", b"while true do end", b"0"))
+            assert _eventually(lambda: _refused_busy(server))
+            try:
+                result = _put(store, [b"a", b"b"], [b"x", b"y"])
+                assert result.unreached == (0, 1) and "BUSY" in result.error, result
+                assert list(store.down_nodes) == [address]
+                start = time.monotonic()
+                assert store.contains([b"a"]) == 0 and _get(store, [b"a"], 1)[0].transport_failed
+                assert time.monotonic() - start < 0.8 * DEADLINE, "a call waited on a node known to be down"
+            finally:
+                server.call(b"SCRIPT", b"KILL")
+        assert _eventually(lambda: store.contains([b"a"]) == 1)
+        assert _put(store, [b"b"], [b"y"]).ok
+        store.close()
+
+
+def _refused_busy(server) -> bool:
+    """Whether ``server`` answers ``-BUSY`` now (a refusal of the node)."""
+    try:
+        server.call(b"PING")
+    except ConnectionRefusedError as exc:
+        return "BUSY" in str(exc)
+    return False
 
 
 class _Answering:
@@ -429,6 +596,63 @@ def test_a_server_that_refuses_writes_fails_the_puts_only(tmp_path):
         got, buffers = _get(store, [b"a"], 1)
         assert got.ok and buffers == [bytearray(b"x")] and store.contains([b"a", b"b"]) == 1
         store.close()
+
+
+# -- a server-side limit -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_value_longer_than_the_servers_bulk_limit_fails_alone_and_never_marks_the_node_down(binary):
+    """``proto-max-bulk-len 1mb``: a SET of a 2 MiB value is answered ``-ERR Protocol error: invalid bulk
+    length`` and the connection closed. That is the value's failure, not the node's: in one put of small and
+    large values the large ones fail refused (not unreached), the small ones are stored, the node is not marked
+    down, and gets and ``contains`` go on being served. A later put of a value that long fails at once, refused,
+    without being sent (no connection is reopened for it)."""
+    with LocalServer(_server_binary(binary), args=["--proto-max-bulk-len", "1mb"]) as server:
+        store = _store(("127.0.0.1", server.port), request_timeout_s=2.0, connect_timeout_s=2.0,
+                       retry_interval_s=30.0)
+        keys = [b"bulk:%d" % i for i in range(6)]
+        big, small = {1, 3}, [0, 2, 4, 5]
+        values = [os.urandom(2 << 20) if i in big else os.urandom(1000) for i in range(6)]
+        result = _put(store, keys, values, 2.0)
+        assert set(result.failed) == big and result.unreached == (), result
+        assert "proto-max-bulk-len" in result.error and not result.transport_failed, result
+        assert store.down_nodes == {} and store.transport_failures == 0, store.down_nodes
+        assert store.contains([keys[i] for i in small]) == len(small)
+        got, buffers = _get(store, [keys[i] for i in small], 1000, 2.0)
+        assert got.ok and buffers == [values[i] for i in small]
+        opened = _connections_received(server)
+        again = _put(store, [keys[1], keys[0]], [values[1], values[0]], 2.0)
+        assert again.failed == (0,) and again.unreached == () and "proto-max-bulk-len" in again.error, again
+        assert _connections_received(server) == opened + 1, "the store reconnected: a refused size was sent again"
+        store.close()
+
+
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_put_of_large_values_without_the_password_marks_the_node_down_with_no_limit_learned(binary):
+    """A store given no password for a server that demands one: the server refuses a bulk longer than 16 KiB from
+    a connection not logged in (``-ERR Protocol error: unauthenticated bulk length``) and closes it. That is the
+    missing login, evidence against the node (as ``-NOAUTH`` is), not a value longer than the server takes: the
+    put's keys fail unreached, the node is marked down, and once the server lets the store in the same values
+    are sent and stored."""
+    with LocalServer(_server_binary(binary), password="kvkit-test-only") as server:
+        address = ("127.0.0.1", server.port)
+        store = _store(address, request_timeout_s=2.0, connect_timeout_s=2.0)
+        keys, values = [b"login:%d" % i for i in range(3)], _values(3, 100_000)
+        result = _put(store, keys, values, 2.0)
+        assert result.unreached == (0, 1, 2) and "not logged in" in result.error, result
+        assert list(store.down_nodes) == [address]
+        server.call(b"CONFIG", b"SET", b"requirepass", b"")
+        server.password = None
+        assert _eventually(lambda: _put(store, keys, values, 2.0).ok)
+        assert _get(store, keys, 100_000, 2.0)[1] == values
+        store.close()
+
+
+def _connections_received(server) -> int:
+    """Connections the server accepted so far (``INFO stats``), the asking one included."""
+    stats = server.call(b"INFO", b"stats").decode()
+    return int(stats.split("total_connections_received:")[1].split()[0])
 
 
 # -- a Cluster with a dead node, a failover, a moved slot ----------------------------------------------------
