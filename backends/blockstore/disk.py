@@ -130,7 +130,10 @@ class DiskStore:
     re-measured (indexed bytes plus free space, never above
     ``capacity_bytes``) whenever it would force an eviction, so space freed on
     the file system is used again; a quota, invisible to ``statvfs``, is
-    learned again at each refusal. Writes in flight may hold up to ``threads``
+    learned again at each refusal. A value written meanwhile (its temporary file
+    on the file system, not yet indexed, while another put lowered the capacity)
+    raises it back to the indexed bytes plus that value: the file system holds
+    them all. Writes in flight may hold up to ``threads``
     values beyond the capacity in temporary files.
 
     Reading. A ``get`` reads with ``os.preadv`` straight into the caller's
@@ -490,6 +493,8 @@ class DiskStore:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 with self._lock:
                     self._forget(name, unlink=False)  # os.replace swaps the file atomically: readers never miss it
+                    if self._fits is not None:  # the file system holds the indexed files and this one at once
+                        self._fits = max(self._fits, min(self.capacity_bytes, self.used_bytes + size))
                     self._evict_for(size)
                     try:
                         os.replace(temp, final, src_dir_fd=folder, dst_dir_fd=folder)

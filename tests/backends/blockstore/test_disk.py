@@ -1273,3 +1273,25 @@ def test_a_full_file_system_whose_values_cannot_be_deleted_never_spins(tmp_path,
     assert store.counters["unlink_failed"] >= undeletable
     store.check_invariants()
     store.close()
+
+
+def test_a_value_written_while_another_put_lowered_the_capacity_is_kept_and_evicts_nothing(tmp_path, monkeypatch):
+    """Another thread's put that met a full file system lowers the capacity while this put writes its value
+    (measured with this value's temporary file on disk but not indexed): the value the file system took is
+    indexed and counted, never left on disk untracked as 'oversized', and the values held stay."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _fill(store, 3, size=1000) == []
+    real = disk._write_all
+
+    def write_all(fd, parts):
+        real(fd, parts)
+        with store._lock:  # what _relieve sets: the indexed bytes, the file system's free space not counted
+            store._fits = store.used_bytes
+
+    monkeypatch.setattr(disk, "_write_all", write_all)
+    assert _put(store, [b"new"], 4000).ok
+    monkeypatch.setattr(disk, "_write_all", real)
+    assert store.counters["oversized"] == 0 and store.counters["evicted"] == 0, store.counters
+    assert store.used_bytes == 7000 and store.contains([b"fill-0", b"fill-1", b"fill-2", b"new"]) == 4
+    store.check_invariants()
+    store.close()
