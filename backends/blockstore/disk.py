@@ -527,7 +527,11 @@ class DiskStore:
                 made = _new_folder(folder)
         fd = os.open(folder, _DIR_FLAGS)
         if made:
-            os.fchmod(fd, _dir_mode(self.file_mode))  # mkdir's mode passes through the umask
+            try:
+                os.fchmod(fd, _dir_mode(self.file_mode))  # mkdir's mode passes through the umask
+            except BaseException:  # a file system that refuses modes (vfat, some network mounts)
+                os.close(fd)
+                raise
         return fd
 
     def _create_temp(self, folder: int, final: str) -> tuple[int, str]:

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -1293,5 +1294,25 @@ def test_a_value_written_while_another_put_lowered_the_capacity_is_kept_and_evic
     monkeypatch.setattr(disk, "_write_all", real)
     assert store.counters["oversized"] == 0 and store.counters["evicted"] == 0, store.counters
     assert store.used_bytes == 7000 and store.contains([b"fill-0", b"fill-1", b"fill-2", b"new"]) == 4
+    store.check_invariants()
+    store.close()
+
+
+def test_a_subdirectory_whose_mode_cannot_be_set_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    """A file system that refuses chmod (vfat, some network mounts: EPERM) fails the put that made a
+    subdirectory, quoting the refusal, and leaves no descriptor of it open."""
+    store = DiskStore(tmp_path, 1 << 20)
+    real = os.fchmod
+
+    def fchmod(fd, mode):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+        return real(fd, mode)
+
+    monkeypatch.setattr(disk.os, "fchmod", fchmod)
+    before = len(os.listdir("/proc/self/fd"))
+    refused = _put(store, [b"k%d" % i for i in range(8)], 100)
+    assert refused.failed and os.strerror(errno.EPERM) in refused.error, refused
+    assert len(os.listdir("/proc/self/fd")) == before
     store.check_invariants()
     store.close()
