@@ -100,7 +100,7 @@ class DiskStore:
     index, sizes and modification times seed the eviction order. Entries that
     are not this layout's (other names, other places: ``foreign``), named as
     values or temporary files but not regular files (symlinks, directories,
-    devices, unlistable subdirectories: ``broken``), and entries gone between
+    devices, unlistable subdirectories, files whose status cannot be read: ``broken``), and entries gone between
     being listed and being looked at (``vanished``: another process evicted
     them) are counted in :attr:`counters` and left alone; so is a value file
     larger than the capacity (``oversized``: never indexed, since holding it
@@ -402,8 +402,11 @@ class DiskStore:
             self._note("broken")
             return
         try:
-            found = os.fstat(fd)
-            if not stat.S_ISREG(found.st_mode):
+            try:
+                found = os.fstat(fd)
+            except OSError:  # a stale handle on a network file system, an I/O error: nothing proves it abandoned
+                found = None
+            if found is None or not stat.S_ISREG(found.st_mode):
                 self._note("broken")
                 return
             try:

@@ -502,6 +502,33 @@ def test_a_live_writers_temporary_file_is_kept_and_an_abandoned_one_removed(tmp_
     store.close()
 
 
+@pytest.mark.parametrize("code", ["ESTALE", "EIO"])
+def test_a_temporary_file_that_cannot_be_looked_at_once_open_is_kept_and_counted(tmp_path, monkeypatch, code):
+    """A temporary file whose status cannot be read once opened (a stale handle on a network file system, whose
+    writer on another host renamed it; an I/O error) is kept and counted as broken: opening never raises, and
+    on a full file system the put's re-scan goes on."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _put(store, [b"real"], 100).ok
+    store.close()
+    temp = _temp_of(tmp_path, b"k")
+    temp.write_bytes(b"half")
+    real = os.fstat
+
+    def fstat(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(temp):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        return real(fd)
+
+    monkeypatch.setattr(disk.os, "fstat", fstat)
+    store = DiskStore(tmp_path, 1 << 20)
+    assert store.counters["broken"] == 1 and temp.exists() and store.contains([b"real"]) == 1
+    with store._lock:
+        assert store._adopt_unindexed() is False  # the re-scan of a full file system
+    assert store.counters["broken"] == 2
+    store.check_invariants()
+    store.close()
+
+
 def test_a_temporary_file_renamed_while_being_examined_is_left_alone(tmp_path, monkeypatch):
     """A writer that renames its file between the reaper's open and lock: the reaper must not delete the value."""
     temp = _temp_of(tmp_path, b"k")
