@@ -157,6 +157,7 @@ def test_a_closed_memory_store_is_replaced_by_an_empty_one():
     ("valkey://h:1/zero", "database 'zero'"),
     ("valkey://h:99999", "bad address"),
     ("file://remote/x?capacity_bytes=1", "local directory"),
+    ("file://[::1/x?capacity_bytes=1", "local directory"),
     ("file:///x", "capacity_bytes"),
     ("memory://a/b", "a name without '/'"),
     ("memory:///", "a name without '/'"),
