@@ -428,16 +428,27 @@ class DiskStore:
     # --- work on the pool ----------------------------------------------------
 
     def _submit(self, work, keys: Sequence[bytes], views: list[list[memoryview]]) -> int:
-        """A ticket for ``work`` over ``keys`` and their checked byte views, queued on the pool; one the pool
-        refuses (the store closed since the call was checked) is reported failed at once."""
+        """A ticket for ``work`` over ``keys`` and their checked byte views, queued on the pool.
+
+        A call the pool refuses (the store closed since the call was checked, or no thread could start: the
+        pool queued the call first) is reported failed at once unless a thread began it meanwhile. ``turn``
+        is taken by whichever comes first, the call's run or its refusal: a call reported failed never runs
+        later, so a get's buffers are never written once its caller was told they hold nothing.
+        """
         ticket = self._tickets.issue(len(keys))
+        turn = threading.Lock()
         try:
-            self._pool.submit(self._run, ticket, work, list(keys), views)
-        except RuntimeError:  # the pool is shut down: close() ran meanwhile
-            self._tickets.report(ticket, range(len(keys)), _CLOSED)
+            self._pool.submit(self._run, turn, ticket, work, list(keys), views)
+        except RuntimeError as exc:  # the pool is shut down (close() ran meanwhile), or no thread could start
+            if turn.acquire(blocking=False):
+                self._tickets.report(ticket, range(len(keys)), _CLOSED if self.closed else
+                                     f"DiskStore cannot start a thread: {exc}")
         return ticket
 
-    def _run(self, ticket: int, work, keys: list[bytes], views: list[list[memoryview]]) -> None:
+    def _run(self, turn: threading.Lock, ticket: int, work, keys: list[bytes],
+             views: list[list[memoryview]]) -> None:
+        if not turn.acquire(blocking=False):  # refused and reported failed already
+            return
         failed, errors = [], set()
         try:
             for i, (key, parts) in enumerate(zip(keys, views)):

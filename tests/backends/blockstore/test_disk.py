@@ -237,6 +237,34 @@ def test_a_call_racing_close_is_reported_failed_not_raised(tmp_path, monkeypatch
     store.check_invariants()
 
 
+def test_a_call_no_thread_can_start_for_fails_saying_so_and_never_runs_later(tmp_path, monkeypatch):
+    """A process at its thread limit (a container's pids limit): the pool cannot start a worker for a get. Its
+    ticket fails quoting that, never claiming the open store closed, and the get never runs later (the pool
+    queued it first): a buffer its caller was told holds nothing is never written once another call starts a
+    thread."""
+    import threading
+
+    store = DiskStore(tmp_path, 10_000)
+    value = b"abcd"
+    assert store.poll([store.put([b"k"], [[memoryview(value)]])], 10.0)[0].ok
+    store._pool.shutdown(wait=True)  # a pool with no thread left, as a fresh one
+    store._pool = type(store._pool)(1, thread_name_prefix="kvkit-disk")
+
+    def start(thread):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    buffer = bytearray(4)
+    ticket = store.get([b"k"], [[memoryview(buffer)]])
+    monkeypatch.undo()
+    (result,) = store.poll([ticket], 10.0)
+    assert result.failed == (0,) and "can't start new thread" in result.error and "closed" not in result.error
+    assert _put(store, [b"other"], 4).ok  # a thread starts, and runs what the pool queued
+    store.close()
+    assert buffer == bytes(4), "a get reported failed wrote its caller's buffer later"
+    store.check_invariants()
+
+
 def test_close_called_again_while_another_thread_closes_returns_once_closed(tmp_path, monkeypatch):
     """Two threads close one store with a slow write in flight: the second ``close`` returns only once the
     store is closed and every ticket reported."""
