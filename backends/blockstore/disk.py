@@ -100,9 +100,10 @@ class DiskStore:
     index, sizes and modification times seed the eviction order. Entries that
     are not this layout's (other names, other places: ``foreign``), named as
     values or temporary files but not regular files (symlinks, directories,
-    devices, unlistable subdirectories, files whose status cannot be read: ``broken``), and entries gone between
-    being listed and being looked at (``vanished``: another process evicted
-    them) are counted in :attr:`counters` and left alone; so is a value file
+    devices, unlistable subdirectories, files whose status cannot be read:
+    ``broken``), and entries gone between being listed and being looked at
+    (``vanished``: another process evicted them) are counted in
+    :attr:`counters` and left alone; so is a value file
     larger than the capacity (``oversized``: never indexed, since holding it
     would evict every other value); opening never raises on an entry. A
     temporary file is deleted only when its lock can be taken, which proves
@@ -120,9 +121,9 @@ class DiskStore:
     system holds for this store (the bytes indexed when it filled, plus the
     free space if less than the value) and evicts below it, retrying until the
     value lands or nothing is left to evict (victims that cannot be deleted,
-    ``unlink_failed``, free nothing: a round that deletes none gives up). What the file system holds for
-    this store includes the values neighbours wrote since it looked: with
-    nothing indexed left to evict, or a value larger than the lowered capacity,
+    ``unlink_failed``, free nothing: a round that deletes none gives up).
+    What the file system holds for this store includes the values neighbours
+    wrote since it looked: with nothing indexed left to evict, or a value larger than the lowered capacity,
     it re-scans the directory, adopts the value files its index lacks and evicts
     them in turn; then, once per put, it removes the
     empty subdirectories (a file system out of inodes may lack the one a new

@@ -231,8 +231,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       taken from the extra config (on vLLM's command line and in its logs):
       the mapping's ``secret_env`` (an environment variable's name) or
       ``secret_file`` (a path) names where each connector process reads it
-      (its UTF-8 bytes; a file's, a regular file of at most 64 KiB, without its
-      trailing newline). ``cpu_layout``
+      (a variable's UTF-8 bytes; a file's bytes without a trailing newline, from
+      a regular file of at most 64 KiB). ``cpu_layout``
       defaults to vLLM's layout, e.g. ``"cross-layer"`` for the ``staged``
       copy backend;
     * the CPU tier's size: ``cpu_bytes`` (``"8GiB"`` or an int; per worker)
