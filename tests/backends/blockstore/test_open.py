@@ -76,28 +76,22 @@ def test_a_tls_file_that_is_a_fifo_is_refused_at_once(tmp_path, option):
 def test_an_encrypted_tls_key_is_refused_without_prompting_for_its_passphrase(tmp_path):
     """A TLS key encrypted with a passphrase: opening the store in a process with a terminal is a ConfigError
     saying so, at once, never OpenSSL's 'Enter PEM pass phrase:' prompt, which waits for a typist forever."""
-    import fcntl
     import os
     import shutil
     import subprocess
     import sys
-    import termios
 
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl tool to make an encrypted key")
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=kvkit", "-passout", "pass:s3cr3t"], check=True, capture_output=True)
-    code = (f"import kvkit\ntry:\n    kvkit.open_block_store('valkeys://h:1/0', tls_cert={str(cert)!r}, "
+    code = ("import fcntl, termios\nfcntl.ioctl(0, termios.TIOCSCTTY, 0)\n"  # where OpenSSL would prompt
+            f"import kvkit\ntry:\n    kvkit.open_block_store('valkeys://h:1/0', tls_cert={str(cert)!r}, "
             f"tls_key={str(key)!r})\nexcept kvkit.ConfigError as exc:\n    print('refused:', exc)\n")
     main, terminal = os.openpty()
-
-    def take_the_terminal():  # the child's controlling terminal, where OpenSSL would prompt
-        os.setsid()
-        fcntl.ioctl(terminal, termios.TIOCSCTTY, 0)
-
     child = subprocess.Popen([sys.executable, "-c", code], stdin=terminal, stdout=terminal, stderr=terminal,
-                             preexec_fn=take_the_terminal)
+                             start_new_session=True)
     os.close(terminal)
     try:
         child.wait(timeout=30)
