@@ -100,9 +100,10 @@ class DiskStore:
     index, sizes and modification times seed the eviction order. Entries that
     are not this layout's (other names, other places: ``foreign``), named as
     values or temporary files but not regular files (symlinks, directories,
-    devices, unlistable subdirectories: ``broken``), and entries gone between
-    being listed and being looked at (``vanished``: another process evicted
-    them) are counted in :attr:`counters` and left alone; so is a value file
+    devices, unlistable subdirectories, files whose status cannot be read:
+    ``broken``), and entries gone between being listed and being looked at
+    (``vanished``: another process evicted them) are counted in
+    :attr:`counters` and left alone; so is a value file
     larger than the capacity (``oversized``: never indexed, since holding it
     would evict every other value); opening never raises on an entry. A
     temporary file is deleted only when its lock can be taken, which proves
@@ -120,9 +121,9 @@ class DiskStore:
     system holds for this store (the bytes indexed when it filled, plus the
     free space if less than the value) and evicts below it, retrying until the
     value lands or nothing is left to evict (victims that cannot be deleted,
-    ``unlink_failed``, free nothing: a round that deletes none gives up). What the file system holds for
-    this store includes the values neighbours wrote since it looked: with
-    nothing indexed left to evict, or a value larger than the lowered capacity,
+    ``unlink_failed``, free nothing: a round that deletes none gives up).
+    What the file system holds for this store includes the values neighbours
+    wrote since it looked: with nothing indexed left to evict, or a value larger than the lowered capacity,
     it re-scans the directory, adopts the value files its index lacks and evicts
     them in turn; then, once per put, it removes the
     empty subdirectories (a file system out of inodes may lack the one a new
@@ -130,7 +131,10 @@ class DiskStore:
     re-measured (indexed bytes plus free space, never above
     ``capacity_bytes``) whenever it would force an eviction, so space freed on
     the file system is used again; a quota, invisible to ``statvfs``, is
-    learned again at each refusal. Writes in flight may hold up to ``threads``
+    learned again at each refusal. A value written meanwhile (its temporary file
+    on the file system, not yet indexed, while another put lowered the capacity)
+    raises it back to the indexed bytes plus that value: the file system holds
+    them all. Writes in flight may hold up to ``threads``
     values beyond the capacity in temporary files.
 
     Reading. A ``get`` reads with ``os.preadv`` straight into the caller's
@@ -399,8 +403,11 @@ class DiskStore:
             self._note("broken")
             return
         try:
-            found = os.fstat(fd)
-            if not stat.S_ISREG(found.st_mode):
+            try:
+                found = os.fstat(fd)
+            except OSError:  # a stale handle on a network file system, an I/O error: nothing proves it abandoned
+                found = None
+            if found is None or not stat.S_ISREG(found.st_mode):
                 self._note("broken")
                 return
             try:
@@ -422,16 +429,27 @@ class DiskStore:
     # --- work on the pool ----------------------------------------------------
 
     def _submit(self, work, keys: Sequence[bytes], views: list[list[memoryview]]) -> int:
-        """A ticket for ``work`` over ``keys`` and their checked byte views, queued on the pool; one the pool
-        refuses (the store closed since the call was checked) is reported failed at once."""
+        """A ticket for ``work`` over ``keys`` and their checked byte views, queued on the pool.
+
+        A call the pool refuses (the store closed since the call was checked, or no thread could start: the
+        pool queued the call first) is reported failed at once unless a thread began it meanwhile. ``turn``
+        is taken by whichever comes first, the call's run or its refusal: a call reported failed never runs
+        later, so a get's buffers are never written once its caller was told they hold nothing.
+        """
         ticket = self._tickets.issue(len(keys))
+        turn = threading.Lock()
         try:
-            self._pool.submit(self._run, ticket, work, list(keys), views)
-        except RuntimeError:  # the pool is shut down: close() ran meanwhile
-            self._tickets.report(ticket, range(len(keys)), _CLOSED)
+            self._pool.submit(self._run, turn, ticket, work, list(keys), views)
+        except RuntimeError as exc:  # the pool is shut down (close() ran meanwhile), or no thread could start
+            if turn.acquire(blocking=False):
+                self._tickets.report(ticket, range(len(keys)), _CLOSED if self.closed else
+                                     f"DiskStore cannot start a thread: {exc}")
         return ticket
 
-    def _run(self, ticket: int, work, keys: list[bytes], views: list[list[memoryview]]) -> None:
+    def _run(self, turn: threading.Lock, ticket: int, work, keys: list[bytes],
+             views: list[list[memoryview]]) -> None:
+        if not turn.acquire(blocking=False):  # refused and reported failed already
+            return
         failed, errors = [], set()
         try:
             for i, (key, parts) in enumerate(zip(keys, views)):
@@ -490,6 +508,8 @@ class DiskStore:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 with self._lock:
                     self._forget(name, unlink=False)  # os.replace swaps the file atomically: readers never miss it
+                    if self._fits is not None:  # the file system holds the indexed files and this one at once
+                        self._fits = max(self._fits, min(self.capacity_bytes, self.used_bytes + size))
                     self._evict_for(size)
                     try:
                         os.replace(temp, final, src_dir_fd=folder, dst_dir_fd=folder)
@@ -522,7 +542,11 @@ class DiskStore:
                 made = _new_folder(folder)
         fd = os.open(folder, _DIR_FLAGS)
         if made:
-            os.fchmod(fd, _dir_mode(self.file_mode))  # mkdir's mode passes through the umask
+            try:
+                os.fchmod(fd, _dir_mode(self.file_mode))  # mkdir's mode passes through the umask
+            except BaseException:  # a file system that refuses modes (vfat, some network mounts)
+                os.close(fd)
+                raise
         return fd
 
     def _create_temp(self, folder: int, final: str) -> tuple[int, str]:

@@ -294,7 +294,7 @@ class ValkeyStore:
                 _check_regular(path)
             context = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:
-                context.load_cert_chain(self.tls_cert, self.tls_key)
+                context.load_cert_chain(self.tls_cert, self.tls_key, password=_no_passphrase)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"ValkeyStore TLS files (tls_ca={self.tls_ca!r}, tls_cert={self.tls_cert!r}, "
                               f"tls_key={self.tls_key!r}) cannot be loaded: {exc}") from exc
@@ -302,6 +302,12 @@ class ValkeyStore:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         return context
+
+
+def _no_passphrase() -> bytes:
+    """What OpenSSL asks for an encrypted key: refused (``OSError``), never its prompt on the terminal, which
+    would wait for a typist forever."""
+    raise OSError(errno.EINVAL, "the key is encrypted; kvkit takes no passphrase: give it the key decrypted")
 
 
 def _check_regular(path: str | None) -> None:

@@ -110,7 +110,8 @@ class TorchCopy(HandleQueue, CopyBackend):
             caller (an engine's worker) runs on while the bytes move;
             :meth:`submit_stages` still returns once its copy landed (the
             :class:`~kvkit.interfaces.capabilities.LayeredCopy` contract:
-            host stages answer no events). ``False`` (default): host copies
+            host stages answer no events). A submit whose thread cannot start
+            raises, and its copy never runs. ``False`` (default): host copies
             run inside the call. Copies on CUDA use the side stream either way.
 
     Invariants:
@@ -203,7 +204,12 @@ class TorchCopy(HandleQueue, CopyBackend):
                 return self._inflight.issue(clock=self._copy_host(plan, stages)), landed
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvkit-torch-copy")
-            future = self._thread.submit(self._copy_host, plan, stages)
+            try:
+                future = self._thread.submit(self._copy_host, plan, stages)
+            except RuntimeError:  # its thread cannot start, and the pool queued the copy first: it must never run
+                self._thread.shutdown(wait=False, cancel_futures=True)
+                self._thread = None
+                raise
             if staged:
                 future.result()  # host stages answer no events: landed on return
             return self._inflight.issue(_Landing(future), clock=future), landed

@@ -195,8 +195,11 @@ def _address(url: str, part: str) -> tuple[str, int]:
 
 
 def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    parsed = urlsplit(url, allow_fragments=False)  # a '#' is part of the directory's name
-    if parsed.netloc not in ("", "localhost") or not parsed.path:
+    try:
+        parsed = urlsplit(url, allow_fragments=False)  # a '#' is part of the directory's name
+    except ValueError:  # a bracket that opens no IPv6 address
+        parsed = None
+    if parsed is None or parsed.netloc not in ("", "localhost") or not parsed.path:
         raise ConfigError(f"block store URL {_quoted(url)}: expected file:///absolute/path (a local directory)")
     if "capacity_bytes" not in options:
         raise ConfigError(f"block store URL {_quoted(url)}: a disk store needs capacity_bytes (e.g. '50GiB')")

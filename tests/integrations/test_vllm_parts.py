@@ -223,6 +223,18 @@ def test_the_disk_backends_directory_is_the_disk_path_given(tmp_path, name):
     store.close()
 
 
+def test_the_disk_backends_leading_tilde_is_the_home_directory(tmp_path, monkeypatch):
+    """A disk_path starting with '~' is under the home directory, as a DiskStore's path is: never a directory
+    named '~' under the working directory."""
+    from kvkit.shared.urls import open_block_store
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    store = open_block_store(settings(kv_offload_backend="disk", disk_path="~/kv").stack.shared.url)
+    assert store.path == tmp_path / "home" / "kv" and not (tmp_path / "~").exists()
+    store.close()
+
+
 def test_the_cpu_backend_ignores_the_disk_keys_with_a_warning(tmp_path):
     """As in the seed: under ``kv_offload_backend: cpu`` the disk keys are named in a warning and unused."""
     with pytest.warns(UserWarning, match="ignoring the disk backend's disk_path, use_page_cache"):

@@ -227,8 +227,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       taken from the extra config (on vLLM's command line and in its logs):
       the mapping's ``secret_env`` (an environment variable's name) or
       ``secret_file`` (a path) names where each connector process reads it
-      (its UTF-8 bytes; a file's, a regular file of at most 64 KiB, without its
-      trailing newline). ``cpu_layout``
+      (a variable's UTF-8 bytes; a file's bytes without a trailing newline, from
+      a regular file of at most 64 KiB). ``cpu_layout``
       defaults to vLLM's layout, e.g. ``"cross-layer"`` for the ``staged``
       copy backend;
     * the CPU tier's size: ``cpu_bytes`` (``"8GiB"`` or an int; per worker)
@@ -414,7 +414,8 @@ def _seed_backend(extra: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list
     ignored with a warning, as the seed does. ``"disk"`` adds kvkit's disk
     block store (``backends/blockstore/disk.py``) behind the CPU tier, as the
     shared tier (write-through): ``disk_path`` (required) is its directory
-    (created if missing; every rank's blocks in it), ``disk_capacity_bytes``
+    (created if missing; every rank's blocks in it; a leading ``~`` is the
+    home directory, as for any DiskStore's path), ``disk_capacity_bytes``
     its size per worker process (100 GiB), ``disk_buffer_slots`` its I/O
     threads (the transfers in flight, 2), ``use_page_cache`` its
     ``page_cache`` (``False``: each value is flushed and dropped from the
@@ -448,7 +449,8 @@ def _seed_backend(extra: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list
     if problems:
         return None, problems
     page_cache = str(values["use_page_cache"]).lower()
-    url = (f"file://{url_quote(os.fsencode(os.path.abspath(path)))}?capacity_bytes={capacity}"  # its bytes
+    path = os.path.abspath(os.path.expanduser(path))  # resolved here, as DiskStore resolves its own path
+    url = (f"file://{url_quote(os.fsencode(path))}?capacity_bytes={capacity}"  # its bytes
            f"&threads={values['disk_buffer_slots']}&page_cache={page_cache}")
     return {"url": url}, []
 

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -233,6 +234,34 @@ def test_a_call_racing_close_is_reported_failed_not_raised(tmp_path, monkeypatch
     monkeypatch.setattr(TicketBox, "issue", issue)
     (result,) = store.poll([ticket], 0.0)
     assert result.failed == (0,) and "closed" in result.error, result
+    store.check_invariants()
+
+
+def test_a_call_no_thread_can_start_for_fails_saying_so_and_never_runs_later(tmp_path, monkeypatch):
+    """A process at its thread limit (a container's pids limit): the pool cannot start a worker for a get. Its
+    ticket fails quoting that, never claiming the open store closed, and the get never runs later (the pool
+    queued it first): a buffer its caller was told holds nothing is never written once another call starts a
+    thread."""
+    import threading
+
+    store = DiskStore(tmp_path, 10_000)
+    value = b"abcd"
+    assert store.poll([store.put([b"k"], [[memoryview(value)]])], 10.0)[0].ok
+    store._pool.shutdown(wait=True)  # a pool with no thread left, as a fresh one
+    store._pool = type(store._pool)(1, thread_name_prefix="kvkit-disk")
+
+    def start(thread):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    buffer = bytearray(4)
+    ticket = store.get([b"k"], [[memoryview(buffer)]])
+    monkeypatch.undo()
+    (result,) = store.poll([ticket], 10.0)
+    assert result.failed == (0,) and "can't start new thread" in result.error and "closed" not in result.error
+    assert _put(store, [b"other"], 4).ok  # a thread starts, and runs what the pool queued
+    store.close()
+    assert buffer == bytes(4), "a get reported failed wrote its caller's buffer later"
     store.check_invariants()
 
 
@@ -498,6 +527,33 @@ def test_a_live_writers_temporary_file_is_kept_and_an_abandoned_one_removed(tmp_
         os.close(fd)
     store = DiskStore(tmp_path, 1 << 20)
     assert not temp.exists() and store.counters["temps_removed"] == 1
+    store.close()
+
+
+@pytest.mark.parametrize("code", ["ESTALE", "EIO"])
+def test_a_temporary_file_that_cannot_be_looked_at_once_open_is_kept_and_counted(tmp_path, monkeypatch, code):
+    """A temporary file whose status cannot be read once opened (a stale handle on a network file system, whose
+    writer on another host renamed it; an I/O error) is kept and counted as broken: opening never raises, and
+    on a full file system the put's re-scan goes on."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _put(store, [b"real"], 100).ok
+    store.close()
+    temp = _temp_of(tmp_path, b"k")
+    temp.write_bytes(b"half")
+    real = os.fstat
+
+    def fstat(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(temp):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        return real(fd)
+
+    monkeypatch.setattr(disk.os, "fstat", fstat)
+    store = DiskStore(tmp_path, 1 << 20)
+    assert store.counters["broken"] == 1 and temp.exists() and store.contains([b"real"]) == 1
+    with store._lock:
+        assert store._adopt_unindexed() is False  # the re-scan of a full file system
+    assert store.counters["broken"] == 2
+    store.check_invariants()
     store.close()
 
 
@@ -1271,5 +1327,47 @@ def test_a_full_file_system_whose_values_cannot_be_deleted_never_spins(tmp_path,
     else:
         assert result.ok and store.contains([b"new"]) == 1, result
     assert store.counters["unlink_failed"] >= undeletable
+    store.check_invariants()
+    store.close()
+
+
+def test_a_value_written_while_another_put_lowered_the_capacity_is_kept_and_evicts_nothing(tmp_path, monkeypatch):
+    """Another thread's put that met a full file system lowers the capacity while this put writes its value
+    (measured with this value's temporary file on disk but not indexed): the value the file system took is
+    indexed and counted, never left on disk untracked as 'oversized', and the values held stay."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _fill(store, 3, size=1000) == []
+    real = disk._write_all
+
+    def write_all(fd, parts):
+        real(fd, parts)
+        with store._lock:  # what _relieve sets: the indexed bytes, the file system's free space not counted
+            store._fits = store.used_bytes
+
+    monkeypatch.setattr(disk, "_write_all", write_all)
+    assert _put(store, [b"new"], 4000).ok
+    monkeypatch.setattr(disk, "_write_all", real)
+    assert store.counters["oversized"] == 0 and store.counters["evicted"] == 0, store.counters
+    assert store.used_bytes == 7000 and store.contains([b"fill-0", b"fill-1", b"fill-2", b"new"]) == 4
+    store.check_invariants()
+    store.close()
+
+
+def test_a_subdirectory_whose_mode_cannot_be_set_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    """A file system that refuses chmod (vfat, some network mounts: EPERM) fails the put that made a
+    subdirectory, quoting the refusal, and leaves no descriptor of it open."""
+    store = DiskStore(tmp_path, 1 << 20)
+    real = os.fchmod
+
+    def fchmod(fd, mode):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+        return real(fd, mode)
+
+    monkeypatch.setattr(disk.os, "fchmod", fchmod)
+    before = len(os.listdir("/proc/self/fd"))
+    refused = _put(store, [b"k%d" % i for i in range(8)], 100)
+    assert refused.failed and os.strerror(errno.EPERM) in refused.error, refused
+    assert len(os.listdir("/proc/self/fd")) == before
     store.check_invariants()
     store.close()

@@ -74,6 +74,40 @@ def test_a_tls_file_that_is_a_fifo_is_refused_at_once(tmp_path, option):
     assert f"{option}={str(path)!r}" in str(outcome[0]) and "not a regular file" in str(outcome[0]), outcome
 
 
+def test_an_encrypted_tls_key_is_refused_without_prompting_for_its_passphrase(tmp_path):
+    """A TLS key encrypted with a passphrase: opening the store in a process with a terminal is a ConfigError
+    saying so, at once, never OpenSSL's 'Enter PEM pass phrase:' prompt, which waits for a typist forever."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl tool to make an encrypted key")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=kvkit", "-passout", "pass:s3cr3t"], check=True, capture_output=True)
+    code = ("import fcntl, termios\nfcntl.ioctl(0, termios.TIOCSCTTY, 0)\n"  # where OpenSSL would prompt
+            f"import kvkit\ntry:\n    kvkit.open_block_store('valkeys://h:1/0', tls_cert={str(cert)!r}, "
+            f"tls_key={str(key)!r})\nexcept kvkit.ConfigError as exc:\n    print('refused:', exc)\n")
+    main, terminal = os.openpty()
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=terminal, stdout=terminal, stderr=terminal,
+                             start_new_session=True)
+    os.close(terminal)
+    try:
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    shown = b""
+    with contextlib.suppress(OSError):  # EIO once the child is gone and everything was read
+        while chunk := os.read(main, 4096):
+            shown += chunk
+    os.close(main)
+    assert child.returncode == 0 and b"pass phrase" not in shown, shown
+    assert b"refused:" in shown and b"encrypted" in shown and str(key).encode() in shown, shown
+
+
 def test_file_urls_build_a_disk_store(tmp_path):
     """file:// builds a disk store (capacity as bytes or a size string)."""
     disk = open_block_store(f"file://{tmp_path}/kv?capacity_bytes=1MiB")
@@ -158,6 +192,7 @@ def test_a_closed_memory_store_is_replaced_by_an_empty_one():
     ("valkey://h:1/zero", "database 'zero'"),
     ("valkey://h:99999", "bad address"),
     ("file://remote/x?capacity_bytes=1", "local directory"),
+    ("file://[::1/x?capacity_bytes=1", "local directory"),
     ("file:///x", "capacity_bytes"),
     ("memory://a/b", "a name without '/'"),
     ("memory:///", "a name without '/'"),

@@ -116,6 +116,26 @@ def test_host_thread_submit_returns_before_its_copy_lands_and_stages_land_on_ret
         TorchCopy(host_thread="yes")
 
 
+def test_host_thread_copy_no_thread_can_start_for_raises_and_never_runs_later(monkeypatch):
+    """``host_thread`` in a process at its thread limit (a container's pids limit): the submit raises, and the
+    copy the pool had queued never runs once a later submit starts a thread, so blocks its caller was told
+    were not copied (and may give to other data) are never written."""
+    gpu, cpu = torch.zeros(4, 8), torch.arange(32.0).reshape(4, 8)
+    backend = TorchCopy(host_thread=True)
+    backend.register([Region("x", gpu, cpu)])
+
+    def start(thread):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        backend.submit(TransferPlan([1], [2], "load"))
+    monkeypatch.undo()
+    backend.wait(backend.submit(TransferPlan([3], [0], "load")))
+    assert torch.equal(gpu[0], cpu[3]) and not gpu[2].any(), "a copy whose submit raised ran later"
+    backend.check_invariants()
+
+
 @pytest.mark.parametrize("host_thread", [False, True])
 def test_host_copies_are_timed_by_their_own_seconds(host_thread):
     """A host copy's own time is answered after the poll that reports it, and only until the next poll."""
