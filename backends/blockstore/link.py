@@ -174,9 +174,10 @@ class _Crew:
     """Daemon threads that run a flight's node pipelines side by side; idle between flights.
 
     A flight of ``n`` tasks runs the first on the caller's thread and each other on a thread of its own
-    (the crew grows to ``n - 1`` threads), so no task waits for another to start. The threads hold no
-    reference to a task once it ended (nor to the link). After :meth:`stop` the threads exit and the
-    tasks of a later flight run one after another on the caller's thread.
+    (the crew grows to ``n - 1`` threads), so no task waits for another to start. Where no more threads can
+    start (a pids limit), the caller's thread runs the tasks the crew has no thread for, one after another.
+    The threads hold no reference to a task once it ended (nor to the link). After :meth:`stop` every thread
+    started exits and the tasks of a later flight run one after another on the caller's thread.
     """
 
     def __init__(self) -> None:
@@ -191,13 +192,16 @@ class _Crew:
         queued = 0
         with self._lock:  # queued before stop()'s sentinels, or not at all
             if not self._stopped:
-                for _ in range(self._threads, len(tasks) - 1):
-                    threading.Thread(target=_crew_serve, args=(self._jobs,), name="kvkit-valkey-node",
-                                     daemon=True).start()
-                self._threads = max(self._threads, len(tasks) - 1)
-                for task in tasks[1:]:
+                while self._threads < len(tasks) - 1:
+                    try:
+                        threading.Thread(target=_crew_serve, args=(self._jobs,), name="kvkit-valkey-node",
+                                         daemon=True).start()
+                    except RuntimeError:  # no thread can start (a pids limit): the threads it has serve
+                        break
+                    self._threads += 1  # counted as each starts, so stop() ends every one
+                queued = min(len(tasks) - 1, self._threads)
+                for task in tasks[len(tasks) - queued:]:
                     self._jobs.put((task, done))
-                queued = len(tasks) - 1
         errors = [error for task in tasks[:len(tasks) - queued] if (error := _attempt(task)) is not None]
         errors += [error for _ in range(queued) if (error := done.get()) is not None]
         if errors:
