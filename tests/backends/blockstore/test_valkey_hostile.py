@@ -8,6 +8,7 @@ taken for another command's (the connection never falls out of step).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import socket
 import threading
 import time
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kvkit.backends.blockstore import link
 from kvkit.backends.blockstore.resp import key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
 
@@ -47,12 +49,15 @@ def _commands(buf: bytearray) -> list[list[bytes]]:
 class Scripted:
     """A loopback server answering each command with ``answer(args)`` (its port is ``self.port``).
 
-    ``answer`` may read ``self.port``; a Cluster one answers ``CLUSTER SLOTS`` itself.
+    ``answer`` may read ``self.port``, and ``self.local.dialed``: the address its client connected to (with
+    ``every_loopback``, the server listens on every address and serves clients of any loopback one, 127.0.0.0/8:
+    as many Cluster nodes as a test names); a Cluster one answers ``CLUSTER SLOTS`` itself.
     """
 
-    def __init__(self, answer: Callable[[list[bytes]], bytes]) -> None:
+    def __init__(self, answer: Callable[[list[bytes]], bytes], every_loopback: bool = False) -> None:
         self.answer = answer
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.local = threading.local()
+        self.listener = socket.create_server(("0.0.0.0" if every_loopback else "127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.peers: list[socket.socket] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -68,6 +73,10 @@ class Scripted:
             threading.Thread(target=self._talk, args=(peer,), daemon=True).start()
 
     def _talk(self, peer: socket.socket) -> None:
+        self.local.dialed = peer.getsockname()[0]
+        if not ipaddress.ip_address(peer.getpeername()[0]).is_loopback:
+            peer.close()
+            return
         buf = bytearray()
         with contextlib.suppress(OSError):
             while data := peer.recv(1 << 16):
@@ -88,8 +97,8 @@ def scripted():
     """``scripted(answer)`` starts a :class:`Scripted` server; each is closed after the test."""
     servers: list[Scripted] = []
 
-    def start(answer):
-        servers.append(Scripted(answer))
+    def start(answer, **kwargs):
+        servers.append(Scripted(answer, **kwargs))
         return servers[-1]
 
     yield start
@@ -212,5 +221,65 @@ def test_a_set_answered_with_an_array_never_lends_its_reply_to_the_next_put(scri
         time.sleep(0.06)  # the node is tried again
         second = _put(store, [b"b"])
         assert second.failed == (0,) and "OOM" in second.error, second
+    finally:
+        store.close()
+
+
+def _node_threads() -> int:
+    return sum(t.name == "kvkit-valkey-node" for t in threading.enumerate())
+
+
+def test_a_slot_map_naming_more_nodes_than_a_cluster_has_is_refused(scripted, monkeypatch):
+    """CLUSTER SLOTS naming one node more than :data:`~kvkit.backends.blockstore.link.MAX_NODES` (each slot range
+    at another loopback address): the map is refused, nothing is connected to (before: a socket and a thread per
+    node named, 2,000 nodes gave 2,000 sockets and 1,999 threads), every call answers failed."""
+    monkeypatch.setattr(link, "MAX_NODES", 16)
+    nodes = link.MAX_NODES + 1
+
+    def answer(args):
+        if args[0] != b"CLUSTER":
+            return b":1\r\n"
+        hosts = [b"127.0.1.%d" % (i + 1) for i in range(nodes)]
+        entry = b"*3\r\n:%d\r\n:%d\r\n*2\r\n$%d\r\n%s\r\n:%d\r\n"
+        return b"*%d\r\n" % nodes + b"".join(entry % (i * 64, i * 64 + 63, len(h), h, server.port)
+                                              for i, h in enumerate(hosts))
+
+    server = scripted(answer, every_loopback=True)
+    store = _store(server.port, cluster=True)
+    threads = _node_threads()
+    try:
+        assert _bounded(lambda: store.contains([b"k%d" % i for i in range(200)])) == 0
+        assert "more than a Cluster has" in store.last_error, store.last_error
+        assert len(server.peers) == 1 and _node_threads() == threads
+    finally:
+        store.close()
+
+
+def test_redirects_to_ever_new_nodes_leave_the_link_within_its_node_limit(scripted, monkeypatch):
+    """A node answering every key ASK to a loopback address never named before, call after call: the link stays
+    connected to at most :data:`~kvkit.backends.blockstore.link.MAX_NODES` nodes (the asked nodes of past calls are
+    let go first) and its crew within as many threads; keys beyond fail unreached and nothing raises (before:
+    every call added a socket and a thread per key, 300 keys a call held 1,501 sockets after 5 calls)."""
+    monkeypatch.setattr(link, "MAX_NODES", 16)
+    fresh = iter(range(1, 1 << 16))
+
+    def answer(args):
+        if args[0] == b"CLUSTER":
+            return _slots(server.port)
+        if args[0] == b"EXISTS" and server.local.dialed == "127.0.0.1":
+            n = next(fresh)
+            return b"-ASK %d 127.2.%d.%d:%d\r\n" % (key_slot(args[1]), n // 250, 1 + n % 250, server.port)
+        return b":1\r\n" if args[0] == b"EXISTS" else b"+OK\r\n"
+
+    server = scripted(answer, every_loopback=True)
+    store = _store(server.port, cluster=True)
+    threads = _node_threads()
+    try:
+        keys = [b"k%d" % i for i in range(3 * link.MAX_NODES)]
+        for _ in range(3):
+            assert _bounded(lambda: store.contains(keys)) == link.MAX_NODES - 1  # the seed and 15 asked nodes
+            assert len(store._lookup._conns) <= link.MAX_NODES
+            assert _node_threads() - threads <= link.MAX_NODES - 1
+        assert store.down_nodes == {}
     finally:
         store.close()
