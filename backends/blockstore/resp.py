@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "SLOTS", "Address", "ConnectOptions", "Connection",
+__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions", "Connection",
            "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError", "command",
            "error_reply", "key_slot"]
 
@@ -50,7 +50,11 @@ _SAMPLE_S = 0.05  # how often a wait looks whether the server took more of the b
 SLOTS = 16384
 """Hash slots of a Cluster."""
 MAX_REPLY_BULK = 64 << 20
-"""The longest bulk :meth:`Connection.reply` reads (a CLUSTER SLOTS entry, an INFO text, a test's GET)."""
+"""The most bytes one reply :meth:`Connection.reply` reads holds, its bulks and lines together (a CLUSTER SLOTS
+answer, an INFO text, a test's GET)."""
+MAX_REPLY_ITEMS = 1 << 20
+"""The most array elements one reply :meth:`Connection.reply` reads holds, at every depth together (CLUSTER SLOTS of
+16384 ranges with two replicas each: about half a million)."""
 MAX_REPLY_DEPTH = 16
 """The deepest nesting of arrays :meth:`Connection.reply` reads (CLUSTER SLOTS nests 4 deep)."""
 
@@ -265,15 +269,21 @@ class Connection:
             self._fill(limit)
             limit = _BUFFER
 
-    def reply(self, depth: int = 0) -> object:
+    def reply(self) -> object:
         """The next reply: bytes (simple or bulk), int, list, ``None`` (nil), ``ServerError`` or ``Redirect``.
 
-        For the small replies read whole (EXISTS, PING, AUTH, CLUSTER SLOTS): a bulk longer than
-        :data:`MAX_REPLY_BULK` or arrays nested deeper than :data:`MAX_REPLY_DEPTH` raise ``ConnectionError``
-        (no server sends them; allocating or recursing for them would raise ``MemoryError`` or
-        ``RecursionError``). Values go through :meth:`read_bulk`, into the caller's buffers.
+        For the small replies read whole (EXISTS, PING, AUTH, CLUSTER SLOTS): a reply of more than
+        :data:`MAX_REPLY_BULK` bytes or :data:`MAX_REPLY_ITEMS` array elements, or of arrays nested deeper than
+        :data:`MAX_REPLY_DEPTH`, raises ``ConnectionError`` (no server sends them; reading them would raise
+        ``MemoryError`` or ``RecursionError``). A bulk or an array is refused by the length it announces,
+        before its bytes arrive. Values go through :meth:`read_bulk`, into the caller's buffers.
         """
+        return self._reply(0, _Allowance())
+
+    def _reply(self, depth: int, left: _Allowance) -> object:
+        """The next reply, charged to ``left`` (what is left of the whole reply's bytes and elements)."""
         head = self.line()
+        left.take(len(head), 0)
         kind, rest = head[:1], head[1:]
         if kind == b"+":
             return rest
@@ -283,8 +293,7 @@ class Connection:
             n = _number(head)
             if n < 0:
                 return None
-            if n > MAX_REPLY_BULK:
-                raise ConnectionError(f"protocol error: a bulk reply of {n} bytes, longer than {MAX_REPLY_BULK}")
+            left.take(n, 0)
             out = bytearray(n)
             self.read_bulk([memoryview(out)])
             return bytes(out)
@@ -292,7 +301,10 @@ class Connection:
             n = _number(head)
             if depth >= MAX_REPLY_DEPTH:
                 raise ConnectionError(f"protocol error: arrays nested deeper than {MAX_REPLY_DEPTH}")
-            return None if n < 0 else [self.reply(depth + 1) for _ in range(n)]
+            if n < 0:
+                return None
+            left.take(0, n)
+            return [self._reply(depth + 1, left) for _ in range(n)]
         if kind == b"-":
             return error_reply(rest)
         raise ConnectionError(f"protocol error: unexpected reply {head[:80]!r}")
@@ -437,6 +449,25 @@ class Connection:
             return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), _UNACKED, b"\0\0\0\0"))[0]
         except (OSError, ValueError):  # closed meanwhile (a close from another thread)
             return 0
+
+
+@attrs.define
+class _Allowance:
+    """What is left of one reply's :data:`MAX_REPLY_BULK` bytes and :data:`MAX_REPLY_ITEMS` elements."""
+
+    size: int = MAX_REPLY_BULK
+    items: int = MAX_REPLY_ITEMS
+
+    def take(self, size: int, items: int) -> None:
+        """Charge ``size`` bytes and ``items`` elements; ``ConnectionError`` when the reply would hold more."""
+        if size > self.size:
+            raise ConnectionError(f"protocol error: a reply longer than {MAX_REPLY_BULK} bytes (its next part "
+                                  f"alone: {size})")
+        if items > self.items:
+            raise ConnectionError(f"protocol error: a reply of more than {MAX_REPLY_ITEMS} array elements (its "
+                                  f"next array alone: {items})")
+        self.size -= size
+        self.items -= items
 
 
 _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only

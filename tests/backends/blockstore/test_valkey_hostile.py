@@ -12,12 +12,13 @@ import ipaddress
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
 
 from kvkit.backends.blockstore import link
-from kvkit.backends.blockstore.resp import key_slot
+from kvkit.backends.blockstore.resp import MAX_REPLY_BULK, key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
 
 DEADLINE = 0.5
@@ -147,6 +148,53 @@ def test_a_reply_too_long_or_too_deep_fails_the_call_and_never_raises(scripted, 
         assert (_bounded(store.ping) or "").startswith("transport:")
     finally:
         store.close()
+
+
+@pytest.fixture
+def streaming():
+    """``streaming(head, element, count)``: a loopback server's port that answers its first command with
+    ``head`` and then ``element`` ``count`` times, one send each (it holds one element, however much it sends)."""
+    listeners: list[socket.socket] = []
+
+    def serve(listener, head, element, count):
+        with contextlib.suppress(OSError):
+            peer, _ = listener.accept()
+            with peer:
+                peer.recv(1 << 16)
+                peer.sendall(head)
+                for _ in range(count):
+                    peer.sendall(element)
+
+    def start(head: bytes, element: bytes, count: int) -> int:
+        listeners.append(socket.create_server(("127.0.0.1", 0)))
+        threading.Thread(target=serve, args=(listeners[-1], head, element, count), daemon=True).start()
+        return listeners[-1].getsockname()[1]
+
+    yield start
+    for listener in listeners:
+        listener.close()
+
+
+@pytest.mark.parametrize(("head", "element", "count"), [
+    (b"*512\r\n", b"$1048576\r\n" + b"v" * (1 << 20) + b"\r\n", 512),  # 512 MiB of 1 MiB bulks
+    (b"*10000\r\n", b"+" + b"v" * 60_000 + b"\r\n", 10_000),  # 600 MB of simple strings
+    (b"*100000000\r\n", b"*0\r\n", 4_000_000),  # 100 million empty arrays announced, 4 million sent
+])
+def test_a_reply_holding_more_than_a_reply_may_is_refused_before_it_fills_memory(streaming, head, element, count):
+    """EXISTS answered with an array of many bulks or lines, each short enough, or with more elements than a
+    reply may hold: the reply is refused once it would hold more than 64 MiB or a million elements (an announced
+    count at once), so one ``contains`` never holds much more than that (before: what the server sent in the
+    deadline, 1,080 MiB at the peak for 512 MiB of bulks), the node is marked down, nothing raises."""
+    store = _store(streaming(head, element, count))
+    tracemalloc.start()
+    try:
+        assert _bounded(lambda: store.contains([b"a"])) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        store.close()
+    assert peak < 3 * MAX_REPLY_BULK, f"{peak >> 20} MiB at the peak"
+    assert "protocol error: a reply" in store.last_error and store.down_nodes, store.last_error
 
 
 @pytest.mark.parametrize("redirect", [b"-MOVED 16384 127.0.0.1:%d\r\n", b"-MOVED 99999 127.0.0.1:%d\r\n",
