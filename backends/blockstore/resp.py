@@ -197,9 +197,24 @@ class Connection:
             raise
 
     def renew(self, deadline: float) -> None:
-        """Bound what follows by ``deadline`` (a new call's)."""
+        """Start a new call, bounded by ``deadline``, on a connection that holds no reply: every reply so far was
+        read by the call that asked for it, so one there now is a reply to no command (``ConnectionError``: taken
+        for the next command's, it would answer that one), and an end of file is a connection the server closed
+        while idle (:class:`ConnectionClosedError`). Looking costs one receive that does not wait."""
         self.deadline = deadline
         self._waiting_since = None
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+            try:
+                self._hi = self.sock.recv_into(self._view)
+            except _WOULD_BLOCK:
+                return
+            except ConnectionResetError as exc:
+                raise self._closed(f"the server reset the connection: {exc}") from None
+            if not self._hi:
+                raise self._closed("the server closed the connection")
+        raise ConnectionError(f"protocol error: the server sent {self._hi - self._lo} bytes no command asked for: "
+                              f"{bytes(self._view[self._lo:self._lo + 40])!r}")
 
     def call(self, *args: bytes) -> object:
         """Send one command and answer its reply; an error reply raises ``ServerError``."""

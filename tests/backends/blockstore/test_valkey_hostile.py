@@ -331,3 +331,24 @@ def test_redirects_to_ever_new_nodes_leave_the_link_within_its_node_limit(script
         assert store.down_nodes == {}
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_a_reply_to_no_command_is_never_taken_for_the_next_calls(scripted, cluster):
+    """A server that answers one EXISTS twice (``:0`` and an extra ``:1``): the extra reply is found before the
+    next call uses the connection, which is dropped and the node marked down, so the next ``contains`` is not
+    answered with it (before: the key ``b``, which the server answers ``:0``, was found)."""
+    def answer(args):
+        if args[0] == b"CLUSTER":
+            return _slots(server.port)
+        return b":0\r\n:1\r\n" if args[1:] == [b"a"] else b":0\r\n"
+
+    server = scripted(answer)
+    store = _store(server.port, cluster=cluster)
+    try:
+        assert _bounded(lambda: store.contains([b"a"])) == 0
+        assert _bounded(lambda: store.contains([b"b"])) == 0
+        assert "no command asked for" in store.last_error, store.last_error
+        assert list(store.down_nodes) == [("127.0.0.1", server.port)]
+    finally:
+        store.close()
