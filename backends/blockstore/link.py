@@ -31,6 +31,7 @@ from kvkit.backends.blockstore.resp import (
     Redirect,
     ServerError,
     key_slot,
+    node_host,
 )
 
 __all__ = ["MAX_NODES", "Encode", "Link", "NodeHealth", "Read", "Topology", "Unreachable"]
@@ -638,7 +639,8 @@ def _endpoint(node: list, answered: Address) -> str:
 
     The endpoint, except: NULL or ``""`` (``cluster-preferred-endpoint-type unknown-endpoint``, a node
     behind a load balancer) is the host of the node that answered; ``"?"`` (``hostname`` preferred, none
-    announced) is the node's ``ip`` from the metadata (``ValueError`` without one).
+    announced) is the node's ``ip`` from the metadata (``ValueError`` without one, or for a host that is no host
+    name: :func:`~kvkit.backends.blockstore.resp.node_host`).
     """
     endpoint = node[0]
     if endpoint is None or endpoint == b"":
@@ -648,5 +650,5 @@ def _endpoint(node: list, answered: Address) -> str:
         ip = dict(zip(metadata[0::2], metadata[1::2])).get(b"ip")
         if not isinstance(ip, bytes) or not ip:
             raise ValueError(f"a node's endpoint is '?' and its metadata has no ip: {node!r:.80}")
-        return ip.decode()
-    return endpoint.decode()
+        return node_host(ip)
+    return node_host(endpoint)

@@ -35,7 +35,7 @@ import attrs
 
 __all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions", "Connection",
            "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError", "command",
-           "error_reply", "key_slot"]
+           "error_reply", "key_slot", "node_host", "shown"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -43,6 +43,7 @@ _BUFFER = 1 << 16
 _SMALL = 16 << 10  # buffers below this are joined before writing over TLS
 _IOV_MAX = 1024  # buffers per sendmsg (Linux IOV_MAX)
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+_HOST = re.compile(rb"[!-~]*")  # printable ASCII without spaces: what a host name, an address or "?" is
 _ERROR_CODE = re.compile(r"[A-Z]{2,20}")  # the first word of an error reply: ERR, WRONGPASS, NOPERM...
 _FAIR_CONNECT = 0.9  # a connect that timed out with this share of its budget or more is its node's fault
 _UNACKED = getattr(termios, "TIOCOUTQ", None)  # Linux: bytes sent that the peer has not acknowledged yet
@@ -621,8 +622,8 @@ _UNAUTHENTICATED = b"ERR Protocol error: unauthenticated"
 
 def error_reply(text: bytes) -> ServerError | Redirect:
     """An error line (without its ``-``) as a ``Redirect`` when it is ``MOVED``/``ASK`` to a slot (0-16383) at
-    a port (1-65535), else ``ServerError`` (a redirect out of range names no node: its key fails with the
-    server's words).
+    a port (1-65535) of a host (:func:`node_host`), else ``ServerError`` (a redirect out of range names no
+    node: its key fails with the server's words, :func:`shown`).
 
     A reply saying the node serves no command for now (:data:`_UNUSABLE`: ``NOAUTH``, ``LOADING``,
     ``MASTERDOWN``, ``BUSY``; :data:`_UNAUTHENTICATED`), or no connection (:data:`_NO_ROOM`: ``maxclients``
@@ -637,15 +638,29 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     if unusable is not None:
         raise ConnectionRefusedError(f"the server answered {parts[0].decode()}: {unusable}")
     if text.startswith(_UNAUTHENTICATED):
-        shown = text[:60].decode(errors="replace")
-        raise ConnectionRefusedError(f"the server answered {shown!r}: {_UNUSABLE[b'NOAUTH']}")
+        raise ConnectionRefusedError(f"the server answered {shown(text[:60])!r}: {_UNUSABLE[b'NOAUTH']}")
     if text.startswith(_NO_ROOM):
         raise ConnectionRefusedError(f"the server answered {_NO_ROOM.decode()!r}: it has its maxclients clients "
                                      f"and closes the connection")
     if len(parts) == 3 and parts[0] in (b"MOVED", b"ASK"):
         host, _, port = parts[2].rpartition(b":")
         if parts[1].isdigit() and port.isdigit() and int(parts[1]) < SLOTS and 0 < int(port) < 65536:
-            return Redirect(int(parts[1]), (host.decode(errors="replace"), int(port)), parts[0] == b"ASK")
+            with contextlib.suppress(ValueError):  # a host that is no host name names no node
+                return Redirect(int(parts[1]), (node_host(host), int(port)), parts[0] == b"ASK")
     if text.startswith(b"ERR Protocol error"):
-        return ProtocolRefusal(text.decode(errors="replace"))
-    return ServerError(text.decode(errors="replace"))
+        return ProtocolRefusal(shown(text))
+    return ServerError(shown(text))
+
+
+def shown(text: bytes) -> str:
+    """A server's words as text to show: printable ASCII as it is, every other byte as a ``\\xNN`` escape, so no
+    control sequence a server sends (a screen clear, a clipboard write) reaches a terminal or a log raw."""
+    return "".join(chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}" for b in text)
+
+
+def node_host(raw: bytes) -> str:
+    """A host a server names (a slot map's endpoint or ``ip``) as text; ``ValueError`` unless it is printable ASCII
+    without spaces (a host name, an address, ``?``): anything else names no node, and is never looked up or shown."""
+    if not _HOST.fullmatch(raw):
+        raise ValueError(f"a node named {shown(raw)!r:.80}, which is no host name")
+    return raw.decode()

@@ -352,3 +352,44 @@ def test_a_reply_to_no_command_is_never_taken_for_the_next_calls(scripted, clust
         assert list(store.down_nodes) == [("127.0.0.1", server.port)]
     finally:
         store.close()
+
+
+_ESCAPES = b"\x1b]52;c;cHduZWQ=\x07\x1b[2J\r\x00\xff"  # a clipboard write, a screen clear, a return, NUL, not UTF-8
+
+
+@pytest.mark.parametrize("reply", [b"-ERR %s\r\n" % _ESCAPES, b"-OOM %s\r\n" % _ESCAPES.replace(b"\r", b"")])
+def test_a_servers_words_are_shown_with_their_control_bytes_escaped(scripted, reply):
+    """An error reply holding terminal control sequences (or bytes not UTF-8): the key's error, which reaches
+    warnings, status lines and logs, shows them escaped (``\\x1b``), never raw (before: as the server sent them)."""
+    server = scripted(lambda args: reply)
+    store = _store(server.port)
+    try:
+        result = _put(store, [b"a"])
+        assert result.failed == (0,) and "\\x1b]52" in result.error, result
+        assert result.error.isprintable(), repr(result.error)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("host", [b"\x1b[2Jevil", b"ev il", b"evil\xff"])
+@pytest.mark.parametrize("via", ["redirect", "slot map"])
+def test_a_node_named_with_control_bytes_is_refused(scripted, host, via):
+    """A MOVED/ASK or a CLUSTER SLOTS entry naming a host that is no host name (control bytes, a space, bytes not
+    ASCII): it names no node, nothing is connected to it, and the errors show no raw control byte (before: the
+    host, raw, was looked up and shown in every error about it)."""
+    def answer(args):
+        if args[0] == b"CLUSTER":
+            if via == "redirect":
+                return _slots(server.port)
+            return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$%d\r\n%s\r\n:%d\r\n" % (len(host), host, server.port)
+        return b"-MOVED %d %s:%d\r\n" % (key_slot(args[1]), host, server.port)
+
+    server = scripted(answer)
+    store = _store(server.port, cluster=True)
+    try:
+        result = _put(store, [b"a"])
+        assert result.failed == (0,) and result.error.isprintable(), repr(result.error)
+        assert store.last_error.isprintable(), repr(store.last_error)
+        assert all(node == ("127.0.0.1", server.port) for node in store.down_nodes), store.down_nodes
+    finally:
+        store.close()
