@@ -359,3 +359,25 @@ def test_with_the_warning_as_an_error_a_node_beyond_loopback_is_never_used(fresh
         assert sum(node.call(b"DBSIZE") for node in cluster.nodes) == 0
         stack.close()
 
+
+
+def test_tenants_whose_ids_extend_one_another_or_differ_in_case_are_confined_apart(server):
+    """Tenants ``acme``, ``acme.x``, ``acme-`` and ``ACME`` (ids that extend one another, or differ in case only),
+    each through its ACL user made by the documented line: each user reads, tests and writes its own keys, and is
+    refused every other one's (the pattern ``kvkit:<tenant>:*`` ends at the separator, and is case-sensitive)."""
+    admin = _admin(server.port)
+    tenants = ("acme", "acme.x", "acme-", "ACME")
+    users = {}
+    for tenant in tenants:
+        assert admin.call(*_recipe(tenant, f"{tenant}-pw")) == b"OK"
+        users[tenant] = Connection(("127.0.0.1", server.port),
+                                   ConnectOptions(1.0, 1.0, username=f"kvkit-{tenant}", password=f"{tenant}-pw"))
+    keys = {tenant: b"kvkit:%s:v2:k" % tenant.encode() for tenant in tenants}
+    for tenant, user in users.items():
+        assert _as(user, b"SET", keys[tenant], tenant.encode()) == b"OK"
+    for tenant, user in users.items():
+        assert _as(user, b"GET", keys[tenant]) == tenant.encode() and _as(user, b"EXISTS", keys[tenant]) == 1
+        for other in set(tenants) - {tenant}:
+            for command in ([b"GET", keys[other]], [b"EXISTS", keys[other]], [b"SET", keys[other], b"x"]):
+                assert _refused(_as(user, *command)), (tenant, command)
+    assert {admin.call(b"GET", key) for key in keys.values()} == {t.encode() for t in tenants}
