@@ -292,7 +292,8 @@ class Connection:
         :data:`MAX_REPLY_BULK` bytes or :data:`MAX_REPLY_ITEMS` array elements, or of arrays nested deeper than
         :data:`MAX_REPLY_DEPTH`, raises ``ConnectionError`` (no server sends them; reading them would raise
         ``MemoryError`` or ``RecursionError``). A bulk or an array is refused by the length it announces,
-        before its bytes arrive. Values go through :meth:`read_bulk`, into the caller's buffers.
+        before its bytes arrive; a bulk's memory grows with the bytes that arrived (64 KiB ahead of them at
+        most), never with the length announced. Values go through :meth:`read_bulk`, into the caller's buffers.
         """
         return self._reply(0, _Allowance())
 
@@ -310,8 +311,12 @@ class Connection:
             if n < 0:
                 return None
             left.take(n, 0)
-            out = bytearray(n)
-            self.read_bulk([memoryview(out)])
+            out = bytearray()
+            while len(out) < n:  # grown as the bytes arrive: a length announced costs no memory before them
+                piece = bytearray(min(n - len(out), _BUFFER))
+                self._read_exactly([memoryview(piece)])
+                out += piece
+            self.read_bulk([])
             return bytes(out)
         if kind == b"*":
             n = _number(head)
@@ -334,8 +339,14 @@ class Connection:
         socket has no ``recvmsg_into``: one buffer at a time. A bulk not closed by CRLF raises
         ``ConnectionError`` (the connection is out of step).
         """
+        self._read_exactly([*views, self._crlf])
+        if self._crlf != _CRLF:
+            raise ConnectionError(f"protocol error: a bulk reply ended with {bytes(self._crlf)!r}, not CRLF")
+
+    def _read_exactly(self, views: Sequence[memoryview]) -> None:
+        """Fill every buffer of ``views`` exactly, in order: the read buffer's bytes first, then the socket's."""
         rest: list[memoryview] = []
-        for view in (*views, self._crlf):
+        for view in views:
             n = min(self._hi - self._lo, view.nbytes)
             if n:
                 view[:n] = self._view[self._lo:self._lo + n]
@@ -352,8 +363,6 @@ class Connection:
                     break
                 got -= size
                 i += 1
-        if self._crlf != _CRLF:
-            raise ConnectionError(f"protocol error: a bulk reply ended with {bytes(self._crlf)!r}, not CRLF")
 
     def small_ints(self, n: int) -> list[int] | None:
         """``n`` replies if all are ``:0``/``:1`` (consumed), else ``None`` (nothing consumed)."""

@@ -393,3 +393,30 @@ def test_a_node_named_with_control_bytes_is_refused(scripted, host, via):
         assert all(node == ("127.0.0.1", server.port) for node in store.down_nodes), store.down_nodes
     finally:
         store.close()
+
+
+def test_bulk_lengths_announced_by_many_nodes_cost_no_memory_before_their_bytes(scripted):
+    """16 Cluster nodes each answering EXISTS with a bulk of 32 MiB announced, whose bytes never come: the call
+    answers by its deadline holding far less than what was announced (before: 32 MiB allocated per node before a
+    byte of it arrived, 512 MiB at the peak for one ``contains``)."""
+    nodes = 16
+
+    def answer(args):
+        if args[0] != b"CLUSTER":
+            return b"$%d\r\n" % (MAX_REPLY_BULK // 2)
+        hosts = [b"127.0.2.%d" % (i + 1) for i in range(nodes)]
+        entry = b"*3\r\n:%d\r\n:%d\r\n*2\r\n$%d\r\n%s\r\n:%d\r\n"
+        step = 16384 // nodes
+        return b"*%d\r\n" % nodes + b"".join(entry % (i * step, i * step + step - 1, len(h), h, server.port)
+                                              for i, h in enumerate(hosts))
+
+    server = scripted(answer, every_loopback=True)
+    store = _store(server.port, cluster=True)
+    tracemalloc.start()
+    try:
+        assert _bounded(lambda: store.contains([b"k%d" % i for i in range(400)])) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        store.close()
+    assert peak < MAX_REPLY_BULK // 4, f"{peak >> 20} MiB at the peak"
