@@ -95,10 +95,17 @@ class NodeHealth:
             return why if time.monotonic() < until else None
 
     def trip(self, address: Address, reason: str) -> None:
-        """Record evidence against ``address``: its keys fail at once for ``retry_interval_s``."""
+        """Record evidence against ``address``: its keys fail at once for ``retry_interval_s``.
+
+        At most :data:`MAX_NODES` nodes are remembered down: one more forgets the one tripped longest ago (it
+        is tried again), so no server's redirects to ever new nodes grow this without bound.
+        """
         with self._lock:
             self.failures += 1
             self.last_error = reason
+            self._down.pop(address, None)  # re-inserted last: the one tripped longest ago comes first
+            while len(self._down) >= MAX_NODES:
+                del self._down[next(iter(self._down))]
             self._down[address] = (time.monotonic() + self.retry_interval_s, reason)
 
     def down_nodes(self) -> dict[Address, str]:
