@@ -217,7 +217,8 @@ class ValkeyStore:
         return self._health.down_nodes()
 
     def watch(self, watcher: Callable[[Address], None]) -> None:
-        """Have ``watcher`` called once with the address of every node this store connects to.
+        """Have ``watcher`` called once with the address of every node this store connects to (again if
+        :data:`~kvkit.backends.blockstore.link.MAX_NODES` other nodes were first connected to since).
 
         The nodes connected to so far are reported at once; each later one
         (a seed, a node of the Cluster's slot map, a redirect's target) before
