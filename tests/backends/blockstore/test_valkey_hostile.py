@@ -446,3 +446,26 @@ def test_redirects_to_ever_new_dead_nodes_leave_the_store_remembering_a_bounded_
             assert len(store._connected.seen) <= link.MAX_NODES
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("kind", [b"MOVED", b"ASK"])
+def test_two_nodes_redirecting_to_each_other_forever_fail_the_keys_by_the_deadline(scripted, kind):
+    """Two Cluster nodes answering every key MOVED (or ASK) to the other: each key fails after a bounded number
+    of redirects ("still redirected"), every call answers by its deadline, neither node is marked down."""
+    def answer(args):  # one server: 127.0.0.1 and 127.0.0.2 are its two nodes
+        if args[0] == b"CLUSTER":
+            return _slots(server.port)
+        if args[0] == b"ASKING":
+            return b"+OK\r\n"
+        other = b"127.0.0.2" if server.local.dialed == "127.0.0.1" else b"127.0.0.1"
+        return b"-%s %d %s:%d\r\n" % (kind, key_slot(args[1]), other, server.port)
+
+    server = scripted(answer, every_loopback=True)
+    store = _store(server.port, cluster=True)
+    try:
+        assert _bounded(lambda: store.contains([b"a", b"b"])) == 0
+        result = _put(store, [b"a", b"b"])
+        assert result.failed == (0, 1) and "still redirected" in result.error, result
+        assert store.down_nodes == {}
+    finally:
+        store.close()
