@@ -31,10 +31,15 @@ from kvkit.backends.blockstore.resp import (
     Redirect,
     ServerError,
     key_slot,
+    node_host,
 )
 
-__all__ = ["Encode", "Link", "NodeHealth", "Read", "Topology", "Unreachable"]
+__all__ = ["MAX_NODES", "Encode", "Link", "NodeHealth", "Read", "Topology", "Unreachable"]
 
+MAX_NODES = 1000
+"""The most nodes a link is connected to at once (the Cluster specification's largest Cluster): a slot map naming
+more is refused, and a key whose node would be one more fails (:meth:`Link._admit`), so no server's answers make a
+link hold more sockets, or its crew more threads."""
 _MAX_ROUNDS = 5  # redirects followed, and the one retry on a fresh connection, per key and call
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
@@ -90,10 +95,17 @@ class NodeHealth:
             return why if time.monotonic() < until else None
 
     def trip(self, address: Address, reason: str) -> None:
-        """Record evidence against ``address``: its keys fail at once for ``retry_interval_s``."""
+        """Record evidence against ``address``: its keys fail at once for ``retry_interval_s``.
+
+        At most :data:`MAX_NODES` nodes are remembered down: one more forgets the one tripped longest ago (it
+        is tried again), so no server's redirects to ever new nodes grow this without bound.
+        """
         with self._lock:
             self.failures += 1
             self.last_error = reason
+            self._down.pop(address, None)  # re-inserted last: the one tripped longest ago comes first
+            while len(self._down) >= MAX_NODES:
+                del self._down[next(iter(self._down))]
             self._down[address] = (time.monotonic() + self.retry_interval_s, reason)
 
     def down_nodes(self) -> dict[Address, str]:
@@ -314,6 +326,7 @@ class Link:
                 else:
                     for i in indices:
                         outcomes[i] = Unreachable(why)
+            self._admit(flights, outcomes)
             broken = self._fly(flights, encode, read, deadline, outcomes, pending, asked)
             for address, (exc, left, left_asked, refused) in broken.items():
                 if (refused or _closed_by_server(exc)) and not self._stalled(exc) and address not in retried:
@@ -330,6 +343,29 @@ class Link:
         for i in pending:
             outcomes[i] = ServerError(f"still redirected after {_MAX_ROUNDS} tries")
         return outcomes
+
+    def _admit(self, flights: dict[tuple[Address, bool], list[list[int]]], outcomes: list[object]) -> None:
+        """Keep the link within :data:`MAX_NODES` connections for a round of ``flights`` (changed in place).
+
+        When the round's nodes need more, the connections to nodes it does not use and that own no slot (an
+        earlier ASK's targets) are closed first; the keys of the nodes still beyond the limit then fail,
+        unreached (no evidence against those nodes: a slot map or redirects naming more nodes than a Cluster
+        has are the answering node's doing).
+        """
+        nodes = dict.fromkeys(address for address, _ in flights)
+        new = [address for address in nodes if address not in self._conns]
+        if len(self._conns) + len(new) <= MAX_NODES:
+            return
+        owners = set(self.topology.slots or ())
+        for idle in [address for address in self._conns if address not in nodes and address not in owners]:
+            self._drop(idle)
+        beyond = set(new[max(0, MAX_NODES - len(self._conns)):])
+        for group in [group for group in flights if group[0] in beyond]:
+            why = Unreachable(f"transport: {group[0][0]}:{group[0][1]}: not connected, the link has {MAX_NODES} "
+                              f"nodes already (more than a Cluster has)")
+            for chunk in flights.pop(group):
+                for i in chunk:
+                    outcomes[i] = why
 
     def _fly(self, flights: dict[tuple[Address, bool], list[list[int]]], encode: Encode, read: Read,
              deadline: float, outcomes: list[object], pending: list[int],
@@ -585,7 +621,8 @@ def _closed_by_server(exc: BaseException) -> bool:
 def _slot_map(reply: object, answered: Address) -> list[Address] | None:
     """CLUSTER SLOTS as the owner of each of the 16384 slots (those it does not list: ``answered``), ``None`` if it
     lists none (``ValueError`` if it is not such a reply: a range outside 0-16383 or ending before it starts, a
-    port outside 0-65535). Port 0 is how a node whose address is unknown (failed) is listed: its keys fail."""
+    port outside 0-65535, more than :data:`MAX_NODES` nodes). Port 0 is how a node whose address is unknown
+    (failed) is listed: its keys fail."""
     if reply == []:
         return None
     if not isinstance(reply, list):
@@ -599,6 +636,8 @@ def _slot_map(reply: object, answered: Address) -> list[Address] | None:
             slots[start:end + 1] = [(_endpoint(primary, answered), port)] * (end + 1 - start)
     except (TypeError, IndexError, AttributeError, ValueError) as exc:
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}: {exc}") from exc
+    if len(set(slots)) > MAX_NODES:
+        raise ValueError(f"CLUSTER SLOTS answered {len(set(slots))} nodes, more than a Cluster has ({MAX_NODES})")
     return slots
 
 
@@ -607,7 +646,8 @@ def _endpoint(node: list, answered: Address) -> str:
 
     The endpoint, except: NULL or ``""`` (``cluster-preferred-endpoint-type unknown-endpoint``, a node
     behind a load balancer) is the host of the node that answered; ``"?"`` (``hostname`` preferred, none
-    announced) is the node's ``ip`` from the metadata (``ValueError`` without one).
+    announced) is the node's ``ip`` from the metadata (``ValueError`` without one, or for a host that is no host
+    name: :func:`~kvkit.backends.blockstore.resp.node_host`).
     """
     endpoint = node[0]
     if endpoint is None or endpoint == b"":
@@ -617,5 +657,5 @@ def _endpoint(node: list, answered: Address) -> str:
         ip = dict(zip(metadata[0::2], metadata[1::2])).get(b"ip")
         if not isinstance(ip, bytes) or not ip:
             raise ValueError(f"a node's endpoint is '?' and its metadata has no ip: {node!r:.80}")
-        return ip.decode()
-    return endpoint.decode()
+        return node_host(ip)
+    return node_host(endpoint)

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "SLOTS", "Address", "ConnectOptions", "Connection",
+__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions", "Connection",
            "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError", "command",
-           "error_reply", "key_slot"]
+           "error_reply", "key_slot", "node_host"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -43,6 +43,7 @@ _BUFFER = 1 << 16
 _SMALL = 16 << 10  # buffers below this are joined before writing over TLS
 _IOV_MAX = 1024  # buffers per sendmsg (Linux IOV_MAX)
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+_HOST = re.compile(rb"[!-~]*")  # printable ASCII without spaces: what a host name, an address or "?" is
 _ERROR_CODE = re.compile(r"[A-Z]{2,20}")  # the first word of an error reply: ERR, WRONGPASS, NOPERM...
 _FAIR_CONNECT = 0.9  # a connect that timed out with this share of its budget or more is its node's fault
 _UNACKED = getattr(termios, "TIOCOUTQ", None)  # Linux: bytes sent that the peer has not acknowledged yet
@@ -50,7 +51,11 @@ _SAMPLE_S = 0.05  # how often a wait looks whether the server took more of the b
 SLOTS = 16384
 """Hash slots of a Cluster."""
 MAX_REPLY_BULK = 64 << 20
-"""The longest bulk :meth:`Connection.reply` reads (a CLUSTER SLOTS entry, an INFO text, a test's GET)."""
+"""The most bytes one reply :meth:`Connection.reply` reads holds, its bulks and lines together (a CLUSTER SLOTS
+answer, an INFO text, a test's GET)."""
+MAX_REPLY_ITEMS = 1 << 20
+"""The most array elements one reply :meth:`Connection.reply` reads holds, at every depth together (CLUSTER SLOTS of
+16384 ranges with two replicas each: about half a million)."""
 MAX_REPLY_DEPTH = 16
 """The deepest nesting of arrays :meth:`Connection.reply` reads (CLUSTER SLOTS nests 4 deep)."""
 
@@ -193,9 +198,24 @@ class Connection:
             raise
 
     def renew(self, deadline: float) -> None:
-        """Bound what follows by ``deadline`` (a new call's)."""
+        """Start a new call, bounded by ``deadline``, on a connection that holds no reply: every reply so far was
+        read by the call that asked for it, so one there now is a reply to no command (``ConnectionError``: taken
+        for the next command's, it would answer that one), and an end of file is a connection the server closed
+        while idle (:class:`ConnectionClosedError`). Looking costs one receive that does not wait."""
         self.deadline = deadline
         self._waiting_since = None
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+            try:
+                self._hi = self.sock.recv_into(self._view)
+            except _WOULD_BLOCK:
+                return
+            except ConnectionResetError as exc:
+                raise self._closed(f"the server reset the connection: {exc}") from None
+            if not self._hi:
+                raise self._closed("the server closed the connection")
+        raise ConnectionError(f"protocol error: the server sent {self._hi - self._lo} bytes no command asked for: "
+                              f"{bytes(self._view[self._lo:self._lo + 40])!r}")
 
     def call(self, *args: bytes) -> object:
         """Send one command and answer its reply; an error reply raises ``ServerError``."""
@@ -265,15 +285,22 @@ class Connection:
             self._fill(limit)
             limit = _BUFFER
 
-    def reply(self, depth: int = 0) -> object:
+    def reply(self) -> object:
         """The next reply: bytes (simple or bulk), int, list, ``None`` (nil), ``ServerError`` or ``Redirect``.
 
-        For the small replies read whole (EXISTS, PING, AUTH, CLUSTER SLOTS): a bulk longer than
-        :data:`MAX_REPLY_BULK` or arrays nested deeper than :data:`MAX_REPLY_DEPTH` raise ``ConnectionError``
-        (no server sends them; allocating or recursing for them would raise ``MemoryError`` or
-        ``RecursionError``). Values go through :meth:`read_bulk`, into the caller's buffers.
+        For the small replies read whole (EXISTS, PING, AUTH, CLUSTER SLOTS): a reply of more than
+        :data:`MAX_REPLY_BULK` bytes or :data:`MAX_REPLY_ITEMS` array elements, or of arrays nested deeper than
+        :data:`MAX_REPLY_DEPTH`, raises ``ConnectionError`` (no server sends them; reading them would raise
+        ``MemoryError`` or ``RecursionError``). A bulk or an array is refused by the length it announces,
+        before its bytes arrive; a bulk's memory grows with the bytes that arrived (64 KiB ahead of them at
+        most), never with the length announced. Values go through :meth:`read_bulk`, into the caller's buffers.
         """
+        return self._reply(0, _Allowance())
+
+    def _reply(self, depth: int, left: _Allowance) -> object:
+        """The next reply, charged to ``left`` (what is left of the whole reply's bytes and elements)."""
         head = self.line()
+        left.take(len(head), 0)
         kind, rest = head[:1], head[1:]
         if kind == b"+":
             return rest
@@ -283,16 +310,22 @@ class Connection:
             n = _number(head)
             if n < 0:
                 return None
-            if n > MAX_REPLY_BULK:
-                raise ConnectionError(f"protocol error: a bulk reply of {n} bytes, longer than {MAX_REPLY_BULK}")
-            out = bytearray(n)
-            self.read_bulk([memoryview(out)])
+            left.take(n, 0)
+            out = bytearray()
+            while len(out) < n:  # grown as the bytes arrive: a length announced costs no memory before them
+                piece = bytearray(min(n - len(out), _BUFFER))
+                self._read_exactly([memoryview(piece)])
+                out += piece
+            self.read_bulk([])
             return bytes(out)
         if kind == b"*":
             n = _number(head)
             if depth >= MAX_REPLY_DEPTH:
                 raise ConnectionError(f"protocol error: arrays nested deeper than {MAX_REPLY_DEPTH}")
-            return None if n < 0 else [self.reply(depth + 1) for _ in range(n)]
+            if n < 0:
+                return None
+            left.take(0, n)
+            return [self._reply(depth + 1, left) for _ in range(n)]
         if kind == b"-":
             return error_reply(rest)
         raise ConnectionError(f"protocol error: unexpected reply {head[:80]!r}")
@@ -306,8 +339,14 @@ class Connection:
         socket has no ``recvmsg_into``: one buffer at a time. A bulk not closed by CRLF raises
         ``ConnectionError`` (the connection is out of step).
         """
+        self._read_exactly([*views, self._crlf])
+        if self._crlf != _CRLF:
+            raise ConnectionError(f"protocol error: a bulk reply ended with {bytes(self._crlf)!r}, not CRLF")
+
+    def _read_exactly(self, views: Sequence[memoryview]) -> None:
+        """Fill every buffer of ``views`` exactly, in order: the read buffer's bytes first, then the socket's."""
         rest: list[memoryview] = []
-        for view in (*views, self._crlf):
+        for view in views:
             n = min(self._hi - self._lo, view.nbytes)
             if n:
                 view[:n] = self._view[self._lo:self._lo + n]
@@ -324,8 +363,6 @@ class Connection:
                     break
                 got -= size
                 i += 1
-        if self._crlf != _CRLF:
-            raise ConnectionError(f"protocol error: a bulk reply ended with {bytes(self._crlf)!r}, not CRLF")
 
     def small_ints(self, n: int) -> list[int] | None:
         """``n`` replies if all are ``:0``/``:1`` (consumed), else ``None`` (nothing consumed)."""
@@ -437,6 +474,25 @@ class Connection:
             return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), _UNACKED, b"\0\0\0\0"))[0]
         except (OSError, ValueError):  # closed meanwhile (a close from another thread)
             return 0
+
+
+@attrs.define
+class _Allowance:
+    """What is left of one reply's :data:`MAX_REPLY_BULK` bytes and :data:`MAX_REPLY_ITEMS` elements."""
+
+    size: int = MAX_REPLY_BULK
+    items: int = MAX_REPLY_ITEMS
+
+    def take(self, size: int, items: int) -> None:
+        """Charge ``size`` bytes and ``items`` elements; ``ConnectionError`` when the reply would hold more."""
+        if size > self.size:
+            raise ConnectionError(f"protocol error: a reply longer than {MAX_REPLY_BULK} bytes (its next part "
+                                  f"alone: {size})")
+        if items > self.items:
+            raise ConnectionError(f"protocol error: a reply of more than {MAX_REPLY_ITEMS} array elements (its "
+                                  f"next array alone: {items})")
+        self.size -= size
+        self.items -= items
 
 
 _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
@@ -575,8 +631,8 @@ _UNAUTHENTICATED = b"ERR Protocol error: unauthenticated"
 
 def error_reply(text: bytes) -> ServerError | Redirect:
     """An error line (without its ``-``) as a ``Redirect`` when it is ``MOVED``/``ASK`` to a slot (0-16383) at
-    a port (1-65535), else ``ServerError`` (a redirect out of range names no node: its key fails with the
-    server's words).
+    a port (1-65535) of a host (:func:`node_host`), else ``ServerError`` (a redirect out of range names no
+    node: its key fails with the server's words, :func:`shown`).
 
     A reply saying the node serves no command for now (:data:`_UNUSABLE`: ``NOAUTH``, ``LOADING``,
     ``MASTERDOWN``, ``BUSY``; :data:`_UNAUTHENTICATED`), or no connection (:data:`_NO_ROOM`: ``maxclients``
@@ -591,15 +647,29 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     if unusable is not None:
         raise ConnectionRefusedError(f"the server answered {parts[0].decode()}: {unusable}")
     if text.startswith(_UNAUTHENTICATED):
-        shown = text[:60].decode(errors="replace")
-        raise ConnectionRefusedError(f"the server answered {shown!r}: {_UNUSABLE[b'NOAUTH']}")
+        raise ConnectionRefusedError(f"the server answered {shown(text[:60])!r}: {_UNUSABLE[b'NOAUTH']}")
     if text.startswith(_NO_ROOM):
         raise ConnectionRefusedError(f"the server answered {_NO_ROOM.decode()!r}: it has its maxclients clients "
                                      f"and closes the connection")
     if len(parts) == 3 and parts[0] in (b"MOVED", b"ASK"):
         host, _, port = parts[2].rpartition(b":")
         if parts[1].isdigit() and port.isdigit() and int(parts[1]) < SLOTS and 0 < int(port) < 65536:
-            return Redirect(int(parts[1]), (host.decode(errors="replace"), int(port)), parts[0] == b"ASK")
+            with contextlib.suppress(ValueError):  # a host that is no host name names no node
+                return Redirect(int(parts[1]), (node_host(host), int(port)), parts[0] == b"ASK")
     if text.startswith(b"ERR Protocol error"):
-        return ProtocolRefusal(text.decode(errors="replace"))
-    return ServerError(text.decode(errors="replace"))
+        return ProtocolRefusal(shown(text))
+    return ServerError(shown(text))
+
+
+def shown(text: bytes) -> str:
+    """A server's words as text to show: printable ASCII as it is, every other byte as a ``\\xNN`` escape, so no
+    control sequence a server sends (a screen clear, a clipboard write) reaches a terminal or a log raw."""
+    return "".join(chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}" for b in text)
+
+
+def node_host(raw: bytes) -> str:
+    """A host a server names (a slot map's endpoint or ``ip``) as text; ``ValueError`` unless it is printable ASCII
+    without spaces (a host name, an address, ``?``): anything else names no node, and is never looked up or shown."""
+    if not _HOST.fullmatch(raw):
+        raise ValueError(f"a node named {shown(raw)!r:.80}, which is no host name")
+    return raw.decode()

@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from kvkit.backends.blockstore import link
 from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, check_timeout
 from kvkit.backends.blockstore.link import Link, NodeHealth, Topology, Unreachable
 from kvkit.backends.blockstore.resp import (
@@ -67,7 +68,9 @@ _FLAG = checked(check_bool, label="ValkeyStore.")
 @attrs.define(eq=False)
 class _Connected:
     """The nodes a store's links have connected to, and their watchers: each watcher hears of each node before its
-    first connection (twice only if two links open their first connections to it at once)."""
+    first connection (twice only if two links open their first connections to it at once, or if
+    :data:`~kvkit.backends.blockstore.link.MAX_NODES` other nodes were first connected to since: only that many are
+    remembered, so no server's redirects to ever new nodes grow this without bound)."""
 
     seen: dict[Address, None] = attrs.field(factory=dict)  # in the order first connected
     watchers: list[Callable[[Address], None]] = attrs.field(factory=list)
@@ -83,6 +86,8 @@ class _Connected:
         for watcher in watchers:
             watcher(address)
         with self.lock:
+            while len(self.seen) >= link.MAX_NODES:
+                del self.seen[next(iter(self.seen))]
             self.seen[address] = None
 
     def watch(self, watcher: Callable[[Address], None]) -> None:
@@ -212,7 +217,8 @@ class ValkeyStore:
         return self._health.down_nodes()
 
     def watch(self, watcher: Callable[[Address], None]) -> None:
-        """Have ``watcher`` called once with the address of every node this store connects to.
+        """Have ``watcher`` called once with the address of every node this store connects to (again if
+        :data:`~kvkit.backends.blockstore.link.MAX_NODES` other nodes were first connected to since).
 
         The nodes connected to so far are reported at once; each later one
         (a seed, a node of the Cluster's slot map, a redirect's target) before

@@ -116,6 +116,9 @@ class Namespace:
             :attr:`digest` through a tag (never shown: its repr is ``'***'``).
         digest: 16 bytes naming all of the above, in every key and header.
 
+    Sealing and checking a value costs the same whatever the secret's length: a secret longer than SHA-256's
+    block (64 bytes) keys the HMAC through its SHA-256, as RFC 2104 defines, hashed once here (not once a value).
+
     Cache salts need no field: they are mixed into the block hashes, which are
     part of every key.
     """
@@ -129,6 +132,7 @@ class Namespace:
     secret: bytes | None = attrs.field(default=None, repr=secret_repr,
                                        converter=checked(check_secret, label="Namespace.", optional=True))  # type: ignore[misc]
     digest: bytes = attrs.field(init=False, repr=False)
+    _mac_key: bytes | None = attrs.field(init=False, repr=False, eq=False)  # the HMAC key the secret stands for
 
     def __attrs_post_init__(self) -> None:
         tag = "" if self.secret is None else hmac.new(self.secret, _NAMESPACE_TAG, hashlib.sha256).hexdigest()
@@ -137,6 +141,9 @@ class Namespace:
                   "tenant": self.tenant, "secret_tag": tag}
         canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
         object.__setattr__(self, "digest", hashlib.sha256(canonical).digest()[:16])
+        secret = self.secret
+        long = secret is not None and len(secret) > hashlib.sha256().block_size
+        object.__setattr__(self, "_mac_key", hashlib.sha256(secret).digest() if secret is not None and long else secret)
 
     @property
     def prefix(self) -> bytes:
@@ -158,11 +165,11 @@ def encode_header(namespace: Namespace, block_hash: int, rank: int, payload: _Bu
     """
     _check_hash_rank(namespace, block_hash, rank)
     views = _views(payload)
-    secret = namespace.secret
+    key = namespace._mac_key
     header = _pack(namespace, block_hash, rank, views, _checksum(views))
-    if secret is None:
+    if key is None:
         return header
-    return header[:_MAC_AT] + _mac(secret, block_key(namespace, block_hash, rank), header, views)
+    return header[:_MAC_AT] + _mac(key, block_key(namespace, block_hash, rank), header, views)
 
 
 def check_value(namespace: Namespace, block_hash: int, rank: int, header: bytes | memoryview | bytearray,
@@ -172,7 +179,7 @@ def check_value(namespace: Namespace, block_hash: int, rank: int, header: bytes 
     With the namespace's secret only a value sealed with it is ``OK``.
     """
     _check_hash_rank(namespace, block_hash, rank)
-    secret = namespace.secret
+    key = namespace._mac_key
     head = bytes(memoryview(header).cast("B")[:HEADER_SIZE])
     views = _views(payload)
     if len(head) < HEADER_SIZE:
@@ -180,7 +187,7 @@ def check_value(namespace: Namespace, block_hash: int, rank: int, header: bytes 
     magic, version, flags, digest, hash_bytes, got_rank, length, checksum, mac = _LAYOUT.unpack(head)
     if magic != _MAGIC or version != FORMAT_VERSION:
         return ValueStatus.FOREIGN
-    if flags != (_HMAC_FLAG if secret is not None else 0) or (secret is None and any(mac)):
+    if flags != (_HMAC_FLAG if key is not None else 0) or (key is None and any(mac)):
         return ValueStatus.FOREIGN
     if digest != namespace.digest or hash_bytes != block_hash.to_bytes(16, "little") or got_rank != rank:
         return ValueStatus.FOREIGN
@@ -188,8 +195,8 @@ def check_value(namespace: Namespace, block_hash: int, rank: int, header: bytes 
         return ValueStatus.TRUNCATED
     if checksum != _checksum(views):
         return ValueStatus.CORRUPT
-    if secret is not None:
-        expected = _mac(secret, block_key(namespace, block_hash, rank), head, views)
+    if key is not None:
+        expected = _mac(key, block_key(namespace, block_hash, rank), head, views)
         if not hmac.compare_digest(mac, expected):
             return ValueStatus.TAMPERED
     return ValueStatus.OK
@@ -201,8 +208,8 @@ def _pack(namespace: Namespace, block_hash: int, rank: int, views: list[memoryvi
                         bytes(32))
 
 
-def _mac(secret: bytes, key: bytes, header: bytes, views: list[memoryview]) -> bytes:
-    mac = hmac.new(secret, key, hashlib.sha256)
+def _mac(mac_key: bytes, key: bytes, header: bytes, views: list[memoryview]) -> bytes:
+    mac = hmac.new(mac_key, key, hashlib.sha256)
     mac.update(header[:_MAC_AT] + bytes(32))
     for view in views:
         mac.update(view)

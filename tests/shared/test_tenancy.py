@@ -359,3 +359,51 @@ def test_with_the_warning_as_an_error_a_node_beyond_loopback_is_never_used(fresh
         assert sum(node.call(b"DBSIZE") for node in cluster.nodes) == 0
         stack.close()
 
+
+
+def test_tenants_whose_ids_extend_one_another_or_differ_in_case_are_confined_apart(server):
+    """Tenants ``acme``, ``acme.x``, ``acme-`` and ``ACME`` (ids that extend one another, or differ in case only),
+    each through its ACL user made by the documented line: each user reads, tests and writes its own keys, and is
+    refused every other one's (the pattern ``kvkit:<tenant>:*`` ends at the separator, and is case-sensitive)."""
+    admin = _admin(server.port)
+    tenants = ("acme", "acme.x", "acme-", "ACME")
+    users = {}
+    for tenant in tenants:
+        assert admin.call(*_recipe(tenant, f"{tenant}-pw")) == b"OK"
+        users[tenant] = Connection(("127.0.0.1", server.port),
+                                   ConnectOptions(1.0, 1.0, username=f"kvkit-{tenant}", password=f"{tenant}-pw"))
+    keys = {tenant: b"kvkit:%s:v2:k" % tenant.encode() for tenant in tenants}
+    for tenant, user in users.items():
+        assert _as(user, b"SET", keys[tenant], tenant.encode()) == b"OK"
+    for tenant, user in users.items():
+        assert _as(user, b"GET", keys[tenant]) == tenant.encode() and _as(user, b"EXISTS", keys[tenant]) == 1
+        for other in set(tenants) - {tenant}:
+            for command in ([b"GET", keys[other]], [b"EXISTS", keys[other]], [b"SET", keys[other], b"x"]):
+                assert _refused(_as(user, *command)), (tenant, command)
+    assert {admin.call(b"GET", key) for key in keys.values()} == {t.encode() for t in tenants}
+
+
+def test_a_cluster_node_not_given_the_tenants_acl_fails_its_keys_and_is_never_written():
+    """The documented ACL line run on two nodes of a 3-node Cluster, not on the third: the tenant's store is
+    refused the login there (its keys fail, unreached, the node marked down), the other nodes' keys are stored,
+    and nothing is written to the third node (its default user, which needs no password, is never fallen back
+    to)."""
+    with LocalCluster(binary=server_binary_or_skip()) as cluster:
+        for node in cluster.nodes[:2]:
+            assert node.call(*_recipe("acme", "acme-pw")) == b"OK"
+        bare = cluster.nodes[2]
+        store = kvkit.open_block_store(cluster.url.replace("://", "://kvkit-acme:acme-pw@"), request_timeout_s=2.0)
+        try:
+            keys = [b"kvkit:acme:v2:%d" % i for i in range(60)]
+            ticket = store.put(keys, [[memoryview(b"v")]] * len(keys))
+            (result,) = store.poll([ticket], 5.0)
+            step = 16384 // len(cluster.nodes)
+            on_bare = {i for i, key in enumerate(keys) if key_slot(key) >= 2 * step}
+            assert on_bare and set(result.failed) == on_bare == set(result.unreached), result
+            assert "refused the login" in result.error, result.error
+            assert list(store.down_nodes) == [("127.0.0.1", bare.port)]
+        finally:
+            store.close()
+        assert _keys(_admin(bare.port, None)) == set()
+        stored = set().union(*(_keys(_admin(n.port, None)) for n in cluster.nodes[:2]))
+        assert stored == {key for i, key in enumerate(keys) if i not in on_bare}

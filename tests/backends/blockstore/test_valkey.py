@@ -171,14 +171,15 @@ def test_password_and_acl_user():
 @pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("openssl") is None,
                     reason="needs Debian's redis-server (built with TLS) and openssl")
 def test_tls(tmp_path):
-    """valkeys://: a TLS server is reached with the CA given; without verification off, a wrong CA is refused."""
+    """valkeys://: a TLS server is reached with the CA given; without verification off, a wrong CA is refused, and
+    so is a certificate of the CA that names another host than the one reached."""
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=IP:127.0.0.1", "-days", "1", "-keyout", key, "-out", cert],
                    check=True, capture_output=True)
     port = free_port()
     server = subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                               "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", cert,
+                               "127.0.0.2", "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", cert,
                                "--tls-auth-clients", "no", "--save", "", "--dir", tmp_path],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -194,6 +195,10 @@ def test_tls(tmp_path):
         untrusted = _store(port, tls=True, request_timeout_s=2.0, connect_timeout_s=2.0)
         assert "CERTIFICATE_VERIFY_FAILED" in (untrusted.ping() or "")
         untrusted.close()
+        misnamed = ValkeyStore([("127.0.0.2", port)], tls=True, tls_ca=str(cert), request_timeout_s=2.0,
+                               connect_timeout_s=2.0)  # the server, with a certificate naming 127.0.0.1 only
+        assert "IP address mismatch" in (misnamed.ping() or "")
+        misnamed.close()
     finally:
         server.kill()
         server.wait(5)

@@ -8,14 +8,17 @@ taken for another command's (the connection never falls out of step).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
 
-from kvkit.backends.blockstore.resp import key_slot
+from kvkit.backends.blockstore import link
+from kvkit.backends.blockstore.resp import MAX_REPLY_BULK, key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
 
 DEADLINE = 0.5
@@ -47,12 +50,15 @@ def _commands(buf: bytearray) -> list[list[bytes]]:
 class Scripted:
     """A loopback server answering each command with ``answer(args)`` (its port is ``self.port``).
 
-    ``answer`` may read ``self.port``; a Cluster one answers ``CLUSTER SLOTS`` itself.
+    ``answer`` may read ``self.port``, and ``self.local.dialed``: the address its client connected to (with
+    ``every_loopback``, the server listens on every address and serves clients of any loopback one, 127.0.0.0/8:
+    as many Cluster nodes as a test names); a Cluster one answers ``CLUSTER SLOTS`` itself.
     """
 
-    def __init__(self, answer: Callable[[list[bytes]], bytes]) -> None:
+    def __init__(self, answer: Callable[[list[bytes]], bytes], every_loopback: bool = False) -> None:
         self.answer = answer
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.local = threading.local()
+        self.listener = socket.create_server(("0.0.0.0" if every_loopback else "127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.peers: list[socket.socket] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -68,6 +74,10 @@ class Scripted:
             threading.Thread(target=self._talk, args=(peer,), daemon=True).start()
 
     def _talk(self, peer: socket.socket) -> None:
+        self.local.dialed = peer.getsockname()[0]
+        if not ipaddress.ip_address(peer.getpeername()[0]).is_loopback:
+            peer.close()
+            return
         buf = bytearray()
         with contextlib.suppress(OSError):
             while data := peer.recv(1 << 16):
@@ -88,8 +98,8 @@ def scripted():
     """``scripted(answer)`` starts a :class:`Scripted` server; each is closed after the test."""
     servers: list[Scripted] = []
 
-    def start(answer):
-        servers.append(Scripted(answer))
+    def start(answer, **kwargs):
+        servers.append(Scripted(answer, **kwargs))
         return servers[-1]
 
     yield start
@@ -138,6 +148,53 @@ def test_a_reply_too_long_or_too_deep_fails_the_call_and_never_raises(scripted, 
         assert (_bounded(store.ping) or "").startswith("transport:")
     finally:
         store.close()
+
+
+@pytest.fixture
+def streaming():
+    """``streaming(head, element, count)``: a loopback server's port that answers its first command with
+    ``head`` and then ``element`` ``count`` times, one send each (it holds one element, however much it sends)."""
+    listeners: list[socket.socket] = []
+
+    def serve(listener, head, element, count):
+        with contextlib.suppress(OSError):
+            peer, _ = listener.accept()
+            with peer:
+                peer.recv(1 << 16)
+                peer.sendall(head)
+                for _ in range(count):
+                    peer.sendall(element)
+
+    def start(head: bytes, element: bytes, count: int) -> int:
+        listeners.append(socket.create_server(("127.0.0.1", 0)))
+        threading.Thread(target=serve, args=(listeners[-1], head, element, count), daemon=True).start()
+        return listeners[-1].getsockname()[1]
+
+    yield start
+    for listener in listeners:
+        listener.close()
+
+
+@pytest.mark.parametrize(("head", "element", "count"), [
+    (b"*512\r\n", b"$1048576\r\n" + b"v" * (1 << 20) + b"\r\n", 512),  # 512 MiB of 1 MiB bulks
+    (b"*10000\r\n", b"+" + b"v" * 60_000 + b"\r\n", 10_000),  # 600 MB of simple strings
+    (b"*100000000\r\n", b"*0\r\n", 4_000_000),  # 100 million empty arrays announced, 4 million sent
+])
+def test_a_reply_holding_more_than_a_reply_may_is_refused_before_it_fills_memory(streaming, head, element, count):
+    """EXISTS answered with an array of many bulks or lines, each short enough, or with more elements than a
+    reply may hold: the reply is refused once it would hold more than 64 MiB or a million elements (an announced
+    count at once), so one ``contains`` never holds much more than that (before: what the server sent in the
+    deadline, 1,080 MiB at the peak for 512 MiB of bulks), the node is marked down, nothing raises."""
+    store = _store(streaming(head, element, count))
+    tracemalloc.start()
+    try:
+        assert _bounded(lambda: store.contains([b"a"])) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        store.close()
+    assert peak < 3 * MAX_REPLY_BULK, f"{peak >> 20} MiB at the peak"
+    assert "protocol error: a reply" in store.last_error and store.down_nodes, store.last_error
 
 
 @pytest.mark.parametrize("redirect", [b"-MOVED 16384 127.0.0.1:%d\r\n", b"-MOVED 99999 127.0.0.1:%d\r\n",
@@ -212,5 +269,203 @@ def test_a_set_answered_with_an_array_never_lends_its_reply_to_the_next_put(scri
         time.sleep(0.06)  # the node is tried again
         second = _put(store, [b"b"])
         assert second.failed == (0,) and "OOM" in second.error, second
+    finally:
+        store.close()
+
+
+def _node_threads() -> int:
+    return sum(t.name == "kvkit-valkey-node" for t in threading.enumerate())
+
+
+def test_a_slot_map_naming_more_nodes_than_a_cluster_has_is_refused(scripted, monkeypatch):
+    """CLUSTER SLOTS naming one node more than :data:`~kvkit.backends.blockstore.link.MAX_NODES` (each slot range
+    at another loopback address): the map is refused, nothing is connected to (before: a socket and a thread per
+    node named, 2,000 nodes gave 2,000 sockets and 1,999 threads), every call answers failed."""
+    monkeypatch.setattr(link, "MAX_NODES", 16)
+    nodes = link.MAX_NODES + 1
+
+    def answer(args):
+        if args[0] != b"CLUSTER":
+            return b":1\r\n"
+        hosts = [b"127.0.1.%d" % (i + 1) for i in range(nodes)]
+        entry = b"*3\r\n:%d\r\n:%d\r\n*2\r\n$%d\r\n%s\r\n:%d\r\n"
+        return b"*%d\r\n" % nodes + b"".join(entry % (i * 64, i * 64 + 63, len(h), h, server.port)
+                                              for i, h in enumerate(hosts))
+
+    server = scripted(answer, every_loopback=True)
+    store = _store(server.port, cluster=True)
+    threads = _node_threads()
+    try:
+        assert _bounded(lambda: store.contains([b"k%d" % i for i in range(200)])) == 0
+        assert "more than a Cluster has" in store.last_error, store.last_error
+        assert len(server.peers) == 1 and _node_threads() == threads
+    finally:
+        store.close()
+
+
+def test_redirects_to_ever_new_nodes_leave_the_link_within_its_node_limit(scripted, monkeypatch):
+    """A node answering every key ASK to a loopback address never named before, call after call: the link stays
+    connected to at most :data:`~kvkit.backends.blockstore.link.MAX_NODES` nodes (the asked nodes of past calls are
+    let go first) and its crew within as many threads; keys beyond fail unreached and nothing raises (before:
+    every call added a socket and a thread per key, 300 keys a call held 1,501 sockets after 5 calls)."""
+    monkeypatch.setattr(link, "MAX_NODES", 16)
+    fresh = iter(range(1, 1 << 16))
+
+    def answer(args):
+        if args[0] == b"CLUSTER":
+            return _slots(server.port)
+        if args[0] == b"EXISTS" and server.local.dialed == "127.0.0.1":
+            n = next(fresh)
+            return b"-ASK %d 127.2.%d.%d:%d\r\n" % (key_slot(args[1]), n // 250, 1 + n % 250, server.port)
+        return b":1\r\n" if args[0] == b"EXISTS" else b"+OK\r\n"
+
+    server = scripted(answer, every_loopback=True)
+    store = _store(server.port, cluster=True)
+    threads = _node_threads()
+    try:
+        keys = [b"k%d" % i for i in range(3 * link.MAX_NODES)]
+        for _ in range(3):
+            assert _bounded(lambda: store.contains(keys)) == link.MAX_NODES - 1  # the seed and 15 asked nodes
+            assert len(store._lookup._conns) <= link.MAX_NODES
+            assert _node_threads() - threads <= link.MAX_NODES - 1
+        assert store.down_nodes == {}
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_a_reply_to_no_command_is_never_taken_for_the_next_calls(scripted, cluster):
+    """A server that answers one EXISTS twice (``:0`` and an extra ``:1``): the extra reply is found before the
+    next call uses the connection, which is dropped and the node marked down, so the next ``contains`` is not
+    answered with it (before: the key ``b``, which the server answers ``:0``, was found)."""
+    def answer(args):
+        if args[0] == b"CLUSTER":
+            return _slots(server.port)
+        return b":0\r\n:1\r\n" if args[1:] == [b"a"] else b":0\r\n"
+
+    server = scripted(answer)
+    store = _store(server.port, cluster=cluster)
+    try:
+        assert _bounded(lambda: store.contains([b"a"])) == 0
+        assert _bounded(lambda: store.contains([b"b"])) == 0
+        assert "no command asked for" in store.last_error, store.last_error
+        assert list(store.down_nodes) == [("127.0.0.1", server.port)]
+    finally:
+        store.close()
+
+
+_ESCAPES = b"\x1b]52;c;cHduZWQ=\x07\x1b[2J\r\x00\xff"  # a clipboard write, a screen clear, a return, NUL, not UTF-8
+
+
+@pytest.mark.parametrize("reply", [b"-ERR %s\r\n" % _ESCAPES, b"-OOM %s\r\n" % _ESCAPES.replace(b"\r", b"")])
+def test_a_servers_words_are_shown_with_their_control_bytes_escaped(scripted, reply):
+    """An error reply holding terminal control sequences (or bytes not UTF-8): the key's error, which reaches
+    warnings, status lines and logs, shows them escaped (``\\x1b``), never raw (before: as the server sent them)."""
+    server = scripted(lambda args: reply)
+    store = _store(server.port)
+    try:
+        result = _put(store, [b"a"])
+        assert result.failed == (0,) and "\\x1b]52" in result.error, result
+        assert result.error.isprintable(), repr(result.error)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("host", [b"\x1b[2Jevil", b"ev il", b"evil\xff"])
+@pytest.mark.parametrize("via", ["redirect", "slot map"])
+def test_a_node_named_with_control_bytes_is_refused(scripted, host, via):
+    """A MOVED/ASK or a CLUSTER SLOTS entry naming a host that is no host name (control bytes, a space, bytes not
+    ASCII): it names no node, nothing is connected to it, and the errors show no raw control byte (before: the
+    host, raw, was looked up and shown in every error about it)."""
+    def answer(args):
+        if args[0] == b"CLUSTER":
+            if via == "redirect":
+                return _slots(server.port)
+            return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$%d\r\n%s\r\n:%d\r\n" % (len(host), host, server.port)
+        return b"-MOVED %d %s:%d\r\n" % (key_slot(args[1]), host, server.port)
+
+    server = scripted(answer)
+    store = _store(server.port, cluster=True)
+    try:
+        result = _put(store, [b"a"])
+        assert result.failed == (0,) and result.error.isprintable(), repr(result.error)
+        assert store.last_error.isprintable(), repr(store.last_error)
+        assert all(node == ("127.0.0.1", server.port) for node in store.down_nodes), store.down_nodes
+    finally:
+        store.close()
+
+
+def test_bulk_lengths_announced_by_many_nodes_cost_no_memory_before_their_bytes(scripted):
+    """16 Cluster nodes each answering EXISTS with a bulk of 32 MiB announced, whose bytes never come: the call
+    answers by its deadline holding far less than what was announced (before: 32 MiB allocated per node before a
+    byte of it arrived, 512 MiB at the peak for one ``contains``)."""
+    nodes = 16
+
+    def answer(args):
+        if args[0] != b"CLUSTER":
+            return b"$%d\r\n" % (MAX_REPLY_BULK // 2)
+        hosts = [b"127.0.2.%d" % (i + 1) for i in range(nodes)]
+        entry = b"*3\r\n:%d\r\n:%d\r\n*2\r\n$%d\r\n%s\r\n:%d\r\n"
+        step = 16384 // nodes
+        return b"*%d\r\n" % nodes + b"".join(entry % (i * step, i * step + step - 1, len(h), h, server.port)
+                                              for i, h in enumerate(hosts))
+
+    server = scripted(answer, every_loopback=True)
+    store = _store(server.port, cluster=True)
+    tracemalloc.start()
+    try:
+        assert _bounded(lambda: store.contains([b"k%d" % i for i in range(400)])) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        store.close()
+    assert peak < MAX_REPLY_BULK // 4, f"{peak >> 20} MiB at the peak"
+
+
+def test_redirects_to_ever_new_dead_nodes_leave_the_store_remembering_a_bounded_number(scripted, monkeypatch):
+    """A node answering every key ASK to a loopback address never named before, where nothing listens: the store
+    remembers at most :data:`~kvkit.backends.blockstore.link.MAX_NODES` nodes down (and as many connected to, for
+    its watchers), the ones tripped longest ago forgotten first (before: every address ever named stayed, about
+    300 bytes each: 10,500 after 20 calls of 500 keys)."""
+    monkeypatch.setattr(link, "MAX_NODES", 16)
+    fresh = iter(range(1, 1 << 16))
+
+    def answer(args):
+        if args[0] == b"CLUSTER":
+            return _slots(server.port)
+        n = next(fresh)
+        return b"-ASK %d 127.3.%d.%d:1\r\n" % (key_slot(args[1]), n // 250, 1 + n % 250)
+
+    server = scripted(answer)
+    store = _store(server.port, cluster=True)
+    try:
+        keys = [b"k%d" % i for i in range(3 * link.MAX_NODES)]
+        for _ in range(3):
+            assert _bounded(lambda: store.contains(keys)) == 0
+            assert 0 < len(store.down_nodes) <= link.MAX_NODES, len(store.down_nodes)
+            assert len(store._connected.seen) <= link.MAX_NODES
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", [b"MOVED", b"ASK"])
+def test_two_nodes_redirecting_to_each_other_forever_fail_the_keys_by_the_deadline(scripted, kind):
+    """Two Cluster nodes answering every key MOVED (or ASK) to the other: each key fails after a bounded number
+    of redirects ("still redirected"), every call answers by its deadline, neither node is marked down."""
+    def answer(args):  # one server: 127.0.0.1 and 127.0.0.2 are its two nodes
+        if args[0] == b"CLUSTER":
+            return _slots(server.port)
+        if args[0] == b"ASKING":
+            return b"+OK\r\n"
+        other = b"127.0.0.2" if server.local.dialed == "127.0.0.1" else b"127.0.0.1"
+        return b"-%s %d %s:%d\r\n" % (kind, key_slot(args[1]), other, server.port)
+
+    server = scripted(answer, every_loopback=True)
+    store = _store(server.port, cluster=True)
+    try:
+        assert _bounded(lambda: store.contains([b"a", b"b"])) == 0
+        result = _put(store, [b"a", b"b"])
+        assert result.failed == (0, 1) and "still redirected" in result.error, result
+        assert store.down_nodes == {}
     finally:
         store.close()
