@@ -112,6 +112,12 @@ class TicketBox:
             self._open.clear()
             self._cond.notify_all()
 
+    def after_fork(self, error: str) -> None:
+        """In a child forked while the box was in use: a fresh lock (the one copied may be held by a thread
+        that is not in this process), and every open ticket failed with ``error`` (no thread here serves it)."""
+        self._cond = threading.Condition()
+        self.fail_open(error)
+
     def poll(self, tickets: object, timeout: float = 0.0) -> list[StoreResult]:
         """The finished results of ``tickets`` (by ticket), waiting up to ``timeout`` seconds for the first.
 

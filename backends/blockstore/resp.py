@@ -358,6 +358,11 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
+    def release(self) -> None:
+        """Close this process's descriptor of the socket, never shutting it down: a process that shares it
+        through fork keeps its connection."""
+        self.sock.close()
+
     def _fill(self, limit: int = _BUFFER) -> None:
         """Receive at most ``limit`` more bytes into the read buffer (at least one)."""
         if self._lo == self._hi:
