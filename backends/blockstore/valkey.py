@@ -15,7 +15,14 @@ from typing import Any
 
 import attrs
 
-from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, check_timeout
+from kvkit.backends.blockstore._common import (
+    MAX_WAITING,
+    TicketBox,
+    carry_through_fork,
+    check_call,
+    check_keys,
+    check_timeout,
+)
 from kvkit.backends.blockstore.link import Link, NodeHealth, Topology, Unreachable
 from kvkit.backends.blockstore.resp import (
     Address,
@@ -194,7 +201,7 @@ class ValkeyStore:
         self._options = ConnectOptions(self.connect_timeout_s, self.request_timeout_s, self.username,
                                        self.password, self.db, self._tls_context())
         self._open(TicketBox(self.max_waiting))
-        _LIVE.add(self)
+        carry_through_fork(self)
 
     def _open(self, tickets: TicketBox) -> None:
         """Fresh links (no connection yet), node health and slot map, and a started I/O thread serving
@@ -372,16 +379,6 @@ class _BulkLimit:
         return ProtocolRefusal(f"a value of {size} bytes, not sent: the server refused one of {self.refused} bytes "
                                f"as longer than its proto-max-bulk-len less than {self.hold_s:g} s ago")
 
-
-_LIVE: weakref.WeakSet[ValkeyStore] = weakref.WeakSet()  # the stores of this process, to carry through fork
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_LIVE):
-        store._forked(os.getppid())
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"
 _GET = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
