@@ -152,7 +152,8 @@ class ValkeyStore:
     other, and closing or collecting the store in the child leaves the
     parent's connections open. The tickets still open at the fork are
     reported failed in the child (``"transport:"``; the parent's I/O thread
-    serves them in the parent).
+    serves them in the parent). A child where no thread can start (a pids
+    limit) gets the store closed.
 
     Invariants: every ticket is reported at most once, only to a poll naming
     it; after ``close`` the I/O thread has stopped, so no buffer is touched
@@ -214,9 +215,9 @@ class ValkeyStore:
                                   topology=topology, on_connect=self._connected), tickets,
                              self.ttl_s, _BulkLimit(self.retry_interval_s))
         self._thread = threading.Thread(target=self._io.serve, name="kvkit-valkey-io", daemon=True)
+        self._thread.start()
         self._finalizer = weakref.finalize(self, _shut_down, self._io, self._thread, self._lookup,
                                            self._lookup_lock, self.request_timeout_s + self.connect_timeout_s)
-        self._thread.start()
 
     def _forked(self, parent: int) -> None:
         """In a child forked from process ``parent`` (see the class): let go of the parent's connections and
@@ -229,7 +230,10 @@ class ValkeyStore:
         self._io.tickets.after_fork(f"transport: issued by process {parent}, which forked process {os.getpid()} "
                                     f"before it was answered")
         if not self.closed:
-            self._open(self._io.tickets)
+            try:
+                self._open(self._io.tickets)
+            except RuntimeError:  # no thread can start here (a pids limit): the store is closed in this process
+                self.closed = True
 
     @property
     def last_error(self) -> str:

@@ -1002,6 +1002,33 @@ def test_a_store_inherited_through_fork_serves_the_child_on_connections_of_its_o
     store.close()
 
 
+def test_a_store_inherited_through_fork_where_no_thread_can_start_is_closed_there(valkey_server, monkeypatch):
+    """A child forked where no thread can start (a pids limit) gets the store closed: its calls raise at once,
+    none queues for a thread that is not there; the parent's store keeps serving."""
+    from kvkit.errors import KVKitError
+
+    store = _store(("127.0.0.1", valkey_server.port))
+    parent, start = os.getpid(), threading.Thread.start
+
+    def start_in_parent_only(thread):
+        if os.getpid() != parent:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_in_parent_only)
+
+    def child():
+        try:
+            store.put([b"k"], [[memoryview(b"v")]])
+        except KVKitError as exc:
+            return [store.closed, "closed" in str(exc)]
+        return [store.closed, "queued"]
+
+    assert _in_child(child)() == [True, True]
+    assert _put(store, [b"k"], [b"v"]).ok
+    store.close()
+
+
 # -- leaks ---------------------------------------------------------------------------------------------
 
 
