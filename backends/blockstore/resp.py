@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import ipaddress
 import math
+import os
 import re
 import select
 import socket
@@ -493,6 +494,17 @@ _LOOKUPS: dict[Address, _Lookup] = {}  # the resolutions in flight, one per (hos
 _LOOKUPS_LOCK = threading.Lock()
 
 
+def _forget_lookups() -> None:
+    """In a forked child: the resolutions in flight are the parent's threads, not this process's (a call waiting
+    for one would never get its answer), and the lock may be held by one of them."""
+    global _LOOKUPS_LOCK
+    _LOOKUPS.clear()
+    _LOOKUPS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_lookups)
+
+
 def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     """``socket.getaddrinfo(host, port)`` for a stream socket, answered within ``timeout`` (else ``TimeoutError``).
 
@@ -500,7 +512,8 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     waits on its name servers as long as its configuration says (5 s a try), whatever the call's
     deadline, so a host whose name servers do not answer costs the call its connect timeout, not the
     resolver's. Calls for a name whose resolution is still in flight wait for that one: however often
-    they come, a name has at most one thread, which ends when the resolver answers or gives up.
+    they come, a name has at most one thread, which ends when the resolver answers or gives up. A child
+    forked while one was in flight resolves the name afresh.
     """
     try:
         return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)

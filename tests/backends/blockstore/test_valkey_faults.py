@@ -1029,6 +1029,34 @@ def test_a_store_inherited_through_fork_where_no_thread_can_start_is_closed_ther
     store.close()
 
 
+def test_a_child_forked_while_a_name_was_being_resolved_resolves_it_afresh(valkey_server, monkeypatch):
+    """A host name whose resolution was in flight (a parent's thread) at the fork is resolved afresh in the child:
+    it never waits for a thread that is not in its process, so its store reaches the server."""
+    from kvkit.backends.blockstore import resp
+
+    parent, real, stuck = os.getpid(), socket.getaddrinfo, threading.Event()
+
+    def getaddrinfo(host, *args):
+        if os.getpid() == parent and threading.current_thread().name == "kvkit-resolve":
+            stuck.wait(10.0)  # the parent's resolver thread answers late
+        return real(host, *args)
+
+    monkeypatch.setattr(resp.socket, "getaddrinfo", getaddrinfo)
+    with pytest.raises(TimeoutError):
+        resp._resolve("localhost", valkey_server.port, 0.1)  # its thread is still resolving at the fork
+
+    def child():
+        store = _store(("localhost", valkey_server.port))
+        outcome = [_put(store, [b"from-child"], [b"c"]).ok, store.contains([b"from-child"])]
+        store.close()
+        return outcome
+
+    try:
+        assert _in_child(child)() == [True, 1]
+    finally:
+        stuck.set()
+
+
 # -- leaks ---------------------------------------------------------------------------------------------
 
 
