@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from collections.abc import Collection, Sequence
+from typing import Protocol
 
 import attrs
 
@@ -12,7 +15,8 @@ from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.shared import StoreResult
 from kvkit.validate import check_real, plural, quote
 
-__all__ = ["MAX_WAITING", "TicketBox", "check_call", "check_keys", "check_timeout", "flat_views", "wanted_tickets"]
+__all__ = ["MAX_WAITING", "TicketBox", "carry_through_fork", "check_call", "check_keys", "check_timeout", "flat_views",
+           "wanted_tickets"]
 
 
 def check_keys(store: str, closed: bool, keys: Sequence[bytes]) -> None:
@@ -112,6 +116,12 @@ class TicketBox:
             self._open.clear()
             self._cond.notify_all()
 
+    def after_fork(self, error: str) -> None:
+        """In a child forked while the box was in use: a fresh lock (the one copied may be held by a thread
+        that is not in this process), and every open ticket failed with ``error`` (no thread here serves it)."""
+        self._cond = threading.Condition()
+        self.fail_open(error)
+
     def poll(self, tickets: object, timeout: float = 0.0) -> list[StoreResult]:
         """The finished results of ``tickets`` (by ticket), waiting up to ``timeout`` seconds for the first.
 
@@ -152,3 +162,25 @@ class TicketBox:
             del self._done[next(iter(self._done))]
             self.abandoned += 1
         self._done[result.ticket] = result
+
+
+class _Forkable(Protocol):
+    def _forked(self, parent: int) -> None: ...
+
+
+_LIVE: weakref.WeakSet[_Forkable] = weakref.WeakSet()
+
+
+def carry_through_fork(store: _Forkable) -> None:
+    """Have ``store._forked(parent)`` called in every child forked while it lives (``parent``: the forking
+    process's id), before anything else runs there: the store's threads and the locks they held are not in the
+    child, so the store lets go of them there."""
+    _LIVE.add(store)
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_LIVE):
+        store._forked(os.getppid())
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

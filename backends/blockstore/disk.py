@@ -18,7 +18,14 @@ from pathlib import Path
 
 import attrs
 
-from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, check_timeout
+from kvkit.backends.blockstore._common import (
+    MAX_WAITING,
+    TicketBox,
+    carry_through_fork,
+    check_call,
+    check_keys,
+    check_timeout,
+)
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.eviction import EvictionPolicy
@@ -153,7 +160,9 @@ class DiskStore:
     system is relieved of any process's values. Work runs on a pool of
     ``threads`` threads of the process that opened the store: in a child
     forked from it, ``contains``/``put``/``get`` raise
-    :class:`~kvkit.errors.KVKitError` (open a store in each process). At most
+    :class:`~kvkit.errors.KVKitError` (open a store in each process), the
+    tickets open at the fork are reported failed there, and ``close`` returns
+    at once. At most
     ``max_waiting`` finished results wait for the polls naming their tickets
     (one more abandons the oldest).
 
@@ -213,6 +222,15 @@ class DiskStore:
         self._make_root()
         self._reindex()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvkit-disk")
+        carry_through_fork(self)
+
+    def _forked(self, parent: int) -> None:
+        """In a child forked from process ``parent``: fresh locks and an idle pool (the copies belong to the
+        parent's threads), and the tickets still open failed (no thread here serves them)."""
+        self._lock, self._counts_lock, self._close_lock = threading.Lock(), threading.Lock(), threading.Lock()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvkit-disk")
+        self._tickets.after_fork(f"transport: issued by process {parent}, which forked process {os.getpid()} "
+                                 f"before it was answered")
 
     @property
     def counters(self) -> dict[str, int]:

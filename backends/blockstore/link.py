@@ -291,9 +291,10 @@ class Link:
     _generation: int = attrs.field(default=0, init=False)  # the map whose nodes ``_conns`` was pruned to
     _closed: bool = attrs.field(default=False, init=False)
     _crew: _Crew = attrs.field(factory=_Crew, init=False)
+    _stop_crew: weakref.finalize = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        weakref.finalize(self, self._crew.stop)  # a link dropped without close() lets its crew exit
+        self._stop_crew = weakref.finalize(self, self._crew.stop)  # a link dropped without close() lets its crew exit
 
     def run(self, keys: Sequence[bytes], encode: Encode, read: Read, weights: Sequence[int] | None = None,
             deadline: float | None = None) -> list[object]:
@@ -585,6 +586,16 @@ class Link:
         self._closed = True
         self._crew.stop()
         self.reset()
+
+    def abandon(self) -> None:
+        """In a process forked from the one that used the link: close this process's descriptors of its
+        connections without shutting them down (the parent goes on using them) and leave its crew (the parent's
+        threads, and their lock) alone; the link opens nothing again."""
+        self._closed = True
+        self._stop_crew.detach()
+        for conn in self._conns.values():
+            conn.release()
+        self._conns.clear()
 
     def _node_for(self, key: bytes) -> Address:
         if not self.cluster:

@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import ipaddress
 import math
+import os
 import re
 import select
 import socket
@@ -395,6 +396,11 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
+    def release(self) -> None:
+        """Close this process's descriptor of the socket, never shutting it down: a process that shares it
+        through fork keeps its connection."""
+        self.sock.close()
+
     def _fill(self, limit: int = _BUFFER) -> None:
         """Receive at most ``limit`` more bytes into the read buffer (at least one)."""
         if self._lo == self._hi:
@@ -544,6 +550,17 @@ _LOOKUPS: dict[Address, _Lookup] = {}  # the resolutions in flight, one per (hos
 _LOOKUPS_LOCK = threading.Lock()
 
 
+def _forget_lookups() -> None:
+    """In a forked child: the resolutions in flight are the parent's threads, not this process's (a call waiting
+    for one would never get its answer), and the lock may be held by one of them."""
+    global _LOOKUPS_LOCK
+    _LOOKUPS.clear()
+    _LOOKUPS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_lookups)
+
+
 def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     """``socket.getaddrinfo(host, port)`` for a stream socket, answered within ``timeout`` (else ``TimeoutError``).
 
@@ -551,7 +568,8 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     waits on its name servers as long as its configuration says (5 s a try), whatever the call's
     deadline, so a host whose name servers do not answer costs the call its connect timeout, not the
     resolver's. Calls for a name whose resolution is still in flight wait for that one: however often
-    they come, a name has at most one thread, which ends when the resolver answers or gives up.
+    they come, a name has at most one thread, which ends when the resolver answers or gives up. A child
+    forked while one was in flight resolves the name afresh.
     """
     try:
         return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)

@@ -16,7 +16,14 @@ from typing import Any
 import attrs
 
 from kvkit.backends.blockstore import link
-from kvkit.backends.blockstore._common import MAX_WAITING, TicketBox, check_call, check_keys, check_timeout
+from kvkit.backends.blockstore._common import (
+    MAX_WAITING,
+    TicketBox,
+    carry_through_fork,
+    check_call,
+    check_keys,
+    check_timeout,
+)
 from kvkit.backends.blockstore.link import Link, NodeHealth, Topology, Unreachable
 from kvkit.backends.blockstore.resp import (
     Address,
@@ -144,6 +151,15 @@ class ValkeyStore:
     policy of the server can act. At most ``max_waiting`` finished results
     wait for the polls naming their tickets (one more abandons the oldest).
 
+    Fork. A store inherited through ``os.fork`` (multiprocessing's workers)
+    serves the child on connections and an I/O thread of its own, opened in
+    the child: no socket is shared, so no process reads a reply meant for the
+    other, and closing or collecting the store in the child leaves the
+    parent's connections open. The tickets still open at the fork are
+    reported failed in the child (``"transport:"``; the parent's I/O thread
+    serves them in the parent). A child where no thread can start (a pids
+    limit) gets the store closed.
+
     Invariants: every ticket is reported at most once, only to a poll naming
     it; after ``close`` the I/O thread has stopped, so no buffer is touched
     after its ticket was reported. The I/O thread holds no reference to the
@@ -181,25 +197,48 @@ class ValkeyStore:
     _io: _IoThread = attrs.field(init=False)
     _thread: threading.Thread = attrs.field(init=False)
     _finalizer: weakref.finalize = attrs.field(init=False)
+    _options: ConnectOptions = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.cluster and self.db:
             raise ConfigError(f"ValkeyStore.db={self.db}: a Cluster has only database 0")
         if self.username is not None and self.password is None:
             raise ConfigError(f"ValkeyStore.username={self.username!r} needs a password")
-        options = ConnectOptions(self.connect_timeout_s, self.request_timeout_s, self.username, self.password,
-                                 self.db, self._tls_context())
+        self._options = ConnectOptions(self.connect_timeout_s, self.request_timeout_s, self.username,
+                                       self.password, self.db, self._tls_context())
+        self._open(TicketBox(self.max_waiting))
+        carry_through_fork(self)
+
+    def _open(self, tickets: TicketBox) -> None:
+        """Fresh links (no connection yet), node health and slot map, and a started I/O thread serving
+        ``tickets``."""
         self._health = NodeHealth(self.retry_interval_s)
         topology = Topology()  # one slot map for both links: what one learns routes the other's calls
-        self._lookup = Link(self.nodes, self.cluster, options, self._health, topology=topology,
+        self._lookup = Link(self.nodes, self.cluster, self._options, self._health, topology=topology,
                             on_connect=self._connected)
-        self._io = _IoThread(Link(self.nodes, self.cluster, options, self._health, self.window_bytes,
-                                  topology=topology, on_connect=self._connected), TicketBox(self.max_waiting),
+        self._io = _IoThread(Link(self.nodes, self.cluster, self._options, self._health, self.window_bytes,
+                                  topology=topology, on_connect=self._connected), tickets,
                              self.ttl_s, _BulkLimit(self.retry_interval_s))
         self._thread = threading.Thread(target=self._io.serve, name="kvkit-valkey-io", daemon=True)
+        self._thread.start()
         self._finalizer = weakref.finalize(self, _shut_down, self._io, self._thread, self._lookup,
                                            self._lookup_lock, self.request_timeout_s + self.connect_timeout_s)
-        self._thread.start()
+
+    def _forked(self, parent: int) -> None:
+        """In a child forked from process ``parent`` (see the class): let go of the parent's connections and
+        threads, fail the tickets they serve, and open this process's own."""
+        self._finalizer.detach()  # collecting or closing the store here never shuts the parent's sockets down
+        self._io.link.abandon()
+        self._lookup.abandon()
+        self._close_lock, self._lookup_lock = threading.Lock(), threading.Lock()  # the copies may be held
+        self._connected.lock = threading.Lock()
+        self._io.tickets.after_fork(f"transport: issued by process {parent}, which forked process {os.getpid()} "
+                                    f"before it was answered")
+        if not self.closed:
+            try:
+                self._open(self._io.tickets)
+            except RuntimeError:  # no thread can start here (a pids limit): the store is closed in this process
+                self.closed = True
 
     @property
     def last_error(self) -> str:

@@ -68,3 +68,65 @@ def test_a_second_process_reuses_the_first_ones_prefix(shared_url, tmp_path):
     second = _engine(url, "second", tmp_path / "second.json")
     assert second["hit"] == second["shared"] == 36 and second["errors"] == 0 and second["invalid"] == 0
     assert second["prefix"] == first["prefix"], "the loaded prefix differs from the bytes the first process computed"
+
+
+def test_a_stack_built_before_fork_serves_the_forked_child(shared_url):
+    """A stack built, used and left with puts in flight, then inherited through ``os.fork`` (multiprocessing's
+    workers): the child's engine gets the whole shared hit another stack put, byte-identical, within the deadline
+    (a disk store refuses work in the child: no hit), and closes its stack cleanly (every
+    ticket open at the fork reported); the parent's stack keeps serving. Before, the child's fetches queued for
+    threads it does not have: every hit recomputed after a whole deadline, and its close raised for tickets never
+    reported."""
+    import os
+    import time
+
+    import kvkit
+    from kvkit.hashing import hash_blocks
+    from kvkit.reference.engine import ReferenceEngine
+
+    spec = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+
+    def build():
+        return kvkit.build(kv=spec, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", layout="per-layer",
+                           shared={"url": shared_url, "model": "fork-test"}, wait_timeout_s=2.0)
+
+    def run(stack, name, tokens):
+        engine = ReferenceEngine(stack)
+        engine.add_request(name, hash_blocks(tokens, 4), len(tokens))
+        hit = engine.step().scheduled[0].cpu_hit_tokens
+        engine.finish(name)
+        for _ in range(3):  # its blocks stored to the CPU tier, then put
+            engine.step()
+        return engine, hit
+
+    writer, inherited = build(), build()
+    engine, _ = run(writer, "writer", list(range(100, 140)))
+    engine.drain()
+    run(inherited, "own", list(range(500, 540)))  # its puts may still be in flight at the fork
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe and exits at once
+        try:
+            start = time.monotonic()
+            engine, hit = run(inherited, "child", list(range(100, 140)))
+            took = time.monotonic() - start
+            engine.drain()
+            inherited.check_invariants()
+            inherited.close()
+            outcome = {"hit": hit, "errors": engine.integrity_errors, "took": took < 2.0,
+                       "invalid": inherited.shared_counts["invalid_values"]}
+        except BaseException as exc:  # noqa: BLE001 - anything it raised is reported
+            outcome = {"raised": f"{type(exc).__name__}: {exc}"}
+        os.write(write, json.dumps(outcome).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        outcome = json.loads(pipe.read())
+    os.waitpid(child, 0)
+    assert outcome == {"hit": 0 if shared_url.startswith("file:") else 36, "errors": 0, "took": True, "invalid": 0}
+    engine, hit = run(inherited, "parent", list(range(100, 140)))
+    engine.drain()
+    assert hit == 36 and engine.integrity_errors == 0
+    for stack in (writer, inherited):
+        stack.check_invariants()
+        stack.close()

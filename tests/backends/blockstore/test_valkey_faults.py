@@ -933,6 +933,130 @@ def test_a_slot_moved_to_another_node_is_followed_without_reconnecting(valkey_cl
         store.close()
 
 
+# -- fork ----------------------------------------------------------------------------------------------
+
+
+def _in_child(work) -> object:
+    """Run ``work()`` in a child forked now, while the caller's thread goes on; a waiter for what it returned
+    (as JSON, or the name of what it raised)."""
+    import json
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe and exits at once
+        try:
+            outcome = work()
+        except BaseException as exc:  # noqa: BLE001 - anything it raised is reported
+            outcome = f"raised {type(exc).__name__}: {exc}"
+        os.write(write, json.dumps(outcome).encode())
+        os._exit(0)
+    os.close(write)
+
+    def outcome():
+        with os.fdopen(read) as pipe:
+            text = pipe.read()
+        os.waitpid(child, 0)
+        return json.loads(text)
+    return outcome
+
+
+def test_a_store_inherited_through_fork_serves_the_child_on_connections_of_its_own(valkey_server):
+    """A parent and its forked child look keys up at once on one store: neither reads a reply meant for the other
+    (they shared the lookup connection: about 40% of lookups read the other process's answer); the child's put
+    and get are served (they queued for an I/O thread the child does not have: never reported), a ticket open
+    at the fork is reported failed in the child at once and served in the parent, and the child's close leaves
+    the parent's connections open."""
+    valkey_server.call(b"FLUSHALL")
+    store = _store(("127.0.0.1", valkey_server.port))
+    assert _put(store, [b"here"], [b"x" * 10]).ok and store.contains([b"here"]) == 1
+    with SlowLink(("127.0.0.1", valkey_server.port), latency=0.5) as far_link:
+        far = _store(far_link.address, request_timeout_s=5.0)
+        assert _put(far, [b"warm"], [b"w"], limit=5.0).ok and far.contains([b"warm"]) == 1  # both connections open
+        in_flight = far.put([b"late"], [[memoryview(b"l" * 10)]])
+
+        def child():
+            open_at_fork = far.poll([in_flight], 5.0)
+            end, wrong = time.monotonic() + 1.0, 0
+            while time.monotonic() < end:
+                wrong += store.contains([b"absent"]) != 0
+            put = _put(store, [b"child"], [b"c" * 10])
+            got, (value,) = _get(store, [b"child"], 10)
+            far.close()
+            store.close()
+            return {"open_at_fork": [(r.ok, r.error[:10], "fork" in r.error) for r in open_at_fork],
+                    "wrong": wrong, "put": put.ok, "got": got.ok and bytes(value) == b"c" * 10}
+
+        outcome = _in_child(child)
+        end, wrong = time.monotonic() + 1.0, 0
+        while time.monotonic() < end:
+            wrong += store.contains([b"here"]) != 1
+        child_saw = outcome()
+        assert [r.ok for r in far.poll([in_flight], 5.0)] == [True], "the parent's own put failed"
+        connections = far_link.connections
+        assert _put(far, [b"after"], [b"a"], limit=5.0).ok and far.contains([b"after"]) == 1
+        assert far_link.connections == connections, "the child's close shut the parent's connections down"
+        far.close()
+    assert child_saw == {"open_at_fork": [[False, "transport:", True]], "wrong": 0, "put": True, "got": True}
+    assert wrong == 0, f"the parent read {wrong} replies meant for its child"
+    assert store.transport_failures == 0 and store.contains([b"here", b"child"]) == 2
+    store.close()
+
+
+def test_a_store_inherited_through_fork_where_no_thread_can_start_is_closed_there(valkey_server, monkeypatch):
+    """A child forked where no thread can start (a pids limit) gets the store closed: its calls raise at once,
+    none queues for a thread that is not there; the parent's store keeps serving."""
+    from kvkit.errors import KVKitError
+
+    store = _store(("127.0.0.1", valkey_server.port))
+    parent, start = os.getpid(), threading.Thread.start
+
+    def start_in_parent_only(thread):
+        if os.getpid() != parent:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_in_parent_only)
+
+    def child():
+        try:
+            store.put([b"k"], [[memoryview(b"v")]])
+        except KVKitError as exc:
+            return [store.closed, "closed" in str(exc)]
+        return [store.closed, "queued"]
+
+    assert _in_child(child)() == [True, True]
+    assert _put(store, [b"k"], [b"v"]).ok
+    store.close()
+
+
+def test_a_child_forked_while_a_name_was_being_resolved_resolves_it_afresh(valkey_server, monkeypatch):
+    """A host name whose resolution was in flight (a parent's thread) at the fork is resolved afresh in the child:
+    it never waits for a thread that is not in its process, so its store reaches the server."""
+    from kvkit.backends.blockstore import resp
+
+    parent, real, stuck = os.getpid(), socket.getaddrinfo, threading.Event()
+
+    def getaddrinfo(host, *args):
+        if os.getpid() == parent and threading.current_thread().name == "kvkit-resolve":
+            stuck.wait(10.0)  # the parent's resolver thread answers late
+        return real(host, *args)
+
+    monkeypatch.setattr(resp.socket, "getaddrinfo", getaddrinfo)
+    with pytest.raises(TimeoutError):
+        resp._resolve("localhost", valkey_server.port, 0.1)  # its thread is still resolving at the fork
+
+    def child():
+        store = _store(("localhost", valkey_server.port))
+        outcome = [_put(store, [b"from-child"], [b"c"]).ok, store.contains([b"from-child"])]
+        store.close()
+        return outcome
+
+    try:
+        assert _in_child(child)() == [True, 1]
+    finally:
+        stuck.set()
+
+
 # -- leaks ---------------------------------------------------------------------------------------------
 
 
