@@ -47,6 +47,10 @@ class OffloadStack:
 
     Invariants: the CPU pool and every worker's CPU mirror hold the same
     number of blocks (one source of truth: ``config``).
+
+    Threads: one thread drives a stack at a time (the engine's loop); its
+    parts keep no locks between calls, so :meth:`close` comes after the last
+    step returned, never while another thread steps.
     """
 
     config: StackConfig
