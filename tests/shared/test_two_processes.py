@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from kvkit.registry import SHARED
+from kvkit.testing.forked import in_child
 from kvkit.testing.servers import LocalCluster, LocalServer, server_binary_or_skip
 
 _ENGINE = textwrap.dedent("""
@@ -77,7 +78,6 @@ def test_a_stack_built_before_fork_serves_the_forked_child(shared_url):
     ticket open at the fork reported); the parent's stack keeps serving. Before, the child's fetches queued for
     threads it does not have: every hit recomputed after a whole deadline, and its close raised for tickets never
     reported."""
-    import os
     import time
 
     import kvkit
@@ -103,26 +103,17 @@ def test_a_stack_built_before_fork_serves_the_forked_child(shared_url):
     engine, _ = run(writer, "writer", list(range(100, 140)))
     engine.drain()
     run(inherited, "own", list(range(500, 540)))  # its puts may still be in flight at the fork
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child reports through the pipe and exits at once
-        try:
-            start = time.monotonic()
-            engine, hit = run(inherited, "child", list(range(100, 140)))
-            took = time.monotonic() - start
-            engine.drain()
-            inherited.check_invariants()
-            inherited.close()
-            outcome = {"hit": hit, "errors": engine.integrity_errors, "took": took < 2.0,
-                       "invalid": inherited.shared_counts["invalid_values"]}
-        except BaseException as exc:  # noqa: BLE001 - anything it raised is reported
-            outcome = {"raised": f"{type(exc).__name__}: {exc}"}
-        os.write(write, json.dumps(outcome).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        outcome = json.loads(pipe.read())
-    os.waitpid(child, 0)
+    def child():
+        start = time.monotonic()
+        engine, hit = run(inherited, "child", list(range(100, 140)))
+        took = time.monotonic() - start
+        engine.drain()
+        inherited.check_invariants()
+        inherited.close()
+        return {"hit": hit, "errors": engine.integrity_errors, "took": took < 2.0,
+                "invalid": inherited.shared_counts["invalid_values"]}
+
+    outcome = in_child(child)()
     assert outcome == {"hit": 0 if shared_url.startswith("file:") else 36, "errors": 0, "took": True, "invalid": 0}
     engine, hit = run(inherited, "parent", list(range(100, 140)))
     engine.drain()

@@ -20,6 +20,7 @@ from kvkit.backends.blockstore.disk import DiskStore, _name
 from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.errors import ConfigError, KVKitError
 from kvkit.shared.urls import open_block_store
+from kvkit.testing.forked import in_child
 
 
 def _put(store, keys, size):
@@ -306,9 +307,8 @@ def test_a_store_inherited_through_fork_refuses_work_in_the_child(tmp_path):
     """A forked child has the store's object but not its threads: its calls raise KVKitError (they would queue
     work nothing runs, never reported); the parent's store keeps working."""
     store = DiskStore(tmp_path, 1 << 20)
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child reports through the pipe and exits at once
+
+    def child():
         outcome = []
         for call in (lambda: store.put([b"a"], [[memoryview(b"x")]]), lambda: store.get([b"a"], [[memoryview(
                 bytearray(1))]]), lambda: store.contains([b"a"])):
@@ -317,14 +317,9 @@ def test_a_store_inherited_through_fork_refuses_work_in_the_child(tmp_path):
                 outcome.append("ran")
             except KVKitError as exc:
                 outcome.append("KVKitError" if "fork" in str(exc) and str(tmp_path) in str(exc) else str(exc))
-            except BaseException as exc:  # noqa: BLE001 - anything untyped is reported
-                outcome.append(type(exc).__name__)
-        os.write(write, json.dumps(outcome).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        outcome = json.loads(pipe.read())
-    os.waitpid(child, 0)
+        return outcome
+
+    outcome = in_child(child)()
     assert outcome == ["KVKitError"] * 3
     assert _put(store, [b"a"], 10).ok and store.contains([b"a"]) == 1
     store.close()

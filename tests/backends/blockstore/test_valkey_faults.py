@@ -18,6 +18,7 @@ import pytest
 
 from kvkit.backends.blockstore.resp import key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
+from kvkit.testing.forked import in_child
 from kvkit.testing.servers import LocalCluster, LocalServer, server_binary, server_binary_or_skip
 from kvkit.testing.slowlink import SlowLink
 
@@ -936,30 +937,6 @@ def test_a_slot_moved_to_another_node_is_followed_without_reconnecting(valkey_cl
 # -- fork ----------------------------------------------------------------------------------------------
 
 
-def _in_child(work) -> object:
-    """Run ``work()`` in a child forked now, while the caller's thread goes on; a waiter for what it returned
-    (as JSON, or the name of what it raised)."""
-    import json
-
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child reports through the pipe and exits at once
-        try:
-            outcome = work()
-        except BaseException as exc:  # noqa: BLE001 - anything it raised is reported
-            outcome = f"raised {type(exc).__name__}: {exc}"
-        os.write(write, json.dumps(outcome).encode())
-        os._exit(0)
-    os.close(write)
-
-    def outcome():
-        with os.fdopen(read) as pipe:
-            text = pipe.read()
-        os.waitpid(child, 0)
-        return json.loads(text)
-    return outcome
-
-
 def test_a_store_inherited_through_fork_serves_the_child_on_connections_of_its_own(valkey_server):
     """A parent and its forked child look keys up at once on one store: neither reads a reply meant for the other
     (they shared the lookup connection: about 40% of lookups read the other process's answer); the child's put
@@ -986,7 +963,7 @@ def test_a_store_inherited_through_fork_serves_the_child_on_connections_of_its_o
             return {"open_at_fork": [(r.ok, r.error[:10], "fork" in r.error) for r in open_at_fork],
                     "wrong": wrong, "put": put.ok, "got": got.ok and bytes(value) == b"c" * 10}
 
-        outcome = _in_child(child)
+        outcome = in_child(child)
         end, wrong = time.monotonic() + 1.0, 0
         while time.monotonic() < end:
             wrong += store.contains([b"here"]) != 1
@@ -1024,7 +1001,7 @@ def test_a_store_inherited_through_fork_where_no_thread_can_start_is_closed_ther
             return [store.closed, "closed" in str(exc)]
         return [store.closed, "queued"]
 
-    assert _in_child(child)() == [True, True]
+    assert in_child(child)() == [True, True]
     assert _put(store, [b"k"], [b"v"]).ok
     store.close()
 
@@ -1052,7 +1029,7 @@ def test_a_child_forked_while_a_name_was_being_resolved_resolves_it_afresh(valke
         return outcome
 
     try:
-        assert _in_child(child)() == [True, 1]
+        assert in_child(child)() == [True, 1]
     finally:
         stuck.set()
 
