@@ -33,6 +33,7 @@ from kvkit.backends.blockstore.resp import (
     key_slot,
     node_host,
 )
+from kvkit.validate import plural
 
 __all__ = ["MAX_NODES", "Encode", "Link", "NodeHealth", "Read", "Topology", "Unreachable"]
 
@@ -648,7 +649,8 @@ def _slot_map(reply: object, answered: Address) -> list[Address] | None:
     except (TypeError, IndexError, AttributeError, ValueError) as exc:
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}: {exc}") from exc
     if len(set(slots)) > MAX_NODES:
-        raise ValueError(f"CLUSTER SLOTS answered {len(set(slots))} nodes, more than a Cluster has ({MAX_NODES})")
+        raise ValueError(f"CLUSTER SLOTS answered {plural(len(set(slots)), 'node')}, more than a Cluster has "
+                         f"({MAX_NODES})")
     return slots
 
 
