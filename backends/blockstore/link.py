@@ -16,6 +16,7 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import attrs
 from typing_extensions import override
@@ -35,12 +36,24 @@ from kvkit.backends.blockstore.resp import (
 )
 from kvkit.validate import plural
 
-__all__ = ["MAX_NODES", "Encode", "Link", "NodeHealth", "Read", "Topology", "Unreachable"]
+__all__ = ["MAX_NODES", "Encode", "Link", "NodeHealth", "Read", "Topology", "Unreachable", "remember"]
 
 MAX_NODES = 1000
 """The most nodes a link is connected to at once (the Cluster specification's largest Cluster): a slot map naming
 more is refused, and a key whose node would be one more fails (:meth:`Link._admit`), so no server's answers make a
 link hold more sockets, or its crew more threads."""
+V = TypeVar("V")
+
+
+def remember(nodes: dict[Address, V], address: Address, value: V) -> None:
+    """Set ``nodes[address] = value`` as the newest entry, first forgetting the oldest entries beyond
+    :data:`MAX_NODES` (no server's answers, naming ever new nodes, grow ``nodes`` without bound)."""
+    nodes.pop(address, None)
+    while len(nodes) >= MAX_NODES:
+        del nodes[next(iter(nodes))]
+    nodes[address] = value
+
+
 _MAX_ROUNDS = 5  # redirects followed, and the one retry on a fresh connection, per key and call
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
@@ -104,10 +117,7 @@ class NodeHealth:
         with self._lock:
             self.failures += 1
             self.last_error = reason
-            self._down.pop(address, None)  # re-inserted last: the one tripped longest ago comes first
-            while len(self._down) >= MAX_NODES:
-                del self._down[next(iter(self._down))]
-            self._down[address] = (time.monotonic() + self.retry_interval_s, reason)
+            remember(self._down, address, (time.monotonic() + self.retry_interval_s, reason))
 
     def down_nodes(self) -> dict[Address, str]:
         """The nodes not tried now, with why."""
@@ -648,9 +658,9 @@ def _slot_map(reply: object, answered: Address) -> list[Address] | None:
             slots[start:end + 1] = [(_endpoint(primary, answered), port)] * (end + 1 - start)
     except (TypeError, IndexError, AttributeError, ValueError) as exc:
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}: {exc}") from exc
-    if len(set(slots)) > MAX_NODES:
-        raise ValueError(f"CLUSTER SLOTS answered {plural(len(set(slots)), 'node')}, more than a Cluster has "
-                         f"({MAX_NODES})")
+    nodes = len(set(slots))
+    if nodes > MAX_NODES:
+        raise ValueError(f"CLUSTER SLOTS answered {plural(nodes, 'node')}, more than a Cluster has ({MAX_NODES})")
     return slots
 
 

@@ -93,9 +93,7 @@ class _Connected:
         for watcher in watchers:
             watcher(address)
         with self.lock:
-            while len(self.seen) >= link.MAX_NODES:
-                del self.seen[next(iter(self.seen))]
-            self.seen[address] = None
+            link.remember(self.seen, address, None)
 
     def watch(self, watcher: Callable[[Address], None]) -> None:
         with self.lock:

@@ -155,15 +155,14 @@ def _kept_password(options: dict[str, Any]) -> dict[str, Any]:
 
     The password comes from one place: the URL, the ``password`` option, or one of these.
     """
-    kept = [key for key in _PASSWORD_SOURCES if key in options]
-    if not kept:
+    given = [key for key in PASSWORD_OPTIONS if key in options]
+    if len(given) > 1:
+        raise ConfigError(f"the password is given by {' and '.join(given)}; give one (the URL's user info is the "
+                          f"password option)")
+    if not given or given[0] == "password":
         return options
-    if len(kept) > 1 or "password" in options:
-        named = ["password" if "password" in options else "", *kept]
-        raise ConfigError(f"the password is given by {' and '.join(filter(None, named))}; give one "
-                          f"(the URL's user info is the password option)")
     options = dict(options)
-    key = kept[0]
+    key = given[0]
     source = options.pop(key)
     try:
         options["password"] = read_kept(key, source, _PASSWORD_SOURCES[key]).decode()
