@@ -1,12 +1,13 @@
 """Tests of ``kvkit.build`` and the reference engine loop on CPU tensors."""
 
 import re
+import threading
 import time
 
 import pytest
 
 import kvkit
-from kvkit.errors import ConfigError, RequestStateError, UnknownRequestError
+from kvkit.errors import ConfigError, RequestStateError, TransferTimeoutError, UnknownRequestError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import OffloadCallback
 from kvkit.reference.engine import ReferenceEngine
@@ -274,3 +275,34 @@ def test_a_store_url_is_shown_without_its_password(url, shown):
     from kvkit.redact import redact_url
 
     assert redact_url(url) == shown
+
+
+def test_close_waits_at_most_its_timeout_for_a_step_another_thread_holds():
+    """A step held past ``close(timeout)``: TransferTimeoutError, nothing closed, no step starts any more;
+    once it ended, close() closes. close() inside a step of its own thread enters at once."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", device="cpu")
+    stepping, done = threading.Event(), threading.Event()
+
+    def step():
+        with stack.driving():
+            stepping.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=step)
+    holder.start()
+    assert stepping.wait(10)
+    with pytest.raises(TransferTimeoutError, match="nothing was closed"):
+        stack.close(timeout=0.05)
+    assert stack.workers[0].layout == "per-layer"  # still registered
+    done.set()
+    holder.join(10)
+    with pytest.raises(RequestStateError, match="the stack is closed"):
+        stack.manager.build_step()
+    stack.close()
+    assert stack.workers[0].layout is None
+
+    inner = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, device="cpu")
+    with inner.driving():
+        inner.close(timeout=0.0)
+    with pytest.raises(RequestStateError, match="the stack is closed"):
+        ReferenceEngine(inner).step()

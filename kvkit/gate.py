@@ -1,0 +1,98 @@
+"""``Gate``: one thread drives a stack at a time, and nothing drives it once it is closed.
+
+Rules:
+
+* A thread *holds* the gate for a call (``with gate:``) or for a whole engine
+  step; while it holds it, every other thread's hold waits.
+* Holds nest on their thread: a call made inside a held one (a step's
+  manager calls, ``close``'s drains) enters at once.
+* :meth:`Gate.shut` refuses every later outermost hold (``RequestStateError``),
+  then waits, bounded, for the holder to let go, and holds the gate itself.
+* The uncontended path is one lock acquire and release per outermost hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
+
+from kvkit.errors import RequestStateError
+
+__all__ = ["Gate", "gated"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class Gate:
+    """The lock one stack's drivers and its ``close`` share (see the module's rules)."""
+
+    __slots__ = ("_depth", "_lock", "_owner", "closed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the holding thread's ident
+        self._depth = 0
+        self.closed = False
+
+    def __enter__(self) -> Gate:
+        """Hold the gate (nested holds of one thread enter at once).
+
+        Raises:
+            RequestStateError: :meth:`shut` was called before this outermost hold.
+        """
+        me = threading.get_ident()
+        if self._owner == me:
+            self._depth += 1
+            return self
+        self._lock.acquire()
+        if self.closed:
+            self._lock.release()
+            raise RequestStateError("the stack is closed; build a new one")
+        self._owner, self._depth = me, 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def shut(self, timeout: float) -> bool:
+        """Refuse every later outermost hold, then hold the gate once the holder let go, waiting at most
+        ``timeout`` seconds; whether it holds it (then :meth:`release` it)."""
+        self.closed = True
+        me = threading.get_ident()
+        if self._owner == me:
+            self._depth += 1
+            return True
+        if not self._lock.acquire(timeout=min(max(timeout, 0.0), threading.TIMEOUT_MAX)):
+            return False
+        self._owner, self._depth = me, 1
+        return True
+
+    def release(self) -> None:
+        """End this thread's innermost hold (the outermost one lets the next thread in)."""
+        assert self._owner == threading.get_ident(), "released by a thread that does not hold the gate"
+        self._depth -= 1
+        if not self._depth:
+            self._owner = None
+            self._lock.release()
+
+
+class _Gated(Protocol):
+    @property
+    def gate(self) -> Gate: ...
+
+
+_S = TypeVar("_S", bound=_Gated)
+
+
+def gated(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+    """``method`` run while holding its instance's ``gate``."""
+
+    @functools.wraps(method)
+    def call(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self.gate:
+            return method(self, *args, **kwargs)
+
+    return call
