@@ -5,9 +5,11 @@ Rules:
 * A thread *holds* the gate for a call (``with gate:``) or for a whole engine
   step; while it holds it, every other thread's hold waits.
 * Holds nest on their thread: a call made inside a held one (a step's
-  manager calls, ``close``'s drains) enters at once.
-* :meth:`Gate.shut` refuses every later outermost hold (``RequestStateError``),
-  then waits, bounded, for the holder to let go, and holds the gate itself.
+  manager calls) enters at once.
+* :meth:`Gate.shut` refuses every later hold (``RequestStateError``), nested
+  ones included, but those inside its own; it waits, bounded, for another
+  thread's holder to let go, and holds the gate itself (nested in its own
+  thread's hold when it has one) until :meth:`Gate.release`.
 * The uncontended path is one lock acquire and release per outermost hold.
 """
 
@@ -29,22 +31,25 @@ _R = TypeVar("_R")
 class Gate:
     """The lock one stack's drivers and its ``close`` share (see the module's rules)."""
 
-    __slots__ = ("_depth", "_lock", "_owner", "closed")
+    __slots__ = ("_depth", "_lock", "_owner", "_shut_depth", "closed")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owner: int | None = None  # the holding thread's ident
         self._depth = 0
+        self._shut_depth = 0  # the depth of the hold shut() took while it lasts (holds inside it enter), else 0
         self.closed = False
 
     def __enter__(self) -> Gate:
         """Hold the gate (nested holds of one thread enter at once).
 
         Raises:
-            RequestStateError: :meth:`shut` was called before this outermost hold.
+            RequestStateError: :meth:`shut` was called before this hold (and it is not inside ``shut``'s).
         """
         me = threading.get_ident()
         if self._owner == me:
+            if self.closed and not self._shut_depth:
+                raise RequestStateError("the stack is closed; build a new one")
             self._depth += 1
             return self
         self._lock.acquire()
@@ -62,17 +67,19 @@ class Gate:
         ``timeout`` seconds; whether it holds it (then :meth:`release` it)."""
         self.closed = True
         me = threading.get_ident()
-        if self._owner == me:
-            self._depth += 1
-            return True
-        if not self._lock.acquire(timeout=min(max(timeout, 0.0), threading.TIMEOUT_MAX)):
-            return False
-        self._owner, self._depth = me, 1
+        if self._owner != me:
+            if not self._lock.acquire(timeout=min(max(timeout, 0.0), threading.TIMEOUT_MAX)):
+                return False
+            self._owner = me
+        self._depth += 1
+        self._shut_depth = self._depth
         return True
 
     def release(self) -> None:
         """End this thread's innermost hold (the outermost one lets the next thread in)."""
         assert self._owner == threading.get_ident(), "released by a thread that does not hold the gate"
+        if self._depth == self._shut_depth:
+            self._shut_depth = 0
         self._depth -= 1
         if not self._depth:
             self._owner = None

@@ -16,7 +16,7 @@ from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.registry import COPY
 from kvkit.stats import OffloadStats
-from kvkit.validate import plural
+from kvkit.validate import check_real, plural
 from kvkit.worker.memory import check_fits
 
 if TYPE_CHECKING:
@@ -125,15 +125,18 @@ class OffloadStack:
 
         ``timeout`` bounds the wait for the running step and each worker's wait
         (default: ``config.wait_timeout_s``, and each worker's ``wait_timeout_s``).
+        Called inside a step of its own thread (``stack.driving()`` held), it
+        closes at once, and that step's later calls raise ``RequestStateError``.
 
         Raises:
+            ConfigError: ``timeout`` is not a number >= 0 (nothing changed).
             TransferTimeoutError: another thread's step still ran at the deadline
                 (then nothing was closed), or a worker still had transfers in
                 flight at its deadline (``pending``: their ids, of every such
                 worker). Those workers keep their mirrors and transfers (see
                 ``TransferEngine.close``); the others are closed. Call again later.
         """
-        wait_s = self.config.wait_timeout_s if timeout is None else timeout
+        wait_s = self.config.wait_timeout_s if timeout is None else check_real("timeout", timeout, low=0)
         if not self.manager.gate.shut(wait_s):
             raise TransferTimeoutError(f"another thread's step still ran after {wait_s:g} s; nothing was closed, "
                                        f"no step starts any more: call close() again later")
@@ -143,6 +146,7 @@ class OffloadStack:
             self.manager.gate.release()
 
     def _close(self, timeout: float | None) -> None:
+        """What :meth:`close` does once it holds the gate."""
         timeouts = []
         for shared in self.shared_workers:  # the store's tickets first: their CPU blocks stay referenced
             try:

@@ -279,8 +279,12 @@ def test_a_store_url_is_shown_without_its_password(url, shown):
 
 def test_close_waits_at_most_its_timeout_for_a_step_another_thread_holds():
     """A step held past ``close(timeout)``: TransferTimeoutError, nothing closed, no step starts any more;
-    once it ended, close() closes. close() inside a step of its own thread enters at once."""
+    once it ended, close() closes. close() inside a step of its own thread closes at once; that step's later
+    calls are refused."""
     stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", device="cpu")
+    with pytest.raises(ConfigError, match=r"timeout.*-1"):
+        stack.close(timeout=-1)
+    stack.manager.build_step()  # a refused close changed nothing
     stepping, done = threading.Event(), threading.Event()
 
     def step():
@@ -304,5 +308,7 @@ def test_close_waits_at_most_its_timeout_for_a_step_another_thread_holds():
     inner = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, device="cpu")
     with inner.driving():
         inner.close(timeout=0.0)
+        with pytest.raises(RequestStateError, match="the stack is closed"):
+            inner.manager.build_step()  # the rest of the step that closed it
     with pytest.raises(RequestStateError, match="the stack is closed"):
         ReferenceEngine(inner).step()
