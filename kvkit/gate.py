@@ -11,12 +11,17 @@ Rules:
   thread's holder to let go, and holds the gate itself (nested in its own
   thread's hold when it has one) until :meth:`Gate.release`.
 * The uncontended path is one lock acquire and release per outermost hold.
+* Fork: in a child process, a gate held by a thread of the parent that did
+  not fork (one that does not exist there) is free; the forking thread's own
+  hold carries on.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -31,14 +36,18 @@ _R = TypeVar("_R")
 class Gate:
     """The lock one stack's drivers and its ``close`` share (see the module's rules)."""
 
-    __slots__ = ("_depth", "_lock", "_owner", "_shut_depth", "closed")
+    __slots__ = ("__weakref__", "_depth", "_lock", "_owner", "_shut_depth", "closed")
 
     def __init__(self) -> None:
+        self._free()
+        self.closed = False
+        _GATES.add(self)
+
+    def _free(self) -> None:
         self._lock = threading.Lock()
         self._owner: int | None = None  # the holding thread's ident
         self._depth = 0
         self._shut_depth = 0  # the depth of the hold shut() took while it lasts (holds inside it enter), else 0
-        self.closed = False
 
     def __enter__(self) -> Gate:
         """Hold the gate (nested holds of one thread enter at once).
@@ -84,6 +93,20 @@ class Gate:
         if not self._depth:
             self._owner = None
             self._lock.release()
+
+
+_GATES: weakref.WeakSet[Gate] = weakref.WeakSet()
+
+
+def _free_in_child() -> None:
+    """After a fork, in the child: free every gate a thread other than the forking one held."""
+    me = threading.get_ident()
+    for gate in list(_GATES):
+        if gate._owner not in (None, me):
+            gate._free()
+
+
+os.register_at_fork(after_in_child=_free_in_child)
 
 
 class _Gated(Protocol):

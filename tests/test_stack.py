@@ -1,6 +1,8 @@
 """Tests of ``kvkit.build`` and the reference engine loop on CPU tensors."""
 
+import os
 import re
+import signal
 import threading
 import time
 
@@ -312,3 +314,33 @@ def test_close_waits_at_most_its_timeout_for_a_step_another_thread_holds():
             inner.manager.build_step()  # the rest of the step that closed it
     with pytest.raises(RequestStateError, match="the stack is closed"):
         ReferenceEngine(inner).step()
+
+
+def test_a_child_forked_while_another_thread_stepped_can_drive_its_copy():
+    """Fork while another thread holds the stack's gate: the child's own calls are not blocked forever."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, device="cpu")
+    stepping, done = threading.Event(), threading.Event()
+
+    def step():
+        with stack.driving():
+            stepping.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=step)
+    holder.start()
+    assert stepping.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: one build_step, then out (no pytest teardown here); killed if it blocks
+            code = 1
+            signal.alarm(10)
+            try:
+                stack.manager.build_step()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        holder.join(10)
+    assert os.waitstatus_to_exitcode(status) == 0
