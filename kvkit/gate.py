@@ -6,10 +6,11 @@ Rules:
   step; while it holds it, every other thread's hold waits.
 * Holds nest on their thread: a call made inside a held one (a step's
   manager calls) enters at once.
-* :meth:`Gate.shut` refuses every later hold (``RequestStateError``), nested
-  ones included, but those inside its own; it waits, bounded, for another
-  thread's holder to let go, and holds the gate itself (nested in its own
-  thread's hold when it has one) until :meth:`Gate.release`.
+* :meth:`Gate.shut` refuses every later outermost hold (``RequestStateError``);
+  it waits, bounded, for another thread's holder to let go (that holder's
+  nested holds still enter: its step runs to its end), and holds the gate
+  itself until :meth:`Gate.release`. On the thread that shut it, from inside
+  a hold of its own, the nested holds after ``shut``'s are refused too.
 * The uncontended path is one lock acquire and release per outermost hold.
 * Fork: in a child process, a gate held by a thread of the parent that did
   not fork (one that does not exist there) is free; the forking thread's own
@@ -36,11 +37,12 @@ _R = TypeVar("_R")
 class Gate:
     """The lock one stack's drivers and its ``close`` share (see the module's rules)."""
 
-    __slots__ = ("__weakref__", "_depth", "_lock", "_owner", "_shut_depth", "closed")
+    __slots__ = ("__weakref__", "_closer", "_depth", "_lock", "_owner", "_shut_depth", "closed")
 
     def __init__(self) -> None:
         self._free()
         self.closed = False
+        self._closer: int | None = None  # the thread that holds or held shut()'s hold
         _GATES.add(self)
 
     def _free(self) -> None:
@@ -53,11 +55,12 @@ class Gate:
         """Hold the gate (nested holds of one thread enter at once).
 
         Raises:
-            RequestStateError: :meth:`shut` was called before this hold (and it is not inside ``shut``'s).
+            RequestStateError: :meth:`shut` was called before this outermost hold, or this thread shut the
+                gate and this hold is not inside ``shut``'s.
         """
         me = threading.get_ident()
         if self._owner == me:
-            if self.closed and not self._shut_depth:
+            if self._closer == me and not self._shut_depth:
                 raise RequestStateError("the stack is closed; build a new one")
             self._depth += 1
             return self
@@ -72,8 +75,8 @@ class Gate:
         self.release()
 
     def shut(self, timeout: float) -> bool:
-        """Refuse every later outermost hold, then hold the gate once the holder let go, waiting at most
-        ``timeout`` seconds; whether it holds it (then :meth:`release` it)."""
+        """Refuse every later outermost hold, then hold the gate once another thread's holder let go, waiting
+        at most ``timeout`` seconds; whether it holds it (then :meth:`release` it)."""
         self.closed = True
         me = threading.get_ident()
         if self._owner != me:
@@ -81,7 +84,7 @@ class Gate:
                 return False
             self._owner = me
         self._depth += 1
-        self._shut_depth = self._depth
+        self._shut_depth, self._closer = self._depth, me
         return True
 
     def release(self) -> None:

@@ -344,3 +344,29 @@ def test_a_child_forked_while_another_thread_stepped_can_drive_its_copy():
         done.set()
         holder.join(10)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_step_running_when_another_thread_closes_runs_to_its_end():
+    """The calls a step makes after another thread's close() began, before close() could hold the gate, run."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", device="cpu")
+    stepping, errors, planned = threading.Event(), [], []
+
+    def step():
+        try:
+            with stack.driving():
+                stepping.set()
+                deadline = time.monotonic() + 10
+                while not stack.driving().closed and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                planned.append(stack.manager.build_step())
+                planned.append(stack.manager.apply_completions([]))
+        except Exception as exc:  # noqa: BLE001 - the test reports what the stepping thread met
+            errors.append(exc)
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    assert stepping.wait(10)
+    stack.close()
+    stepper.join(10)
+    assert errors == [] and len(planned) == 2
+    assert stack.workers[0].layout is None
