@@ -11,11 +11,12 @@ from typing_extensions import override
 
 from kvkit.config import StackConfig, shown_url
 from kvkit.errors import ConfigError, TransferTimeoutError
+from kvkit.gate import Gate
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.registry import COPY
 from kvkit.stats import OffloadStats
-from kvkit.validate import plural
+from kvkit.validate import check_real, plural
 from kvkit.worker.memory import check_fits
 
 if TYPE_CHECKING:
@@ -48,9 +49,13 @@ class OffloadStack:
     Invariants: the CPU pool and every worker's CPU mirror hold the same
     number of blocks (one source of truth: ``config``).
 
-    Threads: one thread drives a stack at a time (the engine's loop); its
-    parts keep no locks between calls, so :meth:`close` comes after the last
-    step returned, never while another thread steps.
+    Threads: one thread drives a stack at a time. Every manager call that
+    changes state holds the stack's gate (:mod:`kvkit.gate`), and an engine
+    loop holds it for a whole step with ``with stack.driving():`` (the
+    reference engine does), so the step's worker calls run inside it too.
+    :meth:`close`, from any thread, refuses every later step at once, waits
+    for the one running to end, then closes; a call after it raises
+    ``RequestStateError``.
     """
 
     config: StackConfig
@@ -109,17 +114,39 @@ class OffloadStack:
         for shared in self.shared_workers:
             shared.check_invariants()
 
-    def close(self, timeout: float | None = None) -> None:
-        """Drain and release every worker (unpins the CPU mirrors); the manager applies the last results.
+    def driving(self) -> Gate:
+        """The gate an engine loop holds for a whole step (``with stack.driving(): ...``): :meth:`close` from
+        another thread waits for the step to end, and a step entered after it raises ``RequestStateError``."""
+        return self.manager.gate
 
-        ``timeout`` bounds each worker's wait (default: its ``wait_timeout_s``).
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse every later step, wait for the running one, drain and release every worker (unpins the CPU
+        mirrors); the manager applies the last results.
+
+        ``timeout`` bounds the wait for the running step and each worker's wait
+        (default: ``config.wait_timeout_s``, and each worker's ``wait_timeout_s``).
+        Called inside a step of its own thread (``stack.driving()`` held), it
+        closes at once, and that step's later calls raise ``RequestStateError``.
 
         Raises:
-            TransferTimeoutError: a worker still had transfers in flight at its
-                deadline (``pending``: their ids, of every such worker). Those
-                workers keep their mirrors and transfers (see
+            ConfigError: ``timeout`` is not a number >= 0 (nothing changed).
+            TransferTimeoutError: another thread's step still ran at the deadline
+                (then nothing was closed), or a worker still had transfers in
+                flight at its deadline (``pending``: their ids, of every such
+                worker). Those workers keep their mirrors and transfers (see
                 ``TransferEngine.close``); the others are closed. Call again later.
         """
+        wait_s = self.config.wait_timeout_s if timeout is None else check_real("timeout", timeout, low=0)
+        if not self.manager.gate.shut(wait_s):
+            raise TransferTimeoutError(f"another thread's step still ran after {wait_s:g} s; nothing was closed, "
+                                       f"no step starts any more: call close() again later")
+        try:
+            self._close(timeout)
+        finally:
+            self.manager.gate.release()
+
+    def _close(self, timeout: float | None) -> None:
+        """What :meth:`close` does once it holds the gate."""
         timeouts = []
         for shared in self.shared_workers:  # the store's tickets first: their CPU blocks stay referenced
             try:

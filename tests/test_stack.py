@@ -1,12 +1,15 @@
 """Tests of ``kvkit.build`` and the reference engine loop on CPU tensors."""
 
+import os
 import re
+import signal
+import threading
 import time
 
 import pytest
 
 import kvkit
-from kvkit.errors import ConfigError, RequestStateError, UnknownRequestError
+from kvkit.errors import ConfigError, RequestStateError, TransferTimeoutError, UnknownRequestError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import OffloadCallback
 from kvkit.reference.engine import ReferenceEngine
@@ -274,3 +277,96 @@ def test_a_store_url_is_shown_without_its_password(url, shown):
     from kvkit.redact import redact_url
 
     assert redact_url(url) == shown
+
+
+def test_close_waits_at_most_its_timeout_for_a_step_another_thread_holds():
+    """A step held past ``close(timeout)``: TransferTimeoutError, nothing closed, no step starts any more;
+    once it ended, close() closes. close() inside a step of its own thread closes at once; that step's later
+    calls are refused."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", device="cpu")
+    with pytest.raises(ConfigError, match=r"timeout.*-1"):
+        stack.close(timeout=-1)
+    stack.manager.build_step()  # a refused close changed nothing
+    stepping, done = threading.Event(), threading.Event()
+
+    def step():
+        with stack.driving():
+            stepping.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=step)
+    holder.start()
+    assert stepping.wait(10)
+    with pytest.raises(TransferTimeoutError, match="nothing was closed"):
+        stack.close(timeout=0.05)
+    assert stack.workers[0].layout == "per-layer"  # still registered
+    done.set()
+    holder.join(10)
+    with pytest.raises(RequestStateError, match="the stack is closed"):
+        stack.manager.build_step()
+    stack.close()
+    assert stack.workers[0].layout is None
+
+    inner = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, device="cpu")
+    with inner.driving():
+        inner.close(timeout=0.0)
+        with pytest.raises(RequestStateError, match="the stack is closed"):
+            inner.manager.build_step()  # the rest of the step that closed it
+    with pytest.raises(RequestStateError, match="the stack is closed"):
+        ReferenceEngine(inner).step()
+
+
+def test_a_child_forked_while_another_thread_stepped_can_drive_its_copy():
+    """Fork while another thread holds the stack's gate: the child's own calls are not blocked forever."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, device="cpu")
+    stepping, done = threading.Event(), threading.Event()
+
+    def step():
+        with stack.driving():
+            stepping.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=step)
+    holder.start()
+    assert stepping.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: one build_step, then out (no pytest teardown here); killed if it blocks
+            code = 1
+            signal.alarm(10)
+            try:
+                stack.manager.build_step()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        holder.join(10)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_step_running_when_another_thread_closes_runs_to_its_end():
+    """The calls a step makes after another thread's close() began, before close() could hold the gate, run."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", device="cpu")
+    stepping, errors, planned = threading.Event(), [], []
+
+    def step():
+        try:
+            with stack.driving():
+                stepping.set()
+                deadline = time.monotonic() + 10
+                while not stack.driving().closed and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                planned.append(stack.manager.build_step())
+                planned.append(stack.manager.apply_completions([]))
+        except Exception as exc:  # noqa: BLE001 - the test reports what the stepping thread met
+            errors.append(exc)
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    assert stepping.wait(10)
+    stack.close()
+    stepper.join(10)
+    assert errors == [] and len(planned) == 2
+    assert stack.workers[0].layout is None

@@ -57,11 +57,11 @@ def remember(nodes: dict[Address, V], address: Address, value: V) -> None:
 _MAX_ROUNDS = 5  # redirects followed, and the one retry on a fresh connection, per key and call
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
-Encode = Callable[[list[int]], list[bytes | memoryview]]
-"""Indices of keys bound for one node -> the buffers of their commands, in order."""
-Read = Callable[[Connection, list[int]], Iterable[object]]
-"""A connection and the indices sent to it -> their outcomes (each may be a ``Redirect``), in order, each given as
-soon as it is read (a generator): those read before the connection failed settle their keys."""
+Encode = Callable[[Address, list[int]], list[bytes | memoryview]]
+"""A node's address and the indices of keys bound for it -> the buffers of their commands, in order."""
+Read = Callable[[Address, Connection, list[int]], Iterable[object]]
+"""A node's address, its connection and the indices sent to it -> their outcomes (each may be a ``Redirect``), in
+order, each given as soon as it is read (a generator): those read before the connection failed settle their keys."""
 
 
 @attrs.frozen
@@ -438,16 +438,17 @@ class Link:
                 if step < len(chunks):
                     ask, parts = chunks[step]
                     try:
-                        conn.send([b for i in parts for b in (_ASKING, *encode([i]))] if ask else encode(parts))
+                        conn.send([b for i in parts for b in (_ASKING, *encode(leg.address, [i]))] if ask
+                                  else encode(leg.address, parts))
                     except (ConnectionError, ssl.SSLError):  # closed under it: its answers (why) are read first
                         for ask, indices in chunks[len(leg.results):step + 1]:
                             leg.results.append([])
-                            self._read(conn, indices, ask, read, leg.results[-1])
+                            self._read(leg.address, conn, indices, ask, read, leg.results[-1])
                         raise
                 if step:
                     ask, indices = chunks[step - 1]
                     leg.results.append([])
-                    self._read(conn, indices, ask, read, leg.results[-1])
+                    self._read(leg.address, conn, indices, ask, read, leg.results[-1])
         except (OSError, ValueError) as exc:
             leg.error = exc
 
@@ -516,19 +517,20 @@ class Link:
             outcomes[i] = outcome
 
     @staticmethod
-    def _read(conn: Connection, indices: list[int], ask: bool, read: Read, outcomes: list[object]) -> None:
-        """Append the outcome of each of ``indices`` to ``outcomes`` as it is read (``ask``: each reply follows
-        its ASKING's)."""
+    def _read(address: Address, conn: Connection, indices: list[int], ask: bool, read: Read,
+              outcomes: list[object]) -> None:
+        """Append the outcome of each of ``indices`` to ``outcomes`` as ``address``'s connection ``conn`` gives it
+        (``ask``: each reply follows its ASKING's)."""
         if not ask:
-            for outcome in read(conn, indices):
+            for outcome in read(address, conn, indices):
                 outcomes.append(outcome)  # noqa: PERF402 - one at a time: those read before a failure stay
             return
         for i in indices:
             asking = conn.reply()
             if isinstance(asking, bytes):
-                outcomes += read(conn, [i])
+                outcomes += read(address, conn, [i])
             elif isinstance(asking, ServerError):  # refused (an ACL without +asking): the key fails, not the node
-                list(read(conn, [i]))  # the command's own reply (a redirect, not asked) keeps the connection in step
+                list(read(address, conn, [i]))  # its own reply (a redirect, not asked) keeps the connection in step
                 outcomes.append(ServerError(f"ASKING refused: {asking}"))
             else:
                 raise ConnectionError(f"protocol error: ASKING answered {asking!r:.80}")

@@ -142,8 +142,8 @@ class ValkeyStore:
     A value longer than the server's ``proto-max-bulk-len`` fails its put
     refused (the server closes the connection after refusing it: the
     other keys are sent again on a new one, and the node is not marked
-    down); for ``retry_interval_s`` after, values that long fail at once,
-    unsent (:class:`_BulkLimit`).
+    down); for ``retry_interval_s`` after, values that long to that node
+    fail at once, unsent; the other nodes' are sent (:class:`_BulkLimit`).
 
     ``ttl_s`` gives every value an expiry, so a ``volatile-*`` eviction
     policy of the server can act. At most ``max_waiting`` finished results
@@ -269,7 +269,7 @@ class ValkeyStore:
     def ping(self) -> str | None:
         """``None`` when the server answers (and logs us in); else ``"transport: <why>"``."""
         check_keys("ValkeyStore", self.closed, ())
-        found = self._look_up([b"kvkit:ping"], lambda _: [b"*1\r\n$4\r\nPING\r\n"], lambda c, _: [c.reply()],
+        found = self._look_up([b"kvkit:ping"], lambda _, __: [b"*1\r\n$4\r\nPING\r\n"], lambda _, c, __: [c.reply()],
                               self.request_timeout_s)
         if isinstance(found[0], Unreachable):
             return found[0].reason
@@ -283,7 +283,7 @@ class ValkeyStore:
         budget = self.request_timeout_s if budget is None else min(budget, self.request_timeout_s)
         if not keys or budget <= 0:
             return 0
-        found = self._look_up(keys, lambda ids: [b"".join(_EXISTS % (len(keys[i]), keys[i]) for i in ids)],
+        found = self._look_up(keys, lambda _, ids: [b"".join(_EXISTS % (len(keys[i]), keys[i]) for i in ids)],
                               _read_ints, budget)
         n = 0
         while n < len(found) and found[n] == 1:
@@ -362,30 +362,34 @@ def _check_regular(path: str | None) -> None:
 
 @attrs.define(eq=False)
 class _BulkLimit:
-    """The shortest value the server refused as longer than its ``proto-max-bulk-len`` (``-ERR Protocol error:
-    invalid bulk length``) in the last ``hold_s`` seconds: values that long or longer fail at once, unsent (each
-    would cost its connection: the server closes it after the refusal). Once ``hold_s`` passed, one is sent
-    again (the limit may have been raised). One for all of a Cluster's nodes (they share their configuration).
-    Thread-safe enough: nodes' pipelines that learn at once each leave a bound that held."""
+    """Per node, the shortest value it refused as longer than its ``proto-max-bulk-len`` (``-ERR Protocol error:
+    invalid bulk length``) in the last ``hold_s`` seconds: values that long or longer to that node fail at once,
+    unsent (each would cost its connection: the server closes it after the refusal); other nodes' values are sent
+    (a Cluster's nodes may be configured apart). Once ``hold_s`` passed, one is sent again (the limit may have been
+    raised). At most :data:`~kvkit.backends.blockstore.link.MAX_NODES` nodes are remembered (``link.remember``).
+    Nodes' pipelines run side by side: each node's bound is read in one step and replaced under a lock."""
 
     hold_s: float
-    refused: int = 0  # bytes; 0: none refused
-    until: float = 0.0
+    _refused: dict[Address, tuple[int, float]] = attrs.field(factory=dict, init=False)  # bytes, held until
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
-    def allows(self, size: int) -> bool:
-        """Whether a value of ``size`` bytes is sent."""
-        return not self.refused or size < self.refused or time.monotonic() >= self.until
+    def holding(self, node: Address, size: int) -> int:
+        """The size ``node`` refused that holds back a value of ``size`` bytes to it now (0: it is sent)."""
+        refused, until = self._refused.get(node, (0, 0.0))
+        return refused if refused and size >= refused and time.monotonic() < until else 0
 
-    def refuse(self, size: int) -> None:
-        """The server refused a value of ``size`` bytes."""
-        held = self.refused and time.monotonic() < self.until
-        self.refused = min(size, self.refused) if held else size
-        self.until = time.monotonic() + self.hold_s
+    def refuse(self, node: Address, size: int) -> None:
+        """``node`` refused a value of ``size`` bytes."""
+        with self._lock:
+            now = time.monotonic()
+            refused, until = self._refused.get(node, (0, 0.0))
+            link.remember(self._refused, node, (min(size, refused) if refused and now < until else size,
+                                                now + self.hold_s))
 
-    def refusal(self, size: int) -> ProtocolRefusal:
-        """Why a value of ``size`` bytes was not sent."""
-        return ProtocolRefusal(f"a value of {size} bytes, not sent: the server refused one of {self.refused} bytes "
-                               f"as longer than its proto-max-bulk-len less than {self.hold_s:g} s ago")
+    def refusal(self, node: Address, size: int, refused: int) -> ProtocolRefusal:
+        """Why a value of ``size`` bytes was not sent to ``node``, which refused one of ``refused`` bytes."""
+        return ProtocolRefusal(f"a value of {size} bytes, not sent: the server {node[0]}:{node[1]} refused one of "
+                               f"{refused} bytes as longer than its proto-max-bulk-len less than {self.hold_s:g} s ago")
 
 
 _EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"
@@ -440,13 +444,13 @@ class _IoThread:
         tail = b"\r\n" + expire
         sizes = _sizes(views)
         limit = self.bulk_limit
-        unsent: set[int] = set()  # keys whose values the limit held back (each chunk is read as it was sent)
+        unsent: dict[int, int] = {}  # keys whose values a node's limit held back: the size it refused
 
-        def encode(ids: list[int]) -> list[bytes | memoryview]:
+        def encode(node: Address, ids: list[int]) -> list[bytes | memoryview]:
             parts: list[bytes | memoryview] = []
             for i in ids:
-                if not limit.allows(sizes[i]):
-                    unsent.add(i)
+                if refused := limit.holding(node, sizes[i]):
+                    unsent[i] = refused
                     continue
                 key = keys[i]
                 parts.append(head % (len(key), key, sizes[i]))
@@ -454,14 +458,14 @@ class _IoThread:
                 parts.append(tail)
             return parts
 
-        def read(conn: Connection, ids: list[int]) -> Iterator[object]:
+        def read(node: Address, conn: Connection, ids: list[int]) -> Iterator[object]:
             for i in ids:
                 if i in unsent:
-                    yield limit.refusal(sizes[i])
+                    yield limit.refusal(node, sizes[i], unsent[i])
                     continue
                 outcome = _set_outcome(conn.line())
                 if isinstance(outcome, ProtocolRefusal) and "invalid bulk length" in str(outcome):
-                    limit.refuse(sizes[i])
+                    limit.refuse(node, sizes[i])
                     outcome = ProtocolRefusal(f"{outcome} (a value of {sizes[i]} bytes: longer than the server's "
                                               f"proto-max-bulk-len)")
                 yield outcome
@@ -471,10 +475,10 @@ class _IoThread:
     def _get(self, keys: list[bytes], views: list[list[memoryview]], deadline: float) -> list[object]:
         sizes = _sizes(views)
 
-        def read(conn: Connection, ids: list[int]) -> Iterator[object]:
+        def read(_: Address, conn: Connection, ids: list[int]) -> Iterator[object]:
             return (_get_outcome(conn, views[i], sizes[i]) for i in ids)
 
-        return self.link.run(keys, lambda ids: [b"".join(_GET % (len(keys[i]), keys[i]) for i in ids)], read,
+        return self.link.run(keys, lambda _, ids: [b"".join(_GET % (len(keys[i]), keys[i]) for i in ids)], read,
                              sizes, deadline)
 
 
@@ -535,7 +539,7 @@ def _set_outcome(line: bytes) -> object:
     raise ConnectionError(f"protocol error: a SET answered {line[:80]!r}")
 
 
-def _read_ints(conn: Connection, ids: list[int]) -> Iterator[object]:
+def _read_ints(_node: Address, conn: Connection, ids: list[int]) -> Iterator[object]:
     """EXISTS replies: all at once when they are plain 0/1 (the common case), else one by one."""
     fast = conn.small_ints(len(ids))
     if fast is not None:

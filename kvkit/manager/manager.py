@@ -80,6 +80,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from kvkit.errors import ConfigError, KVKitError, PlanError, RequestStateError, UnknownRequestError
+from kvkit.gate import Gate, gated
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import EvictionOrder
@@ -179,6 +180,10 @@ class OffloadManager:
           ``gpu_hit_blocks + i``; only confirmed blocks are stored.
         * Per step: work is O(requests touched + blocks planned), never
           O(all blocks of all requests).
+
+    Threads: every call that changes state holds :attr:`gate` (see
+    :mod:`kvkit.gate`), so calls of several threads run one at a time;
+    once a stack's ``close`` shut it, they raise ``RequestStateError``.
     """
 
     kv: KVCacheSpec
@@ -194,6 +199,7 @@ class OffloadManager:
     planner: LoadPlanner | None = attrs.field(default=None, kw_only=True)
     store_backpressure: Backpressure = attrs.field(factory=Backpressure, kw_only=True)
     put_backpressure: Backpressure = attrs.field(factory=Backpressure, kw_only=True)
+    gate: Gate = attrs.field(init=False, factory=Gate)
 
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)
     _ended: EndedRequests = attrs.field(init=False, factory=EndedRequests)
@@ -280,6 +286,7 @@ class OffloadManager:
 
     # -- request life --------------------------------------------------------
 
+    @gated
     def add_request(self, request_id: str, block_hashes: Sequence[BlockHash],
                     num_prompt_tokens: int, hints: WorkloadHints | None = None) -> None:
         """Start tracking a request.
@@ -324,6 +331,7 @@ class OffloadManager:
             raise ConfigError(f"request {request_id!r} not added: the CPU policy's on_hints raised {exc!r} "
                               f"for hints {quote(hints)}") from exc
 
+    @gated
     def extend(self, request_id: str, new_hashes: Sequence[BlockHash],
                num_tokens: int | None = None) -> None:
         """Append the hashes of blocks that became full (decode), and optionally the token count.
@@ -353,6 +361,7 @@ class OffloadManager:
         if r.state is _RUNNING and r.num_computed_tokens // self.kv.block_size > r.num_confirmed_blocks:
             self._confirm(r)  # computed blocks waited for these hashes
 
+    @gated
     def lookup(self, request_id: str, gpu_hit_tokens: int, *,
                num_tokens: int | None = None) -> int:
         """Tokens available on the CPU (and shared) tier right after the GPU hit; pins them.
@@ -405,6 +414,7 @@ class OffloadManager:
         self._events.emit("on_lookup", request_id, gpu_hit_tokens, hit * bs)
         return hit * bs
 
+    @gated
     def prefetch(self, request_id: str, gpu_hit_tokens: int = 0) -> int:
         """Fetch a waiting request's shared-tier hit into the CPU tier while it waits; tokens to fetch.
 
@@ -470,6 +480,7 @@ class OffloadManager:
         self._events.emit("on_shared_prefetch", request_id, tokens)
         return tokens
 
+    @gated
     def plan_load(self, request_id: str, *, overlap: bool = True) -> LoadPlan:
         """The planner's answer for the hit the last :meth:`lookup` offered ``request_id``.
 
@@ -515,6 +526,7 @@ class OffloadManager:
         r.plan = (plan, max(saved, 0.0))
         return plan
 
+    @gated
     def on_allocated(self, request_id: str, gpu_block_ids: Sequence[Sequence[int]],
                      accepted_tokens: int = 0, *, recompute_tokens: int = 0) -> None:
         """The engine allocated GPU blocks; plan the load of the accepted CPU hit.
@@ -594,6 +606,7 @@ class OffloadManager:
             s.shared_hit_tokens.add(len(r.fetch) * bs)
             self._events.emit("on_shared_hit", request_id, len(r.fetch) * bs)
 
+    @gated
     def append_blocks(self, request_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
         """Blocks appended to a running request's table, one sequence per KV group (O(new)).
 
@@ -621,6 +634,7 @@ class OffloadManager:
             row.extend(new)
         taken.update(b for new in rows for b in new if b != self.null_block)
 
+    @gated
     def on_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """The KV of the request's first ``num_computed_tokens`` tokens is written (confirmed).
 
@@ -648,6 +662,7 @@ class OffloadManager:
         if n // bs > r.num_confirmed_blocks:  # else no block can be newly confirmed
             self._confirm(r)
 
+    @gated
     def finish(self, request_id: str, num_computed_tokens: int | None = None) -> bool:
         """The request finished; flush its stores (policy ``on_finished``) and end it.
 
@@ -673,6 +688,7 @@ class OffloadManager:
         self._events.emit("on_request_finished", request_id, False)
         return delay
 
+    @gated
     def abort(self, request_id: str) -> bool:
         """The request was aborted: end it without the finish flush.
 
@@ -688,6 +704,7 @@ class OffloadManager:
         self._events.emit("on_request_finished", request_id, True)
         return delay
 
+    @gated
     def preempt(self, request_id: str) -> bool:
         """The engine preempted a running request and frees its GPU blocks.
 
@@ -719,6 +736,7 @@ class OffloadManager:
 
     # -- steps ---------------------------------------------------------------
 
+    @gated
     def build_step(self) -> StepPlan:
         """Plan this step's loads and stores (one plan per direction and group).
 
@@ -741,6 +759,7 @@ class OffloadManager:
         self._dirty = {rid: r for rid, r in dirty.items() if r.store_queue} if self._draining else {}
         return StepPlan(tuple(loads), tuple(stores), tuple(fetches), tuple(puts), fetch_wait_s)
 
+    @gated
     def apply_completions(self, results: Iterable[TransferResult]) -> CompletionReport:
         """Apply worker results; a transfer completes when all ``world_size`` workers reported it.
 
@@ -772,6 +791,7 @@ class OffloadManager:
         self._load_failed.clear()
         return report
 
+    @gated
     def reset(self, *, force: bool = False) -> bool:
         """Empty the CPU tier, even with transfers in flight.
 

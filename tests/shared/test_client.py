@@ -1,7 +1,9 @@
 """The shared (third) tier through ``kvkit.build`` and the reference engine, with checked bytes."""
 
 import re
+import threading
 import time
+import traceback
 import warnings
 
 import attrs
@@ -10,7 +12,7 @@ import pytest
 import kvkit
 from kvkit.backends.blockstore.memory import MemoryStore
 from kvkit.config import SharedConfig
-from kvkit.errors import ConfigError
+from kvkit.errors import ConfigError, RequestStateError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import OffloadCallback
 from kvkit.reference.engine import ReferenceEngine
@@ -498,3 +500,59 @@ def test_a_store_whose_contains_takes_no_deadline_is_refused_at_build_never_in_a
     with pytest.raises(ConfigError, match="takes no timeout_s"):
         instance("nodeadline://x")
     assert len(built) == 1 and built[0].closed
+
+
+class SlowPuts(OffloadCallback):
+    """Sleeps in every put's hook once armed: a step that applies a put's result runs long."""
+
+    def __init__(self):
+        self.armed = False
+        self.in_step = threading.Event()
+
+    def on_shared_put(self, num_blocks, ok):
+        if self.armed:
+            self.in_step.set()
+            time.sleep(0.3)
+
+
+@pytest.mark.parametrize("layout", ["per-layer", None], ids=["bytes", "scheduler-only"])
+def test_close_from_another_thread_waits_for_the_step_then_refuses_the_next(real_server, layout):
+    """close() mid-step, from another thread: the step ends unharmed, every kvkit thread ends, a later step
+    raises RequestStateError."""
+    slow = SlowPuts()
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", layout=layout,
+                        callbacks=[slow], shared=SharedConfig(url=real_server.url))
+    engine = ReferenceEngine(stack)
+    assert stack.owns_shared_store
+    errors, refused = [], []
+
+    def drive():  # steps until a call is refused; a call that started before close() must end unharmed
+        try:
+            for i in range(100):
+                slow.armed = i > 0
+                tokens = [1000 * i + t for t in range(40)]
+                engine.add_request(f"r{i}", hash_blocks(tokens, SPEC.block_size), len(tokens))
+                engine.step()
+                engine.finish(f"r{i}")
+                engine.step()
+        except RequestStateError as exc:
+            refused.append(exc)
+        except Exception as exc:  # noqa: BLE001 - the test reports what the driving thread met
+            errors.append(exc)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    assert slow.in_step.wait(10), "no put reached its hook"
+    try:
+        stack.close()
+    finally:
+        driver.join(10)
+    assert errors == [] and not driver.is_alive()
+    assert len(refused) == 1  # the loop's first call after close() was refused
+    frames = [frame.name for frame in traceback.extract_tb(refused[0].__traceback__)]
+    assert frames == ["drive", "call", "__enter__"], frames  # refused as it started, not midway
+    assert [t.name for t in threading.enumerate() if t.name.startswith("kvkit")] == []
+    with pytest.raises(RequestStateError, match="the stack is closed"):
+        engine.step()
+    with pytest.raises(RequestStateError, match="the stack is closed"):
+        stack.manager.build_step()

@@ -650,6 +650,35 @@ def test_a_put_of_large_values_without_the_password_marks_the_node_down_with_no_
         store.close()
 
 
+def test_a_bulk_limit_learned_from_one_cluster_node_holds_back_only_that_nodes_values(valkey_cluster):
+    """Cluster nodes configured apart: node 0 takes values up to 1 MiB (``proto-max-bulk-len``), the others the
+    default. Once node 0 refused a 2 MiB value, values that long to node 0 fail at once, unsent, while one to
+    another node is still sent and stored."""
+    cluster = valkey_cluster
+    limited = cluster.nodes[0]
+    default = limited.call(b"CONFIG", b"GET", b"proto-max-bulk-len")[1]
+    limited.call(b"CONFIG", b"SET", b"proto-max-bulk-len", b"1mb")
+    try:
+        store = ValkeyStore([("127.0.0.1", limited.port)], cluster=True, request_timeout_s=2.0,
+                            connect_timeout_s=2.0, retry_interval_s=30.0)
+        names = (b"kvkit:bulk-node:%d" % i for i in range(1000))
+        on = {}
+        for key in names:
+            on.setdefault(_owner(cluster, key), []).append(key)
+        value = os.urandom(2 << 20)
+        refused = _put(store, on[0][:1], [value], 2.0)
+        assert refused.failed == (0,) and "proto-max-bulk-len" in refused.error and refused.unreached == (), refused
+        stored = _put(store, [on[1][0], on[0][1]], [value, value], 2.0)
+        assert stored.failed == (1,) and stored.unreached == (), stored
+        assert f"not sent: the server 127.0.0.1:{limited.port} refused one of {len(value)} bytes" in stored.error
+        got, buffers = _get(store, [on[1][0]], len(value), 2.0)
+        assert got.ok and buffers == [value]
+        assert store.down_nodes == {}
+        store.close()
+    finally:
+        limited.call(b"CONFIG", b"SET", b"proto-max-bulk-len", default)
+
+
 def _connections_received(server) -> int:
     """Connections the server accepted so far (``INFO stats``), the asking one included."""
     stats = server.call(b"INFO", b"stats").decode()
