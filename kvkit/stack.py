@@ -10,8 +10,8 @@ import attrs
 from typing_extensions import override
 
 from kvkit.config import StackConfig, shown_url
+from kvkit.driving import DriveLock
 from kvkit.errors import ConfigError, TransferTimeoutError
-from kvkit.gate import Gate
 from kvkit.interfaces import BlockAllocator, OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.registry import COPY
@@ -50,7 +50,7 @@ class OffloadStack:
     number of blocks (one source of truth: ``config``).
 
     Threads: one thread drives a stack at a time. Every manager call that
-    changes state holds the stack's gate (:mod:`kvkit.gate`), and an engine
+    changes state holds the stack's drive lock (:mod:`kvkit.driving`), and an engine
     loop holds it for a whole step with ``with stack.driving():`` (the
     reference engine does), so the step's worker calls run inside it too.
     :meth:`close`, from any thread, refuses every later step at once, waits
@@ -114,10 +114,10 @@ class OffloadStack:
         for shared in self.shared_workers:
             shared.check_invariants()
 
-    def driving(self) -> Gate:
-        """The gate an engine loop holds for a whole step (``with stack.driving(): ...``): :meth:`close` from
+    def driving(self) -> DriveLock:
+        """The lock an engine loop holds for a whole step (``with stack.driving(): ...``): :meth:`close` from
         another thread waits for the step to end, and a step entered after it raises ``RequestStateError``."""
-        return self.manager.gate
+        return self.manager.drive_lock
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse every later step, wait for the running one, drain and release every worker (unpins the CPU
@@ -137,16 +137,16 @@ class OffloadStack:
                 ``TransferEngine.close``); the others are closed. Call again later.
         """
         wait_s = self.config.wait_timeout_s if timeout is None else check_real("timeout", timeout, low=0)
-        if not self.manager.gate.shut(wait_s):
+        if not self.manager.drive_lock.shut(wait_s):
             raise TransferTimeoutError(f"another thread's step still ran after {wait_s:g} s; nothing was closed, "
                                        f"no step starts any more: call close() again later")
         try:
             self._close(timeout)
         finally:
-            self.manager.gate.release()
+            self.manager.drive_lock.release()
 
     def _close(self, timeout: float | None) -> None:
-        """What :meth:`close` does once it holds the gate."""
+        """What :meth:`close` does once it holds the drive lock."""
         timeouts = []
         for shared in self.shared_workers:  # the store's tickets first: their CPU blocks stay referenced
             try:

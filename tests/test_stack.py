@@ -1,6 +1,5 @@
 """Tests of ``kvkit.build`` and the reference engine loop on CPU tensors."""
 
-import os
 import re
 import signal
 import threading
@@ -13,6 +12,7 @@ from kvkit.errors import ConfigError, RequestStateError, TransferTimeoutError, U
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import OffloadCallback
 from kvkit.reference.engine import ReferenceEngine
+from kvkit.testing.forked import in_child
 from kvkit.worker.layouts import allocate_kv
 
 SPEC = kvkit.KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16")
@@ -317,7 +317,7 @@ def test_close_waits_at_most_its_timeout_for_a_step_another_thread_holds():
 
 
 def test_a_child_forked_while_another_thread_stepped_can_drive_its_copy():
-    """Fork while another thread holds the stack's gate: the child's own calls are not blocked forever."""
+    """Fork while another thread holds the stack's drive lock: the child's own calls are not blocked forever."""
     stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, device="cpu")
     stepping, done = threading.Event(), threading.Event()
 
@@ -329,25 +329,21 @@ def test_a_child_forked_while_another_thread_stepped_can_drive_its_copy():
     holder = threading.Thread(target=step)
     holder.start()
     assert stepping.wait(10)
+    def child() -> str:  # killed by the alarm if the call blocks
+        signal.alarm(10)
+        stack.manager.build_step()
+        return "stepped"
+
     try:
-        pid = os.fork()
-        if pid == 0:  # the child: one build_step, then out (no pytest teardown here); killed if it blocks
-            code = 1
-            signal.alarm(10)
-            try:
-                stack.manager.build_step()
-                code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
+        outcome = in_child(child)()
     finally:
         done.set()
         holder.join(10)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert outcome == "stepped"
 
 
 def test_a_step_running_when_another_thread_closes_runs_to_its_end():
-    """The calls a step makes after another thread's close() began, before close() could hold the gate, run."""
+    """The calls a step makes after another thread's close() began, before close() could hold the drive lock, run."""
     stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", device="cpu")
     stepping, errors, planned = threading.Event(), [], []
 

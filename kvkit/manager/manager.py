@@ -79,8 +79,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
+from kvkit.driving import DriveLock, driven
 from kvkit.errors import ConfigError, KVKitError, PlanError, RequestStateError, UnknownRequestError
-from kvkit.gate import Gate, gated
 from kvkit.interfaces.allocator import BlockAllocator
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import EvictionOrder
@@ -181,9 +181,15 @@ class OffloadManager:
         * Per step: work is O(requests touched + blocks planned), never
           O(all blocks of all requests).
 
-    Threads: every call that changes state holds :attr:`gate` (see
-    :mod:`kvkit.gate`), so calls of several threads run one at a time;
-    once a stack's ``close`` shut it, they raise ``RequestStateError``.
+    Threads: every call that changes state holds :attr:`drive_lock` (see
+    :mod:`kvkit.driving`), so calls of several threads run one at a time;
+    once a stack's ``close`` shut it, they raise ``RequestStateError``. The
+    calls made per running request and step (:meth:`append_blocks`,
+    :meth:`extend`, :meth:`on_computed`) are the exception: they take no
+    lock of their own (the scheduler step's hot path), so an engine loop
+    holds the lock around a whole step (``OffloadStack.driving``) to keep
+    ``close`` out of them; what they queue is planned only by
+    :meth:`build_step`, which holds it.
     """
 
     kv: KVCacheSpec
@@ -199,7 +205,7 @@ class OffloadManager:
     planner: LoadPlanner | None = attrs.field(default=None, kw_only=True)
     store_backpressure: Backpressure = attrs.field(factory=Backpressure, kw_only=True)
     put_backpressure: Backpressure = attrs.field(factory=Backpressure, kw_only=True)
-    gate: Gate = attrs.field(init=False, factory=Gate)
+    drive_lock: DriveLock = attrs.field(init=False, factory=DriveLock)
 
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)
     _ended: EndedRequests = attrs.field(init=False, factory=EndedRequests)
@@ -286,7 +292,7 @@ class OffloadManager:
 
     # -- request life --------------------------------------------------------
 
-    @gated
+    @driven
     def add_request(self, request_id: str, block_hashes: Sequence[BlockHash],
                     num_prompt_tokens: int, hints: WorkloadHints | None = None) -> None:
         """Start tracking a request.
@@ -331,7 +337,6 @@ class OffloadManager:
             raise ConfigError(f"request {request_id!r} not added: the CPU policy's on_hints raised {exc!r} "
                               f"for hints {quote(hints)}") from exc
 
-    @gated
     def extend(self, request_id: str, new_hashes: Sequence[BlockHash],
                num_tokens: int | None = None) -> None:
         """Append the hashes of blocks that became full (decode), and optionally the token count.
@@ -361,7 +366,7 @@ class OffloadManager:
         if r.state is _RUNNING and r.num_computed_tokens // self.kv.block_size > r.num_confirmed_blocks:
             self._confirm(r)  # computed blocks waited for these hashes
 
-    @gated
+    @driven
     def lookup(self, request_id: str, gpu_hit_tokens: int, *,
                num_tokens: int | None = None) -> int:
         """Tokens available on the CPU (and shared) tier right after the GPU hit; pins them.
@@ -414,7 +419,7 @@ class OffloadManager:
         self._events.emit("on_lookup", request_id, gpu_hit_tokens, hit * bs)
         return hit * bs
 
-    @gated
+    @driven
     def prefetch(self, request_id: str, gpu_hit_tokens: int = 0) -> int:
         """Fetch a waiting request's shared-tier hit into the CPU tier while it waits; tokens to fetch.
 
@@ -480,7 +485,7 @@ class OffloadManager:
         self._events.emit("on_shared_prefetch", request_id, tokens)
         return tokens
 
-    @gated
+    @driven
     def plan_load(self, request_id: str, *, overlap: bool = True) -> LoadPlan:
         """The planner's answer for the hit the last :meth:`lookup` offered ``request_id``.
 
@@ -526,7 +531,7 @@ class OffloadManager:
         r.plan = (plan, max(saved, 0.0))
         return plan
 
-    @gated
+    @driven
     def on_allocated(self, request_id: str, gpu_block_ids: Sequence[Sequence[int]],
                      accepted_tokens: int = 0, *, recompute_tokens: int = 0) -> None:
         """The engine allocated GPU blocks; plan the load of the accepted CPU hit.
@@ -606,7 +611,6 @@ class OffloadManager:
             s.shared_hit_tokens.add(len(r.fetch) * bs)
             self._events.emit("on_shared_hit", request_id, len(r.fetch) * bs)
 
-    @gated
     def append_blocks(self, request_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
         """Blocks appended to a running request's table, one sequence per KV group (O(new)).
 
@@ -634,7 +638,6 @@ class OffloadManager:
             row.extend(new)
         taken.update(b for new in rows for b in new if b != self.null_block)
 
-    @gated
     def on_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """The KV of the request's first ``num_computed_tokens`` tokens is written (confirmed).
 
@@ -662,7 +665,7 @@ class OffloadManager:
         if n // bs > r.num_confirmed_blocks:  # else no block can be newly confirmed
             self._confirm(r)
 
-    @gated
+    @driven
     def finish(self, request_id: str, num_computed_tokens: int | None = None) -> bool:
         """The request finished; flush its stores (policy ``on_finished``) and end it.
 
@@ -688,7 +691,7 @@ class OffloadManager:
         self._events.emit("on_request_finished", request_id, False)
         return delay
 
-    @gated
+    @driven
     def abort(self, request_id: str) -> bool:
         """The request was aborted: end it without the finish flush.
 
@@ -704,7 +707,7 @@ class OffloadManager:
         self._events.emit("on_request_finished", request_id, True)
         return delay
 
-    @gated
+    @driven
     def preempt(self, request_id: str) -> bool:
         """The engine preempted a running request and frees its GPU blocks.
 
@@ -736,7 +739,7 @@ class OffloadManager:
 
     # -- steps ---------------------------------------------------------------
 
-    @gated
+    @driven
     def build_step(self) -> StepPlan:
         """Plan this step's loads and stores (one plan per direction and group).
 
@@ -759,7 +762,7 @@ class OffloadManager:
         self._dirty = {rid: r for rid, r in dirty.items() if r.store_queue} if self._draining else {}
         return StepPlan(tuple(loads), tuple(stores), tuple(fetches), tuple(puts), fetch_wait_s)
 
-    @gated
+    @driven
     def apply_completions(self, results: Iterable[TransferResult]) -> CompletionReport:
         """Apply worker results; a transfer completes when all ``world_size`` workers reported it.
 
@@ -791,7 +794,7 @@ class OffloadManager:
         self._load_failed.clear()
         return report
 
-    @gated
+    @driven
     def reset(self, *, force: bool = False) -> bool:
         """Empty the CPU tier, even with transfers in flight.
 

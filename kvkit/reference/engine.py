@@ -48,8 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 import attrs
 from typing_extensions import override
 
+from kvkit.driving import DriveLock, driven
 from kvkit.errors import OutOfBlocksError, RequestStateError, UnknownRequestError
-from kvkit.gate import Gate, gated
 from kvkit.interfaces import BlockHash, BlockId, Direction, HeadCompute, PrefillCompute, TransferResult
 from kvkit.interfaces.hints import WorkloadHints
 from kvkit.manager.step import StepPlan
@@ -191,8 +191,8 @@ class ReferenceEngine:
     _requests: dict[str, EngineRequest] = attrs.field(factory=dict, init=False)
 
     @property
-    def gate(self) -> Gate:
-        """The stack's gate (:meth:`OffloadStack.driving`): each call that drives the stack holds it throughout,
+    def drive_lock(self) -> DriveLock:
+        """The stack's drive lock (:meth:`OffloadStack.driving`): each call that drives the stack holds it throughout,
         so the stack's ``close`` from another thread waits for a step to end, and a call after it raises
         ``RequestStateError``."""
         return self.stack.driving()
@@ -212,7 +212,7 @@ class ReferenceEngine:
         """Requests that hold GPU blocks."""
         return [r for r in self._requests.values() if r.running]
 
-    @gated
+    @driven
     def add_request(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int,
                     hints: WorkloadHints | None = None) -> None:
         """Queue a prefill of ``num_tokens`` tokens whose full blocks hash to ``block_hashes``.
@@ -235,7 +235,7 @@ class ReferenceEngine:
         if self.prefetch_waiting and self.stack.manager.shared is not None:
             self._arrived.append(req)
 
-    @gated
+    @driven
     def step(self) -> StepReport:
         """Run one engine step (see the module docstring)."""
         self._apply(self._poll())
@@ -262,7 +262,7 @@ class ReferenceEngine:
         self._apply(self._poll())  # copies that already finished count from now on
         return StepReport(tuple(scheduled), errors)
 
-    @gated
+    @driven
     def extend(self, request_id: str, new_hashes: Sequence[BlockHash], num_tokens: int,
                write: Callable[[EngineRequest, int], None]) -> None:
         """A running request grew to ``num_tokens`` tokens (decoded), ``new_hashes`` its new full blocks' hashes.
@@ -313,7 +313,7 @@ class ReferenceEngine:
             self.stack.gpu.commit(req.table[0][published:hi], req.block_hashes[published:hi], parents)
         manager.on_computed(request_id, num_tokens)
 
-    @gated
+    @driven
     def prefetch(self, request_id: str) -> int:
         """Prefetch a waiting request's shared-tier hit beyond its GPU hit into the CPU tier (in the next step).
 
@@ -340,21 +340,21 @@ class ReferenceEngine:
         req.prefetched = range(start, start + tokens // bs)
         return tokens
 
-    @gated
+    @driven
     def finish(self, request_id: str) -> None:
         """The request is done: flush its stores, release its GPU blocks."""
         req = self._take(request_id)
         self.stack.manager.finish(request_id)
         self._release(req)
 
-    @gated
+    @driven
     def abort(self, request_id: str) -> None:
         """Drop the request, waiting or running, without the finish flush."""
         req = self._take(request_id)
         self.stack.manager.abort(request_id)
         self._release(req)
 
-    @gated
+    @driven
     def preempt(self, request_id: str) -> None:
         """Free a running request's GPU blocks and put it back at the head of the queue."""
         req = self._requests.get(request_id)
@@ -365,7 +365,7 @@ class ReferenceEngine:
         req.gpu_hit_tokens = req.head_tokens = req.cpu_hit_tokens = 0
         self._waiting.appendleft(req)
 
-    @gated
+    @driven
     def reset_cpu_tier(self) -> None:
         """Empty the CPU tier now, even with transfers in flight (no hit is served after this)."""
         self.stack.manager.reset()
@@ -386,7 +386,7 @@ class ReferenceEngine:
             for worker in self.stack.workers:
                 worker.wait_layer(layer, transfers=self._step_loads)
 
-    @gated
+    @driven
     def drain(self) -> None:
         """Wait for every transfer in flight and apply the results."""
         self._apply(self._drain())

@@ -550,7 +550,7 @@ def test_close_from_another_thread_waits_for_the_step_then_refuses_the_next(real
     assert errors == [] and not driver.is_alive()
     assert len(refused) == 1  # the loop's first call after close() was refused
     frames = [frame.name for frame in traceback.extract_tb(refused[0].__traceback__)]
-    assert frames == ["drive", "call", "__enter__"], frames  # refused as it started, not midway
+    assert frames == ["drive", "call", "admit"], frames  # refused as it started, not midway
     assert [t.name for t in threading.enumerate() if t.name.startswith("kvkit")] == []
     with pytest.raises(RequestStateError, match="the stack is closed"):
         engine.step()
