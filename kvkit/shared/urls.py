@@ -50,6 +50,7 @@ __all__ = ["PASSWORD_OPTIONS", "open_block_store", "process_wide"]
 _FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
           "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://[NAME]")
 _DEFAULT_PORT = 6379
+_TLS_SCHEMES = ("valkeys", "rediss")  # of VALKEY_SCHEMES: the ones over TLS
 _PASSWORD_SOURCES: dict[str, Literal["env", "file"]] = {"password_env": "env", "password_file": "file"}
 PASSWORD_OPTIONS = ("password", *_PASSWORD_SOURCES)
 """The options that give a Valkey store its password: as it is, or where it is kept."""
@@ -79,7 +80,7 @@ def _open(url: str, options: dict[str, Any]) -> BlockStore:
     scheme = url.partition("://")[0].lower()
     base, plus, mode = scheme.partition("+")
     if base in VALKEY_SCHEMES and mode in ("", "cluster"):
-        settings = _valkey(url, base.endswith("s"), bool(plus))
+        settings = _valkey(url, base in _TLS_SCHEMES, bool(plus))
         twice = sorted(settings.keys() & options.keys())
         if twice:
             raise ConfigError(f"block store URL {_quoted(url)}: {', '.join(twice)} given both in the URL and as "

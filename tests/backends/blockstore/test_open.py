@@ -47,6 +47,25 @@ def test_tls_urls_make_tls_stores(tmp_path):
         store.close()
 
 
+@pytest.mark.parametrize("scheme", ["redis", "valkey", "redis+cluster", "valkey+cluster"])
+def test_plain_schemes_make_plain_stores(scheme):
+    """Only valkeys:// and rediss:// mean TLS: redis:// (whose name ends in 's' too) is plain, as valkey:// is."""
+    store = open_block_store(f"{scheme}://h:1")
+    try:
+        assert not store.tls
+    finally:
+        store.close()
+
+
+def test_a_redis_url_talks_to_a_plain_redis_server(redis_server):
+    """redis://host:port/0 to Debian's redis-server answers (no TLS handshake the plain server never answers)."""
+    store = open_block_store(f"redis://127.0.0.1:{redis_server.port}/0", request_timeout_s=1.0)
+    try:
+        assert store.ping() is None
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("option", ["tls_ca", "tls_cert"])
 def test_a_tls_file_that_is_a_fifo_is_refused_at_once(tmp_path, option):
     """A TLS file that is a FIFO (OpenSSL's open would wait for a writer forever) is a ConfigError naming it,
