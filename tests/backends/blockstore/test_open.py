@@ -305,6 +305,7 @@ def test_a_password_kept_in_the_environment_or_a_file_logs_in(tmp_path, monkeypa
     ("valkey://h:1/0", {"password_file": "LATIN1"}, "the password is not UTF-8 text"),
     ("valkey://h:1/0", {"password_file": "FIFO"}, "not a regular file"),  # opening it would wait for a writer
     ("valkey://h:1/0", {"password_file": "/dev/zero"}, "not a regular file"),  # it never ends
+    ("valkey://h:1/0", {"password_file": "DIR"}, "not a regular file"),  # a directory opens, but reads nothing
     ("valkey://h:1/0", {"password_file": "HUGE"}, "holds more than 65536 bytes"),  # the wrong file
     ("valkey://h:1/0", {"password_env": f"{PASSWORD}!"}, "password_env: not an environment variable's name"),
     ("valkey://h:1/0", {"password_env": PASSWORD.encode()}, "password_env (a bytes): must be a non-empty string"),
@@ -312,9 +313,9 @@ def test_a_password_kept_in_the_environment_or_a_file_logs_in(tmp_path, monkeypa
 def test_a_password_source_that_gives_no_password_is_refused_naming_it_never_the_password(
         url, options, expected, tmp_path, monkeypatch):
     """The password comes from one place; a variable that is unset or empty, or a file that is unreadable, empty
-    or not UTF-8, and anything but a small regular file (a FIFO, a device: refused without waiting or reading),
-    is a ``ConfigError`` naming the option and where it points; a source that is the password itself, written
-    there by mistake, is not shown."""
+    or not UTF-8, and anything but a small regular file (a FIFO, a device, a directory: refused without waiting
+    or reading), is a ``ConfigError`` naming the option and where it points, leaving no file open; a source that
+    is the password itself, written there by mistake, is not shown."""
     monkeypatch.setenv("KVKIT_TEST_PASSWORD", PASSWORD)
     monkeypatch.setenv("KVKIT_TEST_EMPTY", "")
     monkeypatch.delenv("KVKIT_TEST_UNSET", raising=False)
@@ -323,9 +324,11 @@ def test_a_password_source_that_gives_no_password_is_refused_naming_it_never_the
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "huge").write_bytes(PASSWORD.encode() * 10_000)
     named = {"EMPTY": tmp_path / "empty", "LATIN1": tmp_path / "latin1", "FIFO": tmp_path / "fifo",
-             "HUGE": tmp_path / "huge"}
+             "HUGE": tmp_path / "huge", "DIR": tmp_path}
     options = {key: named.get(value, value) if isinstance(value, str) else value for key, value in options.items()}
+    open_files = len(os.listdir("/proc/self/fd"))
     with pytest.raises(ConfigError, match="block store URL") as caught:
         open_block_store(url, **options)
     assert expected in str(caught.value)
+    assert len(os.listdir("/proc/self/fd")) == open_files, "a file descriptor was left open"
     assert PASSWORD not in str(caught.value) and PASSWORD not in repr(caught.value)
