@@ -336,6 +336,9 @@ class ValkeyStore:
             if self.tls_ca or self.tls_cert or self.tls_key:
                 raise ConfigError("tls_ca/tls_cert/tls_key given without tls=True; hint: use a valkeys:// URL")
             return None
+        if self.tls_key and not self.tls_cert:
+            raise ConfigError(f"tls_key={self.tls_key!r} given without tls_cert: the key is the client "
+                              f"certificate's; give both")
         try:
             for path in (self.tls_ca, self.tls_cert, self.tls_key):
                 _check_regular(path)

@@ -138,7 +138,7 @@ def _valkey(url: str, tls: bool, cluster: bool) -> dict[str, Any]:
                           f"(valkey+cluster://{hosts})")
     settings: dict[str, Any] = {"nodes": nodes, "cluster": cluster, "tls": tls}
     if path:
-        if not path.isdigit():
+        if not (path.isascii() and path.isdigit()):  # str.isdigit takes other scripts' digits too
             raise ConfigError(f"block store URL {_quoted(url)}: the database {path!r} must be a number")
         settings["db"] = int(path)
     if auth:
@@ -184,10 +184,12 @@ def _decoded(url: str, what: str, text: str) -> str:
 def _address(url: str, part: str) -> tuple[str, int]:
     try:
         parsed = urlsplit(f"//{part}")
-        host, port = parsed.hostname, parsed.port or _DEFAULT_PORT
+        host, port = parsed.hostname, _DEFAULT_PORT if parsed.port is None else parsed.port
+        if port == 0:  # no server listens there: never the default port instead
+            raise ValueError(port)
     except ValueError:
         raise ConfigError(f"block store URL {_quoted(url)}: bad address {redact_address(part)!r}; expected "
-                          f"host:port with a port of 0-65535 (a port that is not a number is not shown: it may "
+                          f"host:port with a port of 1-65535 (a port that is not a number is not shown: it may "
                           f"be a password missing its '@host')") from None
     if not host:
         raise ConfigError(f"block store URL {_quoted(url)}: bad address {redact_address(part)!r}; expected host:port")

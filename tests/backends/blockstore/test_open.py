@@ -210,6 +210,11 @@ def test_a_closed_memory_store_is_replaced_by_an_empty_one():
     ("valkey://a:1,b:2", "Cluster scheme"),
     ("valkey://h:1/zero", "database 'zero'"),
     ("valkey://h:99999", "bad address"),
+    ("valkey://h:0/0", "bad address 'h:0'; expected host:port with a port of 1-65535"),  # never 6379 instead
+    ("valkey+cluster://a:1,b:0", "bad address 'b:0'"),
+    ("valkey://h:1/\u0663", "database '\u0663'"),  # ARABIC-INDIC DIGIT THREE: str.isdigit, no database number
+    ("valkey://h:1/\uff11", "database '\uff11'"),  # FULLWIDTH DIGIT ONE
+    ("valkeys://h:1/0?tls_key=/k.pem", "tls_key='/k.pem' given without tls_cert"),  # else silently no client cert
     ("file://remote/x?capacity_bytes=1", "local directory"),
     ("file://[::1/x?capacity_bytes=1", "local directory"),
     ("file:///x", "capacity_bytes"),
