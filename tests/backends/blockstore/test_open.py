@@ -337,3 +337,23 @@ def test_a_password_source_that_gives_no_password_is_refused_naming_it_never_the
     assert expected in str(caught.value)
     assert len(os.listdir("/proc/self/fd")) == open_files, "a file descriptor was left open"
     assert PASSWORD not in str(caught.value) and PASSWORD not in repr(caught.value)
+
+
+@pytest.mark.parametrize("scheme", ["redis", "valkey"])
+def test_bench_shared_runs_the_server_tool_on_the_stores_own_address(redis_server, scheme, monkeypatch):
+    """The server tool is given the address, database and plainness the store connects with: a redis:// URL (a
+    scheme ending in 's' that is no TLS) is run against, at the URL's database."""
+    import shutil
+
+    from kvkit.bench import shared as bench
+
+    if shutil.which("valkey-benchmark") is None and shutil.which("redis-benchmark") is None:
+        pytest.skip("no valkey-benchmark or redis-benchmark on PATH")
+    commands = []
+    real_run_tool = bench._run_tool
+    monkeypatch.setattr(bench, "_run_tool", lambda command, *args: commands.append(command)
+                        or real_run_tool(command, *args))
+    report = bench.run_shared_bench(f"{scheme}://localhost:{redis_server.port}/2", sizes=(4096,),
+                                    batch_bytes=1 << 20, contains_keys=10, repeat=1)
+    assert "server_tool_set_GBps" in report["sizes"]["4096"]
+    assert {tuple(c[1:7]) for c in commands} == {("-h", "localhost", "-p", str(redis_server.port), "--dbnum", "2")}
