@@ -74,11 +74,14 @@ def _small_file(path: str) -> bytes:
     than any secret (the wrong path).
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # opening a FIFO never waits
-    with os.fdopen(fd, "rb") as file:
+    try:  # closed on every path: fdopen itself refuses a directory, leaving the descriptor open
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError("not a regular file (each process reads it whole: a FIFO or a device would wait or "
                              "never end)")
-        data = file.read(FILE_MAX + 1)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read(FILE_MAX + 1)
+    finally:
+        os.close(fd)
     if len(data) > FILE_MAX:
         raise ValueError(f"holds more than {FILE_MAX} bytes, far more than a secret (the wrong file?)")
     return data

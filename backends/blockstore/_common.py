@@ -123,7 +123,8 @@ class TicketBox:
         self.fail_open(error)
 
     def poll(self, tickets: object, timeout: float = 0.0) -> list[StoreResult]:
-        """The finished results of ``tickets`` (by ticket), waiting up to ``timeout`` seconds for the first.
+        """The finished results of ``tickets`` (by ticket), waiting up to ``timeout`` seconds for the first
+        (any length: ``math.inf`` waits until one is reported).
 
         Raises:
             ConfigError: ``tickets`` is not a collection of ints, or ``timeout`` is negative.
@@ -136,7 +137,7 @@ class TicketBox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self._cond.wait(min(left, threading.TIMEOUT_MAX))  # a longer wait is an OverflowError
             return [self._done.pop(t) for t in sorted(wanted.intersection(self._done))]
 
     @property

@@ -68,7 +68,10 @@ def _optional_text(value: object, field: attrs.Attribute) -> str | None:
 
 
 _TEXT = attrs.Converter(_optional_text, takes_field=True)
-_SECONDS = checked(check_real, low=0.0, low_open=True, label="ValkeyStore.")
+_MAX_SECONDS = 86_400.0
+"""The longest deadline, connect timeout or retry interval: a day (a longer deadline is none: a stalled server
+would hold a call that long; ``math.inf`` and huge numbers overflow the platform's waits)."""
+_SECONDS = checked(check_real, low=0.0, low_open=True, high=_MAX_SECONDS, label="ValkeyStore.")
 _FLAG = checked(check_bool, label="ValkeyStore.")
 
 
@@ -125,7 +128,8 @@ class ValkeyStore:
     short by the deadline is: the node sent nothing for half the deadline).
     Connecting is bounded by ``connect_timeout_s`` as well (at most
     ``request_timeout_s``: a connect that times out then is evidence against
-    its node, however short the deadline). A key that missed
+    its node, however short the deadline). Each of these and ``retry_interval_s``
+    is a number of seconds in (0, 86400]. A key that missed
     the deadline or whose node failed is reported failed with an error starting
     ``"transport:"`` and among the result's ``unreached`` (a key a server refused
     or lacks is not); its buffers are never touched after that.
@@ -332,6 +336,9 @@ class ValkeyStore:
             if self.tls_ca or self.tls_cert or self.tls_key:
                 raise ConfigError("tls_ca/tls_cert/tls_key given without tls=True; hint: use a valkeys:// URL")
             return None
+        if self.tls_key and not self.tls_cert:
+            raise ConfigError(f"tls_key={self.tls_key!r} given without tls_cert: the key is the client "
+                              f"certificate's; give both")
         try:
             for path in (self.tls_ca, self.tls_cert, self.tls_key):
                 _check_regular(path)

@@ -39,7 +39,7 @@ import numpy as np
 from kvkit.config import shown_url
 from kvkit.errors import BackendUnavailableError, ConfigError
 from kvkit.interfaces.shared import BlockStore
-from kvkit.shared.urls import PASSWORD_OPTIONS, open_block_store, process_wide
+from kvkit.shared.urls import open_block_store, process_wide
 from kvkit.validate import plural, quote
 
 __all__ = ["run_shared_bench"]
@@ -68,14 +68,14 @@ def run_shared_bench(url: str | None = None, *, sizes: Sequence[int] = (2 << 20,
         target = url
     try:
         report: dict[str, Any] = {"url": shown_url(target), "repeat": repeat, "sizes": {}}
-        skipped = _tool_skipped(target)
-        if skipped is not None:
-            report["server_tool_skipped"] = skipped
         # One store and one library client per value size, as a deployment moves one block size (and the tool
         # connects afresh for each run): a connection's congestion state after one size does not pace the next.
         for size in sizes:
             with _connected(target) as (store, client):
-                report["sizes"][str(size)] = _throughput(store, client, target, size, max(1, batch_bytes // size),
+                skipped = _tool_skipped(store)
+                if skipped is not None:
+                    report["server_tool_skipped"] = skipped
+                report["sizes"][str(size)] = _throughput(store, client, size, max(1, batch_bytes // size),
                                                          repeat)
         with _connected(target) as (store, client):
             report["contains"] = _contains(store, client, contains_keys, max(repeat, 20))
@@ -113,7 +113,7 @@ class _Way:
     num_bytes: int
 
 
-def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, repeat: int) -> dict[str, Any]:
+def _throughput(store: BlockStore, client: Any, size: int, n: int, repeat: int) -> dict[str, Any]:
     """GB/s and CPU ms per GB of each way to move ``n`` values, measured in interleaved rounds (medians),
     so load hits all alike; the store's ratios to the server tool and to the library."""
     keys = [b"kvkit:bench:%d:%d" % (size, i) for i in range(n)]
@@ -149,7 +149,7 @@ def _throughput(store: BlockStore, client: Any, url: str, size: int, n: int, rep
             assert got[-1] == blobs[-1], "the library read back other bytes"
 
         ways.update(library_put=_Way(lib_put, batch), library_get=_Way(lib_get, batch))
-    tool = _tool_command(url)
+    tool = _tool_command(store)
     if tool is not None:
         for test, requests in (("set", 3 * n), ("get", n)):
             ways[f"server_tool_{test}"] = _Way(functools.partial(_run_tool, tool, test, size, requests, n),
@@ -193,17 +193,22 @@ def _contains(store: BlockStore, client: Any, count: int, repeat: int) -> dict[s
     return out
 
 
-def _tool_command(url: str) -> list[str] | None:
-    """The server tool's command line for ``url``'s host and port, or ``None`` (no tool, a Cluster, TLS, or a
-    server that needs a password: the tool takes one only in its argv, which any local user can read)."""
+def _tool_command(store: BlockStore) -> list[str] | None:
+    """The server tool's command line for ``store``'s server, or ``None`` (no tool, a store without ``nodes``,
+    a Cluster, TLS, or a server that needs a password: the tool takes one only in its argv, which any local user
+    can read).
+
+    Built from the store's own settings (first node, database, login, TLS), never from the URL, as
+    :func:`_library_client` is: the URL's scheme and address have forms (``redis://``, no port, ``[::1]``) a
+    second parser would misread.
+    """
     tool = _tool()
-    scheme, _, rest = url.partition("://")
-    location = rest.rpartition("@")[2]
-    host_port = location.partition("/")[0].partition("?")[0]
-    if tool is None or _tool_skipped(url) or "," in host_port or "cluster" in scheme or scheme.endswith("s"):
+    nodes = getattr(store, "nodes", None)
+    if tool is None or not nodes or getattr(store, "cluster", False) or getattr(store, "tls", False) or \
+            _tool_skipped(store):
         return None
-    host, _, port = host_port.rpartition(":")
-    return [tool, "-h", host, "-p", port]
+    host, port = nodes[0]
+    return [tool, "-h", host, "-p", str(port), "--dbnum", str(getattr(store, "db", 0))]
 
 
 def _run_tool(command: list[str], test: str, size: int, requests: int, keys: int) -> float | None:
@@ -226,10 +231,9 @@ def _run_tool(command: list[str], test: str, size: int, requests: int, keys: int
     raise BackendUnavailableError(f"{os.path.basename(command[0])} -t {test} printed no result: {out[-200:]!r}")
 
 
-def _tool_skipped(url: str) -> str | None:
-    """Why the server tool is not run against ``url`` (it needs a login), or ``None``."""
-    location, _, query = url.partition("?")
-    if "@" in location or not dict(parse_qsl(query)).keys().isdisjoint(PASSWORD_OPTIONS):
+def _tool_skipped(store: BlockStore) -> str | None:
+    """Why the server tool is not run against ``store``'s server (it needs a login), or ``None``."""
+    if getattr(store, "password", None) is not None:
         return ("the server needs a login, and the server tool takes a password only on its command line "
                 "(readable by every local user)")
     return None

@@ -50,6 +50,7 @@ __all__ = ["PASSWORD_OPTIONS", "open_block_store", "process_wide"]
 _FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
           "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://[NAME]")
 _DEFAULT_PORT = 6379
+_TLS_SCHEMES = ("valkeys", "rediss")  # of VALKEY_SCHEMES: the ones over TLS
 _PASSWORD_SOURCES: dict[str, Literal["env", "file"]] = {"password_env": "env", "password_file": "file"}
 PASSWORD_OPTIONS = ("password", *_PASSWORD_SOURCES)
 """The options that give a Valkey store its password: as it is, or where it is kept."""
@@ -79,7 +80,7 @@ def _open(url: str, options: dict[str, Any]) -> BlockStore:
     scheme = url.partition("://")[0].lower()
     base, plus, mode = scheme.partition("+")
     if base in VALKEY_SCHEMES and mode in ("", "cluster"):
-        settings = _valkey(url, base.endswith("s"), bool(plus))
+        settings = _valkey(url, base in _TLS_SCHEMES, bool(plus))
         twice = sorted(settings.keys() & options.keys())
         if twice:
             raise ConfigError(f"block store URL {_quoted(url)}: {', '.join(twice)} given both in the URL and as "
@@ -137,7 +138,7 @@ def _valkey(url: str, tls: bool, cluster: bool) -> dict[str, Any]:
                           f"(valkey+cluster://{hosts})")
     settings: dict[str, Any] = {"nodes": nodes, "cluster": cluster, "tls": tls}
     if path:
-        if not path.isdigit():
+        if not (path.isascii() and path.isdigit()):  # str.isdigit takes other scripts' digits too
             raise ConfigError(f"block store URL {_quoted(url)}: the database {path!r} must be a number")
         settings["db"] = int(path)
     if auth:
@@ -183,10 +184,12 @@ def _decoded(url: str, what: str, text: str) -> str:
 def _address(url: str, part: str) -> tuple[str, int]:
     try:
         parsed = urlsplit(f"//{part}")
-        host, port = parsed.hostname, parsed.port or _DEFAULT_PORT
+        host, port = parsed.hostname, _DEFAULT_PORT if parsed.port is None else parsed.port
+        if port == 0:  # no server listens there: never the default port instead
+            raise ValueError(port)
     except ValueError:
         raise ConfigError(f"block store URL {_quoted(url)}: bad address {redact_address(part)!r}; expected "
-                          f"host:port with a port of 0-65535 (a port that is not a number is not shown: it may "
+                          f"host:port with a port of 1-65535 (a port that is not a number is not shown: it may "
                           f"be a password missing its '@host')") from None
     if not host:
         raise ConfigError(f"block store URL {_quoted(url)}: bad address {redact_address(part)!r}; expected host:port")

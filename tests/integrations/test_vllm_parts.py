@@ -134,6 +134,16 @@ def test_every_problem_of_the_extra_config_is_reported_at_once():
         assert needle in text
 
 
+@pytest.mark.parametrize("extra", ['{"cpu_bytes": "8GiB"}', "valkey://:hunter2@h:1/0", ["cpu_bytes"],
+                                   [("cpu_bytes", "8GiB")], 42, "", 0])
+def test_an_extra_config_that_is_no_mapping_is_refused_quoting_it(extra):
+    """A JSON string, a list or a number where the object belongs (no dict() of it, an empty one included, is
+    taken): a ConfigError quoting it, a password in it masked."""
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config=.*: must be a mapping") as info:
+        parse_extra_config(extra, kv=SPEC, gpu_blocks=NUM_GPU_BLOCKS, world_size=1, device="cpu")
+    assert "hunter2" not in str(info.value)
+
+
 def test_a_write_back_store_policy_needs_one_kv_group():
     """``store="lazy"`` writes back single GPU blocks: fine with one KV group, refused with several."""
     assert settings(store="lazy").stack.store == "lazy"

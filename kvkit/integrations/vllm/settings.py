@@ -260,16 +260,20 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     that would store is refused), ``kv_producer`` and ``kv_both`` load and store.
 
     Raises:
-        ConfigError: one error listing every problem (unknown keys, names
-            that are not registered or not available here, a bad capacity, a
-            write-back store policy with several KV groups: it writes back
-            single GPU blocks; capacity keys or ``lazy_offload`` and ``store``
-            that contradict each other or the role; an unknown
-            ``kv_offload_backend``, a disk backend without ``disk_path`` or with
-            a bad size, slot count or flag; a secret given in the config, or a
-            secret source that is unset, empty, unreadable, or a file that is no
-            regular file of at most 64 KiB: named, never shown).
+        ConfigError: ``extra`` is neither a mapping nor ``None``; or one error
+            listing every problem (unknown keys, names that are not registered
+            or not available here, a bad capacity, a write-back store policy
+            with several KV groups: it writes back single GPU blocks; capacity
+            keys or ``lazy_offload`` and ``store`` that contradict each other or
+            the role; an unknown ``kv_offload_backend``, a disk backend without
+            ``disk_path`` or with a bad size, slot count or flag; a secret given
+            in the config, or a secret source that is unset, empty, unreadable,
+            or a file that is no regular file of at most 64 KiB: named, never
+            shown).
     """
+    if extra is not None and not isinstance(extra, Mapping):  # a JSON string or list given for the object
+        raise ConfigError(f"{_EXTRA}={quote(extra)}: must be a mapping of its keys (a JSON object), such as "
+                          f"{{'cpu_bytes': '8GiB'}}, or None")
     extra = dict(extra or {})
     if role not in KV_ROLES:
         raise ConfigError(f"kv_role={quote(role)}: expected one of {', '.join(KV_ROLES)}")

@@ -47,6 +47,25 @@ def test_tls_urls_make_tls_stores(tmp_path):
         store.close()
 
 
+@pytest.mark.parametrize("scheme", ["redis", "valkey", "redis+cluster", "valkey+cluster"])
+def test_plain_schemes_make_plain_stores(scheme):
+    """Only valkeys:// and rediss:// mean TLS: redis:// (whose name ends in 's' too) is plain, as valkey:// is."""
+    store = open_block_store(f"{scheme}://h:1")
+    try:
+        assert not store.tls
+    finally:
+        store.close()
+
+
+def test_a_redis_url_talks_to_a_plain_redis_server(redis_server):
+    """redis://host:port/0 to Debian's redis-server answers (no TLS handshake the plain server never answers)."""
+    store = open_block_store(f"redis://127.0.0.1:{redis_server.port}/0", request_timeout_s=1.0)
+    try:
+        assert store.ping() is None
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("option", ["tls_ca", "tls_cert"])
 def test_a_tls_file_that_is_a_fifo_is_refused_at_once(tmp_path, option):
     """A TLS file that is a FIFO (OpenSSL's open would wait for a writer forever) is a ConfigError naming it,
@@ -191,6 +210,11 @@ def test_a_closed_memory_store_is_replaced_by_an_empty_one():
     ("valkey://a:1,b:2", "Cluster scheme"),
     ("valkey://h:1/zero", "database 'zero'"),
     ("valkey://h:99999", "bad address"),
+    ("valkey://h:0/0", "bad address 'h:0'; expected host:port with a port of 1-65535"),  # never 6379 instead
+    ("valkey+cluster://a:1,b:0", "bad address 'b:0'"),
+    ("valkey://h:1/\u0663", "database '\u0663'"),  # ARABIC-INDIC DIGIT THREE: str.isdigit, no database number
+    ("valkey://h:1/\uff11", "database '\uff11'"),  # FULLWIDTH DIGIT ONE
+    ("valkeys://h:1/0?tls_key=/k.pem", "tls_key='/k.pem' given without tls_cert"),  # else silently no client cert
     ("file://remote/x?capacity_bytes=1", "local directory"),
     ("file://[::1/x?capacity_bytes=1", "local directory"),
     ("file:///x", "capacity_bytes"),
@@ -286,6 +310,7 @@ def test_a_password_kept_in_the_environment_or_a_file_logs_in(tmp_path, monkeypa
     ("valkey://h:1/0", {"password_file": "LATIN1"}, "the password is not UTF-8 text"),
     ("valkey://h:1/0", {"password_file": "FIFO"}, "not a regular file"),  # opening it would wait for a writer
     ("valkey://h:1/0", {"password_file": "/dev/zero"}, "not a regular file"),  # it never ends
+    ("valkey://h:1/0", {"password_file": "DIR"}, "not a regular file"),  # a directory opens, but reads nothing
     ("valkey://h:1/0", {"password_file": "HUGE"}, "holds more than 65536 bytes"),  # the wrong file
     ("valkey://h:1/0", {"password_env": f"{PASSWORD}!"}, "password_env: not an environment variable's name"),
     ("valkey://h:1/0", {"password_env": PASSWORD.encode()}, "password_env (a bytes): must be a non-empty string"),
@@ -293,9 +318,9 @@ def test_a_password_kept_in_the_environment_or_a_file_logs_in(tmp_path, monkeypa
 def test_a_password_source_that_gives_no_password_is_refused_naming_it_never_the_password(
         url, options, expected, tmp_path, monkeypatch):
     """The password comes from one place; a variable that is unset or empty, or a file that is unreadable, empty
-    or not UTF-8, and anything but a small regular file (a FIFO, a device: refused without waiting or reading),
-    is a ``ConfigError`` naming the option and where it points; a source that is the password itself, written
-    there by mistake, is not shown."""
+    or not UTF-8, and anything but a small regular file (a FIFO, a device, a directory: refused without waiting
+    or reading), is a ``ConfigError`` naming the option and where it points, leaving no file open; a source that
+    is the password itself, written there by mistake, is not shown."""
     monkeypatch.setenv("KVKIT_TEST_PASSWORD", PASSWORD)
     monkeypatch.setenv("KVKIT_TEST_EMPTY", "")
     monkeypatch.delenv("KVKIT_TEST_UNSET", raising=False)
@@ -304,9 +329,31 @@ def test_a_password_source_that_gives_no_password_is_refused_naming_it_never_the
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "huge").write_bytes(PASSWORD.encode() * 10_000)
     named = {"EMPTY": tmp_path / "empty", "LATIN1": tmp_path / "latin1", "FIFO": tmp_path / "fifo",
-             "HUGE": tmp_path / "huge"}
+             "HUGE": tmp_path / "huge", "DIR": tmp_path}
     options = {key: named.get(value, value) if isinstance(value, str) else value for key, value in options.items()}
+    open_files = len(os.listdir("/proc/self/fd"))
     with pytest.raises(ConfigError, match="block store URL") as caught:
         open_block_store(url, **options)
     assert expected in str(caught.value)
+    assert len(os.listdir("/proc/self/fd")) == open_files, "a file descriptor was left open"
     assert PASSWORD not in str(caught.value) and PASSWORD not in repr(caught.value)
+
+
+@pytest.mark.parametrize("scheme", ["redis", "valkey"])
+def test_bench_shared_runs_the_server_tool_on_the_stores_own_address(redis_server, scheme, monkeypatch):
+    """The server tool is given the address, database and plainness the store connects with: a redis:// URL (a
+    scheme ending in 's' that is no TLS) is run against, at the URL's database."""
+    import shutil
+
+    from kvkit.bench import shared as bench
+
+    if shutil.which("valkey-benchmark") is None and shutil.which("redis-benchmark") is None:
+        pytest.skip("no valkey-benchmark or redis-benchmark on PATH")
+    commands = []
+    real_run_tool = bench._run_tool
+    monkeypatch.setattr(bench, "_run_tool", lambda command, *args: commands.append(command)
+                        or real_run_tool(command, *args))
+    report = bench.run_shared_bench(f"{scheme}://localhost:{redis_server.port}/2", sizes=(4096,),
+                                    batch_bytes=1 << 20, contains_keys=10, repeat=1)
+    assert "server_tool_set_GBps" in report["sizes"]["4096"]
+    assert {tuple(c[1:7]) for c in commands} == {("-h", "localhost", "-p", str(redis_server.port), "--dbnum", "2")}

@@ -3,9 +3,11 @@ logins, TLS, and Cluster redirects. No call may wait past its timeout; failures 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 import pytest
@@ -340,14 +342,19 @@ def test_a_cluster_that_announces_no_endpoint_is_served(endpoint):
     ({"tls_ca": "/x"}, "tls=True"),
     ({"tls": True, "tls_ca": "/nonexistent.pem"}, "cannot be loaded"),
     ({"request_timeout_s": 0}, "request_timeout_s"),
+    ({"request_timeout_s": math.inf}, r"request_timeout_s=inf: must be a number in \(0.0, 86400.0\]"),
+    ({"connect_timeout_s": 1e10}, "connect_timeout_s=10000000000.0"),
+    ({"retry_interval_s": 1e308}, "retry_interval_s=1e\\+308"),
     ({"password": "pw\udcff"}, "password: holds a character UTF-8 cannot encode"),
     ({"username": "u\udcff", "password": "pw"}, "username: holds a character UTF-8 cannot encode"),
 ])
 def test_bad_settings_are_refused(kwargs, match):
     """Bad settings raise ConfigError quoting the field, before any thread starts."""
     kwargs = {"nodes": [("127.0.0.1", 6379)], **kwargs}
+    threads = threading.active_count()
     with pytest.raises(ConfigError, match=match):
         ValkeyStore(**kwargs)
+    assert threading.active_count() == threads
 
 
 def test_a_server_answering_garbage_is_a_transport_failure():

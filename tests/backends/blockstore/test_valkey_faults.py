@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import select
 import socket
@@ -192,6 +193,22 @@ def test_a_stalled_server_is_marked_down_and_its_calls_then_fail_at_once(own_ser
         own_server.resume()
     assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
     store.close()
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e10])
+def test_a_poll_of_any_length_waits_for_the_stalled_calls_deadline(own_server, timeout):
+    """poll(timeout=math.inf), or longer than the platform's longest wait, returns when the call is reported
+    (by its deadline): no OverflowError."""
+    store = _store(("127.0.0.1", own_server.port))
+    own_server.pause()
+    try:
+        ticket = store.put([b"a"], [[memoryview(b"x")]])
+        start = time.monotonic()
+        [result] = store.poll([ticket], timeout=timeout)
+        assert result.transport_failed and time.monotonic() - start < DEADLINE + SLACK
+    finally:
+        own_server.resume()
+        store.close()
 
 
 def test_a_host_that_never_answers_a_connect_is_marked_down_however_short_the_deadline():
