@@ -47,7 +47,8 @@ from kvkit.validate import quote
 
 __all__ = ["PASSWORD_OPTIONS", "open_block_store", "process_wide"]
 
-_FORMS = ("valkey://host:port/db, valkeys://..., valkey+cluster://host:port,host:port, "
+# Ports as numbers: the masking rule hides a port that is not one (it may be a password missing its '@host').
+_FORMS = ("valkey://host:6379/0, valkeys://..., valkey+cluster://host:6379,host:6380, "
           "redis:// rediss:// redis+cluster:// (aliases), file:///path, memory://[NAME]")
 _DEFAULT_PORT = 6379
 _TLS_SCHEMES = ("valkeys", "rediss")  # of VALKEY_SCHEMES: the ones over TLS
@@ -134,8 +135,8 @@ def _valkey(url: str, tls: bool, cluster: bool) -> dict[str, Any]:
         raise ConfigError(f"block store URL {_quoted(url)}: no host; expected e.g. valkey://127.0.0.1:6379/0")
     nodes = [_address(url, part) for part in hosts.split(",")]
     if len(nodes) > 1 and not cluster:
-        raise ConfigError(f"block store URL {_quoted(url)}: several hosts need a Cluster scheme "
-                          f"(valkey+cluster://{hosts})")
+        raise ConfigError(f"block store URL {_quoted(url)}: several hosts need a Cluster scheme, "
+                          f"e.g. valkey+cluster://{hosts}")  # the URL ends the text: no port reads ')' as its own
     settings: dict[str, Any] = {"nodes": nodes, "cluster": cluster, "tls": tls}
     if path:
         if not (path.isascii() and path.isdigit()):  # str.isdigit takes other scripts' digits too
