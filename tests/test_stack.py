@@ -1,9 +1,11 @@
 """Tests of ``kvkit.build`` and the reference engine loop on CPU tensors."""
 
+import contextlib
 import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -279,14 +281,9 @@ def test_a_store_url_is_shown_without_its_password(url, shown):
     assert redact_url(url) == shown
 
 
-def test_close_waits_at_most_its_timeout_for_a_step_another_thread_holds():
-    """A step held past ``close(timeout)``: TransferTimeoutError, nothing closed, no step starts any more;
-    once it ended, close() closes. close() inside a step of its own thread closes at once; that step's later
-    calls are refused."""
-    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", device="cpu")
-    with pytest.raises(ConfigError, match=r"timeout.*-1"):
-        stack.close(timeout=-1)
-    stack.manager.build_step()  # a refused close changed nothing
+@contextlib.contextmanager
+def _step_held_elsewhere(stack: kvkit.OffloadStack) -> Iterator[None]:
+    """Another thread holds ``stack``'s drive lock (a step in progress) until the block ends."""
     stepping, done = threading.Event(), threading.Event()
 
     def step():
@@ -297,11 +294,25 @@ def test_close_waits_at_most_its_timeout_for_a_step_another_thread_holds():
     holder = threading.Thread(target=step)
     holder.start()
     assert stepping.wait(10)
-    with pytest.raises(TransferTimeoutError, match="nothing was closed"):
-        stack.close(timeout=0.05)
-    assert stack.workers[0].layout == "per-layer"  # still registered
-    done.set()
-    holder.join(10)
+    try:
+        yield
+    finally:
+        done.set()
+        holder.join(10)
+
+
+def test_close_waits_at_most_its_timeout_for_a_step_another_thread_holds():
+    """A step held past ``close(timeout)``: TransferTimeoutError, nothing closed, no step starts any more;
+    once it ended, close() closes. close() inside a step of its own thread closes at once; that step's later
+    calls are refused."""
+    stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, layout="per-layer", device="cpu")
+    with pytest.raises(ConfigError, match=r"timeout.*-1"):
+        stack.close(timeout=-1)
+    stack.manager.build_step()  # a refused close changed nothing
+    with _step_held_elsewhere(stack):
+        with pytest.raises(TransferTimeoutError, match="nothing was closed"):
+            stack.close(timeout=0.05)
+        assert stack.workers[0].layout == "per-layer"  # still registered
     with pytest.raises(RequestStateError, match="the stack is closed"):
         stack.manager.build_step()
     stack.close()
@@ -319,27 +330,14 @@ def test_close_waits_at_most_its_timeout_for_a_step_another_thread_holds():
 def test_a_child_forked_while_another_thread_stepped_can_drive_its_copy():
     """Fork while another thread holds the stack's drive lock: the child's own calls are not blocked forever."""
     stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=64, device="cpu")
-    stepping, done = threading.Event(), threading.Event()
 
-    def step():
-        with stack.driving():
-            stepping.set()
-            done.wait(10)
-
-    holder = threading.Thread(target=step)
-    holder.start()
-    assert stepping.wait(10)
     def child() -> str:  # killed by the alarm if the call blocks
         signal.alarm(10)
         stack.manager.build_step()
         return "stepped"
 
-    try:
-        outcome = in_child(child)()
-    finally:
-        done.set()
-        holder.join(10)
-    assert outcome == "stepped"
+    with _step_held_elsewhere(stack):
+        assert in_child(child)() == "stepped"
 
 
 def test_a_step_running_when_another_thread_closes_runs_to_its_end():
