@@ -97,9 +97,7 @@ _LOCKS: weakref.WeakSet[DriveLock] = weakref.WeakSet()
 def _free_in_child() -> None:
     """After a fork, in the child: free every lock a thread other than the forking one held."""
     for drive in list(_LOCKS):
-        if drive.lock._is_owned():
-            continue
-        if drive.lock.acquire(blocking=False):
+        if drive.lock.acquire(blocking=False):  # free, or held by the forking thread (re-entrant)
             drive.lock.release()
         else:  # held by a thread that does not exist here
             drive.lock = threading.RLock()
