@@ -50,9 +50,11 @@ class OffloadStack:
     number of blocks (one source of truth: ``config``).
 
     Threads: one thread drives a stack at a time. Every manager call that
-    changes state holds the stack's drive lock (:mod:`kvkit.driving`), and an engine
-    loop holds it for a whole step with ``with stack.driving():`` (the
-    reference engine does), so the step's worker calls run inside it too.
+    changes state holds the stack's drive lock (:mod:`kvkit.driving`) but the
+    three made per running request (``append_blocks``, ``extend``,
+    ``on_computed``), and an engine loop holds it for a whole step with
+    ``with stack.driving():`` (the reference engine does), so those and the
+    step's worker calls run inside it too.
     :meth:`close`, from any thread, refuses every later step at once, waits
     for the one running to end, then closes; a call after it raises
     ``RequestStateError``.
