@@ -379,7 +379,14 @@ class SchedulerSide:
             scheduled: tokens this step computes, per request id (vLLM's
                 ``num_scheduled_tokens``; ``num_computed_tokens`` is not advanced yet).
             speculative: draft tokens among them, per id; never confirmed.
+
+        The whole step holds the manager's drive lock (:mod:`kvkit.driving`), its per-request calls included.
         """
+        with self.manager.drive_lock:
+            return self._build(preempted, new_blocks, scheduled, speculative or {})
+
+    def _build(self, preempted: Iterable[str], new_blocks: Iterable[tuple[str, Sequence[Sequence[int]]]],
+               scheduled: Mapping[str, int], drafts: Mapping[str, Sequence[int]]) -> StepOrder:
         for rid in preempted:
             if rid in self._requests and self.manager.request(rid).state is _RUNNING:
                 self._preempt(rid)
@@ -389,7 +396,6 @@ class SchedulerSide:
                     self.manager.on_allocated(rid, [list(row) for row in self.tables(rid)])
                 else:
                     self.manager.append_blocks(rid, blocks)
-        drafts = speculative or {}
         for rid, n in scheduled.items():
             request = self._requests.get(rid)
             if request is None or self.manager.request(rid).state is not _RUNNING:
