@@ -72,6 +72,19 @@ _MAX_SECONDS = 86_400.0
 """The longest deadline, connect timeout or retry interval: a day (a longer deadline is none: a stalled server
 would hold a call that long; ``math.inf`` and huge numbers overflow the platform's waits)."""
 _SECONDS = checked(check_real, low=0.0, low_open=True, high=_MAX_SECONDS, label="ValkeyStore.")
+_MAX_TTL_S = 100 * 365 * 86_400
+"""The longest expiry, a century: the server refuses one its millisecond clock cannot hold, which would fail every
+put."""
+
+
+def _ttl(value: object, field: attrs.Attribute) -> int | None:
+    """``ttl_s``: ``None`` or an int in [1, ``_MAX_TTL_S``], else ``ConfigError`` quoting it."""
+    if value is None:
+        return None
+    ttl = check_int(f"ValkeyStore.{field.name}", value, 1)
+    if ttl > _MAX_TTL_S:
+        raise ConfigError(f"ValkeyStore.{field.name}={quote(value)}: must be at most {_MAX_TTL_S:,} (a century)")
+    return ttl
 _FLAG = checked(check_bool, label="ValkeyStore.")
 
 
@@ -183,8 +196,7 @@ class ValkeyStore:
     request_timeout_s: float = attrs.field(default=2.0, converter=_SECONDS)  # type: ignore[misc]
     """The deadline of a whole ``put``, ``get`` or ``contains`` (see the class docstring)."""
     retry_interval_s: float = attrs.field(default=1.0, converter=_SECONDS)  # type: ignore[misc]
-    ttl_s: int | None = attrs.field(default=None, converter=checked(check_int, minimum=1, optional=True,  # type: ignore[misc]
-                                                                    label="ValkeyStore."))
+    ttl_s: int | None = attrs.field(default=None, converter=attrs.Converter(_ttl, takes_field=True))  # type: ignore[misc]
     window_bytes: int = attrs.field(default=256 << 10, converter=checked(check_int, minimum=1,  # type: ignore[misc]
                                                                          label="ValkeyStore."))
     """Bytes of values per chunk of a put or get; at most two chunks are in flight per node."""

@@ -345,6 +345,8 @@ def test_a_cluster_that_announces_no_endpoint_is_served(endpoint):
     ({"request_timeout_s": math.inf}, r"request_timeout_s=inf: must be a number in \(0.0, 86400.0\]"),
     ({"connect_timeout_s": 1e10}, "connect_timeout_s=10000000000.0"),
     ({"retry_interval_s": 1e308}, "retry_interval_s=1e\\+308"),
+    ({"ttl_s": 10**20}, "ttl_s=100000000000000000000: must be at most 3,153,600,000"),  # else every SET is refused
+    ({"ttl_s": 0}, "ttl_s=0: must be an int >= 1"),
     ({"password": "pw\udcff"}, "password: holds a character UTF-8 cannot encode"),
     ({"username": "u\udcff", "password": "pw"}, "username: holds a character UTF-8 cannot encode"),
 ])
