@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from kvkit.config import StackConfig
     from kvkit.shared.scheduler import SharedTierSpec
 
-__all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "store_deadline", "warn_unauthenticated"]
+__all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "store_deadline", "store_lifetime",
+           "warn_unauthenticated"]
 
 _WARNED: set[tuple[str, int]] = set()  # nodes this process warned about
 _WARNED_LOCK = threading.Lock()
@@ -181,8 +182,19 @@ def store_deadline(store: BlockStore) -> float | None:
     """``store``'s deadline of one call: a network store's ``request_timeout_s`` (every ``put``, ``get`` and
     ``contains`` ends by then), or ``None`` for a store that has none (a local one: a call takes what its
     medium takes)."""
-    deadline = getattr(store, "request_timeout_s", None)
-    return float(deadline) if isinstance(deadline, int | float) and deadline > 0 else None
+    return _seconds(store, "request_timeout_s")
+
+
+def store_lifetime(store: BlockStore) -> float | None:
+    """How long ``store`` keeps a value at most: a network store's ``ttl_s`` (every value expires by then from its
+    put), or ``None`` for a store whose values never expire (they go only when evicted, flushed or lost)."""
+    return _seconds(store, "ttl_s")
+
+
+def _seconds(store: BlockStore, name: str) -> float | None:
+    """``store``'s attribute ``name``: a positive number of seconds, or ``None`` where it has none."""
+    value = getattr(store, name, None)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
 
 
 def warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
