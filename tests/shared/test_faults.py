@@ -332,6 +332,25 @@ def test_values_past_the_servers_ttl_are_put_again_within_the_ttl(server, turn):
     b.close()
 
 
+def test_write_back_puts_its_candidates_again_once_the_server_expired_them(server):
+    """write-back keeps the CPU pool's next victims put: on a server whose values expire (``ttl_s``), the
+    candidates are put again once the ttl passed, long before ``trust_s``."""
+    clock = Clock()
+    a, ea = instance(server.url + FAST + "&ttl_s=1", write="write-back", clock=clock)
+    serve(ea, "a1")
+    put = a.stats.blocks_put.value
+    assert put > 0 and server.call(b"DBSIZE") == 2 * put
+    time.sleep(1.2)
+    assert server.call(b"DBSIZE") == 0  # every value expired
+    clock.now += 1.0  # the ttl, far from trust_s
+    for _ in range(3):
+        ea.step()
+    ea.drain()
+    assert a.stats.blocks_put.value == 2 * put, "the expired candidates were not put again"
+    assert server.call(b"DBSIZE") == 2 * put
+    a.close()
+
+
 class _Counting(MemoryStore):
     """A memory store that records the keys of each ``contains`` round trip."""
 
