@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvkit.backends.blockstore.link import remember
 from kvkit.errors import ConfigError
 from kvkit.interfaces import BlockHash, KVCacheSpec
 from kvkit.interfaces.shared import DEFAULT_TENANT, BlockStore
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "store_deadline", "store_lifetime",
            "warn_unauthenticated"]
 
-_WARNED: set[tuple[str, int]] = set()  # nodes this process warned about
+_WARNED: dict[tuple[str, int], None] = {}  # the nodes this process warned about last, oldest first
 _WARNED_LOCK = threading.Lock()
 
 
@@ -212,9 +213,12 @@ def warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
     connection to such a node). Host names other than ``localhost`` count as
     beyond loopback (nothing is resolved). One store warns at most once, and
     the process never twice about one node (docs/shared-tier.md, "Threat
-    model"). With warnings turned into errors the warning is raised instead,
-    each time: from here at start-up, and later in each call that would
-    connect to such a node, which fails (a failed call to the tier).
+    model"), of the last :data:`~kvkit.backends.blockstore.link.MAX_NODES` it
+    warned about: only those are remembered, so Clusters whose nodes come and
+    go at ever new addresses never grow the process's memory without bound.
+    With warnings turned into errors the warning is raised instead, each time:
+    from here at start-up, and later in each call that would connect to such
+    a node, which fails (a failed call to the tier).
     """
     if secret is not None:
         return False
@@ -244,14 +248,15 @@ class _Unauthenticated:
         remote = {node for node in key if not _loopback(node[0])}
         where = ", ".join(redact(f"{host}:{port}") for host, port in key)
         with _WARNED_LOCK:  # held while warning: a warning turned into an error marks nothing, so it is raised again
-            if self.given or _WARNED.issuperset(remote):
+            if self.given or _WARNED.keys() >= remote:
                 return False
             warnings.warn(redact_text(
                 f"kvkit: the KV values kept on {where} are not authenticated (no HMAC secret): anyone who can write "
                 f"that server can plant KV this engine will load and serve; use such a server only where every "
                 f"writer is trusted, or kvkit's shared tier with a secret every instance of the deployment shares "
                 f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=4)
-            _WARNED.update(remote)
+            for node in sorted(remote):
+                remember(_WARNED, node, None)
             self.given = True
         return True
 
