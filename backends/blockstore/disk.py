@@ -106,7 +106,7 @@ class DiskStore:
     Opening. A new instance re-indexes the directory: the file names are the
     index, sizes and modification times seed the eviction order. Entries that
     are not this layout's (other names, other places: ``foreign``), named as
-    values or temporary files but not regular files (symlinks, directories,
+    values or temporary files but not value files (symlinks, hard links, directories,
     devices, unlistable subdirectories, files whose status cannot be read:
     ``broken``), and entries gone between being listed and being looked at
     (``vanished``: another process evicted them) are counted in
@@ -145,12 +145,12 @@ class DiskStore:
     values beyond the capacity in temporary files.
 
     Reading. A ``get`` reads with ``os.preadv`` straight into the caller's
-    buffers; a value missing, not a regular file, or unreadable is a failed
+    buffers; a value missing, not a value file, or unreadable is a failed
     key (a miss), never an exception. ``contains`` and ``get`` look at the file
     each time and the index follows: a file another process added is adopted,
     one it rewrote at another size counted at its new size, one it deleted
     forgotten. Only evidence moves the index (the name leads nowhere, or to
-    something that is not a regular file): a look that cannot be made (no
+    something that is not a value file): a look that cannot be made (no
     descriptor left, no permission, an I/O error) is a miss that forgets
     nothing, and a rename refused leaves the old value counted. ``contains``
     opens each subdirectory once per call (so holds at most 256 descriptors
@@ -166,11 +166,15 @@ class DiskStore:
     ``max_waiting`` finished results wait for the polls naming their tickets
     (one more abandons the oldest).
 
-    Symlinks. No path is followed through a symlink: value and temporary files are opened with
+    Symlinks and hard links. No path is followed through a symlink: value and temporary files are opened with
     ``O_NOFOLLOW`` and reached relative to their subdirectory, itself opened with ``O_NOFOLLOW`` (by
     opening's scan too, which lists and reaps through that descriptor), so a symlink (or anything but a
     directory) in a subdirectory's place, even one swapped in during a scan, fails its keys' puts and gets
-    and carries no write, read, reap or eviction outside ``path``. ``path`` itself may be a symlink.
+    and carries no write, read, reap or eviction outside ``path``. ``path`` itself may be a symlink. A value
+    file is a regular file with one name (``st_nlink`` 1: written to a new temporary file, then renamed): a
+    hard link planted under a value's name, to a file anywhere on the file system, is not one (``broken``
+    when opening finds it; a miss that forgets, never deletes, it when looked at), so it is never read,
+    counted or evicted; a put renames its value over the name, never writing into the linked file.
 
     Permissions. Value and temporary files get ``file_mode`` (``0o600`` by
     default) and the directories the store creates (``path`` when it does not
@@ -183,7 +187,7 @@ class DiskStore:
     Invariants: ``used_bytes`` is the sum of the indexed files' sizes, never
     above :attr:`effective_capacity_bytes` (itself at most
     ``capacity_bytes``); the policy tracks exactly the indexed keys; every
-    indexed file was a regular file of this layout when indexed.
+    indexed file was a value file (a regular file with one name) of this layout when indexed.
     """
 
     path: Path = attrs.field(converter=_path)
@@ -399,7 +403,7 @@ class DiskStore:
         except OSError:
             self._note("broken")
             return None
-        if not stat.S_ISREG(found.st_mode):
+        if not _value_file(found):
             self._note("broken")
             return None
         return found
@@ -613,8 +617,8 @@ class DiskStore:
             return f"cannot open {str(path)!r}: {exc.strerror or exc}"
         try:
             found = os.fstat(fd)
-            if not stat.S_ISREG(found.st_mode):
-                return f"{str(path)!r} is not a regular file"
+            if not _value_file(found):
+                return f"{str(path)!r} is not a value file (a regular file with one name; it has {found.st_nlink})"
             if found.st_size != want:
                 return f"value of {found.st_size} bytes, buffers of {want}"
             if _read_all(fd, parts) != want:
@@ -672,7 +676,7 @@ class DiskStore:
         whether a value file is there. The lock is held, and was while ``found`` was looked at: this
         store's own rewrites (under the lock) never come between.
         """
-        if found is None or not stat.S_ISREG(found.st_mode):
+        if found is None or not _value_file(found):
             self._forget(name, unlink=False)
             return False
         entry = self._index.get(name)
@@ -852,6 +856,12 @@ def _new_folder(folder: str) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def _value_file(found: os.stat_result) -> bool:
+    """Whether ``found`` is the status of a value file as this store writes one: a regular file with no other
+    name. A hard link is not one: it would carry reads (and, adopted, the capacity) to a file outside ``path``."""
+    return stat.S_ISREG(found.st_mode) and found.st_nlink <= 1
 
 
 def _status(filename: str, folder: int) -> os.stat_result | None:

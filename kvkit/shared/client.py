@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvkit.backends.blockstore.link import remember
 from kvkit.errors import ConfigError
 from kvkit.interfaces import BlockHash, KVCacheSpec
 from kvkit.interfaces.shared import DEFAULT_TENANT, BlockStore
@@ -33,9 +34,10 @@ if TYPE_CHECKING:
     from kvkit.config import StackConfig
     from kvkit.shared.scheduler import SharedTierSpec
 
-__all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "store_deadline", "warn_unauthenticated"]
+__all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "store_deadline", "store_lifetime",
+           "warn_unauthenticated"]
 
-_WARNED: set[tuple[str, int]] = set()  # nodes this process warned about
+_WARNED: dict[tuple[str, int], None] = {}  # the nodes this process warned about last, oldest first
 _WARNED_LOCK = threading.Lock()
 
 
@@ -181,8 +183,19 @@ def store_deadline(store: BlockStore) -> float | None:
     """``store``'s deadline of one call: a network store's ``request_timeout_s`` (every ``put``, ``get`` and
     ``contains`` ends by then), or ``None`` for a store that has none (a local one: a call takes what its
     medium takes)."""
-    deadline = getattr(store, "request_timeout_s", None)
-    return float(deadline) if isinstance(deadline, int | float) and deadline > 0 else None
+    return _seconds(store, "request_timeout_s")
+
+
+def store_lifetime(store: BlockStore) -> float | None:
+    """How long ``store`` keeps a value at most: a network store's ``ttl_s`` (every value expires by then from its
+    put), or ``None`` for a store whose values never expire (they go only when evicted, flushed or lost)."""
+    return _seconds(store, "ttl_s")
+
+
+def _seconds(store: BlockStore, name: str) -> float | None:
+    """``store``'s attribute ``name``: a positive number of seconds, or ``None`` where it has none."""
+    value = getattr(store, name, None)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
 
 
 def warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
@@ -200,9 +213,12 @@ def warn_unauthenticated(store: BlockStore, secret: bytes | None) -> bool:
     connection to such a node). Host names other than ``localhost`` count as
     beyond loopback (nothing is resolved). One store warns at most once, and
     the process never twice about one node (docs/shared-tier.md, "Threat
-    model"). With warnings turned into errors the warning is raised instead,
-    each time: from here at start-up, and later in each call that would
-    connect to such a node, which fails (a failed call to the tier).
+    model"), of the last :data:`~kvkit.backends.blockstore.link.MAX_NODES` it
+    warned about: only those are remembered, so Clusters whose nodes come and
+    go at ever new addresses never grow the process's memory without bound.
+    With warnings turned into errors the warning is raised instead, each time:
+    from here at start-up, and later in each call that would connect to such
+    a node, which fails (a failed call to the tier).
     """
     if secret is not None:
         return False
@@ -232,14 +248,15 @@ class _Unauthenticated:
         remote = {node for node in key if not _loopback(node[0])}
         where = ", ".join(redact(f"{host}:{port}") for host, port in key)
         with _WARNED_LOCK:  # held while warning: a warning turned into an error marks nothing, so it is raised again
-            if self.given or _WARNED.issuperset(remote):
+            if self.given or _WARNED.keys() >= remote:
                 return False
             warnings.warn(redact_text(
                 f"kvkit: the KV values kept on {where} are not authenticated (no HMAC secret): anyone who can write "
                 f"that server can plant KV this engine will load and serve; use such a server only where every "
                 f"writer is trusted, or kvkit's shared tier with a secret every instance of the deployment shares "
                 f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=4)
-            _WARNED.update(remote)
+            for node in sorted(remote):
+                remember(_WARNED, node, None)
             self.given = True
         return True
 

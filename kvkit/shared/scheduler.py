@@ -27,7 +27,8 @@ plan declined is recomputed, not put back), and only while there is no
 evidence against them: a lookup that finds a remembered hash absent forgets it
 and every hash after it in that request (they are recomputed and put again), a
 failed fetch forgets its hashes, an outage forgets everything (the server may
-have restarted empty), and nothing is remembered longer than ``trust_s``.
+have restarted empty), and nothing is remembered longer than ``trust_s``, nor longer than the store keeps a
+value (its ``ttl_s``: :func:`~kvkit.shared.client.store_lifetime`), the server's own forgetting.
 A CPU hit asks the shared tier too, so blocks an instance keeps only in its
 CPU tier are put again once the server lost them: a lookup checks its CPU
 hit's hashes that are not remembered (and not queued, in flight, or found lost
@@ -45,7 +46,8 @@ nothing, all within the step's budget, and never changes its hit.
 Invariants: a hash is offered only if every rank's key was present at its
 lookup; a fetched block is findable only after every worker's fetch landed,
 and stays referenced until its load completed; no hash has two puts in flight;
-no put is skipped for a hash put, fetched or found ``trust_s`` or longer ago, or before an outage;
+no put is skipped for a hash put, fetched or found ``trust_s`` (or the store's ``ttl_s``, if shorter) or longer
+ago, or before an outage;
 a CPU-hit hash remembered (or found lost) less than ``trust_s`` ago, and since the last outage, is not checked.
 """
 
@@ -71,7 +73,7 @@ from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
 from kvkit.redact import redact_text
-from kvkit.shared.client import store_deadline
+from kvkit.shared.client import store_deadline, store_lifetime
 from kvkit.stats import OffloadStats
 from kvkit.validate import (
     check_real,
@@ -110,6 +112,8 @@ class SharedTierSpec:
             and its cap (each failed retry doubles it).
         trust_s: how long a hash put, fetched or found is taken to be still held
             (not put again) without being looked up again; then it may be put again.
+            A store whose values expire (``ttl_s``, :func:`~kvkit.shared.client.store_lifetime`)
+            bounds it: nothing is taken to be held longer than the store keeps it.
         lookup_budget_s: how long one step may wait on the store in all (the
             store's deadline of one call: :func:`~kvkit.shared.client.connect_shared`
             passes a store's ``request_timeout_s``): its lookups wait on
@@ -513,4 +517,5 @@ class SharedTier:
         return memory
 
     def _expired(self, when: float) -> bool:
-        return self.spec.clock() - when >= self.spec.trust_s
+        """Whether a hash noted at ``when`` lapsed: ``spec.trust_s`` ago, or as long ago as the store keeps a value."""
+        return self.spec.clock() - when >= min(self.spec.trust_s, store_lifetime(self.spec.store) or math.inf)

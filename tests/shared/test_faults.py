@@ -302,6 +302,55 @@ def test_blocks_the_server_lost_are_put_again_from_the_cpu_tier(server, loss, tu
     b.close()
 
 
+@pytest.mark.parametrize("turn", ["same", "next"])
+def test_values_past_the_servers_ttl_are_put_again_within_the_ttl(server, turn):
+    """Values expire (``ttl_s``) long before ``trust_s``: the instance that put a prompt, keeping it in its CPU
+    tier, takes them as lost once the store's ``ttl_s`` passed (not ``trust_s``), so its next lookup of the
+    prompt (a CPU hit) or of the conversation's next turn puts them again and a second instance gets the whole
+    shared hit."""
+    clock = Clock()
+    url = server.url + FAST + "&ttl_s=1"
+    a, ea = instance(url, clock=clock)
+    serve(ea, "a1")
+    assert a.stats.blocks_put.value == 10
+    time.sleep(1.2)
+    assert server.call(b"DBSIZE") == 0  # every value expired
+    clock.now += 1.0  # the ttl, far from trust_s
+    a.gpu.reset()
+    if turn == "same":
+        assert serve(ea, "a2").cpu_hit_tokens == 36
+        lost, put = 9, 19
+    else:
+        assert serve(ea, "a2", PROMPT + [7000 + t for t in range(20)]).cpu_hit_tokens == 40
+        lost, put = 10, 25
+    assert a.stats.blocks_found_lost.value == lost, "values past the ttl were trusted as held"
+    assert a.stats.blocks_put.value == put, "values past the ttl were not put again"
+    b, eb = instance(url)
+    assert serve(eb, "b").cpu_hit_tokens == 36 and b.stats.shared_hit_tokens.value == 36
+    assert eb.integrity_errors == 0
+    a.close()
+    b.close()
+
+
+def test_write_back_puts_its_candidates_again_once_the_server_expired_them(server):
+    """write-back keeps the CPU pool's next victims put: on a server whose values expire (``ttl_s``), the
+    candidates are put again once the ttl passed, long before ``trust_s``."""
+    clock = Clock()
+    a, ea = instance(server.url + FAST + "&ttl_s=1", write="write-back", clock=clock)
+    serve(ea, "a1")
+    put = a.stats.blocks_put.value
+    assert put > 0 and server.call(b"DBSIZE") == 2 * put
+    time.sleep(1.2)
+    assert server.call(b"DBSIZE") == 0  # every value expired
+    clock.now += 1.0  # the ttl, far from trust_s
+    for _ in range(3):
+        ea.step()
+    ea.drain()
+    assert a.stats.blocks_put.value == 2 * put, "the expired candidates were not put again"
+    assert server.call(b"DBSIZE") == 2 * put
+    a.close()
+
+
 class _Counting(MemoryStore):
     """A memory store that records the keys of each ``contains`` round trip."""
 

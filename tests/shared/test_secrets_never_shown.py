@@ -224,7 +224,7 @@ def test_warnings_and_logs_never_show_a_secret(monkeypatch, caplog):
     an unauthenticated server beyond loopback show no password."""
     import kvkit.shared.client as client
 
-    monkeypatch.setattr(client, "_WARNED", set())
+    monkeypatch.setattr(client, "_WARNED", {})
     address = non_loopback_address_or_skip()
     reasons = []
 

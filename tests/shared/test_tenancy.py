@@ -14,6 +14,7 @@ import xxhash
 
 import kvkit
 import kvkit.shared.client as client
+from kvkit.backends.blockstore.link import MAX_NODES
 from kvkit.backends.blockstore.resp import Connection, ConnectOptions, Redirect, ServerError, key_slot
 from kvkit.config import SharedConfig
 from kvkit.hashing import hash_blocks
@@ -201,7 +202,7 @@ def test_a_value_forged_from_public_data(server, secret):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """This process has warned about no server yet."""
-    monkeypatch.setattr(client, "_WARNED", set())
+    monkeypatch.setattr(client, "_WARNED", {})
 
 
 def _warnings_of(build) -> list[str]:
@@ -225,6 +226,20 @@ def test_an_unauthenticated_server_beyond_loopback_is_warned_about_once(fresh_wa
         assert _warnings_of(lambda: _stack(url, secret=b"s")) == []
         for loopback in ("127.0.0.1", "localhost"):
             assert _warnings_of(lambda loopback=loopback: _stack(f"valkey://{loopback}:{remote.port}/0")) == []
+
+
+def test_the_nodes_warned_about_are_remembered_within_a_bound(fresh_warnings):
+    """Stores meeting ever new nodes beyond loopback (a Cluster whose nodes come back at new addresses) over a
+    process's life: it remembers the last ``MAX_NODES`` nodes it warned about, not every one, and is never
+    warned about one of those twice."""
+    nodes = [(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", 6379) for i in range(MAX_NODES + 50)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for node in nodes:
+            assert client._Unauthenticated().check([node])
+        assert len(caught) == len(nodes)
+        assert len(client._WARNED) == MAX_NODES, "every node ever warned about is remembered"
+        assert not client._Unauthenticated().check([nodes[-1]]), "a node just warned about was warned about again"
 
 
 def test_the_threat_model_is_in_the_readme_and_the_guide():

@@ -367,6 +367,7 @@ def _plant(tmp_path, what):
         "temporary name without its number": sub / f"{file}.tmp-x",
         "temporary name with a suffix": sub / f"{file}.tmp-x-1.kvb",
         "dangling symlink as a value": sub / file,
+        "hard link as a value": sub / file,
         "directory as a value": sub / file,
         "FIFO as a value": sub / file,
         "file as a subdirectory": tmp_path / "ff",
@@ -376,6 +377,10 @@ def _plant(tmp_path, what):
     target.parent.mkdir(exist_ok=True)
     if what.startswith(("dangling symlink", "symlink")):
         target.symlink_to(tmp_path / "nowhere")
+    elif what.startswith("hard link"):  # to a file outside the store's directory, of a value's size
+        outside = tmp_path.parent / f"{tmp_path.name}-secret"
+        outside.write_bytes(b"s" * 10)
+        os.link(outside, target)
     elif what.startswith("FIFO"):
         os.mkfifo(target)
     elif "directory" in what and "subdirectory" not in what:
@@ -388,8 +393,8 @@ def _plant(tmp_path, what):
 _FOREIGN = ["stray file named as a value", "stray file at the top", "stray directory at the top",
             "value in the wrong subdirectory", "upper-case name", "stray temporary file",
             "temporary name without its writer", "temporary name without its number", "temporary name with a suffix"]
-_BROKEN = ["dangling symlink as a value", "directory as a value", "FIFO as a value", "file as a subdirectory",
-           "symlink as a temporary file", "FIFO as a temporary file"]
+_BROKEN = ["dangling symlink as a value", "hard link as a value", "directory as a value", "FIFO as a value",
+           "file as a subdirectory", "symlink as a temporary file", "FIFO as a temporary file"]
 
 
 @pytest.mark.parametrize("what", _FOREIGN + _BROKEN)
@@ -407,7 +412,8 @@ def test_opening_counts_and_keeps_what_is_not_a_value(tmp_path, what):
     store.close()
 
 
-@pytest.mark.parametrize("what", ["dangling symlink as a value", "directory as a value", "FIFO as a value"])
+@pytest.mark.parametrize("what", ["dangling symlink as a value", "hard link as a value", "directory as a value",
+                                  "FIFO as a value"])
 def test_something_else_in_a_values_place_is_a_miss(tmp_path, what):
     """contains answers 0 and get fails (quoting the path, never blocking on a FIFO), never raising."""
     planted = _plant(tmp_path, what)
@@ -427,6 +433,28 @@ def test_a_symlink_to_a_file_is_never_followed(tmp_path):
     assert store.counters["broken"] == 1 and store.contains([b"planted"]) == 0
     result, (buffer,) = _get(store, [b"planted"], 10)
     assert result.failed == (0,) and buffer == bytearray(10) and os.path.lexists(link)
+    store.close()
+
+
+def test_a_hard_link_planted_over_an_indexed_value_is_never_read_counted_or_written_through(tmp_path):
+    """A neighbour replaces an indexed value's name with a hard link to a file outside ``path`` (of the value's
+    size): it is a miss that forgets the value (never read into the buffers, never counted), and a put of the
+    key renames a new file over the name, leaving the linked file's bytes as they were."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _put(store, [b"planted"], 10).ok and store.used_bytes == 10
+    sub, file = _sub(tmp_path, b"planted")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 10)
+    (sub / file).unlink()
+    os.link(secret, sub / file)
+    result, (buffer,) = _get(store, [b"planted"], 10)
+    assert result.failed == (0,) and buffer == bytearray(10), "a hard link's target was read"
+    assert store.contains([b"planted"]) == 0 and store.used_bytes == 0
+    assert _put(store, [b"planted"], 10).ok and store.contains([b"planted"]) == 1
+    assert secret.read_bytes() == b"s" * 10 and secret.stat().st_nlink == 1
+    result, (buffer,) = _get(store, [b"planted"], 10)
+    assert result.ok and buffer == bytearray(10) and store.used_bytes == 10
+    store.check_invariants()
     store.close()
 
 
