@@ -281,8 +281,10 @@ class Link:
     :class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`, read even when the close broke a
     send) is reopened and the node's unanswered keys retried on it once, whether the closed one was
     reused or opened by the call. ``health`` decides which nodes are skipped (see
-    :class:`NodeHealth`); in a Cluster a failed node also makes the next call re-read the slot map
-    (a failover moves its slots), keeping every other connection. Links given one ``topology`` share
+    :class:`NodeHealth`); in a Cluster a failed node also has the slot map read again, within the call
+    while its deadline lasts (else by the next call), keeping every other connection: its keys whose
+    slots the map now gives to another node (a failover, a node removed once its slots were resharded
+    away) are sent there in the same call. Links given one ``topology`` share
     their slot map (see :class:`Topology`).
 
     ``on_connect`` (if given) is called with a node's address before each connection to it is opened:
@@ -324,7 +326,8 @@ class Link:
         pending: list[int] = list(range(len(keys)))
         asked: dict[int, Address] = {}
         retried: set[Address] = set()
-        for _ in range(_MAX_ROUNDS):
+        for round_ in range(_MAX_ROUNDS):
+            failed: dict[int, Address] = {}  # keys of nodes found unusable this round: their node
             groups: dict[tuple[Address, bool], list[int]] = defaultdict(list)
             for i in pending:
                 target = asked.get(i)
@@ -350,11 +353,24 @@ class Link:
                 why = self._failed(address, exc, explained=refused)
                 for i in left:
                     outcomes[i] = Unreachable(why)
+                    failed[i] = address
+            if round_ + 1 < _MAX_ROUNDS:  # a round is left to send them in
+                pending += self._rerouted(keys, failed, deadline)
             if not pending:
                 break
         for i in pending:
             outcomes[i] = ServerError(f"still redirected after {_MAX_ROUNDS} tries")
         return outcomes
+
+    def _rerouted(self, keys: Sequence[bytes], failed: dict[int, Address], deadline: float) -> list[int]:
+        """The keys of ``failed`` (index: the node found unusable that held them up) to send again in this call: in a
+        Cluster, those whose slot the map, read again within ``deadline``, gives to another node (the failed node's
+        slots moved: a failover, a node removed after its slots were resharded away). None once the deadline passed:
+        the map is then read by the next call (no connection is used past its call's deadline)."""
+        if not failed or not self.cluster or time.monotonic() >= deadline or self.refresh(deadline) is not None:
+            return []
+        self._prune()
+        return [i for i, node in failed.items() if self._node_for(keys[i]) != node]
 
     def _admit(self, flights: dict[tuple[Address, bool], list[list[int]]], outcomes: list[object]) -> None:
         """Keep the link within :data:`MAX_NODES` connections for a round of ``flights`` (changed in place).
