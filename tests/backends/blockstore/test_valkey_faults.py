@@ -990,11 +990,13 @@ def _pipelined(node, commands):
         conn.close()
 
 
-def test_a_node_removed_after_its_slots_were_resharded_away_costs_no_key_of_the_live_nodes(partial_cluster):
+@pytest.mark.parametrize("removal", ["killed", "reset"])
+def test_a_node_removed_after_its_slots_were_resharded_away_costs_no_key_of_the_live_nodes(partial_cluster, removal):
     """Node 0's keys migrated to node 1, every slot of node 0 given to node 1 (SETSLOT NODE on every node), node 0
-    forgotten and shut down, all while the store was idle: its first get finds node 0 gone, reads the slot map again
-    within the call and returns every key (right bytes) from node 1, which keeps its connection; the next calls
-    wait on node 0 no more."""
+    forgotten, then shut down or reset (CLUSTER RESET: it runs on, in no Cluster, and answers -CLUSTERDOWN for
+    every key), all while the store was idle: its first get finds node 0 gone or serving no slot, reads the slot
+    map again within the call and returns every key (right bytes) from node 1, which keeps its connection; so do
+    the next calls, which send nothing to node 0. Only a node shut down is marked down (a reset one is usable)."""
     cluster = partial_cluster
     nodes = cluster.nodes
     ids = [n.call(b"CLUSTER", b"MYID") for n in nodes]
@@ -1019,14 +1021,20 @@ def test_a_node_removed_after_its_slots_were_resharded_away_costs_no_key_of_the_
             assert set(replies) == {b"OK"}, replies[:3]
         for node in nodes[1:]:
             node.call(b"CLUSTER", b"FORGET", ids[0])
-        gone.kill()
+        if removal == "killed":
+            gone.kill()
+        else:
+            gone.call(b"CLUSTER", b"RESET", b"HARD")
         result, buffers = _get(store, keys, 1000, 1.0)
         assert result.ok and buffers == values, result
         assert store._io.link._conns[seeds[1]] is heir_conn, "the connection to a live node was reopened"
         start = time.monotonic()
         assert store.contains(keys) == len(keys)
-        assert _get(store, keys, 1000, 1.0)[0].ok
+        again, buffers = _get(store, keys, 1000, 1.0)
+        assert again.ok and buffers == values, again
         assert time.monotonic() - start < 1.0, "calls waited on the removed node again"
+        assert seeds[0] not in store._io.link._conns and seeds[0] not in store._lookup._conns
+        assert list(store.down_nodes) == ([seeds[0]] if removal == "killed" else []), store.down_nodes
     finally:
         store.close()
 
