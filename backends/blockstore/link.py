@@ -281,8 +281,11 @@ class Link:
     :class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`, read even when the close broke a
     send) is reopened and the node's unanswered keys retried on it once, whether the closed one was
     reused or opened by the call. ``health`` decides which nodes are skipped (see
-    :class:`NodeHealth`); in a Cluster a failed node also makes the next call re-read the slot map
-    (a failover moves its slots), keeping every other connection. Links given one ``topology`` share
+    :class:`NodeHealth`); in a Cluster a failed node also has the slot map read again, within the call
+    while its deadline lasts (else by the next call), keeping every other connection: its keys whose
+    slots the map now gives to another node (a failover, a node removed once its slots were resharded
+    away) are sent there in the same call. So are the keys a node answered ``-CLUSTERDOWN`` (a node reset
+    out of the Cluster serves no slot), with no evidence against it. Links given one ``topology`` share
     their slot map (see :class:`Topology`).
 
     ``on_connect`` (if given) is called with a node's address before each connection to it is opened:
@@ -324,7 +327,8 @@ class Link:
         pending: list[int] = list(range(len(keys)))
         asked: dict[int, Address] = {}
         retried: set[Address] = set()
-        for _ in range(_MAX_ROUNDS):
+        for round_ in range(_MAX_ROUNDS):
+            unserved: dict[int, Address] = {}  # keys a node did not serve this round (see _rerouted): that node
             groups: dict[tuple[Address, bool], list[int]] = defaultdict(list)
             for i in pending:
                 target = asked.get(i)
@@ -339,7 +343,7 @@ class Link:
                     for i in indices:
                         outcomes[i] = Unreachable(why)
             self._admit(flights, outcomes)
-            broken = self._fly(flights, encode, read, deadline, outcomes, pending, asked)
+            broken = self._fly(flights, encode, read, deadline, outcomes, pending, asked, unserved)
             for address, (exc, left, left_asked, refused) in broken.items():
                 if (refused or _closed_by_server(exc)) and not self._stalled(exc) and address not in retried:
                     self._drop(address)
@@ -350,11 +354,26 @@ class Link:
                 why = self._failed(address, exc, explained=refused)
                 for i in left:
                     outcomes[i] = Unreachable(why)
+                    unserved[i] = address
+            if round_ + 1 < _MAX_ROUNDS:  # a round is left to send them in
+                pending += self._rerouted(keys, unserved, deadline)
             if not pending:
                 break
         for i in pending:
             outcomes[i] = ServerError(f"still redirected after {_MAX_ROUNDS} tries")
         return outcomes
+
+    def _rerouted(self, keys: Sequence[bytes], unserved: dict[int, Address], deadline: float) -> list[int]:
+        """The keys of ``unserved`` to send again in this call: in a Cluster, those whose slot the map, read again
+        within ``deadline``, gives to another node than the one that did not serve them (index: that node) - a
+        node found unusable (a failover moved its slots, or it was removed once they were resharded away) or one
+        that answered ``-CLUSTERDOWN`` (it left the Cluster and serves no slot, or the Cluster is down). None once
+        the deadline passed: the map is then read by the next call (no connection is used past its call's
+        deadline)."""
+        if not unserved or not self.cluster or time.monotonic() >= deadline or self.refresh(deadline) is not None:
+            return []
+        self._prune()
+        return [i for i, node in unserved.items() if self._node_for(keys[i]) != node]
 
     def _admit(self, flights: dict[tuple[Address, bool], list[list[int]]], outcomes: list[object]) -> None:
         """Keep the link within :data:`MAX_NODES` connections for a round of ``flights`` (changed in place).
@@ -381,7 +400,8 @@ class Link:
 
     def _fly(self, flights: dict[tuple[Address, bool], list[list[int]]], encode: Encode, read: Read,
              deadline: float, outcomes: list[object], pending: list[int],
-             asked: dict[int, Address]) -> dict[Address, tuple[BaseException, list[int], dict[int, Address], bool]]:
+             asked: dict[int, Address], unserved: dict[int, Address],
+             ) -> dict[Address, tuple[BaseException, list[int], dict[int, Address], bool]]:
         """Send every chunk and read its replies, each node on its own: a node waited on never delays another.
 
         A node's chunks (its ASKed ones after the others) go through one pipeline (:meth:`_leg`): chunk
@@ -411,7 +431,7 @@ class Link:
             read_so_far = [*leg.results, *[[]] * (len(leg.chunks) - len(leg.results))]
             for (_, indices), results in zip(leg.chunks, read_so_far):
                 for i, outcome in zip(indices, results):
-                    self._settle(i, outcome, address, outcomes, pending, asked)
+                    self._settle(i, outcome, address, outcomes, pending, asked, unserved)
             if leg.error is not None:
                 left: list[int] = []
                 left_asked: dict[int, Address] = {}
@@ -490,13 +510,16 @@ class Link:
         return chunks
 
     def _settle(self, i: int, outcome: object, answered: Address, outcomes: list[object], pending: list[int],
-                asked: dict[int, Address]) -> None:
+                asked: dict[int, Address], unserved: dict[int, Address]) -> None:
         """Record key ``i``'s outcome from ``answered``, or queue it for the node a redirect names.
 
         A redirect to the host ``""`` (a node with ``cluster-preferred-endpoint-type unknown-endpoint``)
         means ``answered``'s host at the port given; one to ``"?"`` (``hostname`` preferred, none
         announced) names no host: the key fails and the next call re-reads the slot map (whose
-        ``?`` endpoints give their IP address beside them, see :func:`_slot_map`).
+        ``?`` endpoints give their IP address beside them, see :func:`_slot_map`). A ``-CLUSTERDOWN`` from a
+        Cluster node (it left the Cluster, or the Cluster is down) is the key's outcome unless the slot map, read
+        again, gives its slot to another node (``unserved``, see :meth:`_rerouted`); it is no evidence against
+        the node.
         """
         if isinstance(outcome, Redirect) and not self.cluster:
             outcome = ServerError("a MOVED/ASK reply: the server is a Cluster node; hint: use a valkey+cluster:// URL")
@@ -515,6 +538,9 @@ class Link:
             pending.append(i)
         else:
             outcomes[i] = outcome
+            if self.cluster and isinstance(outcome, ServerError) and str(outcome).startswith("CLUSTERDOWN"):
+                self.topology.outdated()
+                unserved[i] = answered
 
     @staticmethod
     def _read(address: Address, conn: Connection, indices: list[int], ask: bool, read: Read,

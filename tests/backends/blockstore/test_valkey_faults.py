@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kvkit.backends.blockstore.resp import key_slot
+from kvkit.backends.blockstore.resp import Connection, ConnectOptions, command, key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
 from kvkit.testing.forked import in_child
 from kvkit.testing.servers import LocalCluster, LocalServer, server_binary, server_binary_or_skip
@@ -977,6 +977,65 @@ def test_a_slot_moved_to_another_node_is_followed_without_reconnecting(valkey_cl
         target.call(b"DEL", *[k for k in keys if key_slot(k) == key_slot(key)])
         for node in nodes:
             node.call(b"CLUSTER", b"SETSLOT", slot, b"NODE", source_id)
+        store.close()
+
+
+def _pipelined(node, commands):
+    """Send ``commands`` (argument tuples) to ``node`` over one connection, in one pipeline; answer the replies."""
+    conn = Connection(("127.0.0.1", node.port), ConnectOptions(10.0, 10.0))
+    try:
+        conn.send([command(*args) for args in commands])
+        return [conn.reply() for _ in commands]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("removal", ["killed", "reset"])
+def test_a_node_removed_after_its_slots_were_resharded_away_costs_no_key_of_the_live_nodes(partial_cluster, removal):
+    """Node 0's keys migrated to node 1, every slot of node 0 given to node 1 (SETSLOT NODE on every node), node 0
+    forgotten, then shut down or reset (CLUSTER RESET: it runs on, in no Cluster, and answers -CLUSTERDOWN for
+    every key), all while the store was idle: its first get finds node 0 gone or serving no slot, reads the slot
+    map again within the call and returns every key (right bytes) from node 1, which keeps its connection; so do
+    the next calls, which send nothing to node 0. Only a node shut down is marked down (a reset one is usable)."""
+    cluster = partial_cluster
+    nodes = cluster.nodes
+    ids = [n.call(b"CLUSTER", b"MYID") for n in nodes]
+    seeds = [("127.0.0.1", n.port) for n in nodes]
+    store = ValkeyStore(seeds, cluster=True, request_timeout_s=1.0, connect_timeout_s=1.0, retry_interval_s=30.0)
+    keys = [b"kvkit:removed:%d" % i for i in range(60)]
+    values = _values(60, 1000)
+    try:
+        assert _put(store, keys, values, 1.0).ok
+        on_gone = {key_slot(k) for k in keys if _owner(cluster, k) == 0}
+        assert on_gone and len(on_gone) < len(keys)
+        gone, heir = nodes[0], nodes[1]
+        heir_conn = store._io.link._conns[seeds[1]]
+        for slot in sorted(on_gone):
+            held = gone.call(b"CLUSTER", b"GETKEYSINSLOT", b"%d" % slot, b"100")
+            heir.call(b"CLUSTER", b"SETSLOT", b"%d" % slot, b"IMPORTING", ids[0])
+            gone.call(b"CLUSTER", b"SETSLOT", b"%d" % slot, b"MIGRATING", ids[1])
+            gone.call(b"MIGRATE", b"127.0.0.1", b"%d" % heir.port, b"", b"0", b"5000", b"KEYS", *held)
+        for node in (heir, gone, nodes[2]):
+            replies = _pipelined(node, [(b"CLUSTER", b"SETSLOT", b"%d" % slot, b"NODE", ids[1])
+                                        for slot in range(16384 // 3)])
+            assert set(replies) == {b"OK"}, replies[:3]
+        for node in nodes[1:]:
+            node.call(b"CLUSTER", b"FORGET", ids[0])
+        if removal == "killed":
+            gone.kill()
+        else:
+            gone.call(b"CLUSTER", b"RESET", b"HARD")
+        result, buffers = _get(store, keys, 1000, 1.0)
+        assert result.ok and buffers == values, result
+        assert store._io.link._conns[seeds[1]] is heir_conn, "the connection to a live node was reopened"
+        start = time.monotonic()
+        assert store.contains(keys) == len(keys)
+        again, buffers = _get(store, keys, 1000, 1.0)
+        assert again.ok and buffers == values, again
+        assert time.monotonic() - start < 1.0, "calls waited on the removed node again"
+        assert seeds[0] not in store._io.link._conns and seeds[0] not in store._lookup._conns
+        assert list(store.down_nodes) == ([seeds[0]] if removal == "killed" else []), store.down_nodes
+    finally:
         store.close()
 
 
