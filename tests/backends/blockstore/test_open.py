@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 import pytest
 
@@ -91,6 +92,16 @@ def test_a_tls_file_that_is_a_fifo_is_refused_at_once(tmp_path, option):
     thread.join(20.0)
     assert outcome and isinstance(outcome[0], ConfigError), outcome
     assert f"{option}={str(path)!r}" in str(outcome[0]) and "not a regular file" in str(outcome[0]), outcome
+
+
+@pytest.mark.parametrize("option", ["tls_ca", "tls_cert", "tls_key"])
+def test_a_tls_file_path_holding_a_nul_byte_is_a_config_error_quoting_it(tmp_path, option):
+    """A TLS file's path that no file can have (a NUL byte, percent-encoded in the URL) is a ConfigError quoting
+    it, as any other TLS file that cannot be loaded, never the ValueError of the system call."""
+    (tmp_path / "c.pem").write_text("a certificate")
+    given = {"tls_cert": str(tmp_path / "c.pem")} if option == "tls_key" else {}
+    with pytest.raises(ConfigError, match=re.escape(f"{option}='bad\\x00path'")):
+        open_block_store(f"valkeys://h:1/0?{option}=bad%00path", **given)
 
 
 def test_an_encrypted_tls_key_is_refused_without_prompting_for_its_passphrase(tmp_path):
