@@ -104,6 +104,21 @@ def test_a_tls_file_path_holding_a_nul_byte_is_a_config_error_quoting_it(tmp_pat
         open_block_store(f"valkeys://h:1/0?{option}=bad%00path", **given)
 
 
+_KEY_BODY = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7"
+_PEM_KEY = f"-----BEGIN PRIVATE KEY-----\n{_KEY_BODY}\n-----END PRIVATE KEY-----\n"
+
+
+@pytest.mark.parametrize("given", [{"tls_cert": "/nonexistent/c.pem", "tls_key": _PEM_KEY},
+                                   {"tls_key": _PEM_KEY}, {"tls_cert": _PEM_KEY + _PEM_KEY},
+                                   {"tls_ca": _PEM_KEY[:40]}, {"tls_key": _PEM_KEY, "tls_cert": "/c.pem", "bogus": 1}])
+def test_a_private_key_given_where_its_path_belongs_is_never_shown(given):
+    """A private key's PEM text given as a TLS file option (a secret pasted where its path belongs) is refused
+    with a ConfigError that shows none of it, whichever message refuses it, a key cut short included."""
+    with pytest.raises(ConfigError) as refused:
+        open_block_store("valkeys://h:1/0", **given)
+    assert _KEY_BODY[:10] not in str(refused.value) and "***" in str(refused.value), str(refused.value)
+
+
 def test_an_encrypted_tls_key_is_refused_without_prompting_for_its_passphrase(tmp_path):
     """A TLS key encrypted with a passphrase: opening the store in a process with a terminal is a ConfigError
     saying so, at once, never OpenSSL's 'Enter PEM pass phrase:' prompt, which waits for a typist forever."""
