@@ -67,7 +67,7 @@ import functools
 import re
 from collections.abc import Collection, Mapping
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_plus
 
 __all__ = ["MASK", "is_secret_name", "redact", "redact_address", "redact_options", "redact_text", "redact_url",
            "secret_repr"]
@@ -154,11 +154,13 @@ def redact_address(address: str) -> str:
 
 
 def _query_item(item: str) -> str:
-    """One ``name=value`` of a URL's query, shown: a secret name's value masked, an item naming no option too."""
+    """One ``name=value`` of a URL's query, shown: a secret name's value masked, a value holding a PEM private key
+    (percent-encoded) too, and an item naming no option."""
     name, eq, value = item.partition("=")
     if not (name and eq):
         return item and MASK  # names no option: perhaps a password's tail after an unencoded '&'
-    return name + eq + (MASK if is_secret_name(unquote(name)) else value)
+    secret = is_secret_name(unquote(name)) or _PRIVATE_KEY.search(unquote_plus(value)) is not None
+    return name + eq + (MASK if secret else value)
 
 
 def redact(value: Any, _depth: int = 0) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from urllib.parse import quote as quote_url
+from urllib.parse import quote_plus
 
 import pytest
 
@@ -117,6 +119,15 @@ def test_a_private_key_given_where_its_path_belongs_is_never_shown(given):
     with pytest.raises(ConfigError) as refused:
         open_block_store("valkeys://h:1/0", **given)
     assert _KEY_BODY[:10] not in str(refused.value) and "***" in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("encode", [quote_url, quote_plus])
+def test_a_private_key_given_in_the_urls_query_is_never_shown(encode):
+    """A private key's PEM text percent-encoded into the URL's query (``tls_key=-----BEGIN%20PRIVATE...``) is
+    masked in the URL every message quotes."""
+    with pytest.raises(ConfigError) as refused:
+        open_block_store(f"valkeys://h:1/0?tls_cert=/c.pem&tls_key={encode(_PEM_KEY, safe='')}")
+    assert _KEY_BODY[:10] not in str(refused.value) and "tls_key=***" in str(refused.value), str(refused.value)
 
 
 def test_an_encrypted_tls_key_is_refused_without_prompting_for_its_passphrase(tmp_path):
