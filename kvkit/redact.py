@@ -25,7 +25,11 @@ A *secret* is
   (kvkit refuses it), and may be the tail of a password holding an
   unencoded ``&``;
 * a value kvkit was told is secret (the shared tier's HMAC key): its field's
-  repr is :func:`secret_repr`, and a check of it names its type only.
+  repr is :func:`secret_repr`, and a check of it names its type only;
+* a PEM private key (``-----BEGIN ... PRIVATE KEY-----`` through its
+  ``-----END ... PRIVATE KEY-----`` line, or to the end of the text when that
+  is missing), wherever it is: a key's text given where its file's path
+  belongs (``tls_key``, ``tls_cert``) is quoted by every message about that path.
 
 Each is shown as ``***``; what is not secret (the user name, hosts, other
 options) stays, so a message still says what was wrong. ``None`` stays too:
@@ -63,7 +67,7 @@ import functools
 import re
 from collections.abc import Collection, Mapping
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_plus
 
 __all__ = ["MASK", "is_secret_name", "redact", "redact_address", "redact_options", "redact_text", "redact_url",
            "secret_repr"]
@@ -88,6 +92,8 @@ _IN_MAPPING = re.compile(r"[{,]\s*$")  # what comes before a mapping's key
 _PLAIN_END = re.compile(r"""[\s,;&)}\]'"]|:(?!\S)""")  # what ends a value neither quoted nor bracketed
 _CLOSE = {"[": "]", "(": ")", "{": "}", "<": ">"}
 _DEPTH = 6
+_PRIVATE_KEY = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----(?:.*?-----END [A-Z0-9 ]*PRIVATE KEY-----|.*)",
+                          re.DOTALL)
 
 
 def is_secret_name(name: object) -> bool:
@@ -148,11 +154,13 @@ def redact_address(address: str) -> str:
 
 
 def _query_item(item: str) -> str:
-    """One ``name=value`` of a URL's query, shown: a secret name's value masked, an item naming no option too."""
+    """One ``name=value`` of a URL's query, shown: a secret name's value masked, a value holding a PEM private key
+    (percent-encoded) too, and an item naming no option."""
     name, eq, value = item.partition("=")
     if not (name and eq):
         return item and MASK  # names no option: perhaps a password's tail after an unencoded '&'
-    return name + eq + (MASK if is_secret_name(unquote(name)) else value)
+    secret = is_secret_name(unquote(name)) or _PRIVATE_KEY.search(unquote_plus(value)) is not None
+    return name + eq + (MASK if secret else value)
 
 
 def redact(value: Any, _depth: int = 0) -> Any:
@@ -194,7 +202,9 @@ def redact_options(options: Mapping[str, Any], known: Collection[str]) -> dict[s
 
 
 def redact_text(text: str) -> str:
-    """``text`` with every URL's password and every secret-named value it recognises shown as ``***``."""
+    """``text`` with every URL's password, secret-named value and PEM private key it recognises shown as ``***``."""
+    if "PRIVATE KEY-----" in text:
+        text = _PRIVATE_KEY.sub(MASK, text)
     if "://" in text:
         text = _QUOTED_URL.sub(lambda m: m["q"] + redact_url(m["url"]) + m["q"], text)  # spaces and all
         text = _URL_IN_TEXT.sub(_url_in_text, text)

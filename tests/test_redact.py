@@ -280,3 +280,15 @@ def test_every_attrs_field_that_may_hold_a_secret_has_a_masking_repr():
 
 
 _NOT_SECRET = {("kvkit/integrations/hf/cache.py:_Job", "first_token_at")}  # a time, named after tokens
+
+
+@pytest.mark.parametrize("kind", ["", "RSA ", "EC ", "ENCRYPTED ", "OPENSSH "])
+def test_a_pem_private_key_is_masked_wherever_it_is_and_the_rest_stays(kind):
+    """A PEM private key (of any kind, cut short too) is masked in text and as a value; a certificate is shown."""
+    key = f"-----BEGIN {kind}PRIVATE KEY-----\nMIIEvQIBADANBgkq\n-----END {kind}PRIVATE KEY-----\n"
+    text = f"tls_key={key!r} cannot be loaded: no such file: {key!r}; the rest stays"
+    assert redact_text(text) == f"tls_key='{MASK}\\n' cannot be loaded: no such file: '{MASK}\\n'; the rest stays"
+    assert redact_text(f"cut short: {key[:40]}") == f"cut short: {MASK}"
+    assert redact(key) == f"{MASK}\n"
+    cert = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    assert redact_text(cert) == cert

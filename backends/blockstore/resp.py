@@ -155,16 +155,20 @@ class Connection:
         try:
             sock = _connect(address, timeout)
         except TimeoutError as exc:  # a short budget running out is not the node's fault
-            full = timeout >= _FAIR_CONNECT * budget
-            raise (exc if full else DeadlineExceeded(f"timed out connecting: {exc}", 0.0)) from None
+            raise _connect_timeout(exc, timeout, budget, 0.0) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if options.tls is not None:  # the handshake gets what the connect left of `timeout`
-                left = start + timeout - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"timed out connecting to {address[0]}:{address[1]} before the TLS handshake")
-                sock.settimeout(left)
-                sock = options.tls.wrap_socket(sock, server_hostname=address[0])
+                shaking = time.monotonic()
+                left = start + timeout - shaking
+                try:
+                    if left <= 0:
+                        raise TimeoutError(f"timed out connecting to {address[0]}:{address[1]} before the TLS "
+                                           f"handshake")
+                    sock.settimeout(left)
+                    sock = options.tls.wrap_socket(sock, server_hostname=address[0])
+                except TimeoutError as exc:  # the handshake's silence, judged as a connect's
+                    raise _connect_timeout(exc, timeout, budget, time.monotonic() - shaking) from None
             sock.setblocking(False)
         except BaseException:
             sock.close()
@@ -502,6 +506,15 @@ class _Allowance:
 
 
 _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
+
+
+def _connect_timeout(exc: TimeoutError, timeout: float, budget: float, silent_s: float) -> TimeoutError:
+    """What a connect or TLS handshake that timed out after ``timeout`` seconds of a ``budget`` raises: ``exc``
+    (evidence against the node) when it had the budget, or nearly; else :class:`DeadlineExceeded` (the call's
+    deadline cut it short) with ``silent_s`` as its ``stalled_s``: how long the handshake waited (a connect: 0)."""
+    if timeout >= _FAIR_CONNECT * budget:
+        return exc
+    return DeadlineExceeded(f"timed out connecting: {exc}", silent_s)
 
 
 def _connect(address: Address, timeout: float) -> socket.socket:

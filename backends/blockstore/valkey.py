@@ -357,7 +357,7 @@ class ValkeyStore:
             context = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:
                 context.load_cert_chain(self.tls_cert, self.tls_key, password=_no_passphrase)
-        except (OSError, ssl.SSLError) as exc:
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; a path holding NUL: a ValueError
             raise ConfigError(f"ValkeyStore TLS files (tls_ca={self.tls_ca!r}, tls_cert={self.tls_cert!r}, "
                               f"tls_key={self.tls_key!r}) cannot be loaded: {exc}") from exc
         if not self.tls_verify:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+from urllib.parse import quote as quote_url
+from urllib.parse import quote_plus
 
 import pytest
 
@@ -91,6 +94,40 @@ def test_a_tls_file_that_is_a_fifo_is_refused_at_once(tmp_path, option):
     thread.join(20.0)
     assert outcome and isinstance(outcome[0], ConfigError), outcome
     assert f"{option}={str(path)!r}" in str(outcome[0]) and "not a regular file" in str(outcome[0]), outcome
+
+
+@pytest.mark.parametrize("option", ["tls_ca", "tls_cert", "tls_key"])
+def test_a_tls_file_path_holding_a_nul_byte_is_a_config_error_quoting_it(tmp_path, option):
+    """A TLS file's path that no file can have (a NUL byte, percent-encoded in the URL) is a ConfigError quoting
+    it, as any other TLS file that cannot be loaded, never the ValueError of the system call."""
+    (tmp_path / "c.pem").write_text("a certificate")
+    given = {"tls_cert": str(tmp_path / "c.pem")} if option == "tls_key" else {}
+    with pytest.raises(ConfigError, match=re.escape(f"{option}='bad\\x00path'")):
+        open_block_store(f"valkeys://h:1/0?{option}=bad%00path", **given)
+
+
+_KEY_BODY = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7"
+_PEM_KEY = f"-----BEGIN PRIVATE KEY-----\n{_KEY_BODY}\n-----END PRIVATE KEY-----\n"
+
+
+@pytest.mark.parametrize("given", [{"tls_cert": "/nonexistent/c.pem", "tls_key": _PEM_KEY},
+                                   {"tls_key": _PEM_KEY}, {"tls_cert": _PEM_KEY + _PEM_KEY},
+                                   {"tls_ca": _PEM_KEY[:40]}, {"tls_key": _PEM_KEY, "tls_cert": "/c.pem", "bogus": 1}])
+def test_a_private_key_given_where_its_path_belongs_is_never_shown(given):
+    """A private key's PEM text given as a TLS file option (a secret pasted where its path belongs) is refused
+    with a ConfigError that shows none of it, whichever message refuses it, a key cut short included."""
+    with pytest.raises(ConfigError) as refused:
+        open_block_store("valkeys://h:1/0", **given)
+    assert _KEY_BODY[:10] not in str(refused.value) and "***" in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("encode", [quote_url, quote_plus])
+def test_a_private_key_given_in_the_urls_query_is_never_shown(encode):
+    """A private key's PEM text percent-encoded into the URL's query (``tls_key=-----BEGIN%20PRIVATE...``) is
+    masked in the URL every message quotes."""
+    with pytest.raises(ConfigError) as refused:
+        open_block_store(f"valkeys://h:1/0?tls_cert=/c.pem&tls_key={encode(_PEM_KEY, safe='')}")
+    assert _KEY_BODY[:10] not in str(refused.value) and "tls_key=***" in str(refused.value), str(refused.value)
 
 
 def test_an_encrypted_tls_key_is_refused_without_prompting_for_its_passphrase(tmp_path):

@@ -281,6 +281,25 @@ def test_a_tls_handshake_gets_only_what_the_connect_left_of_its_budget(monkeypat
             store.close()
 
 
+def test_a_tls_handshake_cut_short_by_the_call_deadline_is_no_evidence_against_the_node():
+    """A host that completes connects and never answers the TLS handshake: a call whose deadline is a small
+    share of the connect budget gives up by it without marking the node down (its silence was short, as a
+    connect cut short by the deadline is none); one that waits the whole budget marks it down."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # the kernel completes connects; nothing answers
+        address = listener.getsockname()[:2]
+        store = _store(address, tls=True, tls_verify=False, request_timeout_s=4 * DEADLINE,
+                       connect_timeout_s=4 * DEADLINE, retry_interval_s=30)
+        try:
+            start = time.monotonic()
+            assert store.contains([b"a"], timeout_s=DEADLINE / 2) == 0
+            assert time.monotonic() - start < DEADLINE / 2 + SLACK
+            assert store.down_nodes == {}, "a handshake silent for a short deadline marked its node down"
+            assert store.contains([b"a"]) == 0
+            assert list(store.down_nodes) == [address]
+        finally:
+            store.close()
+
+
 # -- a server that closes idle connections ---------------------------------------------------------------
 
 
