@@ -399,7 +399,8 @@ def test_a_second_engine_reuses_the_first_ones_prefixes_through_the_shared_tier(
 def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_identical_tokens(tiny_llama):
     """Every value in Valkey corrupted (one byte flipped): the fetches fail their checks, the loads that read them
     are reported failed, and vLLM recomputes those blocks (never ends a request with an error): the same tokens
-    as the run that computed them, the failures counted, and nothing held."""
+    as the run that computed them, the failures counted; the step that read the failed blocks stored nothing,
+    so the CPU tier then serves the same tokens too; nothing held."""
     from kvkit.testing.servers import LocalServer, server_binary_or_skip
 
     with LocalServer(server_binary_or_skip()) as server, \
@@ -420,6 +421,10 @@ def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_
         assert sched.stats.shared_hit_tokens.value > 0 and sched.stats.fetches_failed.value > 0
         assert sched.stats.loads_failed.value == len(prompts)
         assert worker.worker_side.shared.invalid_values > 0
+        reset_prefix_cache(llm, connector=False)  # what the CPU tier holds now is served
+        served = replay(llm, prompts, 4)
+        assert served.kvkit_loaded_tokens > 0
+        assert served.outputs == computed.outputs
         assert_nothing_held(llm)
 
 
