@@ -395,6 +395,39 @@ def test_a_second_engine_reuses_the_first_ones_prefixes_through_the_shared_tier(
     assert [t.outputs for t in second] == [t.outputs for t in reference]
 
 
+@pytest.mark.timeout(120)
+def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_identical_tokens(tiny_llama):
+    """Every value in Valkey corrupted (one byte flipped): the fetches fail their checks, the loads that read them
+    are reported failed, and vLLM recomputes those blocks (never ends a request with an error): the same tokens
+    as the run that computed them, the failures counted; the step that read the failed blocks stored nothing,
+    so the CPU tier then serves the same tokens too; nothing held."""
+    from kvkit.testing.servers import LocalServer, server_binary_or_skip
+
+    with LocalServer(server_binary_or_skip()) as server, \
+            engine(tiny_llama, extra_config={"cpu_bytes": "4MiB", "shared": server.url}) as llm:
+        prompts = [m[0] for m in ex.user_messages(llm.get_tokenizer(), 2, 1, 18)]  # three blocks each
+        computed = replay(llm, prompts, 4)
+        settle(llm)
+        keys = server.call(b"KEYS", b"*")
+        assert keys
+        for key in keys:  # the same length, one payload byte flipped: only the value's check can tell
+            value = bytearray(server.call(b"GET", key))
+            value[-1] ^= 0xFF
+            server.call(b"SET", key, bytes(value))
+        reset_prefix_cache(llm, connector=True)  # the next lookups find the prefixes in the shared tier only
+        again = replay(llm, prompts, 4)
+        sched, worker = connectors(llm)
+        assert again.outputs == computed.outputs
+        assert sched.stats.shared_hit_tokens.value > 0 and sched.stats.fetches_failed.value > 0
+        assert sched.stats.loads_failed.value == len(prompts)
+        assert worker.worker_side.shared.invalid_values > 0
+        reset_prefix_cache(llm, connector=False)  # what the CPU tier holds now is served
+        served = replay(llm, prompts, 4)
+        assert served.kvkit_loaded_tokens > 0
+        assert served.outputs == computed.outputs
+        assert_nothing_held(llm)
+
+
 def test_a_vllm_outside_the_supported_range_is_refused_by_name():
     """Importing the connector under another vLLM release fails at once, naming the version and the range."""
     from kvkit.integrations.vllm import SUPPORTED_VLLM, check_vllm_version

@@ -139,6 +139,11 @@ def _worker_rank() -> int:
 class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
     """kvkit's CPU offload tier as a vLLM KV connector (both roles; see the module docstring).
 
+    A load that fails (a CPU copy, a shared-tier fetch missing, corrupt or late) is a miss: its
+    blocks go to vLLM's ``invalid_block_ids`` and the request recomputes them, never fails. The
+    connector sets vLLM's ``kv_load_failure_policy`` to ``"recompute"`` for that (vLLM's default,
+    ``"fail"``, would end the request with an error; a cache's miss is no error).
+
     Attributes (for inspection, e.g. in tests):
         settings: the validated configuration.
         scheduler_side / worker_side: the role's driver (``None`` for the other
@@ -153,6 +158,9 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise ConfigError("KVKitConnector needs vLLM's kv_cache_config, got None")
         self.settings = connector_settings(vllm_config, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None, "vLLM builds a KV connector only from its kv_transfer_config"
+        transfer.kv_load_failure_policy = "recompute"  # vLLM's scheduler reads it once the connector is built
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role is KVConnectorRole.WORKER:

@@ -278,7 +278,13 @@ class WorkerSide:
         return received or None
 
     def after_forward(self, order: StepOrder | None) -> None:
-        """Submit the step's stores (once), after the compute that wrote them; collect finished copies."""
+        """Submit the step's stores (once), after the compute that wrote them; collect finished copies.
+
+        A step with a load that failed (its GPU blocks not yet taken by ``take_load_errors``) stores
+        nothing: its forward pass attended to those blocks' stale bytes, so every block it computed may
+        be wrong until vLLM recomputes it. Its stores are reported failed (a later miss, never a wrong
+        byte in the CPU tier).
+        """
         if order is not None and order.step != self._stored_step:
             assert not order.plan.loads or order.step == self._loaded_step, (
                 f"step {order.step}: vLLM ran the forward pass before start_load_kv loaded its hits")
@@ -287,7 +293,10 @@ class WorkerSide:
                 self._wait_step_loads()
             on_device = self.engines[0].gpu_kv[0].device.type != "cpu"
             for tid, plan in order.plan.stores:
-                self._submit(tid, plan, written=self._written[plan.group], layered=on_device)
+                if self._load_errors:  # this step's forward pass may have read a block whose load failed
+                    self._collect([TransferResult(tid, self.rank, ok=False)])
+                else:
+                    self._submit(tid, plan, written=self._written[plan.group], layered=on_device)
             if self.shared is not None:
                 self.shared.put(order.plan.puts)
         self._written = self._no_writes()
