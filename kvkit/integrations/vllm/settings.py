@@ -336,6 +336,11 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         problems.append(
             f"store={stack.store!r}: a write-back policy stores single GPU blocks, and this model has "
             f"{plural(len(kv.groups), 'KV cache group')}; use eager, selective or never")
+    if stack is not None and len(kv.groups) > 1 and stack.shared is not None:
+        problems.append(
+            f"a shared tier (shared, or kv_offload_backend='disk') for a model with "
+            f"{plural(len(kv.groups), 'KV cache group')}: vLLM stops the engine on a failed load of such a model's "
+            f"blocks (a shared value missing, corrupt or late), so one bad value would stop it; leave it out")
     if problems:
         raise ConfigError(problems)
     assert stack is not None  # built, or its problems were raised
