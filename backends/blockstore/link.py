@@ -31,6 +31,7 @@ from kvkit.backends.blockstore.resp import (
     ProtocolRefusal,
     Redirect,
     ServerError,
+    SlotUnserved,
     key_slot,
     node_host,
 )
@@ -538,7 +539,7 @@ class Link:
             pending.append(i)
         else:
             outcomes[i] = outcome
-            if self.cluster and isinstance(outcome, ServerError) and str(outcome).startswith("CLUSTERDOWN"):
+            if self.cluster and isinstance(outcome, SlotUnserved):
                 self.topology.outdated()
                 unserved[i] = answered
 

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 import attrs
 
 __all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions", "Connection",
-           "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError", "command",
-           "error_reply", "key_slot", "node_host"]
+           "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError", "SlotUnserved",
+           "command", "error_reply", "key_slot", "node_host"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -69,6 +69,11 @@ class ProtocolRefusal(ServerError):  # noqa: N818 - a reply, as ServerError is
     """``-ERR Protocol error: ...``: the server refused a command's framing (a bulk longer than its
     ``proto-max-bulk-len``: ``invalid bulk length``) and closes the connection after this reply, unread
     commands and all: the command's failure, and the reason the connection breaks right after."""
+
+
+class SlotUnserved(ServerError):  # noqa: N818 - a reply, as ServerError is
+    """``-CLUSTERDOWN ...``: the node serves no slot of the key (it left the Cluster, or the Cluster is down):
+    the key's failure, no evidence against the node, and a sign that the slot map is stale."""
 
 
 class DeadlineExceeded(TimeoutError):  # noqa: N818
@@ -671,7 +676,7 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     ``ConnectionRefusedError`` instead: like a refused login, that is evidence against the node
     (marked down, tried again after its retry interval), not a key's failure.
     ``MISCONF`` (writes refused, reads served) stays a ``ServerError``: it fails the writes only.
-    ``ERR Protocol error`` is a :class:`ProtocolRefusal`.
+    ``ERR Protocol error`` is a :class:`ProtocolRefusal`, ``CLUSTERDOWN`` a :class:`SlotUnserved`.
     """
     parts = text.split()
     unusable = _UNUSABLE.get(parts[0]) if parts else None
@@ -689,6 +694,8 @@ def error_reply(text: bytes) -> ServerError | Redirect:
                 return Redirect(int(parts[1]), (node_host(host), int(port)), parts[0] == b"ASK")
     if text.startswith(b"ERR Protocol error"):
         return ProtocolRefusal(shown(text))
+    if parts and parts[0] == b"CLUSTERDOWN":
+        return SlotUnserved(shown(text))
     return ServerError(shown(text))
 
 

@@ -13,6 +13,7 @@ from kvkit.backends.blockstore.resp import (
     ConnectOptions,
     Redirect,
     ServerError,
+    SlotUnserved,
     command,
     error_reply,
     key_slot,
@@ -38,11 +39,14 @@ def test_key_slot_agrees_with_the_server(valkey_cluster):
 
 
 def test_error_replies():
-    """MOVED and ASK become Redirects with slot and address; anything else (one out of range too) a ServerError."""
+    """MOVED and ASK become Redirects with slot and address; CLUSTERDOWN a SlotUnserved; anything else (one out of
+    range too) a ServerError."""
     assert error_reply(b"MOVED 3999 127.0.0.1:6381") == Redirect(3999, ("127.0.0.1", 6381), False)
     assert error_reply(b"ASK 1 ::1:7000") == Redirect(1, ("::1", 7000), True)
     err = error_reply(b"WRONGTYPE Operation against a key")
-    assert isinstance(err, ServerError) and "WRONGTYPE" in str(err)
+    assert isinstance(err, ServerError) and not isinstance(err, SlotUnserved) and "WRONGTYPE" in str(err)
+    down = error_reply(b"CLUSTERDOWN Hash slot not served")
+    assert isinstance(down, SlotUnserved) and str(down) == "CLUSTERDOWN Hash slot not served"
     for out_of_range in (b"MOVED 16384 h:7000", b"ASK 1 h:0", b"MOVED 1 h:65536"):  # no slot or port names these
         assert isinstance(error_reply(out_of_range), ServerError), out_of_range
 
