@@ -182,12 +182,14 @@ class SharedTier:
     _known: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # put/fetched/found -> when
     _lost: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # CPU hit found absent -> when
     _known_cap: int = attrs.field(init=False, default=0)
+    _trust_s: float = attrs.field(init=False, default=0.0)  # spec.trust_s, or the store's ttl_s if shorter
     _writeback: int = attrs.field(init=False, default=0)
     _lookup_spent: float = attrs.field(init=False, default=0.0)  # seconds this step's lookups waited on contains
 
     def __attrs_post_init__(self) -> None:
         self._interval = self.spec.backoff_s
         self._known_cap = 4 * self.cpu.num_blocks
+        self._trust_s = min(self.spec.trust_s, store_lifetime(self.spec.store) or math.inf)
         if self.spec.write == "write-back":
             if not isinstance(self.cpu, EvictionOrder):
                 raise ConfigError(f"shared.write='write-back' puts the CPU pool's next eviction candidates: "
@@ -518,4 +520,4 @@ class SharedTier:
 
     def _expired(self, when: float) -> bool:
         """Whether a hash noted at ``when`` lapsed: ``spec.trust_s`` ago, or as long ago as the store keeps a value."""
-        return self.spec.clock() - when >= min(self.spec.trust_s, store_lifetime(self.spec.store) or math.inf)
+        return self.spec.clock() - when >= self._trust_s
