@@ -263,7 +263,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         ConfigError: ``extra`` is neither a mapping nor ``None``; or one error
             listing every problem (unknown keys, names that are not registered
             or not available here, a bad capacity, a write-back store policy
-            with several KV groups: it writes back single GPU blocks; capacity
+            with several KV groups: it writes back single GPU blocks; a shared
+            tier with several KV groups: vLLM stops the engine on their failed
+            loads; capacity
             keys or ``lazy_offload`` and ``store`` that contradict each other or
             the role; an unknown ``kv_offload_backend``, a disk backend without
             ``disk_path`` or with a bad size, slot count or flag; a secret given
