@@ -3,7 +3,10 @@
 Subcommands are looked up by name in :data:`COMMANDS` and imported only when
 run, so ``kvkit --help`` and ``kvkit list`` stay fast and never pull in the
 torch-heavy modules behind other commands. kvkit errors reach the user as one
-line on stderr and exit code 2, never a traceback (:func:`kvkit_errors`).
+line on stderr and exit code 2, never a traceback (:func:`kvkit_errors`); click's
+own usage errors, which quote the arguments they refuse (an extra argument, an
+unknown command: a store URL given without its flag), show them through
+:func:`~kvkit.redact.redact_text`, so no password is printed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import click
 from typing_extensions import override
 
 from kvkit.errors import ConfigError, KVKitError
+from kvkit.redact import redact_text
 
 __all__ = ["COMMANDS", "KVKitUsageError", "check_plot_path", "kvkit_errors", "main", "shape_option"]
 
@@ -49,7 +53,8 @@ def _one_line(exc: KVKitError) -> str:
 
 @contextlib.contextmanager
 def kvkit_errors() -> Iterator[None]:
-    """Turn a :class:`~kvkit.errors.KVKitError` raised inside into :class:`KVKitUsageError`.
+    """Turn a :class:`~kvkit.errors.KVKitError` raised inside into :class:`KVKitUsageError`, and mask the
+    secrets in click's own errors (:func:`~kvkit.redact.redact_text`: they quote the arguments they refuse).
 
     ``main`` wraps every subcommand in it; use it directly only to run a
     command object outside ``main``.
@@ -58,6 +63,9 @@ def kvkit_errors() -> Iterator[None]:
         yield
     except KVKitError as exc:
         raise KVKitUsageError(_one_line(exc)) from exc
+    except click.ClickException as exc:
+        exc.message = redact_text(exc.message)
+        raise
 
 
 def check_plot_path(path: Path | None) -> None:
@@ -138,6 +146,12 @@ class _LazyGroup(click.Group):
         rows = [(name, _first_doc_line(COMMANDS[name])) for name in self.list_commands(ctx)]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
+
+    @override
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        with kvkit_errors():
+            return super().make_context(info_name, args, parent, **extra)
 
     @override
     def invoke(self, ctx: click.Context) -> Any:

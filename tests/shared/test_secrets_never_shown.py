@@ -498,3 +498,19 @@ def test_every_url_command_shows_no_secret_in_any_url_form(server, words, childr
 
 def _format(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc))
+
+
+def test_usage_errors_of_every_command_show_no_secret():
+    """click's own usage errors quote the arguments they refuse: a store URL given without its flag (an extra
+    argument of every command, an unknown command of every group) or as an unknown option's value shows no
+    password, as a table of every command and group shows it."""
+    url = f"valkey://:{PW}@127.0.0.1:1/0"
+    outputs = []
+    for words in _commands():
+        for args in ([*words, url], [*words, f"password={PW}"], [*words, "--nosuch", url]):
+            result, text = _cli(*args)
+            assert result.exit_code == 2, (args, text)
+            outputs.append(text)
+    assert sum("unexpected extra argument" in text for text in outputs) > 3
+    assert sum("No such command" in text for text in outputs) >= 2
+    _clean(*outputs)
