@@ -358,8 +358,9 @@ class ValkeyStore:
             if self.tls_cert:
                 context.load_cert_chain(self.tls_cert, self.tls_key, password=_no_passphrase)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; a path holding NUL: a ValueError
+            # Not chained: the cause quotes the path unmasked, and a private key's text may have been given as one.
             raise ConfigError(f"ValkeyStore TLS files (tls_ca={self.tls_ca!r}, tls_cert={self.tls_cert!r}, "
-                              f"tls_key={self.tls_key!r}) cannot be loaded: {exc}") from exc
+                              f"tls_key={self.tls_key!r}) cannot be loaded: {exc}") from None
         if not self.tls_verify:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import traceback
 from urllib.parse import quote as quote_url
 from urllib.parse import quote_plus
 
@@ -115,10 +116,13 @@ _PEM_KEY = f"-----BEGIN PRIVATE KEY-----\n{_KEY_BODY}\n-----END PRIVATE KEY-----
                                    {"tls_ca": _PEM_KEY[:40]}, {"tls_key": _PEM_KEY, "tls_cert": "/c.pem", "bogus": 1}])
 def test_a_private_key_given_where_its_path_belongs_is_never_shown(given):
     """A private key's PEM text given as a TLS file option (a secret pasted where its path belongs) is refused
-    with a ConfigError that shows none of it, whichever message refuses it, a key cut short included."""
+    with a ConfigError that shows none of it, whichever message refuses it, a key cut short included; nor does
+    its traceback (the errors it was raised from included: the file system's quotes the path unmasked)."""
     with pytest.raises(ConfigError) as refused:
         open_block_store("valkeys://h:1/0", **given)
     assert _KEY_BODY[:10] not in str(refused.value) and "***" in str(refused.value), str(refused.value)
+    shown = "".join(traceback.format_exception(refused.value))
+    assert _KEY_BODY[:10] not in shown, shown
 
 
 @pytest.mark.parametrize("encode", [quote_url, quote_plus])
