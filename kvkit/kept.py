@@ -11,7 +11,9 @@ reads them: ``*_env`` (an environment variable's name) or ``*_file`` (a path). R
   dropped, and must not be empty;
 * messages name the variable or the file, never what it holds; a source that is no string, or an
   ``env`` source that is no variable's name (the secret written there by mistake), is not shown
-  (its type is).
+  (its type is); nor is a ``file`` source that names nothing there and is a relative path not
+  starting with ``./`` or ``../`` (the secret written there by mistake, ``password_file=hunter2``):
+  a path that exists, or an absolute or explicitly relative one, is shown.
 """
 
 from __future__ import annotations
@@ -57,12 +59,21 @@ def read_kept(label: str, source: object, kind: Literal["env", "file"]) -> bytes
     try:
         data = _small_file(source).removesuffix(b"\n").removesuffix(b"\r")
     except OSError as exc:
-        raise ConfigError(f"{label}={source!r}: cannot be read: {exc.strerror or type(exc).__name__}") from None
+        raise ConfigError(f"{_file_named(label, source)}: cannot be read: {exc.strerror or type(exc).__name__}"
+                          ) from None
     except ValueError as exc:
         raise ConfigError(f"{label}={source!r}: {exc}") from None
     if not data:
         raise ConfigError(f"{label}={source!r}: the file is empty")
     return data
+
+
+def _file_named(label: str, path: str) -> str:
+    """``label`` with the file ``path`` that cannot be read: shown if it is a path (see the module's rule)."""
+    if os.path.isabs(path) or path.startswith(("./", "../")) or os.path.lexists(path):
+        return f"{label}={path!r}"
+    return (f"{label} (a relative path naming no file; not shown: it may be the secret itself, which is never "
+            f"taken from a config; give the file's absolute path)")
 
 
 def _small_file(path: str) -> bytes:

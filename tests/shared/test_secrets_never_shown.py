@@ -132,6 +132,9 @@ def _bad_calls(url: str) -> list[Callable[[], object]]:
         lambda: open_store(f"valkey://{host}/0", password={"pw": PW}),
         lambda: open_store(f"valkey://{host}/0", passw=PW),  # named like no secret, taken by no store
         lambda: config(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared={"url": f"{url}?pword={PW}", "secret": 1}),
+        lambda: open_store(f"valkey://{host}/0?password_file={PW}"),  # the password where its file's path goes
+        lambda: open_store(f"valkey://{host}/0", password_file=PW),
+        lambda: _vllm({"shared": {"url": url, "secret_file": SECRET.decode()}}),  # the secret where its path goes
     ]
 
 
