@@ -16,7 +16,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +24,7 @@ import click
 from typing_extensions import override
 
 from kvkit.errors import ConfigError, KVKitError
-from kvkit.redact import redact_text
+from kvkit.redact import redact, redact_text
 
 __all__ = ["COMMANDS", "KVKitUsageError", "check_plot_path", "kvkit_errors", "main", "shape_option"]
 
@@ -52,9 +52,10 @@ def _one_line(exc: KVKitError) -> str:
 
 
 @contextlib.contextmanager
-def kvkit_errors() -> Iterator[None]:
+def kvkit_errors(args: Sequence[str] = ()) -> Iterator[None]:
     """Turn a :class:`~kvkit.errors.KVKitError` raised inside into :class:`KVKitUsageError`, and mask the
-    secrets in click's own errors (:func:`~kvkit.redact.redact_text`: they quote the arguments they refuse).
+    secrets in click's own errors, which quote the arguments they refuse (:func:`_shown`; ``args``: the
+    command line's).
 
     ``main`` wraps every subcommand in it; use it directly only to run a
     command object outside ``main``.
@@ -64,8 +65,18 @@ def kvkit_errors() -> Iterator[None]:
     except KVKitError as exc:
         raise KVKitUsageError(_one_line(exc)) from exc
     except click.ClickException as exc:
-        exc.message = redact_text(exc.message)
+        exc.message = _shown(exc.message, args)
         raise
+
+
+def _shown(message: str, args: Sequence[str]) -> str:
+    """click's ``message`` fit to show: each of the command line's ``args`` it quotes masked as a value
+    (:func:`~kvkit.redact.redact`: a URL whole, a password holding a space included), then what is left as text
+    (:func:`~kvkit.redact.redact_text`)."""
+    for arg in sorted(args, key=len, reverse=True):
+        if arg in message:
+            message = message.replace(arg, str(redact(arg)))
+    return redact_text(message)
 
 
 def check_plot_path(path: Path | None) -> None:
@@ -125,6 +136,10 @@ def _first_doc_line(target: str) -> str:
     return ""
 
 
+_ARGS = "kvkit.args"
+"""Key of the context's ``meta`` holding the command line's arguments (for :func:`kvkit_errors`)."""
+
+
 class _LazyGroup(click.Group):
     """A group whose subcommands come from :data:`COMMANDS`, imported on first use."""
 
@@ -150,12 +165,15 @@ class _LazyGroup(click.Group):
     @override
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
-        with kvkit_errors():
-            return super().make_context(info_name, args, parent, **extra)
+        given = [*args]  # not list(): importing the list command binds kvkit.cli.list
+        with kvkit_errors(given):
+            ctx = super().make_context(info_name, args, parent, **extra)
+        ctx.meta[_ARGS] = given
+        return ctx
 
     @override
     def invoke(self, ctx: click.Context) -> Any:
-        with kvkit_errors():
+        with kvkit_errors(ctx.meta.get(_ARGS, ())):
             return super().invoke(ctx)
 
 

@@ -505,12 +505,13 @@ def _format(exc: BaseException) -> str:
 
 def test_usage_errors_of_every_command_show_no_secret():
     """click's own usage errors quote the arguments they refuse: a store URL given without its flag (an extra
-    argument of every command, an unknown command of every group) or as an unknown option's value shows no
-    password, as a table of every command and group shows it."""
-    url = f"valkey://:{PW}@127.0.0.1:1/0"
+    argument of every command, an unknown command of every group; its password holding a space too) or as an
+    unknown option's value shows no password, of every command and group."""
+    url, spaced = f"valkey://:{PW}@127.0.0.1:1/0", f"valkey://:PW {MARK}@127.0.0.1:1/0"
     outputs = []
     for words in _commands():
-        for args in ([*words, url], [*words, f"password={PW}"], [*words, "--nosuch", url]):
+        for args in ([*words, url], [*words, spaced], [*words, "x", spaced], [*words, f"password={PW}"],
+                     [*words, "--nosuch", url]):
             result, text = _cli(*args)
             assert result.exit_code == 2, (args, text)
             outputs.append(text)
