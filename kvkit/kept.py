@@ -62,7 +62,7 @@ def read_kept(label: str, source: object, kind: Literal["env", "file"]) -> bytes
         raise ConfigError(f"{_file_named(label, source)}: cannot be read: {exc.strerror or type(exc).__name__}"
                           ) from None
     except ValueError as exc:
-        raise ConfigError(f"{label}={source!r}: {exc}") from None
+        raise ConfigError(f"{_file_named(label, source)}: {exc}") from None
     if not data:
         raise ConfigError(f"{label}={source!r}: the file is empty")
     return data

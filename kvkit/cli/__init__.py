@@ -5,8 +5,8 @@ run, so ``kvkit --help`` and ``kvkit list`` stay fast and never pull in the
 torch-heavy modules behind other commands. kvkit errors reach the user as one
 line on stderr and exit code 2, never a traceback (:func:`kvkit_errors`); click's
 own usage errors, which quote the arguments they refuse (an extra argument, an
-unknown command: a store URL given without its flag), show them through
-:func:`~kvkit.redact.redact_text`, so no password is printed.
+unknown command: a store URL given without its flag), show them masked by
+:mod:`kvkit.redact`'s rule, so no password is printed.
 """
 
 from __future__ import annotations

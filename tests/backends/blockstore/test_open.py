@@ -356,6 +356,7 @@ def test_a_password_kept_in_the_environment_or_a_file_logs_in(tmp_path, monkeypa
     ("valkey://h:1/0", {"password_env": f"{PASSWORD}!"}, "password_env: not an environment variable's name"),
     ("valkey://h:1/0", {"password_file": PASSWORD}, "password_file (a relative path naming no file; not shown"),
     (f"valkey://h:1/0?password_file={PASSWORD}", {}, "password_file (a relative path naming no file; not shown"),
+    ("valkey://h:1/0", {"password_file": f"{PASSWORD}\x00"}, "password_file (a relative path naming no file; not"),
     ("valkey://h:1/0", {"password_file": "./kvkit-no-such-file"}, "'./kvkit-no-such-file': cannot be read"),
     ("valkey://h:1/0", {"password_env": PASSWORD.encode()}, "password_env (a bytes): must be a non-empty string"),
 ])
