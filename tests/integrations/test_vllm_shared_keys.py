@@ -2,6 +2,7 @@
 quoted; the shared tier's ``shared`` key as a URL or a mapping of SharedConfig fields."""
 
 import contextlib
+import warnings
 
 import attrs
 import pytest
@@ -161,3 +162,25 @@ def test_a_secret_file_that_is_no_small_regular_file_is_refused_at_once(what, tm
                 os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
     assert isinstance(error, ConfigError), error
     assert f"['secret_file']={str(path)!r}" in str(error) and "s3cr3t" not in str(error), str(error)
+
+
+@pytest.mark.parametrize("shared", [{"url": "valkey://:hunter2@cache:6380/0"},
+                                    "valkey://kvkit-acme:hunter2@cache:6380/0?ttl_s=60",
+                                    "valkey://cache:6380/0?username=kvkit-acme&password=hunter2"])
+def test_a_password_written_in_the_shared_url_is_taken_with_a_warning_that_does_not_show_it(shared):
+    """vLLM logs its arguments at start, the extra config whole: a password written in the shared tier's URL is
+    taken, with a warning naming where to keep it instead (password_env, password_file), which shows no password."""
+    with pytest.warns(UserWarning, match="holds a password") as caught:
+        settings = _parse(shared=shared)
+    assert settings.stack.shared.url == (shared["url"] if isinstance(shared, dict) else shared)
+    assert all("hunter2" not in str(w.message) and "password_env" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("url", ["valkey://cache:6380/0?username=kvkit-acme&password_env=KVKIT_VALKEY_PASSWORD",
+                                 "valkey://cache:6380/0?password_file=/run/secrets/valkey", "memory://",
+                                 "file:///tmp/kv@1?capacity_bytes=1GiB"])
+def test_a_url_naming_where_its_password_is_kept_is_taken_without_a_warning(url):
+    """The documented forms (the password's variable or file named) and URLs without a password warn nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _parse(shared=url).stack.shared.url == url

@@ -16,10 +16,11 @@ from urllib.parse import quote as url_quote
 
 import attrs
 
-from kvkit.config import DEFAULTS, NAMED_SLOTS, StackConfig, name_shared_model, parse_bytes
+from kvkit.config import DEFAULTS, NAMED_SLOTS, StackConfig, name_shared_model, parse_bytes, shown_url
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.kept import read_kept
+from kvkit.redact import redact_url
 from kvkit.registry import STORE
 from kvkit.validate import check_bool, check_choice, check_int, did_you_mean, plural, problem_of, quote
 from kvkit.worker.layouts import LAYOUTS
@@ -228,7 +229,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       the mapping's ``secret_env`` (an environment variable's name) or
       ``secret_file`` (a path) names where each connector process reads it
       (a variable's UTF-8 bytes; a file's bytes without a trailing newline, from
-      a regular file of at most 64 KiB). ``cpu_layout``
+      a regular file of at most 64 KiB). A password written in its URL is
+      taken with a ``UserWarning`` (it is on vLLM's command line and in the
+      arguments vLLM logs): ``?password_env=VAR`` or ``?password_file=PATH``
+      name where each process reads it instead. ``cpu_layout``
       defaults to vLLM's layout, e.g. ``"cross-layer"`` for the ``staged``
       copy backend;
     * the CPU tier's size: ``cpu_bytes`` (``"8GiB"`` or an int; per worker)
@@ -318,6 +322,12 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         problems.append(problem)
     shared = slots.get("shared")
     url = shared.get("url") if isinstance(shared, Mapping) else shared
+    if isinstance(url, str) and redact_url(url) != url:
+        warnings.warn(f"{_EXTRA}['shared']: the URL {quote(shown_url(url))} holds a password (or another secret), "
+                      f"which is on vLLM's command line and in the arguments vLLM logs at start (kvkit cannot mask "
+                      f"either); name where every "
+                      f"connector process reads it instead: ?password_env=VAR or ?password_file=PATH",
+                      UserWarning, stacklevel=2)
     if shared is not None and not isinstance(url, str):
         shown = f"['url']={quote(url)}" if isinstance(shared, Mapping) else f"={quote(shared)}"  # never the secret
         problems.append(f"{_EXTRA}['shared']{shown}: must be a URL string, or a mapping of SharedConfig fields "
