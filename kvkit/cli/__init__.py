@@ -54,7 +54,7 @@ def _one_line(exc: KVKitError) -> str:
 @contextlib.contextmanager
 def kvkit_errors(args: Sequence[str] = ()) -> Iterator[None]:
     """Turn a :class:`~kvkit.errors.KVKitError` raised inside into :class:`KVKitUsageError`, and mask the
-    secrets in click's own errors, which quote the arguments they refuse (:func:`_shown`; ``args``: the
+    secrets in click's usage errors, which quote the arguments they refuse (:func:`_shown`; ``args``: the
     command line's).
 
     ``main`` wraps every subcommand in it; use it directly only to run a
@@ -64,9 +64,8 @@ def kvkit_errors(args: Sequence[str] = ()) -> Iterator[None]:
         yield
     except KVKitError as exc:
         raise KVKitUsageError(_one_line(exc)) from exc
-    except click.ClickException as exc:
-        exc.message = _shown(exc.message, args)
-        raise
+    except click.UsageError as exc:
+        raise click.UsageError(_shown(exc.format_message(), args), exc.ctx) from None
 
 
 def _shown(message: str, args: Sequence[str]) -> str:
