@@ -6,10 +6,12 @@ import errno
 import fcntl
 import json
 import os
+import pathlib
 import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -935,6 +937,34 @@ def test_values_are_private_whatever_the_umask(tmp_path, umask):
     finally:
         os.umask(old)
     assert _modes(tmp_path / "new") == ({"0o600"}, {"0o700"})
+
+
+def test_a_umask_that_takes_the_owners_read_bit_leaves_puts_working_and_modes_exact():
+    """Under umask 0o477 a process that is not root (root, who reads any directory, runs it as ``nobody``) puts and
+    gets its values, and the files are 0600 and the directories 0700 all the same: a directory the store made is
+    reached without its owner's read bit never missing."""
+    where = tempfile.mkdtemp()  # in a directory every user may search: ``nobody`` reaches it
+    try:
+        if os.geteuid() == 0:
+            os.chown(where, 65534, 65534)
+
+        def child():
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            os.umask(0o477)
+            store = DiskStore(os.path.join(where, "new", "kv"), 1 << 20)
+            put = _put(store, [b"a", b"b"], 10)
+            got, buffers = _get(store, [b"a", b"b"], 10)
+            store.close()
+            return [put.failed, put.error, got.failed, [bytes(b).hex() for b in buffers]]
+
+        assert in_child(child)() == [[], "", [], [(bytes([0]) * 10).hex(), (bytes([1]) * 10).hex()]]
+        files, dirs = _modes(pathlib.Path(where, "new"))
+        assert (files, dirs) == ({"0o600"}, {"0o700"})
+    finally:
+        shutil.rmtree(where)
 
 
 def test_file_mode_is_configurable_also_in_the_url(tmp_path):
