@@ -8,7 +8,6 @@ import json
 import os
 import pathlib
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -1410,14 +1409,14 @@ def test_a_subdirectory_whose_mode_cannot_be_set_leaves_no_descriptor_open(tmp_p
     """A file system that refuses chmod (vfat, some network mounts: EPERM) fails the put that made a
     subdirectory, quoting the refusal, and leaves no descriptor of it open."""
     store = DiskStore(tmp_path, 1 << 20)
-    real = os.fchmod
+    real = os.chmod
 
-    def fchmod(fd, mode):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
+    def chmod(path, mode, *args, **kwargs):
+        if os.path.isdir(path):
             raise OSError(errno.EPERM, os.strerror(errno.EPERM))
-        return real(fd, mode)
+        return real(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(disk.os, "fchmod", fchmod)
+    monkeypatch.setattr(disk.os, "chmod", chmod)
     before = len(os.listdir("/proc/self/fd"))
     refused = _put(store, [b"k%d" % i for i in range(8)], 100)
     assert refused.failed and os.strerror(errno.EPERM) in refused.error, refused
