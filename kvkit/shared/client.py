@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import ipaddress
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ from kvkit.interfaces.shared import DEFAULT_TENANT, BlockStore
 from kvkit.redact import redact, redact_text
 from kvkit.shared.format import HEADER_SIZE, Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.shared.urls import open_block_store, process_wide
+from kvkit.warn import warn
 
 if TYPE_CHECKING:
     from kvkit.config import StackConfig
@@ -250,11 +250,11 @@ class _Unauthenticated:
         with _WARNED_LOCK:  # held while warning: a warning turned into an error marks nothing, so it is raised again
             if self.given or _WARNED.keys() >= remote:
                 return False
-            warnings.warn(redact_text(
+            warn(redact_text(
                 f"kvkit: the KV values kept on {where} are not authenticated (no HMAC secret): anyone who can write "
                 f"that server can plant KV this engine will load and serve; use such a server only where every "
                 f"writer is trusted, or kvkit's shared tier with a secret every instance of the deployment shares "
-                f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=4)
+                f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning)
             for node in sorted(remote):
                 remember(_WARNED, node, None)
             self.given = True

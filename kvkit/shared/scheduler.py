@@ -56,7 +56,6 @@ from __future__ import annotations
 import enum
 import math
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import cast
@@ -85,6 +84,7 @@ from kvkit.validate import (
     optional_at_least,
     plural,
 )
+from kvkit.warn import warn
 
 __all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
 
@@ -266,9 +266,9 @@ class SharedTier:
         if self._state in (SharedState.ON, SharedState.SUSPECT):  # a new outage: say so once
             self._interval = self.spec.backoff_s
             self.stats.shared_outages.add()
-            warnings.warn(f"kvkit shared tier is off for {self._interval:g} s (then probed again, backing off "
-                          f"up to {self.spec.max_backoff_s:g} s): {reason}; requests are served from the GPU "
-                          f"and CPU tiers meanwhile", RuntimeWarning, stacklevel=2)
+            warn(f"kvkit shared tier is off for {self._interval:g} s (then probed again, backing off "
+                 f"up to {self.spec.max_backoff_s:g} s): {reason}; requests are served from the GPU "
+                 f"and CPU tiers meanwhile", RuntimeWarning)
             self.events.emit("on_shared_state", False, reason)
         else:  # a failed retry: wait longer
             self._interval = min(self.spec.max_backoff_s, 2 * self._interval)
