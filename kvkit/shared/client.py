@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from kvkit.shared.scheduler import SharedTierSpec
 
 __all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "store_deadline", "store_lifetime",
-           "warn_unauthenticated"]
+           "store_restarts", "warn_unauthenticated"]
 
 _WARNED: dict[tuple[str, int], None] = {}  # the nodes this process warned about last, oldest first
 _WARNED_LOCK = threading.Lock()
@@ -190,6 +190,14 @@ def store_lifetime(store: BlockStore) -> float | None:
     """How long ``store`` keeps a value at most: a network store's ``ttl_s`` (every value expires by then from its
     put), or ``None`` for a store whose values never expire (they go only when evicted, flushed or lost)."""
     return _seconds(store, "ttl_s")
+
+
+def store_restarts(store: BlockStore) -> int:
+    """How many times ``store`` found that a server may have lost what it held (a restart that no failed call
+    revealed: :attr:`ValkeyStore.restarts <kvkit.backends.blockstore.valkey.ValkeyStore.restarts>`), or 0 for
+    a store that does not tell (its count never changes)."""
+    value = getattr(store, "restarts", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _seconds(store: BlockStore, name: str) -> float | None:

@@ -440,6 +440,35 @@ def _server_binary(binary):
 
 
 @pytest.mark.parametrize("binary", _binaries())
+def test_a_restart_between_calls_counts_as_a_restart_and_a_killed_connection_does_not(binary):
+    """Valkey and Redis tell each run of a server apart (``run_id``): a connection reopened to a server restarted
+    between calls (no call failed) counts one restart, however many links reconnect to it; connections the server
+    closed (``CLIENT KILL``) and reopened to the same run count none. A user whose ACL refuses ``INFO`` (the
+    tenant ACL line of docs/shared-tier.md) cannot be told: each reopened connection counts, the first ones not."""
+    with LocalServer(_server_binary(binary)) as server:
+        address = ("127.0.0.1", server.port)
+        store = _store(address)
+        assert _put(store, [b"r"], [b"v"]).ok and store.contains([b"r"]) == 1  # both links connected
+        server.call(b"CLIENT", b"KILL", b"TYPE", b"normal")
+        assert store.contains([b"r"]) == 1 and _put(store, [b"r"], [b"v"]).ok
+        assert store.restarts == 0, "a connection reopened to the same run was taken for a restart"
+        server.kill()
+        server.start()
+        assert store.contains([b"r"]) == 0 and _put(store, [b"r"], [b"v"]).ok
+        assert store.restarts == 1 and store.transport_failures == 0
+        store.close()
+        server.call(b"ACL", b"SETUSER", b"kvkit-acme", b"on", b">kvkit-test-only", b"resetkeys", b"~kvkit:acme:*",
+                    b"resetchannels", b"-@all", b"+ping", b"+exists", b"+get", b"+set", b"+select")
+        store = _store(address, username="kvkit-acme", password="kvkit-test-only")
+        assert _put(store, [b"kvkit:acme:r"], [b"v"]).ok and store.contains([b"kvkit:acme:r"]) == 1
+        assert store.restarts == 0
+        server.call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+        assert store.contains([b"kvkit:acme:r"]) == 1
+        assert store.restarts == 1, "a reopened connection that could not tell its server was trusted"
+        store.close()
+
+
+@pytest.mark.parametrize("binary", _binaries())
 def test_a_server_with_no_room_for_another_client_is_marked_down_until_it_has_room(binary):
     """``maxclients`` reached by other clients: the server answers a new connection ``-ERR max number of clients
     reached`` and closes it. That is evidence against the node, not a key's failure: a call of one key and a call
