@@ -36,6 +36,7 @@ from kvkit.backends.blockstore.resp import (
 )
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import StoreResult
+from kvkit.kept import warn_exposed
 from kvkit.validate import check_bool, check_int, check_real, checked, quote
 
 __all__ = ["ValkeyStore"]
@@ -366,6 +367,10 @@ class ValkeyStore:
         try:
             for path in (self.tls_ca, self.tls_cert, self.tls_key):
                 _check_regular(path)
+            if self.tls_cert:  # the private key is in tls_key, or else in the certificate's file
+                label, key = ("ValkeyStore.tls_key", self.tls_key) if self.tls_key else ("ValkeyStore.tls_cert",
+                                                                                        self.tls_cert)
+                warn_exposed(label, key, os.stat(key).st_mode)
             context = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:
                 context.load_cert_chain(self.tls_cert, self.tls_key, password=_no_passphrase)
