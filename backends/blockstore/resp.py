@@ -590,8 +590,12 @@ class _Lookup:
     outcome: list[tuple] | OSError | None = None
 
 
+MAX_LOOKUPS = 64
+"""The most name resolutions a process has in flight (each on a thread of its own): the names a store resolves
+are its seeds and, in a Cluster, whatever its nodes' slot maps and redirects name, so without a bound a slow
+resolver and ever new names would grow one thread per name for as long as the resolver takes to give up."""
 _LOOKUPS: dict[Address, _Lookup] = {}  # the resolutions in flight, one per (host, port)
-_LOOKUPS_LOCK = threading.Lock()
+_LOOKUPS_LOCK = threading.Condition()  # guards _LOOKUPS; notified as each resolution ends
 
 
 def _forget_lookups() -> None:
@@ -599,7 +603,7 @@ def _forget_lookups() -> None:
     for one would never get its answer), and the lock may be held by one of them."""
     global _LOOKUPS_LOCK
     _LOOKUPS.clear()
-    _LOOKUPS_LOCK = threading.Lock()
+    _LOOKUPS_LOCK = threading.Condition()
 
 
 os.register_at_fork(after_in_child=_forget_lookups)
@@ -612,19 +616,24 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     waits on its name servers as long as its configuration says (5 s a try), whatever the call's
     deadline, so a host whose name servers do not answer costs the call its connect timeout, not the
     resolver's. Calls for a name whose resolution is still in flight wait for that one: however often
-    they come, a name has at most one thread, which ends when the resolver answers or gives up. A child
-    forked while one was in flight resolves the name afresh.
+    they come, a name has at most one thread, which ends when the resolver answers or gives up. At most
+    :data:`MAX_LOOKUPS` names are resolved at once in a process: a call for one more waits, within
+    ``timeout``, for a resolution to end. A child forked while one was in flight resolves the name afresh.
     """
     try:
         return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass
+    deadline = time.monotonic() + timeout
     with _LOOKUPS_LOCK:
-        lookup = _LOOKUPS.get((host, port))
+        while (lookup := _LOOKUPS.get((host, port))) is None and len(_LOOKUPS) >= MAX_LOOKUPS:
+            if not _LOOKUPS_LOCK.wait(deadline - time.monotonic()):
+                raise TimeoutError(f"timed out resolving {host!r} ({MAX_LOOKUPS} other names were being resolved "
+                                   f"for {timeout:.3g} s)")
         if lookup is None:
             lookup = _LOOKUPS[(host, port)] = _Lookup()
             threading.Thread(target=_look_up, args=(host, port, lookup), name="kvkit-resolve", daemon=True).start()
-    if not lookup.done.wait(timeout):
+    if not lookup.done.wait(max(0.0, deadline - time.monotonic())):
         raise TimeoutError(f"timed out resolving {host!r} (its name servers did not answer in {timeout:.3g} s)")
     if isinstance(lookup.outcome, OSError):
         raise lookup.outcome
@@ -640,6 +649,7 @@ def _look_up(host: str, port: int, lookup: _Lookup) -> None:
         lookup.outcome = exc
     with _LOOKUPS_LOCK:
         del _LOOKUPS[(host, port)]
+        _LOOKUPS_LOCK.notify()
     lookup.done.set()
 
 
