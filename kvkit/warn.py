@@ -5,8 +5,9 @@ callback's error reached through ``step``, ``drain``, ``close`` or a lookup; a s
 start-up or on its I/O thread), so a fixed ``stacklevel`` names some internal line on most paths.
 :func:`warn` walks the stack instead and attributes the warning to the first frame whose file lies outside
 kvkit's packages (``kvkit``, ``kvkit.backends``, ``kvkit.interfaces``, wherever each is installed): the
-location printed, and the module a ``-W``/``filterwarnings`` rule matches, are the caller's. A stack that is
-kvkit's to its bottom (a kvkit thread) names its outermost frame.
+location printed, and the module a ``-W``/``filterwarnings`` rule matches, are the caller's. A warning raised
+on a thread kvkit started (a store's I/O thread) names the frame that runs the thread (``threading``'s), and
+one whose whole stack is kvkit's names its outermost frame.
 """
 
 from __future__ import annotations
