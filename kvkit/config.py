@@ -249,7 +249,9 @@ class SharedConfig:
             them. Never shown in a repr or an error (a repr shows ``'***'``, and
             a password in ``url`` as ``***``).
         backoff_s: seconds the tier stays off after a failure before a probe
-            (doubling on each failed probe, at most 60x).
+            (doubling on each failed probe, at most 60x). ``math.inf`` turns the
+            tier off for good at its first outage (no probe is sent again: the
+            process serves from its GPU and CPU tiers until it is restarted).
 
     Raises:
         ConfigError: a bad field, quoting it (never the secret).

@@ -13,7 +13,10 @@ reads them: ``*_env`` (an environment variable's name) or ``*_file`` (a path). R
   ``env`` source that is no variable's name (the secret written there by mistake), is not shown
   (its type is); nor is a ``file`` source that names nothing there and is a relative path not
   starting with ``./`` or ``../`` (the secret written there by mistake, ``password_file=hunter2``):
-  a path that exists, or an absolute or explicitly relative one, is shown.
+  a path that exists, or an absolute or explicitly relative one, is shown;
+* a file that keeps a secret (this module's, or a TLS private key) and that its group or others may read
+  is read all the same, with one ``UserWarning`` naming it (:func:`warn_exposed`), as ssh and libpq
+  refuse such files.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import stat
 from typing import Literal
 
 from kvkit.errors import ConfigError
+from kvkit.warn import warn
 
-__all__ = ["FILE_MAX", "read_kept"]
+__all__ = ["FILE_MAX", "read_kept", "warn_exposed"]
 
 FILE_MAX = 1 << 16
 """The most bytes a file that keeps a secret may hold (a password or an HMAC secret is tens of bytes)."""
@@ -57,14 +61,16 @@ def read_kept(label: str, source: object, kind: Literal["env", "file"]) -> bytes
                               f"{'empty' if text == '' else 'not set'} in this process")
         return os.fsencode(text)  # the variable's bytes as they are, UTF-8 or not
     try:
-        data = _small_file(source).removesuffix(b"\n").removesuffix(b"\r")
+        kept, mode = _small_file(source)
     except OSError as exc:
         raise ConfigError(f"{_file_named(label, source)}: cannot be read: {exc.strerror or type(exc).__name__}"
                           ) from None
     except ValueError as exc:
         raise ConfigError(f"{_file_named(label, source)}: {exc}") from None
+    data = kept.removesuffix(b"\n").removesuffix(b"\r")
     if not data:
         raise ConfigError(f"{label}={source!r}: the file is empty")
+    warn_exposed(label, source, mode)
     return data
 
 
@@ -76,9 +82,19 @@ def _file_named(label: str, path: str) -> str:
             f"taken from a config; give the file's absolute path)")
 
 
-def _small_file(path: str) -> bytes:
-    """The bytes of the regular file at ``path`` (a symlink to one included) of at most :data:`FILE_MAX` bytes;
-    ``ValueError`` saying what else it is, ``OSError`` when it cannot be read.
+def warn_exposed(label: str, path: str, mode: int) -> None:
+    """Warn once per read (a ``UserWarning`` naming ``label`` and ``path``, never what the file holds) when the
+    file at ``path``, whose ``st_mode`` is ``mode``, keeps a secret that its group or others may read."""
+    readers = [who for who, bit in (("its group", stat.S_IRGRP), ("others", stat.S_IROTH)) if mode & bit]
+    if readers:
+        warn(f"{label}={path!r}: the file keeps a secret but {' and '.join(readers)} may read it (mode "
+             f"{stat.S_IMODE(mode):04o}); let only its owner read it (chmod 600 {path!r}): ssh and libpq refuse "
+             f"such files", UserWarning)
+
+
+def _small_file(path: str) -> tuple[bytes, int]:
+    """The bytes of the regular file at ``path`` (a symlink to one included) of at most :data:`FILE_MAX` bytes,
+    and its ``st_mode``; ``ValueError`` saying what else it is, ``OSError`` when it cannot be read.
 
     Every process of a deployment reads it, so a FIFO (opening it waits for a writer, and its bytes go to one
     reader) or a device (``/dev/zero`` never ends) is refused without waiting or reading; so is a file larger
@@ -86,7 +102,8 @@ def _small_file(path: str) -> bytes:
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # opening a FIFO never waits
     try:  # closed on every path: fdopen itself refuses a directory, leaving the descriptor open
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
             raise ValueError("not a regular file (each process reads it whole: a FIFO or a device would wait or "
                              "never end)")
         with os.fdopen(fd, "rb", closefd=False) as file:
@@ -95,4 +112,4 @@ def _small_file(path: str) -> bytes:
         os.close(fd)
     if len(data) > FILE_MAX:
         raise ValueError(f"holds more than {FILE_MAX} bytes, far more than a secret (the wrong file?)")
-    return data
+    return data, mode

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_BASE = ("kvkit.redact", "kvkit.errors", "kvkit.validate", "kvkit.kept", "kvkit.driving", "kvkit._lazy")
+_BASE = ("kvkit.redact", "kvkit.errors", "kvkit.validate", "kvkit.kept", "kvkit.driving", "kvkit._lazy", "kvkit.warn")
 _PROTOCOLS = (*_BASE, "kvkit.interfaces")
 _CORE = ("kvkit.config", "kvkit.registry", "kvkit.hashing", "kvkit.stats", "kvkit.stack")
 _BELOW_EXPLORE = (*_PROTOCOLS, *_CORE, "kvkit.backends", "kvkit.manager", "kvkit.worker", "kvkit.shared",
@@ -25,9 +25,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "kvkit.redact": (),
     "kvkit.errors": ("kvkit.redact",),
     "kvkit.validate": ("kvkit.errors", "kvkit.redact"),
-    "kvkit.kept": ("kvkit.errors", "kvkit.redact"),
+    "kvkit.kept": ("kvkit.errors", "kvkit.redact", "kvkit.warn"),
     "kvkit.driving": ("kvkit.errors", "kvkit.redact"),
     "kvkit._lazy": (),
+    "kvkit.warn": (),
     "kvkit.interfaces": _PROTOCOLS,
     "kvkit.backends": (*_PROTOCOLS, "kvkit.backends"),
     "kvkit.stats": _BASE,

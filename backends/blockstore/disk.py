@@ -179,10 +179,9 @@ class DiskStore:
     Permissions. Value and temporary files get ``file_mode`` (``0o600`` by
     default) and the directories the store creates (``path`` when it does not
     exist, and its subdirectories) the same bits plus search where read is
-    granted (``0o700``), whatever the umask: ``path`` and the directories above it that do not exist,
-    and its subdirectories; an existing directory keeps its own. A umask that takes the owner's read bit
-    away (``0o477``) locks a process other than root out of the subdirectories it makes (a directory is
-    opened to be reached without following a symlink): its puts fail, quoting the path.
+    granted (``0o700``), whatever the umask (``0o477`` included, which takes the owner's read bit away):
+    ``path`` and the directories above it that do not exist, and its subdirectories; an existing directory
+    keeps its own.
 
     Invariants: ``used_bytes`` is the sum of the indexed files' sizes, never
     above :attr:`effective_capacity_bytes` (itself at most
@@ -555,21 +554,13 @@ class DiskStore:
         cannot be made again.
         """
         folder = os.path.join(self.path, name[:2])  # a str: cheaper than a Path, for every contains
-        made = False
         if create:
             try:
-                made = _new_folder(folder)
+                _new_folder(folder, _dir_mode(self.file_mode))
             except FileNotFoundError:  # ``path`` itself was deleted (a cleanup): made again, as opening does
                 self._make_root()
-                made = _new_folder(folder)
-        fd = os.open(folder, _DIR_FLAGS)
-        if made:
-            try:
-                os.fchmod(fd, _dir_mode(self.file_mode))  # mkdir's mode passes through the umask
-            except BaseException:  # a file system that refuses modes (vfat, some network mounts)
-                os.close(fd)
-                raise
-        return fd
+                _new_folder(folder, _dir_mode(self.file_mode))
+        return os.open(folder, _DIR_FLAGS)
 
     def _create_temp(self, folder: int, final: str) -> tuple[int, str]:
         """A new temporary file next to ``final`` in the directory ``folder``, open for writing, locked by us."""
@@ -849,13 +840,24 @@ def _dir_mode(file_mode: int) -> int:
     return file_mode | (file_mode & 0o444) >> 2
 
 
-def _new_folder(folder: str) -> bool:
-    """Make ``folder`` (private until its mode is set); ``False`` if it exists already."""
+def _new_folder(folder: str, mode: int) -> None:
+    """Make ``folder`` (private until its mode is set) with exactly ``mode``, whatever the umask; one that exists
+    already keeps its own.
+
+    The mode is set through a descriptor that needs no permission on the folder (``O_PATH``, so a umask that took
+    the owner's read bit away, ``0o477``, locks nothing out) and never follows a symlink swapped in meanwhile
+    (``ELOOP``); Linux changes a mode through such a descriptor by its ``/proc/self/fd`` name. A file system
+    that refuses modes (vfat, some network mounts) raises ``OSError``.
+    """
     try:
         os.mkdir(folder, 0o700)
     except FileExistsError:
-        return False
-    return True
+        return
+    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+    finally:
+        os.close(fd)
 
 
 def _value_file(found: os.stat_result) -> bool:

@@ -37,7 +37,7 @@ from kvkit.backends.blockstore.resp import (
 )
 from kvkit.validate import plural
 
-__all__ = ["MAX_NODES", "Encode", "Link", "NodeHealth", "Read", "Topology", "Unreachable", "remember"]
+__all__ = ["MAX_NODES", "Encode", "Identities", "Link", "NodeHealth", "Read", "Topology", "Unreachable", "remember"]
 
 MAX_NODES = 1000
 """The most nodes a link is connected to at once (the Cluster specification's largest Cluster): a slot map naming
@@ -125,6 +125,32 @@ class NodeHealth:
         with self._lock:
             now = time.monotonic()
             return {a: why for a, (until, why) in self._down.items() if now < until}
+
+
+_UNSEEN = b""  # no connection to the node was opened yet (a run_id is never empty)
+
+
+@attrs.define(eq=False)
+class Identities:
+    """What server each node was when a connection to it was last opened (its ``run_id``), shared by the links of
+    one store; ``changes`` counts the connections that found a node may hold another server's contents than
+    before: one whose identity differs from the last one seen there (a restart, another server at the address),
+    or, where the node does not tell it (``INFO`` refused: an ACL), one reopened by a link that had a connection
+    to it before (it may have restarted). The first connection to a node is no change. At most
+    :data:`MAX_NODES` nodes are remembered (:func:`remember`). Thread-safe.
+    """
+
+    changes: int = attrs.field(default=0, init=False)
+    _seen: dict[Address, bytes | None] = attrs.field(factory=dict, init=False)
+    lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def opened(self, address: Address, identity: bytes | None, again: bool) -> None:
+        """A link opened a connection to ``address``, which told ``identity``; ``again``: the link had one before."""
+        with self.lock:
+            before = self._seen.get(address, _UNSEEN)
+            remember(self._seen, address, identity)
+            if before != _UNSEEN and (identity != before or (identity is None and again)):
+                self.changes += 1
 
 
 @attrs.define(eq=False)
@@ -287,7 +313,8 @@ class Link:
     slots the map now gives to another node (a failover, a node removed once its slots were resharded
     away) are sent there in the same call. So are the keys a node answered ``-CLUSTERDOWN`` (a node reset
     out of the Cluster serves no slot), with no evidence against it. Links given one ``topology`` share
-    their slot map (see :class:`Topology`).
+    their slot map (see :class:`Topology`); links given one ``identities`` share what server each node was
+    found to be: every connection opened reports the identity its node told (see :class:`Identities`).
 
     ``on_connect`` (if given) is called with a node's address before each connection to it is opened:
     every node the link ever talks to passes through it (seeds, the slot map's nodes, redirects'
@@ -301,8 +328,10 @@ class Link:
     health: NodeHealth
     window_bytes: int = 256 << 10
     topology: Topology = attrs.field(factory=Topology, kw_only=True)
+    identities: Identities = attrs.field(factory=Identities, kw_only=True)
     on_connect: Callable[[Address], None] | None = attrs.field(default=None, kw_only=True)
     _conns: dict[Address, Connection] = attrs.field(factory=dict, init=False)
+    _opened: dict[Address, None] = attrs.field(factory=dict, init=False)  # the nodes it had a connection to
     _generation: int = attrs.field(default=0, init=False)  # the map whose nodes ``_conns`` was pruned to
     _closed: bool = attrs.field(default=False, init=False)
     _crew: _Crew = attrs.field(factory=_Crew, init=False)
@@ -645,7 +674,8 @@ class Link:
         return slots[key_slot(key)]
 
     def _conn(self, address: Address, deadline: float) -> Connection:
-        """``address``'s connection (opened if there is none), bounded by ``deadline``."""
+        """``address``'s connection (opened if there is none: its server's identity is asked with its first
+        commands), bounded by ``deadline``."""
         conn = self._conns.get(address)
         if conn is None:
             if self._closed:
@@ -653,6 +683,8 @@ class Link:
             if self.on_connect is not None:
                 self.on_connect(address)
             conn = self._conns[address] = Connection(address, self.options, deadline)
+            conn.ask_identity(functools.partial(self.identities.opened, address, again=address in self._opened))
+            remember(self._opened, address, None)
         conn.renew(deadline)
         return conn
 

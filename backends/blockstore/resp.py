@@ -3,8 +3,9 @@
 Hand-written because the measured gap is large (BENCHMARKS "Shared tier"): valkey-py and redis-py turn every
 reply into a fresh ``bytes`` and a pipeline of 1,000 EXISTS costs them several milliseconds; ``recv_into``
 the destination and writing the caller's buffers as they are move values without a copy. Only what the
-block store needs is here: connect (TLS, AUTH, SELECT), replies, CLUSTER slots and MOVED/ASK redirects;
-routing over nodes is :mod:`kvkit.backends.blockstore.link`'s.
+block store needs is here: connect (TLS, AUTH, SELECT), the server's identity (``run_id``, asked in the first
+commands' round trip), replies, CLUSTER slots and MOVED/ASK redirects; routing over nodes is
+:mod:`kvkit.backends.blockstore.link`'s.
 
 Every operation is bounded by the connection's ``deadline`` (``time.monotonic()`` seconds), a whole
 call's, however slowly the bytes trickle: the socket is non-blocking, every read and write is tried
@@ -30,7 +31,7 @@ import struct
 import termios
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -188,6 +189,8 @@ class Connection:
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
         self._crlf = memoryview(bytearray(2))  # where a bulk's closing CRLF is received
+        self._asking: Callable[[bytes | None], None] | None = None  # INFO to send ahead of the next commands
+        self._told: Callable[[bytes | None], None] | None = None  # INFO sent: its reply is read first
         try:
             login = time.monotonic() + budget
             deadline, self.deadline = self.deadline, min(self.deadline, login)
@@ -206,6 +209,22 @@ class Connection:
         except BaseException:
             self.close()
             raise
+
+    def ask_identity(self, told: Callable[[bytes | None], None]) -> None:
+        """Ask the server's ``run_id`` (``INFO server``: Valkey and Redis give every run of a server a new one)
+        with the next command sent, in the same round trip: its reply is read ahead of that command's, and
+        ``told`` is given the ``run_id``, or ``None`` where the server does not tell it (``INFO`` refused: an ACL
+        that does not grant it, a command renamed away). A reply that says the node serves no command raises as
+        that command's would (:func:`error_reply`)."""
+        self._asking = told
+
+    def _read_identity(self) -> None:
+        """Read the reply of the ``INFO`` sent ahead of the commands (:meth:`ask_identity`) and tell it."""
+        told, self._told = self._told, None
+        assert told is not None, "an INFO was sent"
+        info = self._reply(0, _Allowance())
+        found = _RUN_ID.search(info) if isinstance(info, bytes) else None
+        told(found.group(1) if found else None)
 
     def renew(self, deadline: float) -> None:
         """Start a new call, bounded by ``deadline``, on a connection that holds no reply: every reply so far was
@@ -242,6 +261,9 @@ class Connection:
         value's own buffers and its CRLF in one system call), resumed where a partial write stopped;
         a TLS socket has no ``sendmsg``: runs of small buffers are joined, large ones sent as they are.
         """
+        if self._asking is not None and parts:  # the INFO of ask_identity goes first, with a command read after it
+            self._told, self._asking = self._asking, None
+            parts = [_INFO_SERVER, *parts]
         if isinstance(self.sock, ssl.SSLSocket):
             self._send_tls(parts)
             return
@@ -285,6 +307,8 @@ class Connection:
         caller that knows how long the line is leaves the bulk after it in the socket, so
         :meth:`read_bulk` receives it straight into its destination (not through the read buffer).
         """
+        if self._told is not None:
+            self._read_identity()
         limit = ahead
         while True:
             end = self._buf.find(_CRLF, self._lo, self._hi)
@@ -376,6 +400,8 @@ class Connection:
 
     def small_ints(self, n: int) -> list[int] | None:
         """``n`` replies if all are ``:0``/``:1`` (consumed), else ``None`` (nothing consumed)."""
+        if self._told is not None:
+            self._read_identity()
         size = 4 * n
         while self._hi - self._lo < size:
             if self._hi == len(self._buf) and self._lo:
@@ -564,8 +590,12 @@ class _Lookup:
     outcome: list[tuple] | OSError | None = None
 
 
+MAX_LOOKUPS = 64
+"""The most name resolutions a process has in flight (each on a thread of its own): the names a store resolves
+are its seeds and, in a Cluster, whatever its nodes' slot maps and redirects name, so without a bound a slow
+resolver and ever new names would grow one thread per name for as long as the resolver takes to give up."""
 _LOOKUPS: dict[Address, _Lookup] = {}  # the resolutions in flight, one per (host, port)
-_LOOKUPS_LOCK = threading.Lock()
+_LOOKUPS_LOCK = threading.Condition()  # guards _LOOKUPS; notified as each resolution ends
 
 
 def _forget_lookups() -> None:
@@ -573,7 +603,7 @@ def _forget_lookups() -> None:
     for one would never get its answer), and the lock may be held by one of them."""
     global _LOOKUPS_LOCK
     _LOOKUPS.clear()
-    _LOOKUPS_LOCK = threading.Lock()
+    _LOOKUPS_LOCK = threading.Condition()
 
 
 os.register_at_fork(after_in_child=_forget_lookups)
@@ -586,19 +616,24 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     waits on its name servers as long as its configuration says (5 s a try), whatever the call's
     deadline, so a host whose name servers do not answer costs the call its connect timeout, not the
     resolver's. Calls for a name whose resolution is still in flight wait for that one: however often
-    they come, a name has at most one thread, which ends when the resolver answers or gives up. A child
-    forked while one was in flight resolves the name afresh.
+    they come, a name has at most one thread, which ends when the resolver answers or gives up. At most
+    :data:`MAX_LOOKUPS` names are resolved at once in a process: a call for one more waits, within
+    ``timeout``, for a resolution to end. A child forked while one was in flight resolves the name afresh.
     """
     try:
         return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass
+    deadline = time.monotonic() + timeout
     with _LOOKUPS_LOCK:
-        lookup = _LOOKUPS.get((host, port))
+        while (lookup := _LOOKUPS.get((host, port))) is None and len(_LOOKUPS) >= MAX_LOOKUPS:
+            if not _LOOKUPS_LOCK.wait(deadline - time.monotonic()):
+                raise TimeoutError(f"timed out resolving {host!r} ({MAX_LOOKUPS} other names were being resolved "
+                                   f"for {timeout:.3g} s)")
         if lookup is None:
             lookup = _LOOKUPS[(host, port)] = _Lookup()
             threading.Thread(target=_look_up, args=(host, port, lookup), name="kvkit-resolve", daemon=True).start()
-    if not lookup.done.wait(timeout):
+    if not lookup.done.wait(max(0.0, deadline - time.monotonic())):
         raise TimeoutError(f"timed out resolving {host!r} (its name servers did not answer in {timeout:.3g} s)")
     if isinstance(lookup.outcome, OSError):
         raise lookup.outcome
@@ -614,6 +649,7 @@ def _look_up(host: str, port: int, lookup: _Lookup) -> None:
         lookup.outcome = exc
     with _LOOKUPS_LOCK:
         del _LOOKUPS[(host, port)]
+        _LOOKUPS_LOCK.notify()
     lookup.done.set()
 
 
@@ -644,6 +680,10 @@ def _login_refusal(exc: ServerError) -> str:
     code = str(exc).split(maxsplit=1)[0] if str(exc).strip() else ""
     shown = code if _ERROR_CODE.fullmatch(code) else "an error"
     return f"{shown} (the server's message is not shown: it may quote the password)"
+
+
+_INFO_SERVER = b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n"
+_RUN_ID = re.compile(rb"^run_id:([0-9a-f]{40})\r?$", re.MULTILINE)
 
 
 def command(*args: bytes) -> bytes:

@@ -24,7 +24,7 @@ from kvkit.backends.blockstore._common import (
     check_keys,
     check_timeout,
 )
-from kvkit.backends.blockstore.link import Link, NodeHealth, Topology, Unreachable
+from kvkit.backends.blockstore.link import Identities, Link, NodeHealth, Topology, Unreachable
 from kvkit.backends.blockstore.resp import (
     Address,
     Connection,
@@ -36,6 +36,7 @@ from kvkit.backends.blockstore.resp import (
 )
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import StoreResult
+from kvkit.kept import warn_exposed
 from kvkit.validate import check_bool, check_int, check_real, checked, quote
 
 __all__ = ["ValkeyStore"]
@@ -205,6 +206,7 @@ class ValkeyStore:
     closed: bool = attrs.field(default=False, init=False)
     _health: NodeHealth = attrs.field(init=False)
     _connected: _Connected = attrs.field(factory=_Connected, init=False)
+    _identities: Identities = attrs.field(factory=Identities, init=False)
     _lookup: Link = attrs.field(init=False)
     _lookup_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _close_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
@@ -229,9 +231,10 @@ class ValkeyStore:
         self._health = NodeHealth(self.retry_interval_s)
         topology = Topology()  # one slot map for both links: what one learns routes the other's calls
         self._lookup = Link(self.nodes, self.cluster, self._options, self._health, topology=topology,
-                            on_connect=self._connected)
+                            identities=self._identities, on_connect=self._connected)
         self._io = _IoThread(Link(self.nodes, self.cluster, self._options, self._health, self.window_bytes,
-                                  topology=topology, on_connect=self._connected), tickets,
+                                  topology=topology, identities=self._identities, on_connect=self._connected),
+                             tickets,
                              self.ttl_s, _BulkLimit(self.retry_interval_s))
         self._thread = threading.Thread(target=self._io.serve, name="kvkit-valkey-io", daemon=True)
         self._thread.start()
@@ -246,6 +249,7 @@ class ValkeyStore:
         self._lookup.abandon()
         self._close_lock, self._lookup_lock = threading.Lock(), threading.Lock()  # the copies may be held
         self._connected.lock = threading.Lock()
+        self._identities.lock = threading.Lock()
         self._io.tickets.after_fork(f"transport: issued by process {parent}, which forked process {os.getpid()} "
                                     f"before it was answered")
         if not self.closed:
@@ -263,6 +267,15 @@ class ValkeyStore:
     def transport_failures(self) -> int:
         """Times a node was found unusable so far (each opens that node's breaker)."""
         return self._health.failures
+
+    @property
+    def restarts(self) -> int:
+        """Times a connection found that a node may have lost what it held since this store's last connection
+        to it: another ``run_id`` there (a restart, a failover at the same address), or a connection reopened
+        where the server does not tell its ``run_id`` (``INFO`` refused, as the tenant ACL of
+        docs/shared-tier.md does). The shared tier forgets what it remembered as put when this grows
+        (:func:`~kvkit.shared.client.store_restarts`)."""
+        return self._identities.changes
 
     @property
     def down_nodes(self) -> dict[Address, str]:
@@ -354,6 +367,10 @@ class ValkeyStore:
         try:
             for path in (self.tls_ca, self.tls_cert, self.tls_key):
                 _check_regular(path)
+            if self.tls_cert:  # the private key is in tls_key, or else in the certificate's file
+                label, key = ("ValkeyStore.tls_key", self.tls_key) if self.tls_key else ("ValkeyStore.tls_cert",
+                                                                                        self.tls_cert)
+                warn_exposed(label, key, os.stat(key).st_mode)
             context = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:
                 context.load_cert_chain(self.tls_cert, self.tls_key, password=_no_passphrase)

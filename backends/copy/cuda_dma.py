@@ -10,7 +10,6 @@ copy per block spanning every region (``cuMemcpy3DBatchAsync``).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from kvkit.backends.copy.planner import Strided
 from kvkit.errors import BackendUnavailableError, DeviceError
 from kvkit.interfaces.copy import Region
 from kvkit.interfaces.types import Direction, TransferPlan
+from kvkit.warn import warn
 
 if TYPE_CHECKING:
     import torch
@@ -109,8 +109,7 @@ class CudaDMACopy(GPUCopy):
                 return ops
             except DeviceError as exc:  # the call enqueued nothing: fall back to 1-D copies for good
                 self._strided_error = str(exc)
-                warnings.warn(f"cuda-dma: 2-D batched copies refused ({exc}); using 1-D copies",
-                              RuntimeWarning, stacklevel=4)
+                warn(f"cuda-dma: 2-D batched copies refused ({exc}); using 1-D copies", RuntimeWarning)
         desc = self._planner.descriptors(plan, regions=regions)
         lib.memcpy_batch(desc.dst, desc.src, desc.size, self._attributes[plan.direction], stream.cuda_stream)
         return desc

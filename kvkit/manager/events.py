@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-
 import attrs
 
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.redact import redact_text
 from kvkit.stats import Counter
+from kvkit.warn import warn
 
 __all__ = ["Events"]
 
@@ -43,6 +42,5 @@ class Events:
         key = (id(component), hook)
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(redact_text(f"{type(component).__qualname__}.{hook} raised {type(exc).__name__}: {exc} "
-                                      f"(contained: kvkit's state is unaffected; counted in stats.{name})"),
-                          RuntimeWarning, stacklevel=4)
+            warn(redact_text(f"{type(component).__qualname__}.{hook} raised {type(exc).__name__}: {exc} "
+                             f"(contained: kvkit's state is unaffected; counted in stats.{name})"), RuntimeWarning)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import ipaddress
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,13 +28,14 @@ from kvkit.interfaces.shared import DEFAULT_TENANT, BlockStore
 from kvkit.redact import redact, redact_text
 from kvkit.shared.format import HEADER_SIZE, Namespace, ValueStatus, block_key, check_value, encode_header
 from kvkit.shared.urls import open_block_store, process_wide
+from kvkit.warn import warn
 
 if TYPE_CHECKING:
     from kvkit.config import StackConfig
     from kvkit.shared.scheduler import SharedTierSpec
 
 __all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "store_deadline", "store_lifetime",
-           "warn_unauthenticated"]
+           "store_restarts", "warn_unauthenticated"]
 
 _WARNED: dict[tuple[str, int], None] = {}  # the nodes this process warned about last, oldest first
 _WARNED_LOCK = threading.Lock()
@@ -192,6 +192,14 @@ def store_lifetime(store: BlockStore) -> float | None:
     return _seconds(store, "ttl_s")
 
 
+def store_restarts(store: BlockStore) -> int:
+    """How many times ``store`` found that a server may have lost what it held (a restart that no failed call
+    revealed: :attr:`ValkeyStore.restarts <kvkit.backends.blockstore.valkey.ValkeyStore.restarts>`), or 0 for
+    a store that does not tell (its count never changes)."""
+    value = getattr(store, "restarts", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _seconds(store: BlockStore, name: str) -> float | None:
     """``store``'s attribute ``name``: a positive number of seconds, or ``None`` where it has none."""
     value = getattr(store, name, None)
@@ -250,11 +258,11 @@ class _Unauthenticated:
         with _WARNED_LOCK:  # held while warning: a warning turned into an error marks nothing, so it is raised again
             if self.given or _WARNED.keys() >= remote:
                 return False
-            warnings.warn(redact_text(
+            warn(redact_text(
                 f"kvkit: the KV values kept on {where} are not authenticated (no HMAC secret): anyone who can write "
                 f"that server can plant KV this engine will load and serve; use such a server only where every "
                 f"writer is trusted, or kvkit's shared tier with a secret every instance of the deployment shares "
-                f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning, stacklevel=4)
+                f"(docs/shared-tier.md, 'Threat model')"), RuntimeWarning)
             for node in sorted(remote):
                 remember(_WARNED, node, None)
             self.given = True

@@ -27,7 +27,9 @@ plan declined is recomputed, not put back), and only while there is no
 evidence against them: a lookup that finds a remembered hash absent forgets it
 and every hash after it in that request (they are recomputed and put again), a
 failed fetch forgets its hashes, an outage forgets everything (the server may
-have restarted empty), and nothing is remembered longer than ``trust_s``, nor longer than the store keeps a
+have restarted empty), so does a restart the store found without a failed call (a node that told another
+``run_id`` when its connection was reopened: :func:`~kvkit.shared.client.store_restarts`, looked at each step
+and after each ``contains``), and nothing is remembered longer than ``trust_s``, nor longer than the store keeps a
 value (its ``ttl_s``: :func:`~kvkit.shared.client.store_lifetime`), the server's own forgetting.
 A CPU hit asks the shared tier too, so blocks an instance keeps only in its
 CPU tier are put again once the server lost them: a lookup checks its CPU
@@ -47,7 +49,7 @@ Invariants: a hash is offered only if every rank's key was present at its
 lookup; a fetched block is findable only after every worker's fetch landed,
 and stays referenced until its load completed; no hash has two puts in flight;
 no put is skipped for a hash put, fetched or found ``trust_s`` (or the store's ``ttl_s``, if shorter) or longer
-ago, or before an outage;
+ago, or before an outage or a restart the store counted;
 a CPU-hit hash remembered (or found lost) less than ``trust_s`` ago, and since the last outage, is not checked.
 """
 
@@ -56,7 +58,6 @@ from __future__ import annotations
 import enum
 import math
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import cast
@@ -73,7 +74,7 @@ from kvkit.manager.events import Events
 from kvkit.manager.requests import Request
 from kvkit.manager.transfers import Batch
 from kvkit.redact import redact_text
-from kvkit.shared.client import store_deadline, store_lifetime
+from kvkit.shared.client import store_deadline, store_lifetime, store_restarts
 from kvkit.stats import OffloadStats
 from kvkit.validate import (
     check_real,
@@ -85,6 +86,7 @@ from kvkit.validate import (
     optional_at_least,
     plural,
 )
+from kvkit.warn import warn
 
 __all__ = ["SharedState", "SharedTier", "SharedTierSpec"]
 
@@ -183,6 +185,7 @@ class SharedTier:
     _lost: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # CPU hit found absent -> when
     _known_cap: int = attrs.field(init=False, default=0)
     _trust_s: float = attrs.field(init=False, default=0.0)  # spec.trust_s, or the store's ttl_s if shorter
+    _restarts: int = attrs.field(init=False, default=0)  # the store's restarts count when last looked at
     _writeback: int = attrs.field(init=False, default=0)
     _lookup_spent: float = attrs.field(init=False, default=0.0)  # seconds this step's lookups waited on contains
 
@@ -190,6 +193,7 @@ class SharedTier:
         self._interval = self.spec.backoff_s
         self._known_cap = 4 * self.cpu.num_blocks
         self._trust_s = min(self.spec.trust_s, store_lifetime(self.spec.store) or math.inf)
+        self._restarts = store_restarts(self.spec.store)
         if self.spec.write == "write-back":
             if not isinstance(self.cpu, EvictionOrder):
                 raise ConfigError(f"shared.write='write-back' puts the CPU pool's next eviction candidates: "
@@ -225,6 +229,7 @@ class SharedTier:
     def tick(self) -> None:
         """Once per step: read the probe's answer, or send the probe that ends a back-off; renew the lookup budget."""
         self._lookup_spent = 0.0
+        self._restarted()
         if self._probe is not None:
             for res in self._poll(self._probe):
                 self._probe = None
@@ -259,16 +264,30 @@ class SharedTier:
             self._turn_off(f"transport: poll raised {exc!r}")
             return []
 
+    def _restarted(self) -> bool:
+        """Whether the store found a server that may have lost what it held since this was last asked (a restart
+        no failed call revealed: :func:`~kvkit.shared.client.store_restarts`); if so, forget what was remembered."""
+        restarts = store_restarts(self.spec.store)
+        if restarts == self._restarts:
+            return False
+        self._restarts = restarts
+        self._forget()
+        return True
+
+    def _forget(self) -> None:
+        """Forget every hash remembered as held or found lost: the server may have come back empty."""
+        self._known.clear()
+        self._lost.clear()  # their puts may have gone to the server that is gone, or were skipped: check again
+
     def _turn_off(self, reason: str) -> None:
         reason = redact_text(reason)  # shown in the warning, the status line and to callbacks
-        self._known.clear()  # the server may come back empty
-        self._lost.clear()  # its puts were skipped while off: check again
+        self._forget()
         if self._state in (SharedState.ON, SharedState.SUSPECT):  # a new outage: say so once
             self._interval = self.spec.backoff_s
             self.stats.shared_outages.add()
-            warnings.warn(f"kvkit shared tier is off for {self._interval:g} s (then probed again, backing off "
-                          f"up to {self.spec.max_backoff_s:g} s): {reason}; requests are served from the GPU "
-                          f"and CPU tiers meanwhile", RuntimeWarning, stacklevel=2)
+            warn(f"kvkit shared tier is off for {self._interval:g} s (then probed again, backing off "
+                 f"up to {self.spec.max_backoff_s:g} s): {reason}; requests are served from the GPU "
+                 f"and CPU tiers meanwhile", RuntimeWarning)
             self.events.emit("on_shared_state", False, reason)
         else:  # a failed retry: wait longer
             self._interval = min(self.spec.max_backoff_s, 2 * self._interval)
@@ -307,12 +326,16 @@ class SharedTier:
         """
         if not self.available or self._lookup_spent >= self.spec.lookup_budget_s:
             return 0
+        self._restarted()
         stale = self._unconfirmed(held)
         if not hashes and not stale:
             return 0
+        asked = len(stale)
         leading = self._ask([*hashes, *stale])
         if leading is None:
             return 0
+        if self._restarted():  # found while answering: the CPU hit's hashes remembered until now are checked too
+            stale = self._unconfirmed(held)  # a superset of those asked, in the same order
         found = min(len(hashes), leading)
         if found:
             self._remember(hashes[:found])
@@ -321,7 +344,7 @@ class SharedTier:
             for h in (*hashes[found:], *tail):
                 known.pop(h, None)
         if stale:
-            present = leading - found if found == len(hashes) else self._ask(stale)
+            present = leading - found if found == len(hashes) and asked == len(stale) else self._ask(stale)
             if present is not None and self._lookup_spent < self.spec.lookup_budget_s:
                 self._confirm_held(stale, present)
         return found if self._lookup_spent < self.spec.lookup_budget_s else 0

@@ -12,7 +12,6 @@ import ctypes
 import os
 import re
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -31,6 +30,7 @@ from kvkit.interfaces.capabilities import LayeredCopy, SelfChecking, TimedCopy
 from kvkit.interfaces.copy import CopyBackend, Region
 from kvkit.interfaces.types import Direction, KVCacheSpec, Tier, TransferPlan, TransferResult
 from kvkit.validate import check_bool, check_int, check_real, checked, implements, is_int, plural, quote
+from kvkit.warn import warn
 from kvkit.worker import WAIT_TIMEOUT_S
 from kvkit.worker.layouts import (
     allocate_kv,
@@ -79,10 +79,10 @@ def _register_host(buffer: torch.Tensor) -> list[int]:
         if err != 0:
             _clear_cuda_error()
             _unregister_host(chunks)
-            warnings.warn(
+            warn(
                 f"cudaHostRegister of the {size}-byte CPU KV mirror failed (cudaError {err} at "
                 f"offset {offset}); falling back to pageable memory: copies will be several "
-                f"times slower and synchronous", RuntimeWarning, stacklevel=3)
+                f"times slower and synchronous", RuntimeWarning)
             return []
         chunks.append(base + offset)
     return chunks
@@ -173,8 +173,8 @@ def _stage_events(events: object, stages: int) -> list[tuple[Any, ...]] | None:
     (the copy was launched, so it is still reported as it completes).
     """
     if not isinstance(events, Sequence) or len(events) != stages or not all(isinstance(e, tuple) for e in events):
-        warnings.warn(f"copy backend answered {quote(events)} for {plural(stages, 'stage')}, not one tuple of "
-                      f"events per stage: the transfer is waited for whole", RuntimeWarning, stacklevel=3)
+        warn(f"copy backend answered {quote(events)} for {plural(stages, 'stage')}, not one tuple of "
+             f"events per stage: the transfer is waited for whole", RuntimeWarning)
         return None
     return list(events) if all(events) else None
 
@@ -440,7 +440,7 @@ class TransferEngine:
         except PlanError:
             raise
         except Exception as exc:  # noqa: BLE001 - launched nothing (the backend contract): a failed result, not a crash
-            warnings.warn(f"transfer {transfer_id} failed to launch: {exc!r}", RuntimeWarning, stacklevel=2)
+            warn(f"transfer {transfer_id} failed to launch: {exc!r}", RuntimeWarning)
             self._ready.append(TransferResult(transfer_id, self.worker, ok=False))
         else:
             job = _InFlight(transfer_id, started, len(plan) * group_bytes, layers=layers, load=load)
@@ -448,8 +448,8 @@ class TransferEngine:
             if not is_int(handle) or handle in self._in_flight:
                 # The backend broke its contract: its copy may run, but no poll can ever confirm this
                 # handle, so the transfer stays in flight, in doubt, under a key no poll returns.
-                warnings.warn(f"copy backend returned the handle {quote(handle)} for transfer {transfer_id}, not a "
-                              f"new int: it stays in flight, in doubt", RuntimeWarning, stacklevel=2)
+                warn(f"copy backend returned the handle {quote(handle)} for transfer {transfer_id}, not a "
+                     f"new int: it stays in flight, in doubt", RuntimeWarning)
                 key, job.in_doubt = ("unconfirmable", transfer_id), True
             self._in_flight[key] = job
         self._unreported.add(transfer_id)
@@ -602,10 +602,10 @@ class TransferEngine:
         for job in fresh:
             job.in_doubt = True
         if fresh:  # once per transfer, however often a broken backend raises
-            warnings.warn(
+            warn(
                 f"copy backend failed: {exc!r}; in doubt now: {plural(len(fresh), 'transfer')} in flight "
                 f"{quote([job.transfer_id for job in fresh])}: each is reported failed once the backend "
-                f"confirms it finished, and its blocks stay reserved until then", RuntimeWarning, stacklevel=4)
+                f"confirms it finished, and its blocks stay reserved until then", RuntimeWarning)
 
     def _hand_out(self) -> list[TransferResult]:
         results, self._ready = self._ready, []

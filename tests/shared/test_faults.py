@@ -302,6 +302,28 @@ def test_blocks_the_server_lost_are_put_again_from_the_cpu_tier(server, loss, tu
     b.close()
 
 
+def test_a_restart_no_call_failed_on_is_found_by_the_next_lookup_and_what_was_lost_is_put_again(server):
+    """The server restarts empty between calls (no call fails, no outage is seen) while the instance that put a
+    prompt keeps it in its CPU tier, long before ``trust_s``: its next lookup (the conversation's next turn)
+    reconnects, finds another run of the server there, forgets what it remembered as put, finds the CPU hit's
+    blocks lost in the same lookup and puts them again, so a second instance gets the whole shared hit."""
+    a, ea = instance(server.url + FAST)
+    serve(ea, "a1")
+    assert a.stats.blocks_put.value == 10
+    server.kill()
+    server.start()
+    a.gpu.reset()  # the next request of the prompt is a CPU hit, not a GPU one
+    assert serve(ea, "a2", PROMPT + [7000 + t for t in range(20)]).cpu_hit_tokens == 40
+    assert a.stats.shared_outages.value == 0 and a.stats.fetches_failed.value == 0
+    assert a.stats.blocks_found_lost.value == 10, "the restart was trusted: the CPU hit's blocks were not checked"
+    assert a.stats.blocks_put.value == 25, "the blocks lost in the restart were not put again"
+    b, eb = instance(server.url + FAST)
+    assert serve(eb, "b").cpu_hit_tokens == 36 and b.stats.shared_hit_tokens.value == 36
+    assert eb.integrity_errors == 0
+    a.close()
+    b.close()
+
+
 @pytest.mark.parametrize("turn", ["same", "next"])
 def test_values_past_the_servers_ttl_are_put_again_within_the_ttl(server, turn):
     """Values expire (``ttl_s``) long before ``trust_s``: the instance that put a prompt, keeping it in its CPU

@@ -62,6 +62,28 @@ def test_back_off_doubles_up_to_its_cap_and_resets_on_recovery():
     mgr.check_invariants()
 
 
+def test_an_infinite_back_off_turns_the_tier_off_for_good_at_its_first_outage():
+    """``backoff_s=inf`` (documented: one outage and off for good) is accepted by ``SharedConfig``; after the
+    first failed probe no probe is ever sent again, however long the server has been back."""
+    from kvkit.config import SharedConfig
+
+    assert SharedConfig(url="memory://", backoff_s=math.inf).backoff_s == math.inf
+    store, clock = FailingStore(MemoryStore(), down=True), Clock()
+    codec = FormatCodec.for_stack(SPEC, 1, model="m", layout="none")
+    spec = SharedTierSpec(store=store, codec=codec, clock=clock, backoff_s=math.inf, max_backoff_s=math.inf)
+    mgr = OffloadManager(SPEC, BlockPool(8, eviction=LRUPolicy()), EagerStore(),
+                         gpu=BlockPool(8, eviction=LRUPolicy()), shared=spec)
+    with pytest.warns(RuntimeWarning, match="shared tier is off for inf s"):
+        mgr._shared.suspect("a put failed")
+        mgr.build_step()
+    store.down = False
+    for _ in range(3):
+        clock.now += 1e12
+        mgr.build_step()
+    assert not mgr._shared.available and mgr.stats.shared_probes.value == 1
+    assert mgr.stats.shared_recoveries.value == 0 and mgr.shared_status.startswith("off (backing off inf s")
+
+
 def test_a_failure_that_is_not_the_transport_keeps_the_tier_on():
     """A probe that lands (the server is fine; a key was simply gone) leaves the tier on, no warning."""
     mgr = manager(MemoryStore(), Clock())

@@ -9,7 +9,6 @@ the CPU tier's size has one source of truth: :attr:`ConnectorSettings.stack`.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote as url_quote
@@ -23,6 +22,7 @@ from kvkit.kept import read_kept
 from kvkit.redact import redact_url
 from kvkit.registry import STORE
 from kvkit.validate import check_bool, check_choice, check_int, did_you_mean, plural, problem_of, quote
+from kvkit.warn import warn
 from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["EXTRA_KEYS", "KV_ROLES", "SEED_DEFAULTS", "STACK_KEYS", "VLLM_SLOTS", "ConnectorSettings",
@@ -422,9 +422,9 @@ def _capacity(extra: Mapping[str, Any], world_size: int) -> tuple[dict[str, Any]
             f"{_EXTRA}: " + ", ".join(f"{k}={given[k]!r} ({n} bytes per worker)" for k, n in per_worker.items())
             + f" disagree (cpu_bytes_to_use is the total over {plural(world_size, 'worker')}); give one of them"]
     if total is not None and rank is not None and total != rank:
-        warnings.warn(f"{_EXTRA}: cpu_bytes_to_use_per_rank={given['cpu_bytes_to_use_per_rank']!r} ({rank} bytes) "
-                      f"!= cpu_bytes_to_use={given['cpu_bytes_to_use']!r} over {plural(world_size, 'worker')} "
-                      f"({total} bytes); using the per-rank value", UserWarning, stacklevel=3)
+        warn(f"{_EXTRA}: cpu_bytes_to_use_per_rank={given['cpu_bytes_to_use_per_rank']!r} ({rank} bytes) "
+             f"!= cpu_bytes_to_use={given['cpu_bytes_to_use']!r} over {plural(world_size, 'worker')} "
+             f"({total} bytes); using the per-rank value", UserWarning)
     return {"cpu_bytes": rank if rank is not None else per_worker[next(iter(per_worker))]}, []
 
 
@@ -448,8 +448,8 @@ def _seed_backend(extra: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list
     if backend == "cpu":
         ignored = [key for key in _DISK_KEYS if key in extra]
         if ignored:
-            warnings.warn(f"{_EXTRA}: kv_offload_backend is 'cpu', ignoring the disk backend's "
-                          f"{', '.join(ignored)}; set kv_offload_backend='disk' to use it", UserWarning, stacklevel=3)
+            warn(f"{_EXTRA}: kv_offload_backend is 'cpu', ignoring the disk backend's "
+                 f"{', '.join(ignored)}; set kv_offload_backend='disk' to use it", UserWarning)
         return None, []
     values = {key: extra.get(key, SEED_DEFAULTS.get(key)) for key in _DISK_KEYS}
     problems = []

@@ -6,10 +6,11 @@ import errno
 import fcntl
 import json
 import os
+import pathlib
 import shutil
-import stat
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -937,6 +938,34 @@ def test_values_are_private_whatever_the_umask(tmp_path, umask):
     assert _modes(tmp_path / "new") == ({"0o600"}, {"0o700"})
 
 
+def test_a_umask_that_takes_the_owners_read_bit_leaves_puts_working_and_modes_exact():
+    """Under umask 0o477 a process that is not root (root, who reads any directory, runs it as ``nobody``) puts and
+    gets its values, and the files are 0600 and the directories 0700 all the same: a directory the store made is
+    reached without its owner's read bit never missing."""
+    where = tempfile.mkdtemp()  # in a directory every user may search: ``nobody`` reaches it
+    try:
+        if os.geteuid() == 0:
+            os.chown(where, 65534, 65534)
+
+        def child():
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            os.umask(0o477)
+            store = DiskStore(os.path.join(where, "new", "kv"), 1 << 20)
+            put = _put(store, [b"a", b"b"], 10)
+            got, buffers = _get(store, [b"a", b"b"], 10)
+            store.close()
+            return [put.failed, put.error, got.failed, [bytes(b).hex() for b in buffers]]
+
+        assert in_child(child)() == [[], "", [], [(bytes([0]) * 10).hex(), (bytes([1]) * 10).hex()]]
+        files, dirs = _modes(pathlib.Path(where, "new"))
+        assert (files, dirs) == ({"0o600"}, {"0o700"})
+    finally:
+        shutil.rmtree(where)
+
+
 def test_file_mode_is_configurable_also_in_the_url(tmp_path):
     """file_mode=640 (octal, in a URL too) gives files 0640 and directories 0750; an existing path keeps its mode."""
     old = os.umask(0o077)
@@ -1380,14 +1409,14 @@ def test_a_subdirectory_whose_mode_cannot_be_set_leaves_no_descriptor_open(tmp_p
     """A file system that refuses chmod (vfat, some network mounts: EPERM) fails the put that made a
     subdirectory, quoting the refusal, and leaves no descriptor of it open."""
     store = DiskStore(tmp_path, 1 << 20)
-    real = os.fchmod
+    real = os.chmod
 
-    def fchmod(fd, mode):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
+    def chmod(path, mode, *args, **kwargs):
+        if os.path.isdir(path):
             raise OSError(errno.EPERM, os.strerror(errno.EPERM))
-        return real(fd, mode)
+        return real(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(disk.os, "fchmod", fchmod)
+    monkeypatch.setattr(disk.os, "chmod", chmod)
     before = len(os.listdir("/proc/self/fd"))
     refused = _put(store, [b"k%d" % i for i in range(8)], 100)
     assert refused.failed and os.strerror(errno.EPERM) in refused.error, refused

@@ -440,6 +440,35 @@ def _server_binary(binary):
 
 
 @pytest.mark.parametrize("binary", _binaries())
+def test_a_restart_between_calls_counts_as_a_restart_and_a_killed_connection_does_not(binary):
+    """Valkey and Redis tell each run of a server apart (``run_id``): a connection reopened to a server restarted
+    between calls (no call failed) counts one restart, however many links reconnect to it; connections the server
+    closed (``CLIENT KILL``) and reopened to the same run count none. A user whose ACL refuses ``INFO`` (the
+    tenant ACL line of docs/shared-tier.md) cannot be told: each reopened connection counts, the first ones not."""
+    with LocalServer(_server_binary(binary)) as server:
+        address = ("127.0.0.1", server.port)
+        store = _store(address)
+        assert _put(store, [b"r"], [b"v"]).ok and store.contains([b"r"]) == 1  # both links connected
+        server.call(b"CLIENT", b"KILL", b"TYPE", b"normal")
+        assert store.contains([b"r"]) == 1 and _put(store, [b"r"], [b"v"]).ok
+        assert store.restarts == 0, "a connection reopened to the same run was taken for a restart"
+        server.kill()
+        server.start()
+        assert store.contains([b"r"]) == 0 and _put(store, [b"r"], [b"v"]).ok
+        assert store.restarts == 1 and store.transport_failures == 0
+        store.close()
+        server.call(b"ACL", b"SETUSER", b"kvkit-acme", b"on", b">kvkit-test-only", b"resetkeys", b"~kvkit:acme:*",
+                    b"resetchannels", b"-@all", b"+ping", b"+exists", b"+get", b"+set", b"+select")
+        store = _store(address, username="kvkit-acme", password="kvkit-test-only")
+        assert _put(store, [b"kvkit:acme:r"], [b"v"]).ok and store.contains([b"kvkit:acme:r"]) == 1
+        assert store.restarts == 0
+        server.call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+        assert store.contains([b"kvkit:acme:r"]) == 1
+        assert store.restarts == 1, "a reopened connection that could not tell its server was trusted"
+        store.close()
+
+
+@pytest.mark.parametrize("binary", _binaries())
 def test_a_server_with_no_room_for_another_client_is_marked_down_until_it_has_room(binary):
     """``maxclients`` reached by other clients: the server answers a new connection ``-ERR max number of clients
     reached`` and closes it. That is evidence against the node, not a key's failure: a call of one key and a call
@@ -1334,11 +1363,10 @@ print(json.dumps({"resolver_s": resolver_s, "contains_s": contains_s, "get_s": g
 """
 
 
-def test_a_host_whose_name_servers_do_not_answer_costs_a_call_its_deadline(tmp_path):
-    """Resolving a host name is bounded by the call's deadline: a name server that takes the query and never
-    answers (the system resolver waits 2 s a try here) costs ``contains`` and ``get`` their deadlines, not the
-    resolver's, and calls that keep coming share one resolution (one thread). Runs in a network and mount
-    namespace of its own (``unshare``), where the only name server is a silent socket on loopback."""
+def _behind_a_silent_resolver(tmp_path, script_text: str) -> dict:
+    """Run ``script_text`` (it prints a JSON report with ``resolver_s``: how long the system resolver took to give
+    up on a name) in a network and mount namespace of its own (``unshare``), where the only name server is a
+    silent socket on loopback, answering nothing (the resolver waits 2 s a try); skip where that cannot be."""
     import json
     import shutil
     import subprocess
@@ -1351,7 +1379,7 @@ def test_a_host_whose_name_servers_do_not_answer_costs_a_call_its_deadline(tmp_p
     conf = tmp_path / "resolv.conf"
     conf.write_text("nameserver 127.0.0.1\noptions timeout:2 attempts:1\n")
     script = tmp_path / "child.py"
-    script.write_text(_SILENT_RESOLVER)
+    script.write_text(script_text)
     shell = f"ip link set lo up && mount --bind {conf} /etc/resolv.conf && exec {sys.executable} {script}"
     child = subprocess.run(["unshare", "-rmn", "sh", "-c", shell], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -1359,6 +1387,49 @@ def test_a_host_whose_name_servers_do_not_answer_costs_a_call_its_deadline(tmp_p
     report = json.loads(child.stdout)
     if report["resolver_s"] < 1.5:
         pytest.skip(f"the system resolver does not use /etc/resolv.conf here (answered in {report['resolver_s']} s)")
+    return report
+
+
+def test_a_host_whose_name_servers_do_not_answer_costs_a_call_its_deadline(tmp_path):
+    """Resolving a host name is bounded by the call's deadline: a name server that takes the query and never
+    answers (the system resolver waits 2 s a try here) costs ``contains`` and ``get`` their deadlines, not the
+    resolver's, and calls that keep coming share one resolution (one thread)."""
+    report = _behind_a_silent_resolver(tmp_path, _SILENT_RESOLVER)
     assert report["contains_s"] <= 0.3 + SLACK and report["found"] == 0, report
     assert report["get_s"] <= 0.3 + SLACK and report["error"].startswith("transport:"), report
     assert report["resolvers"] == 1, report
+
+
+_MANY_SLOW_NAMES = r"""
+import json, socket, threading, time
+from kvkit.backends.blockstore import resp
+
+silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+silent.bind(("127.0.0.1", 53))
+start = time.monotonic()
+try:
+    socket.getaddrinfo("kvkit-cache.internal", 6379)
+except OSError:
+    pass
+resolver_s = time.monotonic() - start
+start, timed_out, threads = time.monotonic(), 0, 0
+for i in range(3 * resp.MAX_LOOKUPS):  # ever new names (a Cluster's redirects), none answered in time
+    try:
+        resp._resolve(f"node-{i}.internal", 6379, 0.01)
+    except TimeoutError:
+        timed_out += 1
+    threads = max(threads, sum(t.name == "kvkit-resolve" for t in threading.enumerate()))
+print(json.dumps({"resolver_s": resolver_s, "timed_out": timed_out, "threads": threads, "limit": resp.MAX_LOOKUPS,
+                  "took_s": time.monotonic() - start}))
+"""
+
+
+def test_ever_new_names_a_slow_resolver_never_answers_hold_a_bounded_number_of_threads(tmp_path):
+    """Names resolved one after another (three times :data:`~kvkit.backends.blockstore.resp.MAX_LOOKUPS` of them,
+    as a Cluster's redirects to ever new hosts would ask), none answered by the silent name server: each call
+    times out by its own deadline, and at most ``MAX_LOOKUPS`` resolver threads are ever alive at once (before:
+    one per name, each alive until the resolver gave up on it)."""
+    report = _behind_a_silent_resolver(tmp_path, _MANY_SLOW_NAMES)
+    assert report["timed_out"] == 3 * report["limit"], report
+    assert report["threads"] <= report["limit"], report
+    assert report["took_s"] <= 3 * report["limit"] * 0.01 + SLACK, report
