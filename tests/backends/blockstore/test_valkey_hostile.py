@@ -235,6 +235,28 @@ def test_a_slot_map_out_of_range_is_refused_and_never_raises(scripted, slots):
         store.close()
 
 
+@pytest.mark.parametrize("ranges", [[(0, 9000), (8000, 16383)], [(0, 16383)] * 160_000])
+def test_a_slot_map_listing_a_slot_twice_is_refused_by_the_deadline(scripted, ranges):
+    """CLUSTER SLOTS listing a slot in two ranges (Valkey lists each once): two that overlap, or the whole range
+    0-16383 160,000 times (7 MB, within what a reply may hold, read within a 3 s deadline). The map is refused at
+    the first slot listed twice (the node is marked down) and ``contains`` answers by its deadline (before: the
+    map was used, and writing the 160,000 ranges into it took 6.5 s on the caller's thread, past any deadline)."""
+    entry = b"*3\r\n:%d\r\n:%d\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n"
+    server = scripted(lambda args: b"*%d\r\n" % len(ranges) + b"".join(
+        entry % (start, end, server.port) for start, end in ranges) if args[0] == b"CLUSTER" else b":1\r\n")
+    deadline = 3.0
+    store = ValkeyStore([("127.0.0.1", server.port)], cluster=True, request_timeout_s=deadline,
+                        connect_timeout_s=deadline, retry_interval_s=30.0)
+    try:
+        start = time.monotonic()
+        assert store.contains([b"a", b"b"]) == 0
+        assert time.monotonic() - start <= deadline + SLACK, f"a call took {time.monotonic() - start:.2f} s"
+        assert "overlap a range listed before them" in store.last_error, store.last_error
+        assert list(store.down_nodes) == [("127.0.0.1", server.port)]
+    finally:
+        store.close()
+
+
 def test_a_failed_node_listed_at_port_0_fails_only_its_own_slots(scripted):
     """CLUSTER SLOTS lists a failed node, whose address is unknown, at port 0 (as Valkey does): the map is used,
     the keys of the live node's slots are served, only the failed node's fail, and the live node stays up."""
