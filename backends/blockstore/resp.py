@@ -8,7 +8,8 @@ routing over nodes is :mod:`kvkit.backends.blockstore.link`'s.
 
 Every operation is bounded by the connection's ``deadline`` (``time.monotonic()`` seconds), a whole
 call's, however slowly the bytes trickle: the socket is non-blocking, every read and write is tried
-first and waits (``poll``) only for what is not there yet, never past the deadline. A deadline that
+first and waits (``poll``) only for what is not there yet, never past the deadline; no receive starts
+past it, even of bytes that are there (a reply arriving faster than it is read). A deadline that
 passes raises :class:`DeadlineExceeded`; a server that closes the connection raises
 :class:`ConnectionClosedError`, a refusing one ``ConnectionError`` (all ``OSError``), as does a reply that is
 not RESP.
@@ -426,6 +427,7 @@ class Connection:
         if isinstance(self.sock, ssl.SSLSocket):
             return self._recv_into(views[0])
         while True:
+            self._in_time()
             try:
                 got = self.sock.recvmsg_into(views)[0]
             except BlockingIOError:
@@ -441,6 +443,7 @@ class Connection:
     def _recv_into(self, view: memoryview) -> int:
         """Receive what is there into ``view`` (at least one byte), waiting for it until the deadline."""
         while True:
+            self._in_time()
             try:
                 got = self.sock.recv_into(view)
             except _WOULD_BLOCK as exc:
@@ -452,6 +455,15 @@ class Connection:
                 raise self._closed("the server closed the connection")
             self._waiting_since = None
             return got
+
+    def _in_time(self) -> None:
+        """Raise :class:`DeadlineExceeded` once the deadline passed, even with bytes there to receive: a reply that
+        arrives faster than it is read (a million array elements, a bulk of gigabytes to skip) ends with the
+        call's deadline too (``stalled_s``: how long nothing moved, 0 while bytes were there)."""
+        now = time.monotonic()
+        if now >= self.deadline:
+            stalled = 0.0 if self._waiting_since is None else now - self._waiting_since
+            raise DeadlineExceeded("timed out: the call's deadline passed", stalled)
 
     def _closed(self, why: str) -> ConnectionClosedError:
         """``ConnectionClosedError`` saying ``why``, with how long the connection had waited without a byte."""

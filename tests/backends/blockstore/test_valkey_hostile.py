@@ -257,6 +257,23 @@ def test_a_slot_map_listing_a_slot_twice_is_refused_by_the_deadline(scripted, ra
         store.close()
 
 
+def test_a_reply_arriving_faster_than_it_is_read_ends_with_the_deadline(scripted):
+    """CLUSTER SLOTS answered with one range and 900,000 one-byte entries after its node (where replicas are
+    listed; 8 MB, within what a reply may hold), sent at once: the bytes are always there to receive, and reading
+    them stops at the call's deadline, so ``contains`` answers by then, nothing found (before: the deadline was
+    looked at only when no byte was there, the whole reply was read, 3 s past a 0.5 s deadline, and its map used).
+    The node was sending all along: it is not marked down."""
+    extra = 900_000
+    server = scripted(lambda args: b"*1\r\n*%d\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n%s" % (
+        3 + extra, server.port, b"$1\r\nr\r\n" * extra) if args[0] == b"CLUSTER" else b":1\r\n")
+    store = _store(server.port, cluster=True)
+    try:
+        assert _bounded(lambda: store.contains([b"a", b"b"])) == 0
+        assert store.down_nodes == {}
+    finally:
+        store.close()
+
+
 def test_a_failed_node_listed_at_port_0_fails_only_its_own_slots(scripted):
     """CLUSTER SLOTS lists a failed node, whose address is unknown, at port 0 (as Valkey does): the map is used,
     the keys of the live node's slots are served, only the failed node's fail, and the live node stays up."""
