@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions", "Connection",
+__all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions", "Connection",
            "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError", "SlotUnserved",
            "command", "error_reply", "key_slot", "node_host"]
 
@@ -60,6 +60,10 @@ MAX_REPLY_ITEMS = 1 << 20
 16384 ranges with two replicas each: about half a million)."""
 MAX_REPLY_DEPTH = 16
 """The deepest nesting of arrays :meth:`Connection.reply` reads (CLUSTER SLOTS nests 4 deep)."""
+MAX_LOOKUPS = 64
+"""The most host names a process resolves at once, each on a thread of its own (a Cluster's host names resolve in
+milliseconds each, so this many at once serve its 1,000 nodes well within a deadline; a name server that never
+answers, for ever new names that redirects make up, holds at most this many threads)."""
 
 
 class ServerError(Exception):
@@ -578,14 +582,16 @@ class _Lookup:
 
 _LOOKUPS: dict[Address, _Lookup] = {}  # the resolutions in flight, one per (host, port)
 _LOOKUPS_LOCK = threading.Lock()
+_LOOKUP_THREADS = threading.BoundedSemaphore(MAX_LOOKUPS)  # one held by each resolution's thread while it runs
 
 
 def _forget_lookups() -> None:
     """In a forked child: the resolutions in flight are the parent's threads, not this process's (a call waiting
     for one would never get its answer), and the lock may be held by one of them."""
-    global _LOOKUPS_LOCK
+    global _LOOKUPS_LOCK, _LOOKUP_THREADS
     _LOOKUPS.clear()
     _LOOKUPS_LOCK = threading.Lock()
+    _LOOKUP_THREADS = threading.BoundedSemaphore(MAX_LOOKUPS)
 
 
 os.register_at_fork(after_in_child=_forget_lookups)
@@ -598,19 +604,21 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     waits on its name servers as long as its configuration says (5 s a try), whatever the call's
     deadline, so a host whose name servers do not answer costs the call its connect timeout, not the
     resolver's. Calls for a name whose resolution is still in flight wait for that one: however often
-    they come, a name has at most one thread, which ends when the resolver answers or gives up. A child
-    forked while one was in flight resolves the name afresh.
+    they come, a name has at most one thread, which ends when the resolver answers or gives up. At most
+    :data:`MAX_LOOKUPS` names are resolved at once in a process, however many names servers' redirects
+    make up: a new one waits, within ``timeout``, for one of them to end (:class:`DeadlineExceeded` if none
+    did: no evidence against its node). A child forked while one was in flight resolves the name afresh.
     """
     try:
         return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass
+    deadline = time.monotonic() + timeout
     with _LOOKUPS_LOCK:
         lookup = _LOOKUPS.get((host, port))
-        if lookup is None:
-            lookup = _LOOKUPS[(host, port)] = _Lookup()
-            threading.Thread(target=_look_up, args=(host, port, lookup), name="kvkit-resolve", daemon=True).start()
-    if not lookup.done.wait(timeout):
+    if lookup is None:
+        lookup = _start_lookup(host, port, timeout)
+    if not lookup.done.wait(max(0.0, deadline - time.monotonic())):
         raise TimeoutError(f"timed out resolving {host!r} (its name servers did not answer in {timeout:.3g} s)")
     if isinstance(lookup.outcome, OSError):
         raise lookup.outcome
@@ -618,14 +626,39 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     return lookup.outcome
 
 
-def _look_up(host: str, port: int, lookup: _Lookup) -> None:
-    """Resolve ``host`` into ``lookup`` (on its own thread), then let later calls start a fresh resolution."""
+def _start_lookup(host: str, port: int, timeout: float) -> _Lookup:
+    """The resolution in flight for ``(host, port)``, started on a thread of its own unless another call started
+    one meanwhile; the thread first takes one of the :data:`MAX_LOOKUPS` slots, waiting at most ``timeout``."""
+    slots = _LOOKUP_THREADS
+    if not slots.acquire(timeout=timeout):
+        raise DeadlineExceeded(f"timed out resolving {host!r}: {MAX_LOOKUPS} names were being resolved already "
+                               f"for {timeout:.3g} s", 0.0)
+    with _LOOKUPS_LOCK:
+        lookup = _LOOKUPS.get((host, port))
+        if lookup is not None:
+            slots.release()
+            return lookup
+        lookup = _LOOKUPS[(host, port)] = _Lookup()
+        try:
+            threading.Thread(target=_look_up, args=(host, port, lookup, slots), name="kvkit-resolve",
+                             daemon=True).start()
+        except BaseException:
+            del _LOOKUPS[(host, port)]
+            slots.release()
+            raise
+    return lookup
+
+
+def _look_up(host: str, port: int, lookup: _Lookup, slot: threading.BoundedSemaphore) -> None:
+    """Resolve ``host`` into ``lookup`` (on its own thread), then let later calls start a fresh resolution and give
+    back the thread's ``slot``."""
     try:
         lookup.outcome = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
     except OSError as exc:
         lookup.outcome = exc
     with _LOOKUPS_LOCK:
         del _LOOKUPS[(host, port)]
+    slot.release()
     lookup.done.set()
 
 
