@@ -235,12 +235,12 @@ def test_a_slot_map_out_of_range_is_refused_and_never_raises(scripted, slots):
         store.close()
 
 
-@pytest.mark.parametrize("ranges", [[(0, 9000), (8000, 16383)], [(0, 16383)] * 160_000])
+@pytest.mark.parametrize("ranges", [[(0, 9000), (8000, 16383)], [(0, 16383)] * 20_000])
 def test_a_slot_map_listing_a_slot_twice_is_refused_by_the_deadline(scripted, ranges):
     """CLUSTER SLOTS listing a slot in two ranges (Valkey lists each once): two that overlap, or the whole range
-    0-16383 160,000 times (7 MB, within what a reply may hold, read within a 3 s deadline). The map is refused at
-    the first slot listed twice (the node is marked down) and ``contains`` answers by its deadline (before: the
-    map was used, and writing the 160,000 ranges into it took 6.5 s on the caller's thread, past any deadline)."""
+    0-16383 20,000 times (within what a reply may hold). The map is refused at the first slot listed twice (the
+    node is marked down) and ``contains`` answers by its deadline (before: the map was used, each range written
+    into it whole: 40 us a range on the caller's thread, 160,000 ranges took 6.5 s past a 0.5 s deadline)."""
     entry = b"*3\r\n:%d\r\n:%d\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n"
     server = scripted(lambda args: b"*%d\r\n" % len(ranges) + b"".join(
         entry % (start, end, server.port) for start, end in ranges) if args[0] == b"CLUSTER" else b":1\r\n")
