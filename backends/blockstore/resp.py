@@ -651,15 +651,16 @@ def _start_lookup(host: str, port: int, timeout: float) -> _Lookup:
 
 def _look_up(host: str, port: int, lookup: _Lookup, slot: threading.BoundedSemaphore) -> None:
     """Resolve ``host`` into ``lookup`` (on its own thread), then let later calls start a fresh resolution and give
-    back the thread's ``slot``."""
+    back the thread's ``slot`` (whatever the resolver raised: a slot is never lost)."""
     try:
         lookup.outcome = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
     except OSError as exc:
         lookup.outcome = exc
-    with _LOOKUPS_LOCK:
-        del _LOOKUPS[(host, port)]
-    slot.release()
-    lookup.done.set()
+    finally:
+        with _LOOKUPS_LOCK:
+            del _LOOKUPS[(host, port)]
+        slot.release()
+        lookup.done.set()
 
 
 def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> Sequence[bytes | memoryview]:
