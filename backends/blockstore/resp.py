@@ -35,9 +35,9 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions", "Connection",
-           "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError", "SlotUnserved",
-           "command", "error_reply", "key_slot", "node_host"]
+__all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions",
+           "Connection", "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError",
+           "SlotUnserved", "command", "error_reply", "key_slot", "node_host"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
