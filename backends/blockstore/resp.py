@@ -208,6 +208,11 @@ class Connection:
         except ServerError as exc:
             self.close()
             raise ConnectionRefusedError(f"{address[0]}:{address[1]} refused the login: {exc}") from None
+        except DeadlineExceeded as exc:  # a login that had the budget, or nearly, and timed out: the node's fault
+            self.close()
+            had = self.deadline - (login - budget)
+            raise _connect_timeout(TimeoutError(f"timed out logging in to {address[0]}:{address[1]}: no answer in "
+                                                f"{had:.3g} s"), had, budget, exc.stalled_s) from None
         except BaseException:
             self.close()
             raise
@@ -530,9 +535,10 @@ _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
 
 
 def _connect_timeout(exc: TimeoutError, timeout: float, budget: float, silent_s: float) -> TimeoutError:
-    """What a connect or TLS handshake that timed out after ``timeout`` seconds of a ``budget`` raises: ``exc``
-    (evidence against the node) when it had the budget, or nearly; else :class:`DeadlineExceeded` (the call's
-    deadline cut it short) with ``silent_s`` as its ``stalled_s``: how long the handshake waited (a connect: 0)."""
+    """What a connect, TLS handshake or login (AUTH, SELECT) that timed out after ``timeout`` seconds of a ``budget``
+    raises: ``exc`` (evidence against the node) when it had the budget, or nearly; else :class:`DeadlineExceeded`
+    (the call's deadline cut it short) with ``silent_s`` as its ``stalled_s``: how long the handshake or login
+    waited (a connect: 0)."""
     if timeout >= _FAIR_CONNECT * budget:
         return exc
     return DeadlineExceeded(f"timed out connecting: {exc}", silent_s)

@@ -184,11 +184,16 @@ def test_a_reply_holding_more_than_a_reply_may_is_refused_before_it_fills_memory
     """EXISTS answered with an array of many bulks or lines, each short enough, or with more elements than a
     reply may hold: the reply is refused once it would hold more than 64 MiB or a million elements (an announced
     count at once), so one ``contains`` never holds much more than that (before: what the server sent in the
-    deadline, 1,080 MiB at the peak for 512 MiB of bulks), the node is marked down, nothing raises."""
-    store = _store(streaming(head, element, count))
+    deadline, 1,080 MiB at the peak for 512 MiB of bulks), the node is marked down, nothing raises. The deadline
+    (10 s) is long enough that the limit, not the deadline, ends the reply on a busy machine."""
+    deadline = 10.0
+    store = ValkeyStore([("127.0.0.1", streaming(head, element, count))], request_timeout_s=deadline,
+                        connect_timeout_s=deadline, retry_interval_s=30.0)
     tracemalloc.start()
     try:
-        assert _bounded(lambda: store.contains([b"a"])) == 0
+        start = time.monotonic()
+        assert store.contains([b"a"]) == 0
+        assert time.monotonic() - start <= deadline + SLACK
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -270,6 +275,30 @@ def test_a_reply_arriving_faster_than_it_is_read_ends_with_the_deadline(scripted
     try:
         assert _bounded(lambda: store.contains([b"a", b"b"])) == 0
         assert store.down_nodes == {}
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("login", [dict(password="pw"), dict(db=3)])
+def test_a_server_that_never_answers_the_login_is_marked_down_once_it_had_the_connect_budget(scripted, login):
+    """A server that takes the connection and never answers its AUTH (or SELECT): a login unanswered for the whole
+    connect budget (0.3 s, less than half the 2 s deadline) is evidence against the node, as a connect or a TLS
+    handshake that times out is: marked down by the first call, the next fail at once (before: never marked down,
+    every call waited the connect budget again). A login that the call's own deadline cut short is none."""
+    server = scripted(lambda args: b"")
+    store = ValkeyStore([("127.0.0.1", server.port)], request_timeout_s=2.0, connect_timeout_s=0.3,
+                        retry_interval_s=30.0, **login)
+    try:
+        assert store.contains([b"a"], timeout_s=0.1) == 0
+        assert store.down_nodes == {}, store.down_nodes
+        start = time.monotonic()
+        assert store.contains([b"a"]) == 0
+        assert time.monotonic() - start <= 0.3 + SLACK
+        assert list(store.down_nodes) == [("127.0.0.1", server.port)], store.last_error
+        assert "logging in" in store.last_error, store.last_error
+        start = time.monotonic()
+        assert store.contains([b"a"]) == 0
+        assert time.monotonic() - start < 0.1
     finally:
         store.close()
 
