@@ -36,8 +36,8 @@ from collections.abc import Sequence
 import attrs
 
 __all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions",
-           "Connection", "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError",
-           "SlotUnserved", "command", "error_reply", "key_slot", "node_host"]
+           "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "ProtocolRefusal", "Redirect",
+           "ServerError", "SlotUnserved", "command", "error_reply", "key_slot", "node_host"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -63,7 +63,8 @@ MAX_REPLY_DEPTH = 16
 MAX_LOOKUPS = 64
 """The most host names a process resolves at once, each on a thread of its own (a Cluster's host names resolve in
 milliseconds each, so this many at once serve its 1,000 nodes well within a deadline; a name server that never
-answers, for ever new names that redirects make up, holds at most this many threads)."""
+answers, for ever new names that redirects make up, holds at most this many threads; one more name fails its
+connection at once, :class:`LookupsBusy`)."""
 
 
 class ServerError(Exception):
@@ -92,6 +93,12 @@ class DeadlineExceeded(TimeoutError):  # noqa: N818
     def __init__(self, message: str, stalled_s: float) -> None:
         super().__init__(message)
         self.stalled_s = stalled_s
+
+
+class LookupsBusy(DeadlineExceeded):
+    """A host name not resolved because :data:`MAX_LOOKUPS` others are being resolved already (each on a thread that
+    lives as long as its name servers take): the node was not reached, which is no evidence against it, as a
+    deadline that passed before the node was reached is none (``stalled_s`` 0)."""
 
 
 class ConnectionClosedError(ConnectionError):
@@ -588,16 +595,14 @@ class _Lookup:
 
 _LOOKUPS: dict[Address, _Lookup] = {}  # the resolutions in flight, one per (host, port)
 _LOOKUPS_LOCK = threading.Lock()
-_LOOKUP_THREADS = threading.BoundedSemaphore(MAX_LOOKUPS)  # one held by each resolution's thread while it runs
 
 
 def _forget_lookups() -> None:
     """In a forked child: the resolutions in flight are the parent's threads, not this process's (a call waiting
     for one would never get its answer), and the lock may be held by one of them."""
-    global _LOOKUPS_LOCK, _LOOKUP_THREADS
+    global _LOOKUPS_LOCK
     _LOOKUPS.clear()
     _LOOKUPS_LOCK = threading.Lock()
-    _LOOKUP_THREADS = threading.BoundedSemaphore(MAX_LOOKUPS)
 
 
 os.register_at_fork(after_in_child=_forget_lookups)
@@ -612,19 +617,26 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     resolver's. Calls for a name whose resolution is still in flight wait for that one: however often
     they come, a name has at most one thread, which ends when the resolver answers or gives up. At most
     :data:`MAX_LOOKUPS` names are resolved at once in a process, however many names servers' redirects
-    make up: a new one waits, within ``timeout``, for one of them to end (:class:`DeadlineExceeded` if none
-    did: no evidence against its node). A child forked while one was in flight resolves the name afresh.
+    make up: one more raises :class:`LookupsBusy` at once. A child forked while one was in flight resolves
+    the name afresh.
     """
     try:
         return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass
-    deadline = time.monotonic() + timeout
     with _LOOKUPS_LOCK:
         lookup = _LOOKUPS.get((host, port))
-    if lookup is None:
-        lookup = _start_lookup(host, port, timeout)
-    if not lookup.done.wait(max(0.0, deadline - time.monotonic())):
+        if lookup is None:
+            if len(_LOOKUPS) >= MAX_LOOKUPS:
+                raise LookupsBusy(f"{host!r} not resolved: {MAX_LOOKUPS} names are being resolved already", 0.0)
+            lookup = _LOOKUPS[(host, port)] = _Lookup()
+            try:
+                threading.Thread(target=_look_up, args=(host, port, lookup), name="kvkit-resolve",
+                                 daemon=True).start()
+            except BaseException:  # no thread (a pids limit): no resolution in flight for later calls to wait on
+                del _LOOKUPS[(host, port)]
+                raise
+    if not lookup.done.wait(timeout):
         raise TimeoutError(f"timed out resolving {host!r} (its name servers did not answer in {timeout:.3g} s)")
     if isinstance(lookup.outcome, OSError):
         raise lookup.outcome
@@ -632,32 +644,9 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     return lookup.outcome
 
 
-def _start_lookup(host: str, port: int, timeout: float) -> _Lookup:
-    """The resolution in flight for ``(host, port)``, started on a thread of its own unless another call started
-    one meanwhile; the thread first takes one of the :data:`MAX_LOOKUPS` slots, waiting at most ``timeout``."""
-    slots = _LOOKUP_THREADS
-    if not slots.acquire(timeout=timeout):
-        raise DeadlineExceeded(f"timed out resolving {host!r}: {MAX_LOOKUPS} names were being resolved already "
-                               f"for {timeout:.3g} s", 0.0)
-    with _LOOKUPS_LOCK:
-        lookup = _LOOKUPS.get((host, port))
-        if lookup is not None:
-            slots.release()
-            return lookup
-        lookup = _LOOKUPS[(host, port)] = _Lookup()
-        try:
-            threading.Thread(target=_look_up, args=(host, port, lookup, slots), name="kvkit-resolve",
-                             daemon=True).start()
-        except BaseException:
-            del _LOOKUPS[(host, port)]
-            slots.release()
-            raise
-    return lookup
-
-
-def _look_up(host: str, port: int, lookup: _Lookup, slot: threading.BoundedSemaphore) -> None:
-    """Resolve ``host`` into ``lookup`` (on its own thread), then let later calls start a fresh resolution and give
-    back the thread's ``slot`` (whatever the resolver raised: a slot is never lost)."""
+def _look_up(host: str, port: int, lookup: _Lookup) -> None:
+    """Resolve ``host`` into ``lookup`` (on its own thread), then let later calls start a fresh resolution (whatever
+    the resolver raised: a resolution in flight always ends)."""
     try:
         lookup.outcome = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
     except OSError as exc:
@@ -665,7 +654,6 @@ def _look_up(host: str, port: int, lookup: _Lookup, slot: threading.BoundedSemap
     finally:
         with _LOOKUPS_LOCK:
             del _LOOKUPS[(host, port)]
-        slot.release()
         lookup.done.set()
 
 
