@@ -703,19 +703,28 @@ def _closed_by_server(exc: BaseException) -> bool:
 
 def _slot_map(reply: object, answered: Address) -> list[Address] | None:
     """CLUSTER SLOTS as the owner of each of the 16384 slots (those it does not list: ``answered``), ``None`` if it
-    lists none (``ValueError`` if it is not such a reply: a range outside 0-16383 or ending before it starts, a
-    port outside 0-65535, more than :data:`MAX_NODES` nodes). Port 0 is how a node whose address is unknown
-    (failed) is listed: its keys fail."""
+    lists none (``ValueError`` if it is not such a reply: a range outside 0-16383, ending before it starts or
+    overlapping one listed before it, a port outside 0-65535, more than :data:`MAX_NODES` nodes). Port 0 is how a
+    node whose address is unknown (failed) is listed: its keys fail.
+
+    Each slot is listed at most once, as Valkey lists them, so reading a map costs at most one write per slot
+    however many ranges a reply holds (a reply repeating the whole range 0-16383 160,000 times would cost
+    billions).
+    """
     if reply == []:
         return None
     if not isinstance(reply, list):
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}")
     slots: list[Address] = [answered] * SLOTS
+    listed = bytearray(SLOTS)  # 1: the slot's range was read
     try:
         for start, end, primary, *_ in reply:
             port = int(primary[1])
             if not 0 <= start <= end < SLOTS or not 0 <= port < 65536:  # 0: a failed node's unknown address
                 raise ValueError(f"slots {start}-{end} at port {port} are out of range")
+            if listed.find(1, start, end + 1) >= 0:
+                raise ValueError(f"slots {start}-{end} overlap a range listed before them")
+            listed[start:end + 1] = b"\1" * (end + 1 - start)
             slots[start:end + 1] = [(_endpoint(primary, answered), port)] * (end + 1 - start)
     except (TypeError, IndexError, AttributeError, ValueError) as exc:
         raise ValueError(f"CLUSTER SLOTS answered {reply!r:.80}: {exc}") from exc

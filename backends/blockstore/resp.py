@@ -9,7 +9,8 @@ commands' round trip), replies, CLUSTER slots and MOVED/ASK redirects; routing o
 
 Every operation is bounded by the connection's ``deadline`` (``time.monotonic()`` seconds), a whole
 call's, however slowly the bytes trickle: the socket is non-blocking, every read and write is tried
-first and waits (``poll``) only for what is not there yet, never past the deadline. A deadline that
+first and waits (``poll``) only for what is not there yet, never past the deadline; no receive starts
+past it, even of bytes that are there (a reply arriving faster than it is read). A deadline that
 passes raises :class:`DeadlineExceeded`; a server that closes the connection raises
 :class:`ConnectionClosedError`, a refusing one ``ConnectionError`` (all ``OSError``), as does a reply that is
 not RESP.
@@ -35,9 +36,9 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-__all__ = ["MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions", "Connection",
-           "ConnectionClosedError", "DeadlineExceeded", "ProtocolRefusal", "Redirect", "ServerError", "SlotUnserved",
-           "command", "error_reply", "key_slot", "node_host"]
+__all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions",
+           "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "ProtocolRefusal", "Redirect",
+           "ServerError", "SlotUnserved", "command", "error_reply", "key_slot", "node_host"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -60,6 +61,11 @@ MAX_REPLY_ITEMS = 1 << 20
 16384 ranges with two replicas each: about half a million)."""
 MAX_REPLY_DEPTH = 16
 """The deepest nesting of arrays :meth:`Connection.reply` reads (CLUSTER SLOTS nests 4 deep)."""
+MAX_LOOKUPS = 64
+"""The most host names a process resolves at once, each on a thread of its own (a Cluster's host names resolve in
+milliseconds each, so this many at once serve its 1,000 nodes well within a deadline; a name server that never
+answers, for ever new names that redirects make up, holds at most this many threads; one more name fails its
+connection at once, :class:`LookupsBusy`)."""
 
 
 class ServerError(Exception):
@@ -88,6 +94,12 @@ class DeadlineExceeded(TimeoutError):  # noqa: N818
     def __init__(self, message: str, stalled_s: float) -> None:
         super().__init__(message)
         self.stalled_s = stalled_s
+
+
+class LookupsBusy(DeadlineExceeded):
+    """A host name not resolved because :data:`MAX_LOOKUPS` others are being resolved already (each on a thread that
+    lives as long as its name servers take): the node was not reached, which is no evidence against it, as a
+    deadline that passed before the node was reached is none (``stalled_s`` 0)."""
 
 
 class ConnectionClosedError(ConnectionError):
@@ -206,6 +218,11 @@ class Connection:
         except ServerError as exc:
             self.close()
             raise ConnectionRefusedError(f"{address[0]}:{address[1]} refused the login: {exc}") from None
+        except DeadlineExceeded as exc:  # a login that had the budget, or nearly, and timed out: the node's fault
+            self.close()
+            had = self.deadline - (login - budget)
+            raise _connect_timeout(TimeoutError(f"timed out logging in to {address[0]}:{address[1]}: no answer in "
+                                                f"{had:.3g} s"), had, budget, exc.stalled_s) from None
         except BaseException:
             self.close()
             raise
@@ -452,6 +469,7 @@ class Connection:
         if isinstance(self.sock, ssl.SSLSocket):
             return self._recv_into(views[0])
         while True:
+            self._in_time()
             try:
                 got = self.sock.recvmsg_into(views)[0]
             except BlockingIOError:
@@ -467,6 +485,7 @@ class Connection:
     def _recv_into(self, view: memoryview) -> int:
         """Receive what is there into ``view`` (at least one byte), waiting for it until the deadline."""
         while True:
+            self._in_time()
             try:
                 got = self.sock.recv_into(view)
             except _WOULD_BLOCK as exc:
@@ -478,6 +497,15 @@ class Connection:
                 raise self._closed("the server closed the connection")
             self._waiting_since = None
             return got
+
+    def _in_time(self) -> None:
+        """Raise :class:`DeadlineExceeded` once the deadline passed, even with bytes there to receive: a reply that
+        arrives faster than it is read (a million array elements, a bulk of gigabytes to skip) ends with the
+        call's deadline too (``stalled_s``: how long nothing moved, 0 while bytes were there)."""
+        now = time.monotonic()
+        if now >= self.deadline:
+            stalled = 0.0 if self._waiting_since is None else now - self._waiting_since
+            raise DeadlineExceeded("timed out: the call's deadline passed", stalled)
 
     def _closed(self, why: str) -> ConnectionClosedError:
         """``ConnectionClosedError`` saying ``why``, with how long the connection had waited without a byte."""
@@ -540,9 +568,10 @@ _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
 
 
 def _connect_timeout(exc: TimeoutError, timeout: float, budget: float, silent_s: float) -> TimeoutError:
-    """What a connect or TLS handshake that timed out after ``timeout`` seconds of a ``budget`` raises: ``exc``
-    (evidence against the node) when it had the budget, or nearly; else :class:`DeadlineExceeded` (the call's
-    deadline cut it short) with ``silent_s`` as its ``stalled_s``: how long the handshake waited (a connect: 0)."""
+    """What a connect, TLS handshake or login (AUTH, SELECT) that timed out after ``timeout`` seconds of a ``budget``
+    raises: ``exc`` (evidence against the node) when it had the budget, or nearly; else :class:`DeadlineExceeded`
+    (the call's deadline cut it short) with ``silent_s`` as its ``stalled_s``: how long the handshake or login
+    waited (a connect: 0)."""
     if timeout >= _FAIR_CONNECT * budget:
         return exc
     return DeadlineExceeded(f"timed out connecting: {exc}", silent_s)
@@ -590,12 +619,8 @@ class _Lookup:
     outcome: list[tuple] | OSError | None = None
 
 
-MAX_LOOKUPS = 64
-"""The most name resolutions a process has in flight (each on a thread of its own): the names a store resolves
-are its seeds and, in a Cluster, whatever its nodes' slot maps and redirects name, so without a bound a slow
-resolver and ever new names would grow one thread per name for as long as the resolver takes to give up."""
 _LOOKUPS: dict[Address, _Lookup] = {}  # the resolutions in flight, one per (host, port)
-_LOOKUPS_LOCK = threading.Condition()  # guards _LOOKUPS; notified as each resolution ends
+_LOOKUPS_LOCK = threading.Lock()
 
 
 def _forget_lookups() -> None:
@@ -603,7 +628,7 @@ def _forget_lookups() -> None:
     for one would never get its answer), and the lock may be held by one of them."""
     global _LOOKUPS_LOCK
     _LOOKUPS.clear()
-    _LOOKUPS_LOCK = threading.Condition()
+    _LOOKUPS_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_lookups)
@@ -617,23 +642,27 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     deadline, so a host whose name servers do not answer costs the call its connect timeout, not the
     resolver's. Calls for a name whose resolution is still in flight wait for that one: however often
     they come, a name has at most one thread, which ends when the resolver answers or gives up. At most
-    :data:`MAX_LOOKUPS` names are resolved at once in a process: a call for one more waits, within
-    ``timeout``, for a resolution to end. A child forked while one was in flight resolves the name afresh.
+    :data:`MAX_LOOKUPS` names are resolved at once in a process, however many names servers' redirects
+    make up: one more raises :class:`LookupsBusy` at once. A child forked while one was in flight resolves
+    the name afresh.
     """
     try:
         return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass
-    deadline = time.monotonic() + timeout
     with _LOOKUPS_LOCK:
-        while (lookup := _LOOKUPS.get((host, port))) is None and len(_LOOKUPS) >= MAX_LOOKUPS:
-            if not _LOOKUPS_LOCK.wait(deadline - time.monotonic()):
-                raise TimeoutError(f"timed out resolving {host!r} ({MAX_LOOKUPS} other names were being resolved "
-                                   f"for {timeout:.3g} s)")
+        lookup = _LOOKUPS.get((host, port))
         if lookup is None:
+            if len(_LOOKUPS) >= MAX_LOOKUPS:
+                raise LookupsBusy(f"{host!r} not resolved: {MAX_LOOKUPS} names are being resolved already", 0.0)
             lookup = _LOOKUPS[(host, port)] = _Lookup()
-            threading.Thread(target=_look_up, args=(host, port, lookup), name="kvkit-resolve", daemon=True).start()
-    if not lookup.done.wait(max(0.0, deadline - time.monotonic())):
+            try:
+                threading.Thread(target=_look_up, args=(host, port, lookup), name="kvkit-resolve",
+                                 daemon=True).start()
+            except BaseException:  # no thread (a pids limit): no resolution in flight for later calls to wait on
+                del _LOOKUPS[(host, port)]
+                raise
+    if not lookup.done.wait(timeout):
         raise TimeoutError(f"timed out resolving {host!r} (its name servers did not answer in {timeout:.3g} s)")
     if isinstance(lookup.outcome, OSError):
         raise lookup.outcome
@@ -642,15 +671,16 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
 
 
 def _look_up(host: str, port: int, lookup: _Lookup) -> None:
-    """Resolve ``host`` into ``lookup`` (on its own thread), then let later calls start a fresh resolution."""
+    """Resolve ``host`` into ``lookup`` (on its own thread), then let later calls start a fresh resolution (whatever
+    the resolver raised: a resolution in flight always ends)."""
     try:
         lookup.outcome = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
     except OSError as exc:
         lookup.outcome = exc
-    with _LOOKUPS_LOCK:
-        del _LOOKUPS[(host, port)]
-        _LOOKUPS_LOCK.notify()
-    lookup.done.set()
+    finally:
+        with _LOOKUPS_LOCK:
+            del _LOOKUPS[(host, port)]
+        lookup.done.set()
 
 
 def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> Sequence[bytes | memoryview]:

@@ -190,11 +190,16 @@ def test_a_reply_holding_more_than_a_reply_may_is_refused_before_it_fills_memory
     """EXISTS answered with an array of many bulks or lines, each short enough, or with more elements than a
     reply may hold: the reply is refused once it would hold more than 64 MiB or a million elements (an announced
     count at once), so one ``contains`` never holds much more than that (before: what the server sent in the
-    deadline, 1,080 MiB at the peak for 512 MiB of bulks), the node is marked down, nothing raises."""
-    store = _store(streaming(head, element, count))
+    deadline, 1,080 MiB at the peak for 512 MiB of bulks), the node is marked down, nothing raises. The deadline
+    (10 s) is long enough that the limit, not the deadline, ends the reply on a busy machine."""
+    deadline = 10.0
+    store = ValkeyStore([("127.0.0.1", streaming(head, element, count))], request_timeout_s=deadline,
+                        connect_timeout_s=deadline, retry_interval_s=30.0)
     tracemalloc.start()
     try:
-        assert _bounded(lambda: store.contains([b"a"])) == 0
+        start = time.monotonic()
+        assert store.contains([b"a"]) == 0
+        assert time.monotonic() - start <= deadline + SLACK
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -237,6 +242,69 @@ def test_a_slot_map_out_of_range_is_refused_and_never_raises(scripted, slots):
         assert "CLUSTER SLOTS" in store.last_error, store.last_error
         result = _put(store, [b"a"])
         assert result.failed == (0,) and result.transport_failed, result
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("ranges", [[(0, 9000), (8000, 16383)], [(0, 16383)] * 20_000])
+def test_a_slot_map_listing_a_slot_twice_is_refused_by_the_deadline(scripted, ranges):
+    """CLUSTER SLOTS listing a slot in two ranges (Valkey lists each once): two that overlap, or the whole range
+    0-16383 20,000 times (within what a reply may hold). The map is refused at the first slot listed twice (the
+    node is marked down) and ``contains`` answers by its deadline (before: the map was used, each range written
+    into it whole: 40 us a range on the caller's thread, 160,000 ranges took 6.5 s past a 0.5 s deadline)."""
+    entry = b"*3\r\n:%d\r\n:%d\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n"
+    server = scripted(lambda args: b"*%d\r\n" % len(ranges) + b"".join(
+        entry % (start, end, server.port) for start, end in ranges) if args[0] == b"CLUSTER" else b":1\r\n")
+    deadline = 3.0
+    store = ValkeyStore([("127.0.0.1", server.port)], cluster=True, request_timeout_s=deadline,
+                        connect_timeout_s=deadline, retry_interval_s=30.0)
+    try:
+        start = time.monotonic()
+        assert store.contains([b"a", b"b"]) == 0
+        assert time.monotonic() - start <= deadline + SLACK, f"a call took {time.monotonic() - start:.2f} s"
+        assert "overlap a range listed before them" in store.last_error, store.last_error
+        assert list(store.down_nodes) == [("127.0.0.1", server.port)]
+    finally:
+        store.close()
+
+
+def test_a_reply_arriving_faster_than_it_is_read_ends_with_the_deadline(scripted):
+    """CLUSTER SLOTS answered with one range and 900,000 one-byte entries after its node (where replicas are
+    listed; 8 MB, within what a reply may hold), sent at once: the bytes are always there to receive, and reading
+    them stops at the call's deadline, so ``contains`` answers by then, nothing found (before: the deadline was
+    looked at only when no byte was there, the whole reply was read, 3 s past a 0.5 s deadline, and its map used).
+    The node was sending all along: it is not marked down."""
+    extra = 900_000
+    server = scripted(lambda args: b"*1\r\n*%d\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n%s" % (
+        3 + extra, server.port, b"$1\r\nr\r\n" * extra) if args[0] == b"CLUSTER" else b":1\r\n")
+    store = _store(server.port, cluster=True)
+    try:
+        assert _bounded(lambda: store.contains([b"a", b"b"])) == 0
+        assert store.down_nodes == {}
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("login", [dict(password="pw"), dict(db=3)])
+def test_a_server_that_never_answers_the_login_is_marked_down_once_it_had_the_connect_budget(scripted, login):
+    """A server that takes the connection and never answers its AUTH (or SELECT): a login unanswered for the whole
+    connect budget (0.3 s, less than half the 2 s deadline) is evidence against the node, as a connect or a TLS
+    handshake that times out is: marked down by the first call, the next fail at once (before: never marked down,
+    every call waited the connect budget again). A login that the call's own deadline cut short is none."""
+    server = scripted(lambda args: b"")
+    store = ValkeyStore([("127.0.0.1", server.port)], request_timeout_s=2.0, connect_timeout_s=0.3,
+                        retry_interval_s=30.0, **login)
+    try:
+        assert store.contains([b"a"], timeout_s=0.1) == 0
+        assert store.down_nodes == {}, store.down_nodes
+        start = time.monotonic()
+        assert store.contains([b"a"]) == 0
+        assert time.monotonic() - start <= 0.3 + SLACK
+        assert list(store.down_nodes) == [("127.0.0.1", server.port)], store.last_error
+        assert "logging in" in store.last_error, store.last_error
+        start = time.monotonic()
+        assert store.contains([b"a"]) == 0
+        assert time.monotonic() - start < 0.1
     finally:
         store.close()
 
