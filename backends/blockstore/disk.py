@@ -70,6 +70,15 @@ def _path(value: object) -> Path:
     return Path(os.path.abspath(os.path.expanduser(text)))
 
 
+def _untracked(_store: object, _field: object, policy: EvictionPolicy) -> None:
+    """An ``attrs`` validator refusing a policy that tracks blocks already (a closed store's, reused; another
+    store's): the store numbers its values from 0, so their ids would meet the ones it holds, and its eviction
+    would pick another's."""
+    if len(policy):
+        raise ConfigError(f"DiskStore.eviction={quote(policy)}: already tracks {plural(len(policy), 'block')}; "
+                          f"give each store a new EvictionPolicy instance")
+
+
 def _mode(value: object) -> int:
     """Permission bits: an int (``0o640``) or its octal digits as text (``"640"``, ``"0640"``, ``"0o640"``)."""
     mode = value
@@ -120,7 +129,8 @@ class DiskStore:
     descriptors or memory (which would leave values unindexed), raises
     :class:`~kvkit.errors.ConfigError`, quoting it.
 
-    Capacity. Eviction asks ``eviction`` (LRU by default) for victims and
+    Capacity. Eviction asks ``eviction`` (LRU by default; an instance of this store's own: one that tracks
+    blocks already raises :class:`~kvkit.errors.ConfigError`, quoting it, before anything changes) for victims and
     deletes their files; a file another process deleted first, or one that
     cannot be deleted, is forgotten all the same (``vanished``,
     ``unlink_failed``). A put that meets a full file system (``ENOSPC``,
@@ -192,8 +202,8 @@ class DiskStore:
 
     path: Path = attrs.field(converter=_path)
     capacity_bytes: int = attrs.field(converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
-    eviction: EvictionPolicy = attrs.field(factory=LRUPolicy, validator=implements(
-        EvictionPolicy, label="DiskStore.", what="an EvictionPolicy instance"))
+    eviction: EvictionPolicy = attrs.field(factory=LRUPolicy, validator=[implements(
+        EvictionPolicy, label="DiskStore.", what="an EvictionPolicy instance"), _untracked])
     threads: int = attrs.field(default=2, converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
     fsync: bool = attrs.field(default=False, converter=checked(check_bool, label="DiskStore."))  # type: ignore[misc]
     """Flush each file to the device before renaming it (survives power loss, costs a sync per value)."""

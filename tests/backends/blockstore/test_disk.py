@@ -138,6 +138,25 @@ def test_bad_settings_are_refused(tmp_path, kwargs, match):
         DiskStore(**kwargs)
 
 
+def test_an_eviction_policy_that_tracks_blocks_already_is_refused_changing_nothing(tmp_path):
+    """A policy reused from a closed store (or another store's) would mix its ids with the new store's: opening
+    crashed on it, or its puts failed with the policy's error. It is a ConfigError quoting the policy, before
+    anything on the file system changes; a new instance serves."""
+    policy = FIFOPolicy()
+    store = DiskStore(tmp_path / "kv", 1000, eviction=policy)
+    assert _put(store, [b"a"], 100).ok
+    store.close()
+    before = sorted(p.name for p in (tmp_path / "kv").rglob("*"))
+    for path in (tmp_path / "kv", tmp_path / "other"):
+        with pytest.raises(ConfigError, match=r"DiskStore\.eviction=FIFOPolicy.*already tracks 1 block"):
+            DiskStore(path, 1000, eviction=policy)
+    assert sorted(p.name for p in (tmp_path / "kv").rglob("*")) == before and not (tmp_path / "other").exists()
+    store = DiskStore(tmp_path / "kv", 1000, eviction=FIFOPolicy())
+    assert store.contains([b"a"]) == 1 and _put(store, [b"b"], 100).ok
+    store.check_invariants()
+    store.close()
+
+
 @pytest.mark.parametrize("path", ["kv\0x", "kv\ud800"])
 def test_a_path_the_operating_system_cannot_take_is_refused(tmp_path, path):
     """A NUL byte or a lone surrogate (also through a URL) is a ConfigError quoting the path; nothing is created."""
