@@ -324,16 +324,22 @@ class DiskStore:
     # --- opening -------------------------------------------------------------
 
     def _make_root(self) -> None:
-        """Create ``path`` and every missing directory above it with the store's directory mode."""
+        """Create ``path`` and every missing directory above it with the store's directory mode.
+
+        Each is made private and its mode set through a descriptor opened without following a symlink: one
+        a neighbour swapped in for it between the two is never followed, so no mode lands on what it names.
+        """
         mode = _dir_mode(self.file_mode)
         missing = [p for p in (self.path, *self.path.parents) if not os.path.lexists(p)]
         try:
             for folder in reversed(missing):
-                try:
-                    os.mkdir(folder, mode)
-                except FileExistsError:  # another process made it meanwhile: its mode is its own
+                if not _new_folder(folder):  # another process made it meanwhile: its mode is its own
                     continue
-                os.chmod(folder, mode)  # mkdir's mode passes through the umask
+                fd = os.open(folder, _DIR_FLAGS)
+                try:
+                    os.fchmod(fd, mode)  # mkdir's mode passes through the umask
+                finally:
+                    os.close(fd)
         except OSError as exc:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot create the directory: {exc}") from exc
         if not self.path.is_dir():
@@ -859,7 +865,7 @@ def _dir_mode(file_mode: int) -> int:
     return file_mode | (file_mode & 0o444) >> 2
 
 
-def _new_folder(folder: str) -> bool:
+def _new_folder(folder: str | Path) -> bool:
     """Make ``folder`` (private until its mode is set); ``False`` if it exists already."""
     try:
         os.mkdir(folder, 0o700)

@@ -943,6 +943,49 @@ def _modes(root):
     return files, dirs
 
 
+_SWAPPER = """
+import json, os, sys
+from kvkit.backends.blockstore.disk import DiskStore
+from kvkit.errors import ConfigError
+target, victim, made = sys.argv[1], sys.argv[2], []
+
+def swap(event, args):  # the neighbour's move, at the store's first step on the directory it has just made
+    path = os.fspath(args[0]) if args and isinstance(args[0], str | os.PathLike) else None
+    if event == "os.mkdir" and path == target:
+        made.append(path)
+    elif made and path == target and event in ("open", "os.chmod"):
+        made.clear()
+        os.rmdir(target)
+        os.symlink(victim, target)
+
+sys.addaudithook(swap)  # for the rest of this process: hence a process of its own
+try:
+    DiskStore(target, 1000).close()
+    error = None
+except ConfigError as exc:
+    error = str(exc)
+print(json.dumps({"error": error, "victim": os.stat(victim).st_mode & 0o777}))
+"""
+
+
+def test_a_directory_swapped_for_a_symlink_as_it_is_made_lends_no_mode_to_what_it_names(tmp_path):
+    """A neighbour swaps the directory the store has just made (``path``, in a directory the neighbour may
+    write) for a symlink to a file of the user's before its mode is set: the mode was set through the symlink
+    (a ``0o644`` file became ``0o700``). The symlink is never followed: opening is a ConfigError quoting the
+    path, and the file keeps its mode."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the user's")
+    victim.chmod(0o644)
+    target = tmp_path / "shared" / "kv"
+    done = subprocess.run([sys.executable, "-c", _SWAPPER, str(target), str(victim)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["victim"] == 0o644, oct(report["victim"])
+    assert report["error"] and str(target) in report["error"], report
+    assert target.is_symlink() and victim.read_bytes() == b"the user's"
+
+
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
 def test_values_are_private_whatever_the_umask(tmp_path, umask):
     """Files 0600 and directories 0700 by default, under any umask: the store's own, and those created above it."""
