@@ -113,7 +113,8 @@ class DiskStore:
     a put writes in it (a neighbour's cleanup) is made again, once.
 
     Opening. A new instance re-indexes the directory: the file names are the
-    index, sizes and modification times seed the eviction order. Entries that
+    index, sizes and modification times seed the eviction order (a file the listing names twice, as a
+    directory read while other processes rename in it may, is indexed once). Entries that
     are not this layout's (other names, other places: ``foreign``), named as
     values or temporary files but not value files (symlinks, hard links, directories,
     devices, unlistable subdirectories, files whose status cannot be read:
@@ -697,7 +698,6 @@ class DiskStore:
             return False
         entry = self._index.get(name)
         if entry is None or entry[1] != found.st_size:
-            self._forget(name, unlink=False)
             self._adopt(name, found.st_size)
         return True
 
@@ -705,8 +705,15 @@ class DiskStore:
         return self.path / name[:2] / f"{name}{_SUFFIX}"
 
     def _adopt(self, name: str, size: int) -> None:
-        """Index ``name``'s file of ``size`` bytes and evict for it; one larger than the capacity is never
-        indexed (``oversized``): holding it would evict every other value, and then itself."""
+        """Index ``name``'s file of ``size`` bytes, in place of its entry if indexed already, and evict for it;
+        one larger than the capacity is never indexed (``oversized``): holding it would evict every other
+        value, and then itself.
+
+        A name is indexed once: a listing may name a file twice (a directory read while another process
+        renames or re-creates files in it: tmpfs does), and a second entry would be tracked by the policy but
+        left out of the index, so eviction would pick it forever without freeing a byte.
+        """
+        self._forget(name, unlink=False)
         if size > self._limit():
             self._note("oversized")
             return

@@ -1111,6 +1111,75 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(where)], check=True)
 
 
+@pytest.fixture
+def roomy_fs(tmp_path):
+    """A real 64 MiB tmpfs, unmounted afterwards."""
+    where = tmp_path / "tmpfs"
+    _mount_tmpfs(where, "size=64m")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+_REWRITER = """
+import contextlib, os, sys
+folder, names = sys.argv[1], sys.argv[2:]
+while True:  # as neighbours evict values and put them again: deleted, then a new file renamed into place
+    for name in names:
+        fd = os.open(os.path.join(folder, name + ".staged"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, bytes(10))
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, name + ".kvb"))
+        os.replace(os.path.join(folder, name + ".staged"), os.path.join(folder, name + ".kvb"))
+"""
+
+_OPENER = """
+import json, os, sys, time
+from kvkit.backends.blockstore.disk import DiskStore
+path, seconds = sys.argv[1], float(sys.argv[2])
+report, deadline = {"opens": 0, "broken": None}, time.monotonic() + seconds
+while report["broken"] is None and time.monotonic() < deadline:
+    store = DiskStore(path, 1 << 20, threads=1)
+    report["opens"] += 1
+    try:
+        store.check_invariants()
+    except AssertionError as exc:
+        report["broken"] = f"{exc} (used_bytes {store.used_bytes}, {len(store.eviction)} tracked)"
+        ticket = store.put([b"big"], [[memoryview(bytes((1 << 20) - 100))]])  # evicts nearly every value
+        if not store.poll([ticket], 10.0):
+            report["broken"] += "; a put that evicts never answered"
+            print(json.dumps(report), flush=True)
+            os._exit(0)  # its thread spins on, holding the store's lock: close would wait forever
+    store.close()
+print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_value_listed_twice_by_a_directory_read_during_rewrites_is_indexed_once(roomy_fs):
+    """A directory read while another process evicts and puts values in it may name a file twice (on tmpfs a
+    file made again is listed anew at the end): opening indexed it twice, its used_bytes counted it twice and
+    the policy tracked a block the index had lost, so the first put that evicted picked that block forever,
+    holding the lock (the put never answered, every contains hung). Each name is indexed once: every open keeps
+    the invariants. A race: a loaded machine may run the two processes apart, so the opener tries for 12 s."""
+    path = roomy_fs / "kv"
+    folder = path / "ab"
+    folder.mkdir(parents=True)
+    names = [f"ab{i:062x}" for i in range(3000)]  # enough for a listing to take many reads of the directory
+    for name in names:
+        (folder / f"{name}.kvb").write_bytes(bytes(10))
+    rewriter = subprocess.Popen([sys.executable, "-c", _REWRITER, str(folder), *names])
+    try:
+        done = subprocess.run([sys.executable, "-c", _OPENER, str(path), "12"], capture_output=True, text=True,
+                              timeout=90)
+    finally:
+        rewriter.kill()
+        rewriter.wait()
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["broken"] is None and report["opens"] >= 5, report
+
+
 def test_a_real_full_file_system_is_relieved_and_its_space_reused(small_fs):
     """capacity_bytes far above a 2 MiB tmpfs: every put lands, and space freed by others is used again."""
     where, _ = small_fs
