@@ -12,7 +12,7 @@ import secrets
 import stat
 import threading
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -358,49 +358,61 @@ class DiskStore:
         temporary files. Raises :class:`~kvkit.errors.ConfigError`, quoting it, only when ``path`` itself
         cannot be listed, or the process is out of descriptors or memory (:meth:`_check_short`).
 
-        Each subdirectory is opened once (``O_NOFOLLOW``) and listed, looked into and reaped through that
-        descriptor: one swapped for a symlink after ``path`` was listed is ``broken``, never followed.
+        Directories are read entry by entry, never listed whole: what is not a value costs time, not memory,
+        however many entries a neighbour left. Each subdirectory is opened once (``O_NOFOLLOW``) and read,
+        looked into and reaped through that descriptor: one swapped for a symlink after ``path`` was read is
+        ``broken``, never followed.
         """
-        try:
-            tops = [top.name for top in os.scandir(self.path)]  # listed whole, so closed
-        except OSError as exc:
+        found: list[tuple[int, str, int]] = []
+
+        def unlistable(exc: OSError) -> None:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot list the directory: {exc}") from exc
-        found = []
-        for top in tops:
-            if len(top) != 2 or not _HEX.issuperset(top):
-                self._note("foreign")
-                continue
-            where = os.path.join(self.path, top)
-            try:
-                folder = os.open(where, _DIR_FLAGS)
-            except FileNotFoundError:
-                self._note("vanished")
-                continue
-            except OSError as exc:  # a symlink, a file, or a subdirectory this process may not open
-                self._check_short(where, exc)
-                self._note("broken")
-                continue
-            try:
-                filenames = os.listdir(folder)
-            except OSError as exc:  # a subdirectory this process may not list
-                os.close(folder)
-                self._check_short(where, exc)
-                self._note("broken")
-                continue
-            try:
-                for filename in filenames:
-                    kind = _kind(top, filename)
-                    if kind == "temp":
-                        self._reap(filename, folder)
-                    elif kind == "value":
-                        value = self._regular(filename, folder)
-                        if value is not None:
-                            found.append((value.st_mtime_ns, filename[:-len(_SUFFIX)], value.st_size))
-                    else:
-                        self._note("foreign")
-            finally:
-                os.close(folder)
+
+        try:
+            listing = os.scandir(self.path)
+        except OSError as exc:
+            unlistable(exc)
+        for top in _read(listing, unlistable):
+            self._scan_folder(top, found)
         return found
+
+    def _scan_folder(self, top: str, found: list[tuple[int, str, int]]) -> None:
+        """:meth:`_scan` of the entry ``top`` of ``path``: its value files appended to ``found``."""
+        if len(top) != 2 or not _HEX.issuperset(top):
+            self._note("foreign")
+            return
+        where = os.path.join(self.path, top)
+
+        def unreadable(exc: OSError) -> None:  # a subdirectory this process may not read, or an I/O error
+            self._check_short(where, exc)
+            self._note("broken")
+
+        try:
+            folder = os.open(where, _DIR_FLAGS)
+        except FileNotFoundError:
+            self._note("vanished")
+            return
+        except OSError as exc:  # a symlink, a file, or a subdirectory this process may not open
+            unreadable(exc)
+            return
+        try:
+            try:
+                listing = os.scandir(folder)  # reads a duplicate of ``folder``, which stays open
+            except OSError as exc:
+                unreadable(exc)
+                return
+            for filename in _read(listing, unreadable):
+                kind = _kind(top, filename)
+                if kind == "temp":
+                    self._reap(filename, folder)
+                elif kind == "value":
+                    value = self._regular(filename, folder)
+                    if value is not None:
+                        found.append((value.st_mtime_ns, filename[:-len(_SUFFIX)], value.st_size))
+                else:
+                    self._note("foreign")
+        finally:
+            os.close(folder)
 
     def _check_short(self, where: str, exc: OSError) -> None:
         """Raise :class:`~kvkit.errors.ConfigError`, quoting ``where``, when ``exc`` says the process is out of
@@ -865,6 +877,22 @@ def _kind(prefix: str, filename: str) -> str | None:
     if rest.startswith(temp) and owner and "." not in owner and number.isascii() and number.isdigit():
         return "temp"  # exactly "<name>.kvb.tmp-<owner>-<n>": anything else there is another's
     return None
+
+
+def _read(listing: contextlib.AbstractContextManager[Iterator[os.DirEntry[str]]],
+          failed: Callable[[OSError], None]) -> Iterator[str]:
+    """The names ``listing`` (an ``os.scandir``, closed once read) reads, one at a time: a directory's entries
+    are never held all at once. A read that fails ends them, calling ``failed`` with its error (it may raise)."""
+    with listing as entries:
+        while True:
+            try:
+                entry = next(entries)
+            except StopIteration:
+                return
+            except OSError as exc:
+                failed(exc)
+                return
+            yield entry.name
 
 
 def _dir_mode(file_mode: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -11,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+import tracemalloc
 import types
 
 import pytest
@@ -431,6 +433,29 @@ def test_opening_counts_and_keeps_what_is_not_a_value(tmp_path, what):
     store.close()
 
 
+def test_opening_reads_junk_entry_by_entry_in_bounded_memory(tmp_path):
+    """Entries a neighbour left by the ten thousand (at the top and in a value's subdirectory) cost opening
+    time, not memory: each directory is read entry by entry, never listed whole (a listing of ten million names
+    held about a gigabyte). Each is counted ``foreign``; the real values are indexed."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _put(store, [b"real"], 100).ok
+    store.close()
+    sub, _ = _sub(tmp_path, b"real")
+    for i in range(15_000):
+        for folder in (tmp_path, sub):
+            os.close(os.open(folder / f"left-behind-by-a-neighbour-{i:08d}-{'x' * 40}", os.O_CREAT, 0o600))
+    tracemalloc.start()
+    try:
+        store = DiskStore(tmp_path, 1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"opening held {peak} bytes at its peak"
+    assert store.counters["foreign"] == 30_000 and store.contains([b"real"]) == 1 and store.used_bytes == 100
+    store.check_invariants()
+    store.close()
+
+
 @pytest.mark.parametrize("what", ["dangling symlink as a value", "hard link as a value", "directory as a value",
                                   "FIFO as a value"])
 def test_something_else_in_a_values_place_is_a_miss(tmp_path, what):
@@ -530,7 +555,7 @@ def test_a_subdirectory_swapped_for_a_symlink_while_opening_is_never_followed(tm
             entries = list(listed)
         shutil.rmtree(final.parent)
         final.parent.symlink_to(elsewhere, target_is_directory=True)
-        return iter(entries)
+        return contextlib.nullcontext(iter(entries))
 
     monkeypatch.setattr(disk.os, "scandir", swapped_once_listed)
     store = DiskStore(store_dir, 1 << 20)
