@@ -11,6 +11,7 @@ import os
 import secrets
 import stat
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,11 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 # The process or the system out of descriptors or memory: says nothing about any entry.
 _SHORT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+# The stores of this process, by which their policies are told apart: a policy serves one open store (its ids
+# are the store's own, numbered from 0; another store's would meet them).
+_OPEN: weakref.WeakSet[DiskStore] = weakref.WeakSet()
+_OPEN_LOCK = threading.Lock()
 
 COUNTERS = ("foreign", "broken", "vanished", "oversized", "temps_removed", "temps_kept", "evicted", "unlink_failed",
             "disk_full")
@@ -131,7 +137,8 @@ class DiskStore:
     :class:`~kvkit.errors.ConfigError`, quoting it.
 
     Capacity. Eviction asks ``eviction`` (LRU by default; an instance of this store's own: one that tracks
-    blocks already raises :class:`~kvkit.errors.ConfigError`, quoting it, before anything changes) for victims and
+    blocks already, or that another open store uses, raises :class:`~kvkit.errors.ConfigError`, quoting it,
+    before anything changes) for victims and
     deletes their files; a file another process deleted first, or one that
     cannot be deleted, is forgotten all the same (``vanished``,
     ``unlink_failed``). A put that meets a full file system (``ENOSPC``,
@@ -234,8 +241,17 @@ class DiskStore:
     _close_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._make_root()
-        self._reindex()
+        with _OPEN_LOCK:
+            if any(other.eviction is self.eviction and not other.closed for other in _OPEN):
+                raise ConfigError(f"DiskStore.eviction={quote(self.eviction)}: another open store uses this "
+                                  f"instance; give each store a new EvictionPolicy instance")
+            _OPEN.add(self)
+        try:
+            self._make_root()
+            self._reindex()
+        except BaseException:
+            _OPEN.discard(self)
+            raise
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvkit-disk")
         carry_through_fork(self)
 

@@ -159,6 +159,20 @@ def test_an_eviction_policy_that_tracks_blocks_already_is_refused_changing_nothi
     store.close()
 
 
+def test_an_eviction_policy_another_open_store_uses_is_refused_changing_nothing(tmp_path):
+    """Two open stores given one policy (a shared default instance) numbered their values alike: the second
+    store's puts failed with the policy's error and its evictions removed the first store's blocks from the
+    policy. The second store is a ConfigError quoting the policy, and creates nothing; the first serves on."""
+    policy = FIFOPolicy()
+    first = DiskStore(tmp_path / "a", 1000, eviction=policy)
+    with pytest.raises(ConfigError, match=r"DiskStore\.eviction=FIFOPolicy.*another open store uses"):
+        DiskStore(tmp_path / "b", 1000, eviction=policy)
+    assert not (tmp_path / "b").exists()
+    assert _put(first, [b"a", b"b"], 100).ok and first.contains([b"a", b"b"]) == 2
+    first.check_invariants()
+    first.close()
+
+
 @pytest.mark.parametrize("path", ["kv\0x", "kv\ud800"])
 def test_a_path_the_operating_system_cannot_take_is_refused(tmp_path, path):
     """A NUL byte or a lone surrogate (also through a URL) is a ConfigError quoting the path; nothing is created."""
