@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 import attrs
 
@@ -381,7 +382,7 @@ class DiskStore:
         """
         found: list[tuple[int, str, int]] = []
 
-        def unlistable(exc: OSError) -> None:
+        def unlistable(exc: OSError) -> NoReturn:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot list the directory: {exc}") from exc
 
         try:

@@ -141,9 +141,9 @@ def test_bad_settings_are_refused(tmp_path, kwargs, match):
 
 
 def test_an_eviction_policy_that_tracks_blocks_already_is_refused_changing_nothing(tmp_path):
-    """A policy reused from a closed store (or another store's) would mix its ids with the new store's: opening
-    crashed on it, or its puts failed with the policy's error. It is a ConfigError quoting the policy, before
-    anything on the file system changes; a new instance serves."""
+    """A policy reused from a closed store (or another store's) would mix its ids with the new store's (opening
+    or the puts would fail with the policy's own error): it is a ConfigError quoting the policy, before anything
+    on the file system changes; a new instance serves."""
     policy = FIFOPolicy()
     store = DiskStore(tmp_path / "kv", 1000, eviction=policy)
     assert _put(store, [b"a"], 100).ok
@@ -160,9 +160,9 @@ def test_an_eviction_policy_that_tracks_blocks_already_is_refused_changing_nothi
 
 
 def test_an_eviction_policy_another_open_store_uses_is_refused_changing_nothing(tmp_path):
-    """Two open stores given one policy (a shared default instance) numbered their values alike: the second
-    store's puts failed with the policy's error and its evictions removed the first store's blocks from the
-    policy. The second store is a ConfigError quoting the policy, and creates nothing; the first serves on."""
+    """Two open stores given one policy (a shared default instance) would number their values alike (the second
+    store's puts failing with the policy's error, its evictions removing the first store's blocks from the
+    policy): the second store is a ConfigError quoting the policy, and creates nothing; the first serves on."""
     policy = FIFOPolicy()
     first = DiskStore(tmp_path / "a", 1000, eviction=policy)
     with pytest.raises(ConfigError, match=r"DiskStore\.eviction=FIFOPolicy.*another open store uses"):
@@ -450,7 +450,7 @@ def test_opening_counts_and_keeps_what_is_not_a_value(tmp_path, what):
 def test_opening_reads_junk_entry_by_entry_in_bounded_memory(tmp_path):
     """Entries a neighbour left by the ten thousand (at the top and in a value's subdirectory) cost opening
     time, not memory: each directory is read entry by entry, never listed whole (a listing of ten million names
-    held about a gigabyte). Each is counted ``foreign``; the real values are indexed."""
+    would hold about a gigabyte). Each is counted ``foreign``; the real values are indexed."""
     store = DiskStore(tmp_path, 1 << 20)
     assert _put(store, [b"real"], 100).ok
     store.close()
@@ -1009,8 +1009,8 @@ print(json.dumps({"error": error, "victim": os.stat(victim).st_mode & 0o777}))
 
 def test_a_directory_swapped_for_a_symlink_as_it_is_made_lends_no_mode_to_what_it_names(tmp_path):
     """A neighbour swaps the directory the store has just made (``path``, in a directory the neighbour may
-    write) for a symlink to a file of the user's before its mode is set: the mode was set through the symlink
-    (a ``0o644`` file became ``0o700``). The symlink is never followed: opening is a ConfigError quoting the
+    write) for a symlink to a file of the user's before its mode is set: setting the mode through the symlink
+    would turn a ``0o644`` file ``0o700``. The symlink is never followed: opening is a ConfigError quoting the
     path, and the file keeps its mode."""
     victim = tmp_path / "victim"
     victim.write_bytes(b"the user's")
@@ -1197,10 +1197,10 @@ print(json.dumps(report), flush=True)
 @pytest.mark.timeout(120)
 def test_a_value_listed_twice_by_a_directory_read_during_rewrites_is_indexed_once(roomy_fs):
     """A directory read while another process evicts and puts values in it may name a file twice (on tmpfs a
-    file made again is listed anew at the end): opening indexed it twice, its used_bytes counted it twice and
-    the policy tracked a block the index had lost, so the first put that evicted picked that block forever,
-    holding the lock (the put never answered, every contains hung). Each name is indexed once: every open keeps
-    the invariants. A race: a loaded machine may run the two processes apart, so the opener tries for 12 s."""
+    file made again is listed anew at the end). Indexed twice, it would be counted twice and leave the policy
+    a block the index lost, which the first evicting put would pick forever, holding the lock (that put never
+    answered, every contains hung). Each name is indexed once: every open keeps the invariants. A race: a
+    loaded machine may run the two processes apart, so the opener tries for 12 s."""
     path = roomy_fs / "kv"
     folder = path / "ab"
     folder.mkdir(parents=True)

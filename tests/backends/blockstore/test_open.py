@@ -289,8 +289,8 @@ def test_an_option_given_twice_is_refused():
 
 
 def test_a_disk_directory_given_again_as_an_option_is_refused_creating_nothing(tmp_path):
-    """A file:// URL names the directory: a ``path`` option too (in its query or as a keyword) opened the store
-    in the option's directory, a store the URL never named (re-indexed, evicted in, written to). It is a
+    """A file:// URL names the directory: a ``path`` option too (in its query or as a keyword) would open the
+    store in the option's directory, one the URL never named (re-indexed, evicted in, written to). It is a
     ConfigError quoting the URL, and neither directory is made."""
     url, other = f"file://{tmp_path}/named?capacity_bytes=1KiB", tmp_path / "other"
     for given in ({"path": str(other)}, {}):
