@@ -11,10 +11,12 @@ import os
 import secrets
 import stat
 import threading
+import weakref
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 import attrs
 
@@ -51,6 +53,11 @@ _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 # The process or the system out of descriptors or memory: says nothing about any entry.
 _SHORT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
+# The stores of this process, by which their policies are told apart: a policy serves one open store (its ids
+# are the store's own, numbered from 0; another store's would meet them).
+_OPEN: weakref.WeakSet[DiskStore] = weakref.WeakSet()
+_OPEN_LOCK = threading.Lock()
+
 COUNTERS = ("foreign", "broken", "vanished", "oversized", "temps_removed", "temps_kept", "evicted", "unlink_failed",
             "disk_full")
 """The names of :attr:`DiskStore.counters`, in order."""
@@ -68,6 +75,15 @@ def _path(value: object) -> Path:
     if unusable:
         raise ConfigError(f"DiskStore.path={quote(value)}: holds a NUL byte or a character no file name can hold")
     return Path(os.path.abspath(os.path.expanduser(text)))
+
+
+def _untracked(_store: object, _field: object, policy: EvictionPolicy) -> None:
+    """An ``attrs`` validator refusing a policy that tracks blocks already (a closed store's, reused; another
+    store's): the store numbers its values from 0, so their ids would meet the ones it holds, and its eviction
+    would pick another's."""
+    if len(policy):
+        raise ConfigError(f"DiskStore.eviction={quote(policy)}: already tracks {plural(len(policy), 'block')}; "
+                          f"give each store a new EvictionPolicy instance")
 
 
 def _mode(value: object) -> int:
@@ -104,7 +120,8 @@ class DiskStore:
     a put writes in it (a neighbour's cleanup) is made again, once.
 
     Opening. A new instance re-indexes the directory: the file names are the
-    index, sizes and modification times seed the eviction order. Entries that
+    index, sizes and modification times seed the eviction order (a file the listing names twice, as a
+    directory read while other processes rename in it may, is indexed once). Entries that
     are not this layout's (other names, other places: ``foreign``), named as
     values or temporary files but not value files (symlinks, hard links, directories,
     devices, unlistable subdirectories, files whose status cannot be read:
@@ -120,7 +137,9 @@ class DiskStore:
     descriptors or memory (which would leave values unindexed), raises
     :class:`~kvkit.errors.ConfigError`, quoting it.
 
-    Capacity. Eviction asks ``eviction`` (LRU by default) for victims and
+    Capacity. Eviction asks ``eviction`` (LRU by default; an instance of this store's own: one that tracks
+    blocks already, or that another open store uses, raises :class:`~kvkit.errors.ConfigError`, quoting it,
+    before anything changes) for victims and
     deletes their files; a file another process deleted first, or one that
     cannot be deleted, is forgotten all the same (``vanished``,
     ``unlink_failed``). A put that meets a full file system (``ENOSPC``,
@@ -191,8 +210,8 @@ class DiskStore:
 
     path: Path = attrs.field(converter=_path)
     capacity_bytes: int = attrs.field(converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
-    eviction: EvictionPolicy = attrs.field(factory=LRUPolicy, validator=implements(
-        EvictionPolicy, label="DiskStore.", what="an EvictionPolicy instance"))
+    eviction: EvictionPolicy = attrs.field(factory=LRUPolicy, validator=[implements(
+        EvictionPolicy, label="DiskStore.", what="an EvictionPolicy instance"), _untracked])
     threads: int = attrs.field(default=2, converter=checked(check_int, minimum=1, label="DiskStore."))  # type: ignore[misc]
     fsync: bool = attrs.field(default=False, converter=checked(check_bool, label="DiskStore."))  # type: ignore[misc]
     """Flush each file to the device before renaming it (survives power loss, costs a sync per value)."""
@@ -222,8 +241,17 @@ class DiskStore:
     _close_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._make_root()
-        self._reindex()
+        with _OPEN_LOCK:
+            if any(other.eviction is self.eviction and not other.closed for other in _OPEN):
+                raise ConfigError(f"DiskStore.eviction={quote(self.eviction)}: another open store uses this "
+                                  f"instance; give each store a new EvictionPolicy instance")
+            _OPEN.add(self)
+        try:
+            self._make_root()
+            self._reindex()
+        except BaseException:
+            _OPEN.discard(self)
+            raise
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvkit-disk")
         carry_through_fork(self)
 
@@ -313,16 +341,16 @@ class DiskStore:
     # --- opening -------------------------------------------------------------
 
     def _make_root(self) -> None:
-        """Create ``path`` and every missing directory above it with the store's directory mode."""
+        """Create ``path`` and every missing directory above it with the store's directory mode.
+
+        Each is made by :func:`_new_folder`: one another process made meanwhile keeps its own mode, and one a
+        neighbour swapped for a symlink is never followed.
+        """
         mode = _dir_mode(self.file_mode)
         missing = [p for p in (self.path, *self.path.parents) if not os.path.lexists(p)]
         try:
             for folder in reversed(missing):
-                try:
-                    os.mkdir(folder, mode)
-                except FileExistsError:  # another process made it meanwhile: its mode is its own
-                    continue
-                os.chmod(folder, mode)  # mkdir's mode passes through the umask
+                _new_folder(folder, mode)
         except OSError as exc:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot create the directory: {exc}") from exc
         if not self.path.is_dir():
@@ -340,49 +368,61 @@ class DiskStore:
         temporary files. Raises :class:`~kvkit.errors.ConfigError`, quoting it, only when ``path`` itself
         cannot be listed, or the process is out of descriptors or memory (:meth:`_check_short`).
 
-        Each subdirectory is opened once (``O_NOFOLLOW``) and listed, looked into and reaped through that
-        descriptor: one swapped for a symlink after ``path`` was listed is ``broken``, never followed.
+        Directories are read entry by entry, never listed whole: what is not a value costs time, not memory,
+        however many entries a neighbour left. Each subdirectory is opened once (``O_NOFOLLOW``) and read,
+        looked into and reaped through that descriptor: one swapped for a symlink after ``path`` was read is
+        ``broken``, never followed.
         """
-        try:
-            tops = [top.name for top in os.scandir(self.path)]  # listed whole, so closed
-        except OSError as exc:
+        found: list[tuple[int, str, int]] = []
+
+        def unlistable(exc: OSError) -> NoReturn:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot list the directory: {exc}") from exc
-        found = []
-        for top in tops:
-            if len(top) != 2 or not _HEX.issuperset(top):
-                self._note("foreign")
-                continue
-            where = os.path.join(self.path, top)
-            try:
-                folder = os.open(where, _DIR_FLAGS)
-            except FileNotFoundError:
-                self._note("vanished")
-                continue
-            except OSError as exc:  # a symlink, a file, or a subdirectory this process may not open
-                self._check_short(where, exc)
-                self._note("broken")
-                continue
-            try:
-                filenames = os.listdir(folder)
-            except OSError as exc:  # a subdirectory this process may not list
-                os.close(folder)
-                self._check_short(where, exc)
-                self._note("broken")
-                continue
-            try:
-                for filename in filenames:
-                    kind = _kind(top, filename)
-                    if kind == "temp":
-                        self._reap(filename, folder)
-                    elif kind == "value":
-                        value = self._regular(filename, folder)
-                        if value is not None:
-                            found.append((value.st_mtime_ns, filename[:-len(_SUFFIX)], value.st_size))
-                    else:
-                        self._note("foreign")
-            finally:
-                os.close(folder)
+
+        try:
+            listing = os.scandir(self.path)
+        except OSError as exc:
+            unlistable(exc)
+        for top in _read(listing, unlistable):
+            self._scan_folder(top, found)
         return found
+
+    def _scan_folder(self, top: str, found: list[tuple[int, str, int]]) -> None:
+        """:meth:`_scan` of the entry ``top`` of ``path``: its value files appended to ``found``."""
+        if len(top) != 2 or not _HEX.issuperset(top):
+            self._note("foreign")
+            return
+        where = os.path.join(self.path, top)
+
+        def unreadable(exc: OSError) -> None:  # a subdirectory this process may not read, or an I/O error
+            self._check_short(where, exc)
+            self._note("broken")
+
+        try:
+            folder = os.open(where, _DIR_FLAGS)
+        except FileNotFoundError:
+            self._note("vanished")
+            return
+        except OSError as exc:  # a symlink, a file, or a subdirectory this process may not open
+            unreadable(exc)
+            return
+        try:
+            try:
+                listing = os.scandir(folder)  # reads a duplicate of ``folder``, which stays open
+            except OSError as exc:
+                unreadable(exc)
+                return
+            for filename in _read(listing, unreadable):
+                kind = _kind(top, filename)
+                if kind == "temp":
+                    self._reap(filename, folder)
+                elif kind == "value":
+                    value = self._regular(filename, folder)
+                    if value is not None:
+                        found.append((value.st_mtime_ns, filename[:-len(_SUFFIX)], value.st_size))
+                else:
+                    self._note("foreign")
+        finally:
+            os.close(folder)
 
     def _check_short(self, where: str, exc: OSError) -> None:
         """Raise :class:`~kvkit.errors.ConfigError`, quoting ``where``, when ``exc`` says the process is out of
@@ -672,7 +712,6 @@ class DiskStore:
             return False
         entry = self._index.get(name)
         if entry is None or entry[1] != found.st_size:
-            self._forget(name, unlink=False)
             self._adopt(name, found.st_size)
         return True
 
@@ -680,8 +719,15 @@ class DiskStore:
         return self.path / name[:2] / f"{name}{_SUFFIX}"
 
     def _adopt(self, name: str, size: int) -> None:
-        """Index ``name``'s file of ``size`` bytes and evict for it; one larger than the capacity is never
-        indexed (``oversized``): holding it would evict every other value, and then itself."""
+        """Index ``name``'s file of ``size`` bytes, in place of its entry if indexed already, and evict for it;
+        one larger than the capacity is never indexed (``oversized``): holding it would evict every other
+        value, and then itself.
+
+        A name is indexed once: a listing may name a file twice (a directory read while another process
+        renames or re-creates files in it: tmpfs does), and a second entry would be tracked by the policy but
+        left out of the index, so eviction would pick it forever without freeing a byte.
+        """
+        self._forget(name, unlink=False)
         if size > self._limit():
             self._note("oversized")
             return
@@ -835,29 +881,46 @@ def _kind(prefix: str, filename: str) -> str | None:
     return None
 
 
+def _read(listing: contextlib.AbstractContextManager[Iterator[os.DirEntry[str]]],
+          failed: Callable[[OSError], None]) -> Iterator[str]:
+    """The names ``listing`` (an ``os.scandir``, closed once read) reads, one at a time: a directory's entries
+    are never held all at once. A read that fails ends them, calling ``failed`` with its error (it may raise)."""
+    with listing as entries:
+        while True:
+            try:
+                entry = next(entries)
+            except StopIteration:
+                return
+            except OSError as exc:
+                failed(exc)
+                return
+            yield entry.name
+
+
 def _dir_mode(file_mode: int) -> int:
     """``file_mode`` plus search wherever it grants read (``0o600`` -> ``0o700``, ``0o640`` -> ``0o750``)."""
     return file_mode | (file_mode & 0o444) >> 2
 
 
-def _new_folder(folder: str, mode: int) -> None:
-    """Make ``folder`` (private until its mode is set) with exactly ``mode``, whatever the umask; one that exists
-    already keeps its own.
+def _new_folder(folder: str | Path, mode: int) -> bool:
+    """Make ``folder`` (private until its mode is set) with exactly ``mode``, whatever the umask; ``False`` if it
+    exists already (its mode is its own).
 
     The mode is set through a descriptor that needs no permission on the folder (``O_PATH``, so a umask that took
-    the owner's read bit away, ``0o477``, locks nothing out) and never follows a symlink swapped in meanwhile
-    (``ELOOP``); Linux changes a mode through such a descriptor by its ``/proc/self/fd`` name. A file system
-    that refuses modes (vfat, some network mounts) raises ``OSError``.
+    the owner's read bit away, ``0o477``, locks nothing out) and never follows a symlink a neighbour swapped in
+    meanwhile (``ENOTDIR``: no mode lands on what it names); Linux changes a mode through such a descriptor by
+    its ``/proc/self/fd`` name. A file system that refuses modes (vfat, some network mounts) raises ``OSError``.
     """
     try:
         os.mkdir(folder, 0o700)
     except FileExistsError:
-        return
+        return False
     fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.chmod(f"/proc/self/fd/{fd}", mode)
     finally:
         os.close(fd)
+    return True
 
 
 def _value_file(found: os.stat_result) -> bool:

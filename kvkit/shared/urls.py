@@ -82,10 +82,7 @@ def _open(url: str, options: dict[str, Any]) -> BlockStore:
     base, plus, mode = scheme.partition("+")
     if base in VALKEY_SCHEMES and mode in ("", "cluster"):
         settings = _valkey(url, base in _TLS_SCHEMES, bool(plus))
-        twice = sorted(settings.keys() & options.keys())
-        if twice:
-            raise ConfigError(f"block store URL {_quoted(url)}: {', '.join(twice)} given both in the URL and as "
-                              f"options")
+        _given_once(url, settings, options)
         return SHARED.create("valkey", slot="shared", **_kept_password({**settings, **options}))
     if scheme == "file":
         return SHARED.create("disk", slot="shared", **_disk(url, options))
@@ -95,6 +92,15 @@ def _open(url: str, options: dict[str, Any]) -> BlockStore:
         return SHARED.create(scheme, slot="shared", url=url, **options)
     raise ConfigError(f"block store URL {_quoted(url)}: unknown scheme {scheme!r}; expected one of {_FORMS}, "
                       f"or a registered block store: {', '.join(SHARED.names())}")
+
+
+def _given_once(url: str, settings: dict[str, Any], options: dict[str, Any]) -> None:
+    """Refuse a setting the URL makes (its address, a disk store's directory) given again among the options
+    (``?path=`` in the query, or a keyword): which of the two was meant is not known."""
+    twice = sorted(settings.keys() & options.keys())
+    if twice:
+        raise ConfigError(f"block store URL {_quoted(url)}: {', '.join(twice)} given both in the URL and as "
+                          f"options")
 
 
 def process_wide(store: BlockStore) -> bool:
@@ -209,7 +215,9 @@ def _disk(url: str, options: dict[str, Any]) -> dict[str, Any]:
     raw = dict(parse_qsl(url.partition("?")[2], keep_blank_values=True)).get("file_mode")
     if raw is not None:  # octal text: "640" must not become the decimal number 640
         options = {**options, "file_mode": raw}
-    return {"path": os.fsdecode(unquote_to_bytes(parsed.path)), **_sizes(options)}  # escapes: the name's bytes
+    settings = {"path": os.fsdecode(unquote_to_bytes(parsed.path))}  # escapes: the name's bytes
+    _given_once(url, settings, options)
+    return {**settings, **_sizes(options)}
 
 
 def _with_query(url: str, options: dict[str, Any]) -> dict[str, Any]:

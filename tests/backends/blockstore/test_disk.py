@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 import types
 
 import pytest
@@ -137,6 +139,39 @@ def test_bad_settings_are_refused(tmp_path, kwargs, match):
     kwargs = {**kwargs, "path": kwargs["path"] and tmp_path / kwargs["path"]}
     with pytest.raises(ConfigError, match=match):
         DiskStore(**kwargs)
+
+
+def test_an_eviction_policy_that_tracks_blocks_already_is_refused_changing_nothing(tmp_path):
+    """A policy reused from a closed store (or another store's) would mix its ids with the new store's (opening
+    or the puts would fail with the policy's own error): it is a ConfigError quoting the policy, before anything
+    on the file system changes; a new instance serves."""
+    policy = FIFOPolicy()
+    store = DiskStore(tmp_path / "kv", 1000, eviction=policy)
+    assert _put(store, [b"a"], 100).ok
+    store.close()
+    before = sorted(p.name for p in (tmp_path / "kv").rglob("*"))
+    for path in (tmp_path / "kv", tmp_path / "other"):
+        with pytest.raises(ConfigError, match=r"DiskStore\.eviction=FIFOPolicy.*already tracks 1 block"):
+            DiskStore(path, 1000, eviction=policy)
+    assert sorted(p.name for p in (tmp_path / "kv").rglob("*")) == before and not (tmp_path / "other").exists()
+    store = DiskStore(tmp_path / "kv", 1000, eviction=FIFOPolicy())
+    assert store.contains([b"a"]) == 1 and _put(store, [b"b"], 100).ok
+    store.check_invariants()
+    store.close()
+
+
+def test_an_eviction_policy_another_open_store_uses_is_refused_changing_nothing(tmp_path):
+    """Two open stores given one policy (a shared default instance) would number their values alike (the second
+    store's puts failing with the policy's error, its evictions removing the first store's blocks from the
+    policy): the second store is a ConfigError quoting the policy, and creates nothing; the first serves on."""
+    policy = FIFOPolicy()
+    first = DiskStore(tmp_path / "a", 1000, eviction=policy)
+    with pytest.raises(ConfigError, match=r"DiskStore\.eviction=FIFOPolicy.*another open store uses"):
+        DiskStore(tmp_path / "b", 1000, eviction=policy)
+    assert not (tmp_path / "b").exists()
+    assert _put(first, [b"a", b"b"], 100).ok and first.contains([b"a", b"b"]) == 2
+    first.check_invariants()
+    first.close()
 
 
 @pytest.mark.parametrize("path", ["kv\0x", "kv\ud800"])
@@ -413,6 +448,29 @@ def test_opening_counts_and_keeps_what_is_not_a_value(tmp_path, what):
     store.close()
 
 
+def test_opening_reads_junk_entry_by_entry_in_bounded_memory(tmp_path):
+    """Entries a neighbour left by the ten thousand (at the top and in a value's subdirectory) cost opening
+    time, not memory: each directory is read entry by entry, never listed whole (a listing of ten million names
+    would hold about a gigabyte). Each is counted ``foreign``; the real values are indexed."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _put(store, [b"real"], 100).ok
+    store.close()
+    sub, _ = _sub(tmp_path, b"real")
+    for i in range(15_000):
+        for folder in (tmp_path, sub):
+            os.close(os.open(folder / f"left-behind-by-a-neighbour-{i:08d}-{'x' * 40}", os.O_CREAT, 0o600))
+    tracemalloc.start()
+    try:
+        store = DiskStore(tmp_path, 1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"opening held {peak} bytes at its peak"
+    assert store.counters["foreign"] == 30_000 and store.contains([b"real"]) == 1 and store.used_bytes == 100
+    store.check_invariants()
+    store.close()
+
+
 @pytest.mark.parametrize("what", ["dangling symlink as a value", "hard link as a value", "directory as a value",
                                   "FIFO as a value"])
 def test_something_else_in_a_values_place_is_a_miss(tmp_path, what):
@@ -512,7 +570,7 @@ def test_a_subdirectory_swapped_for_a_symlink_while_opening_is_never_followed(tm
             entries = list(listed)
         shutil.rmtree(final.parent)
         final.parent.symlink_to(elsewhere, target_is_directory=True)
-        return iter(entries)
+        return contextlib.nullcontext(iter(entries))
 
     monkeypatch.setattr(disk.os, "scandir", swapped_once_listed)
     store = DiskStore(store_dir, 1 << 20)
@@ -925,6 +983,49 @@ def _modes(root):
     return files, dirs
 
 
+_SWAPPER = """
+import json, os, sys
+from kvkit.backends.blockstore.disk import DiskStore
+from kvkit.errors import ConfigError
+target, victim, made = sys.argv[1], sys.argv[2], []
+
+def swap(event, args):  # the neighbour's move, at the store's first step on the directory it has just made
+    path = os.fspath(args[0]) if args and isinstance(args[0], str | os.PathLike) else None
+    if event == "os.mkdir" and path == target:
+        made.append(path)
+    elif made and path == target and event in ("open", "os.chmod"):
+        made.clear()
+        os.rmdir(target)
+        os.symlink(victim, target)
+
+sys.addaudithook(swap)  # for the rest of this process: hence a process of its own
+try:
+    DiskStore(target, 1000).close()
+    error = None
+except ConfigError as exc:
+    error = str(exc)
+print(json.dumps({"error": error, "victim": os.stat(victim).st_mode & 0o777}))
+"""
+
+
+def test_a_directory_swapped_for_a_symlink_as_it_is_made_lends_no_mode_to_what_it_names(tmp_path):
+    """A neighbour swaps the directory the store has just made (``path``, in a directory the neighbour may
+    write) for a symlink to a file of the user's before its mode is set: setting the mode through the symlink
+    would turn a ``0o644`` file ``0o700``. The symlink is never followed: opening is a ConfigError quoting the
+    path, and the file keeps its mode."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the user's")
+    victim.chmod(0o644)
+    target = tmp_path / "shared" / "kv"
+    done = subprocess.run([sys.executable, "-c", _SWAPPER, str(target), str(victim)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["victim"] == 0o644, oct(report["victim"])
+    assert report["error"] and str(target) in report["error"], report
+    assert target.is_symlink() and victim.read_bytes() == b"the user's"
+
+
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
 def test_values_are_private_whatever_the_umask(tmp_path, umask):
     """Files 0600 and directories 0700 by default, under any umask: the store's own, and those created above it."""
@@ -1076,6 +1177,75 @@ def small_fs(tmp_path):
 
     yield where, remount
     subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+@pytest.fixture
+def roomy_fs(tmp_path):
+    """A real 64 MiB tmpfs, unmounted afterwards."""
+    where = tmp_path / "tmpfs"
+    _mount_tmpfs(where, "size=64m")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+_REWRITER = """
+import contextlib, os, sys
+folder, names = sys.argv[1], sys.argv[2:]
+while True:  # as neighbours evict values and put them again: deleted, then a new file renamed into place
+    for name in names:
+        fd = os.open(os.path.join(folder, name + ".staged"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, bytes(10))
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, name + ".kvb"))
+        os.replace(os.path.join(folder, name + ".staged"), os.path.join(folder, name + ".kvb"))
+"""
+
+_OPENER = """
+import json, os, sys, time
+from kvkit.backends.blockstore.disk import DiskStore
+path, seconds = sys.argv[1], float(sys.argv[2])
+report, deadline = {"opens": 0, "broken": None}, time.monotonic() + seconds
+while report["broken"] is None and time.monotonic() < deadline:
+    store = DiskStore(path, 1 << 20, threads=1)
+    report["opens"] += 1
+    try:
+        store.check_invariants()
+    except AssertionError as exc:
+        report["broken"] = f"{exc} (used_bytes {store.used_bytes}, {len(store.eviction)} tracked)"
+        ticket = store.put([b"big"], [[memoryview(bytes((1 << 20) - 100))]])  # evicts nearly every value
+        if not store.poll([ticket], 10.0):
+            report["broken"] += "; a put that evicts never answered"
+            print(json.dumps(report), flush=True)
+            os._exit(0)  # its thread spins on, holding the store's lock: close would wait forever
+    store.close()
+print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_value_listed_twice_by_a_directory_read_during_rewrites_is_indexed_once(roomy_fs):
+    """A directory read while another process evicts and puts values in it may name a file twice (on tmpfs a
+    file made again is listed anew at the end). Indexed twice, it would be counted twice and leave the policy
+    a block the index lost, which the first evicting put would pick forever, holding the lock (that put never
+    answered, every contains hung). Each name is indexed once: every open keeps the invariants. A race: a
+    loaded machine may run the two processes apart, so the opener tries for 12 s."""
+    path = roomy_fs / "kv"
+    folder = path / "ab"
+    folder.mkdir(parents=True)
+    names = [f"ab{i:062x}" for i in range(3000)]  # enough for a listing to take many reads of the directory
+    for name in names:
+        (folder / f"{name}.kvb").write_bytes(bytes(10))
+    rewriter = subprocess.Popen([sys.executable, "-c", _REWRITER, str(folder), *names])
+    try:
+        done = subprocess.run([sys.executable, "-c", _OPENER, str(path), "12"], capture_output=True, text=True,
+                              timeout=90)
+    finally:
+        rewriter.kill()
+        rewriter.wait()
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["broken"] is None and report["opens"] >= 5, report
 
 
 def test_a_real_full_file_system_is_relieved_and_its_space_reused(small_fs):

@@ -292,6 +292,18 @@ def test_an_option_given_twice_is_refused():
         open_block_store("valkeys://h:1", tls=False)
 
 
+def test_a_disk_directory_given_again_as_an_option_is_refused_creating_nothing(tmp_path):
+    """A file:// URL names the directory: a ``path`` option too (in its query or as a keyword) would open the
+    store in the option's directory, one the URL never named (re-indexed, evicted in, written to). It is a
+    ConfigError quoting the URL, and neither directory is made."""
+    url, other = f"file://{tmp_path}/named?capacity_bytes=1KiB", tmp_path / "other"
+    for given in ({"path": str(other)}, {}):
+        with pytest.raises(ConfigError, match="path given both in the URL and as options") as info:
+            open_block_store(url + ("" if given else f"&path={other}"), **given)
+        assert url in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
 def test_bench_shared_runs_against_a_local_server():
     """`kvkit bench shared` starts a server, checks every value read back, and reports GB/s and ms."""
     import json
