@@ -151,15 +151,18 @@ def test_a_write_back_store_policy_needs_one_kv_group():
         settings(kv=HYBRID, store="lazy")
 
 
-def test_a_shared_tier_needs_one_kv_group():
-    """vLLM stops the engine on a failed load of a model with several KV groups: a shared tier (whose fetches may
-    fail) is refused for one at startup, kept for a model of one group; the URL is never shown."""
-    assert settings(shared="memory://vllm-parts-groups").stack.shared is not None
-    assert settings(kv=HYBRID).stack.shared is None
+def test_a_shared_tier_with_several_kv_groups_loads_asynchronously():
+    """vLLM takes a failed load of a model with several KV groups only as a whole request loaded asynchronously:
+    with a shared tier (whose fetches may fail) such a model loads asynchronously, and ``async_load=False`` is
+    refused saying why; one group keeps synchronous loads; the URL is never shown."""
+    assert not settings(shared="memory://vllm-parts-groups").async_load
+    assert not settings(kv=HYBRID).async_load
+    assert settings(kv=HYBRID, shared="memory://vllm-parts-groups").async_load
     for extra in ({"shared": "valkey://:hunter2@h:1/0"}, {"kv_offload_backend": "disk", "disk_path": "/tmp/x",
                                                           "disk_capacity_bytes": 1 << 20}):
-        with pytest.raises(ConfigError, match="2 KV cache groups: vLLM stops the engine") as info:
-            settings(kv=HYBRID, **extra)
+        assert settings(kv=HYBRID, **extra).async_load
+        with pytest.raises(ConfigError, match=r"async_load'\]=False with a shared tier .* 2 KV cache groups") as info:
+            settings(kv=HYBRID, async_load=False, **extra)
         assert len(info.value.problems) == 1 and "hunter2" not in str(info.value), info.value.problems
 
 
@@ -720,7 +723,7 @@ def test_an_async_load_is_received_once_it_landed_while_the_step_ran_without_it(
     sides.worker.load(order)  # after the forward pass was launched
     sides.worker.after_forward(order)
     _land(sides, order)
-    assert sides.worker.take_received() == {"b"} and sides.worker.take_received() is None
+    assert sides.worker.take_received() == ({"b"}, set()) and sides.worker.take_received() == (set(), set())
     assert _blocks(sides, [7, 5, 9]) == stored and sides.worker.take_load_errors() == set()
     sides.sched.completed(sides.worker.take_results())
     sides.sched.allocated(b, [[7, 5, 9, 10]], 0)  # vLLM admits it again once received
@@ -750,11 +753,11 @@ def test_on_the_host_async_loads_and_stores_run_while_the_worker_goes_on(monkeyp
     sides.worker.load(order)
     sides.worker.after_forward(order)  # c's two full blocks are stored
     assert order.receiving == ("b",) and len(order.plan.stores) == 1
-    assert sides.worker.take_received() is None and sides.worker.take_results() == ()
+    assert sides.worker.take_received() == (set(), set()) and sides.worker.take_results() == ()
     assert sides.worker.num_in_flight == 2
     gate.set()
     _land(sides, order)
-    assert sides.worker.take_received() == {"b"} and _blocks(sides, [7, 5, 9]) == stored
+    assert sides.worker.take_received() == ({"b"}, set()) and _blocks(sides, [7, 5, 9]) == stored
     sides.sched.completed(sides.worker.take_results())
     sides.sched.allocated(b, [[7, 5, 9, 10]], 0)
     _step(sides, [(b, 2), (c, 1)])
