@@ -396,15 +396,19 @@ def test_a_second_engine_reuses_the_first_ones_prefixes_through_the_shared_tier(
 
 
 @pytest.mark.timeout(120)
-def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_identical_tokens(tiny_llama):
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_identical_tokens(tiny_llama,
+                                                                                                async_load):
     """Every value in Valkey corrupted (one byte flipped): the fetches fail their checks, the loads that read them
-    are reported failed, and vLLM recomputes those blocks (never ends a request with an error): the same tokens
-    as the run that computed them, the failures counted; the step that read the failed blocks stored nothing,
-    so the CPU tier then serves the same tokens too; nothing held."""
+    are reported failed, and vLLM recomputes those blocks (never ends a request with an error), once (an
+    asynchronous load's request, looked up again, is offered nothing: no second fetch of the bad value): the
+    same tokens as the run that computed them, the failures counted, none of their tokens counted as loaded; the
+    step that read the failed blocks stored nothing, so the CPU tier then serves the same tokens too; nothing
+    held."""
     from kvkit.testing.servers import LocalServer, server_binary_or_skip
 
-    with LocalServer(server_binary_or_skip()) as server, \
-            engine(tiny_llama, extra_config={"cpu_bytes": "4MiB", "shared": server.url}) as llm:
+    with LocalServer(server_binary_or_skip()) as server, engine(
+            tiny_llama, extra_config={"cpu_bytes": "4MiB", "shared": server.url, "async_load": async_load}) as llm:
         prompts = [m[0] for m in ex.user_messages(llm.get_tokenizer(), 2, 1, 18)]  # three blocks each
         computed = replay(llm, prompts, 4)
         settle(llm)
