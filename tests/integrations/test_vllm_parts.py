@@ -991,8 +991,7 @@ def _computed_and_shared(sides, table=([1, 2, 3, 4], [5, 6, 7, 8])):
     return stored
 
 
-@pytest.mark.parametrize(("layout", "kv"), [("vllm-cpu", SPEC), ("latent", MLA)])  # one KV group: see
-# test_a_shared_tier_needs_one_kv_group
+@pytest.mark.parametrize(("layout", "kv"), [("vllm-cpu", SPEC), ("latent", MLA)])  # one KV group: synchronous
 def test_a_second_instance_fetches_the_first_ones_blocks_from_the_shared_tier(layout, kv, request):
     """Instance B (a cold CPU tier) finds A's prefix in the shared store, fetches it and loads A's bytes."""
     url = f"memory://{request.node.name}"
@@ -1034,6 +1033,38 @@ def test_a_key_that_vanished_or_was_corrupted_after_lookup_fails_that_load_and_t
     assert b_sides.sched.manager.stats.fetches_failed.value == 3
     _finish(b_sides, b, [[7, 5, 9, 10]])
     _assert_idle(b_sides)
+
+
+def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_lookup_then_offers_nothing(request):
+    """Two KV groups and a shared tier load asynchronously; a key dropped after lookup fails the load: the worker
+    reports the request in failed_recving (and finished_recving), no GPU block as a load error (vLLM maps none
+    back to a request of such a model); vLLM drops its blocks and looks it up again, and the scheduler side
+    offers it nothing (no second fetch of a bad value) and counts none of its tokens as loaded; nothing held."""
+    url = f"memory://{request.node.name}"
+    _computed_and_shared(_sides(kv=HYBRID, shared=url))
+    sides = _sides(kv=HYBRID, shared=url)
+    assert sides.sched.async_load
+    table = [[7, 5, 9, 10], [1, 2, 3, 11]]
+    b = _admit(sides, "b", 3 * BS + 2, table, hit=3 * BS)  # vLLM: WAITING_FOR_REMOTE_KVS
+    worker = sides.worker.shared
+    worker.store.drop(worker.codec.key(block_hash(b.block_hashes[1]), 0))
+    order = _step(sides)  # b computes nothing while its load runs
+    assert order.receiving == ("b",) and order.plan.fetches and len(order.plan.loads) == 2
+    assert sides.worker.take_received() == ({"b"}, {"b"})
+    assert sides.worker.take_load_errors() == set()
+    for row in table:  # vLLM (kv_load_failure_policy="recompute") frees b's blocks and schedules it afresh
+        sides.pool.free(row)
+    b.num_computed_tokens = 0
+    fetches = sides.sched.manager.stats.fetches_failed.value
+    assert fetches > 0 and sides.sched.matched_tokens(b, 0) == 0
+    for row in table:
+        sides.pool.allocate(row)
+    sides.sched.allocated(b, table, 0)
+    order = _step(sides, [(b, b.num_tokens)])
+    assert not order.receiving and not order.plan.fetches and not order.plan.loads
+    assert _finish(sides, b, table) == {"kvkit_loaded_tokens": 0, "kvkit_reloaded_tokens": 0}
+    assert sides.sched.manager.stats.fetches_failed.value == fetches
+    _assert_idle(sides)
 
 
 def test_the_connector_authenticates_with_the_secret_it_reads_and_another_secret_shares_nothing(
