@@ -1039,7 +1039,8 @@ def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_looku
     """Two KV groups and a shared tier load asynchronously; a key dropped after lookup fails the load: the worker
     reports the request in failed_recving (and finished_recving), no GPU block as a load error (vLLM maps none
     back to a request of such a model); vLLM drops its blocks and looks it up again, and the scheduler side
-    offers it nothing (no second fetch of a bad value) and counts none of its tokens as loaded; nothing held."""
+    offers it nothing until it is allocated (no second fetch of a bad value) and counts none of its tokens as
+    loaded; nothing held."""
     url = f"memory://{request.node.name}"
     _computed_and_shared(_sides(kv=HYBRID, shared=url))
     sides = _sides(kv=HYBRID, shared=url)
@@ -1057,6 +1058,7 @@ def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_looku
     b.num_computed_tokens = 0
     fetches = sides.sched.manager.stats.fetches_failed.value
     assert fetches > 0 and sides.sched.matched_tokens(b, 0) == 0
+    assert sides.sched.matched_tokens(b, 0) == 0  # vLLM found no blocks for it then: still nothing
     for row in table:
         sides.pool.allocate(row)
     sides.sched.allocated(b, table, 0)

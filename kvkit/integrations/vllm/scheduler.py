@@ -29,9 +29,9 @@ vLLM (scheduler process)                  kvkit
 ``update_connector_output(out)``          ``apply_completions`` (the workers' results); a
                                           request whose asynchronous load failed (vLLM
                                           got it in ``failed_recving``, dropped its blocks
-                                          and looks it up again) is offered no hit at that
-                                          lookup: vLLM recomputes it, no second try reads
-                                          the same bad value
+                                          and looks it up again) is offered no hit until
+                                          vLLM allocated it: vLLM recomputes it, no second
+                                          try reads the same bad value
 ``request_finished_all_groups(req, b)``   the table as vLLM leaves it (blocks out of a window
                                           are null), then ``finish`` (flush) or ``abort``
 ``reset_cache()``                         ``reset``
@@ -309,7 +309,7 @@ class SchedulerSide:
     _requests: dict[str, Any] = attrs.field(init=False, factory=dict)
     _loaded_tokens: dict[str, list[int]] = attrs.field(init=False, factory=dict)  # [first, resumed]
     _loading: dict[str, tuple[int, int]] = attrs.field(init=False, factory=dict)  # load in flight: (slot, tokens)
-    _failed: set[str] = attrs.field(init=False, factory=set)  # async loads failed: their next lookup offers nothing
+    _failed: set[str] = attrs.field(init=False, factory=set)  # async loads failed: offered nothing until allocated
     _flush_pending: bool = attrs.field(init=False, default=False)  # a request ended since the last build
     _step: int = attrs.field(init=False, default=0)
     _copies: dict[int, list[Any]] = attrs.field(init=False, factory=dict)  # tid -> [COPIES key, reports left]
@@ -352,11 +352,10 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """CPU-tier tokens right after vLLM's own prefix hit worth loading (pinned until allocation).
 
-        None for a request whose asynchronous load failed since its last lookup: vLLM recomputes it.
+        Nothing for a request whose asynchronous load failed, until vLLM allocated it again: vLLM recomputes it.
         """
         rid = request.request_id
         failed = rid in self._failed
-        self._failed.discard(rid)
         if rid not in self._requests:
             self.manager.add_request(rid, [block_hash(h) for h in request.block_hashes],
                                      request.num_tokens)
@@ -371,6 +370,7 @@ class SchedulerSide:
                 else:
                     self._preempt(rid)
             self._sync(request)
+        # A failed request is looked up all the same (the manager allocates only a looked-up request), offered 0.
         if not self.manager.lookup(rid, num_computed_tokens, num_tokens=request.num_tokens) or failed:
             return 0
         return self.manager.plan_load(rid, overlap=False).accepted_blocks * self.manager.kv.block_size
@@ -382,6 +382,7 @@ class SchedulerSide:
         if rid not in self._requests:  # vLLM admitted it without asking us: nothing to load
             return
         self.manager.on_allocated(rid, [list(row) for row in block_ids], num_external_tokens)
+        self._failed.discard(rid)  # admitted without the hit of its failed load
         if num_external_tokens:
             slot = int(getattr(request, "num_preemptions", 0) > 0)
             self._loaded_tokens[rid][slot] += num_external_tokens

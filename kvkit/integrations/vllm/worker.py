@@ -7,7 +7,7 @@ vLLM-free. Per step, in vLLM's call order:
    waited for, layer by layer in ``wait_for_layer_load`` when ``layerwise``
    (``save_kv_layer`` records when each layer's KV is written, for its
    stores), else at once; asynchronous ones land while later steps run and their
-   requests are reported in ``finished_recving`` (``get_finished``) once
+   requests are reported in ``finished_recving`` (``get_transfer_results``) once
    every load of their step completed. A failed synchronous load's GPU blocks
    become vLLM's ``invalid_block_ids`` in its step; a failed asynchronous load
    fails its whole step's requests: they are reported in ``failed_recving``
