@@ -396,15 +396,19 @@ def test_a_second_engine_reuses_the_first_ones_prefixes_through_the_shared_tier(
 
 
 @pytest.mark.timeout(120)
-def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_identical_tokens(tiny_llama):
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_identical_tokens(tiny_llama,
+                                                                                                async_load):
     """Every value in Valkey corrupted (one byte flipped): the fetches fail their checks, the loads that read them
-    are reported failed, and vLLM recomputes those blocks (never ends a request with an error): the same tokens
-    as the run that computed them, the failures counted; the step that read the failed blocks stored nothing,
-    so the CPU tier then serves the same tokens too; nothing held."""
+    are reported failed, and vLLM recomputes those blocks (never ends a request with an error), once (an
+    asynchronous load's request, looked up again, is offered nothing: no second fetch of the bad value): the
+    same tokens as the run that computed them, the failures counted, none of their tokens counted as loaded; the
+    step that read the failed blocks stored nothing, so the CPU tier then serves the same tokens too; nothing
+    held."""
     from kvkit.testing.servers import LocalServer, server_binary_or_skip
 
-    with LocalServer(server_binary_or_skip()) as server, \
-            engine(tiny_llama, extra_config={"cpu_bytes": "4MiB", "shared": server.url}) as llm:
+    with LocalServer(server_binary_or_skip()) as server, engine(
+            tiny_llama, extra_config={"cpu_bytes": "4MiB", "shared": server.url, "async_load": async_load}) as llm:
         prompts = [m[0] for m in ex.user_messages(llm.get_tokenizer(), 2, 1, 18)]  # three blocks each
         computed = replay(llm, prompts, 4)
         settle(llm)
@@ -418,6 +422,7 @@ def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_
         again = replay(llm, prompts, 4)
         sched, worker = connectors(llm)
         assert again.outputs == computed.outputs
+        assert again.kvkit_loaded_tokens == 0  # every load failed: vLLM recomputed what they held
         assert sched.stats.shared_hit_tokens.value > 0 and sched.stats.fetches_failed.value > 0
         assert sched.stats.loads_failed.value == len(prompts)
         assert worker.worker_side.shared.invalid_values > 0
@@ -425,6 +430,43 @@ def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_
         served = replay(llm, prompts, 4)
         assert served.kvkit_loaded_tokens > 0
         assert served.outputs == computed.outputs
+        assert_nothing_held(llm)
+
+
+@pytest.mark.timeout(300)
+def test_a_model_with_several_kv_groups_recomputes_requests_whose_shared_values_are_corrupt(tiny_gemma3):
+    """Gemma-3 (a full-attention and a sliding-window KV group) with a Valkey shared tier: it loads
+    asynchronously, and with every value corrupted the loads fail as whole requests (vLLM stops the engine on
+    failed blocks of such a model): vLLM recomputes them with the tokens of a run without kvkit, none counted
+    as loaded, and the engine keeps serving, from the CPU tier, what it recomputed; nothing held."""
+    from kvkit.testing.servers import LocalServer, server_binary_or_skip
+
+    with engine(tiny_gemma3, kvkit=False, gpu_blocks=20) as llm:
+        prompts = [m[0] for m in ex.user_messages(llm.get_tokenizer(), 2, 1, 18)]  # three blocks each
+        reference = replay(llm, prompts, 4)
+    with LocalServer(server_binary_or_skip()) as server, \
+            engine(tiny_gemma3, gpu_blocks=20, extra_config={"cpu_bytes": "4MiB", "shared": server.url}) as llm:
+        sched, worker = connectors(llm)
+        assert len(sched.manager.kv.groups) == 2 and sched.settings.async_load
+        assert replay(llm, prompts, 4).outputs == reference.outputs
+        settle(llm)
+        keys = server.call(b"KEYS", b"*")
+        assert keys
+        for key in keys:  # the same length, one payload byte flipped: only the value's check can tell
+            value = bytearray(server.call(b"GET", key))
+            value[-1] ^= 0xFF
+            server.call(b"SET", key, bytes(value))
+        reset_prefix_cache(llm, connector=True)  # the next lookups find the prefixes in the shared tier only
+        again = replay(llm, prompts, 4)
+        assert again.outputs == reference.outputs
+        assert again.kvkit_loaded_tokens == 0  # every load failed: vLLM recomputed what they held
+        assert sched.stats.shared_hit_tokens.value > 0 and sched.stats.fetches_failed.value > 0
+        assert sched.stats.loads_failed.value == len(prompts)
+        assert worker.worker_side.shared.invalid_values > 0
+        reset_prefix_cache(llm, connector=False)  # what the CPU tier holds now (recomputed, not fetched) is served
+        served = replay(llm, prompts, 4)
+        assert served.kvkit_loaded_tokens > 0
+        assert served.outputs == reference.outputs
         assert_nothing_held(llm)
 
 

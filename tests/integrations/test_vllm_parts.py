@@ -151,15 +151,18 @@ def test_a_write_back_store_policy_needs_one_kv_group():
         settings(kv=HYBRID, store="lazy")
 
 
-def test_a_shared_tier_needs_one_kv_group():
-    """vLLM stops the engine on a failed load of a model with several KV groups: a shared tier (whose fetches may
-    fail) is refused for one at startup, kept for a model of one group; the URL is never shown."""
-    assert settings(shared="memory://vllm-parts-groups").stack.shared is not None
-    assert settings(kv=HYBRID).stack.shared is None
+def test_a_shared_tier_with_several_kv_groups_loads_asynchronously():
+    """vLLM takes a failed load of a model with several KV groups only as a whole request loaded asynchronously:
+    with a shared tier (whose fetches may fail) such a model loads asynchronously, and ``async_load=False`` is
+    refused saying why; one group keeps synchronous loads; the URL is never shown."""
+    assert not settings(shared="memory://vllm-parts-groups").async_load
+    assert not settings(kv=HYBRID).async_load
+    assert settings(kv=HYBRID, shared="memory://vllm-parts-groups").async_load
     for extra in ({"shared": "valkey://:hunter2@h:1/0"}, {"kv_offload_backend": "disk", "disk_path": "/tmp/x",
                                                           "disk_capacity_bytes": 1 << 20}):
-        with pytest.raises(ConfigError, match="2 KV cache groups: vLLM stops the engine") as info:
-            settings(kv=HYBRID, **extra)
+        assert settings(kv=HYBRID, **extra).async_load
+        with pytest.raises(ConfigError, match=r"async_load'\]=False with a shared tier .* 2 KV cache groups") as info:
+            settings(kv=HYBRID, async_load=False, **extra)
         assert len(info.value.problems) == 1 and "hunter2" not in str(info.value), info.value.problems
 
 
@@ -720,7 +723,7 @@ def test_an_async_load_is_received_once_it_landed_while_the_step_ran_without_it(
     sides.worker.load(order)  # after the forward pass was launched
     sides.worker.after_forward(order)
     _land(sides, order)
-    assert sides.worker.take_received() == {"b"} and sides.worker.take_received() is None
+    assert sides.worker.take_received() == ({"b"}, set()) and sides.worker.take_received() == (set(), set())
     assert _blocks(sides, [7, 5, 9]) == stored and sides.worker.take_load_errors() == set()
     sides.sched.completed(sides.worker.take_results())
     sides.sched.allocated(b, [[7, 5, 9, 10]], 0)  # vLLM admits it again once received
@@ -750,11 +753,11 @@ def test_on_the_host_async_loads_and_stores_run_while_the_worker_goes_on(monkeyp
     sides.worker.load(order)
     sides.worker.after_forward(order)  # c's two full blocks are stored
     assert order.receiving == ("b",) and len(order.plan.stores) == 1
-    assert sides.worker.take_received() is None and sides.worker.take_results() == ()
+    assert sides.worker.take_received() == (set(), set()) and sides.worker.take_results() == ()
     assert sides.worker.num_in_flight == 2
     gate.set()
     _land(sides, order)
-    assert sides.worker.take_received() == {"b"} and _blocks(sides, [7, 5, 9]) == stored
+    assert sides.worker.take_received() == ({"b"}, set()) and _blocks(sides, [7, 5, 9]) == stored
     sides.sched.completed(sides.worker.take_results())
     sides.sched.allocated(b, [[7, 5, 9, 10]], 0)
     _step(sides, [(b, 2), (c, 1)])
@@ -988,8 +991,7 @@ def _computed_and_shared(sides, table=([1, 2, 3, 4], [5, 6, 7, 8])):
     return stored
 
 
-@pytest.mark.parametrize(("layout", "kv"), [("vllm-cpu", SPEC), ("latent", MLA)])  # one KV group: see
-# test_a_shared_tier_needs_one_kv_group
+@pytest.mark.parametrize(("layout", "kv"), [("vllm-cpu", SPEC), ("latent", MLA)])  # one KV group: synchronous
 def test_a_second_instance_fetches_the_first_ones_blocks_from_the_shared_tier(layout, kv, request):
     """Instance B (a cold CPU tier) finds A's prefix in the shared store, fetches it and loads A's bytes."""
     url = f"memory://{request.node.name}"
@@ -1031,6 +1033,40 @@ def test_a_key_that_vanished_or_was_corrupted_after_lookup_fails_that_load_and_t
     assert b_sides.sched.manager.stats.fetches_failed.value == 3
     _finish(b_sides, b, [[7, 5, 9, 10]])
     _assert_idle(b_sides)
+
+
+def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_lookup_then_offers_nothing(request):
+    """Two KV groups and a shared tier load asynchronously; a key dropped after lookup fails the load: the worker
+    reports the request in failed_recving (and finished_recving), no GPU block as a load error (vLLM maps none
+    back to a request of such a model); vLLM drops its blocks and looks it up again, and the scheduler side
+    offers it nothing until it is allocated (no second fetch of a bad value) and counts none of its tokens as
+    loaded; nothing held."""
+    url = f"memory://{request.node.name}"
+    _computed_and_shared(_sides(kv=HYBRID, shared=url))
+    sides = _sides(kv=HYBRID, shared=url)
+    assert sides.sched.async_load
+    table = [[7, 5, 9, 10], [1, 2, 3, 11]]
+    b = _admit(sides, "b", 3 * BS + 2, table, hit=3 * BS)  # vLLM: WAITING_FOR_REMOTE_KVS
+    worker = sides.worker.shared
+    worker.store.drop(worker.codec.key(block_hash(b.block_hashes[1]), 0))
+    order = _step(sides)  # b computes nothing while its load runs
+    assert order.receiving == ("b",) and order.plan.fetches and len(order.plan.loads) == 2
+    assert sides.worker.take_received() == ({"b"}, {"b"})
+    assert sides.worker.take_load_errors() == set()
+    for row in table:  # vLLM (kv_load_failure_policy="recompute") frees b's blocks and schedules it afresh
+        sides.pool.free(row)
+    b.num_computed_tokens = 0
+    fetches = sides.sched.manager.stats.fetches_failed.value
+    assert fetches > 0 and sides.sched.matched_tokens(b, 0) == 0
+    assert sides.sched.matched_tokens(b, 0) == 0  # vLLM found no blocks for it then: still nothing
+    for row in table:
+        sides.pool.allocate(row)
+    sides.sched.allocated(b, table, 0)
+    order = _step(sides, [(b, b.num_tokens)])
+    assert not order.receiving and not order.plan.fetches and not order.plan.loads
+    assert _finish(sides, b, table) == {"kvkit_loaded_tokens": 0, "kvkit_reloaded_tokens": 0}
+    assert sides.sched.manager.stats.fetches_failed.value == fetches
+    _assert_idle(sides)
 
 
 def test_the_connector_authenticates_with_the_secret_it_reads_and_another_secret_shares_nothing(

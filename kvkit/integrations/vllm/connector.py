@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -139,10 +140,12 @@ def _worker_rank() -> int:
 class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
     """kvkit's CPU offload tier as a vLLM KV connector (both roles; see the module docstring).
 
-    A load that fails (a CPU copy, a shared-tier fetch missing, corrupt or late) is a miss: its
-    blocks go to vLLM's ``invalid_block_ids`` and the request recomputes them, never fails. The
-    connector sets vLLM's ``kv_load_failure_policy`` to ``"recompute"`` for that (vLLM's default,
-    ``"fail"``, would end the request with an error; a cache's miss is no error).
+    A load that fails (a CPU copy, a shared-tier fetch missing, corrupt or late) is a miss: a
+    synchronous load's blocks go to vLLM's ``invalid_block_ids``, an asynchronous load's requests to
+    ``failed_recving`` (the only failure vLLM takes from a model with several KV groups, whose block
+    ids are per group), and the request recomputes them, never fails. The connector sets vLLM's
+    ``kv_load_failure_policy`` to ``"recompute"`` for that (vLLM's default, ``"fail"``, would end
+    the request with an error; a cache's miss is no error).
 
     Attributes (for inspection, e.g. in tests):
         settings: the validated configuration.
@@ -214,8 +217,9 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker().after_forward(None if meta is None else self._order(meta))
 
     @override
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker().take_received()
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        received, failed = self._worker().take_received()
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
 
     @override
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -26,7 +26,12 @@ vLLM (scheduler process)                  kvkit
                                           ``extend`` + ``on_computed`` with the tokens each
                                           request holds once this step ran, ``build_step``
                                           -> metadata for every worker
-``update_connector_output(out)``          ``apply_completions`` (the workers' results)
+``update_connector_output(out)``          ``apply_completions`` (the workers' results); a
+                                          request whose asynchronous load failed (vLLM
+                                          got it in ``failed_recving``, dropped its blocks
+                                          and looks it up again) is offered no hit until
+                                          vLLM allocated it: vLLM recomputes it, no second
+                                          try reads the same bad value
 ``request_finished_all_groups(req, b)``   the table as vLLM leaves it (blocks out of a window
                                           are null), then ``finish`` (flush) or ``abort``
 ``reset_cache()``                         ``reset``
@@ -80,9 +85,10 @@ __all__ = ["COPIES", "COUNTERS", "GAUGES", "INFO_KEY", "LOADED_TOKENS_KEY", "REL
 
 LOADED_TOKENS_KEY = "kvkit_loaded_tokens"
 """Key, in a finished request's ``kv_transfer_params``, of the prompt tokens kvkit loaded
-when vLLM first scheduled it (part of ``RequestOutput.num_cached_tokens``)."""
+when vLLM first scheduled it (part of ``RequestOutput.num_cached_tokens``); a load that
+failed counts none of its tokens (vLLM recomputed them)."""
 RELOADED_TOKENS_KEY = "kvkit_reloaded_tokens"
-"""Key of the tokens kvkit loaded when vLLM resumed the request after preemptions."""
+"""Key of the tokens kvkit loaded when vLLM resumed the request after preemptions (failed loads not counted)."""
 
 GAUGES: tuple[str, ...] = ("gpu_blocks_held", "cpu_blocks_pinned", "transfers_in_flight", "cpu_blocks",
                            "cpu_blocks_used", "cpu_blocks_storing")
@@ -275,7 +281,7 @@ class SchedulerSide:
             manager's callbacks), or ``None`` when vLLM publishes no KV events.
         async_load: hits load while other requests run: a request with a hit
             waits in vLLM (``WAITING_FOR_REMOTE_KVS``) until the workers report
-            it in ``finished_recving``.
+            it in ``finished_recving`` (and in ``failed_recving`` if its load failed).
         shared: the shared tier's connection (the manager's ``shared`` spec
             is its ``spec``), or ``None`` without one; :meth:`close` closes it.
         info: the values of vLLM's ``vllm:simple_kv_offload_info`` labels
@@ -285,6 +291,8 @@ class SchedulerSide:
         * The requests tracked are exactly those the manager has live.
         * Every request's confirmed tokens are those its last scheduled step
           computes, minus speculative tokens (which vLLM may reject).
+        * A request's loaded-token counts (:data:`LOADED_TOKENS_KEY`) hold the
+          tokens of its loads that landed or are in flight, never of one that failed.
     """
 
     manager: OffloadManager
@@ -300,6 +308,8 @@ class SchedulerSide:
         lambda self: any(g.kind is GroupKind.SLIDING_WINDOW for g in self.manager.kv.groups), takes_self=True))
     _requests: dict[str, Any] = attrs.field(init=False, factory=dict)
     _loaded_tokens: dict[str, list[int]] = attrs.field(init=False, factory=dict)  # [first, resumed]
+    _loading: dict[str, tuple[int, int]] = attrs.field(init=False, factory=dict)  # load in flight: (slot, tokens)
+    _failed: set[str] = attrs.field(init=False, factory=set)  # async loads failed: offered nothing until allocated
     _flush_pending: bool = attrs.field(init=False, default=False)  # a request ended since the last build
     _step: int = attrs.field(init=False, default=0)
     _copies: dict[int, list[Any]] = attrs.field(init=False, factory=dict)  # tid -> [COPIES key, reports left]
@@ -340,8 +350,12 @@ class SchedulerSide:
         return self._flush_pending or self.manager.num_in_flight > 0
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """CPU-tier tokens right after vLLM's own prefix hit worth loading (pinned until allocation)."""
+        """CPU-tier tokens right after vLLM's own prefix hit worth loading (pinned until allocation).
+
+        Nothing for a request whose asynchronous load failed, until vLLM allocated it again: vLLM recomputes it.
+        """
         rid = request.request_id
+        failed = rid in self._failed
         if rid not in self._requests:
             self.manager.add_request(rid, [block_hash(h) for h in request.block_hashes],
                                      request.num_tokens)
@@ -350,10 +364,14 @@ class SchedulerSide:
             if self.events is not None:
                 self.events.remember(request)
         else:
-            if self.manager.request(rid).state is _RUNNING:  # preempted between steps
-                self._preempt(rid)
+            if self.manager.request(rid).state is _RUNNING:  # preempted between steps, or its load failed
+                if failed:  # vLLM dropped its blocks: a fresh incarnation, as after a preemption
+                    self.manager.preempt(rid)
+                else:
+                    self._preempt(rid)
             self._sync(request)
-        if not self.manager.lookup(rid, num_computed_tokens, num_tokens=request.num_tokens):
+        # A failed request is looked up all the same (the manager allocates only a looked-up request), offered 0.
+        if not self.manager.lookup(rid, num_computed_tokens, num_tokens=request.num_tokens) or failed:
             return 0
         return self.manager.plan_load(rid, overlap=False).accepted_blocks * self.manager.kv.block_size
 
@@ -364,9 +382,13 @@ class SchedulerSide:
         if rid not in self._requests:  # vLLM admitted it without asking us: nothing to load
             return
         self.manager.on_allocated(rid, [list(row) for row in block_ids], num_external_tokens)
-        self._loaded_tokens[rid][getattr(request, "num_preemptions", 0) > 0] += num_external_tokens
-        if self.async_load and num_external_tokens:
-            self._receiving.append(rid)
+        self._failed.discard(rid)  # admitted without the hit of its failed load
+        if num_external_tokens:
+            slot = int(getattr(request, "num_preemptions", 0) > 0)
+            self._loaded_tokens[rid][slot] += num_external_tokens
+            self._loading[rid] = (slot, num_external_tokens)
+            if self.async_load:
+                self._receiving.append(rid)
 
     def build(self, *, preempted: Iterable[str], new_blocks: Iterable[tuple[str, Sequence[Sequence[int]]]],
               scheduled: Mapping[str, int], speculative: Mapping[str, Sequence[int]] | None = None) -> StepOrder:
@@ -416,11 +438,22 @@ class SchedulerSide:
     def completed(self, results: Iterable[TransferResult]) -> None:
         """Apply the workers' transfer results (GPU and CPU references of finished copies drop).
 
+        A request's failed load no longer counts in its loaded tokens; with
+        asynchronous loads its next lookup offers nothing (:meth:`matched_tokens`).
+
         Each worker's successful GPU <-> CPU copy is listed under its
         :data:`COPIES` key for :meth:`stats_delta` and counted in :attr:`copy_totals`.
         """
         results = list(results)
-        self.manager.apply_completions(results)
+        report = self.manager.apply_completions(results)
+        for rid in report.loaded:
+            self._loading.pop(rid, None)
+        for rid in report.load_failed:
+            slot, tokens = self._loading.pop(rid, (0, 0))
+            if rid in self._loaded_tokens:
+                self._loaded_tokens[rid][slot] -= tokens
+            if self.async_load:
+                self._failed.add(rid)
         for res in results:
             copy = self._copies.get(res.transfer_id)
             if copy is None:
@@ -491,6 +524,8 @@ class SchedulerSide:
         if self.events is not None:
             self.events.ended(request)
         self._flush_pending = True
+        self._loading.pop(rid, None)
+        self._failed.discard(rid)
         first, resumed = self._loaded_tokens.pop(rid)
         return False, {LOADED_TOKENS_KEY: first, RELOADED_TOKENS_KEY: resumed}
 
@@ -514,6 +549,8 @@ class SchedulerSide:
         for rid in self._requests:
             self.manager.request(rid)  # raises if the manager does not have it live
         assert self._loaded_tokens.keys() == self._requests.keys()
+        assert self._loading.keys() <= self._requests.keys() and self._failed <= self._requests.keys()
+        assert all(n >= 0 for counts in self._loaded_tokens.values() for n in counts)
 
     def _preempt(self, rid: str) -> None:
         self.manager.preempt(rid)

@@ -85,6 +85,9 @@ class ConnectorSettings:
             :data:`kvkit.worker.layouts.LAYOUTS`.
         async_load: a CPU hit is loaded while other requests run (vLLM's
             asynchronous-load path), not before the forward pass that reads it.
+            :func:`parse_extra_config` sets it for a model with several KV groups
+            and a shared tier (vLLM takes a failed load of such a model only as a
+            whole request loaded asynchronously).
         layerwise: loads and stores run layer by layer: a layer's forward waits
             (on the device) only for its own blocks, a layer's stores start once
             its KV is written.
@@ -249,8 +252,12 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       ``use_page_cache``: ``"disk"`` puts kvkit's disk block store behind the
       CPU tier as the shared tier (see :func:`_seed_backend`; ``shared`` beside
       it is refused); under ``"cpu"`` the disk keys are ignored with a warning;
-    * ``async_load`` (a bool, default ``False``): load CPU hits while other
-      requests run, through vLLM's asynchronous-load path;
+    * ``async_load`` (a bool): load CPU hits while other requests run, through
+      vLLM's asynchronous-load path. Default ``False``, but ``True`` for a
+      model with several KV groups and a shared tier: vLLM takes a failed load
+      of such a model only as a whole request loaded asynchronously (block ids
+      are per group), and a shared value missing, corrupt or late fails its
+      load; ``False`` is refused there;
     * ``layerwise`` (a bool, default ``True``): per-layer loads and stores
       (``wait_for_layer_load`` waits for one layer, ``save_kv_layer`` lets that
       layer's stores start); ``False`` loads everything before the forward pass;
@@ -267,9 +274,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         ConfigError: ``extra`` is neither a mapping nor ``None``; or one error
             listing every problem (unknown keys, names that are not registered
             or not available here, a bad capacity, a write-back store policy
-            with several KV groups: it writes back single GPU blocks; a shared
-            tier with several KV groups: vLLM stops the engine on their failed
-            loads; capacity
+            with several KV groups: it writes back single GPU blocks;
+            ``async_load=False`` with a shared tier and several KV groups; capacity
             keys or ``lazy_offload`` and ``store`` that contradict each other or
             the role; an unknown ``kv_offload_backend``, a disk backend without
             ``disk_path`` or with a bad size, slot count or flag; a secret given
@@ -348,15 +354,18 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         problems.append(
             f"store={stack.store!r}: a write-back policy stores single GPU blocks, and this model has "
             f"{plural(len(kv.groups), 'KV cache group')}; use eager, selective or never")
-    if stack is not None and len(kv.groups) > 1 and stack.shared is not None:
+    async_by_need = stack is not None and len(kv.groups) > 1 and stack.shared is not None
+    if async_by_need and extra.get("async_load") is False:
         problems.append(
-            f"a shared tier (shared, or kv_offload_backend='disk') for a model with "
-            f"{plural(len(kv.groups), 'KV cache group')}: vLLM stops the engine on a failed load of such a model's "
-            f"blocks (a shared value missing, corrupt or late), so one bad value would stop it; leave it out")
+            f"{_EXTRA}['async_load']=False with a shared tier (shared, or kv_offload_backend='disk') for a model "
+            f"with {plural(len(kv.groups), 'KV cache group')}: vLLM stops the engine on a failed synchronous load "
+            f"of such a model (its block ids are per group) and takes a failed load only as a whole request "
+            f"loaded asynchronously, and a shared value missing, corrupt or late fails its load; drop async_load "
+            f"(it is then true) or the shared tier")
     if problems:
         raise ConfigError(problems)
     assert stack is not None  # built, or its problems were raised
-    return ConnectorSettings(stack, layout, extra.get("async_load", False), extra.get("layerwise", True))
+    return ConnectorSettings(stack, layout, extra.get("async_load", async_by_need), extra.get("layerwise", True))
 
 
 def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -7,9 +7,12 @@ vLLM-free. Per step, in vLLM's call order:
    waited for, layer by layer in ``wait_for_layer_load`` when ``layerwise``
    (``save_kv_layer`` records when each layer's KV is written, for its
    stores), else at once; asynchronous ones land while later steps run and their
-   requests are reported in ``finished_recving`` (``get_finished``) once
-   every load of their step completed; failed loads become vLLM's
-   ``invalid_block_ids`` no later than that.
+   requests are reported in ``finished_recving`` (``get_transfer_results``) once
+   every load of their step completed. A failed synchronous load's GPU blocks
+   become vLLM's ``invalid_block_ids`` in its step; a failed asynchronous load
+   fails its whole step's requests: they are reported in ``failed_recving``
+   (and ``finished_recving``), never as blocks, since vLLM maps no block id of
+   a model with several KV groups back to its request.
 2. ``wait_for_save`` (after the forward pass, every step, also without
    one): submit the step's stores, ordered after the compute that wrote
    their sources, and collect finished copies (``poll``).
@@ -18,7 +21,7 @@ vLLM-free. Per step, in vLLM's call order:
 With a shared tier, ``start_load_kv`` first fetches this rank's shard of the
 step's shared hits into the CPU mirrors (waited for, each value checked); a
 load that reads a block whose fetch failed is not run and reported failed
-(its GPU blocks become ``invalid_block_ids``, vLLM recomputes them).
+(as any failed load, above: vLLM recomputes what it held).
 ``wait_for_save`` then queues the step's puts (write-through of committed
 CPU blocks), which later polls report.
 
@@ -103,6 +106,22 @@ def _engines(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
 
 
 @attrs.define(eq=False)
+class _Receiving:
+    """One step's asynchronous loads still in flight here, and the requests waiting for them.
+
+    Attributes:
+        tids: the step's load transfers not yet reported.
+        ids: the requests waiting for every one of them.
+        failed: a load of the step failed: every request of ``ids`` failed (one
+            transfer carries every waiting request's blocks of its group).
+    """
+
+    tids: set[int]
+    ids: tuple[str, ...]
+    failed: bool = False
+
+
+@attrs.define(eq=False)
 class WorkerSide:
     """Runs each step's transfers on one vLLM worker: one transfer engine per KV group.
 
@@ -144,8 +163,9 @@ class WorkerSide:
     _results: list[TransferResult] = attrs.field(init=False, factory=list)
     _load_targets: dict[int, np.ndarray] = attrs.field(init=False, factory=dict)
     _load_errors: set[int] = attrs.field(init=False, factory=set)
-    _receiving: list[tuple[set[int], tuple[str, ...]]] = attrs.field(init=False, factory=list)  # (tids, ids)
+    _receiving: list[_Receiving] = attrs.field(init=False, factory=list)
     _received: set[str] = attrs.field(init=False, factory=set)
+    _failed_receiving: set[str] = attrs.field(init=False, factory=set)
 
     @_layer_of.default
     def _name_index(self) -> dict[str, tuple[int, int]]:
@@ -229,7 +249,7 @@ class WorkerSide:
         self._loaded_step = order.step
         loads = order.plan.loads
         if order.receiving:  # before any result of them can come back
-            self._receiving.append(({tid for tid, _ in loads}, order.receiving))
+            self._receiving.append(_Receiving({tid for tid, _ in loads}, order.receiving))
         failed = self.shared.fetch(order.plan.fetches, order.plan.fetch_wait_s) if self.shared is not None else set()
         submitted = set()
         for tid, plan in loads:
@@ -271,19 +291,22 @@ class WorkerSide:
         self._step_loads = set()
         self._poll()
 
-    def take_received(self) -> set[str] | None:
-        """Requests whose asynchronous loads all completed here since the last call (polled now)."""
+    def take_received(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous loads all completed here since the last call (polled now), and those
+        of them whose loads failed (a subset: vLLM's ``finished_recving`` and ``failed_recving``)."""
         self._poll()
         received, self._received = self._received, set()
-        return received or None
+        failed, self._failed_receiving = self._failed_receiving, set()
+        return received, failed
 
     def after_forward(self, order: StepOrder | None) -> None:
         """Submit the step's stores (once), after the compute that wrote them; collect finished copies.
 
-        A step with a load that failed (its GPU blocks not yet taken by ``take_load_errors``) stores
-        nothing: its forward pass attended to those blocks' stale bytes, so every block it computed may
-        be wrong until vLLM recomputes it. Its stores are reported failed (a later miss, never a wrong
-        byte in the CPU tier).
+        A step with a synchronous load that failed (its GPU blocks not yet taken by ``take_load_errors``)
+        stores nothing: its forward pass attended to those blocks' stale bytes, so every block it computed
+        may be wrong until vLLM recomputes it. Its stores are reported failed (a later miss, never a wrong
+        byte in the CPU tier). A failed asynchronous load stops no store: no forward pass reads its blocks
+        (their request waits until it is received, then vLLM frees them uncached and recomputes it).
         """
         if order is not None and order.step != self._stored_step:
             assert not order.plan.loads or order.step == self._loaded_step, (
@@ -330,7 +353,7 @@ class WorkerSide:
         if self.shared is not None:
             self.shared.check_invariants()
         assert len(self._load_targets) <= self.num_in_flight, "a load target outlived its copy"
-        assert all(tids for tids, _ in self._receiving), "a received step was not reported"
+        assert all(step.tids for step in self._receiving), "a received step was not reported"
 
     def _submit(self, tid: int, plan: TransferPlan, written: Mapping[int, Any] | None = None, *,
                 layered: bool) -> None:
@@ -354,14 +377,23 @@ class WorkerSide:
             self._collect(self.shared.take_store_results())
 
     def _collect(self, results: list[TransferResult]) -> None:
+        """Take results: a failed load fails its asynchronous step, or else its GPU blocks; steps done are received."""
         for res in results:
             targets = self._load_targets.pop(res.transfer_id, None)
-            if targets is not None and not res.ok:
+            if targets is None or res.ok:
+                continue
+            step = next((step for step in self._receiving if res.transfer_id in step.tids), None)
+            if step is not None:
+                step.failed = True
+            else:
                 self._load_errors.update(int(b) for b in targets)
         self._results += results
         if self._receiving and results:
             done = {res.transfer_id for res in results}
-            for tids, _ in self._receiving:
-                tids -= done
-            self._received.update(rid for tids, ids in self._receiving if not tids for rid in ids)
-            self._receiving = [entry for entry in self._receiving if entry[0]]
+            for step in self._receiving:
+                step.tids -= done
+                if not step.tids:
+                    self._received.update(step.ids)
+                    if step.failed:
+                        self._failed_receiving.update(step.ids)
+            self._receiving = [step for step in self._receiving if step.tids]
