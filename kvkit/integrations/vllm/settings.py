@@ -329,11 +329,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     shared = slots.get("shared")
     url = shared.get("url") if isinstance(shared, Mapping) else shared
     if isinstance(url, str) and redact_url(url) != url:
-        warnings.warn(f"{_EXTRA}['shared']: the URL {quote(shown_url(url))} holds a password (or another secret), "
-                      f"which is on vLLM's command line and in the arguments vLLM logs at start (kvkit cannot mask "
-                      f"either); name where every "
-                      f"connector process reads it instead: ?password_env=VAR or ?password_file=PATH",
-                      UserWarning, stacklevel=2)
+        warn(f"{_EXTRA}['shared']: the URL {quote(shown_url(url))} holds a password (or another secret), which "
+             f"is on vLLM's command line and in the arguments vLLM logs at start (kvkit cannot mask either); name "
+             f"where every connector process reads it instead: ?password_env=VAR or ?password_file=PATH",
+             UserWarning)
     if shared is not None and not isinstance(url, str):
         shown = f"['url']={quote(url)}" if isinstance(shared, Mapping) else f"={quote(shared)}"  # never the secret
         problems.append(f"{_EXTRA}['shared']{shown}: must be a URL string, or a mapping of SharedConfig fields "
