@@ -124,18 +124,24 @@ class _Connected:
 class ValkeyStore:
     """Block values on a Valkey/Redis server (or Cluster), one key per block, over hand-written RESP.
 
-    ``put`` and ``get`` go to one background I/O thread with its own
-    connection (one per Cluster node), which pipelines a whole call: SETs
-    are written from the caller's buffers (no copy), GET replies are
-    received straight into the caller's buffers (``recv_into``). ``contains``
-    runs on the caller's thread over a second connection: one pipeline of
-    EXISTS per node, one round trip. In a Cluster, keys go to the node owning
-    their hash slot (CLUSTER SLOTS, updated on MOVED, ASK followed).
+    ``put`` and ``get`` each go to a lane of their own (:class:`_Lane`): a
+    background I/O thread with its own connection (one per Cluster node),
+    which pipelines a whole call: SETs are written from the caller's buffers
+    (no copy), GET replies are received straight into the caller's buffers
+    (``recv_into``). A get never waits behind a put: a put held up by a slow
+    node (one still taking its bytes, up to the deadline) delays no fetch,
+    which the engine's step waits on. ``contains`` runs on the caller's thread
+    over a third connection: one pipeline of EXISTS per node, one round trip.
+    So a store opens up to three connections per node, each when first used.
+    The three links share the node health, the Cluster's slot map and what
+    server each node was (``run_id``): evidence found on one counts for all.
+    In a Cluster, keys go to the node owning their hash slot (CLUSTER SLOTS,
+    updated on MOVED, ASK followed).
 
     Deadlines: ``request_timeout_s`` bounds a whole call, however slowly
     the bytes trickle: a ``put`` or ``get`` is reported by then from its
-    submission (time spent queued behind earlier calls included; one whose
-    deadline passed in the queue fails without being sent), and ``contains``
+    submission (time spent queued behind earlier calls of its lane included;
+    one whose deadline passed in the queue fails without being sent), and ``contains``
     answers by then (``0`` past the first key it could not confirm), or by
     its ``timeout_s`` if that is sooner (``0``: at once, nothing sent; a
     lookup cut short by it is evidence against its node only as a call cut
@@ -168,19 +174,22 @@ class ValkeyStore:
     wait for the polls naming their tickets (one more abandons the oldest).
 
     Fork. A store inherited through ``os.fork`` (multiprocessing's workers)
-    serves the child on connections and an I/O thread of its own, opened in
+    serves the child on connections and I/O threads of its own, opened in
     the child: no socket is shared, so no process reads a reply meant for the
     other, and closing or collecting the store in the child leaves the
     parent's connections open. The tickets still open at the fork are
-    reported failed in the child (``"transport:"``; the parent's I/O thread
-    serves them in the parent). A child where no thread can start (a pids
-    limit) gets the store closed.
+    reported failed in the child (``"transport:"``; the parent's I/O threads
+    serve them in the parent). A child where the I/O threads cannot start (a
+    pids limit) gets the store closed.
 
     Invariants: every ticket is reported at most once, only to a poll naming
-    it; after ``close`` the I/O thread has stopped, so no buffer is touched
-    after its ticket was reported. The I/O thread holds no reference to the
-    store: a store dropped without ``close`` is collected, and collecting it
-    closes it (thread stopped, sockets closed, open tickets failed).
+    it (``poll`` reports both lanes' tickets); after ``close`` both I/O threads
+    have stopped, so no buffer is touched after its ticket was reported. The
+    I/O threads hold no reference to the store: a store dropped without
+    ``close`` is collected, and collecting it closes it (threads stopped,
+    sockets closed, open tickets failed). A store whose second I/O thread
+    cannot start (a pids limit) stops the first and closes what it opened
+    before its construction raises.
     """
 
     nodes: tuple[Address, ...] = attrs.field(converter=_nodes)
@@ -200,7 +209,8 @@ class ValkeyStore:
     ttl_s: int | None = attrs.field(default=None, converter=attrs.Converter(_ttl, takes_field=True))  # type: ignore[misc]
     window_bytes: int = attrs.field(default=256 << 10, converter=checked(check_int, minimum=1,  # type: ignore[misc]
                                                                          label="ValkeyStore."))
-    """Bytes of values per chunk of a put or get; at most two chunks are in flight per node."""
+    """Bytes of values per chunk of a put or get; at most two chunks are in flight per node and lane (a put's and
+    a get's side by side: four)."""
     max_waiting: int = attrs.field(default=MAX_WAITING, kw_only=True,
                                    converter=checked(check_int, minimum=1, label="ValkeyStore."))  # type: ignore[misc]
     closed: bool = attrs.field(default=False, init=False)
@@ -210,8 +220,9 @@ class ValkeyStore:
     _lookup: Link = attrs.field(init=False)
     _lookup_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _close_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
-    _io: _IoThread = attrs.field(init=False)
-    _thread: threading.Thread = attrs.field(init=False)
+    _tickets: TicketBox = attrs.field(init=False)
+    _puts: _Lane = attrs.field(init=False)
+    _gets: _Lane = attrs.field(init=False)
     _finalizer: weakref.finalize = attrs.field(init=False)
     _options: ConnectOptions = attrs.field(init=False)
 
@@ -222,40 +233,50 @@ class ValkeyStore:
             raise ConfigError(f"ValkeyStore.username={self.username!r} needs a password")
         self._options = ConnectOptions(self.connect_timeout_s, self.request_timeout_s, self.username,
                                        self.password, self.db, self._tls_context())
-        self._open(TicketBox(self.max_waiting))
+        self._tickets = TicketBox(self.max_waiting)
+        self._open()
         carry_through_fork(self)
 
-    def _open(self, tickets: TicketBox) -> None:
-        """Fresh links (no connection yet), node health and slot map, and a started I/O thread serving
-        ``tickets``."""
+    def _open(self) -> None:
+        """Fresh links (no connection yet), node health and slot map, and both lanes' I/O threads started, serving
+        ``_tickets``; if a thread cannot start (``RuntimeError``), what was started is shut down before it
+        raises."""
         self._health = NodeHealth(self.retry_interval_s)
-        topology = Topology()  # one slot map for both links: what one learns routes the other's calls
-        self._lookup = Link(self.nodes, self.cluster, self._options, self._health, topology=topology,
-                            identities=self._identities, on_connect=self._connected)
-        self._io = _IoThread(Link(self.nodes, self.cluster, self._options, self._health, self.window_bytes,
-                                  topology=topology, identities=self._identities, on_connect=self._connected),
-                             tickets,
-                             self.ttl_s, _BulkLimit(self.retry_interval_s))
-        self._thread = threading.Thread(target=self._io.serve, name="kvkit-valkey-io", daemon=True)
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, _shut_down, self._io, self._thread, self._lookup,
+        topology = Topology()  # one slot map for every link: what one learns routes the others' calls
+
+        def link() -> Link:
+            return Link(self.nodes, self.cluster, self._options, self._health, self.window_bytes, topology=topology,
+                        identities=self._identities, on_connect=self._connected)
+
+        self._lookup = link()
+        bulk_limit = _BulkLimit(self.retry_interval_s)
+        self._puts = _Lane("kvkit-valkey-put", link(), self._tickets, self.ttl_s, bulk_limit)
+        self._gets = _Lane("kvkit-valkey-get", link(), self._tickets, self.ttl_s, bulk_limit)
+        self._finalizer = weakref.finalize(self, _shut_down, (self._puts, self._gets), self._tickets, self._lookup,
                                            self._lookup_lock, self.request_timeout_s + self.connect_timeout_s)
+        try:
+            self._puts.thread.start()
+            self._gets.thread.start()
+        except RuntimeError:
+            self._finalizer()
+            raise
 
     def _forked(self, parent: int) -> None:
         """In a child forked from process ``parent`` (see the class): let go of the parent's connections and
         threads, fail the tickets they serve, and open this process's own."""
         self._finalizer.detach()  # collecting or closing the store here never shuts the parent's sockets down
-        self._io.link.abandon()
+        self._puts.link.abandon()
+        self._gets.link.abandon()
         self._lookup.abandon()
         self._close_lock, self._lookup_lock = threading.Lock(), threading.Lock()  # the copies may be held
         self._connected.lock = threading.Lock()
         self._identities.lock = threading.Lock()
-        self._io.tickets.after_fork(f"transport: issued by process {parent}, which forked process {os.getpid()} "
-                                    f"before it was answered")
+        self._tickets.after_fork(f"transport: issued by process {parent}, which forked process {os.getpid()} "
+                                 f"before it was answered")
         if not self.closed:
             try:
-                self._open(self._io.tickets)
-            except RuntimeError:  # no thread can start here (a pids limit): the store is closed in this process
+                self._open()
+            except RuntimeError:  # an I/O thread cannot start here (a pids limit): the store is closed in this process
                 self.closed = True
 
     @property
@@ -321,29 +342,29 @@ class ValkeyStore:
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
         views = check_call("ValkeyStore", self.closed, keys, values)
-        return self._io.queue("put", keys, views, time.monotonic() + self.request_timeout_s)
+        return self._puts.queue("put", keys, views, time.monotonic() + self.request_timeout_s)
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> int:
         views = check_call("ValkeyStore", self.closed, keys, buffers)
-        return self._io.queue("get", keys, views, time.monotonic() + self.request_timeout_s)
+        return self._gets.queue("get", keys, views, time.monotonic() + self.request_timeout_s)
 
     def poll(self, tickets: Collection[int], timeout: float = 0.0) -> list[StoreResult]:
-        return self._io.tickets.poll(tickets, timeout)
+        return self._tickets.poll(tickets, timeout)
 
     def close(self) -> None:
-        """Stop the I/O thread, close every connection, fail every open ticket; a ``close`` while another
+        """Stop both I/O threads, close every connection, fail every open ticket; a ``close`` while another
         thread closes the store returns once it is closed."""
         with self._close_lock:
             if self.closed:
                 return
             self.closed = True
             self._finalizer()
-            assert not self._thread.is_alive(), "the I/O thread did not stop"
+            assert not (self._puts.thread.is_alive() or self._gets.thread.is_alive()), "an I/O thread did not stop"
 
     def check_invariants(self) -> None:
-        assert self.closed or self._thread.is_alive(), "the I/O thread died"
-        assert not self.closed or self._io.tickets.outstanding == 0, "tickets left unfinished after close"
-        self._io.tickets.check_invariants()
+        assert self.closed or (self._puts.thread.is_alive() and self._gets.thread.is_alive()), "an I/O thread died"
+        assert not self.closed or self._tickets.outstanding == 0, "tickets left unfinished after close"
+        self._tickets.check_invariants()
 
     def _look_up(self, keys: Sequence[bytes], encode, read, budget_s: float) -> list[object]:
         """One outcome per key over the lookup connection, on the caller's thread, within ``budget_s`` seconds
@@ -434,15 +455,23 @@ _GET = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
 
 
 @attrs.define(eq=False)
-class _IoThread:
-    """What the I/O thread runs on: its link, its queue of calls, the tickets; no reference to the store."""
+class _Lane:
+    """An I/O thread (``thread``, named ``name``, not yet started) and what it runs on: its own link (connections
+    no other lane uses), its queue of calls, served in order, and what it shares with the store's other lane: the
+    tickets and the bulk limit learned per node (its link shares the node health, slot map and identities); no
+    reference to the store. A store runs its puts and its gets on a lane each, so no get waits behind a put."""
 
+    name: str
     link: Link
     tickets: TicketBox
     ttl_s: int | None
     bulk_limit: _BulkLimit
     jobs: queue.SimpleQueue = attrs.field(factory=queue.SimpleQueue)
     closing: bool = False
+    thread: threading.Thread = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.thread = threading.Thread(target=self.serve, name=self.name, daemon=True)
 
     def queue(self, op: str, keys: Sequence[bytes], views: list[list[memoryview]], deadline: float) -> int:
         """Issue a ticket for a checked call (its byte views) and queue it; one queued while the store closes is
@@ -541,27 +570,31 @@ def _get_outcome(conn: Connection, views: list[memoryview], want: int) -> object
     return None
 
 
-def _shut_down(io: _IoThread, thread: threading.Thread, lookup: Link, lookup_lock: threading.Lock,
+def _shut_down(lanes: tuple[_Lane, ...], tickets: TicketBox, lookup: Link, lookup_lock: threading.Lock,
                join_s: float) -> None:
-    """Stop the I/O thread, close every connection, fail every open ticket (``close``, or the store collected).
+    """Stop the lanes' I/O threads (those started), close every connection, fail every open ticket (``close``, the
+    store collected, or its opening failed); the threads are given ``join_s`` in all to end.
 
     Each link is closed first while its calls may still be waiting (a wait on a closed connection returns at
     once: a ``get`` or ``contains`` on a stalled node does not hold ``close`` up to its deadline), then again
     once its calls ended (a connection one of them opened meanwhile).
     """
-    io.closing = True
-    io.jobs.put(None)
-    io.link.close()
+    for lane in lanes:
+        lane.closing = True
+        lane.jobs.put(None)
+        lane.link.close()
     lookup.close()
-    if thread is not threading.current_thread():
-        thread.join(join_s)
-    io.link.close()
+    end = time.monotonic() + join_s
+    for lane in lanes:
+        if lane.thread.is_alive() and lane.thread is not threading.current_thread():
+            lane.thread.join(max(0.0, end - time.monotonic()))
+        lane.link.close()
     if lookup_lock.acquire(timeout=join_s):
         try:
             lookup.close()
         finally:
             lookup_lock.release()
-    io.tickets.fail_open(_CLOSED)
+    tickets.fail_open(_CLOSED)
 
 
 def _set_outcome(line: bytes) -> object:

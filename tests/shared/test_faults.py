@@ -68,7 +68,7 @@ def forget_locally(stack, engine):
 
 
 def _io_threads():
-    return sum(t.name == "kvkit-valkey-io" and t.is_alive() for t in threading.enumerate())
+    return sum(t.name in ("kvkit-valkey-put", "kvkit-valkey-get") and t.is_alive() for t in threading.enumerate())
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ def store(request, tmp_path):
 
 def _open_tickets(store) -> int:
     """Tickets the store issued and has not finished."""
-    return (store._io.tickets if isinstance(store, ValkeyStore) else store._tickets).outstanding
+    return store._tickets.outstanding
 
 
 def _strided() -> memoryview:

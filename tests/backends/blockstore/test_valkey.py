@@ -321,7 +321,7 @@ def test_a_cluster_that_announces_no_endpoint_is_served(endpoint):
             result, _ = _put(store, keys)
             assert result.ok, result
             assert store.contains(keys) == 50
-            store._io.link.topology.slots = [("127.0.0.1", first)] * 16384  # every key but node 0's is MOVED
+            store._puts.link.topology.slots = [("127.0.0.1", first)] * 16384  # every key but node 0's is MOVED
             result, values = _put(store, keys)
             if endpoint == "hostname":
                 assert result.failed and "unknown endpoint" in result.error
@@ -393,6 +393,6 @@ def test_the_password_stays_out_of_reprs():
     store = ValkeyStore([("127.0.0.1", free_port())], username="kvkit", password="hunter2")
     try:
         assert "hunter2" not in repr(store) and "kvkit" in repr(store)
-        assert "hunter2" not in repr(store._io)
+        assert "hunter2" not in repr(store._puts) and "hunter2" not in repr(store._gets)
     finally:
         store.close()

@@ -70,7 +70,8 @@ def _sockets() -> int:
 
 
 def _io_threads() -> int:
-    return sum(t.name == "kvkit-valkey-io" and t.is_alive() for t in threading.enumerate())
+    """The I/O threads of the stores alive now (two a store: its put lane's and its get lane's)."""
+    return sum(t.name in ("kvkit-valkey-put", "kvkit-valkey-get") and t.is_alive() for t in threading.enumerate())
 
 
 def _crew_threads() -> set[threading.Thread]:
@@ -136,6 +137,41 @@ def test_a_put_through_a_crawling_uplink_fails_by_its_deadline_and_never_marks_t
         result, buffers = _get(store, [b"uplink"], 2 << 20, 2.0)
         assert result.ok and buffers == [value]
         store.close()
+
+
+def test_a_get_never_waits_behind_a_put_held_up_by_a_slow_node():
+    """A Cluster whose node 0 is reached through a crawling uplink (it announces the link's port; 500 KB/s, 64 KiB
+    in flight; deadline 3 s): a put of 4 x 1 MiB to node 0 holds its lane up to its deadline, node 0 still taking
+    the bytes (never marked down). A get of node 1's keys submitted while that put is in flight is served, right
+    bytes, within a quarter of the deadline: queued behind the put it would wait about the whole deadline."""
+    deadline = 3.0
+    with LocalCluster(binary=server_binary_or_skip()) as cluster, \
+            SlowLink(("127.0.0.1", cluster.nodes[0].port), window=64 << 10) as link:
+        slow, seed = cluster.nodes[0], cluster.nodes[1]
+        slow.call(b"CONFIG", b"SET", b"cluster-announce-bus-port", b"%d" % (slow.port + 10000))
+        slow.call(b"CONFIG", b"SET", b"cluster-announce-port", b"%d" % link.port)
+        assert _eventually(lambda: link.port in {r[2][1] for r in seed.call(b"CLUSTER", b"SLOTS")}, 10.0)
+        keys = [b"kvkit:lane:%d" % i for i in range(100)]
+        to_slow = [k for k in keys if _owner(cluster, k) == 0][:4]
+        healthy = [k for k in keys if _owner(cluster, k) == 1][:8]
+        values = _values(len(healthy), 1000)
+        store = ValkeyStore([("127.0.0.1", seed.port)], cluster=True, request_timeout_s=deadline,
+                            connect_timeout_s=deadline, retry_interval_s=30.0)
+        try:
+            assert _put(store, healthy, values, deadline).ok and _get(store, healthy, 1000, deadline)[0].ok
+            link.rate = 500_000
+            put = store.put(to_slow, [[memoryview(v)] for v in _values(len(to_slow), 1 << 20)])
+            time.sleep(0.3)  # the put's bytes are crossing the link
+            start = time.monotonic()
+            got, buffers = _get(store, healthy, 1000, deadline)
+            took = time.monotonic() - start
+            assert got.ok and buffers == values, got
+            assert took < deadline / 4, f"the get of a healthy node waited {took:.2f} s behind a put"
+            (held,) = store.poll([put], deadline + SLACK)
+            assert held.transport_failed and "deadline" in held.error, held
+            assert store.down_nodes == {}, "a node still taking the put's bytes was marked down"
+        finally:
+            store.close()
 
 
 def test_contains_through_a_crawling_link_answers_by_its_deadline(valkey_server):
@@ -448,13 +484,14 @@ def test_a_restart_between_calls_counts_as_a_restart_and_a_killed_connection_doe
     with LocalServer(_server_binary(binary)) as server:
         address = ("127.0.0.1", server.port)
         store = _store(address)
-        assert _put(store, [b"r"], [b"v"]).ok and store.contains([b"r"]) == 1  # both links connected
+        assert _put(store, [b"r"], [b"v"]).ok and store.contains([b"r"]) == 1  # the lookup and put links connected
+        assert _get(store, [b"r"], 1)[0].ok  # and the get link
         server.call(b"CLIENT", b"KILL", b"TYPE", b"normal")
-        assert store.contains([b"r"]) == 1 and _put(store, [b"r"], [b"v"]).ok
+        assert store.contains([b"r"]) == 1 and _put(store, [b"r"], [b"v"]).ok and _get(store, [b"r"], 1)[0].ok
         assert store.restarts == 0, "a connection reopened to the same run was taken for a restart"
         server.kill()
         server.start()
-        assert store.contains([b"r"]) == 0 and _put(store, [b"r"], [b"v"]).ok
+        assert store.contains([b"r"]) == 0 and _put(store, [b"r"], [b"v"]).ok and _get(store, [b"r"], 1)[0].ok
         assert store.restarts == 1 and store.transport_failures == 0
         store.close()
         server.call(b"ACL", b"SETUSER", b"kvkit-acme", b"on", b">kvkit-test-only", b"resetkeys", b"~kvkit:acme:*",
@@ -861,7 +898,7 @@ def test_a_failover_moves_the_dead_nodes_slots_and_keeps_the_other_connections(p
     cluster.nodes[0].call(b"WAIT", b"1", b"5000")  # the replica has every value
     result, _ = _get(store, keys, 1000)
     assert result.ok
-    links = dict(store._io.link._conns)
+    links = dict(store._gets.link._conns)
     stayed = [("127.0.0.1", n.port) for n in cluster.nodes[1:]]
     cluster.nodes[0].kill()
     cluster.fail_over(replica)
@@ -871,7 +908,7 @@ def test_a_failover_moves_the_dead_nodes_slots_and_keeps_the_other_connections(p
     assert _eventually(lambda: _get(store, keys, 1000)[0].ok, 10.0), "the new primary's keys were never read"
     result, buffers = _get(store, keys, 1000)
     assert result.ok and buffers == values
-    assert all(store._io.link._conns[a] is links[a] for a in stayed), "a connection to a live node was reopened"
+    assert all(store._gets.link._conns[a] is links[a] for a in stayed), "a connection to a live node was reopened"
     store.close()
 
 
@@ -971,9 +1008,9 @@ def test_a_bug_in_one_nodes_pipeline_fails_the_call_once_every_pipeline_ended(va
 
 
 def test_both_connections_of_a_store_share_one_slot_map(partial_cluster):
-    """A store's lookup and put/get connections read the slot map once between them, and what one learned
-    routes the other: with the only seed killed, the first contains of a store that has put (and the first
-    get of one that has looked up) reach the live nodes, and only the seed's keys fail."""
+    """A store's lookup, put and get links read the slot map once between them, and what one learned routes the
+    others: with the only seed killed, the first contains and the first get of a store that has put (and the
+    first get of one that has looked up) reach the live nodes, and only the seed's keys fail."""
     cluster = partial_cluster
     seed = cluster.nodes[0]
     options = dict(cluster=True, request_timeout_s=DEADLINE, connect_timeout_s=DEADLINE, retry_interval_s=30.0)
@@ -989,7 +1026,9 @@ def test_both_connections_of_a_store_share_one_slot_map(partial_cluster):
         assert 0 < len(on_seed) < len(keys)
         live = [k for i, k in enumerate(keys) if i not in on_seed]
         assert putter.contains(live) == len(live), "the lookups knew only the dead seed"
-        assert putter._lookup.topology.generation == 1, "the lookups read a map of their own"
+        result, buffers = _get(putter, live, 100)
+        assert result.ok and buffers == [v for i, v in enumerate(values) if i not in on_seed], result
+        assert putter._lookup.topology.generation == 1, "the lookups or gets read a map of their own"
         result, buffers = _get(looker, keys, 100)
         assert set(result.failed) == on_seed and result.transport_failed, result
         assert all(buffers[i] == values[i] for i in range(len(keys)) if i not in on_seed)
@@ -1008,7 +1047,7 @@ def test_a_slot_moved_to_another_node_is_followed_without_reconnecting(valkey_cl
     store = ValkeyStore([("127.0.0.1", nodes[0].port)], cluster=True)
     keys = [b"kvkit:moving:%d" % i for i in range(30)]
     assert _put(store, keys, [b"v"] * 30).ok
-    conns = dict(store._io.link._conns)
+    conns = dict(store._puts.link._conns)
     key = keys[0]
     source, target = nodes[_owner(valkey_cluster, key)], nodes[(_owner(valkey_cluster, key) + 1) % 3]
     slot, target_id = b"%d" % key_slot(key), target.call(b"CLUSTER", b"MYID")
@@ -1019,7 +1058,7 @@ def test_a_slot_moved_to_another_node_is_followed_without_reconnecting(valkey_cl
             node.call(b"CLUSTER", b"SETSLOT", slot, b"NODE", target_id)
         assert _put(store, keys, [b"w"] * 30).ok
         assert target.call(b"EXISTS", key) == 1
-        assert store._io.link._conns == conns and all(store._io.link._conns[a] is c for a, c in conns.items())
+        assert store._puts.link._conns == conns and all(store._puts.link._conns[a] is c for a, c in conns.items())
     finally:
         source_id = source.call(b"CLUSTER", b"MYID")
         target.call(b"DEL", *[k for k in keys if key_slot(k) == key_slot(key)])
@@ -1053,11 +1092,11 @@ def test_a_node_removed_after_its_slots_were_resharded_away_costs_no_key_of_the_
     keys = [b"kvkit:removed:%d" % i for i in range(60)]
     values = _values(60, 1000)
     try:
-        assert _put(store, keys, values, 1.0).ok
+        assert _put(store, keys, values, 1.0).ok and _get(store, keys, 1000, 1.0)[0].ok
         on_gone = {key_slot(k) for k in keys if _owner(cluster, k) == 0}
         assert on_gone and len(on_gone) < len(keys)
         gone, heir = nodes[0], nodes[1]
-        heir_conn = store._io.link._conns[seeds[1]]
+        heir_conn = store._gets.link._conns[seeds[1]]
         for slot in sorted(on_gone):
             held = gone.call(b"CLUSTER", b"GETKEYSINSLOT", b"%d" % slot, b"100")
             heir.call(b"CLUSTER", b"SETSLOT", b"%d" % slot, b"IMPORTING", ids[0])
@@ -1075,13 +1114,13 @@ def test_a_node_removed_after_its_slots_were_resharded_away_costs_no_key_of_the_
             gone.call(b"CLUSTER", b"RESET", b"HARD")
         result, buffers = _get(store, keys, 1000, 1.0)
         assert result.ok and buffers == values, result
-        assert store._io.link._conns[seeds[1]] is heir_conn, "the connection to a live node was reopened"
+        assert store._gets.link._conns[seeds[1]] is heir_conn, "the connection to a live node was reopened"
         start = time.monotonic()
         assert store.contains(keys) == len(keys)
         again, buffers = _get(store, keys, 1000, 1.0)
         assert again.ok and buffers == values, again
         assert time.monotonic() - start < 1.0, "calls waited on the removed node again"
-        assert seeds[0] not in store._io.link._conns and seeds[0] not in store._lookup._conns
+        assert all(seeds[0] not in link._conns for link in (store._puts.link, store._gets.link, store._lookup))
         assert list(store.down_nodes) == ([seeds[0]] if removal == "killed" else []), store.down_nodes
     finally:
         store.close()
@@ -1132,16 +1171,19 @@ def test_a_store_inherited_through_fork_serves_the_child_on_connections_of_its_o
     store.close()
 
 
-def test_a_store_inherited_through_fork_where_no_thread_can_start_is_closed_there(valkey_server, monkeypatch):
-    """A child forked where no thread can start (a pids limit) gets the store closed: its calls raise at once,
-    none queues for a thread that is not there; the parent's store keeps serving."""
+@pytest.mark.parametrize("refused", ["kvkit-valkey-put", "kvkit-valkey-get"])
+def test_a_store_inherited_through_fork_where_no_thread_can_start_is_closed_there(valkey_server, monkeypatch,
+                                                                                  refused):
+    """A child forked where no thread can start (a pids limit), from the put lane's on or only from the get lane's
+    on, gets the store closed: its calls raise at once, none queues for a thread that is not there, and no I/O
+    thread is left running there; the parent's store keeps serving."""
     from kvkit.errors import KVKitError
 
     store = _store(("127.0.0.1", valkey_server.port))
-    parent, start = os.getpid(), threading.Thread.start
+    parent, start, names = os.getpid(), threading.Thread.start, ["kvkit-valkey-put", "kvkit-valkey-get"]
 
     def start_in_parent_only(thread):
-        if os.getpid() != parent:
+        if os.getpid() != parent and (thread.name not in names or names.index(thread.name) >= names.index(refused)):
             raise RuntimeError("can't start new thread")
         start(thread)
 
@@ -1151,10 +1193,10 @@ def test_a_store_inherited_through_fork_where_no_thread_can_start_is_closed_ther
         try:
             store.put([b"k"], [[memoryview(b"v")]])
         except KVKitError as exc:
-            return [store.closed, "closed" in str(exc)]
-        return [store.closed, "queued"]
+            return [store.closed, "closed" in str(exc), _io_threads()]
+        return [store.closed, "queued", _io_threads()]
 
-    assert in_child(child)() == [True, True]
+    assert in_child(child)() == [True, True, 0]
     assert _put(store, [b"k"], [b"v"]).ok
     store.close()
 
@@ -1190,15 +1232,41 @@ def test_a_child_forked_while_a_name_was_being_resolved_resolves_it_afresh(valke
 # -- leaks ---------------------------------------------------------------------------------------------
 
 
-def test_a_store_dropped_without_close_stops_its_thread_and_closes_its_sockets(valkey_server):
-    """Collected without close(): the I/O thread ends and every socket of the store is closed."""
+def test_a_store_dropped_without_close_stops_its_threads_and_closes_its_sockets(valkey_server):
+    """Collected without close(), every lane used (a put, a get, a lookup: three connections): both I/O threads
+    end and every socket of the store is closed."""
     threads, sockets = _io_threads(), _sockets()
     store = _store(("127.0.0.1", valkey_server.port))
     assert _put(store, [b"leak"], [b"v"]).ok and store.contains([b"leak"]) == 1
-    assert _io_threads() == threads + 1 and _sockets() == sockets + 2
+    assert _get(store, [b"leak"], 1)[0].ok
+    assert _io_threads() == threads + 2 and _sockets() == sockets + 3
     del store
     gc.collect()
     assert _eventually(lambda: _io_threads() == threads and _sockets() == sockets), "the dropped store leaked"
+
+
+def test_a_store_whose_get_lane_cannot_start_raises_and_leaves_no_thread_or_socket(valkey_server, monkeypatch):
+    """The put lane's I/O thread started, the get lane's cannot (a pids limit): the store's construction raises,
+    and the thread started is stopped and every socket closed; a store opened once threads can start serves."""
+    threads, sockets, start = _io_threads(), _sockets(), threading.Thread.start
+
+    def no_get_lane(thread):
+        if thread.name == "kvkit-valkey-get":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", no_get_lane)
+    with pytest.raises(RuntimeError, match="can't start") as raised:
+        _store(("127.0.0.1", valkey_server.port))
+    monkeypatch.setattr(threading.Thread, "start", start)
+    # The error's traceback, kept (as a log of it may), holds the half-built store: nothing waits for its collection.
+    assert raised.tb is not None and _io_threads() == threads and _sockets() == sockets, \
+        "a store that failed to open left a thread or socket"
+    store = _store(("127.0.0.1", valkey_server.port))
+    assert _put(store, [b"lanes"], [b"v"]).ok and _get(store, [b"lanes"], 1)[0].ok
+    assert _io_threads() == threads + 2
+    store.close()
+    assert _io_threads() == threads and _eventually(lambda: _sockets() == sockets)
 
 
 def test_failed_calls_leave_no_socket_open(own_server):
@@ -1285,7 +1353,7 @@ def test_close_called_again_while_another_thread_closes_returns_once_closed(valk
     time.sleep(0.05)
     try:
         store.close()
-        assert not store._thread.is_alive()
+        assert not store._puts.thread.is_alive() and not store._gets.thread.is_alive()
         store.check_invariants()
     finally:
         first.join()
