@@ -91,25 +91,30 @@ def _eventually(condition, limit=5.0):
 # -- a slow link ------------------------------------------------------------------------------------------
 
 
-def test_a_trickled_get_and_the_put_queued_behind_it_are_reported_by_their_deadlines(valkey_server):
-    """Replies trickled at 80 KB/s: a get of 4 x 2 MiB and a put behind it fail by their deadlines (each recv
-    made progress); once the link is fast again the same store reads the right bytes."""
+def test_a_trickled_get_the_get_behind_it_and_a_put_beside_them_are_reported_by_their_deadlines(valkey_server):
+    """A link moving 500 KB/s each way with 64 KiB in flight: a get of 4 x 2 MiB, a get queued behind it (its lane
+    serves calls in order) and a put of 2 MiB (on its own lane) all fail by their deadlines; the node, which kept
+    sending and taking bytes, is not marked down; once the link is fast again the same store reads the right
+    bytes."""
     valkey_server.call(b"FLUSHALL")
     keys, size = [b"slow:%d" % i for i in range(4)], 2 << 20
     values = _values(4, size)
     direct = _store(("127.0.0.1", valkey_server.port), request_timeout_s=10.0)
     assert _put(direct, keys, values, 10.0).ok
     direct.close()
-    with SlowLink(("127.0.0.1", valkey_server.port), rate=80_000) as link:
+    with SlowLink(("127.0.0.1", valkey_server.port), rate=500_000, window=64 << 10) as link:
         store = _store(link.address)
         buffers = [bytearray(size) for _ in keys]
         start = time.monotonic()
         get = store.get(keys, [[memoryview(b)] for b in buffers])
-        put = store.put([b"slow:behind"], [[memoryview(values[0])]])
+        get_behind = store.get(keys[:1], [[memoryview(bytearray(size))]])
+        put = store.put([b"slow:beside"], [[memoryview(values[0])]])
         got = _result(store, get, start, DEADLINE)
-        behind = _result(store, put, start, DEADLINE)
+        behind = _result(store, get_behind, start, DEADLINE)
+        beside = _result(store, put, start, DEADLINE)
         assert got.failed == (0, 1, 2, 3) and got.transport_failed and "deadline" in got.error, got
         assert behind.failed == (0,) and behind.transport_failed, behind
+        assert beside.failed == (0,) and beside.transport_failed and "deadline" in beside.error, beside
         start = time.monotonic()
         assert store.contains(keys) in (0, 4)
         assert time.monotonic() - start <= DEADLINE + SLACK
@@ -1083,7 +1088,8 @@ def test_a_node_removed_after_its_slots_were_resharded_away_costs_no_key_of_the_
     forgotten, then shut down or reset (CLUSTER RESET: it runs on, in no Cluster, and answers -CLUSTERDOWN for
     every key), all while the store was idle: its first get finds node 0 gone or serving no slot, reads the slot
     map again within the call and returns every key (right bytes) from node 1, which keeps its connection; so do
-    the next calls, which send nothing to node 0. Only a node shut down is marked down (a reset one is usable)."""
+    the next calls (a lookup, a get, a put), which send nothing to node 0: no link keeps a connection to it. Only a
+    node shut down is marked down (a reset one is usable)."""
     cluster = partial_cluster
     nodes = cluster.nodes
     ids = [n.call(b"CLUSTER", b"MYID") for n in nodes]
@@ -1119,6 +1125,7 @@ def test_a_node_removed_after_its_slots_were_resharded_away_costs_no_key_of_the_
         assert store.contains(keys) == len(keys)
         again, buffers = _get(store, keys, 1000, 1.0)
         assert again.ok and buffers == values, again
+        assert _put(store, keys, values, 1.0).ok
         assert time.monotonic() - start < 1.0, "calls waited on the removed node again"
         assert all(seeds[0] not in link._conns for link in (store._puts.link, store._gets.link, store._lookup))
         assert list(store.down_nodes) == ([seeds[0]] if removal == "killed" else []), store.down_nodes
