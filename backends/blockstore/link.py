@@ -94,7 +94,7 @@ class NodeHealth:
     passed while the node was still sending (slow, not stalled) or before the node was reached,
     a missing key, any other error reply (``-OOM``, ``-READONLY``, ``-MISCONF``: writes refused,
     reads served; that key's failure) or a redirect.
-    Thread-safe (a store's lookup and I/O links share one).
+    Thread-safe (a store's lookup, put and get links share one).
     """
 
     retry_interval_s: float
@@ -155,10 +155,10 @@ class Identities:
 
 @attrs.define(eq=False)
 class Topology:
-    """A Cluster's slot map, shared by the links of one store, so what one learns serves the other.
+    """A Cluster's slot map, shared by the links of one store, so what one learns serves the others.
 
-    A map read by one link routes the other's calls (whose seeds may be down by then); a MOVED seen by
-    one re-routes the other's next call; a node that failed on one makes both use a map read again. A
+    A map read by one link routes the others' calls (whose seeds may be down by then); a MOVED seen by
+    one re-routes the others' next calls; a node that failed on one makes all use a map read again. A
     stale map is read once, by the first link whose call needs it: a link that finds another reading it
     waits for that read (within its own deadline) and uses it. ``stale``: the map must be read before
     the next call is routed (none read yet, a node failed, a redirect named no host). Thread-safe: a

@@ -1012,7 +1012,7 @@ def test_a_bug_in_one_nodes_pipeline_fails_the_call_once_every_pipeline_ended(va
     store.close()
 
 
-def test_both_connections_of_a_store_share_one_slot_map(partial_cluster):
+def test_a_stores_lookup_put_and_get_links_share_one_slot_map(partial_cluster):
     """A store's lookup, put and get links read the slot map once between them, and what one learned routes the
     others: with the only seed killed, the first contains and the first get of a store that has put (and the
     first get of one that has looked up) reach the live nodes, and only the seed's keys fail."""
