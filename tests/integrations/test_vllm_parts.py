@@ -11,6 +11,7 @@ in ``test_vllm.py``.
 
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import attrs
@@ -1067,6 +1068,57 @@ def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_looku
     assert _finish(sides, b, table) == {"kvkit_loaded_tokens": 0, "kvkit_reloaded_tokens": 0}
     assert sides.sched.manager.stats.fetches_failed.value == fetches
     _assert_idle(sides)
+
+
+def _settle(sides, steps=200):
+    """Step an idle engine until the store reported every put (a disk store writes on its own threads)."""
+    for _ in range(steps):
+        _step(sides)
+        if sides.sched.idle:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the shared tier's puts were never reported")
+
+
+def test_a_value_refused_by_a_failed_asynchronous_load_is_put_again_and_the_next_instance_hits(tmp_path):
+    """Every value of a disk store corrupted on disk (one flipped byte): B's asynchronous load is refused and
+    fails; vLLM looks B up again, which finds the keys present, yet B does not take them as held: the blocks
+    it recomputes are put again over the bad values, and instance C gets the whole hit, clean."""
+    url = f"file://{tmp_path}/kv?capacity_bytes=16MiB"
+    table = [[7, 5, 9, 10], [1, 2, 3, 11]]
+    a_sides = _sides(kv=HYBRID, shared=url)
+    a = _admit(a_sides, "a", 3 * BS + 1, table)
+    _step(a_sides, [(a, a.num_tokens)])
+    _finish(a_sides, a, table)
+    _settle(a_sides)
+    files = sorted((tmp_path / "kv").rglob("*.kvb"))
+    assert len(files) == 3
+    for path in files:
+        value = bytearray(path.read_bytes())
+        value[-1] ^= 0xFF
+        path.write_bytes(bytes(value))
+    sides = _sides(kv=HYBRID, shared=url)
+    b = _admit(sides, "b", 3 * BS + 2, table, hit=3 * BS)
+    _step(sides)
+    assert sides.worker.take_received() == ({"b"}, {"b"}) and sides.worker.shared.invalid_values == 3
+    for row in table:  # vLLM frees b's blocks and looks it up again: the bad values are still there
+        sides.pool.free(row)
+    b.num_computed_tokens = 0
+    assert sides.sched.matched_tokens(b, 0) == 0
+    for row in table:
+        sides.pool.allocate(row)
+    sides.sched.allocated(b, table, 0)
+    _step(sides, [(b, b.num_tokens)])
+    _finish(sides, b, table)
+    _settle(sides)
+    assert sides.sched.manager.stats.blocks_put.value == 3, "the blocks recomputed over refused values were not put"
+    c_sides = _sides(kv=HYBRID, shared=url)
+    c = _admit(c_sides, "c", 3 * BS + 2, table, hit=3 * BS)
+    _step(c_sides)
+    assert c_sides.worker.take_received() == ({"c"}, set()), "the next instance fetched a bad value"
+    assert c_sides.sched.manager.stats.fetches_failed.value == 0 and c_sides.worker.shared.invalid_values == 0
+    _finish(c_sides, c, table)
+    _settle(c_sides)
 
 
 def test_the_connector_authenticates_with_the_secret_it_reads_and_another_secret_shares_nothing(
