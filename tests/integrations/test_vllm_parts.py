@@ -261,6 +261,19 @@ def test_the_disk_backends_leading_tilde_is_the_home_directory(tmp_path, monkeyp
     store.close()
 
 
+def test_the_disk_backends_dot_dot_after_a_symlink_leads_where_the_kernel_goes(tmp_path, monkeypatch):
+    """A disk_path ``link/../kv`` (relative), ``link`` a symlink to ``real/sub``: the store's directory is
+    ``real/kv``, where the kernel goes through the link, never ``kv`` beside the link."""
+    from kvkit.shared.urls import open_block_store
+
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    monkeypatch.chdir(tmp_path)
+    store = open_block_store(settings(kv_offload_backend="disk", disk_path="link/../kv").stack.shared.url)
+    store.close()
+    assert (tmp_path / "real" / "kv").is_dir() and not (tmp_path / "kv").exists()
+
+
 def test_the_cpu_backend_ignores_the_disk_keys_with_a_warning(tmp_path):
     """As in the seed: under ``kv_offload_backend: cpu`` the disk keys are named in a warning and unused."""
     with pytest.warns(UserWarning, match="ignoring the disk backend's disk_path, use_page_cache"):
