@@ -1054,7 +1054,8 @@ def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_looku
     reports the request in failed_recving (and finished_recving), no GPU block as a load error (vLLM maps none
     back to a request of such a model); vLLM drops its blocks and looks it up again, and the scheduler side
     offers it nothing until it is allocated (no second fetch of a bad value) and counts none of its tokens as
-    loaded; nothing held."""
+    loaded; it counts as one scheduled request of its tokens, not two (the summary line's requests and tokens);
+    nothing held."""
     url = f"memory://{request.node.name}"
     _computed_and_shared(_sides(kv=HYBRID, shared=url))
     sides = _sides(kv=HYBRID, shared=url)
@@ -1079,7 +1080,10 @@ def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_looku
     order = _step(sides, [(b, b.num_tokens)])
     assert not order.receiving and not order.plan.fetches and not order.plan.loads
     assert _finish(sides, b, table) == {"kvkit_loaded_tokens": 0, "kvkit_reloaded_tokens": 0}
-    assert sides.sched.manager.stats.fetches_failed.value == fetches
+    stats = sides.sched.manager.stats
+    assert stats.fetches_failed.value == fetches and sides.sched.num_preemptions == 0
+    assert (stats.scheduled_requests.value, stats.query_tokens.value) == (1, b.num_tokens), "counted twice"
+    assert sides.sched.summary().startswith(f"kvkit: 1 request over {b.num_tokens} tokens;")
     _assert_idle(sides)
 
 
