@@ -52,7 +52,8 @@ class OffloadStats:
 
     Attributes:
         lookups: calls to ``lookup``.
-        scheduled_requests: allocations after a lookup (a resumed request counts again).
+        scheduled_requests: allocations after a lookup (a resumed request counts again; one the engine
+            schedules again after its load failed does not: ``preempt(..., load_failed=True)``).
         query_tokens: tokens of those requests when they were scheduled.
         gpu_hit_tokens: tokens the engine found in its own GPU prefix cache.
         cpu_hit_tokens: tokens the engine accepted from the CPU tier.

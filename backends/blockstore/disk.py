@@ -35,7 +35,7 @@ from kvkit.interfaces.shared import StoreResult
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import check_bool, check_int, checked, implements, plural, quote
 
-__all__ = ["COUNTERS", "DiskStore"]
+__all__ = ["COUNTERS", "DiskStore", "absolute_path"]
 
 _SUFFIX = ".kvb"
 _TEMP = ".tmp-"  # "<name>.kvb.tmp-<owner>-<n>" (no dot in owner): a write not renamed yet, locked by its writer
@@ -63,8 +63,17 @@ COUNTERS = ("foreign", "broken", "vanished", "oversized", "temps_removed", "temp
 """The names of :attr:`DiskStore.counters`, in order."""
 
 
+def absolute_path(path: str) -> str:
+    """``path`` absolute: a leading ``~`` is the home directory, a relative path is joined to the working directory.
+
+    Never normalised: a ``..`` stays for the kernel to follow, and after a symlink it leads to the parent of the
+    link's target, not to the directory the text names before the link.
+    """
+    return os.path.join(os.getcwd(), os.path.expanduser(path))
+
+
 def _path(value: object) -> Path:
-    """``value`` as an absolute path (a leading ``~`` is the home directory), fixed when the store opens."""
+    """``value`` as an absolute path (:func:`absolute_path`), fixed when the store opens."""
     text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
     if not isinstance(text, str) or not text:
         raise ConfigError(f"DiskStore.path={quote(value)}: must be a directory path")
@@ -74,7 +83,7 @@ def _path(value: object) -> Path:
         unusable = True
     if unusable:
         raise ConfigError(f"DiskStore.path={quote(value)}: holds a NUL byte or a character no file name can hold")
-    return Path(os.path.abspath(os.path.expanduser(text)))
+    return Path(absolute_path(text))
 
 
 def _untracked(_store: object, _field: object, policy: EvictionPolicy) -> None:

@@ -596,8 +596,9 @@ class OffloadManager:
         r.state = _RUNNING
         r.epoch = self._epoch
         s = self.stats
-        s.scheduled_requests.add()
-        s.query_tokens.add(r.num_tokens)
+        if not r.counted:
+            s.scheduled_requests.add()
+            s.query_tokens.add(r.num_tokens)
         s.gpu_hit_tokens.add(r.gpu_hit_blocks * bs)
         s.cpu_hit_tokens.add(len(r.pinned) * bs)
         s.hits_declined_cpu.add((offered_cpu - len(r.pinned)) * bs)
@@ -708,14 +709,18 @@ class OffloadManager:
         return delay
 
     @driven
-    def preempt(self, request_id: str) -> bool:
+    def preempt(self, request_id: str, *, load_failed: bool = False) -> bool:
         """The engine preempted a running request and frees its GPU blocks.
 
         The request stays live as a fresh waiting incarnation (same id and
         hashes, nothing computed); the engine looks it up again when it
-        resumes it. Transfers in flight for the old incarnation complete
-        normally (stores commit) or are forgotten (loads: their GPU blocks
-        no longer belong to the request, so nothing is reported).
+        resumes it. ``load_failed``: the engine drops the blocks because the
+        request's load failed and schedules the same request again (vLLM's
+        asynchronous loads), not a resumed one: its next allocation is not
+        counted in ``stats.scheduled_requests`` and ``query_tokens`` again.
+        Transfers in flight for the old incarnation complete normally (stores
+        commit) or are forgotten (loads: their GPU blocks no longer belong to
+        the request, so nothing is reported).
 
         Without ``gpu`` the stores it had queued are dropped (its blocks go
         now) and no release is reported for the old incarnation.
@@ -728,12 +733,15 @@ class OffloadManager:
 
         Raises:
             UnknownRequestError / RequestStateError: unknown, ended or not running id.
+            ConfigError: ``load_failed`` is not a bool.
         """
+        if load_failed.__class__ is not bool:
+            raise ConfigError(f"preempt(load_failed={load_failed!r}): load_failed must be a bool")
         r = self._live(request_id)
         if r.state is not _RUNNING:
             raise wrong_state(r, "only a running request can be preempted")
         delay = self._end(r, preempted=True)
-        self._requests[request_id] = r.successor()
+        self._requests[request_id] = r.successor(counted=load_failed)
         self._events.emit("on_request_preempted", request_id)
         return delay
 

@@ -88,6 +88,8 @@ class Request:
         holds: in-flight batches and detached stores that read or write this
             incarnation's GPU blocks.
         delay_free: the engine was told to keep the GPU blocks until released.
+        counted: the request was counted in ``scheduled_requests`` and ``query_tokens`` already (an incarnation
+            the engine schedules again after its load failed): its allocation is not counted again.
 
     Invariants: ``num_confirmed_blocks == min(num_computed_tokens // block_size,
     len(block_hashes))``; every queued index is below it and outside ``unfilled``; ``pinned`` is empty
@@ -120,11 +122,13 @@ class Request:
     unfilled: range = range(0)
     holds: int = 0
     delay_free: bool = False
+    counted: bool = False
 
-    def successor(self) -> Request:
-        """A fresh waiting incarnation with the same id, hashes and tokens (after a preemption)."""
+    def successor(self, counted: bool = False) -> Request:
+        """A fresh waiting incarnation with the same id, hashes and tokens (after a preemption); ``counted``:
+        the same request scheduled again, not a resumed one (see ``counted`` above)."""
         return Request(self.request_id, self.block_hashes,
-                       max(self.num_tokens, self.num_computed_tokens))
+                       max(self.num_tokens, self.num_computed_tokens), counted=counted)
 
 
 def as_count(value: object) -> int | None:

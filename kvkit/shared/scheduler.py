@@ -26,7 +26,10 @@ found present are remembered only to skip putting them again (a hit a load
 plan declined is recomputed, not put back), and only while there is no
 evidence against them: a lookup that finds a remembered hash absent forgets it
 and every hash after it in that request (they are recomputed and put again), a
-failed fetch forgets its hashes, an outage forgets everything (the server may
+failed fetch (a value missing, refused by its check, or late) forgets its hashes and marks them *refused*: until
+a put or fetch of one lands (or ``trust_s`` passes) a lookup that finds it present does not take it as held, and
+a CPU hit's check that finds it present takes it as lost, so the block recomputed (or kept in the CPU tier) is
+put again over the bad value; an outage forgets everything (the server may
 have restarted empty), so does a restart the store found without a failed call (a node that told another
 ``run_id`` when its connection was reopened: :func:`~kvkit.shared.client.store_restarts`, looked at each step
 and after each ``contains``), and nothing is remembered longer than ``trust_s``, nor longer than the store keeps a
@@ -49,7 +52,8 @@ Invariants: a hash is offered only if every rank's key was present at its
 lookup; a fetched block is findable only after every worker's fetch landed,
 and stays referenced until its load completed; no hash has two puts in flight;
 no put is skipped for a hash put, fetched or found ``trust_s`` (or the store's ``ttl_s``, if shorter) or longer
-ago, or before an outage or a restart the store counted;
+ago, or before an outage or a restart the store counted, nor for a hash refused less than ``trust_s`` ago and
+neither put nor fetched since;
 a CPU-hit hash remembered (or found lost) less than ``trust_s`` ago, and since the last outage, is not checked.
 """
 
@@ -183,6 +187,7 @@ class SharedTier:
     _flying: set[BlockHash] = attrs.field(init=False, factory=set)  # puts in flight
     _known: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # put/fetched/found -> when
     _lost: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # CPU hit found absent -> when
+    _refused: OrderedDict[BlockHash, float] = attrs.field(init=False, factory=OrderedDict)  # fetch failed -> when
     _known_cap: int = attrs.field(init=False, default=0)
     _trust_s: float = attrs.field(init=False, default=0.0)  # spec.trust_s, or the store's ttl_s if shorter
     _restarts: int = attrs.field(init=False, default=0)  # the store's restarts count when last looked at
@@ -309,7 +314,9 @@ class SharedTier:
         ``tail``: the request's hashes after ``hashes`` (recomputed, never looked up). The
         hashes found are remembered as held (not put again however the request's plan uses
         them); those from the first one found absent on, and the tail, are forgotten as put: the
-        request recomputes them, and they are put again. Once this step's lookups have
+        request recomputes them, and they are put again. A hash refused (its fetch failed since
+        it was last put or fetched) is not remembered when found: its value there is bad, and
+        the block is put again over it. Once this step's lookups have
         waited ``spec.lookup_budget_s`` on the store, nothing is asked (and nothing forgotten);
         each lookup gets what is left of it (``contains``'s ``timeout_s``), and the one that spent
         it answers 0: no time is left this step to fetch what it found.
@@ -321,7 +328,8 @@ class SharedTier:
         ``hashes`` is found (``contains`` counts leading keys), else in a second round trip of
         their own; alone when ``hashes`` is empty. A check cut short by the budget is not taken
         as an answer. Those found are remembered again;
-        from the first one found absent on they are taken as lost (``stats.blocks_found_lost``):
+        from the first one found absent on, and those found present but refused, they are taken as
+        lost (``stats.blocks_found_lost``):
         write-through queues their puts from the CPU tier, write-back leaves them to its candidates.
         """
         if not self.available or self._lookup_spent >= self.spec.lookup_budget_s:
@@ -338,7 +346,8 @@ class SharedTier:
             stale = self._unconfirmed(held)  # a superset of those asked, in the same order
         found = min(len(hashes), leading)
         if found:
-            self._remember(hashes[:found])
+            refused = self._fresh(self._refused)
+            self._remember(h for h in hashes[:found] if h not in refused)
         known = self._known
         if known and found < len(hashes):
             for h in (*hashes[found:], *tail):
@@ -372,9 +381,12 @@ class SharedTier:
         return [h for h in held if h not in known and h not in lost and h not in queued and h not in flying]
 
     def _confirm_held(self, stale: list[BlockHash], present: int) -> None:
-        """The server holds the first ``present`` of ``stale`` (CPU-tier blocks): remember them; the rest are lost."""
-        self._remember(stale[:present])
-        lost = stale[present:]
+        """The server holds the first ``present`` of ``stale`` (CPU-tier blocks): remember them, but for those
+        refused (their value there is bad); those and the rest are lost."""
+        refused = self._fresh(self._refused)
+        held = stale[:present]
+        self._remember(h for h in held if h not in refused)
+        lost = [h for h in held if h in refused] + stale[present:]
         if lost:
             self.stats.blocks_found_lost.add(len(lost))
             self._note(self._lost, lost)
@@ -497,11 +509,15 @@ class SharedTier:
         if put and not batch.abandoned:  # an abandoned one's hashes were forgotten by the reset
             self._flying.difference_update(batch.hashes)
         if ok:
+            for h in batch.hashes:
+                self._refused.pop(h, None)
             self._remember(batch.hashes)
         elif not batch.abandoned:
             (self.stats.puts_failed if put else self.stats.fetches_failed).add(len(batch.hashes))
             for h in batch.hashes:
                 self._known.pop(h, None)
+            if not put:
+                self._note(self._refused, batch.hashes)
             self.suspect(f"a shared-tier {'put' if put else 'fetch'} of {plural(len(batch.hashes), 'block')} failed")
         self.events.emit("on_shared_put" if put else "on_shared_fetch", len(batch.hashes), ok)
 
@@ -518,7 +534,7 @@ class SharedTier:
                 flying += b.hashes
         assert len(flying) == len(set(flying)), "a hash has two shared puts in flight"
         assert set(flying) == self._flying, "shared in-flight set != uncommitted puts"
-        for name, memory in (("known", self._known), ("lost", self._lost)):
+        for name, memory in (("known", self._known), ("lost", self._lost), ("refused", self._refused)):
             assert len(memory) <= self._known_cap, f"the {name}-hash memory outgrew its cap"
             times = list(memory.values())
             assert times == sorted(times), f"the {name}-hash memory is not in the order it was noted"

@@ -11,6 +11,7 @@ in ``test_vllm.py``.
 
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import attrs
@@ -258,6 +259,19 @@ def test_the_disk_backends_leading_tilde_is_the_home_directory(tmp_path, monkeyp
     store = open_block_store(settings(kv_offload_backend="disk", disk_path="~/kv").stack.shared.url)
     assert store.path == tmp_path / "home" / "kv" and not (tmp_path / "~").exists()
     store.close()
+
+
+def test_the_disk_backends_dot_dot_after_a_symlink_leads_where_the_kernel_goes(tmp_path, monkeypatch):
+    """A disk_path ``link/../kv`` (relative), ``link`` a symlink to ``real/sub``: the store's directory is
+    ``real/kv``, where the kernel goes through the link, never ``kv`` beside the link."""
+    from kvkit.shared.urls import open_block_store
+
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    monkeypatch.chdir(tmp_path)
+    store = open_block_store(settings(kv_offload_backend="disk", disk_path="link/../kv").stack.shared.url)
+    store.close()
+    assert (tmp_path / "real" / "kv").is_dir() and not (tmp_path / "kv").exists()
 
 
 def test_the_cpu_backend_ignores_the_disk_keys_with_a_warning(tmp_path):
@@ -1040,7 +1054,8 @@ def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_looku
     reports the request in failed_recving (and finished_recving), no GPU block as a load error (vLLM maps none
     back to a request of such a model); vLLM drops its blocks and looks it up again, and the scheduler side
     offers it nothing until it is allocated (no second fetch of a bad value) and counts none of its tokens as
-    loaded; nothing held."""
+    loaded; it counts as one scheduled request of its tokens, not two (the summary line's requests and tokens);
+    nothing held."""
     url = f"memory://{request.node.name}"
     _computed_and_shared(_sides(kv=HYBRID, shared=url))
     sides = _sides(kv=HYBRID, shared=url)
@@ -1065,8 +1080,62 @@ def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_looku
     order = _step(sides, [(b, b.num_tokens)])
     assert not order.receiving and not order.plan.fetches and not order.plan.loads
     assert _finish(sides, b, table) == {"kvkit_loaded_tokens": 0, "kvkit_reloaded_tokens": 0}
-    assert sides.sched.manager.stats.fetches_failed.value == fetches
+    stats = sides.sched.manager.stats
+    assert stats.fetches_failed.value == fetches and sides.sched.num_preemptions == 0
+    assert (stats.scheduled_requests.value, stats.query_tokens.value) == (1, b.num_tokens), "counted twice"
+    assert sides.sched.summary().startswith(f"kvkit: 1 request over {b.num_tokens} tokens;")
     _assert_idle(sides)
+
+
+def _settle(sides, steps=200):
+    """Step an idle engine until the store reported every put (a disk store writes on its own threads)."""
+    for _ in range(steps):
+        _step(sides)
+        if sides.sched.idle:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the shared tier's puts were never reported")
+
+
+def test_a_value_refused_by_a_failed_asynchronous_load_is_put_again_and_the_next_instance_hits(tmp_path):
+    """Every value of a disk store corrupted on disk (one flipped byte): B's asynchronous load is refused and
+    fails; vLLM looks B up again, which finds the keys present, yet B does not take them as held: the blocks
+    it recomputes are put again over the bad values, and instance C gets the whole hit, clean."""
+    url = f"file://{tmp_path}/kv?capacity_bytes=16MiB"
+    table = [[7, 5, 9, 10], [1, 2, 3, 11]]
+    a_sides = _sides(kv=HYBRID, shared=url)
+    a = _admit(a_sides, "a", 3 * BS + 1, table)
+    _step(a_sides, [(a, a.num_tokens)])
+    _finish(a_sides, a, table)
+    _settle(a_sides)
+    files = sorted((tmp_path / "kv").rglob("*.kvb"))
+    assert len(files) == 3
+    for path in files:
+        value = bytearray(path.read_bytes())
+        value[-1] ^= 0xFF
+        path.write_bytes(bytes(value))
+    sides = _sides(kv=HYBRID, shared=url)
+    b = _admit(sides, "b", 3 * BS + 2, table, hit=3 * BS)
+    _step(sides)
+    assert sides.worker.take_received() == ({"b"}, {"b"}) and sides.worker.shared.invalid_values == 3
+    for row in table:  # vLLM frees b's blocks and looks it up again: the bad values are still there
+        sides.pool.free(row)
+    b.num_computed_tokens = 0
+    assert sides.sched.matched_tokens(b, 0) == 0
+    for row in table:
+        sides.pool.allocate(row)
+    sides.sched.allocated(b, table, 0)
+    _step(sides, [(b, b.num_tokens)])
+    _finish(sides, b, table)
+    _settle(sides)
+    assert sides.sched.manager.stats.blocks_put.value == 3, "the blocks recomputed over refused values were not put"
+    c_sides = _sides(kv=HYBRID, shared=url)
+    c = _admit(c_sides, "c", 3 * BS + 2, table, hit=3 * BS)
+    _step(c_sides)
+    assert c_sides.worker.take_received() == ({"c"}, set()), "the next instance fetched a bad value"
+    assert c_sides.sched.manager.stats.fetches_failed.value == 0 and c_sides.worker.shared.invalid_values == 0
+    _finish(c_sides, c, table)
+    _settle(c_sides)
 
 
 def test_the_connector_authenticates_with_the_secret_it_reads_and_another_secret_shares_nothing(

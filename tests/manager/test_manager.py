@@ -558,6 +558,25 @@ def test_with_a_gpu_pool_finish_holds_the_queued_sources():
     mgr.check_invariants()
 
 
+def test_a_resumed_request_counts_again_and_one_scheduled_again_after_its_failed_load_does_not():
+    """``scheduled_requests`` and ``query_tokens`` count each allocation after a lookup: a request resumed after a
+    preemption counts again; one the engine schedules again after its load failed (``load_failed=True``) is the
+    same request and does not. A ``load_failed`` that is not a bool is refused, changing nothing."""
+    mgr = make()
+    table = schedule(mgr, "a", hashes(1, 3), 13)
+    with pytest.raises(ConfigError, match=r"preempt\(load_failed=1\)"):
+        mgr.preempt("a", load_failed=1)
+    assert mgr.request("a").state.value == "running"
+    counts = []
+    for load_failed in (True, False):
+        assert mgr.preempt("a", load_failed=load_failed) is False
+        mgr.gpu.decref(table)
+        table = schedule(mgr, "a", hashes(1, 3), 13)
+        counts.append((mgr.stats.scheduled_requests.value, mgr.stats.query_tokens.value))
+    assert counts == [(1, 13), (2, 26)]
+    mgr.check_invariants()
+
+
 def test_preempted_load_is_forgotten_and_its_blocks_held_until_done():
     """A load in flight for a preempted request completes silently; the new incarnation looks up again."""
     mgr = make()

@@ -11,6 +11,7 @@ from unittest import mock
 
 import attrs
 import pytest
+import xxhash
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +22,7 @@ from kvkit.errors import InsufficientMemoryError
 from kvkit.hashing import hash_blocks
 from kvkit.manager import OffloadManager
 from kvkit.reference.engine import ReferenceEngine
+from kvkit.shared.format import HEADER_SIZE
 from kvkit.testing.servers import LocalCluster, LocalServer, server_binary_or_skip
 from kvkit.testing.slowlink import SlowLink
 
@@ -32,9 +34,9 @@ SLACK = 1.5  # scheduling noise on a busy 2-core machine
 FAST = f"?request_timeout_s={DEADLINE}&connect_timeout_s={DEADLINE}&retry_interval_s=0.2"
 
 
-def instance(shared, *, write="write-through", wait_timeout_s=4.0, clock=None):
+def instance(shared, *, write="write-through", wait_timeout_s=4.0, clock=None, secret=None):
     stack = kvkit.build(kv=SPEC, gpu_blocks=16, cpu_blocks=16, copy="torch", device="cpu", cpu_eviction="lru",
-                        layout="per-layer", shared=SharedConfig(url=shared, write=write), world_size=2,
+                        layout="per-layer", shared=SharedConfig(url=shared, write=write, secret=secret), world_size=2,
                         wait_timeout_s=wait_timeout_s)
     if clock is not None:
         tier = stack.manager._shared
@@ -224,6 +226,77 @@ def test_values_lost_in_a_restart_are_put_again(server):
     assert serve(eb, "b").cpu_hit_tokens == 36 and eb.integrity_errors == 0
     a.close()
     b.close()
+
+
+def _spoiled(server, how):
+    """Every value on ``server`` spoiled ``how``; the bad values by key."""
+    keys = sorted(server.call(b"KEYS", b"kvkit:*"))
+    values = {key: bytearray(server.call(b"GET", key)) for key in keys}
+    bad = {}
+    for i, key in enumerate(keys):
+        value = values[key]
+        if how == "a flipped byte":
+            value[-1] ^= 0xFF
+        elif how == "truncated":
+            del value[len(value) // 2:]
+        elif how == "another block's":  # a genuine value, sealed for another block of the same rank
+            value = next(values[k] for k in keys[i + 1:] + keys[:i] if k[-3:] == key[-3:])
+        else:  # forged: other KV, the checksum recomputed from the public layout, the HMAC left as it was
+            forged = bytes(b ^ 0x5A for b in value[HEADER_SIZE:])
+            value[HEADER_SIZE - 48:HEADER_SIZE - 32] = xxhash.xxh3_128(forged).digest()
+            value[HEADER_SIZE:] = forged
+        bad[key] = bytes(value)
+        assert server.call(b"SET", key, bad[key]) == b"OK"
+    return bad
+
+
+@pytest.mark.parametrize(("how", "secret"), [("a flipped byte", None), ("truncated", None),
+                                             ("another block's", None), ("forged", b"deployment-secret")])
+def test_values_refused_are_put_again_and_the_next_instance_gets_the_whole_hit(server, how, secret):
+    """Every value of a prompt spoiled on the server (a flipped byte, truncated, another block's value, forged
+    without the deployment's HMAC secret): instance B looks the prompt up, finds it present, refuses every value
+    (counted), recomputes right bytes and puts each block again over the bad value, so instance C gets the
+    whole shared hit, clean: a bad value poisons its prefix for one fetch, not until its expiry."""
+    a, ea = instance(server.url + FAST, secret=secret)
+    serve(ea, "a")
+    a.close()
+    bad = _spoiled(server, how)
+    assert len(bad) == 2 * 10
+    b, eb = instance(server.url + FAST, secret=secret)
+    assert serve(eb, "b").cpu_hit_tokens == 0 and eb.integrity_errors == 0
+    refused = b.shared_counts["invalid_values"] + b.shared_counts["missing_values"]
+    assert refused == 2 * 9 and b.stats.fetches_failed.value == 9
+    assert b.stats.blocks_put.value == 10, "the blocks recomputed over refused values were not put again"
+    assert all(server.call(b"GET", key) != value for key, value in bad.items()), "a bad value was kept"
+    b.close()
+    c, ec = instance(server.url + FAST, secret=secret)
+    assert serve(ec, "c").cpu_hit_tokens == 36 and c.stats.shared_hit_tokens.value == 36
+    assert c.stats.fetches_failed.value == 0 and ec.integrity_errors == 0
+    c.close()
+
+
+def test_a_value_refused_whose_put_again_failed_is_taken_as_lost_by_the_next_lookup_of_the_cpu_hit(server):
+    """Every value of a prompt spoiled, and the server refusing writes (``-OOM``) while instance B refuses them and
+    recomputes: its puts again fail. Writes allowed again, B's next lookup of the prompt (a CPU hit) finds the
+    keys present but takes the values it refused as lost, not as held, and puts its blocks again over them, so
+    instance C gets the whole shared hit, clean."""
+    a, ea = instance(server.url + FAST)
+    serve(ea, "a")
+    a.close()
+    _spoiled(server, "a flipped byte")
+    b, eb = instance(server.url + FAST)
+    assert server.call(b"CONFIG", b"SET", b"maxmemory", b"1") == b"OK"
+    serve(eb, "b1")
+    assert b.stats.fetches_failed.value == 9 and b.stats.puts_failed.value == 10 and b.stats.blocks_put.value == 0
+    assert server.call(b"CONFIG", b"SET", b"maxmemory", b"0") == b"OK"
+    b.gpu.reset()  # the next request of the prompt is a CPU hit, not a GPU one
+    assert serve(eb, "b2").cpu_hit_tokens == 36
+    assert b.stats.blocks_found_lost.value == 9, "the values refused were taken as held"
+    assert b.stats.blocks_put.value == 9 and eb.integrity_errors == 0
+    b.close()
+    c, ec = instance(server.url + FAST)
+    assert serve(ec, "c").cpu_hit_tokens == 36 and c.stats.fetches_failed.value == 0 and ec.integrity_errors == 0
+    c.close()
 
 
 def test_an_outage_forgets_what_was_put():

@@ -365,8 +365,8 @@ class SchedulerSide:
                 self.events.remember(request)
         else:
             if self.manager.request(rid).state is _RUNNING:  # preempted between steps, or its load failed
-                if failed:  # vLLM dropped its blocks: a fresh incarnation, as after a preemption
-                    self.manager.preempt(rid)
+                if failed:  # vLLM dropped its blocks: a fresh incarnation of the same request, counted once
+                    self.manager.preempt(rid, load_failed=True)
                 else:
                     self._preempt(rid)
             self._sync(request)

@@ -15,6 +15,7 @@ from urllib.parse import quote as url_quote
 
 import attrs
 
+from kvkit.backends.blockstore.disk import absolute_path
 from kvkit.config import DEFAULTS, NAMED_SLOTS, StackConfig, name_shared_model, parse_bytes, shown_url
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
@@ -478,7 +479,7 @@ def _seed_backend(extra: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list
     if problems:
         return None, problems
     page_cache = str(values["use_page_cache"]).lower()
-    path = os.path.abspath(os.path.expanduser(path))  # resolved here, as DiskStore resolves its own path
+    path = absolute_path(path)  # as DiskStore makes its own path absolute
     url = (f"file://{url_quote(os.fsencode(path))}?capacity_bytes={capacity}"  # its bytes
            f"&threads={values['disk_buffer_slots']}&page_cache={page_cache}")
     return {"url": url}, []

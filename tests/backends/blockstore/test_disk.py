@@ -200,6 +200,20 @@ def test_a_relative_path_and_a_tilde_are_fixed_when_the_store_opens(tmp_path, mo
     assert not (tmp_path / "~").exists() and os.listdir(tmp_path / "elsewhere") == []
 
 
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
+def test_a_dot_dot_after_a_symlink_leads_where_the_kernel_goes(tmp_path, monkeypatch, relative):
+    """``link/../kv``, ``link`` a symlink to ``real/sub``: the store's directory is ``real/kv``, where the kernel
+    goes through the link, never ``kv`` beside the link (the text's ``..`` is not taken away)."""
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    monkeypatch.chdir(tmp_path)
+    store = DiskStore("link/../kv" if relative else str(tmp_path / "link" / ".." / "kv"), 1000)
+    assert str(store.path) == os.path.join(tmp_path, "link", "..", "kv")
+    assert _put(store, [b"a"], 10).ok and _get(store, [b"a"], 10)[0].ok
+    store.close()
+    assert (tmp_path / "real" / "kv").is_dir() and not (tmp_path / "kv").exists()
+
+
 @pytest.mark.parametrize("page_cache", [True, False])
 def test_without_the_page_cache_each_value_is_flushed_and_dropped_once_written_or_read(tmp_path, monkeypatch,
                                                                                         page_cache):
