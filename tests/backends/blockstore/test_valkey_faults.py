@@ -1111,7 +1111,10 @@ def test_a_node_removed_after_its_slots_were_resharded_away_costs_no_key_of_the_
         for node in (heir, gone, nodes[2]):
             replies = _pipelined(node, [(b"CLUSTER", b"SETSLOT", b"%d" % slot, b"NODE", ids[1])
                                         for slot in range(16384 // 3)])
-            assert set(replies) == {b"OK"}, replies[:3]
+            # Node 0 turns into node 1's replica as soon as the Cluster bus tells it node 1 owns all its slots,
+            # which may be mid-pipeline: it then refuses SETSLOT, having given its slots up already.
+            refused = [r for r in replies if r != b"OK"]
+            assert not refused or (node is gone and all("only with masters" in str(r) for r in refused)), replies[:3]
         for node in nodes[1:]:
             node.call(b"CLUSTER", b"FORGET", ids[0])
         if removal == "killed":
