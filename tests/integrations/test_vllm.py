@@ -412,12 +412,7 @@ def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_
         prompts = [m[0] for m in ex.user_messages(llm.get_tokenizer(), 2, 1, 18)]  # three blocks each
         computed = replay(llm, prompts, 4)
         settle(llm)
-        keys = server.call(b"KEYS", b"*")
-        assert keys
-        for key in keys:  # the same length, one payload byte flipped: only the value's check can tell
-            value = bytearray(server.call(b"GET", key))
-            value[-1] ^= 0xFF
-            server.call(b"SET", key, bytes(value))
+        _corrupt_every_value(server)
         reset_prefix_cache(llm, connector=True)  # the next lookups find the prefixes in the shared tier only
         again = replay(llm, prompts, 4)
         sched, worker = connectors(llm)
@@ -431,6 +426,16 @@ def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_
         assert served.kvkit_loaded_tokens > 0
         assert served.outputs == computed.outputs
         assert_nothing_held(llm)
+
+
+def _corrupt_every_value(server) -> None:
+    """Flip one payload byte of every value ``server`` holds, keeping its length: only the value's check can tell."""
+    keys = server.call(b"KEYS", b"*")
+    assert keys
+    for key in keys:
+        value = bytearray(server.call(b"GET", key))
+        value[-1] ^= 0xFF
+        server.call(b"SET", key, bytes(value))
 
 
 @pytest.mark.timeout(300)
@@ -450,12 +455,7 @@ def test_a_model_with_several_kv_groups_recomputes_requests_whose_shared_values_
         assert len(sched.manager.kv.groups) == 2 and sched.settings.async_load
         assert replay(llm, prompts, 4).outputs == reference.outputs
         settle(llm)
-        keys = server.call(b"KEYS", b"*")
-        assert keys
-        for key in keys:  # the same length, one payload byte flipped: only the value's check can tell
-            value = bytearray(server.call(b"GET", key))
-            value[-1] ^= 0xFF
-            server.call(b"SET", key, bytes(value))
+        _corrupt_every_value(server)
         reset_prefix_cache(llm, connector=True)  # the next lookups find the prefixes in the shared tier only
         again = replay(llm, prompts, 4)
         assert again.outputs == reference.outputs

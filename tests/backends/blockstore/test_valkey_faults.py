@@ -1412,8 +1412,9 @@ def test_contains_of_1000_keys_is_one_round_trip_per_node(valkey_server, valkey_
 
 # -- a host whose name servers do not answer --------------------------------------------------------------
 
-_SILENT_RESOLVER = r"""
-import json, socket, sys, threading, time
+_SILENT_NAME_SERVER = r"""
+import json, re, socket, sys, threading, time
+from kvkit.backends.blockstore.resp import key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
 
 silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -1424,6 +1425,11 @@ try:
 except OSError:
     pass
 resolver_s = time.monotonic() - start
+"""
+"""The start of a child script run by :func:`_with_a_silent_name_server`: a name server on loopback that takes the
+queries and answers none, and ``resolver_s``, how long the system resolver took to give up on a first name."""
+
+_SILENT_RESOLVER = _SILENT_NAME_SERVER + r"""
 store = ValkeyStore([("kvkit-cache.internal", 6379)], request_timeout_s=0.3, connect_timeout_s=1.0)
 start = time.monotonic()
 found = store.contains([b"k"])
@@ -1480,19 +1486,7 @@ def test_a_host_whose_name_servers_do_not_answer_costs_a_call_its_deadline(tmp_p
     assert report["resolvers"] == 1, report
 
 
-_ASKED_TO_EVER_NEW_NAMES = r"""
-import json, re, socket, threading, time
-from kvkit.backends.blockstore.resp import key_slot
-from kvkit.backends.blockstore.valkey import ValkeyStore
-
-silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-silent.bind(("127.0.0.1", 53))  # takes the queries, answers none
-start = time.monotonic()
-try:
-    socket.getaddrinfo("kvkit-cache.internal", 6379)
-except OSError:
-    pass
-resolver_s = time.monotonic() - start
+_ASKED_TO_EVER_NEW_NAMES = _SILENT_NAME_SERVER + r"""
 node = socket.create_server(("127.0.0.1", 0))
 port = node.getsockname()[1]
 names = iter(range(1 << 30))
