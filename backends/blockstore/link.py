@@ -112,13 +112,18 @@ class NodeHealth:
     def trip(self, address: Address, reason: str) -> None:
         """Record evidence against ``address``: its keys fail at once for ``retry_interval_s``.
 
+        ``failures`` counts the breakers opened: evidence against a node already down (another link sharing
+        this health waited on it at the same time, and found it stalled too) renews its interval and
+        ``last_error`` but counts no second failure.
         At most :data:`MAX_NODES` nodes are remembered down: one more forgets the one tripped longest ago (it
         is tried again), so no server's redirects to ever new nodes grow this without bound.
         """
         with self._lock:
-            self.failures += 1
+            now = time.monotonic()
+            if self._down.get(address, (0.0, ""))[0] <= now:
+                self.failures += 1
             self.last_error = reason
-            remember(self._down, address, (time.monotonic() + self.retry_interval_s, reason))
+            remember(self._down, address, (now + self.retry_interval_s, reason))
 
     def down_nodes(self) -> dict[Address, str]:
         """The nodes not tried now, with why."""

@@ -286,7 +286,8 @@ class ValkeyStore:
 
     @property
     def transport_failures(self) -> int:
-        """Times a node was found unusable so far (each opens that node's breaker)."""
+        """Times a node was found unusable so far (each opens that node's breaker: links that find one node
+        unusable while its breaker is open, waiting on it at the same time, count once)."""
         return self._health.failures
 
     @property

@@ -236,6 +236,27 @@ def test_a_stalled_server_is_marked_down_and_its_calls_then_fail_at_once(own_ser
     store.close()
 
 
+def test_a_stalled_node_that_every_link_waits_on_at_once_counts_one_failure(own_server):
+    """SIGSTOP while a put, a get and a ``contains`` (three links: the two lanes and the caller's) wait on the
+    node at once: each finds it stalled, and the node was found unusable once (``transport_failures`` counts
+    the breakers opened, not the links that found the breaker open)."""
+    store = _store(("127.0.0.1", own_server.port))
+    assert _put(store, [b"a"], [b"x"]).ok and store.contains([b"a"]) == 1 and _get(store, [b"a"], 1)[0].ok
+    own_server.pause()
+    try:
+        put = store.put([b"b"], [[memoryview(b"y")]])
+        get = store.get([b"a"], [[memoryview(bytearray(1))]])
+        assert store.contains([b"a"]) == 0
+        results = store.poll([put, get], DEADLINE + SLACK)
+        results += store.poll([put, get], DEADLINE + SLACK) if len(results) < 2 else []
+        assert len(results) == 2 and all(r.transport_failed for r in results), results
+        assert list(store.down_nodes) == [("127.0.0.1", own_server.port)]
+        assert store.transport_failures == 1, "one stalled node was counted once per link that waited on it"
+    finally:
+        own_server.resume()
+    store.close()
+
+
 @pytest.mark.parametrize("timeout", [math.inf, 1e10])
 def test_a_poll_of_any_length_waits_for_the_stalled_calls_deadline(own_server, timeout):
     """poll(timeout=math.inf), or longer than the platform's longest wait, returns when the call is reported
