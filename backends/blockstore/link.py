@@ -87,7 +87,9 @@ class NodeHealth:
     its time) or no connection (``-ERR max number of clients reached``), or a node that sent nothing
     for at least half a call's deadline (stalled, whether the deadline then passed or the node closed
     the connection; asked for the slot map, at least half of its equal share of a call's deadline, see
-    :meth:`Link.refresh`). Not evidence: a connection the server closed once without such a silence
+    :meth:`Link.refresh`) while no link sharing this health read a reply from it (:meth:`heard`: a node
+    that answers another link meanwhile holds back only that connection's commands, as ``CLIENT PAUSE
+    WRITE`` holds writes and serves reads). Not evidence: a connection the server closed once without such a silence
     (idle, killed, restarted: reopened, and the call retried on it once), one it closed
     right after refusing a command (:class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`: a value
     longer than its ``proto-max-bulk-len``; that command fails, the others are sent again once), a deadline that
@@ -101,7 +103,18 @@ class NodeHealth:
     failures: int = attrs.field(default=0, init=False)
     last_error: str = attrs.field(default="", init=False)
     _down: dict[Address, tuple[float, str]] = attrs.field(factory=dict, init=False)  # node -> (until, why)
+    _heard: dict[Address, float] = attrs.field(factory=dict, init=False)  # node -> when a reply was last read
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def heard(self, address: Address) -> None:
+        """A link read replies from ``address`` just now (at most :data:`MAX_NODES` nodes are remembered)."""
+        with self._lock:
+            remember(self._heard, address, time.monotonic())
+
+    def silent(self, address: Address, seconds: float) -> bool:
+        """Whether no link read a reply from ``address`` in the last ``seconds``."""
+        with self._lock:
+            return self._heard.get(address, -float("inf")) < time.monotonic() - seconds
 
     def down(self, address: Address) -> str | None:
         """Why ``address`` is not tried now, or ``None`` when it may be."""
@@ -504,6 +517,7 @@ class Link:
                     ask, indices = chunks[step - 1]
                     leg.results.append([])
                     self._read(leg.address, conn, indices, ask, read, leg.results[-1])
+                    self.health.heard(leg.address)
         except (OSError, ValueError) as exc:
             leg.error = exc
 
@@ -519,17 +533,19 @@ class Link:
         why = f"transport: {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
         if explained:
             return why
-        if not isinstance(exc, DeadlineExceeded) or self._stalled(exc, shares):
+        if not isinstance(exc, DeadlineExceeded) or self._stalled(exc, shares, address):
             self.health.trip(address, why)
             if remap:
                 self.topology.outdated()  # in a Cluster, a failover may move its slots
         return why
 
-    def _stalled(self, exc: BaseException, shares: int = 1) -> bool:
+    def _stalled(self, exc: BaseException, shares: int = 1, address: Address | None = None) -> bool:
         """Whether ``exc`` (a deadline that passed, a connection the server closed) came after the node sent nothing
-        for at least half of its equal share of a call's deadline (``shares``: how many nodes it was split between)."""
+        for at least half of its equal share of a call's deadline (``shares``: how many nodes it was split between)
+        and, given its ``address``, no link sharing the health read a reply from it meanwhile."""
         silent = exc.stalled_s if isinstance(exc, DeadlineExceeded | ConnectionClosedError) else 0.0
-        return silent >= self.options.request_timeout_s / (2 * shares)
+        return silent >= self.options.request_timeout_s / (2 * shares) and (
+            address is None or self.health.silent(address, silent))
 
     def _chunks(self, indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
         if weights is None:

@@ -257,6 +257,31 @@ def test_a_stalled_node_that_every_link_waits_on_at_once_counts_one_failure(own_
     store.close()
 
 
+def test_a_put_held_by_a_write_pause_never_marks_down_a_node_that_answers_the_gets_meanwhile(own_server):
+    """``CLIENT PAUSE WRITE`` (as a coordinated ``FAILOVER`` does): the put lane hears nothing for its whole
+    deadline while the get lane's replies keep coming. The put fails by its deadline, unreached, but the node
+    answered the other lane meanwhile: no evidence against it, so it is not marked down and the next gets and
+    lookups are served."""
+    store = _store(("127.0.0.1", own_server.port))
+    assert _put(store, [b"a"], [b"x"]).ok and _get(store, [b"a"], 1)[0].ok
+    own_server.call(b"CLIENT", b"PAUSE", b"%d" % int(4000 * DEADLINE), b"WRITE")
+    try:
+        put = store.put([b"b"], [[memoryview(b"y")]])
+        submitted = time.monotonic()
+        while time.monotonic() - submitted < 1.2 * DEADLINE:
+            result, buffers = _get(store, [b"a"], 1)
+            assert result.ok and buffers == [b"x"], result
+            time.sleep(0.02)
+        held = _result(store, put, submitted, DEADLINE)
+        assert held.transport_failed and "timed out" in held.error, held
+        assert store.down_nodes == {} and store.transport_failures == 0, store.down_nodes
+        assert _get(store, [b"a"], 1)[0].ok and store.contains([b"a"]) == 1
+    finally:
+        own_server.call(b"CLIENT", b"UNPAUSE")
+    assert _put(store, [b"c"], [b"z"]).ok
+    store.close()
+
+
 @pytest.mark.parametrize("timeout", [math.inf, 1e10])
 def test_a_poll_of_any_length_waits_for_the_stalled_calls_deadline(own_server, timeout):
     """poll(timeout=math.inf), or longer than the platform's longest wait, returns when the call is reported
