@@ -37,7 +37,8 @@ from kvkit.backends.blockstore.resp import (
 )
 from kvkit.validate import plural
 
-__all__ = ["MAX_NODES", "Encode", "Identities", "Link", "NodeHealth", "Read", "Topology", "Unreachable", "remember"]
+__all__ = ["MARKER", "MAX_NODES", "Encode", "Identities", "Link", "NodeHealth", "Read", "Topology", "Unreachable",
+           "remember"]
 
 MAX_NODES = 1000
 """The most nodes a link is connected to at once (the Cluster specification's largest Cluster): a slot map naming
@@ -145,29 +146,63 @@ class NodeHealth:
             return {a: why for a, (until, why) in self._down.items() if now < until}
 
 
-_UNSEEN = b""  # no connection to the node was opened yet (a run_id is never empty)
+MARKER = b"restart-marker"
+"""The marker key's name under :attr:`Identities.prefix` (a Cluster node's: with a hash tag into its slots)."""
+_TAG_TRIES = 1 << 16
+"""Hash tags tried for a node's marker key: a node owning ``n`` slots needs about ``16384 / n``."""
 
 
 @attrs.define(eq=False)
 class Identities:
-    """What server each node was when a connection to it was last opened (its ``run_id``), shared by the links of
-    one store; ``changes`` counts the connections that found a node may hold another server's contents than
-    before: one whose identity differs from the last one seen there (a restart, another server at the address),
-    or, where the node does not tell it (``INFO`` refused: an ACL), one reopened by a link that had a connection
-    to it before (it may have restarted). The first connection to a node is no change. At most
-    :data:`MAX_NODES` nodes are remembered (:func:`remember`). Thread-safe.
+    """What server each node was when a connection to it was last opened, shared by the links of one store: its
+    ``run_id`` (``INFO server``) and, given a ``prefix`` (keys the store's user may write: a tenant's), the token
+    of its marker key (:meth:`marker`; a marker found missing, the server's data lost since, is given a token of
+    its own, one no connection was told before).
+
+    ``changes`` counts the connections that found a node may hold another server's contents than before: one
+    whose ``run_id`` or marker token differs from the last one seen there (a restart, a restart from an older
+    snapshot, a flush, another server at the address), or, where neither can be compared (``INFO`` refused, as
+    an ACL does, and no marker told then and now), one whose ``run_id`` is no longer told or one reopened by a
+    link that had a connection to it before (it may have restarted). The first connection to a node is no
+    change. At most :data:`MAX_NODES` nodes are remembered (:func:`remember`). Thread-safe.
     """
 
     changes: int = attrs.field(default=0, init=False)
-    _seen: dict[Address, bytes | None] = attrs.field(factory=dict, init=False)
+    prefix: bytes | None = attrs.field(default=None, init=False)
+    _seen: dict[Address, tuple[bytes | None, bytes | None]] = attrs.field(factory=dict, init=False)
     lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
-    def opened(self, address: Address, identity: bytes | None, again: bool) -> None:
-        """A link opened a connection to ``address``, which told ``identity``; ``again``: the link had one before."""
+    def marker(self, address: Address, slots: list[Address] | None) -> bytes | None:
+        """The marker key of ``address`` (``None`` without a ``prefix``): ``<prefix>restart-marker`` on a server
+        (``slots`` ``None``); in a Cluster (``slots``: its slot map) one with the first hash tag ``{<n>}`` whose
+        slot the map gives to ``address``, so each node holds its own and a node that lost its data is found by
+        its own marker (``None`` where the node owns no slot in the map)."""
+        prefix = self.prefix
+        if prefix is None:
+            return None
+        if slots is None:
+            return prefix + MARKER
+        if address in slots:
+            for n in range(_TAG_TRIES):
+                key = prefix + MARKER + b":{%d}" % n
+                if slots[key_slot(key)] == address:
+                    return key
+        return None
+
+    def opened(self, address: Address, run_id: bytes | None, token: bytes | None, again: bool) -> None:
+        """A link opened a connection to ``address``, which told ``run_id`` and its marker's ``token``; ``again``:
+        the link had one before."""
         with self.lock:
-            before = self._seen.get(address, _UNSEEN)
-            remember(self._seen, address, identity)
-            if before != _UNSEEN and (identity != before or (identity is None and again)):
+            before = self._seen.get(address)
+            remember(self._seen, address, (run_id, token))
+            if before is None:
+                return
+            pairs = [(now, then) for now, then in zip((run_id, token), before) if now is not None and then is not None]
+            if pairs:
+                changed = any(now != then for now, then in pairs)
+            else:
+                changed = run_id != before[0] or (run_id is None and again)
+            if changed:
                 self.changes += 1
 
 
@@ -704,7 +739,12 @@ class Link:
             if self.on_connect is not None:
                 self.on_connect(address)
             conn = self._conns[address] = Connection(address, self.options, deadline)
-            conn.ask_identity(functools.partial(self.identities.opened, address, again=address in self._opened))
+            if self.cluster and self.topology.slots is None:
+                marker = None  # no map to find the node's slots in yet: its identity is the run_id alone
+            else:
+                marker = self.identities.marker(address, self.topology.slots if self.cluster else None)
+            conn.ask_identity(functools.partial(self.identities.opened, address, again=address in self._opened),
+                              marker)
             remember(self._opened, address, None)
         conn.renew(deadline)
         return conn

@@ -134,7 +134,7 @@ class ValkeyStore:
     over a third connection: one pipeline of EXISTS per node, one round trip.
     So a store opens up to three connections per node, each when first used.
     The three links share the node health, the Cluster's slot map and what
-    server each node was (``run_id``): evidence found on one counts for all.
+    server each node was (``run_id``, restart marker): evidence found on one counts for all.
     In a Cluster, keys go to the node owning their hash slot (CLUSTER SLOTS,
     updated on MOVED, ASK followed).
 
@@ -293,11 +293,26 @@ class ValkeyStore:
     @property
     def restarts(self) -> int:
         """Times a connection found that a node may have lost what it held since this store's last connection
-        to it: another ``run_id`` there (a restart, a failover at the same address), or a connection reopened
-        where the server does not tell its ``run_id`` (``INFO`` refused, as the tenant ACL of
-        docs/shared-tier.md does). The shared tier forgets what it remembered as put when this grows
+        to it: another ``run_id`` there (a restart, a failover at the same address), another token in its
+        restart marker (:meth:`mark_restarts_under`: a restart, a flush), or a connection reopened where the
+        server tells neither (``INFO`` refused, as the tenant ACL of docs/shared-tier.md does, and no marker).
+        The shared tier forgets what it remembered as put when this grows
         (:func:`~kvkit.shared.client.store_restarts`)."""
         return self._identities.changes
+
+    def mark_restarts_under(self, prefix: bytes) -> None:
+        """Tell a server's restarts, flushes and lost data by a marker key under ``prefix`` (keys this store's
+        user may ``SET`` and ``GET``: its tenant's, ``kvkit:<tenant>:``), as well as by ``run_id``: each
+        connection opened from now on sends ``SET <prefix>restart-marker <random token> NX GET`` with its first
+        commands, in their round trip, and a token other than the one found there before counts in
+        :attr:`restarts` (one per node of a Cluster, hash-tagged into its slots). So a user refused ``INFO``
+        (the tenant ACL of docs/shared-tier.md) reopens connections (a server's ``timeout``) without counting a
+        restart. ``ConfigError`` (quoting it) for a ``prefix`` that is not ``bytes`` or holds a ``{`` (a hash
+        tag of its own would put every node's marker in one slot); the last prefix given is used."""
+        if not isinstance(prefix, bytes) or b"{" in prefix:
+            raise ConfigError(f"ValkeyStore.mark_restarts_under({quote(prefix)}): the prefix must be bytes "
+                              f"without a '{{'")
+        self._identities.prefix = prefix
 
     @property
     def down_nodes(self) -> dict[Address, str]:

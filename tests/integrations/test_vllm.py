@@ -405,14 +405,14 @@ def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_
     same tokens as the run that computed them, the failures counted, none of their tokens counted as loaded; the
     step that read the failed blocks stored nothing, so the CPU tier then serves the same tokens too; nothing
     held."""
-    from kvkit.testing.servers import LocalServer, server_binary_or_skip
+    from kvkit.testing.servers import LocalServer, block_keys, server_binary_or_skip
 
     with LocalServer(server_binary_or_skip()) as server, engine(
             tiny_llama, extra_config={"cpu_bytes": "4MiB", "shared": server.url, "async_load": async_load}) as llm:
         prompts = [m[0] for m in ex.user_messages(llm.get_tokenizer(), 2, 1, 18)]  # three blocks each
         computed = replay(llm, prompts, 4)
         settle(llm)
-        keys = server.call(b"KEYS", b"*")
+        keys = block_keys(server.call(b"KEYS", b"*"))
         assert keys
         for key in keys:  # the same length, one payload byte flipped: only the value's check can tell
             value = bytearray(server.call(b"GET", key))
@@ -439,7 +439,7 @@ def test_a_model_with_several_kv_groups_recomputes_requests_whose_shared_values_
     asynchronously, and with every value corrupted the loads fail as whole requests (vLLM stops the engine on
     failed blocks of such a model): vLLM recomputes them with the tokens of a run without kvkit, none counted
     as loaded, and the engine keeps serving, from the CPU tier, what it recomputed; nothing held."""
-    from kvkit.testing.servers import LocalServer, server_binary_or_skip
+    from kvkit.testing.servers import LocalServer, block_keys, server_binary_or_skip
 
     with engine(tiny_gemma3, kvkit=False, gpu_blocks=20) as llm:
         prompts = [m[0] for m in ex.user_messages(llm.get_tokenizer(), 2, 1, 18)]  # three blocks each
@@ -450,7 +450,7 @@ def test_a_model_with_several_kv_groups_recomputes_requests_whose_shared_values_
         assert len(sched.manager.kv.groups) == 2 and sched.settings.async_load
         assert replay(llm, prompts, 4).outputs == reference.outputs
         settle(llm)
-        keys = server.call(b"KEYS", b"*")
+        keys = block_keys(server.call(b"KEYS", b"*"))
         assert keys
         for key in keys:  # the same length, one payload byte flipped: only the value's check can tell
             value = bytearray(server.call(b"GET", key))

@@ -556,6 +556,81 @@ def test_a_restart_between_calls_counts_as_a_restart_and_a_killed_connection_doe
         store.close()
 
 
+_TENANT_ACL = (b"ACL", b"SETUSER", b"kvkit-acme", b"on", b">kvkit-test-only", b"resetkeys", b"~kvkit:acme:*",
+               b"resetchannels", b"-@all", b"+ping", b"+exists", b"+get", b"+set", b"+select", b"+asking",
+               b"+cluster|slots")
+
+
+def _reconnect_all(store, key):
+    """Use every link of ``store`` (a lookup, a put, a get of ``key``), so each opens a connection if it has none."""
+    assert store.contains([key]) in (0, 1)
+    assert _put(store, [key], [b"v"], 2.0).ok and _get(store, [key], 1, 2.0)[0].ok
+
+
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_marker_under_the_tenants_prefix_tells_restarts_and_flushes_where_info_is_refused(binary):
+    """Under the tenant ACL (no ``INFO``), a store marking restarts under ``kvkit:acme:`` counts none for
+    connections the server closed and every link reopened (its ``timeout``, ``CLIENT KILL``), one for a flush
+    (``FLUSHALL``: the marker is gone; ``run_id`` would not tell) and one for a restart, however many links
+    reconnect."""
+    with LocalServer(_server_binary(binary)) as server:
+        server.call(*_TENANT_ACL)
+        store = _store(("127.0.0.1", server.port), username="kvkit-acme", password="kvkit-test-only",
+                       request_timeout_s=2.0)
+        store.mark_restarts_under(b"kvkit:acme:")
+        key = b"kvkit:acme:r"
+        _reconnect_all(store, key)
+        for _ in range(2):
+            server.call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+            _reconnect_all(store, key)
+        assert store.restarts == 0, "a connection reopened to a server that kept its data counted a restart"
+        server.call(b"FLUSHALL")
+        server.call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+        _reconnect_all(store, key)
+        assert store.restarts == 1, "a flush was not counted once"
+        server.kill()
+        server.start()
+        server.call(*_TENANT_ACL)
+        _reconnect_all(store, key)
+        assert store.restarts == 2 and store.transport_failures == 0
+        assert sorted(server.call(b"KEYS", b"*")) == [b"kvkit:acme:r", b"kvkit:acme:restart-marker"]
+        store.close()
+
+
+def test_a_marker_per_cluster_node_tells_which_node_restarted_where_info_is_refused(valkey_cluster):
+    """In a Cluster under the tenant ACL, each node holds a marker of its own (hash-tagged into its slots):
+    connections every node closed and the links reopened count no restart; one node flushed counts one."""
+    nodes = valkey_cluster.nodes
+    for node in nodes:
+        node.call(b"FLUSHALL")
+        node.call(*_TENANT_ACL)
+    store = ValkeyStore([("127.0.0.1", nodes[0].port)], cluster=True, username="kvkit-acme",
+                        password="kvkit-test-only", request_timeout_s=2.0, connect_timeout_s=2.0)
+    store.mark_restarts_under(b"kvkit:acme:")
+    keys = [b"kvkit:acme:c%d" % i for i in range(30)]
+    try:
+        def every_link():
+            store.contains(keys)
+            assert _put(store, keys, [b"v"] * 30, 2.0).ok and _get(store, keys, 1, 2.0)[0].ok
+        every_link()
+        every_link()
+        held = [node.call(b"KEYS", b"kvkit:acme:restart-marker*") for node in nodes]
+        assert all(len(markers) == 1 for markers in held), held
+        for node in nodes:
+            node.call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+        every_link()
+        assert store.restarts == 0, "connections reopened to nodes that kept their data counted a restart"
+        nodes[1].call(b"FLUSHALL")
+        nodes[1].call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+        every_link()
+        assert store.restarts == 1
+    finally:
+        store.close()
+        for node in nodes:
+            node.call(b"ACL", b"DELUSER", b"kvkit-acme")
+            node.call(b"FLUSHALL")
+
+
 @pytest.mark.parametrize("binary", _binaries())
 def test_a_server_with_no_room_for_another_client_is_marked_down_until_it_has_room(binary):
     """``maxclients`` reached by other clients: the server answers a new connection ``-ERR max number of clients
