@@ -731,7 +731,9 @@ class Link:
 
     def _conn(self, address: Address, deadline: float) -> Connection:
         """``address``'s connection (opened if there is none: its server's identity is asked with its first
-        commands), bounded by ``deadline``."""
+        commands), bounded by ``deadline``. One opened while :meth:`close` ran in another thread is closed at
+        once (``close`` sets ``_closed`` before it closes the connections: either it closed this one, or this
+        thread sees ``_closed`` once the connection is in ``_conns``), so no call waits on it."""
         conn = self._conns.get(address)
         if conn is None:
             if self._closed:
@@ -739,6 +741,9 @@ class Link:
             if self.on_connect is not None:
                 self.on_connect(address)
             conn = self._conns[address] = Connection(address, self.options, deadline)
+            if self._closed:
+                self._drop(address)
+                raise ConnectionRefusedError("the link is closed")
             if self.cluster and self.topology.slots is None:
                 marker = None  # no map to find the node's slots in yet: its identity is the run_id alone
             else:

@@ -1466,6 +1466,38 @@ def test_close_while_calls_wait_on_a_stalled_server_returns_at_once(own_server):
     assert _eventually(lambda: _sockets() == sockets), "a socket of the closed store is still open"
 
 
+def test_close_racing_a_lanes_connect_to_a_stalled_server_returns_at_once(own_server):
+    """``close`` runs while the get lane is opening its connection (held in the store's ``watch`` hook, which
+    runs just before it) to a paused server: the connection opened after ``close`` closed the link is closed at
+    once, so ``close`` does not wait for the get's deadline, and no thread or socket of the store is left."""
+    sockets, threads = _sockets(), _io_threads()
+    store = _store(("127.0.0.1", own_server.port), request_timeout_s=2.0, connect_timeout_s=2.0)
+    link = store._gets.link
+    entered, closing = threading.Event(), threading.Event()
+
+    def held(_address):
+        entered.set()
+        assert closing.wait(5.0)
+        while not link._closed:
+            time.sleep(0.001)
+        time.sleep(0.05)  # close() has closed the link's connections (none yet) and waits for the lane
+
+    store.watch(held)
+    own_server.pause()
+    try:
+        get = store.get([b"a"], [[memoryview(bytearray(1))]])
+        assert entered.wait(5.0)
+        closing.set()
+        start = time.monotonic()
+        store.close()
+        assert time.monotonic() - start < 1.0, f"close waited {time.monotonic() - start:.2f} s on the get"
+        assert store.poll([get])[0].failed == (0,)
+    finally:
+        own_server.resume()
+    assert _io_threads() == threads
+    assert _eventually(lambda: _sockets() == sockets), "a socket of the closed store is still open"
+
+
 def test_close_called_again_while_another_thread_closes_returns_once_closed(valkey_server, monkeypatch):
     """Two threads close one store: the second ``close`` waits for the first and returns with the store closed
     (its I/O thread ended, every ticket reported)."""
