@@ -484,19 +484,24 @@ class _Lane:
     bulk_limit: _BulkLimit
     jobs: queue.SimpleQueue = attrs.field(factory=queue.SimpleQueue)
     closing: bool = False
+    lock: threading.Lock = attrs.field(factory=threading.Lock)  # held to queue a job, or to set ``closing``
     thread: threading.Thread = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.thread = threading.Thread(target=self.serve, name=self.name, daemon=True)
 
     def queue(self, op: str, keys: Sequence[bytes], views: list[list[memoryview]], deadline: float) -> int:
-        """Issue a ticket for a checked call (its byte views) and queue it; one queued while the store closes is
-        reported failed at once (:func:`_shut_down` sets ``closing`` before it fails the open tickets, so no
-        ticket stays open)."""
+        """Issue a ticket for a checked call (its byte views) and queue it, or, once the store closes, report
+        it failed at once. Queueing and :func:`_shut_down`'s setting ``closing`` (then queueing the end)
+        exclude each other: a job queued is ahead of the end, reported by the lane (its buffers let go of)
+        or by ``_shut_down``'s failing the open tickets after the lane stopped, never by this call while the
+        lane may be reading into its buffers; no ticket stays open."""
         ticket = self.tickets.issue(len(keys))
-        self.jobs.put((ticket, op, list(keys), views, deadline))
-        if self.closing:
-            self.tickets.report(ticket, range(len(keys)), _CLOSED)
+        with self.lock:
+            if not self.closing:
+                self.jobs.put((ticket, op, list(keys), views, deadline))
+                return ticket
+        self.tickets.report(ticket, range(len(keys)), _CLOSED)
         return ticket
 
     def serve(self) -> None:
@@ -596,8 +601,9 @@ def _shut_down(lanes: tuple[_Lane, ...], tickets: TicketBox, lookup: Link, looku
     once its calls ended (a connection one of them opened meanwhile).
     """
     for lane in lanes:
-        lane.closing = True
-        lane.jobs.put(None)
+        with lane.lock:
+            lane.closing = True
+            lane.jobs.put(None)
         lane.link.close()
     lookup.close()
     end = time.monotonic() + join_s

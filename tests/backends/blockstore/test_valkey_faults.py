@@ -1441,6 +1441,57 @@ def test_a_put_or_get_racing_close_is_reported_failed_at_once(valkey_server, mon
         store.check_invariants()
 
 
+def test_a_get_its_lane_took_while_close_began_is_reported_only_once_its_lane_let_go_of_the_buffers(own_server,
+                                                                                                   monkeypatch):
+    """``close`` begins after a ``get`` was queued and its lane took it (the lane waits on a paused server, and
+    reads into the buffers for a while after it wakes) but before ``get`` returned: its ticket is reported only
+    once the lane let go of the buffers, never by the closing ``get`` itself while the lane still reads."""
+    import kvkit.backends.blockstore.valkey as valkey_module
+
+    store = _store(("127.0.0.1", own_server.port), request_timeout_s=2.0, connect_timeout_s=2.0)
+    assert _put(store, [b"a"], [b"x"]).ok and _get(store, [b"a"], 1)[0].ok
+    lane = store._gets
+    ended = []
+    original = valkey_module._Lane._get
+
+    def slow_reader(self, keys, views, deadline):
+        outcomes = original(self, keys, views, deadline)
+        time.sleep(0.2)  # still writing the buffers
+        ended.append(time.monotonic())
+        return outcomes
+
+    class Taken:
+        """The lane's queue: a job put is taken by the lane, then ``close`` begins, then ``put`` returns."""
+
+        def __init__(self, jobs):
+            self.jobs = jobs
+
+        def get(self):
+            return self.jobs.get()
+
+        def put(self, job):
+            self.jobs.put(job)
+            if job is not None:
+                time.sleep(0.1)  # the lane took it and waits on the paused server
+                threading.Thread(target=store.close).start()
+                begun = time.monotonic() + 0.5  # close begins (or waits for this call to queue its job)
+                while not lane.closing and time.monotonic() < begun:
+                    time.sleep(0.001)
+
+    monkeypatch.setattr(valkey_module._Lane, "_get", slow_reader)
+    lane.jobs = Taken(lane.jobs)
+    own_server.pause()
+    try:
+        ticket = store.get([b"a"], [[memoryview(bytearray(1))]])
+        result = store.poll([ticket], 5.0)
+        reported = time.monotonic()
+        assert [r.ticket for r in result] == [ticket] and result[0].failed == (0,), result
+        assert ended and ended[0] <= reported, "the ticket was reported while its lane still read into its buffers"
+    finally:
+        own_server.resume()
+    store.close()
+
+
 def test_close_while_calls_wait_on_a_stalled_server_returns_at_once(own_server):
     """A ``get`` and a ``contains`` (on another thread) wait on a paused server with a 2 s deadline: ``close``
     wakes both and returns at once, the get reported failed, the contains answering 0; no thread or socket
