@@ -37,7 +37,8 @@ from kvkit.backends.blockstore.resp import (
 )
 from kvkit.validate import plural
 
-__all__ = ["MAX_NODES", "Encode", "Identities", "Link", "NodeHealth", "Read", "Topology", "Unreachable", "remember"]
+__all__ = ["MARKER", "MAX_NODES", "Encode", "Identities", "Link", "NodeHealth", "Read", "Topology", "Unreachable",
+           "remember"]
 
 MAX_NODES = 1000
 """The most nodes a link is connected to at once (the Cluster specification's largest Cluster): a slot map naming
@@ -87,7 +88,9 @@ class NodeHealth:
     its time) or no connection (``-ERR max number of clients reached``), or a node that sent nothing
     for at least half a call's deadline (stalled, whether the deadline then passed or the node closed
     the connection; asked for the slot map, at least half of its equal share of a call's deadline, see
-    :meth:`Link.refresh`). Not evidence: a connection the server closed once without such a silence
+    :meth:`Link.refresh`) while no link sharing this health read a reply from it (:meth:`heard`: a node
+    that answers another link meanwhile holds back only that connection's commands, as ``CLIENT PAUSE
+    WRITE`` holds writes and serves reads). Not evidence: a connection the server closed once without such a silence
     (idle, killed, restarted: reopened, and the call retried on it once), one it closed
     right after refusing a command (:class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`: a value
     longer than its ``proto-max-bulk-len``; that command fails, the others are sent again once), a deadline that
@@ -101,7 +104,18 @@ class NodeHealth:
     failures: int = attrs.field(default=0, init=False)
     last_error: str = attrs.field(default="", init=False)
     _down: dict[Address, tuple[float, str]] = attrs.field(factory=dict, init=False)  # node -> (until, why)
+    _heard: dict[Address, float] = attrs.field(factory=dict, init=False)  # node -> when a reply was last read
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def heard(self, address: Address) -> None:
+        """A link read replies from ``address`` just now (at most :data:`MAX_NODES` nodes are remembered)."""
+        with self._lock:
+            remember(self._heard, address, time.monotonic())
+
+    def silent(self, address: Address, seconds: float) -> bool:
+        """Whether no link read a reply from ``address`` in the last ``seconds``."""
+        with self._lock:
+            return self._heard.get(address, -float("inf")) < time.monotonic() - seconds
 
     def down(self, address: Address) -> str | None:
         """Why ``address`` is not tried now, or ``None`` when it may be."""
@@ -112,13 +126,18 @@ class NodeHealth:
     def trip(self, address: Address, reason: str) -> None:
         """Record evidence against ``address``: its keys fail at once for ``retry_interval_s``.
 
+        ``failures`` counts the breakers opened: evidence against a node already down (another link sharing
+        this health waited on it at the same time, and found it stalled too) renews its interval and
+        ``last_error`` but counts no second failure.
         At most :data:`MAX_NODES` nodes are remembered down: one more forgets the one tripped longest ago (it
         is tried again), so no server's redirects to ever new nodes grow this without bound.
         """
         with self._lock:
-            self.failures += 1
+            now = time.monotonic()
+            if self._down.get(address, (0.0, ""))[0] <= now:
+                self.failures += 1
             self.last_error = reason
-            remember(self._down, address, (time.monotonic() + self.retry_interval_s, reason))
+            remember(self._down, address, (now + self.retry_interval_s, reason))
 
     def down_nodes(self) -> dict[Address, str]:
         """The nodes not tried now, with why."""
@@ -127,29 +146,63 @@ class NodeHealth:
             return {a: why for a, (until, why) in self._down.items() if now < until}
 
 
-_UNSEEN = b""  # no connection to the node was opened yet (a run_id is never empty)
+MARKER = b"restart-marker"
+"""The marker key's name under :attr:`Identities.prefix` (a Cluster node's: with a hash tag into its slots)."""
+_TAG_TRIES = 1 << 16
+"""Hash tags tried for a node's marker key: a node owning ``n`` slots needs about ``16384 / n``."""
 
 
 @attrs.define(eq=False)
 class Identities:
-    """What server each node was when a connection to it was last opened (its ``run_id``), shared by the links of
-    one store; ``changes`` counts the connections that found a node may hold another server's contents than
-    before: one whose identity differs from the last one seen there (a restart, another server at the address),
-    or, where the node does not tell it (``INFO`` refused: an ACL), one reopened by a link that had a connection
-    to it before (it may have restarted). The first connection to a node is no change. At most
-    :data:`MAX_NODES` nodes are remembered (:func:`remember`). Thread-safe.
+    """What server each node was when a connection to it was last opened, shared by the links of one store: its
+    ``run_id`` (``INFO server``) and, given a ``prefix`` (keys the store's user may write: a tenant's), the token
+    of its marker key (:meth:`marker`; a marker found missing, the server's data lost since, is given a token of
+    its own, one no connection was told before).
+
+    ``changes`` counts the connections that found a node may hold another server's contents than before: one
+    whose ``run_id`` or marker token differs from the last one seen there (a restart, a restart from an older
+    snapshot, a flush, another server at the address), or, where neither can be compared (``INFO`` refused, as
+    an ACL does, and no marker told then and now), one whose ``run_id`` is no longer told or one reopened by a
+    link that had a connection to it before (it may have restarted). The first connection to a node is no
+    change. At most :data:`MAX_NODES` nodes are remembered (:func:`remember`). Thread-safe.
     """
 
     changes: int = attrs.field(default=0, init=False)
-    _seen: dict[Address, bytes | None] = attrs.field(factory=dict, init=False)
+    prefix: bytes | None = attrs.field(default=None, init=False)
+    _seen: dict[Address, tuple[bytes | None, bytes | None]] = attrs.field(factory=dict, init=False)
     lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
-    def opened(self, address: Address, identity: bytes | None, again: bool) -> None:
-        """A link opened a connection to ``address``, which told ``identity``; ``again``: the link had one before."""
+    def marker(self, address: Address, slots: list[Address] | None) -> bytes | None:
+        """The marker key of ``address`` (``None`` without a ``prefix``): ``<prefix>restart-marker`` on a server
+        (``slots`` ``None``); in a Cluster (``slots``: its slot map) one with the first hash tag ``{<n>}`` whose
+        slot the map gives to ``address``, so each node holds its own and a node that lost its data is found by
+        its own marker (``None`` where the node owns no slot in the map)."""
+        prefix = self.prefix
+        if prefix is None:
+            return None
+        if slots is None:
+            return prefix + MARKER
+        if address in slots:
+            for n in range(_TAG_TRIES):
+                key = prefix + MARKER + b":{%d}" % n
+                if slots[key_slot(key)] == address:
+                    return key
+        return None
+
+    def opened(self, address: Address, run_id: bytes | None, token: bytes | None, again: bool) -> None:
+        """A link opened a connection to ``address``, which told ``run_id`` and its marker's ``token``; ``again``:
+        the link had one before."""
         with self.lock:
-            before = self._seen.get(address, _UNSEEN)
-            remember(self._seen, address, identity)
-            if before != _UNSEEN and (identity != before or (identity is None and again)):
+            before = self._seen.get(address)
+            remember(self._seen, address, (run_id, token))
+            if before is None:
+                return
+            pairs = [(now, then) for now, then in zip((run_id, token), before) if now is not None and then is not None]
+            if pairs:
+                changed = any(now != then for now, then in pairs)
+            else:
+                changed = run_id != before[0] or (run_id is None and again)
+            if changed:
                 self.changes += 1
 
 
@@ -499,6 +552,7 @@ class Link:
                     ask, indices = chunks[step - 1]
                     leg.results.append([])
                     self._read(leg.address, conn, indices, ask, read, leg.results[-1])
+                    self.health.heard(leg.address)
         except (OSError, ValueError) as exc:
             leg.error = exc
 
@@ -514,17 +568,19 @@ class Link:
         why = f"transport: {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
         if explained:
             return why
-        if not isinstance(exc, DeadlineExceeded) or self._stalled(exc, shares):
+        if not isinstance(exc, DeadlineExceeded) or self._stalled(exc, shares, address):
             self.health.trip(address, why)
             if remap:
                 self.topology.outdated()  # in a Cluster, a failover may move its slots
         return why
 
-    def _stalled(self, exc: BaseException, shares: int = 1) -> bool:
+    def _stalled(self, exc: BaseException, shares: int = 1, address: Address | None = None) -> bool:
         """Whether ``exc`` (a deadline that passed, a connection the server closed) came after the node sent nothing
-        for at least half of its equal share of a call's deadline (``shares``: how many nodes it was split between)."""
+        for at least half of its equal share of a call's deadline (``shares``: how many nodes it was split between)
+        and, given its ``address``, no link sharing the health read a reply from it meanwhile."""
         silent = exc.stalled_s if isinstance(exc, DeadlineExceeded | ConnectionClosedError) else 0.0
-        return silent >= self.options.request_timeout_s / (2 * shares)
+        return silent >= self.options.request_timeout_s / (2 * shares) and (
+            address is None or self.health.silent(address, silent))
 
     def _chunks(self, indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
         if weights is None:
@@ -675,7 +731,9 @@ class Link:
 
     def _conn(self, address: Address, deadline: float) -> Connection:
         """``address``'s connection (opened if there is none: its server's identity is asked with its first
-        commands), bounded by ``deadline``."""
+        commands), bounded by ``deadline``. One opened while :meth:`close` ran in another thread is closed at
+        once (``close`` sets ``_closed`` before it closes the connections: either it closed this one, or this
+        thread sees ``_closed`` once the connection is in ``_conns``), so no call waits on it."""
         conn = self._conns.get(address)
         if conn is None:
             if self._closed:
@@ -683,7 +741,15 @@ class Link:
             if self.on_connect is not None:
                 self.on_connect(address)
             conn = self._conns[address] = Connection(address, self.options, deadline)
-            conn.ask_identity(functools.partial(self.identities.opened, address, again=address in self._opened))
+            if self._closed:
+                self._drop(address)
+                raise ConnectionRefusedError("the link is closed")
+            if self.cluster and self.topology.slots is None:
+                marker = None  # no map to find the node's slots in yet: its identity is the run_id alone
+            else:
+                marker = self.identities.marker(address, self.topology.slots if self.cluster else None)
+            conn.ask_identity(functools.partial(self.identities.opened, address, again=address in self._opened),
+                              marker)
             remember(self._opened, address, None)
         conn.renew(deadline)
         return conn

@@ -3,8 +3,8 @@
 Hand-written because the measured gap is large (BENCHMARKS "Shared tier"): valkey-py and redis-py turn every
 reply into a fresh ``bytes`` and a pipeline of 1,000 EXISTS costs them several milliseconds; ``recv_into``
 the destination and writing the caller's buffers as they are move values without a copy. Only what the
-block store needs is here: connect (TLS, AUTH, SELECT), the server's identity (``run_id``, asked in the first
-commands' round trip), replies, CLUSTER slots and MOVED/ASK redirects; routing over nodes is
+block store needs is here: connect (TLS, AUTH, SELECT), the server's identity (``run_id`` and a marker key,
+asked in the first commands' round trip), replies, CLUSTER slots and MOVED/ASK redirects; routing over nodes is
 :mod:`kvkit.backends.blockstore.link`'s.
 
 Every operation is bounded by the connection's ``deadline`` (``time.monotonic()`` seconds), a whole
@@ -201,8 +201,8 @@ class Connection:
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
         self._crlf = memoryview(bytearray(2))  # where a bulk's closing CRLF is received
-        self._asking: Callable[[bytes | None], None] | None = None  # INFO to send ahead of the next commands
-        self._told: Callable[[bytes | None], None] | None = None  # INFO sent: its reply is read first
+        self._asking: tuple[Told, bytes | None] | None = None  # identity to ask ahead of the next commands
+        self._told: tuple[Told, bytes | None] | None = None  # identity asked (the token offered): read first
         try:
             login = time.monotonic() + budget
             deadline, self.deadline = self.deadline, min(self.deadline, login)
@@ -227,21 +227,28 @@ class Connection:
             self.close()
             raise
 
-    def ask_identity(self, told: Callable[[bytes | None], None]) -> None:
-        """Ask the server's ``run_id`` (``INFO server``: Valkey and Redis give every run of a server a new one)
-        with the next command sent, in the same round trip: its reply is read ahead of that command's, and
-        ``told`` is given the ``run_id``, or ``None`` where the server does not tell it (``INFO`` refused: an ACL
-        that does not grant it, a command renamed away). A reply that says the node serves no command raises as
-        that command's would (:func:`error_reply`)."""
-        self._asking = told
+    def ask_identity(self, told: Told, marker: bytes | None = None) -> None:
+        """Ask the server's identity with the next command sent, in the same round trip (its replies are read
+        ahead of that command's), and give ``told`` what it answered: its ``run_id`` (``INFO server``: Valkey
+        and Redis give every run of a server a new one), and, given a ``marker`` key, the token held there
+        (``SET marker <token> NX GET``: the token already there, else a random one of this connection's, set
+        now; so a marker found missing, a server that lost its data, tells a token no connection was told
+        before). Either is ``None`` where the server does not tell it (``INFO`` refused: an ACL that does not
+        grant it, a command renamed away; the marker's ``SET`` refused or redirected)."""
+        self._asking = (told, marker)
 
     def _read_identity(self) -> None:
-        """Read the reply of the ``INFO`` sent ahead of the commands (:meth:`ask_identity`) and tell it."""
-        told, self._told = self._told, None
-        assert told is not None, "an INFO was sent"
+        """Read the replies of the identity asked ahead of the commands (:meth:`ask_identity`) and tell it."""
+        asked, self._told = self._told, None
+        assert asked is not None, "an identity was asked"
+        told, token = asked
         info = self._reply(0, _Allowance())
         found = _RUN_ID.search(info) if isinstance(info, bytes) else None
-        told(found.group(1) if found else None)
+        held = None
+        if token is not None:
+            reply = self._reply(0, _Allowance())
+            held = token if reply is None else reply if isinstance(reply, bytes) else None
+        told(found.group(1) if found else None, held)
 
     def renew(self, deadline: float) -> None:
         """Start a new call, bounded by ``deadline``, on a connection that holds no reply: every reply so far was
@@ -278,9 +285,15 @@ class Connection:
         value's own buffers and its CRLF in one system call), resumed where a partial write stopped;
         a TLS socket has no ``sendmsg``: runs of small buffers are joined, large ones sent as they are.
         """
-        if self._asking is not None and parts:  # the INFO of ask_identity goes first, with a command read after it
-            self._told, self._asking = self._asking, None
-            parts = [_INFO_SERVER, *parts]
+        if self._asking is not None and parts:  # ask_identity's commands go first, with a command read after them
+            told, marker = self._asking
+            ahead = [_INFO_SERVER]
+            token = None
+            if marker is not None:
+                token = os.urandom(16).hex().encode()
+                ahead.append(command(b"SET", marker, token, b"NX", b"GET"))
+            self._told, self._asking = (told, token), None
+            parts = [*ahead, *parts]
         if isinstance(self.sock, ssl.SSLSocket):
             self._send_tls(parts)
             return
@@ -712,6 +725,9 @@ def _login_refusal(exc: ServerError) -> str:
     return f"{shown} (the server's message is not shown: it may quote the password)"
 
 
+Told = Callable[[bytes | None, bytes | None], None]
+"""What :meth:`Connection.ask_identity` tells: the server's ``run_id`` and the marker's token (each ``None``
+where the server does not tell it)."""
 _INFO_SERVER = b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n"
 _RUN_ID = re.compile(rb"^run_id:([0-9a-f]{40})\r?$", re.MULTILINE)
 

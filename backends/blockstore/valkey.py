@@ -134,7 +134,7 @@ class ValkeyStore:
     over a third connection: one pipeline of EXISTS per node, one round trip.
     So a store opens up to three connections per node, each when first used.
     The three links share the node health, the Cluster's slot map and what
-    server each node was (``run_id``): evidence found on one counts for all.
+    server each node was (``run_id``, restart marker): evidence found on one counts for all.
     In a Cluster, keys go to the node owning their hash slot (CLUSTER SLOTS,
     updated on MOVED, ASK followed).
 
@@ -286,17 +286,33 @@ class ValkeyStore:
 
     @property
     def transport_failures(self) -> int:
-        """Times a node was found unusable so far (each opens that node's breaker)."""
+        """Times a node was found unusable so far (each opens that node's breaker: links that find one node
+        unusable while its breaker is open, waiting on it at the same time, count once)."""
         return self._health.failures
 
     @property
     def restarts(self) -> int:
         """Times a connection found that a node may have lost what it held since this store's last connection
-        to it: another ``run_id`` there (a restart, a failover at the same address), or a connection reopened
-        where the server does not tell its ``run_id`` (``INFO`` refused, as the tenant ACL of
-        docs/shared-tier.md does). The shared tier forgets what it remembered as put when this grows
+        to it: another ``run_id`` there (a restart, a failover at the same address), another token in its
+        restart marker (:meth:`mark_restarts_under`: a restart, a flush), or a connection reopened where the
+        server tells neither (``INFO`` refused, as the tenant ACL of docs/shared-tier.md does, and no marker).
+        The shared tier forgets what it remembered as put when this grows
         (:func:`~kvkit.shared.client.store_restarts`)."""
         return self._identities.changes
+
+    def mark_restarts_under(self, prefix: bytes) -> None:
+        """Tell a server's restarts, flushes and lost data by a marker key under ``prefix`` (keys this store's
+        user may ``SET`` and ``GET``: its tenant's, ``kvkit:<tenant>:``), as well as by ``run_id``: each
+        connection opened from now on sends ``SET <prefix>restart-marker <random token> NX GET`` with its first
+        commands, in their round trip, and a token other than the one found there before counts in
+        :attr:`restarts` (one per node of a Cluster, hash-tagged into its slots). So a user refused ``INFO``
+        (the tenant ACL of docs/shared-tier.md) reopens connections (a server's ``timeout``) without counting a
+        restart. ``ConfigError`` (quoting it) for a ``prefix`` that is not ``bytes`` or holds a ``{`` (a hash
+        tag of its own would put every node's marker in one slot); the last prefix given is used."""
+        if not isinstance(prefix, bytes) or b"{" in prefix:
+            raise ConfigError(f"ValkeyStore.mark_restarts_under({quote(prefix)}): the prefix must be bytes "
+                              f"without a '{{'")
+        self._identities.prefix = prefix
 
     @property
     def down_nodes(self) -> dict[Address, str]:
@@ -468,19 +484,24 @@ class _Lane:
     bulk_limit: _BulkLimit
     jobs: queue.SimpleQueue = attrs.field(factory=queue.SimpleQueue)
     closing: bool = False
+    lock: threading.Lock = attrs.field(factory=threading.Lock)  # held to queue a job, or to set ``closing``
     thread: threading.Thread = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.thread = threading.Thread(target=self.serve, name=self.name, daemon=True)
 
     def queue(self, op: str, keys: Sequence[bytes], views: list[list[memoryview]], deadline: float) -> int:
-        """Issue a ticket for a checked call (its byte views) and queue it; one queued while the store closes is
-        reported failed at once (:func:`_shut_down` sets ``closing`` before it fails the open tickets, so no
-        ticket stays open)."""
+        """Issue a ticket for a checked call (its byte views) and queue it, or, once the store closes, report
+        it failed at once. Queueing and :func:`_shut_down`'s setting ``closing`` (then queueing the end)
+        exclude each other: a job queued is ahead of the end, reported by the lane (its buffers let go of)
+        or by ``_shut_down``'s failing the open tickets after the lane stopped, never by this call while the
+        lane may be reading into its buffers; no ticket stays open."""
         ticket = self.tickets.issue(len(keys))
-        self.jobs.put((ticket, op, list(keys), views, deadline))
-        if self.closing:
-            self.tickets.report(ticket, range(len(keys)), _CLOSED)
+        with self.lock:
+            if not self.closing:
+                self.jobs.put((ticket, op, list(keys), views, deadline))
+                return ticket
+        self.tickets.report(ticket, range(len(keys)), _CLOSED)
         return ticket
 
     def serve(self) -> None:
@@ -580,8 +601,9 @@ def _shut_down(lanes: tuple[_Lane, ...], tickets: TicketBox, lookup: Link, looku
     once its calls ended (a connection one of them opened meanwhile).
     """
     for lane in lanes:
-        lane.closing = True
-        lane.jobs.put(None)
+        with lane.lock:
+            lane.closing = True
+            lane.jobs.put(None)
         lane.link.close()
     lookup.close()
     end = time.monotonic() + join_s

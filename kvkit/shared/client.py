@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from kvkit.shared.scheduler import SharedTierSpec
 
 __all__ = ["FormatCodec", "SharedConnection", "connect_shared", "open_shared", "store_deadline", "store_lifetime",
-           "store_restarts", "warn_unauthenticated"]
+           "mark_restarts", "store_restarts", "warn_unauthenticated"]
 
 _WARNED: dict[tuple[str, int], None] = {}  # the nodes this process warned about last, oldest first
 _WARNED_LOCK = threading.Lock()
@@ -167,6 +167,7 @@ def connect_shared(config: StackConfig, *, layout: str) -> SharedConnection:
                                   tenant=shared.tenant, secret=shared.secret)
     store, owned = open_shared(shared.url)  # last: nothing after it may fail and leave it open
     try:
+        mark_restarts(store, codec.namespace.prefix)
         warn_unauthenticated(store, codec.namespace.secret)
         deadline = store_deadline(store)
         budget: dict[str, Any] = {} if deadline is None else {"lookup_budget_s": deadline}
@@ -190,6 +191,16 @@ def store_lifetime(store: BlockStore) -> float | None:
     """How long ``store`` keeps a value at most: a network store's ``ttl_s`` (every value expires by then from its
     put), or ``None`` for a store whose values never expire (they go only when evicted, flushed or lost)."""
     return _seconds(store, "ttl_s")
+
+
+def mark_restarts(store: BlockStore, prefix: bytes) -> None:
+    """Have ``store`` tell a server's lost data by a marker key under the tenant's ``prefix`` (keys its ACL lets
+    it write: :meth:`ValkeyStore.mark_restarts_under
+    <kvkit.backends.blockstore.valkey.ValkeyStore.mark_restarts_under>`), where it can; a store that cannot
+    is left as it is."""
+    mark = getattr(store, "mark_restarts_under", None)
+    if callable(mark):
+        mark(prefix)
 
 
 def store_restarts(store: BlockStore) -> int:

@@ -31,9 +31,10 @@ a put or fetch of one lands (or ``trust_s`` passes) a lookup that finds it prese
 a CPU hit's check that finds it present takes it as lost, so the block recomputed (or kept in the CPU tier) is
 put again over the bad value; an outage forgets everything (the server may
 have restarted empty), so does a restart the store found without a failed call (a node that told another
-``run_id`` when its connection was reopened: :func:`~kvkit.shared.client.store_restarts`, looked at each step
-and after each ``contains``), and nothing is remembered longer than ``trust_s``, nor longer than the store keeps a
-value (its ``ttl_s``: :func:`~kvkit.shared.client.store_lifetime`), the server's own forgetting.
+``run_id`` or restart-marker token when its connection was reopened:
+:func:`~kvkit.shared.client.store_restarts`, looked at each step and after each ``contains``), and nothing
+is remembered longer than ``trust_s``, nor longer than the store keeps a value (its ``ttl_s``:
+:func:`~kvkit.shared.client.store_lifetime`), the server's own forgetting.
 A CPU hit asks the shared tier too, so blocks an instance keeps only in its
 CPU tier are put again once the server lost them: a lookup checks its CPU
 hit's hashes that are not remembered (and not queued, in flight, or found lost

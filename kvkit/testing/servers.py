@@ -24,11 +24,12 @@ from typing import Any
 
 import attrs
 
+from kvkit.backends.blockstore.link import MARKER
 from kvkit.backends.blockstore.resp import Connection, ConnectOptions
 from kvkit.errors import BackendUnavailableError
 from kvkit.redact import secret_repr
 
-__all__ = ["LocalCluster", "LocalServer", "free_port", "non_loopback_address_or_skip", "server_binary",
+__all__ = ["LocalCluster", "LocalServer", "block_keys", "free_port", "non_loopback_address_or_skip", "server_binary",
            "server_binary_or_skip"]
 
 _STOP_S = 5.0
@@ -82,6 +83,12 @@ def non_loopback_address_or_skip() -> str:
 
     pytest.skip("this host has no IPv4 address beyond loopback")
     return None
+
+
+def block_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """``keys`` (a ``KEYS`` reply) without a store's restart markers (:meth:`ValkeyStore.mark_restarts_under
+    <kvkit.backends.blockstore.valkey.ValkeyStore.mark_restarts_under>`): the blocks', in order."""
+    return [key for key in keys if b":" + MARKER not in key]
 
 
 def free_port() -> int:

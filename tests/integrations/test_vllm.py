@@ -429,8 +429,11 @@ def test_values_corrupted_in_the_shared_tier_make_their_requests_recompute_with_
 
 
 def _corrupt_every_value(server) -> None:
-    """Flip one payload byte of every value ``server`` holds, keeping its length: only the value's check can tell."""
-    keys = server.call(b"KEYS", b"*")
+    """Flip one payload byte of every block value ``server`` holds, keeping its length: only the value's check can
+    tell."""
+    from kvkit.testing.servers import block_keys
+
+    keys = block_keys(server.call(b"KEYS", b"*"))
     assert keys
     for key in keys:
         value = bytearray(server.call(b"GET", key))

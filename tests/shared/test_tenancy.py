@@ -20,7 +20,13 @@ from kvkit.config import SharedConfig
 from kvkit.hashing import hash_blocks
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.shared.format import HEADER_SIZE
-from kvkit.testing.servers import LocalCluster, LocalServer, non_loopback_address_or_skip, server_binary_or_skip
+from kvkit.testing.servers import (
+    LocalCluster,
+    LocalServer,
+    block_keys,
+    non_loopback_address_or_skip,
+    server_binary_or_skip,
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "shared-tier.md"
 ADMIN = "admin-pw"
@@ -61,7 +67,7 @@ def _admin(port: int, password: str | None = ADMIN) -> Connection:
 
 
 def _keys(conn: Connection, pattern: bytes = b"kvkit:*") -> set[bytes]:
-    return set(conn.call(b"KEYS", pattern))
+    return set(block_keys(conn.call(b"KEYS", pattern)))
 
 
 @pytest.fixture
@@ -114,6 +120,28 @@ def test_the_documented_acl_confines_a_tenant(server):
     assert acme.shared_store.contains([key]) == 0
     for stack in (acme, globex, second):
         stack.close()
+
+
+def test_connections_reopened_under_the_documented_acl_make_the_tier_forget_nothing(server):
+    """Under the documented ACL (no ``INFO``), the tier's store keeps a restart marker under the tenant's
+    prefix: the tenant's connections closed by the server (its ``timeout``, ``CLIENT KILL``) and reopened count
+    no restart, so the tier forgets nothing it remembered as put; a flush found by the next connection counts
+    one."""
+    admin = _admin(server.port)
+    assert admin.call(*_recipe("acme", "acme-pw")) == b"OK"
+    stack = _stack(f"valkey://kvkit-acme:acme-pw@127.0.0.1:{server.port}/0", tenant="acme")
+    assert _serve(stack, "a1") == (0, 0)
+    store = stack.shared_store
+    assert admin.call(b"EXISTS", b"kvkit:acme:restart-marker") == 1
+    for i in range(2):
+        admin.call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+        assert _serve(stack, f"b{i}", [100 * i + t for t in range(40)]) == (0, 0)  # a put and a lookup each
+    assert store.restarts == 0, "a reopened connection was taken for a restart: the tier forgot what it had put"
+    admin.call(b"FLUSHALL")
+    admin.call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+    assert _serve(stack, "c", [500 + t for t in range(40)]) == (0, 0)
+    assert store.restarts == 1
+    stack.close()
 
 
 def test_the_documented_acl_confines_a_tenant_in_a_cluster():

@@ -236,6 +236,52 @@ def test_a_stalled_server_is_marked_down_and_its_calls_then_fail_at_once(own_ser
     store.close()
 
 
+def test_a_stalled_node_that_every_link_waits_on_at_once_counts_one_failure(own_server):
+    """SIGSTOP while a put, a get and a ``contains`` (three links: the two lanes and the caller's) wait on the
+    node at once: each finds it stalled, and the node was found unusable once (``transport_failures`` counts
+    the breakers opened, not the links that found the breaker open)."""
+    store = _store(("127.0.0.1", own_server.port))
+    assert _put(store, [b"a"], [b"x"]).ok and store.contains([b"a"]) == 1 and _get(store, [b"a"], 1)[0].ok
+    own_server.pause()
+    try:
+        put = store.put([b"b"], [[memoryview(b"y")]])
+        get = store.get([b"a"], [[memoryview(bytearray(1))]])
+        assert store.contains([b"a"]) == 0
+        results = store.poll([put, get], DEADLINE + SLACK)
+        results += store.poll([put, get], DEADLINE + SLACK) if len(results) < 2 else []
+        assert len(results) == 2 and all(r.transport_failed for r in results), results
+        assert list(store.down_nodes) == [("127.0.0.1", own_server.port)]
+        assert store.transport_failures == 1, "one stalled node was counted once per link that waited on it"
+    finally:
+        own_server.resume()
+    store.close()
+
+
+def test_a_put_held_by_a_write_pause_never_marks_down_a_node_that_answers_the_gets_meanwhile(own_server):
+    """``CLIENT PAUSE WRITE`` (as a coordinated ``FAILOVER`` does): the put lane hears nothing for its whole
+    deadline while the get lane's replies keep coming. The put fails by its deadline, unreached, but the node
+    answered the other lane meanwhile: no evidence against it, so it is not marked down and the next gets and
+    lookups are served."""
+    store = _store(("127.0.0.1", own_server.port))
+    assert _put(store, [b"a"], [b"x"]).ok and _get(store, [b"a"], 1)[0].ok
+    own_server.call(b"CLIENT", b"PAUSE", b"%d" % int(4000 * DEADLINE), b"WRITE")
+    try:
+        put = store.put([b"b"], [[memoryview(b"y")]])
+        submitted = time.monotonic()
+        while time.monotonic() - submitted < 1.2 * DEADLINE:
+            result, buffers = _get(store, [b"a"], 1)
+            assert result.ok and buffers == [b"x"], result
+            time.sleep(0.02)
+        held = _result(store, put, submitted, DEADLINE)
+        assert held.transport_failed and "timed out" in held.error, held
+        assert store.down_nodes == {} and store.transport_failures == 0, store.down_nodes
+        assert _get(store, [b"a"], 1)[0].ok and store.contains([b"a"]) == 1
+    finally:
+        own_server.call(b"CLIENT", b"UNPAUSE")
+    assert _put(store, [b"c"], [b"z"]).ok
+    store.close()
+
+
 @pytest.mark.parametrize("timeout", [math.inf, 1e10])
 def test_a_poll_of_any_length_waits_for_the_stalled_calls_deadline(own_server, timeout):
     """poll(timeout=math.inf), or longer than the platform's longest wait, returns when the call is reported
@@ -508,6 +554,81 @@ def test_a_restart_between_calls_counts_as_a_restart_and_a_killed_connection_doe
         assert store.contains([b"kvkit:acme:r"]) == 1
         assert store.restarts == 1, "a reopened connection that could not tell its server was trusted"
         store.close()
+
+
+_TENANT_ACL = (b"ACL", b"SETUSER", b"kvkit-acme", b"on", b">kvkit-test-only", b"resetkeys", b"~kvkit:acme:*",
+               b"resetchannels", b"-@all", b"+ping", b"+exists", b"+get", b"+set", b"+select", b"+asking",
+               b"+cluster|slots")
+
+
+def _reconnect_all(store, key):
+    """Use every link of ``store`` (a lookup, a put, a get of ``key``), so each opens a connection if it has none."""
+    assert store.contains([key]) in (0, 1)
+    assert _put(store, [key], [b"v"], 2.0).ok and _get(store, [key], 1, 2.0)[0].ok
+
+
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_marker_under_the_tenants_prefix_tells_restarts_and_flushes_where_info_is_refused(binary):
+    """Under the tenant ACL (no ``INFO``), a store marking restarts under ``kvkit:acme:`` counts none for
+    connections the server closed and every link reopened (its ``timeout``, ``CLIENT KILL``), one for a flush
+    (``FLUSHALL``: the marker is gone; ``run_id`` would not tell) and one for a restart, however many links
+    reconnect."""
+    with LocalServer(_server_binary(binary)) as server:
+        server.call(*_TENANT_ACL)
+        store = _store(("127.0.0.1", server.port), username="kvkit-acme", password="kvkit-test-only",
+                       request_timeout_s=2.0)
+        store.mark_restarts_under(b"kvkit:acme:")
+        key = b"kvkit:acme:r"
+        _reconnect_all(store, key)
+        for _ in range(2):
+            server.call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+            _reconnect_all(store, key)
+        assert store.restarts == 0, "a connection reopened to a server that kept its data counted a restart"
+        server.call(b"FLUSHALL")
+        server.call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+        _reconnect_all(store, key)
+        assert store.restarts == 1, "a flush was not counted once"
+        server.kill()
+        server.start()
+        server.call(*_TENANT_ACL)
+        _reconnect_all(store, key)
+        assert store.restarts == 2 and store.transport_failures == 0
+        assert sorted(server.call(b"KEYS", b"*")) == [b"kvkit:acme:r", b"kvkit:acme:restart-marker"]
+        store.close()
+
+
+def test_a_marker_per_cluster_node_tells_which_node_restarted_where_info_is_refused(valkey_cluster):
+    """In a Cluster under the tenant ACL, each node holds a marker of its own (hash-tagged into its slots):
+    connections every node closed and the links reopened count no restart; one node flushed counts one."""
+    nodes = valkey_cluster.nodes
+    for node in nodes:
+        node.call(b"FLUSHALL")
+        node.call(*_TENANT_ACL)
+    store = ValkeyStore([("127.0.0.1", nodes[0].port)], cluster=True, username="kvkit-acme",
+                        password="kvkit-test-only", request_timeout_s=2.0, connect_timeout_s=2.0)
+    store.mark_restarts_under(b"kvkit:acme:")
+    keys = [b"kvkit:acme:c%d" % i for i in range(30)]
+    try:
+        def every_link():
+            store.contains(keys)
+            assert _put(store, keys, [b"v"] * 30, 2.0).ok and _get(store, keys, 1, 2.0)[0].ok
+        every_link()
+        every_link()
+        held = [node.call(b"KEYS", b"kvkit:acme:restart-marker*") for node in nodes]
+        assert all(len(markers) == 1 for markers in held), held
+        for node in nodes:
+            node.call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+        every_link()
+        assert store.restarts == 0, "connections reopened to nodes that kept their data counted a restart"
+        nodes[1].call(b"FLUSHALL")
+        nodes[1].call(b"CLIENT", b"KILL", b"USER", b"kvkit-acme")
+        every_link()
+        assert store.restarts == 1
+    finally:
+        store.close()
+        for node in nodes:
+            node.call(b"ACL", b"DELUSER", b"kvkit-acme")
+            node.call(b"FLUSHALL")
 
 
 @pytest.mark.parametrize("binary", _binaries())
@@ -1320,6 +1441,57 @@ def test_a_put_or_get_racing_close_is_reported_failed_at_once(valkey_server, mon
         store.check_invariants()
 
 
+def test_a_get_its_lane_took_while_close_began_is_reported_only_once_its_lane_let_go_of_the_buffers(own_server,
+                                                                                                   monkeypatch):
+    """``close`` begins after a ``get`` was queued and its lane took it (the lane waits on a paused server, and
+    reads into the buffers for a while after it wakes) but before ``get`` returned: its ticket is reported only
+    once the lane let go of the buffers, never by the closing ``get`` itself while the lane still reads."""
+    import kvkit.backends.blockstore.valkey as valkey_module
+
+    store = _store(("127.0.0.1", own_server.port), request_timeout_s=2.0, connect_timeout_s=2.0)
+    assert _put(store, [b"a"], [b"x"]).ok and _get(store, [b"a"], 1)[0].ok
+    lane = store._gets
+    ended = []
+    original = valkey_module._Lane._get
+
+    def slow_reader(self, keys, views, deadline):
+        outcomes = original(self, keys, views, deadline)
+        time.sleep(0.2)  # still writing the buffers
+        ended.append(time.monotonic())
+        return outcomes
+
+    class Taken:
+        """The lane's queue: a job put is taken by the lane, then ``close`` begins, then ``put`` returns."""
+
+        def __init__(self, jobs):
+            self.jobs = jobs
+
+        def get(self):
+            return self.jobs.get()
+
+        def put(self, job):
+            self.jobs.put(job)
+            if job is not None:
+                time.sleep(0.1)  # the lane took it and waits on the paused server
+                threading.Thread(target=store.close).start()
+                begun = time.monotonic() + 0.5  # close begins (or waits for this call to queue its job)
+                while not lane.closing and time.monotonic() < begun:
+                    time.sleep(0.001)
+
+    monkeypatch.setattr(valkey_module._Lane, "_get", slow_reader)
+    lane.jobs = Taken(lane.jobs)
+    own_server.pause()
+    try:
+        ticket = store.get([b"a"], [[memoryview(bytearray(1))]])
+        result = store.poll([ticket], 5.0)
+        reported = time.monotonic()
+        assert [r.ticket for r in result] == [ticket] and result[0].failed == (0,), result
+        assert ended and ended[0] <= reported, "the ticket was reported while its lane still read into its buffers"
+    finally:
+        own_server.resume()
+    store.close()
+
+
 def test_close_while_calls_wait_on_a_stalled_server_returns_at_once(own_server):
     """A ``get`` and a ``contains`` (on another thread) wait on a paused server with a 2 s deadline: ``close``
     wakes both and returns at once, the get reported failed, the contains answering 0; no thread or socket
@@ -1339,6 +1511,38 @@ def test_close_while_calls_wait_on_a_stalled_server_returns_at_once(own_server):
         assert time.monotonic() - start < 1.0, f"close waited {time.monotonic() - start:.2f} s on the calls"
         looker.join(0.5)
         assert found == [0] and store.poll([get])[0].failed == (0,)
+    finally:
+        own_server.resume()
+    assert _io_threads() == threads
+    assert _eventually(lambda: _sockets() == sockets), "a socket of the closed store is still open"
+
+
+def test_close_racing_a_lanes_connect_to_a_stalled_server_returns_at_once(own_server):
+    """``close`` runs while the get lane is opening its connection (held in the store's ``watch`` hook, which
+    runs just before it) to a paused server: the connection opened after ``close`` closed the link is closed at
+    once, so ``close`` does not wait for the get's deadline, and no thread or socket of the store is left."""
+    sockets, threads = _sockets(), _io_threads()
+    store = _store(("127.0.0.1", own_server.port), request_timeout_s=2.0, connect_timeout_s=2.0)
+    link = store._gets.link
+    entered, closing = threading.Event(), threading.Event()
+
+    def held(_address):
+        entered.set()
+        assert closing.wait(5.0)
+        while not link._closed:
+            time.sleep(0.001)
+        time.sleep(0.05)  # close() has closed the link's connections (none yet) and waits for the lane
+
+    store.watch(held)
+    own_server.pause()
+    try:
+        get = store.get([b"a"], [[memoryview(bytearray(1))]])
+        assert entered.wait(5.0)
+        closing.set()
+        start = time.monotonic()
+        store.close()
+        assert time.monotonic() - start < 1.0, f"close waited {time.monotonic() - start:.2f} s on the get"
+        assert store.poll([get])[0].failed == (0,)
     finally:
         own_server.resume()
     assert _io_threads() == threads
