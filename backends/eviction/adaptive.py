@@ -152,7 +152,8 @@ class AdaptivePolicy(LearnsCapacity, EvictionPolicy):
       (halved in one pass every half-life: O(1) amortised).
     * **Leader.** The first expert leads at the start (hit density: the best
       rule on conversation traces). At each selection the expert with the
-      largest lead over the leader takes over only if that lead exceeds
+      largest lead over the leader takes over (if the selection succeeds: a
+      failed one changes nothing) only if that lead exceeds
       ``switch_sigmas`` standard deviations of the paired sum (the root of
       the summed squares): a paired significance test, so correlated experts
       and noise do not make it flap. A switch is not free (the new leader
@@ -297,8 +298,11 @@ class AdaptivePolicy(LearnsCapacity, EvictionPolicy):
         best = max(range(len(self._lead)), key=lambda i: self._lead[i][leader])
         lead = self._lead[best][leader]
         if lead > 0 and lead > self.switch_sigmas * math.sqrt(self._var[best][leader]):
-            self._leader = best
-        return self._mirrors[self._leader].select_victims(n, is_evictable)
+            leader = best
+        victims = self._mirrors[leader].select_victims(n, is_evictable)
+        if victims is not None:  # a selection that fails changes nothing, the leader included
+            self._leader = leader
+        return victims
 
     @override
     def __len__(self) -> int:

@@ -14,6 +14,7 @@ from kvkit.backends.eviction.hit_density import HitDensityPolicy
 from kvkit.backends.eviction.lfu import LFUPolicy
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import ConfigError
+from kvkit.interfaces import BlockId
 from kvkit.sim.policy_study import replay
 from kvkit.sim.synthetic import SyntheticWorkload, shape
 from kvkit.sim.traces import TraceRequest
@@ -134,3 +135,17 @@ def test_fifo_expert_is_accepted_and_reported() -> None:
     """Any pin-aware policy class can be an expert; ``lead`` names each by class."""
     policy = AdaptivePolicy(experts=(FIFOPolicy, LRUPolicy))
     assert set(policy.lead) == {"FIFOPolicy", "LRUPolicy"}
+
+
+def test_a_selection_that_fails_keeps_the_leader() -> None:
+    """A challenger whose lead clears the bar takes over only with a selection that succeeds: one that returns
+    ``None`` changes nothing, the leader included (the contract's atomic ``None``)."""
+    policy = AdaptivePolicy(experts=(LRUPolicy, LFUPolicy), switch_sigmas=0)
+    policy.on_insert(BlockId(0), 7, None)
+    policy._lead = [[0.0, -1.0], [1.0, 0.0]]  # LFU leads LRU by one hit, past a bar of 0 sigmas
+    policy._var = [[0.0, 1.0], [1.0, 0.0]]
+    policy.check_invariants()
+    assert policy.select_victims(2, lambda block: True) is None
+    assert isinstance(policy.leader, LRUPolicy)
+    assert policy.select_victims(1, lambda block: True) == [BlockId(0)]
+    assert isinstance(policy.leader, LFUPolicy)
