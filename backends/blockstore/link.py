@@ -28,6 +28,7 @@ from kvkit.backends.blockstore.resp import (
     ConnectionClosedError,
     ConnectOptions,
     DeadlineExceeded,
+    NoRoom,
     ProtocolRefusal,
     Redirect,
     ServerError,
@@ -85,7 +86,9 @@ class NodeHealth:
     on a call again right after it was reopened for it, a reply that is not RESP, a reply saying the
     node serves no command for now (``-NOAUTH``: the connection is not logged in; ``-LOADING``: the
     dataset is still loading; ``-MASTERDOWN``: a replica lost its primary; ``-BUSY``: a script runs past
-    its time) or no connection (``-ERR max number of clients reached``), or a node that sent nothing
+    its time) or no connection (``-ERR max number of clients reached``, :class:`~kvkit.backends.blockstore.resp.NoRoom`,
+    unless the node serves another connection of a link sharing this health: :meth:`serving`; then it is full,
+    not down, and only the link refused fails its keys, as refused), or a node that sent nothing
     for at least half a call's deadline (stalled, whether the deadline then passed or the node closed
     the connection; asked for the slot map, at least half of its equal share of a call's deadline, see
     :meth:`Link.refresh`) while no link sharing this health read a reply from it (:meth:`heard`: a node
@@ -105,7 +108,30 @@ class NodeHealth:
     last_error: str = attrs.field(default="", init=False)
     _down: dict[Address, tuple[float, str]] = attrs.field(factory=dict, init=False)  # node -> (until, why)
     _heard: dict[Address, float] = attrs.field(factory=dict, init=False)  # node -> when a reply was last read
+    _let_in: dict[Address, set[Connection]] = attrs.field(factory=dict, init=False)  # node -> its open connections
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def let_in(self, address: Address, conn: Connection) -> None:
+        """``address`` answered the first commands of ``conn``, a connection a link holds open from now on."""
+        with self._lock:
+            self._let_in.setdefault(address, set()).add(conn)
+
+    def let_go(self, address: Address, conn: Connection) -> None:
+        """A link closed ``conn``, its connection to ``address``."""
+        with self._lock:
+            held = self._let_in.get(address)
+            if held is not None:
+                held.discard(conn)
+                if not held:
+                    del self._let_in[address]
+
+    def serving(self, address: Address) -> bool:
+        """Whether a link sharing this health holds a connection ``address`` let in (:meth:`let_in`): a node that
+        refuses one more connection for want of room (``maxclients``) while it serves these is full, not down.
+        Such a connection may have been closed by the server since, unseen until its link uses it again: that
+        link then finds the node full too, and once no link holds one the refusal is evidence again."""
+        with self._lock:
+            return address in self._let_in
 
     def heard(self, address: Address) -> None:
         """A link read replies from ``address`` just now (at most :data:`MAX_NODES` nodes are remembered)."""
@@ -434,7 +460,14 @@ class Link:
                     pending += left
                     asked.update(left_asked)
                     continue
-                why = self._failed(address, exc, explained=refused)
+                full = self._full(address, exc)
+                why = self._failed(address, exc, explained=refused or full)
+                if full:  # the node serves the other links: these keys are refused, not unreached
+                    refusal = ServerError(why.removeprefix("transport: ") + " (it serves this store's other "
+                                                                             "connections: full, not down)")
+                    for i in left:
+                        outcomes[i] = refusal
+                    continue
                 for i in left:
                     outcomes[i] = Unreachable(why)
                     unserved[i] = address
@@ -562,7 +595,8 @@ class Link:
         map read again); answer the keys' reason.
 
         A deadline that passed is evidence when the node stalled (:meth:`_stalled`). A failure the server
-        ``explained`` (it closed the connection right after refusing a command) is none.
+        ``explained`` (it closed the connection right after refusing a command, or refused it for want of room
+        while it serves the other links: :meth:`_full`) is none.
         """
         self._drop(address)
         why = f"transport: {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
@@ -573,6 +607,11 @@ class Link:
             if remap:
                 self.topology.outdated()  # in a Cluster, a failover may move its slots
         return why
+
+    def _full(self, address: Address, exc: BaseException) -> bool:
+        """Whether ``exc`` is ``address`` refusing this link's new connection for want of room (``maxclients``)
+        while it serves a connection of another link sharing the health (:meth:`NodeHealth.serving`)."""
+        return isinstance(exc, NoRoom) and self.health.serving(address)
 
     def _stalled(self, exc: BaseException, shares: int = 1, address: Address | None = None) -> bool:
         """Whether ``exc`` (a deadline that passed, a connection the server closed) came after the node sent nothing
@@ -680,7 +719,8 @@ class Link:
             try:
                 slots = _slot_map(self._conn(address, share).call(b"CLUSTER", b"SLOTS"), address)
             except (OSError, ValueError) as exc:
-                last = self._failed(address, exc, remap=False, shares=len(candidates))
+                last = self._failed(address, exc, remap=False, shares=len(candidates),
+                                    explained=self._full(address, exc))
                 continue
             except ServerError as exc:
                 last = f"transport: {address[0]}:{address[1]} refused CLUSTER SLOTS: {exc}"
@@ -748,16 +788,23 @@ class Link:
                 marker = None  # no map to find the node's slots in yet: its identity is the run_id alone
             else:
                 marker = self.identities.marker(address, self.topology.slots if self.cluster else None)
-            conn.ask_identity(functools.partial(self.identities.opened, address, again=address in self._opened),
-                              marker)
+            conn.ask_identity(functools.partial(self._let_in, address, conn, address in self._opened), marker)
             remember(self._opened, address, None)
         conn.renew(deadline)
         return conn
+
+    def _let_in(self, address: Address, conn: Connection, again: bool, run_id: bytes | None,
+                token: bytes | None) -> None:
+        """``address`` answered ``conn``'s first commands, telling ``run_id`` and its marker's ``token`` (``again``:
+        this link had a connection to it before)."""
+        self.health.let_in(address, conn)
+        self.identities.opened(address, run_id, token, again)
 
     def _drop(self, address: Address) -> None:
         conn = self._conns.pop(address, None)
         if conn is not None:
             conn.close()
+            self.health.let_go(address, conn)
 
 
 def _closed_by_server(exc: BaseException) -> bool:

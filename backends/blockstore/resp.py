@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 import attrs
 
 __all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions",
-           "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "ProtocolRefusal", "Redirect",
-           "ServerError", "SlotUnserved", "command", "error_reply", "key_slot", "node_host"]
+           "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "NoRoom", "ProtocolRefusal",
+           "Redirect", "ServerError", "SlotUnserved", "command", "error_reply", "key_slot", "node_host"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -112,6 +112,13 @@ class ConnectionClosedError(ConnectionError):
     def __init__(self, message: str, stalled_s: float) -> None:
         super().__init__(message)
         self.stalled_s = stalled_s
+
+
+class NoRoom(ConnectionRefusedError):  # noqa: N818 - a refusal, as ConnectionRefusedError is
+    """``-ERR max number of clients reached``: the server has its ``maxclients`` clients and closes this new
+    connection. Evidence against the node unless it serves other connections of the same store (see
+    :class:`~kvkit.backends.blockstore.link.NodeHealth`): then it is full, not down, and only the link that
+    could not connect fails its keys."""
 
 
 @attrs.frozen
@@ -253,7 +260,9 @@ class Connection:
     def renew(self, deadline: float) -> None:
         """Start a new call, bounded by ``deadline``, on a connection that holds no reply: every reply so far was
         read by the call that asked for it, so one there now is a reply to no command (``ConnectionError``: taken
-        for the next command's, it would answer that one), and an end of file is a connection the server closed
+        for the next command's, it would answer that one; but an error line that says why the server serves the
+        connection nothing, as a server with its ``maxclients`` clients sends a new one unasked, raises what
+        :func:`error_reply` raises for it: :class:`NoRoom`), and an end of file is a connection the server closed
         while idle (:class:`ConnectionClosedError`). Looking costs one receive that does not wait."""
         self.deadline = deadline
         self._waiting_since = None
@@ -267,6 +276,9 @@ class Connection:
                 raise self._closed(f"the server reset the connection: {exc}") from None
             if not self._hi:
                 raise self._closed("the server closed the connection")
+        end = self._buf.find(_CRLF, self._lo, self._hi)
+        if self._buf[self._lo:self._lo + 1] == b"-" and end >= 0:
+            error_reply(bytes(self._view[self._lo + 1:end]))  # raises for a refusal of the connection
         raise ConnectionError(f"protocol error: the server sent {self._hi - self._lo} bytes no command asked for: "
                               f"{bytes(self._view[self._lo:self._lo + 40])!r}")
 
@@ -758,7 +770,7 @@ def error_reply(text: bytes) -> ServerError | Redirect:
 
     A reply saying the node serves no command for now (:data:`_UNUSABLE`: ``NOAUTH``, ``LOADING``,
     ``MASTERDOWN``, ``BUSY``; :data:`_UNAUTHENTICATED`), or no connection (:data:`_NO_ROOM`: ``maxclients``
-    reached), raises
+    reached: :class:`NoRoom`), raises
     ``ConnectionRefusedError`` instead: like a refused login, that is evidence against the node
     (marked down, tried again after its retry interval), not a key's failure.
     ``MISCONF`` (writes refused, reads served) stays a ``ServerError``: it fails the writes only.
@@ -771,8 +783,8 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     if text.startswith(_UNAUTHENTICATED):
         raise ConnectionRefusedError(f"the server answered {shown(text[:60])!r}: {_UNUSABLE[b'NOAUTH']}")
     if text.startswith(_NO_ROOM):
-        raise ConnectionRefusedError(f"the server answered {_NO_ROOM.decode()!r}: it has its maxclients clients "
-                                     f"and closes the connection")
+        raise NoRoom(f"the server answered {_NO_ROOM.decode()!r}: it has its maxclients clients and closes the "
+                     f"connection")
     if len(parts) == 3 and parts[0] in (b"MOVED", b"ASK"):
         host, _, port = parts[2].rpartition(b":")
         if parts[1].isdigit() and port.isdigit() and int(parts[1]) < SLOTS and 0 < int(port) < 65536:

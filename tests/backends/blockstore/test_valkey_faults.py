@@ -663,6 +663,44 @@ def test_a_server_with_no_room_for_another_client_is_marked_down_until_it_has_ro
 
 
 @pytest.mark.parametrize("binary", _binaries())
+@pytest.mark.parametrize("refused", ["put", "get"])
+def test_a_server_full_for_one_lanes_connection_is_not_marked_down_while_it_serves_the_others(binary, refused):
+    """``maxclients`` reached after two of the store's three links connected (the lookup's and one lane's): the
+    server refuses the third link's new connection (``-ERR max number of clients reached``). It serves the other
+    two, so it is full, not down: the refused lane's keys fail refused, none unreached (a shared tier's probe,
+    a put, keeps the tier on), nothing is marked down, and the other links go on serving at once. Once a client
+    left, the third link connects."""
+    with LocalServer(_server_binary(binary), args=["--maxclients", "3"]) as server:
+        address = ("127.0.0.1", server.port)
+        server.call(b"SET", b"a", b"x")
+        store = _store(address, retry_interval_s=30.0)
+        assert store.contains([b"a"]) == 1
+        if refused == "put":
+            assert _get(store, [b"a"], 1)[0].ok
+        else:
+            assert _put(store, [b"b"], [b"y"]).ok
+        with socket.create_connection(address, timeout=5.0) as hog:
+            hog.sendall(b"PING\r\n")
+            assert hog.recv(7) == b"+PONG\r\n"  # served: the server has no room left
+            for _ in range(2):
+                result = _put(store, [b"c", b"d"], [b"z"] * 2) if refused == "put" else _get(store, [b"a", b"b"], 1)[0]
+                assert result.failed == (0, 1) and result.unreached == (), result
+                assert "max number of clients" in result.error and not result.transport_failed, result
+                assert store.down_nodes == {} and store.transport_failures == 0, store.down_nodes
+                start = time.monotonic()
+                assert store.contains([b"a"]) == 1
+                if refused == "put":
+                    got, buffers = _get(store, [b"a"], 1)
+                    assert got.ok and buffers == [b"x"], got
+                else:
+                    assert _put(store, [b"e"], [b"w"]).ok
+                assert time.monotonic() - start < 0.8 * DEADLINE, "a link serving the node waited"
+        assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok and _get(store, [b"c"], 1)[0].ok)
+        assert store.transport_failures == 0
+        store.close()
+
+
+@pytest.mark.parametrize("binary", _binaries())
 def test_a_server_busy_running_a_script_is_marked_down_until_the_script_ends(binary):
     """A Lua script that never ends (another client's ``EVAL``), past ``busy-reply-threshold``: the server answers
     every other command ``-BUSY``, as a loading node does. That is evidence against the node, not the keys'
