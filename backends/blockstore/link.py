@@ -45,12 +45,13 @@ MAX_NODES = 1000
 """The most nodes a link is connected to at once (the Cluster specification's largest Cluster): a slot map naming
 more is refused, and a key whose node would be one more fails (:meth:`Link._admit`), so no server's answers make a
 link hold more sockets, or its crew more threads."""
+K = TypeVar("K")
 V = TypeVar("V")
 
 
-def remember(nodes: dict[Address, V], address: Address, value: V) -> None:
+def remember(nodes: dict[K, V], address: K, value: V) -> None:
     """Set ``nodes[address] = value`` as the newest entry, first forgetting the oldest entries beyond
-    :data:`MAX_NODES` (no server's answers, naming ever new nodes, grow ``nodes`` without bound)."""
+    :data:`MAX_NODES` (no server's answers, naming ever new nodes or keys, grow ``nodes`` without bound)."""
     nodes.pop(address, None)
     while len(nodes) >= MAX_NODES:
         del nodes[next(iter(nodes))]
@@ -181,21 +182,26 @@ _TAG_TRIES = 1 << 16
 @attrs.define(eq=False)
 class Identities:
     """What server each node was when a connection to it was last opened, shared by the links of one store: its
-    ``run_id`` (``INFO server``) and, given a ``prefix`` (keys the store's user may write: a tenant's), the token
-    of its marker key (:meth:`marker`; a marker found missing, the server's data lost since, is given a token of
-    its own, one no connection was told before).
+    ``run_id`` (``INFO server``), per node address, and, given a ``prefix`` (keys the store's user may write: a
+    tenant's), the token held in each marker key (:meth:`marker`; a marker found missing, the data of its slots
+    lost since, is given a token of its own, one no connection was told before), per key: a marker travels with
+    its slot's data, so a Cluster node that takes over a slot (a replica promoted, at another address) is
+    compared with the token its slot's data held before.
 
     ``changes`` counts the connections that found a node may hold another server's contents than before: one
-    whose ``run_id`` or marker token differs from the last one seen there (a restart, a restart from an older
-    snapshot, a flush, another server at the address), or, where neither can be compared (``INFO`` refused, as
-    an ACL does, and no marker told then and now), one whose ``run_id`` is no longer told or one reopened by a
-    link that had a connection to it before (it may have restarted). The first connection to a node is no
-    change. At most :data:`MAX_NODES` nodes are remembered (:func:`remember`). Thread-safe.
+    whose ``run_id`` differs from the last one seen at its address, or whose marker holds another token than the
+    last one seen in that key (a restart, a restart from an older snapshot, a flush, another server at the
+    address, a replica promoted without the marker: one that had not received it), or, where neither can be
+    compared (``INFO`` refused, as an ACL does, and no marker told then and now), one whose ``run_id`` is no longer
+    told or one reopened by a link that had a connection to that node before (it may have restarted). A
+    connection with nothing seen before to compare with (the first to a node, its marker key new) is no change.
+    At most :data:`MAX_NODES` nodes and as many marker keys are remembered (:func:`remember`). Thread-safe.
     """
 
     changes: int = attrs.field(default=0, init=False)
     prefix: bytes | None = attrs.field(default=None, init=False)
-    _seen: dict[Address, tuple[bytes | None, bytes | None]] = attrs.field(factory=dict, init=False)
+    _runs: dict[Address, bytes | None] = attrs.field(factory=dict, init=False)  # node -> run_id last told
+    _tokens: dict[bytes, bytes] = attrs.field(factory=dict, init=False)  # marker key -> token last told
     lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
     def marker(self, address: Address, slots: list[Address] | None) -> bytes | None:
@@ -215,20 +221,20 @@ class Identities:
                     return key
         return None
 
-    def opened(self, address: Address, run_id: bytes | None, token: bytes | None, again: bool) -> None:
-        """A link opened a connection to ``address``, which told ``run_id`` and its marker's ``token``; ``again``:
-        the link had one before."""
+    def opened(self, address: Address, run_id: bytes | None, marker: bytes | None, token: bytes | None,
+               again: bool) -> None:
+        """A link opened a connection to ``address``, which told ``run_id`` and the ``token`` held in its
+        ``marker`` key; ``again``: the link had one before."""
         with self.lock:
-            before = self._seen.get(address)
-            remember(self._seen, address, (run_id, token))
-            if before is None:
-                return
-            pairs = [(now, then) for now, then in zip((run_id, token), before) if now is not None and then is not None]
-            if pairs:
-                changed = any(now != then for now, then in pairs)
-            else:
-                changed = run_id != before[0] or (run_id is None and again)
-            if changed:
+            seen = address in self._runs
+            then_run = self._runs.get(address)
+            then_token = self._tokens.get(marker) if marker is not None else None
+            remember(self._runs, address, run_id)
+            if marker is not None and token is not None:
+                remember(self._tokens, marker, token)
+            pairs = [(token, then_token), *([(run_id, then_run)] if seen else [])]
+            compared = [now != then for now, then in pairs if now is not None and then is not None]
+            if any(compared) if compared else seen and (run_id != then_run or (run_id is None and again)):
                 self.changes += 1
 
 
@@ -788,17 +794,18 @@ class Link:
                 marker = None  # no map to find the node's slots in yet: its identity is the run_id alone
             else:
                 marker = self.identities.marker(address, self.topology.slots if self.cluster else None)
-            conn.ask_identity(functools.partial(self._let_in, address, conn, address in self._opened), marker)
+            conn.ask_identity(functools.partial(self._let_in, address, conn, address in self._opened, marker),
+                              marker)
             remember(self._opened, address, None)
         conn.renew(deadline)
         return conn
 
-    def _let_in(self, address: Address, conn: Connection, again: bool, run_id: bytes | None,
+    def _let_in(self, address: Address, conn: Connection, again: bool, marker: bytes | None, run_id: bytes | None,
                 token: bytes | None) -> None:
-        """``address`` answered ``conn``'s first commands, telling ``run_id`` and its marker's ``token`` (``again``:
-        this link had a connection to it before)."""
+        """``address`` answered ``conn``'s first commands, telling ``run_id`` and the ``token`` in its ``marker``
+        key (``again``: this link had a connection to it before)."""
         self.health.let_in(address, conn)
-        self.identities.opened(address, run_id, token, again)
+        self.identities.opened(address, run_id, marker, token, again)
 
     def _drop(self, address: Address) -> None:
         conn = self._conns.pop(address, None)

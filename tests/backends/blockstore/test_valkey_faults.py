@@ -631,6 +631,43 @@ def test_a_marker_per_cluster_node_tells_which_node_restarted_where_info_is_refu
             node.call(b"FLUSHALL")
 
 
+@pytest.mark.parametrize("behind", [True, False], ids=["behind", "synchronised"])
+def test_a_replica_promoted_without_the_marker_counts_a_restart_and_one_that_has_it_none(partial_cluster, behind):
+    """A Cluster node's replica takes over its slots (its primary killed, ``CLUSTER FAILOVER TAKEOVER``), at an
+    address the store never connected to. A replica that had not received the primary's latest writes (it was
+    stopped while they queued behind 32 MiB of others, lost with the primary) lacks the store's values and its
+    marker: the store counts one restart, so the tier forgets what it remembered as put there. A replica that
+    had received everything holds the marker's token: no restart."""
+    cluster = partial_cluster
+    replica = cluster.add_replica(0)
+    primary = cluster.nodes[0]
+    tag = next(b"%d" % n for n in range(1000) if _owner(cluster, b"%d" % n) == 0)
+    if behind:
+        replica.pause()
+        for i in range(32):  # more than the sockets buffer: the store's writes stay in the primary
+            primary.call(b"SET", b"junk{%s}:%d" % (tag, i), b"j" * (1 << 20))
+    store = ValkeyStore([("127.0.0.1", cluster.nodes[1].port)], cluster=True, request_timeout_s=DEADLINE,
+                        connect_timeout_s=DEADLINE, retry_interval_s=0.2)
+    store.mark_restarts_under(b"kvkit:acme:")
+    keys = [b"kvkit:acme:promoted:%d" % i for i in range(60)]
+    on_primary = [k for k in keys if _owner(cluster, k) == 0]
+    try:
+        assert _put(store, keys, [b"v"] * 60).ok and store.contains(keys) == 60
+        if not behind:
+            assert primary.call(b"WAIT", b"1", b"5000") == 1
+        primary.kill()
+        if behind:
+            replica.resume()
+        cluster.fail_over(replica)
+        held = sum(replica.call(b"EXISTS", k) for k in on_primary)
+        assert held == (0 if behind else len(on_primary)), held
+        assert _eventually(lambda: _put(store, on_primary[:1], [b"v"]).ok and store.contains(on_primary[:1]) == 1,
+                           10.0)  # the put and lookup links reach the new primary
+        assert store.restarts == (1 if behind else 0), store.restarts
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("binary", _binaries())
 def test_a_server_with_no_room_for_another_client_is_marked_down_until_it_has_room(binary):
     """``maxclients`` reached by other clients: the server answers a new connection ``-ERR max number of clients
