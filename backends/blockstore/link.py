@@ -22,6 +22,7 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.blockstore.resp import (
+    MISSING,
     SLOTS,
     Address,
     Connection,
@@ -183,8 +184,9 @@ _TAG_TRIES = 1 << 16
 class Identities:
     """What server each node was when a connection to it was last opened, shared by the links of one store: its
     ``run_id`` (``INFO server``), per node address, and, given a ``prefix`` (keys the store's user may write: a
-    tenant's), the token held in each marker key (:meth:`marker`; a marker found missing, the data of its slots
-    lost since, is given a token of its own, one no connection was told before), per key: a marker travels with
+    tenant's), the token held in each marker key (:meth:`marker`; :data:`~kvkit.backends.blockstore.resp.MISSING`
+    for a marker found missing, the data of its slots lost since, which the connection then plants with a token
+    of its own, one no connection was told before: told next, that is no change), per key: a marker travels with
     its slot's data, so a Cluster node that takes over a slot (a replica promoted, at another address) is
     compared with the token its slot's data held before.
 
@@ -221,6 +223,12 @@ class Identities:
                     return key
         return None
 
+    def missing(self, marker: bytes | None) -> bool:
+        """Whether ``marker`` was last found missing (no token told since): a connection then plants it; else it
+        only reads it (:meth:`~kvkit.backends.blockstore.resp.Connection.ask_identity`)."""
+        with self.lock:
+            return marker is not None and self._tokens.get(marker) == MISSING
+
     def opened(self, address: Address, run_id: bytes | None, marker: bytes | None, token: bytes | None,
                again: bool) -> None:
         """A link opened a connection to ``address``, which told ``run_id`` and the ``token`` held in its
@@ -232,8 +240,9 @@ class Identities:
             remember(self._runs, address, run_id)
             if marker is not None and token is not None:
                 remember(self._tokens, marker, token)
-            pairs = [(token, then_token), *([(run_id, then_run)] if seen else [])]
-            compared = [now != then for now, then in pairs if now is not None and then is not None]
+            compared = [run_id != then_run] if seen and run_id is not None and then_run is not None else []
+            if token is not None and then_token is not None:  # a token after MISSING: the loss was counted then
+                compared.append(then_token != MISSING and token != then_token)
             if any(compared) if compared else seen and (run_id != then_run or (run_id is None and again)):
                 self.changes += 1
 
@@ -795,7 +804,7 @@ class Link:
             else:
                 marker = self.identities.marker(address, self.topology.slots if self.cluster else None)
             conn.ask_identity(functools.partial(self._let_in, address, conn, address in self._opened, marker),
-                              marker)
+                              marker, plant=self.identities.missing(marker))
             remember(self._opened, address, None)
         conn.renew(deadline)
         return conn

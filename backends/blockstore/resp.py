@@ -36,9 +36,10 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-__all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions",
-           "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "NoRoom", "ProtocolRefusal",
-           "Redirect", "ServerError", "SlotUnserved", "command", "error_reply", "key_slot", "node_host"]
+__all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "MISSING", "SLOTS", "Address",
+           "ConnectOptions", "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "NoRoom",
+           "ProtocolRefusal", "Redirect", "ServerError", "SlotUnserved", "command", "error_reply", "key_slot",
+           "node_host"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -208,8 +209,9 @@ class Connection:
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
         self._crlf = memoryview(bytearray(2))  # where a bulk's closing CRLF is received
-        self._asking: tuple[Told, bytes | None] | None = None  # identity to ask ahead of the next commands
-        self._told: tuple[Told, bytes | None] | None = None  # identity asked (the token offered): read first
+        self._asking: _Identity | None = None  # identity to ask ahead of the next commands
+        self._told: _Identity | None = None  # identity asked: its replies are read first
+        self._planting: _Identity | None = None  # a marker found missing, planted when the next call starts
         try:
             login = time.monotonic() + budget
             deadline, self.deadline = self.deadline, min(self.deadline, login)
@@ -234,28 +236,42 @@ class Connection:
             self.close()
             raise
 
-    def ask_identity(self, told: Told, marker: bytes | None = None) -> None:
+    def ask_identity(self, told: Told, marker: bytes | None = None, *, plant: bool = False) -> None:
         """Ask the server's identity with the next command sent, in the same round trip (its replies are read
         ahead of that command's), and give ``told`` what it answered: its ``run_id`` (``INFO server``: Valkey
-        and Redis give every run of a server a new one), and, given a ``marker`` key, the token held there
-        (``SET marker <token> NX GET``: the token already there, else a random one of this connection's, set
-        now; so a marker found missing, a server that lost its data, tells a token no connection was told
-        before). Either is ``None`` where the server does not tell it (``INFO`` refused: an ACL that does not
-        grant it, a command renamed away; the marker's ``SET`` refused or redirected)."""
-        self._asking = (told, marker)
+        and Redis give every run of a server a new one), and, given a ``marker`` key, the token held there.
+
+        Without ``plant``, the marker is only read (``GET``, a read: served while the server holds writes, as
+        ``CLIENT PAUSE WRITE`` does, so a connection opened then serves reads at once); one found missing (never
+        planted, or a server that lost its data) is told as :data:`MISSING` at once and planted when the next
+        call on this connection starts, ahead of its commands. With ``plant`` (a marker last found missing), it
+        is read and planted in the first round trip. A plant is ``SET marker <random token> NX GET``: the token
+        already there, else this connection's, set now (a deferred one tells the ``run_id`` told before). Either
+        is ``None`` where the server does not tell it (``INFO`` refused: an ACL that does not grant it, a command
+        renamed away; the marker's command refused or redirected; a deferred plant refused tells nothing)."""
+        self._asking = _Identity(told, marker, plant)
 
     def _read_identity(self) -> None:
         """Read the replies of the identity asked ahead of the commands (:meth:`ask_identity`) and tell it."""
         asked, self._told = self._told, None
         assert asked is not None, "an identity was asked"
-        told, token = asked
-        info = self._reply(0, _Allowance())
-        found = _RUN_ID.search(info) if isinstance(info, bytes) else None
+        run_id = asked.run_id
+        if asked.info:
+            info = self._reply(0, _Allowance())
+            found = _RUN_ID.search(info) if isinstance(info, bytes) else None
+            run_id = found.group(1) if found else None
         held = None
-        if token is not None:
+        if asked.marker is not None:
             reply = self._reply(0, _Allowance())
-            held = token if reply is None else reply if isinstance(reply, bytes) else None
-        told(found.group(1) if found else None, held)
+            if asked.plant:
+                held = asked.token if reply is None else reply if isinstance(reply, bytes) else None
+            elif reply is None:
+                held = MISSING
+                self._planting = _Identity(asked.told, asked.marker, True, run_id=run_id, info=False)
+            elif isinstance(reply, bytes):
+                held = reply
+        if asked.info or held is not None:
+            asked.told(run_id, held)
 
     def renew(self, deadline: float) -> None:
         """Start a new call, bounded by ``deadline``, on a connection that holds no reply: every reply so far was
@@ -266,6 +282,8 @@ class Connection:
         while idle (:class:`ConnectionClosedError`). Looking costs one receive that does not wait."""
         self.deadline = deadline
         self._waiting_since = None
+        if self._planting is not None:
+            self._asking, self._planting = self._planting, None
         if self._lo == self._hi:
             self._lo = self._hi = 0
             try:
@@ -298,13 +316,14 @@ class Connection:
         a TLS socket has no ``sendmsg``: runs of small buffers are joined, large ones sent as they are.
         """
         if self._asking is not None and parts:  # ask_identity's commands go first, with a command read after them
-            told, marker = self._asking
-            ahead = [_INFO_SERVER]
-            token = None
-            if marker is not None:
-                token = os.urandom(16).hex().encode()
-                ahead.append(command(b"SET", marker, token, b"NX", b"GET"))
-            self._told, self._asking = (told, token), None
+            asked = self._asking
+            ahead = [_INFO_SERVER] if asked.info else []
+            if asked.marker is not None and asked.plant:
+                asked.token = os.urandom(16).hex().encode()
+                ahead.append(command(b"SET", asked.marker, asked.token, b"NX", b"GET"))
+            elif asked.marker is not None:
+                ahead.append(command(b"GET", asked.marker))
+            self._told, self._asking = asked, None
             parts = [*ahead, *parts]
         if isinstance(self.sock, ssl.SSLSocket):
             self._send_tls(parts)
@@ -737,9 +756,27 @@ def _login_refusal(exc: ServerError) -> str:
     return f"{shown} (the server's message is not shown: it may quote the password)"
 
 
+MISSING = b""
+"""The token told for a marker key found missing (real tokens are 32 hex digits)."""
 Told = Callable[[bytes | None, bytes | None], None]
-"""What :meth:`Connection.ask_identity` tells: the server's ``run_id`` and the marker's token (each ``None``
-where the server does not tell it)."""
+"""What :meth:`Connection.ask_identity` tells: the server's ``run_id`` and the marker's token (:data:`MISSING`
+for a marker found missing; each ``None`` where the server does not tell it)."""
+
+
+@attrs.define
+class _Identity:
+    """An identity to ask (:meth:`Connection.ask_identity`): whom to tell, the marker key, whether the marker is
+    planted or only read, the token offered once a plant is sent, and whether ``INFO`` is asked too (a plant
+    deferred to the next call is not: it tells the ``run_id`` told with the marker found missing)."""
+
+    told: Told
+    marker: bytes | None
+    plant: bool
+    run_id: bytes | None = None
+    token: bytes | None = None
+    info: bool = True
+
+
 _INFO_SERVER = b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n"
 _RUN_ID = re.compile(rb"^run_id:([0-9a-f]{40})\r?$", re.MULTILINE)
 

@@ -282,6 +282,39 @@ def test_a_put_held_by_a_write_pause_never_marks_down_a_node_that_answers_the_ge
     store.close()
 
 
+def test_connections_opened_during_a_write_pause_read_the_restart_marker_and_serve_reads(own_server):
+    """A store that marks restarts (as the shared tier's does) opens its lookup and get connections while the
+    server holds writes (``CLIENT PAUSE WRITE``): their first round trip reads the marker (``GET``), never waits
+    on a write, so ``contains`` and ``get`` are served at once and nothing is marked down. Once writes resume,
+    the marker is in place and a restart is still told by it."""
+    address = ("127.0.0.1", own_server.port)
+    own_server.call(b"SET", b"kvkit:acme:a", b"x")
+    marked = _store(address)
+    marked.mark_restarts_under(b"kvkit:acme:")
+    assert _put(marked, [b"kvkit:acme:b"], [b"y"]).ok  # the marker found missing
+    assert _put(marked, [b"kvkit:acme:b"], [b"y"]).ok  # and planted ahead of the next call
+    marked.close()
+    store = _store(address)
+    store.mark_restarts_under(b"kvkit:acme:")
+    own_server.call(b"CLIENT", b"PAUSE", b"%d" % int(4000 * DEADLINE), b"WRITE")
+    try:
+        start = time.monotonic()
+        assert store.contains([b"kvkit:acme:a"]) == 1
+        result, buffers = _get(store, [b"kvkit:acme:a", b"kvkit:acme:b"], 1)
+        assert result.ok and buffers == [b"x", b"y"], result
+        assert time.monotonic() - start < 0.5 * DEADLINE, "a read waited on the paused writes"
+        assert store.down_nodes == {} and store.transport_failures == 0, store.down_nodes
+    finally:
+        own_server.call(b"CLIENT", b"UNPAUSE")
+    assert _put(store, [b"kvkit:acme:c"], [b"z"]).ok and store.restarts == 0
+    own_server.call(b"FLUSHALL")
+    own_server.call(b"CLIENT", b"KILL", b"TYPE", b"normal")
+    _reconnect_all(store, b"kvkit:acme:d")
+    assert store.restarts == 1
+    assert own_server.call(b"KEYS", b"kvkit:acme:restart-marker") == [b"kvkit:acme:restart-marker"]
+    store.close()
+
+
 @pytest.mark.parametrize("timeout", [math.inf, 1e10])
 def test_a_poll_of_any_length_waits_for_the_stalled_calls_deadline(own_server, timeout):
     """poll(timeout=math.inf), or longer than the platform's longest wait, returns when the call is reported
