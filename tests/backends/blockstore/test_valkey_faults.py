@@ -630,6 +630,30 @@ def test_a_marker_under_the_tenants_prefix_tells_restarts_and_flushes_where_info
         store.close()
 
 
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_marker_the_acl_lets_a_store_read_but_not_plant_never_hides_a_restart(binary):
+    """Under an ACL refusing ``INFO`` and the marker's ``SET`` (it may read every tenant key, write only blocks'),
+    the marker is never planted, so it cannot tell one run from the next: each reopened connection counts, as
+    where no marker is kept, and a restart is never taken for the same run."""
+    with LocalServer(_server_binary(binary)) as server:
+        server.call(b"ACL", b"SETUSER", b"kvkit-acme", b"on", b">kvkit-test-only", b"resetkeys", b"%R~kvkit:acme:*",
+                    b"%W~kvkit:acme:v2:*", b"resetchannels", b"-@all", b"+ping", b"+exists", b"+get", b"+set")
+        store = _store(("127.0.0.1", server.port), username="kvkit-acme", password="kvkit-test-only",
+                       request_timeout_s=2.0)
+        store.mark_restarts_under(b"kvkit:acme:")
+        key = b"kvkit:acme:v2:r"
+        for _ in range(2):
+            _reconnect_all(store, key)
+        assert server.call(b"EXISTS", b"kvkit:acme:restart-marker") == 0 and store.restarts == 0
+        server.kill()
+        server.start()
+        server.call(b"ACL", b"SETUSER", b"kvkit-acme", b"on", b">kvkit-test-only", b"resetkeys", b"%R~kvkit:acme:*",
+                    b"%W~kvkit:acme:v2:*", b"resetchannels", b"-@all", b"+ping", b"+exists", b"+get", b"+set")
+        _reconnect_all(store, key)
+        assert store.restarts >= 1, "a restart was taken for the same run"
+        store.close()
+
+
 def test_a_marker_per_cluster_node_tells_which_node_restarted_where_info_is_refused(valkey_cluster):
     """In a Cluster under the tenant ACL, each node holds a marker of its own (hash-tagged into its slots):
     connections every node closed and the links reopened count no restart; one node flushed counts one."""
