@@ -159,7 +159,9 @@ class ValkeyStore:
     server closed (while idle, or mid-call: killed, restarted) is reopened and
     the call retried once, unseen; a node with evidence against it (refused,
     broken, stalled) fails its keys at once for ``retry_interval_s`` while the
-    other nodes serve theirs. The slot map comes from the first node that
+    other nodes serve theirs. A node with no room for one more connection
+    (``maxclients``) while it serves another of the store's is full, not down:
+    only the link it refused fails its keys, refused. The slot map comes from the first node that
     answers it; a stalled node holds that read up for at most its share of
     the deadline.
 
