@@ -22,12 +22,14 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.blockstore.resp import (
+    MISSING,
     SLOTS,
     Address,
     Connection,
     ConnectionClosedError,
     ConnectOptions,
     DeadlineExceeded,
+    NoRoom,
     ProtocolRefusal,
     Redirect,
     ServerError,
@@ -44,12 +46,13 @@ MAX_NODES = 1000
 """The most nodes a link is connected to at once (the Cluster specification's largest Cluster): a slot map naming
 more is refused, and a key whose node would be one more fails (:meth:`Link._admit`), so no server's answers make a
 link hold more sockets, or its crew more threads."""
+K = TypeVar("K")
 V = TypeVar("V")
 
 
-def remember(nodes: dict[Address, V], address: Address, value: V) -> None:
+def remember(nodes: dict[K, V], address: K, value: V) -> None:
     """Set ``nodes[address] = value`` as the newest entry, first forgetting the oldest entries beyond
-    :data:`MAX_NODES` (no server's answers, naming ever new nodes, grow ``nodes`` without bound)."""
+    :data:`MAX_NODES` (no server's answers, naming ever new nodes or keys, grow ``nodes`` without bound)."""
     nodes.pop(address, None)
     while len(nodes) >= MAX_NODES:
         del nodes[next(iter(nodes))]
@@ -85,7 +88,9 @@ class NodeHealth:
     on a call again right after it was reopened for it, a reply that is not RESP, a reply saying the
     node serves no command for now (``-NOAUTH``: the connection is not logged in; ``-LOADING``: the
     dataset is still loading; ``-MASTERDOWN``: a replica lost its primary; ``-BUSY``: a script runs past
-    its time) or no connection (``-ERR max number of clients reached``), or a node that sent nothing
+    its time) or no connection (``-ERR max number of clients reached``, :class:`~kvkit.backends.blockstore.resp.NoRoom`,
+    unless the node serves another connection of a link sharing this health: :meth:`serving`; then it is full,
+    not down, and only the link refused fails its keys, as refused), or a node that sent nothing
     for at least half a call's deadline (stalled, whether the deadline then passed or the node closed
     the connection; asked for the slot map, at least half of its equal share of a call's deadline, see
     :meth:`Link.refresh`) while no link sharing this health read a reply from it (:meth:`heard`: a node
@@ -105,7 +110,30 @@ class NodeHealth:
     last_error: str = attrs.field(default="", init=False)
     _down: dict[Address, tuple[float, str]] = attrs.field(factory=dict, init=False)  # node -> (until, why)
     _heard: dict[Address, float] = attrs.field(factory=dict, init=False)  # node -> when a reply was last read
+    _let_in: dict[Address, set[Connection]] = attrs.field(factory=dict, init=False)  # node -> its open connections
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def let_in(self, address: Address, conn: Connection) -> None:
+        """``address`` answered the first commands of ``conn``, a connection a link holds open from now on."""
+        with self._lock:
+            self._let_in.setdefault(address, set()).add(conn)
+
+    def let_go(self, address: Address, conn: Connection) -> None:
+        """A link closed ``conn``, its connection to ``address``."""
+        with self._lock:
+            held = self._let_in.get(address)
+            if held is not None:
+                held.discard(conn)
+                if not held:
+                    del self._let_in[address]
+
+    def serving(self, address: Address) -> bool:
+        """Whether a link sharing this health holds a connection ``address`` let in (:meth:`let_in`): a node that
+        refuses one more connection for want of room (``maxclients``) while it serves these is full, not down.
+        Such a connection may have been closed by the server since, unseen until its link uses it again: that
+        link then finds the node full too, and once no link holds one the refusal is evidence again."""
+        with self._lock:
+            return address in self._let_in
 
     def heard(self, address: Address) -> None:
         """A link read replies from ``address`` just now (at most :data:`MAX_NODES` nodes are remembered)."""
@@ -155,21 +183,27 @@ _TAG_TRIES = 1 << 16
 @attrs.define(eq=False)
 class Identities:
     """What server each node was when a connection to it was last opened, shared by the links of one store: its
-    ``run_id`` (``INFO server``) and, given a ``prefix`` (keys the store's user may write: a tenant's), the token
-    of its marker key (:meth:`marker`; a marker found missing, the server's data lost since, is given a token of
-    its own, one no connection was told before).
+    ``run_id`` (``INFO server``), per node address, and, given a ``prefix`` (keys the store's user may write: a
+    tenant's), the token held in each marker key (:meth:`marker`; :data:`~kvkit.backends.blockstore.resp.MISSING`
+    for a marker found missing, the data of its slots lost since, which the connection then plants with a token
+    of its own, one no connection was told before: told next, that is no change), per key: a marker travels with
+    its slot's data, so a Cluster node that takes over a slot (a replica promoted, at another address) is
+    compared with the token its slot's data held before.
 
     ``changes`` counts the connections that found a node may hold another server's contents than before: one
-    whose ``run_id`` or marker token differs from the last one seen there (a restart, a restart from an older
-    snapshot, a flush, another server at the address), or, where neither can be compared (``INFO`` refused, as
-    an ACL does, and no marker told then and now), one whose ``run_id`` is no longer told or one reopened by a
-    link that had a connection to it before (it may have restarted). The first connection to a node is no
-    change. At most :data:`MAX_NODES` nodes are remembered (:func:`remember`). Thread-safe.
+    whose ``run_id`` differs from the last one seen at its address, or whose marker holds another token than the
+    last one seen in that key (a restart, a restart from an older snapshot, a flush, another server at the
+    address, a replica promoted without the marker: one that had not received it), or, where neither can be
+    compared (``INFO`` refused, as an ACL does, and no marker told then and now), one whose ``run_id`` is no longer
+    told or one reopened by a link that had a connection to that node before (it may have restarted). A
+    connection with nothing seen before to compare with (the first to a node, its marker key new) is no change.
+    At most :data:`MAX_NODES` nodes and as many marker keys are remembered (:func:`remember`). Thread-safe.
     """
 
     changes: int = attrs.field(default=0, init=False)
     prefix: bytes | None = attrs.field(default=None, init=False)
-    _seen: dict[Address, tuple[bytes | None, bytes | None]] = attrs.field(factory=dict, init=False)
+    _runs: dict[Address, bytes | None] = attrs.field(factory=dict, init=False)  # node -> run_id last told
+    _tokens: dict[bytes, bytes] = attrs.field(factory=dict, init=False)  # marker key -> token last told
     lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
     def marker(self, address: Address, slots: list[Address] | None) -> bytes | None:
@@ -189,20 +223,27 @@ class Identities:
                     return key
         return None
 
-    def opened(self, address: Address, run_id: bytes | None, token: bytes | None, again: bool) -> None:
-        """A link opened a connection to ``address``, which told ``run_id`` and its marker's ``token``; ``again``:
-        the link had one before."""
+    def missing(self, marker: bytes | None) -> bool:
+        """Whether ``marker`` was last found missing (no token told since): a connection then plants it; else it
+        only reads it (:meth:`~kvkit.backends.blockstore.resp.Connection.ask_identity`)."""
         with self.lock:
-            before = self._seen.get(address)
-            remember(self._seen, address, (run_id, token))
-            if before is None:
-                return
-            pairs = [(now, then) for now, then in zip((run_id, token), before) if now is not None and then is not None]
-            if pairs:
-                changed = any(now != then for now, then in pairs)
-            else:
-                changed = run_id != before[0] or (run_id is None and again)
-            if changed:
+            return marker is not None and self._tokens.get(marker) == MISSING
+
+    def opened(self, address: Address, run_id: bytes | None, marker: bytes | None, token: bytes | None,
+               again: bool) -> None:
+        """A link opened a connection to ``address``, which told ``run_id`` and the ``token`` held in its
+        ``marker`` key; ``again``: the link had one before."""
+        with self.lock:
+            seen = address in self._runs
+            then_run = self._runs.get(address)
+            then_token = self._tokens.get(marker) if marker is not None else None
+            remember(self._runs, address, run_id)
+            if marker is not None and token is not None:
+                remember(self._tokens, marker, token)
+            compared = [run_id != then_run] if seen and run_id is not None and then_run is not None else []
+            if token is not None and then_token is not None:  # a token after MISSING: the loss was counted then
+                compared.append(then_token != MISSING and token != then_token)
+            if any(compared) if compared else seen and (run_id != then_run or (run_id is None and again)):
                 self.changes += 1
 
 
@@ -434,7 +475,14 @@ class Link:
                     pending += left
                     asked.update(left_asked)
                     continue
-                why = self._failed(address, exc, explained=refused)
+                full = self._full(address, exc)
+                why = self._failed(address, exc, explained=refused or full)
+                if full:  # the node serves the other links: these keys are refused, not unreached
+                    refusal = ServerError(why.removeprefix("transport: ") + " (it serves this store's other "
+                                                                             "connections: full, not down)")
+                    for i in left:
+                        outcomes[i] = refusal
+                    continue
                 for i in left:
                     outcomes[i] = Unreachable(why)
                     unserved[i] = address
@@ -562,7 +610,8 @@ class Link:
         map read again); answer the keys' reason.
 
         A deadline that passed is evidence when the node stalled (:meth:`_stalled`). A failure the server
-        ``explained`` (it closed the connection right after refusing a command) is none.
+        ``explained`` (it closed the connection right after refusing a command, or refused it for want of room
+        while it serves the other links: :meth:`_full`) is none.
         """
         self._drop(address)
         why = f"transport: {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
@@ -573,6 +622,11 @@ class Link:
             if remap:
                 self.topology.outdated()  # in a Cluster, a failover may move its slots
         return why
+
+    def _full(self, address: Address, exc: BaseException) -> bool:
+        """Whether ``exc`` is ``address`` refusing this link's new connection for want of room (``maxclients``)
+        while it serves a connection of another link sharing the health (:meth:`NodeHealth.serving`)."""
+        return isinstance(exc, NoRoom) and self.health.serving(address)
 
     def _stalled(self, exc: BaseException, shares: int = 1, address: Address | None = None) -> bool:
         """Whether ``exc`` (a deadline that passed, a connection the server closed) came after the node sent nothing
@@ -680,7 +734,8 @@ class Link:
             try:
                 slots = _slot_map(self._conn(address, share).call(b"CLUSTER", b"SLOTS"), address)
             except (OSError, ValueError) as exc:
-                last = self._failed(address, exc, remap=False, shares=len(candidates))
+                last = self._failed(address, exc, remap=False, shares=len(candidates),
+                                    explained=self._full(address, exc))
                 continue
             except ServerError as exc:
                 last = f"transport: {address[0]}:{address[1]} refused CLUSTER SLOTS: {exc}"
@@ -748,16 +803,24 @@ class Link:
                 marker = None  # no map to find the node's slots in yet: its identity is the run_id alone
             else:
                 marker = self.identities.marker(address, self.topology.slots if self.cluster else None)
-            conn.ask_identity(functools.partial(self.identities.opened, address, again=address in self._opened),
-                              marker)
+            conn.ask_identity(functools.partial(self._let_in, address, conn, address in self._opened, marker),
+                              marker, plant=self.identities.missing(marker))
             remember(self._opened, address, None)
         conn.renew(deadline)
         return conn
+
+    def _let_in(self, address: Address, conn: Connection, again: bool, marker: bytes | None, run_id: bytes | None,
+                token: bytes | None) -> None:
+        """``address`` answered ``conn``'s first commands, telling ``run_id`` and the ``token`` in its ``marker``
+        key (``again``: this link had a connection to it before)."""
+        self.health.let_in(address, conn)
+        self.identities.opened(address, run_id, marker, token, again)
 
     def _drop(self, address: Address) -> None:
         conn = self._conns.pop(address, None)
         if conn is not None:
             conn.close()
+            self.health.let_go(address, conn)
 
 
 def _closed_by_server(exc: BaseException) -> bool:

@@ -36,9 +36,10 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-__all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "SLOTS", "Address", "ConnectOptions",
-           "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "ProtocolRefusal", "Redirect",
-           "ServerError", "SlotUnserved", "command", "error_reply", "key_slot", "node_host"]
+__all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "MISSING", "SLOTS", "Address",
+           "ConnectOptions", "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "NoRoom",
+           "ProtocolRefusal", "Redirect", "ServerError", "SlotUnserved", "command", "error_reply", "key_slot",
+           "node_host"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -112,6 +113,13 @@ class ConnectionClosedError(ConnectionError):
     def __init__(self, message: str, stalled_s: float) -> None:
         super().__init__(message)
         self.stalled_s = stalled_s
+
+
+class NoRoom(ConnectionRefusedError):  # noqa: N818 - a refusal, as ConnectionRefusedError is
+    """``-ERR max number of clients reached``: the server has its ``maxclients`` clients and closes this new
+    connection. Evidence against the node unless it serves other connections of the same store (see
+    :class:`~kvkit.backends.blockstore.link.NodeHealth`): then it is full, not down, and only the link that
+    could not connect fails its keys."""
 
 
 @attrs.frozen
@@ -201,8 +209,9 @@ class Connection:
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
         self._crlf = memoryview(bytearray(2))  # where a bulk's closing CRLF is received
-        self._asking: tuple[Told, bytes | None] | None = None  # identity to ask ahead of the next commands
-        self._told: tuple[Told, bytes | None] | None = None  # identity asked (the token offered): read first
+        self._asking: _Identity | None = None  # identity to ask ahead of the next commands
+        self._told: _Identity | None = None  # identity asked: its replies are read first
+        self._planting: _Identity | None = None  # a marker found missing, planted when the next call starts
         try:
             login = time.monotonic() + budget
             deadline, self.deadline = self.deadline, min(self.deadline, login)
@@ -227,36 +236,54 @@ class Connection:
             self.close()
             raise
 
-    def ask_identity(self, told: Told, marker: bytes | None = None) -> None:
+    def ask_identity(self, told: Told, marker: bytes | None = None, *, plant: bool = False) -> None:
         """Ask the server's identity with the next command sent, in the same round trip (its replies are read
         ahead of that command's), and give ``told`` what it answered: its ``run_id`` (``INFO server``: Valkey
-        and Redis give every run of a server a new one), and, given a ``marker`` key, the token held there
-        (``SET marker <token> NX GET``: the token already there, else a random one of this connection's, set
-        now; so a marker found missing, a server that lost its data, tells a token no connection was told
-        before). Either is ``None`` where the server does not tell it (``INFO`` refused: an ACL that does not
-        grant it, a command renamed away; the marker's ``SET`` refused or redirected)."""
-        self._asking = (told, marker)
+        and Redis give every run of a server a new one), and, given a ``marker`` key, the token held there.
+
+        Without ``plant``, the marker is only read (``GET``, a read: served while the server holds writes, as
+        ``CLIENT PAUSE WRITE`` does, so a connection opened then serves reads at once); one found missing (never
+        planted, or a server that lost its data) is told as :data:`MISSING` at once and planted when the next
+        call on this connection starts, ahead of its commands. With ``plant`` (a marker last found missing), it
+        is read and planted in the first round trip. A plant is ``SET marker <random token> NX GET``: the token
+        already there, else this connection's, set now (a deferred one tells the ``run_id`` told before). Either
+        is ``None`` where the server does not tell it (``INFO`` refused: an ACL that does not grant it, a command
+        renamed away; the marker's command refused or redirected; a deferred plant refused tells nothing)."""
+        self._asking = _Identity(told, marker, plant)
 
     def _read_identity(self) -> None:
         """Read the replies of the identity asked ahead of the commands (:meth:`ask_identity`) and tell it."""
         asked, self._told = self._told, None
         assert asked is not None, "an identity was asked"
-        told, token = asked
-        info = self._reply(0, _Allowance())
-        found = _RUN_ID.search(info) if isinstance(info, bytes) else None
+        run_id = asked.run_id
+        if asked.info:
+            info = self._reply(0, _Allowance())
+            found = _RUN_ID.search(info) if isinstance(info, bytes) else None
+            run_id = found.group(1) if found else None
         held = None
-        if token is not None:
+        if asked.marker is not None:
             reply = self._reply(0, _Allowance())
-            held = token if reply is None else reply if isinstance(reply, bytes) else None
-        told(found.group(1) if found else None, held)
+            if asked.plant:
+                held = asked.token if reply is None else reply if isinstance(reply, bytes) else None
+            elif reply is None:
+                held = MISSING
+                self._planting = _Identity(asked.told, asked.marker, True, run_id=run_id, info=False)
+            elif isinstance(reply, bytes):
+                held = reply
+        if asked.info or held is not None:
+            asked.told(run_id, held)
 
     def renew(self, deadline: float) -> None:
         """Start a new call, bounded by ``deadline``, on a connection that holds no reply: every reply so far was
         read by the call that asked for it, so one there now is a reply to no command (``ConnectionError``: taken
-        for the next command's, it would answer that one), and an end of file is a connection the server closed
+        for the next command's, it would answer that one; but an error line that says why the server serves the
+        connection nothing, as a server with its ``maxclients`` clients sends a new one unasked, raises what
+        :func:`error_reply` raises for it: :class:`NoRoom`), and an end of file is a connection the server closed
         while idle (:class:`ConnectionClosedError`). Looking costs one receive that does not wait."""
         self.deadline = deadline
         self._waiting_since = None
+        if self._planting is not None:
+            self._asking, self._planting = self._planting, None
         if self._lo == self._hi:
             self._lo = self._hi = 0
             try:
@@ -267,6 +294,9 @@ class Connection:
                 raise self._closed(f"the server reset the connection: {exc}") from None
             if not self._hi:
                 raise self._closed("the server closed the connection")
+        end = self._buf.find(_CRLF, self._lo, self._hi)
+        if self._buf[self._lo:self._lo + 1] == b"-" and end >= 0:
+            error_reply(bytes(self._view[self._lo + 1:end]))  # raises for a refusal of the connection
         raise ConnectionError(f"protocol error: the server sent {self._hi - self._lo} bytes no command asked for: "
                               f"{bytes(self._view[self._lo:self._lo + 40])!r}")
 
@@ -286,13 +316,14 @@ class Connection:
         a TLS socket has no ``sendmsg``: runs of small buffers are joined, large ones sent as they are.
         """
         if self._asking is not None and parts:  # ask_identity's commands go first, with a command read after them
-            told, marker = self._asking
-            ahead = [_INFO_SERVER]
-            token = None
-            if marker is not None:
-                token = os.urandom(16).hex().encode()
-                ahead.append(command(b"SET", marker, token, b"NX", b"GET"))
-            self._told, self._asking = (told, token), None
+            asked = self._asking
+            ahead = [_INFO_SERVER] if asked.info else []
+            if asked.marker is not None and asked.plant:
+                asked.token = os.urandom(16).hex().encode()
+                ahead.append(command(b"SET", asked.marker, asked.token, b"NX", b"GET"))
+            elif asked.marker is not None:
+                ahead.append(command(b"GET", asked.marker))
+            self._told, self._asking = asked, None
             parts = [*ahead, *parts]
         if isinstance(self.sock, ssl.SSLSocket):
             self._send_tls(parts)
@@ -725,9 +756,27 @@ def _login_refusal(exc: ServerError) -> str:
     return f"{shown} (the server's message is not shown: it may quote the password)"
 
 
+MISSING = b""
+"""The token told for a marker key found missing (real tokens are 32 hex digits)."""
 Told = Callable[[bytes | None, bytes | None], None]
-"""What :meth:`Connection.ask_identity` tells: the server's ``run_id`` and the marker's token (each ``None``
-where the server does not tell it)."""
+"""What :meth:`Connection.ask_identity` tells: the server's ``run_id`` and the marker's token (:data:`MISSING`
+for a marker found missing; each ``None`` where the server does not tell it)."""
+
+
+@attrs.define
+class _Identity:
+    """An identity to ask (:meth:`Connection.ask_identity`): whom to tell, the marker key, whether the marker is
+    planted or only read, the token offered once a plant is sent, and whether ``INFO`` is asked too (a plant
+    deferred to the next call is not: it tells the ``run_id`` told with the marker found missing)."""
+
+    told: Told
+    marker: bytes | None
+    plant: bool
+    run_id: bytes | None = None
+    token: bytes | None = None
+    info: bool = True
+
+
 _INFO_SERVER = b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n"
 _RUN_ID = re.compile(rb"^run_id:([0-9a-f]{40})\r?$", re.MULTILINE)
 
@@ -758,7 +807,7 @@ def error_reply(text: bytes) -> ServerError | Redirect:
 
     A reply saying the node serves no command for now (:data:`_UNUSABLE`: ``NOAUTH``, ``LOADING``,
     ``MASTERDOWN``, ``BUSY``; :data:`_UNAUTHENTICATED`), or no connection (:data:`_NO_ROOM`: ``maxclients``
-    reached), raises
+    reached: :class:`NoRoom`), raises
     ``ConnectionRefusedError`` instead: like a refused login, that is evidence against the node
     (marked down, tried again after its retry interval), not a key's failure.
     ``MISCONF`` (writes refused, reads served) stays a ``ServerError``: it fails the writes only.
@@ -771,8 +820,8 @@ def error_reply(text: bytes) -> ServerError | Redirect:
     if text.startswith(_UNAUTHENTICATED):
         raise ConnectionRefusedError(f"the server answered {shown(text[:60])!r}: {_UNUSABLE[b'NOAUTH']}")
     if text.startswith(_NO_ROOM):
-        raise ConnectionRefusedError(f"the server answered {_NO_ROOM.decode()!r}: it has its maxclients clients "
-                                     f"and closes the connection")
+        raise NoRoom(f"the server answered {_NO_ROOM.decode()!r}: it has its maxclients clients and closes the "
+                     f"connection")
     if len(parts) == 3 and parts[0] in (b"MOVED", b"ASK"):
         host, _, port = parts[2].rpartition(b":")
         if parts[1].isdigit() and port.isdigit() and int(parts[1]) < SLOTS and 0 < int(port) < 65536:

@@ -159,7 +159,9 @@ class ValkeyStore:
     server closed (while idle, or mid-call: killed, restarted) is reopened and
     the call retried once, unseen; a node with evidence against it (refused,
     broken, stalled) fails its keys at once for ``retry_interval_s`` while the
-    other nodes serve theirs. The slot map comes from the first node that
+    other nodes serve theirs. A node with no room for one more connection
+    (``maxclients``) while it serves another of the store's is full, not down:
+    only the link it refused fails its keys, refused. The slot map comes from the first node that
     answers it; a stalled node holds that read up for at most its share of
     the deadline.
 
@@ -303,9 +305,11 @@ class ValkeyStore:
     def mark_restarts_under(self, prefix: bytes) -> None:
         """Tell a server's restarts, flushes and lost data by a marker key under ``prefix`` (keys this store's
         user may ``SET`` and ``GET``: its tenant's, ``kvkit:<tenant>:``), as well as by ``run_id``: each
-        connection opened from now on sends ``SET <prefix>restart-marker <random token> NX GET`` with its first
-        commands, in their round trip, and a token other than the one found there before counts in
-        :attr:`restarts` (one per node of a Cluster, hash-tagged into its slots). So a user refused ``INFO``
+        connection opened from now on reads ``<prefix>restart-marker`` with its first commands, in their round
+        trip (``GET``: served while the server holds writes), and a token other than the one found there
+        before, or none, counts in :attr:`restarts` (one per node of a Cluster, hash-tagged into its slots); a
+        marker found missing is planted (``SET ... <random token> NX GET``, see
+        :meth:`~kvkit.backends.blockstore.resp.Connection.ask_identity`). So a user refused ``INFO``
         (the tenant ACL of docs/shared-tier.md) reopens connections (a server's ``timeout``) without counting a
         restart. ``ConfigError`` (quoting it) for a ``prefix`` that is not ``bytes`` or holds a ``{`` (a hash
         tag of its own would put every node's marker in one slot); the last prefix given is used."""

@@ -4,6 +4,7 @@ a build refused after the store was opened. Every step is bounded, none raises, 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import warnings
@@ -189,6 +190,34 @@ def test_the_lookups_of_one_step_through_a_far_link_wait_one_deadline_in_all(ser
         assert eb.integrity_errors == 0 and b.shared_counts["invalid_values"] == 0
         b.check_invariants()
         b.close(timeout=3.0)
+
+
+def test_a_server_with_room_for_two_of_the_stores_connections_keeps_the_tier_on():
+    """``maxclients`` lets the second instance's lookup and get connections in and refuses its put connection
+    (another client holds the last place): its shared hit is fetched, its puts fail refused, and its probe
+    (a put) too, which keeps the tier on: no outage, nothing forgotten, the hits keep coming. Once the other
+    client left, its puts land."""
+    with LocalServer(server_binary_or_skip(), args=["--maxclients", "3"]) as full:
+        a, ea = instance(full.url + FAST)
+        serve(ea, "a")
+        a.close()
+        with socket.create_connection(("127.0.0.1", full.port), timeout=5.0) as other:
+            other.sendall(b"PING\r\n")
+            assert other.recv(7) == b"+PONG\r\n"
+            b, eb = instance(full.url + FAST)
+            req = serve(eb, "b", [*PROMPT[:36], *range(600, 620)])  # the lookup and get links take two places
+            assert req.cpu_hit_tokens == 36 and b.stats.blocks_fetched.value == 9
+            assert b.stats.puts_failed.value > 0 and b.stats.shared_probes.value > 0
+            assert b.stats.shared_outages.value == 0 and b.manager.shared_status in ("on", "suspect")
+            forget_locally(b, eb)
+            assert serve(eb, "b2").cpu_hit_tokens == 36, "the tier stopped serving hits"
+            assert b.shared_store.down_nodes == {}
+        forget_locally(b, eb)
+        serve(eb, "b3", [*range(700, 740)])
+        assert b.stats.blocks_put.value >= 10, "the puts did not land once there was room"
+        assert b.stats.shared_outages.value == 0 and eb.integrity_errors == 0
+        b.check_invariants()
+        b.close()
 
 
 def test_a_second_instance_finds_the_shared_tokens_after_the_server_closed_idle_connections():

@@ -282,6 +282,39 @@ def test_a_put_held_by_a_write_pause_never_marks_down_a_node_that_answers_the_ge
     store.close()
 
 
+def test_connections_opened_during_a_write_pause_read_the_restart_marker_and_serve_reads(own_server):
+    """A store that marks restarts (as the shared tier's does) opens its lookup and get connections while the
+    server holds writes (``CLIENT PAUSE WRITE``): their first round trip reads the marker (``GET``), never waits
+    on a write, so ``contains`` and ``get`` are served at once and nothing is marked down. Once writes resume,
+    the marker is in place and a restart is still told by it."""
+    address = ("127.0.0.1", own_server.port)
+    own_server.call(b"SET", b"kvkit:acme:a", b"x")
+    marked = _store(address)
+    marked.mark_restarts_under(b"kvkit:acme:")
+    assert _put(marked, [b"kvkit:acme:b"], [b"y"]).ok  # the marker found missing
+    assert _put(marked, [b"kvkit:acme:b"], [b"y"]).ok  # and planted ahead of the next call
+    marked.close()
+    store = _store(address)
+    store.mark_restarts_under(b"kvkit:acme:")
+    own_server.call(b"CLIENT", b"PAUSE", b"%d" % int(4000 * DEADLINE), b"WRITE")
+    try:
+        start = time.monotonic()
+        assert store.contains([b"kvkit:acme:a"]) == 1
+        result, buffers = _get(store, [b"kvkit:acme:a", b"kvkit:acme:b"], 1)
+        assert result.ok and buffers == [b"x", b"y"], result
+        assert time.monotonic() - start < 0.5 * DEADLINE, "a read waited on the paused writes"
+        assert store.down_nodes == {} and store.transport_failures == 0, store.down_nodes
+    finally:
+        own_server.call(b"CLIENT", b"UNPAUSE")
+    assert _put(store, [b"kvkit:acme:c"], [b"z"]).ok and store.restarts == 0
+    own_server.call(b"FLUSHALL")
+    own_server.call(b"CLIENT", b"KILL", b"TYPE", b"normal")
+    _reconnect_all(store, b"kvkit:acme:d")
+    assert store.restarts == 1
+    assert own_server.call(b"KEYS", b"kvkit:acme:restart-marker") == [b"kvkit:acme:restart-marker"]
+    store.close()
+
+
 @pytest.mark.parametrize("timeout", [math.inf, 1e10])
 def test_a_poll_of_any_length_waits_for_the_stalled_calls_deadline(own_server, timeout):
     """poll(timeout=math.inf), or longer than the platform's longest wait, returns when the call is reported
@@ -597,6 +630,30 @@ def test_a_marker_under_the_tenants_prefix_tells_restarts_and_flushes_where_info
         store.close()
 
 
+@pytest.mark.parametrize("binary", _binaries())
+def test_a_marker_the_acl_lets_a_store_read_but_not_plant_never_hides_a_restart(binary):
+    """Under an ACL refusing ``INFO`` and the marker's ``SET`` (it may read every tenant key, write only blocks'),
+    the marker is never planted, so it cannot tell one run from the next: each reopened connection counts, as
+    where no marker is kept, and a restart is never taken for the same run."""
+    with LocalServer(_server_binary(binary)) as server:
+        server.call(b"ACL", b"SETUSER", b"kvkit-acme", b"on", b">kvkit-test-only", b"resetkeys", b"%R~kvkit:acme:*",
+                    b"%W~kvkit:acme:v2:*", b"resetchannels", b"-@all", b"+ping", b"+exists", b"+get", b"+set")
+        store = _store(("127.0.0.1", server.port), username="kvkit-acme", password="kvkit-test-only",
+                       request_timeout_s=2.0)
+        store.mark_restarts_under(b"kvkit:acme:")
+        key = b"kvkit:acme:v2:r"
+        for _ in range(2):
+            _reconnect_all(store, key)
+        assert server.call(b"EXISTS", b"kvkit:acme:restart-marker") == 0 and store.restarts == 0
+        server.kill()
+        server.start()
+        server.call(b"ACL", b"SETUSER", b"kvkit-acme", b"on", b">kvkit-test-only", b"resetkeys", b"%R~kvkit:acme:*",
+                    b"%W~kvkit:acme:v2:*", b"resetchannels", b"-@all", b"+ping", b"+exists", b"+get", b"+set")
+        _reconnect_all(store, key)
+        assert store.restarts >= 1, "a restart was taken for the same run"
+        store.close()
+
+
 def test_a_marker_per_cluster_node_tells_which_node_restarted_where_info_is_refused(valkey_cluster):
     """In a Cluster under the tenant ACL, each node holds a marker of its own (hash-tagged into its slots):
     connections every node closed and the links reopened count no restart; one node flushed counts one."""
@@ -631,6 +688,43 @@ def test_a_marker_per_cluster_node_tells_which_node_restarted_where_info_is_refu
             node.call(b"FLUSHALL")
 
 
+@pytest.mark.parametrize("behind", [True, False], ids=["behind", "synchronised"])
+def test_a_replica_promoted_without_the_marker_counts_a_restart_and_one_that_has_it_none(partial_cluster, behind):
+    """A Cluster node's replica takes over its slots (its primary killed, ``CLUSTER FAILOVER TAKEOVER``), at an
+    address the store never connected to. A replica that had not received the primary's latest writes (it was
+    stopped while they queued behind 32 MiB of others, lost with the primary) lacks the store's values and its
+    marker: the store counts one restart, so the tier forgets what it remembered as put there. A replica that
+    had received everything holds the marker's token: no restart."""
+    cluster = partial_cluster
+    replica = cluster.add_replica(0)
+    primary = cluster.nodes[0]
+    tag = next(b"%d" % n for n in range(1000) if _owner(cluster, b"%d" % n) == 0)
+    if behind:
+        replica.pause()
+        for i in range(32):  # more than the sockets buffer: the store's writes stay in the primary
+            primary.call(b"SET", b"junk{%s}:%d" % (tag, i), b"j" * (1 << 20))
+    store = ValkeyStore([("127.0.0.1", cluster.nodes[1].port)], cluster=True, request_timeout_s=DEADLINE,
+                        connect_timeout_s=DEADLINE, retry_interval_s=0.2)
+    store.mark_restarts_under(b"kvkit:acme:")
+    keys = [b"kvkit:acme:promoted:%d" % i for i in range(60)]
+    on_primary = [k for k in keys if _owner(cluster, k) == 0]
+    try:
+        assert _put(store, keys, [b"v"] * 60).ok and store.contains(keys) == 60
+        if not behind:
+            assert primary.call(b"WAIT", b"1", b"5000") == 1
+        primary.kill()
+        if behind:
+            replica.resume()
+        cluster.fail_over(replica)
+        held = sum(replica.call(b"EXISTS", k) for k in on_primary)
+        assert held == (0 if behind else len(on_primary)), held
+        assert _eventually(lambda: _put(store, on_primary[:1], [b"v"]).ok and store.contains(on_primary[:1]) == 1,
+                           10.0)  # the put and lookup links reach the new primary
+        assert store.restarts == (1 if behind else 0), store.restarts
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("binary", _binaries())
 def test_a_server_with_no_room_for_another_client_is_marked_down_until_it_has_room(binary):
     """``maxclients`` reached by other clients: the server answers a new connection ``-ERR max number of clients
@@ -659,6 +753,44 @@ def test_a_server_with_no_room_for_another_client_is_marked_down_until_it_has_ro
                 hog.close()
         assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok)
         assert store.contains([b"c"]) == 1
+        store.close()
+
+
+@pytest.mark.parametrize("binary", _binaries())
+@pytest.mark.parametrize("refused", ["put", "get"])
+def test_a_server_full_for_one_lanes_connection_is_not_marked_down_while_it_serves_the_others(binary, refused):
+    """``maxclients`` reached after two of the store's three links connected (the lookup's and one lane's): the
+    server refuses the third link's new connection (``-ERR max number of clients reached``). It serves the other
+    two, so it is full, not down: the refused lane's keys fail refused, none unreached (a shared tier's probe,
+    a put, keeps the tier on), nothing is marked down, and the other links go on serving at once. Once a client
+    left, the third link connects."""
+    with LocalServer(_server_binary(binary), args=["--maxclients", "3"]) as server:
+        address = ("127.0.0.1", server.port)
+        server.call(b"SET", b"a", b"x")
+        store = _store(address, retry_interval_s=30.0)
+        assert store.contains([b"a"]) == 1
+        if refused == "put":
+            assert _get(store, [b"a"], 1)[0].ok
+        else:
+            assert _put(store, [b"b"], [b"y"]).ok
+        with socket.create_connection(address, timeout=5.0) as hog:
+            hog.sendall(b"PING\r\n")
+            assert hog.recv(7) == b"+PONG\r\n"  # served: the server has no room left
+            for _ in range(2):
+                result = _put(store, [b"c", b"d"], [b"z"] * 2) if refused == "put" else _get(store, [b"a", b"b"], 1)[0]
+                assert result.failed == (0, 1) and result.unreached == (), result
+                assert "max number of clients" in result.error and not result.transport_failed, result
+                assert store.down_nodes == {} and store.transport_failures == 0, store.down_nodes
+                start = time.monotonic()
+                assert store.contains([b"a"]) == 1
+                if refused == "put":
+                    got, buffers = _get(store, [b"a"], 1)
+                    assert got.ok and buffers == [b"x"], got
+                else:
+                    assert _put(store, [b"e"], [b"w"]).ok
+                assert time.monotonic() - start < 0.8 * DEADLINE, "a link serving the node waited"
+        assert _eventually(lambda: _put(store, [b"c"], [b"z"]).ok and _get(store, [b"c"], 1)[0].ok)
+        assert store.transport_failures == 0
         store.close()
 
 
