@@ -543,3 +543,17 @@ def test_usage_errors_of_every_command_show_no_secret():
     assert sum("unexpected extra argument" in text for text in outputs) > 3
     assert sum("No such command" in text for text in outputs) >= 2
     _clean(*outputs)
+
+
+def test_usage_errors_raised_to_a_calling_program_hold_no_secret():
+    """A program that runs the CLI itself (``standalone_mode=False``) gets click's usage error masked, holding no
+    error that shows the password: neither the one click raised (a store URL as an extra argument, an unknown
+    command, a value of a number option) nor those click raised it from (the number's conversion quotes it)."""
+    url = f"valkey://:{PW}@127.0.0.1:1/0"
+    for args in (["simulate", url], ["bench", url], ["simulate", "--limit", url], ["bench", "shared", "--size", url],
+                 ["simulate", "--nosuch", url]):
+        with pytest.raises(click.UsageError) as info:
+            cli.main.main(args=args, standalone_mode=False)
+        assert "***" in info.value.format_message() or "--nosuch" in info.value.format_message(), args
+        _clean_error(info.value)
+        _clean(info.value.format_message())
