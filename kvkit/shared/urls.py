@@ -41,7 +41,7 @@ from kvkit.config import VALKEY_SCHEMES, parse_bytes, shown_url
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import BlockStore
 from kvkit.kept import read_kept
-from kvkit.redact import redact_address
+from kvkit.redact import SecretText, redact_address
 from kvkit.registry import SHARED
 from kvkit.validate import quote
 
@@ -174,7 +174,7 @@ def _kept_password(options: dict[str, Any]) -> dict[str, Any]:
     source = options.pop(key)
     kept = read_kept(key, source, _PASSWORD_SOURCES[key])
     try:
-        options["password"] = kept.decode()
+        options["password"] = SecretText(kept.decode())
         return options
     except UnicodeDecodeError:
         pass  # the decoder's error holds the password: raised without it as context (kvkit.redact)

@@ -21,6 +21,7 @@ from urllib.parse import quote as quote_url
 import attrs
 import click
 import pytest
+import rich.traceback
 from click.testing import CliRunner
 
 import kvkit
@@ -557,3 +558,49 @@ def test_usage_errors_raised_to_a_calling_program_hold_no_secret():
         assert "***" in info.value.format_message() or "--nosuch" in info.value.format_message(), args
         _clean_error(info.value)
         _clean(info.value.format_message())
+
+
+def _kvkit_frame_locals(exc: BaseException) -> list[str]:
+    """The locals of kvkit's frames in ``exc``'s traceback (causes and contexts included), as the standard
+    library's ``capture_locals`` (pytest's ``--showlocals`` alike: each local's repr) and rich's ``show_locals``
+    (its default of a string's first 80 characters) print them."""
+    ours = os.path.dirname(os.path.dirname(kvkit.__file__))
+    shown = []
+    for error in _held(exc):
+        summary = traceback.TracebackException(type(error), error, error.__traceback__, capture_locals=True)
+        shown += [f"{frame.name}: {frame.locals}" for frame in summary.stack
+                  if frame.filename.startswith(ours) and "/tests/" not in frame.filename]
+        trace = rich.traceback.Traceback.extract(type(error), error, error.__traceback__, show_locals=True)
+        shown += [f"{frame.name}: " + "; ".join(f"{name}={node.render()}" for name, node in frame.locals.items())
+                  for stack in trace.stacks for frame in stack.frames if frame.locals
+                  if frame.filename.startswith(ours) and "/tests/" not in frame.filename]
+    assert shown, "no kvkit frame in the traceback"
+    return shown
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["short", "longer-than-rich-shows"])
+def test_a_kept_secret_is_shown_in_no_frame_local_of_a_traceback(long, monkeypatch, tmp_path):
+    """A password or HMAC secret kvkit reads itself (``password_env``, ``password_file``, vLLM's ``secret_env``,
+    ``secret_file``) shows as ``'***'`` among the frame locals of every error raised after it was read (a later
+    option refused; a file others may read, with warnings as errors), as pytest's ``--showlocals`` and rich's
+    ``show_locals`` print them: the caller never held it, so only kvkit could show it."""
+    kept = (PW * 10 if long else PW), (SECRET * 10 if long else SECRET)
+    monkeypatch.setenv("KVKIT_TEST_PASSWORD", kept[0])
+    monkeypatch.setenv("KVKIT_TEST_SECRET", kept[1].decode())
+    readable = tmp_path / "readable"
+    readable.write_bytes(kept[1])
+    readable.chmod(0o644)
+    url = "valkey://127.0.0.1:1/0?password_env=KVKIT_TEST_PASSWORD"
+    calls: list[Callable[[], object]] = [
+        lambda: kvkit.open_block_store(url, request_timeout=1),  # an option no store takes
+        lambda: kvkit.open_block_store(url.replace("valkey:", "valkeys:"), tls_ca="/nonexistent/ca.pem"),
+        lambda: kvkit.open_block_store(f"valkey://127.0.0.1:1/0?password_file={readable}"),
+        lambda: _vllm({"shared": {"url": url, "secret_env": "KVKIT_TEST_SECRET", "tenant": "a b"}}),
+        lambda: _vllm({"shared": {"url": "valkey://127.0.0.1:1/0", "secret_file": str(readable)}}),
+    ]
+    for call in calls:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a file others may read is warned about: raised from inside the read
+            with pytest.raises((KVKitError, UserWarning)) as info:
+                call()
+        _clean(*_kvkit_frame_locals(info.value))
