@@ -22,6 +22,7 @@ from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.kept import read_kept
 from kvkit.redact import is_secret_name, redact_url
 from kvkit.registry import STORE
+from kvkit.shared.urls import PASSWORD_OPTIONS
 from kvkit.validate import check_bool, check_choice, check_int, did_you_mean, plural, problem_of, quote
 from kvkit.warn import warn
 from kvkit.worker.layouts import LAYOUTS
@@ -386,8 +387,9 @@ def warn_logged_password(where: str, url: object, options: Mapping[str, Any] | N
 def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``shared`` with its ``secret_env`` or ``secret_file`` read into ``secret``, and the problems.
 
-    A ``secret`` given as is is refused; the source is read by :mod:`kvkit.kept`'s
-    rules (messages name the variable or the file, never what it holds).
+    A ``secret`` given as is is refused, and so is a password (any secret-named key: not a ``SharedConfig``
+    field) or where one is kept: the store's password is named in its URL. The source is read by
+    :mod:`kvkit.kept`'s rules (messages name the variable or the file, never what it holds).
     """
     shared = dict(shared)
     where = f"{_EXTRA}['shared']"
@@ -396,6 +398,11 @@ def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         problems.append(f"{where}['secret']: not taken here (the extra config is on vLLM's command line and in "
                         f"its logs); name where every connector process reads it: secret_env (an environment "
                         f"variable) or secret_file (a file)")
+    for key in [key for key in shared if key in PASSWORD_OPTIONS or is_secret_name(key)]:
+        del shared[key]
+        logged = "" if key in PASSWORD_OPTIONS[1:] else " (the extra config is on vLLM's command line and in its logs)"
+        problems.append(f"{where}[{key!r}]: not taken here{logged}; the store's password is named in its URL, "
+                        f"where every connector process reads it: ?password_env=VAR or ?password_file=PATH")
     given = {key: shared.pop(key) for key in _SECRET_SOURCES if shared.get(key) is not None}
     if len(given) > 1:
         return shared, [*problems, f"{where}: secret_env and secret_file both name the secret; give one"]
