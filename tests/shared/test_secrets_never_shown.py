@@ -604,3 +604,17 @@ def test_a_kept_secret_is_shown_in_no_frame_local_of_a_traceback(long, monkeypat
             with pytest.raises((KVKitError, UserWarning)) as info:
                 call()
         _clean(*_kvkit_frame_locals(info.value))
+
+
+@pytest.mark.parametrize("shared", [{"url": f"valkey://:{PW}@127.0.0.1:1/0", "secret": SECRET, "tenant": "a b"},
+                                    f"valkey//:{PW}@127.0.0.1:1"], ids=["mapping", "mistyped-url"])
+def test_a_stack_config_whose_shared_tier_is_refused_shows_no_secret_while_it_is_checked(shared):
+    """A StackConfig whose shared tier is refused holds the mapping or URL as given while it is checked (no
+    SharedConfig could be made of it): the config, ``self`` among a traceback's frame locals, shows neither the
+    password nor the HMAC secret in its repr."""
+    with pytest.raises(KVKitError) as info:
+        kvkit.StackConfig(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared=shared)
+    configs = [frame.f_locals["self"] for frame, _ in traceback.walk_tb(info.value.__traceback__)
+               if isinstance(frame.f_locals.get("self"), kvkit.StackConfig)]
+    assert configs
+    _clean(*map(repr, configs))
