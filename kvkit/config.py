@@ -206,8 +206,10 @@ def _shown_url(value: object) -> str:
     return repr(shown_url(value)) if isinstance(value, str) else repr(value)
 
 
-def _shown_options(value: object) -> str:
-    """``StackConfig.options`` in a repr: a secret-named option (a component's ``api_token``) as ``***``."""
+def _redacted_repr(value: object) -> str:
+    """A :class:`StackConfig` field that may hold a secret, in a repr, as :func:`~kvkit.redact.redact` shows it:
+    ``options`` (a component's ``api_token``), and ``shared`` while it is a URL or mapping not yet made a
+    :class:`SharedConfig` (one refused: the config being checked is a traceback's frame local)."""
     return repr(redact(value))
 
 
@@ -363,8 +365,9 @@ class StackConfig:
     hash_algorithm: str = attrs.field(default=DEFAULTS.hash_algorithm, metadata=_text(str))
     cpu_layout: str | None = attrs.field(default=None, metadata=_text(str))
     wait_timeout_s: float = attrs.field(default=DEFAULTS.wait_timeout_s, metadata=_text(float))
-    options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict, repr=_shown_options)
-    shared: SharedConfig | None = attrs.field(default=None, converter=_as_shared, metadata=_text(str))
+    options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict, repr=_redacted_repr)
+    shared: SharedConfig | None = attrs.field(default=None, converter=_as_shared, repr=_redacted_repr,
+                                              metadata=_text(str))
 
     def __attrs_post_init__(self) -> None:
         problems = [

@@ -9,6 +9,8 @@ reads them: ``*_env`` (an environment variable's name) or ``*_file`` (a path). R
 * a ``file`` source is a path (a string or path-like) to a readable regular file of at most
   :data:`FILE_MAX` bytes; the secret is its bytes with one trailing newline (``\\n`` or ``\\r\\n``)
   dropped, and must not be empty;
+* the secret is a :class:`~kvkit.redact.SecretBytes` from its read on (its repr is ``'***'``, in a
+  traceback's frame locals too);
 * messages name the variable or the file, never what it holds; a source that is no string, or an
   ``env`` source that is no variable's name (the secret written there by mistake), is not shown
   (its type is); nor is a ``file`` source that names nothing there and is a relative path not
@@ -27,6 +29,7 @@ import stat
 from typing import Literal
 
 from kvkit.errors import ConfigError
+from kvkit.redact import SecretBytes
 from kvkit.warn import warn
 
 __all__ = ["FILE_MAX", "read_kept", "warn_exposed"]
@@ -59,15 +62,17 @@ def read_kept(label: str, source: object, kind: Literal["env", "file"]) -> bytes
         if not text:
             raise ConfigError(f"{label}={source!r}: the environment variable {source} is "
                               f"{'empty' if text == '' else 'not set'} in this process")
-        return os.fsencode(text)  # the variable's bytes as they are, UTF-8 or not
+        return SecretBytes(os.fsencode(text))  # the variable's bytes as they are, UTF-8 or not
+    problem: str | None = None  # an OSError names the path, the secret perhaps: raised below without it as context
     try:
         kept, mode = _small_file(source)
     except OSError as exc:
-        raise ConfigError(f"{_file_named(label, source)}: cannot be read: {exc.strerror or type(exc).__name__}"
-                          ) from None
+        problem = f"cannot be read: {exc.strerror or type(exc).__name__}"
     except ValueError as exc:
-        raise ConfigError(f"{_file_named(label, source)}: {exc}") from None
-    data = kept.removesuffix(b"\n").removesuffix(b"\r")
+        problem = str(exc)
+    if problem is not None:
+        raise ConfigError(f"{_file_named(label, source)}: {problem}")
+    data = SecretBytes(kept.removesuffix(b"\n").removesuffix(b"\r"))
     if not data:
         raise ConfigError(f"{label}={source!r}: the file is empty")
     warn_exposed(label, source, mode)
@@ -107,7 +112,7 @@ def _small_file(path: str) -> tuple[bytes, int]:
             raise ValueError("not a regular file (each process reads it whole: a FIFO or a device would wait or "
                              "never end)")
         with os.fdopen(fd, "rb", closefd=False) as file:
-            data = file.read(FILE_MAX + 1)
+            data = SecretBytes(file.read(FILE_MAX + 1))
     finally:
         os.close(fd)
     if len(data) > FILE_MAX:

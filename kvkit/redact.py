@@ -25,7 +25,12 @@ A *secret* is
   (kvkit refuses it), and may be the tail of a password holding an
   unencoded ``&``;
 * a value kvkit was told is secret (the shared tier's HMAC key): its field's
-  repr is :func:`secret_repr`, and a check of it names its type only;
+  repr is :func:`secret_repr`, and a check of it names its type only; one kvkit
+  reads itself from where it is kept (:mod:`kvkit.kept`: a password's
+  ``password_env``/``password_file``, vLLM's ``secret_env``/``secret_file``) is held
+  as :class:`SecretText` or :class:`SecretBytes` from the read on, whose repr (a
+  slice's too) is :func:`secret_repr`, so the frame locals a traceback prints
+  (pytest's ``--showlocals``, rich's ``show_locals``) show it as ``'***'``;
 * a PEM private key (``-----BEGIN ... PRIVATE KEY-----`` through its
   ``-----END ... PRIVATE KEY-----`` line, or to the end of the text when that
   is missing), wherever it is: a key's text given where its file's path
@@ -55,9 +60,15 @@ whether a secret is set is not a secret.
   kvkit's warnings, so a message built without :func:`~kvkit.validate.quote`
   is masked too.
 
+An error about an input that holds a secret is raised outside the handler of the
+error that found it (a decoder's, a parser's, the file system's, a server's): that
+error quotes the input, and ``raise ... from None`` hides it from a traceback but
+still holds it as ``__context__`` for whoever walks the chain.
+
 Invariant (``tests/test_redact.py``, ``tests/shared/test_secrets_never_shown.py``):
-a secret given to kvkit in any of these forms appears in none of its errors,
-reprs, warnings, CLI tables, JSON reports or child processes' argv.
+a secret given to kvkit in any of these forms appears in none of its errors (nor
+any error one holds as its cause or context), reprs, warnings, CLI tables, JSON
+reports or child processes' argv.
 """
 
 from __future__ import annotations
@@ -66,11 +77,13 @@ import difflib
 import functools
 import re
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, SupportsIndex, overload
 from urllib.parse import unquote, unquote_plus
 
-__all__ = ["MASK", "is_secret_name", "redact", "redact_address", "redact_options", "redact_text", "redact_url",
-           "secret_repr"]
+from typing_extensions import override
+
+__all__ = ["MASK", "SecretBytes", "SecretText", "is_secret_name", "redact", "redact_address", "redact_options",
+           "redact_text", "redact_url", "secret_repr"]
 
 MASK = "***"
 """What a secret is shown as."""
@@ -114,6 +127,43 @@ def _secret_name(name: str) -> bool:
 def secret_repr(value: object) -> str:
     """The repr of a secret field: ``None``, or ``'***'`` whatever it holds."""
     return "None" if value is None else repr(MASK)
+
+
+class SecretText(str):
+    """A text secret kvkit read (a password): a ``str`` in every use, but its repr, and a slice's (rich shows a
+    long string's head), is :func:`secret_repr`."""
+
+    __slots__ = ()
+
+    @override
+    def __repr__(self) -> str:
+        return secret_repr(self)
+
+    @override
+    def __getitem__(self, key: SupportsIndex | slice) -> SecretText:
+        return SecretText(str.__getitem__(self, key))
+
+
+class SecretBytes(bytes):
+    """A secret's bytes kvkit read: ``bytes`` in every use, but its repr, and a slice's, is :func:`secret_repr`."""
+
+    __slots__ = ()
+
+    @override
+    def __repr__(self) -> str:
+        return secret_repr(self)
+
+    @overload
+    def __getitem__(self, key: SupportsIndex) -> int: ...
+
+    @overload
+    def __getitem__(self, key: slice) -> SecretBytes: ...
+
+    @override
+    def __getitem__(self, key: SupportsIndex | slice) -> int | SecretBytes:
+        if isinstance(key, slice):
+            return SecretBytes(bytes.__getitem__(self, key))
+        return bytes.__getitem__(self, key)
 
 
 def redact_url(url: str) -> str:

@@ -254,13 +254,13 @@ def _attrs_classes() -> list[tuple[str, ast.ClassDef]]:
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("kvkit", "backends", "interfaces")
-_MASKING_REPRS = ("False", "secret_repr", "_shown_url", "_shown_options")
+_MASKING_REPRS = ("False", "secret_repr", "_shown_url", "_redacted_repr")
 
 
 def test_every_attrs_field_that_may_hold_a_secret_has_a_masking_repr():
     """The sweep behind every auto-generated repr: in every ``attrs`` class of kvkit's source (the backends and
     interfaces too), a field named as a secret (the redaction rule's names), a URL or a mapping of options is
-    shown through a masking repr (``secret_repr``, ``_shown_url``, ``_shown_options``) or not at all."""
+    shown through a masking repr (``secret_repr``, ``_shown_url``, ``_redacted_repr``) or not at all."""
     classes = _attrs_classes()
     assert len(classes) > 100 and any(name == "backends/blockstore/valkey.py:ValkeyStore" for name, _ in classes)
     unmasked = []

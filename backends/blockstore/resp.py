@@ -217,10 +217,13 @@ class Connection:
             deadline, self.deadline = self.deadline, min(self.deadline, login)
             if options.password is not None:
                 user = [options.username.encode()] if options.username else []
+                refusal = None  # the server's error may quote the password: raised below without it as context
                 try:
                     self.call(b"AUTH", *user, options.password.encode())
                 except ServerError as exc:
-                    raise ServerError(_login_refusal(exc)) from None
+                    refusal = _login_refusal(exc)
+                if refusal is not None:
+                    raise ServerError(refusal)
             if options.db:
                 self.call(b"SELECT", str(options.db).encode())
             self.deadline = deadline

@@ -59,13 +59,15 @@ def _optional_text(value: object, field: attrs.Attribute) -> str | None:
     """``value``: ``None`` or a string UTF-8 encodes (what the server is sent); the message never shows it whole."""
     if value is not None and not isinstance(value, str):
         raise ConfigError(f"ValkeyStore.{field.name}={quote(value)}: must be a string or None")
-    if value is not None:
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            raise ConfigError(f"ValkeyStore.{field.name}: holds a character UTF-8 cannot encode (a lone "
-                              f"surrogate, as undecodable bytes read from the environment or a file give)") from None
-    return value
+    if value is None:
+        return None
+    try:
+        value.encode()
+        return value
+    except UnicodeEncodeError:
+        pass  # the encoder's error holds the string, a password perhaps: raised without it as context (kvkit.redact)
+    raise ConfigError(f"ValkeyStore.{field.name}: holds a character UTF-8 cannot encode (a lone surrogate, as "
+                      f"undecodable bytes read from the environment or a file give)")
 
 
 _TEXT = attrs.Converter(_optional_text, takes_field=True)
@@ -405,7 +407,8 @@ class ValkeyStore:
         if self.tls_key and not self.tls_cert:
             raise ConfigError(f"tls_key={self.tls_key!r} given without tls_cert: the key is the client "
                               f"certificate's; give both")
-        try:
+        problem: str | None = None  # the error quotes a path unmasked (a private key's text given as one perhaps):
+        try:  # raised below without it as context (kvkit.redact), its text masked as every message is
             for path in (self.tls_ca, self.tls_cert, self.tls_key):
                 _check_regular(path)
             if self.tls_cert:  # the private key is in tls_key, or else in the certificate's file
@@ -416,9 +419,10 @@ class ValkeyStore:
             if self.tls_cert:
                 context.load_cert_chain(self.tls_cert, self.tls_key, password=_no_passphrase)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; a path holding NUL: a ValueError
-            # Not chained: the cause quotes the path unmasked, and a private key's text may have been given as one.
+            problem = str(exc)
+        if problem is not None:
             raise ConfigError(f"ValkeyStore TLS files (tls_ca={self.tls_ca!r}, tls_cert={self.tls_cert!r}, "
-                              f"tls_key={self.tls_key!r}) cannot be loaded: {exc}") from None
+                              f"tls_key={self.tls_key!r}) cannot be loaded: {problem}")
         if not self.tls_verify:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE

@@ -55,7 +55,8 @@ def _one_line(exc: KVKitError) -> str:
 def kvkit_errors(args: Sequence[str] = ()) -> Iterator[None]:
     """Turn a :class:`~kvkit.errors.KVKitError` raised inside into :class:`KVKitUsageError`, and mask the
     secrets in click's usage errors, which quote the arguments they refuse (:func:`_shown`; ``args``: the
-    command line's).
+    command line's): the error is masked in place and holds no cause or context (the errors click raised it
+    from, such as a number's conversion, quote the argument too).
 
     ``main`` wraps every subcommand in it; use it directly only to run a
     command object outside ``main``.
@@ -64,8 +65,11 @@ def kvkit_errors(args: Sequence[str] = ()) -> Iterator[None]:
         yield
     except KVKitError as exc:
         raise KVKitUsageError(_one_line(exc)) from exc
-    except click.UsageError as exc:
-        raise click.UsageError(_shown(exc.format_message(), args), exc.ctx) from None
+    except click.UsageError as exc:  # masked in place: an error raised here would hold it unmasked as its context
+        exc.message = _shown(exc.message, args)  # type: ignore[misc]  # click marks it Final; it only reads it
+        exc.args = (exc.message,)
+        exc.__cause__ = exc.__context__ = None  # the errors click raised it from quote the arguments too
+        raise
 
 
 def _shown(message: str, args: Sequence[str]) -> str:

@@ -41,7 +41,7 @@ from kvkit.config import VALKEY_SCHEMES, parse_bytes, shown_url
 from kvkit.errors import ConfigError
 from kvkit.interfaces.shared import BlockStore
 from kvkit.kept import read_kept
-from kvkit.redact import redact_address
+from kvkit.redact import SecretText, redact_address
 from kvkit.registry import SHARED
 from kvkit.validate import quote
 
@@ -172,11 +172,13 @@ def _kept_password(options: dict[str, Any]) -> dict[str, Any]:
     options = dict(options)
     key = given[0]
     source = options.pop(key)
+    kept = read_kept(key, source, _PASSWORD_SOURCES[key])
     try:
-        options["password"] = read_kept(key, source, _PASSWORD_SOURCES[key]).decode()
+        options["password"] = SecretText(kept.decode())
+        return options
     except UnicodeDecodeError:
-        raise ConfigError(f"{key}={source!r}: the password is not UTF-8 text") from None
-    return options
+        pass  # the decoder's error holds the password: raised without it as context (kvkit.redact)
+    raise ConfigError(f"{key}={source!r}: the password is not UTF-8 text")
 
 
 def _decoded(url: str, what: str, text: str) -> str:
@@ -184,20 +186,21 @@ def _decoded(url: str, what: str, text: str) -> str:
     try:
         return unquote(text, errors="strict")
     except UnicodeDecodeError:
-        raise ConfigError(f"block store URL {_quoted(url)}: the {what} has percent-escapes that are not UTF-8 "
-                          f"(such as %ff); encode its bytes as UTF-8 first") from None
+        pass  # the decoder's error holds the text, a password perhaps: raised without it as context (kvkit.redact)
+    raise ConfigError(f"block store URL {_quoted(url)}: the {what} has percent-escapes that are not UTF-8 "
+                      f"(such as %ff); encode its bytes as UTF-8 first")
 
 
 def _address(url: str, part: str) -> tuple[str, int]:
     try:
         parsed = urlsplit(f"//{part}")
         host, port = parsed.hostname, _DEFAULT_PORT if parsed.port is None else parsed.port
-        if port == 0:  # no server listens there: never the default port instead
-            raise ValueError(port)
-    except ValueError:
+    except ValueError:  # its text quotes the port, a password perhaps: raised below without it as context
+        host, port = None, 0
+    if port == 0:  # no server listens there: never the default port instead
         raise ConfigError(f"block store URL {_quoted(url)}: bad address {redact_address(part)!r}; expected "
                           f"host:port with a port of 1-65535 (a port that is not a number is not shown: it may "
-                          f"be a password missing its '@host')") from None
+                          f"be a password missing its '@host')")
     if not host:
         raise ConfigError(f"block store URL {_quoted(url)}: bad address {redact_address(part)!r}; expected host:port")
     return host, port
@@ -225,14 +228,15 @@ def _with_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
     if "@" in query:  # else the userinfo would be ambiguous (see kvkit.redact)
         raise ConfigError(f"block store URL {_quoted(url)}: a '@' after the '?'; percent-encode it (%40)")
     found: dict[str, Any] = {}
+    problem: str | None = None  # the parser's errors quote the query (a password?): raised without them as context
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query), errors="strict")
     except UnicodeDecodeError:
-        raise ConfigError(f"block store URL {_quoted(url)}: the query has percent-escapes that are not UTF-8 "
-                          f"(such as %ff); encode its values as UTF-8 first") from None
+        problem = "the query has percent-escapes that are not UTF-8 (such as %ff); encode its values as UTF-8 first"
     except ValueError:  # strict parsing: an item without '=' (a password's tail after an unencoded '&'?)
-        raise ConfigError(f"block store URL {_quoted(url)}: every query item must be name=value (a value "
-                          f"holding '&' percent-encodes it: %26)") from None
+        problem = "every query item must be name=value (a value holding '&' percent-encodes it: %26)"
+    if problem is not None:
+        raise ConfigError(f"block store URL {_quoted(url)}: {problem}")
     for name, text in pairs:
         if name in options or name in found:
             raise ConfigError(f"block store URL {_quoted(url)}: option {name!r} given twice")

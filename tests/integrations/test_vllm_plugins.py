@@ -416,6 +416,40 @@ def test_the_secondary_tier_warns_that_values_on_a_server_beyond_loopback_are_un
     manager.shutdown()
 
 
+def test_a_password_in_the_secondary_tiers_entry_is_taken_with_a_warning_that_does_not_show_it(monkeypatch):
+    """The tier's entry is in vLLM's kv_transfer_config (on its command line and in the arguments vLLM logs at
+    start): a password written in its URL or as its option is taken, by a server that needs it, with one warning
+    naming password_env and password_file that shows no password; the password's variable named warns nothing."""
+    import warnings
+
+    from kvkit.testing.servers import LocalServer, server_binary_or_skip
+
+    password = "hunter2-s3cr3t"
+    monkeypatch.setenv("KVKIT_TEST_PASSWORD", password)
+    server = LocalServer(server_binary_or_skip(), password=password).start()
+    address = f"127.0.0.1:{server.port}"
+    try:
+        for i, (entry, warned) in enumerate([
+                ({"url": f"valkey://:{password}@{address}/0"}, 1),
+                ({"url": f"valkey://{address}/0?password={password}"}, 1),
+                ({"url": f"valkey://{address}/0", "password": password}, 1),
+                ({"url": f"valkey://{address}/0?password_env=KVKIT_TEST_PASSWORD"}, 0),
+                ({"url": f"valkey://{address}/0", "password_env": "KVKIT_TEST_PASSWORD"}, 0)]):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                manager, tier = _tiering({**entry, "request_timeout_s": 1}, engine=f"password-{i}")
+            try:
+                said = [str(w.message) for w in caught if "password" in str(w.message)]
+                assert len(said) == warned, (entry, said)
+                assert all("s3cr3t" not in text and "password_env" in text for text in said), said
+                _store_through_the_primary(manager, tier, [_key(i)])
+                assert tier.store.contains([tier.store_key(_key(i))]) == 1, entry  # taken: the server let it in
+            finally:
+                manager.shutdown()
+    finally:
+        server.stop()
+
+
 def test_a_dead_valkey_server_makes_misses_and_failed_cascades_never_a_hang():
     from kvkit.testing.servers import LocalServer, server_binary_or_skip
 

@@ -104,10 +104,16 @@ def test_a_secret_variable_holding_bytes_that_are_not_utf8_is_taken_as_they_are(
     ({"secret_env": ""}, ["['secret_env']=''"]),
     ({"secret_env": "PW-s3cr3t/literal"}, ["['secret_env']: not an environment variable's name"]),  # a mistake
     ({"tenant": "a:b"}, ["shared.tenant='a:b'"]),
+    ({"password": "PW-s3cr3t"}, [("['shared']['password']: not taken here (the extra config is on vLLM's command "
+                                 "line and in its logs)"), "?password_env=VAR", "?password_file=PATH"]),
+    ({"token": "PW-s3cr3t"}, ["['shared']['token']: not taken here (the extra config", "?password_env=VAR"]),
+    ({"password_env": "KVKIT_TEST_SECRET"}, [("['shared']['password_env']: not taken here; the store's password "
+                                             "is named in its URL"), "?password_env=VAR"]),
 ])
 def test_a_secret_is_never_taken_from_the_config_and_a_bad_source_is_named(shared, needles, monkeypatch, tmp_path):
-    """The secret itself in the extra config is refused; an unset, empty or unreadable source is named. No
-    message shows a secret."""
+    """The secret itself in the extra config is refused; an unset, empty or unreadable source is named; a
+    password (or where it is kept) given beside the URL is refused saying it is named in the URL, and one given
+    as it is saying it is in vLLM's logs. No message shows a secret."""
     monkeypatch.delenv("KVKIT_TEST_UNSET", raising=False)
     monkeypatch.setenv("KVKIT_TEST_EMPTY", "")
     monkeypatch.setenv("KVKIT_TEST_SECRET", "PW-s3cr3t-env")

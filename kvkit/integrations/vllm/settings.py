@@ -20,14 +20,15 @@ from kvkit.config import DEFAULTS, NAMED_SLOTS, StackConfig, name_shared_model, 
 from kvkit.errors import ConfigError
 from kvkit.interfaces import GroupKind, KVCacheSpec, KVGroupSpec
 from kvkit.kept import read_kept
-from kvkit.redact import redact_url
+from kvkit.redact import is_secret_name, redact_url
 from kvkit.registry import STORE
+from kvkit.shared.urls import PASSWORD_OPTIONS
 from kvkit.validate import check_bool, check_choice, check_int, did_you_mean, plural, problem_of, quote
 from kvkit.warn import warn
 from kvkit.worker.layouts import LAYOUTS
 
 __all__ = ["EXTRA_KEYS", "KV_ROLES", "SEED_DEFAULTS", "STACK_KEYS", "VLLM_SLOTS", "ConnectorSettings",
-           "kv_spec_from_vllm", "kvkit_window", "parse_extra_config", "shared_layout"]
+           "kv_spec_from_vllm", "kvkit_window", "parse_extra_config", "shared_layout", "warn_logged_password"]
 
 VLLM_SLOTS: dict[str, str] = {
     "kv": "vLLM's KV cache config",
@@ -329,11 +330,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         problems.append(problem)
     shared = slots.get("shared")
     url = shared.get("url") if isinstance(shared, Mapping) else shared
-    if isinstance(url, str) and redact_url(url) != url:
-        warn(f"{_EXTRA}['shared']: the URL {quote(shown_url(url))} holds a password (or another secret), which "
-             f"is on vLLM's command line and in the arguments vLLM logs at start (kvkit cannot mask either); name "
-             f"where every connector process reads it instead: ?password_env=VAR or ?password_file=PATH",
-             UserWarning)
+    warn_logged_password(f"{_EXTRA}['shared']", url)
     if shared is not None and not isinstance(url, str):
         shown = f"['url']={quote(url)}" if isinstance(shared, Mapping) else f"={quote(shared)}"  # never the secret
         problems.append(f"{_EXTRA}['shared']{shown}: must be a URL string, or a mapping of SharedConfig fields "
@@ -368,11 +365,31 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
     return ConnectorSettings(stack, layout, extra.get("async_load", async_by_need), extra.get("layerwise", True))
 
 
+def warn_logged_password(where: str, url: object, options: Mapping[str, Any] | None = None) -> None:
+    """One ``UserWarning``, showing no secret, when the store ``url`` or one of its ``options`` given at
+    ``where`` in vLLM's ``kv_transfer_config`` holds a password or another secret (:mod:`kvkit.redact`'s rule):
+    that config is on vLLM's command line and in the arguments vLLM logs at start, which kvkit cannot mask. It
+    is taken all the same; the warning names where every process can read it instead (``password_env``,
+    ``password_file``)."""
+    given = dict(options or {})
+    named = [name for name, value in given.items() if value is not None and is_secret_name(name)]
+    if isinstance(url, str) and redact_url(url) != url:
+        holder = f"the URL {quote(shown_url(url))} holds"
+    elif named:
+        holder = f"{', '.join(map(repr, named))} {'holds' if len(named) == 1 else 'hold'}"
+    else:
+        return
+    warn(f"{where}: {holder} a password (or another secret), which is on vLLM's command line and in the "
+         f"arguments vLLM logs at start (kvkit cannot mask either); name where every connector process reads it "
+         f"instead: ?password_env=VAR or ?password_file=PATH", UserWarning)
+
+
 def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``shared`` with its ``secret_env`` or ``secret_file`` read into ``secret``, and the problems.
 
-    A ``secret`` given as is is refused; the source is read by :mod:`kvkit.kept`'s
-    rules (messages name the variable or the file, never what it holds).
+    A ``secret`` given as is is refused, and so is a password (any secret-named key: not a ``SharedConfig``
+    field) or where one is kept: the store's password is named in its URL. The source is read by
+    :mod:`kvkit.kept`'s rules (messages name the variable or the file, never what it holds).
     """
     shared = dict(shared)
     where = f"{_EXTRA}['shared']"
@@ -381,6 +398,11 @@ def _read_secret(shared: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         problems.append(f"{where}['secret']: not taken here (the extra config is on vLLM's command line and in "
                         f"its logs); name where every connector process reads it: secret_env (an environment "
                         f"variable) or secret_file (a file)")
+    for key in [key for key in shared if key in PASSWORD_OPTIONS or is_secret_name(key)]:
+        del shared[key]
+        logged = "" if key in PASSWORD_OPTIONS[1:] else " (the extra config is on vLLM's command line and in its logs)"
+        problems.append(f"{where}[{key!r}]: not taken here{logged}; the store's password is named in its URL, "
+                        f"where every connector process reads it: ?password_env=VAR or ?password_file=PATH")
     given = {key: shared.pop(key) for key in _SECRET_SOURCES if shared.get(key) is not None}
     if len(given) > 1:
         return shared, [*problems, f"{where}: secret_env and secret_file both name the secret; give one"]

@@ -39,6 +39,11 @@ Rules:
   store (one ``contains`` per request and step, on its thread). ``contains``
   counts the leading run of present keys, so a key after the first absent
   one in a batch is a miss (recomputed, never wrong).
+* A password (or another secret) in ``url`` or among the options is taken
+  with a ``UserWarning`` that shows none of it (the entry is in vLLM's
+  ``kv_transfer_config``, on its command line and in the arguments vLLM
+  logs at start): name where every process reads it instead
+  (``password_env``, ``password_file``), as the connector's ``shared`` does.
 * Values are never authenticated: a store that talks to a node beyond
   loopback is warned about once, by the shared tier's rule
   (:func:`kvkit.shared.client.warn_unauthenticated`).
@@ -81,6 +86,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvkit.errors import ConfigError
+from kvkit.integrations.vllm.settings import warn_logged_password
 from kvkit.interfaces.shared import DEFAULT_TENANT, BlockStore, StoreResult, check_tenant
 from kvkit.shared.client import warn_unauthenticated
 from kvkit.shared.urls import open_block_store, process_wide
@@ -170,6 +176,7 @@ class KVKitSecondaryTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = _locality(locality)
         self._prefix = tier_key_prefix(offloading_spec, tenant, self.block_size_bytes)
+        warn_logged_password("kv_connector_extra_config['secondary_tiers'] (KVKitSecondaryTier)", url, options)
         self._store = open_block_store(url, **options)
         self._owns_store = not process_wide(self._store)
         try:

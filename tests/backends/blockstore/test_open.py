@@ -117,12 +117,16 @@ _PEM_KEY = f"-----BEGIN PRIVATE KEY-----\n{_KEY_BODY}\n-----END PRIVATE KEY-----
 def test_a_private_key_given_where_its_path_belongs_is_never_shown(given):
     """A private key's PEM text given as a TLS file option (a secret pasted where its path belongs) is refused
     with a ConfigError that shows none of it, whichever message refuses it, a key cut short included; nor does
-    its traceback (the errors it was raised from included: the file system's quotes the path unmasked)."""
+    its traceback, nor any error it holds as its context (the file system's quotes the path unmasked)."""
     with pytest.raises(ConfigError) as refused:
         open_block_store("valkeys://h:1/0", **given)
     assert _KEY_BODY[:10] not in str(refused.value) and "***" in str(refused.value), str(refused.value)
     shown = "".join(traceback.format_exception(refused.value))
     assert _KEY_BODY[:10] not in shown, shown
+    held: BaseException | None = refused.value  # raised from None, an error still holds its context: none shows it
+    while held is not None:
+        assert _KEY_BODY[:10] not in str(held) + repr(held.args), repr(held)
+        held = held.__cause__ or held.__context__
 
 
 @pytest.mark.parametrize("encode", [quote_url, quote_plus])
