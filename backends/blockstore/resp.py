@@ -267,7 +267,7 @@ class Connection:
         if asked.marker is not None:
             reply = self._reply(0, _Allowance())
             if asked.plant:
-                held = asked.token if reply is None else reply if isinstance(reply, bytes) else None
+                held = asked.offered if reply is None else reply if isinstance(reply, bytes) else None
             elif reply is None:
                 held = MISSING
                 self._planting = _Identity(asked.told, asked.marker, True, run_id=run_id, info=False)
@@ -322,8 +322,8 @@ class Connection:
             asked = self._asking
             ahead = [_INFO_SERVER] if asked.info else []
             if asked.marker is not None and asked.plant:
-                asked.token = os.urandom(16).hex().encode()
-                ahead.append(command(b"SET", asked.marker, asked.token, b"NX", b"GET"))
+                asked.offered = os.urandom(16).hex().encode()
+                ahead.append(command(b"SET", asked.marker, asked.offered, b"NX", b"GET"))
             elif asked.marker is not None:
                 ahead.append(command(b"GET", asked.marker))
             self._told, self._asking = asked, None
@@ -769,14 +769,14 @@ for a marker found missing; each ``None`` where the server does not tell it)."""
 @attrs.define
 class _Identity:
     """An identity to ask (:meth:`Connection.ask_identity`): whom to tell, the marker key, whether the marker is
-    planted or only read, the token offered once a plant is sent, and whether ``INFO`` is asked too (a plant
+    planted or only read, the token ``offered`` once a plant is sent, and whether ``INFO`` is asked too (a plant
     deferred to the next call is not: it tells the ``run_id`` told with the marker found missing)."""
 
     told: Told
     marker: bytes | None
     plant: bool
     run_id: bytes | None = None
-    token: bytes | None = None
+    offered: bytes | None = None
     info: bool = True
 
 
