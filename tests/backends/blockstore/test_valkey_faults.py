@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from kvkit.backends.blockstore.link import Identities
 from kvkit.backends.blockstore.resp import Connection, ConnectOptions, command, key_slot
 from kvkit.backends.blockstore.valkey import ValkeyStore
 from kvkit.testing.forked import in_child
@@ -1869,3 +1870,21 @@ def test_redirects_to_ever_new_host_names_hold_a_bounded_number_of_resolver_thre
     report = _with_a_silent_name_server(tmp_path, _ASKED_TO_EVER_NEW_NAMES)
     assert report["resolvers"] <= MAX_LOOKUPS, report
     assert report["slowest_s"] <= 0.3 + SLACK and not report["seed_down"], report
+
+
+@pytest.mark.parametrize("owned", [0, 1, 8191, 16383, "beyond"], ids=str)
+def test_a_cluster_node_owning_any_one_slot_has_a_marker_key_in_it(owned):
+    """A node's marker key is hash-tagged into a slot it owns, whichever slot that is: also one that no numeric tag
+    below 65,536 reaches (608 slots), which a node taking its first slots may own alone."""
+    if owned == "beyond":  # a slot the first 65,536 numeric tags miss
+        reached = {key_slot(b"{%d}" % n) for n in range(1 << 16)}
+        owned = min(set(range(16384)) - reached)
+    identities = Identities()
+    identities.prefix = b"kvkit:acme:"
+    slots = [("10.0.0.1", 7000)] * 16384
+    slots[owned] = ("10.0.0.2", 7000)
+    key = identities.marker(("10.0.0.2", 7000), slots)
+    assert key is not None and key.startswith(b"kvkit:acme:restart-marker:{") and key_slot(key) == owned
+    other = identities.marker(("10.0.0.1", 7000), slots)
+    assert other is not None and slots[key_slot(other)] == ("10.0.0.1", 7000)
+    assert identities.marker(("10.0.0.3", 7000), slots) is None, "a node owning no slot has no marker"
