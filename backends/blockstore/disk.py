@@ -151,7 +151,11 @@ class DiskStore:
     before anything changes) for victims and
     deletes their files; a file another process deleted first, or one that
     cannot be deleted, is forgotten all the same (``vanished``,
-    ``unlink_failed``). A put that meets a full file system (``ENOSPC``,
+    ``unlink_failed``). A victim the process lacks the descriptors or memory
+    to delete (``EMFILE``, ``ENFILE``, ``ENOMEM``: nothing about its file) stays
+    indexed and ends the eviction: the put that needed the room fails, and a file
+    a ``contains`` or ``get`` found is not adopted, so the files on disk stay
+    within the capacity once descriptors are back. A put that meets a full file system (``ENOSPC``,
     ``EDQUOT``: ``disk_full``) lowers the effective capacity to what the file
     system holds for this store (the bytes indexed when it filled, plus the
     free space if less than the value) and evicts below it, retrying until the
@@ -312,7 +316,8 @@ class DiskStore:
         return self._tickets.poll(tickets, timeout)
 
     def drop(self, key: bytes) -> bool:
-        """Delete ``key``'s file as an outside eviction would; answer whether it was indexed."""
+        """Delete ``key``'s file as an outside eviction would; answer whether it was indexed. A process out of
+        descriptors or memory to delete it with raises that ``OSError`` and keeps it indexed."""
         check_keys("DiskStore", False, [key])
         name = _name(key)
         with self._lock:
@@ -369,8 +374,12 @@ class DiskStore:
         """Index every value file, oldest first; count what is not one; delete abandoned temporary files."""
         found = self._scan()
         with self._lock:
-            for _, name, size in sorted(found):  # oldest first: the first victims of an LRU
-                self._adopt(name, size)  # evicts at once if the capacity is smaller than last time
+            try:
+                for _, name, size in sorted(found):  # oldest first: the first victims of an LRU
+                    self._adopt(name, size)  # evicts at once if the capacity is smaller than last time
+            except OSError as exc:  # out of descriptors or memory to evict with (the only OSError it raises)
+                self._check_short(str(self.path), exc)
+                raise
 
     def _scan(self) -> list[tuple[int, str, int]]:
         """The directory's value files as ``(mtime_ns, name, size)``; count what is not one; delete abandoned
@@ -536,13 +545,13 @@ class DiskStore:
         name = _name(key)
         pruned = remade = False
         while True:  # each round after a full file system evicts a value or (once) prunes, or gives up
-            with self._lock:
-                fits = self._make_room(size)
-                limit = self._limit()
-            if not fits:
-                held = "" if limit == self.capacity_bytes else " (what the file system holds for this store)"
-                return f"a value of {size} bytes exceeds the capacity of {limit}{held}"
-            try:
+            try:  # evicting raises OSError too: a process out of descriptors or memory (the victims stay)
+                with self._lock:
+                    fits = self._make_room(size)
+                    limit = self._limit()
+                if not fits:
+                    held = "" if limit == self.capacity_bytes else " (what the file system holds for this store)"
+                    return f"a value of {size} bytes exceeds the capacity of {limit}{held}"
                 self._publish(name, size, parts)
                 return None
             except OSError as exc:
@@ -554,8 +563,11 @@ class DiskStore:
                 if exc.errno not in _FULL:
                     return problem
             self._note("disk_full")
-            with self._lock:
-                relieved = self._relieve(size)
+            try:
+                with self._lock:
+                    relieved = self._relieve(size)
+            except OSError as exc:  # out of descriptors or memory to evict with: the victims stay
+                return f"{problem}, and cannot evict: {exc.strerror or exc}"
             if not relieved and not pruned:  # out of inodes, perhaps: the empty subdirectories hold some
                 relieved = pruned = self._prune() > 0
             if not relieved:
@@ -701,12 +713,12 @@ class DiskStore:
     def _look(self, name: str, folder: int) -> bool:
         """Whether ``name``'s value file is in the directory ``folder`` now; the index follows what is found
         (:meth:`_found`). A look that fails for another reason than the file's absence (no permission, an I/O
-        error) answers ``False`` and changes nothing: only evidence moves the index. The lock is held."""
+        error), or whose adoption cannot evict for want of descriptors or memory (:meth:`_adopt`), answers
+        ``False`` and adopts nothing: only evidence moves the index. The lock is held."""
         try:
-            found = _status(f"{name}{_SUFFIX}", folder)
+            return self._found(name, _status(f"{name}{_SUFFIX}", folder))
         except OSError:
             return False
-        return self._found(name, found)
 
     def _found(self, name: str, found: os.stat_result | None) -> bool:
         """Bring ``name``'s entry up to date with its file as just looked at (``None``: gone, or not in a directory).
@@ -735,6 +747,10 @@ class DiskStore:
         A name is indexed once: a listing may name a file twice (a directory read while another process
         renames or re-creates files in it: tmpfs does), and a second entry would be tracked by the policy but
         left out of the index, so eviction would pick it forever without freeing a byte.
+
+        An eviction that raises ``OSError`` (:meth:`_forget`: the process out of descriptors or memory) leaves
+        ``name`` unindexed, and raises: its file is a neighbour's or this store's own just renamed into place,
+        and holding it would keep the indexed bytes above the capacity.
         """
         self._forget(name, unlink=False)
         if size > self._limit():
@@ -745,21 +761,33 @@ class DiskStore:
         self._names[block] = name
         self.used_bytes += size
         self.eviction.on_insert(block, BlockHash(int(name[:32], 16)), None)
-        self._evict_for(0)
+        try:
+            self._evict_for(0)
+        except OSError:
+            self._forget(name, unlink=False)
+            raise
 
     def _forget(self, name: str, *, unlink: bool = True) -> bool:
         """Drop ``name`` from the index, deleting its file with ``unlink``; answer whether a file was deleted
         (or, found gone, deleted by another process first): ``False`` when ``name`` was not indexed, without
-        ``unlink``, or when its file cannot be deleted (``unlink_failed``)."""
-        entry = self._index.pop(name, None)
-        if entry is None:
+        ``unlink``, or when its file cannot be deleted (``unlink_failed``).
+
+        A process out of descriptors or memory to delete it with (:data:`_SHORT`) raises that ``OSError`` and
+        keeps ``name`` indexed: the shortage says nothing about the file, which stays on disk, so forgetting
+        it would leave its bytes on disk uncounted, beyond the capacity.
+        """
+        if name not in self._index:
             return False
-        block, size = entry
+        deleted = unlink and self._delete(name)
+        block, size = self._index.pop(name)
         del self._names[block]
         self.used_bytes -= size
         self.eviction.on_remove(block)
-        if not unlink:
-            return False
+        return deleted
+
+    def _delete(self, name: str) -> bool:
+        """Delete ``name``'s file; answer whether it is gone (``False``: it cannot be deleted, ``unlink_failed``);
+        raise ``OSError`` when the process lacks the descriptors or memory to try (:data:`_SHORT`)."""
         try:
             folder = self._open_folder(name)
             try:
@@ -768,8 +796,10 @@ class DiskStore:
                 os.close(folder)
         except FileNotFoundError:  # another process evicted it first
             self._note("vanished")
-        except OSError:  # cannot be deleted, or no longer in a directory of ours
-            self._note("unlink_failed")
+        except OSError as exc:
+            if exc.errno in _SHORT:
+                raise
+            self._note("unlink_failed")  # cannot be deleted, or no longer in a directory of ours
             return False
         return True
 
@@ -856,15 +886,18 @@ class DiskStore:
     def _evict_for(self, size: int, *, until_freed: bool = False) -> int:
         """Evict until ``size`` more bytes fit under the capacity (and, ``until_freed``, until a victim's file
         is gone); answer how many victims' files are gone (each victim leaves the index, but one that cannot be
-        deleted frees no space)."""
+        deleted frees no space). A victim the process lacks the descriptors or memory to delete stays indexed
+        and ends the eviction: its ``OSError`` is raised (:meth:`_forget`)."""
         evicted = freed = 0
-        while self._index and (self.used_bytes + size > self._limit() or (until_freed and not freed)):
-            victims = self.eviction.select_victims(1, self._names.__contains__)
-            assert victims, "the eviction policy found no victim among indexed files"
-            freed += self._forget(self._names[victims[0]])
-            evicted += 1
-        if evicted:
-            self._note("evicted", evicted)
+        try:
+            while self._index and (self.used_bytes + size > self._limit() or (until_freed and not freed)):
+                victims = self.eviction.select_victims(1, self._names.__contains__)
+                assert victims, "the eviction policy found no victim among indexed files"
+                freed += self._forget(self._names[victims[0]])
+                evicted += 1
+        finally:
+            if evicted:
+                self._note("evicted", evicted)
         return freed
 
     def _note(self, counter: str, n: int = 1) -> None:

@@ -966,6 +966,57 @@ def test_a_look_that_fails_for_want_of_descriptors_changes_nothing(tmp_path):
     assert report["put_more"] and report["files"] == 10, report
 
 
+_EVICTING_WITHOUT_DESCRIPTORS = """
+import json, os, resource, sys
+from kvkit.backends.blockstore.disk import DiskStore, _name
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+root, report = sys.argv[1], {}
+store, value = DiskStore(root, 10 * 1000), [memoryview(bytes(1000))]
+report["full"] = store.poll([store.put([b"k%d" % i for i in range(11)], [value] * 11)], 10.0)[0].ok
+neighbour = _name(b"neighbour")  # a value another process wrote since the store looked
+os.makedirs(os.path.join(root, neighbour[:2]), exist_ok=True)
+with open(os.path.join(root, neighbour[:2], neighbour + ".kvb"), "wb") as f:
+    f.write(bytes(1000))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError as exc:
+    report["exhausted"] = exc.errno
+result = store.poll([store.put([b"new"], [value])], 10.0)[0]
+report["put"], report["put_error"] = result.ok, result.error
+os.close(held.pop())  # one descriptor: enough for contains to look, none to evict with
+report["contains"] = store.contains([b"neighbour"])
+report["used"], report["evicted"] = store.used_bytes, store.counters["evicted"]
+store.check_invariants()
+for fd in held:
+    os.close(fd)
+report["contains_after"] = store.contains([b"neighbour"])
+report["put_after"] = store.poll([store.put([b"m%d" % i for i in range(5)], [value] * 5)], 10.0)[0].ok
+report["on_disk"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+report["used_after"] = store.used_bytes
+store.check_invariants()
+store.close()
+print(json.dumps(report))
+"""
+
+
+def test_a_victim_that_cannot_be_deleted_for_want_of_descriptors_stays_counted(tmp_path):
+    """A process out of file descriptors (EMFILE, a real limit) cannot delete a victim: the victim stays indexed
+    and the eviction ends, so the put that needed the room fails and a neighbour's file a contains found is not
+    adopted (a miss). Forgetting the victim instead would leave its bytes on disk uncounted: the directory
+    would hold more than the capacity once descriptors are back."""
+    done = subprocess.run([sys.executable, "-c", _EVICTING_WITHOUT_DESCRIPTORS, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["full"] and report["exhausted"] == errno.EMFILE, report
+    assert not report["put"] and "Too many open files" in report["put_error"], report
+    assert report["contains"] == 0 and report["used"] == 10_000 and report["evicted"] == 1, report
+    assert report["contains_after"] == 1 and report["put_after"], report
+    assert report["on_disk"] == report["used_after"] == 10_000, report
+
+
 @pytest.mark.parametrize("found", ["when opening", "by contains", "by get"])
 def test_a_value_file_larger_than_the_capacity_is_left_alone_and_evicts_nothing(tmp_path, found):
     """A file named as a value but larger than the capacity (a neighbour's with a larger capacity, a planted one)
