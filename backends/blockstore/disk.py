@@ -7,7 +7,9 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import math
 import os
+import resource
 import secrets
 import stat
 import threading
@@ -151,7 +153,10 @@ class DiskStore:
     before anything changes) for victims and
     deletes their files; a file another process deleted first, or one that
     cannot be deleted, is forgotten all the same (``vanished``,
-    ``unlink_failed``). A victim the process lacks the descriptors or memory
+    ``unlink_failed``). A value larger than the capacity, or than the process's
+    file size limit (``RLIMIT_FSIZE``: writing past it raises ``SIGXFSZ``, which
+    kills a process that does not ignore it, or fails with ``EFBIG``), fails its
+    put before anything is evicted or written. A victim the process lacks the descriptors or memory
     to delete (``EMFILE``, ``ENFILE``, ``ENOMEM``: nothing about its file) stays
     indexed and ends the eviction: the put that needed the room fails, and a file
     a ``contains`` or ``get`` found is not adopted, so the files on disk stay
@@ -543,6 +548,9 @@ class DiskStore:
     def _write(self, key: bytes, parts: list[memoryview]) -> str | None:
         size = sum(p.nbytes for p in parts)
         name = _name(key)
+        largest = _largest_file()
+        if size > largest:  # it would fail once written up to the limit (SIGXFSZ, EFBIG): evict nothing for it
+            return f"a value of {size} bytes exceeds this process's file size limit of {largest} (RLIMIT_FSIZE)"
         pruned = remade = False
         while True:  # each round after a full file system evicts a value or (once) prunes, or gives up
             try:  # evicting raises OSError too: a process out of descriptors or memory (the victims stay)
@@ -990,6 +998,12 @@ def _same_file(filename: str, folder: int, held: os.stat_result) -> bool:
 def _unlink_quietly(filename: str, folder: int) -> None:
     with contextlib.suppress(OSError):  # already gone, or the file system refuses: the next opener reaps it
         os.unlink(filename, dir_fd=folder)
+
+
+def _largest_file() -> float:
+    """The most bytes this process may write to a file (``RLIMIT_FSIZE``'s soft limit; ``inf`` without one)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return math.inf if soft == resource.RLIM_INFINITY else soft
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:

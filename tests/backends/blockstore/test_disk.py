@@ -1017,6 +1017,40 @@ def test_a_victim_that_cannot_be_deleted_for_want_of_descriptors_stays_counted(t
     assert report["on_disk"] == report["used_after"] == 10_000, report
 
 
+_FILE_SIZE_LIMIT = """
+import json, os, resource, signal, sys
+from kvkit.backends.blockstore.disk import DiskStore
+signal.signal(signal.SIGXFSZ, getattr(signal, sys.argv[2]))  # SIG_DFL: writing past the limit kills the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (5000, resource.RLIM_INFINITY))
+store, keys, report = DiskStore(sys.argv[1], 10 * 1000), [b"k%d" % i for i in range(10)], {}
+report["full"] = store.poll([store.put(keys, [[memoryview(bytes(1000))]] * 10)], 10.0)[0].ok
+result = store.poll([store.put([b"big"], [[memoryview(bytes(8000))]])], 10.0)[0]
+report["big"], report["error"] = result.ok, result.error
+report["at_limit"] = store.poll([store.put([b"five"], [[memoryview(bytes(5000))]])], 10.0)[0].ok
+report["kept"], report["evicted"] = store.contains(keys[5:]), store.counters["evicted"]
+report["files"] = sorted(f for _, _, files in os.walk(sys.argv[1]) for f in files if ".tmp-" in f)
+store.check_invariants()
+store.close()
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("handler", ["SIG_IGN", "SIG_DFL"])
+def test_a_value_past_the_file_size_limit_fails_before_anything_is_evicted_or_written(tmp_path, handler):
+    """A value larger than the process's file size limit (RLIMIT_FSIZE, a real limit) can never land: its put
+    fails naming the limit before it evicts a value or writes a byte (writing past the limit raises SIGXFSZ,
+    which kills a process that does not ignore it, or fails with EFBIG); a value at the limit lands, evicting
+    only what it needs."""
+    done = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMIT, str(tmp_path), handler], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    report = json.loads(done.stdout)
+    assert report["full"] and not report["big"], report
+    assert "8000 bytes exceeds this process's file size limit of 5000 (RLIMIT_FSIZE)" in report["error"], report
+    assert report["at_limit"] and report["evicted"] == 5 and report["kept"] == 5, report
+    assert report["files"] == [], report
+
+
 @pytest.mark.parametrize("found", ["when opening", "by contains", "by get"])
 def test_a_value_file_larger_than_the_capacity_is_left_alone_and_evicts_nothing(tmp_path, found):
     """A file named as a value but larger than the capacity (a neighbour's with a larger capacity, a planted one)
