@@ -151,7 +151,10 @@ class DiskStore:
     Capacity. Eviction asks ``eviction`` (LRU by default; an instance of this store's own: one that tracks
     blocks already, or that another open store uses, raises :class:`~kvkit.errors.ConfigError`, quoting it,
     before anything changes) for victims and
-    deletes their files; a file another process deleted first, or one that
+    deletes their files. A put evicts for its value once it is written, just
+    before renaming it into place, so a put that fails (a subdirectory it cannot
+    write, something else in a subdirectory's place) evicts nothing; only on a
+    file system found full (below) is the room made before writing; a file another process deleted first, or one that
     cannot be deleted, is forgotten all the same (``vanished``,
     ``unlink_failed``). A value larger than the capacity, or than the process's
     file size limit (``RLIMIT_FSIZE``: writing past it raises ``SIGXFSZ``, which
@@ -817,7 +820,12 @@ class DiskStore:
         return self.capacity_bytes if self._fits is None else min(self.capacity_bytes, self._fits)
 
     def _make_room(self, size: int) -> bool:
-        """Evict until ``size`` more bytes fit (re-measuring a lowered capacity first); ``False`` if they never can."""
+        """Whether ``size`` more bytes can fit (re-measuring a lowered capacity first).
+
+        On a file system found full (a lowered capacity) it evicts until they do, since the value needs that
+        room to be written; else its writer evicts for it once it is written (:meth:`_publish`), so a put
+        that fails evicts nothing.
+        """
         if self._fits is not None and self.used_bytes + size > self._fits:
             free = self._free()
             if free is not None:
@@ -827,7 +835,8 @@ class DiskStore:
             self._adopt_unindexed()
         if size > self._limit():
             return False
-        self._evict_for(size)
+        if self._fits is not None:
+            self._evict_for(size)
         return True
 
     def _relieve(self, size: int) -> bool:

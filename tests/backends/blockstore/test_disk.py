@@ -812,6 +812,28 @@ def test_an_unusable_directory_is_a_config_error_quoting_it(tmp_path, monkeypatc
         DiskStore(tmp_path / "d", 10)
 
 
+@pytest.mark.parametrize("junk", ["file", "symlink"])
+def test_a_put_that_cannot_be_written_evicts_nothing(tmp_path, junk):
+    """A put evicts for its value only once the value is written, just before renaming it into place: one that
+    fails (something not a directory in its subdirectory's place: a file, a symlink) costs no value its place."""
+    store = DiskStore(tmp_path, 1000)
+    keys = [b"k%d" % i for i in range(10)]
+    assert _put(store, keys, 100).ok
+    key = next(b"x%d" % i for i in range(1000) if not (tmp_path / _name(b"x%d" % i)[:2]).exists())
+    in_the_way = tmp_path / _name(key)[:2]
+    if junk == "file":
+        in_the_way.write_bytes(b"")
+    else:
+        in_the_way.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    result = _put(store, [key], 100)
+    assert result.failed == (0,) and str(in_the_way) in result.error
+    assert store.counters["evicted"] == 0 and store.contains(keys) == 10 and store.used_bytes == 1000
+    in_the_way.unlink()
+    assert _put(store, [key], 100).ok and store.counters["evicted"] == 1 and store.contains(keys[1:]) == 9
+    store.check_invariants()
+    store.close()
+
+
 @pytest.mark.parametrize("meets", ["contains", "get of its new size", "get of its old size"])
 def test_a_value_another_process_rewrote_at_another_size_is_counted_at_its_size(tmp_path, meets):
     """Another process (a second store: they share nothing but the directory) rewrites an indexed key at another
