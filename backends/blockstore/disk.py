@@ -65,6 +65,37 @@ COUNTERS = ("foreign", "broken", "vanished", "oversized", "temps_removed", "temp
 """The names of :attr:`DiskStore.counters`, in order."""
 
 
+class _Held:
+    """The descriptors a store's calls hold open: a child forked while they run closes its copies of them
+    (:meth:`close_copies`), since no call runs on there to close them, and a copy would keep the parent's
+    ``flock`` and a deleted file's space alive for as long as the child lives.
+
+    A descriptor is registered as it is opened and unregistered before it is closed, so every number held
+    at a fork is the store's in the child (a number closed and reused in between is never closed there).
+    """
+
+    __slots__ = ("fds",)
+
+    def __init__(self) -> None:
+        self.fds: set[int] = set()
+
+    def open(self, path: str | Path, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        fd = os.open(path, flags, mode, dir_fd=dir_fd)
+        self.fds.add(fd)
+        return fd
+
+    def close(self, fd: int) -> None:
+        self.fds.discard(fd)
+        os.close(fd)
+
+    def close_copies(self) -> None:
+        """In a forked child: close the copies of the descriptors held at the fork."""
+        for fd in list(self.fds):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+
 def absolute_path(path: str) -> str:
     """``path`` absolute: a leading ``~`` is the home directory, a relative path is joined to the working directory.
 
@@ -201,8 +232,11 @@ class DiskStore:
     ``threads`` threads of the process that opened the store: in a child
     forked from it, ``contains``/``put``/``get`` raise
     :class:`~kvkit.errors.KVKitError` (open a store in each process), the
-    tickets open at the fork are reported failed there, and ``close`` returns
-    at once. At most
+    tickets open at the fork are reported failed there, the copies of the
+    descriptors its calls held at the fork are closed there (a copy would hold
+    the parent's ``flock`` and an evicted file's space for the child's life;
+    the listing a full file system's re-scan or prune holds, ``os.scandir``'s
+    own, excepted), and ``close`` returns at once. At most
     ``max_waiting`` finished results wait for the polls naming their tickets
     (one more abandons the oldest).
 
@@ -256,6 +290,7 @@ class DiskStore:
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _counts: Counter = attrs.field(factory=Counter, init=False)
     _counts_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _held: _Held = attrs.field(factory=_Held, init=False)
     _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
         lambda self: TicketBox(self.max_waiting), takes_self=True))
     _pool: ThreadPoolExecutor = attrs.field(init=False)
@@ -278,7 +313,9 @@ class DiskStore:
 
     def _forked(self, parent: int) -> None:
         """In a child forked from process ``parent``: fresh locks and an idle pool (the copies belong to the
-        parent's threads), and the tickets still open failed (no thread here serves them)."""
+        parent's threads), the copies of the descriptors its calls held closed, and the tickets still open
+        failed (no thread here serves them)."""
+        self._held.close_copies()
         self._lock, self._counts_lock, self._close_lock = threading.Lock(), threading.Lock(), threading.Lock()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvkit-disk")
         self._tickets.after_fork(f"transport: issued by process {parent}, which forked process {os.getpid()} "
@@ -310,7 +347,7 @@ class DiskStore:
             return n
         finally:
             for folder in folders.values():
-                os.close(folder)
+                self._held.close(folder)
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
         self._check_process()
@@ -372,7 +409,7 @@ class DiskStore:
         missing = [p for p in (self.path, *self.path.parents) if not os.path.lexists(p)]
         try:
             for folder in reversed(missing):
-                _new_folder(folder, mode)
+                _new_folder(folder, mode, self._held)
         except OSError as exc:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot create the directory: {exc}") from exc
         if not self.path.is_dir():
@@ -424,7 +461,7 @@ class DiskStore:
             self._note("broken")
 
         try:
-            folder = os.open(where, _DIR_FLAGS)
+            folder = self._held.open(where, _DIR_FLAGS)
         except FileNotFoundError:
             self._note("vanished")
             return
@@ -448,7 +485,7 @@ class DiskStore:
                 else:
                     self._note("foreign")
         finally:
-            os.close(folder)
+            self._held.close(folder)
 
     def _check_short(self, where: str, exc: OSError) -> None:
         """Raise :class:`~kvkit.errors.ConfigError`, quoting ``where``, when ``exc`` says the process is out of
@@ -482,7 +519,7 @@ class DiskStore:
         after renaming it: so a temporary file locked here and still under its name is abandoned.
         """
         try:
-            fd = os.open(filename, _READ_FLAGS, dir_fd=folder)
+            fd = self._held.open(filename, _READ_FLAGS, dir_fd=folder)
         except FileNotFoundError:  # renamed into place meanwhile
             self._note("vanished")
             return
@@ -511,7 +548,7 @@ class DiskStore:
             else:
                 self._note("temps_removed")
         finally:
-            os.close(fd)
+            self._held.close(fd)
 
     # --- work on the pool ----------------------------------------------------
 
@@ -614,9 +651,9 @@ class DiskStore:
                 _unlink_quietly(temp, folder)
                 raise
             finally:
-                os.close(fd)  # releases the lock once the temporary name is gone
+                self._held.close(fd)  # releases the lock once the temporary name is gone
         finally:
-            os.close(folder)
+            self._held.close(folder)
 
     def _open_folder(self, name: str, *, create: bool = False) -> int:
         """A descriptor of ``name``'s subdirectory (made first with ``create``), never opened through a symlink.
@@ -628,26 +665,27 @@ class DiskStore:
         folder = os.path.join(self.path, name[:2])  # a str: cheaper than a Path, for every contains
         if create:
             try:
-                _new_folder(folder, _dir_mode(self.file_mode))
+                _new_folder(folder, _dir_mode(self.file_mode), self._held)
             except FileNotFoundError:  # ``path`` itself was deleted (a cleanup): made again, as opening does
                 self._make_root()
-                _new_folder(folder, _dir_mode(self.file_mode))
-        return os.open(folder, _DIR_FLAGS)
+                _new_folder(folder, _dir_mode(self.file_mode), self._held)
+        return self._held.open(folder, _DIR_FLAGS)
 
     def _create_temp(self, folder: int, final: str) -> tuple[int, str]:
         """A new temporary file next to ``final`` in the directory ``folder``, open for writing, locked by us."""
         for _ in range(_TEMP_ATTEMPTS):
             temp = f"{final}{_TEMP}{self._owner}-{next(self._temps)}"
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode, dir_fd=folder)
+            fd = self._held.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode,
+                                 dir_fd=folder)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # waits out a reaper that is looking at it
                 if _same_file(temp, folder, os.fstat(fd)):
                     return fd, temp
             except BaseException:
-                os.close(fd)
+                self._held.close(fd)
                 _unlink_quietly(temp, folder)
                 raise
-            os.close(fd)  # a reaper deleted it between our open and our lock: take a new name
+            self._held.close(fd)  # a reaper deleted it between our open and our lock: take a new name
         raise OSError(errno.EAGAIN, f"{plural(_TEMP_ATTEMPTS, 'temporary file')} were deleted by others "
                                     "before being locked")
 
@@ -666,14 +704,14 @@ class DiskStore:
                 if self._look(name, folder) and problem is None and name in self._index:
                     self.eviction.on_access(self._index[name][0])
         finally:
-            os.close(folder)
+            self._held.close(folder)
         return problem
 
     def _read_file(self, folder: int, path: Path, parts: list[memoryview]) -> str | None:
         """Read ``path``'s file, in the directory ``folder``, into ``parts``; answer the problem, if any."""
         want = sum(p.nbytes for p in parts)
         try:
-            fd = os.open(path.name, _READ_FLAGS, dir_fd=folder)
+            fd = self._held.open(path.name, _READ_FLAGS, dir_fd=folder)
         except FileNotFoundError:
             return "missing value"
         except OSError as exc:  # a symlink in its place, or no permission
@@ -691,7 +729,7 @@ class DiskStore:
         except OSError as exc:
             return f"cannot read {str(path)!r}: {exc.strerror or exc}"
         finally:
-            os.close(fd)
+            self._held.close(fd)
         return None
 
     def _unusable(self, name: str, problem: str) -> str:
@@ -804,7 +842,7 @@ class DiskStore:
             try:
                 os.unlink(f"{name}{_SUFFIX}", dir_fd=folder)
             finally:
-                os.close(folder)
+                self._held.close(folder)
         except FileNotFoundError:  # another process evicted it first
             self._note("vanished")
         except OSError as exc:
@@ -961,9 +999,9 @@ def _dir_mode(file_mode: int) -> int:
     return file_mode | (file_mode & 0o444) >> 2
 
 
-def _new_folder(folder: str | Path, mode: int) -> bool:
+def _new_folder(folder: str | Path, mode: int, held: _Held) -> bool:
     """Make ``folder`` (private until its mode is set) with exactly ``mode``, whatever the umask; ``False`` if it
-    exists already (its mode is its own).
+    exists already (its mode is its own). The descriptor it opens is held in ``held``.
 
     The mode is set through a descriptor that needs no permission on the folder (``O_PATH``, so a umask that took
     the owner's read bit away, ``0o477``, locks nothing out) and never follows a symlink a neighbour swapped in
@@ -974,11 +1012,11 @@ def _new_folder(folder: str | Path, mode: int) -> bool:
         os.mkdir(folder, 0o700)
     except FileExistsError:
         return False
-    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    fd = held.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.chmod(f"/proc/self/fd/{fd}", mode)
     finally:
-        os.close(fd)
+        held.close(fd)
     return True
 
 

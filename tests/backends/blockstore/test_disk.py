@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 import types
@@ -372,6 +373,48 @@ def test_a_store_inherited_through_fork_refuses_work_in_the_child(tmp_path):
     outcome = in_child(child)()
     assert outcome == ["KVKitError"] * 3
     assert _put(store, [b"a"], 10).ok and store.contains([b"a"]) == 1
+    store.close()
+
+
+def _open_under(root):
+    """What this process's descriptors open under ``root`` (paths, sorted)."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sorted(link for link in links if link.startswith(f"{root}{os.sep}"))
+
+
+def test_a_child_forked_while_calls_run_keeps_none_of_their_descriptors(tmp_path, monkeypatch):
+    """A child forked while the store's threads write and read (a subdirectory and a file open each) closes its
+    copies of their descriptors: no call runs on there to close them, and a copy would hold the parent's flock
+    and, once the value is evicted, its file's space for as long as the child lives."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _put(store, [b"r"], 10).ok
+    writing, reading, release = threading.Event(), threading.Event(), threading.Event()
+    write_all, read_all = disk._write_all, disk._read_all
+
+    def held_write(fd, parts):
+        writing.set()
+        release.wait(10)
+        write_all(fd, parts)
+
+    def held_read(fd, parts):
+        reading.set()
+        release.wait(10)
+        return read_all(fd, parts)
+
+    monkeypatch.setattr(disk, "_write_all", held_write)
+    monkeypatch.setattr(disk, "_read_all", held_read)
+    put = store.put([b"w"], [[memoryview(bytes(10))]])
+    get = store.get([b"r"], [[memoryview(bytearray(10))]])
+    assert writing.wait(10) and reading.wait(10)
+    held = _open_under(tmp_path)
+    assert len(held) == 4, held  # two subdirectories, a temporary file and a value file
+    assert in_child(lambda: _open_under(tmp_path))() == []
+    release.set()
+    assert all(result.ok for ticket in (put, get) for result in store.poll([ticket], 10.0))
+    assert _open_under(tmp_path) == []
     store.close()
 
 
