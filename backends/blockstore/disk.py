@@ -793,9 +793,12 @@ class DiskStore:
         one larger than the capacity is never indexed (``oversized``): holding it would evict every other
         value, and then itself.
 
-        A name is indexed once: a listing may name a file twice (a directory read while another process
-        renames or re-creates files in it: tmpfs does), and a second entry would be tracked by the policy but
-        left out of the index, so eviction would pick it forever without freeing a byte.
+        Its hash for the policy is the whole name, every digit of it: a name planted to share a prefix with
+        another's is a value of its own, never a second block under one hash (which a policy that indexes
+        blocks by hash refuses). A name is indexed once: a listing may name a file twice (a directory read
+        while another process renames or re-creates files in it: tmpfs does), and a second entry would be
+        tracked by the policy but left out of the index, so eviction would pick it forever without freeing a
+        byte.
 
         An eviction that raises ``OSError`` (:meth:`_forget`: the process out of descriptors or memory) leaves
         ``name`` unindexed, and raises: its file is a neighbour's or this store's own just renamed into place,
@@ -809,7 +812,7 @@ class DiskStore:
         self._index[name] = (block, size)
         self._names[block] = name
         self.used_bytes += size
-        self.eviction.on_insert(block, BlockHash(int(name[:32], 16)), None)
+        self.eviction.on_insert(block, BlockHash(int(name, 16)), None)  # the whole name: one per indexed file
         try:
             self._evict_for(0)
         except OSError:

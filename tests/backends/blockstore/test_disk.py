@@ -23,6 +23,7 @@ from kvkit.backends.blockstore import disk
 from kvkit.backends.blockstore.disk import DiskStore, _name
 from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.errors import ConfigError, KVKitError
+from kvkit.registry import EVICTION
 from kvkit.shared.urls import open_block_store
 from kvkit.testing.forked import in_child
 
@@ -488,6 +489,25 @@ _FOREIGN = ["stray file named as a value", "stray file at the top", "stray direc
             "temporary name without its writer", "temporary name without its number", "temporary name with a suffix"]
 _BROKEN = ["dangling symlink as a value", "hard link as a value", "directory as a value", "FIFO as a value",
            "file as a subdirectory", "symlink as a temporary file", "FIFO as a temporary file"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lirs", "prefix-lru", "hit-density"])
+def test_a_value_name_sharing_another_ones_first_128_bits_opens_under_every_policy(tmp_path, policy):
+    """A file named as a value whose name shares its first 128 bits with another value's (planted: any 64 hex
+    digits in the right subdirectory are a value's name) is a value of its own: opening indexes both and
+    raises nothing, whatever the eviction policy (one that indexes blocks by hash refuses a second block under
+    one hash), and both are evicted as values."""
+    store = DiskStore(tmp_path, 25)
+    assert _put(store, [b"a"], 10).ok
+    store.close()
+    sub, file = _sub(tmp_path, b"a")
+    twin = file[:32] + ("0" if file[32] != "0" else "1") + file[33:]
+    (sub / twin).write_bytes(bytes(10))
+    store = DiskStore(tmp_path, 25, eviction=EVICTION.create(policy, slot="eviction"))
+    assert store.used_bytes == 20 and store.contains([b"a"]) == 1
+    assert _put(store, [b"b"], 10).ok and store.counters["evicted"] == 1
+    store.check_invariants()
+    store.close()
 
 
 @pytest.mark.parametrize("what", _FOREIGN + _BROKEN)
