@@ -489,7 +489,8 @@ class DiskStore:
 
     def _check_short(self, where: str, exc: OSError) -> None:
         """Raise :class:`~kvkit.errors.ConfigError`, quoting ``where``, when ``exc`` says the process is out of
-        descriptors or memory (:data:`_SHORT`): a scan that went on would leave values on disk unindexed."""
+        descriptors or memory (:data:`_SHORT`): a scan that went on would leave values on disk unindexed, and
+        temporary files it could not examine kept as ``broken``."""
         if exc.errno in _SHORT:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot look into {where!r}: "
                               f"{exc.strerror or exc}") from exc
@@ -523,7 +524,8 @@ class DiskStore:
         except FileNotFoundError:  # renamed into place meanwhile
             self._note("vanished")
             return
-        except OSError:  # a symlink, or not ours to open
+        except OSError as exc:  # a symlink, or not ours to open; or no descriptor left, which says nothing of it
+            self._check_short(os.path.join(self.path, filename[:2], filename), exc)
             self._note("broken")
             return
         try:

@@ -1136,6 +1136,56 @@ def test_a_value_past_the_file_size_limit_fails_before_anything_is_evicted_or_wr
     assert report["files"] == [], report
 
 
+_REAPING_WITHOUT_DESCRIPTORS = """
+import json, os, resource, sys
+from kvkit.backends.blockstore.disk import DiskStore, _name
+from kvkit.errors import ConfigError
+root, outcomes = sys.argv[1], []
+store = DiskStore(root, 1 << 20)
+store.poll([store.put([b"k"], [[memoryview(bytes(10))]])], 10.0)
+store.close()
+name = _name(b"k")
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+for free in range(1, 7):  # descriptors left: too few to list, enough to list but not to examine a file, enough
+    open(os.path.join(root, name[:2], f"{name}.kvb.tmp-gone-{free}"), "wb").close()  # a writer gone
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    for fd in held[len(held) - free:]:
+        os.close(fd)
+    del held[len(held) - free:]
+    try:
+        store = DiskStore(root, 1 << 20)
+        outcomes.append(["opened", store.counters["broken"], store.counters["temps_removed"], store.used_bytes])
+        store.close()
+    except ConfigError as exc:
+        outcomes.append(["ConfigError", str(exc)])
+    for fd in held:
+        os.close(fd)
+print(json.dumps(outcomes))
+"""
+
+
+def test_opening_without_a_descriptor_to_examine_a_temporary_file_is_a_config_error_not_a_broken_count(tmp_path):
+    """A process with descriptors enough to list a subdirectory but not to open a temporary file in it (a real
+    limit) cannot tell whether its writer is gone: opening raises ConfigError quoting the file, as for any
+    entry it cannot look into, never counting it broken; with descriptors enough, the temporary files of
+    writers gone are removed."""
+    done = subprocess.run([sys.executable, "-c", _REAPING_WITHOUT_DESCRIPTORS, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcomes = json.loads(done.stdout)
+    refusals = [outcome[1] for outcome in outcomes if outcome[0] == "ConfigError"]
+    assert all("Too many open files" in refusal for refusal in refusals), outcomes
+    assert any(".kvb.tmp-gone-" in refusal for refusal in refusals), outcomes  # the temporary file, quoted
+    opened = [outcome[1:] for outcome in outcomes if outcome[0] == "opened"]
+    assert opened and all(broken == 0 and used == 10 for broken, _, used in opened), outcomes
+    assert opened[0][1] > 1, outcomes  # the first open that could examine them removed every one left
+
+
 @pytest.mark.parametrize("found", ["when opening", "by contains", "by get"])
 def test_a_value_file_larger_than_the_capacity_is_left_alone_and_evicts_nothing(tmp_path, found):
     """A file named as a value but larger than the capacity (a neighbour's with a larger capacity, a planted one)
