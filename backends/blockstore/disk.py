@@ -182,19 +182,21 @@ class DiskStore:
     Capacity. Eviction asks ``eviction`` (LRU by default; an instance of this store's own: one that tracks
     blocks already, or that another open store uses, raises :class:`~kvkit.errors.ConfigError`, quoting it,
     before anything changes) for victims and
-    deletes their files. A put evicts for its value once it is written, just
-    before renaming it into place, so a put that fails (a subdirectory it cannot
-    write, something else in a subdirectory's place) evicts nothing; only on a
-    file system found full (below) is the room made before writing; a file another process deleted first, or one that
+    deletes their files; a file another process deleted first, or one that
     cannot be deleted, is forgotten all the same (``vanished``,
-    ``unlink_failed``). A value larger than the capacity, or than the process's
-    file size limit (``RLIMIT_FSIZE``: writing past it raises ``SIGXFSZ``, which
-    kills a process that does not ignore it, or fails with ``EFBIG``), fails its
-    put before anything is evicted or written. A victim the process lacks the descriptors or memory
+    ``unlink_failed``). A victim the process lacks the descriptors or memory
     to delete (``EMFILE``, ``ENFILE``, ``ENOMEM``: nothing about its file) stays
     indexed and ends the eviction: the put that needed the room fails, and a file
     a ``contains`` or ``get`` found is not adopted, so the files on disk stay
-    within the capacity once descriptors are back. A put that meets a full file system (``ENOSPC``,
+    within the capacity once descriptors are back. A put evicts for its value
+    once the value is written, just before renaming it into place, so a put
+    that fails (a subdirectory it cannot write, something else in a
+    subdirectory's place) evicts nothing; only on a file system found full
+    (below) is the room made before writing. A value larger than the capacity,
+    or than the process's file size limit (``RLIMIT_FSIZE``: writing past it
+    raises ``SIGXFSZ``, which kills a process that does not ignore it, or fails
+    with ``EFBIG``), fails its put before anything is evicted or written. A put
+    that meets a full file system (``ENOSPC``,
     ``EDQUOT``: ``disk_full``) lowers the effective capacity to what the file
     system holds for this store (the bytes indexed when it filled, plus the
     free space if less than the value) and evicts below it, retrying until the
