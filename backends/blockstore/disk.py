@@ -723,7 +723,7 @@ class DiskStore:
         try:
             found = os.fstat(fd)
             if not _value_file(found):
-                return f"{str(path)!r} is not a value file (a regular file with one name; it has {found.st_nlink})"
+                return f"{str(path)!r} is not a value file (a regular file with one name): it is {_what(found)}"
             if found.st_size != want:
                 return f"value of {found.st_size} bytes, buffers of {want}"
             if _read_all(fd, parts) != want:
@@ -1031,6 +1031,17 @@ def _value_file(found: os.stat_result) -> bool:
     """Whether ``found`` is the status of a value file as this store writes one: a regular file with no other
     name. A hard link is not one: it would carry reads (and, adopted, the capacity) to a file outside ``path``."""
     return stat.S_ISREG(found.st_mode) and found.st_nlink <= 1
+
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symlink"}
+
+
+def _what(found: os.stat_result) -> str:
+    """What ``found`` is the status of, in words (``a FIFO``, ``a regular file with 2 names``)."""
+    if stat.S_ISREG(found.st_mode):
+        return f"a regular file with {plural(found.st_nlink, 'name')}"
+    return _KINDS.get(stat.S_IFMT(found.st_mode), f"of type {stat.S_IFMT(found.st_mode):o}")
 
 
 def _status(filename: str, folder: int) -> os.stat_result | None:

@@ -551,12 +551,16 @@ def test_opening_reads_junk_entry_by_entry_in_bounded_memory(tmp_path):
 @pytest.mark.parametrize("what", ["dangling symlink as a value", "hard link as a value", "directory as a value",
                                   "FIFO as a value"])
 def test_something_else_in_a_values_place_is_a_miss(tmp_path, what):
-    """contains answers 0 and get fails (quoting the path, never blocking on a FIFO), never raising."""
+    """contains answers 0 and get fails (quoting the path and saying what is there, never blocking on a FIFO),
+    never raising."""
     planted = _plant(tmp_path, what)
     store = DiskStore(tmp_path, 1 << 20)
     assert store.contains([b"planted"]) == 0
     result, _ = _get(store, [b"planted"], 10)
     assert result.failed == (0,) and str(planted) in result.error
+    said = {"dangling symlink as a value": os.strerror(errno.ELOOP), "hard link as a value": "a regular file with 2 "
+            "names", "directory as a value": "it is a directory", "FIFO as a value": "it is a FIFO"}[what]
+    assert said in result.error, result.error
     assert os.path.lexists(planted) and store.used_bytes == 0
     store.check_invariants()
     store.close()
