@@ -24,6 +24,7 @@ import attrs
 
 from kvkit.backends.blockstore._common import (
     MAX_WAITING,
+    Descriptors,
     TicketBox,
     carry_through_fork,
     check_call,
@@ -63,37 +64,6 @@ _OPEN_LOCK = threading.Lock()
 COUNTERS = ("foreign", "broken", "vanished", "oversized", "temps_removed", "temps_kept", "evicted", "unlink_failed",
             "disk_full")
 """The names of :attr:`DiskStore.counters`, in order."""
-
-
-class _Held:
-    """The descriptors a store's calls hold open: a child forked while they run closes its copies of them
-    (:meth:`close_copies`), since no call runs on there to close them, and a copy would keep the parent's
-    ``flock`` and a deleted file's space alive for as long as the child lives.
-
-    A descriptor is registered as it is opened and unregistered before it is closed, so every number held
-    at a fork is the store's in the child (a number closed and reused in between is never closed there).
-    """
-
-    __slots__ = ("fds",)
-
-    def __init__(self) -> None:
-        self.fds: set[int] = set()
-
-    def open(self, path: str | Path, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
-        fd = os.open(path, flags, mode, dir_fd=dir_fd)
-        self.fds.add(fd)
-        return fd
-
-    def close(self, fd: int) -> None:
-        self.fds.discard(fd)
-        os.close(fd)
-
-    def close_copies(self) -> None:
-        """In a forked child: close the copies of the descriptors held at the fork."""
-        for fd in list(self.fds):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds.clear()
 
 
 def absolute_path(path: str) -> str:
@@ -292,7 +262,7 @@ class DiskStore:
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _counts: Counter = attrs.field(factory=Counter, init=False)
     _counts_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
-    _held: _Held = attrs.field(factory=_Held, init=False)
+    _held: Descriptors = attrs.field(factory=Descriptors, init=False)
     _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
         lambda self: TicketBox(self.max_waiting), takes_self=True))
     _pool: ThreadPoolExecutor = attrs.field(init=False)
@@ -1006,7 +976,7 @@ def _dir_mode(file_mode: int) -> int:
     return file_mode | (file_mode & 0o444) >> 2
 
 
-def _new_folder(folder: str | Path, mode: int, held: _Held) -> bool:
+def _new_folder(folder: str | Path, mode: int, held: Descriptors) -> bool:
     """Make ``folder`` (private until its mode is set) with exactly ``mode``, whatever the umask; ``False`` if it
     exists already (its mode is its own). The descriptor it opens is held in ``held``.
 
