@@ -1488,7 +1488,7 @@ def test_a_child_forked_while_a_lane_connects_keeps_no_copy_of_that_socket():
 
     threading.Thread(target=accept, daemon=True).start()
     before = _socket_links()
-    store = _store(listener.getsockname(), tls=True, connect_timeout_s=5.0, request_timeout_s=5.0)
+    store = _store(listener.getsockname(), tls=True, connect_timeout_s=2.0, request_timeout_s=2.0)
     try:
         put = store.put([b"k"], [[memoryview(b"v")]])
         assert _eventually(lambda: accepted)
