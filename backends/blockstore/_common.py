@@ -1,7 +1,9 @@
-"""What every block store shares: argument checks, and the ticket box where results wait for their owners."""
+"""What every block store shares: argument checks, the ticket box where results wait for their owners, and what a
+forked child lets go of."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -15,8 +17,8 @@ from kvkit.errors import ConfigError, KVKitError
 from kvkit.interfaces.shared import StoreResult
 from kvkit.validate import check_real, plural, quote
 
-__all__ = ["MAX_WAITING", "TicketBox", "carry_through_fork", "check_call", "check_keys", "check_timeout", "flat_views",
-           "wanted_tickets"]
+__all__ = ["MAX_WAITING", "Descriptors", "TicketBox", "carry_through_fork", "check_call", "check_keys", "check_timeout",
+           "flat_views", "wanted_tickets"]
 
 
 def check_keys(store: str, closed: bool, keys: Sequence[bytes]) -> None:
@@ -163,6 +165,45 @@ class TicketBox:
             del self._done[next(iter(self._done))]
             self.abandoned += 1
         self._done[result.ticket] = result
+
+
+class Descriptors:
+    """File descriptors that calls hold open, so that a child forked while they run closes its copies of them
+    (:meth:`close_copies`): no call runs on there to close them, and a copy keeps what it refers to alive for as
+    long as the child lives (a socket's connection, a file's ``flock`` and, once deleted, its space).
+
+    A descriptor is held from just after it is opened until just before it is closed (or handed to an owner that
+    lets go of it in a child, as a connection does), so every number held at a fork is one of the calls' in the
+    child: a number closed and reused in between is never closed there.
+    """
+
+    __slots__ = ("fds",)
+
+    def __init__(self) -> None:
+        self.fds: set[int] = set()
+
+    def hold(self, fd: int) -> int:
+        self.fds.add(fd)
+        return fd
+
+    def let_go(self, fd: int) -> None:
+        self.fds.discard(fd)
+
+    def open(self, path: str | os.PathLike[str], flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        """``os.open``, the descriptor held."""
+        return self.hold(os.open(path, flags, mode, dir_fd=dir_fd))
+
+    def close(self, fd: int) -> None:
+        """Let go of ``fd``, then close it."""
+        self.let_go(fd)
+        os.close(fd)
+
+    def close_copies(self) -> None:
+        """In a forked child: close the copies of the descriptors held at the fork."""
+        for fd in list(self.fds):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
 
 
 class _Forkable(Protocol):

@@ -7,7 +7,9 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import math
 import os
+import resource
 import secrets
 import stat
 import threading
@@ -22,6 +24,7 @@ import attrs
 
 from kvkit.backends.blockstore._common import (
     MAX_WAITING,
+    Descriptors,
     TicketBox,
     carry_through_fork,
     check_call,
@@ -151,7 +154,19 @@ class DiskStore:
     before anything changes) for victims and
     deletes their files; a file another process deleted first, or one that
     cannot be deleted, is forgotten all the same (``vanished``,
-    ``unlink_failed``). A put that meets a full file system (``ENOSPC``,
+    ``unlink_failed``). A victim the process lacks the descriptors or memory
+    to delete (``EMFILE``, ``ENFILE``, ``ENOMEM``: nothing about its file) stays
+    indexed and ends the eviction: the put that needed the room fails, and a file
+    a ``contains`` or ``get`` found is not adopted, so the files on disk stay
+    within the capacity once descriptors are back. A put evicts for its value
+    once the value is written, just before renaming it into place, so a put
+    that fails (a subdirectory it cannot write, something else in a
+    subdirectory's place) evicts nothing; only on a file system found full
+    (below) is the room made before writing. A value larger than the capacity,
+    or than the process's file size limit (``RLIMIT_FSIZE``: writing past it
+    raises ``SIGXFSZ``, which kills a process that does not ignore it, or fails
+    with ``EFBIG``), fails its put before anything is evicted or written. A put
+    that meets a full file system (``ENOSPC``,
     ``EDQUOT``: ``disk_full``) lowers the effective capacity to what the file
     system holds for this store (the bytes indexed when it filled, plus the
     free space if less than the value) and evicts below it, retrying until the
@@ -189,8 +204,11 @@ class DiskStore:
     ``threads`` threads of the process that opened the store: in a child
     forked from it, ``contains``/``put``/``get`` raise
     :class:`~kvkit.errors.KVKitError` (open a store in each process), the
-    tickets open at the fork are reported failed there, and ``close`` returns
-    at once. At most
+    tickets open at the fork are reported failed there, the copies of the
+    descriptors its calls held at the fork are closed there (a copy would hold
+    the parent's ``flock`` and an evicted file's space for the child's life;
+    the listing a full file system's re-scan or prune holds, ``os.scandir``'s
+    own, excepted), and ``close`` returns at once. At most
     ``max_waiting`` finished results wait for the polls naming their tickets
     (one more abandons the oldest).
 
@@ -244,6 +262,7 @@ class DiskStore:
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _counts: Counter = attrs.field(factory=Counter, init=False)
     _counts_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _held: Descriptors = attrs.field(factory=Descriptors, init=False)
     _tickets: TicketBox = attrs.field(init=False, default=attrs.Factory(
         lambda self: TicketBox(self.max_waiting), takes_self=True))
     _pool: ThreadPoolExecutor = attrs.field(init=False)
@@ -266,7 +285,9 @@ class DiskStore:
 
     def _forked(self, parent: int) -> None:
         """In a child forked from process ``parent``: fresh locks and an idle pool (the copies belong to the
-        parent's threads), and the tickets still open failed (no thread here serves them)."""
+        parent's threads), the copies of the descriptors its calls held closed, and the tickets still open
+        failed (no thread here serves them)."""
+        self._held.close_copies()
         self._lock, self._counts_lock, self._close_lock = threading.Lock(), threading.Lock(), threading.Lock()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvkit-disk")
         self._tickets.after_fork(f"transport: issued by process {parent}, which forked process {os.getpid()} "
@@ -298,7 +319,7 @@ class DiskStore:
             return n
         finally:
             for folder in folders.values():
-                os.close(folder)
+                self._held.close(folder)
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview]]) -> int:
         self._check_process()
@@ -312,7 +333,8 @@ class DiskStore:
         return self._tickets.poll(tickets, timeout)
 
     def drop(self, key: bytes) -> bool:
-        """Delete ``key``'s file as an outside eviction would; answer whether it was indexed."""
+        """Delete ``key``'s file as an outside eviction would; answer whether it was indexed. A process out of
+        descriptors or memory to delete it with raises that ``OSError`` and keeps it indexed."""
         check_keys("DiskStore", False, [key])
         name = _name(key)
         with self._lock:
@@ -359,7 +381,7 @@ class DiskStore:
         missing = [p for p in (self.path, *self.path.parents) if not os.path.lexists(p)]
         try:
             for folder in reversed(missing):
-                _new_folder(folder, mode)
+                _new_folder(folder, mode, self._held)
         except OSError as exc:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot create the directory: {exc}") from exc
         if not self.path.is_dir():
@@ -369,8 +391,12 @@ class DiskStore:
         """Index every value file, oldest first; count what is not one; delete abandoned temporary files."""
         found = self._scan()
         with self._lock:
-            for _, name, size in sorted(found):  # oldest first: the first victims of an LRU
-                self._adopt(name, size)  # evicts at once if the capacity is smaller than last time
+            try:
+                for _, name, size in sorted(found):  # oldest first: the first victims of an LRU
+                    self._adopt(name, size)  # evicts at once if the capacity is smaller than last time
+            except OSError as exc:  # out of descriptors or memory to evict with (the only OSError it raises)
+                self._check_short(str(self.path), exc)
+                raise
 
     def _scan(self) -> list[tuple[int, str, int]]:
         """The directory's value files as ``(mtime_ns, name, size)``; count what is not one; delete abandoned
@@ -407,7 +433,7 @@ class DiskStore:
             self._note("broken")
 
         try:
-            folder = os.open(where, _DIR_FLAGS)
+            folder = self._held.open(where, _DIR_FLAGS)
         except FileNotFoundError:
             self._note("vanished")
             return
@@ -431,11 +457,12 @@ class DiskStore:
                 else:
                     self._note("foreign")
         finally:
-            os.close(folder)
+            self._held.close(folder)
 
     def _check_short(self, where: str, exc: OSError) -> None:
         """Raise :class:`~kvkit.errors.ConfigError`, quoting ``where``, when ``exc`` says the process is out of
-        descriptors or memory (:data:`_SHORT`): a scan that went on would leave values on disk unindexed."""
+        descriptors or memory (:data:`_SHORT`): a scan that went on would leave values on disk unindexed, and
+        temporary files it could not examine kept as ``broken``."""
         if exc.errno in _SHORT:
             raise ConfigError(f"DiskStore.path={str(self.path)!r}: cannot look into {where!r}: "
                               f"{exc.strerror or exc}") from exc
@@ -465,11 +492,12 @@ class DiskStore:
         after renaming it: so a temporary file locked here and still under its name is abandoned.
         """
         try:
-            fd = os.open(filename, _READ_FLAGS, dir_fd=folder)
+            fd = self._held.open(filename, _READ_FLAGS, dir_fd=folder)
         except FileNotFoundError:  # renamed into place meanwhile
             self._note("vanished")
             return
-        except OSError:  # a symlink, or not ours to open
+        except OSError as exc:  # a symlink, or not ours to open; or no descriptor left, which says nothing of it
+            self._check_short(os.path.join(self.path, filename[:2], filename), exc)
             self._note("broken")
             return
         try:
@@ -494,7 +522,7 @@ class DiskStore:
             else:
                 self._note("temps_removed")
         finally:
-            os.close(fd)
+            self._held.close(fd)
 
     # --- work on the pool ----------------------------------------------------
 
@@ -534,15 +562,18 @@ class DiskStore:
     def _write(self, key: bytes, parts: list[memoryview]) -> str | None:
         size = sum(p.nbytes for p in parts)
         name = _name(key)
+        largest = _largest_file()
+        if size > largest:  # it would fail once written up to the limit (SIGXFSZ, EFBIG): evict nothing for it
+            return f"a value of {size} bytes exceeds this process's file size limit of {largest} (RLIMIT_FSIZE)"
         pruned = remade = False
         while True:  # each round after a full file system evicts a value or (once) prunes, or gives up
-            with self._lock:
-                fits = self._make_room(size)
-                limit = self._limit()
-            if not fits:
-                held = "" if limit == self.capacity_bytes else " (what the file system holds for this store)"
-                return f"a value of {size} bytes exceeds the capacity of {limit}{held}"
-            try:
+            try:  # evicting raises OSError too: a process out of descriptors or memory (the victims stay)
+                with self._lock:
+                    fits = self._make_room(size)
+                    limit = self._limit()
+                if not fits:
+                    held = "" if limit == self.capacity_bytes else " (what the file system holds for this store)"
+                    return f"a value of {size} bytes exceeds the capacity of {limit}{held}"
                 self._publish(name, size, parts)
                 return None
             except OSError as exc:
@@ -554,8 +585,11 @@ class DiskStore:
                 if exc.errno not in _FULL:
                     return problem
             self._note("disk_full")
-            with self._lock:
-                relieved = self._relieve(size)
+            try:
+                with self._lock:
+                    relieved = self._relieve(size)
+            except OSError as exc:  # out of descriptors or memory to evict with: the victims stay
+                return f"{problem}, and cannot evict: {exc.strerror or exc}"
             if not relieved and not pruned:  # out of inodes, perhaps: the empty subdirectories hold some
                 relieved = pruned = self._prune() > 0
             if not relieved:
@@ -591,9 +625,9 @@ class DiskStore:
                 _unlink_quietly(temp, folder)
                 raise
             finally:
-                os.close(fd)  # releases the lock once the temporary name is gone
+                self._held.close(fd)  # releases the lock once the temporary name is gone
         finally:
-            os.close(folder)
+            self._held.close(folder)
 
     def _open_folder(self, name: str, *, create: bool = False) -> int:
         """A descriptor of ``name``'s subdirectory (made first with ``create``), never opened through a symlink.
@@ -605,26 +639,27 @@ class DiskStore:
         folder = os.path.join(self.path, name[:2])  # a str: cheaper than a Path, for every contains
         if create:
             try:
-                _new_folder(folder, _dir_mode(self.file_mode))
+                _new_folder(folder, _dir_mode(self.file_mode), self._held)
             except FileNotFoundError:  # ``path`` itself was deleted (a cleanup): made again, as opening does
                 self._make_root()
-                _new_folder(folder, _dir_mode(self.file_mode))
-        return os.open(folder, _DIR_FLAGS)
+                _new_folder(folder, _dir_mode(self.file_mode), self._held)
+        return self._held.open(folder, _DIR_FLAGS)
 
     def _create_temp(self, folder: int, final: str) -> tuple[int, str]:
         """A new temporary file next to ``final`` in the directory ``folder``, open for writing, locked by us."""
         for _ in range(_TEMP_ATTEMPTS):
             temp = f"{final}{_TEMP}{self._owner}-{next(self._temps)}"
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode, dir_fd=folder)
+            fd = self._held.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode,
+                                 dir_fd=folder)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # waits out a reaper that is looking at it
                 if _same_file(temp, folder, os.fstat(fd)):
                     return fd, temp
             except BaseException:
-                os.close(fd)
+                self._held.close(fd)
                 _unlink_quietly(temp, folder)
                 raise
-            os.close(fd)  # a reaper deleted it between our open and our lock: take a new name
+            self._held.close(fd)  # a reaper deleted it between our open and our lock: take a new name
         raise OSError(errno.EAGAIN, f"{plural(_TEMP_ATTEMPTS, 'temporary file')} were deleted by others "
                                     "before being locked")
 
@@ -643,14 +678,14 @@ class DiskStore:
                 if self._look(name, folder) and problem is None and name in self._index:
                     self.eviction.on_access(self._index[name][0])
         finally:
-            os.close(folder)
+            self._held.close(folder)
         return problem
 
     def _read_file(self, folder: int, path: Path, parts: list[memoryview]) -> str | None:
         """Read ``path``'s file, in the directory ``folder``, into ``parts``; answer the problem, if any."""
         want = sum(p.nbytes for p in parts)
         try:
-            fd = os.open(path.name, _READ_FLAGS, dir_fd=folder)
+            fd = self._held.open(path.name, _READ_FLAGS, dir_fd=folder)
         except FileNotFoundError:
             return "missing value"
         except OSError as exc:  # a symlink in its place, or no permission
@@ -658,7 +693,7 @@ class DiskStore:
         try:
             found = os.fstat(fd)
             if not _value_file(found):
-                return f"{str(path)!r} is not a value file (a regular file with one name; it has {found.st_nlink})"
+                return f"{str(path)!r} is not a value file (a regular file with one name): it is {_what(found)}"
             if found.st_size != want:
                 return f"value of {found.st_size} bytes, buffers of {want}"
             if _read_all(fd, parts) != want:
@@ -668,7 +703,7 @@ class DiskStore:
         except OSError as exc:
             return f"cannot read {str(path)!r}: {exc.strerror or exc}"
         finally:
-            os.close(fd)
+            self._held.close(fd)
         return None
 
     def _unusable(self, name: str, problem: str) -> str:
@@ -701,12 +736,12 @@ class DiskStore:
     def _look(self, name: str, folder: int) -> bool:
         """Whether ``name``'s value file is in the directory ``folder`` now; the index follows what is found
         (:meth:`_found`). A look that fails for another reason than the file's absence (no permission, an I/O
-        error) answers ``False`` and changes nothing: only evidence moves the index. The lock is held."""
+        error), or whose adoption cannot evict for want of descriptors or memory (:meth:`_adopt`), answers
+        ``False`` and adopts nothing: only evidence moves the index. The lock is held."""
         try:
-            found = _status(f"{name}{_SUFFIX}", folder)
+            return self._found(name, _status(f"{name}{_SUFFIX}", folder))
         except OSError:
             return False
-        return self._found(name, found)
 
     def _found(self, name: str, found: os.stat_result | None) -> bool:
         """Bring ``name``'s entry up to date with its file as just looked at (``None``: gone, or not in a directory).
@@ -732,9 +767,16 @@ class DiskStore:
         one larger than the capacity is never indexed (``oversized``): holding it would evict every other
         value, and then itself.
 
-        A name is indexed once: a listing may name a file twice (a directory read while another process
-        renames or re-creates files in it: tmpfs does), and a second entry would be tracked by the policy but
-        left out of the index, so eviction would pick it forever without freeing a byte.
+        Its hash for the policy is the whole name, every digit of it: a name planted to share a prefix with
+        another's is a value of its own, never a second block under one hash (which a policy that indexes
+        blocks by hash refuses). A name is indexed once: a listing may name a file twice (a directory read
+        while another process renames or re-creates files in it: tmpfs does), and a second entry would be
+        tracked by the policy but left out of the index, so eviction would pick it forever without freeing a
+        byte.
+
+        An eviction that raises ``OSError`` (:meth:`_forget`: the process out of descriptors or memory) leaves
+        ``name`` unindexed, and raises: its file is a neighbour's or this store's own just renamed into place,
+        and holding it would keep the indexed bytes above the capacity.
         """
         self._forget(name, unlink=False)
         if size > self._limit():
@@ -744,32 +786,46 @@ class DiskStore:
         self._index[name] = (block, size)
         self._names[block] = name
         self.used_bytes += size
-        self.eviction.on_insert(block, BlockHash(int(name[:32], 16)), None)
-        self._evict_for(0)
+        self.eviction.on_insert(block, BlockHash(int(name, 16)), None)  # the whole name: one per indexed file
+        try:
+            self._evict_for(0)
+        except OSError:
+            self._forget(name, unlink=False)
+            raise
 
     def _forget(self, name: str, *, unlink: bool = True) -> bool:
         """Drop ``name`` from the index, deleting its file with ``unlink``; answer whether a file was deleted
         (or, found gone, deleted by another process first): ``False`` when ``name`` was not indexed, without
-        ``unlink``, or when its file cannot be deleted (``unlink_failed``)."""
-        entry = self._index.pop(name, None)
-        if entry is None:
+        ``unlink``, or when its file cannot be deleted (``unlink_failed``).
+
+        A process out of descriptors or memory to delete it with (:data:`_SHORT`) raises that ``OSError`` and
+        keeps ``name`` indexed: the shortage says nothing about the file, which stays on disk, so forgetting
+        it would leave its bytes on disk uncounted, beyond the capacity.
+        """
+        if name not in self._index:
             return False
-        block, size = entry
+        deleted = unlink and self._delete(name)
+        block, size = self._index.pop(name)
         del self._names[block]
         self.used_bytes -= size
         self.eviction.on_remove(block)
-        if not unlink:
-            return False
+        return deleted
+
+    def _delete(self, name: str) -> bool:
+        """Delete ``name``'s file; answer whether it is gone (``False``: it cannot be deleted, ``unlink_failed``);
+        raise ``OSError`` when the process lacks the descriptors or memory to try (:data:`_SHORT`)."""
         try:
             folder = self._open_folder(name)
             try:
                 os.unlink(f"{name}{_SUFFIX}", dir_fd=folder)
             finally:
-                os.close(folder)
+                self._held.close(folder)
         except FileNotFoundError:  # another process evicted it first
             self._note("vanished")
-        except OSError:  # cannot be deleted, or no longer in a directory of ours
-            self._note("unlink_failed")
+        except OSError as exc:
+            if exc.errno in _SHORT:
+                raise
+            self._note("unlink_failed")  # cannot be deleted, or no longer in a directory of ours
             return False
         return True
 
@@ -779,7 +835,12 @@ class DiskStore:
         return self.capacity_bytes if self._fits is None else min(self.capacity_bytes, self._fits)
 
     def _make_room(self, size: int) -> bool:
-        """Evict until ``size`` more bytes fit (re-measuring a lowered capacity first); ``False`` if they never can."""
+        """Whether ``size`` more bytes can fit (re-measuring a lowered capacity first).
+
+        On a file system found full (a lowered capacity) it evicts until they do, since the value needs that
+        room to be written; else its writer evicts for it once it is written (:meth:`_publish`), so a put
+        that fails evicts nothing.
+        """
         if self._fits is not None and self.used_bytes + size > self._fits:
             free = self._free()
             if free is not None:
@@ -789,7 +850,8 @@ class DiskStore:
             self._adopt_unindexed()
         if size > self._limit():
             return False
-        self._evict_for(size)
+        if self._fits is not None:
+            self._evict_for(size)
         return True
 
     def _relieve(self, size: int) -> bool:
@@ -856,15 +918,18 @@ class DiskStore:
     def _evict_for(self, size: int, *, until_freed: bool = False) -> int:
         """Evict until ``size`` more bytes fit under the capacity (and, ``until_freed``, until a victim's file
         is gone); answer how many victims' files are gone (each victim leaves the index, but one that cannot be
-        deleted frees no space)."""
+        deleted frees no space). A victim the process lacks the descriptors or memory to delete stays indexed
+        and ends the eviction: its ``OSError`` is raised (:meth:`_forget`)."""
         evicted = freed = 0
-        while self._index and (self.used_bytes + size > self._limit() or (until_freed and not freed)):
-            victims = self.eviction.select_victims(1, self._names.__contains__)
-            assert victims, "the eviction policy found no victim among indexed files"
-            freed += self._forget(self._names[victims[0]])
-            evicted += 1
-        if evicted:
-            self._note("evicted", evicted)
+        try:
+            while self._index and (self.used_bytes + size > self._limit() or (until_freed and not freed)):
+                victims = self.eviction.select_victims(1, self._names.__contains__)
+                assert victims, "the eviction policy found no victim among indexed files"
+                freed += self._forget(self._names[victims[0]])
+                evicted += 1
+        finally:
+            if evicted:
+                self._note("evicted", evicted)
         return freed
 
     def _note(self, counter: str, n: int = 1) -> None:
@@ -911,9 +976,9 @@ def _dir_mode(file_mode: int) -> int:
     return file_mode | (file_mode & 0o444) >> 2
 
 
-def _new_folder(folder: str | Path, mode: int) -> bool:
+def _new_folder(folder: str | Path, mode: int, held: Descriptors) -> bool:
     """Make ``folder`` (private until its mode is set) with exactly ``mode``, whatever the umask; ``False`` if it
-    exists already (its mode is its own).
+    exists already (its mode is its own). The descriptor it opens is held in ``held``.
 
     The mode is set through a descriptor that needs no permission on the folder (``O_PATH``, so a umask that took
     the owner's read bit away, ``0o477``, locks nothing out) and never follows a symlink a neighbour swapped in
@@ -924,11 +989,11 @@ def _new_folder(folder: str | Path, mode: int) -> bool:
         os.mkdir(folder, 0o700)
     except FileExistsError:
         return False
-    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    fd = held.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.chmod(f"/proc/self/fd/{fd}", mode)
     finally:
-        os.close(fd)
+        held.close(fd)
     return True
 
 
@@ -936,6 +1001,17 @@ def _value_file(found: os.stat_result) -> bool:
     """Whether ``found`` is the status of a value file as this store writes one: a regular file with no other
     name. A hard link is not one: it would carry reads (and, adopted, the capacity) to a file outside ``path``."""
     return stat.S_ISREG(found.st_mode) and found.st_nlink <= 1
+
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symlink"}
+
+
+def _what(found: os.stat_result) -> str:
+    """What ``found`` is the status of, in words (``a FIFO``, ``a regular file with 2 names``)."""
+    if stat.S_ISREG(found.st_mode):
+        return f"a regular file with {plural(found.st_nlink, 'name')}"
+    return _KINDS.get(stat.S_IFMT(found.st_mode), f"of type {stat.S_IFMT(found.st_mode):o}")
 
 
 def _status(filename: str, folder: int) -> os.stat_result | None:
@@ -957,6 +1033,12 @@ def _same_file(filename: str, folder: int, held: os.stat_result) -> bool:
 def _unlink_quietly(filename: str, folder: int) -> None:
     with contextlib.suppress(OSError):  # already gone, or the file system refuses: the next opener reaps it
         os.unlink(filename, dir_fd=folder)
+
+
+def _largest_file() -> float:
+    """The most bytes this process may write to a file (``RLIMIT_FSIZE``'s soft limit; ``inf`` without one)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return math.inf if soft == resource.RLIM_INFINITY else soft
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:

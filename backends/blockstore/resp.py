@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from kvkit.backends.blockstore._common import Descriptors
+
 __all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "MISSING", "SLOTS", "Address",
            "ConnectOptions", "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "NoRoom",
            "ProtocolRefusal", "Redirect", "ServerError", "SlotUnserved", "command", "error_reply", "key_slot",
@@ -182,6 +184,7 @@ class Connection:
             sock = _connect(address, timeout)
         except TimeoutError as exc:  # a short budget running out is not the node's fault
             raise _connect_timeout(exc, timeout, budget, 0.0) from None
+        fd = sock.fileno()  # held in _OPENING until logged in
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if options.tls is not None:  # the handshake gets what the connect left of `timeout`
@@ -192,14 +195,17 @@ class Connection:
                         raise TimeoutError(f"timed out connecting to {address[0]}:{address[1]} before the TLS "
                                            f"handshake")
                     sock.settimeout(left)
-                    sock = options.tls.wrap_socket(sock, server_hostname=address[0])
+                    # The handshake is ours to start, so that a failed one leaves the socket open until let go.
+                    sock = options.tls.wrap_socket(sock, server_hostname=address[0], do_handshake_on_connect=False)
+                    sock.do_handshake()
                 except TimeoutError as exc:  # the handshake's silence, judged as a connect's
                     raise _connect_timeout(exc, timeout, budget, time.monotonic() - shaking) from None
             sock.setblocking(False)
         except BaseException:
+            _OPENING.let_go(fd)
             sock.close()
             raise
-        self.sock = sock
+        self.sock, self._fd = sock, fd
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._events = select.POLLIN
@@ -238,6 +244,7 @@ class Connection:
         except BaseException:
             self.close()
             raise
+        _OPENING.let_go(fd)  # logged in: its link's from here, which lets go of it in a forked child
 
     def ask_identity(self, told: Told, marker: bytes | None = None, *, plant: bool = False) -> None:
         """Ask the server's identity with the next command sent, in the same round trip (its replies are read
@@ -491,6 +498,7 @@ class Connection:
 
     def close(self) -> None:
         """Shut the socket down (waking a wait on it in another thread) and close it; idempotent."""
+        _OPENING.let_go(self._fd)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
@@ -624,11 +632,17 @@ def _connect_timeout(exc: TimeoutError, timeout: float, budget: float, silent_s:
     return DeadlineExceeded(f"timed out connecting: {exc}", silent_s)
 
 
+_OPENING = Descriptors()
+"""The sockets this process's threads are connecting (a TLS handshake and a login included), not yet a link's
+connections: a child forked meanwhile closes its copies of them (a link there lets go of its connections only)."""
+os.register_at_fork(after_in_child=_OPENING.close_copies)
+
+
 def _connect(address: Address, timeout: float) -> socket.socket:
     """``socket.create_connection(address, timeout)``, name resolution included in ``timeout`` (:func:`_resolve`),
-    except that each of the name's addresses, in order, gets an equal share of what is left of ``timeout`` (the
-    last all of it), so one that never answers leaves the others time, and a loopback peer gets Reno congestion
-    control.
+    the socket held in :data:`_OPENING` (its caller lets go of it), except that each of the name's addresses, in
+    order, gets an equal share of what is left of ``timeout`` (the last all of it), so one that never answers
+    leaves the others time, and a loopback peer gets Reno congestion control.
 
     Set before the handshake, so the system's default (BBR, where it is the default) never starts on the
     socket: BBR paces a connection at its estimate of the path's bandwidth, and on loopback that
@@ -642,6 +656,7 @@ def _connect(address: Address, timeout: float) -> socket.socket:
     peers = _resolve(host, port, timeout)
     for i, (family, kind, proto, _, peer) in enumerate(peers):
         sock = socket.socket(family, kind, proto)
+        _OPENING.hold(sock.fileno())  # until its connection owns it (Connection)
         try:
             if _TCP_CONGESTION is not None and ipaddress.ip_address(peer[0]).is_loopback:
                 with contextlib.suppress(OSError):
@@ -653,6 +668,7 @@ def _connect(address: Address, timeout: float) -> socket.socket:
             sock.connect(peer)
             return sock
         except OSError as exc:
+            _OPENING.let_go(sock.fileno())
             sock.close()
             last = exc
     raise last if last is not None else OSError(f"getaddrinfo found no address for {host}:{port}")

@@ -181,7 +181,9 @@ class ValkeyStore:
     serves the child on connections and I/O threads of its own, opened in
     the child: no socket is shared, so no process reads a reply meant for the
     other, and closing or collecting the store in the child leaves the
-    parent's connections open. The tickets still open at the fork are
+    parent's connections open; the child closes its copies of the sockets the
+    parent's threads were still connecting at the fork (a TLS handshake or a
+    login included), which no link of the child holds. The tickets still open at the fork are
     reported failed in the child (``"transport:"``; the parent's I/O threads
     serve them in the parent). A child where the I/O threads cannot start (a
     pids limit) gets the store closed.

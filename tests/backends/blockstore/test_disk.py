@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 import types
@@ -22,6 +23,7 @@ from kvkit.backends.blockstore import disk
 from kvkit.backends.blockstore.disk import DiskStore, _name
 from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.errors import ConfigError, KVKitError
+from kvkit.registry import EVICTION
 from kvkit.shared.urls import open_block_store
 from kvkit.testing.forked import in_child
 
@@ -375,6 +377,48 @@ def test_a_store_inherited_through_fork_refuses_work_in_the_child(tmp_path):
     store.close()
 
 
+def _open_under(root):
+    """What this process's descriptors open under ``root`` (paths, sorted)."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sorted(link for link in links if link.startswith(f"{root}{os.sep}"))
+
+
+def test_a_child_forked_while_calls_run_keeps_none_of_their_descriptors(tmp_path, monkeypatch):
+    """A child forked while the store's threads write and read (a subdirectory and a file open each) closes its
+    copies of their descriptors: no call runs on there to close them, and a copy would hold the parent's flock
+    and, once the value is evicted, its file's space for as long as the child lives."""
+    store = DiskStore(tmp_path, 1 << 20)
+    assert _put(store, [b"r"], 10).ok
+    writing, reading, release = threading.Event(), threading.Event(), threading.Event()
+    write_all, read_all = disk._write_all, disk._read_all
+
+    def held_write(fd, parts):
+        writing.set()
+        release.wait(10)
+        write_all(fd, parts)
+
+    def held_read(fd, parts):
+        reading.set()
+        release.wait(10)
+        return read_all(fd, parts)
+
+    monkeypatch.setattr(disk, "_write_all", held_write)
+    monkeypatch.setattr(disk, "_read_all", held_read)
+    put = store.put([b"w"], [[memoryview(bytes(10))]])
+    get = store.get([b"r"], [[memoryview(bytearray(10))]])
+    assert writing.wait(10) and reading.wait(10)
+    held = _open_under(tmp_path)
+    assert len(held) == 4, held  # two subdirectories, a temporary file and a value file
+    assert in_child(lambda: _open_under(tmp_path))() == []
+    release.set()
+    assert all(result.ok for ticket in (put, get) for result in store.poll([ticket], 10.0))
+    assert _open_under(tmp_path) == []
+    store.close()
+
+
 # --- among neighbours on a real file system -----------------------------------
 # Other processes open, write and evict in the same directory; people and tools leave things in it; the file
 # system fills up or turns read-only. None of it may crash a store or make it delete what is not provably its own.
@@ -447,6 +491,25 @@ _BROKEN = ["dangling symlink as a value", "hard link as a value", "directory as 
            "file as a subdirectory", "symlink as a temporary file", "FIFO as a temporary file"]
 
 
+@pytest.mark.parametrize("policy", ["lru", "lirs", "prefix-lru", "hit-density"])
+def test_a_value_name_sharing_another_ones_first_128_bits_opens_under_every_policy(tmp_path, policy):
+    """A file named as a value whose name shares its first 128 bits with another value's (planted: any 64 hex
+    digits in the right subdirectory are a value's name) is a value of its own: opening indexes both and
+    raises nothing, whatever the eviction policy (one that indexes blocks by hash refuses a second block under
+    one hash), and both are evicted as values."""
+    store = DiskStore(tmp_path, 25)
+    assert _put(store, [b"a"], 10).ok
+    store.close()
+    sub, file = _sub(tmp_path, b"a")
+    twin = file[:32] + ("0" if file[32] != "0" else "1") + file[33:]
+    (sub / twin).write_bytes(bytes(10))
+    store = DiskStore(tmp_path, 25, eviction=EVICTION.create(policy, slot="eviction"))
+    assert store.used_bytes == 20 and store.contains([b"a"]) == 1
+    assert _put(store, [b"b"], 10).ok and store.counters["evicted"] == 1
+    store.check_invariants()
+    store.close()
+
+
 @pytest.mark.parametrize("what", _FOREIGN + _BROKEN)
 def test_opening_counts_and_keeps_what_is_not_a_value(tmp_path, what):
     """Foreign and broken entries are counted, left where they are, and never indexed; the real values serve."""
@@ -488,12 +551,16 @@ def test_opening_reads_junk_entry_by_entry_in_bounded_memory(tmp_path):
 @pytest.mark.parametrize("what", ["dangling symlink as a value", "hard link as a value", "directory as a value",
                                   "FIFO as a value"])
 def test_something_else_in_a_values_place_is_a_miss(tmp_path, what):
-    """contains answers 0 and get fails (quoting the path, never blocking on a FIFO), never raising."""
+    """contains answers 0 and get fails (quoting the path and saying what is there, never blocking on a FIFO),
+    never raising."""
     planted = _plant(tmp_path, what)
     store = DiskStore(tmp_path, 1 << 20)
     assert store.contains([b"planted"]) == 0
     result, _ = _get(store, [b"planted"], 10)
     assert result.failed == (0,) and str(planted) in result.error
+    said = {"dangling symlink as a value": os.strerror(errno.ELOOP), "hard link as a value": "a regular file with 2 "
+            "names", "directory as a value": "it is a directory", "FIFO as a value": "it is a FIFO"}[what]
+    assert said in result.error, result.error
     assert os.path.lexists(planted) and store.used_bytes == 0
     store.check_invariants()
     store.close()
@@ -812,6 +879,28 @@ def test_an_unusable_directory_is_a_config_error_quoting_it(tmp_path, monkeypatc
         DiskStore(tmp_path / "d", 10)
 
 
+@pytest.mark.parametrize("junk", ["file", "symlink"])
+def test_a_put_that_cannot_be_written_evicts_nothing(tmp_path, junk):
+    """A put evicts for its value only once the value is written, just before renaming it into place: one that
+    fails (something not a directory in its subdirectory's place: a file, a symlink) costs no value its place."""
+    store = DiskStore(tmp_path, 1000)
+    keys = [b"k%d" % i for i in range(10)]
+    assert _put(store, keys, 100).ok
+    key = next(b"x%d" % i for i in range(1000) if not (tmp_path / _name(b"x%d" % i)[:2]).exists())
+    in_the_way = tmp_path / _name(key)[:2]
+    if junk == "file":
+        in_the_way.write_bytes(b"")
+    else:
+        in_the_way.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    result = _put(store, [key], 100)
+    assert result.failed == (0,) and str(in_the_way) in result.error
+    assert store.counters["evicted"] == 0 and store.contains(keys) == 10 and store.used_bytes == 1000
+    in_the_way.unlink()
+    assert _put(store, [key], 100).ok and store.counters["evicted"] == 1 and store.contains(keys[1:]) == 9
+    store.check_invariants()
+    store.close()
+
+
 @pytest.mark.parametrize("meets", ["contains", "get of its new size", "get of its old size"])
 def test_a_value_another_process_rewrote_at_another_size_is_counted_at_its_size(tmp_path, meets):
     """Another process (a second store: they share nothing but the directory) rewrites an indexed key at another
@@ -964,6 +1053,141 @@ def test_a_look_that_fails_for_want_of_descriptors_changes_nothing(tmp_path):
     assert report["contains"] == [0] * 10 and str(tmp_path) in report["get_error"], report
     assert report["used"] == 10_000 and report["contains_after"] == 10, report
     assert report["put_more"] and report["files"] == 10, report
+
+
+_EVICTING_WITHOUT_DESCRIPTORS = """
+import json, os, resource, sys
+from kvkit.backends.blockstore.disk import DiskStore, _name
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+root, report = sys.argv[1], {}
+store, value = DiskStore(root, 10 * 1000), [memoryview(bytes(1000))]
+report["full"] = store.poll([store.put([b"k%d" % i for i in range(11)], [value] * 11)], 10.0)[0].ok
+neighbour = _name(b"neighbour")  # a value another process wrote since the store looked
+os.makedirs(os.path.join(root, neighbour[:2]), exist_ok=True)
+with open(os.path.join(root, neighbour[:2], neighbour + ".kvb"), "wb") as f:
+    f.write(bytes(1000))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError as exc:
+    report["exhausted"] = exc.errno
+result = store.poll([store.put([b"new"], [value])], 10.0)[0]
+report["put"], report["put_error"] = result.ok, result.error
+os.close(held.pop())  # one descriptor: enough for contains to look, none to evict with
+report["contains"] = store.contains([b"neighbour"])
+report["used"], report["evicted"] = store.used_bytes, store.counters["evicted"]
+store.check_invariants()
+for fd in held:
+    os.close(fd)
+report["contains_after"] = store.contains([b"neighbour"])
+report["put_after"] = store.poll([store.put([b"m%d" % i for i in range(5)], [value] * 5)], 10.0)[0].ok
+report["on_disk"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+report["used_after"] = store.used_bytes
+store.check_invariants()
+store.close()
+print(json.dumps(report))
+"""
+
+
+def test_a_victim_that_cannot_be_deleted_for_want_of_descriptors_stays_counted(tmp_path):
+    """A process out of file descriptors (EMFILE, a real limit) cannot delete a victim: the victim stays indexed
+    and the eviction ends, so the put that needed the room fails and a neighbour's file a contains found is not
+    adopted (a miss). Forgetting the victim instead would leave its bytes on disk uncounted: the directory
+    would hold more than the capacity once descriptors are back."""
+    done = subprocess.run([sys.executable, "-c", _EVICTING_WITHOUT_DESCRIPTORS, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["full"] and report["exhausted"] == errno.EMFILE, report
+    assert not report["put"] and "Too many open files" in report["put_error"], report
+    assert report["contains"] == 0 and report["used"] == 10_000 and report["evicted"] == 1, report
+    assert report["contains_after"] == 1 and report["put_after"], report
+    assert report["on_disk"] == report["used_after"] == 10_000, report
+
+
+_FILE_SIZE_LIMIT = """
+import json, os, resource, signal, sys
+from kvkit.backends.blockstore.disk import DiskStore
+signal.signal(signal.SIGXFSZ, getattr(signal, sys.argv[2]))  # SIG_DFL: writing past the limit kills the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (5000, resource.RLIM_INFINITY))
+store, keys, report = DiskStore(sys.argv[1], 10 * 1000), [b"k%d" % i for i in range(10)], {}
+report["full"] = store.poll([store.put(keys, [[memoryview(bytes(1000))]] * 10)], 10.0)[0].ok
+result = store.poll([store.put([b"big"], [[memoryview(bytes(8000))]])], 10.0)[0]
+report["big"], report["error"] = result.ok, result.error
+report["at_limit"] = store.poll([store.put([b"five"], [[memoryview(bytes(5000))]])], 10.0)[0].ok
+report["kept"], report["evicted"] = store.contains(keys[5:]), store.counters["evicted"]
+report["files"] = sorted(f for _, _, files in os.walk(sys.argv[1]) for f in files if ".tmp-" in f)
+store.check_invariants()
+store.close()
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("handler", ["SIG_IGN", "SIG_DFL"])
+def test_a_value_past_the_file_size_limit_fails_before_anything_is_evicted_or_written(tmp_path, handler):
+    """A value larger than the process's file size limit (RLIMIT_FSIZE, a real limit) can never land: its put
+    fails naming the limit before it evicts a value or writes a byte (writing past the limit raises SIGXFSZ,
+    which kills a process that does not ignore it, or fails with EFBIG); a value at the limit lands, evicting
+    only what it needs."""
+    done = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMIT, str(tmp_path), handler], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    report = json.loads(done.stdout)
+    assert report["full"] and not report["big"], report
+    assert "8000 bytes exceeds this process's file size limit of 5000 (RLIMIT_FSIZE)" in report["error"], report
+    assert report["at_limit"] and report["evicted"] == 5 and report["kept"] == 5, report
+    assert report["files"] == [], report
+
+
+_REAPING_WITHOUT_DESCRIPTORS = """
+import json, os, resource, sys
+from kvkit.backends.blockstore.disk import DiskStore, _name
+from kvkit.errors import ConfigError
+root, outcomes = sys.argv[1], []
+store = DiskStore(root, 1 << 20)
+store.poll([store.put([b"k"], [[memoryview(bytes(10))]])], 10.0)
+store.close()
+name = _name(b"k")
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+for free in range(1, 7):  # descriptors left: too few to list, enough to list but not to examine a file, enough
+    open(os.path.join(root, name[:2], f"{name}.kvb.tmp-gone-{free}"), "wb").close()  # a writer gone
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    for fd in held[len(held) - free:]:
+        os.close(fd)
+    del held[len(held) - free:]
+    try:
+        store = DiskStore(root, 1 << 20)
+        outcomes.append(["opened", store.counters["broken"], store.counters["temps_removed"], store.used_bytes])
+        store.close()
+    except ConfigError as exc:
+        outcomes.append(["ConfigError", str(exc)])
+    for fd in held:
+        os.close(fd)
+print(json.dumps(outcomes))
+"""
+
+
+def test_opening_without_a_descriptor_to_examine_a_temporary_file_is_a_config_error_not_a_broken_count(tmp_path):
+    """A process with descriptors enough to list a subdirectory but not to open a temporary file in it (a real
+    limit) cannot tell whether its writer is gone: opening raises ConfigError quoting the file, as for any
+    entry it cannot look into, never counting it broken; with descriptors enough, the temporary files of
+    writers gone are removed."""
+    done = subprocess.run([sys.executable, "-c", _REAPING_WITHOUT_DESCRIPTORS, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcomes = json.loads(done.stdout)
+    refusals = [outcome[1] for outcome in outcomes if outcome[0] == "ConfigError"]
+    assert all("Too many open files" in refusal for refusal in refusals), outcomes
+    assert any(".kvb.tmp-gone-" in refusal for refusal in refusals), outcomes  # the temporary file, quoted
+    opened = [outcome[1:] for outcome in outcomes if outcome[0] == "opened"]
+    assert opened and all(broken == 0 and used == 10 for broken, _, used in opened), outcomes
+    assert opened[0][1] > 1, outcomes  # the first open that could examine them removed every one left
 
 
 @pytest.mark.parametrize("found", ["when opening", "by contains", "by get"])

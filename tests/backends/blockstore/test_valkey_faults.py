@@ -1465,6 +1465,50 @@ def test_a_store_inherited_through_fork_where_no_thread_can_start_is_closed_ther
     store.close()
 
 
+def _socket_links() -> set[str]:
+    """This process's sockets, as ``/proc/self/fd`` names them (``socket:[inode]``): the same in a forked child."""
+    links = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            links.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return {link for link in links if link.startswith("socket:")}
+
+
+def test_a_child_forked_while_a_lane_connects_keeps_no_copy_of_that_socket():
+    """A child forked while the put lane is still opening its connection (a TLS handshake that a server, silent
+    once it accepted, never answers) closes its copy of that socket: the connection is not the link's yet, so
+    letting go of the link's connections misses it, and a copy left open would hold the half-opened
+    connection against the server for as long as the child lives."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept():
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    before = _socket_links()
+    store = _store(listener.getsockname(), tls=True, connect_timeout_s=2.0, request_timeout_s=2.0)
+    try:
+        put = store.put([b"k"], [[memoryview(b"v")]])
+        assert _eventually(lambda: accepted)
+        connecting = _socket_links() - before - {os.readlink(f"/proc/self/fd/{accepted[0].fileno()}")}
+        assert len(connecting) == 1, connecting
+
+        def child():
+            store.close()
+            return sorted(connecting & _socket_links())
+
+        assert in_child(child)() == []
+    finally:
+        store.close()
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    assert store.poll([put])[0].failed == (0,)
+
+
 def test_a_child_forked_while_a_name_was_being_resolved_resolves_it_afresh(valkey_server, monkeypatch):
     """A host name whose resolution was in flight (a parent's thread) at the fork is resolved afresh in the child:
     it never waits for a thread that is not in its process, so its store reaches the server."""
