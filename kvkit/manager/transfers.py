@@ -63,6 +63,11 @@ class Batch:
             it touches no GPU block).
         fetched: a load's sources that a fetch of the same step fills (not
             ready until that fetch commits).
+        shares: a load's ``(CPU blocks, bytes)`` per request, in ``requests``' order.
+        failed: a load's requests (incarnations) that some worker could not
+            load although every transfer reported ``ok`` (their blocks were
+            left out of its copies): they fail, the others load, and their
+            shares count in no loaded block or byte.
         committed: hashes that became findable when it settled.
         committed_parents: ``committed``'s parents (``None`` where unknown).
         seconds: the longest time a worker reported for one of its transfers
@@ -82,6 +87,8 @@ class Batch:
     shared: bool = False
     prefetch: bool = False
     fetched: list[BlockId] = attrs.field(factory=list)
+    shares: list[tuple[int, int]] = attrs.field(factory=list)
+    failed: list[Request] = attrs.field(factory=list)
     committed: list[BlockHash] = attrs.field(factory=list)
     committed_parents: list[BlockHash | None] = attrs.field(factory=list)
     seconds: float = 0.0
@@ -121,9 +128,14 @@ class Batch:
                     self.committed_parents = [p for p, c in zip(parents, landed, strict=True) if c]
                 if not self.shared:
                     count = len(self.committed)  # a store that lost to an equal hash stored nothing
+            num_bytes = self.num_bytes
+            if self.failed:  # their shares were left out of the copies
+                for r, (n, b) in zip(self.requests, self.shares, strict=True):
+                    if r in self.failed:
+                        count, num_bytes = count - n, num_bytes - b
             blocks, moved = _COUNTERS[self.direction, self.shared]
             getattr(stats, blocks).add(count)
-            getattr(stats, moved).add(self.num_bytes)
+            getattr(stats, moved).add(num_bytes)
         cpu.decref(self.cpu_blocks)  # a committed block becomes evictable, a discarded one empty
         if self.gpu_blocks:
             assert gpu is not None, "GPU blocks are held only with a GPU pool"

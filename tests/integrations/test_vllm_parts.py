@@ -508,7 +508,8 @@ def _step(sides, scheduled=(), new_blocks=(), preempted=()):
     sides.worker.load(order)
     sides.worker.after_forward(order)
     _land(sides, order)
-    sides.sched.completed(sides.worker.take_results())
+    failed = sides.worker.take_failed_loads()  # as the connector hands them over: before the results
+    sides.sched.completed(sides.worker.take_results(), failed)
     return order
 
 
