@@ -1097,8 +1097,9 @@ class OffloadManager:
             self._events.emit("on_shared_stored", list(batch.hashes))
         if ok and batch.prefetch:
             self.stats.blocks_prefetched.add(len(batch.committed))
-        if ok and batch.direction is Direction.LOAD and batch.seconds > 0 and self.planner is not None:
-            self._observe(HitSource.SHARED if batch.shared else HitSource.CPU, batch.num_bytes, batch.seconds)
+        moved = batch.num_bytes - batch.left_out()[1]
+        if ok and batch.direction is Direction.LOAD and batch.seconds > 0 and moved and self.planner is not None:
+            self._observe(HitSource.SHARED if batch.shared else HitSource.CPU, moved, batch.seconds)
         if batch.shared:
             assert self._shared is not None, "a shared-tier batch needs the shared tier"
             self._shared.settled(batch, ok)

@@ -105,6 +105,13 @@ class Batch:
         assert out, "a batch with blocks must copy at least one group"
         return out
 
+    def left_out(self) -> tuple[int, int]:
+        """The CPU blocks and bytes of a load's ``failed`` requests' shares (left out of its copies)."""
+        if not self.failed:
+            return 0, 0
+        lost = [share for r, share in zip(self.requests, self.shares, strict=True) if r in self.failed]
+        return sum(n for n, _ in lost), sum(b for _, b in lost)
+
     def settle(self, cpu: BlockAllocator, gpu: BlockAllocator | None, stats: OffloadStats) -> bool:
         """Commit or discard the CPU blocks and drop the batch's pool references (once, when done).
 
@@ -128,14 +135,10 @@ class Batch:
                     self.committed_parents = [p for p, c in zip(parents, landed, strict=True) if c]
                 if not self.shared:
                     count = len(self.committed)  # a store that lost to an equal hash stored nothing
-            num_bytes = self.num_bytes
-            if self.failed:  # their shares were left out of the copies
-                for r, (n, b) in zip(self.requests, self.shares, strict=True):
-                    if r in self.failed:
-                        count, num_bytes = count - n, num_bytes - b
+            lost_blocks, lost_bytes = self.left_out()
             blocks, moved = _COUNTERS[self.direction, self.shared]
-            getattr(stats, blocks).add(count)
-            getattr(stats, moved).add(num_bytes)
+            getattr(stats, blocks).add(count - lost_blocks)
+            getattr(stats, moved).add(self.num_bytes - lost_bytes)
         cpu.decref(self.cpu_blocks)  # a committed block becomes evictable, a discarded one empty
         if self.gpu_blocks:
             assert gpu is not None, "GPU blocks are held only with a GPU pool"
@@ -286,6 +289,8 @@ class TransferTable:
             assert batch.pending > 0, "a batch in the table has no pending transfer"
             for r in batch.requests:
                 holds[id(r)] += 1
+            assert not batch.failed or (batch.direction is Direction.LOAD and not batch.shared and all(
+                r in batch.requests for r in batch.failed)), "a failed request of a batch is not among its loads"
             if batch.shared:
                 if not batch.abandoned:  # a fetch is findable only once it landed; a put reads ready blocks
                     ready = [cpu.block_hash(b) is not None for b in batch.cpu_blocks]
