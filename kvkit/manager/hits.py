@@ -96,24 +96,31 @@ class CpuHits:
                     f"request {r.request_id!r}: group {g} needs GPU blocks at positions "
                     f"[{first}, {stop}) for its CPU hit, got {row[first:stop]!r}")
 
-    def plan(self, reqs: list[Request]) -> tuple[Batch, list[list[BlockId]], list[list[BlockId]]]:
+    def plan(self, reqs: list[Request], group_bytes: Sequence[int]) -> tuple[Batch, list[list[BlockId]],
+                                                                          list[list[BlockId]]]:
         """One load batch for the accepted hits of ``reqs`` and its per-group ``(src, dst)`` ids.
 
         The requests' pins move to the batch, and each request holds it once;
-        with ``gpu`` one reference is taken on every destination block.
+        with ``gpu`` one reference is taken on every destination block. The
+        batch's ``shares`` hold each request's CPU blocks and bytes
+        (``group_bytes``: one block's bytes per group).
         """
         groups = range(len(self.kv.groups))
         src: list[list[BlockId]] = [[] for _ in groups]
         dst: list[list[BlockId]] = [[] for _ in groups]
         cpu_blocks: list[BlockId] = []
+        shares: list[tuple[int, int]] = []
         for r in reqs:
             assert r.gpu_hit_blocks is not None, "a request with a hit was looked up"
             blocks, start = r.pinned, r.gpu_hit_blocks + r.head_blocks
             stop = start + len(blocks)
+            num_bytes = 0
             for g in groups:
                 first = self._first_loaded(g, start, stop)
                 src[g] += blocks[first - start:]
                 dst[g] += r.block_table[g][first:stop]
+                num_bytes += (stop - first) * group_bytes[g]
+            shares.append((len(blocks), num_bytes))
             cpu_blocks += blocks
             r.pinned = []  # the pins move to the batch
             r.load_pending = False
@@ -122,7 +129,7 @@ class CpuHits:
         if gpu_blocks:
             assert self.gpu is not None
             self.gpu.incref(gpu_blocks)
-        return Batch(Direction.LOAD, cpu_blocks, gpu_blocks, reqs), src, dst
+        return Batch(Direction.LOAD, cpu_blocks, gpu_blocks, reqs, shares=shares), src, dst
 
     def unfilled(self, r: Request) -> range:
         """Positions of ``r``'s accepted hit that some sliding-window group does not load (it holds no KV there)."""

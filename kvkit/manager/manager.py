@@ -745,6 +745,28 @@ class OffloadManager:
         self._events.emit("on_request_preempted", request_id)
         return delay
 
+    @driven
+    def fail_load(self, request_id: str) -> None:
+        """A worker left ``request_id``'s blocks out of its load in flight (their source failed there) while
+        the copies carrying them, and other requests' blocks, succeeded.
+
+        When that load completes the request is reported in ``load_failed``
+        (``stats.loads_failed``, once however many workers report it) and its
+        blocks and bytes count in no loaded stat; the load's other requests
+        complete as usual. A worker reports it no later than its own results
+        of the load, so the load is still in flight here.
+
+        Raises:
+            UnknownRequestError / RequestStateError: unknown or ended id, or no load of it in flight.
+        """
+        r = self._live(request_id)
+        batch = next((b for b in self._transfers.batches() if b.direction is Direction.LOAD and not b.shared
+                      and r in b.requests), None)
+        if batch is None:
+            raise RequestStateError(f"request {request_id!r} has no load in flight to fail")
+        if r not in batch.failed:
+            batch.failed.append(r)
+
     # -- steps ---------------------------------------------------------------
 
     @driven
@@ -997,7 +1019,7 @@ class OffloadManager:
         if self._shared is not None and (planned := self._shared.plan_fetches(reqs)) is not None:
             fetches = self._open_shared(*planned)
             fetched = planned[0].cpu_blocks
-        batch, src, dst = self._hits.plan(reqs)
+        batch, src, dst = self._hits.plan(reqs, self._group_bytes)
         batch.fetched = fetched
         return fetches, self._open(batch, src, dst)
 
@@ -1075,8 +1097,9 @@ class OffloadManager:
             self._events.emit("on_shared_stored", list(batch.hashes))
         if ok and batch.prefetch:
             self.stats.blocks_prefetched.add(len(batch.committed))
-        if ok and batch.direction is Direction.LOAD and batch.seconds > 0 and self.planner is not None:
-            self._observe(HitSource.SHARED if batch.shared else HitSource.CPU, batch.num_bytes, batch.seconds)
+        moved = batch.num_bytes - batch.left_out()[1]
+        if ok and batch.direction is Direction.LOAD and batch.seconds > 0 and moved and self.planner is not None:
+            self._observe(HitSource.SHARED if batch.shared else HitSource.CPU, moved, batch.seconds)
         if batch.shared:
             assert self._shared is not None, "a shared-tier batch needs the shared tier"
             self._shared.settled(batch, ok)
@@ -1088,7 +1111,7 @@ class OffloadManager:
         else:
             for r in batch.requests:
                 if r.state is _RUNNING:  # a preempted or ended incarnation no longer cares
-                    if ok:
+                    if ok and r not in batch.failed:
                         self._loaded.add(r.request_id)
                     else:
                         self._report_load_failed(r)

@@ -63,6 +63,11 @@ class Batch:
             it touches no GPU block).
         fetched: a load's sources that a fetch of the same step fills (not
             ready until that fetch commits).
+        shares: a load's ``(CPU blocks, bytes)`` per request, in ``requests``' order.
+        failed: a load's requests (incarnations) that some worker could not
+            load although every transfer reported ``ok`` (their blocks were
+            left out of its copies): they fail, the others load, and their
+            shares count in no loaded block or byte.
         committed: hashes that became findable when it settled.
         committed_parents: ``committed``'s parents (``None`` where unknown).
         seconds: the longest time a worker reported for one of its transfers
@@ -82,6 +87,8 @@ class Batch:
     shared: bool = False
     prefetch: bool = False
     fetched: list[BlockId] = attrs.field(factory=list)
+    shares: list[tuple[int, int]] = attrs.field(factory=list)
+    failed: list[Request] = attrs.field(factory=list)
     committed: list[BlockHash] = attrs.field(factory=list)
     committed_parents: list[BlockHash | None] = attrs.field(factory=list)
     seconds: float = 0.0
@@ -97,6 +104,13 @@ class Batch:
                 self.num_bytes += len(s) * group_bytes[g]
         assert out, "a batch with blocks must copy at least one group"
         return out
+
+    def left_out(self) -> tuple[int, int]:
+        """The CPU blocks and bytes of a load's ``failed`` requests' shares (left out of its copies)."""
+        if not self.failed:
+            return 0, 0
+        lost = [share for r, share in zip(self.requests, self.shares, strict=True) if r in self.failed]
+        return sum(n for n, _ in lost), sum(b for _, b in lost)
 
     def settle(self, cpu: BlockAllocator, gpu: BlockAllocator | None, stats: OffloadStats) -> bool:
         """Commit or discard the CPU blocks and drop the batch's pool references (once, when done).
@@ -121,9 +135,10 @@ class Batch:
                     self.committed_parents = [p for p, c in zip(parents, landed, strict=True) if c]
                 if not self.shared:
                     count = len(self.committed)  # a store that lost to an equal hash stored nothing
+            lost_blocks, lost_bytes = self.left_out()
             blocks, moved = _COUNTERS[self.direction, self.shared]
-            getattr(stats, blocks).add(count)
-            getattr(stats, moved).add(self.num_bytes)
+            getattr(stats, blocks).add(count - lost_blocks)
+            getattr(stats, moved).add(self.num_bytes - lost_bytes)
         cpu.decref(self.cpu_blocks)  # a committed block becomes evictable, a discarded one empty
         if self.gpu_blocks:
             assert gpu is not None, "GPU blocks are held only with a GPU pool"
@@ -274,6 +289,8 @@ class TransferTable:
             assert batch.pending > 0, "a batch in the table has no pending transfer"
             for r in batch.requests:
                 holds[id(r)] += 1
+            assert not batch.failed or (batch.direction is Direction.LOAD and not batch.shared and all(
+                r in batch.requests for r in batch.failed)), "a failed request of a batch is not among its loads"
             if batch.shared:
                 if not batch.abandoned:  # a fetch is findable only once it landed; a put reads ready blocks
                     ready = [cpu.block_hash(b) is not None for b in batch.cpu_blocks]

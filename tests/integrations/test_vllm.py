@@ -473,6 +473,78 @@ def test_a_model_with_several_kv_groups_recomputes_requests_whose_shared_values_
         assert_nothing_held(llm)
 
 
+def _generate(llm, prompts, max_tokens):
+    """``prompts`` as one batch; per prompt, its output tokens and the tokens kvkit loaded for it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [(list(r.outputs[0].token_ids), (r.kv_transfer_params or {}).get("kvkit_loaded_tokens", 0))
+            for r in results]
+
+
+def record_transfer_results(llm) -> list:
+    """Every ``(finished_recving, failed_recving)`` the worker side hands vLLM from now on."""
+    _, worker = connectors(llm)
+    get, reported = worker.get_transfer_results, []
+
+    def recording(finished_req_ids):
+        out = get(finished_req_ids)
+        reported.append((set(out.finished_recving or ()), set(out.failed_recving or ())))
+        return out
+
+    worker.get_transfer_results = recording
+    return reported
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("model", "gpu_blocks", "extra"), [
+    ("tiny_llama", 10, {"async_load": True}), ("tiny_gemma3", 20, {})], ids=["llama", "gemma3"])
+def test_a_corrupt_value_fails_only_the_asynchronous_load_of_the_request_that_reads_it(model, gpu_blocks, extra,
+                                                                                       request):
+    """Two requests load asynchronously in one step from Valkey; the values only the first one reads are corrupt:
+    the first is reported in failed_recving and recomputes, the second loads its clean values in the same
+    copies and is only received; one load counted failed; tokens identical to a run without kvkit (one KV group,
+    and Gemma-3's full-attention plus sliding-window groups); the CPU tier then serves them; nothing held."""
+    from kvkit.testing.servers import LocalServer, block_keys, server_binary_or_skip
+
+    path = request.getfixturevalue(model)
+    with engine(path, kvkit=False, gpu_blocks=gpu_blocks) as llm:
+        prompts = [m[0] for m in ex.user_messages(llm.get_tokenizer(), 2, 1, 18)]  # three blocks each
+        reference = [out for out, _ in _generate(llm, prompts, 4)]
+    with LocalServer(server_binary_or_skip()) as server, engine(
+            path, gpu_blocks=gpu_blocks, extra_config={"cpu_bytes": "4MiB", "shared": server.url, **extra}) as llm:
+        sched, worker = connectors(llm)
+        assert sched.settings.async_load and len(sched.manager.kv.groups) == (2 if model == "tiny_gemma3" else 1)
+        _generate(llm, prompts[1:], 4)
+        settle(llm)
+        clean = set(block_keys(server.call(b"KEYS", b"*")))
+        _generate(llm, prompts[:1], 4)
+        settle(llm)
+        corrupt = set(block_keys(server.call(b"KEYS", b"*"))) - clean  # read by the first prompt alone
+        assert clean and corrupt
+        for key in corrupt:
+            value = bytearray(server.call(b"GET", key))
+            value[-1] ^= 0xFF
+            server.call(b"SET", key, bytes(value))
+        reset_prefix_cache(llm, connector=True)  # the next lookups find the prefixes in the shared tier only
+        orders, reported = record_orders(llm), record_transfer_results(llm)
+        failed = sched.stats.loads_failed.value
+        (first, lost), (second, loaded) = _generate(llm, prompts, 4)
+        assert [first, second] == reference
+        assert len([o for _, o in orders if len(o.receiving) == 2]) == 1  # both loads in one step's copies
+        failed_recving = set().union(*(f for _, f in reported))
+        received = set().union(*(r for r, _ in reported))
+        assert len(failed_recving) == 1 and len(received) == 2 and failed_recving < received
+        assert sched.stats.loads_failed.value - failed == 1
+        assert lost == 0 and loaded == (len(prompts[1]) - 1) // 32 * 32  # the clean one: all its full blocks
+        assert worker.worker_side.shared.invalid_values > 0
+        reset_prefix_cache(llm, connector=False)
+        assert [out for out, _ in _generate(llm, prompts, 4)] == reference
+        assert_nothing_held(llm)
+
+
 def test_a_vllm_outside_the_supported_range_is_refused_by_name():
     """Importing the connector under another vLLM release fails at once, naming the version and the range."""
     from kvkit.integrations.vllm import SUPPORTED_VLLM, check_vllm_version

@@ -105,9 +105,10 @@ class FakeBlockPool:
         return [self.blocks[i].ref_cnt for i in ids]
 
 
-def vllm_request(rid, num_tokens, prefix=b""):
-    """A stand-in for vLLM's Request: block hashes are bytes chained over the block index."""
-    hashes = [prefix + bytes([i]) * 32 for i in range(num_tokens // BS)]
+def vllm_request(rid, num_tokens, prefix=b"", first=0):
+    """A stand-in for vLLM's Request: block hashes are bytes chained over the block index (from ``first``: the
+    shared tier's keys hold a hash's low 128 bits, which ``prefix`` leaves alike)."""
+    hashes = [prefix + bytes([first + i]) * 32 for i in range(num_tokens // BS)]
     return SimpleNamespace(request_id=rid, block_hashes=hashes, num_tokens=num_tokens,
                            num_computed_tokens=0, num_in_flight_tokens=0, num_preemptions=0)
 
@@ -508,7 +509,8 @@ def _step(sides, scheduled=(), new_blocks=(), preempted=()):
     sides.worker.load(order)
     sides.worker.after_forward(order)
     _land(sides, order)
-    sides.sched.completed(sides.worker.take_results())
+    failed = sides.worker.take_failed_loads()  # as the connector hands them over: before the results
+    sides.sched.completed(sides.worker.take_results(), failed)
     return order
 
 
@@ -522,9 +524,9 @@ def _land(sides, order):
         engine.wait({tid for tid, _ in (*order.plan.loads, *order.plan.stores)})
 
 
-def _admit(sides, name, num_tokens, blocks, hit=0, prefix=b""):
+def _admit(sides, name, num_tokens, blocks, hit=0, prefix=b"", first=0):
     """A new request looked up and allocated ``blocks`` (one list per group), ``hit`` tokens accepted."""
-    request = vllm_request(name, num_tokens, prefix)
+    request = vllm_request(name, num_tokens, prefix, first)
     assert sides.sched.matched_tokens(request, 0) >= hit
     for row in blocks:
         sides.pool.allocate([b for b in row if b])
@@ -1084,6 +1086,49 @@ def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_looku
     assert stats.fetches_failed.value == fetches and sides.sched.num_preemptions == 0
     assert (stats.scheduled_requests.value, stats.query_tokens.value) == (1, b.num_tokens), "counted twice"
     assert sides.sched.summary().startswith(f"kvkit: 1 request over {b.num_tokens} tokens;")
+    _assert_idle(sides)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["attributed", "unattributed"])
+def test_a_vanished_key_fails_only_the_asynchronous_load_of_the_request_that_reads_it(named, request):
+    """Two requests load asynchronously in one copy; a key only ``b`` reads vanished after lookup: ``b`` alone
+    fails (failed_recving, one failed load, none of its blocks counted loaded) while ``c`` gets the bytes its
+    prefix was computed with. An order naming neither request's blocks (the failed key's reader unknown)
+    fails both. Nothing held."""
+    url = f"memory://{request.node.name}"
+    a_sides = _sides(shared=url, async_load=True)
+    _computed_and_shared(a_sides)  # b's prefix
+    x = _admit(a_sides, "x", 3 * BS + 1, [[5, 6, 7, 8]], first=100)  # c's prefix
+    _step(a_sides, [(x, x.num_tokens)])
+    computed = _blocks(a_sides, [5, 6, 7])
+    _finish(a_sides, x, [[5, 6, 7, 8]])
+    _assert_idle(a_sides)
+    _assert_idle(a_sides)
+    sides = _sides(shared=url, async_load=True)
+    b = _admit(sides, "b", 3 * BS + 2, [[1, 2, 3, 4]], hit=3 * BS)
+    c = _admit(sides, "c", 3 * BS + 2, [[5, 6, 7, 8]], hit=3 * BS, first=100)
+    before = _blocks(sides, [1, 2, 3])
+    worker = sides.worker.shared
+    worker.store.drop(worker.codec.key(block_hash(b.block_hashes[1]), 0))
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={})
+    assert order.receiving == ("b", "c") and len(order.plan.loads) == 1
+    if not named:
+        order = attrs.evolve(order, targets=(frozenset(), frozenset()))
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    _land(sides, order)
+    failed = sides.worker.take_failed_loads()
+    sides.sched.completed(sides.worker.take_results(), failed)
+    lost = {"b"} if named else {"b", "c"}
+    assert sides.worker.take_received() == ({"b", "c"}, lost)
+    stats = sides.sched.manager.stats
+    assert stats.loads_failed.value == len(lost)
+    assert _blocks(sides, [1, 2, 3]) == before  # nothing of b's was loaded
+    if named:
+        assert _blocks(sides, [5, 6, 7]) == computed and stats.blocks_loaded.value == 3
+    c.num_computed_tokens = c.num_tokens
+    _finish(sides, b, [[1, 2, 3, 4]], aborted=True)
+    assert _finish(sides, c, [[5, 6, 7, 8]])["kvkit_loaded_tokens"] == (0 if lost == {"b", "c"} else 3 * BS)
     _assert_idle(sides)
 
 

@@ -284,6 +284,35 @@ def test_failed_load_is_reported_for_recompute():
     mgr.check_invariants()
 
 
+def test_a_load_failed_for_one_request_fails_it_alone_and_counts_only_the_others_blocks():
+    """One load carries two requests' hits; both workers report it ok but left ``b``'s blocks out (``fail_load``,
+    told by each): ``b`` alone fails, counted once, and only ``c``'s blocks and bytes count as loaded. A request
+    with no load in flight is refused by name and changes nothing."""
+    mgr = make(world=2, gpu=32)
+    hb, hc = hashes(1, 3), hashes(2, 2)
+    for rid, hs, ntok in (("a", hb, 13), ("d", hc, 9)):
+        table = schedule(mgr, rid, hs, ntok)
+        mgr.on_computed(rid, ntok)
+        mgr.apply_completions(results(mgr.build_step(), workers=2))
+        mgr.finish(rid)
+        mgr.gpu.decref(table)
+    schedule(mgr, "b", hb, 13)
+    schedule(mgr, "c", hc, 9)
+    with pytest.raises(RequestStateError, match="'b' has no load in flight"):
+        mgr.fail_load("b")  # its load is not planned yet
+    plan = mgr.build_step()
+    assert len(plan.loads) == 1  # one copy carries both hits
+    for _ in range(2):  # every worker tells
+        mgr.fail_load("b")
+    with pytest.raises(UnknownRequestError, match="'x'"):
+        mgr.fail_load("x")
+    report = mgr.apply_completions(results(plan, workers=2))
+    assert report.load_failed == {"b"} and report.loaded == {"c"}
+    assert mgr.stats.loads_failed.value == 1 and mgr.stats.transfers_failed.value == 0
+    assert mgr.stats.blocks_loaded.value == 2 and mgr.stats.bytes_loaded.value == 2 * SPEC.bytes_per_block
+    mgr.check_invariants()
+
+
 def test_sliding_window_group_loads_only_the_window_before_the_hit_end():
     """A sliding-window group loads the trailing window blocks; earlier ones may be null."""
     mgr = make(spec=HYBRID, gpu=32)

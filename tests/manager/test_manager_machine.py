@@ -113,6 +113,7 @@ class ModelTransfer:
     dst: list[int]
     hashes: list[int]  # store: the hash each source held at plan time
     loads: list[tuple[str, int]]  # load: (request id, incarnation) served
+    left_out: set[tuple[str, int]] = attrs.field(factory=set)  # load: those a worker left out (fail_load)
     executed: set[int] = attrs.field(factory=set)
     written: dict[int, dict[int, int]] = attrs.field(factory=dict)  # worker -> {dst: write serial}
     reported: set[int] = attrs.field(factory=set)
@@ -543,7 +544,7 @@ class ManagerMachine(RuleBasedStateMachine):
             for rid, inc in t.loads:
                 r = self.reqs.get(rid)
                 if r is not None and r.inc == inc and r.running:
-                    (loaded if ok else failed).add(rid)
+                    (loaded if ok and (rid, inc) not in t.left_out else failed).add(rid)
         assert report.loaded == loaded and report.load_failed == failed, (report, loaded, failed)
         assert report.released <= self.delayed.keys(), (report.released, self.delayed)
         for rid in report.released:
@@ -743,6 +744,22 @@ class NeverMachine(ManagerMachine):
         assert self.cpu.num_cached == 0 and not self.mgr.stats.blocks_stored.value
 
 
+class LeftOutMachine(ManagerMachine):
+    """Workers also leave a request out of loads (``fail_load``), as vLLM's worker does for a request whose
+    shared-tier source failed, while the load's transfers may all report ok: that request alone fails. Every
+    other load (odd transfer ids) has one request left out, told before any of its results is delivered."""
+
+    def _deliver(self, picked: list[TransferResult], extras: list[str]) -> None:
+        for t in self.transfers.values():
+            if t.direction is Direction.LOAD and t.tid % 2 and not t.left_out:
+                rid, inc = t.loads[t.tid // 2 % len(t.loads)]
+                r = self.reqs.get(rid)
+                if r is not None and r.inc == inc and r.running:
+                    self.mgr.fail_load(rid)
+                    t.left_out.add((rid, inc))
+        super()._deliver(picked, extras)
+
+
 class ExternalEngineMachine(ManagerMachine):
     """The same model as an external engine (no GPU pool given): finish and abort delay the free."""
 
@@ -809,6 +826,7 @@ TestManagerLazy = LazyMachine.TestCase
 TestManagerNever = NeverMachine.TestCase
 TestManagerRaisingCallback = RaisingCallbackMachine.TestCase
 TestManagerHints = HintMachine.TestCase
+TestManagerLeftOut = LeftOutMachine.TestCase
 
 
 # -- the third tier: two instances sharing one store --------------------------
@@ -1180,6 +1198,13 @@ class _StoresUnconfirmed(OffloadManager):
             self._dirty[r.request_id] = r
 
 
+class _LeftOutLoaded(OffloadManager):
+    """A request a worker left out of a load is reported loaded when the load's transfers succeed."""
+
+    def fail_load(self, request_id):
+        pass
+
+
 class _NoFlushOnFinish(OffloadManager):
     """vLLM #41704: a request finishing in the step its last block completes loses that block."""
 
@@ -1323,7 +1348,7 @@ def _check_plant_signatures(plant: type) -> None:
     (ManagerMachine, _ResetKeepsHits), (ManagerMachine, _DoubleStore),
     (ManagerMachine, _StoreSourceNotHeld), (ExternalEngineMachine, _NoDelayedFree),
     (ManagerMachine, _AppendUnchecked), (RaisingCallbackMachine, _PropagatingCallbacks),
-    (HintMachine, _HintsAfterAdd),
+    (HintMachine, _HintsAfterAdd), (LeftOutMachine, _LeftOutLoaded),
     (SharedTierMachine, _SharedHitOneRank), (SharedTierMachine, _FetchedBlockNotHeld),
 ], ids=lambda c: c.__name__.strip("_"))
 def test_machine_catches_planted_bug(base, plant):

@@ -80,14 +80,21 @@ class KVKitMetadata(KVConnectorMetadata):
 
 @attrs.frozen
 class KVKitWorkerMetadata(KVConnectorWorkerMetadata):
-    """Transfer results, workers -> scheduler; vLLM concatenates the workers' with ``aggregate``."""
+    """Transfer results, workers -> scheduler; vLLM concatenates the workers' with ``aggregate``.
+
+    Attributes:
+        results: the transfers the workers finished.
+        failed_loads: requests a worker left out of their asynchronous loads
+            (``WorkerSide.take_failed_loads``), whose loads' results may report ``ok``.
+    """
 
     results: tuple[TransferResult, ...] = ()
+    failed_loads: frozenset[str] = frozenset()
 
     @override
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVKitWorkerMetadata:
         assert isinstance(other, KVKitWorkerMetadata), type(other)
-        return KVKitWorkerMetadata(self.results + other.results)
+        return KVKitWorkerMetadata(self.results + other.results, self.failed_loads | other.failed_loads)
 
 
 def _device() -> str:
@@ -141,9 +148,10 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
     """kvkit's CPU offload tier as a vLLM KV connector (both roles; see the module docstring).
 
     A load that fails (a CPU copy, a shared-tier fetch missing, corrupt or late) is a miss: a
-    synchronous load's blocks go to vLLM's ``invalid_block_ids``, an asynchronous load's requests to
-    ``failed_recving`` (the only failure vLLM takes from a model with several KV groups, whose block
-    ids are per group), and the request recomputes them, never fails. The connector sets vLLM's
+    synchronous load's blocks go to vLLM's ``invalid_block_ids``, an asynchronous load's requests
+    whose own blocks failed to ``failed_recving`` (the only failure vLLM takes from a model with
+    several KV groups, whose block ids are per group; the step's other requests load), and the
+    request recomputes them, never fails. The connector sets vLLM's
     ``kv_load_failure_policy`` to ``"recompute"`` for that (vLLM's default, ``"fail"``, would end
     the request with an error; a cache's miss is no error).
 
@@ -227,8 +235,9 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def build_connector_worker_meta(self) -> KVKitWorkerMetadata | None:
+        failed = frozenset(self._worker().take_failed_loads())  # before the results of their loads
         results = self._worker().take_results()
-        return KVKitWorkerMetadata(results) if results else None
+        return KVKitWorkerMetadata(results, failed) if results or failed else None
 
     @override
     def shutdown(self) -> None:
@@ -305,8 +314,10 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
     @override
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        results = meta.results if isinstance(meta, KVKitWorkerMetadata) else ()
-        self._scheduler().completed(results)
+        if isinstance(meta, KVKitWorkerMetadata):
+            self._scheduler().completed(meta.results, meta.failed_loads)
+        else:
+            self._scheduler().completed(())
 
     @override
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

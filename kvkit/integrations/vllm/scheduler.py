@@ -26,12 +26,14 @@ vLLM (scheduler process)                  kvkit
                                           ``extend`` + ``on_computed`` with the tokens each
                                           request holds once this step ran, ``build_step``
                                           -> metadata for every worker
-``update_connector_output(out)``          ``apply_completions`` (the workers' results); a
-                                          request whose asynchronous load failed (vLLM
-                                          got it in ``failed_recving``, dropped its blocks
-                                          and looks it up again) is offered no hit until
-                                          vLLM allocated it: vLLM recomputes it, no second
-                                          try reads the same bad value
+``update_connector_output(out)``          ``fail_load`` (requests a worker left out of its
+                                          asynchronous loads), ``apply_completions`` (the
+                                          workers' results); a request whose asynchronous
+                                          load failed (vLLM got it in ``failed_recving``,
+                                          dropped its blocks and looks it up again) is
+                                          offered no hit until vLLM allocated it: vLLM
+                                          recomputes it, no second try reads the same bad
+                                          value
 ``request_finished_all_groups(req, b)``   the table as vLLM leaves it (blocks out of a window
                                           are null), then ``finish`` (flush) or ``abort``
 ``reset_cache()``                         ``reset``
@@ -138,11 +140,17 @@ class StepOrder:
             ``WAITING_FOR_REMOTE_KVS``): each worker reports them in
             ``finished_recving`` once every load of the step completed there.
             Empty with synchronous loads.
+        targets: each receiving request's GPU blocks (every group's, null
+            blocks left out), in ``receiving``'s order: its loads write only
+            those, and no other request's load of the step writes one of
+            them (vLLM allocates a loading request fresh blocks), so a
+            worker tells whose load a failed source block breaks.
     """
 
     step: int
     plan: StepPlan
     receiving: tuple[str, ...] = ()
+    targets: tuple[frozenset[int], ...] = ()
 
 
 def _backend(stack: StackConfig) -> str:
@@ -302,7 +310,8 @@ class SchedulerSide:
     shared: SharedConnection | None = None
     info: tuple[str, ...] = ()
     num_preemptions: int = attrs.field(init=False, default=0)
-    _receiving: list[str] = attrs.field(init=False, factory=list)  # async loads allocated since the last build
+    _receiving: dict[str, frozenset[int]] = attrs.field(init=False, factory=dict)  # async loads allocated since
+    # the last build: their StepOrder.targets
     _reported: dict[str, float] = attrs.field(init=False, factory=dict)
     _windowed: bool = attrs.field(init=False, default=attrs.Factory(
         lambda self: any(g.kind is GroupKind.SLIDING_WINDOW for g in self.manager.kv.groups), takes_self=True))
@@ -388,7 +397,8 @@ class SchedulerSide:
             self._loaded_tokens[rid][slot] += num_external_tokens
             self._loading[rid] = (slot, num_external_tokens)
             if self.async_load:
-                self._receiving.append(rid)
+                null = self.manager.null_block
+                self._receiving[rid] = frozenset(b for row in block_ids for b in row if b != null)
 
     def build(self, *, preempted: Iterable[str], new_blocks: Iterable[tuple[str, Sequence[Sequence[int]]]],
               scheduled: Mapping[str, int], speculative: Mapping[str, Sequence[int]] | None = None) -> StepOrder:
@@ -428,23 +438,32 @@ class SchedulerSide:
                 self.manager.on_computed(rid, done)
         self._step += 1
         self._flush_pending = False  # build_step plans every detached store
-        order = StepOrder(self._step, self.manager.build_step(), tuple(self._receiving))
+        order = StepOrder(self._step, self.manager.build_step(), tuple(self._receiving),
+                          tuple(self._receiving.values()))
         world = self.manager.world_size
         self._copies.update((tid, ["load_copies", world]) for tid, _ in order.plan.loads)
         self._copies.update((tid, ["store_copies", world]) for tid, _ in order.plan.stores)
         self._receiving.clear()  # their loads are this step's (allocation and build share one schedule call)
         return order
 
-    def completed(self, results: Iterable[TransferResult]) -> None:
+    def completed(self, results: Iterable[TransferResult], failed_loads: Iterable[str] = ()) -> None:
         """Apply the workers' transfer results (GPU and CPU references of finished copies drop).
 
-        A request's failed load no longer counts in its loaded tokens; with
-        asynchronous loads its next lookup offers nothing (:meth:`matched_tokens`).
+        ``failed_loads``: requests a worker left out of its asynchronous loads
+        (a source block of theirs failed there) while the copies carrying them
+        succeeded; they fail when their load completes (``OffloadManager.fail_load``),
+        the other requests of the step load. A worker reports them with or
+        before its results of that load. A request's failed load no longer
+        counts in its loaded tokens; with asynchronous loads its next lookup
+        offers nothing (:meth:`matched_tokens`).
 
         Each worker's successful GPU <-> CPU copy is listed under its
         :data:`COPIES` key for :meth:`stats_delta` and counted in :attr:`copy_totals`.
         """
         results = list(results)
+        for rid in set(failed_loads):
+            if rid in self._requests:  # one that ended meanwhile needs nothing
+                self.manager.fail_load(rid)
         report = self.manager.apply_completions(results)
         for rid in report.loaded:
             self._loading.pop(rid, None)

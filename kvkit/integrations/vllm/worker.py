@@ -10,9 +10,13 @@ vLLM-free. Per step, in vLLM's call order:
    requests are reported in ``finished_recving`` (``get_transfer_results``) once
    every load of their step completed. A failed synchronous load's GPU blocks
    become vLLM's ``invalid_block_ids`` in its step; a failed asynchronous load
-   fails its whole step's requests: they are reported in ``failed_recving``
-   (and ``finished_recving``), never as blocks, since vLLM maps no block id of
-   a model with several KV groups back to its request.
+   fails only its requests whose blocks failed: they are reported in
+   ``failed_recving`` (and ``finished_recving``), never as blocks, since vLLM
+   maps no block id of a model with several KV groups back to its request.
+   One copy per KV group carries every waiting request's blocks: a request
+   whose source block failed to fetch here is left out of the copies (the
+   others land), while a copy that fails as a whole names no block, so it
+   fails every request of its step (as the scheduler's batch does).
 2. ``wait_for_save`` (after the forward pass, every step, also without
    one): submit the step's stores, ordered after the compute that wrote
    their sources, and collect finished copies (``poll``).
@@ -20,8 +24,9 @@ vLLM-free. Per step, in vLLM's call order:
 
 With a shared tier, ``start_load_kv`` first fetches this rank's shard of the
 step's shared hits into the CPU mirrors (waited for, each value checked); a
-load that reads a block whose fetch failed is not run and reported failed
-(as any failed load, above: vLLM recomputes what it held).
+synchronous load that reads a block whose fetch failed is not run and reported
+failed, an asynchronous one runs without the requests that read such a block,
+which fail (as above: vLLM recomputes what they held).
 ``wait_for_save`` then queues the step's puts (write-through of committed
 CPU blocks), which later polls report.
 
@@ -100,6 +105,12 @@ def group_spec(spec: KVCacheSpec, group: int) -> KVCacheSpec:
                         groups=(KVGroupSpec(range(len(g.layers)), g.kind, g.window),))
 
 
+def _without(plan: TransferPlan, sources: list[int], targets: list[int]) -> TransferPlan:
+    """``plan`` less the blocks it reads from ``sources`` or writes to ``targets``."""
+    keep = ~(np.isin(plan.src, sources) | np.isin(plan.dst, targets))
+    return attrs.evolve(plan, src=plan.src[keep], dst=plan.dst[keep])
+
+
 def _engines(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
     """``WorkerSide.engines`` as a tuple (a named converter: mypy's ``attrs`` plugin reads its type)."""
     return tuple(engines)
@@ -111,14 +122,28 @@ class _Receiving:
 
     Attributes:
         tids: the step's load transfers not yet reported.
-        ids: the requests waiting for every one of them.
-        failed: a load of the step failed: every request of ``ids`` failed (one
-            transfer carries every waiting request's blocks of its group).
+        targets: each waiting request's GPU blocks (``StepOrder.targets``).
+        failed: the waiting requests whose load failed here: those a source
+            block of which failed (left out of the copies), or every one if a
+            copy failed (a copy carries every waiting request's blocks of its
+            group, and its failure names no block).
     """
 
     tids: set[int]
-    ids: tuple[str, ...]
-    failed: bool = False
+    targets: dict[str, frozenset[int]]
+    failed: set[str] = attrs.field(factory=set)
+
+    def fail_sources(self, loads: Sequence[tuple[int, TransferPlan]], bad: set[int]) -> set[str]:
+        """The requests whose loads read a CPU block of ``bad``, added to ``failed``; every waiting request if
+        such a read writes a GPU block none of them names (whose load it breaks is unknown)."""
+        broken: set[int] = set()
+        for _, plan in loads:
+            broken.update(plan.dst[np.isin(plan.src, list(bad))].tolist())
+        failed = {rid for rid, blocks in self.targets.items() if not blocks.isdisjoint(broken)}
+        if not broken.issubset(b for rid in failed for b in self.targets[rid]):
+            failed = set(self.targets)
+        self.failed |= failed
+        return failed
 
 
 @attrs.define(eq=False)
@@ -166,6 +191,7 @@ class WorkerSide:
     _receiving: list[_Receiving] = attrs.field(init=False, factory=list)
     _received: set[str] = attrs.field(init=False, factory=set)
     _failed_receiving: set[str] = attrs.field(init=False, factory=set)
+    _failed_loads: set[str] = attrs.field(init=False, factory=set)  # left out of their loads: for the scheduler
 
     @_layer_of.default
     def _name_index(self) -> dict[str, tuple[int, int]]:
@@ -242,20 +268,31 @@ class WorkerSide:
 
         Asynchronous loads (``order.receiving``) are only submitted, ordered
         after the compute queued so far; their requests are received once
-        every load of the step completed.
+        every load of the step completed. A synchronous load that reads a block
+        whose fetch failed is not run (reported failed); an asynchronous one
+        runs without the blocks of the requests that read such a block, which
+        fail (handed to the scheduler by :meth:`take_failed_loads`).
         """
         if order.step == self._loaded_step:
             return
         self._loaded_step = order.step
         loads = order.plan.loads
-        if order.receiving:  # before any result of them can come back
-            self._receiving.append(_Receiving({tid for tid, _ in loads}, order.receiving))
         failed = self.shared.fetch(order.plan.fetches, order.plan.fetch_wait_s) if self.shared is not None else set()
+        if order.receiving:  # before any result of them can come back
+            step = _Receiving({tid for tid, _ in loads}, dict(zip(order.receiving, order.targets, strict=True)))
+            self._receiving.append(step)
+            if failed and (lost := step.fail_sources(loads, failed)):
+                self._failed_loads |= lost
+                sources, targets = list(failed), list(frozenset().union(*(step.targets[rid] for rid in lost)))
+                loads = tuple((tid, _without(plan, sources, targets)) for tid, plan in loads)
+                failed = set()
         submitted = set()
         for tid, plan in loads:
             self._load_targets[tid] = plan.dst
             if failed and failed.intersection(plan.src.tolist()):  # its CPU bytes are not the block's
                 self._collect([TransferResult(tid, self.rank, ok=False)])
+            elif not len(plan):  # every block it carried was left out
+                self._collect([TransferResult(tid, self.rank)])
             else:
                 self._submit(tid, plan, layered=not order.receiving)
                 submitted.add(tid)
@@ -336,6 +373,13 @@ class WorkerSide:
         results, self._results = tuple(self._results), []
         return results
 
+    def take_failed_loads(self) -> set[str]:
+        """Requests left out of their asynchronous loads since the last call (a source block of theirs failed
+        here), whose loads' results may report ``ok``: the scheduler side fails them
+        (``SchedulerSide.completed``). Take them with or before :meth:`take_results`."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
+
     def close(self) -> None:
         """Drain the shared store's tickets (bounded), then the copies; release the CPU mirrors and the store."""
         if self.shared is not None:
@@ -377,14 +421,15 @@ class WorkerSide:
             self._collect(self.shared.take_store_results())
 
     def _collect(self, results: list[TransferResult]) -> None:
-        """Take results: a failed load fails its asynchronous step, or else its GPU blocks; steps done are received."""
+        """Take results: a failed copy fails its asynchronous step's requests, or else its GPU blocks; steps done
+        are received."""
         for res in results:
             targets = self._load_targets.pop(res.transfer_id, None)
             if targets is None or res.ok:
                 continue
             step = next((step for step in self._receiving if res.transfer_id in step.tids), None)
             if step is not None:
-                step.failed = True
+                step.failed.update(step.targets)
             else:
                 self._load_errors.update(int(b) for b in targets)
         self._results += results
@@ -393,7 +438,6 @@ class WorkerSide:
             for step in self._receiving:
                 step.tids -= done
                 if not step.tids:
-                    self._received.update(step.ids)
-                    if step.failed:
-                        self._failed_receiving.update(step.ids)
+                    self._received.update(step.targets)
+                    self._failed_receiving |= step.failed
             self._receiving = [step for step in self._receiving if step.tids]
