@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import binascii
 import contextlib
+import errno
 import fcntl
 import ipaddress
 import math
@@ -40,8 +41,8 @@ from kvkit.backends.blockstore._common import Descriptors
 
 __all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "MISSING", "SLOTS", "Address",
            "ConnectOptions", "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "NoRoom",
-           "ProtocolRefusal", "Redirect", "ServerError", "SlotUnserved", "command", "error_reply", "key_slot",
-           "node_host"]
+           "ProtocolRefusal", "Redirect", "ServerError", "ShortOfDescriptors", "SlotUnserved", "command", "error_reply",
+           "key_slot", "node_host"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -103,6 +104,15 @@ class LookupsBusy(DeadlineExceeded):
     """A host name not resolved because :data:`MAX_LOOKUPS` others are being resolved already (each on a thread that
     lives as long as its name servers take): the node was not reached, which is no evidence against it, as a
     deadline that passed before the node was reached is none (``stalled_s`` 0)."""
+
+
+class ShortOfDescriptors(DeadlineExceeded):
+    """No socket made for a connection because this process is out of descriptors or memory (``EMFILE``,
+    ``ENFILE``, ``ENOBUFS``, ``ENOMEM``): the node was not reached, which is no evidence against it (as
+    :class:`LookupsBusy`); the call's keys fail, and the next call tries again."""
+
+
+_SHORT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class ConnectionClosedError(ConnectionError):
@@ -655,7 +665,12 @@ def _connect(address: Address, timeout: float) -> socket.socket:
     last: OSError | None = None
     peers = _resolve(host, port, timeout)
     for i, (family, kind, proto, _, peer) in enumerate(peers):
-        sock = socket.socket(family, kind, proto)
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            if exc.errno in _SHORT:
+                raise ShortOfDescriptors(f"no socket for {host}:{port}: {exc.strerror}", 0.0) from None
+            raise
         _OPENING.hold(sock.fileno())  # until its connection owns it (Connection)
         try:
             if _TCP_CONGESTION is not None and ipaddress.ip_address(peer[0]).is_loopback:

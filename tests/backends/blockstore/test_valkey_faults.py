@@ -1932,3 +1932,49 @@ def test_a_cluster_node_owning_any_one_slot_has_a_marker_key_in_it(owned):
     other = identities.marker(("10.0.0.1", 7000), slots)
     assert other is not None and slots[key_slot(other)] == ("10.0.0.1", 7000)
     assert identities.marker(("10.0.0.3", 7000), slots) is None, "a node owning no slot has no marker"
+
+
+_OUT_OF_DESCRIPTORS = """
+import json, os, resource, sys
+from kvkit.backends.blockstore.valkey import ValkeyStore
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+store = ValkeyStore([("127.0.0.1", int(sys.argv[1]))], retry_interval_s=60.0, request_timeout_s=2.0)
+keys, value, report = [b"k"], [[memoryview(b"v" * 100)]], {}
+report["contains"] = store.contains(keys)  # the contains connection is open
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError as exc:
+    report["exhausted"] = exc.errno
+(short,) = store.poll([store.put(keys, value)], 10.0)  # the put lane finds no descriptor for its connection
+report["short"] = [short.ok, short.error]
+for fd in held:
+    os.close(fd)
+(again,) = store.poll([store.put(keys, value)], 10.0)
+report["again"] = [again.ok, again.error]
+report["contains_after"] = store.contains(keys)
+store.close()
+print(json.dumps(report))
+"""
+
+
+def test_a_process_out_of_descriptors_fails_its_keys_and_marks_no_node_down(valkey_server, tmp_path):
+    """A connection the process has no descriptor for (``EMFILE``) fails that call's keys, but says nothing of the
+    node: once descriptors are back the next call is served, not refused for ``retry_interval_s``."""
+    import errno
+    import json
+    import subprocess
+    import sys
+
+    valkey_server.call(b"FLUSHALL")
+    script = tmp_path / "short.py"
+    script.write_text(_OUT_OF_DESCRIPTORS)
+    run = subprocess.run([sys.executable, str(script), str(valkey_server.port)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["exhausted"] == errno.EMFILE
+    assert report["short"][0] is False and "open files" in report["short"][1], report
+    assert report["again"] == [True, ""], "a node was marked down for the client's own shortage"
+    assert report["contains_after"] == 1
