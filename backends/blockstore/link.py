@@ -30,6 +30,7 @@ from kvkit.backends.blockstore.resp import (
     ConnectOptions,
     DeadlineExceeded,
     NoRoom,
+    Openings,
     ProtocolRefusal,
     Redirect,
     ServerError,
@@ -441,6 +442,7 @@ class Link:
     identities: Identities = attrs.field(factory=Identities, kw_only=True)
     on_connect: Callable[[Address], None] | None = attrs.field(default=None, kw_only=True)
     _conns: dict[Address, Connection] = attrs.field(factory=dict, init=False)
+    _openings: Openings = attrs.field(factory=Openings, init=False)  # sockets its calls are connecting on
     _opened: dict[Address, None] = attrs.field(factory=dict, init=False)  # the nodes it had a connection to
     _generation: int = attrs.field(default=0, init=False)  # the map whose nodes ``_conns`` was pruned to
     _closed: bool = attrs.field(default=False, init=False)
@@ -778,8 +780,10 @@ class Link:
         self.topology.outdated()
 
     def close(self) -> None:
-        """Close every connection (a wait in another thread returns at once) and open none again."""
+        """Close every connection, and shut down those being opened (a wait in another thread returns at once),
+        and open none again."""
         self._closed = True
+        self._openings.shut()
         self._crew.stop()
         self.reset()
 
@@ -811,7 +815,7 @@ class Link:
                 raise ConnectionRefusedError("the link is closed")
             if self.on_connect is not None:
                 self.on_connect(address)
-            conn = self._conns[address] = Connection(address, self.options, deadline)
+            conn = self._conns[address] = Connection(address, self.options, deadline, self._openings)
             if self._closed:
                 self._drop(address)
                 raise ConnectionRefusedError("the link is closed")

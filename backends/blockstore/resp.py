@@ -41,8 +41,8 @@ from kvkit.backends.blockstore._common import Descriptors
 
 __all__ = ["MAX_LOOKUPS", "MAX_REPLY_BULK", "MAX_REPLY_DEPTH", "MAX_REPLY_ITEMS", "MISSING", "SLOTS", "Address",
            "ConnectOptions", "Connection", "ConnectionClosedError", "DeadlineExceeded", "LookupsBusy", "NoRoom",
-           "ProtocolRefusal", "Redirect", "ServerError", "ShortOfDescriptors", "SlotUnserved", "command", "error_reply",
-           "key_slot", "node_host"]
+           "Openings", "ProtocolRefusal", "Redirect", "ServerError", "ShortOfDescriptors", "SlotUnserved", "command",
+           "error_reply", "key_slot", "node_host"]
 
 Address = tuple[str, int]
 _CRLF = b"\r\n"
@@ -182,7 +182,8 @@ class Connection:
     the connection gets ``connect_timeout_s + request_timeout_s`` from its creation).
     """
 
-    def __init__(self, address: Address, options: ConnectOptions, deadline: float | None = None) -> None:
+    def __init__(self, address: Address, options: ConnectOptions, deadline: float | None = None,
+                 openings: Openings | None = None) -> None:
         start = time.monotonic()
         self.deadline = start + options.connect_timeout_s + options.request_timeout_s if deadline is None \
             else deadline
@@ -191,7 +192,7 @@ class Connection:
         if timeout <= 0:
             raise DeadlineExceeded("timed out: the call's deadline passed before connecting", 0.0)
         try:
-            sock = _connect(address, timeout)
+            sock = _connect(address, timeout, openings)
         except TimeoutError as exc:  # a short budget running out is not the node's fault
             raise _connect_timeout(exc, timeout, budget, 0.0) from None
         fd = sock.fileno()  # held in _OPENING until logged in
@@ -206,16 +207,22 @@ class Connection:
                                            f"handshake")
                     sock.settimeout(left)
                     # The handshake is ours to start, so that a failed one leaves the socket open until let go.
-                    sock = options.tls.wrap_socket(sock, server_hostname=address[0], do_handshake_on_connect=False)
+                    raw, sock = sock, options.tls.wrap_socket(sock, server_hostname=address[0],
+                                                              do_handshake_on_connect=False)
+                    if openings is not None:
+                        openings.hold(sock)
+                        openings.let_go(raw)
                     sock.do_handshake()
                 except TimeoutError as exc:  # the handshake's silence, judged as a connect's
                     raise _connect_timeout(exc, timeout, budget, time.monotonic() - shaking) from None
             sock.setblocking(False)
         except BaseException:
             _OPENING.let_go(fd)
+            if openings is not None:
+                openings.let_go(sock)
             sock.close()
             raise
-        self.sock, self._fd = sock, fd
+        self.sock, self._fd, self._openings = sock, fd, openings
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._events = select.POLLIN
@@ -255,6 +262,8 @@ class Connection:
             self.close()
             raise
         _OPENING.let_go(fd)  # logged in: its link's from here, which lets go of it in a forked child
+        if openings is not None:
+            openings.let_go(sock)
 
     def ask_identity(self, told: Told, marker: bytes | None = None, *, plant: bool = False) -> None:
         """Ask the server's identity with the next command sent, in the same round trip (its replies are read
@@ -509,6 +518,8 @@ class Connection:
     def close(self) -> None:
         """Shut the socket down (waking a wait on it in another thread) and close it; idempotent."""
         _OPENING.let_go(self._fd)
+        if self._openings is not None:
+            self._openings.let_go(self.sock)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
@@ -642,13 +653,49 @@ def _connect_timeout(exc: TimeoutError, timeout: float, budget: float, silent_s:
     return DeadlineExceeded(f"timed out connecting: {exc}", silent_s)
 
 
+@attrs.define(eq=False)
+class Openings:
+    """The sockets one owner's threads are opening connections on (the connect, a TLS handshake, the login), so
+    that closing the owner (:meth:`shut`) wakes each of those waits at once: the connection fails instead of
+    running out its connect budget. A socket held after :meth:`shut` is shut down at once. Thread-safe."""
+
+    _held: set[socket.socket] = attrs.field(factory=set, init=False)
+    _shut: bool = attrs.field(default=False, init=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def hold(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._shut:
+                self._held.add(sock)
+                return
+        _shut_down(sock)
+
+    def let_go(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._held.discard(sock)
+
+    def shut(self) -> None:
+        with self._lock:
+            self._shut = True
+            held, self._held = self._held, set()
+        for sock in held:
+            _shut_down(sock)
+
+
+def _shut_down(sock: socket.socket) -> None:
+    """Shut ``sock`` down at the socket's level (a TLS socket's handshake, in another thread, then fails), or do
+    nothing if it is no longer open."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
 _OPENING = Descriptors()
 """The sockets this process's threads are connecting (a TLS handshake and a login included), not yet a link's
 connections: a child forked meanwhile closes its copies of them (a link there lets go of its connections only)."""
 os.register_at_fork(after_in_child=_OPENING.close_copies)
 
 
-def _connect(address: Address, timeout: float) -> socket.socket:
+def _connect(address: Address, timeout: float, openings: Openings | None = None) -> socket.socket:
     """``socket.create_connection(address, timeout)``, name resolution included in ``timeout`` (:func:`_resolve`),
     the socket held in :data:`_OPENING` (its caller lets go of it), except that each of the name's addresses, in
     order, gets an equal share of what is left of ``timeout`` (the last all of it), so one that never answers
@@ -672,6 +719,8 @@ def _connect(address: Address, timeout: float) -> socket.socket:
                 raise ShortOfDescriptors(f"no socket for {host}:{port}: {exc.strerror}", 0.0) from None
             raise
         _OPENING.hold(sock.fileno())  # until its connection owns it (Connection)
+        if openings is not None:
+            openings.hold(sock)
         try:
             if _TCP_CONGESTION is not None and ipaddress.ip_address(peer[0]).is_loopback:
                 with contextlib.suppress(OSError):
@@ -684,6 +733,8 @@ def _connect(address: Address, timeout: float) -> socket.socket:
             return sock
         except OSError as exc:
             _OPENING.let_go(sock.fileno())
+            if openings is not None:
+                openings.let_go(sock)
             sock.close()
             last = exc
     raise last if last is not None else OSError(f"getaddrinfo found no address for {host}:{port}")

@@ -385,8 +385,8 @@ def test_a_tls_handshake_gets_only_what_the_connect_left_of_its_budget(monkeypat
 
     connect = resp._connect
 
-    def slow_connect(address, timeout):
-        sock = connect(address, timeout)
+    def slow_connect(address, timeout, openings=None):
+        sock = connect(address, timeout, openings)
         time.sleep(0.9 * timeout)  # the connect took most of its budget (a far host, a lost SYN)
         return sock
 
@@ -1978,3 +1978,44 @@ def test_a_process_out_of_descriptors_fails_its_keys_and_marks_no_node_down(valk
     assert report["short"][0] is False and "open files" in report["short"][1], report
     assert report["again"] == [True, ""], "a node was marked down for the client's own shortage"
     assert report["contains_after"] == 1
+
+
+@pytest.mark.parametrize("opening", ["tls handshake", "login"])
+def test_close_while_a_lane_waits_on_its_connections_handshake_or_login_returns_at_once(own_server, opening):
+    """``close`` while the get lane's new connection waits on its TLS handshake (a server silent once it accepted)
+    or on its login (``AUTH`` to a paused server) shuts that socket down, so ``close`` returns at once instead of
+    after the connect budget, failing the get, leaving no thread or socket."""
+    sockets, threads = _sockets(), _io_threads()
+    accepted: list[socket.socket] = []
+    listener = None
+    if opening == "tls handshake":
+        listener = socket.create_server(("127.0.0.1", 0))
+
+        def accept():
+            with contextlib.suppress(OSError):
+                while True:
+                    accepted.append(listener.accept()[0])
+
+        threading.Thread(target=accept, daemon=True).start()
+        store = _store(listener.getsockname(), tls=True, connect_timeout_s=4.0, request_timeout_s=4.0)
+    else:
+        own_server.call(b"CONFIG", b"SET", b"requirepass", b"kvkit-test-only")
+        store = _store(("127.0.0.1", own_server.port), password="kvkit-test-only", connect_timeout_s=4.0,
+                       request_timeout_s=4.0)
+        own_server.pause()
+    try:
+        get = store.get([b"a"], [[memoryview(bytearray(1))]])
+        time.sleep(0.5)  # the lane is connecting: its handshake or login waits on the silent server
+        start = time.monotonic()
+        store.close()
+        assert time.monotonic() - start < 1.0, f"close waited {time.monotonic() - start:.2f} s on the {opening}"
+        assert store.poll([get])[0].failed == (0,)
+    finally:
+        if listener is None:
+            own_server.resume()
+        else:
+            listener.close()
+            for conn in accepted:
+                conn.close()
+    assert _io_threads() == threads
+    assert _eventually(lambda: _sockets() == sockets), "a socket of the closed store is still open"
