@@ -1018,16 +1018,12 @@ def test_a_value_another_process_deleted_is_no_longer_counted(tmp_path):
 _NO_DESCRIPTORS = """
 import json, os, resource, sys
 from kvkit.backends.blockstore.disk import DiskStore
+from kvkit.testing.limits import hold_every_descriptor
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 store, keys, report = DiskStore(sys.argv[1], 10 * 1000), [b"k%d" % i for i in range(10)], {}
 value = [[memoryview(bytes(1000))]] * 10
 report["put"] = store.poll([store.put(keys, value)], 10.0)[0].ok
-held = []
-try:
-    while True:
-        held.append(os.open(os.devnull, os.O_RDONLY))
-except OSError as exc:
-    report["exhausted"] = exc.errno
+held, report["exhausted"] = hold_every_descriptor()
 report["contains"] = [store.contains([k]) for k in keys]
 (result,) = store.poll([store.get(keys[:1], [[memoryview(bytearray(1000))]])], 10.0)
 report["get_error"], report["used"] = result.error, store.used_bytes
@@ -1058,6 +1054,7 @@ def test_a_look_that_fails_for_want_of_descriptors_changes_nothing(tmp_path):
 _EVICTING_WITHOUT_DESCRIPTORS = """
 import json, os, resource, sys
 from kvkit.backends.blockstore.disk import DiskStore, _name
+from kvkit.testing.limits import hold_every_descriptor
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 root, report = sys.argv[1], {}
 store, value = DiskStore(root, 10 * 1000), [memoryview(bytes(1000))]
@@ -1066,12 +1063,7 @@ neighbour = _name(b"neighbour")  # a value another process wrote since the store
 os.makedirs(os.path.join(root, neighbour[:2]), exist_ok=True)
 with open(os.path.join(root, neighbour[:2], neighbour + ".kvb"), "wb") as f:
     f.write(bytes(1000))
-held = []
-try:
-    while True:
-        held.append(os.open(os.devnull, os.O_RDONLY))
-except OSError as exc:
-    report["exhausted"] = exc.errno
+held, report["exhausted"] = hold_every_descriptor()
 result = store.poll([store.put([b"new"], [value])], 10.0)[0]
 report["put"], report["put_error"] = result.ok, result.error
 os.close(held.pop())  # one descriptor: enough for contains to look, none to evict with
@@ -1144,6 +1136,7 @@ _REAPING_WITHOUT_DESCRIPTORS = """
 import json, os, resource, sys
 from kvkit.backends.blockstore.disk import DiskStore, _name
 from kvkit.errors import ConfigError
+from kvkit.testing.limits import hold_every_descriptor
 root, outcomes = sys.argv[1], []
 store = DiskStore(root, 1 << 20)
 store.poll([store.put([b"k"], [[memoryview(bytes(10))]])], 10.0)
@@ -1152,12 +1145,7 @@ name = _name(b"k")
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 for free in range(1, 7):  # descriptors left: too few to list, enough to list but not to examine a file, enough
     open(os.path.join(root, name[:2], f"{name}.kvb.tmp-gone-{free}"), "wb").close()  # a writer gone
-    held = []
-    try:
-        while True:
-            held.append(os.open(os.devnull, os.O_RDONLY))
-    except OSError:
-        pass
+    held, _ = hold_every_descriptor()
     for fd in held[len(held) - free:]:
         os.close(fd)
     del held[len(held) - free:]

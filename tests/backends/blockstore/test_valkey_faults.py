@@ -1937,16 +1937,12 @@ def test_a_cluster_node_owning_any_one_slot_has_a_marker_key_in_it(owned):
 _OUT_OF_DESCRIPTORS = """
 import json, os, resource, sys
 from kvkit.backends.blockstore.valkey import ValkeyStore
+from kvkit.testing.limits import hold_every_descriptor
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 store = ValkeyStore([("127.0.0.1", int(sys.argv[1]))], retry_interval_s=60.0, request_timeout_s=2.0)
 keys, value, report = [b"k"], [[memoryview(b"v" * 100)]], {}
 report["contains"] = store.contains(keys)  # the contains connection is open
-held = []
-try:
-    while True:
-        held.append(os.open(os.devnull, os.O_RDONLY))
-except OSError as exc:
-    report["exhausted"] = exc.errno
+held, report["exhausted"] = hold_every_descriptor()
 (short,) = store.poll([store.put(keys, value)], 10.0)  # the put lane finds no descriptor for its connection
 report["short"] = [short.ok, short.error]
 for fd in held:
