@@ -258,6 +258,9 @@ def _positions(value: object) -> tuple[int, ...]:
     """``TransferResult.lost`` as a sorted tuple of distinct ints >= 0."""
     if not _is_sequence(value):
         raise PlanError(f"TransferResult.lost must be a sequence of plan positions, got {quote(value)}")
+    if len(value) > _MAX_PLAN_IDS:
+        raise PlanError(f"TransferResult.lost: {plural(len(value), 'position')} (from {quote(value)}) are more "
+                        f"than any plan has; at most {_MAX_PLAN_IDS}")
     out = tuple(check_int("TransferResult.lost", v, minimum=0, error=PlanError) for v in value)
     if len(set(out)) != len(out):
         raise PlanError(f"TransferResult.lost names a position twice: {quote(value)}")
