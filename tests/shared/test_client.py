@@ -130,10 +130,10 @@ def test_a_key_gone_between_lookup_and_fetch_makes_the_request_recompute():
     assert len(b.cpu.lookup(HASHES)) == 5, "the failed block of the fetch is findable"
 
 
-def _planned_fetch(store):
+def _planned_fetch(store, callbacks=()):
     """Instance B with a step planned that fetches its 9-block shared hit of ``TOKENS`` (from A) and loads it."""
     _, ea = instance(store)
-    b, eb = instance(store)
+    b, eb = instance(store, callbacks=callbacks)
     serve(ea, "a1")
     eb.add_request("b1", HASHES, len(TOKENS))
     assert b.manager.lookup("b1", 0) == 36
@@ -149,8 +149,10 @@ def _planned_fetch(store):
 def test_a_fetch_commits_the_blocks_no_rank_lost_and_fails_as_a_whole_when_none_is_left(lost, fetched):
     """Each rank's ``TransferResult.lost`` adds up: only the blocks no rank lost commit (findable, counted
     fetched, in bytes too), the others are discarded and counted failed; with none left, or a position beyond
-    the plan, the fetch fails as a whole. The load reading a lost block fails."""
-    b, plan = _planned_fetch(MemoryStore())
+    the plan, the fetch fails as a whole (``on_shared_fetch`` once for the blocks that landed, once for the
+    others)."""
+    hooks = Hooks()
+    b, plan = _planned_fetch(MemoryStore(), [hooks])
     (tid, fetch), = plan.fetches
     results = [TransferResult(tid, rank, lost=lost.get(rank, ())) for rank in range(2)]
     report = b.manager.apply_completions(results + [TransferResult(t, rank) for t, _ in plan.loads for rank in (0, 1)])
@@ -158,6 +160,7 @@ def test_a_fetch_commits_the_blocks_no_rank_lost_and_fails_as_a_whole_when_none_
     assert b.stats.blocks_fetched.value == len(fetched) and b.stats.fetches_failed.value == 9 - len(fetched)
     assert b.stats.bytes_fetched.value == len(fetched) * b.manager.kv.bytes_per_block
     assert sorted(i for i, h in enumerate(fetch.hashes) if b.cpu.lookup([h])) == fetched
+    assert [ok for kind, ok in hooks.calls if kind == "fetch"] == [True] * bool(fetched) + [False]
     b.check_invariants()
 
 
