@@ -141,7 +141,8 @@ class Batch:
                 if self.lost:  # counted by left_out() below
                     lost = set(self.lost)
                     intact = [i for i in range(len(ids)) if i not in lost]
-                    ids, hashes, parents = ([seq[i] for i in intact] for seq in (ids, hashes, parents))
+                    ids, hashes = [ids[i] for i in intact], [hashes[i] for i in intact]
+                    parents = [parents[i] for i in intact]
                 landed = cpu.commit(ids, hashes, parents)
                 if False not in landed:  # the usual case: every block committed
                     self.committed, self.committed_parents = list(hashes), list(parents)
