@@ -622,6 +622,39 @@ def test_a_cluster_with_a_dead_node_keeps_the_tier_on():
         a.close()
 
 
+def test_a_fetch_beside_a_cluster_node_that_died_after_the_lookup_commits_the_live_nodes_blocks():
+    """A Cluster node dies between B's lookup of a 9-block shared hit (every key present) and its fetch: the
+    blocks with a shard on the dead node fail alone (counted, never findable), those whose every shard lives
+    on the live nodes are committed to B's CPU tier and counted fetched; the load reading a failed block fails
+    (its request recomputes)."""
+    cluster = LocalCluster(binary=server_binary_or_skip(), args=["--cluster-require-full-coverage", "no"])
+    with cluster:
+        url = cluster.url + FAST.replace("retry_interval_s=0.2", "retry_interval_s=60")
+        a, ea = instance(url)
+        serve(ea, "a")
+        a.close()
+        dead = set(block_keys(cluster.nodes[2].call(b"KEYS", b"*")))
+        b, eb = instance(url)
+        hashes = hash_blocks(PROMPT, SPEC.block_size)
+        failed = {i for i in range(9) if {_key(b, i, rank) for rank in range(2)} & dead}
+        assert 0 < len(failed) < 9, "the test needs blocks on the dead node and beside it"
+        eb.add_request("b", hashes, len(PROMPT))
+        assert b.manager.lookup("b", 0) == 36
+        cluster.nodes[2].kill()
+        b.manager.on_allocated("b", [b.gpu.allocate(10)], 36)
+        plan = b.manager.build_step()
+        for worker in b.shared_workers:
+            worker.submit(plan)
+        report = b.manager.apply_completions([res for w in b.shared_workers for res in w.drain()])
+        assert report.load_failed == {"b"}
+        assert b.stats.fetches_failed.value == len(failed), "blocks of the live nodes were counted failed"
+        assert b.stats.blocks_fetched.value == 9 - len(failed), "blocks of the live nodes were discarded"
+        findable = {i for i in range(9) if b.cpu.lookup([hashes[i]])}
+        assert findable == set(range(9)) - failed
+        b.check_invariants()
+        b.close()
+
+
 def test_a_cluster_whose_live_nodes_refuse_writes_beside_a_dead_node_keeps_the_tier_on():
     """One node dead and the live ones refusing writes (``maxmemory`` reached under ``noeviction``: ``-OOM``):
     every key of the probe fails, but the live nodes answered it, so the tier stays on (no outage, no warning)
