@@ -34,6 +34,7 @@ from kvkit.stats import OffloadStats
 __all__ = ["Batch", "Outcome", "Transfer", "TransferTable"]
 
 _Plan = TypeVar("_Plan", TransferPlan, SharedPlan)
+_T = TypeVar("_T")
 
 
 @attrs.define(eq=False)
@@ -111,6 +112,11 @@ class Batch:
         assert out, "a batch with blocks must copy at least one group"
         return out
 
+    def intact(self, items: Sequence[_T]) -> list[_T]:
+        """``items`` (one per CPU block, in order) but those of the ``lost`` blocks."""
+        lost = set(self.lost)
+        return [item for i, item in enumerate(items) if i not in lost]
+
     def left_out(self) -> tuple[int, int]:
         """The CPU blocks and bytes a successful batch did not move: a fetch's ``lost`` blocks, a load's
         ``failed`` requests' shares (left out of its copies)."""
@@ -139,10 +145,7 @@ class Batch:
                 ids, hashes = self.cpu_blocks, self.hashes
                 parents = self.parents or [None] * len(hashes)
                 if self.lost:  # counted by left_out() below
-                    lost = set(self.lost)
-                    intact = [i for i in range(len(ids)) if i not in lost]
-                    ids, hashes = [ids[i] for i in intact], [hashes[i] for i in intact]
-                    parents = [parents[i] for i in intact]
+                    ids, hashes, parents = self.intact(ids), self.intact(hashes), self.intact(parents)
                 landed = cpu.commit(ids, hashes, parents)
                 if False not in landed:  # the usual case: every block committed
                     self.committed, self.committed_parents = list(hashes), list(parents)

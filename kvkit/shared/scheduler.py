@@ -516,9 +516,7 @@ class SharedTier:
             self._flying.difference_update(batch.hashes)
         landed, failed = (batch.hashes, []) if ok else ([], batch.hashes)
         if ok and batch.lost:
-            lost = set(batch.lost)
-            landed = [h for i, h in enumerate(batch.hashes) if i not in lost]
-            failed = [batch.hashes[i] for i in batch.lost]
+            landed, failed = batch.intact(batch.hashes), [batch.hashes[i] for i in batch.lost]
         for h in landed:
             self._refused.pop(h, None)
         self._remember(landed)
