@@ -58,7 +58,9 @@ class OffloadCallback:
         """A waiting request's shared-tier hit of ``prefetch_tokens`` is being fetched into the CPU tier (prefetch)."""
 
     def on_shared_fetch(self, num_blocks: int, ok: bool) -> None:
-        """A fetch of ``num_blocks`` shared-tier blocks into CPU blocks settled (``ok``: landed on every worker)."""
+        """``num_blocks`` blocks of a shared-tier fetch into CPU blocks settled: ``ok``, they landed on every
+        worker; else they failed. A fetch settles key by key: once for its blocks that landed, once for those
+        that failed."""
 
     def on_shared_put(self, num_blocks: int, ok: bool) -> None:
         """A put of ``num_blocks`` CPU blocks into the shared tier settled (``ok``: landed on every worker)."""

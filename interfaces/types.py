@@ -254,6 +254,19 @@ def _id_array(value: object, field: attrs.Attribute) -> np.ndarray:
     return arr
 
 
+def _positions(value: object) -> tuple[int, ...]:
+    """``TransferResult.lost`` as a sorted tuple of distinct ints >= 0."""
+    if not _is_sequence(value):
+        raise PlanError(f"TransferResult.lost must be a sequence of plan positions, got {quote(value)}")
+    if len(value) > _MAX_PLAN_IDS:
+        raise PlanError(f"TransferResult.lost: {plural(len(value), 'position')} (from {quote(value)}) are more "
+                        f"than any plan has; at most {_MAX_PLAN_IDS}")
+    out = tuple(check_int("TransferResult.lost", v, minimum=0, error=PlanError) for v in value)
+    if len(set(out)) != len(out):
+        raise PlanError(f"TransferResult.lost names a position twice: {quote(value)}")
+    return tuple(sorted(out))
+
+
 @attrs.frozen(eq=False)
 class TransferPlan:
     """Blocks to copy between the GPU and CPU pools, in one direction and group.
@@ -295,6 +308,11 @@ class TransferResult:
             would read as success or failure by accident, so they are refused.
         seconds: wall time the copy took on that worker, if measured (finite, >= 0).
         num_bytes: bytes the worker moved (an int >= 0).
+        lost: with ``ok=True``, the positions in the transfer's plan (``SharedPlan.blocks``)
+            of the blocks that failed on that worker while the others landed (sorted, distinct
+            ints >= 0; empty: every block landed). Only a shared-tier fetch reports them (its
+            blocks commit one by one: a block commits only if no worker lost it); for any other
+            transfer, or naming a position beyond its plan, they fail it as a whole.
     """
 
     transfer_id: int = attrs.field(converter=checked(check_int, minimum=0, label="TransferResult.",  # type: ignore[misc]
@@ -306,3 +324,4 @@ class TransferResult:
                                                                 label="TransferResult.", error=PlanError))
     num_bytes: int = attrs.field(default=0, converter=checked(check_int, minimum=0, label="TransferResult.",  # type: ignore[misc]
                                                               error=PlanError))
+    lost: tuple[int, ...] = attrs.field(default=(), converter=_positions)

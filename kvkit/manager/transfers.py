@@ -9,7 +9,9 @@ Invariants: transfer ids only increase (never reused, even across resets); a
 transfer completes exactly once, when all ``world_size`` workers reported it;
 a batch is settled exactly once, after its last transfer completed; a store
 commits (becomes findable) only if no transfer of it failed and no reset
-abandoned it, and is discarded otherwise.
+abandoned it, and is discarded otherwise; a shared-tier fetch commits block by
+block: each block that no worker reported lost (``TransferResult.lost``), the
+others discarded.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvkit.stats import OffloadStats
 __all__ = ["Batch", "Outcome", "Transfer", "TransferTable"]
 
 _Plan = TypeVar("_Plan", TransferPlan, SharedPlan)
+_T = TypeVar("_T")
 
 
 @attrs.define(eq=False)
@@ -68,6 +71,9 @@ class Batch:
             load although every transfer reported ``ok`` (their blocks were
             left out of its copies): they fail, the others load, and their
             shares count in no loaded block or byte.
+        lost: a shared-tier fetch's positions (in ``cpu_blocks``) of the blocks some
+            worker reported lost while its fetch succeeded: they are discarded, the
+            others commit (sorted, distinct).
         committed: hashes that became findable when it settled.
         committed_parents: ``committed``'s parents (``None`` where unknown).
         seconds: the longest time a worker reported for one of its transfers
@@ -89,6 +95,7 @@ class Batch:
     fetched: list[BlockId] = attrs.field(factory=list)
     shares: list[tuple[int, int]] = attrs.field(factory=list)
     failed: list[Request] = attrs.field(factory=list)
+    lost: list[int] = attrs.field(factory=list)
     committed: list[BlockHash] = attrs.field(factory=list)
     committed_parents: list[BlockHash | None] = attrs.field(factory=list)
     seconds: float = 0.0
@@ -105,8 +112,16 @@ class Batch:
         assert out, "a batch with blocks must copy at least one group"
         return out
 
+    def intact(self, items: Sequence[_T]) -> list[_T]:
+        """``items`` (one per CPU block, in order) but those of the ``lost`` blocks."""
+        lost = set(self.lost)
+        return [item for i, item in enumerate(items) if i not in lost]
+
     def left_out(self) -> tuple[int, int]:
-        """The CPU blocks and bytes of a load's ``failed`` requests' shares (left out of its copies)."""
+        """The CPU blocks and bytes a successful batch did not move: a fetch's ``lost`` blocks, a load's
+        ``failed`` requests' shares (left out of its copies)."""
+        if self.lost:
+            return len(self.lost), self.num_bytes * len(self.lost) // len(self.cpu_blocks)
         if not self.failed:
             return 0, 0
         lost = [share for r, share in zip(self.requests, self.shares, strict=True) if r in self.failed]
@@ -117,7 +132,8 @@ class Batch:
 
         A store to the CPU tier and a fetch from the shared tier commit their
         CPU blocks (``committed``: the hashes that became findable; a hash the
-        CPU tier already holds stays with its first block).
+        CPU tier already holds stays with its first block); a fetch's ``lost``
+        blocks are discarded, and count in no fetched block or byte.
 
         Returns:
             Whether the batch succeeded: no transfer failed and no reset abandoned it.
@@ -126,12 +142,15 @@ class Batch:
         if ok:
             count = len(self.cpu_blocks)
             if (self.direction is Direction.STORE) is not self.shared:  # a CPU store or a fetch commits
-                landed = cpu.commit(self.cpu_blocks, self.hashes, self.parents)
-                parents = self.parents or [None] * len(self.hashes)
+                ids, hashes = self.cpu_blocks, self.hashes
+                parents = self.parents or [None] * len(hashes)
+                if self.lost:  # counted by left_out() below
+                    ids, hashes, parents = self.intact(ids), self.intact(hashes), self.intact(parents)
+                landed = cpu.commit(ids, hashes, parents)
                 if False not in landed:  # the usual case: every block committed
-                    self.committed, self.committed_parents = list(self.hashes), list(parents)
+                    self.committed, self.committed_parents = list(hashes), list(parents)
                 else:
-                    self.committed = [h for h, c in zip(self.hashes, landed, strict=True) if c]
+                    self.committed = [h for h, c in zip(hashes, landed, strict=True) if c]
                     self.committed_parents = [p for p, c in zip(parents, landed, strict=True) if c]
                 if not self.shared:
                     count = len(self.committed)  # a store that lost to an equal hash stored nothing
@@ -157,13 +176,14 @@ _COUNTERS = {
 
 @attrs.define(eq=False)
 class Transfer:
-    """One plan in flight: which workers reported it, and whether all succeeded."""
+    """One plan in flight: which workers reported it, whether all succeeded, and the positions any lost."""
 
     transfer_id: int
     batch: Batch
     num_blocks: int
     reported: int = 0  # bitmask of worker ranks
     ok: bool = True
+    lost: set[int] = attrs.field(factory=set)
 
 
 class Outcome(enum.Enum):
@@ -203,7 +223,11 @@ class TransferTable:
         return out
 
     def report(self, result: TransferResult) -> tuple[Outcome, Transfer | None]:
-        """Count one worker's result; the transfer leaves the table when it is ``DONE``."""
+        """Count one worker's result; the transfer leaves the table when it is ``DONE``.
+
+        A result's ``lost`` positions add to the transfer's when it is a shared-tier
+        fetch and they lie within its plan; otherwise they fail the transfer.
+        """
         t = self._live.get(result.transfer_id)
         worker = result.worker
         if t is None or not isinstance(worker, int) or not 0 <= worker < self.world_size:
@@ -213,6 +237,12 @@ class TransferTable:
             return Outcome.DUPLICATE, t
         t.reported |= bit
         t.ok = t.ok and bool(result.ok)
+        if result.lost:
+            fetch = t.batch.shared and t.batch.direction is Direction.LOAD
+            if fetch and result.lost[-1] < t.num_blocks:
+                t.lost.update(result.lost)
+            else:
+                t.ok = False
         if t.reported != (1 << self.world_size) - 1:
             return Outcome.PENDING, t
         del self._live[result.transfer_id]
@@ -243,9 +273,13 @@ class TransferTable:
                 continue
             batch = t.batch
             stats.transfers_completed.add()
+            if len(t.lost) == t.num_blocks:  # every block lost on some worker: the fetch failed
+                t.ok = False
             if not t.ok:
                 stats.transfers_failed.add()
                 batch.ok = False
+            elif t.lost:
+                batch.lost = sorted(t.lost)  # a fetch batch has this one transfer
             if not batch.shared:  # a shared-tier batch reports when it settles
                 events.emit("on_transfer_completed", t.transfer_id, batch.direction, t.num_blocks,
                             t.ok and not batch.abandoned)

@@ -503,24 +503,34 @@ class SharedTier:
         self._queued = backlog
 
     def settled(self, batch: Batch, ok: bool) -> None:
-        """A shared batch completed on every worker (``ok``: it landed and no reset abandoned it)."""
+        """A shared batch completed on every worker (``ok``: it landed and no reset abandoned it).
+
+        A fetch that landed but for its ``lost`` blocks settles key by key: the
+        blocks that landed as a fetch that landed, the lost ones as a failed
+        fetch of their own (``on_shared_fetch`` once for each part).
+        """
         put = batch.direction is Direction.STORE
         if put:
             self.gate.finished(len(batch.hashes), batch.seconds)
         if put and not batch.abandoned:  # an abandoned one's hashes were forgotten by the reset
             self._flying.difference_update(batch.hashes)
-        if ok:
-            for h in batch.hashes:
-                self._refused.pop(h, None)
-            self._remember(batch.hashes)
-        elif not batch.abandoned:
-            (self.stats.puts_failed if put else self.stats.fetches_failed).add(len(batch.hashes))
-            for h in batch.hashes:
+        landed, failed = (batch.hashes, []) if ok else ([], batch.hashes)
+        if ok and batch.lost:
+            landed, failed = batch.intact(batch.hashes), [batch.hashes[i] for i in batch.lost]
+        for h in landed:
+            self._refused.pop(h, None)
+        self._remember(landed)
+        if failed and not batch.abandoned:
+            (self.stats.puts_failed if put else self.stats.fetches_failed).add(len(failed))
+            for h in failed:
                 self._known.pop(h, None)
             if not put:
-                self._note(self._refused, batch.hashes)
-            self.suspect(f"a shared-tier {'put' if put else 'fetch'} of {plural(len(batch.hashes), 'block')} failed")
-        self.events.emit("on_shared_put" if put else "on_shared_fetch", len(batch.hashes), ok)
+                self._note(self._refused, failed)
+            self.suspect(f"a shared-tier {'put' if put else 'fetch'} of {plural(len(failed), 'block')} failed")
+        event = "on_shared_put" if put else "on_shared_fetch"
+        for part, landed_ok in ((landed, True), (failed, False)):
+            if part:
+                self.events.emit(event, len(part), landed_ok)
 
     def reset(self) -> None:
         """Forget queued puts and puts in flight (a reset abandons them)."""

@@ -74,7 +74,11 @@ class SharedTierWorker:
     Invariants:
         * A fetched value is written into CPU blocks only through the store's
           ``get`` and counts only if its header checks (``codec.check``);
-          any other value is a failed fetch (``invalid_values``), never loaded.
+          any other value is a failed block (``invalid_values``), never loaded.
+        * A fetch is reported per key: answered in time with some blocks
+          failed (missing, invalid, unanswered), it is ``ok`` with those
+          blocks' positions in ``TransferResult.lost``; it is failed as a
+          whole only when every block failed, or it raised or came late.
         * A load of this step that reads a block whose fetch failed here is
           reported ``ok=False`` (its bytes are not the block's).
         * Every submitted transfer id is reported exactly once; a fetch the
@@ -243,7 +247,7 @@ class SharedTierWorker:
             if i not in bad and not codec.check(parts[0], block_hash, rank, parts[1:]):
                 self.invalid_values += 1
                 bad.add(i)
-        self._finish(pending, ok=not bad)
+        self._finish(pending, ok=len(bad) < len(plan), lost=sorted(bad))
         return {plan.blocks[i] for i in bad}
 
     def _copy(self, tid: int, plan: TransferPlan) -> None:
@@ -311,12 +315,14 @@ class SharedTierWorker:
             raise TransferTimeoutError(f"worker {self.rank}: the shared store did not answer transfers "
                                        f"{missing} within {timeout:g} s", tuple(missing))
 
-    def _finish(self, pending: _Pending, ok: bool) -> None:
+    def _finish(self, pending: _Pending, ok: bool, lost: Sequence[int] = ()) -> None:
+        """Report ``pending`` (``lost``: with ``ok``, the positions of its blocks that failed; they move no byte)."""
         del self._pending[pending.ticket]
         # Without a mirror only headers move: their time says nothing of a block's, so none is reported.
         seconds = time.perf_counter() - pending.started if self.mirrors else 0.0
+        num_bytes = pending.num_bytes - pending.num_bytes * len(lost) // len(pending.buffers) if ok else 0
         self._ready.append(TransferResult(pending.transfer_id, self.rank, ok=ok, seconds=seconds,
-                                          num_bytes=pending.num_bytes if ok else 0))
+                                          num_bytes=num_bytes, lost=lost if ok else ()))
 
     def _hand_out(self, copies: list[TransferResult]) -> list[TransferResult]:
         out, self._ready = self._ready, []

@@ -97,7 +97,7 @@ _VALID: dict[type, dict[str, object]] = {
     KVCacheSpec: {"num_layers": 2, "block_size": 16, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16",
                   "groups": [KVGroupSpec([0]), KVGroupSpec([1])]},
     TransferPlan: {"src": [0, 1], "dst": [2, 3], "direction": "store", "group": 1},
-    TransferResult: {"transfer_id": 3, "worker": 1, "ok": True, "seconds": 0.5, "num_bytes": 4096},
+    TransferResult: {"transfer_id": 3, "worker": 1, "ok": True, "seconds": 0.5, "num_bytes": 4096, "lost": [2, 0]},
 }
 
 
@@ -119,6 +119,8 @@ def _well_typed(made: object) -> None:
         assert isinstance(made.direction, Direction) and made.src.dtype == made.dst.dtype == np.int64
     else:
         assert type(made.ok) is bool and type(made.seconds) is float and math.isfinite(made.seconds)
+        assert type(made.lost) is tuple and all(type(x) is int and x >= 0 for x in made.lost)
+        assert list(made.lost) == sorted(set(made.lost))
 
 
 @settings(max_examples=max(300, settings.default.max_examples))
@@ -204,6 +206,9 @@ def test_every_odd_value_or_tensor_in_every_region_field_raises_only_kvkit_error
     (lambda: TransferResult(0, seconds=10**400), PlanError, r"seconds=1000.*\.\.\.: must be a number"),
     (lambda: TransferResult(-(10**5000)), PlanError, r"transfer_id=<int of 16610 bits>: must be an int >= 0"),
     (lambda: TransferResult(_HostileRepr()), PlanError, r"transfer_id=<_HostileRepr>: must be an int"),
+    (lambda: TransferResult(0, lost=[1, -1]), PlanError, r"lost=-1: must be an int >= 0"),
+    (lambda: TransferResult(0, lost=[2, 2]), PlanError, r"lost names a position twice: \[2, 2\]"),
+    (lambda: TransferResult(0, lost="12"), PlanError, r"lost must be a sequence of plan positions, got '12'"),
     (lambda: TransferPlan([0], [1], "sideways"), PlanError,
      r"direction='sideways': must be one of \['store', 'load'\]"),
     (lambda: TransferPlan([0], [1], ["store"]), PlanError, r"direction=\['store'\]"),

@@ -840,6 +840,8 @@ TestManagerLeftOut = LeftOutMachine.TestCase
 # exists; a fetched block stays referenced until its load ran on every
 # worker; a load reported done put the right content on every worker's GPU
 # blocks (a vanished, foreign or failed value makes the request recompute).
+# A fetch is reported per key (``TransferResult.lost``): a block some worker
+# lost must never commit, or a later CPU hit loads the wrong content.
 
 SBS, S_GPU, S_CPU = 4, 16, 6
 S_FAMILIES = [[f * 1000 + t for t in range(6 * SBS)] for f in range(3)]
@@ -992,7 +994,7 @@ class SharedTierMachine(RuleBasedStateMachine):
 
     def _run(self, inst: _Instance, w: int, kind: str, tid: int, plan, step: int) -> None:
         cpu, gpu, store = inst.cpu_content[w], inst.gpu_content[w], self.store
-        ok = True
+        ok, lost = True, []
         if kind == "fetch":
             bufs = [bytearray(16) for _ in plan.blocks]
             ticket = store.get([self.keys.key(h, w) for h in plan.hashes], [[memoryview(b)] for b in bufs])
@@ -1003,8 +1005,9 @@ class SharedTierMachine(RuleBasedStateMachine):
                 cpu[b] = got
                 if got != h:
                     failed.add(b)
+                    lost.append(i)
             inst.failed[w, step] = failed
-            ok = not failed
+            ok = len(lost) < len(plan.blocks)  # per key: the blocks that landed commit, unless none did
         elif kind == "put":
             values = [[memoryview(int(cpu.get(b) or 0).to_bytes(16, "little"))] for b in plan.blocks]
             ticket = store.put([self.keys.key(h, w) for h in plan.hashes], values)
@@ -1017,7 +1020,7 @@ class SharedTierMachine(RuleBasedStateMachine):
         else:
             for s, d in zip(plan.src.tolist(), plan.dst.tolist()):
                 cpu[d] = gpu.get(s)
-        inst.outbox.append(TransferResult(tid, w, ok=ok))
+        inst.outbox.append(TransferResult(tid, w, ok=ok, lost=lost if ok else ()))
 
     @rule(k=st.integers(0, 1), data=st.data())
     def deliver(self, k: int, data) -> None:
@@ -1325,6 +1328,14 @@ class _FetchedBlockNotHeld(OffloadManager):
         return fetches, loads
 
 
+class _LostBlockCommitted(OffloadManager):
+    """A fetch's blocks a worker reported lost (``TransferResult.lost``) are committed with the others."""
+
+    def _complete(self, batch):
+        batch.lost = []
+        super()._complete(batch)
+
+
 def _check_plant_signatures(plant: type) -> None:
     """A plant's overrides take what the real methods take: a call the machine makes must reach the bug.
 
@@ -1350,6 +1361,7 @@ def _check_plant_signatures(plant: type) -> None:
     (ManagerMachine, _AppendUnchecked), (RaisingCallbackMachine, _PropagatingCallbacks),
     (HintMachine, _HintsAfterAdd), (LeftOutMachine, _LeftOutLoaded),
     (SharedTierMachine, _SharedHitOneRank), (SharedTierMachine, _FetchedBlockNotHeld),
+    (SharedTierMachine, _LostBlockCommitted),
 ], ids=lambda c: c.__name__.strip("_"))
 def test_machine_catches_planted_bug(base, plant):
     """The model's checks alone (no manager self-check) catch each planted failure mode."""

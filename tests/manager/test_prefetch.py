@@ -155,6 +155,29 @@ def test_a_failed_prefetch_is_no_hit_and_a_later_lookup_fetches_again(server):
     stack.close()
 
 
+def test_a_prefetch_missing_one_value_keeps_the_others_in_the_cpu_tier(server):
+    """A key dropped between a prefetch's lookup and its fetch: that block alone fails (counted, never findable);
+    the others are cached CPU blocks, prefetched, so the request's lookup offers the leading run before it as CPU
+    hits (no second fetch) and nothing stays held."""
+    stack, _ = instance(server)
+    mgr = stack.manager
+    mgr.add_request("r", HASHES, len(PROMPT))
+    assert mgr.prefetch("r") == 36
+    plan = mgr.build_step()
+    server.drop(stack.shared_workers[0].codec.key(HASHES[6], 0))
+    run(stack, plan)
+    mgr.check_invariants()
+    assert stack.stats.fetches_failed.value == 1
+    assert stack.stats.blocks_prefetched.value == stack.stats.blocks_fetched.value == 8
+    assert len(stack.cpu.lookup(HASHES)) == 6 and len(stack.cpu.lookup(HASHES[7:])) == 2
+    assert cpu_refs(stack) == [0] * 16
+    assert mgr.lookup("r", 0) == 24 and mgr.request("r").offered_cpu == 6 and not mgr.request("r").fetch
+    mgr.abort("r")
+    mgr.check_invariants()
+    assert cpu_refs(stack) == [0] * 16
+    stack.close()
+
+
 def test_a_lookup_or_a_second_prefetch_replaces_a_prefetch_no_step_planned(server):
     stack, _ = instance(server)
     mgr = stack.manager

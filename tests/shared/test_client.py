@@ -15,6 +15,7 @@ from kvkit.config import SharedConfig
 from kvkit.errors import ConfigError, RequestStateError
 from kvkit.hashing import hash_blocks
 from kvkit.interfaces import OffloadCallback
+from kvkit.interfaces.types import TransferResult
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.testing.doubles import FailingStore
 
@@ -107,7 +108,8 @@ def test_a_hit_needs_every_ranks_key():
 
 
 def test_a_key_gone_between_lookup_and_fetch_makes_the_request_recompute():
-    """The server evicts a key after the lookup: the fetch fails, the load fails, the bytes are recomputed."""
+    """The server evicts a key after the lookup: that block's fetch fails (the others land and are findable),
+    the load reading it fails, the bytes are recomputed."""
     store = MemoryStore()
     _, ea = instance(store)
     b, eb = instance(store)
@@ -121,10 +123,56 @@ def test_a_key_gone_between_lookup_and_fetch_makes_the_request_recompute():
         worker.submit(plan)
     report = b.manager.apply_completions([r for w in b.shared_workers for r in w.drain()])
     assert report.load_failed == {"b1"} and not report.loaded
-    assert b.stats.fetches_failed.value == 9 and b.stats.blocks_fetched.value == 0
+    assert b.stats.fetches_failed.value == 1 and b.stats.blocks_fetched.value == 8
     assert b.shared_workers[0].missing_values == 1
     b.check_invariants()
-    assert b.cpu.num_cached == 0, "a failed fetch left blocks findable"
+    assert b.cpu.num_cached == 8, "the fetch's clean blocks were discarded"
+    assert len(b.cpu.lookup(HASHES)) == 5, "the failed block of the fetch is findable"
+
+
+def _planned_fetch(store, callbacks=()):
+    """Instance B with a step planned that fetches its 9-block shared hit of ``TOKENS`` (from A) and loads it."""
+    _, ea = instance(store)
+    b, eb = instance(store, callbacks=callbacks)
+    serve(ea, "a1")
+    eb.add_request("b1", HASHES, len(TOKENS))
+    assert b.manager.lookup("b1", 0) == 36
+    b.manager.on_allocated("b1", [b.gpu.allocate(10)], 36)
+    return b, b.manager.build_step()
+
+
+@pytest.mark.parametrize(("lost", "fetched"), [
+    ({0: [1], 1: [1, 4]}, [0, 2, 3, 5, 6, 7, 8]),  # a block is intact only if no rank lost it
+    ({0: [0, 2, 4, 6, 8], 1: [1, 3, 5, 7]}, []),  # every block lost on some rank: failed as a whole
+    ({0: [9]}, []),  # a position beyond the plan: failed as a whole
+])
+def test_a_fetch_commits_the_blocks_no_rank_lost_and_fails_as_a_whole_when_none_is_left(lost, fetched):
+    """Each rank's ``TransferResult.lost`` adds up: only the blocks no rank lost commit (findable, counted
+    fetched, in bytes too), the others are discarded and counted failed; with none left, or a position beyond
+    the plan, the fetch fails as a whole (``on_shared_fetch`` once for the blocks that landed, once for the
+    others)."""
+    hooks = Hooks()
+    b, plan = _planned_fetch(MemoryStore(), [hooks])
+    (tid, fetch), = plan.fetches
+    results = [TransferResult(tid, rank, lost=lost.get(rank, ())) for rank in range(2)]
+    report = b.manager.apply_completions(results + [TransferResult(t, rank) for t, _ in plan.loads for rank in (0, 1)])
+    assert report.loaded == {"b1"}  # these results say the load read its blocks; the worker fails it (above)
+    assert b.stats.blocks_fetched.value == len(fetched) and b.stats.fetches_failed.value == 9 - len(fetched)
+    assert b.stats.bytes_fetched.value == len(fetched) * b.manager.kv.bytes_per_block
+    assert sorted(i for i, h in enumerate(fetch.hashes) if b.cpu.lookup([h])) == fetched
+    assert [ok for kind, ok in hooks.calls if kind == "fetch"] == [True] * bool(fetched) + [False]
+    b.check_invariants()
+
+
+def test_blocks_lost_by_a_transfer_other_than_a_fetch_fail_it_as_a_whole():
+    """``TransferResult.lost`` on a load (not a shared-tier fetch) fails that load: its request recomputes."""
+    b, plan = _planned_fetch(MemoryStore())
+    (fetch_id, _), = plan.fetches
+    results = [TransferResult(fetch_id, rank) for rank in (0, 1)]
+    results += [TransferResult(t, rank, lost=[0] if rank else ()) for t, _ in plan.loads for rank in (0, 1)]
+    report = b.manager.apply_completions(results)
+    assert report.load_failed == {"b1"} and b.stats.blocks_fetched.value == 9 and b.stats.blocks_loaded.value == 0
+    b.check_invariants()
 
 
 def test_a_corrupted_value_is_a_counted_miss_never_loaded():

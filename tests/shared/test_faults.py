@@ -262,12 +262,14 @@ def _blocks(server) -> int:
     return len(block_keys(server.call(b"KEYS", b"*")))
 
 
-def _spoiled(server, how):
-    """Every value on ``server`` spoiled ``how``; the bad values by key."""
+def _spoiled(server, how, only=None):
+    """Every value on ``server`` (or only the keys of ``only``) spoiled ``how``; the bad values by key."""
     keys = sorted(block_keys(server.call(b"KEYS", b"kvkit:*")))
     values = {key: bytearray(server.call(b"GET", key)) for key in keys}
     bad = {}
     for i, key in enumerate(keys):
+        if only is not None and key not in only:
+            continue
         value = values[key]
         if how == "a flipped byte":
             value[-1] ^= 0xFF
@@ -306,6 +308,44 @@ def test_values_refused_are_put_again_and_the_next_instance_gets_the_whole_hit(s
     c, ec = instance(server.url + FAST, secret=secret)
     assert serve(ec, "c").cpu_hit_tokens == 36 and c.stats.shared_hit_tokens.value == 36
     assert c.stats.fetches_failed.value == 0 and ec.integrity_errors == 0
+    c.close()
+
+
+def _key(stack, block, rank):
+    """The store key of ``PROMPT``'s block ``block`` on worker ``rank`` of ``stack``."""
+    return stack.manager.shared.codec.key(hash_blocks(PROMPT, SPEC.block_size)[block], rank)
+
+
+@pytest.mark.parametrize("how", ["a flipped byte", "truncated", "another block's"])
+@pytest.mark.parametrize("spoilt", [[(3, 1)], [(2, 0), (5, 1)]], ids=["one shard", "two blocks, two ranks"])
+def test_a_fetch_with_a_bad_value_commits_its_clean_blocks_and_refuses_only_the_bad_ones(server, how, spoilt):
+    """A step's fetch of a 9-block shared hit over two ranks in which only the values ``spoilt`` (block, rank)
+    are bad: the blocks whose every shard checked are committed to B's CPU tier and count as fetched; only the
+    bad blocks count as failed fetches, are refused and put again (with the last block, which B never looked
+    up); the load reading them fails and the request recomputes right bytes. B's CPU tier then serves the
+    prompt without another fetch, and instance C gets the whole shared hit, clean."""
+    a, ea = instance(server.url + FAST)
+    serve(ea, "a")
+    bad_keys = {_key(a, block, rank) for block, rank in spoilt}
+    a.close()
+    before = {key: server.call(b"GET", key) for key in block_keys(server.call(b"KEYS", b"kvkit:*"))}
+    assert len(_spoiled(server, how, only=bad_keys)) == len(spoilt)
+    b, eb = instance(server.url + FAST)
+    serve(eb, "b1")
+    counts = b.shared_counts
+    assert counts["invalid_values"] + counts["missing_values"] == len(spoilt) and eb.integrity_errors == 0
+    assert b.stats.fetches_failed.value == len(spoilt), "clean blocks of the fetch were counted failed"
+    assert b.stats.blocks_fetched.value == 9 - len(spoilt), "the clean blocks of the fetch were discarded"
+    assert b.stats.bytes_fetched.value == (9 - len(spoilt)) * b.manager.kv.bytes_per_block
+    assert b.stats.blocks_stored.value == len(spoilt) + 1, "blocks the fetch landed were computed and stored"
+    assert b.stats.blocks_put.value == len(spoilt) + 1, "clean blocks of the fetch were put again"
+    assert {key: server.call(b"GET", key) for key in before} == before, "a bad value was kept, or a clean one put"
+    b.gpu.reset()  # the next request of the prompt is a CPU hit
+    assert serve(eb, "b2").cpu_hit_tokens == 36 and eb.integrity_errors == 0
+    assert b.stats.blocks_fetched.value == 9 - len(spoilt) and b.stats.shared_hit_tokens.value == 36
+    b.close()
+    c, ec = instance(server.url + FAST)
+    assert serve(ec, "c").cpu_hit_tokens == 36 and c.stats.fetches_failed.value == 0 and ec.integrity_errors == 0
     c.close()
 
 
@@ -580,6 +620,39 @@ def test_a_cluster_with_a_dead_node_keeps_the_tier_on():
         assert live > 20, "nothing landed on the live nodes"
         assert list(a.shared_store.down_nodes) == [("127.0.0.1", cluster.nodes[2].port)]
         a.close()
+
+
+def test_a_fetch_beside_a_cluster_node_that_died_after_the_lookup_commits_the_live_nodes_blocks():
+    """A Cluster node dies between B's lookup of a 9-block shared hit (every key present) and its fetch: the
+    blocks with a shard on the dead node fail alone (counted, never findable), those whose every shard lives
+    on the live nodes are committed to B's CPU tier and counted fetched; the load reading a failed block fails
+    (its request recomputes)."""
+    cluster = LocalCluster(binary=server_binary_or_skip(), args=["--cluster-require-full-coverage", "no"])
+    with cluster:
+        url = cluster.url + FAST.replace("retry_interval_s=0.2", "retry_interval_s=60")
+        a, ea = instance(url)
+        serve(ea, "a")
+        a.close()
+        dead = set(block_keys(cluster.nodes[2].call(b"KEYS", b"*")))
+        b, eb = instance(url)
+        hashes = hash_blocks(PROMPT, SPEC.block_size)
+        failed = {i for i in range(9) if {_key(b, i, rank) for rank in range(2)} & dead}
+        assert 0 < len(failed) < 9, "the test needs blocks on the dead node and beside it"
+        eb.add_request("b", hashes, len(PROMPT))
+        assert b.manager.lookup("b", 0) == 36
+        cluster.nodes[2].kill()
+        b.manager.on_allocated("b", [b.gpu.allocate(10)], 36)
+        plan = b.manager.build_step()
+        for worker in b.shared_workers:
+            worker.submit(plan)
+        report = b.manager.apply_completions([res for w in b.shared_workers for res in w.drain()])
+        assert report.load_failed == {"b"}
+        assert b.stats.fetches_failed.value == len(failed), "blocks of the live nodes were counted failed"
+        assert b.stats.blocks_fetched.value == 9 - len(failed), "blocks of the live nodes were discarded"
+        findable = {i for i in range(9) if b.cpu.lookup([hashes[i]])}
+        assert findable == set(range(9)) - failed
+        b.check_invariants()
+        b.close()
 
 
 def test_a_cluster_whose_live_nodes_refuse_writes_beside_a_dead_node_keeps_the_tier_on():
