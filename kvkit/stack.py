@@ -97,8 +97,9 @@ class OffloadStack:
 
     @property
     def shared_counts(self) -> dict[str, int]:
-        """What the workers found in the shared tier, summed over ranks: missing and invalid values
-        (each a failed fetch, never loaded) and transport errors."""
+        """What the workers found in the shared tier, summed over ranks: missing values (keys a server
+        answered without a value: absent, or refused, as by a node with no room for another connection),
+        invalid values (each a failed block, never loaded) and transport errors."""
         names = ("missing_values", "invalid_values", "transport_errors")
         return {n: sum(getattr(w, n) for w in self.shared_workers) for n in names}
 

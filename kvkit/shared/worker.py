@@ -97,7 +97,7 @@ class SharedTierWorker:
     rank: int = attrs.field(default=0, kw_only=True, converter=checked(check_int, minimum=0))  # type: ignore[misc]
     wait_timeout_s: float = attrs.field(default=WAIT_TIMEOUT_S, kw_only=True,
                                         converter=checked(check_real, low=0, low_open=True))  # type: ignore[misc]
-    missing_values: int = attrs.field(default=0, init=False)
+    missing_values: int = attrs.field(default=0, init=False)  # keys a server answered without a value (or refused)
     invalid_values: int = attrs.field(default=0, init=False)
     transport_errors: int = attrs.field(default=0, init=False)
     _pending: dict[int, _Pending] = attrs.field(factory=dict, init=False)  # by store ticket
