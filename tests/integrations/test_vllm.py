@@ -500,13 +500,15 @@ def record_transfer_results(llm) -> list:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("model", "gpu_blocks", "extra"), [
-    ("tiny_llama", 10, {"async_load": True}), ("tiny_gemma3", 20, {})], ids=["llama", "gemma3"])
+    ("tiny_llama", 10, {"async_load": True}), ("tiny_mistral", 10, {}), ("tiny_gemma3", 20, {})],
+    ids=["llama", "mistral", "gemma3"])
 def test_a_corrupt_value_fails_only_the_asynchronous_load_of_the_request_that_reads_it(model, gpu_blocks, extra,
                                                                                        request):
     """Two requests load asynchronously in one step from Valkey; the values only the first one reads are corrupt:
     the first is reported in failed_recving and recomputes, the second loads its clean values in the same
     copies and is only received; one load counted failed; tokens identical to a run without kvkit (one KV group,
-    and Gemma-3's full-attention plus sliding-window groups); the CPU tier then serves them; nothing held."""
+    Mistral's one sliding-window group and Gemma-3's full-attention plus sliding-window groups, which load
+    asynchronously by default with a shared tier); the CPU tier then serves them; nothing held."""
     from kvkit.testing.servers import LocalServer, block_keys, server_binary_or_skip
 
     path = request.getfixturevalue(model)

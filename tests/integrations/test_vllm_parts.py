@@ -153,18 +153,21 @@ def test_a_write_back_store_policy_needs_one_kv_group():
         settings(kv=HYBRID, store="lazy")
 
 
-def test_a_shared_tier_with_several_kv_groups_loads_asynchronously():
-    """vLLM takes a failed load of a model with several KV groups only as a whole request loaded asynchronously:
-    with a shared tier (whose fetches may fail) such a model loads asynchronously, and ``async_load=False`` is
-    refused saying why; one group keeps synchronous loads; the URL is never shown."""
+@pytest.mark.parametrize(("kv", "why"), [(HYBRID, "2 KV cache groups"), (WINDOWED, "a sliding-window KV group")],
+                         ids=["groups", "window"])
+def test_a_shared_tier_with_several_kv_groups_or_a_window_loads_asynchronously(kv, why):
+    """vLLM takes a failed load of a model with several KV groups only as a whole request loaded asynchronously,
+    and recomputes a failed synchronous load from its first block, before which a sliding-window group holds no
+    KV: with a shared tier (whose fetches may fail) such a model loads asynchronously, and ``async_load=False``
+    is refused saying why; one full-attention group keeps synchronous loads; the URL is never shown."""
     assert not settings(shared="memory://vllm-parts-groups").async_load
-    assert not settings(kv=HYBRID).async_load
-    assert settings(kv=HYBRID, shared="memory://vllm-parts-groups").async_load
+    assert not settings(kv=kv).async_load
+    assert settings(kv=kv, shared="memory://vllm-parts-groups").async_load
     for extra in ({"shared": "valkey://:hunter2@h:1/0"}, {"kv_offload_backend": "disk", "disk_path": "/tmp/x",
                                                           "disk_capacity_bytes": 1 << 20}):
-        assert settings(kv=HYBRID, **extra).async_load
-        with pytest.raises(ConfigError, match=r"async_load'\]=False with a shared tier .* 2 KV cache groups") as info:
-            settings(kv=HYBRID, async_load=False, **extra)
+        assert settings(kv=kv, **extra).async_load
+        with pytest.raises(ConfigError, match=rf"async_load'\]=False with a shared tier .* {why}") as info:
+            settings(kv=kv, async_load=False, **extra)
         assert len(info.value.problems) == 1 and "hunter2" not in str(info.value), info.value.problems
 
 
