@@ -1135,6 +1135,49 @@ def test_a_vanished_key_fails_only_the_asynchronous_load_of_the_request_that_rea
     _assert_idle(sides)
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["attributed", "unattributed"])
+def test_a_vanished_key_fails_only_the_synchronous_load_of_the_request_that_reads_it(named, request):
+    """Two requests load synchronously in one copy; a key only ``b`` reads vanished after lookup: only ``b``'s GPU
+    blocks are load errors (vLLM's invalid_block_ids), one failed load, none of its blocks or tokens counted
+    loaded, while ``c`` gets the bytes its prefix was computed with. An order naming neither request's blocks (the
+    failed key's reader unknown) fails both, every block of the copy a load error. Nothing held."""
+    url = f"memory://{request.node.name}"
+    a_sides = _sides(shared=url)
+    _computed_and_shared(a_sides)  # b's prefix
+    x = _admit(a_sides, "x", 3 * BS + 1, [[5, 6, 7, 8]], first=100)  # c's prefix
+    _step(a_sides, [(x, x.num_tokens)])
+    computed = _blocks(a_sides, [5, 6, 7])
+    _finish(a_sides, x, [[5, 6, 7, 8]])
+    _assert_idle(a_sides)
+    _assert_idle(a_sides)
+    sides = _sides(shared=url)
+    b = _admit(sides, "b", 3 * BS + 2, [[1, 2, 3, 4]], hit=3 * BS)
+    c = _admit(sides, "c", 3 * BS + 2, [[5, 6, 7, 8]], hit=3 * BS, first=100)
+    before = _blocks(sides, [1, 2, 3])
+    worker = sides.worker.shared
+    worker.store.drop(worker.codec.key(block_hash(b.block_hashes[1]), 0))
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"b": 2, "c": 2})
+    assert order.loading == ("b", "c") and not order.receiving and len(order.plan.loads) == 1
+    assert order.targets == (frozenset({1, 2, 3}), frozenset({5, 6, 7}))
+    if not named:
+        order = attrs.evolve(order, targets=(frozenset(), frozenset()))
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    _land(sides, order)
+    failed = sides.worker.take_failed_loads()
+    sides.sched.completed(sides.worker.take_results(), failed)
+    assert sides.worker.take_load_errors() == ({1, 2, 3} if named else {1, 2, 3, 5, 6, 7})
+    stats = sides.sched.manager.stats
+    assert stats.loads_failed.value == (1 if named else 2)
+    assert _blocks(sides, [1, 2, 3]) == before  # nothing of b's was loaded
+    if named:
+        assert _blocks(sides, [5, 6, 7]) == computed and stats.blocks_loaded.value == 3
+    b.num_computed_tokens = c.num_computed_tokens = c.num_tokens
+    _finish(sides, b, [[1, 2, 3, 4]], aborted=True)
+    assert _finish(sides, c, [[5, 6, 7, 8]])["kvkit_loaded_tokens"] == (3 * BS if named else 0)
+    _assert_idle(sides)
+
+
 def _settle(sides, steps=200):
     """Step an idle engine until the store reported every put (a disk store writes on its own threads)."""
     for _ in range(steps):
