@@ -1178,6 +1178,40 @@ def test_a_vanished_key_fails_only_the_synchronous_load_of_the_request_that_read
     _assert_idle(sides)
 
 
+def test_a_request_holding_a_failed_requests_blocks_from_vllms_cache_keeps_its_own_synchronous_load(request):
+    """``b`` loads two blocks synchronously; ``c``, allocated in the same step, takes them from vLLM's prefix cache
+    and loads its own three after them. A key only ``b`` reads vanished: ``b``'s blocks alone are load errors (vLLM
+    also reruns ``c``'s step, which read them) and ``b``'s load alone fails; ``c``'s own blocks land, counted
+    loaded: a request's targets are the blocks its hit is loaded into, not its whole table. Nothing held."""
+    url = f"memory://{request.node.name}"
+    a_sides = _sides(shared=url)
+    a = _admit(a_sides, "a", 5 * BS + 1, [[1, 2, 3, 4, 5, 6]])
+    _step(a_sides, [(a, a.num_tokens)])
+    computed = _blocks(a_sides, [3, 4, 5])
+    _finish(a_sides, a, [[1, 2, 3, 4, 5, 6]])
+    _assert_idle(a_sides)
+    _assert_idle(a_sides)
+    sides = _sides(shared=url)
+    b = _admit(sides, "b", 2 * BS + 2, [[1, 2, 3]], hit=2 * BS)
+    c = vllm_request("c", 5 * BS + 2)
+    assert sides.sched.matched_tokens(c, 2 * BS) == 3 * BS  # after vLLM's hit on b's blocks 1 and 2
+    sides.pool.touch([sides.pool.blocks[1], sides.pool.blocks[2]])
+    sides.pool.allocate([4, 5, 6, 7])
+    sides.sched.allocated(c, [[1, 2, 4, 5, 6, 7]], 3 * BS)
+    c.num_computed_tokens = 5 * BS
+    worker = sides.worker.shared
+    worker.store.drop(worker.codec.key(block_hash(b.block_hashes[1]), 0))
+    order = _step(sides, [(b, 2), (c, 2)])
+    assert sides.worker.take_load_errors() == {1, 2}
+    stats = sides.sched.manager.stats
+    assert stats.loads_failed.value == 1 and stats.blocks_loaded.value == 3
+    assert _blocks(sides, [4, 5, 6]) == computed
+    assert order.targets == (frozenset({1, 2}), frozenset({4, 5, 6}))
+    _finish(sides, b, [[1, 2, 3]], aborted=True)
+    assert _finish(sides, c, [[1, 2, 4, 5, 6, 7]])["kvkit_loaded_tokens"] == 3 * BS
+    _assert_idle(sides)
+
+
 def _settle(sides, steps=200):
     """Step an idle engine until the store reported every put (a disk store writes on its own threads)."""
     for _ in range(steps):
