@@ -1172,6 +1172,7 @@ def test_a_vanished_key_fails_only_the_synchronous_load_of_the_request_that_read
     assert _blocks(sides, [1, 2, 3]) == before  # nothing of b's was loaded
     if named:
         assert _blocks(sides, [5, 6, 7]) == computed and stats.blocks_loaded.value == 3
+    assert stats.bytes_loaded.value == (3 * SPEC.bytes_per_block if named else 0)
     b.num_computed_tokens = c.num_computed_tokens = c.num_tokens
     _finish(sides, b, [[1, 2, 3, 4]], aborted=True)
     assert _finish(sides, c, [[5, 6, 7, 8]])["kvkit_loaded_tokens"] == (3 * BS if named else 0)
@@ -1205,6 +1206,7 @@ def test_a_request_holding_a_failed_requests_blocks_from_vllms_cache_keeps_its_o
     assert sides.worker.take_load_errors() == {1, 2}
     stats = sides.sched.manager.stats
     assert stats.loads_failed.value == 1 and stats.blocks_loaded.value == 3
+    assert stats.bytes_loaded.value == 3 * SPEC.bytes_per_block
     assert _blocks(sides, [4, 5, 6]) == computed
     assert order.targets == (frozenset({1, 2}), frozenset({4, 5, 6}))
     _finish(sides, b, [[1, 2, 3]], aborted=True)
