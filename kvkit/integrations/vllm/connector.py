@@ -151,7 +151,9 @@ class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
     requests whose own blocks failed (the step's other requests load), a synchronous load's GPU
     blocks go to vLLM's ``invalid_block_ids``, an asynchronous load's requests to ``failed_recving``
     (the only failure vLLM takes from a model with several KV groups, whose block ids are per
-    group), and the request recomputes them, never fails. The connector sets vLLM's
+    group, and the only one it recomputes whole, as a sliding-window group needs: ``settings``
+    loads such models asynchronously with a shared tier), and the request recomputes them, never
+    fails. The connector sets vLLM's
     ``kv_load_failure_policy`` to ``"recompute"`` for that (vLLM's default, ``"fail"``, would end
     the request with an error; a cache's miss is no error).
 
