@@ -500,13 +500,15 @@ def record_transfer_results(llm) -> list:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("model", "gpu_blocks", "extra"), [
-    ("tiny_llama", 10, {"async_load": True}), ("tiny_gemma3", 20, {})], ids=["llama", "gemma3"])
+    ("tiny_llama", 10, {"async_load": True}), ("tiny_mistral", 10, {}), ("tiny_gemma3", 20, {})],
+    ids=["llama", "mistral", "gemma3"])
 def test_a_corrupt_value_fails_only_the_asynchronous_load_of_the_request_that_reads_it(model, gpu_blocks, extra,
                                                                                        request):
     """Two requests load asynchronously in one step from Valkey; the values only the first one reads are corrupt:
     the first is reported in failed_recving and recomputes, the second loads its clean values in the same
     copies and is only received; one load counted failed; tokens identical to a run without kvkit (one KV group,
-    and Gemma-3's full-attention plus sliding-window groups); the CPU tier then serves them; nothing held."""
+    Mistral's one sliding-window group and Gemma-3's full-attention plus sliding-window groups, which load
+    asynchronously by default with a shared tier); the CPU tier then serves them; nothing held."""
     from kvkit.testing.servers import LocalServer, block_keys, server_binary_or_skip
 
     path = request.getfixturevalue(model)
@@ -539,6 +541,63 @@ def test_a_corrupt_value_fails_only_the_asynchronous_load_of_the_request_that_re
         assert len(failed_recving) == 1 and len(received) == 2 and failed_recving < received
         assert sched.stats.loads_failed.value - failed == 1
         assert lost == 0 and loaded == (len(prompts[1]) - 1) // 32 * 32  # the clean one: all its full blocks
+        assert worker.worker_side.shared.invalid_values > 0
+        reset_prefix_cache(llm, connector=False)
+        assert [out for out, _ in _generate(llm, prompts, 4)] == reference
+        assert_nothing_held(llm)
+
+
+def record_load_errors(llm) -> list:
+    """Every set of GPU block ids the worker side hands vLLM as ``invalid_block_ids`` from now on."""
+    _, worker = connectors(llm)
+    get, reported = worker.get_block_ids_with_load_errors, []
+
+    def recording():
+        out = get()
+        reported.append(set(out))
+        return out
+
+    worker.get_block_ids_with_load_errors = recording
+    return reported
+
+
+@pytest.mark.timeout(300)
+def test_a_corrupt_value_fails_only_the_synchronous_load_of_the_request_that_reads_it(tiny_llama):
+    """Two requests load synchronously in one step from Valkey; the values only the first one reads are corrupt:
+    only the first one's GPU blocks go to vLLM's invalid_block_ids and it recomputes, the second loads its clean
+    values in the same copies and uses them; one load counted failed, none of its tokens or blocks counted
+    loaded; tokens identical to a run without kvkit; the CPU tier then serves them; nothing held."""
+    from kvkit.testing.servers import LocalServer, block_keys, server_binary_or_skip
+
+    with engine(tiny_llama, kvkit=False, gpu_blocks=10) as llm:
+        prompts = [m[0] for m in ex.user_messages(llm.get_tokenizer(), 2, 1, 18)]  # three blocks each
+        reference = [out for out, _ in _generate(llm, prompts, 4)]
+    with LocalServer(server_binary_or_skip()) as server, engine(
+            tiny_llama, gpu_blocks=10, extra_config={"cpu_bytes": "4MiB", "shared": server.url}) as llm:
+        sched, worker = connectors(llm)
+        assert not sched.settings.async_load
+        _generate(llm, prompts[1:], 4)
+        settle(llm)
+        clean = set(block_keys(server.call(b"KEYS", b"*")))
+        _generate(llm, prompts[:1], 4)
+        settle(llm)
+        corrupt = set(block_keys(server.call(b"KEYS", b"*"))) - clean  # read by the first prompt alone
+        assert clean and corrupt
+        for key in corrupt:
+            value = bytearray(server.call(b"GET", key))
+            value[-1] ^= 0xFF
+            server.call(b"SET", key, bytes(value))
+        reset_prefix_cache(llm, connector=True)  # the next lookups find the prefixes in the shared tier only
+        orders, errors = record_orders(llm), record_load_errors(llm)
+        failed, loaded_blocks = sched.stats.loads_failed.value, sched.stats.blocks_loaded.value
+        (first, lost), (second, loaded) = _generate(llm, prompts, 4)
+        assert [first, second] == reference
+        assert lost == 0 and loaded == (len(prompts[1]) - 1) // 32 * 32  # the clean one: all its full blocks
+        assert sched.stats.loads_failed.value - failed == 1
+        assert sched.stats.blocks_loaded.value - loaded_blocks == loaded // 32
+        (order,) = [o for _, o in orders if len(o.plan.loads)]  # both loads in one step's copy
+        assert len(order.loading) == 2 and not order.receiving
+        assert set().union(*errors) in [set(t) for t in order.targets]  # one request's blocks, the first's
         assert worker.worker_side.shared.invalid_values > 0
         reset_prefix_cache(llm, connector=False)
         assert [out for out, _ in _generate(llm, prompts, 4)] == reference

@@ -153,18 +153,21 @@ def test_a_write_back_store_policy_needs_one_kv_group():
         settings(kv=HYBRID, store="lazy")
 
 
-def test_a_shared_tier_with_several_kv_groups_loads_asynchronously():
-    """vLLM takes a failed load of a model with several KV groups only as a whole request loaded asynchronously:
-    with a shared tier (whose fetches may fail) such a model loads asynchronously, and ``async_load=False`` is
-    refused saying why; one group keeps synchronous loads; the URL is never shown."""
+@pytest.mark.parametrize(("kv", "why"), [(HYBRID, "2 KV cache groups"), (WINDOWED, "a sliding-window KV group")],
+                         ids=["groups", "window"])
+def test_a_shared_tier_with_several_kv_groups_or_a_window_loads_asynchronously(kv, why):
+    """vLLM takes a failed load of a model with several KV groups only as a whole request loaded asynchronously,
+    and recomputes a failed synchronous load from its first block, before which a sliding-window group holds no
+    KV: with a shared tier (whose fetches may fail) such a model loads asynchronously, and ``async_load=False``
+    is refused saying why; one full-attention group keeps synchronous loads; the URL is never shown."""
     assert not settings(shared="memory://vllm-parts-groups").async_load
-    assert not settings(kv=HYBRID).async_load
-    assert settings(kv=HYBRID, shared="memory://vllm-parts-groups").async_load
+    assert not settings(kv=kv).async_load
+    assert settings(kv=kv, shared="memory://vllm-parts-groups").async_load
     for extra in ({"shared": "valkey://:hunter2@h:1/0"}, {"kv_offload_backend": "disk", "disk_path": "/tmp/x",
                                                           "disk_capacity_bytes": 1 << 20}):
-        assert settings(kv=HYBRID, **extra).async_load
-        with pytest.raises(ConfigError, match=r"async_load'\]=False with a shared tier .* 2 KV cache groups") as info:
-            settings(kv=HYBRID, async_load=False, **extra)
+        assert settings(kv=kv, **extra).async_load
+        with pytest.raises(ConfigError, match=rf"async_load'\]=False with a shared tier .* {why}") as info:
+            settings(kv=kv, async_load=False, **extra)
         assert len(info.value.problems) == 1 and "hunter2" not in str(info.value), info.value.problems
 
 
@@ -1130,6 +1133,85 @@ def test_a_vanished_key_fails_only_the_asynchronous_load_of_the_request_that_rea
     c.num_computed_tokens = c.num_tokens
     _finish(sides, b, [[1, 2, 3, 4]], aborted=True)
     assert _finish(sides, c, [[5, 6, 7, 8]])["kvkit_loaded_tokens"] == (0 if lost == {"b", "c"} else 3 * BS)
+    _assert_idle(sides)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["attributed", "unattributed"])
+def test_a_vanished_key_fails_only_the_synchronous_load_of_the_request_that_reads_it(named, request):
+    """Two requests load synchronously in one copy; a key only ``b`` reads vanished after lookup: only ``b``'s GPU
+    blocks are load errors (vLLM's invalid_block_ids), one failed load, none of its blocks or tokens counted
+    loaded, while ``c`` gets the bytes its prefix was computed with. An order naming neither request's blocks (the
+    failed key's reader unknown) fails both, every block of the copy a load error. Nothing held."""
+    url = f"memory://{request.node.name}"
+    a_sides = _sides(shared=url)
+    _computed_and_shared(a_sides)  # b's prefix
+    x = _admit(a_sides, "x", 3 * BS + 1, [[5, 6, 7, 8]], first=100)  # c's prefix
+    _step(a_sides, [(x, x.num_tokens)])
+    computed = _blocks(a_sides, [5, 6, 7])
+    _finish(a_sides, x, [[5, 6, 7, 8]])
+    _assert_idle(a_sides)
+    _assert_idle(a_sides)
+    sides = _sides(shared=url)
+    b = _admit(sides, "b", 3 * BS + 2, [[1, 2, 3, 4]], hit=3 * BS)
+    c = _admit(sides, "c", 3 * BS + 2, [[5, 6, 7, 8]], hit=3 * BS, first=100)
+    before = _blocks(sides, [1, 2, 3])
+    worker = sides.worker.shared
+    worker.store.drop(worker.codec.key(block_hash(b.block_hashes[1]), 0))
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"b": 2, "c": 2})
+    assert order.loading == ("b", "c") and not order.receiving and len(order.plan.loads) == 1
+    assert order.targets == (frozenset({1, 2, 3}), frozenset({5, 6, 7}))
+    if not named:
+        order = attrs.evolve(order, targets=(frozenset(), frozenset()))
+    sides.worker.load(order)
+    sides.worker.after_forward(order)
+    _land(sides, order)
+    failed = sides.worker.take_failed_loads()
+    sides.sched.completed(sides.worker.take_results(), failed)
+    assert sides.worker.take_load_errors() == ({1, 2, 3} if named else {1, 2, 3, 5, 6, 7})
+    stats = sides.sched.manager.stats
+    assert stats.loads_failed.value == (1 if named else 2)
+    assert _blocks(sides, [1, 2, 3]) == before  # nothing of b's was loaded
+    if named:
+        assert _blocks(sides, [5, 6, 7]) == computed and stats.blocks_loaded.value == 3
+    assert stats.bytes_loaded.value == (3 * SPEC.bytes_per_block if named else 0)
+    b.num_computed_tokens = c.num_computed_tokens = c.num_tokens
+    _finish(sides, b, [[1, 2, 3, 4]], aborted=True)
+    assert _finish(sides, c, [[5, 6, 7, 8]])["kvkit_loaded_tokens"] == (3 * BS if named else 0)
+    _assert_idle(sides)
+
+
+def test_a_request_holding_a_failed_requests_blocks_from_vllms_cache_keeps_its_own_synchronous_load(request):
+    """``b`` loads two blocks synchronously; ``c``, allocated in the same step, takes them from vLLM's prefix cache
+    and loads its own three after them. A key only ``b`` reads vanished: ``b``'s blocks alone are load errors (vLLM
+    also reruns ``c``'s step, which read them) and ``b``'s load alone fails; ``c``'s own blocks land, counted
+    loaded: a request's targets are the blocks its hit is loaded into, not its whole table. Nothing held."""
+    url = f"memory://{request.node.name}"
+    a_sides = _sides(shared=url)
+    a = _admit(a_sides, "a", 5 * BS + 1, [[1, 2, 3, 4, 5, 6]])
+    _step(a_sides, [(a, a.num_tokens)])
+    computed = _blocks(a_sides, [3, 4, 5])
+    _finish(a_sides, a, [[1, 2, 3, 4, 5, 6]])
+    _assert_idle(a_sides)
+    _assert_idle(a_sides)
+    sides = _sides(shared=url)
+    b = _admit(sides, "b", 2 * BS + 2, [[1, 2, 3]], hit=2 * BS)
+    c = vllm_request("c", 5 * BS + 2)
+    assert sides.sched.matched_tokens(c, 2 * BS) == 3 * BS  # after vLLM's hit on b's blocks 1 and 2
+    sides.pool.touch([sides.pool.blocks[1], sides.pool.blocks[2]])
+    sides.pool.allocate([4, 5, 6, 7])
+    sides.sched.allocated(c, [[1, 2, 4, 5, 6, 7]], 3 * BS)
+    c.num_computed_tokens = 5 * BS
+    worker = sides.worker.shared
+    worker.store.drop(worker.codec.key(block_hash(b.block_hashes[1]), 0))
+    order = _step(sides, [(b, 2), (c, 2)])
+    assert sides.worker.take_load_errors() == {1, 2}
+    stats = sides.sched.manager.stats
+    assert stats.loads_failed.value == 1 and stats.blocks_loaded.value == 3
+    assert stats.bytes_loaded.value == 3 * SPEC.bytes_per_block
+    assert _blocks(sides, [4, 5, 6]) == computed
+    assert order.targets == (frozenset({1, 2}), frozenset({4, 5, 6}))
+    _finish(sides, b, [[1, 2, 3]], aborted=True)
+    assert _finish(sides, c, [[1, 2, 4, 5, 6, 7]])["kvkit_loaded_tokens"] == 3 * BS
     _assert_idle(sides)
 
 

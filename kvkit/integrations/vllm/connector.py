@@ -84,7 +84,7 @@ class KVKitWorkerMetadata(KVConnectorWorkerMetadata):
 
     Attributes:
         results: the transfers the workers finished.
-        failed_loads: requests a worker left out of their asynchronous loads
+        failed_loads: requests a worker left out of their loads
             (``WorkerSide.take_failed_loads``), whose loads' results may report ``ok``.
     """
 
@@ -147,11 +147,13 @@ def _worker_rank() -> int:
 class KVKitConnector(KVConnectorBase_V1, SupportsHMA):
     """kvkit's CPU offload tier as a vLLM KV connector (both roles; see the module docstring).
 
-    A load that fails (a CPU copy, a shared-tier fetch missing, corrupt or late) is a miss: a
-    synchronous load's blocks go to vLLM's ``invalid_block_ids``, an asynchronous load's requests
-    whose own blocks failed to ``failed_recving`` (the only failure vLLM takes from a model with
-    several KV groups, whose block ids are per group; the step's other requests load), and the
-    request recomputes them, never fails. The connector sets vLLM's
+    A load that fails (a CPU copy, a shared-tier fetch missing, corrupt or late) is a miss: of the
+    requests whose own blocks failed (the step's other requests load), a synchronous load's GPU
+    blocks go to vLLM's ``invalid_block_ids``, an asynchronous load's requests to ``failed_recving``
+    (the only failure vLLM takes from a model with several KV groups, whose block ids are per
+    group, and the only one it recomputes whole, as a sliding-window group needs: ``settings``
+    loads such models asynchronously with a shared tier), and the request recomputes them, never
+    fails. The connector sets vLLM's
     ``kv_load_failure_policy`` to ``"recompute"`` for that (vLLM's default, ``"fail"``, would end
     the request with an error; a cache's miss is no error).
 

@@ -27,7 +27,7 @@ vLLM (scheduler process)                  kvkit
                                           request holds once this step ran, ``build_step``
                                           -> metadata for every worker
 ``update_connector_output(out)``          ``fail_load`` (requests a worker left out of its
-                                          asynchronous loads), ``apply_completions`` (the
+                                          loads), ``apply_completions`` (the
                                           workers' results); a request whose asynchronous
                                           load failed (vLLM got it in ``failed_recving``,
                                           dropped its blocks and looks it up again) is
@@ -136,21 +136,27 @@ class StepOrder:
         step: increases by one per ``build_connector_meta``.
         plan: the step's loads (before its forward pass, or while it runs
             with asynchronous loads) and stores (after it).
-        receiving: requests waiting for this step's loads (vLLM's
-            ``WAITING_FOR_REMOTE_KVS``): each worker reports them in
-            ``finished_recving`` once every load of the step completed there.
-            Empty with synchronous loads.
-        targets: each receiving request's GPU blocks (every group's, null
-            blocks left out), in ``receiving``'s order: its loads write only
-            those, and no other request's load of the step writes one of
-            them (vLLM allocates a loading request fresh blocks), so a
-            worker tells whose load a failed source block breaks.
+        loading: requests whose hits this step's loads write (those vLLM
+            allocated since the last step with a hit it accepted).
+        targets: each loading request's GPU blocks its hit is loaded into
+            (every group's, null blocks left out), in ``loading``'s order: its
+            loads write only those, and no other request's load of the step
+            writes one of them (vLLM allocates a loading request fresh
+            blocks), so a worker tells whose load a failed source block breaks.
+        asynchronous: the loads are asynchronous (``receiving``).
     """
 
     step: int
     plan: StepPlan
-    receiving: tuple[str, ...] = ()
+    loading: tuple[str, ...] = ()
     targets: tuple[frozenset[int], ...] = ()
+    asynchronous: bool = False
+
+    @property
+    def receiving(self) -> tuple[str, ...]:
+        """Requests waiting for this step's loads (vLLM's ``WAITING_FOR_REMOTE_KVS``): each worker reports
+        them in ``finished_recving`` once every load of the step completed there. Empty with synchronous loads."""
+        return self.loading if self.asynchronous else ()
 
 
 def _backend(stack: StackConfig) -> str:
@@ -310,8 +316,8 @@ class SchedulerSide:
     shared: SharedConnection | None = None
     info: tuple[str, ...] = ()
     num_preemptions: int = attrs.field(init=False, default=0)
-    _receiving: dict[str, frozenset[int]] = attrs.field(init=False, factory=dict)  # async loads allocated since
-    # the last build: their StepOrder.targets
+    _targets: dict[str, frozenset[int]] = attrs.field(init=False, factory=dict)  # loads allocated since the last
+    # build: their StepOrder.targets
     _reported: dict[str, float] = attrs.field(init=False, factory=dict)
     _windowed: bool = attrs.field(init=False, default=attrs.Factory(
         lambda self: any(g.kind is GroupKind.SLIDING_WINDOW for g in self.manager.kv.groups), takes_self=True))
@@ -396,9 +402,10 @@ class SchedulerSide:
             slot = int(getattr(request, "num_preemptions", 0) > 0)
             self._loaded_tokens[rid][slot] += num_external_tokens
             self._loading[rid] = (slot, num_external_tokens)
-            if self.async_load:
-                null = self.manager.null_block
-                self._receiving[rid] = frozenset(b for row in block_ids for b in row if b != null)
+            start = self.manager.request(rid).gpu_hit_blocks
+            assert start is not None, "a request with a hit was looked up"
+            hit = slice(start, start - (-num_external_tokens // self.manager.kv.block_size))
+            self._targets[rid] = frozenset(b for row in block_ids for b in row[hit] if b != self.manager.null_block)
 
     def build(self, *, preempted: Iterable[str], new_blocks: Iterable[tuple[str, Sequence[Sequence[int]]]],
               scheduled: Mapping[str, int], speculative: Mapping[str, Sequence[int]] | None = None) -> StepOrder:
@@ -438,18 +445,18 @@ class SchedulerSide:
                 self.manager.on_computed(rid, done)
         self._step += 1
         self._flush_pending = False  # build_step plans every detached store
-        order = StepOrder(self._step, self.manager.build_step(), tuple(self._receiving),
-                          tuple(self._receiving.values()))
+        order = StepOrder(self._step, self.manager.build_step(), tuple(self._targets),
+                          tuple(self._targets.values()), self.async_load)
         world = self.manager.world_size
         self._copies.update((tid, ["load_copies", world]) for tid, _ in order.plan.loads)
         self._copies.update((tid, ["store_copies", world]) for tid, _ in order.plan.stores)
-        self._receiving.clear()  # their loads are this step's (allocation and build share one schedule call)
+        self._targets.clear()  # their loads are this step's (allocation and build share one schedule call)
         return order
 
     def completed(self, results: Iterable[TransferResult], failed_loads: Iterable[str] = ()) -> None:
         """Apply the workers' transfer results (GPU and CPU references of finished copies drop).
 
-        ``failed_loads``: requests a worker left out of its asynchronous loads
+        ``failed_loads``: requests a worker left out of its loads
         (a source block of theirs failed there) while the copies carrying them
         succeeded; they fail when their load completes (``OffloadManager.fail_load``),
         the other requests of the step load. A worker reports them with or

@@ -88,8 +88,9 @@ class ConnectorSettings:
         async_load: a CPU hit is loaded while other requests run (vLLM's
             asynchronous-load path), not before the forward pass that reads it.
             :func:`parse_extra_config` sets it for a model with several KV groups
-            and a shared tier (vLLM takes a failed load of such a model only as a
-            whole request loaded asynchronously).
+            or a sliding-window group and a shared tier (vLLM recomputes a failed
+            load of such a model correctly only as a whole request loaded
+            asynchronously).
         layerwise: loads and stores run layer by layer: a layer's forward waits
             (on the device) only for its own blocks, a layer's stores start once
             its KV is written.
@@ -256,10 +257,12 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
       it is refused); under ``"cpu"`` the disk keys are ignored with a warning;
     * ``async_load`` (a bool): load CPU hits while other requests run, through
       vLLM's asynchronous-load path. Default ``False``, but ``True`` for a
-      model with several KV groups and a shared tier: vLLM takes a failed load
-      of such a model only as a whole request loaded asynchronously (block ids
-      are per group), and a shared value missing, corrupt or late fails its
-      load; ``False`` is refused there;
+      model with several KV groups or a sliding-window group and a shared
+      tier: vLLM takes a failed load of a model with several groups only as a
+      whole request loaded asynchronously (block ids are per group), and
+      recomputes a failed synchronous load from its first block, before which
+      a sliding-window group holds no KV; a shared value missing, corrupt or
+      late fails its load. ``False`` is refused there;
     * ``layerwise`` (a bool, default ``True``): per-layer loads and stores
       (``wait_for_layer_load`` waits for one layer, ``save_kv_layer`` lets that
       layer's stores start); ``False`` loads everything before the forward pass;
@@ -277,7 +280,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
             listing every problem (unknown keys, names that are not registered
             or not available here, a bad capacity, a write-back store policy
             with several KV groups: it writes back single GPU blocks;
-            ``async_load=False`` with a shared tier and several KV groups; capacity
+            ``async_load=False`` with a shared tier and several KV groups or a
+            sliding-window group; capacity
             keys or ``lazy_offload`` and ``store`` that contradict each other or
             the role; an unknown ``kv_offload_backend``, a disk backend without
             ``disk_path`` or with a bad size, slot count or flag; a secret given
@@ -351,14 +355,18 @@ def parse_extra_config(extra: Mapping[str, Any] | None, *, kv: KVCacheSpec, gpu_
         problems.append(
             f"store={stack.store!r}: a write-back policy stores single GPU blocks, and this model has "
             f"{plural(len(kv.groups), 'KV cache group')}; use eager, selective or never")
-    async_by_need = stack is not None and len(kv.groups) > 1 and stack.shared is not None
+    windowed = any(g.kind is GroupKind.SLIDING_WINDOW for g in kv.groups)
+    async_by_need = stack is not None and stack.shared is not None and (len(kv.groups) > 1 or windowed)
     if async_by_need and extra.get("async_load") is False:
+        why = (f"with {plural(len(kv.groups), 'KV cache group')}: vLLM stops the engine on a failed synchronous "
+               f"load of such a model (its block ids are per group)" if len(kv.groups) > 1 else
+               "with a sliding-window KV group: vLLM recomputes a failed synchronous load from its first block, "
+               "and such a group holds no block before its window, so the recomputed tokens would attend to KV "
+               "that is not there")
         problems.append(
             f"{_EXTRA}['async_load']=False with a shared tier (shared, or kv_offload_backend='disk') for a model "
-            f"with {plural(len(kv.groups), 'KV cache group')}: vLLM stops the engine on a failed synchronous load "
-            f"of such a model (its block ids are per group) and takes a failed load only as a whole request "
-            f"loaded asynchronously, and a shared value missing, corrupt or late fails its load; drop async_load "
-            f"(it is then true) or the shared tier")
+            f"{why}; vLLM recomputes a failed load whole only for a request loaded asynchronously, and a shared "
+            f"value missing, corrupt or late fails its load; drop async_load (it is then true) or the shared tier")
     if problems:
         raise ConfigError(problems)
     assert stack is not None  # built, or its problems were raised

@@ -8,15 +8,15 @@ vLLM-free. Per step, in vLLM's call order:
    (``save_kv_layer`` records when each layer's KV is written, for its
    stores), else at once; asynchronous ones land while later steps run and their
    requests are reported in ``finished_recving`` (``get_transfer_results``) once
-   every load of their step completed. A failed synchronous load's GPU blocks
-   become vLLM's ``invalid_block_ids`` in its step; a failed asynchronous load
-   fails only its requests whose blocks failed: they are reported in
+   every load of their step completed. One copy per KV group carries every
+   loading request's blocks: a request whose source block failed to fetch
+   here is left out of the copies (the others land) and fails alone, while a
+   copy that fails as a whole names no block, so it fails every request of
+   its step (as the scheduler's batch does). A failed synchronous load's GPU
+   blocks (the failed requests' own) become vLLM's ``invalid_block_ids`` in
+   its step; a failed asynchronous load's requests are reported in
    ``failed_recving`` (and ``finished_recving``), never as blocks, since vLLM
    maps no block id of a model with several KV groups back to its request.
-   One copy per KV group carries every waiting request's blocks: a request
-   whose source block failed to fetch here is left out of the copies (the
-   others land), while a copy that fails as a whole names no block, so it
-   fails every request of its step (as the scheduler's batch does).
 2. ``wait_for_save`` (after the forward pass, every step, also without
    one): submit the step's stores, ordered after the compute that wrote
    their sources, and collect finished copies (``poll``).
@@ -24,9 +24,9 @@ vLLM-free. Per step, in vLLM's call order:
 
 With a shared tier, ``start_load_kv`` first fetches this rank's shard of the
 step's shared hits into the CPU mirrors (waited for, each value checked); a
-synchronous load that reads a block whose fetch failed is not run and reported
-failed, an asynchronous one runs without the requests that read such a block,
-which fail (as above: vLLM recomputes what they held).
+load runs without the requests that read a block whose fetch failed, which
+fail (as above: vLLM recomputes what they held); if whose load such a block
+breaks is unknown, the copies reading it are not run and reported failed.
 ``wait_for_save`` then queues the step's puts (write-through of committed
 CPU blocks), which later polls report.
 
@@ -116,13 +116,24 @@ def _engines(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
     return tuple(engines)
 
 
+def _readers(loads: Sequence[tuple[int, TransferPlan]], bad: set[int],
+             targets: Mapping[str, frozenset[int]]) -> set[str] | None:
+    """The requests of ``targets`` whose loads read a CPU block of ``bad``; ``None`` if such a read writes a
+    GPU block none of them names (whose load it breaks is unknown)."""
+    broken: set[int] = set()
+    for _, plan in loads:
+        broken.update(plan.dst[np.isin(plan.src, list(bad))].tolist())
+    readers = {rid for rid, blocks in targets.items() if not blocks.isdisjoint(broken)}
+    return readers if broken.issubset(b for rid in readers for b in targets[rid]) else None
+
+
 @attrs.define(eq=False)
 class _Receiving:
     """One step's asynchronous loads still in flight here, and the requests waiting for them.
 
     Attributes:
         tids: the step's load transfers not yet reported.
-        targets: each waiting request's GPU blocks (``StepOrder.targets``).
+        ids: the requests waiting for every one of them.
         failed: the waiting requests whose load failed here: those a source
             block of which failed (left out of the copies), or every one if a
             copy failed (a copy carries every waiting request's blocks of its
@@ -130,20 +141,8 @@ class _Receiving:
     """
 
     tids: set[int]
-    targets: dict[str, frozenset[int]]
+    ids: tuple[str, ...]
     failed: set[str] = attrs.field(factory=set)
-
-    def fail_sources(self, loads: Sequence[tuple[int, TransferPlan]], bad: set[int]) -> set[str]:
-        """The requests whose loads read a CPU block of ``bad``, added to ``failed``; every waiting request if
-        such a read writes a GPU block none of them names (whose load it breaks is unknown)."""
-        broken: set[int] = set()
-        for _, plan in loads:
-            broken.update(plan.dst[np.isin(plan.src, list(bad))].tolist())
-        failed = {rid for rid, blocks in self.targets.items() if not blocks.isdisjoint(broken)}
-        if not broken.issubset(b for rid in failed for b in self.targets[rid]):
-            failed = set(self.targets)
-        self.failed |= failed
-        return failed
 
 
 @attrs.define(eq=False)
@@ -167,8 +166,10 @@ class WorkerSide:
         shared_store: the store to close with this side (``None``: not ours).
 
     Invariants: every transfer of a step is submitted exactly once, to the
-    engine of its group, or (a load of a block whose fetch failed) reported
-    failed without running; every result is handed to the scheduler exactly once.
+    engine of its group (without the blocks of the requests that read a block
+    whose fetch failed), or (a load of such a block, its reader unknown)
+    reported failed without running; every result is handed to the scheduler
+    exactly once.
     """
 
     engines: tuple[TransferEngine, ...] = attrs.field(converter=_engines)
@@ -268,24 +269,31 @@ class WorkerSide:
 
         Asynchronous loads (``order.receiving``) are only submitted, ordered
         after the compute queued so far; their requests are received once
-        every load of the step completed. A synchronous load that reads a block
-        whose fetch failed is not run (reported failed); an asynchronous one
-        runs without the blocks of the requests that read such a block, which
-        fail (handed to the scheduler by :meth:`take_failed_loads`).
+        every load of the step completed. A load runs without the blocks of the
+        requests that read a block whose fetch failed (``order.targets``), which
+        fail (handed to the scheduler by :meth:`take_failed_loads`; a synchronous
+        load's also as their blocks, :meth:`take_load_errors`); one that reads such
+        a block for no request of ``order.loading`` is not run (reported failed).
         """
         if order.step == self._loaded_step:
             return
         self._loaded_step = order.step
         loads = order.plan.loads
         failed = self.shared.fetch(order.plan.fetches, order.plan.fetch_wait_s) if self.shared is not None else set()
+        step = None
         if order.receiving:  # before any result of them can come back
-            step = _Receiving({tid for tid, _ in loads}, dict(zip(order.receiving, order.targets, strict=True)))
+            step = _Receiving({tid for tid, _ in loads}, order.receiving)
             self._receiving.append(step)
-            if failed and (lost := step.fail_sources(loads, failed)):
-                self._failed_loads |= lost
-                sources, targets = list(failed), list(frozenset().union(*(step.targets[rid] for rid in lost)))
-                loads = tuple((tid, _without(plan, sources, targets)) for tid, plan in loads)
-                failed = set()
+        targets = dict(zip(order.loading, order.targets, strict=True))
+        if failed and (lost := _readers(loads, failed, targets)) is not None:
+            blocks = frozenset().union(*(targets[rid] for rid in lost))
+            loads = tuple((tid, _without(plan, list(failed), list(blocks))) for tid, plan in loads)
+            self._failed_loads |= lost
+            if step is not None:
+                step.failed |= lost
+            else:  # vLLM recomputes each such request from its first block here, and any request sharing one
+                self._load_errors |= blocks
+            failed = set()
         submitted = set()
         for tid, plan in loads:
             self._load_targets[tid] = plan.dst
@@ -374,9 +382,9 @@ class WorkerSide:
         return results
 
     def take_failed_loads(self) -> set[str]:
-        """Requests left out of their asynchronous loads since the last call (a source block of theirs failed
-        here), whose loads' results may report ``ok``: the scheduler side fails them
-        (``SchedulerSide.completed``). Take them with or before :meth:`take_results`."""
+        """Requests left out of their loads since the last call (a source block of theirs failed here), whose
+        loads' results may report ``ok``: the scheduler side fails them (``SchedulerSide.completed``). Take them
+        with or before :meth:`take_results`."""
         failed, self._failed_loads = self._failed_loads, set()
         return failed
 
@@ -429,7 +437,7 @@ class WorkerSide:
                 continue
             step = next((step for step in self._receiving if res.transfer_id in step.tids), None)
             if step is not None:
-                step.failed.update(step.targets)
+                step.failed.update(step.ids)
             else:
                 self._load_errors.update(int(b) for b in targets)
         self._results += results
@@ -438,6 +446,6 @@ class WorkerSide:
             for step in self._receiving:
                 step.tids -= done
                 if not step.tids:
-                    self._received.update(step.targets)
+                    self._received.update(step.ids)
                     self._failed_receiving |= step.failed
             self._receiving = [step for step in self._receiving if step.tids]
