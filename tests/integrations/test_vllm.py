@@ -498,6 +498,25 @@ def record_transfer_results(llm) -> list:
     return reported
 
 
+def corrupt_what_only_the_first_reads(llm, server, prompts) -> None:
+    """Serve ``prompts[1:]``, then ``prompts[0]``, into ``server``; flip a byte of every value only the first prompt
+    put there; then clear both prefix caches, so the next lookups find the prompts in the shared tier only."""
+    from kvkit.testing.servers import block_keys
+
+    _generate(llm, prompts[1:], 4)
+    settle(llm)
+    clean = set(block_keys(server.call(b"KEYS", b"*")))
+    _generate(llm, prompts[:1], 4)
+    settle(llm)
+    corrupt = set(block_keys(server.call(b"KEYS", b"*"))) - clean  # read by the first prompt alone
+    assert clean and corrupt
+    for key in corrupt:
+        value = bytearray(server.call(b"GET", key))
+        value[-1] ^= 0xFF
+        server.call(b"SET", key, bytes(value))
+    reset_prefix_cache(llm, connector=True)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("model", "gpu_blocks", "extra"), [
     ("tiny_llama", 10, {"async_load": True}), ("tiny_mistral", 10, {}), ("tiny_gemma3", 20, {})],
@@ -509,7 +528,7 @@ def test_a_corrupt_value_fails_only_the_asynchronous_load_of_the_request_that_re
     copies and is only received; one load counted failed; tokens identical to a run without kvkit (one KV group,
     Mistral's one sliding-window group and Gemma-3's full-attention plus sliding-window groups, which load
     asynchronously by default with a shared tier); the CPU tier then serves them; nothing held."""
-    from kvkit.testing.servers import LocalServer, block_keys, server_binary_or_skip
+    from kvkit.testing.servers import LocalServer, server_binary_or_skip
 
     path = request.getfixturevalue(model)
     with engine(path, kvkit=False, gpu_blocks=gpu_blocks) as llm:
@@ -519,18 +538,7 @@ def test_a_corrupt_value_fails_only_the_asynchronous_load_of_the_request_that_re
             path, gpu_blocks=gpu_blocks, extra_config={"cpu_bytes": "4MiB", "shared": server.url, **extra}) as llm:
         sched, worker = connectors(llm)
         assert sched.settings.async_load and len(sched.manager.kv.groups) == (2 if model == "tiny_gemma3" else 1)
-        _generate(llm, prompts[1:], 4)
-        settle(llm)
-        clean = set(block_keys(server.call(b"KEYS", b"*")))
-        _generate(llm, prompts[:1], 4)
-        settle(llm)
-        corrupt = set(block_keys(server.call(b"KEYS", b"*"))) - clean  # read by the first prompt alone
-        assert clean and corrupt
-        for key in corrupt:
-            value = bytearray(server.call(b"GET", key))
-            value[-1] ^= 0xFF
-            server.call(b"SET", key, bytes(value))
-        reset_prefix_cache(llm, connector=True)  # the next lookups find the prefixes in the shared tier only
+        corrupt_what_only_the_first_reads(llm, server, prompts)
         orders, reported = record_orders(llm), record_transfer_results(llm)
         failed = sched.stats.loads_failed.value
         (first, lost), (second, loaded) = _generate(llm, prompts, 4)
@@ -567,7 +575,7 @@ def test_a_corrupt_value_fails_only_the_synchronous_load_of_the_request_that_rea
     only the first one's GPU blocks go to vLLM's invalid_block_ids and it recomputes, the second loads its clean
     values in the same copies and uses them; one load counted failed, none of its tokens or blocks counted
     loaded; tokens identical to a run without kvkit; the CPU tier then serves them; nothing held."""
-    from kvkit.testing.servers import LocalServer, block_keys, server_binary_or_skip
+    from kvkit.testing.servers import LocalServer, server_binary_or_skip
 
     with engine(tiny_llama, kvkit=False, gpu_blocks=10) as llm:
         prompts = [m[0] for m in ex.user_messages(llm.get_tokenizer(), 2, 1, 18)]  # three blocks each
@@ -576,18 +584,7 @@ def test_a_corrupt_value_fails_only_the_synchronous_load_of_the_request_that_rea
             tiny_llama, gpu_blocks=10, extra_config={"cpu_bytes": "4MiB", "shared": server.url}) as llm:
         sched, worker = connectors(llm)
         assert not sched.settings.async_load
-        _generate(llm, prompts[1:], 4)
-        settle(llm)
-        clean = set(block_keys(server.call(b"KEYS", b"*")))
-        _generate(llm, prompts[:1], 4)
-        settle(llm)
-        corrupt = set(block_keys(server.call(b"KEYS", b"*"))) - clean  # read by the first prompt alone
-        assert clean and corrupt
-        for key in corrupt:
-            value = bytearray(server.call(b"GET", key))
-            value[-1] ^= 0xFF
-            server.call(b"SET", key, bytes(value))
-        reset_prefix_cache(llm, connector=True)  # the next lookups find the prefixes in the shared tier only
+        corrupt_what_only_the_first_reads(llm, server, prompts)
         orders, errors = record_orders(llm), record_load_errors(llm)
         failed, loaded_blocks = sched.stats.loads_failed.value, sched.stats.blocks_loaded.value
         (first, lost), (second, loaded) = _generate(llm, prompts, 4)

@@ -1093,14 +1093,12 @@ def test_a_failed_asynchronous_load_fails_its_whole_request_which_its_next_looku
     _assert_idle(sides)
 
 
-@pytest.mark.parametrize("named", [True, False], ids=["attributed", "unattributed"])
-def test_a_vanished_key_fails_only_the_asynchronous_load_of_the_request_that_reads_it(named, request):
-    """Two requests load asynchronously in one copy; a key only ``b`` reads vanished after lookup: ``b`` alone
-    fails (failed_recving, one failed load, none of its blocks counted loaded) while ``c`` gets the bytes its
-    prefix was computed with. An order naming neither request's blocks (the failed key's reader unknown)
-    fails both. Nothing held."""
+def _two_loads_one_key_vanished(request, async_load: bool):
+    """Sides whose requests ``b`` and ``c`` each hit a 3-block prefix another instance computed and shared
+    (``b``'s through ``memory://``, the shared tier), and a key only ``b`` reads dropped after the lookup; with
+    ``b``, ``c``, ``b``'s GPU blocks' bytes before the load and the bytes ``c``'s prefix was computed with."""
     url = f"memory://{request.node.name}"
-    a_sides = _sides(shared=url, async_load=True)
+    a_sides = _sides(shared=url, async_load=async_load)
     _computed_and_shared(a_sides)  # b's prefix
     x = _admit(a_sides, "x", 3 * BS + 1, [[5, 6, 7, 8]], first=100)  # c's prefix
     _step(a_sides, [(x, x.num_tokens)])
@@ -1108,21 +1106,37 @@ def test_a_vanished_key_fails_only_the_asynchronous_load_of_the_request_that_rea
     _finish(a_sides, x, [[5, 6, 7, 8]])
     _assert_idle(a_sides)
     _assert_idle(a_sides)
-    sides = _sides(shared=url, async_load=True)
+    sides = _sides(shared=url, async_load=async_load)
     b = _admit(sides, "b", 3 * BS + 2, [[1, 2, 3, 4]], hit=3 * BS)
     c = _admit(sides, "c", 3 * BS + 2, [[5, 6, 7, 8]], hit=3 * BS, first=100)
     before = _blocks(sides, [1, 2, 3])
     worker = sides.worker.shared
     worker.store.drop(worker.codec.key(block_hash(b.block_hashes[1]), 0))
-    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={})
-    assert order.receiving == ("b", "c") and len(order.plan.loads) == 1
+    return sides, b, c, before, computed
+
+
+def _run_load(sides, order, named: bool) -> None:
+    """Run ``order``'s loads on the worker side to their end and report them to the scheduler side; unless
+    ``named``, with targets naming no request's blocks (a failed key's reader unknown)."""
     if not named:
-        order = attrs.evolve(order, targets=(frozenset(), frozenset()))
+        order = attrs.evolve(order, targets=tuple(frozenset() for _ in order.targets))
     sides.worker.load(order)
     sides.worker.after_forward(order)
     _land(sides, order)
     failed = sides.worker.take_failed_loads()
     sides.sched.completed(sides.worker.take_results(), failed)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["attributed", "unattributed"])
+def test_a_vanished_key_fails_only_the_asynchronous_load_of_the_request_that_reads_it(named, request):
+    """Two requests load asynchronously in one copy; a key only ``b`` reads vanished after lookup: ``b`` alone
+    fails (failed_recving, one failed load, none of its blocks counted loaded) while ``c`` gets the bytes its
+    prefix was computed with. An order naming neither request's blocks (the failed key's reader unknown)
+    fails both. Nothing held."""
+    sides, b, c, before, computed = _two_loads_one_key_vanished(request, async_load=True)
+    order = sides.sched.build(preempted=(), new_blocks=(), scheduled={})
+    assert order.receiving == ("b", "c") and len(order.plan.loads) == 1
+    _run_load(sides, order, named)
     lost = {"b"} if named else {"b", "c"}
     assert sides.worker.take_received() == ({"b", "c"}, lost)
     stats = sides.sched.manager.stats
@@ -1142,31 +1156,11 @@ def test_a_vanished_key_fails_only_the_synchronous_load_of_the_request_that_read
     blocks are load errors (vLLM's invalid_block_ids), one failed load, none of its blocks or tokens counted
     loaded, while ``c`` gets the bytes its prefix was computed with. An order naming neither request's blocks (the
     failed key's reader unknown) fails both, every block of the copy a load error. Nothing held."""
-    url = f"memory://{request.node.name}"
-    a_sides = _sides(shared=url)
-    _computed_and_shared(a_sides)  # b's prefix
-    x = _admit(a_sides, "x", 3 * BS + 1, [[5, 6, 7, 8]], first=100)  # c's prefix
-    _step(a_sides, [(x, x.num_tokens)])
-    computed = _blocks(a_sides, [5, 6, 7])
-    _finish(a_sides, x, [[5, 6, 7, 8]])
-    _assert_idle(a_sides)
-    _assert_idle(a_sides)
-    sides = _sides(shared=url)
-    b = _admit(sides, "b", 3 * BS + 2, [[1, 2, 3, 4]], hit=3 * BS)
-    c = _admit(sides, "c", 3 * BS + 2, [[5, 6, 7, 8]], hit=3 * BS, first=100)
-    before = _blocks(sides, [1, 2, 3])
-    worker = sides.worker.shared
-    worker.store.drop(worker.codec.key(block_hash(b.block_hashes[1]), 0))
+    sides, b, c, before, computed = _two_loads_one_key_vanished(request, async_load=False)
     order = sides.sched.build(preempted=(), new_blocks=(), scheduled={"b": 2, "c": 2})
     assert order.loading == ("b", "c") and not order.receiving and len(order.plan.loads) == 1
     assert order.targets == (frozenset({1, 2, 3}), frozenset({5, 6, 7}))
-    if not named:
-        order = attrs.evolve(order, targets=(frozenset(), frozenset()))
-    sides.worker.load(order)
-    sides.worker.after_forward(order)
-    _land(sides, order)
-    failed = sides.worker.take_failed_loads()
-    sides.sched.completed(sides.worker.take_results(), failed)
+    _run_load(sides, order, named)
     assert sides.worker.take_load_errors() == ({1, 2, 3} if named else {1, 2, 3, 5, 6, 7})
     stats = sides.sched.manager.stats
     assert stats.loads_failed.value == (1 if named else 2)
