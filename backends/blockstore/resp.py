@@ -191,11 +191,11 @@ class Connection:
         timeout = min(budget, self.deadline - start)
         if timeout <= 0:
             raise DeadlineExceeded("timed out: the call's deadline passed before connecting", 0.0)
+        openings = Openings() if openings is None else openings
         try:
-            sock = _connect(address, timeout, openings)
+            sock = _connect(address, timeout, openings)  # held in ``openings`` until logged in
         except TimeoutError as exc:  # a short budget running out is not the node's fault
             raise _connect_timeout(exc, timeout, budget, 0.0) from None
-        fd = sock.fileno()  # held in _OPENING until logged in
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if options.tls is not None:  # the handshake gets what the connect left of `timeout`
@@ -209,20 +209,16 @@ class Connection:
                     # The handshake is ours to start, so that a failed one leaves the socket open until let go.
                     raw, sock = sock, options.tls.wrap_socket(sock, server_hostname=address[0],
                                                               do_handshake_on_connect=False)
-                    if openings is not None:
-                        openings.hold(sock)
-                        openings.let_go(raw)
+                    openings.swap(raw, sock)
                     sock.do_handshake()
                 except TimeoutError as exc:  # the handshake's silence, judged as a connect's
                     raise _connect_timeout(exc, timeout, budget, time.monotonic() - shaking) from None
             sock.setblocking(False)
         except BaseException:
-            _OPENING.let_go(fd)
-            if openings is not None:
-                openings.let_go(sock)
+            openings.let_go(sock)
             sock.close()
             raise
-        self.sock, self._fd, self._openings = sock, fd, openings
+        self.sock, self._openings = sock, openings
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._events = select.POLLIN
@@ -261,9 +257,7 @@ class Connection:
         except BaseException:
             self.close()
             raise
-        _OPENING.let_go(fd)  # logged in: its link's from here, which lets go of it in a forked child
-        if openings is not None:
-            openings.let_go(sock)
+        openings.let_go(sock)  # logged in: its link's from here, which lets go of it in a forked child
 
     def ask_identity(self, told: Told, marker: bytes | None = None, *, plant: bool = False) -> None:
         """Ask the server's identity with the next command sent, in the same round trip (its replies are read
@@ -517,9 +511,7 @@ class Connection:
 
     def close(self) -> None:
         """Shut the socket down (waking a wait on it in another thread) and close it; idempotent."""
-        _OPENING.let_go(self._fd)
-        if self._openings is not None:
-            self._openings.let_go(self.sock)
+        self._openings.let_go(self.sock)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
@@ -655,29 +647,41 @@ def _connect_timeout(exc: TimeoutError, timeout: float, budget: float, silent_s:
 
 @attrs.define(eq=False)
 class Openings:
-    """The sockets one owner's threads are opening connections on (the connect, a TLS handshake, the login), so
-    that closing the owner (:meth:`shut`) wakes each of those waits at once: the connection fails instead of
-    running out its connect budget. A socket held after :meth:`shut` is shut down at once. Thread-safe."""
+    """The sockets one owner's threads are opening connections on (the connect, a TLS handshake, the login), not
+    yet connections a link holds: closing the owner (:meth:`shut`) shuts each down, which wakes its wait at once
+    (the connection fails instead of running out its connect budget; one held after :meth:`shut` is shut down at
+    once), and a child forked meanwhile closes its copies of their descriptors (:data:`_OPENING`, process-wide: a
+    link there lets go of its connections only). A socket is held from just after it is made until its
+    connection is logged in or closed. Thread-safe."""
 
-    _held: set[socket.socket] = attrs.field(factory=set, init=False)
+    _held: dict[socket.socket, int] = attrs.field(factory=dict, init=False)  # socket -> its descriptor
     _shut: bool = attrs.field(default=False, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
     def hold(self, sock: socket.socket) -> None:
+        fd = _OPENING.hold(sock.fileno())
         with self._lock:
-            if not self._shut:
-                self._held.add(sock)
-                return
-        _shut_down(sock)
+            self._held[sock] = fd
+            shut = self._shut
+        if shut:
+            _shut_down(sock)
+
+    def swap(self, old: socket.socket, new: socket.socket) -> None:
+        """Hold ``new`` (a TLS socket wrapping ``old``: the same descriptor) in ``old``'s place."""
+        with self._lock:
+            self._held[new] = self._held.pop(old)
 
     def let_go(self, sock: socket.socket) -> None:
+        """Hold ``sock`` no more (one not held: nothing), before it is closed or once it is logged in."""
         with self._lock:
-            self._held.discard(sock)
+            fd = self._held.pop(sock, None)
+        if fd is not None:
+            _OPENING.let_go(fd)
 
     def shut(self) -> None:
         with self._lock:
             self._shut = True
-            held, self._held = self._held, set()
+            held = list(self._held)
         for sock in held:
             _shut_down(sock)
 
@@ -690,14 +694,13 @@ def _shut_down(sock: socket.socket) -> None:
 
 
 _OPENING = Descriptors()
-"""The sockets this process's threads are connecting (a TLS handshake and a login included), not yet a link's
-connections: a child forked meanwhile closes its copies of them (a link there lets go of its connections only)."""
+"""The descriptors of every :class:`Openings`' sockets in this process: a child forked meanwhile closes its copies."""
 os.register_at_fork(after_in_child=_OPENING.close_copies)
 
 
-def _connect(address: Address, timeout: float, openings: Openings | None = None) -> socket.socket:
+def _connect(address: Address, timeout: float, openings: Openings) -> socket.socket:
     """``socket.create_connection(address, timeout)``, name resolution included in ``timeout`` (:func:`_resolve`),
-    the socket held in :data:`_OPENING` (its caller lets go of it), except that each of the name's addresses, in
+    the socket held in ``openings`` (its caller lets go of it), except that each of the name's addresses, in
     order, gets an equal share of what is left of ``timeout`` (the last all of it), so one that never answers
     leaves the others time, and a loopback peer gets Reno congestion control.
 
@@ -718,9 +721,7 @@ def _connect(address: Address, timeout: float, openings: Openings | None = None)
             if exc.errno in _SHORT:
                 raise ShortOfDescriptors(f"no socket for {host}:{port}: {exc.strerror}", 0.0) from None
             raise
-        _OPENING.hold(sock.fileno())  # until its connection owns it (Connection)
-        if openings is not None:
-            openings.hold(sock)
+        openings.hold(sock)  # until its connection is logged in (Connection)
         try:
             if _TCP_CONGESTION is not None and ipaddress.ip_address(peer[0]).is_loopback:
                 with contextlib.suppress(OSError):
@@ -732,9 +733,7 @@ def _connect(address: Address, timeout: float, openings: Openings | None = None)
             sock.connect(peer)
             return sock
         except OSError as exc:
-            _OPENING.let_go(sock.fileno())
-            if openings is not None:
-                openings.let_go(sock)
+            openings.let_go(sock)
             sock.close()
             last = exc
     raise last if last is not None else OSError(f"getaddrinfo found no address for {host}:{port}")
