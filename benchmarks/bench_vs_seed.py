@@ -39,6 +39,10 @@ connector makes in the step: completions (``update_connector_output`` /
 ``SchedulerOutput`` and ``Request`` objects) is not timed. CPU time
 (``time.process_time``) stands beside wall time; per-lookup figures time the
 lookup call alone. ``ratio`` is each side's median CPU step over the seed's.
+``stored_blocks_per_step`` counts the blocks each side's steps planned to copy
+to the CPU tier (the mean over the timed steps): kvkit's eager store also
+re-stores, when a request finishes, its blocks the CPU tier evicted while it
+ran; the seed stores each block once.
 
 Lookup: one request whose ``--lookup-blocks`` blocks (2,048: 32k tokens) are all
 on the CPU tier, looked up (finds and pins the hit) ``--repeat`` times per
@@ -61,7 +65,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvkit import ALLOCATOR, EVICTION, STORE, KVCacheSpec, OffloadManager, TransferResult
+from kvkit import ALLOCATOR, EVICTION, STORE, Direction, KVCacheSpec, OffloadManager, TransferResult
 from kvkit.config import DEFAULTS
 
 BS = 16
@@ -139,6 +143,7 @@ class KvkitSide:
         self.known: dict[str, int] = {}  # hashes told per request
         self.pending: list[TransferResult] = []
         self.hit_blocks = 0
+        self.stored_blocks = 0  # blocks planned for copies to the CPU tier
 
     def complete(self) -> None:
         done, self.pending = self.pending, []
@@ -187,6 +192,7 @@ class KvkitSide:
                 mgr.on_computed(rid, computed)
             plan = mgr.build_step()
         self.pending = [TransferResult(tid) for tid, _ in plan]
+        self.stored_blocks += sum(len(copy) for _, copy in plan if copy.direction is Direction.STORE)
 
     def evictions(self) -> int:
         return int(self.mgr.stats.evictions_cpu.value)
@@ -228,6 +234,7 @@ class SeedSide:
         self.digests: dict[str, list[bytes]] = {}
         self.last_meta = None
         self.hit_blocks = 0
+        self.stored_blocks = 0  # blocks planned for copies to the CPU tier
         self._evicted_before = 0
 
     def complete(self) -> None:
@@ -304,6 +311,7 @@ class SeedSide:
                                  preempted_req_ids=set())
         with self.clock:
             self.last_meta = self.sched.build_connector_meta(output)
+        self.stored_blocks += len(self.last_meta.store_cpu_blocks)
         for rid, _ in prefills:
             self.requests[rid].num_computed_tokens = self.requests[rid].num_tokens
         for rid, _, tokens, _ in decodes:
@@ -441,7 +449,10 @@ def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup
     sides += [KvkitSide(policy, gpu_blocks, cpu_blocks) for policy in policies]
     engine = Engine(sides, requests, RATES[rate], seed)
     samples: dict[str, list[tuple[int, int]]] = {side.name: [] for side in sides}
+    stored_before = {}
     for step in range(warmup + steps):
+        if step == warmup:
+            stored_before = {side.name: side.stored_blocks for side in sides}
         engine.step()
         for side in sides:
             spent = side.clock.take()
@@ -462,6 +473,7 @@ def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup
             "lookup_cpu_median_us": round(statistics.median(lookups), 1) if lookups else None,
             "lookup_cpu_p90_us": round(pct(lookups, 0.9), 1) if lookups else None,
             "hit_blocks": side.hit_blocks,
+            "stored_blocks_per_step": round((side.stored_blocks - stored_before[side.name]) / steps, 1),
         }
         if isinstance(side, KvkitSide):
             rows[side.name]["cpu_evictions"] = side.evictions()

@@ -29,6 +29,7 @@ def test_kvkit_sides_replay_one_engine_with_hits_evictions_and_lookups():
     for row in rows.values():
         assert row["lookups"] == rows["kvkit-lru"]["lookups"] > 0
         assert row["cpu_evictions"] > 0 and row["step_cpu_median_ms"] > 0
+        assert row["stored_blocks_per_step"] >= 8  # every running request completes a block a step
     assert sum(row["hit_blocks"] for row in rows.values()) > 0
     assert rows["kvkit-lru"]["ratio_to_kvkit_lru"] == 1.0
 
@@ -59,5 +60,6 @@ def test_the_seed_side_replays_the_same_engine():
     assert set(rows) == {"seed", "kvkit-lru"}
     assert rows["seed"]["lookups"] == rows["kvkit-lru"]["lookups"] > 0
     assert rows["seed"]["hit_blocks"] > 0 and rows["seed"]["ratio_to_seed"] == 1.0
+    assert rows["seed"]["stored_blocks_per_step"] > 0 and rows["kvkit-lru"]["stored_blocks_per_step"] > 0
     lookup = bench.bench_lookup(16, ["lru"], repeat=2, config=config)
     assert set(lookup["sides"]) == {"seed", "kvkit-lru"}
