@@ -246,18 +246,21 @@ class ReferenceEngine:
                 self.prefetch(req.request_id)
         plan = self.stack.manager.build_step()
         heads = [r for r in scheduled if r.head_tokens] if self.stack.workers else []
+        targets = self._targets(scheduled)
         if heads and (plan.loads or plan.fetches):
             with ThreadPoolExecutor(1, thread_name_prefix="kvkit-loads") as pool:
-                submitted = pool.submit(self._run_loads, plan)  # the loads run while the heads compute
+                submitted = pool.submit(self._run_loads, plan, targets)  # the loads run while the heads compute
                 self._beside = True
                 try:
                     self._compute_heads(heads)
                 finally:
                     self._beside = False
-                    submitted.result()
+                    left_out = submitted.result()
         else:
-            self._submit(plan)
+            left_out = self._submit(plan, targets)
             self._compute_heads(heads)
+        for rid in sorted(left_out):  # before any result of the step's load is applied
+            self.stack.manager.fail_load(rid)
         errors = self._compute(scheduled, plan)
         self._apply(self._poll())  # copies that already finished count from now on
         return StepReport(tuple(scheduled), errors)
@@ -460,22 +463,38 @@ class ReferenceEngine:
             start = req.gpu_hit_tokens // bs
             compute.prefill_head(self, req, start, start + req.head_tokens // bs)
 
-    def _submit(self, plan: StepPlan) -> None:
+    def _targets(self, scheduled: list[EngineRequest]) -> dict[str, frozenset[int]]:
+        """Each scheduled request's GPU blocks that its CPU hit is loaded into (every KV group's)."""
+        bs = self.stack.config.kv.block_size
+        out = {}
+        for req in scheduled:
+            if req.cpu_hit_tokens:
+                lo = (req.gpu_hit_tokens + req.head_tokens) // bs
+                out[req.request_id] = frozenset(b for row in req.table for b in row[lo:lo + req.cpu_hit_tokens // bs])
+        return out
+
+    def _submit(self, plan: StepPlan, targets: dict[str, frozenset[int]]) -> set[str]:
+        """Run ``plan`` on every worker; the requests a rank left out of the loads (a block they read failed to
+        fetch there: :meth:`SharedTierWorker.submit <kvkit.shared.worker.SharedTierWorker.submit>`)."""
+        left_out: set[str] = set()
         if self.stack.shared_workers:  # each rank runs its fetches, copies and puts in order
             started = [shared.start_fetches(plan.fetches) for shared in self.stack.shared_workers]
             for shared, fetches in zip(self.stack.shared_workers, started):  # every rank's fetches share a deadline
-                shared.submit(plan, fetches)
-            return
+                left_out |= shared.submit(plan, fetches, targets)
+            return left_out
         for tid, p in plan:
             for worker in self.stack.workers:
                 worker.submit(tid, p, layered=self.layered and p.direction is Direction.LOAD)
+        return left_out
 
-    def _run_loads(self, plan: StepPlan) -> None:
-        """Submit ``plan`` and wait for its loads on this thread, so their completion times are their own."""
-        self._submit(plan)
+    def _run_loads(self, plan: StepPlan, targets: dict[str, frozenset[int]]) -> set[str]:
+        """Submit ``plan`` and wait for its loads on this thread, so their completion times are their own; as
+        :meth:`_submit`."""
+        left_out = self._submit(plan, targets)
         loads = {tid for tid, _ in plan.loads}
         for worker in self.stack.workers:
             worker.wait(loads)
+        return left_out
 
     def _poll(self) -> list[TransferResult]:
         return [r for w in (self.stack.shared_workers or self.stack.workers) for r in w.poll()]
