@@ -478,7 +478,7 @@ class ReferenceEngine:
     def _targets(self, scheduled: list[EngineRequest]) -> dict[str, frozenset[int]]:
         """Each scheduled request's GPU blocks that its CPU hit is loaded into (every KV group's)."""
         bs = self.stack.config.kv.block_size
-        out = {}
+        out: dict[str, frozenset[int]] = {}
         for req in scheduled:
             if req.cpu_hit_tokens:
                 lo = (req.gpu_hit_tokens + req.head_tokens) // bs

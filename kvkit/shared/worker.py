@@ -14,7 +14,7 @@ A step's load carries every loading request's blocks in one copy per KV
 group. A block whose fetch failed on a rank fails the loads that read it
 there, and only those: given each loading request's GPU blocks (its
 *targets*), the rank runs the copies without the blocks of the requests that
-read such a block (:func:`load_readers`, :func:`without_blocks`), which fail
+read such a block (:func:`leave_out`), which fail
 alone (the engine tells the manager, ``OffloadManager.fail_load``). A copy
 that reads such a block for no request named is not run and is reported
 failed; a copy that fails as a whole names no block, so it fails every
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from kvkit.manager.step import StepPlan
     from kvkit.worker.engine import TransferEngine
 
-__all__ = ["SharedTierWorker", "load_readers", "without_blocks"]
+__all__ = ["SharedTierWorker", "leave_out"]
 
 
 @attrs.frozen
@@ -53,22 +53,24 @@ class Started:
     at: float
 
 
-def without_blocks(plan: TransferPlan, sources: Sequence[int], targets: Sequence[int]) -> TransferPlan:
-    """``plan`` less the blocks it reads from ``sources`` or writes to ``targets``."""
-    keep = ~(np.isin(plan.src, sources) | np.isin(plan.dst, targets))
-    return attrs.evolve(plan, src=plan.src[keep], dst=plan.dst[keep])
-
-
-def load_readers(loads: Sequence[tuple[int, TransferPlan]], bad: Set[int],
-                 targets: Mapping[str, frozenset[int]]) -> set[str] | None:
-    """The requests of ``targets`` (each one's GPU blocks) whose loads read a CPU block of ``bad``: a block two
-    requests read names both; ``None`` if such a read writes a GPU block none of them names (whose load it
-    breaks is unknown)."""
+def leave_out(loads: Sequence[tuple[int, TransferPlan]], bad: Set[int], targets: Mapping[str, frozenset[int]],
+              ) -> tuple[tuple[tuple[int, TransferPlan], ...], set[str], frozenset[int]] | None:
+    """``loads`` without the blocks of the requests of ``targets`` (each one's GPU blocks) that read a CPU block
+    of ``bad`` (a block two requests read names both), those requests and their GPU blocks; ``None`` if such a
+    read writes a GPU block none of them names (whose load it breaks is unknown)."""
     broken: set[int] = set()
     for _, plan in loads:
         broken.update(plan.dst[np.isin(plan.src, list(bad))].tolist())
     readers = {rid for rid, blocks in targets.items() if not blocks.isdisjoint(broken)}
-    return readers if broken.issubset(b for rid in readers for b in targets[rid]) else None
+    blocks = frozenset().union(*(targets[rid] for rid in readers))
+    if not broken <= blocks:
+        return None
+    sources, dests = list(bad), list(blocks)
+    kept = []
+    for tid, plan in loads:
+        keep = ~(np.isin(plan.src, sources) | np.isin(plan.dst, dests))
+        kept.append((tid, attrs.evolve(plan, src=plan.src[keep], dst=plan.dst[keep])))
+    return tuple(kept), readers, blocks
 
 
 def _mirrors(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
@@ -156,11 +158,10 @@ class SharedTierWorker:
         """
         failed = self.finish_fetches(self.start_fetches(plan.fetches) if started is None else started,
                                      plan.fetch_wait_s)
-        loads, left_out = plan.loads, set()
-        if failed and targets and (readers := load_readers(loads, failed, targets)) is not None:
-            blocks = [b for rid in readers for b in targets[rid]]
-            loads = tuple((tid, without_blocks(copy, list(failed), blocks)) for tid, copy in loads)
-            left_out, failed = readers, set()
+        loads, left_out = plan.loads, set[str]()
+        if failed and targets and (kept := leave_out(loads, failed, targets)) is not None:
+            loads, left_out, _ = kept
+            failed = set()
         for tid, copy in (*loads, *plan.stores):
             if failed and copy.direction is Direction.LOAD and failed.intersection(copy.src.tolist()):
                 self._tainted.add(tid)

@@ -52,7 +52,7 @@ from kvkit.integrations.vllm.settings import ConnectorSettings
 from kvkit.interfaces import CopyBackend, KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
 from kvkit.interfaces.shared import BlockStore
 from kvkit.shared.client import connect_shared
-from kvkit.shared.worker import SharedTierWorker, load_readers, without_blocks
+from kvkit.shared.worker import SharedTierWorker, leave_out
 from kvkit.validate import plural
 from kvkit.worker.engine import TransferEngine
 from kvkit.worker.layouts import layouts_for, validate_kv
@@ -268,9 +268,8 @@ class WorkerSide:
             step = _Receiving({tid for tid, _ in loads}, order.receiving)
             self._receiving.append(step)
         targets = dict(zip(order.loading, order.targets, strict=True))
-        if failed and (lost := load_readers(loads, failed, targets)) is not None:
-            blocks = frozenset().union(*(targets[rid] for rid in lost))
-            loads = tuple((tid, without_blocks(plan, list(failed), list(blocks))) for tid, plan in loads)
+        if failed and (kept := leave_out(loads, failed, targets)) is not None:
+            loads, lost, blocks = kept
             self._failed_loads |= lost
             if step is not None:
                 step.failed |= lost
