@@ -27,10 +27,20 @@ The simulator, the tests and the examples reuse it. Per :meth:`ReferenceEngine.s
    ``kvkit.integrations.hf`` runs a real model instead), publish the full
    blocks in the GPU prefix cache, and confirm progress to the manager.
 
-A load that fails (a fetch the shared tier did not answer within the
-worker's ``wait_timeout_s`` included) makes the engine recompute the blocks
-after the head; the manager never stores what a failed load wrote, and the
-recompute overwrites it before anything reads it.
+A request's load fails alone when a block it reads failed to fetch from the
+shared tier (missing, refused by its check, or not answered within the
+worker's ``wait_timeout_s``, or a fetch that failed as a whole): each rank
+runs the step's copies without that request's blocks and the engine tells
+the manager (``OffloadManager.fail_load``), so the step's other requests keep
+their hits and load them in the same copies; a block two requests read fails
+both. A CPU->GPU copy that fails as a whole names no block, so it fails every
+request it carries: whose bytes it landed is unknown. A request whose load
+failed recomputes its whole hit after the head (never from its first failed
+block: it was left out of the copies, or the copy failed, so none of its
+loaded blocks can be trusted); the manager never stores what a failed load
+wrote, and the recompute overwrites it before anything reads it. The others
+compute on their loaded blocks, every one of them checked by the default
+compute. :attr:`StepReport.load_failed` names the requests whose load failed.
 
 Requests are prefill-only: the caller decides when one finishes (the
 simulator models decode time); a caller that decoded tokens and holds their
@@ -95,10 +105,12 @@ class EngineRequest:
 
 @attrs.frozen
 class StepReport:
-    """What one step did: requests it prefilled and data errors it found."""
+    """What one step did: requests it prefilled, data errors it found, and the requests among ``scheduled``
+    whose load failed (each recomputed its whole hit after its head; a load's other requests kept theirs)."""
 
     scheduled: tuple[EngineRequest, ...] = ()
     integrity_errors: int = 0
+    load_failed: frozenset[str] = frozenset()
 
 
 @attrs.define(eq=False)
@@ -246,21 +258,24 @@ class ReferenceEngine:
                 self.prefetch(req.request_id)
         plan = self.stack.manager.build_step()
         heads = [r for r in scheduled if r.head_tokens] if self.stack.workers else []
+        targets = self._targets(scheduled)
         if heads and (plan.loads or plan.fetches):
             with ThreadPoolExecutor(1, thread_name_prefix="kvkit-loads") as pool:
-                submitted = pool.submit(self._run_loads, plan)  # the loads run while the heads compute
+                submitted = pool.submit(self._run_loads, plan, targets)  # the loads run while the heads compute
                 self._beside = True
                 try:
                     self._compute_heads(heads)
                 finally:
                     self._beside = False
-                    submitted.result()
+                    left_out = submitted.result()
         else:
-            self._submit(plan)
+            left_out = self._submit(plan, targets)
             self._compute_heads(heads)
-        errors = self._compute(scheduled, plan)
+        for rid in sorted(left_out):  # before any result of the step's load is applied
+            self.stack.manager.fail_load(rid)
+        errors, failed = self._compute(scheduled, plan)
         self._apply(self._poll())  # copies that already finished count from now on
-        return StepReport(tuple(scheduled), errors)
+        return StepReport(tuple(scheduled), errors, failed)
 
     @driven
     def extend(self, request_id: str, new_hashes: Sequence[BlockHash], num_tokens: int,
@@ -460,22 +475,38 @@ class ReferenceEngine:
             start = req.gpu_hit_tokens // bs
             compute.prefill_head(self, req, start, start + req.head_tokens // bs)
 
-    def _submit(self, plan: StepPlan) -> None:
+    def _targets(self, scheduled: list[EngineRequest]) -> dict[str, frozenset[int]]:
+        """Each scheduled request's GPU blocks that its CPU hit is loaded into (every KV group's)."""
+        bs = self.stack.config.kv.block_size
+        out: dict[str, frozenset[int]] = {}
+        for req in scheduled:
+            if req.cpu_hit_tokens:
+                lo = (req.gpu_hit_tokens + req.head_tokens) // bs
+                out[req.request_id] = frozenset(b for row in req.table for b in row[lo:lo + req.cpu_hit_tokens // bs])
+        return out
+
+    def _submit(self, plan: StepPlan, targets: dict[str, frozenset[int]]) -> set[str]:
+        """Run ``plan`` on every worker; the requests a rank left out of the loads (a block they read failed to
+        fetch there: :meth:`SharedTierWorker.submit <kvkit.shared.worker.SharedTierWorker.submit>`)."""
+        left_out: set[str] = set()
         if self.stack.shared_workers:  # each rank runs its fetches, copies and puts in order
             started = [shared.start_fetches(plan.fetches) for shared in self.stack.shared_workers]
             for shared, fetches in zip(self.stack.shared_workers, started):  # every rank's fetches share a deadline
-                shared.submit(plan, fetches)
-            return
+                left_out |= shared.submit(plan, fetches, targets)
+            return left_out
         for tid, p in plan:
             for worker in self.stack.workers:
                 worker.submit(tid, p, layered=self.layered and p.direction is Direction.LOAD)
+        return left_out
 
-    def _run_loads(self, plan: StepPlan) -> None:
-        """Submit ``plan`` and wait for its loads on this thread, so their completion times are their own."""
-        self._submit(plan)
+    def _run_loads(self, plan: StepPlan, targets: dict[str, frozenset[int]]) -> set[str]:
+        """Submit ``plan`` and wait for its loads on this thread, so their completion times are their own; as
+        :meth:`_submit`."""
+        left_out = self._submit(plan, targets)
         loads = {tid for tid, _ in plan.loads}
         for worker in self.stack.workers:
             worker.wait(loads)
+        return left_out
 
     def _poll(self) -> list[TransferResult]:
         return [r for w in (self.stack.shared_workers or self.stack.workers) for r in w.poll()]
@@ -493,7 +524,9 @@ class ReferenceEngine:
         """Hand results to the manager; returns requests whose load failed (to recompute)."""
         return self.stack.manager.apply_completions(results).load_failed
 
-    def _compute(self, scheduled: list[EngineRequest], plan: StepPlan) -> int:
+    def _compute(self, scheduled: list[EngineRequest], plan: StepPlan) -> tuple[int, frozenset[str]]:
+        """Compute the scheduled prefills (a request whose load failed without its CPU hit) and confirm them;
+        the integrity errors found and the scheduled requests whose load failed."""
         stack, bs = self.stack, self.stack.config.kv.block_size
         failed: frozenset[str] = frozenset()
         layered = self.layered and bool(plan.loads) and bool(stack.workers) and not stack.shared_workers
@@ -515,7 +548,7 @@ class ReferenceEngine:
             for worker in stack.workers:
                 worker.wait(self._step_loads)
             self._step_loads = set()
-            failed = self._apply(self._poll())
+            failed |= self._apply(self._poll())
             for req in scheduled:
                 if req.request_id in failed:  # computed on a load that failed: discard it, compute without the hit
                     req.cpu_hit_tokens = 0
@@ -529,7 +562,7 @@ class ReferenceEngine:
                 stack.gpu.commit(req.table[0][lo:hi], req.block_hashes[lo:hi], parents)
             stack.manager.on_computed(req.request_id, req.num_tokens)
         self.integrity_errors += errors
-        return errors
+        return errors, frozenset(r.request_id for r in scheduled if r.request_id in failed)
 
 
 def _key(req: EngineRequest, index: int) -> int:

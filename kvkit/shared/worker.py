@@ -9,16 +9,27 @@ store still sees every key the lifecycle writes. An engine loop of its own
 (vLLM's worker) calls the parts instead: :meth:`SharedTierWorker.fetch`
 before its loads, :meth:`~SharedTierWorker.put` after, and
 :meth:`~SharedTierWorker.take_store_results` when it polls.
+
+A step's load carries every loading request's blocks in one copy per KV
+group. A block whose fetch failed on a rank fails the loads that read it
+there, and only those: given each loading request's GPU blocks (its
+*targets*), the rank runs the copies without the blocks of the requests that
+read such a block (:func:`leave_out`), which fail
+alone (the engine tells the manager, ``OffloadManager.fail_load``). A copy
+that reads such a block for no request named is not run and is reported
+failed; a copy that fails as a whole names no block, so it fails every
+request it carries.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING
 
 import attrs
+import numpy as np
 
 from kvkit.errors import TransferTimeoutError
 from kvkit.interfaces.shared import BlockCodec, BlockStore, SharedPlan, StoreResult
@@ -30,7 +41,7 @@ if TYPE_CHECKING:
     from kvkit.manager.step import StepPlan
     from kvkit.worker.engine import TransferEngine
 
-__all__ = ["SharedTierWorker"]
+__all__ = ["SharedTierWorker", "leave_out"]
 
 
 @attrs.frozen
@@ -40,6 +51,26 @@ class Started:
 
     fetches: list[tuple[SharedPlan, int | None]]
     at: float
+
+
+def leave_out(loads: Sequence[tuple[int, TransferPlan]], bad: Set[int], targets: Mapping[str, frozenset[int]],
+              ) -> tuple[tuple[tuple[int, TransferPlan], ...], set[str], frozenset[int]] | None:
+    """``loads`` without the blocks of the requests of ``targets`` (each one's GPU blocks) that read a CPU block
+    of ``bad`` (a block two requests read names both), those requests and their GPU blocks; ``None`` if such a
+    read writes a GPU block none of them names (whose load it breaks is unknown)."""
+    broken: set[int] = set()
+    for _, plan in loads:
+        broken.update(plan.dst[np.isin(plan.src, list(bad))].tolist())
+    readers = {rid for rid, blocks in targets.items() if not blocks.isdisjoint(broken)}
+    blocks = frozenset().union(*(targets[rid] for rid in readers))
+    if not broken <= blocks:
+        return None
+    sources, dests = list(bad), list(blocks)
+    kept = []
+    for tid, plan in loads:
+        keep = ~(np.isin(plan.src, sources) | np.isin(plan.dst, dests))
+        kept.append((tid, attrs.evolve(plan, src=plan.src[keep], dst=plan.dst[keep])))
+    return tuple(kept), readers, blocks
 
 
 def _mirrors(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
@@ -79,8 +110,11 @@ class SharedTierWorker:
           failed (missing, invalid, unanswered), it is ``ok`` with those
           blocks' positions in ``TransferResult.lost``; it is failed as a
           whole only when every block failed, or it raised or came late.
-        * A load of this step that reads a block whose fetch failed here is
-          reported ``ok=False`` (its bytes are not the block's).
+        * A load of this step never reads a block whose fetch failed here:
+          given the loading requests' targets, it runs without the blocks of
+          the requests that read one (:meth:`submit` returns them; they
+          fail, the others load); otherwise, or for a read no target names,
+          it is reported ``ok=False`` (its bytes are not the block's).
         * Every submitted transfer id is reported exactly once; a fetch the
           store answers after ``wait_timeout_s`` is reported failed.
         * A fetch's or put's ``seconds`` runs from its submission to its
@@ -105,21 +139,38 @@ class SharedTierWorker:
     _tainted: set[int] = attrs.field(factory=set, init=False)  # loads to report failed
     _late: set[int] = attrs.field(factory=set, init=False)  # tickets of fetches that timed out: report failed
 
-    def submit(self, plan: StepPlan, started: Started | None = None) -> None:
+    def submit(self, plan: StepPlan, started: Started | None = None,
+               targets: Mapping[str, frozenset[int]] | None = None) -> set[str]:
         """Run a :class:`~kvkit.manager.step.StepPlan` on this rank: fetches, loads, stores, puts.
 
         ``started``: what :meth:`start_fetches` answered for ``plan.fetches``
-        (default: they start now). A load that reads a block whose fetch failed
-        here (missing, invalid, or not answered within ``wait_timeout_s`` or
-        ``plan.fetch_wait_s``, the shorter, of their start) is reported failed.
+        (default: they start now). ``targets``: each loading request's GPU
+        blocks its hit is loaded into. A load runs without the blocks of the
+        requests that read a block whose fetch failed here (missing, invalid,
+        or not answered within ``wait_timeout_s`` or ``plan.fetch_wait_s``, the
+        shorter, of their start); a copy left with no block is reported done.
+        Without ``targets``, or when such a read writes a GPU block no target
+        names, every load that reads such a block is reported failed instead.
+
+        Returns:
+            The requests left out of the loads here (their loads must fail:
+            ``OffloadManager.fail_load``, before the loads' results are applied).
         """
         failed = self.finish_fetches(self.start_fetches(plan.fetches) if started is None else started,
                                      plan.fetch_wait_s)
-        for tid, copy in (*plan.loads, *plan.stores):
+        loads, left_out = plan.loads, set[str]()
+        if failed and targets and (kept := leave_out(loads, failed, targets)) is not None:
+            loads, left_out, _ = kept
+            failed = set()
+        for tid, copy in (*loads, *plan.stores):
             if failed and copy.direction is Direction.LOAD and failed.intersection(copy.src.tolist()):
                 self._tainted.add(tid)
-            self._copy(tid, copy)
+            if len(copy):
+                self._copy(tid, copy)
+            else:  # every block it carried was left out
+                self._ready.append(TransferResult(tid, self.rank))
         self.put(plan.puts)
+        return left_out
 
     def fetch(self, fetches: Sequence[tuple[int, SharedPlan]], wait_s: float = math.inf) -> set[int]:
         """Get each fetch's values into its CPU blocks, waited for and checked; the blocks that failed here.

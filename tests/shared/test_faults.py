@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 
 import kvkit
 from kvkit.backends.blockstore.memory import MemoryStore
+from kvkit.backends.plan import LoadAllPlanner
 from kvkit.config import SharedConfig
 from kvkit.errors import InsufficientMemoryError
 from kvkit.hashing import hash_blocks
+from kvkit.interfaces import LoadPlan, OffloadCallback
 from kvkit.manager import OffloadManager
 from kvkit.reference.engine import ReferenceEngine
 from kvkit.shared.format import HEADER_SIZE
@@ -748,3 +750,114 @@ def test_a_shared_hit_the_plan_declines_is_recomputed_and_not_put_again():
     assert req.cpu_hit_tokens == 0 and b.stats.hits_declined_shared.value == len(PROMPT)
     assert b.stats.blocks_put.value == 1, "the declined hit was put back"
     assert eb.integrity_errors == 0
+
+
+OTHER = list(range(1000, 1040))  # 10 blocks sharing none of PROMPT's
+SHARING = PROMPT[:16] + list(range(2000, 2024))  # 10 blocks: PROMPT's first 4, then its own
+
+
+def _two_requests(shared, layered=False, planner=None, callbacks=()):
+    stack = kvkit.build(kv=SPEC, gpu_blocks=32, cpu_blocks=32, copy="torch", device="cpu", cpu_eviction="lru",
+                        layout="per-layer", shared=SharedConfig(url=shared, write="write-through"), world_size=2,
+                        wait_timeout_s=4.0, callbacks=list(callbacks),
+                        **({} if planner is None else {"planner": planner}))
+    return stack, ReferenceEngine(stack, layered=layered)
+
+
+class _SpoilOnHit(OffloadCallback):
+    """Spoils a value once ``request_id``'s shared hit is accepted: after the step's lookups, before its fetch."""
+
+    def __init__(self, request_id, spoil):
+        self.request_id, self.spoil = request_id, spoil
+
+    def on_shared_hit(self, request_id, shared_hit_tokens):
+        if request_id == self.request_id:
+            self.spoil()
+
+
+class _Head(LoadAllPlanner):
+    """Plans the hit's first 2 blocks as the head (where the engine overlaps), the rest loaded."""
+
+    def plan(self, query):
+        head = 2 if query.overlap else 0
+        return LoadPlan(head, query.hit_blocks - head, query.hit_blocks)
+
+
+@pytest.fixture(params=["memory", "valkey"])
+def spoilable(request):
+    """A shared store URL and ``spoil(key, how)``: its value spoiled (a flipped byte) or deleted (missing)."""
+    if request.param == "memory":
+        url = f"memory://two-requests-{request.node.name}"
+        store = kvkit.shared.open_block_store(url)
+
+        def spoil(key, how):
+            if how == "missing":
+                assert store.drop(key)
+            else:
+                value = bytearray(store._values[key])
+                value[-1] ^= 0xFF
+                store._values[key] = bytes(value)
+
+        yield url, spoil
+        for key in list(store._values):  # the process keeps its memory:// stores
+            store.drop(key)
+        return
+    with LocalServer(server_binary_or_skip()) as running:
+        def spoil(key, how):
+            if how == "missing":
+                assert running.call(b"DEL", key) == 1
+            else:
+                value = bytearray(running.call(b"GET", key))
+                value[-1] ^= 0xFF
+                assert running.call(b"SET", key, bytes(value)) == b"OK"
+
+        yield running.url + FAST, spoil
+
+
+@pytest.mark.parametrize("how", ["a flipped byte", "missing"])
+@pytest.mark.parametrize(("other", "block", "both"), [(OTHER, 3, False), (SHARING, 5, False), (SHARING, 3, True)],
+                         ids=["disjoint", "sharing a clean prefix", "sharing the bad block"])
+@pytest.mark.parametrize("mode", ["plain", "layered", "head"])
+def test_a_bad_value_fails_the_load_of_only_the_requests_that_read_it(spoilable, how, other, block, both, mode):
+    """Two requests loaded in one step from one fetch and one copy per rank, one value of ``PROMPT``'s block
+    ``block`` on rank 1 spoiled between the step's lookup and its fetch (a flipped byte, or deleted): only the
+    requests that read that block (both, where both prompts hold it) recompute their hit; the other keeps its
+    whole shared hit, loaded in the same copies, every loaded byte checked (plain, layered, or with a head
+    computed beside the loads). Only the failed requests' loads count failed and none of their blocks count
+    loaded; the fetch's clean blocks are committed and serve both prompts later, every byte checked."""
+    url, spoil = spoilable
+    a, ea = _two_requests(url)
+    serve(ea, "a1")
+    serve(ea, "a2", tokens=other)
+    a.close()
+    key = _key(a, block, 1)
+    b, eb = _two_requests(url, layered=mode == "layered", planner=_Head() if mode == "head" else None,
+                          callbacks=[_SpoilOnHit("o", lambda: spoil(key, how))])  # both looked up
+    eb.add_request("p", hash_blocks(PROMPT, SPEC.block_size), len(PROMPT))
+    eb.add_request("o", hash_blocks(other, SPEC.block_size), len(other))
+    report = eb.step()
+    head = 8 if mode == "head" else 0
+    hits = {r.request_id: r.head_tokens + r.cpu_hit_tokens for r in report.scheduled}
+    assert hits == {"p": head, "o": head if both else 36}, "a request that read no bad block lost its hit"
+    assert report.load_failed == ({"p", "o"} if both else {"p"})
+    assert report.integrity_errors == 0 and eb.integrity_errors == 0
+    b.check_invariants()
+    assert b.stats.loads_failed.value == 1 + both
+    loaded = 0 if both else 9 - head // SPEC.block_size  # the kept request's tail alone
+    assert b.stats.blocks_loaded.value == loaded
+    assert b.stats.bytes_loaded.value == loaded * b.manager.kv.bytes_per_block
+    fetched = 9 - head // SPEC.block_size  # each request fetches its tail (the shared block twice, once each)
+    assert b.stats.fetches_failed.value == 1 + both, "clean blocks of the fetch were counted failed"
+    assert b.stats.blocks_fetched.value == 2 * fetched - (1 + both), "clean blocks of the fetch were discarded"
+    eb.finish("p")
+    eb.finish("o")
+    for _ in range(4):
+        eb.step()
+    eb.drain()
+    b.gpu.reset()  # the next requests of both prompts are CPU hits: every byte of them is checked
+    for rid, tokens in (("p2", PROMPT), ("o2", other)):
+        req = serve(eb, rid, tokens=tokens)
+        assert req.gpu_hit_tokens + req.head_tokens + req.cpu_hit_tokens == 36
+    assert eb.integrity_errors == 0
+    b.check_invariants()
+    b.close()

@@ -52,7 +52,7 @@ from kvkit.integrations.vllm.settings import ConnectorSettings
 from kvkit.interfaces import CopyBackend, KVCacheSpec, KVGroupSpec, TransferPlan, TransferResult
 from kvkit.interfaces.shared import BlockStore
 from kvkit.shared.client import connect_shared
-from kvkit.shared.worker import SharedTierWorker
+from kvkit.shared.worker import SharedTierWorker, leave_out
 from kvkit.validate import plural
 from kvkit.worker.engine import TransferEngine
 from kvkit.worker.layouts import layouts_for, validate_kv
@@ -105,26 +105,9 @@ def group_spec(spec: KVCacheSpec, group: int) -> KVCacheSpec:
                         groups=(KVGroupSpec(range(len(g.layers)), g.kind, g.window),))
 
 
-def _without(plan: TransferPlan, sources: list[int], targets: list[int]) -> TransferPlan:
-    """``plan`` less the blocks it reads from ``sources`` or writes to ``targets``."""
-    keep = ~(np.isin(plan.src, sources) | np.isin(plan.dst, targets))
-    return attrs.evolve(plan, src=plan.src[keep], dst=plan.dst[keep])
-
-
 def _engines(engines: Iterable[TransferEngine]) -> tuple[TransferEngine, ...]:
     """``WorkerSide.engines`` as a tuple (a named converter: mypy's ``attrs`` plugin reads its type)."""
     return tuple(engines)
-
-
-def _readers(loads: Sequence[tuple[int, TransferPlan]], bad: set[int],
-             targets: Mapping[str, frozenset[int]]) -> set[str] | None:
-    """The requests of ``targets`` whose loads read a CPU block of ``bad``; ``None`` if such a read writes a
-    GPU block none of them names (whose load it breaks is unknown)."""
-    broken: set[int] = set()
-    for _, plan in loads:
-        broken.update(plan.dst[np.isin(plan.src, list(bad))].tolist())
-    readers = {rid for rid, blocks in targets.items() if not blocks.isdisjoint(broken)}
-    return readers if broken.issubset(b for rid in readers for b in targets[rid]) else None
 
 
 @attrs.define(eq=False)
@@ -285,9 +268,8 @@ class WorkerSide:
             step = _Receiving({tid for tid, _ in loads}, order.receiving)
             self._receiving.append(step)
         targets = dict(zip(order.loading, order.targets, strict=True))
-        if failed and (lost := _readers(loads, failed, targets)) is not None:
-            blocks = frozenset().union(*(targets[rid] for rid in lost))
-            loads = tuple((tid, _without(plan, list(failed), list(blocks))) for tid, plan in loads)
+        if failed and (kept := leave_out(loads, failed, targets)) is not None:
+            loads, lost, blocks = kept
             self._failed_loads |= lost
             if step is not None:
                 step.failed |= lost
