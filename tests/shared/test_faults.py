@@ -229,6 +229,33 @@ def test_a_probe_queued_behind_puts_crawling_to_their_deadline_keeps_the_tier_on
         stack.close(timeout=3.0)
 
 
+def test_a_fetch_queued_behind_a_get_crawling_to_its_deadline_counts_no_missing_value(server):
+    """A fetch of two blocks present on the server, queued behind a get of 10,000 keys whose replies crawl at
+    20 KB/s to its deadline (1 s), is never sent: it fails (the blocks recompute) but its keys are no missing
+    values, nor evidence against the server."""
+    from kvkit.backends.blockstore.valkey import ValkeyStore
+    from kvkit.interfaces import Direction
+    from kvkit.interfaces.shared import SharedPlan
+    from kvkit.shared.client import FormatCodec
+    from kvkit.shared.worker import SharedTierWorker
+
+    codec = FormatCodec.for_stack(SPEC, 1, model="m", layout="none")
+    with SlowLink(("127.0.0.1", server.port)) as link:
+        store = ValkeyStore([link.address], request_timeout_s=1.0, connect_timeout_s=1.0, retry_interval_s=30.0)
+        worker = SharedTierWorker(SPEC, store, codec, wait_timeout_s=5.0)
+        worker.put([(1, SharedPlan(Direction.STORE, [3, 4], [11, 12]))])
+        assert [r.ok for r in worker.drain(5.0)] == [True]
+        crawl = [b"kvkit:crawl:%d" % i for i in range(10_000)]
+        assert store.poll([store.put(crawl, [[memoryview(b"v")]] * len(crawl))], 5.0)[0].ok
+        link.rate = 20_000
+        crawling = store.get(crawl, [[memoryview(bytearray(1))] for _ in crawl])
+        assert worker.fetch([(2, SharedPlan(Direction.LOAD, [5, 6], [11, 12]))]) == {5, 6}
+        assert [(r.transfer_id, r.ok) for r in worker.take_store_results()] == [(2, False)]
+        assert worker.missing_values == 0 and worker.invalid_values == 0
+        assert store.poll([crawling], 1.0 + SLACK)[0].unreached and store.down_nodes == {}
+        store.close()
+
+
 def test_a_probe_sent_to_a_paused_server_turns_the_tier_off(server):
     """A server stopped (SIGSTOP) takes the probe's bytes and answers nothing: every key was sent and no server
     answered, so the tier turns off (one warning, one outage), and the node is marked down: a put's keys then
