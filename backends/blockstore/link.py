@@ -440,7 +440,8 @@ class Link:
 
     Faults stay with their node: a node that fails (``OSError`` or a reply that is not RESP) has
     its connection closed and only its keys answer :class:`Unreachable` (those it answered before
-    keep their outcomes); the other nodes' keys and connections are untouched. A connection the
+    keep their outcomes; those none of whose bytes were written when the call's deadline passed,
+    :class:`Unsent`); the other nodes' keys and connections are untouched. A connection the
     server closed (while idle, or mid-call: killed, restarted, or right after refusing a command,
     :class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`, read even when the close broke a
     send) is reopened and the node's unanswered keys retried on it once, whether the closed one was
@@ -527,10 +528,9 @@ class Link:
                     for i in left:
                         outcomes[i] = refusal
                     continue
-                if not _expired(exc):
-                    unsent = set()
+                never_sent = unsent if _expired(exc) else set()
                 for i in left:
-                    outcomes[i] = Unsent(why) if i in unsent else Unreachable(why)
+                    outcomes[i] = Unsent(why) if i in never_sent else Unreachable(why)
                     unserved[i] = address
             if round_ + 1 < _MAX_ROUNDS:  # a round is left to send them in
                 pending += self._rerouted(keys, unserved, deadline)
