@@ -79,8 +79,8 @@ class StoreResult:
             repeats, a subset of ``failed``.
         unsent: the failed keys never sent: the call's deadline passed
             before any byte of their command left this process (while they
-            waited in the store's own queue behind earlier calls, or behind
-            the call's earlier keys), so they are no evidence against any
+            waited in the store's own queue behind earlier calls, connecting,
+            or behind the call's earlier keys), so they are no evidence against any
             server; ``None`` for a store that does not tell (its failed keys
             are taken as sent). Sorted, no repeats, a subset of ``failed``
             disjoint from ``unreached``. A get among them is a miss and a put
@@ -99,9 +99,8 @@ class StoreResult:
         _check_indices, label="StoreResult.", optional=True))
 
     def __attrs_post_init__(self) -> None:
-        failed = set(self.failed)
         for name, part in (("unreached", self.unreached), ("unsent", self.unsent)):
-            if part is not None and not set(part) <= failed:
+            if part and not set(part) <= set(self.failed):
                 raise PlanError(f"StoreResult.{name}={quote(part)}: keys that did not fail "
                                 f"(failed={quote(self.failed)})")
         if self.unreached and self.unsent and not set(self.unreached).isdisjoint(self.unsent):
@@ -173,8 +172,10 @@ class BlockStore(Protocol):
         * Deadlines: a ``put`` or ``get`` is reported, and ``contains``
           answers, within the backend's deadline (its request timeout) of
           the call, however slowly the medium sends: what did not complete
-          by then is reported failed (``"transport: ..."``), and its buffers
-          are never touched after the report. A part of the medium with
+          by then is reported failed (``"transport: ..."``; a store that
+          tells which of those keys it never sent names them in
+          ``StoreResult.unsent``), and its buffers are never touched after
+          the report. A part of the medium with
           evidence against it (a dead or stalled node) fails its keys at
           once until the backend's retry interval has passed; the other
           parts keep serving theirs.
