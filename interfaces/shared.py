@@ -16,7 +16,7 @@ import attrs
 
 from kvkit.errors import ConfigError, PlanError
 from kvkit.interfaces.types import BlockHash, Direction
-from kvkit.validate import check_enum, check_int, checked, plural, quote
+from kvkit.validate import check_enum, check_int, checked, is_int, plural, quote
 
 __all__ = ["DEFAULT_TENANT", "SHARED_WRITES", "BlockCodec", "BlockStore", "SharedPlan", "StoreResult",
            "check_tenant"]
@@ -45,9 +45,16 @@ def check_tenant(name: str, value: object) -> str:
                       f"letter or digit (it is the key prefix kvkit:<tenant>: that ACL key patterns match)")
 
 
-def _index_set(indices: Iterable[int]) -> tuple[int, ...]:
-    """Key indices as a sorted tuple without repeats."""
-    return tuple(sorted(set(indices)))
+def _check_indices(name: str, value: object) -> tuple[int, ...]:
+    """``value`` (key indices: an iterable of ints >= 0) as a sorted tuple without repeats, else ``PlanError``
+    quoting it."""
+    if isinstance(value, Iterable) and not isinstance(value, str | bytes):
+        indices = tuple(value)
+        if all(i.__class__ is int and i >= 0 for i in indices):  # the common case: a store's own list or range
+            return tuple(sorted(set(indices)))
+        if all(is_int(i, 0) for i in indices):
+            return tuple(sorted({int(i) for i in indices}))
+    raise PlanError(f"{name}={quote(value)}: must be key indices (ints >= 0)")
 
 
 @attrs.frozen
@@ -63,31 +70,56 @@ class StoreResult:
         error: a one-line reason when anything failed (``""`` otherwise); a
             transport failure (timeout, refused connection) starts with
             ``"transport:"`` so a caller can tell a sick server from a miss.
-        unreached: the failed keys no server answered (their transport
-            failed), for a store that tells them from the keys a server
-            refused or lacks (a Cluster with one dead node and live ones
-            refusing writes fails both kinds in one call); ``None``, for a
-            store that does not: as ``error`` says of them all (see
-            :attr:`unanswered`). Sorted, no repeats, a subset of ``failed``.
+        unreached: the failed keys sent (some of their command's bytes, at
+            least) that no server answered (their transport failed), for a
+            store that tells them from the keys a server refused or lacks (a
+            Cluster with one dead node and live ones refusing writes fails
+            both kinds in one call); ``None``, for a store that does not: as
+            ``error`` says of them all (see :attr:`unanswered`). Sorted, no
+            repeats, a subset of ``failed``.
+        unsent: the failed keys never sent: the call's deadline passed
+            before any byte of their command left this process (while they
+            waited in the store's own queue behind earlier calls, connecting,
+            or behind the call's earlier keys), so they are no evidence against any
+            server; ``None`` for a store that does not tell (its failed keys
+            are taken as sent). Sorted, no repeats, a subset of ``failed``
+            disjoint from ``unreached``. A get among them is a miss and a put
+            did not land, as any failed key.
+
+    Bad ``failed``, ``unreached`` or ``unsent`` (not key indices, or breaking
+    the rules above) raise ``PlanError`` quoting them.
     """
 
     ticket: int = attrs.field(converter=checked(check_int, minimum=0, label="StoreResult.", error=PlanError))  # type: ignore[misc]
-    failed: tuple[int, ...] = attrs.field(default=(), converter=_index_set)
+    failed: tuple[int, ...] = attrs.field(default=(), converter=checked(_check_indices, label="StoreResult."))  # type: ignore[misc]
     error: str = ""
-    unreached: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(_index_set))
+    unreached: tuple[int, ...] | None = attrs.field(default=None, converter=checked(  # type: ignore[misc]
+        _check_indices, label="StoreResult.", optional=True))
+    unsent: tuple[int, ...] | None = attrs.field(default=None, converter=checked(  # type: ignore[misc]
+        _check_indices, label="StoreResult.", optional=True))
 
     def __attrs_post_init__(self) -> None:
-        if self.unreached is not None and not set(self.unreached) <= set(self.failed):
-            raise PlanError(f"StoreResult.unreached={self.unreached!r}: keys that did not fail "
-                            f"(failed={self.failed!r})")
+        for name, part in (("unreached", self.unreached), ("unsent", self.unsent)):
+            if part and not set(part) <= set(self.failed):
+                raise PlanError(f"StoreResult.{name}={quote(part)}: keys that did not fail "
+                                f"(failed={quote(self.failed)})")
+        if self.unreached and self.unsent and not set(self.unreached).isdisjoint(self.unsent):
+            raise PlanError(f"StoreResult.unsent={quote(self.unsent)}: keys also unreached "
+                            f"(unreached={quote(self.unreached)}): a key was sent or it was not")
 
     @property
     def unanswered(self) -> tuple[int, ...]:
-        """The failed keys no server answered: ``unreached``, or for a store that does not tell them apart,
-        every failed key when the failure was the transport (:attr:`transport_failed`), else none."""
+        """The failed keys sent that no server answered (the evidence against the servers): ``unreached``, or
+        for a store that does not tell them apart, every failed key not :attr:`unsent` when the failure was the
+        transport (:attr:`transport_failed`), else none."""
         if self.unreached is not None:
             return self.unreached
-        return self.failed if self.transport_failed else ()
+        if not self.transport_failed:
+            return ()
+        if not self.unsent:
+            return self.failed
+        unsent = set(self.unsent)
+        return tuple(i for i in self.failed if i not in unsent)
 
     @property
     def ok(self) -> bool:
@@ -140,8 +172,10 @@ class BlockStore(Protocol):
         * Deadlines: a ``put`` or ``get`` is reported, and ``contains``
           answers, within the backend's deadline (its request timeout) of
           the call, however slowly the medium sends: what did not complete
-          by then is reported failed (``"transport: ..."``), and its buffers
-          are never touched after the report. A part of the medium with
+          by then is reported failed (``"transport: ..."``; a store that
+          tells which of those keys it never sent names them in
+          ``StoreResult.unsent``), and its buffers are never touched after
+          the report. A part of the medium with
           evidence against it (a dead or stalled node) fails its keys at
           once until the backend's retry interval has passed; the other
           parts keep serving theirs.

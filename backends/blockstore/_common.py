@@ -101,13 +101,13 @@ class TicketBox:
             return ticket
 
     def report(self, ticket: int, failed: Sequence[int] = (), error: str = "",
-               unreached: Sequence[int] | None = None) -> None:
-        """Keep the result of ``ticket`` for its owner's poll unless it already finished (``unreached``: as
-        :attr:`StoreResult.unreached`)."""
+               unreached: Sequence[int] | None = None, unsent: Sequence[int] | None = None) -> None:
+        """Keep the result of ``ticket`` for its owner's poll unless it already finished (``unreached``, ``unsent``:
+        as :attr:`StoreResult.unreached` and :attr:`StoreResult.unsent`)."""
         with self._cond:
             if self._open.pop(ticket, None) is None:
                 return
-            self._keep(StoreResult(ticket, failed, error if failed else "", unreached))
+            self._keep(StoreResult(ticket, failed, error if failed else "", unreached, unsent))
             self._cond.notify_all()
 
     def fail_open(self, error: str) -> None:

@@ -8,7 +8,9 @@ fail that node's keys at once for a retry interval instead of waiting on it agai
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import queue
 import ssl
 import threading
@@ -29,11 +31,13 @@ from kvkit.backends.blockstore.resp import (
     ConnectionClosedError,
     ConnectOptions,
     DeadlineExceeded,
+    LookupsBusy,
     NoRoom,
     Openings,
     ProtocolRefusal,
     Redirect,
     ServerError,
+    ShortOfDescriptors,
     SlotUnserved,
     key_slot,
     node_host,
@@ -41,7 +45,7 @@ from kvkit.backends.blockstore.resp import (
 from kvkit.validate import plural
 
 __all__ = ["MARKER", "MAX_NODES", "Encode", "Identities", "Link", "NodeHealth", "Read", "Topology", "Unreachable",
-           "remember"]
+           "Unsent", "commands", "remember"]
 
 MAX_NODES = 1000
 """The most nodes a link is connected to at once (the Cluster specification's largest Cluster): a slot map naming
@@ -63,11 +67,19 @@ def remember(nodes: dict[K, V], address: K, value: V) -> None:
 _MAX_ROUNDS = 5  # redirects followed, and the one retry on a fresh connection, per key and call
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
-Encode = Callable[[Address, list[int]], list[bytes | memoryview]]
-"""A node's address and the indices of keys bound for it -> the buffers of their commands, in order."""
+Encode = Callable[[Address, list[int]], tuple[list[bytes | memoryview], list[int]]]
+"""A node's address and the indices of keys bound for it -> the buffers of their commands, in order, and where each
+key's command ends in them (bytes from the first buffer's start, one per index: a key that has no command there
+ends where the one before it does)."""
 Read = Callable[[Address, Connection, list[int]], Iterable[object]]
 """A node's address, its connection and the indices sent to it -> their outcomes (each may be a ``Redirect``), in
 order, each given as soon as it is read (a generator): those read before the connection failed settle their keys."""
+
+
+def commands(encoded: Iterable[bytes]) -> tuple[list[bytes | memoryview], list[int]]:
+    """What an :data:`Encode` answers for one command per key, ``encoded`` in order: one buffer, and their ends."""
+    each = list(encoded)
+    return [b"".join(each)], list(itertools.accumulate(map(len, each)))
 
 
 @attrs.frozen
@@ -79,6 +91,13 @@ class Unreachable:
     @override
     def __str__(self) -> str:
         return self.reason
+
+
+@attrs.frozen
+class Unsent(Unreachable):
+    """The outcome of a key none of whose command's bytes left this process: the call's deadline passed first
+    (connecting, or while the key waited behind the call's earlier keys to its node). No evidence against any
+    node; what the deadline says of the node is judged on the keys that were sent."""
 
 
 @attrs.define(eq=False)
@@ -322,13 +341,20 @@ class Topology:
 @attrs.define(eq=False)
 class _Leg:
     """One node's share of a flight: its chunks in sending order (``(asked, indices)``), what its pipeline read
-    (one list of outcomes per chunk, in order, the last maybe cut short: keys past them were not read), and
-    what stopped it."""
+    (one list of outcomes per chunk, in order, the last maybe cut short: keys past them were not read), how
+    many of its keys, in that order, had bytes of their commands written to the connection (``sent``: the
+    others' never left this process), and what stopped it."""
 
     address: Address
     chunks: list[tuple[bool, list[int]]] = attrs.field(factory=list)
     results: list[list[object]] = attrs.field(factory=list)
+    sent: int = 0
     error: BaseException | None = None
+
+    def unsent(self) -> set[int]:
+        """The indices of the keys none of whose command's bytes were written."""
+        order = [i for _, chunk in self.chunks for i in chunk]
+        return set(order[self.sent:])
 
 
 class _Crew:
@@ -414,7 +440,8 @@ class Link:
 
     Faults stay with their node: a node that fails (``OSError`` or a reply that is not RESP) has
     its connection closed and only its keys answer :class:`Unreachable` (those it answered before
-    keep their outcomes); the other nodes' keys and connections are untouched. A connection the
+    keep their outcomes; those none of whose bytes were written when the call's deadline passed,
+    :class:`Unsent`); the other nodes' keys and connections are untouched. A connection the
     server closed (while idle, or mid-call: killed, restarted, or right after refusing a command,
     :class:`~kvkit.backends.blockstore.resp.ProtocolRefusal`, read even when the close broke a
     send) is reopened and the node's unanswered keys retried on it once, whether the closed one was
@@ -486,7 +513,7 @@ class Link:
                         outcomes[i] = Unreachable(why)
             self._admit(flights, outcomes)
             broken = self._fly(flights, encode, read, deadline, outcomes, pending, asked, unserved)
-            for address, (exc, left, left_asked, refused) in broken.items():
+            for address, (exc, left, left_asked, refused, unsent) in broken.items():
                 if (refused or _closed_by_server(exc)) and not self._stalled(exc) and address not in retried:
                     self._drop(address)
                     retried.add(address)
@@ -501,8 +528,9 @@ class Link:
                     for i in left:
                         outcomes[i] = refusal
                     continue
+                never_sent = unsent if _expired(exc) else set()
                 for i in left:
-                    outcomes[i] = Unreachable(why)
+                    outcomes[i] = Unsent(why) if i in never_sent else Unreachable(why)
                     unserved[i] = address
             if round_ + 1 < _MAX_ROUNDS:  # a round is left to send them in
                 pending += self._rerouted(keys, unserved, deadline)
@@ -550,7 +578,7 @@ class Link:
     def _fly(self, flights: dict[tuple[Address, bool], list[list[int]]], encode: Encode, read: Read,
              deadline: float, outcomes: list[object], pending: list[int],
              asked: dict[int, Address], unserved: dict[int, Address],
-             ) -> dict[Address, tuple[BaseException, list[int], dict[int, Address], bool]]:
+             ) -> dict[Address, tuple[BaseException, list[int], dict[int, Address], bool, set[int]]]:
         """Send every chunk and read its replies, each node on its own: a node waited on never delays another.
 
         A node's chunks (its ASKed ones after the others) go through one pipeline (:meth:`_leg`): chunk
@@ -561,8 +589,9 @@ class Link:
         updated here, on the caller's thread, once they have all ended.
 
         Answers the nodes that failed: the exception, the indices they did not settle, which of those
-        were asked of them (ASK), and whether the last reply read before the failure was a
-        :class:`~kvkit.backends.blockstore.resp.ProtocolRefusal` (the server said why it closed).
+        were asked of them (ASK), whether the last reply read before the failure was a
+        :class:`~kvkit.backends.blockstore.resp.ProtocolRefusal` (the server said why it closed), and which
+        of those indices had no byte of their commands written.
         """
         legs: dict[Address, _Leg] = {}
         for (address, ask), chunks in flights.items():
@@ -575,7 +604,7 @@ class Link:
                 self._leg(leg, encode, read, deadline)
         else:
             self._crew.run([functools.partial(self._leg, leg, encode, read, deadline) for leg in legs.values()])
-        broken: dict[Address, tuple[BaseException, list[int], dict[int, Address], bool]] = {}
+        broken: dict[Address, tuple[BaseException, list[int], dict[int, Address], bool, set[int]]] = {}
         for address, leg in legs.items():
             read_so_far = [*leg.results, *[[]] * (len(leg.chunks) - len(leg.results))]
             for (_, indices), results in zip(leg.chunks, read_so_far):
@@ -589,12 +618,13 @@ class Link:
                     if ask:
                         left_asked.update(dict.fromkeys(chunk[len(results):], address))
                 last = next((results[-1] for results in reversed(leg.results) if results), None)
-                broken[address] = (leg.error, left, left_asked, isinstance(last, ProtocolRefusal))
+                broken[address] = (leg.error, left, left_asked, isinstance(last, ProtocolRefusal), leg.unsent())
         return broken
 
     def _leg(self, leg: _Leg, encode: Encode, read: Read, deadline: float) -> None:
         """Pipeline ``leg``'s chunks over its node's connection, chunk ``k + 1`` sent before chunk ``k`` is read;
-        record each chunk's outcomes, as they are read, or the failure that stopped the pipeline, in ``leg``.
+        record each chunk's outcomes, as they are read, how many keys had bytes written, or the failure that
+        stopped the pipeline, in ``leg``.
 
         A send the server broke off (it closed the connection) is followed by reading the replies to what was
         sent, until they end: a server closes after answering why (a
@@ -606,14 +636,19 @@ class Link:
             for step in range(len(chunks) + 1):
                 if step < len(chunks):
                     ask, parts = chunks[step]
+                    buffers, ends = _asked(leg.address, parts, encode) if ask else encode(leg.address, parts)
                     try:
-                        conn.send([b for i in parts for b in (_ASKING, *encode(leg.address, [i]))] if ask
-                                  else encode(leg.address, parts))
+                        conn.send(buffers)
                     except (ConnectionError, ssl.SSLError):  # closed under it: its answers (why) are read first
+                        leg.sent += _started(ends, conn.sent)
                         for ask, indices in chunks[len(leg.results):step + 1]:
                             leg.results.append([])
                             self._read(leg.address, conn, indices, ask, read, leg.results[-1])
                         raise
+                    except BaseException:
+                        leg.sent += _started(ends, conn.sent)
+                        raise
+                    leg.sent += len(parts)
                 if step:
                     ask, indices = chunks[step - 1]
                     leg.results.append([])
@@ -841,6 +876,33 @@ class Link:
         if conn is not None:
             conn.close()
             self.health.let_go(address, conn)
+
+
+def _asked(address: Address, indices: list[int], encode: Encode) -> tuple[list[bytes | memoryview], list[int]]:
+    """What :data:`Encode` answers for ``indices`` asked of ``address`` (an ASK): each key's command after an
+    ``ASKING``."""
+    buffers: list[bytes | memoryview] = []
+    ends: list[int] = []
+    end = 0
+    for i in indices:
+        parts, (own,) = encode(address, [i])
+        buffers += (_ASKING, *parts)
+        end += len(_ASKING) + own
+        ends.append(end)
+    return buffers, ends
+
+
+def _started(ends: list[int], written: int) -> int:
+    """How many of the keys whose commands end at ``ends`` had bytes among the first ``written`` written: those
+    whose command starts before that."""
+    return bisect.bisect_left([0, *ends[:-1]], written)
+
+
+def _expired(exc: BaseException) -> bool:
+    """Whether ``exc`` is the call's deadline passing (not a refusal, a break, or a node not reached for want of
+    this process's own resources: :class:`~kvkit.backends.blockstore.resp.LookupsBusy`,
+    :class:`~kvkit.backends.blockstore.resp.ShortOfDescriptors`)."""
+    return isinstance(exc, DeadlineExceeded) and not isinstance(exc, LookupsBusy | ShortOfDescriptors)
 
 
 def _closed_by_server(exc: BaseException) -> bool:

@@ -224,6 +224,7 @@ class Connection:
         self._events = select.POLLIN
         self._waiting_since: float | None = None  # since when nothing moved, while waiting
         self._unacked = 0  # bytes sent that the server had not acknowledged when that was last seen
+        self._written = 0  # bytes the last send wrote, less those of the identity's commands sent ahead (see sent)
         self._buf = bytearray(_BUFFER)
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
@@ -337,7 +338,9 @@ class Connection:
         A plain socket gets ``sendmsg`` of up to ``IOV_MAX`` buffers per call (a SET's header, the
         value's own buffers and its CRLF in one system call), resumed where a partial write stopped;
         a TLS socket has no ``sendmsg``: runs of small buffers are joined, large ones sent as they are.
+        How many bytes of ``parts`` it wrote, also when it raises, is :attr:`sent`.
         """
+        self._written = 0
         if self._asking is not None and parts:  # ask_identity's commands go first, with a command read after them
             asked = self._asking
             ahead = [_INFO_SERVER] if asked.info else []
@@ -347,6 +350,7 @@ class Connection:
             elif asked.marker is not None:
                 ahead.append(command(b"GET", asked.marker))
             self._told, self._asking = asked, None
+            self._written = -sum(map(len, ahead))
             parts = [*ahead, *parts]
         if isinstance(self.sock, ssl.SSLSocket):
             self._send_tls(parts)
@@ -359,7 +363,14 @@ class Connection:
                 self._wait(select.POLLOUT)
                 continue
             self._waiting_since = None
+            self._written += sent
             rest = _unsent(rest, sent)
+
+    @property
+    def sent(self) -> int:
+        """Bytes of the parts given to the last :meth:`send` written to the socket (they left this process): all
+        of them once it returned; those written before it raised (a deadline, a closed connection) if it did."""
+        return max(0, self._written)
 
     def _send_tls(self, parts: Sequence[bytes | memoryview]) -> None:
         small: list[bytes | memoryview] = []
@@ -378,11 +389,13 @@ class Connection:
         view = memoryview(data).cast("B")
         while view.nbytes:
             try:
-                view = view[self.sock.send(view):]
+                sent = self.sock.send(view)
             except _WOULD_BLOCK as exc:
                 self._wait(select.POLLIN if isinstance(exc, ssl.SSLWantReadError) else select.POLLOUT)
                 continue
             self._waiting_since = None
+            self._written += sent
+            view = view[sent:]
 
     def line(self, ahead: int = _BUFFER) -> bytes:
         """The next reply line, without its CRLF.

@@ -24,7 +24,7 @@ from kvkit.backends.blockstore._common import (
     check_keys,
     check_timeout,
 )
-from kvkit.backends.blockstore.link import Identities, Link, NodeHealth, Topology, Unreachable
+from kvkit.backends.blockstore.link import Identities, Link, NodeHealth, Topology, Unreachable, Unsent, commands
 from kvkit.backends.blockstore.resp import (
     Address,
     Connection,
@@ -153,8 +153,11 @@ class ValkeyStore:
     its node, however short the deadline). Each of these and ``retry_interval_s``
     is a number of seconds in (0, 86400]. A key that missed
     the deadline or whose node failed is reported failed with an error starting
-    ``"transport:"`` and among the result's ``unreached`` (a key a server refused
-    or lacks is not); its buffers are never touched after that.
+    ``"transport:"``, its buffers never touched after that, and among the result's
+    ``unsent`` when the deadline passed before any byte of its command was written to
+    the connection (queued behind earlier calls of its lane, connecting, or behind the
+    call's earlier keys to its node: no evidence against the node), else among its
+    ``unreached`` (a key a server refused or lacks is neither).
 
     Faults stay with their node (:class:`~kvkit.backends.blockstore.link.Link`,
     :class:`~kvkit.backends.blockstore.link.NodeHealth`): a connection the
@@ -343,8 +346,8 @@ class ValkeyStore:
     def ping(self) -> str | None:
         """``None`` when the server answers (and logs us in); else ``"transport: <why>"``."""
         check_keys("ValkeyStore", self.closed, ())
-        found = self._look_up([b"kvkit:ping"], lambda _, __: [b"*1\r\n$4\r\nPING\r\n"], lambda _, c, __: [c.reply()],
-                              self.request_timeout_s)
+        found = self._look_up([b"kvkit:ping"], lambda _, __: commands([b"*1\r\n$4\r\nPING\r\n"]),
+                              lambda _, c, __: [c.reply()], self.request_timeout_s)
         if isinstance(found[0], Unreachable):
             return found[0].reason
         if isinstance(found[0], ServerError):
@@ -357,7 +360,7 @@ class ValkeyStore:
         budget = self.request_timeout_s if budget is None else min(budget, self.request_timeout_s)
         if not keys or budget <= 0:
             return 0
-        found = self._look_up(keys, lambda _, ids: [b"".join(_EXISTS % (len(keys[i]), keys[i]) for i in ids)],
+        found = self._look_up(keys, lambda _, ids: commands(_EXISTS % (len(keys[i]), keys[i]) for i in ids),
                               _read_ints, budget)
         n = 0
         while n < len(found) and found[n] == 1:
@@ -520,9 +523,10 @@ class _Lane:
             if not keys:
                 self.tickets.report(ticket)
                 continue
-            if time.monotonic() >= deadline:
-                self.tickets.report(ticket, range(len(keys)),
-                                    "transport: the call's deadline passed while it waited behind earlier calls")
+            if time.monotonic() >= deadline:  # nothing of it was sent: no evidence against any node
+                every = range(len(keys))
+                self.tickets.report(ticket, every, "transport: the call's deadline passed while it waited behind "
+                                                   "earlier calls, unsent", unreached=(), unsent=every)
                 continue
             try:
                 outcomes = self._put(keys, views, deadline) if op == "put" else self._get(keys, views, deadline)
@@ -532,8 +536,10 @@ class _Lane:
                 continue
             failed = [i for i, problem in enumerate(outcomes) if problem is not None]
             reasons = sorted({str(outcomes[i]) for i in failed}, key=lambda r: (not r.startswith("transport:"), r))
-            self.tickets.report(ticket, failed, "; ".join(reasons)[:500],
-                                [i for i in failed if isinstance(outcomes[i], Unreachable)])
+            unsent = [i for i in failed if isinstance(outcomes[i], Unsent)]
+            unreached = [i for i in failed if isinstance(outcomes[i], Unreachable) and not isinstance(outcomes[i],
+                                                                                                        Unsent)]
+            self.tickets.report(ticket, failed, "; ".join(reasons)[:500], unreached, unsent)
 
     def _put(self, keys: list[bytes], views: list[list[memoryview]], deadline: float) -> list[object]:
         expire = b"" if self.ttl_s is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl_s)), self.ttl_s)
@@ -541,24 +547,30 @@ class _Lane:
         tail = b"\r\n" + expire
         sizes = _sizes(views)
         limit = self.bulk_limit
-        unsent: dict[int, int] = {}  # keys whose values a node's limit held back: the size it refused
+        held: dict[int, int] = {}  # keys whose values a node's limit held back: the size it refused
 
-        def encode(node: Address, ids: list[int]) -> list[bytes | memoryview]:
+        def encode(node: Address, ids: list[int]) -> tuple[list[bytes | memoryview], list[int]]:
             parts: list[bytes | memoryview] = []
+            ends: list[int] = []
+            end = 0
             for i in ids:
                 if refused := limit.holding(node, sizes[i]):
-                    unsent[i] = refused
+                    held[i] = refused
+                    ends.append(end)
                     continue
                 key = keys[i]
-                parts.append(head % (len(key), key, sizes[i]))
+                start = head % (len(key), key, sizes[i])
+                parts.append(start)
                 parts += views[i]
                 parts.append(tail)
-            return parts
+                end += len(start) + sizes[i] + len(tail)
+                ends.append(end)
+            return parts, ends
 
         def read(node: Address, conn: Connection, ids: list[int]) -> Iterator[object]:
             for i in ids:
-                if i in unsent:
-                    yield limit.refusal(node, sizes[i], unsent[i])
+                if i in held:
+                    yield limit.refusal(node, sizes[i], held[i])
                     continue
                 outcome = _set_outcome(conn.line())
                 if isinstance(outcome, ProtocolRefusal) and "invalid bulk length" in str(outcome):
@@ -575,7 +587,7 @@ class _Lane:
         def read(_: Address, conn: Connection, ids: list[int]) -> Iterator[object]:
             return (_get_outcome(conn, views[i], sizes[i]) for i in ids)
 
-        return self.link.run(keys, lambda _, ids: [b"".join(_GET % (len(keys[i]), keys[i]) for i in ids)], read,
+        return self.link.run(keys, lambda _, ids: commands(_GET % (len(keys[i]), keys[i]) for i in ids), read,
                              sizes, deadline)
 
 

@@ -14,9 +14,10 @@ Failure is normal. A failed fetch or put makes the tier *suspect*: a probe (a
 tiny put of the codec's ``probe_key`` with each suffix of :data:`PROBE_KEYS`,
 under the tenant's prefix, spread over a Cluster's nodes, through the
 scheduler's own client) is sent, and only a probe that fails with a transport
-error on every key turns the tier off (one live node keeps it on: the store
-fails the dead nodes' keys itself) for a back-off interval (doubling up to a
-cap), loudly: ``stats.shared_outages``, one ``RuntimeWarning`` per outage,
+error on every key, each sent, turns the tier off (one live node keeps it on: the store
+fails the dead nodes' keys itself; keys the store never sent, their deadline passed in
+its own queue, are no answer either way: the probe is sent again at the next tick)
+for a back-off interval (doubling up to a cap), loudly: ``stats.shared_outages``, one ``RuntimeWarning`` per outage,
 ``on_shared_state``. While it is off, lookups find nothing there and nothing
 is put; when the interval is over, another probe decides. No request waits on
 it: a failed fetch makes its request recompute, as a failed load does.
@@ -152,9 +153,9 @@ class SharedState(enum.Enum):
     """The shared tier's health as the scheduler sees it."""
 
     ON = "on"  # serving
-    SUSPECT = "suspect"  # serving; a failure was seen and a probe is out
+    SUSPECT = "suspect"  # serving; a failure was seen and a probe is out (or sent again next tick: none asked)
     OFF = "off"  # backing off: no lookups, no puts
-    RETRY = "retry"  # off; the probe that ends the back-off is out
+    RETRY = "retry"  # off; the probe that ends the back-off is out (or sent again next tick: none asked)
 
 
 @attrs.define(eq=False)
@@ -233,16 +234,26 @@ class SharedTier:
         return max(0.0, self.spec.lookup_budget_s - self._lookup_spent)
 
     def tick(self) -> None:
-        """Once per step: read the probe's answer, or send the probe that ends a back-off; renew the lookup budget."""
+        """Once per step: read the probe's answer, or send the probe that ends a back-off or that the last one
+        left to send again; renew the lookup budget.
+
+        A probe a server answered on any key (stored, or refused: ``-OOM``, ``-READONLY``) turns the tier on; one
+        whose every key was sent and no server answered (``StoreResult.unanswered``) turns it off; one no server
+        answered with keys never sent (``StoreResult.unsent``: queued in the store's own client past the deadline)
+        asked no server: it decides nothing, and the probe is sent again at the next tick.
+        """
         self._lookup_spent = 0.0
         self._restarted()
         if self._probe is not None:
             for res in self._poll(self._probe):
                 self._probe = None
-                if len(res.unanswered) == len(PROBE_KEYS):  # no server answered: refusals keep it on
-                    self._turn_off(res.error)
-                else:
+                unanswered, unsent = len(res.unanswered), len(res.unsent or ())
+                if unanswered + unsent < len(PROBE_KEYS):  # a server answered: refusals keep it on
                     self._turn_on()
+                elif not unsent:  # sent, and no server answered
+                    self._turn_off(res.error)
+        elif self._state in (SharedState.SUSPECT, SharedState.RETRY):  # the last probe asked no server
+            self._send_probe()
         elif self._state is SharedState.OFF and self.spec.clock() >= self._until:
             self._state = SharedState.RETRY
             self._send_probe()

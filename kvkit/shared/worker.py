@@ -292,7 +292,7 @@ class SharedTierWorker:
     def _checked(self, plan: SharedPlan, pending: _Pending, res: StoreResult) -> set[int]:
         """Check the values the get ``pending`` of ``plan`` answered with ``res``; returns the blocks that failed."""
         bad = set(res.failed)
-        self.missing_values += len(bad) - len(res.unanswered)
+        self.missing_values += len(bad) - len(res.unanswered) - len(res.unsent or ())  # a server answered those
         codec, rank = self.codec, self.rank
         for i, (block_hash, parts) in enumerate(zip(plan.hashes, pending.buffers)):
             if i not in bad and not codec.check(parts[0], block_hash, rank, parts[1:]):

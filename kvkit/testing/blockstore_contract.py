@@ -324,6 +324,7 @@ class BlockStoreContract(RuleBasedStateMachine):
             assert all(0 <= i < len(ks) for i in result.failed), \
                 f"{op} of {plural(len(ks), 'key')} reported failed indices {result.failed}"
             assert result.ok or result.error, f"{op} failed keys {result.failed} with no error text"
+            _check_failure_kinds(op, result)
             for i, k in enumerate(ks):
                 self._check_key(op, k, i in result.failed, buffers[i], k in sure)
             if op == "put":
@@ -355,3 +356,18 @@ class BlockStoreContract(RuleBasedStateMachine):
 
     def _states(self, ks: Sequence[int]) -> list[str]:
         return [self.state.get(k, "absent") for k in ks]
+
+
+def _check_failure_kinds(op: str, result: StoreResult) -> None:
+    """``unreached`` and ``unsent`` are each ``None`` or sorted failed indices without repeats, and no key is both
+    (a key was sent or it was not); ``unanswered`` is failed keys, none of them unsent."""
+    failed = set(result.failed)
+    for name in ("unreached", "unsent"):
+        part = getattr(result, name)
+        assert part is None or (isinstance(part, tuple) and list(part) == sorted(set(part)) and set(part) <= failed), \
+            f"{op} reported {name}={part!r}: not sorted failed keys without repeats (failed={result.failed})"
+    unsent = set(result.unsent or ())
+    assert unsent.isdisjoint(result.unreached or ()), \
+        f"{op} reported keys both unreached and unsent: {sorted(unsent & set(result.unreached or ()))}"
+    assert set(result.unanswered) <= failed - unsent, \
+        f"{op} reported unanswered={result.unanswered} beyond its failed keys sent (unsent={result.unsent})"

@@ -194,6 +194,95 @@ def test_the_lookups_of_one_step_through_a_far_link_wait_one_deadline_in_all(ser
         b.close(timeout=3.0)
 
 
+def _answer_probe(stack, engine, probes, timeout):
+    """Step ``engine`` until the tier sent ``probes`` probes and none is out (the last one answered)."""
+    tier, end = stack.manager._shared, time.monotonic() + timeout
+    while stack.stats.shared_probes.value < probes or tier._probe is not None:
+        assert time.monotonic() < end, f"{stack.stats.shared_probes.value} probes, the last one not answered"
+        engine.step()
+        time.sleep(0.01)
+
+
+def test_a_probe_queued_behind_puts_crawling_to_their_deadline_keeps_the_tier_on(server):
+    """Two puts of 10,000 blocks each (two ranks') through an uplink of 50 KB/s (64 KiB in flight; deadline 1 s)
+    hold the put lane to their deadline, and a probe queued right behind them finds its own deadline passed
+    before any of its bytes is sent: no server was asked, so it neither turns the tier off nor on, and it is sent
+    again at the next step, when it lands. Of the first put, the keys that went through before the deadline
+    landed, those whose bytes were leaving are unreached (sent, unanswered), the rest unsent; the node is not
+    marked down and nothing is warned."""
+    with SlowLink(("127.0.0.1", server.port), rate=50_000, window=64 << 10) as link:
+        stack, engine = instance(f"valkey://127.0.0.1:{link.port}/0?request_timeout_s=1&connect_timeout_s=1")
+        store, tier = stack.shared_store, stack.manager._shared
+        blocks = [[memoryview(bytes(100))]] * 10_000
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an outage warns
+            puts = [store.put([b"kvkit:crawl:%d:%d" % (rank, i) for i in range(len(blocks))], blocks)
+                    for rank in range(2)]
+            tier.suspect("a put failed")  # the probe queues behind the two puts
+            _answer_probe(stack, engine, 2, 10.0)
+        (first,) = store.poll(puts[:1], 0.0)
+        landed = set(range(len(blocks))) - set(first.failed)
+        assert first.unreached and first.unsent, first.error
+        assert max(landed, default=-1) < min(first.unreached) <= max(first.unreached) < min(first.unsent)
+        assert len(landed) + len(first.unreached) + len(first.unsent) == len(blocks)
+        assert len(store.poll(puts[1:], 0.0)) == 1
+        assert stack.stats.shared_outages.value == 0 and stack.manager.shared_status == "on"
+        assert stack.stats.shared_probes.value == 2 and store.down_nodes == {}
+        stack.close(timeout=3.0)
+
+
+def test_a_fetch_queued_behind_a_get_crawling_to_its_deadline_counts_no_missing_value(server):
+    """A fetch of two blocks present on the server, queued behind a get of 10,000 keys whose replies crawl at
+    20 KB/s to its deadline (1 s), is never sent: it fails (the blocks recompute) but its keys are no missing
+    values, nor evidence against the server."""
+    from kvkit.backends.blockstore.valkey import ValkeyStore
+    from kvkit.interfaces import Direction
+    from kvkit.interfaces.shared import SharedPlan
+    from kvkit.shared.client import FormatCodec
+    from kvkit.shared.worker import SharedTierWorker
+
+    codec = FormatCodec.for_stack(SPEC, 1, model="m", layout="none")
+    with SlowLink(("127.0.0.1", server.port)) as link:
+        store = ValkeyStore([link.address], request_timeout_s=1.0, connect_timeout_s=1.0, retry_interval_s=30.0)
+        worker = SharedTierWorker(SPEC, store, codec, wait_timeout_s=5.0)
+        worker.put([(1, SharedPlan(Direction.STORE, [3, 4], [11, 12]))])
+        assert [r.ok for r in worker.drain(5.0)] == [True]
+        crawl = [b"kvkit:crawl:%d" % i for i in range(10_000)]
+        assert store.poll([store.put(crawl, [[memoryview(b"v")]] * len(crawl))], 5.0)[0].ok
+        link.rate = 20_000
+        crawling = store.get(crawl, [[memoryview(bytearray(1))] for _ in crawl])
+        assert worker.fetch([(2, SharedPlan(Direction.LOAD, [5, 6], [11, 12]))]) == {5, 6}
+        assert [(r.transfer_id, r.ok) for r in worker.take_store_results()] == [(2, False)]
+        assert worker.missing_values == 0 and worker.invalid_values == 0
+        assert store.poll([crawling], 1.0 + SLACK)[0].unreached and store.down_nodes == {}
+        store.close()
+
+
+def test_a_probe_sent_to_a_paused_server_turns_the_tier_off(server):
+    """A server stopped (SIGSTOP) takes the probe's bytes and answers nothing: every key was sent and no server
+    answered, so the tier turns off (one warning, one outage), and the node is marked down: a put's keys then
+    fail at once, unreached, none unsent. Resumed, the next probe turns the tier on."""
+    clock = Clock()
+    stack, engine = instance(server.url + FAST, clock=clock)
+    store, tier = stack.shared_store, stack.manager._shared
+    server.pause()
+    try:
+        with pytest.warns(RuntimeWarning, match="shared tier is off"):
+            tier.suspect("a put failed")
+            _answer_probe(stack, engine, 1, DEADLINE + SLACK)
+        assert stack.stats.shared_outages.value == 1 and stack.manager.shared_status.startswith("off")
+        assert store.down_nodes, "a server that answered nothing for the whole deadline was not marked down"
+        (result,) = store.poll([store.put([b"kvkit:paused"], [[memoryview(b"v")]])], DEADLINE + SLACK)
+        assert result.unreached == (0,) and result.unsent == (), result
+    finally:
+        server.resume()
+    time.sleep(0.3)  # the node's retry interval (0.2 s) passes
+    clock.now += 10
+    _answer_probe(stack, engine, 2, DEADLINE + SLACK)
+    assert stack.manager.shared_status == "on" and stack.stats.shared_recoveries.value == 1
+    stack.close(timeout=3.0)
+
+
 def test_a_server_with_room_for_two_of_the_stores_connections_keeps_the_tier_on():
     """``maxclients`` lets the second instance's lookup and get connections in and refuses its put connection
     (another client holds the last place): its shared hit is fetched, its puts fail refused, and its probe

@@ -206,6 +206,79 @@ def test_the_failed_keys_no_server_answered_are_told_from_the_refused_ones():
         StoreResult(0, [1, 3], "transport: down", [2])
 
 
+def test_the_failed_keys_never_sent_are_told_from_those_sent_and_unanswered():
+    """``StoreResult.unsent``: failed keys never sent, disjoint from ``unreached``, no evidence against a server
+    (not :attr:`~StoreResult.unanswered`, also where the store names no ``unreached``); ``None`` for a store that
+    does not tell. Bad input (not key indices, keys that did not fail, keys also unreached) is a ``PlanError``
+    quoting it, and leaves the input as it was."""
+    from kvkit.errors import PlanError
+    from kvkit.interfaces.shared import StoreResult
+
+    assert StoreResult(0, [1, 3], "transport: down").unsent is None
+    told = StoreResult(0, [5, 1, 3], "transport: deadline", [1], [5, 3, 5])
+    assert told.unsent == (3, 5) and told.unreached == (1,) and told.unanswered == (1,)
+    assert StoreResult(0, [1, 3], "transport: deadline", unsent=[3]).unanswered == (1,)
+    assert StoreResult(0, [1, 3], "transport: deadline", unsent=range(4)[1::2]).unanswered == ()
+    assert StoreResult(0, [1, 3], "OOM command not allowed", unsent=[]).unanswered == ()
+    for bad, quoted in [([2], r"unsent=\(2,\)"), ("13", r"unsent='13'"), ([1, -3], r"unsent=\[1, -3\]"),
+                        ([1.0], r"unsent=\[1\.0\]"), ([True], r"unsent=\[True\]"), (3, r"unsent=3"),
+                        ([3, 1], r"unsent=\(1, 3\): keys also unreached")]:
+        before = list(bad) if isinstance(bad, list) else bad
+        with pytest.raises(PlanError, match=quoted):
+            StoreResult(0, [1, 3], "transport: deadline", [1, 3] if "unreached" in quoted else None, bad)
+        assert bad == before
+    with pytest.raises(PlanError, match=r"failed=\['x'\]"):
+        StoreResult(0, ["x"], "transport: down")
+
+
+class _Unsent(MemoryStore):
+    """A client whose calls wait in its own queue: the probe's first ``unsent`` keys fail never sent, the
+    next ``unreached`` sent and unanswered, the rest are stored."""
+
+    def __init__(self, unsent, unreached=0):
+        super().__init__()
+        self.unsent, self.unreached = unsent, unreached
+
+    def poll(self, tickets, timeout=0.0):
+        from kvkit.interfaces.shared import StoreResult
+
+        done = super().poll(tickets, timeout)
+        failed = range(self.unsent + self.unreached)
+        return [StoreResult(r.ticket, failed, "transport: the call's deadline passed" if failed else "",
+                            failed[self.unsent:], failed[:self.unsent]) for r in done]
+
+
+@pytest.mark.parametrize(("unsent", "unreached"), [(64, 0), (60, 4), (1, 63)])
+def test_a_probe_no_server_was_asked_decides_nothing_and_is_sent_again(unsent, unreached):
+    """A probe with keys never sent and none answered neither turns the tier off nor on: it is sent again at the
+    next step (counted); once sent and unanswered on every key it turns the tier off; one answered key of a
+    retry turns it on."""
+    store, clock = _Unsent(unsent, unreached), Clock()
+    mgr = manager(store, clock)
+    shared = mgr._shared
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shared.suspect("a put failed")
+        mgr.build_step()  # the probe's answer: no server asked
+        assert mgr.shared_status == "suspect" and shared._probe is None
+        mgr.build_step()  # sent again
+        assert mgr.stats.shared_probes.value == 2 and shared._probe is not None
+    store.unsent, store.unreached = 0, 64
+    with pytest.warns(RuntimeWarning, match="shared tier is off"):
+        mgr.build_step()
+    assert mgr.stats.shared_outages.value == 1
+    store.unsent, store.unreached = 64, 0
+    clock.now += 10
+    mgr.build_step()  # the retry goes out
+    mgr.build_step()  # no server asked: still off, probing
+    assert mgr.shared_status.startswith("off (probing)") and shared._probe is None
+    store.unsent, store.unreached = 0, 63
+    mgr.build_step()  # sent again
+    mgr.build_step()  # one key stored
+    assert mgr.shared_status == "on" and mgr.stats.shared_recoveries.value == 1
+    assert mgr.stats.shared_probes.value == 4
+
+
 class _Slow(MemoryStore):
     """A store with a deadline of one call (``request_timeout_s``) whose ``contains`` takes ``seconds`` on the
     tier's clock."""

@@ -241,6 +241,17 @@ class _AcceptsAnyTickets(MemoryStore):
         return super().poll(tickets if isinstance(tickets, list | set | tuple | range) else (), timeout)
 
 
+class _SaysAKeyWasSentAndNot(MemoryStore):
+    """Its results name every failed key both unreached and unsent (a result built past StoreResult's checks)."""
+
+    def poll(self, tickets, timeout=0.0):
+        done = super().poll(tickets, timeout)
+        for result in done:
+            object.__setattr__(result, "unreached", result.failed)
+            object.__setattr__(result, "unsent", result.failed)
+        return done
+
+
 class _ServesAfterDrop(MemoryStore):
     """drop forgets the size accounting but keeps serving the value."""
 
@@ -325,7 +336,8 @@ def _disk_machine(store_cls):
     _memory_machine(_KeysOnAPrefix), _memory_machine(_NoLookupBudget), _memory_machine(_ForgetsTickets),
     _memory_machine(_ReportsTwice),
     _memory_machine(_ReusesTickets), _memory_machine(_HandsOutEveryResult), _memory_machine(_LosesOthersResults),
-    _memory_machine(_AcceptsAnyTickets), _memory_machine(_ServesAfterDrop), _memory_machine(_LiveAfterClose),
+    _memory_machine(_AcceptsAnyTickets), _memory_machine(_SaysAKeyWasSentAndNot), _memory_machine(_ServesAfterDrop),
+    _memory_machine(_LiveAfterClose),
     _memory_machine(_ChecksNothing), _memory_machine(_WritesBeforeChecking),
     _disk_machine(_DriftingDisk),
 ], ids=lambda m: m.__name__.removeprefix("Buggy_"))

@@ -145,6 +145,35 @@ def test_a_put_through_a_crawling_uplink_fails_by_its_deadline_and_never_marks_t
         store.close()
 
 
+def test_keys_whose_bytes_never_left_by_the_deadline_are_unsent_and_those_sent_unreached(valkey_server):
+    """A put of 10,000 x 1 KiB through an uplink of 100 KB/s (64 KiB in flight; deadline 1 s) and one queued behind it:
+    the keys whose bytes had begun to leave when the deadline passed are unreached (sent, unanswered), those none
+    of whose bytes were written are unsent (the call's later keys, and the whole call queued behind it, whose
+    deadline passed in the lane's queue); none is both, and the node, which kept taking bytes, is not marked
+    down. A key the server stored is neither; a get's missing key is neither."""
+    valkey_server.call(b"FLUSHALL")
+    with SlowLink(("127.0.0.1", valkey_server.port), rate=100_000, window=64 << 10) as link:
+        store = _store(link.address, request_timeout_s=1.0, connect_timeout_s=1.0, retry_interval_s=30.0)
+        n = 10_000
+        start = time.monotonic()
+        crawling = store.put([b"unsent:%d" % i for i in range(n)], [[memoryview(bytes(1024))]] * n)
+        behind = store.put([b"unsent:behind"], [[memoryview(b"v")]])
+        crawled = _result(store, crawling, start, 1.0)
+        queued = _result(store, behind, start, 1.0)
+        landed = tuple(i for i in range(n) if i not in set(crawled.failed))
+        assert "deadline" in crawled.error and crawled.unreached and crawled.unsent, crawled.error
+        assert landed + crawled.unreached + crawled.unsent == tuple(range(n)), "not in the order they were sent"
+        assert all(valkey_server.call(b"EXISTS", b"unsent:%d" % i) == 1 for i in landed[-3:])
+        assert queued.failed == queued.unsent == (0,) and queued.unreached == (), queued
+        assert store.down_nodes == {}, "a node still taking the put's bytes was marked down"
+        link.rate = None
+        stored = _put(store, [b"unsent:fast"], [b"v"], 1.0)
+        assert stored.ok and stored.unsent == stored.unreached == (), stored
+        (missing,) = store.poll([store.get([b"unsent:none"], [[memoryview(bytearray(1))]])], 1.0 + SLACK)
+        assert missing.failed == (0,) and missing.unsent == missing.unreached == (), missing
+        store.close()
+
+
 def test_a_get_never_waits_behind_a_put_held_up_by_a_slow_node():
     """A Cluster whose node 0 is reached through a crawling uplink (it announces the link's port; 500 KB/s, 64 KiB
     in flight; deadline 3 s): a put of 4 x 1 MiB to node 0 holds its lane up to its deadline, node 0 still taking
