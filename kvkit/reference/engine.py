@@ -258,7 +258,7 @@ class ReferenceEngine:
                 self.prefetch(req.request_id)
         plan = self.stack.manager.build_step()
         heads = [r for r in scheduled if r.head_tokens] if self.stack.workers else []
-        targets = self._targets(scheduled)
+        targets = self._targets(scheduled) if self.stack.shared_workers and plan.loads else {}  # only a rank reads them
         if heads and (plan.loads or plan.fetches):
             with ThreadPoolExecutor(1, thread_name_prefix="kvkit-loads") as pool:
                 submitted = pool.submit(self._run_loads, plan, targets)  # the loads run while the heads compute
