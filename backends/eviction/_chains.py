@@ -43,6 +43,7 @@ __all__ = ["FlatChains"]
 _NONE = -1  # no block, in the link arrays
 _ORPHAN = -2  # in _up: the parent hash is not tracked (it is in _orphan_of)
 _UNTRACKED = -3  # in _up: no block is tracked under this id
+_LEFT = -4  # in _up, only within remove_many: its parent left earlier in the call and it leaves later
 _INT = {int}
 
 
@@ -242,8 +243,9 @@ class FlatChains:
         """:meth:`remove` for each block, in order; return their hashes.
 
         A child of a removed block that leaves later in the same call never
-        joins the orphans (it would leave them again at once): the orphans that
-        stay, and their order, are those of the blocks removed one by one.
+        joins the orphans or their rings (it would leave them again at once):
+        the orphans that stay, their rings and their order, are those of the
+        blocks removed one by one.
 
         ``leaving``: :meth:`distinct_tracked` of ``blocks``, if the caller has it.
 
@@ -257,7 +259,6 @@ class FlatChains:
             leaving = self.distinct_tracked(blocks)
         checked = bool(leaving)  # every block tracked, each named once: none can be refused
         walk = self._walk
-        unqueued: set[int] = set()  # children of removed blocks that leave later: never queued as orphans
         removed = []
         for block in blocks:
             if not checked and not self.tracks(block):
@@ -270,16 +271,13 @@ class FlatChains:
             parent_block, up[block] = up[block], _UNTRACKED
             if parent_block == _ORPHAN:
                 parent = orphan_of.pop(block)
-                if block in unqueued:
-                    unqueued.remove(block)
-                else:
-                    orphans.remove(block)
+                orphans.remove(block)
                 rest = self._unlink(block, waiting[parent])
                 if rest == _NONE:
                     del waiting[parent]
                 else:
                     waiting[parent] = rest
-            elif parent_block != _NONE:  # self._unlink from its parent's ring, inlined: the hot path
+            elif parent_block >= 0:  # self._unlink from its parent's ring, inlined: the hot path
                 after = nxt[block]
                 if after == block:
                     first_of[parent_block] = _NONE
@@ -289,20 +287,29 @@ class FlatChains:
                     if first_of[parent_block] == block:
                         first_of[parent_block] = after
             first = first_of[block]
-            if first != _NONE:  # its children wait for the hash now, as orphans
+            if first != _NONE:  # its children that stay wait for the hash now, as orphans
                 first_of[block] = _NONE
-                waiting[block_hash] = first
+                staying = []
+                left = False
                 child = first
                 while True:
                     if child in leaving:
-                        unqueued.add(child)
+                        up[child] = _LEFT
+                        left = True
                     else:
-                        orphans.add(BlockId(child), parked[child] == mark)
-                    orphan_of[BlockId(child)] = block_hash
-                    up[child] = _ORPHAN
+                        staying.append(child)
                     child = nxt[child]
                     if child == first:
                         break
+                if staying:
+                    ring = _NONE if left else first  # the ring less the children leaving, in its order
+                    for child in staying:
+                        if left:
+                            ring = self._link(child, ring)
+                        orphans.add(BlockId(child), parked[child] == mark)
+                        orphan_of[BlockId(child)] = block_hash
+                        up[child] = _ORPHAN
+                    waiting[block_hash] = ring
             if walk is not None and block in walk.held:
                 if block in walk.victims:
                     walk.victims.remove(block)
