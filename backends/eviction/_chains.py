@@ -259,6 +259,8 @@ class FlatChains:
             leaving = self.distinct_tracked(blocks)
         checked = bool(leaving)  # every block tracked, each named once: none can be refused
         walk = self._walk
+        unqueued: list[BlockId] = []  # orphans leaving, taken out of their queue in one call after the loop
+        unqueue = unqueued.append if checked else orphans.remove
         removed = []
         for block in blocks:
             if not checked and not self.tracks(block):
@@ -271,7 +273,7 @@ class FlatChains:
             parent_block, up[block] = up[block], _UNTRACKED
             if parent_block == _ORPHAN:
                 parent = orphan_of.pop(block)
-                orphans.remove(block)
+                unqueue(block)
                 rest = self._unlink(block, waiting[parent])
                 if rest == _NONE:
                     del waiting[parent]
@@ -317,6 +319,7 @@ class FlatChains:
                 else:
                     self._walk = walk = None
             removed.append(block_hash)
+        orphans.remove_many(unqueued)
         return removed
 
     def distinct_tracked(self, blocks: Sequence[BlockId]) -> frozenset[int]:

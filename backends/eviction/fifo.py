@@ -68,10 +68,7 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
         for block in blocks:
             self.on_access(block)
 
-    def remove_many(self, blocks: Sequence[BlockId]) -> None:
-        """``on_remove`` for each block in order."""
-        for block in blocks:
-            self.on_remove(block)
+    remove_many = ParkingQueue.remove_many  # ``on_remove`` for each block in order
 
     @override
     def on_access(self, block: BlockId) -> None:

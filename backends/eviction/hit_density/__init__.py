@@ -8,6 +8,7 @@ import sys
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from heapq import heapify, heappop, heappush
+from itertools import compress
 from typing import cast
 
 import attrs
@@ -501,15 +502,26 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         if self._tip in (leaving or blocks):
             self._tip = None
         self._unlist([block for block in blocks if where[block] == _LISTED])
-        for block, block_hash in zip(blocks, block_hashes):
+        for block in blocks:
             where[block] = _UNTRACKED
-            reuses = recent.pop(block, 0)
-            if reuses:
-                ghost_recent[block_hash] = reuses
-            if evictions:  # the first removal only starts the clock: the fill before it is no gap
+        if recent:  # a block's reuses since the last refresh go with its ghost
+            for block, block_hash in compress(zip(blocks, block_hashes), map(recent.__contains__, blocks)):
+                reuses = recent.pop(block)
+                if reuses:
+                    ghost_recent[block_hash] = reuses
+        if blocks:
+            # The mean gap between removals, one removal at a time: the first one starts the clock
+            # (the fill before it is no gap), the rest of the call leave at the same tick (gap 0).
+            gone = len(blocks)
+            if evictions:
                 turnover += ((clock - last) * c - turnover) / (evictions if evictions < c else c)
             evictions += 1
-            last = clock
+            while evictions < c and evictions < first + gone - 1:
+                turnover -= turnover / evictions
+                evictions += 1
+            for _ in range(first + gone - 1 - evictions):
+                turnover -= turnover / c
+            evictions, last = first + gone - 1, clock
         # Each ghost's index is its eviction number less _ghost_base: they are appended in order.
         self._ghost_at.update(zip(block_hashes, range(first, evictions + 1)))
         self._ghost_hash += block_hashes

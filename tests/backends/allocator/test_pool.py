@@ -47,10 +47,11 @@ def cached_pool_with(policy, hashes, num_blocks=4):
 
 
 class RecordingLRU(LRUPolicy):
-    """LRU without its pin hooks (opted out) that also records every notification it receives."""
+    """LRU without its pin and batch hooks (opted out) that also records every notification it receives."""
 
     calls: list
     on_pin = on_unpin = None
+    insert_pinned = pin_many = unpin_many = access_many = remove_many = None
 
     def __init__(self):
         super().__init__()

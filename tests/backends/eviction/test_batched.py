@@ -87,6 +87,7 @@ def _snapshot(pool: BlockPool) -> tuple[Any, ...]:
         [policy.class_blocks(cls) for cls in range(_CLASSES)],
         policy.pinned, policy.num_ghosts, policy.shifts, len(policy), policy.model.rows,
         policy.model.reuses.tolist(), policy.model.ends.tolist(),
+        policy._turnover, policy._evictions, policy._recent, policy._ghost_recent,  # what the ghosts' returns read
     )
 
 
@@ -135,6 +136,30 @@ def test_batch_hooks_match_the_per_block_hooks(name: str, ops: list[tuple[Any, .
         assert _snapshot(pools[0]) == _snapshot(pools[1])
     for pool in pools:
         pool.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(1, 6), rounds=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 8)), max_size=12))
+def test_hit_density_remove_many_is_remove_one_by_one(capacity: int, rounds: list[tuple[int, int]]) -> None:
+    """Removing blocks in one call leaves the same removal statistics (the turnover, each ghost's eviction
+    number) as removing them in turn, before and after the pool's size in removals is reached."""
+    twins = [HitDensityPolicy(capacity=capacity, ghost_span=2) for _ in range(2)]
+    tracked: list[int] = []
+    block = 0
+    for stored, removed in rounds:
+        for _ in range(stored + 1):  # ticks pass between removals: the first removal of a call has a gap
+            for policy in twins:
+                policy.on_insert(block, block + 1, None)
+            tracked.append(block)
+            block += 1
+        leaving, tracked = tracked[:removed], tracked[removed:]
+        batched, one_by_one = twins
+        batched.remove_many(leaving)
+        for b in leaving:
+            one_by_one.on_remove(b)
+        assert (batched._turnover, batched._evictions, batched._ghost_at) == \
+            (one_by_one._turnover, one_by_one._evictions, one_by_one._ghost_at)
+        batched.check_invariants()
 
 
 def _chains_view(chains: FlatChains, size: int) -> tuple[Any, ...]:
@@ -281,7 +306,7 @@ _QUEUE_OPS = st.lists(st.one_of(
     st.tuples(st.just("pin"), st.lists(st.integers(0, 63), max_size=12), st.booleans()),  # and a bad block?
     st.tuples(st.just("unpin"), st.integers(0, 63)),
     st.tuples(st.just("access"), st.integers(0, 63)),
-    st.tuples(st.just("remove"), st.integers(0, 63)),
+    st.tuples(st.just("remove"), st.lists(st.integers(0, 63), min_size=1, max_size=6), st.booleans()),
     st.tuples(st.just("watch"), st.integers(0, 4)),
 ), max_size=150)
 
@@ -289,10 +314,10 @@ _QUEUE_OPS = st.lists(st.one_of(
 @pytest.mark.parametrize("policy_class", [LRUPolicy, FIFOPolicy])
 @settings(max_examples=150, deadline=None)
 @given(ops=_QUEUE_OPS)
-def test_queue_pin_many_is_pin_one_by_one(policy_class: type[FIFOPolicy], ops: list[tuple[Any, ...]]) -> None:
-    """Pins of listed, side-listed and just-inserted blocks, in batches, leave the queue (side list chunks,
-    watched window and noted entries included) exactly as pinning them one at a time; a bad block raises the
-    same error with the blocks before it pinned."""
+def test_queue_batches_are_calls_one_by_one(policy_class: type[FIFOPolicy], ops: list[tuple[Any, ...]]) -> None:
+    """Pins and removals of listed, side-listed and just-inserted blocks, in batches, leave the queue (side
+    list chunks, watched window and noted entries included) exactly as pinning or removing them one at a
+    time; a bad block raises the same error with the blocks before it pinned or removed."""
     batched, single = policy_class(), policy_class()
     pinned: set[int] = set()
     tracked: list[int] = []
@@ -327,6 +352,23 @@ def test_queue_pin_many_is_pin_one_by_one(policy_class: type[FIFOPolicy], ops: l
                 errors.append(str(exc))
             assert len(errors) in (0, 2) and len(set(errors)) <= 1
             pinned = {b for b in tracked if b in batched.pinned}
+        elif op[0] == "remove" and tracked:  # a batch of listed, parked and side-listed blocks
+            wanted = list(dict.fromkeys(tracked[i % len(tracked)] for i in op[1]))
+            if op[2]:  # a block never tracked ends the batch
+                wanted.append(99)
+            errors = []
+            try:
+                batched.remove_many(wanted)
+            except PoolUsageError as exc:
+                errors.append(str(exc))
+            try:
+                for block in wanted:
+                    single.on_remove(block)
+            except PoolUsageError as exc:
+                errors.append(str(exc))
+            assert len(errors) == op[2] * 2 and len(set(errors)) <= 1
+            tracked = [b for b in tracked if b not in wanted]
+            pinned -= set(wanted)
         elif tracked:
             block = tracked[op[1] % len(tracked)] if op[0] != "watch" else None
             if op[0] == "unpin" and pinned:
@@ -337,11 +379,6 @@ def test_queue_pin_many_is_pin_one_by_one(policy_class: type[FIFOPolicy], ops: l
             elif op[0] == "access":
                 for policy in (batched, single):
                     policy.on_access(block)
-            elif op[0] == "remove" and block is not None:
-                for policy in (batched, single):
-                    policy.on_remove(block)
-                tracked.remove(block)
-                pinned.discard(block)
             elif op[0] == "watch":
                 for policy in (batched, single):
                     policy.watch(op[1])
