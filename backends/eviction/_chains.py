@@ -185,13 +185,15 @@ class FlatChains:
         lookup, parked, mark, size, walk = self._block_of.get, self.parked, self.PARKED, len(self._up), self._walk
         parent_blocks: list[int] = []
         fresh: list[bool] = []
+        last_hash: BlockHash | None = None  # the block added last in this call, and its hash
+        last_block = _NONE
         for block, block_hash, parent in zip(blocks, hashes, parents):
             if up[block] != _UNTRACKED:
                 return parent_blocks, fresh, already_tracked(owner, block)
-            other = lookup(block_hash)
-            if other is not None and other < size and up[other] != _UNTRACKED:
-                return parent_blocks, fresh, hash_already_tracked(owner, block, block_hash, other)
-            if own is not None:
+            if own is not None:  # (a driver's index maps the hash to this block: no other holds it)
+                other = own.get(block_hash)
+                if other is not None and up[other] != _UNTRACKED:
+                    return parent_blocks, fresh, hash_already_tracked(owner, block, block_hash, other)
                 hash_of[block] = block_hash
                 own[block_hash] = block
             first = waiting.pop(block_hash, _NONE)
@@ -206,11 +208,14 @@ class FlatChains:
                     if child == first:
                         break
             fresh.append(first != _NONE)
+            previous_hash, previous = last_hash, last_block
+            last_hash, last_block = block_hash, block
             if parent is None or parent == block_hash:
                 up[block] = _NONE
                 parent_blocks.append(_NONE)
                 continue
-            parent_block = lookup(parent)
+            # A chain stored in one call names the block added just before: tracked, no lookup needed.
+            parent_block = previous if parent == previous_hash else lookup(parent)
             if parent_block is None or parent_block >= size or up[parent_block] == _UNTRACKED:
                 up[block] = _ORPHAN
                 orphan_of[block] = parent
