@@ -944,7 +944,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                                   np.frombuffer(self._ghost_cls, dtype=np.uint8)[ghosts]]).astype(np.int64)
         lasts = np.concatenate([np.frombuffer(self._last, dtype=np.int64)[tracked],
                                 np.frombuffer(self._ghost_last, dtype=np.int64)[ghosts]])
-        weights = np.concatenate([np.full(len(tracked), t_w), np.full(len(ghosts), g_w)])
+        weights = None if t_w == g_w == 1.0 else np.concatenate([np.full(len(tracked), t_w), np.full(len(ghosts), g_w)])
         self._model.refresh(classes, self._clock - lasts, keep=keep, weights=weights)
 
     @override

@@ -284,7 +284,7 @@ class HitDensityModel:
         assert 0 <= keep <= 1, keep
         live = np.zeros_like(self._ends)
         if len(ages):
-            flat = classes.astype(np.int64) * self.buckets + self.buckets_of(ages)
+            flat = classes.astype(np.int64, copy=False) * self.buckets + self.buckets_of(ages)
             live += np.bincount(flat, weights=weights, minlength=live.size).reshape(live.shape)
         reuses = self._reuses
         events = reuses + self._ends + live
