@@ -525,31 +525,48 @@ class FlatChains:
         It lists the blocks that walk pushes, at most ``n - len(chosen)`` (past that it might stop
         early): ``root``, then, below each listed block, its children not chosen (the walk does not
         push those) other than ``root`` (the only block a fresh walk can meet twice, each block
-        being in one sibling ring). Listed by a stack that takes each block's last child first, they
-        come in the reverse of the walk's post order, so read backwards they are that walk's
-        choices: each one not chosen, not parked and evictable. No stack entries, held or victim
-        sets are kept for a walk that ends (a selection moving up a chain takes each block this way).
+        being in one sibling ring). Listed by a stack that takes each block's last child first (an
+        only child at once: a chain is listed in one pass down), they come in the reverse of the
+        walk's post order, so read backwards they are that walk's choices: each one not chosen, not
+        parked and evictable. No stack entries, held or victim sets are kept for a walk that ends (a
+        selection moving up a chain takes each block this way).
         """
-        first, nxt, parked, mark = self._first, self._next, self.parked, self.PARKED
+        first, nxt = self._first, self._next
         room = n - len(chosen)
+        if room < 1:  # the walk stops before its root
+            return None
         listed: list[int] = []
         stack = [root]
         pop, push, add = stack.pop, stack.append, listed.append
+        pushed = 1
         while stack:
             block = pop()
-            add(block)
-            head = first[block]
-            if head != _NONE:
+            while True:
+                add(block)
+                head = first[block]
+                if head == _NONE:
+                    break
+                if nxt[head] == head:  # an only child: pushed and popped at once
+                    if head in chosen or head == root:
+                        break
+                    pushed += 1
+                    if pushed > room:  # the walk might stop before its end
+                        return None
+                    block = head
+                    continue
                 child = head
                 while True:
                     if child not in chosen and child != root:
                         push(child)
+                        pushed += 1
                     child = nxt[child]
                     if child == head:
                         break
-                if len(listed) + len(stack) > room:  # the walk might stop before its end
+                if pushed > room:
                     return None
+                break
         self._walk = None
+        parked, mark = self.parked, self.PARKED
         picked = []
         for block in reversed(listed):
             if parked[block] != mark and block not in chosen and is_evictable(block):
