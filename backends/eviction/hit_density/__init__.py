@@ -696,6 +696,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         collect, first_child, sibling, dropped = chains.collect, chains.child_rings, chains.sibling_rings, False
         # The orphans first, in their order: a usable one is the next root.
         orphan_walk = chains.orphans()
+        root: int
         if orphan_walk is not None:
             for root in orphan_walk:
                 if root in chosen or where[root] == _PARKED or not evictable(root):
