@@ -789,9 +789,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                     twin_block = _NONE if twin is None else twin[2]
                     links = prv if stream & 1 else nxt
                     row = None if rows is None else rows[stream >> 1]
-                    density, lo, hi = 0.0, -1, -1  # no bucket yet (before the first refresh: every one)
-                    if row is None:
-                        hi = _NEVER
+                    # The age bucket of the last density read: last accesses in (lo, hi]. None yet; before
+                    # the first refresh (every density 0) all of them.
+                    density, lo, hi = 0.0, -1, _NEVER if row is None else -1
                     block = links[root]
                     while True:
                         if block == _NONE:
