@@ -485,10 +485,10 @@ class FlatChains:
             chosen[root] = None
             return [root]
         walk = self._walk
-        if walk is None or walk.root != root:  # a fresh walk: one that walks no grandchild, short
-            fan = self._collect_fan(root, is_evictable, chosen, n)
-            if fan is not None:
-                return fan
+        if walk is None or walk.root != root:  # a fresh walk: one that runs to its end, short
+            whole = self._collect_whole(root, is_evictable, chosen, n)
+            if whole is not None:
+                return whole
         if walk is not None and walk.root == root and not walk.victims and \
                 all(parked[b] == mark or not is_evictable(b) for b in walk.skipped):
             stack, held, victims, skipped = walk.stack, walk.held, walk.victims, walk.skipped
@@ -525,29 +525,58 @@ class FlatChains:
         self._walk = None if not stack else walk if walk is not None else _Walk(root, stack, held, victims, skipped)
         return picked
 
-    def _collect_fan(self, root: int, is_evictable: Callable[[int], bool],
-                     chosen: dict[int, None], n: int) -> list[int] | None:
-        """:meth:`collect`'s fresh walk from ``root`` when it walks no grandchild (each child is chosen
-        already, which it does not walk below, or has no child) and cannot stop before its end; ``None``
-        otherwise, nothing done. It takes the children not chosen in the order they were linked, then
-        the root, choosing each one not parked and evictable (a selection moving up a chain takes each
-        parent this way)."""
-        first, nxt, parked, mark = self._first, self._next, self.parked, self.PARKED
-        head = child = first[root]
-        children = []
-        while True:
-            if child not in chosen:
-                if first[child] != _NONE:
-                    return None
-                children.append(child)
-            child = nxt[child]
-            if child == head:
-                break
-        if len(chosen) + len(children) >= n:  # it might stop before the root
+    def _collect_whole(self, root: int, is_evictable: Callable[[int], bool],
+                       chosen: dict[int, None], n: int) -> list[int] | None:
+        """:meth:`collect`'s fresh walk from ``root`` when it cannot stop before its end; ``None`` otherwise,
+        nothing done.
+
+        It lists the blocks that walk pushes, at most ``n - len(chosen)`` (past that it might stop
+        early): ``root``, then, below each listed block, its children not chosen (the walk does not
+        push those) other than ``root`` (the only block a fresh walk can meet twice, each block
+        being in one sibling ring). Listed by a stack that takes each block's last child first (an
+        only child at once: a chain is listed in one pass down), they come in the reverse of the
+        walk's post order, so read backwards they are that walk's choices: each one not chosen, not
+        parked and evictable. No stack entries, held or victim sets are kept for a walk that ends (a
+        selection moving up a chain takes each block this way).
+        """
+        first, nxt = self._first, self._next
+        room = n - len(chosen)
+        if room < 1:  # the walk stops before its root
             return None
+        listed: list[int] = []
+        stack = [root]
+        pop, push, add = stack.pop, stack.append, listed.append
+        pushed = 1
+        while stack:
+            block = pop()
+            while True:
+                add(block)
+                head = first[block]
+                if head == _NONE:
+                    break
+                if nxt[head] == head:  # an only child: pushed and popped at once
+                    if head in chosen or head == root:
+                        break
+                    pushed += 1
+                    if pushed > room:  # the walk might stop before its end
+                        return None
+                    block = head
+                    continue
+                child = head
+                while True:
+                    if child not in chosen and child != root:
+                        push(child)
+                        pushed += 1
+                    child = nxt[child]
+                    if child == head:
+                        break
+                if pushed > room:
+                    return None
+                break
         self._walk = None
+        parked, mark = self.parked, self.PARKED
         picked = []
-        for block in (*children, root):
+        for block in reversed(listed):
             if parked[block] != mark and block not in chosen and is_evictable(block):
                 chosen[block] = None
                 picked.append(block)

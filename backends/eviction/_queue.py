@@ -606,9 +606,14 @@ class ParkingQueue:
         if self._pending != _NIL:
             self._flush()
         after, stamps = self._slots.next, self._slots.stamp
+        block = self._head
+        if is_evictable is any_block and not self._back:  # the list alone, nothing to ask (orphan walks)
+            while block != _NIL:
+                yield block
+                block = after[block]
+            return
         keys = iter(self._back)
         key = next(keys, None)
-        block = self._head
         while block != _NIL:
             bound = stamps[block] << _SHIFT
             while key is not None and key < bound:

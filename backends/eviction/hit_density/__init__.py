@@ -704,18 +704,38 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         where, nxt, prv, last_of, classes = self._where, self._next, self._prev, self._last, self._cls
         chains = self._chains
         clock, rows, octave, top = self._clock, self._model.rows, self._model.per_octave, self._model.buckets - 1
+        first_age = self._model.first_ages
+        collect, first_child, sibling, dropped = chains.collect, chains.child_rings, chains.sibling_rings, False
+        # The orphans first, in their order: a usable one is the next root.
+        orphan_walk = chains.orphans()
+        root: int
+        if orphan_walk is not None:
+            for root in orphan_walk:
+                if root in chosen or where[root] == _PARKED or not evictable(root):
+                    continue
+                child = first_child[root]
+                if child == _NONE or (sibling[child] == child and child in chosen):
+                    # collect's walk of a usable root with no child, or with one, chosen with its subtree (a
+                    # chain taken from its tip up), inlined: the root alone
+                    if not dropped:
+                        chains.forget_walk()  # as that walk does
+                        dropped = True
+                    chosen[root] = None
+                else:
+                    collect(root, evictable, chosen, n)
+                    dropped = True  # a walk left kept ends the selection
+                if len(chosen) >= n:
+                    return cast(_Blocks, list(chosen))
 
-        def usable(block: int) -> bool:
-            return block not in chosen and where[block] != _PARKED and evictable(block)
-
-        # One cursor per candidate stream (the orphans, then both ends of every class list: stream
-        # 2 * class walks from the old end, 2 * class + 1 from the young end), kept across the rounds
-        # of this selection: nothing a round skips can become usable later in it, so each stream is
-        # walked at most once and a selection costs O(n + skipped). A stream's head is (density, last
-        # access, block, stream), the least valid one on top of a heap (a replaced head stays in it,
-        # stale, until it surfaces); after a round only the streams its victims headed move on. A
-        # head is usable (listed blocks are never parked) and never chosen: a round that chooses it
-        # moves its streams on at once.
+        # Then the streams: both ends of every class list (stream 2 * class walks from the old end,
+        # 2 * class + 1 from the young end). A stream's head is its first block from its end that is
+        # usable (evictable, not chosen; listed blocks are never parked), and the next root is the head
+        # of least key (density, last access, block, stream): keys are distinct and totally ordered (the
+        # densities are finite), so any structure that finds the least one chooses alike. One cursor per
+        # stream, kept across the rounds: nothing a round skips can become usable later in it, so each
+        # stream is walked at most once and a selection costs O(n + skipped). The heads' keys sit in a
+        # heap (a replaced head stays in it, stale, until it surfaces); the streams a round's victims
+        # headed move on at once.
         heads: list[tuple[float, int, int, int] | None] = [None] * (2 * _CLASSES)  # per stream, its head
         order: list[tuple[float, int, int, int]] = []
 
@@ -748,36 +768,70 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             if head is not None:
                 order.append(head)
         heapify(order)
-        orphan_walk = chains.orphans()
-        orphans = None if orphan_walk is None else filter(usable, orphan_walk)
-        collect, first_child, sibling, dropped = chains.collect, chains.child_rings, chains.sibling_rings, False
         picked: Sequence[int]
-        root: int
         while len(chosen) < n:
-            if orphans is not None:
-                orphan = next(orphans, None)
-                if orphan is None:
-                    orphans = None  # none left for this selection
-                    continue
-                root = orphan
-            else:
-                while order and heads[order[0][3]] is not order[0]:  # replaced: its stream moved on
-                    heappop(order)
-                if not order:
-                    return None
-                root = order[0][2]
+            while order and heads[order[0][3]] is not order[0]:  # replaced: its stream moved on
+                heappop(order)
+            if not order:
+                return None
+            root, stream = order[0][2], order[0][3]
             child = first_child[root]
-            if child == _NONE or (sibling[child] == child and child in chosen):
-                # collect's walk of a usable root with no child, or with one, chosen with its subtree (a
-                # chain taken from its tip up), inlined: the root alone
-                if not dropped:
-                    chains.forget_walk()  # as that walk does
-                    dropped = True
-                chosen[root] = None
-                picked = (root,)
-            else:
+            if child != _NONE and not (sibling[child] == child and child in chosen):
                 picked = collect(root, evictable, chosen, n)
                 dropped = True  # a walk left kept ends the selection
+            else:  # the root alone, as in the orphans' loop
+                if not dropped:
+                    chains.forget_walk()
+                    dropped = True
+                chosen[root] = None
+                twin = heads[stream ^ 1]  # the other end of the root's class list
+                if twin is not None and twin[2] == root:
+                    picked = (root,)
+                else:
+                    # A run: the root heads its stream alone, so the other streams' heads stay, and
+                    # the least of them (the rival) bounds how far this stream goes on. Its next usable
+                    # blocks are roots in turn while their keys stay below the rival's, each taken
+                    # alone, until one is not (the stream's new head) or is the twin's head or has a
+                    # child to walk (a round of its own next). A key's density is read again only
+                    # where its last access leaves the age bucket of the one before (lo < last <= hi).
+                    heappop(order)
+                    while order and heads[order[0][3]] is not order[0]:
+                        heappop(order)
+                    rival = order[0] if order else None
+                    twin_block = _NONE if twin is None else twin[2]
+                    links = prv if stream & 1 else nxt
+                    row = None if rows is None else rows[stream >> 1]
+                    # The age bucket of the last density read: last accesses in (lo, hi]. None yet; before
+                    # the first refresh (every density 0) all of them.
+                    density, lo, hi = 0.0, -1, _NEVER if row is None else -1
+                    block = links[root]
+                    while True:
+                        if block == _NONE:
+                            heads[stream] = None
+                            break
+                        if block in chosen or not evictable(block):
+                            block = links[block]
+                            continue
+                        last = last_of[block]
+                        if not lo < last <= hi:
+                            assert row is not None
+                            b = ((clock - last + 1) ** octave).bit_length() - 1
+                            if b < top:
+                                density, lo, hi = row[b], clock - first_age[b + 1], clock - first_age[b]
+                            else:
+                                density, lo, hi = row[top], -1, clock - first_age[top]
+                        if len(chosen) < n and block != twin_block and (
+                                rival is None or density < rival[0] or (
+                                    density == rival[0] and (last, block, stream) < rival[1:])):
+                            child = first_child[block]
+                            if child == _NONE or (sibling[child] == child and child in chosen):
+                                chosen[block] = None
+                                block = links[block]
+                                continue
+                        heads[stream] = head = (density, last, block, stream)
+                        heappush(order, head)
+                        break
+                    continue
             for block in picked:  # the streams they headed go on past them
                 end = 2 * classes[block]  # a listed block heads at most its class list's two ends
                 head = heads[end]

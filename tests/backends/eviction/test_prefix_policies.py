@@ -29,6 +29,7 @@ from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
 from kvkit.errors import ConfigError, PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
+from kvkit.interfaces.types import BlockId
 from kvkit.sim.policy_study import replay
 from kvkit.sim.traces import TraceRequest
 
@@ -990,6 +991,11 @@ walk_ops = st.lists(st.one_of(
 def test_a_resumed_walk_chooses_what_a_fresh_walk_would(make, hooks, script):
     """Every selection, resuming the last walk or not, equals that of a copy whose walk starts afresh."""
     tier = _Tier(make(), hooks)
+    _play(tier, script, tier.select)
+
+
+def _play(tier: _Tier, script: list[tuple], select: Callable[[int, bool], None]) -> None:
+    """Run a ``walk_ops`` script on ``tier``; ``select(n, carry_out)`` makes (and checks) each selection."""
     for op, *args in script:
         tracked = sorted(tier.hash_of)
         if op == "chain":  # a head, under a tracked block, or under any hash (a hash may change parent)
@@ -1000,7 +1006,7 @@ def test_a_resumed_walk_chooses_what_a_fresh_walk_would(make, hooks, script):
                 tier.insert(h, parent)
                 parent = h
         elif op == "select":
-            tier.select(*args)
+            select(*args)
         elif tracked:
             block = tracked[args[0] % len(tracked)]
             if op == "refuse":
@@ -1010,17 +1016,85 @@ def test_a_resumed_walk_chooses_what_a_fresh_walk_would(make, hooks, script):
             elif op == "access":
                 tier.policy.on_access(block)
             elif op == "pin" and block not in tier.pinned:
-                if hooks:
+                if tier.hooks:
                     tier.policy.on_pin(block)
                 tier.pinned.add(block)
             elif op == "unpin" and tier.pinned:
                 block = sorted(tier.pinned)[args[0] % len(tier.pinned)]
-                if hooks:
+                if tier.hooks:
                     tier.policy.on_unpin(block)
                 tier.pinned.remove(block)
             elif op == "remove" and block not in tier.pinned:  # as a reset would, or a dropped store
                 tier.remove(block)
         tier.policy.check_invariants()
+
+
+def _selection_by_definition(policy: HitDensityPolicy, n: int, ask: Callable[[int], bool]) -> list[int] | None:
+    """Hit density's ``select_victims(n)`` as its docstring defines it, read afresh from the policy's state.
+
+    Rounds until ``n`` are chosen: the root is the first usable (not chosen, not parked, evictable)
+    orphan in the order the blocks became orphans, else, of the first usable block from either end
+    of every class list, the one of least (density, last access, block, stream); its subtree is
+    walked depth first, children in link order, never below a chosen block nor into the root again,
+    each block chosen after its descendants if it is usable and fewer than ``n`` are chosen.
+    """
+    chains, parked = policy._chains, set(policy.pinned)
+    chosen: dict[int, None] = {}
+
+    def usable(block: int) -> bool:
+        return block not in chosen and block not in parked and ask(block)
+
+    def visit(block: int, root: int) -> None:
+        for child in chains.children(BlockId(block)):
+            if child != root and child not in chosen:
+                visit(child, root)
+        if len(chosen) < n and usable(block):
+            chosen[block] = None
+
+    orphans = [b for b in chains._orphans.in_order() if b not in chains._orphans.pinned]
+    while len(chosen) < n:
+        root = next((b for b in orphans if usable(b)), None)
+        if root is None:
+            heads = []
+            for cls in range(3 * len(REUSE_LEVELS)):
+                blocks = policy.class_blocks(cls)
+                for stream, end in ((2 * cls, blocks), (2 * cls + 1, blocks[::-1])):
+                    head = next((b for b in end if usable(b)), None)
+                    if head is not None:
+                        heads.append((policy.density_of(head), policy._last[head], head, stream))
+            if not heads:
+                return None
+            root = min(heads)[2]
+        visit(root, root)
+    return list(chosen)
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+@pytest.mark.parametrize("make", HIT_DENSITY)
+@given(script=st.lists(st.one_of(
+    st.tuples(st.just("chain"), st.sampled_from(["root", "under", "any"]), st.integers(0, 39),
+              st.lists(st.integers(0, 39), min_size=1, max_size=8)),
+    st.tuples(st.sampled_from(["access", "pin", "unpin", "remove", "refuse", "allow"]), st.integers(0, 23)),
+    st.tuples(st.just("select"), st.integers(1, 12), st.booleans()),
+), max_size=80))
+@settings(max_examples=300)
+# A run along a stream ends at the rival's key, ties in density broken by last access (before any refresh).
+@example(script=[("chain", "root", 0, [1, 2, 5]), ("access", 1), ("chain", "root", 0, [0]), ("refuse", 0),
+                 ("chain", "root", 0, [3]), ("chain", "root", 0, [4]), ("select", 2, False)])
+def test_a_selection_chooses_what_its_definition_chooses(make, hooks, script):
+    """Every hit-density selection (runs along a stream below the rival key, walks listed in one pass,
+    resumed walks) chooses the victims of :func:`_selection_by_definition`, in its order."""
+    tier = _Tier(make(), hooks)
+
+    def select(n: int, carry_out: bool) -> None:
+        expected = _selection_by_definition(tier.policy, n, tier.ask)
+        victims = tier.policy.select_victims(n, tier.ask)
+        assert victims == expected, f"chose {victims}, the definition chooses {expected}"
+        if carry_out and victims is not None:
+            for v in sorted(victims):  # as the pool removes them
+                tier.remove(v)
+
+    _play(tier, script, select)
 
 
 class _CountedHash(int):
