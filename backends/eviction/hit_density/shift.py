@@ -60,8 +60,22 @@ def lower_tail(q: np.ndarray, n: int, total: int) -> float:
     if total >= support - 1:
         return 1.0
     length = 1 << (support - 1).bit_length()
-    pmf = np.fft.irfft(np.fft.rfft(q, length) ** n, length)
+    pmf = np.fft.irfft(_power(np.fft.rfft(q, length), n), length)
     return float(np.clip(pmf[:total + 1].sum(), 0.0, 1.0))
+
+
+def _power(z: np.ndarray, n: int) -> np.ndarray:
+    """``z ** n`` elementwise for an int ``n >= 1``, by repeated squaring (numpy's complex power takes
+    logarithms: an order of magnitude slower, no more exact)."""
+    result = None
+    while True:
+        if n & 1:
+            result = z if result is None else result * z
+        n >>= 1
+        if not n:
+            assert result is not None
+            return result
+        z = z * z
 
 
 @attrs.define(eq=False)
