@@ -294,29 +294,32 @@ class FlatChains:
                     if first_of[parent_block] == block:
                         first_of[parent_block] = after
             first = first_of[block]
-            if first != _NONE:  # its children that stay wait for the hash now, as orphans
+            if first != _NONE:
                 first_of[block] = _NONE
-                staying = []
-                left = False
-                child = first
-                while True:
-                    if child in leaving:
-                        up[child] = _LEFT
-                        left = True
-                    else:
-                        staying.append(child)
-                    child = nxt[child]
-                    if child == first:
-                        break
-                if staying:
-                    ring = _NONE if left else first  # the ring less the children leaving, in its order
-                    for child in staying:
-                        if left:
-                            ring = self._link(child, ring)
-                        orphans.add(BlockId(child), parked[child] == mark)
-                        orphan_of[BlockId(child)] = block_hash
-                        up[child] = _ORPHAN
-                    waiting[block_hash] = ring
+                if nxt[first] == first and first in leaving:  # an only child, leaving too (a chain's)
+                    up[first] = _LEFT
+                else:  # the children that stay wait for the hash now, as orphans
+                    staying = []
+                    left = False
+                    child = first
+                    while True:
+                        if child in leaving:
+                            up[child] = _LEFT
+                            left = True
+                        else:
+                            staying.append(child)
+                        child = nxt[child]
+                        if child == first:
+                            break
+                    if staying:
+                        ring = _NONE if left else first  # the ring less the children leaving, in its order
+                        for child in staying:
+                            if left:
+                                ring = self._link(child, ring)
+                            orphans.add(BlockId(child), parked[child] == mark)
+                            orphan_of[BlockId(child)] = block_hash
+                            up[child] = _ORPHAN
+                        waiting[block_hash] = ring
             if walk is not None and block in walk.held:
                 if block in walk.victims:
                     walk.victims.remove(block)
@@ -602,7 +605,7 @@ class FlatChains:
             parent = self.links(block)[1]
             assert parent != tracked[block], f"block {block} is its own parent"
             assert (up == _ORPHAN) == (block in self._orphan_of), f"block {block} orphan mark"
-            assert up < 0 or up in tracked, f"the parent of block {block}, block {up}, is not tracked"
+            assert up in (_NONE, _ORPHAN) or up in tracked, f"the parent of block {block}, block {up}, is not tracked"
             assert up != _NONE or parent is None, f"block {block} lost its parent"
             if parent is not None:
                 linked.setdefault(parent, []).append(block)
