@@ -974,12 +974,13 @@ class OffloadManager:
 
     def _queue(self, r: Request, indices: Iterable[int]) -> None:
         """Queue the policy's choice, keeping only confirmed blocks (invariant 9) that every group holds."""
-        confirmed, unfilled = r.num_confirmed_blocks, r.unfilled
+        confirmed, unfilled, queue = r.num_confirmed_blocks, r.unfilled, r.store_queue
         if indices.__class__ is range and indices.step == 1 and not unfilled:
-            r.store_queue.extend(range(max(indices.start, 0), min(indices.stop, confirmed)))
+            start, stop = indices.start, indices.stop
+            queue.extend(range(start if start > 0 else 0, stop if stop < confirmed else confirmed))
         else:
-            r.store_queue.extend(i for i in indices if 0 <= i < confirmed and i not in unfilled)
-        if r.store_queue:
+            queue.extend(i for i in indices if 0 <= i < confirmed and i not in unfilled)
+        if queue:
             self._dirty[r.request_id] = r
 
     def _report_load_failed(self, r: Request) -> None:
