@@ -1116,8 +1116,7 @@ class OffloadManager:
                         self._loaded.add(r.request_id)
                     else:
                         self._report_load_failed(r)
-        for r in batch.requests:
-            self._ended.drop_hold(r)
+        self._ended.drop_holds(batch.requests)
 
     def _observe(self, source: HitSource, num_bytes: int, seconds: float) -> None:
         planner = self.planner
