@@ -58,18 +58,20 @@ class EndedRequests:
         else:
             self._remember(r.request_id)
 
-    def drop_hold(self, r: Request | None, n: int = 1) -> None:
-        """``n`` (at most ``r.holds``) batches or detached stores of ``r`` are done; release a parked ``r`` at its
-        last hold."""
-        if r is None:
-            return
-        r.holds -= n
-        if not r.holds and r.state is RequestState.ENDED and r.delay_free:
-            rid = r.request_id
-            self._released.add(rid)
-            if self._parked.get(rid) is r:
-                del self._parked[rid]
-                self._remember(rid)
+    def drop_holds(self, owners: Iterable[Request | None]) -> None:
+        """One batch or detached store of each of ``owners`` is done (an owner may repeat, ``None`` is skipped);
+        release a parked owner at its last hold."""
+        ended = RequestState.ENDED
+        for r in owners:
+            if r is None:
+                continue
+            r.holds -= 1
+            if not r.holds and r.state is ended and r.delay_free:
+                rid = r.request_id
+                self._released.add(rid)
+                if self._parked.get(rid) is r:
+                    del self._parked[rid]
+                    self._remember(rid)
 
     def take_released(self) -> frozenset[str]:
         """Ids released since the last call."""

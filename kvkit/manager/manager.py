@@ -564,8 +564,8 @@ class OffloadManager:
                 is missing or null, or more tokens accepted than offered.
         """
         r = self._live(request_id)
-        table = check_rows(request_id, gpu_block_ids, len(self.kv.groups), self.num_gpu_blocks,
-                           self.null_block)
+        table, ids = check_rows(request_id, gpu_block_ids, len(self.kv.groups), self.num_gpu_blocks,
+                                self.null_block)
         if r.state is _RUNNING:
             if accepted_tokens != 0:
                 raise RequestStateError(
@@ -578,7 +578,7 @@ class OffloadManager:
                     f"group (its {plural(r.num_computed_tokens, 'computed token')}), got {[len(t) for t in table]}")
             if r.load_pending:  # the load not yet planned reads the new table
                 self._hits.check_targets(r, table, r.head_blocks + len(r.pinned) + len(r.fetch), r.head_blocks)
-            self._set_table(r, table)
+            r.block_table, r.block_ids = table, ids
             return
         bs = self.kv.block_size
         n, head = accepted_blocks(r, accepted_tokens, bs, recompute_tokens)
@@ -592,7 +592,7 @@ class OffloadManager:
             self._report_load_failed(r)
         if r.load_pending:
             self._dirty[request_id] = r
-        self._set_table(r, table)
+        r.block_table, r.block_ids = table, ids
         r.state = _RUNNING
         r.epoch = self._epoch
         s = self.stats
@@ -633,11 +633,11 @@ class OffloadManager:
                 r.block_table[0].append(b)
                 taken.add(b)
                 return
-        rows = check_rows(request_id, rows, len(r.block_table), limit, self.null_block, taken,
-                          "appended blocks")
+        rows, ids = check_rows(request_id, rows, len(r.block_table), limit, self.null_block, taken,
+                               "appended blocks")
         for row, new in zip(r.block_table, rows):
             row.extend(new)
-        taken.update(b for new in rows for b in new if b != self.null_block)
+        taken |= ids
 
     def on_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """The KV of the request's first ``num_computed_tokens`` tokens is written (confirmed).
@@ -943,11 +943,6 @@ class OffloadManager:
                         context_tokens=r.gpu_hit_blocks * self.kv.block_size, runs=runs,
                         num_tokens=r.num_tokens, overlap=overlap)
 
-    def _set_table(self, r: Request, table: list[list[BlockId]]) -> None:
-        r.block_table = table
-        null = self.null_block
-        r.block_ids = {b for row in table for b in row if b != null}
-
     def _confirm(self, r: Request) -> None:
         """Re-derive the confirmed blocks; hand the newly confirmed range to the store policy."""
         computed, hashed = r.num_computed_tokens // self.kv.block_size, len(r.block_hashes)
@@ -974,12 +969,13 @@ class OffloadManager:
 
     def _queue(self, r: Request, indices: Iterable[int]) -> None:
         """Queue the policy's choice, keeping only confirmed blocks (invariant 9) that every group holds."""
-        confirmed, unfilled = r.num_confirmed_blocks, r.unfilled
+        confirmed, unfilled, queue = r.num_confirmed_blocks, r.unfilled, r.store_queue
         if indices.__class__ is range and indices.step == 1 and not unfilled:
-            r.store_queue.extend(range(max(indices.start, 0), min(indices.stop, confirmed)))
+            start, stop = indices.start, indices.stop
+            queue.extend(range(start if start > 0 else 0, stop if stop < confirmed else confirmed))
         else:
-            r.store_queue.extend(i for i in indices if 0 <= i < confirmed and i not in unfilled)
-        if r.store_queue:
+            queue.extend(i for i in indices if 0 <= i < confirmed and i not in unfilled)
+        if queue:
             self._dirty[r.request_id] = r
 
     def _report_load_failed(self, r: Request) -> None:
@@ -1115,8 +1111,7 @@ class OffloadManager:
                         self._loaded.add(r.request_id)
                     else:
                         self._report_load_failed(r)
-        for r in batch.requests:
-            self._ended.drop_hold(r)
+        self._ended.drop_holds(batch.requests)
 
     def _observe(self, source: HitSource, num_bytes: int, seconds: float) -> None:
         planner = self.planner

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
-from itertools import groupby
 from typing import cast
 
 import attrs
@@ -200,7 +199,7 @@ class StorePlanner:
         if self.writeback:
             cands.extend(self._writeback_candidates())
         planned = self._choose(cands, limit)
-        self._drop_holds(detached_owners)  # after the batch's hold, so an owner is released only when done
+        self.ended.drop_holds(detached_owners)  # after the batch's hold, so an owner is released only when done
         return planned
 
     def prune(self) -> None:
@@ -358,13 +357,7 @@ class StorePlanner:
     def _release(self, entries: StoreCandidates) -> None:
         """Drop the GPU references held for candidates that will not be copied, and their owners' holds."""
         self._unhold(entries.held_sources())
-        self._drop_holds(entries.owners)
-
-    def _drop_holds(self, owners: list[Request | None]) -> None:
-        """Drop one hold per item of ``owners``: once per run of one owner, in order."""
-        drop_hold = self.ended.drop_hold
-        for owner, run in groupby(owners):
-            drop_hold(owner, len(list(run)))
+        self.ended.drop_holds(entries.owners)
 
     def _unhold(self, held: list[BlockId]) -> None:
         if held:
