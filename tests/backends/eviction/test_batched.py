@@ -311,6 +311,21 @@ _QUEUE_OPS = st.lists(st.one_of(
 ), max_size=150)
 
 
+def _errors_of(many: Any, one: Any, blocks: list[int]) -> list[str]:
+    """The messages of the errors a batch hook and the per-block hook, called on ``blocks`` in turn, raise."""
+    errors = []
+    try:
+        many(blocks)
+    except PoolUsageError as exc:
+        errors.append(str(exc))
+    try:
+        for block in blocks:
+            one(block)
+    except PoolUsageError as exc:
+        errors.append(str(exc))
+    return errors
+
+
 @pytest.mark.parametrize("policy_class", [LRUPolicy, FIFOPolicy])
 @settings(max_examples=150, deadline=None)
 @given(ops=_QUEUE_OPS)
@@ -340,32 +355,14 @@ def test_queue_batches_are_calls_one_by_one(policy_class: type[FIFOPolicy], ops:
             wanted = list(dict.fromkeys(free[i % len(free)] for i in op[1])) if free else []
             if op[2]:  # a pinned block, or one never tracked, ends the batch
                 wanted.append(next(iter(pinned)) if pinned else 99)
-            errors = []
-            try:
-                batched.pin_many(wanted)
-            except PoolUsageError as exc:
-                errors.append(str(exc))
-            try:
-                for block in wanted:
-                    single.on_pin(block)
-            except PoolUsageError as exc:
-                errors.append(str(exc))
+            errors = _errors_of(batched.pin_many, single.on_pin, wanted)
             assert len(errors) in (0, 2) and len(set(errors)) <= 1
             pinned = {b for b in tracked if b in batched.pinned}
         elif op[0] == "remove" and tracked:  # a batch of listed, parked and side-listed blocks
             wanted = list(dict.fromkeys(tracked[i % len(tracked)] for i in op[1]))
             if op[2]:  # a block never tracked ends the batch
                 wanted.append(99)
-            errors = []
-            try:
-                batched.remove_many(wanted)
-            except PoolUsageError as exc:
-                errors.append(str(exc))
-            try:
-                for block in wanted:
-                    single.on_remove(block)
-            except PoolUsageError as exc:
-                errors.append(str(exc))
+            errors = _errors_of(batched.remove_many, single.on_remove, wanted)
             assert len(errors) == op[2] * 2 and len(set(errors)) <= 1
             tracked = [b for b in tracked if b not in wanted]
             pinned -= set(wanted)
