@@ -118,8 +118,8 @@ def test_a_far_link_costs_a_step_one_deadline_for_its_lookup_and_fetch_together(
         start = time.monotonic()
         req = eb.step().scheduled[0]
         took = time.monotonic() - start
-        # One deadline and the step's own work on a loaded 2-core machine; two deadlines would be >= 1.8 s.
-        assert took <= 1.0 + 0.6, f"the step waited {took:.2f} s on a shared tier whose deadline is 1 s"
+        # One deadline and the step's own work on a loaded 2-core machine; two would be >= 1.8 s (two held replies).
+        assert took < 1.75, f"the step waited {took:.2f} s on a shared tier whose deadline is 1 s"
         assert b.stats.shared_hit_tokens.value == 36 and b.stats.loads_failed.value == 1
         assert req.cpu_hit_tokens == 0 and b.shared_store.down_nodes == {}
         eb.finish("b")
@@ -180,8 +180,8 @@ def test_the_lookups_of_one_step_through_a_far_link_wait_one_deadline_in_all(ser
         start = time.monotonic()
         report = eb.step()
         took = time.monotonic() - start
-        # One deadline and the step's own work on a loaded 2-core machine; two deadlines would be >= 1.8 s.
-        assert took <= 1.0 + 0.6, f"the step waited {took:.2f} s on a shared tier whose deadline is 1 s"
+        # One deadline and the step's own work on a loaded 2-core machine; two would be >= 1.8 s (two held replies).
+        assert took < 1.75, f"the step waited {took:.2f} s on a shared tier whose deadline is 1 s"
         assert len(report.scheduled) == 5 and all(req.cpu_hit_tokens == 0 for req in report.scheduled)
         assert b.stats.shared_hit_tokens.value == 36 and b.shared_store.down_nodes == {}
         for i in range(5):
