@@ -312,14 +312,16 @@ class FlatChains:
                         if child == first:
                             break
                     if staying:
-                        ring = _NONE if left else first  # the ring less the children leaving, in its order
-                        for child in staying:
-                            if left:
+                        ring = first
+                        if left:  # the ring less the children leaving, in its order
+                            ring = _NONE
+                            for child in staying:
                                 ring = self._link(child, ring)
+                        waiting[block_hash] = ring
+                        for child in staying:
                             orphans.add(BlockId(child), parked[child] == mark)
                             orphan_of[BlockId(child)] = block_hash
                             up[child] = _ORPHAN
-                        waiting[block_hash] = ring
             if walk is not None and block in walk.held:
                 if block in walk.victims:
                     walk.victims.remove(block)

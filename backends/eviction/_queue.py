@@ -433,23 +433,13 @@ class ParkingQueue:
         if self._pending != _NIL:
             self._flush()
         slots = self._slots
-        states, stamp, nxt, prv, listed = slots.state, slots.stamp, slots.next, slots.prev, self._base | _MAIN
+        states, stamp, unlink, listed = slots.state, slots.stamp, self._unlink, self._base | _MAIN
         for block in blocks:
             if block.__class__ is not int or not -1 < block < len(states) or states[block] != listed \
                     or stamp[block] <= self._edge:
                 self.remove(block)  # parked, in the side list, watched or no block here: the general case
                 continue
-            before, after = prv[block], nxt[block]  # self._unlink, inlined: the hot path
-            if before == _NIL:
-                self._head = after
-            else:
-                nxt[before] = after
-            if after == _NIL:
-                self._tail = before
-            else:
-                prv[after] = before
-            if block == self._cut:
-                self._cut = after
+            unlink(block)
             states[block] = _ABSENT
             self._len -= 1
 

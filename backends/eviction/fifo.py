@@ -68,8 +68,6 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
         for block in blocks:
             self.on_access(block)
 
-    remove_many = ParkingQueue.remove_many  # ``on_remove`` for each block in order
-
     @override
     def on_access(self, block: BlockId) -> None:
         if block not in self:
