@@ -32,7 +32,7 @@ def wheel_names(tmp_path_factory) -> set[str]:
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".*", "build", "dist", "*.egg-info", "__pycache__", "notebooks", "out"))
+        ".*", "build", "dist", "*.egg-info", "__pycache__", "notebooks", "out", "*.so"))
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
          "-q", "-w", str(tmp / "dist")],
@@ -47,6 +47,13 @@ def test_wheel_contains_every_subpackage(wheel_names):
     missing = sorted(p for p in source_packages() if f"{p}/__init__.py" not in wheel_names)
     assert not missing, f"add these to [tool.setuptools] packages in pyproject.toml: {missing}"
     assert {"kvkit/py.typed", "kvkit/interfaces/__init__.py", "kvkit/backends/__init__.py"} <= wheel_names
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the wheel is pure Python")
+def test_wheel_carries_the_compiled_booking(wheel_names):
+    """Where a C compiler is, the build compiles hit density's insert booking into the wheel."""
+    assert any(name.startswith("kvkit/backends/eviction/hit_density/_booking.") and name.endswith(".so")
+               for name in wheel_names)
 
 
 def test_wheel_ships_the_builtin_traces(wheel_names):

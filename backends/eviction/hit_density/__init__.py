@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
+from kvkit.backends.eviction.hit_density.booking import BOOK_INSERTS, BookInserts
 from kvkit.backends.eviction.hit_density.census import strided
 from kvkit.backends.eviction.hit_density.density import HitDensityModel
 from kvkit.backends.eviction.hit_density.shift import ShiftTest
@@ -63,6 +64,7 @@ def reuse_level(uses: int) -> int:
 _TOP = REUSE_LEVELS[-1]
 # The class of every (uses, kind), uses capped at the last level's least count: a table read per call.
 _CLASS_OF = tuple(tuple(_KINDS * reuse_level(uses) + kind for kind in range(_KINDS)) for uses in range(_TOP + 1))
+_CLASS_TABLE = bytes(cls for row in _CLASS_OF for cls in row)  # the same, flat: [_KINDS * uses + kind]
 
 
 def block_class(uses: int, kind: int) -> int:
@@ -301,6 +303,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _turnover: float = attrs.field(init=False, default=0.0)
     _last_removal: int = attrs.field(init=False, default=0)
     _next_refresh: int = attrs.field(init=False, default=_MIN_REFRESH)
+    # The insert booking: compiled where it was built (the tests set the reference to compare the two).
+    _book: BookInserts = attrs.field(init=False, default=BOOK_INSERTS, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._shift = ShiftTest(len(REUSE_LEVELS), alpha=self.shift_alpha)
@@ -365,7 +369,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
         The chain index takes the whole batch first (what it reports per block
         is what it held right after that block's add: a later block of the
-        batch never changes it), then each block is booked in order. The tip
+        batch never changes it), then each block is booked in order
+        (:mod:`.booking`), the model refreshed whenever one falls due. The tip
         gains a child exactly when the next block names it as its parent: it
         has none while it is the tip (it would be a parent), and no block is
         added in between.
@@ -382,72 +387,21 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._grow(top + 1)
         pinned = mark == _PARKED
         parent_blocks, fresh, refusal = self._chains.add_many(self, blocks, hashes, parents, pinned)
-        classes, where, uses_of, last_of, move, ghost_at = self._cls, self._where, self._uses, self._last, \
-            self._move, self._ghost_at
-        ghost_last, ghost_cls, ghost_uses, ghost_live, ghost_hash, ghost_recent, base = self._ghost_last, \
-            self._ghost_cls, self._ghost_uses, self._ghost_live, self._ghost_hash, self._ghost_recent, \
-            self._ghost_base
-        recent, note, turnover, record = self._recent, self._shift.note, self._turnover, self._model.record_reuses
-        clock, tracked, tip, due, reused = self._clock, self._tracked, self._tip, self._next_refresh, self._reused
+        book, record = self._book, self._model.record_reuses
         reuse_classes: list[int] = []  # the reuses learnt, recorded in one pass before the model is read
         reuse_ages: list[int] = []
-        for block, block_hash, parent, parent_block, had_children in zip(blocks, hashes, parents, parent_blocks,
-                                                                         fresh):
-            if tip is not None:  # stored before: a tip no more, a parent if this store continued it, else a leaf
-                old = classes[tip]
-                classes[tip] = cls = old - TIP + (PARENT if parent_block == tip else LEAF)
-                if where[tip] == _LISTED:  # a parked block enters its (new) class's list on on_unpin
-                    move(tip, old, cls)
-            clock += 1
-            at = ghost_at.pop(block_hash, None)
-            if at is None:
-                uses = 0
-            else:  # a reuse the cache missed: learn from it, keep the history
-                i = at - base
-                cls, age = ghost_cls[i], clock - ghost_last[i]
-                ghost_live[i] = 0
-                ghost_hash[i] = None
-                reuse_classes.append(cls)
-                reuse_ages.append(age)
-                # It starts a reuse run unless its parent, as linked (a hash under itself heads its
-                # chain), was reused just before.
-                if parent is None or parent == block_hash or parent != reused:
-                    note(cls // _KINDS)
-                reused = block_hash
-                gained = 1 + (age < turnover)  # back within a turnover: +1 more
-                recent[block] = ghost_recent.pop(block_hash, 0) + gained
-                uses = ghost_uses[i] + gained
-                if uses > _MAX_USES:
-                    uses = _MAX_USES
-            if had_children:
-                cls, tip = _CLASS_OF[uses if uses < _TOP else _TOP][PARENT], None
-            else:
-                cls, tip = _CLASS_OF[uses if uses < _TOP else _TOP][TIP], block
-            uses_of[block] = uses
-            last_of[block] = clock
-            classes[block] = cls
-            where[block] = mark  # a parked block keeps its class and enters its list on on_unpin
-            if not pinned:
-                move(block, _NONE, cls)
-            tracked += 1
-            if parent_block != _NONE:
-                old = classes[parent_block]
-                kind = old % _KINDS
-                if kind != PARENT:  # its class's kind changes, its reuse level stays
-                    classes[parent_block] = cls = old - kind + PARENT
-                    if where[parent_block] == _LISTED:
-                        move(parent_block, old, cls)
-            if clock >= due:
+        done = 0
+        while done < len(parent_blocks):
+            done = book(self, blocks, hashes, parents, parent_blocks, fresh, mark, done, _CLASS_TABLE,
+                        reuse_classes, reuse_ages)
+            if self._clock >= self._next_refresh:
                 record(reuse_classes, reuse_ages)
                 reuse_classes.clear()
                 reuse_ages.clear()
-                self._clock, self._tracked, self._tip, self._reused = clock, tracked, tip, reused
-                self._learn(tracked)
+                self._learn(self._tracked)
                 self._refresh()
-                due = self._next_refresh
         record(reuse_classes, reuse_ages)
-        self._clock, self._tracked, self._tip, self._reused = clock, tracked, tip, reused
-        self._learn(tracked)
+        self._learn(self._tracked)
         if refusal is not None:
             raise refusal
 

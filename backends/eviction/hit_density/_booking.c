@@ -1,0 +1,462 @@
+/* The hit-density policy's insert booking, compiled: booking.book_inserts's contract, step for step.
+ *
+ * booking.py holds the reference and the contract; the tests run both on the same sequences and
+ * compare the whole state. The policy's per-block arrays are read through the buffer protocol
+ * (bytearrays of bytes, array('i') links, array('q') clocks); maps, the class-list ends and the
+ * dirty set stay Python objects, updated as the reference updates them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+enum { LEAF = 0, PARENT = 1, TIP = 2, KINDS = 3, NONE = -1, MAX_USES = 255, LISTED = 1 };
+
+typedef struct {
+    Py_buffer buf;
+    int held;
+} View;
+
+static int
+view(PyObject *obj, View *v, Py_ssize_t itemsize, const char *name)
+{
+    if (PyObject_GetBuffer(obj, &v->buf, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return -1;
+    v->held = 1;
+    if (v->buf.itemsize != itemsize || v->buf.ndim != 1) {
+        PyErr_Format(PyExc_TypeError, "book_inserts: %s holds items of %zd bytes, not %zd",
+                     name, v->buf.itemsize, itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static void
+release(View *v)
+{
+    if (v->held) {
+        PyBuffer_Release(&v->buf);
+        v->held = 0;
+    }
+}
+
+static Py_ssize_t
+items(View *v)
+{
+    return v->buf.len / v->buf.itemsize;
+}
+
+/* The policy's state for one call. */
+typedef struct {
+    View cls, where, uses, last, next, prev, ghost_cls, ghost_uses, ghost_last, ghost_live;
+    PyObject *ends, *dirty;
+} State;
+
+static int
+set_int_item(PyObject *list, Py_ssize_t index, long value)
+{
+    PyObject *v = PyLong_FromLong(value);
+    if (v == NULL)
+        return -1;
+    return PyList_SetItem(list, index, v); /* steals v */
+}
+
+static int
+mark_dirty(PyObject *dirty, long end)
+{
+    PyObject *v = PyLong_FromLong(end);
+    if (v == NULL)
+        return -1;
+    int rc = PySet_Add(dirty, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+static int
+end_of(PyObject *ends, Py_ssize_t index, long *out)
+{
+    PyObject *v = PyList_GetItem(ends, index); /* borrowed */
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsLong(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* HitDensityPolicy._move: out of list old (NONE: in none), to the young end of list new (NONE: none). */
+static int
+move(State *s, long block, long old, long new)
+{
+    int32_t *nxt = (int32_t *)s->next.buf.buf, *prv = (int32_t *)s->prev.buf.buf;
+    if (old != NONE) {
+        long before = prv[block], after = nxt[block];
+        if (before == NONE) {
+            if (set_int_item(s->ends, 2 * old, after) < 0 || mark_dirty(s->dirty, 2 * old) < 0)
+                return -1;
+        }
+        else
+            nxt[before] = (int32_t)after;
+        if (after == NONE) {
+            if (set_int_item(s->ends, 2 * old + 1, before) < 0 || mark_dirty(s->dirty, 2 * old + 1) < 0)
+                return -1;
+        }
+        else
+            prv[after] = (int32_t)before;
+    }
+    if (new != NONE) {
+        long young = 2 * new + 1, tail;
+        if (end_of(s->ends, young, &tail) < 0)
+            return -1;
+        prv[block] = (int32_t)tail;
+        nxt[block] = NONE;
+        if (tail == NONE) {
+            if (set_int_item(s->ends, young - 1, block) < 0 || mark_dirty(s->dirty, young - 1) < 0)
+                return -1;
+        }
+        else
+            nxt[tail] = (int32_t)block;
+        if (set_int_item(s->ends, young, block) < 0 || mark_dirty(s->dirty, young) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+attr(PyObject *obj, const char *name)
+{
+    return PyObject_GetAttrString(obj, name);
+}
+
+static int
+attr_long(PyObject *obj, const char *name, long long *out)
+{
+    PyObject *v = attr(obj, name);
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+set_attr_long(PyObject *obj, const char *name, long long value)
+{
+    PyObject *v = PyLong_FromLongLong(value);
+    if (v == NULL)
+        return -1;
+    int rc = PyObject_SetAttrString(obj, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* dict.pop(key, None): a new reference, NULL with no error when absent. */
+static PyObject *
+pop(PyObject *dict, PyObject *key)
+{
+    PyObject *v = PyDict_GetItemWithError(dict, key);
+    if (v == NULL)
+        return NULL;
+    Py_INCREF(v);
+    if (PyDict_DelItem(dict, key) < 0) {
+        Py_DECREF(v);
+        return NULL;
+    }
+    return v;
+}
+
+static int
+append_long(PyObject *list, long long value)
+{
+    PyObject *v = PyLong_FromLongLong(value);
+    if (v == NULL)
+        return -1;
+    int rc = PyList_Append(list, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+static int
+checked_index(long long index, Py_ssize_t size, const char *what)
+{
+    if (index < 0 || index >= size) {
+        PyErr_Format(PyExc_IndexError, "book_inserts: %s %lld is outside 0..%zd", what, index, size - 1);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 11) {
+        PyErr_Format(PyExc_TypeError, "book_inserts takes 11 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *p = args[0], *blocks_in = args[1], *hashes_in = args[2], *parents_in = args[3];
+    PyObject *parent_blocks_in = args[4], *had_children_in = args[5];
+    long mark = PyLong_AsLong(args[6]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[7]);
+    PyObject *class_of = args[8], *reuse_classes = args[9], *reuse_ages = args[10];
+    if (PyErr_Occurred())
+        return NULL;
+    if (!PyBytes_Check(class_of) || PyBytes_GET_SIZE(class_of) < KINDS || !PyList_Check(reuse_classes)
+        || !PyList_Check(reuse_ages)) {
+        PyErr_SetString(PyExc_TypeError, "book_inserts: class_of is bytes, reuse_classes and reuse_ages lists");
+        return NULL;
+    }
+    const unsigned char *class_table = (const unsigned char *)PyBytes_AS_STRING(class_of);
+    long top = (long)(PyBytes_GET_SIZE(class_of) / KINDS) - 1;
+
+    State s;
+    memset(&s, 0, sizeof s);
+    PyObject *blocks = NULL, *hashes = NULL, *parents = NULL, *parent_blocks = NULL, *had_children = NULL;
+    PyObject *ghost_at = NULL, *ghost_hash = NULL, *ghost_recent = NULL, *recent = NULL, *shift = NULL;
+    PyObject *note = NULL, *tip_obj = NULL, *reused = NULL, *result = NULL;
+    long long clock, tracked, due, base;
+    double turnover;
+    Py_ssize_t i = start, n;
+
+    blocks = PySequence_Fast(blocks_in, "book_inserts: blocks");
+    hashes = blocks ? PySequence_Fast(hashes_in, "book_inserts: hashes") : NULL;
+    parents = hashes ? PySequence_Fast(parents_in, "book_inserts: parents") : NULL;
+    parent_blocks = parents ? PySequence_Fast(parent_blocks_in, "book_inserts: parent_blocks") : NULL;
+    had_children = parent_blocks ? PySequence_Fast(had_children_in, "book_inserts: had_children") : NULL;
+    if (had_children == NULL)
+        goto done;
+    n = PySequence_Fast_GET_SIZE(parent_blocks);
+    if (PySequence_Fast_GET_SIZE(blocks) < n || PySequence_Fast_GET_SIZE(hashes) < n
+        || PySequence_Fast_GET_SIZE(parents) < n || PySequence_Fast_GET_SIZE(had_children) < n || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "book_inserts: a per-block sequence is shorter than parent_blocks");
+        goto done;
+    }
+
+#define VIEW(field, name, size)                                     \
+    do {                                                            \
+        PyObject *o_ = attr(p, name);                               \
+        if (o_ == NULL)                                             \
+            goto done;                                              \
+        int rc_ = view(o_, &s.field, size, name);                   \
+        Py_DECREF(o_);                                              \
+        if (rc_ < 0)                                                \
+            goto done;                                              \
+    } while (0)
+    VIEW(cls, "_cls", 1);
+    VIEW(where, "_where", 1);
+    VIEW(uses, "_uses", 1);
+    VIEW(last, "_last", 8);
+    VIEW(next, "_next", 4);
+    VIEW(prev, "_prev", 4);
+    VIEW(ghost_cls, "_ghost_cls", 1);
+    VIEW(ghost_uses, "_ghost_uses", 1);
+    VIEW(ghost_last, "_ghost_last", 8);
+    VIEW(ghost_live, "_ghost_live", 1);
+#undef VIEW
+    if ((s.ends = attr(p, "_ends")) == NULL || (s.dirty = attr(p, "_dirty")) == NULL
+        || (ghost_at = attr(p, "_ghost_at")) == NULL || (ghost_hash = attr(p, "_ghost_hash")) == NULL
+        || (ghost_recent = attr(p, "_ghost_recent")) == NULL || (recent = attr(p, "_recent")) == NULL
+        || (shift = attr(p, "_shift")) == NULL || (note = attr(shift, "note")) == NULL
+        || (tip_obj = attr(p, "_tip")) == NULL || (reused = attr(p, "_reused")) == NULL)
+        goto done;
+    if (!PyList_Check(s.ends) || !PySet_Check(s.dirty) || !PyDict_Check(ghost_at) || !PyList_Check(ghost_hash)
+        || !PyDict_Check(ghost_recent) || !PyDict_Check(recent)) {
+        PyErr_SetString(PyExc_TypeError, "book_inserts: the policy's maps, ends and dirty set have other types");
+        goto done;
+    }
+    if (attr_long(p, "_clock", &clock) < 0 || attr_long(p, "_tracked", &tracked) < 0
+        || attr_long(p, "_next_refresh", &due) < 0 || attr_long(p, "_ghost_base", &base) < 0)
+        goto done;
+    {
+        PyObject *t = attr(p, "_turnover");
+        if (t == NULL)
+            goto done;
+        turnover = PyFloat_AsDouble(t);
+        Py_DECREF(t);
+        if (turnover == -1.0 && PyErr_Occurred())
+            goto done;
+    }
+    long tip = NONE;
+    if (tip_obj != Py_None && (tip = PyLong_AsLong(tip_obj)) == -1 && PyErr_Occurred())
+        goto done;
+
+    unsigned char *classes = (unsigned char *)s.cls.buf.buf, *where = (unsigned char *)s.where.buf.buf;
+    unsigned char *uses_of = (unsigned char *)s.uses.buf.buf;
+    int64_t *last_of = (int64_t *)s.last.buf.buf;
+    Py_ssize_t size = items(&s.where);
+    if (items(&s.cls) < size || items(&s.uses) < size || items(&s.last) < size || items(&s.next) < size
+        || items(&s.prev) < size) {
+        PyErr_SetString(PyExc_ValueError, "book_inserts: the per-block arrays differ in size");
+        goto done;
+    }
+    Py_ssize_t ghosts = PyList_GET_SIZE(ghost_hash);
+    if (items(&s.ghost_cls) < ghosts || items(&s.ghost_uses) < ghosts || items(&s.ghost_last) < ghosts
+        || items(&s.ghost_live) < ghosts) {
+        PyErr_SetString(PyExc_ValueError, "book_inserts: the ghost arrays differ in size");
+        goto done;
+    }
+    unsigned char *g_cls = (unsigned char *)s.ghost_cls.buf.buf, *g_uses = (unsigned char *)s.ghost_uses.buf.buf;
+    unsigned char *g_live = (unsigned char *)s.ghost_live.buf.buf;
+    int64_t *g_last = (int64_t *)s.ghost_last.buf.buf;
+    int listed = mark == LISTED;
+
+    while (i < n) {
+        PyObject *block_obj = PySequence_Fast_GET_ITEM(blocks, i);
+        PyObject *block_hash = PySequence_Fast_GET_ITEM(hashes, i);
+        PyObject *parent = PySequence_Fast_GET_ITEM(parents, i);
+        long block = PyLong_AsLong(block_obj);
+        long parent_block = PyLong_AsLong(PySequence_Fast_GET_ITEM(parent_blocks, i));
+        int had = PyObject_IsTrue(PySequence_Fast_GET_ITEM(had_children, i));
+        if (PyErr_Occurred() || had < 0 || checked_index(block, size, "block") < 0
+            || (parent_block != NONE && checked_index(parent_block, size, "parent block") < 0))
+            goto stop;
+        i++;
+        if (tip != NONE) {
+            long old = classes[tip], cls = old - TIP + (parent_block == tip ? PARENT : LEAF);
+            classes[tip] = (unsigned char)cls;
+            if (where[tip] == LISTED && move(&s, tip, old, cls) < 0)
+                goto stop;
+        }
+        clock += 1;
+        long uses = 0;
+        PyObject *at = pop(ghost_at, block_hash);
+        if (at == NULL && PyErr_Occurred())
+            goto stop;
+        if (at != NULL) { /* a reuse the cache missed: learn from it, keep the history */
+            long long g = PyLong_AsLongLong(at) - base;
+            Py_DECREF(at);
+            if (PyErr_Occurred() || checked_index(g, ghosts, "ghost") < 0)
+                goto stop;
+            long cls = g_cls[g];
+            long long age = clock - g_last[g];
+            g_live[g] = 0;
+            Py_INCREF(Py_None);
+            if (PyList_SetItem(ghost_hash, (Py_ssize_t)g, Py_None) < 0)
+                goto stop;
+            if (append_long(reuse_classes, cls) < 0 || append_long(reuse_ages, age) < 0)
+                goto stop;
+            int starts = parent == Py_None;
+            if (!starts && (starts = PyObject_RichCompareBool(parent, block_hash, Py_EQ)) < 0)
+                goto stop;
+            if (!starts && (starts = PyObject_RichCompareBool(parent, reused, Py_NE)) < 0)
+                goto stop;
+            if (starts) {
+                PyObject *level = PyLong_FromLong(cls / KINDS);
+                if (level == NULL)
+                    goto stop;
+                PyObject *r = PyObject_CallOneArg(note, level);
+                Py_DECREF(level);
+                if (r == NULL)
+                    goto stop;
+                Py_DECREF(r);
+            }
+            Py_INCREF(block_hash);
+            Py_SETREF(reused, block_hash);
+            long gained = 1 + ((double)age < turnover); /* back within a turnover: +1 more */
+            long long before = 0;
+            PyObject *had_recent = pop(ghost_recent, block_hash);
+            if (had_recent == NULL && PyErr_Occurred())
+                goto stop;
+            if (had_recent != NULL) {
+                before = PyLong_AsLongLong(had_recent);
+                Py_DECREF(had_recent);
+                if (before == -1 && PyErr_Occurred())
+                    goto stop;
+            }
+            PyObject *count = PyLong_FromLongLong(before + gained);
+            if (count == NULL)
+                goto stop;
+            int rc = PyDict_SetItem(recent, block_obj, count);
+            Py_DECREF(count);
+            if (rc < 0)
+                goto stop;
+            uses = g_uses[g] + gained;
+            if (uses > MAX_USES)
+                uses = MAX_USES;
+        }
+        long row = KINDS * (uses < top ? uses : top), cls;
+        if (had) {
+            cls = class_table[row + PARENT];
+            tip = NONE;
+        }
+        else {
+            cls = class_table[row + TIP];
+            tip = block;
+        }
+        uses_of[block] = (unsigned char)uses;
+        last_of[block] = clock;
+        classes[block] = (unsigned char)cls;
+        where[block] = (unsigned char)mark; /* a parked block keeps its class and enters its list when unpinned */
+        if (listed && move(&s, block, NONE, cls) < 0)
+            goto stop;
+        tracked += 1;
+        if (parent_block != NONE) {
+            long old = classes[parent_block], kind = old % KINDS;
+            if (kind != PARENT) { /* its class's kind changes, its reuse level stays */
+                long new = old - kind + PARENT;
+                classes[parent_block] = (unsigned char)new;
+                if (where[parent_block] == LISTED && move(&s, parent_block, old, new) < 0)
+                    goto stop;
+            }
+        }
+        if (clock >= due)
+            break;
+    }
+stop:
+    /* The counters of the blocks booked are written back, an error or not. */
+    {
+        PyObject *err_type, *err_value, *err_tb;
+        PyErr_Fetch(&err_type, &err_value, &err_tb);
+        PyObject *tip_now = tip == NONE ? Py_NewRef(Py_None) : PyLong_FromLong(tip);
+        int rc = tip_now == NULL || set_attr_long(p, "_clock", clock) < 0
+                 || set_attr_long(p, "_tracked", tracked) < 0 || PyObject_SetAttrString(p, "_tip", tip_now) < 0
+                 || PyObject_SetAttrString(p, "_reused", reused) < 0;
+        Py_XDECREF(tip_now);
+        if (err_type != NULL)
+            PyErr_Restore(err_type, err_value, err_tb);
+        else if (!rc)
+            result = PyLong_FromSsize_t(i);
+    }
+done:
+    release(&s.cls);
+    release(&s.where);
+    release(&s.uses);
+    release(&s.last);
+    release(&s.next);
+    release(&s.prev);
+    release(&s.ghost_cls);
+    release(&s.ghost_uses);
+    release(&s.ghost_last);
+    release(&s.ghost_live);
+    Py_XDECREF(s.ends);
+    Py_XDECREF(s.dirty);
+    Py_XDECREF(blocks);
+    Py_XDECREF(hashes);
+    Py_XDECREF(parents);
+    Py_XDECREF(parent_blocks);
+    Py_XDECREF(had_children);
+    Py_XDECREF(ghost_at);
+    Py_XDECREF(ghost_hash);
+    Py_XDECREF(ghost_recent);
+    Py_XDECREF(recent);
+    Py_XDECREF(shift);
+    Py_XDECREF(note);
+    Py_XDECREF(tip_obj);
+    Py_XDECREF(reused);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"book_inserts", (PyCFunction)(void (*)(void))book_inserts, METH_FASTCALL,
+     "book_inserts(policy, blocks, hashes, parents, parent_blocks, had_children, mark, start, class_of, "
+     "reuse_classes, reuse_ages) -> int: booking.book_inserts, compiled."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_booking", "The hit-density policy's insert booking, compiled (see booking.py).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__booking(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,8 @@
+from collections.abc import Sequence
+
+from kvkit.backends.eviction.hit_density import HitDensityPolicy
+from kvkit.interfaces.types import BlockHash, BlockId
+
+def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                 parents: Sequence[BlockHash | None], parent_blocks: Sequence[int], had_children: Sequence[bool],
+                 mark: int, start: int, class_of: bytes, reuse_classes: list[int], reuse_ages: list[int]) -> int: ...

@@ -1,0 +1,126 @@
+"""Booking inserted blocks into the hit-density policy's per-block state, one block after another.
+
+:func:`book_inserts` is the reference: the policy's insert hook calls
+:data:`BOOK_INSERTS`, which is the compiled ``_booking`` module's function of
+the same contract when the extension was built at install (it needs a C
+compiler; without one the install goes on and this function runs). The tests
+drive both on the same sequences and compare every array, map and counter.
+
+The contract, for the blocks ``start`` onwards of one insert call (ids already
+valid, the per-block arrays already sized, the chain index already holding the
+batch: ``parent_blocks`` and ``had_children`` are what it reported per block):
+
+* each block up to ``len(parent_blocks)`` (those the chain index took) is
+  booked in order: its reuse count (from its ghost, if the
+  ghost holds its hash: the reuse is learnt and appended to ``reuse_classes``
+  and ``reuse_ages``), last access, class and mark; the previous tip becomes
+  a parent or a leaf, a parent gains the parent kind; a block listed
+  (``mark`` is the listed mark) enters its class list, and a listed block whose
+  class changes moves to the young end of its new list;
+* the booking stops right after the block whose tick reaches the policy's
+  next refresh, and returns the index after the last block booked (the
+  caller refreshes and calls again from there), else ``len(blocks)``;
+* the policy's clock, tracked count, tip and last reused hash are written
+  back before it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from kvkit.interfaces.types import BlockHash, BlockId
+
+if TYPE_CHECKING:
+    from kvkit.backends.eviction.hit_density import HitDensityPolicy
+
+__all__ = ["BOOK_INSERTS", "COMPILED", "BookInserts", "book_inserts"]
+
+LEAF, PARENT, TIP, KINDS = 0, 1, 2, 3  # block kinds (the policy's LEAF, PARENT, TIP) and their count
+NONE = -1  # no block
+MAX_USES = 255  # reuse counts saturate here
+LISTED = 1  # the policy's mark of a block in a class list
+
+
+class BookInserts(Protocol):
+    def __call__(self, policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                 parents: Sequence[BlockHash | None], parent_blocks: Sequence[int], had_children: Sequence[bool],
+                 mark: int, start: int, class_of: bytes, reuse_classes: list[int], reuse_ages: list[int]) -> int:
+        """Book ``blocks[start:]`` (module docstring); ``class_of[3 * min(uses, 16) + kind]`` is a class."""
+
+
+def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                 parents: Sequence[BlockHash | None], parent_blocks: Sequence[int], had_children: Sequence[bool],
+                 mark: int, start: int, class_of: bytes, reuse_classes: list[int], reuse_ages: list[int]) -> int:
+    """Book ``blocks[start:]`` into ``policy``'s state until its next refresh is due (module docstring)."""
+    p = policy
+    classes, where, uses_of, last_of, move, ghost_at = p._cls, p._where, p._uses, p._last, p._move, p._ghost_at
+    ghost_last, ghost_cls, ghost_uses, ghost_live, ghost_hash, ghost_recent, base = p._ghost_last, \
+        p._ghost_cls, p._ghost_uses, p._ghost_live, p._ghost_hash, p._ghost_recent, p._ghost_base
+    recent, note, turnover = p._recent, p._shift.note, p._turnover
+    clock, tracked, tip, due, reused = p._clock, p._tracked, p._tip, p._next_refresh, p._reused
+    listed = mark == LISTED
+    top = len(class_of) // KINDS - 1  # the least count of the last reuse level
+    i, n = start, len(parent_blocks)
+    while i < n:
+        block, block_hash, parent, parent_block = blocks[i], hashes[i], parents[i], parent_blocks[i]
+        i += 1
+        if tip is not None:  # stored before: a tip no more, a parent if this store continued it, else a leaf
+            old = classes[tip]
+            classes[tip] = cls = old - TIP + (PARENT if parent_block == tip else LEAF)
+            if where[tip] == LISTED:  # a parked block enters its (new) class's list when unpinned
+                move(tip, old, cls)
+        clock += 1
+        at = ghost_at.pop(block_hash, None)
+        if at is None:
+            uses = 0
+        else:  # a reuse the cache missed: learn from it, keep the history
+            g = at - base
+            cls, age = ghost_cls[g], clock - ghost_last[g]
+            ghost_live[g] = 0
+            ghost_hash[g] = None
+            reuse_classes.append(cls)
+            reuse_ages.append(age)
+            # It starts a reuse run unless its parent, as linked (a hash under itself heads its
+            # chain), was reused just before.
+            if parent is None or parent == block_hash or parent != reused:
+                note(cls // KINDS)
+            reused = block_hash
+            gained = 1 + (age < turnover)  # back within a turnover: +1 more
+            recent[block] = ghost_recent.pop(block_hash, 0) + gained
+            uses = min(ghost_uses[g] + gained, MAX_USES)
+        row = KINDS * (uses if uses < top else top)
+        if had_children[i - 1]:
+            cls, tip = class_of[row + PARENT], None
+        else:
+            cls, tip = class_of[row + TIP], block
+        uses_of[block] = uses
+        last_of[block] = clock
+        classes[block] = cls
+        where[block] = mark  # a parked block keeps its class and enters its list when unpinned
+        if listed:
+            move(block, NONE, cls)
+        tracked += 1
+        if parent_block != NONE:
+            old = classes[parent_block]
+            kind = old % KINDS
+            if kind != PARENT:  # its class's kind changes, its reuse level stays
+                classes[parent_block] = cls = old - kind + PARENT
+                if where[parent_block] == LISTED:
+                    move(parent_block, old, cls)
+        if clock >= due:
+            break
+    p._clock, p._tracked, p._tip, p._reused = clock, tracked, tip, reused
+    return i
+
+
+COMPILED: BookInserts | None
+try:
+    from kvkit.backends.eviction.hit_density import _booking
+except ImportError:  # built without a C compiler: the reference runs
+    COMPILED = None
+else:
+    COMPILED = _booking.book_inserts
+
+BOOK_INSERTS: BookInserts = COMPILED or book_inserts
+"""The booking the policy runs: the compiled one where it was built, else :func:`book_inserts`."""

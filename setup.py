@@ -1,0 +1,9 @@
+"""The compiled part of kvkit: optional, every module has a pure-Python reference that runs without it."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[
+    # hit density's insert booking (backends/eviction/hit_density/booking.py holds the reference)
+    Extension("kvkit.backends.eviction.hit_density._booking", ["backends/eviction/hit_density/_booking.c"],
+              optional=True),
+])
