@@ -3,7 +3,7 @@
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    # hit density's insert booking (backends/eviction/hit_density/booking.py holds the reference)
+    # hit density's per-block bookkeeping loops (backends/eviction/hit_density/booking.py holds the reference)
     Extension("kvkit.backends.eviction.hit_density._booking", ["backends/eviction/hit_density/_booking.c"],
               optional=True),
 ])

@@ -17,7 +17,8 @@ from typing_extensions import override
 
 from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
-from kvkit.backends.eviction.hit_density.booking import BOOK_INSERTS, BookInserts
+from kvkit.backends.eviction.hit_density import booking
+from kvkit.backends.eviction.hit_density.booking import Booking
 from kvkit.backends.eviction.hit_density.census import strided
 from kvkit.backends.eviction.hit_density.density import HitDensityModel
 from kvkit.backends.eviction.hit_density.shift import ShiftTest
@@ -65,6 +66,7 @@ _TOP = REUSE_LEVELS[-1]
 # The class of every (uses, kind), uses capped at the last level's least count: a table read per call.
 _CLASS_OF = tuple(tuple(_KINDS * reuse_level(uses) + kind for kind in range(_KINDS)) for uses in range(_TOP + 1))
 _CLASS_TABLE = bytes(cls for row in _CLASS_OF for cls in row)  # the same, flat: [_KINDS * uses + kind]
+_BOOKING: Booking = booking.COMPILED or booking.REFERENCE
 
 
 def block_class(uses: int, kind: int) -> int:
@@ -303,8 +305,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _turnover: float = attrs.field(init=False, default=0.0)
     _last_removal: int = attrs.field(init=False, default=0)
     _next_refresh: int = attrs.field(init=False, default=_MIN_REFRESH)
-    # The insert booking: compiled where it was built (the tests set the reference to compare the two).
-    _book: BookInserts = attrs.field(init=False, default=BOOK_INSERTS, eq=False, repr=False)
+    # The per-block loops: compiled where they were built (the tests set the reference to compare the two).
+    _books: Booking = attrs.field(init=False, default=_BOOKING, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._shift = ShiftTest(len(REUSE_LEVELS), alpha=self.shift_alpha)
@@ -387,7 +389,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._grow(top + 1)
         pinned = mark == _PARKED
         parent_blocks, fresh, refusal = self._chains.add_many(self, blocks, hashes, parents, pinned)
-        book, record = self._book, self._model.record_reuses
+        book, record = self._books.book_inserts, self._model.record_reuses
         reuse_classes: list[int] = []  # the reuses learnt, recorded in one pass before the model is read
         reuse_ages: list[int] = []
         done = 0
@@ -448,16 +450,14 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 self._remove((block,))
             return
         block_hashes = self._chains.remove_many(self, blocks, leaving)  # the chains first (what follows reads none)
-        classes, where = self._cls, self._where
+        classes = self._cls
         recent, ghost_recent = self._recent, self._ghost_recent
         c, clock = max(self.c, 1), self._clock  # neither changes while blocks leave
         evictions, turnover, last = self._evictions, self._turnover, self._last_removal
         first = evictions + 1  # the first block's eviction number
         if self._tip in (leaving or blocks):
             self._tip = None
-        self._unlist([block for block in blocks if where[block] == _LISTED])
-        for block in blocks:
-            where[block] = _UNTRACKED
+        self._books.book_marks(self, blocks, _UNTRACKED)
         if recent:  # a block's reuses since the last refresh go with its ghost
             for block, block_hash in compress(zip(blocks, block_hashes), map(recent.__contains__, blocks)):
                 reuses = recent.pop(block)
@@ -513,31 +513,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def _pin(self, blocks: Sequence[BlockId]) -> None:
         if not self._all_marked(blocks, _LISTED, self._pin):
             return
-        where = self._where
-        self._unlist(blocks)
-        for block in blocks:
-            where[block] = _PARKED
+        self._books.book_marks(self, blocks, _PARKED)
         self._chains.pin_many(blocks)
-
-    def _unlist(self, blocks: Sequence[BlockId]) -> None:
-        """Take each of ``blocks`` (listed) out of its class's list, in order; the ends that change are marked dirty.
-
-        ``_move(block, its class, _NONE)`` for each, in one loop: the hot path of removals and pins.
-        """
-        classes, nxt, prv, ends, dirty = self._cls, self._next, self._prev, self._ends, self._dirty
-        for block in blocks:
-            cls = classes[block]
-            before, after = prv[block], nxt[block]
-            if before == _NONE:
-                ends[2 * cls] = after
-                dirty.add(2 * cls)
-            else:
-                nxt[before] = after
-            if after == _NONE:
-                ends[2 * cls + 1] = before
-                dirty.add(2 * cls + 1)
-            else:
-                prv[after] = before
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at its class's young end; its age still counts from its last use."""
@@ -550,21 +527,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def _unpin(self, blocks: Sequence[BlockId]) -> None:
         if not self._all_marked(blocks, _PARKED, self._unpin):
             return
-        where = self._where
-        classes, nxt, prv, ends, dirty = self._cls, self._next, self._prev, self._ends, self._dirty
-        for block in blocks:  # self._move(block, _NONE, its class), inlined: the hot path
-            young = 2 * classes[block] + 1
-            tail = ends[young]
-            prv[block] = tail
-            nxt[block] = _NONE
-            if tail == _NONE:
-                ends[young - 1] = block
-                dirty.add(young - 1)
-            else:
-                nxt[tail] = block
-            ends[young] = block
-            dirty.add(young)
-            where[block] = _LISTED
+        self._books.book_marks(self, blocks, _LISTED)
         self._chains.unpin_many(blocks)
 
     def _all_marked(self, blocks: Sequence[BlockId], mark: int,

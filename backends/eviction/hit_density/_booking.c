@@ -1,6 +1,6 @@
-/* The hit-density policy's insert booking, compiled: booking.book_inserts's contract, step for step.
+/* The hit-density policy's per-block bookkeeping loops, compiled: booking.py's functions, step for step.
  *
- * booking.py holds the reference and the contract; the tests run both on the same sequences and
+ * booking.py holds the reference and the contracts; the tests run both on the same calls and
  * compare the whole state. The policy's per-block arrays are read through the buffer protocol
  * (bytearrays of bytes, array('i') links, array('q') clocks); maps, the class-list ends and the
  * dirty set stay Python objects, updated as the reference updates them.
@@ -50,6 +50,56 @@ typedef struct {
     View cls, where, uses, last, next, prev, ghost_cls, ghost_uses, ghost_last, ghost_live;
     PyObject *ends, *dirty;
 } State;
+
+static PyObject *
+attr(PyObject *obj, const char *name)
+{
+    return PyObject_GetAttrString(obj, name);
+}
+
+/* A view of the policy's array attribute name. */
+static int
+view_of(PyObject *p, const char *name, View *v, Py_ssize_t itemsize)
+{
+    PyObject *o = attr(p, name);
+    if (o == NULL)
+        return -1;
+    int rc = view(o, v, itemsize, name);
+    Py_DECREF(o);
+    return rc;
+}
+
+/* The class lists: each block's class, mark and links, the lists' ends and their dirty set. */
+static int
+open_lists(PyObject *p, State *s)
+{
+    if (view_of(p, "_cls", &s->cls, 1) < 0 || view_of(p, "_where", &s->where, 1) < 0
+        || view_of(p, "_next", &s->next, 4) < 0 || view_of(p, "_prev", &s->prev, 4) < 0)
+        return -1;
+    if ((s->ends = attr(p, "_ends")) == NULL || (s->dirty = attr(p, "_dirty")) == NULL)
+        return -1;
+    if (!PyList_Check(s->ends) || !PySet_Check(s->dirty)) {
+        PyErr_SetString(PyExc_TypeError, "booking: the policy's list ends are not a list, or its dirty set no set");
+        return -1;
+    }
+    Py_ssize_t size = items(&s->where);
+    if (items(&s->cls) < size || items(&s->next) < size || items(&s->prev) < size) {
+        PyErr_SetString(PyExc_ValueError, "booking: the per-block arrays differ in size");
+        return -1;
+    }
+    return 0;
+}
+
+static void
+close_state(State *s)
+{
+    View *views[] = {&s->cls, &s->where, &s->uses, &s->last, &s->next, &s->prev,
+                     &s->ghost_cls, &s->ghost_uses, &s->ghost_last, &s->ghost_live};
+    for (size_t k = 0; k < sizeof views / sizeof views[0]; k++)
+        release(views[k]);
+    Py_CLEAR(s->ends);
+    Py_CLEAR(s->dirty);
+}
 
 static int
 set_int_item(PyObject *list, Py_ssize_t index, long value)
@@ -117,12 +167,6 @@ move(State *s, long block, long old, long new)
             return -1;
     }
     return 0;
-}
-
-static PyObject *
-attr(PyObject *obj, const char *name)
-{
-    return PyObject_GetAttrString(obj, name);
 }
 
 static int
@@ -229,34 +273,18 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
 
-#define VIEW(field, name, size)                                     \
-    do {                                                            \
-        PyObject *o_ = attr(p, name);                               \
-        if (o_ == NULL)                                             \
-            goto done;                                              \
-        int rc_ = view(o_, &s.field, size, name);                   \
-        Py_DECREF(o_);                                              \
-        if (rc_ < 0)                                                \
-            goto done;                                              \
-    } while (0)
-    VIEW(cls, "_cls", 1);
-    VIEW(where, "_where", 1);
-    VIEW(uses, "_uses", 1);
-    VIEW(last, "_last", 8);
-    VIEW(next, "_next", 4);
-    VIEW(prev, "_prev", 4);
-    VIEW(ghost_cls, "_ghost_cls", 1);
-    VIEW(ghost_uses, "_ghost_uses", 1);
-    VIEW(ghost_last, "_ghost_last", 8);
-    VIEW(ghost_live, "_ghost_live", 1);
-#undef VIEW
-    if ((s.ends = attr(p, "_ends")) == NULL || (s.dirty = attr(p, "_dirty")) == NULL
-        || (ghost_at = attr(p, "_ghost_at")) == NULL || (ghost_hash = attr(p, "_ghost_hash")) == NULL
+    if (open_lists(p, &s) < 0)
+        goto done;
+    if (view_of(p, "_uses", &s.uses, 1) < 0 || view_of(p, "_last", &s.last, 8) < 0
+        || view_of(p, "_ghost_cls", &s.ghost_cls, 1) < 0 || view_of(p, "_ghost_uses", &s.ghost_uses, 1) < 0
+        || view_of(p, "_ghost_last", &s.ghost_last, 8) < 0 || view_of(p, "_ghost_live", &s.ghost_live, 1) < 0)
+        goto done;
+    if ((ghost_at = attr(p, "_ghost_at")) == NULL || (ghost_hash = attr(p, "_ghost_hash")) == NULL
         || (ghost_recent = attr(p, "_ghost_recent")) == NULL || (recent = attr(p, "_recent")) == NULL
         || (shift = attr(p, "_shift")) == NULL || (note = attr(shift, "note")) == NULL
         || (tip_obj = attr(p, "_tip")) == NULL || (reused = attr(p, "_reused")) == NULL)
         goto done;
-    if (!PyList_Check(s.ends) || !PySet_Check(s.dirty) || !PyDict_Check(ghost_at) || !PyList_Check(ghost_hash)
+    if (!PyDict_Check(ghost_at) || !PyList_Check(ghost_hash)
         || !PyDict_Check(ghost_recent) || !PyDict_Check(recent)) {
         PyErr_SetString(PyExc_TypeError, "book_inserts: the policy's maps, ends and dirty set have other types");
         goto done;
@@ -281,8 +309,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     unsigned char *uses_of = (unsigned char *)s.uses.buf.buf;
     int64_t *last_of = (int64_t *)s.last.buf.buf;
     Py_ssize_t size = items(&s.where);
-    if (items(&s.cls) < size || items(&s.uses) < size || items(&s.last) < size || items(&s.next) < size
-        || items(&s.prev) < size) {
+    if (items(&s.uses) < size || items(&s.last) < size) {
         PyErr_SetString(PyExc_ValueError, "book_inserts: the per-block arrays differ in size");
         goto done;
     }
@@ -415,18 +442,7 @@ stop:
             result = PyLong_FromSsize_t(i);
     }
 done:
-    release(&s.cls);
-    release(&s.where);
-    release(&s.uses);
-    release(&s.last);
-    release(&s.next);
-    release(&s.prev);
-    release(&s.ghost_cls);
-    release(&s.ghost_uses);
-    release(&s.ghost_last);
-    release(&s.ghost_live);
-    Py_XDECREF(s.ends);
-    Py_XDECREF(s.dirty);
+    close_state(&s);
     Py_XDECREF(blocks);
     Py_XDECREF(hashes);
     Py_XDECREF(parents);
@@ -443,15 +459,58 @@ done:
     return result;
 }
 
+static PyObject *
+book_marks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "book_marks takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *p = args[0], *blocks = NULL, *result = NULL;
+    long mark = PyLong_AsLong(args[2]);
+    if (mark == -1 && PyErr_Occurred())
+        return NULL;
+    if (mark < 0 || mark > 255) {
+        PyErr_Format(PyExc_ValueError, "book_marks: mark %ld is not a byte", mark);
+        return NULL;
+    }
+    State s;
+    memset(&s, 0, sizeof s);
+    if ((blocks = PySequence_Fast(args[1], "book_marks: blocks")) == NULL || open_lists(p, &s) < 0)
+        goto done;
+    unsigned char *classes = (unsigned char *)s.cls.buf.buf, *where = (unsigned char *)s.where.buf.buf;
+    Py_ssize_t size = items(&s.where), n = PySequence_Fast_GET_SIZE(blocks);
+    int listed = mark == LISTED;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long block = PyLong_AsLong(PySequence_Fast_GET_ITEM(blocks, i));
+        if ((block == -1 && PyErr_Occurred()) || checked_index(block, size, "block") < 0)
+            goto done;
+        long cls = classes[block];
+        if (where[block] == LISTED && move(&s, block, cls, NONE) < 0) /* out of its list */
+            goto done;
+        if (listed && move(&s, block, NONE, cls) < 0) /* in at its young end */
+            goto done;
+        where[block] = (unsigned char)mark;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    close_state(&s);
+    Py_XDECREF(blocks);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"book_inserts", (PyCFunction)(void (*)(void))book_inserts, METH_FASTCALL,
      "book_inserts(policy, blocks, hashes, parents, parent_blocks, had_children, mark, start, class_of, "
      "reuse_classes, reuse_ages) -> int: booking.book_inserts, compiled."},
+    {"book_marks", (PyCFunction)(void (*)(void))book_marks, METH_FASTCALL,
+     "book_marks(policy, blocks, mark) -> None: booking.book_marks, compiled."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_booking", "The hit-density policy's insert booking, compiled (see booking.py).",
+    PyModuleDef_HEAD_INIT, "_booking", "The hit-density policy's per-block bookkeeping loops, compiled (see booking.py).",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -1,14 +1,15 @@
-"""Booking inserted blocks into the hit-density policy's per-block state, one block after another.
+"""The hit-density policy's per-block bookkeeping loops, one block after another.
 
-:func:`book_inserts` is the reference: the policy's insert hook calls
-:data:`BOOK_INSERTS`, which is the compiled ``_booking`` module's function of
-the same contract when the extension was built at install (it needs a C
-compiler; without one the install goes on and this function runs). The tests
-drive both on the same sequences and compare every array, map and counter.
+This module's functions are the reference (:data:`REFERENCE`): the policy runs
+:data:`COMPILED`, the compiled ``_booking`` module's functions of the same
+contracts, when the extension was built at install (it needs a C compiler;
+without one the install goes on and the reference runs). The tests drive both
+on the same calls and compare every array, map and counter.
 
-The contract, for the blocks ``start`` onwards of one insert call (ids already
-valid, the per-block arrays already sized, the chain index already holding the
-batch: ``parent_blocks`` and ``had_children`` are what it reported per block):
+:func:`book_inserts`, for the blocks ``start`` onwards of one insert call (ids
+already valid, the per-block arrays already sized, the chain index already
+holding the batch: ``parent_blocks`` and ``had_children`` are what it reported
+per block):
 
 * each block up to ``len(parent_blocks)`` (those the chain index took) is
   booked in order: its reuse count (from its ghost, if the
@@ -19,22 +20,27 @@ batch: ``parent_blocks`` and ``had_children`` are what it reported per block):
   class changes moves to the young end of its new list;
 * the booking stops right after the block whose tick reaches the policy's
   next refresh, and returns the index after the last block booked (the
-  caller refreshes and calls again from there), else ``len(blocks)``;
+  caller refreshes and calls again from there), else ``len(parent_blocks)``;
 * the policy's clock, tracked count, tip and last reused hash are written
   back before it returns.
+
+:func:`book_marks` moves tracked blocks between the places a block can be
+(listed, parked, untracked): each block, in order, leaves its class list if
+it is listed, enters the young end of its class's list if the new mark is the
+listed one, and takes the mark. The ends that change are marked dirty.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvkit.interfaces.types import BlockHash, BlockId
 
 if TYPE_CHECKING:
     from kvkit.backends.eviction.hit_density import HitDensityPolicy
 
-__all__ = ["BOOK_INSERTS", "COMPILED", "BookInserts", "book_inserts"]
+__all__ = ["COMPILED", "REFERENCE", "Booking", "book_inserts", "book_marks"]
 
 LEAF, PARENT, TIP, KINDS = 0, 1, 2, 3  # block kinds (the policy's LEAF, PARENT, TIP) and their count
 NONE = -1  # no block
@@ -47,6 +53,18 @@ class BookInserts(Protocol):
                  parents: Sequence[BlockHash | None], parent_blocks: Sequence[int], had_children: Sequence[bool],
                  mark: int, start: int, class_of: bytes, reuse_classes: list[int], reuse_ages: list[int]) -> int:
         """Book ``blocks[start:]`` (module docstring); ``class_of[3 * min(uses, 16) + kind]`` is a class."""
+
+
+class BookMarks(Protocol):
+    def __call__(self, policy: HitDensityPolicy, blocks: Sequence[BlockId], mark: int) -> None:
+        """Give each block ``mark``, leaving or entering its class list (module docstring)."""
+
+
+class Booking(NamedTuple):
+    """The loops of one implementation (functions: a policy holding them copies and pickles)."""
+
+    book_inserts: BookInserts
+    book_marks: BookMarks
 
 
 def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
@@ -114,13 +132,46 @@ def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Se
     return i
 
 
-COMPILED: BookInserts | None
+def book_marks(policy: HitDensityPolicy, blocks: Sequence[BlockId], mark: int) -> None:
+    """Give each of ``blocks`` (tracked, distinct) ``mark``, leaving or entering its class list (module docstring)."""
+    where, classes, nxt, prv, ends, dirty = policy._where, policy._cls, policy._next, policy._prev, policy._ends, \
+        policy._dirty
+    listed = mark == LISTED
+    for block in blocks:
+        cls = classes[block]
+        if where[block] == LISTED:  # out of its list
+            before, after = prv[block], nxt[block]
+            if before == NONE:
+                ends[2 * cls] = after
+                dirty.add(2 * cls)
+            else:
+                nxt[before] = after
+            if after == NONE:
+                ends[2 * cls + 1] = before
+                dirty.add(2 * cls + 1)
+            else:
+                prv[after] = before
+        if listed:  # in at its young end
+            young = 2 * cls + 1
+            tail = ends[young]
+            prv[block] = tail
+            nxt[block] = NONE
+            if tail == NONE:
+                ends[young - 1] = block
+                dirty.add(young - 1)
+            else:
+                nxt[tail] = block
+            ends[young] = block
+            dirty.add(young)
+        where[block] = mark
+
+
+REFERENCE = Booking(book_inserts, book_marks)
+
+COMPILED: Booking | None
 try:
     from kvkit.backends.eviction.hit_density import _booking
 except ImportError:  # built without a C compiler: the reference runs
     COMPILED = None
 else:
-    COMPILED = _booking.book_inserts
-
-BOOK_INSERTS: BookInserts = COMPILED or book_inserts
-"""The booking the policy runs: the compiled one where it was built, else :func:`book_inserts`."""
+    COMPILED = Booking(_booking.book_inserts, _booking.book_marks)

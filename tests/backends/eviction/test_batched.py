@@ -13,8 +13,7 @@ from kvkit.backends.allocator.pool import BlockPool
 from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction._queue import _CHUNK, _SortedKeys
 from kvkit.backends.eviction.fifo import FIFOPolicy
-from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy
-from kvkit.backends.eviction.hit_density.booking import book_inserts
+from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy, booking
 from kvkit.backends.eviction.hit_density.density import HitDensityModel, isotonic
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import ConfigError, PoolUsageError
@@ -25,13 +24,13 @@ _CLASSES = 3 * len(REUSE_LEVELS)
 
 class PerBlockHitDensity(HitDensityPolicy):
     """Hit density without the batch capability: a pool calls its per-block hooks, one block at a time,
-    and it books inserts with the pure-Python reference (the batched twin runs the compiled one, if built)."""
+    and it runs the pure-Python booking loops (the batched twin runs the compiled ones, where built)."""
 
     insert_pinned = pin_many = unpin_many = access_many = remove_many = None  # type: ignore[assignment]
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self._book = book_inserts
+        self._books = booking.REFERENCE
 
 
 class PerBlockLRU(LRUPolicy):

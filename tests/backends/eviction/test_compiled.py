@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from kvkit.backends.eviction.hit_density import HitDensityPolicy, booking
 
 pytestmark = pytest.mark.skipif(booking.COMPILED is None and shutil.which("cc") is None,
-                                reason="no C compiler: the compiled booking was not built")
+                                reason="no C compiler: the compiled loops were not built")
 
 
 def test_the_compiled_booking_was_built() -> None:
-    """Where a C compiler is, the install built the booking, and the policy runs it by default."""
+    """Where a C compiler is, the install built the booking loops, and the policy runs them by default."""
     assert booking.COMPILED is not None, "pip install -e . did not build hit_density/_booking.c"
-    assert HitDensityPolicy()._book is booking.COMPILED
+    assert HitDensityPolicy()._books is booking.COMPILED
 
 
 def _state(policy: HitDensityPolicy) -> dict[str, Any]:
@@ -42,11 +42,12 @@ def _hash(conversation: int, position: int) -> int:
     return conversation * 1000 + position + 1
 
 
-# Stores of chain pieces (listed one block at a time, or parked as a batch), hits, unpins and evictions.
+# Stores of chain pieces (listed one block at a time, or parked as a batch), hits, pins, unpins and evictions.
 _OPS = st.lists(st.one_of(
     st.tuples(st.just("store"), st.integers(0, 6), st.integers(0, 12), st.integers(1, 40), st.booleans()),
     st.tuples(st.just("hit"), st.integers(0, 6), st.integers(1, 12), st.integers(1, 6)),
     st.tuples(st.just("unpin"), st.integers(0, 40)),
+    st.tuples(st.just("pin"), st.integers(0, 12)),
     st.tuples(st.just("evict"), st.integers(1, 30)),
 ), max_size=80)
 
@@ -56,11 +57,11 @@ _OPS = st.lists(st.one_of(
          span=2.0)  # a chain hit six times, evicted and stored again: its ghost's reuses climb past 3
 @given(ops=_OPS, capacity=st.sampled_from([None, 4, 16]), span=st.sampled_from([1.0, 2.0]))
 def test_compiled_booking_is_the_reference(ops: list[tuple[Any, ...]], capacity: int | None, span: float) -> None:
-    """Two policies take the same calls, one booking inserts compiled, one with :func:`booking.book_inserts`.
+    """Two policies take the same calls, one running the compiled booking loops, one the reference.
     Small capacities refresh the model inside a batch (the booking stops and resumes), and evicted chains
     stored again hit the ghost: after every call both hold the same state, and make the same choices."""
     twins = [HitDensityPolicy(capacity=capacity, ghost_span=span) for _ in range(2)]
-    twins[1]._book = booking.book_inserts
+    twins[1]._books = booking.REFERENCE
     compiled, reference = twins
     free = list(range(200))
     block_of: dict[int, int] = {}  # hash -> its tracked block
@@ -88,6 +89,11 @@ def test_compiled_booking_is_the_reference(ops: list[tuple[Any, ...]], capacity:
             hit = [block_of[h] for h in (_hash(conversation, i) for i in range(length)) if h in block_of]
             for policy in twins:
                 policy.access_many(hit * times)
+        elif op[0] == "pin":
+            pinning = [block for block in block_of.values() if block not in parked][:op[1]]
+            for policy in twins:
+                policy.pin_many(pinning)
+            parked += pinning
         elif op[0] == "unpin":
             leaving, parked = parked[:op[1]], parked[op[1]:]
             for policy in twins:
