@@ -1,7 +1,10 @@
-"""Shared test configuration: Hypothesis profiles, the GPU marker and shared fixtures."""
+"""Shared test configuration: Hypothesis profiles, the GPU and compiler markers and shared fixtures."""
 
 import builtins
 import os
+import shutil
+import sysconfig
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -25,14 +28,19 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _has_compiler() -> bool:
+    return shutil.which("cc") is not None and Path(sysconfig.get_paths()["include"], "Python.h").exists()
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip ``@pytest.mark.gpu`` tests cleanly on machines without CUDA."""
-    if _has_cuda():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    """Skip ``@pytest.mark.gpu`` tests cleanly on machines without CUDA, ``@pytest.mark.compiler`` ones on
+    machines that cannot build C extensions (there kvkit installs and runs its pure-Python loops)."""
+    missing = {"gpu": None if _has_cuda() else pytest.mark.skip(reason="needs a CUDA GPU"),
+               "compiler": None if _has_compiler() else pytest.mark.skip(reason="needs a C compiler and Python.h")}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in missing.items():
+            if skip is not None and marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture

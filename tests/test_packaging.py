@@ -49,7 +49,7 @@ def test_wheel_contains_every_subpackage(wheel_names):
     assert {"kvkit/py.typed", "kvkit/interfaces/__init__.py", "kvkit/backends/__init__.py"} <= wheel_names
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the wheel is pure Python")
+@pytest.mark.compiler
 def test_wheel_carries_the_compiled_booking(wheel_names):
     """Where a C compiler is, the build compiles hit density's insert booking into the wheel."""
     assert any(name.startswith("kvkit/backends/eviction/hit_density/_booking.") and name.endswith(".so")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from typing import Any
 
 import pytest
@@ -11,10 +10,8 @@ from hypothesis import strategies as st
 
 from kvkit.backends.eviction.hit_density import HitDensityPolicy, booking
 
-pytestmark = pytest.mark.skipif(booking.COMPILED is None and shutil.which("cc") is None,
-                                reason="no C compiler: the compiled loops were not built")
 
-
+@pytest.mark.compiler
 def test_the_compiled_booking_was_built() -> None:
     """Where a C compiler is, the install built the booking loops, and the policy runs them by default."""
     assert booking.COMPILED is not None, "pip install -e . did not build hit_density/_booking.c"
@@ -52,6 +49,7 @@ _OPS = st.lists(st.one_of(
 ), max_size=80)
 
 
+@pytest.mark.skipif(booking.COMPILED is None, reason="the compiled loops were not built")
 @settings(max_examples=150, deadline=None)
 @example(ops=[("store", 0, 0, 4, False), ("hit", 0, 4, 6), ("evict", 4), ("store", 0, 0, 4, True)], capacity=16,
          span=2.0)  # a chain hit six times, evicted and stored again: its ghost's reuses climb past 3
