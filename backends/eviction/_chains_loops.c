@@ -249,14 +249,25 @@ append_long(PyObject *list, long value)
     return rc;
 }
 
-/* queue.<name>(block, *more): its result dropped. */
+/* The names of the methods called back, interned at import. */
+static PyObject *name_add, *name_remove, *name_remove_many, *name_get;
+
+/* obj.<name>(arg, *more): a new reference. */
+static PyObject *
+call(PyObject *obj, PyObject *name, PyObject *arg, PyObject *more)
+{
+    PyObject *argv[3] = {obj, arg, more};
+    return PyObject_VectorcallMethod(name, argv, (more == NULL ? 2 : 3) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* queue.<name>(block, *more), its result dropped. */
 static int
-call_queue(PyObject *queue, const char *name, long block, PyObject *more)
+call_queue(PyObject *queue, PyObject *name, long block, PyObject *more)
 {
     PyObject *b = PyLong_FromLong(block);
     if (b == NULL)
         return -1;
-    PyObject *r = PyObject_CallMethod(queue, name, more == NULL ? "(O)" : "(OO)", b, more);
+    PyObject *r = call(queue, name, b, more);
     Py_DECREF(b);
     Py_XDECREF(r);
     return r == NULL ? -1 : 0;
@@ -359,7 +370,7 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int pinned_true = PyObject_IsTrue(pinned);
     if (pinned_true < 0 || (parent_blocks = PyList_New(0)) == NULL || (fresh = PyList_New(0)) == NULL)
         goto done;
-    PyObject *last_hash = NULL; /* the hash of the block added last in this call (borrowed from hashes) */
+    PyObject *last_hash = NULL, *last_obj = NULL; /* the block added last in this call and its hash (borrowed) */
     long last_block = NONE;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *block_obj = PyTuple_GET_ITEM(blocks, i), *block_hash = PyTuple_GET_ITEM(hashes, i);
@@ -404,7 +415,7 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             c.first[block] = (int32_t)first;
             long child = first;
             while (1) {
-                if (call_queue(c.orphans, "remove", child, NULL) < 0)
+                if (call_queue(c.orphans, name_remove, child, NULL) < 0)
                     goto done;
                 PyObject *key = PyLong_FromLong(child);
                 if (key == NULL)
@@ -423,9 +434,10 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         if (PyList_Append(fresh, first != NONE ? Py_True : Py_False) < 0)
             goto done;
-        PyObject *previous_hash = last_hash;
+        PyObject *previous_hash = last_hash, *previous_obj = last_obj;
         long previous = last_block;
         last_hash = block_hash;
+        last_obj = block_obj;
         last_block = block;
         int heads = parent == Py_None;
         if (!heads && (heads = PyObject_RichCompareBool(parent, block_hash, Py_EQ)) < 0)
@@ -438,53 +450,55 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         /* A chain stored in one call names the block added just before: tracked, no lookup needed. */
         long parent_block = NONE;
-        int found = 0;
+        PyObject *parent_obj = NULL; /* the parent's block, as the reference reports it */
         int same = previous_hash != NULL ? PyObject_RichCompareBool(parent, previous_hash, Py_EQ) : 0;
         if (same < 0)
             goto done;
         if (same) {
             parent_block = previous;
-            found = 1;
+            parent_obj = Py_NewRef(previous_obj);
         }
         else {
             PyObject *v;
-            if (PyDict_CheckExact(c.block_of)) {
-                v = PyDict_GetItemWithError(c.block_of, parent);
-                Py_XINCREF(v);
-            }
+            if (PyDict_CheckExact(c.block_of))
+                v = Py_XNewRef(PyDict_GetItemWithError(c.block_of, parent));
             else
-                v = PyObject_CallMethod(c.block_of, "get", "(O)", parent);
+                v = call(c.block_of, name_get, parent, NULL);
             if (v == NULL && PyErr_Occurred())
                 goto done;
             if (v != NULL && v != Py_None) {
-                int rc = as_block(v, &parent_block);
-                Py_DECREF(v);
-                if (rc < 0)
+                if (as_block(v, &parent_block) < 0) {
+                    Py_DECREF(v);
                     goto done;
+                }
                 if (parent_block < 0) {
+                    Py_DECREF(v);
                     PyErr_Format(PyExc_IndexError, "FlatChains: the index maps a hash to block %ld", parent_block);
                     goto done;
                 }
-                found = parent_block < c.size && c.up[parent_block] != UNTRACKED;
+                if (parent_block < c.size && c.up[parent_block] != UNTRACKED)
+                    parent_obj = v;
+                else
+                    Py_DECREF(v);
             }
             else
                 Py_XDECREF(v);
         }
-        if (!found) {
+        if (parent_obj == NULL) { /* an orphan: its parent hash is not tracked */
             long ring;
             c.up[block] = ORPHAN;
             if (PyDict_SetItem(c.orphan_of, block_obj, parent) < 0)
                 goto done;
-            PyObject *w = PyDict_GetItemWithError(c.waiting, parent);
+            PyObject *w = PyDict_GetItemWithError(c.waiting, parent); /* borrowed */
             long waiting_first = NONE;
             if ((w == NULL && PyErr_Occurred()) || (w != NULL && as_block(w, &waiting_first) < 0)
-                || link_ring(&c, block, waiting_first, &ring) < 0 || set_long(c.waiting, parent, ring) < 0)
+                || link_ring(&c, block, waiting_first, &ring) < 0
+                || (w == NULL && PyDict_SetItem(c.waiting, parent, block_obj) < 0)) /* (else its first stays) */
                 goto done;
             int parked_too = 0;
             if (!pinned_true && is_parked(&c, block, &parked_too) < 0)
                 goto done;
-            PyObject *r = PyObject_CallMethod(c.orphans, "add", "(OO)", block_obj,
-                                              pinned_true ? pinned : parked_too ? Py_True : Py_False);
+            PyObject *r = call(c.orphans, name_add, block_obj, pinned_true ? pinned : parked_too ? Py_True : Py_False);
             if (r == NULL)
                 goto done;
             Py_DECREF(r);
@@ -493,20 +507,19 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             continue;
         }
         c.up[block] = (int32_t)parent_block;
-        long head = c.first[parent_block];
+        long head = c.first[parent_block], ring;
+        int rc = 0;
         if (head == NONE)
             c.nxt[block] = c.prv[block] = c.first[parent_block] = (int32_t)block;
-        else {
-            long ring;
-            if (link_ring(&c, block, head, &ring) < 0)
-                goto done;
+        else
+            rc = link_ring(&c, block, head, &ring);
+        if (rc == 0 && c.held != NULL) {
+            int in = PySet_Contains(c.held, parent_obj);
+            rc = in < 0 || (in && drop_walk(chains, &c) < 0); /* a new child of a block the walk has passed */
         }
-        if (c.held != NULL) {
-            int in = holds(c.held, parent_block);
-            if (in < 0 || (in && drop_walk(chains, &c) < 0)) /* a new child of a block the walk has passed */
-                goto done;
-        }
-        if (append_long(parent_blocks, parent_block) < 0)
+        rc = rc || PyList_Append(parent_blocks, parent_obj) < 0;
+        Py_DECREF(parent_obj);
+        if (rc)
             goto done;
     }
 answer:
@@ -615,7 +628,7 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (checked)
                 rc = PyList_Append(unqueued, block_obj);
             else
-                rc = call_queue(c.orphans, "remove", block, NULL);
+                rc = call_queue(c.orphans, name_remove, block, NULL);
             PyObject *w = rc < 0 ? NULL : PyDict_GetItemWithError(c.waiting, parent);
             long first = NONE, rest = NONE;
             if (w == NULL && rc == 0 && !PyErr_Occurred())
@@ -697,7 +710,7 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         long child_k = staying[k];
                         int parked_child;
                         if (is_parked(&c, child_k, &parked_child) < 0
-                            || call_queue(c.orphans, "add", child_k, parked_child ? Py_True : Py_False) < 0)
+                            || call_queue(c.orphans, name_add, child_k, parked_child ? Py_True : Py_False) < 0)
                             goto done;
                         PyObject *key = PyLong_FromLong(child_k);
                         if (key == NULL)
@@ -729,7 +742,7 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     {
-        PyObject *r = PyObject_CallMethod(c.orphans, "remove_many", "(O)", unqueued);
+        PyObject *r = call(c.orphans, name_remove_many, unqueued, NULL);
         if (r == NULL)
             goto done;
         Py_DECREF(r);
@@ -763,5 +776,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__chains_loops(void)
 {
+    if ((name_add = PyUnicode_InternFromString("add")) == NULL
+        || (name_remove = PyUnicode_InternFromString("remove")) == NULL
+        || (name_remove_many = PyUnicode_InternFromString("remove_many")) == NULL
+        || (name_get = PyUnicode_InternFromString("get")) == NULL)
+        return NULL;
     return PyModule_Create(&module);
 }
