@@ -129,6 +129,8 @@ _CHAIN_OPS = st.lists(st.one_of(
 @example(ops=[("add", [(1, 5, 3), (2, 6, 3), (3, 7, 3)], False, list), ("remove", [1], False, list),
               ("add", [(4, 8, 3)], True, list), ("add", [(0, 3, None)], False, list),
               ("remove", [0, 1], True, list), ("remove", [1], False, list)], shared=False)  # sibling orphans
+@example(ops=[("add", [(0, 1, None), (1, 2, 1), (2, 3, 1), (3, 4, 1)], False, list), ("remove", [1], False, list),
+              ("remove", [2], False, list), ("add", [(4, 5, 1)], False, list)], shared=False)  # siblings leave
 @example(ops=[("add", [(0, 1, None), (1, 2, "previous"), (2, 3, "previous"), (3, 4, "previous")], False, list),
               ("collect", 0, 1), ("remove", [1], True, tuple)], shared=False)  # a kept walk loses a block
 @given(ops=_CHAIN_OPS, shared=st.booleans())
