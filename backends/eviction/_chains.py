@@ -57,13 +57,13 @@ _INT = {int}
 class AddMany(Protocol):
     def __call__(self, chains: FlatChains, owner: object, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
                  parents: Sequence[BlockHash | None],
-                 pinned: bool) -> tuple[list[int], list[bool], PoolUsageError | None]:
+                 pinned: bool, /) -> tuple[list[int], list[bool], PoolUsageError | None]:
         """:meth:`FlatChains.add_many` of ``chains``."""
 
 
 class RemoveMany(Protocol):
     def __call__(self, chains: FlatChains, owner: object, blocks: Sequence[BlockId],
-                 leaving: frozenset[int] | None) -> list[BlockHash]:
+                 leaving: frozenset[int] | None, /) -> list[BlockHash]:
         """:meth:`FlatChains.remove_many` of ``chains``."""
 
 

@@ -8,8 +8,9 @@
  *
  * Inputs the loops do not take at C speed (sequences other than lists and tuples, block ids that are
  * not ints inside the arrays, maps other than dicts, a hash list other than a list) run the reference
- * for the whole call: nothing is changed before that choice. Every index read from the arrays is
- * checked before use: one outside them raises IndexError, never writes.
+ * for the whole call: nothing is changed before that choice. Every index read from the arrays, the
+ * driver's index or the caller's leaving set is checked before use: one outside the arrays raises
+ * IndexError and writes nothing (where the reference would index a negative one from the end).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
