@@ -6,4 +6,6 @@ setup(ext_modules=[
     # hit density's per-block bookkeeping loops (backends/eviction/hit_density/booking.py holds the reference)
     Extension("kvkit.backends.eviction.hit_density._booking", ["backends/eviction/hit_density/_booking.c"],
               optional=True),
+    # the chain index's batch loops (backends/eviction/_chains.py holds the references)
+    Extension("kvkit.backends.eviction._chains_loops", ["backends/eviction/_chains_loops.c"], optional=True),
 ])

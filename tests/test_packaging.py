@@ -50,9 +50,11 @@ def test_wheel_contains_every_subpackage(wheel_names):
 
 
 @pytest.mark.compiler
-def test_wheel_carries_the_compiled_booking(wheel_names):
-    """Where a C compiler is, the build compiles hit density's insert booking into the wheel."""
-    assert any(name.startswith("kvkit/backends/eviction/hit_density/_booking.") and name.endswith(".so")
+@pytest.mark.parametrize("module", ["hit_density/_booking", "_chains_loops"])
+def test_wheel_carries_the_compiled_loops(wheel_names, module):
+    """Where a C compiler is, the build compiles hit density's booking loops and the chain index's batch
+    loops into the wheel."""
+    assert any(name.startswith(f"kvkit/backends/eviction/{module}.") and name.endswith(".so")
                for name in wheel_names)
 
 

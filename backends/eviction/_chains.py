@@ -22,13 +22,20 @@ deterministic and survive ``deepcopy``.
 
 A hash is never its own prefix: a block stored under its own hash as its
 parent heads its chain (it is no orphan and has no child).
+
+The batch loops, :meth:`FlatChains.add_many` and :meth:`FlatChains.remove_many`,
+run the compiled ``_chains_loops`` module's functions where the extension was
+built at install (it needs a C compiler), else their Python references
+(:meth:`FlatChains.add_many_reference`, :meth:`FlatChains.remove_many_reference`),
+which hold the contract; the tests drive both on the same calls and compare
+the whole state.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 import attrs
 
@@ -45,6 +52,19 @@ _ORPHAN = -2  # in _up: the parent hash is not tracked (it is in _orphan_of)
 _UNTRACKED = -3  # in _up: no block is tracked under this id
 _LEFT = -4  # in _up, only within remove_many: its parent left earlier in the call and it leaves later
 _INT = {int}
+
+
+class AddMany(Protocol):
+    def __call__(self, chains: FlatChains, owner: object, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                 parents: Sequence[BlockHash | None],
+                 pinned: bool, /) -> tuple[list[int], list[bool], PoolUsageError | None]:
+        """:meth:`FlatChains.add_many` of ``chains``."""
+
+
+class RemoveMany(Protocol):
+    def __call__(self, chains: FlatChains, owner: object, blocks: Sequence[BlockId],
+                 leaving: frozenset[int] | None, /) -> list[BlockHash]:
+        """:meth:`FlatChains.remove_many` of ``chains``."""
 
 
 @attrs.define
@@ -121,6 +141,10 @@ class FlatChains:
     _waiting: dict[BlockHash, int] = attrs.field(factory=dict, init=False, repr=False)
     _orphans: ParkingQueue = attrs.field(factory=ParkingQueue, init=False, repr=False)
     _walk: _Walk | None = attrs.field(default=None, init=False, repr=False)
+    # The batch loops: compiled where they were built (the tests set the references to compare the two).
+    _add_many: AddMany = attrs.field(init=False, eq=False, repr=False, default=attrs.Factory(lambda: ADD_MANY))
+    _remove_many: RemoveMany = attrs.field(init=False, eq=False, repr=False,
+                                           default=attrs.Factory(lambda: REMOVE_MANY))
 
     def grow(self, size: int) -> None:
         """Make room for block ids below ``size``."""
@@ -179,6 +203,12 @@ class FlatChains:
         raises once it has booked those added (a refused block and those
         after it change nothing).
         """
+        return self._add_many(self, owner, blocks, hashes, parents, pinned)
+
+    def add_many_reference(self, owner: object, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
+                           parents: Sequence[BlockHash | None],
+                           pinned: bool = False) -> tuple[list[int], list[bool], PoolUsageError | None]:
+        """:meth:`add_many` in Python: the reference of the compiled loop."""
         up, first_of, nxt, prv = self._up, self._first, self._next, self._prev
         waiting, orphans, orphan_of, own, hash_of = self._waiting, self._orphans, self._orphan_of, self._own, \
             self._hash
@@ -257,6 +287,11 @@ class FlatChains:
         Raises:
             PoolUsageError: a block is not tracked (those before it are removed).
         """
+        return self._remove_many(self, owner, blocks, leaving)
+
+    def remove_many_reference(self, owner: object, blocks: Sequence[BlockId],
+                              leaving: frozenset[int] | None = None) -> list[BlockHash]:
+        """:meth:`remove_many` in Python: the reference of the compiled loop."""
         hashes, up, own, waiting, first_of = self._hash, self._up, self._own, self._waiting, self._first
         orphans, orphan_of, nxt, prv, parked, mark = self._orphans, self._orphan_of, self._next, self._prev, \
             self.parked, self.PARKED
@@ -632,3 +667,15 @@ class FlatChains:
             assert all(b in tracked for b in walk.held), "kept walk holds an untracked block"
             assert walk.victims | set(walk.skipped) | {b for b, _ in walk.stack} <= walk.held, \
                 "kept walk's blocks not all held"
+
+
+ADD_MANY: AddMany
+REMOVE_MANY: RemoveMany
+try:
+    from kvkit.backends.eviction import _chains_loops
+except ImportError:  # built without a C compiler: the references run
+    COMPILED = False
+    ADD_MANY, REMOVE_MANY = FlatChains.add_many_reference, FlatChains.remove_many_reference
+else:
+    COMPILED = True
+    ADD_MANY, REMOVE_MANY = _chains_loops.add_many, _chains_loops.remove_many

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections import UserList
+from types import MappingProxyType
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kvkit.backends.eviction import _chains
+from kvkit.backends.eviction._chains import FlatChains
+from kvkit.backends.eviction._queue import ParkingQueue
 from kvkit.backends.eviction.hit_density import HitDensityPolicy, booking
+from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
+from kvkit.errors import PoolUsageError
 
 
 @pytest.mark.compiler
@@ -16,6 +24,172 @@ def test_the_compiled_booking_was_built() -> None:
     """Where a C compiler is, the install built the booking loops, and the policy runs them by default."""
     assert booking.COMPILED is not None, "pip install -e . did not build hit_density/_booking.c"
     assert HitDensityPolicy()._books is booking.COMPILED
+
+
+@pytest.mark.compiler
+def test_the_compiled_chain_loops_were_built() -> None:
+    """Where a C compiler is, the install built the chain index's loops, and a chain index runs them."""
+    assert _chains.COMPILED, "pip install -e . did not build eviction/_chains_loops.c"
+    chains = FlatChains(bytearray())
+    assert chains._add_many is _chains.ADD_MANY is not FlatChains.add_many_reference
+    assert chains._remove_many is _chains.REMOVE_MANY is not FlatChains.remove_many_reference
+
+
+def _reference(chains: FlatChains) -> FlatChains:
+    """``chains``, running the Python references of its batch loops."""
+    chains._add_many = FlatChains.add_many_reference
+    chains._remove_many = FlatChains.remove_many_reference
+    return chains
+
+
+def _queue_state(queue: ParkingQueue) -> dict[str, Any]:
+    """Every field of an orphan queue and of its slots, dicts and lists in their order."""
+    state = {f.name: getattr(queue, f.name) for f in attrs.fields(ParkingQueue) if f.name not in ("_slots", "_back")}
+    del state["_owner"]
+    slots = queue._slots
+    state["_back"] = list(queue._back)
+    state["slots"] = (bytes(slots.prev), bytes(slots.next), bytes(slots.stamp), bytes(slots.state), slots.clock,
+                      slots.queues)
+    state["order"] = queue.in_order()
+    return state
+
+
+def _chains_state(chains: FlatChains) -> dict[str, Any]:
+    """Every field of a chain index: its arrays byte for byte, its maps with their order, its orphan queue
+    and its kept walk."""
+    own = chains._own
+    walk = chains._walk
+    return {
+        "parked": bytes(chains.parked),
+        "own": None if own is None else list(own.items()),
+        "hash": list(chains._hash),
+        "block_of": list(chains._block_of.items()),
+        "up": bytes(chains._up), "first": bytes(chains._first), "next": bytes(chains._next),
+        "prev": bytes(chains._prev),
+        "orphan_of": list(chains._orphan_of.items()),
+        "waiting": list(chains._waiting.items()),
+        "orphans": _queue_state(chains._orphans),
+        "walk": None if walk is None else (walk.root, list(walk.stack), sorted(walk.held), sorted(walk.victims),
+                                           list(walk.skipped)),
+    }
+
+
+def _outcome(call: Any, *args: Any) -> tuple[str, Any]:
+    """What ``call(*args)`` returned, or the type and message of the refusal it raised."""
+    try:
+        result = call(*args)
+    except (PoolUsageError, IndexError) as error:  # both twins must raise alike
+        return "raised", (type(error), str(error))
+    if isinstance(result, tuple):  # add_many's refusal: compared by type and message
+        result = (*result[:2], None if result[2] is None else (type(result[2]), str(result[2])))
+    return "returned", result
+
+
+_SIZE = 24
+
+
+def _evictable(block: int) -> bool:
+    return block % 5 != 0
+
+
+def _tracked_pick(chains: FlatChains, pick: int) -> int:
+    """The ``pick``-th tracked block (cyclically), ``pick`` itself past the arrays or where none is tracked."""
+    tracked = [b for b in range(_SIZE) if chains.tracks(b)]
+    return tracked[pick % len(tracked)] if tracked and pick < _SIZE else pick
+
+# Batches of (block, hash, parent) on a small hash space: chains (a parent named as the batch's previous
+# hash), branches (several children of a hash), orphans (a parent not tracked), heads (no parent, or the
+# block's own hash), refusals (a tracked block or hash, a block named twice) and ids past the arrays (the
+# reference's IndexError); removals of tracked blocks picked by rank (with or without the caller's set,
+# some repeated, some past the arrays: refused); pins, unpins, and walks that stop half way (kept, resumed
+# or dropped by the next calls). Each
+# batch comes as lists, tuples or another sequence (the compiled loop hands that to the reference).
+_ENTRY = st.tuples(st.integers(0, _SIZE), st.integers(1, 16),
+                   st.one_of(st.none(), st.just("previous"), st.just("itself"), st.integers(1, 16),
+                             st.integers(1, 4)))  # (siblings)
+_KINDS = st.sampled_from([list, tuple, UserList])
+_CHAIN_OPS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.lists(_ENTRY, min_size=1, max_size=6), st.booleans(), _KINDS),
+    st.tuples(st.just("remove"), st.lists(st.integers(0, _SIZE), max_size=6), st.booleans(), _KINDS),
+    st.tuples(st.just("pin"), st.integers(0, _SIZE - 1)),
+    st.tuples(st.just("unpin"), st.integers(0, _SIZE - 1)),
+    st.tuples(st.just("collect"), st.integers(0, _SIZE - 1), st.integers(1, 4)),
+), max_size=60)
+
+
+@settings(max_examples=400, deadline=None)
+@example(ops=[("add", [(3, 1, None), (4, 2, "previous"), (5, 3, "previous")], False, list),
+              ("add", [(1, 5, 2), (2, 6, 2)], False, list), ("remove", [4, 1], True, list),
+              ("add", [(6, 7, 4), (7, 8, 4)], True, tuple)], shared=False)
+@example(ops=[("add", [(0, 1, None), (1, 2, 1), (2, 3, 2), (3, 4, 2)], False, list), ("collect", 0, 2),
+              ("remove", [3], False, list), ("add", [(5, 5, 2)], False, list), ("remove", [0], False, list)],
+         shared=True)
+@example(ops=[("add", [(1, 5, 3), (2, 6, 3), (3, 7, 3)], False, list), ("remove", [1], False, list),
+              ("add", [(4, 8, 3)], True, list), ("add", [(0, 3, None)], False, list),
+              ("remove", [0, 1], True, list), ("remove", [1], False, list)], shared=False)  # sibling orphans
+@example(ops=[("add", [(0, 1, None), (1, 2, 1), (2, 3, 1), (3, 4, 1)], False, list), ("remove", [1], False, list),
+              ("remove", [2], False, list), ("add", [(4, 5, 1)], False, list)], shared=False)  # siblings leave
+@example(ops=[("add", [(0, 1, None), (1, 2, "previous"), (2, 3, "previous"), (3, 4, "previous")], False, list),
+              ("collect", 0, 1), ("remove", [1], True, tuple)], shared=False)  # a kept walk loses a block
+@given(ops=_CHAIN_OPS, shared=st.booleans())
+def test_compiled_chain_loops_are_the_references(ops: list[tuple[Any, ...]], shared: bool) -> None:
+    """Two chain indexes take the same calls, one with the compiled loops, one with the Python references:
+    every call returns or raises the same, and after it both hold the same state. ``shared``: each reads a
+    driver's index and hash list (:meth:`FlatChains.use_index`), written around the calls as a pool does."""
+    twins = [FlatChains(bytearray(_SIZE)), _reference(FlatChains(bytearray(_SIZE)))]
+    indexes: list[tuple[dict[int, int], list[int | None]]] = [({}, [None] * _SIZE) for _ in twins]
+    for chains, (index, hashes) in zip(twins, indexes):
+        if shared:  # read through a view, not a dict: the compiled loop asks it as the reference does
+            chains.use_index(None, MappingProxyType(index), hashes)
+        chains.grow(_SIZE)
+    for op in ops:
+        outcomes = []
+        for chains, (index, hashes) in zip(twins, indexes):
+            if op[0] == "add":
+                _, entries, pinned, kind = op
+                if shared:  # a pool refuses a block or hash it holds before its policy sees them
+                    seen: set[tuple[str, int]] = set()
+                    entries = [(b, h, p) for b, h, p in entries if b < _SIZE and hashes[b] is None and h not in index
+                               and not seen & {("b", b), ("h", h)} and not seen.update({("b", b), ("h", h)})]
+                blocks = [b for b, _, _ in entries]
+                block_hashes = [h for _, h, _ in entries]
+                parents = [block_hashes[i - 1] if p == "previous" and i else h if p == "itself"
+                           else None if p == "previous" else p for i, (_, h, p) in enumerate(entries)]
+                if shared:
+                    for block, block_hash in zip(blocks, block_hashes):
+                        index[block_hash], hashes[block] = block, block_hash
+                new = [b for b in blocks if b < _SIZE and not chains.tracks(b)]
+                outcomes.append(_outcome(chains.add_many, "owner", kind(blocks), kind(block_hashes), kind(parents),
+                                         pinned))
+                if pinned:  # the owner parks the blocks added
+                    for block in filter(chains.tracks, new):
+                        chains.parked[block] = FlatChains.PARKED
+            elif op[0] == "remove":
+                _, picks, vouched, kind = op
+                blocks = [_tracked_pick(chains, pick) for pick in picks]
+                if shared:
+                    blocks = [b for b in dict.fromkeys(blocks) if chains.tracks(b)]
+                leaving = chains.distinct_tracked(blocks) if vouched else None
+                outcomes.append(_outcome(chains.remove_many, "owner", kind(blocks), leaving))
+                if shared:
+                    for block in blocks:
+                        del index[hashes[block]]
+                        hashes[block] = None
+            elif op[0] == "pin":
+                if chains.tracks(op[1]) and chains.parked[op[1]] != FlatChains.PARKED:
+                    chains.parked[op[1]] = FlatChains.PARKED
+                    chains.pin(op[1])
+            elif op[0] == "unpin":
+                if chains.tracks(op[1]) and chains.parked[op[1]] == FlatChains.PARKED:
+                    chains.parked[op[1]] = 0
+                    chains.unpin(op[1])
+            elif chains.tracks(root := _tracked_pick(chains, op[1])):
+                outcomes.append(_outcome(chains.collect, root, _evictable, {}, op[2]))
+        if outcomes:
+            assert outcomes[0] == outcomes[1], op
+        assert _chains_state(twins[0]) == _chains_state(twins[1]), op
+    for chains in twins:
+        chains.check_invariants()
 
 
 def _state(policy: HitDensityPolicy) -> dict[str, Any]:
@@ -32,6 +206,7 @@ def _state(policy: HitDensityPolicy) -> dict[str, Any]:
     shift = policy._shift
     state["shift"] = (shift.shifts, shift._window, shift._held, shift._scale,
                       shift._history.tolist(), shift._pool.tolist(), shift._decayed.tolist())
+    state["chains"] = _chains_state(policy._chains)
     return state
 
 
@@ -60,7 +235,38 @@ def test_compiled_booking_is_the_reference(ops: list[tuple[Any, ...]], capacity:
     stored again hit the ghost: after every call both hold the same state, and make the same choices."""
     twins = [HitDensityPolicy(capacity=capacity, ghost_span=span) for _ in range(2)]
     twins[1]._books = booking.REFERENCE
-    compiled, reference = twins
+    _drive(twins, ops, _state)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=_OPS, capacity=st.sampled_from([None, 4, 16]))
+def test_hit_density_on_compiled_chain_loops_is_the_reference(ops: list[tuple[Any, ...]],
+                                                              capacity: int | None) -> None:
+    """Two hit-density policies, one's chain index on the compiled loops, one's on the references: stores
+    (one block at a time or a parked batch), hits, unpins and evictions leave the same state."""
+    twins = [HitDensityPolicy(capacity=capacity), HitDensityPolicy(capacity=capacity)]
+    _reference(twins[1]._chains)
+    _drive(twins, ops, _state)
+
+
+def _prefix_lru_state(policy: PrefixLRUPolicy) -> dict[str, Any]:
+    return {"order": list(policy._order), "parked": list(policy._parked), "marks": bytes(policy._marks),
+            "chains": _chains_state(policy._chains)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=_OPS)
+def test_prefix_lru_on_compiled_chain_loops_is_the_reference(ops: list[tuple[Any, ...]]) -> None:
+    """Two prefix-LRU policies, one's chain index on the compiled loops, one's on the references (each
+    insert and removal a batch of one): the same calls leave the same state."""
+    twins = [PrefixLRUPolicy(), PrefixLRUPolicy()]
+    _reference(twins[1]._chains)
+    _drive(twins, ops, _prefix_lru_state)
+
+
+def _drive(twins: list[Any], ops: list[tuple[Any, ...]], state: Any) -> None:
+    """Run ``ops`` on both policies (stores, hits, unpins, evictions), through their batch hooks where they
+    have them (hit density), else block by block (prefix-LRU); after each, ``state`` of both agrees."""
     free = list(range(200))
     block_of: dict[int, int] = {}  # hash -> its tracked block
     parked: list[int] = []
@@ -75,38 +281,56 @@ def test_compiled_booking_is_the_reference(ops: list[tuple[Any, ...]], capacity:
                 continue
             block_of.update(zip(hashes, blocks))
             for policy in twins:
-                if pinned:
+                if pinned and hasattr(policy, "insert_pinned"):
                     policy.insert_pinned(blocks, hashes, parents)
                 else:
                     for block, block_hash, parent in zip(blocks, hashes, parents):
                         policy.on_insert(block, block_hash, parent)
+                        if pinned:
+                            policy.on_pin(block)
             if pinned:
                 parked += blocks
         elif op[0] == "hit":
             _, conversation, length, times = op  # hit often: reuse counts climb past the first levels
             hit = [block_of[h] for h in (_hash(conversation, i) for i in range(length)) if h in block_of]
             for policy in twins:
-                policy.access_many(hit * times)
+                if hasattr(policy, "access_many"):
+                    policy.access_many(hit * times)
+                else:
+                    for block in hit * times:
+                        policy.on_access(block)
         elif op[0] == "pin":
             pinning = [block for block in block_of.values() if block not in parked][:op[1]]
             for policy in twins:
-                policy.pin_many(pinning)
+                if hasattr(policy, "pin_many"):
+                    policy.pin_many(pinning)
+                else:
+                    for block in pinning:
+                        policy.on_pin(block)
             parked += pinning
         elif op[0] == "unpin":
             leaving, parked = parked[:op[1]], parked[op[1]:]
             for policy in twins:
-                policy.unpin_many(leaving)
+                if hasattr(policy, "unpin_many"):
+                    policy.unpin_many(leaving)
+                else:
+                    for block in leaving:
+                        policy.on_unpin(block)
         else:
             unpinned = set(range(200)).difference(parked).__contains__
             chosen = [policy.select_victims(op[1], unpinned) for policy in twins]
             assert chosen[0] == chosen[1]
             if chosen[0]:
                 for policy in twins:
-                    policy.remove_many(chosen[0])
+                    if hasattr(policy, "remove_many"):
+                        policy.remove_many(chosen[0])
+                    else:
+                        for block in chosen[0]:
+                            policy.on_remove(block)
                 gone = set(chosen[0])
                 for block_hash in [h for h, block in block_of.items() if block in gone]:
                     del block_of[block_hash]
                 free += chosen[0]
-        assert _state(compiled) == _state(reference)
+        assert state(twins[0]) == state(twins[1])
     for policy in twins:
         policy.check_invariants()

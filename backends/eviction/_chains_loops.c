@@ -1,0 +1,786 @@
+/* The chain index's batch loops, compiled: FlatChains.add_many and FlatChains.remove_many, step for step.
+ *
+ * _chains.py holds the reference (FlatChains.add_many_reference, FlatChains.remove_many_reference) and
+ * the contract; the tests run both on the same calls and compare the whole state. The per-block links
+ * (_up, _first, _next, _prev: array('i')) and the owner's pin marks (bytearray) are read through the
+ * buffer protocol; the maps, the hash list, the kept walk's sets and the orphans' ParkingQueue stay
+ * Python objects, updated (the queue through its own methods) exactly as the reference updates them.
+ *
+ * Inputs the loops do not take at C speed (sequences other than lists and tuples, block ids that are
+ * not ints inside the arrays, maps other than dicts, a hash list other than a list) run the reference
+ * for the whole call: nothing is changed before that choice. Every index read from the arrays, the
+ * driver's index or the caller's leaving set is checked before use: one outside the arrays raises
+ * IndexError and writes nothing (where the reference would index a negative one from the end).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* The marks of _chains.py's _up: no block, an orphan, no block tracked, a parent that left this call. */
+enum { NONE = -1, ORPHAN = -2, UNTRACKED = -3, LEFT = -4 };
+
+typedef struct {
+    Py_buffer buf;
+    int held;
+} View;
+
+static int
+view(PyObject *obj, View *v, Py_ssize_t itemsize, const char *name)
+{
+    if (PyObject_GetBuffer(obj, &v->buf, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return -1;
+    v->held = 1;
+    if (v->buf.itemsize != itemsize || v->buf.ndim != 1) {
+        PyErr_Format(PyExc_TypeError, "FlatChains: %s holds items of %zd bytes, not %zd", name, v->buf.itemsize,
+                     itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static void
+release(View *v)
+{
+    if (v->held) {
+        PyBuffer_Release(&v->buf);
+        v->held = 0;
+    }
+}
+
+/* One FlatChains for one call: its arrays, maps and queue (new references, NULL where not taken). */
+typedef struct {
+    View up_v, first_v, next_v, prev_v, parked_v;
+    int32_t *up, *first, *nxt, *prv;
+    const unsigned char *parked;
+    Py_ssize_t size, parked_size;
+    long mark;
+    PyObject *own, *hashes, *waiting, *orphan_of, *orphans, *block_of, *walk, *held, *victims;
+} Chains;
+
+static void
+drop(Chains *c)
+{
+    release(&c->up_v);
+    release(&c->first_v);
+    release(&c->next_v);
+    release(&c->prev_v);
+    release(&c->parked_v);
+    Py_CLEAR(c->own);
+    Py_CLEAR(c->hashes);
+    Py_CLEAR(c->waiting);
+    Py_CLEAR(c->orphan_of);
+    Py_CLEAR(c->orphans);
+    Py_CLEAR(c->block_of);
+    Py_CLEAR(c->walk);
+    Py_CLEAR(c->held);
+    Py_CLEAR(c->victims);
+}
+
+static int
+array_view(PyObject *chains, const char *name, View *v, int32_t **out)
+{
+    PyObject *obj = PyObject_GetAttrString(chains, name);
+    if (obj == NULL)
+        return -1;
+    int rc = view(obj, v, 4, name);
+    Py_DECREF(obj);
+    if (rc == 0)
+        *out = (int32_t *)v->buf.buf;
+    return rc;
+}
+
+/* Takes the state; 1: taken, 0: a part of other types (the reference runs, nothing taken), -1: an error. */
+static int
+take(PyObject *chains, Chains *c)
+{
+    memset(c, 0, sizeof *c);
+    if ((c->own = PyObject_GetAttrString(chains, "_own")) == NULL
+        || (c->hashes = PyObject_GetAttrString(chains, "_hash")) == NULL
+        || (c->waiting = PyObject_GetAttrString(chains, "_waiting")) == NULL
+        || (c->orphan_of = PyObject_GetAttrString(chains, "_orphan_of")) == NULL
+        || (c->orphans = PyObject_GetAttrString(chains, "_orphans")) == NULL
+        || (c->block_of = PyObject_GetAttrString(chains, "_block_of")) == NULL
+        || (c->walk = PyObject_GetAttrString(chains, "_walk")) == NULL)
+        return -1;
+    if ((c->own != Py_None && !PyDict_CheckExact(c->own)) || !PyList_CheckExact(c->hashes)
+        || !PyDict_CheckExact(c->waiting) || !PyDict_CheckExact(c->orphan_of))
+        return 0;
+    if (c->own == Py_None)
+        Py_CLEAR(c->own);
+    if (c->walk == Py_None)
+        Py_CLEAR(c->walk);
+    else if ((c->held = PyObject_GetAttrString(c->walk, "held")) == NULL
+             || (c->victims = PyObject_GetAttrString(c->walk, "victims")) == NULL)
+        return -1;
+    else if (!PySet_Check(c->held) || !PySet_Check(c->victims))
+        return 0;
+    PyObject *mark = PyObject_GetAttrString(chains, "PARKED");
+    if (mark == NULL)
+        return -1;
+    c->mark = PyLong_AsLong(mark);
+    Py_DECREF(mark);
+    if (c->mark == -1 && PyErr_Occurred())
+        return -1;
+    if (array_view(chains, "_up", &c->up_v, &c->up) < 0 || array_view(chains, "_first", &c->first_v, &c->first) < 0
+        || array_view(chains, "_next", &c->next_v, &c->nxt) < 0
+        || array_view(chains, "_prev", &c->prev_v, &c->prv) < 0)
+        return -1;
+    PyObject *parked = PyObject_GetAttrString(chains, "parked");
+    if (parked == NULL)
+        return -1;
+    int rc = view(parked, &c->parked_v, 1, "parked");
+    Py_DECREF(parked);
+    if (rc < 0)
+        return -1;
+    c->parked = (const unsigned char *)c->parked_v.buf.buf;
+    c->parked_size = c->parked_v.buf.len;
+    c->size = c->up_v.buf.len / 4;
+    if (c->first_v.buf.len / 4 != c->size || c->next_v.buf.len / 4 != c->size || c->prev_v.buf.len / 4 != c->size) {
+        PyErr_SetString(PyExc_ValueError, "FlatChains: the link arrays differ in size");
+        return -1;
+    }
+    return 1;
+}
+
+/* An index into the link arrays: one outside them raises IndexError. */
+static int
+inside(const Chains *c, long index)
+{
+    if (index < 0 || index >= c->size) {
+        PyErr_Format(PyExc_IndexError, "FlatChains: block %ld is outside 0..%zd", index, c->size - 1);
+        return 0;
+    }
+    return 1;
+}
+
+static int
+is_parked(const Chains *c, long block, int *out)
+{
+    if (block >= c->parked_size) {
+        PyErr_SetString(PyExc_IndexError, "bytearray index out of range");
+        return -1;
+    }
+    *out = c->parked[block] == c->mark;
+    return 0;
+}
+
+/* FlatChains._link: append block to the ring starting at first (NONE: a new ring); the ring's first. */
+static int
+link_ring(Chains *c, long block, long first, long *out)
+{
+    if (first == NONE) {
+        c->nxt[block] = c->prv[block] = (int32_t)block;
+        *out = block;
+        return 0;
+    }
+    if (!inside(c, first))
+        return -1;
+    long last = c->prv[first];
+    if (!inside(c, last))
+        return -1;
+    c->nxt[last] = (int32_t)block;
+    c->prv[block] = (int32_t)last;
+    c->nxt[block] = (int32_t)first;
+    c->prv[first] = (int32_t)block;
+    *out = first;
+    return 0;
+}
+
+/* FlatChains._unlink: take block out of the ring starting at first; the ring's first (NONE: empty). */
+static int
+unlink_ring(Chains *c, long block, long first, long *out)
+{
+    long after = c->nxt[block];
+    if (after == block) {
+        *out = NONE;
+        return 0;
+    }
+    long before = c->prv[block];
+    if (!inside(c, after) || !inside(c, before))
+        return -1;
+    c->nxt[before] = (int32_t)after;
+    c->prv[after] = (int32_t)before;
+    *out = first == block ? after : first;
+    return 0;
+}
+
+/* dict.pop(key): a new reference; NULL with KeyError when absent. */
+static PyObject *
+pop(PyObject *dict, PyObject *key)
+{
+    PyObject *v = PyDict_GetItemWithError(dict, key);
+    if (v == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    Py_INCREF(v);
+    if (PyDict_DelItem(dict, key) < 0) {
+        Py_CLEAR(v);
+    }
+    return v;
+}
+
+static int
+as_block(PyObject *obj, long *out)
+{
+    *out = PyLong_AsLong(obj);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+set_long(PyObject *dict, PyObject *key, long value)
+{
+    PyObject *v = PyLong_FromLong(value);
+    if (v == NULL)
+        return -1;
+    int rc = PyDict_SetItem(dict, key, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+static int
+append_long(PyObject *list, long value)
+{
+    PyObject *v = PyLong_FromLong(value);
+    if (v == NULL)
+        return -1;
+    int rc = PyList_Append(list, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* The names of the methods called back, interned at import. */
+static PyObject *name_add, *name_remove, *name_remove_many, *name_get;
+
+/* obj.<name>(arg, *more): a new reference. */
+static PyObject *
+call(PyObject *obj, PyObject *name, PyObject *arg, PyObject *more)
+{
+    PyObject *argv[3] = {obj, arg, more};
+    return PyObject_VectorcallMethod(name, argv, (more == NULL ? 2 : 3) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* queue.<name>(block, *more), its result dropped. */
+static int
+call_queue(PyObject *queue, PyObject *name, long block, PyObject *more)
+{
+    PyObject *b = PyLong_FromLong(block);
+    if (b == NULL)
+        return -1;
+    PyObject *r = call(queue, name, b, more);
+    Py_DECREF(b);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* Whether value is in a set (or any container), by the value as a Python int. */
+static int
+holds(PyObject *container, long value)
+{
+    PyObject *v = PyLong_FromLong(value);
+    if (v == NULL)
+        return -1;
+    int rc = PySet_Check(container) || PyFrozenSet_Check(container) ? PySet_Contains(container, v)
+                                                                   : PySequence_Contains(container, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* _common.<name>(*args): the error the reference builds for a refusal (a new reference). */
+static PyObject *
+refusal(const char *name, PyObject *args)
+{
+    if (args == NULL)
+        return NULL;
+    PyObject *common = PyImport_ImportModule("kvkit.backends.eviction._common"), *make = NULL, *error = NULL;
+    if (common != NULL && (make = PyObject_GetAttrString(common, name)) != NULL)
+        error = PyObject_CallObject(make, args);
+    Py_XDECREF(common);
+    Py_XDECREF(make);
+    Py_DECREF(args);
+    return error;
+}
+
+static int
+is_sequence(PyObject *obj)
+{
+    return PyList_CheckExact(obj) || PyTuple_CheckExact(obj);
+}
+
+/* The walk drops at a block it holds (FlatChains.add_many's new child of a pushed block). */
+static int
+drop_walk(PyObject *chains, Chains *c)
+{
+    Py_CLEAR(c->walk);
+    Py_CLEAR(c->held);
+    Py_CLEAR(c->victims);
+    return PyObject_SetAttrString(chains, "_walk", Py_None);
+}
+
+static PyObject *
+add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "add_many takes 6 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *chains = args[0], *owner = args[1], *pinned = args[5];
+    PyObject *blocks = NULL, *hashes = NULL, *parents = NULL, *parent_blocks = NULL, *fresh = NULL;
+    PyObject *refused = NULL, *result = NULL;
+    Chains c;
+    int taken = -1;
+    if (is_sequence(args[2]) && is_sequence(args[3]) && is_sequence(args[4])) {
+        taken = take(chains, &c);
+        if (taken < 0)
+            goto done;
+    }
+    else
+        memset(&c, 0, sizeof c);
+    Py_ssize_t n = 0;
+    if (taken == 1) {
+        blocks = PySequence_Tuple(args[2]); /* tuples: the items outlive any callback */
+        hashes = blocks ? PySequence_Tuple(args[3]) : NULL;
+        parents = hashes ? PySequence_Tuple(args[4]) : NULL;
+        if (parents == NULL)
+            goto done;
+        n = PyTuple_GET_SIZE(blocks);
+        if (PyTuple_GET_SIZE(hashes) < n)
+            n = PyTuple_GET_SIZE(hashes);
+        if (PyTuple_GET_SIZE(parents) < n)
+            n = PyTuple_GET_SIZE(parents);
+        for (Py_ssize_t i = 0; i < n && taken; i++) { /* an id the reference would index otherwise */
+            PyObject *b = PyTuple_GET_ITEM(blocks, i);
+            if (!PyLong_CheckExact(b))
+                taken = 0;
+            else {
+                long block = PyLong_AsLong(b);
+                if (block == -1 && PyErr_Occurred())
+                    PyErr_Clear();
+                taken = block >= 0 && block < c.size;
+            }
+        }
+    }
+    if (taken != 1) {
+        drop(&c);
+        result = PyObject_CallMethod(chains, "add_many_reference", "OOOOO", owner, args[2], args[3], args[4],
+                                     pinned);
+        goto done;
+    }
+    int pinned_true = PyObject_IsTrue(pinned);
+    if (pinned_true < 0 || (parent_blocks = PyList_New(0)) == NULL || (fresh = PyList_New(0)) == NULL)
+        goto done;
+    PyObject *last_hash = NULL, *last_obj = NULL; /* the block added last in this call and its hash (borrowed) */
+    long last_block = NONE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block_obj = PyTuple_GET_ITEM(blocks, i), *block_hash = PyTuple_GET_ITEM(hashes, i);
+        PyObject *parent = PyTuple_GET_ITEM(parents, i);
+        long block = PyLong_AsLong(block_obj);
+        if (c.up[block] != UNTRACKED) {
+            refused = refusal("already_tracked", PyTuple_Pack(2, owner, block_obj));
+            goto answer;
+        }
+        if (c.own != NULL) {
+            PyObject *other = PyDict_GetItemWithError(c.own, block_hash); /* borrowed */
+            if (other == NULL && PyErr_Occurred())
+                goto done;
+            if (other != NULL) {
+                long o;
+                if (as_block(other, &o) < 0 || !inside(&c, o))
+                    goto done;
+                if (c.up[o] != UNTRACKED) {
+                    refused = refusal("hash_already_tracked", PyTuple_Pack(4, owner, block_obj, block_hash, other));
+                    goto answer;
+                }
+            }
+            if (block >= PyList_GET_SIZE(c.hashes)) {
+                PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+                goto done;
+            }
+            Py_INCREF(block_hash);
+            if (PyList_SetItem(c.hashes, block, block_hash) < 0 || PyDict_SetItem(c.own, block_hash, block_obj) < 0)
+                goto done;
+        }
+        long first = NONE;
+        if (PyDict_GET_SIZE(c.waiting)) {
+            PyObject *v = PyDict_GetItemWithError(c.waiting, block_hash);
+            if (v == NULL && PyErr_Occurred())
+                goto done;
+            if (v != NULL) {
+                if (as_block(v, &first) < 0 || !inside(&c, first) || PyDict_DelItem(c.waiting, block_hash) < 0)
+                    goto done;
+            }
+        }
+        if (first != NONE) { /* its children were orphans: their parent is back */
+            c.first[block] = (int32_t)first;
+            long child = first;
+            while (1) {
+                if (call_queue(c.orphans, name_remove, child, NULL) < 0)
+                    goto done;
+                PyObject *key = PyLong_FromLong(child);
+                if (key == NULL)
+                    goto done;
+                int rc = PyDict_DelItem(c.orphan_of, key);
+                Py_DECREF(key);
+                if (rc < 0)
+                    goto done;
+                c.up[child] = (int32_t)block;
+                child = c.nxt[child];
+                if (child == first)
+                    break;
+                if (!inside(&c, child))
+                    goto done;
+            }
+        }
+        if (PyList_Append(fresh, first != NONE ? Py_True : Py_False) < 0)
+            goto done;
+        PyObject *previous_hash = last_hash, *previous_obj = last_obj;
+        long previous = last_block;
+        last_hash = block_hash;
+        last_obj = block_obj;
+        last_block = block;
+        int heads = parent == Py_None;
+        if (!heads && (heads = PyObject_RichCompareBool(parent, block_hash, Py_EQ)) < 0)
+            goto done;
+        if (heads) {
+            c.up[block] = NONE;
+            if (append_long(parent_blocks, NONE) < 0)
+                goto done;
+            continue;
+        }
+        /* A chain stored in one call names the block added just before: tracked, no lookup needed. */
+        long parent_block = NONE;
+        PyObject *parent_obj = NULL; /* the parent's block, as the reference reports it */
+        int same = previous_hash != NULL ? PyObject_RichCompareBool(parent, previous_hash, Py_EQ) : 0;
+        if (same < 0)
+            goto done;
+        if (same) {
+            parent_block = previous;
+            parent_obj = Py_NewRef(previous_obj);
+        }
+        else {
+            PyObject *v;
+            if (PyDict_CheckExact(c.block_of))
+                v = Py_XNewRef(PyDict_GetItemWithError(c.block_of, parent));
+            else
+                v = call(c.block_of, name_get, parent, NULL);
+            if (v == NULL && PyErr_Occurred())
+                goto done;
+            if (v != NULL && v != Py_None) {
+                if (as_block(v, &parent_block) < 0) {
+                    Py_DECREF(v);
+                    goto done;
+                }
+                if (parent_block < 0) {
+                    Py_DECREF(v);
+                    PyErr_Format(PyExc_IndexError, "FlatChains: the index maps a hash to block %ld", parent_block);
+                    goto done;
+                }
+                if (parent_block < c.size && c.up[parent_block] != UNTRACKED)
+                    parent_obj = v;
+                else
+                    Py_DECREF(v);
+            }
+            else
+                Py_XDECREF(v);
+        }
+        if (parent_obj == NULL) { /* an orphan: its parent hash is not tracked */
+            long ring;
+            c.up[block] = ORPHAN;
+            if (PyDict_SetItem(c.orphan_of, block_obj, parent) < 0)
+                goto done;
+            PyObject *w = PyDict_GetItemWithError(c.waiting, parent); /* borrowed */
+            long waiting_first = NONE;
+            if ((w == NULL && PyErr_Occurred()) || (w != NULL && as_block(w, &waiting_first) < 0)
+                || link_ring(&c, block, waiting_first, &ring) < 0
+                || (w == NULL && PyDict_SetItem(c.waiting, parent, block_obj) < 0)) /* (else its first stays) */
+                goto done;
+            int parked_too = 0;
+            if (!pinned_true && is_parked(&c, block, &parked_too) < 0)
+                goto done;
+            PyObject *r = call(c.orphans, name_add, block_obj, pinned_true ? pinned : parked_too ? Py_True : Py_False);
+            if (r == NULL)
+                goto done;
+            Py_DECREF(r);
+            if (append_long(parent_blocks, NONE) < 0)
+                goto done;
+            continue;
+        }
+        c.up[block] = (int32_t)parent_block;
+        long head = c.first[parent_block], ring;
+        int rc = 0;
+        if (head == NONE)
+            c.nxt[block] = c.prv[block] = c.first[parent_block] = (int32_t)block;
+        else
+            rc = link_ring(&c, block, head, &ring);
+        if (rc == 0 && c.held != NULL) {
+            int in = PySet_Contains(c.held, parent_obj);
+            rc = in < 0 || (in && drop_walk(chains, &c) < 0); /* a new child of a block the walk has passed */
+        }
+        rc = rc || PyList_Append(parent_blocks, parent_obj) < 0;
+        Py_DECREF(parent_obj);
+        if (rc)
+            goto done;
+    }
+answer:
+    if (PyErr_Occurred())
+        goto done;
+    result = PyTuple_Pack(3, parent_blocks, fresh, refused != NULL ? refused : Py_None);
+done:
+    drop(&c);
+    Py_XDECREF(blocks);
+    Py_XDECREF(hashes);
+    Py_XDECREF(parents);
+    Py_XDECREF(parent_blocks);
+    Py_XDECREF(fresh);
+    Py_XDECREF(refused);
+    return result;
+}
+
+static PyObject *
+remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "remove_many takes 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *chains = args[0], *owner = args[1];
+    PyObject *blocks = NULL, *leaving = NULL, *unqueued = NULL, *removed = NULL, *result = NULL;
+    long *staying = NULL;
+    Py_ssize_t room = 0;
+    Chains c;
+    memset(&c, 0, sizeof c);
+    int taken = is_sequence(args[2]) ? take(chains, &c) : 0;
+    if (taken < 0)
+        goto done;
+    if (taken == 0) {
+        drop(&c);
+        result = PyObject_CallMethod(chains, "remove_many_reference", "OOO", owner, args[2], args[3]);
+        goto done;
+    }
+    if ((blocks = PySequence_Tuple(args[2])) == NULL)
+        goto done;
+    if (args[3] == Py_None)
+        leaving = PyObject_CallMethod(chains, "distinct_tracked", "(O)", blocks);
+    else
+        leaving = Py_NewRef(args[3]);
+    if (leaving == NULL)
+        goto done;
+    int checked = PyObject_IsTrue(leaving); /* every block tracked, each named once: none can be refused */
+    /* How many leave, where that is known (-1: unknown); none: no block is looked up in it. */
+    Py_ssize_t leaving_size = checked <= 0 ? 0 : PyAnySet_Check(leaving) ? PySet_GET_SIZE(leaving) : -1;
+    if (checked < 0 || (unqueued = PyList_New(0)) == NULL || (removed = PyList_New(0)) == NULL)
+        goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block_obj = PyTuple_GET_ITEM(blocks, i);
+        long block = NONE;
+        int tracked = PyLong_CheckExact(block_obj);
+        if (tracked) {
+            block = PyLong_AsLong(block_obj);
+            if (block == -1 && PyErr_Occurred()) {
+                if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                    goto done;
+                PyErr_Clear();
+            }
+            tracked = block >= 0 && block < c.size && c.up[block] != UNTRACKED;
+        }
+        if (checked) { /* the caller vouched for every block: it is only checked to be an index */
+            if (!PyLong_CheckExact(block_obj)) {
+                PyErr_SetString(PyExc_TypeError, "array indices must be integers");
+                goto done;
+            }
+            if (!inside(&c, block))
+                goto done;
+        }
+        else if (!tracked) {
+            PyObject *error = refusal("not_tracked", PyTuple_Pack(2, owner, block_obj));
+            if (error != NULL) {
+                PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+                Py_DECREF(error);
+            }
+            goto done;
+        }
+        if (block >= PyList_GET_SIZE(c.hashes)) {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            goto done;
+        }
+        PyObject *block_hash = PyList_GET_ITEM(c.hashes, block);
+        if (block_hash == Py_None) {
+            PyErr_SetNone(PyExc_AssertionError); /* the reference's assert */
+            goto done;
+        }
+        if (PyList_Append(removed, block_hash) < 0) /* held by removed from here on */
+            goto done;
+        if (c.own != NULL) {
+            Py_INCREF(Py_None);
+            if (PyList_SetItem(c.hashes, block, Py_None) < 0 || PyDict_DelItem(c.own, block_hash) < 0)
+                goto done;
+        }
+        long parent_block = c.up[block];
+        c.up[block] = UNTRACKED;
+        if (parent_block == ORPHAN) {
+            PyObject *parent = pop(c.orphan_of, block_obj);
+            if (parent == NULL)
+                goto done;
+            int rc;
+            if (checked)
+                rc = PyList_Append(unqueued, block_obj);
+            else
+                rc = call_queue(c.orphans, name_remove, block, NULL);
+            PyObject *w = rc < 0 ? NULL : PyDict_GetItemWithError(c.waiting, parent);
+            long first = NONE, rest = NONE;
+            if (w == NULL && rc == 0 && !PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, parent);
+            rc = w == NULL || as_block(w, &first) < 0 || unlink_ring(&c, block, first, &rest) < 0
+                 || (rest == NONE ? PyDict_DelItem(c.waiting, parent) : set_long(c.waiting, parent, rest)) < 0;
+            Py_DECREF(parent);
+            if (rc)
+                goto done;
+        }
+        else if (parent_block >= 0) { /* out of its parent's ring */
+            if (!inside(&c, parent_block))
+                goto done;
+            long after = c.nxt[block];
+            if (after == block)
+                c.first[parent_block] = NONE;
+            else {
+                long before = c.prv[block];
+                if (!inside(&c, after) || !inside(&c, before))
+                    goto done;
+                c.nxt[before] = (int32_t)after;
+                c.prv[after] = (int32_t)before;
+                if (c.first[parent_block] == block)
+                    c.first[parent_block] = (int32_t)after;
+            }
+        }
+        long first = c.first[block];
+        if (first != NONE) {
+            if (!inside(&c, first))
+                goto done;
+            c.first[block] = NONE;
+            int only_leaving = c.nxt[first] == first && leaving_size != 0 ? holds(leaving, first) : 0;
+            if (only_leaving < 0)
+                goto done;
+            if (only_leaving) /* an only child, leaving too (a chain's) */
+                c.up[first] = LEFT;
+            else { /* the children that stay wait for the hash now, as orphans */
+                Py_ssize_t kept = 0;
+                int left = 0;
+                long child = first;
+                while (1) {
+                    int goes = leaving_size != 0 ? holds(leaving, child) : 0;
+                    if (goes < 0)
+                        goto done;
+                    if (goes) {
+                        c.up[child] = LEFT;
+                        left = 1;
+                    }
+                    else {
+                        if (kept == room) {
+                            Py_ssize_t more = room ? 2 * room : 16;
+                            long *grown = PyMem_Realloc(staying, (size_t)more * sizeof *staying);
+                            if (grown == NULL) {
+                                PyErr_NoMemory();
+                                goto done;
+                            }
+                            staying = grown;
+                            room = more;
+                        }
+                        staying[kept++] = child;
+                    }
+                    child = c.nxt[child];
+                    if (child == first)
+                        break;
+                    if (!inside(&c, child))
+                        goto done;
+                }
+                if (kept) {
+                    long ring = first;
+                    if (left) { /* the ring less the children leaving, in its order */
+                        ring = NONE;
+                        for (Py_ssize_t k = 0; k < kept; k++)
+                            if (link_ring(&c, staying[k], ring, &ring) < 0)
+                                goto done;
+                    }
+                    if (set_long(c.waiting, block_hash, ring) < 0)
+                        goto done;
+                    for (Py_ssize_t k = 0; k < kept; k++) {
+                        long child_k = staying[k];
+                        int parked_child;
+                        if (is_parked(&c, child_k, &parked_child) < 0
+                            || call_queue(c.orphans, name_add, child_k, parked_child ? Py_True : Py_False) < 0)
+                            goto done;
+                        PyObject *key = PyLong_FromLong(child_k);
+                        if (key == NULL)
+                            goto done;
+                        int rc = PyDict_SetItem(c.orphan_of, key, block_hash);
+                        Py_DECREF(key);
+                        if (rc < 0)
+                            goto done;
+                        c.up[child_k] = ORPHAN;
+                    }
+                }
+            }
+        }
+        if (c.held != NULL) {
+            int in = PySet_Contains(c.held, block_obj);
+            if (in < 0)
+                goto done;
+            if (in) {
+                int victim = PySet_Contains(c.victims, block_obj);
+                if (victim < 0)
+                    goto done;
+                if (victim) { /* its id may come back as another block */
+                    if (PySet_Discard(c.victims, block_obj) < 0 || PySet_Discard(c.held, block_obj) < 0)
+                        goto done;
+                }
+                else if (drop_walk(chains, &c) < 0)
+                    goto done;
+            }
+        }
+    }
+    {
+        PyObject *r = call(c.orphans, name_remove_many, unqueued, NULL);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    result = removed;
+    removed = NULL;
+done:
+    drop(&c);
+    PyMem_Free(staying);
+    Py_XDECREF(blocks);
+    Py_XDECREF(leaving);
+    Py_XDECREF(unqueued);
+    Py_XDECREF(removed);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"add_many", (PyCFunction)(void (*)(void))add_many, METH_FASTCALL,
+     "add_many(chains, owner, blocks, hashes, parents, pinned) -> (parent_blocks, fresh, refusal): "
+     "FlatChains.add_many_reference, compiled."},
+    {"remove_many", (PyCFunction)(void (*)(void))remove_many, METH_FASTCALL,
+     "remove_many(chains, owner, blocks, leaving) -> hashes: FlatChains.remove_many_reference, compiled."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_chains_loops", "The chain index's batch loops, compiled (see _chains.py).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__chains_loops(void)
+{
+    if ((name_add = PyUnicode_InternFromString("add")) == NULL
+        || (name_remove = PyUnicode_InternFromString("remove")) == NULL
+        || (name_remove_many = PyUnicode_InternFromString("remove_many")) == NULL
+        || (name_get = PyUnicode_InternFromString("get")) == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}
