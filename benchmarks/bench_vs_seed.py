@@ -34,9 +34,10 @@ connector makes in the step: completions (``update_connector_output`` /
 / ``finish``, ``abort``), arrivals (``get_num_new_matched_tokens`` +
 ``update_state_after_alloc`` / ``add_request`` + ``lookup`` +
 ``on_allocated``), and the step's plan (``build_connector_meta`` /
-``append_blocks`` + ``extend`` + ``on_computed`` per scheduled request and
-``build_step``). The engine's own work (GPU allocation, hashing, vLLM's
-``SchedulerOutput`` and ``Request`` objects) is not timed. CPU time
+``append_blocks`` + ``extend`` per scheduled request, one ``on_computed_many``
+for them all and ``build_step``, as kvkit's vLLM connector calls them). The
+engine's own work (GPU allocation, hashing, vLLM's ``SchedulerOutput`` and
+``Request`` objects) is not timed. CPU time
 (``time.process_time``) stands beside wall time; per-lookup figures time the
 lookup call alone. ``ratio`` is each side's median CPU step over the seed's.
 ``stored_blocks_per_step`` counts the blocks each side's steps planned to copy
@@ -182,14 +183,12 @@ class KvkitSide:
             calls.append((rid, new, fresh, computed))
         mgr = self.mgr
         with self.clock:
-            for rid, computed in prefills:
-                mgr.on_computed(rid, computed)
-            for rid, new, fresh, computed in calls:
+            for rid, new, fresh, _ in calls:
                 if new:
                     mgr.append_blocks(rid, [new])
                 if fresh:
                     mgr.extend(rid, fresh)
-                mgr.on_computed(rid, computed)
+            mgr.on_computed_many(prefills + [(rid, computed) for rid, _, _, computed in calls])
             plan = mgr.build_step()
         self.pending = [TransferResult(tid) for tid, _ in plan]
         self.stored_blocks += sum(len(copy) for _, copy in plan if copy.direction is Direction.STORE)

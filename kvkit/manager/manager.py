@@ -645,26 +645,50 @@ class OffloadManager:
         Only confirmed blocks are ever stored: call this after the forward
         pass that wrote them completed (or was ordered before any store of
         them). Newly confirmed full blocks go to the store policy.
+        :meth:`on_computed_many` tells a whole step's requests in one call.
 
         Raises:
             UnknownRequestError / RequestStateError: unknown, ended or not
                 running id; a count that decreases or exceeds the block table.
         """
-        r = (self._requests.get(request_id) if request_id.__class__ is str else None) or self._live(request_id)
-        if r.state is not _RUNNING:
-            raise wrong_state(r, "on_computed needs a running request")
-        table, bs = r.block_table, self.kv.block_size
-        capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * bs
-        n = num_computed_tokens if num_computed_tokens.__class__ is int else as_count(num_computed_tokens)
-        if n is None or n < r.num_computed_tokens or n > capacity:
-            raise RequestStateError(
-                f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r} must be in "
-                f"[{r.num_computed_tokens}, {capacity}] (never decreases, within the block table)")
-        r.num_computed_tokens = n
-        if n > r.num_tokens:
-            r.num_tokens = n
-        if n // bs > r.num_confirmed_blocks:  # else no block can be newly confirmed
-            self._confirm(r)
+        self.on_computed_many(((request_id, num_computed_tokens),))
+
+    def on_computed_many(self, counts: Iterable[tuple[str, int]]) -> None:
+        """:meth:`on_computed` for each ``(request_id, num_computed_tokens)``, in order: a step's running
+        requests in one call (an engine's per-request hot path).
+
+        Raises:
+            UnknownRequestError / RequestStateError: as :meth:`on_computed`, at the first pair refused
+                (``RequestStateError`` for an item that is not a pair); the pairs before it are applied,
+                it and those after it change nothing.
+        """
+        requests, bs = self._requests, self.kv.block_size
+        try:
+            pairs = iter(counts)
+        except TypeError:
+            raise RequestStateError(f"on_computed_many takes (request_id, num_computed_tokens) pairs, "
+                                    f"got {quote(counts)}") from None
+        for pair in pairs:
+            try:
+                request_id, num_computed_tokens = pair
+            except (TypeError, ValueError):
+                raise RequestStateError(f"on_computed_many takes (request_id, num_computed_tokens) pairs, "
+                                        f"got {quote(pair)}") from None
+            r = (requests.get(request_id) if request_id.__class__ is str else None) or self._live(request_id)
+            if r.state is not _RUNNING:
+                raise wrong_state(r, "on_computed needs a running request")
+            table = r.block_table
+            capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * bs
+            n = num_computed_tokens if num_computed_tokens.__class__ is int else as_count(num_computed_tokens)
+            if n is None or n < r.num_computed_tokens or n > capacity:
+                raise RequestStateError(
+                    f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r} must be in "
+                    f"[{r.num_computed_tokens}, {capacity}] (never decreases, within the block table)")
+            r.num_computed_tokens = n
+            if n > r.num_tokens:
+                r.num_tokens = n
+            if n // bs > r.num_confirmed_blocks:  # else no block can be newly confirmed
+                self._confirm(r)
 
     @driven
     def finish(self, request_id: str, num_computed_tokens: int | None = None) -> bool:

@@ -107,6 +107,11 @@ BAD_CALLS: dict[str, tuple[frozenset[str], Call]] = {k: (frozenset(n), c) for k,
     "computed: beyond table": (("running",), lambda m, w, r: m.on_computed(
         r, len(m.request(r).block_table[0]) * m.kv.block_size + 1)),
     "computed: str": (("running",), lambda m, w, r: m.on_computed(r, "12")),
+    "computed many: not iterable": ((), lambda m, w, r: m.on_computed_many(5)),
+    "computed many: not a pair": (("running",), lambda m, w, r: m.on_computed_many([(r,)])),
+    "computed many: decreasing": (("running",), lambda m, w, r: m.on_computed_many(
+        [(r, m.request(r).num_computed_tokens - 1)])),
+    "computed many: waiting": (("waiting",), lambda m, w, r: m.on_computed_many([(w, 0)])),
     "results: None item": ((), lambda m, w, r: m.apply_completions([None])),
     "results: not iterable": ((), lambda m, w, r: m.apply_completions(5)),
     "results: a good one then junk": ((), lambda m, w, r: m.apply_completions([TransferResult(0), "done"])),

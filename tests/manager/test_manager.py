@@ -440,6 +440,32 @@ def test_store_commits_only_after_every_worker_and_never_after_a_failure():
     mgr.check_invariants()
 
 
+def _confirmed(mgr: OffloadManager) -> dict[str, tuple[int, int, list[int]]]:
+    return {rid: (r.num_computed_tokens, r.num_confirmed_blocks, list(r.store_queue))
+            for rid, r in mgr._requests.items()}
+
+
+def test_on_computed_many_is_on_computed_in_turn_up_to_the_first_refused_pair():
+    """A step's counts in one call leave each request as the per-request calls do, plan the same stores,
+    and a refused pair raises with the pairs before it applied and it and those after it not."""
+    twins = [make(cpu=32, gpu=32), make(cpu=32, gpu=32)]
+    for mgr in twins:
+        for k, rid in enumerate("abc"):
+            schedule(mgr, rid, hashes(k + 1, 4), 4 * BS)
+    counts = [("a", 2 * BS), ("b", BS - 1), ("c", 4 * BS), ("a", 3 * BS)]
+    twins[0].on_computed_many(counts)
+    for rid, n in counts:
+        twins[1].on_computed(rid, n)
+    assert _confirmed(twins[0]) == _confirmed(twins[1])
+    assert [(c.src.tolist(), c.dst.tolist()) for _, c in twins[0].build_step()] == \
+        [(c.src.tolist(), c.dst.tolist()) for _, c in twins[1].build_step()]
+    mgr = twins[0]
+    with pytest.raises(RequestStateError, match=rf"'b': num_computed_tokens=0 must be in \[{BS - 1}, {4 * BS}\]"):
+        mgr.on_computed_many([("a", 4 * BS), ("b", 0), ("c", 4 * BS)])
+    assert mgr.request("a").num_computed_tokens == 4 * BS  # before the refused pair: applied
+    assert mgr.request("b").num_computed_tokens == BS - 1
+
+
 def test_stores_are_deduplicated_against_cpu_inflight_and_the_step():
     """A hash on the CPU tier, in flight, or twice in one step is stored once."""
     mgr = make()

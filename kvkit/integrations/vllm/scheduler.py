@@ -435,6 +435,7 @@ class SchedulerSide:
                     self.manager.on_allocated(rid, [list(row) for row in self.tables(rid)])
                 else:
                     self.manager.append_blocks(rid, blocks)
+        computed = []
         for rid, n in scheduled.items():
             request = self._requests.get(rid)
             if request is None or self.manager.request(rid).state is not _RUNNING:
@@ -442,7 +443,8 @@ class SchedulerSide:
             self._sync(request)
             done = request.num_computed_tokens + n - len(drafts.get(rid, ()))
             if done > self.manager.request(rid).num_computed_tokens:
-                self.manager.on_computed(rid, done)
+                computed.append((rid, done))
+        self.manager.on_computed_many(computed)
         self._step += 1
         self._flush_pending = False  # build_step plans every detached store
         order = StepOrder(self._step, self.manager.build_step(), tuple(self._targets),
