@@ -306,7 +306,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _last_removal: int = attrs.field(init=False, default=0)
     _next_refresh: int = attrs.field(init=False, default=_MIN_REFRESH)
     # The per-block loops: compiled where they were built (the tests set the reference to compare the two).
-    _books: Booking = attrs.field(init=False, default=_BOOKING, eq=False, repr=False)
+    _books: Booking = attrs.field(init=False, factory=lambda: _BOOKING, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._shift = ShiftTest(len(REUSE_LEVELS), alpha=self.shift_alpha)

@@ -2,7 +2,8 @@
 
 The cost counted is *work*: the Python lines the pool and its policy execute
 during the call (a sys.settrace hook; a block a selection inspects costs at
-least one), never wall time. Blocks in use come in four kinds, mixed: held
+least one), never wall time; the compiled loops run their Python references
+here (``python_loops``), whose work the hook sees. Blocks in use come in four kinds, mixed: held
 since their commit, orphans (their parent hash is not cached), chains whose
 root is an orphan, and chains released and pinned again (loads).
 """
@@ -22,6 +23,7 @@ CHAIN = 16
 KINDS = ("held", "orphans", "orphan-root", "pinned-again")
 _ROOTS = tuple(str(Path(p).resolve()) for p in (Path(__file__).parents[3] / "backends",
                                                  Path(__file__).parents[3] / "kvkit"))
+pytestmark = pytest.mark.usefixtures("python_loops")
 _POLICIES = ("lru", "fifo", "lfu", "arc", "s3fifo", "lirs", "prefix-lru", "hit-density", "adaptive", "hinted", "opt")
 
 
@@ -104,3 +106,14 @@ def test_the_work_of_a_selection_does_not_grow_with_the_blocks_in_use(policy, fr
     w_few, w_many = work_of_allocate(few, victims), work_of_allocate(many, victims)
     assert w_many <= 2 * w_few + 64, f"{policy} {kinds}: {w_many} lines with 1,024 blocks in use, {w_few} with 32"
     many.check_invariants()
+
+
+def test_the_pools_here_run_the_python_loops():
+    """The work counted is the Python references': no loop of the pools built here runs compiled."""
+    from kvkit.backends.eviction._chains import FlatChains
+    from kvkit.backends.eviction.hit_density import booking
+
+    policy = build("hit-density", 64, 16).policy
+    assert policy._books is booking.REFERENCE
+    assert policy._chains._add_many is FlatChains.add_many_reference
+    assert policy._chains._remove_many is FlatChains.remove_many_reference
