@@ -6,4 +6,6 @@ setup(ext_modules=[
     # hit density's per-block bookkeeping loops (backends/eviction/hit_density/booking.py holds the reference)
     Extension("kvkit.backends.eviction.hit_density._booking", ["backends/eviction/hit_density/_booking.c"],
               optional=True),
+    # the block pool's per-block loops (backends/allocator/pool.py holds the reference, loops.py the contracts)
+    Extension("kvkit.backends.allocator._pool_loops", ["backends/allocator/_pool_loops.c"], optional=True),
 ])
