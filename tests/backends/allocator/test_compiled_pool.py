@@ -103,6 +103,10 @@ _HELD = st.one_of(st.tuples(st.just("allocate"), st.integers(0, 6)),
                                                           max_size=7),
                                       st.lists(_PARENTS, min_size=7, max_size=7))),
                   st.tuples(st.just("decref"), st.none()),
+                  # a call on the blocks held with one item spoilt: the odd one anywhere in it
+                  st.tuples(st.just("spoil"), st.sampled_from(["incref", "decref", "blocks", "hashes", "parents"]),
+                            st.one_of(_ODD, st.integers(0, N - 1).map(np.int64), st.sampled_from([2**70, -5])),
+                            st.integers(0, 5)),
                   st.tuples(st.just("store"), st.lists(st.integers(0, 30), min_size=1, max_size=8), st.booleans()))
 _OPS = st.lists(st.one_of(
     _HELD, _HELD, _HELD,
@@ -142,7 +146,18 @@ def test_compiled_pool_is_the_reference(policy: str, ops: list[tuple[Any, ...]])
     compiled, reference = _pool(policy), _pool(policy)
     reference._loops = None
     for op in ops:
-        if op[0] == "store":  # allocate, commit as a chain, release: the blocks become evictable
+        if op[0] == "spoil":
+            _, what, odd, at = op
+            call = list(_bound(("commit", None, list(range(6)), [None] * 6) if what in ("blocks", "hashes", "parents")
+                               else (what, None), reference))
+            if what == "incref":
+                call[1] = [b for b in range(N) if reference._ref[b] or reference._hash[b] is not None]
+            place = {"incref": 1, "decref": 1, "blocks": 1, "hashes": 2, "parents": 3}[what]
+            items = list(call[place])
+            if items:
+                items[at % len(items)] = odd
+            calls = [tuple(call[:place]) + (items,) + tuple(call[place + 1:])]
+        elif op[0] == "store":  # allocate, commit as a chain, release: the blocks become evictable
             _, hashes, release = op
             calls = [("allocate", len(hashes)), ("commit", None, hashes, [None, *hashes[:-1]])]
             calls += [("decref", None)] if release else []
