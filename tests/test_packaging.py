@@ -56,6 +56,13 @@ def test_wheel_carries_the_compiled_booking(wheel_names):
                for name in wheel_names)
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the wheel is pure Python")
+def test_wheel_carries_the_compiled_pool_loops(wheel_names):
+    """Where a C compiler is, the build compiles the block pool's per-block loops into the wheel."""
+    assert any(name.startswith("kvkit/backends/allocator/_pool_loops.") and name.endswith(".so")
+               for name in wheel_names)
+
+
 def test_wheel_ships_the_builtin_traces(wheel_names):
     """Every built-in trace and its licence note are package data of the wheel, not only files of the checkout."""
     from kvkit.sim.traces import BUILTIN_TRACES

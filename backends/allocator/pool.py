@@ -125,6 +125,11 @@ class BlockPool(EvictionWindow):
     candidates again when something changed since the previous call and
     reports the difference.
 
+    The per-block loops of ``allocate``, ``incref``, ``decref``, ``commit``
+    and eviction run compiled where the extension was built (``loops.py``:
+    the contracts), each method's Python loop otherwise; a compiled loop
+    leaves anything unusual to the Python, which raises every error.
+
     Invariants: those of :class:`~kvkit.interfaces.allocator.BlockAllocator`
     and :class:`~kvkit.interfaces.capabilities.EvictionWindow`;
     the policy tracks exactly the ready blocks; ``num_evictable`` counts
@@ -254,7 +259,7 @@ class BlockPool(EvictionWindow):
     def allocate(self, n: int) -> list[BlockId]:
         if n.__class__ is not int or n < 0:
             n = _check_count("allocate", n)
-        ref, empty = self._ref, self._empty
+        empty = self._empty
         num_empty = len(empty)
         if n <= num_empty:
             start = num_empty - n
@@ -438,9 +443,9 @@ class BlockPool(EvictionWindow):
         batch, loops = self._batch, self._loops
         taken = None if batch is None or loops is None else loops.commit(
             self._ref, self._hash, self._index, blocks, hashes, parents)
-        result, *added = self._commit(blocks, hashes, parents) if taken is None else taken
-        if batch is not None and added[0]:
-            batch.insert_pinned(*added)
+        result, added, added_hashes, added_parents = self._commit(blocks, hashes, parents) if taken is None else taken
+        if batch is not None and added:
+            batch.insert_pinned(added, added_hashes, added_parents)
         self._version += 1  # a policy may order by inserts (hit density's clock)
         return result
 

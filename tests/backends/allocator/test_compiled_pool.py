@@ -37,7 +37,7 @@ def _recording(base: type[EvictionPolicy]) -> type[EvictionPolicy]:
     def hook(name: str) -> Any:
         def logged(self: Any, *args: Any) -> Any:
             self.log.append((name, *(list(a) if isinstance(a, list) else a for a in args if not callable(a))))
-            return getattr(super(cls, self), name)(*args)  # noqa: F821 (cls is bound below)
+            return getattr(super(cls, self), name)(*args)
         return logged
 
     cls = type(f"Recording{base.__name__}", (base,), {name: hook(name) for name in _HOOKS if hasattr(base, name)})
@@ -126,7 +126,7 @@ def _bound(op: tuple[Any, ...], reference: BlockPool) -> tuple[Any, ...]:
         held = [b for b in range(N) if reference._ref[b] and reference._hash[b] is None][:len(op[2])]
         hashes = op[2][:len(held)]
         if op[1] == "twice":  # under a hash no other block has
-            held, hashes = held + held[:1], hashes + [21]
+            held, hashes = [*held, *held[:1]], [*hashes, 21]
         return ("commit", held, hashes, None if op[3] is None else op[3][:len(held)])
     if op[0] == "decref" and op[1] is None:
         return ("decref", [b for b in range(N) for _ in range(reference._ref[b])][::2])
@@ -153,10 +153,10 @@ def test_compiled_pool_is_the_reference(policy: str, ops: list[tuple[Any, ...]])
             if what == "incref":
                 call[1] = [b for b in range(N) if reference._ref[b] or reference._hash[b] is not None]
             place = {"incref": 1, "decref": 1, "blocks": 1, "hashes": 2, "parents": 3}[what]
-            items = list(call[place])
+            call[place] = items = list(call[place])
             if items:
                 items[at % len(items)] = odd
-            calls = [tuple(call[:place]) + (items,) + tuple(call[place + 1:])]
+            calls = [tuple(call)]
         elif op[0] == "store":  # allocate, commit as a chain, release: the blocks become evictable
             _, hashes, release = op
             calls = [("allocate", len(hashes)), ("commit", None, hashes, [None, *hashes[:-1]])]
