@@ -167,3 +167,21 @@ def test_compiled_pool_is_the_reference(policy: str, ops: list[tuple[Any, ...]])
             call = _bound(call, reference)
             assert repr(_run(compiled, call)) == repr(_run(reference, call)), call  # repr: ints stay ints
             assert repr(_state(compiled)) == repr(_state(reference)), call
+
+
+@pytest.mark.parametrize(("loop", "args"), [
+    ("incref", ([1, 1], [5, 6], [0, 2])), ("incref", ([1, 1], [5, 6], [0, -1])),
+    ("decref", ([1, 1], [5, 6], [0, 2])), ("decref", ([1, 1], [5, 6], [0, -1])),
+    ("commit", ([1, 1], [None, None], {}, [0, 2], [7, 8], None)), ("hand_out", ([0, 0], [0, 2])),
+    ("drop", ([5, 6], {5: 0, 6: 1}, [0, 2], [5, 6])), ("drop", ([5, 6], {5: 0, 6: 1}, [-1], [6])),
+], ids=str)
+def test_an_id_out_of_range_takes_the_python_path(loop: str, args: tuple[Any, ...]) -> None:
+    """A compiled loop reads and writes no slot outside the lists: an id past either end returns its sentinel
+    (a loop that writes as it goes writes only in range; the Python then raises)."""
+    assert loops.COMPILED is not None
+    before = repr(args)
+    assert getattr(loops.COMPILED, loop)(*args) in (None, False)
+    if loop == "hand_out":  # it writes 1s as it goes, which the Python loop writes again
+        assert args[0] == [1, 0]
+    else:
+        assert repr(args) == before
