@@ -50,12 +50,12 @@ def test_wheel_contains_every_subpackage(wheel_names):
 
 
 @pytest.mark.compiler
-@pytest.mark.parametrize("module", ["hit_density/_booking", "_chains_loops"])
+@pytest.mark.parametrize("module", ["eviction/hit_density/_booking", "eviction/_chains_loops",
+                                    "allocator/_pool_loops"])
 def test_wheel_carries_the_compiled_loops(wheel_names, module):
-    """Where a C compiler is, the build compiles hit density's booking loops and the chain index's batch
-    loops into the wheel."""
-    assert any(name.startswith(f"kvkit/backends/eviction/{module}.") and name.endswith(".so")
-               for name in wheel_names)
+    """Where a C compiler is, the build compiles hit density's booking loops, the chain index's batch loops
+    and the block pool's per-block loops into the wheel."""
+    assert any(name.startswith(f"kvkit/backends/{module}.") and name.endswith(".so") for name in wheel_names)
 
 
 def test_wheel_ships_the_builtin_traces(wheel_names):

@@ -11,6 +11,8 @@ import attrs
 import numpy as np
 from typing_extensions import override
 
+from kvkit.backends.allocator import loops as pool_loops
+from kvkit.backends.allocator.loops import PoolLoops
 from kvkit.errors import (
     ConfigError,
     InsufficientMemoryError,
@@ -124,6 +126,11 @@ class BlockPool(EvictionWindow):
     candidates again when something changed since the previous call and
     reports the difference.
 
+    The per-block loops of ``allocate``, ``incref``, ``decref``, ``commit``
+    and eviction run compiled where the extension was built (``loops.py``:
+    the contracts), each method's Python loop otherwise; a compiled loop
+    leaves anything unusual to the Python, which raises every error.
+
     Invariants: those of :class:`~kvkit.interfaces.allocator.BlockAllocator`
     and :class:`~kvkit.interfaces.capabilities.EvictionWindow`;
     the policy tracks exactly the ready blocks; ``num_evictable`` counts
@@ -150,6 +157,8 @@ class BlockPool(EvictionWindow):
     _window_n: int = attrs.field(init=False, repr=False, default=-1)
     _window_version: int = attrs.field(init=False, repr=False, default=-1)
     _window: dict[BlockId, BlockHash | None] = attrs.field(init=False, repr=False, factory=dict)
+    # The compiled twins of the per-block loops (loops.py), or None: the methods' own Python loops run.
+    _loops: PoolLoops | None = attrs.field(init=False, repr=False, factory=lambda: pool_loops.COMPILED)
 
     def __attrs_post_init__(self) -> None:
         if self._policy is None:
@@ -251,15 +260,14 @@ class BlockPool(EvictionWindow):
     def allocate(self, n: int) -> list[BlockId]:
         if n.__class__ is not int or n < 0:
             n = _check_count("allocate", n)
-        ref, empty = self._ref, self._empty
+        empty = self._empty
         num_empty = len(empty)
         if n <= num_empty:
             start = num_empty - n
             blocks = empty[start:]
             del empty[start:]
             blocks.reverse()
-            for b in blocks:
-                ref[b] = 1
+            self._hand_out(blocks)
             return blocks
         need = n - num_empty
         if need > self._num_evictable:
@@ -278,12 +286,19 @@ class BlockPool(EvictionWindow):
         blocks = empty[::-1]
         empty.clear()
         blocks += victims
-        for b in blocks:
-            ref[b] = 1
+        self._hand_out(blocks)
         for listener in self._listeners:
             for b, h in zip(victims, gone):
                 listener(b, h)
         return blocks
+
+    def _hand_out(self, blocks: list[BlockId]) -> None:
+        """Every block's refcount becomes 1."""
+        loops = self._loops
+        if loops is None or not loops.hand_out(self._ref, blocks):
+            ref = self._ref
+            for b in blocks:
+                ref[b] = 1
 
     def _evict(self, victims: list[BlockId], need: int) -> list[BlockHash]:
         """Drop ``victims`` from the index and the policy, sorting them to coalesce runs; their hashes, in order."""
@@ -300,9 +315,11 @@ class BlockPool(EvictionWindow):
         index, batch = self._index, self._batch
         if batch is not None:
             batch.remove_many(victims)  # the policy hears of each block before its hash and entry go
-            for b, h in zip(victims, gone):
-                hashes[b] = None
-                del index[h]
+            loops = self._loops
+            if loops is None or not loops.drop(hashes, index, victims, gone):
+                for b, h in zip(victims, gone):
+                    hashes[b] = None
+                    del index[h]
         else:
             on_remove = self._policy.on_remove
             for b, h in zip(victims, gone):
@@ -317,6 +334,18 @@ class BlockPool(EvictionWindow):
     @override
     def incref(self, blocks: Sequence[BlockId]) -> None:
         blocks = _as_list(blocks, "blocks")
+        ref, hashes, loops = self._ref, self._hash, self._loops
+        pinned = None if loops is None else loops.incref(ref, hashes, blocks)
+        if pinned is None:
+            pinned = self._incref(blocks)
+        if pinned:
+            self._num_evictable -= len(pinned)
+            self._version += 1
+            batch = self._batch
+            self._tell(pinned, self._on_pin, None if batch is None else batch.pin_many)
+
+    def _incref(self, blocks: list[BlockId] | tuple[BlockId, ...]) -> list[BlockId]:
+        """incref's loop: every block gains a reference; those that had none, in order."""
         ref, hashes = self._ref, self._hash
         pinned = []  # were evictable
         done = 0
@@ -336,13 +365,8 @@ class BlockPool(EvictionWindow):
                 ref[b_done] -= 1
             if isinstance(exc, RefcountError):
                 raise
-            return self.incref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
-        if pinned:
-            self._num_evictable -= len(pinned)
-            self._version += 1
-            batch = self._batch
-            self._tell(pinned, self._on_pin, None if batch is None else batch.pin_many)
-        return None
+            return self._incref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
+        return pinned
 
     @staticmethod
     def _tell(blocks: list[BlockId], hook: Callable[[BlockId], None] | None,
@@ -357,6 +381,20 @@ class BlockPool(EvictionWindow):
     @override
     def decref(self, blocks: Sequence[BlockId]) -> None:
         blocks = _as_list(blocks, "blocks")
+        loops = self._loops
+        released = None if loops is None else loops.decref(self._ref, self._hash, blocks)
+        freed, unpinned = self._decref(blocks) if released is None else released
+        if unpinned:
+            batch = self._batch
+            self._tell(unpinned, self._on_unpin, None if batch is None else batch.unpin_many)
+        self._num_evictable += len(unpinned)
+        self._version += 1
+        if freed:
+            freed.reverse()  # released in order -> handed out again in order
+            self._empty += freed
+
+    def _decref(self, blocks: list[BlockId] | tuple[BlockId, ...]) -> tuple[list[BlockId], list[BlockId]]:
+        """decref's loop: every block loses a reference; those that lost their last, not ready and ready."""
         ref, hashes = self._ref, self._hash
         freed: list[BlockId] = []  # not ready (or dropped by a forced reset): its content is worthless
         unpinned: list[BlockId] = []
@@ -382,16 +420,8 @@ class BlockPool(EvictionWindow):
                 ref[b_done] += 1
             if isinstance(exc, RefcountError):
                 raise
-            return self.decref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
-        if unpinned:
-            batch = self._batch
-            self._tell(unpinned, self._on_unpin, None if batch is None else batch.unpin_many)
-        self._num_evictable += len(unpinned)
-        self._version += 1
-        if freed:
-            freed.reverse()  # released in order -> handed out again in order
-            self._empty += freed
-        return None
+            return self._decref(self._ids(blocks))  # converts NumPy ids, or raises quoting the bad one
+        return freed, unpinned
 
     @override
     def refcount(self, block: BlockId) -> int:
@@ -411,6 +441,22 @@ class BlockPool(EvictionWindow):
                 f"commit needs equal lengths, got {plural(count, 'block')}, {plural(len(hashes), 'hash', 'hashes')}"
                 + ("" if parents is None else f", {plural(len(parents), 'parent')}")
             )
+        batch, loops = self._batch, self._loops
+        taken = None if batch is None or loops is None else loops.commit(
+            self._ref, self._hash, self._index, blocks, hashes, parents)
+        result, added, added_hashes, added_parents = self._commit(blocks, hashes, parents) if taken is None else taken
+        if batch is not None and added:
+            batch.insert_pinned(added, added_hashes, added_parents)
+        self._version += 1  # a policy may order by inserts (hit density's clock)
+        return result
+
+    def _commit(self, blocks: list[BlockId] | tuple[BlockId, ...], hashes: list[BlockHash] | tuple[BlockHash, ...],
+                parents: list[BlockHash | None] | tuple[BlockHash | None, ...] | None,
+                ) -> tuple[list[bool], list[BlockId], list[BlockHash], list[BlockHash | None]]:
+        """commit's loops: checks, then each block takes its hash unless taken; whether it did, and the batch.
+
+        A policy without batch hooks hears of each block as it takes its hash (the batch is then empty).
+        """
         ref, block_hash = self._ref, self._hash
         try:
             for b, h in zip(blocks, hashes):
@@ -421,16 +467,16 @@ class BlockPool(EvictionWindow):
                 if block_hash[b] is not None:
                     raise PoolUsageError(f"block {b!r} is already ready (hash {quote(block_hash[b])})")
         except IndexError:  # an id or hash to convert, or to refuse quoting it
-            return self.commit(self._ids(blocks), [_hash(h, "block hashes must be ints") for h in hashes],
-                               parents)
-        if count > 1 and len(set(blocks)) != count:
+            return self._commit(self._ids(blocks), [_hash(h, "block hashes must be ints") for h in hashes],
+                                parents)
+        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
             raise PoolUsageError(f"commit names a block twice: {quote(list(blocks))}")
         parent_of: Iterable[BlockHash | None] = repeat(None) if parents is None else parents
         if parents is not None and not set(map(type, parents)) <= _PARENT_TYPES:  # checked at C speed
             parent_of = [None if p is None else _hash(p, "parent hashes must be ints or None") for p in parents]
         setdefault, batch = self._index.setdefault, self._batch
         on_insert, on_pin = (self._policy.on_insert, self._on_pin) if batch is None else (None, None)
-        result = []
+        result: list[bool] = []
         added: tuple[list[BlockId], list[BlockHash], list[BlockHash | None]] = ([], [], [])
         for b, h, p in zip(blocks, hashes, parent_of):
             # The block is not ready, so it can only already sit under h if we just put it there.
@@ -447,10 +493,7 @@ class BlockPool(EvictionWindow):
                 result.append(True)
             else:
                 result.append(False)  # the first block keeps the hash; this one stays not ready
-        if batch is not None and added[0]:
-            batch.insert_pinned(*added)
-        self._version += 1  # a policy may order by inserts (hit density's clock)
-        return result
+        return (result, *added)
 
     @override
     def lookup(self, hashes: Sequence[BlockHash]) -> list[BlockId]:

@@ -113,7 +113,9 @@ def test_the_pools_here_run_the_python_loops():
     from kvkit.backends.eviction._chains import FlatChains
     from kvkit.backends.eviction.hit_density import booking
 
-    policy = build("hit-density", 64, 16).policy
+    pool = build("hit-density", 64, 16)
+    policy = pool.policy
+    assert pool._loops is None
     assert policy._books is booking.REFERENCE
     assert policy._chains._add_many is FlatChains.add_many_reference
     assert policy._chains._remove_many is FlatChains.remove_many_reference
