@@ -19,6 +19,7 @@ from kvkit.interfaces.eviction import EvictionPolicy
 from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = [
+    "BatchedLookup",
     "BatchedPolicy",
     "EvictionOrder",
     "EvictionWindow",
@@ -192,6 +193,21 @@ def batch_hooks(policy: EvictionPolicy) -> BatchedPolicy | None:
     raise ConfigError(
         f"eviction policy {type(policy).__name__} needs all batch hooks callable, with its pin hooks, "
         f"or none, got " + ", ".join(f"{name}={hook!r}" for name, hook in zip(_BATCH_HOOKS, hooks)))
+
+
+@runtime_checkable
+class BatchedLookup(BlockAllocator, Protocol):
+    """A pool that tells in one call which of many hashes a ready block carries; the manager's store
+    planning asks it about every candidate of a step.
+
+    Invariants:
+        * ``contains_many(hashes)[i] == bool(lookup([hashes[i]]))`` for every ``i``; it changes nothing.
+        * Every hash must be an int (a NumPy integer is converted), else ``PoolUsageError``.
+    """
+
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Per hash, in order, whether a ready block carries it."""
+        ...
 
 
 @runtime_checkable

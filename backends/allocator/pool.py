@@ -38,6 +38,7 @@ __all__ = ["BlockPool"]
 
 _T = TypeVar("_T")
 _PARENT_TYPES = {int, type(None)}  # a parent hash as given: an int or None
+_INT = {int}
 _BYTES_PER_BLOCK = 56  # refcount and hash slots, the empty stack's slot and its id object
 
 
@@ -494,6 +495,19 @@ class BlockPool(EvictionWindow):
             else:
                 result.append(False)  # the first block keeps the hash; this one stays not ready
         return (result, *added)
+
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Per hash, in order, whether a ready block carries it: ``bool(lookup([h]))`` for each, in one pass
+        (:class:`~kvkit.interfaces.capabilities.BatchedLookup`); pure.
+
+        Every hash must be an int (a NumPy integer is converted), else ``PoolUsageError``.
+        """
+        try:
+            if set(map(type, hashes)) <= _INT:
+                return list(map(self._index.__contains__, hashes))
+            return [_hash(h, "lookup hashes must be ints") in self._index for h in hashes]
+        except TypeError:  # not iterable
+            raise PoolUsageError(f"contains_many needs a sequence of hashes, got {quote(hashes)}") from None
 
     @override
     def lookup(self, hashes: Sequence[BlockHash]) -> list[BlockId]:

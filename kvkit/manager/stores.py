@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 import attrs
 
 from kvkit.interfaces.allocator import BlockAllocator
-from kvkit.interfaces.capabilities import EvictionOrder, EvictionWindow
+from kvkit.interfaces.capabilities import BatchedLookup, EvictionOrder, EvictionWindow
 from kvkit.interfaces.store import StorePolicy
 from kvkit.interfaces.types import BlockHash, BlockId, Direction
 from kvkit.manager.ended import EndedRequests
@@ -131,6 +131,7 @@ class StorePlanner:
     writeback: bool = False
     _detached: StoreCandidates = attrs.field(init=False)
     _inflight: set[BlockHash] = attrs.field(init=False, factory=set)
+    _contains_many: Callable[[Sequence[BlockHash]], list[bool]] | None = attrs.field(init=False, default=None)
     # Incremental write-back (an EvictionWindow GPU pool): what the last pass offered, hashes of
     # window blocks in flight or on the CPU tier (hash -> GPU block), and blocks to offer again.
     _wb_incremental: bool = attrs.field(init=False, default=False)
@@ -141,12 +142,22 @@ class StorePlanner:
     _wb_recheck: dict[BlockId, None] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
+        if isinstance(self.cpu, BatchedLookup):
+            self._contains_many = self.cpu.contains_many
         self._detached = StoreCandidates.empty(self.num_groups)
         self._wb_offered = StoreCandidates.empty(self.num_groups)
         if self.writeback and isinstance(self.gpu, EvictionWindow):
             self._wb_incremental = True
             self.cpu.add_evict_listener(self._wb_cpu_evicted)
             self.gpu.add_evict_listener(self._wb_gpu_evicted)
+
+    def _on_cpu(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Per hash, whether the CPU tier holds a ready block with it: one call to a
+        :class:`~kvkit.interfaces.capabilities.BatchedLookup` pool, else a lookup per hash."""
+        if self._contains_many is not None:
+            return self._contains_many(hashes)
+        lookup = self.cpu.lookup
+        return [bool(lookup((h,))) for h in hashes]
 
     def detach(self, r: Request, draining: bool) -> None:
         """Empty the store queue of ending ``r`` into candidates that outlive it.
@@ -159,13 +170,14 @@ class StorePlanner:
         # otherwise hold GPU references on blocks that are never copied. Stores
         # in flight are deduplicated at build time, once their outcome is known;
         # while a reset drains, the CPU tier's contents are doomed.
-        held, hashes, lookup = self.gpu is not None, r.block_hashes, self.cpu.lookup
+        held, hashes = self.gpu is not None, r.block_hashes
         queue = list(dict.fromkeys(r.store_queue))  # the flush repeats queued blocks
         if draining:
             needed = queue
         else:  # one prefix lookup settles the (usually stored) head of a flush
-            ready = len(lookup(hashes[:r.num_confirmed_blocks]))
-            needed = [i for i in queue if i >= ready and not lookup((hashes[i],))]
+            ready = len(self.cpu.lookup(hashes[:r.num_confirmed_blocks]))
+            tail = [i for i in queue if i >= ready]
+            needed = [i for i, stored in zip(tail, self._on_cpu([hashes[i] for i in tail])) if not stored]
         self.stats.stores_deduplicated.add(len(queue) - len(needed))
         entries = StoreCandidates.empty(self.num_groups)
         self._resolve(((r, needed),), held, entries)
@@ -210,8 +222,7 @@ class StorePlanner:
         detached = self._detached
         if not detached.hashes:
             return
-        lookup = self.cpu.lookup
-        found = [bool(lookup((h,))) for h in detached.hashes]
+        found = self._on_cpu(detached.hashes)
         if True not in found:
             return
         self._detached = detached.select([i for i, f in enumerate(found) if not f])
@@ -331,14 +342,14 @@ class StorePlanner:
 
     def _wb_learn(self) -> None:
         """Sort the last pass's offers: in flight, covered by the CPU tier, or to offer again (dropped)."""
-        inflight, lookup = self._inflight, self.cpu.lookup
+        inflight = self._inflight
         flying, covered, recheck = self._wb_flying, self._wb_covered, self._wb_recheck
         offered = self._wb_offered
         # Each was chosen or is in flight elsewhere, is on the CPU tier, or was dropped (no room).
-        for h, b in zip(offered.hashes, offered.gpu_ids[0], strict=True):
+        for h, b, stored in zip(offered.hashes, offered.gpu_ids[0], self._on_cpu(offered.hashes), strict=True):
             if h in inflight:
                 flying[h] = b
-            elif lookup((h,)):
+            elif stored:
                 covered[h] = b
             else:
                 recheck[b] = None
@@ -369,15 +380,16 @@ class StorePlanner:
         """Pick the candidates to copy (at most ``limit``) and allocate their CPU blocks; skipped ones drop
         their GPU holds."""
         cpu, gpu, inflight, stats = self.cpu, self.gpu, self._inflight, self.stats
-        cpu_lookup, hashes = cpu.lookup, cands.hashes
+        hashes = cands.hashes
         chosen: list[int] = []
         skipped: list[int] = []
         flying = 0
-        for i, h in enumerate(hashes):  # deduplicate against stores in flight and this step, and the CPU tier
+        # deduplicate against stores in flight and this step, and the CPU tier
+        for i, (h, stored) in enumerate(zip(hashes, self._on_cpu(hashes))):
             if h in inflight:
                 flying += 1
                 skipped.append(i)
-            elif cpu_lookup((h,)):
+            elif stored:
                 skipped.append(i)
             else:
                 inflight.add(h)

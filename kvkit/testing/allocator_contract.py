@@ -33,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvkit.errors import KVKitError, OutOfBlocksError, PoolUsageError, RefcountError, UnknownBlockError
 from kvkit.interfaces.allocator import BlockAllocator
+from kvkit.interfaces.capabilities import BatchedLookup
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import plural
 
@@ -373,6 +374,22 @@ class AllocatorContract(RuleBasedStateMachine):
         found = self._live.lookup(chain)
         _expect(list(found) == expected, f"lookup({chain!r}) = {found!r}, expected {expected!r}")
         _expect(self._snapshot() == before, f"lookup({chain!r}) changed the allocator")
+
+    @rule(hashes=st.lists(st.sampled_from(HASHES), max_size=6), as_numpy=st.booleans())
+    def contains_many(self, hashes: list[BlockHash], as_numpy: bool) -> None:
+        """A :class:`~kvkit.interfaces.capabilities.BatchedLookup` pool: ``contains_many`` agrees with a
+        lookup per hash (NumPy integers read as ints), changes nothing, and refuses a hash that is no int."""
+        pool = self._live
+        if not isinstance(pool, BatchedLookup):
+            return
+        asked: list[Any] = [np.uint64(h) if as_numpy and h < 2**64 else h for h in hashes]
+        before = self._snapshot()
+        found = pool.contains_many(asked)
+        expected = [h in self.index for h in hashes]
+        _expect(list(found) == expected, f"contains_many({hashes!r}) = {found!r}, expected {expected!r}")
+        _expect(self._snapshot() == before, f"contains_many({hashes!r}) changed the allocator")
+        spoilt: list[Any] = [*hashes, "h"]
+        self._fails_atomically(PoolUsageError, lambda: pool.contains_many(spoilt), f"contains_many({spoilt!r})")
 
     @precondition(lambda self: self.hash_of)
     @rule(data=st.data())

@@ -466,9 +466,18 @@ def test_on_computed_many_is_on_computed_in_turn_up_to_the_first_refused_pair():
     assert mgr.request("b").num_computed_tokens == BS - 1
 
 
-def test_stores_are_deduplicated_against_cpu_inflight_and_the_step():
-    """A hash on the CPU tier, in flight, or twice in one step is stored once."""
-    mgr = make()
+class LookupOnlyPool(BlockPool):
+    """A CPU pool without the batched lookup: the manager asks ``lookup`` hash by hash."""
+
+    contains_many = None
+
+
+@pytest.mark.parametrize("cpu_pool", [BlockPool, LookupOnlyPool])
+def test_stores_are_deduplicated_against_cpu_inflight_and_the_step(cpu_pool):
+    """A hash on the CPU tier, in flight, or twice in one step is stored once (the CPU pool asked in one
+    call, or a lookup per hash)."""
+    mgr = OffloadManager(SPEC, cpu_pool(8, eviction=LRUPolicy()), EagerStore(), gpu=BlockPool(16, eviction=LRUPolicy()))
+    assert (mgr._stores._contains_many is None) == (cpu_pool is LookupOnlyPool)
     hs = hashes(1, 2)
     schedule(mgr, "a", hs, 9)
     schedule(mgr, "b", hs, 9)
