@@ -2,9 +2,10 @@
 
 Step: ``R`` running requests each complete one block per step (decode at one
 block per step, the heaviest steady load) with eager write-through stores on.
-Per request the engine calls ``append_blocks`` (the next block), ``extend``
-(the block's hash) and ``on_computed``; then one ``build_step`` and one
-``apply_completions`` of the previous step's transfers (every worker done).
+Per request the engine calls ``append_blocks`` (the next block) and ``extend``
+(the block's hash), then one ``on_computed_many`` for them all, one
+``build_step`` and one ``apply_completions`` of the previous step's transfers
+(every worker done).
 The CPU pool is smaller than everything stored, so allocations evict. The time
 counted is the manager's, pool calls it makes included; the engine's own GPU
 allocations are made before timing. ``p90_ms`` is wall time (includes the OS
@@ -69,7 +70,7 @@ def bench_step(num_requests: int, steps: int, warmup: int, prompt_blocks: int = 
         for rid, new_blocks, new_hash in grow:
             mgr.append_blocks(rid, new_blocks)
             mgr.extend(rid, new_hash)
-            mgr.on_computed(rid, tokens)
+        mgr.on_computed_many([(rid, tokens) for rid in tables])
         pending = mgr.build_step()
         mgr.apply_completions(done)
         elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
