@@ -8,4 +8,6 @@ setup(ext_modules=[
               optional=True),
     # the chain index's batch loops (backends/eviction/_chains.py holds the references)
     Extension("kvkit.backends.eviction._chains_loops", ["backends/eviction/_chains_loops.c"], optional=True),
+    # the parking queue's batch loops (backends/eviction/_queue.py holds the references)
+    Extension("kvkit.backends.eviction._queue_loops", ["backends/eviction/_queue_loops.c"], optional=True),
 ])
