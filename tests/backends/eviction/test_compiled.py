@@ -397,6 +397,12 @@ def _queues_state(queues: list[ParkingQueue]) -> list[dict[str, Any]]:
               ("unpin_many", 0, [2, 1], list), ("first", 0, 3, True)], shared=False)  # a release out of order
 @example(ops=[("add", 0, 1, False), ("watch", 0, 1), ("pin", 0, 1), ("watch", 0, 0),
               ("unpin_many", 0, [1], tuple), ("remove_many", 0, [1], list)], shared=False)  # an edge past a pin
+@example(ops=[("add", 0, 0, False), ("add", 0, 1, False), ("watch", 0, 1), ("remove_many", 0, [0], list)],
+         shared=False)  # the window's last block leaves
+@example(ops=[("add", 0, 0, True), ("watch", 0, 1), ("unpin_many", 0, [0], list)], shared=False)  # it joins
+@example(ops=[("add", 0, 0, False), ("add", 0, 1, False), ("watch", 0, 1), ("pin_many", 0, [0], list)],
+         shared=False)  # the window moves on
+@example(ops=[("add", 0, 0, False), ("first", 0, 0, True)], shared=False)  # none asked: the pending block waits
 @given(ops=_QUEUE_OPS, shared=st.booleans())
 def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], shared: bool) -> None:
     """Two sets of queues take the same calls, one running the compiled loops, one the references: every
