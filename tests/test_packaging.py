@@ -50,10 +50,10 @@ def test_wheel_contains_every_subpackage(wheel_names):
 
 
 @pytest.mark.compiler
-@pytest.mark.parametrize("module", ["hit_density/_booking", "_chains_loops"])
+@pytest.mark.parametrize("module", ["hit_density/_booking", "_chains_loops", "_queue_loops"])
 def test_wheel_carries_the_compiled_loops(wheel_names, module):
-    """Where a C compiler is, the build compiles hit density's booking loops and the chain index's batch
-    loops into the wheel."""
+    """Where a C compiler is, the build compiles hit density's booking loops and the chain index's and the
+    parking queue's batch loops into the wheel."""
     assert any(name.startswith(f"kvkit/backends/eviction/{module}.") and name.endswith(".so")
                for name in wheel_names)
 
