@@ -5,13 +5,15 @@
  * the same calls and compare the whole state. The per-block slots (prev, next: array('i'); stamp:
  * array('q'); state: array('b') or, shared, array('q')) are read through the buffer protocol, the
  * queue's scalars (_len, _head, _tail, _cut, _pending and the slots' clock) are taken at the start and
- * written back before any call into Python and at the end; the side list stays a Python object.
+ * written back before any call of the queue's methods, at the end and on an error; the side list stays a
+ * Python object, called as the reference calls it.
  *
  * The loops run the common case of each block at C speed: the queue unwatched (_size 0, where a watched
  * window would move), a block an exact int inside the slots in the part the fast step expects. Any other
  * block runs the reference: for one block (add then pin, unpin, remove: the state written back first and
  * taken again after) or, where the reference batches its rest (pin_many, first), for the rest of the
- * call. Every index read from the slots is checked: one outside them raises IndexError and writes nothing.
+ * call. The blocks are read from a tuple of the caller's (its items outlive any call back). Every index
+ * read from the slots is checked: one outside them raises IndexError and writes nothing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -242,15 +244,28 @@ slot_of(const Queue *q, PyObject *item)
     return (Py_ssize_t)block;
 }
 
-/* queue.<name>(arg, *more), its result dropped: the state given back before and taken again after. */
+/* On an error with the state taken: the scalars changed so far go back to the queue, as the reference's
+ * would be there when it raised (the error kept). */
+static void
+give_back(Queue *q)
+{
+    if (q->held) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (give(q) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+    }
+}
+
+/* queue.<name>(arg), its result dropped: the state given back before and taken again after. */
 static int
-per_block(Queue *q, PyObject *name, PyObject *arg, PyObject *more)
+per_block(Queue *q, PyObject *name, PyObject *arg)
 {
     if (give(q) < 0)
         return -1;
-    PyObject *argv[3] = {q->queue, arg, more};
-    PyObject *r = PyObject_VectorcallMethod(name, argv, (more == NULL ? 2 : 3) | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                            NULL);
+    PyObject *argv[2] = {q->queue, arg};
+    PyObject *r = PyObject_VectorcallMethod(name, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (r == NULL)
         return -1;
     Py_DECREF(r);
@@ -271,13 +286,6 @@ static int
 is_sequence(PyObject *obj)
 {
     return PyList_CheckExact(obj) || PyTuple_CheckExact(obj);
-}
-
-/* The tuple of a list or tuple's items (they outlive any call back). */
-static PyObject *
-items(PyObject *blocks)
-{
-    return PySequence_Tuple(blocks);
 }
 
 static int
@@ -308,14 +316,14 @@ add_pinned_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         result = reference(args[0], s_add_pinned_ref, args + 1, 1);
         goto done;
     }
-    if ((blocks = items(args[1])) == NULL)
+    if ((blocks = PySequence_Tuple(args[1])) == NULL)
         goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(blocks);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyTuple_GET_ITEM(blocks, i);
         Py_ssize_t block = slot_of(&q, item);
         if (block < 0 || state_of(&q, block) != ABSENT) { /* grown, refused or no id: the reference */
-            if (per_block(&q, s_add, item, NULL) < 0 || per_block(&q, s_pin, item, NULL) < 0)
+            if (per_block(&q, s_add, item) < 0 || per_block(&q, s_pin, item) < 0)
                 goto done;
             continue;
         }
@@ -329,6 +337,8 @@ add_pinned_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
+    if (result == NULL)
+        give_back(&q);
     release(&q);
     Py_XDECREF(q.slots);
     Py_XDECREF(blocks);
@@ -349,7 +359,7 @@ pin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return reference(args[0], s_pin_many_ref, args + 1, 1);
     if (take(&q) < 0)
         goto done;
-    if ((blocks = items(args[1])) == NULL)
+    if ((blocks = PySequence_Tuple(args[1])) == NULL)
         goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(blocks), start = 0;
     if (q.size != 0 || (n && q.pending != NIL && !PyLong_CheckExact(PyTuple_GET_ITEM(blocks, 0)))) {
@@ -382,6 +392,8 @@ pin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
+    if (result == NULL)
+        give_back(&q);
     release(&q);
     Py_XDECREF(q.slots);
     Py_XDECREF(blocks);
@@ -408,7 +420,7 @@ unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         result = reference(args[0], s_unpin_many_ref, args + 1, 1);
         goto done;
     }
-    if ((blocks = items(args[1])) == NULL)
+    if ((blocks = PySequence_Tuple(args[1])) == NULL)
         goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(blocks);
     if (n && flush(&q) < 0)
@@ -418,7 +430,7 @@ unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t block = slot_of(&q, item);
         long long stamp = block < 0 ? 0 : q.stamp[block];
         if (block < 0 || state_of(&q, block) != (q.base | PARKED) || stamp <= q.edge) {
-            if (per_block(&q, s_unpin, item, NULL) < 0)
+            if (per_block(&q, s_unpin, item) < 0)
                 goto done;
             continue;
         }
@@ -446,6 +458,8 @@ unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
+    if (result == NULL)
+        give_back(&q);
     release(&q);
     Py_XDECREF(q.slots);
     Py_XDECREF(blocks);
@@ -465,7 +479,7 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *blocks = NULL, *result = NULL;
     if (!is_sequence(args[1]))
         return reference(args[0], s_remove_many_ref, args + 1, 1);
-    if (take(&q) < 0 || (blocks = items(args[1])) == NULL || flush(&q) < 0)
+    if (take(&q) < 0 || (blocks = PySequence_Tuple(args[1])) == NULL || flush(&q) < 0)
         goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(blocks);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -478,7 +492,7 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             continue;
         }
         if (block < 0 || state != (q.base | MAIN) || q.stamp[block] <= q.edge) {
-            if (per_block(&q, s_remove, item, NULL) < 0)
+            if (per_block(&q, s_remove, item) < 0)
                 goto done;
             continue;
         }
@@ -490,6 +504,8 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
+    if (result == NULL)
+        give_back(&q);
     release(&q);
     Py_XDECREF(q.slots);
     Py_XDECREF(blocks);

@@ -403,6 +403,10 @@ def _queues_state(queues: list[ParkingQueue]) -> list[dict[str, Any]]:
 @example(ops=[("add", 0, 0, False), ("add", 0, 1, False), ("watch", 0, 1), ("pin_many", 0, [0], list)],
          shared=False)  # the window moves on
 @example(ops=[("add", 0, 0, False), ("first", 0, 0, True)], shared=False)  # none asked: the pending block waits
+@example(ops=[("add", 0, 0, False), ("add", 0, 1, False), ("add", 0, 2, False), ("first", 0, 2, True)],
+         shared=False)  # the first block is not evictable: the walk asks again
+@example(ops=[("watch", 0, 1), ("add_pinned_many", 0, [0], list)], shared=False)  # it joins, then leaves
+@example(ops=[("add", 0, 0, True), ("pin_many", 0, [0], list)], shared=True)  # pinned twice: refused
 @given(ops=_QUEUE_OPS, shared=st.booleans())
 def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], shared: bool) -> None:
     """Two sets of queues take the same calls, one running the compiled loops, one the references: every
