@@ -10,4 +10,6 @@ setup(ext_modules=[
     Extension("kvkit.backends.eviction._chains_loops", ["backends/eviction/_chains_loops.c"], optional=True),
     # the block pool's per-block loops (backends/allocator/pool.py holds the reference, loops.py the contracts)
     Extension("kvkit.backends.allocator._pool_loops", ["backends/allocator/_pool_loops.c"], optional=True),
+    # the parking queue's batch loops (backends/eviction/_queue.py holds the references)
+    Extension("kvkit.backends.eviction._queue_loops", ["backends/eviction/_queue_loops.c"], optional=True),
 ])

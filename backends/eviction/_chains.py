@@ -473,10 +473,8 @@ class FlatChains:
     def unpin_many(self, blocks: Sequence[BlockId]) -> None:
         """:meth:`unpin` for each block, in order."""
         if self._orphan_of:  # else none is an orphan
-            up, unpin = self._up, self._orphans.unpin
-            for block in blocks:
-                if up[block] == _ORPHAN:
-                    unpin(block)
+            up = self._up
+            self._orphans.unpin_many([block for block in blocks if up[block] == _ORPHAN])
 
     def orphans(self) -> Iterator[BlockId] | None:
         """Orphans not in use, in the order they became orphans (the index must not change meanwhile);

@@ -27,6 +27,13 @@ leave it.
 It can also *watch* its first ``n`` unpinned blocks (the next victims) and
 report those that joined them, so a write-back store policy examines only
 what changed (:meth:`ParkingQueue.watch`).
+
+The batch loops a scheduler step runs per block (:meth:`ParkingQueue.add_pinned_many`,
+:meth:`~ParkingQueue.pin_many`, :meth:`~ParkingQueue.unpin_many`, :meth:`~ParkingQueue.remove_many`)
+and the selection (:meth:`~ParkingQueue.first`) run the compiled ``_queue_loops`` module's functions
+where the extension was built at install (it needs a C compiler), else their Python references (the
+methods named ``*_reference``), which hold the contract; a queue's :class:`QueueLoops` names the ones it
+runs, and the tests drive both on the same calls and compare the whole state.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from array import array
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, islice, repeat
-from typing import cast
+from typing import NamedTuple, cast
 
 import attrs
 from typing_extensions import override
@@ -44,7 +51,7 @@ from kvkit.backends.eviction._common import already_tracked, any_block, bad_id, 
 from kvkit.interfaces.types import BlockId
 from kvkit.validate import plural
 
-__all__ = ["ParkingQueue", "QueuedPins", "Slots"]
+__all__ = ["COMPILED", "LOOPS", "REFERENCE", "ParkingQueue", "QueueLoops", "QueuedPins", "Slots"]
 
 _ABSENT, _MAIN, _PARKED, _BACK = 0, 1, 2, 3  # a block's state in its queue
 _NIL = -1  # no block: the end of a list
@@ -269,6 +276,8 @@ class ParkingQueue:
     _cut: int = attrs.field(default=_NIL, init=False)
     _pending: int = attrs.field(default=_NIL, init=False)  # the youngest block, not linked yet (see add)
     _entered: list[BlockId] = attrs.field(factory=list, init=False, repr=False)
+    # The batch loops: compiled where they were built (the tests set the references to compare the two).
+    _loops: QueueLoops = attrs.field(init=False, eq=False, repr=False, default=attrs.Factory(lambda: LOOPS))
 
     @classmethod
     def of(cls, owner: object, slots: Slots | None = None) -> ParkingQueue:
@@ -374,6 +383,16 @@ class ParkingQueue:
         else:
             self._pending = block
 
+    def add_pinned_many(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`add` then :meth:`pin` each of ``blocks`` in order (a pool inserts blocks in use)."""
+        self._loops.add_pinned_many(self, blocks)
+
+    def add_pinned_many_reference(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`add_pinned_many` in Python: the reference of the compiled loop."""
+        for block in blocks:
+            self.add(block)
+            self.pin(block)
+
     def reserve(self, k: int) -> int:
         """Set aside ``k`` consecutive stamps, younger than every block's, for :meth:`enter_at`; return the first."""
         slots = self._slots
@@ -430,6 +449,10 @@ class ParkingQueue:
     def remove_many(self, blocks: Sequence[BlockId]) -> None:
         """:meth:`remove` for each block, in order (``PoolUsageError`` at the first absent one, those before it
         removed)."""
+        self._loops.remove_many(self, blocks)
+
+    def remove_many_reference(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`remove_many` in Python: the reference of the compiled loop."""
         if self._pending != _NIL:
             self._flush()
         slots = self._slots
@@ -495,6 +518,10 @@ class ParkingQueue:
 
         Watching a window, each pin may move the region: then one at a time.
         """
+        self._loops.pin_many(self, blocks)
+
+    def pin_many_reference(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`pin_many` in Python: the reference of the compiled loop."""
         if self._size:
             for block in blocks:
                 self.pin(block)
@@ -566,10 +593,24 @@ class ParkingQueue:
         elif self._count < self._size:
             self._settle()
 
+    def unpin_many(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`unpin` each of ``blocks`` in order (``PoolUsageError`` at the first refused one, those before
+        it released)."""
+        self._loops.unpin_many(self, blocks)
+
+    def unpin_many_reference(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`unpin_many` in Python: the reference of the compiled loop."""
+        for block in blocks:
+            self.unpin(block)
+
     # -- selection ---------------------------------------------------------------
 
     def first(self, n: int, is_evictable: Callable[[BlockId], bool]) -> list[BlockId]:
         """Up to ``n`` unpinned blocks with ``is_evictable`` true, oldest first; changes nothing."""
+        return self._loops.first(self, n, is_evictable)
+
+    def first_reference(self, n: int, is_evictable: Callable[[BlockId], bool]) -> list[BlockId]:
+        """:meth:`first` in Python: the reference of the compiled loop."""
         if n <= 0:
             return []
         if self._pending != _NIL:
@@ -732,6 +773,31 @@ class ParkingQueue:
 
     def _who(self) -> object:
         return self if self._owner is None else self._owner
+
+
+class QueueLoops(NamedTuple):
+    """The batch loops a :class:`ParkingQueue` runs: :data:`REFERENCE` or :data:`COMPILED`, each called with
+    the queue first."""
+
+    add_pinned_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
+    pin_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
+    unpin_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
+    remove_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
+    first: Callable[[ParkingQueue, int, Callable[[BlockId], bool]], list[BlockId]]
+
+
+REFERENCE = QueueLoops(ParkingQueue.add_pinned_many_reference, ParkingQueue.pin_many_reference,
+                       ParkingQueue.unpin_many_reference, ParkingQueue.remove_many_reference,
+                       ParkingQueue.first_reference)
+COMPILED: QueueLoops | None
+try:
+    from kvkit.backends.eviction import _queue_loops
+except ImportError:  # built without a C compiler: the references run
+    COMPILED = None
+else:
+    COMPILED = QueueLoops(_queue_loops.add_pinned_many, _queue_loops.pin_many, _queue_loops.unpin_many,
+                          _queue_loops.remove_many, _queue_loops.first)
+LOOPS: QueueLoops = REFERENCE if COMPILED is None else COMPILED  # what a new queue runs
 
 
 @attrs.define(slots=False, on_setattr=attrs.setters.NO_OP)  # unslotted: it mixes with slotted bases

@@ -53,15 +53,24 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
 
     def insert_pinned(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
                       parents: Sequence[BlockHash | None]) -> None:
-        """``on_insert`` then ``on_pin`` for each block in order."""
+        """``on_insert`` then ``on_pin`` for each block in order; the queue's own hooks in one batch."""
+        cls = type(self)
+        if cls.on_insert is FIFOPolicy.on_insert and cls.on_pin is ParkingQueue.pin:
+            n = min(len(blocks), len(hashes), len(parents))
+            self.add_pinned_many(blocks if n == len(blocks) else blocks[:n])
+            return
         for block, block_hash, parent in zip(blocks, hashes, parents):
             self.on_insert(block, block_hash, parent)
             self.on_pin(block)
 
+    @override
     def unpin_many(self, blocks: Sequence[BlockId]) -> None:
-        """``on_unpin`` for each block in order."""
-        for block in blocks:
-            self.on_unpin(block)
+        """``on_unpin`` for each block in order; the queue's own releases in one batch."""
+        if type(self).on_unpin is ParkingQueue.unpin:
+            ParkingQueue.unpin_many(self, blocks)
+        else:
+            for block in blocks:
+                self.on_unpin(block)
 
     def access_many(self, blocks: Sequence[BlockId]) -> None:
         """``on_access`` for each block in order."""

@@ -11,10 +11,13 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvkit.backends.eviction import _chains
+from kvkit.backends.eviction import _chains, _queue
 from kvkit.backends.eviction._chains import FlatChains
-from kvkit.backends.eviction._queue import ParkingQueue
+from kvkit.backends.eviction._common import any_block
+from kvkit.backends.eviction._queue import ParkingQueue, Slots
+from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.backends.eviction.hit_density import HitDensityPolicy, booking
+from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
 from kvkit.errors import PoolUsageError
 
@@ -35,6 +38,14 @@ def test_the_compiled_chain_loops_were_built() -> None:
     assert chains._remove_many is _chains.REMOVE_MANY is not FlatChains.remove_many_reference
 
 
+@pytest.mark.compiler
+def test_the_compiled_queue_loops_were_built() -> None:
+    """Where a C compiler is, the install built the parking queue's loops, and a queue runs them."""
+    assert _queue.COMPILED is not None, "pip install -e . did not build eviction/_queue_loops.c"
+    assert ParkingQueue()._loops is _queue.LOOPS is _queue.COMPILED
+    assert LRUPolicy()._loops is FlatChains(bytearray())._orphans._loops is _queue.COMPILED
+
+
 def _reference(chains: FlatChains) -> FlatChains:
     """``chains``, running the Python references of its batch loops."""
     chains._add_many = FlatChains.add_many_reference
@@ -44,8 +55,8 @@ def _reference(chains: FlatChains) -> FlatChains:
 
 def _queue_state(queue: ParkingQueue) -> dict[str, Any]:
     """Every field of an orphan queue and of its slots, dicts and lists in their order."""
-    state = {f.name: getattr(queue, f.name) for f in attrs.fields(ParkingQueue) if f.name not in ("_slots", "_back")}
-    del state["_owner"]
+    state = {f.name: getattr(queue, f.name) for f in attrs.fields(ParkingQueue)
+             if f.name not in ("_slots", "_back", "_owner", "_loops")}
     slots = queue._slots
     state["_back"] = list(queue._back)
     state["slots"] = (bytes(slots.prev), bytes(slots.next), bytes(slots.stamp), bytes(slots.state), slots.clock,
@@ -334,3 +345,130 @@ def _drive(twins: list[Any], ops: list[tuple[Any, ...]], state: Any) -> None:
         assert state(twins[0]) == state(twins[1])
     for policy in twins:
         policy.check_invariants()
+
+
+# -- the parking queue ------------------------------------------------------------------------------------
+
+_Q = 12  # block ids on a queue's slots at first; ids past them make the slots grow
+_BLOCK = st.one_of(st.integers(0, _Q - 1), st.sampled_from([-1, _Q + 2]))
+_QUEUE_OPS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 1), _BLOCK, st.booleans()),
+    st.tuples(st.just("add_pinned_many"), st.integers(0, 1), st.lists(_BLOCK, max_size=5), _KINDS),
+    st.tuples(st.just("pin"), st.integers(0, 1), _BLOCK),
+    st.tuples(st.just("pin_many"), st.integers(0, 1), st.lists(_BLOCK, max_size=5), _KINDS),
+    st.tuples(st.just("unpin"), st.integers(0, 1), _BLOCK),
+    st.tuples(st.just("unpin_many"), st.integers(0, 1), st.lists(_BLOCK, max_size=5), _KINDS),
+    st.tuples(st.just("remove"), st.integers(0, 1), _BLOCK),
+    st.tuples(st.just("remove_many"), st.integers(0, 1), st.lists(_BLOCK, max_size=5), _KINDS),
+    st.tuples(st.just("touch"), st.integers(0, 1), _BLOCK),
+    st.tuples(st.just("watch"), st.integers(0, 1), st.integers(0, 3)),
+    st.tuples(st.just("entered"), st.integers(0, 1)),
+    st.tuples(st.just("first"), st.integers(0, 1), st.integers(-1, 6), st.booleans()),
+), max_size=60)
+
+
+def _queues(shared: bool, loops: _queue.QueueLoops) -> list[ParkingQueue]:
+    """One queue alone on its slots, or two sharing theirs (wide states), on ``loops``."""
+    if shared:
+        slots = Slots(shared=True)
+        queues = [ParkingQueue.of("owner", slots), ParkingQueue.of("owner", slots)]
+    else:
+        queues = [ParkingQueue.of("owner")]
+    for queue in queues:
+        queue._slots.grow(_Q - 1)
+        queue._loops = loops
+    return queues
+
+
+def _no_minus_one(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A pin's block, or a batch's blocks, with -1 read as an id past the slots."""
+    if isinstance(args[0], list):
+        return ([_Q + 2 if b == -1 else b for b in args[0]], *args[1:])
+    return (_Q + 2 if args[0] == -1 else args[0],)
+
+
+def _queues_state(queues: list[ParkingQueue]) -> list[dict[str, Any]]:
+    return [_queue_state(queue) for queue in queues]
+
+
+@pytest.mark.skipif(_queue.COMPILED is None, reason="the compiled loops were not built")
+@settings(max_examples=400, deadline=None)
+@example(ops=[("add", 0, 1, False), ("add", 0, 2, False), ("pin_many", 0, [1, 2], list),
+              ("unpin_many", 0, [2, 1], list), ("first", 0, 3, True)], shared=False)  # a release out of order
+@example(ops=[("add", 0, 1, False), ("watch", 0, 1), ("pin", 0, 1), ("watch", 0, 0),
+              ("unpin_many", 0, [1], tuple), ("remove_many", 0, [1], list)], shared=False)  # an edge past a pin
+@example(ops=[("add", 0, 0, False), ("add", 0, 1, False), ("watch", 0, 1), ("remove_many", 0, [0], list)],
+         shared=False)  # the window's last block leaves
+@example(ops=[("add", 0, 0, True), ("watch", 0, 1), ("unpin_many", 0, [0], list)], shared=False)  # it joins
+@example(ops=[("add", 0, 0, False), ("add", 0, 1, False), ("watch", 0, 1), ("pin_many", 0, [0], list)],
+         shared=False)  # the window moves on
+@example(ops=[("add", 0, 0, False), ("first", 0, 0, True)], shared=False)  # none asked: the pending block waits
+@example(ops=[("add", 0, 0, False), ("add", 0, 1, False), ("add", 0, 2, False), ("first", 0, 2, True)],
+         shared=False)  # the first block is not evictable: the walk asks again
+@example(ops=[("watch", 0, 1), ("add_pinned_many", 0, [0], list)], shared=False)  # it joins, then leaves
+@example(ops=[("add", 0, 0, True), ("pin_many", 0, [0], list)], shared=True)  # pinned twice: refused
+@given(ops=_QUEUE_OPS, shared=st.booleans())
+def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], shared: bool) -> None:
+    """Two sets of queues take the same calls, one running the compiled loops, one the references: every
+    call returns or raises the same, and after it both hold the same state (the slot arrays, the side
+    list, stamps, the clock, the window). Batches come as lists, tuples or another sequence (the compiled
+    loop hands that to the reference); watched windows, ids past the slots, refusals and odd ids run the
+    references' general cases."""
+    assert _queue.COMPILED is not None
+    twins = [_queues(shared, _queue.COMPILED), _queues(shared, _queue.REFERENCE)]
+    for op in ops:
+        outcomes = []
+        for queues in twins:
+            queue = queues[op[1] % len(queues)]
+            name, args = op[0], op[2:]
+            if name in ("pin", "pin_many"):  # (ParkingQueue.pin(-1) with no block pending parks the last
+                args = _no_minus_one(args)       # slot: a quirk of the reference's per-block pin, run by both)
+            if name in ("add_pinned_many", "pin_many", "unpin_many", "remove_many"):
+                args = (args[1](args[0]),)
+            elif name == "first":
+                args = (args[0], _evictable if args[1] else any_block)
+            outcomes.append(_outcome(getattr(queue, name), *args))
+        assert outcomes[0] == outcomes[1], op
+        assert _queues_state(twins[0]) == _queues_state(twins[1]), op
+    for queues in twins:
+        for queue in queues:
+            queue.check_invariants()
+
+
+def _fifo_state(policy: FIFOPolicy) -> dict[str, Any]:
+    return _queue_state(policy)
+
+
+@pytest.mark.skipif(_queue.COMPILED is None, reason="the compiled loops were not built")
+@settings(max_examples=100, deadline=None)
+@given(ops=_OPS, kind=st.sampled_from([LRUPolicy, FIFOPolicy]))
+def test_lru_and_fifo_on_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]],
+                                                                 kind: type[FIFOPolicy]) -> None:
+    """Two LRU (or FIFO) policies, one's queue on the compiled loops, one's on the references: stores (a
+    pinned batch or one block at a time), hits, pins, unpins and evictions leave the same state."""
+    twins = [kind(), kind()]
+    twins[1]._loops = _queue.REFERENCE
+    _drive(twins, ops, _fifo_state)
+
+
+@pytest.mark.skipif(_queue.COMPILED is None, reason="the compiled loops were not built")
+@settings(max_examples=100, deadline=None)
+@given(ops=_OPS, capacity=st.sampled_from([None, 4, 16]))
+def test_hit_density_on_compiled_queue_loops_is_the_reference(ops: list[tuple[Any, ...]],
+                                                              capacity: int | None) -> None:
+    """Two hit-density policies whose orphan queues differ only in their loops (compiled, references):
+    the same calls leave the same state, the orphans' included."""
+    twins = [HitDensityPolicy(capacity=capacity), HitDensityPolicy(capacity=capacity)]
+    twins[1]._chains._orphans._loops = _queue.REFERENCE
+    _drive(twins, ops, _state)
+
+
+@pytest.mark.skipif(_queue.COMPILED is None, reason="the compiled loops were not built")
+@settings(max_examples=100, deadline=None)
+@given(ops=_OPS)
+def test_prefix_lru_on_compiled_queue_loops_is_the_reference(ops: list[tuple[Any, ...]]) -> None:
+    """Two prefix-LRU policies whose orphan queues differ only in their loops: the same calls leave the
+    same state."""
+    twins = [PrefixLRUPolicy(), PrefixLRUPolicy()]
+    twins[1]._chains._orphans._loops = _queue.REFERENCE
+    _drive(twins, ops, _prefix_lru_state)

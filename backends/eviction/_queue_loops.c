@@ -1,0 +1,664 @@
+/* The parking queue's batch loops, compiled: ParkingQueue.add_pinned_many, pin_many, unpin_many,
+ * remove_many and first, step for step.
+ *
+ * _queue.py holds the references (the methods named *_reference) and the contract; the tests run both on
+ * the same calls and compare the whole state. The per-block slots (prev, next: array('i'); stamp:
+ * array('q'); state: array('b') or, shared, array('q')) are read through the buffer protocol, the
+ * queue's scalars (_len, _head, _tail, _cut, _pending and the slots' clock) are taken at the start and
+ * written back before any call of the queue's methods, at the end and on an error; the side list stays a
+ * Python object, called as the reference calls it.
+ *
+ * The loops run the common case of each block at C speed: the queue unwatched (_size 0, where a watched
+ * window would move), a block an exact int inside the slots in the part the fast step expects. Any other
+ * block runs the reference: for one block (add then pin, unpin, remove: the state written back first and
+ * taken again after) or, where the reference batches its rest (pin_many, first), for the rest of the
+ * call. The blocks are read from a tuple of the caller's (its items outlive any call back). Every index
+ * read from the slots is checked: one outside them raises IndexError and writes nothing.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* A block's part in its queue (state = base | part) and the end of a list, as in _queue.py. */
+enum { ABSENT = 0, MAIN = 1, PARKED = 2, BACK = 3 };
+#define NIL (-1)
+#define SHIFT 32
+
+static PyObject *s_slots, *s_prev, *s_next, *s_stamp, *s_state, *s_clock, *s_base, *s_len, *s_head, *s_tail,
+    *s_size, *s_edge, *s_cut, *s_pending, *s_back, *s_add, *s_pin, *s_unpin, *s_remove, *s_pin_many_ref,
+    *s_first_ref, *s_add_pinned_ref, *s_unpin_many_ref, *s_remove_many_ref;
+
+/* One queue for one call: its slots' buffers and its scalars. */
+typedef struct {
+    PyObject *queue, *slots; /* borrowed queue, slots a new reference */
+    Py_buffer prev_b, next_b, stamp_b, state_b;
+    int held; /* the four buffers are held */
+    int32_t *prev, *next;
+    int64_t *stamp;
+    void *state;
+    int wide; /* state items are 8 bytes (shared slots), else 1 */
+    Py_ssize_t n;
+    long long base, len, head, tail, size, edge, cut, pending, clock;
+} Queue;
+
+static long long
+state_of(const Queue *q, Py_ssize_t block)
+{
+    return q->wide ? ((int64_t *)q->state)[block] : ((int8_t *)q->state)[block];
+}
+
+static void
+set_state(Queue *q, Py_ssize_t block, long long value)
+{
+    if (q->wide)
+        ((int64_t *)q->state)[block] = value;
+    else
+        ((int8_t *)q->state)[block] = (int8_t)value;
+}
+
+static void
+release(Queue *q)
+{
+    if (q->held) {
+        PyBuffer_Release(&q->prev_b);
+        PyBuffer_Release(&q->next_b);
+        PyBuffer_Release(&q->stamp_b);
+        PyBuffer_Release(&q->state_b);
+        q->held = 0;
+    }
+}
+
+static int
+get_ll(PyObject *obj, PyObject *name, long long *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+set_ll(PyObject *obj, PyObject *name, long long value)
+{
+    PyObject *v = PyLong_FromLongLong(value);
+    if (v == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(obj, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* One slot array's buffer, its items itemsize (or either of two sizes: itemsize2) bytes long. */
+static int
+buffer(PyObject *slots, PyObject *name, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t itemsize2)
+{
+    PyObject *obj = PyObject_GetAttr(slots, name);
+    if (obj == NULL)
+        return -1;
+    int rc = PyObject_GetBuffer(obj, b, PyBUF_WRITABLE | PyBUF_FORMAT);
+    Py_DECREF(obj);
+    if (rc < 0)
+        return -1;
+    if (b->ndim != 1 || (b->itemsize != itemsize && b->itemsize != itemsize2)) {
+        PyErr_Format(PyExc_TypeError, "ParkingQueue: slots.%U holds items of %zd bytes", name, b->itemsize);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* Takes the queue's state (slots' buffers held). */
+static int
+take(Queue *q)
+{
+    q->held = 0;
+    if (q->slots == NULL && (q->slots = PyObject_GetAttr(q->queue, s_slots)) == NULL)
+        return -1;
+    if (get_ll(q->queue, s_base, &q->base) < 0 || get_ll(q->queue, s_len, &q->len) < 0
+        || get_ll(q->queue, s_head, &q->head) < 0 || get_ll(q->queue, s_tail, &q->tail) < 0
+        || get_ll(q->queue, s_size, &q->size) < 0 || get_ll(q->queue, s_edge, &q->edge) < 0
+        || get_ll(q->queue, s_cut, &q->cut) < 0 || get_ll(q->queue, s_pending, &q->pending) < 0
+        || get_ll(q->slots, s_clock, &q->clock) < 0)
+        return -1;
+    if (buffer(q->slots, s_prev, &q->prev_b, 4, 4) < 0)
+        return -1;
+    if (buffer(q->slots, s_next, &q->next_b, 4, 4) < 0) {
+        PyBuffer_Release(&q->prev_b);
+        return -1;
+    }
+    if (buffer(q->slots, s_stamp, &q->stamp_b, 8, 8) < 0) {
+        PyBuffer_Release(&q->prev_b);
+        PyBuffer_Release(&q->next_b);
+        return -1;
+    }
+    if (buffer(q->slots, s_state, &q->state_b, 1, 8) < 0) {
+        PyBuffer_Release(&q->prev_b);
+        PyBuffer_Release(&q->next_b);
+        PyBuffer_Release(&q->stamp_b);
+        return -1;
+    }
+    q->held = 1;
+    q->prev = (int32_t *)q->prev_b.buf;
+    q->next = (int32_t *)q->next_b.buf;
+    q->stamp = (int64_t *)q->stamp_b.buf;
+    q->state = q->state_b.buf;
+    q->wide = q->state_b.itemsize == 8;
+    q->n = q->state_b.len / q->state_b.itemsize;
+    if (q->prev_b.len / 4 != q->n || q->next_b.len / 4 != q->n || q->stamp_b.len / 8 != q->n) {
+        release(q);
+        PyErr_SetString(PyExc_ValueError, "ParkingQueue: the slot arrays differ in size");
+        return -1;
+    }
+    return 0;
+}
+
+/* Writes the scalars the loops change back to the queue and releases the buffers. */
+static int
+give(Queue *q)
+{
+    release(q);
+    if (set_ll(q->queue, s_len, q->len) < 0 || set_ll(q->queue, s_head, q->head) < 0
+        || set_ll(q->queue, s_tail, q->tail) < 0 || set_ll(q->queue, s_cut, q->cut) < 0
+        || set_ll(q->queue, s_pending, q->pending) < 0 || set_ll(q->slots, s_clock, q->clock) < 0)
+        return -1;
+    return 0;
+}
+
+/* An index read from the slots: one outside them raises IndexError. */
+static int
+inside(const Queue *q, long long block)
+{
+    if (block < 0 || block >= q->n) {
+        PyErr_Format(PyExc_IndexError, "ParkingQueue: block %lld is outside 0..%zd", block, q->n - 1);
+        return 0;
+    }
+    return 1;
+}
+
+/* ParkingQueue._link: block at the list's young end. */
+static int
+link_block(Queue *q, long long block)
+{
+    if (!inside(q, block))
+        return -1;
+    long long tail = q->tail;
+    if (tail != NIL && !inside(q, tail))
+        return -1;
+    q->prev[block] = (int32_t)tail;
+    q->next[block] = NIL;
+    if (tail == NIL)
+        q->head = block;
+    else
+        q->next[tail] = (int32_t)block;
+    q->tail = block;
+    if (q->cut == NIL)
+        q->cut = block;
+    return 0;
+}
+
+/* ParkingQueue._unlink. */
+static int
+unlink_block(Queue *q, long long block)
+{
+    long long before = q->prev[block], after = q->next[block];
+    if ((before != NIL && !inside(q, before)) || (after != NIL && !inside(q, after)))
+        return -1;
+    if (before == NIL)
+        q->head = after;
+    else
+        q->next[before] = (int32_t)after;
+    if (after == NIL)
+        q->tail = before;
+    else
+        q->prev[after] = (int32_t)before;
+    if (block == q->cut)
+        q->cut = after;
+    return 0;
+}
+
+/* ParkingQueue._flush: link the pending block. */
+static int
+flush(Queue *q)
+{
+    if (q->pending == NIL)
+        return 0;
+    long long block = q->pending;
+    q->pending = NIL;
+    return link_block(q, block);
+}
+
+/* The block an item names, where it is an exact int inside the slots; -1 otherwise (no error set). */
+static Py_ssize_t
+slot_of(const Queue *q, PyObject *item)
+{
+    if (!PyLong_CheckExact(item))
+        return -1;
+    int overflow;
+    long long block = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow || block < 0 || block >= q->n) {
+        PyErr_Clear();
+        return -1;
+    }
+    return (Py_ssize_t)block;
+}
+
+/* On an error with the state taken: the scalars changed so far go back to the queue, as the reference's
+ * would be there when it raised (the error kept). */
+static void
+give_back(Queue *q)
+{
+    if (q->held) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (give(q) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+    }
+}
+
+/* queue.<name>(arg), its result dropped: the state given back before and taken again after. */
+static int
+per_block(Queue *q, PyObject *name, PyObject *arg)
+{
+    if (give(q) < 0)
+        return -1;
+    PyObject *argv[2] = {q->queue, arg};
+    PyObject *r = PyObject_VectorcallMethod(name, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return take(q);
+}
+
+/* queue.<name>(*args): the reference for the whole call, the queue untaken (a new reference). */
+static PyObject *
+reference(PyObject *queue, PyObject *name, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *argv[4] = {queue, NULL, NULL, NULL};
+    for (Py_ssize_t i = 0; i < nargs && i < 3; i++)
+        argv[i + 1] = args[i];
+    return PyObject_VectorcallMethod(name, argv, (size_t)(nargs + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+static int
+is_sequence(PyObject *obj)
+{
+    return PyList_CheckExact(obj) || PyTuple_CheckExact(obj);
+}
+
+static int
+check_args(const char *name, Py_ssize_t nargs, Py_ssize_t wanted)
+{
+    if (nargs != wanted) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, wanted, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+/* ParkingQueue.add_pinned_many_reference: add then pin each block. */
+static PyObject *
+add_pinned_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_args("add_pinned_many", nargs, 2) < 0)
+        return NULL;
+    Queue q = {.queue = args[0]};
+    PyObject *blocks = NULL, *result = NULL;
+    if (!is_sequence(args[1]))
+        return reference(args[0], s_add_pinned_ref, args + 1, 1);
+    if (take(&q) < 0)
+        goto done;
+    if (q.size != 0) { /* watched: each add and pin may move the window */
+        release(&q);
+        result = reference(args[0], s_add_pinned_ref, args + 1, 1);
+        goto done;
+    }
+    if ((blocks = PySequence_Tuple(args[1])) == NULL)
+        goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(blocks, i);
+        Py_ssize_t block = slot_of(&q, item);
+        if (block < 0 || state_of(&q, block) != ABSENT) { /* grown, refused or no id: the reference */
+            if (per_block(&q, s_add, item) < 0 || per_block(&q, s_pin, item) < 0)
+                goto done;
+            continue;
+        }
+        if (flush(&q) < 0) /* add: the previous block was left pending; pin: this one is never linked */
+            goto done;
+        q.clock += 1;
+        q.stamp[block] = q.clock;
+        q.len += 1;
+        set_state(&q, block, q.base | PARKED);
+    }
+    if (give(&q) == 0)
+        result = Py_NewRef(Py_None);
+done:
+    if (result == NULL)
+        give_back(&q);
+    release(&q);
+    Py_XDECREF(q.slots);
+    Py_XDECREF(blocks);
+    return result;
+}
+
+/* ParkingQueue.pin_many_reference, unwatched: a listed block is unlinked; from the first other one, the
+ * reference runs the rest (it batches the side list's removals). */
+static PyObject *
+pin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_args("pin_many", nargs, 2) < 0)
+        return NULL;
+    Queue q = {.queue = args[0]};
+    PyObject *blocks = NULL, *rest = NULL, *result = NULL;
+    if (!is_sequence(args[1]))
+        return reference(args[0], s_pin_many_ref, args + 1, 1);
+    if (take(&q) < 0)
+        goto done;
+    if ((blocks = PySequence_Tuple(args[1])) == NULL)
+        goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks), start = 0;
+    if (q.size != 0 || (n && q.pending != NIL && !PyLong_CheckExact(PyTuple_GET_ITEM(blocks, 0)))) {
+        release(&q);
+        result = reference(args[0], s_pin_many_ref, args + 1, 1);
+        goto done;
+    }
+    if (n && q.pending != NIL) { /* only a first block can still be the unlinked youngest */
+        Py_ssize_t first = slot_of(&q, PyTuple_GET_ITEM(blocks, 0));
+        if (first >= 0 && first == q.pending) {
+            q.pending = NIL;
+            set_state(&q, first, q.base | PARKED);
+            start = 1;
+        }
+        else if (flush(&q) < 0)
+            goto done;
+    }
+    for (Py_ssize_t i = start; i < n; i++) {
+        Py_ssize_t block = slot_of(&q, PyTuple_GET_ITEM(blocks, i));
+        if (block < 0 || state_of(&q, block) != (q.base | MAIN)) {
+            if (give(&q) < 0 || (rest = PyTuple_GetSlice(blocks, i, n)) == NULL)
+                goto done;
+            result = reference(args[0], s_pin_many_ref, &rest, 1);
+            goto done;
+        }
+        if (unlink_block(&q, block) < 0)
+            goto done;
+        set_state(&q, block, q.base | PARKED);
+    }
+    if (give(&q) == 0)
+        result = Py_NewRef(Py_None);
+done:
+    if (result == NULL)
+        give_back(&q);
+    release(&q);
+    Py_XDECREF(q.slots);
+    Py_XDECREF(blocks);
+    Py_XDECREF(rest);
+    return result;
+}
+
+/* ParkingQueue.unpin_many_reference, unwatched: a parked block past the edge goes back to the list's end
+ * (the youngest) or into the side list; any other block runs the reference's unpin. */
+static PyObject *
+unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_args("unpin_many", nargs, 2) < 0)
+        return NULL;
+    Queue q = {.queue = args[0]};
+    PyObject *blocks = NULL, *back = NULL, *result = NULL;
+    if (!is_sequence(args[1]))
+        return reference(args[0], s_unpin_many_ref, args + 1, 1);
+    if (take(&q) < 0)
+        goto done;
+    if (q.size != 0) { /* watched: a release may move the window */
+        release(&q);
+        result = reference(args[0], s_unpin_many_ref, args + 1, 1);
+        goto done;
+    }
+    if ((blocks = PySequence_Tuple(args[1])) == NULL)
+        goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks);
+    if (n && flush(&q) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(blocks, i);
+        Py_ssize_t block = slot_of(&q, item);
+        long long stamp = block < 0 ? 0 : q.stamp[block];
+        if (block < 0 || state_of(&q, block) != (q.base | PARKED) || stamp <= q.edge) {
+            if (per_block(&q, s_unpin, item) < 0)
+                goto done;
+            continue;
+        }
+        if (q.tail != NIL && !inside(&q, q.tail))
+            goto done;
+        if (q.tail == NIL || stamp > q.stamp[q.tail]) { /* the youngest unpinned block */
+            set_state(&q, block, q.base | MAIN);
+            if (link_block(&q, block) < 0)
+                goto done;
+            continue;
+        }
+        set_state(&q, block, q.base | BACK); /* released out of order: the side list */
+        if (back == NULL && (back = PyObject_GetAttr(q.queue, s_back)) == NULL)
+            goto done;
+        PyObject *key = PyLong_FromLongLong((long long)((uint64_t)stamp << SHIFT | (uint64_t)block));
+        if (key == NULL)
+            goto done;
+        PyObject *argv[2] = {back, key};
+        PyObject *r = PyObject_VectorcallMethod(s_add, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(key);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    if (give(&q) == 0)
+        result = Py_NewRef(Py_None);
+done:
+    if (result == NULL)
+        give_back(&q);
+    release(&q);
+    Py_XDECREF(q.slots);
+    Py_XDECREF(blocks);
+    Py_XDECREF(back);
+    return result;
+}
+
+/* ParkingQueue.remove_many_reference: a listed block past the edge is unlinked, a parked one dropped; any
+ * other block runs the reference's remove. */
+static PyObject *
+remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_args("remove_many", nargs, 2) < 0)
+        return NULL;
+    Queue q = {.queue = args[0]};
+    PyObject *blocks = NULL, *result = NULL;
+    if (!is_sequence(args[1]))
+        return reference(args[0], s_remove_many_ref, args + 1, 1);
+    if (take(&q) < 0 || (blocks = PySequence_Tuple(args[1])) == NULL || flush(&q) < 0)
+        goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(blocks, i);
+        Py_ssize_t block = slot_of(&q, item);
+        long long state = block < 0 ? ABSENT : state_of(&q, block);
+        if (state == (q.base | PARKED)) { /* ParkingQueue.remove's parked block */
+            set_state(&q, block, ABSENT);
+            q.len -= 1;
+            continue;
+        }
+        if (block < 0 || state != (q.base | MAIN) || q.stamp[block] <= q.edge) {
+            if (per_block(&q, s_remove, item) < 0)
+                goto done;
+            continue;
+        }
+        if (unlink_block(&q, block) < 0)
+            goto done;
+        set_state(&q, block, ABSENT);
+        q.len -= 1;
+    }
+    if (give(&q) == 0)
+        result = Py_NewRef(Py_None);
+done:
+    if (result == NULL)
+        give_back(&q);
+    release(&q);
+    Py_XDECREF(q.slots);
+    Py_XDECREF(blocks);
+    return result;
+}
+
+/* is_evictable(block), as a truth value (-1: it raised). */
+static int
+ask(PyObject *is_evictable, long long block)
+{
+    PyObject *b = PyLong_FromLongLong(block);
+    if (b == NULL)
+        return -1;
+    PyObject *r = PyObject_CallOneArg(is_evictable, b);
+    Py_DECREF(b);
+    if (r == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return truth;
+}
+
+/* ParkingQueue.first_reference without a side list: the list's first n blocks when all are evictable,
+ * else the list's evictable blocks, asked again from its head, until n; with one, the reference. */
+static PyObject *
+first(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_args("first", nargs, 3) < 0)
+        return NULL;
+    PyObject *is_evictable = args[2];
+    if (!PyLong_CheckExact(args[1]))
+        return reference(args[0], s_first_ref, args + 1, 2);
+    int overflow;
+    long long want = PyLong_AsLongLongAndOverflow(args[1], &overflow);
+    if (overflow || (want == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return reference(args[0], s_first_ref, args + 1, 2);
+    }
+    if (want <= 0)
+        return PyList_New(0);
+    Queue q = {.queue = args[0]};
+    PyObject *back = NULL, *head = NULL, *result = NULL;
+    if (take(&q) < 0)
+        goto done;
+    if (q.pending != NIL && (flush(&q) < 0 || give(&q) < 0 || take(&q) < 0))
+        goto done;
+    if ((back = PyObject_GetAttr(q.queue, s_back)) == NULL)
+        goto done;
+    int some = PyObject_IsTrue(back);
+    if (some < 0)
+        goto done;
+    if (some) { /* blocks released out of order: the reference merges the side list */
+        release(&q);
+        result = reference(args[0], s_first_ref, args + 1, 2);
+        goto done;
+    }
+    if ((head = PyList_New(0)) == NULL)
+        goto done;
+    int all = 1;
+    long long block = q.head;
+    while (block != NIL && PyList_GET_SIZE(head) < want) {
+        if (!inside(&q, block))
+            goto done;
+        PyObject *b = PyLong_FromLongLong(block);
+        if (b == NULL)
+            goto done;
+        int rc = PyList_Append(head, b);
+        Py_DECREF(b);
+        if (rc < 0)
+            goto done;
+        block = q.next[block];
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(head) && all; i++) {
+        PyObject *r = PyObject_CallOneArg(is_evictable, PyList_GET_ITEM(head, i));
+        if (r == NULL)
+            goto done;
+        all = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (all < 0)
+            goto done;
+    }
+    if (all) {
+        result = head;
+        head = NULL;
+        goto done;
+    }
+    if ((result = PyList_New(0)) == NULL) /* the walk: the list's evictable blocks, oldest first */
+        goto done;
+    for (block = q.head; block != NIL && PyList_GET_SIZE(result) < want; block = q.next[block]) {
+        if (!inside(&q, block))
+            goto fail;
+        int yes = ask(is_evictable, block);
+        if (yes < 0)
+            goto fail;
+        if (yes) {
+            PyObject *b = PyLong_FromLongLong(block);
+            if (b == NULL || PyList_Append(result, b) < 0) {
+                Py_XDECREF(b);
+                goto fail;
+            }
+            Py_DECREF(b);
+        }
+    }
+    goto done;
+fail:
+    Py_CLEAR(result);
+done:
+    release(&q);
+    Py_XDECREF(q.slots);
+    Py_XDECREF(back);
+    Py_XDECREF(head);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"add_pinned_many", (PyCFunction)(void (*)(void))add_pinned_many, METH_FASTCALL,
+     "add_pinned_many(queue, blocks): ParkingQueue.add_pinned_many_reference, compiled."},
+    {"pin_many", (PyCFunction)(void (*)(void))pin_many, METH_FASTCALL,
+     "pin_many(queue, blocks): ParkingQueue.pin_many_reference, compiled."},
+    {"unpin_many", (PyCFunction)(void (*)(void))unpin_many, METH_FASTCALL,
+     "unpin_many(queue, blocks): ParkingQueue.unpin_many_reference, compiled."},
+    {"remove_many", (PyCFunction)(void (*)(void))remove_many, METH_FASTCALL,
+     "remove_many(queue, blocks): ParkingQueue.remove_many_reference, compiled."},
+    {"first", (PyCFunction)(void (*)(void))first, METH_FASTCALL,
+     "first(queue, n, is_evictable) -> blocks: ParkingQueue.first_reference, compiled."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_queue_loops", "The parking queue's batch loops, compiled (see _queue.py).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+static int
+intern(PyObject **name, const char *text)
+{
+    return (*name = PyUnicode_InternFromString(text)) == NULL ? -1 : 0;
+}
+
+PyMODINIT_FUNC
+PyInit__queue_loops(void)
+{
+    if (intern(&s_slots, "_slots") < 0 || intern(&s_prev, "prev") < 0 || intern(&s_next, "next") < 0
+        || intern(&s_stamp, "stamp") < 0 || intern(&s_state, "state") < 0 || intern(&s_clock, "clock") < 0
+        || intern(&s_base, "_base") < 0 || intern(&s_len, "_len") < 0 || intern(&s_head, "_head") < 0
+        || intern(&s_tail, "_tail") < 0 || intern(&s_size, "_size") < 0 || intern(&s_edge, "_edge") < 0
+        || intern(&s_cut, "_cut") < 0 || intern(&s_pending, "_pending") < 0 || intern(&s_back, "_back") < 0
+        || intern(&s_add, "add") < 0 || intern(&s_pin, "pin") < 0 || intern(&s_unpin, "unpin") < 0
+        || intern(&s_remove, "remove") < 0 || intern(&s_pin_many_ref, "pin_many_reference") < 0
+        || intern(&s_first_ref, "first_reference") < 0 || intern(&s_add_pinned_ref, "add_pinned_many_reference") < 0
+        || intern(&s_unpin_many_ref, "unpin_many_reference") < 0
+        || intern(&s_remove_many_ref, "remove_many_reference") < 0)
+        return NULL;
+    return PyModule_Create(&module);
+}
