@@ -5,7 +5,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     # hit density's per-block bookkeeping loops (backends/eviction/hit_density/booking.py holds the reference)
     Extension("kvkit.backends.eviction.hit_density._booking", ["backends/eviction/hit_density/_booking.c"],
-              optional=True),
+              optional=True, extra_compile_args=["-ffp-contract=off"]),  # its float steps as the Python's
     # the chain index's batch loops (backends/eviction/_chains.py holds the references)
     Extension("kvkit.backends.eviction._chains_loops", ["backends/eviction/_chains_loops.c"], optional=True),
     # the block pool's per-block loops (backends/allocator/pool.py holds the reference, loops.py the contracts)

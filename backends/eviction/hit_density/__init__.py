@@ -8,7 +8,6 @@ import sys
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from heapq import heapify, heappop, heappush
-from itertools import compress
 from typing import cast
 
 import attrs
@@ -450,42 +449,12 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 self._remove((block,))
             return
         block_hashes = self._chains.remove_many(self, blocks, leaving)  # the chains first (what follows reads none)
-        classes = self._cls
-        recent, ghost_recent = self._recent, self._ghost_recent
-        c, clock = max(self.c, 1), self._clock  # neither changes while blocks leave
-        evictions, turnover, last = self._evictions, self._turnover, self._last_removal
-        first = evictions + 1  # the first block's eviction number
         if self._tip in (leaving or blocks):
             self._tip = None
         self._books.book_marks(self, blocks, _UNTRACKED)
-        if recent:  # a block's reuses since the last refresh go with its ghost
-            for block, block_hash in compress(zip(blocks, block_hashes), map(recent.__contains__, blocks)):
-                reuses = recent.pop(block)
-                if reuses:
-                    ghost_recent[block_hash] = reuses
-        if blocks:
-            # The mean gap between removals, one removal at a time: the first one starts the clock
-            # (the fill before it is no gap), the rest of the call leave at the same tick (gap 0).
-            gone = len(blocks)
-            if evictions:
-                turnover += ((clock - last) * c - turnover) / (evictions if evictions < c else c)
-            evictions += 1
-            while evictions < c and evictions < first + gone - 1:
-                turnover -= turnover / evictions
-                evictions += 1
-            for _ in range(first + gone - 1 - evictions):
-                turnover -= turnover / c
-            evictions, last = first + gone - 1, clock
-        # Each ghost's index is its eviction number less _ghost_base: they are appended in order.
-        self._ghost_at.update(zip(block_hashes, range(first, evictions + 1)))
-        self._ghost_hash += block_hashes
-        self._ghost_cls.extend(map(classes.__getitem__, blocks))  # a block's class and counters outlive it
-        self._ghost_uses.extend(map(self._uses.__getitem__, blocks))
-        self._ghost_last.extend(map(self._last.__getitem__, blocks))
-        self._ghost_live += b"\x01" * len(block_hashes)
-        self._tracked -= len(block_hashes)
-        self._evictions, self._turnover, self._last_removal = evictions, turnover, last
-        self._forget_ghosts(evictions - self._ghost_limit(c))
+        c = max(self.c, 1)
+        self._books.book_removals(self, blocks, block_hashes, c)
+        self._forget_ghosts(self._evictions - self._ghost_limit(c))
 
     def use_index(self, index: Mapping[BlockHash, BlockId], hashes: Sequence[BlockHash | None],
                   num_blocks: int) -> None:

@@ -500,12 +500,233 @@ done:
     return result;
 }
 
+/* booking.book_removals, run on a call it can check first: the blocks an int sequence of ids inside
+ * the per-block arrays, the hashes as many. Any other call runs the reference (which raises as it raises). */
+static PyObject *
+book_removals_reference(PyObject *const *args)
+{
+    PyObject *booking = PyImport_ImportModule("kvkit.backends.eviction.hit_density.booking");
+    if (booking == NULL)
+        return NULL;
+    PyObject *reference = PyObject_GetAttrString(booking, "REFERENCE");
+    Py_DECREF(booking);
+    if (reference == NULL)
+        return NULL;
+    PyObject *f = PyObject_GetAttrString(reference, "book_removals");
+    Py_DECREF(reference);
+    if (f == NULL)
+        return NULL;
+    PyObject *result = PyObject_Vectorcall(f, args, 4, NULL);
+    Py_DECREF(f);
+    return result;
+}
+
+/* The policy's float attribute name set to value. */
+static int
+set_attr_double(PyObject *obj, const char *name, double value)
+{
+    PyObject *v = PyFloat_FromDouble(value);
+    if (v == NULL)
+        return -1;
+    int rc = PyObject_SetAttrString(obj, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* Append n bytes to a bytearray (as bytearray.extend would: refused while a view of it is held). */
+static unsigned char *
+grow_bytearray(PyObject *bytes, Py_ssize_t n)
+{
+    if (!PyByteArray_Check(bytes)) {
+        PyErr_SetString(PyExc_TypeError, "book_removals: a ghost array is not a bytearray");
+        return NULL;
+    }
+    Py_ssize_t size = PyByteArray_GET_SIZE(bytes);
+    if (PyByteArray_Resize(bytes, size + n) < 0)
+        return NULL;
+    return (unsigned char *)PyByteArray_AS_STRING(bytes) + size;
+}
+
+static PyObject *
+book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "book_removals takes 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *p = args[0], *blocks = NULL, *hashes = NULL, *recent = NULL, *ghost_recent = NULL;
+    PyObject *ghost_at = NULL, *ghost_hash = NULL, *g_cls = NULL, *g_uses = NULL, *g_last = NULL, *g_live = NULL;
+    PyObject *packed = NULL, *result = NULL, *t = NULL;
+    long long *ids = NULL;
+    View cls = {0}, uses = {0}, last_of = {0};
+    long long c = PyLong_AsLongLong(args[3]), clock, evictions, last, tracked;
+    double turnover;
+    if (c == -1 && PyErr_Occurred())
+        return NULL;
+    if (c < 1) {
+        PyErr_Format(PyExc_ValueError, "book_removals: capacity %lld is not at least 1", c);
+        return NULL;
+    }
+    if ((blocks = PySequence_Fast(args[1], "book_removals: blocks")) == NULL
+        || (hashes = PySequence_Fast(args[2], "book_removals: block_hashes")) == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
+    if (view_of(p, "_cls", &cls, 1) < 0 || view_of(p, "_uses", &uses, 1) < 0 || view_of(p, "_last", &last_of, 8) < 0)
+        goto done;
+    Py_ssize_t size = items(&cls);
+    if (items(&uses) < size || items(&last_of) < size) {
+        PyErr_SetString(PyExc_ValueError, "book_removals: the per-block arrays differ in size");
+        goto done;
+    }
+    if ((ids = PyMem_New(long long, n ? n : 1)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int checked = PySequence_Fast_GET_SIZE(hashes) == n;
+    for (Py_ssize_t k = 0; checked && k < n; k++) {
+        ids[k] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(blocks, k));
+        if (ids[k] == -1 && PyErr_Occurred())
+            PyErr_Clear();
+        checked = ids[k] >= 0 && ids[k] < size;
+    }
+    if (!checked) { /* the reference's errors, in its order */
+        release(&cls);
+        release(&uses);
+        release(&last_of);
+        result = book_removals_reference(args);
+        goto done;
+    }
+    if ((recent = attr(p, "_recent")) == NULL || (ghost_recent = attr(p, "_ghost_recent")) == NULL
+        || (ghost_at = attr(p, "_ghost_at")) == NULL || (ghost_hash = attr(p, "_ghost_hash")) == NULL
+        || (g_cls = attr(p, "_ghost_cls")) == NULL || (g_uses = attr(p, "_ghost_uses")) == NULL
+        || (g_last = attr(p, "_ghost_last")) == NULL || (g_live = attr(p, "_ghost_live")) == NULL)
+        goto done;
+    if (!PyDict_Check(recent) || !PyDict_Check(ghost_recent) || !PyDict_Check(ghost_at) || !PyList_Check(ghost_hash)) {
+        PyErr_SetString(PyExc_TypeError, "book_removals: the policy's maps or ghost hashes have other types");
+        goto done;
+    }
+    if (attr_long(p, "_clock", &clock) < 0 || attr_long(p, "_evictions", &evictions) < 0
+        || attr_long(p, "_last_removal", &last) < 0 || attr_long(p, "_tracked", &tracked) < 0)
+        goto done;
+    if ((t = attr(p, "_turnover")) == NULL)
+        goto done;
+    turnover = PyFloat_AsDouble(t);
+    if (turnover == -1.0 && PyErr_Occurred())
+        goto done;
+    long long first = evictions + 1; /* the first block's eviction number */
+
+    if (PyDict_GET_SIZE(recent)) { /* a block's reuses since the last refresh go with its ghost */
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *reuses = pop(recent, PySequence_Fast_GET_ITEM(blocks, k));
+            if (reuses == NULL) {
+                if (PyErr_Occurred())
+                    goto done;
+                continue;
+            }
+            int truth = PyObject_IsTrue(reuses);
+            int rc = truth > 0 ? PyDict_SetItem(ghost_recent, PySequence_Fast_GET_ITEM(hashes, k), reuses) : truth;
+            Py_DECREF(reuses);
+            if (rc < 0)
+                goto done;
+        }
+    }
+    if (n) {
+        /* The mean gap between removals, one removal at a time: the first one starts the clock
+         * (the fill before it is no gap), the rest of the call leave at the same tick (gap 0). */
+        long long gone = n;
+        if (evictions) {
+            long long gap;
+            double scaled;
+            if (__builtin_mul_overflow(clock - last, c, &gap)) { /* Python's int, converted once */
+                PyObject *a = PyLong_FromLongLong(clock - last), *b = a ? PyLong_FromLongLong(c) : NULL;
+                PyObject *product = b ? PyNumber_Multiply(a, b) : NULL;
+                Py_XDECREF(a);
+                Py_XDECREF(b);
+                if (product == NULL)
+                    goto done;
+                scaled = PyLong_AsDouble(product);
+                Py_DECREF(product);
+                if (scaled == -1.0 && PyErr_Occurred())
+                    goto done;
+            } else {
+                scaled = (double)gap;
+            }
+            turnover += (scaled - turnover) / (double)(evictions < c ? evictions : c);
+        }
+        evictions += 1;
+        while (evictions < c && evictions < first + gone - 1) {
+            turnover -= turnover / (double)evictions;
+            evictions += 1;
+        }
+        for (long long k = first + gone - 1 - evictions; k > 0; k--)
+            turnover -= turnover / (double)c;
+        evictions = first + gone - 1;
+        last = clock;
+    }
+    /* Each ghost's index is its eviction number less _ghost_base: they are appended in order. */
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *h = PySequence_Fast_GET_ITEM(hashes, k), *at = PyLong_FromLongLong(first + k);
+        int rc = at ? PyDict_SetItem(ghost_at, h, at) : -1;
+        Py_XDECREF(at);
+        if (rc < 0 || PyList_Append(ghost_hash, h) < 0)
+            goto done;
+    }
+    const unsigned char *classes = (const unsigned char *)cls.buf.buf, *uses_of = (const unsigned char *)uses.buf.buf;
+    const int64_t *lasts = (const int64_t *)last_of.buf.buf;
+    if ((packed = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t))) == NULL)
+        goto done;
+    int64_t *packed_last = (int64_t *)PyBytes_AS_STRING(packed);
+    for (Py_ssize_t k = 0; k < n; k++)
+        packed_last[k] = lasts[ids[k]];
+    unsigned char *to;
+    if ((to = grow_bytearray(g_cls, n)) == NULL) /* a block's class and counters outlive it */
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++)
+        to[k] = classes[ids[k]];
+    if ((to = grow_bytearray(g_uses, n)) == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++)
+        to[k] = uses_of[ids[k]];
+    PyObject *done_last = PyObject_CallMethod(g_last, "frombytes", "O", packed);
+    if (done_last == NULL)
+        goto done;
+    Py_DECREF(done_last);
+    if ((to = grow_bytearray(g_live, n)) == NULL)
+        goto done;
+    memset(to, 1, (size_t)n);
+    if (set_attr_long(p, "_tracked", tracked - n) < 0 || set_attr_long(p, "_evictions", evictions) < 0
+        || set_attr_double(p, "_turnover", turnover) < 0 || set_attr_long(p, "_last_removal", last) < 0)
+        goto done;
+    result = Py_NewRef(Py_None);
+done:
+    release(&cls);
+    release(&uses);
+    release(&last_of);
+    PyMem_Free(ids);
+    Py_XDECREF(blocks);
+    Py_XDECREF(hashes);
+    Py_XDECREF(recent);
+    Py_XDECREF(ghost_recent);
+    Py_XDECREF(ghost_at);
+    Py_XDECREF(ghost_hash);
+    Py_XDECREF(g_cls);
+    Py_XDECREF(g_uses);
+    Py_XDECREF(g_last);
+    Py_XDECREF(g_live);
+    Py_XDECREF(packed);
+    Py_XDECREF(t);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"book_inserts", (PyCFunction)(void (*)(void))book_inserts, METH_FASTCALL,
      "book_inserts(policy, blocks, hashes, parents, parent_blocks, had_children, mark, start, class_of, "
      "reuse_classes, reuse_ages) -> int: booking.book_inserts, compiled."},
     {"book_marks", (PyCFunction)(void (*)(void))book_marks, METH_FASTCALL,
      "book_marks(policy, blocks, mark) -> None: booking.book_marks, compiled."},
+    {"book_removals", (PyCFunction)(void (*)(void))book_removals, METH_FASTCALL,
+     "book_removals(policy, blocks, block_hashes, c) -> None: booking.book_removals, compiled."},
     {NULL, NULL, 0, NULL},
 };
 

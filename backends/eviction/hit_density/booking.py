@@ -28,11 +28,27 @@ per block):
 (listed, parked, untracked): each block, in order, leaves its class list if
 it is listed, enters the young end of its class's list if the new mark is the
 listed one, and takes the mark. The ends that change are marked dirty.
+
+:func:`book_removals` leaves a ghost for each block of one removal call (the
+blocks distinct, already out of the chain index and untracked; ``block_hashes``
+their hashes, in order; ``c`` the pool's capacity, at least 1):
+
+* a block's reuses since the last refresh (in the policy's recent map) move to
+  its hash in the ghosts' recent map, unless they are none;
+* the turnover (``c`` times the mean gap between removals) takes one removal
+  at a time: the call's first at the gap since the last removal (the first
+  removal ever starts the clock), the rest at gap 0, each averaged over the
+  removals so far up to ``c``; the float operations run in this order;
+* the ghosts are appended in order, block ``k`` at eviction number
+  ``evictions + 1 + k`` (hash, class, reuse count, last access, live), and the
+  eviction count, turnover, last removal tick and tracked count are written
+  back. The ghosts past their span are the caller's to forget.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvkit.interfaces.types import BlockHash, BlockId
@@ -40,7 +56,7 @@ from kvkit.interfaces.types import BlockHash, BlockId
 if TYPE_CHECKING:
     from kvkit.backends.eviction.hit_density import HitDensityPolicy
 
-__all__ = ["COMPILED", "REFERENCE", "Booking", "book_inserts", "book_marks"]
+__all__ = ["COMPILED", "REFERENCE", "Booking", "book_inserts", "book_marks", "book_removals"]
 
 LEAF, PARENT, TIP, KINDS = 0, 1, 2, 3  # block kinds (the policy's LEAF, PARENT, TIP) and their count
 NONE = -1  # no block
@@ -60,11 +76,18 @@ class BookMarks(Protocol):
         """Give each block ``mark``, leaving or entering its class list (module docstring)."""
 
 
+class BookRemovals(Protocol):
+    def __call__(self, policy: HitDensityPolicy, blocks: Sequence[BlockId], block_hashes: Sequence[BlockHash],
+                 c: int) -> None:
+        """Leave a ghost for each of ``blocks`` and count the removals (module docstring)."""
+
+
 class Booking(NamedTuple):
     """The loops of one implementation (functions: a policy holding them copies and pickles)."""
 
     book_inserts: BookInserts
     book_marks: BookMarks
+    book_removals: BookRemovals
 
 
 def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
@@ -166,7 +189,44 @@ def book_marks(policy: HitDensityPolicy, blocks: Sequence[BlockId], mark: int) -
         where[block] = mark
 
 
-REFERENCE = Booking(book_inserts, book_marks)
+def book_removals(policy: HitDensityPolicy, blocks: Sequence[BlockId], block_hashes: Sequence[BlockHash],
+                  c: int) -> None:
+    """Leave a ghost for each of ``blocks`` (untracked, hashes ``block_hashes``) and count the removals
+    in a pool of ``c`` blocks (module docstring)."""
+    p = policy
+    recent, ghost_recent = p._recent, p._ghost_recent
+    clock, evictions, turnover, last = p._clock, p._evictions, p._turnover, p._last_removal
+    first = evictions + 1  # the first block's eviction number
+    if recent:  # a block's reuses since the last refresh go with its ghost
+        for block, block_hash in compress(zip(blocks, block_hashes), map(recent.__contains__, blocks)):
+            reuses = recent.pop(block)
+            if reuses:
+                ghost_recent[block_hash] = reuses
+    if blocks:
+        # The mean gap between removals, one removal at a time: the first one starts the clock
+        # (the fill before it is no gap), the rest of the call leave at the same tick (gap 0).
+        gone = len(blocks)
+        if evictions:
+            turnover += ((clock - last) * c - turnover) / (evictions if evictions < c else c)
+        evictions += 1
+        while evictions < c and evictions < first + gone - 1:
+            turnover -= turnover / evictions
+            evictions += 1
+        for _ in range(first + gone - 1 - evictions):
+            turnover -= turnover / c
+        evictions, last = first + gone - 1, clock
+    # Each ghost's index is its eviction number less _ghost_base: they are appended in order.
+    p._ghost_at.update(zip(block_hashes, range(first, evictions + 1)))
+    p._ghost_hash += block_hashes
+    p._ghost_cls.extend(map(p._cls.__getitem__, blocks))  # a block's class and counters outlive it
+    p._ghost_uses.extend(map(p._uses.__getitem__, blocks))
+    p._ghost_last.extend(map(p._last.__getitem__, blocks))
+    p._ghost_live += b"\x01" * len(block_hashes)
+    p._tracked -= len(block_hashes)
+    p._evictions, p._turnover, p._last_removal = evictions, turnover, last
+
+
+REFERENCE = Booking(book_inserts, book_marks, book_removals)
 
 COMPILED: Booking | None
 try:
@@ -174,4 +234,4 @@ try:
 except ImportError:  # built without a C compiler: the reference runs
     COMPILED = None
 else:
-    COMPILED = Booking(_booking.book_inserts, _booking.book_marks)
+    COMPILED = Booking(_booking.book_inserts, _booking.book_marks, _booking.book_removals)

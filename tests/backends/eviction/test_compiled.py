@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import UserList
 from types import MappingProxyType
 from typing import Any
@@ -208,7 +209,7 @@ def _state(policy: HitDensityPolicy) -> dict[str, Any]:
     fields = ("_where", "_cls", "_uses", "_last", "_next", "_prev", "_ends", "_dirty", "_recent",
               "_ghost_recent", "_ghost_hash", "_ghost_cls", "_ghost_uses", "_ghost_last", "_ghost_live",
               "_ghost_at", "_ghost_base", "_clock", "_tracked", "_tip", "_reused", "_turnover", "_evictions",
-              "_high_water", "_next_refresh")
+              "_high_water", "_next_refresh", "_last_removal", "_ghost_oldest")
     state = {name: getattr(policy, name) for name in fields}
     state["_last"], state["_next"], state["_prev"], state["_ghost_last"] = (
         bytes(state[name]) for name in ("_last", "_next", "_prev", "_ghost_last"))
@@ -247,6 +248,60 @@ def test_compiled_booking_is_the_reference(ops: list[tuple[Any, ...]], capacity:
     twins = [HitDensityPolicy(capacity=capacity, ghost_span=span) for _ in range(2)]
     twins[1]._books = booking.REFERENCE
     _drive(twins, ops, _state)
+
+
+@pytest.mark.skipif(booking.COMPILED is None, reason="the compiled loops were not built")
+@settings(max_examples=150, deadline=None)
+@example(ops=[("store", 0, 0, 12, False), ("hit", 0, 12, 2), ("evict", 12), ("store", 0, 0, 12, False),
+              ("evict", 3), ("evict", 9)], capacity=2, span=1.0, ghost_bytes=1 << 20)  # reused, evicted
+@example(ops=[("store", 0, 0, 30, False), ("evict", 1), ("evict", 29), ("store", 1, 0, 30, False), ("evict", 30)],
+         capacity=4, span=1.5, ghost_bytes=192 * 5)  # many at once: the turnover's three steps; the byte bound
+@given(ops=_OPS, capacity=st.sampled_from([None, 2, 4, 16]), span=st.sampled_from([1.0, 1.5, 3.0]),
+       ghost_bytes=st.sampled_from([192 * 3, 192 * 40, 1 << 20]))
+def test_compiled_removals_are_the_reference(ops: list[tuple[Any, ...]], capacity: int | None, span: float,
+                                             ghost_bytes: int) -> None:
+    """Removals of many blocks at once, from small pools whose ghosts soon pass their span (in pools or in
+    bytes), after hits that left reuses since the last refresh: the compiled booking and the reference leave
+    the same state after every call."""
+    twins = [HitDensityPolicy(capacity=capacity, ghost_span=span, ghost_bytes=ghost_bytes) for _ in range(2)]
+    twins[1]._books = booking.REFERENCE
+    _drive(twins, ops, _state)
+
+
+@pytest.mark.skipif(booking.COMPILED is None, reason="the compiled loops were not built")
+@settings(max_examples=150, deadline=None)
+@example(ops=[("store", 0, 0, 8, False), ("evict", 2)], picks=[0, 1, 2], reuses=[2, 0, 1], c=16, gap=1 << 60,
+         stray=None)  # the gap times the capacity passes 64 bits
+@example(ops=[("store", 0, 0, 8, False)], picks=[3, 4], reuses=[1, 1], c=1, gap=0, stray=-1)
+@given(ops=_OPS, picks=st.lists(st.integers(0, 199), max_size=40, unique=True),
+       reuses=st.lists(st.integers(0, 3), max_size=40), c=st.integers(1, 40), gap=st.sampled_from([0, 5, 1 << 60]),
+       stray=st.sampled_from([None, -1, 200, 1 << 70, "x"]))
+def test_book_removals_is_the_reference(ops: list[tuple[Any, ...]], picks: list[int], reuses: list[int], c: int,
+                                        gap: int, stray: Any) -> None:
+    """book_removals on two copies of one policy: any blocks (with reuses since the last refresh, 0 among
+    them), any capacity, a gap whose ticks times the capacity pass 64 bits, and a block id outside the
+    arrays or no int (the compiled function runs the reference then): the same state, the same refusal."""
+    setup = [HitDensityPolicy(capacity=16) for _ in range(2)]
+    _drive(setup, ops, _state)
+    policy = setup[0]
+    picks = [block for block in picks if block < len(policy._where)]
+    policy._recent.update(zip(picks, reuses))
+    policy._clock += gap
+    blocks: list[Any] = [*picks, stray] if stray is not None else picks
+    hashes = [1_000_000 + block for block in picks] + ([7] if stray is not None else [])
+    twins = [copy.deepcopy(policy) for _ in range(2)]
+    outcomes = [_outcome_any(books.book_removals, twin, blocks, hashes, c)
+                for books, twin in zip((booking.COMPILED, booking.REFERENCE), twins)]
+    assert outcomes[0] == outcomes[1]
+    assert _state(twins[0]) == _state(twins[1])
+
+
+def _outcome_any(call: Any, *args: Any) -> tuple[str, Any]:
+    """What ``call(*args)`` returned, or the type and message of any exception it raised."""
+    try:
+        return "returned", call(*args)
+    except Exception as error:  # noqa: BLE001 (both twins must raise alike)
+        return "raised", (type(error), str(error))
 
 
 @settings(max_examples=100, deadline=None)
