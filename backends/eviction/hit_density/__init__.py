@@ -799,28 +799,16 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def _forget_ghosts(self, horizon: float) -> None:
         """Forget the ghosts evicted at or before ``horizon`` (censored at their age); compact the arrays.
 
-        Eviction numbers grow with the index, so those ghosts are the live ones of one leading range,
-        read in passes at C speed; the oldest that may be live is then the first live one past it.
+        Eviction numbers grow with the index, so those ghosts are the live ones of one leading range;
+        the oldest that may be live is then the first live one past it.
         """
         base, live = self._ghost_base, self._ghost_live
         oldest, end = self._ghost_oldest, base + len(live)
         stop = min(end, math.floor(horizon) + 1)  # the first eviction number past the horizon
         if stop > oldest:
-            lo, hi = oldest - base, stop - base
-            forgotten = np.flatnonzero(np.frombuffer(live[lo:hi], dtype=np.uint8))
-            if len(forgotten):
-                hashes = cast(list[BlockHash], list(map(self._ghost_hash.__getitem__, (forgotten + lo).tolist())))
-                live[lo:hi] = bytes(hi - lo)
-                self._ghost_hash[lo:hi] = [None] * (hi - lo)
-                ghost_at, recent = self._ghost_at, self._ghost_recent
-                for ghost_hash in hashes:
-                    del ghost_at[ghost_hash]  # forgotten unreused: censored at its age
-                if recent:
-                    for ghost_hash in hashes:
-                        recent.pop(ghost_hash, None)
-                classes = np.frombuffer(self._ghost_cls[lo:hi], dtype=np.uint8)[forgotten]
-                lasts = np.frombuffer(self._ghost_last[lo:hi], dtype=np.int64)[forgotten]
-                self._model.record_ends(classes.tolist(), (self._clock - lasts).tolist())
+            classes, ages = self._books.forget_ghosts(self, oldest - base, stop - base)
+            if classes:  # forgotten unreused: censored at their ages
+                self._model.record_ends(classes, ages)
             oldest = stop
         first_live = live.find(1, oldest - base)
         oldest = end if first_live < 0 else base + first_live

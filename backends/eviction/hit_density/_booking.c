@@ -500,10 +500,10 @@ done:
     return result;
 }
 
-/* booking.book_removals, run on a call it can check first: the blocks an int sequence of ids inside
- * the per-block arrays, the hashes as many. Any other call runs the reference (which raises as it raises). */
+/* The reference of the same name (booking.REFERENCE), run on a call the compiled function does not
+ * check itself: it raises as the reference raises. */
 static PyObject *
-book_removals_reference(PyObject *const *args)
+run_reference(const char *name, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *booking = PyImport_ImportModule("kvkit.backends.eviction.hit_density.booking");
     if (booking == NULL)
@@ -512,11 +512,11 @@ book_removals_reference(PyObject *const *args)
     Py_DECREF(booking);
     if (reference == NULL)
         return NULL;
-    PyObject *f = PyObject_GetAttrString(reference, "book_removals");
+    PyObject *f = PyObject_GetAttrString(reference, name);
     Py_DECREF(reference);
     if (f == NULL)
         return NULL;
-    PyObject *result = PyObject_Vectorcall(f, args, 4, NULL);
+    PyObject *result = PyObject_Vectorcall(f, args, (size_t)nargs, NULL);
     Py_DECREF(f);
     return result;
 }
@@ -590,11 +590,11 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyErr_Clear();
         checked = ids[k] >= 0 && ids[k] < size;
     }
-    if (!checked) { /* the reference's errors, in its order */
+    if (!checked) { /* a block id outside the arrays, or no int: the reference's errors, in its order */
         release(&cls);
         release(&uses);
         release(&last_of);
-        result = book_removals_reference(args);
+        result = run_reference("book_removals", args, nargs);
         goto done;
     }
     if ((recent = attr(p, "_recent")) == NULL || (ghost_recent = attr(p, "_ghost_recent")) == NULL
@@ -719,6 +719,84 @@ done:
     return result;
 }
 
+static PyObject *
+forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "forget_ghosts takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *p = args[0], *ghost_hash = NULL, *ghost_at = NULL, *ghost_recent = NULL;
+    PyObject *hashes = NULL, *classes = NULL, *ages = NULL, *result = NULL;
+    View live = {0}, g_cls = {0}, g_last = {0};
+    long long clock;
+    Py_ssize_t lo = PyLong_AsSsize_t(args[1]), hi = lo == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[2]);
+    if (hi == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return run_reference("forget_ghosts", args, nargs);
+    }
+    if ((ghost_hash = attr(p, "_ghost_hash")) == NULL || (ghost_at = attr(p, "_ghost_at")) == NULL
+        || (ghost_recent = attr(p, "_ghost_recent")) == NULL || attr_long(p, "_clock", &clock) < 0)
+        goto done;
+    if (!PyList_Check(ghost_hash) || !PyDict_Check(ghost_at) || !PyDict_Check(ghost_recent)) {
+        PyErr_SetString(PyExc_TypeError, "forget_ghosts: the policy's ghost maps or hashes have other types");
+        goto done;
+    }
+    if (view_of(p, "_ghost_live", &live, 1) < 0 || view_of(p, "_ghost_cls", &g_cls, 1) < 0
+        || view_of(p, "_ghost_last", &g_last, 8) < 0)
+        goto done;
+    Py_ssize_t size = PyList_GET_SIZE(ghost_hash);
+    if (lo < 0 || lo > hi || hi > size || items(&live) != size || items(&g_cls) != size || items(&g_last) != size) {
+        release(&live); /* a range the slices would clip, or arrays of other lengths */
+        release(&g_cls);
+        release(&g_last);
+        result = run_reference("forget_ghosts", args, nargs);
+        goto done;
+    }
+    unsigned char *alive = (unsigned char *)live.buf.buf;
+    const unsigned char *cls = (const unsigned char *)g_cls.buf.buf;
+    const int64_t *lasts = (const int64_t *)g_last.buf.buf;
+    if ((hashes = PyList_New(0)) == NULL || (classes = PyList_New(0)) == NULL || (ages = PyList_New(0)) == NULL)
+        goto done;
+    for (Py_ssize_t g = lo; g < hi; g++) {
+        if (alive[g] && (PyList_Append(hashes, PyList_GET_ITEM(ghost_hash, g)) < 0
+                         || append_long(classes, cls[g]) < 0
+                         || append_long(ages, (long long)((uint64_t)clock - (uint64_t)lasts[g])) < 0))
+            goto done;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    if (n) {
+        memset(alive + lo, 0, (size_t)(hi - lo)); /* every ghost of the range: dead, no hash */
+        for (Py_ssize_t g = lo; g < hi; g++)
+            if (PyList_SetItem(ghost_hash, g, Py_NewRef(Py_None)) < 0)
+                goto done;
+        for (Py_ssize_t k = 0; k < n; k++)
+            if (PyDict_DelItem(ghost_at, PyList_GET_ITEM(hashes, k)) < 0)
+                goto done;
+        if (PyDict_GET_SIZE(ghost_recent)) {
+            for (Py_ssize_t k = 0; k < n; k++) {
+                PyObject *reuses = pop(ghost_recent, PyList_GET_ITEM(hashes, k));
+                if (reuses == NULL && PyErr_Occurred())
+                    goto done;
+                Py_XDECREF(reuses);
+            }
+        }
+    }
+    result = PyTuple_Pack(2, classes, ages);
+done:
+    release(&live);
+    release(&g_cls);
+    release(&g_last);
+    Py_XDECREF(ghost_hash);
+    Py_XDECREF(ghost_at);
+    Py_XDECREF(ghost_recent);
+    Py_XDECREF(hashes);
+    Py_XDECREF(classes);
+    Py_XDECREF(ages);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"book_inserts", (PyCFunction)(void (*)(void))book_inserts, METH_FASTCALL,
      "book_inserts(policy, blocks, hashes, parents, parent_blocks, had_children, mark, start, class_of, "
@@ -727,6 +805,8 @@ static PyMethodDef methods[] = {
      "book_marks(policy, blocks, mark) -> None: booking.book_marks, compiled."},
     {"book_removals", (PyCFunction)(void (*)(void))book_removals, METH_FASTCALL,
      "book_removals(policy, blocks, block_hashes, c) -> None: booking.book_removals, compiled."},
+    {"forget_ghosts", (PyCFunction)(void (*)(void))forget_ghosts, METH_FASTCALL,
+     "forget_ghosts(policy, lo, hi) -> (classes, ages): booking.forget_ghosts, compiled."},
     {NULL, NULL, 0, NULL},
 };
 

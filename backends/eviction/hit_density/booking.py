@@ -43,20 +43,29 @@ their hashes, in order; ``c`` the pool's capacity, at least 1):
   ``evictions + 1 + k`` (hash, class, reuse count, last access, live), and the
   eviction count, turnover, last removal tick and tracked count are written
   back. The ghosts past their span are the caller's to forget.
+
+:func:`forget_ghosts` forgets the live ghosts of indexes ``lo`` to ``hi - 1``
+(``0 <= lo <= hi <=`` the ghost arrays' length): every ghost of the range is
+marked dead and loses its hash, then each live one's hash leaves the ghost map
+and the ghosts' recent map, in order. It returns their classes and ages (the
+policy's clock less their last access), in order, for the model to record.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import compress
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+
+import numpy as np
 
 from kvkit.interfaces.types import BlockHash, BlockId
 
 if TYPE_CHECKING:
     from kvkit.backends.eviction.hit_density import HitDensityPolicy
 
-__all__ = ["COMPILED", "REFERENCE", "Booking", "book_inserts", "book_marks", "book_removals"]
+__all__ = ["COMPILED", "REFERENCE", "Booking", "book_inserts", "book_marks", "book_removals",
+           "forget_ghosts"]
 
 LEAF, PARENT, TIP, KINDS = 0, 1, 2, 3  # block kinds (the policy's LEAF, PARENT, TIP) and their count
 NONE = -1  # no block
@@ -82,12 +91,18 @@ class BookRemovals(Protocol):
         """Leave a ghost for each of ``blocks`` and count the removals (module docstring)."""
 
 
+class ForgetGhosts(Protocol):
+    def __call__(self, policy: HitDensityPolicy, lo: int, hi: int) -> tuple[list[int], list[int]]:
+        """Forget the live ghosts of indexes ``lo..hi - 1``; their classes and ages (module docstring)."""
+
+
 class Booking(NamedTuple):
     """The loops of one implementation (functions: a policy holding them copies and pickles)."""
 
     book_inserts: BookInserts
     book_marks: BookMarks
     book_removals: BookRemovals
+    forget_ghosts: ForgetGhosts
 
 
 def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
@@ -226,7 +241,29 @@ def book_removals(policy: HitDensityPolicy, blocks: Sequence[BlockId], block_has
     p._evictions, p._turnover, p._last_removal = evictions, turnover, last
 
 
-REFERENCE = Booking(book_inserts, book_marks, book_removals)
+def forget_ghosts(policy: HitDensityPolicy, lo: int, hi: int) -> tuple[list[int], list[int]]:
+    """Forget the live ghosts of indexes ``lo`` to ``hi - 1``; return their classes and ages, in order
+    (module docstring)."""
+    p = policy
+    live = p._ghost_live
+    forgotten = np.flatnonzero(np.frombuffer(live[lo:hi], dtype=np.uint8))
+    if not len(forgotten):
+        return [], []
+    hashes = cast(list[BlockHash], list(map(p._ghost_hash.__getitem__, (forgotten + lo).tolist())))
+    live[lo:hi] = bytes(hi - lo)
+    p._ghost_hash[lo:hi] = [None] * (hi - lo)
+    ghost_at, recent = p._ghost_at, p._ghost_recent
+    for ghost_hash in hashes:
+        del ghost_at[ghost_hash]
+    if recent:
+        for ghost_hash in hashes:
+            recent.pop(ghost_hash, None)
+    classes = np.frombuffer(p._ghost_cls[lo:hi], dtype=np.uint8)[forgotten]
+    lasts = np.frombuffer(p._ghost_last[lo:hi], dtype=np.int64)[forgotten]
+    return classes.tolist(), (p._clock - lasts).tolist()
+
+
+REFERENCE = Booking(book_inserts, book_marks, book_removals, forget_ghosts)
 
 COMPILED: Booking | None
 try:
@@ -234,4 +271,4 @@ try:
 except ImportError:  # built without a C compiler: the reference runs
     COMPILED = None
 else:
-    COMPILED = Booking(_booking.book_inserts, _booking.book_marks, _booking.book_removals)
+    COMPILED = Booking(_booking.book_inserts, _booking.book_marks, _booking.book_removals, _booking.forget_ghosts)

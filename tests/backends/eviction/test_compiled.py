@@ -250,13 +250,21 @@ def test_compiled_booking_is_the_reference(ops: list[tuple[Any, ...]], capacity:
     _drive(twins, ops, _state)
 
 
+# Stores, a few hits (reuses that a refresh has not yet cleared) and evictions of many blocks at once.
+_REMOVAL_OPS = st.lists(st.one_of(
+    st.tuples(st.just("store"), st.integers(0, 6), st.integers(0, 12), st.integers(1, 40), st.just(False)),
+    st.tuples(st.just("hit"), st.integers(0, 6), st.integers(1, 12), st.integers(1, 2)),
+    st.tuples(st.just("evict"), st.integers(1, 40)),
+), max_size=60)
+
+
 @pytest.mark.skipif(booking.COMPILED is None, reason="the compiled loops were not built")
 @settings(max_examples=150, deadline=None)
 @example(ops=[("store", 0, 0, 12, False), ("hit", 0, 12, 2), ("evict", 12), ("store", 0, 0, 12, False),
               ("evict", 3), ("evict", 9)], capacity=2, span=1.0, ghost_bytes=1 << 20)  # reused, evicted
 @example(ops=[("store", 0, 0, 30, False), ("evict", 1), ("evict", 29), ("store", 1, 0, 30, False), ("evict", 30)],
          capacity=4, span=1.5, ghost_bytes=192 * 5)  # many at once: the turnover's three steps; the byte bound
-@given(ops=_OPS, capacity=st.sampled_from([None, 2, 4, 16]), span=st.sampled_from([1.0, 1.5, 3.0]),
+@given(ops=_REMOVAL_OPS, capacity=st.sampled_from([None, 2, 4, 16]), span=st.sampled_from([1.0, 1.5, 3.0]),
        ghost_bytes=st.sampled_from([192 * 3, 192 * 40, 1 << 20]))
 def test_compiled_removals_are_the_reference(ops: list[tuple[Any, ...]], capacity: int | None, span: float,
                                              ghost_bytes: int) -> None:
@@ -291,6 +299,32 @@ def test_book_removals_is_the_reference(ops: list[tuple[Any, ...]], picks: list[
     hashes = [1_000_000 + block for block in picks] + ([7] if stray is not None else [])
     twins = [copy.deepcopy(policy) for _ in range(2)]
     outcomes = [_outcome_any(books.book_removals, twin, blocks, hashes, c)
+                for books, twin in zip((booking.COMPILED, booking.REFERENCE), twins)]
+    assert outcomes[0] == outcomes[1]
+    assert _state(twins[0]) == _state(twins[1])
+
+
+@pytest.mark.skipif(booking.COMPILED is None, reason="the compiled loops were not built")
+@settings(max_examples=150, deadline=None)
+@example(ops=[("store", 0, 0, 12, False), ("hit", 0, 12, 2), ("evict", 12)], lo=2, width=7, past=0,
+         reused=[3, 5])
+@example(ops=[("store", 0, 0, 6, False), ("evict", 6)], lo=4, width=9, past=90, reused=[])  # clipped: the reference
+@given(ops=_REMOVAL_OPS, lo=st.integers(0, 60), width=st.integers(0, 60), past=st.sampled_from([0, 0, 0, 1, -9]),
+       reused=st.lists(st.integers(0, 60), max_size=8))
+def test_forget_ghosts_is_the_reference(ops: list[tuple[Any, ...]], lo: int, width: int, past: int,
+                                        reused: list[int]) -> None:
+    """forget_ghosts on two copies of one policy whose ghosts have reuses since the last refresh: a range
+    of indexes, inside the ghost arrays or one the slices would clip (that one runs the reference): the same
+    state, the same return."""
+    setup = [HitDensityPolicy(capacity=16, ghost_span=40.0) for _ in range(2)]
+    _drive(setup, ops, _state)
+    policy = setup[0]
+    live = [h for h in policy._ghost_hash if h is not None]
+    policy._ghost_recent.update((live[i % len(live)], i + 1) for i in reused if live)
+    lo = min(lo, len(policy._ghost_hash))
+    hi = min(lo + width, len(policy._ghost_hash)) + past  # past 0: inside the ghost arrays
+    twins = [copy.deepcopy(policy) for _ in range(2)]
+    outcomes = [_outcome_any(books.forget_ghosts, twin, lo, hi)
                 for books, twin in zip((booking.COMPILED, booking.REFERENCE), twins)]
     assert outcomes[0] == outcomes[1]
     assert _state(twins[0]) == _state(twins[1])
