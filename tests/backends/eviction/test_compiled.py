@@ -281,20 +281,24 @@ def test_compiled_removals_are_the_reference(ops: list[tuple[Any, ...]], capacit
 @example(ops=[("store", 0, 0, 8, False), ("evict", 2)], picks=[0, 1, 2], reuses=[2, 0, 1], c=16, gap=1 << 60,
          stray=None)  # the gap times the capacity passes 64 bits
 @example(ops=[("store", 0, 0, 8, False)], picks=[3, 4], reuses=[1, 1], c=1, gap=0, stray=-1)
+@example(ops=[("store", 0, 0, 8, False)], picks=[5], reuses=[], c=3, gap=0, stray="end")  # just past the arrays
 @given(ops=_OPS, picks=st.lists(st.integers(0, 199), max_size=40, unique=True),
        reuses=st.lists(st.integers(0, 3), max_size=40), c=st.integers(1, 40), gap=st.sampled_from([0, 5, 1 << 60]),
-       stray=st.sampled_from([None, -1, 200, 1 << 70, "x"]))
+       stray=st.sampled_from([None, -1, "end", 1 << 70, "x"]))
 def test_book_removals_is_the_reference(ops: list[tuple[Any, ...]], picks: list[int], reuses: list[int], c: int,
                                         gap: int, stray: Any) -> None:
     """book_removals on two copies of one policy: any blocks (with reuses since the last refresh, 0 among
     them), any capacity, a gap whose ticks times the capacity pass 64 bits, and a block id outside the
-    arrays or no int (the compiled function runs the reference then): the same state, the same refusal."""
+    arrays ("end": just past them) or no int (the compiled function runs the reference then): the same
+    state, the same refusal."""
     setup = [HitDensityPolicy(capacity=16) for _ in range(2)]
     _drive(setup, ops, _state)
     policy = setup[0]
     picks = [block for block in picks if block < len(policy._where)]
     policy._recent.update(zip(picks, reuses))
     policy._clock += gap
+    if stray == "end":
+        stray = len(policy._where)
     blocks: list[Any] = [*picks, stray] if stray is not None else picks
     hashes = [1_000_000 + block for block in picks] + ([7] if stray is not None else [])
     twins = [copy.deepcopy(policy) for _ in range(2)]
@@ -309,6 +313,7 @@ def test_book_removals_is_the_reference(ops: list[tuple[Any, ...]], picks: list[
 @example(ops=[("store", 0, 0, 12, False), ("hit", 0, 12, 2), ("evict", 12)], lo=2, width=7, past=0,
          reused=[3, 5])
 @example(ops=[("store", 0, 0, 6, False), ("evict", 6)], lo=4, width=9, past=90, reused=[])  # clipped: the reference
+@example(ops=[("store", 0, 0, 6, False), ("evict", 6)], lo=0, width=9, past=1, reused=[])  # one past the end
 @given(ops=_REMOVAL_OPS, lo=st.integers(0, 60), width=st.integers(0, 60), past=st.sampled_from([0, 0, 0, 1, -9]),
        reused=st.lists(st.integers(0, 60), max_size=8))
 def test_forget_ghosts_is_the_reference(ops: list[tuple[Any, ...]], lo: int, width: int, past: int,
