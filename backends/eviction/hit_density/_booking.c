@@ -562,11 +562,9 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     View cls = {0}, uses = {0}, last_of = {0};
     long long c = PyLong_AsLongLong(args[3]), clock, evictions, last, tracked;
     double turnover;
-    if (c == -1 && PyErr_Occurred())
-        return NULL;
-    if (c < 1) {
-        PyErr_Format(PyExc_ValueError, "book_removals: capacity %lld is not at least 1", c);
-        return NULL;
+    if (c < 1) { /* no int, or a capacity out of contract: the reference */
+        PyErr_Clear();
+        return run_reference("book_removals", args, nargs);
     }
     if ((blocks = PySequence_Fast(args[1], "book_removals: blocks")) == NULL
         || (hashes = PySequence_Fast(args[2], "book_removals: block_hashes")) == NULL)

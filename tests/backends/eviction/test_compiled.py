@@ -283,14 +283,14 @@ def test_compiled_removals_are_the_reference(ops: list[tuple[Any, ...]], capacit
 @example(ops=[("store", 0, 0, 8, False)], picks=[3, 4], reuses=[1, 1], c=1, gap=0, stray=-1)
 @example(ops=[("store", 0, 0, 8, False)], picks=[5], reuses=[], c=3, gap=0, stray="end")  # just past the arrays
 @given(ops=_OPS, picks=st.lists(st.integers(0, 199), max_size=40, unique=True),
-       reuses=st.lists(st.integers(0, 3), max_size=40), c=st.integers(1, 40), gap=st.sampled_from([0, 5, 1 << 60]),
+       reuses=st.lists(st.integers(0, 3), max_size=40), c=st.integers(0, 40), gap=st.sampled_from([0, 5, 1 << 60]),
        stray=st.sampled_from([None, -1, "end", 1 << 70, "x"]))
 def test_book_removals_is_the_reference(ops: list[tuple[Any, ...]], picks: list[int], reuses: list[int], c: int,
                                         gap: int, stray: Any) -> None:
     """book_removals on two copies of one policy: any blocks (with reuses since the last refresh, 0 among
-    them), any capacity, a gap whose ticks times the capacity pass 64 bits, and a block id outside the
-    arrays ("end": just past them) or no int (the compiled function runs the reference then): the same
-    state, the same refusal."""
+    them), any capacity (0, out of contract, runs the reference), a gap whose ticks times the capacity pass
+    64 bits, and a block id outside the arrays ("end": just past them) or no int (the compiled function runs
+    the reference then): the same state, the same refusal."""
     setup = [HitDensityPolicy(capacity=16) for _ in range(2)]
     _drive(setup, ops, _state)
     policy = setup[0]
