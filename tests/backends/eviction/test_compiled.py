@@ -282,6 +282,7 @@ def test_compiled_removals_are_the_reference(ops: list[tuple[Any, ...]], capacit
          stray=None)  # the gap times the capacity passes 64 bits
 @example(ops=[("store", 0, 0, 8, False)], picks=[3, 4], reuses=[1, 1], c=1, gap=0, stray=-1)
 @example(ops=[("store", 0, 0, 8, False)], picks=[5], reuses=[], c=3, gap=0, stray="end")  # just past the arrays
+@example(ops=[("store", 0, 0, 8, False), ("evict", 2)], picks=[3, 4], reuses=[], c=0, gap=0, stray=None)  # no pool
 @given(ops=_OPS, picks=st.lists(st.integers(0, 199), max_size=40, unique=True),
        reuses=st.lists(st.integers(0, 3), max_size=40), c=st.integers(0, 40), gap=st.sampled_from([0, 5, 1 << 60]),
        stray=st.sampled_from([None, -1, "end", 1 << 70, "x"]))
