@@ -5,9 +5,11 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     # hit density's per-block bookkeeping loops (backends/eviction/hit_density/booking.py holds the reference)
     Extension("kvkit.backends.eviction.hit_density._booking", ["backends/eviction/hit_density/_booking.c"],
+              include_dirs=["backends"], depends=["backends/_views.h"],
               optional=True, extra_compile_args=["-ffp-contract=off"]),  # its float steps as the Python's
     # the chain index's batch loops (backends/eviction/_chains.py holds the references)
-    Extension("kvkit.backends.eviction._chains_loops", ["backends/eviction/_chains_loops.c"], optional=True),
+    Extension("kvkit.backends.eviction._chains_loops", ["backends/eviction/_chains_loops.c"],
+              include_dirs=["backends"], depends=["backends/_views.h"], optional=True),
     # the block pool's per-block loops (backends/allocator/pool.py holds the reference, loops.py the contracts)
     Extension("kvkit.backends.allocator._pool_loops", ["backends/allocator/_pool_loops.c"], optional=True),
     # the parking queue's batch loops (backends/eviction/_queue.py holds the references)

@@ -16,36 +16,10 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "_views.h"
+
 /* The marks of _chains.py's _up: no block, an orphan, no block tracked, a parent that left this call. */
 enum { NONE = -1, ORPHAN = -2, UNTRACKED = -3, LEFT = -4 };
-
-typedef struct {
-    Py_buffer buf;
-    int held;
-} View;
-
-static int
-view(PyObject *obj, View *v, Py_ssize_t itemsize, const char *name)
-{
-    if (PyObject_GetBuffer(obj, &v->buf, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
-        return -1;
-    v->held = 1;
-    if (v->buf.itemsize != itemsize || v->buf.ndim != 1) {
-        PyErr_Format(PyExc_TypeError, "FlatChains: %s holds items of %zd bytes, not %zd", name, v->buf.itemsize,
-                     itemsize);
-        return -1;
-    }
-    return 0;
-}
-
-static void
-release(View *v)
-{
-    if (v->held) {
-        PyBuffer_Release(&v->buf);
-        v->held = 0;
-    }
-}
 
 /* One FlatChains for one call: its arrays, maps and queue (new references, NULL where not taken). */
 typedef struct {

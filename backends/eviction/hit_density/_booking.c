@@ -9,41 +9,9 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "_views.h"
+
 enum { LEAF = 0, PARENT = 1, TIP = 2, KINDS = 3, NONE = -1, MAX_USES = 255, LISTED = 1 };
-
-typedef struct {
-    Py_buffer buf;
-    int held;
-} View;
-
-static int
-view(PyObject *obj, View *v, Py_ssize_t itemsize, const char *name)
-{
-    if (PyObject_GetBuffer(obj, &v->buf, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
-        return -1;
-    v->held = 1;
-    if (v->buf.itemsize != itemsize || v->buf.ndim != 1) {
-        PyErr_Format(PyExc_TypeError, "book_inserts: %s holds items of %zd bytes, not %zd",
-                     name, v->buf.itemsize, itemsize);
-        return -1;
-    }
-    return 0;
-}
-
-static void
-release(View *v)
-{
-    if (v->held) {
-        PyBuffer_Release(&v->buf);
-        v->held = 0;
-    }
-}
-
-static Py_ssize_t
-items(View *v)
-{
-    return v->buf.len / v->buf.itemsize;
-}
 
 /* The policy's state for one call. */
 typedef struct {

@@ -172,35 +172,10 @@ def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Se
 
 def book_marks(policy: HitDensityPolicy, blocks: Sequence[BlockId], mark: int) -> None:
     """Give each of ``blocks`` (tracked, distinct) ``mark``, leaving or entering its class list (module docstring)."""
-    where, classes, nxt, prv, ends, dirty = policy._where, policy._cls, policy._next, policy._prev, policy._ends, \
-        policy._dirty
-    listed = mark == LISTED
+    where, classes, move = policy._where, policy._cls, policy._move
     for block in blocks:
         cls = classes[block]
-        if where[block] == LISTED:  # out of its list
-            before, after = prv[block], nxt[block]
-            if before == NONE:
-                ends[2 * cls] = after
-                dirty.add(2 * cls)
-            else:
-                nxt[before] = after
-            if after == NONE:
-                ends[2 * cls + 1] = before
-                dirty.add(2 * cls + 1)
-            else:
-                prv[after] = before
-        if listed:  # in at its young end
-            young = 2 * cls + 1
-            tail = ends[young]
-            prv[block] = tail
-            nxt[block] = NONE
-            if tail == NONE:
-                ends[young - 1] = block
-                dirty.add(young - 1)
-            else:
-                nxt[tail] = block
-            ends[young] = block
-            dirty.add(young)
+        move(block, cls if where[block] == LISTED else NONE, cls if mark == LISTED else NONE)
         where[block] = mark
 
 

@@ -1,0 +1,47 @@
+/* Views of the flat per-block arrays (bytearray, array('i'), array('q')) that kvkit's compiled loops
+ * read and write through the buffer protocol: one writable, one-dimensional buffer each, held for one call.
+ *
+ * A View starts zeroed (not held); view() holds it or sets an error; release() lets it go, held or not.
+ */
+#ifndef KVKIT_VIEWS_H
+#define KVKIT_VIEWS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+typedef struct {
+    Py_buffer buf;
+    int held;
+} View;
+
+/* Hold obj's buffer in v: writable, one-dimensional, of itemsize-byte items (else TypeError naming it). */
+static inline int
+view(PyObject *obj, View *v, Py_ssize_t itemsize, const char *name)
+{
+    if (PyObject_GetBuffer(obj, &v->buf, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return -1;
+    v->held = 1;
+    if (v->buf.itemsize != itemsize || v->buf.ndim != 1) {
+        PyErr_Format(PyExc_TypeError, "%s holds items of %zd bytes, not %zd", name, v->buf.itemsize, itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static inline void
+release(View *v)
+{
+    if (v->held) {
+        PyBuffer_Release(&v->buf);
+        v->held = 0;
+    }
+}
+
+/* The items the view holds. */
+static inline Py_ssize_t
+items(const View *v)
+{
+    return v->buf.len / v->buf.itemsize;
+}
+
+#endif
