@@ -490,7 +490,7 @@ class ParkingQueue:
         Raises:
             PoolUsageError: ``block`` is not in the queue, or already pinned.
         """
-        if block == self._pending:  # pinned as soon as it entered: it was never linked
+        if block.__class__ is int and block == self._pending != _NIL:  # pinned as it entered: never linked
             self._pending = _NIL
             self._slots.state[block] = self._base | _PARKED
             return
@@ -530,7 +530,7 @@ class ParkingQueue:
         states, stamps, base = slots.state, slots.stamp, self._base
         start = 0
         if self._pending != _NIL and blocks:  # only a first block can still be the unlinked youngest
-            if blocks[0] == self._pending:
+            if blocks[0].__class__ is int and blocks[0] == self._pending:
                 self._pending = _NIL
                 states[blocks[0]] = base | _PARKED
                 start = 1

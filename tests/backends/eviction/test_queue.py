@@ -74,3 +74,21 @@ def test_queues_sharing_slots_hold_disjoint_blocks():
     assert first.first(2, any_block) == [] and second.first(2, any_block) == [4]
     first.check_invariants()
     second.check_invariants()
+
+
+@pytest.mark.parametrize("pin", ["pin", "pin_many"])
+@pytest.mark.parametrize("block", [-1, True, 1.0])
+def test_pinning_no_block_of_the_queue_is_refused_and_changes_nothing(block, pin):
+    """An id that is no block of the queue (the no-block mark -1; a bool or a float equal to the block entered
+    last) is refused, whether or not that block is still unlinked, and the queue stays as it was."""
+    for pending in (False, True):
+        queue = ParkingQueue()
+        for b in (2, 3, 0, 1):  # block 1 entered last
+            queue.add(b)
+        if not pending:
+            queue.pin(1)  # nothing left unlinked
+        before = (bytes(queue._slots.state), queue.in_order(), queue.pinned)
+        with pytest.raises(PoolUsageError):
+            getattr(queue, pin)(block if pin == "pin" else [block])
+        queue.check_invariants()
+        assert (bytes(queue._slots.state), queue.in_order(), queue.pinned) == before
