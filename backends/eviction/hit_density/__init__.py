@@ -17,7 +17,11 @@ from typing_extensions import override
 from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
 from kvkit.backends.eviction.hit_density import booking
-from kvkit.backends.eviction.hit_density.booking import Booking
+from kvkit.backends.eviction.hit_density.booking import KINDS as _KINDS
+from kvkit.backends.eviction.hit_density.booking import LEAF, PARENT, TIP, Booking
+from kvkit.backends.eviction.hit_density.booking import LISTED as _LISTED
+from kvkit.backends.eviction.hit_density.booking import MAX_USES as _MAX_USES
+from kvkit.backends.eviction.hit_density.booking import NONE as _NONE
 from kvkit.backends.eviction.hit_density.census import strided
 from kvkit.backends.eviction.hit_density.density import HitDensityModel
 from kvkit.backends.eviction.hit_density.shift import ShiftTest
@@ -28,10 +32,6 @@ from kvkit.validate import at_least, check_int, quote, real_in
 
 __all__ = ["LEAF", "PARENT", "REUSE_LEVELS", "TIP", "HitDensityPolicy", "block_class", "reuse_level"]
 
-LEAF, PARENT, TIP = 0, 1, 2
-"""A block's *kind*: its hash never had a cached child; it had one; it is the block stored last,
-which the next store may still continue (the only tip at any time)."""
-_KINDS = 3
 REUSE_LEVELS = (0, 1, 2, 3, 4, 8, 16)
 """The least reuse count of each reuse level: counts 0-3 one level each (S3-FIFO's two bits), then
 4-7, 8-15 and 16 or more (how often a block is wanted, to within a factor of two)."""
@@ -39,13 +39,11 @@ _CLASSES = _KINDS * len(REUSE_LEVELS)
 _MIN_REFRESH = 64  # ticks between two refreshes while the pool is still tiny
 _MIN_MEMORY = 4096  # ticks of history the model weighs at least, once the pool's size is known
 _CENSUS_LIMIT = 1 << 18  # entries a refresh reads at most per census (beyond: an evenly strided sample)
-_NONE = -1  # no block, in the list links
 _NEVER = sys.maxsize  # a clock no policy reaches
-_MAX_USES = 255  # reuse counts saturate here (a byte each): far past the last level's least count
 _GHOST_ENTRY_BYTES = 192  # a ghost's memory at most: its map entry, array slots and 128-bit hash (tests measure it)
 _IntPredicate = Callable[[int], bool]
 _Blocks = list[BlockId]
-_UNTRACKED, _LISTED, _PARKED = 0, 1, FlatChains.PARKED  # where a block id is
+_UNTRACKED, _PARKED = 0, FlatChains.PARKED  # where a block id is, beside _LISTED
 
 
 def _valid_ids(blocks: Sequence[object]) -> bool:

@@ -67,10 +67,13 @@ if TYPE_CHECKING:
 __all__ = ["COMPILED", "REFERENCE", "Booking", "book_inserts", "book_marks", "book_removals",
            "forget_ghosts"]
 
-LEAF, PARENT, TIP, KINDS = 0, 1, 2, 3  # block kinds (the policy's LEAF, PARENT, TIP) and their count
-NONE = -1  # no block
-MAX_USES = 255  # reuse counts saturate here
-LISTED = 1  # the policy's mark of a block in a class list
+LEAF, PARENT, TIP = 0, 1, 2
+"""A block's *kind*: its hash never had a cached child; it had one; it is the block stored last,
+which the next store may still continue (the only tip at any time)."""
+KINDS = 3
+NONE = -1  # no block, in the list links
+MAX_USES = 255  # reuse counts saturate here (a byte each): far past the last level's least count
+LISTED = 1  # where a block id is: in a class list (0: untracked; parked: the chain index's mark)
 
 
 class BookInserts(Protocol):
