@@ -1,11 +1,11 @@
 """The block pool's per-block loops: their contracts, and the compiled twins of ``BlockPool``'s own.
 
 Each :class:`~kvkit.backends.allocator.pool.BlockPool` method's Python loop is
-the reference; :data:`COMPILED` holds the compiled ``_pool_loops`` module's
-functions of the same effect, built at install where a C compiler is (without
-one the install goes on, :data:`COMPILED` is ``None`` and the Python runs). A
-pool runs the twins held in its ``_loops`` (``None``: its own loops); the tests
-drive one pool of each on the same calls and compare the whole state.
+the reference, so :data:`LOOPS`' reference set is ``None``; its compiled set
+holds the compiled ``_pool_loops`` module's functions of the same effect, where
+that extension was built (:mod:`~kvkit.backends.twins`). A pool runs the twins
+held in its ``_loops`` (``None``: its own loops); the tests drive one pool of
+each on the same calls and compare the whole state.
 
 Every twin takes the pool's lists and index as they are (refcounts a list of
 ints, hashes a list of ints and ``None``, the index a dict from hash to block)
@@ -38,9 +38,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from kvkit.backends.twins import Twins, compiled
 from kvkit.interfaces.types import BlockHash, BlockId
 
-__all__ = ["COMPILED", "PoolLoops"]
+__all__ = ["LOOPS", "PoolLoops"]
 
 _Ids = list[BlockId] | tuple[BlockId, ...]
 
@@ -57,11 +58,4 @@ class PoolLoops(NamedTuple):
     drop: Callable[[list[BlockHash | None], dict[BlockHash, BlockId], list[BlockId], list[BlockHash]], bool]
 
 
-COMPILED: PoolLoops | None
-try:
-    from kvkit.backends.allocator import _pool_loops
-except ImportError:  # built without a C compiler: the pool's own loops run
-    COMPILED = None
-else:
-    COMPILED = PoolLoops(_pool_loops.incref, _pool_loops.decref, _pool_loops.commit, _pool_loops.hand_out,
-                         _pool_loops.drop)
+LOOPS: Twins[PoolLoops | None] = Twins(None, compiled(PoolLoops, "kvkit.backends.allocator._pool_loops"))

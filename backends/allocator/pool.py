@@ -159,7 +159,7 @@ class BlockPool(EvictionWindow):
     _window_version: int = attrs.field(init=False, repr=False, default=-1)
     _window: dict[BlockId, BlockHash | None] = attrs.field(init=False, repr=False, factory=dict)
     # The compiled twins of the per-block loops (loops.py), or None: the methods' own Python loops run.
-    _loops: PoolLoops | None = attrs.field(init=False, repr=False, factory=lambda: pool_loops.COMPILED)
+    _loops: PoolLoops | None = attrs.field(init=False, repr=False, factory=pool_loops.LOOPS.default)
 
     def __attrs_post_init__(self) -> None:
         if self._policy is None:

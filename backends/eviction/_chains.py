@@ -24,8 +24,9 @@ A hash is never its own prefix: a block stored under its own hash as its
 parent heads its chain (it is no orphan and has no child).
 
 The batch loops, :meth:`FlatChains.add_many` and :meth:`FlatChains.remove_many`,
-run the compiled ``_chains_loops`` module's functions where the extension was
-built at install (it needs a C compiler), else their Python references
+run the set of :data:`LOOPS` an index holds in its ``_loops``
+(:mod:`~kvkit.backends.twins`): the compiled ``_chains_loops`` module's
+functions where that extension was built, else their Python references
 (:meth:`FlatChains.add_many_reference`, :meth:`FlatChains.remove_many_reference`),
 which hold the contract; the tests drive both on the same calls and compare
 the whole state.
@@ -35,17 +36,18 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 import attrs
 
 from kvkit.backends.eviction._common import already_tracked, any_block, hash_already_tracked, not_tracked
 from kvkit.backends.eviction._queue import ParkingQueue
+from kvkit.backends.twins import Twins
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import plural
 
-__all__ = ["FlatChains"]
+__all__ = ["LOOPS", "ChainLoops", "FlatChains"]
 
 _NONE = -1  # no block, in the link arrays
 _ORPHAN = -2  # in _up: the parent hash is not tracked (it is in _orphan_of)
@@ -141,10 +143,8 @@ class FlatChains:
     _waiting: dict[BlockHash, int] = attrs.field(factory=dict, init=False, repr=False)
     _orphans: ParkingQueue = attrs.field(factory=ParkingQueue, init=False, repr=False)
     _walk: _Walk | None = attrs.field(default=None, init=False, repr=False)
-    # The batch loops: compiled where they were built (the tests set the references to compare the two).
-    _add_many: AddMany = attrs.field(init=False, eq=False, repr=False, default=attrs.Factory(lambda: ADD_MANY))
-    _remove_many: RemoveMany = attrs.field(init=False, eq=False, repr=False,
-                                           default=attrs.Factory(lambda: REMOVE_MANY))
+    # The batch loops it runs (the tests set the references to compare the two).
+    _loops: ChainLoops = attrs.field(init=False, eq=False, repr=False, factory=lambda: LOOPS.default())
 
     def grow(self, size: int) -> None:
         """Make room for block ids below ``size``."""
@@ -203,7 +203,7 @@ class FlatChains:
         raises once it has booked those added (a refused block and those
         after it change nothing).
         """
-        return self._add_many(self, owner, blocks, hashes, parents, pinned)
+        return self._loops.add_many(self, owner, blocks, hashes, parents, pinned)
 
     def add_many_reference(self, owner: object, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
                            parents: Sequence[BlockHash | None],
@@ -287,7 +287,7 @@ class FlatChains:
         Raises:
             PoolUsageError: a block is not tracked (those before it are removed).
         """
-        return self._remove_many(self, owner, blocks, leaving)
+        return self._loops.remove_many(self, owner, blocks, leaving)
 
     def remove_many_reference(self, owner: object, blocks: Sequence[BlockId],
                               leaving: frozenset[int] | None = None) -> list[BlockHash]:
@@ -667,13 +667,12 @@ class FlatChains:
                 "kept walk's blocks not all held"
 
 
-ADD_MANY: AddMany
-REMOVE_MANY: RemoveMany
-try:
-    from kvkit.backends.eviction import _chains_loops
-except ImportError:  # built without a C compiler: the references run
-    COMPILED = False
-    ADD_MANY, REMOVE_MANY = FlatChains.add_many_reference, FlatChains.remove_many_reference
-else:
-    COMPILED = True
-    ADD_MANY, REMOVE_MANY = _chains_loops.add_many, _chains_loops.remove_many
+class ChainLoops(NamedTuple):
+    """The batch loops a :class:`FlatChains` runs, each called with the index first."""
+
+    add_many: AddMany
+    remove_many: RemoveMany
+
+
+LOOPS: Twins[ChainLoops] = Twins.load(ChainLoops(FlatChains.add_many_reference, FlatChains.remove_many_reference),
+                   "kvkit.backends.eviction._chains_loops")

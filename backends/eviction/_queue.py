@@ -30,10 +30,10 @@ what changed (:meth:`ParkingQueue.watch`).
 
 The batch loops a scheduler step runs per block (:meth:`ParkingQueue.add_pinned_many`,
 :meth:`~ParkingQueue.pin_many`, :meth:`~ParkingQueue.unpin_many`, :meth:`~ParkingQueue.remove_many`)
-and the selection (:meth:`~ParkingQueue.first`) run the compiled ``_queue_loops`` module's functions
-where the extension was built at install (it needs a C compiler), else their Python references (the
-methods named ``*_reference``), which hold the contract; a queue's :class:`QueueLoops` names the ones it
-runs, and the tests drive both on the same calls and compare the whole state.
+and the selection (:meth:`~ParkingQueue.first`) run the set of :data:`LOOPS` a queue holds in its
+``_loops`` (:mod:`~kvkit.backends.twins`): the compiled ``_queue_loops`` module's functions where that
+extension was built, else their Python references (the methods named ``*_reference``), which hold the
+contract; the tests drive both on the same calls and compare the whole state.
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ import attrs
 from typing_extensions import override
 
 from kvkit.backends.eviction._common import already_tracked, any_block, bad_id, not_tracked, pin_mismatch
+from kvkit.backends.twins import Twins
 from kvkit.interfaces.types import BlockId
 from kvkit.validate import plural
 
-__all__ = ["COMPILED", "LOOPS", "REFERENCE", "ParkingQueue", "QueueLoops", "QueuedPins", "Slots"]
+__all__ = ["LOOPS", "ParkingQueue", "QueueLoops", "QueuedPins", "Slots"]
 
 _ABSENT, _MAIN, _PARKED, _BACK = 0, 1, 2, 3  # a block's state in its queue
 _NIL = -1  # no block: the end of a list
@@ -277,7 +278,7 @@ class ParkingQueue:
     _pending: int = attrs.field(default=_NIL, init=False)  # the youngest block, not linked yet (see add)
     _entered: list[BlockId] = attrs.field(factory=list, init=False, repr=False)
     # The batch loops: compiled where they were built (the tests set the references to compare the two).
-    _loops: QueueLoops = attrs.field(init=False, eq=False, repr=False, default=attrs.Factory(lambda: LOOPS))
+    _loops: QueueLoops = attrs.field(init=False, eq=False, repr=False, factory=lambda: LOOPS.default())
 
     @classmethod
     def of(cls, owner: object, slots: Slots | None = None) -> ParkingQueue:
@@ -776,8 +777,7 @@ class ParkingQueue:
 
 
 class QueueLoops(NamedTuple):
-    """The batch loops a :class:`ParkingQueue` runs: :data:`REFERENCE` or :data:`COMPILED`, each called with
-    the queue first."""
+    """The batch loops a :class:`ParkingQueue` runs, each called with the queue first."""
 
     add_pinned_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
     pin_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
@@ -786,18 +786,10 @@ class QueueLoops(NamedTuple):
     first: Callable[[ParkingQueue, int, Callable[[BlockId], bool]], list[BlockId]]
 
 
-REFERENCE = QueueLoops(ParkingQueue.add_pinned_many_reference, ParkingQueue.pin_many_reference,
-                       ParkingQueue.unpin_many_reference, ParkingQueue.remove_many_reference,
-                       ParkingQueue.first_reference)
-COMPILED: QueueLoops | None
-try:
-    from kvkit.backends.eviction import _queue_loops
-except ImportError:  # built without a C compiler: the references run
-    COMPILED = None
-else:
-    COMPILED = QueueLoops(_queue_loops.add_pinned_many, _queue_loops.pin_many, _queue_loops.unpin_many,
-                          _queue_loops.remove_many, _queue_loops.first)
-LOOPS: QueueLoops = REFERENCE if COMPILED is None else COMPILED  # what a new queue runs
+LOOPS: Twins[QueueLoops] = Twins.load(
+    QueueLoops(ParkingQueue.add_pinned_many_reference, ParkingQueue.pin_many_reference,
+               ParkingQueue.unpin_many_reference, ParkingQueue.remove_many_reference, ParkingQueue.first_reference),
+    "kvkit.backends.eviction._queue_loops")
 
 
 @attrs.define(slots=False, on_setattr=attrs.setters.NO_OP)  # unslotted: it mixes with slotted bases

@@ -63,7 +63,6 @@ _TOP = REUSE_LEVELS[-1]
 # The class of every (uses, kind), uses capped at the last level's least count: a table read per call.
 _CLASS_OF = tuple(tuple(_KINDS * reuse_level(uses) + kind for kind in range(_KINDS)) for uses in range(_TOP + 1))
 _CLASS_TABLE = bytes(cls for row in _CLASS_OF for cls in row)  # the same, flat: [_KINDS * uses + kind]
-_BOOKING: Booking = booking.COMPILED or booking.REFERENCE
 
 
 def block_class(uses: int, kind: int) -> int:
@@ -303,7 +302,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _last_removal: int = attrs.field(init=False, default=0)
     _next_refresh: int = attrs.field(init=False, default=_MIN_REFRESH)
     # The per-block loops: compiled where they were built (the tests set the reference to compare the two).
-    _books: Booking = attrs.field(init=False, factory=lambda: _BOOKING, eq=False, repr=False)
+    _booking: Booking = attrs.field(init=False, factory=booking.LOOPS.default, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._shift = ShiftTest(len(REUSE_LEVELS), alpha=self.shift_alpha)
@@ -386,7 +385,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._grow(top + 1)
         pinned = mark == _PARKED
         parent_blocks, fresh, refusal = self._chains.add_many(self, blocks, hashes, parents, pinned)
-        book, record = self._books.book_inserts, self._model.record_reuses
+        book, record = self._booking.book_inserts, self._model.record_reuses
         reuse_classes: list[int] = []  # the reuses learnt, recorded in one pass before the model is read
         reuse_ages: list[int] = []
         done = 0
@@ -449,9 +448,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         block_hashes = self._chains.remove_many(self, blocks, leaving)  # the chains first (what follows reads none)
         if self._tip in (leaving or blocks):
             self._tip = None
-        self._books.book_marks(self, blocks, _UNTRACKED)
+        self._booking.book_marks(self, blocks, _UNTRACKED)
         c = max(self.c, 1)
-        self._books.book_removals(self, blocks, block_hashes, c)
+        self._booking.book_removals(self, blocks, block_hashes, c)
         self._forget_ghosts(self._evictions - self._ghost_limit(c))
 
     def use_index(self, index: Mapping[BlockHash, BlockId], hashes: Sequence[BlockHash | None],
@@ -480,7 +479,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def _pin(self, blocks: Sequence[BlockId]) -> None:
         if not self._all_marked(blocks, _LISTED, self._pin):
             return
-        self._books.book_marks(self, blocks, _PARKED)
+        self._booking.book_marks(self, blocks, _PARKED)
         self._chains.pin_many(blocks)
 
     def on_unpin(self, block: BlockId) -> None:
@@ -494,7 +493,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def _unpin(self, blocks: Sequence[BlockId]) -> None:
         if not self._all_marked(blocks, _PARKED, self._unpin):
             return
-        self._books.book_marks(self, blocks, _LISTED)
+        self._booking.book_marks(self, blocks, _LISTED)
         self._chains.unpin_many(blocks)
 
     def _all_marked(self, blocks: Sequence[BlockId], mark: int,
@@ -804,7 +803,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         oldest, end = self._ghost_oldest, base + len(live)
         stop = min(end, math.floor(horizon) + 1)  # the first eviction number past the horizon
         if stop > oldest:
-            classes, ages = self._books.forget_ghosts(self, oldest - base, stop - base)
+            classes, ages = self._booking.forget_ghosts(self, oldest - base, stop - base)
             if classes:  # forgotten unreused: censored at their ages
                 self._model.record_ends(classes, ages)
             oldest = stop

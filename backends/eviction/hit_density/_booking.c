@@ -468,7 +468,7 @@ done:
     return result;
 }
 
-/* The reference of the same name (booking.REFERENCE), run on a call the compiled function does not
+/* The reference of the same name (booking.py's function), run on a call the compiled function does not
  * check itself: it raises as the reference raises. */
 static PyObject *
 run_reference(const char *name, PyObject *const *args, Py_ssize_t nargs)
@@ -476,12 +476,8 @@ run_reference(const char *name, PyObject *const *args, Py_ssize_t nargs)
     PyObject *booking = PyImport_ImportModule("kvkit.backends.eviction.hit_density.booking");
     if (booking == NULL)
         return NULL;
-    PyObject *reference = PyObject_GetAttrString(booking, "REFERENCE");
+    PyObject *f = PyObject_GetAttrString(booking, name);
     Py_DECREF(booking);
-    if (reference == NULL)
-        return NULL;
-    PyObject *f = PyObject_GetAttrString(reference, name);
-    Py_DECREF(reference);
     if (f == NULL)
         return NULL;
     PyObject *result = PyObject_Vectorcall(f, args, (size_t)nargs, NULL);

@@ -1,10 +1,10 @@
 """The hit-density policy's per-block bookkeeping loops, one block after another.
 
-This module's functions are the reference (:data:`REFERENCE`): the policy runs
-:data:`COMPILED`, the compiled ``_booking`` module's functions of the same
-contracts, when the extension was built at install (it needs a C compiler;
-without one the install goes on and the reference runs). The tests drive both
-on the same calls and compare every array, map and counter.
+This module's functions are the reference; :data:`LOOPS` holds them and their
+compiled twins, the ``_booking`` extension's functions of the same contracts
+(:mod:`~kvkit.backends.twins`). A policy runs the set in its ``_booking``;
+the tests drive one policy of each on the same calls and compare every array,
+map and counter.
 
 :func:`book_inserts`, for the blocks ``start`` onwards of one insert call (ids
 already valid, the per-block arrays already sized, the chain index already
@@ -59,12 +59,13 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import numpy as np
 
+from kvkit.backends.twins import Twins
 from kvkit.interfaces.types import BlockHash, BlockId
 
 if TYPE_CHECKING:
     from kvkit.backends.eviction.hit_density import HitDensityPolicy
 
-__all__ = ["COMPILED", "REFERENCE", "Booking", "book_inserts", "book_marks", "book_removals",
+__all__ = ["LOOPS", "Booking", "book_inserts", "book_marks", "book_removals",
            "forget_ghosts"]
 
 LEAF, PARENT, TIP = 0, 1, 2
@@ -241,12 +242,5 @@ def forget_ghosts(policy: HitDensityPolicy, lo: int, hi: int) -> tuple[list[int]
     return classes.tolist(), (p._clock - lasts).tolist()
 
 
-REFERENCE = Booking(book_inserts, book_marks, book_removals, forget_ghosts)
-
-COMPILED: Booking | None
-try:
-    from kvkit.backends.eviction.hit_density import _booking
-except ImportError:  # built without a C compiler: the reference runs
-    COMPILED = None
-else:
-    COMPILED = Booking(_booking.book_inserts, _booking.book_marks, _booking.book_removals, _booking.forget_ghosts)
+LOOPS: Twins[Booking] = Twins.load(Booking(book_inserts, book_marks, book_removals, forget_ghosts),
+                   "kvkit.backends.eviction.hit_density._booking")

@@ -16,7 +16,7 @@ from kvkit.backends.eviction.lfu import LFUPolicy
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.interfaces.eviction import EvictionPolicy
 
-_BUILT = pytest.mark.skipif(loops.COMPILED is None, reason="the compiled loops were not built")
+_BUILT = pytest.mark.skipif(loops.LOOPS.compiled is None, reason="the compiled loops were not built")
 
 N = 12  # blocks per pool
 _HOOKS = ("on_insert", "on_remove", "on_access", "on_pin", "on_unpin", "insert_pinned", "remove_many", "pin_many",
@@ -26,8 +26,8 @@ _HOOKS = ("on_insert", "on_remove", "on_access", "on_pin", "on_unpin", "insert_p
 @pytest.mark.compiler
 def test_the_compiled_loops_were_built() -> None:
     """Where a C compiler is, the install built the pool's loops, and a pool runs them by default."""
-    assert loops.COMPILED is not None, "pip install -e . did not build allocator/_pool_loops.c"
-    assert BlockPool(4, eviction=LRUPolicy())._loops is loops.COMPILED
+    assert loops.LOOPS.compiled is not None, "pip install -e . did not build allocator/_pool_loops.c"
+    assert BlockPool(4, eviction=LRUPolicy())._loops is loops.LOOPS.compiled
 
 
 def _recording(base: type[EvictionPolicy]) -> type[EvictionPolicy]:
@@ -144,7 +144,7 @@ def test_compiled_pool_is_the_reference(policy: str, ops: list[tuple[Any, ...]])
     every call both returned or raised the same, hold the same refcounts, hashes, index (in order), empty
     stack and counters, and their policies heard the same calls in the same order and agree on victims."""
     compiled, reference = _pool(policy), _pool(policy)
-    reference._loops = None
+    reference._loops = loops.LOOPS.reference
     for op in ops:
         if op[0] == "spoil":
             _, what, odd, at = op
@@ -179,9 +179,9 @@ def test_compiled_pool_is_the_reference(policy: str, ops: list[tuple[Any, ...]])
 def test_an_id_out_of_range_takes_the_python_path(loop: str, args: tuple[Any, ...]) -> None:
     """A compiled loop reads and writes no slot outside the lists: an id past either end returns its sentinel
     (a loop that writes as it goes writes only in range; the Python then raises)."""
-    assert loops.COMPILED is not None
+    assert loops.LOOPS.compiled is not None
     before = repr(args)
-    assert getattr(loops.COMPILED, loop)(*args) in (None, False)
+    assert getattr(loops.LOOPS.compiled, loop)(*args) in (None, False)
     if loop == "hand_out":  # it writes 1s as it goes, which the Python loop writes again
         assert args[0] == [1, 0]
     else:

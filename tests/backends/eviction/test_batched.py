@@ -30,7 +30,7 @@ class PerBlockHitDensity(HitDensityPolicy):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self._books = booking.REFERENCE
+        self._booking = booking.LOOPS.reference
 
 
 class PerBlockLRU(LRUPolicy):

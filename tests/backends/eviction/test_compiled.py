@@ -26,31 +26,28 @@ from kvkit.errors import PoolUsageError
 @pytest.mark.compiler
 def test_the_compiled_booking_was_built() -> None:
     """Where a C compiler is, the install built the booking loops, and the policy runs them by default."""
-    assert booking.COMPILED is not None, "pip install -e . did not build hit_density/_booking.c"
-    assert HitDensityPolicy()._books is booking.COMPILED
+    assert booking.LOOPS.compiled is not None, "pip install -e . did not build hit_density/_booking.c"
+    assert HitDensityPolicy()._booking is booking.LOOPS.compiled
 
 
 @pytest.mark.compiler
 def test_the_compiled_chain_loops_were_built() -> None:
     """Where a C compiler is, the install built the chain index's loops, and a chain index runs them."""
-    assert _chains.COMPILED, "pip install -e . did not build eviction/_chains_loops.c"
-    chains = FlatChains(bytearray())
-    assert chains._add_many is _chains.ADD_MANY is not FlatChains.add_many_reference
-    assert chains._remove_many is _chains.REMOVE_MANY is not FlatChains.remove_many_reference
+    assert _chains.LOOPS.compiled is not None, "pip install -e . did not build eviction/_chains_loops.c"
+    assert FlatChains(bytearray())._loops is _chains.LOOPS.compiled
 
 
 @pytest.mark.compiler
 def test_the_compiled_queue_loops_were_built() -> None:
     """Where a C compiler is, the install built the parking queue's loops, and a queue runs them."""
-    assert _queue.COMPILED is not None, "pip install -e . did not build eviction/_queue_loops.c"
-    assert ParkingQueue()._loops is _queue.LOOPS is _queue.COMPILED
-    assert LRUPolicy()._loops is FlatChains(bytearray())._orphans._loops is _queue.COMPILED
+    assert _queue.LOOPS.compiled is not None, "pip install -e . did not build eviction/_queue_loops.c"
+    assert ParkingQueue()._loops is _queue.LOOPS.compiled
+    assert LRUPolicy()._loops is FlatChains(bytearray())._orphans._loops is _queue.LOOPS.compiled
 
 
 def _reference(chains: FlatChains) -> FlatChains:
     """``chains``, running the Python references of its batch loops."""
-    chains._add_many = FlatChains.add_many_reference
-    chains._remove_many = FlatChains.remove_many_reference
+    chains._loops = _chains.LOOPS.reference
     return chains
 
 
@@ -236,7 +233,7 @@ _OPS = st.lists(st.one_of(
 ), max_size=80)
 
 
-@pytest.mark.skipif(booking.COMPILED is None, reason="the compiled loops were not built")
+@pytest.mark.skipif(booking.LOOPS.compiled is None, reason="the compiled loops were not built")
 @settings(max_examples=150, deadline=None)
 @example(ops=[("store", 0, 0, 4, False), ("hit", 0, 4, 6), ("evict", 4), ("store", 0, 0, 4, True)], capacity=16,
          span=2.0)  # a chain hit six times, evicted and stored again: its ghost's reuses climb past 3
@@ -246,7 +243,7 @@ def test_compiled_booking_is_the_reference(ops: list[tuple[Any, ...]], capacity:
     Small capacities refresh the model inside a batch (the booking stops and resumes), and evicted chains
     stored again hit the ghost: after every call both hold the same state, and make the same choices."""
     twins = [HitDensityPolicy(capacity=capacity, ghost_span=span) for _ in range(2)]
-    twins[1]._books = booking.REFERENCE
+    twins[1]._booking = booking.LOOPS.reference
     _drive(twins, ops, _state)
 
 
@@ -258,7 +255,7 @@ _REMOVAL_OPS = st.lists(st.one_of(
 ), max_size=60)
 
 
-@pytest.mark.skipif(booking.COMPILED is None, reason="the compiled loops were not built")
+@pytest.mark.skipif(booking.LOOPS.compiled is None, reason="the compiled loops were not built")
 @settings(max_examples=150, deadline=None)
 @example(ops=[("store", 0, 0, 12, False), ("hit", 0, 12, 2), ("evict", 12), ("store", 0, 0, 12, False),
               ("evict", 3), ("evict", 9)], capacity=2, span=1.0, ghost_bytes=1 << 20)  # reused, evicted
@@ -272,11 +269,11 @@ def test_compiled_removals_are_the_reference(ops: list[tuple[Any, ...]], capacit
     bytes), after hits that left reuses since the last refresh: the compiled booking and the reference leave
     the same state after every call."""
     twins = [HitDensityPolicy(capacity=capacity, ghost_span=span, ghost_bytes=ghost_bytes) for _ in range(2)]
-    twins[1]._books = booking.REFERENCE
+    twins[1]._booking = booking.LOOPS.reference
     _drive(twins, ops, _state)
 
 
-@pytest.mark.skipif(booking.COMPILED is None, reason="the compiled loops were not built")
+@pytest.mark.skipif(booking.LOOPS.compiled is None, reason="the compiled loops were not built")
 @settings(max_examples=150, deadline=None)
 @example(ops=[("store", 0, 0, 8, False), ("evict", 2)], picks=[0, 1, 2], reuses=[2, 0, 1], c=16, gap=1 << 60,
          stray=None)  # the gap times the capacity passes 64 bits
@@ -304,12 +301,12 @@ def test_book_removals_is_the_reference(ops: list[tuple[Any, ...]], picks: list[
     hashes = [1_000_000 + block for block in picks] + ([7] if stray is not None else [])
     twins = [copy.deepcopy(policy) for _ in range(2)]
     outcomes = [_outcome_any(books.book_removals, twin, blocks, hashes, c)
-                for books, twin in zip((booking.COMPILED, booking.REFERENCE), twins)]
+                for books, twin in zip((booking.LOOPS.compiled, booking.LOOPS.reference), twins)]
     assert outcomes[0] == outcomes[1]
     assert _state(twins[0]) == _state(twins[1])
 
 
-@pytest.mark.skipif(booking.COMPILED is None, reason="the compiled loops were not built")
+@pytest.mark.skipif(booking.LOOPS.compiled is None, reason="the compiled loops were not built")
 @settings(max_examples=150, deadline=None)
 @example(ops=[("store", 0, 0, 12, False), ("hit", 0, 12, 2), ("evict", 12)], lo=2, width=7, past=0,
          reused=[3, 5])
@@ -331,7 +328,7 @@ def test_forget_ghosts_is_the_reference(ops: list[tuple[Any, ...]], lo: int, wid
     hi = min(lo + width, len(policy._ghost_hash)) + past  # past 0: inside the ghost arrays
     twins = [copy.deepcopy(policy) for _ in range(2)]
     outcomes = [_outcome_any(books.forget_ghosts, twin, lo, hi)
-                for books, twin in zip((booking.COMPILED, booking.REFERENCE), twins)]
+                for books, twin in zip((booking.LOOPS.compiled, booking.LOOPS.reference), twins)]
     assert outcomes[0] == outcomes[1]
     assert _state(twins[0]) == _state(twins[1])
 
@@ -486,7 +483,7 @@ def _queues_state(queues: list[ParkingQueue]) -> list[dict[str, Any]]:
     return [_queue_state(queue) for queue in queues]
 
 
-@pytest.mark.skipif(_queue.COMPILED is None, reason="the compiled loops were not built")
+@pytest.mark.skipif(_queue.LOOPS.compiled is None, reason="the compiled loops were not built")
 @settings(max_examples=400, deadline=None)
 @example(ops=[("add", 0, 1, False), ("add", 0, 2, False), ("pin_many", 0, [1, 2], list),
               ("unpin_many", 0, [2, 1], list), ("first", 0, 3, True)], shared=False)  # a release out of order
@@ -509,8 +506,8 @@ def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], sha
     list, stamps, the clock, the window). Batches come as lists, tuples or another sequence (the compiled
     loop hands that to the reference); watched windows, ids past the slots, refusals and odd ids run the
     references' general cases."""
-    assert _queue.COMPILED is not None
-    twins = [_queues(shared, _queue.COMPILED), _queues(shared, _queue.REFERENCE)]
+    assert _queue.LOOPS.compiled is not None
+    twins = [_queues(shared, _queue.LOOPS.compiled), _queues(shared, _queue.LOOPS.reference)]
     for op in ops:
         outcomes = []
         for queues in twins:
@@ -534,7 +531,7 @@ def _fifo_state(policy: FIFOPolicy) -> dict[str, Any]:
     return _queue_state(policy)
 
 
-@pytest.mark.skipif(_queue.COMPILED is None, reason="the compiled loops were not built")
+@pytest.mark.skipif(_queue.LOOPS.compiled is None, reason="the compiled loops were not built")
 @settings(max_examples=100, deadline=None)
 @given(ops=_OPS, kind=st.sampled_from([LRUPolicy, FIFOPolicy]))
 def test_lru_and_fifo_on_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]],
@@ -542,11 +539,11 @@ def test_lru_and_fifo_on_compiled_queue_loops_are_the_references(ops: list[tuple
     """Two LRU (or FIFO) policies, one's queue on the compiled loops, one's on the references: stores (a
     pinned batch or one block at a time), hits, pins, unpins and evictions leave the same state."""
     twins = [kind(), kind()]
-    twins[1]._loops = _queue.REFERENCE
+    twins[1]._loops = _queue.LOOPS.reference
     _drive(twins, ops, _fifo_state)
 
 
-@pytest.mark.skipif(_queue.COMPILED is None, reason="the compiled loops were not built")
+@pytest.mark.skipif(_queue.LOOPS.compiled is None, reason="the compiled loops were not built")
 @settings(max_examples=100, deadline=None)
 @given(ops=_OPS, capacity=st.sampled_from([None, 4, 16]))
 def test_hit_density_on_compiled_queue_loops_is_the_reference(ops: list[tuple[Any, ...]],
@@ -554,16 +551,16 @@ def test_hit_density_on_compiled_queue_loops_is_the_reference(ops: list[tuple[An
     """Two hit-density policies whose orphan queues differ only in their loops (compiled, references):
     the same calls leave the same state, the orphans' included."""
     twins = [HitDensityPolicy(capacity=capacity), HitDensityPolicy(capacity=capacity)]
-    twins[1]._chains._orphans._loops = _queue.REFERENCE
+    twins[1]._chains._orphans._loops = _queue.LOOPS.reference
     _drive(twins, ops, _state)
 
 
-@pytest.mark.skipif(_queue.COMPILED is None, reason="the compiled loops were not built")
+@pytest.mark.skipif(_queue.LOOPS.compiled is None, reason="the compiled loops were not built")
 @settings(max_examples=100, deadline=None)
 @given(ops=_OPS)
 def test_prefix_lru_on_compiled_queue_loops_is_the_reference(ops: list[tuple[Any, ...]]) -> None:
     """Two prefix-LRU policies whose orphan queues differ only in their loops: the same calls leave the
     same state."""
     twins = [PrefixLRUPolicy(), PrefixLRUPolicy()]
-    twins[1]._chains._orphans._loops = _queue.REFERENCE
+    twins[1]._chains._orphans._loops = _queue.LOOPS.reference
     _drive(twins, ops, _prefix_lru_state)
