@@ -385,20 +385,13 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._grow(top + 1)
         pinned = mark == _PARKED
         parent_blocks, fresh, refusal = self._chains.add_many(self, blocks, hashes, parents, pinned)
-        book, record = self._booking.book_inserts, self._model.record_reuses
-        reuse_classes: list[int] = []  # the reuses learnt, recorded in one pass before the model is read
-        reuse_ages: list[int] = []
+        book = self._booking.book_inserts
         done = 0
         while done < len(parent_blocks):
-            done = book(self, blocks, hashes, parents, parent_blocks, fresh, mark, done, _CLASS_TABLE,
-                        reuse_classes, reuse_ages)
+            done = book(self, blocks, hashes, parents, parent_blocks, fresh, mark, done, _CLASS_TABLE)
             if self._clock >= self._next_refresh:
-                record(reuse_classes, reuse_ages)
-                reuse_classes.clear()
-                reuse_ages.clear()
                 self._learn(self._tracked)
                 self._refresh()
-        record(reuse_classes, reuse_ages)
         self._learn(self._tracked)
         if refusal is not None:
             raise refusal
@@ -412,22 +405,18 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._access(blocks)
 
     def _access(self, blocks: Sequence[BlockId]) -> None:
-        """Count a hit on each block: its reuse, its class, its age from now."""
-        classes, uses_of, last_of, recent = self._cls, self._uses, self._last, self._recent
-        record_reuse, links = self._model.record_reuse, self._chains.links
-        for block in blocks:
-            block = self._tracked_id(block)
-            cls = classes[block]
-            self._clock = clock = self._clock + 1
-            record_reuse(cls, clock - last_of[block])
-            self._note_reuse(cls, *links(block))
-            uses = uses_of[block]
-            if uses < _MAX_USES:
-                uses_of[block] = uses = uses + 1
-            recent[block] = recent.get(block, 0) + 1
-            last_of[block] = clock
-            self._enter(block, _CLASS_OF[uses if uses < _TOP else _TOP][cls % _KINDS])
-            if clock >= self._next_refresh:
+        """Count a hit on each block (:mod:`.booking`): its reuse, its class, its age from now; the model
+        refreshed whenever one falls due."""
+        where = self._where
+        if not (_valid_ids(blocks) and max(blocks) < len(where) and 0 not in map(where.__getitem__, blocks)):
+            for block in blocks:  # one at a time: raises at the first untracked block, those before it counted
+                self._access((self._tracked_id(block),))
+            return
+        book = self._booking.book_accesses
+        done = 0
+        while done < len(blocks):
+            done = book(self, blocks, done, _CLASS_TABLE)
+            if self._clock >= self._next_refresh:
                 self._refresh()
 
     @override
@@ -816,12 +805,6 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 del entries[:gone]
             self._ghost_base = oldest
 
-    def _note_reuse(self, cls: int, block_hash: BlockHash | None, parent: BlockHash | None) -> None:
-        """A block of class ``cls`` is reused: a sample for the shift test if it starts a reuse run."""
-        if parent is None or parent != self._reused:
-            self._shift.note(cls // _KINDS)
-        self._reused = block_hash
-
     def _restart_counts(self) -> None:
         """Every tracked block and ghost counts only its reuses since the change point; kind and age kept.
 
@@ -843,13 +826,6 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         for i, ghost_hash in enumerate(self._ghost_hash):
             if ghost_hash is not None:  # its class stays: what its return teaches
                 self._ghost_uses[i] = min(recent.get(ghost_hash, 0), _MAX_USES)
-
-    def _enter(self, block: BlockId, cls: int) -> None:
-        """Put ``block`` at the young end of class ``cls``'s list (if parked: only its class)."""
-        old = self._cls[block]
-        self._cls[block] = cls
-        if self._where[block] == _LISTED:  # a parked block enters its (new) class's list on on_unpin
-            self._move(block, old, cls)
 
     def _refresh(self) -> None:
         """Recompute the densities (bounded work, see :mod:`.census`); due about once per pool's worth of ticks."""

@@ -8,6 +8,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "_views.h"
 
@@ -185,11 +186,81 @@ append_long(PyObject *list, long long value)
     return rc;
 }
 
+/* The density model's reuse histogram, held for one call: its cells (rows of classes, buckets of age, as
+ * float64 in place) and each bucket's least age (HitDensityModel.first_ages). */
+typedef struct {
+    View cells;
+    long long *first;
+    Py_ssize_t buckets, rows;
+} Reuses;
+
+static int
+open_reuses(PyObject *p, Reuses *r)
+{
+    PyObject *model = attr(p, "_model"), *histogram = NULL, *first = NULL;
+    int rc = -1;
+    if (model == NULL || (histogram = attr(model, "_reuses")) == NULL || (first = attr(model, "first_ages")) == NULL)
+        goto done;
+    if (PyObject_GetBuffer(histogram, &r->cells.buf, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    r->cells.held = 1;
+    if (r->cells.buf.ndim != 2 || r->cells.buf.itemsize != 8 || strcmp(r->cells.buf.format, "d") != 0
+        || !PyTuple_Check(first) || PyTuple_GET_SIZE(first) != r->cells.buf.shape[1] || r->cells.buf.shape[1] < 1) {
+        PyErr_SetString(PyExc_TypeError, "booking: the model's reuse histogram is not rows of floats over its "
+                                         "buckets");
+        goto done;
+    }
+    r->rows = r->cells.buf.shape[0];
+    r->buckets = r->cells.buf.shape[1];
+    if ((r->first = PyMem_New(long long, r->buckets)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < r->buckets; b++)
+        if ((r->first[b] = PyLong_AsLongLong(PyTuple_GET_ITEM(first, b))) == -1 && PyErr_Occurred())
+            goto done;
+    rc = 0;
+done:
+    Py_XDECREF(model);
+    Py_XDECREF(histogram);
+    Py_XDECREF(first);
+    return rc;
+}
+
+static void
+close_reuses(Reuses *r)
+{
+    release(&r->cells);
+    PyMem_Free(r->first);
+    r->first = NULL;
+}
+
+/* HitDensityModel.record_reuse: one reuse of a class-cls block at age (>= 0) in its cell, the bucket being the
+ * last one whose least age is at most age. */
+static int
+record_reuse(Reuses *r, long cls, long long age)
+{
+    if (cls < 0 || cls >= r->rows || age < 0) {
+        PyErr_Format(PyExc_IndexError, "booking: a reuse of class %ld at age %lld is outside the histogram", cls, age);
+        return -1;
+    }
+    Py_ssize_t lo = 0, hi = r->buckets - 1; /* first[lo] <= age (first[0] is 0) */
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi + 1) / 2;
+        if (r->first[mid] <= age)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    ((double *)r->cells.buf.buf)[cls * r->buckets + lo] += 1.0;
+    return 0;
+}
+
 static int
 checked_index(long long index, Py_ssize_t size, const char *what)
 {
     if (index < 0 || index >= size) {
-        PyErr_Format(PyExc_IndexError, "book_inserts: %s %lld is outside 0..%zd", what, index, size - 1);
+        PyErr_Format(PyExc_IndexError, "booking: %s %lld is outside 0..%zd", what, index, size - 1);
         return -1;
     }
     return 0;
@@ -199,20 +270,19 @@ static PyObject *
 book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 11) {
-        PyErr_Format(PyExc_TypeError, "book_inserts takes 11 arguments, got %zd", nargs);
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "book_inserts takes 9 arguments, got %zd", nargs);
         return NULL;
     }
     PyObject *p = args[0], *blocks_in = args[1], *hashes_in = args[2], *parents_in = args[3];
     PyObject *parent_blocks_in = args[4], *had_children_in = args[5];
     long mark = PyLong_AsLong(args[6]);
     Py_ssize_t start = PyLong_AsSsize_t(args[7]);
-    PyObject *class_of = args[8], *reuse_classes = args[9], *reuse_ages = args[10];
+    PyObject *class_of = args[8];
     if (PyErr_Occurred())
         return NULL;
-    if (!PyBytes_Check(class_of) || PyBytes_GET_SIZE(class_of) < KINDS || !PyList_Check(reuse_classes)
-        || !PyList_Check(reuse_ages)) {
-        PyErr_SetString(PyExc_TypeError, "book_inserts: class_of is bytes, reuse_classes and reuse_ages lists");
+    if (!PyBytes_Check(class_of) || PyBytes_GET_SIZE(class_of) < KINDS) {
+        PyErr_SetString(PyExc_TypeError, "book_inserts: class_of is bytes");
         return NULL;
     }
     const unsigned char *class_table = (const unsigned char *)PyBytes_AS_STRING(class_of);
@@ -220,6 +290,8 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
     State s;
     memset(&s, 0, sizeof s);
+    Reuses r;
+    memset(&r, 0, sizeof r);
     PyObject *blocks = NULL, *hashes = NULL, *parents = NULL, *parent_blocks = NULL, *had_children = NULL;
     PyObject *ghost_at = NULL, *ghost_hash = NULL, *ghost_recent = NULL, *recent = NULL, *shift = NULL;
     PyObject *note = NULL, *tip_obj = NULL, *reused = NULL, *result = NULL;
@@ -241,7 +313,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
 
-    if (open_lists(p, &s) < 0)
+    if (open_lists(p, &s) < 0 || open_reuses(p, &r) < 0)
         goto done;
     if (view_of(p, "_uses", &s.uses, 1) < 0 || view_of(p, "_last", &s.last, 8) < 0
         || view_of(p, "_ghost_cls", &s.ghost_cls, 1) < 0 || view_of(p, "_ghost_uses", &s.ghost_uses, 1) < 0
@@ -325,7 +397,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_INCREF(Py_None);
             if (PyList_SetItem(ghost_hash, (Py_ssize_t)g, Py_None) < 0)
                 goto stop;
-            if (append_long(reuse_classes, cls) < 0 || append_long(reuse_ages, age) < 0)
+            if (record_reuse(&r, cls, age) < 0)
                 goto stop;
             int starts = parent == Py_None;
             if (!starts && (starts = PyObject_RichCompareBool(parent, block_hash, Py_EQ)) < 0)
@@ -411,6 +483,7 @@ stop:
     }
 done:
     close_state(&s);
+    close_reuses(&r);
     Py_XDECREF(blocks);
     Py_XDECREF(hashes);
     Py_XDECREF(parents);
@@ -423,6 +496,167 @@ done:
     Py_XDECREF(shift);
     Py_XDECREF(note);
     Py_XDECREF(tip_obj);
+    Py_XDECREF(reused);
+    return result;
+}
+
+/* A tracked block's hash and its parent hash (FlatChains.links): new references, the parent NULL for none. */
+static int
+links_of(PyObject *hashes, const int32_t *up, Py_ssize_t ups, PyObject *orphan_of, PyObject *block_obj, long block,
+         PyObject **block_hash, PyObject **parent)
+{
+    Py_ssize_t known = PyList_GET_SIZE(hashes);
+    if (block >= known || block >= ups) {
+        PyErr_Format(PyExc_IndexError, "book_accesses: block %ld is outside the chain index", block);
+        return -1;
+    }
+    long above = up[block];
+    *block_hash = Py_NewRef(PyList_GET_ITEM(hashes, block));
+    if (above >= 0) {
+        if (above >= known) {
+            Py_CLEAR(*block_hash);
+            PyErr_Format(PyExc_IndexError, "book_accesses: parent block %ld is outside the chain index", above);
+            return -1;
+        }
+        *parent = Py_NewRef(PyList_GET_ITEM(hashes, above));
+        return 0;
+    }
+    PyObject *orphaned = PyDict_GetItemWithError(orphan_of, block_obj); /* borrowed */
+    if (orphaned == NULL && PyErr_Occurred()) {
+        Py_CLEAR(*block_hash);
+        return -1;
+    }
+    *parent = orphaned == NULL ? NULL : Py_NewRef(orphaned);
+    return 0;
+}
+
+static PyObject *
+book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "book_accesses takes 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *p = args[0], *class_of = args[3];
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    if (!PyBytes_Check(class_of) || PyBytes_GET_SIZE(class_of) < KINDS) {
+        PyErr_SetString(PyExc_TypeError, "book_accesses: class_of is bytes");
+        return NULL;
+    }
+    const unsigned char *class_table = (const unsigned char *)PyBytes_AS_STRING(class_of);
+    long top = (long)(PyBytes_GET_SIZE(class_of) / KINDS) - 1;
+
+    State s;
+    memset(&s, 0, sizeof s);
+    Reuses r;
+    memset(&r, 0, sizeof r);
+    View up = {0};
+    PyObject *blocks = NULL, *recent = NULL, *chains = NULL, *hashes = NULL, *orphan_of = NULL, *shift = NULL;
+    PyObject *note = NULL, *reused = NULL, *result = NULL;
+    long long clock, due;
+    Py_ssize_t i = start, n;
+
+    if ((blocks = PySequence_Fast(args[1], "book_accesses: blocks")) == NULL)
+        goto done;
+    n = PySequence_Fast_GET_SIZE(blocks);
+    if (open_lists(p, &s) < 0 || open_reuses(p, &r) < 0 || view_of(p, "_uses", &s.uses, 1) < 0 || view_of(p, "_last", &s.last, 8) < 0)
+        goto done;
+    if ((recent = attr(p, "_recent")) == NULL || (chains = attr(p, "_chains")) == NULL
+        || (hashes = attr(chains, "_hash")) == NULL || (orphan_of = attr(chains, "_orphan_of")) == NULL
+        || view_of(chains, "_up", &up, 4) < 0 || (shift = attr(p, "_shift")) == NULL
+        || (note = attr(shift, "note")) == NULL || (reused = attr(p, "_reused")) == NULL)
+        goto done;
+    if (!PyDict_Check(recent) || !PyList_Check(hashes) || !PyDict_Check(orphan_of)) {
+        PyErr_SetString(PyExc_TypeError, "book_accesses: the policy's maps or the chain index's hashes have other types");
+        goto done;
+    }
+    if (attr_long(p, "_clock", &clock) < 0 || attr_long(p, "_next_refresh", &due) < 0)
+        goto done;
+    unsigned char *classes = (unsigned char *)s.cls.buf.buf, *where = (unsigned char *)s.where.buf.buf;
+    unsigned char *uses_of = (unsigned char *)s.uses.buf.buf;
+    int64_t *last_of = (int64_t *)s.last.buf.buf;
+    const int32_t *ups = (const int32_t *)up.buf.buf;
+    Py_ssize_t size = items(&s.where);
+    if (items(&s.uses) < size || items(&s.last) < size) {
+        PyErr_SetString(PyExc_ValueError, "book_accesses: the per-block arrays differ in size");
+        goto done;
+    }
+
+    while (i < n) {
+        PyObject *block_obj = PySequence_Fast_GET_ITEM(blocks, i);
+        long block = PyLong_AsLong(block_obj);
+        if ((block == -1 && PyErr_Occurred()) || checked_index(block, size, "block") < 0)
+            goto stop;
+        i++;
+        long cls = classes[block];
+        clock += 1;
+        if (record_reuse(&r, cls, clock - last_of[block]) < 0)
+            goto stop;
+        PyObject *block_hash, *parent;
+        if (links_of(hashes, ups, items(&up), orphan_of, block_obj, block, &block_hash, &parent) < 0)
+            goto stop;
+        int starts = parent == NULL;
+        if (!starts)
+            starts = PyObject_RichCompareBool(parent, reused, Py_NE);
+        Py_XDECREF(parent);
+        if (starts > 0) { /* it starts a reuse run */
+            PyObject *level = PyLong_FromLong(cls / KINDS);
+            PyObject *r = level ? PyObject_CallOneArg(note, level) : NULL;
+            Py_XDECREF(level);
+            if (r == NULL)
+                starts = -1;
+            Py_XDECREF(r);
+        }
+        Py_SETREF(reused, block_hash);
+        if (starts < 0)
+            goto stop;
+        long uses = uses_of[block];
+        if (uses < MAX_USES)
+            uses_of[block] = (unsigned char)++uses;
+        PyObject *had = PyDict_GetItemWithError(recent, block_obj); /* borrowed */
+        long long before = 0;
+        if (had == NULL && PyErr_Occurred())
+            goto stop;
+        if (had != NULL && (before = PyLong_AsLongLong(had)) == -1 && PyErr_Occurred())
+            goto stop;
+        PyObject *count = PyLong_FromLongLong(before + 1);
+        int rc = count ? PyDict_SetItem(recent, block_obj, count) : -1;
+        Py_XDECREF(count);
+        if (rc < 0)
+            goto stop;
+        last_of[block] = clock;
+        long new = class_table[KINDS * (uses < top ? uses : top) + cls % KINDS];
+        classes[block] = (unsigned char)new;
+        if (where[block] == LISTED && move(&s, block, cls, new) < 0)
+            goto stop;
+        if (clock >= due)
+            break;
+    }
+stop:
+    /* The clock and the hash reused last are written back, an error or not. */
+    {
+        PyObject *err_type, *err_value, *err_tb;
+        PyErr_Fetch(&err_type, &err_value, &err_tb);
+        int rc = set_attr_long(p, "_clock", clock) < 0 || PyObject_SetAttrString(p, "_reused", reused) < 0;
+        if (err_type != NULL)
+            PyErr_Restore(err_type, err_value, err_tb);
+        else if (!rc)
+            result = PyLong_FromSsize_t(i);
+    }
+done:
+    close_state(&s);
+    close_reuses(&r);
+    release(&up);
+    Py_XDECREF(blocks);
+    Py_XDECREF(recent);
+    Py_XDECREF(chains);
+    Py_XDECREF(hashes);
+    Py_XDECREF(orphan_of);
+    Py_XDECREF(shift);
+    Py_XDECREF(note);
     Py_XDECREF(reused);
     return result;
 }
@@ -761,8 +995,10 @@ done:
 
 static PyMethodDef methods[] = {
     {"book_inserts", (PyCFunction)(void (*)(void))book_inserts, METH_FASTCALL,
-     "book_inserts(policy, blocks, hashes, parents, parent_blocks, had_children, mark, start, class_of, "
-     "reuse_classes, reuse_ages) -> int: booking.book_inserts, compiled."},
+     "book_inserts(policy, blocks, hashes, parents, parent_blocks, had_children, mark, start, class_of) -> int: "
+     "booking.book_inserts, compiled."},
+    {"book_accesses", (PyCFunction)(void (*)(void))book_accesses, METH_FASTCALL,
+     "book_accesses(policy, blocks, start, class_of) -> int: booking.book_accesses, compiled."},
     {"book_marks", (PyCFunction)(void (*)(void))book_marks, METH_FASTCALL,
      "book_marks(policy, blocks, mark) -> None: booking.book_marks, compiled."},
     {"book_removals", (PyCFunction)(void (*)(void))book_removals, METH_FASTCALL,

@@ -13,8 +13,8 @@ per block):
 
 * each block up to ``len(parent_blocks)`` (those the chain index took) is
   booked in order: its reuse count (from its ghost, if the
-  ghost holds its hash: the reuse is learnt and appended to ``reuse_classes``
-  and ``reuse_ages``), last access, class and mark; the previous tip becomes
+  ghost holds its hash: the reuse is learnt, recorded in the density model
+  at the ghost's class and age), last access, class and mark; the previous tip becomes
   a parent or a leaf, a parent gains the parent kind; a block listed
   (``mark`` is the listed mark) enters its class list, and a listed block whose
   class changes moves to the young end of its new list;
@@ -23,6 +23,25 @@ per block):
   caller refreshes and calls again from there), else ``len(parent_blocks)``;
 * the policy's clock, tracked count, tip and last reused hash are written
   back before it returns.
+
+:func:`book_accesses`, for the blocks ``start`` onwards of one access call (ids
+already checked: tracked, listed or parked; a block may repeat), counts a hit
+on each block in order:
+
+* the policy's clock ticks, and the reuse is recorded in the density model at
+  the block's class and age (the clock less its last access);
+* it starts a reuse run (a sample for the shift test: its class's reuse level
+  goes to the test's ``note``) unless its parent hash, as the chain index
+  links it, is the hash reused last; either way its hash is the one reused
+  last from then on;
+* its reuse count gains one (saturating), its reuses since the last refresh
+  (the recent map) gain one, its last access is now, and it enters the young
+  end of the class of its new count and its kind (its list, if listed: the
+  move happens even when the class stays);
+* the loop stops right after the block whose tick reaches the next refresh,
+  and returns the index after the last block counted (the caller refreshes
+  and calls again from there), else ``len(blocks)``; the clock and the last
+  reused hash are written back before it returns.
 
 :func:`book_marks` moves tracked blocks between the places a block can be
 (listed, parked, untracked): each block, in order, leaves its class list if
@@ -65,7 +84,7 @@ from kvkit.interfaces.types import BlockHash, BlockId
 if TYPE_CHECKING:
     from kvkit.backends.eviction.hit_density import HitDensityPolicy
 
-__all__ = ["LOOPS", "Booking", "book_inserts", "book_marks", "book_removals",
+__all__ = ["LOOPS", "Booking", "book_accesses", "book_inserts", "book_marks", "book_removals",
            "forget_ghosts"]
 
 LEAF, PARENT, TIP = 0, 1, 2
@@ -80,8 +99,13 @@ LISTED = 1  # where a block id is: in a class list (0: untracked; parked: the ch
 class BookInserts(Protocol):
     def __call__(self, policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
                  parents: Sequence[BlockHash | None], parent_blocks: Sequence[int], had_children: Sequence[bool],
-                 mark: int, start: int, class_of: bytes, reuse_classes: list[int], reuse_ages: list[int]) -> int:
+                 mark: int, start: int, class_of: bytes) -> int:
         """Book ``blocks[start:]`` (module docstring); ``class_of[3 * min(uses, 16) + kind]`` is a class."""
+
+
+class BookAccesses(Protocol):
+    def __call__(self, policy: HitDensityPolicy, blocks: Sequence[BlockId], start: int, class_of: bytes) -> int:
+        """Count a hit on each of ``blocks[start:]`` (module docstring)."""
 
 
 class BookMarks(Protocol):
@@ -104,6 +128,7 @@ class Booking(NamedTuple):
     """The loops of one implementation (functions: a policy holding them copies and pickles)."""
 
     book_inserts: BookInserts
+    book_accesses: BookAccesses
     book_marks: BookMarks
     book_removals: BookRemovals
     forget_ghosts: ForgetGhosts
@@ -111,13 +136,13 @@ class Booking(NamedTuple):
 
 def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
                  parents: Sequence[BlockHash | None], parent_blocks: Sequence[int], had_children: Sequence[bool],
-                 mark: int, start: int, class_of: bytes, reuse_classes: list[int], reuse_ages: list[int]) -> int:
+                 mark: int, start: int, class_of: bytes) -> int:
     """Book ``blocks[start:]`` into ``policy``'s state until its next refresh is due (module docstring)."""
     p = policy
     classes, where, uses_of, last_of, move, ghost_at = p._cls, p._where, p._uses, p._last, p._move, p._ghost_at
     ghost_last, ghost_cls, ghost_uses, ghost_live, ghost_hash, ghost_recent, base = p._ghost_last, \
         p._ghost_cls, p._ghost_uses, p._ghost_live, p._ghost_hash, p._ghost_recent, p._ghost_base
-    recent, note, turnover = p._recent, p._shift.note, p._turnover
+    recent, note, turnover, record = p._recent, p._shift.note, p._turnover, p._model.record_reuse
     clock, tracked, tip, due, reused = p._clock, p._tracked, p._tip, p._next_refresh, p._reused
     listed = mark == LISTED
     top = len(class_of) // KINDS - 1  # the least count of the last reuse level
@@ -139,8 +164,7 @@ def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Se
             cls, age = ghost_cls[g], clock - ghost_last[g]
             ghost_live[g] = 0
             ghost_hash[g] = None
-            reuse_classes.append(cls)
-            reuse_ages.append(age)
+            record(cls, age)
             # It starts a reuse run unless its parent, as linked (a hash under itself heads its
             # chain), was reused just before.
             if parent is None or parent == block_hash or parent != reused:
@@ -171,6 +195,38 @@ def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Se
         if clock >= due:
             break
     p._clock, p._tracked, p._tip, p._reused = clock, tracked, tip, reused
+    return i
+
+
+def book_accesses(policy: HitDensityPolicy, blocks: Sequence[BlockId], start: int, class_of: bytes) -> int:
+    """Count a hit on each of ``blocks[start:]`` until ``policy``'s next refresh is due (module docstring)."""
+    p = policy
+    classes, where, uses_of, last_of, move, recent = p._cls, p._where, p._uses, p._last, p._move, p._recent
+    links, note, record = p._chains.links, p._shift.note, p._model.record_reuse
+    clock, due, reused = p._clock, p._next_refresh, p._reused
+    top = len(class_of) // KINDS - 1  # the least count of the last reuse level
+    i, n = start, len(blocks)
+    while i < n:
+        block = blocks[i]
+        i += 1
+        cls = classes[block]
+        clock += 1
+        record(cls, clock - last_of[block])
+        block_hash, parent = links(block)
+        if parent is None or parent != reused:  # it starts a reuse run
+            note(cls // KINDS)
+        reused = block_hash
+        uses = uses_of[block]
+        if uses < MAX_USES:
+            uses_of[block] = uses = uses + 1
+        recent[block] = recent.get(block, 0) + 1
+        last_of[block] = clock
+        classes[block] = new = class_of[KINDS * (uses if uses < top else top) + cls % KINDS]
+        if where[block] == LISTED:
+            move(block, cls, new)
+        if clock >= due:
+            break
+    p._clock, p._reused = clock, reused
     return i
 
 
@@ -242,5 +298,5 @@ def forget_ghosts(policy: HitDensityPolicy, lo: int, hi: int) -> tuple[list[int]
     return classes.tolist(), (p._clock - lasts).tolist()
 
 
-LOOPS: Twins[Booking] = Twins.load(Booking(book_inserts, book_marks, book_removals, forget_ghosts),
+LOOPS: Twins[Booking] = Twins.load(Booking(book_inserts, book_accesses, book_marks, book_removals, forget_ghosts),
                    "kvkit.backends.eviction.hit_density._booking")

@@ -242,22 +242,14 @@ class HitDensityModel:
         """A block of class ``cls`` left the model unreused at ``age`` (censored)."""
         self._ends[cls, self.bucket(age)] += 1
 
-    def record_reuses(self, classes: Sequence[int], ages: Sequence[int]) -> None:
-        """:meth:`record_reuse` for each ``(classes[i], ages[i])``, in order: the same sums, bit for bit."""
-        self._record(self._reuses, classes, ages)
-
     def record_ends(self, classes: Sequence[int], ages: Sequence[int]) -> None:
-        """:meth:`record_end` for each ``(classes[i], ages[i])``, in order: the same sums, bit for bit."""
-        self._record(self._ends, classes, ages)
-
-    def _record(self, histogram: np.ndarray, classes: Sequence[int], ages: Sequence[int]) -> None:
-        """Add 1 at each ``(classes[i], bucket(ages[i]))``, in order (``np.add.at`` adds one at a time,
-        however often a cell repeats)."""
+        """:meth:`record_end` for each ``(classes[i], ages[i])``, in order: the same sums, bit for bit
+        (``np.add.at`` adds one at a time, however often a cell repeats)."""
         if len(ages) < _FEW:
             for cls, age in zip(classes, ages):
-                histogram[cls, self.bucket(age)] += 1
+                self._ends[cls, self.bucket(age)] += 1
             return
-        np.add.at(histogram, (np.asarray(classes, dtype=np.intp), self.buckets_of(np.asarray(ages, dtype=np.int64))),
+        np.add.at(self._ends, (np.asarray(classes, dtype=np.intp), self.buckets_of(np.asarray(ages, dtype=np.int64))),
                   1.0)
 
     def density(self, cls: int, age: int) -> float:
