@@ -792,9 +792,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         oldest, end = self._ghost_oldest, base + len(live)
         stop = min(end, math.floor(horizon) + 1)  # the first eviction number past the horizon
         if stop > oldest:
-            classes, ages = self._booking.forget_ghosts(self, oldest - base, stop - base)
-            if classes:  # forgotten unreused: censored at their ages
-                self._model.record_ends(classes, ages)
+            self._booking.forget_ghosts(self, oldest - base, stop - base)  # their ends recorded: censored
             oldest = stop
         first_live = live.find(1, oldest - base)
         oldest = end if first_live < 0 else base + first_live

@@ -175,39 +175,27 @@ pop(PyObject *dict, PyObject *key)
     return v;
 }
 
-static int
-append_long(PyObject *list, long long value)
-{
-    PyObject *v = PyLong_FromLongLong(value);
-    if (v == NULL)
-        return -1;
-    int rc = PyList_Append(list, v);
-    Py_DECREF(v);
-    return rc;
-}
-
-/* The density model's reuse histogram, held for one call: its cells (rows of classes, buckets of age, as
- * float64 in place) and each bucket's least age (HitDensityModel.first_ages). */
+/* One of the density model's histograms (its reuses or its ends), held for one call: its cells (rows of
+ * classes, buckets of age, as float64 in place) and each bucket's least age (HitDensityModel.first_ages). */
 typedef struct {
     View cells;
     long long *first;
     Py_ssize_t buckets, rows;
-} Reuses;
+} Histogram;
 
 static int
-open_reuses(PyObject *p, Reuses *r)
+open_histogram(PyObject *p, const char *name, Histogram *r)
 {
     PyObject *model = attr(p, "_model"), *histogram = NULL, *first = NULL;
     int rc = -1;
-    if (model == NULL || (histogram = attr(model, "_reuses")) == NULL || (first = attr(model, "first_ages")) == NULL)
+    if (model == NULL || (histogram = attr(model, name)) == NULL || (first = attr(model, "first_ages")) == NULL)
         goto done;
     if (PyObject_GetBuffer(histogram, &r->cells.buf, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
         goto done;
     r->cells.held = 1;
     if (r->cells.buf.ndim != 2 || r->cells.buf.itemsize != 8 || strcmp(r->cells.buf.format, "d") != 0
         || !PyTuple_Check(first) || PyTuple_GET_SIZE(first) != r->cells.buf.shape[1] || r->cells.buf.shape[1] < 1) {
-        PyErr_SetString(PyExc_TypeError, "booking: the model's reuse histogram is not rows of floats over its "
-                                         "buckets");
+        PyErr_SetString(PyExc_TypeError, "booking: a histogram of the model is not rows of floats over its buckets");
         goto done;
     }
     r->rows = r->cells.buf.shape[0];
@@ -228,20 +216,20 @@ done:
 }
 
 static void
-close_reuses(Reuses *r)
+close_histogram(Histogram *r)
 {
     release(&r->cells);
     PyMem_Free(r->first);
     r->first = NULL;
 }
 
-/* HitDensityModel.record_reuse: one reuse of a class-cls block at age (>= 0) in its cell, the bucket being the
- * last one whose least age is at most age. */
+/* HitDensityModel.record_reuse (or record_end): one event of a class-cls block at age (>= 0) in its cell, the
+ * bucket being the last one whose least age is at most age. */
 static int
-record_reuse(Reuses *r, long cls, long long age)
+record(Histogram *r, long cls, long long age)
 {
     if (cls < 0 || cls >= r->rows || age < 0) {
-        PyErr_Format(PyExc_IndexError, "booking: a reuse of class %ld at age %lld is outside the histogram", cls, age);
+        PyErr_Format(PyExc_IndexError, "booking: an event of class %ld at age %lld is outside the histogram", cls, age);
         return -1;
     }
     Py_ssize_t lo = 0, hi = r->buckets - 1; /* first[lo] <= age (first[0] is 0) */
@@ -290,7 +278,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
     State s;
     memset(&s, 0, sizeof s);
-    Reuses r;
+    Histogram r;
     memset(&r, 0, sizeof r);
     PyObject *blocks = NULL, *hashes = NULL, *parents = NULL, *parent_blocks = NULL, *had_children = NULL;
     PyObject *ghost_at = NULL, *ghost_hash = NULL, *ghost_recent = NULL, *recent = NULL, *shift = NULL;
@@ -313,7 +301,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
 
-    if (open_lists(p, &s) < 0 || open_reuses(p, &r) < 0)
+    if (open_lists(p, &s) < 0 || open_histogram(p, "_reuses", &r) < 0)
         goto done;
     if (view_of(p, "_uses", &s.uses, 1) < 0 || view_of(p, "_last", &s.last, 8) < 0
         || view_of(p, "_ghost_cls", &s.ghost_cls, 1) < 0 || view_of(p, "_ghost_uses", &s.ghost_uses, 1) < 0
@@ -397,7 +385,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_INCREF(Py_None);
             if (PyList_SetItem(ghost_hash, (Py_ssize_t)g, Py_None) < 0)
                 goto stop;
-            if (record_reuse(&r, cls, age) < 0)
+            if (record(&r, cls, age) < 0)
                 goto stop;
             int starts = parent == Py_None;
             if (!starts && (starts = PyObject_RichCompareBool(parent, block_hash, Py_EQ)) < 0)
@@ -483,7 +471,7 @@ stop:
     }
 done:
     close_state(&s);
-    close_reuses(&r);
+    close_histogram(&r);
     Py_XDECREF(blocks);
     Py_XDECREF(hashes);
     Py_XDECREF(parents);
@@ -551,7 +539,7 @@ book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
     State s;
     memset(&s, 0, sizeof s);
-    Reuses r;
+    Histogram r;
     memset(&r, 0, sizeof r);
     View up = {0};
     PyObject *blocks = NULL, *recent = NULL, *chains = NULL, *hashes = NULL, *orphan_of = NULL, *shift = NULL;
@@ -562,7 +550,7 @@ book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if ((blocks = PySequence_Fast(args[1], "book_accesses: blocks")) == NULL)
         goto done;
     n = PySequence_Fast_GET_SIZE(blocks);
-    if (open_lists(p, &s) < 0 || open_reuses(p, &r) < 0 || view_of(p, "_uses", &s.uses, 1) < 0 || view_of(p, "_last", &s.last, 8) < 0)
+    if (open_lists(p, &s) < 0 || open_histogram(p, "_reuses", &r) < 0 || view_of(p, "_uses", &s.uses, 1) < 0 || view_of(p, "_last", &s.last, 8) < 0)
         goto done;
     if ((recent = attr(p, "_recent")) == NULL || (chains = attr(p, "_chains")) == NULL
         || (hashes = attr(chains, "_hash")) == NULL || (orphan_of = attr(chains, "_orphan_of")) == NULL
@@ -593,7 +581,7 @@ book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         i++;
         long cls = classes[block];
         clock += 1;
-        if (record_reuse(&r, cls, clock - last_of[block]) < 0)
+        if (record(&r, cls, clock - last_of[block]) < 0)
             goto stop;
         PyObject *block_hash, *parent;
         if (links_of(hashes, ups, items(&up), orphan_of, block_obj, block, &block_hash, &parent) < 0)
@@ -648,7 +636,7 @@ stop:
     }
 done:
     close_state(&s);
-    close_reuses(&r);
+    close_histogram(&r);
     release(&up);
     Py_XDECREF(blocks);
     Py_XDECREF(recent);
@@ -924,8 +912,10 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *p = args[0], *ghost_hash = NULL, *ghost_at = NULL, *ghost_recent = NULL;
-    PyObject *hashes = NULL, *classes = NULL, *ages = NULL, *result = NULL;
+    PyObject *hashes = NULL, *result = NULL;
     View live = {0}, g_cls = {0}, g_last = {0};
+    Histogram ends;
+    memset(&ends, 0, sizeof ends);
     long long clock;
     Py_ssize_t lo = PyLong_AsSsize_t(args[1]), hi = lo == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[2]);
     if (hi == -1 && PyErr_Occurred()) {
@@ -953,14 +943,12 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     unsigned char *alive = (unsigned char *)live.buf.buf;
     const unsigned char *cls = (const unsigned char *)g_cls.buf.buf;
     const int64_t *lasts = (const int64_t *)g_last.buf.buf;
-    if ((hashes = PyList_New(0)) == NULL || (classes = PyList_New(0)) == NULL || (ages = PyList_New(0)) == NULL)
+    if ((hashes = PyList_New(0)) == NULL || open_histogram(p, "_ends", &ends) < 0)
         goto done;
-    for (Py_ssize_t g = lo; g < hi; g++) {
+    for (Py_ssize_t g = lo; g < hi; g++) /* the live ones: forgotten unreused, censored at their ages */
         if (alive[g] && (PyList_Append(hashes, PyList_GET_ITEM(ghost_hash, g)) < 0
-                         || append_long(classes, cls[g]) < 0
-                         || append_long(ages, (long long)((uint64_t)clock - (uint64_t)lasts[g])) < 0))
+                         || record(&ends, cls[g], (long long)((uint64_t)clock - (uint64_t)lasts[g])) < 0))
             goto done;
-    }
     Py_ssize_t n = PyList_GET_SIZE(hashes);
     if (n) {
         memset(alive + lo, 0, (size_t)(hi - lo)); /* every ghost of the range: dead, no hash */
@@ -979,8 +967,9 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
         }
     }
-    result = PyTuple_Pack(2, classes, ages);
+    result = Py_NewRef(Py_None);
 done:
+    close_histogram(&ends);
     release(&live);
     release(&g_cls);
     release(&g_last);
@@ -988,8 +977,6 @@ done:
     Py_XDECREF(ghost_at);
     Py_XDECREF(ghost_recent);
     Py_XDECREF(hashes);
-    Py_XDECREF(classes);
-    Py_XDECREF(ages);
     return result;
 }
 
@@ -1004,7 +991,7 @@ static PyMethodDef methods[] = {
     {"book_removals", (PyCFunction)(void (*)(void))book_removals, METH_FASTCALL,
      "book_removals(policy, blocks, block_hashes, c) -> None: booking.book_removals, compiled."},
     {"forget_ghosts", (PyCFunction)(void (*)(void))forget_ghosts, METH_FASTCALL,
-     "forget_ghosts(policy, lo, hi) -> (classes, ages): booking.forget_ghosts, compiled."},
+     "forget_ghosts(policy, lo, hi) -> None: booking.forget_ghosts, compiled."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -66,8 +66,9 @@ their hashes, in order; ``c`` the pool's capacity, at least 1):
 :func:`forget_ghosts` forgets the live ghosts of indexes ``lo`` to ``hi - 1``
 (``0 <= lo <= hi <=`` the ghost arrays' length): every ghost of the range is
 marked dead and loses its hash, then each live one's hash leaves the ghost map
-and the ghosts' recent map, in order. It returns their classes and ages (the
-policy's clock less their last access), in order, for the model to record.
+and the ghosts' recent map, in order; each live one is recorded in the density
+model as a history ended unreused, at its class and age (the policy's clock
+less its last access).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ class BookRemovals(Protocol):
 
 
 class ForgetGhosts(Protocol):
-    def __call__(self, policy: HitDensityPolicy, lo: int, hi: int) -> tuple[list[int], list[int]]:
-        """Forget the live ghosts of indexes ``lo..hi - 1``; their classes and ages (module docstring)."""
+    def __call__(self, policy: HitDensityPolicy, lo: int, hi: int) -> None:
+        """Forget the live ghosts of indexes ``lo..hi - 1``, recording their ends (module docstring)."""
 
 
 class Booking(NamedTuple):
@@ -276,14 +277,14 @@ def book_removals(policy: HitDensityPolicy, blocks: Sequence[BlockId], block_has
     p._evictions, p._turnover, p._last_removal = evictions, turnover, last
 
 
-def forget_ghosts(policy: HitDensityPolicy, lo: int, hi: int) -> tuple[list[int], list[int]]:
-    """Forget the live ghosts of indexes ``lo`` to ``hi - 1``; return their classes and ages, in order
-    (module docstring)."""
+def forget_ghosts(policy: HitDensityPolicy, lo: int, hi: int) -> None:
+    """Forget the live ghosts of indexes ``lo`` to ``hi - 1``, recording their ends in the model (module
+    docstring)."""
     p = policy
     live = p._ghost_live
     forgotten = np.flatnonzero(np.frombuffer(live[lo:hi], dtype=np.uint8))
     if not len(forgotten):
-        return [], []
+        return
     hashes = cast(list[BlockHash], list(map(p._ghost_hash.__getitem__, (forgotten + lo).tolist())))
     live[lo:hi] = bytes(hi - lo)
     p._ghost_hash[lo:hi] = [None] * (hi - lo)
@@ -295,7 +296,7 @@ def forget_ghosts(policy: HitDensityPolicy, lo: int, hi: int) -> tuple[list[int]
             recent.pop(ghost_hash, None)
     classes = np.frombuffer(p._ghost_cls[lo:hi], dtype=np.uint8)[forgotten]
     lasts = np.frombuffer(p._ghost_last[lo:hi], dtype=np.int64)[forgotten]
-    return classes.tolist(), (p._clock - lasts).tolist()
+    p._model.record_ends(classes.tolist(), (p._clock - lasts).tolist())
 
 
 LOOPS: Twins[Booking] = Twins.load(Booking(book_inserts, book_accesses, book_marks, book_removals, forget_ghosts),

@@ -318,7 +318,7 @@ def test_forget_ghosts_is_the_reference(ops: list[tuple[Any, ...]], lo: int, wid
                                         reused: list[int]) -> None:
     """forget_ghosts on two copies of one policy whose ghosts have reuses since the last refresh: a range
     of indexes, inside the ghost arrays or one the slices would clip (that one runs the reference): the same
-    state, the same return."""
+    state (the model's recorded ends included), the same return."""
     setup = [HitDensityPolicy(capacity=16, ghost_span=40.0) for _ in range(2)]
     _drive(setup, ops, _state)
     policy = setup[0]
