@@ -24,12 +24,13 @@ A hash is never its own prefix: a block stored under its own hash as its
 parent heads its chain (it is no orphan and has no child).
 
 The batch loops, :meth:`FlatChains.add_many` and :meth:`FlatChains.remove_many`,
+and a walk's fresh pass over a whole subtree (:meth:`FlatChains.collect`'s)
 run the set of :data:`LOOPS` an index holds in its ``_loops``
 (:mod:`~kvkit.backends.twins`): the compiled ``_chains_loops`` module's
 functions where that extension was built, else their Python references
-(:meth:`FlatChains.add_many_reference`, :meth:`FlatChains.remove_many_reference`),
-which hold the contract; the tests drive both on the same calls and compare
-the whole state.
+(:meth:`FlatChains.add_many_reference`, :meth:`FlatChains.remove_many_reference`,
+:meth:`FlatChains.collect_whole_reference`), which hold the contract; the tests
+drive both on the same calls and compare the whole state.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ class RemoveMany(Protocol):
     def __call__(self, chains: FlatChains, owner: object, blocks: Sequence[BlockId],
                  leaving: frozenset[int] | None, /) -> list[BlockHash]:
         """:meth:`FlatChains.remove_many` of ``chains``."""
+
+
+class CollectWhole(Protocol):
+    def __call__(self, chains: FlatChains, root: int, is_evictable: Callable[[int], bool],
+                 chosen: dict[int, None], n: int, /) -> list[int] | None:
+        """:meth:`FlatChains.collect_whole_reference` of ``chains``."""
 
 
 @attrs.define
@@ -524,7 +531,7 @@ class FlatChains:
             return [root]
         walk = self._walk
         if walk is None or walk.root != root:  # a fresh walk: one that runs to its end, short
-            whole = self._collect_whole(root, is_evictable, chosen, n)
+            whole = self._loops.collect_whole(self, root, is_evictable, chosen, n)
             if whole is not None:
                 return whole
         if walk is not None and walk.root == root and not walk.victims and \
@@ -563,8 +570,8 @@ class FlatChains:
         self._walk = None if not stack else walk if walk is not None else _Walk(root, stack, held, victims, skipped)
         return picked
 
-    def _collect_whole(self, root: int, is_evictable: Callable[[int], bool],
-                       chosen: dict[int, None], n: int) -> list[int] | None:
+    def collect_whole_reference(self, root: int, is_evictable: Callable[[int], bool],
+                                chosen: dict[int, None], n: int) -> list[int] | None:
         """:meth:`collect`'s fresh walk from ``root`` when it cannot stop before its end; ``None`` otherwise,
         nothing done.
 
@@ -668,11 +675,13 @@ class FlatChains:
 
 
 class ChainLoops(NamedTuple):
-    """The batch loops a :class:`FlatChains` runs, each called with the index first."""
+    """The loops a :class:`FlatChains` runs, each called with the index first."""
 
     add_many: AddMany
     remove_many: RemoveMany
+    collect_whole: CollectWhole
 
 
-LOOPS: Twins[ChainLoops] = Twins.load(ChainLoops(FlatChains.add_many_reference, FlatChains.remove_many_reference),
+LOOPS: Twins[ChainLoops] = Twins.load(ChainLoops(FlatChains.add_many_reference, FlatChains.remove_many_reference,
+                                                 FlatChains.collect_whole_reference),
                    "kvkit.backends.eviction._chains_loops")

@@ -1,7 +1,7 @@
-/* The chain index's batch loops, compiled: FlatChains.add_many and FlatChains.remove_many, step for step.
+/* The chain index's loops, compiled: FlatChains.add_many, remove_many and collect_whole, step for step.
  *
- * _chains.py holds the reference (FlatChains.add_many_reference, FlatChains.remove_many_reference) and
- * the contract; the tests run both on the same calls and compare the whole state. The per-block links
+ * _chains.py holds the reference (FlatChains.add_many_reference, remove_many_reference and
+ * collect_whole_reference) and the contract; the tests run both on the same calls and compare the whole state. The per-block links
  * (_up, _first, _next, _prev: array('i')) and the owner's pin marks (bytearray) are read through the
  * buffer protocol; the maps, the hash list, the kept walk's sets and the orphans' ParkingQueue stay
  * Python objects, updated (the queue through its own methods) exactly as the reference updates them.
@@ -734,12 +734,171 @@ done:
     return result;
 }
 
+/* Whether dict chosen holds block: 1, 0, or -1 with an error. */
+static int
+chosen_holds(PyObject *chosen, long block)
+{
+    PyObject *key = PyLong_FromLong(block);
+    if (key == NULL)
+        return -1;
+    int rc = PyDict_Contains(chosen, key);
+    Py_DECREF(key);
+    return rc;
+}
+
+/* Append block to a growable C array of *cap items (reallocated as it fills). */
+static int
+push_block(long **items, Py_ssize_t *count, Py_ssize_t *cap, long block)
+{
+    if (*count == *cap) {
+        Py_ssize_t grown = *cap ? 2 * *cap : 64;
+        long *more = PyMem_Resize(*items, long, grown);
+        if (more == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        *items = more;
+        *cap = grown;
+    }
+    (*items)[(*count)++] = block;
+    return 0;
+}
+
+static PyObject *
+collect_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "collect_whole takes 5 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *chains = args[0], *is_evictable = args[2], *chosen = args[3];
+    long root = PyLong_AsLong(args[1]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred() || !PyLong_CheckExact(args[1]) || !PyDict_CheckExact(chosen)) {
+        PyErr_Clear(); /* other types: the reference, which converts or raises */
+        return PyObject_CallMethod(chains, "collect_whole_reference", "OOOO", args[1], is_evictable, chosen, args[4]);
+    }
+    View first_v = {0}, next_v = {0}, parked_v = {0};
+    int32_t *first = NULL, *nxt = NULL;
+    long *stack = NULL, *listed = NULL, mark = 0;
+    Py_ssize_t stacked = 0, stack_cap = 0, count = 0, listed_cap = 0;
+    PyObject *result = NULL, *picked = NULL, *parked_obj = NULL, *mark_obj = NULL;
+    Py_ssize_t room = n - PyDict_GET_SIZE(chosen);
+    if (room < 1) /* the walk stops before its root */
+        Py_RETURN_NONE;
+    if (array_view(chains, "_first", &first_v, &first) < 0 || array_view(chains, "_next", &next_v, &nxt) < 0
+        || (parked_obj = PyObject_GetAttrString(chains, "parked")) == NULL
+        || view(parked_obj, &parked_v, 1, "parked") < 0 || (mark_obj = PyObject_GetAttrString(chains, "PARKED")) == NULL
+        || ((mark = PyLong_AsLong(mark_obj)) == -1 && PyErr_Occurred()))
+        goto done;
+    Py_ssize_t size = first_v.buf.len / 4;
+    if (next_v.buf.len / 4 != size || parked_v.buf.len < size || root < 0 || root >= size) {
+        /* arrays of other sizes, a root outside them: the reference, which raises as it does */
+        release(&first_v);
+        release(&next_v);
+        release(&parked_v);
+        result = PyObject_CallMethod(chains, "collect_whole_reference", "OOOO", args[1], is_evictable, chosen,
+                                     args[4]);
+        goto done;
+    }
+    /* The blocks the walk pushes, listed in the reverse of its post order (the reference's docstring). */
+    Py_ssize_t pushed = 1;
+    if (push_block(&stack, &stacked, &stack_cap, root) < 0)
+        goto done;
+    while (stacked) {
+        long block = stack[--stacked];
+        for (;;) {
+            if (push_block(&listed, &count, &listed_cap, block) < 0)
+                goto done;
+            long head = first[block];
+            if (head == NONE)
+                break;
+            if (head < 0 || head >= size) {
+                PyErr_Format(PyExc_IndexError, "FlatChains: block %ld is outside 0..%zd", head, size - 1);
+                goto done;
+            }
+            if (nxt[head] == head) { /* an only child: pushed and popped at once */
+                int in = chosen_holds(chosen, head);
+                if (in < 0)
+                    goto done;
+                if (in || head == root)
+                    break;
+                if (++pushed > room) { /* the walk might stop before its end */
+                    result = Py_NewRef(Py_None);
+                    goto done;
+                }
+                block = head;
+                continue;
+            }
+            long child = head;
+            do {
+                int in = chosen_holds(chosen, child);
+                if (in < 0)
+                    goto done;
+                if (!in && child != root) {
+                    if (push_block(&stack, &stacked, &stack_cap, child) < 0)
+                        goto done;
+                    pushed++;
+                }
+                child = nxt[child];
+                if (child < 0 || child >= size) {
+                    PyErr_Format(PyExc_IndexError, "FlatChains: block %ld is outside 0..%zd", child, size - 1);
+                    goto done;
+                }
+            } while (child != head);
+            if (pushed > room) {
+                result = Py_NewRef(Py_None);
+                goto done;
+            }
+            break;
+        }
+    }
+    if (PyObject_SetAttrString(chains, "_walk", Py_None) < 0 || (picked = PyList_New(0)) == NULL)
+        goto done;
+    const unsigned char *parked = (const unsigned char *)parked_v.buf.buf;
+    for (Py_ssize_t k = count - 1; k >= 0; k--) { /* the walk's choices, in its post order */
+        long block = listed[k];
+        if (parked[block] == mark)
+            continue;
+        PyObject *key = PyLong_FromLong(block);
+        if (key == NULL)
+            goto done;
+        int in = PyDict_Contains(chosen, key), usable = 0;
+        if (in == 0) {
+            PyObject *answer = PyObject_CallOneArg(is_evictable, key);
+            usable = answer == NULL ? -1 : PyObject_IsTrue(answer);
+            Py_XDECREF(answer);
+        }
+        int rc = in < 0 || usable < 0 ? -1 : 0;
+        if (usable > 0 && (PyDict_SetItem(chosen, key, Py_None) < 0 || PyList_Append(picked, key) < 0))
+            rc = -1;
+        Py_DECREF(key);
+        if (rc < 0)
+            goto done;
+    }
+    result = Py_NewRef(picked);
+done:
+    release(&first_v);
+    release(&next_v);
+    release(&parked_v);
+    Py_XDECREF(parked_obj);
+    Py_XDECREF(mark_obj);
+    Py_XDECREF(picked);
+    PyMem_Free(stack);
+    PyMem_Free(listed);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"add_many", (PyCFunction)(void (*)(void))add_many, METH_FASTCALL,
      "add_many(chains, owner, blocks, hashes, parents, pinned) -> (parent_blocks, fresh, refusal): "
      "FlatChains.add_many_reference, compiled."},
     {"remove_many", (PyCFunction)(void (*)(void))remove_many, METH_FASTCALL,
      "remove_many(chains, owner, blocks, leaving) -> hashes: FlatChains.remove_many_reference, compiled."},
+    {"collect_whole", (PyCFunction)(void (*)(void))collect_whole, METH_FASTCALL,
+     "collect_whole(chains, root, is_evictable, chosen, n) -> picked or None: FlatChains.collect_whole_reference, "
+     "compiled."},
     {NULL, NULL, 0, NULL},
 };
 

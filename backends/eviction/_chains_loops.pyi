@@ -1,4 +1,4 @@
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvkit.backends.eviction._chains import FlatChains
 from kvkit.errors import PoolUsageError
@@ -9,3 +9,5 @@ def add_many(chains: FlatChains, owner: object, blocks: Sequence[BlockId], hashe
              pinned: bool) -> tuple[list[int], list[bool], PoolUsageError | None]: ...
 def remove_many(chains: FlatChains, owner: object, blocks: Sequence[BlockId],
                 leaving: frozenset[int] | None) -> list[BlockHash]: ...
+def collect_whole(chains: FlatChains, root: int, is_evictable: Callable[[int], bool], chosen: dict[int, None],
+                  n: int) -> list[int] | None: ...

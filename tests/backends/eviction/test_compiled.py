@@ -110,8 +110,8 @@ def _tracked_pick(chains: FlatChains, pick: int) -> int:
 # hash), branches (several children of a hash), orphans (a parent not tracked), heads (no parent, or the
 # block's own hash), refusals (a tracked block or hash, a block named twice) and ids past the arrays (the
 # reference's IndexError); removals of tracked blocks picked by rank (with or without the caller's set,
-# some repeated, some past the arrays: refused); pins, unpins, and walks that stop half way (kept, resumed
-# or dropped by the next calls). Each
+# some repeated, some past the arrays: refused); pins, unpins, and walks, some with blocks already chosen,
+# that run to their end or stop half way (kept, resumed or dropped by the next calls). Each
 # batch comes as lists, tuples or another sequence (the compiled loop hands that to the reference).
 _ENTRY = st.tuples(st.integers(0, _SIZE), st.integers(1, 16),
                    st.one_of(st.none(), st.just("previous"), st.just("itself"), st.integers(1, 16),
@@ -122,7 +122,8 @@ _CHAIN_OPS = st.lists(st.one_of(
     st.tuples(st.just("remove"), st.lists(st.integers(0, _SIZE), max_size=6), st.booleans(), _KINDS),
     st.tuples(st.just("pin"), st.integers(0, _SIZE - 1)),
     st.tuples(st.just("unpin"), st.integers(0, _SIZE - 1)),
-    st.tuples(st.just("collect"), st.integers(0, _SIZE - 1), st.integers(1, 4)),
+    st.tuples(st.just("collect"), st.integers(0, _SIZE - 1), st.integers(1, 12),
+              st.lists(st.integers(0, _SIZE - 1), max_size=4)),
 ), max_size=60)
 
 
@@ -130,7 +131,7 @@ _CHAIN_OPS = st.lists(st.one_of(
 @example(ops=[("add", [(3, 1, None), (4, 2, "previous"), (5, 3, "previous")], False, list),
               ("add", [(1, 5, 2), (2, 6, 2)], False, list), ("remove", [4, 1], True, list),
               ("add", [(6, 7, 4), (7, 8, 4)], True, tuple)], shared=False)
-@example(ops=[("add", [(0, 1, None), (1, 2, 1), (2, 3, 2), (3, 4, 2)], False, list), ("collect", 0, 2),
+@example(ops=[("add", [(0, 1, None), (1, 2, 1), (2, 3, 2), (3, 4, 2)], False, list), ("collect", 0, 2, []),
               ("remove", [3], False, list), ("add", [(5, 5, 2)], False, list), ("remove", [0], False, list)],
          shared=True)
 @example(ops=[("add", [(1, 5, 3), (2, 6, 3), (3, 7, 3)], False, list), ("remove", [1], False, list),
@@ -139,7 +140,7 @@ _CHAIN_OPS = st.lists(st.one_of(
 @example(ops=[("add", [(0, 1, None), (1, 2, 1), (2, 3, 1), (3, 4, 1)], False, list), ("remove", [1], False, list),
               ("remove", [2], False, list), ("add", [(4, 5, 1)], False, list)], shared=False)  # siblings leave
 @example(ops=[("add", [(0, 1, None), (1, 2, "previous"), (2, 3, "previous"), (3, 4, "previous")], False, list),
-              ("collect", 0, 1), ("remove", [1], True, tuple)], shared=False)  # a kept walk loses a block
+              ("collect", 0, 1, []), ("remove", [1], True, tuple)], shared=False)  # a kept walk loses a block
 @given(ops=_CHAIN_OPS, shared=st.booleans())
 def test_compiled_chain_loops_are_the_references(ops: list[tuple[Any, ...]], shared: bool) -> None:
     """Two chain indexes take the same calls, one with the compiled loops, one with the Python references:
@@ -192,8 +193,9 @@ def test_compiled_chain_loops_are_the_references(ops: list[tuple[Any, ...]], sha
                 if chains.tracks(op[1]) and chains.parked[op[1]] == FlatChains.PARKED:
                     chains.parked[op[1]] = 0
                     chains.unpin(op[1])
-            elif chains.tracks(root := _tracked_pick(chains, op[1])):
-                outcomes.append(_outcome(chains.collect, root, _evictable, {}, op[2]))
+            elif chains.tracks(root := _tracked_pick(chains, op[1])):  # some blocks already chosen
+                chosen = dict.fromkeys(b for b in (_tracked_pick(chains, pick) for pick in op[3]) if b != root)
+                outcomes.append((_outcome(chains.collect, root, _evictable, chosen, op[2]), list(chosen)))
         if outcomes:
             assert outcomes[0] == outcomes[1], op
         assert _chains_state(twins[0]) == _chains_state(twins[1]), op
