@@ -734,18 +734,6 @@ done:
     return result;
 }
 
-/* Whether dict chosen holds block: 1, 0, or -1 with an error. */
-static int
-chosen_holds(PyObject *chosen, long block)
-{
-    PyObject *key = PyLong_FromLong(block);
-    if (key == NULL)
-        return -1;
-    int rc = PyDict_Contains(chosen, key);
-    Py_DECREF(key);
-    return rc;
-}
-
 /* Append block to a growable C array of *cap items (reallocated as it fills). */
 static int
 push_block(long **items, Py_ssize_t *count, Py_ssize_t *cap, long block)
@@ -819,7 +807,7 @@ collect_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             }
             if (nxt[head] == head) { /* an only child: pushed and popped at once */
-                int in = chosen_holds(chosen, head);
+                int in = holds(chosen, head);
                 if (in < 0)
                     goto done;
                 if (in || head == root)
@@ -833,7 +821,7 @@ collect_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             long child = head;
             do {
-                int in = chosen_holds(chosen, child);
+                int in = holds(chosen, child);
                 if (in < 0)
                     goto done;
                 if (!in && child != root) {

@@ -138,6 +138,15 @@ move(State *s, long block, long old, long new)
     return 0;
 }
 
+/* A tracked block's class becomes new (from old): a listed block moves to the young end of new's list, a parked
+ * one enters it when unpinned. */
+static int
+reclass(State *s, long block, long old, long new)
+{
+    ((unsigned char *)s->cls.buf.buf)[block] = (unsigned char)new;
+    return ((unsigned char *)s->where.buf.buf)[block] == LISTED ? move(s, block, old, new) : 0;
+}
+
 static int
 attr_long(PyObject *obj, const char *name, long long *out)
 {
@@ -254,6 +263,19 @@ checked_index(long long index, Py_ssize_t size, const char *what)
     return 0;
 }
 
+/* The class table (class_of[KINDS * min(uses, top) + kind]) and its top, the least count of the last reuse
+ * level; NULL with a TypeError naming fn if class_of is no such bytes. */
+static const unsigned char *
+class_table_of(PyObject *class_of, const char *fn, long *top)
+{
+    if (!PyBytes_Check(class_of) || PyBytes_GET_SIZE(class_of) < KINDS) {
+        PyErr_Format(PyExc_TypeError, "%s: class_of is bytes", fn);
+        return NULL;
+    }
+    *top = (long)(PyBytes_GET_SIZE(class_of) / KINDS) - 1;
+    return (const unsigned char *)PyBytes_AS_STRING(class_of);
+}
+
 static PyObject *
 book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -269,12 +291,10 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *class_of = args[8];
     if (PyErr_Occurred())
         return NULL;
-    if (!PyBytes_Check(class_of) || PyBytes_GET_SIZE(class_of) < KINDS) {
-        PyErr_SetString(PyExc_TypeError, "book_inserts: class_of is bytes");
+    long top;
+    const unsigned char *class_table = class_table_of(class_of, "book_inserts", &top);
+    if (class_table == NULL)
         return NULL;
-    }
-    const unsigned char *class_table = (const unsigned char *)PyBytes_AS_STRING(class_of);
-    long top = (long)(PyBytes_GET_SIZE(class_of) / KINDS) - 1;
 
     State s;
     memset(&s, 0, sizeof s);
@@ -365,8 +385,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         i++;
         if (tip != NONE) {
             long old = classes[tip], cls = old - TIP + (parent_block == tip ? PARENT : LEAF);
-            classes[tip] = (unsigned char)cls;
-            if (where[tip] == LISTED && move(&s, tip, old, cls) < 0)
+            if (reclass(&s, tip, old, cls) < 0)
                 goto stop;
         }
         clock += 1;
@@ -445,9 +464,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (parent_block != NONE) {
             long old = classes[parent_block], kind = old % KINDS;
             if (kind != PARENT) { /* its class's kind changes, its reuse level stays */
-                long new = old - kind + PARENT;
-                classes[parent_block] = (unsigned char)new;
-                if (where[parent_block] == LISTED && move(&s, parent_block, old, new) < 0)
+                if (reclass(&s, parent_block, old, old - kind + PARENT) < 0)
                     goto stop;
             }
         }
@@ -530,12 +547,10 @@ book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t start = PyLong_AsSsize_t(args[2]);
     if (start == -1 && PyErr_Occurred())
         return NULL;
-    if (!PyBytes_Check(class_of) || PyBytes_GET_SIZE(class_of) < KINDS) {
-        PyErr_SetString(PyExc_TypeError, "book_accesses: class_of is bytes");
+    long top;
+    const unsigned char *class_table = class_table_of(class_of, "book_accesses", &top);
+    if (class_table == NULL)
         return NULL;
-    }
-    const unsigned char *class_table = (const unsigned char *)PyBytes_AS_STRING(class_of);
-    long top = (long)(PyBytes_GET_SIZE(class_of) / KINDS) - 1;
 
     State s;
     memset(&s, 0, sizeof s);
@@ -563,7 +578,7 @@ book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (attr_long(p, "_clock", &clock) < 0 || attr_long(p, "_next_refresh", &due) < 0)
         goto done;
-    unsigned char *classes = (unsigned char *)s.cls.buf.buf, *where = (unsigned char *)s.where.buf.buf;
+    unsigned char *classes = (unsigned char *)s.cls.buf.buf;
     unsigned char *uses_of = (unsigned char *)s.uses.buf.buf;
     int64_t *last_of = (int64_t *)s.last.buf.buf;
     const int32_t *ups = (const int32_t *)up.buf.buf;
@@ -616,9 +631,7 @@ book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (rc < 0)
             goto stop;
         last_of[block] = clock;
-        long new = class_table[KINDS * (uses < top ? uses : top) + cls % KINDS];
-        classes[block] = (unsigned char)new;
-        if (where[block] == LISTED && move(&s, block, cls, new) < 0)
+        if (reclass(&s, block, cls, class_table[KINDS * (uses < top ? uses : top) + cls % KINDS]) < 0)
             goto stop;
         if (clock >= due)
             break;

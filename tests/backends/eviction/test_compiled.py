@@ -239,6 +239,8 @@ _OPS = st.lists(st.one_of(
 @settings(max_examples=150, deadline=None)
 @example(ops=[("store", 0, 0, 4, False), ("hit", 0, 4, 6), ("evict", 4), ("store", 0, 0, 4, True)], capacity=16,
          span=2.0)  # a chain hit six times, evicted and stored again: its ghost's reuses climb past 3
+@example(ops=[("store", 0, 0, 4, True), ("store", 1, 0, 2, True), ("store", 0, 0, 6, True)], capacity=16,
+         span=2.0)  # a chain continued after another store: its last block, a leaf by then, becomes a parent
 @given(ops=_OPS, capacity=st.sampled_from([None, 4, 16]), span=st.sampled_from([1.0, 2.0]))
 def test_compiled_booking_is_the_reference(ops: list[tuple[Any, ...]], capacity: int | None, span: float) -> None:
     """Two policies take the same calls, one running the compiled booking loops, one the reference.
