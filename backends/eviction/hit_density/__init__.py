@@ -16,13 +16,13 @@ from typing_extensions import override
 
 from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
-from kvkit.backends.eviction.hit_density import booking
+from kvkit.backends.eviction.hit_density import booking, census
 from kvkit.backends.eviction.hit_density.booking import KINDS as _KINDS
 from kvkit.backends.eviction.hit_density.booking import LEAF, PARENT, TIP, Booking
 from kvkit.backends.eviction.hit_density.booking import LISTED as _LISTED
 from kvkit.backends.eviction.hit_density.booking import MAX_USES as _MAX_USES
 from kvkit.backends.eviction.hit_density.booking import NONE as _NONE
-from kvkit.backends.eviction.hit_density.census import strided
+from kvkit.backends.eviction.hit_density.census import Census
 from kvkit.backends.eviction.hit_density.density import HitDensityModel
 from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.errors import PoolUsageError
@@ -303,6 +303,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _next_refresh: int = attrs.field(init=False, default=_MIN_REFRESH)
     # The per-block loops: compiled where they were built (the tests set the reference to compare the two).
     _booking: Booking = attrs.field(init=False, factory=booking.LOOPS.default, eq=False, repr=False)
+    _census: Census = attrs.field(init=False, factory=census.LOOPS.default, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._shift = ShiftTest(len(REUSE_LEVELS), alpha=self.shift_alpha)
@@ -837,14 +838,11 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             self._recent.clear()
             self._ghost_recent.clear()
         self._samples = turn = self._samples + 1
-        tracked, t_w = strided(self._where, turn, _CENSUS_LIMIT)
-        ghosts, g_w = strided(self._ghost_live, turn, _CENSUS_LIMIT)
-        classes = np.concatenate([np.frombuffer(self._cls, dtype=np.uint8)[tracked],
-                                  np.frombuffer(self._ghost_cls, dtype=np.uint8)[ghosts]]).astype(np.int64)
-        lasts = np.concatenate([np.frombuffer(self._last, dtype=np.int64)[tracked],
-                                np.frombuffer(self._ghost_last, dtype=np.int64)[ghosts]])
-        weights = None if t_w == g_w == 1.0 else np.concatenate([np.full(len(tracked), t_w), np.full(len(ghosts), g_w)])
-        self._model.refresh(classes, self._clock - lasts, keep=keep, weights=weights)
+        model = self._model
+        live = self._census.read(self._where, self._cls, self._last, self._ghost_live, self._ghost_cls,
+                                 self._ghost_last, self._clock, turn, _CENSUS_LIMIT, model,
+                                 np.empty((model.classes, model.buckets)))
+        model.refresh_counted(live, keep)
 
     @override
     def __len__(self) -> int:

@@ -52,13 +52,14 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvkit.backends.eviction.hit_density import kernels
+from kvkit.backends.eviction.hit_density.kernels import Kernels
 from kvkit.errors import ConfigError
 from kvkit.validate import at_least, is_int, quote
 
 _FEW = 16  # below this many ends one call each beats one vectorised call
-_CELLS = 1 << 14  # ratio cells a density pass computes at once: a few rows' k-by-k arrays, in cache
 
-__all__ = ["HitDensityModel", "isotonic"]
+__all__ = ["HitDensityModel"]
 
 
 _positive_int = at_least(1)
@@ -73,40 +74,6 @@ def _as_chains(value: Any) -> tuple[tuple[object, ...], ...]:
                           f"got {quote(value)}") from None
 
 
-def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Column by column, the non-decreasing (down the rows) fit of ``values`` of least weighted squared error.
-
-    Each row weighs its weight plus ``1e-9`` of its column's total (or 1 in a column of all-zero
-    weights): a row without evidence keeps its own value where the order allows, and otherwise takes
-    the value of the run it joins. The fit at row ``i`` is the max over ``j <= i`` of the min over
-    ``k >= i`` of the weighted mean of rows ``j..k`` (the min-max form of isotonic regression, exact).
-    Each mean's sums run from row ``j`` down to row ``k``, one row added at a time, not as differences
-    of running sums, which would round a light row away; they are formed for every ``j`` at once as
-    ``k`` grows, then the mins and maxes taken (exact), so the work is O(rows**2) whole-row operations
-    on arrays of the columns' width (the chains here have a handful of rows).
-
-    Args:
-        values, weights: arrays of one shape ``(rows, columns)``; weights non-negative.
-    """
-    rows = len(values)
-    total = weights.sum(axis=0, keepdims=True)
-    weights = weights + 1e-9 * np.where(total > 0, total, 1.0)
-    terms = values * weights
-    num, den = np.empty_like(terms), np.empty_like(weights)  # num[j] / den[j]: the mean of rows j..k
-    means = np.empty((rows, *values.shape))  # means[k, j]: the weighted mean of rows j..k, for j <= k
-    for k in range(rows):
-        num[k], den[k] = terms[k], weights[k]
-        num[:k] += terms[k]
-        den[:k] += weights[k]
-        np.divide(num[:k + 1], den[:k + 1], out=means[k, :k + 1])
-    fit = np.empty_like(terms)
-    lows = means[-1].copy()  # lows[j] for j <= i: the min over k >= i of means[k, j]
-    for i in range(rows - 1, -1, -1):
-        np.minimum(lows[:i + 1], means[i, :i + 1], out=lows[:i + 1])
-        lows[:i + 1].max(axis=0, out=fit[i])
-    return fit
-
-
 def _least_root(value: int, k: int) -> int:
     """The least int ``r >= 1`` with ``r ** k >= value`` (exact on ints)."""
     r = max(1, round(value ** (1 / k)))
@@ -115,11 +82,6 @@ def _least_root(value: int, k: int) -> int:
     while r > 1 and (r - 1) ** k >= value:
         r -= 1
     return r
-
-
-def _at_risk(events: np.ndarray) -> np.ndarray:
-    """Per (row, bucket): the events at that bucket or later (blocks observed alive at its age)."""
-    return np.cumsum(events[:, ::-1], axis=1)[:, ::-1]
 
 
 @attrs.define(eq=False)
@@ -136,7 +98,7 @@ class HitDensityModel:
             by construction (say, by reuse count): after each refresh, at
             every age, the chain's densities are replaced by their isotonic
             (non-decreasing) fit weighted by each class's blocks at risk at
-            that age (:func:`isotonic`), so a class never looks worth less
+            that age (:func:`.kernels.isotonic`), so a class never looks worth less
             than one it dominates at the same age, and the order costs as
             little of the evidence as it can.
 
@@ -159,6 +121,9 @@ class HitDensityModel:
     # fitted: groups of chains of one length, fitted in one call, disjoint when a group holds several.
     _fits: list[list[list[int]]] = attrs.field(init=False, repr=False)
     _first_ages: tuple[int, ...] = attrs.field(init=False, repr=False)
+    _widths: np.ndarray = attrs.field(init=False, repr=False)  # each bucket's span of ages
+    _fades: np.ndarray = attrs.field(init=False, repr=False)  # [p]: 2 ** (-p / per_octave)
+    _loops: Kernels = attrs.field(init=False, factory=kernels.LOOPS.default, repr=False)  # the kernels it runs
 
     def __attrs_post_init__(self) -> None:
         bad = [c for chain in self.monotone for c in chain
@@ -177,6 +142,8 @@ class HitDensityModel:
         self._last_bucket = buckets - 1
         self._first_ages = tuple(_least_root(1 << b, self.per_octave) - 1 for b in range(buckets))
         self._edges = 2.0 ** (np.arange(buckets + 1) / self.per_octave) - 1
+        self._widths = np.diff(self._edges)
+        self._fades = 2.0 ** (-np.arange(buckets) / self.per_octave)
         self._reuses = np.zeros((self.classes, buckets))
         self._ends = np.zeros((self.classes, buckets))
 
@@ -274,71 +241,47 @@ class HitDensityModel:
             weights: how many blocks each entry stands for (default 1 each).
         """
         assert 0 <= keep <= 1, keep
+        self.refresh_counted(self.census_counts(classes, ages, weights), keep)
+
+    def census_counts(self, classes: np.ndarray, ages: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        """The histogram of censored blocks, per (class, bucket): each entry's weight (default 1) added at
+        its class and the bucket of its age, entry after entry (the sums :meth:`refresh` counts)."""
         live = np.zeros_like(self._ends)
         if len(ages):
             flat = classes.astype(np.int64, copy=False) * self.buckets + self.buckets_of(ages)
             live += np.bincount(flat, weights=weights, minlength=live.size).reshape(live.shape)
+        return live
+
+    def refresh_counted(self, live: np.ndarray, keep: float) -> None:
+        """:meth:`refresh` with the censored blocks already counted: ``live`` as :meth:`census_counts` makes it."""
+        assert 0 <= keep <= 1, keep
         reuses = self._reuses
         events = reuses + self._ends + live
         sparse = events.sum(axis=1) < self.min_samples
+        densities, widths, fades = self._loops.densities, self._widths, self._fades
         if sparse.any():  # the rows kept and the pooled row, computed together: each row's densities are its own
             own = ~sparse
-            kept = self._densities(np.concatenate([reuses[own], reuses.sum(axis=0, keepdims=True)]),
-                                   np.concatenate([events[own], events.sum(axis=0, keepdims=True)]))
+            rows_reuses = np.concatenate([reuses[own], reuses.sum(axis=0, keepdims=True)])
+            kept = densities(rows_reuses, np.concatenate([events[own], events.sum(axis=0, keepdims=True)]),
+                             widths, fades, np.empty_like(rows_reuses))
             table = np.empty_like(reuses)
             table[own], table[sparse] = kept[:-1], kept[-1]
         else:
-            table = self._densities(reuses, events)
+            table = densities(reuses, events, widths, fades, np.empty_like(reuses))
         if self._fits:
-            at_risk = _at_risk(events)
+            at_risk = kernels.at_risk(events)
             for fit in self._fits:  # chains side by side: isotonic fits each column on its own
                 rows = [row for chain in fit for row in chain]
                 shape = (len(fit), len(fit[0]), self.buckets)
-                fitted = isotonic(table[rows].reshape(shape).transpose(1, 0, 2).reshape(shape[1], -1),
-                                  at_risk[rows].reshape(shape).transpose(1, 0, 2).reshape(shape[1], -1))
+                values = table[rows].reshape(shape).transpose(1, 0, 2).reshape(shape[1], -1)
+                fitted = self._loops.isotonic(
+                    values, at_risk[rows].reshape(shape).transpose(1, 0, 2).reshape(shape[1], -1),
+                    np.empty_like(values))
                 table[rows] = fitted.reshape(shape[1], shape[0], -1).transpose(1, 0, 2).reshape(len(rows), -1)
         self._table = table
         self._rows = table.tolist()
         self._reuses *= keep
         self._ends *= keep
-
-    def _densities(self, reuses: np.ndarray, events: np.ndarray) -> np.ndarray:
-        """Hit density per (row, bucket) from reuse and all-event histograms; each row's from its own
-        histograms alone, bit for bit whatever rows it is computed with."""
-        at_risk = _at_risk(events)
-        seen = at_risk > 0  # at-risk counts fall with age: each row's seen ages are a leading run
-        ages_seen = seen.sum(axis=1, keepdims=True)
-        # Past the oldest age any row saw, no bucket adds hits or space, so no horizon there beats
-        # one before it: the O(buckets**2) search below runs over the seen ages only.
-        k = int(ages_seen.max())
-        reuses, at_risk, alive = reuses[:, :k], at_risk[:, :k], seen[:, :k]
-        hazard = np.divide(reuses, at_risk, out=np.zeros_like(reuses), where=alive)
-        survive = np.cumprod(np.concatenate(
-            [np.ones((len(reuses), 1)), 1 - hazard[:, :-1]], axis=1), axis=1)
-        hits = survive * hazard
-        space = survive * np.diff(self._edges[:k + 1]) * alive
-        zero = np.zeros((len(reuses), 1))
-        cum_hits = np.concatenate([zero, np.cumsum(hits, axis=1)], axis=1)
-        cum_space = np.concatenate([zero, np.cumsum(space, axis=1)], axis=1)
-        # ratio[a, t] of a row: hits over space in buckets a..t (t >= a); the best t per a. A few rows
-        # at a time (elementwise, so the same values however many): their k-by-k arrays stay in cache,
-        # where all rows' at once might not, and the calls are few where k is small.
-        upper = np.triu(np.ones((k, k), dtype=bool))
-        best = np.zeros(events.shape)
-        step = max(1, _CELLS // max(k * k, 1))
-        for row in range(0, len(reuses), step):
-            rows = slice(row, row + step)
-            num = cum_hits[rows, None, 1:] - cum_hits[rows, :-1, None]
-            den = cum_space[rows, None, 1:] - cum_space[rows, :-1, None]
-            ratio = np.divide(num, den, out=np.zeros_like(num), where=upper & (den > 0))
-            best[rows, :k] = ratio.max(axis=2, initial=0.0)
-        best[:, :k][space <= 0] = 0.0  # no block survives to this age: nothing to expect
-        # Ages no block was seen at (they end each row): no evidence yet, not evidence of
-        # nothing. The oldest seen age's density, halved per octave past it.
-        oldest = np.maximum(ages_seen - 1, 0)
-        past = np.arange(self.buckets)[None, :] - oldest  # buckets past the oldest seen one
-        faded = np.take_along_axis(best, oldest, axis=1) * 2.0 ** (-past / self.per_octave)
-        return np.where(seen | ~seen.any(axis=1, keepdims=True), best, faded)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if a histogram or the table is negative or not finite."""

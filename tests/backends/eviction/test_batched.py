@@ -14,7 +14,8 @@ from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction._queue import _CHUNK, _SortedKeys
 from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy, booking
-from kvkit.backends.eviction.hit_density.density import HitDensityModel, isotonic
+from kvkit.backends.eviction.hit_density.density import HitDensityModel
+from kvkit.backends.eviction.hit_density.kernels import isotonic
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.errors import ConfigError, PoolUsageError
 from kvkit.interfaces.capabilities import BatchedPolicy, batch_hooks

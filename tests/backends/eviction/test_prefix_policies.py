@@ -23,7 +23,8 @@ from kvkit.backends.eviction.hit_density import (
     block_class,
     reuse_level,
 )
-from kvkit.backends.eviction.hit_density.density import HitDensityModel, isotonic
+from kvkit.backends.eviction.hit_density.density import HitDensityModel
+from kvkit.backends.eviction.hit_density.kernels import isotonic
 from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy

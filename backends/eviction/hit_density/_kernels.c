@@ -1,0 +1,304 @@
+/* The density model's numeric kernels, compiled: the same float operations as the reference
+ * (backends/eviction/hit_density/kernels.py, which states the contracts), in the same order, so the
+ * same bits. Built with -ffp-contract=off: no multiply-add is fused.
+ *
+ * Each kernel takes C-contiguous float64 buffers; on an input outside its contract (another type or
+ * shape, or a value the contract excludes) it writes nothing and runs the reference. Results go to a
+ * scratch array first and to `out` only when all are computed, so `out` may alias an input.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The reference of the same name (the function of kernels.py), run on a call outside the compiled
+ * function's contract: it computes, or raises, as the reference does. */
+static PyObject *
+run_reference(const char *name, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *module = PyImport_ImportModule("kvkit.backends.eviction.hit_density.kernels");
+    if (module == NULL)
+        return NULL;
+    PyObject *f = PyObject_GetAttrString(module, name);
+    Py_DECREF(module);
+    if (f == NULL)
+        return NULL;
+    PyObject *result = PyObject_Vectorcall(f, args, (size_t)nargs, NULL);
+    Py_DECREF(f);
+    return result;
+}
+
+typedef struct {
+    Py_buffer buf;
+    int held;
+} Array;
+
+/* Hold obj's buffer in a as a C-contiguous float64 array of ndim dimensions (writable if asked):
+ * 0, or -1 with no error set (a buffer of another kind, or none: the kernel declines, the reference runs). */
+static int
+hold(PyObject *obj, Array *a, int ndim, int writable)
+{
+    if (PyObject_GetBuffer(obj, &a->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    a->held = 1;
+    const char *format = a->buf.format;
+    if (format[0] == '@' || format[0] == '=' || format[0] == '<')
+        format++;  /* native float64 (x86-64 and the other little-endian hosts this builds on) */
+    if (a->buf.itemsize != (Py_ssize_t)sizeof(double) || strcmp(format, "d") != 0 || a->buf.ndim != ndim)
+        return -1;
+    return 0;
+}
+
+static void
+release(Array *a)
+{
+    if (a->held) {
+        PyBuffer_Release(&a->buf);
+        a->held = 0;
+    }
+}
+
+static double *
+data(const Array *a)
+{
+    return (double *)a->buf.buf;
+}
+
+/* A count the density kernel takes: finite, non-negative and not -0.0. */
+static int
+count_ok(double x)
+{
+    return x >= 0.0 && x <= DBL_MAX && !signbit(x);
+}
+
+/* One row of densities (kernels.densities) into dst, from the row's histograms u (reuses) and e
+ * (events) of b buckets; work holds 5 * b + 2 doubles. 0, or -1 if the row is outside the contract. */
+static int
+densities_row(const double *u, const double *e, const double *widths, const double *fades, Py_ssize_t b,
+              double *work, double *dst)
+{
+    double *risk = work, *hazard = risk + b, *space = hazard + b, *cum_hits = space + b,
+           *cum_space = cum_hits + b + 1;
+    for (Py_ssize_t j = 0; j < b; j++)
+        if (!count_ok(u[j]) || !count_ok(e[j]) || u[j] > e[j])
+            return -1;
+    /* at risk: the events at a bucket or later, summed from the oldest bucket down (numpy's cumsum
+     * of the reversed row) */
+    risk[b - 1] = e[b - 1];
+    for (Py_ssize_t j = b - 2; j >= 0; j--)
+        risk[j] = risk[j + 1] + e[j];
+    /* counts are non-negative: the seen ages (at risk > 0) are a leading run of s buckets */
+    Py_ssize_t s = 0;
+    while (s < b && risk[s] > 0.0)
+        s++;
+    if (s == 0) {  /* no evidence at all: zeros */
+        for (Py_ssize_t j = 0; j < b; j++)
+            dst[j] = 0.0;
+        return 0;
+    }
+    /* survival is a running product from 1.0, hits and space its products; the sums run from the
+     * first bucket on (numpy's cumsum after a leading 0.0). Past the s seen ages the reference's
+     * buckets add nothing (or NaN, which no ratio takes): its maxima are those over the seen ages. */
+    double survive = 1.0;
+    cum_hits[0] = 0.0;
+    cum_space[0] = 0.0;
+    for (Py_ssize_t j = 0; j < s; j++) {
+        if (j > 0)
+            survive = survive * (1.0 - hazard[j - 1]);
+        hazard[j] = u[j] / risk[j];
+        double hits = survive * hazard[j];
+        space[j] = survive * widths[j];
+        cum_hits[j + 1] = j == 0 ? hits : cum_hits[j] + hits;
+        cum_space[j + 1] = j == 0 ? space[j] : cum_space[j] + space[j];
+    }
+    /* the best ratio of hits to space over the buckets a..t, t >= a, where that space is positive
+     * (else 0); all ratios are non-negative numbers, so the plain maximum is numpy's. No space at
+     * age a itself (no block survives to it): 0. */
+    for (Py_ssize_t a = 0; a < s; a++) {
+        const double hits_a = cum_hits[a], space_a = cum_space[a];
+        double best = 0.0;
+        for (Py_ssize_t t = a; t < s; t++) {
+            double den = cum_space[t + 1] - space_a;
+            if (den > 0.0) {
+                double ratio = (cum_hits[t + 1] - hits_a) / den;
+                if (ratio > best)
+                    best = ratio;
+            }
+        }
+        dst[a] = space[a] <= 0.0 ? 0.0 : best;
+    }
+    /* past the oldest seen age: its density, faded per bucket past it */
+    const double last = dst[s - 1];
+    for (Py_ssize_t j = s; j < b; j++)
+        dst[j] = last * fades[j - (s - 1)];
+    return 0;
+}
+
+static PyObject *
+densities(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "densities takes reuses, events, widths, fades, out");
+        return NULL;
+    }
+    Array reuses = {0}, events = {0}, widths = {0}, fades = {0}, out = {0};
+    double *scratch = NULL;
+    PyObject *result = Py_None;  /* None until computed: declined, the reference runs */
+    if (hold(args[0], &reuses, 2, 0) < 0 || hold(args[1], &events, 2, 0) < 0 || hold(args[2], &widths, 1, 0) < 0
+        || hold(args[3], &fades, 1, 0) < 0 || hold(args[4], &out, 2, 1) < 0)
+        goto done;
+    const Py_ssize_t rows = reuses.buf.shape[0], b = reuses.buf.shape[1];
+    if (b < 1 || events.buf.shape[0] != rows || events.buf.shape[1] != b || out.buf.shape[0] != rows
+        || out.buf.shape[1] != b || widths.buf.shape[0] != b || fades.buf.shape[0] != b)
+        goto done;
+    if ((size_t)rows > (SIZE_MAX / sizeof(double) - (size_t)(5 * b + 2)) / (size_t)b) {
+        result = PyErr_NoMemory();
+        goto done;
+    }
+    scratch = malloc(((size_t)rows * (size_t)b + (size_t)(5 * b + 2)) * sizeof(double));
+    if (scratch == NULL) {
+        result = PyErr_NoMemory();
+        goto done;
+    }
+    double *work = scratch + rows * b;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        if (densities_row(data(&reuses) + r * b, data(&events) + r * b, data(&widths), data(&fades), b, work,
+                          scratch + r * b) < 0)
+            goto done;
+    memcpy(data(&out), scratch, (size_t)rows * (size_t)b * sizeof(double));
+    result = args[4];
+done:
+    free(scratch);
+    release(&reuses);
+    release(&events);
+    release(&widths);
+    release(&fades);
+    release(&out);
+    if (result == Py_None)  /* declined: nothing written */
+        return run_reference("densities", args, nargs);
+    Py_XINCREF(result);
+    return result;
+}
+
+/* A value or weight the fit takes: non-negative (not NaN) and not -0.0. */
+static int
+fit_ok(double x)
+{
+    return x >= 0.0 && !signbit(x);
+}
+
+/* One column of the fit (kernels.isotonic) of n rows, read and written with stride `step`; work holds
+ * n * n + 3 * n doubles. 0, or -1 if a weighted mean is NaN. */
+static int
+isotonic_column(const double *v, const double *w, Py_ssize_t n, Py_ssize_t step, double *work, double *dst)
+{
+    double *weights = work, *terms = weights + n, *lows = terms + n, *means = lows + n; /* means[k * n + j] */
+    double total = w[0];  /* numpy's sum down a column of a C-contiguous array: row after row */
+    for (Py_ssize_t r = 1; r < n; r++)
+        total = total + w[r * step];
+    const double extra = 1e-9 * (total > 0.0 ? total : 1.0);
+    for (Py_ssize_t r = 0; r < n; r++) {
+        weights[r] = w[r * step] + extra;
+        terms[r] = v[r * step] * weights[r];
+    }
+    /* means[k][j], j <= k: the sums of rows j..k, one row added at a time from row j */
+    for (Py_ssize_t j = 0; j < n; j++) {
+        double num = terms[j], den = weights[j];
+        means[j * n + j] = num / den;
+        for (Py_ssize_t k = j + 1; k < n; k++) {
+            num = num + terms[k];
+            den = den + weights[k];
+            means[k * n + j] = num / den;
+        }
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        for (Py_ssize_t j = 0; j <= k; j++)
+            if (isnan(means[k * n + j]))
+                return -1;
+    /* no NaN and no -0.0: numpy's minimum and maximum are the plain ones */
+    for (Py_ssize_t j = 0; j < n; j++)
+        lows[j] = means[(n - 1) * n + j];
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        double fit = 0.0;
+        for (Py_ssize_t j = 0; j <= i; j++) {
+            double m = means[i * n + j];
+            if (m < lows[j])
+                lows[j] = m;
+            if (j == 0 || lows[j] > fit)
+                fit = lows[j];
+        }
+        dst[i * step] = fit;
+    }
+    return 0;
+}
+
+static PyObject *
+isotonic(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "isotonic takes values, weights, out");
+        return NULL;
+    }
+    Array values = {0}, weights = {0}, out = {0};
+    double *scratch = NULL;
+    PyObject *result = Py_None;  /* None until computed: declined, the reference runs */
+    if (hold(args[0], &values, 2, 0) < 0 || hold(args[1], &weights, 2, 0) < 0 || hold(args[2], &out, 2, 1) < 0)
+        goto done;
+    const Py_ssize_t n = values.buf.shape[0], columns = values.buf.shape[1];
+    if (n < 1 || columns < 2 || weights.buf.shape[0] != n || weights.buf.shape[1] != columns
+        || out.buf.shape[0] != n || out.buf.shape[1] != columns)
+        goto done;
+    const double *v = data(&values), *w = data(&weights);
+    for (Py_ssize_t i = 0; i < n * columns; i++)
+        if (!fit_ok(v[i]) || !fit_ok(w[i]))
+            goto done;
+    if ((size_t)n > (SIZE_MAX / sizeof(double) - (size_t)(3 * n)) / (size_t)(n + columns)) {
+        result = PyErr_NoMemory();
+        goto done;
+    }
+    scratch = malloc(((size_t)n * (size_t)columns + (size_t)n * (size_t)n + (size_t)(3 * n)) * sizeof(double));
+    if (scratch == NULL) {
+        result = PyErr_NoMemory();
+        goto done;
+    }
+    double *work = scratch + n * columns;
+    for (Py_ssize_t c = 0; c < columns; c++)
+        if (isotonic_column(v + c, w + c, n, columns, work, scratch + c) < 0)
+            goto done;
+    memcpy(data(&out), scratch, (size_t)n * (size_t)columns * sizeof(double));
+    result = args[2];
+done:
+    free(scratch);
+    release(&values);
+    release(&weights);
+    release(&out);
+    if (result == Py_None)  /* declined: nothing written */
+        return run_reference("isotonic", args, nargs);
+    Py_XINCREF(result);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"densities", (PyCFunction)(void (*)(void))densities, METH_FASTCALL,
+     "densities(reuses, events, widths, fades, out): fill and return out with the densities (kernels.py)"},
+    {"isotonic", (PyCFunction)(void (*)(void))isotonic, METH_FASTCALL,
+     "isotonic(values, weights, out): fill and return out with the monotone fit (kernels.py)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_kernels", "The density model's numeric kernels, compiled (kernels.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__kernels(void)
+{
+    return PyModule_Create(&module_def);
+}
