@@ -12,15 +12,16 @@ subset of about ``limit`` of them, weighted so that the counts stay unbiased.
 histogram of censored blocks (:meth:`.HitDensityModel.census_counts`). It is
 the reference; :data:`LOOPS` holds it and its compiled twin (the ``_census``
 extension, built at install where a C compiler is), and the policy runs the
-set its ``_census`` field holds. The compiled read takes each entry's bucket from the model's
-:attr:`~.HitDensityModel.first_ages` (the integer :meth:`~.HitDensityModel.bucket`,
-equal to the floating-point :meth:`~.HitDensityModel.buckets_of` the reference
-uses at every age) and adds each entry's weight to its cell in the reference's
-order, tracked blocks then ghosts, each by index, so its histogram is the
-reference's to the last bit. It writes nothing and runs the reference where
-an entry's class is not one of the model's, its last access is past
-``clock``, an index of a live entry lies beyond the class or last-access
-buffers, or a buffer or argument is of another kind.
+set its ``_census`` field holds. The compiled read takes each entry's bucket
+from the model's :attr:`~.HitDensityModel.first_ages` (the integer
+:meth:`~.HitDensityModel.bucket`, equal to the floating-point
+:meth:`~.HitDensityModel.buckets_of` the reference uses at every age) and
+adds each entry's weight to its cell in the reference's order, tracked blocks
+then ghosts, each by index, so its histogram is the reference's to the last
+bit. It writes nothing and runs the reference where an entry's class is not
+one of the model's, its last access is past ``clock``, an index of a live
+entry lies beyond the class or last-access buffers, or a buffer or argument
+is of another kind.
 """
 
 from __future__ import annotations
