@@ -49,12 +49,13 @@ def python_loops():
     that count the Python lines a call executes (a loop in C would hide its work from them)."""
     from kvkit.backends.allocator import loops
     from kvkit.backends.eviction import _chains, _queue, hit_density
-    from kvkit.backends.eviction.hit_density import booking
+    from kvkit.backends.eviction.hit_density import booking, selection
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loops, "COMPILED", None)
         patch.setattr(_queue, "LOOPS", _queue.REFERENCE)
         patch.setattr(hit_density, "_BOOKING", booking.REFERENCE)
+        patch.setattr(hit_density, "_SELECTION", selection.REFERENCE)
         patch.setattr(_chains, "ADD_MANY", _chains.FlatChains.add_many_reference)
         patch.setattr(_chains, "REMOVE_MANY", _chains.FlatChains.remove_many_reference)
         yield

@@ -112,12 +112,13 @@ def test_the_pools_here_run_the_python_loops():
     """The work counted is the Python references': no loop of the pools built here runs compiled."""
     from kvkit.backends.eviction import _queue
     from kvkit.backends.eviction._chains import FlatChains
-    from kvkit.backends.eviction.hit_density import booking
+    from kvkit.backends.eviction.hit_density import booking, selection
 
     pool = build("hit-density", 64, 16)
     policy = pool.policy
     assert pool._loops is None
     assert policy._books is booking.REFERENCE
+    assert policy._selects is selection.REFERENCE
     assert policy._chains._orphans._loops is _queue.REFERENCE
     assert build("lru", 64, 16).policy._loops is _queue.REFERENCE  # LRU is a parking queue
     assert policy._chains._add_many is FlatChains.add_many_reference
