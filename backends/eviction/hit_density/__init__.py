@@ -304,7 +304,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _turnover: float = attrs.field(init=False, default=0.0)
     _last_removal: int = attrs.field(init=False, default=0)
     _next_refresh: int = attrs.field(init=False, default=_MIN_REFRESH)
-    # The per-block loops: compiled where they were built (the tests set the reference to compare the two).
+    # The per-block loops and the selection rounds: compiled where they were built (the tests set the
+    # references to compare the two).
     _books: Booking = attrs.field(init=False, factory=lambda: _BOOKING, eq=False, repr=False)
     _selects: Selection = attrs.field(init=False, factory=lambda: _SELECTION, eq=False, repr=False)
 
