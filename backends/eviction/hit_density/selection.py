@@ -15,8 +15,8 @@ not chosen and ``evictable`` says so (asked of each block as it is reached, in
 the order below, never of a chosen block); a root with a child to walk is
 handed to ``collect(root, evictable, chosen, n)``, which adds its subtree,
 descendants first; a root with none (or with one only child, already chosen)
-is taken alone, and the first such root, before any walk, calls
-``forget_walk()`` as ``collect``'s walk of it would:
+is taken alone, and the first such root of the selection, unless a walk came
+before it, calls ``forget_walk()`` as ``collect``'s walk of it would:
 
 * the orphans first, in the order the chain index yields them: each one not
   chosen, not parked and evictable is the next root;
@@ -35,8 +35,10 @@ is taken alone, and the first such root, before any walk, calls
 
 It returns ``list(chosen)`` once ``n`` are chosen, ``None`` when every stream
 has run out first. The callbacks must not change the policy or its chain
-index (``collect`` adds to ``chosen`` and keeps or drops its walk); errors
-they raise propagate, the victims chosen before them staying in ``chosen``.
+index (``collect`` adds to ``chosen`` and keeps or drops its walk; the compiled
+function holds the per-block arrays' buffers meanwhile, so resizing one raises
+``BufferError``); errors they raise propagate, the victims chosen before them
+staying in ``chosen``.
 """
 
 from __future__ import annotations
