@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import copy
+import math
 import random
-from collections import UserList
+from collections import OrderedDict, UserList
 from types import MappingProxyType
 from typing import Any
 
@@ -456,10 +457,60 @@ def test_compiled_selection_under_a_workload_is_the_reference(seed: int, capacit
     _drive_selections(_workload(random.Random(seed), 400), capacity)
 
 
+def _odd(policy: HitDensityPolicy, oddity: str) -> tuple[Any, Any, bool]:
+    """Make ``policy`` (or the call's arguments) odd as ``oddity`` says: the count, ``chosen`` and ``verified``."""
+    n: Any = 9
+    chosen: Any = {}
+    verified: Any = False
+    rows = policy._model._rows
+    if oddity == "clock past 64 bits":
+        policy._clock += 1 << 64
+    elif oddity == "a NaN density":
+        policy._model._rows = [[math.nan if b == 0 else d for b, d in enumerate(row)] for row in rows]
+    elif oddity == "an int density":
+        policy._model._rows = [[int(d) for d in row] for row in rows]
+    elif oddity == "rows too short":
+        policy._model._rows = [row[:-1] for row in rows]
+    elif oddity == "a bool count":
+        n = True
+    elif oddity == "a dict subclass":
+        chosen = OrderedDict()
+    elif oddity == "verified an int":
+        verified = 1
+    return n, chosen, verified
+
+
+@pytest.mark.skipif(selection.COMPILED is None, reason="the compiled selection was not built")
+@pytest.mark.parametrize("oddity", ["clock past 64 bits", "a NaN density", "an int density", "rows too short",
+                                    "a bool count", "a dict subclass", "verified an int"])
+def test_compiled_selection_runs_the_reference_on_odd_state(oddity: str) -> None:
+    """A state the policy never keeps, or arguments select_victims never passes: the compiled rounds run
+    the reference, which returns or raises as it does, with the same blocks chosen and the same state."""
+    setup = [HitDensityPolicy(capacity=4) for _ in range(2)]
+    _drive_selections_on(setup, _workload(random.Random(7), 120))
+    assert setup[0].model.rows is not None
+    outcomes, states = [], []
+    for rounds in (selection.COMPILED, selection.REFERENCE):
+        policy = copy.deepcopy(setup[0])
+        n, chosen, verified = _odd(policy, oddity)
+        log: list[int] = []
+        evictable = _predicate(_refuses(1, []), 1, None, log)  # every end evictable: verified may be true
+        outcome = _outcome_any(rounds.select_rounds, policy, n, evictable, chosen, verified)
+        outcomes.append((outcome, list(chosen), log))
+        states.append(_state(policy))
+    assert outcomes[0] == outcomes[1]
+    assert states[0] == states[1]
+
+
 def _drive_selections(ops: list[tuple[Any, ...]], capacity: int | None) -> None:
     """Run ``ops`` on two policies, the second selecting through the reference; after each, both agree."""
     twins = [HitDensityPolicy(capacity=capacity) for _ in range(2)]
     twins[1]._selects = selection.REFERENCE
+    _drive_selections_on(twins, ops)
+
+
+def _drive_selections_on(twins: list[HitDensityPolicy], ops: list[tuple[Any, ...]]) -> None:
+    """Run ``ops`` on ``twins``; after each, they agree (what selections return, choose and ask, and the state)."""
     free = list(range(200))
     block_of: dict[int, int] = {}  # hash -> its tracked block
     parked: list[int] = []
