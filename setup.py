@@ -13,6 +13,10 @@ setup(ext_modules=[
     # hit density's census (backends/eviction/hit_density/census.py holds the reference)
     Extension("kvkit.backends.eviction.hit_density._census", ["backends/eviction/hit_density/_census.c"],
               optional=True, extra_compile_args=["-ffp-contract=off"]),  # its float steps as the Python's
+    # hit density's selection rounds (backends/eviction/hit_density/selection.py holds the reference)
+    Extension("kvkit.backends.eviction.hit_density._selection", ["backends/eviction/hit_density/_selection.c"],
+              include_dirs=["backends"], depends=["backends/_views.h"],
+              optional=True, extra_compile_args=["-ffp-contract=off"]),  # its densities compared as the Python's
     # the chain index's batch loops (backends/eviction/_chains.py holds the references)
     Extension("kvkit.backends.eviction._chains_loops", ["backends/eviction/_chains_loops.c"],
               include_dirs=["backends"], depends=["backends/_views.h"], optional=True),

@@ -51,10 +51,12 @@ def test_wheel_contains_every_subpackage(wheel_names):
 
 @pytest.mark.compiler
 @pytest.mark.parametrize("module", ["eviction/hit_density/_booking", "eviction/hit_density/_kernels",
+                                    "eviction/hit_density/_census", "eviction/hit_density/_selection",
                                     "eviction/_chains_loops", "eviction/_queue_loops", "allocator/_pool_loops"])
 def test_wheel_carries_the_compiled_loops(wheel_names, module):
-    """Where a C compiler is, the build compiles hit density's booking loops and density kernels, the chain
-    index's and the parking queue's batch loops and the block pool's per-block loops into the wheel."""
+    """Where a C compiler is, the build compiles hit density's booking loops, census, density kernels and
+    selection rounds, the chain index's and the parking queue's loops and the block pool's per-block loops
+    into the wheel."""
     assert any(name.startswith(f"kvkit/backends/{module}.") and name.endswith(".so") for name in wheel_names)
 
 

@@ -7,7 +7,7 @@ import math
 import sys
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from heapq import heapify, heappop, heappush
+from heapq import heappop, heappush
 from typing import cast
 
 import attrs
@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction._common import LearnsCapacity, check_count, define_policy, not_tracked, pin_mismatch
-from kvkit.backends.eviction.hit_density import booking, census
+from kvkit.backends.eviction.hit_density import booking, census, selection
 from kvkit.backends.eviction.hit_density.booking import KINDS as _KINDS
 from kvkit.backends.eviction.hit_density.booking import LEAF, PARENT, TIP, Booking
 from kvkit.backends.eviction.hit_density.booking import LISTED as _LISTED
@@ -24,6 +24,7 @@ from kvkit.backends.eviction.hit_density.booking import MAX_USES as _MAX_USES
 from kvkit.backends.eviction.hit_density.booking import NONE as _NONE
 from kvkit.backends.eviction.hit_density.census import Census
 from kvkit.backends.eviction.hit_density.density import HitDensityModel
+from kvkit.backends.eviction.hit_density.selection import Selection
 from kvkit.backends.eviction.hit_density.shift import ShiftTest
 from kvkit.errors import PoolUsageError
 from kvkit.interfaces.eviction import EvictionPolicy
@@ -301,9 +302,11 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _turnover: float = attrs.field(init=False, default=0.0)
     _last_removal: int = attrs.field(init=False, default=0)
     _next_refresh: int = attrs.field(init=False, default=_MIN_REFRESH)
-    # The per-block loops: compiled where they were built (the tests set the reference to compare the two).
+    # The per-block loops, the census and the selection rounds: compiled where they were built (the tests set
+    # the references to compare the two).
     _booking: Booking = attrs.field(init=False, factory=booking.LOOPS.default, eq=False, repr=False)
     _census: Census = attrs.field(init=False, factory=census.LOOPS.default, eq=False, repr=False)
+    _selection: Selection = attrs.field(init=False, factory=selection.LOOPS.default, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._shift = ShiftTest(len(REUSE_LEVELS), alpha=self.shift_alpha)
@@ -520,7 +523,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         if self._chains.orphans() is None:
             # Orphans go first; without them the first root is the stream end of least key, and
             # when every end is evictable (a pool that reports its pins: always), that is the
-            # least cached key. A selection that needs more goes on in _select_rounds.
+            # least cached key. A selection that needs more goes on in the rounds of selection.py.
             ends = self._ends
             verified = all(map(evictable, filter(_NONE.__ne__, ends)))
             if verified:
@@ -530,7 +533,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 self._chains.collect(min(filter(None, keys))[2], evictable, chosen, n)
                 if len(chosen) >= n:
                     return cast(_Blocks, list(chosen))
-        return self._select_rounds(n, evictable, chosen, verified)
+        return self._selection.select_rounds(self, n, evictable, chosen, verified)
 
     def _current_keys(self) -> list[tuple[float, int, int, int] | None]:
         """``_keys`` brought up to date: the dirty streams' keys and those whose age bucket moved computed."""
@@ -569,155 +572,6 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                     keys[stream] = (rows[cls_of[block]][top], last, block, stream)
             dirty.clear()
         return keys
-
-    def _select_rounds(self, n: int, evictable: _IntPredicate, chosen: dict[int, None],
-                       verified: bool) -> list[BlockId] | None:
-        """:meth:`select_victims` from the state ``chosen`` holds (empty, or the first root's subtree);
-        ``verified``: every list end was found evictable in this selection (not asked again)."""
-        where, nxt, prv, last_of, classes = self._where, self._next, self._prev, self._last, self._cls
-        chains = self._chains
-        clock, rows, octave, top = self._clock, self._model.rows, self._model.per_octave, self._model.buckets - 1
-        first_age = self._model.first_ages
-        collect, first_child, sibling, dropped = chains.collect, chains.child_rings, chains.sibling_rings, False
-        # The orphans first, in their order: a usable one is the next root.
-        orphan_walk = chains.orphans()
-        root: int
-        if orphan_walk is not None:
-            for root in orphan_walk:
-                if root in chosen or where[root] == _PARKED or not evictable(root):
-                    continue
-                child = first_child[root]
-                if child == _NONE or (sibling[child] == child and child in chosen):
-                    # collect's walk of a usable root with no child, or with one, chosen with its subtree (a
-                    # chain taken from its tip up), inlined: the root alone
-                    if not dropped:
-                        chains.forget_walk()  # as that walk does
-                        dropped = True
-                    chosen[root] = None
-                else:
-                    collect(root, evictable, chosen, n)
-                    dropped = True  # a walk left kept ends the selection
-                if len(chosen) >= n:
-                    return cast(_Blocks, list(chosen))
-
-        # Then the streams: both ends of every class list (stream 2 * class walks from the old end,
-        # 2 * class + 1 from the young end). A stream's head is its first block from its end that is
-        # usable (evictable, not chosen; listed blocks are never parked), and the next root is the head
-        # of least key (density, last access, block, stream): keys are distinct and totally ordered (the
-        # densities are finite), so any structure that finds the least one chooses alike. One cursor per
-        # stream, kept across the rounds: nothing a round skips can become usable later in it, so each
-        # stream is walked at most once and a selection costs O(n + skipped). The heads' keys sit in a
-        # heap (a replaced head stays in it, stale, until it surfaces); the streams a round's victims
-        # headed move on at once.
-        heads: list[tuple[float, int, int, int] | None] = [None] * (2 * _CLASSES)  # per stream, its head
-        order: list[tuple[float, int, int, int]] = []
-
-        def advance(stream: int, block: int) -> tuple[float, int, int, int] | None:
-            """Walk ``stream`` from ``block`` to its first usable block; make that its head (none: it ends)."""
-            links = prv if stream & 1 else nxt
-            while block != _NONE and (block in chosen or not evictable(block)):
-                block = links[block]
-            if block == _NONE:
-                heads[stream] = None
-                return None
-            last = last_of[block]
-            if rows is None:
-                density = 0.0
-            else:  # self._model.density, inlined: the hot path
-                b = ((clock - last + 1) ** octave).bit_length() - 1
-                density = rows[stream >> 1][b if b < top else top]
-            heads[stream] = head = (density, last, block, stream)
-            return head
-
-        ends = self._ends
-        head: tuple[float, int, int, int] | None
-        for stream in range(2 * _CLASSES):
-            block = ends[stream]
-            if verified and block != _NONE and block not in chosen:
-                last = last_of[block]
-                heads[stream] = head = (self._model.density(stream >> 1, clock - last), last, block, stream)
-            else:
-                head = advance(stream, block)
-            if head is not None:
-                order.append(head)
-        heapify(order)
-        picked: Sequence[int]
-        while len(chosen) < n:
-            while order and heads[order[0][3]] is not order[0]:  # replaced: its stream moved on
-                heappop(order)
-            if not order:
-                return None
-            root, stream = order[0][2], order[0][3]
-            child = first_child[root]
-            if child != _NONE and not (sibling[child] == child and child in chosen):
-                picked = collect(root, evictable, chosen, n)
-                dropped = True  # a walk left kept ends the selection
-            else:  # the root alone, as in the orphans' loop
-                if not dropped:
-                    chains.forget_walk()
-                    dropped = True
-                chosen[root] = None
-                twin = heads[stream ^ 1]  # the other end of the root's class list
-                if twin is not None and twin[2] == root:
-                    picked = (root,)
-                else:
-                    # A run: the root heads its stream alone, so the other streams' heads stay, and
-                    # the least of them (the rival) bounds how far this stream goes on. Its next usable
-                    # blocks are roots in turn while their keys stay below the rival's, each taken
-                    # alone, until one is not (the stream's new head) or is the twin's head or has a
-                    # child to walk (a round of its own next). A key's density is read again only
-                    # where its last access leaves the age bucket of the one before (lo < last <= hi).
-                    heappop(order)
-                    while order and heads[order[0][3]] is not order[0]:
-                        heappop(order)
-                    rival = order[0] if order else None
-                    twin_block = _NONE if twin is None else twin[2]
-                    links = prv if stream & 1 else nxt
-                    row = None if rows is None else rows[stream >> 1]
-                    # The age bucket of the last density read: last accesses in (lo, hi]. None yet; before
-                    # the first refresh (every density 0) all of them.
-                    density, lo, hi = 0.0, -1, _NEVER if row is None else -1
-                    block = links[root]
-                    while True:
-                        if block == _NONE:
-                            heads[stream] = None
-                            break
-                        if block in chosen or not evictable(block):
-                            block = links[block]
-                            continue
-                        last = last_of[block]
-                        if not lo < last <= hi:
-                            assert row is not None
-                            b = ((clock - last + 1) ** octave).bit_length() - 1
-                            if b < top:
-                                density, lo, hi = row[b], clock - first_age[b + 1], clock - first_age[b]
-                            else:
-                                density, lo, hi = row[top], -1, clock - first_age[top]
-                        if len(chosen) < n and block != twin_block and (
-                                rival is None or density < rival[0] or (
-                                    density == rival[0] and (last, block, stream) < rival[1:])):
-                            child = first_child[block]
-                            if child == _NONE or (sibling[child] == child and child in chosen):
-                                chosen[block] = None
-                                block = links[block]
-                                continue
-                        heads[stream] = head = (density, last, block, stream)
-                        heappush(order, head)
-                        break
-                    continue
-            for block in picked:  # the streams they headed go on past them
-                end = 2 * classes[block]  # a listed block heads at most its class list's two ends
-                head = heads[end]
-                if head is not None and head[2] == block:
-                    head = advance(end, nxt[block])
-                    if head is not None:
-                        heappush(order, head)
-                head = heads[end + 1]
-                if head is not None and head[2] == block:
-                    head = advance(end + 1, prv[block])
-                    if head is not None:
-                        heappush(order, head)
-        return cast(_Blocks, list(chosen))
 
     # -- bookkeeping -----------------------------------------------------------
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
-from collections import UserList
+import math
+import random
+from collections import OrderedDict, UserList
 from types import MappingProxyType
 from typing import Any
 
@@ -17,7 +19,7 @@ from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction._common import any_block
 from kvkit.backends.eviction._queue import ParkingQueue, Slots
 from kvkit.backends.eviction.fifo import FIFOPolicy
-from kvkit.backends.eviction.hit_density import HitDensityPolicy, booking
+from kvkit.backends.eviction.hit_density import HitDensityPolicy, booking, selection
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
 from kvkit.errors import PoolUsageError
@@ -28,6 +30,13 @@ def test_the_compiled_booking_was_built() -> None:
     """Where a C compiler is, the install built the booking loops, and the policy runs them by default."""
     assert booking.LOOPS.compiled is not None, "pip install -e . did not build hit_density/_booking.c"
     assert HitDensityPolicy()._booking is booking.LOOPS.compiled
+
+
+@pytest.mark.compiler
+def test_the_compiled_selection_was_built() -> None:
+    """Where a C compiler is, the install built the selection rounds, and the policy runs them by default."""
+    assert selection.LOOPS.compiled is not None, "pip install -e . did not build hit_density/_selection.c"
+    assert HitDensityPolicy()._selection is selection.LOOPS.compiled
 
 
 @pytest.mark.compiler
@@ -335,6 +344,231 @@ def test_forget_ghosts_is_the_reference(ops: list[tuple[Any, ...]], lo: int, wid
                 for books, twin in zip((booking.LOOPS.compiled, booking.LOOPS.reference), twins)]
     assert outcomes[0] == outcomes[1]
     assert _state(twins[0]) == _state(twins[1])
+
+
+# Stores (listed one block at a time, or parked as a batch; chains, and orphans where a piece starts past
+# its conversation's head), hits, pins, unpins, removals of tracked blocks picked by rank, and selections:
+# through select_victims (its victims evicted or not), or select_rounds called with some tracked blocks
+# already chosen and verified or not; each with an evictable predicate that refuses every m-th block and
+# the parked ones (or, changing its mind, every third question), or raises at its k-th question.
+_STORE = st.tuples(st.just("store"), st.integers(0, 80), st.sampled_from([0, 0, 0, 0, 1, 5]),
+                   st.sampled_from([1, 1, 1, 1, 2, 3, 12, 40]), st.sampled_from([False, False, False, True]))
+_HIT = st.tuples(st.just("hit"), st.integers(0, 80), st.integers(1, 12), st.integers(1, 6))
+_SELECTION = st.tuples(st.sampled_from(["evict", "evict", "victims", "rounds", "verified"]), st.integers(1, 40),
+                       st.sampled_from([1, 1, 2, 3, 5, 8, 0]), st.sampled_from([None, None, None, 0, 3, 20]),
+                       st.lists(st.integers(0, 199), max_size=3))
+_SELECT_OPS = st.lists(st.one_of(
+    _STORE, _STORE, _STORE, _STORE, _HIT, _HIT, _SELECTION, _SELECTION,
+    st.tuples(st.just("age"), st.sampled_from([100, 5000, 1 << 40, 1 << 60])),
+    st.tuples(st.just("pin"), st.integers(0, 12)),
+    st.tuples(st.just("unpin"), st.integers(0, 40)),
+    st.tuples(st.just("remove"), st.lists(st.integers(0, 199), min_size=1, max_size=4)),
+), min_size=10, max_size=80)
+
+
+class _AskedError(Exception):
+    """The predicate's refusal to answer."""
+
+
+def _refuses(every: int, parked: list[int]) -> Any:
+    """Whether the predicate of ``every`` refuses a block: every ``every``-th block id (1: none), and the parked."""
+    refused = set(parked)
+    return lambda block: block in refused or (every > 1 and block % every == 1)
+
+
+def _predicate(refuses: Any, every: int, raise_at: int | None, log: list[int]) -> Any:
+    """An evictable predicate that logs each block asked: false where ``refuses``, and where ``every`` is 0
+    at every third question (a block refused once may be taken later), raising ``_AskedError`` at its
+    ``raise_at``-th question (counted from 0; ``None``: never)."""
+    def evictable(block: int) -> bool:
+        if len(log) == raise_at:
+            raise _AskedError(block)
+        log.append(block)
+        return not refuses(block) and (every or len(log) % 3)
+    return evictable
+
+
+def _select(policy: HitDensityPolicy, op: tuple[Any, ...], parked: list[int], tracked: list[int]) -> Any:
+    """One selection of ``op`` on ``policy``: what it returned or raised, the chosen blocks in order, the
+    blocks asked."""
+    how, n, every, raise_at, picks = op
+    log: list[int] = []
+    refuses = _refuses(every, parked)
+    evictable = _predicate(refuses, every, raise_at, log)
+    chosen: dict[int, None] = {}
+    try:
+        if how in ("evict", "victims"):
+            outcome: Any = ("returned", policy.select_victims(n, evictable))
+        else:  # "verified" as select_victims finds it: every list end evictable (else a root may never go)
+            verified = how == "verified" and every and not any(refuses(end) for end in policy._ends if end != -1)
+            chosen.update(dict.fromkeys(tracked[pick % len(tracked)] for pick in picks if tracked))
+            outcome = ("returned", policy._selection.select_rounds(policy, n, evictable, chosen, verified))
+    except _AskedError as error:
+        outcome = ("raised", error.args)
+    return outcome, list(chosen), log
+
+
+@pytest.mark.skipif(selection.LOOPS.compiled is None, reason="the compiled selection was not built")
+@settings(max_examples=300, deadline=None)
+@example(ops=[("store", 0, 0, 30, False), ("hit", 0, 6, 3), ("store", 1, 0, 40, False), ("store", 2, 3, 20, False),
+              ("hit", 2, 12, 2), ("store", 3, 0, 30, False), ("evict", 25, 1, None, []),
+              ("victims", 30, 3, None, [])], capacity=4)  # runs, walks and orphans after refreshes
+@given(ops=_SELECT_OPS, capacity=st.sampled_from([None, 4, 16]))
+def test_compiled_selection_is_the_reference(ops: list[tuple[Any, ...]], capacity: int | None) -> None:
+    """Two policies take the same calls, one selecting through the compiled rounds, one through the
+    reference. Small capacities refresh the model often (densities differ by class and age bucket): every
+    selection returns or raises the same, leaves the same blocks chosen in the same order, asks the
+    predicate about the same blocks in the same order, and leaves the same state (the chain index's kept
+    walk included)."""
+    _drive_selections(ops, capacity)
+
+
+def _workload(rng: random.Random, length: int) -> list[tuple[Any, ...]]:
+    """``length`` operations of ``_SELECT_OPS``'s kinds, most of them stores of a block or two of many
+    conversations (leaves: the runs of a class list) and hits (reuse levels, refreshes), then evictions."""
+    ops: list[tuple[Any, ...]] = []
+    for _ in range(length):
+        kind = rng.choices(["store", "hit", "select", "pin", "unpin", "remove", "age"], [10, 4, 4, 1, 1, 1, 1])[0]
+        if kind == "store":
+            ops.append(("store", rng.randrange(120), rng.choice([0, 0, 0, 1, 5]), rng.choice([1, 1, 1, 2, 3, 12]),
+                        rng.random() < 0.1))
+        elif kind == "hit":
+            ops.append(("hit", rng.randrange(120), rng.randrange(1, 8), rng.randrange(1, 4)))
+        elif kind == "select":
+            ops.append((rng.choice(["evict", "evict", "evict", "victims", "rounds", "verified"]), rng.randrange(1, 60),
+                        rng.choice([1, 1, 1, 2, 5, 0]), rng.choice([None] * 8 + [0, 7, 40]),
+                        [rng.randrange(200) for _ in range(rng.randrange(3))]))
+        elif kind == "pin":
+            ops.append(("pin", rng.randrange(12)))
+        elif kind == "unpin":
+            ops.append(("unpin", rng.randrange(40)))
+        elif kind == "remove":
+            ops.append(("remove", [rng.randrange(200) for _ in range(rng.randrange(1, 4))]))
+        else:
+            ops.append(("age", rng.choice([100, 5000, 1 << 40])))
+    return ops
+
+
+@pytest.mark.skipif(selection.LOOPS.compiled is None, reason="the compiled selection was not built")
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), capacity=st.sampled_from([4, 16, 64]))
+def test_compiled_selection_under_a_workload_is_the_reference(seed: int, capacity: int) -> None:
+    """As the test above, on a longer workload of many short conversations whose pool stays full: class
+    lists with long runs of leaves, selections of many victims at once, densities refreshed often."""
+    _drive_selections(_workload(random.Random(seed), 400), capacity)
+
+
+def _odd(policy: HitDensityPolicy, oddity: str) -> tuple[Any, Any, bool]:
+    """Make ``policy`` (or the call's arguments) odd as ``oddity`` says: the count, ``chosen`` and ``verified``."""
+    n: Any = 9
+    chosen: Any = {}
+    verified: Any = False
+    rows = policy._model._rows
+    if oddity == "clock past 64 bits":
+        policy._clock += 1 << 64
+    elif oddity == "a NaN density":
+        policy._model._rows = [[math.nan if b == 0 else d for b, d in enumerate(row)] for row in rows]
+    elif oddity == "an int density":
+        policy._model._rows = [[int(d) for d in row] for row in rows]
+    elif oddity == "rows too short":
+        policy._model._rows = [row[:-1] for row in rows]
+    elif oddity == "a bool count":
+        n = True
+    elif oddity == "a dict subclass":
+        chosen = OrderedDict()
+    elif oddity == "verified an int":
+        verified = 1
+    return n, chosen, verified
+
+
+@pytest.mark.skipif(selection.LOOPS.compiled is None, reason="the compiled selection was not built")
+@pytest.mark.parametrize("oddity", ["clock past 64 bits", "a NaN density", "an int density", "rows too short",
+                                    "a bool count", "a dict subclass", "verified an int"])
+def test_compiled_selection_runs_the_reference_on_odd_state(oddity: str) -> None:
+    """A state the policy never keeps, or arguments select_victims never passes: the compiled rounds run
+    the reference, which returns or raises as it does, with the same blocks chosen and the same state."""
+    setup = [HitDensityPolicy(capacity=4) for _ in range(2)]
+    _drive_selections_on(setup, _workload(random.Random(7), 120))
+    assert setup[0].model.rows is not None
+    outcomes, states = [], []
+    for rounds in (selection.LOOPS.compiled, selection.LOOPS.reference):
+        policy = copy.deepcopy(setup[0])
+        n, chosen, verified = _odd(policy, oddity)
+        log: list[int] = []
+        evictable = _predicate(_refuses(1, []), 1, None, log)  # every end evictable: verified may be true
+        outcome = _outcome_any(rounds.select_rounds, policy, n, evictable, chosen, verified)
+        outcomes.append((outcome, list(chosen), log))
+        states.append(_state(policy))
+    assert outcomes[0] == outcomes[1]
+    assert states[0] == states[1]
+
+
+def _drive_selections(ops: list[tuple[Any, ...]], capacity: int | None) -> None:
+    """Run ``ops`` on two policies, the second selecting through the reference; after each, both agree."""
+    twins = [HitDensityPolicy(capacity=capacity) for _ in range(2)]
+    twins[1]._selection = selection.LOOPS.reference
+    _drive_selections_on(twins, ops)
+
+
+def _drive_selections_on(twins: list[HitDensityPolicy], ops: list[tuple[Any, ...]]) -> None:
+    """Run ``ops`` on ``twins``; after each, they agree (what selections return, choose and ask, and the state)."""
+    free = list(range(200))
+    block_of: dict[int, int] = {}  # hash -> its tracked block
+    parked: list[int] = []
+    for op in ops:
+        if op[0] == "store":
+            _, conversation, start, n, pinned = op
+            hashes = [h for h in (_hash(conversation, i) for i in range(start, start + n)) if h not in block_of]
+            hashes = hashes[:len(free)]
+            parents = [h - 1 if h % 1000 != 1 else None for h in hashes]
+            blocks = [free.pop() for _ in hashes]
+            block_of.update(zip(hashes, blocks))
+            for policy in twins:
+                if pinned:
+                    policy.insert_pinned(blocks, hashes, parents)
+                else:
+                    for block, block_hash, parent in zip(blocks, hashes, parents):
+                        policy.on_insert(block, block_hash, parent)
+            if pinned:
+                parked += blocks
+        elif op[0] == "hit":
+            _, conversation, length, times = op
+            hit = [block_of[h] for h in (_hash(conversation, i) for i in range(length)) if h in block_of]
+            for policy in twins:
+                policy.access_many(hit * times)
+        elif op[0] == "pin":
+            pinning = [block for block in block_of.values() if block not in parked][:op[1]]
+            for policy in twins:
+                policy.pin_many(pinning)
+            parked += pinning
+        elif op[0] == "unpin":
+            leaving, parked = parked[:op[1]], parked[op[1]:]
+            for policy in twins:
+                policy.unpin_many(leaving)
+        elif op[0] == "age":  # time passes without a reference: ages past the last bucket's first age
+            for policy in twins:
+                if policy._clock < 1 << 61:
+                    policy._clock += op[1]
+        else:
+            tracked = sorted(block_of.values())
+            if op[0] == "remove":
+                gone = list(dict.fromkeys(tracked[pick % len(tracked)] for pick in op[1] if tracked))
+            else:
+                outcomes = [_select(policy, op, parked, tracked) for policy in twins]
+                assert outcomes[0] == outcomes[1], op
+                result = outcomes[0][0]
+                gone = result[1] if op[0] == "evict" and result[0] == "returned" and result[1] else []
+            if gone:
+                for policy in twins:
+                    policy.remove_many(gone)
+                left = set(gone)
+                for block_hash in [h for h, block in block_of.items() if block in left]:
+                    del block_of[block_hash]
+                parked = [block for block in parked if block not in left]
+                free += gone
+        assert _state(twins[0]) == _state(twins[1]), op
+    for policy in twins:
+        policy.check_invariants()
 
 
 def _outcome_any(call: Any, *args: Any) -> tuple[str, Any]:

@@ -111,12 +111,13 @@ def test_the_work_of_a_selection_does_not_grow_with_the_blocks_in_use(policy, fr
 def test_the_pools_here_run_the_python_loops():
     """The work counted is the Python references': no loop of the pools built here runs compiled."""
     from kvkit.backends.eviction import _chains, _queue
-    from kvkit.backends.eviction.hit_density import booking, census, kernels
+    from kvkit.backends.eviction.hit_density import booking, census, kernels, selection
 
     pool = build("hit-density", 64, 16)
     policy = pool.policy
     assert pool._loops is None
     assert policy._booking is booking.LOOPS.reference
+    assert policy._selection is selection.LOOPS.reference
     assert policy._census is census.LOOPS.reference
     assert policy.model._loops is kernels.LOOPS.reference
     assert policy._chains._orphans._loops is _queue.LOOPS.reference
