@@ -10,7 +10,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_twin.h"
 #include "_views.h"
+
+#define REFERENCE "kvkit.backends.eviction.hit_density.booking"
 
 enum { LEAF = 0, PARENT = 1, TIP = 2, KINDS = 3, NONE = -1, MAX_USES = 255, LISTED = 1 };
 
@@ -703,23 +706,6 @@ done:
     return result;
 }
 
-/* The reference of the same name (booking.py's function), run on a call the compiled function does not
- * check itself: it raises as the reference raises. */
-static PyObject *
-run_reference(const char *name, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *booking = PyImport_ImportModule("kvkit.backends.eviction.hit_density.booking");
-    if (booking == NULL)
-        return NULL;
-    PyObject *f = PyObject_GetAttrString(booking, name);
-    Py_DECREF(booking);
-    if (f == NULL)
-        return NULL;
-    PyObject *result = PyObject_Vectorcall(f, args, (size_t)nargs, NULL);
-    Py_DECREF(f);
-    return result;
-}
-
 /* The policy's float attribute name set to value. */
 static int
 set_attr_double(PyObject *obj, const char *name, double value)
@@ -763,7 +749,7 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     double turnover;
     if (c < 1) { /* no int, or a capacity out of contract: the reference */
         PyErr_Clear();
-        return run_reference("book_removals", args, nargs);
+        return run_reference(REFERENCE, "book_removals", args, nargs);
     }
     if ((blocks = PySequence_Fast(args[1], "book_removals: blocks")) == NULL
         || (hashes = PySequence_Fast(args[2], "book_removals: block_hashes")) == NULL)
@@ -791,7 +777,7 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         release(&cls);
         release(&uses);
         release(&last_of);
-        result = run_reference("book_removals", args, nargs);
+        result = run_reference(REFERENCE, "book_removals", args, nargs);
         goto done;
     }
     if ((recent = attr(p, "_recent")) == NULL || (ghost_recent = attr(p, "_ghost_recent")) == NULL
@@ -933,7 +919,7 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t lo = PyLong_AsSsize_t(args[1]), hi = lo == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[2]);
     if (hi == -1 && PyErr_Occurred()) {
         PyErr_Clear();
-        return run_reference("forget_ghosts", args, nargs);
+        return run_reference(REFERENCE, "forget_ghosts", args, nargs);
     }
     if ((ghost_hash = attr(p, "_ghost_hash")) == NULL || (ghost_at = attr(p, "_ghost_at")) == NULL
         || (ghost_recent = attr(p, "_ghost_recent")) == NULL || attr_long(p, "_clock", &clock) < 0)
@@ -950,7 +936,7 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         release(&live); /* a range the slices would clip, or arrays of other lengths */
         release(&g_cls);
         release(&g_last);
-        result = run_reference("forget_ghosts", args, nargs);
+        result = run_reference(REFERENCE, "forget_ghosts", args, nargs);
         goto done;
     }
     unsigned char *alive = (unsigned char *)live.buf.buf;

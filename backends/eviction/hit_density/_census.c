@@ -13,27 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The reference of the same name (the function of census.py), run on a call outside the compiled
- * function's contract: it computes, or raises, as the reference does. */
-static PyObject *
-run_reference(const char *name, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *module = PyImport_ImportModule("kvkit.backends.eviction.hit_density.census");
-    if (module == NULL)
-        return NULL;
-    PyObject *f = PyObject_GetAttrString(module, name);
-    Py_DECREF(module);
-    if (f == NULL)
-        return NULL;
-    PyObject *result = PyObject_Vectorcall(f, args, (size_t)nargs, NULL);
-    Py_DECREF(f);
-    return result;
-}
+#include "_twin.h"
+#include "_views.h"
 
-typedef struct {
-    Py_buffer buf;
-    int held;
-} Array;
+#define REFERENCE "kvkit.backends.eviction.hit_density.census"
 
 /* The format's type code past a byte-order prefix of native order (x86-64 and the other little-endian
  * hosts this builds on). */
@@ -47,7 +30,7 @@ code(const Py_buffer *buf)
 /* Hold obj's buffer in a: C-contiguous, ndim dimensions, items of itemsize bytes of one of the type codes
  * in `codes` (writable if asked). 0, or -1 with no error set (the read declines). */
 static int
-hold(PyObject *obj, Array *a, int ndim, Py_ssize_t itemsize, const char *codes, int writable)
+hold(PyObject *obj, View *a, int ndim, Py_ssize_t itemsize, const char *codes, int writable)
 {
     if (PyObject_GetBuffer(obj, &a->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
         PyErr_Clear();
@@ -60,18 +43,9 @@ hold(PyObject *obj, Array *a, int ndim, Py_ssize_t itemsize, const char *codes, 
     return 0;
 }
 
-static void
-release(Array *a)
-{
-    if (a->held) {
-        PyBuffer_Release(&a->buf);
-        a->held = 0;
-    }
-}
-
 /* The items a one-dimensional buffer holds. */
 static Py_ssize_t
-length(const Array *a)
+length(const View *a)
 {
     return a->buf.len / a->buf.itemsize;
 }
@@ -165,7 +139,7 @@ census_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                          "ghost_lasts, clock, turn, limit, model, out");
         return NULL;
     }
-    Array arrays[6], out = {0};
+    View arrays[6], out = {0};
     memset(arrays, 0, sizeof arrays);
     int64_t *first_ages = NULL;
     double *hist = NULL;
@@ -204,7 +178,7 @@ census_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         first_ages[b] = age;
     }
     for (int g = 0; g < 2; g++) {
-        const Array *live = &arrays[3 * g], *cls = &arrays[3 * g + 1], *lasts = &arrays[3 * g + 2];
+        const View *live = &arrays[3 * g], *cls = &arrays[3 * g + 1], *lasts = &arrays[3 * g + 2];
         Py_ssize_t known = length(cls) < length(lasts) ? length(cls) : length(lasts);
         Group group = {live->buf.buf, cls->buf.buf, lasts->buf.buf, length(live), known};
         Py_ssize_t offset, stride;
@@ -226,7 +200,7 @@ done:
         release(&arrays[a]);
     release(&out);
     if (result == Py_None)  /* declined: nothing written */
-        return run_reference("read", args, nargs);
+        return run_reference(REFERENCE, "read", args, nargs);
     Py_XINCREF(result);
     return result;
 }

@@ -13,32 +13,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The reference of the same name (the function of kernels.py), run on a call outside the compiled
- * function's contract: it computes, or raises, as the reference does. */
-static PyObject *
-run_reference(const char *name, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *module = PyImport_ImportModule("kvkit.backends.eviction.hit_density.kernels");
-    if (module == NULL)
-        return NULL;
-    PyObject *f = PyObject_GetAttrString(module, name);
-    Py_DECREF(module);
-    if (f == NULL)
-        return NULL;
-    PyObject *result = PyObject_Vectorcall(f, args, (size_t)nargs, NULL);
-    Py_DECREF(f);
-    return result;
-}
+#include "_twin.h"
+#include "_views.h"
 
-typedef struct {
-    Py_buffer buf;
-    int held;
-} Array;
+#define REFERENCE "kvkit.backends.eviction.hit_density.kernels"
 
 /* Hold obj's buffer in a as a C-contiguous float64 array of ndim dimensions (writable if asked):
  * 0, or -1 with no error set (a buffer of another kind, or none: the kernel declines, the reference runs). */
 static int
-hold(PyObject *obj, Array *a, int ndim, int writable)
+hold(PyObject *obj, View *a, int ndim, int writable)
 {
     if (PyObject_GetBuffer(obj, &a->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
         PyErr_Clear();
@@ -53,17 +36,8 @@ hold(PyObject *obj, Array *a, int ndim, int writable)
     return 0;
 }
 
-static void
-release(Array *a)
-{
-    if (a->held) {
-        PyBuffer_Release(&a->buf);
-        a->held = 0;
-    }
-}
-
 static double *
-data(const Array *a)
+data(const View *a)
 {
     return (double *)a->buf.buf;
 }
@@ -146,7 +120,7 @@ densities(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "densities takes reuses, events, widths, fades, out");
         return NULL;
     }
-    Array reuses = {0}, events = {0}, widths = {0}, fades = {0}, out = {0};
+    View reuses = {0}, events = {0}, widths = {0}, fades = {0}, out = {0};
     double *scratch = NULL;
     PyObject *result = Py_None;  /* None until computed: declined, the reference runs */
     if (hold(args[0], &reuses, 2, 0) < 0 || hold(args[1], &events, 2, 0) < 0 || hold(args[2], &widths, 1, 0) < 0
@@ -180,7 +154,7 @@ done:
     release(&fades);
     release(&out);
     if (result == Py_None)  /* declined: nothing written */
-        return run_reference("densities", args, nargs);
+        return run_reference(REFERENCE, "densities", args, nargs);
     Py_XINCREF(result);
     return result;
 }
@@ -245,7 +219,7 @@ isotonic(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "isotonic takes values, weights, out");
         return NULL;
     }
-    Array values = {0}, weights = {0}, out = {0};
+    View values = {0}, weights = {0}, out = {0};
     double *scratch = NULL;
     PyObject *result = Py_None;  /* None until computed: declined, the reference runs */
     if (hold(args[0], &values, 2, 0) < 0 || hold(args[1], &weights, 2, 0) < 0 || hold(args[2], &out, 2, 1) < 0)
@@ -279,7 +253,7 @@ done:
     release(&weights);
     release(&out);
     if (result == Py_None)  /* declined: nothing written */
-        return run_reference("isotonic", args, nargs);
+        return run_reference(REFERENCE, "isotonic", args, nargs);
     Py_XINCREF(result);
     return result;
 }

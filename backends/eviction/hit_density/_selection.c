@@ -18,7 +18,10 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "_twin.h"
 #include "_views.h"
+
+#define REFERENCE "kvkit.backends.eviction.hit_density.selection"
 
 enum { NONE = -1, PARKED = 2 }; /* no block (booking.NONE); a pinned block's mark (FlatChains.PARKED) */
 
@@ -548,22 +551,6 @@ streams(Sel *s, int verified)
     return 1;
 }
 
-/* The reference (selection.py's select_rounds), run on a call whose state the compiled function does not take. */
-static PyObject *
-run_reference(PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *selection = PyImport_ImportModule("kvkit.backends.eviction.hit_density.selection");
-    if (selection == NULL)
-        return NULL;
-    PyObject *f = PyObject_GetAttrString(selection, "select_rounds");
-    Py_DECREF(selection);
-    if (f == NULL)
-        return NULL;
-    PyObject *result = PyObject_Vectorcall(f, args, (size_t)nargs, NULL);
-    Py_DECREF(f);
-    return result;
-}
-
 static int
 view_of(PyObject *obj, const char *name, View *v, Py_ssize_t itemsize)
 {
@@ -709,13 +696,13 @@ select_rounds(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     s.chosen = args[3];
     int64_t n;
     if (!small_int(s.n_obj, 0, PY_SSIZE_T_MAX, &n) || !PyDict_CheckExact(s.chosen) || !PyBool_Check(args[4]))
-        return run_reference(args, nargs);
+        return run_reference(REFERENCE, "select_rounds", args, nargs);
     s.n = (Py_ssize_t)n;
     PyObject *result = NULL;
     int rc = open_state(args[0], &s);
     if (rc == 0) {
         close_state(&s);
-        return run_reference(args, nargs);
+        return run_reference(REFERENCE, "select_rounds", args, nargs);
     }
     if (rc > 0 && (rc = orphans(&s)) == 0)
         rc = streams(&s, args[4] == Py_True);
