@@ -503,6 +503,79 @@ def test_compiled_selection_runs_the_reference_on_odd_state(oddity: str) -> None
     assert states[0] == states[1]
 
 
+@attrs.define
+class _World:
+    """What two twins driven alike hold: free block ids, each tracked hash's block, the blocks parked."""
+
+    free: list[int] = attrs.Factory(lambda: list(range(200)))
+    block_of: dict[int, int] = attrs.Factory(dict)  # hash -> its tracked block
+    parked: list[int] = attrs.Factory(list)
+
+    def apply(self, twins: list[Any], op: tuple[Any, ...]) -> bool:
+        """Run a store, hit, pin or unpin on both twins, through their batch hooks where they have them
+        (hit density), else block by block (prefix-LRU, FIFO); ``False`` for any other op."""
+        if op[0] == "store":
+            _, conversation, start, n, pinned = op
+            hashes = [h for h in (_hash(conversation, i) for i in range(start, start + n)) if h not in self.block_of]
+            hashes = hashes[:len(self.free)]
+            parents = [h - 1 if h % 1000 != 1 else None for h in hashes]
+            blocks = [self.free.pop() for _ in hashes]
+            self.block_of.update(zip(hashes, blocks))
+            for policy in twins:
+                if pinned and hasattr(policy, "insert_pinned"):
+                    policy.insert_pinned(blocks, hashes, parents)
+                else:
+                    for block, block_hash, parent in zip(blocks, hashes, parents):
+                        policy.on_insert(block, block_hash, parent)
+                        if pinned:
+                            policy.on_pin(block)
+            if pinned:
+                self.parked += blocks
+        elif op[0] == "hit":
+            _, conversation, length, times = op  # hit often: reuse counts climb past the first levels
+            hit = [self.block_of[h] for h in (_hash(conversation, i) for i in range(length)) if h in self.block_of]
+            for policy in twins:
+                if hasattr(policy, "access_many"):
+                    policy.access_many(hit * times)
+                else:
+                    for block in hit * times:
+                        policy.on_access(block)
+        elif op[0] == "pin":
+            pinning = [block for block in self.block_of.values() if block not in self.parked][:op[1]]
+            for policy in twins:
+                if hasattr(policy, "pin_many"):
+                    policy.pin_many(pinning)
+                else:
+                    for block in pinning:
+                        policy.on_pin(block)
+            self.parked += pinning
+        elif op[0] == "unpin":
+            leaving, self.parked = self.parked[:op[1]], self.parked[op[1]:]
+            for policy in twins:
+                if hasattr(policy, "unpin_many"):
+                    policy.unpin_many(leaving)
+                else:
+                    for block in leaving:
+                        policy.on_unpin(block)
+        else:
+            return False
+        return True
+
+    def remove(self, twins: list[Any], gone: list[int]) -> None:
+        """Remove ``gone`` from both twins (in one call where they batch) and from the world."""
+        for policy in twins:
+            if hasattr(policy, "remove_many"):
+                policy.remove_many(gone)
+            else:
+                for block in gone:
+                    policy.on_remove(block)
+        left = set(gone)
+        for block_hash in [h for h, block in self.block_of.items() if block in left]:
+            del self.block_of[block_hash]
+        self.parked = [block for block in self.parked if block not in left]
+        self.free += gone
+
+
 def _drive_selections(ops: list[tuple[Any, ...]], capacity: int | None) -> None:
     """Run ``ops`` on two policies, the second selecting through the reference; after each, both agree."""
     twins = [HitDensityPolicy(capacity=capacity) for _ in range(2)]
@@ -512,60 +585,25 @@ def _drive_selections(ops: list[tuple[Any, ...]], capacity: int | None) -> None:
 
 def _drive_selections_on(twins: list[HitDensityPolicy], ops: list[tuple[Any, ...]]) -> None:
     """Run ``ops`` on ``twins``; after each, they agree (what selections return, choose and ask, and the state)."""
-    free = list(range(200))
-    block_of: dict[int, int] = {}  # hash -> its tracked block
-    parked: list[int] = []
+    world = _World()
     for op in ops:
-        if op[0] == "store":
-            _, conversation, start, n, pinned = op
-            hashes = [h for h in (_hash(conversation, i) for i in range(start, start + n)) if h not in block_of]
-            hashes = hashes[:len(free)]
-            parents = [h - 1 if h % 1000 != 1 else None for h in hashes]
-            blocks = [free.pop() for _ in hashes]
-            block_of.update(zip(hashes, blocks))
-            for policy in twins:
-                if pinned:
-                    policy.insert_pinned(blocks, hashes, parents)
-                else:
-                    for block, block_hash, parent in zip(blocks, hashes, parents):
-                        policy.on_insert(block, block_hash, parent)
-            if pinned:
-                parked += blocks
-        elif op[0] == "hit":
-            _, conversation, length, times = op
-            hit = [block_of[h] for h in (_hash(conversation, i) for i in range(length)) if h in block_of]
-            for policy in twins:
-                policy.access_many(hit * times)
-        elif op[0] == "pin":
-            pinning = [block for block in block_of.values() if block not in parked][:op[1]]
-            for policy in twins:
-                policy.pin_many(pinning)
-            parked += pinning
-        elif op[0] == "unpin":
-            leaving, parked = parked[:op[1]], parked[op[1]:]
-            for policy in twins:
-                policy.unpin_many(leaving)
+        if world.apply(twins, op):
+            pass
         elif op[0] == "age":  # time passes without a reference: ages past the last bucket's first age
             for policy in twins:
                 if policy._clock < 1 << 61:
                     policy._clock += op[1]
         else:
-            tracked = sorted(block_of.values())
+            tracked = sorted(world.block_of.values())
             if op[0] == "remove":
                 gone = list(dict.fromkeys(tracked[pick % len(tracked)] for pick in op[1] if tracked))
             else:
-                outcomes = [_select(policy, op, parked, tracked) for policy in twins]
+                outcomes = [_select(policy, op, world.parked, tracked) for policy in twins]
                 assert outcomes[0] == outcomes[1], op
                 result = outcomes[0][0]
                 gone = result[1] if op[0] == "evict" and result[0] == "returned" and result[1] else []
             if gone:
-                for policy in twins:
-                    policy.remove_many(gone)
-                left = set(gone)
-                for block_hash in [h for h, block in block_of.items() if block in left]:
-                    del block_of[block_hash]
-                parked = [block for block in parked if block not in left]
-                free += gone
+                world.remove(twins, gone)
         assert _state(twins[0]) == _state(twins[1]), op
     for policy in twins:
         policy.check_invariants()
@@ -606,72 +644,16 @@ def test_prefix_lru_on_compiled_chain_loops_is_the_reference(ops: list[tuple[Any
 
 
 def _drive(twins: list[Any], ops: list[tuple[Any, ...]], state: Any) -> None:
-    """Run ``ops`` on both policies (stores, hits, unpins, evictions), through their batch hooks where they
-    have them (hit density), else block by block (prefix-LRU); after each, ``state`` of both agrees."""
-    free = list(range(200))
-    block_of: dict[int, int] = {}  # hash -> its tracked block
-    parked: list[int] = []
+    """Run ``ops`` on both policies (stores, hits, pins, unpins, evictions: :class:`_World`); after each,
+    ``state`` of both agrees."""
+    world = _World()
     for op in ops:
-        if op[0] == "store":
-            _, conversation, start, n, pinned = op
-            hashes = [h for h in (_hash(conversation, i) for i in range(start, start + n)) if h not in block_of]
-            hashes = hashes[:len(free)]
-            parents = [h - 1 if h % 1000 != 1 else None for h in hashes]
-            blocks = [free.pop() for _ in hashes]
-            if not blocks:
-                continue
-            block_of.update(zip(hashes, blocks))
-            for policy in twins:
-                if pinned and hasattr(policy, "insert_pinned"):
-                    policy.insert_pinned(blocks, hashes, parents)
-                else:
-                    for block, block_hash, parent in zip(blocks, hashes, parents):
-                        policy.on_insert(block, block_hash, parent)
-                        if pinned:
-                            policy.on_pin(block)
-            if pinned:
-                parked += blocks
-        elif op[0] == "hit":
-            _, conversation, length, times = op  # hit often: reuse counts climb past the first levels
-            hit = [block_of[h] for h in (_hash(conversation, i) for i in range(length)) if h in block_of]
-            for policy in twins:
-                if hasattr(policy, "access_many"):
-                    policy.access_many(hit * times)
-                else:
-                    for block in hit * times:
-                        policy.on_access(block)
-        elif op[0] == "pin":
-            pinning = [block for block in block_of.values() if block not in parked][:op[1]]
-            for policy in twins:
-                if hasattr(policy, "pin_many"):
-                    policy.pin_many(pinning)
-                else:
-                    for block in pinning:
-                        policy.on_pin(block)
-            parked += pinning
-        elif op[0] == "unpin":
-            leaving, parked = parked[:op[1]], parked[op[1]:]
-            for policy in twins:
-                if hasattr(policy, "unpin_many"):
-                    policy.unpin_many(leaving)
-                else:
-                    for block in leaving:
-                        policy.on_unpin(block)
-        else:
-            unpinned = set(range(200)).difference(parked).__contains__
+        if not world.apply(twins, op):
+            unpinned = set(range(200)).difference(world.parked).__contains__
             chosen = [policy.select_victims(op[1], unpinned) for policy in twins]
             assert chosen[0] == chosen[1]
             if chosen[0]:
-                for policy in twins:
-                    if hasattr(policy, "remove_many"):
-                        policy.remove_many(chosen[0])
-                    else:
-                        for block in chosen[0]:
-                            policy.on_remove(block)
-                gone = set(chosen[0])
-                for block_hash in [h for h, block in block_of.items() if block in gone]:
-                    del block_of[block_hash]
-                free += chosen[0]
+                world.remove(twins, chosen[0])
         assert state(twins[0]) == state(twins[1])
     for policy in twins:
         policy.check_invariants()
