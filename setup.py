@@ -2,28 +2,28 @@
 
 from setuptools import Extension, setup
 
+_HEADERS = {"include_dirs": ["backends"], "depends": ["backends/_twin.h", "backends/_views.h"]}
+
+
+def _twin(module: str, *, headers: bool = True, exact_floats: bool = False) -> Extension:
+    """The optional extension ``kvkit.backends.<module>`` from ``backends/<module path>.c``: with the shared
+    headers, and with ``exact_floats`` built without fused multiply-adds (its float steps as the Python's)."""
+    return Extension(f"kvkit.backends.{module}", [f"backends/{module.replace('.', '/')}.c"], optional=True,
+                     **(_HEADERS if headers else {}),
+                     extra_compile_args=["-ffp-contract=off"] if exact_floats else [])
+
+
 setup(ext_modules=[
-    # hit density's per-block bookkeeping loops (backends/eviction/hit_density/booking.py holds the reference)
-    Extension("kvkit.backends.eviction.hit_density._booking", ["backends/eviction/hit_density/_booking.c"],
-              include_dirs=["backends"], depends=["backends/_twin.h", "backends/_views.h"],
-              optional=True, extra_compile_args=["-ffp-contract=off"]),  # its float steps as the Python's
-    # the density model's numeric kernels (backends/eviction/hit_density/kernels.py holds the references)
-    Extension("kvkit.backends.eviction.hit_density._kernels", ["backends/eviction/hit_density/_kernels.c"],
-              include_dirs=["backends"], depends=["backends/_twin.h", "backends/_views.h"],
-              optional=True, extra_compile_args=["-ffp-contract=off"]),  # its float steps as the Python's
-    # hit density's census (backends/eviction/hit_density/census.py holds the reference)
-    Extension("kvkit.backends.eviction.hit_density._census", ["backends/eviction/hit_density/_census.c"],
-              include_dirs=["backends"], depends=["backends/_twin.h", "backends/_views.h"],
-              optional=True, extra_compile_args=["-ffp-contract=off"]),  # its float steps as the Python's
-    # hit density's selection rounds (backends/eviction/hit_density/selection.py holds the reference)
-    Extension("kvkit.backends.eviction.hit_density._selection", ["backends/eviction/hit_density/_selection.c"],
-              include_dirs=["backends"], depends=["backends/_twin.h", "backends/_views.h"],
-              optional=True, extra_compile_args=["-ffp-contract=off"]),  # its densities compared as the Python's
-    # the chain index's batch loops (backends/eviction/_chains.py holds the references)
-    Extension("kvkit.backends.eviction._chains_loops", ["backends/eviction/_chains_loops.c"],
-              include_dirs=["backends"], depends=["backends/_views.h"], optional=True),
+    # hit density: its per-block bookkeeping loops, the density model's numeric kernels, its census and its
+    # selection rounds (booking.py, kernels.py, census.py and selection.py hold the references)
+    _twin("eviction.hit_density._booking", exact_floats=True),
+    _twin("eviction.hit_density._kernels", exact_floats=True),
+    _twin("eviction.hit_density._census", exact_floats=True),
+    _twin("eviction.hit_density._selection", exact_floats=True),  # its densities compared as the Python's
+    # the chain index's loops (backends/eviction/_chains.py holds the references)
+    _twin("eviction._chains_loops"),
     # the block pool's per-block loops (backends/allocator/pool.py holds the reference, loops.py the contracts)
-    Extension("kvkit.backends.allocator._pool_loops", ["backends/allocator/_pool_loops.c"], optional=True),
+    _twin("allocator._pool_loops", headers=False),
     # the parking queue's batch loops (backends/eviction/_queue.py holds the references)
-    Extension("kvkit.backends.eviction._queue_loops", ["backends/eviction/_queue_loops.c"], optional=True),
+    _twin("eviction._queue_loops", headers=False),
 ])
