@@ -24,13 +24,15 @@ A hash is never its own prefix: a block stored under its own hash as its
 parent heads its chain (it is no orphan and has no child).
 
 The batch loops, :meth:`FlatChains.add_many` and :meth:`FlatChains.remove_many`,
-and a walk's fresh pass over a whole subtree (:meth:`FlatChains.collect`'s)
+a walk's fresh pass over a whole subtree (:meth:`FlatChains.collect`'s) and the
+orphans among a batch of pins or releases (:meth:`FlatChains.orphans_among`)
 run the set of :data:`LOOPS` an index holds in its ``_loops``
 (:mod:`~kvkit.backends.twins`): the compiled ``_chains_loops`` module's
 functions where that extension was built, else their Python references
 (:meth:`FlatChains.add_many_reference`, :meth:`FlatChains.remove_many_reference`,
-:meth:`FlatChains.collect_whole_reference`), which hold the contract; the tests
-drive both on the same calls and compare the whole state.
+:meth:`FlatChains.collect_whole_reference`, :meth:`FlatChains.orphans_among_reference`),
+which hold the contract; the tests drive both on the same calls and compare the
+whole state.
 """
 
 from __future__ import annotations
@@ -470,8 +472,7 @@ class FlatChains:
     def pin_many(self, blocks: Sequence[BlockId]) -> None:
         """:meth:`pin` for each block, in order."""
         if self._orphan_of:  # else none is an orphan
-            up = self._up
-            self._orphans.pin_many([block for block in blocks if up[block] == _ORPHAN])
+            self._orphans.pin_many(self._loops.orphans_among(self, blocks))
 
     def unpin(self, block: BlockId) -> None:
         """The owner released ``block``: an orphan is an orphan in its place again."""
@@ -480,8 +481,16 @@ class FlatChains:
     def unpin_many(self, blocks: Sequence[BlockId]) -> None:
         """:meth:`unpin` for each block, in order."""
         if self._orphan_of:  # else none is an orphan
-            up = self._up
-            self._orphans.unpin_many([block for block in blocks if up[block] == _ORPHAN])
+            self._orphans.unpin_many(self._loops.orphans_among(self, blocks))
+
+    def orphans_among(self, blocks: Sequence[BlockId]) -> list[BlockId]:
+        """The orphans among ``blocks`` (ids below the grown size), in their order."""
+        return self._loops.orphans_among(self, blocks)
+
+    def orphans_among_reference(self, blocks: Sequence[BlockId]) -> list[BlockId]:
+        """:meth:`orphans_among` in Python: the reference of the compiled loop."""
+        up = self._up
+        return [block for block in blocks if up[block] == _ORPHAN]
 
     def orphans(self) -> Iterator[BlockId] | None:
         """Orphans not in use, in the order they became orphans (the index must not change meanwhile);
@@ -680,8 +689,10 @@ class ChainLoops(NamedTuple):
     add_many: AddMany
     remove_many: RemoveMany
     collect_whole: CollectWhole
+    orphans_among: Callable[[FlatChains, Sequence[BlockId]], list[BlockId]]
 
 
 LOOPS: Twins[ChainLoops] = Twins.load(ChainLoops(FlatChains.add_many_reference, FlatChains.remove_many_reference,
-                                                 FlatChains.collect_whole_reference),
+                                                 FlatChains.collect_whole_reference,
+                                                 FlatChains.orphans_among_reference),
                    "kvkit.backends.eviction._chains_loops")

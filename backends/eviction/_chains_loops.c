@@ -1,10 +1,13 @@
-/* The chain index's loops, compiled: FlatChains.add_many, remove_many and collect_whole, step for step.
+/* The chain index's loops, compiled: FlatChains.add_many, remove_many, collect_whole and orphans_among, step
+ * for step.
  *
- * _chains.py holds the reference (FlatChains.add_many_reference, remove_many_reference and
- * collect_whole_reference) and the contract; the tests run both on the same calls and compare the whole state. The per-block links
- * (_up, _first, _next, _prev: array('i')) and the owner's pin marks (bytearray) are read through the
- * buffer protocol; the maps, the hash list, the kept walk's sets and the orphans' ParkingQueue stay
- * Python objects, updated (the queue through its own methods) exactly as the reference updates them.
+ * _chains.py holds the references (FlatChains.add_many_reference, remove_many_reference,
+ * collect_whole_reference and orphans_among_reference) and the contract; the tests run both on the same
+ * calls and compare the whole state. The per-block links (_up, _first, _next, _prev: array('i')) and the
+ * owner's pin marks (bytearray) are read through the buffer protocol; the maps, the hash list, the kept
+ * walk's sets and the orphans' ParkingQueue stay Python objects, updated exactly as the reference updates
+ * them: the queue through the loops it runs (its _loops' add and remove_many, called as C functions where
+ * they are compiled) and its remove method.
  *
  * Inputs the loops do not take at C speed (sequences other than lists and tuples, block ids that are
  * not ints inside the arrays, maps other than dicts, a hash list other than a list) run the reference
@@ -29,6 +32,7 @@ typedef struct {
     Py_ssize_t size, parked_size;
     long mark;
     PyObject *own, *hashes, *waiting, *orphan_of, *orphans, *block_of, *walk, *held, *victims;
+    PyObject *queue_add, *queue_remove_many; /* the orphan queue's own loops (its _loops' add, remove_many) */
 } Chains;
 
 static void
@@ -48,6 +52,8 @@ drop(Chains *c)
     Py_CLEAR(c->walk);
     Py_CLEAR(c->held);
     Py_CLEAR(c->victims);
+    Py_CLEAR(c->queue_add);
+    Py_CLEAR(c->queue_remove_many);
 }
 
 static int
@@ -75,6 +81,14 @@ take(PyObject *chains, Chains *c)
         || (c->orphans = PyObject_GetAttrString(chains, "_orphans")) == NULL
         || (c->block_of = PyObject_GetAttrString(chains, "_block_of")) == NULL
         || (c->walk = PyObject_GetAttrString(chains, "_walk")) == NULL)
+        return -1;
+    PyObject *loops = PyObject_GetAttrString(c->orphans, "_loops");
+    if (loops == NULL)
+        return -1;
+    c->queue_add = PyObject_GetAttrString(loops, "add");
+    c->queue_remove_many = c->queue_add == NULL ? NULL : PyObject_GetAttrString(loops, "remove_many");
+    Py_DECREF(loops);
+    if (c->queue_remove_many == NULL)
         return -1;
     if ((c->own != Py_None && !PyDict_CheckExact(c->own)) || !PyList_CheckExact(c->hashes)
         || !PyDict_CheckExact(c->waiting) || !PyDict_CheckExact(c->orphan_of))
@@ -225,7 +239,7 @@ append_long(PyObject *list, long value)
 }
 
 /* The names of the methods called back, interned at import. */
-static PyObject *name_add, *name_remove, *name_remove_many, *name_get;
+static PyObject *name_remove, *name_get;
 
 /* obj.<name>(arg, *more): a new reference. */
 static PyObject *
@@ -244,6 +258,17 @@ call_queue(PyObject *queue, PyObject *name, long block, PyObject *more)
         return -1;
     PyObject *r = call(queue, name, b, more);
     Py_DECREF(b);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* loop(orphans, block, *more), one of the orphan queue's own loops (no method lookup, no Python frame where
+ * they are compiled), its result dropped. */
+static int
+queue_loop(const Chains *c, PyObject *loop, PyObject *block, PyObject *more)
+{
+    PyObject *argv[3] = {c->orphans, block, more};
+    PyObject *r = PyObject_Vectorcall(loop, argv, more == NULL ? 2 : 3, NULL);
     Py_XDECREF(r);
     return r == NULL ? -1 : 0;
 }
@@ -473,10 +498,8 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             int parked_too = 0;
             if (!pinned_true && is_parked(&c, block, &parked_too) < 0)
                 goto done;
-            PyObject *r = call(c.orphans, name_add, block_obj, pinned_true ? pinned : parked_too ? Py_True : Py_False);
-            if (r == NULL)
+            if (queue_loop(&c, c.queue_add, block_obj, pinned_true ? pinned : parked_too ? Py_True : Py_False) < 0)
                 goto done;
-            Py_DECREF(r);
             if (append_long(parent_blocks, NONE) < 0)
                 goto done;
             continue;
@@ -684,13 +707,14 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     for (Py_ssize_t k = 0; k < kept; k++) {
                         long child_k = staying[k];
                         int parked_child;
-                        if (is_parked(&c, child_k, &parked_child) < 0
-                            || call_queue(c.orphans, name_add, child_k, parked_child ? Py_True : Py_False) < 0)
+                        if (is_parked(&c, child_k, &parked_child) < 0)
                             goto done;
                         PyObject *key = PyLong_FromLong(child_k);
                         if (key == NULL)
                             goto done;
-                        int rc = PyDict_SetItem(c.orphan_of, key, block_hash);
+                        int rc = queue_loop(&c, c.queue_add, key, parked_child ? Py_True : Py_False);
+                        if (rc == 0)
+                            rc = PyDict_SetItem(c.orphan_of, key, block_hash);
                         Py_DECREF(key);
                         if (rc < 0)
                             goto done;
@@ -716,12 +740,8 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
         }
     }
-    {
-        PyObject *r = call(c.orphans, name_remove_many, unqueued, NULL);
-        if (r == NULL)
-            goto done;
-        Py_DECREF(r);
-    }
+    if (queue_loop(&c, c.queue_remove_many, unqueued, NULL) < 0)
+        goto done;
     result = removed;
     removed = NULL;
 done:
@@ -878,6 +898,43 @@ done:
     return result;
 }
 
+/* FlatChains.orphans_among_reference: the items of a list or tuple whose _up is ORPHAN, in their order; any
+ * other sequence, or an item that is no exact int inside the arrays, runs the reference (it changes nothing). */
+static PyObject *
+orphans_among(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "orphans_among takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *chains = args[0], *blocks = args[1], *result = NULL;
+    View up_v = {0};
+    int32_t *up;
+    if (!is_sequence(blocks))
+        return PyObject_CallMethod(chains, "orphans_among_reference", "(O)", blocks);
+    if (array_view(chains, "_up", &up_v, &up) < 0 || (result = PyList_New(0)) == NULL)
+        goto done;
+    Py_ssize_t size = up_v.buf.len / 4, n = PySequence_Fast_GET_SIZE(blocks);
+    PyObject **items = PySequence_Fast_ITEMS(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long block = PyLong_CheckExact(items[i]) ? PyLong_AsLong(items[i]) : -1;
+        if (block < 0 || block >= size) { /* (an overflow's error cleared) another id: the reference */
+            PyErr_Clear();
+            release(&up_v);
+            Py_SETREF(result, PyObject_CallMethod(chains, "orphans_among_reference", "(O)", blocks));
+            goto done;
+        }
+        if (up[block] == ORPHAN && PyList_Append(result, items[i]) < 0) {
+            Py_CLEAR(result);
+            goto done;
+        }
+    }
+done:
+    release(&up_v);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"add_many", (PyCFunction)(void (*)(void))add_many, METH_FASTCALL,
      "add_many(chains, owner, blocks, hashes, parents, pinned) -> (parent_blocks, fresh, refusal): "
@@ -887,6 +944,8 @@ static PyMethodDef methods[] = {
     {"collect_whole", (PyCFunction)(void (*)(void))collect_whole, METH_FASTCALL,
      "collect_whole(chains, root, is_evictable, chosen, n) -> picked or None: FlatChains.collect_whole_reference, "
      "compiled."},
+    {"orphans_among", (PyCFunction)(void (*)(void))orphans_among, METH_FASTCALL,
+     "orphans_among(chains, blocks) -> orphans: FlatChains.orphans_among_reference, compiled."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -898,9 +957,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__chains_loops(void)
 {
-    if ((name_add = PyUnicode_InternFromString("add")) == NULL
-        || (name_remove = PyUnicode_InternFromString("remove")) == NULL
-        || (name_remove_many = PyUnicode_InternFromString("remove_many")) == NULL
+    if ((name_remove = PyUnicode_InternFromString("remove")) == NULL
         || (name_get = PyUnicode_InternFromString("get")) == NULL)
         return NULL;
     return PyModule_Create(&module);

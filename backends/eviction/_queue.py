@@ -33,7 +33,8 @@ The batch loops a scheduler step runs per block (:meth:`ParkingQueue.add_pinned_
 and the selection (:meth:`~ParkingQueue.first`) run the set of :data:`LOOPS` a queue holds in its
 ``_loops`` (:mod:`~kvkit.backends.twins`): the compiled ``_queue_loops`` module's functions where that
 extension was built, else their Python references (the methods named ``*_reference``), which hold the
-contract; the tests drive both on the same calls and compare the whole state.
+contract; the tests drive both on the same calls and compare the whole state. The set also holds
+:meth:`ParkingQueue.add` (the method itself its reference), which compiled callers run per block.
 """
 
 from __future__ import annotations
@@ -777,8 +778,13 @@ class ParkingQueue:
 
 
 class QueueLoops(NamedTuple):
-    """The batch loops a :class:`ParkingQueue` runs, each called with the queue first."""
+    """The loops a :class:`ParkingQueue` runs, each called with the queue first.
 
+    ``add`` is :meth:`ParkingQueue.add` (the method is its reference), for a compiled caller (the chain
+    index's loops) to call the queue's own set without a Python frame.
+    """
+
+    add: Callable[[ParkingQueue, BlockId, bool], None]
     add_pinned_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
     pin_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
     unpin_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
@@ -787,7 +793,7 @@ class QueueLoops(NamedTuple):
 
 
 LOOPS: Twins[QueueLoops] = Twins.load(
-    QueueLoops(ParkingQueue.add_pinned_many_reference, ParkingQueue.pin_many_reference,
+    QueueLoops(ParkingQueue.add, ParkingQueue.add_pinned_many_reference, ParkingQueue.pin_many_reference,
                ParkingQueue.unpin_many_reference, ParkingQueue.remove_many_reference, ParkingQueue.first_reference),
     "kvkit.backends.eviction._queue_loops")
 

@@ -1,4 +1,4 @@
-/* The parking queue's batch loops, compiled: ParkingQueue.add_pinned_many, pin_many, unpin_many,
+/* The parking queue's loops, compiled: ParkingQueue.add, add_pinned_many, pin_many, unpin_many,
  * remove_many and first, step for step.
  *
  * _queue.py holds the references (the methods named *_reference) and the contract; the tests run both on
@@ -32,7 +32,8 @@ static PyObject *s_slots, *s_prev, *s_next, *s_stamp, *s_state, *s_clock, *s_bas
 typedef struct {
     PyObject *queue, *slots; /* borrowed queue, slots a new reference */
     Py_buffer prev_b, next_b, stamp_b, state_b;
-    int held; /* the four buffers are held */
+    int held;  /* the four buffers are held (an entry's: the stamps and states) */
+    int entry; /* taken by take_entry: the list's scalars and links are not */
     int32_t *prev, *next;
     int64_t *stamp;
     void *state;
@@ -60,8 +61,10 @@ static void
 release(Queue *q)
 {
     if (q->held) {
-        PyBuffer_Release(&q->prev_b);
-        PyBuffer_Release(&q->next_b);
+        if (!q->entry) {
+            PyBuffer_Release(&q->prev_b);
+            PyBuffer_Release(&q->next_b);
+        }
         PyBuffer_Release(&q->stamp_b);
         PyBuffer_Release(&q->state_b);
         q->held = 0;
@@ -154,11 +157,45 @@ take(Queue *q)
     return 0;
 }
 
+/* What ParkingQueue.add reads and writes where no block is pending (it links none): the stamps and states
+ * (held), the queue's base, length and window size and the clock. */
+static int
+take_entry(Queue *q)
+{
+    q->held = 0;
+    q->entry = 1;
+    q->pending = NIL;
+    if ((q->slots = PyObject_GetAttr(q->queue, s_slots)) == NULL || get_ll(q->queue, s_base, &q->base) < 0
+        || get_ll(q->queue, s_len, &q->len) < 0 || get_ll(q->queue, s_size, &q->size) < 0
+        || get_ll(q->slots, s_clock, &q->clock) < 0 || buffer(q->slots, s_stamp, &q->stamp_b, 8, 8) < 0)
+        return -1;
+    if (buffer(q->slots, s_state, &q->state_b, 1, 8) < 0) {
+        PyBuffer_Release(&q->stamp_b);
+        return -1;
+    }
+    q->held = 1;
+    q->stamp = (int64_t *)q->stamp_b.buf;
+    q->state = q->state_b.buf;
+    q->wide = q->state_b.itemsize == 8;
+    q->n = q->state_b.len / q->state_b.itemsize;
+    if (q->stamp_b.len / 8 != q->n) {
+        release(q);
+        PyErr_SetString(PyExc_ValueError, "ParkingQueue: the slot arrays differ in size");
+        return -1;
+    }
+    return 0;
+}
+
 /* Writes the scalars the loops change back to the queue and releases the buffers. */
 static int
 give(Queue *q)
 {
     release(q);
+    if (q->entry) /* an add: no link changed */
+        return set_ll(q->queue, s_len, q->len) < 0 || set_ll(q->slots, s_clock, q->clock) < 0
+                       || (q->pending != NIL && set_ll(q->queue, s_pending, q->pending) < 0)
+                   ? -1
+                   : 0;
     if (set_ll(q->queue, s_len, q->len) < 0 || set_ll(q->queue, s_head, q->head) < 0
         || set_ll(q->queue, s_tail, q->tail) < 0 || set_ll(q->queue, s_cut, q->cut) < 0
         || set_ll(q->queue, s_pending, q->pending) < 0 || set_ll(q->slots, s_clock, q->clock) < 0)
@@ -342,6 +379,52 @@ done:
     release(&q);
     Py_XDECREF(q.slots);
     Py_XDECREF(blocks);
+    return result;
+}
+
+/* ParkingQueue.add (its Python body is the reference): a block absent from the slots is stamped after the
+ * block pending is linked, then parked or, unpinned on an unwatched queue, left pending (the next call that
+ * needs the list links it); any other call (a block tracked, negative or past the slots, pinned other than
+ * a bool, an unpinned block where a window is watched) runs the reference. With no block pending, only
+ * what the entry changes is taken (take_entry). */
+static PyObject *
+add(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2 && check_args("add", nargs, 3) < 0)
+        return NULL;
+    PyObject *pinned = nargs == 3 ? args[2] : Py_False;
+    if (!PyBool_Check(pinned))
+        return reference(args[0], s_add, args + 1, nargs - 1);
+    Queue q = {.queue = args[0]};
+    PyObject *result = NULL;
+    long long pending;
+    if (get_ll(q.queue, s_pending, &pending) < 0 || (pending == NIL ? take_entry(&q) : take(&q)) < 0)
+        goto done;
+    Py_ssize_t block = slot_of(&q, args[1]);
+    if (block < 0 || state_of(&q, block) != ABSENT || (q.size != 0 && pinned == Py_False)) {
+        release(&q);
+        result = reference(args[0], s_add, args + 1, nargs - 1);
+        goto done;
+    }
+    if (flush(&q) < 0) /* the block pending (none: taken as an entry) */
+        goto done;
+    q.clock += 1;
+    q.stamp[block] = q.clock;
+    q.len += 1;
+    if (pinned == Py_True)
+        set_state(&q, block, q.base | PARKED);
+    else {
+        set_state(&q, block, q.base | MAIN);
+        q.pending = block;
+    }
+    if (give(&q) == 0)
+        result = Py_NewRef(Py_None);
+done:
+    if (result == NULL)
+        give_back(&q);
+    release(&q);
+    Py_XDECREF(q.slots);
     return result;
 }
 
@@ -624,6 +707,8 @@ done:
 static PyMethodDef methods[] = {
     {"add_pinned_many", (PyCFunction)(void (*)(void))add_pinned_many, METH_FASTCALL,
      "add_pinned_many(queue, blocks): ParkingQueue.add_pinned_many_reference, compiled."},
+    {"add", (PyCFunction)(void (*)(void))add, METH_FASTCALL,
+     "add(queue, block, pinned=False): ParkingQueue.add, compiled."},
     {"pin_many", (PyCFunction)(void (*)(void))pin_many, METH_FASTCALL,
      "pin_many(queue, blocks): ParkingQueue.pin_many_reference, compiled."},
     {"unpin_many", (PyCFunction)(void (*)(void))unpin_many, METH_FASTCALL,

@@ -120,7 +120,8 @@ def _tracked_pick(chains: FlatChains, pick: int) -> int:
 # block's own hash), refusals (a tracked block or hash, a block named twice) and ids past the arrays (the
 # reference's IndexError); removals of tracked blocks picked by rank (with or without the caller's set,
 # some repeated, some past the arrays: refused); pins, unpins, and walks, some with blocks already chosen,
-# that run to their end or stop half way (kept, resumed or dropped by the next calls). Each
+# that run to their end or stop half way (kept, resumed or dropped by the next calls); the orphans among
+# a batch of ids, some negative (the reference indexes from the end) or past the arrays (IndexError). Each
 # batch comes as lists, tuples or another sequence (the compiled loop hands that to the reference).
 _ENTRY = st.tuples(st.integers(0, _SIZE), st.integers(1, 16),
                    st.one_of(st.none(), st.just("previous"), st.just("itself"), st.integers(1, 16),
@@ -133,6 +134,7 @@ _CHAIN_OPS = st.lists(st.one_of(
     st.tuples(st.just("unpin"), st.integers(0, _SIZE - 1)),
     st.tuples(st.just("collect"), st.integers(0, _SIZE - 1), st.integers(1, 12),
               st.lists(st.integers(0, _SIZE - 1), max_size=4)),
+    st.tuples(st.just("among"), st.lists(st.integers(-2, _SIZE), max_size=8), _KINDS),
 ), max_size=60)
 
 
@@ -202,6 +204,8 @@ def test_compiled_chain_loops_are_the_references(ops: list[tuple[Any, ...]], sha
                 if chains.tracks(op[1]) and chains.parked[op[1]] == FlatChains.PARKED:
                     chains.parked[op[1]] = 0
                     chains.unpin(op[1])
+            elif op[0] == "among":
+                outcomes.append(_outcome(chains.orphans_among, op[2](op[1])))
             elif chains.tracks(root := _tracked_pick(chains, op[1])):  # some blocks already chosen
                 chosen = dict.fromkeys(b for b in (_tracked_pick(chains, pick) for pick in op[3]) if b != root)
                 outcomes.append((_outcome(chains.collect, root, _evictable, chosen, op[2]), list(chosen)))
@@ -719,13 +723,15 @@ def _queues_state(queues: list[ParkingQueue]) -> list[dict[str, Any]]:
          shared=False)  # the first block is not evictable: the walk asks again
 @example(ops=[("watch", 0, 1), ("add_pinned_many", 0, [0], list)], shared=False)  # it joins, then leaves
 @example(ops=[("add", 0, 0, True), ("pin_many", 0, [0], list)], shared=True)  # pinned twice: refused
+@example(ops=[("add", 0, 0, False), ("add", 0, 1, True), ("add", 0, 2, False), ("add", 0, 2, True),
+              ("first", 0, 3, True)], shared=True)  # a pending block linked first, a tracked one refused
 @given(ops=_QUEUE_OPS, shared=st.booleans())
 def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], shared: bool) -> None:
-    """Two sets of queues take the same calls, one running the compiled loops, one the references: every
-    call returns or raises the same, and after it both hold the same state (the slot arrays, the side
-    list, stamps, the clock, the window). Batches come as lists, tuples or another sequence (the compiled
-    loop hands that to the reference); watched windows, ids past the slots, refusals and odd ids run the
-    references' general cases."""
+    """Two sets of queues take the same calls, one running the compiled loops, one the references (a single
+    ``add`` is the set's own, the method in the references): every call returns or raises the same, and
+    after it both hold the same state (the slot arrays, the side list, stamps, the clock, the window).
+    Batches come as lists, tuples or another sequence (the compiled loop hands that to the reference);
+    watched windows, ids past the slots, refusals and odd ids run the references' general cases."""
     assert _queue.LOOPS.compiled is not None
     twins = [_queues(shared, _queue.LOOPS.compiled), _queues(shared, _queue.LOOPS.reference)]
     for op in ops:
@@ -739,7 +745,8 @@ def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], sha
                 args = (args[1](args[0]),)
             elif name == "first":
                 args = (args[0], _evictable if args[1] else any_block)
-            outcomes.append(_outcome(getattr(queue, name), *args))
+            call = getattr(queue._loops, name) if name == "add" else getattr(queue, name)
+            outcomes.append(_outcome(call, queue, *args) if name == "add" else _outcome(call, *args))
         assert outcomes[0] == outcomes[1], op
         assert _queues_state(twins[0]) == _queues_state(twins[1]), op
     for queues in twins:
