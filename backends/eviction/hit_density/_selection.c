@@ -3,7 +3,9 @@
  * selection.py holds the reference and the contract; the tests run both on the same calls and compare
  * what they return, the order of chosen and the policy's whole state. The policy's per-block arrays and
  * the chain index's rings are read through the buffer protocol; chosen stays the caller's dict, and
- * evictable, collect, forget_walk and the orphan walk are called as the reference calls them.
+ * evictable, collect and forget_walk are called as the reference calls them. The orphans are walked from
+ * the chain index's orphan queue's list where it has no side list (orphan_list), else by the generator
+ * FlatChains.orphans() returns.
  *
  * The heads' keys (density, last access, block, stream) are C values compared in the tuples' order: the
  * densities are checked on entry to be floats, none a NaN, so comparing them as doubles is comparing the
@@ -440,10 +442,108 @@ run(Sel *s, Py_ssize_t stream, int64_t root, int64_t twin_block)
     }
 }
 
-/* The orphans, in their order, each usable one the next root: 1 once n are chosen, 0 if not, -1. */
+/* An exact int within 0..limit: 1 with *out, 0 if not (no error). */
+static int
+small_int(PyObject *v, int64_t low, int64_t limit, int64_t *out)
+{
+    if (!PyLong_CheckExact(v))
+        return 0;
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || x < low || x > limit)
+        return 0;
+    *out = x;
+    return 1;
+}
+
+/* One orphan of the walk: the next root where usable (the reference's loop body). 1 once n are chosen, 0 if
+ * not, -1. */
+static int
+orphan(Sel *s, PyObject *root)
+{
+    int rc = PyDict_Contains(s->chosen, root);
+    if (rc != 0)
+        return rc < 0 ? -1 : 0;
+    int64_t mark = 0;
+    Py_ssize_t block = PyNumber_AsSsize_t(root, PyExc_IndexError);
+    if ((block == -1 && PyErr_Occurred()) || get_u8(&s->where, block, &mark) < 0)
+        return -1;
+    if (mark == PARKED || (rc = ask(s, root)) <= 0)
+        return rc;
+    if ((rc = alone(s, block)) > 0)
+        rc = drop_walk(s) < 0 || PyDict_SetItem(s->chosen, root, Py_None) < 0 ? -1 : 1;
+    else if (rc == 0) {
+        PyObject *picked = walk(s, root);
+        rc = picked == NULL ? -1 : 1;
+        Py_XDECREF(picked);
+    }
+    return rc < 0 ? -1 : PyDict_GET_SIZE(s->chosen) >= s->n;
+}
+
+/* The orphan queue's walk read from its slots: where it has no side list, FlatChains.orphans() walks
+ * (ParkingQueue._walk with any_block) its list from its head, the block pending linked first (queue._flush(),
+ * as the walk's first step calls it), each next link read after the block before it is done. 1 once n are
+ * chosen, 0 if not, 2 where the queue has a side list (the generator walks it), -1. */
+static int
+orphan_list(Sel *s, PyObject *queue)
+{
+    PyObject *back = NULL, *pending = NULL, *head = NULL, *slots = NULL, *next = NULL;
+    View links = {0};
+    int rc = -1;
+    if ((back = PyObject_GetAttrString(queue, "_back")) == NULL || (rc = PyObject_IsTrue(back)) != 0) {
+        rc = rc > 0 ? 2 : -1;
+        goto done;
+    }
+    rc = -1;
+    if ((pending = PyObject_GetAttrString(queue, "_pending")) == NULL)
+        goto done;
+    int64_t unlinked;
+    PyObject *r = small_int(pending, NONE, NONE, &unlinked) ? Py_NewRef(Py_None) : PyObject_CallMethod(queue, "_flush", NULL);
+    if (r == NULL)
+        goto done;
+    Py_DECREF(r);
+    int64_t block;
+    if ((head = PyObject_GetAttrString(queue, "_head")) == NULL)
+        goto done;
+    if (!small_int(head, NONE, INT64_MAX, &block)) { /* no block id: the generator, which raises as it does */
+        rc = 2;
+        goto done;
+    }
+    if ((slots = PyObject_GetAttrString(queue, "_slots")) == NULL
+        || (next = PyObject_GetAttrString(slots, "next")) == NULL || view(next, &links, 4, "the orphans' links") < 0)
+        goto done;
+    rc = 0;
+    while (rc == 0 && block != NONE) {
+        PyObject *root = PyLong_FromLongLong(block);
+        rc = root == NULL ? -1 : orphan(s, root);
+        Py_XDECREF(root);
+        if (rc == 0 && get_i32(&links, block, &block) < 0)
+            rc = -1;
+    }
+done:
+    release(&links);
+    Py_XDECREF(back);
+    Py_XDECREF(pending);
+    Py_XDECREF(head);
+    Py_XDECREF(slots);
+    Py_XDECREF(next);
+    return rc;
+}
+
+/* The orphans, in their order, each usable one the next root: 1 once n are chosen, 0 if not, -1. Where the
+ * chain index has orphans (FlatChains.orphans() is not None), their list is read here (orphan_list), else
+ * their walk's generator runs. */
 static int
 orphans(Sel *s)
 {
+    PyObject *queue = PyObject_GetAttrString(s->chains, "_orphans");
+    if (queue == NULL)
+        return -1;
+    Py_ssize_t count = PyObject_Length(queue);
+    int rc = count < 0 ? -1 : count == 0 ? 0 : orphan_list(s, queue);
+    Py_DECREF(queue);
+    if (rc != 2)
+        return rc;
     PyObject *orphan_walk = PyObject_CallMethod(s->chains, "orphans", NULL);
     if (orphan_walk == NULL)
         return -1;
@@ -455,36 +555,14 @@ orphans(Sel *s)
     Py_DECREF(orphan_walk);
     if (it == NULL)
         return -1;
-    int done = 0;
     PyObject *root;
-    while (!done && (root = PyIter_Next(it)) != NULL) {
-        int rc = PyDict_Contains(s->chosen, root);
-        Py_ssize_t block = -1;
-        int64_t mark = 0;
-        if (rc == 0) {
-            block = PyNumber_AsSsize_t(root, PyExc_IndexError);
-            if ((block == -1 && PyErr_Occurred()) || get_u8(&s->where, block, &mark) < 0)
-                rc = -1;
-            else if (mark != PARKED && (rc = ask(s, root)) > 0) {
-                if ((rc = alone(s, block)) > 0)
-                    rc = drop_walk(s) < 0 || PyDict_SetItem(s->chosen, root, Py_None) < 0 ? -1 : 1;
-                else if (rc == 0) {
-                    PyObject *picked = walk(s, root);
-                    rc = picked == NULL ? -1 : 1;
-                    Py_XDECREF(picked);
-                }
-                if (rc > 0)
-                    done = PyDict_GET_SIZE(s->chosen) >= s->n;
-            }
-        }
+    rc = 0;
+    while (rc == 0 && (root = PyIter_Next(it)) != NULL) {
+        rc = orphan(s, root);
         Py_DECREF(root);
-        if (rc < 0) {
-            Py_DECREF(it);
-            return -1;
-        }
     }
     Py_DECREF(it);
-    return PyErr_Occurred() ? -1 : done;
+    return rc < 0 || PyErr_Occurred() ? -1 : rc;
 }
 
 /* The rounds over the streams: 1 once n are chosen, 0 when the streams run out first, -1. */
@@ -560,20 +638,6 @@ view_of(PyObject *obj, const char *name, View *v, Py_ssize_t itemsize)
     int rc = view(o, v, itemsize, name);
     Py_DECREF(o);
     return rc;
-}
-
-/* An exact int within 0..limit: 1 with *out, 0 if not (no error). */
-static int
-small_int(PyObject *v, int64_t low, int64_t limit, int64_t *out)
-{
-    if (!PyLong_CheckExact(v))
-        return 0;
-    int overflow;
-    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-    if (overflow || x < low || x > limit)
-        return 0;
-    *out = x;
-    return 1;
 }
 
 /* The model's tables as the compiled rounds take them: rows None or exact lists of top + 1 floats, no
