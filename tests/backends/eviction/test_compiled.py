@@ -346,6 +346,45 @@ def test_forget_ghosts_is_the_reference(ops: list[tuple[Any, ...]], lo: int, wid
     assert _state(twins[0]) == _state(twins[1])
 
 
+@pytest.mark.skipif(booking.LOOPS.compiled is None, reason="the compiled loops were not built")
+@settings(max_examples=200, deadline=None)
+@example(ops=[("store", 0, 2, 6, False)], picks=[0, 1, 0, 2], pinning=True, stray=None, at=0)  # orphans, a repeat
+@example(ops=[("store", 0, 0, 6, True)], picks=[0, 1, 2], pinning=False, stray="x", at=2)
+@example(ops=[("store", 0, 0, 6, True), ("unpin", 3)], picks=[0, 1, 5], pinning=False, stray=None, at=0)
+@given(ops=_OPS, picks=st.lists(st.integers(0, 60), max_size=8), pinning=st.booleans(),
+       stray=st.sampled_from([None, -1, "end", "untracked", 1 << 70, "x", True, 2.0]), at=st.integers(0, 8))
+def test_book_pins_is_the_reference(ops: list[tuple[Any, ...]], picks: list[int], pinning: bool, stray: Any,
+                                    at: int) -> None:
+    """pin_many or unpin_many on three copies of one policy (orphans among its blocks), with the compiled
+    booking, the reference, and the reference's per-block hooks: any tracked blocks, listed or parked, some
+    named twice, and a stray id (past the arrays, untracked, no int) at any place: the same refusal at the
+    same block, the blocks before it moved (the chain index's orphan pins too), the same state."""
+    setup = [HitDensityPolicy(capacity=16) for _ in range(2)]
+    _drive(setup, ops, _state)
+    policy = setup[0]
+    tracked = [b for b in range(len(policy._where)) if policy._where[b]]
+    blocks: list[Any] = [tracked[pick % len(tracked)] for pick in picks] if tracked else []
+    if stray is not None:
+        untracked = next(b for b in range(len(policy._where) + 1) if b == len(policy._where) or not policy._where[b])
+        stray = {"end": len(policy._where), "untracked": untracked}.get(stray, stray)
+        blocks.insert(min(at, len(blocks)), stray)
+    twins = [copy.deepcopy(policy) for _ in range(3)]
+    for twin in twins[1:]:
+        twin._booking = booking.LOOPS.reference
+
+    def one_by_one(policy: HitDensityPolicy, blocks: list[Any]) -> None:
+        for block in blocks:
+            (policy.on_pin if pinning else policy.on_unpin)(block)
+
+    outcomes = [_outcome_any(call, twin, blocks) for call, twin in
+                zip((HitDensityPolicy.pin_many if pinning else HitDensityPolicy.unpin_many,) * 2 + (one_by_one,),
+                    twins)]
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    assert _state(twins[0]) == _state(twins[1]) == _state(twins[2])
+    for twin in twins:
+        twin.check_invariants()
+
+
 # Stores (listed one block at a time, or parked as a batch; chains, and orphans where a piece starts past
 # its conversation's head), hits, pins, unpins, removals of tracked blocks picked by rank, and selections:
 # through select_victims (its victims evicted or not), or select_rounds called with some tracked blocks
