@@ -23,12 +23,14 @@ deterministic and survive ``deepcopy``.
 A hash is never its own prefix: a block stored under its own hash as its
 parent heads its chain (it is no orphan and has no child).
 
-The batch loops, :meth:`FlatChains.add_many` and :meth:`FlatChains.remove_many`,
-and a walk's fresh pass over a whole subtree (:meth:`FlatChains.collect`'s)
-run the set of :data:`LOOPS` an index holds in its ``_loops``
-(:mod:`~kvkit.backends.twins`): the compiled ``_chains_loops`` module's
-functions where that extension was built, else their Python references
-(:meth:`FlatChains.add_many_reference`, :meth:`FlatChains.remove_many_reference`,
+The batch loops, :meth:`FlatChains.add_many`, :meth:`FlatChains.remove_many`
+and its check :meth:`FlatChains.distinct_tracked`, and a walk's fresh pass over
+a whole subtree (:meth:`FlatChains.collect`'s) run the set of :data:`LOOPS` an
+index holds in its ``_loops`` (:mod:`~kvkit.backends.twins`): the compiled
+``_chains_loops`` module's functions where that extension was built, else
+their Python references (:meth:`FlatChains.add_many_reference`,
+:meth:`FlatChains.remove_many_reference`,
+:meth:`FlatChains.distinct_tracked_reference`,
 :meth:`FlatChains.collect_whole_reference`), which hold the contract; the tests
 drive both on the same calls and compare the whole state.
 """
@@ -68,6 +70,11 @@ class RemoveMany(Protocol):
     def __call__(self, chains: FlatChains, owner: object, blocks: Sequence[BlockId],
                  leaving: frozenset[int] | None, /) -> list[BlockHash]:
         """:meth:`FlatChains.remove_many` of ``chains``."""
+
+
+class DistinctTracked(Protocol):
+    def __call__(self, chains: FlatChains, blocks: Sequence[BlockId], /) -> frozenset[int]:
+        """:meth:`FlatChains.distinct_tracked` of ``chains``."""
 
 
 class CollectWhole(Protocol):
@@ -376,7 +383,11 @@ class FlatChains:
 
     def distinct_tracked(self, blocks: Sequence[BlockId]) -> frozenset[int]:
         """``blocks`` as a set if there are several, distinct and all tracked (a removal of them all cannot
-        stop half way), else empty (passes at C speed)."""
+        stop half way), else empty."""
+        return self._loops.distinct_tracked(self, blocks)
+
+    def distinct_tracked_reference(self, blocks: Sequence[BlockId]) -> frozenset[int]:
+        """:meth:`distinct_tracked` in Python (passes at C speed): the reference of the compiled loop."""
         if len(blocks) < 2:
             return frozenset()
         leaving = frozenset(blocks)
@@ -679,9 +690,11 @@ class ChainLoops(NamedTuple):
 
     add_many: AddMany
     remove_many: RemoveMany
+    distinct_tracked: DistinctTracked
     collect_whole: CollectWhole
 
 
 LOOPS: Twins[ChainLoops] = Twins.load(ChainLoops(FlatChains.add_many_reference, FlatChains.remove_many_reference,
+                                                 FlatChains.distinct_tracked_reference,
                                                  FlatChains.collect_whole_reference),
                    "kvkit.backends.eviction._chains_loops")

@@ -212,6 +212,30 @@ def test_compiled_chain_loops_are_the_references(ops: list[tuple[Any, ...]], sha
         chains.check_invariants()
 
 
+@pytest.mark.skipif(_chains.LOOPS.compiled is None, reason="the compiled loops were not built")
+@settings(max_examples=300, deadline=None)
+@example(tracked=[1, 2, 3], blocks=[1, 2, 3], kind=list)
+@example(tracked=[1, 2, 3], blocks=[1, 2, 1], kind=tuple)  # named twice
+@example(tracked=[1, 2], blocks=[1, True], kind=list)
+@example(tracked=[1, 2], blocks=[2, [1]], kind=list)  # unhashable: the reference's TypeError
+@given(tracked=st.lists(st.integers(0, _SIZE - 1), unique=True, max_size=_SIZE),
+       blocks=st.lists(st.one_of(st.integers(0, _SIZE - 1), st.integers(0, _SIZE - 1),
+                                 st.sampled_from([-1, _SIZE, 1 << 70, -(1 << 70), True, 2.0, "x", (3,), [1]])),
+                       max_size=8),
+       kind=_KINDS)
+def test_compiled_distinct_tracked_is_the_reference(tracked: list[int], blocks: list[Any], kind: Any) -> None:
+    """The compiled check of a removal's blocks against the reference: several distinct tracked ids or not
+    (one named twice, untracked, past the arrays, no int, unhashable; lists, tuples or another sequence):
+    the same set, or the same error."""
+    chains = FlatChains(bytearray(_SIZE))
+    chains.grow(_SIZE)
+    chains.add_many("owner", tracked, [block + 100 for block in tracked], [None] * len(tracked))
+    assert _chains.LOOPS.compiled is not None
+    outcomes = [_outcome_any(loops.distinct_tracked, chains, kind(blocks))
+                for loops in (_chains.LOOPS.compiled, _chains.LOOPS.reference)]
+    assert outcomes[0] == outcomes[1]
+
+
 def _state(policy: HitDensityPolicy) -> dict[str, Any]:
     """Every field of the policy the booking reads or writes, and what its decisions read."""
     fields = ("_where", "_cls", "_uses", "_last", "_next", "_prev", "_ends", "_dirty", "_recent",
