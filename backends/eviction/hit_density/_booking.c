@@ -3,7 +3,9 @@
  * booking.py holds the reference and the contracts; the tests run both on the same calls and
  * compare the whole state. The policy's per-block arrays are read through the buffer protocol
  * (bytearrays of bytes, array('i') links, array('q') clocks); maps, the class-list ends and the
- * dirty set stay Python objects, updated as the reference updates them.
+ * dirty set stay Python objects, updated as the reference updates them. What the reference asks the chain
+ * index for (FlatChains.links in book_accesses, pin_many and unpin_many in book_pins) is read from its
+ * arrays and maps here, as those methods read them; its orphan queue is told through its own methods.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -16,6 +18,7 @@
 #define REFERENCE "kvkit.backends.eviction.hit_density.booking"
 
 enum { LEAF = 0, PARENT = 1, TIP = 2, KINDS = 3, NONE = -1, MAX_USES = 255, LISTED = 1, PARKED = 2 };
+enum { ORPHAN = -2 }; /* FlatChains' _up mark of an orphan */
 
 /* The policy's state for one call. */
 typedef struct {
@@ -766,7 +769,9 @@ book_pins(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "book_pins takes 3 arguments, got %zd", nargs);
         return NULL;
     }
-    PyObject *p = args[0], *blocks = NULL, *chains = NULL, *moved = NULL, *told = NULL, *result = NULL;
+    PyObject *p = args[0], *blocks = NULL, *chains = NULL, *orphan_of = NULL, *orphans = NULL, *moved = NULL;
+    PyObject *told = NULL, *result = NULL;
+    View up = {0};
     long mark = PyLong_AsLong(args[2]);
     if (mark != LISTED && mark != PARKED) { /* no int, or a mark out of contract: the reference */
         PyErr_Clear();
@@ -791,17 +796,39 @@ book_pins(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         where[block] = (unsigned char)mark;
     }
     close_state(&s);
-    if (i) { /* the chain index hears of the blocks moved */
-        if ((moved = i == n ? Py_NewRef(blocks) : PySequence_GetSlice(blocks, 0, i)) == NULL
-            || (chains = attr(p, S(_chains))) == NULL
-            || (told = PyObject_CallMethodOneArg(chains, mark == LISTED ? S(unpin_many) : S(pin_many), moved)) == NULL)
+    /* The chain index hears of the blocks moved (FlatChains.pin_many or unpin_many, inlined): where some block
+     * is an orphan, its orphan queue is told which of them are. */
+    if (i && ((chains = attr(p, S(_chains))) == NULL || (orphan_of = attr(chains, S(_orphan_of))) == NULL))
+        goto done;
+    if (i && !PyDict_CheckExact(orphan_of)) {
+        PyErr_SetString(PyExc_TypeError, "book_pins: the chain index's orphan map is no dict");
+        goto done;
+    }
+    if (i && PyDict_GET_SIZE(orphan_of)) {
+        if ((orphans = attr(chains, S(_orphans))) == NULL || view_of(chains, S(_up), &up, 4) < 0
+            || (moved = PyList_New(0)) == NULL)
+            goto done;
+        const int32_t *ups = (const int32_t *)up.buf.buf;
+        for (Py_ssize_t k = 0; k < i; k++) {
+            PyObject *block_obj = PySequence_Fast_GET_ITEM(blocks, k);
+            long block = PyLong_AsLong(block_obj); /* an id booked above */
+            if (checked_index(block, items(&up), "block") < 0)
+                goto done;
+            if (ups[block] == ORPHAN && PyList_Append(moved, block_obj) < 0)
+                goto done;
+        }
+        release(&up);
+        if ((told = PyObject_CallMethodOneArg(orphans, mark == LISTED ? S(unpin_many) : S(pin_many), moved)) == NULL)
             goto done;
     }
     result = PyLong_FromSsize_t(i);
 done:
     close_state(&s);
+    release(&up);
     Py_XDECREF(blocks);
     Py_XDECREF(chains);
+    Py_XDECREF(orphan_of);
+    Py_XDECREF(orphans);
     Py_XDECREF(moved);
     Py_XDECREF(told);
     return result;
