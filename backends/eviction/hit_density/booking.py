@@ -30,7 +30,6 @@ block may repeat), counts a hit on each block in order:
 * it stops before a block that is no int id of a tracked block (listed or
   parked), changing nothing for it, and returns its index (the caller refuses
   it);
-
 * the policy's clock ticks, and the reuse is recorded in the density model at
   the block's class and age (the clock less its last access);
 * it starts a reuse run (a sample for the shift test: its class's reuse level
