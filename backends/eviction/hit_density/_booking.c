@@ -797,7 +797,7 @@ book_pins(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     close_state(&s);
     /* The chain index hears of the blocks moved (FlatChains.pin_many or unpin_many, inlined): where some block
-     * is an orphan, its orphan queue is told which of them are. */
+     * is an orphan, its orphan queue is told which of them are (an empty batch would change nothing there). */
     if (i && ((chains = attr(p, S(_chains))) == NULL || (orphan_of = attr(chains, S(_orphan_of))) == NULL))
         goto done;
     if (i && !PyDict_CheckExact(orphan_of)) {
@@ -818,7 +818,8 @@ book_pins(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
         }
         release(&up);
-        if ((told = PyObject_CallMethodOneArg(orphans, mark == LISTED ? S(unpin_many) : S(pin_many), moved)) == NULL)
+        if (PyList_GET_SIZE(moved)
+            && (told = PyObject_CallMethodOneArg(orphans, mark == LISTED ? S(unpin_many) : S(pin_many), moved)) == NULL)
             goto done;
     }
     result = PyLong_FromSsize_t(i);
