@@ -23,16 +23,18 @@ deterministic and survive ``deepcopy``.
 A hash is never its own prefix: a block stored under its own hash as its
 parent heads its chain (it is no orphan and has no child).
 
-The batch loops, :meth:`FlatChains.add_many` and :meth:`FlatChains.remove_many`,
-a walk's fresh pass over a whole subtree (:meth:`FlatChains.collect`'s) and the
-orphans among a batch of pins or releases (:meth:`FlatChains.orphans_among`)
-run the set of :data:`LOOPS` an index holds in its ``_loops``
-(:mod:`~kvkit.backends.twins`): the compiled ``_chains_loops`` module's
-functions where that extension was built, else their Python references
-(:meth:`FlatChains.add_many_reference`, :meth:`FlatChains.remove_many_reference`,
-:meth:`FlatChains.collect_whole_reference`, :meth:`FlatChains.orphans_among_reference`),
-which hold the contract; the tests drive both on the same calls and compare the
-whole state.
+The batch loops, :meth:`FlatChains.add_many`, :meth:`FlatChains.remove_many`
+and its check :meth:`FlatChains.distinct_tracked`, a walk's fresh pass over a
+whole subtree (:meth:`FlatChains.collect`'s) and the orphans among a batch of
+pins or releases (:meth:`FlatChains.orphans_among`) run the set of
+:data:`LOOPS` an index holds in its ``_loops`` (:mod:`~kvkit.backends.twins`):
+the compiled ``_chains_loops`` module's functions where that extension was
+built, else their Python references (:meth:`FlatChains.add_many_reference`,
+:meth:`FlatChains.remove_many_reference`,
+:meth:`FlatChains.distinct_tracked_reference`,
+:meth:`FlatChains.collect_whole_reference`,
+:meth:`FlatChains.orphans_among_reference`), which hold the contract; the tests
+drive both on the same calls and compare the whole state.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ class RemoveMany(Protocol):
     def __call__(self, chains: FlatChains, owner: object, blocks: Sequence[BlockId],
                  leaving: frozenset[int] | None, /) -> list[BlockHash]:
         """:meth:`FlatChains.remove_many` of ``chains``."""
+
+
+class DistinctTracked(Protocol):
+    def __call__(self, chains: FlatChains, blocks: Sequence[BlockId], /) -> frozenset[int]:
+        """:meth:`FlatChains.distinct_tracked` of ``chains``."""
 
 
 class CollectWhole(Protocol):
@@ -378,7 +385,11 @@ class FlatChains:
 
     def distinct_tracked(self, blocks: Sequence[BlockId]) -> frozenset[int]:
         """``blocks`` as a set if there are several, distinct and all tracked (a removal of them all cannot
-        stop half way), else empty (passes at C speed)."""
+        stop half way), else empty."""
+        return self._loops.distinct_tracked(self, blocks)
+
+    def distinct_tracked_reference(self, blocks: Sequence[BlockId]) -> frozenset[int]:
+        """:meth:`distinct_tracked` in Python (passes at C speed): the reference of the compiled loop."""
         if len(blocks) < 2:
             return frozenset()
         leaving = frozenset(blocks)
@@ -688,11 +699,13 @@ class ChainLoops(NamedTuple):
 
     add_many: AddMany
     remove_many: RemoveMany
+    distinct_tracked: DistinctTracked
     collect_whole: CollectWhole
     orphans_among: Callable[[FlatChains, Sequence[BlockId]], list[BlockId]]
 
 
 LOOPS: Twins[ChainLoops] = Twins.load(ChainLoops(FlatChains.add_many_reference, FlatChains.remove_many_reference,
+                                                 FlatChains.distinct_tracked_reference,
                                                  FlatChains.collect_whole_reference,
                                                  FlatChains.orphans_among_reference),
                    "kvkit.backends.eviction._chains_loops")

@@ -1,13 +1,13 @@
-/* The chain index's loops, compiled: FlatChains.add_many, remove_many, collect_whole and orphans_among, step
- * for step.
+/* The chain index's loops, compiled: FlatChains.add_many, remove_many, distinct_tracked, collect_whole and
+ * orphans_among, step for step.
  *
  * _chains.py holds the references (FlatChains.add_many_reference, remove_many_reference,
- * collect_whole_reference and orphans_among_reference) and the contract; the tests run both on the same
- * calls and compare the whole state. The per-block links (_up, _first, _next, _prev: array('i')) and the
- * owner's pin marks (bytearray) are read through the buffer protocol; the maps, the hash list, the kept
- * walk's sets and the orphans' ParkingQueue stay Python objects, updated exactly as the reference updates
- * them: the queue through the loops it runs (its _loops' add and remove_many, called as C functions where
- * they are compiled) and its remove method.
+ * distinct_tracked_reference, collect_whole_reference and orphans_among_reference) and the contract; the
+ * tests run both on the same calls and compare the whole state. The per-block links (_up, _first, _next,
+ * _prev: array('i')) and the owner's pin marks (bytearray) are read through the buffer protocol; the maps,
+ * the hash list, the kept walk's sets and the orphans' ParkingQueue stay Python objects, updated exactly as
+ * the reference updates them: the queue through the loops it runs (its _loops' add and remove_many, called
+ * as C functions where they are compiled) and its remove method.
  *
  * Inputs the loops do not take at C speed (sequences other than lists and tuples, block ids that are
  * not ints inside the arrays, maps other than dicts, a hash list other than a list) run the reference
@@ -935,12 +935,60 @@ done:
     return result;
 }
 
+static PyObject *
+distinct_tracked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "distinct_tracked takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *chains = args[0], *blocks = args[1];
+    if (!is_sequence(blocks)) /* another sequence: the reference */
+        return PyObject_CallMethod(chains, "distinct_tracked_reference", "(O)", blocks);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
+    PyObject **items = PySequence_Fast_ITEMS(blocks);
+    if (n < 2)
+        return PyFrozenSet_New(NULL);
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (!PyLong_CheckExact(items[k])) /* a set of other items (or none: unhashable): the reference */
+            return PyObject_CallMethod(chains, "distinct_tracked_reference", "(O)", blocks);
+    View up_v = {0};
+    int32_t *up;
+    if (array_view(chains, "_up", &up_v, &up) < 0) {
+        release(&up_v);
+        return NULL;
+    }
+    Py_ssize_t size = up_v.buf.len / 4;
+    int tracked = 1;
+    for (Py_ssize_t k = 0; tracked && k < n; k++) {
+        long block = PyLong_AsLong(items[k]);
+        if (block == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                release(&up_v);
+                return NULL;
+            }
+            PyErr_Clear(); /* past the arrays */
+        }
+        tracked = block >= 0 && block < size && up[block] != UNTRACKED;
+    }
+    release(&up_v);
+    if (!tracked)
+        return PyFrozenSet_New(NULL);
+    PyObject *leaving = PyFrozenSet_New(blocks);
+    if (leaving != NULL && PySet_GET_SIZE(leaving) != n) /* a block named twice */
+        Py_SETREF(leaving, PyFrozenSet_New(NULL));
+    return leaving;
+}
+
 static PyMethodDef methods[] = {
     {"add_many", (PyCFunction)(void (*)(void))add_many, METH_FASTCALL,
      "add_many(chains, owner, blocks, hashes, parents, pinned) -> (parent_blocks, fresh, refusal): "
      "FlatChains.add_many_reference, compiled."},
     {"remove_many", (PyCFunction)(void (*)(void))remove_many, METH_FASTCALL,
      "remove_many(chains, owner, blocks, leaving) -> hashes: FlatChains.remove_many_reference, compiled."},
+    {"distinct_tracked", (PyCFunction)(void (*)(void))distinct_tracked, METH_FASTCALL,
+     "distinct_tracked(chains, blocks) -> frozenset: FlatChains.distinct_tracked_reference, compiled."},
     {"collect_whole", (PyCFunction)(void (*)(void))collect_whole, METH_FASTCALL,
      "collect_whole(chains, root, is_evictable, chosen, n) -> picked or None: FlatChains.collect_whole_reference, "
      "compiled."},

@@ -410,18 +410,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     def _access(self, blocks: Sequence[BlockId]) -> None:
         """Count a hit on each block (:mod:`.booking`): its reuse, its class, its age from now; the model
-        refreshed whenever one falls due."""
-        where = self._where
-        if not (_valid_ids(blocks) and max(blocks) < len(where) and 0 not in map(where.__getitem__, blocks)):
-            for block in blocks:  # one at a time: raises at the first untracked block, those before it counted
-                self._access((self._tracked_id(block),))
-            return
+        refreshed whenever one falls due; the first block not tracked is refused, those before it counted."""
         book = self._booking.book_accesses
-        done = 0
-        while done < len(blocks):
+        done, n = 0, len(blocks)
+        while done < n:
             done = book(self, blocks, done, _CLASS_TABLE)
             if self._clock >= self._next_refresh:
                 self._refresh()
+            elif done < n:  # the booking stops short of a refresh only before a block not tracked
+                raise not_tracked(self, blocks[done])
 
     @override
     def on_remove(self, block: BlockId) -> None:
@@ -470,10 +467,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._pin(blocks)
 
     def _pin(self, blocks: Sequence[BlockId]) -> None:
-        if not self._all_marked(blocks, _LISTED, self._pin):
-            return
-        self._booking.book_marks(self, blocks, _PARKED)
-        self._chains.pin_many(blocks)
+        done = self._booking.book_pins(self, blocks, _PARKED)
+        if done < len(blocks):
+            raise self._pin_refusal(blocks[done], pinning=True)
 
     def on_unpin(self, block: BlockId) -> None:
         """Put a parked block back at its class's young end; its age still counts from its last use."""
@@ -484,29 +480,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._unpin(blocks)
 
     def _unpin(self, blocks: Sequence[BlockId]) -> None:
-        if not self._all_marked(blocks, _PARKED, self._unpin):
-            return
-        self._booking.book_marks(self, blocks, _LISTED)
-        self._chains.unpin_many(blocks)
+        done = self._booking.book_pins(self, blocks, _LISTED)
+        if done < len(blocks):
+            raise self._pin_refusal(blocks[done], pinning=False)
 
-    def _all_marked(self, blocks: Sequence[BlockId], mark: int,
-                    one: Callable[[Sequence[BlockId]], None]) -> bool:
-        """Whether ``blocks`` are distinct ids of blocks marked ``mark`` (``_LISTED`` or ``_PARKED``).
-
-        The check passes at C speed. Otherwise each block is handed to ``one`` alone, in order, after
-        its own check: a block already in the other state raises ``pin_mismatch`` at the first one.
-        """
-        where = self._where
-        if _valid_ids(blocks) and max(blocks) < len(where) and len(set(blocks)) == len(blocks) \
-                and set(map(where.__getitem__, blocks)) == {mark}:
-            return True
-        other = _PARKED if mark == _LISTED else _LISTED
-        for block in blocks:
-            if (block.__class__ is not int or not 0 <= block < len(where) or where[block] != mark) \
-                    and where[self._tracked_id(block)] == other:
-                raise pin_mismatch(self, block, pinned=mark == _LISTED)
-            one((block,))
-        return False
+    def _pin_refusal(self, block: BlockId, pinning: bool) -> PoolUsageError:
+        """The error for a block :func:`~.booking.book_pins` stopped at: not tracked, or already pinned
+        (``pinning``) or not pinned."""
+        self._tracked_id(block)  # raises for a block not tracked
+        return pin_mismatch(self, block, pinned=pinning)
 
     # -- decisions -------------------------------------------------------------
 

@@ -3,7 +3,9 @@
  * booking.py holds the reference and the contracts; the tests run both on the same calls and
  * compare the whole state. The policy's per-block arrays are read through the buffer protocol
  * (bytearrays of bytes, array('i') links, array('q') clocks); maps, the class-list ends and the
- * dirty set stay Python objects, updated as the reference updates them.
+ * dirty set stay Python objects, updated as the reference updates them. What the reference asks the chain
+ * index for (FlatChains.links in book_accesses, pin_many and unpin_many in book_pins) is read from its
+ * arrays and maps here, as those methods read them; its orphan queue is told through its own methods.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,7 +17,8 @@
 
 #define REFERENCE "kvkit.backends.eviction.hit_density.booking"
 
-enum { LEAF = 0, PARENT = 1, TIP = 2, KINDS = 3, NONE = -1, MAX_USES = 255, LISTED = 1 };
+enum { LEAF = 0, PARENT = 1, TIP = 2, KINDS = 3, NONE = -1, MAX_USES = 255, LISTED = 1, PARKED = 2 };
+enum { ORPHAN = -2 }; /* FlatChains' _up mark of an orphan */
 
 /* The policy's state for one call. */
 typedef struct {
@@ -23,20 +26,31 @@ typedef struct {
     PyObject *ends, *dirty;
 } State;
 
+/* The attribute names read and written, interned once at import: S(_clock) is "_clock". */
+#define NAMES(X)                                                                                                    \
+    X(_chains) X(_clock) X(_cls) X(_dirty) X(_ends) X(_evictions) X(_ghost_at) X(_ghost_base) X(_ghost_cls)         \
+    X(_ghost_hash) X(_ghost_last) X(_ghost_live) X(_ghost_recent) X(_ghost_uses) X(_hash) X(_last) X(_last_removal) \
+    X(_model) X(_next) X(_next_refresh) X(_orphan_of) X(_orphans) X(_prev) X(_recent) X(_reused) X(_reuses)        \
+    X(_shift) X(_tip) X(_tracked) X(_turnover) X(_up) X(_uses) X(_where) X(first_ages) X(frombytes) X(note)        \
+    X(pin_many) X(unpin_many)
+#define S(name) str##name
+#define DECLARE(name) static PyObject *S(name);
+NAMES(DECLARE)
+
 static PyObject *
-attr(PyObject *obj, const char *name)
+attr(PyObject *obj, PyObject *name)
 {
-    return PyObject_GetAttrString(obj, name);
+    return PyObject_GetAttr(obj, name);
 }
 
 /* A view of the policy's array attribute name. */
 static int
-view_of(PyObject *p, const char *name, View *v, Py_ssize_t itemsize)
+view_of(PyObject *p, PyObject *name, View *v, Py_ssize_t itemsize)
 {
     PyObject *o = attr(p, name);
     if (o == NULL)
         return -1;
-    int rc = view(o, v, itemsize, name);
+    int rc = view(o, v, itemsize, PyUnicode_AsUTF8(name));
     Py_DECREF(o);
     return rc;
 }
@@ -45,10 +59,10 @@ view_of(PyObject *p, const char *name, View *v, Py_ssize_t itemsize)
 static int
 open_lists(PyObject *p, State *s)
 {
-    if (view_of(p, "_cls", &s->cls, 1) < 0 || view_of(p, "_where", &s->where, 1) < 0
-        || view_of(p, "_next", &s->next, 4) < 0 || view_of(p, "_prev", &s->prev, 4) < 0)
+    if (view_of(p, S(_cls), &s->cls, 1) < 0 || view_of(p, S(_where), &s->where, 1) < 0
+        || view_of(p, S(_next), &s->next, 4) < 0 || view_of(p, S(_prev), &s->prev, 4) < 0)
         return -1;
-    if ((s->ends = attr(p, "_ends")) == NULL || (s->dirty = attr(p, "_dirty")) == NULL)
+    if ((s->ends = attr(p, S(_ends))) == NULL || (s->dirty = attr(p, S(_dirty))) == NULL)
         return -1;
     if (!PyList_Check(s->ends) || !PySet_Check(s->dirty)) {
         PyErr_SetString(PyExc_TypeError, "booking: the policy's list ends are not a list, or its dirty set no set");
@@ -151,7 +165,7 @@ reclass(State *s, long block, long old, long new)
 }
 
 static int
-attr_long(PyObject *obj, const char *name, long long *out)
+attr_long(PyObject *obj, PyObject *name, long long *out)
 {
     PyObject *v = attr(obj, name);
     if (v == NULL)
@@ -162,12 +176,12 @@ attr_long(PyObject *obj, const char *name, long long *out)
 }
 
 static int
-set_attr_long(PyObject *obj, const char *name, long long value)
+set_attr_long(PyObject *obj, PyObject *name, long long value)
 {
     PyObject *v = PyLong_FromLongLong(value);
     if (v == NULL)
         return -1;
-    int rc = PyObject_SetAttrString(obj, name, v);
+    int rc = PyObject_SetAttr(obj, name, v);
     Py_DECREF(v);
     return rc;
 }
@@ -191,16 +205,44 @@ pop(PyObject *dict, PyObject *key)
  * classes, buckets of age, as float64 in place) and each bucket's least age (HitDensityModel.first_ages). */
 typedef struct {
     View cells;
-    long long *first;
+    const long long *first;
     Py_ssize_t buckets, rows;
 } Histogram;
 
-static int
-open_histogram(PyObject *p, const char *name, Histogram *r)
+/* The least ages of the last first_ages tuple read (held: a tuple never changes, so while it is the model's,
+ * its values are these), converted once instead of on every call. */
+static PyObject *ages_read;
+static long long *ages;
+
+/* first's values (a tuple of buckets ints), from the cache when first is the tuple read last. */
+static const long long *
+least_ages(PyObject *first, Py_ssize_t buckets)
 {
-    PyObject *model = attr(p, "_model"), *histogram = NULL, *first = NULL;
+    if (first == ages_read)
+        return ages;
+    long long *values = PyMem_New(long long, buckets);
+    if (values == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t b = 0; b < buckets; b++)
+        if ((values[b] = PyLong_AsLongLong(PyTuple_GET_ITEM(first, b))) == -1 && PyErr_Occurred()) {
+            PyMem_Free(values);
+            return NULL;
+        }
+    PyMem_Free(ages);
+    ages = values;
+    Py_INCREF(first);
+    Py_XSETREF(ages_read, first);
+    return ages;
+}
+
+static int
+open_histogram(PyObject *p, PyObject *name, Histogram *r)
+{
+    PyObject *model = attr(p, S(_model)), *histogram = NULL, *first = NULL;
     int rc = -1;
-    if (model == NULL || (histogram = attr(model, name)) == NULL || (first = attr(model, "first_ages")) == NULL)
+    if (model == NULL || (histogram = attr(model, name)) == NULL || (first = attr(model, S(first_ages))) == NULL)
         goto done;
     if (PyObject_GetBuffer(histogram, &r->cells.buf, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
         goto done;
@@ -212,13 +254,8 @@ open_histogram(PyObject *p, const char *name, Histogram *r)
     }
     r->rows = r->cells.buf.shape[0];
     r->buckets = r->cells.buf.shape[1];
-    if ((r->first = PyMem_New(long long, r->buckets)) == NULL) {
-        PyErr_NoMemory();
+    if ((r->first = least_ages(first, r->buckets)) == NULL)
         goto done;
-    }
-    for (Py_ssize_t b = 0; b < r->buckets; b++)
-        if ((r->first[b] = PyLong_AsLongLong(PyTuple_GET_ITEM(first, b))) == -1 && PyErr_Occurred())
-            goto done;
     rc = 0;
 done:
     Py_XDECREF(model);
@@ -231,7 +268,6 @@ static void
 close_histogram(Histogram *r)
 {
     release(&r->cells);
-    PyMem_Free(r->first);
     r->first = NULL;
 }
 
@@ -264,6 +300,22 @@ checked_index(long long index, Py_ssize_t size, const char *what)
         return -1;
     }
     return 0;
+}
+
+/* obj as a block id if it is an int naming a block whose mark (in where, of size bytes) is not 0; else -1,
+ * an error set only where reading it failed otherwise than by overflow (a block id the reference refuses). */
+static long
+tracked_id(PyObject *obj, const unsigned char *where, Py_ssize_t size)
+{
+    if (!PyLong_CheckExact(obj))
+        return -1;
+    long block = PyLong_AsLong(obj);
+    if (block == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError))
+            PyErr_Clear();
+        return -1;
+    }
+    return block >= 0 && block < size && where[block] ? block : -1;
 }
 
 /* The class table (class_of[KINDS * min(uses, top) + kind]) and its top, the least count of the last reuse
@@ -324,27 +376,27 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
 
-    if (open_lists(p, &s) < 0 || open_histogram(p, "_reuses", &r) < 0)
+    if (open_lists(p, &s) < 0 || open_histogram(p, S(_reuses), &r) < 0)
         goto done;
-    if (view_of(p, "_uses", &s.uses, 1) < 0 || view_of(p, "_last", &s.last, 8) < 0
-        || view_of(p, "_ghost_cls", &s.ghost_cls, 1) < 0 || view_of(p, "_ghost_uses", &s.ghost_uses, 1) < 0
-        || view_of(p, "_ghost_last", &s.ghost_last, 8) < 0 || view_of(p, "_ghost_live", &s.ghost_live, 1) < 0)
+    if (view_of(p, S(_uses), &s.uses, 1) < 0 || view_of(p, S(_last), &s.last, 8) < 0
+        || view_of(p, S(_ghost_cls), &s.ghost_cls, 1) < 0 || view_of(p, S(_ghost_uses), &s.ghost_uses, 1) < 0
+        || view_of(p, S(_ghost_last), &s.ghost_last, 8) < 0 || view_of(p, S(_ghost_live), &s.ghost_live, 1) < 0)
         goto done;
-    if ((ghost_at = attr(p, "_ghost_at")) == NULL || (ghost_hash = attr(p, "_ghost_hash")) == NULL
-        || (ghost_recent = attr(p, "_ghost_recent")) == NULL || (recent = attr(p, "_recent")) == NULL
-        || (shift = attr(p, "_shift")) == NULL || (note = attr(shift, "note")) == NULL
-        || (tip_obj = attr(p, "_tip")) == NULL || (reused = attr(p, "_reused")) == NULL)
+    if ((ghost_at = attr(p, S(_ghost_at))) == NULL || (ghost_hash = attr(p, S(_ghost_hash))) == NULL
+        || (ghost_recent = attr(p, S(_ghost_recent))) == NULL || (recent = attr(p, S(_recent))) == NULL
+        || (shift = attr(p, S(_shift))) == NULL || (note = attr(shift, S(note))) == NULL
+        || (tip_obj = attr(p, S(_tip))) == NULL || (reused = attr(p, S(_reused))) == NULL)
         goto done;
     if (!PyDict_Check(ghost_at) || !PyList_Check(ghost_hash)
         || !PyDict_Check(ghost_recent) || !PyDict_Check(recent)) {
         PyErr_SetString(PyExc_TypeError, "book_inserts: the policy's maps, ends and dirty set have other types");
         goto done;
     }
-    if (attr_long(p, "_clock", &clock) < 0 || attr_long(p, "_tracked", &tracked) < 0
-        || attr_long(p, "_next_refresh", &due) < 0 || attr_long(p, "_ghost_base", &base) < 0)
+    if (attr_long(p, S(_clock), &clock) < 0 || attr_long(p, S(_tracked), &tracked) < 0
+        || attr_long(p, S(_next_refresh), &due) < 0 || attr_long(p, S(_ghost_base), &base) < 0)
         goto done;
     {
-        PyObject *t = attr(p, "_turnover");
+        PyObject *t = attr(p, S(_turnover));
         if (t == NULL)
             goto done;
         turnover = PyFloat_AsDouble(t);
@@ -480,9 +532,9 @@ stop:
         PyObject *err_type, *err_value, *err_tb;
         PyErr_Fetch(&err_type, &err_value, &err_tb);
         PyObject *tip_now = tip == NONE ? Py_NewRef(Py_None) : PyLong_FromLong(tip);
-        int rc = tip_now == NULL || set_attr_long(p, "_clock", clock) < 0
-                 || set_attr_long(p, "_tracked", tracked) < 0 || PyObject_SetAttrString(p, "_tip", tip_now) < 0
-                 || PyObject_SetAttrString(p, "_reused", reused) < 0;
+        int rc = tip_now == NULL || set_attr_long(p, S(_clock), clock) < 0
+                 || set_attr_long(p, S(_tracked), tracked) < 0 || PyObject_SetAttr(p, S(_tip), tip_now) < 0
+                 || PyObject_SetAttr(p, S(_reused), reused) < 0;
         Py_XDECREF(tip_now);
         if (err_type != NULL)
             PyErr_Restore(err_type, err_value, err_tb);
@@ -568,18 +620,18 @@ book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if ((blocks = PySequence_Fast(args[1], "book_accesses: blocks")) == NULL)
         goto done;
     n = PySequence_Fast_GET_SIZE(blocks);
-    if (open_lists(p, &s) < 0 || open_histogram(p, "_reuses", &r) < 0 || view_of(p, "_uses", &s.uses, 1) < 0 || view_of(p, "_last", &s.last, 8) < 0)
+    if (open_lists(p, &s) < 0 || open_histogram(p, S(_reuses), &r) < 0 || view_of(p, S(_uses), &s.uses, 1) < 0 || view_of(p, S(_last), &s.last, 8) < 0)
         goto done;
-    if ((recent = attr(p, "_recent")) == NULL || (chains = attr(p, "_chains")) == NULL
-        || (hashes = attr(chains, "_hash")) == NULL || (orphan_of = attr(chains, "_orphan_of")) == NULL
-        || view_of(chains, "_up", &up, 4) < 0 || (shift = attr(p, "_shift")) == NULL
-        || (note = attr(shift, "note")) == NULL || (reused = attr(p, "_reused")) == NULL)
+    if ((recent = attr(p, S(_recent))) == NULL || (chains = attr(p, S(_chains))) == NULL
+        || (hashes = attr(chains, S(_hash))) == NULL || (orphan_of = attr(chains, S(_orphan_of))) == NULL
+        || view_of(chains, S(_up), &up, 4) < 0 || (shift = attr(p, S(_shift))) == NULL
+        || (note = attr(shift, S(note))) == NULL || (reused = attr(p, S(_reused))) == NULL)
         goto done;
     if (!PyDict_Check(recent) || !PyList_Check(hashes) || !PyDict_Check(orphan_of)) {
         PyErr_SetString(PyExc_TypeError, "book_accesses: the policy's maps or the chain index's hashes have other types");
         goto done;
     }
-    if (attr_long(p, "_clock", &clock) < 0 || attr_long(p, "_next_refresh", &due) < 0)
+    if (attr_long(p, S(_clock), &clock) < 0 || attr_long(p, S(_next_refresh), &due) < 0)
         goto done;
     unsigned char *classes = (unsigned char *)s.cls.buf.buf;
     unsigned char *uses_of = (unsigned char *)s.uses.buf.buf;
@@ -591,11 +643,14 @@ book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
 
+    unsigned char *where = (unsigned char *)s.where.buf.buf;
     while (i < n) {
         PyObject *block_obj = PySequence_Fast_GET_ITEM(blocks, i);
-        long block = PyLong_AsLong(block_obj);
-        if ((block == -1 && PyErr_Occurred()) || checked_index(block, size, "block") < 0)
+        long block = tracked_id(block_obj, where, size);
+        if (block == -1 && PyErr_Occurred())
             goto stop;
+        if (block < 0) /* not tracked: the caller's to refuse */
+            break;
         i++;
         long cls = classes[block];
         clock += 1;
@@ -644,7 +699,7 @@ stop:
     {
         PyObject *err_type, *err_value, *err_tb;
         PyErr_Fetch(&err_type, &err_value, &err_tb);
-        int rc = set_attr_long(p, "_clock", clock) < 0 || PyObject_SetAttrString(p, "_reused", reused) < 0;
+        int rc = set_attr_long(p, S(_clock), clock) < 0 || PyObject_SetAttr(p, S(_reused), reused) < 0;
         if (err_type != NULL)
             PyErr_Restore(err_type, err_value, err_tb);
         else if (!rc)
@@ -706,14 +761,88 @@ done:
     return result;
 }
 
+static PyObject *
+book_pins(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "book_pins takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *p = args[0], *blocks = NULL, *chains = NULL, *orphan_of = NULL, *orphans = NULL, *moved = NULL;
+    PyObject *told = NULL, *result = NULL;
+    View up = {0};
+    long mark = PyLong_AsLong(args[2]);
+    if (mark != LISTED && mark != PARKED) { /* no int, or a mark out of contract: the reference */
+        PyErr_Clear();
+        return run_reference(REFERENCE, "book_pins", args, nargs);
+    }
+    State s;
+    memset(&s, 0, sizeof s);
+    if ((blocks = PySequence_Fast(args[1], "book_pins: blocks")) == NULL || open_lists(p, &s) < 0)
+        goto done;
+    unsigned char *classes = (unsigned char *)s.cls.buf.buf, *where = (unsigned char *)s.where.buf.buf;
+    Py_ssize_t size = items(&s.where), n = PySequence_Fast_GET_SIZE(blocks), i = 0;
+    long other = mark == LISTED ? PARKED : LISTED;
+    for (; i < n; i++) {
+        long block = tracked_id(PySequence_Fast_GET_ITEM(blocks, i), where, size);
+        if (block == -1 && PyErr_Occurred())
+            goto done;
+        if (block < 0 || where[block] != other) /* the caller's to refuse */
+            break;
+        long cls = classes[block];
+        if (move(&s, block, mark == LISTED ? NONE : cls, mark == LISTED ? cls : NONE) < 0)
+            goto done;
+        where[block] = (unsigned char)mark;
+    }
+    close_state(&s);
+    /* The chain index hears of the blocks moved (FlatChains.pin_many or unpin_many, inlined): where some block
+     * is an orphan, its orphan queue is told which of them are (an empty batch would change nothing there). */
+    if (i && ((chains = attr(p, S(_chains))) == NULL || (orphan_of = attr(chains, S(_orphan_of))) == NULL))
+        goto done;
+    if (i && !PyDict_CheckExact(orphan_of)) {
+        PyErr_SetString(PyExc_TypeError, "book_pins: the chain index's orphan map is no dict");
+        goto done;
+    }
+    if (i && PyDict_GET_SIZE(orphan_of)) {
+        if ((orphans = attr(chains, S(_orphans))) == NULL || view_of(chains, S(_up), &up, 4) < 0
+            || (moved = PyList_New(0)) == NULL)
+            goto done;
+        const int32_t *ups = (const int32_t *)up.buf.buf;
+        for (Py_ssize_t k = 0; k < i; k++) {
+            PyObject *block_obj = PySequence_Fast_GET_ITEM(blocks, k);
+            long block = PyLong_AsLong(block_obj); /* an id booked above */
+            if (checked_index(block, items(&up), "block") < 0)
+                goto done;
+            if (ups[block] == ORPHAN && PyList_Append(moved, block_obj) < 0)
+                goto done;
+        }
+        release(&up);
+        if (PyList_GET_SIZE(moved)
+            && (told = PyObject_CallMethodOneArg(orphans, mark == LISTED ? S(unpin_many) : S(pin_many), moved)) == NULL)
+            goto done;
+    }
+    result = PyLong_FromSsize_t(i);
+done:
+    close_state(&s);
+    release(&up);
+    Py_XDECREF(blocks);
+    Py_XDECREF(chains);
+    Py_XDECREF(orphan_of);
+    Py_XDECREF(orphans);
+    Py_XDECREF(moved);
+    Py_XDECREF(told);
+    return result;
+}
+
 /* The policy's float attribute name set to value. */
 static int
-set_attr_double(PyObject *obj, const char *name, double value)
+set_attr_double(PyObject *obj, PyObject *name, double value)
 {
     PyObject *v = PyFloat_FromDouble(value);
     if (v == NULL)
         return -1;
-    int rc = PyObject_SetAttrString(obj, name, v);
+    int rc = PyObject_SetAttr(obj, name, v);
     Py_DECREF(v);
     return rc;
 }
@@ -755,7 +884,7 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         || (hashes = PySequence_Fast(args[2], "book_removals: block_hashes")) == NULL)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
-    if (view_of(p, "_cls", &cls, 1) < 0 || view_of(p, "_uses", &uses, 1) < 0 || view_of(p, "_last", &last_of, 8) < 0)
+    if (view_of(p, S(_cls), &cls, 1) < 0 || view_of(p, S(_uses), &uses, 1) < 0 || view_of(p, S(_last), &last_of, 8) < 0)
         goto done;
     Py_ssize_t size = items(&cls);
     if (items(&uses) < size || items(&last_of) < size) {
@@ -780,19 +909,19 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         result = run_reference(REFERENCE, "book_removals", args, nargs);
         goto done;
     }
-    if ((recent = attr(p, "_recent")) == NULL || (ghost_recent = attr(p, "_ghost_recent")) == NULL
-        || (ghost_at = attr(p, "_ghost_at")) == NULL || (ghost_hash = attr(p, "_ghost_hash")) == NULL
-        || (g_cls = attr(p, "_ghost_cls")) == NULL || (g_uses = attr(p, "_ghost_uses")) == NULL
-        || (g_last = attr(p, "_ghost_last")) == NULL || (g_live = attr(p, "_ghost_live")) == NULL)
+    if ((recent = attr(p, S(_recent))) == NULL || (ghost_recent = attr(p, S(_ghost_recent))) == NULL
+        || (ghost_at = attr(p, S(_ghost_at))) == NULL || (ghost_hash = attr(p, S(_ghost_hash))) == NULL
+        || (g_cls = attr(p, S(_ghost_cls))) == NULL || (g_uses = attr(p, S(_ghost_uses))) == NULL
+        || (g_last = attr(p, S(_ghost_last))) == NULL || (g_live = attr(p, S(_ghost_live))) == NULL)
         goto done;
     if (!PyDict_Check(recent) || !PyDict_Check(ghost_recent) || !PyDict_Check(ghost_at) || !PyList_Check(ghost_hash)) {
         PyErr_SetString(PyExc_TypeError, "book_removals: the policy's maps or ghost hashes have other types");
         goto done;
     }
-    if (attr_long(p, "_clock", &clock) < 0 || attr_long(p, "_evictions", &evictions) < 0
-        || attr_long(p, "_last_removal", &last) < 0 || attr_long(p, "_tracked", &tracked) < 0)
+    if (attr_long(p, S(_clock), &clock) < 0 || attr_long(p, S(_evictions), &evictions) < 0
+        || attr_long(p, S(_last_removal), &last) < 0 || attr_long(p, S(_tracked), &tracked) < 0)
         goto done;
-    if ((t = attr(p, "_turnover")) == NULL)
+    if ((t = attr(p, S(_turnover))) == NULL)
         goto done;
     turnover = PyFloat_AsDouble(t);
     if (turnover == -1.0 && PyErr_Occurred())
@@ -871,15 +1000,15 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     for (Py_ssize_t k = 0; k < n; k++)
         to[k] = uses_of[ids[k]];
-    PyObject *done_last = PyObject_CallMethod(g_last, "frombytes", "O", packed);
+    PyObject *done_last = PyObject_CallMethodOneArg(g_last, S(frombytes), packed);
     if (done_last == NULL)
         goto done;
     Py_DECREF(done_last);
     if ((to = grow_bytearray(g_live, n)) == NULL)
         goto done;
     memset(to, 1, (size_t)n);
-    if (set_attr_long(p, "_tracked", tracked - n) < 0 || set_attr_long(p, "_evictions", evictions) < 0
-        || set_attr_double(p, "_turnover", turnover) < 0 || set_attr_long(p, "_last_removal", last) < 0)
+    if (set_attr_long(p, S(_tracked), tracked - n) < 0 || set_attr_long(p, S(_evictions), evictions) < 0
+        || set_attr_double(p, S(_turnover), turnover) < 0 || set_attr_long(p, S(_last_removal), last) < 0)
         goto done;
     result = Py_NewRef(Py_None);
 done:
@@ -921,15 +1050,15 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         return run_reference(REFERENCE, "forget_ghosts", args, nargs);
     }
-    if ((ghost_hash = attr(p, "_ghost_hash")) == NULL || (ghost_at = attr(p, "_ghost_at")) == NULL
-        || (ghost_recent = attr(p, "_ghost_recent")) == NULL || attr_long(p, "_clock", &clock) < 0)
+    if ((ghost_hash = attr(p, S(_ghost_hash))) == NULL || (ghost_at = attr(p, S(_ghost_at))) == NULL
+        || (ghost_recent = attr(p, S(_ghost_recent))) == NULL || attr_long(p, S(_clock), &clock) < 0)
         goto done;
     if (!PyList_Check(ghost_hash) || !PyDict_Check(ghost_at) || !PyDict_Check(ghost_recent)) {
         PyErr_SetString(PyExc_TypeError, "forget_ghosts: the policy's ghost maps or hashes have other types");
         goto done;
     }
-    if (view_of(p, "_ghost_live", &live, 1) < 0 || view_of(p, "_ghost_cls", &g_cls, 1) < 0
-        || view_of(p, "_ghost_last", &g_last, 8) < 0)
+    if (view_of(p, S(_ghost_live), &live, 1) < 0 || view_of(p, S(_ghost_cls), &g_cls, 1) < 0
+        || view_of(p, S(_ghost_last), &g_last, 8) < 0)
         goto done;
     Py_ssize_t size = PyList_GET_SIZE(ghost_hash);
     if (lo < 0 || lo > hi || hi > size || items(&live) != size || items(&g_cls) != size || items(&g_last) != size) {
@@ -942,7 +1071,7 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     unsigned char *alive = (unsigned char *)live.buf.buf;
     const unsigned char *cls = (const unsigned char *)g_cls.buf.buf;
     const int64_t *lasts = (const int64_t *)g_last.buf.buf;
-    if ((hashes = PyList_New(0)) == NULL || open_histogram(p, "_ends", &ends) < 0)
+    if ((hashes = PyList_New(0)) == NULL || open_histogram(p, S(_ends), &ends) < 0)
         goto done;
     for (Py_ssize_t g = lo; g < hi; g++) /* the live ones: forgotten unreused, censored at their ages */
         if (alive[g] && (PyList_Append(hashes, PyList_GET_ITEM(ghost_hash, g)) < 0
@@ -987,6 +1116,8 @@ static PyMethodDef methods[] = {
      "book_accesses(policy, blocks, start, class_of) -> int: booking.book_accesses, compiled."},
     {"book_marks", (PyCFunction)(void (*)(void))book_marks, METH_FASTCALL,
      "book_marks(policy, blocks, mark) -> None: booking.book_marks, compiled."},
+    {"book_pins", (PyCFunction)(void (*)(void))book_pins, METH_FASTCALL,
+     "book_pins(policy, blocks, mark) -> int: booking.book_pins, compiled."},
     {"book_removals", (PyCFunction)(void (*)(void))book_removals, METH_FASTCALL,
      "book_removals(policy, blocks, block_hashes, c) -> None: booking.book_removals, compiled."},
     {"forget_ghosts", (PyCFunction)(void (*)(void))forget_ghosts, METH_FASTCALL,
@@ -1002,5 +1133,9 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__booking(void)
 {
+#define INTERN(name)                                                                                               \
+    if ((S(name) = PyUnicode_InternFromString(#name)) == NULL)                                                     \
+        return NULL;
+    NAMES(INTERN)
     return PyModule_Create(&module);
 }

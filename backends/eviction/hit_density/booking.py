@@ -24,10 +24,12 @@ per block):
 * the policy's clock, tracked count, tip and last reused hash are written
   back before it returns.
 
-:func:`book_accesses`, for the blocks ``start`` onwards of one access call (ids
-already checked: tracked, listed or parked; a block may repeat), counts a hit
-on each block in order:
+:func:`book_accesses`, for the blocks ``start`` onwards of one access call (a
+block may repeat), counts a hit on each block in order:
 
+* it stops before a block that is no int id of a tracked block (listed or
+  parked), changing nothing for it, and returns its index (the caller refuses
+  it);
 * the policy's clock ticks, and the reuse is recorded in the density model at
   the block's class and age (the clock less its last access);
 * it starts a reuse run (a sample for the shift test: its class's reuse level
@@ -47,6 +49,20 @@ on each block in order:
 (listed, parked, untracked): each block, in order, leaves its class list if
 it is listed, enters the young end of its class's list if the new mark is the
 listed one, and takes the mark. The ends that change are marked dirty.
+
+:func:`book_pins` parks (``mark``: the parked mark) or lists again (the listed
+mark) the blocks of one pin or unpin call:
+
+* each block in order, while it is an int id of a block marked the other way
+  (so not one named before in the call), takes ``mark`` as :func:`book_marks`
+  gives it; the first block that is not stops the loop, changing nothing for
+  it;
+* the chain index hears of the blocks moved in one call
+  (:meth:`~kvkit.backends.eviction._chains.FlatChains.pin_many` or
+  :meth:`~kvkit.backends.eviction._chains.FlatChains.unpin_many`; none if none
+  moved);
+* it returns how many blocks moved: short of the call's, the next block is the
+  one to refuse (not tracked, or already marked ``mark``), the caller's to raise.
 
 :func:`book_removals` leaves a ghost for each block of one removal call (the
 blocks distinct, already out of the chain index and untracked; ``block_hashes``
@@ -79,13 +95,14 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import numpy as np
 
+from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.twins import Twins
 from kvkit.interfaces.types import BlockHash, BlockId
 
 if TYPE_CHECKING:
     from kvkit.backends.eviction.hit_density import HitDensityPolicy
 
-__all__ = ["LOOPS", "Booking", "book_accesses", "book_inserts", "book_marks", "book_removals",
+__all__ = ["LOOPS", "Booking", "book_accesses", "book_inserts", "book_marks", "book_pins", "book_removals",
            "forget_ghosts"]
 
 LEAF, PARENT, TIP = 0, 1, 2
@@ -95,6 +112,7 @@ KINDS = 3
 NONE = -1  # no block, in the list links
 MAX_USES = 255  # reuse counts saturate here (a byte each): far past the last level's least count
 LISTED = 1  # where a block id is: in a class list (0: untracked; parked: the chain index's mark)
+PARKED = FlatChains.PARKED
 
 
 class BookInserts(Protocol):
@@ -114,6 +132,11 @@ class BookMarks(Protocol):
         """Give each block ``mark``, leaving or entering its class list (module docstring)."""
 
 
+class BookPins(Protocol):
+    def __call__(self, policy: HitDensityPolicy, blocks: Sequence[BlockId], mark: int) -> int:
+        """Park (``mark`` parked) or list again (listed) each block while it can; how many did (module docstring)."""
+
+
 class BookRemovals(Protocol):
     def __call__(self, policy: HitDensityPolicy, blocks: Sequence[BlockId], block_hashes: Sequence[BlockHash],
                  c: int) -> None:
@@ -131,6 +154,7 @@ class Booking(NamedTuple):
     book_inserts: BookInserts
     book_accesses: BookAccesses
     book_marks: BookMarks
+    book_pins: BookPins
     book_removals: BookRemovals
     forget_ghosts: ForgetGhosts
 
@@ -206,9 +230,11 @@ def book_accesses(policy: HitDensityPolicy, blocks: Sequence[BlockId], start: in
     links, note, record = p._chains.links, p._shift.note, p._model.record_reuse
     clock, due, reused = p._clock, p._next_refresh, p._reused
     top = len(class_of) // KINDS - 1  # the least count of the last reuse level
-    i, n = start, len(blocks)
+    i, n, size = start, len(blocks), len(where)
     while i < n:
         block = blocks[i]
+        if block.__class__ is not int or not 0 <= block < size or not where[block]:
+            break  # not tracked: the caller's to refuse
         i += 1
         cls = classes[block]
         clock += 1
@@ -238,6 +264,29 @@ def book_marks(policy: HitDensityPolicy, blocks: Sequence[BlockId], mark: int) -
         cls = classes[block]
         move(block, cls if where[block] == LISTED else NONE, cls if mark == LISTED else NONE)
         where[block] = mark
+
+
+def book_pins(policy: HitDensityPolicy, blocks: Sequence[BlockId], mark: int) -> int:
+    """Give each of ``blocks`` ``mark`` (parked or listed) while it is tracked with the other one; tell the
+    chain index; return how many moved (module docstring)."""
+    where, classes, move = policy._where, policy._cls, policy._move
+    listed = mark == LISTED
+    other, size = PARKED if listed else LISTED, len(where)
+    moved: list[BlockId] = []
+    for block in blocks:
+        if block.__class__ is not int or not 0 <= block < size or where[block] != other:
+            break  # the caller's to refuse
+        cls = classes[block]
+        if listed:
+            move(block, NONE, cls)
+        else:
+            move(block, cls, NONE)
+        where[block] = mark
+        moved.append(block)
+    if moved:
+        chains = policy._chains
+        (chains.unpin_many if listed else chains.pin_many)(moved)
+    return len(moved)
 
 
 def book_removals(policy: HitDensityPolicy, blocks: Sequence[BlockId], block_hashes: Sequence[BlockHash],
@@ -299,5 +348,5 @@ def forget_ghosts(policy: HitDensityPolicy, lo: int, hi: int) -> None:
     p._model.record_ends(classes.tolist(), (p._clock - lasts).tolist())
 
 
-LOOPS: Twins[Booking] = Twins.load(Booking(book_inserts, book_accesses, book_marks, book_removals, forget_ghosts),
-                   "kvkit.backends.eviction.hit_density._booking")
+LOOPS: Twins[Booking] = Twins.load(Booking(book_inserts, book_accesses, book_marks, book_pins, book_removals,
+                                           forget_ghosts), "kvkit.backends.eviction.hit_density._booking")

@@ -216,6 +216,30 @@ def test_compiled_chain_loops_are_the_references(ops: list[tuple[Any, ...]], sha
         chains.check_invariants()
 
 
+@pytest.mark.skipif(_chains.LOOPS.compiled is None, reason="the compiled loops were not built")
+@settings(max_examples=300, deadline=None)
+@example(tracked=[1, 2, 3], blocks=[1, 2, 3], kind=list)
+@example(tracked=[1, 2, 3], blocks=[1, 2, 1], kind=tuple)  # named twice
+@example(tracked=[1, 2], blocks=[1, True], kind=list)
+@example(tracked=[1, 2], blocks=[2, [1]], kind=list)  # unhashable: the reference's TypeError
+@given(tracked=st.lists(st.integers(0, _SIZE - 1), unique=True, max_size=_SIZE),
+       blocks=st.lists(st.one_of(st.integers(0, _SIZE - 1), st.integers(0, _SIZE - 1),
+                                 st.sampled_from([-1, _SIZE, 1 << 70, -(1 << 70), True, 2.0, "x", (3,), [1]])),
+                       max_size=8),
+       kind=_KINDS)
+def test_compiled_distinct_tracked_is_the_reference(tracked: list[int], blocks: list[Any], kind: Any) -> None:
+    """The compiled check of a removal's blocks against the reference: several distinct tracked ids or not
+    (one named twice, untracked, past the arrays, no int, unhashable; lists, tuples or another sequence):
+    the same set, or the same error."""
+    chains = FlatChains(bytearray(_SIZE))
+    chains.grow(_SIZE)
+    chains.add_many("owner", tracked, [block + 100 for block in tracked], [None] * len(tracked))
+    assert _chains.LOOPS.compiled is not None
+    outcomes = [_outcome_any(loops.distinct_tracked, chains, kind(blocks))
+                for loops in (_chains.LOOPS.compiled, _chains.LOOPS.reference)]
+    assert outcomes[0] == outcomes[1]
+
+
 def _state(policy: HitDensityPolicy) -> dict[str, Any]:
     """Every field of the policy the booking reads or writes, and what its decisions read."""
     fields = ("_where", "_cls", "_uses", "_last", "_next", "_prev", "_ends", "_dirty", "_recent",
@@ -348,6 +372,45 @@ def test_forget_ghosts_is_the_reference(ops: list[tuple[Any, ...]], lo: int, wid
                 for books, twin in zip((booking.LOOPS.compiled, booking.LOOPS.reference), twins)]
     assert outcomes[0] == outcomes[1]
     assert _state(twins[0]) == _state(twins[1])
+
+
+@pytest.mark.skipif(booking.LOOPS.compiled is None, reason="the compiled loops were not built")
+@settings(max_examples=200, deadline=None)
+@example(ops=[("store", 0, 2, 6, False)], picks=[0, 1, 0, 2], pinning=True, stray=None, at=0)  # orphans, a repeat
+@example(ops=[("store", 0, 0, 6, True)], picks=[0, 1, 2], pinning=False, stray="x", at=2)
+@example(ops=[("store", 0, 0, 6, True), ("unpin", 3)], picks=[0, 1, 5], pinning=False, stray=None, at=0)
+@given(ops=_OPS, picks=st.lists(st.integers(0, 60), max_size=8), pinning=st.booleans(),
+       stray=st.sampled_from([None, -1, "end", "untracked", 1 << 70, "x", True, 2.0]), at=st.integers(0, 8))
+def test_book_pins_is_the_reference(ops: list[tuple[Any, ...]], picks: list[int], pinning: bool, stray: Any,
+                                    at: int) -> None:
+    """pin_many or unpin_many on three copies of one policy (orphans among its blocks), with the compiled
+    booking, the reference, and the reference's per-block hooks: any tracked blocks, listed or parked, some
+    named twice, and a stray id (past the arrays, untracked, no int) at any place: the same refusal at the
+    same block, the blocks before it moved (the chain index's orphan pins too), the same state."""
+    setup = [HitDensityPolicy(capacity=16) for _ in range(2)]
+    _drive(setup, ops, _state)
+    policy = setup[0]
+    tracked = [b for b in range(len(policy._where)) if policy._where[b]]
+    blocks: list[Any] = [tracked[pick % len(tracked)] for pick in picks] if tracked else []
+    if stray is not None:
+        untracked = next(b for b in range(len(policy._where) + 1) if b == len(policy._where) or not policy._where[b])
+        stray = {"end": len(policy._where), "untracked": untracked}.get(stray, stray)
+        blocks.insert(min(at, len(blocks)), stray)
+    twins = [copy.deepcopy(policy) for _ in range(3)]
+    for twin in twins[1:]:
+        twin._booking = booking.LOOPS.reference
+
+    def one_by_one(policy: HitDensityPolicy, blocks: list[Any]) -> None:
+        for block in blocks:
+            (policy.on_pin if pinning else policy.on_unpin)(block)
+
+    outcomes = [_outcome_any(call, twin, blocks) for call, twin in
+                zip((HitDensityPolicy.pin_many if pinning else HitDensityPolicy.unpin_many,) * 2 + (one_by_one,),
+                    twins)]
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    assert _state(twins[0]) == _state(twins[1]) == _state(twins[2])
+    for twin in twins:
+        twin.check_invariants()
 
 
 # Stores (listed one block at a time, or parked as a batch; chains, and orphans where a piece starts past
