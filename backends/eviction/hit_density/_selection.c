@@ -3,7 +3,8 @@
  * selection.py holds the reference and the contract; the tests run both on the same calls and compare
  * what they return, the order of chosen and the policy's whole state. The policy's per-block arrays and
  * the chain index's rings are read through the buffer protocol; chosen stays the caller's dict, and
- * evictable, collect, forget_walk and the orphan walk are called as the reference calls them.
+ * evictable, forget_walk and the orphan walk are called as the reference calls them, collect as
+ * FlatChains.collect calls it (its set's collect, with the index first: C to C where that is compiled).
  *
  * The heads' keys (density, last access, block, stream) are C values compared in the tuples' order: the
  * densities are checked on entry to be floats, none a NaN, so comparing them as doubles is comparing the
@@ -217,13 +218,15 @@ drop_walk(Sel *s)
     return 0;
 }
 
-/* collect(root, evictable, chosen, n): a new reference to what it returned, or NULL with its error. */
+/* chains.collect(root, evictable, chosen, n), called as that method calls it: the chain index's own set's
+ * collect (C to C where the index runs the compiled set). A new reference to what it returned, or NULL
+ * with its error. */
 static PyObject *
 walk(Sel *s, PyObject *root)
 {
     s->dropped = 1; /* a walk left kept ends the selection */
-    PyObject *args[] = {root, s->evictable, s->chosen, s->n_obj};
-    return PyObject_Vectorcall(s->collect, args, 4, NULL);
+    PyObject *args[] = {s->chains, root, s->evictable, s->chosen, s->n_obj};
+    return PyObject_Vectorcall(s->collect, args, 5, NULL);
 }
 
 /* The root has no child to walk: none, or one only child already chosen (with its subtree). 1, 0, -1. */
@@ -632,12 +635,13 @@ done:
 static int
 open_state(PyObject *p, Sel *s)
 {
-    PyObject *ends = NULL, *clock = NULL, *first = NULL, *sibling = NULL;
+    PyObject *ends = NULL, *clock = NULL, *first = NULL, *sibling = NULL, *loops = NULL;
     int ok = -1;
     if (view_of(p, "_where", &s->where, 1) < 0 || view_of(p, "_next", &s->next, 4) < 0
         || view_of(p, "_prev", &s->prev, 4) < 0 || view_of(p, "_last", &s->last, 8) < 0
         || view_of(p, "_cls", &s->cls, 1) < 0 || (s->chains = PyObject_GetAttrString(p, "_chains")) == NULL
-        || (s->collect = PyObject_GetAttrString(s->chains, "collect")) == NULL
+        || (loops = PyObject_GetAttrString(s->chains, "_loops")) == NULL
+        || (s->collect = PyObject_GetAttrString(loops, "collect")) == NULL
         || (first = PyObject_GetAttrString(s->chains, "child_rings")) == NULL
         || (sibling = PyObject_GetAttrString(s->chains, "sibling_rings")) == NULL
         || view(first, &s->first, 4, "child_rings") < 0 || view(sibling, &s->sibling, 4, "sibling_rings") < 0
@@ -663,6 +667,7 @@ done:
     Py_XDECREF(clock);
     Py_XDECREF(first);
     Py_XDECREF(sibling);
+    Py_XDECREF(loops);
     return ok;
 }
 

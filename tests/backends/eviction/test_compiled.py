@@ -212,6 +212,104 @@ def test_compiled_chain_loops_are_the_references(ops: list[tuple[Any, ...]], sha
         chains.check_invariants()
 
 
+# Walks over a forest of tracked blocks (each block's parent an earlier block or none, the last ids free):
+# collections from a root with some blocks chosen already, most of them stopping at their count (kept),
+# then the selection carried out (its picks leave) and the next from the same root, blocks turned
+# evictable or not, parked or not, new
+# children under a block, and a predicate that raises at its k-th question, so kept walks resume, are
+# dropped or restart, and one left half way by an error is compared as it stands.
+_WALK_OPS = st.lists(st.one_of(
+    st.tuples(st.just("collect"), st.integers(0, _SIZE - 1), st.integers(0, 8),
+              st.lists(st.integers(0, _SIZE - 1), max_size=3)),
+    st.tuples(st.just("again"), st.integers(0, 4)),
+    st.tuples(st.just("again"), st.integers(0, 4)),
+    st.tuples(st.just("evict"), st.booleans()),
+    st.tuples(st.just("evict"), st.booleans()),
+    st.tuples(st.just("flip"), st.integers(0, _SIZE - 1)),
+    st.tuples(st.just("flip"), st.just(-1)),  # every block's answer turned
+    st.tuples(st.just("park"), st.integers(0, _SIZE - 1)),
+    st.tuples(st.just("raise"), st.integers(1, 8)),
+    st.tuples(st.just("add"), st.integers(0, _SIZE - 1)),
+), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@example(parents=list(range(_SIZE - 4)), ops=[("again", 4), ("evict", True), ("flip", -1), ("again", 2)])  # one
+# chain: the walk kept skipped block 16, evictable at the next walk, which starts afresh
+@example(parents=list(range(_SIZE - 4)), ops=[("again", 4), ("evict", True), ("raise", 2), ("again", 2),
+                                              ("again", 3)])  # a resumed walk stopped by an error, resumed
+@example(parents=[2, *range(1, _SIZE - 4)], ops=[("again", 3), ("evict", True), ("again", 30)])  # blocks 0 and 1
+# each other's parent, a chain below 1: walks from 0 meet it again as a child
+@given(parents=st.lists(st.integers(0, _SIZE), min_size=_SIZE - 4, max_size=_SIZE - 4), ops=_WALK_OPS)
+def test_compiled_collect_is_the_reference(parents: list[int], ops: list[tuple[Any, ...]]) -> None:
+    """Two chain indexes take the same walks, one with the compiled collect, one with the reference: each
+    walk returns or raises the same, chooses the same blocks in the same order, asks the predicate about
+    the same blocks in the same order, and leaves the same state, the kept walk included."""
+    twins = [FlatChains(bytearray(_SIZE)), _reference(FlatChains(bytearray(_SIZE)))]
+    # Parent hash p (block p - 1) an earlier block's, but block 0's any block's: a cycle through it where
+    # that block descends from it.
+    entries = [(b, b + 1, (p if b == 0 else p % (b + 1)) or None) for b, p in enumerate(parents)]
+    for chains in twins:
+        chains.grow(_SIZE)
+        chains.add_many("owner", [b for b, _, _ in entries], [h for _, h, _ in entries], [p for _, _, p in entries])
+    refused: set[int] = set()
+    raise_at: int | None = None
+    picked: list[Any] = [[], []]
+    next_hash, root, more, already, stopped = 100, 0, 0, [], False
+    for op in ops:
+        if op[0] == "flip":
+            refused ^= {op[1]}
+        elif op[0] == "raise":
+            raise_at = op[1]
+        elif op[0] == "collect":
+            root, more = _tracked_pick(twins[0], op[1]), op[2]
+            already = [b for b in (_tracked_pick(twins[0], pick) for pick in op[3]) if b != root]
+        elif op[0] == "again":  # the next selection from the last root, nothing chosen yet
+            more, already = op[1], []
+        outcomes = []
+        for k, chains in enumerate(twins):
+            if op[0] in ("collect", "again") and chains.tracks(root):
+                chosen = dict.fromkeys(already)
+                log: list[int] = []
+
+                def evictable(block: int, log: list[int] = log, at: int | None = raise_at,
+                              turned: frozenset[int] = frozenset(refused)) -> bool:
+                    log.append(block)
+                    if len(log) == at:
+                        raise ValueError(f"asked about block {block}")
+                    return not (block % 4 == 0) ^ (block in turned) ^ (-1 in turned)  # every fourth refused
+
+                try:
+                    picked[k] = chains.collect(root, evictable, chosen, len(chosen) + more)
+                    outcome: Any = picked[k]
+                except ValueError as error:
+                    picked[k], outcome, stopped = [], str(error), True
+                outcomes.append((outcome, list(chosen), log))
+            elif op[0] == "evict":  # the selection carried out: its picks leave (or all but the last)
+                leaving = [b for b in picked[k][:len(picked[k]) - (not op[1])] if chains.tracks(b)]
+                chains.remove_many("owner", leaving, chains.distinct_tracked(leaving))
+                for block in leaving:
+                    chains.parked[block] = 0
+            elif op[0] == "park" and chains.tracks(op[1]):
+                parked = chains.parked[op[1]] == FlatChains.PARKED
+                chains.parked[op[1]] = 0 if parked else FlatChains.PARKED
+                (chains.unpin if parked else chains.pin)(op[1])
+            elif op[0] == "add" and chains.tracks(parent := _tracked_pick(chains, op[1])):
+                free = [b for b in range(_SIZE) if not chains.tracks(b)]
+                if free:
+                    chains.add("owner", free[0], next_hash, chains.links(parent)[0])
+        if op[0] in ("collect", "again"):
+            raise_at = None
+        elif op[0] == "add":
+            next_hash += 1
+        if outcomes:
+            assert outcomes[0] == outcomes[1], op
+        assert _chains_state(twins[0]) == _chains_state(twins[1]), op
+    if not stopped:  # a walk an error stopped is kept as it stood
+        for chains in twins:
+            chains.check_invariants()
+
+
 def _state(policy: HitDensityPolicy) -> dict[str, Any]:
     """Every field of the policy the booking reads or writes, and what its decisions read."""
     fields = ("_where", "_cls", "_uses", "_last", "_next", "_prev", "_ends", "_dirty", "_recent",
