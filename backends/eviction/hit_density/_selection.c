@@ -7,8 +7,8 @@
  * FlatChains.collect calls it (its set's collect, with the index first: C to C where that is compiled).
  *
  * The heads' keys (density, last access, block, stream) are C values compared in the tuples' order: the
- * densities are checked on entry to be floats, none a NaN, so comparing them as doubles is comparing the
- * floats. A head carries a serial, new each time a stream's head is set: a heap entry whose serial is no
+ * densities they may read (the rows of the classes listing a block) are checked on entry to be floats,
+ * none a NaN, so comparing them as doubles is comparing the floats. A head carries a serial, new each time a stream's head is set: a heap entry whose serial is no
  * longer its stream's is the reference's replaced tuple (stale). Age buckets come from the model's
  * first_ages (bucket(age) >= b exactly when age >= first_ages[b]), so no power is taken. A call whose
  * state is not what the policy keeps (another type, a clock past 64 bits, odd model tables) runs the
@@ -579,9 +579,10 @@ small_int(PyObject *v, int64_t low, int64_t limit, int64_t *out)
     return 1;
 }
 
-/* The model's tables as the compiled rounds take them: rows None or exact lists of top + 1 floats, no
- * NaN, one per class; first_ages a tuple of top + 1 rising ints from 0. 1 if so (read into s), 0 if
- * not, -1 with an error. */
+/* The model's tables as the compiled rounds take them: rows None or exact lists of top + 1 floats, one
+ * per class, no NaN in the row of a class whose list holds a block (the rounds read densities only for
+ * blocks listed at entry: a row of an empty class is never read, so what it holds changes nothing);
+ * first_ages a tuple of top + 1 rising ints from 0. 1 if so (read into s), 0 if not, -1 with an error. */
 static int
 open_model(PyObject *p, Sel *s)
 {
@@ -616,6 +617,8 @@ open_model(PyObject *p, Sel *s)
             PyObject *row = PyList_GET_ITEM(s->rows, c);
             if (!PyList_CheckExact(row) || PyList_GET_SIZE(row) != size)
                 goto done;
+            if (s->ends[2 * c] == NONE && (2 * c + 1 == s->streams || s->ends[2 * c + 1] == NONE))
+                continue; /* an empty class list: its row is not read */
             for (Py_ssize_t b = 0; b < size; b++) {
                 PyObject *d = PyList_GET_ITEM(row, b);
                 if (!PyFloat_CheckExact(d) || isnan(PyFloat_AS_DOUBLE(d)))

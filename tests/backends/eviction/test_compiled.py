@@ -566,6 +566,13 @@ def _odd(policy: HitDensityPolicy, oddity: str) -> tuple[Any, Any, bool]:
         policy._clock += 1 << 64
     elif oddity == "a NaN density":
         policy._model._rows = [[math.nan if b == 0 else d for b, d in enumerate(row)] for row in rows]
+    elif oddity in ("NaN densities of a listed class", "NaN densities of an empty class"):  # (only the first
+        # is odd: the rounds never read the row of a class whose list is empty)
+        ends = policy._ends
+        listed = [ends[2 * c] != -1 or ends[2 * c + 1] != -1 for c in range(len(ends) // 2)]
+        c = listed.index(oddity.endswith("listed class"))
+        policy._model._rows = [[math.nan] * len(row) if k == c else row for k, row in enumerate(rows)]
+        n = len(policy)  # past the orphans: every listed class's head is read
     elif oddity == "an int density":
         policy._model._rows = [[int(d) for d in row] for row in rows]
     elif oddity == "rows too short":
@@ -580,11 +587,13 @@ def _odd(policy: HitDensityPolicy, oddity: str) -> tuple[Any, Any, bool]:
 
 
 @pytest.mark.skipif(selection.LOOPS.compiled is None, reason="the compiled selection was not built")
-@pytest.mark.parametrize("oddity", ["clock past 64 bits", "a NaN density", "an int density", "rows too short",
+@pytest.mark.parametrize("oddity", ["clock past 64 bits", "a NaN density", "NaN densities of a listed class",
+                                    "NaN densities of an empty class", "an int density", "rows too short",
                                     "a bool count", "a dict subclass", "verified an int"])
 def test_compiled_selection_runs_the_reference_on_odd_state(oddity: str) -> None:
     """A state the policy never keeps, or arguments select_victims never passes: the compiled rounds run
-    the reference, which returns or raises as it does, with the same blocks chosen and the same state."""
+    the reference, which returns or raises as it does, with the same blocks chosen and the same state (an
+    odd row they never read, an empty class's, they run over themselves, to the same end)."""
     setup = [HitDensityPolicy(capacity=4) for _ in range(2)]
     _drive_selections_on(setup, _workload(random.Random(7), 120))
     assert setup[0].model.rows is not None
