@@ -24,17 +24,19 @@ A hash is never its own prefix: a block stored under its own hash as its
 parent heads its chain (it is no orphan and has no child).
 
 The batch loops, :meth:`FlatChains.add_many`, :meth:`FlatChains.remove_many`
-and its check :meth:`FlatChains.distinct_tracked`, a walk's fresh pass over a
-whole subtree (:meth:`FlatChains.collect`'s) and the orphans among a batch of
-pins or releases (:meth:`FlatChains.orphans_among`) run the set of
-:data:`LOOPS` an index holds in its ``_loops`` (:mod:`~kvkit.backends.twins`):
-the compiled ``_chains_loops`` module's functions where that extension was
-built, else their Python references (:meth:`FlatChains.add_many_reference`,
+and its check :meth:`FlatChains.distinct_tracked`, the walks of
+:meth:`FlatChains.collect` and the orphans among a batch of pins or releases
+(:meth:`FlatChains.orphans_among`) run the set of :data:`LOOPS` an index holds
+in its ``_loops`` (:mod:`~kvkit.backends.twins`): the compiled
+``_chains_loops`` module's functions where that extension was built, else
+their Python references (:meth:`FlatChains.add_many_reference`,
 :meth:`FlatChains.remove_many_reference`,
 :meth:`FlatChains.distinct_tracked_reference`,
-:meth:`FlatChains.collect_whole_reference`,
+:meth:`FlatChains.collect_reference`,
 :meth:`FlatChains.orphans_among_reference`), which hold the contract; the tests
-drive both on the same calls and compare the whole state.
+drive both on the same calls and compare the whole state, the kept walk
+included. An owner's compiled loop may call the set's ``collect`` itself, as
+:meth:`FlatChains.collect` does.
 """
 
 from __future__ import annotations
@@ -79,10 +81,10 @@ class DistinctTracked(Protocol):
         """:meth:`FlatChains.distinct_tracked` of ``chains``."""
 
 
-class CollectWhole(Protocol):
+class Collect(Protocol):
     def __call__(self, chains: FlatChains, root: int, is_evictable: Callable[[int], bool],
-                 chosen: dict[int, None], n: int, /) -> list[int] | None:
-        """:meth:`FlatChains.collect_whole_reference` of ``chains``."""
+                 chosen: dict[int, None], n: int, /) -> list[int]:
+        """:meth:`FlatChains.collect` of ``chains``."""
 
 
 @attrs.define
@@ -541,6 +543,11 @@ class FlatChains:
         selection that moves up a chain root by root walks each block once,
         not once per root above it.
         """
+        return self._loops.collect(self, root, is_evictable, chosen, n)
+
+    def collect_reference(self, root: int, is_evictable: Callable[[int], bool],
+                          chosen: dict[int, None], n: int) -> list[int]:
+        """:meth:`collect` in Python: the reference of the compiled walk."""
         parked, mark = self.parked, self.PARKED
         first = self._first
         if first[root] == _NONE and len(chosen) < n:  # a childless root: its walk is the root alone
@@ -551,7 +558,7 @@ class FlatChains:
             return [root]
         walk = self._walk
         if walk is None or walk.root != root:  # a fresh walk: one that runs to its end, short
-            whole = self._loops.collect_whole(self, root, is_evictable, chosen, n)
+            whole = self._collect_whole(root, is_evictable, chosen, n)
             if whole is not None:
                 return whole
         if walk is not None and walk.root == root and not walk.victims and \
@@ -590,8 +597,8 @@ class FlatChains:
         self._walk = None if not stack else walk if walk is not None else _Walk(root, stack, held, victims, skipped)
         return picked
 
-    def collect_whole_reference(self, root: int, is_evictable: Callable[[int], bool],
-                                chosen: dict[int, None], n: int) -> list[int] | None:
+    def _collect_whole(self, root: int, is_evictable: Callable[[int], bool],
+                       chosen: dict[int, None], n: int) -> list[int] | None:
         """:meth:`collect`'s fresh walk from ``root`` when it cannot stop before its end; ``None`` otherwise,
         nothing done.
 
@@ -700,12 +707,12 @@ class ChainLoops(NamedTuple):
     add_many: AddMany
     remove_many: RemoveMany
     distinct_tracked: DistinctTracked
-    collect_whole: CollectWhole
+    collect: Collect
     orphans_among: Callable[[FlatChains, Sequence[BlockId]], list[BlockId]]
 
 
 LOOPS: Twins[ChainLoops] = Twins.load(ChainLoops(FlatChains.add_many_reference, FlatChains.remove_many_reference,
                                                  FlatChains.distinct_tracked_reference,
-                                                 FlatChains.collect_whole_reference,
+                                                 FlatChains.collect_reference,
                                                  FlatChains.orphans_among_reference),
                    "kvkit.backends.eviction._chains_loops")

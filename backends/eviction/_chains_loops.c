@@ -1,19 +1,21 @@
-/* The chain index's loops, compiled: FlatChains.add_many, remove_many, distinct_tracked, collect_whole and
+/* The chain index's loops, compiled: FlatChains.add_many, remove_many, distinct_tracked, collect and
  * orphans_among, step for step.
  *
  * _chains.py holds the references (FlatChains.add_many_reference, remove_many_reference,
- * distinct_tracked_reference, collect_whole_reference and orphans_among_reference) and the contract; the
- * tests run both on the same calls and compare the whole state. The per-block links (_up, _first, _next,
- * _prev: array('i')) and the owner's pin marks (bytearray) are read through the buffer protocol; the maps,
- * the hash list, the kept walk's sets and the orphans' ParkingQueue stay Python objects, updated exactly as
- * the reference updates them: the queue through the loops it runs (its _loops' add and remove_many, called
- * as C functions where they are compiled) and its remove method.
+ * distinct_tracked_reference, collect_reference and orphans_among_reference) and the contract; the tests
+ * run both on the same calls and compare the whole state, the kept walk included. The per-block links
+ * (_up, _first, _next, _prev: array('i')) and the owner's pin marks (bytearray) are read through the buffer
+ * protocol; the maps, the hash list, the kept walk and the orphans' ParkingQueue stay Python objects,
+ * updated exactly as the reference updates them: the queue through the loops it runs (its _loops' add and
+ * remove_many, called as C functions where they are compiled) and its remove method. A walk keeps its
+ * stack in C while it runs and hands the kept walk's stack over as the reference's list of (block, bool)
+ * tuples, the same list where it resumed one.
  *
  * Inputs the loops do not take at C speed (sequences other than lists and tuples, block ids that are
- * not ints inside the arrays, maps other than dicts, a hash list other than a list) run the reference
- * for the whole call: nothing is changed before that choice. Every index read from the arrays, the
- * driver's index or the caller's leaving set is checked before use: one outside the arrays raises
- * IndexError and writes nothing (where the reference would index a negative one from the end).
+ * not ints inside the arrays, maps other than dicts, a hash list other than a list, a kept walk of other
+ * types) run the reference for the whole call: nothing is changed before that choice. Every index read
+ * from the arrays, the driver's index or the caller's leaving set is checked before use: one outside the
+ * arrays raises IndexError and writes nothing (where the reference would index a negative one from the end).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -754,6 +756,140 @@ done:
     return result;
 }
 
+/* The names collect reads, interned at import, and the kept walk's class (_chains._Walk, imported at the
+ * first walk kept). */
+static PyObject *name_parked, *name_mark, *name_first, *name_next, *name_prev, *name_walk, *name_root, *name_stack,
+    *name_held, *name_victims, *name_skipped, *walk_class;
+
+/* One collect call: the index's child links and pin marks, and the caller's arguments (borrowed). */
+typedef struct {
+    View first_v, next_v, prev_v, parked_v;
+    const int32_t *first, *nxt, *prv;
+    const unsigned char *parked;
+    Py_ssize_t size, n;
+    long mark;
+    PyObject *chains, *is_evictable, *chosen;
+} Walker;
+
+/* An entry of the walk's stack: a block, and whether its children are pushed above it. */
+typedef struct {
+    long block;
+    int expanded;
+} Entry;
+
+static void
+walker_drop(Walker *w)
+{
+    release(&w->first_v);
+    release(&w->next_v);
+    release(&w->prev_v);
+    release(&w->parked_v);
+}
+
+static int
+walker_view(PyObject *chains, PyObject *name, View *v, Py_ssize_t itemsize)
+{
+    PyObject *obj = PyObject_GetAttr(chains, name);
+    if (obj == NULL)
+        return -1;
+    int rc = view(obj, v, itemsize, PyUnicode_AsUTF8(name));
+    Py_DECREF(obj);
+    return rc;
+}
+
+/* The call's state: 1 if taken, 0 if the reference takes the call (other types, a root outside the
+ * arrays, arrays of other sizes; nothing done), -1 with an error. */
+static int
+walker_take(Walker *w, PyObject *const *args, long *root)
+{
+    memset(w, 0, sizeof *w);
+    w->chains = args[0];
+    w->is_evictable = args[2];
+    w->chosen = args[3];
+    if (!PyLong_CheckExact(args[1]) || !PyDict_CheckExact(args[3]) || !PyLong_CheckExact(args[4]))
+        return 0;
+    int overflow;
+    long long r = PyLong_AsLongLongAndOverflow(args[1], &overflow);
+    w->n = PyLong_AsSsize_t(args[4]);
+    if (overflow || (w->n == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *mark = PyObject_GetAttr(w->chains, name_mark);
+    if (mark == NULL)
+        return -1;
+    w->mark = PyLong_AsLong(mark);
+    Py_DECREF(mark);
+    if ((w->mark == -1 && PyErr_Occurred()) || walker_view(w->chains, name_first, &w->first_v, 4) < 0
+        || walker_view(w->chains, name_next, &w->next_v, 4) < 0 || walker_view(w->chains, name_prev, &w->prev_v, 4) < 0
+        || walker_view(w->chains, name_parked, &w->parked_v, 1) < 0)
+        return -1;
+    w->size = items(&w->first_v);
+    if (items(&w->next_v) != w->size || items(&w->prev_v) != w->size || items(&w->parked_v) < w->size || r < 0
+        || r >= w->size)
+        return 0;
+    w->first = (const int32_t *)w->first_v.buf.buf;
+    w->nxt = (const int32_t *)w->next_v.buf.buf;
+    w->prv = (const int32_t *)w->prev_v.buf.buf;
+    w->parked = (const unsigned char *)w->parked_v.buf.buf;
+    *root = (long)r;
+    return 1;
+}
+
+/* A block read from the link arrays, checked to be inside them. */
+static int
+walker_inside(const Walker *w, long block)
+{
+    if (block < 0 || block >= w->size) {
+        PyErr_Format(PyExc_IndexError, "FlatChains: block %ld is outside 0..%zd", block, w->size - 1);
+        return 0;
+    }
+    return 1;
+}
+
+/* block in chosen: 1, 0, -1. */
+static int
+is_chosen(const Walker *w, long block)
+{
+    PyObject *key = PyLong_FromLong(block);
+    if (key == NULL)
+        return -1;
+    int rc = PyDict_Contains(w->chosen, key);
+    Py_DECREF(key);
+    return rc;
+}
+
+/* parked[block] != mark and is_evictable(block), as a bool: 1, 0, -1. */
+static int
+may_evict(const Walker *w, long block)
+{
+    if (w->parked[block] == w->mark)
+        return 0;
+    PyObject *key = PyLong_FromLong(block);
+    if (key == NULL)
+        return -1;
+    PyObject *answer = PyObject_CallOneArg(w->is_evictable, key);
+    Py_DECREF(key);
+    if (answer == NULL)
+        return -1;
+    int rc = PyObject_IsTrue(answer);
+    Py_DECREF(answer);
+    return rc;
+}
+
+/* chosen[block] = None and block appended to picked (and added to victims where that is a set). */
+static int
+choose(const Walker *w, long block, PyObject *picked, PyObject *victims)
+{
+    PyObject *key = PyLong_FromLong(block);
+    if (key == NULL)
+        return -1;
+    int rc = PyDict_SetItem(w->chosen, key, Py_None) < 0 || PyList_Append(picked, key) < 0
+             || (victims != NULL && PySet_Add(victims, key) < 0);
+    Py_DECREF(key);
+    return rc ? -1 : 0;
+}
+
 /* Append block to a growable C array of *cap items (reallocated as it fills). */
 static int
 push_block(long **items, Py_ssize_t *count, Py_ssize_t *cap, long block)
@@ -772,44 +908,18 @@ push_block(long **items, Py_ssize_t *count, Py_ssize_t *cap, long block)
     return 0;
 }
 
-static PyObject *
-collect_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* FlatChains._collect_whole: 1 with *out the blocks picked, 0 if the walk might stop before its end
+ * (nothing done), -1 with an error. */
+static int
+whole(const Walker *w, long root, PyObject **out)
 {
-    (void)module;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "collect_whole takes 5 arguments, got %zd", nargs);
-        return NULL;
-    }
-    PyObject *chains = args[0], *is_evictable = args[2], *chosen = args[3];
-    long root = PyLong_AsLong(args[1]);
-    Py_ssize_t n = PyLong_AsSsize_t(args[4]);
-    if (PyErr_Occurred() || !PyLong_CheckExact(args[1]) || !PyDict_CheckExact(chosen)) {
-        PyErr_Clear(); /* other types: the reference, which converts or raises */
-        return PyObject_CallMethod(chains, "collect_whole_reference", "OOOO", args[1], is_evictable, chosen, args[4]);
-    }
-    View first_v = {0}, next_v = {0}, parked_v = {0};
-    int32_t *first = NULL, *nxt = NULL;
-    long *stack = NULL, *listed = NULL, mark = 0;
+    long *stack = NULL, *listed = NULL;
     Py_ssize_t stacked = 0, stack_cap = 0, count = 0, listed_cap = 0;
-    PyObject *result = NULL, *picked = NULL, *parked_obj = NULL, *mark_obj = NULL;
-    Py_ssize_t room = n - PyDict_GET_SIZE(chosen);
+    PyObject *picked = NULL;
+    int rc = -1;
+    Py_ssize_t room = w->n - PyDict_GET_SIZE(w->chosen);
     if (room < 1) /* the walk stops before its root */
-        Py_RETURN_NONE;
-    if (array_view(chains, "_first", &first_v, &first) < 0 || array_view(chains, "_next", &next_v, &nxt) < 0
-        || (parked_obj = PyObject_GetAttrString(chains, "parked")) == NULL
-        || view(parked_obj, &parked_v, 1, "parked") < 0 || (mark_obj = PyObject_GetAttrString(chains, "PARKED")) == NULL
-        || ((mark = PyLong_AsLong(mark_obj)) == -1 && PyErr_Occurred()))
-        goto done;
-    Py_ssize_t size = first_v.buf.len / 4;
-    if (next_v.buf.len / 4 != size || parked_v.buf.len < size || root < 0 || root >= size) {
-        /* arrays of other sizes, a root outside them: the reference, which raises as it does */
-        release(&first_v);
-        release(&next_v);
-        release(&parked_v);
-        result = PyObject_CallMethod(chains, "collect_whole_reference", "OOOO", args[1], is_evictable, chosen,
-                                     args[4]);
-        goto done;
-    }
+        return 0;
     /* The blocks the walk pushes, listed in the reverse of its post order (the reference's docstring). */
     Py_ssize_t pushed = 1;
     if (push_block(&stack, &stacked, &stack_cap, root) < 0)
@@ -819,21 +929,19 @@ collect_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         for (;;) {
             if (push_block(&listed, &count, &listed_cap, block) < 0)
                 goto done;
-            long head = first[block];
+            long head = w->first[block];
             if (head == NONE)
                 break;
-            if (head < 0 || head >= size) {
-                PyErr_Format(PyExc_IndexError, "FlatChains: block %ld is outside 0..%zd", head, size - 1);
+            if (!walker_inside(w, head))
                 goto done;
-            }
-            if (nxt[head] == head) { /* an only child: pushed and popped at once */
-                int in = holds(chosen, head);
+            if (w->nxt[head] == head) { /* an only child: pushed and popped at once */
+                int in = is_chosen(w, head);
                 if (in < 0)
                     goto done;
                 if (in || head == root)
                     break;
                 if (++pushed > room) { /* the walk might stop before its end */
-                    result = Py_NewRef(Py_None);
+                    rc = 0;
                     goto done;
                 }
                 block = head;
@@ -841,7 +949,7 @@ collect_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             long child = head;
             do {
-                int in = holds(chosen, child);
+                int in = is_chosen(w, child);
                 if (in < 0)
                     goto done;
                 if (!in && child != root) {
@@ -849,52 +957,340 @@ collect_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         goto done;
                     pushed++;
                 }
-                child = nxt[child];
-                if (child < 0 || child >= size) {
-                    PyErr_Format(PyExc_IndexError, "FlatChains: block %ld is outside 0..%zd", child, size - 1);
+                child = w->nxt[child];
+                if (!walker_inside(w, child))
                     goto done;
-                }
             } while (child != head);
             if (pushed > room) {
-                result = Py_NewRef(Py_None);
+                rc = 0;
                 goto done;
             }
             break;
         }
     }
-    if (PyObject_SetAttrString(chains, "_walk", Py_None) < 0 || (picked = PyList_New(0)) == NULL)
+    if (PyObject_SetAttr(w->chains, name_walk, Py_None) < 0 || (picked = PyList_New(0)) == NULL)
         goto done;
-    const unsigned char *parked = (const unsigned char *)parked_v.buf.buf;
     for (Py_ssize_t k = count - 1; k >= 0; k--) { /* the walk's choices, in its post order */
         long block = listed[k];
-        if (parked[block] == mark)
+        if (w->parked[block] == w->mark)
             continue;
-        PyObject *key = PyLong_FromLong(block);
-        if (key == NULL)
-            goto done;
-        int in = PyDict_Contains(chosen, key), usable = 0;
-        if (in == 0) {
-            PyObject *answer = PyObject_CallOneArg(is_evictable, key);
-            usable = answer == NULL ? -1 : PyObject_IsTrue(answer);
-            Py_XDECREF(answer);
-        }
-        int rc = in < 0 || usable < 0 ? -1 : 0;
-        if (usable > 0 && (PyDict_SetItem(chosen, key, Py_None) < 0 || PyList_Append(picked, key) < 0))
-            rc = -1;
-        Py_DECREF(key);
-        if (rc < 0)
+        int in = is_chosen(w, block), usable = 0;
+        if (in == 0 && (usable = may_evict(w, block)) > 0 && choose(w, block, picked, NULL) < 0)
+            usable = -1;
+        if (in < 0 || usable < 0)
             goto done;
     }
-    result = Py_NewRef(picked);
+    *out = picked;
+    picked = NULL;
+    rc = 1;
 done:
-    release(&first_v);
-    release(&next_v);
-    release(&parked_v);
-    Py_XDECREF(parked_obj);
-    Py_XDECREF(mark_obj);
     Py_XDECREF(picked);
     PyMem_Free(stack);
     PyMem_Free(listed);
+    return rc;
+}
+
+static int
+push_entry(Entry **items, Py_ssize_t *count, Py_ssize_t *cap, long block, int expanded)
+{
+    if (*count == *cap) {
+        Py_ssize_t grown = *cap ? 2 * *cap : 64;
+        Entry *more = PyMem_Resize(*items, Entry, grown);
+        if (more == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        *items = more;
+        *cap = grown;
+    }
+    (*items)[*count].block = block;
+    (*items)[(*count)++].expanded = expanded;
+    return 0;
+}
+
+/* A kept walk's stack entry as the compiled walk takes it, (block, bool), block inside the arrays: 1 with
+ * *out, 0 if not. */
+static int
+as_entry(const Walker *w, PyObject *item, Entry *out)
+{
+    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(item, 0))
+        || !PyBool_Check(PyTuple_GET_ITEM(item, 1)))
+        return 0;
+    int overflow;
+    long long block = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(item, 0), &overflow);
+    if (overflow || block < 0 || block >= w->size)
+        return 0;
+    out->block = (long)block;
+    out->expanded = PyTuple_GET_ITEM(item, 1) == Py_True;
+    return 1;
+}
+
+/* A block of a kept walk's skipped list as the compiled walk takes it: an int inside the arrays. */
+static int
+as_skipped(const Walker *w, PyObject *item, long *out)
+{
+    int overflow;
+    long long block = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : -1;
+    if (!PyLong_CheckExact(item) || overflow || block < 0 || block >= w->size)
+        return 0;
+    *out = (long)block;
+    return 1;
+}
+
+/* The kept walk's parts (new references) where its root is root: 1 if they are what the compiled walk
+ * takes (a list of (block, bool) tuples, two sets, a list of ints, every block inside the arrays), 0
+ * if not, -1 with an error. *parts stays NULL where no walk from root is kept. */
+static int
+kept_walk(const Walker *w, long root, PyObject *parts[4])
+{
+    PyObject *walk = PyObject_GetAttr(w->chains, name_walk), *walk_root = NULL;
+    int rc = -1;
+    if (walk == NULL)
+        return -1;
+    if (walk == Py_None) {
+        Py_DECREF(walk);
+        return 1;
+    }
+    if ((walk_root = PyObject_GetAttr(walk, name_root)) == NULL)
+        goto done;
+    rc = 0;
+    if (!PyLong_CheckExact(walk_root))
+        goto done;
+    int overflow;
+    long long at = PyLong_AsLongLongAndOverflow(walk_root, &overflow);
+    if (overflow || at != root) { /* a walk from another root: a fresh walk */
+        rc = 1;
+        goto done;
+    }
+    PyObject *names[4] = {name_stack, name_held, name_victims, name_skipped};
+    for (int k = 0; k < 4; k++)
+        if ((parts[k] = PyObject_GetAttr(walk, names[k])) == NULL) {
+            rc = -1;
+            goto done;
+        }
+    if (!PyList_CheckExact(parts[0]) || !PySet_CheckExact(parts[1]) || !PySet_CheckExact(parts[2])
+        || !PyList_CheckExact(parts[3]))
+        goto done;
+    Entry entry;
+    long block;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(parts[0]); k++)
+        if (!as_entry(w, PyList_GET_ITEM(parts[0], k), &entry))
+            goto done;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(parts[3]); k++)
+        if (!as_skipped(w, PyList_GET_ITEM(parts[3], k), &block))
+            goto done;
+    rc = 1;
+done:
+    if (rc != 1 || parts[0] == NULL)
+        for (int k = 0; k < 4; k++)
+            Py_CLEAR(parts[k]);
+    Py_XDECREF(walk_root);
+    Py_DECREF(walk);
+    return rc;
+}
+
+/* A list of the stack's entries as the reference keeps them, (block, bool) tuples. */
+static PyObject *
+stack_list(const Entry *stack, Py_ssize_t count)
+{
+    PyObject *list = PyList_New(count);
+    for (Py_ssize_t k = 0; list != NULL && k < count; k++) {
+        PyObject *entry = Py_BuildValue("(lO)", stack[k].block, stack[k].expanded ? Py_True : Py_False);
+        if (entry == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, k, entry);
+    }
+    return list;
+}
+
+/* A kept walk's stack list made to hold the stack's entries (an error raised before stays raised). */
+static int
+store_stack(PyObject *list, const Entry *stack, Py_ssize_t count)
+{
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    PyObject *entries = stack_list(stack, count);
+    int rc = entries == NULL ? -1 : PyList_SetSlice(list, 0, PyList_GET_SIZE(list), entries);
+    Py_XDECREF(entries);
+    if (type != NULL) {
+        PyErr_Clear();
+        PyErr_Restore(type, value, trace);
+    }
+    return rc;
+}
+
+/* A _Walk(root, stack, held, victims, skipped), its class imported at the first one. */
+static PyObject *
+new_walk(PyObject *root, PyObject *stack, PyObject *held, PyObject *victims, PyObject *skipped)
+{
+    if (walk_class == NULL) {
+        PyObject *chains_module = PyImport_ImportModule("kvkit.backends.eviction._chains");
+        if (chains_module == NULL)
+            return NULL;
+        walk_class = PyObject_GetAttrString(chains_module, "_Walk");
+        Py_DECREF(chains_module);
+        if (walk_class == NULL)
+            return NULL;
+    }
+    PyObject *args[5] = {root, stack, held, victims, skipped};
+    return PyObject_Vectorcall(walk_class, args, 5, NULL);
+}
+
+static PyObject *
+collect(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "collect takes 5 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Walker w;
+    long root = NONE;
+    PyObject *parts[4] = {NULL, NULL, NULL, NULL}; /* a kept walk from root: stack, held, victims, skipped */
+    PyObject *picked = NULL, *result = NULL;
+    Entry *stack = NULL;
+    Py_ssize_t count = 0, cap = 0;
+    int resumed = 0, loaded = 0, rc = walker_take(&w, args, &root); /* loaded: the kept stack is in stack */
+    if (rc > 0)
+        rc = kept_walk(&w, root, parts);
+    if (rc == 0) { /* other types: the reference, which converts or raises */
+        walker_drop(&w);
+        return PyObject_CallMethod(args[0], "collect_reference", "OOOO", args[1], args[2], args[3], args[4]);
+    }
+    if (rc < 0)
+        goto done;
+    if (w.first[root] == NONE && PyDict_GET_SIZE(w.chosen) < w.n) { /* a childless root: the root alone */
+        if (PyObject_SetAttr(w.chains, name_walk, Py_None) < 0 || (picked = PyList_New(0)) == NULL)
+            goto done;
+        int in = is_chosen(&w, root), usable = 0;
+        if (in == 0 && (usable = may_evict(&w, root)) > 0 && choose(&w, root, picked, NULL) < 0)
+            usable = -1;
+        if (in >= 0 && usable >= 0)
+            result = Py_NewRef(picked);
+        goto done;
+    }
+    if (parts[0] == NULL) { /* a fresh walk: one that runs to its end, short */
+        rc = whole(&w, root, &result);
+        if (rc != 0)
+            goto done;
+    }
+    else { /* resumed where the kept walk's victims are gone and its skipped blocks are skipped again */
+        resumed = PySet_GET_SIZE(parts[2]) == 0;
+        for (Py_ssize_t k = 0; resumed && k < PyList_GET_SIZE(parts[3]); k++) {
+            long block;
+            if (!as_skipped(&w, PyList_GET_ITEM(parts[3], k), &block)) {
+                PyErr_SetString(PyExc_RuntimeError, "collect: the kept walk changed during the walk");
+                goto done;
+            }
+            rc = may_evict(&w, block);
+            if (rc < 0)
+                goto done;
+            resumed = !rc;
+        }
+    }
+    PyObject *held, *victims, *skipped;
+    if (resumed) {
+        held = parts[1];
+        victims = parts[2];
+        skipped = parts[3];
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(parts[0]); k++) {
+            Entry entry;
+            if (!as_entry(&w, PyList_GET_ITEM(parts[0], k), &entry)) {
+                PyErr_SetString(PyExc_RuntimeError, "collect: the kept walk changed during the walk");
+                goto done;
+            }
+            if (push_entry(&stack, &count, &cap, entry.block, entry.expanded) < 0)
+                goto done;
+        }
+        loaded = 1;
+    }
+    else { /* a fresh walk (a _Walk only if it is kept) */
+        for (int k = 0; k < 4; k++)
+            Py_CLEAR(parts[k]);
+        if ((parts[1] = PySet_New(NULL)) == NULL || PySet_Add(parts[1], args[1]) < 0
+            || (parts[2] = PySet_New(NULL)) == NULL || (parts[3] = PyList_New(0)) == NULL
+            || push_entry(&stack, &count, &cap, root, 0) < 0)
+            goto done;
+        held = parts[1];
+        victims = parts[2];
+        skipped = parts[3];
+    }
+    if ((picked = PyList_New(0)) == NULL)
+        goto done;
+    while (count && PyDict_GET_SIZE(w.chosen) < w.n) {
+        Entry top = stack[--count];
+        long block = top.block;
+        if (!top.expanded) {
+            if (push_entry(&stack, &count, &cap, block, 1) < 0)
+                goto done;
+            long head = w.first[block];
+            if (head == NONE)
+                continue;
+            if (!walker_inside(&w, head))
+                goto done;
+            long child = w.prv[head]; /* the last child first: the first one is walked first */
+            for (;;) {
+                if (!walker_inside(&w, child))
+                    goto done;
+                PyObject *key = PyLong_FromLong(child);
+                if (key == NULL)
+                    goto done;
+                int in = PySet_Contains(held, key);
+                if (in == 0 && (in = PySet_Add(held, key)) == 0) {
+                    int chosen_already = PyDict_Contains(w.chosen, key); /* with its subtree, earlier */
+                    in = chosen_already < 0 ? -1
+                         : chosen_already ? PySet_Add(victims, key)
+                                          : push_entry(&stack, &count, &cap, child, 0);
+                }
+                Py_DECREF(key);
+                if (in < 0)
+                    goto done;
+                if (child == head)
+                    break;
+                child = w.prv[child];
+            }
+            continue;
+        }
+        int in = is_chosen(&w, block);
+        if (in < 0)
+            goto done;
+        if (in) {
+            PyObject *key = PyLong_FromLong(block);
+            rc = key == NULL ? -1 : PySet_Add(victims, key);
+            Py_XDECREF(key);
+            if (rc < 0)
+                goto done;
+            continue;
+        }
+        rc = may_evict(&w, block);
+        if (rc < 0 || (rc ? choose(&w, block, picked, victims) : append_long(skipped, block)) < 0)
+            goto done;
+    }
+    if (loaded && store_stack(parts[0], stack, count) < 0)
+        goto done;
+    if (!count)
+        rc = PyObject_SetAttr(w.chains, name_walk, Py_None);
+    else if (resumed)
+        rc = 0; /* the kept walk goes on */
+    else {
+        PyObject *entries = stack_list(stack, count), *walk = NULL;
+        if (entries != NULL)
+            walk = new_walk(args[1], entries, held, victims, skipped);
+        rc = walk == NULL ? -1 : PyObject_SetAttr(w.chains, name_walk, walk);
+        Py_XDECREF(entries);
+        Py_XDECREF(walk);
+    }
+    if (rc == 0)
+        result = Py_NewRef(picked);
+done:
+    if (result == NULL && loaded) /* the reference's walk changes its stack in place as it goes */
+        store_stack(parts[0], stack, count);
+    walker_drop(&w);
+    for (int k = 0; k < 4; k++)
+        Py_XDECREF(parts[k]);
+    Py_XDECREF(picked);
+    PyMem_Free(stack);
     return result;
 }
 
@@ -989,9 +1385,8 @@ static PyMethodDef methods[] = {
      "remove_many(chains, owner, blocks, leaving) -> hashes: FlatChains.remove_many_reference, compiled."},
     {"distinct_tracked", (PyCFunction)(void (*)(void))distinct_tracked, METH_FASTCALL,
      "distinct_tracked(chains, blocks) -> frozenset: FlatChains.distinct_tracked_reference, compiled."},
-    {"collect_whole", (PyCFunction)(void (*)(void))collect_whole, METH_FASTCALL,
-     "collect_whole(chains, root, is_evictable, chosen, n) -> picked or None: FlatChains.collect_whole_reference, "
-     "compiled."},
+    {"collect", (PyCFunction)(void (*)(void))collect, METH_FASTCALL,
+     "collect(chains, root, is_evictable, chosen, n) -> picked: FlatChains.collect_reference, compiled."},
     {"orphans_among", (PyCFunction)(void (*)(void))orphans_among, METH_FASTCALL,
      "orphans_among(chains, blocks) -> orphans: FlatChains.orphans_among_reference, compiled."},
     {NULL, NULL, 0, NULL},
@@ -1002,11 +1397,27 @@ static struct PyModuleDef module = {
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
+/* collect's names, interned at import. */
+static int
+intern_collect_names(void)
+{
+    struct {
+        PyObject **name;
+        const char *text;
+    } names[] = {{&name_parked, "parked"}, {&name_mark, "PARKED"}, {&name_first, "_first"}, {&name_next, "_next"},
+                 {&name_prev, "_prev"}, {&name_walk, "_walk"}, {&name_root, "root"}, {&name_stack, "stack"},
+                 {&name_held, "held"}, {&name_victims, "victims"}, {&name_skipped, "skipped"}};
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
+        if ((*names[k].name = PyUnicode_InternFromString(names[k].text)) == NULL)
+            return -1;
+    return 0;
+}
+
 PyMODINIT_FUNC
 PyInit__chains_loops(void)
 {
     if ((name_remove = PyUnicode_InternFromString("remove")) == NULL
-        || (name_get = PyUnicode_InternFromString("get")) == NULL)
+        || (name_get = PyUnicode_InternFromString("get")) == NULL || intern_collect_names() < 0)
         return NULL;
     return PyModule_Create(&module);
 }

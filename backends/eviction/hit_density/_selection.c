@@ -3,13 +3,14 @@
  * selection.py holds the reference and the contract; the tests run both on the same calls and compare
  * what they return, the order of chosen and the policy's whole state. The policy's per-block arrays and
  * the chain index's rings are read through the buffer protocol; chosen stays the caller's dict, and
- * evictable, collect and forget_walk are called as the reference calls them. The orphans are walked from
- * the chain index's orphan queue's list where it has no side list (orphan_list), else by the generator
+ * evictable and forget_walk are called as the reference calls them, collect as FlatChains.collect calls it
+ * (its set's collect, with the index first: C to C where that is compiled). The orphans are walked from the
+ * chain index's orphan queue's list where it has no side list (orphan_list), else by the generator
  * FlatChains.orphans() returns.
  *
  * The heads' keys (density, last access, block, stream) are C values compared in the tuples' order: the
- * densities are checked on entry to be floats, none a NaN, so comparing them as doubles is comparing the
- * floats. A head carries a serial, new each time a stream's head is set: a heap entry whose serial is no
+ * densities they may read (the rows of the classes listing a block) are checked on entry to be floats,
+ * none a NaN, so comparing them as doubles is comparing the floats. A head carries a serial, new each time a stream's head is set: a heap entry whose serial is no
  * longer its stream's is the reference's replaced tuple (stale). Age buckets come from the model's
  * first_ages (bucket(age) >= b exactly when age >= first_ages[b]), so no power is taken. A call whose
  * state is not what the policy keeps (another type, a clock past 64 bits, odd model tables) runs the
@@ -219,13 +220,15 @@ drop_walk(Sel *s)
     return 0;
 }
 
-/* collect(root, evictable, chosen, n): a new reference to what it returned, or NULL with its error. */
+/* chains.collect(root, evictable, chosen, n), called as that method calls it: the chain index's own set's
+ * collect (C to C where the index runs the compiled set). A new reference to what it returned, or NULL
+ * with its error. */
 static PyObject *
 walk(Sel *s, PyObject *root)
 {
     s->dropped = 1; /* a walk left kept ends the selection */
-    PyObject *args[] = {root, s->evictable, s->chosen, s->n_obj};
-    return PyObject_Vectorcall(s->collect, args, 4, NULL);
+    PyObject *args[] = {s->chains, root, s->evictable, s->chosen, s->n_obj};
+    return PyObject_Vectorcall(s->collect, args, 5, NULL);
 }
 
 /* The root has no child to walk: none, or one only child already chosen (with its subtree). 1, 0, -1. */
@@ -442,7 +445,7 @@ run(Sel *s, Py_ssize_t stream, int64_t root, int64_t twin_block)
     }
 }
 
-/* An exact int within 0..limit: 1 with *out, 0 if not (no error). */
+/* An exact int within low..limit: 1 with *out, 0 if not (no error). */
 static int
 small_int(PyObject *v, int64_t low, int64_t limit, int64_t *out)
 {
@@ -640,9 +643,10 @@ view_of(PyObject *obj, const char *name, View *v, Py_ssize_t itemsize)
     return rc;
 }
 
-/* The model's tables as the compiled rounds take them: rows None or exact lists of top + 1 floats, no
- * NaN, one per class; first_ages a tuple of top + 1 rising ints from 0. 1 if so (read into s), 0 if
- * not, -1 with an error. */
+/* The model's tables as the compiled rounds take them: rows None or exact lists of top + 1 floats, one
+ * per class, no NaN in the row of a class whose list holds a block (the rounds read densities only for
+ * blocks listed at entry: a row of an empty class is never read, so what it holds changes nothing);
+ * first_ages a tuple of top + 1 rising ints from 0. 1 if so (read into s), 0 if not, -1 with an error. */
 static int
 open_model(PyObject *p, Sel *s)
 {
@@ -677,6 +681,8 @@ open_model(PyObject *p, Sel *s)
             PyObject *row = PyList_GET_ITEM(s->rows, c);
             if (!PyList_CheckExact(row) || PyList_GET_SIZE(row) != size)
                 goto done;
+            if (s->ends[2 * c] == NONE && (2 * c + 1 == s->streams || s->ends[2 * c + 1] == NONE))
+                continue; /* an empty class list: its row is not read */
             for (Py_ssize_t b = 0; b < size; b++) {
                 PyObject *d = PyList_GET_ITEM(row, b);
                 if (!PyFloat_CheckExact(d) || isnan(PyFloat_AS_DOUBLE(d)))
@@ -696,12 +702,13 @@ done:
 static int
 open_state(PyObject *p, Sel *s)
 {
-    PyObject *ends = NULL, *clock = NULL, *first = NULL, *sibling = NULL;
+    PyObject *ends = NULL, *clock = NULL, *first = NULL, *sibling = NULL, *loops = NULL;
     int ok = -1;
     if (view_of(p, "_where", &s->where, 1) < 0 || view_of(p, "_next", &s->next, 4) < 0
         || view_of(p, "_prev", &s->prev, 4) < 0 || view_of(p, "_last", &s->last, 8) < 0
         || view_of(p, "_cls", &s->cls, 1) < 0 || (s->chains = PyObject_GetAttrString(p, "_chains")) == NULL
-        || (s->collect = PyObject_GetAttrString(s->chains, "collect")) == NULL
+        || (loops = PyObject_GetAttrString(s->chains, "_loops")) == NULL
+        || (s->collect = PyObject_GetAttrString(loops, "collect")) == NULL
         || (first = PyObject_GetAttrString(s->chains, "child_rings")) == NULL
         || (sibling = PyObject_GetAttrString(s->chains, "sibling_rings")) == NULL
         || view(first, &s->first, 4, "child_rings") < 0 || view(sibling, &s->sibling, 4, "sibling_rings") < 0
@@ -727,6 +734,7 @@ done:
     Py_XDECREF(clock);
     Py_XDECREF(first);
     Py_XDECREF(sibling);
+    Py_XDECREF(loops);
     return ok;
 }
 
