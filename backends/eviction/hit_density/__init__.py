@@ -273,7 +273,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _dirty: set[int] = attrs.field(init=False, factory=set)
     _due: list[tuple[int, int]] = attrs.field(init=False, factory=list)
     _due_at: list[int] = attrs.field(init=False, factory=lambda: [_NEVER] * (2 * _CLASSES))  # its earliest entry
-    _keyed_rows: object = attrs.field(init=False, default=None)  # the model's rows the keys were read from
+    _keyed_table: object = attrs.field(init=False, default=None)  # the model's table the keys were read from
     _tracked: int = attrs.field(init=False, default=0)
     _chains: FlatChains = attrs.field(init=False, default=attrs.Factory(
         lambda self: FlatChains(self._where), takes_self=True))
@@ -538,9 +538,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def _current_keys(self) -> list[tuple[float, int, int, int] | None]:
         """``_keys`` brought up to date: the dirty streams' keys and those whose age bucket moved computed."""
         keys, dirty, due, due_at, clock = self._keys, self._dirty, self._due, self._due_at, self._clock
-        rows = self._model.rows
-        if rows is not self._keyed_rows:  # refreshed: every key is stale
-            self._keyed_rows = rows
+        table = self._model.table
+        if table is not self._keyed_table:  # refreshed: every key is stale
+            self._keyed_table = table
             dirty.update(range(2 * _CLASSES))
             due.clear()
             due_at[:] = [_NEVER] * (2 * _CLASSES)
@@ -558,18 +558,18 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                     keys[stream] = None
                     continue
                 last = last_of[block]
-                if rows is None:
+                if table is None:
                     keys[stream] = (0.0, last, block, stream)
                     continue
                 b = ((clock - last + 1) ** octave).bit_length() - 1
                 if b < top:
-                    keys[stream] = (rows[cls_of[block]][b], last, block, stream)
+                    keys[stream] = (table.item(cls_of[block], b), last, block, stream)
                     at = last + first_age[b + 1]
                     if at < due_at[stream]:  # else the entry due earlier has it computed again
                         due_at[stream] = at
                         heappush(due, (at, stream))
                 else:
-                    keys[stream] = (rows[cls_of[block]][top], last, block, stream)
+                    keys[stream] = (table.item(cls_of[block], top), last, block, stream)
             dirty.clear()
         return keys
 
@@ -731,7 +731,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             assert (cls % _KINDS == TIP) == (block == self._tip), f"block {block} tip kind"
             assert self._last[block] <= self._clock, f"block {block} accessed in the future"
         assert all(where[block] for block in self._recent), "recent reuses of an untracked block"
-        if self._model.rows is self._keyed_rows:  # else every key is computed again first
+        if self._model.table is self._keyed_table:  # else every key is computed again first
             for stream, key in enumerate(self._keys):
                 end = self._ends[stream]
                 if stream in self._dirty:
