@@ -662,23 +662,45 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         """Every tracked block and ghost counts only its reuses since the change point; kind and age kept.
 
         The class lists are rebuilt oldest last use first, as if every block had
-        just entered its new class in the order it was last used.
+        just entered its new class in the order it was last used (ties: lower
+        block id first); a parked block's links stay as they were. Whole-array
+        operations: the reuse counts of ``_recent`` (tracked blocks, an invariant)
+        and ``_ghost_recent`` (live ghosts) are the only per-entry Python steps.
         """
+        ends, dirty = self._ends, self._dirty
         for end in range(2 * _CLASSES):
-            self._ends[end] = _NONE
-            self._dirty.add(end)
-        tracked = np.flatnonzero(np.frombuffer(self._where, dtype=np.uint8))
-        lasts = np.frombuffer(self._last, dtype=np.int64)[tracked]
-        for block in tracked[np.argsort(lasts, kind="stable")].tolist():
-            uses = min(self._recent.get(block, 0), _MAX_USES)
-            self._uses[block] = uses
-            self._cls[block] = cls = _CLASS_OF[uses if uses < _TOP else _TOP][self._cls[block] % _KINDS]
-            if self._where[block] == _LISTED:
-                self._move(block, _NONE, cls)
-        recent = self._ghost_recent
-        for i, ghost_hash in enumerate(self._ghost_hash):
-            if ghost_hash is not None:  # its class stays: what its return teaches
-                self._ghost_uses[i] = min(recent.get(ghost_hash, 0), _MAX_USES)
+            ends[end] = _NONE
+            dirty.add(end)
+        where = np.frombuffer(self._where, dtype=np.uint8)
+        uses, classes = np.frombuffer(self._uses, dtype=np.uint8), np.frombuffer(self._cls, dtype=np.uint8)
+        tracked = np.flatnonzero(where)
+        uses[tracked] = 0
+        for block, recent in self._recent.items():
+            uses[block] = min(recent, _MAX_USES)
+        kinds = classes[tracked] % _KINDS
+        classes[tracked] = np.frombuffer(_CLASS_TABLE, dtype=np.uint8)[
+            _KINDS * np.minimum(uses[tracked], _TOP) + kinds]
+        # the listed blocks by last use (stable: block id order among equal ones), then by class (stable)
+        by_last = tracked[np.argsort(np.frombuffer(self._last, dtype=np.int64)[tracked], kind="stable")]
+        listed = by_last[where[by_last] == _LISTED]
+        if len(listed):
+            listed = listed[np.argsort(classes[listed], kind="stable")]
+            listed_classes = classes[listed].astype(np.intp)
+            same = listed_classes[1:] == listed_classes[:-1]  # a block and the next share a list
+            nxt, prv = np.frombuffer(self._next, dtype=np.int32), np.frombuffer(self._prev, dtype=np.int32)
+            nxt[listed[:-1]] = np.where(same, listed[1:], _NONE)
+            nxt[listed[-1]] = _NONE
+            prv[listed[1:]] = np.where(same, listed[:-1], _NONE)
+            prv[listed[0]] = _NONE
+            firsts, lasts = np.flatnonzero(np.r_[True, ~same]), np.flatnonzero(np.r_[~same, True])
+            for cls, first, last in zip(listed_classes[firsts].tolist(), listed[firsts].tolist(),
+                                        listed[lasts].tolist()):
+                ends[2 * cls], ends[2 * cls + 1] = first, last
+        ghost_uses = np.frombuffer(self._ghost_uses, dtype=np.uint8)
+        ghost_uses[np.frombuffer(self._ghost_live, dtype=np.uint8) != 0] = 0  # its class stays: what its return teaches
+        at, base = self._ghost_at, self._ghost_base
+        for ghost_hash, recent in self._ghost_recent.items():  # live ghosts only (an invariant)
+            ghost_uses[at[ghost_hash] - base] = min(recent, _MAX_USES)
 
     def _refresh(self) -> None:
         """Recompute the densities (bounded work, see :mod:`.census`); due about once per pool's worth of ticks."""
