@@ -226,7 +226,7 @@ def _state(policy: HitDensityPolicy) -> dict[str, Any]:
     state["model"] = (model.rows, model.reuses.tolist(), model.ends.tolist())
     shift = policy._shift
     state["shift"] = (shift.shifts, shift._window, shift._held, shift._scale,
-                      shift._history.tolist(), shift._pool.tolist(), shift._decayed.tolist())
+                      shift._history.tolist(), shift._pool, shift._decayed)
     state["chains"] = _chains_state(policy._chains)
     return state
 
