@@ -273,7 +273,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _dirty: set[int] = attrs.field(init=False, factory=set)
     _due: list[tuple[int, int]] = attrs.field(init=False, factory=list)
     _due_at: list[int] = attrs.field(init=False, factory=lambda: [_NEVER] * (2 * _CLASSES))  # its earliest entry
-    _keyed_rows: object = attrs.field(init=False, default=None)  # the model's rows the keys were read from
+    _keyed_table: object = attrs.field(init=False, default=None)  # the model's table the keys were read from
     _tracked: int = attrs.field(init=False, default=0)
     _chains: FlatChains = attrs.field(init=False, default=attrs.Factory(
         lambda self: FlatChains(self._where), takes_self=True))
@@ -520,9 +520,9 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def _current_keys(self) -> list[tuple[float, int, int, int] | None]:
         """``_keys`` brought up to date: the dirty streams' keys and those whose age bucket moved computed."""
         keys, dirty, due, due_at, clock = self._keys, self._dirty, self._due, self._due_at, self._clock
-        rows = self._model.rows
-        if rows is not self._keyed_rows:  # refreshed: every key is stale
-            self._keyed_rows = rows
+        table = self._model.table
+        if table is not self._keyed_table:  # refreshed: every key is stale
+            self._keyed_table = table
             dirty.update(range(2 * _CLASSES))
             due.clear()
             due_at[:] = [_NEVER] * (2 * _CLASSES)
@@ -540,18 +540,18 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                     keys[stream] = None
                     continue
                 last = last_of[block]
-                if rows is None:
+                if table is None:
                     keys[stream] = (0.0, last, block, stream)
                     continue
                 b = ((clock - last + 1) ** octave).bit_length() - 1
                 if b < top:
-                    keys[stream] = (rows[cls_of[block]][b], last, block, stream)
+                    keys[stream] = (table.item(cls_of[block], b), last, block, stream)
                     at = last + first_age[b + 1]
                     if at < due_at[stream]:  # else the entry due earlier has it computed again
                         due_at[stream] = at
                         heappush(due, (at, stream))
                 else:
-                    keys[stream] = (rows[cls_of[block]][top], last, block, stream)
+                    keys[stream] = (table.item(cls_of[block], top), last, block, stream)
             dirty.clear()
         return keys
 
@@ -644,23 +644,45 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         """Every tracked block and ghost counts only its reuses since the change point; kind and age kept.
 
         The class lists are rebuilt oldest last use first, as if every block had
-        just entered its new class in the order it was last used.
+        just entered its new class in the order it was last used (ties: lower
+        block id first); a parked block's links stay as they were. Whole-array
+        operations: the reuse counts of ``_recent`` (tracked blocks, an invariant)
+        and ``_ghost_recent`` (live ghosts) are the only per-entry Python steps.
         """
+        ends, dirty = self._ends, self._dirty
         for end in range(2 * _CLASSES):
-            self._ends[end] = _NONE
-            self._dirty.add(end)
-        tracked = np.flatnonzero(np.frombuffer(self._where, dtype=np.uint8))
-        lasts = np.frombuffer(self._last, dtype=np.int64)[tracked]
-        for block in tracked[np.argsort(lasts, kind="stable")].tolist():
-            uses = min(self._recent.get(block, 0), _MAX_USES)
-            self._uses[block] = uses
-            self._cls[block] = cls = _CLASS_OF[uses if uses < _TOP else _TOP][self._cls[block] % _KINDS]
-            if self._where[block] == _LISTED:
-                self._move(block, _NONE, cls)
-        recent = self._ghost_recent
-        for i, ghost_hash in enumerate(self._ghost_hash):
-            if ghost_hash is not None:  # its class stays: what its return teaches
-                self._ghost_uses[i] = min(recent.get(ghost_hash, 0), _MAX_USES)
+            ends[end] = _NONE
+            dirty.add(end)
+        where = np.frombuffer(self._where, dtype=np.uint8)
+        uses, classes = np.frombuffer(self._uses, dtype=np.uint8), np.frombuffer(self._cls, dtype=np.uint8)
+        tracked = np.flatnonzero(where)
+        uses[tracked] = 0
+        for block, recent in self._recent.items():
+            uses[block] = min(recent, _MAX_USES)
+        kinds = classes[tracked] % _KINDS
+        classes[tracked] = np.frombuffer(_CLASS_TABLE, dtype=np.uint8)[
+            _KINDS * np.minimum(uses[tracked], _TOP) + kinds]
+        # the listed blocks by last use (stable: block id order among equal ones), then by class (stable)
+        by_last = tracked[np.argsort(np.frombuffer(self._last, dtype=np.int64)[tracked], kind="stable")]
+        listed = by_last[where[by_last] == _LISTED]
+        if len(listed):
+            listed = listed[np.argsort(classes[listed], kind="stable")]
+            listed_classes = classes[listed].astype(np.intp)
+            same = listed_classes[1:] == listed_classes[:-1]  # a block and the next share a list
+            nxt, prv = np.frombuffer(self._next, dtype=np.int32), np.frombuffer(self._prev, dtype=np.int32)
+            nxt[listed[:-1]] = np.where(same, listed[1:], _NONE)
+            nxt[listed[-1]] = _NONE
+            prv[listed[1:]] = np.where(same, listed[:-1], _NONE)
+            prv[listed[0]] = _NONE
+            firsts, lasts = np.flatnonzero(np.r_[True, ~same]), np.flatnonzero(np.r_[~same, True])
+            for cls, first, last in zip(listed_classes[firsts].tolist(), listed[firsts].tolist(),
+                                        listed[lasts].tolist()):
+                ends[2 * cls], ends[2 * cls + 1] = first, last
+        ghost_uses = np.frombuffer(self._ghost_uses, dtype=np.uint8)
+        ghost_uses[np.frombuffer(self._ghost_live, dtype=np.uint8) != 0] = 0  # its class stays: what its return teaches
+        at, base = self._ghost_at, self._ghost_base
+        for ghost_hash, recent in self._ghost_recent.items():  # live ghosts only (an invariant)
+            ghost_uses[at[ghost_hash] - base] = min(recent, _MAX_USES)
 
     def _refresh(self) -> None:
         """Recompute the densities (bounded work, see :mod:`.census`); due about once per pool's worth of ticks."""
@@ -713,7 +735,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             assert (cls % _KINDS == TIP) == (block == self._tip), f"block {block} tip kind"
             assert self._last[block] <= self._clock, f"block {block} accessed in the future"
         assert all(where[block] for block in self._recent), "recent reuses of an untracked block"
-        if self._model.rows is self._keyed_rows:  # else every key is computed again first
+        if self._model.table is self._keyed_table:  # else every key is computed again first
             for stream, key in enumerate(self._keys):
                 end = self._ends[stream]
                 if stream in self._dirty:

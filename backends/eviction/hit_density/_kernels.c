@@ -166,47 +166,68 @@ fit_ok(double x)
     return x >= 0.0 && !signbit(x);
 }
 
-/* One column of the fit (kernels.isotonic) of n rows, read and written with stride `step`; work holds
- * n * n + 3 * n doubles. 0, or -1 if a weighted mean is NaN. */
+/* The columns the fit takes at once: their n * n means stay in cache, and each step runs along them. */
+#define COLUMNS 64
+
+/* m columns of the fit (kernels.isotonic) of n rows, each row read and written `stride` doubles after the
+ * one before; work holds (n * n + 3 * n + 4) * m doubles. Each column's values go through the steps of a
+ * column on its own, in the same order (the loops over the columns are innermost). 0, or -1 if a
+ * weighted mean is NaN. */
 static int
-isotonic_column(const double *v, const double *w, Py_ssize_t n, Py_ssize_t step, double *work, double *dst)
+isotonic_columns(const double *v, const double *w, Py_ssize_t n, Py_ssize_t stride, Py_ssize_t m, double *work,
+                 double *dst)
 {
-    double *weights = work, *terms = weights + n, *lows = terms + n, *means = lows + n; /* means[k * n + j] */
-    double total = w[0];  /* numpy's sum down a column of a C-contiguous array: row after row */
+    double *weights = work, *terms = weights + n * m, *lows = terms + n * m, *means = lows + n * m, /* [k][j][c] */
+           *num = means + n * n * m, *den = num + m, *extra = den + m, *fit = extra + m;
+    for (Py_ssize_t c = 0; c < m; c++)  /* numpy's sum down a column of a C-contiguous array: row after row */
+        extra[c] = w[c];
     for (Py_ssize_t r = 1; r < n; r++)
-        total = total + w[r * step];
-    const double extra = 1e-9 * (total > 0.0 ? total : 1.0);
-    for (Py_ssize_t r = 0; r < n; r++) {
-        weights[r] = w[r * step] + extra;
-        terms[r] = v[r * step] * weights[r];
-    }
+        for (Py_ssize_t c = 0; c < m; c++)
+            extra[c] = extra[c] + w[r * stride + c];
+    for (Py_ssize_t c = 0; c < m; c++)
+        extra[c] = 1e-9 * (extra[c] > 0.0 ? extra[c] : 1.0);
+    for (Py_ssize_t r = 0; r < n; r++)
+        for (Py_ssize_t c = 0; c < m; c++) {
+            weights[r * m + c] = w[r * stride + c] + extra[c];
+            terms[r * m + c] = v[r * stride + c] * weights[r * m + c];
+        }
     /* means[k][j], j <= k: the sums of rows j..k, one row added at a time from row j */
     for (Py_ssize_t j = 0; j < n; j++) {
-        double num = terms[j], den = weights[j];
-        means[j * n + j] = num / den;
+        double *mean = means + (j * n + j) * m;
+        for (Py_ssize_t c = 0; c < m; c++) {
+            num[c] = terms[j * m + c];
+            den[c] = weights[j * m + c];
+            mean[c] = num[c] / den[c];
+        }
         for (Py_ssize_t k = j + 1; k < n; k++) {
-            num = num + terms[k];
-            den = den + weights[k];
-            means[k * n + j] = num / den;
+            mean = means + (k * n + j) * m;
+            for (Py_ssize_t c = 0; c < m; c++) {
+                num[c] = num[c] + terms[k * m + c];
+                den[c] = den[c] + weights[k * m + c];
+                mean[c] = num[c] / den[c];
+            }
         }
     }
     for (Py_ssize_t k = 0; k < n; k++)
         for (Py_ssize_t j = 0; j <= k; j++)
-            if (isnan(means[k * n + j]))
-                return -1;
+            for (Py_ssize_t c = 0; c < m; c++)
+                if (isnan(means[(k * n + j) * m + c]))
+                    return -1;
     /* no NaN and no -0.0: numpy's minimum and maximum are the plain ones */
-    for (Py_ssize_t j = 0; j < n; j++)
-        lows[j] = means[(n - 1) * n + j];
+    memcpy(lows, means + (n - 1) * n * m, (size_t)(n * m) * sizeof(double));
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        double fit = 0.0;
         for (Py_ssize_t j = 0; j <= i; j++) {
-            double m = means[i * n + j];
-            if (m < lows[j])
-                lows[j] = m;
-            if (j == 0 || lows[j] > fit)
-                fit = lows[j];
+            const double *mean = means + (i * n + j) * m;
+            double *low = lows + j * m;
+            for (Py_ssize_t c = 0; c < m; c++) {
+                if (mean[c] < low[c])
+                    low[c] = mean[c];
+                if (j == 0 || low[c] > fit[c])
+                    fit[c] = low[c];
+            }
         }
-        dst[i * step] = fit;
+        for (Py_ssize_t c = 0; c < m; c++)
+            dst[i * stride + c] = fit[c];
     }
     return 0;
 }
@@ -232,19 +253,23 @@ isotonic(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < n * columns; i++)
         if (!fit_ok(v[i]) || !fit_ok(w[i]))
             goto done;
-    if ((size_t)n > (SIZE_MAX / sizeof(double) - (size_t)(3 * n)) / (size_t)(n + columns)) {
+    /* the fit (n * columns doubles) and one block's work ((n * n + 3 * n + 4) * COLUMNS) */
+    const size_t limit = SIZE_MAX / sizeof(double) / 2;
+    if ((size_t)n > limit / (size_t)columns || (size_t)n > limit / (size_t)(n + 4) / (COLUMNS * 2)) {
         result = PyErr_NoMemory();
         goto done;
     }
-    scratch = malloc(((size_t)n * (size_t)columns + (size_t)n * (size_t)n + (size_t)(3 * n)) * sizeof(double));
+    scratch = malloc(((size_t)n * (size_t)columns + ((size_t)n * (size_t)(n + 3) + 4) * COLUMNS) * sizeof(double));
     if (scratch == NULL) {
         result = PyErr_NoMemory();
         goto done;
     }
     double *work = scratch + n * columns;
-    for (Py_ssize_t c = 0; c < columns; c++)
-        if (isotonic_column(v + c, w + c, n, columns, work, scratch + c) < 0)
+    for (Py_ssize_t c = 0; c < columns; c += COLUMNS) {
+        const Py_ssize_t m = columns - c < COLUMNS ? columns - c : COLUMNS;
+        if (isotonic_columns(v + c, w + c, n, columns, m, work, scratch + c) < 0)
             goto done;
+    }
     memcpy(data(&out), scratch, (size_t)n * (size_t)columns * sizeof(double));
     result = args[2];
 done:

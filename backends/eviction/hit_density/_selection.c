@@ -9,8 +9,8 @@
  * FlatChains.orphans() returns.
  *
  * The heads' keys (density, last access, block, stream) are C values compared in the tuples' order: the
- * densities they may read (the rows of the classes listing a block) are checked on entry to be floats,
- * none a NaN, so comparing them as doubles is comparing the floats. A head carries a serial, new each time a stream's head is set: a heap entry whose serial is no
+ * model's table is read as the doubles it holds (the reference reads them as floats), checked on entry
+ * to hold no NaN, so comparing them as doubles is comparing the floats. A head carries a serial, new each time a stream's head is set: a heap entry whose serial is no
  * longer its stream's is the reference's replaced tuple (stale). Age buckets come from the model's
  * first_ages (bucket(age) >= b exactly when age >= first_ages[b]), so no power is taken. A call whose
  * state is not what the policy keeps (another type, a clock past 64 bits, odd model tables) runs the
@@ -38,7 +38,9 @@ typedef struct {
 /* One call's state. */
 typedef struct {
     View where, next, prev, last, cls, first, sibling;
-    PyObject *chains, *collect, *rows, *chosen, *evictable, *n_obj;
+    View table; /* the model's density table, held while the call runs; densities NULL before a refresh */
+    const double *densities;
+    PyObject *chains, *collect, *chosen, *evictable, *n_obj;
     Py_ssize_t n, streams, top;
     int64_t clock, *ends, *first_ages;
     Key *heads, *heap;
@@ -270,26 +272,21 @@ bucket(const Sel *s, int64_t last)
     return lo;
 }
 
-/* rows[cls][b], b as Python indexes it (-1: the last bucket); the rows stay the lists of floats that
- * the entry checked unless a callback changed them, which raises. */
+/* table[cls, b], b as Python indexes it (-1: the last bucket); the table holds the numbers the entry
+ * checked unless a callback wrote into it, which raises. */
 static int
 density_at(const Sel *s, int64_t cls, Py_ssize_t b, double *out)
 {
-    if (cls < 0 || cls >= PyList_GET_SIZE(s->rows)) {
-        PyErr_SetString(PyExc_IndexError, "list index out of range");
+    if (cls < 0 || cls >= s->table.buf.shape[0]) {
+        PyErr_SetString(PyExc_IndexError, "select_rounds: a class outside the model's table");
         return -1;
     }
-    PyObject *row = PyList_GET_ITEM(s->rows, cls);
-    if (!PyList_Check(row) || PyList_GET_SIZE(row) != s->top + 1) {
-        PyErr_SetString(PyExc_RuntimeError, "select_rounds: the model's rows changed during the selection");
+    double d = s->densities[cls * (s->top + 1) + (b < 0 ? b + s->top + 1 : b)];
+    if (isnan(d)) {
+        PyErr_SetString(PyExc_RuntimeError, "select_rounds: the model's table changed during the selection");
         return -1;
     }
-    PyObject *d = PyList_GET_ITEM(row, b < 0 ? b + s->top + 1 : b);
-    if (!PyFloat_Check(d) || isnan(PyFloat_AS_DOUBLE(d))) {
-        PyErr_SetString(PyExc_RuntimeError, "select_rounds: the model's rows changed during the selection");
-        return -1;
-    }
-    *out = PyFloat_AS_DOUBLE(d);
+    *out = d;
     return 0;
 }
 
@@ -298,7 +295,7 @@ density_at(const Sel *s, int64_t cls, Py_ssize_t b, double *out)
 static int
 density_of(const Sel *s, int64_t cls, int64_t last, double *out)
 {
-    if (s->rows == NULL) {
+    if (s->densities == NULL) {
         *out = 0.0;
         return 0;
     }
@@ -388,7 +385,7 @@ run(Sel *s, Py_ssize_t stream, int64_t root, int64_t twin_block)
     /* The age bucket of the last density read: last accesses in (lo, hi]; before the first refresh
      * (every density 0) all of them. */
     double density = 0.0;
-    int64_t lo = -1, hi = s->rows == NULL ? (int64_t)PY_SSIZE_T_MAX : -1;
+    int64_t lo = -1, hi = s->densities == NULL ? (int64_t)PY_SSIZE_T_MAX : -1;
     if (get_i32(links, root, &block) < 0)
         return -1;
     for (;;) {
@@ -407,7 +404,7 @@ run(Sel *s, Py_ssize_t stream, int64_t root, int64_t twin_block)
         if (get_i64(&s->last, block, &last) < 0)
             return -1;
         if (!(lo < last && last <= hi)) {
-            if (s->rows == NULL) {
+            if (s->densities == NULL) {
                 PyErr_SetNone(PyExc_AssertionError);
                 return -1;
             }
@@ -643,16 +640,15 @@ view_of(PyObject *obj, const char *name, View *v, Py_ssize_t itemsize)
     return rc;
 }
 
-/* The model's tables as the compiled rounds take them: rows None or exact lists of top + 1 floats, one
- * per class, no NaN in the row of a class whose list holds a block (the rounds read densities only for
- * blocks listed at entry: a row of an empty class is never read, so what it holds changes nothing);
- * first_ages a tuple of top + 1 rising ints from 0. 1 if so (read into s), 0 if not, -1 with an error. */
+/* The model's tables as the compiled rounds take them: table None or a C-contiguous float64 array of
+ * top + 1 columns and a row per class at least, no NaN in those rows; first_ages a tuple of top + 1
+ * rising ints from 0. 1 if so (read into s), 0 if not, -1 with an error. */
 static int
 open_model(PyObject *p, Sel *s)
 {
-    PyObject *model = PyObject_GetAttrString(p, "_model"), *buckets = NULL, *first_ages = NULL;
+    PyObject *model = PyObject_GetAttrString(p, "_model"), *buckets = NULL, *first_ages = NULL, *table = NULL;
     int ok = -1;
-    if (model == NULL || (s->rows = PyObject_GetAttrString(model, "rows")) == NULL
+    if (model == NULL || (table = PyObject_GetAttrString(model, "table")) == NULL
         || (buckets = PyObject_GetAttrString(model, "buckets")) == NULL
         || (first_ages = PyObject_GetAttrString(model, "first_ages")) == NULL)
         goto done;
@@ -671,28 +667,29 @@ open_model(PyObject *p, Sel *s)
         if (!small_int(PyTuple_GET_ITEM(first_ages, b), b ? s->first_ages[b - 1] : 0, b ? INT64_MAX / 4 : 0,
                        &s->first_ages[b]))
             goto done;
-    if (s->rows == Py_None)
-        Py_CLEAR(s->rows);
-    else {
-        Py_ssize_t classes = (s->streams + 1) / 2;
-        if (!PyList_CheckExact(s->rows) || PyList_GET_SIZE(s->rows) < classes)
+    if (table != Py_None) {
+        if (PyObject_GetBuffer(table, &s->table.buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();  /* not an array: the reference reads it */
             goto done;
-        for (Py_ssize_t c = 0; c < classes; c++) {
-            PyObject *row = PyList_GET_ITEM(s->rows, c);
-            if (!PyList_CheckExact(row) || PyList_GET_SIZE(row) != size)
-                goto done;
-            if (s->ends[2 * c] == NONE && (2 * c + 1 == s->streams || s->ends[2 * c + 1] == NONE))
-                continue; /* an empty class list: its row is not read */
-            for (Py_ssize_t b = 0; b < size; b++) {
-                PyObject *d = PyList_GET_ITEM(row, b);
-                if (!PyFloat_CheckExact(d) || isnan(PyFloat_AS_DOUBLE(d)))
-                    goto done;
-            }
         }
+        s->table.held = 1;
+        const char *format = s->table.buf.format;
+        if (format[0] == '@' || format[0] == '=' || format[0] == '<')
+            format++;  /* native float64 (x86-64 and the other little-endian hosts this builds on) */
+        Py_ssize_t classes = (s->streams + 1) / 2;
+        if (s->table.buf.itemsize != (Py_ssize_t)sizeof(double) || strcmp(format, "d") != 0
+            || s->table.buf.ndim != 2 || s->table.buf.shape[0] < classes || s->table.buf.shape[1] != size)
+            goto done;
+        const double *densities = s->table.buf.buf;
+        for (Py_ssize_t i = 0; i < classes * size; i++)
+            if (isnan(densities[i]))
+                goto done;
+        s->densities = densities;
     }
     ok = 1;
 done:
     Py_XDECREF(model);
+    Py_XDECREF(table);
     Py_XDECREF(buckets);
     Py_XDECREF(first_ages);
     return ok;
@@ -746,7 +743,7 @@ close_state(Sel *s)
         release(views[k]);
     Py_CLEAR(s->chains);
     Py_CLEAR(s->collect);
-    Py_CLEAR(s->rows);
+    release(&s->table);
     PyMem_Free(s->ends);
     PyMem_Free(s->first_ages);
     PyMem_Free(s->heads);

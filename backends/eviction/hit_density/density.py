@@ -115,11 +115,14 @@ class HitDensityModel:
     _reuses: np.ndarray = attrs.field(init=False, repr=False)
     _ends: np.ndarray = attrs.field(init=False, repr=False)
     _table: np.ndarray | None = attrs.field(init=False, default=None, repr=False)
-    _rows: list[list[float]] | None = attrs.field(init=False, default=None, repr=False)  # _table, as lists
+    # _table as lists, made at the first read of rows after a refresh (None until then)
+    _rows: list[list[float]] | None = attrs.field(init=False, default=None, repr=False)
     _last_bucket: int = attrs.field(init=False, repr=False)
     # The monotone chains of two classes or more (one has no order to restore), in the order they are
     # fitted: groups of chains of one length, fitted in one call, disjoint when a group holds several.
-    _fits: list[list[list[int]]] = attrs.field(init=False, repr=False)
+    # Each group is the int array of its rows, [i, j] the i-th class of its j-th chain: the table's
+    # rows it gathers are, laid flat, the columns of the fit, chain after chain.
+    _fits: list[np.ndarray] = attrs.field(init=False, repr=False)
     _first_ages: tuple[int, ...] = attrs.field(init=False, repr=False)
     _widths: np.ndarray = attrs.field(init=False, repr=False)  # each bucket's span of ages
     _fades: np.ndarray = attrs.field(init=False, repr=False)  # [p]: 2 ** (-p / per_octave)
@@ -135,9 +138,10 @@ class HitDensityModel:
         rows = [row for chain in chains for row in chain]
         if len(set(rows)) == len(rows):  # disjoint: fitted in any order, those of one length together
             lengths = sorted({len(chain) for chain in chains})
-            self._fits = [[chain for chain in chains if len(chain) == n] for n in lengths]
+            fits = [[chain for chain in chains if len(chain) == n] for n in lengths]
         else:  # one after another, as listed: a later chain fits what an earlier one left
-            self._fits = [[chain] for chain in chains]
+            fits = [[chain] for chain in chains]
+        self._fits = [np.array(fit, dtype=np.intp).T.copy() for fit in fits]
         buckets = 40 * self.per_octave  # ages up to 2**40 ticks
         self._last_bucket = buckets - 1
         self._first_ages = tuple(_least_root(1 << b, self.per_octave) - 1 for b in range(buckets))
@@ -178,7 +182,12 @@ class HitDensityModel:
 
     @property
     def rows(self) -> list[list[float]] | None:
-        """:attr:`table` as lists, ``rows[class][bucket]`` (read it; ``None`` before the first refresh)."""
+        """:attr:`table` as lists, ``rows[class][bucket]`` (read it; ``None`` before the first refresh).
+
+        One list per refresh, made at its first read: the same object until the next refresh.
+        """
+        if self._rows is None and self._table is not None:
+            self._rows = self._table.tolist()
         return self._rows
 
     @property
@@ -221,11 +230,11 @@ class HitDensityModel:
 
     def density(self, cls: int, age: int) -> float:
         """Hit density of a class-``cls`` block of age ``age`` (0 before the first refresh)."""
-        rows = self._rows
-        if rows is None:
+        table = self._table
+        if table is None:
             return 0.0
         b = ((age + 1) ** self.per_octave).bit_length() - 1  # self.bucket(age), inlined: the hot path
-        return rows[cls][b if b < self._last_bucket else self._last_bucket]
+        return table.item(cls, b if b < self._last_bucket else self._last_bucket)
 
     def refresh(self, classes: np.ndarray, ages: np.ndarray, keep: float,
                 weights: np.ndarray | None = None) -> None:
@@ -271,17 +280,13 @@ class HitDensityModel:
         if self._fits:
             at_risk = kernels.at_risk(events)
             for fit in self._fits:  # chains side by side: isotonic fits each column on its own
-                rows = [row for chain in fit for row in chain]
-                shape = (len(fit), len(fit[0]), self.buckets)
-                values = table[rows].reshape(shape).transpose(1, 0, 2).reshape(shape[1], -1)
-                fitted = self._loops.isotonic(
-                    values, at_risk[rows].reshape(shape).transpose(1, 0, 2).reshape(shape[1], -1),
-                    np.empty_like(values))
-                table[rows] = fitted.reshape(shape[1], shape[0], -1).transpose(1, 0, 2).reshape(len(rows), -1)
+                values = table[fit].reshape(len(fit), -1)
+                fitted = self._loops.isotonic(values, at_risk[fit].reshape(len(fit), -1), np.empty_like(values))
+                table[fit] = fitted.reshape(*fit.shape, -1)
         self._table = table
-        self._rows = table.tolist()
-        self._reuses *= keep
-        self._ends *= keep
+        self._rows = None
+        np.multiply(reuses, keep, out=reuses)
+        np.multiply(self._ends, keep, out=self._ends)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if a histogram or the table is negative or not finite."""

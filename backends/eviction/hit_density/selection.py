@@ -81,7 +81,7 @@ def select_rounds(policy: HitDensityPolicy, n: int, evictable: Callable[[int], b
     p = policy
     where, nxt, prv, last_of, classes = p._where, p._next, p._prev, p._last, p._cls
     chains = p._chains
-    clock, rows, octave, top = p._clock, p._model.rows, p._model.per_octave, p._model.buckets - 1
+    clock, table, octave, top = p._clock, p._model.table, p._model.per_octave, p._model.buckets - 1
     first_age = p._model.first_ages
     collect, first_child, sibling, dropped = chains.collect, chains.child_rings, chains.sibling_rings, False
     # The orphans first, in their order: a usable one is the next root.
@@ -127,11 +127,11 @@ def select_rounds(policy: HitDensityPolicy, n: int, evictable: Callable[[int], b
             heads[stream] = None
             return None
         last = last_of[block]
-        if rows is None:
+        if table is None:
             density = 0.0
         else:  # policy._model.density, inlined: the hot path
             b = ((clock - last + 1) ** octave).bit_length() - 1
-            density = rows[stream >> 1][b if b < top else top]
+            density = table.item(stream >> 1, b if b < top else top)
         heads[stream] = head = (density, last, block, stream)
         return head
 
@@ -178,10 +178,10 @@ def select_rounds(policy: HitDensityPolicy, n: int, evictable: Callable[[int], b
                 rival = order[0] if order else None
                 twin_block = NONE if twin is None else twin[2]
                 links = prv if stream & 1 else nxt
-                row = None if rows is None else rows[stream >> 1]
+                cls = stream >> 1
                 # The age bucket of the last density read: last accesses in (lo, hi]. None yet; before
                 # the first refresh (every density 0) all of them.
-                density, lo, hi = 0.0, -1, _EVERY if row is None else -1
+                density, lo, hi = 0.0, -1, _EVERY if table is None else -1
                 block = links[root]
                 while True:
                     if block == NONE:
@@ -192,12 +192,12 @@ def select_rounds(policy: HitDensityPolicy, n: int, evictable: Callable[[int], b
                         continue
                     last = last_of[block]
                     if not lo < last <= hi:
-                        assert row is not None
+                        assert table is not None
                         b = ((clock - last + 1) ** octave).bit_length() - 1
                         if b < top:
-                            density, lo, hi = row[b], clock - first_age[b + 1], clock - first_age[b]
+                            density, lo, hi = table.item(cls, b), clock - first_age[b + 1], clock - first_age[b]
                         else:
-                            density, lo, hi = row[top], -1, clock - first_age[top]
+                            density, lo, hi = table.item(cls, top), -1, clock - first_age[top]
                     if len(chosen) < n and block != twin_block and (
                             rival is None or density < rival[0] or (
                                 density == rival[0] and (last, block, stream) < rival[1:])):

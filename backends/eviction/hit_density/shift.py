@@ -105,17 +105,20 @@ class ShiftTest:
     min_runs: int = attrs.field(default=32, validator=at_least(1))
     _history: np.ndarray = attrs.field(init=False)
     _window: list[int] = attrs.field(init=False)
-    # The excursion: how many windows it holds, their sum, their sum as the history would decay it,
-    # and the factor the history decays by meanwhile (the product of the windows' ``keep``).
+    # The excursion: how many windows it holds, their sum (ints), their sum as the history would decay
+    # it, and the factor the history decays by meanwhile (the product of the windows' ``keep``). Per
+    # level, as lists: a window's few levels cost less one by one than as arrays, to the same bits (a
+    # product and a sum per level either way; the pool's sums are of ints, exact in any order).
     _held: int = attrs.field(init=False, default=0)
     _scale: float = attrs.field(init=False, default=1.0)
-    _pool: np.ndarray = attrs.field(init=False)
-    _decayed: np.ndarray = attrs.field(init=False)
+    _pool: list[int] = attrs.field(init=False)
+    _decayed: list[float] = attrs.field(init=False)
     _shifts: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        self._history, self._pool, self._decayed = (np.zeros(self.levels) for _ in range(3))
+        self._history = np.zeros(self.levels)
         self._window = [0] * self.levels
+        self._end_excursion()
 
     @property
     def shifts(self) -> int:
@@ -140,17 +143,17 @@ class ShiftTest:
         held windows, in order, join the history, which is first scaled by ``keep`` per window
         (the caller's memory, as its other statistics decay).
         """
-        window = np.asarray(self._window, dtype=np.float64)
+        window = self._window
         self._window = [0] * self.levels
         self._held += 1
-        self._pool += window
-        self._decayed = self._decayed * keep + window
+        pool = self._pool = [count + runs for count, runs in zip(self._pool, window)]
+        self._decayed = [count * keep + runs for count, runs in zip(self._decayed, window)]
         self._scale *= keep
-        runs = int(self._pool.sum())
+        runs = sum(pool)
         history = self._history
         if runs and history.sum() >= self.min_runs:
             q = (history + 1) / (history.sum() + self.levels)
-            p = lower_tail(q, runs, int(np.dot(np.arange(self.levels), self._pool)))
+            p = lower_tail(q, runs, sum(level * count for level, count in enumerate(pool)))
             if p < self.alpha * 6 / (np.pi * self._held) ** 2:
                 self._history = np.zeros(self.levels)
                 self._end_excursion()
@@ -158,19 +161,19 @@ class ShiftTest:
                 return True
             if p < 0.5 and self._held * (1 - keep) < 1:
                 return False
-        self._history = history * self._scale + self._decayed
+        self._history = history * self._scale + np.array(self._decayed)
         self._end_excursion()
         return False
 
     def _end_excursion(self) -> None:
         self._held, self._scale = 0, 1.0
-        self._pool, self._decayed = np.zeros(self.levels), np.zeros(self.levels)
+        self._pool, self._decayed = [0] * self.levels, [0.0] * self.levels
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the history, the window or the excursion is malformed."""
-        for counts in (self._history, self._pool, self._decayed):
+        for counts in (self._history, np.array(self._pool, dtype=np.float64), np.array(self._decayed)):
             assert counts.shape == (self.levels,), "history or pool has the wrong shape"
             assert np.isfinite(counts).all() and (counts >= 0).all(), "bad history or pool"
         assert len(self._window) == self.levels and min(self._window) >= 0, "bad window"
-        assert (self._held > 0 or not self._pool.any()) and (self._pool == np.round(self._pool)).all(), "bad pool"
-        assert (self._decayed <= self._pool + 1e-9).all(), "decayed pool above the pool"
+        assert (self._held > 0 or not any(self._pool)) and all(type(count) is int for count in self._pool), "bad pool"
+        assert all(d <= c + 1e-9 for d, c in zip(self._decayed, self._pool)), "decayed pool above the pool"

@@ -199,7 +199,7 @@ def test_hit_density_access_many_is_access_one_by_one(hits: list[Any], due: int,
     assert outcomes[0] == outcomes[1]
     seen = [(p._clock, p._reused, p._recent, bytes(p._uses), bytes(p._cls), bytes(p._last),
              [p.class_blocks(c) for c in range(_CLASSES)], p.model.rows, p.model.reuses.tolist(), p._shift._window,
-             p._shift._held, p._shift._history.tolist(), p._shift._pool.tolist(), p._shift._decayed.tolist())
+             p._shift._held, p._shift._history.tolist(), list(p._shift._pool), list(p._shift._decayed))
             for p in twins]
     assert seen[0] == seen[1]
     for policy in twins:

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -351,7 +352,7 @@ def _state(policy: HitDensityPolicy) -> dict[str, Any]:
     state["model"] = (model.rows, model.reuses.tolist(), model.ends.tolist())
     shift = policy._shift
     state["shift"] = (shift.shifts, shift._window, shift._held, shift._scale,
-                      shift._history.tolist(), shift._pool.tolist(), shift._decayed.tolist())
+                      shift._history.tolist(), shift._pool, shift._decayed)
     state["chains"] = _chains_state(policy._chains)
     return state
 
@@ -628,22 +629,23 @@ def _odd(policy: HitDensityPolicy, oddity: str) -> tuple[Any, Any, bool]:
     n: Any = 9
     chosen: Any = {}
     verified: Any = False
-    rows = policy._model._rows
+    table = policy._model._table
+    if "density" in oddity or "table" in oddity:
+        n = len(policy)  # past the orphans: the streams read the table
     if oddity == "clock past 64 bits":
         policy._clock += 1 << 64
     elif oddity == "a NaN density":
-        policy._model._rows = [[math.nan if b == 0 else d for b, d in enumerate(row)] for row in rows]
-    elif oddity in ("NaN densities of a listed class", "NaN densities of an empty class"):  # (only the first
-        # is odd: the rounds never read the row of a class whose list is empty)
+        table[:, :] = math.nan
+    elif oddity in ("NaN densities of a listed class", "NaN densities of an empty class"):
         ends = policy._ends
         listed = [ends[2 * c] != -1 or ends[2 * c + 1] != -1 for c in range(len(ends) // 2)]
-        c = listed.index(oddity.endswith("listed class"))
-        policy._model._rows = [[math.nan] * len(row) if k == c else row for k, row in enumerate(rows)]
-        n = len(policy)  # past the orphans: every listed class's head is read
+        table[listed.index(oddity.endswith("listed class")), :] = math.nan
     elif oddity == "an int density":
-        policy._model._rows = [[int(d) for d in row] for row in rows]
-    elif oddity == "rows too short":
-        policy._model._rows = [row[:-1] for row in rows]
+        policy._model._table = table.astype(np.int64)
+    elif oddity == "a table too short":
+        policy._model._table = table[:, :-1].copy()
+    elif oddity == "a table not contiguous":
+        policy._model._table = np.asfortranarray(table)
     elif oddity == "a bool count":
         n = True
     elif oddity == "a dict subclass":
@@ -655,15 +657,15 @@ def _odd(policy: HitDensityPolicy, oddity: str) -> tuple[Any, Any, bool]:
 
 @pytest.mark.skipif(selection.LOOPS.compiled is None, reason="the compiled selection was not built")
 @pytest.mark.parametrize("oddity", ["clock past 64 bits", "a NaN density", "NaN densities of a listed class",
-                                    "NaN densities of an empty class", "an int density", "rows too short",
+                                    "NaN densities of an empty class", "an int density", "a table too short",
+                                    "a table not contiguous",
                                     "a bool count", "a dict subclass", "verified an int"])
 def test_compiled_selection_runs_the_reference_on_odd_state(oddity: str) -> None:
     """A state the policy never keeps, or arguments select_victims never passes: the compiled rounds run
-    the reference, which returns or raises as it does, with the same blocks chosen and the same state (an
-    odd row they never read, an empty class's, they run over themselves, to the same end)."""
+    the reference, which returns or raises as it does, with the same blocks chosen and the same state."""
     setup = [HitDensityPolicy(capacity=4) for _ in range(2)]
     _drive_selections_on(setup, _workload(random.Random(7), 120))
-    assert setup[0].model.rows is not None
+    assert setup[0].model.table is not None
     outcomes, states = [], []
     for rounds in (selection.LOOPS.compiled, selection.LOOPS.reference):
         policy = copy.deepcopy(setup[0])

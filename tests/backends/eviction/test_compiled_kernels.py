@@ -164,6 +164,24 @@ def test_compiled_isotonic_is_the_reference(values: np.ndarray, weights: np.ndar
     assert _same(kernels.LOOPS.compiled.isotonic(values, weights, np.empty_like(values)), expected)
 
 
+@_BUILT
+@settings(max_examples=100, deadline=None)
+@given(shape=st.tuples(st.integers(1, 8), st.integers(2, 200)),
+       cells=st.lists(st.tuples(_VALUES, _WEIGHTS), min_size=1, max_size=48))
+def test_compiled_isotonic_of_many_columns_is_the_reference(shape: tuple[int, int],
+                                                            cells: list[tuple[float, float]]) -> None:
+    """Arrays as wide as a model's chains side by side (the kernel fits its columns a block at a time):
+    the reference's bits, or declined where the reference's means are not all numbers."""
+    values, weights = (np.resize(np.array(column), shape) for column in zip(*cells))
+    expected = kernels.isotonic(values, weights)
+    got = _run(kernels, "isotonic", values, weights, np.full(shape, np.nan))
+    if got is not REFERENCED:
+        assert _same(got, expected)
+    else:
+        assert not (expected == expected).all() or np.signbit(weights).any() or np.signbit(values).any() \
+            or not ((values >= 0) & (weights >= 0)).all(), "declined an input in its contract"
+
+
 def _spoiled(row: int, column: int, value: float, weight: float) -> tuple[np.ndarray, np.ndarray]:
     values, weights = np.array([[3.0, 1.0], [1.0, 2.0], [2.0, 0.0]]), np.array([[0.0, 1.0], [2.0, 0.0], [1.0, 1.0]])
     values[row, column], weights[row, column] = value, weight

@@ -705,6 +705,70 @@ def test_a_restart_keeps_only_the_reuses_since_the_change_point_and_keeps_kinds_
     policy.check_invariants()
 
 
+def _restart_block_by_block(policy: HitDensityPolicy) -> None:
+    """The restart's rule, one block and one ghost at a time: each tracked block, oldest last use first,
+    takes its reuses since the change point and re-enters the young end of its new class if listed."""
+    for end in range(len(policy._ends)):
+        policy._ends[end] = -1
+        policy._dirty.add(end)
+    tracked = np.flatnonzero(np.frombuffer(policy._where, dtype=np.uint8))
+    lasts = np.frombuffer(policy._last, dtype=np.int64)[tracked]
+    for block in tracked[np.argsort(lasts, kind="stable")].tolist():
+        uses = min(policy._recent.get(block, 0), 255)
+        policy._uses[block] = uses
+        policy._cls[block] = cls = block_class(uses, policy._cls[block] % 3)
+        if policy._where[block] == 1:
+            policy._move(block, -1, cls)
+    for i, ghost_hash in enumerate(policy._ghost_hash):
+        if ghost_hash is not None:
+            policy._ghost_uses[i] = min(policy._ghost_recent.get(ghost_hash, 0), 255)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_restart_is_the_block_by_block_rule(seed: int) -> None:
+    """The restart's whole-array steps leave the state the rule block by block leaves: counts, classes,
+    every list link (a parked block's untouched), the list ends and the ghosts' counts."""
+    rng = np.random.default_rng(seed)
+    policy = HitDensityPolicy(capacity=64, ghost_span=2)
+    free, tracked, parked = list(range(300)), [], set()
+    for _ in range(1500):
+        op = rng.integers(4)
+        if op == 0 and len(free) > 4:  # a chain of new blocks over hashes that repeat (ghosts return)
+            n = int(rng.integers(1, 5))
+            blocks = [free.pop(int(rng.integers(len(free)))) for _ in range(n)]
+            hashes = [int(h) for h in rng.choice(400, size=n, replace=False)]
+            hashes = [h for h in hashes if not policy._chains.has_hash(h)]
+            free += blocks[len(hashes):]
+            for block, parent, block_hash in zip(blocks, [None, *hashes], hashes):
+                policy.on_insert(block, block_hash, parent)
+                tracked.append(block)
+        elif op == 1 and tracked:
+            policy.on_access(tracked[int(rng.integers(len(tracked)))])
+        elif op == 2 and tracked:
+            block = tracked[int(rng.integers(len(tracked)))]
+            if block in parked:
+                policy.on_unpin(block)
+                parked.discard(block)
+            else:
+                policy.on_pin(block)
+                parked.add(block)
+        elif op == 3 and len(tracked) > len(parked):
+            block = next(b for b in tracked[int(rng.integers(len(tracked))):] + tracked if b not in parked)
+            policy.on_remove(block)
+            tracked.remove(block)
+            free.append(block)
+    leaving = next(b for b in tracked if b not in parked)
+    policy.on_access(leaving)
+    policy.on_remove(leaving)  # a ghost with a reuse since the change point
+    assert policy._recent and policy._ghost_recent and parked
+    expected = copy.deepcopy(policy)
+    policy._restart_counts()
+    _restart_block_by_block(expected)
+    for name in ("_uses", "_cls", "_next", "_prev", "_ends", "_dirty", "_ghost_uses"):
+        assert getattr(policy, name) == getattr(expected, name), name
+    policy.check_invariants()
+
+
 def test_a_ghost_hit_keeps_the_reuse_count():
     """An evicted hash inserted again (no sooner than a turnover) is in the class of its old reuse count plus one."""
     policy = HitDensityPolicy(capacity=4)
