@@ -7,14 +7,14 @@
  * (_up, _first, _next, _prev: array('i')) and the owner's pin marks (bytearray) are read through the buffer
  * protocol; the maps, the hash list, the kept walk and the orphans' ParkingQueue stay Python objects,
  * updated exactly as the reference updates them: the queue through the loops it runs (its _loops' add and
- * remove_many, called as C functions where they are compiled) and its remove method. A walk keeps its
- * stack in C while it runs and hands the kept walk's stack over as the reference's list of (block, bool)
- * tuples, the same list where it resumed one.
+ * remove_many, called as C functions where they are compiled) and its remove method. A fresh walk keeps
+ * its stack in C while it runs and, stopped at its count, hands it over as the reference's kept walk (a
+ * list of (block, bool) tuples); a call that may resume a kept walk runs the reference, which resumes it in
+ * place, O(1) a step.
  *
  * Inputs the loops do not take at C speed (sequences other than lists and tuples, block ids that are
- * not ints inside the arrays, maps other than dicts, a hash list other than a list, a kept walk of other
- * types) run the reference for the whole call: nothing is changed before that choice. Every index read
- * from the arrays, the driver's index or the caller's leaving set is checked before use: one outside the
+ * not ints inside the arrays, maps other than dicts, a hash list other than a list) run the reference
+ * for the whole call: nothing is changed before that choice. Every index read from the arrays, the driver's index or the caller's leaving set is checked before use: one outside the
  * arrays raises IndexError and writes nothing (where the reference would index a negative one from the end).
  */
 #define PY_SSIZE_T_CLEAN
@@ -758,8 +758,8 @@ done:
 
 /* The names collect reads, interned at import, and the kept walk's class (_chains._Walk, imported at the
  * first walk kept). */
-static PyObject *name_parked, *name_mark, *name_first, *name_next, *name_prev, *name_walk, *name_root, *name_stack,
-    *name_held, *name_victims, *name_skipped, *walk_class;
+static PyObject *name_parked, *name_mark, *name_first, *name_next, *name_prev, *name_walk, *name_root, *name_victims,
+    *walk_class;
 
 /* One collect call: the index's child links and pin marks, and the caller's arguments (borrowed). */
 typedef struct {
@@ -1008,82 +1008,29 @@ push_entry(Entry **items, Py_ssize_t *count, Py_ssize_t *cap, long block, int ex
     return 0;
 }
 
-/* A kept walk's stack entry as the compiled walk takes it, (block, bool), block inside the arrays: 1 with
- * *out, 0 if not. */
+/* The walk FlatChains._walk keeps, as collect takes it: 1 if none is kept from root (none, or one from
+ * another root: a fresh walk, its whole pass first), 2 if one is kept from root that has victims (a fresh
+ * walk, as the reference walks afresh then), 0 if one kept from root may resume (the reference resumes it,
+ * popping and pushing its stack list in place: O(1) a step, where loading the stack here would cost its
+ * depth), -1 with an error. */
 static int
-as_entry(const Walker *w, PyObject *item, Entry *out)
+kept_walk(const Walker *w, long root)
 {
-    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(item, 0))
-        || !PyBool_Check(PyTuple_GET_ITEM(item, 1)))
-        return 0;
-    int overflow;
-    long long block = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(item, 0), &overflow);
-    if (overflow || block < 0 || block >= w->size)
-        return 0;
-    out->block = (long)block;
-    out->expanded = PyTuple_GET_ITEM(item, 1) == Py_True;
-    return 1;
-}
-
-/* A block of a kept walk's skipped list as the compiled walk takes it: an int inside the arrays. */
-static int
-as_skipped(const Walker *w, PyObject *item, long *out)
-{
-    int overflow;
-    long long block = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : -1;
-    if (!PyLong_CheckExact(item) || overflow || block < 0 || block >= w->size)
-        return 0;
-    *out = (long)block;
-    return 1;
-}
-
-/* The kept walk's parts (new references) where its root is root: 1 if they are what the compiled walk
- * takes (a list of (block, bool) tuples, two sets, a list of ints, every block inside the arrays), 0
- * if not, -1 with an error. *parts stays NULL where no walk from root is kept. */
-static int
-kept_walk(const Walker *w, long root, PyObject *parts[4])
-{
-    PyObject *walk = PyObject_GetAttr(w->chains, name_walk), *walk_root = NULL;
+    PyObject *walk = PyObject_GetAttr(w->chains, name_walk), *walk_root = NULL, *victims = NULL;
     int rc = -1;
     if (walk == NULL)
         return -1;
-    if (walk == Py_None) {
-        Py_DECREF(walk);
-        return 1;
-    }
-    if ((walk_root = PyObject_GetAttr(walk, name_root)) == NULL)
-        goto done;
-    rc = 0;
-    if (!PyLong_CheckExact(walk_root))
-        goto done;
-    int overflow;
-    long long at = PyLong_AsLongLongAndOverflow(walk_root, &overflow);
-    if (overflow || at != root) { /* a walk from another root: a fresh walk */
+    if (walk == Py_None)
         rc = 1;
-        goto done;
+    else if ((walk_root = PyObject_GetAttr(walk, name_root)) != NULL) {
+        int overflow = 0;
+        long long at = PyLong_CheckExact(walk_root) ? PyLong_AsLongLongAndOverflow(walk_root, &overflow) : root;
+        if (overflow || at != root)
+            rc = 1;
+        else if ((victims = PyObject_GetAttr(walk, name_victims)) != NULL)
+            rc = PySet_CheckExact(victims) && PySet_GET_SIZE(victims) ? 2 : 0;
     }
-    PyObject *names[4] = {name_stack, name_held, name_victims, name_skipped};
-    for (int k = 0; k < 4; k++)
-        if ((parts[k] = PyObject_GetAttr(walk, names[k])) == NULL) {
-            rc = -1;
-            goto done;
-        }
-    if (!PyList_CheckExact(parts[0]) || !PySet_CheckExact(parts[1]) || !PySet_CheckExact(parts[2])
-        || !PyList_CheckExact(parts[3]))
-        goto done;
-    Entry entry;
-    long block;
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(parts[0]); k++)
-        if (!as_entry(w, PyList_GET_ITEM(parts[0], k), &entry))
-            goto done;
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(parts[3]); k++)
-        if (!as_skipped(w, PyList_GET_ITEM(parts[3], k), &block))
-            goto done;
-    rc = 1;
-done:
-    if (rc != 1 || parts[0] == NULL)
-        for (int k = 0; k < 4; k++)
-            Py_CLEAR(parts[k]);
+    Py_XDECREF(victims);
     Py_XDECREF(walk_root);
     Py_DECREF(walk);
     return rc;
@@ -1102,22 +1049,6 @@ stack_list(const Entry *stack, Py_ssize_t count)
             PyList_SET_ITEM(list, k, entry);
     }
     return list;
-}
-
-/* A kept walk's stack list made to hold the stack's entries (an error raised before stays raised). */
-static int
-store_stack(PyObject *list, const Entry *stack, Py_ssize_t count)
-{
-    PyObject *type, *value, *trace;
-    PyErr_Fetch(&type, &value, &trace);
-    PyObject *entries = stack_list(stack, count);
-    int rc = entries == NULL ? -1 : PyList_SetSlice(list, 0, PyList_GET_SIZE(list), entries);
-    Py_XDECREF(entries);
-    if (type != NULL) {
-        PyErr_Clear();
-        PyErr_Restore(type, value, trace);
-    }
-    return rc;
 }
 
 /* A _Walk(root, stack, held, victims, skipped), its class imported at the first one. */
@@ -1147,14 +1078,13 @@ collect(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Walker w;
     long root = NONE;
-    PyObject *parts[4] = {NULL, NULL, NULL, NULL}; /* a kept walk from root: stack, held, victims, skipped */
-    PyObject *picked = NULL, *result = NULL;
+    PyObject *held = NULL, *victims = NULL, *skipped = NULL, *picked = NULL, *result = NULL;
     Entry *stack = NULL;
     Py_ssize_t count = 0, cap = 0;
-    int resumed = 0, loaded = 0, rc = walker_take(&w, args, &root); /* loaded: the kept stack is in stack */
+    int rc = walker_take(&w, args, &root), kept = 0;
     if (rc > 0)
-        rc = kept_walk(&w, root, parts);
-    if (rc == 0) { /* other types: the reference, which converts or raises */
+        rc = kept = kept_walk(&w, root);
+    if (rc == 0) { /* other types, or a walk from root kept: the reference */
         walker_drop(&w);
         return PyObject_CallMethod(args[0], "collect_reference", "OOOO", args[1], args[2], args[3], args[4]);
     }
@@ -1170,53 +1100,12 @@ collect(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             result = Py_NewRef(picked);
         goto done;
     }
-    if (parts[0] == NULL) { /* a fresh walk: one that runs to its end, short */
-        rc = whole(&w, root, &result);
-        if (rc != 0)
-            goto done;
-    }
-    else { /* resumed where the kept walk's victims are gone and its skipped blocks are skipped again */
-        resumed = PySet_GET_SIZE(parts[2]) == 0;
-        for (Py_ssize_t k = 0; resumed && k < PyList_GET_SIZE(parts[3]); k++) {
-            long block;
-            if (!as_skipped(&w, PyList_GET_ITEM(parts[3], k), &block)) {
-                PyErr_SetString(PyExc_RuntimeError, "collect: the kept walk changed during the walk");
-                goto done;
-            }
-            rc = may_evict(&w, block);
-            if (rc < 0)
-                goto done;
-            resumed = !rc;
-        }
-    }
-    PyObject *held, *victims, *skipped;
-    if (resumed) {
-        held = parts[1];
-        victims = parts[2];
-        skipped = parts[3];
-        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(parts[0]); k++) {
-            Entry entry;
-            if (!as_entry(&w, PyList_GET_ITEM(parts[0], k), &entry)) {
-                PyErr_SetString(PyExc_RuntimeError, "collect: the kept walk changed during the walk");
-                goto done;
-            }
-            if (push_entry(&stack, &count, &cap, entry.block, entry.expanded) < 0)
-                goto done;
-        }
-        loaded = 1;
-    }
-    else { /* a fresh walk (a _Walk only if it is kept) */
-        for (int k = 0; k < 4; k++)
-            Py_CLEAR(parts[k]);
-        if ((parts[1] = PySet_New(NULL)) == NULL || PySet_Add(parts[1], args[1]) < 0
-            || (parts[2] = PySet_New(NULL)) == NULL || (parts[3] = PyList_New(0)) == NULL
-            || push_entry(&stack, &count, &cap, root, 0) < 0)
-            goto done;
-        held = parts[1];
-        victims = parts[2];
-        skipped = parts[3];
-    }
-    if ((picked = PyList_New(0)) == NULL)
+    if (kept == 1 && (rc = whole(&w, root, &result)) != 0) /* a fresh walk that runs to its end, short */
+        goto done;
+    /* a fresh walk that may stop at n (a _Walk only if it is kept) */
+    if ((held = PySet_New(NULL)) == NULL || PySet_Add(held, args[1]) < 0 || (victims = PySet_New(NULL)) == NULL
+        || (skipped = PyList_New(0)) == NULL || push_entry(&stack, &count, &cap, root, 0) < 0
+        || (picked = PyList_New(0)) == NULL)
         goto done;
     while (count && PyDict_GET_SIZE(w.chosen) < w.n) {
         Entry top = stack[--count];
@@ -1267,12 +1156,8 @@ collect(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (rc < 0 || (rc ? choose(&w, block, picked, victims) : append_long(skipped, block)) < 0)
             goto done;
     }
-    if (loaded && store_stack(parts[0], stack, count) < 0)
-        goto done;
     if (!count)
         rc = PyObject_SetAttr(w.chains, name_walk, Py_None);
-    else if (resumed)
-        rc = 0; /* the kept walk goes on */
     else {
         PyObject *entries = stack_list(stack, count), *walk = NULL;
         if (entries != NULL)
@@ -1284,11 +1169,10 @@ collect(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (rc == 0)
         result = Py_NewRef(picked);
 done:
-    if (result == NULL && loaded) /* the reference's walk changes its stack in place as it goes */
-        store_stack(parts[0], stack, count);
     walker_drop(&w);
-    for (int k = 0; k < 4; k++)
-        Py_XDECREF(parts[k]);
+    Py_XDECREF(held);
+    Py_XDECREF(victims);
+    Py_XDECREF(skipped);
     Py_XDECREF(picked);
     PyMem_Free(stack);
     return result;
@@ -1405,8 +1289,8 @@ intern_collect_names(void)
         PyObject **name;
         const char *text;
     } names[] = {{&name_parked, "parked"}, {&name_mark, "PARKED"}, {&name_first, "_first"}, {&name_next, "_next"},
-                 {&name_prev, "_prev"}, {&name_walk, "_walk"}, {&name_root, "root"}, {&name_stack, "stack"},
-                 {&name_held, "held"}, {&name_victims, "victims"}, {&name_skipped, "skipped"}};
+                 {&name_prev, "_prev"}, {&name_walk, "_walk"}, {&name_root, "root"},
+                 {&name_victims, "victims"}};
     for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
         if ((*names[k].name = PyUnicode_InternFromString(names[k].text)) == NULL)
             return -1;
