@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import random
+import statistics
+import time
 from collections import OrderedDict, UserList
 from types import MappingProxyType
 from typing import Any
@@ -337,6 +339,34 @@ def test_compiled_collect_is_the_reference(parents: list[int], ops: list[tuple[A
     if not stopped:  # a walk an error stopped is kept as it stood
         for chains in twins:
             chains.check_invariants()
+
+
+def _evicting_selection_cost(policy: Any, chains: int, length: int) -> float:
+    """The median CPU time of ``select_victims(1)`` while ``chains`` chains of ``length`` blocks (each inserted
+    head to tail) are evicted a victim per call, each victim removed before the next selection."""
+    for c in range(chains):
+        parent = None
+        for i in range(length):
+            policy.on_insert(c * length + i, 1_000_000 + c * length + i, parent)
+            parent = 1_000_000 + c * length + i
+    costs = []
+    for _ in range(chains * length):
+        start = time.process_time_ns()
+        victims = policy.select_victims(1, any_block)
+        costs.append(time.process_time_ns() - start)
+        policy.on_remove(victims[0])
+    return statistics.median(costs)
+
+
+@pytest.mark.skipif(_chains.LOOPS.compiled is None, reason="the compiled loops were not built")
+@pytest.mark.parametrize("policy", [HitDensityPolicy, PrefixLRUPolicy])
+def test_compiled_walks_evict_a_chain_in_constant_time_per_victim(policy: Any) -> None:
+    """Chains evicted a victim per call: a selection costs about the same whether the chains hold 64 blocks or
+    4,096 (the kept walk resumes where it stopped, its stack never reloaded), within 3x; a cost that grew with the
+    depth would be 64x."""
+    short = _evicting_selection_cost(policy(), 4, 64)
+    deep = _evicting_selection_cost(policy(), 4, 4096)
+    assert deep <= 3 * short, f"{policy.__name__}: {deep} ns a selection at depth 4,096 against {short} at 64"
 
 
 def _state(policy: HitDensityPolicy) -> dict[str, Any]:
