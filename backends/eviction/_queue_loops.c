@@ -295,6 +295,18 @@ give_back(Queue *q)
     }
 }
 
+/* The end of a loop that took the state: on an error (result NULL) the scalars changed so far go back to the
+ * queue (give_back); the buffers and the slots are released; result passes through. */
+static PyObject *
+finish(Queue *q, PyObject *result)
+{
+    if (result == NULL)
+        give_back(q);
+    release(q);
+    Py_CLEAR(q->slots);
+    return result;
+}
+
 /* queue.<name>(arg), its result dropped: the state given back before and taken again after. */
 static int
 per_block(Queue *q, PyObject *name, PyObject *arg)
@@ -374,10 +386,7 @@ add_pinned_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
-    if (result == NULL)
-        give_back(&q);
-    release(&q);
-    Py_XDECREF(q.slots);
+    result = finish(&q, result);
     Py_XDECREF(blocks);
     return result;
 }
@@ -421,10 +430,7 @@ add(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
-    if (result == NULL)
-        give_back(&q);
-    release(&q);
-    Py_XDECREF(q.slots);
+    result = finish(&q, result);
     return result;
 }
 
@@ -475,10 +481,7 @@ pin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
-    if (result == NULL)
-        give_back(&q);
-    release(&q);
-    Py_XDECREF(q.slots);
+    result = finish(&q, result);
     Py_XDECREF(blocks);
     Py_XDECREF(rest);
     return result;
@@ -541,10 +544,7 @@ unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
-    if (result == NULL)
-        give_back(&q);
-    release(&q);
-    Py_XDECREF(q.slots);
+    result = finish(&q, result);
     Py_XDECREF(blocks);
     Py_XDECREF(back);
     return result;
@@ -587,10 +587,7 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
-    if (result == NULL)
-        give_back(&q);
-    release(&q);
-    Py_XDECREF(q.slots);
+    result = finish(&q, result);
     Py_XDECREF(blocks);
     return result;
 }
