@@ -2,21 +2,24 @@
 
 from setuptools import Extension, setup
 
-_HEADERS = {"include_dirs": ["backends"], "depends": ["backends/_twin.h", "backends/_views.h"]}
+_SHARED_HEADERS = ["backends/_twin.h", "backends/_views.h"]
 
 
-def _twin(module: str, *, headers: bool = True, exact_floats: bool = False) -> Extension:
+def _twin(module: str, *, headers: bool = True, exact_floats: bool = False, own_header: str | None = None) -> Extension:
     """The optional extension ``kvkit.backends.<module>`` from ``backends/<module path>.c``: with the shared
-    headers, and with ``exact_floats`` built without fused multiply-adds (its float steps as the Python's)."""
-    return Extension(f"kvkit.backends.{module}", [f"backends/{module.replace('.', '/')}.c"], optional=True,
-                     **(_HEADERS if headers else {}),
+    headers, and its ``own_header`` beside it, and with ``exact_floats`` built without fused multiply-adds (its
+    float steps as the Python's)."""
+    path = f"backends/{module.replace('.', '/')}"
+    depends = (_SHARED_HEADERS if headers else []) + ([f"{path.rsplit('/', 1)[0]}/{own_header}"] if own_header else [])
+    return Extension(f"kvkit.backends.{module}", [f"{path}.c"], optional=True,
+                     include_dirs=["backends"] if headers else [], depends=depends,
                      extra_compile_args=["-ffp-contract=off"] if exact_floats else [])
 
 
 setup(ext_modules=[
     # hit density: its per-block bookkeeping loops, the density model's numeric kernels, its census and its
     # selection rounds (booking.py, kernels.py, census.py and selection.py hold the references)
-    _twin("eviction.hit_density._booking", exact_floats=True),
+    _twin("eviction.hit_density._booking", exact_floats=True, own_header="_ghost_map.h"),
     _twin("eviction.hit_density._kernels", exact_floats=True),
     _twin("eviction.hit_density._census", exact_floats=True),
     _twin("eviction.hit_density._selection", exact_floats=True),  # its densities compared as the Python's

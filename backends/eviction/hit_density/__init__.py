@@ -6,7 +6,7 @@ import bisect
 import math
 import sys
 from array import array
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from heapq import heappop, heappush
 from typing import cast
 
@@ -287,7 +287,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _ghost_uses: bytearray = attrs.field(init=False, factory=bytearray)
     _ghost_last: array = attrs.field(init=False, factory=lambda: array("q"))
     _ghost_live: bytearray = attrs.field(init=False, factory=bytearray)
-    _ghost_at: dict[BlockHash, int] = attrs.field(init=False, factory=dict)
+    _ghost_at: MutableMapping[BlockHash, int] = attrs.field(init=False)  # the booking's ghost_map
     _ghost_base: int = attrs.field(init=False, default=1)
     _ghost_oldest: int = attrs.field(init=False, default=1)
     _samples: int = attrs.field(init=False, default=0)  # refreshes that read the censuses
@@ -309,6 +309,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     _selection: Selection = attrs.field(init=False, factory=selection.LOOPS.default, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        self._ghost_at = self._booking.ghost_map()
         self._shift = ShiftTest(len(REUSE_LEVELS), alpha=self.shift_alpha)
 
     @property

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_ghost_map.h"
 #include "_twin.h"
 #include "_views.h"
 
@@ -41,6 +42,19 @@ static PyObject *
 attr(PyObject *obj, PyObject *name)
 {
     return PyObject_GetAttr(obj, name);
+}
+
+/* 1 if the policy's ghost map is a GhostMap, 0 if it is another mapping (the reference runs: it takes any), -1
+ * with an error. */
+static int
+ghost_map_is_compiled(PyObject *p)
+{
+    PyObject *m = attr(p, S(_ghost_at));
+    if (m == NULL)
+        return -1;
+    int compiled = PyObject_TypeCheck(m, &GhostMapType);
+    Py_DECREF(m);
+    return compiled;
 }
 
 /* A view of the policy's array attribute name. */
@@ -346,6 +360,9 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *class_of = args[8];
     if (PyErr_Occurred())
         return NULL;
+    int compiled_map = ghost_map_is_compiled(p);
+    if (compiled_map <= 0)
+        return compiled_map < 0 ? NULL : run_reference(REFERENCE, "book_inserts", args, nargs);
     long top;
     const unsigned char *class_table = class_table_of(class_of, "book_inserts", &top);
     if (class_table == NULL)
@@ -387,7 +404,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         || (shift = attr(p, S(_shift))) == NULL || (note = attr(shift, S(note))) == NULL
         || (tip_obj = attr(p, S(_tip))) == NULL || (reused = attr(p, S(_reused))) == NULL)
         goto done;
-    if (!PyDict_Check(ghost_at) || !PyList_Check(ghost_hash)
+    if (!PyObject_TypeCheck(ghost_at, &GhostMapType) || !PyList_Check(ghost_hash)
         || !PyDict_Check(ghost_recent) || !PyDict_Check(recent)) {
         PyErr_SetString(PyExc_TypeError, "book_inserts: the policy's maps, ends and dirty set have other types");
         goto done;
@@ -426,8 +443,15 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     unsigned char *g_live = (unsigned char *)s.ghost_live.buf.buf;
     int64_t *g_last = (int64_t *)s.ghost_last.buf.buf;
     int listed = mark == LISTED;
+    GhostMap *ghost_map = (GhostMap *)ghost_at;
+    GhostAhead ahead;
+    gm_ahead_init(&ahead);
+    for (Py_ssize_t k = i; k < n && k < i + AHEAD; k++)
+        gm_ahead(&ahead, ghost_map, PySequence_Fast_GET_ITEM(hashes, k), k);
 
     while (i < n) {
+        if (i + AHEAD < n)
+            gm_ahead(&ahead, ghost_map, PySequence_Fast_GET_ITEM(hashes, i + AHEAD), i + AHEAD);
         PyObject *block_obj = PySequence_Fast_GET_ITEM(blocks, i);
         PyObject *block_hash = PySequence_Fast_GET_ITEM(hashes, i);
         PyObject *parent = PySequence_Fast_GET_ITEM(parents, i);
@@ -445,13 +469,13 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         clock += 1;
         long uses = 0;
-        PyObject *at = pop(ghost_at, block_hash);
-        if (at == NULL && PyErr_Occurred())
+        int64_t at;
+        int found = gm_pop_hashed(ghost_map, block_hash, gm_ahead_hash(&ahead, i - 1), &at);
+        if (found < 0)
             goto stop;
-        if (at != NULL) { /* a reuse the cache missed: learn from it, keep the history */
-            long long g = PyLong_AsLongLong(at) - base;
-            Py_DECREF(at);
-            if (PyErr_Occurred() || checked_index(g, ghosts, "ghost") < 0)
+        if (found) { /* a reuse the cache missed: learn from it, keep the history */
+            long long g = at - base;
+            if (checked_index(g, ghosts, "ghost") < 0)
                 goto stop;
             long cls = g_cls[g];
             long long age = clock - g_last[g];
@@ -876,7 +900,10 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     View cls = {0}, uses = {0}, last_of = {0};
     long long c = PyLong_AsLongLong(args[3]), clock, evictions, last, tracked;
     double turnover;
-    if (c < 1) { /* no int, or a capacity out of contract: the reference */
+    int compiled_map = ghost_map_is_compiled(p);
+    if (compiled_map < 0)
+        return NULL;
+    if (c < 1 || !compiled_map) { /* no int, a capacity out of contract or a map of another type: the reference */
         PyErr_Clear();
         return run_reference(REFERENCE, "book_removals", args, nargs);
     }
@@ -914,7 +941,8 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         || (g_cls = attr(p, S(_ghost_cls))) == NULL || (g_uses = attr(p, S(_ghost_uses))) == NULL
         || (g_last = attr(p, S(_ghost_last))) == NULL || (g_live = attr(p, S(_ghost_live))) == NULL)
         goto done;
-    if (!PyDict_Check(recent) || !PyDict_Check(ghost_recent) || !PyDict_Check(ghost_at) || !PyList_Check(ghost_hash)) {
+    if (!PyDict_Check(recent) || !PyDict_Check(ghost_recent) || !PyObject_TypeCheck(ghost_at, &GhostMapType)
+        || !PyList_Check(ghost_hash)) {
         PyErr_SetString(PyExc_TypeError, "book_removals: the policy's maps or ghost hashes have other types");
         goto done;
     }
@@ -977,11 +1005,16 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         last = clock;
     }
     /* Each ghost's index is its eviction number less _ghost_base: they are appended in order. */
+    GhostAhead ahead;
+    gm_ahead_init(&ahead);
+    for (Py_ssize_t k = 0; k < n && k < AHEAD; k++)
+        gm_ahead(&ahead, (GhostMap *)ghost_at, PySequence_Fast_GET_ITEM(hashes, k), k);
     for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *h = PySequence_Fast_GET_ITEM(hashes, k), *at = PyLong_FromLongLong(first + k);
-        int rc = at ? PyDict_SetItem(ghost_at, h, at) : -1;
-        Py_XDECREF(at);
-        if (rc < 0 || PyList_Append(ghost_hash, h) < 0)
+        if (k + AHEAD < n)
+            gm_ahead(&ahead, (GhostMap *)ghost_at, PySequence_Fast_GET_ITEM(hashes, k + AHEAD), k + AHEAD);
+        PyObject *h = PySequence_Fast_GET_ITEM(hashes, k);
+        if (gm_set_hashed((GhostMap *)ghost_at, h, gm_ahead_hash(&ahead, k), first + k) < 0
+            || PyList_Append(ghost_hash, h) < 0)
             goto done;
     }
     const unsigned char *classes = (const unsigned char *)cls.buf.buf, *uses_of = (const unsigned char *)uses.buf.buf;
@@ -1046,14 +1079,17 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     memset(&ends, 0, sizeof ends);
     long long clock;
     Py_ssize_t lo = PyLong_AsSsize_t(args[1]), hi = lo == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[2]);
-    if (hi == -1 && PyErr_Occurred()) {
+    int compiled_map = hi == -1 && PyErr_Occurred() ? 0 : ghost_map_is_compiled(p);
+    if (compiled_map <= 0) { /* no int bounds, or a map of another type: the reference */
+        if (compiled_map < 0)
+            return NULL;
         PyErr_Clear();
         return run_reference(REFERENCE, "forget_ghosts", args, nargs);
     }
     if ((ghost_hash = attr(p, S(_ghost_hash))) == NULL || (ghost_at = attr(p, S(_ghost_at))) == NULL
         || (ghost_recent = attr(p, S(_ghost_recent))) == NULL || attr_long(p, S(_clock), &clock) < 0)
         goto done;
-    if (!PyList_Check(ghost_hash) || !PyDict_Check(ghost_at) || !PyDict_Check(ghost_recent)) {
+    if (!PyList_Check(ghost_hash) || !PyObject_TypeCheck(ghost_at, &GhostMapType) || !PyDict_Check(ghost_recent)) {
         PyErr_SetString(PyExc_TypeError, "forget_ghosts: the policy's ghost maps or hashes have other types");
         goto done;
     }
@@ -1083,9 +1119,21 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t g = lo; g < hi; g++)
             if (PyList_SetItem(ghost_hash, g, Py_NewRef(Py_None)) < 0)
                 goto done;
-        for (Py_ssize_t k = 0; k < n; k++)
-            if (PyDict_DelItem(ghost_at, PyList_GET_ITEM(hashes, k)) < 0)
+        GhostAhead ahead;
+        gm_ahead_init(&ahead);
+        for (Py_ssize_t k = 0; k < n && k < AHEAD; k++)
+            gm_ahead(&ahead, (GhostMap *)ghost_at, PyList_GET_ITEM(hashes, k), k);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (k + AHEAD < n)
+                gm_ahead(&ahead, (GhostMap *)ghost_at, PyList_GET_ITEM(hashes, k + AHEAD), k + AHEAD);
+            PyObject *h = PyList_GET_ITEM(hashes, k);
+            int64_t at;
+            int found = gm_pop_hashed((GhostMap *)ghost_at, h, gm_ahead_hash(&ahead, k), &at);
+            if (found == 0)
+                PyErr_SetObject(PyExc_KeyError, h);
+            if (found != 1)
                 goto done;
+        }
         if (PyDict_GET_SIZE(ghost_recent)) {
             for (Py_ssize_t k = 0; k < n; k++) {
                 PyObject *reuses = pop(ghost_recent, PyList_GET_ITEM(hashes, k));
@@ -1137,5 +1185,13 @@ PyInit__booking(void)
     if ((S(name) = PyUnicode_InternFromString(#name)) == NULL)                                                     \
         return NULL;
     NAMES(INTERN)
-    return PyModule_Create(&module);
+    if (PyType_Ready(&GhostMapType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL || PyModule_AddObjectRef(m, "GhostMap", (PyObject *)&GhostMapType) < 0
+        || PyModule_AddObjectRef(m, "ghost_map", (PyObject *)&GhostMapType) < 0) {
+        Py_XDECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -85,11 +85,21 @@ marked dead and loses its hash, then each live one's hash leaves the ghost map
 and the ghosts' recent map, in order; each live one is recorded in the density
 model as a history ended unreused, at its class and age (the policy's clock
 less its last access).
+
+:attr:`Booking.ghost_map` makes the policy's ghost map (``_ghost_at``, block
+hash to eviction number): a ``dict`` with the references, the extension's
+``GhostMap`` with the compiled loops. ``GhostMap`` keeps a dict's contract for
+the methods it has (``[]``, ``in``, ``len``, ``get``, ``pop``, ``update``,
+``keys``, ``values``, ``items``, ``==`` against a dict, pickling) in an
+open-addressing table without tombstones: each eviction puts one hash in and
+the ghost's horizon takes one out, and a dict's lookups of absent hashes (most
+stores') slow down on the slots its deletions leave. The references run on
+either map; a compiled loop given any other map runs its reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from itertools import compress
 from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
@@ -149,7 +159,8 @@ class ForgetGhosts(Protocol):
 
 
 class Booking(NamedTuple):
-    """The loops of one implementation (functions: a policy holding them copies and pickles)."""
+    """The loops of one implementation (functions: a policy holding them copies and pickles), and the type of
+    the ghost map they keep."""
 
     book_inserts: BookInserts
     book_accesses: BookAccesses
@@ -157,6 +168,7 @@ class Booking(NamedTuple):
     book_pins: BookPins
     book_removals: BookRemovals
     forget_ghosts: ForgetGhosts
+    ghost_map: Callable[[], MutableMapping[BlockHash, int]]
 
 
 def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
@@ -349,4 +361,4 @@ def forget_ghosts(policy: HitDensityPolicy, lo: int, hi: int) -> None:
 
 
 LOOPS: Twins[Booking] = Twins.load(Booking(book_inserts, book_accesses, book_marks, book_pins, book_removals,
-                                           forget_ghosts), "kvkit.backends.eviction.hit_density._booking")
+                                           forget_ghosts, dict), "kvkit.backends.eviction.hit_density._booking")

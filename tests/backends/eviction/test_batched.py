@@ -32,6 +32,7 @@ class PerBlockHitDensity(HitDensityPolicy):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._booking = booking.LOOPS.reference
+        self._ghost_at = {}
 
 
 class PerBlockLRU(LRUPolicy):
@@ -179,6 +180,7 @@ def test_hit_density_access_many_is_access_one_by_one(hits: list[Any], due: int,
     one past the arrays, no int) is refused quoting it, the hits before it counted."""
     twins = [HitDensityPolicy(capacity=2, ghost_span=2) for _ in range(2)]
     twins[1]._booking = booking.LOOPS.reference
+    twins[1]._ghost_at = {}
     for policy in twins:
         for block in range(8):  # hash block + 1 under parent hash block (block 0's: 1), a chain head every 4
             policy.on_insert(block, block + 1, block if block % 4 else None)

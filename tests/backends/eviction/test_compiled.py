@@ -376,6 +376,7 @@ def _state(policy: HitDensityPolicy) -> dict[str, Any]:
               "_ghost_at", "_ghost_base", "_clock", "_tracked", "_tip", "_reused", "_turnover", "_evictions",
               "_high_water", "_next_refresh", "_last_removal", "_ghost_oldest")
     state = {name: getattr(policy, name) for name in fields}
+    state["_ghost_at"] = dict(state["_ghost_at"])  # a GhostMap with the compiled booking, a dict with the reference
     state["_last"], state["_next"], state["_prev"], state["_ghost_last"] = (
         bytes(state[name]) for name in ("_last", "_next", "_prev", "_ghost_last"))
     model = policy.model
@@ -385,6 +386,12 @@ def _state(policy: HitDensityPolicy) -> dict[str, Any]:
                       shift._history.tolist(), shift._pool, shift._decayed)
     state["chains"] = _chains_state(policy._chains)
     return state
+
+
+def _run_references(policy: HitDensityPolicy) -> None:
+    """``policy`` runs the reference booking loops from now on, its ghost map a dict with the same entries."""
+    policy._booking = booking.LOOPS.reference
+    policy._ghost_at = dict(policy._ghost_at)
 
 
 def _hash(conversation: int, position: int) -> int:
@@ -413,7 +420,7 @@ def test_compiled_booking_is_the_reference(ops: list[tuple[Any, ...]], capacity:
     Small capacities refresh the model inside a batch (the booking stops and resumes), and evicted chains
     stored again hit the ghost: after every call both hold the same state, and make the same choices."""
     twins = [HitDensityPolicy(capacity=capacity, ghost_span=span) for _ in range(2)]
-    twins[1]._booking = booking.LOOPS.reference
+    _run_references(twins[1])
     _drive(twins, ops, _state)
 
 
@@ -439,7 +446,7 @@ def test_compiled_removals_are_the_reference(ops: list[tuple[Any, ...]], capacit
     bytes), after hits that left reuses since the last refresh: the compiled booking and the reference leave
     the same state after every call."""
     twins = [HitDensityPolicy(capacity=capacity, ghost_span=span, ghost_bytes=ghost_bytes) for _ in range(2)]
-    twins[1]._booking = booking.LOOPS.reference
+    _run_references(twins[1])
     _drive(twins, ops, _state)
 
 
@@ -470,6 +477,7 @@ def test_book_removals_is_the_reference(ops: list[tuple[Any, ...]], picks: list[
     blocks: list[Any] = [*picks, stray] if stray is not None else picks
     hashes = [1_000_000 + block for block in picks] + ([7] if stray is not None else [])
     twins = [copy.deepcopy(policy) for _ in range(2)]
+    _run_references(twins[1])
     outcomes = [_outcome_any(books.book_removals, twin, blocks, hashes, c)
                 for books, twin in zip((booking.LOOPS.compiled, booking.LOOPS.reference), twins)]
     assert outcomes[0] == outcomes[1]
@@ -497,6 +505,7 @@ def test_forget_ghosts_is_the_reference(ops: list[tuple[Any, ...]], lo: int, wid
     lo = min(lo, len(policy._ghost_hash))
     hi = min(lo + width, len(policy._ghost_hash)) + past  # past 0: inside the ghost arrays
     twins = [copy.deepcopy(policy) for _ in range(2)]
+    _run_references(twins[1])
     outcomes = [_outcome_any(books.forget_ghosts, twin, lo, hi)
                 for books, twin in zip((booking.LOOPS.compiled, booking.LOOPS.reference), twins)]
     assert outcomes[0] == outcomes[1]
@@ -527,7 +536,7 @@ def test_book_pins_is_the_reference(ops: list[tuple[Any, ...]], picks: list[int]
         blocks.insert(min(at, len(blocks)), stray)
     twins = [copy.deepcopy(policy) for _ in range(3)]
     for twin in twins[1:]:
-        twin._booking = booking.LOOPS.reference
+        _run_references(twin)
 
     def one_by_one(policy: HitDensityPolicy, blocks: list[Any]) -> None:
         for block in blocks:
