@@ -445,13 +445,10 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int listed = mark == LISTED;
     GhostMap *ghost_map = (GhostMap *)ghost_at;
     GhostAhead ahead;
-    gm_ahead_init(&ahead);
-    for (Py_ssize_t k = i; k < n && k < i + AHEAD; k++)
-        gm_ahead(&ahead, ghost_map, PySequence_Fast_GET_ITEM(hashes, k), k);
+    gm_ahead_start(&ahead, ghost_map, hashes, n, i);
 
     while (i < n) {
-        if (i + AHEAD < n)
-            gm_ahead(&ahead, ghost_map, PySequence_Fast_GET_ITEM(hashes, i + AHEAD), i + AHEAD);
+        gm_ahead_step(&ahead, ghost_map, i);
         PyObject *block_obj = PySequence_Fast_GET_ITEM(blocks, i);
         PyObject *block_hash = PySequence_Fast_GET_ITEM(hashes, i);
         PyObject *parent = PySequence_Fast_GET_ITEM(parents, i);
@@ -1006,12 +1003,9 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     /* Each ghost's index is its eviction number less _ghost_base: they are appended in order. */
     GhostAhead ahead;
-    gm_ahead_init(&ahead);
-    for (Py_ssize_t k = 0; k < n && k < AHEAD; k++)
-        gm_ahead(&ahead, (GhostMap *)ghost_at, PySequence_Fast_GET_ITEM(hashes, k), k);
+    gm_ahead_start(&ahead, (GhostMap *)ghost_at, hashes, n, 0);
     for (Py_ssize_t k = 0; k < n; k++) {
-        if (k + AHEAD < n)
-            gm_ahead(&ahead, (GhostMap *)ghost_at, PySequence_Fast_GET_ITEM(hashes, k + AHEAD), k + AHEAD);
+        gm_ahead_step(&ahead, (GhostMap *)ghost_at, k);
         PyObject *h = PySequence_Fast_GET_ITEM(hashes, k);
         if (gm_set_hashed((GhostMap *)ghost_at, h, gm_ahead_hash(&ahead, k), first + k) < 0
             || PyList_Append(ghost_hash, h) < 0)
@@ -1120,12 +1114,9 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (PyList_SetItem(ghost_hash, g, Py_NewRef(Py_None)) < 0)
                 goto done;
         GhostAhead ahead;
-        gm_ahead_init(&ahead);
-        for (Py_ssize_t k = 0; k < n && k < AHEAD; k++)
-            gm_ahead(&ahead, (GhostMap *)ghost_at, PyList_GET_ITEM(hashes, k), k);
+        gm_ahead_start(&ahead, (GhostMap *)ghost_at, hashes, n, 0);
         for (Py_ssize_t k = 0; k < n; k++) {
-            if (k + AHEAD < n)
-                gm_ahead(&ahead, (GhostMap *)ghost_at, PyList_GET_ITEM(hashes, k + AHEAD), k + AHEAD);
+            gm_ahead_step(&ahead, (GhostMap *)ghost_at, k);
             PyObject *h = PyList_GET_ITEM(hashes, k);
             int64_t at;
             int found = gm_pop_hashed((GhostMap *)ghost_at, h, gm_ahead_hash(&ahead, k), &at);

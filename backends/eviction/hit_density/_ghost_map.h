@@ -158,31 +158,65 @@ gm_prefetch(const GhostMap *m, Py_hash_t hash)
     }
 }
 
-/* Hashes of keys looked up ahead of their turn, a few at a time (a ring of AHEAD): gm_ahead(r, m, key, k)
- * hashes the k-th key of a loop and prefetches its slot if it is an int (whose hash runs no code and
- * never fails); gm_ahead_hash(r, k) is then that hash, else -1 (the lookup hashes the key at its turn). */
+/* A loop over many keys looks each one up ahead of its turn, in two stages: AHEAD places ahead it hashes
+ * the key, if an int (whose hash runs no code and never fails), and prefetches the key's slot; twice as far
+ * ahead it prefetches the key object itself, which the hash reads (a block's hash object, made when the
+ * block was stored, is rarely still in cache). gm_ahead_hash(r, k) is the k-th key's hash from the ring,
+ * or -1 (not an int: the lookup hashes it at its turn). Hints only: they change nothing. */
 enum { AHEAD = 8 };
 typedef struct {
     Py_hash_t hash[AHEAD];
     Py_ssize_t key[AHEAD];
+    PyObject *keys; /* a list or tuple (PySequence_Fast), borrowed; read afresh at each step */
+    Py_ssize_t n;
 } GhostAhead;
 
-static inline void
-gm_ahead_init(GhostAhead *r)
+/* The k-th key, or NULL past the loop's end or the sequence's. */
+static inline PyObject *
+gm_ahead_key(const GhostAhead *r, Py_ssize_t k)
 {
-    for (int k = 0; k < AHEAD; k++)
-        r->key[k] = -1;
+    return k < r->n && k < PySequence_Fast_GET_SIZE(r->keys) ? PySequence_Fast_GET_ITEM(r->keys, k) : NULL;
 }
 
 static inline void
-gm_ahead(GhostAhead *r, const GhostMap *m, PyObject *key, Py_ssize_t k)
+gm_ahead_hash_key(GhostAhead *r, const GhostMap *m, Py_ssize_t k)
 {
+    PyObject *key = gm_ahead_key(r, k);
+    if (key == NULL || !PyLong_CheckExact(key))
+        return;
     if (!PyLong_CheckExact(key))
         return;
     Py_hash_t hash = PyObject_Hash(key);
     r->hash[k % AHEAD] = hash;
     r->key[k % AHEAD] = k;
     gm_prefetch(m, hash);
+}
+
+/* Start looking ahead over the keys start..n-1 of `keys` (a list or tuple, borrowed). */
+static inline void
+gm_ahead_start(GhostAhead *r, const GhostMap *m, PyObject *keys, Py_ssize_t n, Py_ssize_t start)
+{
+    r->keys = keys;
+    r->n = n;
+    for (int k = 0; k < AHEAD; k++)
+        r->key[k] = -1;
+    for (Py_ssize_t k = start; k < start + 2 * AHEAD; k++) {
+        PyObject *key = gm_ahead_key(r, k);
+        if (key != NULL)
+            __builtin_prefetch(key);
+    }
+    for (Py_ssize_t k = start; k < start + AHEAD; k++)
+        gm_ahead_hash_key(r, m, k);
+}
+
+/* The k-th key's turn: look further ahead. */
+static inline void
+gm_ahead_step(GhostAhead *r, const GhostMap *m, Py_ssize_t k)
+{
+    PyObject *far = gm_ahead_key(r, k + 2 * AHEAD);
+    if (far != NULL)
+        __builtin_prefetch(far);
+    gm_ahead_hash_key(r, m, k + AHEAD);
 }
 
 static inline Py_hash_t
