@@ -186,20 +186,21 @@ take_entry(Queue *q)
     return 0;
 }
 
-/* Writes the scalars the loops change back to the queue and releases the buffers. */
+/* Writes the scalars the loops change back to the queue and releases the buffers. Where a write fails, the
+ * state stays held: give_back writes them all again. */
 static int
 give(Queue *q)
 {
-    release(q);
-    if (q->entry) /* an add: no link changed */
-        return set_ll(q->queue, s_len, q->len) < 0 || set_ll(q->slots, s_clock, q->clock) < 0
-                       || (q->pending != NIL && set_ll(q->queue, s_pending, q->pending) < 0)
-                   ? -1
-                   : 0;
-    if (set_ll(q->queue, s_len, q->len) < 0 || set_ll(q->queue, s_head, q->head) < 0
-        || set_ll(q->queue, s_tail, q->tail) < 0 || set_ll(q->queue, s_cut, q->cut) < 0
-        || set_ll(q->queue, s_pending, q->pending) < 0 || set_ll(q->slots, s_clock, q->clock) < 0)
+    if (q->entry) { /* an add: no link changed */
+        if (set_ll(q->queue, s_len, q->len) < 0 || set_ll(q->slots, s_clock, q->clock) < 0
+            || (q->pending != NIL && set_ll(q->queue, s_pending, q->pending) < 0))
+            return -1;
+    }
+    else if (set_ll(q->queue, s_len, q->len) < 0 || set_ll(q->queue, s_head, q->head) < 0
+             || set_ll(q->queue, s_tail, q->tail) < 0 || set_ll(q->queue, s_cut, q->cut) < 0
+             || set_ll(q->queue, s_pending, q->pending) < 0 || set_ll(q->slots, s_clock, q->clock) < 0)
         return -1;
+    release(q);
     return 0;
 }
 
@@ -528,12 +529,13 @@ unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             continue;
         }
-        set_state(&q, block, q.base | BACK); /* released out of order: the side list */
+        /* released out of order: the side list (its key made first: a failed allocation leaves the block parked) */
         if (back == NULL && (back = PyObject_GetAttr(q.queue, s_back)) == NULL)
             goto done;
         PyObject *key = PyLong_FromLongLong((long long)((uint64_t)stamp << SHIFT | (uint64_t)block));
         if (key == NULL)
             goto done;
+        set_state(&q, block, q.base | BACK);
         PyObject *argv[2] = {back, key};
         PyObject *r = PyObject_VectorcallMethod(s_add, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_DECREF(key);
@@ -694,8 +696,7 @@ first(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 fail:
     Py_CLEAR(result);
 done:
-    release(&q);
-    Py_XDECREF(q.slots);
+    result = finish(&q, result);
     Py_XDECREF(back);
     Py_XDECREF(head);
     return result;
