@@ -1,14 +1,18 @@
-"""A compiled loop that fails to allocate leaves its object as the reference leaves the blocks before the failure.
+"""A compiled loop that fails to allocate leaves its object as its reference leaves it at that point.
 
-Rule: a ``MemoryError`` raised by a compiled parking-queue loop's own code (not by Python code it calls
-back: the reference's per-block methods, the side list) leaves the queue exactly as the reference run on
-the blocks the loop had finished leaves it (a block left pending, linked: the same order): the scalars it
-had changed (length, head, tail, cut, pending, clock) are written back beside the slots it wrote, so the
-invariants hold and every later call returns and changes what it does on a reference-run queue.
+Rules:
+
+* A ``MemoryError`` raised by a compiled parking-queue loop's own code (not by Python code it calls back:
+  the reference's per-block methods, the side list) leaves the queue exactly as the reference run on the
+  blocks the loop had finished leaves it (a block left pending, linked: the same order): the scalars it
+  had changed (length, head, tail, cut, pending, clock) are written back beside the slots it wrote, so
+  the invariants hold and every later call returns and changes what it does on a reference-run queue.
+* A compiled block-pool loop that counts references (``incref``, ``decref``) and fails to allocate
+  changes no refcount, as its Python loop rolls back a failing call.
 
 Each case fails the ``k``-th allocation of one call, for ``k`` = 1, 2, ... until the call allocates
 fewer times and succeeds (``_testcapi.set_nomemory``), so every allocation the call makes is failed
-once. Block ids and the clock lie past CPython's cached small ints, so writing a scalar back allocates
+once. Block ids, counts and the clock lie past CPython's cached small ints, so writing one allocates
 too. Python code a loop calls back is the reference's own and makes no promise under a failed
 allocation: a ``MemoryError`` whose traceback passes through a Python frame is only counted.
 """
@@ -18,11 +22,14 @@ from __future__ import annotations
 import copy
 import gc
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
 import pytest
 
+from kvkit.backends.allocator import loops as pool_loops
+from kvkit.backends.allocator.pool import BlockPool
 from kvkit.backends.eviction import _queue
 from kvkit.backends.eviction._common import any_block
 from kvkit.backends.eviction._queue import ParkingQueue, Slots
@@ -209,3 +216,52 @@ def test_a_failed_allocation_leaves_the_queue_as_the_reference_leaves_the_blocks
     reference = copy.deepcopy(base)
     assert result == getattr(_queue.LOOPS.reference, name)(reference, *args)
     assert _state(queue) == _state(reference)
+
+
+# -- the block pool's counting loops ------------------------------------------------------------------------
+
+_B = 40  # blocks: counts 0 (ready, or empty where the hash is None), 1, or past the small ints
+
+
+def _pool_lists() -> tuple[list[int], list[int | None]]:
+    ref = [0 if b % 4 == 0 else 1 if b % 4 == 1 else 300 + b for b in range(_B)]
+    hashes: list[int | None] = [None if b % 8 == 1 else 1000 + b for b in range(_B)]
+    return ref, hashes
+
+
+def _pool_reference(name: str, ref: list[int], hashes: list[int | None], blocks: list[int]) -> Any:
+    """``BlockPool``'s own loop ``name`` (the reference) on the lists, as a pool holding them runs it."""
+    pool = SimpleNamespace(_ref=ref, _hash=hashes)
+    return getattr(BlockPool, "_" + name)(pool, blocks)
+
+
+_POOL_CASES = [
+    ("incref", [b for b in range(_B) if b % 8 != 1]),  # ready blocks pinned, counts raised past the small ints
+    ("decref", [b for b in range(_B) if b % 4 != 0]),  # last references (freed, unpinned), counts lowered
+]
+
+
+@pytest.mark.skipif(pool_loops.LOOPS.compiled is None, reason="the compiled loops were not built")
+@pytest.mark.parametrize(("name", "blocks"), _POOL_CASES)
+def test_a_failed_allocation_in_a_pool_loop_changes_no_refcount(name: str, blocks: list[int]) -> None:
+    """Every allocation of one compiled pool loop failed in turn: the refcounts are as before the call, and
+    the call that allocates unhindered returns and changes what the pool's own loop does."""
+    compiled = pool_loops.LOOPS.compiled
+    assert compiled is not None
+    loop = getattr(compiled, name)
+    before, hashes = _pool_lists()
+    failed = 0
+    for k in range(1, 10_000):
+        ref = list(before)
+        result, error = _fail_allocation(k, loop, ref, hashes, blocks)
+        if error is None:
+            break
+        assert type(error) is MemoryError, k
+        failed += 1
+        assert ref == before, f"allocation {k}: a failed call changed refcounts"
+    else:
+        pytest.fail("the call never ran without a failed allocation")
+    assert failed, "no allocation failed"
+    expected = list(before)
+    assert result == _pool_reference(name, expected, list(hashes), blocks)
+    assert ref == expected
