@@ -6,11 +6,15 @@
  * run both on the same calls and compare the whole state, the kept walk included. The per-block links
  * (_up, _first, _next, _prev: array('i')) and the owner's pin marks (bytearray) are read through the buffer
  * protocol; the maps, the hash list, the kept walk and the orphans' ParkingQueue stay Python objects,
- * updated exactly as the reference updates them: the queue through the loops it runs (its _loops' add and
- * remove_many, called as C functions where they are compiled) and its remove method. A fresh walk keeps
- * its stack in C while it runs and, stopped at its count, hands it over as the reference's kept walk (a
- * list of (block, bool) tuples); a call that may resume a kept walk runs the reference, which resumes it in
- * place, O(1) a step.
+ * updated exactly as the reference updates them: the queue through the loops it runs (its _loops' add,
+ * add_many and remove_many, called as C functions where they are compiled) and its remove method.
+ * add_many hands the orphans it finds to the queue's add_many, in the order found, each with the flag the
+ * reference's add gives it, the queue's state taken once for them: the queue holds them before any call
+ * that can meet them (its remove of the orphans whose parent arrives) and when the call returns or raises,
+ * and nothing in between reads it, so it ends in the reference's state. A fresh walk keeps its stack in C
+ * while it runs and, stopped at its count, hands it over as the reference's kept walk (a list of (block,
+ * bool) tuples); a call that may resume a kept walk runs the reference, which resumes it in place, O(1) a
+ * step.
  *
  * Inputs the loops do not take at C speed (sequences other than lists and tuples, block ids that are
  * not ints inside the arrays, maps other than dicts, a hash list other than a list) run the reference
@@ -34,7 +38,7 @@ typedef struct {
     Py_ssize_t size, parked_size;
     long mark;
     PyObject *own, *hashes, *waiting, *orphan_of, *orphans, *block_of, *walk, *held, *victims;
-    PyObject *queue_add, *queue_remove_many; /* the orphan queue's own loops (its _loops' add, remove_many) */
+    PyObject *queue_add, *queue_add_many, *queue_remove_many; /* the orphan queue's own loops (its _loops') */
 } Chains;
 
 static void
@@ -55,6 +59,7 @@ drop(Chains *c)
     Py_CLEAR(c->held);
     Py_CLEAR(c->victims);
     Py_CLEAR(c->queue_add);
+    Py_CLEAR(c->queue_add_many);
     Py_CLEAR(c->queue_remove_many);
 }
 
@@ -88,7 +93,8 @@ take(PyObject *chains, Chains *c)
     if (loops == NULL)
         return -1;
     c->queue_add = PyObject_GetAttrString(loops, "add");
-    c->queue_remove_many = c->queue_add == NULL ? NULL : PyObject_GetAttrString(loops, "remove_many");
+    c->queue_add_many = c->queue_add == NULL ? NULL : PyObject_GetAttrString(loops, "add_many");
+    c->queue_remove_many = c->queue_add_many == NULL ? NULL : PyObject_GetAttrString(loops, "remove_many");
     Py_DECREF(loops);
     if (c->queue_remove_many == NULL)
         return -1;
@@ -319,6 +325,45 @@ drop_walk(PyObject *chains, Chains *c)
     return PyObject_SetAttrString(chains, "_walk", Py_None);
 }
 
+/* The orphans found so far, not yet in the queue: they enter it in one call of its add_many loop, in the
+ * order found, each with its flag. */
+typedef struct {
+    PyObject *blocks, *flags; /* lists (new references), NULL before the first orphan */
+} Found;
+
+/* Enters the orphans found into the queue (once, raised or not: the lists are handed over). */
+static int
+enter_found(const Chains *c, Found *f)
+{
+    PyObject *blocks = f->blocks, *flags = f->flags;
+    if (blocks == NULL)
+        return 0;
+    f->blocks = f->flags = NULL;
+    PyObject *argv[3] = {c->orphans, blocks, flags};
+    PyObject *r = PyObject_Vectorcall(c->queue_add_many, argv, 3, NULL);
+    Py_DECREF(blocks);
+    Py_DECREF(flags);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* Notes an orphan found (block and flag borrowed). */
+static int
+found(Found *f, PyObject *block, PyObject *flag)
+{
+    if (f->blocks == NULL) {
+        PyObject *blocks = PyList_New(0), *flags = PyList_New(0);
+        if (blocks == NULL || flags == NULL) {
+            Py_XDECREF(blocks);
+            Py_XDECREF(flags);
+            return -1;
+        }
+        f->blocks = blocks;
+        f->flags = flags;
+    }
+    return PyList_Append(f->blocks, block) < 0 || PyList_Append(f->flags, flag) < 0 ? -1 : 0;
+}
+
 static PyObject *
 add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -330,6 +375,7 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *chains = args[0], *owner = args[1], *pinned = args[5];
     PyObject *blocks = NULL, *hashes = NULL, *parents = NULL, *parent_blocks = NULL, *fresh = NULL;
     PyObject *refused = NULL, *result = NULL;
+    Found orphans_found = {NULL, NULL};
     Chains c;
     int taken = -1;
     if (is_sequence(args[2]) && is_sequence(args[3]) && is_sequence(args[4])) {
@@ -414,6 +460,8 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
         }
         if (first != NONE) { /* its children were orphans: their parent is back */
+            if (enter_found(&c, &orphans_found) < 0) /* one may be among them */
+                goto done;
             c.first[block] = (int32_t)first;
             long child = first;
             while (1) {
@@ -500,7 +548,7 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             int parked_too = 0;
             if (!pinned_true && is_parked(&c, block, &parked_too) < 0)
                 goto done;
-            if (queue_loop(&c, c.queue_add, block_obj, pinned_true ? pinned : parked_too ? Py_True : Py_False) < 0)
+            if (found(&orphans_found, block_obj, pinned_true ? pinned : parked_too ? Py_True : Py_False) < 0)
                 goto done;
             if (append_long(parent_blocks, NONE) < 0)
                 goto done;
@@ -523,10 +571,20 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
     }
 answer:
-    if (PyErr_Occurred())
+    if (PyErr_Occurred() || enter_found(&c, &orphans_found) < 0)
         goto done;
     result = PyTuple_Pack(3, parent_blocks, fresh, refused != NULL ? refused : Py_None);
 done:
+    if (result == NULL && orphans_found.blocks != NULL) {
+        /* an error: the orphans found before it enter the queue, as the reference had entered them */
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (enter_found(&c, &orphans_found) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+    }
+    Py_XDECREF(orphans_found.blocks);
+    Py_XDECREF(orphans_found.flags);
     drop(&c);
     Py_XDECREF(blocks);
     Py_XDECREF(hashes);

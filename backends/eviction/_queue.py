@@ -28,13 +28,14 @@ It can also *watch* its first ``n`` unpinned blocks (the next victims) and
 report those that joined them, so a write-back store policy examines only
 what changed (:meth:`ParkingQueue.watch`).
 
-The batch loops a scheduler step runs per block (:meth:`ParkingQueue.add_pinned_many`,
-:meth:`~ParkingQueue.pin_many`, :meth:`~ParkingQueue.unpin_many`, :meth:`~ParkingQueue.remove_many`)
-and the selection (:meth:`~ParkingQueue.first`) run the set of :data:`LOOPS` a queue holds in its
-``_loops`` (:mod:`~kvkit.backends.twins`): the compiled ``_queue_loops`` module's functions where that
-extension was built, else their Python references (the methods named ``*_reference``), which hold the
-contract; the tests drive both on the same calls and compare the whole state. The set also holds
-:meth:`ParkingQueue.add` (the method itself its reference), which compiled callers run per block.
+The batch loops a scheduler step runs per block (:meth:`ParkingQueue.add_many`,
+:meth:`~ParkingQueue.add_pinned_many`, :meth:`~ParkingQueue.pin_many`, :meth:`~ParkingQueue.unpin_many`,
+:meth:`~ParkingQueue.remove_many`) and the selection (:meth:`~ParkingQueue.first`) run the set of
+:data:`LOOPS` a queue holds in its ``_loops`` (:mod:`~kvkit.backends.twins`): the compiled
+``_queue_loops`` module's functions where that extension was built, else their Python references (the
+methods named ``*_reference``), which hold the contract; the tests drive both on the same calls and compare
+the whole state. The set also holds :meth:`ParkingQueue.add` (the method itself its reference), which
+compiled callers run per block.
 """
 
 from __future__ import annotations
@@ -384,6 +385,16 @@ class ParkingQueue:
             self._settle()
         else:
             self._pending = block
+
+    def add_many(self, blocks: Sequence[BlockId], pinned: Sequence[bool]) -> None:
+        """:meth:`add` each of ``blocks`` with its flag in ``pinned``, in order (paired to the shorter's end;
+        ``PoolUsageError`` at the first refused block, those before it added)."""
+        self._loops.add_many(self, blocks, pinned)
+
+    def add_many_reference(self, blocks: Sequence[BlockId], pinned: Sequence[bool]) -> None:
+        """:meth:`add_many` in Python: the reference of the compiled loop."""
+        for block, pin in zip(blocks, pinned):
+            self.add(block, pin)
 
     def add_pinned_many(self, blocks: Sequence[BlockId]) -> None:
         """:meth:`add` then :meth:`pin` each of ``blocks`` in order (a pool inserts blocks in use)."""
@@ -781,10 +792,12 @@ class QueueLoops(NamedTuple):
     """The loops a :class:`ParkingQueue` runs, each called with the queue first.
 
     ``add`` is :meth:`ParkingQueue.add` (the method is its reference), for a compiled caller (the chain
-    index's loops) to call the queue's own set without a Python frame.
+    index's loops) to call the queue's own set without a Python frame; such a caller enters a batch with
+    ``add_many`` (the chain index's ``add_many``, the orphans of a call in one).
     """
 
     add: Callable[[ParkingQueue, BlockId, bool], None]
+    add_many: Callable[[ParkingQueue, Sequence[BlockId], Sequence[bool]], None]
     add_pinned_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
     pin_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
     unpin_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
@@ -793,8 +806,9 @@ class QueueLoops(NamedTuple):
 
 
 LOOPS: Twins[QueueLoops] = Twins.load(
-    QueueLoops(ParkingQueue.add, ParkingQueue.add_pinned_many_reference, ParkingQueue.pin_many_reference,
-               ParkingQueue.unpin_many_reference, ParkingQueue.remove_many_reference, ParkingQueue.first_reference),
+    QueueLoops(ParkingQueue.add, ParkingQueue.add_many_reference, ParkingQueue.add_pinned_many_reference,
+               ParkingQueue.pin_many_reference, ParkingQueue.unpin_many_reference, ParkingQueue.remove_many_reference,
+               ParkingQueue.first_reference),
     "kvkit.backends.eviction._queue_loops")
 
 

@@ -1,4 +1,4 @@
-/* The parking queue's loops, compiled: ParkingQueue.add, add_pinned_many, pin_many, unpin_many,
+/* The parking queue's loops, compiled: ParkingQueue.add, add_many, add_pinned_many, pin_many, unpin_many,
  * remove_many and first, step for step.
  *
  * _queue.py holds the references (the methods named *_reference) and the contract; the tests run both on
@@ -10,9 +10,10 @@
  *
  * The loops run the common case of each block at C speed: the queue unwatched (_size 0, where a watched
  * window would move), a block an exact int inside the slots in the part the fast step expects. Any other
- * block runs the reference: for one block (add then pin, unpin, remove: the state written back first and
- * taken again after) or, where the reference batches its rest (pin_many, first), for the rest of the
- * call. The blocks are read from a tuple of the caller's (its items outlive any call back). Every index
+ * block runs the reference: for one block (add, add then pin, unpin, remove: the state written back first
+ * and taken again after) or, where the reference batches its rest (pin_many, first), for the rest of the
+ * call. The blocks (and add_many's flags) are read from a tuple of the caller's (its items outlive any call
+ * back). Every index
  * read from the slots is checked: one outside them raises IndexError and writes nothing.
  */
 #define PY_SSIZE_T_CLEAN
@@ -26,7 +27,7 @@ enum { ABSENT = 0, MAIN = 1, PARKED = 2, BACK = 3 };
 
 static PyObject *s_slots, *s_prev, *s_next, *s_stamp, *s_state, *s_clock, *s_base, *s_len, *s_head, *s_tail,
     *s_size, *s_edge, *s_cut, *s_pending, *s_back, *s_add, *s_pin, *s_unpin, *s_remove, *s_pin_many_ref,
-    *s_first_ref, *s_add_pinned_ref, *s_unpin_many_ref, *s_remove_many_ref;
+    *s_first_ref, *s_add_pinned_ref, *s_add_many_ref, *s_unpin_many_ref, *s_remove_many_ref;
 
 /* One queue for one call: its slots' buffers and its scalars. */
 typedef struct {
@@ -322,6 +323,20 @@ per_block(Queue *q, PyObject *name, PyObject *arg)
     return take(q);
 }
 
+/* queue.<name>(arg, arg2), as per_block. */
+static int
+per_block2(Queue *q, PyObject *name, PyObject *arg, PyObject *arg2)
+{
+    if (give(q) < 0)
+        return -1;
+    PyObject *argv[3] = {q->queue, arg, arg2};
+    PyObject *r = PyObject_VectorcallMethod(name, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return take(q);
+}
+
 /* queue.<name>(*args): the reference for the whole call, the queue untaken (a new reference). */
 static PyObject *
 reference(PyObject *queue, PyObject *name, PyObject *const *args, Py_ssize_t nargs)
@@ -432,6 +447,61 @@ add(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         result = Py_NewRef(Py_None);
 done:
     result = finish(&q, result);
+    return result;
+}
+
+/* ParkingQueue.add_many_reference: add each block with its flag, the state taken once. A block absent from
+ * the slots with a bool flag is stamped after the block pending is linked, then parked or, unpinned on an
+ * unwatched queue, left pending (the next block links it), as add does; any other block (tracked, negative or
+ * past the slots, its flag other than a bool, unpinned where a window is watched) runs the reference's add.
+ * The blocks and flags are paired in order, to the shorter's end. */
+static PyObject *
+add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_args("add_many", nargs, 3) < 0)
+        return NULL;
+    if (!is_sequence(args[1]) || !is_sequence(args[2]))
+        return reference(args[0], s_add_many_ref, args + 1, 2);
+    Queue q = {.queue = args[0]};
+    PyObject *blocks = NULL, *flags = NULL, *result = NULL;
+    if ((blocks = PySequence_Tuple(args[1])) == NULL || (flags = PySequence_Tuple(args[2])) == NULL)
+        goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks);
+    if (PyTuple_GET_SIZE(flags) < n)
+        n = PyTuple_GET_SIZE(flags);
+    if (n == 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (take(&q) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(blocks, i), *pinned = PyTuple_GET_ITEM(flags, i);
+        Py_ssize_t block = PyBool_Check(pinned) ? slot_of(&q, item) : -1;
+        if (block < 0 || state_of(&q, block) != ABSENT || (q.size != 0 && pinned == Py_False)) {
+            if (per_block2(&q, s_add, item, pinned) < 0)
+                goto done;
+            continue;
+        }
+        if (flush(&q) < 0) /* the block pending: the previous unpinned one */
+            goto done;
+        q.clock += 1;
+        q.stamp[block] = q.clock;
+        q.len += 1;
+        if (pinned == Py_True)
+            set_state(&q, block, q.base | PARKED);
+        else {
+            set_state(&q, block, q.base | MAIN);
+            q.pending = block;
+        }
+    }
+    if (give(&q) == 0)
+        result = Py_NewRef(Py_None);
+done:
+    result = finish(&q, result);
+    Py_XDECREF(blocks);
+    Py_XDECREF(flags);
     return result;
 }
 
@@ -707,6 +777,8 @@ static PyMethodDef methods[] = {
      "add_pinned_many(queue, blocks): ParkingQueue.add_pinned_many_reference, compiled."},
     {"add", (PyCFunction)(void (*)(void))add, METH_FASTCALL,
      "add(queue, block, pinned=False): ParkingQueue.add, compiled."},
+    {"add_many", (PyCFunction)(void (*)(void))add_many, METH_FASTCALL,
+     "add_many(queue, blocks, pinned): ParkingQueue.add_many_reference, compiled."},
     {"pin_many", (PyCFunction)(void (*)(void))pin_many, METH_FASTCALL,
      "pin_many(queue, blocks): ParkingQueue.pin_many_reference, compiled."},
     {"unpin_many", (PyCFunction)(void (*)(void))unpin_many, METH_FASTCALL,
@@ -740,6 +812,7 @@ PyInit__queue_loops(void)
         || intern(&s_add, "add") < 0 || intern(&s_pin, "pin") < 0 || intern(&s_unpin, "unpin") < 0
         || intern(&s_remove, "remove") < 0 || intern(&s_pin_many_ref, "pin_many_reference") < 0
         || intern(&s_first_ref, "first_reference") < 0 || intern(&s_add_pinned_ref, "add_pinned_many_reference") < 0
+        || intern(&s_add_many_ref, "add_many_reference") < 0
         || intern(&s_unpin_many_ref, "unpin_many_reference") < 0
         || intern(&s_remove_many_ref, "remove_many_reference") < 0)
         return NULL;

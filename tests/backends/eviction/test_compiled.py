@@ -220,6 +220,30 @@ def test_compiled_chain_loops_are_the_references(ops: list[tuple[Any, ...]], sha
 
 
 @pytest.mark.skipif(_chains.LOOPS.compiled is None, reason="the compiled loops were not built")
+@pytest.mark.parametrize("pinned", [False, True])
+def test_compiled_add_many_stopped_by_an_error_leaves_the_orphans_found_before(pinned: bool) -> None:
+    """A batch stopped half way by an error (an unhashable parent hash: the reference's TypeError): the
+    orphans found before it are in the queue, in their order and with their flags (one parked by its
+    owner), one of them no orphan any more (its parent arrived in the batch), one found after that arrival,
+    as the reference left them."""
+    twins = [FlatChains(bytearray(_SIZE)), _reference(FlatChains(bytearray(_SIZE)))]
+    errors = []
+    for chains in twins:
+        chains.grow(_SIZE)
+        chains.add_many("owner", [0], [50], [None])
+        chains.parked[2] = FlatChains.PARKED  # the owner holds it in use
+        with pytest.raises(TypeError) as raised:
+            chains.add_many("owner", [1, 2, 3, 4, 6, 8, 9, 5, 7], [1, 2, 3, 4, 90, 8, 9, 5, 7],
+                            [90, 91, 50, 92, None, 94, 8, [6], 93], pinned)
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+    assert _chains_state(twins[0]) == _chains_state(twins[1])
+    orphans = twins[0]._orphans
+    assert orphans.in_order() == [2, 4, 8]
+    assert orphans.pinned == ({2, 4, 8} if pinned else {2})
+
+
+@pytest.mark.skipif(_chains.LOOPS.compiled is None, reason="the compiled loops were not built")
 @settings(max_examples=300, deadline=None)
 @example(tracked=[1, 2, 3], blocks=[1, 2, 3], kind=list)
 @example(tracked=[1, 2, 3], blocks=[1, 2, 1], kind=tuple)  # named twice
@@ -880,6 +904,8 @@ _Q = 12  # block ids on a queue's slots at first; ids past them make the slots g
 _BLOCK = st.one_of(st.integers(0, _Q - 1), st.sampled_from([-1, _Q + 2]))
 _QUEUE_OPS = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(0, 1), _BLOCK, st.booleans()),
+    st.tuples(st.just("add_many"), st.integers(0, 1), st.lists(_BLOCK, max_size=5),
+              st.lists(st.one_of(st.booleans(), st.booleans(), st.sampled_from([0, 1, None])), max_size=5), _KINDS),
     st.tuples(st.just("add_pinned_many"), st.integers(0, 1), st.lists(_BLOCK, max_size=5), _KINDS),
     st.tuples(st.just("pin"), st.integers(0, 1), _BLOCK),
     st.tuples(st.just("pin_many"), st.integers(0, 1), st.lists(_BLOCK, max_size=5), _KINDS),
@@ -934,6 +960,12 @@ def _queues_state(queues: list[ParkingQueue]) -> list[dict[str, Any]]:
          shared=False)  # the first block is not evictable: the walk asks again
 @example(ops=[("watch", 0, 1), ("add_pinned_many", 0, [0], list)], shared=False)  # it joins, then leaves
 @example(ops=[("add", 0, 0, True), ("pin_many", 0, [0], list)], shared=True)  # pinned twice: refused
+@example(ops=[("add_many", 0, [0, 1, 2, 3], [False, True, False, False], list), ("first", 0, 4, True)],
+         shared=False)  # unpinned and pinned alike, each unpinned one linked by the next
+@example(ops=[("add", 0, 5, False), ("add_many", 0, [1, 5, 2, _Q + 2], [True, False, 1, False], tuple),
+              ("first", 0, 4, True)], shared=True)  # a tracked block refused, those before it added
+@example(ops=[("watch", 0, 2), ("add_many", 0, [0, 1, 2], [False, True, False], list)], shared=False)  # watched
+@example(ops=[("add_many", 0, [0, 1, 2], [True, False], UserList)], shared=False)  # two flags: two blocks
 @example(ops=[("add", 0, 0, False), ("add", 0, 1, True), ("add", 0, 2, False), ("add", 0, 2, True),
               ("first", 0, 3, True)], shared=True)  # a pending block linked first, a tracked one refused
 @given(ops=_QUEUE_OPS, shared=st.booleans())
@@ -942,7 +974,8 @@ def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], sha
     ``add`` is the set's own, the method in the references): every call returns or raises the same, and
     after it both hold the same state (the slot arrays, the side list, stamps, the clock, the window).
     Batches come as lists, tuples or another sequence (the compiled loop hands that to the reference);
-    watched windows, ids past the slots, refusals and odd ids run the references' general cases."""
+    watched windows, ids past the slots, refusals, odd ids and flags other than bools run the references'
+    general cases."""
     assert _queue.LOOPS.compiled is not None
     twins = [_queues(shared, _queue.LOOPS.compiled), _queues(shared, _queue.LOOPS.reference)]
     for op in ops:
@@ -954,6 +987,8 @@ def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], sha
                 args = _no_minus_one(args)       # slot: a quirk of the reference's per-block pin, run by both)
             if name in ("add_pinned_many", "pin_many", "unpin_many", "remove_many"):
                 args = (args[1](args[0]),)
+            elif name == "add_many":  # blocks and their flags, paired to the shorter's end
+                args = (args[2](args[0]), args[2](args[1]))
             elif name == "first":
                 args = (args[0], _evictable if args[1] else any_block)
             call = getattr(queue._loops, name) if name == "add" else getattr(queue, name)
