@@ -123,6 +123,8 @@ _CASES = [
     ("add", (_F + 500, False), False, True, True),  # an entry left pending
     ("add_pinned_many", ([_F + 500, _F + 501, _F + 502],), True, False, False),
     ("add_pinned_many", ([_F + 500, _PAST, _F + 501],), False, True, False),  # past the slots: the reference's add
+    ("add_many", ([_F + 500, _F + 501, _F + 502], [False, True, False]), True, False, False),  # each its own flag
+    ("add_many", ([_F + 500, _PAST, _F + 501], [True, False, True]), False, True, True),  # past the slots: add's
     ("pin_many", ([_F + 400, _F + 1, _F + 2, _F + 4],), True, False, False),  # the pending block first
     ("pin_many", ([_F + 1, _F + 2, _F + 150, _F + 4],), True, True, False),  # a side-list block: the reference's rest
     ("unpin_many", ([_F + _N - 1, _F + 3, _F + 6],), False, True, False),  # linked at the end, then the side list
@@ -141,8 +143,8 @@ _Calls = list[tuple[str, tuple[Any, ...]]]
 def _candidates(base: ParkingQueue, name: str, args: tuple[Any, ...]) -> list[tuple[_Calls, ParkingQueue]]:
     """The reference-run queues a failed call may leave, each with the calls that finish the call from there:
     ``base`` itself (the call not begun), the whole call (``add``: one block) and, for a batch, the call on
-    each prefix of its blocks, and ``add_pinned_many``'s blocks added, not yet pinned (its reference: an add
-    then a pin)."""
+    each prefix of its blocks (and of ``add_many``'s flags), and ``add_pinned_many``'s blocks added, not yet
+    pinned (its reference: an add then a pin)."""
     out: list[tuple[_Calls, ParkingQueue]] = [([(name, args)], copy.deepcopy(base))]
     if name == "add":
         queue = copy.deepcopy(base)
@@ -153,8 +155,8 @@ def _candidates(base: ParkingQueue, name: str, args: tuple[Any, ...]) -> list[tu
     blocks: Sequence[int] = args[0]
     for j in range(len(blocks) + 1):
         queue = copy.deepcopy(base)
-        getattr(queue, name)(list(blocks[:j]))
-        out.append(([(name, (list(blocks[j:]),))], queue))
+        getattr(queue, name)(*(list(arg[:j]) for arg in args))  # add_many: its flags cut alike
+        out.append(([(name, tuple(list(arg[j:]) for arg in args))], queue))
         if name == "add_pinned_many" and j < len(blocks):
             queue = copy.deepcopy(queue)
             queue.add(blocks[j])
