@@ -407,6 +407,25 @@ done:
     return result;
 }
 
+/* A block absent from the slots enters: the block pending is linked first, then it is stamped and parked
+ * (pinned: Py_True) or, unpinned, left pending (the next call that needs the list links it). */
+static int
+enter(Queue *q, Py_ssize_t block, PyObject *pinned)
+{
+    if (flush(q) < 0)
+        return -1;
+    q->clock += 1;
+    q->stamp[block] = q->clock;
+    q->len += 1;
+    if (pinned == Py_True)
+        set_state(q, block, q->base | PARKED);
+    else {
+        set_state(q, block, q->base | MAIN);
+        q->pending = block;
+    }
+    return 0;
+}
+
 /* ParkingQueue.add (its Python body is the reference): a block absent from the slots is stamped after the
  * block pending is linked, then parked or, unpinned on an unwatched queue, left pending (the next call that
  * needs the list links it); any other call (a block tracked, negative or past the slots, pinned other than
@@ -432,17 +451,8 @@ add(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         result = reference(args[0], s_add, args + 1, nargs - 1);
         goto done;
     }
-    if (flush(&q) < 0) /* the block pending (none: taken as an entry) */
+    if (enter(&q, block, pinned) < 0) /* the block pending linked (none: taken as an entry) */
         goto done;
-    q.clock += 1;
-    q.stamp[block] = q.clock;
-    q.len += 1;
-    if (pinned == Py_True)
-        set_state(&q, block, q.base | PARKED);
-    else {
-        set_state(&q, block, q.base | MAIN);
-        q.pending = block;
-    }
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
@@ -484,17 +494,8 @@ add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             continue;
         }
-        if (flush(&q) < 0) /* the block pending: the previous unpinned one */
+        if (enter(&q, block, pinned) < 0) /* the block pending: the previous unpinned one, linked */
             goto done;
-        q.clock += 1;
-        q.stamp[block] = q.clock;
-        q.len += 1;
-        if (pinned == Py_True)
-            set_state(&q, block, q.base | PARKED);
-        else {
-            set_state(&q, block, q.base | MAIN);
-            q.pending = block;
-        }
     }
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);

@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-import attrs
 import pytest
 
 from kvkit.backends.allocator import loops as pool_loops
@@ -34,6 +33,7 @@ from kvkit.backends.eviction import _queue
 from kvkit.backends.eviction._common import any_block
 from kvkit.backends.eviction._queue import ParkingQueue, Slots
 from kvkit.errors import PoolUsageError
+from twin_states import queue_state
 
 _testcapi = pytest.importorskip("_testcapi", reason="CPython's _testcapi fails allocations on demand")
 
@@ -65,18 +65,6 @@ def _prepared(pending: bool, side: bool, shared: bool) -> ParkingQueue:
         queue.add(_F + 400)
     assert (queue._pending != -1) is pending and bool(queue._back) is side
     return queue
-
-
-def _state(queue: ParkingQueue) -> dict[str, Any]:
-    """Every field of ``queue`` and of its slots (arrays byte for byte) and its blocks in entry order."""
-    state = {f.name: getattr(queue, f.name) for f in attrs.fields(ParkingQueue)
-             if f.name not in ("_slots", "_back", "_owner", "_loops")}
-    slots = queue._slots
-    state["_back"] = list(queue._back)
-    state["slots"] = (bytes(slots.prev), bytes(slots.next), bytes(slots.stamp), bytes(slots.state), slots.clock,
-                      slots.queues)
-    state["order"] = queue.in_order()
-    return state
 
 
 def _linked(queue: ParkingQueue) -> ParkingQueue:
@@ -177,7 +165,7 @@ def _go_on(twins: list[ParkingQueue], rest: _Calls) -> None:
     for call, args in calls:
         outcomes = [_outcome(getattr(queue, call), *args) for queue in twins]
         assert outcomes[0] == outcomes[1], (call, args)
-        assert _state(twins[0]) == _state(twins[1]), (call, args)
+        assert queue_state(twins[0]) == queue_state(twins[1]), (call, args)
     for queue in twins:
         queue.check_invariants()
 
@@ -193,7 +181,8 @@ def test_a_failed_allocation_leaves_the_queue_as_the_reference_leaves_the_blocks
     compiled = _queue.LOOPS.compiled
     assert compiled is not None
     base = _prepared(pending, side, shared)
-    candidates = [(rest, _state(_linked(copy.deepcopy(queue))), queue) for rest, queue in _candidates(base, name, args)]
+    candidates = [(rest, queue_state(_linked(copy.deepcopy(queue))), queue)
+                  for rest, queue in _candidates(base, name, args)]
     own = 0
     for k in range(1, 10_000):
         queue = copy.deepcopy(base)
@@ -205,7 +194,7 @@ def test_a_failed_allocation_leaves_the_queue_as_the_reference_leaves_the_blocks
         if error.__traceback__ is not None and error.__traceback__.tb_next is not None:
             continue  # raised in Python code the loop called back: the reference's own
         own += 1
-        state = _state(_linked(queue))
+        state = queue_state(_linked(queue))
         found = [(rest, reference) for rest, reference_state, reference in candidates if reference_state == state]
         assert found, f"allocation {k}: the queue is no reference-run queue's after a prefix of the call"
         queue.check_invariants()
@@ -217,7 +206,7 @@ def test_a_failed_allocation_leaves_the_queue_as_the_reference_leaves_the_blocks
     # as few allocations failing as the call makes: it runs whole, as the reference runs it
     reference = copy.deepcopy(base)
     assert result == getattr(_queue.LOOPS.reference, name)(reference, *args)
-    assert _state(queue) == _state(reference)
+    assert queue_state(queue) == queue_state(reference)
 
 
 # -- the block pool's counting loops ------------------------------------------------------------------------

@@ -503,37 +503,36 @@ gm_iter(GhostMap *m)
     return it;
 }
 
+/* get(key, default=None) (pop 0) or pop(key[, default]) (pop 1), as a dict's. */
 static PyObject *
-gm_get_method(GhostMap *m, PyObject *const *args, Py_ssize_t nargs)
+gm_lookup(GhostMap *m, PyObject *const *args, Py_ssize_t nargs, int pop)
 {
     if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "GhostMap.get takes 1 or 2 arguments, got %zd", nargs);
+        PyErr_Format(PyExc_TypeError, "GhostMap.%s takes 1 or 2 arguments, got %zd", pop ? "pop" : "get", nargs);
         return NULL;
     }
     int64_t value;
-    int found = gm_get(m, args[0], &value);
+    int found = pop ? gm_pop(m, args[0], &value) : gm_get(m, args[0], &value);
     if (found < 0)
         return NULL;
-    return found ? PyLong_FromLongLong(value) : Py_NewRef(nargs == 2 ? args[1] : Py_None);
+    if (found)
+        return PyLong_FromLongLong(value);
+    if (nargs == 2 || !pop)
+        return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+static PyObject *
+gm_get_method(GhostMap *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    return gm_lookup(m, args, nargs, 0);
 }
 
 static PyObject *
 gm_pop_method(GhostMap *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "GhostMap.pop takes 1 or 2 arguments, got %zd", nargs);
-        return NULL;
-    }
-    int64_t value;
-    int found = gm_pop(m, args[0], &value);
-    if (found < 0)
-        return NULL;
-    if (found)
-        return PyLong_FromLongLong(value);
-    if (nargs == 2)
-        return Py_NewRef(args[1]);
-    PyErr_SetObject(PyExc_KeyError, args[0]);
-    return NULL;
+    return gm_lookup(m, args, nargs, 1);
 }
 
 static PyObject *

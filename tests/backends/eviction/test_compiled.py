@@ -26,6 +26,7 @@ from kvkit.backends.eviction.hit_density import HitDensityPolicy, booking, selec
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.eviction.prefix_lru import PrefixLRUPolicy
 from kvkit.errors import PoolUsageError
+from twin_states import queue_state
 
 
 @pytest.mark.compiler
@@ -63,18 +64,6 @@ def _reference(chains: FlatChains) -> FlatChains:
     return chains
 
 
-def _queue_state(queue: ParkingQueue) -> dict[str, Any]:
-    """Every field of an orphan queue and of its slots, dicts and lists in their order."""
-    state = {f.name: getattr(queue, f.name) for f in attrs.fields(ParkingQueue)
-             if f.name not in ("_slots", "_back", "_owner", "_loops")}
-    slots = queue._slots
-    state["_back"] = list(queue._back)
-    state["slots"] = (bytes(slots.prev), bytes(slots.next), bytes(slots.stamp), bytes(slots.state), slots.clock,
-                      slots.queues)
-    state["order"] = queue.in_order()
-    return state
-
-
 def _chains_state(chains: FlatChains) -> dict[str, Any]:
     """Every field of a chain index: its arrays byte for byte, its maps with their order, its orphan queue
     and its kept walk."""
@@ -89,7 +78,7 @@ def _chains_state(chains: FlatChains) -> dict[str, Any]:
         "prev": bytes(chains._prev),
         "orphan_of": list(chains._orphan_of.items()),
         "waiting": list(chains._waiting.items()),
-        "orphans": _queue_state(chains._orphans),
+        "orphans": queue_state(chains._orphans),
         "walk": None if walk is None else (walk.root, list(walk.stack), sorted(walk.held), sorted(walk.victims),
                                            list(walk.skipped)),
     }
@@ -941,7 +930,7 @@ def _no_minus_one(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _queues_state(queues: list[ParkingQueue]) -> list[dict[str, Any]]:
-    return [_queue_state(queue) for queue in queues]
+    return [queue_state(queue) for queue in queues]
 
 
 @pytest.mark.skipif(_queue.LOOPS.compiled is None, reason="the compiled loops were not built")
@@ -1001,7 +990,7 @@ def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], sha
 
 
 def _fifo_state(policy: FIFOPolicy) -> dict[str, Any]:
-    return _queue_state(policy)
+    return queue_state(policy)
 
 
 @pytest.mark.skipif(_queue.LOOPS.compiled is None, reason="the compiled loops were not built")
