@@ -28,6 +28,18 @@ view(PyObject *obj, View *v, Py_ssize_t itemsize, const char *name)
     return 0;
 }
 
+/* Hold the buffer of obj's attribute name (an interned str) in v, as view() does, naming it in the error. */
+static inline int
+view_attr(PyObject *obj, PyObject *name, View *v, Py_ssize_t itemsize)
+{
+    PyObject *o = PyObject_GetAttr(obj, name);
+    if (o == NULL)
+        return -1;
+    int rc = view(o, v, itemsize, PyUnicode_AsUTF8(name));
+    Py_DECREF(o);
+    return rc;
+}
+
 static inline void
 release(View *v)
 {

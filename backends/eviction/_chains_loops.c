@@ -844,17 +844,6 @@ walker_drop(Walker *w)
     release(&w->parked_v);
 }
 
-static int
-walker_view(PyObject *chains, PyObject *name, View *v, Py_ssize_t itemsize)
-{
-    PyObject *obj = PyObject_GetAttr(chains, name);
-    if (obj == NULL)
-        return -1;
-    int rc = view(obj, v, itemsize, PyUnicode_AsUTF8(name));
-    Py_DECREF(obj);
-    return rc;
-}
-
 /* The call's state: 1 if taken, 0 if the reference takes the call (other types, a root outside the
  * arrays, arrays of other sizes; nothing done), -1 with an error. */
 static int
@@ -878,9 +867,9 @@ walker_take(Walker *w, PyObject *const *args, long *root)
         return -1;
     w->mark = PyLong_AsLong(mark);
     Py_DECREF(mark);
-    if ((w->mark == -1 && PyErr_Occurred()) || walker_view(w->chains, name_first, &w->first_v, 4) < 0
-        || walker_view(w->chains, name_next, &w->next_v, 4) < 0 || walker_view(w->chains, name_prev, &w->prev_v, 4) < 0
-        || walker_view(w->chains, name_parked, &w->parked_v, 1) < 0)
+    if ((w->mark == -1 && PyErr_Occurred()) || view_attr(w->chains, name_first, &w->first_v, 4) < 0
+        || view_attr(w->chains, name_next, &w->next_v, 4) < 0 || view_attr(w->chains, name_prev, &w->prev_v, 4) < 0
+        || view_attr(w->chains, name_parked, &w->parked_v, 1) < 0)
         return -1;
     w->size = items(&w->first_v);
     if (items(&w->next_v) != w->size || items(&w->prev_v) != w->size || items(&w->parked_v) < w->size || r < 0

@@ -57,24 +57,12 @@ ghost_map_is_compiled(PyObject *p)
     return compiled;
 }
 
-/* A view of the policy's array attribute name. */
-static int
-view_of(PyObject *p, PyObject *name, View *v, Py_ssize_t itemsize)
-{
-    PyObject *o = attr(p, name);
-    if (o == NULL)
-        return -1;
-    int rc = view(o, v, itemsize, PyUnicode_AsUTF8(name));
-    Py_DECREF(o);
-    return rc;
-}
-
 /* The class lists: each block's class, mark and links, the lists' ends and their dirty set. */
 static int
 open_lists(PyObject *p, State *s)
 {
-    if (view_of(p, S(_cls), &s->cls, 1) < 0 || view_of(p, S(_where), &s->where, 1) < 0
-        || view_of(p, S(_next), &s->next, 4) < 0 || view_of(p, S(_prev), &s->prev, 4) < 0)
+    if (view_attr(p, S(_cls), &s->cls, 1) < 0 || view_attr(p, S(_where), &s->where, 1) < 0
+        || view_attr(p, S(_next), &s->next, 4) < 0 || view_attr(p, S(_prev), &s->prev, 4) < 0)
         return -1;
     if ((s->ends = attr(p, S(_ends))) == NULL || (s->dirty = attr(p, S(_dirty))) == NULL)
         return -1;
@@ -395,9 +383,9 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
     if (open_lists(p, &s) < 0 || open_histogram(p, S(_reuses), &r) < 0)
         goto done;
-    if (view_of(p, S(_uses), &s.uses, 1) < 0 || view_of(p, S(_last), &s.last, 8) < 0
-        || view_of(p, S(_ghost_cls), &s.ghost_cls, 1) < 0 || view_of(p, S(_ghost_uses), &s.ghost_uses, 1) < 0
-        || view_of(p, S(_ghost_last), &s.ghost_last, 8) < 0 || view_of(p, S(_ghost_live), &s.ghost_live, 1) < 0)
+    if (view_attr(p, S(_uses), &s.uses, 1) < 0 || view_attr(p, S(_last), &s.last, 8) < 0
+        || view_attr(p, S(_ghost_cls), &s.ghost_cls, 1) < 0 || view_attr(p, S(_ghost_uses), &s.ghost_uses, 1) < 0
+        || view_attr(p, S(_ghost_last), &s.ghost_last, 8) < 0 || view_attr(p, S(_ghost_live), &s.ghost_live, 1) < 0)
         goto done;
     if ((ghost_at = attr(p, S(_ghost_at))) == NULL || (ghost_hash = attr(p, S(_ghost_hash))) == NULL
         || (ghost_recent = attr(p, S(_ghost_recent))) == NULL || (recent = attr(p, S(_recent))) == NULL
@@ -641,11 +629,11 @@ book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if ((blocks = PySequence_Fast(args[1], "book_accesses: blocks")) == NULL)
         goto done;
     n = PySequence_Fast_GET_SIZE(blocks);
-    if (open_lists(p, &s) < 0 || open_histogram(p, S(_reuses), &r) < 0 || view_of(p, S(_uses), &s.uses, 1) < 0 || view_of(p, S(_last), &s.last, 8) < 0)
+    if (open_lists(p, &s) < 0 || open_histogram(p, S(_reuses), &r) < 0 || view_attr(p, S(_uses), &s.uses, 1) < 0 || view_attr(p, S(_last), &s.last, 8) < 0)
         goto done;
     if ((recent = attr(p, S(_recent))) == NULL || (chains = attr(p, S(_chains))) == NULL
         || (hashes = attr(chains, S(_hash))) == NULL || (orphan_of = attr(chains, S(_orphan_of))) == NULL
-        || view_of(chains, S(_up), &up, 4) < 0 || (shift = attr(p, S(_shift))) == NULL
+        || view_attr(chains, S(_up), &up, 4) < 0 || (shift = attr(p, S(_shift))) == NULL
         || (note = attr(shift, S(note))) == NULL || (reused = attr(p, S(_reused))) == NULL)
         goto done;
     if (!PyDict_Check(recent) || !PyList_Check(hashes) || !PyDict_Check(orphan_of)) {
@@ -826,7 +814,7 @@ book_pins(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     if (i && PyDict_GET_SIZE(orphan_of)) {
-        if ((orphans = attr(chains, S(_orphans))) == NULL || view_of(chains, S(_up), &up, 4) < 0
+        if ((orphans = attr(chains, S(_orphans))) == NULL || view_attr(chains, S(_up), &up, 4) < 0
             || (moved = PyList_New(0)) == NULL)
             goto done;
         const int32_t *ups = (const int32_t *)up.buf.buf;
@@ -908,7 +896,7 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         || (hashes = PySequence_Fast(args[2], "book_removals: block_hashes")) == NULL)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
-    if (view_of(p, S(_cls), &cls, 1) < 0 || view_of(p, S(_uses), &uses, 1) < 0 || view_of(p, S(_last), &last_of, 8) < 0)
+    if (view_attr(p, S(_cls), &cls, 1) < 0 || view_attr(p, S(_uses), &uses, 1) < 0 || view_attr(p, S(_last), &last_of, 8) < 0)
         goto done;
     Py_ssize_t size = items(&cls);
     if (items(&uses) < size || items(&last_of) < size) {
@@ -1087,8 +1075,8 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "forget_ghosts: the policy's ghost maps or hashes have other types");
         goto done;
     }
-    if (view_of(p, S(_ghost_live), &live, 1) < 0 || view_of(p, S(_ghost_cls), &g_cls, 1) < 0
-        || view_of(p, S(_ghost_last), &g_last, 8) < 0)
+    if (view_attr(p, S(_ghost_live), &live, 1) < 0 || view_attr(p, S(_ghost_cls), &g_cls, 1) < 0
+        || view_attr(p, S(_ghost_last), &g_last, 8) < 0)
         goto done;
     Py_ssize_t size = PyList_GET_SIZE(ghost_hash);
     if (lo < 0 || lo > hi || hi > size || items(&live) != size || items(&g_cls) != size || items(&g_last) != size) {
