@@ -41,7 +41,7 @@ _MIN_REFRESH = 64  # ticks between two refreshes while the pool is still tiny
 _MIN_MEMORY = 4096  # ticks of history the model weighs at least, once the pool's size is known
 _CENSUS_LIMIT = 1 << 18  # entries a refresh reads at most per census (beyond: an evenly strided sample)
 _NEVER = sys.maxsize  # a clock no policy reaches
-_GHOST_ENTRY_BYTES = 192  # a ghost's memory at most: its map entry, array slots and 128-bit hash (tests measure it)
+_GHOST_ENTRY_BYTES = 192  # a ghost's memory at most: its map entry and array slots (tests measure it)
 _IntPredicate = Callable[[int], bool]
 _Blocks = list[BlockId]
 _UNTRACKED, _PARKED = 0, FlatChains.PARKED  # where a block id is, beside _LISTED
@@ -142,13 +142,14 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
       they no longer come back, that evidence lowers the fit instead of
       being overruled by a thinly observed lower level.
 
-    The statistics are uncensored by a *ghost*: the hashes of recently
-    evicted blocks with their last access, class and reuse count. When an
-    evicted hash is inserted again, that is a reuse the cache missed, at a
+    The statistics are uncensored by a *ghost*: the keys (``hash`` of each
+    block hash, 64 bits) of recently evicted blocks with their last access,
+    class and reuse count. When an evicted hash is inserted again, that is a reuse the cache missed, at a
     known age; without it the policy would only ever see reuses younger than
     its own eviction age and could never learn that keeping a class longer
     pays. The ghost covers the last ``ghost_span`` pools' worth of evictions
-    (a hash and three ints each, far smaller than a KV block).
+    (a key and three ints each, far smaller than a KV block; no Python
+    object: a hash leaves memory with its block).
 
     Popularity shifts: reuse counts describe the era they were counted in.
     When what is wanted changes wholesale (templates whose popularity is
@@ -188,7 +189,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     Layout: per-block state sits in flat arrays indexed by block id (a mark
     of where the block is, its class, its reuse count saturating at 255, its
-    last access, its class list links), the ghost in arrays indexed by
+    last access and key, its class list links), the ghost in arrays indexed by
     eviction number, and the chain links in
     :class:`~kvkit.backends.eviction._chains.FlatChains`: a
     tracked block costs a few dozen bytes and one entry of the chain index's
@@ -224,7 +225,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         ghost_span: how many pools' worth of evictions the ghost covers; it
             bounds the longest reuse the policy can learn to wait for.
         ghost_bytes: the ghost's memory bound: it holds at most
-            ``ghost_bytes // 192`` hashes (192 bytes bound one ghost), so at
+            ``ghost_bytes // 192`` ghosts (192 bytes bound one), so at
             the default 256 MiB it covers fewer than ``ghost_span`` pools
             above about 175,000 blocks.
         shift_alpha: significance level of the popularity-shift test (a false
@@ -235,9 +236,11 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
           and its class is that of its reuse count and kind; a block with a
           cached child is a parent, and the tip is the block stored last, if
           it is still tracked and the next store has not come.
-        * The ghost holds only hashes of untracked blocks, evicted within
-          the last ``min(ghost_span * capacity, ghost_bytes // 192)``
-          evictions, oldest first.
+        * The ghost's map holds one key per live ghost, mapped to its
+          eviction number; a ghost was evicted within the last
+          ``min(ghost_span * capacity, ghost_bytes // 192)`` evictions, and
+          its key leaves when a hash of that key is stored again or a newer
+          ghost takes it (two hashes of one key share a ghost).
         * A refresh reads the (class, last access) of every tracked block
           and of every ghost, at most ``2**18`` entries of each (a strided,
           reweighted sample beyond).
@@ -255,12 +258,13 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                                                                         label="HitDensityPolicy."))
     shift_alpha: float = attrs.field(default=1e-3, validator=real_in(low=0, high=1, high_open=True,
                                                                      label="HitDensityPolicy."))
-    # Per block id: where it is (_UNTRACKED, _LISTED, _PARKED), its class, reuse count and last access,
-    # and its links in its class list (parked blocks sit in none).
+    # Per block id: where it is (_UNTRACKED, _LISTED, _PARKED), its class, reuse count, last access and key
+    # (hash of its hash: its ghost's, once evicted), and its links in its class list (parked blocks sit in none).
     _where: bytearray = attrs.field(init=False, factory=bytearray)
     _cls: bytearray = attrs.field(init=False, factory=bytearray)
     _uses: bytearray = attrs.field(init=False, factory=bytearray)  # saturating at _MAX_USES
     _last: array = attrs.field(init=False, factory=lambda: array("q"))
+    _key: array = attrs.field(init=False, factory=lambda: array("q"))
     _next: array = attrs.field(init=False, factory=lambda: array("i"))
     _prev: array = attrs.field(init=False, factory=lambda: array("i"))
     # The ends of every list: _ends[2 * list] its oldest block, _ends[2 * list + 1] its youngest. Each end
@@ -279,15 +283,15 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         lambda self: FlatChains(self._where), takes_self=True))
     # Reuses since the change point a restart would keep (absent: none), of tracked blocks and of ghosts.
     _recent: dict[BlockId, int] = attrs.field(init=False, factory=dict)
-    _ghost_recent: dict[BlockHash, int] = attrs.field(init=False, factory=dict)
-    # The ghost, by eviction number (index + _ghost_base): hash (None once gone), class, uses, last
-    # access, liveness; the hash's eviction number; the oldest eviction number that may be live.
-    _ghost_hash: list[BlockHash | None] = attrs.field(init=False, factory=list)
+    _ghost_recent: dict[int, int] = attrs.field(init=False, factory=dict)  # by key
+    # The ghost, by eviction number (index + _ghost_base): key (hash of its hash), class, uses, last
+    # access, liveness; a live key's eviction number; the oldest eviction number that may be live.
+    _ghost_key: array = attrs.field(init=False, factory=lambda: array("q"))
     _ghost_cls: bytearray = attrs.field(init=False, factory=bytearray)
     _ghost_uses: bytearray = attrs.field(init=False, factory=bytearray)
     _ghost_last: array = attrs.field(init=False, factory=lambda: array("q"))
     _ghost_live: bytearray = attrs.field(init=False, factory=bytearray)
-    _ghost_at: MutableMapping[BlockHash, int] = attrs.field(init=False)  # the booking's ghost_map
+    _ghost_at: MutableMapping[int, int] = attrs.field(init=False)  # the booking's ghost_map
     _ghost_base: int = attrs.field(init=False, default=1)
     _ghost_oldest: int = attrs.field(init=False, default=1)
     _samples: int = attrs.field(init=False, default=0)  # refreshes that read the censuses
@@ -324,7 +328,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
 
     @property
     def num_ghosts(self) -> int:
-        """Evicted hashes the ghost remembers."""
+        """Evicted hashes the ghost remembers (by key)."""
         return len(self._ghost_at)
 
     @property
@@ -436,12 +440,12 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
             for block in blocks:  # one at a time: raises at the first untracked block, those before it removed
                 self._remove((block,))
             return
-        block_hashes = self._chains.remove_many(self, blocks, leaving)  # the chains first (what follows reads none)
+        self._chains.remove_many(self, blocks, leaving)  # the chains first (what follows reads none)
         if self._tip in (leaving or blocks):
             self._tip = None
         self._booking.book_marks(self, blocks, _UNTRACKED)
         c = max(self.c, 1)
-        self._booking.book_removals(self, blocks, block_hashes, c)
+        self._booking.book_removals(self, blocks, c)
         self._forget_ghosts(self._evictions - self._ghost_limit(c))
 
     def use_index(self, index: Mapping[BlockHash, BlockId], hashes: Sequence[BlockHash | None],
@@ -572,6 +576,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._cls += bytes(more)
         self._uses += bytes(more)
         self._last += array("q", bytes(8 * more))
+        self._key += array("q", bytes(8 * more))
         links = array("i", [_NONE]) * more
         self._next += links
         self._prev += links
@@ -637,7 +642,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         self._ghost_oldest = oldest
         gone = oldest - base
         if gone >= 1024 and 2 * gone >= len(live):  # amortised O(1): each entry is moved at most once
-            for entries in (self._ghost_hash, self._ghost_cls, self._ghost_uses, self._ghost_last, live):
+            for entries in (self._ghost_key, self._ghost_cls, self._ghost_uses, self._ghost_last, live):
                 del entries[:gone]
             self._ghost_base = oldest
 
@@ -682,8 +687,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
         ghost_uses = np.frombuffer(self._ghost_uses, dtype=np.uint8)
         ghost_uses[np.frombuffer(self._ghost_live, dtype=np.uint8) != 0] = 0  # its class stays: what its return teaches
         at, base = self._ghost_at, self._ghost_base
-        for ghost_hash, recent in self._ghost_recent.items():  # live ghosts only (an invariant)
-            ghost_uses[at[ghost_hash] - base] = min(recent, _MAX_USES)
+        for key, recent in self._ghost_recent.items():  # live ghosts only (an invariant)
+            ghost_uses[at[key] - base] = min(recent, _MAX_USES)
 
     def _refresh(self) -> None:
         """Recompute the densities (bounded work, see :mod:`.census`); due about once per pool's worth of ticks."""
@@ -711,8 +716,8 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
     def check_invariants(self) -> None:
         where = self._where
         n = len(where)
-        assert len(self._cls) == len(self._uses) == len(self._last) == len(self._next) == len(self._prev) == n, \
-            "per-block arrays differ in length"
+        assert len(self._cls) == len(self._uses) == len(self._last) == len(self._key) == len(self._next) \
+            == len(self._prev) == n, "per-block arrays differ in length"
         tracked = [BlockId(b) for b in range(n) if where[b]]
         assert len(tracked) == self._tracked == len(self._chains), "tracked counts differ"
         listed: dict[int, int] = {}
@@ -735,6 +740,7 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 f"block {block} has a child but is not classed a parent"
             assert (cls % _KINDS == TIP) == (block == self._tip), f"block {block} tip kind"
             assert self._last[block] <= self._clock, f"block {block} accessed in the future"
+            assert self._key[block] == hash(self._chains.links(block)[0]), f"block {block} key"
         assert all(where[block] for block in self._recent), "recent reuses of an untracked block"
         if self._model.table is self._keyed_table:  # else every key is computed again first
             for stream, key in enumerate(self._keys):
@@ -747,21 +753,20 @@ class HitDensityPolicy(LearnsCapacity, EvictionPolicy):
                 assert key is not None and key[1:] == (self._last[end], end, stream), f"stream {stream} key"
                 due = any(at <= self._clock and at_stream == stream for at, at_stream in self._due)
                 assert due or key[0] == self.density_of(BlockId(end)), f"stream {stream} key is stale"
-        ghosts = [(i + self._ghost_base, h) for i, h in enumerate(self._ghost_hash) if h is not None]
+        live = [g for g, alive in enumerate(self._ghost_live) if alive]
         assert len(self._ghost_cls) == len(self._ghost_uses) == len(self._ghost_last) == len(self._ghost_live) \
-            == len(self._ghost_hash), "ghost arrays differ in length"
-        assert [bool(h is not None) for h in self._ghost_hash] == list(map(bool, self._ghost_live)), \
-            "ghost liveness drifted"
-        assert dict(ghosts) == {e: h for h, e in self._ghost_at.items()}, "ghost map drifted"
-        assert all(e >= self._ghost_oldest for e, _ in ghosts), "a ghost older than the oldest"
-        for e, ghost_hash in ghosts:
-            assert e > self._evictions - self._ghost_limit(max(self.c, 1)), f"ghost {ghost_hash} outlived its span"
-            assert not self._chains.has_hash(ghost_hash), f"ghost {ghost_hash} is tracked"
-        for ghost_hash, recent in self._ghost_recent.items():
-            at = self._ghost_at.get(ghost_hash)
-            assert at is not None, f"recent reuses of forgotten ghost {ghost_hash}"
+            == len(self._ghost_key), "ghost arrays differ in length"
+        ghosts = {self._ghost_key[g]: g + self._ghost_base for g in live}
+        assert len(ghosts) == len(live), "two live ghosts share a key"
+        assert ghosts == dict(self._ghost_at.items()), "ghost map drifted"
+        assert all(e >= self._ghost_oldest for e in ghosts.values()), "a ghost older than the oldest"
+        for ghost_key, e in ghosts.items():
+            assert e > self._evictions - self._ghost_limit(max(self.c, 1)), f"ghost {ghost_key} outlived its span"
+        for ghost_key, recent in self._ghost_recent.items():
+            at = self._ghost_at.get(ghost_key)
+            assert at is not None, f"recent reuses of forgotten ghost {ghost_key}"
             assert 0 < min(recent, _MAX_USES) <= self._ghost_uses[at - self._ghost_base], \
-                f"ghost {ghost_hash} recent reuses"
+                f"ghost {ghost_key} recent reuses"
         assert self._chains.parked is self._where, "the chain index reads other pin marks"
         self._shift.check_invariants()
         self._check_capacity()

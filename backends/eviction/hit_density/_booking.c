@@ -23,14 +23,14 @@ enum { ORPHAN = -2 }; /* FlatChains' _up mark of an orphan */
 
 /* The policy's state for one call. */
 typedef struct {
-    View cls, where, uses, last, next, prev, ghost_cls, ghost_uses, ghost_last, ghost_live;
+    View cls, where, uses, last, next, prev, key, ghost_cls, ghost_uses, ghost_last, ghost_live;
     PyObject *ends, *dirty;
 } State;
 
 /* The attribute names read and written, interned once at import: S(_clock) is "_clock". */
 #define NAMES(X)                                                                                                    \
     X(_chains) X(_clock) X(_cls) X(_dirty) X(_ends) X(_evictions) X(_ghost_at) X(_ghost_base) X(_ghost_cls)         \
-    X(_ghost_hash) X(_ghost_last) X(_ghost_live) X(_ghost_recent) X(_ghost_uses) X(_hash) X(_last) X(_last_removal) \
+    X(_ghost_key) X(_ghost_last) X(_ghost_live) X(_ghost_recent) X(_ghost_uses) X(_hash) X(_key) X(_last) X(_last_removal) \
     X(_model) X(_next) X(_next_refresh) X(_orphan_of) X(_orphans) X(_prev) X(_recent) X(_reused) X(_reuses)        \
     X(_shift) X(_tip) X(_tracked) X(_turnover) X(_up) X(_uses) X(_where) X(first_ages) X(frombytes) X(note)        \
     X(pin_many) X(unpin_many)
@@ -81,7 +81,7 @@ open_lists(PyObject *p, State *s)
 static void
 close_state(State *s)
 {
-    View *views[] = {&s->cls, &s->where, &s->uses, &s->last, &s->next, &s->prev,
+    View *views[] = {&s->cls, &s->where, &s->uses, &s->last, &s->next, &s->prev, &s->key,
                      &s->ghost_cls, &s->ghost_uses, &s->ghost_last, &s->ghost_live};
     for (size_t k = 0; k < sizeof views / sizeof views[0]; k++)
         release(views[k]);
@@ -361,7 +361,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Histogram r;
     memset(&r, 0, sizeof r);
     PyObject *blocks = NULL, *hashes = NULL, *parents = NULL, *parent_blocks = NULL, *had_children = NULL;
-    PyObject *ghost_at = NULL, *ghost_hash = NULL, *ghost_recent = NULL, *recent = NULL, *shift = NULL;
+    PyObject *ghost_at = NULL, *ghost_recent = NULL, *recent = NULL, *shift = NULL;
     PyObject *note = NULL, *tip_obj = NULL, *reused = NULL, *result = NULL;
     long long clock, tracked, due, base;
     double turnover;
@@ -384,16 +384,15 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (open_lists(p, &s) < 0 || open_histogram(p, S(_reuses), &r) < 0)
         goto done;
     if (view_attr(p, S(_uses), &s.uses, 1) < 0 || view_attr(p, S(_last), &s.last, 8) < 0
-        || view_attr(p, S(_ghost_cls), &s.ghost_cls, 1) < 0 || view_attr(p, S(_ghost_uses), &s.ghost_uses, 1) < 0
+        || view_attr(p, S(_key), &s.key, 8) < 0 || view_attr(p, S(_ghost_cls), &s.ghost_cls, 1) < 0 || view_attr(p, S(_ghost_uses), &s.ghost_uses, 1) < 0
         || view_attr(p, S(_ghost_last), &s.ghost_last, 8) < 0 || view_attr(p, S(_ghost_live), &s.ghost_live, 1) < 0)
         goto done;
-    if ((ghost_at = attr(p, S(_ghost_at))) == NULL || (ghost_hash = attr(p, S(_ghost_hash))) == NULL
-        || (ghost_recent = attr(p, S(_ghost_recent))) == NULL || (recent = attr(p, S(_recent))) == NULL
-        || (shift = attr(p, S(_shift))) == NULL || (note = attr(shift, S(note))) == NULL
-        || (tip_obj = attr(p, S(_tip))) == NULL || (reused = attr(p, S(_reused))) == NULL)
+    if ((ghost_at = attr(p, S(_ghost_at))) == NULL || (ghost_recent = attr(p, S(_ghost_recent))) == NULL
+        || (recent = attr(p, S(_recent))) == NULL || (shift = attr(p, S(_shift))) == NULL
+        || (note = attr(shift, S(note))) == NULL || (tip_obj = attr(p, S(_tip))) == NULL
+        || (reused = attr(p, S(_reused))) == NULL)
         goto done;
-    if (!PyObject_TypeCheck(ghost_at, &GhostMapType) || !PyList_Check(ghost_hash)
-        || !PyDict_Check(ghost_recent) || !PyDict_Check(recent)) {
+    if (!PyObject_TypeCheck(ghost_at, &GhostMapType) || !PyDict_Check(ghost_recent) || !PyDict_Check(recent)) {
         PyErr_SetString(PyExc_TypeError, "book_inserts: the policy's maps, ends and dirty set have other types");
         goto done;
     }
@@ -415,13 +414,13 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
     unsigned char *classes = (unsigned char *)s.cls.buf.buf, *where = (unsigned char *)s.where.buf.buf;
     unsigned char *uses_of = (unsigned char *)s.uses.buf.buf;
-    int64_t *last_of = (int64_t *)s.last.buf.buf;
+    int64_t *last_of = (int64_t *)s.last.buf.buf, *key_of = (int64_t *)s.key.buf.buf;
     Py_ssize_t size = items(&s.where);
-    if (items(&s.uses) < size || items(&s.last) < size) {
+    if (items(&s.uses) < size || items(&s.last) < size || items(&s.key) < size) {
         PyErr_SetString(PyExc_ValueError, "book_inserts: the per-block arrays differ in size");
         goto done;
     }
-    Py_ssize_t ghosts = PyList_GET_SIZE(ghost_hash);
+    Py_ssize_t ghosts = items(&s.ghost_live);
     if (items(&s.ghost_cls) < ghosts || items(&s.ghost_uses) < ghosts || items(&s.ghost_last) < ghosts
         || items(&s.ghost_live) < ghosts) {
         PyErr_SetString(PyExc_ValueError, "book_inserts: the ghost arrays differ in size");
@@ -436,7 +435,6 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     gm_ahead_start(&ahead, ghost_map, hashes, n, i);
 
     while (i < n) {
-        gm_ahead_step(&ahead, ghost_map, i);
         PyObject *block_obj = PySequence_Fast_GET_ITEM(blocks, i);
         PyObject *block_hash = PySequence_Fast_GET_ITEM(hashes, i);
         PyObject *parent = PySequence_Fast_GET_ITEM(parents, i);
@@ -454,20 +452,16 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         clock += 1;
         long uses = 0;
-        int64_t at;
-        int found = gm_pop_hashed(ghost_map, block_hash, gm_ahead_hash(&ahead, i - 1), &at);
-        if (found < 0)
+        int64_t at, key = gm_ahead_step(&ahead, ghost_map, i - 1);
+        if (key == -1 && PyErr_Occurred())
             goto stop;
-        if (found) { /* a reuse the cache missed: learn from it, keep the history */
+        if (gm_pop(ghost_map, key, &at)) { /* a reuse the cache missed: learn from it, keep the history */
             long long g = at - base;
             if (checked_index(g, ghosts, "ghost") < 0)
                 goto stop;
             long cls = g_cls[g];
             long long age = clock - g_last[g];
             g_live[g] = 0;
-            Py_INCREF(Py_None);
-            if (PyList_SetItem(ghost_hash, (Py_ssize_t)g, Py_None) < 0)
-                goto stop;
             if (record(&r, cls, age) < 0)
                 goto stop;
             int starts = parent == Py_None;
@@ -489,7 +483,9 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_SETREF(reused, block_hash);
             long gained = 1 + ((double)age < turnover); /* back within a turnover: +1 more */
             long long before = 0;
-            PyObject *had_recent = pop(ghost_recent, block_hash);
+            PyObject *key_obj = PyLong_FromLongLong(key);
+            PyObject *had_recent = key_obj ? pop(ghost_recent, key_obj) : NULL;
+            Py_XDECREF(key_obj);
             if (had_recent == NULL && PyErr_Occurred())
                 goto stop;
             if (had_recent != NULL) {
@@ -520,6 +516,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         uses_of[block] = (unsigned char)uses;
         last_of[block] = clock;
+        key_of[block] = key;
         classes[block] = (unsigned char)cls;
         where[block] = (unsigned char)mark; /* a parked block keeps its class and enters its list when unpinned */
         if (listed && move(&s, block, NONE, cls) < 0)
@@ -559,7 +556,6 @@ done:
     Py_XDECREF(parent_blocks);
     Py_XDECREF(had_children);
     Py_XDECREF(ghost_at);
-    Py_XDECREF(ghost_hash);
     Py_XDECREF(ghost_recent);
     Py_XDECREF(recent);
     Py_XDECREF(shift);
@@ -874,16 +870,17 @@ static PyObject *
 book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "book_removals takes 4 arguments, got %zd", nargs);
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "book_removals takes 3 arguments, got %zd", nargs);
         return NULL;
     }
-    PyObject *p = args[0], *blocks = NULL, *hashes = NULL, *recent = NULL, *ghost_recent = NULL;
-    PyObject *ghost_at = NULL, *ghost_hash = NULL, *g_cls = NULL, *g_uses = NULL, *g_last = NULL, *g_live = NULL;
+    PyObject *p = args[0], *blocks = NULL, *recent = NULL, *ghost_recent = NULL;
+    PyObject *ghost_at = NULL, *g_cls = NULL, *g_uses = NULL, *g_last = NULL, *g_live = NULL, *g_key = NULL;
     PyObject *packed = NULL, *result = NULL, *t = NULL;
     long long *ids = NULL;
-    View cls = {0}, uses = {0}, last_of = {0};
-    long long c = PyLong_AsLongLong(args[3]), clock, evictions, last, tracked;
+    int64_t *keys = NULL;
+    View cls = {0}, uses = {0}, last_of = {0}, key_of = {0}, live = {0};
+    long long c = PyLong_AsLongLong(args[2]), clock, evictions, last, tracked, base;
     double turnover;
     int compiled_map = ghost_map_is_compiled(p);
     if (compiled_map < 0)
@@ -892,22 +889,22 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         return run_reference(REFERENCE, "book_removals", args, nargs);
     }
-    if ((blocks = PySequence_Fast(args[1], "book_removals: blocks")) == NULL
-        || (hashes = PySequence_Fast(args[2], "book_removals: block_hashes")) == NULL)
+    if ((blocks = PySequence_Fast(args[1], "book_removals: blocks")) == NULL)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
-    if (view_attr(p, S(_cls), &cls, 1) < 0 || view_attr(p, S(_uses), &uses, 1) < 0 || view_attr(p, S(_last), &last_of, 8) < 0)
+    if (view_attr(p, S(_cls), &cls, 1) < 0 || view_attr(p, S(_uses), &uses, 1) < 0
+        || view_attr(p, S(_last), &last_of, 8) < 0 || view_attr(p, S(_key), &key_of, 8) < 0)
         goto done;
     Py_ssize_t size = items(&cls);
-    if (items(&uses) < size || items(&last_of) < size) {
+    if (items(&uses) < size || items(&last_of) < size || items(&key_of) < size) {
         PyErr_SetString(PyExc_ValueError, "book_removals: the per-block arrays differ in size");
         goto done;
     }
-    if ((ids = PyMem_New(long long, n ? n : 1)) == NULL) {
+    if ((ids = PyMem_New(long long, n ? n : 1)) == NULL || (keys = PyMem_New(int64_t, n ? n : 1)) == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    int checked = PySequence_Fast_GET_SIZE(hashes) == n;
+    int checked = 1;
     for (Py_ssize_t k = 0; checked && k < n; k++) {
         ids[k] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(blocks, k));
         if (ids[k] == -1 && PyErr_Occurred())
@@ -918,21 +915,25 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         release(&cls);
         release(&uses);
         release(&last_of);
+        release(&key_of);
         result = run_reference(REFERENCE, "book_removals", args, nargs);
         goto done;
     }
+    const int64_t *block_keys = (const int64_t *)key_of.buf.buf;
+    for (Py_ssize_t k = 0; k < n; k++)
+        keys[k] = block_keys[ids[k]];
     if ((recent = attr(p, S(_recent))) == NULL || (ghost_recent = attr(p, S(_ghost_recent))) == NULL
-        || (ghost_at = attr(p, S(_ghost_at))) == NULL || (ghost_hash = attr(p, S(_ghost_hash))) == NULL
+        || (ghost_at = attr(p, S(_ghost_at))) == NULL || (g_key = attr(p, S(_ghost_key))) == NULL
         || (g_cls = attr(p, S(_ghost_cls))) == NULL || (g_uses = attr(p, S(_ghost_uses))) == NULL
         || (g_last = attr(p, S(_ghost_last))) == NULL || (g_live = attr(p, S(_ghost_live))) == NULL)
         goto done;
-    if (!PyDict_Check(recent) || !PyDict_Check(ghost_recent) || !PyObject_TypeCheck(ghost_at, &GhostMapType)
-        || !PyList_Check(ghost_hash)) {
-        PyErr_SetString(PyExc_TypeError, "book_removals: the policy's maps or ghost hashes have other types");
+    if (!PyDict_Check(recent) || !PyDict_Check(ghost_recent) || !PyObject_TypeCheck(ghost_at, &GhostMapType)) {
+        PyErr_SetString(PyExc_TypeError, "book_removals: the policy's maps have other types");
         goto done;
     }
     if (attr_long(p, S(_clock), &clock) < 0 || attr_long(p, S(_evictions), &evictions) < 0
-        || attr_long(p, S(_last_removal), &last) < 0 || attr_long(p, S(_tracked), &tracked) < 0)
+        || attr_long(p, S(_last_removal), &last) < 0 || attr_long(p, S(_tracked), &tracked) < 0
+        || attr_long(p, S(_ghost_base), &base) < 0)
         goto done;
     if ((t = attr(p, S(_turnover))) == NULL)
         goto done;
@@ -950,7 +951,9 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 continue;
             }
             int truth = PyObject_IsTrue(reuses);
-            int rc = truth > 0 ? PyDict_SetItem(ghost_recent, PySequence_Fast_GET_ITEM(hashes, k), reuses) : truth;
+            PyObject *key = truth > 0 ? PyLong_FromLongLong(keys[k]) : NULL;
+            int rc = truth > 0 ? (key == NULL ? -1 : PyDict_SetItem(ghost_recent, key, reuses)) : truth;
+            Py_XDECREF(key);
             Py_DECREF(reuses);
             if (rc < 0)
                 goto done;
@@ -989,16 +992,8 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         evictions = first + gone - 1;
         last = clock;
     }
-    /* Each ghost's index is its eviction number less _ghost_base: they are appended in order. */
-    GhostAhead ahead;
-    gm_ahead_start(&ahead, (GhostMap *)ghost_at, hashes, n, 0);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        gm_ahead_step(&ahead, (GhostMap *)ghost_at, k);
-        PyObject *h = PySequence_Fast_GET_ITEM(hashes, k);
-        if (gm_set_hashed((GhostMap *)ghost_at, h, gm_ahead_hash(&ahead, k), first + k) < 0
-            || PyList_Append(ghost_hash, h) < 0)
-            goto done;
-    }
+    /* The ghosts, appended in order (each one's index is its eviction number less _ghost_base): a block's
+     * class and counters outlive it, under its key. */
     const unsigned char *classes = (const unsigned char *)cls.buf.buf, *uses_of = (const unsigned char *)uses.buf.buf;
     const int64_t *lasts = (const int64_t *)last_of.buf.buf;
     if ((packed = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t))) == NULL)
@@ -1007,7 +1002,7 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t k = 0; k < n; k++)
         packed_last[k] = lasts[ids[k]];
     unsigned char *to;
-    if ((to = grow_bytearray(g_cls, n)) == NULL) /* a block's class and counters outlive it */
+    if ((to = grow_bytearray(g_cls, n)) == NULL)
         goto done;
     for (Py_ssize_t k = 0; k < n; k++)
         to[k] = classes[ids[k]];
@@ -1015,13 +1010,36 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     for (Py_ssize_t k = 0; k < n; k++)
         to[k] = uses_of[ids[k]];
-    PyObject *done_last = PyObject_CallMethodOneArg(g_last, S(frombytes), packed);
-    if (done_last == NULL)
+    PyObject *appended = PyObject_CallMethodOneArg(g_last, S(frombytes), packed);
+    if (appended == NULL)
         goto done;
-    Py_DECREF(done_last);
+    Py_DECREF(appended);
+    memcpy(packed_last, keys, (size_t)n * sizeof(int64_t));
+    if ((appended = PyObject_CallMethodOneArg(g_key, S(frombytes), packed)) == NULL)
+        goto done;
+    Py_DECREF(appended);
     if ((to = grow_bytearray(g_live, n)) == NULL)
         goto done;
     memset(to, 1, (size_t)n);
+    /* Each key now names its newest ghost: an older live ghost of the same key (two hashes that share it)
+     * dies. */
+    if (view_attr(p, S(_ghost_live), &live, 1) < 0)
+        goto done;
+    unsigned char *alive = (unsigned char *)live.buf.buf;
+    Py_ssize_t ghosts = items(&live);
+    GhostMap *map = (GhostMap *)ghost_at;
+    for (Py_ssize_t k = 0; k < n && k < AHEAD; k++)
+        gm_prefetch(map, keys[k]);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (k + AHEAD < n)
+            gm_prefetch(map, keys[k + AHEAD]);
+        int64_t old;
+        int replaced = gm_put(map, keys[k], first + k, &old);
+        if (replaced < 0)
+            goto done;
+        if (replaced && old - base >= 0 && old - base < ghosts)
+            alive[old - base] = 0;
+    }
     if (set_attr_long(p, S(_tracked), tracked - n) < 0 || set_attr_long(p, S(_evictions), evictions) < 0
         || set_attr_double(p, S(_turnover), turnover) < 0 || set_attr_long(p, S(_last_removal), last) < 0)
         goto done;
@@ -1030,13 +1048,15 @@ done:
     release(&cls);
     release(&uses);
     release(&last_of);
+    release(&key_of);
+    release(&live);
     PyMem_Free(ids);
+    PyMem_Free(keys);
     Py_XDECREF(blocks);
-    Py_XDECREF(hashes);
     Py_XDECREF(recent);
     Py_XDECREF(ghost_recent);
     Py_XDECREF(ghost_at);
-    Py_XDECREF(ghost_hash);
+    Py_XDECREF(g_key);
     Py_XDECREF(g_cls);
     Py_XDECREF(g_uses);
     Py_XDECREF(g_last);
@@ -1054,9 +1074,8 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "forget_ghosts takes 3 arguments, got %zd", nargs);
         return NULL;
     }
-    PyObject *p = args[0], *ghost_hash = NULL, *ghost_at = NULL, *ghost_recent = NULL;
-    PyObject *hashes = NULL, *result = NULL;
-    View live = {0}, g_cls = {0}, g_last = {0};
+    PyObject *p = args[0], *ghost_at = NULL, *ghost_recent = NULL, *result = NULL;
+    View live = {0}, g_cls = {0}, g_last = {0}, g_key = {0};
     Histogram ends;
     memset(&ends, 0, sizeof ends);
     long long clock;
@@ -1068,59 +1087,59 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         return run_reference(REFERENCE, "forget_ghosts", args, nargs);
     }
-    if ((ghost_hash = attr(p, S(_ghost_hash))) == NULL || (ghost_at = attr(p, S(_ghost_at))) == NULL
-        || (ghost_recent = attr(p, S(_ghost_recent))) == NULL || attr_long(p, S(_clock), &clock) < 0)
+    if ((ghost_at = attr(p, S(_ghost_at))) == NULL || (ghost_recent = attr(p, S(_ghost_recent))) == NULL
+        || attr_long(p, S(_clock), &clock) < 0)
         goto done;
-    if (!PyList_Check(ghost_hash) || !PyObject_TypeCheck(ghost_at, &GhostMapType) || !PyDict_Check(ghost_recent)) {
-        PyErr_SetString(PyExc_TypeError, "forget_ghosts: the policy's ghost maps or hashes have other types");
+    if (!PyObject_TypeCheck(ghost_at, &GhostMapType) || !PyDict_Check(ghost_recent)) {
+        PyErr_SetString(PyExc_TypeError, "forget_ghosts: the policy's ghost maps have other types");
         goto done;
     }
     if (view_attr(p, S(_ghost_live), &live, 1) < 0 || view_attr(p, S(_ghost_cls), &g_cls, 1) < 0
-        || view_attr(p, S(_ghost_last), &g_last, 8) < 0)
+        || view_attr(p, S(_ghost_last), &g_last, 8) < 0 || view_attr(p, S(_ghost_key), &g_key, 8) < 0)
         goto done;
-    Py_ssize_t size = PyList_GET_SIZE(ghost_hash);
-    if (lo < 0 || lo > hi || hi > size || items(&live) != size || items(&g_cls) != size || items(&g_last) != size) {
+    Py_ssize_t size = items(&live);
+    if (lo < 0 || lo > hi || hi > size || items(&g_cls) != size || items(&g_last) != size || items(&g_key) != size) {
         release(&live); /* a range the slices would clip, or arrays of other lengths */
         release(&g_cls);
         release(&g_last);
+        release(&g_key);
         result = run_reference(REFERENCE, "forget_ghosts", args, nargs);
         goto done;
     }
     unsigned char *alive = (unsigned char *)live.buf.buf;
     const unsigned char *cls = (const unsigned char *)g_cls.buf.buf;
-    const int64_t *lasts = (const int64_t *)g_last.buf.buf;
-    if ((hashes = PyList_New(0)) == NULL || open_histogram(p, S(_ends), &ends) < 0)
+    const int64_t *lasts = (const int64_t *)g_last.buf.buf, *keys = (const int64_t *)g_key.buf.buf;
+    if (open_histogram(p, S(_ends), &ends) < 0)
         goto done;
-    for (Py_ssize_t g = lo; g < hi; g++) /* the live ones: forgotten unreused, censored at their ages */
-        if (alive[g] && (PyList_Append(hashes, PyList_GET_ITEM(ghost_hash, g)) < 0
-                         || record(&ends, cls[g], (long long)((uint64_t)clock - (uint64_t)lasts[g])) < 0))
+    GhostMap *map = (GhostMap *)ghost_at;
+    for (Py_ssize_t g = lo; g < hi && g < lo + AHEAD; g++)
+        if (alive[g])
+            gm_prefetch(map, keys[g]);
+    int recents = PyDict_GET_SIZE(ghost_recent) > 0;
+    for (Py_ssize_t g = lo; g < hi; g++) { /* the live ones: forgotten unreused, censored at their ages */
+        if (g + AHEAD < hi && alive[g + AHEAD])
+            gm_prefetch(map, keys[g + AHEAD]);
+        if (!alive[g])
+            continue;
+        alive[g] = 0;
+        int64_t at;
+        if (!gm_pop(map, keys[g], &at)) {
+            PyObject *key = PyLong_FromLongLong(keys[g]);
+            if (key != NULL)
+                PyErr_SetObject(PyExc_KeyError, key);
+            Py_XDECREF(key);
             goto done;
-    Py_ssize_t n = PyList_GET_SIZE(hashes);
-    if (n) {
-        memset(alive + lo, 0, (size_t)(hi - lo)); /* every ghost of the range: dead, no hash */
-        for (Py_ssize_t g = lo; g < hi; g++)
-            if (PyList_SetItem(ghost_hash, g, Py_NewRef(Py_None)) < 0)
-                goto done;
-        GhostAhead ahead;
-        gm_ahead_start(&ahead, (GhostMap *)ghost_at, hashes, n, 0);
-        for (Py_ssize_t k = 0; k < n; k++) {
-            gm_ahead_step(&ahead, (GhostMap *)ghost_at, k);
-            PyObject *h = PyList_GET_ITEM(hashes, k);
-            int64_t at;
-            int found = gm_pop_hashed((GhostMap *)ghost_at, h, gm_ahead_hash(&ahead, k), &at);
-            if (found == 0)
-                PyErr_SetObject(PyExc_KeyError, h);
-            if (found != 1)
-                goto done;
         }
-        if (PyDict_GET_SIZE(ghost_recent)) {
-            for (Py_ssize_t k = 0; k < n; k++) {
-                PyObject *reuses = pop(ghost_recent, PyList_GET_ITEM(hashes, k));
-                if (reuses == NULL && PyErr_Occurred())
-                    goto done;
-                Py_XDECREF(reuses);
-            }
+        if (recents) {
+            PyObject *key = PyLong_FromLongLong(keys[g]);
+            PyObject *reuses = key ? pop(ghost_recent, key) : NULL;
+            Py_XDECREF(key);
+            if (reuses == NULL && PyErr_Occurred())
+                goto done;
+            Py_XDECREF(reuses);
         }
+        if (record(&ends, cls[g], (long long)((uint64_t)clock - (uint64_t)lasts[g])) < 0)
+            goto done;
     }
     result = Py_NewRef(Py_None);
 done:
@@ -1128,10 +1147,9 @@ done:
     release(&live);
     release(&g_cls);
     release(&g_last);
-    Py_XDECREF(ghost_hash);
+    release(&g_key);
     Py_XDECREF(ghost_at);
     Py_XDECREF(ghost_recent);
-    Py_XDECREF(hashes);
     return result;
 }
 
@@ -1146,7 +1164,7 @@ static PyMethodDef methods[] = {
     {"book_pins", (PyCFunction)(void (*)(void))book_pins, METH_FASTCALL,
      "book_pins(policy, blocks, mark) -> int: booking.book_pins, compiled."},
     {"book_removals", (PyCFunction)(void (*)(void))book_removals, METH_FASTCALL,
-     "book_removals(policy, blocks, block_hashes, c) -> None: booking.book_removals, compiled."},
+     "book_removals(policy, blocks, c) -> None: booking.book_removals, compiled."},
     {"forget_ghosts", (PyCFunction)(void (*)(void))forget_ghosts, METH_FASTCALL,
      "forget_ghosts(policy, lo, hi) -> None: booking.forget_ghosts, compiled."},
     {NULL, NULL, 0, NULL},

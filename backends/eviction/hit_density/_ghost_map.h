@@ -1,18 +1,16 @@
-/* GhostMap: the ghost's map from block hashes to eviction numbers, an open-addressing table.
+/* GhostMap: the ghost's map from keys to eviction numbers, an open-addressing table of ints.
  *
- * It keeps a mapping's contract (a dict's, for the methods it has): keys are hashable objects compared
- * by ==, values ints that fit in 64 bits. Layout: a power-of-two array of slots (the key's hash and
- * the value, 16 bytes) beside an array of key references, probed linearly from a slot picked by the
- * hash's top bits after a Fibonacci multiply. The ghost's churn (a key in and a key out per eviction)
- * leaves no tombstones: a removal shifts back the entries after it that would otherwise be cut off
- * from their home slot, so an absent key's probe ends at the first empty slot. The table doubles when
- * more than half of it would be in use and shrinks to a quarter in use when less than an eighth is, so
- * it never holds more than four slots per entry at its peak. A miss reads one run of adjacent slots
- * and never a key; a hit reads the one key whose hash matches.
+ * A key is an int of 64 bits other than -1: the ghost keys a block hash by Python's hash of it, which is
+ * never -1. Values are ints of 64 bits. Layout: a power-of-two array of 16-byte slots (key, value),
+ * probed linearly from a slot picked by the key's top bits after a Fibonacci multiply; no Python object
+ * is held or read, so a lookup reads one run of adjacent slots and nothing else. The ghost's churn (a
+ * key in and a key out per eviction) leaves no tombstones: a removal shifts back the entries after it
+ * that would otherwise be cut off from their home slot, so an absent key's probe ends at the first empty
+ * slot. The table doubles when more than half of it would be in use and shrinks to a quarter in use when
+ * less than an eighth is, so it never holds more than four slots per entry at its peak.
  *
  * Invariants: every entry lies on the run of occupied slots that starts at its home slot; no two
- * entries hold equal keys; used <= slots / 2; a slot is empty exactly when its hash is EMPTY_HASH (-1,
- * which Python's hash never returns) and its key NULL.
+ * entries hold equal keys; used <= slots / 2; a slot is empty exactly when its key is EMPTY_KEY (-1).
  */
 #ifndef KVKIT_GHOST_MAP_H
 #define KVKIT_GHOST_MAP_H
@@ -21,120 +19,89 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define EMPTY_HASH ((Py_hash_t)-1)
+#define EMPTY_KEY ((int64_t)-1)
 #define MIN_SLOTS 8
 
 typedef struct {
-    Py_hash_t hash;
+    int64_t key;
     int64_t value;
 } GhostSlot;
 
 typedef struct {
     PyObject_HEAD
     GhostSlot *slots; /* NULL while empty and never grown */
-    PyObject **keys;
     size_t mask;      /* slots - 1 */
     int shift;        /* 64 - log2(slots) */
     Py_ssize_t used;
-    uint64_t version; /* bumped by every change: a comparison that changed the map is refused */
 } GhostMap;
 
 static PyTypeObject GhostMapType;
 
 static inline size_t
-gm_home(const GhostMap *m, Py_hash_t hash)
+gm_home(const GhostMap *m, int64_t key)
 {
-    return (size_t)(((uint64_t)hash * 0x9E3779B97F4A7C15ull) >> m->shift);
+    return (size_t)(((uint64_t)key * 0x9E3779B97F4A7C15ull) >> m->shift);
 }
 
-/* Empty arrays of `slots` slots (a power of two >= MIN_SLOTS) in m, the entries of the old ones moved in. */
+/* An empty array of `slots` slots (a power of two >= MIN_SLOTS) in m, the entries of the old one moved in. */
 static int
 gm_resize(GhostMap *m, size_t slots)
 {
     GhostSlot *fresh = PyMem_New(GhostSlot, slots);
-    PyObject **keys = PyMem_New(PyObject *, slots);
-    if (fresh == NULL || keys == NULL) {
-        PyMem_Free(fresh);
-        PyMem_Free(keys);
+    if (fresh == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    for (size_t i = 0; i < slots; i++) {
-        fresh[i].hash = EMPTY_HASH;
-        keys[i] = NULL;
-    }
+    for (size_t i = 0; i < slots; i++)
+        fresh[i].key = EMPTY_KEY;
     GhostSlot *old = m->slots;
-    PyObject **old_keys = m->keys;
     size_t old_slots = old ? m->mask + 1 : 0;
     int bits = 0;
     while (((size_t)1 << bits) < slots)
         bits++;
     m->slots = fresh;
-    m->keys = keys;
     m->mask = slots - 1;
     m->shift = 64 - bits;
     for (size_t j = 0; j < old_slots; j++) {
-        if (old[j].hash == EMPTY_HASH)
+        if (old[j].key == EMPTY_KEY)
             continue;
-        size_t i = gm_home(m, old[j].hash);
-        while (fresh[i].hash != EMPTY_HASH)
+        size_t i = gm_home(m, old[j].key);
+        while (fresh[i].key != EMPTY_KEY)
             i = (i + 1) & m->mask;
         fresh[i] = old[j];
-        keys[i] = old_keys[j];
     }
     PyMem_Free(old);
-    PyMem_Free(old_keys);
-    m->version++;
     return 0;
 }
 
-/* The slot holding `key` (of hash `hash`), -1 if none, -2 with an error (a comparison raised, or changed m). */
-static Py_ssize_t
-gm_find(GhostMap *m, PyObject *key, Py_hash_t hash)
+/* The slot holding `key`, or -1. */
+static inline Py_ssize_t
+gm_find(const GhostMap *m, int64_t key)
 {
     if (m->slots == NULL)
         return -1;
-    for (size_t i = gm_home(m, hash);; i = (i + 1) & m->mask) {
-        Py_hash_t h = m->slots[i].hash;
-        if (h == EMPTY_HASH)
-            return -1;
-        if (h != hash)
-            continue;
-        PyObject *k = m->keys[i];
+    for (size_t i = gm_home(m, key);; i = (i + 1) & m->mask) {
+        int64_t k = m->slots[i].key;
         if (k == key)
             return (Py_ssize_t)i;
-        uint64_t version = m->version;
-        Py_INCREF(k);
-        int eq = PyObject_RichCompareBool(k, key, Py_EQ);
-        Py_DECREF(k);
-        if (eq < 0)
-            return -2;
-        if (m->version != version) {
-            PyErr_SetString(PyExc_RuntimeError, "GhostMap changed while a key was compared");
-            return -2;
-        }
-        if (eq)
-            return (Py_ssize_t)i;
+        if (k == EMPTY_KEY)
+            return -1;
     }
 }
 
-/* Empty slot i (occupied), shifting back the entries after it, then drop its key (last: that may run code). */
+/* Empty slot i (occupied), shifting back the entries after it; shrink a table mostly empty. */
 static void
 gm_remove_at(GhostMap *m, size_t i)
 {
-    PyObject *key = m->keys[i];
-    for (size_t j = (i + 1) & m->mask; m->slots[j].hash != EMPTY_HASH; j = (j + 1) & m->mask) {
-        size_t home = gm_home(m, m->slots[j].hash);
+    for (size_t j = (i + 1) & m->mask; m->slots[j].key != EMPTY_KEY; j = (j + 1) & m->mask) {
+        size_t home = gm_home(m, m->slots[j].key);
         if (((j - home) & m->mask) >= ((j - i) & m->mask)) { /* slot i lies on j's run from its home */
             m->slots[i] = m->slots[j];
-            m->keys[i] = m->keys[j];
             i = j;
         }
     }
-    m->slots[i].hash = EMPTY_HASH;
-    m->keys[i] = NULL;
+    m->slots[i].key = EMPTY_KEY;
     m->used--;
-    m->version++;
     if (m->mask + 1 > MIN_SLOTS && (size_t)m->used * 8 < m->mask + 1) {
         size_t slots = MIN_SLOTS;
         while (slots < (size_t)m->used * 4)
@@ -142,161 +109,158 @@ gm_remove_at(GhostMap *m, size_t i)
         if (gm_resize(m, slots) < 0) /* keeps the larger table: still a valid one */
             PyErr_Clear();
     }
-    Py_DECREF(key);
 }
 
-/* Start loading the slot (and key) where a lookup of a key of hash `hash` begins: a loop over many keys
- * asks for the key a few places ahead, so that its lookup finds the slot in cache (a table larger than
- * the caches costs a memory round trip per key otherwise). A hint: it changes nothing. */
+/* Start loading the slot where a lookup of `key` begins: a loop over many keys asks for the key a few
+ * places ahead, so that its lookup finds the slot in cache (a table larger than the caches costs a memory
+ * round trip per key otherwise). A hint: it changes nothing. */
 static inline void
-gm_prefetch(const GhostMap *m, Py_hash_t hash)
+gm_prefetch(const GhostMap *m, int64_t key)
 {
-    if (m->slots != NULL) {
-        size_t i = gm_home(m, hash);
-        __builtin_prefetch(&m->slots[i]);
-        __builtin_prefetch(&m->keys[i]);
-    }
+    if (m->slots != NULL)
+        __builtin_prefetch(&m->slots[gm_home(m, key)]);
 }
 
-/* A loop over many keys looks each one up ahead of its turn, in two stages: AHEAD places ahead it hashes
- * the key, if an int (whose hash runs no code and never fails), and prefetches the key's slot; twice as far
- * ahead it prefetches the key object itself, which the hash reads (a block's hash object, made when the
- * block was stored, is rarely still in cache). gm_ahead_hash(r, k) is the k-th key's hash from the ring,
- * or -1 (not an int: the lookup hashes it at its turn). Hints only: they change nothing. */
-enum { AHEAD = 8 };
-typedef struct {
-    Py_hash_t hash[AHEAD];
-    Py_ssize_t key[AHEAD];
-    PyObject *keys; /* a list or tuple (PySequence_Fast), borrowed; read afresh at each step */
-    Py_ssize_t n;
-} GhostAhead;
-
-/* The k-th key, or NULL past the loop's end or the sequence's. */
-static inline PyObject *
-gm_ahead_key(const GhostAhead *r, Py_ssize_t k)
-{
-    return k < r->n && k < PySequence_Fast_GET_SIZE(r->keys) ? PySequence_Fast_GET_ITEM(r->keys, k) : NULL;
-}
-
-static inline void
-gm_ahead_hash_key(GhostAhead *r, const GhostMap *m, Py_ssize_t k)
-{
-    PyObject *key = gm_ahead_key(r, k);
-    if (key == NULL || !PyLong_CheckExact(key))
-        return;
-    if (!PyLong_CheckExact(key))
-        return;
-    Py_hash_t hash = PyObject_Hash(key);
-    r->hash[k % AHEAD] = hash;
-    r->key[k % AHEAD] = k;
-    gm_prefetch(m, hash);
-}
-
-/* Start looking ahead over the keys start..n-1 of `keys` (a list or tuple, borrowed). */
-static inline void
-gm_ahead_start(GhostAhead *r, const GhostMap *m, PyObject *keys, Py_ssize_t n, Py_ssize_t start)
-{
-    r->keys = keys;
-    r->n = n;
-    for (int k = 0; k < AHEAD; k++)
-        r->key[k] = -1;
-    for (Py_ssize_t k = start; k < start + 2 * AHEAD; k++) {
-        PyObject *key = gm_ahead_key(r, k);
-        if (key != NULL)
-            __builtin_prefetch(key);
-    }
-    for (Py_ssize_t k = start; k < start + AHEAD; k++)
-        gm_ahead_hash_key(r, m, k);
-}
-
-/* The k-th key's turn: look further ahead. */
-static inline void
-gm_ahead_step(GhostAhead *r, const GhostMap *m, Py_ssize_t k)
-{
-    PyObject *far = gm_ahead_key(r, k + 2 * AHEAD);
-    if (far != NULL)
-        __builtin_prefetch(far);
-    gm_ahead_hash_key(r, m, k + AHEAD);
-}
-
-static inline Py_hash_t
-gm_ahead_hash(const GhostAhead *r, Py_ssize_t k)
-{
-    return r->key[k % AHEAD] == k ? r->hash[k % AHEAD] : -1;
-}
-
-/* m[key] = value, the key's hash given (or -1: computed here). */
+/* m[key] = value (key != EMPTY_KEY); *old: the value it replaces, if any. 1 if it replaced one, 0 if the key
+ * is new, -1 with an error (no memory to grow: nothing changed). */
 static int
-gm_set_hashed(GhostMap *m, PyObject *key, Py_hash_t hash, int64_t value)
+gm_put(GhostMap *m, int64_t key, int64_t value, int64_t *old)
 {
-    if (hash == -1 && (hash = PyObject_Hash(key)) == -1)
-        return -1;
-    Py_ssize_t at = gm_find(m, key, hash);
-    if (at == -2)
-        return -1;
+    Py_ssize_t at = gm_find(m, key);
     if (at >= 0) {
+        *old = m->slots[at].value;
         m->slots[at].value = value;
-        return 0;
+        return 1;
     }
     if (m->slots == NULL || (size_t)(m->used + 1) * 2 > m->mask + 1) { /* doubled: a quarter in use */
         if (gm_resize(m, m->slots == NULL ? MIN_SLOTS : (m->mask + 1) * 2) < 0)
             return -1;
     }
-    size_t i = gm_home(m, hash);
-    while (m->slots[i].hash != EMPTY_HASH)
+    size_t i = gm_home(m, key);
+    while (m->slots[i].key != EMPTY_KEY)
         i = (i + 1) & m->mask;
-    m->slots[i].hash = hash;
+    m->slots[i].key = key;
     m->slots[i].value = value;
-    m->keys[i] = Py_NewRef(key);
     m->used++;
-    m->version++;
     return 0;
 }
 
-/* m[key] = value. */
-static int
-gm_set(GhostMap *m, PyObject *key, int64_t value)
+/* m.pop(key) into *value: 1 if it was there, 0 if not. */
+static inline int
+gm_pop(GhostMap *m, int64_t key, int64_t *value)
 {
-    return gm_set_hashed(m, key, -1, value);
-}
-
-/* m.pop(key) into *value, the key's hash given (or -1: computed here): 1 if it was there, 0 if not (no
- * error), -1 with an error. */
-static int
-gm_pop_hashed(GhostMap *m, PyObject *key, Py_hash_t hash, int64_t *value)
-{
-    if (hash == -1 && (hash = PyObject_Hash(key)) == -1)
-        return -1;
-    Py_ssize_t at = gm_find(m, key, hash);
+    Py_ssize_t at = gm_find(m, key);
     if (at < 0)
-        return at == -1 ? 0 : -1;
+        return 0;
     *value = m->slots[at].value;
     gm_remove_at(m, (size_t)at);
     return 1;
 }
 
-/* m.pop(key) into *value: 1 if it was there, 0 if not (no error), -1 with an error. */
-static int
-gm_pop(GhostMap *m, PyObject *key, int64_t *value)
+/* A block hash's key: Python's hash of it (never -1); -1 with an error (unhashable). */
+static inline int64_t
+gm_key_of_hash(PyObject *block_hash)
 {
-    return gm_pop_hashed(m, key, -1, value);
+    return (int64_t)PyObject_Hash(block_hash);
 }
 
-/* m[key] into *value: 1 if it is there, 0 if not (no error), -1 with an error. */
-static int
-gm_get(GhostMap *m, PyObject *key, int64_t *value)
+/* A loop over many block hashes looks each one's key up ahead of its turn, in two stages: AHEAD places
+ * ahead it computes the key, if the hash is an int (whose hash runs no code and never fails), and
+ * prefetches the key's slot; twice as far ahead it prefetches the hash object itself, which the key's
+ * computation reads (a block's hash object, made when the block was stored, is rarely still in cache).
+ * gm_ahead_key(r, k) is the k-th hash's key from the ring, or -1 (not an int: the lookup computes it at
+ * its turn). Hints only: they change nothing. */
+enum { AHEAD = 8 };
+typedef struct {
+    int64_t key[AHEAD];
+    Py_ssize_t index[AHEAD];
+    PyObject *hashes; /* a list or tuple (PySequence_Fast), borrowed; read afresh at each step */
+    Py_ssize_t n;
+} GhostAhead;
+
+/* The k-th hash, or NULL past the loop's end or the sequence's. */
+static inline PyObject *
+gm_ahead_hash(const GhostAhead *r, Py_ssize_t k)
 {
-    Py_hash_t hash = PyObject_Hash(key);
-    if (hash == -1)
+    return k < r->n && k < PySequence_Fast_GET_SIZE(r->hashes) ? PySequence_Fast_GET_ITEM(r->hashes, k) : NULL;
+}
+
+static inline void
+gm_ahead_compute(GhostAhead *r, const GhostMap *m, Py_ssize_t k)
+{
+    PyObject *block_hash = gm_ahead_hash(r, k);
+    if (block_hash == NULL || !PyLong_CheckExact(block_hash))
+        return;
+    int64_t key = gm_key_of_hash(block_hash);
+    r->key[k % AHEAD] = key;
+    r->index[k % AHEAD] = k;
+    gm_prefetch(m, key);
+}
+
+/* Start looking ahead over the hashes start..n-1 of `hashes` (a list or tuple, borrowed). */
+static inline void
+gm_ahead_start(GhostAhead *r, const GhostMap *m, PyObject *hashes, Py_ssize_t n, Py_ssize_t start)
+{
+    r->hashes = hashes;
+    r->n = n;
+    for (int k = 0; k < AHEAD; k++)
+        r->index[k] = -1;
+    for (Py_ssize_t k = start; k < start + 2 * AHEAD; k++) {
+        PyObject *block_hash = gm_ahead_hash(r, k);
+        if (block_hash != NULL)
+            __builtin_prefetch(block_hash);
+    }
+    for (Py_ssize_t k = start; k < start + AHEAD; k++)
+        gm_ahead_compute(r, m, k);
+}
+
+/* The k-th hash's turn: look further ahead; return its key, -1 with an error (unhashable). */
+static inline int64_t
+gm_ahead_step(GhostAhead *r, const GhostMap *m, Py_ssize_t k)
+{
+    PyObject *far = gm_ahead_hash(r, k + 2 * AHEAD);
+    if (far != NULL)
+        __builtin_prefetch(far);
+    gm_ahead_compute(r, m, k + AHEAD);
+    if (r->index[k % AHEAD] == k)
+        return r->key[k % AHEAD];
+    PyObject *block_hash = gm_ahead_hash(r, k);
+    if (block_hash == NULL) {
+        PyErr_SetString(PyExc_IndexError, "GhostMap: a hash sequence changed size during a loop");
         return -1;
-    Py_ssize_t at = gm_find(m, key, hash);
-    if (at < 0)
-        return at == -1 ? 0 : -1;
-    *value = m->slots[at].value;
-    return 1;
+    }
+    return gm_key_of_hash(block_hash);
 }
 
 /* -- the Python type ---------------------------------------------------------------------------------- */
+
+/* obj as a key: 1 and *key if it is an int of 64 bits other than -1, 0 if it is none (no error), -1 with
+ * an error. */
+static int
+gm_key_of(PyObject *obj, int64_t *key)
+{
+    if (!PyLong_Check(obj))
+        return 0;
+    int overflow;
+    long long k = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (k == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || k == EMPTY_KEY)
+        return 0;
+    *key = k;
+    return 1;
+}
+
+/* obj as a key to store: 0 and *key, or -1 with an error that quotes it. */
+static int
+gm_key_to_store(PyObject *obj, int64_t *key)
+{
+    int is_key = gm_key_of(obj, key);
+    if (is_key == 0)
+        PyErr_Format(PyLong_Check(obj) ? PyExc_ValueError : PyExc_TypeError,
+                     "GhostMap keys are ints of 64 bits other than -1 (a hash's), got %R", obj);
+    return is_key == 1 ? 0 : -1;
+}
 
 static int
 gm_value_of(PyObject *obj, int64_t *value)
@@ -312,22 +276,25 @@ gm_value_of(PyObject *obj, int64_t *value)
     return 0;
 }
 
+/* m[key] = value for Python objects: 0, or -1 with an error (nothing changed). */
+static int
+gm_set_objects(GhostMap *m, PyObject *key_obj, PyObject *value_obj)
+{
+    int64_t key, value, old;
+    if (gm_key_to_store(key_obj, &key) < 0 || gm_value_of(value_obj, &value) < 0)
+        return -1;
+    return gm_put(m, key, value, &old) < 0 ? -1 : 0;
+}
+
 static int
 gm_update_from(GhostMap *m, PyObject *other)
 {
     if (PyDict_Check(other)) {
         PyObject *k, *v;
         Py_ssize_t pos = 0;
-        int64_t value;
-        while (PyDict_Next(other, &pos, &k, &v)) {
-            Py_INCREF(k);
-            Py_INCREF(v);
-            int rc = gm_value_of(v, &value) < 0 ? -1 : gm_set(m, k, value);
-            Py_DECREF(k);
-            Py_DECREF(v);
-            if (rc < 0)
+        while (PyDict_Next(other, &pos, &k, &v))
+            if (gm_set_objects(m, k, v) < 0)
                 return -1;
-        }
         return 0;
     }
     int mapping = PyObject_HasAttrString(other, "keys"); /* a mapping: its keys, each looked up; else pairs */
@@ -360,8 +327,7 @@ gm_update_from(GhostMap *m, PyObject *other)
             Py_XDECREF(pair);
         }
         Py_DECREF(item);
-        int64_t value;
-        int rc = key == NULL || val == NULL || gm_value_of(val, &value) < 0 ? -1 : gm_set(m, key, value);
+        int rc = key == NULL || val == NULL ? -1 : gm_set_objects(m, key, val);
         Py_XDECREF(key);
         Py_XDECREF(val);
         if (rc < 0) {
@@ -387,11 +353,9 @@ gm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (m == NULL)
         return NULL;
     m->slots = NULL;
-    m->keys = NULL;
     m->mask = 0;
     m->shift = 64;
     m->used = 0;
-    m->version = 0;
     if (source != NULL && gm_update_from(m, source) < 0) {
         Py_DECREF(m);
         return NULL;
@@ -402,11 +366,7 @@ gm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 static void
 gm_dealloc(GhostMap *m)
 {
-    if (m->slots != NULL)
-        for (size_t i = 0; i <= m->mask; i++)
-            Py_XDECREF(m->keys[i]);
     PyMem_Free(m->slots);
-    PyMem_Free(m->keys);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
 
@@ -416,11 +376,35 @@ gm_len(GhostMap *m)
     return m->used;
 }
 
+/* m[key] into *value for a Python key: 1 if it is there, 0 if not (no error), -1 with an error. */
+static int
+gm_get_object(GhostMap *m, PyObject *key_obj, int64_t *value)
+{
+    int64_t key;
+    int is_key = gm_key_of(key_obj, &key);
+    if (is_key <= 0)
+        return is_key;
+    Py_ssize_t at = gm_find(m, key);
+    if (at < 0)
+        return 0;
+    *value = m->slots[at].value;
+    return 1;
+}
+
+/* m.pop(key) into *value for a Python key: 1 if it was there, 0 if not (no error), -1 with an error. */
+static int
+gm_pop_object(GhostMap *m, PyObject *key_obj, int64_t *value)
+{
+    int64_t key;
+    int is_key = gm_key_of(key_obj, &key);
+    return is_key <= 0 ? is_key : gm_pop(m, key, value);
+}
+
 static PyObject *
 gm_subscript(GhostMap *m, PyObject *key)
 {
     int64_t value;
-    int found = gm_get(m, key, &value);
+    int found = gm_get_object(m, key, &value);
     if (found < 0)
         return NULL;
     if (!found) {
@@ -433,10 +417,10 @@ gm_subscript(GhostMap *m, PyObject *key)
 static int
 gm_ass_subscript(GhostMap *m, PyObject *key, PyObject *value)
 {
-    int64_t v;
     if (value != NULL)
-        return gm_value_of(value, &v) < 0 ? -1 : gm_set(m, key, v);
-    int found = gm_pop(m, key, &v);
+        return gm_set_objects(m, key, value);
+    int64_t v;
+    int found = gm_pop_object(m, key, &v);
     if (found == 0)
         PyErr_SetObject(PyExc_KeyError, key);
     return found == 1 ? 0 : -1;
@@ -446,7 +430,7 @@ static int
 gm_contains(GhostMap *m, PyObject *key)
 {
     int64_t value;
-    return gm_get(m, key, &value);
+    return gm_get_object(m, key, &value);
 }
 
 /* A list of each entry's key (what 0), value (1) or (key, value) pair (2), in slot order. */
@@ -458,13 +442,13 @@ gm_list(GhostMap *m, int what)
         return NULL;
     Py_ssize_t k = 0;
     for (size_t i = 0; m->slots != NULL && i <= m->mask; i++) {
-        if (m->slots[i].hash == EMPTY_HASH)
+        if (m->slots[i].key == EMPTY_KEY)
             continue;
-        PyObject *item = what == 0 ? Py_NewRef(m->keys[i]) : PyLong_FromLongLong(m->slots[i].value);
-        if (item != NULL && what == 2) {
-            PyObject *pair = PyTuple_Pack(2, m->keys[i], item);
-            Py_SETREF(item, pair);
-        }
+        PyObject *item;
+        if (what == 2)
+            item = Py_BuildValue("(LL)", (long long)m->slots[i].key, (long long)m->slots[i].value);
+        else
+            item = PyLong_FromLongLong(what == 0 ? m->slots[i].key : m->slots[i].value);
         if (item == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -512,7 +496,7 @@ gm_lookup(GhostMap *m, PyObject *const *args, Py_ssize_t nargs, int pop)
         return NULL;
     }
     int64_t value;
-    int found = pop ? gm_pop(m, args[0], &value) : gm_get(m, args[0], &value);
+    int found = pop ? gm_pop_object(m, args[0], &value) : gm_get_object(m, args[0], &value);
     if (found < 0)
         return NULL;
     if (found)
@@ -546,11 +530,13 @@ gm_as_dict(GhostMap *m)
 {
     PyObject *d = PyDict_New();
     for (size_t i = 0; d != NULL && m->slots != NULL && i <= m->mask; i++) {
-        if (m->slots[i].hash == EMPTY_HASH)
+        if (m->slots[i].key == EMPTY_KEY)
             continue;
-        PyObject *v = PyLong_FromLongLong(m->slots[i].value);
-        if (v == NULL || PyDict_SetItem(d, m->keys[i], v) < 0)
+        PyObject *k = PyLong_FromLongLong(m->slots[i].key);
+        PyObject *v = k ? PyLong_FromLongLong(m->slots[i].value) : NULL;
+        if (v == NULL || PyDict_SetItem(d, k, v) < 0)
             Py_CLEAR(d);
+        Py_XDECREF(k);
         Py_XDECREF(v);
     }
     return d;
@@ -567,7 +553,7 @@ static PyObject *
 gm_sizeof(GhostMap *m, PyObject *Py_UNUSED(ignored))
 {
     size_t slots = m->slots ? m->mask + 1 : 0;
-    return PyLong_FromSize_t(sizeof(GhostMap) + slots * (sizeof(GhostSlot) + sizeof(PyObject *)));
+    return PyLong_FromSize_t(sizeof(GhostMap) + slots * sizeof(GhostSlot));
 }
 
 static PyObject *
@@ -613,7 +599,7 @@ static PyMethodDef gm_methods[] = {
     {"values", (PyCFunction)gm_values, METH_NOARGS, "values() -> list of the values."},
     {"items", (PyCFunction)gm_items, METH_NOARGS, "items() -> list of (key, value) pairs."},
     {"__reduce__", (PyCFunction)gm_reduce, METH_NOARGS, "Pickles as its entries."},
-    {"__sizeof__", (PyCFunction)gm_sizeof, METH_NOARGS, "Bytes held: the object and its two arrays."},
+    {"__sizeof__", (PyCFunction)gm_sizeof, METH_NOARGS, "Bytes held: the object and its slots."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -627,9 +613,10 @@ static PyTypeObject GhostMapType = {
     .tp_as_mapping = &gm_as_mapping,
     .tp_hash = PyObject_HashNotImplemented,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_MAPPING,
-    .tp_doc = "GhostMap([mapping or pairs]): a map from hashable keys to ints of 64 bits (a dict's contract for "
-              "its methods), in an open-addressing table without tombstones: the hit-density ghost's map from "
-              "block hashes to eviction numbers.",
+    .tp_doc = "GhostMap([mapping or pairs]): a map from int keys of 64 bits other than -1 to ints of 64 bits (a "
+              "dict's contract for its methods; any other key is absent, and storing one raises), in an "
+              "open-addressing table without tombstones: the hit-density ghost's map from keys to eviction "
+              "numbers.",
     .tp_richcompare = (richcmpfunc)gm_richcompare,
     .tp_iter = (getiterfunc)gm_iter,
     .tp_methods = gm_methods,

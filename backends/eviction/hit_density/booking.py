@@ -12,9 +12,10 @@ holding the batch: ``parent_blocks`` and ``had_children`` are what it reported
 per block):
 
 * each block up to ``len(parent_blocks)`` (those the chain index took) is
-  booked in order: its reuse count (from its ghost, if the
-  ghost holds its hash: the reuse is learnt, recorded in the density model
-  at the ghost's class and age), last access, class and mark; the previous tip becomes
+  booked in order: its key (``hash(block_hash)``), its reuse count (from its
+  ghost, if the ghost holds its key: the ghost leaves, and the reuse is
+  learnt, recorded in the density model at the ghost's class and age), last
+  access, class and mark; the previous tip becomes
   a parent or a leaf, a parent gains the parent kind; a block listed
   (``mark`` is the listed mark) enters its class list, and a listed block whose
   class changes moves to the young end of its new list;
@@ -65,43 +66,54 @@ mark) the blocks of one pin or unpin call:
   one to refuse (not tracked, or already marked ``mark``), the caller's to raise.
 
 :func:`book_removals` leaves a ghost for each block of one removal call (the
-blocks distinct, already out of the chain index and untracked; ``block_hashes``
-their hashes, in order; ``c`` the pool's capacity, at least 1):
+blocks distinct, already out of the chain index and untracked; ``c`` the
+pool's capacity, at least 1):
 
-* a block's reuses since the last refresh (in the policy's recent map) move to
-  its hash in the ghosts' recent map, unless they are none;
+* each block's key (as booked at its insert) is read first; a block's reuses
+  since the last refresh (in the policy's recent map) move to its key in the
+  ghosts' recent map, unless they are none;
 * the turnover (``c`` times the mean gap between removals) takes one removal
   at a time: the call's first at the gap since the last removal (the first
   removal ever starts the clock), the rest at gap 0, each averaged over the
   removals so far up to ``c``; the float operations run in this order;
 * the ghosts are appended in order, block ``k`` at eviction number
-  ``evictions + 1 + k`` (hash, class, reuse count, last access, live), and the
-  eviction count, turnover, last removal tick and tracked count are written
-  back. The ghosts past their span are the caller's to forget.
+  ``evictions + 1 + k`` (class, reuse count, last access, key, live); then,
+  in order, each key maps to its ghost's eviction number, and the live ghost
+  it named before, if any (two hashes of one key), dies. The eviction count,
+  turnover, last removal tick and tracked count are written back. The ghosts
+  past their span are the caller's to forget.
 
 :func:`forget_ghosts` forgets the live ghosts of indexes ``lo`` to ``hi - 1``
 (``0 <= lo <= hi <=`` the ghost arrays' length): every ghost of the range is
-marked dead and loses its hash, then each live one's hash leaves the ghost map
-and the ghosts' recent map, in order; each live one is recorded in the density
-model as a history ended unreused, at its class and age (the policy's clock
-less its last access).
+marked dead, then each live one's key leaves the ghost map and the ghosts'
+recent map, in order; each live one is recorded in the density model as a
+history ended unreused, at its class and age (the policy's clock less its
+last access).
 
-:attr:`Booking.ghost_map` makes the policy's ghost map (``_ghost_at``, block
-hash to eviction number): a ``dict`` with the references, the extension's
+The ghost keys a hash by Python's ``hash`` of it, an int of 64 bits that is
+never -1, so it holds no Python object: an evicted block's hash object is
+freed with the block, and a ghost is a few bytes in flat arrays and one entry
+of the ghost map. Two hashes of one key (a 64-bit collision, which block
+hashes digested from tokens all but never meet) share a ghost, the newer
+replacing the older: what they teach merges, no block's data is involved.
+
+:attr:`Booking.ghost_map` makes the policy's ghost map (``_ghost_at``, key to
+eviction number): a ``dict`` with the references, the extension's
 ``GhostMap`` with the compiled loops. ``GhostMap`` keeps a dict's contract for
 the methods it has (``[]``, ``in``, ``len``, ``get``, ``pop``, ``update``,
-``keys``, ``values``, ``items``, ``==`` against a dict, pickling) in an
-open-addressing table without tombstones: each eviction puts one hash in and
-the ghost's horizon takes one out, and a dict's lookups of absent hashes (most
-stores') slow down on the slots its deletions leave. The references run on
-either map; a compiled loop given any other map runs its reference.
+``keys``, ``values``, ``items``, ``==`` against a dict, pickling) for int keys
+of 64 bits other than -1, in an open-addressing table of ints without
+tombstones: each eviction puts one key in and the ghost's horizon takes one
+out, and a dict's lookups of absent keys (most stores') slow down on the slots
+its deletions leave. The references run on either map; a compiled loop given
+any other map runs its reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping, Sequence
 from itertools import compress
-from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
@@ -148,8 +160,7 @@ class BookPins(Protocol):
 
 
 class BookRemovals(Protocol):
-    def __call__(self, policy: HitDensityPolicy, blocks: Sequence[BlockId], block_hashes: Sequence[BlockHash],
-                 c: int) -> None:
+    def __call__(self, policy: HitDensityPolicy, blocks: Sequence[BlockId], c: int) -> None:
         """Leave a ghost for each of ``blocks`` and count the removals (module docstring)."""
 
 
@@ -168,7 +179,7 @@ class Booking(NamedTuple):
     book_pins: BookPins
     book_removals: BookRemovals
     forget_ghosts: ForgetGhosts
-    ghost_map: Callable[[], MutableMapping[BlockHash, int]]
+    ghost_map: Callable[[], MutableMapping[int, int]]
 
 
 def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Sequence[BlockHash],
@@ -177,8 +188,8 @@ def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Se
     """Book ``blocks[start:]`` into ``policy``'s state until its next refresh is due (module docstring)."""
     p = policy
     classes, where, uses_of, last_of, move, ghost_at = p._cls, p._where, p._uses, p._last, p._move, p._ghost_at
-    ghost_last, ghost_cls, ghost_uses, ghost_live, ghost_hash, ghost_recent, base = p._ghost_last, \
-        p._ghost_cls, p._ghost_uses, p._ghost_live, p._ghost_hash, p._ghost_recent, p._ghost_base
+    key_of, ghost_last, ghost_cls, ghost_uses, ghost_live, ghost_recent, base = p._key, p._ghost_last, \
+        p._ghost_cls, p._ghost_uses, p._ghost_live, p._ghost_recent, p._ghost_base
     recent, note, turnover, record = p._recent, p._shift.note, p._turnover, p._model.record_reuse
     clock, tracked, tip, due, reused = p._clock, p._tracked, p._tip, p._next_refresh, p._reused
     listed = mark == LISTED
@@ -193,14 +204,14 @@ def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Se
             if where[tip] == LISTED:  # a parked block enters its (new) class's list when unpinned
                 move(tip, old, cls)
         clock += 1
-        at = ghost_at.pop(block_hash, None)
+        key = hash(block_hash)
+        at = ghost_at.pop(key, None)
         if at is None:
             uses = 0
         else:  # a reuse the cache missed: learn from it, keep the history
             g = at - base
             cls, age = ghost_cls[g], clock - ghost_last[g]
             ghost_live[g] = 0
-            ghost_hash[g] = None
             record(cls, age)
             # It starts a reuse run unless its parent, as linked (a hash under itself heads its
             # chain), was reused just before.
@@ -208,7 +219,7 @@ def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Se
                 note(cls // KINDS)
             reused = block_hash
             gained = 1 + (age < turnover)  # back within a turnover: +1 more
-            recent[block] = ghost_recent.pop(block_hash, 0) + gained
+            recent[block] = ghost_recent.pop(key, 0) + gained
             uses = min(ghost_uses[g] + gained, MAX_USES)
         row = KINDS * (uses if uses < top else top)
         if had_children[i - 1]:
@@ -217,6 +228,7 @@ def book_inserts(policy: HitDensityPolicy, blocks: Sequence[BlockId], hashes: Se
             cls, tip = class_of[row + TIP], block
         uses_of[block] = uses
         last_of[block] = clock
+        key_of[block] = key
         classes[block] = cls
         where[block] = mark  # a parked block keeps its class and enters its list when unpinned
         if listed:
@@ -301,19 +313,19 @@ def book_pins(policy: HitDensityPolicy, blocks: Sequence[BlockId], mark: int) ->
     return len(moved)
 
 
-def book_removals(policy: HitDensityPolicy, blocks: Sequence[BlockId], block_hashes: Sequence[BlockHash],
-                  c: int) -> None:
-    """Leave a ghost for each of ``blocks`` (untracked, hashes ``block_hashes``) and count the removals
-    in a pool of ``c`` blocks (module docstring)."""
+def book_removals(policy: HitDensityPolicy, blocks: Sequence[BlockId], c: int) -> None:
+    """Leave a ghost for each of ``blocks`` (untracked) and count the removals in a pool of ``c`` blocks
+    (module docstring)."""
     p = policy
+    keys = list(map(p._key.__getitem__, blocks))
     recent, ghost_recent = p._recent, p._ghost_recent
     clock, evictions, turnover, last = p._clock, p._evictions, p._turnover, p._last_removal
     first = evictions + 1  # the first block's eviction number
     if recent:  # a block's reuses since the last refresh go with its ghost
-        for block, block_hash in compress(zip(blocks, block_hashes), map(recent.__contains__, blocks)):
+        for block, key in compress(zip(blocks, keys), map(recent.__contains__, blocks)):
             reuses = recent.pop(block)
             if reuses:
-                ghost_recent[block_hash] = reuses
+                ghost_recent[key] = reuses
     if blocks:
         # The mean gap between removals, one removal at a time: the first one starts the clock
         # (the fill before it is no gap), the rest of the call leave at the same tick (gap 0).
@@ -328,13 +340,18 @@ def book_removals(policy: HitDensityPolicy, blocks: Sequence[BlockId], block_has
             turnover -= turnover / c
         evictions, last = first + gone - 1, clock
     # Each ghost's index is its eviction number less _ghost_base: they are appended in order.
-    p._ghost_at.update(zip(block_hashes, range(first, evictions + 1)))
-    p._ghost_hash += block_hashes
     p._ghost_cls.extend(map(p._cls.__getitem__, blocks))  # a block's class and counters outlive it
     p._ghost_uses.extend(map(p._uses.__getitem__, blocks))
     p._ghost_last.extend(map(p._last.__getitem__, blocks))
-    p._ghost_live += b"\x01" * len(block_hashes)
-    p._tracked -= len(block_hashes)
+    p._ghost_key.extend(keys)
+    live, ghost_at, base = p._ghost_live, p._ghost_at, p._ghost_base
+    live += b"\x01" * len(keys)
+    for number, key in enumerate(keys, first):  # a key names its newest ghost: an older one of it dies
+        old = ghost_at.get(key)
+        if old is not None:
+            live[old - base] = 0
+        ghost_at[key] = number
+    p._tracked -= len(keys)
     p._evictions, p._turnover, p._last_removal = evictions, turnover, last
 
 
@@ -346,15 +363,14 @@ def forget_ghosts(policy: HitDensityPolicy, lo: int, hi: int) -> None:
     forgotten = np.flatnonzero(np.frombuffer(live[lo:hi], dtype=np.uint8))
     if not len(forgotten):
         return
-    hashes = cast(list[BlockHash], list(map(p._ghost_hash.__getitem__, (forgotten + lo).tolist())))
+    keys = np.frombuffer(p._ghost_key, dtype=np.int64)[lo:hi][forgotten].tolist()
     live[lo:hi] = bytes(hi - lo)
-    p._ghost_hash[lo:hi] = [None] * (hi - lo)
     ghost_at, recent = p._ghost_at, p._ghost_recent
-    for ghost_hash in hashes:
-        del ghost_at[ghost_hash]
+    for key in keys:
+        del ghost_at[key]
     if recent:
-        for ghost_hash in hashes:
-            recent.pop(ghost_hash, None)
+        for key in keys:
+            recent.pop(key, None)
     classes = np.frombuffer(p._ghost_cls[lo:hi], dtype=np.uint8)[forgotten]
     lasts = np.frombuffer(p._ghost_last[lo:hi], dtype=np.int64)[forgotten]
     p._model.record_ends(classes.tolist(), (p._clock - lasts).tolist())

@@ -1,4 +1,4 @@
-"""The compiled ghost map (hit density's block hash -> eviction number) keeps a dict's contract."""
+"""The compiled ghost map (hit density's ghost key -> eviction number) keeps a dict's contract for int keys."""
 
 from __future__ import annotations
 
@@ -17,31 +17,15 @@ GhostMap: Any = booking.LOOPS.compiled.ghost_map if booking.LOOPS.compiled is no
 pytestmark = pytest.mark.skipif(GhostMap is None, reason="the compiled loops were not built")
 
 
-class Clash:
-    """A key whose hash is one of a few values, so keys share home slots and probe runs wrap the table;
-    equal to another exactly when their names are."""
-
-    def __init__(self, name: int, hash_value: int) -> None:
-        self.name, self.hash_value = name, hash_value
-
-    def __hash__(self) -> int:
-        return self.hash_value
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Clash) and other.name == self.name
-
-    def __repr__(self) -> str:
-        return f"Clash({self.name}, {self.hash_value})"
-
-
-# Keys: block hashes of every size (small ints, 64-bit, 256-bit digests), and clashing keys whose hashes
-# pile up on a few slots (including -1, which Python's hash turns into -2, and -2 itself).
+# Keys: what the ghost keys a block hash by (Python's hash: an int of 64 bits, never -1), small ones and ones
+# at the ends of the range; a few keys drawn again and again so probe runs form and wrap the table.
 _KEYS = st.one_of(
-    st.integers(-3, 40),
-    st.integers(0, 2**64 - 1),
-    st.integers(0, 2**256 - 1),
-    st.builds(Clash, st.integers(0, 30), st.sampled_from([0, 1, 8, 2**61 - 1, -1, -2, 2**63 - 1])),
+    st.integers(-3, 40).filter(lambda key: key != -1),
+    st.integers(-(2**63), 2**63 - 1).filter(lambda key: key != -1),
+    st.sampled_from([0, -2, 2**61 - 1, 2**63 - 1, -(2**63), 2**62, 8, 16, 24]),
 )
+# What is no key: absent to every lookup, refused by every store.
+_NOT_KEYS = st.sampled_from([-1, 2**63, -(2**63) - 1, 2**256, 1.5, "3", None, (1, 2), b"k"])
 _VALUES = st.integers(-(2**63), 2**63 - 1)
 
 
@@ -114,20 +98,26 @@ class GhostMapAgainstDict(RuleBasedStateMachine):
         with pytest.raises((TypeError, OverflowError)):
             self.map[key] = bad
 
-    @rule()
-    def refuse_an_unhashable_key(self) -> None:
-        with pytest.raises(TypeError):
-            self.map[[1, 2]] = 1
-        with pytest.raises(TypeError):
-            self.map.pop({}, None)
+    @rule(bad=_NOT_KEYS, value=_VALUES)
+    def refuse_what_is_no_key(self, bad: Any, value: int) -> None:
+        """What is no int of 64 bits other than -1 is absent to every lookup and refused by every store
+        (quoted), changing nothing."""
+        assert bad not in self.map and self.map.get(bad, -5) == -5 and self.map.pop(bad, -6) == -6
+        for lookup in (self.map.__getitem__, self.map.pop, self.map.__delitem__):
+            with pytest.raises(KeyError):
+                lookup(bad)
+        with pytest.raises(ValueError if isinstance(bad, int) else TypeError, match="GhostMap keys are ints"):
+            self.map[bad] = value
+        with pytest.raises((TypeError, ValueError)):
+            self.map.update([(bad, value)])
 
     @rule()
     def copies(self) -> None:
         """A pickled or deep-copied map is an equal, separate map."""
         for twin in (pickle.loads(pickle.dumps(self.map)), copy.deepcopy(self.map), GhostMap(self.map)):
             assert type(twin) is GhostMap and twin == self.model and twin == self.map
-            twin[10**30] = 1
-            assert (10**30 in self.map) == (10**30 in self.model)
+            twin[10**15] = 1
+            assert (10**15 in self.map) == (10**15 in self.model)
 
     @invariant()
     def same_entries(self) -> None:
@@ -143,42 +133,17 @@ TestGhostMapAgainstDict.settings = settings(max_examples=150, stateful_step_coun
 
 
 def test_a_table_emptied_shrinks_and_one_filled_grows_within_four_slots_an_entry() -> None:
-    """The table never holds more than four slots per entry of its peak, and gives back memory when emptied."""
+    """The table never holds more than four 16-byte slots per entry of its peak, and gives back memory when
+    emptied."""
     ghost = GhostMap()
     empty = ghost.__sizeof__()
     for key in range(10_000):
-        ghost[key * 2**70] = key
+        ghost[key * 2**40] = key
     peak = ghost.__sizeof__()
-    assert peak - empty <= 4 * 10_000 * 24
+    assert peak - empty <= 4 * 10_000 * 16
     for key in range(10_000):
-        del ghost[key * 2**70]
-    assert len(ghost) == 0 and ghost.__sizeof__() - empty <= 8 * 24
-
-
-def test_a_comparison_that_changes_the_map_or_raises_is_refused() -> None:
-    """A key whose == changes the map mid-lookup is refused (RuntimeError), as is one whose == raises (its
-    error): the map stays a valid map with its entries."""
-    ghost = GhostMap()
-
-    class Meddler(Clash):
-        __hash__ = Clash.__hash__
-
-        def __eq__(self, other: object) -> bool:
-            ghost[object()] = 0  # a new key: the table changes under the lookup
-            return False
-
-    class Raiser(Clash):
-        __hash__ = Clash.__hash__
-
-        def __eq__(self, other: object) -> bool:
-            raise ValueError("no comparison")
-
-    ghost[Clash(1, 5)] = 1
-    with pytest.raises(RuntimeError, match="changed while a key was compared"):
-        ghost.get(Meddler(2, 5))
-    with pytest.raises(ValueError, match="no comparison"):
-        ghost[Raiser(3, 5)] = 3
-    assert ghost[Clash(1, 5)] == 1 and len(ghost) == 2
+        del ghost[key * 2**40]
+    assert len(ghost) == 0 and ghost.__sizeof__() - empty <= 8 * 16
 
 
 def test_the_policy_keeps_its_ghosts_in_the_map_of_its_booking() -> None:

@@ -719,9 +719,9 @@ def _restart_block_by_block(policy: HitDensityPolicy) -> None:
         policy._cls[block] = cls = block_class(uses, policy._cls[block] % 3)
         if policy._where[block] == 1:
             policy._move(block, -1, cls)
-    for i, ghost_hash in enumerate(policy._ghost_hash):
-        if ghost_hash is not None:
-            policy._ghost_uses[i] = min(policy._ghost_recent.get(ghost_hash, 0), 255)
+    for i, key in enumerate(policy._ghost_key):
+        if policy._ghost_live[i]:
+            policy._ghost_uses[i] = min(policy._ghost_recent.get(key, 0), 255)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -807,8 +807,8 @@ def test_the_ghost_is_bounded_in_bytes(capacity, entries):
 
 
 def test_a_ghost_costs_at_most_the_bytes_its_bound_counts():
-    """The bytes ``ghost_bytes`` counts per ghost (192) cover what a ghost holds: its map entry, array slots and
-    its 128-bit hash (the pool no longer holds it), at every size up to 200,000 ghosts (the map's resizes included)."""
+    """The bytes ``ghost_bytes`` counts per ghost (192) cover what a ghost holds: its map entry and array slots
+    (its hash object leaves with its block), at every size up to 200,000 ghosts (the map's resizes included)."""
     import gc
     import tracemalloc
 
