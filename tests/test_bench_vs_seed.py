@@ -34,6 +34,42 @@ def test_kvkit_sides_replay_one_engine_with_hits_evictions_and_lookups():
     assert rows["kvkit-lru"]["ratio_to_kvkit_lru"] == 1.0
 
 
+def test_the_sides_take_turns_and_each_gets_its_own_hits():
+    """Each step's calls go to the sides in a rotated order, each side first equally often; a side's hits are
+    its own whatever its turn (two hit-density sides around an LRU one, whose hits differ: the same hits and
+    stores as each other)."""
+    bench = _load()
+
+    class Recorder(bench.KvkitSide):
+        def complete(self) -> None:
+            if not calls:
+                firsts.append(self.name)
+            calls.append(self.name)
+            super().complete()
+
+        def arrive(self, rid: str, tokens: list[int], digests: list[bytes]) -> int:
+            self.found[rid] = super().arrive(rid, tokens, digests)
+            return self.found[rid]
+
+        def schedule(self, prefills: list[tuple[str, int]], decodes: list) -> None:
+            assert all(hit == self.found[rid] for rid, hit in prefills)  # its own hits, told back to it
+            super().schedule(prefills, decodes)
+
+    sides = [Recorder(policy, 8 * 200, 64) for policy in ("hit-density", "lru", "hit-density")]
+    for k, side in enumerate(sides):
+        side.name, side.found = f"side-{k}", {}
+    engine = bench.Engine(sides, 8, 16, 0)
+    firsts: list[str] = []
+    for _ in range(60):
+        calls: list[str] = []
+        engine.step()
+        assert sorted(calls) == sorted(side.name for side in sides)  # every side once a step
+    assert [firsts.count(side.name) for side in sides] == [20, 20, 20]
+    assert firsts[:3] == ["side-0", "side-1", "side-2"]
+    assert sides[0].hit_blocks == sides[2].hit_blocks != sides[1].hit_blocks
+    assert sides[0].stored_blocks == sides[2].stored_blocks > 0
+
+
 def test_the_lookup_measurement_finds_the_whole_prompt():
     bench = _load()
     run = bench.bench_lookup(16, ["hit-density"], repeat=2, config=None)  # asserts the full hit itself
