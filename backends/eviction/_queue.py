@@ -30,12 +30,12 @@ what changed (:meth:`ParkingQueue.watch`).
 
 The batch loops a scheduler step runs per block (:meth:`ParkingQueue.add_many`,
 :meth:`~ParkingQueue.add_pinned_many`, :meth:`~ParkingQueue.pin_many`, :meth:`~ParkingQueue.unpin_many`,
-:meth:`~ParkingQueue.remove_many`) and the selection (:meth:`~ParkingQueue.first`) run the set of
-:data:`LOOPS` a queue holds in its ``_loops`` (:mod:`~kvkit.backends.twins`): the compiled
-``_queue_loops`` module's functions where that extension was built, else their Python references (the
-methods named ``*_reference``), which hold the contract; the tests drive both on the same calls and compare
-the whole state. The set also holds :meth:`ParkingQueue.add` (the method itself its reference), which
-compiled callers run per block.
+:meth:`~ParkingQueue.remove_many`, :meth:`~ParkingQueue.touch_many`) and the selection
+(:meth:`~ParkingQueue.first`) run the set of :data:`LOOPS` a queue holds in its ``_loops``
+(:mod:`~kvkit.backends.twins`): the compiled ``_queue_loops`` module's functions where that extension was
+built, else their Python references (the methods named ``*_reference``), which hold the contract; the tests
+drive both on the same calls and compare the whole state. The set also holds :meth:`ParkingQueue.add` (the
+method itself its reference), which compiled callers run per block.
 """
 
 from __future__ import annotations
@@ -495,6 +495,16 @@ class ParkingQueue:
         else:
             self.add(block, pinned=self.remove(block))
 
+    def touch_many(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`touch` each of ``blocks`` in order (``PoolUsageError`` at the first absent one, those before it
+        touched)."""
+        self._loops.touch_many(self, blocks)
+
+    def touch_many_reference(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`touch_many` in Python: the reference of the compiled loop."""
+        for block in blocks:
+            self.touch(block)
+
     # -- pins --------------------------------------------------------------------
 
     def pin(self, block: BlockId) -> None:
@@ -802,13 +812,14 @@ class QueueLoops(NamedTuple):
     pin_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
     unpin_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
     remove_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
+    touch_many: Callable[[ParkingQueue, Sequence[BlockId]], None]
     first: Callable[[ParkingQueue, int, Callable[[BlockId], bool]], list[BlockId]]
 
 
 LOOPS: Twins[QueueLoops] = Twins.load(
     QueueLoops(ParkingQueue.add, ParkingQueue.add_many_reference, ParkingQueue.add_pinned_many_reference,
                ParkingQueue.pin_many_reference, ParkingQueue.unpin_many_reference, ParkingQueue.remove_many_reference,
-               ParkingQueue.first_reference),
+               ParkingQueue.touch_many_reference, ParkingQueue.first_reference),
     "kvkit.backends.eviction._queue_loops")
 
 

@@ -1,5 +1,5 @@
 /* The parking queue's loops, compiled: ParkingQueue.add, add_many, add_pinned_many, pin_many, unpin_many,
- * remove_many and first, step for step.
+ * remove_many, touch_many and first, step for step.
  *
  * _queue.py holds the references (the methods named *_reference) and the contract; the tests run both on
  * the same calls and compare the whole state. The per-block slots (prev, next: array('i'); stamp:
@@ -27,7 +27,8 @@ enum { ABSENT = 0, MAIN = 1, PARKED = 2, BACK = 3 };
 
 static PyObject *s_slots, *s_prev, *s_next, *s_stamp, *s_state, *s_clock, *s_base, *s_len, *s_head, *s_tail,
     *s_size, *s_edge, *s_cut, *s_pending, *s_back, *s_add, *s_pin, *s_unpin, *s_remove, *s_pin_many_ref,
-    *s_first_ref, *s_add_pinned_ref, *s_add_many_ref, *s_unpin_many_ref, *s_remove_many_ref;
+    *s_first_ref, *s_add_pinned_ref, *s_add_many_ref, *s_unpin_many_ref, *s_remove_many_ref, *s_touch,
+    *s_touch_many_ref;
 
 /* One queue for one call: its slots' buffers and its scalars. */
 typedef struct {
@@ -623,6 +624,50 @@ done:
     return result;
 }
 
+/* ParkingQueue.touch_many_reference: a parked block takes the next stamp, a listed one past the edge (outside any
+ * watched window) moves to the list's young end with it; any other block runs the reference's touch. */
+static PyObject *
+touch_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_args("touch_many", nargs, 2) < 0)
+        return NULL;
+    Queue q = {.queue = args[0]};
+    PyObject *blocks = NULL, *result = NULL;
+    if (!is_sequence(args[1]))
+        return reference(args[0], s_touch_many_ref, args + 1, 1);
+    if (take(&q) < 0 || (blocks = PySequence_Tuple(args[1])) == NULL)
+        goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(blocks, i);
+        if (flush(&q) < 0) /* each touch links the pending block first */
+            goto done;
+        Py_ssize_t block = slot_of(&q, item);
+        long long state = block < 0 ? -1 : state_of(&q, block);
+        if (state == (q.base | PARKED)) {
+            q.stamp[block] = ++q.clock;
+            continue;
+        }
+        if (state == (q.base | MAIN) && q.stamp[block] > q.edge) {
+            if (unlink_block(&q, block) < 0)
+                goto done;
+            q.stamp[block] = ++q.clock;
+            if (link_block(&q, block) < 0)
+                goto done;
+            continue;
+        }
+        if (per_block(&q, s_touch, item) < 0)
+            goto done;
+    }
+    if (give(&q) == 0)
+        result = Py_NewRef(Py_None);
+done:
+    result = finish(&q, result);
+    Py_XDECREF(blocks);
+    return result;
+}
+
 /* ParkingQueue.remove_many_reference: a listed block past the edge is unlinked, a parked one dropped; any
  * other block runs the reference's remove. */
 static PyObject *
@@ -786,6 +831,8 @@ static PyMethodDef methods[] = {
      "unpin_many(queue, blocks): ParkingQueue.unpin_many_reference, compiled."},
     {"remove_many", (PyCFunction)(void (*)(void))remove_many, METH_FASTCALL,
      "remove_many(queue, blocks): ParkingQueue.remove_many_reference, compiled."},
+    {"touch_many", (PyCFunction)(void (*)(void))touch_many, METH_FASTCALL,
+     "touch_many(queue, blocks): ParkingQueue.touch_many_reference, compiled."},
     {"first", (PyCFunction)(void (*)(void))first, METH_FASTCALL,
      "first(queue, n, is_evictable) -> blocks: ParkingQueue.first_reference, compiled."},
     {NULL, NULL, 0, NULL},
@@ -815,7 +862,8 @@ PyInit__queue_loops(void)
         || intern(&s_first_ref, "first_reference") < 0 || intern(&s_add_pinned_ref, "add_pinned_many_reference") < 0
         || intern(&s_add_many_ref, "add_many_reference") < 0
         || intern(&s_unpin_many_ref, "unpin_many_reference") < 0
-        || intern(&s_remove_many_ref, "remove_many_reference") < 0)
+        || intern(&s_remove_many_ref, "remove_many_reference") < 0 || intern(&s_touch, "touch") < 0
+        || intern(&s_touch_many_ref, "touch_many_reference") < 0)
         return NULL;
     return PyModule_Create(&module);
 }

@@ -73,9 +73,12 @@ class FIFOPolicy(ParkingQueue, EvictionPolicy):
                 self.on_unpin(block)
 
     def access_many(self, blocks: Sequence[BlockId]) -> None:
-        """``on_access`` for each block in order."""
-        for block in blocks:
-            self.on_access(block)
+        """``on_access`` for each block in order; the queue's own touches (LRU's) in one batch."""
+        if type(self).on_access is ParkingQueue.touch:
+            ParkingQueue.touch_many(self, blocks)
+        else:
+            for block in blocks:
+                self.on_access(block)
 
     @override
     def on_access(self, block: BlockId) -> None:

@@ -119,6 +119,8 @@ _CASES = [
     ("unpin_many", ([_F + 3, _F + _N - 1, _F + 6],), True, False, True),  # the pending block linked first
     ("remove_many", ([_F + 1, _F + 3, _F + 2, _F + 150, _F + 4],), True, True, False),  # listed, parked, side list
     ("remove_many", ([_F + 1, _F + 3, _F + _N - 2],), False, False, True),
+    ("touch_many", ([_F + 1, _F + 3, _F + 2, _F + 4, _F + _N - 1],), True, False, False),  # listed, parked
+    ("touch_many", ([_F + 1, _F + 150, _F + 4],), False, True, True),  # a side-list block: the reference's touch
     ("first", (5, _odd), True, False, False),  # some not evictable: the walk
     ("first", (5, any_block), True, False, True),  # the list's head
     ("first", (5, _odd), True, True, False),  # a side list: the reference

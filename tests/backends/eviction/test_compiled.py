@@ -928,6 +928,7 @@ _QUEUE_OPS = st.lists(st.one_of(
     st.tuples(st.just("remove"), st.integers(0, 1), _BLOCK),
     st.tuples(st.just("remove_many"), st.integers(0, 1), st.lists(_BLOCK, max_size=5), _KINDS),
     st.tuples(st.just("touch"), st.integers(0, 1), _BLOCK),
+    st.tuples(st.just("touch_many"), st.integers(0, 1), st.lists(_BLOCK, max_size=5), _KINDS),
     st.tuples(st.just("watch"), st.integers(0, 1), st.integers(0, 3)),
     st.tuples(st.just("entered"), st.integers(0, 1)),
     st.tuples(st.just("first"), st.integers(0, 1), st.integers(-1, 6), st.booleans()),
@@ -982,6 +983,10 @@ def _queues_state(queues: list[ParkingQueue]) -> list[dict[str, Any]]:
 @example(ops=[("add_many", 0, [0, 1, 2], [True, False], UserList)], shared=False)  # two flags: two blocks
 @example(ops=[("add", 0, 0, False), ("add", 0, 1, True), ("add", 0, 2, False), ("add", 0, 2, True),
               ("first", 0, 3, True)], shared=True)  # a pending block linked first, a tracked one refused
+@example(ops=[("add", 0, 0, False), ("add", 0, 1, True), ("add", 0, 2, False), ("watch", 0, 1),
+              ("touch_many", 0, [2, 1, 0, 2, 5], list), ("first", 0, 3, True)], shared=True)  # listed, parked,
+@example(ops=[("add", 0, 0, False), ("add", 0, 1, False), ("touch_many", 0, [0, 0, 1], tuple),  # watched, absent
+              ("pin", 0, 1), ("unpin_many", 0, [1], list), ("touch_many", 0, [1, 0], list)], shared=False)
 @given(ops=_QUEUE_OPS, shared=st.booleans())
 def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], shared: bool) -> None:
     """Two sets of queues take the same calls, one running the compiled loops, one the references (a single
@@ -999,7 +1004,7 @@ def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], sha
             name, args = op[0], op[2:]
             if name in ("pin", "pin_many"):  # (ParkingQueue.pin(-1) with no block pending parks the last
                 args = _no_minus_one(args)       # slot: a quirk of the reference's per-block pin, run by both)
-            if name in ("add_pinned_many", "pin_many", "unpin_many", "remove_many"):
+            if name in ("add_pinned_many", "pin_many", "unpin_many", "remove_many", "touch_many"):
                 args = (args[1](args[0]),)
             elif name == "add_many":  # blocks and their flags, paired to the shorter's end
                 args = (args[2](args[0]), args[2](args[1]))
