@@ -364,17 +364,32 @@ check_args(const char *name, Py_ssize_t nargs, Py_ssize_t wanted)
     return 0;
 }
 
+/* A batch loop's arguments (queue, blocks): 0 where the loop runs them; else 1 and *answer what the call returns
+ * (NULL with a wrong count refused, or the reference's result for blocks in neither a list nor a tuple). */
+static int
+batch_args(const char *name, PyObject *ref, PyObject *const *args, Py_ssize_t nargs, PyObject **answer)
+{
+    if (check_args(name, nargs, 2) < 0) {
+        *answer = NULL;
+        return 1;
+    }
+    if (!is_sequence(args[1])) {
+        *answer = reference(args[0], ref, args + 1, 1);
+        return 1;
+    }
+    return 0;
+}
+
 /* ParkingQueue.add_pinned_many_reference: add then pin each block. */
 static PyObject *
 add_pinned_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (check_args("add_pinned_many", nargs, 2) < 0)
-        return NULL;
+    PyObject *answer;
+    if (batch_args("add_pinned_many", s_add_pinned_ref, args, nargs, &answer))
+        return answer;
     Queue q = {.queue = args[0]};
     PyObject *blocks = NULL, *result = NULL;
-    if (!is_sequence(args[1]))
-        return reference(args[0], s_add_pinned_ref, args + 1, 1);
     if (take(&q) < 0)
         goto done;
     if (q.size != 0) { /* watched: each add and pin may move the window */
@@ -513,12 +528,11 @@ static PyObject *
 pin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (check_args("pin_many", nargs, 2) < 0)
-        return NULL;
+    PyObject *answer;
+    if (batch_args("pin_many", s_pin_many_ref, args, nargs, &answer))
+        return answer;
     Queue q = {.queue = args[0]};
     PyObject *blocks = NULL, *rest = NULL, *result = NULL;
-    if (!is_sequence(args[1]))
-        return reference(args[0], s_pin_many_ref, args + 1, 1);
     if (take(&q) < 0)
         goto done;
     if ((blocks = PySequence_Tuple(args[1])) == NULL)
@@ -566,12 +580,11 @@ static PyObject *
 unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (check_args("unpin_many", nargs, 2) < 0)
-        return NULL;
+    PyObject *answer;
+    if (batch_args("unpin_many", s_unpin_many_ref, args, nargs, &answer))
+        return answer;
     Queue q = {.queue = args[0]};
     PyObject *blocks = NULL, *back = NULL, *result = NULL;
-    if (!is_sequence(args[1]))
-        return reference(args[0], s_unpin_many_ref, args + 1, 1);
     if (take(&q) < 0)
         goto done;
     if (q.size != 0) { /* watched: a release may move the window */
@@ -630,12 +643,11 @@ static PyObject *
 touch_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (check_args("touch_many", nargs, 2) < 0)
-        return NULL;
+    PyObject *answer;
+    if (batch_args("touch_many", s_touch_many_ref, args, nargs, &answer))
+        return answer;
     Queue q = {.queue = args[0]};
     PyObject *blocks = NULL, *result = NULL;
-    if (!is_sequence(args[1]))
-        return reference(args[0], s_touch_many_ref, args + 1, 1);
     if (take(&q) < 0 || (blocks = PySequence_Tuple(args[1])) == NULL)
         goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(blocks);
@@ -674,12 +686,11 @@ static PyObject *
 remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (check_args("remove_many", nargs, 2) < 0)
-        return NULL;
+    PyObject *answer;
+    if (batch_args("remove_many", s_remove_many_ref, args, nargs, &answer))
+        return answer;
     Queue q = {.queue = args[0]};
     PyObject *blocks = NULL, *result = NULL;
-    if (!is_sequence(args[1]))
-        return reference(args[0], s_remove_many_ref, args + 1, 1);
     if (take(&q) < 0 || (blocks = PySequence_Tuple(args[1])) == NULL || flush(&q) < 0)
         goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(blocks);
