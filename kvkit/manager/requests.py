@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Sequence, Set
 from itertools import chain
 from typing import Any, cast
 
@@ -241,7 +241,7 @@ def check_rows(request_id: str, rows: object, num_groups: int, num_blocks: int |
         if not set(map(type, ids)) <= _INT:  # plain ints, the common case: one pass at C speed
             ids = [_block_id(request_id, what, g, i, b) for i, b in enumerate(ids)]
         out.append(ids)
-    flat: list[BlockId] = out[0] if len(out) == 1 else list(chain.from_iterable(out))
+    flat: Sequence[int] = out[0] if len(out) == 1 else list(chain.from_iterable(out))
     if not flat:
         return out, set()
     low, high, null = min(flat), max(flat), null_block
