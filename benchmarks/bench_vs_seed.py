@@ -46,7 +46,10 @@ lookup call alone. ``ratio`` is each side's median CPU step over the seed's.
 ``stored_blocks_per_step`` counts the blocks each side's steps planned to copy
 to the CPU tier (the mean over the timed steps): kvkit's eager store also
 re-stores, when a request finishes, its blocks the CPU tier evicted while it
-ran; the seed stores each block once.
+ran; the seed stores each block once. ``cpu_us_per_stored_block`` is a side's median
+CPU step over those blocks a step, and ``per_stored_block_ratio_to_seed`` its ratio
+to the seed's: the cost of the same unit of work (a step's per-request calls are in
+it too, so it is a rate, not a per-block price).
 
 Lookup: one request whose ``--lookup-blocks`` blocks (2,048: 32k tokens) are all
 on the CPU tier, looked up (finds and pins the hit) ``--repeat`` times per
@@ -472,6 +475,7 @@ def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup
         side.check()
         cpu = [c / 1e6 for c, _ in samples[side.name]]
         wall = [w / 1e6 for _, w in samples[side.name]]
+        stored = side.stored_blocks - stored_before[side.name]
         lookups = [n / 1e3 for n in side.clock.lookups]
         rows[side.name] = {
             "step_cpu_median_ms": round(statistics.median(cpu), 3), "step_cpu_p90_ms": round(pct(cpu, 0.9), 3),
@@ -480,7 +484,8 @@ def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup
             "lookup_cpu_median_us": round(statistics.median(lookups), 1) if lookups else None,
             "lookup_cpu_p90_us": round(pct(lookups, 0.9), 1) if lookups else None,
             "hit_blocks": side.hit_blocks,
-            "stored_blocks_per_step": round((side.stored_blocks - stored_before[side.name]) / steps, 1),
+            "stored_blocks_per_step": round(stored / steps, 1),
+            "cpu_us_per_stored_block": round(statistics.median(cpu) * 1e3 * steps / stored, 2) if stored else None,
         }
         if isinstance(side, KvkitSide):
             rows[side.name]["cpu_evictions"] = side.evictions()
@@ -488,6 +493,9 @@ def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup
     for row in rows.values():
         if base is not None:
             row["ratio_to_seed"] = round(row["step_cpu_median_ms"] / base["step_cpu_median_ms"], 2)
+            if row["cpu_us_per_stored_block"] and base["cpu_us_per_stored_block"]:
+                row["per_stored_block_ratio_to_seed"] = round(
+                    row["cpu_us_per_stored_block"] / base["cpu_us_per_stored_block"], 2)
         if "kvkit-lru" in rows:
             row["ratio_to_kvkit_lru"] = round(row["step_cpu_median_ms"] / rows["kvkit-lru"]["step_cpu_median_ms"], 2)
     return {"requests": requests, "rate": rate, "steps": steps, "warmup": warmup, "cpu_blocks": cpu_blocks,

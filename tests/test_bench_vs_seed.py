@@ -30,6 +30,7 @@ def test_kvkit_sides_replay_one_engine_with_hits_evictions_and_lookups():
         assert row["lookups"] == rows["kvkit-lru"]["lookups"] > 0
         assert row["cpu_evictions"] > 0 and row["step_cpu_median_ms"] > 0
         assert row["stored_blocks_per_step"] >= 8  # every running request completes a block a step
+        assert row["cpu_us_per_stored_block"] > 0
     assert sum(row["hit_blocks"] for row in rows.values()) > 0
     assert rows["kvkit-lru"]["ratio_to_kvkit_lru"] == 1.0
 
@@ -97,5 +98,8 @@ def test_the_seed_side_replays_the_same_engine():
     assert rows["seed"]["lookups"] == rows["kvkit-lru"]["lookups"] > 0
     assert rows["seed"]["hit_blocks"] > 0 and rows["seed"]["ratio_to_seed"] == 1.0
     assert rows["seed"]["stored_blocks_per_step"] > 0 and rows["kvkit-lru"]["stored_blocks_per_step"] > 0
+    assert rows["seed"]["per_stored_block_ratio_to_seed"] == 1.0
+    assert rows["kvkit-lru"]["per_stored_block_ratio_to_seed"] == round(
+        rows["kvkit-lru"]["cpu_us_per_stored_block"] / rows["seed"]["cpu_us_per_stored_block"], 2)
     lookup = bench.bench_lookup(16, ["lru"], repeat=2, config=config)
     assert set(lookup["sides"]) == {"seed", "kvkit-lru"}
