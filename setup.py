@@ -2,17 +2,17 @@
 
 from setuptools import Extension, setup
 
-_SHARED_HEADERS = ["backends/_twin.h", "backends/_views.h"]
+_SHARED_HEADERS = ["backends/_objects.h", "backends/_twin.h", "backends/_views.h"]
 
 
-def _twin(module: str, *, headers: bool = True, exact_floats: bool = False, own_header: str | None = None) -> Extension:
+def _twin(module: str, *, exact_floats: bool = False, own_header: str | None = None) -> Extension:
     """The optional extension ``kvkit.backends.<module>`` from ``backends/<module path>.c``: with the shared
     headers, and its ``own_header`` beside it, and with ``exact_floats`` built without fused multiply-adds (its
     float steps as the Python's)."""
     path = f"backends/{module.replace('.', '/')}"
-    depends = (_SHARED_HEADERS if headers else []) + ([f"{path.rsplit('/', 1)[0]}/{own_header}"] if own_header else [])
+    depends = _SHARED_HEADERS + ([f"{path.rsplit('/', 1)[0]}/{own_header}"] if own_header else [])
     return Extension(f"kvkit.backends.{module}", [f"{path}.c"], optional=True,
-                     include_dirs=["backends"] if headers else [], depends=depends,
+                     include_dirs=["backends"], depends=depends,
                      extra_compile_args=["-ffp-contract=off"] if exact_floats else [])
 
 
@@ -26,7 +26,7 @@ setup(ext_modules=[
     # the chain index's loops (backends/eviction/_chains.py holds the references)
     _twin("eviction._chains_loops"),
     # the block pool's per-block loops (backends/allocator/pool.py holds the reference, loops.py the contracts)
-    _twin("allocator._pool_loops", headers=False),
+    _twin("allocator._pool_loops"),
     # the parking queue's batch loops (backends/eviction/_queue.py holds the references)
-    _twin("eviction._queue_loops", headers=False),
+    _twin("eviction._queue_loops"),
 ])

@@ -8,6 +8,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 
 typedef struct {
     Py_buffer buf;
@@ -38,6 +39,26 @@ view_attr(PyObject *obj, PyObject *name, View *v, Py_ssize_t itemsize)
     int rc = view(o, v, itemsize, PyUnicode_AsUTF8(name));
     Py_DECREF(o);
     return rc;
+}
+
+/* Hold obj's buffer in v if it is a C-contiguous array of ndim dimensions whose items are itemsize bytes of one
+ * of the struct type codes in `codes`, in native order (x86-64 and the other little-endian hosts this builds on),
+ * writable if asked: 0; else -1 with no error set (a buffer of another kind, or none: the caller declines and
+ * its reference runs). */
+static inline int
+hold_array(PyObject *obj, View *v, int ndim, Py_ssize_t itemsize, const char *codes, int writable)
+{
+    if (PyObject_GetBuffer(obj, &v->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    v->held = 1;
+    const char *code = v->buf.format;
+    if (code[0] == '@' || code[0] == '=' || code[0] == '<')
+        code++;
+    if (v->buf.itemsize != itemsize || v->buf.ndim != ndim || strlen(code) != 1 || strchr(codes, code[0]) == NULL)
+        return -1;
+    return 0;
 }
 
 static inline void

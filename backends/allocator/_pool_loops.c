@@ -12,21 +12,17 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_objects.h"
+
 /* A list or tuple's items and count; 0 for anything else (nothing raised). */
 static int
 items_of(PyObject *seq, PyObject ***items, Py_ssize_t *count)
 {
-    if (PyList_CheckExact(seq)) {
-        *items = PySequence_Fast_ITEMS(seq);
-        *count = PyList_GET_SIZE(seq);
-        return 1;
-    }
-    if (PyTuple_CheckExact(seq)) {
-        *items = PySequence_Fast_ITEMS(seq);
-        *count = PyTuple_GET_SIZE(seq);
-        return 1;
-    }
-    return 0;
+    if (!is_sequence(seq))
+        return 0;
+    *items = PySequence_Fast_ITEMS(seq);
+    *count = PySequence_Fast_GET_SIZE(seq);
+    return 1;
 }
 
 /* The pool's refcount and hash lists, of one size; 0 when they are not (nothing raised). */
@@ -110,10 +106,8 @@ static PyObject *
 incref(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "incref takes 3 arguments (ref, hashes, blocks), got %zd", nargs);
+    if (check_args("incref(ref, hashes, blocks)", nargs, 3) < 0)
         return NULL;
-    }
     PyObject *ref = args[0], *hashes = args[1], **blocks;
     Py_ssize_t n, count, done = 0;
     if (!state_of(ref, hashes, &n) || !items_of(args[2], &blocks, &count))
@@ -148,10 +142,8 @@ static PyObject *
 decref(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "decref takes 3 arguments (ref, hashes, blocks), got %zd", nargs);
+    if (check_args("decref(ref, hashes, blocks)", nargs, 3) < 0)
         return NULL;
-    }
     PyObject *ref = args[0], *hashes = args[1], **blocks;
     Py_ssize_t n, count, done = 0;
     if (!state_of(ref, hashes, &n) || !items_of(args[2], &blocks, &count))
@@ -199,11 +191,8 @@ static PyObject *
 commit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError,
-                     "commit takes 6 arguments (ref, hashes, index, blocks, block_hashes, parents), got %zd", nargs);
+    if (check_args("commit(ref, hashes, index, blocks, block_hashes, parents)", nargs, 6) < 0)
         return NULL;
-    }
     PyObject *ref = args[0], *block_hash = args[1], *index = args[2];
     PyObject **blocks, **hashes, **parents = NULL;
     Py_ssize_t n, count, hash_count, parent_count;
@@ -270,10 +259,8 @@ static PyObject *
 hand_out(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "hand_out takes 2 arguments (ref, blocks), got %zd", nargs);
+    if (check_args("hand_out(ref, blocks)", nargs, 2) < 0)
         return NULL;
-    }
     PyObject *ref = args[0], **blocks, *one = NULL;
     Py_ssize_t n, count;
     if (!state_of(ref, NULL, &n) || !items_of(args[1], &blocks, &count))
@@ -302,10 +289,8 @@ static PyObject *
 drop(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "drop takes 4 arguments (hashes, index, victims, gone), got %zd", nargs);
+    if (check_args("drop(hashes, index, victims, gone)", nargs, 4) < 0)
         return NULL;
-    }
     PyObject *block_hash = args[0], *index = args[1], **victims, **gone;
     Py_ssize_t n, count, gone_count;
     if (!state_of(block_hash, NULL, &n) || !PyDict_CheckExact(index) || !items_of(args[2], &victims, &count)

@@ -25,6 +25,7 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "_objects.h"
 #include "_views.h"
 
 /* The marks of _chains.py's _up: no block, an orphan, no block tracked, a parent that left this call. */
@@ -200,23 +201,6 @@ unlink_ring(Chains *c, long block, long first, long *out)
     return 0;
 }
 
-/* dict.pop(key): a new reference; NULL with KeyError when absent. */
-static PyObject *
-pop(PyObject *dict, PyObject *key)
-{
-    PyObject *v = PyDict_GetItemWithError(dict, key);
-    if (v == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetObject(PyExc_KeyError, key);
-        return NULL;
-    }
-    Py_INCREF(v);
-    if (PyDict_DelItem(dict, key) < 0) {
-        Py_CLEAR(v);
-    }
-    return v;
-}
-
 static int
 as_block(PyObject *obj, long *out)
 {
@@ -309,12 +293,6 @@ refusal(const char *name, PyObject *args)
     return error;
 }
 
-static int
-is_sequence(PyObject *obj)
-{
-    return PyList_CheckExact(obj) || PyTuple_CheckExact(obj);
-}
-
 /* The walk drops at a block it holds (FlatChains.add_many's new child of a pushed block). */
 static int
 drop_walk(PyObject *chains, Chains *c)
@@ -368,10 +346,8 @@ static PyObject *
 add_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "add_many takes 6 arguments, got %zd", nargs);
+    if (check_args("add_many", nargs, 6) < 0)
         return NULL;
-    }
     PyObject *chains = args[0], *owner = args[1], *pinned = args[5];
     PyObject *blocks = NULL, *hashes = NULL, *parents = NULL, *parent_blocks = NULL, *fresh = NULL;
     PyObject *refused = NULL, *result = NULL;
@@ -599,10 +575,8 @@ static PyObject *
 remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "remove_many takes 4 arguments, got %zd", nargs);
+    if (check_args("remove_many", nargs, 4) < 0)
         return NULL;
-    }
     PyObject *chains = args[0], *owner = args[1];
     PyObject *blocks = NULL, *leaving = NULL, *unqueued = NULL, *removed = NULL, *result = NULL;
     long *staying = NULL;
@@ -679,9 +653,12 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         long parent_block = c.up[block];
         c.up[block] = UNTRACKED;
         if (parent_block == ORPHAN) {
-            PyObject *parent = pop(c.orphan_of, block_obj);
-            if (parent == NULL)
+            PyObject *parent = dict_pop(c.orphan_of, block_obj);
+            if (parent == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_SetObject(PyExc_KeyError, block_obj);
                 goto done;
+            }
             int rc;
             if (checked)
                 rc = PyList_Append(unqueued, block_obj);
@@ -1119,10 +1096,8 @@ static PyObject *
 collect(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "collect takes 5 arguments, got %zd", nargs);
+    if (check_args("collect", nargs, 5) < 0)
         return NULL;
-    }
     Walker w;
     long root = NONE;
     PyObject *held = NULL, *victims = NULL, *skipped = NULL, *picked = NULL, *result = NULL;
@@ -1231,10 +1206,8 @@ static PyObject *
 orphans_among(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "orphans_among takes 2 arguments, got %zd", nargs);
+    if (check_args("orphans_among", nargs, 2) < 0)
         return NULL;
-    }
     PyObject *chains = args[0], *blocks = args[1], *result = NULL;
     View up_v = {0};
     int32_t *up;
@@ -1266,10 +1239,8 @@ static PyObject *
 distinct_tracked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "distinct_tracked takes 2 arguments, got %zd", nargs);
+    if (check_args("distinct_tracked", nargs, 2) < 0)
         return NULL;
-    }
     PyObject *chains = args[0], *blocks = args[1];
     if (!is_sequence(blocks)) /* another sequence: the reference */
         return PyObject_CallMethod(chains, "distinct_tracked_reference", "(O)", blocks);

@@ -20,6 +20,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "_objects.h"
+
 /* A block's part in its queue (state = base | part) and the end of a list, as in _queue.py. */
 enum { ABSENT = 0, MAIN = 1, PARKED = 2, BACK = 3 };
 #define NIL (-1)
@@ -73,28 +75,6 @@ release(Queue *q)
     }
 }
 
-static int
-get_ll(PyObject *obj, PyObject *name, long long *out)
-{
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL)
-        return -1;
-    *out = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-static int
-set_ll(PyObject *obj, PyObject *name, long long value)
-{
-    PyObject *v = PyLong_FromLongLong(value);
-    if (v == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(obj, name, v);
-    Py_DECREF(v);
-    return rc;
-}
-
 /* One slot array's buffer, its items itemsize (or either of two sizes: itemsize2) bytes long. */
 static int
 buffer(PyObject *slots, PyObject *name, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t itemsize2)
@@ -121,11 +101,11 @@ take(Queue *q)
     q->held = 0;
     if (q->slots == NULL && (q->slots = PyObject_GetAttr(q->queue, s_slots)) == NULL)
         return -1;
-    if (get_ll(q->queue, s_base, &q->base) < 0 || get_ll(q->queue, s_len, &q->len) < 0
-        || get_ll(q->queue, s_head, &q->head) < 0 || get_ll(q->queue, s_tail, &q->tail) < 0
-        || get_ll(q->queue, s_size, &q->size) < 0 || get_ll(q->queue, s_edge, &q->edge) < 0
-        || get_ll(q->queue, s_cut, &q->cut) < 0 || get_ll(q->queue, s_pending, &q->pending) < 0
-        || get_ll(q->slots, s_clock, &q->clock) < 0)
+    if (attr_ll(q->queue, s_base, &q->base) < 0 || attr_ll(q->queue, s_len, &q->len) < 0
+        || attr_ll(q->queue, s_head, &q->head) < 0 || attr_ll(q->queue, s_tail, &q->tail) < 0
+        || attr_ll(q->queue, s_size, &q->size) < 0 || attr_ll(q->queue, s_edge, &q->edge) < 0
+        || attr_ll(q->queue, s_cut, &q->cut) < 0 || attr_ll(q->queue, s_pending, &q->pending) < 0
+        || attr_ll(q->slots, s_clock, &q->clock) < 0)
         return -1;
     if (buffer(q->slots, s_prev, &q->prev_b, 4, 4) < 0)
         return -1;
@@ -167,9 +147,9 @@ take_entry(Queue *q)
     q->held = 0;
     q->entry = 1;
     q->pending = NIL;
-    if ((q->slots = PyObject_GetAttr(q->queue, s_slots)) == NULL || get_ll(q->queue, s_base, &q->base) < 0
-        || get_ll(q->queue, s_len, &q->len) < 0 || get_ll(q->queue, s_size, &q->size) < 0
-        || get_ll(q->slots, s_clock, &q->clock) < 0 || buffer(q->slots, s_stamp, &q->stamp_b, 8, 8) < 0)
+    if ((q->slots = PyObject_GetAttr(q->queue, s_slots)) == NULL || attr_ll(q->queue, s_base, &q->base) < 0
+        || attr_ll(q->queue, s_len, &q->len) < 0 || attr_ll(q->queue, s_size, &q->size) < 0
+        || attr_ll(q->slots, s_clock, &q->clock) < 0 || buffer(q->slots, s_stamp, &q->stamp_b, 8, 8) < 0)
         return -1;
     if (buffer(q->slots, s_state, &q->state_b, 1, 8) < 0) {
         PyBuffer_Release(&q->stamp_b);
@@ -194,13 +174,13 @@ static int
 give(Queue *q)
 {
     if (q->entry) { /* an add: no link changed */
-        if (set_ll(q->queue, s_len, q->len) < 0 || set_ll(q->slots, s_clock, q->clock) < 0
-            || (q->pending != NIL && set_ll(q->queue, s_pending, q->pending) < 0))
+        if (set_attr_ll(q->queue, s_len, q->len) < 0 || set_attr_ll(q->slots, s_clock, q->clock) < 0
+            || (q->pending != NIL && set_attr_ll(q->queue, s_pending, q->pending) < 0))
             return -1;
     }
-    else if (set_ll(q->queue, s_len, q->len) < 0 || set_ll(q->queue, s_head, q->head) < 0
-             || set_ll(q->queue, s_tail, q->tail) < 0 || set_ll(q->queue, s_cut, q->cut) < 0
-             || set_ll(q->queue, s_pending, q->pending) < 0 || set_ll(q->slots, s_clock, q->clock) < 0)
+    else if (set_attr_ll(q->queue, s_len, q->len) < 0 || set_attr_ll(q->queue, s_head, q->head) < 0
+             || set_attr_ll(q->queue, s_tail, q->tail) < 0 || set_attr_ll(q->queue, s_cut, q->cut) < 0
+             || set_attr_ll(q->queue, s_pending, q->pending) < 0 || set_attr_ll(q->slots, s_clock, q->clock) < 0)
         return -1;
     release(q);
     return 0;
@@ -348,22 +328,6 @@ reference(PyObject *queue, PyObject *name, PyObject *const *args, Py_ssize_t nar
     return PyObject_VectorcallMethod(name, argv, (size_t)(nargs + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
-static int
-is_sequence(PyObject *obj)
-{
-    return PyList_CheckExact(obj) || PyTuple_CheckExact(obj);
-}
-
-static int
-check_args(const char *name, Py_ssize_t nargs, Py_ssize_t wanted)
-{
-    if (nargs != wanted) {
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, wanted, nargs);
-        return -1;
-    }
-    return 0;
-}
-
 /* A batch loop's arguments (queue, blocks): 0 where the loop runs them; else 1 and *answer what the call returns
  * (NULL with a wrong count refused, or the reference's result for blocks in neither a list nor a tuple). */
 static int
@@ -459,7 +423,7 @@ add(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Queue q = {.queue = args[0]};
     PyObject *result = NULL;
     long long pending;
-    if (get_ll(q.queue, s_pending, &pending) < 0 || (pending == NIL ? take_entry(&q) : take(&q)) < 0)
+    if (attr_ll(q.queue, s_pending, &pending) < 0 || (pending == NIL ? take_entry(&q) : take(&q)) < 0)
         goto done;
     Py_ssize_t block = slot_of(&q, args[1]);
     if (block < 0 || state_of(&q, block) != ABSENT || (q.size != 0 && pinned == Py_False)) {

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "_ghost_map.h"
+#include "_objects.h"
 #include "_twin.h"
 #include "_views.h"
 
@@ -166,43 +167,6 @@ reclass(State *s, long block, long old, long new)
     return ((unsigned char *)s->where.buf.buf)[block] == LISTED ? move(s, block, old, new) : 0;
 }
 
-static int
-attr_long(PyObject *obj, PyObject *name, long long *out)
-{
-    PyObject *v = attr(obj, name);
-    if (v == NULL)
-        return -1;
-    *out = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-static int
-set_attr_long(PyObject *obj, PyObject *name, long long value)
-{
-    PyObject *v = PyLong_FromLongLong(value);
-    if (v == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(obj, name, v);
-    Py_DECREF(v);
-    return rc;
-}
-
-/* dict.pop(key, None): a new reference, NULL with no error when absent. */
-static PyObject *
-pop(PyObject *dict, PyObject *key)
-{
-    PyObject *v = PyDict_GetItemWithError(dict, key);
-    if (v == NULL)
-        return NULL;
-    Py_INCREF(v);
-    if (PyDict_DelItem(dict, key) < 0) {
-        Py_DECREF(v);
-        return NULL;
-    }
-    return v;
-}
-
 /* One of the density model's histograms (its reuses or its ends), held for one call: its cells (rows of
  * classes, buckets of age, as float64 in place) and each bucket's least age (HitDensityModel.first_ages). */
 typedef struct {
@@ -337,10 +301,8 @@ static PyObject *
 book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError, "book_inserts takes 9 arguments, got %zd", nargs);
+    if (check_args("book_inserts", nargs, 9) < 0)
         return NULL;
-    }
     PyObject *p = args[0], *blocks_in = args[1], *hashes_in = args[2], *parents_in = args[3];
     PyObject *parent_blocks_in = args[4], *had_children_in = args[5];
     long mark = PyLong_AsLong(args[6]);
@@ -396,8 +358,8 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "book_inserts: the policy's maps, ends and dirty set have other types");
         goto done;
     }
-    if (attr_long(p, S(_clock), &clock) < 0 || attr_long(p, S(_tracked), &tracked) < 0
-        || attr_long(p, S(_next_refresh), &due) < 0 || attr_long(p, S(_ghost_base), &base) < 0)
+    if (attr_ll(p, S(_clock), &clock) < 0 || attr_ll(p, S(_tracked), &tracked) < 0
+        || attr_ll(p, S(_next_refresh), &due) < 0 || attr_ll(p, S(_ghost_base), &base) < 0)
         goto done;
     {
         PyObject *t = attr(p, S(_turnover));
@@ -484,7 +446,7 @@ book_inserts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             long gained = 1 + ((double)age < turnover); /* back within a turnover: +1 more */
             long long before = 0;
             PyObject *key_obj = PyLong_FromLongLong(key);
-            PyObject *had_recent = key_obj ? pop(ghost_recent, key_obj) : NULL;
+            PyObject *had_recent = key_obj ? dict_pop(ghost_recent, key_obj) : NULL;
             Py_XDECREF(key_obj);
             if (had_recent == NULL && PyErr_Occurred())
                 goto stop;
@@ -538,8 +500,8 @@ stop:
         PyObject *err_type, *err_value, *err_tb;
         PyErr_Fetch(&err_type, &err_value, &err_tb);
         PyObject *tip_now = tip == NONE ? Py_NewRef(Py_None) : PyLong_FromLong(tip);
-        int rc = tip_now == NULL || set_attr_long(p, S(_clock), clock) < 0
-                 || set_attr_long(p, S(_tracked), tracked) < 0 || PyObject_SetAttr(p, S(_tip), tip_now) < 0
+        int rc = tip_now == NULL || set_attr_ll(p, S(_clock), clock) < 0
+                 || set_attr_ll(p, S(_tracked), tracked) < 0 || PyObject_SetAttr(p, S(_tip), tip_now) < 0
                  || PyObject_SetAttr(p, S(_reused), reused) < 0;
         Py_XDECREF(tip_now);
         if (err_type != NULL)
@@ -599,10 +561,8 @@ static PyObject *
 book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "book_accesses takes 4 arguments, got %zd", nargs);
+    if (check_args("book_accesses", nargs, 4) < 0)
         return NULL;
-    }
     PyObject *p = args[0], *class_of = args[3];
     Py_ssize_t start = PyLong_AsSsize_t(args[2]);
     if (start == -1 && PyErr_Occurred())
@@ -636,7 +596,7 @@ book_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "book_accesses: the policy's maps or the chain index's hashes have other types");
         goto done;
     }
-    if (attr_long(p, S(_clock), &clock) < 0 || attr_long(p, S(_next_refresh), &due) < 0)
+    if (attr_ll(p, S(_clock), &clock) < 0 || attr_ll(p, S(_next_refresh), &due) < 0)
         goto done;
     unsigned char *classes = (unsigned char *)s.cls.buf.buf;
     unsigned char *uses_of = (unsigned char *)s.uses.buf.buf;
@@ -704,7 +664,7 @@ stop:
     {
         PyObject *err_type, *err_value, *err_tb;
         PyErr_Fetch(&err_type, &err_value, &err_tb);
-        int rc = set_attr_long(p, S(_clock), clock) < 0 || PyObject_SetAttr(p, S(_reused), reused) < 0;
+        int rc = set_attr_ll(p, S(_clock), clock) < 0 || PyObject_SetAttr(p, S(_reused), reused) < 0;
         if (err_type != NULL)
             PyErr_Restore(err_type, err_value, err_tb);
         else if (!rc)
@@ -729,10 +689,8 @@ static PyObject *
 book_marks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "book_marks takes 3 arguments, got %zd", nargs);
+    if (check_args("book_marks", nargs, 3) < 0)
         return NULL;
-    }
     PyObject *p = args[0], *blocks = NULL, *result = NULL;
     long mark = PyLong_AsLong(args[2]);
     if (mark == -1 && PyErr_Occurred())
@@ -770,10 +728,8 @@ static PyObject *
 book_pins(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "book_pins takes 3 arguments, got %zd", nargs);
+    if (check_args("book_pins", nargs, 3) < 0)
         return NULL;
-    }
     PyObject *p = args[0], *blocks = NULL, *chains = NULL, *orphan_of = NULL, *orphans = NULL, *moved = NULL;
     PyObject *told = NULL, *result = NULL;
     View up = {0};
@@ -870,10 +826,8 @@ static PyObject *
 book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "book_removals takes 3 arguments, got %zd", nargs);
+    if (check_args("book_removals", nargs, 3) < 0)
         return NULL;
-    }
     PyObject *p = args[0], *blocks = NULL, *recent = NULL, *ghost_recent = NULL;
     PyObject *ghost_at = NULL, *g_cls = NULL, *g_uses = NULL, *g_last = NULL, *g_live = NULL, *g_key = NULL;
     PyObject *packed = NULL, *result = NULL, *t = NULL;
@@ -931,9 +885,9 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "book_removals: the policy's maps have other types");
         goto done;
     }
-    if (attr_long(p, S(_clock), &clock) < 0 || attr_long(p, S(_evictions), &evictions) < 0
-        || attr_long(p, S(_last_removal), &last) < 0 || attr_long(p, S(_tracked), &tracked) < 0
-        || attr_long(p, S(_ghost_base), &base) < 0)
+    if (attr_ll(p, S(_clock), &clock) < 0 || attr_ll(p, S(_evictions), &evictions) < 0
+        || attr_ll(p, S(_last_removal), &last) < 0 || attr_ll(p, S(_tracked), &tracked) < 0
+        || attr_ll(p, S(_ghost_base), &base) < 0)
         goto done;
     if ((t = attr(p, S(_turnover))) == NULL)
         goto done;
@@ -944,7 +898,7 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
     if (PyDict_GET_SIZE(recent)) { /* a block's reuses since the last refresh go with its ghost */
         for (Py_ssize_t k = 0; k < n; k++) {
-            PyObject *reuses = pop(recent, PySequence_Fast_GET_ITEM(blocks, k));
+            PyObject *reuses = dict_pop(recent, PySequence_Fast_GET_ITEM(blocks, k));
             if (reuses == NULL) {
                 if (PyErr_Occurred())
                     goto done;
@@ -1040,8 +994,8 @@ book_removals(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (replaced && old - base >= 0 && old - base < ghosts)
             alive[old - base] = 0;
     }
-    if (set_attr_long(p, S(_tracked), tracked - n) < 0 || set_attr_long(p, S(_evictions), evictions) < 0
-        || set_attr_double(p, S(_turnover), turnover) < 0 || set_attr_long(p, S(_last_removal), last) < 0)
+    if (set_attr_ll(p, S(_tracked), tracked - n) < 0 || set_attr_ll(p, S(_evictions), evictions) < 0
+        || set_attr_double(p, S(_turnover), turnover) < 0 || set_attr_ll(p, S(_last_removal), last) < 0)
         goto done;
     result = Py_NewRef(Py_None);
 done:
@@ -1070,10 +1024,8 @@ static PyObject *
 forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "forget_ghosts takes 3 arguments, got %zd", nargs);
+    if (check_args("forget_ghosts", nargs, 3) < 0)
         return NULL;
-    }
     PyObject *p = args[0], *ghost_at = NULL, *ghost_recent = NULL, *result = NULL;
     View live = {0}, g_cls = {0}, g_last = {0}, g_key = {0};
     Histogram ends;
@@ -1088,7 +1040,7 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return run_reference(REFERENCE, "forget_ghosts", args, nargs);
     }
     if ((ghost_at = attr(p, S(_ghost_at))) == NULL || (ghost_recent = attr(p, S(_ghost_recent))) == NULL
-        || attr_long(p, S(_clock), &clock) < 0)
+        || attr_ll(p, S(_clock), &clock) < 0)
         goto done;
     if (!PyObject_TypeCheck(ghost_at, &GhostMapType) || !PyDict_Check(ghost_recent)) {
         PyErr_SetString(PyExc_TypeError, "forget_ghosts: the policy's ghost maps have other types");
@@ -1132,7 +1084,7 @@ forget_ghosts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         if (recents) {
             PyObject *key = PyLong_FromLongLong(keys[g]);
-            PyObject *reuses = key ? pop(ghost_recent, key) : NULL;
+            PyObject *reuses = key ? dict_pop(ghost_recent, key) : NULL;
             Py_XDECREF(key);
             if (reuses == NULL && PyErr_Occurred())
                 goto done;

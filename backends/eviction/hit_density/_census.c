@@ -13,42 +13,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_objects.h"
 #include "_twin.h"
 #include "_views.h"
 
 #define REFERENCE "kvkit.backends.eviction.hit_density.census"
-
-/* The format's type code past a byte-order prefix of native order (x86-64 and the other little-endian
- * hosts this builds on). */
-static const char *
-code(const Py_buffer *buf)
-{
-    const char *format = buf->format;
-    return format[0] == '@' || format[0] == '=' || format[0] == '<' ? format + 1 : format;
-}
-
-/* Hold obj's buffer in a: C-contiguous, ndim dimensions, items of itemsize bytes of one of the type codes
- * in `codes` (writable if asked). 0, or -1 with no error set (the read declines). */
-static int
-hold(PyObject *obj, View *a, int ndim, Py_ssize_t itemsize, const char *codes, int writable)
-{
-    if (PyObject_GetBuffer(obj, &a->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
-        PyErr_Clear();
-        return -1;
-    }
-    a->held = 1;
-    const char *c = code(&a->buf);
-    if (a->buf.itemsize != itemsize || a->buf.ndim != ndim || strlen(c) != 1 || strchr(codes, c[0]) == NULL)
-        return -1;
-    return 0;
-}
-
-/* The items a one-dimensional buffer holds. */
-static Py_ssize_t
-length(const View *a)
-{
-    return a->buf.len / a->buf.itemsize;
-}
 
 /* One census group: its live bytes, classes and last accesses. */
 typedef struct {
@@ -134,11 +103,9 @@ static PyObject *
 census_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "read takes where, classes, lasts, ghost_live, ghost_classes, "
-                                         "ghost_lasts, clock, turn, limit, model, out");
+    if (check_args("read(where, classes, lasts, ghost_live, ghost_classes, ghost_lasts, clock, turn, limit, model, "
+                   "out)", nargs, 11) < 0)
         return NULL;
-    }
     View arrays[6], out = {0};
     memset(arrays, 0, sizeof arrays);
     int64_t *first_ages = NULL;
@@ -147,10 +114,10 @@ census_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
              *result = Py_None;  /* None until computed: declined, the reference runs */
     long long clock, turn, limit, per_octave, model_classes;
     for (int a = 0; a < 6; a++)
-        if (a % 3 == 2 ? hold(args[a], &arrays[a], 1, 8, "ql", 0) < 0 : hold(args[a], &arrays[a], 1, 1, "B", 0) < 0)
+        if (a % 3 == 2 ? hold_array(args[a], &arrays[a], 1, 8, "ql", 0) < 0 : hold_array(args[a], &arrays[a], 1, 1, "B", 0) < 0)
             goto done;
     if (as_long_long(args[6], &clock) < 0 || as_long_long(args[7], &turn) < 0 || as_long_long(args[8], &limit) < 0
-        || turn < 0 || hold(args[10], &out, 2, 8, "d", 1) < 0)
+        || turn < 0 || hold_array(args[10], &out, 2, 8, "d", 1) < 0)
         goto done;
     const Py_ssize_t classes = out.buf.shape[0], buckets = out.buf.shape[1];
     /* the model's buckets: its first ages, one per column of out, and its buckets per octave */
@@ -179,8 +146,8 @@ census_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (int g = 0; g < 2; g++) {
         const View *live = &arrays[3 * g], *cls = &arrays[3 * g + 1], *lasts = &arrays[3 * g + 2];
-        Py_ssize_t known = length(cls) < length(lasts) ? length(cls) : length(lasts);
-        Group group = {live->buf.buf, cls->buf.buf, lasts->buf.buf, length(live), known};
+        Py_ssize_t known = items(cls) < items(lasts) ? items(cls) : items(lasts);
+        Group group = {live->buf.buf, cls->buf.buf, lasts->buf.buf, items(live), known};
         Py_ssize_t offset, stride;
         double weight;
         if (sample(&group, turn, limit, &offset, &stride, &weight) < 0

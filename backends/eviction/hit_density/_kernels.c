@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_objects.h"
 #include "_twin.h"
 #include "_views.h"
 
@@ -23,17 +24,7 @@
 static int
 hold(PyObject *obj, View *a, int ndim, int writable)
 {
-    if (PyObject_GetBuffer(obj, &a->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
-        PyErr_Clear();
-        return -1;
-    }
-    a->held = 1;
-    const char *format = a->buf.format;
-    if (format[0] == '@' || format[0] == '=' || format[0] == '<')
-        format++;  /* native float64 (x86-64 and the other little-endian hosts this builds on) */
-    if (a->buf.itemsize != (Py_ssize_t)sizeof(double) || strcmp(format, "d") != 0 || a->buf.ndim != ndim)
-        return -1;
-    return 0;
+    return hold_array(obj, a, ndim, (Py_ssize_t)sizeof(double), "d", writable);
 }
 
 static double *
@@ -116,10 +107,8 @@ static PyObject *
 densities(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "densities takes reuses, events, widths, fades, out");
+    if (check_args("densities(reuses, events, widths, fades, out)", nargs, 5) < 0)
         return NULL;
-    }
     View reuses = {0}, events = {0}, widths = {0}, fades = {0}, out = {0};
     double *scratch = NULL;
     PyObject *result = Py_None;  /* None until computed: declined, the reference runs */
@@ -236,10 +225,8 @@ static PyObject *
 isotonic(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "isotonic takes values, weights, out");
+    if (check_args("isotonic(values, weights, out)", nargs, 3) < 0)
         return NULL;
-    }
     View values = {0}, weights = {0}, out = {0};
     double *scratch = NULL;
     PyObject *result = Py_None;  /* None until computed: declined, the reference runs */

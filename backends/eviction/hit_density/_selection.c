@@ -21,6 +21,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "_objects.h"
 #include "_twin.h"
 #include "_views.h"
 
@@ -754,10 +755,8 @@ static PyObject *
 select_rounds(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "select_rounds takes 5 arguments, got %zd", nargs);
+    if (check_args("select_rounds", nargs, 5) < 0)
         return NULL;
-    }
     Sel s;
     memset(&s, 0, sizeof s);
     s.n_obj = args[1];
