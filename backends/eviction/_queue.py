@@ -597,15 +597,7 @@ class ParkingQueue:
         tail = self._tail
         if stamp > self._edge and (tail == _NIL or stamp > stamps[tail]):
             states[block] = base | _MAIN  # the youngest unpinned block: its place is the list's end
-            slots.prev[block] = tail  # _link, inlined: the release of a block in order is the hot path
-            slots.next[block] = _NIL
-            if tail == _NIL:
-                self._head = block
-            else:
-                slots.next[tail] = block
-            self._tail = block
-            if self._cut == _NIL:
-                self._cut = block
+            self._link(block)
             if self._count < self._size:
                 self._settle()
             return
