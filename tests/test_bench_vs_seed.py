@@ -35,6 +35,17 @@ def test_kvkit_sides_replay_one_engine_with_hits_evictions_and_lookups():
     assert rows["kvkit-lru"]["ratio_to_kvkit_lru"] == 1.0
 
 
+def test_a_flush_limit_adds_a_side_whose_finishes_restore_less():
+    """``--flush-limit`` adds a side per policy and bound; bounded to no block, the finishes re-store nothing the
+    tier evicted, so that side stores fewer blocks a step than the whole flush on the same engine."""
+    bench = _load()
+    run = bench.bench_step(8, "block", ["hit-density"], steps=12, warmup=40, seed=0, config=None, flush_limits=[0])
+    whole, bounded = run["sides"]["kvkit-hit-density"], run["sides"]["kvkit-hit-density-flush0"]
+    assert set(run["sides"]) == {"kvkit-hit-density", "kvkit-hit-density-flush0"}
+    assert bounded["stored_blocks_per_step"] < whole["stored_blocks_per_step"]
+    assert bounded["lookups"] == whole["lookups"] > 0
+
+
 def test_the_sides_take_turns_and_each_gets_its_own_hits():
     """Each step's calls go to the sides in a rotated order, each side first equally often; a side's hits are
     its own whatever its turn (two hit-density sides around an LRU one, whose hits differ: the same hits and

@@ -6,6 +6,7 @@ import attrs
 from typing_extensions import override
 
 from kvkit.interfaces.store import RequestView, StorePolicy
+from kvkit.validate import optional_at_least
 
 __all__ = ["EagerStore"]
 
@@ -20,9 +21,24 @@ class EagerStore(StorePolicy):
     that confirms it (no stale cursor), and the manager drops what the CPU
     tier already holds or has in flight.
 
+    At a request's finish the flush answers its history again: the blocks the
+    CPU tier evicted while it ran (or whose store was dropped) are stored
+    again, so a returning conversation finds its prefix. A returning request
+    hits its longest stored prefix, so a flush can be bounded to the history's
+    head: ``flush_limit`` answers only the first ``flush_limit`` blocks. On a
+    tier that evicts much while requests run, a long history's re-stored tail
+    mostly evicts other conversations' heads; the bound saves that work, and
+    costs the hits of prefixes longer than it.
+
+    Args:
+        flush_limit: the most history blocks a finish answers, first blocks
+            first; ``None`` (default): the whole confirmed history.
+
     Invariants: answers only indices in ``[start, stop)`` on progress and in
-    ``[0, num_confirmed_blocks)`` on finish.
+    ``[0, min(num_confirmed_blocks, flush_limit))`` on finish.
     """
+
+    flush_limit: int | None = attrs.field(default=None, validator=optional_at_least(0))
 
     @override
     def on_computed(self, request: RequestView, start: int, stop: int) -> range:
@@ -30,9 +46,8 @@ class EagerStore(StorePolicy):
 
     @override
     def on_finished(self, request: RequestView) -> range:
-        # The flush: a block confirmed in the request's last step, or evicted
-        # from the CPU tier since it was stored, is (re)stored here.
-        return range(request.num_confirmed_blocks)
+        n = request.num_confirmed_blocks
+        return range(n if self.flush_limit is None else min(n, self.flush_limit))
 
     @override
     def writeback_target(self, gpu_free: int, gpu_blocks: int) -> int:

@@ -769,6 +769,28 @@ def test_last_block_flushed_when_finishing_in_the_same_step_regression_41704():
     assert len(mgr.cpu.lookup(hashes(1, 3))) == 3
 
 
+@pytest.mark.parametrize(("flush_limit", "restored"), [(None, 4), (2, 2), (0, 0)])
+def test_a_finish_restores_what_the_tier_evicted_up_to_the_flush_limit(flush_limit, restored):
+    """The CPU tier evicts a running request's stored blocks; its finish stores them again, the history's first
+    ``flush_limit`` only when the eager store is bounded."""
+    mgr = make(EagerStore(flush_limit=flush_limit), cpu=4)
+    hs = hashes(1, 4)
+    table = schedule(mgr, "a", hs, 17)
+    mgr.on_computed("a", 17)
+    mgr.apply_completions(results(mgr.build_step()))
+    assert len(mgr.cpu.lookup(hs)) == 4
+    schedule(mgr, "x", hashes(2, 4), 17)
+    mgr.on_computed("x", 17)
+    mgr.apply_completions(results(mgr.build_step()))  # evicts a's blocks from the CPU tier
+    mgr.abort("x")
+    assert mgr.cpu.lookup(hs) == []
+    mgr.finish("a")
+    plan = mgr.build_step()
+    assert [b for _, store in plan.stores for b in store.src.tolist()] == table[:restored]
+    mgr.apply_completions(results(plan))
+    assert len(mgr.cpu.lookup(hs)) == restored
+
+
 def test_block_evicted_from_cpu_is_stored_again_no_stale_cursor():
     """A prefix block the CPU tier evicted is stored again by the next request that confirms it."""
     mgr = make(cpu=4)

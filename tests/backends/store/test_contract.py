@@ -15,6 +15,11 @@ class TestEager(StorePolicyContract):
         return EagerStore()
 
 
+class TestEagerBounded(StorePolicyContract):
+    def make_policy(self):
+        return EagerStore(flush_limit=2)  # below the driver's histories: the bound is exercised
+
+
 class TestLazy(StorePolicyContract):
     def make_policy(self):
         return LazyStore(watermark=0.3)

@@ -6,6 +6,7 @@ The rules every policy keeps are checked by the store policy contract (``test_co
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 import attrs
@@ -43,6 +44,24 @@ def test_eager_stores_the_confirmed_range_and_flushes_everything(start, length):
     assert list(policy.on_computed(view, start, stop)) == list(range(start, stop))
     assert list(policy.on_finished(view)) == list(range(stop))
     assert policy.writeback_target(0, 100) == 0
+
+
+@given(confirmed=st.integers(0, 60), limit=st.integers(0, 80), start=st.integers(0, 60))
+def test_eager_s_flush_limit_bounds_the_finish_to_the_history_s_head(confirmed, limit, start):
+    """With ``flush_limit`` the finish answers the first ``min(confirmed, limit)`` blocks; progress is unchanged."""
+    view = View("r", list(range(confirmed)), confirmed)
+    policy = EagerStore(flush_limit=limit)
+    assert list(policy.on_finished(view)) == list(range(min(confirmed, limit)))
+    stop = max(start, confirmed)
+    assert list(policy.on_computed(view, start, stop)) == list(range(start, stop))
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "32", [32]])
+def test_eager_refuses_a_flush_limit_that_is_no_count(bad):
+    """A flush limit that is not an int >= 0 (or None) is a ConfigError quoting it, through the registry too."""
+    for make in (lambda: EagerStore(flush_limit=bad), lambda: STORE.create("eager", flush_limit=bad)):
+        with pytest.raises(ConfigError, match=re.escape(f"flush_limit={bad!r}")):
+            make()
 
 
 def test_eager_keeps_no_cursor():
