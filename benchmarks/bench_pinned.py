@@ -76,7 +76,7 @@ def replay(pool: BlockAllocator, trace) -> tuple[float, float, int, int, int]:
     calls = hit_blocks = 0
     in_allocate = 0.0
     evictions = [0]
-    pool.add_evict_listener(lambda block, block_hash: evictions.__setitem__(0, evictions[0] + 1))
+    pool.add_evict_listener(lambda blocks, hashes: evictions.__setitem__(0, evictions[0] + len(blocks)))
     start = clock()
     for rid, chain in trace:
         if chain is None:

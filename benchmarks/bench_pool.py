@@ -286,7 +286,7 @@ def main() -> None:
     # One untimed run per side to count evictions and check the pool's invariants.
     evictions = []
     pool = lru_pool(args.blocks)
-    pool.add_evict_listener(lambda block, block_hash: evictions.append(block))
+    pool.add_evict_listener(lambda blocks, hashes: evictions.extend(blocks))
     replay(pool, trace)
     pool.check_invariants()
     assert pool.num_free == args.blocks

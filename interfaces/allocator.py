@@ -9,8 +9,9 @@ from kvkit.interfaces.types import BlockHash, BlockId
 
 __all__ = ["BlockAllocator", "EvictListener"]
 
-EvictListener = Callable[[BlockId, BlockHash], None]
-"""Called by a pool right after it evicted ``block`` that carried ``hash``."""
+EvictListener = Callable[[Sequence[BlockId], Sequence[BlockHash]], None]
+"""Called by a pool once per evicting call, right after it evicted ``blocks`` that carried ``hashes``
+(equal lengths, in eviction order; read them, never change or keep them)."""
 
 
 @runtime_checkable
@@ -123,7 +124,7 @@ class BlockAllocator(Protocol):
         ...
 
     def add_evict_listener(self, listener: EvictListener) -> None:
-        """Call ``listener(block, hash)`` after every eviction."""
+        """Call ``listener(blocks, hashes)`` after every call that evicted: one call per batch of evictions."""
         ...
 
     def reset(self, *, force: bool = False) -> int:

@@ -289,8 +289,7 @@ class BlockPool(EvictionWindow):
         blocks += victims
         self._hand_out(blocks)
         for listener in self._listeners:
-            for b, h in zip(victims, gone):
-                listener(b, h)
+            listener(victims, gone)
         return blocks
 
     def _hand_out(self, blocks: list[BlockId]) -> None:
@@ -619,10 +618,11 @@ class BlockPool(EvictionWindow):
 
     @override
     def add_evict_listener(self, listener: EvictListener) -> None:
-        """Call ``listener(block, hash)`` after every eviction (not on :meth:`reset`).
+        """Call ``listener(blocks, hashes)`` after every evicting :meth:`allocate` (not on :meth:`reset`).
 
-        Listeners run once :meth:`allocate` has finished changing the pool, so
-        they see a consistent state.
+        One call per allocation, with every block it evicted, ascending, and
+        their hashes. Listeners run once :meth:`allocate` has finished changing
+        the pool, so they see a consistent state.
         """
         if not callable(listener):
             raise PoolUsageError(f"an evict listener must be callable, got {listener!r}")

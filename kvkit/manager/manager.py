@@ -81,7 +81,7 @@ import attrs
 
 from kvkit.driving import DriveLock, driven
 from kvkit.errors import ConfigError, KVKitError, PlanError, RequestStateError, UnknownRequestError
-from kvkit.interfaces.allocator import BlockAllocator
+from kvkit.interfaces.allocator import BlockAllocator, EvictListener
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.interfaces.capabilities import EvictionOrder
 from kvkit.interfaces.hints import HintAwarePolicy, WorkloadHints
@@ -1151,19 +1151,21 @@ class OffloadManager:
         self.stats.resets.add()
         self._events.emit("on_reset", dropped)
 
-    def _evict_listener(self, tier: Tier, counter: StatCounter) -> Callable[[BlockId, BlockHash], None]:
-        """The listener of ``tier``'s evictions: counts each in ``counter``; with callbacks, emits ``on_evict``."""
+    def _evict_listener(self, tier: Tier, counter: StatCounter) -> EvictListener:
+        """The listener of ``tier``'s evictions: counts them in ``counter``; with callbacks, emits ``on_evict``
+        for each."""
         emit = self._events.emit
-        if not self._events.callbacks:  # one call per evicted block: the count alone
+        if not self._events.callbacks:  # one call per evicting allocation: the count alone
 
-            def count(block: BlockId, block_hash: BlockHash) -> None:
-                counter.value += 1  # Counter.add(1), inlined
+            def count(blocks: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None:
+                counter.value += len(blocks)  # Counter.add, inlined
 
             return count
 
-        def counted(block: BlockId, block_hash: BlockHash) -> None:
-            counter.value += 1
-            emit("on_evict", tier, block, block_hash)
+        def counted(blocks: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None:
+            counter.value += len(blocks)
+            for block, block_hash in zip(blocks, hashes):
+                emit("on_evict", tier, block, block_hash)
 
         return counted
 

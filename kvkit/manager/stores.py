@@ -355,15 +355,19 @@ class StorePlanner:
                 recheck[b] = None
         self._wb_offered = StoreCandidates.empty(self.num_groups)
 
-    def _wb_cpu_evicted(self, block: BlockId, block_hash: BlockHash) -> None:
-        """A CPU eviction: a window block covered by that hash is owed again."""
-        gpu_block = self._wb_covered.pop(block_hash, None)
-        if gpu_block is not None:
-            self._wb_recheck[gpu_block] = None
+    def _wb_cpu_evicted(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None:
+        """CPU evictions: a window block covered by one of those hashes is owed again."""
+        covered, recheck = self._wb_covered, self._wb_recheck
+        for block_hash in hashes:
+            gpu_block = covered.pop(block_hash, None)
+            if gpu_block is not None:
+                recheck[gpu_block] = None
 
-    def _wb_gpu_evicted(self, block: BlockId, block_hash: BlockHash) -> None:
-        """A GPU eviction: the block holds other content from now on, its cover is moot."""
-        self._wb_covered.pop(block_hash, None)
+    def _wb_gpu_evicted(self, blocks: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None:
+        """GPU evictions: the blocks hold other content from now on, their covers are moot."""
+        covered = self._wb_covered
+        for block_hash in hashes:
+            covered.pop(block_hash, None)
 
     def _release(self, entries: StoreCandidates) -> None:
         """Drop the GPU references held for candidates that will not be copied, and their owners' holds."""

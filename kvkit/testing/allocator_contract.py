@@ -70,7 +70,7 @@ class AllocatorContract(RuleBasedStateMachine):
         self.refs: Counter[BlockId] = Counter()  # references held per block (no zero entries)
         self.hash_of: dict[BlockId, BlockHash] = {}  # ready block -> hash
         self.index: dict[BlockHash, BlockId] = {}  # hash -> ready block
-        self.evicted: list[tuple[BlockId, BlockHash]] = []  # from the evict listener
+        self.evicted: list[tuple[list[BlockId], list[BlockHash]]] = []  # the evict listener's calls
 
     @property
     def _live(self) -> BlockAllocator:
@@ -133,8 +133,7 @@ class AllocatorContract(RuleBasedStateMachine):
         self.pool = self.make_allocator(self.num_blocks)
         _expect(isinstance(self.pool, BlockAllocator),
                 f"{self.pool!r} does not implement BlockAllocator")
-        self.pool.add_evict_listener(lambda block, block_hash: self.evicted.append(
-            (block, block_hash)))
+        self.pool.add_evict_listener(lambda blocks, hashes: self.evicted.append((list(blocks), list(hashes))))
 
     # -- allocation ------------------------------------------------------------
 
@@ -162,8 +161,11 @@ class AllocatorContract(RuleBasedStateMachine):
                     f"allocate({n}) handed out block {b} that holds {plural(self.refs[b], 'reference')}")
             _expect(b in empty or b in evictable,
                     f"allocate({n}) handed out block {b}, which was neither empty nor evictable")
-        evicted = dict(self.evicted)
-        self.evicted.clear()
+        calls, self.evicted = self.evicted, []
+        _expect(len(calls) <= 1 and all(len(bs) == len(hs) > 0 for bs, hs in calls),
+                f"allocate({n}) called the evict listener with {calls!r}: at most once, with equal, "
+                "non-empty lists of blocks and hashes")
+        evicted = {b: h for bs, hs in calls for b, h in zip(bs, hs)}
         _expect(len(evicted) == max(0, n - len(empty)),
                 f"allocate({n}) with {plural(len(empty), 'empty block')} evicted {sorted(evicted)}; "
                 "empty blocks must go first, and only as many evictions as needed")
@@ -410,8 +412,9 @@ class AllocatorContract(RuleBasedStateMachine):
         dropped = self._live.reset()
         _expect(dropped == len(self.hash_of),
                 f"reset() returned {dropped}, {plural(len(self.hash_of), 'block')} cached")
-        for b, h in self.evicted:  # listeners may, but need not, hear of reset drops
-            _expect(self.hash_of.get(b) == h, f"reset reported ({b}, {h!r}), which was not cached")
+        for blocks, hashes in self.evicted:  # listeners may, but need not, hear of reset drops
+            for b, h in zip(blocks, hashes, strict=True):
+                _expect(self.hash_of.get(b) == h, f"reset reported ({b}, {h!r}), which was not cached")
         self.evicted.clear()
         self.hash_of.clear()
         self.index.clear()

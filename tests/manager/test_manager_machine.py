@@ -170,7 +170,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.pending_fail: set[str] = set()
         self.must_store: dict[int, set[str]] = {}  # hash owed to the CPU tier -> owing requests
         self.evicted_in_build: set[int] = set()
-        self.cpu.add_evict_listener(lambda b, h: self.evicted_in_build.add(h))
+        self.cpu.add_evict_listener(lambda blocks, hashes: self.evicted_in_build.update(hashes))
 
     # -- helpers -------------------------------------------------------------
 

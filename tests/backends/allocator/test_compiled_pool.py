@@ -50,7 +50,7 @@ def _pool(policy: str) -> BlockPool:
     recorder = _POLICIES[policy]()
     recorder.log = []  # type: ignore[attr-defined]
     pool = BlockPool(N, eviction=recorder)
-    pool.add_evict_listener(lambda block, block_hash: recorder.log.append(("evicted", block, block_hash)))  # type: ignore[attr-defined]
+    pool.add_evict_listener(lambda blocks, hashes: recorder.log.append(("evicted", list(blocks), list(hashes))))  # type: ignore[attr-defined]
     return pool
 
 

@@ -64,7 +64,7 @@ class KeepsEvictedInIndex(BlockPool):
 
     def __attrs_post_init__(self):
         super().__attrs_post_init__()
-        self.add_evict_listener(lambda block, block_hash: self._index.update({block_hash: block}))
+        self.add_evict_listener(lambda blocks, hashes: self._index.update(zip(hashes, blocks)))
 
     def check_invariants(self):
         pass

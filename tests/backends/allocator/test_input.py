@@ -205,7 +205,7 @@ def test_a_forced_reset_tells_the_policy_and_not_the_listeners():
     """The policy forgets every dropped block (pinned ones too); evict listeners hear nothing."""
     pool = BlockPool(3, eviction=LRUPolicy())
     heard = []
-    pool.add_evict_listener(lambda block, block_hash: heard.append(block))
+    pool.add_evict_listener(lambda blocks, hashes: heard.extend(blocks))
     blocks = pool.allocate(2)
     pool.commit(blocks, [10, 11])
     pool.reset(force=True)

@@ -170,9 +170,9 @@ def test_allocation_takes_empty_blocks_before_evicting():
     pool = cached_pool(6, [10, 11, 12, 13])
     pool.touch([0])  # LRU order is now 1, 2, 3, 0
     evicted = []
-    pool.add_evict_listener(lambda block, block_hash: evicted.append((block, block_hash)))
+    pool.add_evict_listener(lambda blocks, hashes: evicted.append((list(blocks), list(hashes))))
     assert pool.allocate(4) == [4, 5, 1, 2]
-    assert evicted == [(1, 11), (2, 12)]
+    assert evicted == [([1, 2], [11, 12])]  # one call for the allocation's evictions
     assert pool.lookup([10]) == [0] and pool.lookup([11]) == [] and pool.lookup([12]) == []
     assert pool.block_hash(1) is None and pool.refcount(1) == 1
     assert list(pool.policy) == [3, 0]
@@ -195,8 +195,8 @@ def test_listeners_see_a_consistent_pool():
     pool = cached_pool(2, [10, 11])
     seen = []
     pool.add_evict_listener(
-        lambda block, block_hash: seen.append((block, block_hash, pool.refcount(block),
-                                               pool.block_hash(block), pool.lookup([block_hash])))
+        lambda blocks, hashes: seen.extend((block, block_hash, pool.refcount(block), pool.block_hash(block),
+                                            pool.lookup([block_hash])) for block, block_hash in zip(blocks, hashes))
     )
     pool.allocate(1)
     assert seen == [(0, 10, 1, None, [])]
@@ -470,7 +470,7 @@ def test_reset_forgets_everything_and_tells_only_the_policy():
     pool.commit(blocks[:2], [10, 11])
     pool.decref(list(reversed(blocks)))
     evicted = []
-    pool.add_evict_listener(lambda block, block_hash: evicted.append(block))
+    pool.add_evict_listener(lambda blocks, hashes: evicted.extend(blocks))
     policy.calls.clear()
     assert pool.reset() == 2
     assert sorted(policy.calls) == [("remove", 0), ("remove", 1)] and evicted == []

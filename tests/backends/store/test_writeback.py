@@ -171,7 +171,7 @@ class WriteBackMachine(RuleBasedStateMachine):
     def create(self, watermark):
         self.mgr = lazy_manager(gpu_blocks=12, cpu_blocks=6, watermark=watermark, gpu_policy=self.gpu_policy)
         self.evicted_cpu: set[int] = set()
-        self.mgr.cpu.add_evict_listener(lambda block, block_hash: self.evicted_cpu.add(block_hash))
+        self.mgr.cpu.add_evict_listener(lambda blocks, hashes: self.evicted_cpu.update(hashes))
         self.next_hash = 100
         self.held: list[int] = []  # GPU references the engine holds
         self.pending = []
