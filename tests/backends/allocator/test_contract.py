@@ -96,6 +96,17 @@ class SkipsPinOnCommit(BlockPool):
         pass
 
 
+class HearsEachEviction(BlockPool):
+    """Calls its evict listeners once per evicted block instead of once per allocation."""
+
+    def add_evict_listener(self, listener):
+        super().add_evict_listener(
+            lambda blocks, hashes: [listener([block], [block_hash]) for block, block_hash in zip(blocks, hashes)])
+
+    def check_invariants(self):
+        pass
+
+
 FIND_BUGS = settings(
     max_examples=500, stateful_step_count=30, deadline=None, database=None, derandomize=True,
     phases=[Phase.generate], suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
@@ -114,6 +125,7 @@ def contract_for(pool_class):
     (FreesLiveBlock, r"num_free|handed out block"),
     (KeepsEvictedInIndex, r"index: lookup|lookup\(|commit\("),
     (PartialAllocate, r"raised but changed the allocator"),
+    (HearsEachEviction, r"called the evict listener with .*: at most once"),
 ])
 def test_contract_catches_broken_allocator(pool_class, symptom):
     """Each deliberately broken allocator fails the contract with the matching symptom."""
