@@ -11,7 +11,7 @@ __all__ = ["BlockAllocator", "EvictListener"]
 
 EvictListener = Callable[[Sequence[BlockId], Sequence[BlockHash]], None]
 """Called by a pool once per evicting call, right after it evicted ``blocks`` that carried ``hashes``
-(equal lengths, in eviction order; read them, never change or keep them)."""
+(parallel lists, the i-th hash the i-th block's; read them, never change or keep them)."""
 
 
 @runtime_checkable
