@@ -573,7 +573,10 @@ def main() -> None:
     args = parser.parse_args()
     policies = [p for p in args.cpu_eviction.split(",") if p]
     counts = [int(n) for n in args.requests.split(",")]
-    flush_limits = [int(n) for n in args.flush_limit.split(",") if n]
+    bounds = [n for n in args.flush_limit.split(",") if n]
+    if not all(n.isdigit() for n in bounds):
+        parser.error(f"--flush-limit takes ints >= 0, comma-separated, got {args.flush_limit!r}")
+    flush_limits = [int(n) for n in bounds]
     if args.cpu_blocks_per_request < 1:
         parser.error(f"--cpu-blocks-per-request must be at least 1, got {args.cpu_blocks_per_request}")
     config = vllm_config(max(counts)) if not args.no_seed and seed_available() else None

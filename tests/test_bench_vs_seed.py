@@ -108,11 +108,16 @@ def test_json_output_without_the_seed():
     assert set(result["step"][0]["sides"]) == {"kvkit-hit-density", "kvkit-lru"}
 
 
-def test_a_cpu_tier_of_no_blocks_is_refused_quoting_the_value():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--cpu-blocks-per-request", "0", "--no-seed"],
-                         capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--cpu-blocks-per-request", "0"], "--cpu-blocks-per-request must be at least 1, got 0"),
+    (["--flush-limit", "16,-1"], "--flush-limit takes ints >= 0, comma-separated, got '16,-1'"),
+    (["--flush-limit", "x"], "--flush-limit takes ints >= 0, comma-separated, got 'x'"),
+])
+def test_bad_sizes_are_refused_quoting_the_value(argv, message):
+    out = subprocess.run([sys.executable, str(SCRIPT), *argv, "--no-seed"], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 2 and out.stdout == ""
-    assert "--cpu-blocks-per-request must be at least 1, got 0" in out.stderr
+    assert message in out.stderr
 
 
 def test_the_seed_side_replays_the_same_engine():
