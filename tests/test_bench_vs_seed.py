@@ -6,6 +6,8 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -57,24 +59,40 @@ def test_a_larger_cpu_tier_is_the_same_engine_with_fewer_evictions():
     assert large["cpu_evictions"] < small["cpu_evictions"]
 
 
+@pytest.mark.parametrize("n", range(1, 8))
+def test_balanced_orders_put_each_side_at_each_position_and_after_each_other_side_equally_often(n):
+    bench = _load()
+    orders = bench.balanced_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    positions = Counter((order[k], k) for order in orders for k in range(n))
+    after = Counter(pair for order in orders for pair in pairwise(order))
+    assert len(positions) == n * n and len(set(positions.values())) == 1
+    assert len(after) == n * (n - 1) and len(set(after.values())) <= 1
+    assert len(orders) == (2 * n if n % 2 and n > 1 else n)
+
+
 def test_the_sides_take_turns_and_each_gets_its_own_hits():
-    """Each step's calls go to the sides in a rotated order, each side first equally often; a side's hits are
-    its own whatever its turn (two hit-density sides around an LRU one, whose hits differ: the same hits and
-    stores as each other)."""
+    """Each phase of a step calls the sides in the step's balanced order, all of a side's calls together; over
+    a cycle of orders every side follows every other equally often; a side's hits are its own whatever its
+    turn (two hit-density sides around an LRU one, whose hits differ: the same hits and stores as each other)."""
     bench = _load()
 
     class Recorder(bench.KvkitSide):
         def complete(self) -> None:
-            if not calls:
-                firsts.append(self.name)
-            calls.append(self.name)
+            calls.append(("complete", self.name))
             super().complete()
 
+        def end(self, rid: str, aborted: bool) -> None:
+            calls.append(("end", self.name))
+            super().end(rid, aborted)
+
         def arrive(self, rid: str, tokens: list[int], digests: list[bytes]) -> int:
+            calls.append(("arrive", self.name))
             self.found[rid] = super().arrive(rid, tokens, digests)
             return self.found[rid]
 
         def schedule(self, prefills: list[tuple[str, int]], decodes: list) -> None:
+            calls.append(("schedule", self.name))
             assert all(hit == self.found[rid] for rid, hit in prefills)  # its own hits, told back to it
             super().schedule(prefills, decodes)
 
@@ -82,13 +100,22 @@ def test_the_sides_take_turns_and_each_gets_its_own_hits():
     for k, side in enumerate(sides):
         side.name, side.found = f"side-{k}", {}
     engine = bench.Engine(sides, 8, 16, 0)
-    firsts: list[str] = []
-    for _ in range(60):
-        calls: list[str] = []
+    cycle = bench.balanced_orders(3)
+    after: Counter = Counter()
+    ends = 0
+    for step in range(60):
+        calls: list[tuple[str, str]] = []
         engine.step()
-        assert sorted(calls) == sorted(side.name for side in sides)  # every side once a step
-    assert [firsts.count(side.name) for side in sides] == [20, 20, 20]
-    assert firsts[:3] == ["side-0", "side-1", "side-2"]
+        order = [sides[i].name for i in cycle[step % len(cycle)]]
+        for phase in ("complete", "end", "arrive", "schedule"):
+            names = [name for kind, name in calls if kind == phase]
+            runs = [name for k, name in enumerate(names) if not k or names[k - 1] != name]
+            assert runs == (order if names else []), (step, phase, names)  # a side's calls together, in order
+        ends += sum(kind == "end" for kind, _ in calls)
+        schedules = [name for kind, name in calls if kind == "schedule"]
+        after.update(pairwise(schedules))
+    assert ends > 0
+    assert len(after) == 6 and len(set(after.values())) == 1
     assert sides[0].hit_blocks == sides[2].hit_blocks != sides[1].hit_blocks
     assert sides[0].stored_blocks == sides[2].stored_blocks > 0
 
