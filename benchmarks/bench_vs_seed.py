@@ -7,7 +7,7 @@ turn, in that step's order from a Williams design (``balanced_orders``): over
 its orders every side runs at each position, and right after each other side,
 equally often. A side's calls cost more right after the seed's, whose calls
 leave the caches cold: a rotation, which keeps one side always behind the
-seed, charged that side 8-14% more CPU time a step than an identical side
+seed, charged that side 8-19% more CPU time a step than an identical side
 elsewhere in the order:
 
 * ``seed``: ``vllm.v1.simple_kv_offload.manager.SimpleCPUOffloadScheduler``
