@@ -593,7 +593,13 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     policies = [p for p in args.cpu_eviction.split(",") if p]
+    if not policies:
+        parser.error(f"--cpu-eviction names at least one kvkit CPU policy, got {args.cpu_eviction!r}")
+    if not all(n.isdigit() and int(n) > 0 for n in args.requests.split(",")):
+        parser.error(f"--requests takes ints >= 1, comma-separated, got {args.requests!r}")
     counts = [int(n) for n in args.requests.split(",")]
+    if not set(args.rate.split(",")) <= set(RATES):
+        parser.error(f"--rate takes {' and/or '.join(RATES)}, comma-separated, got {args.rate!r}")
     bounds = [n for n in args.flush_limit.split(",") if n]
     if not all(n.isdigit() for n in bounds):
         parser.error(f"--flush-limit takes ints >= 0, comma-separated, got {args.flush_limit!r}")

@@ -139,6 +139,10 @@ def test_json_output_without_the_seed():
     (["--cpu-blocks-per-request", "0"], "--cpu-blocks-per-request must be at least 1, got 0"),
     (["--flush-limit", "16,-1"], "--flush-limit takes ints >= 0, comma-separated, got '16,-1'"),
     (["--flush-limit", "x"], "--flush-limit takes ints >= 0, comma-separated, got 'x'"),
+    (["--cpu-eviction", ""], "--cpu-eviction names at least one kvkit CPU policy, got ''"),
+    (["--requests", "256,0"], "--requests takes ints >= 1, comma-separated, got '256,0'"),
+    (["--requests", "x"], "--requests takes ints >= 1, comma-separated, got 'x'"),
+    (["--rate", "token,tok"], "--rate takes token and/or block, comma-separated, got 'token,tok'"),
 ])
 def test_bad_sizes_are_refused_quoting_the_value(argv, message):
     out = subprocess.run([sys.executable, str(SCRIPT), *argv, "--no-seed"], capture_output=True, text=True,
