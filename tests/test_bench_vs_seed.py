@@ -23,29 +23,34 @@ def _load():
 
 
 def test_kvkit_sides_replay_one_engine_with_hits_evictions_and_lookups():
-    """Both policies see the same arrivals (lookups), hit the CPU tier, evict, and keep every invariant."""
+    """Every side sees the same arrivals (lookups), evicts and keeps every invariant; with the whole flush the
+    tier turning over every step still serves hits."""
     bench = _load()
-    run = bench.bench_step(8, "block", ["hit-density", "lru"], steps=12, warmup=40, seed=0, config=None)
+    run = bench.bench_step(8, "block", ["hit-density", "lru"], steps=12, warmup=40, seed=0, config=None,
+                           flushes=["all"])
     rows = run["sides"]
-    assert set(rows) == {"kvkit-hit-density", "kvkit-lru"}
+    assert set(rows) == {"kvkit-hit-density", "kvkit-lru", "kvkit-hit-density-flushall", "kvkit-lru-flushall"}
     for row in rows.values():
         assert row["lookups"] == rows["kvkit-lru"]["lookups"] > 0
         assert row["cpu_evictions"] > 0 and row["step_cpu_median_ms"] > 0
         assert row["stored_blocks_per_step"] >= 8  # every running request completes a block a step
         assert row["cpu_us_per_stored_block"] > 0
-    assert sum(row["hit_blocks"] for row in rows.values()) > 0
+    assert sum(rows[f"kvkit-{policy}-flushall"]["hit_blocks"] for policy in ("hit-density", "lru")) > 0
     assert rows["kvkit-lru"]["ratio_to_kvkit_lru"] == 1.0
 
 
-def test_a_flush_limit_adds_a_side_whose_finishes_restore_less():
-    """``--flush-limit`` adds a side per policy and bound; bounded to no block, the finishes re-store nothing the
-    tier evicted, so that side stores fewer blocks a step than the whole flush on the same engine."""
+def test_a_flush_limit_adds_a_side_whose_finishes_restore_more():
+    """``--flush-limit`` adds a side per policy and value; the whole flush re-stores what the tier evicted, so that
+    side stores more blocks a step than the default (each block once) on the same engine, and bounded to no block
+    it stores the same."""
     bench = _load()
-    run = bench.bench_step(8, "block", ["hit-density"], steps=12, warmup=40, seed=0, config=None, flush_limits=[0])
-    whole, bounded = run["sides"]["kvkit-hit-density"], run["sides"]["kvkit-hit-density-flush0"]
-    assert set(run["sides"]) == {"kvkit-hit-density", "kvkit-hit-density-flush0"}
-    assert bounded["stored_blocks_per_step"] < whole["stored_blocks_per_step"]
-    assert bounded["lookups"] == whole["lookups"] > 0
+    run = bench.bench_step(8, "block", ["hit-density"], steps=12, warmup=40, seed=0, config=None,
+                           flushes=[0, "all"])
+    default, none, whole = (run["sides"][f"kvkit-hit-density{suffix}"] for suffix in ("", "-flush0", "-flushall"))
+    assert len(run["sides"]) == 3
+    assert none["stored_blocks_per_step"] == default["stored_blocks_per_step"] < whole["stored_blocks_per_step"]
+    assert none["hit_blocks"] == default["hit_blocks"]
+    assert whole["lookups"] == default["lookups"] > 0
 
 
 def test_a_larger_cpu_tier_is_the_same_engine_with_fewer_evictions():
@@ -96,7 +101,7 @@ def test_the_sides_take_turns_and_each_gets_its_own_hits():
             assert all(hit == self.found[rid] for rid, hit in prefills)  # its own hits, told back to it
             super().schedule(prefills, decodes)
 
-    sides = [Recorder(policy, 8 * 200, 64) for policy in ("hit-density", "lru", "hit-density")]
+    sides = [Recorder(policy, 8 * 200, 64, "all") for policy in ("hit-density", "lru", "hit-density")]
     for k, side in enumerate(sides):
         side.name, side.found = f"side-{k}", {}
     engine = bench.Engine(sides, 8, 16, 0)
@@ -137,8 +142,8 @@ def test_json_output_without_the_seed():
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--cpu-blocks-per-request", "0"], "--cpu-blocks-per-request must be at least 1, got 0"),
-    (["--flush-limit", "16,-1"], "--flush-limit takes ints >= 0, comma-separated, got '16,-1'"),
-    (["--flush-limit", "x"], "--flush-limit takes ints >= 0, comma-separated, got 'x'"),
+    (["--flush-limit", "16,-1"], "--flush-limit takes ints >= 0 or all, comma-separated, got '16,-1'"),
+    (["--flush-limit", "x"], "--flush-limit takes ints >= 0 or all, comma-separated, got 'x'"),
     (["--cpu-eviction", ""], "--cpu-eviction names at least one kvkit CPU policy, got ''"),
     (["--requests", "256,0"], "--requests takes ints >= 1, comma-separated, got '256,0'"),
     (["--requests", "x"], "--requests takes ints >= 1, comma-separated, got 'x'"),

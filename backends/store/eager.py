@@ -21,24 +21,27 @@ class EagerStore(StorePolicy):
     that confirms it (no stale cursor), and the manager drops what the CPU
     tier already holds or has in flight.
 
-    At a request's finish the flush answers its history again: the blocks the
-    CPU tier evicted while it ran (or whose store was dropped) are stored
-    again, so a returning conversation finds its prefix. A returning request
-    hits its longest stored prefix, so a flush can be bounded to the history's
-    head: ``flush_limit`` answers only the first ``flush_limit`` blocks. On a
-    tier that evicts much while requests run, a long history's re-stored tail
-    mostly evicts other conversations' heads; the bound saves that work, and
-    costs the hits of prefixes longer than it.
+    By default each block is stored once, as it is confirmed: a finish stores
+    nothing again. A *flush* answers the history again at the finish, so the
+    blocks the CPU tier evicted while the request ran (or whose store was
+    dropped) are stored again before the request's GPU blocks are freed:
+    ``flush_limit`` answers the history's first ``flush_limit`` blocks (a
+    returning request hits its longest stored prefix), ``None`` all of them.
+    A flush pays only where a returning conversation finds neither its
+    prefix on the GPU (no prefix caching, or a GPU tier that turns over
+    between turns) nor its next turn's stores in time; elsewhere its stores
+    evict other prefixes for no hit and lengthen the scheduler's step.
 
     Args:
         flush_limit: the most history blocks a finish answers, first blocks
-            first; ``None`` (default): the whole confirmed history.
+            first; ``0`` (default): none; ``None``: the whole confirmed
+            history.
 
     Invariants: answers only indices in ``[start, stop)`` on progress and in
     ``[0, min(num_confirmed_blocks, flush_limit))`` on finish.
     """
 
-    flush_limit: int | None = attrs.field(default=None, validator=optional_at_least(0))
+    flush_limit: int | None = attrs.field(default=0, validator=optional_at_least(0))
 
     @override
     def on_computed(self, request: RequestView, start: int, stop: int) -> range:

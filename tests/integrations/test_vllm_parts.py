@@ -683,8 +683,8 @@ def test_a_block_vllm_freed_out_of_the_window_may_come_back_to_the_same_request(
 
 
 def test_the_finish_flush_reads_no_block_vllm_freed_out_of_the_window():
-    """Blocks dropped for lack of CPU room are flushed at the finish, except those vLLM nulled."""
-    sides = _sides(kv=WINDOWED, cpu_blocks=2)
+    """Blocks dropped for lack of CPU room are flushed at the finish (the whole flush), except those vLLM nulled."""
+    sides = _sides(kv=WINDOWED, cpu_blocks=2, options={"store": {"flush_limit": None}})
     a = _admit(sides, "a", 6 * BS + 1, [[1, 2, 3, 4, 5, 6, 7]])
     order = _step(sides, [(a, a.num_tokens)])
     assert sum(len(p) for _, p in order.plan.stores) == 2  # the CPU tier holds two blocks

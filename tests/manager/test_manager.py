@@ -475,8 +475,9 @@ class LookupOnlyPool(BlockPool):
 @pytest.mark.parametrize("cpu_pool", [BlockPool, LookupOnlyPool])
 def test_stores_are_deduplicated_against_cpu_inflight_and_the_step(cpu_pool):
     """A hash on the CPU tier, in flight, or twice in one step is stored once (the CPU pool asked in one
-    call, or a lookup per hash)."""
-    mgr = OffloadManager(SPEC, cpu_pool(8, eviction=LRUPolicy()), EagerStore(), gpu=BlockPool(16, eviction=LRUPolicy()))
+    call, or a lookup per hash); a whole flush re-offers them and is deduplicated too."""
+    mgr = OffloadManager(SPEC, cpu_pool(8, eviction=LRUPolicy()), EagerStore(flush_limit=None),
+                         gpu=BlockPool(16, eviction=LRUPolicy()))
     assert (mgr._stores._contains_many is None) == (cpu_pool is LookupOnlyPool)
     hs = hashes(1, 2)
     schedule(mgr, "a", hs, 9)

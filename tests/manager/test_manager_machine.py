@@ -127,12 +127,12 @@ class ManagerMachine(RuleBasedStateMachine):
 
     manager_cls = OffloadManager
     check_manager = True  # also run the manager's own check_invariants()
-    write_through = True  # eager: every confirmed block must be stored (or on CPU)
+    write_through = True  # eager: every confirmed block must be stored (or on CPU), the flush's too
     own_gpu = True  # the manager gets the GPU pool (else: an external engine, delayed free)
 
     @staticmethod
     def make_store():
-        return EagerStore()
+        return EagerStore(flush_limit=None)  # the whole flush: the most stores a finish can owe
 
     @staticmethod
     def make_callbacks():
@@ -385,7 +385,8 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             delay = self.mgr.finish(r.rid)
         if r.running and self.write_through and r.epoch == self.epoch:
-            self._owe(r, r.hashes[:r.confirmed])  # the flush
+            limit = self.store.flush_limit
+            self._owe(r, r.hashes[:r.confirmed if limit is None else min(r.confirmed, limit)])  # the flush
         self._engine_free(r, delay)
         del self.reqs[r.rid]
 
@@ -710,6 +711,22 @@ class ManagerMachine(RuleBasedStateMachine):
 TestManagerEager = ManagerMachine.TestCase
 
 
+class StoreOnceMachine(ManagerMachine):
+    """The same model with the default ``EagerStore()``: a finish flushes nothing, each block is stored once."""
+
+    @staticmethod
+    def make_store():
+        return EagerStore()
+
+
+class BoundedFlushMachine(ManagerMachine):
+    """The same model with a finish flush bounded to the history's first two blocks."""
+
+    @staticmethod
+    def make_store():
+        return EagerStore(flush_limit=2)
+
+
 class SelectiveMachine(ManagerMachine):
     """The same model with ``SelectiveStore(k=2)`` (no write-through promise)."""
 
@@ -820,6 +837,8 @@ class HintMachine(ManagerMachine):
         self._add(tokens, salt, False)  # the same id is free: not "already live"
 
 
+TestManagerStoreOnce = StoreOnceMachine.TestCase
+TestManagerBoundedFlush = BoundedFlushMachine.TestCase
 TestManagerSelective = SelectiveMachine.TestCase
 TestManagerExternalEngine = ExternalEngineMachine.TestCase
 TestManagerLazy = LazyMachine.TestCase

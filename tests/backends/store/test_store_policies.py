@@ -36,14 +36,15 @@ def test_registry_names_load_each_policy(name, cls):
 
 
 @given(start=st.integers(0, 50), length=st.integers(0, 50))
-def test_eager_stores_the_confirmed_range_and_flushes_everything(start, length):
-    """Eager answers exactly the newly confirmed range, and all confirmed blocks on finish."""
+def test_eager_stores_the_confirmed_range_once_unless_told_to_flush(start, length):
+    """Eager answers exactly the newly confirmed range; on finish nothing by default (each block is stored once),
+    every confirmed block with ``flush_limit=None``."""
     stop = start + length
     view = View("r", list(range(stop)), stop)
-    policy = EagerStore()
-    assert list(policy.on_computed(view, start, stop)) == list(range(start, stop))
-    assert list(policy.on_finished(view)) == list(range(stop))
-    assert policy.writeback_target(0, 100) == 0
+    for policy, flushed in ((EagerStore(), []), (EagerStore(flush_limit=None), list(range(stop)))):
+        assert list(policy.on_computed(view, start, stop)) == list(range(start, stop))
+        assert list(policy.on_finished(view)) == flushed
+        assert policy.writeback_target(0, 100) == 0
 
 
 @given(confirmed=st.integers(0, 60), limit=st.integers(0, 80), start=st.integers(0, 60))
