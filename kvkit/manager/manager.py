@@ -1003,8 +1003,16 @@ class OffloadManager:
             self._dirty[r.request_id] = r
 
     def _report_load_failed(self, r: Request) -> None:
+        """Report ``r``'s load failed. The engine recomputes from the GPU-hit boundary, so the computed count
+        goes back to it (an engine that counted the hit computed when it scheduled the load reports the
+        recomputed blocks again, and they are confirmed and offered to the store policy again); queued stores
+        past it are dropped (their KV is not there)."""
         self._load_failed.add(r.request_id)
         self.stats.loads_failed.add()
+        if r.gpu_hit_blocks is not None and r.num_computed_tokens > r.gpu_hit_blocks * self.kv.block_size:
+            r.num_computed_tokens = r.gpu_hit_blocks * self.kv.block_size
+            r.num_confirmed_blocks = min(r.gpu_hit_blocks, len(r.block_hashes))
+            r.store_queue = [i for i in r.store_queue if i < r.num_confirmed_blocks]
 
     def _end(self, r: Request, preempted: bool = False) -> bool:
         """End an incarnation: release pins, detach queued stores, decide the delayed free.

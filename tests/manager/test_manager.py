@@ -284,6 +284,32 @@ def test_failed_load_is_reported_for_recompute():
     mgr.check_invariants()
 
 
+def test_a_failed_load_sets_the_count_back_to_the_gpu_hit_and_the_recomputed_blocks_are_stored():
+    """An engine that counts a hit computed when it schedules its load (vLLM's synchronous loads) reports past the
+    hit in that step; the load fails, and so do the step's stores (its forward pass read the hit): the computed
+    count goes back to the GPU-hit boundary and the queue past it is dropped, and the engine's report of its
+    recompute confirms the blocks again, so the blocks the CPU tier lacks are stored (each block stored once)."""
+    mgr = make()
+    hs = hashes(1, 5)
+    mgr.gpu.decref(store_all(mgr, "a", hs[:3], 13))
+    mgr.finish("a")
+    table = schedule(mgr, "b", hs, 21)
+    mgr.on_computed("b", 21)  # the hit and the rest, as the engine schedules them
+    plan = mgr.build_step()
+    assert [b for _, p in plan.stores for b in p.src.tolist()] == table[3:5]
+    report = mgr.apply_completions(results(plan, ok=False))
+    assert report.load_failed == {"b"}
+    r = mgr.request("b")
+    assert (r.num_computed_tokens, r.num_confirmed_blocks, r.store_queue) == (0, 0, [])
+    mgr.check_invariants()
+    mgr.on_computed("b", 21)  # the recompute
+    plan = mgr.build_step()
+    assert [b for _, p in plan.stores for b in p.src.tolist()] == table[3:5]
+    mgr.apply_completions(results(plan))
+    assert all(mgr.cpu.lookup([h]) for h in hs)
+    mgr.check_invariants()
+
+
 def test_a_load_failed_for_one_request_fails_it_alone_and_counts_only_the_others_blocks():
     """One load carries two requests' hits; both workers report it ok but left ``b``'s blocks out (``fail_load``,
     told by each): ``b`` alone fails, counted once, and only ``c``'s blocks and bytes count as loaded. A request
