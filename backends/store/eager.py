@@ -27,10 +27,10 @@ class EagerStore(StorePolicy):
     dropped) are stored again before the request's GPU blocks are freed:
     ``flush_limit`` answers the history's first ``flush_limit`` blocks (a
     returning request hits its longest stored prefix), ``None`` all of them.
-    A flush pays only where a returning conversation finds neither its
-    prefix on the GPU (no prefix caching, or a GPU tier that turns over
-    between turns) nor its next turn's stores in time; elsewhere its stores
-    evict other prefixes for no hit and lengthen the scheduler's step.
+    A flush pays where a returning conversation would find its prefix on no
+    other tier (no GPU prefix cache, or a GPU tier that turns over between
+    turns); elsewhere its re-stores evict other prefixes for no hit and
+    lengthen the scheduler's step.
 
     Args:
         flush_limit: the most history blocks a finish answers, first blocks
