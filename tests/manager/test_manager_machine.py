@@ -559,6 +559,8 @@ class ManagerMachine(RuleBasedStateMachine):
         for rid in failed:
             r = self.reqs[rid]
             r.computed = r.hit_n * BS  # recompute what the load should have brought
+            r.confirmed = min(r.confirmed, r.hit_n)  # the manager's count goes back to the GPU-hit boundary too
+            assert self.mgr.request(rid).num_computed_tokens <= r.computed, "a failed load kept its count"
             r.awaiting_load = False
         if self.draining and not any(t.abandoned for t in self.transfers.values()):
             self.draining = False
@@ -719,6 +721,32 @@ class StoreOnceMachine(ManagerMachine):
         return EagerStore()
 
 
+class EarlyCountMachine(StoreOnceMachine):
+    """The engine counts an accepted hit computed when it schedules the load, as vLLM does its synchronous loads:
+    a failed load sets the manager's count back to the GPU-hit boundary, and the engine's recompute is
+    confirmed, and owed to the CPU tier, again."""
+
+    def _allocate(self, r: EngineRequest, accept: int) -> None:
+        super()._allocate(r, accept)
+        if r.running and r.awaiting_load and not r.revoked:
+            self.mgr.on_computed(r.rid, (r.hit_n + r.accepted) * BS)
+            stop = min(r.hit_n + r.accepted, len(r.hashes))
+            if self.write_through and r.epoch == self.epoch:
+                self._owe(r, r.hashes[r.confirmed:stop])  # on the CPU tier: its hit
+            r.confirmed = max(r.confirmed, stop)
+
+    @precondition(lambda self: any(t.direction is Direction.LOAD and len(t.reported) < WORLD
+                                   for t in self.transfers.values()))
+    @rule(data=st.data())
+    def fail_a_load(self, data) -> None:
+        """Every worker yet to report a load reports it failed (its requests recompute)."""
+        t = data.draw(st.sampled_from([t for t in self.transfers.values()
+                                       if t.direction is Direction.LOAD and len(t.reported) < WORLD]))
+        for w in range(WORLD):
+            if w not in t.reported:
+                self._report(t, w, False)
+
+
 class BoundedFlushMachine(ManagerMachine):
     """The same model with a finish flush bounded to the history's first two blocks."""
 
@@ -839,6 +867,7 @@ class HintMachine(ManagerMachine):
 
 TestManagerStoreOnce = StoreOnceMachine.TestCase
 TestManagerBoundedFlush = BoundedFlushMachine.TestCase
+TestManagerEarlyCount = EarlyCountMachine.TestCase
 TestManagerSelective = SelectiveMachine.TestCase
 TestManagerExternalEngine = ExternalEngineMachine.TestCase
 TestManagerLazy = LazyMachine.TestCase
