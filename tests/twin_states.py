@@ -19,7 +19,7 @@ def queue_state(queue: ParkingQueue) -> dict[str, Any]:
     state = {f.name: getattr(queue, f.name) for f in attrs.fields(ParkingQueue)
              if f.name not in ("_slots", "_back", "_owner", "_loops")}
     slots = queue._slots
-    state["_back"] = list(queue._back)
+    state["_back"] = (queue._back._chunks, queue._back._maxes)  # the side list chunk by chunk
     state["slots"] = (bytes(slots.prev), bytes(slots.next), bytes(slots.stamp), bytes(slots.state), slots.clock,
                       slots.queues)
     state["order"] = queue.in_order()

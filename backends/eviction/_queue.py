@@ -60,7 +60,6 @@ _ABSENT, _MAIN, _PARKED, _BACK = 0, 1, 2, 3  # a block's state in its queue
 _NIL = -1  # no block: the end of a list
 _SHIFT = 32  # a side-list key is stamp << _SHIFT | block
 _MASK = (1 << _SHIFT) - 1
-_CHUNK = 512  # side-list chunks split past twice this
 
 
 class Slots:
@@ -116,13 +115,16 @@ class Slots:
 
 
 class _SortedKeys:
-    """Distinct ints in ascending order: sorted chunks, each at most ``2 * _CHUNK`` long, and their maxima.
+    """Distinct ints in ascending order: sorted chunks, each at most ``2 * chunk`` long, and their maxima.
 
     Inserting or removing one costs O(log n) comparisons plus a chunk's move
-    (C-level), never a pass over the others.
+    (C-level), never a pass over the others. Removals never merge chunks, so
+    removing keys one at a time or in one :meth:`remove_many` leaves the same
+    chunks.
     """
 
     __slots__ = ("_chunks", "_maxes")
+    chunk = 512  # a chunk splits in two halves past twice this (read by the compiled loops too)
 
     def __init__(self) -> None:
         self._chunks: list[list[int]] = []
@@ -169,9 +171,10 @@ class _SortedKeys:
         else:
             chunk = chunks[i]
             insort(chunk, key)
-        if len(chunk) > 2 * _CHUNK:
-            chunks.insert(i + 1, chunk[_CHUNK:])
-            del chunk[_CHUNK:]
+        half = self.chunk
+        if len(chunk) > 2 * half:
+            chunks.insert(i + 1, chunk[half:])
+            del chunk[half:]
             maxes.insert(i, chunk[-1])
 
     def remove(self, key: int) -> None:

@@ -5,8 +5,9 @@
  * the same calls and compare the whole state. The per-block slots (prev, next: array('i'); stamp:
  * array('q'); state: array('b') or, shared, array('q')) are read through the buffer protocol, the
  * queue's scalars (_len, _head, _tail, _cut, _pending and the slots' clock) are taken at the start and
- * written back before any call of the queue's methods, at the end and on an error; the side list stays a
- * Python object, called as the reference calls it.
+ * written back before any call of the queue's methods, at the end and on an error. The side list (_SortedKeys)
+ * stays a Python object: its chunks and maxima are lists the loops change in place, step for step as its
+ * methods would, while every stamp is below 2**31 (its keys fit a long long; past that, the reference).
  *
  * The loops run the common case of each block at C speed: the queue unwatched (_size 0, where a watched
  * window would move), a block an exact int inside the slots in the part the fast step expects. Any other
@@ -26,11 +27,13 @@
 enum { ABSENT = 0, MAIN = 1, PARKED = 2, BACK = 3 };
 #define NIL (-1)
 #define SHIFT 32
+#define MASK ((1LL << SHIFT) - 1)
+#define STAMP_LIMIT (1LL << 31) /* a stamp below it makes a side-list key that fits a long long */
 
 static PyObject *s_slots, *s_prev, *s_next, *s_stamp, *s_state, *s_clock, *s_base, *s_len, *s_head, *s_tail,
     *s_size, *s_edge, *s_cut, *s_pending, *s_back, *s_add, *s_pin, *s_unpin, *s_remove, *s_pin_many_ref,
     *s_first_ref, *s_add_pinned_ref, *s_add_many_ref, *s_unpin_many_ref, *s_remove_many_ref, *s_touch,
-    *s_touch_many_ref;
+    *s_touch_many_ref, *s_chunks, *s_maxes, *s_chunk;
 
 /* One queue for one call: its slots' buffers and its scalars. */
 typedef struct {
@@ -290,6 +293,228 @@ finish(Queue *q, PyObject *result)
     return result;
 }
 
+/* -- the side list ---------------------------------------------------------------------------------------- */
+
+/* A side list (_SortedKeys) for one call: it, its chunks (lists of keys, ascending) and their maxima (new
+ * references), and its chunk size. */
+typedef struct {
+    PyObject *back, *chunks, *maxes;
+    long long half;
+} Keys;
+
+static void
+keys_release(Keys *k)
+{
+    Py_CLEAR(k->back);
+    Py_CLEAR(k->chunks);
+    Py_CLEAR(k->maxes);
+}
+
+static int
+keys_take(PyObject *back, Keys *k)
+{
+    k->chunks = k->maxes = NULL;
+    k->back = Py_NewRef(back);
+    if ((k->chunks = PyObject_GetAttr(back, s_chunks)) == NULL || (k->maxes = PyObject_GetAttr(back, s_maxes)) == NULL
+        || attr_ll(back, s_chunk, &k->half) < 0) {
+        keys_release(k);
+        return -1;
+    }
+    if (!PyList_CheckExact(k->chunks) || !PyList_CheckExact(k->maxes) || k->half < 1) {
+        keys_release(k);
+        PyErr_SetString(PyExc_TypeError, "ParkingQueue: the side list's chunks, maxima or chunk size");
+        return -1;
+    }
+    return 0;
+}
+
+/* The queue's side list, taken (0), or -1 with an error set. */
+static int
+keys_of(Queue *q, Keys *k)
+{
+    PyObject *back = PyObject_GetAttr(q->queue, s_back);
+    if (back == NULL)
+        return -1;
+    int rc = keys_take(back, k);
+    Py_DECREF(back);
+    return rc;
+}
+
+/* list[i] as a long long key (-1 with an error set where it is none). */
+static int
+key_at(PyObject *list, Py_ssize_t i, long long *out)
+{
+    PyObject *item = PyList_GET_ITEM(list, i);
+    if (!PyLong_CheckExact(item)) {
+        PyErr_SetString(PyExc_TypeError, "ParkingQueue: a side-list key is not an int");
+        return -1;
+    }
+    *out = PyLong_AsLongLong(item);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* bisect.bisect_left (right: bisect_right) of key in a list of int keys, from lo; -1 with an error set. */
+static Py_ssize_t
+key_bisect(PyObject *list, long long key, Py_ssize_t lo, int right)
+{
+    Py_ssize_t hi = PyList_GET_SIZE(list);
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        long long item;
+        if (key_at(list, mid, &item) < 0)
+            return -1;
+        if (right ? key < item : !(item < key))
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+/* Whether one item more (grow) or less fits list's block as it is: then inserting or deleting it allocates
+ * nothing and cannot fail (list_resize keeps a block that the new size fills at least half of). */
+static int
+fits(PyObject *list, int grow)
+{
+    Py_ssize_t size = PyList_GET_SIZE(list) + (grow ? 1 : -1), allocated = ((PyListObject *)list)->allocated;
+    return allocated >= size && size >= (allocated >> 1);
+}
+
+/* A new list: list[:i] + items + list[i + drop:] (items: count new references' worth, borrowed). */
+static PyObject *
+spliced(PyObject *list, Py_ssize_t i, Py_ssize_t drop, PyObject *const *items, Py_ssize_t count)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list), size = n - drop + count;
+    PyObject *out = PyList_New(size);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t k = 0; k < size; k++) {
+        PyObject *item = k < i ? PyList_GET_ITEM(list, k)
+            : k < i + count ? items[k - i] : PyList_GET_ITEM(list, k - count + drop);
+        PyList_SET_ITEM(out, k, Py_NewRef(item));
+    }
+    return out;
+}
+
+/* The side list takes new chunks and maxima lists (setting a slot allocates nothing). */
+static int
+keys_swap(Keys *k, PyObject *chunks, PyObject *maxes)
+{
+    if (PyObject_SetAttr(k->back, s_chunks, chunks) < 0 || PyObject_SetAttr(k->back, s_maxes, maxes) < 0)
+        return -1;
+    Py_SETREF(k->chunks, Py_NewRef(chunks));
+    Py_SETREF(k->maxes, Py_NewRef(maxes));
+    return 0;
+}
+
+/* Chunk i of the side list replaced by `count` chunks (their maxima beside them): in place where the lists'
+ * blocks hold them (nothing to allocate), else new lists swapped in, built first. Either every change is
+ * made or none (the new lists are built before any is). */
+static int
+keys_replace(Keys *k, Py_ssize_t i, PyObject *const *chunks, Py_ssize_t count)
+{
+    PyObject *tops[2];
+    for (Py_ssize_t c = 0; c < count; c++)
+        tops[c] = PyList_GET_ITEM(chunks[c], PyList_GET_SIZE(chunks[c]) - 1);
+    if (count == 2 && fits(k->chunks, 1) && fits(k->maxes, 1)) {
+        PyList_SetItem(k->chunks, i, Py_NewRef(chunks[0]));
+        PyList_SetItem(k->maxes, i, Py_NewRef(tops[1]));
+        return PyList_Insert(k->chunks, i + 1, chunks[1]) < 0 || PyList_Insert(k->maxes, i, tops[0]) < 0 ? -1 : 0;
+    }
+    if (count == 0 && fits(k->chunks, 0) && fits(k->maxes, 0))
+        return PyList_SetSlice(k->chunks, i, i + 1, NULL) < 0 || PyList_SetSlice(k->maxes, i, i + 1, NULL) < 0
+            ? -1 : 0;
+    Py_ssize_t drop = i < PyList_GET_SIZE(k->chunks) ? 1 : 0;
+    PyObject *new_chunks = spliced(k->chunks, i, drop, chunks, count);
+    PyObject *new_maxes = new_chunks == NULL ? NULL : spliced(k->maxes, i, drop, tops, count);
+    int rc = new_maxes == NULL ? -1 : keys_swap(k, new_chunks, new_maxes);
+    Py_XDECREF(new_chunks);
+    Py_XDECREF(new_maxes);
+    return rc;
+}
+
+/* _SortedKeys.add(key): the same chunks and maxima; all or nothing under a failed allocation. */
+static int
+keys_add(Keys *k, long long key)
+{
+    PyObject *chunks = k->chunks, *maxes = k->maxes, *item = PyLong_FromLongLong(key), *parts[2] = {NULL, NULL};
+    if (item == NULL)
+        return -1;
+    int rc = -1;
+    Py_ssize_t n = PyList_GET_SIZE(maxes), i = key_bisect(maxes, key, 0, 0), j;
+    if (i < 0 || PyList_GET_SIZE(chunks) != n) {
+        if (i >= 0)
+            PyErr_SetString(PyExc_ValueError, "ParkingQueue: the side list's chunks and maxima differ in number");
+        goto done;
+    }
+    if (n == 0) { /* the first key: one chunk of it */
+        if ((parts[0] = PyList_New(1)) == NULL)
+            goto done;
+        PyList_SET_ITEM(parts[0], 0, Py_NewRef(item));
+        rc = keys_replace(k, 0, parts, 1);
+        goto done;
+    }
+    int last = i == n; /* past every maximum: the last chunk's end, and its new maximum */
+    if (last)
+        i -= 1;
+    PyObject *chunk = PyList_GET_ITEM(chunks, i);
+    if (!PyList_CheckExact(chunk)) {
+        PyErr_SetString(PyExc_TypeError, "ParkingQueue: a side-list chunk is not a list");
+        goto done;
+    }
+    Py_ssize_t size = PyList_GET_SIZE(chunk) + 1;
+    if ((j = last ? size - 1 : key_bisect(chunk, key, 0, 1)) < 0)
+        goto done;
+    if (size <= 2 * k->half) { /* one insertion: all or nothing */
+        if (PyList_Insert(chunk, j, item) < 0)
+            goto done;
+        if (last)
+            PyList_SetItem(maxes, i, Py_NewRef(item));
+        rc = 0;
+        goto done;
+    }
+    /* past twice the chunk size: the chunk with the key, split in two halves (the upper one after it) */
+    PyObject *with = spliced(chunk, j, 0, &item, 1);
+    if (with == NULL)
+        goto done;
+    parts[0] = PyList_GetSlice(with, 0, k->half);
+    parts[1] = parts[0] == NULL ? NULL : PyList_GetSlice(with, k->half, size);
+    Py_DECREF(with);
+    if (parts[1] != NULL)
+        rc = keys_replace(k, i, parts, 2);
+done:
+    Py_XDECREF(parts[0]);
+    Py_XDECREF(parts[1]);
+    Py_DECREF(item);
+    return rc;
+}
+
+/* _SortedKeys.remove(key): the same chunks and maxima; all or nothing under a failed allocation. */
+static int
+keys_remove(Keys *k, long long key)
+{
+    PyObject *chunks = k->chunks, *maxes = k->maxes;
+    Py_ssize_t i = key_bisect(maxes, key, 0, 0), j;
+    if (i < 0)
+        return -1;
+    PyObject *chunk = i < PyList_GET_SIZE(chunks) ? PyList_GET_ITEM(chunks, i) : NULL;
+    long long found = key + 1;
+    if (chunk == NULL || !PyList_CheckExact(chunk) || (j = key_bisect(chunk, key, 0, 0)) < 0
+        || (j < PyList_GET_SIZE(chunk) && key_at(chunk, j, &found) < 0) || found != key) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_AssertionError, "side-list key %lld is not listed", key);
+        return -1;
+    }
+    Py_ssize_t left = PyList_GET_SIZE(chunk) - 1;
+    if (!left) /* its last key: the chunk and its maximum leave */
+        return keys_replace(k, i, NULL, 0);
+    if (PyList_SetSlice(chunk, j, j + 1, NULL) < 0) /* one deletion: all or nothing */
+        return -1;
+    if (j == left)
+        PyList_SetItem(maxes, i, Py_NewRef(PyList_GET_ITEM(chunk, left - 1)));
+    return 0;
+}
+
 /* queue.<name>(arg), its result dropped: the state given back before and taken again after. */
 static int
 per_block(Queue *q, PyObject *name, PyObject *arg)
@@ -486,8 +711,9 @@ done:
     return result;
 }
 
-/* ParkingQueue.pin_many_reference, unwatched: a listed block is unlinked; from the first other one, the
- * reference runs the rest (it batches the side list's removals). */
+/* ParkingQueue.pin_many_reference, unwatched: a listed block is unlinked, one in the side list leaves it (one
+ * key at a time leaves the chunks the reference's batch leaves); from the first other one, the reference runs
+ * the rest. */
 static PyObject *
 pin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -496,6 +722,7 @@ pin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (batch_args("pin_many", s_pin_many_ref, args, nargs, &answer))
         return answer;
     Queue q = {.queue = args[0]};
+    Keys keys = {0};
     PyObject *blocks = NULL, *rest = NULL, *result = NULL;
     if (take(&q) < 0)
         goto done;
@@ -519,7 +746,15 @@ pin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (Py_ssize_t i = start; i < n; i++) {
         Py_ssize_t block = slot_of(&q, PyTuple_GET_ITEM(blocks, i));
-        if (block < 0 || state_of(&q, block) != (q.base | MAIN)) {
+        long long state = block < 0 ? ABSENT : state_of(&q, block);
+        if (state == (q.base | BACK) && q.stamp[block] < STAMP_LIMIT) { /* it leaves the side list */
+            if ((keys.chunks == NULL && keys_of(&q, &keys) < 0)
+                || keys_remove(&keys, q.stamp[block] << SHIFT | block) < 0)
+                goto done;
+            set_state(&q, block, q.base | PARKED);
+            continue;
+        }
+        if (state != (q.base | MAIN)) {
             if (give(&q) < 0 || (rest = PyTuple_GetSlice(blocks, i, n)) == NULL)
                 goto done;
             result = reference(args[0], s_pin_many_ref, &rest, 1);
@@ -534,6 +769,7 @@ pin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 done:
     result = finish(&q, result);
     Py_XDECREF(blocks);
+    keys_release(&keys);
     Py_XDECREF(rest);
     return result;
 }
@@ -548,7 +784,8 @@ unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (batch_args("unpin_many", s_unpin_many_ref, args, nargs, &answer))
         return answer;
     Queue q = {.queue = args[0]};
-    PyObject *blocks = NULL, *back = NULL, *result = NULL;
+    Keys keys = {0};
+    PyObject *blocks = NULL, *result = NULL;
     if (take(&q) < 0)
         goto done;
     if (q.size != 0) { /* watched: a release may move the window */
@@ -565,7 +802,8 @@ unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *item = PyTuple_GET_ITEM(blocks, i);
         Py_ssize_t block = slot_of(&q, item);
         long long stamp = block < 0 ? 0 : q.stamp[block];
-        if (block < 0 || state_of(&q, block) != (q.base | PARKED) || stamp <= q.edge) {
+        if (block < 0 || state_of(&q, block) != (q.base | PARKED) || stamp <= q.edge || stamp >= STAMP_LIMIT) {
+            keys_release(&keys); /* the reference may change the side list */
             if (per_block(&q, s_unpin, item) < 0)
                 goto done;
             continue;
@@ -578,26 +816,17 @@ unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             continue;
         }
-        /* released out of order: the side list (its key made first: a failed allocation leaves the block parked) */
-        if (back == NULL && (back = PyObject_GetAttr(q.queue, s_back)) == NULL)
-            goto done;
-        PyObject *key = PyLong_FromLongLong((long long)((uint64_t)stamp << SHIFT | (uint64_t)block));
-        if (key == NULL)
+        /* released out of order: the side list (its key first: a failed allocation leaves the block parked) */
+        if ((keys.chunks == NULL && keys_of(&q, &keys) < 0) || keys_add(&keys, stamp << SHIFT | block) < 0)
             goto done;
         set_state(&q, block, q.base | BACK);
-        PyObject *argv[2] = {back, key};
-        PyObject *r = PyObject_VectorcallMethod(s_add, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        Py_DECREF(key);
-        if (r == NULL)
-            goto done;
-        Py_DECREF(r);
     }
     if (give(&q) == 0)
         result = Py_NewRef(Py_None);
 done:
     result = finish(&q, result);
+    keys_release(&keys);
     Py_XDECREF(blocks);
-    Py_XDECREF(back);
     return result;
 }
 
@@ -644,8 +873,8 @@ done:
     return result;
 }
 
-/* ParkingQueue.remove_many_reference: a listed block past the edge is unlinked, a parked one dropped; any
- * other block runs the reference's remove. */
+/* ParkingQueue.remove_many_reference: a listed block past the edge is unlinked, one in the side list past the
+ * edge leaves it, a parked one is dropped; any other block runs the reference's remove. */
 static PyObject *
 remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -654,6 +883,7 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (batch_args("remove_many", s_remove_many_ref, args, nargs, &answer))
         return answer;
     Queue q = {.queue = args[0]};
+    Keys keys = {0};
     PyObject *blocks = NULL, *result = NULL;
     if (take(&q) < 0 || (blocks = PySequence_Tuple(args[1])) == NULL || flush(&q) < 0)
         goto done;
@@ -667,7 +897,16 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             q.len -= 1;
             continue;
         }
-        if (block < 0 || state != (q.base | MAIN) || q.stamp[block] <= q.edge) {
+        long long stamp = block < 0 ? 0 : q.stamp[block];
+        if (state == (q.base | BACK) && stamp > q.edge && stamp < STAMP_LIMIT) {
+            if ((keys.chunks == NULL && keys_of(&q, &keys) < 0) || keys_remove(&keys, stamp << SHIFT | block) < 0)
+                goto done;
+            set_state(&q, block, ABSENT);
+            q.len -= 1;
+            continue;
+        }
+        if (block < 0 || state != (q.base | MAIN) || stamp <= q.edge) {
+            keys_release(&keys); /* the reference may change the side list */
             if (per_block(&q, s_remove, item) < 0)
                 goto done;
             continue;
@@ -681,6 +920,7 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         result = Py_NewRef(Py_None);
 done:
     result = finish(&q, result);
+    keys_release(&keys);
     Py_XDECREF(blocks);
     return result;
 }
@@ -701,8 +941,74 @@ ask(PyObject *is_evictable, long long block)
     return truth;
 }
 
-/* ParkingQueue.first_reference without a side list: the list's first n blocks when all are evictable,
- * else the list's evictable blocks, asked again from its head, until n; with one, the reference. */
+/* ParkingQueue._walk's first `want` blocks where the side list holds some: the list and the side list merged
+ * by stamp, each block asked in that order, none asked once `want` are chosen (islice stops the walk). */
+static PyObject *
+merged(Queue *q, PyObject *back, long long want, PyObject *is_evictable)
+{
+    Keys keys;
+    if (keys_take(back, &keys) < 0)
+        return NULL;
+    PyObject *result = PyList_New(0);
+    Py_ssize_t c = 0, j = 0; /* the next key: chunk c, item j */
+    long long key = 0, block = q->head;
+    int have = 0; /* key holds the next key */
+    if (result == NULL)
+        goto fail;
+    for (;;) {
+        while (!have && c < PyList_GET_SIZE(keys.chunks)) {
+            PyObject *chunk = PyList_GET_ITEM(keys.chunks, c);
+            if (!PyList_CheckExact(chunk)) {
+                PyErr_SetString(PyExc_TypeError, "ParkingQueue: a side-list chunk is not a list");
+                goto fail;
+            }
+            if (j < PyList_GET_SIZE(chunk)) {
+                if (key_at(chunk, j++, &key) < 0)
+                    goto fail;
+                have = 1;
+            }
+            else {
+                c += 1;
+                j = 0;
+            }
+        }
+        if (block != NIL && !inside(q, block))
+            goto fail;
+        long long next;
+        if (have && (block == NIL || key < q->stamp[block] << SHIFT)) { /* the side list's block comes first */
+            next = key & MASK;
+            have = 0;
+        }
+        else if (block != NIL) {
+            next = block;
+            block = q->next[block];
+        }
+        else
+            break;
+        int yes = ask(is_evictable, next);
+        if (yes < 0)
+            goto fail;
+        if (yes) {
+            PyObject *b = PyLong_FromLongLong(next);
+            if (b == NULL || PyList_Append(result, b) < 0) {
+                Py_XDECREF(b);
+                goto fail;
+            }
+            Py_DECREF(b);
+            if (PyList_GET_SIZE(result) >= want)
+                break;
+        }
+    }
+    keys_release(&keys);
+    return result;
+fail:
+    keys_release(&keys);
+    Py_XDECREF(result);
+    return NULL;
+}
+
+/* ParkingQueue.first_reference: without a side list, the list's first n blocks when all are evictable, else the
+ * list's evictable blocks, asked again from its head, until n; with one, the merged walk's first n. */
 static PyObject *
 first(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -731,9 +1037,13 @@ first(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int some = PyObject_IsTrue(back);
     if (some < 0)
         goto done;
-    if (some) { /* blocks released out of order: the reference merges the side list */
-        release(&q);
-        result = reference(args[0], s_first_ref, args + 1, 2);
+    if (some) { /* blocks released out of order: merged with the list */
+        if (q.clock >= STAMP_LIMIT) {
+            release(&q);
+            result = reference(args[0], s_first_ref, args + 1, 2);
+        }
+        else
+            result = merged(&q, back, want, is_evictable);
         goto done;
     }
     if ((head = PyList_New(0)) == NULL)
@@ -838,7 +1148,8 @@ PyInit__queue_loops(void)
         || intern(&s_add_many_ref, "add_many_reference") < 0
         || intern(&s_unpin_many_ref, "unpin_many_reference") < 0
         || intern(&s_remove_many_ref, "remove_many_reference") < 0 || intern(&s_touch, "touch") < 0
-        || intern(&s_touch_many_ref, "touch_many_reference") < 0)
+        || intern(&s_touch_many_ref, "touch_many_reference") < 0 || intern(&s_chunks, "_chunks") < 0
+        || intern(&s_maxes, "_maxes") < 0 || intern(&s_chunk, "chunk") < 0)
         return NULL;
     return PyModule_Create(&module);
 }

@@ -2,8 +2,8 @@
 
 Rules:
 
-* A ``MemoryError`` raised by a compiled parking-queue loop's own code (not by Python code it calls back:
-  the reference's per-block methods, the side list) leaves the queue exactly as the reference run on the
+* A ``MemoryError`` raised by a compiled parking-queue loop's own code (its side-list changes included; not
+  by Python code it calls back: the reference's per-block methods) leaves the queue exactly as the reference run on the
   blocks the loop had finished leaves it (a block left pending, linked: the same order): the scalars it
   had changed (length, head, tail, cut, pending, clock) are written back beside the slots it wrote, so
   the invariants hold and every later call returns and changes what it does on a reference-run queue.
@@ -31,7 +31,7 @@ from kvkit.backends.allocator import loops as pool_loops
 from kvkit.backends.allocator.pool import BlockPool
 from kvkit.backends.eviction import _queue
 from kvkit.backends.eviction._common import any_block
-from kvkit.backends.eviction._queue import ParkingQueue, Slots
+from kvkit.backends.eviction._queue import ParkingQueue, Slots, _SortedKeys
 from kvkit.errors import PoolUsageError
 from twin_states import queue_state
 
@@ -114,16 +114,18 @@ _CASES = [
     ("add_many", ([_F + 500, _F + 501, _F + 502], [False, True, False]), True, False, False),  # each its own flag
     ("add_many", ([_F + 500, _PAST, _F + 501], [True, False, True]), False, True, True),  # past the slots: add's
     ("pin_many", ([_F + 400, _F + 1, _F + 2, _F + 4],), True, False, False),  # the pending block first
-    ("pin_many", ([_F + 1, _F + 2, _F + 150, _F + 4],), True, True, False),  # a side-list block: the reference's rest
+    ("pin_many", ([_F + 1, _F + 2, _F + 150, _F + 4],), True, True, False),  # a side-list block leaves it
+    ("pin_many", ([_F + 150, _F + 90, _F + 1],), False, True, True),  # the side list emptied
     ("unpin_many", ([_F + _N - 1, _F + 3, _F + 6],), False, True, False),  # linked at the end, then the side list
     ("unpin_many", ([_F + 3, _F + _N - 1, _F + 6],), True, False, True),  # the pending block linked first
     ("remove_many", ([_F + 1, _F + 3, _F + 2, _F + 150, _F + 4],), True, True, False),  # listed, parked, side list
     ("remove_many", ([_F + 1, _F + 3, _F + _N - 2],), False, False, True),
+    ("remove_many", ([_F + 90, _F + 150, _F + 1],), False, True, False),  # the side list emptied
     ("touch_many", ([_F + 1, _F + 3, _F + 2, _F + 4, _F + _N - 1],), True, False, False),  # listed, parked
     ("touch_many", ([_F + 1, _F + 150, _F + 4],), False, True, True),  # a side-list block: the reference's touch
     ("first", (5, _odd), True, False, False),  # some not evictable: the walk
     ("first", (5, any_block), True, False, True),  # the list's head
-    ("first", (5, _odd), True, True, False),  # a side list: the reference
+    ("first", (5, _odd), True, True, False),  # a side list: the merged walk
 ]
 
 
@@ -176,10 +178,20 @@ def _go_on(twins: list[ParkingQueue], rest: _Calls) -> None:
 # A walk the failure cut short is closed as it is collected, where its MemoryError can only be reported.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(("name", "args", "pending", "side", "shared"), _CASES)
+@pytest.mark.parametrize("chunk", [_SortedKeys.chunk, 1])
 def test_a_failed_allocation_leaves_the_queue_as_the_reference_leaves_the_blocks_done(
-        name: str, args: tuple[Any, ...], pending: bool, side: bool, shared: bool) -> None:
+        name: str, args: tuple[Any, ...], pending: bool, side: bool, shared: bool, chunk: int) -> None:
     """Every allocation of one compiled call failed in turn: where the loop's own code raised, the queue is
-    a reference-run queue's after the call's first blocks (or before the call), and goes on as that one."""
+    a reference-run queue's after the call's first blocks (or before the call), and goes on as that one.
+    Side-list chunks of one key (split past two) make each side-list change split or drop a chunk."""
+    default, _SortedKeys.chunk = _SortedKeys.chunk, chunk
+    try:
+        _fail_each_allocation(name, args, pending, side, shared)
+    finally:
+        _SortedKeys.chunk = default
+
+
+def _fail_each_allocation(name: str, args: tuple[Any, ...], pending: bool, side: bool, shared: bool) -> None:
     compiled = _queue.LOOPS.compiled
     assert compiled is not None
     base = _prepared(pending, side, shared)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvkit.backends.allocator.pool import BlockPool
 from kvkit.backends.eviction._chains import FlatChains
-from kvkit.backends.eviction._queue import _CHUNK, _SortedKeys
+from kvkit.backends.eviction._queue import _SortedKeys
 from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.backends.eviction.hit_density import REUSE_LEVELS, HitDensityPolicy, booking
 from kvkit.backends.eviction.hit_density.density import HitDensityModel
@@ -320,7 +320,7 @@ def test_model_fits_disjoint_chains_together_as_one_by_one(events: list[tuple[in
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sets(st.integers(0, 6 * _CHUNK), min_size=1, max_size=4 * _CHUNK), st.data())
+@given(st.sets(st.integers(0, 6 * _SortedKeys.chunk), min_size=1, max_size=4 * _SortedKeys.chunk), st.data())
 def test_side_list_remove_many_is_remove_one_by_one(keys: set[int], data: st.DataObject) -> None:
     """Removing a batch leaves the side list's chunks and maxima exactly as removing its keys one at a time."""
     ordered = sorted(keys)

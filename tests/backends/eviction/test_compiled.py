@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvkit.backends.eviction import _chains, _queue
 from kvkit.backends.eviction._chains import FlatChains
 from kvkit.backends.eviction._common import any_block
-from kvkit.backends.eviction._queue import ParkingQueue, Slots
+from kvkit.backends.eviction._queue import ParkingQueue, Slots, _SortedKeys
 from kvkit.backends.eviction.fifo import FIFOPolicy
 from kvkit.backends.eviction.hit_density import HitDensityPolicy, booking, selection
 from kvkit.backends.eviction.lru import LRUPolicy
@@ -991,10 +991,32 @@ def _queues_state(queues: list[ParkingQueue]) -> list[dict[str, Any]]:
 def test_compiled_queue_loops_are_the_references(ops: list[tuple[Any, ...]], shared: bool) -> None:
     """Two sets of queues take the same calls, one running the compiled loops, one the references (a single
     ``add`` is the set's own, the method in the references): every call returns or raises the same, and
-    after it both hold the same state (the slot arrays, the side list, stamps, the clock, the window).
-    Batches come as lists, tuples or another sequence (the compiled loop hands that to the reference);
-    watched windows, ids past the slots, refusals, odd ids and flags other than bools run the references'
-    general cases."""
+    after it both hold the same state (the slot arrays, the side list chunk by chunk, stamps, the clock, the
+    window). Batches come as lists, tuples or another sequence (the compiled loop hands that to the
+    reference); watched windows, ids past the slots, refusals, odd ids and flags other than bools run the
+    references' general cases."""
+    _run_queue_twins(ops, shared)
+
+
+@pytest.mark.skipif(_queue.LOOPS.compiled is None, reason="the compiled loops were not built")
+@settings(max_examples=300, deadline=None)
+@example(ops=[("add_many", 0, list(range(10)), [False] * 10, list), ("pin_many", 0, list(range(10)), list),
+              ("unpin_many", 0, list(range(9, -1, -1)), list), ("first", 0, 6, True), ("first", 0, 6, False),
+              ("remove_many", 0, [3, 5, 9], list), ("pin_many", 0, [0, 7, 8], tuple), ("first", 0, 6, True)],
+         shared=False, chunk=2)  # released youngest first: nine keys into the side list's first chunk, split twice
+@given(ops=_QUEUE_OPS, shared=st.booleans(), chunk=st.sampled_from([1, 2]))
+def test_compiled_queue_loops_split_and_empty_side_list_chunks_as_the_references(
+        ops: list[tuple[Any, ...]], shared: bool, chunk: int) -> None:
+    """As :func:`test_compiled_queue_loops_are_the_references` with side-list chunks of one or two keys: the
+    compiled loops split full chunks, drop empty ones and merge walks across chunks as the references do."""
+    default, _SortedKeys.chunk = _SortedKeys.chunk, chunk
+    try:
+        _run_queue_twins(ops, shared)
+    finally:
+        _SortedKeys.chunk = default
+
+
+def _run_queue_twins(ops: list[tuple[Any, ...]], shared: bool) -> None:
     assert _queue.LOOPS.compiled is not None
     twins = [_queues(shared, _queue.LOOPS.compiled), _queues(shared, _queue.LOOPS.reference)]
     for op in ops:

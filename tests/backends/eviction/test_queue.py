@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvkit.backends.eviction._common import any_block
-from kvkit.backends.eviction._queue import _CHUNK, ParkingQueue, Slots, _SortedKeys
+from kvkit.backends.eviction._queue import ParkingQueue, Slots, _SortedKeys
 from kvkit.errors import PoolUsageError
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), size=st.integers(1, 6 * _CHUNK))
+@given(seed=st.integers(0, 2**32 - 1), size=st.integers(1, 6 * _SortedKeys.chunk))
 def test_sorted_keys_agree_with_a_sorted_list(seed, size):
     """Adds and removes across many chunks: order, neighbours and maximum as a plain sorted list has them."""
     rng = random.Random(seed)
@@ -41,7 +41,7 @@ def test_blocks_released_out_of_order_come_back_in_entry_order_past_a_chunk():
     """Thousands of blocks released in random order (the side list splits chunks) are walked in entry order."""
     rng = random.Random(7)
     queue = ParkingQueue()
-    n = 5 * _CHUNK
+    n = 5 * _SortedKeys.chunk
     for b in range(n):
         queue.add(b, True)  # positional, as hit density's chain index calls it
     released = rng.sample(range(n), n - 10)
