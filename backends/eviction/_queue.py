@@ -34,8 +34,9 @@ The batch loops a scheduler step runs per block (:meth:`ParkingQueue.add_many`,
 (:meth:`~ParkingQueue.first`) run the set of :data:`LOOPS` a queue holds in its ``_loops``
 (:mod:`~kvkit.backends.twins`): the compiled ``_queue_loops`` module's functions where that extension was
 built, else their Python references (the methods named ``*_reference``), which hold the contract; the tests
-drive both on the same calls and compare the whole state. The set also holds :meth:`ParkingQueue.add` (the
-method itself its reference), which compiled callers run per block.
+drive both on the same calls and compare the whole state, the side list chunk by chunk (the compiled loops
+change its chunks in place as its methods do, so blocks released out of order cost no Python call). The set
+also holds :meth:`ParkingQueue.add` (the method itself its reference), which compiled callers run per block.
 """
 
 from __future__ import annotations

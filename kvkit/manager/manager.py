@@ -125,6 +125,7 @@ from kvkit.validate import at_least, int_problem, optional_at_least, plural, quo
 __all__ = ["OffloadManager"]
 
 _WAITING, _RUNNING, _ENDED = RequestState.WAITING, RequestState.RUNNING, RequestState.ENDED
+_ROWS = (list, tuple)  # the sequence types append_blocks's one-block path takes as they are
 
 
 def _callbacks(callbacks: Iterable[OffloadCallback]) -> tuple[OffloadCallback, ...]:
@@ -625,8 +626,8 @@ class OffloadManager:
             raise wrong_state(r, "append_blocks needs a running request")
         taken, limit = r.block_ids, self.num_gpu_blocks
         rows = new_block_ids
-        if (rows.__class__ is list and len(rows) == 1 and rows[0].__class__ is list and len(rows[0]) == 1
-                and len(r.block_table) == 1):  # one decode block: O(1)
+        if (rows.__class__ in _ROWS and len(rows) == 1 and rows[0].__class__ in _ROWS and len(rows[0]) == 1
+                and len(r.block_table) == 1):  # one decode block (vLLM's ([id],), a list or tuple): O(1)
             b: BlockId = rows[0][0]  # an id once checked next (no cast call: the hot path)
             if (b.__class__ is int and b not in taken and 0 <= b != self.null_block
                     and (limit is None or b < limit)):

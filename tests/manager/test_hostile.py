@@ -14,7 +14,7 @@ from kvkit.backends.allocator import BlockPool
 from kvkit.backends.eviction.hinted import HintedPolicy
 from kvkit.backends.eviction.lru import LRUPolicy
 from kvkit.backends.store import EagerStore
-from kvkit.errors import ConfigError, KVKitError
+from kvkit.errors import ConfigError, KVKitError, RequestStateError
 from kvkit.interfaces import KVCacheSpec, OffloadCallback, TransferResult
 from kvkit.interfaces.hints import WorkloadHints
 from kvkit.manager import OffloadManager
@@ -226,8 +226,17 @@ def test_appended_blocks_may_come_as_any_iterable():
     m.on_allocated("a", [m.gpu.allocate(2)])
     first, second = m.gpu.allocate(2)
     m.append_blocks("a", iter([[first]]))
-    m.append_blocks("a", ((second,),))
+    m.append_blocks("a", ((second,),))  # vLLM's new_block_ids: a tuple of lists or tuples, one block a step
     assert m.request("a").block_table[0][-2:] == [first, second]
+    for rows in ([[second]], ((second,),), ([second],), [(second,)], ((NUM_GPU,),), ([-2],), ((True,),)):
+        before = snapshot(m)
+        with pytest.raises(RequestStateError) as refused:  # taken, out of range, no id: each shape refused alike
+            m.append_blocks("a", rows)
+        as_list = [[*rows[0]]]
+        with pytest.raises(RequestStateError) as listed:
+            m.append_blocks("a", as_list)
+        assert str(refused.value).replace(repr(rows), repr(as_list)) == str(listed.value)
+        assert snapshot(m) == before
     m.check_invariants()
 
 

@@ -76,7 +76,7 @@ from kvkit.integrations.vllm.settings import ConnectorSettings
 from kvkit.interfaces import BlockAllocator, BlockHash, BlockId, GroupKind, Tier, TransferResult
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.manager import OffloadManager
-from kvkit.manager.requests import RequestState
+from kvkit.manager.requests import Request, RequestState
 from kvkit.manager.step import StepPlan
 from kvkit.shared.client import SharedConnection, connect_shared
 from kvkit.stats import OffloadStats
@@ -426,25 +426,30 @@ class SchedulerSide:
 
     def _build(self, preempted: Iterable[str], new_blocks: Iterable[tuple[str, Sequence[Sequence[int]]]],
                scheduled: Mapping[str, int], drafts: Mapping[str, Sequence[int]]) -> StepOrder:
+        manager, requests = self.manager, self._requests
+        live = manager.request
         for rid in preempted:
-            if rid in self._requests and self.manager.request(rid).state is _RUNNING:
+            if rid in requests and live(rid).state is _RUNNING:
                 self._preempt(rid)
         for rid, blocks in new_blocks:
-            if rid in self._requests and self.manager.request(rid).state is _RUNNING:
+            if rid in requests and live(rid).state is _RUNNING:
                 if self._windowed:
-                    self.manager.on_allocated(rid, [list(row) for row in self.tables(rid)])
+                    manager.on_allocated(rid, [list(row) for row in self.tables(rid)])
                 else:
-                    self.manager.append_blocks(rid, blocks)
+                    manager.append_blocks(rid, blocks)
         computed = []
-        for rid, n in scheduled.items():
-            request = self._requests.get(rid)
-            if request is None or self.manager.request(rid).state is not _RUNNING:
+        for rid, n in scheduled.items():  # the per-request hot path: one lookup of the manager's state each
+            request = requests.get(rid)
+            if request is None:
                 continue
-            self._sync(request)
+            r = live(rid)
+            if r.state is not _RUNNING:
+                continue
+            self._sync(request, r)
             done = request.num_computed_tokens + n - len(drafts.get(rid, ()))
-            if done > self.manager.request(rid).num_computed_tokens:
+            if done > r.num_computed_tokens:
                 computed.append((rid, done))
-        self.manager.on_computed_many(computed)
+        manager.on_computed_many(computed)
         self._step += 1
         self._flush_pending = False  # build_step plans every detached store
         order = StepOrder(self._step, self.manager.build_step(), tuple(self._targets),
@@ -584,11 +589,14 @@ class SchedulerSide:
         self.manager.preempt(rid)
         self.num_preemptions += 1
 
-    def _sync(self, request: Any) -> None:
-        """Tell the manager about blocks that became full and the request's length."""
-        known = len(self.manager.request(request.request_id).block_hashes)
-        hashes = request.block_hashes
-        self.manager.extend(request.request_id, [block_hash(h) for h in hashes[known:]],
-                            request.num_tokens)
+    def _sync(self, request: Any, r: Request | None = None) -> None:
+        """Tell the manager about blocks that became full and the request's length (``r``: its live state, if
+        the caller has it); nothing when neither grew."""
+        if r is None:
+            r = self.manager.request(request.request_id)
+        known, hashes, num_tokens = len(r.block_hashes), request.block_hashes, request.num_tokens
+        if len(hashes) == known and num_tokens <= r.num_tokens:
+            return
+        self.manager.extend(request.request_id, [block_hash(h) for h in hashes[known:]], num_tokens)
         if self.events is not None and len(hashes) > known:
             self.events.remember(request, known)
