@@ -628,7 +628,7 @@ class OffloadManager:
         rows = new_block_ids
         if (rows.__class__ in _ROWS and len(rows) == 1 and rows[0].__class__ in _ROWS and len(rows[0]) == 1
                 and len(r.block_table) == 1):  # one decode block (vLLM's ([id],), a list or tuple): O(1)
-            b: BlockId = rows[0][0]  # an id once checked next (no cast call: the hot path)
+            b: BlockId = rows[0][0]  # type: ignore[assignment]  # an id once checked next (no cast: the hot path)
             if (b.__class__ is int and b not in taken and 0 <= b != self.null_block
                     and (limit is None or b < limit)):
                 r.block_table[0].append(b)
