@@ -21,7 +21,14 @@ import torch
 from hypothesis import given
 
 from kvkit.config import DEFAULTS
-from kvkit.errors import ConfigError, HashInputError, PoolUsageError, RefcountError, SpecMismatchError
+from kvkit.errors import (
+    ConfigError,
+    HashInputError,
+    PoolUsageError,
+    RefcountError,
+    SpecMismatchError,
+    UnknownBlockError,
+)
 from kvkit.integrations.vllm.gpu_pool import VllmGpuPool
 from kvkit.integrations.vllm.scheduler import (
     LOADED_TOKENS_KEY,
@@ -455,6 +462,11 @@ def test_gpu_references_are_vllms_touch_and_free():
     for bad in ([2], [0]):
         with pytest.raises(RefcountError):
             pool.incref(bad)
+    for bad in ([NUM_GPU_BLOCKS], [-1], [True], [1, NUM_GPU_BLOCKS], [1.0]):  # no id of the pool: nothing changes
+        for call in (pool.incref, pool.decref):
+            with pytest.raises(UnknownBlockError, match=r"out of range"):
+                call(bad)
+    assert pool.refcount(1) == 1
     pool.decref([1])
     with pytest.raises(RefcountError):
         pool.decref([1])

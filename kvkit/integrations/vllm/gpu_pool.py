@@ -31,6 +31,7 @@ __all__ = ["VllmGpuPool"]
 
 _GROUP_ID_BYTES = 4
 """vLLM's ``BlockHashWithGroupId`` is the block hash's bytes then 4 bytes of KV group id."""
+_INT = {int}  # the id types _blocks passes without a per-id check
 
 
 @attrs.define(eq=False)
@@ -155,7 +156,8 @@ class VllmGpuPool:
     def _blocks(self, ids: Iterable[BlockId]) -> list[Any]:
         blocks, n = self.pool.blocks, self.pool.num_gpu_blocks
         ids = list(ids)
-        bad = [b for b in ids if not is_int(b, 0) or b >= n]
-        if bad:
-            raise UnknownBlockError(f"GPU block ids {bad[:8]!r} are out of range [0, {n})")
+        if ids and not (set(map(type, ids)) == _INT and min(ids) >= 0 and max(ids) < n):  # C-level passes first
+            bad = [b for b in ids if not is_int(b, 0) or b >= n]
+            if bad:
+                raise UnknownBlockError(f"GPU block ids {bad[:8]!r} are out of range [0, {n})")
         return [blocks[b] for b in ids]

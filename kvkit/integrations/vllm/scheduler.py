@@ -121,6 +121,8 @@ def block_hash(value: object) -> BlockHash:
     Raises:
         HashInputError: neither ``bytes`` nor a non-negative ``int``.
     """
+    if value.__class__ is bytes:  # vLLM's own (a digest): the hot path, no further call
+        return int.from_bytes(value, "big")  # type: ignore[return-value]
     if isinstance(value, (bytes, bytearray)):
         return BlockHash(int.from_bytes(value, "big"))
     if is_int(value, 0):
