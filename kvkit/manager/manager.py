@@ -289,7 +289,8 @@ class OffloadManager:
         Raises:
             UnknownRequestError / RequestStateError: unknown, or already ended.
         """
-        return self._live(request_id)
+        r = self._requests.get(request_id) if request_id.__class__ is str else None  # a connector's per-step call
+        return r if r is not None else self._live(request_id)
 
     # -- request life --------------------------------------------------------
 

@@ -35,6 +35,7 @@ from kvkit.integrations.vllm.scheduler import (
     RELOADED_TOKENS_KEY,
     SchedulerSide,
     block_hash,
+    block_hashes,
 )
 from kvkit.integrations.vllm.settings import kv_spec_from_vllm, kvkit_window, parse_extra_config, shared_layout
 from kvkit.integrations.vllm.worker import VLLM_LAYOUTS, WorkerSide, detect_layout, group_spec
@@ -407,9 +408,18 @@ def test_block_hash_is_injective_on_equal_length_digests(a, b):
 
 @pytest.mark.parametrize("bad", [-1, True, "ab", None])
 def test_block_hash_rejects_what_vllm_never_sends(bad):
-    """Only bytes and non-negative ints are vLLM block hashes."""
+    """Only bytes and non-negative ints are vLLM block hashes; a request's list holding one is refused whole."""
     with pytest.raises(HashInputError):
         block_hash(bad)
+    with pytest.raises(HashInputError):
+        block_hashes([b"\x01", bad])
+
+
+@given(st.lists(st.one_of(st.binary(max_size=40), st.integers(0, 2**80), st.binary(max_size=8).map(bytearray)),
+                max_size=12))
+def test_block_hashes_are_each_values_block_hash(values):
+    """A request's hashes map one by one, whether all are vLLM's bytes (one pass) or some are not."""
+    assert block_hashes(values) == [block_hash(v) for v in values]
 
 
 @pytest.mark.parametrize("layout", VLLM_LAYOUTS)

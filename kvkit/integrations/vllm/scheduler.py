@@ -76,7 +76,7 @@ from kvkit.integrations.vllm.settings import ConnectorSettings
 from kvkit.interfaces import BlockAllocator, BlockHash, BlockId, GroupKind, Tier, TransferResult
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.manager import OffloadManager
-from kvkit.manager.requests import Request, RequestState
+from kvkit.manager.requests import RequestState
 from kvkit.manager.step import StepPlan
 from kvkit.shared.client import SharedConnection, connect_shared
 from kvkit.stats import OffloadStats
@@ -110,6 +110,7 @@ completed it: CPU -> GPU loads and GPU -> CPU stores."""
 COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(OffloadStats))
 """The :class:`~kvkit.stats.OffloadStats` counters :meth:`SchedulerSide.stats_delta` reports increases of."""
 _RUNNING = RequestState.RUNNING
+_BYTES = {bytes}  # vLLM's block hash type
 
 
 def block_hash(value: object) -> BlockHash:
@@ -128,6 +129,14 @@ def block_hash(value: object) -> BlockHash:
     if is_int(value, 0):
         return BlockHash(int(value))
     raise HashInputError(f"vLLM block hash must be bytes or a non-negative int, got {value!r}")
+
+
+def block_hashes(values: Sequence[object]) -> list[BlockHash]:
+    """:func:`block_hash` of each value: a prompt's hashes in one pass where all are ``bytes`` (vLLM's)."""
+    if len(values) > 2 and set(map(type, values)) <= _BYTES:
+        from_bytes = int.from_bytes
+        return [from_bytes(v, "big") for v in values]  # type: ignore[arg-type, misc]
+    return [block_hash(v) for v in values]
 
 
 @attrs.frozen
@@ -374,7 +383,7 @@ class SchedulerSide:
         rid = request.request_id
         failed = rid in self._failed
         if rid not in self._requests:
-            self.manager.add_request(rid, [block_hash(h) for h in request.block_hashes],
+            self.manager.add_request(rid, block_hashes(request.block_hashes),
                                      request.num_tokens)
             self._requests[rid] = request
             self._loaded_tokens[rid] = [0, 0]
@@ -433,24 +442,36 @@ class SchedulerSide:
         for rid in preempted:
             if rid in requests and live(rid).state is _RUNNING:
                 self._preempt(rid)
-        for rid, blocks in new_blocks:
-            if rid in requests and live(rid).state is _RUNNING:
-                if self._windowed:
-                    manager.on_allocated(rid, [list(row) for row in self.tables(rid)])
-                else:
-                    manager.append_blocks(rid, blocks)
+
+        def grow(rid: str, rows: Sequence[Sequence[int]]) -> None:
+            if self._windowed:  # vLLM nulls blocks that left the window: its whole table
+                manager.on_allocated(rid, [list(row) for row in self.tables(rid)])
+            else:
+                manager.append_blocks(rid, rows)
+
+        rows_of = dict(new_blocks)
         computed = []
-        for rid, n in scheduled.items():  # the per-request hot path: one lookup of the manager's state each
+        for rid, n in scheduled.items():  # the per-request hot path: the manager's state looked up once each
             request = requests.get(rid)
             if request is None:
                 continue
             r = live(rid)
             if r.state is not _RUNNING:
                 continue
-            self._sync(request, r)
+            rows = rows_of.pop(rid, None)
+            if rows is not None:
+                grow(rid, rows)
+            known, hashes = len(r.block_hashes), request.block_hashes
+            if len(hashes) > known:  # blocks filled (its length waits for its next lookup or its finish)
+                manager.extend(rid, block_hashes(hashes[known:]))
+                if self.events is not None:
+                    self.events.remember(request, known)
             done = request.num_computed_tokens + n - len(drafts.get(rid, ()))
             if done > r.num_computed_tokens:
                 computed.append((rid, done))
+        for rid, rows in rows_of.items():  # new blocks of a request not scheduled (vLLM sends none)
+            if rid in requests and live(rid).state is _RUNNING:
+                grow(rid, rows)
         manager.on_computed_many(computed)
         self._step += 1
         self._flush_pending = False  # build_step plans every detached store
@@ -550,8 +571,10 @@ class SchedulerSide:
         if rid not in self._requests:
             return False, None
         r = self.manager.request(rid)
-        if r.state is _RUNNING:  # vLLM's rows may stop at its computed tokens: keep the rest of ours
-            self.manager.on_allocated(rid, [[*v, *own[len(v):]] for v, own in zip(block_ids, r.block_table)])
+        rows = [list(v) for v in block_ids]
+        if r.state is _RUNNING and any(v != own[:len(v)] for v, own in zip(rows, r.block_table)):
+            # vLLM's rows (nulls out of a sliding window) may stop at its computed tokens: keep the rest of ours
+            self.manager.on_allocated(rid, [[*v, *own[len(v):]] for v, own in zip(rows, r.block_table)])
         self._sync(request)
         delay = self.manager.abort(rid) if aborted else self.manager.finish(rid)
         assert not delay, "with vLLM's GPU pool the manager never delays a free"
@@ -591,14 +614,14 @@ class SchedulerSide:
         self.manager.preempt(rid)
         self.num_preemptions += 1
 
-    def _sync(self, request: Any, r: Request | None = None) -> None:
-        """Tell the manager about blocks that became full and the request's length (``r``: its live state, if
-        the caller has it); nothing when neither grew."""
-        if r is None:
-            r = self.manager.request(request.request_id)
+    def _sync(self, request: Any) -> None:
+        """Tell the manager about blocks that became full and the request's length; nothing when neither grew.
+        A running request's length matters only to its next lookup (after a preemption) and its finish, which
+        sync it first (each step tells its filled blocks alone)."""
+        r = self.manager.request(request.request_id)
         known, hashes, num_tokens = len(r.block_hashes), request.block_hashes, request.num_tokens
         if len(hashes) == known and num_tokens <= r.num_tokens:
             return
-        self.manager.extend(request.request_id, [block_hash(h) for h in hashes[known:]], num_tokens)
+        self.manager.extend(request.request_id, block_hashes(hashes[known:]), num_tokens)
         if self.events is not None and len(hashes) > known:
             self.events.remember(request, known)
