@@ -23,7 +23,9 @@ vLLM (scheduler process)                  kvkit
                                           ``append_blocks`` (new blocks of running requests;
                                           with a sliding window the table vLLM holds now,
                                           whose freed blocks are null and may come back),
-                                          ``extend`` + ``on_computed`` with the tokens each
+                                          ``extend`` with the blocks that filled (a request's
+                                          length is told at its next lookup or its finish),
+                                          one ``on_computed_many`` with the tokens each
                                           request holds once this step ran, ``build_step``
                                           -> metadata for every worker
 ``update_connector_output(out)``          ``fail_load`` (requests a worker left out of its
@@ -34,8 +36,9 @@ vLLM (scheduler process)                  kvkit
                                           offered no hit until vLLM allocated it: vLLM
                                           recomputes it, no second try reads the same bad
                                           value
-``request_finished_all_groups(req, b)``   the table as vLLM leaves it (blocks out of a window
-                                          are null), then ``finish`` (flush) or ``abort``
+``request_finished_all_groups(req, b)``   the table as vLLM leaves it where it differs from
+                                          kvkit's (blocks out of a window are null), then
+                                          ``finish`` (flush) or ``abort``
 ``reset_cache()``                         ``reset``
 ========================================  =====================================================
 
