@@ -941,6 +941,22 @@ ask(PyObject *is_evictable, long long block)
     return truth;
 }
 
+/* block appended to result where is_evictable(block) is true: 1 (appended), 0 (not), -1 (an error). */
+static int
+choose(PyObject *is_evictable, long long block, PyObject *result)
+{
+    int yes = ask(is_evictable, block);
+    if (yes <= 0)
+        return yes;
+    PyObject *b = PyLong_FromLongLong(block);
+    if (b == NULL || PyList_Append(result, b) < 0) {
+        Py_XDECREF(b);
+        return -1;
+    }
+    Py_DECREF(b);
+    return 1;
+}
+
 /* ParkingQueue._walk's first `want` blocks where the side list holds some: the list and the side list merged
  * by stamp, each block asked in that order, none asked once `want` are chosen (islice stops the walk). */
 static PyObject *
@@ -985,19 +1001,11 @@ merged(Queue *q, PyObject *back, long long want, PyObject *is_evictable)
         }
         else
             break;
-        int yes = ask(is_evictable, next);
+        int yes = choose(is_evictable, next, result);
         if (yes < 0)
             goto fail;
-        if (yes) {
-            PyObject *b = PyLong_FromLongLong(next);
-            if (b == NULL || PyList_Append(result, b) < 0) {
-                Py_XDECREF(b);
-                goto fail;
-            }
-            Py_DECREF(b);
-            if (PyList_GET_SIZE(result) >= want)
-                break;
-        }
+        if (yes && PyList_GET_SIZE(result) >= want)
+            break;
     }
     keys_release(&keys);
     return result;
@@ -1081,17 +1089,8 @@ first(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (block = q.head; block != NIL && PyList_GET_SIZE(result) < want; block = q.next[block]) {
         if (!inside(&q, block))
             goto fail;
-        int yes = ask(is_evictable, block);
-        if (yes < 0)
+        if (choose(is_evictable, block, result) < 0)
             goto fail;
-        if (yes) {
-            PyObject *b = PyLong_FromLongLong(block);
-            if (b == NULL || PyList_Append(result, b) < 0) {
-                Py_XDECREF(b);
-                goto fail;
-            }
-            Py_DECREF(b);
-        }
     }
     goto done;
 fail:
