@@ -53,7 +53,8 @@ connector makes in the step: completions (``update_connector_output`` /
 ``update_state_after_alloc`` / ``add_request`` + ``lookup`` +
 ``on_allocated``), and the step's plan (``build_connector_meta`` /
 ``append_blocks`` + ``extend`` per scheduled request, one ``on_computed_many``
-for them all and ``build_step``, as kvkit's vLLM connector calls them; on a
+for those that completed a block and ``build_step``, as kvkit's vLLM connector
+calls them; on a
 connector side its ``completed``, ``finished``, ``matched_tokens`` +
 ``allocated`` and ``build``, which make those calls). The engine's own work
 (GPU allocation, hashing, vLLM's ``SchedulerOutput`` and ``Request`` objects)
@@ -170,6 +171,7 @@ class KvkitSide:
         self.clock = Clock()
         self.tables: dict[str, list[int]] = {}
         self.known: dict[str, int] = {}  # hashes told per request
+        self.told: dict[str, int] = {}  # computed tokens told per request
         self.pending: list[TransferResult] = []
         self.hit_blocks = 0
         self.stored_blocks = 0  # blocks planned for copies to the CPU tier
@@ -183,7 +185,7 @@ class KvkitSide:
         with self.clock:
             (self.mgr.abort if aborted else self.mgr.finish)(rid)
         self.gpu.decref(self.tables.pop(rid))
-        del self.known[rid]
+        del self.known[rid], self.told[rid]
 
     def arrive(self, rid: str, tokens: list[int], digests: list[bytes]) -> int:
         hashes = [int.from_bytes(d, "big") for d in digests]
@@ -192,6 +194,7 @@ class KvkitSide:
             hit = timed_lookup(self.clock, lambda: self.mgr.lookup(rid, 0))
         table = self.tables[rid] = self.gpu.allocate(-(-len(tokens) // BS))
         self.known[rid] = len(hashes)
+        self.told[rid] = hit
         with self.clock:
             self.mgr.on_allocated(rid, [table], hit)
         self.hit_blocks += hit // BS
@@ -199,7 +202,7 @@ class KvkitSide:
 
     def schedule(self, prefills: list[tuple[str, int]], decodes: list[Decode]) -> None:
         """``prefills``: (rid, tokens computed: the hit); ``decodes``: (rid, tokens computed, tokens, digests)."""
-        calls = []
+        calls, counts = [], list(prefills)
         for rid, computed, tokens, digests in decodes:
             table = self.tables[rid]
             new = self.gpu.allocate(1) if len(tokens) > len(table) * BS else None
@@ -208,15 +211,18 @@ class KvkitSide:
             known = self.known[rid]
             fresh = [int.from_bytes(d, "big") for d in digests[known:]]
             self.known[rid] = len(digests)
-            calls.append((rid, new, fresh, computed))
+            calls.append((rid, new, fresh))
+            if computed // BS > self.told[rid] // BS:  # a block completed: told, as the connector tells it
+                self.told[rid] = computed
+                counts.append((rid, computed))
         mgr = self.mgr
         with self.clock:
-            for rid, new, fresh, _ in calls:
+            for rid, new, fresh in calls:
                 if new:
                     mgr.append_blocks(rid, [new])
                 if fresh:
                     mgr.extend(rid, fresh)
-            mgr.on_computed_many(prefills + [(rid, computed) for rid, _, _, computed in calls])
+            mgr.on_computed_many(counts)
             plan = mgr.build_step()
         self.pending = [TransferResult(tid) for tid, _ in plan]
         self.stored_blocks += sum(len(copy) for _, copy in plan if copy.direction is Direction.STORE)

@@ -646,7 +646,9 @@ class OffloadManager:
 
         Only confirmed blocks are ever stored: call this after the forward
         pass that wrote them completed (or was ordered before any store of
-        them). Newly confirmed full blocks go to the store policy.
+        them). Newly confirmed full blocks go to the store policy. A count
+        inside a block confirms nothing, so an engine may tell only the steps
+        in which a block completes (kvkit's vLLM connector does).
         :meth:`on_computed_many` tells a whole step's requests in one call.
 
         Raises:

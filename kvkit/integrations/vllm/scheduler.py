@@ -26,7 +26,8 @@ vLLM (scheduler process)                  kvkit
                                           ``extend`` with the blocks that filled (a request's
                                           length is told at its next lookup or its finish),
                                           one ``on_computed_many`` with the tokens each
-                                          request holds once this step ran, ``build_step``
+                                          request holds once this step ran where a block
+                                          completes, ``build_step``
                                           -> metadata for every worker
 ``update_connector_output(out)``          ``fail_load`` (requests a worker left out of its
                                           loads), ``apply_completions`` (the
@@ -317,8 +318,10 @@ class SchedulerSide:
 
     Invariants:
         * The requests tracked are exactly those the manager has live.
-        * Every request's confirmed tokens are those its last scheduled step
-          computes, minus speculative tokens (which vLLM may reject).
+        * Every request's confirmed blocks are those its last scheduled step
+          completes, minus speculative tokens (which vLLM may reject): its
+          computed count is told in the step a block completes (a count inside
+          a block confirms nothing, so the steps between tell none).
         * A request's loaded-token counts (:data:`LOADED_TOKENS_KEY`) hold the
           tokens of its loads that landed or are in flight, never of one that failed.
     """
@@ -440,7 +443,7 @@ class SchedulerSide:
 
     def _build(self, preempted: Iterable[str], new_blocks: Iterable[tuple[str, Sequence[Sequence[int]]]],
                scheduled: Mapping[str, int], drafts: Mapping[str, Sequence[int]]) -> StepOrder:
-        manager, requests = self.manager, self._requests
+        manager, requests, bs = self.manager, self._requests, self.manager.kv.block_size
         live = manager.request
         for rid in preempted:
             if rid in requests and live(rid).state is _RUNNING:
@@ -470,7 +473,7 @@ class SchedulerSide:
                 if self.events is not None:
                     self.events.remember(request, known)
             done = request.num_computed_tokens + n - len(drafts.get(rid, ()))
-            if done > r.num_computed_tokens:
+            if done // bs > r.num_computed_tokens // bs:  # a block completes
                 computed.append((rid, done))
         for rid, rows in rows_of.items():  # new blocks of a request not scheduled (vLLM sends none)
             if rid in requests and live(rid).state is _RUNNING:
