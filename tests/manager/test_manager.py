@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from kvkit.backends.allocator import BlockPool
 from kvkit.backends.eviction.lru import LRUPolicy
@@ -894,3 +896,52 @@ def test_hit_counter_never_negative_for_a_resumed_request():
     after = mgr.stats.as_dict()
     assert all(after[k] >= before[k] for k in before)
     assert after["cpu_hit_tokens"] == before["cpu_hit_tokens"] + 3 * BS
+
+
+@settings(max_examples=60, deadline=None)
+@given(growth=st.lists(st.lists(st.integers(0, 9), min_size=3, max_size=3), min_size=1, max_size=24),
+       store=st.sampled_from([{}, {"flush_limit": None}, {"flush_limit": 2}]), finish_at=st.integers(0, 24))
+def test_counts_told_only_when_a_block_completes_plan_what_counts_told_every_step_plan(growth, store, finish_at):
+    """Two managers see three requests grow alike, one told every step's computed count, the other only in the steps
+    where a block completes (as kvkit's vLLM connector tells them; one request may finish on the way): every step plans
+    the same copies, the same blocks end up on the CPU tier, and both keep their invariants."""
+    spec = KVCacheSpec(num_layers=1, block_size=4, num_kv_heads=1, head_dim=4)
+    twins = [OffloadManager(spec, BlockPool(24, eviction=LRUPolicy()), EagerStore(**store),
+                            gpu=BlockPool(256, eviction=LRUPolicy())) for _ in range(2)]
+    live = ["a", "b", "c"]
+    tokens = dict.fromkeys(live, 0)
+    told = [dict.fromkeys(live, 0), dict.fromkeys(live, 0)]
+
+    def key(rid: str, i: int) -> int:
+        return ord(rid) << 20 | i
+
+    for m in twins:
+        for rid in live:
+            m.add_request(rid, [], 0)
+            assert m.lookup(rid, 0) == 0
+            m.on_allocated(rid, [[]])
+    for step, sizes in enumerate(growth):
+        for rid, k in zip(live, sizes):
+            before, tokens[rid] = tokens[rid], tokens[rid] + k
+            new_blocks = -(-tokens[rid] // 4) - -(-before // 4)
+            for m in twins:
+                if new_blocks:
+                    m.append_blocks(rid, [m.gpu.allocate(new_blocks)])
+                if tokens[rid] // 4 > before // 4:
+                    m.extend(rid, [key(rid, i) for i in range(before // 4, tokens[rid] // 4)])
+        plans = []
+        for i, m in enumerate(twins):
+            counts = [(rid, tokens[rid]) for rid in live if i == 0 or tokens[rid] // 4 > told[i][rid] // 4]
+            told[i].update(counts)
+            m.on_computed_many(counts)
+            if step == finish_at:
+                m.finish("a")
+            plan = m.build_step()
+            plans.append([(copy.direction, copy.src.tolist(), copy.dst.tolist()) for _, copy in plan])
+            m.apply_completions([TransferResult(tid) for tid, _ in plan])
+            m.check_invariants()
+        assert plans[0] == plans[1], step
+        if step == finish_at:
+            live.remove("a")
+    every = [key(rid, i) for rid in tokens for i in range(tokens[rid] // 4)]
+    assert twins[0].cpu.lookup(every) == twins[1].cpu.lookup(every)
