@@ -7,7 +7,7 @@
  * queue's scalars (_len, _head, _tail, _cut, _pending and the slots' clock) are taken at the start and
  * written back before any call of the queue's methods, at the end and on an error. The side list (_SortedKeys)
  * stays a Python object: its chunks and maxima are lists the loops change in place, step for step as its
- * methods would, while every stamp is below 2**31 (its keys fit a long long; past that, the reference).
+ * methods would, while the clock is below 2**31 (every key fits a long long; past that, the reference).
  *
  * The loops run the common case of each block at C speed: the queue unwatched (_size 0, where a watched
  * window would move), a block an exact int inside the slots in the part the fast step expects. Any other
@@ -28,7 +28,7 @@ enum { ABSENT = 0, MAIN = 1, PARKED = 2, BACK = 3 };
 #define NIL (-1)
 #define SHIFT 32
 #define MASK ((1LL << SHIFT) - 1)
-#define STAMP_LIMIT (1LL << 31) /* a stamp below it makes a side-list key that fits a long long */
+#define STAMP_LIMIT (1LL << 31) /* a clock below it: every side-list key (stamp << 32 | block) fits a long long */
 
 static PyObject *s_slots, *s_prev, *s_next, *s_stamp, *s_state, *s_clock, *s_base, *s_len, *s_head, *s_tail,
     *s_size, *s_edge, *s_cut, *s_pending, *s_back, *s_add, *s_pin, *s_unpin, *s_remove, *s_pin_many_ref,
@@ -747,7 +747,7 @@ pin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = start; i < n; i++) {
         Py_ssize_t block = slot_of(&q, PyTuple_GET_ITEM(blocks, i));
         long long state = block < 0 ? ABSENT : state_of(&q, block);
-        if (state == (q.base | BACK) && q.stamp[block] < STAMP_LIMIT) { /* it leaves the side list */
+        if (state == (q.base | BACK) && q.clock < STAMP_LIMIT) { /* it leaves the side list */
             if ((keys.chunks == NULL && keys_of(&q, &keys) < 0)
                 || keys_remove(&keys, q.stamp[block] << SHIFT | block) < 0)
                 goto done;
@@ -802,7 +802,7 @@ unpin_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *item = PyTuple_GET_ITEM(blocks, i);
         Py_ssize_t block = slot_of(&q, item);
         long long stamp = block < 0 ? 0 : q.stamp[block];
-        if (block < 0 || state_of(&q, block) != (q.base | PARKED) || stamp <= q.edge || stamp >= STAMP_LIMIT) {
+        if (block < 0 || state_of(&q, block) != (q.base | PARKED) || stamp <= q.edge || q.clock >= STAMP_LIMIT) {
             keys_release(&keys); /* the reference may change the side list */
             if (per_block(&q, s_unpin, item) < 0)
                 goto done;
@@ -898,7 +898,7 @@ remove_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             continue;
         }
         long long stamp = block < 0 ? 0 : q.stamp[block];
-        if (state == (q.base | BACK) && stamp > q.edge && stamp < STAMP_LIMIT) {
+        if (state == (q.base | BACK) && stamp > q.edge && q.clock < STAMP_LIMIT) {
             if ((keys.chunks == NULL && keys_of(&q, &keys) < 0) || keys_remove(&keys, stamp << SHIFT | block) < 0)
                 goto done;
             set_state(&q, block, ABSENT);

@@ -1016,6 +1016,26 @@ def test_compiled_queue_loops_split_and_empty_side_list_chunks_as_the_references
         _SortedKeys.chunk = default
 
 
+@pytest.mark.skipif(_queue.LOOPS.compiled is None, reason="the compiled loops were not built")
+def test_compiled_queue_loops_past_a_clock_of_2_to_the_31_are_the_references() -> None:
+    """Side-list keys of stamps past 2**31 exceed a long long: once the clock passes it the compiled loops leave the
+    side list to the references, keys of earlier stamps included, and both twins stay alike."""
+    twins = [_queues(False, _queue.LOOPS.compiled), _queues(False, _queue.LOOPS.reference)]
+    calls: list[tuple[str, tuple[Any, ...]]] = [
+        ("add_many", ([0, 1, 2, 3], [False] * 4)), ("pin_many", ([0, 1, 2, 3],)), ("unpin_many", ([3, 0],)),
+        ("reserve", (2**31,)), ("add_many", ([4, 5, 6], [False] * 3)), ("pin_many", ([4, 5, 6],)),
+        ("unpin_many", ([6, 4, 1],)), ("first", (5, _evictable)), ("first", (9, any_block)),
+        ("remove_many", ([0, 4],)), ("pin_many", ([1, 6],)), ("first", (9, any_block)), ("unpin_many", ([1, 2],)),
+        ("remove_many", ([1, 2, 3, 5, 6],)), ("first", (9, any_block)),
+    ]
+    for name, args in calls:
+        outcomes = [_outcome(getattr(queues[0], name), *args) for queues in twins]
+        assert outcomes[0] == outcomes[1], name
+        assert _queues_state(twins[0]) == _queues_state(twins[1]), name
+    for queues in twins:
+        queues[0].check_invariants()
+
+
 def _run_queue_twins(ops: list[tuple[Any, ...]], shared: bool) -> None:
     assert _queue.LOOPS.compiled is not None
     twins = [_queues(shared, _queue.LOOPS.compiled), _queues(shared, _queue.LOOPS.reference)]
