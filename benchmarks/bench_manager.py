@@ -2,9 +2,8 @@
 
 Step: ``R`` running requests each complete one block per step (decode at one
 block per step, the heaviest steady load) with eager write-through stores on.
-Per request the engine calls ``append_blocks`` (the next block) and ``extend``
-(the block's hash), then one ``on_computed_many`` for them all, one
-``build_step`` and one ``apply_completions`` of the previous step's transfers
+The engine tells every request's next block, its hash and its computed count
+in one ``advance``, then calls one ``build_step`` and one ``apply_completions`` of the previous step's transfers
 (every worker done).
 The CPU pool is smaller than everything stored, so allocations evict. The time
 counted is the manager's, pool calls it makes included; the engine's own GPU
@@ -67,10 +66,7 @@ def bench_step(num_requests: int, steps: int, warmup: int, prompt_blocks: int = 
         tokens = (prompt_blocks + step + 1) * BS
         done = [TransferResult(tid) for tid, _ in pending]
         start, cpu_start = time.perf_counter(), time.process_time()
-        for rid, new_blocks, new_hash in grow:
-            mgr.append_blocks(rid, new_blocks)
-            mgr.extend(rid, new_hash)
-        mgr.on_computed_many([(rid, tokens) for rid in tables])
+        mgr.advance([(rid, new_blocks, new_hash, tokens) for rid, new_blocks, new_hash in grow])
         pending = mgr.build_step()
         mgr.apply_completions(done)
         elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start

@@ -52,10 +52,9 @@ connector makes in the step: completions (``update_connector_output`` /
 / ``finish``, ``abort``), arrivals (``get_num_new_matched_tokens`` +
 ``update_state_after_alloc`` / ``add_request`` + ``lookup`` +
 ``on_allocated``), and the step's plan (``build_connector_meta`` /
-``append_blocks`` + ``extend`` per scheduled request, one ``on_computed_many``
-for those that completed a block and ``build_step``, as kvkit's vLLM connector
-calls them; on a
-connector side its ``completed``, ``finished``, ``matched_tokens`` +
+one ``advance`` with every scheduled request's new block, new hashes and, where
+a block completed, its count, then ``build_step``, as kvkit's vLLM connector
+calls them; on a connector side its ``completed``, ``finished``, ``matched_tokens`` +
 ``allocated`` and ``build``, which make those calls). The engine's own work
 (GPU allocation, hashing, vLLM's ``SchedulerOutput`` and ``Request`` objects)
 is not timed. CPU time
@@ -202,27 +201,24 @@ class KvkitSide:
 
     def schedule(self, prefills: list[tuple[str, int]], decodes: list[Decode]) -> None:
         """``prefills``: (rid, tokens computed: the hit); ``decodes``: (rid, tokens computed, tokens, digests)."""
-        calls, counts = [], list(prefills)
+        progress: list[tuple[str, list[list[int]] | None, list[int] | None, int | None]] = [
+            (rid, None, None, hit) for rid, hit in prefills]
         for rid, computed, tokens, digests in decodes:
             table = self.tables[rid]
             new = self.gpu.allocate(1) if len(tokens) > len(table) * BS else None
             if new:
                 table += new
             known = self.known[rid]
-            fresh = [int.from_bytes(d, "big") for d in digests[known:]]
+            fresh = [int.from_bytes(d, "big") for d in digests[known:]] or None
             self.known[rid] = len(digests)
-            calls.append((rid, new, fresh))
+            count = None
             if computed // BS > self.told[rid] // BS:  # a block completed: told, as the connector tells it
-                self.told[rid] = computed
-                counts.append((rid, computed))
+                self.told[rid] = count = computed
+            if new or fresh or count is not None:  # a row only where the step brought something
+                progress.append((rid, [new] if new else None, fresh, count))
         mgr = self.mgr
         with self.clock:
-            for rid, new, fresh in calls:
-                if new:
-                    mgr.append_blocks(rid, [new])
-                if fresh:
-                    mgr.extend(rid, fresh)
-            mgr.on_computed_many(counts)
+            mgr.advance(progress)
             plan = mgr.build_step()
         self.pending = [TransferResult(tid) for tid, _ in plan]
         self.stored_blocks += sum(len(copy) for _, copy in plan if copy.direction is Direction.STORE)

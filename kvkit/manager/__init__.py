@@ -10,6 +10,7 @@ from kvkit._lazy import lazy_exports
 _EXPORTS = {
     "CompletionReport": "kvkit.manager.step:CompletionReport",
     "OffloadManager": "kvkit.manager.manager:OffloadManager",
+    "Progress": "kvkit.manager.requests:Progress",
     "Request": "kvkit.manager.requests:Request",
     "RequestState": "kvkit.manager.requests:RequestState",
     "StepPlan": "kvkit.manager.step:StepPlan",

@@ -76,6 +76,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 
 import attrs
 
@@ -102,6 +103,7 @@ from kvkit.manager.ended import EndedRequests
 from kvkit.manager.events import Events
 from kvkit.manager.hits import CpuHits
 from kvkit.manager.requests import (
+    Progress,
     Request,
     RequestState,
     accepted_blocks,
@@ -122,10 +124,15 @@ from kvkit.stats import Counter as StatCounter
 from kvkit.stats import OffloadStats
 from kvkit.validate import at_least, int_problem, optional_at_least, plural, quote
 
+try:  # advance's rows compiled, built at install where a C compiler is; without it the Python loop runs alone
+    from kvkit.manager._rows import advance as _compiled_rows
+except ImportError:
+    _compiled_rows = None  # type: ignore[assignment]
+
 __all__ = ["OffloadManager"]
 
 _WAITING, _RUNNING, _ENDED = RequestState.WAITING, RequestState.RUNNING, RequestState.ENDED
-_ROWS = (list, tuple)  # the sequence types append_blocks's one-block path takes as they are
+_ROWS = (list, tuple)  # the sequence types advance's one-block path takes as they are
 
 
 def _callbacks(callbacks: Iterable[OffloadCallback]) -> tuple[OffloadCallback, ...]:
@@ -223,6 +230,9 @@ class OffloadManager:
     _group_bytes: list[int] = attrs.field(init=False)
     _loaded: set[str] = attrs.field(init=False, factory=set)
     _load_failed: set[str] = attrs.field(init=False, factory=set)
+    # advance's rows compiled (kvkit/manager/_rows.c: it applies a decode step's rows, and stops at the first
+    # row of another shape for the Python loop, the reference, to go on); None: the Python loop alone.
+    _rows: Callable[..., int] | None = attrs.field(init=False, default=_compiled_rows)
     # The CPU policy's on_hints if it is a HintAwarePolicy (found once, here), else None.
     _hint_sink: Callable[[Sequence[BlockHash], WorkloadHints], None] | None = attrs.field(init=False, default=None)
 
@@ -622,24 +632,9 @@ class OffloadManager:
                 running id, not one sequence per group, or an id that is not an
                 int in range or is already in the request's table.
         """
-        r = (self._requests.get(request_id) if request_id.__class__ is str else None) or self._live(request_id)
-        if r.state is not _RUNNING:
-            raise wrong_state(r, "append_blocks needs a running request")
-        taken, limit = r.block_ids, self.num_gpu_blocks
-        rows = new_block_ids
-        if (rows.__class__ in _ROWS and len(rows) == 1 and rows[0].__class__ in _ROWS and len(rows[0]) == 1
-                and len(r.block_table) == 1):  # one decode block (vLLM's ([id],), a list or tuple): O(1)
-            b: BlockId = rows[0][0]  # type: ignore[assignment]  # an id once checked next (no cast: the hot path)
-            if (b.__class__ is int and b not in taken and 0 <= b != self.null_block
-                    and (limit is None or b < limit)):
-                r.block_table[0].append(b)
-                taken.add(b)
-                return
-        rows, ids = check_rows(request_id, rows, len(r.block_table), limit, self.null_block, taken,
-                               "appended blocks")
-        for row, new in zip(r.block_table, rows):
-            row.extend(new)
-        taken |= ids
+        if new_block_ids is None:  # "no blocks" only inside advance's rows; here a table that is not one
+            check_rows(request_id, new_block_ids, 1, None, self.null_block, what="appended blocks")
+        self._advance(((request_id, new_block_ids, None, None),), "append_blocks")
 
     def on_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """The KV of the request's first ``num_computed_tokens`` tokens is written (confirmed).
@@ -649,49 +644,100 @@ class OffloadManager:
         them). Newly confirmed full blocks go to the store policy. A count
         inside a block confirms nothing, so an engine may tell only the steps
         in which a block completes (kvkit's vLLM connector does).
-        :meth:`on_computed_many` tells a whole step's requests in one call.
+        :meth:`advance` tells a whole step's requests in one call.
 
         Raises:
             UnknownRequestError / RequestStateError: unknown, ended or not
                 running id; a count that decreases or exceeds the block table.
         """
-        self.on_computed_many(((request_id, num_computed_tokens),))
+        if num_computed_tokens is None:  # "no count" only inside advance's rows
+            raise RequestStateError(f"request {request_id!r}: num_computed_tokens=None is not a token count")
+        self._advance(((request_id, None, None, num_computed_tokens),), "on_computed")
 
-    def on_computed_many(self, counts: Iterable[tuple[str, int]]) -> None:
-        """:meth:`on_computed` for each ``(request_id, num_computed_tokens)``, in order: a step's running
-        requests in one call (an engine's per-request hot path).
+    def advance(self, progress: Iterable[Progress]) -> None:
+        """A whole step's running requests in one call (an engine's per-step hot path).
+
+        For each ``(request_id, new_block_ids, new_hashes, num_computed_tokens)``
+        in order, what :meth:`append_blocks`, :meth:`extend` and
+        :meth:`on_computed` do with its parts, in that order; a part that is
+        ``None`` tells nothing. Each request is looked up once; its row is
+        checked whole before any of it applies, so the count may cover the
+        blocks the same row appends.
 
         Raises:
-            UnknownRequestError / RequestStateError: as :meth:`on_computed`, at the first pair refused
-                (``RequestStateError`` for an item that is not a pair); the pairs before it are applied,
-                it and those after it change nothing.
+            UnknownRequestError / RequestStateError / HashInputError: as those
+                methods, at the first row refused (``RequestStateError`` for an
+                item that is not a 4-tuple, or a request that is not running);
+                the rows before it are applied, it and those after it change
+                nothing.
         """
-        requests, bs = self._requests, self.kv.block_size
+        self._advance(progress, "advance")
+
+    def _advance(self, progress: Iterable[Progress], call: str) -> None:
+        """:meth:`advance`, its errors naming ``call``."""
+        requests, bs, limit, null = self._requests, self.kv.block_size, self.num_gpu_blocks, self.null_block
+        done = 0
+        if self._rows is not None and progress.__class__ is list:
+            done = self._rows(progress, requests, _RUNNING, bs, limit, null, self._confirm)
+            if done == len(progress):
+                return
         try:
-            pairs = iter(counts)
+            rows = iter(progress)
         except TypeError:
-            raise RequestStateError(f"on_computed_many takes (request_id, num_computed_tokens) pairs, "
-                                    f"got {quote(counts)}") from None
-        for pair in pairs:
+            raise RequestStateError(f"{call} takes (request_id, new_block_ids, new_hashes, num_computed_tokens) "
+                                    f"rows, got {quote(progress)}") from None
+        if done:
+            rows = islice(rows, done, None)
+        for row in rows:
             try:
-                request_id, num_computed_tokens = pair
+                request_id, new_ids, new_hashes, count = row
             except (TypeError, ValueError):
-                raise RequestStateError(f"on_computed_many takes (request_id, num_computed_tokens) pairs, "
-                                        f"got {quote(pair)}") from None
+                raise RequestStateError(f"{call} takes (request_id, new_block_ids, new_hashes, "
+                                        f"num_computed_tokens) rows, got {quote(row)}") from None
             r = (requests.get(request_id) if request_id.__class__ is str else None) or self._live(request_id)
             if r.state is not _RUNNING:
-                raise wrong_state(r, "on_computed needs a running request")
-            table = r.block_table
-            capacity = (len(table[0]) if len(table) == 1 else min(map(len, table))) * bs
-            n = num_computed_tokens if num_computed_tokens.__class__ is int else as_count(num_computed_tokens)
-            if n is None or n < r.num_computed_tokens or n > capacity:
-                raise RequestStateError(
-                    f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r} must be in "
-                    f"[{r.num_computed_tokens}, {capacity}] (never decreases, within the block table)")
-            r.num_computed_tokens = n
-            if n > r.num_tokens:
-                r.num_tokens = n
-            if n // bs > r.num_confirmed_blocks:  # else no block can be newly confirmed
+                raise wrong_state(r, f"{call} needs a running request")
+            table, taken = r.block_table, r.block_ids
+            one: BlockId | None = None  # a single decode block: vLLM's ([id],), a list or tuple
+            grown: list[list[BlockId]] | None = None
+            capacity = len(table[0]) if len(table) == 1 else min(map(len, table))
+            if new_ids is not None:
+                if (new_ids.__class__ in _ROWS and len(new_ids) == 1 and new_ids[0].__class__ in _ROWS
+                        and len(new_ids[0]) == 1 and len(table) == 1):
+                    b = new_ids[0][0]
+                    if (b.__class__ is int and b not in taken and 0 <= b != null
+                            and (limit is None or b < limit)):
+                        one = b  # type: ignore[assignment]  # an id, checked (no cast: the hot path)
+                        capacity += 1
+                if one is None:
+                    grown, ids = check_rows(request_id, new_ids, len(table), limit, null, taken,
+                                            "appended blocks")
+                    capacity = min(len(t) + len(g) for t, g in zip(table, grown))
+            fresh = None if new_hashes is None else check_hashes(request_id, new_hashes, "new_hashes")
+            n = None
+            if count is not None:
+                n = count if count.__class__ is int else as_count(count)
+                if n is None or n < r.num_computed_tokens or n > capacity * bs:
+                    raise RequestStateError(
+                        f"request {request_id!r}: num_computed_tokens={count!r} must be in "
+                        f"[{r.num_computed_tokens}, {capacity * bs}] (never decreases, within the block table)")
+            if one is not None:
+                table[0].append(one)
+                taken.add(one)
+            elif grown is not None:
+                for t, g in zip(table, grown):
+                    t.extend(g)
+                taken |= ids
+            if fresh:
+                r.block_hashes += fresh
+                full = len(r.block_hashes) * bs
+                if full > r.num_tokens:
+                    r.num_tokens = full
+            if n is not None:
+                r.num_computed_tokens = n
+                if n > r.num_tokens:
+                    r.num_tokens = n
+            if r.num_computed_tokens // bs > r.num_confirmed_blocks:  # else no block can be newly confirmed
                 self._confirm(r)
 
     @driven

@@ -16,6 +16,7 @@ from kvkit.interfaces.types import BlockHash, BlockId
 from kvkit.validate import is_int, plural
 
 __all__ = [
+    "Progress",
     "Request",
     "RequestState",
     "accepted_blocks",
@@ -28,6 +29,12 @@ __all__ = [
     "check_rows",
     "wrong_state",
 ]
+
+
+Progress = tuple[str, Sequence[Sequence[int]] | None, Sequence[BlockHash] | None, int | None]
+"""One running request's step for ``OffloadManager.advance``: ``(request_id, new_block_ids, new_hashes,
+num_computed_tokens)``: blocks appended (one sequence per KV group), hashes of blocks that became full,
+and its confirmed token count; ``None`` where the step brought nothing of that kind."""
 
 
 class RequestState(enum.Enum):

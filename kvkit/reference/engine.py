@@ -560,7 +560,7 @@ class ReferenceEngine:
                 lo, hi = req.gpu_hit_tokens // bs, req.num_tokens // bs
                 parents = [req.block_hashes[i - 1] if i else None for i in range(lo, hi)]
                 stack.gpu.commit(req.table[0][lo:hi], req.block_hashes[lo:hi], parents)
-        stack.manager.on_computed_many([(req.request_id, req.num_tokens) for req in scheduled])
+        stack.manager.advance([(req.request_id, None, None, req.num_tokens) for req in scheduled])
         self.integrity_errors += errors
         return errors, frozenset(r.request_id for r in scheduled if r.request_id in failed)
 

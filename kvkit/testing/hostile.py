@@ -107,11 +107,17 @@ BAD_CALLS: dict[str, tuple[frozenset[str], Call]] = {k: (frozenset(n), c) for k,
     "computed: beyond table": (("running",), lambda m, w, r: m.on_computed(
         r, len(m.request(r).block_table[0]) * m.kv.block_size + 1)),
     "computed: str": (("running",), lambda m, w, r: m.on_computed(r, "12")),
-    "computed many: not iterable": ((), lambda m, w, r: m.on_computed_many(5)),
-    "computed many: not a pair": (("running",), lambda m, w, r: m.on_computed_many([(r,)])),
-    "computed many: decreasing": (("running",), lambda m, w, r: m.on_computed_many(
-        [(r, m.request(r).num_computed_tokens - 1)])),
-    "computed many: waiting": (("waiting",), lambda m, w, r: m.on_computed_many([(w, 0)])),
+    "computed: None": (("running",), lambda m, w, r: m.on_computed(r, None)),
+    "advance: not iterable": ((), lambda m, w, r: m.advance(5)),
+    "advance: not a 4-tuple": (("running",), lambda m, w, r: m.advance([(r, None, None)])),
+    "advance: decreasing": (("running",), lambda m, w, r: m.advance(
+        [(r, None, None, m.request(r).num_computed_tokens - 1)])),
+    "advance: waiting": (("waiting",), lambda m, w, r: m.advance([(w, None, None, 0)])),
+    "advance: str hash": (("running",), lambda m, w, r: m.advance([(r, None, ["h"], None)])),
+    "advance: a block twice": (("running",), lambda m, w, r: m.advance(
+        [(r, [[m.request(r).block_table[0][0]]], None, None)])),
+    "advance: count beyond its new block": (("running",), lambda m, w, r: m.advance(
+        [(r, [[30]], [1], (len(m.request(r).block_table[0]) + 2) * m.kv.block_size)])),
     "results: None item": ((), lambda m, w, r: m.apply_completions([None])),
     "results: not iterable": ((), lambda m, w, r: m.apply_completions(5)),
     "results: a good one then junk": ((), lambda m, w, r: m.apply_completions([TransferResult(0), "done"])),

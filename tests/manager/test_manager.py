@@ -19,7 +19,7 @@ from kvkit.interfaces import (
     RequestView,
     TransferResult,
 )
-from kvkit.manager import OffloadManager
+from kvkit.manager import OffloadManager, RequestState
 from kvkit.manager.step import StepPlan
 from kvkit.stats import Counter, OffloadStats
 
@@ -473,25 +473,94 @@ def _confirmed(mgr: OffloadManager) -> dict[str, tuple[int, int, list[int]]]:
             for rid, r in mgr._requests.items()}
 
 
-def test_on_computed_many_is_on_computed_in_turn_up_to_the_first_refused_pair():
-    """A step's counts in one call leave each request as the per-request calls do, plan the same stores,
-    and a refused pair raises with the pairs before it applied and it and those after it not."""
-    twins = [make(cpu=32, gpu=32), make(cpu=32, gpu=32)]
+def _progress(mgr: OffloadManager) -> dict[str, tuple]:
+    return {rid: (r.num_tokens, r.num_computed_tokens, r.num_confirmed_blocks, list(r.store_queue),
+                  [list(row) for row in r.block_table], list(r.block_hashes)) for rid, r in mgr._requests.items()}
+
+
+_ROWS = st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 2), st.integers(0, 2), st.booleans(),
+                           st.one_of(st.none(), st.integers(0, 7 * BS)), st.integers(0, 9)), max_size=8)
+
+
+def _advanced(compiled: bool) -> list[OffloadManager]:
+    """Two managers alike, three requests running on each: two blocks computed, one hashed (the second waits for
+    its hash); the first runs ``advance``'s compiled rows where they were built (``compiled``), or its Python."""
+    twins = [make(cpu=32, gpu=64), make(cpu=32, gpu=64)]
+    if not compiled:
+        twins[0]._rows = None
     for mgr in twins:
         for k, rid in enumerate("abc"):
-            schedule(mgr, rid, hashes(k + 1, 4), 4 * BS)
-    counts = [("a", 2 * BS), ("b", BS - 1), ("c", 4 * BS), ("a", 3 * BS)]
-    twins[0].on_computed_many(counts)
-    for rid, n in counts:
-        twins[1].on_computed(rid, n)
-    assert _confirmed(twins[0]) == _confirmed(twins[1])
+            schedule(mgr, rid, hashes(k + 1, 1), 2 * BS)
+            mgr.on_computed(rid, 2 * BS)
+    return twins
+
+
+@settings(max_examples=80, deadline=None)
+@given(spec=_ROWS, compiled=st.booleans())
+def test_advance_is_append_extend_and_on_computed_in_turn_up_to_the_first_refused_row(spec, compiled):
+    """A step's rows in one ``advance`` (compiled or not) leave each request as ``append_blocks``, ``extend`` and
+    ``on_computed`` in turn leave it, and plan the same stores; a refused row (here a count that decreases or
+    passes the row's blocks, or a block already in the table) raises, the rows before it applied and nothing of
+    it or of those after it."""
+    twins = _advanced(compiled)
+    rows, refused, next_hash = [], None, 0
+    for rid, num_blocks, num_hashes, with_hashes, count, dup in spec:
+        r = twins[1].request(rid)  # as the rows before left it
+        blocks = twins[0].gpu.allocate(num_blocks)
+        assert twins[1].gpu.allocate(num_blocks) == blocks
+        bad_block = dup == 0
+        if bad_block:
+            blocks = blocks + r.block_table[0][:1]
+        fresh = [50_000 + next_hash + i for i in range(num_hashes)] if with_hashes else None
+        next_hash += num_hashes
+        row = (rid, [blocks] if blocks else None, fresh, count)
+        capacity = (len(r.block_table[0]) + len(blocks)) * BS
+        if refused is None and (bad_block or (count is not None and not r.num_computed_tokens <= count <= capacity)):
+            refused = len(rows)
+        if refused is None:  # the reference: the per-request calls, applied to the other twin
+            m = twins[1]
+            if row[1] is not None:
+                m.append_blocks(rid, row[1])
+            if fresh is not None:
+                m.extend(rid, fresh)
+            if count is not None:
+                m.on_computed(rid, count)
+        rows.append(row)
+    if refused is None:
+        twins[0].advance(rows)
+    else:
+        with pytest.raises(RequestStateError, match=repr(rows[refused][0])):
+            twins[0].advance(rows)
+    assert _progress(twins[0]) == _progress(twins[1])
     assert [(c.src.tolist(), c.dst.tolist()) for _, c in twins[0].build_step()] == \
         [(c.src.tolist(), c.dst.tolist()) for _, c in twins[1].build_step()]
-    mgr = twins[0]
-    with pytest.raises(RequestStateError, match=rf"'b': num_computed_tokens=0 must be in \[{BS - 1}, {4 * BS}\]"):
-        mgr.on_computed_many([("a", 4 * BS), ("b", 0), ("c", 4 * BS)])
-    assert mgr.request("a").num_computed_tokens == 4 * BS  # before the refused pair: applied
-    assert mgr.request("b").num_computed_tokens == BS - 1
+
+
+@pytest.mark.skipif(make()._rows is None,
+                    reason="the compiled rows were not built here")
+def test_advance_compiled_applies_a_decode_step_whole_and_leaves_other_rows_to_the_python():
+    """The compiled rows take a decode step's rows (one block, its hash, the count) all, as the Python applies them,
+    and stop, changing nothing, at a row of another shape: numpy ints, two groups' blocks, a tuple of hashes."""
+    import numpy as np
+
+    twins = _advanced(False)
+    twins[0]._rows = twins[1]._rows
+    twins[1]._rows = None
+    step = []
+    for k, rid in enumerate("abc"):
+        (b,) = twins[0].gpu.allocate(1)
+        assert twins[1].gpu.allocate(1) == [b]
+        step.append((rid, ([b],), [60_000 + k], 3 * BS))
+    m = twins[0]
+    assert m._rows(step, m._requests, RequestState.RUNNING, BS, m.num_gpu_blocks, m.null_block, m._confirm) == 3
+    twins[1].advance(step)
+    assert _progress(twins[0]) == _progress(twins[1])
+    before = _progress(m)
+    for row in [("a", None, None, np.int64(3 * BS)), ("a", [[1], [2]], None, None), ("a", None, (70_000,), None),
+                ("a", None, [True], None), ["a", None, None, 3 * BS], ("zz", None, None, None)]:
+        assert m._rows([row], m._requests, RequestState.RUNNING, BS, m.num_gpu_blocks, m.null_block,
+                       m._confirm) == 0
+        assert _progress(m) == before
 
 
 class LookupOnlyPool(BlockPool):
@@ -921,19 +990,20 @@ def test_counts_told_only_when_a_block_completes_plan_what_counts_told_every_ste
             assert m.lookup(rid, 0) == 0
             m.on_allocated(rid, [[]])
     for step, sizes in enumerate(growth):
+        rows: list[list] = [[], []]
         for rid, k in zip(live, sizes):
             before, tokens[rid] = tokens[rid], tokens[rid] + k
             new_blocks = -(-tokens[rid] // 4) - -(-before // 4)
-            for m in twins:
-                if new_blocks:
-                    m.append_blocks(rid, [m.gpu.allocate(new_blocks)])
-                if tokens[rid] // 4 > before // 4:
-                    m.extend(rid, [key(rid, i) for i in range(before // 4, tokens[rid] // 4)])
+            fresh = [key(rid, i) for i in range(before // 4, tokens[rid] // 4)] or None
+            for i, m in enumerate(twins):
+                tell = i == 0 or tokens[rid] // 4 > told[i][rid] // 4
+                if tell:
+                    told[i][rid] = tokens[rid]
+                rows[i].append((rid, [m.gpu.allocate(new_blocks)] if new_blocks else None, fresh,
+                                tokens[rid] if tell else None))
         plans = []
         for i, m in enumerate(twins):
-            counts = [(rid, tokens[rid]) for rid in live if i == 0 or tokens[rid] // 4 > told[i][rid] // 4]
-            told[i].update(counts)
-            m.on_computed_many(counts)
+            m.advance(rows[i])
             if step == finish_at:
                 m.finish("a")
             plan = m.build_step()

@@ -1319,8 +1319,11 @@ class _AppendUnchecked(OffloadManager):
 
     def append_blocks(self, request_id, new_block_ids):
         r = self.request(request_id)
-        for row, new in zip(r.block_table, new_block_ids):
-            row.extend(new)
+        taken, r.block_ids = r.block_ids, set()  # the table's ids unseen: a duplicate of one passes
+        try:
+            super().append_blocks(request_id, new_block_ids)
+        finally:
+            r.block_ids = taken | r.block_ids
 
 
 class _HintsAfterAdd(OffloadManager):

@@ -19,15 +19,14 @@ vLLM (scheduler process)                  kvkit
                                           unpinned, the load enters the next plan (with
                                           asynchronous loads vLLM calls it again, ``k = 0``,
                                           once the load landed: the table is replaced)
-``build_connector_meta(out)``             ``preempt`` (``preempted_req_ids``),
-                                          ``append_blocks`` (new blocks of running requests;
-                                          with a sliding window the table vLLM holds now,
-                                          whose freed blocks are null and may come back),
-                                          ``extend`` with the blocks that filled (a request's
-                                          length is told at its next lookup or its finish),
-                                          one ``on_computed_many`` with the tokens each
-                                          request holds once this step ran where a block
-                                          completes, ``build_step``
+``build_connector_meta(out)``             ``preempt`` (``preempted_req_ids``), one ``advance``
+                                          with each running request's new blocks, the
+                                          hashes of its blocks that filled (its length is
+                                          told at its next lookup or its finish) and, where
+                                          a block completes, the tokens it holds once this
+                                          step ran (with a sliding window ``on_allocated``
+                                          with the table vLLM holds now, whose freed blocks
+                                          are null and may come back), ``build_step``
                                           -> metadata for every worker
 ``update_connector_output(out)``          ``fail_load`` (requests a worker left out of its
                                           loads), ``apply_completions`` (the
@@ -80,7 +79,7 @@ from kvkit.integrations.vllm.settings import ConnectorSettings
 from kvkit.interfaces import BlockAllocator, BlockHash, BlockId, GroupKind, Tier, TransferResult
 from kvkit.interfaces.callbacks import OffloadCallback
 from kvkit.manager import OffloadManager
-from kvkit.manager.requests import RequestState
+from kvkit.manager.requests import Progress, RequestState
 from kvkit.manager.step import StepPlan
 from kvkit.shared.client import SharedConnection, connect_shared
 from kvkit.stats import OffloadStats
@@ -449,14 +448,13 @@ class SchedulerSide:
             if rid in requests and live(rid).state is _RUNNING:
                 self._preempt(rid)
 
-        def grow(rid: str, rows: Sequence[Sequence[int]]) -> None:
-            if self._windowed:  # vLLM nulls blocks that left the window: its whole table
-                manager.on_allocated(rid, [list(row) for row in self.tables(rid)])
-            else:
-                manager.append_blocks(rid, rows)
+        windowed = self._windowed  # vLLM nulls blocks that left the window: its whole table is told
+
+        def retable(rid: str) -> None:
+            manager.on_allocated(rid, [list(row) for row in self.tables(rid)])
 
         rows_of = dict(new_blocks)
-        computed = []
+        progress: list[Progress] = []
         for rid, n in scheduled.items():  # the per-request hot path: the manager's state looked up once each
             request = requests.get(rid)
             if request is None:
@@ -465,20 +463,27 @@ class SchedulerSide:
             if r.state is not _RUNNING:
                 continue
             rows = rows_of.pop(rid, None)
-            if rows is not None:
-                grow(rid, rows)
+            if rows is not None and windowed:
+                retable(rid)
+                rows = None
             known, hashes = len(r.block_hashes), request.block_hashes
+            fresh = None
             if len(hashes) > known:  # blocks filled (its length waits for its next lookup or its finish)
-                manager.extend(rid, block_hashes(hashes[known:]))
+                fresh = block_hashes(hashes[known:])
                 if self.events is not None:
                     self.events.remember(request, known)
-            done = request.num_computed_tokens + n - len(drafts.get(rid, ()))
-            if done // bs > r.num_computed_tokens // bs:  # a block completes
-                computed.append((rid, done))
+            done: int | None = request.num_computed_tokens + n - len(drafts.get(rid, ()))
+            if done // bs <= r.num_computed_tokens // bs:  # no block completes: the count confirms nothing
+                done = None
+            if rows is not None or fresh is not None or done is not None:
+                progress.append((rid, rows, fresh, done))
         for rid, rows in rows_of.items():  # new blocks of a request not scheduled (vLLM sends none)
             if rid in requests and live(rid).state is _RUNNING:
-                grow(rid, rows)
-        manager.on_computed_many(computed)
+                if windowed:
+                    retable(rid)
+                else:
+                    progress.append((rid, rows, None, None))
+        manager.advance(progress)
         self._step += 1
         self._flush_pending = False  # build_step plans every detached store
         order = StepOrder(self._step, self.manager.build_step(), tuple(self._targets),
