@@ -50,14 +50,15 @@ def test_wheel_contains_every_subpackage(wheel_names):
 
 
 @pytest.mark.compiler
-@pytest.mark.parametrize("module", ["eviction/hit_density/_booking", "eviction/hit_density/_kernels",
-                                    "eviction/hit_density/_census", "eviction/hit_density/_selection",
-                                    "eviction/_chains_loops", "eviction/_queue_loops", "allocator/_pool_loops"])
+@pytest.mark.parametrize("module", ["backends/eviction/hit_density/_booking", "backends/eviction/hit_density/_kernels",
+                                    "backends/eviction/hit_density/_census", "backends/eviction/hit_density/_selection",
+                                    "backends/eviction/_chains_loops", "backends/eviction/_queue_loops",
+                                    "backends/allocator/_pool_loops", "manager/_rows"])
 def test_wheel_carries_the_compiled_loops(wheel_names, module):
     """Where a C compiler is, the build compiles hit density's booking loops, census, density kernels and
-    selection rounds, the chain index's and the parking queue's loops and the block pool's per-block loops
-    into the wheel."""
-    assert any(name.startswith(f"kvkit/backends/{module}.") and name.endswith(".so") for name in wheel_names)
+    selection rounds, the chain index's and the parking queue's loops, the block pool's per-block loops and
+    the manager's rows of a decode step into the wheel."""
+    assert any(name.startswith(f"kvkit/{module}.") and name.endswith(".so") for name in wheel_names)
 
 
 def test_wheel_ships_the_builtin_traces(wheel_names):
