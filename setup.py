@@ -29,7 +29,7 @@ setup(ext_modules=[
     _twin("allocator._pool_loops"),
     # the parking queue's batch loops (backends/eviction/_queue.py holds the references)
     _twin("eviction._queue_loops"),
-    # the manager's per-step rows (kvkit/manager/manager.py holds the reference)
-    Extension("kvkit.manager._rows", ["kvkit/manager/_rows.c"], optional=True, include_dirs=["backends"],
+    # the manager's per-step progress of its running requests (kvkit/manager/manager.py holds the reference)
+    Extension("kvkit.manager._progress", ["kvkit/manager/_progress.c"], optional=True, include_dirs=["backends"],
               depends=_SHARED_HEADERS),
 ])

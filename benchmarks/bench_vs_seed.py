@@ -214,7 +214,7 @@ class KvkitSide:
             count = None
             if computed // BS > self.told[rid] // BS:  # a block completed: told, as the connector tells it
                 self.told[rid] = count = computed
-            if new or fresh or count is not None:  # a row only where the step brought something
+            if new or fresh or count is not None:  # an item only where the step brought something
                 progress.append((rid, [new] if new else None, fresh, count))
         mgr = self.mgr
         with self.clock:

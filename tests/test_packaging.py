@@ -53,11 +53,11 @@ def test_wheel_contains_every_subpackage(wheel_names):
 @pytest.mark.parametrize("module", ["backends/eviction/hit_density/_booking", "backends/eviction/hit_density/_kernels",
                                     "backends/eviction/hit_density/_census", "backends/eviction/hit_density/_selection",
                                     "backends/eviction/_chains_loops", "backends/eviction/_queue_loops",
-                                    "backends/allocator/_pool_loops", "manager/_rows"])
+                                    "backends/allocator/_pool_loops", "manager/_progress"])
 def test_wheel_carries_the_compiled_loops(wheel_names, module):
     """Where a C compiler is, the build compiles hit density's booking loops, census, density kernels and
     selection rounds, the chain index's and the parking queue's loops, the block pool's per-block loops and
-    the manager's rows of a decode step into the wheel."""
+    the manager's progress items of a decode step into the wheel."""
     assert any(name.startswith(f"kvkit/{module}.") and name.endswith(".so") for name in wheel_names)
 
 

@@ -124,10 +124,10 @@ from kvkit.stats import Counter as StatCounter
 from kvkit.stats import OffloadStats
 from kvkit.validate import at_least, int_problem, optional_at_least, plural, quote
 
-try:  # advance's rows compiled, built at install where a C compiler is; without it the Python loop runs alone
-    from kvkit.manager._rows import advance as _compiled_rows
+try:  # advance's compiled twin, built at install where a C compiler is; without it the Python loop runs alone
+    from kvkit.manager._progress import advance as _compiled_advance
 except ImportError:
-    _compiled_rows = None  # type: ignore[assignment]
+    _compiled_advance = None  # type: ignore[assignment]
 
 __all__ = ["OffloadManager"]
 
@@ -230,9 +230,9 @@ class OffloadManager:
     _group_bytes: list[int] = attrs.field(init=False)
     _loaded: set[str] = attrs.field(init=False, factory=set)
     _load_failed: set[str] = attrs.field(init=False, factory=set)
-    # advance's rows compiled (kvkit/manager/_rows.c: it applies a decode step's rows, and stops at the first
-    # row of another shape for the Python loop, the reference, to go on); None: the Python loop alone.
-    _rows: Callable[..., int] | None = attrs.field(init=False, default=_compiled_rows)
+    # advance's compiled twin (kvkit/manager/_progress.c: it applies a decode step's items, and stops at the first
+    # item of another shape for the Python loop, the reference, to go on); None: the Python loop alone.
+    _advance_twin: Callable[..., int] | None = attrs.field(init=False, default=_compiled_advance)
     # The CPU policy's on_hints if it is a HintAwarePolicy (found once, here), else None.
     _hint_sink: Callable[[Sequence[BlockHash], WorkloadHints], None] | None = attrs.field(init=False, default=None)
 
@@ -632,7 +632,7 @@ class OffloadManager:
                 running id, not one sequence per group, or an id that is not an
                 int in range or is already in the request's table.
         """
-        if new_block_ids is None:  # "no blocks" only inside advance's rows; here a table that is not one
+        if new_block_ids is None:  # "no blocks" only inside advance's items; here a table that is not one
             check_rows(request_id, new_block_ids, 1, None, self.null_block, what="appended blocks")
         self._advance(((request_id, new_block_ids, None, None),), "append_blocks")
 
@@ -650,7 +650,7 @@ class OffloadManager:
             UnknownRequestError / RequestStateError: unknown, ended or not
                 running id; a count that decreases or exceeds the block table.
         """
-        if num_computed_tokens is None:  # "no count" only inside advance's rows
+        if num_computed_tokens is None:  # "no count" only inside advance's items
             raise RequestStateError(f"request {request_id!r}: num_computed_tokens=None is not a token count")
         self._advance(((request_id, None, None, num_computed_tokens),), "on_computed")
 
@@ -660,15 +660,15 @@ class OffloadManager:
         For each ``(request_id, new_block_ids, new_hashes, num_computed_tokens)``
         in order, what :meth:`append_blocks`, :meth:`extend` and
         :meth:`on_computed` do with its parts, in that order; a part that is
-        ``None`` tells nothing. Each request is looked up once; its row is
+        ``None`` tells nothing. Each request is looked up once; its item is
         checked whole before any of it applies, so the count may cover the
-        blocks the same row appends.
+        blocks the same item appends.
 
         Raises:
             UnknownRequestError / RequestStateError / HashInputError: as those
-                methods, at the first row refused (``RequestStateError`` for an
+                methods, at the first item refused (``RequestStateError`` for an
                 item that is not a 4-tuple, or a request that is not running);
-                the rows before it are applied, it and those after it change
+                the items before it are applied, it and those after it change
                 nothing.
         """
         self._advance(progress, "advance")
@@ -677,23 +677,23 @@ class OffloadManager:
         """:meth:`advance`, its errors naming ``call``."""
         requests, bs, limit, null = self._requests, self.kv.block_size, self.num_gpu_blocks, self.null_block
         done = 0
-        if self._rows is not None and progress.__class__ is list:
-            done = self._rows(progress, requests, _RUNNING, bs, limit, null, self._confirm)
+        if self._advance_twin is not None and progress.__class__ is list:
+            done = self._advance_twin(progress, requests, _RUNNING, bs, limit, null, self._confirm)
             if done == len(progress):
                 return
         try:
-            rows = iter(progress)
+            items = iter(progress)
         except TypeError:
             raise RequestStateError(f"{call} takes (request_id, new_block_ids, new_hashes, num_computed_tokens) "
-                                    f"rows, got {quote(progress)}") from None
+                                    f"tuples, got {quote(progress)}") from None
         if done:
-            rows = islice(rows, done, None)
-        for row in rows:
+            items = islice(items, done, None)
+        for item in items:
             try:
-                request_id, new_ids, new_hashes, count = row
+                request_id, new_ids, new_hashes, count = item
             except (TypeError, ValueError):
                 raise RequestStateError(f"{call} takes (request_id, new_block_ids, new_hashes, "
-                                        f"num_computed_tokens) rows, got {quote(row)}") from None
+                                        f"num_computed_tokens) tuples, got {quote(item)}") from None
             r = (requests.get(request_id) if request_id.__class__ is str else None) or self._live(request_id)
             if r.state is not _RUNNING:
                 raise wrong_state(r, f"{call} needs a running request")

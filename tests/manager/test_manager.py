@@ -478,16 +478,16 @@ def _progress(mgr: OffloadManager) -> dict[str, tuple]:
                   [list(row) for row in r.block_table], list(r.block_hashes)) for rid, r in mgr._requests.items()}
 
 
-_ROWS = st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 2), st.integers(0, 2), st.booleans(),
+_ITEMS = st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 2), st.integers(0, 2), st.booleans(),
                            st.one_of(st.none(), st.integers(0, 7 * BS)), st.integers(0, 9)), max_size=8)
 
 
 def _advanced(compiled: bool) -> list[OffloadManager]:
     """Two managers alike, three requests running on each: two blocks computed, one hashed (the second waits for
-    its hash); the first runs ``advance``'s compiled rows where they were built (``compiled``), or its Python."""
+    its hash); the first runs ``advance``'s compiled twin where it was built (``compiled``), or its Python."""
     twins = [make(cpu=32, gpu=64), make(cpu=32, gpu=64)]
     if not compiled:
-        twins[0]._rows = None
+        twins[0]._advance_twin = None
     for mgr in twins:
         for k, rid in enumerate("abc"):
             schedule(mgr, rid, hashes(k + 1, 1), 2 * BS)
@@ -496,16 +496,16 @@ def _advanced(compiled: bool) -> list[OffloadManager]:
 
 
 @settings(max_examples=80, deadline=None)
-@given(spec=_ROWS, compiled=st.booleans())
-def test_advance_is_append_extend_and_on_computed_in_turn_up_to_the_first_refused_row(spec, compiled):
-    """A step's rows in one ``advance`` (compiled or not) leave each request as ``append_blocks``, ``extend`` and
-    ``on_computed`` in turn leave it, and plan the same stores; a refused row (here a count that decreases or
-    passes the row's blocks, or a block already in the table) raises, the rows before it applied and nothing of
+@given(spec=_ITEMS, compiled=st.booleans())
+def test_advance_is_append_extend_and_on_computed_in_turn_up_to_the_first_refused_item(spec, compiled):
+    """A step's items in one ``advance`` (compiled or not) leave each request as ``append_blocks``, ``extend`` and
+    ``on_computed`` in turn leave it, and plan the same stores; a refused item (here a count that decreases or
+    passes the item's blocks, or a block already in the table) raises, the items before it applied and nothing of
     it or of those after it."""
     twins = _advanced(compiled)
-    rows, refused, next_hash = [], None, 0
+    items, refused, next_hash = [], None, 0
     for rid, num_blocks, num_hashes, with_hashes, count, dup in spec:
-        r = twins[1].request(rid)  # as the rows before left it
+        r = twins[1].request(rid)  # as the items before left it
         blocks = twins[0].gpu.allocate(num_blocks)
         assert twins[1].gpu.allocate(num_blocks) == blocks
         bad_block = dup == 0
@@ -513,52 +513,52 @@ def test_advance_is_append_extend_and_on_computed_in_turn_up_to_the_first_refuse
             blocks = blocks + r.block_table[0][:1]
         fresh = [50_000 + next_hash + i for i in range(num_hashes)] if with_hashes else None
         next_hash += num_hashes
-        row = (rid, [blocks] if blocks else None, fresh, count)
+        item = (rid, [blocks] if blocks else None, fresh, count)
         capacity = (len(r.block_table[0]) + len(blocks)) * BS
         if refused is None and (bad_block or (count is not None and not r.num_computed_tokens <= count <= capacity)):
-            refused = len(rows)
+            refused = len(items)
         if refused is None:  # the reference: the per-request calls, applied to the other twin
             m = twins[1]
-            if row[1] is not None:
-                m.append_blocks(rid, row[1])
+            if item[1] is not None:
+                m.append_blocks(rid, item[1])
             if fresh is not None:
                 m.extend(rid, fresh)
             if count is not None:
                 m.on_computed(rid, count)
-        rows.append(row)
+        items.append(item)
     if refused is None:
-        twins[0].advance(rows)
+        twins[0].advance(items)
     else:
-        with pytest.raises(RequestStateError, match=repr(rows[refused][0])):
-            twins[0].advance(rows)
+        with pytest.raises(RequestStateError, match=repr(items[refused][0])):
+            twins[0].advance(items)
     assert _progress(twins[0]) == _progress(twins[1])
     assert [(c.src.tolist(), c.dst.tolist()) for _, c in twins[0].build_step()] == \
         [(c.src.tolist(), c.dst.tolist()) for _, c in twins[1].build_step()]
 
 
-@pytest.mark.skipif(make()._rows is None,
-                    reason="the compiled rows were not built here")
-def test_advance_compiled_applies_a_decode_step_whole_and_leaves_other_rows_to_the_python():
-    """The compiled rows take a decode step's rows (one block, its hash, the count) all, as the Python applies them,
-    and stop, changing nothing, at a row of another shape: numpy ints, two groups' blocks, a tuple of hashes."""
+@pytest.mark.skipif(make()._advance_twin is None,
+                    reason="advance's compiled twin was not built here")
+def test_advance_compiled_applies_a_decode_step_whole_and_leaves_other_items_to_the_python():
+    """The compiled twin takes a decode step's items (one block, its hash, the count) all, as the Python applies them,
+    and stops, changing nothing, at an item of another shape: numpy ints, two groups' blocks, a tuple of hashes."""
     import numpy as np
 
     twins = _advanced(False)
-    twins[0]._rows = twins[1]._rows
-    twins[1]._rows = None
+    twins[0]._advance_twin = twins[1]._advance_twin
+    twins[1]._advance_twin = None
     step = []
     for k, rid in enumerate("abc"):
         (b,) = twins[0].gpu.allocate(1)
         assert twins[1].gpu.allocate(1) == [b]
         step.append((rid, ([b],), [60_000 + k], 3 * BS))
     m = twins[0]
-    assert m._rows(step, m._requests, RequestState.RUNNING, BS, m.num_gpu_blocks, m.null_block, m._confirm) == 3
+    assert m._advance_twin(step, m._requests, RequestState.RUNNING, BS, m.num_gpu_blocks, m.null_block, m._confirm) == 3
     twins[1].advance(step)
     assert _progress(twins[0]) == _progress(twins[1])
     before = _progress(m)
-    for row in [("a", None, None, np.int64(3 * BS)), ("a", [[1], [2]], None, None), ("a", None, (70_000,), None),
+    for item in [("a", None, None, np.int64(3 * BS)), ("a", [[1], [2]], None, None), ("a", None, (70_000,), None),
                 ("a", None, [True], None), ["a", None, None, 3 * BS], ("zz", None, None, None)]:
-        assert m._rows([row], m._requests, RequestState.RUNNING, BS, m.num_gpu_blocks, m.null_block,
+        assert m._advance_twin([item], m._requests, RequestState.RUNNING, BS, m.num_gpu_blocks, m.null_block,
                        m._confirm) == 0
         assert _progress(m) == before
 
@@ -990,7 +990,7 @@ def test_counts_told_only_when_a_block_completes_plan_what_counts_told_every_ste
             assert m.lookup(rid, 0) == 0
             m.on_allocated(rid, [[]])
     for step, sizes in enumerate(growth):
-        rows: list[list] = [[], []]
+        items: list[list] = [[], []]
         for rid, k in zip(live, sizes):
             before, tokens[rid] = tokens[rid], tokens[rid] + k
             new_blocks = -(-tokens[rid] // 4) - -(-before // 4)
@@ -999,11 +999,11 @@ def test_counts_told_only_when_a_block_completes_plan_what_counts_told_every_ste
                 tell = i == 0 or tokens[rid] // 4 > told[i][rid] // 4
                 if tell:
                     told[i][rid] = tokens[rid]
-                rows[i].append((rid, [m.gpu.allocate(new_blocks)] if new_blocks else None, fresh,
+                items[i].append((rid, [m.gpu.allocate(new_blocks)] if new_blocks else None, fresh,
                                 tokens[rid] if tell else None))
         plans = []
         for i, m in enumerate(twins):
-            m.advance(rows[i])
+            m.advance(items[i])
             if step == finish_at:
                 m.finish("a")
             plan = m.build_step()

@@ -1,13 +1,13 @@
-/* OffloadManager.advance's rows, compiled: the manager's own Python loop (manager.py), row for row.
+/* OffloadManager.advance's items, compiled: the manager's own Python loop (manager.py), item for item.
  *
- * manager.py holds the reference; the tests drive a manager of each on the same rows and compare every
- * request's state. The twin takes a row only in the shape an engine's decode step sends: an exact
+ * manager.py holds the reference; the tests drive a manager of each on the same items and compare every
+ * request's state. The twin takes an item only in the shape an engine's decode step sends: an exact
  * 4-tuple, a str id of a running request with one KV group, at most one new block id (an exact int, in
  * range, not the null block, not in the table), hashes as a list of exact ints, a count as an exact
- * int within the row's blocks. It checks the whole row before it changes anything; at the first row
- * of another shape (a bad one included) it stops and returns that row's index, and the Python loop
+ * int within the item's blocks. It checks the whole item before it changes anything; at the first item
+ * of another shape (a bad one included) it stops and returns that item's index, and the Python loop
  * goes on from there, converting or raising as it does. The only Python it runs is the manager's
- * confirm (the store policy's hook), after a row has applied, as the reference runs it.
+ * confirm (the store policy's hook), after an item has applied, as the reference runs it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -16,7 +16,7 @@
 
 static PyObject *S_state, *S_table, *S_ids, *S_hashes, *S_tokens, *S_computed, *S_confirmed;
 
-/* What a row asks, checked: the block to append (NULL: none), the hashes (NULL: none), the count (-1: none). */
+/* What an item asks, checked: the block to append (NULL: none), the hashes (NULL: none), the count (-1: none). */
 typedef struct {
     PyObject *block;
     PyObject *hashes;
@@ -63,7 +63,7 @@ int_list(PyObject *hashes)
     return 1;
 }
 
-/* Apply a checked row to request r (its table's one group `group`, its ids `ids`, its hashes `known`). */
+/* Apply a checked item to request r (its table's one group `group`, its ids `ids`, its hashes `known`). */
 static int
 apply(PyObject *r, PyObject *group, PyObject *ids, PyObject *known, const Ask *ask, long long bs,
       PyObject *confirm)
@@ -101,13 +101,13 @@ apply(PyObject *r, PyObject *group, PyObject *ids, PyObject *known, const Ask *a
     return 0;
 }
 
-/* One row on request r: 1 applied, 0 not this twin's (nothing changed, nothing raised), -1 raised. */
+/* One item on request r: 1 applied, 0 not this twin's (nothing changed, nothing raised), -1 raised. */
 static int
-row_of(PyObject *r, PyObject *row, PyObject *running, long long bs, long long limit, long long null,
+item_of(PyObject *r, PyObject *item, PyObject *running, long long bs, long long limit, long long null,
        PyObject *confirm)
 {
-    PyObject *new_ids = PyTuple_GET_ITEM(row, 1), *new_hashes = PyTuple_GET_ITEM(row, 2);
-    PyObject *count = PyTuple_GET_ITEM(row, 3);
+    PyObject *new_ids = PyTuple_GET_ITEM(item, 1), *new_hashes = PyTuple_GET_ITEM(item, 2);
+    PyObject *count = PyTuple_GET_ITEM(item, 3);
     PyObject *state = NULL, *table = NULL, *ids = NULL, *known = NULL;
     Ask ask = {NULL, NULL, -1};
     long long computed;
@@ -156,34 +156,34 @@ done:
     return out;
 }
 
-/* advance(rows, requests, running, block_size, limit, null_block, confirm) -> the index of the first row
- * not applied (len(rows) when all were). */
+/* advance(items, requests, running, block_size, limit, null_block, confirm) -> the index of the first item
+ * not applied (len(items) when all were). */
 static PyObject *
 advance(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     long long bs, limit = -1, null;
-    if (check_args("advance(rows, requests, running, block_size, limit, null_block, confirm)", nargs, 7) < 0)
+    if (check_args("advance(items, requests, running, block_size, limit, null_block, confirm)", nargs, 7) < 0)
         return NULL;
-    PyObject *rows = args[0], *requests = args[1], *running = args[2], *confirm = args[6];
+    PyObject *items = args[0], *requests = args[1], *running = args[2], *confirm = args[6];
     Py_ssize_t i = 0;
-    if (!PyList_CheckExact(rows) || !PyDict_CheckExact(requests) || !exact_ll(args[3], &bs) || bs <= 0
+    if (!PyList_CheckExact(items) || !PyDict_CheckExact(requests) || !exact_ll(args[3], &bs) || bs <= 0
             || !exact_ll(args[5], &null) || (args[4] != Py_None && !exact_ll(args[4], &limit)))
         return PyLong_FromSsize_t(0);
-    for (; i < PyList_GET_SIZE(rows); i++) {  /* confirm runs Python: the list is read afresh each row */
-        PyObject *row = PyList_GET_ITEM(rows, i);
-        if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != 4 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(row, 0)))
+    for (; i < PyList_GET_SIZE(items); i++) {  /* confirm runs Python: the list is read afresh each item */
+        PyObject *item = PyList_GET_ITEM(items, i);
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 4 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(item, 0)))
             break;
-        Py_INCREF(row);
-        PyObject *r = PyDict_GetItemWithError(requests, PyTuple_GET_ITEM(row, 0));
+        Py_INCREF(item);
+        PyObject *r = PyDict_GetItemWithError(requests, PyTuple_GET_ITEM(item, 0));
         int rc = 0;
         if (r != NULL) {
             Py_INCREF(r);
-            rc = row_of(r, row, running, bs, limit, null, confirm);
+            rc = item_of(r, item, running, bs, limit, null, confirm);
             Py_DECREF(r);
         } else if (PyErr_Occurred()) {
             rc = -1;
         }
-        Py_DECREF(row);
+        Py_DECREF(item);
         if (rc < 0)
             return NULL;
         if (rc == 0)
@@ -194,18 +194,18 @@ advance(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
     {"advance", (PyCFunction)(void (*)(void))advance, METH_FASTCALL,
-     "advance(rows, requests, running, block_size, limit, null_block, confirm) -> int: "
-     "OffloadManager._advance's rows of a decode step, compiled (manager.py holds the reference)."},
+     "advance(items, requests, running, block_size, limit, null_block, confirm) -> int: "
+     "OffloadManager._advance's items of a decode step, compiled (manager.py holds the reference)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_rows", "OffloadManager.advance's rows, compiled (see manager.py).",
+    PyModuleDef_HEAD_INIT, "_progress", "OffloadManager.advance's items, compiled (see manager.py).",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
-PyInit__rows(void)
+PyInit__progress(void)
 {
     if ((S_state = PyUnicode_InternFromString("state")) == NULL
             || (S_table = PyUnicode_InternFromString("block_table")) == NULL

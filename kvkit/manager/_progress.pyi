@@ -2,5 +2,5 @@ from collections.abc import Callable
 
 from kvkit.manager.requests import Progress, Request, RequestState
 
-def advance(rows: list[Progress], requests: dict[str, Request], running: RequestState, block_size: int,
+def advance(items: list[Progress], requests: dict[str, Request], running: RequestState, block_size: int,
             limit: int | None, null_block: int, confirm: Callable[[Request], None]) -> int: ...
