@@ -104,7 +104,7 @@ apply(PyObject *r, PyObject *group, PyObject *ids, PyObject *known, const Ask *a
 /* One item on request r: 1 applied, 0 not this twin's (nothing changed, nothing raised), -1 raised. */
 static int
 item_of(PyObject *r, PyObject *item, PyObject *running, long long bs, long long limit, long long null,
-       PyObject *confirm)
+        PyObject *confirm)
 {
     PyObject *new_ids = PyTuple_GET_ITEM(item, 1), *new_hashes = PyTuple_GET_ITEM(item, 2);
     PyObject *count = PyTuple_GET_ITEM(item, 3);
@@ -171,7 +171,8 @@ advance(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return PyLong_FromSsize_t(0);
     for (; i < PyList_GET_SIZE(items); i++) {  /* confirm runs Python: the list is read afresh each item */
         PyObject *item = PyList_GET_ITEM(items, i);
-        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 4 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(item, 0)))
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 4
+                || !PyUnicode_CheckExact(PyTuple_GET_ITEM(item, 0)))
             break;
         Py_INCREF(item);
         PyObject *r = PyDict_GetItemWithError(requests, PyTuple_GET_ITEM(item, 0));
